@@ -1,0 +1,142 @@
+"""Paged KV block accounting: ref counts, a free queue, and the prefix cache. No tensors here.
+
+A block is "free" when no sequence references it. Free blocks wait in an LRU queue; a free block
+that still carries the hash of a full block of tokens can be revived by a prefix-cache hit until
+the allocator hands it out again, at which point its hash is dropped. Hashes chain through the
+previous block's hash, and every hit is confirmed by comparing the block's tokens, so a hash
+collision can never serve another prompt's KV.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    # ints and tuples of ints hash identically in every process (PYTHONHASHSEED affects str only)
+    return hash((parent_hash, token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # insertion order = eviction order; OrderedDict gives O(1) removal on a cache hit
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}   # hash -> block_id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Seq[int], max_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        found, parent = [], None
+        for i in range(max_tokens // self.block_size):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(parent, chunk)
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent_hash != parent:
+                break
+            found.append(block_id)
+            parent = h
+        return found
+
+    def register_full_blocks(self, block_ids: Seq[int], token_ids: Seq[int], num_hashed: int,
+                             num_computed_tokens: int) -> int:
+        """Hash the full, computed blocks after the first `num_hashed`; returns the new count."""
+        if not self.enable_prefix_caching:
+            return num_hashed
+        bs = self.block_size
+        num_full = min(num_computed_tokens, len(token_ids)) // bs
+        parent = self.blocks[block_ids[num_hashed - 1]].hash if num_hashed else None
+        for i in range(num_hashed, num_full):
+            block = self.blocks[block_ids[i]]
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, chunk)
+            if block.hash is None and h not in self._cached:
+                block.hash, block.parent_hash, block.token_ids = h, parent, chunk
+                self._cached[h] = block.block_id
+            parent = h
+        return max(num_hashed, num_full)
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def take(self, block_ids: Seq[int]) -> None:
+        """Add a reference to existing blocks (prefix-cache hits, forked sequences)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > len(self._free):
+            raise NoFreeBlocks(f"need {num_blocks} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:   # evict: the block's old contents are about to be overwritten
+                if self._cached.get(block.hash) == block_id:
+                    del self._cached[block.hash]
+                block.hash, block.parent_hash, block.token_ids = None, None, ()
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def free(self, block_ids: Seq[int]) -> None:
+        # reversed: a sequence's tail blocks are the least likely to be shared, so evict them first
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of KV block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
+    def check_consistency(self) -> None:
+        """Invariants a leak check relies on; raises AssertionError with the first violation."""
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            assert block.ref_count >= 0, f"block {block.block_id} ref_count {block.ref_count}"
+            assert in_free == (block.ref_count == 0), f"block {block.block_id} free-queue mismatch"
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].hash == h, f"stale cache entry for block {block_id}"

@@ -1,0 +1,132 @@
+"""Frozen, validated configuration of a model and of an engine."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                           "MistralForCausalLM": "llama"}
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_type: str
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    hf_config: object = field(repr=False, compare=False, default=None)
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+        arch = SUPPORTED_ARCHITECTURES.get(archs[0])
+        if arch is None:
+            raise ValueError(f"model architecture {archs[0]!r} is not supported; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        if not rope:  # transformers < 5 keeps these as two attributes
+            rope = dict(getattr(hf_config, "rope_scaling", None) or {})
+            rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        num_heads = hf_config.num_attention_heads
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_type=rope_type,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", arch == "qwen2")),
+            eos_token_ids=eos_ids,
+            hf_config=hf_config,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `LLM(...)` accepts. "auto" values are resolved by `resolve()` into a new config."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    kv_cache_memory: int | float | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        def check(ok: bool, name: str, rule: str):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty string")
+        check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"'auto' or one of {sorted(_DTYPES)}")
+        check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
+        check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size", "an integer >= 1")
+        check(_is_int(self.block_size) and self.block_size >= 1 and
+              self.block_size & (self.block_size - 1) == 0, "block_size", "a power of two >= 1")
+        kv = self.kv_cache_memory
+        check(kv is None or (_is_int(kv) and kv > 0) or (isinstance(kv, float) and 0 < kv <= 1),
+              "kv_cache_memory", "bytes (an integer > 0) or a fraction of free memory in (0, 1]")
+        check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", "an integer >= 1")
+        check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
+        check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
+              "max_model_len", "None or an integer >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def resolve(self, model_config: ModelConfig) -> "EngineConfig":
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":  # this CPU class has no fast bf16; GPUs do
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        limit = model_config.max_position_embeddings
+        max_len = self.max_model_len or limit
+        if max_len > limit:
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                             f"({limit}), got {max_len}")
+        return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_len)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

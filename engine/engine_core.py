@@ -1,0 +1,250 @@
+"""LLMEngine: one model replica behind add_request / step / abort, plus the disaggregation hooks.
+
+A step is plan -> execute -> apply: `scheduler.schedule()` makes a StepPlan, the model runner
+executes it (on every tensor-parallel rank), `scheduler.update()` applies the sampled tokens, and
+the output side here detokenizes, checks stop strings and builds RequestOutputs.
+
+Disaggregation hooks:
+  * prefill-only: `add_request(..., prefill_only=True, kv_sink=sink)` runs the prompt, calls
+    `sink.on_layer(layer, layer_kv, block_ids, start, end)` as each layer's KV becomes final (so a
+    transfer can overlap the next layer), samples the first token and finishes ("prefill_done").
+  * external KV: `reserve()` sets aside blocks for a prompt, someone else writes its KV into
+    `kv_cache[:, :, block_ids]`, and `commit(first_token)` continues decoding from there.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import resolve_model
+from engine.model_runner import ModelInput, ModelRunner, SeqInput
+from engine.request import CompletionOutput, FinishReason, RequestOutput, Sequence, SeqStatus
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepPlan, StepResult
+from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
+
+
+class KVSink(Protocol):
+    def on_layer(self, layer_idx: int, layer_kv: torch.Tensor, block_ids: list[int],
+                 start: int, end: int) -> None:
+        """layer_kv: [2, num_blocks, block_size, kv_heads, head_dim]; tokens [start, end) are final."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int   # leading prompt tokens whose KV this engine already holds
+    block_size: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    kv_sink: KVSink | None = None
+    published: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoConfig
+
+        model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
+        self.config = config.resolve(self.model_config)
+        self.tokenizer = load_tokenizer(model_dir)
+        torch.manual_seed(self.config.seed)
+        self.tp = None
+        if self.config.tensor_parallel_size > 1:
+            from engine.tp import TPGroup
+            self.tp = TPGroup.start(self.config, self.model_config, str(model_dir))
+        self.runner = ModelRunner(self.config, self.model_config, str(model_dir))
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
+            eos_token_ids=self.model_config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_counter = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
+        return ids
+
+    def _new_request(self, request_id: str, prompt, params: SamplingParams | None,
+                     prefill_only: bool = False) -> _Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
+                             f"prompt to at most {limit - 1} tokens (one must be left for output)")
+        if prefill_only and params.n != 1:
+            raise ValueError(f"n must be 1 for a prefill-only request, got {params.n}")
+        seqs = []
+        for i in range(params.n):
+            gen = make_generator(params.seed, i) if params.seed is not None else None
+            seqs.append(Sequence(next(self._seq_counter), request_id, i, ids, params, gen,
+                                 prefill_only=prefill_only))
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                  for _ in seqs]
+        req = _Request(request_id, prompt if isinstance(prompt, str) else None, params, seqs, detoks)
+        req.metrics["arrival"] = time.monotonic()
+        return req
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, prefill_only: bool = False,
+                    kv_sink: KVSink | None = None) -> None:
+        """Validates fully before touching any state, so a bad request never disturbs others."""
+        req = self._new_request(request_id, prompt, params, prefill_only)
+        req.kv_sink = kv_sink
+        self._requests[request_id] = req
+        self.scheduler.add(req.seqs)
+
+    def abort(self, request_id: str) -> bool:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams | None = None) -> Reservation:
+        """Blocks for a prompt whose KV another engine will write. Raises NoFreeBlocks when full."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        if req.params.n != 1:
+            raise ValueError(f"n must be 1 for a disaggregated request, got {req.params.n}")
+        seq = req.seqs[0]
+        self.scheduler.reserve(seq)
+        self._requests[request_id] = req
+        return Reservation(request_id, list(seq.block_ids), seq.num_cached_tokens,
+                           self.config.block_size)
+
+    def commit(self, request_id: str, first_token_id: int) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.seqs[0].status != SeqStatus.RESERVED:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        seq = req.seqs[0]
+        self.scheduler.commit(seq, first_token_id)
+        self._emit_text(req, 0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of this rank."""
+        return self.runner.kv_cache
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return self._collect([])
+        inp = ModelInput([SeqInput(s.seq.token_ids[s.start:s.end], s.start, list(s.seq.block_ids),
+                                   s.samples) for s in plan.scheduled], plan.block_copies)
+        if self.tp is not None:
+            self.tp.broadcast(inp)
+        token_ids, logprobs = self.runner.execute(inp, plan.rows, plan.row_logits,
+                                                  self._layer_hook(plan))
+        for item in plan.scheduled:
+            req = self._requests.get(item.seq.request_id)
+            if req is not None and req.kv_sink is not None:
+                req.published = item.end
+        touched = self.scheduler.update(plan, StepResult(token_ids, logprobs))
+        return self._collect(touched)
+
+    def _layer_hook(self, plan: StepPlan):
+        pubs = []
+        for item in plan.scheduled:
+            req = self._requests.get(item.seq.request_id)
+            if req is not None and req.kv_sink is not None:
+                pubs.append((req, item.seq.block_ids, item.end))
+        if not pubs:
+            return None
+        kv = self.runner.kv_cache
+
+        def on_layer_done(layer: int) -> None:
+            for req, block_ids, end in pubs:
+                req.kv_sink.on_layer(layer, kv[layer], block_ids, req.published, end)
+        return on_layer_done
+
+    def _emit_text(self, req: _Request, index: int) -> None:
+        seq, detok = req.seqs[index], req.detoks[index]
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        delta = detok.add(seq.token_ids[-1])
+        stops = req.params.stop
+        if not delta or not stops:
+            return
+        hit = find_stop_string(detok.text, len(delta), stops)
+        if hit is not None:
+            i, stop = hit
+            detok.text = detok.text[:i + len(stop)] if req.params.include_stop_str_in_output else detok.text[:i]
+            self.scheduler.finish(seq, FinishReason.STOP, stop)
+
+    def _collect(self, touched: list[Sequence]) -> list[RequestOutput]:
+        seen: dict[str, _Request] = {}
+        for seq in touched:
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            self._emit_text(req, seq.index)
+            seen[req.request_id] = req
+        outputs = []
+        for req in seen.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _output(self, req: _Request) -> RequestOutput:
+        first = req.seqs[0]
+        completions = [CompletionOutput(
+            index=s.index, text=d.text, token_ids=s.output_token_ids,
+            finish_reason=s.finish_reason.value if s.finish_reason else None,
+            stop_reason=s.stop_reason,
+            logprobs=list(s.logprobs) if req.params.logprobs else None)
+            for s, d in zip(req.seqs, req.detoks)]
+        if first.first_token_time is not None:
+            req.metrics.setdefault("first_token", first.first_token_time)
+        return RequestOutput(req.request_id, req.prompt, first.prompt_token_ids, completions,
+                             req.finished, first.num_cached_tokens, dict(req.metrics))
+
+    def shutdown(self) -> None:
+        if self.tp is not None:
+            self.tp.shutdown()
+            self.tp = None

@@ -1,0 +1,54 @@
+"""Per-step attention metadata, visible to the attention layers only inside a `with` block.
+
+The model keeps the signature `forward(input_ids, positions)`; everything about paging (where new
+KV goes, which blocks each sequence reads) is computed once per step and shared by all layers.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence computing more than one token this step (a prompt chunk)."""
+    q_start: int               # offset of its tokens in the flattened batch
+    q_len: int
+    context_len: int           # tokens visible after this step (cached + new)
+    block_ids: torch.Tensor    # blocks covering context_len, int64
+    causal_mask: torch.Tensor | None   # [q_len, context_len] bool when part of the context is cached
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor              # [num_tokens] flat cache slot of each new token
+    num_decode_tokens: int = 0              # decodes come first in the batch, one token each
+    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    kv_cache: torch.Tensor | None = None    # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    on_layer_done: Callable[[int], None] | None = None
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata):
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward_context does not nest: a step is already running")
+    _current = meta
+    try:
+        yield meta
+    finally:
+        _current = None
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside forward_context")
+    return _current

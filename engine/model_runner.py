@@ -1,0 +1,157 @@
+"""Executes a step plan on one tensor-parallel rank: build inputs, run the model, sample (rank 0)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, ModelConfig
+from engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
+from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from engine.loader import iter_safetensors
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel import divide, tp_rank, tp_size
+from engine.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class SeqInput:
+    """What every rank needs to know about one scheduled sequence (plain data: it is broadcast)."""
+    token_ids: list[int]      # the tokens computed this step
+    start: int                # position of the first of them
+    block_ids: list[int]
+    samples: bool
+
+
+@dataclass
+class ModelInput:
+    seqs: list[SeqInput]
+    block_copies: list[tuple[int, int]]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        divide(model_config.num_heads, tp_size(), "the attention heads")
+        self.num_kv_heads = divide(model_config.num_kv_heads, tp_size(), "the key/value heads")
+        inv_freq, attn_factor = rope_inv_freq(model_config.hf_config, model_config.rope_type,
+                                              model_config.rope_theta, model_config.head_dim)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                rotary = RotaryEmbedding(inv_freq.to(self.device), attn_factor, config.max_model_len)
+                self.model = LlamaForCausalLM(model_config, rotary)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(iter_safetensors(model_dir))
+        self.model.eval()
+        self.kv_cache = self._allocate_kv_cache()
+        self.sampler = Sampler() if tp_rank() == 0 else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[2]
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        mc = self.model_config
+        per_block = 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = DEFAULT_CPU_KV_BYTES if self.device.type == "cpu" else 0.85
+        if isinstance(budget, float):
+            budget = int(budget * available_memory_bytes(self.device))
+        num_blocks = budget // per_block
+        min_blocks = -(-self.config.max_model_len // self.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory!r} gives {num_blocks} blocks of "
+                f"{self.block_size} tokens; one sequence of max_model_len={self.config.max_model_len} "
+                f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len")
+        # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
+        return torch.zeros(mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
+                           mc.head_dim, dtype=self.dtype, device=self.device)
+
+    # ---- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput, rows: list[SamplingRow] | None = None,
+                row_logits: list[int] | None = None,
+                on_layer_done: Callable[[int], None] | None = None):
+        """Runs the model; on rank 0 with rows given, returns (token_ids, logprobs or None)."""
+        for src, dst in inp.block_copies:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        if not inp.seqs:
+            return [], None
+        meta, input_ids, positions, last_idx = self._prepare(inp)
+        meta.on_layer_done = on_layer_done
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[last_idx]) if last_idx.numel() else None
+        if logits is None or rows is None:
+            return [], None
+        out = self.sampler(logits[row_logits].float(), rows)
+        return out.token_ids, out.logprobs
+
+    def _prepare(self, inp: ModelInput):
+        bs = self.block_size
+        # decodes (one new token) first, so attention can batch them with a single gather
+        order = sorted(range(len(inp.seqs)), key=lambda i: len(inp.seqs[i].token_ids) != 1)
+        ids, pos, slots, last_idx = [], [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        for i in order:
+            s = inp.seqs[i]
+            n = len(s.token_ids)
+            q_start = len(ids)
+            ids += s.token_ids
+            positions = range(s.start, s.start + n)
+            pos += positions
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in positions]
+            context_len = s.start + n
+            num_blocks = -(-context_len // bs)
+            if n == 1:
+                decode_tables.append(s.block_ids[:num_blocks])
+                decode_lens.append(context_len)
+            else:
+                mask = None
+                if s.start > 0:
+                    q_pos = torch.arange(s.start, context_len).unsqueeze(1)
+                    mask = torch.arange(context_len).unsqueeze(0) <= q_pos
+                prefills.append(PrefillSpan(q_start, n, context_len,
+                                            torch.tensor(s.block_ids[:num_blocks]), mask))
+            if s.samples:
+                last_idx.append((i, q_start + n - 1))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev),
+                                 num_decode_tokens=len(decode_tables), kv_cache=self.kv_cache)
+        if decode_tables:
+            width = max(map(len, decode_tables))
+            table = torch.zeros(len(decode_tables), width, dtype=torch.long)
+            for r, t in enumerate(decode_tables):
+                table[r, :len(t)] = torch.tensor(t)
+            lens = torch.tensor(decode_lens)
+            meta.decode_block_tables = table.to(dev)
+            meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
+        for span in prefills:
+            span.block_ids = span.block_ids.to(dev)
+            if span.causal_mask is not None:
+                span.causal_mask = span.causal_mask.to(dev)
+        meta.prefills = prefills
+        # logits rows in the order of the scheduled seqs that sample (the plan's row_logits index)
+        last_idx.sort()
+        sample_rows = torch.tensor([t for _, t in last_idx], dtype=torch.long, device=dev)
+        return (meta, torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), sample_rows)

@@ -1,0 +1,92 @@
+"""Sequences (one sampled continuation each) and the outputs handed to callers."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0        # in the waiting queue (new or preempted)
+    RUNNING = 1        # in the running batch
+    RESERVED = 2       # blocks held for KV that another engine writes (disaggregated decode)
+    FORK_PENDING = 3   # an n>1 child waiting for its parent's prompt to finish
+    FINISHED = 4
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # eos, a stop token or a stop string
+    LENGTH = "length"      # max_tokens or the context limit
+    ABORT = "abort"
+    PREFILL_DONE = "prefill_done"   # prefill-only request: first token sampled, KV handed out
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                       # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)   # prompt + outputs
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache (last admission)
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0       # leading full blocks already registered in the prefix cache
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    prefill_only: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

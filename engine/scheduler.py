@@ -1,0 +1,261 @@
+"""Continuous batching: decide which tokens of which sequences run in the next step.
+
+Request lifecycle in one engine:
+  add -> WAITING --admit (prefix-cache lookup, blocks for the whole prompt)--> RUNNING
+  RUNNING: every step computes `num_tokens - num_computed_tokens` tokens (a prefill chunk, or one
+           decode token) within the step's token budget; a step that reaches the end samples.
+  RUNNING --blocks run out--> preempted (blocks freed, recomputed later) -> front of WAITING
+  reserve -> RESERVED (blocks written by another engine) --commit(first token)--> RUNNING
+  any -> FINISHED (stop, length, abort, prefill_done): blocks freed (full ones stay cached)
+n>1: the first sequence prefills; the other n-1 wait in FORK_PENDING, sample from the same logits
+and take the prompt's blocks by reference, with the partial last block copied (copy-on-write).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, NoFreeBlocks
+from engine.request import FinishReason, Sequence, SeqStatus
+from engine.sampler import SamplingRow
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq]
+    rows: list[SamplingRow] = field(default_factory=list)
+    row_seqs: list[Sequence] = field(default_factory=list)   # which sequence each row samples for
+    row_logits: list[int] = field(default_factory=list)      # which logits row (sampling seq) feeds it
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.block_copies
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.reserved: dict[int, Sequence] = {}
+        self.fork_children: dict[int, list[Sequence]] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+        # keep a sliver free so admissions do not immediately force decodes into preemption
+        self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def add(self, seqs: list[Sequence]) -> None:
+        parent, children = seqs[0], seqs[1:]
+        if children:
+            for child in children:
+                child.status = SeqStatus.FORK_PENDING
+            self.fork_children[parent.seq_id] = children
+        self.waiting.append(parent)
+
+    def reserve(self, seq: Sequence) -> None:
+        """Hold blocks for a prompt whose KV another engine will write; raises NoFreeBlocks."""
+        cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
+        self._admit_blocks(seq, cached, seq.num_tokens, watermark=0)
+        seq.status = SeqStatus.RESERVED
+        self.reserved[seq.seq_id] = seq
+
+    def commit(self, seq: Sequence, first_token_id: int) -> None:
+        """The reserved prompt's KV is in place: continue decoding from `first_token_id`."""
+        del self.reserved[seq.seq_id]
+        seq.num_computed_tokens = seq.num_tokens
+        seq.num_hashed_blocks = self.bm.register_full_blocks(
+            seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._append_token(seq, first_token_id, None)
+
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason=None) -> None:
+        if seq.status == SeqStatus.FINISHED:
+            return
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SeqStatus.RESERVED:
+            del self.reserved[seq.seq_id]
+        self.bm.free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        for child in self.fork_children.pop(seq.seq_id, []):
+            self.finish(child, reason, stop_reason)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.reserved)
+
+    # ---- planning -------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
+            while need > self.bm.num_free_blocks and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+                preempted = True
+            if need > self.bm.num_free_blocks:
+                self._preempt(seq)
+                preempted = True
+                break
+            if need > 0:
+                seq.block_ids += self.bm.allocate(need)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+            try:
+                self._admit_blocks(seq, cached, seq.num_tokens, watermark=self.watermark_blocks)
+            except NoFreeBlocks:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+        plan = StepPlan(scheduled, block_copies=self._pending_copies)
+        self._pending_copies = []
+        for idx, item in enumerate(s for s in scheduled if s.samples):
+            seq = item.seq
+            family = [seq]
+            if seq.num_output_tokens == 0:
+                family += self.fork_children.get(seq.seq_id, [])
+            for member in family:
+                plan.rows.append(SamplingRow(member.params, member.prompt_token_ids,
+                                             member.output_token_ids, member.generator,
+                                             self.eos_token_ids))
+                plan.row_seqs.append(member)
+                plan.row_logits.append(idx)
+        return plan
+
+    def _admit_blocks(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int):
+        revived = sum(1 for b in cached if self.bm.ref_count(b) == 0)
+        need = self.bm.blocks_needed(num_tokens) - len(cached)
+        if need + revived + watermark > self.bm.num_free_blocks:
+            raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
+        self.bm.take(cached)
+        seq.block_ids = cached + self.bm.allocate(need)
+        seq.num_hashed_blocks = len(cached)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it is recomputed (prefix cache helps) when readmitted."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- applying a step's results --------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish what stops; returns touched seqs."""
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.status != SeqStatus.RUNNING:
+                continue   # aborted while the step ran
+            seq.num_computed_tokens = item.end
+            seq.num_hashed_blocks = self.bm.register_full_blocks(
+                seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens)
+        # fork before appending any token, so a parent that stops on its first token
+        # cannot take its not-yet-forked children down with it
+        parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}
+        receives = [seq.status == SeqStatus.RUNNING for seq in plan.row_seqs]
+        for row, seq in enumerate(plan.row_seqs):
+            if seq.status == SeqStatus.FORK_PENDING:
+                receives[row] = self._fork(parents[seq.request_id], seq)
+        touched = []
+        for row, seq in enumerate(plan.row_seqs):
+            if receives[row]:
+                logprob = result.logprobs[row] if result.logprobs is not None else None
+                self._append_token(seq, result.token_ids[row], logprob)
+                touched.append(seq)
+        return touched
+
+    def _fork(self, parent: Sequence, child: Sequence) -> bool:
+        self.fork_children.get(parent.seq_id, []).remove(child)
+        if not self.fork_children.get(parent.seq_id):
+            self.fork_children.pop(parent.seq_id, None)
+        if parent.status != SeqStatus.RUNNING:
+            return False
+        bs = self.bm.block_size
+        num_full = parent.num_computed_tokens // bs
+        shared = parent.block_ids[:num_full]
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_full)
+        if parent.num_computed_tokens % bs and self.bm.num_free_blocks > 0:
+            self.bm.take(shared)
+            (copy,) = self.bm.allocate(1)
+            self._pending_copies.append((parent.block_ids[num_full], copy))
+            child.block_ids = shared + [copy]
+        elif parent.num_computed_tokens % bs == 0:
+            self.bm.take(shared)
+            child.block_ids = list(shared)
+        else:   # no block for the copy: recompute the child later instead
+            child.num_computed_tokens = child.num_hashed_blocks = 0
+            child.status = SeqStatus.WAITING
+            self.waiting.append(child)
+            return True
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+        return True
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float | None) -> None:
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        num_out = seq.num_output_tokens
+        if seq.prefill_only:
+            self.finish(seq, FinishReason.PREFILL_DONE)
+        elif num_out >= p.min_tokens and not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish(seq, FinishReason.STOP)
+        elif num_out >= p.min_tokens and token_id in p.stop_token_ids:
+            self.finish(seq, FinishReason.STOP, token_id)
+        elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, FinishReason.LENGTH)

@@ -1,0 +1,49 @@
+"""Tokenizer loading and incremental detokenization.
+
+Decoding one token at a time loses the spaces that depend on the previous token and splits
+multi-byte characters, so each step decodes a short window (prefix_offset..end) and emits only
+the text past the window's already-emitted part (the scheme of TGI and vLLM).
+"""
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+
+def load_tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # a few prompt tokens as left context, so the first output token gets its leading space
+        self.ids = list(prompt_token_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the newly readable text (may be empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset],
+                        skip_special_tokens=self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""   # an incomplete UTF-8 sequence or a token with no text yet
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last `num_new_chars` characters of `text`."""
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
