@@ -125,7 +125,21 @@ class EngineConfig:
         if max_len > limit:
             raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                              f"({limit}), got {max_len}")
-        return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_len)
+        kv = self.kv_cache_memory
+        if kv is None:
+            kv = DEFAULT_CPU_KV_BYTES if device == "cpu" else 0.85
+        if isinstance(kv, float):   # fixed once here, so every TP rank gets the same block count
+            kv = int(kv * available_memory_bytes(device))
+        return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_len,
+                                   kv_cache_memory=kv)
+
+
+def available_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
 
 
 def _is_int(x) -> bool:

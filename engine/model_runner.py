@@ -1,14 +1,12 @@
 """Executes a step plan on one tensor-parallel rank: build inputs, run the model, sample (rank 0)."""
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from engine.loader import iter_safetensors
@@ -30,14 +28,6 @@ class SeqInput:
 class ModelInput:
     seqs: list[SeqInput]
     block_copies: list[tuple[int, int]]
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
 
 
 class ModelRunner:
@@ -71,12 +61,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> torch.Tensor:
         mc = self.model_config
         per_block = 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            budget = DEFAULT_CPU_KV_BYTES if self.device.type == "cpu" else 0.85
-        if isinstance(budget, float):
-            budget = int(budget * available_memory_bytes(self.device))
-        num_blocks = budget // per_block
+        num_blocks = self.config.kv_cache_memory // per_block
         min_blocks = -(-self.config.max_model_len // self.block_size)
         if num_blocks < min_blocks:
             raise ValueError(

@@ -1,0 +1,116 @@
+"""Tensor-parallel process group of one engine: rank 0 schedules, ranks 1..N-1 follow.
+
+Rank 0 (the caller's process) broadcasts each step's ModelInput as msgpack bytes over a gloo group
+(plain data, no pickle); every rank then runs the same step on its shard of the weights and KV.
+Only rank 0 samples: the vocab-parallel LM head gathers logits there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import msgpack
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelInput, SeqInput
+from engine.parallel import set_tp_state
+
+_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "600")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(config: EngineConfig, rank: int, port: int):
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=config.tensor_parallel_size, timeout=_TIMEOUT)
+    set_tp_state(rank, config.tensor_parallel_size, dist.group.WORLD)
+    if config.device == "cpu":   # share the cores instead of oversubscribing them N times
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    # control messages stay on the CPU even when the weights talk over NCCL
+    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+
+
+def _encode(inp: ModelInput | None) -> bytes:
+    if inp is None:
+        return msgpack.packb(None)
+    return msgpack.packb([[[s.token_ids, s.start, s.block_ids, s.samples] for s in inp.seqs],
+                          inp.block_copies])
+
+
+def _decode(data: bytes) -> ModelInput | None:
+    obj = msgpack.unpackb(data)
+    if obj is None:
+        return None
+    seqs, copies = obj
+    return ModelInput([SeqInput(*s) for s in seqs], [tuple(c) for c in copies])
+
+
+def _broadcast_bytes(data: bytes | None, group) -> bytes:
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
+    dist.broadcast(size, src=0, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
+           else torch.empty(int(size), dtype=torch.uint8))
+    dist.broadcast(buf, src=0, group=group)
+    return buf.numpy().tobytes()
+
+
+def _follower_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int,
+                   port: int) -> None:
+    from engine.model_runner import ModelRunner
+
+    group = _init(config, rank, port)
+    runner = ModelRunner(config, model_config, model_dir)
+    while True:
+        inp = _decode(_broadcast_bytes(None, group))
+        if inp is None:
+            break
+        runner.execute(inp)
+    dist.destroy_process_group()
+
+
+class TPGroup:
+    def __init__(self, procs, group):
+        self.procs = procs
+        self.group = group
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> "TPGroup":
+        if config.device == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs that many "
+                             f"GPUs, {torch.cuda.device_count()} visible")
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_follower_main, daemon=True, name=f"pdserve-tp{rank}",
+                             args=(config, model_config, model_dir, rank, port))
+                 for rank in range(1, config.tensor_parallel_size)]
+        for p in procs:
+            p.start()
+        return cls(procs, _init(config, 0, port))
+
+    def broadcast(self, inp: ModelInput) -> None:
+        _broadcast_bytes(_encode(inp), self.group)
+
+    def shutdown(self) -> None:
+        try:
+            _broadcast_bytes(_encode(None), self.group)
+        finally:
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()
+            set_tp_state(0, 1, None)
+
+
