@@ -1,0 +1,6 @@
+"""Model resolution and weight/tokenizer loading for pdserve."""
+
+from .resolve import default_cache_dir, resolve_model
+from .safetensors_io import iter_safetensors, load_hf_config
+
+__all__ = ["default_cache_dir", "iter_safetensors", "load_hf_config", "resolve_model"]

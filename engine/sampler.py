@@ -1,0 +1,218 @@
+"""Turns one step's logits into one token per sequence.
+
+Pipeline per row: repetition penalty -> frequency/presence penalties ->
+min_tokens masking -> temperature -> top-k -> top-p -> min-p -> sample.
+Greedy rows take the argmax after the penalty/masking stage, as in vLLM.
+
+Only penalties (which need each sequence's own token history) and the
+per-generator noise draws loop over rows in Python; every other stage works on
+the whole batch with per-row parameter tensors, because this runs on every
+decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_U64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # The generator is the source of truth for seeding: a row whose params
+    # carry a seed but which has no generator samples from the shared stream.
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+def make_generator(seed: int, child_index: int = 0) -> torch.Generator:
+    """CPU generator for a request's seed; n>1 children get distinct but deterministic streams."""
+    # Child 0 uses the seed as-is so n=1 behaves like torch.manual_seed(seed);
+    # other children hash (seed, index) so neighbouring seeds don't share streams.
+    # Masking to 64 bits lets any Python int (negative, huge) be a seed.
+    s = seed & _U64
+    if child_index:
+        s = _splitmix64(s ^ _splitmix64(child_index))
+    g = torch.Generator(device="cpu")
+    g.manual_seed(s)
+    return g
+
+
+def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
+    p = row.params
+    if len(row.output_token_ids) >= p.min_tokens:
+        return []
+    ids = list(p.stop_token_ids)
+    if not p.ignore_eos:
+        ids.extend(row.eos_token_ids)
+    return ids
+
+
+def _counts(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(list(ids), dtype=torch.long, device=device)
+    # Ids past the logits' width (tokenizer/model vocab mismatch) cannot be
+    # penalized; slicing keeps bincount's output aligned with the logits.
+    return torch.bincount(t, minlength=vocab)[:vocab]
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalties then min_tokens masking.
+
+    Returns `logits` itself (no copy) when no row needs either, so the
+    all-greedy decode step stays a single argmax; otherwise a modified copy.
+    """
+    out: torch.Tensor | None = None
+    vocab, device = logits.shape[1], logits.device
+    for i, row in enumerate(rows):
+        p = row.params
+        masked = _min_tokens_masked_ids(row)
+        if not p.has_penalties and not masked:
+            continue
+        if out is None:
+            out = logits.clone()
+        x = out[i]
+        if p.repetition_penalty != 1.0:
+            seen = _counts([*row.prompt_token_ids, *row.output_token_ids], vocab, device) > 0
+            # HF/vLLM: shrink positive logits, push negative ones further down,
+            # so a repeated token always becomes less likely.
+            penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x.copy_(torch.where(seen, penalized, x))
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            # OpenAI semantics: only generated tokens count, not the prompt.
+            counts = _counts(row.output_token_ids, vocab, device)
+            x.sub_(counts.to(x.dtype) * p.frequency_penalty
+                   + (counts > 0).to(x.dtype) * p.presence_penalty)
+        masked = [t for t in masked if 0 <= t < vocab]
+        if masked:
+            x[torch.as_tensor(masked, dtype=torch.long, device=device)] = float("-inf")
+    return logits if out is None else out
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
+                      p: torch.Tensor | None) -> torch.Tensor:
+    """Masks logits outside each row's top-k / nucleus to -inf (returns a new tensor).
+
+    k: long [rows], <= 0 = disabled. p: float [rows], 1.0 = disabled.
+    Tokens tied with the k-th logit are all kept, as in vLLM.
+    """
+    if k is None and p is None:
+        return logits
+    vocab = logits.shape[1]
+    # One ascending sort serves both filters (the vLLM topk_topp_sampler scheme).
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        # Disabled rows use k=vocab: the threshold is the row minimum, masking nothing.
+        k = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
+        thresh = logits_sort.gather(1, (vocab - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < thresh, float("-inf"))
+    if p is not None:
+        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        # Ascending order: a token can go when the mass strictly above it
+        # already reaches top_p, i.e. its cumulative (from below) <= 1 - top_p.
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False  # never empty the distribution
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes tokens whose prob < min_p * the row's max prob (min_p 0 = disabled)."""
+    thresh = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < thresh, 0.0)
+
+
+def _exponential_race(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """argmax(probs / Exp(1)) samples from probs (unnormalized is fine).
+
+    Each seeded row draws a full-vocab noise vector from its own generator, so
+    its tokens depend only on its seed and its own logits, never on batch
+    composition or position.
+    """
+    num_rows, vocab = probs.shape
+    device = probs.device
+    q = torch.empty_like(probs)
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+    if len(seeded) < num_rows:
+        if not seeded:
+            q.exponential_()
+        else:
+            unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+            idx = torch.as_tensor(unseeded, device=device)
+            q[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    if seeded:
+        noise = [torch.empty(vocab, dtype=probs.dtype, device=rows[i].generator.device)
+                 .exponential_(generator=rows[i].generator) for i in seeded]
+        q[torch.as_tensor(seeded, device=device)] = torch.stack(
+            [n.to(device) for n in noise])
+    # An Exp(1) draw of exactly 0 would turn a zero-prob token into 0/0 = NaN,
+    # which argmax would happily pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device = logits.device
+    params = [r.params for r in rows]
+    temps = torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=device)
+    logits = logits / temps.unsqueeze(1)
+
+    k = p = None
+    if any(sp.top_k > 0 for sp in params):
+        k = torch.tensor([sp.top_k for sp in params], dtype=torch.long, device=device)
+    if any(sp.top_p < 1.0 for sp in params):
+        p = torch.tensor([sp.top_p for sp in params], dtype=logits.dtype, device=device)
+    logits = apply_top_k_top_p(logits, k, p)
+
+    probs = logits.softmax(dim=-1)
+    if any(sp.min_p > 0.0 for sp in params):
+        min_p = torch.tensor([sp.min_p for sp in params], dtype=probs.dtype, device=device)
+        probs = apply_min_p(probs, min_p)
+    return _exponential_race(probs, rows)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+
+        processed = process_logits(logits, rows)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            tokens = processed.argmax(dim=-1)
+        elif len(random_rows) == len(rows):
+            tokens = _sample_random(processed, rows)
+        else:
+            tokens = processed.argmax(dim=-1)
+            idx = torch.as_tensor(random_rows, device=logits.device)
+            tokens[idx] = _sample_random(processed[idx], [rows[i] for i in random_rows])
+
+        logprobs = None
+        if any(r.params.logprobs for r in rows):
+            # Raw logprobs: the model's distribution, before any processing.
+            picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            logprobs = (picked - torch.logsumexp(logits, dim=-1)).tolist()
+        return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs)

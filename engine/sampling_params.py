@@ -1,0 +1,160 @@
+"""Per-request sampling configuration.
+
+Everything is validated at construction so a bad request is rejected at the
+API boundary with a message the client can act on, instead of failing (or
+silently misbehaving) inside a batched decode step shared with other requests.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+# Dividing float32 logits by a temperature this small overflows to inf (and
+# softmax then yields NaN), so such temperatures are treated as greedy, as
+# vLLM does with its _SAMPLING_EPS.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _int(name: str, value: object) -> int:
+    # bool is a subclass of int, but True as max_tokens is a client bug.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False,
+              hi_open: bool = False) -> None:
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi):
+        lb, rb = ("(" if lo_open else "["), (")" if hi_open else "]")
+        raise ValueError(f"{name} must be in {lb}{lo:g}, {hi:g}{rb}, got {value!r}")
+
+
+def _str_tuple(name: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    # A bare str is one stop string, not a sequence of one-char stop strings.
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(
+            f"{name} must be a str or a list of str, got {type(value).__name__} {value!r}")
+    for s in items:
+        if not isinstance(s, str):
+            raise ValueError(f"{name} must contain only str, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError(f"{name} must not contain empty strings, got {list(items)!r}")
+    return tuple(items)
+
+
+def _id_tuple(name: str, value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"{name} must be a list of int, got {type(value).__name__} {value!r}")
+    ids = tuple(_int(name, v) for v in value)
+    for v in ids:
+        if v < 0:
+            raise ValueError(f"{name} must contain only ids >= 0, got {v}")
+    return ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Frozen: normalized values (float(0) -> 0.0, list -> tuple) must go
+        # through object.__setattr__.
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("n", _int("n", self.n))
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        put("temperature", _float("temperature", self.temperature))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+
+        put("top_p", _float("top_p", self.top_p))
+        _in_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+
+        put("top_k", _int("top_k", self.top_k))
+        if self.top_k < -1:
+            raise ValueError(
+                f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+
+        put("min_p", _float("min_p", self.min_p))
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+
+        if self.seed is not None:
+            put("seed", _int("seed", self.seed))
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _float(name, getattr(self, name)))
+            _in_range(name, getattr(self, name), -2.0, 2.0)
+
+        put("repetition_penalty", _float("repetition_penalty", self.repetition_penalty))
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+
+        put("max_tokens", _int("max_tokens", self.max_tokens))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+        put("min_tokens", _int("min_tokens", self.min_tokens))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+        put("stop", _str_tuple("stop", self.stop))
+        put("stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))
+
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output",
+                     "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
