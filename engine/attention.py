@@ -1,7 +1,8 @@
 """Attention over the paged KV cache (torch implementation; runs on CPU and CUDA).
 
-Decodes are batched: their blocks are gathered with one index op per layer and attended with one
-SDPA call. A prompt chunk with no cached context attends its own fresh K/V with a causal kernel
+Decodes are batched. On CPU in float32 a compiled kernel (engine/kernels) reads their blocks in
+place; otherwise their blocks are gathered with one index op per layer and attended with one SDPA
+call. A prompt chunk with no cached context attends its own fresh K/V with a causal kernel
 and skips the gather entirely; a chunk after a cached prefix gathers its context once.
 """
 from __future__ import annotations
@@ -11,6 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.kernels import cpu_paged_decode
+
+
+def decode_kernel(device: torch.device, dtype: torch.dtype):
+    """The compiled paged decode kernel where it applies, else None (use the torch path)."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return cpu_paged_decode()
+    return None
 
 
 class PagedAttention(nn.Module):
@@ -32,17 +41,21 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], cache, meta.decode_block_tables, meta.decode_mask)
+            out[:nd] = self._decode(q[:nd], cache, meta)
         for span in meta.prefills:
             sl = slice(span.q_start, span.q_start + span.q_len)
             out[sl] = self._prefill(q[sl], k[sl], v[sl], cache, span)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q, cache, block_tables, mask):
+    def _decode(self, q, cache, meta):
+        if meta.decode_mask is None:
+            kernel = decode_kernel(q.device, q.dtype)
+            return kernel(q.contiguous(), cache, meta.decode_block_tables,
+                          meta.decode_context_lens, self.scale)
         n = q.shape[0]
-        kv = cache[:, block_tables]                    # [2, n, max_blocks, block_size, H, D]
+        kv = cache[:, meta.decode_block_tables]                    # [2, n, max_blocks, block_size, H, D]
         kv = kv.view(2, n, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=mask,
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask,
                                            scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
 

@@ -84,7 +84,14 @@ class BlockManager:
             return num_hashed
         bs = self.block_size
         num_full = min(num_computed_tokens, len(token_ids)) // bs
+        if num_full <= num_hashed:
+            return num_hashed
         parent = self.blocks[block_ids[num_hashed - 1]].hash if num_hashed else None
+        if num_hashed and parent is None:
+            # that block duplicated an already-cached one and was never registered itself:
+            # rebuild the chain from the tokens instead of restarting it at the root
+            for i in range(num_hashed):
+                parent = block_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
         for i in range(num_hashed, num_full):
             block = self.blocks[block_ids[i]]
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])

@@ -24,6 +24,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
+from engine.parallel import divide
 from engine.request import CompletionOutput, FinishReason, RequestOutput, Sequence, SeqStatus
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -73,8 +74,24 @@ class LLMEngine:
         self.tp = None
         if self.config.tensor_parallel_size > 1:
             from engine.tp import TPGroup
+            mc, tp = self.model_config, self.config.tensor_parallel_size
+            # refuse before spawning ranks that would all fail the same way
+            for n, what in ((mc.num_heads, "the attention heads"),
+                            (mc.num_kv_heads, "the key/value heads"),
+                            (mc.intermediate_size, "the MLP intermediate size"),
+                            (mc.vocab_size, "the vocabulary size")):
+                divide(n, tp, what)
             self.tp = TPGroup.start(self.config, self.model_config, str(model_dir))
-        self.runner = ModelRunner(self.config, self.model_config, str(model_dir))
+        try:
+            self.runner = ModelRunner(self.config, self.model_config, str(model_dir))
+        except BaseException:
+            # else the followers and the process group outlive the failed engine; a follower that
+            # failed too makes the shutdown broadcast fail, which must not hide the real error
+            try:
+                self.shutdown()
+            except Exception:
+                pass
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -83,6 +100,8 @@ class LLMEngine:
             eos_token_ids=self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
+        # requests that finished outside step() (commit): the next step() reports them
+        self._undelivered: list[RequestOutput] = []
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -157,12 +176,19 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
+        vocab = self.model_config.vocab_size
+        if (not isinstance(first_token_id, int) or isinstance(first_token_id, bool)
+                or not 0 <= first_token_id < vocab):   # else the next step fails for every request
+            raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
         seq = req.seqs[0]
         self.scheduler.commit(seq, first_token_id)
         self._emit_text(req, 0)
+        if req.finished:   # the first token already ended it (eos, a stop, max_tokens=1)
+            self._undelivered.append(self._output(req))
+            del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._undelivered)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -171,9 +197,10 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        done, self._undelivered = self._undelivered, []
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return self._collect([])
+            return done + self._collect([])
         inp = ModelInput([SeqInput(s.seq.token_ids[s.start:s.end], s.start, list(s.seq.block_ids),
                                    s.samples) for s in plan.scheduled], plan.block_copies)
         if self.tp is not None:
@@ -185,7 +212,7 @@ class LLMEngine:
             if req is not None and req.kv_sink is not None:
                 req.published = item.end
         touched = self.scheduler.update(plan, StepResult(token_ids, logprobs))
-        return self._collect(touched)
+        return done + self._collect(touched)
 
     def _layer_hook(self, plan: StepPlan):
         pubs = []

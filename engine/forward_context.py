@@ -27,7 +27,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor              # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int = 0              # decodes come first in the batch, one token each
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64
     decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks * block_size]
+    # (the mask only when the compiled kernel is not used)
     prefills: list[PrefillSpan] = field(default_factory=list)
     kv_cache: torch.Tensor | None = None    # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     on_layer_done: Callable[[int], None] | None = None

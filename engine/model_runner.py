@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import decode_kernel
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -130,7 +131,9 @@ class ModelRunner:
                 table[r, :len(t)] = torch.tensor(t)
             lens = torch.tensor(decode_lens)
             meta.decode_block_tables = table.to(dev)
-            meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
+            meta.decode_context_lens = lens.to(dev)
+            if decode_kernel(self.device, self.dtype) is None:
+                meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
         for span in prefills:
             span.block_ids = span.block_ids.to(dev)
             if span.causal_mask is not None:

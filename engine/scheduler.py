@@ -86,8 +86,16 @@ class Scheduler:
 
     def reserve(self, seq: Sequence) -> None:
         """Hold blocks for a prompt whose KV another engine will write; raises NoFreeBlocks."""
-        cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
-        self._admit_blocks(seq, cached, seq.num_tokens, watermark=0)
+        # a copy the next step still has to make may involve blocks that are free by now (the parent
+        # stopped on its first token, the child was aborted): another engine must not write them
+        # before that copy runs, so keep them out of this reservation
+        pinned = [b for copy in self._pending_copies for b in copy if self.bm.ref_count(b) == 0]
+        self.bm.take(pinned)
+        try:
+            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
+            self._admit_blocks(seq, cached, seq.num_tokens, watermark=0)
+        finally:
+            self.bm.free(pinned)
         seq.status = SeqStatus.RESERVED
         self.reserved[seq.seq_id] = seq
 

@@ -2,8 +2,9 @@
 
 Each layer holds only its shard and exposes `weight_loader(param, full_tensor, shard_id)`, so a
 checkpoint loader streams full tensors in without knowing about TP. On CPU in float32 the weight is
-also packed for oneDNN after loading: at the batch sizes of decoding (8-64 rows) that ran 1.7-2x
-faster than `F.linear` on the 2-core machine this project is measured on (see BENCHMARKS.md).
+also reordered into oneDNN's blocked layout after loading and multiplied with
+`mkldnn._linear_pointwise` (dense in, dense out, as torch inductor does): at the batch sizes of
+decoding that ran 2-4x faster than `F.linear` on the 2-core machine we measure on.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+_BATCH_HINT = 32   # rows the reordered layout is tuned for; any row count is accepted
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -36,11 +40,13 @@ class LinearBase(nn.Module):
 
     def finalize(self) -> None:
         """Called once after all weights are loaded."""
-        self._packed = self.weight.detach().to_mkldnn() if _onednn_usable(self.weight) else None
+        self._packed = None
+        if _onednn_usable(self.weight):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
-            return torch._C._nn.mkldnn_linear(x.to_mkldnn(), self._packed, bias).to_dense()
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,11 @@ def convert_gguf_weights(
     n_head_kv = int(config_dict.get("num_key_value_heads") or n_head)
 
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    from tqdm import tqdm
+
+    from .safetensors_io import _progress_disabled
+    for t in tqdm(reader.tensors, desc="converting GGUF to float32", unit="tensor", leave=False,
+                  disable=_progress_disabled()):
         if t.name in _IGNORED:
             continue
         hf_name = gguf_to_hf_name(t.name)

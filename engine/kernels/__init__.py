@@ -1,0 +1,46 @@
+"""Optional compiled CPU kernels, built once per machine into the pdserve cache.
+
+Everything here has a torch fallback in engine/attention.py and is tested against it; a machine
+without a compiler (or with PDSERVE_CPU_KERNELS=0) just runs the fallback.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+
+log = logging.getLogger(__name__)
+_SRC = pathlib.Path(__file__).with_name("paged_decode_cpu.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def cpu_paged_decode():
+    """The compiled `paged_decode(q, layer_kv, block_tables, context_lens, scale)`, or None."""
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from engine.loader import default_cache_dir
+        # -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
+        # directory shared by different machines never hands one a binary built for another
+        key = hashlib.sha256((_cpu_flags() + _SRC.read_text()).encode()).hexdigest()[:12]
+        build = default_cache_dir() / "kernels" / key
+        build.mkdir(parents=True, exist_ok=True)
+        module = load(name=f"pdserve_paged_decode_{key}", sources=[str(_SRC)],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                      build_directory=str(build), verbose=False)
+        return module.paged_decode
+    except Exception as e:   # no compiler, no headers, no ninja: the torch path still works
+        log.warning("pdserve: compiled CPU decode attention unavailable (%s); using torch", e)
+        return None

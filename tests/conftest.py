@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random Llama-family models saved as HF directories, and leak checks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_SHAPES = {
+    # name: (architecture, extra config)
+    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mqa-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama3-rope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64})),
+    "qwen2-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 128})),
+}
+
+
+def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0):
+    """Save a random tiny model + a word-level tokenizer ("t0".."t255") to `path`; returns the HF model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    arch, extra = TINY_SHAPES[kind]
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+                  max_position_embeddings=512, eos_token_id=1, bos_token_id=0, **extra)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():   # random biases, so a dropped bias cannot go unnoticed
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.eval().save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """kind -> (model_dir, HF reference model), built once per session."""
+    cache = {}
+
+    def get(kind: str = "llama-gqa"):
+        if kind not in cache:
+            path = tmp_path_factory.mktemp(kind)
+            cache[kind] = (str(path), make_tiny_model(path, kind))
+        return cache[kind]
+    return get
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=1)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_no_leaks(engine) -> None:
+    """Every block is free or evictable (cached, ref 0) and the block accounting is consistent."""
+    bm = engine.block_manager
+    bm.check_consistency()
+    assert not engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks still referenced"
