@@ -3,11 +3,14 @@
 A block is "free" when no sequence references it. Free blocks wait in an LRU queue; a free block
 that still carries the hash of a full block of tokens can be revived by a prefix-cache hit until
 the allocator hands it out again, at which point its hash is dropped. Hashes chain through the
-previous block's hash, and every hit is confirmed by comparing the block's tokens, so a hash
-collision can never serve another prompt's KV.
+previous block's hash (128-bit BLAKE2b: a crafted prompt must not be able to collide with another
+user's prefix and read its KV), every hit is confirmed by comparing the block's tokens and parent
+hash, and a chain is not extended past a block whose hash is held by other tokens.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
@@ -17,8 +20,11 @@ class NoFreeBlocks(RuntimeError):
 
 
 def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    # ints and tuples of ints hash identically in every process (PYTHONHASHSEED affects str only)
-    return hash((parent_hash, token_ids))
+    """Stable across processes and hosts, so routers can compute it for prefix affinity."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"" if parent_hash is None else parent_hash.to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class Block:
@@ -96,7 +102,12 @@ class BlockManager:
             block = self.blocks[block_ids[i]]
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk)
-            if block.hash is None and h not in self._cached:
+            holder = self._cached.get(h)
+            if holder is not None and holder != block.block_id:
+                other = self.blocks[holder]
+                if other.token_ids != chunk or other.parent_hash != parent:
+                    break   # a true collision: what hangs below this hash would be ambiguous
+            elif block.hash is None:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self._cached[h] = block.block_id
             parent = h

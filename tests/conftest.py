@@ -68,11 +68,19 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 256):
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
+    """Plain argmax decoding with HF's own model and KV cache.
+
+    Not `generate(min_new_tokens=...)`: that masks EOS, while `ignore_eos` (here and in vLLM) only
+    means "do not stop at EOS", so EOS can still be the greedy token.
+    """
+    ids, past, out = torch.tensor([prompt_ids]), None, []
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=1)
-    return out[0, len(prompt_ids):].tolist()
+        for _ in range(max_new_tokens):
+            step = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out
 
 
 def assert_no_leaks(engine) -> None:

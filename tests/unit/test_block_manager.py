@@ -328,3 +328,17 @@ def test_register_continues_chain_across_calls_after_a_duplicate_block():
     bm.free(a)
     bm.free(b)
     assert_no_leaks(bm)
+
+
+def test_collision_of_the_parent_block_cannot_serve_kv_computed_after_other_tokens(monkeypatch):
+    # every first block hashes alike; later blocks hash properly (through their parent)
+    monkeypatch.setattr(block_manager_mod, "block_hash",
+                        lambda parent, token_ids: 0 if parent is None else hash((parent, token_ids)))
+    bm = BlockManager(8, BS)
+    r = bm.allocate(1)
+    bm.register_full_blocks(r, toks(10), 0, 4)            # [R] owns hash 0
+    a = bm.allocate(2)
+    bm.register_full_blocks(a, toks(20, 30), 0, 8)        # P collides (not cached), Q is cached
+    ok(bm)
+    # Q's KV was computed after P, so a prompt [R, Q] may reuse R but must recompute Q
+    assert bm.find_cached_prefix(toks(10, 30), 8) == r

@@ -14,6 +14,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engine.block_manager as block_manager_mod
 from engine.block_manager import BlockManager, NoFreeBlocks
@@ -963,4 +965,13 @@ def test_property_random_operations_drain_to_completion():
             assert s.status == SeqStatus.FINISHED and s.finish_reason is not None
             if s.finish_reason == FinishReason.LENGTH:
                 assert s.num_output_tokens == s.params.max_tokens or s.num_tokens == 92
+    h.assert_no_leaks()
+
+
+@settings(derandomize=True, database=None, max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), caching=st.booleans())
+def test_property_hypothesis_chosen_runs(seed, caching):
+    h, requests, _ = _property_run(seed, num_ops=300, caching=caching)
+    for fam in requests.values():
+        _abort_request(h, fam)
     h.assert_no_leaks()
