@@ -15,9 +15,9 @@ from engine.forward_context import get_forward_context
 from engine.kernels import cpu_paged_decode
 
 
-def decode_kernel(device: torch.device, dtype: torch.dtype):
+def decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
     """The compiled paged decode kernel where it applies, else None (use the torch path)."""
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0:
         return cpu_paged_decode()
     return None
 
@@ -49,9 +49,10 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q, cache, meta):
         if meta.decode_mask is None:
-            kernel = decode_kernel(q.device, q.dtype)
-            return kernel(q.contiguous(), cache, meta.decode_block_tables,
-                          meta.decode_context_lens, self.scale)
+            kernel = decode_kernel(q.device, q.dtype, self.head_dim)
+            with torch.profiler.record_function("pdserve::paged_decode"):
+                return kernel(q.contiguous(), cache, meta.decode_block_tables,
+                              meta.decode_context_lens, self.scale)
         n = q.shape[0]
         kv = cache[:, meta.decode_block_tables]                    # [2, n, max_blocks, block_size, H, D]
         kv = kv.view(2, n, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)

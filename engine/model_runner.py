@@ -132,7 +132,7 @@ class ModelRunner:
             lens = torch.tensor(decode_lens)
             meta.decode_block_tables = table.to(dev)
             meta.decode_context_lens = lens.to(dev)
-            if decode_kernel(self.device, self.dtype) is None:
+            if decode_kernel(self.device, self.dtype, self.model_config.head_dim) is None:
                 meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
         for span in prefills:
             span.block_ids = span.block_ids.to(dev)

@@ -25,20 +25,24 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def cpu_paged_decode():
-    """The compiled `paged_decode(q, layer_kv, block_tables, context_lens, scale)`, or None."""
+    """The compiled `paged_decode(q, layer_kv, block_tables, context_lens, scale)`, or None.
+
+    It needs head_dim to be a multiple of 16; `engine.attention.decode_kernel` checks that.
+    """
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
         from engine.loader import default_cache_dir
-        # -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
+        # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one
+        # thread. -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
         # directory shared by different machines never hands one a binary built for another
         key = hashlib.sha256((_cpu_flags() + _SRC.read_text()).encode()).hexdigest()[:12]
         build = default_cache_dir() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         module = load(name=f"pdserve_paged_decode_{key}", sources=[str(_SRC)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                       build_directory=str(build), verbose=False)
         return module.paged_decode
     except Exception as e:   # no compiler, no headers, no ninja: the torch path still works

@@ -32,6 +32,8 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        self._step_positions: torch.Tensor | None = None
+        self._step_cos_sin = None
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +42,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        # one module serves every layer: look the step's positions up once, not once per layer
+        if positions is not self._step_positions:
+            self._step_positions = positions
+            self._step_cos_sin = (self.cos[positions].unsqueeze(1).to(q.dtype),
+                                  self.sin[positions].unsqueeze(1).to(q.dtype))
+        cos, sin = self._step_cos_sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

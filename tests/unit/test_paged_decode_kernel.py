@@ -1,0 +1,63 @@
+"""The compiled CPU decode kernel against a plain torch reference over the same paged cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cpu_paged_decode
+
+kernel = cpu_paged_decode()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the torch path is used")
+
+
+def reference(q, layer_kv, block_tables, context_lens, scale):
+    n, hq, d = q.shape
+    hkv = layer_kv.shape[3]
+    out = torch.empty_like(q)
+    for i in range(n):
+        length = int(context_lens[i])
+        kv = layer_kv[:, block_tables[i]].reshape(2, -1, hkv, d)[:, :length]   # [2, L, Hkv, D]
+        k = kv[0].repeat_interleave(hq // hkv, dim=1)                             # [L, Hq, D]
+        v = kv[1].repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k) * scale, dim=-1)
+        out[i] = torch.einsum("hl,lhd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,hkv,group,d,bs", [
+    (1, 3, 3, 64, 16),     # one sequence: fewer tasks than threads, split by head
+    (7, 3, 3, 64, 16),     # the SmolLM2 shape
+    (5, 1, 4, 128, 4),     # MQA, head_dim 128, small blocks
+    (4, 4, 1, 64, 8),      # no GQA
+    (3, 2, 2, 16, 16),
+])
+def test_kernel_matches_reference(threads, n, hkv, group, d, bs):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(n * 100 + d)
+        num_blocks, max_blocks = 64, 9
+        layer_kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g)
+        q = torch.randn(n, hkv * group, d, generator=g)
+        tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(n)])
+        lens = torch.randint(1, max_blocks * bs + 1, (n,), generator=g)
+        lens[0] = 1                  # a prompt of one token
+        lens[-1] = max_blocks * bs   # a completely full block table
+        got = kernel(q, layer_kv, tables, lens, d ** -0.5)
+        torch.testing.assert_close(got, reference(q, layer_kv, tables, lens, d ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_kernel_rejects_bad_inputs():
+    q = torch.randn(2, 4, 64)
+    kv = torch.randn(2, 8, 16, 2, 64)
+    tables = torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernel(q, kv, tables, torch.tensor([5, 33]), 0.1)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(q.double(), kv, tables, torch.tensor([5, 3]), 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel(torch.randn(2, 4, 8), torch.randn(2, 8, 16, 2, 8), tables, torch.tensor([5, 3]), 0.1)
