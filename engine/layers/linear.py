@@ -38,15 +38,20 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
-    def finalize(self) -> None:
-        """Called once after all weights are loaded."""
+    def finalize(self, release_dense: bool = True) -> None:
+        """Called once after all weights are loaded. Once packed, the dense copy is only dead
+        weight (a second copy of the model in memory), unless another module shares it."""
         self._packed = None
         if _onednn_usable(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
+            if release_dense:
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        if self._packed is not None:   # (the dense weight may be released: always take this path)
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, bias,
+                                                   "none", [], "")
+            return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

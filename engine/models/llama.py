@@ -133,5 +133,5 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
         for module in self.modules():
-            if isinstance(module, LinearBase):
-                module.finalize()
+            if isinstance(module, LinearBase):   # the tied head shares the embedding's storage
+                module.finalize(release_dense=not (module is self.lm_head and self.config.tie_word_embeddings))

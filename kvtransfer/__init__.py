@@ -1,0 +1,11 @@
+"""Moving KV cache between engines: headers, layouts, re-sharding and the transports.
+
+Imports neither the engine nor any worker (see DESIGN.md section 2): everything here speaks in
+tensors, block ids and token ranges.
+"""
+from kvtransfer.layout import KVLayout, LayoutMismatch
+from kvtransfer.state import TransferState
+from kvtransfer.wire import WIRE_VERSION, ChunkHeader, decode_frame, encode_frame
+
+__all__ = ["KVLayout", "LayoutMismatch", "TransferState", "ChunkHeader", "WIRE_VERSION",
+           "encode_frame", "decode_frame"]

@@ -1,0 +1,75 @@
+"""One request's incoming KV on one decode rank: writes chunks, tracks coverage, takes the commit.
+
+Coverage is kept per (layer, token, kv head) of this rank, so chunks may arrive in any order and
+split any way (chunked prefill, several prefill TP ranks): a commit is accepted only once every
+layer holds every prompt token past the tokens the decode side already had cached.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvtransfer.layout import KVLayout
+from kvtransfer.reshard import write_chunk
+from kvtransfer.state import TransferState
+from kvtransfer.wire import ChunkHeader
+
+
+class IncompleteTransfer(RuntimeError):
+    pass
+
+
+class KVReceiver:
+    def __init__(self, request_id: str, kv_cache: torch.Tensor, layout: KVLayout,
+                 block_ids: list[int], num_cached_tokens: int, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.block_ids = block_ids
+        self.num_cached_tokens = num_cached_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.state = TransferState.PENDING
+        self.first_token: int | None = None
+        self.error: str | None = None
+        self.bytes_received = 0
+        self._covered = torch.zeros(layout.num_layers, num_prompt_tokens, layout.heads_per_rank,
+                                    dtype=torch.bool)
+        self._covered[:, :num_cached_tokens] = True
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._covered.all())
+
+    def on_frame(self, header: ChunkHeader, payload) -> TransferState:
+        if self.state in (TransferState.DONE, TransferState.FAILED):
+            return self.state
+        try:
+            if header.kind == "abort":
+                self._fail("the sender aborted the transfer")
+            elif header.kind == "commit":
+                if not self.complete:
+                    missing = int((~self._covered).sum())
+                    raise IncompleteTransfer(f"commit before all KV arrived ({missing} values missing)")
+                self.first_token = header.first_token
+                self.state = TransferState.DONE
+            else:
+                self._write(header, payload)
+        except Exception as e:   # a bad chunk fails this request, never the worker
+            self._fail(str(e))
+        return self.state
+
+    def _write(self, header: ChunkHeader, payload) -> None:
+        self.layout.check_compatible(header.fingerprint, "prefill worker")
+        if header.end > self.num_prompt_tokens:
+            raise ValueError(f"chunk tokens [{header.start}, {header.end}) run past the prompt "
+                             f"({self.num_prompt_tokens} tokens)")
+        written = write_chunk(self.kv_cache, self.layout, self.block_ids, header, payload)
+        if written:
+            d0, d1 = self.layout.head_range
+            lo, hi = max(d0, header.head_start), min(d1, header.head_end)
+            self._covered[header.layer, header.start:header.end, lo - d0:hi - d0] = True
+            self.bytes_received += len(payload) if not isinstance(payload, torch.Tensor) else (
+                payload.numel() * payload.element_size())
+        self.state = TransferState.TRANSFERRING
+
+    def _fail(self, why: str) -> None:
+        self.state, self.error = TransferState.FAILED, why

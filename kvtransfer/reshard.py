@@ -1,0 +1,81 @@
+"""Reading KV out of one paged cache and writing it into another, across block sizes and TP splits.
+
+Data moves per token (each side maps token t to its own block_ids[t // block_size]) and per
+global kv-head range, so prefill with tp=3 can fill decode with tp=1 and the other way round:
+every receiving rank takes the intersection of the chunk's heads with its own.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvtransfer.layout import KVLayout, LayoutMismatch
+from kvtransfer.wire import ChunkHeader
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:
+    # received frames are read-only buffers; we only read them, so a zero-copy view is safe and
+    # torch's "not writable" warning is noise here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(payload, dtype=dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    t = torch.arange(start, end)
+    return torch.tensor(block_ids, dtype=torch.long)[t // block_size] * block_size + t % block_size
+
+
+def read_chunk(layer_kv: torch.Tensor, layout: KVLayout, request_id: str, layer: int,
+               block_ids: list[int], start: int, end: int) -> tuple[ChunkHeader, torch.Tensor]:
+    """This rank's heads of tokens [start, end): header + contiguous [2, n, heads, head_dim]."""
+    flat = layer_kv.view(2, -1, layout.heads_per_rank, layout.head_dim)
+    data = flat[:, slots(block_ids, layout.block_size, start, end).to(layer_kv.device)].contiguous()
+    h0, h1 = layout.head_range
+    header = ChunkHeader(request_id, layout.fingerprint, layer, start, end, h0, h1,
+                         layout.head_dim, dtype_name(layer_kv.dtype))
+    return header, data
+
+
+def write_chunk(kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int],
+                header: ChunkHeader, payload) -> int:
+    """Write the part of a chunk this rank holds into its blocks; returns the tokens written.
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, heads_per_rank, head_dim] of this rank.
+    payload: a tensor or a bytes-like object in the header's dtype and shape.
+    """
+    layout.check_compatible(header.fingerprint, "sender")
+    if header.dtype != dtype_name(kv_cache.dtype):
+        raise LayoutMismatch(f"chunk dtype {header.dtype} != cache dtype {dtype_name(kv_cache.dtype)}")
+    if not 0 <= header.layer < layout.num_layers:
+        raise ValueError(f"chunk layer {header.layer} outside [0, {layout.num_layers})")
+    if header.end > len(block_ids) * layout.block_size or header.start < 0 or header.end < header.start:
+        raise ValueError(f"chunk tokens [{header.start}, {header.end}) do not fit the "
+                         f"{len(block_ids)} reserved blocks of {layout.block_size} tokens")
+    if isinstance(payload, torch.Tensor):
+        data = payload
+    else:
+        data = _view_bytes(payload, _DTYPES[header.dtype]) if len(payload) else None
+    expected = 1
+    for n in header.shape:
+        expected *= n
+    if data is None or data.numel() != expected:
+        raise ValueError(f"chunk payload has {0 if data is None else data.numel()} values, "
+                         f"header says {header.shape}")
+    data = data.view(header.shape)
+    d0, d1 = layout.head_range
+    lo, hi = max(d0, header.head_start), min(d1, header.head_end)
+    if lo >= hi or header.end == header.start:
+        return 0
+    part = data[:, :, lo - header.head_start:hi - header.head_start].to(kv_cache.device)
+    flat = kv_cache[header.layer].view(2, -1, layout.heads_per_rank, layout.head_dim)
+    idx = slots(block_ids, layout.block_size, header.start, header.end).to(kv_cache.device)
+    flat[:, idx, lo - d0:hi - d0] = part
+    return header.end - header.start

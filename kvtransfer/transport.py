@@ -1,0 +1,57 @@
+"""The transport interface: ordered frames from a prefill rank to a decode rank.
+
+A channel is long-lived and carries the frames of many requests; frames on one channel arrive in
+the order they were sent, so a request's "commit" always follows its KV. Backends:
+  grpc   streamed bytes over a client-streaming RPC (any two hosts)
+  shm    same host: KV is written straight into the decode worker's KV pool, which lives in shared
+         memory; only the headers travel
+  torch  torch.distributed send/recv over a process group of the two ranks (gloo on CPU, nccl on GPU)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.layout import KVLayout
+from kvtransfer.wire import ChunkHeader
+
+# called on the receiving side for every frame, in channel order; payload is bytes-like or a
+# tensor, or None when the sender already wrote the KV in place (shm)
+FrameHandler = Callable[[ChunkHeader, object], None]
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a request's KV goes on one decode rank (from its reservation)."""
+    block_ids: list[int]
+    layout: KVLayout
+
+
+class Transport(ABC):
+    """Sender side of one channel."""
+
+    @abstractmethod
+    def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
+        """Queue one frame. May block briefly when the channel is full (backpressure)."""
+
+    @abstractmethod
+    def flush(self, timeout: float) -> None:
+        """Return once every frame sent so far was handed to the receiver; raise TimeoutError."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class TransportServer(ABC):
+    """Receiver side: accepts channels and calls the handler for each frame."""
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """What a sender passes to `connect` (host:port, a shm name, a store address...)."""
+
+    @abstractmethod
+    def stop(self) -> None: ...
