@@ -6,6 +6,7 @@ KV goes, which blocks each sequence reads) is computed once per step and shared 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,22 +36,23 @@ class AttentionMetadata:
     on_layer_done: Callable[[int], None] | None = None
 
 
-_current: AttentionMetadata | None = None
+# per thread: two engines in one process (a test, or a colocated pair) each step on their own thread
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def forward_context(meta: AttentionMetadata):
-    global _current
-    if _current is not None:
+    if getattr(_local, "meta", None) is not None:
         raise RuntimeError("forward_context does not nest: a step is already running")
-    _current = meta
+    _local.meta = meta
     try:
         yield meta
     finally:
-        _current = None
+        _local.meta = None
 
 
 def get_forward_context() -> AttentionMetadata:
-    if _current is None:
+    meta = getattr(_local, "meta", None)
+    if meta is None:
         raise RuntimeError("attention called outside forward_context")
-    return _current
+    return meta

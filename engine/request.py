@@ -90,3 +90,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def aborted(cls, request_id: str, reason: str) -> "RequestOutput":
+        """The last output of a request that was cut short, so its stream ends."""
+        return cls(request_id, None, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value,
+                                                           stop_reason=reason)], finished=True)

@@ -1,0 +1,1 @@
+"""Decode worker: holds reservations, receives pushed KV, decodes with continuous batching."""

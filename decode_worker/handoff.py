@@ -1,0 +1,130 @@
+"""Decode-side hand-off: reservations with leases, incoming KV, commit.
+
+Lifecycle of one request on a decode worker:
+  reserve (router)      -> RESERVED: engine blocks held, a KVReceiver, a lease deadline
+  "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread)
+  "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch,
+                           outputs stream to the request's callback
+  "abort" frame, abort(), a bad frame, or the lease running out before the commit
+                        -> engine abort: blocks freed, the callback gets a finished "abort" output
+Every path ends in exactly one of: running in the engine, or freed. Writes and aborts of one
+reservation take its lock, so blocks are never freed (and handed to someone else) mid-write.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.engine_loop import EngineLoop, OutputCallback
+from engine.request import RequestOutput
+from kvtransfer.layout import KVLayout
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.state import TransferState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    receiver: KVReceiver
+    on_output: OutputCallback
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False   # committed or aborted: no more writes into its blocks
+
+
+@dataclass(frozen=True)
+class Reserved:
+    request_id: str
+    block_ids: list[int]
+    block_size: int
+    num_cached_tokens: int
+    lease_deadline: float   # time.monotonic() of this process
+
+
+class DecodeHandoff:
+    def __init__(self, loop: EngineLoop, layout: KVLayout, lease_s: float = 10.0,
+                 sweep_s: float = 0.1):
+        self.loop = loop
+        self.layout = layout
+        self.lease_s = lease_s
+        self._entries: dict[str, _Entry] = {}
+        self._entries_lock = threading.Lock()
+        self.num_expired = 0
+        self.num_unknown_frames = 0
+        loop.every(sweep_s, self._expire)
+
+    # ---- control plane (router) -----------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params,
+                on_output: OutputCallback, lease_s: float | None = None) -> Reserved:
+        """Raises the engine's ValueError (bad request) or NoFreeBlocks (pool full)."""
+        lease = self.lease_s if lease_s is None else lease_s
+
+        def reserve():
+            res = self.loop.engine.reserve(request_id, prompt_token_ids, params)
+            receiver = KVReceiver(request_id, self.loop.engine.kv_cache, self.layout,
+                                  res.block_ids, res.num_cached_tokens, len(prompt_token_ids))
+            deadline = time.monotonic() + lease
+            with self._entries_lock:
+                self._entries[request_id] = _Entry(receiver, on_output, deadline)
+            return Reserved(request_id, res.block_ids, res.block_size, res.num_cached_tokens, deadline)
+        return self.loop.call(reserve)
+
+    def abort(self, request_id: str, reason: str = "aborted by the router") -> bool:
+        """Frees a reservation or a running request; True if it was known."""
+        if self.loop.call(self._close, request_id, reason):
+            return True
+        return self.loop.abort(request_id, reason)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._entries)
+
+    # ---- data plane (transport threads) ---------------------------------------------------------
+    def on_frame(self, header, payload) -> None:
+        entry = self._entries.get(header.request_id)
+        if entry is None:   # expired or aborted already: the sender learns at its next Prefill
+            self.num_unknown_frames += 1
+            return
+        with entry.lock:
+            if entry.closed:
+                return
+            state = entry.receiver.on_frame(header, payload)
+        if state == TransferState.DONE:
+            self.loop.submit(self._commit, header.request_id)
+        elif state == TransferState.FAILED:
+            self.loop.submit(self._close, header.request_id, entry.receiver.error)
+
+    # ---- on the loop thread ---------------------------------------------------------------------
+    def _commit(self, request_id: str) -> None:
+        entry = self._pop(request_id)
+        if entry is None:
+            return
+        with entry.lock:
+            entry.closed = True
+        self.loop.watch(request_id, entry.on_output)
+        self.loop.engine.commit(request_id, entry.receiver.first_token)
+
+    def _close(self, request_id: str, reason: str) -> bool:
+        entry = self._pop(request_id)
+        if entry is None:
+            return False
+        with entry.lock:   # waits out a write in progress
+            entry.closed = True
+        self.loop.engine.abort(request_id)
+        log.info("reservation %s freed: %s", request_id, reason)
+        entry.on_output(RequestOutput.aborted(request_id, reason))
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        late = [rid for rid, e in list(self._entries.items()) if now > e.deadline]
+        for rid in late:
+            if self._close(rid, "lease expired before the commit"):
+                self.num_expired += 1
+
+    def _pop(self, request_id: str) -> _Entry | None:
+        with self._entries_lock:
+            return self._entries.pop(request_id, None)

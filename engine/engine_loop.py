@@ -1,0 +1,159 @@
+"""An LLMEngine owned by one dedicated thread, for servers.
+
+gRPC handlers run on a thread pool; if they called into torch directly, several threads would
+compete for the cores (on the 2-core machine that halved throughput). Here every engine call runs
+on the loop thread, between steps: other threads `call()` a function and wait for its result, and
+outputs go back through per-request callbacks, which must be cheap (put into a queue).
+
+Loop: run queued calls -> run periodic ticks (lease expiry) -> one engine step if any work ->
+dispatch outputs -> sleep until new work when idle.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineLoopStopped(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine, name: str = "engine-loop"):
+        self.engine = engine
+        self._calls: deque[tuple[Callable, tuple, Future]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._ticks: list[tuple[float, Callable[[], None], list[float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_steps = 0
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- from other threads -------------------------------------------------------------------
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run fn(*args) on the loop thread; the Future holds its result or exception."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(EngineLoopStopped("the engine loop is stopped"))
+                return fut
+            self._calls.append((fn, args, fut))
+        self._wake.set()
+        return fut
+
+    def call(self, fn: Callable, *args, timeout: float | None = 30.0):
+        return self.submit(fn, *args).result(timeout)
+
+    def add_request(self, request_id: str, prompt, params, on_output: OutputCallback,
+                    timeout: float | None = 30.0, **kwargs) -> None:
+        """Validated on the loop thread; raises the engine's ValueError to the caller."""
+        def add():
+            self.engine.add_request(request_id, prompt, params, **kwargs)
+            self._callbacks[request_id] = on_output
+        self.call(add, timeout=timeout)
+
+    def watch(self, request_id: str, on_output: OutputCallback) -> None:
+        """Deliver outputs of a request added another way (reserve + commit) to `on_output`.
+        Call it on the loop thread (inside `call`), before the request can produce output."""
+        self._callbacks[request_id] = on_output
+
+    def abort(self, request_id: str, reason: str = "aborted", timeout: float | None = 30.0) -> bool:
+        """Stops a request; its callback receives a final "abort" output."""
+        def abort():
+            found = self.engine.abort(request_id)
+            cb = self._callbacks.pop(request_id, None)
+            if found and cb is not None:
+                cb(RequestOutput.aborted(request_id, reason))
+            return found
+        return self.call(abort, timeout=timeout)
+
+    def every(self, period_s: float, fn: Callable[[], None]) -> None:
+        """Run fn on the loop thread about every period_s seconds (e.g. lease expiry)."""
+        self._ticks.append((period_s, fn, [time.monotonic() + period_s]))
+
+    # ---- the loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()   # before taking calls: a submit after this sets it again
+            self._run_calls()
+            self._run_ticks()
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception:   # a failed step must not kill the server silently
+                    log.exception("engine step failed; aborting its requests")
+                    self._fail_all()
+                    continue
+                self.num_steps += 1
+                self._dispatch(outputs)
+            else:
+                self._wait_for_work()
+        self._fail_pending_calls()
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, deque()
+        for fn, args, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    def _run_ticks(self) -> None:
+        now = time.monotonic()
+        for period, fn, due in self._ticks:
+            if now >= due[0]:
+                due[0] = now + period
+                try:
+                    fn()
+                except Exception:
+                    log.exception("engine loop tick failed")
+
+    def _wait_for_work(self) -> None:
+        deadline = min((due[0] for _, _, due in self._ticks), default=time.monotonic() + 0.5)
+        self._wake.wait(max(0.0, deadline - time.monotonic()))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            cb = self._callbacks.get(out.request_id)
+            if out.finished:
+                self._callbacks.pop(out.request_id, None)
+            if cb is not None:
+                try:
+                    cb(out)
+                except Exception:
+                    log.exception("output callback of %s failed", out.request_id)
+
+    def _fail_all(self) -> None:
+        for request_id in list(self._callbacks):
+            self.engine.abort(request_id)
+            self._callbacks.pop(request_id, None)
+
+    def _fail_pending_calls(self) -> None:
+        with self._lock:
+            self._closed = True
+            calls, self._calls = self._calls, deque()
+        for _, _, fut in calls:
+            if not fut.done():
+                fut.set_exception(EngineLoopStopped("the engine loop stopped"))

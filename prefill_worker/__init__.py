@@ -1,0 +1,1 @@
+"""Prefill worker: runs prompts and pushes their KV, layer by layer, into decode reservations."""

@@ -1,0 +1,49 @@
+"""Prefill-side hand-off: an engine KV sink that pushes each finished layer into a reservation.
+
+Lifecycle of one request on a prefill worker:
+  Prefill(request, reservation) -> engine prefill-only request with a PushSink
+  each step, as each layer finishes -> "kv" frames for the tokens that became final (skipping the
+                                       tokens the decode side already holds from its prefix cache)
+  first token sampled -> "commit" frame on the same channel (so it follows all the KV)
+  failure or abort    -> "abort" frame; the decode side frees the reservation
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvtransfer.layout import KVLayout
+from kvtransfer.reshard import read_chunk
+from kvtransfer.transport import Destination, Transport
+from kvtransfer.wire import ChunkHeader
+
+
+class PushSink:
+    def __init__(self, request_id: str, layout: KVLayout, transport: Transport,
+                 dest: Destination, num_cached_on_decode: int):
+        self.request_id = request_id
+        self.layout = layout
+        self.transport = transport
+        self.dest = dest
+        self.skip = num_cached_on_decode
+        self.bytes_sent = 0
+        self.last_send_time: float | None = None
+
+    def on_layer(self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int,
+                 end: int) -> None:
+        start = max(start, self.skip)
+        if start >= end:
+            return
+        header, data = read_chunk(layer_kv, self.layout, self.request_id, layer, block_ids, start, end)
+        self.transport.send(header, data, self.dest)
+        self.bytes_sent += data.numel() * data.element_size()
+        self.last_send_time = time.monotonic()
+
+    def commit(self, first_token: int) -> None:
+        self.transport.send(ChunkHeader(self.request_id, self.layout.fingerprint, kind="commit",
+                                        first_token=first_token), None, self.dest)
+
+    def abort(self) -> None:
+        self.transport.send(ChunkHeader(self.request_id, self.layout.fingerprint, kind="abort"),
+                            None, self.dest)

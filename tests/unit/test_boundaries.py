@@ -1,0 +1,35 @@
+"""The folder boundaries of DESIGN.md section 2, checked on every module's imports."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FORBIDDEN = {
+    "engine": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
+    "kvtransfer": {"engine", "prefill_worker", "decode_worker", "router", "deploy"},
+    "prefill_worker": {"decode_worker", "router", "deploy"},
+    "decode_worker": {"prefill_worker", "router", "deploy"},
+}
+
+
+def imported_packages(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_stay_inside_its_boundary(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"{package}/ has no modules"
+    bad = [f"{f.relative_to(ROOT)} imports {sorted(imported_packages(f) & FORBIDDEN[package])}"
+           for f in files if imported_packages(f) & FORBIDDEN[package]]
+    assert not bad, "boundary violations (see ../shared/DESIGN.md section 2):\n" + "\n".join(bad)
