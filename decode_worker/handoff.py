@@ -107,12 +107,13 @@ class DecodeHandoff:
         self.loop.watch(request_id, entry.on_output)
         self.loop.engine.commit(request_id, entry.receiver.first_token)
 
-    def _close(self, request_id: str, reason: str) -> bool:
+    def _close(self, request_id: str, reason: str, expired: bool = False) -> bool:
         entry = self._pop(request_id)
         if entry is None:
             return False
         with entry.lock:   # waits out a write in progress
             entry.closed = True
+        self.num_expired += expired   # before the callback: whoever it wakes sees the count
         self.loop.engine.abort(request_id)
         log.info("reservation %s freed: %s", request_id, reason)
         entry.on_output(RequestOutput.aborted(request_id, reason))
@@ -122,8 +123,7 @@ class DecodeHandoff:
         now = time.monotonic()
         late = [rid for rid, e in list(self._entries.items()) if now > e.deadline]
         for rid in late:
-            if self._close(rid, "lease expired before the commit"):
-                self.num_expired += 1
+            self._close(rid, "lease expired before the commit", expired=True)
 
     def _pop(self, request_id: str) -> _Entry | None:
         with self._entries_lock:

@@ -6,6 +6,8 @@ layer holds every prompt token past the tokens the decode side already had cache
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvtransfer.layout import KVLayout
@@ -62,13 +64,19 @@ class KVReceiver:
         if header.end > self.num_prompt_tokens:
             raise ValueError(f"chunk tokens [{header.start}, {header.end}) run past the prompt "
                              f"({self.num_prompt_tokens} tokens)")
-        written = write_chunk(self.kv_cache, self.layout, self.block_ids, header, payload)
+        d0, d1 = self.layout.head_range
+        lo, hi = max(d0, header.head_start), min(d1, header.head_end)
+        if header.in_place:   # shm: the sender wrote the KV into kv_cache itself; only record coverage
+            written = header.end - header.start if lo < hi else 0
+        else:
+            written = write_chunk(self.kv_cache, self.layout, self.block_ids, header, payload)
         if written:
-            d0, d1 = self.layout.head_range
-            lo, hi = max(d0, header.head_start), min(d1, header.head_end)
             self._covered[header.layer, header.start:header.end, lo - d0:hi - d0] = True
-            self.bytes_received += len(payload) if not isinstance(payload, torch.Tensor) else (
-                payload.numel() * payload.element_size())
+            if header.in_place:
+                self.bytes_received += math.prod(header.shape) * self.kv_cache.element_size()
+            else:
+                self.bytes_received += len(payload) if not isinstance(payload, torch.Tensor) else (
+                    payload.numel() * payload.element_size())
         self.state = TransferState.TRANSFERRING
 
     def _fail(self, why: str) -> None:

@@ -38,6 +38,7 @@ class ChunkHeader:
     kind: str = "kv"
     first_token: int = -1   # "commit" only
     version: int = WIRE_VERSION
+    in_place: bool = False  # "kv" only: the sender already wrote the KV into the receiver's cache (shm)
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -42,7 +42,8 @@ def cpu_paged_decode():
         build = default_cache_dir() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         module = load(name=f"pdserve_paged_decode_{key}", sources=[str(_SRC)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                      extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp", "-lmvec"],
                       build_directory=str(build), verbose=False)
         return module.paged_decode
     except Exception as e:   # no compiler, no headers, no ninja: the torch path still works

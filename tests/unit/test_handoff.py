@@ -132,7 +132,10 @@ def test_abort_at_every_stage(pair):
     transport.hold.clear()
     reserved = handoff.reserve("a2", prompt, PARAMS, c)
     start_prefill(prefill, handoff, layouts, "a2", prompt, reserved, transport)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while transport.sent == 0 and time.monotonic() < deadline:   # KV is on its way, held
+        time.sleep(0.005)
+    assert transport.sent > 0
     assert handoff.abort("a2") and c.final().finish_reason == "abort"
     transport.hold.set()
     transport.flush(10)          # late frames for a freed reservation are dropped, not written

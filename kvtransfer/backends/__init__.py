@@ -1,0 +1,52 @@
+"""Transport backends and the factory the workers use.
+
+    server = serve("grpc", handler)                 # decode rank: frames -> handler(header, payload)
+    transport = connect("grpc", server.address)     # prefill rank
+
+    grpc   any two hosts; frames ride one client-streaming RPC per channel
+    shm    same host; serve("shm", handler, kv_cache=..., kv_path=...) with the pool made by
+           create_shared_kv_cache; the sender writes KV straight into it, headers ride gRPC
+    torch  torch.distributed gloo point-to-point in a private group per sender (no default group)
+
+Options (keyword arguments) go to the backend's server or transport class; see each module.
+"""
+from __future__ import annotations
+
+from kvtransfer.backends.shm_backend import create_shared_kv_cache, remove_shared_kv_cache
+from kvtransfer.transport import FrameHandler, Transport, TransportServer
+
+BACKENDS = ("grpc", "shm", "torch")
+
+
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}: set backend to one of them")
+
+
+def serve(backend: str, handler: FrameHandler, **opts) -> TransportServer:
+    """Start the receiving side (decode rank); its `address` is what senders pass to `connect`."""
+    _check(backend)
+    if backend == "grpc":
+        from kvtransfer.backends.grpc_backend import GrpcServer
+        return GrpcServer(handler, **opts)
+    if backend == "shm":
+        from kvtransfer.backends.shm_backend import ShmServer
+        return ShmServer(handler, **opts)
+    from kvtransfer.backends.torch_backend import TorchServer
+    return TorchServer(handler, **opts)
+
+
+def connect(backend: str, address: str, **opts) -> Transport:
+    """Open a channel from a sender (prefill rank) to the server at `address`."""
+    _check(backend)
+    if backend == "grpc":
+        from kvtransfer.backends.grpc_backend import GrpcTransport
+        return GrpcTransport(address, **opts)
+    if backend == "shm":
+        from kvtransfer.backends.shm_backend import ShmTransport
+        return ShmTransport(address, **opts)
+    from kvtransfer.backends.torch_backend import TorchTransport
+    return TorchTransport(address, **opts)
+
+
+__all__ = ["BACKENDS", "serve", "connect", "create_shared_kv_cache", "remove_shared_kv_cache"]

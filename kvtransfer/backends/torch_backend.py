@@ -1,0 +1,315 @@
+"""torch.distributed backend: gloo point-to-point between a prefill rank and a decode rank, outside
+any default process group (each worker may already sit in its own TP group).
+
+Rendezvous: the server hosts a TCPStore (`address` = "host:port" of the store). Each sender takes a
+connection number from the store's counter, and both sides build a private gloo group under that
+connection's key prefix, so any number of senders can share one server.
+
+The group has three ranks: 0 is the server's receiving thread, 1 the sender, and 2 a "waker" the
+server holds for `stop`: a pending gloo receive ends only with a message or a dead peer (a wait
+that times out tears the group down), so `stop` ends an idle channel by sending from rank 2.
+
+A frame is three messages, each with its own tag, in order: int64 [header bytes, payload values,
+dtype code] (header bytes < 0: the channel ends), the msgpack header as uint8, and the flat
+payload in its own dtype (left out when empty). The receiver posts the next frame's first
+receive before handling the current one, so the sender rarely waits for a receive to be posted.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import struct
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
+from kvtransfer.wire import ChunkHeader, decode_frame, encode_frame
+
+log = logging.getLogger(__name__)
+
+RECEIVER_RANK, SENDER_RANK, WAKER_RANK, GROUP_SIZE = 0, 1, 2, 3
+TAG_LENGTHS, TAG_HEADER, TAG_PAYLOAD = 1, 2, 3
+KEY_PREFIX = "pdserve/kv"
+CONNECTIONS_KEY = f"{KEY_PREFIX}/connections"
+PAYLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8,
+                  torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+_END = (-1, 0, 0)
+_HEADER_LENGTH = struct.Struct("<I")   # the wire frame's length prefix
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_group(store, rank: int, timeout: float, host: str) -> dist.ProcessGroupGloo:
+    """A private gloo group of one connection (blocks until all three ranks joined, or timeout)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = _td(timeout)
+    return dist.ProcessGroupGloo(store, rank, GROUP_SIZE, opts)
+
+
+def _store_prefix(conn_id: int) -> str:
+    return f"{KEY_PREFIX}/conn{conn_id}/"
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+class _Connection:
+    """The server's side of one sender: its group, its receiving thread, its waker."""
+
+    def __init__(self, server: "TorchServer", conn_id: int):
+        self.server = server
+        self.conn_id = conn_id
+        self.lock = threading.Lock()
+        self.waker: dist.ProcessGroupGloo | None = None
+        self.wake_work = None
+        self.thread = threading.Thread(target=self._run, name=f"pdserve-kv-torch-conn{conn_id}",
+                                       daemon=True)
+
+    def _store(self):
+        s = self.server
+        return dist.PrefixStore(_store_prefix(self.conn_id),
+                                dist.TCPStore(s.host, s.port, is_master=False, timeout=_td(s.timeout)))
+
+    def _build(self):
+        s, built = self.server, {}
+
+        def build_waker():
+            try:
+                built["waker"] = make_group(self._store(), WAKER_RANK, s.timeout, s.host)
+            except Exception as e:
+                built["error"] = e
+
+        helper = threading.Thread(target=build_waker, name=f"pdserve-kv-torch-waker{self.conn_id}",
+                                  daemon=True)
+        helper.start()
+        try:
+            pg = make_group(self._store(), RECEIVER_RANK, s.timeout, s.host)
+        finally:
+            helper.join(s.timeout + 5.0)
+        if "waker" not in built:
+            raise built.get("error") or TimeoutError("the waker rank did not join")
+        return pg, built["waker"]
+
+    def _run(self):
+        try:
+            pg, waker = self._build()
+        except Exception as e:
+            log.warning("KV sender %d never joined its group: %s", self.conn_id, e)
+            return
+        with self.lock:
+            self.waker = waker
+            if self.server.stopping:    # stop() ran while the group formed: end at once
+                self.wake_work = waker.send([torch.tensor(_END)], RECEIVER_RANK, TAG_LENGTHS)
+        try:
+            self._receive(pg)
+        except Exception as e:
+            log.warning("KV channel %d closed: %s", self.conn_id, e)
+        finally:
+            with self.lock:
+                self.waker = None
+            del pg, waker    # closes the sockets: the sender sees a dead peer at its next send
+
+    def _receive(self, pg) -> None:
+        s = self.server
+        lengths = torch.empty(3, dtype=torch.int64)
+        pending = pg.recv_anysource([lengths], TAG_LENGTHS)
+        while True:
+            pending.wait(_td(s.idle_timeout))
+            n_header, n_values, code = lengths.tolist()
+            if n_header < 0:
+                return
+            header_bytes = torch.empty(n_header, dtype=torch.uint8)
+            works = [pg.recv([header_bytes], SENDER_RANK, TAG_HEADER)]
+            payload = None
+            if n_values:
+                payload = torch.empty(n_values, dtype=PAYLOAD_DTYPES[code])
+                works.append(pg.recv([payload], SENDER_RANK, TAG_PAYLOAD))
+            lengths = torch.empty(3, dtype=torch.int64)
+            pending = pg.recv_anysource([lengths], TAG_LENGTHS)
+            for work in works:
+                work.wait(_td(s.timeout))
+            header, _ = decode_frame(_HEADER_LENGTH.pack(n_header) + header_bytes.numpy().tobytes())
+            s.call_handler(header, None if header.in_place else payload)
+
+    def wake(self) -> None:
+        with self.lock:
+            if self.waker is not None and self.wake_work is None:
+                self.wake_work = self.waker.send([torch.tensor(_END)], RECEIVER_RANK, TAG_LENGTHS)
+
+
+class TorchServer(TransportServer):
+    """Receiver side. timeout bounds group formation and a frame's messages; idle_timeout bounds the
+    wait for the next frame (an idle channel past it closes and its sender must reconnect)."""
+
+    def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
+                 timeout: float = 30.0, idle_timeout: float = 24 * 3600.0, poll_interval: float = 0.02):
+        self._handler = handler
+        self.host, self.timeout, self.idle_timeout = host, timeout, idle_timeout
+        self._poll_interval = poll_interval
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    timeout=_td(timeout))
+        self.port = self._store.port
+        self.stopping = False
+        self._stop_event = threading.Event()
+        self._connections: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._accept_thread = threading.Thread(target=self._accept, name="pdserve-kv-torch-accept",
+                                               daemon=True)
+        self._accept_thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _accept(self) -> None:
+        seen = 0
+        while not self._stop_event.wait(self._poll_interval):
+            try:
+                announced = self._store.add(CONNECTIONS_KEY, 0)
+            except Exception as e:
+                log.error("KV transfer store at %s failed: %s", self.address, e)
+                return
+            while seen < announced:
+                conn = _Connection(self, seen)
+                with self._lock:
+                    if self.stopping:
+                        return
+                    self._connections.append(conn)
+                    self._connections = [c for c in self._connections if c.thread.is_alive() or c is conn]
+                conn.thread.start()
+                seen += 1
+
+    def call_handler(self, header: ChunkHeader, payload) -> None:
+        try:
+            self._handler(header, payload)
+        except Exception:   # one request's trouble must not close a channel that carries others
+            log.exception("KV frame handler failed for request %s (%s frame)", header.request_id,
+                          header.kind)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.stopping:
+                return
+            self.stopping = True
+            connections = list(self._connections)
+        self._stop_event.set()
+        self._accept_thread.join(self.timeout)
+        for conn in connections:
+            conn.wake()
+        deadline = time.monotonic() + self.timeout
+        for conn in connections:
+            conn.thread.join(max(0.0, deadline - time.monotonic()))
+            if conn.thread.is_alive():
+                log.warning("KV channel %d did not stop within %ss", conn.conn_id, self.timeout)
+            conn.wake_work = None
+        self._store = None
+
+
+class TorchTransport(Transport):
+    """Sender side. timeout bounds connecting and every wait for a send to complete; at most
+    max_inflight_frames frames are in flight before `send` waits for the oldest.
+
+    The payload tensor is sent from its own memory: do not modify it until `flush` returns
+    (read_chunk hands out a fresh tensor per chunk).
+    """
+
+    def __init__(self, address: str, timeout: float = 30.0, max_inflight_frames: int = 32,
+                 gloo_host: str | None = None):
+        host, _, port = address.rpartition(":")
+        self._address, self._timeout = address, timeout
+        self._max_inflight = max(1, max_inflight_frames)
+        try:
+            self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(timeout))
+            conn_id = self._store.add(CONNECTIONS_KEY, 1) - 1
+            if gloo_host is None:
+                gloo_host = "127.0.0.1" if _is_loopback(host) else ""
+            self._pg = make_group(dist.PrefixStore(_store_prefix(conn_id), self._store), SENDER_RANK,
+                                  timeout, gloo_host)
+        except (RuntimeError, ValueError) as e:
+            raise ConnectionError(f"cannot join the KV transfer server at {address}: {e}") from None
+        self._lock = threading.Lock()
+        self._inflight: collections.deque = collections.deque()   # (works, tensors kept alive)
+        self._error: Exception | None = None
+        self._closed = False
+
+    def _fail(self, e: Exception, what: str) -> Exception:
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        err = (TimeoutError if timed_out else ConnectionError)(
+            f"KV {what} to {self._address} failed: {e}")
+        self._error = err
+        return err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KV transport is closed")
+        if self._error is not None:
+            raise ConnectionError(f"the KV channel to {self._address} is broken: {self._error}")
+
+    def _wait_oldest(self, deadline: float) -> None:
+        works, _ = self._inflight[0]
+        for work in works:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(RuntimeError("timed out"), "send")
+            try:
+                work.wait(_td(remaining))
+            except RuntimeError as e:
+                raise self._fail(e, "send") from None
+        self._inflight.popleft()
+
+    def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
+        head = encode_frame(header)[1]
+        header_bytes = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        payload = None
+        if data is not None and data.numel():
+            payload = data.detach().to("cpu").contiguous().view(-1)
+            if payload.dtype not in PAYLOAD_DTYPES:
+                raise ValueError(f"the torch KV backend cannot send {payload.dtype} payloads")
+        code = PAYLOAD_DTYPES.index(payload.dtype) if payload is not None else 0
+        lengths = torch.tensor([len(head), 0 if payload is None else payload.numel(), code])
+        with self._lock:
+            self._check_open()
+            deadline = time.monotonic() + self._timeout
+            while len(self._inflight) >= self._max_inflight:
+                self._wait_oldest(deadline)
+            try:
+                works = [self._pg.send([lengths], RECEIVER_RANK, TAG_LENGTHS),
+                         self._pg.send([header_bytes], RECEIVER_RANK, TAG_HEADER)]
+                if payload is not None:
+                    works.append(self._pg.send([payload], RECEIVER_RANK, TAG_PAYLOAD))
+            except RuntimeError as e:
+                raise self._fail(e, "send") from None
+            self._inflight.append((works, (lengths, header_bytes, payload)))
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._check_open()
+            while self._inflight:
+                self._wait_oldest(deadline)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._error is None:    # a clean end, so the server's thread leaves without an error
+                try:
+                    end = torch.tensor(_END)
+                    self._inflight.append(([self._pg.send([end], RECEIVER_RANK, TAG_LENGTHS)], (end,)))
+                    deadline = time.monotonic() + self._timeout
+                    while self._inflight:
+                        self._wait_oldest(deadline)
+                except Exception as e:
+                    log.debug("KV channel to %s did not close cleanly: %s", self._address, e)
+            self._inflight.clear()
+            self._pg = None
+            self._store = None

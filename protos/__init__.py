@@ -1,0 +1,1 @@
+"""gRPC/protobuf definitions of pdserve; see protos/README.md."""

@@ -1,0 +1,174 @@
+from protos.pdserve.v1 import pdserve_pb2 as _pdserve_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _pdserve_pb2.SamplingParams
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class KVEndpoint(_message.Message):
+    __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    address: str
+    layout_fingerprint: str
+    tp_size: int
+    rank_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("request_id", "block_ids", "block_size", "num_cached_tokens", "endpoint", "lease_deadline_unix_ns")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    num_cached_tokens: int
+    endpoint: KVEndpoint
+    lease_deadline_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., lease_deadline_unix_ns: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_str", "stop_token", "timings", "index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: str
+    stop_str: str
+    stop_token: int
+    timings: _pdserve_pb2.Timings
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _pdserve_pb2.SamplingParams
+    reservation: ReserveResponse
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "bytes_sent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token: int
+    first_token_logprob: float
+    num_cached_tokens: int
+    prefill_start_unix_ns: int
+    prefill_end_unix_ns: int
+    transfer_end_unix_ns: int
+    bytes_sent: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+
+class WorkerAbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class WorkerAbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    queued_prompt_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "kv", "model")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    address: str
+    kv: KVEndpoint
+    model: _pdserve_pb2.ModelCard
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv: _Optional[_Union[KVEndpoint, _Mapping]] = ..., model: _Optional[_Union[_pdserve_pb2.ModelCard, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_ms",)
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_ms: int
+    def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "stats")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    stats: WorkerStats
+    def __init__(self, worker_id: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
