@@ -89,3 +89,37 @@ def assert_no_leaks(engine) -> None:
     bm.check_consistency()
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks still referenced"
+
+
+# ---- engine tests on the tiny models (tests/unit/test_engine_*.py) ----------------------------
+LENGTHS = (1, 5, 16, 17, 40, 100, 200)   # the reference prompts' lengths
+NEW = 24                                 # new tokens of each HF greedy reference continuation
+SHARED_PREFIX = 48                       # the shared prefix of the last three reference prompts
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """A 64-wide model gains nothing from a second thread, and on a shared 2-core machine OpenMP
+    spin-waiting made each step ~20x slower (58 ms vs 2 ms); restored after the module.
+    The engine test modules use it for all their tests: pytestmark = usefixtures("one_thread")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_models):
+    """kind -> (model_dir, hf_model, prompts, HF greedy continuations); prompts end with three
+    that share a 48-token prefix, so the prefix cache has something to hit."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            model_dir, hf = tiny_models(kind)
+            prompts = random_prompts(LENGTHS, seed=11)
+            prefix = random_prompts([SHARED_PREFIX], seed=12)[0]
+            prompts += [prefix + tail for tail in random_prompts([3, 20, 33], seed=13)]
+            cache[kind] = (model_dir, hf, prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+        return cache[kind]
+    return get

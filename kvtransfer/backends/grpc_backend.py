@@ -41,9 +41,9 @@ MAX_MESSAGE_BYTES = 512 << 20       # one frame is one message; a layer of a lon
 FLUSH_POLL_S = 0.5                  # one Flush RPC waits at most this long on the server
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int, extra=()) -> list[tuple[str, object]]:
     return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+            ("grpc.max_receive_message_length", max_message_bytes), *extra]
 
 
 def payload_view(data: torch.Tensor | None) -> memoryview | bytes:
@@ -64,7 +64,7 @@ class GrpcServer(TransportServer):
 
     def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
                  max_channels: int = 16, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 stop_grace: float = 1.0):
+                 stop_grace: float = 0.2, grpc_options=()):
         self._handler = handler
         self._max_channels = max_channels
         self._stop_grace = stop_grace
@@ -79,7 +79,7 @@ class GrpcServer(TransportServer):
             "Flush": grpc.unary_unary_rpc_method_handler(self._flush),
         })
         self._server = grpc.server(self._executor, handlers=[methods],
-                                   options=channel_options(max_message_bytes),
+                                   options=channel_options(max_message_bytes, grpc_options),
                                    maximum_concurrent_rpcs=workers)
         try:
             bound = self._server.add_insecure_port(f"{host}:{port}")
@@ -210,10 +210,10 @@ class GrpcTransport(Transport):
     """
 
     def __init__(self, address: str, timeout: float = 10.0, max_queued_bytes: int = 64 << 20,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, grpc_options=()):
         self._address = address
         self._timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes, grpc_options))
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:

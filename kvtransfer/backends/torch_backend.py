@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import socket
 import struct
 import threading
 import time
@@ -227,13 +228,15 @@ class TorchTransport(Transport):
         self._address, self._timeout = address, timeout
         self._max_inflight = max(1, max_inflight_frames)
         try:
+            # a plain connect first: a dead server fails at once, not after TCPStore's retries
+            socket.create_connection((host, int(port)), timeout=timeout).close()
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(timeout))
             conn_id = self._store.add(CONNECTIONS_KEY, 1) - 1
             if gloo_host is None:
                 gloo_host = "127.0.0.1" if _is_loopback(host) else ""
             self._pg = make_group(dist.PrefixStore(_store_prefix(conn_id), self._store), SENDER_RANK,
                                   timeout, gloo_host)
-        except (RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError) as e:
             raise ConnectionError(f"cannot join the KV transfer server at {address}: {e}") from None
         self._lock = threading.Lock()
         self._inflight: collections.deque = collections.deque()   # (works, tensors kept alive)

@@ -1,0 +1,101 @@
+"""The HF transformers side of bench/engine_bench.py, run in its own process (`--side hf`):
+static-batch `model.generate` decode throughput (prefill timed separately) and the time of one
+forward over a fresh 512-token prompt. See engine_bench.py's docstring for the measurements."""
+from __future__ import annotations
+
+import time
+
+from bench.bench_common import (SEED_DECODE, SEED_TTFT, SEED_WARMUP, machine_info, median,
+                                memory_snapshot, random_prompts, section)
+
+
+def run_hf(args) -> dict:
+    import torch
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+    from engine.loader import resolve_model
+
+    res: dict = {"side": "hf", "machine": machine_info(args.threads), "memory_start": memory_snapshot()}
+    t0 = time.perf_counter()
+    model_dir = resolve_model(args.model)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    res["load_s"] = time.perf_counter() - t0
+    res["model_dir"] = str(model_dir)
+    res["memory_after_load"] = memory_snapshot()
+    gc = model.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (
+        gc.eos_token_id[0] if isinstance(gc.eos_token_id, (list, tuple)) else gc.eos_token_id)
+    N, P, M = args.num_requests, args.prompt_len, args.new_tokens
+
+    class StepClock:
+        """A logits processor that only timestamps: generate calls it once per step, so the gaps
+        between calls are HF's decode step times (robust to bursts of VM slowness, unlike the
+        wall time of the whole generate)."""
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def generate(ids: torch.Tensor, new: int, clock=None) -> tuple[torch.Tensor, float]:
+        from transformers import LogitsProcessorList
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=pad,
+                             logits_processor=LogitsProcessorList([clock] if clock else []))
+        return out, time.perf_counter() - t
+
+    def warmup():
+        ids = torch.tensor(random_prompts(SEED_WARMUP, 2, 16))
+        _, t = generate(ids, 4)
+        with torch.inference_mode():
+            model(ids)
+        return {"s": t}
+
+    def decode():
+        ids = torch.tensor(random_prompts(SEED_DECODE, N, P))
+        prefill = []
+        for _ in range(args.prefill_repeats):
+            _, t = generate(ids, 1)
+            prefill.append(t)
+        clock = StepClock()
+        out, total = generate(ids, M, clock)
+        steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+        new = out[:, P:]
+        assert new.shape == (N, M), f"HF produced {tuple(new.shape)} new tokens, wanted {(N, M)}"
+        t_prefill = median(prefill)
+        return {
+            "t_prefill_s": t_prefill, "t_prefill_runs_s": prefill, "t_total_s": total,
+            "decode_tok_s": N * (M - 1) / (total - t_prefill),
+            "e2e_tok_s": N * M / total,
+            "step_durations_s": steps,
+            "median_step_s": median(steps),
+            "decode_tok_s_median_step": N / median(steps),
+            "output_token_ids": new.tolist(),
+        }
+
+    def ttft512():
+        ids = torch.tensor(random_prompts(SEED_TTFT, 1, args.ttft_len))
+        times, times_keep1 = [], []
+        with torch.inference_mode():
+            model(ids)   # warm-up
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                model(ids)
+                times.append(time.perf_counter() - t)
+            # informational: HF without the lm_head over all 512 positions
+            model(ids, logits_to_keep=1)
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                model(ids, logits_to_keep=1)
+                times_keep1.append(time.perf_counter() - t)
+        return {"runs_s": times, "best_s": min(times), "median_s": median(times),
+                "logits_to_keep1_runs_s": times_keep1,
+                "logits_to_keep1_median_s": median(times_keep1)}
+
+    section(res, "warmup", warmup)
+    section(res, "decode", decode)
+    section(res, "ttft512", ttft512)
+    res["memory_peak"] = memory_snapshot()
+    return res

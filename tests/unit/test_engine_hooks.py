@@ -1,0 +1,166 @@
+"""The disaggregation hooks on tiny random models: a prefill-only engine publishes each layer's KV
+through a kv_sink into another engine's reserved blocks, which commits the first token and decodes;
+commit validation, reservations beyond capacity and aborted reservations."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import SHARED_PREFIX, assert_no_leaks, random_prompts
+from engine import LLM
+from engine_helpers import KV, greedy, run_until_done
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CopySink:
+    """Copies each final token range of A's layer KV into B's reserved blocks, token by token."""
+
+    def __init__(self, engine_b, reservation, num_layers: int):
+        self.b = engine_b
+        self.res = reservation
+        self.num_layers = num_layers
+        self.step = 0                 # set by the test before each A.step()
+        self.calls: list[tuple[int, int, int, int]] = []   # (step, layer, start, end)
+
+    def on_layer(self, layer_idx, layer_kv, block_ids, start, end):
+        self.calls.append((self.step, layer_idx, start, end))
+        nb, bs_a = layer_kv.shape[1], layer_kv.shape[2]
+        assert layer_kv.shape[0] == 2 and layer_kv.shape[3:] == self.b.kv_cache.shape[4:]
+        assert all(0 <= b < nb for b in block_ids)
+        bs_b = self.res.block_size
+        for t in range(max(start, self.res.num_cached_tokens), end):
+            self.b.kv_cache[layer_idx, :, self.res.block_ids[t // bs_b], t % bs_b] = \
+                layer_kv[:, block_ids[t // bs_a], t % bs_a]
+
+    def check(self, prompt_len: int) -> None:
+        steps = sorted({c[0] for c in self.calls})
+        covered = 0
+        for s in steps:
+            calls = [c for c in self.calls if c[0] == s]
+            assert [c[1] for c in calls] == list(range(self.num_layers)), "one call per layer, in order"
+            ranges = {(c[2], c[3]) for c in calls}
+            assert len(ranges) == 1, "every layer of a step publishes the same range"
+            (start, end), = ranges
+            assert start == covered and end > start, "ranges are consecutive"
+            covered = end
+        assert covered == prompt_len
+
+
+@pytest.fixture(scope="module")
+def disagg_reference(refs):
+    model_dir, *_ = refs("qwen2-bias")
+    llm = LLM(model_dir, kv_cache_memory=KV)
+    cache = {}
+
+    def get(prompt, max_tokens):
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = llm.generate(prompt, greedy(max_tokens), use_tqdm=False)[0].outputs[0].token_ids
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("a_kw, b_kw", [
+    (dict(block_size=16), dict(block_size=16)),
+    (dict(block_size=16, max_num_batched_tokens=32), dict(block_size=16)),
+    (dict(block_size=4, max_num_batched_tokens=24), dict(block_size=16)),
+    (dict(block_size=16), dict(block_size=4)),
+], ids=["same", "chunked", "a4-b16-chunked", "a16-b4"])
+def test_prefill_only_to_reserved_blocks(refs, disagg_reference, a_kw, b_kw):
+    model_dir, *_ = refs("qwen2-bias")
+    a = LLM(model_dir, kv_cache_memory=KV, **a_kw).engine
+    b = LLM(model_dir, kv_cache_memory=KV, **b_kw).engine
+    num_layers = a.model_config.num_layers
+    assert b.kv_cache.shape[:2] == (num_layers, 2)
+    prefix = random_prompts([SHARED_PREFIX], seed=21)[0]
+    prompts = [random_prompts([70], seed=22)[0], random_prompts([1], seed=23)[0],
+               prefix + [5, 6, 7], prefix + [9] * 19]   # the last two hit both prefix caches
+    max_tokens = 12
+    budget = a.config.max_num_batched_tokens
+    for i, prompt in enumerate(prompts):
+        rid = f"d{i}"
+        params = greedy(max_tokens)
+        res = b.reserve(rid, prompt, params)
+        assert res.block_size == b.config.block_size
+        assert len(res.block_ids) == -(-len(prompt) // res.block_size)
+        if i == 3:
+            assert res.num_cached_tokens == SHARED_PREFIX
+        sink = CopySink(b, res, num_layers)
+        a.add_request(rid, prompt, params, prefill_only=True, kv_sink=sink)
+        outs = []
+        while a.has_unfinished_requests():
+            sink.step += 1
+            outs += a.step()
+        first = outs[-1]
+        assert first.finished and first.outputs[0].finish_reason == "prefill_done"
+        assert len(first.outputs[0].token_ids) == 1
+        sink.check(len(prompt))
+        uncached = len(prompt) - (first.num_cached_tokens if i else 0)
+        assert sink.step == max(1, -(-uncached // budget))
+        assert_no_leaks(a)
+
+        b.commit(rid, first.outputs[0].token_ids[0])
+        final = [o for o in run_until_done(b) if o.finished]
+        assert len(final) == 1 and final[0].request_id == rid
+        tokens = final[0].outputs[0].token_ids
+        assert tokens[0] == first.outputs[0].token_ids[0]
+        assert tokens == disagg_reference(prompt, max_tokens)
+        assert final[0].outputs[0].finish_reason == "length"
+        assert_no_leaks(b)
+
+
+def test_commit_that_finishes_at_once_is_reported(refs):
+    """max_tokens=1: the committed first token ends the request; the next step reports it."""
+    model_dir, *_ = refs("llama-gqa")
+    b = LLM(model_dir, kv_cache_memory=KV).engine
+    prompt = random_prompts([20], seed=5)[0]
+    b.reserve("one", prompt, greedy(1))
+    b.commit("one", 42)
+    outs = run_until_done(b)
+    assert [(o.request_id, o.finished, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in outs] == [("one", True, [42], "length")]
+    assert_no_leaks(b)
+    with pytest.raises(KeyError):
+        b.commit("one", 42)
+
+
+def test_commit_refuses_a_bad_first_token(refs):
+    """An id outside the vocab would make the next step fail for every request in the batch."""
+    model_dir, *_ = refs("llama-gqa")
+    b = LLM(model_dir, kv_cache_memory=KV).engine
+    b.reserve("r", random_prompts([20], seed=23)[0], greedy(12))
+    for bad in (256, -1, True, 3.0):
+        with pytest.raises(ValueError, match="first_token_id"):
+            b.commit("r", bad)
+    assert not b.step()                      # still only reserved: nothing ran
+    b.commit("r", 7)
+    final = [o for o in run_until_done(b) if o.finished]
+    assert len(final[0].outputs[0].token_ids) == 12 and final[0].outputs[0].token_ids[0] == 7
+    assert_no_leaks(b)
+
+
+def test_reserve_beyond_capacity(refs):
+    model_dir, *_ = refs("llama-gqa")
+    probe = LLM(model_dir, kv_cache_memory=KV, max_model_len=64).engine
+    per_block = probe.kv_cache[:, :, 0].numel() * probe.kv_cache.element_size()
+    b = LLM(model_dir, kv_cache_memory=8 * per_block, max_model_len=64).engine
+    prompts = random_prompts([40, 40, 40], seed=7)   # 3 blocks each, 8 blocks in all
+    b.reserve("a", prompts[0], greedy(4))
+    b.reserve("b", prompts[1], greedy(4))
+    from engine.block_manager import NoFreeBlocks
+    with pytest.raises(NoFreeBlocks):
+        b.reserve("c", prompts[2], greedy(4))
+    b.block_manager.check_consistency()
+    assert b.block_manager.num_used_blocks == 6
+    assert b.abort("a") and b.abort("b") and not b.abort("c")
+    assert_no_leaks(b)
+
+
+def test_reservation_abort_frees_blocks(refs):
+    model_dir, *_ = refs("llama-gqa")
+    b = LLM(model_dir, kv_cache_memory=KV).engine
+    res = b.reserve("x", random_prompts([40], seed=6)[0], greedy(4))
+    assert b.block_manager.num_used_blocks == len(res.block_ids) == 3
+    assert b.abort("x")
+    assert_no_leaks(b)
+
