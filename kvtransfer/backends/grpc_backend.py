@@ -1,19 +1,29 @@
-"""gRPC backend: one long-lived client-streaming RPC per channel, one stream message per frame.
+"""gRPC backend: one long-lived client-streaming RPC per channel.
 
 No .proto: the service is registered with generic handlers whose (de)serializers are the identity
 on bytes, so KV bytes never pass through protobuf.
 
-  /pdserve.kv.v1.KVTransfer/Push   client-streaming; each message is one wire frame
+  /pdserve.kv.v1.KVTransfer/Push   client-streaming; each message holds wire frames
                                    (u32 header length | msgpack header | payload); the channel id
                                    rides in the call metadata; the reply is b"" when the stream ends
   /pdserve.kv.v1.KVTransfer/Flush  unary; msgpack {"channel", "frames", "wait_s"} -> msgpack
                                    {"frames": frames of that channel the handler returned from}
                                    (-1: no open stream with that id); waits up to wait_s for "frames"
 
-Sender: `send` encodes the frame (one join of the pieces) and puts it on a queue bounded in bytes
-(backpressure); gRPC's request-iterator thread drains the queue into the stream, so `send` returns
-quickly and frames keep their order. `flush` asks the server until it has handled every frame sent
-so far on this channel, or the deadline passes.
+A message is one frame, or several when the sender had payload-less frames queued ("commit",
+"abort", in-place "kv" headers of the shm backend): such a frame ends right after its header, so
+frames that follow it in the message are read as frames; a frame with a payload is always the
+last one of its message and its payload runs to the message's end. A single frame per message
+is therefore the plain wire format; the batching only saves gRPC's per-message cost (about
+100 us of CPU a side) for header-only traffic.
+
+Sender: `send` puts the frame on a queue bounded in bytes (backpressure); gRPC's request-iterator
+thread drains it into the stream (joining each message's pieces once), so `send` returns quickly
+and frames keep their order. `flush` asks the server until it has handled every frame sent so far
+on this channel, or the deadline passes.
+
+Receiver: the RPC's thread reads messages and hands the frames to a per-channel worker thread that
+runs the handler, so receiving the next frame overlaps handling this one; order is kept.
 """
 from __future__ import annotations
 
@@ -37,13 +47,19 @@ SERVICE = "pdserve.kv.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 FLUSH_METHOD = f"/{SERVICE}/Flush"
 CHANNEL_METADATA_KEY = "pdserve-kv-channel"
-MAX_MESSAGE_BYTES = 512 << 20       # one frame is one message; a layer of a long prompt is tens of MB
+MAX_MESSAGE_BYTES = 512 << 20       # a frame is one message; a layer of a long prompt is tens of MB
 FLUSH_POLL_S = 0.5                  # one Flush RPC waits at most this long on the server
+MAX_FRAMES_PER_MESSAGE = 256
 
 
 def channel_options(max_message_bytes: int, extra=()) -> list[tuple[str, object]]:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes), *extra]
+
+
+def carries_payload(header: ChunkHeader) -> bool:
+    """Whether the frame's payload follows its header (else the frame ends with its header)."""
+    return header.kind == "kv" and not header.in_place
 
 
 def payload_view(data: torch.Tensor | None) -> memoryview | bytes:
@@ -56,17 +72,87 @@ def payload_view(data: torch.Tensor | None) -> memoryview | bytes:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+def split_message(message) -> list[tuple[ChunkHeader, memoryview | None]]:
+    """The frames of one Push message, with the payload each handler call gets."""
+    frames, view = [], memoryview(message)
+    while True:
+        header, rest = decode_frame(view)
+        if carries_payload(header):
+            frames.append((header, rest))
+            return frames
+        frames.append((header, None if header.in_place else rest[:0]))
+        if not len(rest):
+            return frames
+        view = rest
+
+
+class FrameWorker:
+    """Runs `handle(header, payload)` for one channel's frames in arrival order on its own thread,
+    so the channel's reader can take the next frame meanwhile. Holds at most max_bytes of
+    payloads (and always one frame): `put` blocks beyond that, which backs up to the sender."""
+
+    def __init__(self, handle, name: str, max_bytes: int = 64 << 20):
+        self._handle = handle
+        self._max_bytes = max_bytes
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, header: ChunkHeader, payload, nbytes: int) -> None:
+        with self._cond:
+            while self._items and self._bytes + nbytes > self._max_bytes and not self._closing:
+                self._cond.wait(0.5)
+            if self._closing:
+                return
+            self._items.append((header, payload, nbytes))
+            self._bytes += nbytes
+            self._cond.notify_all()
+
+    def close(self, drain: bool, timeout: float | None = None) -> None:
+        """Stop after the queued frames (drain) or right after the frame in hand; joins the thread."""
+        with self._cond:
+            self._closing = True
+            if not drain:
+                self._items.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closing:
+                    self._cond.wait(1.0)
+                if not self._items:
+                    return
+                header, payload, nbytes = self._items.popleft()
+                self._bytes -= nbytes
+                self._cond.notify_all()
+            self._handle(header, payload)
+
+
+def call_handler(handler: FrameHandler, header: ChunkHeader, payload) -> None:
+    try:
+        handler(header, payload)
+    except Exception:   # one request's trouble must not close a channel that carries others
+        log.exception("KV frame handler failed for request %s (%s frame)", header.request_id, header.kind)
+
+
 class GrpcServer(TransportServer):
     """Receives frames on any number of streams and calls the handler per frame, in stream order.
 
-    max_channels bounds the concurrent streams (each holds one server thread while open).
+    max_channels bounds the concurrent streams (each holds two server threads while open);
+    max_backlog_bytes bounds the frames received but not yet handled, per channel.
     """
 
     def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
                  max_channels: int = 16, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 stop_grace: float = 0.2, grpc_options=()):
+                 max_backlog_bytes: int = 64 << 20, stop_grace: float = 0.2, grpc_options=()):
         self._handler = handler
         self._max_channels = max_channels
+        self._max_backlog_bytes = max_backlog_bytes
         self._stop_grace = stop_grace
         self._cond = threading.Condition()
         self._handled: dict[str, int] = {}      # open channel id -> frames handled
@@ -93,12 +179,7 @@ class GrpcServer(TransportServer):
     def address(self) -> str:
         return self._address
 
-    def handled_frames(self) -> dict[str, int]:
-        with self._cond:
-            return dict(self._handled)
-
-    def _push(self, request_iterator, context):
-        channel = dict(context.invocation_metadata()).get(CHANNEL_METADATA_KEY)
+    def _open(self, channel: str | None, context) -> None:
         if not channel:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a KV push stream needs a {CHANNEL_METADATA_KEY!r} metadata entry")
@@ -111,30 +192,35 @@ class GrpcServer(TransportServer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"KV channel {channel} is already open")
             self._handled[channel] = 0
             self._cond.notify_all()
+
+    def _push(self, request_iterator, context):
+        channel = dict(context.invocation_metadata()).get(CHANNEL_METADATA_KEY)
+        self._open(channel, context)
+
+        def handle(header, payload):
+            call_handler(self._handler, header, payload)
+            with self._cond:
+                self._handled[channel] += 1
+                self._cond.notify_all()
+
+        worker = FrameWorker(handle, f"pdserve-kv-grpc-handler-{channel[:8]}", self._max_backlog_bytes)
         try:
             for message in request_iterator:
                 try:
-                    header, payload = decode_frame(message)
+                    frames = split_message(message)
                 except WireError as e:   # the peer speaks another format: this channel is unusable
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV frame on channel {channel}: {e}")
-                self._call_handler(header, payload)
-                with self._cond:
-                    self._handled[channel] += 1
-                    self._cond.notify_all()
+                for header, payload in frames:
+                    worker.put(header, payload, 0 if payload is None else len(payload))
         except grpc.RpcError:            # the client went away or the server is stopping
             pass
         finally:
+            # frames that arrived are handled (a sender's close returns after them), unless stopping
+            worker.close(drain=not self._stopped)
             with self._cond:
                 self._handled.pop(channel, None)
                 self._cond.notify_all()
         return b""
-
-    def _call_handler(self, header: ChunkHeader, payload: memoryview) -> None:
-        try:
-            self._handler(header, None if header.in_place else payload)
-        except Exception:   # one request's trouble must not close a channel that carries others
-            log.exception("KV frame handler failed for request %s (%s frame)", header.request_id,
-                          header.kind)
 
     def _flush(self, request: bytes, context) -> bytes:
         try:
@@ -154,25 +240,29 @@ class GrpcServer(TransportServer):
                 return
             self._stopped = True
             self._cond.notify_all()
-        # cancels the open streams; their handler threads leave at the next frame boundary
+        # cancels the open streams; their threads leave after the frame in hand
         self._server.stop(grace=self._stop_grace).wait(self._stop_grace + 5.0)
         self._executor.shutdown(wait=True)
 
 
 class _FrameQueue:
-    """Encoded frames waiting for the gRPC stream, bounded in bytes (one frame always fits)."""
+    """Frames waiting for the gRPC stream, bounded in bytes (one message always fits).
+
+    A frame joins the last queued message when that message ends with a payload-less frame
+    (see the module docstring), so header-only traffic rides in few messages."""
 
     def __init__(self, max_bytes: int):
         self._max_bytes = max_bytes
-        self._items: collections.deque[bytes] = collections.deque()
+        self._items: collections.deque[list] = collections.deque()   # [pieces, nbytes, open, frames]
         self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
 
-    def put(self, frame: bytes, timeout: float, failed) -> None:
+    def put(self, pieces: list, payload_less: bool, timeout: float, failed) -> None:
+        nbytes = sum(len(p) for p in pieces)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._items and self._bytes + len(frame) > self._max_bytes:
+            while self._items and self._bytes + nbytes > self._max_bytes:
                 if failed():
                     return
                 remaining = deadline - time.monotonic()
@@ -180,8 +270,15 @@ class _FrameQueue:
                     raise TimeoutError(f"the KV channel stayed full ({self._bytes} bytes queued) for "
                                        f"{timeout}s: the receiver is not keeping up")
                 self._cond.wait(min(remaining, 0.1))
-            self._items.append(frame)
-            self._bytes += len(frame)
+            tail = self._items[-1] if self._items else None
+            if tail is not None and tail[2] and tail[3] < MAX_FRAMES_PER_MESSAGE:
+                tail[0].extend(pieces)
+                tail[1] += nbytes
+                tail[2] = payload_less
+                tail[3] += 1
+            else:
+                self._items.append([list(pieces), nbytes, payload_less, 1])
+            self._bytes += nbytes
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -190,23 +287,27 @@ class _FrameQueue:
             self._cond.notify_all()
 
     def drain(self):
-        """The request iterator of the Push call: frames in order, until closed and empty."""
+        """The request iterator of the Push call: messages in order, until closed and empty."""
         while True:
             with self._cond:
                 while not self._items and not self._closed:
                     self._cond.wait(1.0)
                 if not self._items:
                     return
-                frame = self._items.popleft()
-                self._bytes -= len(frame)
+                pieces, nbytes, _, _ = self._items.popleft()
+            message = b"".join(pieces)       # the one copy of the payload on this side
+            with self._cond:
+                self._bytes -= nbytes
                 self._cond.notify_all()
-            yield frame
+            yield message
 
 
 class GrpcTransport(Transport):
     """Sender side: one Push stream for the life of the transport.
 
-    timeout bounds connecting, a `send` blocked on a full queue, and `close`.
+    timeout bounds connecting, a `send` blocked on a full queue, and `close`. The payload is
+    read when gRPC takes the frame, not during `send`: do not modify it until `flush` returns
+    (read_chunk hands out a fresh tensor per chunk).
     """
 
     def __init__(self, address: str, timeout: float = 10.0, max_queued_bytes: int = 64 << 20,
@@ -224,10 +325,10 @@ class GrpcTransport(Transport):
         self._frames_sent = 0
         self._closed = False
         self._queue = _FrameQueue(max_queued_bytes)
-        self._frames = self._queue.drain()
+        self._messages = self._queue.drain()
         self._flush_rpc = self._channel.unary_unary(FLUSH_METHOD)
         self._call = self._channel.stream_unary(PUSH_METHOD).future(
-            self._frames, metadata=((CHANNEL_METADATA_KEY, self._id),))
+            self._messages, metadata=((CHANNEL_METADATA_KEY, self._id),))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -242,10 +343,14 @@ class GrpcTransport(Transport):
                                   f"{err.code().name}: {err.details()}")
 
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
-        frame = b"".join(encode_frame(header, payload_view(data)))
+        payload = payload_view(data)
+        if len(payload) and not carries_payload(header):
+            raise ValueError(f"a {header.kind} frame{' written in place' if header.in_place else ''} "
+                             f"carries no payload (request {header.request_id})")
+        pieces = encode_frame(header, payload)
         with self._lock:
             self._check_open()
-            self._queue.put(frame, self._timeout, self._call.done)
+            self._queue.put(pieces, not carries_payload(header), self._timeout, self._call.done)
             self._check_open()
             self._frames_sent += 1
 
@@ -286,7 +391,7 @@ class GrpcTransport(Transport):
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             try:
-                self._frames.close()
+                self._messages.close()
                 break
             except ValueError:    # "generator already executing": it is about to see the close
                 time.sleep(0.005)

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kvtransfer.backends.grpc_backend import FrameWorker, call_handler
 from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
 from kvtransfer.wire import ChunkHeader, decode_frame, encode_frame
 
@@ -119,26 +120,34 @@ class _Connection:
             del pg, waker    # closes the sockets: the sender sees a dead peer at its next send
 
     def _receive(self, pg) -> None:
+        """Receives frames; a FrameWorker runs the handler, so the next frame's receives are
+        posted while this one is handled (a sender's data moves only into a posted receive)."""
         s = self.server
-        lengths = torch.empty(3, dtype=torch.int64)
-        pending = pg.recv_anysource([lengths], TAG_LENGTHS)
-        while True:
-            pending.wait(_td(s.idle_timeout))
-            n_header, n_values, code = lengths.tolist()
-            if n_header < 0:
-                return
-            header_bytes = torch.empty(n_header, dtype=torch.uint8)
-            works = [pg.recv([header_bytes], SENDER_RANK, TAG_HEADER)]
-            payload = None
-            if n_values:
-                payload = torch.empty(n_values, dtype=PAYLOAD_DTYPES[code])
-                works.append(pg.recv([payload], SENDER_RANK, TAG_PAYLOAD))
+        worker = FrameWorker(s.call_handler, f"pdserve-kv-torch-handler{self.conn_id}", s.max_backlog_bytes)
+        try:
             lengths = torch.empty(3, dtype=torch.int64)
             pending = pg.recv_anysource([lengths], TAG_LENGTHS)
-            for work in works:
-                work.wait(_td(s.timeout))
-            header, _ = decode_frame(_HEADER_LENGTH.pack(n_header) + header_bytes.numpy().tobytes())
-            s.call_handler(header, None if header.in_place else payload)
+            while True:
+                pending.wait(_td(s.idle_timeout))
+                n_header, n_values, code = lengths.tolist()
+                if n_header < 0:
+                    return
+                header_bytes = torch.empty(n_header, dtype=torch.uint8)
+                works = [pg.recv([header_bytes], SENDER_RANK, TAG_HEADER)]
+                payload = None
+                if n_values:
+                    payload = torch.empty(n_values, dtype=PAYLOAD_DTYPES[code])
+                    works.append(pg.recv([payload], SENDER_RANK, TAG_PAYLOAD))
+                lengths = torch.empty(3, dtype=torch.int64)
+                pending = pg.recv_anysource([lengths], TAG_LENGTHS)
+                for work in works:
+                    work.wait(_td(s.timeout))
+                header, _ = decode_frame(_HEADER_LENGTH.pack(n_header) + header_bytes.numpy().tobytes())
+                if header.in_place:
+                    payload = None
+                worker.put(header, payload, 0 if payload is None else payload.numel() * payload.element_size())
+        finally:   # frames that fully arrived still count, unless the server is stopping
+            worker.close(drain=not s.stopping)
 
     def wake(self) -> None:
         with self.lock:
@@ -148,12 +157,15 @@ class _Connection:
 
 class TorchServer(TransportServer):
     """Receiver side. timeout bounds group formation and a frame's messages; idle_timeout bounds the
-    wait for the next frame (an idle channel past it closes and its sender must reconnect)."""
+    wait for the next frame (an idle channel past it closes and its sender must reconnect);
+    max_backlog_bytes bounds the frames received but not yet handled, per channel."""
 
     def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 30.0, idle_timeout: float = 24 * 3600.0, poll_interval: float = 0.02):
+                 timeout: float = 30.0, idle_timeout: float = 24 * 3600.0, poll_interval: float = 0.02,
+                 max_backlog_bytes: int = 64 << 20):
         self._handler = handler
         self.host, self.timeout, self.idle_timeout = host, timeout, idle_timeout
+        self.max_backlog_bytes = max_backlog_bytes
         self._poll_interval = poll_interval
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                     timeout=_td(timeout))
@@ -189,11 +201,7 @@ class TorchServer(TransportServer):
                 seen += 1
 
     def call_handler(self, header: ChunkHeader, payload) -> None:
-        try:
-            self._handler(header, payload)
-        except Exception:   # one request's trouble must not close a channel that carries others
-            log.exception("KV frame handler failed for request %s (%s frame)", header.request_id,
-                          header.kind)
+        call_handler(self._handler, header, payload)
 
     def stop(self) -> None:
         with self._lock:

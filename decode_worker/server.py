@@ -1,0 +1,122 @@
+"""A decode worker process: engine + loop thread + hand-off + KV transport server + gRPC service.
+
+    worker = DecodeWorker(DecodeWorkerConfig(model=model_dir)).start()
+    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(worker.address))
+    ...
+    worker.stop()
+"""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from decode_worker.handoff import DecodeHandoff
+from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
+from engine import LLM
+from engine.engine_loop import EngineLoop
+from engine.loader.resolve import resolve_model
+from kvtransfer.backends import serve
+from kvtransfer.layout import KVLayout
+from protos.pdserve.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "pdserve.worker.v1.DecodeWorker"
+MAX_MESSAGE_BYTES = 64 << 20   # long prompts' token id lists
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    model: str
+    engine_kwargs: dict = field(default_factory=dict)   # LLM(model, **engine_kwargs)
+    host: str = "127.0.0.1"
+    port: int = 0                  # 0: pick a free port
+    kv_backend: str = "grpc"
+    kv_options: dict = field(default_factory=dict)      # serve(kv_backend, handler, **kv_options)
+    worker_id: str = "decode-0"
+    lease_ms: int = 10_000         # default reservation lease when a Reserve gives none
+    lease_sweep_s: float = 0.05
+    max_workers: int = 16          # gRPC handler threads; each open Stream holds one
+    stop_grace_s: float = 1.0
+
+    def __post_init__(self):
+        if self.kv_backend != "grpc":
+            raise ValueError(f"kv_backend must be 'grpc' for now, got {self.kv_backend!r}")
+        if self.lease_ms <= 0:
+            raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
+
+
+def engine_layout(engine, model: str) -> KVLayout:
+    """Both workers compute the layout the same way, so equal checkpoints give equal fingerprints."""
+    mc = engine.model_config
+    return KVLayout(resolve_model(model).name, engine.config.dtype, mc.num_layers, mc.num_kv_heads,
+                    mc.head_dim, engine.config.block_size)
+
+
+class DecodeWorker:
+    def __init__(self, config: DecodeWorkerConfig):
+        self.config = config
+        self.loop: EngineLoop | None = None
+        self.handoff: DecodeHandoff | None = None
+        self.layout: KVLayout | None = None
+        self._kv_server = None
+        self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._health: health.HealthServicer | None = None
+        self.address: str | None = None
+
+    def start(self) -> "DecodeWorker":
+        cfg = self.config
+        try:
+            engine = LLM(cfg.model, **cfg.engine_kwargs).engine
+            self.layout = engine_layout(engine, cfg.model)
+            self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
+            self.handoff = DecodeHandoff(self.loop, self.layout, lease_s=cfg.lease_ms / 1000,
+                                         sweep_s=cfg.lease_sweep_s)
+            self._kv_server = serve(cfg.kv_backend, self.handoff.on_frame, **cfg.kv_options)
+            servicer = DecodeWorkerServicer(self.loop, self.handoff, DecodeServiceOptions(
+                worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
+                kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms))
+            self._executor = futures.ThreadPoolExecutor(cfg.max_workers,
+                                                        thread_name_prefix=f"{cfg.worker_id}-grpc")
+            self._server = grpc.server(
+                self._executor,
+                options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, self._server)
+            self._health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+            port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            if port == 0:
+                raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
+            self.address = f"{cfg.host}:{port}"
+            self._server.start()
+        except BaseException:
+            self.stop()
+            raise
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("decode worker %s serving on %s, KV on %s", cfg.worker_id, self.address,
+                 self._kv_server.address)
+        return self
+
+    def stop(self) -> None:
+        """Stops taking requests, ends open streams, then the KV channel and the engine loop."""
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace=self.config.stop_grace_s).wait(self.config.stop_grace_s + 5)
+            self._server = None
+        if self._executor is not None:   # grpc does not own it: its threads would outlive stop()
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._kv_server is not None:
+            self._kv_server.stop()
+            self._kv_server = None
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop.engine.shutdown()
+            self.loop = None

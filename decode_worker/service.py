@@ -1,0 +1,206 @@
+"""The DecodeWorker gRPC service: Reserve, Stream, Abort, Stats.
+
+Lifecycle of one request as this service sees it:
+  Reserve  -> engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
+              receives the engine's outputs (the hand-off's on_output callback puts into it)
+  KV frames + commit arrive on the kvtransfer channel (not here) -> the request decodes
+  Stream   -> drains the queue, sending only the tokens that are new since the last event, and
+              ends with the finished output ("stop" | "length" | "abort")
+  Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
+              gets a final "abort" output
+A finished request nobody streams is forgotten after `finished_ttl_s`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode_worker.handoff import DecodeHandoff
+from engine import SamplingParams
+from engine.block_manager import NoFreeBlocks
+from engine.engine_loop import EngineLoop
+from engine.request import RequestOutput
+from protos.convert import sampling_kwargs, unix_ns
+from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def status_for_engine_error(err: ValueError) -> grpc.StatusCode:
+    """The engine raises ValueError for every bad request; its message tells which kind."""
+    text = str(err)
+    if "max_model_len" in text:
+        return grpc.StatusCode.OUT_OF_RANGE
+    if "already in use" in text:
+        return grpc.StatusCode.ALREADY_EXISTS
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def build_params(sampling, context) -> SamplingParams:
+    try:
+        return SamplingParams(**sampling_kwargs(sampling))
+    except (ValueError, TypeError) as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+
+
+@dataclass
+class _Stream:
+    """Outputs of one reserved request, waiting for (or being drained by) a Stream call."""
+    outputs: queue.Queue = field(default_factory=queue.Queue)
+    finished_at: float | None = None   # time.monotonic() of the final output
+    attached: bool = False             # a Stream call is draining it
+
+
+@dataclass(frozen=True)
+class DecodeServiceOptions:
+    worker_id: str = "decode"
+    kv_backend: str = "grpc"
+    kv_address: str = ""
+    default_lease_ms: int = 10_000
+    poll_s: float = 0.1              # every queue wait is this long, then the client is checked
+    finished_ttl_s: float = 60.0     # how long a finished, never-streamed request is kept
+
+
+class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, loop: EngineLoop, handoff: DecodeHandoff, options: DecodeServiceOptions):
+        self.loop = loop
+        self.handoff = handoff
+        self.options = options
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        loop.every(1.0, self._forget_finished)
+
+    # ---- Reserve --------------------------------------------------------------------------------
+    def Reserve(self, request, context):
+        rid = request.request_id
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
+        params = build_params(request.sampling, context)
+        stream = _Stream()
+        with self._lock:
+            if rid in self._streams:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
+            self._streams[rid] = stream
+        lease_ms = request.lease_ms or self.options.default_lease_ms
+        try:
+            reserved = self.handoff.reserve(rid, list(request.prompt_token_ids), params,
+                                            self._on_output(stream), lease_s=lease_ms / 1000)
+        except BaseException as e:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if isinstance(e, NoFreeBlocks):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full, retry later ({e})")
+            if isinstance(e, ValueError):
+                context.abort(status_for_engine_error(e), str(e))
+            raise
+        endpoint = worker_pb2.KVEndpoint(backend=self.options.kv_backend,
+                                         address=self.options.kv_address,
+                                         layout_fingerprint=self.handoff.layout.fingerprint,
+                                         tp_size=1)
+        return worker_pb2.ReserveResponse(
+            request_id=rid, block_ids=reserved.block_ids, block_size=reserved.block_size,
+            num_cached_tokens=reserved.num_cached_tokens, endpoint=endpoint,
+            lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000)
+
+    @staticmethod
+    def _on_output(stream: _Stream):
+        def on_output(out: RequestOutput) -> None:   # on the loop thread: cheap
+            if out.finished:
+                stream.finished_at = time.monotonic()
+            stream.outputs.put(out)
+        return on_output
+
+    # ---- Stream ---------------------------------------------------------------------------------
+    def Stream(self, request, context):
+        rid = request.request_id
+        with self._lock:
+            stream = self._streams.get(rid)
+            if stream is not None and stream.attached:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"request {rid!r} is already being streamed by another call")
+            if stream is not None:
+                stream.attached = True
+        if stream is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no request {rid!r} on this decode worker (never reserved, or forgotten)")
+        sent: dict[int, int] = {}    # sequence index -> tokens already sent (outputs are cumulative)
+        finished = False
+        first_token_ns = 0
+        try:
+            while not finished:
+                if not context.is_active():
+                    return
+                try:
+                    out = stream.outputs.get(timeout=self.options.poll_s)
+                except queue.Empty:
+                    continue
+                now = unix_ns()
+                for comp in out.outputs:
+                    event = self._event(comp, sent, out.finished)
+                    if event is None:
+                        continue
+                    first_token_ns = first_token_ns or now
+                    if out.finished:
+                        event.timings.CopyFrom(pdserve_pb2.Timings(
+                            first_token_unix_ns=first_token_ns, last_token_unix_ns=now,
+                            decode_worker=self.options.worker_id))
+                    yield event
+                finished = out.finished
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:   # the client went away: free the request now, not at its end
+                log.info("stream of %s ended early; aborting it", rid)
+                try:
+                    self.handoff.abort(rid, "the stream client went away")
+                except Exception:
+                    log.exception("abort of %s after its stream ended failed", rid)
+
+    @staticmethod
+    def _event(comp, sent: dict[int, int], final: bool) -> worker_pb2.TokenEvent | None:
+        start = sent.get(comp.index, 0)
+        new_ids = comp.token_ids[start:]
+        if not new_ids and not final:
+            return None
+        sent[comp.index] = len(comp.token_ids)
+        event = worker_pb2.TokenEvent(index=comp.index, token_ids=new_ids)
+        if comp.logprobs:
+            event.logprobs.extend(comp.logprobs[start:])
+        if final and comp.finish_reason is not None:
+            event.finish_reason = comp.finish_reason
+            # for "abort" stop_str carries the human-readable reason (TokenEvent has no message)
+            if isinstance(comp.stop_reason, str):
+                event.stop_str = comp.stop_reason
+            elif isinstance(comp.stop_reason, int):
+                event.stop_token = comp.stop_reason
+        return event
+
+    # ---- Abort, Stats ---------------------------------------------------------------------------
+    def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(
+            found=self.handoff.abort(request.request_id, "aborted by the router"))
+
+    def Stats(self, request, context):
+        def read():
+            engine = self.loop.engine
+            bm, sched = engine.block_manager, engine.scheduler
+            queued = sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.waiting)
+            return worker_pb2.WorkerStats(
+                worker_id=self.options.worker_id, num_free_blocks=bm.num_free_blocks,
+                num_total_blocks=bm.num_blocks, num_running=len(sched.running),
+                num_waiting=len(sched.waiting), num_reserved=self.handoff.num_reserved,
+                queued_prompt_tokens=max(queued, 0))
+        return self.loop.call(read)
+
+    def _forget_finished(self) -> None:
+        cutoff = time.monotonic() - self.options.finished_ttl_s
+        with self._lock:
+            stale = [rid for rid, s in self._streams.items()
+                     if not s.attached and s.finished_at is not None and s.finished_at < cutoff]
+            for rid in stale:
+                del self._streams[rid]

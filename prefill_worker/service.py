@@ -1,0 +1,222 @@
+"""The PrefillWorker gRPC service: Prefill, Abort, Stats.
+
+Lifecycle of one Prefill call:
+  check the reservation (layout fingerprint) -> open or reuse the KV channel to its endpoint
+  -> engine prefill-only request with a PushSink: each finished layer's KV is pushed while the
+     next layer computes
+  -> finished output ("prefill_done"): commit(first_token) on the same channel -> flush the
+     channel (every frame handed to the decode side) -> reply with the first token and timings
+  timeout, Abort, client gone or a transport error -> engine request aborted, "abort" frame sent
+     (so the decode side frees the reservation at once instead of at lease expiry)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from engine import SamplingParams
+from engine.engine_loop import EngineLoop
+from engine.request import RequestOutput
+from kvtransfer.backends import connect
+from kvtransfer.layout import KVLayout
+from kvtransfer.transport import Destination, Transport
+from prefill_worker.handoff import PushSink
+from protos.convert import sampling_kwargs, unix_ns
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def status_for_engine_error(err: ValueError) -> grpc.StatusCode:
+    text = str(err)
+    if "max_model_len" in text:
+        return grpc.StatusCode.OUT_OF_RANGE
+    if "already in use" in text:
+        return grpc.StatusCode.ALREADY_EXISTS
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+class GuardedSink:
+    """A PushSink whose send errors are recorded instead of raised: raised inside an engine step
+    they would fail the whole batch, every other request on this worker with it."""
+
+    def __init__(self, sink: PushSink):
+        self.sink = sink
+        self.error: Exception | None = None
+
+    def on_layer(self, *args) -> None:
+        if self.error is None:
+            try:
+                self.sink.on_layer(*args)
+            except Exception as e:
+                self.error = e
+
+    def commit(self, first_token: int) -> None:
+        if self.error is None:
+            try:
+                self.sink.commit(first_token)
+            except Exception as e:
+                self.error = e
+
+    def abort(self) -> None:
+        try:
+            self.sink.abort()
+        except Exception as e:   # the channel is gone: the decode side's lease frees the blocks
+            log.debug("abort frame for %s not sent: %r", self.sink.request_id, e)
+
+
+class _Waiter:
+    """The finished output of one prefill-only request, handed from the loop thread."""
+
+    def __init__(self, sink: GuardedSink):
+        self.sink = sink
+        self.done = threading.Event()
+        self.output: RequestOutput | None = None
+        self.end_ns = 0
+
+    def __call__(self, out: RequestOutput) -> None:   # on the loop thread
+        if not out.finished:
+            return
+        comp = out.outputs[0]
+        if comp.finish_reason == "prefill_done":
+            self.sink.commit(comp.token_ids[0])
+        self.end_ns = unix_ns()
+        self.output = out
+        self.done.set()
+
+
+@dataclass(frozen=True)
+class PrefillServiceOptions:
+    worker_id: str = "prefill"
+    prefill_timeout_s: float = 60.0   # when the client gives no deadline (and at most this)
+    flush_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    poll_s: float = 0.1
+
+
+class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, loop: EngineLoop, layout: KVLayout, options: PrefillServiceOptions):
+        self.loop = loop
+        self.layout = layout
+        self.options = options
+        self._transports: dict[tuple[str, str], Transport] = {}
+        self._transports_lock = threading.Lock()
+
+    def Prefill(self, request, context):
+        rid = request.request_id
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
+        try:
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+        except (ValueError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        if not request.HasField("reservation"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "reservation must be set: call DecodeWorker.Reserve first")
+        res = request.reservation
+        endpoint = res.endpoint
+        if endpoint.layout_fingerprint != self.layout.fingerprint:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the decode worker's KV layout ({endpoint.layout_fingerprint or 'unset'}) "
+                          f"differs from this prefill worker's ({self.layout.fingerprint}: "
+                          f"model={self.layout.model}, dtype={self.layout.dtype}): both sides must "
+                          f"serve the same model in the same dtype")
+        if endpoint.tp_size > 1 or endpoint.rank_addresses:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                          "pushing into a tensor-parallel decode worker is not supported by this service yet")
+        if res.block_size < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.block_size must be >= 1")
+        try:
+            transport = self._transport(endpoint.backend, endpoint.address)
+        except (ConnectionError, OSError, ValueError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
+
+        dest = Destination(list(res.block_ids), dataclasses.replace(self.layout, block_size=res.block_size))
+        sink = GuardedSink(PushSink(rid, self.layout, transport, dest, res.num_cached_tokens))
+        waiter = _Waiter(sink)
+        start_ns = unix_ns()
+        try:
+            self.loop.add_request(rid, list(request.prompt_token_ids), params, waiter,
+                                  prefill_only=True, kv_sink=sink)
+        except ValueError as e:
+            sink.abort()
+            context.abort(status_for_engine_error(e), str(e))
+
+        deadline = time.monotonic() + self._budget(context)
+        while not waiter.done.wait(self.options.poll_s):
+            if time.monotonic() > deadline or not context.is_active():
+                self.loop.abort(rid, "prefill deadline exceeded")
+                sink.abort()
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"prefill of {rid!r} did not finish in time; raise the deadline")
+        comp = waiter.output.outputs[0]
+        if comp.finish_reason != "prefill_done":
+            sink.abort()
+            context.abort(grpc.StatusCode.ABORTED,
+                          f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}")
+        if sink.error is not None:
+            self._fail_transport(endpoint, transport, sink, context, sink.error)
+        try:
+            transport.flush(max(0.1, min(self.options.flush_timeout_s, deadline - time.monotonic())))
+        except TimeoutError as e:
+            sink.abort()
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer of {rid!r} did not finish: {e}")
+        except Exception as e:
+            self._fail_transport(endpoint, transport, sink, context, e)
+        return worker_pb2.PrefillResponse(
+            request_id=rid, first_token=comp.token_ids[0],
+            first_token_logprob=comp.logprobs[0] if comp.logprobs else 0.0,
+            num_cached_tokens=waiter.output.num_cached_tokens, prefill_start_unix_ns=start_ns,
+            prefill_end_unix_ns=waiter.end_ns, transfer_end_unix_ns=unix_ns(),
+            bytes_sent=sink.sink.bytes_sent)
+
+    def _budget(self, context) -> float:
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self.options.prefill_timeout_s
+        return max(0.0, min(remaining - 0.05, self.options.prefill_timeout_s))
+
+    def _transport(self, backend: str, address: str) -> Transport:
+        """One long-lived channel per decode endpoint, shared by all requests going there."""
+        key = (backend, address)
+        with self._transports_lock:
+            transport = self._transports.get(key)
+            if transport is None:
+                transport = connect(backend, address, timeout=self.options.connect_timeout_s)
+                self._transports[key] = transport
+            return transport
+
+    def _fail_transport(self, endpoint, transport, sink: GuardedSink, context, err: Exception):
+        sink.abort()
+        with self._transports_lock:   # the next request to this endpoint opens a fresh channel
+            if self._transports.get((endpoint.backend, endpoint.address)) is transport:
+                del self._transports[(endpoint.backend, endpoint.address)]
+        threading.Thread(target=transport.close, daemon=True).start()
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      f"KV transfer to {endpoint.address} failed: {err}")
+
+    def Abort(self, request, context):
+        found = self.loop.abort(request.request_id, "aborted by the router")
+        return worker_pb2.WorkerAbortResponse(found=found)
+
+    def Stats(self, request, context):
+        def read():
+            engine = self.loop.engine
+            bm, sched = engine.block_manager, engine.scheduler
+            queued = sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.waiting)
+            return worker_pb2.WorkerStats(
+                worker_id=self.options.worker_id, num_free_blocks=bm.num_free_blocks,
+                num_total_blocks=bm.num_blocks, num_running=len(sched.running),
+                num_waiting=len(sched.waiting), queued_prompt_tokens=max(queued, 0))
+        return self.loop.call(read)
+
+    def close(self) -> None:
+        with self._transports_lock:
+            transports, self._transports = list(self._transports.values()), {}
+        for transport in transports:
+            transport.close()
