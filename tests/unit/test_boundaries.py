@@ -12,18 +12,25 @@ FORBIDDEN = {
     "kvtransfer": {"engine", "prefill_worker", "decode_worker", "router", "deploy"},
     "prefill_worker": {"decode_worker", "router", "deploy"},
     "decode_worker": {"prefill_worker", "router", "deploy"},
+    "router": {"kvtransfer", "prefill_worker", "decode_worker", "deploy"},
 }
+# the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone
+ALLOWED_ENGINE_MODULES = {"router": {"engine.tokenizer", "engine.loader"}}
 
 
-def imported_packages(path: pathlib.Path) -> set[str]:
+def imported_modules(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
+
+
+def imported_packages(path: pathlib.Path) -> set[str]:
+    return {name.split(".")[0] for name in imported_modules(path)}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -33,3 +40,13 @@ def test_package_imports_stay_inside_its_boundary(package):
     bad = [f"{f.relative_to(ROOT)} imports {sorted(imported_packages(f) & FORBIDDEN[package])}"
            for f in files if imported_packages(f) & FORBIDDEN[package]]
     assert not bad, "boundary violations (see ../shared/DESIGN.md section 2):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED_ENGINE_MODULES))
+def test_engine_modules_used_outside_the_workers(package):
+    allowed = ALLOWED_ENGINE_MODULES[package]
+    bad = [f"{f.relative_to(ROOT)} imports {name}"
+           for f in sorted((ROOT / package).rglob("*.py")) for name in imported_modules(f)
+           if name.split(".")[0] == "engine" and not any(
+               name == a or name.startswith(a + ".") for a in allowed)]
+    assert not bad, f"{package}/ may use only {sorted(allowed)} of the engine:\n" + "\n".join(bad)

@@ -1,0 +1,131 @@
+"""The router process: worker pool + PDServe service + health + reflection on one gRPC server.
+
+    router = Router(RouterConfig(model=model_dir, prefill_addresses=[p.address],
+                                 decode_addresses=[d.address])).start()
+    stub = pdserve_pb2_grpc.PDServeStub(grpc.insecure_channel(router.address))
+    ...
+    router.stop()
+"""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.loader import load_hf_config, resolve_model
+from engine.tokenizer import load_tokenizer
+from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from router.pool import CHANNEL_OPTIONS, WorkerPool
+from router.service import PDServeServicer, ServiceOptions
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
+_EXTRA_THREADS = 8   # Abort, ListModels and health checks still get a thread when Generate is full
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str                          # what the workers serve: HF directory, *.gguf or "smollm2"
+    prefill_addresses: tuple = ()
+    decode_addresses: tuple = ()
+    host: str = "127.0.0.1"
+    port: int = 0                       # 0: pick a free port
+    max_inflight: int = 64              # concurrent Generate calls; more get RESOURCE_EXHAUSTED
+    max_model_len: int | None = None    # None: the model's max_position_embeddings
+    lease_ms: int = 10_000              # how long a decode reservation waits for its prefill
+    prefill_timeout_s: float = 60.0
+    model_id: str | None = None         # ModelCard.id; None: the model's directory or file name
+    dtype: str | None = None            # ModelCard.dtype; None: config.json's torch_dtype
+    stop_grace_s: float = 1.0
+
+    def __post_init__(self):
+        for name in ("prefill_addresses", "decode_addresses"):
+            if not getattr(self, name):
+                raise ValueError(f"RouterConfig.{name} must list at least one worker address")
+        if self.max_inflight < 1:
+            raise ValueError(f"RouterConfig.max_inflight must be >= 1, got {self.max_inflight}")
+        if self.lease_ms <= 0:
+            raise ValueError(f"RouterConfig.lease_ms must be > 0, got {self.lease_ms}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}")
+
+
+def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
+    hf = load_hf_config(model_dir)
+    hf_text = hf.get("text_config", hf)
+    max_len = config.max_model_len or hf_text.get("max_position_embeddings")
+    if not max_len:
+        raise ValueError(f"{model_dir}/config.json has no max_position_embeddings: set "
+                         f"RouterConfig.max_model_len")
+    dtype = config.dtype or hf_text.get("torch_dtype") or hf_text.get("dtype") or "float32"
+    model_id = config.model_id or os.path.basename(os.fspath(config.model).rstrip("/")) or str(model_dir)
+    return ServiceOptions(model_id=model_id, max_model_len=int(max_len),
+                          vocab_size=int(hf_text.get("vocab_size", 0)), dtype=str(dtype),
+                          max_inflight=config.max_inflight, lease_ms=config.lease_ms,
+                          prefill_timeout_s=config.prefill_timeout_s)
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.pool: WorkerPool | None = None
+        self.servicer: PDServeServicer | None = None
+        self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._prefill_executor: futures.ThreadPoolExecutor | None = None
+        self._health: health.HealthServicer | None = None
+        self.address: str | None = None
+
+    def start(self) -> "Router":
+        cfg = self.config
+        try:
+            model_dir = resolve_model(cfg.model)
+            options = service_options(cfg, model_dir)
+            tokenizer = load_tokenizer(model_dir)
+            self.pool = WorkerPool(list(cfg.prefill_addresses), list(cfg.decode_addresses))
+            self._prefill_executor = futures.ThreadPoolExecutor(cfg.max_inflight,
+                                                                thread_name_prefix="router-prefill")
+            self.servicer = PDServeServicer(self.pool, tokenizer, options, self._prefill_executor)
+            self._executor = futures.ThreadPoolExecutor(cfg.max_inflight + _EXTRA_THREADS,
+                                                        thread_name_prefix="router-grpc")
+            self._server = grpc.server(self._executor, options=CHANNEL_OPTIONS)
+            pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
+            self._health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+            port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            if port == 0:
+                raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
+            self.address = f"{cfg.host}:{port}"
+            self._server.start()
+        except BaseException:
+            self.stop()
+            raise
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("router serving %s on %s (prefill %s, decode %s)", options.model_id, self.address,
+                 list(cfg.prefill_addresses), list(cfg.decode_addresses))
+        return self
+
+    def stop(self) -> None:
+        """Stops taking requests, cancels open streams (which aborts them on the workers), then
+        closes the worker channels."""
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace=self.config.stop_grace_s).wait(self.config.stop_grace_s + 5)
+            self._server = None
+        for name in ("_executor", "_prefill_executor"):   # grpc does not own them
+            executor = getattr(self, name)
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+                setattr(self, name, None)
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

@@ -1,0 +1,118 @@
+"""Prompt encoding and streamed text for the router: the only place it touches the tokenizer.
+
+The decode worker streams token ids; the router turns them into text the same way the engine
+does (IncrementalDetokenizer, stop strings cut the text), so a client sees the engine's text.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from engine.tokenizer import IncrementalDetokenizer, find_stop_string
+
+
+class BadRequest(Exception):
+    """A client error with the gRPC status code it maps to."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        # HF fast tokenizers may refuse concurrent encode calls ("Already borrowed")
+        self._lock = threading.Lock()
+
+    def encode(self, request) -> list[int]:
+        """Prompt token ids of a pdserve.v1.GenerateRequest; raises BadRequest."""
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        elif kind == "text":
+            ids = self._encode(request.text, add_special_tokens=True) if request.text else []
+        elif kind == "chat":
+            ids = self._encode_chat(request.chat.messages)
+        else:
+            ids = []
+        if not ids:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             "prompt is empty: send text, token ids or chat messages")
+        if len(ids) > self.max_model_len - 1:
+            raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
+                             f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"shorten it to at most {self.max_model_len - 1} tokens")
+        return ids
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _encode_chat(self, messages) -> list[int]:
+        if not messages:
+            return []
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             "this model's tokenizer has no chat template: send text or token_ids instead")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            with self._lock:
+                rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                              tokenize=False)
+        except Exception as e:   # jinja errors: a role or shape the template rejects
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"chat messages do not fit the model's chat template: {e}") from e
+        return self._encode(rendered, add_special_tokens=False)
+
+
+class TextStream:
+    """Incremental text of one sequence. Text that may be the start of a stop string is held
+    back until it is clearly not one, so a client never receives text the engine cuts off."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
+                 stops: tuple[str, ...], include_stop_str: bool):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.stops = stops
+        self.include_stop_str = include_stop_str
+        self.num_sent_chars = 0
+        self.stopped = False
+
+    def add(self, token_ids) -> str:
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            delta = self.detok.add(token_id)
+            if delta and self.stops:
+                hit = find_stop_string(self.detok.text, len(delta), self.stops)
+                if hit is not None:
+                    i, stop = hit
+                    end = i + len(stop) if self.include_stop_str else i
+                    self.detok.text = self.detok.text[:end]
+                    self.stopped = True
+        text = self.detok.text
+        end = len(text) if self.stopped else len(text) - self._held_back(text)
+        return self._take(end)
+
+    def flush(self) -> str:
+        return self._take(len(self.detok.text))
+
+    def _take(self, end: int) -> str:
+        if end <= self.num_sent_chars:
+            return ""
+        out = self.detok.text[self.num_sent_chars:end]
+        self.num_sent_chars = end
+        return out
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

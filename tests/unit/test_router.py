@@ -1,0 +1,296 @@
+"""The router end to end in one process over 127.0.0.1: one DecodeWorker, one PrefillWorker and
+the Router in front. Streams match the engine's greedy output (ids and text), bad requests get
+specific statuses, concurrency and client cancellation leave the decode pool fully free.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import random_prompts
+from decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from engine import LLM, SamplingParams
+from engine.tokenizer import load_tokenizer
+from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from protos.convert import sampling_kwargs
+from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.server import Router, RouterConfig
+from router.text import TextStream
+
+RPC_TIMEOUT = 20.0
+MAX_MODEL_LEN = 256
+GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+class Cluster:
+    def __init__(self, model_dir):
+        engine = dict(max_model_len=MAX_MODEL_LEN)
+        self.decode = DecodeWorker(DecodeWorkerConfig(
+            model=model_dir, worker_id="d0", lease_ms=5000,
+            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, **engine))).start()
+        self.prefill = PrefillWorker(PrefillWorkerConfig(
+            model=model_dir, worker_id="p0", engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4,
+                                                                **engine))).start()
+        self.router = Router(RouterConfig(model=model_dir, prefill_addresses=(self.prefill.address,),
+                                          decode_addresses=(self.decode.address,),
+                                          max_model_len=MAX_MODEL_LEN, max_inflight=16)).start()
+        self.channels = [grpc.insecure_channel(a) for a in (self.router.address, self.decode.address)]
+        self.api = pdserve_pb2_grpc.PDServeStub(self.channels[0])
+        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[1])
+
+    def stop(self):
+        for ch in self.channels:
+            ch.close()
+        self.router.stop()
+        self.prefill.stop()
+        self.decode.stop()
+
+    def stats(self):
+        return self.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+
+    def generate(self, sampling=GREEDY, **input_):
+        """(token ids, text, Finish) of a request with one of text=, token_ids=, chat= set."""
+        if "token_ids" in input_:
+            input_["token_ids"] = pdserve_pb2.TokenIds(ids=input_["token_ids"])
+        if "chat" in input_:
+            input_["chat"] = pdserve_pb2.ChatMessages(
+                messages=[pdserve_pb2.ChatMessage(role=r, content=c) for r, c in input_["chat"]])
+        model = input_.pop("model", "")
+        responses = list(self.api.Generate(pdserve_pb2.GenerateRequest(
+            sampling=sampling, model=model, **input_), timeout=RPC_TIMEOUT))
+        deltas = [r.delta for r in responses if r.HasField("delta")]
+        assert [r.HasField("finish") for r in responses] == [False] * len(deltas) + [True]
+        assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+        return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+                responses[-1].finish)
+
+
+def wait_until(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def pool_idle(cluster) -> bool:
+    s = cluster.stats()
+    return s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
+
+
+def non_daemon_threads():
+    return {t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, one_thread):
+    before = non_daemon_threads()
+    c = Cluster(tiny_models("llama-gqa")[0])
+    yield c
+    c.stop()
+    wait_until(lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}")
+
+
+def dead_address() -> str:
+    """A 127.0.0.1 port nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def idle(cluster):
+    """Each test leaves the decode pool as it found it: every block free, nothing reserved."""
+    yield cluster
+    wait_until(lambda: pool_idle(cluster), 5, f"decode pool not back to idle: {cluster.stats()}")
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_models):
+    """prompt ids -> the engine's own greedy (token ids, text)."""
+    llm = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20)
+
+    def run(prompt):
+        out = llm.generate([prompt], SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)[0]
+        return out.outputs[0].token_ids, out.outputs[0].text
+    return run
+
+
+@pytest.fixture(scope="module")
+def expected(greedy):
+    prompts = random_prompts([30, 7, 21, 1], seed=5)
+    return prompts, [greedy(p) for p in prompts]
+
+
+def test_token_ids_stream_matches_engine(idle, expected):
+    prompts, want = expected
+    for prompt, (want_ids, want_text) in zip(prompts, want):
+        before_ns = time.time_ns()
+        ids, text, finish = idle.generate(token_ids=prompt)
+        assert ids == want_ids and text == want_text and text
+        assert finish.finish_reason == "length"
+        assert finish.usage.prompt_tokens == len(prompt) and finish.usage.completion_tokens == 8
+        t = finish.timings
+        assert before_ns <= t.queued_unix_ns <= t.prefill_start_unix_ns <= t.prefill_end_unix_ns
+        assert t.prefill_end_unix_ns <= t.transfer_end_unix_ns
+        assert 0 < t.first_token_unix_ns <= t.last_token_unix_ns
+        assert t.prefill_worker == "p0" and t.decode_worker == "d0"
+
+
+def test_stop_string_text_matches_engine(idle, expected, tiny_models):
+    prompts, want = expected
+    words = want[0][1].split()
+    stop = f"{words[3]} {words[4]}"   # cut mid-stream: the engine drops it from its text
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, stop=[stop])
+    llm_out = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20).generate(
+        [prompts[0]], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0].outputs[0]
+    ids, text, finish = idle.generate(sampling=sampling, token_ids=prompts[0])
+    assert (ids, text) == (llm_out.token_ids, llm_out.text) and stop not in text
+    assert finish.finish_reason == "stop" and finish.stop_str == stop
+
+
+def test_text_and_chat_inputs(idle, greedy):
+    tokenizer = idle.router.servicer.tokenizer
+    prompt = tokenizer.encode("t5 t9 t200", add_special_tokens=True)
+    assert prompt[-3:] == [5, 9, 200]
+    ids, text, finish = idle.generate(text="t5 t9 t200")
+    assert (ids, text) == greedy(prompt) and finish.usage.prompt_tokens == len(prompt)
+    if tokenizer.chat_template:
+        ids, _, finish = idle.generate(chat=[("user", "t5 t9")])
+        assert ids and finish.finish_reason == "length"
+    else:
+        with pytest.raises(grpc.RpcError) as err:
+            idle.generate(chat=[("user", "t5 t9")])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat template" in err.value.details()
+    # a chat template set at run time is rendered, then tokenized without special tokens
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}t7"
+    try:
+        ids, text, finish = idle.generate(chat=[("user", "t5 t9"), ("user", "t3")])
+    finally:
+        tokenizer.chat_template = None
+    assert (ids, text) == greedy([5, 9, 3, 7]) and finish.usage.prompt_tokens == 4
+
+
+def test_concurrent_streams_complete_and_free_the_pool(idle, expected):
+    prompts, want = expected
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = idle.generate(token_ids=prompts[i % len(prompts)])[:2]
+        except Exception as e:   # surfaced below, not lost in the thread
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert [results.get(i) for i in range(8)] == [want[i % len(prompts)] for i in range(8)]
+    wait_until(lambda: pool_idle(idle), 2, f"blocks still held after 8 streams: {idle.stats()}")
+
+
+def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expected):
+    cases = [(dict(text=""), GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+             (dict(token_ids=list(range(2, 2 + MAX_MODEL_LEN))), GREEDY, grpc.StatusCode.OUT_OF_RANGE,
+              "max_model_len"),
+             (dict(token_ids=[5, 6, 7]), pdserve_pb2.SamplingParams(top_p=1.5),
+              grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+             (dict(token_ids=[5, 6, 7], model="nope"), GREEDY, grpc.StatusCode.NOT_FOUND, "nope"),
+             (dict(token_ids=[5, 6, 7]), pdserve_pb2.SamplingParams(n=2), grpc.StatusCode.INVALID_ARGUMENT,
+              "n>1")]
+    for input_, sampling, code, named in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            idle.generate(sampling=sampling, **input_)
+        assert err.value.code() == code and named in err.value.details(), err.value
+    prompts, want = expected
+    model_id = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models[0].id
+    assert idle.generate(token_ids=prompts[1], model=model_id)[:2] == want[1]
+
+
+def test_list_models_health_and_abort_of_unknown(idle):
+    card, = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+    assert card.max_model_len == MAX_MODEL_LEN and card.vocab_size == 256 and card.dtype and card.id
+    health = health_pb2_grpc.HealthStub(idle.channels[0])
+    reply = health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.PDServe"), timeout=RPC_TIMEOUT)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert not idle.api.Abort(pdserve_pb2.AbortRequest(request_id="nobody"), timeout=RPC_TIMEOUT).found
+
+
+LONG = pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
+    aborted = []
+    real_abort = idle.decode.handoff.abort
+    monkeypatch.setattr(idle.decode.handoff, "abort",
+                        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason))
+    call = idle.api.Generate(pdserve_pb2.GenerateRequest(
+        request_id="cancel-me", token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=8)[0]),
+        sampling=LONG), timeout=RPC_TIMEOUT)
+    first = next(call)
+    assert first.HasField("delta") and first.delta.token_ids
+    call.cancel()
+    # the router aborts explicitly, not only by dropping its decode stream
+    wait_until(lambda: ("cancel-me", "aborted by the router") in aborted and pool_idle(idle), 1.0,
+               f"the cancelled request still holds decode blocks: {idle.stats()}")
+
+
+def test_router_abort_ends_the_stream_with_abort(idle):
+    call = idle.api.Generate(pdserve_pb2.GenerateRequest(
+        request_id="abort-me", token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=9)[0]),
+        sampling=LONG), timeout=RPC_TIMEOUT)
+    assert next(call).HasField("delta")
+    assert idle.api.Abort(pdserve_pb2.AbortRequest(request_id="abort-me"), timeout=RPC_TIMEOUT).found
+    last = list(call)[-1]
+    assert last.HasField("finish") and last.finish.finish_reason == "abort"
+    assert last.finish.usage.completion_tokens < 200
+
+
+def test_deadline_exceeded(idle):
+    with pytest.raises(grpc.RpcError) as err:
+        idle.generate(token_ids=random_prompts([8], seed=10)[0], deadline_ms=1,
+                      sampling=LONG)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline_ms" in err.value.details()
+
+
+def test_unreachable_prefill_worker_is_retried_on_another(idle, expected, caplog):
+    """Requests that first pick the dead prefill worker get UNAVAILABLE, then succeed on the live
+    one into the same reservation; a dead decode worker ranks last (its Stats fail)."""
+    router = Router(RouterConfig(model=idle.router.config.model,
+                                 prefill_addresses=(dead_address(), idle.prefill.address),
+                                 decode_addresses=(dead_address(), idle.decode.address),
+                                 max_model_len=MAX_MODEL_LEN)).start()
+    prompts, want = expected
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            api = pdserve_pb2_grpc.PDServeStub(channel)
+            for i in range(4):   # round-robin: half of them try the dead prefill worker first
+                responses = list(api.Generate(pdserve_pb2.GenerateRequest(
+                    token_ids=pdserve_pb2.TokenIds(ids=prompts[i]), sampling=GREEDY), timeout=RPC_TIMEOUT))
+                ids = [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+                assert ids == want[i][0]
+                assert responses[-1].finish.timings.prefill_worker == "p0"
+    finally:
+        router.stop()
+    retried = [r for r in caplog.records if "failed: StatusCode.UNAVAILABLE" in r.getMessage()]
+    assert retried, "no request picked the dead prefill worker first"
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tiny_models):
+    tokenizer = load_tokenizer(tiny_models("llama-gqa")[0])
+    cut = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=False)
+    assert [cut.add([5]), cut.add([6]), cut.add([7]), cut.flush()] == [" t5", " ", "", ""]
+    assert cut.stopped
+    kept = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=True)
+    assert "".join([kept.add([5]), kept.add([6]), kept.add([7]), kept.flush()]) == " t5 t6 t7"
+    miss = TextStream(tokenizer, [3], True, ("t6 t8",), include_stop_str=False)
+    assert [miss.add([5]), miss.add([6]), miss.add([7])] == [" t5", " ", "t6 t7"] and not miss.stopped
