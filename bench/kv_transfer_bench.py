@@ -155,7 +155,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
         server = sock = listener = None
         if kind in ("grpc", "shm", "torch"):
             opts = dict(kv_cache=cache, kv_path=path) if kind == "shm" else {}
-            server = serve(kind, handler, **opts)
+            server = serve(kind, handler, **opts, **cfg.get("server_opts", {}).get(kind, {}))
             conn.send({"address": server.address})
         elif kind == "tcp":
             listener = socket.create_server(("127.0.0.1", 0))
@@ -247,7 +247,7 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     address = conn.recv()
     transport = sock = shared = None
     if kind in ("grpc", "shm", "torch"):
-        transport = connect(kind, address, timeout=60.0)
+        transport = connect(kind, address, timeout=60.0, **cfg.get("connect_opts", {}).get(kind, {}))
     elif kind == "tcp":
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=60)
@@ -379,13 +379,17 @@ def main(argv=None) -> int:
                     help="before each trial, wait up to SECONDS for a quiet machine (< 0.15 busy cores)")
     ap.add_argument("--null-handler", action="store_true",
                     help="diagnosis: the decode side drops the KV instead of running a KVReceiver")
+    ap.add_argument("--server-opts", default="{}", metavar="JSON",
+                    help='tuning: {"grpc": {"max_backlog_bytes": 8388608}, ...} passed to serve()')
+    ap.add_argument("--connect-opts", default="{}", metavar="JSON", help="tuning: passed to connect()")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.trials = 6, 1
     tokens = int(args.mib * (1 << 20)) // TOKEN_BYTES
     cfg = {"tokens": tokens, "requests": args.requests, "null_handler": args.null_handler,
-           "wait_idle": args.wait_idle}
+           "wait_idle": args.wait_idle, "server_opts": json.loads(args.server_opts),
+           "connect_opts": json.loads(args.connect_opts)}
     backends = [b for b in args.backends.split(",") if b]
     kinds = sorted({CEILING_OF[b] for b in backends}) + backends
     results = {"command": shlex.join([sys.executable] + sys.argv), "date": _dt.datetime.now().astimezone().isoformat(),
@@ -395,6 +399,7 @@ def main(argv=None) -> int:
                           "tokens_per_request": tokens, "kv_bytes_per_request": tokens * TOKEN_BYTES,
                           "frames_per_request": NUM_LAYERS + 1, "requests_per_trial": args.requests,
                           "trials": args.trials, "torch_threads_per_process": 1,
+                          "server_opts": cfg["server_opts"], "connect_opts": cfg["connect_opts"],
                           "decode_handler": "null (diagnosis)" if args.null_handler else "KVReceiver"},
                "measurements": {}}
     status = 0

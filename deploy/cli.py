@@ -1,6 +1,9 @@
 """`pdserve` command line.
 
-Until the router and worker pools land, `generate` and `chat` run the engine in this process.
+    pdserve up [CONFIG] [--address ADDR]      launch the deployment on Ray, serve until Ctrl-C
+    pdserve generate TEXT [--router H:P]      complete a prompt through the router
+    pdserve chat MESSAGE [--router H:P]       one chat turn through the router
+    pdserve generate TEXT --local             run the engine in this process instead
 """
 from __future__ import annotations
 
@@ -8,35 +11,36 @@ import argparse
 import sys
 import time
 
+from deploy.config import ConfigError, DeployConfig, load_config
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or an HF directory")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    gen = sub.add_parser("generate", help="complete a prompt")
-    gen.add_argument("prompt")
-    _engine_args(gen)
-    chat = sub.add_parser("chat", help="one chat turn (the model's chat template is applied)")
-    chat.add_argument("message")
-    chat.add_argument("--system", default=None)
-    _engine_args(chat)
-    args = parser.parse_args(argv)
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default=DeployConfig().router.address,
+                   help="the router's host:port (default: %(default)s)")
+    p.add_argument("--local", action="store_true",
+                   help="run the engine in this process instead of asking a router")
+    p.add_argument("--model", default=None,
+                   help="router: a served model id (default: its default); --local: 'smollm2', "
+                        "a .gguf file or an HF directory")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="--local only")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache")
+    _sampling_args(p)
 
+
+def _run_local(args) -> int:
     from engine import LLM, SamplingParams
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         t0 = time.perf_counter()
-        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+        llm = LLM(args.model or "smollm2", tensor_parallel_size=args.tensor_parallel_size,
                   kv_cache_memory=args.kv_cache_memory)
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -58,6 +62,110 @@ def main(argv: list[str] | None = None) -> int:
           f"total {elapsed:.2f}s, {len(c.token_ids) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
     llm.shutdown()
     return 0
+
+
+def _request(args):
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                 top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = pb.GenerateRequest(model=args.model or "", sampling=sampling)
+    if args.cmd == "generate":
+        req.text = args.prompt
+    else:
+        messages = ([pb.ChatMessage(role="system", content=args.system)] if args.system else [])
+        messages.append(pb.ChatMessage(role="user", content=args.message))
+        req.chat.CopyFrom(pb.ChatMessages(messages=messages))
+    return req
+
+
+def _run_remote(args) -> int:
+    """Streams the router's reply to stdout as it arrives; timings go to stderr."""
+    import grpc
+    from protos.pdserve.v1 import pdserve_pb2_grpc
+    num_tokens, finish, t_first = 0, None, None
+    t0 = time.perf_counter()
+    try:
+        with grpc.insecure_channel(args.router) as channel:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            for resp in stub.Generate(_request(args), wait_for_ready=False):
+                if resp.HasField("delta"):
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    num_tokens += len(resp.delta.token_ids)
+                    sys.stdout.write(resp.delta.text)
+                    sys.stdout.flush()
+                elif resp.HasField("finish"):
+                    finish = resp.finish
+    except grpc.RpcError as e:
+        hint = (" (is `pdserve up` running there? pass its address with --router)"
+                if e.code() == grpc.StatusCode.UNAVAILABLE else "")
+        print(f"\npdserve: router {args.router}: {e.code().name}: {e.details()}{hint}",
+              file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    elapsed = time.perf_counter() - t0
+    print()
+    reason = finish.finish_reason if finish is not None else "?"
+    ttft = f"{(t_first - t0) * 1e3:.0f} ms" if t_first is not None else "-"
+    decode_s = elapsed - (t_first - t0) if t_first is not None else 0.0
+    rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
+    prompt = f"{finish.usage.prompt_tokens} prompt tokens, " if finish is not None else ""
+    print(f"[{prompt}{num_tokens} generated, finish={reason}; TTFT {ttft}, total {elapsed:.2f}s, "
+          f"{rate:.1f} tok/s]", file=sys.stderr)
+    if finish is not None and finish.finish_reason == "error":
+        print(f"pdserve: {finish.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_up(args) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+    from deploy.launcher import up
+    try:
+        cluster = up(config, address=args.address, block=False)
+    except NotImplementedError as e:
+        print(f"pdserve: {args.config or 'default config'}: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:   # e.g. the cluster cannot fit the pools
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"router on {cluster.router_address}", flush=True)
+    print("ready", flush=True)
+    reason = cluster.wait()   # until Ctrl-C / SIGTERM / a pool is gone; stops the deployment
+    if reason.startswith("no live"):
+        print(f"pdserve: {reason}; stopped", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    upp = sub.add_parser("up", help="launch the deployment on Ray and serve until Ctrl-C")
+    upp.add_argument("config", nargs="?", default=None,
+                     help="deployment YAML (default: SmolLM2, 1 prefill + 1 decode, local Ray)")
+    upp.add_argument("--address", default=None,
+                     help="Ray cluster to join ('auto' or host:port); overrides ray.address")
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt")
+    _client_args(gen)
+    chat = sub.add_parser("chat", help="one chat turn (the model's chat template is applied)")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None)
+    _client_args(chat)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "up":
+        return _run_up(args)
+    return _run_local(args) if args.local else _run_remote(args)
 
 
 if __name__ == "__main__":

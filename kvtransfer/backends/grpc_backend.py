@@ -89,7 +89,8 @@ def split_message(message) -> list[tuple[ChunkHeader, memoryview | None]]:
 class FrameWorker:
     """Runs `handle(header, payload)` for one channel's frames in arrival order on its own thread,
     so the channel's reader can take the next frame meanwhile. Holds at most max_bytes of
-    payloads (and always one frame): `put` blocks beyond that, which backs up to the sender."""
+    payloads (and always one frame): `put` blocks beyond that, which backs up to the sender.
+    max_bytes <= 0: no thread, `put` runs the handler itself."""
 
     def __init__(self, handle, name: str, max_bytes: int = 64 << 20):
         self._handle = handle
@@ -98,10 +99,16 @@ class FrameWorker:
         self._bytes = 0
         self._closing = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = None
+        if max_bytes > 0:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     def put(self, header: ChunkHeader, payload, nbytes: int) -> None:
+        if self._thread is None:
+            if not self._closing:
+                self._handle(header, payload)
+            return
         with self._cond:
             while self._items and self._bytes + nbytes > self._max_bytes and not self._closing:
                 self._cond.wait(0.5)
@@ -118,7 +125,8 @@ class FrameWorker:
             if not drain:
                 self._items.clear()
             self._cond.notify_all()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:

@@ -1,0 +1,194 @@
+"""The deployment YAML: a frozen, validated schema and `load_config`, which names the file and the
+key in every error it raises.
+
+    model: smollm2
+    pools:
+      prefill: {replicas: 1, tp: 1, resources: {num_cpus: 1}}
+      decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}
+    router: {host: 127.0.0.1, port: 50051}
+    kvtransfer: {backend: grpc}
+    ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, \
+    field_validator, model_validator
+
+DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")   # engine/config.py
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot be used; the message names the file and the key."""
+
+
+class _Frozen(BaseModel):
+    # strict: YAML gives real types, so "2" for an integer is a mistake worth reporting
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Resources(_Frozen):
+    """What one TP rank of a replica reserves (one placement-group bundle)."""
+    num_cpus: Annotated[float, Field(ge=0)] = 1
+    num_gpus: Annotated[float, Field(ge=0)] = 0
+
+    @model_validator(mode="after")
+    def _not_empty(self):
+        if self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError("num_cpus and num_gpus cannot both be 0 (a worker needs somewhere to run)")
+        return self
+
+    def bundle(self) -> dict[str, float]:
+        """A Ray placement-group bundle; zero amounts are left out (Ray rejects empty resources)."""
+        return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+
+
+class Pool(_Frozen):
+    replicas: Annotated[int, Field(ge=1)] = 1
+    tp: Annotated[int, Field(ge=1)] = 1
+    resources: Resources = Resources()
+    # bytes (an integer) or a fraction of free memory in (0, 1]; unset: the engine's default
+    kv_cache_memory: Union[StrictInt, StrictFloat, None] = None
+    block_size: Annotated[int, Field(ge=1)] = 16
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
+    max_num_seqs: Annotated[int, Field(ge=1)] = 128
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    enable_prefix_caching: bool = True
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _kv_memory(cls, v):
+        # before the Union runs, so a bad value gets one message instead of one per member
+        if v is None or (type(v) is int and v > 0) or (type(v) is float and 0 < v <= 1):
+            return v
+        raise ValueError("must be bytes (an integer > 0) or a fraction of free memory in (0, 1]")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v):
+        if v & (v - 1):
+            raise ValueError("must be a power of two")
+        return v
+
+
+class Pools(_Frozen):
+    prefill: Pool = Pool()
+    decode: Pool = Pool()
+
+
+class RouterSettings(_Frozen):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 50051    # 0: pick a free port
+    max_inflight: Annotated[int, Field(ge=1)] = 64
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class KVTransferSettings(_Frozen):
+    backend: Literal["grpc", "shm", "torch"] = "grpc"
+
+
+class RaySettings(_Frozen):
+    address: str | None = None          # None: start a local Ray for this deployment
+    num_cpus: Annotated[int, Field(ge=1)] | None = None   # local Ray only; None: all cores
+    temp_dir: str | None = None         # local Ray only; None: <pdserve cache dir>/ray
+
+
+class DeployConfig(_Frozen):
+    model: Annotated[str, Field(min_length=1)] = "smollm2"
+    dtype: Literal[DTYPES] = "auto"
+    pools: Pools = Pools()
+    router: RouterSettings = RouterSettings()
+    kvtransfer: KVTransferSettings = KVTransferSettings()
+    ray: RaySettings = RaySettings()
+
+    def engine_kwargs(self, pool: Pool) -> dict:
+        """`LLM(model, **kwargs)` for one worker of `pool`."""
+        kwargs = dict(dtype=self.dtype, tensor_parallel_size=pool.tp, block_size=pool.block_size,
+                      max_num_batched_tokens=pool.max_num_batched_tokens,
+                      max_num_seqs=pool.max_num_seqs, enable_prefix_caching=pool.enable_prefix_caching)
+        if pool.kv_cache_memory is not None:
+            kwargs["kv_cache_memory"] = pool.kv_cache_memory
+        if pool.max_model_len is not None:
+            kwargs["max_model_len"] = pool.max_model_len
+        return kwargs
+
+
+def _key(loc: tuple) -> str:
+    # pydantic appends the union member it tried ("int", "float") to the location: not a key
+    parts = [str(p) for p in loc if p not in ("int", "float", "none", "str")]
+    return ".".join(parts) or "(top level)"
+
+
+def _message(err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    msg = err["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    given = err.get("input")
+    if err["type"] not in ("missing",) and not isinstance(given, (dict, list)):
+        msg += f" (got {given!r})"
+    return msg
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys that are valid where an unknown key `loc` was found."""
+    model: type[BaseModel] = DeployConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def validate_config(data: dict, source: str = "<config>") -> DeployConfig:
+    """A DeployConfig from plain data, or a ConfigError naming `source` and each bad key."""
+    try:
+        return DeployConfig.model_validate(data)
+    except ValidationError as e:
+        lines, seen = [], set()
+        for err in e.errors():
+            key = _key(err["loc"])
+            if key in seen:     # a Union reports once per member: the first says enough
+                continue
+            seen.add(key)
+            line = f"{source}: {key}: {_message(err)}"
+            if err["type"] == "extra_forbidden":
+                allowed = _allowed_keys(err["loc"])
+                if allowed:
+                    line += f"; allowed here: {', '.join(allowed)}"
+            lines.append(line)
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | pathlib.Path | None) -> DeployConfig:
+    """The deployment in the YAML file at `path`; None gives the defaults (SmolLM2, one prefill and
+    one decode worker, tp 1, a local Ray)."""
+    if path is None:
+        return DeployConfig()
+    name = str(path)
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{name}: {where}YAML syntax error: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: the top level must be a mapping of keys "
+                          f"(model, pools, router, ...), got {type(data).__name__}")
+    return validate_config(data, name)

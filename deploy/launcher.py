@@ -1,0 +1,293 @@
+"""Launch a deployment on Ray: worker replicas as actors, the router in this (the driver) process.
+
+    cluster = up(load_config("deploy/examples/local-cpu.yaml"), block=False)
+    print(cluster.router_address)
+    cluster.stop()
+
+Order: connect to Ray (or start a local one) -> for each replica, one placement group per TP group
+(`tp` bundles of the pool's resources, STRICT_PACK so a TP group shares a node) -> decode actors,
+then prefill actors, each started and asked for its gRPC address -> the router, given all the
+addresses. `stop()` undoes it in reverse.
+
+Why the router lives in the driver and not in an actor: it is the one client-facing port, so it
+should listen on the host the operator launched from, at the address printed there, and die with
+`pdserve up` (Ctrl-C); it holds no model, so it needs no Ray resources or placement of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.config import DeployConfig, Pool
+
+log = logging.getLogger(__name__)
+ROLES = ("decode", "prefill")      # start order: decode first, so prefill has somewhere to push KV
+
+
+class WorkerActor:
+    """One worker replica (a DecodeWorker or a PrefillWorker) inside a Ray actor process."""
+
+    def __init__(self, role: str, worker_config, num_threads: int):
+        import torch   # the heavy imports, here: actors are created (and import) concurrently
+        if role == "decode":
+            import decode_worker.server  # noqa: F401
+        else:
+            import prefill_worker.server  # noqa: F401
+        torch.set_num_threads(num_threads)
+        self.role = role
+        self.worker_config = worker_config
+        self.worker = None
+
+    def start(self) -> str:
+        """Loads the model, starts serving; returns the worker's gRPC address."""
+        cfg = self.worker_config
+        if not cfg.host:      # listen on, and advertise, this node's address
+            cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
+        if self.role == "decode":
+            from decode_worker.server import DecodeWorker
+            cfg = dataclasses.replace(cfg, kv_options={"host": cfg.host, **cfg.kv_options})
+            self.worker = DecodeWorker(cfg).start()
+        else:
+            from prefill_worker.server import PrefillWorker
+            self.worker = PrefillWorker(cfg).start()
+        return self.worker.address
+
+    def ping(self) -> bool:
+        return self.worker is not None
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+
+RemoteWorker = ray.remote(max_restarts=0)(WorkerActor)
+
+
+@dataclass
+class Replica:
+    role: str
+    index: int
+    pg: PlacementGroup
+    actor: object = None
+    address: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclass
+class Cluster:
+    config: DeployConfig
+    started_ray: bool
+    replicas: list[Replica] = field(default_factory=list)
+    router: object = None
+    router_address: str | None = None
+    _stopped: bool = False
+
+    def addresses(self, role: str) -> list[str]:
+        return [r.address for r in self.replicas if r.role == role and r.address]
+
+    def wait(self, poll_s: float = 1.0) -> str:
+        """Serves until Ctrl-C, SIGTERM, or a pool with no live replica left, then stops the
+        deployment; returns why. One dead replica alone does not stop it: the router routes
+        around a worker that stopped answering."""
+        done = threading.Event()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
+        reason, dead = "SIGTERM", set()
+        try:
+            while not done.wait(poll_s):
+                newly_dead = self._dead_replicas() - dead
+                for name in sorted(newly_dead):
+                    log.error("worker %s died; the router routes around it", name)
+                dead |= newly_dead
+                empty = [role for role in ROLES
+                         if all(r.name in dead for r in self.replicas if r.role == role)]
+                if empty:
+                    reason = f"no live {empty[0]} worker left"
+                    log.error("%s; stopping the deployment", reason)
+                    break
+        except KeyboardInterrupt:
+            reason = "interrupted"
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self.stop()
+        return reason
+
+    def _dead_replicas(self) -> set[str]:
+        refs = [(r, r.actor.ping.remote()) for r in self.replicas if r.actor is not None]
+        dead = set()
+        for r, ref in refs:
+            try:
+                ray.get(ref, timeout=30)
+            except ray.exceptions.RayActorError:
+                dead.add(r.name)
+            except ray.exceptions.GetTimeoutError:   # busy is not dead: serving runs on other threads
+                pass
+        return dead
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Router first (no new requests), then the workers, their placement groups, and Ray if
+        we started it. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.router is not None:
+            try:
+                self.router.stop()
+            except Exception:
+                log.exception("router stop failed")
+            self.router = None
+        pending = [(r, r.actor.stop.remote()) for r in self.replicas if r.actor is not None]
+        for r, ref in pending:
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception as e:   # it is killed next regardless
+                log.warning("%s did not stop cleanly: %s", r.name, e)
+        for r in self.replicas:
+            if r.actor is not None:
+                ray.kill(r.actor)
+                r.actor = None
+            remove_placement_group(r.pg)
+        self.replicas.clear()
+        if self.started_ray:
+            ray.shutdown()
+
+
+def _check_supported(config: DeployConfig) -> None:
+    for role in ROLES:
+        pool: Pool = getattr(config.pools, role)
+        if pool.tp > 1:
+            raise NotImplementedError(
+                f"pools.{role}.tp is {pool.tp}: workers run tensor parallelism over Ray actors "
+                f"not yet; set pools.{role}.tp to 1 (and add replicas instead)")
+    if config.kvtransfer.backend != "grpc":
+        raise NotImplementedError(
+            f"kvtransfer.backend {config.kvtransfer.backend!r} is not wired into the workers yet; "
+            f"use 'grpc'")
+
+
+def _init_ray(config: DeployConfig, address: str | None) -> bool:
+    """Connects to (or starts) Ray; True when this call started it, so stop() shuts it down."""
+    if ray.is_initialized():    # the caller owns Ray (a notebook, a test): reuse it
+        return False
+    address = address or config.ray.address
+    kwargs = dict(include_dashboard=False, log_to_driver=False)
+    if address is None:
+        from engine.loader import default_cache_dir
+        temp_dir = config.ray.temp_dir or str(default_cache_dir() / "ray")
+        os.makedirs(temp_dir, exist_ok=True)
+        # a private temp dir keeps this Ray off the machine-wide default (/tmp/ray); Unix socket
+        # paths under it must stay short, which the cache dir is
+        kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=os.path.abspath(temp_dir))
+    elif config.ray.temp_dir:
+        kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
+    ray.init(address=address, **kwargs)
+    return True
+
+
+def _worker_config(config: DeployConfig, role: str, index: int, host: str):
+    pool: Pool = getattr(config.pools, role)
+    common = dict(model=config.model, engine_kwargs=config.engine_kwargs(pool), host=host, port=0,
+                  worker_id=f"{role}-{index}")
+    if role == "decode":
+        from decode_worker.server import DecodeWorkerConfig
+        return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
+    from prefill_worker.server import PrefillWorkerConfig
+    return PrefillWorkerConfig(**common)
+
+
+def _place_pool(cluster: Cluster, role: str, host: str, ready_timeout_s: float) -> None:
+    """Reserves a placement group per replica and creates its actor (not yet serving)."""
+    config = cluster.config
+    pool: Pool = getattr(config.pools, role)
+    bundle = pool.resources.bundle()
+    new = []
+    for i in range(pool.replicas):
+        # one placement group per TP group: all of its ranks' bundles land on one node together
+        pg = placement_group([dict(bundle) for _ in range(pool.tp)], strategy="STRICT_PACK",
+                             name=f"pdserve-{role}-{i}")
+        new.append(Replica(role, i, pg))
+        cluster.replicas.append(new[-1])
+    for r in new:
+        try:
+            ray.get(r.pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"pools.{role}: replica {r.index} could not reserve {pool.tp} x {bundle} within "
+                f"{ready_timeout_s:.0f}s; the Ray cluster has {ray.available_resources()} free of "
+                f"{ray.cluster_resources()}: lower pools.{role}.replicas or resources, or add "
+                f"nodes") from None
+        r.actor = RemoteWorker.options(
+            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=r.pg, placement_group_bundle_index=0),
+        ).remote(role, _worker_config(config, role, r.index, host),
+                 max(1, int(pool.resources.num_cpus)))
+
+
+def _start_pool(cluster: Cluster, role: str, start_timeout_s: float) -> None:
+    replicas = [r for r in cluster.replicas if r.role == role]
+    refs = [r.actor.start.remote() for r in replicas]   # replicas load their models concurrently
+    for r, ref in zip(replicas, refs):
+        try:
+            r.address = ray.get(ref, timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"pools.{role}: replica {r.index} did not start within "
+                               f"{start_timeout_s:.0f}s") from None
+        log.info("%s serving on %s", r.name, r.address)
+
+
+def _start_router(cluster: Cluster) -> None:
+    from router.server import Router, RouterConfig   # imported late: the router is optional to the rest
+    config = cluster.config
+    lens = [p.max_model_len for p in (config.pools.prefill, config.pools.decode) if p.max_model_len]
+    router_config = RouterConfig(
+        model=config.model, prefill_addresses=tuple(cluster.addresses("prefill")),
+        decode_addresses=tuple(cluster.addresses("decode")), host=config.router.host,
+        port=config.router.port, max_inflight=config.router.max_inflight,
+        max_model_len=min(lens) if lens else None,   # what every worker on the path can hold
+        dtype=None if config.dtype == "auto" else config.dtype)
+    cluster.router = Router(router_config).start()
+    cluster.router_address = cluster.router.address
+
+
+def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
+       ready_timeout_s: float = 120.0, start_timeout_s: float = 600.0) -> Cluster:
+    """Starts the deployment described by `config` and returns it; with block=True, serves until
+    Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address."""
+    _check_supported(config)
+    t0 = time.perf_counter()
+    started = _init_ray(config, address)
+    cluster = Cluster(config, started)
+    # a local Ray runs everything on this machine: loopback is reachable and opens no ports
+    local = started and not (address or config.ray.address)
+    host = "127.0.0.1" if local else ""
+    try:
+        log.info("ray ready in %.1fs", time.perf_counter() - t0)
+        for role in ROLES:   # all actors first, so their processes spawn and import in parallel
+            _place_pool(cluster, role, host, ready_timeout_s)
+        for role in ROLES:
+            _start_pool(cluster, role, start_timeout_s)
+        _start_router(cluster)
+    except BaseException:
+        cluster.stop()
+        raise
+    log.info("deployment up in %.1fs; router on %s", time.perf_counter() - t0,
+             cluster.router_address)
+    if block:
+        cluster.wait()
+    return cluster
