@@ -18,7 +18,6 @@ from decode_worker.handoff import DecodeHandoff
 from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
 from engine import LLM
 from engine.engine_loop import EngineLoop
-from engine.loader.resolve import resolve_model
 from kvtransfer.backends import serve
 from kvtransfer.layout import KVLayout
 from protos.pdserve.v1 import worker_pb2_grpc
@@ -49,13 +48,6 @@ class DecodeWorkerConfig:
             raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
 
 
-def engine_layout(engine, model: str) -> KVLayout:
-    """Both workers compute the layout the same way, so equal checkpoints give equal fingerprints."""
-    mc = engine.model_config
-    return KVLayout(resolve_model(model).name, engine.config.dtype, mc.num_layers, mc.num_kv_heads,
-                    mc.head_dim, engine.config.block_size)
-
-
 class DecodeWorker:
     def __init__(self, config: DecodeWorkerConfig):
         self.config = config
@@ -72,7 +64,7 @@ class DecodeWorker:
         cfg = self.config
         try:
             engine = LLM(cfg.model, **cfg.engine_kwargs).engine
-            self.layout = engine_layout(engine, cfg.model)
+            self.layout = KVLayout(**engine.kv_layout_spec())
             self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
             self.handoff = DecodeHandoff(self.loop, self.layout, lease_s=cfg.lease_ms / 1000,
                                          sweep_s=cfg.lease_sweep_s)

@@ -67,6 +67,7 @@ class LLMEngine:
         from transformers import AutoConfig
 
         model_dir = resolve_model(config.model)
+        self.model_id = model_dir.name
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
         self.config = config.resolve(self.model_config)
         self.tokenizer = load_tokenizer(model_dir)
@@ -189,6 +190,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._undelivered)
+
+    def kv_layout_spec(self) -> dict:
+        """What identifies this engine's KV contents, as plain data (kvtransfer.KVLayout's fields):
+        every worker builds its transfer layout from this one definition."""
+        mc = self.model_config
+        return dict(model=self.model_id, dtype=self.config.dtype, num_layers=mc.num_layers,
+                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                    block_size=self.config.block_size)
 
     @property
     def kv_cache(self) -> torch.Tensor:

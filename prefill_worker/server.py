@@ -16,7 +16,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine import LLM
 from engine.engine_loop import EngineLoop
-from engine.loader.resolve import resolve_model
 from kvtransfer.layout import KVLayout
 from prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
 from protos.pdserve.v1 import worker_pb2_grpc
@@ -39,13 +38,6 @@ class PrefillWorkerConfig:
     stop_grace_s: float = 1.0
 
 
-def engine_layout(engine, model: str) -> KVLayout:
-    """Must match decode_worker.server.engine_layout (the workers may not import each other)."""
-    mc = engine.model_config
-    return KVLayout(resolve_model(model).name, engine.config.dtype, mc.num_layers, mc.num_kv_heads,
-                    mc.head_dim, engine.config.block_size)
-
-
 class PrefillWorker:
     def __init__(self, config: PrefillWorkerConfig):
         self.config = config
@@ -61,7 +53,7 @@ class PrefillWorker:
         cfg = self.config
         try:
             engine = LLM(cfg.model, **cfg.engine_kwargs).engine
-            self.layout = engine_layout(engine, cfg.model)
+            self.layout = KVLayout(**engine.kv_layout_spec())
             self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
             self.servicer = PrefillWorkerServicer(self.loop, self.layout, PrefillServiceOptions(
                 worker_id=cfg.worker_id, prefill_timeout_s=cfg.prefill_timeout_s,
