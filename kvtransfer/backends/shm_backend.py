@@ -15,13 +15,14 @@ queued together travel in one gRPC message (see grpc_backend).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import tempfile
+import threading
 import uuid
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
+import numpy as np
 import torch
 
 from kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
@@ -105,53 +106,71 @@ def parse_address(address: str) -> tuple[str, tuple[int, ...], torch.dtype, str]
     return unquote(parts.path), shape, dtype, control
 
 
-def write_in_place(kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int], header: ChunkHeader,
-                   data: torch.Tensor) -> int:
-    """`write_chunk`, with a block-granular copy when the chunk holds exactly this rank's heads.
+class PagedWriter:
+    """`write_chunk` into one paged cache, block by block where it can.
 
     write_chunk scatters one token (heads x head_dim values) at a time, about a third of memcpy
-    speed; here whole blocks move as rows (numpy fancy assignment on bytes, any dtype), which runs
-    at memcpy speed. Anything else (a head subset to reshard, a device tensor) goes to write_chunk.
+    speed. When a chunk holds exactly this rank's heads, whole blocks move as rows instead (numpy
+    fancy assignment over bytes, so any dtype), at memcpy speed; the cache's per-layer byte views
+    are made once. Anything else (a head subset to reshard, device tensors) goes to write_chunk.
     The checks mirror write_chunk's.
     """
-    d0, d1 = layout.head_range
-    if not (isinstance(data, torch.Tensor) and data.device.type == "cpu" and kv_cache.device.type == "cpu"
-            and kv_cache.is_contiguous() and data.dtype == kv_cache.dtype
-            and (header.head_start, header.head_end) == (d0, d1) and header.kind == "kv"):
-        return write_chunk(kv_cache, layout, block_ids, header, data)
-    layout.check_compatible(header.fingerprint, "sender")
-    if header.dtype != dtype_name(kv_cache.dtype):
-        raise LayoutMismatch(f"chunk dtype {header.dtype} != cache dtype {dtype_name(kv_cache.dtype)}")
-    if not 0 <= header.layer < layout.num_layers:
-        raise ValueError(f"chunk layer {header.layer} outside [0, {layout.num_layers})")
-    start, end, bs = header.start, header.end, layout.block_size
-    if end > len(block_ids) * bs or start < 0 or end < start:
-        raise ValueError(f"chunk tokens [{start}, {end}) do not fit the {len(block_ids)} reserved "
-                         f"blocks of {bs} tokens")
-    if data.numel() != math.prod(header.shape):
-        raise ValueError(f"chunk payload has {data.numel()} values, header says {header.shape}")
-    if end == start:
-        return 0
-    # bytes views: tokens [2, n, token_bytes] of the chunk, [2, blocks, block_size, token_bytes] of the cache
-    src = data.contiguous().view(torch.uint8).numpy().reshape(2, end - start, -1)
-    dst = kv_cache[header.layer].view(torch.uint8).numpy()
-    dst = dst.reshape(2, dst.shape[1], bs, -1)
-    t = start
-    if t % bs:                                   # a partial first block
-        n = min(bs - t % bs, end - t)
-        dst[:, block_ids[t // bs], t % bs:t % bs + n] = src[:, :n]
-        t += n
-    num_full = (end - t) // bs
-    if num_full:                                 # whole blocks, one row each
-        ids = block_ids[t // bs:t // bs + num_full]
-        part = src[:, t - start:t - start + num_full * bs].reshape(2, num_full, -1)
-        rows = dst.reshape(2, dst.shape[1], -1)
-        rows[0, ids] = part[0]
-        rows[1, ids] = part[1]
-        t += num_full * bs
-    if t < end:                                  # a partial last block
-        dst[:, block_ids[t // bs], :end - t] = src[:, t - start:]
-    return end - start
+
+    def __init__(self, kv_cache: torch.Tensor):
+        self.kv_cache = kv_cache
+        self._fast = kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+        self._dtype = dtype_name(kv_cache.dtype)
+        self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, block_size) -> [2, blocks, bs, token bytes]
+        self._layouts: dict[KVLayout, tuple] = {}              # what the checks need, computed once
+
+    def _layer_rows(self, layer: int, block_size: int) -> np.ndarray:
+        rows = self._rows.get((layer, block_size))
+        if rows is None:
+            rows = self.kv_cache[layer].view(torch.uint8).numpy()
+            rows = self._rows[(layer, block_size)] = rows.reshape(2, rows.shape[1], block_size, -1)
+        return rows
+
+    def write(self, layout: KVLayout, block_ids: list[int], header: ChunkHeader, data: torch.Tensor) -> int:
+        known = self._layouts.get(layout)
+        if known is None:
+            known = self._layouts[layout] = (layout.fingerprint, layout.head_range, layout.num_layers,
+                                             layout.block_size)
+        fingerprint, (d0, d1), num_layers, bs = known
+        if not (self._fast and isinstance(data, torch.Tensor) and data.device.type == "cpu"
+                and data.dtype == self.kv_cache.dtype and header.head_start == d0 and header.head_end == d1):
+            return write_chunk(self.kv_cache, layout, block_ids, header, data)
+        if header.fingerprint != fingerprint:
+            layout.check_compatible(header.fingerprint, "sender")
+        if header.dtype != self._dtype:
+            raise LayoutMismatch(f"chunk dtype {header.dtype} != cache dtype {self._dtype}")
+        if not 0 <= header.layer < num_layers:
+            raise ValueError(f"chunk layer {header.layer} outside [0, {num_layers})")
+        start, end = header.start, header.end
+        if end > len(block_ids) * bs or start < 0 or end < start:
+            raise ValueError(f"chunk tokens [{start}, {end}) do not fit the {len(block_ids)} reserved "
+                             f"blocks of {bs} tokens")
+        if data.numel() != 2 * (end - start) * (d1 - d0) * header.head_dim:
+            raise ValueError(f"chunk payload has {data.numel()} values, header says {header.shape}")
+        if end == start:
+            return 0
+        if not data.is_contiguous():
+            data = data.contiguous()
+        src = data.view(torch.uint8).numpy().reshape(2, end - start, -1)    # [2, tokens, token bytes]
+        dst = self._layer_rows(header.layer, bs)
+        t = start
+        if t % bs:                                   # a partial first block
+            n = min(bs - t % bs, end - t)
+            dst[:, block_ids[t // bs], t % bs:t % bs + n] = src[:, :n]
+            t += n
+        num_full = (end - t) // bs
+        if num_full:                                 # whole blocks, one row each
+            rows = dst.reshape(2, dst.shape[1], -1)
+            rows[:, block_ids[t // bs:t // bs + num_full]] = \
+                src[:, t - start:t - start + num_full * bs].reshape(2, num_full, -1)
+            t += num_full * bs
+        if t < end:                                  # a partial last block
+            dst[:, block_ids[t // bs], :end - t] = src[:, t - start:]
+        return end - start
 
 
 class ShmServer(TransportServer):
@@ -177,11 +196,21 @@ class ShmServer(TransportServer):
 
 
 class ShmTransport(Transport):
-    """Sender side: writes KV into the mapped pool, headers go on the control channel."""
+    """Sender side: writes KV into the mapped pool; headers go on the control channel.
 
-    def __init__(self, address: str, **grpc_opts):
+    The in-place headers of a channel wait (at most max_pending_headers of them) and travel with
+    the next commit or abort, or at `flush`, in one control message: the KV itself is written at
+    `send`, so holding back its bookkeeping delays nothing but the receiver's progress counter,
+    and it saves gRPC's per-message cost on every layer.
+    """
+
+    def __init__(self, address: str, max_pending_headers: int = 64, **grpc_opts):
         path, shape, dtype, control = parse_address(address)
         self._cache = map_shared_kv_cache(path, shape, dtype)
+        self._writer = PagedWriter(self._cache)
+        self._max_pending = max(1, max_pending_headers)
+        self._pending: list[ChunkHeader] = []
+        self._lock = threading.Lock()
         try:
             self._control = GrpcTransport(control, **grpc_opts)
         except BaseException:
@@ -191,23 +220,43 @@ class ShmTransport(Transport):
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
         if self._cache is None:
             raise RuntimeError("this KV transport is closed")
-        if header.kind == "kv":
-            if data is None:
-                raise ValueError(f"a kv frame for request {header.request_id} needs its data")
-            try:
-                write_in_place(self._cache, dest.layout, dest.block_ids, header, data)
-            except Exception:
-                # the receiver must not wait for KV that will never land: fail the request there,
-                # and tell the caller why here
-                self._control.send(ChunkHeader(header.request_id, header.fingerprint, kind="abort"),
-                                   None, dest)
-                raise
-            header, data = dataclasses.replace(header, in_place=True), None
-        self._control.send(header, data, dest)
+        if header.kind != "kv":
+            if data is not None and data.numel():
+                raise ValueError(f"a {header.kind} frame carries no payload (request {header.request_id})")
+            with self._lock:
+                self._control.send_headers(self._take_pending() + [header])
+            return
+        if data is None:
+            raise ValueError(f"a kv frame for request {header.request_id} needs its data")
+        try:
+            self._writer.write(dest.layout, dest.block_ids, header, data)
+        except Exception:
+            # the receiver must not wait for KV that will never land: fail the request there,
+            # and tell the caller why here
+            with self._lock:
+                self._control.send_headers(self._take_pending() + [
+                    ChunkHeader(header.request_id, header.fingerprint, kind="abort")])
+            raise
+        with self._lock:
+            self._pending.append(ChunkHeader(**{**vars(header), "in_place": True}))
+            if len(self._pending) >= self._max_pending:
+                self._control.send_headers(self._take_pending())
+
+    def _take_pending(self) -> list[ChunkHeader]:
+        pending, self._pending = self._pending, []
+        return pending
 
     def flush(self, timeout: float) -> None:
+        with self._lock:
+            self._control.send_headers(self._take_pending())
         self._control.flush(timeout)
 
     def close(self) -> None:
-        self._cache = None      # unmaps once no view of it is left
+        if self._cache is not None:
+            try:
+                with self._lock:
+                    self._control.send_headers(self._take_pending())
+            except Exception:   # the receiver is gone; nothing left to tell it
+                pass
+        self._cache = self._writer = None      # unmaps once no view of it is left
         self._control.close()

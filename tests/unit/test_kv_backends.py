@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import multiprocessing
 import pathlib
 import threading
@@ -14,10 +15,12 @@ import torch
 
 from kvtransfer import ChunkHeader, KVLayout, LayoutMismatch, TransferState
 from kvtransfer.backends import BACKENDS, connect, create_shared_kv_cache, remove_shared_kv_cache, serve
-from kvtransfer.backends.shm_backend import format_address, map_shared_kv_cache, parse_address
+from kvtransfer.backends.grpc_backend import frame_pieces, split_message
+from kvtransfer.backends.shm_backend import PagedWriter, format_address, map_shared_kv_cache, parse_address
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.reshard import read_chunk
+from kvtransfer.reshard import read_chunk, write_chunk
 from kvtransfer.transport import Destination
+from kvtransfer.wire import encode_frame
 
 LAYOUT_KW = dict(dtype="float32", num_layers=3, num_kv_heads=2, head_dim=8)
 SRC_BLOCK_SIZE, DST_BLOCK_SIZE = 4, 16
@@ -68,10 +71,20 @@ def sender_process(backend: str, address: str, request_id: str, seed: int, dest:
         tx.close()
 
 
+def dying_sender_process(backend: str, address: str, request_id: str, dest: Destination) -> None:
+    """A prefill process that dies mid-request, without closing its channel."""
+    import os
+    tx = connect(backend, address, timeout=TIMEOUT)
+    header, data = read_chunk(source_cache(10)[0], src_layout(), request_id, 0, SRC_BLOCK_IDS, 0, 20)
+    tx.send(header, data, dest)
+    tx.flush(TIMEOUT)
+    os._exit(3)
+
+
 class DecodeSide:
     """A decode rank: a shared KV pool, one KVReceiver per reserved request, a server feeding them."""
 
-    def __init__(self, backend: str, num_blocks: int = 8):
+    def __init__(self, backend: str, num_blocks: int = 8, **server_opts):
         self.backend = backend
         self.layout = KVLayout("m", **LAYOUT_KW, block_size=DST_BLOCK_SIZE)
         self.cache, self.path = create_shared_kv_cache((3, 2, num_blocks, DST_BLOCK_SIZE, 2, 8), torch.float32)
@@ -80,7 +93,7 @@ class DecodeSide:
         opts = dict(kv_cache=self.cache, kv_path=self.path) if backend == "shm" else {}
         if backend == "torch":
             opts["timeout"] = TIMEOUT
-        self.server = serve(backend, self.on_frame, **opts)
+        self.server = serve(backend, self.on_frame, **opts, **server_opts)
 
     def reserve(self, request_id: str, block_ids: list[int]) -> Destination:
         self.receivers[request_id] = KVReceiver(request_id, self.cache, self.layout, block_ids, 0, NUM_TOKENS)
@@ -111,9 +124,10 @@ class DecodeSide:
 
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
+    """close() and stop() join their threads (gRPC's own consumer thread may take a moment)."""
     before = set(threading.enumerate())
     yield
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 1.0
     while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not left, f"threads left behind: {sorted(t.name for t in left)}"
@@ -152,6 +166,24 @@ def test_sender_in_another_process(decode):
         proc.join()
     assert proc.exitcode == 0
     decode.assert_received("r-proc", seed=2)
+
+
+def test_a_dead_sender_leaves_the_other_channels_working(decode):
+    dead_dest, good_dest = decode.reserve("dead", [0, 1, 2]), decode.reserve("good", [5, 6, 7])
+    tx = connect(decode.backend, decode.server.address, timeout=TIMEOUT)
+    try:
+        proc = multiprocessing.get_context("spawn").Process(
+            target=dying_sender_process, args=(decode.backend, decode.server.address, "dead", dead_dest))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 3
+        push_request(tx, "good", seed=11, dest=good_dest)
+        tx.flush(TIMEOUT)
+        decode.assert_received("good", seed=11)
+    finally:
+        tx.close()
+    # its request stays unfinished (the decode worker's lease frees it), nothing hangs
+    assert decode.receivers["dead"].state in (TransferState.PENDING, TransferState.TRANSFERRING)
 
 
 def test_two_senders_to_one_server(decode):
@@ -258,3 +290,86 @@ def test_kvtransfer_imports_no_engine_and_no_worker():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert name.split(".")[0] not in forbidden, f"{path} imports {name}"
+
+
+def test_a_long_header_travels_whole(decode):
+    """A request id too long for the torch backend's envelope: its header goes as its own message."""
+    rid = "r" * 700
+    dest = decode.reserve(rid, [5, 1, 6])
+    tx = connect(decode.backend, decode.server.address, timeout=TIMEOUT)
+    try:
+        push_request(tx, rid, seed=8, dest=dest)
+        tx.flush(TIMEOUT)
+        decode.assert_received(rid, seed=8)
+    finally:
+        tx.close()
+
+
+def test_grpc_server_can_run_the_handler_on_a_worker_thread():
+    side = DecodeSide("grpc", max_backlog_bytes=1 << 20)
+    try:
+        dest = side.reserve("r1", [2, 3, 4])
+        tx = connect("grpc", side.server.address, timeout=TIMEOUT)
+        try:
+            push_request(tx, "r1", seed=9, dest=dest)
+            tx.flush(TIMEOUT)
+            side.assert_received("r1", seed=9)
+        finally:
+            tx.close()
+    finally:
+        side.close()
+
+
+def test_fast_header_encoding_is_the_wire_format():
+    layout = src_layout()
+    header, data = read_chunk(source_cache(1)[2], layout, "r-é", 2, SRC_BLOCK_IDS, 3, 17)
+    payload = data.numpy().tobytes()
+    for h, p in [(header, payload), (ChunkHeader("r", "fp", kind="commit", first_token=42), b""),
+                 (dataclasses.replace(header, in_place=True), b"")]:
+        assert b"".join(bytes(x) for x in frame_pieces(h, p)) == b"".join(bytes(x) for x in encode_frame(h, p))
+
+
+def test_header_only_frames_share_a_message_and_split_back():
+    layout = src_layout()
+    kv, data = read_chunk(source_cache(1)[0], layout, "a", 0, SRC_BLOCK_IDS, 0, 5)
+    commit = ChunkHeader("a", layout.fingerprint, kind="commit", first_token=3)
+    abort = ChunkHeader("b", layout.fingerprint, kind="abort")
+    in_place = dataclasses.replace(kv, in_place=True)
+    message = b"".join(bytes(p) for h, d in [(in_place, b""), (commit, b""), (abort, b""),
+                                              (kv, data.numpy().tobytes())] for p in frame_pieces(h, d))
+    frames = split_message(message)
+    assert [h for h, _ in frames] == [in_place, commit, abort, kv]
+    assert frames[0][1] is None and len(frames[1][1]) == 0 and len(frames[2][1]) == 0
+    assert torch.equal(torch.frombuffer(bytearray(frames[3][1]), dtype=torch.float32), data.view(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_writer_matches_write_chunk(dtype):
+    """The shm sender's block-row copy writes what reshard.write_chunk writes, and refuses the same."""
+    kw = dict(model="m", dtype=str(dtype).removeprefix("torch."), num_layers=2, num_kv_heads=4, head_dim=8)
+    src_layout_, dst_layout = KVLayout(**kw, block_size=4), KVLayout(**kw, block_size=8)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(2, 2, 16, 4, 4, 8, generator=g).to(dtype)
+    src_blocks, dst_blocks = list(range(15, -1, -1)), [9, 2, 7, 0, 5, 11, 3, 1]
+    fast, slow = torch.zeros(2, 2, 12, 8, 4, 8, dtype=dtype), torch.zeros(2, 2, 12, 8, 4, 8, dtype=dtype)
+    writer = PagedWriter(fast)
+    for layer, (start, end) in itertools.product(range(2), [(0, 8), (8, 8), (8, 21), (21, 27), (27, 64)]):
+        header, data = read_chunk(src[layer], src_layout_, "r", layer, src_blocks, start, end)
+        assert writer.write(dst_layout, dst_blocks, header, data) == write_chunk(slow, dst_layout, dst_blocks, header, data)
+    assert torch.equal(fast, slow) and fast.any()
+    # a TP slice of the heads (resharding) takes write_chunk's path
+    tp_layout = KVLayout(**kw, block_size=8, tp_size=2, tp_rank=1)
+    part, ref = torch.zeros(2, 2, 12, 8, 2, 8, dtype=dtype), torch.zeros(2, 2, 12, 8, 2, 8, dtype=dtype)
+    header, data = read_chunk(src[1], src_layout_, "r", 1, src_blocks, 3, 30)
+    PagedWriter(part).write(tp_layout, dst_blocks, header, data)
+    write_chunk(ref, tp_layout, dst_blocks, header, data)
+    assert torch.equal(part, ref)
+    header, data = read_chunk(src[0], src_layout_, "r", 0, src_blocks, 0, 8)
+    with pytest.raises(LayoutMismatch, match="same model"):
+        writer.write(KVLayout(**{**kw, "model": "other"}, block_size=8), dst_blocks, header, data)
+    with pytest.raises(ValueError, match="do not fit"):
+        writer.write(dst_layout, dst_blocks[:0], header, data)
+    with pytest.raises(ValueError, match="layer 5"):
+        writer.write(dst_layout, dst_blocks, dataclasses.replace(header, layer=5), data)
+    with pytest.raises(ValueError, match="payload has"):
+        writer.write(dst_layout, dst_blocks, header, data.view(-1)[:-1])
