@@ -53,6 +53,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from bench.bench_common import cpu_model, machine_busy_cpu_s as busy_cpu_s  # noqa: E402
+
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPE_BYTES = 4
 TOKEN_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES * NUM_LAYERS          # 46,080
@@ -67,16 +69,6 @@ DEFAULT_OUT = os.path.join("bench", "results", "kv_transfer.json")
 
 def log(msg: str) -> None:
     print(f"[kv-bench] {msg}", file=sys.stderr, flush=True)
-
-
-def busy_cpu_s() -> float | None:
-    """CPU seconds all cpus spent busy since boot (/proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_idle(max_wait_s: float, threshold_cores: float = 0.15, window_s: float = 1.0) -> float | None:
@@ -364,12 +356,7 @@ class Pair:
 def machine() -> dict:
     import grpc
     import torch
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "grpcio": grpc.__version__, "platform": platform.platform()}
 

@@ -8,11 +8,8 @@
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode_worker.handoff import DecodeHandoff
 from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
@@ -20,6 +17,7 @@ from engine import LLM
 from engine.engine_loop import EngineLoop
 from kvtransfer.backends import serve
 from kvtransfer.layout import KVLayout
+from protos.grpc_server import ServiceHost
 from protos.pdserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -55,9 +53,7 @@ class DecodeWorker:
         self.handoff: DecodeHandoff | None = None
         self.layout: KVLayout | None = None
         self._kv_server = None
-        self._server: grpc.Server | None = None
-        self._executor: futures.ThreadPoolExecutor | None = None
-        self._health: health.HealthServicer | None = None
+        self._host: ServiceHost | None = None
         self.address: str | None = None
 
     def start(self) -> "DecodeWorker":
@@ -72,39 +68,22 @@ class DecodeWorker:
             servicer = DecodeWorkerServicer(self.loop, self.handoff, DecodeServiceOptions(
                 worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
                 kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms))
-            self._executor = futures.ThreadPoolExecutor(cfg.max_workers,
-                                                        thread_name_prefix=f"{cfg.worker_id}-grpc")
-            self._server = grpc.server(
-                self._executor,
-                options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, self._server)
-            self._health = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-            port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-            if port == 0:
-                raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
-            self.address = f"{cfg.host}:{port}"
-            self._server.start()
+            self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, cfg.max_workers,
+                                     MAX_MESSAGE_BYTES)
+            self.address = self._host.start(
+                lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s), (SERVICE_NAME,))
         except BaseException:
             self.stop()
             raise
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("decode worker %s serving on %s, KV on %s", cfg.worker_id, self.address,
                  self._kv_server.address)
         return self
 
     def stop(self) -> None:
         """Stops taking requests, ends open streams, then the KV channel and the engine loop."""
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace=self.config.stop_grace_s).wait(self.config.stop_grace_s + 5)
-            self._server = None
-        if self._executor is not None:   # grpc does not own it: its threads would outlive stop()
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._host is not None:   # stop taking requests, end open streams
+            self._host.stop(self.config.stop_grace_s)
+            self._host = None
         if self._kv_server is not None:
             self._kv_server.stop()
             self._kv_server = None
