@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0
+    # a directory (e.g. /dev/shm): each rank's KV pool lives in a file there, so other processes
+    # on this host can map it (the KV hand-off writes into a decode worker's pool in place, and
+    # rank 0 of a tensor-parallel worker reads and writes every rank's pool); None: private memory
+    kv_cache_shared_dir: str | None = None
 
     def __post_init__(self):
         def check(ok: bool, name: str, rule: str):
@@ -108,6 +113,9 @@ class EngineConfig:
         check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
         check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
               "max_model_len", "None or an integer >= 1")
+        check(self.kv_cache_shared_dir is None or (isinstance(self.kv_cache_shared_dir, str)
+                                                   and os.path.isdir(self.kv_cache_shared_dir)),
+              "kv_cache_shared_dir", "None or an existing directory")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,8 +13,12 @@ Disaggregation hooks:
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import itertools
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,6 +34,25 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
 from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
+
+
+KV_FILE_PREFIX = "pdserve-kv-"
+
+
+def remove_stale_kv_files(directory: str) -> None:
+    """Unlink shared KV pool files left by engines whose process is gone (killed before shutdown):
+    under /dev/shm they would hold memory until reboot."""
+    for path in glob.glob(os.path.join(directory, f"{KV_FILE_PREFIX}*-rank*")):
+        pid = os.path.basename(path)[len(KV_FILE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        except PermissionError:   # alive, someone else's
+            pass
 
 
 class KVSink(Protocol):
@@ -72,6 +95,8 @@ class LLMEngine:
         self.config = config.resolve(self.model_config)
         self.tokenizer = load_tokenizer(model_dir)
         torch.manual_seed(self.config.seed)
+        self.kv_cache_paths = self._kv_cache_paths()
+        self._rank_kv_caches: list[torch.Tensor] | None = None
         self.tp = None
         if self.config.tensor_parallel_size > 1:
             from engine.tp import TPGroup
@@ -82,9 +107,13 @@ class LLMEngine:
                             (mc.intermediate_size, "the MLP intermediate size"),
                             (mc.vocab_size, "the vocabulary size")):
                 divide(n, tp, what)
-            self.tp = TPGroup.start(self.config, self.model_config, str(model_dir))
+            self.tp = TPGroup.start(self.config, self.model_config, str(model_dir),
+                                    self.kv_cache_paths or [None] * tp)
         try:
-            self.runner = ModelRunner(self.config, self.model_config, str(model_dir))
+            self.runner = ModelRunner(self.config, self.model_config, str(model_dir),
+                                      self.kv_cache_paths[0] if self.kv_cache_paths else None)
+            if self.tp is not None:
+                self.tp.ready()
         except BaseException:
             # else the followers and the process group outlive the failed engine; a follower that
             # failed too makes the shutdown broadcast fail, which must not hide the real error
@@ -204,6 +233,33 @@ class LLMEngine:
         """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of this rank."""
         return self.runner.kv_cache
 
+    def rank_kv_caches(self) -> list[torch.Tensor]:
+        """Every tensor-parallel rank's KV pool in rank order (each holds its share of the kv
+        heads). Ranks other than 0 need kv_cache_shared_dir: their pools are mapped from their files."""
+        if self.config.tensor_parallel_size == 1:
+            return [self.kv_cache]
+        if not self.kv_cache_paths:
+            raise ValueError("the KV pools of tensor-parallel ranks > 0 are private to their "
+                             "processes: set kv_cache_shared_dir to reach them from rank 0")
+        if self._rank_kv_caches is None:
+            from engine.model_runner import map_shared
+            own = self.kv_cache
+            self._rank_kv_caches = [own] + [map_shared(p, tuple(own.shape), own.dtype)
+                                            for p in self.kv_cache_paths[1:]]
+        return self._rank_kv_caches
+
+    def _kv_cache_paths(self) -> list[str]:
+        """One file per rank under kv_cache_shared_dir (empty: private pools)."""
+        directory = self.config.kv_cache_shared_dir
+        if directory is None:
+            return []
+        if self.config.device != "cpu":
+            raise ValueError(f"kv_cache_shared_dir is for CPU pools; device is {self.config.device}: "
+                             f"leave kv_cache_shared_dir unset")
+        remove_stale_kv_files(directory)
+        prefix = os.path.join(directory, f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        return [f"{prefix}-rank{r}" for r in range(self.config.tensor_parallel_size)]
+
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         done, self._undelivered = self._undelivered, []
@@ -281,6 +337,11 @@ class LLMEngine:
                              req.finished, first.num_cached_tokens, dict(req.metrics))
 
     def shutdown(self) -> None:
-        if self.tp is not None:
-            self.tp.shutdown()
-            self.tp = None
+        try:
+            if self.tp is not None:
+                self.tp.shutdown()
+                self.tp = None
+        finally:   # the mappings stay valid for whoever still holds them; the names go
+            for path in self.kv_cache_paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)

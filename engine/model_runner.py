@@ -1,6 +1,8 @@
 """Executes a step plan on one tensor-parallel rank: build inputs, run the model, sample (rank 0)."""
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,9 +33,27 @@ class ModelInput:
     block_copies: list[tuple[int, int]]
 
 
+def shared_zeros(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor backed by the file at `path`, which other processes can map."""
+    numel = math.prod(shape)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, numel * dtype.itemsize)   # a fresh (truncated) file reads as zeros
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Another rank's pool made by `shared_zeros`."""
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str,
+                 kv_cache_path: str | None = None):
         self.config = config
+        self.kv_cache_path = kv_cache_path   # this rank's pool in a shared file, or private memory
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -69,9 +89,11 @@ class ModelRunner:
                 f"kv_cache_memory={self.config.kv_cache_memory!r} gives {num_blocks} blocks of "
                 f"{self.block_size} tokens; one sequence of max_model_len={self.config.max_model_len} "
                 f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len")
+        shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        if self.kv_cache_path is not None:
+            return shared_zeros(self.kv_cache_path, shape, self.dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
-        return torch.zeros(mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
-                           mc.head_dim, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -67,11 +67,12 @@ def _broadcast_bytes(data: bytes | None, group) -> bytes:
 
 
 def _follower_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int,
-                   port: int) -> None:
+                   port: int, kv_cache_path: str | None) -> None:
     from engine.model_runner import ModelRunner
 
     group = _init(config, rank, port)
-    runner = ModelRunner(config, model_config, model_dir)
+    runner = ModelRunner(config, model_config, model_dir, kv_cache_path)
+    dist.barrier(group=group)   # see TPGroup.ready
     while True:
         inp = _decode(_broadcast_bytes(None, group))
         if inp is None:
@@ -86,18 +87,25 @@ class TPGroup:
         self.group = group
 
     @classmethod
-    def start(cls, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> "TPGroup":
+    def start(cls, config: EngineConfig, model_config: ModelConfig, model_dir: str,
+              kv_cache_paths: list[str | None]) -> "TPGroup":
+        """kv_cache_paths[r]: rank r's shared KV pool file, or None for private memory."""
         if config.device == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs that many "
                              f"GPUs, {torch.cuda.device_count()} visible")
         port = _free_port()
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_follower_main, daemon=True, name=f"pdserve-tp{rank}",
-                             args=(config, model_config, model_dir, rank, port))
+                             args=(config, model_config, model_dir, rank, port, kv_cache_paths[rank]))
                  for rank in range(1, config.tensor_parallel_size)]
         for p in procs:
             p.start()
         return cls(procs, _init(config, 0, port))
+
+    def ready(self) -> None:
+        """Returns once every follower built its runner (weights loaded, KV pool allocated), so
+        rank 0 may map the followers' shared pools."""
+        dist.barrier(group=self.group)
 
     def broadcast(self, inp: ModelInput) -> None:
         _broadcast_bytes(_encode(inp), self.group)

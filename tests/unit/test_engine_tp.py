@@ -2,7 +2,10 @@
 divide the heads (or is 0) is refused without leaving a process group behind."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from conftest import assert_no_leaks
 from engine import LLM
@@ -48,3 +51,40 @@ def test_tp_zero_is_refused(refs):
     model_dir, *_ = refs("llama-gqa")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model_dir, kv_cache_memory=KV, tensor_parallel_size=0)
+
+
+def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
+    """With kv_cache_shared_dir, rank 0 sees each rank's pool: concatenated over the kv-head axis
+    they hold exactly what a tp=1 engine holds for the same request; shutdown removes the files."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    kw = dict(kv_cache_memory=KV, block_size=16, enable_prefix_caching=False)
+    prompt = prompts[5]
+    tp1 = LLM(model_dir, **kw)
+    tp1.generate(prompt, greedy(4), use_tqdm=False)
+    llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_shared_dir=str(tmp_path), **kw)
+    try:
+        paths = llm.engine.kv_cache_paths
+        assert len(paths) == 2 and all(p.startswith(str(tmp_path)) for p in paths)
+        llm.generate(prompt, greedy(4), use_tqdm=False)
+        caches = llm.engine.rank_kv_caches()
+        assert caches[0] is llm.engine.kv_cache
+        num_blocks = -(-len(prompt) // 16)
+        # both engines allocate the same first blocks to their first request
+        whole = torch.cat([c[:, :, :num_blocks] for c in caches], dim=4)
+        assert torch.count_nonzero(caches[1][:, :, :num_blocks]) > 0
+        torch.testing.assert_close(whole, tp1.engine.kv_cache[:, :, :num_blocks], rtol=1e-4, atol=1e-5)
+    finally:
+        llm.shutdown()
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_stale_shared_kv_files_are_removed(tmp_path):
+    from engine.engine_core import remove_stale_kv_files
+    dead = 2 ** 22 + 7   # above the largest pid_max Linux allows: no such process
+    stale = tmp_path / f"pdserve-kv-{dead}-abcd-rank0"
+    alive = tmp_path / f"pdserve-kv-{os.getpid()}-abcd-rank0"
+    other = tmp_path / "unrelated"
+    for p in (stale, alive, other):
+        p.write_bytes(b"x")
+    remove_stale_kv_files(str(tmp_path))
+    assert not stale.exists() and alive.exists() and other.exists()
