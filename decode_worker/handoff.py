@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.engine_loop import EngineLoop, OutputCallback
 from engine.request import RequestOutput
 from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.receiver import WorkerReceiver
 from kvtransfer.state import TransferState
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Entry:
-    receiver: KVReceiver
+    receiver: WorkerReceiver
     on_output: OutputCallback
     deadline: float
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -46,9 +46,11 @@ class Reserved:
 
 class DecodeHandoff:
     def __init__(self, loop: EngineLoop, layout: KVLayout, lease_s: float = 10.0,
-                 sweep_s: float = 0.1):
+                 sweep_s: float = 0.1, rank_caches: list | None = None):
+        """rank_caches: every TP rank's KV pool (engine.rank_kv_caches()); None: tp=1."""
         self.loop = loop
         self.layout = layout
+        self.rank_caches = rank_caches
         self.lease_s = lease_s
         self._entries: dict[str, _Entry] = {}
         self._entries_lock = threading.Lock()
@@ -64,8 +66,9 @@ class DecodeHandoff:
 
         def reserve():
             res = self.loop.engine.reserve(request_id, prompt_token_ids, params)
-            receiver = KVReceiver(request_id, self.loop.engine.kv_cache, self.layout,
-                                  res.block_ids, res.num_cached_tokens, len(prompt_token_ids))
+            receiver = WorkerReceiver(request_id, self.rank_caches or [self.loop.engine.kv_cache],
+                                      self.layout, res.block_ids, res.num_cached_tokens,
+                                      len(prompt_token_ids))
             deadline = time.monotonic() + lease
             with self._entries_lock:
                 self._entries[request_id] = _Entry(receiver, on_output, deadline)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-
 from decode_worker.handoff import DecodeHandoff
 from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
-from engine import LLM
+from engine import EngineConfig, LLMEngine
 from engine.engine_loop import EngineLoop
-from kvtransfer.backends import serve
+from kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
 from kvtransfer.layout import KVLayout
 from protos.grpc_server import ServiceHost
 from protos.pdserve.v1 import worker_pb2_grpc
@@ -40,8 +39,8 @@ class DecodeWorkerConfig:
     stop_grace_s: float = 1.0
 
     def __post_init__(self):
-        if self.kv_backend != "grpc":
-            raise ValueError(f"kv_backend must be 'grpc' for now, got {self.kv_backend!r}")
+        if self.kv_backend not in BACKENDS:
+            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         if self.lease_ms <= 0:
             raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
 
@@ -59,15 +58,26 @@ class DecodeWorker:
     def start(self) -> "DecodeWorker":
         cfg = self.config
         try:
-            engine = LLM(cfg.model, **cfg.engine_kwargs).engine
+            tune_malloc()   # frame-sized receive buffers: see its docstring
+            kwargs = dict(cfg.engine_kwargs)
+            tp = kwargs.get("tensor_parallel_size", 1)
+            # the hand-off writes every rank's pool from rank 0, and shm senders write into it
+            if (tp > 1 or cfg.kv_backend == "shm") and not kwargs.get("kv_cache_shared_dir"):
+                kwargs["kv_cache_shared_dir"] = default_shared_dir()
+            # the engine itself, not an LLM: an LLM shuts its engine down when collected
+            engine = LLMEngine(EngineConfig(model=cfg.model, **kwargs))
             self.layout = KVLayout(**engine.kv_layout_spec())
+            rank_caches = engine.rank_kv_caches()
             self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
             self.handoff = DecodeHandoff(self.loop, self.layout, lease_s=cfg.lease_ms / 1000,
-                                         sweep_s=cfg.lease_sweep_s)
-            self._kv_server = serve(cfg.kv_backend, self.handoff.on_frame, **cfg.kv_options)
+                                         sweep_s=cfg.lease_sweep_s, rank_caches=rank_caches)
+            kv_options = dict(cfg.kv_options)
+            if cfg.kv_backend == "shm":
+                kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
+            self._kv_server = serve(cfg.kv_backend, self.handoff.on_frame, **kv_options)
             servicer = DecodeWorkerServicer(self.loop, self.handoff, DecodeServiceOptions(
                 worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
-                kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms))
+                kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms, tp_size=tp))
             self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, cfg.max_workers,
                                      MAX_MESSAGE_BYTES)
             self.address = self._host.start(

@@ -62,6 +62,7 @@ class DecodeServiceOptions:
     kv_backend: str = "grpc"
     kv_address: str = ""
     default_lease_ms: int = 10_000
+    tp_size: int = 1
     poll_s: float = 0.1              # every queue wait is this long, then the client is checked
     finished_ttl_s: float = 60.0     # how long a finished, never-streamed request is kept
 
@@ -101,7 +102,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         endpoint = worker_pb2.KVEndpoint(backend=self.options.kv_backend,
                                          address=self.options.kv_address,
                                          layout_fingerprint=self.handoff.layout.fingerprint,
-                                         tp_size=1)
+                                         tp_size=self.options.tp_size)
         return worker_pb2.ReserveResponse(
             request_id=rid, block_ids=reserved.block_ids, block_size=reserved.block_size,
             num_cached_tokens=reserved.num_cached_tokens, endpoint=endpoint,

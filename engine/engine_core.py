@@ -28,7 +28,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
-from engine.parallel import divide
+from engine.parallel import TPState, current_tp_state, divide, tp_scope
 from engine.request import CompletionOutput, FinishReason, RequestOutput, Sequence, SeqStatus
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -98,6 +98,23 @@ class LLMEngine:
         self.kv_cache_paths = self._kv_cache_paths()
         self._rank_kv_caches: list[torch.Tensor] | None = None
         self.tp = None
+        self.tp_state = TPState()   # what this engine's steps run under (see engine.parallel)
+        with tp_scope(self.tp_state):   # whatever TPGroup.start sets stays inside this block
+            self._start_ranks(model_dir)
+
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
+            eos_token_ids=self.model_config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_counter = itertools.count()
+        # requests that finished outside step() (commit): the next step() reports them
+        self._undelivered: list[RequestOutput] = []
+
+    def _start_ranks(self, model_dir) -> None:
+        """The TP followers (if any), then this rank's runner; under this engine's tp_scope."""
         if self.config.tensor_parallel_size > 1:
             from engine.tp import TPGroup
             mc, tp = self.model_config, self.config.tensor_parallel_size
@@ -114,6 +131,7 @@ class LLMEngine:
                                       self.kv_cache_paths[0] if self.kv_cache_paths else None)
             if self.tp is not None:
                 self.tp.ready()
+            self.tp_state = current_tp_state()
         except BaseException:
             # else the followers and the process group outlive the failed engine; a follower that
             # failed too makes the shutdown broadcast fail, which must not hide the real error
@@ -122,16 +140,6 @@ class LLMEngine:
             except Exception:
                 pass
             raise
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
-            eos_token_ids=self.model_config.eos_token_ids)
-        self._requests: dict[str, _Request] = {}
-        self._seq_counter = itertools.count()
-        # requests that finished outside step() (commit): the next step() reports them
-        self._undelivered: list[RequestOutput] = []
 
     # ---- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -262,6 +270,10 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        with tp_scope(self.tp_state):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         done, self._undelivered = self._undelivered, []
         plan = self.scheduler.schedule()
         if plan.is_empty:

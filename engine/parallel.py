@@ -2,9 +2,15 @@
 
 With tp=1 there is no process group and every collective is the identity, so the model code is
 the same in both cases and the collective stays visible at the call site.
+
+The state is per thread: an engine sets its own around construction and every step (`tp_scope`),
+so two engines in one process (a tp=1 decode worker beside a tp=2 prefill worker in a test, each
+stepping on its own loop thread) never run collectives on each other's group.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -18,36 +24,53 @@ class TPState:
     group: object | None = None
 
 
-_state = TPState()
+_DEFAULT = TPState()
+_local = threading.local()
+
+
+def current_tp_state() -> TPState:
+    return getattr(_local, "state", _DEFAULT)
 
 
 def set_tp_state(rank: int, size: int, group=None) -> None:
-    global _state
-    _state = TPState(rank, size, group)
+    """For this thread (a TP follower's main thread, or the thread building a rank-0 engine)."""
+    _local.state = TPState(rank, size, group)
+
+
+@contextlib.contextmanager
+def tp_scope(state: TPState):
+    previous = current_tp_state()
+    _local.state = state
+    try:
+        yield
+    finally:
+        _local.state = previous
 
 
 def tp_rank() -> int:
-    return _state.rank
+    return current_tp_state().rank
 
 
 def tp_size() -> int:
-    return _state.size
+    return current_tp_state().size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _state.size > 1:
-        dist.all_reduce(x, group=_state.group)
+    state = current_tp_state()
+    if state.size > 1:
+        dist.all_reduce(x, group=state.group)
     return x
 
 
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Concatenate each rank's shard along `dim` on rank 0; other ranks get None."""
-    if _state.size == 1:
+    state = current_tp_state()
+    if state.size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_state.size)] if _state.rank == 0 else None
-    dist.gather(x, parts, dst=0, group=_state.group)
-    return torch.cat(parts, dim=dim) if _state.rank == 0 else None
+    parts = [torch.empty_like(x) for _ in range(state.size)] if state.rank == 0 else None
+    dist.gather(x, parts, dst=0, group=state.group)
+    return torch.cat(parts, dim=dim) if state.rank == 0 else None
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -6,6 +6,7 @@ layer holds every prompt token past the tokens the decode side already had cache
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -81,3 +82,34 @@ class KVReceiver:
 
     def _fail(self, why: str) -> None:
         self.state, self.error = TransferState.FAILED, why
+
+
+class WorkerReceiver:
+    """One request's incoming KV on a decode worker, all of its TP ranks at once.
+
+    Rank 0 of a tensor-parallel worker holds every rank's pool (mapped from shared files), so one
+    receiver per request writes each frame into every rank whose heads it overlaps; the request is
+    DONE when every rank is, and FAILED when any is (TransferState.combine).
+    """
+
+    def __init__(self, request_id: str, rank_caches: list[torch.Tensor], layout: KVLayout,
+                 block_ids: list[int], num_cached_tokens: int, num_prompt_tokens: int):
+        tp = len(rank_caches)
+        self.ranks = [KVReceiver(request_id, cache, dataclasses.replace(layout, tp_size=tp, tp_rank=r),
+                                 block_ids, num_cached_tokens, num_prompt_tokens)
+                      for r, cache in enumerate(rank_caches)]
+
+    def on_frame(self, header: ChunkHeader, payload) -> TransferState:
+        return TransferState.combine([r.on_frame(header, payload) for r in self.ranks])
+
+    @property
+    def first_token(self) -> int | None:
+        return self.ranks[0].first_token
+
+    @property
+    def error(self) -> str | None:
+        return next((r.error for r in self.ranks if r.error), None)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(r.bytes_received for r in self.ranks)

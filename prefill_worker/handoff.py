@@ -9,6 +9,7 @@ Lifecycle of one request on a prefill worker:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -20,10 +21,18 @@ from kvtransfer.wire import ChunkHeader
 
 
 class PushSink:
+    """rank_caches: with tensor parallelism, every rank's KV pool (engine.rank_kv_caches()): rank
+    0's layer hook runs once every rank has written that layer (the layer ends in an all-reduce),
+    so each rank's heads are read from its own pool and sent with their global head range."""
+
     def __init__(self, request_id: str, layout: KVLayout, transport: Transport,
-                 dest: Destination, num_cached_on_decode: int):
+                 dest: Destination, num_cached_on_decode: int,
+                 rank_caches: list[torch.Tensor] | None = None):
         self.request_id = request_id
         self.layout = layout
+        tp = len(rank_caches) if rank_caches else 1
+        self.sources = None if tp == 1 else [
+            (dataclasses.replace(layout, tp_size=tp, tp_rank=r), cache) for r, cache in enumerate(rank_caches)]
         self.transport = transport
         self.dest = dest
         self.skip = num_cached_on_decode
@@ -35,9 +44,12 @@ class PushSink:
         start = max(start, self.skip)
         if start >= end:
             return
-        header, data = read_chunk(layer_kv, self.layout, self.request_id, layer, block_ids, start, end)
-        self.transport.send(header, data, self.dest)
-        self.bytes_sent += data.numel() * data.element_size()
+        sources = self.sources or [(self.layout, None)]
+        for layout, cache in sources:
+            kv = layer_kv if cache is None else cache[layer]
+            header, data = read_chunk(kv, layout, self.request_id, layer, block_ids, start, end)
+            self.transport.send(header, data, self.dest)
+            self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 
     def commit(self, first_token: int) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-
-from engine import LLM
+from engine import EngineConfig, LLMEngine
 from engine.engine_loop import EngineLoop
+from kvtransfer.backends import default_shared_dir, tune_malloc
 from kvtransfer.layout import KVLayout
 from prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
 from protos.grpc_server import ServiceHost
@@ -48,12 +48,19 @@ class PrefillWorker:
     def start(self) -> "PrefillWorker":
         cfg = self.config
         try:
-            engine = LLM(cfg.model, **cfg.engine_kwargs).engine
+            tune_malloc()   # frame-sized send buffers: see its docstring
+            kwargs = dict(cfg.engine_kwargs)
+            tp = kwargs.get("tensor_parallel_size", 1)
+            if tp > 1 and not kwargs.get("kv_cache_shared_dir"):   # rank 0 sends every rank's heads
+                kwargs["kv_cache_shared_dir"] = default_shared_dir()
+            # the engine itself, not an LLM: an LLM shuts its engine down when collected
+            engine = LLMEngine(EngineConfig(model=cfg.model, **kwargs))
             self.layout = KVLayout(**engine.kv_layout_spec())
+            rank_caches = engine.rank_kv_caches() if tp > 1 else None
             self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
             self.servicer = PrefillWorkerServicer(self.loop, self.layout, PrefillServiceOptions(
                 worker_id=cfg.worker_id, prefill_timeout_s=cfg.prefill_timeout_s,
-                flush_timeout_s=cfg.flush_timeout_s))
+                flush_timeout_s=cfg.flush_timeout_s), rank_caches)
             self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, cfg.max_workers,
                                      MAX_MESSAGE_BYTES)
             self.address = self._host.start(

@@ -100,9 +100,12 @@ class PrefillServiceOptions:
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: EngineLoop, layout: KVLayout, options: PrefillServiceOptions):
+    def __init__(self, loop: EngineLoop, layout: KVLayout, options: PrefillServiceOptions,
+                 rank_caches: list | None = None):
+        """rank_caches: every TP rank's KV pool when this worker is tensor parallel."""
         self.loop = loop
         self.layout = layout
+        self.rank_caches = rank_caches
         self.options = options
         self._transports: dict[tuple[str, str], Transport] = {}
         self._transports_lock = threading.Lock()
@@ -126,9 +129,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                           f"differs from this prefill worker's ({self.layout.fingerprint}: "
                           f"model={self.layout.model}, dtype={self.layout.dtype}): both sides must "
                           f"serve the same model in the same dtype")
-        if endpoint.tp_size > 1 or endpoint.rank_addresses:
+        if endpoint.rank_addresses:
             context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                          "pushing into a tensor-parallel decode worker is not supported by this service yet")
+                          "endpoint.rank_addresses is not supported: a tensor-parallel decode worker "
+                          "takes every rank's KV at endpoint.address")
         if res.block_size < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.block_size must be >= 1")
         try:
@@ -136,8 +140,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except (ConnectionError, OSError, ValueError) as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
 
-        dest = Destination(list(res.block_ids), dataclasses.replace(self.layout, block_size=res.block_size))
-        sink = GuardedSink(PushSink(rid, self.layout, transport, dest, res.num_cached_tokens))
+        # the receiver's layout: its block size and TP split (head ranges travel in each frame)
+        dest = Destination(list(res.block_ids), dataclasses.replace(
+            self.layout, block_size=res.block_size, tp_size=max(1, endpoint.tp_size)))
+        sink = GuardedSink(PushSink(rid, self.layout, transport, dest, res.num_cached_tokens,
+                                    self.rank_caches))
         waiter = _Waiter(sink)
         start_ns = unix_ns()
         try:

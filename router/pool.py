@@ -1,8 +1,17 @@
-"""The router's view of its workers: channels, stubs, cached load, and who gets the next request.
+"""The router's view of its workers: channels, stubs, health, cached load, membership, and who
+gets the next request.
 
-Decode: most free KV blocks first, from Stats cached for `stats_ttl_s` (a Reserve lowers the
-cached count at once, so a burst between refreshes spreads out instead of piling onto one
-worker). Prefill: fewest prefills this router has in flight there. Ties go round-robin.
+Decode: most free KV blocks first, from Stats a background thread refreshes every `stats_ttl_s`
+(a Reserve lowers the cached count at once, so a burst between refreshes spreads out instead of
+piling onto one worker). Prefill: fewest prefills this router has in flight there. Ties go
+round-robin. Requests never wait on a Stats call: they read what the last sweep left.
+
+Health: `down_after` failed Stats in a row mark a worker down and the pickers skip it, unless
+every worker of its role is down (then they try them all: a wrong guess costs one failed RPC,
+refusing costs the request). One successful Stats brings it back.
+
+Membership: workers from the config are static. Workers that Register (router/registry.py) are
+keyed by worker_id and drop out when their heartbeats stop for `ttl_s`.
 """
 from __future__ import annotations
 
@@ -20,45 +29,86 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20   # long prompts' token id lists
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# gRPC's default reconnect backoff grows to 120 s: a worker back after a long outage would stay
+# "down" that long after it answers again
+WORKER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
+                                            ("grpc.min_reconnect_backoff_ms", 100),
+                                            ("grpc.max_reconnect_backoff_ms", 2000)]
+ROLES = ("prefill", "decode")
+_STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
 
 
-@dataclass
+class NoWorker(Exception):
+    """No worker of `role` to send a request to."""
+
+    def __init__(self, role: str):
+        super().__init__(f"no {role} worker is registered with the router: start one (or wait "
+                         f"for one to register), then retry")
+        self.role = role
+
+
+@dataclass(eq=False)   # identity: two workers may share an address across a re-registration
 class _Worker:
+    role: str
     address: str
     channel: grpc.Channel
     stub: object
     worker_id: str = ""
-    num_free_blocks: int = -1      # -1: unknown or unreachable, ranks last
-    num_inflight: int = 0          # prefills this router has running there
+    static: bool = True
+    expires_at: float = float("inf")   # registered workers: the heartbeat deadline
+    num_free_blocks: int = -1          # -1: unknown or unreachable, ranks last
+    num_inflight: int = 0              # prefills this router has running there
+    num_failures: int = 0              # Stats failures in a row
+    down: bool = False
 
 
 class WorkerPool:
-    def __init__(self, prefill_addresses, decode_addresses, stats_ttl_s: float = 0.5,
-                 stats_timeout_s: float = 1.0):
-        if not prefill_addresses or not decode_addresses:
-            raise ValueError("the router needs at least one prefill and one decode worker address")
+    def __init__(self, prefill_addresses=(), decode_addresses=(), stats_ttl_s: float = 0.5,
+                 stats_timeout_s: float = 1.0, down_after: int = 2):
+        if down_after < 1:
+            raise ValueError(f"down_after must be >= 1, got {down_after}")
         self.stats_ttl_s = stats_ttl_s
         self.stats_timeout_s = stats_timeout_s
-        self.prefill = {a: self._connect(a, worker_pb2_grpc.PrefillWorkerStub) for a in prefill_addresses}
-        self.decode = {a: self._connect(a, worker_pb2_grpc.DecodeWorkerStub) for a in decode_addresses}
+        self.down_after = down_after
+        self._workers = {"prefill": [self._connect("prefill", a) for a in prefill_addresses],
+                         "decode": [self._connect("decode", a) for a in decode_addresses]}
+        self._registered: dict[str, _Worker] = {}   # worker_id -> worker, for heartbeats
         self._lock = threading.Lock()
-        self._stats_at = float("-inf")
-        self._refreshing = False
-        self._decode_rr = itertools.count()
-        self._prefill_rr = itertools.count()
+        self._rr = {role: itertools.count() for role in ROLES}
+        self._stop = threading.Event()
+        self.num_sweeps = 0
+        self._thread = threading.Thread(target=self._run, name="router-health", daemon=True)
 
     @staticmethod
-    def _connect(address: str, stub_cls) -> _Worker:
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return _Worker(address, channel, stub_cls(channel))
+    def _connect(role: str, address: str, **fields) -> _Worker:
+        channel = grpc.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+        return _Worker(role, address, channel, _STUBS[role](channel), **fields)
 
-    # ---- decode ---------------------------------------------------------------------------------
-    def decode_order(self) -> list[_Worker]:
-        """Decode workers, the preferred one first; the rest are fallbacks for a full pool."""
-        self._maybe_refresh()
+    def start(self) -> "WorkerPool":
+        self._thread.start()
+        return self
+
+    def num_workers(self, role: str) -> int:
         with self._lock:
-            workers = list(self.decode.values())
-            start = next(self._decode_rr) % len(workers)
+            return len(self._workers[role])
+
+    @property
+    def prefill(self) -> list[_Worker]:
+        with self._lock:
+            return list(self._workers["prefill"])
+
+    @property
+    def decode(self) -> list[_Worker]:
+        with self._lock:
+            return list(self._workers["decode"])
+
+    # ---- picking --------------------------------------------------------------------------------
+    def decode_order(self, exclude=()) -> list[_Worker]:
+        """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
+        for a full pool. Raises NoWorker when there is none."""
+        with self._lock:
+            workers = self._candidates("decode", exclude)
+            start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
             return sorted(rotated, key=lambda w: -w.num_free_blocks)   # stable: ties keep the rotation
 
@@ -67,34 +117,17 @@ class WorkerPool:
             if worker.num_free_blocks >= 0:
                 worker.num_free_blocks = max(0, worker.num_free_blocks - num_blocks)
 
-    def _maybe_refresh(self) -> None:
-        with self._lock:
-            if self._refreshing or time.monotonic() - self._stats_at < self.stats_ttl_s:
-                return
-            self._refreshing = True   # one caller refreshes; the others use the cached numbers
-        try:
-            # prefill Stats only name the worker (for Timings.prefill_worker)
-            for worker in (*self.decode.values(), *self.prefill.values()):
-                try:
-                    stats = worker.stub.Stats(worker_pb2.StatsRequest(), timeout=self.stats_timeout_s)
-                    free, wid = stats.num_free_blocks, stats.worker_id
-                except grpc.RpcError as e:
-                    log.warning("Stats of worker %s failed: %s", worker.address, e.code())
-                    free, wid = -1, worker.worker_id
-                with self._lock:
-                    worker.num_free_blocks, worker.worker_id = free, wid
-        finally:
-            with self._lock:
-                self._stats_at = time.monotonic()
-                self._refreshing = False
-
-    # ---- prefill --------------------------------------------------------------------------------
     def pick_prefill(self, exclude: _Worker | None = None) -> _Worker:
         """The least busy prefill worker other than `exclude` (or `exclude` when it is the only
-        one), counted as busy until end_prefill."""
+        one), counted as busy until end_prefill. Raises NoWorker when there is none."""
         with self._lock:
-            workers = [w for w in self.prefill.values() if w is not exclude] or list(self.prefill.values())
-            start = next(self._prefill_rr) % len(workers)
+            try:
+                workers = self._candidates("prefill", (exclude,))
+            except NoWorker:
+                if exclude is None or exclude not in self._workers["prefill"]:
+                    raise
+                workers = [exclude]
+            start = next(self._rr["prefill"]) % len(workers)
             rotated = workers[start:] + workers[:start]
             worker = min(rotated, key=lambda w: w.num_inflight)
             worker.num_inflight += 1
@@ -104,9 +137,114 @@ class WorkerPool:
         with self._lock:
             worker.num_inflight -= 1
 
+    def _candidates(self, role: str, exclude) -> list[_Worker]:
+        workers = [w for w in self._workers[role] if w not in exclude]
+        if not workers:
+            raise NoWorker(role)
+        return [w for w in workers if not w.down] or workers
+
     def name(self, worker: _Worker) -> str:
         return worker.worker_id or worker.address
 
+    # ---- membership -----------------------------------------------------------------------------
+    def register(self, role: str, worker_id: str, address: str, ttl_s: float) -> _Worker:
+        """Adds a worker, or refreshes it; a new address or role replaces the old entry."""
+        with self._lock:
+            old = self._registered.get(worker_id)
+            if old is not None and not old.static and (old.role, old.address) == (role, address):
+                old.expires_at = time.monotonic() + ttl_s
+                return old
+            if old is not None and not old.static:
+                # not closed here: streams still on its channel end on their own, and gRPC frees
+                # the channel with its last reference
+                self._workers[old.role].remove(old)
+                del self._registered[worker_id]
+            static = next((w for w in self._workers[role] if w.static and w.address == address), None)
+            if static is not None:   # already configured: learn its id, never expire it
+                static.worker_id = worker_id
+                self._registered[worker_id] = static
+                return static
+            worker = self._connect(role, address, worker_id=worker_id, static=False,
+                                   expires_at=time.monotonic() + ttl_s)
+            self._workers[role].append(worker)
+            self._registered[worker_id] = worker
+        log.info("%s worker %s registered at %s%s", role, worker_id, address,
+                 f" (was {old.role} at {old.address})" if old is not None and not old.static else "")
+        return worker
+
+    def heartbeat(self, worker_id: str, ttl_s: float, stats=None) -> bool:
+        """False when `worker_id` is not a member (never registered, or dropped out)."""
+        with self._lock:
+            worker = self._registered.get(worker_id)
+            if worker is None:
+                return False
+            if not worker.static:
+                worker.expires_at = time.monotonic() + ttl_s
+            if stats is not None and worker.role == "decode" and not worker.down:
+                worker.num_free_blocks = stats.num_free_blocks
+            return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [w for w in self._registered.values() if not w.static and now > w.expires_at]
+            for worker in late:
+                self._workers[worker.role].remove(worker)
+                del self._registered[worker.worker_id]
+        for worker in late:
+            log.warning("%s worker %s at %s dropped out: no heartbeat", worker.role,
+                        worker.worker_id, worker.address)
+
+    # ---- health ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._expire()
+                self.sweep()
+            except Exception:   # a dead health thread would freeze every worker's state
+                log.exception("worker health sweep failed")
+            self._stop.wait(self.stats_ttl_s)
+
+    def sweep(self) -> None:
+        """One health check of every worker (the thread runs one every stats_ttl_s). Stats go out
+        to all at once, so a hung worker costs a sweep stats_timeout_s, not that times the number
+        of workers."""
+        with self._lock:
+            workers = self._workers["prefill"] + self._workers["decode"]
+        calls = [(w, w.stub.Stats.future(worker_pb2.StatsRequest(), timeout=self.stats_timeout_s))
+                 for w in workers]
+        for worker, call in calls:
+            try:
+                self._note_stats(worker, call.result())
+            except grpc.RpcError as e:
+                self._note_failure(worker, e)
+        self.num_sweeps += 1
+
+    def _note_stats(self, worker: _Worker, stats) -> None:
+        with self._lock:
+            came_back = worker.down
+            worker.num_failures, worker.down = 0, False
+            worker.num_free_blocks = stats.num_free_blocks
+            worker.worker_id = worker.worker_id or stats.worker_id
+        if came_back:
+            log.info("%s worker %s is back up", worker.role, self.name(worker))
+
+    def _note_failure(self, worker: _Worker, error: grpc.RpcError) -> None:
+        with self._lock:
+            worker.num_failures += 1
+            worker.num_free_blocks = -1
+            went_down = not worker.down and worker.num_failures >= self.down_after
+            worker.down = worker.down or went_down
+        if went_down:
+            log.warning("%s worker %s is down: %d Stats calls failed in a row (last: %s %s)",
+                        worker.role, self.name(worker), worker.num_failures, error.code(),
+                        error.details())
+
     def close(self) -> None:
-        for worker in (*self.prefill.values(), *self.decode.values()):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.stats_timeout_s + 1)
+        with self._lock:
+            workers = self._workers["prefill"] + self._workers["decode"]
+        for worker in workers:
             worker.channel.close()

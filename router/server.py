@@ -1,7 +1,9 @@
-"""The router process: worker pool + PDServe service + health + reflection on one gRPC server.
+"""The router process: worker pool + PDServe service + Registry + health + reflection on one
+gRPC server.
 
     router = Router(RouterConfig(model=model_dir, prefill_addresses=[p.address],
                                  decode_addresses=[d.address])).start()
+    # or with no addresses: workers join through pdserve.worker.v1.Registry at router.address
     stub = pdserve_pb2_grpc.PDServeStub(grpc.insecure_channel(router.address))
     ...
     router.stop()
@@ -19,19 +21,21 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.loader import load_hf_config, resolve_model
 from engine.tokenizer import load_tokenizer
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.pool import CHANNEL_OPTIONS, WorkerPool
+from router.registry import RegistryServicer
 from router.service import PDServeServicer, ServiceOptions
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
+REGISTRY_NAME = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 _EXTRA_THREADS = 8   # Abort, ListModels and health checks still get a thread when Generate is full
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     model: str                          # what the workers serve: HF directory, *.gguf or "smollm2"
-    prefill_addresses: tuple = ()
+    prefill_addresses: tuple = ()       # static workers; empty: wait for workers to Register
     decode_addresses: tuple = ()
     host: str = "127.0.0.1"
     port: int = 0                       # 0: pick a free port
@@ -42,11 +46,21 @@ class RouterConfig:
     model_id: str | None = None         # ModelCard.id; None: the model's directory or file name
     dtype: str | None = None            # ModelCard.dtype; None: config.json's torch_dtype
     stop_grace_s: float = 1.0
+    stats_interval_s: float = 0.5       # how often every worker's Stats is refreshed
+    stats_timeout_s: float = 1.0
+    down_after: int = 2                 # failed Stats in a row before a worker is skipped
+    heartbeat_ms: int = 1000            # registered workers heartbeat this often, drop out after 3 missed
+    max_resumes: int = 2                # decode workers one request may move to when its worker dies
 
     def __post_init__(self):
-        for name in ("prefill_addresses", "decode_addresses"):
-            if not getattr(self, name):
-                raise ValueError(f"RouterConfig.{name} must list at least one worker address")
+        for name in ("stats_interval_s", "stats_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("down_after", "heartbeat_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_resumes < 0:
+            raise ValueError(f"RouterConfig.max_resumes must be >= 0, got {self.max_resumes}")
         if self.max_inflight < 1:
             raise ValueError(f"RouterConfig.max_inflight must be >= 1, got {self.max_inflight}")
         if self.lease_ms <= 0:
@@ -67,7 +81,7 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
     return ServiceOptions(model_id=model_id, max_model_len=int(max_len),
                           vocab_size=int(hf_text.get("vocab_size", 0)), dtype=str(dtype),
                           max_inflight=config.max_inflight, lease_ms=config.lease_ms,
-                          prefill_timeout_s=config.prefill_timeout_s)
+                          prefill_timeout_s=config.prefill_timeout_s, max_resumes=config.max_resumes)
 
 
 class Router:
@@ -87,7 +101,9 @@ class Router:
             model_dir = resolve_model(cfg.model)
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
-            self.pool = WorkerPool(list(cfg.prefill_addresses), list(cfg.decode_addresses))
+            self.pool = WorkerPool(list(cfg.prefill_addresses), list(cfg.decode_addresses),
+                                   stats_ttl_s=cfg.stats_interval_s, stats_timeout_s=cfg.stats_timeout_s,
+                                   down_after=cfg.down_after).start()
             self._prefill_executor = futures.ThreadPoolExecutor(cfg.max_inflight,
                                                                 thread_name_prefix="router-prefill")
             self.servicer = PDServeServicer(self.pool, tokenizer, options, self._prefill_executor)
@@ -95,10 +111,12 @@ class Router:
                                                         thread_name_prefix="router-grpc")
             self._server = grpc.server(self._executor, options=CHANNEL_OPTIONS)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
+            worker_pb2_grpc.add_RegistryServicer_to_server(
+                RegistryServicer(self.pool, options.model_id, cfg.heartbeat_ms), self._server)
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
             reflection.enable_server_reflection(
-                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+                (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
             port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
@@ -107,10 +125,10 @@ class Router:
         except BaseException:
             self.stop()
             raise
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, REGISTRY_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("router serving %s on %s (prefill %s, decode %s)", options.model_id, self.address,
-                 list(cfg.prefill_addresses), list(cfg.decode_addresses))
+        log.info("router serving %s on %s (prefill %s, decode %s, more may register)", options.model_id,
+                 self.address, list(cfg.prefill_addresses), list(cfg.decode_addresses))
         return self
 
     def stop(self) -> None:

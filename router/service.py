@@ -8,7 +8,13 @@ Lifecycle of one Generate call (DESIGN.md section 1):
      worker into the same reservation; any other failure aborts the reservation, which ends the
      stream, and the client gets the prefill's status
   -> token events detokenized and forwarded as TokenDelta, the last one as Finish
+  decode worker dies (its stream fails, not by the client, an abort or the deadline) -> the
+     request resumes on another decode worker: Reserve there with the prompt plus the tokens
+     already streamed, prefill again, keep streaming (at most max_resumes times; the steps above
+     are a "leg", router/legs.py). After a resume seeded sampling continues from a new generator
+     and presence/frequency penalties see the earlier output as prompt (details in router/legs.py)
   client gone (context callback) or deadline_ms exceeded -> Abort on both workers
+A role with no worker in the pool -> UNAVAILABLE before anything is reserved.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ import grpc
 
 from protos.convert import unix_ns
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
-from router.pool import WorkerPool
+from router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus, decode_died, resume_sampling
+from router.pool import ROLES, NoWorker, WorkerPool
 from router.text import BadRequest, PromptEncoder, TextStream
 
 log = logging.getLogger(__name__)
@@ -46,22 +53,7 @@ class ServiceOptions:
     abort_timeout_s: float = 0.5         # best-effort Abort calls
     request_timeout_s: float = 3600.0    # the whole stream when the client sets no deadline_ms
     prefill_result_wait_s: float = 5.0   # Prefill's reply may trail its committed first token
-
-
-class _Inflight:
-    """One Generate call as the router tracks it; fields shared with the cancel callback and the
-    prefill thread are read and written under `lock`."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.lock = threading.Lock()
-        self.decode = None                # pool worker holding the reservation
-        self.prefill = None               # pool worker running (or last running) the prefill
-        self.stream_call = None
-        self.cancelled = False            # the client went away
-        self.abort_requested = False      # PDServe.Abort for this id
-        self.finished = False             # ended normally or already cleaned up
-        self.prefill_error: grpc.RpcError | None = None
+    max_resumes: int = 2                 # new decode workers one request may move to
 
 
 class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
@@ -71,8 +63,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.tokenizer = tokenizer
         self.options = options
         self.encoder = PromptEncoder(tokenizer, options.max_model_len)
-        self.executor = executor          # Prefill calls
-        self._inflight: dict[str, _Inflight] = {}
+        self.legs = Legs(pool, executor, options)
+        self._inflight: dict[str, Inflight] = {}
         self._lock = threading.Lock()
 
     # ---- Generate -------------------------------------------------------------------------------
@@ -90,6 +82,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             prompt = self.encoder.encode(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
+        for role in ROLES:
+            if not self.pool.num_workers(role):
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))
         budget_s = request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s
         deadline = start + budget_s
         req = self._admit(rid, context)
@@ -101,8 +96,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 if self._inflight.get(rid) is req:
                     del self._inflight[rid]
 
-    def _admit(self, rid: str, context) -> _Inflight:
-        req = _Inflight(rid)
+    def _admit(self, rid: str, context) -> Inflight:
+        req = Inflight(rid)
         with self._lock:
             num = len(self._inflight)
             full, taken = num >= self.options.max_inflight, rid in self._inflight
@@ -115,95 +110,56 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         return req
 
-    def _generate(self, req: _Inflight, request, prompt, deadline, queued_ns, context):
-        rid, sampling = req.request_id, request.sampling
-        decode, reservation = self._reserve(req, prompt, sampling, deadline, context)
-        call = decode.stub.Stream(worker_pb2.StreamRequest(request_id=rid), timeout=_left(deadline))
-        with req.lock:
-            req.decode, req.stream_call = decode, call
-            cancelled, abort_requested = req.cancelled, req.abort_requested
-        if cancelled:   # the client left during Reserve: the callback did not know the worker yet
-            call.cancel()
-            self._abort_workers(req)
-            return
-        if abort_requested:
-            self._abort_workers(req)   # the stream ends with finish_reason "abort"
-        prefill = self.executor.submit(self._prefill, req, prompt, sampling, reservation, deadline)
+    def _generate(self, req: Inflight, request, prompt, deadline, queued_ns, context):
+        sampling = request.sampling
         text = TextStream(self.tokenizer, prompt,
                           sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
                           tuple(sampling.stop), sampling.include_stop_str_in_output)
-        num_tokens, final, error = 0, None, None
-        try:
-            for event in call:
-                num_tokens += len(event.token_ids)
-                is_final = event.HasField("finish_reason")
-                piece = text.add(event.token_ids) + (text.flush() if is_final else "")
-                if event.token_ids or piece:
-                    yield pdserve_pb2.GenerateResponse(request_id=rid, delta=pdserve_pb2.TokenDelta(
-                        index=event.index, token_ids=event.token_ids, text=piece, logprobs=event.logprobs))
-                if is_final:
-                    final = event
-                    break
-        except grpc.RpcError as e:
-            error = e
-        if req.cancelled:
-            return
-        prefill_reply = self._prefill_result(prefill)
-        if req.prefill_error is not None and (final is None or final.finish_reason == "abort") \
-                and not req.abort_requested:
-            self._fail(req, context, req.prefill_error, "prefill worker", request.deadline_ms)
-        if final is None:
-            self._fail(req, context, error, "decode worker", request.deadline_ms)
+        sent: list[int] = []   # token ids the client got, over all legs
+        legs: list[Leg] = []
+        while True:
+            leg_sampling = resume_sampling(sampling, len(sent))
+            if leg_sampling is None or len(prompt) + len(sent) >= self.options.max_model_len:
+                final = worker_pb2.TokenEvent(finish_reason="length")   # the dead leg had got there
+                break
+            try:
+                leg = self.legs.start(req, prompt + sent, leg_sampling, deadline, len(legs))
+            except LegFailed as e:
+                self._fail(req, context, e.error, e.who, 0)
+            if leg is None:
+                return
+            legs.append(leg)
+            final, error = yield from self.legs.stream(req, leg, text, sent)
+            if req.cancelled:
+                return
+            if decode_died(leg, final, error, req.abort_requested, deadline):
+                self._resume_or_fail(req, leg, error, len(sent), context)
+                continue
+            self._prefill_result(leg.prefill_future)
+            if leg.prefill_error is not None and (final is None or final.finish_reason == "abort") \
+                    and not req.abort_requested:
+                self._fail(req, context, leg.prefill_error, "prefill worker", request.deadline_ms)
+            if final is None:
+                self._fail(req, context, error, "decode worker", request.deadline_ms)
+            break
         req.finished = True
-        yield pdserve_pb2.GenerateResponse(request_id=rid, finish=self._finish(
-            final, len(prompt), num_tokens, reservation, prefill_reply, queued_ns, req))
+        yield pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=self._finish(
+            final, len(prompt), len(sent), legs, queued_ns, req))
 
-    def _reserve(self, req: _Inflight, prompt, sampling, deadline, context):
-        error = None
-        for worker in self.pool.decode_order():
-            try:
-                reservation = worker.stub.Reserve(worker_pb2.ReserveRequest(
-                    request_id=req.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    lease_ms=self.options.lease_ms), timeout=min(self.options.rpc_timeout_s, _left(deadline)))
-                self.pool.note_reserved(worker, len(reservation.block_ids))
-                return worker, reservation
-            except grpc.RpcError as e:
-                error = e
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:   # it may have reserved anyway
-                    _call_abort(worker.stub, req.request_id, self.options.abort_timeout_s)
-                if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
-                    break
-        self._fail(req, context, error, "decode worker", 0)
-
-    def _prefill(self, req: _Inflight, prompt, sampling, reservation, deadline):
-        """On an executor thread. Returns the PrefillResponse, or None after recording the error
-        and aborting the reservation (which ends the decode stream)."""
-        error, excluded = None, None
-        for _ in range(2):
-            if req.cancelled or req.abort_requested:
-                return None
-            worker = self.pool.pick_prefill(exclude=excluded)
-            with req.lock:
-                req.prefill = worker
-            try:
-                return worker.stub.Prefill(worker_pb2.PrefillRequest(
-                    request_id=req.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    reservation=reservation),
-                    timeout=min(self.options.prefill_timeout_s, _left(deadline)))
-            except grpc.RpcError as e:
-                error, excluded = e, worker
-                log.warning("prefill of %s on %s failed: %s %s", req.request_id, worker.address,
-                            e.code(), e.details())
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    break
-            finally:
-                self.pool.end_prefill(worker)
-        if req.cancelled or req.abort_requested:   # the failure is the abort itself
-            return None
-        req.prefill_error = error
-        if not _call_abort(req.decode.stub, req.request_id, self.options.abort_timeout_s):
-            req.stream_call.cancel()   # decode unreachable or the request already gone
-        return None
+    def _resume_or_fail(self, req: Inflight, leg: Leg, error, num_sent: int, context) -> None:
+        """After a leg's decode worker died: returns so the caller starts the next leg, or ends the
+        call when no resume is left."""
+        self.legs.retire(req, leg)
+        why = f"{error.code().name}: {error.details()}" if error is not None else \
+            "its stream ended without a final event"
+        name = self.pool.name(leg.decode)
+        if leg.number >= self.options.max_resumes:
+            self._fail(req, context, RouterStatus(grpc.StatusCode.UNAVAILABLE,
+                       f"decode worker {name} failed ({why}) and request {req.request_id!r} was "
+                       f"already resumed {leg.number} times (max_resumes={self.options.max_resumes}); "
+                       f"retry the request"), "decode worker", 0)
+        log.warning("decode worker %s failed for %s after %d tokens (%s); resuming on another",
+                    name, req.request_id, num_sent, why)
 
     def _prefill_result(self, prefill: futures.Future):
         try:
@@ -211,10 +167,11 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         except futures.TimeoutError:
             return None
 
-    def _finish(self, final, num_prompt_tokens, num_tokens, reservation, prefill_reply, queued_ns,
+    def _finish(self, final, num_prompt_tokens, num_tokens, legs: list[Leg], queued_ns,
                 req) -> pdserve_pb2.Finish:
+        first, last = legs[0], legs[-1]
         usage = pdserve_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_tokens,
-                                  cached_prompt_tokens=reservation.num_cached_tokens)
+                                  cached_prompt_tokens=first.reservation.num_cached_tokens)
         finish = pdserve_pb2.Finish(index=final.index, finish_reason=final.finish_reason, usage=usage)
         kind = final.WhichOneof("stop_reason")
         if final.finish_reason in ("abort", "error"):
@@ -226,22 +183,28 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         timings = finish.timings
         timings.CopyFrom(final.timings)
         timings.queued_unix_ns = queued_ns
+        if len(legs) > 1 and req.first_token_ns:   # the client's first token came from an earlier leg
+            timings.first_token_unix_ns = req.first_token_ns
+        prefill_leg = first if first.prefill_reply() is not None else last
+        prefill_reply = prefill_leg.prefill_reply()
         if prefill_reply is not None:
             timings.prefill_start_unix_ns = prefill_reply.prefill_start_unix_ns
             timings.prefill_end_unix_ns = prefill_reply.prefill_end_unix_ns
             timings.transfer_end_unix_ns = prefill_reply.transfer_end_unix_ns
-        if req.prefill is not None:
-            timings.prefill_worker = self.pool.name(req.prefill)
-        if not timings.decode_worker and req.decode is not None:
-            timings.decode_worker = self.pool.name(req.decode)
+        if prefill_leg.prefill is not None:
+            timings.prefill_worker = self.pool.name(prefill_leg.prefill)
+        if not timings.decode_worker and last.decode is not None:
+            timings.decode_worker = self.pool.name(last.decode)
         return finish
 
-    def _fail(self, req: _Inflight, context, error, who: str, deadline_ms: int):
+    def _fail(self, req: Inflight, context, error, who: str, deadline_ms: int):
         """Frees the request on both workers and ends the call with the worker's status."""
         req.finished = True
         self._abort_workers(req)
         if error is None:
             context.abort(grpc.StatusCode.INTERNAL, f"the {who} stream ended without a final event")
+        if isinstance(error, RouterStatus):   # already says what happened
+            context.abort(error.code(), error.details())
         code = error.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             context.abort(code, f"request {req.request_id!r} did not finish within deadline_ms="
@@ -253,24 +216,21 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         context.abort(code, f"{who} failed: {error.details()}")
 
     # ---- cancellation ---------------------------------------------------------------------------
-    def _on_rpc_end(self, req: _Inflight) -> None:
+    def _on_rpc_end(self, req: Inflight) -> None:
         """gRPC calls this when the call ends for any reason; only an unfinished one needs work."""
         with req.lock:
             if req.finished:
                 return
             req.cancelled = True
-            call = req.stream_call
-        if call is not None:
-            call.cancel()
-        self._abort_workers(req)
+            leg = req.leg
+        if leg is not None:
+            leg.stream_call.cancel()
+            self.legs.abort(leg)
 
-    def _abort_workers(self, req: _Inflight) -> bool:
+    def _abort_workers(self, req: Inflight) -> bool:
         with req.lock:
-            workers = [w for w in (req.decode, req.prefill) if w is not None]
-        found = False
-        for worker in workers:
-            found |= _call_abort(worker.stub, req.request_id, self.options.abort_timeout_s)
-        return found
+            leg = req.leg
+        return leg is not None and self.legs.abort(leg)
 
     # ---- Abort, ListModels ----------------------------------------------------------------------
     def Abort(self, request, context):
@@ -288,16 +248,3 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         return pdserve_pb2.ListModelsResponse(models=[pdserve_pb2.ModelCard(
             id=opts.model_id, max_model_len=opts.max_model_len, vocab_size=opts.vocab_size,
             dtype=opts.dtype)])
-
-
-def _left(deadline: float) -> float:
-    return max(0.001, deadline - time.monotonic())
-
-
-def _call_abort(stub, request_id: str, timeout: float) -> bool:
-    """Best effort: a worker that is gone frees the request by its lease or stream end."""
-    try:
-        return stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=timeout).found
-    except grpc.RpcError as e:
-        log.debug("Abort of %s failed: %s", request_id, e.code())
-        return False

@@ -80,6 +80,7 @@ class TextStream:
         self.include_stop_str = include_stop_str
         self.num_sent_chars = 0
         self.stopped = False
+        self.stop_str: str | None = None   # the stop string that ended the text
 
     def add(self, token_ids) -> str:
         for token_id in token_ids:
@@ -92,7 +93,7 @@ class TextStream:
                     i, stop = hit
                     end = i + len(stop) if self.include_stop_str else i
                     self.detok.text = self.detok.text[:end]
-                    self.stopped = True
+                    self.stopped, self.stop_str = True, stop
         text = self.detok.text
         end = len(text) if self.stopped else len(text) - self._held_back(text)
         return self._take(end)

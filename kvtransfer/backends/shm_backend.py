@@ -15,6 +15,7 @@ queued together travel in one gRPC message (see grpc_backend).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -34,7 +35,8 @@ from kvtransfer.wire import ChunkHeader
 SCHEME = "shm"
 
 
-def _default_directory() -> str:
+def default_shared_dir() -> str:
+    """Where shared KV pools go: /dev/shm (memory) when the host has it."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -49,7 +51,7 @@ def create_shared_kv_cache(shape, dtype: torch.dtype = torch.float32, name: str 
     numel = math.prod(shape)
     if numel <= 0:
         raise ValueError(f"a shared KV cache needs a non-empty shape, got {shape}")
-    path = os.path.join(directory or _default_directory(), name or f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    path = os.path.join(directory or default_shared_dir(), name or f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -82,14 +84,16 @@ def map_shared_kv_cache(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
-def format_address(path: str, shape, dtype: torch.dtype, control: str) -> str:
+def format_address(paths: str | list[str], shape, dtype: torch.dtype, control: str) -> str:
+    """paths: the pool file of each TP rank of the receiver, in rank order (shape is one rank's)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
     query = urlencode({"shape": ",".join(str(int(n)) for n in shape), "dtype": dtype_name(dtype),
                        "control": control})
-    return f"{SCHEME}://{quote(path)}?{query}"
+    return f"{SCHEME}://{','.join(quote(p) for p in paths)}?{query}"   # quote() escapes a ',' in a path
 
 
-def parse_address(address: str) -> tuple[str, tuple[int, ...], torch.dtype, str]:
-    """-> (path, shape, dtype, control address)"""
+def parse_address(address: str) -> tuple[list[str], tuple[int, ...], torch.dtype, str]:
+    """-> (pool file per rank, one rank's shape, dtype, control address)"""
     parts = urlsplit(address)
     query = parse_qs(parts.query)
     try:
@@ -100,10 +104,13 @@ def parse_address(address: str) -> tuple[str, tuple[int, ...], torch.dtype, str]
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype {query['dtype'][0]!r}")
         control = query["control"][0]
+        paths = [unquote(p) for p in parts.path.split(",")]
+        if not all(paths):
+            raise ValueError("an empty pool path")
     except (KeyError, ValueError, IndexError) as e:
         raise ValueError(f"{address!r} is not a shm KV address ({e}); expected "
-                         f"shm://PATH?shape=...&dtype=...&control=HOST:PORT") from None
-    return unquote(parts.path), shape, dtype, control
+                         f"shm://PATH[,PATH...]?shape=...&dtype=...&control=HOST:PORT") from None
+    return paths, shape, dtype, control
 
 
 class PagedWriter:
@@ -175,17 +182,23 @@ class PagedWriter:
 
 class ShmServer(TransportServer):
     """Receiver side: the KV pool is `kv_cache` (made by `create_shared_kv_cache`, file `kv_path`);
-    frames arrive on a gRPC control channel (options pass through to GrpcServer)."""
+    frames arrive on a gRPC control channel (options pass through to GrpcServer).
 
-    def __init__(self, handler: FrameHandler, kv_cache: torch.Tensor, kv_path: str, **grpc_opts):
-        if kv_cache is None or kv_path is None:
+    A tensor-parallel receiver passes a list: kv_path[r] is rank r's pool file, all shaped like
+    kv_cache (rank 0's); the sender then writes each rank's share of the heads into its file.
+    """
+
+    def __init__(self, handler: FrameHandler, kv_cache: torch.Tensor, kv_path: str | list[str],
+                 **grpc_opts):
+        if kv_cache is None or not kv_path:
             raise ValueError("the shm backend needs kv_cache and kv_path (from create_shared_kv_cache)")
+        paths = [kv_path] if isinstance(kv_path, str) else list(kv_path)
         expected = kv_cache.numel() * kv_cache.element_size()
-        if not kv_cache.is_contiguous() or os.path.getsize(kv_path) != expected:
-            raise ValueError(f"kv_cache is not the whole contiguous tensor of {kv_path}: map it with "
-                             f"create_shared_kv_cache")
+        if not kv_cache.is_contiguous() or any(os.path.getsize(p) != expected for p in paths):
+            raise ValueError(f"kv_cache is not the whole contiguous tensor of each of {paths}: map it "
+                             f"with create_shared_kv_cache")
         self._control = GrpcServer(handler, **grpc_opts)
-        self._address = format_address(kv_path, kv_cache.shape, kv_cache.dtype, self._control.address)
+        self._address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
 
     @property
     def address(self) -> str:
@@ -205,20 +218,21 @@ class ShmTransport(Transport):
     """
 
     def __init__(self, address: str, max_pending_headers: int = 64, **grpc_opts):
-        path, shape, dtype, control = parse_address(address)
-        self._cache = map_shared_kv_cache(path, shape, dtype)
-        self._writer = PagedWriter(self._cache)
+        paths, shape, dtype, control = parse_address(address)
+        self._caches = [map_shared_kv_cache(p, shape, dtype) for p in paths]
+        self._writers = [PagedWriter(c) for c in self._caches]
+        self._rank_layouts: dict[KVLayout, list[KVLayout]] = {}
         self._max_pending = max(1, max_pending_headers)
         self._pending: list[ChunkHeader] = []
         self._lock = threading.Lock()
         try:
             self._control = GrpcTransport(control, **grpc_opts)
         except BaseException:
-            self._cache = None
+            self._caches = self._writers = None
             raise
 
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
-        if self._cache is None:
+        if self._writers is None:
             raise RuntimeError("this KV transport is closed")
         if header.kind != "kv":
             if data is not None and data.numel():
@@ -229,7 +243,8 @@ class ShmTransport(Transport):
         if data is None:
             raise ValueError(f"a kv frame for request {header.request_id} needs its data")
         try:
-            self._writer.write(dest.layout, dest.block_ids, header, data)
+            for writer, layout in zip(self._writers, self._layouts(dest.layout)):
+                writer.write(layout, dest.block_ids, header, data)
         except Exception:
             # the receiver must not wait for KV that will never land: fail the request there,
             # and tell the caller why here
@@ -242,6 +257,16 @@ class ShmTransport(Transport):
             if len(self._pending) >= self._max_pending:
                 self._control.send_headers(self._take_pending())
 
+    def _layouts(self, layout: KVLayout) -> list[KVLayout]:
+        """The receiver's layout of each of its ranks (one per mapped pool file)."""
+        ranks = self._rank_layouts.get(layout)
+        if ranks is None:
+            tp = len(self._writers)
+            ranks = [layout] if tp == 1 else [dataclasses.replace(layout, tp_size=tp, tp_rank=r)
+                                              for r in range(tp)]
+            self._rank_layouts[layout] = ranks
+        return ranks
+
     def _take_pending(self) -> list[ChunkHeader]:
         pending, self._pending = self._pending, []
         return pending
@@ -252,11 +277,11 @@ class ShmTransport(Transport):
         self._control.flush(timeout)
 
     def close(self) -> None:
-        if self._cache is not None:
+        if self._writers is not None:
             try:
                 with self._lock:
                     self._control.send_headers(self._take_pending())
             except Exception:   # the receiver is gone; nothing left to tell it
                 pass
-        self._cache = self._writer = None      # unmaps once no view of it is left
+        self._caches = self._writers = None      # unmaps once no view of them is left
         self._control.close()

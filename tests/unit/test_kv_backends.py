@@ -270,7 +270,7 @@ def test_shared_kv_cache_is_zeroed_mapped_and_addressable():
     try:
         assert cache.shape == (2, 2, 3, 4, 1, 8) and not cache.any()
         address = format_address(path, cache.shape, cache.dtype, "127.0.0.1:1")
-        assert parse_address(address) == (path, tuple(cache.shape), torch.bfloat16, "127.0.0.1:1")
+        assert parse_address(address) == ([path], tuple(cache.shape), torch.bfloat16, "127.0.0.1:1")
         other = map_shared_kv_cache(path, cache.shape, torch.bfloat16)
         other[1, 0, 2] = 3.0
         assert torch.equal(cache[1, 0, 2], torch.full((4, 1, 8), 3.0, dtype=torch.bfloat16))

@@ -1,0 +1,288 @@
+"""The worker side of a Generate call, in legs, and resuming on another decode worker when a
+leg's decode worker dies (DESIGN.md section 1: "D dies -> reserve on another D and prefill again").
+
+A leg is one reservation on one decode worker, the prefill that fills it and the token stream it
+produces: Reserve (the decode worker with most free blocks, the next one when full) -> Stream
+opened (the worker queues tokens from the Reserve on) -> Prefill on an executor thread
+(UNAVAILABLE retries once on another prefill worker into the same reservation; any other failure
+aborts the reservation, which ends the stream).
+
+The first leg runs the client's prompt. When the decode worker's stream fails (the worker or its
+link died: UNAVAILABLE, a stream that ends without a final event, or a prefill that cannot reach
+it to abort) and neither the client nor a deadline ended it, the router starts another leg on a
+different decode worker with
+    prompt   = the client's prompt + every token id already streamed to the client
+    sampling = max_tokens (and min_tokens) lowered by the tokens already streamed
+and the prefill runs again (the prefill worker's prefix cache holds the prompt, so mostly only
+the streamed tokens are computed). The client's stream goes on where it stopped: no token is
+sent twice, text deltas continue from the same incremental detokenizer, usage counts every token.
+Each leg has its own worker-side request id, so whatever a dead leg left on a worker (a prefill
+still running, a reservation on a worker that was only unreachable) cannot collide with it.
+
+What differs after a resume, compared with an uninterrupted run:
+- greedy decoding gives the same tokens; seeded sampling continues from a fresh generator seeded
+  with the same seed, so the tokens after the resume differ from an uninterrupted seeded run;
+- presence/frequency penalties see the earlier output as prompt, which they ignore (they count
+  generated tokens only), so tokens streamed before the resume stop being penalised; repetition
+  penalty counts prompt and output alike and is unchanged;
+- the new decode worker checks stop strings only in its own output; the router's TextStream sees
+  the whole text and ends the stream itself when a stop string spans the resume point;
+- Timings come from the last leg, except queued/prefill (the first leg) and first_token (the
+  first token the client received).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from protos.convert import unix_ns
+from protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from router.pool import NoWorker, WorkerPool
+from router.text import TextStream
+
+log = logging.getLogger(__name__)
+# pdserve.proto documents it as SamplingParams.max_tokens' default (the engine's); the router
+# may not import the engine's SamplingParams (DESIGN.md section 2)
+DEFAULT_MAX_TOKENS = 16
+
+
+class RouterStatus(grpc.RpcError):
+    """A failure the router found itself, shaped like a worker's RpcError for the same handling."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class LegFailed(Exception):
+    """A leg could not start; the call ends with `error` (a worker's or the router's status)."""
+
+    def __init__(self, error: grpc.RpcError | None, who: str):
+        super().__init__(who)
+        self.error, self.who = error, who
+
+
+class Inflight:
+    """One Generate call as the router tracks it; fields shared with the cancel callback and the
+    prefill thread are read and written under `lock`."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.lock = threading.Lock()
+        self.leg: Leg | None = None       # the reservation and streams now running
+        self.dead_decodes: list = []      # decode workers that failed this request: not again
+        self.cancelled = False            # the client went away
+        self.abort_requested = False      # PDServe.Abort for this id
+        self.finished = False             # ended normally or already cleaned up
+        self.first_token_ns = 0           # when the router got the first token
+
+
+class Leg:
+    """Leg `number` of a request; resumes get their own worker-side id (see the module docstring)."""
+
+    def __init__(self, request_id: str, number: int):
+        self.number = number
+        self.request_id = request_id if number == 0 else f"{request_id}~resume{number}"
+        self.decode = None                # pool worker holding the reservation
+        self.reservation = None
+        self.stream_call = None
+        self.prefill = None               # pool worker running (or last running) the prefill
+        self.prefill_future: futures.Future | None = None
+        self.prefill_error: grpc.RpcError | None = None
+        self.decode_lost = False          # the prefill could not reach the decode worker to abort
+        self.ended = threading.Event()    # superseded by the next leg: its prefill stops retrying
+
+    def prefill_reply(self):
+        """The PrefillResponse if the prefill already succeeded, without waiting."""
+        fut = self.prefill_future
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+
+class Legs:
+    """Starts, streams and ends legs on the workers of `pool`; `options` is the servicer's
+    ServiceOptions."""
+
+    def __init__(self, pool: WorkerPool, executor: futures.Executor, options):
+        self.pool = pool
+        self.executor = executor          # Prefill calls
+        self.options = options
+
+    def start(self, req: Inflight, prompt, sampling, deadline: float, number: int) -> Leg | None:
+        """Reserve, open the decode stream, start the prefill; None when the client already left.
+        Raises LegFailed."""
+        leg = Leg(req.request_id, number)
+        leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
+        leg.stream_call = leg.decode.stub.Stream(worker_pb2.StreamRequest(request_id=leg.request_id),
+                                                 timeout=left(deadline))
+        with req.lock:
+            req.leg = leg
+            cancelled, abort_requested = req.cancelled, req.abort_requested
+        if cancelled:   # the client left during Reserve: the callback did not know this leg yet
+            leg.stream_call.cancel()
+            self.abort(leg)
+            return None
+        if abort_requested:
+            self.abort(leg)   # the stream ends with finish_reason "abort"
+        leg.prefill_future = self.executor.submit(self._prefill, req, leg, prompt, sampling, deadline)
+        return leg
+
+    def stream(self, req: Inflight, leg: Leg, text: TextStream, sent: list[int]):
+        """Yields the client's responses for one leg's token events, adding their ids to `sent`;
+        returns (the final event or None, the stream's error or None)."""
+        try:
+            for event in leg.stream_call:
+                if event.token_ids and not req.first_token_ns:
+                    req.first_token_ns = unix_ns()
+                sent.extend(event.token_ids)
+                is_final = event.HasField("finish_reason")
+                piece = text.add(event.token_ids) + (text.flush() if is_final else "")
+                if event.token_ids or piece:
+                    delta = pdserve_pb2.TokenDelta(index=event.index, token_ids=event.token_ids,
+                                                   text=piece, logprobs=event.logprobs)
+                    yield pdserve_pb2.GenerateResponse(request_id=req.request_id, delta=delta)
+                if is_final:
+                    return event, None
+                if text.stopped:   # a stop string across a resume point: the worker cannot see it
+                    self.abort(leg)
+                    leg.stream_call.cancel()
+                    return worker_pb2.TokenEvent(index=event.index, finish_reason="stop",
+                                                 stop_str=text.stop_str), None
+        except grpc.RpcError as e:
+            return None, e
+        return None, None
+
+    def retire(self, req: Inflight, leg: Leg) -> None:
+        """Lets go of a leg whose decode worker died; the next leg avoids that worker."""
+        leg.ended.set()
+        with req.lock:
+            req.dead_decodes.append(leg.decode)
+            req.leg = None
+        try:   # not inline: a dead worker's Abort may take its whole timeout
+            self.executor.submit(self.abort, leg)
+        except RuntimeError:   # the router is stopping; the workers' leases free the blocks
+            log.debug("router stopping: %s not aborted", leg.request_id)
+
+    def abort(self, leg: Leg) -> bool:
+        found = False
+        for worker in (leg.decode, leg.prefill):
+            if worker is not None:
+                found |= call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
+        return found
+
+    def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
+        try:
+            workers = self.pool.decode_order(exclude=req.dead_decodes)
+        except NoWorker as e:
+            message = str(e)
+            if req.dead_decodes:
+                dead = ", ".join(self.pool.name(w) for w in req.dead_decodes)
+                message = (f"decode worker {dead} failed while streaming request {req.request_id!r} "
+                           f"and no other decode worker is available to resume it; retry when one is")
+            raise LegFailed(RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker") from None
+        error = None
+        for worker in workers:
+            try:
+                reservation = worker.stub.Reserve(worker_pb2.ReserveRequest(
+                    request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
+                    lease_ms=self.options.lease_ms), timeout=min(self.options.rpc_timeout_s, left(deadline)))
+                self.pool.note_reserved(worker, len(reservation.block_ids))
+                return worker, reservation
+            except grpc.RpcError as e:
+                error = e
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:   # it may have reserved anyway
+                    call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
+                if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                    break
+        raise LegFailed(error, "decode worker")
+
+    def _prefill(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
+        """On an executor thread. Returns the PrefillResponse, or None after recording the error
+        and aborting the reservation (which ends the decode stream)."""
+        error, excluded = None, None
+        for _ in range(2):
+            if req.cancelled or req.abort_requested or leg.ended.is_set():
+                return None
+            try:
+                worker = self.pool.pick_prefill(exclude=excluded)
+            except NoWorker as e:
+                error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
+                break
+            with req.lock:
+                leg.prefill = worker
+            try:
+                return worker.stub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
+                    reservation=leg.reservation),
+                    timeout=min(self.options.prefill_timeout_s, left(deadline)))
+            except grpc.RpcError as e:
+                error, excluded = e, worker
+                log.warning("prefill of %s on %s failed: %s %s", leg.request_id, worker.address,
+                            e.code(), e.details())
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+            finally:
+                self.pool.end_prefill(worker)
+        if req.cancelled or req.abort_requested or leg.ended.is_set():   # the failure is the abort itself
+            return None
+        leg.prefill_error = error
+        try:
+            found = leg.decode.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=leg.request_id),
+                                          timeout=self.options.abort_timeout_s).found
+        except grpc.RpcError:
+            leg.decode_lost = True   # before the cancel below: the stream's reader checks it
+            found = False
+        if not found:
+            leg.stream_call.cancel()   # decode unreachable or the request already gone
+        return None
+
+
+def resume_sampling(sampling: pdserve_pb2.SamplingParams, num_sent: int):
+    """The client's sampling for a leg that starts after `num_sent` tokens were streamed; None when
+    those already used up max_tokens (the sequence is complete)."""
+    if num_sent == 0:
+        return sampling
+    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens <= num_sent:
+        return None
+    resumed = pdserve_pb2.SamplingParams()
+    resumed.CopyFrom(sampling)
+    resumed.max_tokens = max_tokens - num_sent
+    if sampling.HasField("min_tokens"):
+        resumed.min_tokens = max(0, sampling.min_tokens - num_sent)
+    return resumed
+
+
+def decode_died(leg: Leg, final, error: grpc.RpcError | None, ended_by_client: bool,
+                deadline: float) -> bool:
+    """Whether a leg's stream ended because its decode worker (or the link to it) failed, rather
+    than by the client, an abort or the deadline."""
+    if final is not None or ended_by_client or time.monotonic() >= deadline:
+        return False
+    if error is None:   # the worker closed the stream without a final event
+        return True
+    return error.code() == grpc.StatusCode.UNAVAILABLE or leg.decode_lost
+
+
+def left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def call_abort(stub, request_id: str, timeout: float) -> bool:
+    """Best effort: a worker that is gone frees the request by its lease or stream end."""
+    try:
+        return stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=timeout).found
+    except grpc.RpcError as e:
+        log.debug("Abort of %s failed: %s", request_id, e.code())
+        return False
