@@ -3,8 +3,8 @@
 Lifecycle of one request on a decode worker:
   reserve (router)      -> RESERVED: engine blocks held, a KVReceiver, a lease deadline
   "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread)
-  "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch,
-                           outputs stream to the request's callback
+  "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch;
+                           the callback gets the first token at once, then the engine's outputs
   "abort" frame, abort(), a bad frame, or the lease running out before the commit
                         -> engine abort: blocks freed, the callback gets a finished "abort" output
 Every path ends in exactly one of: running in the engine, or freed. Writes and aborts of one
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.engine_loop import EngineLoop, OutputCallback
-from engine.request import RequestOutput
+from engine.request import CompletionOutput, RequestOutput
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import WorkerReceiver
 from kvtransfer.state import TransferState
@@ -31,6 +31,7 @@ class _Entry:
     receiver: WorkerReceiver
     on_output: OutputCallback
     deadline: float
+    logprobs: bool = False   # the request asked for logprobs (its outputs carry a list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False   # committed or aborted: no more writes into its blocks
 
@@ -71,7 +72,8 @@ class DecodeHandoff:
                                       len(prompt_token_ids))
             deadline = time.monotonic() + lease
             with self._entries_lock:
-                self._entries[request_id] = _Entry(receiver, on_output, deadline)
+                self._entries[request_id] = _Entry(receiver, on_output, deadline,
+                                                   logprobs=bool(getattr(params, "logprobs", False)))
             return Reserved(request_id, res.block_ids, res.block_size, res.num_cached_tokens, deadline)
         return self.loop.call(reserve)
 
@@ -108,7 +110,14 @@ class DecodeHandoff:
         with entry.lock:
             entry.closed = True
         self.loop.watch(request_id, entry.on_output)
-        self.loop.engine.commit(request_id, entry.receiver.first_token)
+        first_token = entry.receiver.first_token
+        self.loop.engine.commit(request_id, first_token)
+        # the prefill worker already sampled the first token: stream it now, not with the next
+        # decode step's output (a whole step later). Outputs are cumulative, so the step's output
+        # (which holds this token too) only adds what is new; when the commit itself finished the
+        # request, the engine's final output follows at the next step as before.
+        entry.on_output(RequestOutput(request_id, None, [], [CompletionOutput(
+            0, "", [first_token], None, logprobs=[] if entry.logprobs else None)], finished=False))
 
     def _close(self, request_id: str, reason: str, expired: bool = False) -> bool:
         entry = self._pop(request_id)

@@ -17,6 +17,7 @@ from engine.engine_loop import EngineLoop
 from kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
 from kvtransfer.layout import KVLayout
 from protos.grpc_server import ServiceHost
+from protos.registration import register_worker
 from protos.pdserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class DecodeWorkerConfig:
     lease_sweep_s: float = 0.05
     max_workers: int = 16          # gRPC handler threads; each open Stream holds one
     stop_grace_s: float = 1.0
+    registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
 
     def __post_init__(self):
         if self.kv_backend not in BACKENDS:
@@ -54,6 +56,7 @@ class DecodeWorker:
         self._kv_server = None
         self._host: ServiceHost | None = None
         self.address: str | None = None
+        self.registration = None
 
     def start(self) -> "DecodeWorker":
         cfg = self.config
@@ -82,6 +85,10 @@ class DecodeWorker:
                                      MAX_MESSAGE_BYTES)
             self.address = self._host.start(
                 lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s), (SERVICE_NAME,))
+            if cfg.registry_address:
+                self.registration = register_worker(
+                    cfg.registry_address, "decode", cfg.worker_id, self.address, cfg.model,
+                    lambda: servicer.Stats(None, None))
         except BaseException:
             self.stop()
             raise
@@ -91,6 +98,9 @@ class DecodeWorker:
 
     def stop(self) -> None:
         """Stops taking requests, ends open streams, then the KV channel and the engine loop."""
+        if self.registration is not None:   # heartbeats end first: the router drops this worker
+            self.registration.stop()
+            self.registration = None
         if self._host is not None:   # stop taking requests, end open streams
             self._host.stop(self.config.stop_grace_s)
             self._host = None

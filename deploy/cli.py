@@ -128,7 +128,7 @@ def _run_up(args) -> int:
     from deploy.launcher import up
     try:
         cluster = up(config, address=args.address, block=False)
-    except NotImplementedError as e:
+    except ConfigError as e:
         print(f"pdserve: {args.config or 'default config'}: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:   # e.g. the cluster cannot fit the pools

@@ -57,6 +57,14 @@ class Pool(_Frozen):
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     enable_prefix_caching: bool = True
+    # torch compute threads of each worker process; None: resources.num_cpus (at least 1). More
+    # threads than reserved CPUs suit a pool that is idle while the other computes (prefill on a
+    # small machine), at the price of contention when both are busy
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or max(1, int(self.resources.num_cpus))
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

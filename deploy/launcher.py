@@ -4,10 +4,13 @@
     print(cluster.router_address)
     cluster.stop()
 
-Order: connect to Ray (or start a local one) -> for each replica, one placement group per TP group
-(`tp` bundles of the pool's resources, STRICT_PACK so a TP group shares a node) -> decode actors,
-then prefill actors, each started and asked for its gRPC address -> the router, given all the
-addresses. `stop()` undoes it in reverse.
+Order: connect to Ray (or start a local one) -> the router, with empty pools -> for each replica,
+one placement group per TP group (`tp` bundles of the pool's resources, STRICT_PACK so a TP group
+shares a node; rank 0 runs in the actor and spawns the other ranks in its bundles) -> decode
+actors, then prefill actors, each started and registered with the router (Registry service,
+heartbeats) -> up() returns once every replica is in the router's pool. `stop()` undoes it in
+reverse. A worker that stops heartbeating drops out of the router's pool; one that registers
+again (the same worker_id) comes back.
 
 Why the router lives in the driver and not in an actor: it is the one client-facing port, so it
 should listen on the host the operator launched from, at the address printed there, and die with
@@ -27,7 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.config import DeployConfig, Pool
+from deploy.config import ConfigError, DeployConfig, Pool
 
 log = logging.getLogger(__name__)
 ROLES = ("decode", "prefill")      # start order: decode first, so prefill has somewhere to push KV
@@ -93,6 +96,7 @@ class Cluster:
     replicas: list[Replica] = field(default_factory=list)
     router: object = None
     router_address: str | None = None
+    registry_address: str | None = None   # the router as workers reach it
     _stopped: bool = False
 
     def addresses(self, role: str) -> list[str]:
@@ -167,17 +171,20 @@ class Cluster:
             ray.shutdown()
 
 
-def _check_supported(config: DeployConfig) -> None:
+def check_model_fit(config: DeployConfig) -> None:
+    """Refuses, before anything starts, a TP degree the model's heads cannot be split by (else
+    every rank of that pool would fail the same way inside its actor)."""
+    from engine.loader import load_hf_config, resolve_model
+    hf = load_hf_config(resolve_model(config.model))
+    hf = hf.get("text_config", hf)
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
     for role in ROLES:
-        pool: Pool = getattr(config.pools, role)
-        if pool.tp > 1:
-            raise NotImplementedError(
-                f"pools.{role}.tp is {pool.tp}: workers run tensor parallelism over Ray actors "
-                f"not yet; set pools.{role}.tp to 1 (and add replicas instead)")
-    if config.kvtransfer.backend != "grpc":
-        raise NotImplementedError(
-            f"kvtransfer.backend {config.kvtransfer.backend!r} is not wired into the workers yet; "
-            f"use 'grpc'")
+        tp = getattr(config.pools, role).tp
+        if heads and (heads % tp or kv_heads % tp):
+            fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+            raise ConfigError(f"pools.{role}.tp: {tp} does not divide the model's {heads} attention "
+                              f"heads and {kv_heads} key/value heads; use one of {fits}")
 
 
 def _init_ray(config: DeployConfig, address: str | None) -> bool:
@@ -199,10 +206,10 @@ def _init_ray(config: DeployConfig, address: str | None) -> bool:
     return True
 
 
-def _worker_config(config: DeployConfig, role: str, index: int, host: str):
+def _worker_config(config: DeployConfig, role: str, index: int, host: str, registry: str):
     pool: Pool = getattr(config.pools, role)
     common = dict(model=config.model, engine_kwargs=config.engine_kwargs(pool), host=host, port=0,
-                  worker_id=f"{role}-{index}")
+                  worker_id=f"{role}-{index}", registry_address=registry)
     if role == "decode":
         from decode_worker.server import DecodeWorkerConfig
         return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
@@ -235,8 +242,8 @@ def _place_pool(cluster: Cluster, role: str, host: str, ready_timeout_s: float) 
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=r.pg, placement_group_bundle_index=0),
-        ).remote(role, _worker_config(config, role, r.index, host),
-                 max(1, int(pool.resources.num_cpus)))
+        ).remote(role, _worker_config(config, role, r.index, host, cluster.registry_address),
+                 pool.threads)
 
 
 def _start_pool(cluster: Cluster, role: str, start_timeout_s: float) -> None:
@@ -252,24 +259,41 @@ def _start_pool(cluster: Cluster, role: str, start_timeout_s: float) -> None:
 
 
 def _start_router(cluster: Cluster) -> None:
+    """The router with empty pools: workers join through its Registry service as they start."""
     from router.server import Router, RouterConfig   # imported late: the router is optional to the rest
     config = cluster.config
     lens = [p.max_model_len for p in (config.pools.prefill, config.pools.decode) if p.max_model_len]
     router_config = RouterConfig(
-        model=config.model, prefill_addresses=tuple(cluster.addresses("prefill")),
-        decode_addresses=tuple(cluster.addresses("decode")), host=config.router.host,
+        model=config.model, host=config.router.host,
         port=config.router.port, max_inflight=config.router.max_inflight,
         max_model_len=min(lens) if lens else None,   # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype)
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address
+    host, _, port = cluster.router_address.rpartition(":")
+    if host in ("0.0.0.0", "", "[::]"):   # listening everywhere: workers reach it at this node's IP
+        host = ray.util.get_node_ip_address()
+    cluster.registry_address = f"{host}:{port}"
+
+
+def _wait_registered(cluster: Cluster, timeout_s: float) -> None:
+    pool = cluster.router.pool
+    deadline = time.monotonic() + timeout_s
+    for role in ROLES:
+        want = getattr(cluster.config.pools, role).replicas
+        while pool.num_workers(role) < want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pools.{role}: {pool.num_workers(role)} of {want} replicas "
+                                   f"registered with the router within {timeout_s:.0f}s; can the "
+                                   f"workers reach {cluster.registry_address}? (router.host)")
+            time.sleep(0.05)
 
 
 def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
        ready_timeout_s: float = 120.0, start_timeout_s: float = 600.0) -> Cluster:
     """Starts the deployment described by `config` and returns it; with block=True, serves until
     Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address."""
-    _check_supported(config)
+    check_model_fit(config)
     t0 = time.perf_counter()
     started = _init_ray(config, address)
     cluster = Cluster(config, started)
@@ -278,11 +302,12 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
     host = "127.0.0.1" if local else ""
     try:
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
+        _start_router(cluster)
         for role in ROLES:   # all actors first, so their processes spawn and import in parallel
             _place_pool(cluster, role, host, ready_timeout_s)
         for role in ROLES:
             _start_pool(cluster, role, start_timeout_s)
-        _start_router(cluster)
+        _wait_registered(cluster, ready_timeout_s)
     except BaseException:
         cluster.stop()
         raise

@@ -23,7 +23,8 @@ from kvtransfer.wire import ChunkHeader
 class PushSink:
     """rank_caches: with tensor parallelism, every rank's KV pool (engine.rank_kv_caches()): rank
     0's layer hook runs once every rank has written that layer (the layer ends in an all-reduce),
-    so each rank's heads are read from its own pool and sent with their global head range."""
+    so each rank's heads are read from its own pool and joined into one frame of all the heads
+    (one frame per layer whatever the TP size; each decode rank takes the heads it holds)."""
 
     def __init__(self, request_id: str, layout: KVLayout, transport: Transport,
                  dest: Destination, num_cached_on_decode: int,
@@ -44,12 +45,15 @@ class PushSink:
         start = max(start, self.skip)
         if start >= end:
             return
-        sources = self.sources or [(self.layout, None)]
-        for layout, cache in sources:
-            kv = layer_kv if cache is None else cache[layer]
-            header, data = read_chunk(kv, layout, self.request_id, layer, block_ids, start, end)
-            self.transport.send(header, data, self.dest)
-            self.bytes_sent += data.numel() * data.element_size()
+        if self.sources is None:
+            header, data = read_chunk(layer_kv, self.layout, self.request_id, layer, block_ids, start, end)
+        else:
+            parts = [read_chunk(cache[layer], layout, self.request_id, layer, block_ids, start, end)
+                     for layout, cache in self.sources]
+            header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
+            data = torch.cat([d for _, d in parts], dim=2)   # [2, tokens, heads, head_dim]
+        self.transport.send(header, data, self.dest)
+        self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 
     def commit(self, first_token: int) -> None:

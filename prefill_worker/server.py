@@ -16,6 +16,7 @@ from kvtransfer.backends import default_shared_dir, tune_malloc
 from kvtransfer.layout import KVLayout
 from prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
 from protos.grpc_server import ServiceHost
+from protos.registration import register_worker
 from protos.pdserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class PrefillWorkerConfig:
     flush_timeout_s: float = 10.0
     max_workers: int = 16
     stop_grace_s: float = 1.0
+    registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
 
 
 class PrefillWorker:
@@ -44,6 +46,7 @@ class PrefillWorker:
         self.servicer: PrefillWorkerServicer | None = None
         self._host: ServiceHost | None = None
         self.address: str | None = None
+        self.registration = None
 
     def start(self) -> "PrefillWorker":
         cfg = self.config
@@ -65,6 +68,10 @@ class PrefillWorker:
                                      MAX_MESSAGE_BYTES)
             self.address = self._host.start(
                 lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, s), (SERVICE_NAME,))
+            if cfg.registry_address:
+                self.registration = register_worker(
+                    cfg.registry_address, "prefill", cfg.worker_id, self.address, cfg.model,
+                    lambda: self.servicer.Stats(None, None))
         except BaseException:
             self.stop()
             raise
@@ -73,6 +80,9 @@ class PrefillWorker:
 
     def stop(self) -> None:
         """Stops taking requests, then closes the KV channels and the engine loop."""
+        if self.registration is not None:   # heartbeats end first: the router drops this worker
+            self.registration.stop()
+            self.registration = None
         if self._host is not None:   # stop taking requests, end open streams
             self._host.stop(self.config.stop_grace_s)
             self._host = None

@@ -14,6 +14,7 @@ backoff, with the reason logged: the deployment, not this process, has to change
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -124,3 +125,13 @@ class Registration:
             log.info("router %s does not know worker %s; registering again",
                      self.registry_address, self.request.worker_id)
             self._registered.clear()
+
+
+def register_worker(registry_address: str, role: str, worker_id: str, address: str, model: str,
+                    stats_fn: Callable[[], worker_pb2.WorkerStats]) -> Registration:
+    """Starts the membership of a worker serving `model` (the deployment's model string, whose base
+    name is the router's model id) at `address`."""
+    from protos.pdserve.v1 import pdserve_pb2
+    card = pdserve_pb2.ModelCard(id=os.path.basename(model.rstrip("/")))
+    return Registration(registry_address, worker_pb2.RegisterRequest(
+        worker_id=worker_id, role=role, address=address, model=card), stats_fn).start()

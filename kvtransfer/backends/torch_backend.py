@@ -78,6 +78,14 @@ def _store_prefix(conn_id: int) -> str:
     return f"{KEY_PREFIX}/conn{conn_id}/"
 
 
+def _local_address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host`: what gloo must bind so the server can reach it
+    (a connected UDP socket picks the route and sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
 def _is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
@@ -285,7 +293,7 @@ class TorchTransport(Transport):
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(timeout))
             conn_id = self._store.add(CONNECTIONS_KEY, 1) - 1
             if gloo_host is None:
-                gloo_host = "127.0.0.1" if _is_loopback(host) else ""
+                gloo_host = "127.0.0.1" if _is_loopback(host) else _local_address_towards(host, int(port))
             self._pg = make_group(dist.PrefixStore(_store_prefix(conn_id), self._store), SENDER_RANK,
                                   timeout, gloo_host)
         except (OSError, RuntimeError, ValueError) as e:

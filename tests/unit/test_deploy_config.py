@@ -148,10 +148,10 @@ def test_cli_up_with_bad_config_exits_2_without_ray(tmp_path, capsys):
         assert "ray" not in sys.modules
 
 
-def test_cli_up_rejects_unwired_settings_before_ray(tmp_path, capsys, monkeypatch):
+def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(tmp_path, capsys, monkeypatch, tiny_models):
     import ray
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
-    assert main(["up", write(tmp_path, "pools:\n  decode: {tp: 2}\n")]) == 2
-    assert "pools.decode.tp" in capsys.readouterr().err
-    assert main(["up", write(tmp_path, "kvtransfer: {backend: shm}\n")]) == 2
-    assert "kvtransfer.backend 'shm'" in capsys.readouterr().err
+    model_dir = tiny_models("llama-gqa")[0]   # 4 heads, 2 key/value heads
+    assert main(["up", write(tmp_path, f"model: {model_dir}\npools:\n  decode: {{tp: 4}}\n")]) == 2
+    err = capsys.readouterr().err
+    assert "pools.decode.tp: 4 does not divide" in err and "use one of [1, 2]" in err
