@@ -262,8 +262,10 @@ class LLMEngine:
         if directory is None:
             return []
         if self.config.device != "cpu":
-            raise ValueError(f"kv_cache_shared_dir is for CPU pools; device is {self.config.device}: "
-                             f"leave kv_cache_shared_dir unset")
+            raise ValueError(
+                f"kv_cache_shared_dir needs KV pools in CPU memory, device is {self.config.device}: "
+                f"leave it unset (workers set it for tensor parallelism and the shm backend, whose "
+                f"KV hand-off is CPU-only for now: use tp=1 workers with the grpc or torch backend)")
         remove_stale_kv_files(directory)
         prefix = os.path.join(directory, f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         return [f"{prefix}-rank{r}" for r in range(self.config.tensor_parallel_size)]

@@ -1,7 +1,7 @@
 """The disaggregated cluster on SmolLM2 through `up()` (the `pdserve up` code path) on one local Ray,
 once per KV backend and once with prefill TP != decode TP: 8 greedy prompts token-identical to
-the engine alone, then 32 concurrent streams that all finish, and every worker's KV pool back to
-fully free afterwards.
+the engine alone, then 32 concurrent streams that all finish, every worker's KV pool back to fully
+free afterwards, and a client that cancels mid-stream has its KV freed on both sides within 1 s.
 
 SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: tp 3 -> 1 and 1 -> 3.
 """
@@ -78,6 +78,21 @@ def _all_free(cluster) -> bool:
     return True
 
 
+def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+    from protos.pdserve.v1 import pdserve_pb2_grpc
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        call = pdserve_pb2_grpc.PDServeStub(channel).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt_ids + [7]),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)), timeout=120)
+        assert next(call).HasField("delta")
+        call.cancel()
+        cancelled = time.monotonic()
+        while not _all_free(cluster):
+            assert time.monotonic() - cancelled < 1.0, "a cancelled stream still holds KV after 1 s"
+            time.sleep(0.02)
+
+
 @pytest.mark.parametrize("backend,prefill_tp,decode_tp", [
     ("grpc", 1, 1), ("shm", 1, 1), ("torch", 1, 1), ("grpc", 3, 1), ("shm", 1, 3)])
 def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, reference, backend,
@@ -125,6 +140,7 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, refer
         while not _all_free(cluster):
             assert time.monotonic() < deadline, "KV blocks still held after every stream finished"
             time.sleep(0.1)
+        _cancel_mid_stream_frees_both_sides(cluster, prompts[-1])
         print(f"{backend} prefill tp{prefill_tp} -> decode tp{decode_tp}: up {t_up:.1f}s, "
               f"{NUM_CONCURRENT} concurrent streams {t_concurrent:.1f}s")
     finally:

@@ -294,3 +294,33 @@ def test_text_that_may_start_a_stop_string_is_held_back(tiny_models):
     assert "".join([kept.add([5]), kept.add([6]), kept.add([7]), kept.flush()]) == " t5 t6 t7"
     miss = TextStream(tokenizer, [3], True, ("t6 t8",), include_stop_str=False)
     assert [miss.add([5]), miss.add([6]), miss.add([7])] == [" t5", " ", "t6 t7"] and not miss.stopped
+
+
+def test_client_cancel_during_prefill_frees_both_sides_within_a_second(idle, monkeypatch):
+    """The client leaves while its prompt is still prefilling: the prefill worker drops it and the
+    decode reservation is freed, both within 1 s of the cancel."""
+    engine = idle.prefill.loop.engine
+    real_step = engine.step
+    prefilling = threading.Event()
+
+    def slow_step():   # every prefill step takes 0.3 s, so the cancel lands mid-prefill
+        prefilling.set()
+        time.sleep(0.3)
+        return real_step()
+    monkeypatch.setattr(engine, "step", slow_step)
+    with grpc.insecure_channel(idle.prefill.address) as channel:
+        p = worker_pb2_grpc.PrefillWorkerStub(channel)
+
+        def prefill_stats():
+            return p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+        # a response-streaming call starts at once; nobody needs to read it
+        call = idle.api.Generate(pdserve_pb2.GenerateRequest(
+            request_id="cancel-in-prefill", token_ids=pdserve_pb2.TokenIds(ids=random_prompts([40], seed=12)[0]),
+            sampling=LONG), timeout=RPC_TIMEOUT)
+        assert prefilling.wait(5), "the prefill never started"
+        call.cancel()
+
+        def both_free():
+            s = prefill_stats()
+            return s.num_running == 0 and s.num_waiting == 0 and pool_idle(idle)
+        wait_until(both_free, 1.0, f"not freed within 1 s of the cancel: decode {idle.stats()}")
