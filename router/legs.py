@@ -192,11 +192,16 @@ class Legs:
                            f"and no other decode worker is available to resume it; retry when one is")
             raise LegFailed(RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker") from None
         error = None
+        # the reservation must outlive the longest the router waits for its prefill (queued
+        # behind other prompts on a busy pool): a failed prefill is aborted explicitly, and the
+        # lease only frees what a router that died itself left behind
+        prefill_wait = min(self.options.prefill_timeout_s, left(deadline))
+        lease_ms = max(self.options.lease_ms, int(prefill_wait * 1000) + 1000)
         for worker in workers:
             try:
                 reservation = worker.stub.Reserve(worker_pb2.ReserveRequest(
                     request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    lease_ms=self.options.lease_ms), timeout=min(self.options.rpc_timeout_s, left(deadline)))
+                    lease_ms=lease_ms), timeout=min(self.options.rpc_timeout_s, left(deadline)))
                 self.pool.note_reserved(worker, len(reservation.block_ids))
                 return worker, reservation
             except grpc.RpcError as e:
@@ -215,7 +220,7 @@ class Legs:
             if req.cancelled or req.abort_requested or leg.ended.is_set():
                 return None
             try:
-                worker = self.pool.pick_prefill(exclude=excluded)
+                worker, charge = self.pool.pick_prefill(prompt, exclude=excluded)
             except NoWorker as e:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
                 break
@@ -233,15 +238,17 @@ class Legs:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
             finally:
-                self.pool.end_prefill(worker)
+                self.pool.end_prefill(worker, charge)
         if req.cancelled or req.abort_requested or leg.ended.is_set():   # the failure is the abort itself
             return None
         leg.prefill_error = error
         try:
             found = leg.decode.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=leg.request_id),
                                           timeout=self.options.abort_timeout_s).found
-        except grpc.RpcError:
-            leg.decode_lost = True   # before the cancel below: the stream's reader checks it
+        except grpc.RpcError as e:
+            # unreachable is lost; slow (a deadline, a busy worker) is not, and must not be
+            # mistaken for a death that a resume would answer with a second prefill
+            leg.decode_lost = e.code() == grpc.StatusCode.UNAVAILABLE   # before the cancel below
             found = False
         if not found:
             leg.stream_call.cancel()   # decode unreachable or the request already gone

@@ -3,8 +3,10 @@ gets the next request.
 
 Decode: most free KV blocks first, from Stats a background thread refreshes every `stats_ttl_s`
 (a Reserve lowers the cached count at once, so a burst between refreshes spreads out instead of
-piling onto one worker). Prefill: fewest prefills this router has in flight there. Ties go
-round-robin. Requests never wait on a Stats call: they read what the last sweep left.
+piling onto one worker). Prefill: the least work before this prompt is done, in tokens: the
+prompt tokens this router has in flight there, plus this prompt's tokens that worker probably
+does not hold in its prefix cache (router/affinity.py), so a shared prefix goes back to the
+worker that has it unless that worker is busier than the cache hit saves. Ties go round-robin. Requests never wait on a Stats call: they read what the last sweep left.
 
 Health: `down_after` failed Stats in a row mark a worker down and the pickers skip it, unless
 every worker of its role is down (then they try them all: a wrong guess costs one failed RPC,
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.affinity import PrefixAffinity, prefix_hashes
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20   # long prompts' token id lists
@@ -58,6 +61,7 @@ class _Worker:
     expires_at: float = float("inf")   # registered workers: the heartbeat deadline
     num_free_blocks: int = -1          # -1: unknown or unreachable, ranks last
     num_inflight: int = 0              # prefills this router has running there
+    queued_tokens: int = 0             # their prompt tokens not expected in that worker's cache
     num_failures: int = 0              # Stats failures in a row
     down: bool = False
 
@@ -73,6 +77,7 @@ class WorkerPool:
         self._workers = {"prefill": [self._connect("prefill", a) for a in prefill_addresses],
                          "decode": [self._connect("decode", a) for a in decode_addresses]}
         self._registered: dict[str, _Worker] = {}   # worker_id -> worker, for heartbeats
+        self._affinity = PrefixAffinity()
         self._lock = threading.Lock()
         self._rr = {role: itertools.count() for role in ROLES}
         self._stop = threading.Event()
@@ -117,9 +122,11 @@ class WorkerPool:
             if worker.num_free_blocks >= 0:
                 worker.num_free_blocks = max(0, worker.num_free_blocks - num_blocks)
 
-    def pick_prefill(self, exclude: _Worker | None = None) -> _Worker:
-        """The least busy prefill worker other than `exclude` (or `exclude` when it is the only
-        one), counted as busy until end_prefill. Raises NoWorker when there is none."""
+    def pick_prefill(self, prompt: list[int] = (), exclude: _Worker | None = None) -> tuple[_Worker, int]:
+        """The prefill worker other than `exclude` (or `exclude` when it is the only one) that
+        finishes `prompt` soonest, and the tokens charged to it until end_prefill(worker, charge).
+        Raises NoWorker when there is none."""
+        hashes = prefix_hashes(list(prompt))
         with self._lock:
             try:
                 workers = self._candidates("prefill", (exclude,))
@@ -129,13 +136,19 @@ class WorkerPool:
                 workers = [exclude]
             start = next(self._rr["prefill"]) % len(workers)
             rotated = workers[start:] + workers[:start]
-            worker = min(rotated, key=lambda w: w.num_inflight)
+            matched = self._affinity.matched_tokens(hashes)
+            charges = {id(w): len(prompt) - matched.get(w, 0) for w in rotated}
+            worker = min(rotated, key=lambda w: (w.queued_tokens + charges[id(w)], w.num_inflight))
+            charge = charges[id(worker)]
             worker.num_inflight += 1
-            return worker
+            worker.queued_tokens += charge
+            self._affinity.record(hashes, worker)
+            return worker, charge
 
-    def end_prefill(self, worker: _Worker) -> None:
+    def end_prefill(self, worker: _Worker, charge: int = 0) -> None:
         with self._lock:
             worker.num_inflight -= 1
+            worker.queued_tokens -= charge
 
     def _candidates(self, role: str, exclude) -> list[_Worker]:
         workers = [w for w in self._workers[role] if w not in exclude]
@@ -159,6 +172,7 @@ class WorkerPool:
                 # the channel with its last reference
                 self._workers[old.role].remove(old)
                 del self._registered[worker_id]
+                self._affinity.forget(old)
             static = next((w for w in self._workers[role] if w.static and w.address == address), None)
             if static is not None:   # already configured: learn its id, never expire it
                 static.worker_id = worker_id
@@ -191,6 +205,7 @@ class WorkerPool:
             for worker in late:
                 self._workers[worker.role].remove(worker)
                 del self._registered[worker.worker_id]
+                self._affinity.forget(worker)
         for worker in late:
             log.warning("%s worker %s at %s dropped out: no heartbeat", worker.role,
                         worker.worker_id, worker.address)

@@ -41,7 +41,7 @@ class RouterConfig:
     port: int = 0                       # 0: pick a free port
     max_inflight: int = 64              # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     max_model_len: int | None = None    # None: the model's max_position_embeddings
-    lease_ms: int = 10_000              # how long a decode reservation waits for its prefill
+    lease_ms: int = 10_000              # a reservation's lease; raised to cover the prefill timeout
     prefill_timeout_s: float = 60.0
     model_id: str | None = None         # ModelCard.id; None: the model's directory or file name
     dtype: str | None = None            # ModelCard.dtype; None: config.json's torch_dtype

@@ -267,8 +267,8 @@ def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_bac
             for _ in range(3):
                 pool.sweep()
                 assert [w.worker_id for w in pool.decode_order()] == ["a"]
-                picked = pool.pick_prefill()
-                pool.end_prefill(picked)
+                picked, charge = pool.pick_prefill()
+                pool.end_prefill(picked, charge)
                 assert picked.worker_id == "p"
             a.mode = p.mode = "fail"
             pool.sweep()
@@ -277,7 +277,7 @@ def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_bac
             b.mode = q.mode = "ok"
             pool.sweep()   # one success brings a worker back
             assert [w.worker_id for w in pool.decode_order()] == ["b"]
-            assert all(pool.pick_prefill(exclude=None).worker_id == "q" for _ in range(3))
+            assert all(pool.pick_prefill(exclude=None)[0].worker_id == "q" for _ in range(3))
         messages = [r.getMessage() for r in caplog.records]
         assert sum("b is down" in m for m in messages) == 1   # each transition logged once
         assert sum("b is back up" in m for m in messages) == 1
