@@ -210,6 +210,10 @@ def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expect
         with pytest.raises(grpc.RpcError) as err:
             idle.generate(sampling=sampling, **input_)
         assert err.value.code() == code and named in err.value.details(), err.value
+    # a message over the router's limit (64 MiB) is refused by gRPC itself, naming both sizes
+    with pytest.raises(grpc.RpcError) as err:
+        idle.generate(text="a" * (65 << 20))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.value.details()
     prompts, want = expected
     model_id = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models[0].id
     assert idle.generate(token_ids=prompts[1], model=model_id)[:2] == want[1]
