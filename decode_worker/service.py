@@ -1,6 +1,7 @@
 """The DecodeWorker gRPC service: Reserve, Stream, Abort, Stats.
 
-Lifecycle of one request as this service sees it:
+Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
+an ordinary engine request instead, and the rest is the same from Stream on):
   Reserve  -> engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
               receives the engine's outputs (the hand-off's on_output callback puts into it)
   KV frames + commit arrive on the kvtransfer channel (not here) -> the request decodes
@@ -87,6 +88,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if rid in self._streams:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
             self._streams[rid] = stream
+        if request.run_prefill:
+            return self._run_here(rid, request, params, stream, context)
         lease_ms = request.lease_ms or self.options.default_lease_ms
         try:
             reserved = self.handoff.reserve(rid, list(request.prompt_token_ids), params,
@@ -107,6 +110,19 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             request_id=rid, block_ids=reserved.block_ids, block_size=reserved.block_size,
             num_cached_tokens=reserved.num_cached_tokens, endpoint=endpoint,
             lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000)
+
+    def _run_here(self, rid: str, request, params, stream: _Stream, context):
+        """Colocated serving: the engine runs the prompt and the decode (chunked prefill inside
+        continuous batching); the Stream call carries every token."""
+        try:
+            self.loop.add_request(rid, list(request.prompt_token_ids), params, self._on_output(stream))
+        except BaseException as e:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if isinstance(e, ValueError):
+                context.abort(status_for_engine_error(e), str(e))
+            raise
+        return worker_pb2.ReserveResponse(request_id=rid)
 
     @staticmethod
     def _on_output(stream: _Stream):

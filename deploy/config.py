@@ -5,6 +5,7 @@ key in every error it raises.
     pools:
       prefill: {replicas: 1, tp: 1, resources: {num_cpus: 1}}
       decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}
+      # or, instead of both: colocated: {replicas: 2, ...}
     router: {host: 127.0.0.1, port: 50051}
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
@@ -85,6 +86,16 @@ class Pool(_Frozen):
 class Pools(_Frozen):
     prefill: Pool = Pool()
     decode: Pool = Pool()
+    # colocated serving: workers that prefill and decode together (chunked prefill inside
+    # continuous batching) behind the same router, instead of the prefill and decode pools
+    colocated: Pool | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self):
+        if self.colocated is not None and self.model_fields_set & {"prefill", "decode"}:
+            raise ValueError("set either colocated or prefill/decode, not both (colocated workers "
+                             "prefill and decode themselves)")
+        return self
 
 
 class RouterSettings(_Frozen):
@@ -114,6 +125,13 @@ class DeployConfig(_Frozen):
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
     ray: RaySettings = RaySettings()
+
+    def worker_pools(self) -> list[tuple[str, Pool]]:
+        """(key under `pools`, Pool) in start order: decode before prefill, so prefill has
+        somewhere to push KV; a colocated deployment has its one pool."""
+        if self.pools.colocated is not None:
+            return [("colocated", self.pools.colocated)]
+        return [("decode", self.pools.decode), ("prefill", self.pools.prefill)]
 
     def engine_kwargs(self, pool: Pool) -> dict:
         """`LLM(model, **kwargs)` for one worker of `pool`."""

@@ -33,7 +33,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deploy.config import ConfigError, DeployConfig, Pool
 
 log = logging.getLogger(__name__)
-ROLES = ("decode", "prefill")      # start order: decode first, so prefill has somewhere to push KV
+
+
+def role_of(key: str) -> str:
+    """The worker kind a pool runs: colocated workers are decode workers that also prefill."""
+    return "prefill" if key == "prefill" else "decode"
 
 
 class WorkerActor:
@@ -78,15 +82,19 @@ RemoteWorker = ray.remote(max_restarts=0)(WorkerActor)
 
 @dataclass
 class Replica:
-    role: str
+    key: str            # its pool under `pools`: prefill, decode or colocated
     index: int
     pg: PlacementGroup
     actor: object = None
     address: str | None = None
 
     @property
+    def role(self) -> str:
+        return role_of(self.key)
+
+    @property
     def name(self) -> str:
-        return f"{self.role}-{self.index}"
+        return f"{self.key}-{self.index}"
 
 
 @dataclass
@@ -117,8 +125,8 @@ class Cluster:
                 for name in sorted(newly_dead):
                     log.error("worker %s died; the router routes around it", name)
                 dead |= newly_dead
-                empty = [role for role in ROLES
-                         if all(r.name in dead for r in self.replicas if r.role == role)]
+                empty = [key for key, _ in self.config.worker_pools()
+                         if all(r.name in dead for r in self.replicas if r.key == key)]
                 if empty:
                     reason = f"no live {empty[0]} worker left"
                     log.error("%s; stopping the deployment", reason)
@@ -179,11 +187,11 @@ def check_model_fit(config: DeployConfig) -> None:
     hf = hf.get("text_config", hf)
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
-    for role in ROLES:
-        tp = getattr(config.pools, role).tp
+    for key, pool in config.worker_pools():
+        tp = pool.tp
         if heads and (heads % tp or kv_heads % tp):
             fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-            raise ConfigError(f"pools.{role}.tp: {tp} does not divide the model's {heads} attention "
+            raise ConfigError(f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "
                               f"heads and {kv_heads} key/value heads; use one of {fits}")
 
 
@@ -206,54 +214,52 @@ def _init_ray(config: DeployConfig, address: str | None) -> bool:
     return True
 
 
-def _worker_config(config: DeployConfig, role: str, index: int, host: str, registry: str):
-    pool: Pool = getattr(config.pools, role)
+def _worker_config(config: DeployConfig, key: str, pool: Pool, index: int, host: str, registry: str):
     common = dict(model=config.model, engine_kwargs=config.engine_kwargs(pool), host=host, port=0,
-                  worker_id=f"{role}-{index}", registry_address=registry)
-    if role == "decode":
+                  worker_id=f"{key}-{index}", registry_address=registry)
+    if role_of(key) == "decode":
         from decode_worker.server import DecodeWorkerConfig
         return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
     from prefill_worker.server import PrefillWorkerConfig
     return PrefillWorkerConfig(**common)
 
 
-def _place_pool(cluster: Cluster, role: str, host: str, ready_timeout_s: float) -> None:
+def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout_s: float) -> None:
     """Reserves a placement group per replica and creates its actor (not yet serving)."""
     config = cluster.config
-    pool: Pool = getattr(config.pools, role)
     bundle = pool.resources.bundle()
     new = []
     for i in range(pool.replicas):
         # one placement group per TP group: all of its ranks' bundles land on one node together
         pg = placement_group([dict(bundle) for _ in range(pool.tp)], strategy="STRICT_PACK",
-                             name=f"pdserve-{role}-{i}")
-        new.append(Replica(role, i, pg))
+                             name=f"pdserve-{key}-{i}")
+        new.append(Replica(key, i, pg))
         cluster.replicas.append(new[-1])
     for r in new:
         try:
             ray.get(r.pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(
-                f"pools.{role}: replica {r.index} could not reserve {pool.tp} x {bundle} within "
+                f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {bundle} within "
                 f"{ready_timeout_s:.0f}s; the Ray cluster has {ray.available_resources()} free of "
-                f"{ray.cluster_resources()}: lower pools.{role}.replicas or resources, or add "
+                f"{ray.cluster_resources()}: lower pools.{key}.replicas or resources, or add "
                 f"nodes") from None
         r.actor = RemoteWorker.options(
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=r.pg, placement_group_bundle_index=0),
-        ).remote(role, _worker_config(config, role, r.index, host, cluster.registry_address),
+        ).remote(r.role, _worker_config(config, key, pool, r.index, host, cluster.registry_address),
                  pool.threads)
 
 
-def _start_pool(cluster: Cluster, role: str, start_timeout_s: float) -> None:
-    replicas = [r for r in cluster.replicas if r.role == role]
+def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
+    replicas = [r for r in cluster.replicas if r.key == key]
     refs = [r.actor.start.remote() for r in replicas]   # replicas load their models concurrently
     for r, ref in zip(replicas, refs):
         try:
             r.address = ray.get(ref, timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"pools.{role}: replica {r.index} did not start within "
+            raise RuntimeError(f"pools.{key}: replica {r.index} did not start within "
                                f"{start_timeout_s:.0f}s") from None
         log.info("%s serving on %s", r.name, r.address)
 
@@ -262,9 +268,9 @@ def _start_router(cluster: Cluster) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
     from router.server import Router, RouterConfig   # imported late: the router is optional to the rest
     config = cluster.config
-    lens = [p.max_model_len for p in (config.pools.prefill, config.pools.decode) if p.max_model_len]
+    lens = [p.max_model_len for _, p in config.worker_pools() if p.max_model_len]
     router_config = RouterConfig(
-        model=config.model, host=config.router.host,
+        model=config.model, host=config.router.host, colocated=config.pools.colocated is not None,
         port=config.router.port, max_inflight=config.router.max_inflight,
         max_model_len=min(lens) if lens else None,   # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype)
@@ -279,11 +285,11 @@ def _start_router(cluster: Cluster) -> None:
 def _wait_registered(cluster: Cluster, timeout_s: float) -> None:
     pool = cluster.router.pool
     deadline = time.monotonic() + timeout_s
-    for role in ROLES:
-        want = getattr(cluster.config.pools, role).replicas
+    for key, spec in cluster.config.worker_pools():
+        role, want = role_of(key), spec.replicas
         while pool.num_workers(role) < want:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"pools.{role}: {pool.num_workers(role)} of {want} replicas "
+                raise RuntimeError(f"pools.{key}: {pool.num_workers(role)} of {want} replicas "
                                    f"registered with the router within {timeout_s:.0f}s; can the "
                                    f"workers reach {cluster.registry_address}? (router.host)")
             time.sleep(0.05)
@@ -303,10 +309,11 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
     try:
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
         _start_router(cluster)
-        for role in ROLES:   # all actors first, so their processes spawn and import in parallel
-            _place_pool(cluster, role, host, ready_timeout_s)
-        for role in ROLES:
-            _start_pool(cluster, role, start_timeout_s)
+        pools = config.worker_pools()
+        for key, pool in pools:   # all actors first, so their processes spawn and import in parallel
+            _place_pool(cluster, key, pool, host, ready_timeout_s)
+        for key, _ in pools:
+            _start_pool(cluster, key, start_timeout_s)
         _wait_registered(cluster, ready_timeout_s)
     except BaseException:
         cluster.stop()

@@ -135,7 +135,8 @@ class Legs:
             return None
         if abort_requested:
             self.abort(leg)   # the stream ends with finish_reason "abort"
-        leg.prefill_future = self.executor.submit(self._prefill, req, leg, prompt, sampling, deadline)
+        if not self.options.colocated:
+            leg.prefill_future = self.executor.submit(self._prefill, req, leg, prompt, sampling, deadline)
         return leg
 
     def stream(self, req: Inflight, leg: Leg, text: TextStream, sent: list[int]):
@@ -201,7 +202,8 @@ class Legs:
             try:
                 reservation = worker.stub.Reserve(worker_pb2.ReserveRequest(
                     request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    lease_ms=lease_ms), timeout=min(self.options.rpc_timeout_s, left(deadline)))
+                    lease_ms=lease_ms, run_prefill=self.options.colocated),
+                    timeout=min(self.options.rpc_timeout_s, left(deadline)))
                 self.pool.note_reserved(worker, len(reservation.block_ids))
                 return worker, reservation
             except grpc.RpcError as e:

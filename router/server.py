@@ -51,6 +51,7 @@ class RouterConfig:
     down_after: int = 2                 # failed Stats in a row before a worker is skipped
     heartbeat_ms: int = 1000            # registered workers heartbeat this often, drop out after 3 missed
     max_resumes: int = 2                # decode workers one request may move to when its worker dies
+    colocated: bool = False             # decode workers prefill too: no prefill pool, no hand-off
 
     def __post_init__(self):
         for name in ("stats_interval_s", "stats_timeout_s"):
@@ -81,7 +82,8 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
     return ServiceOptions(model_id=model_id, max_model_len=int(max_len),
                           vocab_size=int(hf_text.get("vocab_size", 0)), dtype=str(dtype),
                           max_inflight=config.max_inflight, lease_ms=config.lease_ms,
-                          prefill_timeout_s=config.prefill_timeout_s, max_resumes=config.max_resumes)
+                          prefill_timeout_s=config.prefill_timeout_s, max_resumes=config.max_resumes,
+                          colocated=config.colocated)
 
 
 class Router:

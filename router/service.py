@@ -54,6 +54,7 @@ class ServiceOptions:
     request_timeout_s: float = 3600.0    # the whole stream when the client sets no deadline_ms
     prefill_result_wait_s: float = 5.0   # Prefill's reply may trail its committed first token
     max_resumes: int = 2                 # new decode workers one request may move to
+    colocated: bool = False              # workers prefill and decode themselves (no prefill pool)
 
 
 class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
@@ -82,7 +83,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             prompt = self.encoder.encode(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
-        for role in ROLES:
+        for role in (("decode",) if opts.colocated else ROLES):
             if not self.pool.num_workers(role):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))
         budget_s = request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s
@@ -161,7 +162,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         log.warning("decode worker %s failed for %s after %d tokens (%s); resuming on another",
                     name, req.request_id, num_sent, why)
 
-    def _prefill_result(self, prefill: futures.Future):
+    def _prefill_result(self, prefill: futures.Future | None):
+        if prefill is None:   # colocated: there is no prefill leg
+            return None
         try:
             return prefill.result(timeout=self.options.prefill_result_wait_s)
         except futures.TimeoutError:

@@ -25,47 +25,47 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import pdserve_pb2 as pdserve_dot_v1_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\x11pdserve.worker.v1\x1a\x18pdserve/v1/pdserve.proto\"~\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"s\n\nKVEndpoint\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x16\n\x0erank_addresses\x18\x05 \x03(\t\"\xb8\x01\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\x08\x65ndpoint\x18\x05 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12\x1e\n\x16lease_deadline_unix_ns\x18\x06 \x01(\x04\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xcd\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12\x14\n\nstop_token\x18\x05 \x01(\rH\x00\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\rB\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x37\n\x0breservation\x18\x04 \x01(\x0b\x32\".pdserve.worker.v1.ReserveResponse\"\xe0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1d\n\x15prefill_start_unix_ns\x18\x05 \x01(\x04\x12\x1b\n\x13prefill_end_unix_ns\x18\x06 \x01(\x04\x12\x1c\n\x14transfer_end_unix_ns\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb1\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x04\"\x94\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x02kv\x18\x04 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12$\n\x05model\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.ModelCard\"(\n\x10RegisterResponse\x12\x14\n\x0cheartbeat_ms\x18\x01 \x01(\r\"T\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12-\n\x05stats\x18\x02 \x01(\x0b\x32\x1e.pdserve.worker.v1.WorkerStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xcf\x02\n\x0c\x44\x65\x63odeWorker\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12K\n\x06Stream\x12 .pdserve.worker.v1.StreamRequest\x1a\x1d.pdserve.worker.v1.TokenEvent0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\x83\x02\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\xb7\x01\n\x08Registry\x12S\n\x08Register\x12\".pdserve.worker.v1.RegisterRequest\x1a#.pdserve.worker.v1.RegisterResponse\x12V\n\tHeartbeat\x12#.pdserve.worker.v1.HeartbeatRequest\x1a$.pdserve.worker.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\x11pdserve.worker.v1\x1a\x18pdserve/v1/pdserve.proto\"\x93\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x13\n\x0brun_prefill\x18\x05 \x01(\x08\"s\n\nKVEndpoint\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x16\n\x0erank_addresses\x18\x05 \x03(\t\"\xb8\x01\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\x08\x65ndpoint\x18\x05 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12\x1e\n\x16lease_deadline_unix_ns\x18\x06 \x01(\x04\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xcd\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12\x14\n\nstop_token\x18\x05 \x01(\rH\x00\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\rB\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x37\n\x0breservation\x18\x04 \x01(\x0b\x32\".pdserve.worker.v1.ReserveResponse\"\xe0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1d\n\x15prefill_start_unix_ns\x18\x05 \x01(\x04\x12\x1b\n\x13prefill_end_unix_ns\x18\x06 \x01(\x04\x12\x1c\n\x14transfer_end_unix_ns\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb1\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x04\"\x94\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x02kv\x18\x04 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12$\n\x05model\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.ModelCard\"(\n\x10RegisterResponse\x12\x14\n\x0cheartbeat_ms\x18\x01 \x01(\r\"T\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12-\n\x05stats\x18\x02 \x01(\x0b\x32\x1e.pdserve.worker.v1.WorkerStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xcf\x02\n\x0c\x44\x65\x63odeWorker\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12K\n\x06Stream\x12 .pdserve.worker.v1.StreamRequest\x1a\x1d.pdserve.worker.v1.TokenEvent0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\x83\x02\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\xb7\x01\n\x08Registry\x12S\n\x08Register\x12\".pdserve.worker.v1.RegisterRequest\x1a#.pdserve.worker.v1.RegisterResponse\x12V\n\tHeartbeat\x12#.pdserve.worker.v1.HeartbeatRequest\x1a$.pdserve.worker.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESERVEREQUEST']._serialized_start=72
-  _globals['_RESERVEREQUEST']._serialized_end=198
-  _globals['_KVENDPOINT']._serialized_start=200
-  _globals['_KVENDPOINT']._serialized_end=315
-  _globals['_RESERVERESPONSE']._serialized_start=318
-  _globals['_RESERVERESPONSE']._serialized_end=502
-  _globals['_STREAMREQUEST']._serialized_start=504
-  _globals['_STREAMREQUEST']._serialized_end=539
-  _globals['_TOKENEVENT']._serialized_start=542
-  _globals['_TOKENEVENT']._serialized_end=747
-  _globals['_PREFILLREQUEST']._serialized_start=750
-  _globals['_PREFILLREQUEST']._serialized_end=915
-  _globals['_PREFILLRESPONSE']._serialized_start=918
-  _globals['_PREFILLRESPONSE']._serialized_end=1142
-  _globals['_WORKERABORTREQUEST']._serialized_start=1144
-  _globals['_WORKERABORTREQUEST']._serialized_end=1184
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1186
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1222
-  _globals['_STATSREQUEST']._serialized_start=1224
-  _globals['_STATSREQUEST']._serialized_end=1238
-  _globals['_WORKERSTATS']._serialized_start=1241
-  _globals['_WORKERSTATS']._serialized_end=1418
-  _globals['_REGISTERREQUEST']._serialized_start=1421
-  _globals['_REGISTERREQUEST']._serialized_end=1569
-  _globals['_REGISTERRESPONSE']._serialized_start=1571
-  _globals['_REGISTERRESPONSE']._serialized_end=1611
-  _globals['_HEARTBEATREQUEST']._serialized_start=1613
-  _globals['_HEARTBEATREQUEST']._serialized_end=1697
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1699
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1733
-  _globals['_DECODEWORKER']._serialized_start=1736
-  _globals['_DECODEWORKER']._serialized_end=2071
-  _globals['_PREFILLWORKER']._serialized_start=2074
-  _globals['_PREFILLWORKER']._serialized_end=2333
-  _globals['_REGISTRY']._serialized_start=2336
-  _globals['_REGISTRY']._serialized_end=2519
+  _globals['_RESERVEREQUEST']._serialized_start=73
+  _globals['_RESERVEREQUEST']._serialized_end=220
+  _globals['_KVENDPOINT']._serialized_start=222
+  _globals['_KVENDPOINT']._serialized_end=337
+  _globals['_RESERVERESPONSE']._serialized_start=340
+  _globals['_RESERVERESPONSE']._serialized_end=524
+  _globals['_STREAMREQUEST']._serialized_start=526
+  _globals['_STREAMREQUEST']._serialized_end=561
+  _globals['_TOKENEVENT']._serialized_start=564
+  _globals['_TOKENEVENT']._serialized_end=769
+  _globals['_PREFILLREQUEST']._serialized_start=772
+  _globals['_PREFILLREQUEST']._serialized_end=937
+  _globals['_PREFILLRESPONSE']._serialized_start=940
+  _globals['_PREFILLRESPONSE']._serialized_end=1164
+  _globals['_WORKERABORTREQUEST']._serialized_start=1166
+  _globals['_WORKERABORTREQUEST']._serialized_end=1206
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1208
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1244
+  _globals['_STATSREQUEST']._serialized_start=1246
+  _globals['_STATSREQUEST']._serialized_end=1260
+  _globals['_WORKERSTATS']._serialized_start=1263
+  _globals['_WORKERSTATS']._serialized_end=1440
+  _globals['_REGISTERREQUEST']._serialized_start=1443
+  _globals['_REGISTERREQUEST']._serialized_end=1591
+  _globals['_REGISTERRESPONSE']._serialized_start=1593
+  _globals['_REGISTERRESPONSE']._serialized_end=1633
+  _globals['_HEARTBEATREQUEST']._serialized_start=1635
+  _globals['_HEARTBEATREQUEST']._serialized_end=1719
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1721
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1755
+  _globals['_DECODEWORKER']._serialized_start=1758
+  _globals['_DECODEWORKER']._serialized_end=2093
+  _globals['_PREFILLWORKER']._serialized_start=2096
+  _globals['_PREFILLWORKER']._serialized_end=2355
+  _globals['_REGISTRY']._serialized_start=2358
+  _globals['_REGISTRY']._serialized_end=2541
 # @@protoc_insertion_point(module_scope)

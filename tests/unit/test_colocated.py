@@ -1,0 +1,94 @@
+"""Colocated serving: the router in front of workers that prefill and decode themselves (Reserve
+with run_prefill, no prefill pool, no KV hand-off). Same greedy tokens as the engine alone, the
+pool ends free, and the deployment YAML takes `pools.colocated` instead of prefill/decode."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from conftest import random_prompts
+from decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from deploy.config import ConfigError, validate_config
+from engine import LLM, SamplingParams
+from protos.convert import sampling_kwargs
+from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.server import Router, RouterConfig
+from test_worker_services import wait_until
+
+GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_models):
+    model_dir = tiny_models("llama-gqa")[0]
+    worker = DecodeWorker(DecodeWorkerConfig(model=model_dir, worker_id="c0", engine_kwargs=dict(
+        kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32))).start()
+    router = Router(RouterConfig(model=model_dir, decode_addresses=(worker.address,),
+                                 colocated=True)).start()
+    channels = [grpc.insecure_channel(a) for a in (router.address, worker.address)]
+    yield model_dir, pdserve_pb2_grpc.PDServeStub(channels[0]), worker_pb2_grpc.DecodeWorkerStub(channels[1])
+    for ch in channels:
+        ch.close()
+    router.stop()
+    worker.stop()
+
+
+def _tokens(api, prompt, sampling=GREEDY):
+    out, finish = [], None
+    for resp in api.Generate(pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt),
+                                                         sampling=sampling), timeout=30):
+        if resp.HasField("delta"):
+            out += resp.delta.token_ids
+        else:
+            finish = resp.finish
+    return out, finish
+
+
+def test_colocated_matches_engine_concurrently_and_frees_the_pool(colocated):
+    model_dir, api, worker = colocated
+    prompts = random_prompts([70, 9, 33, 50], seed=21)   # 70 > the 32-token budget: chunked
+    want = [o.outputs[0].token_ids for o in LLM(model_dir, kv_cache_memory=1 << 20).generate(
+        prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)]
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _tokens(api, prompts[i])))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i][0] for i in range(len(prompts))] == want
+    finish = results[0][1]
+    assert finish.finish_reason == "length" and finish.usage.completion_tokens == 10
+    assert finish.timings.first_token_unix_ns and not finish.timings.prefill_worker
+
+    def idle():
+        s = worker.Stats(worker_pb2.StatsRequest(), timeout=10)
+        return s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+    wait_until(idle, 5, "the colocated worker still holds blocks")
+
+
+def test_colocated_bad_request_and_cancel(colocated):
+    _, api, worker = colocated
+    with pytest.raises(grpc.RpcError) as err:
+        _tokens(api, [5, 6], pdserve_pb2.SamplingParams(top_p=2.0))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+    call = api.Generate(pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[5, 6, 7]),
+                        sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
+                        timeout=30)
+    assert next(call).HasField("delta")
+    call.cancel()
+
+    def idle():
+        s = worker.Stats(worker_pb2.StatsRequest(), timeout=10)
+        return s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+    wait_until(idle, 1.0, "a cancelled colocated stream still holds blocks after 1 s")
+
+
+def test_yaml_colocated_pool():
+    config = validate_config({"pools": {"colocated": {"replicas": 2, "tp": 1}}})
+    assert [key for key, _ in config.worker_pools()] == ["colocated"]
+    assert [key for key, _ in validate_config({}).worker_pools()] == ["decode", "prefill"]
+    with pytest.raises(ConfigError, match="either colocated or prefill/decode"):
+        validate_config({"pools": {"colocated": {"replicas": 2}, "prefill": {"replicas": 1}}})
