@@ -4,6 +4,9 @@
     pdserve generate TEXT [--router H:P]      complete a prompt through the router
     pdserve chat MESSAGE [--router H:P]       one chat turn through the router
     pdserve generate TEXT --local             run the engine in this process instead
+    pdserve bench --trace NAME [--rate R]     open-loop load test: latency table, SLO goodput
+    pdserve profile --model M --tp 1[,3] --out profile.json [--quick]   measure step latencies
+    pdserve tune --profile P --workload W --slo ttft=..,tpot=.. --devices N   best placement
 """
 from __future__ import annotations
 
@@ -161,10 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("message")
     chat.add_argument("--system", default=None)
     _client_args(chat)
+    from deploy.tuning import bench as bench_cmd
+    bench = sub.add_parser("bench", help="open-loop load test of a router: latency, SLO attainment, goodput",
+                           description=bench_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_cmd.add_args(bench, DeployConfig().router.address)
+    from deploy.tuning import profiler as profile_cmd, tune_cmd
+    prof = sub.add_parser("profile", help="measure this machine's step latencies and KV transfer for the tuner",
+                          description=profile_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    profile_cmd.add_args(prof)
+    tune = sub.add_parser("tune", help="search placements for the best goodput per device (simulated)",
+                          description=tune_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune_cmd.add_args(tune)
     args = parser.parse_args(argv)
 
     if args.cmd == "up":
         return _run_up(args)
+    if args.cmd == "profile":
+        return profile_cmd.run(args)
+    if args.cmd == "tune":
+        return tune_cmd.run(args)
+    if args.cmd == "bench":
+        return bench_cmd.run(args)
     return _run_local(args) if args.local else _run_remote(args)
 
 

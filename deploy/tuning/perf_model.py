@@ -1,0 +1,244 @@
+"""A hardware profile as the simulator uses it: step-latency models per TP degree, KV capacity, and
+KV transfer per backend, loaded and checked from the JSON that `pdserve profile` writes.
+
+Latency models (seconds), fitted by least squares on measured engine steps:
+  prefill step   a + b*T + c*A     T = tokens computed in the step (every scheduled token)
+                                   A = attention pairs, sum over prefill chunks of n*(start + n)
+  decode step    a + b*B + c*C     B = sequences (one token each), C = their context tokens
+A step that holds prefill chunks and decode tokens together (chunked prefill in a colocated
+worker) is the prefill model over all its tokens plus the decode model's c times the decode
+contexts: linears cost per token either way, decode attention reads KV like a decode step does.
+Transfer: latency + bytes / bandwidth, per backend.
+
+Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
+  model: {id, name, num_layers, num_heads, num_kv_heads, head_dim, hidden_size, dtype}
+  kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu", ...}
+  tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
+  kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
+The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA = "pdserve-profile/1"
+PREFILL_FORM = "a + b*T + c*A; T = tokens in the step, A = sum over prompts of n*(start+n)"
+DECODE_FORM = "a + b*B + c*C; B = sequences, C = sum of their context tokens"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """One TP degree: the two fitted step models and the KV a replica holds."""
+    prefill: tuple[float, float, float]
+    decode: tuple[float, float, float]
+    kv_capacity_tokens: int
+
+    def prefill_time(self, num_tokens: int, pairs: float, decode_context: float = 0.0) -> float:
+        a, b, c = self.prefill
+        return a + b * num_tokens + c * pairs + self.decode[2] * decode_context
+
+    def decode_time(self, num_seqs: int, context: float) -> float:
+        a, b, c = self.decode
+        return a + b * num_seqs + c * context
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Profile:
+    model_id: str
+    model_name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: str
+    kv_bytes_per_token: int
+    block_size: int
+    device: str                       # "cpu" (a device is a core) or "gpu"
+    tp: dict[int, StepModel]
+    transfer: dict[str, TransferModel]
+    derived: bool = False
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def tp_degrees(self) -> list[int]:
+        return sorted(self.tp)
+
+    def best_backend(self) -> str:
+        return max(self.transfer, key=lambda b: (self.transfer[b].bandwidth_bytes_per_s, b))
+
+    def matches_model(self, model: str) -> bool:
+        """Whether a deployment's `model` (an alias, an id or a path) names this profile's model."""
+        want = {self.model_id.lower(), self.model_name.lower()}
+        name = model.rstrip("/").lower()
+        return name in want or pathlib.PurePath(name).name in want or \
+            pathlib.PurePath(name).stem in want
+
+
+def _get(data: dict, key: str, source: str, kind, where: str = ""):
+    path = f"{where}.{key}" if where else key
+    if not isinstance(data, dict) or key not in data:
+        raise ProfileError(f"{source}: {path}: missing (is this a profile written by `pdserve profile`?)")
+    value = data[key]
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind in (int, float) or kind == (int, float):
+        ok = ok and math.isfinite(value)
+    if not ok:
+        raise ProfileError(f"{source}: {path}: expected {getattr(kind, '__name__', 'a number')}, "
+                           f"got {value!r}")
+    return value
+
+
+def _coef(entry: dict, source: str, where: str) -> tuple[float, float, float]:
+    coef = _get(entry, "coef", source, list, where)
+    if len(coef) != 3 or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                 and math.isfinite(x) and x >= 0 for x in coef):
+        raise ProfileError(f"{source}: {where}.coef: expected three finite numbers >= 0 [a, b, c], "
+                           f"got {coef!r}")
+    if coef[0] + coef[1] <= 0:
+        raise ProfileError(f"{source}: {where}.coef: a step cannot take no time, got {coef!r}")
+    return tuple(float(x) for x in coef)
+
+
+def profile_from_dict(data, source: str = "<profile>") -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: the top level must be a JSON object, got {type(data).__name__}")
+    schema = data.get("schema")
+    if schema != SCHEMA:
+        raise ProfileError(f"{source}: schema: expected {SCHEMA!r}, got {schema!r}")
+    model = _get(data, "model", source, dict)
+    hw = _get(data, "hardware", source, dict)
+    device = _get(hw, "device", source, str, "hardware")
+    if device not in ("cpu", "gpu"):
+        raise ProfileError(f"{source}: hardware.device: expected 'cpu' or 'gpu', got {device!r}")
+    tps = _get(data, "tp", source, dict)
+    if not tps:
+        raise ProfileError(f"{source}: tp: no TP degree was profiled")
+    num_heads = _get(model, "num_heads", source, int, "model")
+    num_kv_heads = _get(model, "num_kv_heads", source, int, "model")
+    steps = {}
+    for key, entry in tps.items():
+        where = f"tp.{key}"
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise ProfileError(f"{source}: {where}: TP degrees are keys like \"1\", got {key!r}")
+        if num_heads % int(key) or num_kv_heads % int(key):
+            raise ProfileError(f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
+                               f"and {num_kv_heads} KV heads")
+        capacity = _get(entry, "kv_capacity_tokens", source, int, where)
+        if capacity < 1:
+            raise ProfileError(f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}")
+        steps[int(key)] = StepModel(_coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),
+                                    _coef(_get(entry, "decode", source, dict, where), source, f"{where}.decode"),
+                                    capacity)
+    transfer = {}
+    for backend, entry in _get(data, "kv_transfer", source, dict).items():
+        where = f"kv_transfer.{backend}"
+        bw = _get(entry, "bandwidth_bytes_per_s", source, (int, float), where)
+        lat = _get(entry, "latency_s", source, (int, float), where) if "latency_s" in entry else 0.0
+        if bw <= 0 or lat < 0:
+            raise ProfileError(f"{source}: {where}: bandwidth must be > 0 and latency >= 0")
+        transfer[backend] = TransferModel(float(bw), float(lat))
+    if not transfer:
+        raise ProfileError(f"{source}: kv_transfer: no backend was measured")
+    kv_bytes = _get(data, "kv_bytes_per_token", source, int)
+    block_size = _get(data, "block_size", source, int)
+    if kv_bytes < 1 or block_size < 1:
+        raise ProfileError(f"{source}: kv_bytes_per_token and block_size must be >= 1")
+    return Profile(model_id=_get(model, "id", source, str, "model"),
+                   model_name=str(model.get("name") or model["id"]),
+                   num_layers=_get(model, "num_layers", source, int, "model"),
+                   num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   dtype=str(model.get("dtype", "auto")), kv_bytes_per_token=kv_bytes,
+                   block_size=block_size, device=device, tp=steps, transfer=transfer,
+                   derived=bool(data.get("derived", False)), raw=data)
+
+
+def load_profile(path: str | pathlib.Path) -> Profile:
+    name = str(path)
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as e:
+        raise ProfileError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{name}: not JSON: {e}") from None
+    return profile_from_dict(data, name)
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+def fit_nonnegative(features: list[list[float]], latencies: list[float]) -> dict:
+    """Least squares of latency on features (the first column is 1s), weighted by 1/latency so
+    small steps count as much as big ones, with every coefficient >= 0 (a negative one would
+    predict negative time somewhere): the best fit over the subsets of columns whose unconstrained
+    fit is non-negative. Returns coef and the fit error (relative and absolute)."""
+    x = np.asarray(features, dtype=float)
+    y = np.asarray(latencies, dtype=float)
+    if x.ndim != 2 or len(y) != len(x) or len(y) < x.shape[1]:
+        raise ValueError(f"need at least {x.shape[1] if x.ndim == 2 else '?'} samples to fit, got {len(y)}")
+    w = 1.0 / np.maximum(y, 1e-9)
+    best = None
+    ncols = x.shape[1]
+    for mask in range(1, 1 << ncols):
+        cols = [j for j in range(ncols) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
+        if (sol < 0).any():
+            continue
+        coef = np.zeros(ncols)
+        coef[cols] = sol
+        rel = (x @ coef - y) / y
+        score = float(np.sum(rel ** 2))
+        if best is None or score < best[0]:
+            best = (score, coef)
+    coef = best[1]
+    pred = x @ coef
+    rel = (pred - y) / y
+    return {"coef": [float(c) for c in coef],
+            "fit": {"rms_rel_error": float(np.sqrt(np.mean(rel ** 2))),
+                    "max_rel_error": float(np.max(np.abs(rel))),
+                    "rmse_s": float(np.sqrt(np.mean((pred - y) ** 2))),
+                    "num_samples": int(len(y))}}
+
+
+def prefill_features(seq_lens: list[int], starts: list[int] | None = None) -> list[float]:
+    starts = starts or [0] * len(seq_lens)
+    return [1.0, float(sum(seq_lens)), float(sum(n * (s + n) for n, s in zip(seq_lens, starts)))]
+
+
+def decode_features(batch_size: int, context_tokens: int) -> list[float]:
+    """context_tokens: per sequence."""
+    return [1.0, float(batch_size), float(batch_size * context_tokens)]
+
+
+def profile_dict(*, model: dict, kv_bytes_per_token: int, hardware: dict,
+                 tp: dict[int, dict], kv_transfer: dict[str, dict], block_size: int = 16,
+                 **extra) -> dict:
+    """A profile in the JSON schema from its parts; tp[degree] holds prefill and decode entries
+    ({coef, samples, fit, ...}) and kv_capacity_tokens. Used by the profiler, the derived GPU
+    profile and tests (hand-made profiles)."""
+    tp_out = {}
+    for degree, entry in sorted(tp.items()):
+        tp_out[str(degree)] = {
+            "prefill": {"form": PREFILL_FORM, **entry["prefill"]},
+            "decode": {"form": DECODE_FORM, **entry["decode"]},
+            "kv_capacity_tokens": int(entry["kv_capacity_tokens"]),
+            **{k: v for k, v in entry.items() if k not in ("prefill", "decode", "kv_capacity_tokens")}}
+    return {"schema": SCHEMA, **extra, "model": model, "kv_bytes_per_token": int(kv_bytes_per_token),
+            "block_size": block_size, "hardware": hardware, "tp_degrees": sorted(tp),
+            "tp": tp_out, "kv_transfer": kv_transfer}

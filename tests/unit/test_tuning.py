@@ -1,0 +1,285 @@
+"""The SLO tuner's pieces without a model: the latency-model fit, the simulator against closed-form
+answers on hand-made profiles, the placement search, the deploy YAML it writes, the derived GPU
+profile and the `pdserve tune` argument errors."""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import time
+
+import pytest
+
+from deploy import cli
+from deploy.config import load_config, validate_config
+from deploy.tuning.perf_model import (ProfileError, fit_nonnegative, load_profile, prefill_features,
+                                      profile_dict, profile_from_dict)
+from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
+from deploy.tuning.tune_cmd import deploy_yaml
+from deploy.tuning.tuner import (SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo)
+from deploy.tuning.workload import RequestSpec, retime, synthetic
+
+DERIVED = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "tuning" / "profiles" / "h100_llama3_8b.json"
+MODEL = dict(id="Toy-1", name="toy", num_layers=10, num_heads=6, num_kv_heads=3, head_dim=64,
+             hidden_size=384, dtype="float32")
+
+
+def make_profile(prefill=(0.01, 0.001, 0.0), decode=(0.02, 0.001, 0.0), capacity=100_000,
+                 bandwidth=1e6, latency=0.001, tps=(1,), device="cpu", as_dict=False):
+    """A hand-made profile: 10 layers, 1000 bytes of KV per token, block size 16."""
+    data = profile_dict(model=dict(MODEL), kv_bytes_per_token=1000,
+                        hardware={"device": device, "kv_cache_memory": 1 << 28, "threads_per_rank": 1},
+                        tp={t: {"prefill": {"coef": list(prefill)}, "decode": {"coef": list(decode)},
+                                "kv_capacity_tokens": capacity} for t in tps},
+                        kv_transfer={"grpc": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}})
+    return data if as_dict else profile_from_dict(data)
+
+
+def one(prompt, output, at=0.0):
+    return RequestSpec(at, prompt, output)
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+def test_fit_recovers_known_coefficients():
+    lens = [[16], [64], [256], [1024], [2048], [256] * 4, [64] * 16]
+    feats = [prefill_features(x) for x in lens]
+    truth = (0.004, 2.5e-5, 3e-9)
+    lat = [truth[0] + truth[1] * f[1] + truth[2] * f[2] for f in feats]
+    fit = fit_nonnegative(feats, lat)
+    assert fit["coef"] == pytest.approx(truth, rel=1e-6)
+    assert fit["fit"]["max_rel_error"] < 1e-9
+
+
+def test_fit_never_returns_a_negative_coefficient():
+    # a latency that falls with attention pairs would fit c < 0 unconstrained
+    feats = [[1.0, 100.0, 0.0], [1.0, 100.0, 10000.0], [1.0, 200.0, 0.0], [1.0, 200.0, 40000.0]]
+    fit = fit_nonnegative(feats, [0.2, 0.15, 0.4, 0.3])
+    assert min(fit["coef"]) >= 0
+    assert fit["fit"]["max_rel_error"] > 0.05     # and it says the fit is poor
+
+
+# ---- simulator: closed forms --------------------------------------------------------------------
+def test_one_request_disaggregated_closed_form():
+    """TTFT = prefill step (a + b*prompt) + the transfer left after compute + the backend's
+    latency: alone on a fast enough link only the last layer's share is exposed (x = bytes/L/bw);
+    the first token is streamed at the commit. Then output-1 decode steps, each a + b*1 + c*ctx
+    with ctx = the tokens the step attends to (prompt + k for the k-th decode step)."""
+    prof = make_profile(decode=(0.02, 0.001, 1e-5))
+    res = simulate([one(100, 10)], prof, Placement(PoolSpec(1), PoolSpec(1)))
+    (r,) = res.requests
+    prefill = 0.01 + 0.001 * 100                      # 0.11 s, per layer c = 0.011
+    x = 100 * 1000 / 1e6 / 10                         # 0.01 s per layer < c: only x is exposed
+    assert r.ttft_s == pytest.approx(prefill + x + 0.001)
+    decode = sum(0.02 + 0.001 + 1e-5 * (100 + k) for k in range(1, 10))
+    assert r.e2e_s == pytest.approx(prefill + x + 0.001 + decode)
+    assert r.tpot_s == pytest.approx(decode / 9)
+
+
+def test_one_request_on_a_slow_link_exposes_the_transfer_minus_the_overlap():
+    prof = make_profile(bandwidth=1e5)                # x = 0.1 s per layer > c = 0.011 s
+    (r,) = simulate([one(100, 2)], prof, Placement(PoolSpec(1), PoolSpec(1))).requests
+    exposed = 10 * 0.1 - 9 * 0.011                    # L*x - (L-1)*c
+    assert r.ttft_s == pytest.approx(0.11 + exposed + 0.001)
+
+
+def test_one_request_colocated_has_no_transfer():
+    (r,) = simulate([one(100, 10)], make_profile(), Placement(None, PoolSpec(1))).requests
+    assert r.ttft_s == pytest.approx(0.11)
+    assert r.e2e_s == pytest.approx(0.11 + 9 * 0.021)
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps():
+    pool = PoolSpec(1, max_num_batched_tokens=64)
+    (r,) = simulate([one(100, 2)], make_profile(), Placement(None, pool)).requests
+    # steps of 64 and 36 tokens; the second attends to 64 earlier tokens (c = 0 here)
+    assert r.ttft_s == pytest.approx((0.01 + 0.064) + (0.01 + 0.036))
+
+
+def test_a_full_decode_pool_holds_the_next_request_at_the_router():
+    # 3 blocks of 16: one request (32 prompt + 16 decoded tokens) at a time
+    prof = make_profile()
+    pl = Placement(PoolSpec(1), PoolSpec(1, kv_capacity_tokens=48))
+    first, second = simulate([one(32, 17), one(32, 17)], prof, pl).requests
+    alone = simulate([one(32, 17)], prof, pl).requests[0]
+    assert first == alone
+    assert second.ttft_s == pytest.approx(alone.e2e_s + alone.ttft_s)
+
+
+def test_decode_batches_every_running_sequence_and_late_commits_join_the_next_step():
+    """With an ideal prefill (phase "decode") four requests commit at t=0; the first commit starts
+    a step of one sequence at once, the other three join the next step: then every step decodes
+    all running sequences (a + b*B: 0.03 s for B=1, 0.05 s for B=3, 0.06 s for B=4)."""
+    prof = make_profile(decode=(0.02, 0.01, 0.0))
+    res = Simulator(prof, Placement(PoolSpec(1), PoolSpec(1))).run([one(16, 5) for _ in range(4)],
+                                                                   phase="decode")
+    first, *rest = res.requests
+    assert first.ttft_s == 0 and first.e2e_s == pytest.approx(0.03 + 3 * 0.06)
+    for r in rest:
+        # three steps with the first, one more without it (it has its 5 tokens)
+        assert r.e2e_s == pytest.approx(0.03 + 3 * 0.06 + 0.05) and r.tpot_s == pytest.approx(0.26 / 4)
+
+
+def test_simulation_is_deterministic():
+    prof = load_profile(DERIVED)
+    reqs = retime([one(200 + 37 * i % 900, 5 + 13 * i % 200) for i in range(300)], rate=40.0, seed=3)
+    pl = Placement(PoolSpec(2), PoolSpec(1, kv_capacity_tokens=40_000))
+    a, b = simulate(reqs, prof, pl), simulate(reqs, prof, pl)
+    assert a.requests == b.requests and a.num_steps == b.num_steps
+
+
+def test_fast_decode_path_gives_the_same_answers_as_the_slow_one():
+    prof = load_profile(DERIVED)
+    reqs = retime([one(100 + 53 * i % 1500, 1 + 29 * i % 300) for i in range(400)], rate=60.0, seed=1)
+    for pl in (Placement(PoolSpec(3), PoolSpec(1, kv_capacity_tokens=60_000)),
+               Placement(None, PoolSpec(2, kv_capacity_tokens=30_000))):
+        fast = Simulator(prof, pl, fast=True).run(reqs)
+        slow = Simulator(prof, pl, fast=False).run(reqs)
+        assert fast.num_preemptions > 0          # the comparison covers preemption too
+        assert fast.requests == slow.requests
+
+
+# ---- search -------------------------------------------------------------------------------------
+def test_decode_bound_traffic_gains_from_decode_replicas():
+    prof = make_profile(prefill=(0.001, 1e-5, 0.0), decode=(0.05, 0.01, 0.0))
+    search = Search(prof, synthetic(300, 1.0, 32, 64), SLO(1.0, 0.3))
+    one_d = search.evaluate(Placement(PoolSpec(1), PoolSpec(1))).goodput
+    three_d = search.evaluate(Placement(PoolSpec(1), PoolSpec(3))).goodput
+    assert one_d > 0 and three_d > 2 * one_d
+    best = search.run(enumerate_placements(prof, 4))[0]
+    assert best.placement.decode.replicas > best.placement.prefill.replicas
+
+
+def test_prefill_heavy_traffic_prefers_prefill_replicas():
+    prof = make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.01, 1e-4, 0.0))
+    search = Search(prof, synthetic(300, 1.0, 1000, 2), SLO(5.0, 1.0))
+    three_p = search.evaluate(Placement(PoolSpec(3), PoolSpec(1))).goodput
+    one_p = search.evaluate(Placement(PoolSpec(1), PoolSpec(3))).goodput
+    assert three_p > 2 * one_p > 0
+    best = search.run(enumerate_placements(prof, 4))[0]
+    assert best.placement.prefill.replicas > best.placement.decode.replicas
+
+
+def test_enumeration_covers_ratios_and_tp_degrees():
+    prof = make_profile(tps=(1, 3))
+    labels = {p.label() for p in enumerate_placements(prof, 6, colocated=True)}
+    assert {"1P tp1 + 5D tp1", "5P tp1 + 1D tp1", "1P tp3 + 3D tp1", "1P tp3 + 1D tp3",
+            "colocated 6x tp1", "colocated 2x tp3"} <= labels
+    assert all(p.num_devices <= 6 for p in enumerate_placements(prof, 6, colocated=True))
+
+
+def test_parse_slo():
+    assert parse_slo("ttft=200ms,tpot=0.05s,attainment=90%") == SLO(0.2, 0.05, 0.9)
+    assert parse_slo("tpot=50ms, ttft=1s") == SLO(1.0, 0.05, 0.9)
+    for bad in ("ttft=200,tpot=50ms", "ttft=200ms", "ttft=1s,tpot=1s,attainment=2", "foo=1s"):
+        with pytest.raises(TuneError):
+            parse_slo(bad)
+
+
+# ---- YAML ---------------------------------------------------------------------------------------
+def test_yaml_of_either_shape_validates():
+    prof = make_profile(tps=(1, 3))
+    disagg = deploy_yaml(Candidate(Placement(PoolSpec(2, 3), PoolSpec(1))), prof, "smollm2", "grpc")
+    cfg = validate_config(disagg)
+    assert (cfg.pools.prefill.replicas, cfg.pools.prefill.tp, cfg.pools.decode.replicas) == (2, 3, 1)
+    assert cfg.kvtransfer.backend == "grpc" and cfg.pools.prefill.kv_cache_memory == 1 << 28
+    colocated = deploy_yaml(Candidate(Placement(None, PoolSpec(4))), prof, "smollm2", "grpc")
+    assert validate_config(colocated).pools.colocated.replicas == 4
+
+
+def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0),
+                                            as_dict=True)))
+    out, png = tmp_path / "best.yaml", tmp_path / "c.png"
+    rc = cli.main(["tune", "--profile", str(path), "--workload", "synthetic:200:20",
+                   "--slo", "ttft=2s,tpot=100ms", "--devices", "4", "--colocated",
+                   "--model", "toy", "--out", str(out), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    cfg = load_config(out)
+    best = text.split("best: ", 1)[1].split(":", 1)[0]
+    if best.startswith("colocated"):
+        assert best == f"colocated {cfg.pools.colocated.replicas}x tp{cfg.pools.colocated.tp}"
+    else:
+        p, d = cfg.pools.prefill, cfg.pools.decode
+        assert best == f"{p.replicas}P tp{p.tp} + {d.replicas}D tp{d.tp}"
+    assert cfg.model == "toy" and png.stat().st_size > 10_000
+
+
+# ---- the derived GPU profile ---------------------------------------------------------------------
+def test_derived_profile_is_marked_and_shaped_like_a_measured_one():
+    data = json.loads(DERIVED.read_text())
+    assert data["derived"] is True and data["source"]["publications"]
+    prof = profile_from_dict(data)
+    assert (prof.num_layers, prof.num_heads, prof.num_kv_heads) == (32, 32, 8)
+    assert prof.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 and prof.device == "gpu"
+    measured_keys = set(make_profile(as_dict=True)) | {"derived", "source"}
+    assert set(data) == measured_keys
+    for entry in data["tp"].values():
+        assert entry["prefill"]["samples"] and entry["decode"]["samples"] and "fit" in entry["prefill"]
+
+
+@pytest.mark.parametrize("devices", [8, 32])
+def test_gpu_search_finishes(devices, tmp_path, capsys):
+    out = tmp_path / "best.yaml"
+    t0 = time.perf_counter()
+    rc = cli.main(["tune", "--profile", str(DERIVED), "--workload", "azure_conv",
+                   "--slo", "ttft=1s,tpot=50ms,attainment=0.9", "--devices", str(devices),
+                   "--colocated", "--out", str(out)])
+    elapsed = time.perf_counter() - t0
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    cfg = load_config(out)
+    pools = [cfg.pools.colocated] if cfg.pools.colocated else [cfg.pools.prefill, cfg.pools.decode]
+    assert 2 <= sum(p.replicas * p.tp for p in pools) <= devices
+    with capsys.disabled():
+        best = text.split("best: ", 1)[1].splitlines()[0]
+        print(f"\n[{devices} GPUs] {elapsed:.1f} s: {best}")
+
+
+# ---- bad arguments ------------------------------------------------------------------------------
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(make_profile(as_dict=True)))
+    return path
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--workload": "azure_chat"}, "unknown trace 'azure_chat'"),
+    ({"--slo": "ttft=200,tpot=50ms"}, "give a number with a unit, ms or s"),
+    ({"--devices": "1"}, "--devices must be >= 2"),
+    ({"--model": "llama"}, "was measured for model 'Toy-1'"),
+    ({"--workload": "synthetic:10"}, "synthetic:PROMPT_LEN:OUTPUT_LEN"),
+])
+def test_bad_arguments_exit_2_with_a_message(change, message, profile_path, capsys):
+    args = {"--profile": str(profile_path), "--workload": "synthetic:100:10",
+            "--slo": "ttft=1s,tpot=100ms", "--devices": "4", **change}
+    rc = cli.main(["tune"] + [x for kv in args.items() for x in kv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mangle, message", [
+    (lambda d: "{not json", "not JSON"),
+    (lambda d: {**d, "schema": "other/1"}, "schema: expected 'pdserve-profile/1'"),
+    (lambda d: {**d, "tp": {"1": {**d["tp"]["1"], "decode": {"coef": [0.1, -1, 0]}}}}, "tp.1.decode.coef"),
+    (lambda d: {k: v for k, v in d.items() if k != "kv_transfer"}, "kv_transfer: missing"),
+    (lambda d: {**d, "tp": {"2": d["tp"]["1"]}}, "2 does not divide"),
+])
+def test_malformed_profiles_exit_2_naming_the_key(mangle, message, tmp_path, capsys):
+    data = mangle(make_profile(as_dict=True))
+    path = tmp_path / "bad.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        load_profile(path)
+    rc = cli.main(["tune", "--profile", str(path), "--workload", "synthetic:100:10",
+                   "--slo", "ttft=1s,tpot=100ms", "--devices", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and str(path) in err
+
+
+def test_no_rate_meets_an_impossible_slo(profile_path, capsys):
+    rc = cli.main(["tune", "--profile", str(profile_path), "--workload", "synthetic:100:10",
+                   "--slo", "ttft=1ms,tpot=1ms", "--devices", "2"])
+    assert rc == 1 and "no placement meets the SLO" in capsys.readouterr().err
