@@ -9,8 +9,7 @@ shm, the sender writes straight into each decode rank's pool).
 """
 from __future__ import annotations
 
-import threading
-
+import grpc
 import pytest
 
 from conftest import random_prompts
@@ -18,11 +17,12 @@ from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
-from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, wait_until
+from protos.pdserve.v1 import worker_pb2_grpc
+from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, generate_concurrently, wait_until
 
 
 class BackendCluster(Cluster):
-    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int):   # noqa: super
+    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int):   # its own workers
         self.decode = DecodeWorker(DecodeWorkerConfig(
             model=model_dir, worker_id="d0", lease_ms=10_000, kv_backend=backend,
             engine_kwargs=dict(kv_cache_memory=1 << 17, block_size=16, max_model_len=MAX_MODEL_LEN,
@@ -35,8 +35,6 @@ class BackendCluster(Cluster):
         except BaseException:
             self.decode.stop()
             raise
-        import grpc
-        from protos.pdserve.v1 import worker_pb2_grpc
         self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
         self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
@@ -57,20 +55,7 @@ def test_backend_and_tp_mix_matches_engine(tiny_models, expected, backend, prefi
     cluster = BackendCluster(tiny_models("llama-gqa")[0], backend, prefill_tp, decode_tp)
     try:
         assert [cluster.generate(f"seq-{i}", p) for i, p in enumerate(prompts)] == want
-        results, errors = {}, []
-
-        def run(i):
-            try:
-                results[i] = cluster.generate(f"par-{i}", prompts[i])
-            except Exception as e:   # surfaced below, not lost in the thread
-                errors.append(e)
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
-        assert [results.get(i) for i in range(len(prompts))] == want
+        assert generate_concurrently(cluster, prompts) == want
 
         def idle():
             s = cluster.stats()

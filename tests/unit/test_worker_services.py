@@ -120,20 +120,25 @@ def test_reserve_prefill_stream_matches_engine(idle, expected):
     prompts, want = expected
     for i, prompt in enumerate(prompts):
         assert idle.generate(f"seq-{i}", prompt) == want[i]
+    assert generate_concurrently(idle, prompts) == want
+
+
+def generate_concurrently(cluster, prompts, timeout=120) -> list:
+    """Every prompt through Reserve -> Prefill -> Stream at once; the tokens in prompt order."""
     results, errors = {}, []
 
     def run(i):
         try:
-            results[i] = idle.generate(f"par-{i}", prompts[i])
+            results[i] = cluster.generate(f"par-{i}", prompts[i])
         except Exception as e:   # surfaced below, not lost in the thread
             errors.append(e)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(timeout)
     assert not errors, errors
-    assert [results.get(i) for i in range(len(prompts))] == want
+    return [results.get(i) for i in range(len(prompts))]
 
 
 def test_bad_requests_name_the_problem_and_the_worker_keeps_serving(idle, expected):
