@@ -6,7 +6,8 @@ on the loop thread, between steps: other threads `call()` a function and wait fo
 outputs go back through per-request callbacks, which must be cheap (put into a queue).
 
 Loop: run queued calls -> run periodic ticks (lease expiry) -> one engine step if any work ->
-dispatch outputs -> sleep until new work when idle.
+dispatch outputs -> sleep until new work when idle (also when the only unfinished requests are
+reservations waiting for their KV: a step has nothing to compute for them).
 """
 from __future__ import annotations
 
@@ -98,6 +99,10 @@ class EngineLoop:
             self._run_calls()
             self._run_ticks()
             if self.engine.has_unfinished_requests():
+                # reserved requests (waiting for their KV from a prefill worker) count as
+                # unfinished but give a step nothing to do: stepping them in a loop would spin a
+                # core for as long as the prefill takes, the core that prefill is computing on
+                idle = not self._has_runnable()
                 try:
                     outputs = self.engine.step()
                 except Exception:   # a failed step must not kill the server silently
@@ -106,9 +111,18 @@ class EngineLoop:
                     continue
                 self.num_steps += 1
                 self._dispatch(outputs)
+                if idle and not outputs:   # nothing ran and nothing was pending delivery
+                    self._wait_for_work()
             else:
                 self._wait_for_work()
         self._fail_pending_calls()
+
+    def _has_runnable(self) -> bool:
+        """Whether the scheduler holds sequences a step would compute (reserved ones it does not)."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is None:   # an engine without a visible scheduler: assume work, as before
+            return True
+        return bool(scheduler.waiting or scheduler.running)
 
     def _run_calls(self) -> None:
         with self._lock:

@@ -35,9 +35,22 @@ def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.
 
 def read_chunk(layer_kv: torch.Tensor, layout: KVLayout, request_id: str, layer: int,
                block_ids: list[int], start: int, end: int) -> tuple[ChunkHeader, torch.Tensor]:
-    """This rank's heads of tokens [start, end): header + contiguous [2, n, heads, head_dim]."""
-    flat = layer_kv.view(2, -1, layout.heads_per_rank, layout.head_dim)
-    data = flat[:, slots(block_ids, layout.block_size, start, end).to(layer_kv.device)].contiguous()
+    """This rank's heads of tokens [start, end): header + contiguous [2, n, heads, head_dim].
+
+    layer_kv: [2, num_blocks, block_size, heads_per_rank, head_dim] (block_size the layout's).
+    Whole blocks are gathered (one row of block_size tokens each) and the partial ends trimmed:
+    this runs between two layers of a prefill, on the thread the next layer waits for, and a
+    per-token gather made it 12x slower (0.5 ms a layer at 512 tokens of SmolLM2)."""
+    bs, heads, head_dim = layout.block_size, layout.heads_per_rank, layout.head_dim
+    if end > start:
+        first, last = start // bs, (end - 1) // bs
+        ids = torch.tensor(block_ids[first:last + 1], dtype=torch.long, device=layer_kv.device)
+        rows = layer_kv.view(2, -1, bs, heads, head_dim).index_select(1, ids)
+        data = rows.view(2, -1, heads, head_dim)[:, start - first * bs:end - first * bs]
+        if not data.is_contiguous():   # a partial first or last block
+            data = data.contiguous()
+    else:
+        data = layer_kv.new_empty((2, 0, heads, head_dim))
     h0, h1 = layout.head_range
     header = ChunkHeader(request_id, layout.fingerprint, layer, start, end, h0, h1,
                          layout.head_dim, dtype_name(layer_kv.dtype))

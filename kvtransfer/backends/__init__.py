@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ctypes
 
-from kvtransfer.backends.shm_backend import create_shared_kv_cache, default_shared_dir, remove_shared_kv_cache
+from kvtransfer.backends.shm_backend import (create_shared_kv_cache, default_shared_dir, populate,
+                                             remove_shared_kv_cache)
 from kvtransfer.transport import FrameHandler, Transport, TransportServer
 
 BACKENDS = ("grpc", "shm", "torch")
@@ -70,5 +71,5 @@ def connect(backend: str, address: str, **opts) -> Transport:
     return TorchTransport(address, **opts)
 
 
-__all__ = ["BACKENDS", "serve", "connect", "create_shared_kv_cache", "default_shared_dir",
+__all__ = ["BACKENDS", "serve", "connect", "create_shared_kv_cache", "default_shared_dir", "populate",
            "remove_shared_kv_cache", "tune_malloc"]
