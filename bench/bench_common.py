@@ -147,6 +147,54 @@ class CpuMonitor:
         return out
 
 
+def process_tree_cpu_s(root_pid: int | None = None) -> float:
+    """CPU seconds (user + system) of `root_pid` (default: this process) and every live descendant:
+    a benchmark that starts Ray or worker processes counts them as its own, not as other load.
+    Descendants that exited meanwhile drop out of the sum, so use it over windows in which the
+    set of processes is stable."""
+    root = os.getpid() if root_pid is None else root_pid
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()   # after the "(comm)", which may hold spaces
+        except OSError:
+            continue
+        pid = int(name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+class TreeCpuMonitor:
+    """Like CpuMonitor, but this process's whole tree (Ray, workers, helpers) counts as its own."""
+
+    def __init__(self):
+        self.t, self.busy, self.own = time.perf_counter(), machine_busy_cpu_s(), process_tree_cpu_s()
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self.t
+        own = process_tree_cpu_s() - self.own
+        busy = machine_busy_cpu_s()
+        out = {"wall_s": wall, "own_tree_cpu_s": own}
+        if busy is not None and self.busy is not None:
+            foreign = max(0.0, (busy - self.busy) - own)
+            out.update(machine_busy_cpu_s=busy - self.busy, foreign_cpu_s=foreign,
+                       foreign_cores_avg=foreign / wall if wall > 0 else None)
+        return out
+
+
 def section(results: dict, name: str, fn) -> None:
     """Run one measurement; a failure is recorded, the other sections still run."""
     t0 = time.perf_counter()

@@ -10,11 +10,26 @@ worker) is the prefill model over all its tokens plus the decode model's c times
 contexts: linears cost per token either way, decode attention reads KV like a decode step does.
 Transfer: latency + bytes / bandwidth, per backend.
 
+Serving-path step models (optional, key "serving"): the fitted models above time engine.step()
+alone in one process. A worker that serves runs the same step beside its gRPC threads (KV pushed
+layer by layer on a prefill worker, KV received and tokens streamed on a decode worker, Reserve /
+Stats calls taken between steps) and behind the router, which the bare step does not see. When
+the profile carries "serving", the simulator uses, per worker kind ("prefill", "decode",
+"colocated") and TP degree, the coefficients given there instead of the engine's, for the steps
+that kind runs; anything not given falls back to the engine's model. They are measured through a
+running deployment (isolated requests for prefill, concurrent batches for decode; see
+bench/slo_validation.py), so they include the request's fixed costs outside the worker too.
+"interference" says how much slower a disaggregated pair's steps run while the other side computes
+on the same host (CPU: the prefill worker's KV pushes land in the decode worker's process while it
+decodes, and both sides' gRPC threads compete for the same cores as the two engines).
+
 Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
   model: {id, name, num_layers, num_heads, num_kv_heads, head_dim, hidden_size, dtype}
   kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu", ...}
   tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
   kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
+  serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef}}},
+                       interference: {decode_while_prefill: x, prefill_while_decode: y}}
 The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
 """
 from __future__ import annotations
@@ -29,6 +44,8 @@ import numpy as np
 SCHEMA = "pdserve-profile/1"
 PREFILL_FORM = "a + b*T + c*A; T = tokens in the step, A = sum over prompts of n*(start+n)"
 DECODE_FORM = "a + b*B + c*C; B = sequences, C = sum of their context tokens"
+SERVING_KINDS = ("prefill", "decode", "colocated")
+INTERFERENCE_KEYS = ("decode_while_prefill", "prefill_while_decode")
 
 
 class ProfileError(ValueError):
@@ -75,6 +92,17 @@ class Profile:
     transfer: dict[str, TransferModel]
     derived: bool = False
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    # worker kind -> TP degree -> StepModel measured through a deployment (see the module docstring)
+    serving: dict[str, dict[int, StepModel]] = field(default_factory=dict)
+    # slowdowns between the workers of one host (serving.interference): "decode_while_prefill"
+    # (a decode step that starts while a prefill worker computes and streams KV takes 1 + x times
+    # as long) and "prefill_while_decode" (the other way round); absent: 0
+    interference: dict[str, float] = field(default_factory=dict)
+
+    def step_model(self, tp: int, kind: str | None = None) -> StepModel:
+        """The step model a worker of `kind` ("prefill", "decode", "colocated"; None: the bare
+        engine) runs with at this TP degree: the serving-path one when the profile has it."""
+        return self.serving.get(kind or "", {}).get(tp, self.tp[tp])
 
     @property
     def tp_degrees(self) -> list[int]:
@@ -156,6 +184,32 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
         transfer[backend] = TransferModel(float(bw), float(lat))
     if not transfer:
         raise ProfileError(f"{source}: kv_transfer: no backend was measured")
+    serving: dict[str, dict[int, StepModel]] = {}
+    interference: dict[str, float] = {}
+    for kind, per_tp in (data.get("serving") or {}).items():
+        if kind == "source":
+            continue
+        if kind == "interference":
+            for key, value in (per_tp or {}).items():
+                if key not in INTERFERENCE_KEYS or isinstance(value, bool) or \
+                        not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+                    raise ProfileError(f"{source}: serving.interference.{key}: expected one of "
+                                       f"{INTERFERENCE_KEYS} with a number >= 0, got {value!r}")
+                interference[key] = float(value)
+            continue
+        if kind not in SERVING_KINDS or not isinstance(per_tp, dict):
+            raise ProfileError(f"{source}: serving.{kind}: expected one of {SERVING_KINDS} mapping "
+                               f"TP degrees to {{prefill: {{coef}}, decode: {{coef}}}}")
+        for key, entry in per_tp.items():
+            where = f"serving.{kind}.{key}"
+            if not (isinstance(key, str) and key.isdigit() and int(key) in steps):
+                raise ProfileError(f"{source}: {where}: not a TP degree of this profile ({sorted(steps)})")
+            if not isinstance(entry, dict):
+                raise ProfileError(f"{source}: {where}: expected {{prefill: {{coef}}, decode: {{coef}}}}")
+            base = steps[int(key)]
+            pf = _coef(entry["prefill"], source, f"{where}.prefill") if "prefill" in entry else base.prefill
+            dc = _coef(entry["decode"], source, f"{where}.decode") if "decode" in entry else base.decode
+            serving.setdefault(kind, {})[int(key)] = StepModel(pf, dc, base.kv_capacity_tokens)
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:
@@ -166,7 +220,8 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
                    num_heads=num_heads, num_kv_heads=num_kv_heads,
                    dtype=str(model.get("dtype", "auto")), kv_bytes_per_token=kv_bytes,
                    block_size=block_size, device=device, tp=steps, transfer=transfer,
-                   derived=bool(data.get("derived", False)), raw=data)
+                   derived=bool(data.get("derived", False)), raw=data, serving=serving,
+                   interference=interference)
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:

@@ -10,8 +10,11 @@ What it models (each worker runs a port of engine/scheduler.py at the level of t
     queued tokens (prompt tokens not yet computed; ties rotate). When no decode worker has room
     the router holds requests in arrival order until blocks free up (the real router answers
     RESOURCE_EXHAUSTED and the client retries: here that is waiting, not an error).
-  * router, colocated: the worker with the most free blocks, less the blocks its queued prompts
-    will take.
+  * router, colocated: the worker with the most free blocks as the router last read them: it
+    refreshes every worker's free-block count every `router_stats_s` (its Stats sweep, 0.5 s) and a
+    colocated Reserve returns no blocks to charge, so between two sweeps every request goes to the
+    same worker (the pick rotates only among ties), as the real router does. router_stats_s=0: an
+    exact view (free blocks less the blocks of queued prompts).
   * each worker, per step: running sequences first, in order, each up to its remaining tokens
     within the max_num_batched_tokens budget (chunked prefill); a sequence that needs a block
     when none is free preempts the most recently admitted ones (they lose their KV and are
@@ -22,7 +25,10 @@ What it models (each worker runs a port of engine/scheduler.py at the level of t
     generated tokens, chunked), as the engine does. The worker itself is sim_worker.py.
   * step time from the profile's fitted models for the pool's TP degree (perf_model.py), so TP
     communication is whatever the profile measured; a step that finishes a prompt samples its
-    next token at the step's end.
+    next token at the step's end. Where the profile has serving-path models for the worker's kind
+    (prefill, decode, colocated; measured through a deployment), those are used: they carry the
+    costs of serving that a bare engine step lacks (KV pushes and receives, token streaming, RPCs
+    between steps, the router's hops on an isolated request).
   * KV transfer: every chunk a prefill step computes is pushed layer by layer while the next
     layer computes. Per prefill worker one link: the step's bytes start moving once its first
     layer is done (or when the link frees) at the backend's bandwidth, and cannot end before the
@@ -39,12 +45,17 @@ What it does not model:
   * prefix caching (every prompt is computed in full; mooncake hash_ids are ignored);
   * stop tokens (every request produces exactly output_len tokens, as with ignore_eos);
   * the router's max_inflight limit and rejections, retries, lease expiry, failures, aborts;
-  * network or CPU time of the router (tokenizing, detokenizing, gRPC hops); the decode side's
-    write of received KV into its cache is in the profiled bandwidth but takes no time from the
-    decode worker's steps; transfers into one decode worker do not contend with each other (only
+  * network or CPU time of the router (tokenizing, detokenizing, gRPC hops) and the workers'
+    serving threads, except as far as serving-path step models (above) fold them into step time:
+    with an engine-only profile, none of it; the decode side's write of received KV into its cache
+    is in the profiled bandwidth but takes no time from the decode worker's steps; transfers into one decode worker do not contend with each other (only
     the sender's link is shared); KV re-sharding between different prefill and decode TP sizes;
-  * interference between workers that share a host (memory bandwidth, caches, cores);
-  * the router's stale view of free blocks (it reads Stats every 0.5 s; here it knows exactly);
+  * interference between workers that share a host (memory bandwidth, caches, cores), except the
+    profile's serving.interference factors for a disaggregated pair: a decode step that starts
+    while a prefill worker is busy (or the other way round) is stretched by that factor, judged at
+    the step's start (every prefill and decode worker is taken to share one host);
+  * the router's stale view of free blocks when disaggregated (it reads Stats every 0.5 s and
+    charges each reservation; here it knows exactly);
   * step-time noise: the same inputs give the same answer (deterministic).
 """
 from __future__ import annotations
@@ -59,6 +70,7 @@ from deploy.tuning.sim_worker import Seq, Worker
 
 _ARRIVE, _STEP_DONE, _COMMIT = 0, 1, 2
 INF = math.inf
+ROUTER_STATS_S = 0.5      # router.server.RouterConfig.stats_interval_s
 
 
 @dataclass(frozen=True)
@@ -128,8 +140,10 @@ class _Req:
 
 
 class Simulator:
-    def __init__(self, profile: Profile, placement: Placement, fast: bool = True):
+    def __init__(self, profile: Profile, placement: Placement, fast: bool = True,
+                 router_stats_s: float = ROUTER_STATS_S):
         self.profile, self.placement, self.fast = profile, placement, fast
+        self.router_stats_s = router_stats_s
         for pool in filter(None, (placement.prefill, placement.decode)):
             if pool.tp not in profile.tp:
                 raise ValueError(f"the profile has no tp={pool.tp} (it has {profile.tp_degrees})")
@@ -158,7 +172,8 @@ class Simulator:
             raise ValueError("a colocated placement has no separate prefill or decode phase")
         bs = prof.block_size
         def worker(pool: PoolSpec, is_prefill: bool) -> Worker:
-            model = prof.tp[pool.tp]
+            kind = "prefill" if is_prefill else "colocated" if pl.colocated else "decode"
+            model = prof.step_model(pool.tp, kind)
             return Worker(model, bs, pool.kv_capacity_tokens or model.kv_capacity_tokens,
                           pool.max_num_batched_tokens, pool.max_num_seqs, is_prefill, self.fast)
 
@@ -171,6 +186,7 @@ class Simulator:
         heapq.heapify(events)
         counter = len(events)
         held: deque[_Req] = deque()     # disaggregated: waiting for decode blocks
+        stats_s, next_sweep = self.router_stats_s, 0.0
         rr = [0, 0]
         missed = 0
         num_steps = 0
@@ -189,12 +205,21 @@ class Simulator:
                     best, best_key = w, kv
             return best
 
+        f_decode = prof.interference.get("decode_while_prefill", 0.0)
+        f_prefill = prof.interference.get("prefill_while_decode", 0.0)
+
         def start_step(w: Worker, now: float) -> None:
             nonlocal counter, num_steps
             dur = w.schedule()
             if not w.has_plan:
                 w.busy = False
                 return
+            # the other side busy on the same host when this step starts: it runs slower
+            if w.is_prefill:
+                if f_prefill and any(d.busy for d in decode):
+                    dur *= 1.0 + f_prefill
+            elif f_decode and any(p.busy for p in prefill):
+                dur *= 1.0 + f_decode
             w.busy = True
             w.step_start = now
             num_steps += 1
@@ -244,7 +269,14 @@ class Simulator:
             if kind == _ARRIVE:
                 r = reqs[obj]
                 if pl.colocated:
-                    w = pick(decode, lambda w: w.free - w.pending_blocks, 0)
+                    if stats_s > 0:
+                        if now >= next_sweep:     # the router's view: free blocks at its last sweep
+                            for d in decode:
+                                d.router_view = d.free
+                            next_sweep = (math.floor(now / stats_s) + 1) * stats_s
+                        w = pick(decode, lambda w: w.router_view, 0)
+                    else:
+                        w = pick(decode, lambda w: w.free - w.pending_blocks, 0)
                     w.enqueue(Seq(r, r.prompt, 0, 0, False))
                     if not w.busy:
                         start_step(w, now)

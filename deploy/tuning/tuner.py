@@ -127,7 +127,7 @@ def instance_capacity(kind: str, pool: PoolSpec, profile: Profile, requests: lis
                       slo: SLO) -> float:
     """Requests/s one worker could sustain at best (no queueing): prefill work per request, and
     the decode batch that the TPOT SLO and the KV capacity allow. Brackets the bisections."""
-    m = profile.tp[pool.tp]
+    m = profile.step_model(pool.tp, kind)   # the serving-path model of this kind, when profiled
     mean_out = statistics.fmean(max(0, r.output_len - 1) for r in requests) or 1e-9
     ctx = statistics.fmean(r.prompt_len + r.output_len / 2 for r in requests)
     held = statistics.fmean(r.prompt_len + r.output_len for r in requests)

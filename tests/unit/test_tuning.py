@@ -88,6 +88,55 @@ def test_one_request_colocated_has_no_transfer():
     assert r.e2e_s == pytest.approx(0.11 + 9 * 0.021)
 
 
+def test_serving_models_replace_the_engine_model_per_worker_kind():
+    """A profile's serving-path models (measured through a deployment) time the steps of their
+    worker kind; kinds and coefficients not given fall back to the engine's."""
+    data = make_profile(decode=(0.02, 0.001, 0.0), as_dict=True)
+    data["serving"] = {"prefill": {"1": {"prefill": {"coef": [0.05, 0.001, 0.0]}}},
+                       "colocated": {"1": {"decode": {"coef": [0.03, 0.001, 0.0]}}}}
+    prof = profile_from_dict(data)
+    (r,) = simulate([one(100, 10)], prof, Placement(PoolSpec(1), PoolSpec(1))).requests
+    x = 100 * 1000 / 1e6 / 10
+    assert r.ttft_s == pytest.approx(0.05 + 0.1 + x + 0.001)          # serving prefill model
+    assert r.tpot_s == pytest.approx(0.021)                           # decode: engine's
+    (r,) = simulate([one(100, 10)], prof, Placement(None, PoolSpec(1))).requests
+    assert r.ttft_s == pytest.approx(0.11)                            # colocated prefill: engine's
+    assert r.tpot_s == pytest.approx(0.031)                           # colocated decode: serving
+
+
+def test_interference_stretches_a_decode_step_that_starts_while_prefill_computes():
+    data = make_profile(as_dict=True)
+    data["serving"] = {"interference": {"decode_while_prefill": 0.5}}
+    plain, slowed = make_profile(), profile_from_dict(data)
+    # alone, nothing overlaps: the same answer
+    for prof in (plain, slowed):
+        (r,) = simulate([one(100, 3)], prof, Placement(PoolSpec(1), PoolSpec(1))).requests
+        assert r.tpot_s == pytest.approx(0.021)
+    # a second prompt arrives while the first decodes: the decode steps that start during its
+    # prefill take 1.5x as long
+    reqs = [one(100, 20), one(1000, 2, at=0.15)]
+    a = simulate(reqs, plain, Placement(PoolSpec(1), PoolSpec(1))).requests[0]
+    b = simulate(reqs, slowed, Placement(PoolSpec(1), PoolSpec(1))).requests[0]
+    assert b.tpot_s > a.tpot_s * 1.2
+    with pytest.raises(ProfileError, match="interference"):
+        data["serving"] = {"interference": {"decode_while_prefill": -1}}
+        profile_from_dict(data)
+
+
+def test_colocated_router_sends_every_request_between_two_sweeps_to_the_same_worker():
+    """A colocated Reserve charges no blocks at the router, so its view only changes at its Stats
+    sweep (every 0.5 s): requests in between go to one worker; an exact view spreads them."""
+    # a long request holds blocks on one worker; at 0.6 s four prompts arrive within one sweep
+    reqs = [one(200, 200)] + [one(100, 50, at=0.6 + 0.01 * i) for i in range(4)]
+    pl = Placement(None, PoolSpec(2))
+    stale = Simulator(make_profile(), pl).run(reqs).requests[1:]
+    exact = Simulator(make_profile(), pl, router_stats_s=0).run(reqs).requests[1:]
+    # stale: all four on the idle worker: the first alone (0.11 s), the other three batched in the
+    # step after it with the first one's decode token (0.311 s); exact: the last goes to the other worker
+    assert [r.ttft_s for r in stale] == pytest.approx([0.11, 0.411, 0.401, 0.391])
+    assert exact[-1].ttft_s == pytest.approx(0.111)
+
+
 def test_chunked_prefill_splits_a_long_prompt_over_steps():
     pool = PoolSpec(1, max_num_batched_tokens=64)
     (r,) = simulate([one(100, 2)], make_profile(), Placement(None, pool)).requests

@@ -1,0 +1,918 @@
+"""SLO validation (issue #4, "Must show" a, b, c): measured vs simulated joint SLO attainment on this
+machine's 2 cores, the tuner's pick vs the measured best placement, and disaggregated vs colocated.
+
+    python bench/slo_validation.py                      # measure + simulate + tune (~15-20 min)
+    python bench/slo_validation.py --simulate-only --sim-label after   # re-simulate the stored runs
+    python bench/slo_validation.py --placements disaggregated --workloads azure_conv \\
+        --conv-rates 3 --num-requests 40 --out /tmp/probe.json       # a quick probe
+
+Placements of the 2 cores (each launched by deploy.launcher.up(validate_config({...}), block=False)
+on a local Ray with num_cpus 2, model smollm2, every worker num_cpus 1 and ONE torch thread):
+  disaggregated  1 prefill + 1 decode worker, grpc KV transfer
+  colocated      2 workers that prefill and decode (chunked prefill in continuous batching)
+Same pool settings for both: kv_cache_memory, max_model_len, max_num_batched_tokens (the chunk).
+
+Per placement: wait for a quiet machine -> up() -> a warm-up run (its own prompt seed) -> per
+workload one `pdserve bench --sweep-rates` in a subprocess (the load generator runs in its own
+process, so it does not share the router's GIL in this driver process) -> stop(). The sweep writes
+its JSON (every request) and its PNGs (attainment vs rate, TTFT and TPOT CDFs) under bench/results/.
+The same trace slice, seed and rates for both placements, so both get the same requests at the same
+times (prompt token ids: seed + k for the k-th rate; the two workloads use different seeds so no
+prompt of one is a prefix of the other's).
+
+Then per placement, workload and rate the simulator (deploy/tuning/simulator.py) runs on the
+profile (--profile, measured with `pdserve profile --threads-per-rank 1`, i.e. as the workers run)
+for the very same RequestSpecs, and its attainment and p50/p90/p99 TTFT and TPOT go beside the
+measured ones. Results of successive simulator versions are kept side by side under
+"simulations"/<label> (--sim-label), so a fix can be reported as before and after.
+Finally `pdserve tune --devices 2 --colocated` with the same profile, workload and SLO.
+
+CPU used by processes outside this script's process tree (Ray and its workers are inside it) is
+recorded for every measured sweep: another engineer may be benchmarking on the same machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import pathlib
+import platform
+import re
+import subprocess
+import sys
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+
+from deploy.tuning import metrics, workload  # noqa: E402
+from deploy.tuning.perf_model import Profile  # noqa: E402
+
+RESULTS = REPO_ROOT / "bench" / "results"
+PLACEMENTS = ("disaggregated", "colocated")
+WORKLOAD_SEEDS = {"azure_conv": 0, "azure_code": 100}   # prompt seeds seed+k never overlap
+WARMUP_SEED = 1000
+QUIET_CORES = 0.1     # other processes' CPU (cores, 3 s average) below which the machine is quiet
+
+
+def log(msg: str) -> None:
+    print(f"[slo_validation {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- CPU used by others -------------------------------------------------------------------------
+def _machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds of this process and all its live descendants (Ray, workers, the bench child)."""
+    root = os.getpid() if root is None else root
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(name)] = int(fields[1])
+            cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+class ForeignCpu:
+    """Average cores used by processes outside this process tree between start and stop. Children
+    that exit inside the window take their CPU out of the tree sum, so the figure can only be
+    overstated by them (a short-lived child's CPU reads as foreign): an upper bound."""
+
+    def __init__(self):
+        self.t, self.busy, self.own = time.perf_counter(), _machine_busy_s(), _tree_cpu_s()
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self.t
+        busy, own = _machine_busy_s() - self.busy, _tree_cpu_s() - self.own
+        return {"wall_s": wall, "machine_cores_avg": busy / wall, "own_tree_cores_avg": own / wall,
+                "foreign_cores_avg": max(0.0, busy - own) / wall}
+
+
+class CpuBreakdown:
+    """CPU seconds per component over a window, from /proc sampled every `period_s` (so a child
+    that exits, like the load generator, keeps what it used up to its last sample): this driver
+    (the router's gRPC server and handlers; this script sleeps), each worker process (pid -> name
+    given), the load generator child, the rest of this process tree (Ray's raylet, GCS, ...), and
+    everything outside the tree."""
+
+    def __init__(self, names: dict[int, str], period_s: float = 0.5):
+        import threading
+        self.names, self.period_s = dict(names), period_s
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.label: dict[int, str] = {}
+        self.t0, self.busy0 = time.perf_counter(), _machine_busy_s()
+        self._stop = threading.Event()
+        self._sample(first=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _label(self, pid: int, tree: set[int]) -> str:
+        if pid == os.getpid():
+            return "driver: router (+ this script)"
+        if pid in self.names:
+            return self.names[pid]
+        if pid not in tree:
+            return "outside this run"
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = ""
+        if "deploy.cli bench" in cmd:
+            return "load generator (pdserve bench)"
+        return "ray and other processes of this run"
+
+    def _sample(self, first: bool = False) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        parent, cpu = {}, {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                parent[int(name)] = int(fields[1])
+                cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+        kids: dict[int, list[int]] = {}
+        for pid, ppid in parent.items():
+            kids.setdefault(ppid, []).append(pid)
+        tree, todo = set(), [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            tree.add(pid)
+            todo += kids.get(pid, [])
+        for pid, c in cpu.items():
+            if pid not in self.label:
+                self.label[pid] = self._label(pid, tree)
+                self.first[pid] = c if first else 0.0
+            self.last[pid] = c
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        wall = time.perf_counter() - self.t0
+        busy = _machine_busy_s() - self.busy0
+        groups: dict[str, float] = {}
+        for pid, label in self.label.items():
+            groups[label] = groups.get(label, 0.0) + max(0.0, self.last[pid] - self.first[pid])
+        return {"wall_s": wall, "machine_cores_avg": busy / wall,
+                "cores_avg": {k: round(v / wall, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
+
+
+def worker_pids(cluster) -> dict[int, str]:
+    """pid -> "prefill worker" / "decode worker" / "colocated worker 0" ... of a running cluster."""
+    import ray
+    out = {}
+    for r in cluster.replicas:
+        try:
+            pid = ray.get(r.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+        except Exception as e:   # noqa: BLE001 - the breakdown is informative only
+            log(f"no pid for {r.name}: {e}")
+            continue
+        out[pid] = f"{r.key} worker" + (f" {r.index}" if r.key == "colocated" else "")
+    return out
+
+
+def other_python_cpu() -> list[str]:
+    """`top -bn1` lines of python processes outside this tree that use CPU right now."""
+    mine = set()
+    todo = [os.getpid()]
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+            except OSError:
+                pass
+    while todo:
+        pid = todo.pop()
+        mine.add(pid)
+        todo += kids.get(pid, [])
+    out = subprocess.run(["top", "-bn1"], capture_output=True, text=True).stdout.splitlines()
+    busy = []
+    for line in out[7:]:
+        f = line.split()
+        if len(f) >= 12 and f[0].isdigit() and int(f[0]) not in mine and "python" in f[11] \
+                and float(f[8].replace(",", ".")) > 5.0:
+            busy.append(line.strip())
+    return busy
+
+
+def wait_quiet(max_wait_s: float, poll_s: float = 20.0) -> dict:
+    """Until no python process outside this tree uses CPU and others use < QUIET_CORES over 3 s,
+    polling every poll_s, at most max_wait_s; returns what was waited and seen."""
+    t0 = time.perf_counter()
+    while True:
+        mon = ForeignCpu()
+        time.sleep(3)
+        foreign = mon.stop()["foreign_cores_avg"]
+        busy = other_python_cpu()
+        waited = time.perf_counter() - t0
+        if (foreign < QUIET_CORES and not busy) or waited >= max_wait_s:
+            if foreign >= QUIET_CORES or busy:
+                log(f"machine still busy after {waited:.0f} s (others: {foreign:.2f} cores; {busy}); going on")
+            return {"waited_s": round(waited, 1), "foreign_cores_avg_3s": foreign, "busy_python": busy,
+                    "quiet": foreign < QUIET_CORES and not busy}
+        log(f"waiting for a quiet machine: others use {foreign:.2f} cores; {busy} ({waited:.0f} s)")
+        time.sleep(max(0.0, poll_s - 3))
+
+
+# ---- the deployments ----------------------------------------------------------------------------
+def pool_dict(args) -> dict:
+    return {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "num_threads": 1,
+            "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+def deploy_dict(args, placement: str) -> dict:
+    base = {"model": args.model, "router": {"host": "127.0.0.1", "port": 0, "max_inflight": 1024},
+            "ray": {"address": None, "num_cpus": 2, "temp_dir": args.ray_temp_dir}}
+    if placement == "disaggregated":
+        return {**base, "kvtransfer": {"backend": "grpc"},
+                "pools": {"prefill": pool_dict(args), "decode": pool_dict(args)}}
+    return {**base, "pools": {"colocated": {**pool_dict(args), "replicas": 2}}}
+
+
+def trace_args(args, wl: str) -> list[str]:
+    return ["--trace", wl, "--scale", f"{args.scale[wl]:g}", "--max-prompt", str(args.max_prompt),
+            "--max-output", str(args.max_output), "--num-requests", str(args.num_requests)]
+
+
+def bench_cmd(router: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "deploy.cli", "bench", "--router", router, *extra]
+
+
+def run_child(cmd: list[str], timeout_s: float) -> tuple[int, str]:
+    env = dict(os.environ, PDSERVE_NO_PROGRESS="1")
+    log("$ " + " ".join(cmd))
+    p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode:
+        log(f"exit {p.returncode}: {p.stderr[-2000:]}")
+    return p.returncode, p.stdout + ("\n" + p.stderr if p.returncode else "")
+
+
+def measure(args, placement: str, results: dict) -> None:
+    from deploy.config import validate_config
+    from deploy.launcher import up
+    entry = results["measured"].setdefault(placement, {})
+    entry["config"] = deploy_dict(args, placement)
+    entry["wait_before"] = wait_quiet(args.wait_idle)
+    t0 = time.perf_counter()
+    cluster = up(validate_config(entry["config"], f"<{placement}>"), block=False)
+    entry["startup_s"] = round(time.perf_counter() - t0, 1)
+    router = cluster.router_address
+    log(f"{placement}: up in {entry['startup_s']} s, router {router}")
+    try:
+        rc, out = run_child(bench_cmd(router, ["--prompt-len", "128", "--output-len", "16", "--rate", "4",
+                                               "--num-requests", "12", "--seed", str(WARMUP_SEED)]), 300)
+        entry["warmup_rc"] = rc
+        pids = worker_pids(cluster)
+        entry["worker_pids"] = {str(k): v for k, v in pids.items()}
+        calibrate(args, placement, router, entry)
+        for wl in args.workloads:
+            name = f"slo_validation_{placement}_{wl}.json"
+            rates = ",".join(f"{r:g}" for r in args.rates[wl])
+            wait = wait_quiet(args.wait_idle)
+            mon, parts = ForeignCpu(), CpuBreakdown(pids)
+            rc, out = run_child(bench_cmd(router, trace_args(args, wl) + [
+                "--seed", str(WORKLOAD_SEEDS[wl]), "--sweep-rates", rates, "--slo", args.slo_text,
+                "--out", str(args.out.with_name(name)), "--request-timeout", "300"]), 1800)
+            breakdown, cpu = parts.stop(), mon.stop()
+            log(f"{placement} {wl}: sweep rc {rc} in {cpu['wall_s']:.0f} s; others used "
+                f"{cpu['foreign_cores_avg']:.2f} cores on average; cores by component: "
+                f"{breakdown['cores_avg']}\n{out}")
+            entry[wl] = {"bench_json": name, "rc": rc, "stdout": out, "wait_before": wait, "cpu": cpu,
+                         "cpu_by_component": breakdown}
+    finally:
+        cluster.stop()
+        time.sleep(2)
+
+
+# ---- serving-path calibration -------------------------------------------------------------------
+CAL_PREFILL_LENS = (32, 128, 512, 64, 256, 32, 128, 512)   # isolated requests, one at a time
+CAL_DECODE_BATCHES = (1, 4, 16)                           # requests sent together, 64 + 64 tokens
+CAL_SEED = 5000
+CAL_BG_BATCH = 8                                          # interference: decode batch (64 + 160)
+CAL_PROBE_LEN, CAL_PROBE_TIMES = 256, (1.5, 2.7, 3.9, 5.1) # ... and prompts prefilled beside it
+
+
+def calibrate_child(router: str, out_path: str, placement: str) -> int:
+    """Runs in its own process (as the load generator does): isolated prompts, then decode batches.
+    Writes the raw records; the fit happens in the parent (fit_serving)."""
+    from deploy.tuning import loadgen
+    card = loadgen.model_card(router)
+    out = {"prefill": [], "decode": []}
+    for k, n in enumerate(CAL_PREFILL_LENS):
+        spec = workload.RequestSpec(0.0, n, 2)
+        recs, _ = loadgen.run_load(router, [spec], workload.build_prompts([spec], card.vocab_size, CAL_SEED + k))
+        out["prefill"].append(recs[0].to_json())
+        time.sleep(0.2)
+    for k, b in enumerate(CAL_DECODE_BATCHES):
+        specs = [workload.RequestSpec(0.0, 64, 64)] * b
+        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 100 + k))
+        out["decode"].append({"batch": b, "requests": [r.to_json() for r in recs]})
+        time.sleep(0.2)
+    if placement == "disaggregated":
+        # interference: a decode batch runs while isolated prompts are prefilled beside it
+        specs = [workload.RequestSpec(0.0, 64, 160)] * CAL_BG_BATCH + \
+                [workload.RequestSpec(t, CAL_PROBE_LEN, 2) for t in CAL_PROBE_TIMES]
+        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 200))
+        out["interference"] = [r.to_json() for r in recs]
+    pathlib.Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> dict:
+    """decode_while_prefill: the background batch's median gap while a probe prompt was being
+    prefilled over its median gap while the prefill worker was idle, minus 1; prefill_while_decode:
+    the probes' TTFT (less what the simulator adds after the step) over the serving prefill model,
+    minus 1."""
+    bg = records[:CAL_BG_BATCH]
+    probes = [r for r in records[CAL_BG_BATCH:] if not r["error"] and r["timings"].get("prefill_end_unix_ns")]
+    if any(r["error"] for r in bg) or not probes:
+        return {}
+    t0 = min(r["send_unix_ns"] - r["send_s"] * 1e9 for r in records)   # the run's start, unix ns
+    busy = [((r["timings"]["prefill_start_unix_ns"] - t0) / 1e9, (r["timings"]["prefill_end_unix_ns"] - t0) / 1e9)
+            for r in probes]
+    times = []
+    for r in bg:
+        t = r["send_s"] + r["ttft_s"]
+        ts = [t]
+        for g in r["itl_s"]:
+            t += g
+            ts.append(t)
+        times.append(ts)
+    lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+    on, off = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
+            if a < lo or b > hi or b <= a:
+                continue
+            share = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
+            (on if share > 0.5 else off if share == 0 else []).append(b - a)
+    out = {"num_gaps_busy": len(on), "num_gaps_idle": len(off)}
+    if len(on) >= 5 and len(off) >= 5:
+        out["gap_busy_s"], out["gap_idle_s"] = float(np.median(on)), float(np.median(off))
+        out["decode_while_prefill"] = max(0.0, out["gap_busy_s"] / out["gap_idle_s"] - 1)
+    n = CAL_PROBE_LEN
+    model = serving_prefill[0] + serving_prefill[1] * n + serving_prefill[2] * n * n
+    ttft = float(np.median([r["ttft_s"] for r in probes])) - extra_s
+    out.update(probe_ttft_s=ttft + extra_s, probe_model_s=model + extra_s,
+               prefill_while_decode=max(0.0, ttft / model - 1))
+    return out
+
+
+def decode_windows(batch: list[dict]) -> list[dict]:
+    """Per decode worker: the window in which every request it holds is decoding (after the last
+    first token, before the first last token), its batch size, the sum of the contexts at the
+    window's middle, and the median gap between tokens inside the window (= its step time)."""
+    groups: dict[str, list[dict]] = {}
+    for r in batch:
+        if not r["error"] and r["ttft_s"] is not None:
+            groups.setdefault(r["timings"].get("decode_worker") or "?", []).append(r)
+    out = []
+    for worker, reqs in groups.items():
+        times = []
+        for r in reqs:
+            t = r["send_s"] + r["ttft_s"]
+            ts = [t]
+            for g in r["itl_s"]:
+                t += g
+                ts.append(t)
+            times.append(ts)
+        lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+        gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= lo and b <= hi]
+        if len(gaps) < 3 * len(reqs):
+            continue
+        mid = (lo + hi) / 2
+        context = sum(r["prompt_len"] + sum(1 for x in ts if x <= mid) for r, ts in zip(reqs, times))
+        out.append({"worker": worker, "batch": len(reqs), "context": context,
+                    "step_s": float(np.median(gaps)), "num_gaps": len(gaps)})
+    return out
+
+
+def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc") -> dict:
+    """Serving-path coefficients for the worker kinds of `placement`, from the calibration records:
+    prefill a', b' fitted to (isolated TTFT - what the simulator adds after the prefill step for
+    that request, e.g. the exposed KV transfer) with the engine's attention coefficient c kept;
+    decode a', b' fitted to the in-window step times with the engine's per-context-token c kept."""
+    from deploy.tuning.perf_model import fit_nonnegative
+    from deploy.tuning.simulator import Placement, PoolSpec, Simulator
+    m = engine_profile.tp[1]
+    pool = PoolSpec(1, 1, 2048, 128, m.kv_capacity_tokens)
+    sim = Simulator(engine_profile, Placement(None, pool) if placement == "colocated"
+                    else Placement(pool, pool, backend))
+    pf_x, pf_y, pf_rows = [], [], []
+    for r in raw["prefill"]:
+        if r["error"] or r["ttft_s"] is None:
+            continue
+        n = r["prompt_len"]
+        bare = m.prefill_time(n, n * n)
+        extra = sim.run([workload.RequestSpec(0.0, n, 2)]).requests[0].ttft_s - bare
+        target = r["ttft_s"] - extra - m.prefill[2] * n * n
+        pf_x.append([1.0, float(n)])
+        pf_y.append(target)
+        pf_rows.append({"prompt_len": n, "ttft_s": r["ttft_s"], "engine_model_s": bare, "sim_extra_s": extra})
+    dc_x, dc_y, dc_rows = [], [], []
+    for b in raw["decode"]:
+        for w in decode_windows(b["requests"]):
+            dc_x.append([1.0, float(w["batch"])])
+            dc_y.append(w["step_s"] - m.decode[2] * w["context"])
+            dc_rows.append({**w, "engine_model_s": m.decode_time(w["batch"], w["context"])})
+    pf = fit_nonnegative(pf_x, [max(y, 1e-6) for y in pf_y])
+    dc = fit_nonnegative(dc_x, [max(y, 1e-6) for y in dc_y])
+    prefill = [pf["coef"][0], pf["coef"][1], m.prefill[2]]
+    decode = [dc["coef"][0], dc["coef"][1], m.decode[2]]
+    for row in pf_rows:
+        n = row["prompt_len"]
+        row["serving_model_s"] = prefill[0] + prefill[1] * n + prefill[2] * n * n
+    for row in dc_rows:
+        row["serving_model_s"] = decode[0] + decode[1] * row["batch"] + decode[2] * row["context"]
+    kinds = {"colocated": {"prefill": {"coef": prefill}, "decode": {"coef": decode}}} if placement == "colocated" \
+        else {"prefill": {"prefill": {"coef": prefill}}, "decode": {"decode": {"coef": decode}}}
+    interference = {}
+    if raw.get("interference"):
+        extra = sim.run([workload.RequestSpec(0.0, CAL_PROBE_LEN, 2)]).requests[0].ttft_s - \
+            m.prefill_time(CAL_PROBE_LEN, CAL_PROBE_LEN ** 2)
+        interference = fit_interference(raw["interference"], prefill, extra)
+    return {"kinds": kinds, "prefill_samples": pf_rows, "decode_samples": dc_rows,
+            "prefill_fit": pf["fit"], "decode_fit": dc["fit"], "interference": interference}
+
+
+def calibrate(args, placement: str, router: str, entry: dict) -> None:
+    path = args.out.with_name(f"slo_validation_{placement}_calibration.json")
+    rc, out = run_child([sys.executable, str(pathlib.Path(__file__).resolve()), "--calibrate-router", router,
+                         "--calibrate-out", str(path), "--calibrate-placement", placement], 600)
+    entry["calibration"] = {"rc": rc, "raw_json": path.name}
+
+
+def serving_profile(args, results: dict) -> pathlib.Path | None:
+    """The engine profile plus the serving-path models fitted from each placement's calibration."""
+    from deploy.tuning.perf_model import load_profile, profile_from_dict
+    engine = load_profile(args.profile)
+    serving: dict = {}
+    fits = {}
+    for placement in PLACEMENTS:
+        path = args.out.with_name(f"slo_validation_{placement}_calibration.json")
+        if not path.is_file():
+            continue
+        fit = fit_serving(engine, placement, json.loads(path.read_text()))
+        fits[placement] = {k: v for k, v in fit.items() if k != "kinds"}
+        for kind, entry in fit["kinds"].items():
+            serving[kind] = {"1": entry}
+        factors = {k: fit["interference"][k] for k in ("decode_while_prefill", "prefill_while_decode")
+                   if k in fit["interference"]}
+        if factors:
+            serving["interference"] = factors
+    if not serving:
+        return None
+    data = json.loads(pathlib.Path(args.profile).read_text())
+    data["serving"] = {**serving, "source": {
+        "summary": "serving-path step models fitted by bench/slo_validation.py from requests through "
+                   "a running deployment (isolated prompts; concurrent decode batches), engine "
+                   "attention coefficients kept", "engine_profile": str(args.profile), "date": _now(),
+        "fits": fits}}
+    profile_from_dict(data, "serving profile")
+    out = pathlib.Path(args.serving_profile)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    results["serving_fits"] = fits
+    return out
+
+
+# ---- simulation ---------------------------------------------------------------------------------
+def requests_for(args, wl: str) -> list[workload.RequestSpec]:
+    return workload.load_trace(wl, scale=args.scale[wl], max_prompt=args.max_prompt,
+                               max_output=args.max_output, max_requests=args.num_requests)
+
+
+def sim_placement(args, profile, placement: str):
+    from deploy.tuning.simulator import Placement, PoolSpec
+    cap = profile.tp[1].kv_capacity_tokens
+    pool = lambda n: PoolSpec(n, 1, args.max_num_batched_tokens, 128, cap)  # noqa: E731
+    if placement == "disaggregated":
+        return Placement(pool(1), pool(1), "grpc")
+    return Placement(None, pool(2))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Percentile (numpy's linear); an unfinished or failed request (inf) ranks above every other."""
+    if not values:
+        return None
+    big = 1e12
+    v = float(np.percentile([min(x, big) for x in values], q))
+    return math.inf if v >= big / 2 else v
+
+
+def stats(ttft: list[float], tpot: list[float]) -> dict:
+    out = {}
+    for name, vals in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            v = pct(vals, q)
+            out[f"p{q}_{name}_ms"] = None if v is None else v * 1e3
+    return out
+
+
+def simulate_all(args, results: dict, label: str, profile_path) -> None:
+    from deploy.tuning.perf_model import load_profile
+    from deploy.tuning.simulator import Simulator
+    profile = profile_path if isinstance(profile_path, Profile) else load_profile(profile_path)
+    if isinstance(profile_path, Profile):
+        profile_path = profile_path.raw.get("_label", "in-memory profile")
+    slo = results["slo_s"]
+    block = {"profile": str(profile_path), "date": _now(), "runs": {}}
+    for placement in PLACEMENTS:
+        sim = Simulator(profile, sim_placement(args, profile, placement))
+        for wl in args.workloads:
+            reqs = requests_for(args, wl)
+            rows = []
+            for rate in args.rates[wl]:
+                timed = workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl])
+                t0 = time.perf_counter()
+                res = sim.run(timed)
+                att = res.attainment(slo["ttft"], slo["tpot"])
+                ttft = [r.ttft_s for r in res.requests]
+                tpot = [r.tpot_s for r, q in zip(res.requests, timed) if q.output_len >= 2]
+                rows.append({"rate": rate, "attainment": att, **stats(ttft, tpot),
+                             "ttft_ok": float(np.mean([t <= slo["ttft"] for t in ttft])),
+                             "tpot_ok": float(np.mean([r.tpot_s <= slo["tpot"] for r in res.requests])),
+                             "num_preemptions": res.num_preemptions, "seconds": time.perf_counter() - t0})
+            block["runs"].setdefault(placement, {})[wl] = rows
+    results.setdefault("simulations", {})[label] = block
+
+
+def measured_rows(args, placement: str, wl: str, slo: dict) -> list[dict] | None:
+    path = args.out.with_name(f"slo_validation_{placement}_{wl}.json")
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    rows = []
+    for run in data["runs"]:
+        s, reqs = run["summary"], run["requests"]
+        ttft = [r["ttft_s"] if not r["error"] else math.inf for r in reqs]
+        tpot = [r["tpot_s"] if not r["error"] else math.inf for r in reqs if r["output_len"] >= 2]
+        ok_ttft = [t <= slo["ttft"] for t in ttft]
+        ok_tpot = [not r["error"] and (r["tpot_s"] is None or r["tpot_s"] <= slo["tpot"]) for r in reqs]
+        rows.append({"rate": run["rate"], "attainment": s["slo_attainment"], **stats(ttft, tpot),
+                     "ttft_ok": float(np.mean(ok_ttft)), "tpot_ok": float(np.mean(ok_tpot)),
+                     "completed": s["completed"], "failed": s["failed"], "duration_s": run["duration_s"],
+                     "cached_prompt_tokens": s["cached_prompt_tokens"],
+                     "max_send_lag_ms": s["max_send_lag_ms"], "server_ms": s.get("server_ms"),
+                     "request_goodput": s.get("request_goodput")})
+    return rows
+
+
+def goodput(rows: list[dict], threshold: float = 0.9) -> dict:
+    return metrics.goodput_rate([r["rate"] for r in rows], [r["attainment"] for r in rows], threshold)
+
+
+# ---- the tuner ----------------------------------------------------------------------------------
+def slice_csv(args, wl: str) -> pathlib.Path:
+    """The measured slice of the trace (its first --num-requests rows, unscaled) as a trace file,
+    so the tuner sees exactly the requests that were measured."""
+    path = args.out.with_name(f"slo_validation_{wl}_slice.csv")
+    src = workload.resolve_trace(wl)
+    with open(src) as f:
+        lines = f.read().splitlines()
+    path.write_text("\n".join(lines[:1 + args.num_requests]) + "\n")
+    return path
+
+
+def run_tuner(args, wl: str, profile_path, trace: str) -> dict:
+    slo = args.slo_text + ",attainment=0.9"
+    tag = f"{pathlib.Path(profile_path).stem}_{'slice' if trace != wl else 'full'}"
+    plot = args.out.parent / f"slo_validation_tune_{wl}_{tag}.png"
+    cmd = [sys.executable, "-m", "deploy.cli", "tune", "--profile", str(profile_path), "--workload", trace,
+           "--scale", f"{args.scale[wl]:g}", "--max-prompt", str(args.max_prompt),
+           "--max-output", str(args.max_output), "--slo", slo, "--devices", "2", "--colocated",
+           "--tp", "1", "--backend", "grpc", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--plot", str(plot)]
+    log("$ " + " ".join(cmd))
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    out = p.stdout + p.stderr
+    m = re.search(r"^best: (.+?): ([0-9.e+-]+) req/s", p.stdout, re.M)
+    ranking = re.findall(r"^\s+\d+\s+(.+?)\s{2,}\d+\s+([0-9.e+-]+)\s+([0-9.e+-]+|-)", p.stdout, re.M)
+    return {"command": " ".join(["pdserve"] + [str(pathlib.Path(c).relative_to(REPO_ROOT))
+                                               if str(c).startswith(str(REPO_ROOT)) else c for c in cmd[3:]]),
+            "profile": str(profile_path), "workload": trace, "rc": p.returncode, "stdout": out,
+            "best": m.group(1) if m else None, "best_goodput": float(m.group(2)) if m else None,
+            "ranking": [{"placement": a.strip(), "estimate": float(b), "simulated": None if c == "-" else float(c)}
+                        for a, b, c in ranking], "plot": plot.name}
+
+
+def label_of(tuner_label: str) -> str:
+    return "colocated" if tuner_label.startswith("colocated") else "disaggregated"
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _f(x, spec=".0f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:{spec}}"
+
+
+def comparison(results: dict, label: str, wl: str) -> list[dict]:
+    out = []
+    sims = results["simulations"][label]["runs"]
+    for placement in PLACEMENTS:
+        meas = results["measured_rows"].get(placement, {}).get(wl)
+        sim = sims.get(placement, {}).get(wl)
+        if not meas or not sim:
+            continue
+        for m, s in zip(meas, sim):
+            out.append({"placement": placement, "rate": m["rate"], "measured": m, "simulated": s,
+                        "diff_pp": 100 * (s["attainment"] - m["attainment"])})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| placement | rate (req/s) | measured att. | simulated att. | sim - meas (pp) | "
+             "TTFT p50 meas/sim (ms) | TTFT p90 meas/sim | TPOT p50 meas/sim (ms) | TPOT p90 meas/sim |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, s = r["measured"], r["simulated"]
+        lines.append(f"| {r['placement']} | {r['rate']:g} | {100 * m['attainment']:.1f}% | "
+                     f"{100 * s['attainment']:.1f}% | {r['diff_pp']:+.1f} | "
+                     f"{_f(m['p50_ttft_ms'])} / {_f(s['p50_ttft_ms'])} | {_f(m['p90_ttft_ms'])} / {_f(s['p90_ttft_ms'])} | "
+                     f"{_f(m['p50_tpot_ms'], '.1f')} / {_f(s['p50_tpot_ms'], '.1f')} | "
+                     f"{_f(m['p90_tpot_ms'], '.1f')} / {_f(s['p90_tpot_ms'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def plot_validation(results: dict, args, wl: str) -> str | None:
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4.5), tight_layout=True)
+    ax = fig.add_subplot()
+    colors = {"disaggregated": "tab:blue", "colocated": "tab:green"}
+    styles = {label: ls for label, ls in zip(sorted(results.get("simulations", {})), (":", "--", "-."))}
+    drawn = False
+    for placement in PLACEMENTS:
+        meas = results["measured_rows"].get(placement, {}).get(wl)
+        if meas:
+            ax.plot([r["rate"] for r in meas], [100 * r["attainment"] for r in meas], "o-",
+                    color=colors[placement], label=f"{placement}, measured")
+            drawn = True
+        for label, block in results.get("simulations", {}).items():
+            sim = block["runs"].get(placement, {}).get(wl)
+            if sim:
+                ax.plot([r["rate"] for r in sim], [100 * r["attainment"] for r in sim], "x" + styles[label],
+                        color=colors[placement], label=f"{placement}, simulated ({label})")
+    if not drawn:
+        return None
+    ax.axhline(90, color="gray", ls="--", lw=1)
+    slo = results["slo_s"]
+    ax.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment (%)", ylim=(0, 105),
+           title=f"{wl}: TTFT <= {slo['ttft'] * 1e3:g} ms and TPOT <= {slo['tpot'] * 1e3:g} ms")
+    ax.legend(fontsize=7)
+    path = args.out.parent / f"slo_validation_{wl}_attainment.png"
+    fig.savefig(path, dpi=100)
+    return path.name
+
+
+def plot_cdfs(results: dict, args, wl: str) -> str | None:
+    """TTFT and TPOT CDFs of both placements at each rate, measured (solid) and simulated (dotted)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(12, 4.5), tight_layout=True)
+    axes = [fig.add_subplot(1, 2, i + 1) for i in range(2)]
+    colors = {"disaggregated": "tab:blue", "colocated": "tab:green"}
+    drawn = False
+    for placement in PLACEMENTS:
+        path = args.out.with_name(f"slo_validation_{placement}_{wl}.json")
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        for k, run in enumerate(data["runs"]):
+            alpha = 0.4 + 0.6 * k / max(1, len(data["runs"]) - 1)
+            for ax, key in zip(axes, ("ttft_s", "tpot_s")):
+                vals = sorted(1e3 * r[key] for r in run["requests"] if not r["error"] and r[key] is not None)
+                n = len([r for r in run["requests"] if key == "ttft_s" or r["output_len"] >= 2])
+                ax.step(vals, [(i + 1) / n for i in range(len(vals))], where="post", color=colors[placement],
+                        alpha=alpha, label=f"{placement} {run['rate']:g} req/s")
+                drawn = True
+    if not drawn:
+        return None
+    slo = results["slo_s"]
+    for ax, key, name in zip(axes, ("ttft", "tpot"), ("TTFT", "TPOT")):
+        ax.axvline(slo[key] * 1e3, color="gray", ls="--", lw=1, label="SLO")
+        ax.set(xlabel=f"{name} (ms, log)", ylabel="share of requests", xscale="log", ylim=(0, 1.02),
+               title=f"{wl}: measured {name} CDF (darker = higher rate)")
+        ax.legend(fontsize=7)
+    out = args.out.parent / f"slo_validation_{wl}_cdf.png"
+    fig.savefig(out, dpi=100)
+    return out.name
+
+
+def report(args, results: dict) -> None:
+    slo = results["slo_s"]
+    results["measured_rows"] = {}
+    for placement in PLACEMENTS:
+        for wl in args.workloads:
+            rows = measured_rows(args, placement, wl, slo)
+            if rows:
+                results["measured_rows"].setdefault(placement, {})[wl] = rows
+    results["comparison"] = {label: {wl: comparison(results, label, wl) for wl in args.workloads}
+                             for label in results.get("simulations", {})}
+    summary = {}
+    for wl in args.workloads:
+        for placement in PLACEMENTS:
+            meas = results["measured_rows"].get(placement, {}).get(wl)
+            if not meas:
+                continue
+            summary.setdefault(wl, {})[placement] = {
+                "goodput_measured": goodput(meas),
+                "goodput_simulated": {label: goodput(b["runs"][placement][wl])
+                                      for label, b in results.get("simulations", {}).items()
+                                      if b["runs"].get(placement, {}).get(wl)},
+                "p99_ttft_ms": [r["p99_ttft_ms"] for r in meas], "p99_tpot_ms": [r["p99_tpot_ms"] for r in meas],
+                "attainment": [r["attainment"] for r in meas], "rates": [r["rate"] for r in meas]}
+    results["summary"] = summary
+    plots = []
+    for wl in args.workloads:
+        plots += [p for p in (plot_validation(results, args, wl), plot_cdfs(results, args, wl)) if p]
+    results["plots"] = plots
+    for label in results.get("simulations", {}):
+        for wl in args.workloads:
+            rows = results["comparison"][label][wl]
+            if rows:
+                print(f"\n### {wl}, simulator '{label}'\n")
+                print(table(rows))
+    for wl, per in summary.items():
+        print(f"\n{wl}:")
+        for placement, s in per.items():
+            g = s["goodput_measured"]
+            print(f"  {placement}: measured goodput {'>= ' if g['lower_bound'] else ''}{g['rate']:.2f} req/s; "
+                  f"attainment {[f'{100 * a:.0f}%' for a in s['attainment']]} at {s['rates']}; "
+                  f"p99 TTFT {[_f(x) for x in s['p99_ttft_ms']]} ms; p99 TPOT {[_f(x, '.1f') for x in s['p99_tpot_ms']]} ms")
+    for key, t in results.get("tuner", {}).items():
+        print(f"\ntuner ({key}): best {t['best']} at {t['best_goodput']} req/s; ranking {t['ranking']}")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default=str(RESULTS / "profile_cpu_smollm2_1thread.json"),
+                   help="the engine profile (pdserve profile --threads-per-rank 1)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="first re-measure --profile with `pdserve profile --quick --threads-per-rank 1`")
+    p.add_argument("--serving-profile", default=str(RESULTS / "profile_cpu_smollm2_1thread_serving.json"),
+                   help="where the engine profile + the calibrated serving-path models go")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--workloads", default="azure_conv,azure_code")
+    p.add_argument("--conv-scale", type=float, default=0.2)
+    p.add_argument("--code-scale", type=float, default=0.1)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--conv-rates", default="1.5,3,4.5")
+    p.add_argument("--code-rates", default="1.5,3,4.5")
+    p.add_argument("--slo", default="ttft=1.5s,tpot=100ms", help="the joint SLO (metrics.parse_slo syntax)")
+    p.add_argument("--kv-cache-memory", type=int, default=512 << 20)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--ray-temp-dir", default="/tmp/pdsv_ray")
+    p.add_argument("--wait-idle", type=float, default=600.0, help="wait at most this long for a quiet CPU")
+    p.add_argument("--simulate-only", action="store_true",
+                   help="re-simulate (and re-fit, re-tune) from the runs stored beside --out")
+    p.add_argument("--no-tune", action="store_true")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure --placements again into the results stored at --out (same config)")
+    p.add_argument("--out", default=str(RESULTS / "slo_validation.json"))
+    p.add_argument("--calibrate-router", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--calibrate-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--calibrate-placement", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.calibrate_router:
+        return calibrate_child(args.calibrate_router, args.calibrate_out, args.calibrate_placement)
+    args.out = pathlib.Path(args.out).resolve()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.scale = {"azure_conv": args.conv_scale, "azure_code": args.code_scale}
+    args.rates = {"azure_conv": metrics.parse_positive_list(args.conv_rates, "--conv-rates"),
+                  "azure_code": metrics.parse_positive_list(args.code_rates, "--code-rates")}
+    args.slo_text = args.slo
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    if args.simulate_only:
+        results = json.loads(args.out.read_text())
+        cfg = results["config"]
+        for k in ("conv_scale", "code_scale", "max_prompt", "max_output", "num_requests",
+                  "max_num_batched_tokens", "slo", "profile", "serving_profile"):
+            setattr(args, k, cfg[k])
+        args.workloads = cfg["workloads"]
+        args.scale = {"azure_conv": cfg["conv_scale"], "azure_code": cfg["code_scale"]}
+        args.rates = {k: v for k, v in cfg["rates"].items()}
+        args.slo_text = cfg["slo"]
+    elif args.remeasure:
+        # measure these placements again into the stored results; the earlier files are kept
+        # with a _run<N> suffix and their measured entry under "earlier"
+        results = json.loads(args.out.read_text())
+        for placement in [x for x in args.placements.split(",") if x]:
+            old = results["measured"].get(placement)
+            if old is None:
+                continue
+            k = len(results.setdefault("earlier", {}).setdefault(placement, [])) + 1
+            for f in args.out.parent.glob(f"slo_validation_{placement}_*"):
+                if "_run" not in f.stem:
+                    f.rename(f.with_name(f"{f.stem}_run{k}{f.suffix}"))
+            old["files_suffix"] = f"_run{k}"
+            results["earlier"][placement].append(old)
+            results["measured"].pop(placement)
+            results.setdefault("remeasured", []).append({"placement": placement, "date": _now(),
+                                                         "command": " ".join(["python"] + sys.argv)})
+            measure(args, placement, results)
+            args.out.write_text(json.dumps(results, indent=1))
+        cfg = results["config"]
+        args.profile, args.serving_profile = cfg["profile"], cfg["serving_profile"]
+    else:
+        import torch
+        results = {"schema": "pdserve-slo-validation/1", "date": _now(),
+                   "command": " ".join(["python"] + sys.argv),
+                   "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+                               "torch": torch.__version__, "platform": platform.platform()},
+                   "working_tree": subprocess.run(["git", "status", "--short"], cwd=REPO_ROOT,
+                                                  capture_output=True, text=True).stdout.splitlines(),
+                   "config": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                   "slo_s": metrics.parse_slo(args.slo), "measured": {}}
+        if args.reprofile:
+            results["profile_wait"] = wait_quiet(args.wait_idle)
+            mon = ForeignCpu()
+            cmd = [sys.executable, "-m", "deploy.cli", "profile", "--model", args.model, "--tp", "1",
+                   "--threads-per-rank", "1", "--quick", "--kv-cache-memory", str(args.kv_cache_memory),
+                   "--backends", "grpc", "--out", str(args.profile)]
+            rc, out = run_child(cmd, 600)
+            results["profile_run"] = {"command": " ".join(["pdserve"] + cmd[3:]), "rc": rc, "cpu": mon.stop()}
+            if rc:
+                return 1
+        for placement in [x for x in args.placements.split(",") if x]:
+            measure(args, placement, results)
+            args.out.write_text(json.dumps(results, indent=1))
+    results["slo_s"] = metrics.parse_slo(args.slo_text)
+    profiles = {"engine": args.profile}
+    serving = serving_profile(args, results)
+    sims = dict(profiles)
+    if serving is not None:
+        from deploy.tuning.perf_model import profile_from_dict
+        profiles["serving"] = serving
+        data = json.loads(serving.read_text())
+        data["serving"].pop("interference", None)
+        data["_label"] = f"{serving} without serving.interference"
+        sims = {"engine": args.profile, "serving-steps": profile_from_dict(data), "serving": serving}
+    results["simulations"] = {}
+    for label, path in sims.items():
+        simulate_all(args, results, label, path)
+    if not args.no_tune:
+        results["tuner"] = {}
+        for wl in args.workloads:
+            trace = str(slice_csv(args, wl))
+            for label, path in profiles.items():
+                t = run_tuner(args, wl, path, trace)
+                results["tuner"][f"{wl}/{label}/slice"] = t
+                log(f"tuner {wl} {label} slice:\n{t['stdout']}")
+            if "serving" in profiles:
+                t = run_tuner(args, wl, profiles["serving"], wl)
+                results["tuner"][f"{wl}/serving/full"] = t
+                log(f"tuner {wl} serving full trace:\n{t['stdout']}")
+    report(args, results)
+    args.out.write_text(json.dumps(results, indent=1))
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
