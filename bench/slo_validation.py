@@ -1,34 +1,45 @@
 """SLO validation (issue #4, "Must show" a, b, c): measured vs simulated joint SLO attainment on this
 machine's 2 cores, the tuner's pick vs the measured best placement, and disaggregated vs colocated.
 
-    python bench/slo_validation.py                      # measure + simulate + tune (~15-20 min)
-    python bench/slo_validation.py --simulate-only --sim-label after   # re-simulate the stored runs
-    python bench/slo_validation.py --placements disaggregated --workloads azure_conv \\
-        --conv-rates 3 --num-requests 40 --out /tmp/probe.json       # a quick probe
+    python bench/slo_validation.py --reprofile          # profile + measure + simulate + tune (~12 min
+                                                        #   of machine time, plus waits for quiet)
+    python bench/slo_validation.py --simulate-only      # re-fit, re-simulate, re-tune the stored runs
+    python bench/slo_validation.py --remeasure --placements colocated [--workloads azure_code]
+                                                        # measure again; earlier files kept as _run<N>
 
 Placements of the 2 cores (each launched by deploy.launcher.up(validate_config({...}), block=False)
 on a local Ray with num_cpus 2, model smollm2, every worker num_cpus 1 and ONE torch thread):
   disaggregated  1 prefill + 1 decode worker, grpc KV transfer
   colocated      2 workers that prefill and decode (chunked prefill in continuous batching)
-Same pool settings for both: kv_cache_memory, max_model_len, max_num_batched_tokens (the chunk).
+Same pool settings for both: kv_cache_memory, max_model_len, max_num_batched_tokens (the chunk);
+the router's max_inflight is raised so that no request is refused.
 
-Per placement: wait for a quiet machine -> up() -> a warm-up run (its own prompt seed) -> per
-workload one `pdserve bench --sweep-rates` in a subprocess (the load generator runs in its own
-process, so it does not share the router's GIL in this driver process) -> stop(). The sweep writes
-its JSON (every request) and its PNGs (attainment vs rate, TTFT and TPOT CDFs) under bench/results/.
-The same trace slice, seed and rates for both placements, so both get the same requests at the same
-times (prompt token ids: seed + k for the k-th rate; the two workloads use different seeds so no
-prompt of one is a prefix of the other's).
+Per placement: wait for a quiet machine -> up() -> a warm-up run (its own prompt seed) -> the
+serving-path calibration (below) -> per workload one `pdserve bench --sweep-rates` in a subprocess
+(the load generator runs in its own process, so it does not share the router's GIL in this driver
+process) -> stop(). The sweep writes its JSON (every request) and its PNGs (attainment vs rate,
+TTFT and TPOT CDFs) under bench/results/. The same trace slice, seed and rates for both placements,
+so both get the same requests at the same times (prompt token ids: seed + k for the k-th rate; the
+two workloads use different seeds so no prompt of one is a prefix of the other's). A sweep during
+which processes outside this run used more than DISTURBED_CORES is set aside and measured again.
 
-Then per placement, workload and rate the simulator (deploy/tuning/simulator.py) runs on the
-profile (--profile, measured with `pdserve profile --threads-per-rank 1`, i.e. as the workers run)
-for the very same RequestSpecs, and its attainment and p50/p90/p99 TTFT and TPOT go beside the
-measured ones. Results of successive simulator versions are kept side by side under
-"simulations"/<label> (--sim-label), so a fix can be reported as before and after.
-Finally `pdserve tune --devices 2 --colocated` with the same profile, workload and SLO.
+Calibration (a child process, like the load generator): isolated prompts of 32..512 tokens one at
+a time (TTFT through the whole path), batches of 1, 4 and 16 requests sent together (the step time
+while all of a worker's requests decode), and, disaggregated, a decode batch with prompts prefilled
+beside it (how much each side slows while the other computes). Fitted into "serving-path" step
+models for the profile (deploy/tuning/perf_model.py), written as --serving-profile.
+
+Simulations of the very same RequestSpecs, kept side by side under "simulations"/<label>:
+  original       the simulator before this validation (exact router view) on the engine profile
+  engine         the current simulator (the colocated router's 0.5 s stale view) on the engine profile
+  serving-steps  + the serving-path step models, without the interference factors
+  serving        + the interference factors: the full serving profile
+Finally `pdserve tune --devices 2 --colocated` with the engine and the serving profile on the
+measured trace slice (and the serving profile on the whole trace).
 
 CPU used by processes outside this script's process tree (Ray and its workers are inside it) is
-recorded for every measured sweep: another engineer may be benchmarking on the same machine.
+recorded for every measured sweep, with a per-component breakdown: another engineer may be
+benchmarking on the same machine.
 """
 from __future__ import annotations
 
@@ -59,6 +70,7 @@ PLACEMENTS = ("disaggregated", "colocated")
 WORKLOAD_SEEDS = {"azure_conv": 0, "azure_code": 100}   # prompt seeds seed+k never overlap
 WARMUP_SEED = 1000
 QUIET_CORES = 0.1     # other processes' CPU (cores, 3 s average) below which the machine is quiet
+DISTURBED_CORES = 0.15  # a sweep during which others used more (average cores) is measured again
 
 
 def log(msg: str) -> None:
@@ -283,7 +295,11 @@ def run_child(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     return p.returncode, p.stdout + ("\n" + p.stderr if p.returncode else "")
 
 
-def measure(args, placement: str, results: dict) -> None:
+def measure(args, placement: str, results: dict, workloads: list[str] | None = None,
+            calibrate_it: bool = True) -> None:
+    """Up, warm-up, calibration, one sweep per workload, down. A sweep during which processes
+    outside this run used more than DISTURBED_CORES on average is kept aside (renamed
+    *_disturbed<k>) and run again after waiting for a quiet machine, up to --retries times."""
     from deploy.config import validate_config
     from deploy.launcher import up
     entry = results["measured"].setdefault(placement, {})
@@ -300,21 +316,36 @@ def measure(args, placement: str, results: dict) -> None:
         entry["warmup_rc"] = rc
         pids = worker_pids(cluster)
         entry["worker_pids"] = {str(k): v for k, v in pids.items()}
-        calibrate(args, placement, router, entry)
-        for wl in args.workloads:
+        if calibrate_it:
+            calibrate(args, placement, router, entry)
+        for wl in workloads or args.workloads:
             name = f"slo_validation_{placement}_{wl}.json"
             rates = ",".join(f"{r:g}" for r in args.rates[wl])
-            wait = wait_quiet(args.wait_idle)
-            mon, parts = ForeignCpu(), CpuBreakdown(pids)
-            rc, out = run_child(bench_cmd(router, trace_args(args, wl) + [
-                "--seed", str(WORKLOAD_SEEDS[wl]), "--sweep-rates", rates, "--slo", args.slo_text,
-                "--out", str(args.out.with_name(name)), "--request-timeout", "300"]), 1800)
-            breakdown, cpu = parts.stop(), mon.stop()
-            log(f"{placement} {wl}: sweep rc {rc} in {cpu['wall_s']:.0f} s; others used "
-                f"{cpu['foreign_cores_avg']:.2f} cores on average; cores by component: "
-                f"{breakdown['cores_avg']}\n{out}")
-            entry[wl] = {"bench_json": name, "rc": rc, "stdout": out, "wait_before": wait, "cpu": cpu,
-                         "cpu_by_component": breakdown}
+            disturbed = []
+            for attempt in range(args.retries + 1):
+                wait = wait_quiet(args.wait_idle)
+                mon, parts = ForeignCpu(), CpuBreakdown(pids)
+                rc, out = run_child(bench_cmd(router, trace_args(args, wl) + [
+                    "--seed", str(WORKLOAD_SEEDS[wl]), "--sweep-rates", rates, "--slo", args.slo_text,
+                    "--out", str(args.out.with_name(name)), "--request-timeout", "300"]), 1800)
+                breakdown, cpu = parts.stop(), mon.stop()
+                log(f"{placement} {wl}: sweep rc {rc} in {cpu['wall_s']:.0f} s; others used "
+                    f"{cpu['foreign_cores_avg']:.2f} cores on average; cores by component: "
+                    f"{breakdown['cores_avg']}\n{out}")
+                record = {"bench_json": name, "rc": rc, "stdout": out, "wait_before": wait, "cpu": cpu,
+                          "cpu_by_component": breakdown}
+                if cpu["foreign_cores_avg"] <= DISTURBED_CORES or attempt == args.retries:
+                    break
+                aside = args.out.with_name(f"slo_validation_{placement}_{wl}_disturbed{len(disturbed) + 1}.json")
+                args.out.with_name(name).rename(aside)
+                for png in args.out.parent.glob(f"slo_validation_{placement}_{wl}_*.png"):
+                    if "_disturbed" not in png.stem and "_run" not in png.stem:
+                        png.rename(png.with_name(f"{png.stem}_disturbed{len(disturbed) + 1}.png"))
+                record["bench_json"] = aside.name
+                disturbed.append(record)
+                log(f"{placement} {wl}: disturbed by other processes ({cpu['foreign_cores_avg']:.2f} "
+                    f"cores); kept as {aside.name}, measuring again")
+            entry[wl] = {**record, "disturbed_attempts": disturbed}
     finally:
         cluster.stop()
         time.sleep(2)
@@ -544,16 +575,18 @@ def stats(ttft: list[float], tpot: list[float]) -> dict:
     return out
 
 
-def simulate_all(args, results: dict, label: str, profile_path) -> None:
+def simulate_all(args, results: dict, label: str, profile_path, router_stats_s: float | None = None) -> None:
     from deploy.tuning.perf_model import load_profile
     from deploy.tuning.simulator import Simulator
     profile = profile_path if isinstance(profile_path, Profile) else load_profile(profile_path)
     if isinstance(profile_path, Profile):
         profile_path = profile_path.raw.get("_label", "in-memory profile")
     slo = results["slo_s"]
-    block = {"profile": str(profile_path), "date": _now(), "runs": {}}
+    block = {"profile": str(profile_path), "date": _now(), "runs": {},
+             "router_stats_s": "simulator default" if router_stats_s is None else router_stats_s}
     for placement in PLACEMENTS:
-        sim = Simulator(profile, sim_placement(args, profile, placement))
+        kw = {} if router_stats_s is None else {"router_stats_s": router_stats_s}
+        sim = Simulator(profile, sim_placement(args, profile, placement), **kw)
         for wl in args.workloads:
             reqs = requests_for(args, wl)
             rows = []
@@ -572,8 +605,8 @@ def simulate_all(args, results: dict, label: str, profile_path) -> None:
     results.setdefault("simulations", {})[label] = block
 
 
-def measured_rows(args, placement: str, wl: str, slo: dict) -> list[dict] | None:
-    path = args.out.with_name(f"slo_validation_{placement}_{wl}.json")
+def measured_rows(args, placement: str, wl: str, slo: dict, path=None) -> list[dict] | None:
+    path = path or args.out.with_name(f"slo_validation_{placement}_{wl}.json")
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
@@ -617,7 +650,7 @@ def run_tuner(args, wl: str, profile_path, trace: str) -> dict:
            "--scale", f"{args.scale[wl]:g}", "--max-prompt", str(args.max_prompt),
            "--max-output", str(args.max_output), "--slo", slo, "--devices", "2", "--colocated",
            "--tp", "1", "--backend", "grpc", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--plot", str(plot)]
+           "--seed", str(WORKLOAD_SEEDS[wl]), "--plot", str(plot)]
     log("$ " + " ".join(cmd))
     p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     out = p.stdout + p.stderr
@@ -672,31 +705,53 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def earlier_runs(args, results: dict) -> list[dict]:
+    """Earlier measurements of a placement and workload (kept by --remeasure), with how much CPU
+    other processes used during them."""
+    out = []
+    for placement, entries in results.get("earlier", {}).items():
+        for e in entries:
+            for wl in args.workloads:
+                if wl not in e:
+                    continue
+                path = args.out.with_name(f"slo_validation_{placement}_{wl}{e['files_suffix']}.json")
+                if not path.is_file():
+                    continue
+                rows = measured_rows(args, placement, wl, results["slo_s"], path)
+                out.append({"placement": placement, "workload": wl, "suffix": e["files_suffix"],
+                            "foreign_cores_avg": e[wl]["cpu"]["foreign_cores_avg"], "rows": rows})
+    return out
+
+
 def plot_validation(results: dict, args, wl: str) -> str | None:
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(7, 4.5), tight_layout=True)
-    ax = fig.add_subplot()
-    colors = {"disaggregated": "tab:blue", "colocated": "tab:green"}
-    styles = {label: ls for label, ls in zip(sorted(results.get("simulations", {})), (":", "--", "-."))}
+    fig = Figure(figsize=(13, 4.8), tight_layout=True)
+    styles = dict(zip(results.get("simulations", {}), (":", "--", "-.", "-")))
+    slo = results["slo_s"]
     drawn = False
-    for placement in PLACEMENTS:
+    for i, placement in enumerate(PLACEMENTS):
+        ax = fig.add_subplot(1, 2, i + 1)
         meas = results["measured_rows"].get(placement, {}).get(wl)
         if meas:
-            ax.plot([r["rate"] for r in meas], [100 * r["attainment"] for r in meas], "o-",
-                    color=colors[placement], label=f"{placement}, measured")
+            ax.plot([r["rate"] for r in meas], [100 * r["attainment"] for r in meas], "o-", color="black",
+                    lw=2, label="measured")
             drawn = True
+        for e in results.get("earlier_runs", []):
+            if e["placement"] == placement and e["workload"] == wl:
+                ax.plot([r["rate"] for r in e["rows"]], [100 * r["attainment"] for r in e["rows"]], "o",
+                        mfc="none", color="gray", label=f"measured earlier ({e['suffix'][1:]}, others used "
+                                                        f"{e['foreign_cores_avg']:.2f} cores)")
         for label, block in results.get("simulations", {}).items():
             sim = block["runs"].get(placement, {}).get(wl)
             if sim:
-                ax.plot([r["rate"] for r in sim], [100 * r["attainment"] for r in sim], "x" + styles[label],
-                        color=colors[placement], label=f"{placement}, simulated ({label})")
+                ax.plot([r["rate"] for r in sim], [100 * r["attainment"] for r in sim], marker="x",
+                        ls=styles[label], label=f"simulated: {label}")
+        ax.axhline(90, color="gray", ls="--", lw=1)
+        ax.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment (%)", ylim=(0, 105),
+               title=f"{wl}, {placement}: TTFT <= {slo['ttft'] * 1e3:g} ms, TPOT <= {slo['tpot'] * 1e3:g} ms")
+        ax.legend(fontsize=7)
     if not drawn:
         return None
-    ax.axhline(90, color="gray", ls="--", lw=1)
-    slo = results["slo_s"]
-    ax.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment (%)", ylim=(0, 105),
-           title=f"{wl}: TTFT <= {slo['ttft'] * 1e3:g} ms and TPOT <= {slo['tpot'] * 1e3:g} ms")
-    ax.legend(fontsize=7)
     path = args.out.parent / f"slo_validation_{wl}_attainment.png"
     fig.savefig(path, dpi=100)
     return path.name
@@ -743,6 +798,7 @@ def report(args, results: dict) -> None:
             rows = measured_rows(args, placement, wl, slo)
             if rows:
                 results["measured_rows"].setdefault(placement, {})[wl] = rows
+    results["earlier_runs"] = earlier_runs(args, results)
     results["comparison"] = {label: {wl: comparison(results, label, wl) for wl in args.workloads}
                              for label in results.get("simulations", {})}
     summary = {}
@@ -769,6 +825,10 @@ def report(args, results: dict) -> None:
             if rows:
                 print(f"\n### {wl}, simulator '{label}'\n")
                 print(table(rows))
+    for e in results["earlier_runs"]:
+        print(f"\nearlier run {e['placement']} {e['workload']} {e['suffix']} (others used "
+              f"{e['foreign_cores_avg']:.2f} cores): attainment "
+              f"{[round(100 * r['attainment'], 1) for r in e['rows']]} % at {[r['rate'] for r in e['rows']]}")
     for wl, per in summary.items():
         print(f"\n{wl}:")
         for placement, s in per.items():
@@ -811,6 +871,8 @@ def main() -> int:
     p.add_argument("--simulate-only", action="store_true",
                    help="re-simulate (and re-fit, re-tune) from the runs stored beside --out")
     p.add_argument("--no-tune", action="store_true")
+    p.add_argument("--retries", type=int, default=2,
+                   help="measure a sweep again when others disturbed it, at most this often (default 2)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure --placements again into the results stored at --out (same config)")
     p.add_argument("--out", default=str(RESULTS / "slo_validation.json"))
@@ -821,6 +883,7 @@ def main() -> int:
     if args.calibrate_router:
         return calibrate_child(args.calibrate_router, args.calibrate_out, args.calibrate_placement)
     args.out = pathlib.Path(args.out).resolve()
+    args.workloads_given = "--workloads" in sys.argv
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.scale = {"azure_conv": args.conv_scale, "azure_code": args.code_scale}
     args.rates = {"azure_conv": metrics.parse_positive_list(args.conv_rates, "--conv-rates"),
@@ -839,26 +902,30 @@ def main() -> int:
         args.rates = {k: v for k, v in cfg["rates"].items()}
         args.slo_text = cfg["slo"]
     elif args.remeasure:
-        # measure these placements again into the stored results; the earlier files are kept
-        # with a _run<N> suffix and their measured entry under "earlier"
+        # measure these placements (and workloads) again into the stored results; the earlier
+        # files are kept with a _run<N> suffix and their measured entries under "earlier"
         results = json.loads(args.out.read_text())
+        only = [w for w in args.workloads] if args.workloads_given else None
         for placement in [x for x in args.placements.split(",") if x]:
             old = results["measured"].get(placement)
             if old is None:
                 continue
             k = len(results.setdefault("earlier", {}).setdefault(placement, [])) + 1
-            for f in args.out.parent.glob(f"slo_validation_{placement}_*"):
-                if "_run" not in f.stem:
+            pattern = [f"slo_validation_{placement}_{w}" for w in only] if only else [f"slo_validation_{placement}_"]
+            for f in list(args.out.parent.glob(f"slo_validation_{placement}_*")):
+                if "_run" not in f.stem and "_disturbed" not in f.stem and any(f.stem.startswith(p) for p in pattern):
                     f.rename(f.with_name(f"{f.stem}_run{k}{f.suffix}"))
-            old["files_suffix"] = f"_run{k}"
-            results["earlier"][placement].append(old)
-            results["measured"].pop(placement)
-            results.setdefault("remeasured", []).append({"placement": placement, "date": _now(),
-                                                         "command": " ".join(["python"] + sys.argv)})
-            measure(args, placement, results)
+            kept = {w: old[w] for w in (only or [w for w in ("azure_conv", "azure_code") if w in old])}
+            results["earlier"][placement].append({**({} if only else old), **kept, "files_suffix": f"_run{k}"})
+            if not only:
+                results["measured"].pop(placement)
+            results.setdefault("remeasured", []).append({"placement": placement, "workloads": only,
+                                                         "date": _now(), "command": " ".join(["python"] + sys.argv)})
+            measure(args, placement, results, workloads=only, calibrate_it=not only)
             args.out.write_text(json.dumps(results, indent=1))
         cfg = results["config"]
         args.profile, args.serving_profile = cfg["profile"], cfg["serving_profile"]
+        args.workloads = cfg["workloads"]
     else:
         import torch
         results = {"schema": "pdserve-slo-validation/1", "date": _now(),
@@ -894,6 +961,8 @@ def main() -> int:
         data["_label"] = f"{serving} without serving.interference"
         sims = {"engine": args.profile, "serving-steps": profile_from_dict(data), "serving": serving}
     results["simulations"] = {}
+    # the simulator as it was (an exact router view for colocated picks) on the engine profile
+    simulate_all(args, results, "original", args.profile, router_stats_s=0.0)
     for label, path in sims.items():
         simulate_all(args, results, label, path)
     if not args.no_tune:
