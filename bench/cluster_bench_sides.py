@@ -16,6 +16,9 @@ Timed per trial (each trial its own fresh prompt and its own reservation on the 
   T_transfer   right after that compute: the recorded per-layer pushes replayed through a PushSink
                (read_chunk + send, as in the step), commit, flush
   hidden       (T_compute + T_transfer - T_pipelined) / T_transfer
+  T_deferred   as T_pipelined with PushSink(overlap=False): the step's layers pushed after its last
+               layer (what PushSink picks by itself when the compute threads take every core)
+The three kinds of trial rotate order, each on its own fresh prompt.
 """
 from __future__ import annotations
 
@@ -162,11 +165,13 @@ class _Pipeline:
             raise RuntimeError(f"{rid}: the decode worker ended with {tokens} {reason!r}, "
                                f"expected [{first}] 'length' (the transfer did not land)")
 
-    def pipelined(self, prompt) -> dict:
+    def pipelined(self, prompt, overlap: bool = True) -> dict:
+        """overlap True: the normal per-layer pushes; False: PushSink's deferred mode (a step's
+        layers pushed after its last layer, what it picks when the compute takes every core)."""
         from engine import SamplingParams
         from prefill_worker.handoff import PushSink
         rid, res, dest = self._reserve(prompt)
-        sink = PushSink(rid, self.layout, self.transport, dest, res.num_cached_tokens)
+        sink = PushSink(rid, self.layout, self.transport, dest, res.num_cached_tokens, overlap=overlap)
         t0 = time.perf_counter()
         self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1),
                                 prefill_only=True, kv_sink=sink)
@@ -190,7 +195,7 @@ class _Pipeline:
         first = _run_until_first_token(self.engine, rid)
         t1 = time.perf_counter()
         # the request finished, its blocks are free but keep their KV until reused (nothing ran since)
-        sink = PushSink(rid, self.layout, self.transport, dest, res.num_cached_tokens)
+        sink = PushSink(rid, self.layout, self.transport, dest, res.num_cached_tokens, overlap=True)
         kv = self.engine.kv_cache
         for layer, block_ids, start, end in recorder.calls:
             sink.on_layer(layer, kv[layer], block_ids, start, end)
@@ -234,18 +239,19 @@ def pipeline_side(conn, model: str, engine_kwargs: dict, prefill_threads: int,
                 out["error"] = traceback.format_exc()
                 continue
             try:
-                prompts = random_prompts(seed + 100 * b, 2 * num_trials + 2, length)
+                prompts = random_prompts(seed + 100 * b, 3 * num_trials + 3, length)
                 pipe.pipelined(prompts[0])    # warm-up: the channel's first frames, the decode pages
                 pipe.sequential(prompts[1])
+                pipe.pipelined(prompts[2], overlap=False)
                 mon = TreeCpuMonitor()
                 trials = []
-                for i in range(num_trials):   # alternate which mode goes first: drift cancels
-                    a, b_ = prompts[2 + 2 * i], prompts[3 + 2 * i]
-                    if i % 2 == 0:
-                        p, s = pipe.pipelined(a), pipe.sequential(b_)
-                    else:
-                        s, p = pipe.sequential(b_), pipe.pipelined(a)
-                    t = {**p, **s}
+                for i in range(num_trials):   # rotate which mode goes first: drift cancels
+                    a, b_, c = prompts[3 + 3 * i:6 + 3 * i]
+                    runs = [lambda: pipe.pipelined(a), lambda: pipe.sequential(b_),
+                            lambda: {"deferred_" + k: v for k, v in pipe.pipelined(c, overlap=False).items()}]
+                    t = {}
+                    for j in range(3):
+                        t.update(runs[(i + j) % 3]())
                     t["hidden"] = (t["compute_s"] + t["transfer_s"] - t["pipelined_s"]) / t["transfer_s"]
                     trials.append(t)
                 out["cpu"] = mon.stop()
@@ -260,11 +266,18 @@ def pipeline_side(conn, model: str, engine_kwargs: dict, prefill_threads: int,
         conn.send({"error": traceback.format_exc()})
 
 
+def med_diff(trials: list[dict], a: str, b: str) -> float:
+    return statistics.median(t[a] - t[b] for t in trials)
+
+
 def summarize_pipeline(trials: list[dict]) -> dict:
     med = lambda k: statistics.median(t[k] for t in trials)  # noqa: E731
     t_c, t_t, t_p = med("compute_s"), med("transfer_s"), med("pipelined_s")
     return {"compute_s": t_c, "transfer_s": t_t, "pipelined_s": t_p,
             "pipelined_compute_s": med("pipelined_compute_s"), "exposed_s": med("exposed_s"),
+            "deferred_s": med("deferred_pipelined_s"), "deferred_exposed_s": med("deferred_exposed_s"),
+            "inflation_median_of_trials_s": med_diff(trials, "pipelined_s", "compute_s"),
+            "deferred_inflation_median_of_trials_s": med_diff(trials, "deferred_pipelined_s", "compute_s"),
             "hidden_of_medians": (t_c + t_t - t_p) / t_t if t_t > 0 else None,
             "hidden_median_of_trials": med("hidden"), "bytes": trials[0]["bytes"],
             "num_trials": len(trials)}

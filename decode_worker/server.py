@@ -67,11 +67,13 @@ class DecodeWorker:
             # the hand-off writes every rank's pool from rank 0, and shm senders write into it
             if (tp > 1 or cfg.kv_backend == "shm") and not kwargs.get("kv_cache_shared_dir"):
                 kwargs["kv_cache_shared_dir"] = default_shared_dir()
-            # the engine itself, not an LLM: an LLM shuts its engine down when collected
-            engine = LLMEngine(EngineConfig(model=cfg.model, **kwargs))
+            # the engine itself, not an LLM (an LLM shuts its engine down when collected), built
+            # on the loop thread that will step it (EngineLoop.build says why)
+            self.loop = EngineLoop.build(lambda: LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
+                                         name=f"{cfg.worker_id}-engine")
+            engine = self.loop.engine
             self.layout = KVLayout(**engine.kv_layout_spec())
             rank_caches = engine.rank_kv_caches()
-            self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
             self.handoff = DecodeHandoff(self.loop, self.layout, lease_s=cfg.lease_ms / 1000,
                                          sweep_s=cfg.lease_sweep_s, rank_caches=rank_caches)
             kv_options = dict(cfg.kv_options)

@@ -203,16 +203,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             found=self.handoff.abort(request.request_id, "aborted by the router"))
 
     def Stats(self, request, context):
-        def read():
-            engine = self.loop.engine
-            bm, sched = engine.block_manager, engine.scheduler
-            queued = sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.waiting)
-            return worker_pb2.WorkerStats(
-                worker_id=self.options.worker_id, num_free_blocks=bm.num_free_blocks,
-                num_total_blocks=bm.num_blocks, num_running=len(sched.running),
-                num_waiting=len(sched.waiting), num_reserved=self.handoff.num_reserved,
-                queued_prompt_tokens=max(queued, 0))
-        return self.loop.call(read)
+        return worker_pb2.WorkerStats(worker_id=self.options.worker_id, **self.loop.load(),
+                                      num_reserved=self.handoff.num_reserved)
 
     def _forget_finished(self) -> None:
         cutoff = time.monotonic() - self.options.finished_ttl_s

@@ -5,6 +5,13 @@ compete for the cores (on the 2-core machine that halved throughput). Here every
 on the loop thread, between steps: other threads `call()` a function and wait for its result, and
 outputs go back through per-request callbacks, which must be cheap (put into a queue).
 
+The engine is built on the loop thread too (`EngineLoop.build`): torch's OpenMP keeps a pool of
+worker threads for every thread that ever ran a parallel op, and once the pools together
+outnumber the cores every barrier sleeps after a short spin instead of spinning. An engine built
+on the main thread and stepped on the loop thread left two pools, and a 512-token prefill on 2
+threads ran 1.3-1.7x slower than stepping on the thread that built it (SmolLM2, the 2-core VM);
+built on the loop thread it matched.
+
 Loop: run queued calls -> run periodic ticks (lease expiry) -> one engine step if any work ->
 dispatch outputs -> sleep until new work when idle (also when the only unfinished requests are
 reservations waiting for their KV: a step has nothing to compute for them).
@@ -44,6 +51,29 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    @classmethod
+    def build(cls, factory: Callable[[], object], name: str = "engine-loop",
+              timeout: float | None = None) -> "EngineLoop":
+        """Start a loop whose engine `factory()` builds on the loop thread itself (see the module
+        docstring); returns once it is built, or raises what the factory raised."""
+        loop = cls(None, name=name)
+        built: Future = Future()
+
+        def bootstrap():
+            try:
+                loop.engine = factory()
+            except BaseException as e:   # noqa: BLE001 - handed to the caller
+                built.set_exception(e)
+                loop._fail_pending_calls()
+                return
+            built.set_result(None)
+            loop._run()
+
+        loop._thread = threading.Thread(target=bootstrap, name=name, daemon=True)
+        loop._thread.start()
+        built.result(timeout)
+        return loop
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -87,6 +117,19 @@ class EngineLoop:
                 cb(RequestOutput.aborted(request_id, reason))
             return found
         return self.call(abort, timeout=timeout)
+
+    def load(self) -> dict[str, int]:
+        """The engine's occupancy, read from any thread without waiting for the loop: health
+        checks and heartbeats must answer while a long step runs (a 512-token prefill takes half
+        a second on 2 cores, a long prompt seconds). Each count is one atomic read under the GIL;
+        together they are a snapshot that may straddle a step, which is all a load report needs."""
+        engine = self.engine
+        bm, sched = engine.block_manager, engine.scheduler
+        waiting = list(sched.waiting)   # copied in one C call: the loop may append meanwhile
+        queued = sum(s.num_prompt_tokens - s.num_computed_tokens for s in waiting)
+        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
+                "num_running": len(sched.running), "num_waiting": len(waiting),
+                "queued_prompt_tokens": max(queued, 0)}
 
     def every(self, period_s: float, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread about every period_s seconds (e.g. lease expiry)."""

@@ -56,11 +56,13 @@ class PrefillWorker:
             tp = kwargs.get("tensor_parallel_size", 1)
             if tp > 1 and not kwargs.get("kv_cache_shared_dir"):   # rank 0 sends every rank's heads
                 kwargs["kv_cache_shared_dir"] = default_shared_dir()
-            # the engine itself, not an LLM: an LLM shuts its engine down when collected
-            engine = LLMEngine(EngineConfig(model=cfg.model, **kwargs))
+            # the engine itself, not an LLM (an LLM shuts its engine down when collected), built
+            # on the loop thread that will step it (EngineLoop.build says why)
+            self.loop = EngineLoop.build(lambda: LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
+                                         name=f"{cfg.worker_id}-engine")
+            engine = self.loop.engine
             self.layout = KVLayout(**engine.kv_layout_spec())
             rank_caches = engine.rank_kv_caches() if tp > 1 else None
-            self.loop = EngineLoop(engine, name=f"{cfg.worker_id}-engine").start()
             self.servicer = PrefillWorkerServicer(self.loop, self.layout, PrefillServiceOptions(
                 worker_id=cfg.worker_id, prefill_timeout_s=cfg.prefill_timeout_s,
                 flush_timeout_s=cfg.flush_timeout_s), rank_caches)

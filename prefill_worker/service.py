@@ -212,15 +212,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def Stats(self, request, context):
-        def read():
-            engine = self.loop.engine
-            bm, sched = engine.block_manager, engine.scheduler
-            queued = sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.waiting)
-            return worker_pb2.WorkerStats(
-                worker_id=self.options.worker_id, num_free_blocks=bm.num_free_blocks,
-                num_total_blocks=bm.num_blocks, num_running=len(sched.running),
-                num_waiting=len(sched.waiting), queued_prompt_tokens=max(queued, 0))
-        return self.loop.call(read)
+        return worker_pb2.WorkerStats(worker_id=self.options.worker_id, **self.loop.load())
 
     def close(self) -> None:
         with self._transports_lock:

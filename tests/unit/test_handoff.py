@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from conftest import random_prompts
 from decode_worker.handoff import DecodeHandoff
@@ -198,3 +199,43 @@ def test_commit_before_all_kv_arrived_is_refused(pair):
     handoff.on_frame(ChunkHeader("early", layouts[16].fingerprint, kind="commit", first_token=5), None)
     out = c.final(timeout=5)
     assert out.finish_reason == "abort" and "before all KV arrived" in out.stop_reason
+
+
+class RecordingTransport(Transport):
+    def __init__(self):
+        self.frames = []
+
+    def send(self, header, data, dest):
+        self.frames.append((header.kind, header.layer))
+
+    def flush(self, timeout):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_push_sink_sends_each_layer_as_it_ends_or_after_the_last(overlap):
+    layout = KVLayout("tiny", "float32", num_layers=3, num_kv_heads=2, head_dim=4, block_size=4)
+    kv = torch.zeros(2, 4, 4, 2, 4)   # [k/v, blocks, block_size, heads, head_dim]
+    transport = RecordingTransport()
+    sink = PushSink("r", layout, transport, Destination([0, 1], layout), 0, overlap=overlap)
+    sent_after_each = []
+    for layer in range(3):
+        sink.on_layer(layer, kv, [0, 1], 0, 6)
+        sent_after_each.append(len(transport.frames))
+    assert sent_after_each == ([1, 2, 3] if overlap else [0, 0, 3])
+    assert transport.frames == [("kv", 0), ("kv", 1), ("kv", 2)]
+
+
+def test_push_sink_defers_when_the_compute_takes_every_core(monkeypatch):
+    from prefill_worker import handoff as prefill_handoff
+    cores = 4
+    monkeypatch.setattr(prefill_handoff.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    for threads, overlap in ((cores, False), (cores - 1, True)):
+        monkeypatch.setattr(prefill_handoff.torch, "get_num_threads", lambda: threads)
+        layout = KVLayout("tiny", "float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+        sink = PushSink("r", layout, RecordingTransport(), Destination([0], layout), 0)
+        sink.on_layer(0, torch.zeros(2, 1, 4, 2, 4), [0], 0, 4)
+        assert sink.overlap is overlap

@@ -234,3 +234,20 @@ def test_prefill_into_another_layout_is_refused(idle):
     assert idle.d.Abort(worker_pb2.WorkerAbortRequest(request_id="other-layout"), timeout=RPC_TIMEOUT).found
     p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
     assert p.num_running == 0 and p.num_waiting == 0
+
+
+def test_stats_answer_while_the_engine_loop_is_busy(idle):
+    """Health checks and heartbeats read Stats: a long engine step (a long prompt's prefill) must
+    not make a live worker look dead, so Stats does not wait for the loop thread."""
+    release = threading.Event()
+    busy = [w.loop.submit(release.wait, 30) for w in (idle.decode, idle.prefill)]
+    try:
+        time.sleep(0.1)
+        assert not any(f.done() for f in busy)   # both loop threads are held
+        d = idle.d.Stats(worker_pb2.StatsRequest(), timeout=1.0)
+        p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=1.0)
+        assert d.num_free_blocks == d.num_total_blocks > 0 and d.worker_id == "d0"
+        assert p.num_total_blocks > 0 and p.num_waiting == 0 and p.worker_id == "p0"
+    finally:
+        release.set()
+    assert all(f.result(5) for f in busy)

@@ -1,0 +1,45 @@
+"""EngineLoop: the engine is built and stepped on one thread; loads are read without it."""
+import threading
+
+import pytest
+
+from engine.engine_loop import EngineLoop
+
+
+class _Scheduler:
+    def __init__(self):
+        self.waiting, self.running = [], []
+
+
+class _Blocks:
+    num_blocks, num_free_blocks = 8, 8
+
+
+class FakeEngine:
+    def __init__(self):
+        self.built_on = threading.current_thread()
+        self.scheduler, self.block_manager = _Scheduler(), _Blocks()
+
+    def has_unfinished_requests(self):
+        return False
+
+
+def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
+    loop = EngineLoop.build(FakeEngine, name="t-loop", timeout=10)
+    try:
+        assert loop.engine.built_on.name == "t-loop"
+        assert loop.call(threading.current_thread) is loop.engine.built_on
+        assert loop.load() == {"num_free_blocks": 8, "num_total_blocks": 8, "num_running": 0,
+                               "num_waiting": 0, "queued_prompt_tokens": 0}
+    finally:
+        loop.stop()
+
+
+def test_build_raises_what_the_factory_raised_and_leaves_no_thread():
+    def broken():
+        raise ValueError("model file not found: /nowhere")
+    with pytest.raises(ValueError, match="/nowhere"):
+        EngineLoop.build(broken, name="t-broken", timeout=10)
+    for t in [t for t in threading.enumerate() if t.name == "t-broken"]:
+        t.join(5)
+        assert not t.is_alive()
