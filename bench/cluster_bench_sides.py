@@ -277,6 +277,7 @@ def summarize_pipeline(trials: list[dict]) -> dict:
             "pipelined_compute_s": med("pipelined_compute_s"), "exposed_s": med("exposed_s"),
             "deferred_s": med("deferred_pipelined_s"), "deferred_exposed_s": med("deferred_exposed_s"),
             "inflation_median_of_trials_s": med_diff(trials, "pipelined_s", "compute_s"),
+            "inflation_compute_median_of_trials_s": med_diff(trials, "pipelined_compute_s", "compute_s"),
             "deferred_inflation_median_of_trials_s": med_diff(trials, "deferred_pipelined_s", "compute_s"),
             "hidden_of_medians": (t_c + t_t - t_p) / t_t if t_t > 0 else None,
             "hidden_median_of_trials": med("hidden"), "bytes": trials[0]["bytes"],

@@ -122,7 +122,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if isinstance(e, ValueError):
                 context.abort(status_for_engine_error(e), str(e))
             raise
-        return worker_pb2.ReserveResponse(request_id=rid)
+        # no blocks are reserved ahead, but the router charges the prompt's blocks to this worker
+        # until its next health check reads the real count: it needs the block size for that
+        return worker_pb2.ReserveResponse(request_id=rid, block_size=self.loop.engine.block_manager.block_size)
 
     @staticmethod
     def _on_output(stream: _Stream):

@@ -97,6 +97,7 @@ class Leg:
         self.reservation = None
         self.stream_call = None
         self.prefill = None               # pool worker running (or last running) the prefill
+        self.charged_tokens = 0           # colocated: prompt tokens charged to `decode` until the first token
         self.prefill_future: futures.Future | None = None
         self.prefill_error: grpc.RpcError | None = None
         self.decode_lost = False          # the prefill could not reach the decode worker to abort
@@ -132,6 +133,7 @@ class Legs:
         if cancelled:   # the client left during Reserve: the callback did not know this leg yet
             leg.stream_call.cancel()
             self.abort(leg)
+            self.release_charge(leg)
             return None
         if abort_requested:
             self.abort(leg)   # the stream ends with finish_reason "abort"
@@ -146,6 +148,8 @@ class Legs:
             for event in leg.stream_call:
                 if event.token_ids and not req.first_token_ns:
                     req.first_token_ns = unix_ns()
+                if event.token_ids and leg.charged_tokens:
+                    self.release_charge(leg)
                 sent.extend(event.token_ids)
                 is_final = event.HasField("finish_reason")
                 piece = text.add(event.token_ids) + (text.flush() if is_final else "")
@@ -162,7 +166,14 @@ class Legs:
                                                  stop_str=text.stop_str), None
         except grpc.RpcError as e:
             return None, e
+        finally:
+            self.release_charge(leg)
         return None, None
+
+    def release_charge(self, leg: Leg) -> None:
+        charged, leg.charged_tokens = leg.charged_tokens, 0
+        if charged:
+            self.pool.charge_queued(leg.decode, -charged)
 
     def retire(self, req: Inflight, leg: Leg) -> None:
         """Lets go of a leg whose decode worker died; the next leg avoids that worker."""
@@ -184,7 +195,8 @@ class Legs:
 
     def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
         try:
-            workers = self.pool.decode_order(exclude=req.dead_decodes)
+            workers = self.pool.decode_order(exclude=req.dead_decodes,
+                                             by_queued_tokens=self.options.colocated)
         except NoWorker as e:
             message = str(e)
             if req.dead_decodes:
@@ -204,7 +216,13 @@ class Legs:
                     request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
                     lease_ms=lease_ms, run_prefill=self.options.colocated),
                     timeout=min(self.options.rpc_timeout_s, left(deadline)))
-                self.pool.note_reserved(worker, len(reservation.block_ids))
+                num_blocks = len(reservation.block_ids)
+                if self.options.colocated and reservation.block_size:   # it allocates as it prefills
+                    num_blocks = -(-len(prompt) // reservation.block_size)
+                self.pool.note_reserved(worker, num_blocks)
+                if self.options.colocated:   # it prefills the prompt itself: its load until the first token
+                    self.pool.charge_queued(worker, len(prompt))
+                    leg.charged_tokens = len(prompt)
                 return worker, reservation
             except grpc.RpcError as e:
                 error = e

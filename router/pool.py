@@ -108,14 +108,26 @@ class WorkerPool:
             return list(self._workers["decode"])
 
     # ---- picking --------------------------------------------------------------------------------
-    def decode_order(self, exclude=()) -> list[_Worker]:
+    def decode_order(self, exclude=(), by_queued_tokens: bool = False) -> list[_Worker]:
         """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
-        for a full pool. Raises NoWorker when there is none."""
+        for a full pool. Raises NoWorker when there is none.
+
+        Preferred: the most free KV blocks. by_queued_tokens (colocated workers, which prefill
+        too): the fewest prompt tokens charged to it (charge_queued, until their first token),
+        then the most free blocks. Free blocks alone are read every health sweep and a colocated
+        Reserve holds no blocks yet, so between sweeps every request went to the same worker."""
         with self._lock:
             workers = self._candidates("decode", exclude)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
-            return sorted(rotated, key=lambda w: -w.num_free_blocks)   # stable: ties keep the rotation
+            if by_queued_tokens:   # stable sorts: ties keep the rotation
+                return sorted(rotated, key=lambda w: (w.queued_tokens, -w.num_free_blocks))
+            return sorted(rotated, key=lambda w: -w.num_free_blocks)
+
+    def charge_queued(self, worker: _Worker, num_tokens: int) -> None:
+        """Count `num_tokens` (negative: release them) against a worker's queued prompt tokens."""
+        with self._lock:
+            worker.queued_tokens += num_tokens
 
     def note_reserved(self, worker: _Worker, num_blocks: int) -> None:
         with self._lock:

@@ -45,7 +45,8 @@ class Worker:
         self.joining: list[Seq] = []  # committed while a step ran: they join the next one
         self.queued_tokens = 0         # sum of num_tokens - computed over its sequences
         self.pending_blocks = 0        # blocks its waiting prompts will take
-        self.router_view = self.free   # its free blocks as the router last read them (colocated)
+        self.router_view = self.free   # its free blocks as the router sees them (colocated)
+        self.router_tokens = 0         # prompt tokens the router charged to it, until their first token
         self.busy = False
         self.plan: list[tuple[Seq, int, int]] | None = None   # None: a fast-path step
         self.step_start = 0.0

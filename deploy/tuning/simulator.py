@@ -10,11 +10,12 @@ What it models (each worker runs a port of engine/scheduler.py at the level of t
     queued tokens (prompt tokens not yet computed; ties rotate). When no decode worker has room
     the router holds requests in arrival order until blocks free up (the real router answers
     RESOURCE_EXHAUSTED and the client retries: here that is waiting, not an error).
-  * router, colocated: the worker with the most free blocks as the router last read them: it
-    refreshes every worker's free-block count every `router_stats_s` (its Stats sweep, 0.5 s) and a
-    colocated Reserve returns no blocks to charge, so between two sweeps every request goes to the
-    same worker (the pick rotates only among ties), as the real router does. router_stats_s=0: an
-    exact view (free blocks less the blocks of queued prompts).
+  * router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
+    blocks as the router sees them (ties rotate), as router/pool.py picks: a request's prompt is
+    charged to its worker from the pick to its first token, and its prompt's blocks are taken
+    off the worker's free count until the router's next Stats sweep (every `router_stats_s`,
+    0.5 s) reads the real count. router_stats_s=0: an exact view (free blocks less the blocks
+    of queued prompts).
   * each worker, per step: running sequences first, in order, each up to its remaining tokens
     within the max_num_batched_tokens budget (chunked prefill); a sequence that needs a block
     when none is free preempts the most recently admitted ones (they lose their KV and are
@@ -274,9 +275,11 @@ class Simulator:
                             for d in decode:
                                 d.router_view = d.free
                             next_sweep = (math.floor(now / stats_s) + 1) * stats_s
-                        w = pick(decode, lambda w: w.router_view, 0)
+                        w = pick(decode, lambda w: (-w.router_tokens, w.router_view), 0)
+                        w.router_view -= (r.prompt + bs - 1) // bs   # charged until the next sweep
                     else:
-                        w = pick(decode, lambda w: w.free - w.pending_blocks, 0)
+                        w = pick(decode, lambda w: (-w.router_tokens, w.free - w.pending_blocks), 0)
+                    w.router_tokens += r.prompt   # until its first token
                     w.enqueue(Seq(r, r.prompt, 0, 0, False))
                     if not w.busy:
                         start_step(w, now)
@@ -307,6 +310,8 @@ class Simulator:
                 step_tokens = w.complete(first, done, prefilled)
                 for r in first:
                     note_first(r, now)
+                    if pl.colocated:
+                        w.router_tokens -= r.prompt
                 for r in done:
                     note_done(r, now)
                 if w.is_prefill and step_tokens:

@@ -92,3 +92,35 @@ def test_yaml_colocated_pool():
     assert [key for key, _ in validate_config({}).worker_pools()] == ["decode", "prefill"]
     with pytest.raises(ConfigError, match="either colocated or prefill/decode"):
         validate_config({"pools": {"colocated": {"replicas": 2}, "prefill": {"replicas": 1}}})
+
+
+def test_colocated_router_spreads_prompts_by_queued_tokens(tiny_models):
+    """Two colocated workers: a burst goes to both (the pick charges each prompt to its worker
+    until its first token; free blocks alone are only re-read every health sweep), and every
+    charge is released when the requests end."""
+    model_dir = tiny_models("llama-gqa")[0]
+    workers = [DecodeWorker(DecodeWorkerConfig(model=model_dir, worker_id=f"c{i}", engine_kwargs=dict(
+        kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32))).start() for i in range(2)]
+    router = Router(RouterConfig(model=model_dir, decode_addresses=tuple(w.address for w in workers),
+                                 colocated=True, stats_interval_s=60)).start()
+    channel = grpc.insecure_channel(router.address)
+    try:
+        api = pdserve_pb2_grpc.PDServeStub(channel)
+        wait_until(lambda: all(w.num_free_blocks > 0 for w in router.pool.decode), 5, "first sweep")
+        router.pool.decode[1].num_free_blocks -= 3   # as if c1 was busier at the last sweep
+        prompts = random_prompts([40] * 6, seed=5)
+        results = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _tokens(api, prompts[i])))
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        used = {results[i][1].timings.decode_worker for i in range(len(prompts))}
+        assert used == {"c0", "c1"}
+        assert [w.queued_tokens for w in router.pool.decode] == [0, 0]
+    finally:
+        channel.close()
+        router.stop()
+        for w in workers:
+            w.stop()
