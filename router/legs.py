@@ -2,7 +2,8 @@
 leg's decode worker dies (DESIGN.md section 1: "D dies -> reserve on another D and prefill again").
 
 A leg is one reservation on one decode worker, the prefill that fills it and the token stream it
-produces: Reserve (the decode worker with most free blocks, the next one when full) -> Stream
+produces: Reserve (the decode worker with most free blocks; colocated, the fewest prompt tokens
+charged to it until their first token; the next one when full) -> Stream
 opened (the worker queues tokens from the Reserve on) -> Prefill on an executor thread
 (UNAVAILABLE retries once on another prefill worker into the same reservation; any other failure
 aborts the reservation, which ends the stream).
@@ -194,9 +195,11 @@ class Legs:
         return found
 
     def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
+        # colocated: the worker prefills the prompt itself, its load until the first token; charged
+        # to the first choice at the pick (concurrent arrivals must see it), moved on a fallback
+        charge = len(prompt) if self.options.colocated else None
         try:
-            workers = self.pool.decode_order(exclude=req.dead_decodes,
-                                             by_queued_tokens=self.options.colocated)
+            workers = self.pool.decode_order(exclude=req.dead_decodes, charge_tokens=charge)
         except NoWorker as e:
             message = str(e)
             if req.dead_decodes:
@@ -210,7 +213,13 @@ class Legs:
         # lease only frees what a router that died itself left behind
         prefill_wait = min(self.options.prefill_timeout_s, left(deadline))
         lease_ms = max(self.options.lease_ms, int(prefill_wait * 1000) + 1000)
+        if charge:
+            leg.decode, leg.charged_tokens = workers[0], charge
         for worker in workers:
+            if charge and worker is not leg.decode:
+                self.release_charge(leg)
+                self.pool.charge_queued(worker, charge)
+                leg.decode, leg.charged_tokens = worker, charge
             try:
                 reservation = worker.stub.Reserve(worker_pb2.ReserveRequest(
                     request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
@@ -220,9 +229,6 @@ class Legs:
                 if self.options.colocated and reservation.block_size:   # it allocates as it prefills
                     num_blocks = -(-len(prompt) // reservation.block_size)
                 self.pool.note_reserved(worker, num_blocks)
-                if self.options.colocated:   # it prefills the prompt itself: its load until the first token
-                    self.pool.charge_queued(worker, len(prompt))
-                    leg.charged_tokens = len(prompt)
                 return worker, reservation
             except grpc.RpcError as e:
                 error = e
@@ -230,6 +236,7 @@ class Legs:
                     call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
                 if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     break
+        self.release_charge(leg)
         raise LegFailed(error, "decode worker")
 
     def _prefill(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):

@@ -108,21 +108,25 @@ class WorkerPool:
             return list(self._workers["decode"])
 
     # ---- picking --------------------------------------------------------------------------------
-    def decode_order(self, exclude=(), by_queued_tokens: bool = False) -> list[_Worker]:
+    def decode_order(self, exclude=(), charge_tokens: int | None = None) -> list[_Worker]:
         """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
         for a full pool. Raises NoWorker when there is none.
 
-        Preferred: the most free KV blocks. by_queued_tokens (colocated workers, which prefill
-        too): the fewest prompt tokens charged to it (charge_queued, until their first token),
-        then the most free blocks. Free blocks alone are read every health sweep and a colocated
-        Reserve holds no blocks yet, so between sweeps every request went to the same worker."""
+        Preferred: the most free KV blocks. With charge_tokens (colocated workers, which prefill
+        too): the fewest prompt tokens charged to it, then the most free blocks, and the first
+        is charged `charge_tokens` before the lock is let go, so that concurrent arrivals see
+        each other (the caller moves the charge with charge_queued when it settles elsewhere, and
+        releases it at the first token). Free blocks alone are read every health sweep and a
+        colocated Reserve holds no blocks yet: a burst went to one worker."""
         with self._lock:
             workers = self._candidates("decode", exclude)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
-            if by_queued_tokens:   # stable sorts: ties keep the rotation
-                return sorted(rotated, key=lambda w: (w.queued_tokens, -w.num_free_blocks))
-            return sorted(rotated, key=lambda w: -w.num_free_blocks)
+            if charge_tokens is None:   # stable sorts: ties keep the rotation
+                return sorted(rotated, key=lambda w: -w.num_free_blocks)
+            ordered = sorted(rotated, key=lambda w: (w.queued_tokens, -w.num_free_blocks))
+            ordered[0].queued_tokens += charge_tokens
+            return ordered
 
     def charge_queued(self, worker: _Worker, num_tokens: int) -> None:
         """Count `num_tokens` (negative: release them) against a worker's queued prompt tokens."""
