@@ -36,7 +36,11 @@ class DecodeWorkerConfig:
     worker_id: str = "decode-0"
     lease_ms: int = 10_000         # default reservation lease when a Reserve gives none
     lease_sweep_s: float = 0.05
-    max_workers: int = 16          # gRPC handler threads; each open Stream holds one
+    # gRPC handler threads. Each open Stream holds one for its whole life, so the pool must cover
+    # every sequence the engine may run plus those waiting for their KV, with room for Reserve,
+    # Abort and Stats; None: 2 x the engine's max_num_seqs + 16. (16 threads made the 17th
+    # concurrent stream, and the router's health checks, wait for a stream to end.)
+    max_workers: int | None = None
     stop_grace_s: float = 1.0
     registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
 
@@ -83,7 +87,8 @@ class DecodeWorker:
             servicer = DecodeWorkerServicer(self.loop, self.handoff, DecodeServiceOptions(
                 worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
                 kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms, tp_size=tp))
-            self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, cfg.max_workers,
+            max_workers = cfg.max_workers or 2 * engine.scheduler.max_num_seqs + 16
+            self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, max_workers,
                                      MAX_MESSAGE_BYTES)
             self.address = self._host.start(
                 lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s), (SERVICE_NAME,))

@@ -45,8 +45,9 @@ class PushSink:
     on the CPU and the compute threads take every core this process may use. Overlap hides the
     transfer only where it has a core to run on: with the prefill on both cores of the 2-core
     machine, the per-layer sends (and the decode side's receiving) preempted the compute, whose
-    OpenMP barriers then waited on them, and cost 3-5x the transfer's own time (grpc +89 ms
-    against 32 ms sent after the compute, torch +92 ms against 18 ms, 512 tokens of SmolLM2).
+    OpenMP barriers then waited on them, and cost 2-5x the transfer's own time (512 tokens of
+    SmolLM2: grpc +56 ms against 29 ms sent after the compute, torch +88 ms against 21 ms;
+    BENCHMARKS.md, bench/cluster_bench.py).
     """
 
     def __init__(self, request_id: str, layout: KVLayout, transport: Transport,

@@ -33,7 +33,9 @@ class PrefillWorkerConfig:
     worker_id: str = "prefill-0"
     prefill_timeout_s: float = 60.0
     flush_timeout_s: float = 10.0
-    max_workers: int = 16
+    # gRPC handler threads: each Prefill call holds one until its first token, queued prompts
+    # included, with room for Abort and Stats; None: 2 x the engine's max_num_seqs + 16
+    max_workers: int | None = None
     stop_grace_s: float = 1.0
     registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
 
@@ -66,7 +68,8 @@ class PrefillWorker:
             self.servicer = PrefillWorkerServicer(self.loop, self.layout, PrefillServiceOptions(
                 worker_id=cfg.worker_id, prefill_timeout_s=cfg.prefill_timeout_s,
                 flush_timeout_s=cfg.flush_timeout_s), rank_caches)
-            self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, cfg.max_workers,
+            max_workers = cfg.max_workers or 2 * engine.scheduler.max_num_seqs + 16
+            self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, max_workers,
                                      MAX_MESSAGE_BYTES)
             self.address = self._host.start(
                 lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, s), (SERVICE_NAME,))

@@ -251,3 +251,32 @@ def test_stats_answer_while_the_engine_loop_is_busy(idle):
     finally:
         release.set()
     assert all(f.result(5) for f in busy)
+
+
+def test_more_open_streams_than_sixteen_leave_the_worker_answering(tiny_models):
+    """Every open Stream holds a gRPC handler thread on the decode worker; with a fixed pool of 16
+    the 17th stream and every Stats/Reserve behind it waited for a stream to end."""
+    n = 24
+    worker = DecodeWorker(DecodeWorkerConfig(
+        model=tiny_models("llama-gqa")[0], worker_id="d-many", lease_ms=20_000,
+        engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, max_model_len=MAX_MODEL_LEN))).start()
+    channel = grpc.insecure_channel(worker.address)
+    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+    calls = []
+    try:
+        for i, prompt in enumerate(random_prompts([3] * n, seed=17)):
+            stub.Reserve(worker_pb2.ReserveRequest(request_id=f"many-{i}", prompt_token_ids=prompt,
+                                                   sampling=GREEDY), timeout=1.0)
+            calls.append(stub.Stream(worker_pb2.StreamRequest(request_id=f"many-{i}"), timeout=RPC_TIMEOUT))
+        time.sleep(0.2)   # every stream is open and waiting for its KV
+        assert stub.Stats(worker_pb2.StatsRequest(), timeout=1.0).num_reserved == n
+        # the last stream is served too: after an abort it ends at once with "abort"
+        assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id=f"many-{n - 1}"), timeout=1.0).found
+        assert list(calls[-1])[-1].finish_reason == "abort"
+    finally:
+        for i in range(n):
+            stub.Abort(worker_pb2.WorkerAbortRequest(request_id=f"many-{i}"), timeout=RPC_TIMEOUT)
+        for call in calls:
+            call.cancel()
+        channel.close()
+        worker.stop()
