@@ -484,20 +484,27 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
             dc_rows.append({**w, "engine_model_s": m.decode_time(w["batch"], w["context"])})
     pf = fit_nonnegative(pf_x, [max(y, 1e-6) for y in pf_y])
     dc = fit_nonnegative(dc_x, [max(y, 1e-6) for y in dc_y])
-    prefill = [pf["coef"][0], pf["coef"][1], m.prefill[2]]
+    # the fitted intercept is what an isolated request's TTFT pays once; of it, only the engine's
+    # own step intercept is step time: the rest (RPC hops, the router, streaming the token back)
+    # is the request's first-token latency, which in a loaded worker's mixed steps the decodes
+    # sharing the step do not pay
+    latency = max(0.0, pf["coef"][0] - m.prefill[0])
+    prefill = [min(pf["coef"][0], m.prefill[0]), pf["coef"][1], m.prefill[2]]
     decode = [dc["coef"][0], dc["coef"][1], m.decode[2]]
     for row in pf_rows:
         n = row["prompt_len"]
-        row["serving_model_s"] = prefill[0] + prefill[1] * n + prefill[2] * n * n
+        row["serving_model_s"] = latency + prefill[0] + prefill[1] * n + prefill[2] * n * n
     for row in dc_rows:
         row["serving_model_s"] = decode[0] + decode[1] * row["batch"] + decode[2] * row["context"]
-    kinds = {"colocated": {"prefill": {"coef": prefill}, "decode": {"coef": decode}}} if placement == "colocated" \
-        else {"prefill": {"prefill": {"coef": prefill}}, "decode": {"decode": {"coef": decode}}}
+    kinds = {"colocated": {"prefill": {"coef": prefill}, "decode": {"coef": decode},
+                           "first_token_latency_s": latency}} if placement == "colocated" \
+        else {"prefill": {"prefill": {"coef": prefill}, "first_token_latency_s": latency},
+              "decode": {"decode": {"coef": decode}}}
     interference = {}
     if raw.get("interference"):
         extra = sim.run([workload.RequestSpec(0.0, CAL_PROBE_LEN, 2)]).requests[0].ttft_s - \
             m.prefill_time(CAL_PROBE_LEN, CAL_PROBE_LEN ** 2)
-        interference = fit_interference(raw["interference"], prefill, extra)
+        interference = fit_interference(raw["interference"], prefill, extra + latency)
     return {"kinds": kinds, "prefill_samples": pf_rows, "decode_samples": dc_rows,
             "prefill_fit": pf["fit"], "decode_fit": dc["fit"], "interference": interference}
 

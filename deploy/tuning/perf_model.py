@@ -28,7 +28,8 @@ Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
   kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu", ...}
   tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
   kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
-  serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef}}},
+  serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef},
+      first_token_latency_s (optional: per request, outside the steps)}},
                        interference: {decode_while_prefill: x, prefill_while_decode: y}}
 The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
 """
@@ -58,6 +59,9 @@ class StepModel:
     prefill: tuple[float, float, float]
     decode: tuple[float, float, float]
     kv_capacity_tokens: int
+    # serving only: what each request's first token takes outside the worker's steps (RPC hops,
+    # the router, streaming it back); it delays that request's TTFT but occupies no step
+    first_token_latency_s: float = 0.0
 
     def prefill_time(self, num_tokens: int, pairs: float, decode_context: float = 0.0) -> float:
         a, b, c = self.prefill
@@ -209,7 +213,13 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
             base = steps[int(key)]
             pf = _coef(entry["prefill"], source, f"{where}.prefill") if "prefill" in entry else base.prefill
             dc = _coef(entry["decode"], source, f"{where}.decode") if "decode" in entry else base.decode
-            serving.setdefault(kind, {})[int(key)] = StepModel(pf, dc, base.kv_capacity_tokens)
+            latency = entry.get("first_token_latency_s", 0.0)
+            if isinstance(latency, bool) or not isinstance(latency, (int, float)) or \
+                    not (math.isfinite(latency) and latency >= 0):
+                raise ProfileError(f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
+                                   f"got {latency!r}")
+            serving.setdefault(kind, {})[int(key)] = StepModel(pf, dc, base.kv_capacity_tokens,
+                                                               float(latency))
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:

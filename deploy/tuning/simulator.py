@@ -38,7 +38,8 @@ What it models (each worker runs a port of engine/scheduler.py at the level of t
     per-layer compute c: only the last layer's share when the link keeps up. Then the backend's
     per-message latency, and the decode worker commits the request.
   * timings: TTFT = the commit on the decode worker (it streams the first token at once) or, when
-    colocated, the end of the step that finishes the prompt, minus arrival; E2E = the end of the
+    colocated, the end of the step that finishes the prompt, plus the serving profile's
+    first_token_latency_s of the prefilling kind (0 for an engine profile), minus arrival; E2E = the end of the
     step that samples the last token, minus arrival; TPOT = (E2E - TTFT) / (output_len - 1), 0 for
     one-token outputs. Requests that never finish get infinite TTFT and E2E.
 
@@ -227,8 +228,14 @@ class Simulator:
             heapq.heappush(events, (now + dur, counter, _STEP_DONE, w))
             counter += 1
 
+        # serving profiles: the first token's trip outside the steps (RPCs, router) delays each
+        # request's TTFT, the later tokens follow the steps
+        first_latency = (decode[0] if pl.colocated else prefill[0] if prefill else decode[0]).model \
+            .first_token_latency_s
+
         def note_first(r: _Req, now: float) -> None:
             nonlocal missed
+            now += first_latency
             r.first_at = now
             if now - r.arrival > ttft_s:
                 r.missed = True
@@ -236,6 +243,7 @@ class Simulator:
 
         def note_done(r: _Req, now: float) -> None:
             nonlocal missed
+            now = max(now, r.first_at)   # a one-token request ends with its first token
             r.done_at = now
             if not r.missed and r.output > 1 and (now - r.first_at) / (r.output - 1) > tpot_s:
                 r.missed = True
