@@ -38,8 +38,9 @@ What it models (each worker runs a port of engine/scheduler.py at the level of t
     per-layer compute c: only the last layer's share when the link keeps up. Then the backend's
     per-message latency, and the decode worker commits the request.
   * timings: TTFT = the commit on the decode worker (it streams the first token at once) or, when
-    colocated, the end of the step that finishes the prompt, plus the serving profile's
-    first_token_latency_s of the prefilling kind (0 for an engine profile), minus arrival; E2E = the end of the
+    colocated, the end of the step that finishes the prompt, minus arrival; with a serving
+    profile, a request reaches the router's pick first_token_latency_s (of the prefilling kind)
+    after its arrival: the hops that an isolated request's TTFT pays outside the steps; E2E = the end of the
     step that samples the last token, minus arrival; TPOT = (E2E - TTFT) / (output_len - 1), 0 for
     one-token outputs. Requests that never finish get infinite TTFT and E2E.
 
@@ -184,7 +185,10 @@ class Simulator:
         transfer = None if pl.colocated else prof.transfer[self.backend]
         kv_bytes, num_layers = prof.kv_bytes_per_token, prof.num_layers
         reqs = [_Req(r.arrival_s, r.prompt_len, r.output_len) for r in requests]
-        events = [(r.arrival, i, _ARRIVE, i) for i, r in enumerate(reqs)]
+        # serving profiles: a request's trip outside the steps (the router, its RPCs to the
+        # workers) delays when it reaches a worker; its TTFT still counts from its arrival
+        hops = (decode[0] if pl.colocated or not prefill else prefill[0]).model.first_token_latency_s
+        events = [(r.arrival + hops, i, _ARRIVE, i) for i, r in enumerate(reqs)]
         heapq.heapify(events)
         counter = len(events)
         held: deque[_Req] = deque()     # disaggregated: waiting for decode blocks
@@ -228,14 +232,8 @@ class Simulator:
             heapq.heappush(events, (now + dur, counter, _STEP_DONE, w))
             counter += 1
 
-        # serving profiles: the first token's trip outside the steps (RPCs, router) delays each
-        # request's TTFT, the later tokens follow the steps
-        first_latency = (decode[0] if pl.colocated else prefill[0] if prefill else decode[0]).model \
-            .first_token_latency_s
-
         def note_first(r: _Req, now: float) -> None:
             nonlocal missed
-            now += first_latency
             r.first_at = now
             if now - r.arrival > ttft_s:
                 r.missed = True
@@ -243,7 +241,6 @@ class Simulator:
 
         def note_done(r: _Req, now: float) -> None:
             nonlocal missed
-            now = max(now, r.first_at)   # a one-token request ends with its first token
             r.done_at = now
             if not r.missed and r.output > 1 and (now - r.first_at) / (r.output - 1) > tpot_s:
                 r.missed = True

@@ -335,10 +335,10 @@ def test_no_rate_meets_an_impossible_slo(profile_path, capsys):
     assert rc == 1 and "no placement meets the SLO" in capsys.readouterr().err
 
 
-def test_first_token_latency_delays_ttft_without_taking_step_time():
-    """A serving profile's first_token_latency_s (RPC hops, the router) is paid once per request,
-    after its prefill step: it delays TTFT, but the steps (and so the decodes sharing them) do not
-    take longer."""
+def test_first_token_latency_delays_the_request_without_taking_step_time():
+    """A serving profile's first_token_latency_s (the router's hops to the workers) is paid once
+    per request, before it reaches a worker: its TTFT and E2E grow by it, its steps (and so the
+    decodes sharing them, its TPOT) do not."""
     data = make_profile(as_dict=True)
     data["serving"] = {"colocated": {"1": {"first_token_latency_s": 0.05}}}
     slow = profile_from_dict(data)
@@ -347,7 +347,8 @@ def test_first_token_latency_delays_ttft_without_taking_step_time():
     base = simulate(reqs, make_profile(), pl).requests
     late = simulate(reqs, slow, pl).requests
     assert [r.ttft_s for r in late] == pytest.approx([r.ttft_s + 0.05 for r in base])
-    assert [r.e2e_s for r in late] == pytest.approx([r.e2e_s for r in base])
+    assert [r.e2e_s for r in late] == pytest.approx([r.e2e_s + 0.05 for r in base])
+    assert [r.tpot_s for r in late] == pytest.approx([r.tpot_s for r in base])
     with pytest.raises(ProfileError, match="first_token_latency_s"):
         data["serving"]["colocated"]["1"]["first_token_latency_s"] = -1
         profile_from_dict(data)
