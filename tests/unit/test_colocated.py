@@ -46,11 +46,8 @@ def _tokens(api, prompt, sampling=GREEDY):
     return out, finish
 
 
-def test_colocated_matches_engine_concurrently_and_frees_the_pool(colocated):
-    model_dir, api, worker = colocated
-    prompts = random_prompts([70, 9, 33, 50], seed=21)   # 70 > the 32-token budget: chunked
-    want = [o.outputs[0].token_ids for o in LLM(model_dir, kv_cache_memory=1 << 20).generate(
-        prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)]
+def _concurrently(api, prompts) -> dict:
+    """Each prompt's (tokens, finish) from one Generate call per prompt, all at once."""
     results = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _tokens(api, prompts[i])))
                for i in range(len(prompts))]
@@ -58,6 +55,15 @@ def test_colocated_matches_engine_concurrently_and_frees_the_pool(colocated):
         t.start()
     for t in threads:
         t.join(60)
+    return results
+
+
+def test_colocated_matches_engine_concurrently_and_frees_the_pool(colocated):
+    model_dir, api, worker = colocated
+    prompts = random_prompts([70, 9, 33, 50], seed=21)   # 70 > the 32-token budget: chunked
+    want = [o.outputs[0].token_ids for o in LLM(model_dir, kv_cache_memory=1 << 20).generate(
+        prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)]
+    results = _concurrently(api, prompts)
     assert [results[i][0] for i in range(len(prompts))] == want
     finish = results[0][1]
     assert finish.finish_reason == "length" and finish.usage.completion_tokens == 10
@@ -109,13 +115,7 @@ def test_colocated_router_spreads_prompts_by_queued_tokens(tiny_models):
         wait_until(lambda: all(w.num_free_blocks > 0 for w in router.pool.decode), 5, "first sweep")
         router.pool.decode[1].num_free_blocks -= 3   # as if c1 was busier at the last sweep
         prompts = random_prompts([40] * 6, seed=5)
-        results = {}
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _tokens(api, prompts[i])))
-                   for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = _concurrently(api, prompts)
         used = {results[i][1].timings.decode_worker for i in range(len(prompts))}
         assert used == {"c0", "c1"}
         assert [w.queued_tokens for w in router.pool.decode] == [0, 0]
