@@ -40,10 +40,46 @@ def role_of(key: str) -> str:
     return "prefill" if key == "prefill" else "decode"
 
 
+def pin_to(cpus: list[int] | None) -> None:
+    """Keep the calling thread, and the threads and processes it starts, on `cpus`."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
+    """Cores of their own for each replica of a local deployment: (pool key, replica index) ->
+    its num_threads x tp cores, when all of them fit in this process's cores; else {} (no pinning).
+
+    Left free to move, the workers' compute threads of a 1 prefill + 1 decode pair on 2 cores
+    shared a core often enough that the same sweep at 3 req/s attained anywhere from 46% to 86%;
+    pinned one per core, 84-91% with a third lower TPOT p90 (bench/pin_experiment.py,
+    BENCHMARKS.md). The router and other threads stay free. Not for GPU pools, nor a Ray
+    cluster given by address, whose nodes' cores this process cannot see."""
+    if not local or not hasattr(os, "sched_getaffinity"):
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    plan: dict[tuple[str, int], list[int]] = {}
+    used = 0
+    for key, pool in pools:
+        if pool.resources.num_gpus:
+            return {}
+        for i in range(pool.replicas):
+            need = pool.threads * pool.tp
+            plan[(key, i)] = cores[used:used + need]
+            used += need
+    if used > len(cores):
+        log.info("not pinning workers to cores: they ask for %d compute threads, this machine "
+                 "has %d cores", used, len(cores))
+        return {}
+    return plan
+
+
 class WorkerActor:
     """One worker replica (a DecodeWorker or a PrefillWorker) inside a Ray actor process."""
 
-    def __init__(self, role: str, worker_config, num_threads: int):
+    def __init__(self, role: str, worker_config, num_threads: int, cpus: list[int] | None = None):
+        self.cpus = cpus
+        pin_to(cpus)
         import torch   # the heavy imports, here: actors are created (and import) concurrently
         if role == "decode":
             import decode_worker.server  # noqa: F401
@@ -56,6 +92,7 @@ class WorkerActor:
 
     def start(self) -> str:
         """Loads the model, starts serving; returns the worker's gRPC address."""
+        pin_to(self.cpus)   # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         cfg = self.worker_config
         if not cfg.host:      # listen on, and advertise, this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
@@ -224,7 +261,8 @@ def _worker_config(config: DeployConfig, key: str, pool: Pool, index: int, host:
     return PrefillWorkerConfig(**common)
 
 
-def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout_s: float) -> None:
+def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout_s: float,
+                cores: dict[tuple[str, int], list[int]]) -> None:
     """Reserves a placement group per replica and creates its actor (not yet serving)."""
     config = cluster.config
     bundle = pool.resources.bundle()
@@ -249,7 +287,7 @@ def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=r.pg, placement_group_bundle_index=0),
         ).remote(r.role, _worker_config(config, key, pool, r.index, host, cluster.registry_address),
-                 pool.threads)
+                 pool.threads, cores.get((key, r.index)))
 
 
 def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
@@ -310,8 +348,9 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
         _start_router(cluster)
         pools = config.worker_pools()
+        cores = core_plan(pools, local)
         for key, pool in pools:   # all actors first, so their processes spawn and import in parallel
-            _place_pool(cluster, key, pool, host, ready_timeout_s)
+            _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
         for key, _ in pools:
             _start_pool(cluster, key, start_timeout_s)
         _wait_registered(cluster, ready_timeout_s)

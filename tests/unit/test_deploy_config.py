@@ -155,3 +155,19 @@ def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(tmp_path, capsys,
     assert main(["up", write(tmp_path, f"model: {model_dir}\npools:\n  decode: {{tp: 4}}\n")]) == 2
     err = capsys.readouterr().err
     assert "pools.decode.tp: 4 does not divide" in err and "use one of [1, 2]" in err
+
+
+def test_core_plan_gives_each_local_replica_its_own_cores(monkeypatch):
+    from deploy import launcher
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    pools = lambda prefill, decode: validate_config({"pools": {  # noqa: E731
+        "prefill": prefill, "decode": decode}}).worker_pools()
+    one = {"resources": {"num_cpus": 1}}
+    # decode first (start order), then prefill; num_threads x tp cores each
+    assert launcher.core_plan(pools({**one, "num_threads": 2}, {**one, "replicas": 2}), local=True) == {
+        ("decode", 0): [0], ("decode", 1): [1], ("prefill", 0): [2, 3]}
+    # more compute threads than cores, a Ray cluster given by address, GPU pools: no pinning
+    assert launcher.core_plan(pools({**one, "tp": 3}, {**one, "replicas": 2}), local=True) == {}
+    assert launcher.core_plan(pools(one, one), local=False) == {}
+    gpu = {"resources": {"num_cpus": 1, "num_gpus": 1}}
+    assert launcher.core_plan(pools(gpu, gpu), local=True) == {}
