@@ -7,7 +7,8 @@ SLO of bench/slo_validation.py (TTFT 1.5 s, TPOT 100 ms).
 
     python bench/pin_experiment.py unpinned,pinned,unpinned,pinned
 
-Prints each sweep's table. Not a product feature yet: the launcher does not pin (see BENCHMARKS.md).
+Prints each sweep's table. The launcher itself now pins local workers (deploy.launcher.core_plan);
+the "unpinned" sweeps here undo that with taskset.
 """
 import glob
 import os
