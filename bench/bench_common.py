@@ -147,12 +147,8 @@ class CpuMonitor:
         return out
 
 
-def process_tree_cpu_s(root_pid: int | None = None) -> float:
-    """CPU seconds (user + system) of `root_pid` (default: this process) and every live descendant:
-    a benchmark that starts Ray or worker processes counts them as its own, not as other load.
-    Descendants that exited meanwhile drop out of the sum, so use it over windows in which the
-    set of processes is stable."""
-    root = os.getpid() if root_pid is None else root_pid
+def process_table() -> tuple[dict[int, int], dict[int, float]]:
+    """Every live process: pid -> parent pid, and pid -> CPU seconds (user + system), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     parent, cpu = {}, {}
     for name in os.listdir("/proc"):
@@ -166,15 +162,30 @@ def process_tree_cpu_s(root_pid: int | None = None) -> float:
         pid = int(name)
         parent[pid] = int(fields[1])
         cpu[pid] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+    return parent, cpu
+
+
+def process_tree(parent: dict[int, int], root: int) -> set[int]:
+    """`root` and its live descendants, from process_table()'s parents."""
     children: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
+    tree, todo = set(), [root]
     while todo:
         pid = todo.pop()
-        total += cpu.get(pid, 0.0)
+        tree.add(pid)
         todo += children.get(pid, [])
-    return total
+    return tree
+
+
+def process_tree_cpu_s(root_pid: int | None = None) -> float:
+    """CPU seconds (user + system) of `root_pid` (default: this process) and every live descendant:
+    a benchmark that starts Ray or worker processes counts them as its own, not as other load.
+    Descendants that exited meanwhile drop out of the sum, so use it over windows in which the
+    set of processes is stable."""
+    parent, cpu = process_table()
+    tree = process_tree(parent, os.getpid() if root_pid is None else root_pid)
+    return sum(cpu.get(pid, 0.0) for pid in tree)
 
 
 class TreeCpuMonitor:
@@ -193,6 +204,67 @@ class TreeCpuMonitor:
             out.update(machine_busy_cpu_s=busy - self.busy, foreign_cpu_s=foreign,
                        foreign_cores_avg=foreign / wall if wall > 0 else None)
         return out
+
+
+class CpuBreakdown:
+    """CPU seconds per component over a window, from /proc sampled every `period_s` (so a child
+    that exits, like the load generator, keeps what it used up to its last sample): this driver
+    (the router's gRPC server and handlers; this script sleeps), each worker process (pid -> name
+    given), the load generator child, the rest of this process tree (Ray's raylet, GCS, ...), and
+    everything outside the tree."""
+
+    def __init__(self, names: dict[int, str], period_s: float = 0.5):
+        import threading
+        self.names, self.period_s = dict(names), period_s
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.label: dict[int, str] = {}
+        self.t0, self.busy0 = time.perf_counter(), machine_busy_cpu_s()
+        self._stop = threading.Event()
+        self._sample(first=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _label(self, pid: int, tree: set[int]) -> str:
+        if pid == os.getpid():
+            return "driver: router (+ this script)"
+        if pid in self.names:
+            return self.names[pid]
+        if pid not in tree:
+            return "outside this run"
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = ""
+        if "deploy.cli bench" in cmd:
+            return "load generator (pdserve bench)"
+        return "ray and other processes of this run"
+
+    def _sample(self, first: bool = False) -> None:
+        parent, cpu = process_table()
+        tree = process_tree(parent, os.getpid())
+        for pid, c in cpu.items():
+            if pid not in self.label:
+                self.label[pid] = self._label(pid, tree)
+                self.first[pid] = c if first else 0.0
+            self.last[pid] = c
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        wall = time.perf_counter() - self.t0
+        busy = machine_busy_cpu_s() - self.busy0
+        groups: dict[str, float] = {}
+        for pid, label in self.label.items():
+            groups[label] = groups.get(label, 0.0) + max(0.0, self.last[pid] - self.first[pid])
+        return {"wall_s": wall, "machine_cores_avg": busy / wall,
+                "cores_avg": {k: round(v / wall, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
 
 
 def section(results: dict, name: str, fn) -> None:

@@ -62,6 +62,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
+from bench.slo_calibration import calibrate_child, fit_serving  # noqa: E402
 from deploy.tuning import metrics, workload  # noqa: E402
 from deploy.tuning.perf_model import Profile  # noqa: E402
 
@@ -78,130 +80,6 @@ def log(msg: str) -> None:
 
 
 # ---- CPU used by others -------------------------------------------------------------------------
-def _machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _tree_cpu_s(root: int | None = None) -> float:
-    """CPU seconds of this process and all its live descendants (Ray, workers, the bench child)."""
-    root = os.getpid() if root is None else root
-    tick = os.sysconf("SC_CLK_TCK")
-    parent, cpu = {}, {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(name)] = int(fields[1])
-            cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += children.get(pid, [])
-    return total
-
-
-class ForeignCpu:
-    """Average cores used by processes outside this process tree between start and stop. Children
-    that exit inside the window take their CPU out of the tree sum, so the figure can only be
-    overstated by them (a short-lived child's CPU reads as foreign): an upper bound."""
-
-    def __init__(self):
-        self.t, self.busy, self.own = time.perf_counter(), _machine_busy_s(), _tree_cpu_s()
-
-    def stop(self) -> dict:
-        wall = time.perf_counter() - self.t
-        busy, own = _machine_busy_s() - self.busy, _tree_cpu_s() - self.own
-        return {"wall_s": wall, "machine_cores_avg": busy / wall, "own_tree_cores_avg": own / wall,
-                "foreign_cores_avg": max(0.0, busy - own) / wall}
-
-
-class CpuBreakdown:
-    """CPU seconds per component over a window, from /proc sampled every `period_s` (so a child
-    that exits, like the load generator, keeps what it used up to its last sample): this driver
-    (the router's gRPC server and handlers; this script sleeps), each worker process (pid -> name
-    given), the load generator child, the rest of this process tree (Ray's raylet, GCS, ...), and
-    everything outside the tree."""
-
-    def __init__(self, names: dict[int, str], period_s: float = 0.5):
-        import threading
-        self.names, self.period_s = dict(names), period_s
-        self.first: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-        self.label: dict[int, str] = {}
-        self.t0, self.busy0 = time.perf_counter(), _machine_busy_s()
-        self._stop = threading.Event()
-        self._sample(first=True)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _label(self, pid: int, tree: set[int]) -> str:
-        if pid == os.getpid():
-            return "driver: router (+ this script)"
-        if pid in self.names:
-            return self.names[pid]
-        if pid not in tree:
-            return "outside this run"
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmd = ""
-        if "deploy.cli bench" in cmd:
-            return "load generator (pdserve bench)"
-        return "ray and other processes of this run"
-
-    def _sample(self, first: bool = False) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
-        parent, cpu = {}, {}
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    with open(f"/proc/{name}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                parent[int(name)] = int(fields[1])
-                cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
-        kids: dict[int, list[int]] = {}
-        for pid, ppid in parent.items():
-            kids.setdefault(ppid, []).append(pid)
-        tree, todo = set(), [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            tree.add(pid)
-            todo += kids.get(pid, [])
-        for pid, c in cpu.items():
-            if pid not in self.label:
-                self.label[pid] = self._label(pid, tree)
-                self.first[pid] = c if first else 0.0
-            self.last[pid] = c
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self._sample()
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        wall = time.perf_counter() - self.t0
-        busy = _machine_busy_s() - self.busy0
-        groups: dict[str, float] = {}
-        for pid, label in self.label.items():
-            groups[label] = groups.get(label, 0.0) + max(0.0, self.last[pid] - self.first[pid])
-        return {"wall_s": wall, "machine_cores_avg": busy / wall,
-                "cores_avg": {k: round(v / wall, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
-
-
 def worker_pids(cluster) -> dict[int, str]:
     """pid -> "prefill worker" / "decode worker" / "colocated worker 0" ... of a running cluster."""
     import ray
@@ -247,7 +125,7 @@ def wait_quiet(max_wait_s: float, poll_s: float = 20.0) -> dict:
     polling every poll_s, at most max_wait_s; returns what was waited and seen."""
     t0 = time.perf_counter()
     while True:
-        mon = ForeignCpu()
+        mon = TreeCpuMonitor()
         time.sleep(3)
         foreign = mon.stop()["foreign_cores_avg"]
         busy = other_python_cpu()
@@ -324,7 +202,7 @@ def measure(args, placement: str, results: dict, workloads: list[str] | None = N
             disturbed = []
             for attempt in range(args.retries + 1):
                 wait = wait_quiet(args.wait_idle)
-                mon, parts = ForeignCpu(), CpuBreakdown(pids)
+                mon, parts = TreeCpuMonitor(), CpuBreakdown(pids)
                 rc, out = run_child(bench_cmd(router, trace_args(args, wl) + [
                     "--seed", str(WORKLOAD_SEEDS[wl]), "--sweep-rates", rates, "--slo", args.slo_text,
                     "--out", str(args.out.with_name(name)), "--request-timeout", "300"]), 1800)
@@ -351,164 +229,7 @@ def measure(args, placement: str, results: dict, workloads: list[str] | None = N
         time.sleep(2)
 
 
-# ---- serving-path calibration -------------------------------------------------------------------
-CAL_PREFILL_LENS = (32, 128, 512, 64, 256, 32, 128, 512)   # isolated requests, one at a time
-CAL_DECODE_BATCHES = (1, 4, 16)                           # requests sent together, 64 + 64 tokens
-CAL_SEED = 5000
-CAL_BG_BATCH = 8                                          # interference: decode batch (64 + 160)
-CAL_PROBE_LEN, CAL_PROBE_TIMES = 256, (1.5, 2.7, 3.9, 5.1) # ... and prompts prefilled beside it
-
-
-def calibrate_child(router: str, out_path: str, placement: str) -> int:
-    """Runs in its own process (as the load generator does): isolated prompts, then decode batches.
-    Writes the raw records; the fit happens in the parent (fit_serving)."""
-    from deploy.tuning import loadgen
-    card = loadgen.model_card(router)
-    out = {"prefill": [], "decode": []}
-    for k, n in enumerate(CAL_PREFILL_LENS):
-        spec = workload.RequestSpec(0.0, n, 2)
-        recs, _ = loadgen.run_load(router, [spec], workload.build_prompts([spec], card.vocab_size, CAL_SEED + k))
-        out["prefill"].append(recs[0].to_json())
-        time.sleep(0.2)
-    for k, b in enumerate(CAL_DECODE_BATCHES):
-        specs = [workload.RequestSpec(0.0, 64, 64)] * b
-        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 100 + k))
-        out["decode"].append({"batch": b, "requests": [r.to_json() for r in recs]})
-        time.sleep(0.2)
-    if placement == "disaggregated":
-        # interference: a decode batch runs while isolated prompts are prefilled beside it
-        specs = [workload.RequestSpec(0.0, 64, 160)] * CAL_BG_BATCH + \
-                [workload.RequestSpec(t, CAL_PROBE_LEN, 2) for t in CAL_PROBE_TIMES]
-        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 200))
-        out["interference"] = [r.to_json() for r in recs]
-    pathlib.Path(out_path).write_text(json.dumps(out))
-    return 0
-
-
-def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> dict:
-    """decode_while_prefill: the background batch's median gap while a probe prompt was being
-    prefilled over its median gap while the prefill worker was idle, minus 1; prefill_while_decode:
-    the probes' TTFT (less what the simulator adds after the step) over the serving prefill model,
-    minus 1."""
-    bg = records[:CAL_BG_BATCH]
-    probes = [r for r in records[CAL_BG_BATCH:] if not r["error"] and r["timings"].get("prefill_end_unix_ns")]
-    if any(r["error"] for r in bg) or not probes:
-        return {}
-    t0 = min(r["send_unix_ns"] - r["send_s"] * 1e9 for r in records)   # the run's start, unix ns
-    busy = [((r["timings"]["prefill_start_unix_ns"] - t0) / 1e9, (r["timings"]["prefill_end_unix_ns"] - t0) / 1e9)
-            for r in probes]
-    times = []
-    for r in bg:
-        t = r["send_s"] + r["ttft_s"]
-        ts = [t]
-        for g in r["itl_s"]:
-            t += g
-            ts.append(t)
-        times.append(ts)
-    lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
-    on, off = [], []
-    for ts in times:
-        for a, b in zip(ts, ts[1:]):
-            if a < lo or b > hi or b <= a:
-                continue
-            share = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
-            (on if share > 0.5 else off if share == 0 else []).append(b - a)
-    out = {"num_gaps_busy": len(on), "num_gaps_idle": len(off)}
-    if len(on) >= 5 and len(off) >= 5:
-        out["gap_busy_s"], out["gap_idle_s"] = float(np.median(on)), float(np.median(off))
-        out["decode_while_prefill"] = max(0.0, out["gap_busy_s"] / out["gap_idle_s"] - 1)
-    n = CAL_PROBE_LEN
-    model = serving_prefill[0] + serving_prefill[1] * n + serving_prefill[2] * n * n
-    ttft = float(np.median([r["ttft_s"] for r in probes])) - extra_s
-    out.update(probe_ttft_s=ttft + extra_s, probe_model_s=model + extra_s,
-               prefill_while_decode=max(0.0, ttft / model - 1))
-    return out
-
-
-def decode_windows(batch: list[dict]) -> list[dict]:
-    """Per decode worker: the window in which every request it holds is decoding (after the last
-    first token, before the first last token), its batch size, the sum of the contexts at the
-    window's middle, and the median gap between tokens inside the window (= its step time)."""
-    groups: dict[str, list[dict]] = {}
-    for r in batch:
-        if not r["error"] and r["ttft_s"] is not None:
-            groups.setdefault(r["timings"].get("decode_worker") or "?", []).append(r)
-    out = []
-    for worker, reqs in groups.items():
-        times = []
-        for r in reqs:
-            t = r["send_s"] + r["ttft_s"]
-            ts = [t]
-            for g in r["itl_s"]:
-                t += g
-                ts.append(t)
-            times.append(ts)
-        lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
-        gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= lo and b <= hi]
-        if len(gaps) < 3 * len(reqs):
-            continue
-        mid = (lo + hi) / 2
-        context = sum(r["prompt_len"] + sum(1 for x in ts if x <= mid) for r, ts in zip(reqs, times))
-        out.append({"worker": worker, "batch": len(reqs), "context": context,
-                    "step_s": float(np.median(gaps)), "num_gaps": len(gaps)})
-    return out
-
-
-def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc") -> dict:
-    """Serving-path coefficients for the worker kinds of `placement`, from the calibration records:
-    prefill a', b' fitted to (isolated TTFT - what the simulator adds after the prefill step for
-    that request, e.g. the exposed KV transfer) with the engine's attention coefficient c kept;
-    decode a', b' fitted to the in-window step times with the engine's per-context-token c kept."""
-    from deploy.tuning.perf_model import fit_nonnegative
-    from deploy.tuning.simulator import Placement, PoolSpec, Simulator
-    m = engine_profile.tp[1]
-    pool = PoolSpec(1, 1, 2048, 128, m.kv_capacity_tokens)
-    sim = Simulator(engine_profile, Placement(None, pool) if placement == "colocated"
-                    else Placement(pool, pool, backend))
-    pf_x, pf_y, pf_rows = [], [], []
-    for r in raw["prefill"]:
-        if r["error"] or r["ttft_s"] is None:
-            continue
-        n = r["prompt_len"]
-        bare = m.prefill_time(n, n * n)
-        extra = sim.run([workload.RequestSpec(0.0, n, 2)]).requests[0].ttft_s - bare
-        target = r["ttft_s"] - extra - m.prefill[2] * n * n
-        pf_x.append([1.0, float(n)])
-        pf_y.append(target)
-        pf_rows.append({"prompt_len": n, "ttft_s": r["ttft_s"], "engine_model_s": bare, "sim_extra_s": extra})
-    dc_x, dc_y, dc_rows = [], [], []
-    for b in raw["decode"]:
-        for w in decode_windows(b["requests"]):
-            dc_x.append([1.0, float(w["batch"])])
-            dc_y.append(w["step_s"] - m.decode[2] * w["context"])
-            dc_rows.append({**w, "engine_model_s": m.decode_time(w["batch"], w["context"])})
-    pf = fit_nonnegative(pf_x, [max(y, 1e-6) for y in pf_y])
-    dc = fit_nonnegative(dc_x, [max(y, 1e-6) for y in dc_y])
-    # the fitted intercept is what an isolated request's TTFT pays once; of it, only the engine's
-    # own step intercept is step time: the rest (RPC hops, the router, streaming the token back)
-    # is the request's first-token latency, which in a loaded worker's mixed steps the decodes
-    # sharing the step do not pay
-    latency = max(0.0, pf["coef"][0] - m.prefill[0])
-    prefill = [min(pf["coef"][0], m.prefill[0]), pf["coef"][1], m.prefill[2]]
-    decode = [dc["coef"][0], dc["coef"][1], m.decode[2]]
-    for row in pf_rows:
-        n = row["prompt_len"]
-        row["serving_model_s"] = latency + prefill[0] + prefill[1] * n + prefill[2] * n * n
-    for row in dc_rows:
-        row["serving_model_s"] = decode[0] + decode[1] * row["batch"] + decode[2] * row["context"]
-    kinds = {"colocated": {"prefill": {"coef": prefill}, "decode": {"coef": decode},
-                           "first_token_latency_s": latency}} if placement == "colocated" \
-        else {"prefill": {"prefill": {"coef": prefill}, "first_token_latency_s": latency},
-              "decode": {"decode": {"coef": decode}}}
-    interference = {}
-    if raw.get("interference"):
-        extra = sim.run([workload.RequestSpec(0.0, CAL_PROBE_LEN, 2)]).requests[0].ttft_s - \
-            m.prefill_time(CAL_PROBE_LEN, CAL_PROBE_LEN ** 2)
-        interference = fit_interference(raw["interference"], prefill, extra + latency)
-    return {"kinds": kinds, "prefill_samples": pf_rows, "decode_samples": dc_rows,
-            "prefill_fit": pf["fit"], "decode_fit": dc["fit"], "interference": interference}
-
-
+# ---- serving-path calibration (the requests and the fits: bench/slo_calibration.py) ------------
 def calibrate(args, placement: str, router: str, entry: dict) -> None:
     path = args.out.with_name(f"slo_validation_{placement}_calibration.json")
     rc, out = run_child([sys.executable, str(pathlib.Path(__file__).resolve()), "--calibrate-router", router,
@@ -945,7 +666,7 @@ def main() -> int:
                    "slo_s": metrics.parse_slo(args.slo), "measured": {}}
         if args.reprofile:
             results["profile_wait"] = wait_quiet(args.wait_idle)
-            mon = ForeignCpu()
+            mon = TreeCpuMonitor()
             cmd = [sys.executable, "-m", "deploy.cli", "profile", "--model", args.model, "--tp", "1",
                    "--threads-per-rank", "1", "--quick", "--kv-cache-memory", str(args.kv_cache_memory),
                    "--backends", "grpc", "--out", str(args.profile)]

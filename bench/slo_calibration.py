@@ -1,0 +1,169 @@
+"""The serving-path calibration of bench/slo_validation.py: the requests it sends through a running
+deployment (calibrate_child, in its own process) and the fits made from their records
+(fit_serving: prefill and decode step models plus the per-request first-token latency;
+fit_interference: how much each side of a disaggregated pair slows while the other computes)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import numpy as np
+
+from deploy.tuning import workload
+
+CAL_PREFILL_LENS = (32, 128, 512, 64, 256, 32, 128, 512)   # isolated requests, one at a time
+CAL_DECODE_BATCHES = (1, 4, 16)                           # requests sent together, 64 + 64 tokens
+CAL_SEED = 5000
+CAL_BG_BATCH = 8                                          # interference: decode batch (64 + 160)
+CAL_PROBE_LEN, CAL_PROBE_TIMES = 256, (1.5, 2.7, 3.9, 5.1) # ... and prompts prefilled beside it
+
+
+def calibrate_child(router: str, out_path: str, placement: str) -> int:
+    """Runs in its own process (as the load generator does): isolated prompts, then decode batches.
+    Writes the raw records; the fit happens in the parent (fit_serving)."""
+    from deploy.tuning import loadgen
+    card = loadgen.model_card(router)
+    out = {"prefill": [], "decode": []}
+    for k, n in enumerate(CAL_PREFILL_LENS):
+        spec = workload.RequestSpec(0.0, n, 2)
+        recs, _ = loadgen.run_load(router, [spec], workload.build_prompts([spec], card.vocab_size, CAL_SEED + k))
+        out["prefill"].append(recs[0].to_json())
+        time.sleep(0.2)
+    for k, b in enumerate(CAL_DECODE_BATCHES):
+        specs = [workload.RequestSpec(0.0, 64, 64)] * b
+        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 100 + k))
+        out["decode"].append({"batch": b, "requests": [r.to_json() for r in recs]})
+        time.sleep(0.2)
+    if placement == "disaggregated":
+        # interference: a decode batch runs while isolated prompts are prefilled beside it
+        specs = [workload.RequestSpec(0.0, 64, 160)] * CAL_BG_BATCH + \
+                [workload.RequestSpec(t, CAL_PROBE_LEN, 2) for t in CAL_PROBE_TIMES]
+        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 200))
+        out["interference"] = [r.to_json() for r in recs]
+    pathlib.Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> dict:
+    """decode_while_prefill: the background batch's median gap while a probe prompt was being
+    prefilled over its median gap while the prefill worker was idle, minus 1; prefill_while_decode:
+    the probes' TTFT (less what the simulator adds after the step) over the serving prefill model,
+    minus 1."""
+    bg = records[:CAL_BG_BATCH]
+    probes = [r for r in records[CAL_BG_BATCH:] if not r["error"] and r["timings"].get("prefill_end_unix_ns")]
+    if any(r["error"] for r in bg) or not probes:
+        return {}
+    t0 = min(r["send_unix_ns"] - r["send_s"] * 1e9 for r in records)   # the run's start, unix ns
+    busy = [((r["timings"]["prefill_start_unix_ns"] - t0) / 1e9, (r["timings"]["prefill_end_unix_ns"] - t0) / 1e9)
+            for r in probes]
+    times = []
+    for r in bg:
+        t = r["send_s"] + r["ttft_s"]
+        ts = [t]
+        for g in r["itl_s"]:
+            t += g
+            ts.append(t)
+        times.append(ts)
+    lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+    on, off = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
+            if a < lo or b > hi or b <= a:
+                continue
+            share = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
+            (on if share > 0.5 else off if share == 0 else []).append(b - a)
+    out = {"num_gaps_busy": len(on), "num_gaps_idle": len(off)}
+    if len(on) >= 5 and len(off) >= 5:
+        out["gap_busy_s"], out["gap_idle_s"] = float(np.median(on)), float(np.median(off))
+        out["decode_while_prefill"] = max(0.0, out["gap_busy_s"] / out["gap_idle_s"] - 1)
+    n = CAL_PROBE_LEN
+    model = serving_prefill[0] + serving_prefill[1] * n + serving_prefill[2] * n * n
+    ttft = float(np.median([r["ttft_s"] for r in probes])) - extra_s
+    out.update(probe_ttft_s=ttft + extra_s, probe_model_s=model + extra_s,
+               prefill_while_decode=max(0.0, ttft / model - 1))
+    return out
+
+
+def decode_windows(batch: list[dict]) -> list[dict]:
+    """Per decode worker: the window in which every request it holds is decoding (after the last
+    first token, before the first last token), its batch size, the sum of the contexts at the
+    window's middle, and the median gap between tokens inside the window (= its step time)."""
+    groups: dict[str, list[dict]] = {}
+    for r in batch:
+        if not r["error"] and r["ttft_s"] is not None:
+            groups.setdefault(r["timings"].get("decode_worker") or "?", []).append(r)
+    out = []
+    for worker, reqs in groups.items():
+        times = []
+        for r in reqs:
+            t = r["send_s"] + r["ttft_s"]
+            ts = [t]
+            for g in r["itl_s"]:
+                t += g
+                ts.append(t)
+            times.append(ts)
+        lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+        gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= lo and b <= hi]
+        if len(gaps) < 3 * len(reqs):
+            continue
+        mid = (lo + hi) / 2
+        context = sum(r["prompt_len"] + sum(1 for x in ts if x <= mid) for r, ts in zip(reqs, times))
+        out.append({"worker": worker, "batch": len(reqs), "context": context,
+                    "step_s": float(np.median(gaps)), "num_gaps": len(gaps)})
+    return out
+
+
+def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc") -> dict:
+    """Serving-path coefficients for the worker kinds of `placement`, from the calibration records:
+    prefill a', b' fitted to (isolated TTFT - what the simulator adds after the prefill step for
+    that request, e.g. the exposed KV transfer) with the engine's attention coefficient c kept;
+    decode a', b' fitted to the in-window step times with the engine's per-context-token c kept."""
+    from deploy.tuning.perf_model import fit_nonnegative
+    from deploy.tuning.simulator import Placement, PoolSpec, Simulator
+    m = engine_profile.tp[1]
+    pool = PoolSpec(1, 1, 2048, 128, m.kv_capacity_tokens)
+    sim = Simulator(engine_profile, Placement(None, pool) if placement == "colocated"
+                    else Placement(pool, pool, backend))
+    pf_x, pf_y, pf_rows = [], [], []
+    for r in raw["prefill"]:
+        if r["error"] or r["ttft_s"] is None:
+            continue
+        n = r["prompt_len"]
+        bare = m.prefill_time(n, n * n)
+        extra = sim.run([workload.RequestSpec(0.0, n, 2)]).requests[0].ttft_s - bare
+        target = r["ttft_s"] - extra - m.prefill[2] * n * n
+        pf_x.append([1.0, float(n)])
+        pf_y.append(target)
+        pf_rows.append({"prompt_len": n, "ttft_s": r["ttft_s"], "engine_model_s": bare, "sim_extra_s": extra})
+    dc_x, dc_y, dc_rows = [], [], []
+    for b in raw["decode"]:
+        for w in decode_windows(b["requests"]):
+            dc_x.append([1.0, float(w["batch"])])
+            dc_y.append(w["step_s"] - m.decode[2] * w["context"])
+            dc_rows.append({**w, "engine_model_s": m.decode_time(w["batch"], w["context"])})
+    pf = fit_nonnegative(pf_x, [max(y, 1e-6) for y in pf_y])
+    dc = fit_nonnegative(dc_x, [max(y, 1e-6) for y in dc_y])
+    # the fitted intercept is what an isolated request's TTFT pays once; of it, only the engine's
+    # own step intercept is step time: the rest (RPC hops, the router, streaming the token back)
+    # is the request's first-token latency, which in a loaded worker's mixed steps the decodes
+    # sharing the step do not pay
+    latency = max(0.0, pf["coef"][0] - m.prefill[0])
+    prefill = [min(pf["coef"][0], m.prefill[0]), pf["coef"][1], m.prefill[2]]
+    decode = [dc["coef"][0], dc["coef"][1], m.decode[2]]
+    for row in pf_rows:
+        n = row["prompt_len"]
+        row["serving_model_s"] = latency + prefill[0] + prefill[1] * n + prefill[2] * n * n
+    for row in dc_rows:
+        row["serving_model_s"] = decode[0] + decode[1] * row["batch"] + decode[2] * row["context"]
+    kinds = {"colocated": {"prefill": {"coef": prefill}, "decode": {"coef": decode},
+                           "first_token_latency_s": latency}} if placement == "colocated" \
+        else {"prefill": {"prefill": {"coef": prefill}, "first_token_latency_s": latency},
+              "decode": {"decode": {"coef": decode}}}
+    interference = {}
+    if raw.get("interference"):
+        extra = sim.run([workload.RequestSpec(0.0, CAL_PROBE_LEN, 2)]).requests[0].ttft_s - \
+            m.prefill_time(CAL_PROBE_LEN, CAL_PROBE_LEN ** 2)
+        interference = fit_interference(raw["interference"], prefill, extra + latency)
+    return {"kinds": kinds, "prefill_samples": pf_rows, "decode_samples": dc_rows,
+            "prefill_fit": pf["fit"], "decode_fit": dc["fit"], "interference": interference}
