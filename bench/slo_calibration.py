@@ -45,6 +45,16 @@ def calibrate_child(router: str, out_path: str, placement: str) -> int:
     return 0
 
 
+def token_times(record: dict) -> list[float]:
+    """When each of a load-generator record's tokens arrived, in seconds from the run's start."""
+    t = record["send_s"] + record["ttft_s"]
+    times = [t]
+    for gap in record["itl_s"]:
+        t += gap
+        times.append(t)
+    return times
+
+
 def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> dict:
     """decode_while_prefill: the background batch's median gap while a probe prompt was being
     prefilled over its median gap while the prefill worker was idle, minus 1; prefill_while_decode:
@@ -57,14 +67,7 @@ def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> di
     t0 = min(r["send_unix_ns"] - r["send_s"] * 1e9 for r in records)   # the run's start, unix ns
     busy = [((r["timings"]["prefill_start_unix_ns"] - t0) / 1e9, (r["timings"]["prefill_end_unix_ns"] - t0) / 1e9)
             for r in probes]
-    times = []
-    for r in bg:
-        t = r["send_s"] + r["ttft_s"]
-        ts = [t]
-        for g in r["itl_s"]:
-            t += g
-            ts.append(t)
-        times.append(ts)
+    times = [token_times(r) for r in bg]
     lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
     on, off = [], []
     for ts in times:
@@ -95,14 +98,7 @@ def decode_windows(batch: list[dict]) -> list[dict]:
             groups.setdefault(r["timings"].get("decode_worker") or "?", []).append(r)
     out = []
     for worker, reqs in groups.items():
-        times = []
-        for r in reqs:
-            t = r["send_s"] + r["ttft_s"]
-            ts = [t]
-            for g in r["itl_s"]:
-                t += g
-                ts.append(t)
-            times.append(ts)
+        times = [token_times(r) for r in reqs]
         lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
         gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= lo and b <= hi]
         if len(gaps) < 3 * len(reqs):
