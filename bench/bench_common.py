@@ -126,6 +126,7 @@ def machine_busy_cpu_s() -> float | None:
 
 class CpuMonitor:
     """How much CPU *other* processes used while we measured: the benchmark shares the machine."""
+    own_key = "own_cpu_s"
 
     def __init__(self):
         self.t, self.busy, self.own = time.perf_counter(), machine_busy_cpu_s(), self._own()
@@ -139,7 +140,7 @@ class CpuMonitor:
         wall = time.perf_counter() - self.t
         own = self._own() - self.own
         busy = machine_busy_cpu_s()
-        out = {"wall_s": wall, "own_cpu_s": own}
+        out = {"wall_s": wall, self.own_key: own}
         if busy is not None and self.busy is not None:
             foreign = max(0.0, (busy - self.busy) - own)
             out.update(machine_busy_cpu_s=busy - self.busy, foreign_cpu_s=foreign,
@@ -188,22 +189,13 @@ def process_tree_cpu_s(root_pid: int | None = None) -> float:
     return sum(cpu.get(pid, 0.0) for pid in tree)
 
 
-class TreeCpuMonitor:
+class TreeCpuMonitor(CpuMonitor):
     """Like CpuMonitor, but this process's whole tree (Ray, workers, helpers) counts as its own."""
+    own_key = "own_tree_cpu_s"
 
-    def __init__(self):
-        self.t, self.busy, self.own = time.perf_counter(), machine_busy_cpu_s(), process_tree_cpu_s()
-
-    def stop(self) -> dict:
-        wall = time.perf_counter() - self.t
-        own = process_tree_cpu_s() - self.own
-        busy = machine_busy_cpu_s()
-        out = {"wall_s": wall, "own_tree_cpu_s": own}
-        if busy is not None and self.busy is not None:
-            foreign = max(0.0, (busy - self.busy) - own)
-            out.update(machine_busy_cpu_s=busy - self.busy, foreign_cpu_s=foreign,
-                       foreign_cores_avg=foreign / wall if wall > 0 else None)
-        return out
+    @staticmethod
+    def _own() -> float:
+        return process_tree_cpu_s()
 
 
 class CpuBreakdown:
