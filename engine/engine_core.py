@@ -19,6 +19,7 @@ import itertools
 import os
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +38,20 @@ from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_toke
 
 
 KV_FILE_PREFIX = "pdserve-kv-"
+STEP_TRACE_LEN = 32768    # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the latency models see it (deploy/tuning/perf_model.py): when it ran
+    (time.monotonic seconds) and its shape. Decode rows are sequences that computed one token on
+    top of a context; every other row is a prompt chunk."""
+    start: float
+    end: float
+    tokens: int               # every token the step computed
+    prefill_pairs: int        # sum over prompt chunks of n * (start + n)
+    num_decode: int           # decode rows
+    decode_context: int       # sum of the decode rows' context tokens (the new one included)
 
 
 def remove_stale_kv_files(directory: str) -> None:
@@ -112,6 +127,9 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         # requests that finished outside step() (commit): the next step() reports them
         self._undelivered: list[RequestOutput] = []
+        # the last STEP_TRACE_LEN steps that computed something (read and cleared on the thread
+        # that steps; bench/slo_validation.py fits serving-path step models from it)
+        self.step_trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
 
     def _start_ranks(self, model_dir) -> None:
         """The TP followers (if any), then this rank's runner; under this engine's tp_scope."""
@@ -282,10 +300,12 @@ class LLMEngine:
             return done + self._collect([])
         inp = ModelInput([SeqInput(s.seq.token_ids[s.start:s.end], s.start, list(s.seq.block_ids),
                                    s.samples) for s in plan.scheduled], plan.block_copies)
+        start = time.monotonic()
         if self.tp is not None:
             self.tp.broadcast(inp)
         token_ids, logprobs = self.runner.execute(inp, plan.rows, plan.row_logits,
                                                   self._layer_hook(plan))
+        self.step_trace.append(_step_record(plan, start, time.monotonic()))
         for item in plan.scheduled:
             req = self._requests.get(item.seq.request_id)
             if req is not None and req.kv_sink is not None:
@@ -359,3 +379,16 @@ class LLMEngine:
             for path in self.kv_cache_paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+
+
+def _step_record(plan: StepPlan, start: float, end: float) -> StepRecord:
+    tokens = pairs = num_decode = context = 0
+    for item in plan.scheduled:
+        n = item.num_new_tokens
+        tokens += n
+        if n == 1 and item.start > 0:
+            num_decode += 1
+            context += item.start + 1
+        else:
+            pairs += n * (item.start + n)
+    return StepRecord(start, end, tokens, pairs, num_decode, context)

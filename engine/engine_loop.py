@@ -131,6 +131,16 @@ class EngineLoop:
                 "num_running": len(sched.running), "num_waiting": len(waiting),
                 "queued_prompt_tokens": max(queued, 0)}
 
+    def take_step_trace(self, timeout: float | None = 30.0) -> list:
+        """The engine's StepRecords since the last take (engine_core.StepRecord), taken on the loop
+        thread between steps so that none is half-written or lost."""
+        def take():
+            trace = self.engine.step_trace
+            out = list(trace)
+            trace.clear()
+            return out
+        return self.call(take, timeout=timeout)
+
     def every(self, period_s: float, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread about every period_s seconds (e.g. lease expiry)."""
         self._ticks.append((period_s, fn, [time.monotonic() + period_s]))

@@ -164,3 +164,21 @@ def test_reservation_abort_frees_blocks(refs):
     assert b.abort("x")
     assert_no_leaks(b)
 
+
+
+def test_step_trace_records_each_step_shape(refs):
+    """Two prompts in 16-token chunks, then decode: every step that computed is in step_trace with
+    the shape the latency models use (tokens, n*(start+n) pairs per chunk, decode rows, context)."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    engine = LLM(model_dir, kv_cache_memory=KV, max_num_batched_tokens=16).engine
+    engine.add_request("a", prompts[3], greedy(3))    # 17 tokens: chunks of 16 and 1
+    engine.add_request("b", prompts[1], greedy(3))    # 5 tokens
+    run_until_done(engine)
+    trace = list(engine.step_trace)
+    assert [(r.tokens, r.prefill_pairs, r.num_decode, r.decode_context) for r in trace[:2]] == [
+        (16, 16 * 16, 0, 0),               # a's first chunk fills the budget
+        (1 + 5, 5 * 5, 1, 17)]   # a's last prompt token costs what a decode row does; b's prompt
+    # b decodes one row from step 3 on; a joins as a decode row once its prompt is done
+    assert all(r.prefill_pairs == 0 and r.tokens == r.num_decode for r in trace[2:])
+    assert all(r.end >= r.start for r in trace) and len(trace) >= 4
+    assert_no_leaks(engine)

@@ -1,5 +1,6 @@
 """EngineLoop: the engine is built and stepped on one thread; loads are read without it."""
 import threading
+from collections import deque
 
 import pytest
 
@@ -43,3 +44,14 @@ def test_build_raises_what_the_factory_raised_and_leaves_no_thread():
     for t in [t for t in threading.enumerate() if t.name == "t-broken"]:
         t.join(5)
         assert not t.is_alive()
+
+
+def test_take_step_trace_returns_the_records_once():
+    engine = FakeEngine()
+    engine.step_trace = deque([1, 2, 3])
+    loop = EngineLoop(engine).start()
+    try:
+        assert loop.take_step_trace() == [1, 2, 3]
+        assert loop.take_step_trace() == []
+    finally:
+        loop.stop()
