@@ -29,7 +29,8 @@ Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
   tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
   kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
   serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef},
-      first_token_latency_s (optional: per request, outside the steps)}},
+      first_token_latency_s (optional: per request, outside the steps),
+      step_noise (optional: measured / modelled step time, a list of equally likely values)}},
                        interference: {decode_while_prefill: x, prefill_while_decode: y}}
 The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
 """
@@ -62,6 +63,9 @@ class StepModel:
     # serving only: what each request's first token takes outside the worker's steps (RPC hops,
     # the router, streaming it back); it delays that request's TTFT but occupies no step
     first_token_latency_s: float = 0.0
+    # serving only: measured step time / model step time, as equally likely values (quantiles of
+    # the fit's residuals); the simulator draws one per step when given a seed
+    step_noise: tuple[float, ...] = ()
 
     def prefill_time(self, num_tokens: int, pairs: float, decode_context: float = 0.0) -> float:
         a, b, c = self.prefill
@@ -218,8 +222,15 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
                     not (math.isfinite(latency) and latency >= 0):
                 raise ProfileError(f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
                                    f"got {latency!r}")
+            noise = entry.get("step_noise", [])
+            if not isinstance(noise, list) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                    and x > 0 for x in noise):
+                raise ProfileError(f"{source}: {where}.step_noise: expected a list of step-time "
+                                   f"multipliers > 0, got {noise!r}")
             serving.setdefault(kind, {})[int(key)] = StepModel(pf, dc, base.kv_capacity_tokens,
-                                                               float(latency))
+                                                               float(latency),
+                                                               tuple(float(x) for x in noise))
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:

@@ -48,6 +48,7 @@ class Worker:
         self.router_view = self.free   # its free blocks as the router sees them (colocated)
         self.router_tokens = 0         # prompt tokens the router charged to it, until their first token
         self.busy = False
+        self.calls: list = []          # (fn, request): RPCs that wait for the step in flight
         self.plan: list[tuple[Seq, int, int]] | None = None   # None: a fast-path step
         self.step_start = 0.0
         self.link_free = 0.0

@@ -9,7 +9,9 @@ What it models (each worker runs a port of engine/scheduler.py at the level of t
     worker with the most free blocks (ties rotate), then goes to the prefill worker with the least
     queued tokens (prompt tokens not yet computed; ties rotate). When no decode worker has room
     the router holds requests in arrival order until blocks free up (the real router answers
-    RESOURCE_EXHAUSTED and the client retries: here that is waiting, not an error).
+    RESOURCE_EXHAUSTED and the client retries: here that is waiting, not an error). The decode
+    worker takes the Reserve, and later the commit of the prefilled KV (which streams the first
+    token), on its engine loop between steps: while a decode step runs, both wait for its end.
   * router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
     blocks as the router sees them (ties rotate), as router/pool.py picks: a request's prompt is
     charged to its worker from the pick to its first token, and its prompt's blocks are taken
@@ -59,12 +61,16 @@ What it does not model:
     the step's start (every prefill and decode worker is taken to share one host);
   * the router's stale view of free blocks when disaggregated (it reads Stats every 0.5 s and
     charges each reservation; here it knows exactly);
-  * step-time noise: the same inputs give the same answer (deterministic).
+  * step-time noise, unless asked: with a seed, and a serving profile whose kind carries
+    step_noise (measured step time / modelled, from the fit's residuals), each step's time is
+    multiplied by one of those values drawn at random; without a seed the same inputs always give
+    the same answer.
 """
 from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from dataclasses import dataclass
 
@@ -144,9 +150,10 @@ class _Req:
 
 class Simulator:
     def __init__(self, profile: Profile, placement: Placement, fast: bool = True,
-                 router_stats_s: float = ROUTER_STATS_S):
+                 router_stats_s: float = ROUTER_STATS_S, seed: int | None = None):
         self.profile, self.placement, self.fast = profile, placement, fast
         self.router_stats_s = router_stats_s
+        self.seed = seed        # None: no step noise
         for pool in filter(None, (placement.prefill, placement.decode)):
             if pool.tp not in profile.tp:
                 raise ValueError(f"the profile has no tp={pool.tp} (it has {profile.tp_degrees})")
@@ -213,6 +220,7 @@ class Simulator:
 
         f_decode = prof.interference.get("decode_while_prefill", 0.0)
         f_prefill = prof.interference.get("prefill_while_decode", 0.0)
+        rng = random.Random(self.seed) if self.seed is not None else None
 
         def start_step(w: Worker, now: float) -> None:
             nonlocal counter, num_steps
@@ -220,6 +228,8 @@ class Simulator:
             if not w.has_plan:
                 w.busy = False
                 return
+            if rng is not None and w.model.step_noise:
+                dur *= w.model.step_noise[rng.randrange(len(w.model.step_noise))]
             # the other side busy on the same host when this step starts: it runs slower
             if w.is_prefill:
                 if f_prefill and any(d.busy for d in decode):
@@ -261,11 +271,32 @@ class Simulator:
                 if phase == "decode":
                     heapq.heappush(events, (now, counter, _COMMIT, r))
                     counter += 1
-                    continue
-                p = pick(prefill, lambda w: -w.queued_tokens, 1)
-                p.enqueue(Seq(r, r.prompt, 0, 0, True))
-                if not p.busy:
-                    start_step(p, now)
+                elif phase == "both" and r.dest.busy:
+                    r.dest.calls.append((to_prefill, r))   # Reserve runs between decode steps
+                else:
+                    to_prefill(r, now)
+
+        def to_prefill(r: _Req, now: float) -> None:
+            p = pick(prefill, lambda w: -w.queued_tokens, 1)
+            p.enqueue(Seq(r, r.prompt, 0, 0, True))
+            if not p.busy:
+                start_step(p, now)
+
+        def commit(r: _Req, now: float) -> None:
+            note_first(r, now)
+            r.num_out = 1
+            if phase == "prefill":
+                note_done(r, now)
+            elif r.output <= 1:
+                r.dest.free += r.reserved
+                note_done(r, now)
+                if held:
+                    dispatch(now)
+            else:
+                d = r.dest
+                d.join(Seq(r, r.prompt + 1, r.prompt, r.reserved, False))
+                if not d.busy:
+                    start_step(d, now)
 
         first: list[_Req] = []
         done: list[_Req] = []
@@ -293,20 +324,10 @@ class Simulator:
                     dispatch(now)
             elif kind == _COMMIT:
                 r = obj
-                note_first(r, now)
-                r.num_out = 1
-                if phase == "prefill":
-                    note_done(r, now)
-                elif r.output <= 1:
-                    r.dest.free += r.reserved
-                    note_done(r, now)
-                    if held:
-                        dispatch(now)
+                if phase != "prefill" and r.dest.busy:
+                    r.dest.calls.append((commit, r))   # runs between the decode worker's steps
                 else:
-                    d = r.dest
-                    d.join(Seq(r, r.prompt + 1, r.prompt, r.reserved, False))
-                    if not d.busy:
-                        start_step(d, now)
+                    commit(r, now)
             else:
                 w = obj
                 first.clear()
@@ -331,6 +352,10 @@ class Simulator:
                         counter += 1
                 if done and held:
                     dispatch(now)
+                if w.calls:   # Reserve and commit calls that waited for this step, in order
+                    calls, w.calls = w.calls, []
+                    for call, r in calls:
+                        call(r, now)
                 start_step(w, now)
             if (max_missed is not None and missed > max_missed) or num_steps >= max_steps:
                 stopped = True

@@ -157,8 +157,10 @@ def test_a_full_decode_pool_holds_the_next_request_at_the_router():
 
 def test_decode_batches_every_running_sequence_and_late_commits_join_the_next_step():
     """With an ideal prefill (phase "decode") four requests commit at t=0; the first commit starts
-    a step of one sequence at once, the other three join the next step: then every step decodes
-    all running sequences (a + b*B: 0.03 s for B=1, 0.05 s for B=3, 0.06 s for B=4)."""
+    a step of one sequence at once, the other three commits wait for that step to end (the
+    engine loop takes calls between steps), which is their first token, and join the next step:
+    then every step decodes all running sequences (a + b*B: 0.03 s for B=1, 0.05 s for B=3, 0.06 s
+    for B=4)."""
     prof = make_profile(decode=(0.02, 0.01, 0.0))
     res = Simulator(prof, Placement(PoolSpec(1), PoolSpec(1))).run([one(16, 5) for _ in range(4)],
                                                                    phase="decode")
@@ -166,7 +168,9 @@ def test_decode_batches_every_running_sequence_and_late_commits_join_the_next_st
     assert first.ttft_s == 0 and first.e2e_s == pytest.approx(0.03 + 3 * 0.06)
     for r in rest:
         # three steps with the first, one more without it (it has its 5 tokens)
-        assert r.e2e_s == pytest.approx(0.03 + 3 * 0.06 + 0.05) and r.tpot_s == pytest.approx(0.26 / 4)
+        assert r.ttft_s == pytest.approx(0.03)
+        assert r.e2e_s == pytest.approx(0.03 + 3 * 0.06 + 0.05)
+        assert r.tpot_s == pytest.approx((0.26 - 0.03) / 4)
 
 
 def test_simulation_is_deterministic():
@@ -351,4 +355,37 @@ def test_first_token_latency_delays_the_request_without_taking_step_time():
     assert [r.tpot_s for r in late] == pytest.approx([r.tpot_s for r in base])
     with pytest.raises(ProfileError, match="first_token_latency_s"):
         data["serving"]["colocated"]["1"]["first_token_latency_s"] = -1
+        profile_from_dict(data)
+
+
+def test_a_reserve_waits_for_the_decode_step_in_flight():
+    """Disaggregated, the router's Reserve runs on the decode worker's loop between steps: a
+    request that arrives while a decode step runs reaches the prefill worker when that step ends."""
+    prof = make_profile(decode=(0.2, 0.0, 0.0))      # decode steps of 0.2 s
+    pl = Placement(PoolSpec(1), PoolSpec(1))
+    first, second = simulate([one(100, 5), one(100, 2, at=0.2)], prof, pl).requests
+    alone = simulate([one(100, 2)], prof, pl).requests[0]
+    # the first request commits at ~0.121 s and decodes from then on: its first decode step runs
+    # until ~0.321 s, so the second's prefill starts there, not at 0.2 s; its commit then waits
+    # for the decode step in flight at that time too (it ends at ~0.521 s)
+    commit_1 = first.ttft_s
+    assert second.ttft_s + 0.2 == pytest.approx(commit_1 + 2 * 0.2)
+    assert alone.ttft_s == pytest.approx(commit_1)     # alone, neither call waits
+
+
+def test_step_noise_draws_a_multiplier_per_step_from_the_profile_with_a_seed():
+    data = make_profile(as_dict=True)
+    data["serving"] = {"colocated": {"1": {"step_noise": [0.5, 1.5]}}}
+    prof = profile_from_dict(data)
+    reqs = [one(100, 10)]
+    pl = Placement(None, PoolSpec(1))
+    steady = simulate(reqs, prof, pl).requests            # no seed: no noise
+    assert steady == simulate(reqs, make_profile(), pl).requests
+    noisy = [Simulator(prof, pl, seed=s).run(reqs).requests[0] for s in range(8)]
+    assert noisy == [Simulator(prof, pl, seed=s).run(reqs).requests[0] for s in range(8)]
+    assert len({r.e2e_s for r in noisy}) > 1
+    # every step took 0.5x or 1.5x its modelled time: the E2E lies between the two extremes
+    assert all(0.5 * steady[0].e2e_s - 1e-9 <= r.e2e_s <= 1.5 * steady[0].e2e_s + 1e-9 for r in noisy)
+    with pytest.raises(ProfileError, match="step_noise"):
+        data["serving"]["colocated"]["1"]["step_noise"] = [0.5, -1]
         profile_from_dict(data)
