@@ -28,6 +28,8 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
     src = p.add_argument_group("requests: a trace, or synthetic lengths")
     src.add_argument("--trace", default=None, metavar="NAME|PATH",
                      help=f"{', '.join(workload.TRACES)} or a .csv/.jsonl file")
+    src.add_argument("--trace-start", type=float, default=0.0, metavar="SECONDS",
+                     help="replay the trace from this many seconds into it (default 0)")
     src.add_argument("--scale", type=float, default=1.0, help="multiply the trace's lengths (default 1)")
     src.add_argument("--max-prompt", type=int, default=None, help="cap prompt tokens (after --scale)")
     src.add_argument("--max-output", type=int, default=None, help="cap output tokens (after --scale)")
@@ -150,8 +152,11 @@ def _requests(args) -> list[workload.RequestSpec]:
     if not args.burstiness > 0:
         raise BenchError(f"--burstiness must be > 0, got {args.burstiness}")
     if args.trace:
+        if args.trace_start < 0:
+            raise BenchError(f"--trace-start must be >= 0 seconds, got {args.trace_start:g}")
         reqs = workload.load_trace(args.trace, scale=args.scale, max_prompt=args.max_prompt,
-                                   max_output=args.max_output, max_requests=args.num_requests)
+                                   max_output=args.max_output, max_requests=args.num_requests,
+                                   start_s=args.trace_start)
     elif args.prompt_len < 1 or args.output_len < 1:
         raise BenchError("--prompt-len and --output-len must be >= 1")
     elif args.rate is not None and math.isfinite(args.rate):

@@ -239,6 +239,8 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys):
              (["--trace", trace, "--sweep-rates", "1,2"], "needs --slo"),
              (["--prompt-len", "8"], "--output-len"),
              (["--trace", trace, "--burstiness", "0.5"], "--burstiness"),
+             (["--trace", trace, "--trace-start", "-1"], "--trace-start must be >= 0"),
+             (["--trace", trace, "--trace-start", "100"], "no requests from 100"),
              (["--trace", trace, "--router", dead], f"router {dead} unreachable: UNAVAILABLE")]
     for argv, named in cases:
         assert main(["bench", *argv]) == 2, argv
