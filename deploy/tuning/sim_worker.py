@@ -5,7 +5,8 @@ profile's step model) and then applied (`complete`), as the engine's plan -> exe
 Slow path: the scheduler's loops, sequence by sequence (chunked prefill within the token budget,
 preemption of the most recently admitted sequences when blocks run out, FCFS admission above a 1%
 watermark while fewer than max_num_seqs run).
-Fast path: while every running sequence is decoding (one token a step), nothing waits, the batch
+Fast path: while every running sequence is decoding (one token a step after its first token: a
+prompt whose last chunk is one token is not decoding yet), nothing waits, the batch
 fits the token budget and the step's new blocks are free, steps are identical in shape, so the
 sequences are not touched one by one: counts per block-boundary phase give each step's new
 blocks, a heap gives the step at which each sequence finishes, and a sequence's own counters catch
@@ -103,7 +104,7 @@ class Worker:
     def _enter_fast_path(self) -> bool:
         bs = self.bs
         if (self.waiting or not self.running or len(self.running) > self.budget
-                or any(s.num_tokens - s.computed != 1 or s.computed == 0
+                or any(s.num_tokens - s.computed != 1 or s.computed == 0 or s.req.num_out == 0
                        or s.blocks != (s.computed + bs - 1) // bs for s in self.running)):
             return False
         self.lazy = True

@@ -4,6 +4,7 @@ profile and the `pdserve tune` argument errors."""
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import time
@@ -389,3 +390,15 @@ def test_step_noise_draws_a_multiplier_per_step_from_the_profile_with_a_seed():
     with pytest.raises(ProfileError, match="step_noise"):
         data["serving"]["colocated"]["1"]["step_noise"] = [0.5, -1]
         profile_from_dict(data)
+
+
+def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
+    """Colocated, budget 64: a 64-token prompt admitted beside one decoding sequence gets 63
+    tokens, then a last chunk of one token while everything else decodes. It is not decoding yet
+    (the fast path once took it for a decode row and it never got a first token)."""
+    pool = PoolSpec(1, max_num_batched_tokens=64)
+    reqs = [one(8, 40), one(64, 5, at=0.05)]
+    for fast in (True, False):
+        first, second = Simulator(make_profile(), Placement(None, pool), fast=fast).run(reqs).requests
+        assert math.isfinite(second.ttft_s) and math.isfinite(second.e2e_s)
+        assert math.isfinite(first.e2e_s)
