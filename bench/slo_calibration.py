@@ -163,3 +163,99 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
         interference = fit_interference(raw["interference"], prefill, extra + latency)
     return {"kinds": kinds, "prefill_samples": pf_rows, "decode_samples": dc_rows,
             "prefill_fit": pf["fit"], "decode_fit": dc["fit"], "interference": interference}
+
+
+# ---- in-load calibration: step models fitted from the steps a loaded deployment ran ------------
+LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trace than the measured slice
+LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0, 4.0), 100, 7000
+CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled
+NOISE_POINTS = 40         # quantiles of measured/modelled step time kept as the profile's step_noise
+
+
+def effective_steps(steps: list[dict]) -> list[dict]:
+    """One worker's StepRecords (dicts) with "eff_s": the time the step held the engine loop, from
+    its start to the next step's start when the loop went straight on (the step's outputs were
+    dispatched and the calls that waited for it ran: commits, Reserves, new requests), else its own
+    duration plus the median of those in-between times."""
+    steps = sorted(steps, key=lambda s: s["start"])
+    gaps = [b["start"] - a["end"] for a, b in zip(steps, steps[1:])]
+    between = float(np.median([g for g in gaps if g < CONTINUOUS_GAP_S] or [0.0]))
+    out = []
+    for i, s in enumerate(steps):
+        if i + 1 < len(steps) and gaps[i] < CONTINUOUS_GAP_S:
+            eff = steps[i + 1]["start"] - s["start"]
+        else:
+            eff = s["end"] - s["start"] + between
+        out.append({**s, "eff_s": eff})
+    return out
+
+
+def fit_load_steps(engine_profile, kind: str, steps: list[dict]) -> dict:
+    """Step models for one worker kind from its loaded steps: the decode model a + b*B + c*C on
+    the decode-only steps, the prefill model a + b*T + c*A on the steps with prompt tokens (less
+    the decode model's c times their decode rows' context, as the simulator prices a mixed step);
+    a kind without decode-only steps keeps the engine's decode model. step_noise: quantiles of
+    measured / modelled over all its steps."""
+    from deploy.tuning.perf_model import fit_nonnegative
+    m = engine_profile.tp[1]
+    dec = [s for s in steps if s["tokens"] == s["num_decode"]]
+    pre = [s for s in steps if s["tokens"] > s["num_decode"]]
+    out = {"num_steps": len(steps), "num_decode_steps": len(dec), "num_prefill_steps": len(pre)}
+    decode = list(m.decode)
+    if len(dec) >= 10:
+        fit = fit_nonnegative([[1.0, s["num_decode"], s["decode_context"]] for s in dec], [s["eff_s"] for s in dec])
+        decode, out["decode_fit"] = fit["coef"], fit["fit"]
+        out["decode"] = {"coef": decode}
+    prefill = list(m.prefill)
+    if len(pre) >= 10:
+        fit = fit_nonnegative([[1.0, s["tokens"], s["prefill_pairs"]] for s in pre],
+                              [max(1e-6, s["eff_s"] - decode[2] * s["decode_context"]) for s in pre])
+        prefill, out["prefill_fit"] = fit["coef"], fit["fit"]
+        out["prefill"] = {"coef": prefill}
+
+    def model(s):
+        if s["tokens"] == s["num_decode"]:
+            return decode[0] + decode[1] * s["num_decode"] + decode[2] * s["decode_context"]
+        return prefill[0] + prefill[1] * s["tokens"] + prefill[2] * s["prefill_pairs"] + \
+            decode[2] * s["decode_context"]
+    ratios = np.array([s["eff_s"] / model(s) for s in steps])
+    if len(ratios):
+        qs = (np.arange(NOISE_POINTS) + 0.5) / NOISE_POINTS
+        out["step_noise"] = [round(float(x), 4) for x in np.quantile(ratios, qs)]
+        out["ratio_p50_p90_p99"] = [float(np.quantile(ratios, q)) for q in (0.5, 0.9, 0.99)]
+    return out
+
+
+def fit_load(engine_profile, raw: dict) -> dict:
+    """kind -> fit_load_steps over every worker of that kind in a load calibration's raw records."""
+    by_kind: dict[str, list[dict]] = {}
+    for w in raw["workers"].values():
+        by_kind.setdefault(w["kind"], []).extend(effective_steps(w["steps"]))
+    return {kind: fit_load_steps(engine_profile, kind, steps) for kind, steps in by_kind.items()}
+
+
+def step_model_check(profile, raw: dict) -> dict:
+    """How well a profile's step models time the steps a sweep really ran: per worker kind, the
+    number of steps, measured / modelled step time (mean, p50, p90) and the share of the sweep's
+    span the workers spent in steps."""
+    out = {}
+    for kind in sorted({w["kind"] for w in raw["workers"].values()}):
+        m = profile.step_model(1, kind)
+        ratios, busy, span = [], 0.0, 0.0
+        for w in raw["workers"].values():
+            if w["kind"] != kind or not w["steps"]:
+                continue
+            steps = effective_steps(w["steps"])
+            for s in steps:
+                if s["tokens"] == s["num_decode"]:
+                    model = m.decode_time(s["num_decode"], s["decode_context"])
+                else:
+                    model = m.prefill_time(s["tokens"], s["prefill_pairs"], s["decode_context"])
+                ratios.append(s["eff_s"] / model)
+                busy += s["eff_s"]
+            span += steps[-1]["end"] - steps[0]["start"]
+        if ratios:
+            out[kind] = {"num_steps": len(ratios), "ratio_mean": float(np.mean(ratios)),
+                         "ratio_p50": float(np.median(ratios)), "ratio_p90": float(np.quantile(ratios, 0.9)),
+                         "busy_share": busy / span if span else None}
+    return out

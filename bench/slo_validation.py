@@ -63,7 +63,8 @@ if str(REPO_ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
-from bench.slo_calibration import calibrate_child, fit_serving  # noqa: E402
+from bench.slo_calibration import (LOAD_RATES, LOAD_REQUESTS, LOAD_SEED, LOAD_TRACE,  # noqa: E402
+                                   LOAD_TRACE_START_S, calibrate_child, fit_load, fit_serving)
 from deploy.tuning import metrics, workload  # noqa: E402
 from deploy.tuning.perf_model import Profile  # noqa: E402
 
@@ -73,6 +74,7 @@ WORKLOAD_SEEDS = {"azure_conv": 0, "azure_code": 100}   # prompt seeds seed+k ne
 WARMUP_SEED = 1000
 QUIET_CORES = 0.1     # other processes' CPU (cores, 3 s average) below which the machine is quiet
 DISTURBED_CORES = 0.15  # a sweep during which others used more (average cores) is measured again
+SIM_SEEDS = 20          # simulations with step noise per point (the in-load profile)
 
 
 def log(msg: str) -> None:
@@ -196,17 +198,22 @@ def measure(args, placement: str, results: dict, workloads: list[str] | None = N
         entry["worker_pids"] = {str(k): v for k, v in pids.items()}
         if calibrate_it:
             calibrate(args, placement, router, entry)
+            load_calibrate(args, placement, router, cluster, entry)
         for wl in workloads or args.workloads:
             name = f"slo_validation_{placement}_{wl}.json"
             rates = ",".join(f"{r:g}" for r in args.rates[wl])
             disturbed = []
             for attempt in range(args.retries + 1):
                 wait = wait_quiet(args.wait_idle)
+                take_step_traces(cluster)   # only this sweep's steps go to its _steps file
                 mon, parts = TreeCpuMonitor(), CpuBreakdown(pids)
                 rc, out = run_child(bench_cmd(router, trace_args(args, wl) + [
                     "--seed", str(WORKLOAD_SEEDS[wl]), "--sweep-rates", rates, "--slo", args.slo_text,
                     "--out", str(args.out.with_name(name)), "--request-timeout", "300"]), 1800)
                 breakdown, cpu = parts.stop(), mon.stop()
+                # the engine steps the sweep ran: for checking the step models, never fitted
+                args.out.with_name(f"slo_validation_{placement}_{wl}_steps.json").write_text(
+                    json.dumps({"workers": take_step_traces(cluster)}))
                 log(f"{placement} {wl}: sweep rc {rc} in {cpu['wall_s']:.0f} s; others used "
                     f"{cpu['foreign_cores_avg']:.2f} cores on average; cores by component: "
                     f"{breakdown['cores_avg']}\n{out}")
@@ -235,6 +242,75 @@ def calibrate(args, placement: str, router: str, entry: dict) -> None:
     rc, out = run_child([sys.executable, str(pathlib.Path(__file__).resolve()), "--calibrate-router", router,
                          "--calibrate-out", str(path), "--calibrate-placement", placement], 600)
     entry["calibration"] = {"rc": rc, "raw_json": path.name}
+
+
+def take_step_traces(cluster) -> dict[str, dict]:
+    """Each worker's engine steps since the last take: name -> {kind, steps: [StepRecord dicts]}."""
+    import dataclasses
+
+    import ray
+    out = {}
+    for r in cluster.replicas:
+        steps = ray.get(r.actor.__ray_call__.remote(
+            lambda self: [dataclasses.asdict(x) for x in self.worker.loop.take_step_trace()]), timeout=60)
+        out[f"{r.key}-{r.index}"] = {"kind": r.key, "steps": steps}
+    return out
+
+
+def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> None:
+    """The in-load calibration: open-loop runs on a later part of the conv trace than the one
+    measured (LOAD_TRACE_START_S on, its own seeds) at LOAD_RATES, and every engine step the
+    workers ran meanwhile (their step traces), for bench/slo_calibration.fit_load."""
+    take_step_traces(cluster)          # drop the steps of the warm-up and the isolated calibration
+    mon = TreeCpuMonitor()
+    runs = []
+    for k, rate in enumerate(LOAD_RATES):
+        name = f"slo_validation_{placement}_load_{rate:g}.json"
+        rc, _ = run_child(bench_cmd(router, [
+            "--trace", LOAD_TRACE, "--trace-start", f"{LOAD_TRACE_START_S:g}",
+            "--scale", f"{args.scale[LOAD_TRACE]:g}", "--max-prompt", str(args.max_prompt),
+            "--max-output", str(args.max_output), "--num-requests", str(LOAD_REQUESTS),
+            "--rate", f"{rate:g}", "--seed", str(LOAD_SEED + k), "--out", str(args.out.with_name(name))]), 900)
+        runs.append({"rate": rate, "rc": rc, "bench_json": name})
+    raw = {"runs": runs, "workers": take_step_traces(cluster), "cpu": mon.stop()}
+    path = args.out.with_name(f"slo_validation_{placement}_load_steps.json")
+    path.write_text(json.dumps(raw))
+    entry["load_calibration"] = {"runs": runs, "raw_json": path.name, "cpu": raw["cpu"],
+                                 "num_steps": {k: len(w["steps"]) for k, w in raw["workers"].items()}}
+    log(f"{placement}: load calibration {runs}; steps {entry['load_calibration']['num_steps']}")
+
+
+def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
+    """The engine profile plus the step models fitted from the placements' loaded steps (and their
+    step noise); each kind's first-token latency comes from the isolated calibration's fit."""
+    from deploy.tuning.perf_model import load_profile, profile_from_dict
+    engine = load_profile(args.profile)
+    isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
+    serving, fits = {}, {}
+    for placement in PLACEMENTS:
+        path = args.out.with_name(f"slo_validation_{placement}_load_steps.json")
+        if not path.is_file():
+            continue
+        for kind, fit in fit_load(engine, json.loads(path.read_text())).items():
+            fits[kind] = fit
+            entry = {k: fit[k] for k in ("prefill", "decode", "step_noise") if k in fit}
+            latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
+            if latency is not None:
+                entry["first_token_latency_s"] = latency
+            serving[kind] = {"1": entry}
+    if not serving:
+        return None
+    data = json.loads(pathlib.Path(args.profile).read_text())
+    data["serving"] = {**serving, "source": {
+        "summary": "step models fitted by bench/slo_validation.py from the engine steps of loaded "
+                   "deployments (open-loop conv traffic), with step noise; first-token latency from "
+                   "the isolated calibration", "engine_profile": str(args.profile), "date": _now(),
+        "fits": fits}}
+    profile_from_dict(data, "in-load profile")
+    out = pathlib.Path(args.serving_profile).with_name(
+        pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json")
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
 
 
 def serving_profile(args, results: dict) -> pathlib.Path | None:
@@ -303,32 +379,40 @@ def stats(ttft: list[float], tpot: list[float]) -> dict:
     return out
 
 
-def simulate_all(args, results: dict, label: str, profile_path, router_stats_s: float | None = None) -> None:
+def simulate_all(args, results: dict, label: str, profile_path, router_stats_s: float | None = None,
+                 seeds: int = 0) -> None:
+    """Simulates every placement, workload and rate; with seeds, each point that many times with
+    step noise (seeds 0..seeds-1): its attainment is their mean (and min/max), its percentiles are
+    those of all the runs' requests together."""
     from deploy.tuning.perf_model import load_profile
     from deploy.tuning.simulator import Simulator
     profile = profile_path if isinstance(profile_path, Profile) else load_profile(profile_path)
     if isinstance(profile_path, Profile):
         profile_path = profile_path.raw.get("_label", "in-memory profile")
     slo = results["slo_s"]
-    block = {"profile": str(profile_path), "date": _now(), "runs": {},
+    block = {"profile": str(profile_path), "date": _now(), "runs": {}, "seeds": seeds,
              "router_stats_s": "simulator default" if router_stats_s is None else router_stats_s}
     for placement in PLACEMENTS:
         kw = {} if router_stats_s is None else {"router_stats_s": router_stats_s}
-        sim = Simulator(profile, sim_placement(args, profile, placement), **kw)
+        sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k, **kw)
+                for k in (range(seeds) if seeds else [None])]
         for wl in args.workloads:
             reqs = requests_for(args, wl)
             rows = []
             for rate in args.rates[wl]:
                 timed = workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl])
                 t0 = time.perf_counter()
-                res = sim.run(timed)
-                att = res.attainment(slo["ttft"], slo["tpot"])
-                ttft = [r.ttft_s for r in res.requests]
-                tpot = [r.tpot_s for r, q in zip(res.requests, timed) if q.output_len >= 2]
-                rows.append({"rate": rate, "attainment": att, **stats(ttft, tpot),
+                results_k = [sim.run(timed) for sim in sims]
+                atts = [res.attainment(slo["ttft"], slo["tpot"]) for res in results_k]
+                done = [r for res in results_k for r in res.requests]
+                ttft = [r.ttft_s for r in done]
+                tpot = [r.tpot_s for res in results_k for r, q in zip(res.requests, timed) if q.output_len >= 2]
+                rows.append({"rate": rate, "attainment": float(np.mean(atts)),
+                             "attainment_min_max": [min(atts), max(atts)], **stats(ttft, tpot),
                              "ttft_ok": float(np.mean([t <= slo["ttft"] for t in ttft])),
-                             "tpot_ok": float(np.mean([r.tpot_s <= slo["tpot"] for r in res.requests])),
-                             "num_preemptions": res.num_preemptions, "seconds": time.perf_counter() - t0})
+                             "tpot_ok": float(np.mean([r.tpot_s <= slo["tpot"] for r in done])),
+                             "num_preemptions": sum(res.num_preemptions for res in results_k),
+                             "seconds": time.perf_counter() - t0})
             block["runs"].setdefault(placement, {})[wl] = rows
     results.setdefault("simulations", {})[label] = block
 
@@ -454,7 +538,9 @@ def earlier_runs(args, results: dict) -> list[dict]:
 def plot_validation(results: dict, args, wl: str) -> str | None:
     from matplotlib.figure import Figure
     fig = Figure(figsize=(13, 4.8), tight_layout=True)
-    styles = dict(zip(results.get("simulations", {}), (":", "--", "-.", "-")))
+    labels = list(results.get("simulations", {}))
+    styles = {label: "-" if i == len(labels) - 1 else (":", "--", "-.", (0, (5, 1)))[i % 4]
+              for i, label in enumerate(labels)}
     slo = results["slo_s"]
     drawn = False
     for i, placement in enumerate(PLACEMENTS):
@@ -693,6 +779,10 @@ def main() -> int:
     simulate_all(args, results, "original", args.profile, router_stats_s=0.0)
     for label, path in sims.items():
         simulate_all(args, results, label, path)
+    inload = load_profile_from_fits(args, serving)
+    if inload is not None:
+        profiles["in-load"] = inload
+        simulate_all(args, results, "in-load", inload, seeds=SIM_SEEDS)
     if not args.no_tune:
         results["tuner"] = {}
         for wl in args.workloads:
@@ -701,10 +791,11 @@ def main() -> int:
                 t = run_tuner(args, wl, path, trace)
                 results["tuner"][f"{wl}/{label}/slice"] = t
                 log(f"tuner {wl} {label} slice:\n{t['stdout']}")
-            if "serving" in profiles:
-                t = run_tuner(args, wl, profiles["serving"], wl)
-                results["tuner"][f"{wl}/serving/full"] = t
-                log(f"tuner {wl} serving full trace:\n{t['stdout']}")
+            for label in ("serving", "in-load"):
+                if label in profiles:
+                    t = run_tuner(args, wl, profiles[label], wl)
+                    results["tuner"][f"{wl}/{label}/full"] = t
+                    log(f"tuner {wl} {label} full trace:\n{t['stdout']}")
     report(args, results)
     args.out.write_text(json.dumps(results, indent=1))
     log(f"wrote {args.out}")
