@@ -15,7 +15,8 @@ Same pool settings for both: kv_cache_memory, max_model_len, max_num_batched_tok
 the router's max_inflight is raised so that no request is refused.
 
 Per placement: wait for a quiet machine -> up() -> a warm-up run (its own prompt seed) -> the
-serving-path calibration (below) -> per workload one `pdserve bench --sweep-rates` in a subprocess
+serving-path calibration and the in-load calibration (below) -> per workload one
+`pdserve bench --sweep-rates` in a subprocess
 (the load generator runs in its own process, so it does not share the router's GIL in this driver
 process) -> stop(). The sweep writes its JSON (every request) and its PNGs (attainment vs rate,
 TTFT and TPOT CDFs) under bench/results/. The same trace slice, seed and rates for both placements,
@@ -29,11 +30,22 @@ while all of a worker's requests decode), and, disaggregated, a decode batch wit
 beside it (how much each side slows while the other computes). Fitted into "serving-path" step
 models for the profile (deploy/tuning/perf_model.py), written as --serving-profile.
 
+In-load calibration: open-loop conv traffic from a later part of the trace than the measured
+slice (LOAD_TRACE_START_S on, own seeds) at 2 and 4 req/s, 100 requests each, while every worker's
+engine records its steps (engine.step_trace: start, end and shape of each step). Fitted per worker
+kind (bench/slo_calibration.fit_load) on the time each step held the engine loop, so the steps carry
+what really slows them in a loaded deployment (the other worker on the same host, gRPC threads,
+KV pushes and receives, token streaming); the residuals become the profile's step_noise. Written
+beside --serving-profile as *_inload.json. Every measured sweep's steps are kept too
+(*_<workload>_steps.json), only to check the models against them ("step_model_check").
+
 Simulations of the very same RequestSpecs, kept side by side under "simulations"/<label>:
   original       the simulator before this validation (exact router view) on the engine profile
   engine         the current simulator (the colocated router's 0.5 s stale view) on the engine profile
   serving-steps  + the serving-path step models, without the interference factors
   serving        + the interference factors: the full serving profile
+  in-load        the in-load profile, each point simulated with SIM_SEEDS seeds of step noise
+                 (mean attainment; percentiles over all their requests)
 Finally `pdserve tune --devices 2 --colocated` with the engine and the serving profile on the
 measured trace slice (and the serving profile on the whole trace).
 
@@ -64,7 +76,8 @@ import numpy as np  # noqa: E402
 
 from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
 from bench.slo_calibration import (LOAD_RATES, LOAD_REQUESTS, LOAD_SEED, LOAD_TRACE,  # noqa: E402
-                                   LOAD_TRACE_START_S, calibrate_child, fit_load, fit_serving)
+                                   LOAD_TRACE_START_S, calibrate_child, fit_load, fit_serving,
+                                   step_model_check)
 from deploy.tuning import metrics, workload  # noqa: E402
 from deploy.tuning.perf_model import Profile  # noqa: E402
 
@@ -280,15 +293,18 @@ def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> N
     log(f"{placement}: load calibration {runs}; steps {entry['load_calibration']['num_steps']}")
 
 
-def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
-    """The engine profile plus the step models fitted from the placements' loaded steps (and their
-    step noise); each kind's first-token latency comes from the isolated calibration's fit."""
+def load_profile_from_fits(args, serving_path, steps: str = "load", tag: str = "inload",
+                           what: str = "the engine steps of loaded deployments (open-loop conv "
+                                       "traffic)") -> pathlib.Path | None:
+    """The engine profile plus the step models fitted from the placements' steps in
+    slo_validation_<placement>_<steps>_steps.json (and their step noise), written as *_<tag>.json;
+    each kind's first-token latency comes from the isolated calibration's fit."""
     from deploy.tuning.perf_model import load_profile, profile_from_dict
     engine = load_profile(args.profile)
     isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
     serving, fits = {}, {}
     for placement in PLACEMENTS:
-        path = args.out.with_name(f"slo_validation_{placement}_load_steps.json")
+        path = args.out.with_name(f"slo_validation_{placement}_{steps}_steps.json")
         if not path.is_file():
             continue
         for kind, fit in fit_load(engine, json.loads(path.read_text())).items():
@@ -302,14 +318,27 @@ def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
         return None
     data = json.loads(pathlib.Path(args.profile).read_text())
     data["serving"] = {**serving, "source": {
-        "summary": "step models fitted by bench/slo_validation.py from the engine steps of loaded "
-                   "deployments (open-loop conv traffic), with step noise; first-token latency from "
-                   "the isolated calibration", "engine_profile": str(args.profile), "date": _now(),
-        "fits": fits}}
-    profile_from_dict(data, "in-load profile")
+        "summary": f"step models fitted by bench/slo_validation.py from {what}, with step noise; "
+                   "first-token latency from the isolated calibration", "engine_profile": str(args.profile),
+        "date": _now(), "fits": fits}}
+    profile_from_dict(data, f"{tag} profile")
     out = pathlib.Path(args.serving_profile).with_name(
-        pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json")
+        pathlib.Path(args.serving_profile).stem.replace("_serving", f"_{tag}") + ".json")
     out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
+
+
+def check_steps(args, profile_path) -> dict:
+    """The in-load step models against the steps each measured sweep ran (slo_calibration.
+    step_model_check): measured / modelled step time per worker kind."""
+    from deploy.tuning.perf_model import load_profile
+    profile = load_profile(profile_path)
+    out = {}
+    for placement in PLACEMENTS:
+        for wl in args.workloads:
+            path = args.out.with_name(f"slo_validation_{placement}_{wl}_steps.json")
+            if path.is_file():
+                out.setdefault(placement, {})[wl] = step_model_check(profile, json.loads(path.read_text()))
     return out
 
 
@@ -535,6 +564,28 @@ def earlier_runs(args, results: dict) -> list[dict]:
     return out
 
 
+def repeats(results: dict, label: str = "in-load") -> list[dict]:
+    """Per placement, workload and rate: every measurement of it (the latest and the earlier
+    ones kept by --remeasure), their mean and range, and the simulation's distance to each."""
+    sims = results.get("simulations", {}).get(label, {}).get("runs", {})
+    out = []
+    for placement, per_wl in results["measured_rows"].items():
+        for wl, rows in per_wl.items():
+            sim = sims.get(placement, {}).get(wl)
+            if not sim:
+                continue
+            earlier = [e["rows"] for e in results.get("earlier_runs", [])
+                       if e["placement"] == placement and e["workload"] == wl]
+            for k, (row, srow) in enumerate(zip(rows, sim)):
+                meas = [row["attainment"]] + [e[k]["attainment"] for e in earlier if len(e) > k]
+                out.append({"placement": placement, "workload": wl, "rate": row["rate"],
+                            "measured": meas, "mean": float(np.mean(meas)),
+                            "simulated": srow["attainment"],
+                            "diff_to_mean_pp": 100 * (srow["attainment"] - float(np.mean(meas))),
+                            "diffs_pp": [100 * (srow["attainment"] - m) for m in meas]})
+    return out
+
+
 def plot_validation(results: dict, args, wl: str) -> str | None:
     from matplotlib.figure import Figure
     fig = Figure(figsize=(13, 4.8), tight_layout=True)
@@ -613,6 +664,7 @@ def report(args, results: dict) -> None:
             if rows:
                 results["measured_rows"].setdefault(placement, {})[wl] = rows
     results["earlier_runs"] = earlier_runs(args, results)
+    results["repeats"] = repeats(results)
     results["comparison"] = {label: {wl: comparison(results, label, wl) for wl in args.workloads}
                              for label in results.get("simulations", {})}
     summary = {}
@@ -639,6 +691,14 @@ def report(args, results: dict) -> None:
             if rows:
                 print(f"\n### {wl}, simulator '{label}'\n")
                 print(table(rows))
+    if any(len(r["measured"]) > 1 for r in results["repeats"]):
+        print("\n### repeated measurements vs the 'in-load' simulation\n")
+        print("| workload | placement | rate | measured att. (each run) | mean | simulated | sim - mean (pp) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in results["repeats"]:
+            print(f"| {r['workload']} | {r['placement']} | {r['rate']:g} | "
+                  f"{' / '.join(f'{100 * m:.1f}' for m in r['measured'])} | {100 * r['mean']:.1f} | "
+                  f"{100 * r['simulated']:.1f} | {r['diff_to_mean_pp']:+.1f} |")
     for e in results["earlier_runs"]:
         print(f"\nearlier run {e['placement']} {e['workload']} {e['suffix']} (others used "
               f"{e['foreign_cores_avg']:.2f} cores): attainment "
@@ -783,6 +843,22 @@ def main() -> int:
     if inload is not None:
         profiles["in-load"] = inload
         simulate_all(args, results, "in-load", inload, seeds=SIM_SEEDS)
+        results["step_model_check"] = check_steps(args, inload)
+    # not a prediction: each workload's sweeps simulated on step models fitted from the steps those
+    # very sweeps ran, which takes the machine's speed during the sweep out of the comparison and
+    # leaves the simulator's own error (queues, batching, routing)
+    oracle: dict = {}
+    for wl in args.workloads:
+        path = load_profile_from_fits(args, serving, f"{wl}", f"sweep_{wl}",
+                                      f"the engine steps of the measured {wl} sweeps themselves")
+        if path is not None:
+            simulate_all(argparse.Namespace(**{**vars(args), "workloads": [wl]}), results, "oracle", path,
+                         seeds=SIM_SEEDS)
+            for placement, runs in results["simulations"].pop("oracle")["runs"].items():
+                oracle.setdefault(placement, {}).update(runs)
+    if oracle:
+        results["simulations"]["sweep-steps (oracle)"] = {"profile": "per workload: *_sweep_<workload>.json",
+                                                          "date": _now(), "seeds": SIM_SEEDS, "runs": oracle}
     if not args.no_tune:
         results["tuner"] = {}
         for wl in args.workloads:
