@@ -190,13 +190,20 @@ def effective_steps(steps: list[dict]) -> list[dict]:
     return out
 
 
+def modelled_s(model, step: dict) -> float:
+    """A StepRecord's time as the simulator prices it with `model` (a perf_model.StepModel)."""
+    if step["tokens"] == step["num_decode"]:
+        return model.decode_time(step["num_decode"], step["decode_context"])
+    return model.prefill_time(step["tokens"], step["prefill_pairs"], step["decode_context"])
+
+
 def fit_load_steps(engine_profile, kind: str, steps: list[dict]) -> dict:
     """Step models for one worker kind from its loaded steps: the decode model a + b*B + c*C on
     the decode-only steps, the prefill model a + b*T + c*A on the steps with prompt tokens (less
     the decode model's c times their decode rows' context, as the simulator prices a mixed step);
     a kind without decode-only steps keeps the engine's decode model. step_noise: quantiles of
     measured / modelled over all its steps."""
-    from deploy.tuning.perf_model import fit_nonnegative
+    from deploy.tuning.perf_model import StepModel, fit_nonnegative
     m = engine_profile.tp[1]
     dec = [s for s in steps if s["tokens"] == s["num_decode"]]
     pre = [s for s in steps if s["tokens"] > s["num_decode"]]
@@ -213,12 +220,8 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict]) -> dict:
         prefill, out["prefill_fit"] = fit["coef"], fit["fit"]
         out["prefill"] = {"coef": prefill}
 
-    def model(s):
-        if s["tokens"] == s["num_decode"]:
-            return decode[0] + decode[1] * s["num_decode"] + decode[2] * s["decode_context"]
-        return prefill[0] + prefill[1] * s["tokens"] + prefill[2] * s["prefill_pairs"] + \
-            decode[2] * s["decode_context"]
-    ratios = np.array([s["eff_s"] / model(s) for s in steps])
+    model = StepModel(tuple(prefill), tuple(decode), m.kv_capacity_tokens)
+    ratios = np.array([s["eff_s"] / modelled_s(model, s) for s in steps])
     if len(ratios):
         qs = (np.arange(NOISE_POINTS) + 0.5) / NOISE_POINTS
         out["step_noise"] = [round(float(x), 4) for x in np.quantile(ratios, qs)]
@@ -247,11 +250,7 @@ def step_model_check(profile, raw: dict) -> dict:
                 continue
             steps = effective_steps(w["steps"])
             for s in steps:
-                if s["tokens"] == s["num_decode"]:
-                    model = m.decode_time(s["num_decode"], s["decode_context"])
-                else:
-                    model = m.prefill_time(s["tokens"], s["prefill_pairs"], s["decode_context"])
-                ratios.append(s["eff_s"] / model)
+                ratios.append(s["eff_s"] / modelled_s(m, s))
                 busy += s["eff_s"]
             span += steps[-1]["end"] - steps[0]["start"]
         if ratios:
