@@ -765,21 +765,22 @@ def main() -> int:
     args.slo_text = args.slo
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    if args.simulate_only:
+    if args.simulate_only or args.remeasure:
+        # the stored run's settings, so that what is simulated or measured again is the same
         results = json.loads(args.out.read_text())
         cfg = results["config"]
         for k in ("conv_scale", "code_scale", "max_prompt", "max_output", "num_requests",
-                  "max_num_batched_tokens", "slo", "profile", "serving_profile"):
+                  "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "model", "slo",
+                  "profile", "serving_profile"):
             setattr(args, k, cfg[k])
+        only = [w for w in args.workloads if w in cfg["workloads"]] if args.workloads_given else None
         args.workloads = cfg["workloads"]
         args.scale = {"azure_conv": cfg["conv_scale"], "azure_code": cfg["code_scale"]}
         args.rates = {k: v for k, v in cfg["rates"].items()}
         args.slo_text = cfg["slo"]
-    elif args.remeasure:
+    if args.remeasure:
         # measure these placements (and workloads) again into the stored results; the earlier
         # files are kept with a _run<N> suffix and their measured entries under "earlier"
-        results = json.loads(args.out.read_text())
-        only = [w for w in args.workloads] if args.workloads_given else None
         for placement in [x for x in args.placements.split(",") if x]:
             old = results["measured"].get(placement)
             if old is None:
@@ -797,10 +798,7 @@ def main() -> int:
                                                          "date": _now(), "command": " ".join(["python"] + sys.argv)})
             measure(args, placement, results, workloads=only, calibrate_it=not only)
             args.out.write_text(json.dumps(results, indent=1))
-        cfg = results["config"]
-        args.profile, args.serving_profile = cfg["profile"], cfg["serving_profile"]
-        args.workloads = cfg["workloads"]
-    else:
+    elif not args.simulate_only:
         import torch
         results = {"schema": "pdserve-slo-validation/1", "date": _now(),
                    "command": " ".join(["python"] + sys.argv),
