@@ -226,7 +226,8 @@ def measure(args, placement: str, results: dict, workloads: list[str] | None = N
                 breakdown, cpu = parts.stop(), mon.stop()
                 # the engine steps the sweep ran: for checking the step models, never fitted
                 args.out.with_name(f"slo_validation_{placement}_{wl}_steps.json").write_text(
-                    json.dumps({"workers": take_step_traces(cluster)}))
+                    json.dumps({"workers": take_step_traces(cluster),
+                                "unix_minus_monotonic": time.time() - time.monotonic()}))
                 log(f"{placement} {wl}: sweep rc {rc} in {cpu['wall_s']:.0f} s; others used "
                     f"{cpu['foreign_cores_avg']:.2f} cores on average; cores by component: "
                     f"{breakdown['cores_avg']}\n{out}")
@@ -293,38 +294,45 @@ def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> N
     log(f"{placement}: load calibration {runs}; steps {entry['load_calibration']['num_steps']}")
 
 
-def load_profile_from_fits(args, serving_path, steps: str = "load", tag: str = "inload",
-                           what: str = "the engine steps of loaded deployments (open-loop conv "
-                                       "traffic)") -> pathlib.Path | None:
-    """The engine profile plus the step models fitted from the placements' steps in
-    slo_validation_<placement>_<steps>_steps.json (and their step noise), written as *_<tag>.json;
-    each kind's first-token latency comes from the isolated calibration's fit."""
+def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
+    """The engine profile plus the step models fitted from the placements' in-load calibration
+    steps (and their step noise), written beside --serving-profile as *_inload.json."""
     from deploy.tuning.perf_model import load_profile, profile_from_dict
     engine = load_profile(args.profile)
     isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
     serving, fits = {}, {}
     for placement in PLACEMENTS:
-        path = args.out.with_name(f"slo_validation_{placement}_{steps}_steps.json")
+        path = args.out.with_name(f"slo_validation_{placement}_load_steps.json")
         if not path.is_file():
             continue
-        for kind, fit in fit_load(engine, json.loads(path.read_text())).items():
-            fits[kind] = fit
-            entry = {k: fit[k] for k in ("prefill", "decode", "step_noise") if k in fit}
-            latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
-            if latency is not None:
-                entry["first_token_latency_s"] = latency
-            serving[kind] = {"1": entry}
+        placement_fits = fit_load(engine, json.loads(path.read_text()))
+        fits.update(placement_fits)
+        serving.update(serving_entries(placement_fits, isolated))
     if not serving:
         return None
     data = json.loads(pathlib.Path(args.profile).read_text())
     data["serving"] = {**serving, "source": {
-        "summary": f"step models fitted by bench/slo_validation.py from {what}, with step noise; "
-                   "first-token latency from the isolated calibration", "engine_profile": str(args.profile),
-        "date": _now(), "fits": fits}}
-    profile_from_dict(data, f"{tag} profile")
+        "summary": "step models fitted by bench/slo_validation.py from the engine steps of loaded "
+                   "deployments (open-loop conv traffic), with step noise; first-token latency from "
+                   "the isolated calibration", "engine_profile": str(args.profile), "date": _now(),
+        "fits": fits}}
+    profile_from_dict(data, "in-load profile")
     out = pathlib.Path(args.serving_profile).with_name(
-        pathlib.Path(args.serving_profile).stem.replace("_serving", f"_{tag}") + ".json")
+        pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json")
     out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
+
+
+def serving_entries(fits: dict, isolated: dict) -> dict:
+    """A profile's "serving" entries from fit_load's fits; each kind's first-token latency comes
+    from the isolated calibration's serving profile (`isolated`: its "serving" block)."""
+    out = {}
+    for kind, fit in fits.items():
+        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise") if k in fit}
+        latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
+        if latency is not None:
+            entry["first_token_latency_s"] = latency
+        out[kind] = {"1": entry}
     return out
 
 
@@ -429,21 +437,70 @@ def simulate_all(args, results: dict, label: str, profile_path, router_stats_s: 
             reqs = requests_for(args, wl)
             rows = []
             for rate in args.rates[wl]:
-                timed = workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl])
-                t0 = time.perf_counter()
-                results_k = [sim.run(timed) for sim in sims]
-                atts = [res.attainment(slo["ttft"], slo["tpot"]) for res in results_k]
-                done = [r for res in results_k for r in res.requests]
-                ttft = [r.ttft_s for r in done]
-                tpot = [r.tpot_s for res in results_k for r, q in zip(res.requests, timed) if q.output_len >= 2]
-                rows.append({"rate": rate, "attainment": float(np.mean(atts)),
-                             "attainment_min_max": [min(atts), max(atts)], **stats(ttft, tpot),
-                             "ttft_ok": float(np.mean([t <= slo["ttft"] for t in ttft])),
-                             "tpot_ok": float(np.mean([r.tpot_s <= slo["tpot"] for r in done])),
-                             "num_preemptions": sum(res.num_preemptions for res in results_k),
-                             "seconds": time.perf_counter() - t0})
+                rows.append(sim_row(sims, workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl]), rate, slo))
             block["runs"].setdefault(placement, {})[wl] = rows
     results.setdefault("simulations", {})[label] = block
+
+
+def sim_row(sims, timed: list[workload.RequestSpec], rate: float, slo: dict) -> dict:
+    """One simulated point: the requests run through each simulator (one per seed)."""
+    t0 = time.perf_counter()
+    results_k = [sim.run(timed) for sim in sims]
+    atts = [res.attainment(slo["ttft"], slo["tpot"]) for res in results_k]
+    done = [r for res in results_k for r in res.requests]
+    ttft = [r.ttft_s for r in done]
+    tpot = [r.tpot_s for res in results_k for r, q in zip(res.requests, timed) if q.output_len >= 2]
+    return {"rate": rate, "attainment": float(np.mean(atts)), "attainment_min_max": [min(atts), max(atts)],
+            **stats(ttft, tpot), "ttft_ok": float(np.mean([t <= slo["ttft"] for t in ttft])),
+            "tpot_ok": float(np.mean([r.tpot_s <= slo["tpot"] for r in done])),
+            "num_preemptions": sum(res.num_preemptions for res in results_k),
+            "seconds": time.perf_counter() - t0}
+
+
+def oracle_per_rate(args, results: dict, serving_path) -> None:
+    """Not a prediction: every measured point simulated on step models fitted from the steps the
+    workers ran during that very run (from its first request's send to its last token). It takes
+    the machine's speed at the time out of the comparison and leaves the simulator's own error
+    (queues, batching, routing, transfer)."""
+    from deploy.tuning.perf_model import load_profile, profile_from_dict
+    from deploy.tuning.simulator import Simulator
+    engine = load_profile(args.profile)
+    isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
+    slo = results["slo_s"]
+    runs: dict = {}
+    earlier = []
+    suffixes = [""] + sorted({e["files_suffix"] for per in results.get("earlier", {}).values() for e in per})
+    for placement, wl, suffix in [(p, w, x) for p in PLACEMENTS for w in args.workloads for x in suffixes]:
+        steps_path = args.out.with_name(f"slo_validation_{placement}_{wl}_steps{suffix}.json")
+        bench_path = args.out.with_name(f"slo_validation_{placement}_{wl}{suffix}.json")
+        if not (steps_path.is_file() and bench_path.is_file()):
+            continue
+        raw, bench = json.loads(steps_path.read_text()), json.loads(bench_path.read_text())
+        # steps carry time.monotonic(), requests unix times; both clocks of this machine
+        offset = raw.get("unix_minus_monotonic", time.time() - time.monotonic())
+        reqs, rows = requests_for(args, wl), []
+        for run in bench["runs"]:
+            sent = [r["send_unix_ns"] / 1e9 - offset for r in run["requests"]]
+            begin = min(sent)
+            end = max(t + (r["e2e_s"] or 0.0) for t, r in zip(sent, run["requests"]))
+            part = {"workers": {name: {"kind": w["kind"],
+                                       "steps": [s for s in w["steps"] if begin <= s["start"] <= end]}
+                                for name, w in raw["workers"].items()}}
+            data = dict(engine.raw)
+            data["serving"] = serving_entries(fit_load(engine, part), isolated)
+            profile = profile_from_dict(data, f"{placement} {wl} {run['rate']:g} req/s steps")
+            sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k) for k in range(SIM_SEEDS)]
+            rows.append(sim_row(sims, workload.retime(reqs, run["rate"], 1.0, WORKLOAD_SEEDS[wl]),
+                                run["rate"], slo))
+        if suffix:
+            earlier.append({"placement": placement, "workload": wl, "suffix": suffix, "rows": rows})
+        else:
+            runs.setdefault(placement, {})[wl] = rows
+    results["oracle_earlier"] = earlier
+    if runs:
+        results["simulations"]["sweep-steps (oracle)"] = {
+            "profile": "per measured point: step models fitted from its own steps", "date": _now(),
+            "seeds": SIM_SEEDS, "runs": runs}
 
 
 def measured_rows(args, placement: str, wl: str, slo: dict, path=None) -> list[dict] | None:
@@ -565,24 +622,30 @@ def earlier_runs(args, results: dict) -> list[dict]:
 
 
 def repeats(results: dict, label: str = "in-load") -> list[dict]:
-    """Per placement, workload and rate: every measurement of it (the latest and the earlier
-    ones kept by --remeasure), their mean and range, and the simulation's distance to each."""
+    """Per placement, workload and rate: every measurement of it (the latest, then the earlier
+    ones kept by --remeasure), their mean, the simulation's distance to it, and each run's oracle
+    simulation (oracle_per_rate; None where its steps were not recorded)."""
     sims = results.get("simulations", {}).get(label, {}).get("runs", {})
+    oracle = results.get("simulations", {}).get("sweep-steps (oracle)", {}).get("runs", {})
     out = []
     for placement, per_wl in results["measured_rows"].items():
         for wl, rows in per_wl.items():
             sim = sims.get(placement, {}).get(wl)
             if not sim:
                 continue
-            earlier = [e["rows"] for e in results.get("earlier_runs", [])
+            earlier = [e for e in results.get("earlier_runs", [])
                        if e["placement"] == placement and e["workload"] == wl]
+            oracles = [oracle.get(placement, {}).get(wl)] + [
+                next((o["rows"] for o in results.get("oracle_earlier", []) if o["placement"] == placement
+                      and o["workload"] == wl and o["suffix"] == e["suffix"]), None) for e in earlier]
             for k, (row, srow) in enumerate(zip(rows, sim)):
-                meas = [row["attainment"]] + [e[k]["attainment"] for e in earlier if len(e) > k]
+                runs = [row] + [e["rows"][k] for e in earlier]
+                meas = [r["attainment"] for r in runs]
                 out.append({"placement": placement, "workload": wl, "rate": row["rate"],
                             "measured": meas, "mean": float(np.mean(meas)),
                             "simulated": srow["attainment"],
                             "diff_to_mean_pp": 100 * (srow["attainment"] - float(np.mean(meas))),
-                            "diffs_pp": [100 * (srow["attainment"] - m) for m in meas]})
+                            "oracle": [o[k]["attainment"] if o else None for o in oracles]})
     return out
 
 
@@ -693,12 +756,15 @@ def report(args, results: dict) -> None:
                 print(table(rows))
     if any(len(r["measured"]) > 1 for r in results["repeats"]):
         print("\n### repeated measurements vs the 'in-load' simulation\n")
-        print("| workload | placement | rate | measured att. (each run) | mean | simulated | sim - mean (pp) |")
-        print("|---|---|---|---|---|---|---|")
+        print("| workload | placement | rate | measured att. (each run) | mean | simulated | sim - mean (pp) "
+              "| oracle - measured, each run (pp) |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in results["repeats"]:
             print(f"| {r['workload']} | {r['placement']} | {r['rate']:g} | "
                   f"{' / '.join(f'{100 * m:.1f}' for m in r['measured'])} | {100 * r['mean']:.1f} | "
-                  f"{100 * r['simulated']:.1f} | {r['diff_to_mean_pp']:+.1f} |")
+                  f"{100 * r['simulated']:.1f} | {r['diff_to_mean_pp']:+.1f} | "
+                  + " / ".join("-" if o is None else f"{100 * (o - m):+.1f}"
+                               for o, m in zip(r["oracle"], r["measured"])) + " |")
     for e in results["earlier_runs"]:
         print(f"\nearlier run {e['placement']} {e['workload']} {e['suffix']} (others used "
               f"{e['foreign_cores_avg']:.2f} cores): attainment "
@@ -842,21 +908,7 @@ def main() -> int:
         profiles["in-load"] = inload
         simulate_all(args, results, "in-load", inload, seeds=SIM_SEEDS)
         results["step_model_check"] = check_steps(args, inload)
-    # not a prediction: each workload's sweeps simulated on step models fitted from the steps those
-    # very sweeps ran, which takes the machine's speed during the sweep out of the comparison and
-    # leaves the simulator's own error (queues, batching, routing)
-    oracle: dict = {}
-    for wl in args.workloads:
-        path = load_profile_from_fits(args, serving, f"{wl}", f"sweep_{wl}",
-                                      f"the engine steps of the measured {wl} sweeps themselves")
-        if path is not None:
-            simulate_all(argparse.Namespace(**{**vars(args), "workloads": [wl]}), results, "oracle", path,
-                         seeds=SIM_SEEDS)
-            for placement, runs in results["simulations"].pop("oracle")["runs"].items():
-                oracle.setdefault(placement, {}).update(runs)
-    if oracle:
-        results["simulations"]["sweep-steps (oracle)"] = {"profile": "per workload: *_sweep_<workload>.json",
-                                                          "date": _now(), "seeds": SIM_SEEDS, "runs": oracle}
+    oracle_per_rate(args, results, serving)
     if not args.no_tune:
         results["tuner"] = {}
         for wl in args.workloads:

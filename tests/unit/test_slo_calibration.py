@@ -1,0 +1,71 @@
+"""The in-load calibration's fits (bench/slo_calibration.py) on synthetic engine steps: the time a
+step holds the loop, the per-kind step models recovered from it, and the step check."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.slo_calibration import effective_steps, fit_load, modelled_s, step_model_check
+from deploy.tuning.perf_model import StepModel, profile_dict, profile_from_dict
+
+ENGINE = profile_from_dict(profile_dict(
+    model=dict(id="Toy-1", name="toy", num_layers=10, num_heads=6, num_kv_heads=3, head_dim=64,
+               hidden_size=384, dtype="float32"),
+    kv_bytes_per_token=1000, hardware={"device": "cpu"},
+    tp={1: {"prefill": {"coef": [0.01, 0.001, 0.0]}, "decode": {"coef": [0.02, 0.001, 0.0]},
+            "kv_capacity_tokens": 100_000}},
+    kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}}))
+TRUE = StepModel((0.03, 0.0012, 1e-6), (0.025, 0.0015, 7e-6), 100_000)
+GAP = 0.0005   # the loop's time between back-to-back steps
+
+
+def synthetic_steps(n: int, seed: int = 0, noise: float = 0.0) -> list[dict]:
+    """A colocated worker's steps, back to back (with an idle pause now and then), timed by TRUE."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        b = rng.randint(1, 20)
+        ctx = b * rng.randint(50, 400)
+        if i % 4 == 0:   # a mixed step: a prompt chunk beside the decode rows
+            chunk, start = rng.randint(16, 400), rng.choice([0, 0, 128])
+            step = dict(tokens=chunk + b, prefill_pairs=chunk * (start + chunk), num_decode=b, decode_context=ctx)
+        else:
+            step = dict(tokens=b, prefill_pairs=0, num_decode=b, decode_context=ctx)
+        dur = (modelled_s(TRUE, step) - GAP) * (1 + noise * rng.uniform(-1, 1))
+        out.append({**step, "start": t, "end": t + dur})
+        t += dur + (GAP if i % 50 else 1.0)     # every 50th step the loop idles for a second
+    return out
+
+
+def test_effective_steps_count_the_loop_time_between_back_to_back_steps():
+    steps = synthetic_steps(200)
+    eff = effective_steps(steps)
+    for s, e in zip(steps, eff):
+        assert e["eff_s"] == pytest.approx(s["end"] - s["start"] + GAP)   # idle or not
+
+
+def test_fit_load_recovers_the_step_models_of_each_kind():
+    raw = {"workers": {"colocated-0": {"kind": "colocated", "steps": synthetic_steps(400, 1)},
+                       "colocated-1": {"kind": "colocated", "steps": synthetic_steps(400, 2)}}}
+    fit = fit_load(ENGINE, raw)["colocated"]
+    assert fit["num_steps"] == 800 and fit["num_prefill_steps"] == 200
+    assert fit["decode"]["coef"] == pytest.approx(TRUE.decode, rel=1e-3)
+    assert fit["prefill"]["coef"] == pytest.approx(TRUE.prefill, rel=1e-3)
+    assert fit["step_noise"] == pytest.approx([1.0] * len(fit["step_noise"]), abs=1e-3)
+
+
+def test_step_noise_spans_the_measured_spread_and_the_check_reads_it():
+    raw = {"workers": {"decode-0": {"kind": "decode",
+                                    "steps": [s for s in synthetic_steps(600, 3, noise=0.2)
+                                              if s["prefill_pairs"] == 0]}}}
+    fit = fit_load(ENGINE, raw)["decode"]
+    assert "prefill" not in fit                      # no prompt steps: the engine's prefill model stays
+    noise = fit["step_noise"]
+    assert noise == sorted(noise) and noise[0] < 0.9 and noise[-1] > 1.1
+    assert noise[len(noise) // 2] == pytest.approx(1.0, abs=0.05)
+    data = dict(ENGINE.raw, serving={"decode": {"1": {"decode": {"coef": list(TRUE.decode)}}}})
+    check = step_model_check(profile_from_dict(data), raw)["decode"]
+    assert check["num_steps"] == len(raw["workers"]["decode-0"]["steps"])
+    assert check["ratio_p50"] == pytest.approx(1.0, abs=0.05)
+    assert 0 < check["busy_share"] <= 1
