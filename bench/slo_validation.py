@@ -297,7 +297,7 @@ def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> N
 def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
     """The engine profile plus the step models fitted from the placements' in-load calibration
     steps (and their step noise), written beside --serving-profile as *_inload.json."""
-    from deploy.tuning.perf_model import load_profile, profile_from_dict
+    from deploy.tuning.perf_model import load_profile
     engine = load_profile(args.profile)
     isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
     serving, fits = {}, {}
@@ -310,15 +310,19 @@ def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
         serving.update(serving_entries(placement_fits, isolated))
     if not serving:
         return None
+    return write_profile(args, serving, fits, pathlib.Path(args.serving_profile).with_name(
+        pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json"),
+        "step models fitted by bench/slo_validation.py from the engine steps of loaded deployments "
+        "(open-loop conv traffic), with step noise; first-token latency from the isolated calibration")
+
+
+def write_profile(args, serving: dict, fits: dict, out: pathlib.Path, summary: str) -> pathlib.Path:
+    """The engine profile (--profile) with these "serving" entries, checked and written to out."""
+    from deploy.tuning.perf_model import profile_from_dict
     data = json.loads(pathlib.Path(args.profile).read_text())
-    data["serving"] = {**serving, "source": {
-        "summary": "step models fitted by bench/slo_validation.py from the engine steps of loaded "
-                   "deployments (open-loop conv traffic), with step noise; first-token latency from "
-                   "the isolated calibration", "engine_profile": str(args.profile), "date": _now(),
-        "fits": fits}}
-    profile_from_dict(data, "in-load profile")
-    out = pathlib.Path(args.serving_profile).with_name(
-        pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json")
+    data["serving"] = {**serving, "source": {"summary": summary, "engine_profile": str(args.profile),
+                                             "date": _now(), "fits": fits}}
+    profile_from_dict(data, str(out))
     out.write_text(json.dumps(data, indent=1) + "\n")
     return out
 
@@ -352,7 +356,7 @@ def check_steps(args, profile_path) -> dict:
 
 def serving_profile(args, results: dict) -> pathlib.Path | None:
     """The engine profile plus the serving-path models fitted from each placement's calibration."""
-    from deploy.tuning.perf_model import load_profile, profile_from_dict
+    from deploy.tuning.perf_model import load_profile
     engine = load_profile(args.profile)
     serving: dict = {}
     fits = {}
@@ -370,15 +374,10 @@ def serving_profile(args, results: dict) -> pathlib.Path | None:
             serving["interference"] = factors
     if not serving:
         return None
-    data = json.loads(pathlib.Path(args.profile).read_text())
-    data["serving"] = {**serving, "source": {
-        "summary": "serving-path step models fitted by bench/slo_validation.py from requests through "
-                   "a running deployment (isolated prompts; concurrent decode batches), engine "
-                   "attention coefficients kept", "engine_profile": str(args.profile), "date": _now(),
-        "fits": fits}}
-    profile_from_dict(data, "serving profile")
-    out = pathlib.Path(args.serving_profile)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = write_profile(args, serving, fits, pathlib.Path(args.serving_profile),
+                        "serving-path step models fitted by bench/slo_validation.py from requests "
+                        "through a running deployment (isolated prompts; concurrent decode batches), "
+                        "engine attention coefficients kept")
     results["serving_fits"] = fits
     return out
 
@@ -402,9 +401,12 @@ def pct(values: list[float], q: float) -> float | None:
     """Percentile (numpy's linear); an unfinished or failed request (inf) ranks above every other."""
     if not values:
         return None
-    big = 1e12
-    v = float(np.percentile([min(x, big) for x in values], q))
-    return math.inf if v >= big / 2 else v
+    ranked = sorted(values)
+    pos = q / 100 * (len(ranked) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    if math.isinf(ranked[hi]):    # the percentile reaches an unfinished request
+        return math.inf
+    return ranked[lo] + (ranked[hi] - ranked[lo]) * (pos - lo)
 
 
 def stats(ttft: list[float], tpot: list[float]) -> dict:
