@@ -46,20 +46,24 @@ Simulations of the very same RequestSpecs, kept side by side under "simulations"
   serving        + the interference factors: the full serving profile
   in-load        the in-load profile, each point simulated with SIM_SEEDS seeds of step noise
                  (mean attainment; percentiles over all their requests)
-Finally `pdserve tune --devices 2 --colocated` with the engine and the serving profile on the
-measured trace slice (and the serving profile on the whole trace).
+  sweep-steps (oracle)  not a prediction: each point on step models fitted from the steps that
+                 ran during it (every kept run, also the earlier ones of --remeasure)
+Finally `pdserve tune --devices 2 --colocated` with the engine, serving and in-load profiles on
+the measured trace slice (and the serving and in-load profiles on the whole trace).
 
 CPU used by processes outside this script's process tree (Ray and its workers are inside it) is
 recorded for every measured sweep, with a per-component breakdown: another engineer may be
 benchmarking on the same machine.
+
+The code: this file runs the deployments, the calibrations, the sweeps and the tuner;
+bench/slo_calibration.py holds the calibration requests and fits, bench/slo_simulate.py the
+profiles and simulations, bench/slo_report.py the tables, plots and printed summary.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import logging
-import math
 import os
 import pathlib
 import platform
@@ -72,22 +76,19 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np  # noqa: E402
-
 from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
 from bench.slo_calibration import (LOAD_RATES, LOAD_REQUESTS, LOAD_SEED, LOAD_TRACE,  # noqa: E402
-                                   LOAD_TRACE_START_S, calibrate_child, fit_load, fit_serving,
-                                   step_model_check)
+                                   LOAD_TRACE_START_S, calibrate_child)
+from bench.slo_report import report  # noqa: E402
+from bench.slo_simulate import (PLACEMENTS, SIM_SEEDS, WORKLOAD_SEEDS, check_steps,  # noqa: E402
+                                load_profile_from_fits, now, oracle_per_rate, serving_profile,
+                                simulate_all)
 from deploy.tuning import metrics, workload  # noqa: E402
-from deploy.tuning.perf_model import Profile  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
-PLACEMENTS = ("disaggregated", "colocated")
-WORKLOAD_SEEDS = {"azure_conv": 0, "azure_code": 100}   # prompt seeds seed+k never overlap
 WARMUP_SEED = 1000
 QUIET_CORES = 0.1     # other processes' CPU (cores, 3 s average) below which the machine is quiet
 DISTURBED_CORES = 0.15  # a sweep during which others used more (average cores) is measured again
-SIM_SEEDS = 20          # simulations with step noise per point (the in-load profile)
 
 
 def log(msg: str) -> None:
@@ -292,244 +293,6 @@ def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> N
     entry["load_calibration"] = {"runs": runs, "raw_json": path.name, "cpu": raw["cpu"],
                                  "num_steps": {k: len(w["steps"]) for k, w in raw["workers"].items()}}
     log(f"{placement}: load calibration {runs}; steps {entry['load_calibration']['num_steps']}")
-
-
-def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
-    """The engine profile plus the step models fitted from the placements' in-load calibration
-    steps (and their step noise), written beside --serving-profile as *_inload.json."""
-    from deploy.tuning.perf_model import load_profile
-    engine = load_profile(args.profile)
-    isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
-    serving, fits = {}, {}
-    for placement in PLACEMENTS:
-        path = args.out.with_name(f"slo_validation_{placement}_load_steps.json")
-        if not path.is_file():
-            continue
-        placement_fits = fit_load(engine, json.loads(path.read_text()))
-        fits.update(placement_fits)
-        serving.update(serving_entries(placement_fits, isolated))
-    if not serving:
-        return None
-    return write_profile(args, serving, fits, pathlib.Path(args.serving_profile).with_name(
-        pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json"),
-        "step models fitted by bench/slo_validation.py from the engine steps of loaded deployments "
-        "(open-loop conv traffic), with step noise; first-token latency from the isolated calibration")
-
-
-def write_profile(args, serving: dict, fits: dict, out: pathlib.Path, summary: str) -> pathlib.Path:
-    """The engine profile (--profile) with these "serving" entries, checked and written to out."""
-    from deploy.tuning.perf_model import profile_from_dict
-    data = json.loads(pathlib.Path(args.profile).read_text())
-    data["serving"] = {**serving, "source": {"summary": summary, "engine_profile": str(args.profile),
-                                             "date": _now(), "fits": fits}}
-    profile_from_dict(data, str(out))
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    return out
-
-
-def serving_entries(fits: dict, isolated: dict) -> dict:
-    """A profile's "serving" entries from fit_load's fits; each kind's first-token latency comes
-    from the isolated calibration's serving profile (`isolated`: its "serving" block)."""
-    out = {}
-    for kind, fit in fits.items():
-        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise") if k in fit}
-        latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
-        if latency is not None:
-            entry["first_token_latency_s"] = latency
-        out[kind] = {"1": entry}
-    return out
-
-
-def check_steps(args, profile_path) -> dict:
-    """The in-load step models against the steps each measured sweep ran (slo_calibration.
-    step_model_check): measured / modelled step time per worker kind."""
-    from deploy.tuning.perf_model import load_profile
-    profile = load_profile(profile_path)
-    out = {}
-    for placement in PLACEMENTS:
-        for wl in args.workloads:
-            path = args.out.with_name(f"slo_validation_{placement}_{wl}_steps.json")
-            if path.is_file():
-                out.setdefault(placement, {})[wl] = step_model_check(profile, json.loads(path.read_text()))
-    return out
-
-
-def serving_profile(args, results: dict) -> pathlib.Path | None:
-    """The engine profile plus the serving-path models fitted from each placement's calibration."""
-    from deploy.tuning.perf_model import load_profile
-    engine = load_profile(args.profile)
-    serving: dict = {}
-    fits = {}
-    for placement in PLACEMENTS:
-        path = args.out.with_name(f"slo_validation_{placement}_calibration.json")
-        if not path.is_file():
-            continue
-        fit = fit_serving(engine, placement, json.loads(path.read_text()))
-        fits[placement] = {k: v for k, v in fit.items() if k != "kinds"}
-        for kind, entry in fit["kinds"].items():
-            serving[kind] = {"1": entry}
-        factors = {k: fit["interference"][k] for k in ("decode_while_prefill", "prefill_while_decode")
-                   if k in fit["interference"]}
-        if factors:
-            serving["interference"] = factors
-    if not serving:
-        return None
-    out = write_profile(args, serving, fits, pathlib.Path(args.serving_profile),
-                        "serving-path step models fitted by bench/slo_validation.py from requests "
-                        "through a running deployment (isolated prompts; concurrent decode batches), "
-                        "engine attention coefficients kept")
-    results["serving_fits"] = fits
-    return out
-
-
-# ---- simulation ---------------------------------------------------------------------------------
-def requests_for(args, wl: str) -> list[workload.RequestSpec]:
-    return workload.load_trace(wl, scale=args.scale[wl], max_prompt=args.max_prompt,
-                               max_output=args.max_output, max_requests=args.num_requests)
-
-
-def sim_placement(args, profile, placement: str):
-    from deploy.tuning.simulator import Placement, PoolSpec
-    cap = profile.tp[1].kv_capacity_tokens
-    pool = lambda n: PoolSpec(n, 1, args.max_num_batched_tokens, 128, cap)  # noqa: E731
-    if placement == "disaggregated":
-        return Placement(pool(1), pool(1), "grpc")
-    return Placement(None, pool(2))
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """Percentile (numpy's linear); an unfinished or failed request (inf) ranks above every other."""
-    if not values:
-        return None
-    ranked = sorted(values)
-    pos = q / 100 * (len(ranked) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    if math.isinf(ranked[hi]):    # the percentile reaches an unfinished request
-        return math.inf
-    return ranked[lo] + (ranked[hi] - ranked[lo]) * (pos - lo)
-
-
-def stats(ttft: list[float], tpot: list[float]) -> dict:
-    out = {}
-    for name, vals in (("ttft", ttft), ("tpot", tpot)):
-        for q in (50, 90, 99):
-            v = pct(vals, q)
-            out[f"p{q}_{name}_ms"] = None if v is None else v * 1e3
-    return out
-
-
-def simulate_all(args, results: dict, label: str, profile_path, router_stats_s: float | None = None,
-                 seeds: int = 0) -> None:
-    """Simulates every placement, workload and rate; with seeds, each point that many times with
-    step noise (seeds 0..seeds-1): its attainment is their mean (and min/max), its percentiles are
-    those of all the runs' requests together."""
-    from deploy.tuning.perf_model import load_profile
-    from deploy.tuning.simulator import Simulator
-    profile = profile_path if isinstance(profile_path, Profile) else load_profile(profile_path)
-    if isinstance(profile_path, Profile):
-        profile_path = profile_path.raw.get("_label", "in-memory profile")
-    slo = results["slo_s"]
-    block = {"profile": str(profile_path), "date": _now(), "runs": {}, "seeds": seeds,
-             "router_stats_s": "simulator default" if router_stats_s is None else router_stats_s}
-    for placement in PLACEMENTS:
-        kw = {} if router_stats_s is None else {"router_stats_s": router_stats_s}
-        sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k, **kw)
-                for k in (range(seeds) if seeds else [None])]
-        for wl in args.workloads:
-            reqs = requests_for(args, wl)
-            rows = []
-            for rate in args.rates[wl]:
-                rows.append(sim_row(sims, workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl]), rate, slo))
-            block["runs"].setdefault(placement, {})[wl] = rows
-    results.setdefault("simulations", {})[label] = block
-
-
-def sim_row(sims, timed: list[workload.RequestSpec], rate: float, slo: dict) -> dict:
-    """One simulated point: the requests run through each simulator (one per seed)."""
-    t0 = time.perf_counter()
-    results_k = [sim.run(timed) for sim in sims]
-    atts = [res.attainment(slo["ttft"], slo["tpot"]) for res in results_k]
-    done = [r for res in results_k for r in res.requests]
-    ttft = [r.ttft_s for r in done]
-    tpot = [r.tpot_s for res in results_k for r, q in zip(res.requests, timed) if q.output_len >= 2]
-    return {"rate": rate, "attainment": float(np.mean(atts)), "attainment_min_max": [min(atts), max(atts)],
-            **stats(ttft, tpot), "ttft_ok": float(np.mean([t <= slo["ttft"] for t in ttft])),
-            "tpot_ok": float(np.mean([r.tpot_s <= slo["tpot"] for r in done])),
-            "num_preemptions": sum(res.num_preemptions for res in results_k),
-            "seconds": time.perf_counter() - t0}
-
-
-def oracle_per_rate(args, results: dict, serving_path) -> None:
-    """Not a prediction: every measured point simulated on step models fitted from the steps the
-    workers ran during that very run (from its first request's send to its last token). It takes
-    the machine's speed at the time out of the comparison and leaves the simulator's own error
-    (queues, batching, routing, transfer)."""
-    from deploy.tuning.perf_model import load_profile, profile_from_dict
-    from deploy.tuning.simulator import Simulator
-    engine = load_profile(args.profile)
-    isolated = json.loads(pathlib.Path(serving_path).read_text())["serving"] if serving_path else {}
-    slo = results["slo_s"]
-    runs: dict = {}
-    earlier = []
-    suffixes = [""] + sorted({e["files_suffix"] for per in results.get("earlier", {}).values() for e in per})
-    for placement, wl, suffix in [(p, w, x) for p in PLACEMENTS for w in args.workloads for x in suffixes]:
-        steps_path = args.out.with_name(f"slo_validation_{placement}_{wl}_steps{suffix}.json")
-        bench_path = args.out.with_name(f"slo_validation_{placement}_{wl}{suffix}.json")
-        if not (steps_path.is_file() and bench_path.is_file()):
-            continue
-        raw, bench = json.loads(steps_path.read_text()), json.loads(bench_path.read_text())
-        # steps carry time.monotonic(), requests unix times; both clocks of this machine
-        offset = raw.get("unix_minus_monotonic", time.time() - time.monotonic())
-        reqs, rows = requests_for(args, wl), []
-        for run in bench["runs"]:
-            sent = [r["send_unix_ns"] / 1e9 - offset for r in run["requests"]]
-            begin = min(sent)
-            end = max(t + (r["e2e_s"] or 0.0) for t, r in zip(sent, run["requests"]))
-            part = {"workers": {name: {"kind": w["kind"],
-                                       "steps": [s for s in w["steps"] if begin <= s["start"] <= end]}
-                                for name, w in raw["workers"].items()}}
-            data = dict(engine.raw)
-            data["serving"] = serving_entries(fit_load(engine, part), isolated)
-            profile = profile_from_dict(data, f"{placement} {wl} {run['rate']:g} req/s steps")
-            sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k) for k in range(SIM_SEEDS)]
-            rows.append(sim_row(sims, workload.retime(reqs, run["rate"], 1.0, WORKLOAD_SEEDS[wl]),
-                                run["rate"], slo))
-        if suffix:
-            earlier.append({"placement": placement, "workload": wl, "suffix": suffix, "rows": rows})
-        else:
-            runs.setdefault(placement, {})[wl] = rows
-    results["oracle_earlier"] = earlier
-    if runs:
-        results["simulations"]["sweep-steps (oracle)"] = {
-            "profile": "per measured point: step models fitted from its own steps", "date": _now(),
-            "seeds": SIM_SEEDS, "runs": runs}
-
-
-def measured_rows(args, placement: str, wl: str, slo: dict, path=None) -> list[dict] | None:
-    path = path or args.out.with_name(f"slo_validation_{placement}_{wl}.json")
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    rows = []
-    for run in data["runs"]:
-        s, reqs = run["summary"], run["requests"]
-        ttft = [r["ttft_s"] if not r["error"] else math.inf for r in reqs]
-        tpot = [r["tpot_s"] if not r["error"] else math.inf for r in reqs if r["output_len"] >= 2]
-        ok_ttft = [t <= slo["ttft"] for t in ttft]
-        ok_tpot = [not r["error"] and (r["tpot_s"] is None or r["tpot_s"] <= slo["tpot"]) for r in reqs]
-        rows.append({"rate": run["rate"], "attainment": s["slo_attainment"], **stats(ttft, tpot),
-                     "ttft_ok": float(np.mean(ok_ttft)), "tpot_ok": float(np.mean(ok_tpot)),
-                     "completed": s["completed"], "failed": s["failed"], "duration_s": run["duration_s"],
-                     "cached_prompt_tokens": s["cached_prompt_tokens"],
-                     "max_send_lag_ms": s["max_send_lag_ms"], "server_ms": s.get("server_ms"),
-                     "request_goodput": s.get("request_goodput")})
-    return rows
-
-
-def goodput(rows: list[dict], threshold: float = 0.9) -> dict:
-    return metrics.goodput_rate([r["rate"] for r in rows], [r["attainment"] for r in rows], threshold)
-
-
 # ---- the tuner ----------------------------------------------------------------------------------
 def slice_csv(args, wl: str) -> pathlib.Path:
     """The measured slice of the trace (its first --num-requests rows, unscaled) as a trace file,
@@ -562,228 +325,6 @@ def run_tuner(args, wl: str, profile_path, trace: str) -> dict:
             "best": m.group(1) if m else None, "best_goodput": float(m.group(2)) if m else None,
             "ranking": [{"placement": a.strip(), "estimate": float(b), "simulated": None if c == "-" else float(c)}
                         for a, b, c in ranking], "plot": plot.name}
-
-
-def label_of(tuner_label: str) -> str:
-    return "colocated" if tuner_label.startswith("colocated") else "disaggregated"
-
-
-# ---- report -------------------------------------------------------------------------------------
-def _f(x, spec=".0f") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return f"{x:{spec}}"
-
-
-def comparison(results: dict, label: str, wl: str) -> list[dict]:
-    out = []
-    sims = results["simulations"][label]["runs"]
-    for placement in PLACEMENTS:
-        meas = results["measured_rows"].get(placement, {}).get(wl)
-        sim = sims.get(placement, {}).get(wl)
-        if not meas or not sim:
-            continue
-        for m, s in zip(meas, sim):
-            out.append({"placement": placement, "rate": m["rate"], "measured": m, "simulated": s,
-                        "diff_pp": 100 * (s["attainment"] - m["attainment"])})
-    return out
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| placement | rate (req/s) | measured att. | simulated att. | sim - meas (pp) | "
-             "TTFT p50 meas/sim (ms) | TTFT p90 meas/sim | TPOT p50 meas/sim (ms) | TPOT p90 meas/sim |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        m, s = r["measured"], r["simulated"]
-        lines.append(f"| {r['placement']} | {r['rate']:g} | {100 * m['attainment']:.1f}% | "
-                     f"{100 * s['attainment']:.1f}% | {r['diff_pp']:+.1f} | "
-                     f"{_f(m['p50_ttft_ms'])} / {_f(s['p50_ttft_ms'])} | {_f(m['p90_ttft_ms'])} / {_f(s['p90_ttft_ms'])} | "
-                     f"{_f(m['p50_tpot_ms'], '.1f')} / {_f(s['p50_tpot_ms'], '.1f')} | "
-                     f"{_f(m['p90_tpot_ms'], '.1f')} / {_f(s['p90_tpot_ms'], '.1f')} |")
-    return "\n".join(lines)
-
-
-def earlier_runs(args, results: dict) -> list[dict]:
-    """Earlier measurements of a placement and workload (kept by --remeasure), with how much CPU
-    other processes used during them."""
-    out = []
-    for placement, entries in results.get("earlier", {}).items():
-        for e in entries:
-            for wl in args.workloads:
-                if wl not in e:
-                    continue
-                path = args.out.with_name(f"slo_validation_{placement}_{wl}{e['files_suffix']}.json")
-                if not path.is_file():
-                    continue
-                rows = measured_rows(args, placement, wl, results["slo_s"], path)
-                out.append({"placement": placement, "workload": wl, "suffix": e["files_suffix"],
-                            "foreign_cores_avg": e[wl]["cpu"]["foreign_cores_avg"], "rows": rows})
-    return out
-
-
-def repeats(results: dict, label: str = "in-load") -> list[dict]:
-    """Per placement, workload and rate: every measurement of it (the latest, then the earlier
-    ones kept by --remeasure), their mean, the simulation's distance to it, and each run's oracle
-    simulation (oracle_per_rate; None where its steps were not recorded)."""
-    sims = results.get("simulations", {}).get(label, {}).get("runs", {})
-    oracle = results.get("simulations", {}).get("sweep-steps (oracle)", {}).get("runs", {})
-    out = []
-    for placement, per_wl in results["measured_rows"].items():
-        for wl, rows in per_wl.items():
-            sim = sims.get(placement, {}).get(wl)
-            if not sim:
-                continue
-            earlier = [e for e in results.get("earlier_runs", [])
-                       if e["placement"] == placement and e["workload"] == wl]
-            oracles = [oracle.get(placement, {}).get(wl)] + [
-                next((o["rows"] for o in results.get("oracle_earlier", []) if o["placement"] == placement
-                      and o["workload"] == wl and o["suffix"] == e["suffix"]), None) for e in earlier]
-            for k, (row, srow) in enumerate(zip(rows, sim)):
-                runs = [row] + [e["rows"][k] for e in earlier]
-                meas = [r["attainment"] for r in runs]
-                out.append({"placement": placement, "workload": wl, "rate": row["rate"],
-                            "measured": meas, "mean": float(np.mean(meas)),
-                            "simulated": srow["attainment"],
-                            "diff_to_mean_pp": 100 * (srow["attainment"] - float(np.mean(meas))),
-                            "oracle": [o[k]["attainment"] if o else None for o in oracles]})
-    return out
-
-
-def plot_validation(results: dict, args, wl: str) -> str | None:
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(13, 4.8), tight_layout=True)
-    labels = list(results.get("simulations", {}))
-    styles = {label: "-" if i == len(labels) - 1 else (":", "--", "-.", (0, (5, 1)))[i % 4]
-              for i, label in enumerate(labels)}
-    slo = results["slo_s"]
-    drawn = False
-    for i, placement in enumerate(PLACEMENTS):
-        ax = fig.add_subplot(1, 2, i + 1)
-        meas = results["measured_rows"].get(placement, {}).get(wl)
-        if meas:
-            ax.plot([r["rate"] for r in meas], [100 * r["attainment"] for r in meas], "o-", color="black",
-                    lw=2, label="measured")
-            drawn = True
-        for e in results.get("earlier_runs", []):
-            if e["placement"] == placement and e["workload"] == wl:
-                ax.plot([r["rate"] for r in e["rows"]], [100 * r["attainment"] for r in e["rows"]], "o",
-                        mfc="none", color="gray", label=f"measured earlier ({e['suffix'][1:]}, others used "
-                                                        f"{e['foreign_cores_avg']:.2f} cores)")
-        for label, block in results.get("simulations", {}).items():
-            sim = block["runs"].get(placement, {}).get(wl)
-            if sim:
-                ax.plot([r["rate"] for r in sim], [100 * r["attainment"] for r in sim], marker="x",
-                        ls=styles[label], label=f"simulated: {label}")
-        ax.axhline(90, color="gray", ls="--", lw=1)
-        ax.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment (%)", ylim=(0, 105),
-               title=f"{wl}, {placement}: TTFT <= {slo['ttft'] * 1e3:g} ms, TPOT <= {slo['tpot'] * 1e3:g} ms")
-        ax.legend(fontsize=7)
-    if not drawn:
-        return None
-    path = args.out.parent / f"slo_validation_{wl}_attainment.png"
-    fig.savefig(path, dpi=100)
-    return path.name
-
-
-def plot_cdfs(results: dict, args, wl: str) -> str | None:
-    """TTFT and TPOT CDFs of both placements at each rate, measured (solid) and simulated (dotted)."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(12, 4.5), tight_layout=True)
-    axes = [fig.add_subplot(1, 2, i + 1) for i in range(2)]
-    colors = {"disaggregated": "tab:blue", "colocated": "tab:green"}
-    drawn = False
-    for placement in PLACEMENTS:
-        path = args.out.with_name(f"slo_validation_{placement}_{wl}.json")
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        for k, run in enumerate(data["runs"]):
-            alpha = 0.4 + 0.6 * k / max(1, len(data["runs"]) - 1)
-            for ax, key in zip(axes, ("ttft_s", "tpot_s")):
-                vals = sorted(1e3 * r[key] for r in run["requests"] if not r["error"] and r[key] is not None)
-                n = len([r for r in run["requests"] if key == "ttft_s" or r["output_len"] >= 2])
-                ax.step(vals, [(i + 1) / n for i in range(len(vals))], where="post", color=colors[placement],
-                        alpha=alpha, label=f"{placement} {run['rate']:g} req/s")
-                drawn = True
-    if not drawn:
-        return None
-    slo = results["slo_s"]
-    for ax, key, name in zip(axes, ("ttft", "tpot"), ("TTFT", "TPOT")):
-        ax.axvline(slo[key] * 1e3, color="gray", ls="--", lw=1, label="SLO")
-        ax.set(xlabel=f"{name} (ms, log)", ylabel="share of requests", xscale="log", ylim=(0, 1.02),
-               title=f"{wl}: measured {name} CDF (darker = higher rate)")
-        ax.legend(fontsize=7)
-    out = args.out.parent / f"slo_validation_{wl}_cdf.png"
-    fig.savefig(out, dpi=100)
-    return out.name
-
-
-def report(args, results: dict) -> None:
-    slo = results["slo_s"]
-    results["measured_rows"] = {}
-    for placement in PLACEMENTS:
-        for wl in args.workloads:
-            rows = measured_rows(args, placement, wl, slo)
-            if rows:
-                results["measured_rows"].setdefault(placement, {})[wl] = rows
-    results["earlier_runs"] = earlier_runs(args, results)
-    results["repeats"] = repeats(results)
-    results["comparison"] = {label: {wl: comparison(results, label, wl) for wl in args.workloads}
-                             for label in results.get("simulations", {})}
-    summary = {}
-    for wl in args.workloads:
-        for placement in PLACEMENTS:
-            meas = results["measured_rows"].get(placement, {}).get(wl)
-            if not meas:
-                continue
-            summary.setdefault(wl, {})[placement] = {
-                "goodput_measured": goodput(meas),
-                "goodput_simulated": {label: goodput(b["runs"][placement][wl])
-                                      for label, b in results.get("simulations", {}).items()
-                                      if b["runs"].get(placement, {}).get(wl)},
-                "p99_ttft_ms": [r["p99_ttft_ms"] for r in meas], "p99_tpot_ms": [r["p99_tpot_ms"] for r in meas],
-                "attainment": [r["attainment"] for r in meas], "rates": [r["rate"] for r in meas]}
-    results["summary"] = summary
-    plots = []
-    for wl in args.workloads:
-        plots += [p for p in (plot_validation(results, args, wl), plot_cdfs(results, args, wl)) if p]
-    results["plots"] = plots
-    for label in results.get("simulations", {}):
-        for wl in args.workloads:
-            rows = results["comparison"][label][wl]
-            if rows:
-                print(f"\n### {wl}, simulator '{label}'\n")
-                print(table(rows))
-    if any(len(r["measured"]) > 1 for r in results["repeats"]):
-        print("\n### repeated measurements vs the 'in-load' simulation\n")
-        print("| workload | placement | rate | measured att. (each run) | mean | simulated | sim - mean (pp) "
-              "| oracle - measured, each run (pp) |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in results["repeats"]:
-            print(f"| {r['workload']} | {r['placement']} | {r['rate']:g} | "
-                  f"{' / '.join(f'{100 * m:.1f}' for m in r['measured'])} | {100 * r['mean']:.1f} | "
-                  f"{100 * r['simulated']:.1f} | {r['diff_to_mean_pp']:+.1f} | "
-                  + " / ".join("-" if o is None else f"{100 * (o - m):+.1f}"
-                               for o, m in zip(r["oracle"], r["measured"])) + " |")
-    for e in results["earlier_runs"]:
-        print(f"\nearlier run {e['placement']} {e['workload']} {e['suffix']} (others used "
-              f"{e['foreign_cores_avg']:.2f} cores): attainment "
-              f"{[round(100 * r['attainment'], 1) for r in e['rows']]} % at {[r['rate'] for r in e['rows']]}")
-    for wl, per in summary.items():
-        print(f"\n{wl}:")
-        for placement, s in per.items():
-            g = s["goodput_measured"]
-            print(f"  {placement}: measured goodput {'>= ' if g['lower_bound'] else ''}{g['rate']:.2f} req/s; "
-                  f"attainment {[f'{100 * a:.0f}%' for a in s['attainment']]} at {s['rates']}; "
-                  f"p99 TTFT {[_f(x) for x in s['p99_ttft_ms']]} ms; p99 TPOT {[_f(x, '.1f') for x in s['p99_tpot_ms']]} ms")
-    for key, t in results.get("tuner", {}).items():
-        print(f"\ntuner ({key}): best {t['best']} at {t['best_goodput']} req/s; ranking {t['ranking']}")
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def main() -> int:
@@ -863,12 +404,12 @@ def main() -> int:
             if not only:
                 results["measured"].pop(placement)
             results.setdefault("remeasured", []).append({"placement": placement, "workloads": only,
-                                                         "date": _now(), "command": " ".join(["python"] + sys.argv)})
+                                                         "date": now(), "command": " ".join(["python"] + sys.argv)})
             measure(args, placement, results, workloads=only, calibrate_it=not only)
             args.out.write_text(json.dumps(results, indent=1))
     elif not args.simulate_only:
         import torch
-        results = {"schema": "pdserve-slo-validation/1", "date": _now(),
+        results = {"schema": "pdserve-slo-validation/1", "date": now(),
                    "command": " ".join(["python"] + sys.argv),
                    "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
                                "torch": torch.__version__, "platform": platform.platform()},
