@@ -170,6 +170,8 @@ LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trac
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0, 4.0), 100, 7000
 CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled
 NOISE_POINTS = 40         # quantiles of measured/modelled step time kept as the profile's step_noise
+SPEED_WINDOW_S = 0.5      # step_speed windows: 0.5 s means of measured/modelled decode step time had
+                          # a lag-1 autocorrelation of 0.6-0.8 in the calibrations of 2026-11-23
 
 
 def effective_steps(steps: list[dict]) -> list[dict]:
@@ -197,12 +199,17 @@ def modelled_s(model, step: dict) -> float:
     return model.prefill_time(step["tokens"], step["prefill_pairs"], step["decode_context"])
 
 
-def fit_load_steps(engine_profile, kind: str, steps: list[dict]) -> dict:
+def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s: float | None = None) -> dict:
     """Step models for one worker kind from its loaded steps: the decode model a + b*B + c*C on
     the decode-only steps, the prefill model a + b*T + c*A on the steps with prompt tokens (less
     the decode model's c times their decode rows' context, as the simulator prices a mixed step);
     a kind without decode-only steps keeps the engine's decode model. step_noise: quantiles of
-    measured / modelled over all its steps."""
+    measured / modelled over all its steps.
+
+    With speed_window_s, that ratio is split into a slow and a fast part: step_speed holds, per
+    worker (the steps' "worker" key), the mean ratio of each window of that many seconds in which
+    it ran steps, in time order, and step_noise the quantiles of each step's ratio over its
+    window's mean."""
     from deploy.tuning.perf_model import StepModel, fit_nonnegative
     m = engine_profile.tp[1]
     dec = [s for s in steps if s["tokens"] == s["num_decode"]]
@@ -222,6 +229,8 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict]) -> dict:
 
     model = StepModel(tuple(prefill), tuple(decode), m.kv_capacity_tokens)
     ratios = np.array([s["eff_s"] / modelled_s(model, s) for s in steps])
+    if len(ratios) and speed_window_s:
+        out["step_speed"], ratios = speed_traces(steps, ratios, speed_window_s)
     if len(ratios):
         qs = (np.arange(NOISE_POINTS) + 0.5) / NOISE_POINTS
         out["step_noise"] = [round(float(x), 4) for x in np.quantile(ratios, qs)]
@@ -229,12 +238,34 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict]) -> dict:
     return out
 
 
-def fit_load(engine_profile, raw: dict) -> dict:
-    """kind -> fit_load_steps over every worker of that kind in a load calibration's raw records."""
+def speed_traces(steps: list[dict], ratios, window_s: float) -> tuple[dict, np.ndarray]:
+    """({window_s, traces}, the ratios over their window's mean): per worker, the mean of
+    measured / modelled over each window of window_s in which it ran steps, in time order."""
+    by_worker: dict = {}
+    for s, r in zip(steps, ratios):
+        by_worker.setdefault(s.get("worker", ""), []).append((s["start"], r))
+    traces, fast = [], []
+    for rows in by_worker.values():
+        rows.sort()
+        windows: dict[int, list[float]] = {}
+        for t, r in rows:
+            windows.setdefault(int((t - rows[0][0]) // window_s), []).append(r)
+        trace = []
+        for k in sorted(windows):
+            mean = float(np.mean(windows[k]))
+            trace.append(round(mean, 4))
+            fast += [r / mean for r in windows[k]]
+        traces.append(trace)
+    return {"window_s": window_s, "traces": traces}, np.array(fast)
+
+
+def fit_load(engine_profile, raw: dict, speed_window_s: float | None = None) -> dict:
+    """kind -> fit_load_steps over every worker of that kind in a load calibration's raw records
+    (the steps tagged with their worker's name, for step_speed)."""
     by_kind: dict[str, list[dict]] = {}
-    for w in raw["workers"].values():
-        by_kind.setdefault(w["kind"], []).extend(effective_steps(w["steps"]))
-    return {kind: fit_load_steps(engine_profile, kind, steps) for kind, steps in by_kind.items()}
+    for name, w in raw["workers"].items():
+        by_kind.setdefault(w["kind"], []).extend({**s, "worker": name} for s in effective_steps(w["steps"]))
+    return {kind: fit_load_steps(engine_profile, kind, steps, speed_window_s) for kind, steps in by_kind.items()}
 
 
 def step_model_check(profile, raw: dict) -> dict:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from bench.slo_calibration import fit_load, fit_serving, step_model_check
+from bench.slo_calibration import SPEED_WINDOW_S, fit_load, fit_serving, step_model_check
 from deploy.tuning import workload
 from deploy.tuning.perf_model import Profile
 
@@ -38,7 +38,7 @@ def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
         path = args.out.with_name(f"slo_validation_{placement}_load_steps.json")
         if not path.is_file():
             continue
-        placement_fits = fit_load(engine, json.loads(path.read_text()))
+        placement_fits = fit_load(engine, json.loads(path.read_text()), SPEED_WINDOW_S)
         fits.update(placement_fits)
         serving.update(serving_entries(placement_fits, isolated))
     if not serving:
@@ -46,7 +46,8 @@ def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
     return write_profile(args, serving, fits, pathlib.Path(args.serving_profile).with_name(
         pathlib.Path(args.serving_profile).stem.replace("_serving", "_inload") + ".json"),
         "step models fitted by bench/slo_validation.py from the engine steps of loaded deployments "
-        "(open-loop conv traffic), with step noise; first-token latency from the isolated calibration")
+        "(open-loop conv traffic), with their speed over time (step_speed) and step noise; first-token "
+        "latency from the isolated calibration")
 
 
 def write_profile(args, serving: dict, fits: dict, out: pathlib.Path, summary: str) -> pathlib.Path:
@@ -65,7 +66,7 @@ def serving_entries(fits: dict, isolated: dict) -> dict:
     from the isolated calibration's serving profile (`isolated`: its "serving" block)."""
     out = {}
     for kind, fit in fits.items():
-        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise") if k in fit}
+        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "step_speed") if k in fit}
         latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
         if latency is not None:
             entry["first_token_latency_s"] = latency
@@ -222,7 +223,7 @@ def oracle_per_rate(args, results: dict, serving_path) -> None:
                                        "steps": [s for s in w["steps"] if begin <= s["start"] <= end]}
                                 for name, w in raw["workers"].items()}}
             data = dict(engine.raw)
-            data["serving"] = serving_entries(fit_load(engine, part), isolated)
+            data["serving"] = serving_entries(fit_load(engine, part, SPEED_WINDOW_S), isolated)
             profile = profile_from_dict(data, f"{placement} {wl} {run['rate']:g} req/s steps")
             sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k) for k in range(SIM_SEEDS)]
             rows.append(sim_row(sims, workload.retime(reqs, run["rate"], 1.0, WORKLOAD_SEEDS[wl]),

@@ -35,8 +35,9 @@ slice (LOAD_TRACE_START_S on, own seeds) at 2 and 4 req/s, 100 requests each, wh
 engine records its steps (engine.step_trace: start, end and shape of each step). Fitted per worker
 kind (bench/slo_calibration.fit_load) on the time each step held the engine loop, so the steps carry
 what really slows them in a loaded deployment (the other worker on the same host, gRPC threads,
-KV pushes and receives, token streaming); the residuals become the profile's step_noise. Written
-beside --serving-profile as *_inload.json. Every measured sweep's steps are kept too
+KV pushes and receives, token streaming); the residuals become the profile's step_speed (their
+mean per worker and 0.5 s window, in time order: the machine's slow and fast spells) and step_noise
+(what is left within a window). Written beside --serving-profile as *_inload.json. Every measured sweep's steps are kept too
 (*_<workload>_steps.json), only to check the models against them ("step_model_check").
 
 Simulations of the very same RequestSpecs, kept side by side under "simulations"/<label>:
@@ -44,10 +45,12 @@ Simulations of the very same RequestSpecs, kept side by side under "simulations"
   engine         the current simulator (the colocated router's 0.5 s stale view) on the engine profile
   serving-steps  + the serving-path step models, without the interference factors
   serving        + the interference factors: the full serving profile
-  in-load        the in-load profile, each point simulated with SIM_SEEDS seeds of step noise
+  in-load        the in-load profile, each point simulated with SIM_SEEDS seeds of step speed and noise
                  (mean attainment; percentiles over all their requests)
   sweep-steps (oracle)  not a prediction: each point on step models fitted from the steps that
                  ran during it (every kept run, also the earlier ones of --remeasure)
+bench/slo_pooled.py predicts from every stored calibration of the same setup at once and compares
+with every stored measurement.
 Finally `pdserve tune --devices 2 --colocated` with the engine, serving and in-load profiles on
 the measured trace slice (and the serving and in-load profiles on the whole trace).
 

@@ -30,7 +30,10 @@ Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
   kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
   serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef},
       first_token_latency_s (optional: per request, outside the steps),
-      step_noise (optional: measured / modelled step time, a list of equally likely values)}},
+      step_noise (optional: measured / modelled step time, a list of equally likely values),
+      step_speed (optional: {window_s, traces: [[multiplier per window, in time order], ...]}:
+          the slow part of that ratio, as it moved during calibration; step_noise is then the
+          fast part, within a window)}},
                        interference: {decode_while_prefill: x, prefill_while_decode: y}}
 The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
 """
@@ -66,6 +69,12 @@ class StepModel:
     # serving only: measured step time / model step time, as equally likely values (quantiles of
     # the fit's residuals); the simulator draws one per step when given a seed
     step_noise: tuple[float, ...] = ()
+    # serving only: how the step speed moved over time, one trace per calibrated worker: the mean
+    # measured / modelled step time in each window of speed_window_s seconds, in time order. The
+    # simulator replays one trace per worker (from a random point) so that slow and fast spells
+    # last as long as they did; step_noise then holds what is left within a window
+    speed_window_s: float = 0.0
+    speed_traces: tuple[tuple[float, ...], ...] = ()
 
     def prefill_time(self, num_tokens: int, pairs: float, decode_context: float = 0.0) -> float:
         a, b, c = self.prefill
@@ -152,6 +161,19 @@ def _coef(entry: dict, source: str, where: str) -> tuple[float, float, float]:
     return tuple(float(x) for x in coef)
 
 
+def _step_speed(entry, source: str, where: str) -> tuple[float, tuple[tuple[float, ...], ...]]:
+    if entry is None:
+        return 0.0, ()
+    def positive(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+    if not isinstance(entry, dict) or not positive(entry.get("window_s")) or \
+            not isinstance(entry.get("traces"), list) or not entry["traces"] or \
+            not all(isinstance(t, list) and t and all(positive(x) for x in t) for t in entry["traces"]):
+        raise ProfileError(f"{source}: {where}: expected {{window_s: seconds > 0, traces: [[step-time "
+                           f"multipliers > 0, one per window], ...]}} with at least one non-empty trace")
+    return float(entry["window_s"]), tuple(tuple(float(x) for x in t) for t in entry["traces"])
+
+
 def profile_from_dict(data, source: str = "<profile>") -> Profile:
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: the top level must be a JSON object, got {type(data).__name__}")
@@ -228,9 +250,11 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
                     and x > 0 for x in noise):
                 raise ProfileError(f"{source}: {where}.step_noise: expected a list of step-time "
                                    f"multipliers > 0, got {noise!r}")
+            window, traces = _step_speed(entry.get("step_speed"), source, f"{where}.step_speed")
             serving.setdefault(kind, {})[int(key)] = StepModel(pf, dc, base.kv_capacity_tokens,
                                                                float(latency),
-                                                               tuple(float(x) for x in noise))
+                                                               tuple(float(x) for x in noise),
+                                                               window, traces)
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:

@@ -54,6 +54,7 @@ class Worker:
         self.step_start = 0.0
         self.link_free = 0.0
         self.num_preemptions = 0
+        self.speed: tuple[tuple[float, ...], int] | None = None   # (speed trace, start window)
         # fast path
         self.lazy = False
         self.step_no = 0

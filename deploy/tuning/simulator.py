@@ -64,7 +64,10 @@ What it does not model:
   * step-time noise, unless asked: with a seed, and a serving profile whose kind carries
     step_noise (measured step time / modelled, from the fit's residuals), each step's time is
     multiplied by one of those values drawn at random; without a seed the same inputs always give
-    the same answer.
+    the same answer. Where the kind also carries step_speed (the slow part of that ratio, per
+    window of time, as it moved during calibration), each worker replays one of those traces from
+    a random window, so a slow spell of the machine lasts as long as it did when measured, and
+    step_noise is the fast part within a window.
 """
 from __future__ import annotations
 
@@ -189,6 +192,12 @@ class Simulator:
 
         decode = [worker(pl.decode, False) for _ in range(pl.decode.replicas)]
         prefill = [] if pl.colocated else [worker(pl.prefill, True) for _ in range(pl.prefill.replicas)]
+        rng = random.Random(self.seed) if self.seed is not None else None
+        if rng is not None:
+            for w in prefill + decode:   # each worker replays a speed trace from a random window
+                if w.model.speed_traces:
+                    trace = w.model.speed_traces[rng.randrange(len(w.model.speed_traces))]
+                    w.speed = (trace, rng.randrange(len(trace)))
         transfer = None if pl.colocated else prof.transfer[self.backend]
         kv_bytes, num_layers = prof.kv_bytes_per_token, prof.num_layers
         reqs = [_Req(r.arrival_s, r.prompt_len, r.output_len) for r in requests]
@@ -220,7 +229,6 @@ class Simulator:
 
         f_decode = prof.interference.get("decode_while_prefill", 0.0)
         f_prefill = prof.interference.get("prefill_while_decode", 0.0)
-        rng = random.Random(self.seed) if self.seed is not None else None
 
         def start_step(w: Worker, now: float) -> None:
             nonlocal counter, num_steps
@@ -230,6 +238,9 @@ class Simulator:
                 return
             if rng is not None and w.model.step_noise:
                 dur *= w.model.step_noise[rng.randrange(len(w.model.step_noise))]
+            if w.speed is not None:
+                trace, first = w.speed
+                dur *= trace[(first + int(now / w.model.speed_window_s)) % len(trace)]
             # the other side busy on the same host when this step starts: it runs slower
             if w.is_prefill:
                 if f_prefill and any(d.busy for d in decode):

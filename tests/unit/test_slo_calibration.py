@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.slo_calibration import effective_steps, fit_load, modelled_s, step_model_check
+from bench.slo_calibration import effective_steps, fit_load, modelled_s, speed_traces, step_model_check
 from deploy.tuning.perf_model import StepModel, profile_dict, profile_from_dict
 
 ENGINE = profile_from_dict(profile_dict(
@@ -69,3 +69,34 @@ def test_step_noise_spans_the_measured_spread_and_the_check_reads_it():
     assert check["num_steps"] == len(raw["workers"]["decode-0"]["steps"])
     assert check["ratio_p50"] == pytest.approx(1.0, abs=0.05)
     assert 0 < check["busy_share"] <= 1
+
+
+def test_step_speed_keeps_a_slow_spell_and_step_noise_what_is_left_within_a_window():
+    """A decode worker whose steps ran 1.5x slower from 10 s to 20 s into its run: with windows,
+    the spell is in its speed trace (in time order) and the step noise is flat; without, it is all
+    step noise."""
+    rng = random.Random(4)
+    t, steps = 0.0, []
+    while t < 30.0:
+        b = rng.randint(1, 20)
+        step = dict(tokens=b, prefill_pairs=0, num_decode=b, decode_context=b * rng.randint(50, 400))
+        dur = modelled_s(TRUE, step) * (1.5 if 10.0 <= t < 20.0 else 1.0) - GAP
+        steps.append({**step, "start": t, "end": t + dur})
+        t += dur + GAP
+    raw = {"workers": {"decode-0": {"kind": "decode", "steps": steps}}}
+    plain = fit_load(ENGINE, raw)["decode"]
+    assert "step_speed" not in plain and plain["step_noise"][-1] / plain["step_noise"][0] > 1.3
+    fit = fit_load(ENGINE, raw, speed_window_s=1.0)["decode"]
+    assert fit["step_speed"]["window_s"] == 1.0 and len(fit["step_speed"]["traces"]) == 1
+    trace = fit["step_speed"]["traces"][0]
+    assert len(trace) == 30 and max(trace) / min(trace) == pytest.approx(1.5, rel=0.03)
+    assert [k for k, v in enumerate(trace) if v > 1.2 * min(trace)] == list(range(10, 20))
+    assert fit["step_noise"] == pytest.approx([1.0] * len(fit["step_noise"]), abs=0.03)
+
+
+def test_speed_traces_are_per_worker():
+    steps = [{"start": t, "worker": w} for w in ("a", "b") for t in (0.0, 0.1, 0.6, 1.2)]
+    ratios = [1.0, 1.0, 2.0, 4.0, 3.0, 3.0, 3.0, 3.0]
+    speed, fast = speed_traces(steps, ratios, 0.5)
+    assert speed == {"window_s": 0.5, "traces": [[1.0, 2.0, 4.0], [3.0, 3.0, 3.0]]}
+    assert list(fast) == [1.0] * 8

@@ -392,6 +392,30 @@ def test_step_noise_draws_a_multiplier_per_step_from_the_profile_with_a_seed():
         profile_from_dict(data)
 
 
+def test_step_speed_replays_one_trace_per_worker_from_a_random_window():
+    data = make_profile(as_dict=True)
+    # one window covers the whole run: each seed's worker runs every step at 1x or 3x
+    data["serving"] = {"colocated": {"1": {"step_speed": {"window_s": 1000.0, "traces": [[1.0, 3.0]]}}}}
+    prof = profile_from_dict(data)
+    reqs = [one(100, 10)]
+    pl = Placement(None, PoolSpec(1))
+    steady = simulate(reqs, prof, pl).requests[0]            # no seed: no trace
+    assert steady == simulate(reqs, make_profile(), pl).requests[0]
+    runs = [Simulator(prof, pl, seed=s).run(reqs).requests[0] for s in range(12)]
+    assert runs == [Simulator(prof, pl, seed=s).run(reqs).requests[0] for s in range(12)]
+    ratios = sorted({round(r.e2e_s / steady.e2e_s, 9) for r in runs})
+    assert ratios == [1.0, 3.0]
+    # windows of 0.05 s: the speed changes along the run, so the E2E lies strictly between
+    data["serving"]["colocated"]["1"]["step_speed"] = {"window_s": 0.05, "traces": [[1.0, 3.0]]}
+    mixed = [Simulator(profile_from_dict(data), pl, seed=s).run(reqs).requests[0] for s in range(4)]
+    assert all(steady.e2e_s * 1.2 < r.e2e_s < steady.e2e_s * 2.8 for r in mixed)
+    for bad in ({"window_s": 0, "traces": [[1.0]]}, {"window_s": 1.0, "traces": []},
+                {"window_s": 1.0, "traces": [[1.0, -2.0]]}, [1.0, 2.0]):
+        data["serving"]["colocated"]["1"]["step_speed"] = bad
+        with pytest.raises(ProfileError, match="step_speed"):
+            profile_from_dict(data)
+
+
 def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
     """Colocated, budget 64: a 64-token prompt admitted beside one decoding sequence gets 63
     tokens, then a last chunk of one token while everything else decodes. It is not decoding yet

@@ -1,0 +1,296 @@
+"""Issue #4 (a) on a machine whose speed drifts: one prediction from every in-load calibration of
+the same setup, against every measurement of it.
+
+    python bench/slo_pooled.py                          # every run under bench/results
+    python bench/slo_pooled.py --since 2026-11-23T02:15 --out bench/results/slo_pooled_since0215.json
+    python bench/slo_pooled.py --split 2026-11-23T02:15 --out bench/results/slo_pooled_split0215.json
+
+A single run of bench/slo_validation.py predicts its sweeps from the calibration it took one to
+three minutes before. On this VM the step speed moves by 10-40% between minutes (BENCHMARKS.md), so
+near the knee one sweep lands tens of points away from another of the same setup, and from any
+snapshot prediction. Here the prediction is made for the machine as it behaves over time:
+
+  * the step models are fitted on the in-load calibration steps of every stored run of the same
+    setup (bench/slo_calibration.fit_load over all their workers), and
+  * the measured/modelled step time is kept as it moved: per calibrated worker, its mean in every
+    SPEED_WINDOW_S window, in time order (the profile's step_speed), plus what is left within a
+    window (step_noise). The simulator replays one such trace per worker from a random window.
+
+Each point is simulated with --seeds seeds. The prediction is their mean attainment, with the 10th
+and 90th percentile as the band a single run is expected to fall in. It is compared with the mean
+of every stored measurement of the point, and each measurement with the band.
+
+With --split TIME (UTC), only calibrations taken before TIME are used and only measurements taken
+after it are compared: a prediction made before the measurement, out of sample. --since TIME keeps
+only the runs taken after TIME (the machine's speed moves over hours too). Each run is also
+predicted from the other runs' calibrations alone (leave one run out), and each point's sensitivity
+is given: how many points of attainment 5% slower steps cost.
+
+Runs are found as bench/results/slo_validation.json and bench/results/*/slo_validation.json; one
+counts when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV memory) equal the
+newest run's. Measurements: slo_validation_<placement>_<workload>[_runN].json beside it;
+calibrations: slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.slo_calibration import LOAD_RATES, SPEED_WINDOW_S, fit_load  # noqa: E402
+from bench.slo_report import measured_rows  # noqa: E402
+from bench.slo_simulate import PLACEMENTS, WORKLOAD_SEEDS, now, serving_entries, sim_placement  # noqa: E402
+from deploy.tuning import workload  # noqa: E402
+
+RESULTS = REPO_ROOT / "bench" / "results"
+SAME_SETUP = ("model", "conv_scale", "code_scale", "max_prompt", "max_output", "num_requests", "slo",
+              "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
+BAND = (10, 90)
+
+
+def first_send(path: pathlib.Path) -> float:
+    """Unix time of the first request a load-generator JSON (one rate or a sweep) sent."""
+    data = json.loads(path.read_text())
+    runs = data["runs"] if "runs" in data else [data]
+    return min(r["send_unix_ns"] for run in runs for r in run["requests"]) / 1e9
+
+
+def utc(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def find_runs(results_dir: pathlib.Path, wl: str) -> tuple[list[dict], list[dict], dict]:
+    """(measurements, calibrations, the newest run's config) of every stored run of its setup."""
+    outs = sorted([results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")],
+                  key=lambda p: json.loads(p.read_text())["date"])
+    outs = [p for p in outs if p.is_file()]
+    newest = json.loads(outs[-1].read_text())["config"]
+    measurements, calibrations = [], []
+    for out in outs:
+        cfg = json.loads(out.read_text())["config"]
+        if any(cfg.get(k) != newest.get(k) for k in SAME_SETUP) or cfg["rates"].get(wl) != newest["rates"][wl]:
+            continue
+        serving = out.parent / pathlib.Path(cfg["serving_profile"]).name
+        for placement in PLACEMENTS:
+            for path in sorted(out.parent.glob(f"slo_validation_{placement}_{wl}*.json")):
+                suffix = path.stem[len(f"slo_validation_{placement}_{wl}"):]
+                if suffix == "" or (suffix.startswith("_run") and suffix[4:].isdigit()):
+                    t = first_send(path)
+                    measurements.append({"placement": placement, "path": path, "time": t, "run": out.parent.name,
+                                         "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
+            for path in sorted(out.parent.glob(f"slo_validation_{placement}_load_steps*.json")):
+                suffix = path.stem[len(f"slo_validation_{placement}_load_steps"):]
+                first_load = out.parent / f"slo_validation_{placement}_load_{LOAD_RATES[0]:g}{suffix}.json"
+                t = first_send(first_load) if first_load.is_file() else path.stat().st_mtime
+                calibrations.append({"placement": placement, "path": path, "time": t, "serving": serving,
+                                     "run": out.parent.name,
+                                     "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
+    return measurements, calibrations, newest
+
+
+def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s: float):
+    """The engine profile plus step models, step_speed and step_noise fitted per worker kind on
+    the steps of all these in-load calibrations; each kind's first-token latency is the mean of
+    the isolated calibrations' (their serving profiles)."""
+    from deploy.tuning.perf_model import load_profile, profile_from_dict
+    engine = load_profile(engine_path)
+    workers, latency = {}, {}
+    for k, c in enumerate(calibrations):
+        for name, w in json.loads(c["path"].read_text())["workers"].items():
+            workers[f"{k}:{name}"] = w
+        if c["serving"].is_file():
+            for kind, per_tp in json.loads(c["serving"].read_text())["serving"].items():
+                value = per_tp.get("1", {}).get("first_token_latency_s") if isinstance(per_tp, dict) else None
+                if value is not None:
+                    latency.setdefault(kind, []).append(value)
+    fits = fit_load(engine, {"workers": workers}, window_s)
+    isolated = {kind: {"1": {"first_token_latency_s": float(np.mean(v))}} for kind, v in latency.items()}
+    data = dict(engine.raw)
+    data["serving"] = {**serving_entries(fits, isolated),
+                       "source": {"summary": "bench/slo_pooled.py: in-load calibrations pooled",
+                                  "calibrations": [c["label"] for c in calibrations], "date": now()}}
+    return profile_from_dict(data, "pooled in-load profile"), data
+
+
+def predict(profile, cfg: dict, placement: str, wl: str, seeds: int) -> list[dict]:
+    """Per rate: the mean attainment over `seeds` simulations and its BAND percentiles."""
+    from deploy.tuning.simulator import Simulator
+    args = argparse.Namespace(max_num_batched_tokens=cfg["max_num_batched_tokens"])
+    slo = _slo(cfg)
+    reqs = workload.load_trace(wl, scale=cfg["scale"][wl], max_prompt=cfg["max_prompt"],
+                               max_output=cfg["max_output"], max_requests=cfg["num_requests"])
+    sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k) for k in range(seeds)]
+    rows = []
+    for rate in cfg["rates"][wl]:
+        timed = workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl])
+        att = [s.run(timed).attainment(slo["ttft"], slo["tpot"]) for s in sims]
+        rows.append({"rate": rate, "mean": float(np.mean(att)),
+                     "band": [float(np.percentile(att, q)) for q in BAND]})
+    return rows
+
+
+def _slo(cfg: dict) -> dict:
+    from deploy.tuning.metrics import parse_slo
+    return parse_slo(cfg["slo"])
+
+
+def compare(pred: list[dict], measurements: list[dict], cfg: dict, wl: str) -> list[dict]:
+    """Per rate: every measurement's attainment, their mean, the prediction, and which runs fell
+    in the band."""
+    runs = [(m["label"], measured_rows(None, m["placement"], wl, _slo(cfg), m["path"])) for m in measurements]
+    out = []
+    for k, p in enumerate(pred):
+        meas = [(label, rows[k]["attainment"]) for label, rows in runs if rows[k]["rate"] == p["rate"]]
+        values = [v for _, v in meas]
+        mean = float(np.mean(values)) if values else None
+        out.append({**p, "measured": meas, "measured_mean": mean,
+                    "diff_pp": None if mean is None else 100 * (p["mean"] - mean),
+                    "in_band": sum(p["band"][0] <= v <= p["band"][1] for v in values)})
+    return out
+
+
+def plot(rows: dict, path: pathlib.Path, title: str) -> None:
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(12, 4.5), tight_layout=True)
+    for i, placement in enumerate(PLACEMENTS):
+        ax = fig.add_subplot(1, 2, i + 1)
+        per = rows.get(placement)
+        if not per:
+            continue
+        rates = [r["rate"] for r in per]
+        for r in per:
+            ax.plot([r["rate"]] * len(r["measured"]), [100 * v for _, v in r["measured"]], "o", mfc="none",
+                    color="gray")
+        ax.plot(rates, [100 * r["measured_mean"] for r in per], "o-", color="black", lw=2,
+                label=f"measured: mean of {len(per[0]['measured'])} runs (circles: each run)")
+        ax.plot(rates, [100 * r["mean"] for r in per], "x-", color="tab:red", label="predicted: mean")
+        ax.fill_between(rates, [100 * r["band"][0] for r in per], [100 * r["band"][1] for r in per],
+                        color="tab:red", alpha=0.15, label=f"predicted: p{BAND[0]}-p{BAND[1]} of one run")
+        ax.axhline(90, color="gray", ls="--", lw=1)
+        ax.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment (%)", ylim=(0, 105),
+               title=f"{placement}: {title}")
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=100)
+
+
+def scaled(profile, factor: float):
+    """The profile with every serving step model's coefficients times factor (a machine that much
+    slower), for the sensitivity of attainment to step speed."""
+    from deploy.tuning.perf_model import profile_from_dict
+    data = json.loads(json.dumps(profile.raw))
+    for kind, per_tp in data["serving"].items():
+        if kind in ("prefill", "decode", "colocated"):
+            for entry in per_tp.values():
+                for key in ("prefill", "decode"):
+                    coef = entry[key]["coef"] if key in entry else getattr(profile.tp[1], key)
+                    entry[key] = {"coef": [c * factor for c in coef]}
+    return profile_from_dict(data, f"pooled profile x{factor:g}")
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| rate | measured, each run (%) | measured mean | predicted mean "
+          f"[p{BAND[0]}-p{BAND[1]}] | pred - mean (pp) | runs in band | pp per 5% slower steps |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rate']:g} | {' / '.join(f'{100 * v:.1f}' for _, v in r['measured'])} | "
+              f"{100 * r['measured_mean']:.1f} | {100 * r['mean']:.1f} [{100 * r['band'][0]:.0f}-"
+              f"{100 * r['band'][1]:.0f}] | {r['diff_pp']:+.1f} | {r['in_band']} of {len(r['measured'])} | "
+              f"{r['pp_per_5pct_slower']:+.1f} |")
+
+
+def utc_time(p: argparse.ArgumentParser, text: str | None, flag: str) -> float | None:
+    if text is None:
+        return None
+    try:
+        return _dt.datetime.fromisoformat(text).replace(tzinfo=_dt.timezone.utc).timestamp()
+    except ValueError:
+        p.error(f"{flag}: expected a UTC time like 2026-11-23T02:15, got {text!r}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(RESULTS), help="where the runs are stored")
+    p.add_argument("--profile", default=str(RESULTS / "profile_cpu_smollm2_1thread.json"),
+                   help="the engine profile (for the KV transfer and capacity figures)")
+    p.add_argument("--workload", default="azure_conv")
+    p.add_argument("--seeds", type=int, default=40)
+    p.add_argument("--window", type=float, default=SPEED_WINDOW_S,
+                   help="seconds per step_speed window; 0: independent step noise only")
+    p.add_argument("--since", default=None, help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it")
+    p.add_argument("--split", default=None,
+                   help="UTC time: calibrations before it, measurements after it")
+    p.add_argument("--out", default=None, help="default: <results>/slo_pooled.json")
+    args = p.parse_args()
+    results_dir = pathlib.Path(args.results)
+    measurements, calibrations, cfg = find_runs(results_dir, args.workload)
+    since, split = utc_time(p, args.since, "--since"), utc_time(p, args.split, "--split")
+    if since is not None:
+        calibrations = [c for c in calibrations if c["time"] > since]
+        measurements = [m for m in measurements if m["time"] > since]
+    if split is not None:
+        calibrations = [c for c in calibrations if c["time"] < split]
+        measurements = [m for m in measurements if m["time"] > split]
+    if not calibrations or not measurements:
+        p.error(f"found {len(calibrations)} calibrations and {len(measurements)} measurements to use "
+                f"under {results_dir}")
+    out = pathlib.Path(args.out or results_dir / "slo_pooled.json")
+    report = {"date": now(), "command": " ".join(["python"] + sys.argv), "workload": args.workload,
+              "since": args.since, "split": args.split, "window_s": args.window, "seeds": args.seeds,
+              "band_percentiles": BAND, "slo_s": _slo(cfg), "placements": {}}
+    engine = pathlib.Path(args.profile)
+    for placement in PLACEMENTS:
+        cals = [c for c in calibrations if c["placement"] == placement]
+        meas = [m for m in measurements if m["placement"] == placement]
+        if not cals or not meas:
+            continue
+        profile, data = pooled_profile(engine, cals, args.window or None)
+        rows = compare(predict(profile, cfg, placement, args.workload, args.seeds), meas, cfg, args.workload)
+        # how far 5% slower steps move each point (half the seeds)
+        slower = predict(scaled(profile, 1.05), cfg, placement, args.workload, max(1, args.seeds // 2))
+        for r, s in zip(rows, slower):
+            r["pp_per_5pct_slower"] = 100 * (s["mean"] - r["mean"])
+        # leave one run out: each run predicted from the calibrations of the other runs only
+        loo = []
+        for run in sorted({m["run"] for m in meas}):
+            others = [c for c in cals if c["run"] != run]
+            if not others:
+                continue
+            prof, _ = pooled_profile(engine, others, args.window or None)
+            mine = [m for m in meas if m["run"] == run]
+            for row in compare(predict(prof, cfg, placement, args.workload, args.seeds), mine, cfg, args.workload):
+                for label, value in row["measured"]:
+                    loo.append({"run": label, "rate": row["rate"], "measured": value, "predicted": row["mean"],
+                                "band": row["band"], "diff_pp": 100 * (row["mean"] - value)})
+        report["placements"][placement] = {"calibrations": [c["label"] for c in cals],
+                                           "measurements": [m["label"] for m in meas], "rows": rows,
+                                           "leave_one_run_out": loo,
+                                           "step_models": {k: v for k, v in data["serving"].items()
+                                                           if k != "source"}}
+        print(f"\n{placement}: {len(cals)} calibrations ({', '.join(c['label'] for c in cals)}); "
+              f"{len(meas)} measurements")
+        print_table(rows)
+        if loo:
+            print(f"\nleave one run out ({placement}): each run predicted from the other runs' calibrations")
+            print("| run | rate | measured | predicted [band] | pred - meas (pp) |\n|---|---|---|---|---|")
+            for r in loo:
+                print(f"| {r['run']} | {r['rate']:g} | {100 * r['measured']:.1f} | {100 * r['predicted']:.1f} "
+                      f"[{100 * r['band'][0]:.0f}-{100 * r['band'][1]:.0f}] | {r['diff_pp']:+.1f} |")
+    rows = {pl: v["rows"] for pl, v in report["placements"].items()}
+    png = out.with_suffix(".png")
+    plot(rows, png, f"{args.workload}, pooled prediction" + (f", since {args.since}" if args.since else "")
+         + (f", split {args.split}" if args.split else ""))
+    report["plot"] = png.name
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwrote {out} and {png.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

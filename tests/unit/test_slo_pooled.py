@@ -1,0 +1,79 @@
+"""bench/slo_pooled.py: which stored runs it takes (same setup only; measurements and calibrations,
+also the earlier ones of --remeasure, never the step or disturbed files), and the pooled profile
+made from their calibration steps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.slo_pooled import find_runs, pooled_profile, scaled
+from deploy.tuning.perf_model import profile_dict
+
+CONFIG = {"model": "smollm2", "conv_scale": 0.2, "code_scale": 0.1, "max_prompt": 512, "max_output": 64,
+          "num_requests": 2, "slo": "ttft=1.5s,tpot=100ms", "max_num_batched_tokens": 512,
+          "kv_cache_memory": 1 << 29, "max_model_len": 1024, "rates": {"azure_conv": [1.5, 3.0]},
+          "serving_profile": "/elsewhere/profile_serving.json"}
+T0 = 1_800_000_000.0
+
+
+def bench_file(path, t: float) -> None:
+    reqs = [{"send_unix_ns": int((t + k) * 1e9)} for k in range(2)]
+    path.write_text(json.dumps({"runs": [{"rate": 1.5, "requests": reqs}, {"rate": 3.0, "requests": reqs}]}))
+
+
+def decode_steps(t: float, n: int = 40, step_s: float = 0.03) -> list[dict]:
+    return [{"start": t + k * step_s, "end": t + (k + 1) * step_s - 0.0005, "tokens": 1 + k % 4,
+             "prefill_pairs": 0, "num_decode": 1 + k % 4, "decode_context": 50 * (1 + k % 7)} for k in range(n)]
+
+
+def a_run(folder, date: str, t: float, config=None, suffixes=("",)) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "slo_validation.json").write_text(json.dumps({"date": date, "config": config or CONFIG}))
+    (folder / "profile_serving.json").write_text(json.dumps(
+        {"serving": {"decode": {"1": {"first_token_latency_s": 0.01 * (1 + len(suffixes))}}}}))
+    for k, suffix in enumerate(suffixes):
+        bench_file(folder / f"slo_validation_disaggregated_azure_conv{suffix}.json", t + 100 * k)
+        (folder / f"slo_validation_disaggregated_azure_conv_steps{suffix}.json").write_text("{}")
+        (folder / f"slo_validation_disaggregated_load_2{suffix}.json").write_text(json.dumps(
+            {"requests": [{"send_unix_ns": int((t + 100 * k - 50) * 1e9)}]}))    # one rate, no sweep
+        (folder / f"slo_validation_disaggregated_load_steps{suffix}.json").write_text(json.dumps(
+            {"workers": {"decode-0": {"kind": "decode", "steps": decode_steps(t + 100 * k - 50)}}}))
+    bench_file(folder / "slo_validation_disaggregated_azure_conv_disturbed1.json", t - 500)
+
+
+def test_find_runs_takes_every_run_of_the_newest_runs_setup_and_nothing_else(tmp_path):
+    a_run(tmp_path, "2026-11-23T00:31:00+00:00", T0, suffixes=("", "_run1"))
+    a_run(tmp_path / "run_b", "2026-11-23T02:20:00+00:00", T0 + 1000)
+    a_run(tmp_path / "other_setup", "2026-11-23T01:00:00+00:00", T0 + 2000, config={**CONFIG, "num_requests": 60})
+    measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
+    assert cfg == CONFIG
+    assert sorted((m["time"], m["run"]) for m in measurements) == [
+        (T0, tmp_path.name), (T0 + 100, tmp_path.name), (T0 + 1000, "run_b")]
+    assert sorted((c["time"], c["run"]) for c in calibrations) == [
+        (T0 - 50, tmp_path.name), (T0 + 50, tmp_path.name), (T0 + 950, "run_b")]
+    assert all(c["serving"].name == "profile_serving.json" and c["serving"].is_file() for c in calibrations)
+
+
+def test_pooled_profile_fits_every_calibration_and_replays_each_workers_speed(tmp_path):
+    a_run(tmp_path, "2026-11-23T00:31:00+00:00", T0, suffixes=("", "_run1"))
+    a_run(tmp_path / "run_b", "2026-11-23T02:20:00+00:00", T0 + 1000)
+    _, calibrations, _ = find_runs(tmp_path, "azure_conv")
+    engine = tmp_path / "engine.json"
+    engine.write_text(json.dumps(profile_dict(
+        model=dict(id="Toy-1", name="toy", num_layers=10, num_heads=6, num_kv_heads=3, head_dim=64,
+                   hidden_size=384, dtype="float32"),
+        kv_bytes_per_token=1000, hardware={"device": "cpu"},
+        tp={1: {"prefill": {"coef": [0.01, 0.001, 0.0]}, "decode": {"coef": [0.02, 0.001, 0.0]},
+                "kv_capacity_tokens": 100_000}},
+        kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}})))
+    profile, data = pooled_profile(engine, calibrations, 0.5)
+    model = profile.step_model(1, "decode")
+    assert len(model.speed_traces) == 3          # one per calibrated worker
+    assert model.speed_window_s == 0.5
+    # first-token latency: the mean over the runs' serving profiles (0.03 twice, 0.02 once)
+    assert model.first_token_latency_s == pytest.approx((0.03 + 0.03 + 0.02) / 3)
+    assert len(data["serving"]["source"]["calibrations"]) == 3
+    slow = scaled(profile, 1.1).step_model(1, "decode")
+    assert slow.decode == pytest.approx(tuple(1.1 * c for c in model.decode))
+    assert slow.prefill == pytest.approx(tuple(1.1 * c for c in model.prefill))
