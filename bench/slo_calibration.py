@@ -170,6 +170,8 @@ LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trac
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0, 4.0), 100, 7000
 CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled
 NOISE_POINTS = 40         # quantiles of measured/modelled step time kept as the profile's step_noise
+INTERFERENCE_GRID = [k / 100 for k in range(0, 101, 2)]   # factors tried for fit_load's interference
+INTERFERENCE_MIN_STEPS = 20   # steps needed with another worker busy, and with none, to fit it
 SPEED_WINDOW_S = 0.5      # step_speed windows: 0.5 s means of measured/modelled decode step time had
                           # a lag-1 autocorrelation of 0.6-0.8 in the calibrations of 2026-11-23
 
@@ -199,6 +201,25 @@ def modelled_s(model, step: dict) -> float:
     return model.prefill_time(step["tokens"], step["prefill_pairs"], step["decode_context"])
 
 
+def _fit_models(m, dec: list[dict], pre: list[dict], scale) -> tuple[list, list, dict]:
+    """(prefill coef, decode coef, fit details) on each step's eff_s / scale(step)."""
+    from deploy.tuning.perf_model import fit_nonnegative
+    out = {}
+    decode = list(m.decode)
+    if len(dec) >= 10:
+        fit = fit_nonnegative([[1.0, s["num_decode"], s["decode_context"]] for s in dec],
+                              [s["eff_s"] / scale(s) for s in dec])
+        decode, out["decode_fit"] = fit["coef"], fit["fit"]
+        out["decode"] = {"coef": decode}
+    prefill = list(m.prefill)
+    if len(pre) >= 10:
+        fit = fit_nonnegative([[1.0, s["tokens"], s["prefill_pairs"]] for s in pre],
+                              [max(1e-6, s["eff_s"] / scale(s) - decode[2] * s["decode_context"]) for s in pre])
+        prefill, out["prefill_fit"] = fit["coef"], fit["fit"]
+        out["prefill"] = {"coef": prefill}
+    return prefill, decode, out
+
+
 def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s: float | None = None) -> dict:
     """Step models for one worker kind from its loaded steps: the decode model a + b*B + c*C on
     the decode-only steps, the prefill model a + b*T + c*A on the steps with prompt tokens (less
@@ -206,29 +227,37 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s:
     a kind without decode-only steps keeps the engine's decode model. step_noise: quantiles of
     measured / modelled over all its steps.
 
-    With speed_window_s, that ratio is split into a slow and a fast part: step_speed holds, per
+    Where the steps say whether another worker was in a step when they started ("others_busy",
+    from fit_load) and both cases have INTERFERENCE_MIN_STEPS steps, "interference" is the factor
+    f (on INTERFERENCE_GRID) for which the models times 1 + f on those steps fit best: how much
+    slower this kind runs while a worker beside it on the host computes. The models are then those
+    of a step with the host to itself.
+
+    With speed_window_s, the ratio is split into a slow and a fast part: step_speed holds, per
     worker (the steps' "worker" key), the mean ratio of each window of that many seconds in which
     it ran steps, in time order, and step_noise the quantiles of each step's ratio over its
     window's mean."""
-    from deploy.tuning.perf_model import StepModel, fit_nonnegative
+    from deploy.tuning.perf_model import StepModel
     m = engine_profile.tp[1]
     dec = [s for s in steps if s["tokens"] == s["num_decode"]]
     pre = [s for s in steps if s["tokens"] > s["num_decode"]]
     out = {"num_steps": len(steps), "num_decode_steps": len(dec), "num_prefill_steps": len(pre)}
-    decode = list(m.decode)
-    if len(dec) >= 10:
-        fit = fit_nonnegative([[1.0, s["num_decode"], s["decode_context"]] for s in dec], [s["eff_s"] for s in dec])
-        decode, out["decode_fit"] = fit["coef"], fit["fit"]
-        out["decode"] = {"coef": decode}
-    prefill = list(m.prefill)
-    if len(pre) >= 10:
-        fit = fit_nonnegative([[1.0, s["tokens"], s["prefill_pairs"]] for s in pre],
-                              [max(1e-6, s["eff_s"] - decode[2] * s["decode_context"]) for s in pre])
-        prefill, out["prefill_fit"] = fit["coef"], fit["fit"]
-        out["prefill"] = {"coef": prefill}
-
-    model = StepModel(tuple(prefill), tuple(decode), m.kv_capacity_tokens)
-    ratios = np.array([s["eff_s"] / modelled_s(model, s) for s in steps])
+    busy = sum(1 for s in steps if s.get("others_busy"))
+    grid = INTERFERENCE_GRID if min(busy, len(steps) - busy) >= INTERFERENCE_MIN_STEPS else [0.0]
+    best = None
+    for f in grid:
+        scale = lambda s, f=f: 1.0 + f * bool(s.get("others_busy"))  # noqa: E731
+        prefill, decode, fits = _fit_models(m, dec, pre, scale)
+        model = StepModel(tuple(prefill), tuple(decode), m.kv_capacity_tokens)
+        sse = sum((s["eff_s"] - modelled_s(model, s) * scale(s)) ** 2 for s in steps)
+        if best is None or sse < best[0]:
+            best = (sse, f, model, fits, scale)
+    _, f, model, fits, scale = best
+    out.update(fits)
+    if len(grid) > 1:
+        out["interference"] = float(f)
+        out["num_steps_others_busy"] = busy
+    ratios = np.array([s["eff_s"] / (modelled_s(model, s) * scale(s)) for s in steps])
     if len(ratios) and speed_window_s:
         out["step_speed"], ratios = speed_traces(steps, ratios, speed_window_s)
     if len(ratios):
@@ -259,12 +288,40 @@ def speed_traces(steps: list[dict], ratios, window_s: float) -> tuple[dict, np.n
     return {"window_s": window_s, "traces": traces}, np.array(fast)
 
 
-def fit_load(engine_profile, raw: dict, speed_window_s: float | None = None) -> dict:
+def others_busy(raw: dict) -> dict[str, list[bool]]:
+    """Worker name -> per step (in its order in raw): whether another worker of the same
+    deployment was in a step when it started. Workers named "<run>:<name>" (pooled calibrations)
+    are compared only within their run."""
+    import bisect
+    group = lambda name: name.split(":", 1)[0] if ":" in name else ""  # noqa: E731
+    spans = {name: sorted((s["start"], s["end"]) for s in w["steps"]) for name, w in raw["workers"].items()}
+    out = {}
+    for name, w in raw["workers"].items():
+        others = [spans[o] for o in spans if o != name and group(o) == group(name)]
+        flags = []
+        for s in w["steps"]:
+            t = s["start"]
+            hit = False
+            for sp in others:      # the other's last step starting at or before t: still running?
+                i = bisect.bisect_right(sp, (t, float("inf"))) - 1
+                if i >= 0 and sp[i][1] > t:
+                    hit = True
+                    break
+            flags.append(hit)
+        out[name] = flags
+    return out
+
+
+def fit_load(engine_profile, raw: dict, speed_window_s: float | None = None, interference: bool = True) -> dict:
     """kind -> fit_load_steps over every worker of that kind in a load calibration's raw records
-    (the steps tagged with their worker's name, for step_speed)."""
+    (each step tagged with its worker's name, for step_speed, and, unless interference=False,
+    with others_busy, for the interference factor)."""
+    busy = others_busy(raw) if interference else {n: [False] * len(w["steps"]) for n, w in raw["workers"].items()}
     by_kind: dict[str, list[dict]] = {}
     for name, w in raw["workers"].items():
-        by_kind.setdefault(w["kind"], []).extend({**s, "worker": name} for s in effective_steps(w["steps"]))
+        flags = dict(zip(((s["start"], s["end"]) for s in w["steps"]), busy[name]))
+        by_kind.setdefault(w["kind"], []).extend(
+            {**s, "worker": name, "others_busy": flags[(s["start"], s["end"])]} for s in effective_steps(w["steps"]))
     return {kind: fit_load_steps(engine_profile, kind, steps, speed_window_s) for kind, steps in by_kind.items()}
 
 

@@ -95,10 +95,12 @@ def find_runs(results_dir: pathlib.Path, wl: str) -> tuple[list[dict], list[dict
     return measurements, calibrations, newest
 
 
-def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s: float):
+def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s: float,
+                   interference: bool = True):
     """The engine profile plus step models, step_speed and step_noise fitted per worker kind on
     the steps of all these in-load calibrations; each kind's first-token latency is the mean of
-    the isolated calibrations' (their serving profiles)."""
+    the isolated calibrations' (their serving profiles). interference=False: no interference
+    factors are fitted (the step models average over the calibrations' overlaps)."""
     from deploy.tuning.perf_model import load_profile, profile_from_dict
     engine = load_profile(engine_path)
     workers, latency = {}, {}
@@ -110,7 +112,7 @@ def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s
                 value = per_tp.get("1", {}).get("first_token_latency_s") if isinstance(per_tp, dict) else None
                 if value is not None:
                     latency.setdefault(kind, []).append(value)
-    fits = fit_load(engine, {"workers": workers}, window_s)
+    fits = fit_load(engine, {"workers": workers}, window_s, interference)
     isolated = {kind: {"1": {"first_token_latency_s": float(np.mean(v))}} for kind, v in latency.items()}
     data = dict(engine.raw)
     data["serving"] = {**serving_entries(fits, isolated),
@@ -223,6 +225,8 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=40)
     p.add_argument("--window", type=float, default=SPEED_WINDOW_S,
                    help="seconds per step_speed window; 0: independent step noise only")
+    p.add_argument("--no-interference", action="store_true",
+                   help="fit no interference factors (for comparison)")
     p.add_argument("--since", default=None, help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it")
     p.add_argument("--split", default=None,
                    help="UTC time: calibrations before it, measurements after it")
@@ -243,6 +247,7 @@ def main() -> int:
     out = pathlib.Path(args.out or results_dir / "slo_pooled.json")
     report = {"date": now(), "command": " ".join(["python"] + sys.argv), "workload": args.workload,
               "since": args.since, "split": args.split, "window_s": args.window, "seeds": args.seeds,
+              "interference": not args.no_interference,
               "band_percentiles": BAND, "slo_s": _slo(cfg), "placements": {}}
     engine = pathlib.Path(args.profile)
     for placement in PLACEMENTS:
@@ -250,7 +255,7 @@ def main() -> int:
         meas = [m for m in measurements if m["placement"] == placement]
         if not cals or not meas:
             continue
-        profile, data = pooled_profile(engine, cals, args.window or None)
+        profile, data = pooled_profile(engine, cals, args.window or None, not args.no_interference)
         rows = compare(predict(profile, cfg, placement, args.workload, args.seeds), meas, cfg, args.workload)
         # how far 5% slower steps move each point (half the seeds)
         slower = predict(scaled(profile, 1.05), cfg, placement, args.workload, max(1, args.seeds // 2))
@@ -262,7 +267,7 @@ def main() -> int:
             others = [c for c in cals if c["run"] != run]
             if not others:
                 continue
-            prof, _ = pooled_profile(engine, others, args.window or None)
+            prof, _ = pooled_profile(engine, others, args.window or None, not args.no_interference)
             mine = [m for m in meas if m["run"] == run]
             for row in compare(predict(prof, cfg, placement, args.workload, args.seeds), mine, cfg, args.workload):
                 for label, value in row["measured"]:

@@ -20,6 +20,9 @@ from deploy.tuning.perf_model import Profile
 PLACEMENTS = ("disaggregated", "colocated")
 WORKLOAD_SEEDS = {"azure_conv": 0, "azure_code": 100}   # prompt seeds seed+k never overlap
 SIM_SEEDS = 20          # simulations with step noise per point (the in-load profile)
+# the profile's serving.interference key for each worker kind's fitted factor
+INTERFERENCE_KEY = {"decode": "decode_while_prefill", "prefill": "prefill_while_decode",
+                    "colocated": "colocated_while_busy"}
 
 
 def now() -> str:
@@ -40,7 +43,11 @@ def load_profile_from_fits(args, serving_path) -> pathlib.Path | None:
             continue
         placement_fits = fit_load(engine, json.loads(path.read_text()), SPEED_WINDOW_S)
         fits.update(placement_fits)
-        serving.update(serving_entries(placement_fits, isolated))
+        entries = serving_entries(placement_fits, isolated)
+        interference = {**serving.get("interference", {}), **entries.pop("interference", {})}
+        serving.update(entries)
+        if interference:
+            serving["interference"] = interference
     if not serving:
         return None
     return write_profile(args, serving, fits, pathlib.Path(args.serving_profile).with_name(
@@ -63,14 +70,17 @@ def write_profile(args, serving: dict, fits: dict, out: pathlib.Path, summary: s
 
 def serving_entries(fits: dict, isolated: dict) -> dict:
     """A profile's "serving" entries from fit_load's fits; each kind's first-token latency comes
-    from the isolated calibration's serving profile (`isolated`: its "serving" block)."""
-    out = {}
+    from the isolated calibration's serving profile (`isolated`: its "serving" block), and the
+    fitted interference factors go to serving.interference."""
+    out: dict = {}
     for kind, fit in fits.items():
         entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "step_speed") if k in fit}
         latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
         if latency is not None:
             entry["first_token_latency_s"] = latency
         out[kind] = {"1": entry}
+        if "interference" in fit:
+            out.setdefault("interference", {})[INTERFERENCE_KEY[kind]] = fit["interference"]
     return out
 
 

@@ -21,7 +21,9 @@ running deployment (isolated requests for prefill, concurrent batches for decode
 bench/slo_validation.py), so they include the request's fixed costs outside the worker too.
 "interference" says how much slower a disaggregated pair's steps run while the other side computes
 on the same host (CPU: the prefill worker's KV pushes land in the decode worker's process while it
-decodes, and both sides' gRPC threads compete for the same cores as the two engines).
+decodes, both sides' gRPC threads compete for the same cores as the two engines, and the two share
+the memory bandwidth and last-level cache), and how much slower a colocated worker's steps run
+while another colocated worker computes.
 
 Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
   model: {id, name, num_layers, num_heads, num_kv_heads, head_dim, hidden_size, dtype}
@@ -34,7 +36,8 @@ Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
       step_speed (optional: {window_s, traces: [[multiplier per window, in time order], ...]}:
           the slow part of that ratio, as it moved during calibration; step_noise is then the
           fast part, within a window)}},
-                       interference: {decode_while_prefill: x, prefill_while_decode: y}}
+                       interference: {decode_while_prefill: x, prefill_while_decode: y,
+                                      colocated_while_busy: z}}
 The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
 """
 from __future__ import annotations
@@ -50,7 +53,7 @@ SCHEMA = "pdserve-profile/1"
 PREFILL_FORM = "a + b*T + c*A; T = tokens in the step, A = sum over prompts of n*(start+n)"
 DECODE_FORM = "a + b*B + c*C; B = sequences, C = sum of their context tokens"
 SERVING_KINDS = ("prefill", "decode", "colocated")
-INTERFERENCE_KEYS = ("decode_while_prefill", "prefill_while_decode")
+INTERFERENCE_KEYS = ("decode_while_prefill", "prefill_while_decode", "colocated_while_busy")
 
 
 class ProfileError(ValueError):
@@ -113,7 +116,8 @@ class Profile:
     serving: dict[str, dict[int, StepModel]] = field(default_factory=dict)
     # slowdowns between the workers of one host (serving.interference): "decode_while_prefill"
     # (a decode step that starts while a prefill worker computes and streams KV takes 1 + x times
-    # as long) and "prefill_while_decode" (the other way round); absent: 0
+    # as long), "prefill_while_decode" (the other way round) and "colocated_while_busy" (a
+    # colocated worker's step that starts while another colocated worker computes); absent: 0
     interference: dict[str, float] = field(default_factory=dict)
 
     def step_model(self, tp: int, kind: str | None = None) -> StepModel:

@@ -56,9 +56,10 @@ What it does not model:
     is in the profiled bandwidth but takes no time from the decode worker's steps; transfers into one decode worker do not contend with each other (only
     the sender's link is shared); KV re-sharding between different prefill and decode TP sizes;
   * interference between workers that share a host (memory bandwidth, caches, cores), except the
-    profile's serving.interference factors for a disaggregated pair: a decode step that starts
-    while a prefill worker is busy (or the other way round) is stretched by that factor, judged at
-    the step's start (every prefill and decode worker is taken to share one host);
+    profile's serving.interference factors: a decode step that starts while a prefill worker is
+    busy (or the other way round), or a colocated worker's step that starts while another
+    colocated worker is busy, is stretched by that factor, judged at the step's start (all the
+    workers of a placement are taken to share one host);
   * the router's stale view of free blocks when disaggregated (it reads Stats every 0.5 s and
     charges each reservation; here it knows exactly);
   * step-time noise, unless asked: with a seed, and a serving profile whose kind carries
@@ -229,6 +230,7 @@ class Simulator:
 
         f_decode = prof.interference.get("decode_while_prefill", 0.0)
         f_prefill = prof.interference.get("prefill_while_decode", 0.0)
+        f_colocated = prof.interference.get("colocated_while_busy", 0.0)
 
         def start_step(w: Worker, now: float) -> None:
             nonlocal counter, num_steps
@@ -241,10 +243,13 @@ class Simulator:
             if w.speed is not None:
                 trace, first = w.speed
                 dur *= trace[(first + int(now / w.model.speed_window_s)) % len(trace)]
-            # the other side busy on the same host when this step starts: it runs slower
+            # another worker busy on the same host when this step starts: it runs slower
             if w.is_prefill:
                 if f_prefill and any(d.busy for d in decode):
                     dur *= 1.0 + f_prefill
+            elif pl.colocated:
+                if f_colocated and any(o.busy for o in decode if o is not w):
+                    dur *= 1.0 + f_colocated
             elif f_decode and any(p.busy for p in prefill):
                 dur *= 1.0 + f_decode
             w.busy = True

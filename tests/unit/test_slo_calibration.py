@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from bench.slo_calibration import effective_steps, fit_load, modelled_s, speed_traces, step_model_check
+from bench.slo_calibration import (effective_steps, fit_load, modelled_s, others_busy, speed_traces,
+                                   step_model_check)
 from deploy.tuning.perf_model import StepModel, profile_dict, profile_from_dict
 
 ENGINE = profile_from_dict(profile_dict(
@@ -100,3 +101,41 @@ def test_speed_traces_are_per_worker():
     speed, fast = speed_traces(steps, ratios, 0.5)
     assert speed == {"window_s": 0.5, "traces": [[1.0, 2.0, 4.0], [3.0, 3.0, 3.0]]}
     assert list(fast) == [1.0] * 8
+
+
+def test_fit_load_finds_how_much_slower_a_kind_runs_while_another_worker_computes():
+    """A prefill worker computes for the first 30 s; the decode worker's steps that start meanwhile
+    take 1.3x their model. The fit recovers 0.3 and the models of a step alone on the host; the
+    prefill worker, never alone, gets no factor."""
+    rng = random.Random(5)
+    prefill, t = [], 0.0
+    while t < 30.0:
+        n = rng.randint(32, 512)
+        step = dict(tokens=n, prefill_pairs=n * n, num_decode=0, decode_context=0)
+        dur = modelled_s(TRUE, step) - GAP
+        prefill.append({**step, "start": t, "end": t + dur})
+        t += dur + GAP
+    spans = [(s["start"], s["end"]) for s in prefill]
+    decode, t = [], 0.0
+    while t < 60.0:
+        b = rng.randint(1, 20)
+        step = dict(tokens=b, prefill_pairs=0, num_decode=b, decode_context=b * rng.randint(50, 400))
+        busy = any(a <= t < e for a, e in spans)
+        dur = modelled_s(TRUE, step) * (1.3 if busy else 1.0) - GAP
+        decode.append({**step, "start": t, "end": t + dur})
+        t += dur + GAP
+    raw = {"workers": {"decode-0": {"kind": "decode", "steps": decode},
+                       "prefill-0": {"kind": "prefill", "steps": prefill}}}
+    fits = fit_load(ENGINE, raw)
+    assert fits["decode"]["interference"] == pytest.approx(0.3)
+    assert fits["decode"]["decode"]["coef"] == pytest.approx(TRUE.decode, rel=1e-2)
+    assert fits["decode"]["step_noise"] == pytest.approx([1.0] * len(fits["decode"]["step_noise"]), abs=0.01)
+    assert "interference" not in fits["prefill"]
+    assert fits["prefill"]["prefill"]["coef"] == pytest.approx(TRUE.prefill, rel=1e-3)
+
+
+def test_others_busy_compares_workers_of_the_same_run_only():
+    steps = lambda *spans: [{"start": a, "end": b} for a, b in spans]  # noqa: E731
+    raw = {"workers": {"r1:a": {"steps": steps((0.0, 1.0), (2.0, 3.0))}, "r1:b": {"steps": steps((0.5, 2.5))},
+                       "r2:c": {"steps": steps((2.9, 3.0))}}}
+    assert others_busy(raw) == {"r1:a": [False, True], "r1:b": [True], "r2:c": [False]}

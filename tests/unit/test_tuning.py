@@ -416,6 +416,19 @@ def test_step_speed_replays_one_trace_per_worker_from_a_random_window():
             profile_from_dict(data)
 
 
+def test_colocated_interference_stretches_steps_that_start_while_another_worker_computes():
+    data = make_profile(as_dict=True)
+    pl = Placement(None, PoolSpec(2))
+    alone = [one(100, 10)]
+    together = [one(100, 10), one(100, 10)]
+    base = [simulate(r, profile_from_dict(data), pl).requests for r in (alone, together)]
+    data["serving"] = {"interference": {"colocated_while_busy": 0.5}}
+    slowed = [simulate(r, profile_from_dict(data), pl).requests for r in (alone, together)]
+    assert slowed[0] == base[0]                       # one worker computes: nothing to slow it
+    assert slowed[1][1].e2e_s > base[1][1].e2e_s      # the second starts while the first computes
+    assert sum(r.e2e_s for r in slowed[1]) <= 1.5 * sum(r.e2e_s for r in base[1]) + 1e-9
+
+
 def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
     """Colocated, budget 64: a 64-token prompt admitted beside one decoding sequence gets 63
     tokens, then a last chunk of one token while everything else decodes. It is not decoding yet
