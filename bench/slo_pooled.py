@@ -68,9 +68,11 @@ def utc(t: float) -> str:
 
 def find_runs(results_dir: pathlib.Path, wl: str) -> tuple[list[dict], list[dict], dict]:
     """(measurements, calibrations, the newest run's config) of every stored run of its setup."""
-    outs = sorted([results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")],
-                  key=lambda p: json.loads(p.read_text())["date"])
-    outs = [p for p in outs if p.is_file()]
+    outs = [p for p in [results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")]
+            if p.is_file()]
+    if not outs:
+        raise SystemExit(f"no slo_validation.json in {results_dir} or its folders")
+    outs.sort(key=lambda p: json.loads(p.read_text())["date"])
     newest = json.loads(outs[-1].read_text())["config"]
     measurements, calibrations = [], []
     for out in outs:
@@ -257,8 +259,8 @@ def main() -> int:
             continue
         profile, data = pooled_profile(engine, cals, args.window or None, not args.no_interference)
         rows = compare(predict(profile, cfg, placement, args.workload, args.seeds), meas, cfg, args.workload)
-        # how far 5% slower steps move each point (half the seeds)
-        slower = predict(scaled(profile, 1.05), cfg, placement, args.workload, max(1, args.seeds // 2))
+        # how far 5% slower steps move each point (the same seeds)
+        slower = predict(scaled(profile, 1.05), cfg, placement, args.workload, args.seeds)
         for r, s in zip(rows, slower):
             r["pp_per_5pct_slower"] = 100 * (s["mean"] - r["mean"])
         # leave one run out: each run predicted from the calibrations of the other runs only
