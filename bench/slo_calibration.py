@@ -1,7 +1,9 @@
 """The serving-path calibration of bench/slo_validation.py: the requests it sends through a running
 deployment (calibrate_child, in its own process) and the fits made from their records
 (fit_serving: prefill and decode step models plus the per-request first-token latency;
-fit_interference: how much each side of a disaggregated pair slows while the other computes)."""
+fit_interference: how much each side of a disaggregated pair slows while the other computes), and
+the in-load fits (fit_load: step models, interference, step speed and noise from a loaded
+deployment's engine steps)."""
 from __future__ import annotations
 
 import json

@@ -35,9 +35,10 @@ slice (LOAD_TRACE_START_S on, own seeds) at 2 and 4 req/s, 100 requests each, wh
 engine records its steps (engine.step_trace: start, end and shape of each step). Fitted per worker
 kind (bench/slo_calibration.fit_load) on the time each step held the engine loop, so the steps carry
 what really slows them in a loaded deployment (the other worker on the same host, gRPC threads,
-KV pushes and receives, token streaming); the residuals become the profile's step_speed (their
-mean per worker and 0.5 s window, in time order: the machine's slow and fast spells) and step_noise
-(what is left within a window). Written beside --serving-profile as *_inload.json. Every measured sweep's steps are kept too
+KV pushes and receives, token streaming), with an interference factor per kind (how much slower
+its steps run when another worker is in a step as they start); the residuals become the profile's
+step_speed (their mean per worker and 0.5 s window, in time order: the machine's slow and fast
+spells) and step_noise (what is left within a window). Written beside --serving-profile as *_inload.json. Every measured sweep's steps are kept too
 (*_<workload>_steps.json), only to check the models against them ("step_model_check").
 
 Simulations of the very same RequestSpecs, kept side by side under "simulations"/<label>:
