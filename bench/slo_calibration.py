@@ -172,6 +172,7 @@ LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trac
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0, 4.0), 100, 7000
 CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled
 NOISE_POINTS = 40         # quantiles of measured/modelled step time kept as the profile's step_noise
+NOISE_MIN_STEPS = 40      # steps with prompt tokens, and without, needed to keep their noise apart
 INTERFERENCE_GRID = [k / 100 for k in range(0, 101, 2)]   # factors tried for fit_load's interference
 INTERFERENCE_MIN_STEPS = 20   # steps needed with another worker busy, and with none, to fit it
 SPEED_WINDOW_S = 0.5      # step_speed windows: 0.5 s means of measured/modelled decode step time had
@@ -227,7 +228,10 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s:
     the decode-only steps, the prefill model a + b*T + c*A on the steps with prompt tokens (less
     the decode model's c times their decode rows' context, as the simulator prices a mixed step);
     a kind without decode-only steps keeps the engine's decode model. step_noise: quantiles of
-    measured / modelled over all its steps.
+    measured / modelled over its decode-only steps, and prompt_step_noise over its steps with
+    prompt tokens, where each has NOISE_MIN_STEPS steps (else step_noise over all of them): a
+    30 ms decode step jitters by tens of percent, a 400 ms prompt chunk by a few, and a 2026-11-23
+    oracle that lent the pooled spread to the chunks was pessimistic on colocated by 2-4 pp.
 
     Where the steps say whether another worker was in a step when they started ("others_busy",
     from fit_load) and both cases have INTERFERENCE_MIN_STEPS steps, "interference" is the factor
@@ -236,9 +240,9 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s:
     of a step with the host to itself.
 
     With speed_window_s, the ratio is split into a slow and a fast part: step_speed holds, per
-    worker (the steps' "worker" key), the mean ratio of each window of that many seconds in which
-    it ran steps, in time order, and step_noise the quantiles of each step's ratio over its
-    window's mean."""
+    worker (the steps' "worker" key), the speed of each window of that many seconds in which it
+    ran steps (speed_traces), in time order, and the noise is taken from each step's ratio over
+    its window's speed."""
     from deploy.tuning.perf_model import StepModel
     m = engine_profile.tp[1]
     dec = [s for s in steps if s["tokens"] == s["num_decode"]]
@@ -259,35 +263,46 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s:
     if len(grid) > 1:
         out["interference"] = float(f)
         out["num_steps_others_busy"] = busy
-    ratios = np.array([s["eff_s"] / (modelled_s(model, s) * scale(s)) for s in steps])
+    modelled = np.array([modelled_s(model, s) * scale(s) for s in steps])
+    ratios = np.array([s["eff_s"] for s in steps]) / modelled if steps else np.zeros(0)
     if len(ratios) and speed_window_s:
-        out["step_speed"], ratios = speed_traces(steps, ratios, speed_window_s)
+        out["step_speed"], ratios = speed_traces(steps, ratios, modelled, speed_window_s)
     if len(ratios):
+        prompt = np.array([s["tokens"] > s["num_decode"] for s in steps])
         qs = (np.arange(NOISE_POINTS) + 0.5) / NOISE_POINTS
-        out["step_noise"] = [round(float(x), 4) for x in np.quantile(ratios, qs)]
+        quantiles = lambda r: [round(float(x), 4) for x in np.quantile(r, qs)]  # noqa: E731
+        if min(prompt.sum(), (~prompt).sum()) >= NOISE_MIN_STEPS:
+            out["step_noise"] = quantiles(ratios[~prompt])
+            out["prompt_step_noise"] = quantiles(ratios[prompt])
+        else:
+            out["step_noise"] = quantiles(ratios)
         out["ratio_p50_p90_p99"] = [float(np.quantile(ratios, q)) for q in (0.5, 0.9, 0.99)]
     return out
 
 
-def speed_traces(steps: list[dict], ratios, window_s: float) -> tuple[dict, np.ndarray]:
-    """({window_s, traces}, the ratios over their window's mean): per worker, the mean of
-    measured / modelled over each window of window_s in which it ran steps, in time order."""
+def speed_traces(steps: list[dict], ratios, modelled, window_s: float) -> tuple[dict, np.ndarray]:
+    """({window_s, traces}, the ratios over their window's speed): per worker, for each window
+    of window_s in which it ran steps, in time order, the speed measured / modelled over the
+    window's steps taken together (their summed time over their summed modelled time, so a long
+    step weighs as its time does)."""
     by_worker: dict = {}
-    for s, r in zip(steps, ratios):
-        by_worker.setdefault(s.get("worker", ""), []).append((s["start"], r))
-    traces, fast = [], []
+    for i, s in enumerate(steps):
+        by_worker.setdefault(s.get("worker", ""), []).append((s["start"], i))
+    traces = []
+    fast = np.empty(len(steps))
     for rows in by_worker.values():
         rows.sort()
-        windows: dict[int, list[float]] = {}
-        for t, r in rows:
-            windows.setdefault(int((t - rows[0][0]) // window_s), []).append(r)
+        windows: dict[int, list[int]] = {}
+        for t, i in rows:
+            windows.setdefault(int((t - rows[0][0]) // window_s), []).append(i)
         trace = []
         for k in sorted(windows):
-            mean = float(np.mean(windows[k]))
-            trace.append(round(mean, 4))
-            fast += [r / mean for r in windows[k]]
+            idx = windows[k]
+            speed = float(np.sum(ratios[idx] * modelled[idx]) / np.sum(modelled[idx]))
+            trace.append(round(speed, 4))
+            fast[idx] = ratios[idx] / speed
         traces.append(trace)
-    return {"window_s": window_s, "traces": traces}, np.array(fast)
+    return {"window_s": window_s, "traces": traces}, fast
 
 
 def others_busy(raw: dict) -> dict[str, list[bool]]:

@@ -74,7 +74,8 @@ def serving_entries(fits: dict, isolated: dict) -> dict:
     fitted interference factors go to serving.interference."""
     out: dict = {}
     for kind, fit in fits.items():
-        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "step_speed") if k in fit}
+        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "prompt_step_noise", "step_speed")
+                 if k in fit}
         latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
         if latency is not None:
             entry["first_token_latency_s"] = latency

@@ -33,6 +33,8 @@ Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
   serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef},
       first_token_latency_s (optional: per request, outside the steps),
       step_noise (optional: measured / modelled step time, a list of equally likely values),
+      prompt_step_noise (optional: the same for steps with prompt tokens, where they vary less
+          than decode-only steps; without it those steps draw from step_noise too),
       step_speed (optional: {window_s, traces: [[multiplier per window, in time order], ...]}:
           the slow part of that ratio, as it moved during calibration; step_noise is then the
           fast part, within a window)}},
@@ -72,6 +74,9 @@ class StepModel:
     # serving only: measured step time / model step time, as equally likely values (quantiles of
     # the fit's residuals); the simulator draws one per step when given a seed
     step_noise: tuple[float, ...] = ()
+    # serving only: the same for steps with prompt tokens (prefill and mixed steps), when the
+    # calibration gave them apart: long steps average out the jitter that short decode steps show
+    prompt_step_noise: tuple[float, ...] = ()
     # serving only: how the step speed moved over time, one trace per calibrated worker: the mean
     # measured / modelled step time in each window of speed_window_s seconds, in time order. The
     # simulator replays one trace per worker (from a random point) so that slow and fast spells
@@ -165,6 +170,15 @@ def _coef(entry: dict, source: str, where: str) -> tuple[float, float, float]:
     return tuple(float(x) for x in coef)
 
 
+def _multipliers(values, source: str, where: str) -> tuple[float, ...]:
+    if not isinstance(values, list) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+            for x in values):
+        raise ProfileError(f"{source}: {where}: expected a list of step-time multipliers > 0, "
+                           f"got {values!r}")
+    return tuple(float(x) for x in values)
+
+
 def _step_speed(entry, source: str, where: str) -> tuple[float, tuple[tuple[float, ...], ...]]:
     if entry is None:
         return 0.0, ()
@@ -248,17 +262,12 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
                     not (math.isfinite(latency) and latency >= 0):
                 raise ProfileError(f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
                                    f"got {latency!r}")
-            noise = entry.get("step_noise", [])
-            if not isinstance(noise, list) or not all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                    and x > 0 for x in noise):
-                raise ProfileError(f"{source}: {where}.step_noise: expected a list of step-time "
-                                   f"multipliers > 0, got {noise!r}")
+            noise = {k: _multipliers(entry.get(k, []), source, f"{where}.{k}")
+                     for k in ("step_noise", "prompt_step_noise")}
             window, traces = _step_speed(entry.get("step_speed"), source, f"{where}.step_speed")
-            serving.setdefault(kind, {})[int(key)] = StepModel(pf, dc, base.kv_capacity_tokens,
-                                                               float(latency),
-                                                               tuple(float(x) for x in noise),
-                                                               window, traces)
+            serving.setdefault(kind, {})[int(key)] = StepModel(
+                pf, dc, base.kv_capacity_tokens, float(latency), noise["step_noise"],
+                noise["prompt_step_noise"], window, traces)
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:

@@ -51,6 +51,7 @@ class Worker:
         self.busy = False
         self.calls: list = []          # (fn, request): RPCs that wait for the step in flight
         self.plan: list[tuple[Seq, int, int]] | None = None   # None: a fast-path step
+        self.step_has_prompt = False   # the planned step computes prompt tokens (prefill or mixed)
         self.step_start = 0.0
         self.link_free = 0.0
         self.num_preemptions = 0
@@ -127,6 +128,7 @@ class Worker:
             if not self.waiting and self.num_lazy <= self.budget and need <= self.free:
                 self.free -= need
                 self.plan = None
+                self.step_has_prompt = False
                 n = self.num_lazy
                 return self.model.decode_time(n, self.lazy_context + n)
             self._leave_fast_path()
@@ -192,6 +194,7 @@ class Worker:
             tokens += n
             pairs += n * n
         self.plan = plan
+        self.step_has_prompt = num_dec != tokens
         if not plan:
             return 0.0
         if num_dec == tokens:

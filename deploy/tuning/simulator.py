@@ -65,7 +65,8 @@ What it does not model:
   * step-time noise, unless asked: with a seed, and a serving profile whose kind carries
     step_noise (measured step time / modelled, from the fit's residuals), each step's time is
     multiplied by one of those values drawn at random; without a seed the same inputs always give
-    the same answer. Where the kind also carries step_speed (the slow part of that ratio, per
+    the same answer. A step with prompt tokens draws from prompt_step_noise where the kind has
+    it. Where the kind also carries step_speed (the slow part of that ratio, per
     window of time, as it moved during calibration), each worker replays one of those traces from
     a random window, so a slow spell of the machine lasts as long as it did when measured, and
     step_noise is the fast part within a window.
@@ -238,8 +239,10 @@ class Simulator:
             if not w.has_plan:
                 w.busy = False
                 return
-            if rng is not None and w.model.step_noise:
-                dur *= w.model.step_noise[rng.randrange(len(w.model.step_noise))]
+            if rng is not None:
+                noise = (w.step_has_prompt and w.model.prompt_step_noise) or w.model.step_noise
+                if noise:
+                    dur *= noise[rng.randrange(len(noise))]
             if w.speed is not None:
                 trace, first = w.speed
                 dur *= trace[(first + int(now / w.model.speed_window_s)) % len(trace)]

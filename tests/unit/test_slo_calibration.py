@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from bench.slo_calibration import (effective_steps, fit_load, modelled_s, others_busy, speed_traces,
@@ -95,12 +96,36 @@ def test_step_speed_keeps_a_slow_spell_and_step_noise_what_is_left_within_a_wind
     assert fit["step_noise"] == pytest.approx([1.0] * len(fit["step_noise"]), abs=0.03)
 
 
-def test_speed_traces_are_per_worker():
+def test_speed_traces_are_per_worker_and_weigh_each_step_by_its_time():
     steps = [{"start": t, "worker": w} for w in ("a", "b") for t in (0.0, 0.1, 0.6, 1.2)]
-    ratios = [1.0, 1.0, 2.0, 4.0, 3.0, 3.0, 3.0, 3.0]
-    speed, fast = speed_traces(steps, ratios, 0.5)
+    ratios = np.array([1.0, 1.0, 2.0, 4.0, 3.0, 3.0, 3.0, 3.0])
+    speed, fast = speed_traces(steps, ratios, np.full(8, 0.1), 0.5)
     assert speed == {"window_s": 0.5, "traces": [[1.0, 2.0, 4.0], [3.0, 3.0, 3.0]]}
-    assert list(fast) == [1.0] * 8
+    assert list(fast) == pytest.approx([1.0] * 8)
+    # a window of a 0.3 s step at 1x and a 0.1 s step at 3x ran 0.6 s of 0.4 s modelled: 1.5x
+    ratios[:2] = [1.0, 3.0]
+    modelled = np.array([0.3, 0.1] + [0.1] * 6)
+    speed, fast = speed_traces(steps, ratios, modelled, 0.5)
+    assert speed["traces"][0] == [1.5, 2.0, 4.0]
+    assert list(fast[:2]) == pytest.approx([1 / 1.5, 3 / 1.5])
+
+
+def test_steps_with_prompt_tokens_keep_their_own_step_noise():
+    """Short decode-only steps jitter by up to 30%, the long mixed steps beside them by 3%: each
+    kind of step keeps its own spread, so the simulator does not lend the decode jitter to the
+    long steps. With too few steps of one kind, one step_noise holds them all."""
+    rng = random.Random(6)
+    steps = []
+    for s in synthetic_steps(800, 7):
+        jitter = 0.03 if s["prefill_pairs"] else 0.3
+        steps.append({**s, "end": s["start"] + (s["end"] - s["start"]) * (1 + jitter * rng.uniform(-1, 1))})
+    fit = fit_load(ENGINE, {"workers": {"colocated-0": {"kind": "colocated", "steps": steps}}})["colocated"]
+    decode, prompt = fit["step_noise"], fit["prompt_step_noise"]
+    assert decode[-1] / decode[0] > 1.4
+    assert 0.95 < prompt[0] and prompt[-1] < 1.05
+    few = [s for i, s in enumerate(steps) if not s["prefill_pairs"] or i < 100]   # 25 prompt steps
+    fit = fit_load(ENGINE, {"workers": {"colocated-0": {"kind": "colocated", "steps": few}}})["colocated"]
+    assert "prompt_step_noise" not in fit and fit["step_noise"][-1] / fit["step_noise"][0] > 1.4
 
 
 def test_fit_load_finds_how_much_slower_a_kind_runs_while_another_worker_computes():

@@ -392,6 +392,24 @@ def test_step_noise_draws_a_multiplier_per_step_from_the_profile_with_a_seed():
         profile_from_dict(data)
 
 
+def test_steps_with_prompt_tokens_draw_from_prompt_step_noise():
+    data = make_profile(as_dict=True)
+    data["serving"] = {"colocated": {"1": {"step_noise": [1.0], "prompt_step_noise": [3.0]}}}
+    reqs = [one(100, 10)]
+    pl = Placement(None, PoolSpec(1))
+    steady = simulate(reqs, make_profile(), pl).requests[0]
+    noisy = Simulator(profile_from_dict(data), pl, seed=0).run(reqs).requests[0]
+    # the prompt's step ran 3x its modelled time, the decode steps as modelled
+    assert noisy.ttft_s == pytest.approx(3 * steady.ttft_s)
+    assert noisy.e2e_s - noisy.ttft_s == pytest.approx(steady.e2e_s - steady.ttft_s)
+    del data["serving"]["colocated"]["1"]["step_noise"]      # without step_noise, decode steps are exact
+    alone = Simulator(profile_from_dict(data), pl, seed=0).run(reqs).requests[0]
+    assert (alone.ttft_s, alone.e2e_s) == pytest.approx((noisy.ttft_s, noisy.e2e_s))
+    with pytest.raises(ProfileError, match="prompt_step_noise"):
+        data["serving"]["colocated"]["1"]["prompt_step_noise"] = [0.0]
+        profile_from_dict(data)
+
+
 def test_step_speed_replays_one_trace_per_worker_from_a_random_window():
     data = make_profile(as_dict=True)
     # one window covers the whole run: each seed's worker runs every step at 1x or 3x
