@@ -102,6 +102,9 @@ class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051    # 0: pick a free port
     max_inflight: Annotated[int, Field(ge=1)] = 64
+    # disaggregated: how long a request may wait in the router for decode KV blocks when every
+    # decode worker is full, before it fails with RESOURCE_EXHAUSTED
+    decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
 
     @property
     def address(self) -> str:

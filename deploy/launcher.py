@@ -310,6 +310,7 @@ def _start_router(cluster: Cluster) -> None:
     router_config = RouterConfig(
         model=config.model, host=config.router.host, colocated=config.pools.colocated is not None,
         port=config.router.port, max_inflight=config.router.max_inflight,
+        decode_queue_timeout_s=config.router.decode_queue_timeout_s,
         max_model_len=min(lens) if lens else None,   # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype)
     cluster.router = Router(router_config).start()

@@ -3,7 +3,8 @@ leg's decode worker dies (DESIGN.md section 1: "D dies -> reserve on another D a
 
 A leg is one reservation on one decode worker, the prefill that fills it and the token stream it
 produces: Reserve (the decode worker with most free blocks; colocated, the fewest prompt tokens
-charged to it until their first token; the next one when full) -> Stream
+charged to it until their first token; the next one when full; when every one is full, a wait
+in the router's decode queue, first come first served, until blocks free) -> Stream
 opened (the worker queues tokens from the Reserve on) -> Prefill on an executor thread
 (UNAVAILABLE retries once on another prefill worker into the same reservation; any other failure
 aborts the reservation, which ends the stream).
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent import futures
 
 import grpc
@@ -63,6 +65,59 @@ class RouterStatus(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+DECODE_QUEUE_POLL_S = 0.05   # a waiting request retries Reserve at least this often
+
+
+class DecodeFull(Exception):
+    """Every decode worker that answered a Reserve had no free KV blocks for the prompt."""
+
+
+class DecodeQueue:
+    """Requests waiting for decode KV blocks, first come first served: only the head retries
+    its Reserve; the others wait their turn. Stream ends call freed() to wake the head at once."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._tickets: deque = deque()
+        self._freed = 0
+
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._tickets)
+
+    def join(self, first: bool = False):
+        """A ticket at the back (first: at the front, for a request that was already trying)."""
+        ticket = object()
+        with self._cv:
+            if first:
+                self._tickets.appendleft(ticket)
+            else:
+                self._tickets.append(ticket)
+        return ticket
+
+    def leave(self, ticket) -> None:
+        with self._cv:
+            if ticket in self._tickets:
+                self._tickets.remove(ticket)
+            self._cv.notify_all()
+
+    def head(self, ticket, timeout: float) -> bool:
+        """Whether `ticket` heads the queue, waiting up to `timeout` for it to."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._tickets and self._tickets[0] is ticket, timeout)
+
+    def wait_for_blocks(self, timeout: float) -> None:
+        """Until freed() is called or `timeout` passes."""
+        with self._cv:
+            seen = self._freed
+            self._cv.wait_for(lambda: self._freed != seen, timeout)
+
+    def freed(self) -> None:
+        with self._cv:
+            self._freed += 1
+            self._cv.notify_all()
 
 
 class LegFailed(Exception):
@@ -120,6 +175,7 @@ class Legs:
         self.pool = pool
         self.executor = executor          # Prefill calls
         self.options = options
+        self.decode_queue = DecodeQueue()
 
     def start(self, req: Inflight, prompt, sampling, deadline: float, number: int) -> Leg | None:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
@@ -169,6 +225,7 @@ class Legs:
             return None, e
         finally:
             self.release_charge(leg)
+            self.decode_queue.freed()   # the worker freed (or will free) this leg's blocks
         return None, None
 
     def release_charge(self, leg: Leg) -> None:
@@ -195,6 +252,57 @@ class Legs:
         return found
 
     def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
+        """(decode worker, ReserveResponse). Disaggregated, when every decode worker's KV is full
+        the request waits for blocks in the router's first-come-first-served decode queue, as
+        an engine's waiting queue would hold it, until its deadline or the queue timeout; a
+        request that arrives while others wait queues behind them."""
+        queue = self.decode_queue
+        ticket = queue.join() if queue.waiting() and not self.options.colocated else None
+        since = time.monotonic()
+        try:
+            while True:
+                if ticket is not None:
+                    self._wait_turn(req, ticket, since, deadline)
+                try:
+                    return self._reserve_once(req, leg, prompt, sampling, deadline)
+                except DecodeFull:
+                    if ticket is None:
+                        ticket = queue.join(first=True)
+                    # blocks free as streams end (freed() wakes the head) or by a lease running out
+                    queue.wait_for_blocks(min(DECODE_QUEUE_POLL_S, left(deadline)))
+        finally:
+            if ticket is not None:
+                queue.leave(ticket)
+
+    def _wait_turn(self, req: Inflight, ticket, since: float, deadline: float) -> None:
+        """Until `ticket` heads the decode queue; LegFailed when the client left, the deadline
+        passed or the wait reached options.decode_queue_timeout_s."""
+        queue = self.decode_queue
+        while True:
+            waited = time.monotonic() - since
+            if req.cancelled:
+                raise LegFailed(RouterStatus(grpc.StatusCode.CANCELLED,
+                                             "cancelled while waiting for decode KV blocks"), "router")
+            if req.abort_requested:
+                raise LegFailed(RouterStatus(grpc.StatusCode.ABORTED,
+                                             "aborted (PDServe.Abort) while waiting for decode KV blocks"),
+                                "router")
+            if time.monotonic() >= deadline:
+                raise LegFailed(RouterStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                             f"deadline passed after {waited:.1f} s waiting for decode "
+                                             f"KV blocks"), "router")
+            if waited >= self.options.decode_queue_timeout_s:
+                raise LegFailed(RouterStatus(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode pool full: waited {waited:.0f} s for KV blocks with {queue.waiting()} "
+                    f"requests queued; retry later, or add decode workers or KV cache memory"),
+                    "decode worker")
+            if queue.head(ticket, timeout=min(DECODE_QUEUE_POLL_S, left(deadline))):
+                return
+
+    def _reserve_once(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
+        """One pass over the decode workers, most free blocks first. Raises DecodeFull when every
+        worker that answered had no room (and one did), LegFailed for anything else."""
         # colocated: the worker prefills the prompt itself, its load until the first token; charged
         # to the first choice at the pick (concurrent arrivals must see it), moved on a fallback
         charge = len(prompt) if self.options.colocated else None
@@ -207,7 +315,7 @@ class Legs:
                 message = (f"decode worker {dead} failed while streaming request {req.request_id!r} "
                            f"and no other decode worker is available to resume it; retry when one is")
             raise LegFailed(RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker") from None
-        error = None
+        error, full = None, False
         # the reservation must outlive the longest the router waits for its prefill (queued
         # behind other prompts on a busy pool): a failed prefill is aborted explicitly, and the
         # lease only frees what a router that died itself left behind
@@ -236,7 +344,11 @@ class Legs:
                     call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
                 if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     break
+                full |= e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         self.release_charge(leg)
+        if full and error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
+                and not self.options.colocated:
+            raise DecodeFull()
         raise LegFailed(error, "decode worker")
 
     def _prefill(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):

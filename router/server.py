@@ -51,10 +51,11 @@ class RouterConfig:
     down_after: int = 2                 # failed Stats in a row before a worker is skipped
     heartbeat_ms: int = 1000            # registered workers heartbeat this often, drop out after 3 missed
     max_resumes: int = 2                # decode workers one request may move to when its worker dies
+    decode_queue_timeout_s: float = 120.0   # longest wait for decode KV blocks when all are full
     colocated: bool = False             # decode workers prefill too: no prefill pool, no hand-off
 
     def __post_init__(self):
-        for name in ("stats_interval_s", "stats_timeout_s"):
+        for name in ("stats_interval_s", "stats_timeout_s", "decode_queue_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("down_after", "heartbeat_ms"):
@@ -83,7 +84,7 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
                           vocab_size=int(hf_text.get("vocab_size", 0)), dtype=str(dtype),
                           max_inflight=config.max_inflight, lease_ms=config.lease_ms,
                           prefill_timeout_s=config.prefill_timeout_s, max_resumes=config.max_resumes,
-                          colocated=config.colocated)
+                          decode_queue_timeout_s=config.decode_queue_timeout_s, colocated=config.colocated)
 
 
 class Router:

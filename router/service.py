@@ -2,7 +2,9 @@
 
 Lifecycle of one Generate call (DESIGN.md section 1):
   admit (at most max_inflight) -> tokenize and validate
-  -> DecodeWorker.Reserve on the decode worker with the most free blocks (the next one when full)
+  -> DecodeWorker.Reserve on the decode worker with the most free blocks (the next one when full;
+     when all are full, the request waits for blocks in the router's first-come-first-served
+     decode queue, up to decode_queue_timeout_s, then RESOURCE_EXHAUSTED)
   -> DecodeWorker.Stream opened (the worker queues tokens from the Reserve on, so none is missed)
   -> PrefillWorker.Prefill in a background thread; UNAVAILABLE retries once on another prefill
      worker into the same reservation; any other failure aborts the reservation, which ends the
@@ -54,6 +56,7 @@ class ServiceOptions:
     request_timeout_s: float = 3600.0    # the whole stream when the client sets no deadline_ms
     prefill_result_wait_s: float = 5.0   # Prefill's reply may trail its committed first token
     max_resumes: int = 2                 # new decode workers one request may move to
+    decode_queue_timeout_s: float = 120.0   # disaggregated: longest wait for decode KV blocks
     colocated: bool = False              # workers prefill and decode themselves (no prefill pool)
 
 

@@ -89,6 +89,7 @@ def test_example_contents():
     ("kvtransfer:\n  backend: nccl\n", "kvtransfer.backend", "'grpc', 'shm' or 'torch'"),
     ("pools:\n  prefill:\n    replicas: two\n", "pools.prefill.replicas", "valid integer"),
     ("router:\n  port: '50051'\n", "router.port", "valid integer"),
+    ("router:\n  decode_queue_timeout_s: 0\n", "router.decode_queue_timeout_s", "greater than 0"),
     ("pools:\n  decode:\n    kv_cache_memory: 1.5\n", "pools.decode.kv_cache_memory", "fraction"),
     ("pools:\n  decode:\n    block_size: 12\n", "pools.decode.block_size", "power of two"),
     ("pools:\n  decode:\n    resources: {num_cpus: 0}\n", "pools.decode.resources", "both be 0"),
@@ -110,7 +111,7 @@ def test_replicas_zero_message_exactly(tmp_path):
 def test_unknown_key_lists_the_allowed_ones(tmp_path):
     msg = error_of(write(tmp_path, "router:\n  max_in_flight: 8\n"))
     assert "router.max_in_flight: unknown key" in msg
-    assert "allowed here: host, max_inflight, port" in msg
+    assert "allowed here: decode_queue_timeout_s, host, max_inflight, port" in msg
 
 
 def test_every_bad_key_is_reported(tmp_path):

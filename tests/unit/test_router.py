@@ -328,3 +328,88 @@ def test_client_cancel_during_prefill_frees_both_sides_within_a_second(idle, mon
             s = prefill_stats()
             return s.num_running == 0 and s.num_waiting == 0 and pool_idle(idle)
         wait_until(both_free, 1.0, f"not freed within 1 s of the cancel: decode {idle.stats()}")
+
+
+def concurrent_requests(cluster, prefix: str, length: int, max_tokens: int, n: int):
+    """n threads, each to send one request of a `length`-token prompt; (threads, results, errors)."""
+    results, errors = {}, {}
+    prompts = random_prompts([length] * n, seed=40)
+
+    def run(i):
+        try:
+            responses = list(cluster.api.Generate(pdserve_pb2.GenerateRequest(
+                request_id=f"{prefix}-{i}", token_ids=pdserve_pb2.TokenIds(ids=prompts[i]),
+                sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)),
+                timeout=60))
+            results[i] = responses[-1].finish.usage.completion_tokens
+        except grpc.RpcError as e:
+            errors[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    return threads, results, errors
+
+
+def test_a_full_decode_pool_queues_requests_in_the_router_until_blocks_free(idle):
+    """More prompts at once than the decode worker's KV holds: none fails with "decode pool
+    full"; the ones that do not fit wait in the router's queue and run as blocks free."""
+    total = idle.stats().num_total_blocks
+    per_request = -(-(200 + 30) // 16)            # blocks one request holds at its end
+    n = total // per_request + 3                  # at least 3 have to wait
+    threads, results, errors = concurrent_requests(idle, "full", 200, 30, n)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, {i: (e.code(), e.details()) for i, e in errors.items()}
+    assert [results.get(i) for i in range(n)] == [30] * n
+
+
+def test_the_decode_queue_gives_up_after_its_timeout_and_on_cancel(idle, tiny_models, monkeypatch):
+    """A router whose decode queue waits at most 1 s, in front of a decode worker that is full
+    until told otherwise: a request fails after the wait with RESOURCE_EXHAUSTED saying what to do;
+    one cancelled or aborted while it waits leaves the queue; one that waits while blocks free
+    succeeds."""
+    from engine.block_manager import NoFreeBlocks
+    full = threading.Event()
+    full.set()
+    real_reserve = idle.decode.handoff.reserve
+
+    def reserve(*args, **kwargs):
+        if full.is_set():
+            raise NoFreeBlocks("need 1 KV blocks, 0 free")
+        return real_reserve(*args, **kwargs)
+    monkeypatch.setattr(idle.decode.handoff, "reserve", reserve)
+    router = Router(RouterConfig(model=tiny_models("llama-gqa")[0], prefill_addresses=(idle.prefill.address,),
+                                 decode_addresses=(idle.decode.address,), max_model_len=MAX_MODEL_LEN,
+                                 decode_queue_timeout_s=1.0)).start()
+    prompts = random_prompts([20, 21, 22], seed=60)
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            api = pdserve_pb2_grpc.PDServeStub(channel)
+            queue = router.servicer.legs.decode_queue
+
+            def generate(i, **kwargs):
+                return api.Generate(pdserve_pb2.GenerateRequest(
+                    token_ids=pdserve_pb2.TokenIds(ids=prompts[i]), sampling=GREEDY, **kwargs), timeout=RPC_TIMEOUT)
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(generate(0))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "decode pool full: waited" in err.value.details() and "add decode workers" in err.value.details()
+            assert 0.95 < time.monotonic() - start < 5
+            waiting = generate(1)
+            wait_until(lambda: queue.waiting() == 1, 2, "the request never queued")
+            waiting.cancel()
+            wait_until(lambda: queue.waiting() == 0, 2, "the cancelled request is still queued")
+            aborted = generate(1, request_id="abort-while-queued")
+            wait_until(lambda: queue.waiting() == 1, 2, "the request never queued")
+            assert api.Abort(pdserve_pb2.AbortRequest(request_id="abort-while-queued"), timeout=RPC_TIMEOUT).found
+            with pytest.raises(grpc.RpcError) as err:
+                list(aborted)
+            assert err.value.code() == grpc.StatusCode.ABORTED and "PDServe.Abort" in err.value.details()
+            assert queue.waiting() == 0
+            later = generate(2)
+            wait_until(lambda: queue.waiting() == 1, 2, "the request never queued")
+            full.clear()                                  # blocks freed: it goes on
+            assert sum(len(r.delta.token_ids) for r in later if r.HasField("delta")) == GREEDY.max_tokens
+    finally:
+        router.stop()
