@@ -15,7 +15,8 @@ Search (DistServe's algorithm, then a check of the best by whole-deployment simu
      worker with an ideal decode side (TTFT only, transfer included), a decode worker fed by an
      ideal prefill (TPOT, and TTFT = the wait for KV blocks), a colocated worker (both SLOs);
   2. every placement's estimate: min(n_prefill x prefill goodput, n_decode x decode goodput), or
-     n x colocated goodput;
+     n x colocated goodput (final when colocated workers do not slow each other; with a profile's
+     serving.interference.colocated_while_busy they are simulated whole in step 3);
   3. best first by estimate per device, placements are simulated whole (on their smallest
      repeating unit: 4P+6D as 2P+3D at half the rate) and bisected, until the best simulated one
      ranks above every estimate left and `verify_top` were simulated.
@@ -308,6 +309,12 @@ class Search:
         if pl.colocated:
             inst = self.instance("colocated", pl.decode.tp)
             n = pl.decode.replicas
+            if n > 1 and self.profile.interference.get("colocated_while_busy"):
+                # workers that slow each other down are no n copies of one: simulated whole
+                cand.estimate = n * inst.goodput
+                if cand.estimate <= 0:
+                    cand.status = "no-rate"
+                return
             cand.estimate = cand.goodput = n * inst.goodput
             cand.trials = [(r * n, a) for r, a in inst.trials]
             cand.ttft_p90_s, cand.tpot_p90_s = inst.ttft_p90_s, inst.tpot_p90_s
@@ -325,9 +332,12 @@ class Search:
     def simulate(self, cand: Candidate, best_per_device: float) -> None:
         """The whole deployment, on its smallest repeating unit, bisected around the estimate."""
         pl = cand.placement
-        g = math.gcd(pl.prefill.replicas, pl.decode.replicas)
-        unit = Placement(replace(pl.prefill, replicas=pl.prefill.replicas // g),
-                         replace(pl.decode, replicas=pl.decode.replicas // g), pl.backend)
+        if pl.colocated:   # only with interference between its workers (estimate): no smaller unit
+            g, unit = 1, pl
+        else:
+            g = math.gcd(pl.prefill.replicas, pl.decode.replicas)
+            unit = Placement(replace(pl.prefill, replicas=pl.prefill.replicas // g),
+                             replace(pl.decode, replicas=pl.decode.replicas // g), pl.backend)
         if cand.estimate / g > self.max_verify_requests / self.horizon_s:
             cand.status = "unverified"    # its unit is too big to reach steady state: see max_rate
             return

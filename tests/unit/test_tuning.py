@@ -214,6 +214,23 @@ def test_prefill_heavy_traffic_prefers_prefill_replicas():
     assert best.placement.prefill.replicas > best.placement.decode.replicas
 
 
+def test_colocated_workers_that_slow_each_other_are_simulated_whole():
+    """Without interference, n colocated workers are n copies of one; with colocated_while_busy
+    the candidate is simulated whole and its goodput falls below n x one worker's."""
+    data = make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True)
+    workload, slo = synthetic(300, 1.0, 200, 20), SLO(2.0, 0.1)
+    alone = Search(profile_from_dict(data), workload, slo).evaluate(Placement(None, PoolSpec(2)))
+    one = Search(profile_from_dict(data), workload, slo).evaluate(Placement(None, PoolSpec(1)))
+    assert alone.goodput == pytest.approx(2 * one.goodput) and alone.status == "simulated"
+    data["serving"] = {"interference": {"colocated_while_busy": 0.5}}
+    search = Search(profile_from_dict(data), workload, slo)
+    slowed = search.evaluate(Placement(None, PoolSpec(2)))
+    assert slowed.estimate == pytest.approx(alone.goodput)
+    assert slowed.status == "simulated" and 0 < slowed.goodput < 0.9 * alone.goodput
+    best = search.run([Placement(None, PoolSpec(2))])[0]
+    assert best.goodput == pytest.approx(slowed.goodput, rel=0.06)
+
+
 def test_enumeration_covers_ratios_and_tp_degrees():
     prof = make_profile(tps=(1, 3))
     labels = {p.label() for p in enumerate_placements(prof, 6, colocated=True)}
