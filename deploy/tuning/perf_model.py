@@ -131,6 +131,13 @@ class Profile:
         return self.serving.get(kind or "", {}).get(tp, self.tp[tp])
 
     @property
+    def has_step_variation(self) -> bool:
+        """Whether a seeded simulation differs from an unseeded one: some serving model carries
+        step_noise, prompt_step_noise or step_speed traces."""
+        return any(m.step_noise or m.prompt_step_noise or m.speed_traces
+                   for per_tp in self.serving.values() for m in per_tp.values())
+
+    @property
     def tp_degrees(self) -> list[int]:
         return sorted(self.tp)
 

@@ -55,6 +55,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="stop simulating whole placements after this many seconds (default 45)")
     p.add_argument("--burstiness", type=float, default=1.0, help="arrival gamma shape (1: Poisson)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=0,
+                   help="also bisect the placements simulated whole once per seed with the "
+                        "profile's step-time variation (step_noise, step_speed from an in-load "
+                        "calibration) and print their goodput's p10/p50/p90 (default 0: off)")
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--out", default=None, help="write the best placement as a deploy YAML here")
     p.add_argument("--plot", default=None, help="write a PNG of the candidates here")
@@ -98,6 +102,8 @@ def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
     for name in ("num_requests", "max_requests", "max_verify_requests", "verify_top", "max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise TuneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seeds < 0:
+        raise TuneError(f"--seeds must be >= 0, got {args.seeds}")
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:
@@ -120,14 +126,24 @@ def _ms(x: float | None) -> str:
     return "-" if x is None or math.isinf(x) else f"{x * 1e3:.0f}"
 
 
+def seeded_percentiles(values: list[float]) -> tuple[float, float, float]:
+    """p10, p50, p90 (numpy's linear interpolation)."""
+    import numpy as np
+    return tuple(float(x) for x in np.quantile(values, [0.1, 0.5, 0.9]))
+
+
 def table(cands: list[Candidate], top: int, unit: str) -> str:
+    seeded = any(c.seeded for c in cands[:top])
     rows = [f"{'#':>3}  {'placement':<26} {unit + 's':>5} {'estimate':>9} {'simulated':>9} "
-            f"{'per ' + unit:>9} {'TTFT p90':>9} {'TPOT p90':>9}  status"]
+            f"{'per ' + unit:>9} {'TTFT p90':>9} {'TPOT p90':>9}  "
+            + (f"{'seeded p10/p50/p90':>20}  " if seeded else "") + "status"]
     for i, c in enumerate(cands[:top], 1):
         sim = "-" if c.goodput is None or c.status in ("no-rate", "dropped") else f"{c.goodput:.3g}"
         per = f"{c.per_device:.3g}" if c.status not in ("no-rate", "dropped") else "-"
+        band = "/".join(f"{x:.3g}" for x in seeded_percentiles(c.seeded)) if c.seeded else "-"
         rows.append(f"{i:>3}  {c.placement.label():<26} {c.placement.num_devices:>5} {c.estimate:>9.3g} "
-                    f"{sim:>9} {per:>9} {_ms(c.ttft_p90_s):>9} {_ms(c.tpot_p90_s):>9}  {c.status}")
+                    f"{sim:>9} {per:>9} {_ms(c.ttft_p90_s):>9} {_ms(c.tpot_p90_s):>9}  "
+                    + (f"{band:>20}  " if seeded else "") + c.status)
     if len(cands) > top:
         rows.append(f"     ... {len(cands) - top} more")
     return "\n".join(rows)
@@ -227,6 +243,18 @@ def run(args) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, backend=args.backend)
     cands = search.run(placements, verify_top=args.verify_top, deadline_s=args.time_limit)
+    seeded_note = None
+    if args.seeds and not profile.has_step_variation:
+        seeded_note = (f"note: --seeds {args.seeds} skipped: the profile has no step-time variation "
+                       f"(serving step_noise / step_speed, from bench/slo_validation.py's in-load fit)")
+    elif args.seeds:
+        for cand in [c for c in cands if c.status.startswith("simulated")][:args.verify_top]:
+            search.band(cand, args.seeds)
+        banded = [c for c in cands if c.seeded]
+        if len(banded) >= 2 and seeded_percentiles(banded[1].seeded)[2] >= seeded_percentiles(banded[0].seeded)[0]:
+            seeded_note = (f"note: with the profile's step-time variation ({args.seeds} seeds) the goodput "
+                           f"bands of {banded[0].placement.label()} and {banded[1].placement.label()} "
+                           f"overlap: on this hardware either may measure best in one run")
     elapsed = time.perf_counter() - t0
     reqs = search.base
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
@@ -243,7 +271,11 @@ def run(args) -> int:
     print(instances_table(search, unit) + "\n")
     print(table(cands, args.top, unit))
     print("\nestimate: min(prefill replicas x one prefill worker, decode replicas x one decode "
-          "worker); simulated: the whole deployment (its smallest repeating unit)")
+          "worker); simulated: the whole deployment (its smallest repeating unit)"
+          + ("; seeded: simulated again with the profile's step-time variation, one bisection "
+             "per seed (the ranking uses the unseeded goodput)" if any(c.seeded for c in cands) else ""))
+    if seeded_note:
+        print(seeded_note)
     if search.timed_out:
         print(f"note: stopped after --time-limit {args.time_limit:g} s; candidates marked "
               f"'estimate' were not simulated whole", file=sys.stderr)

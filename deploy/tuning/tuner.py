@@ -161,6 +161,7 @@ class Candidate:
     ttft_p90_s: float | None = None   # at the goodput rate
     tpot_p90_s: float | None = None
     horizon_s: float | None = None    # simulated seconds of arrivals at the goodput rate
+    seeded: list[float] | None = None  # goodputs with the profile's step noise, one per seed (band())
 
     @property
     def score(self) -> float:
@@ -332,12 +333,7 @@ class Search:
     def simulate(self, cand: Candidate, best_per_device: float) -> None:
         """The whole deployment, on its smallest repeating unit, bisected around the estimate."""
         pl = cand.placement
-        if pl.colocated:   # only with interference between its workers (estimate): no smaller unit
-            g, unit = 1, pl
-        else:
-            g = math.gcd(pl.prefill.replicas, pl.decode.replicas)
-            unit = Placement(replace(pl.prefill, replicas=pl.prefill.replicas // g),
-                             replace(pl.decode, replicas=pl.decode.replicas // g), pl.backend)
+        g, unit = self._unit(pl)
         if cand.estimate / g > self.max_verify_requests / self.horizon_s:
             cand.status = "unverified"    # its unit is too big to reach steady state: see max_rate
             return
@@ -352,6 +348,27 @@ class Search:
             return
         cand.horizon_s = n / good
         cand.status = "simulated (at least)" if self.last_capped else "simulated"
+
+    def _unit(self, pl: Placement) -> tuple[int, Placement]:
+        """(g, the smallest repeating unit): pl is g copies of it."""
+        if pl.colocated:   # simulated whole only when its workers slow each other (estimate)
+            if self.profile.interference.get("colocated_while_busy"):
+                return 1, pl
+            return pl.decode.replicas, Placement(None, replace(pl.decode, replicas=1))
+        g = math.gcd(pl.prefill.replicas, pl.decode.replicas)
+        return g, Placement(replace(pl.prefill, replicas=pl.prefill.replicas // g),
+                            replace(pl.decode, replicas=pl.decode.replicas // g), pl.backend)
+
+    def band(self, cand: Candidate, seeds: int) -> None:
+        """cand.seeded: its goodput bisected again with the profile's step-time variation
+        (step_noise, prompt_step_noise, step_speed), once per seed 0..seeds-1. The ranking stays
+        on the unseeded goodput: a machine at its mean speed."""
+        g, unit = self._unit(cand.placement)
+        cand.seeded = []
+        for k in range(seeds):
+            good, *_ = self._bisect(Simulator(self.profile, unit, seed=k), cand.score / g,
+                                    self.max_verify_requests)
+            cand.seeded.append(good * g)
 
     def evaluate(self, placement: Placement) -> Candidate:
         """One placement alone: its estimate, then its whole-deployment goodput."""

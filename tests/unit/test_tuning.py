@@ -231,6 +231,32 @@ def test_colocated_workers_that_slow_each_other_are_simulated_whole():
     assert best.goodput == pytest.approx(slowed.goodput, rel=0.06)
 
 
+def test_seeded_goodput_band_spreads_with_step_noise_and_collapses_without(tmp_path, capsys):
+    data = make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True)
+    workload, slo = synthetic(300, 1.0, 200, 20), SLO(2.0, 0.1)
+    plain = Search(profile_from_dict(data), workload, slo)
+    cand = plain.evaluate(Placement(PoolSpec(1), PoolSpec(1)))
+    plain.band(cand, 3)
+    assert cand.seeded == [cand.goodput] * 3          # no variation: every seed is the same run
+    data["serving"] = {kind: {"1": {"step_noise": [0.6, 1.0, 1.8]}} for kind in ("prefill", "decode")}
+    noisy = Search(profile_from_dict(data), workload, slo)
+    cand = noisy.evaluate(Placement(PoolSpec(1), PoolSpec(1)))
+    noisy.band(cand, 6)
+    assert len(cand.seeded) == 6 and len(set(cand.seeded)) > 1 and min(cand.seeded) < cand.goodput
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    argv = ["tune", "--profile", str(path), "--workload", "synthetic:200:20", "--slo", "ttft=2s,tpot=100ms",
+            "--devices", "2", "--colocated", "--model", "toy", "--seeds", "4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "seeded p10/p50/p90" in out and "one bisection per seed" in out
+    path.write_text(json.dumps(make_profile(as_dict=True)))
+    assert cli.main(argv) == 0
+    assert "--seeds 4 skipped: the profile has no step-time variation" in capsys.readouterr().out
+    assert cli.main(argv[:-1] + ["-1"]) == 2
+    assert "--seeds must be >= 0" in capsys.readouterr().err
+
+
 def test_enumeration_covers_ratios_and_tp_degrees():
     prof = make_profile(tps=(1, 3))
     labels = {p.label() for p in enumerate_placements(prof, 6, colocated=True)}
