@@ -97,6 +97,21 @@ def find_runs(results_dir: pathlib.Path, wl: str) -> tuple[list[dict], list[dict
     return measurements, calibrations, newest
 
 
+def merge_serving(merged: dict, data: dict) -> None:
+    """Adds one placement's pooled profile (its worker kinds, its interference factors) to
+    `merged`, which starts empty and ends as one profile with every kind."""
+    if not merged:
+        merged.update(data, serving={"interference": {}, "source": {"summary": data["serving"]["source"]["summary"],
+                                                                   "calibrations": []}})
+    for key, value in data["serving"].items():
+        if key == "interference":
+            merged["serving"]["interference"].update(value)
+        elif key == "source":
+            merged["serving"]["source"]["calibrations"] += value["calibrations"]
+        else:
+            merged["serving"][key] = value
+
+
 def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s: float,
                    interference: bool = True):
     """The engine profile plus step models, step_speed and step_noise fitted per worker kind on
@@ -233,6 +248,9 @@ def main() -> int:
     p.add_argument("--split", default=None,
                    help="UTC time: calibrations before it, measurements after it")
     p.add_argument("--out", default=None, help="default: <results>/slo_pooled.json")
+    p.add_argument("--write-profile", default=None,
+                   help="also write the pooled profile of every placement's calibrations (all worker "
+                        "kinds together) here, for `pdserve tune --profile`")
     args = p.parse_args()
     results_dir = pathlib.Path(args.results)
     measurements, calibrations, cfg = find_runs(results_dir, args.workload)
@@ -252,12 +270,14 @@ def main() -> int:
               "interference": not args.no_interference,
               "band_percentiles": BAND, "slo_s": _slo(cfg), "placements": {}}
     engine = pathlib.Path(args.profile)
+    merged: dict = {}
     for placement in PLACEMENTS:
         cals = [c for c in calibrations if c["placement"] == placement]
         meas = [m for m in measurements if m["placement"] == placement]
         if not cals or not meas:
             continue
         profile, data = pooled_profile(engine, cals, args.window or None, not args.no_interference)
+        merge_serving(merged, data)
         rows = compare(predict(profile, cfg, placement, args.workload, args.seeds), meas, cfg, args.workload)
         # how far 5% slower steps move each point (the same seeds)
         slower = predict(scaled(profile, 1.05), cfg, placement, args.workload, args.seeds)
@@ -296,6 +316,9 @@ def main() -> int:
     report["plot"] = png.name
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {out} and {png.name}")
+    if args.write_profile:
+        pathlib.Path(args.write_profile).write_text(json.dumps(merged, indent=1, default=str))
+        print(f"wrote {args.write_profile} (pooled profile of {', '.join(report['placements'])})")
     return 0
 
 

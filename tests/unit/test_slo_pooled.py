@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.slo_pooled import find_runs, pooled_profile, scaled
+from bench.slo_pooled import find_runs, merge_serving, pooled_profile, scaled
 from deploy.tuning.perf_model import profile_dict
 
 CONFIG = {"model": "smollm2", "conv_scale": 0.2, "code_scale": 0.1, "max_prompt": 512, "max_output": 64,
@@ -77,3 +77,21 @@ def test_pooled_profile_fits_every_calibration_and_replays_each_workers_speed(tm
     slow = scaled(profile, 1.1).step_model(1, "decode")
     assert slow.decode == pytest.approx(tuple(1.1 * c for c in model.decode))
     assert slow.prefill == pytest.approx(tuple(1.1 * c for c in model.prefill))
+
+
+def test_merged_pooled_profile_holds_every_placements_kinds_for_the_tuner():
+    base = {"schema": "x", "tp": {}}
+    disagg = {**base, "serving": {"prefill": {"1": {"step_noise": [1.0]}}, "decode": {"1": {"step_noise": [1.1]}},
+                                  "interference": {"decode_while_prefill": 0.2},
+                                  "source": {"summary": "pooled", "calibrations": ["a", "b"]}}}
+    coloc = {**base, "serving": {"colocated": {"1": {"step_noise": [1.2]}},
+                                 "interference": {"colocated_while_busy": 0.1},
+                                 "source": {"summary": "pooled", "calibrations": ["c"]}}}
+    merged: dict = {}
+    merge_serving(merged, disagg)
+    merge_serving(merged, coloc)
+    serving = merged["serving"]
+    assert {k for k in serving if k not in ("interference", "source")} == {"prefill", "decode", "colocated"}
+    assert serving["interference"] == {"decode_while_prefill": 0.2, "colocated_while_busy": 0.1}
+    assert serving["source"]["calibrations"] == ["a", "b", "c"]
+    assert "colocated" not in disagg["serving"] and disagg["serving"]["interference"] == {"decode_while_prefill": 0.2}
