@@ -4,6 +4,7 @@ the same setup, against every measurement of it.
     python bench/slo_pooled.py                          # every run under bench/results
     python bench/slo_pooled.py --since 2026-11-23T02:15 --out bench/results/slo_pooled_since0215.json
     python bench/slo_pooled.py --split 2026-11-23T02:15 --out bench/results/slo_pooled_split0215.json
+    python bench/slo_pooled.py --write-profile pooled.json   # then: pdserve tune --profile pooled.json --seeds 10
 
 A single run of bench/slo_validation.py predicts its sweeps from the calibration it took one to
 three minutes before. On this VM the step speed moves by 10-40% between minutes (BENCHMARKS.md), so
