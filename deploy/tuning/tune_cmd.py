@@ -242,7 +242,8 @@ def run(args) -> int:
                     max_requests=args.max_requests, max_verify_requests=args.max_verify_requests, burstiness=args.burstiness, seed=args.seed,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     max_num_seqs=args.max_num_seqs, backend=args.backend)
-    cands = search.run(placements, verify_top=args.verify_top, deadline_s=args.time_limit)
+    cands = search.run(placements, verify_top=args.verify_top, deadline_s=args.time_limit,
+                       prune=not args.seeds)   # a band needs every finalist's full goodput
     seeded_note = None
     if args.seeds and not profile.has_step_variation:
         seeded_note = (f"note: --seeds {args.seeds} skipped: the profile has no step-time variation "

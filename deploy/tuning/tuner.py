@@ -276,8 +276,10 @@ class Search:
                     break
         else:
             for _ in range(14):
-                rate /= 1.5
-                if rate < give_up_below or trial(rate):
+                # not below give_up_below, but that rate itself is tried: a goodput between it and
+                # the failing rate must not be skipped over (it would beat the best so far)
+                rate = max(rate / 1.5, give_up_below)
+                if trial(rate) or rate <= give_up_below:
                     break
         while state["good"] > 0 and state["bad"] is not None and state["bad"] / state["good"] > BISECT_RATIO:
             if state["bad"] < give_up_below:
@@ -379,7 +381,9 @@ class Search:
         return cand
 
     def run(self, placements: list[Placement], *, verify_top: int = 3,
-            deadline_s: float | None = 45.0) -> list[Candidate]:
+            deadline_s: float | None = 45.0, prune: bool = True) -> list[Candidate]:
+        """The candidates, best first. prune=False: none is dropped early; each one simulated
+        is bisected in full (for a goodput band around every finalist)."""
         t0 = time.monotonic()
         cands = [Candidate(p) for p in placements]
         for cand in cands:
@@ -400,7 +404,7 @@ class Search:
             # while the top is an estimate, a candidate that cannot beat the best simulated one is
             # dropped early; the extra ones simulated for the table are bisected in full
             best = max((c.per_device for c in live if c.status.startswith("simulated")), default=0.0)
-            self.simulate(pending[0], 0.0 if top_is_simulated else best)
+            self.simulate(pending[0], 0.0 if top_is_simulated or not prune else best)
             num_simulated += 1
         cands.sort(key=lambda c: (c.status in ("no-rate", "dropped"),) + order(c))
         return cands

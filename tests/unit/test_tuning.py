@@ -215,6 +215,23 @@ def test_colocated_workers_that_slow_each_other_are_simulated_whole():
     assert best.goodput == pytest.approx(slowed.goodput, rel=0.06)
 
 
+def test_pruning_never_drops_a_placement_that_would_beat_the_best():
+    """Colocated ranks first by estimate and simulates to 3.06 req/s; 1P+1D's estimate (4.16) fails,
+    and its goodput (~3.15) lies between the best so far and that failed rate. The search may give
+    up below the best, but it must try the best's rate itself rather than step past it."""
+    data = make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True)
+    data["serving"] = {"interference": {"colocated_while_busy": 0.5, "decode_while_prefill": 0.5,
+                                        "prefill_while_decode": 0.5}}
+    prof = profile_from_dict(data)
+    picks = []
+    for prune in (True, False):
+        search = Search(prof, synthetic(300, 1.0, 200, 20), SLO(2.0, 0.1))
+        cands = search.run(enumerate_placements(prof, 2, colocated=True), verify_top=1, prune=prune)
+        assert all(c.status == "simulated" for c in cands)
+        picks.append(cands[0].placement.label())
+    assert picks == ["1P tp1 + 1D tp1"] * 2
+
+
 def test_enumeration_covers_ratios_and_tp_degrees():
     prof = make_profile(tps=(1, 3))
     labels = {p.label() for p in enumerate_placements(prof, 6, colocated=True)}
