@@ -276,10 +276,12 @@ class Search:
                     break
         else:
             for _ in range(14):
-                # not below give_up_below, but that rate itself is tried: a goodput between it and
-                # the failing rate must not be skipped over (it would beat the best so far)
+                if rate <= give_up_below:   # failed at or below the best so far: cannot beat it
+                    break
+                # never below give_up_below, but that rate itself is tried: a goodput between it
+                # and the failed rate must not be stepped over (it would beat the best so far)
                 rate = max(rate / 1.5, give_up_below)
-                if trial(rate) or rate <= give_up_below:
+                if trial(rate):
                     break
         while state["good"] > 0 and state["bad"] is not None and state["bad"] / state["good"] > BISECT_RATIO:
             if state["bad"] < give_up_below:
