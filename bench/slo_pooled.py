@@ -5,6 +5,8 @@ the same setup, against every measurement of it.
     python bench/slo_pooled.py --since 2026-11-23T02:15 --out bench/results/slo_pooled_since0215.json
     python bench/slo_pooled.py --split 2026-11-23T02:15 --out bench/results/slo_pooled_split0215.json
     python bench/slo_pooled.py --write-profile pooled.json   # then: pdserve tune --profile pooled.json --seeds 10
+    python bench/slo_pooled.py --num-requests 180 --rates 1,1.5,2 --until 2026-11-23T07:00
+                                                        # another setup (its prediction alone, if unmeasured)
 
 A single run of bench/slo_validation.py predicts its sweeps from the calibration it took one to
 three minutes before. On this VM the step speed moves by 10-40% between minutes (BENCHMARKS.md), so
@@ -27,9 +29,12 @@ only the runs taken after TIME (the machine's speed moves over hours too). Each 
 predicted from the other runs' calibrations alone (leave one run out), and each point's sensitivity
 is given: how many points of attainment 5% slower steps cost.
 
-Runs are found as bench/results/slo_validation.json and bench/results/*/slo_validation.json; one
-counts when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV memory) equal the
-newest run's. Measurements: slo_validation_<placement>_<workload>[_runN].json beside it;
+Runs are found as bench/results/slo_validation.json and bench/results/*/slo_validation.json. A
+run's measurements count when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV
+memory) equal the setup's: the newest run's, or the newest run's with --num-requests and --rates
+in place of its own. Its calibrations count when the settings they depend on (all of those but the
+number of requests, the rates and the SLO) are equal. With no measurement of the setup yet, the
+prediction alone is written: a prediction to commit before the runs that will judge it. Measurements: slo_validation_<placement>_<workload>[_runN].json beside it;
 calibrations: slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
 from __future__ import annotations
 
@@ -51,8 +56,10 @@ from bench.slo_simulate import PLACEMENTS, WORKLOAD_SEEDS, now, serving_entries,
 from deploy.tuning import workload  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
-SAME_SETUP = ("model", "conv_scale", "code_scale", "max_prompt", "max_output", "num_requests", "slo",
-              "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
+# what an in-load calibration depends on (its own trace slice, rates and seeds are fixed)
+CALIBRATION_SETUP = ("model", "conv_scale", "code_scale", "max_prompt", "max_output",
+                     "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
+SAME_SETUP = CALIBRATION_SETUP + ("num_requests", "slo")   # and the workload's rates
 BAND = (10, 90)
 
 
@@ -67,22 +74,30 @@ def utc(t: float) -> str:
     return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
-def find_runs(results_dir: pathlib.Path, wl: str) -> tuple[list[dict], list[dict], dict]:
-    """(measurements, calibrations, the newest run's config) of every stored run of its setup."""
+def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = None,
+              rates: list[float] | None = None) -> tuple[list[dict], list[dict], dict]:
+    """(measurements, calibrations, the setup's config) of every stored run: the setup is the newest
+    run's config, with num_requests and rates in place of its own when given."""
     outs = [p for p in [results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")]
             if p.is_file()]
     if not outs:
         raise SystemExit(f"no slo_validation.json in {results_dir} or its folders")
     outs.sort(key=lambda p: json.loads(p.read_text())["date"])
-    newest = json.loads(outs[-1].read_text())["config"]
+    setup = json.loads(outs[-1].read_text())["config"]
+    if num_requests is not None:
+        setup = {**setup, "num_requests": num_requests}
+    if rates is not None:
+        setup = {**setup, "rates": {**setup["rates"], wl: rates}}
     measurements, calibrations = [], []
     for out in outs:
         cfg = json.loads(out.read_text())["config"]
-        if any(cfg.get(k) != newest.get(k) for k in SAME_SETUP) or cfg["rates"].get(wl) != newest["rates"][wl]:
+        if any(cfg.get(k) != setup.get(k) for k in CALIBRATION_SETUP):
             continue
+        measured = (all(cfg.get(k) == setup.get(k) for k in SAME_SETUP)
+                    and cfg["rates"].get(wl) == setup["rates"][wl])
         serving = out.parent / pathlib.Path(cfg["serving_profile"]).name
         for placement in PLACEMENTS:
-            for path in sorted(out.parent.glob(f"slo_validation_{placement}_{wl}*.json")):
+            for path in sorted(out.parent.glob(f"slo_validation_{placement}_{wl}*.json")) if measured else []:
                 suffix = path.stem[len(f"slo_validation_{placement}_{wl}"):]
                 if suffix == "" or (suffix.startswith("_run") and suffix[4:].isdigit()):
                     t = first_send(path)
@@ -95,7 +110,7 @@ def find_runs(results_dir: pathlib.Path, wl: str) -> tuple[list[dict], list[dict
                 calibrations.append({"placement": placement, "path": path, "time": t, "serving": serving,
                                      "run": out.parent.name,
                                      "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
-    return measurements, calibrations, newest
+    return measurements, calibrations, setup
 
 
 def merge_serving(merged: dict, data: dict) -> None:
@@ -188,8 +203,9 @@ def plot(rows: dict, path: pathlib.Path, title: str) -> None:
         for r in per:
             ax.plot([r["rate"]] * len(r["measured"]), [100 * v for _, v in r["measured"]], "o", mfc="none",
                     color="gray")
-        ax.plot(rates, [100 * r["measured_mean"] for r in per], "o-", color="black", lw=2,
-                label=f"measured: mean of {len(per[0]['measured'])} runs (circles: each run)")
+        if per[0]["measured"]:
+            ax.plot(rates, [100 * r["measured_mean"] for r in per], "o-", color="black", lw=2,
+                    label=f"measured: mean of {len(per[0]['measured'])} runs (circles: each run)")
         ax.plot(rates, [100 * r["mean"] for r in per], "x-", color="tab:red", label="predicted: mean")
         ax.fill_between(rates, [100 * r["band"][0] for r in per], [100 * r["band"][1] for r in per],
                         color="tab:red", alpha=0.15, label=f"predicted: p{BAND[0]}-p{BAND[1]} of one run")
@@ -219,9 +235,11 @@ def print_table(rows: list[dict]) -> None:
           f"[p{BAND[0]}-p{BAND[1]}] | pred - mean (pp) | runs in band | pp per 5% slower steps |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rate']:g} | {' / '.join(f'{100 * v:.1f}' for _, v in r['measured'])} | "
-              f"{100 * r['measured_mean']:.1f} | {100 * r['mean']:.1f} [{100 * r['band'][0]:.0f}-"
-              f"{100 * r['band'][1]:.0f}] | {r['diff_pp']:+.1f} | {r['in_band']} of {len(r['measured'])} | "
+        mean = "-" if r["measured_mean"] is None else f"{100 * r['measured_mean']:.1f}"
+        diff = "-" if r["diff_pp"] is None else f"{r['diff_pp']:+.1f}"
+        print(f"| {r['rate']:g} | {' / '.join(f'{100 * v:.1f}' for _, v in r['measured']) or '-'} | "
+              f"{mean} | {100 * r['mean']:.1f} [{100 * r['band'][0]:.0f}-"
+              f"{100 * r['band'][1]:.0f}] | {diff} | {r['in_band']} of {len(r['measured'])} | "
               f"{r['pp_per_5pct_slower']:+.1f} |")
 
 
@@ -246,28 +264,44 @@ def main() -> int:
     p.add_argument("--no-interference", action="store_true",
                    help="fit no interference factors (for comparison)")
     p.add_argument("--since", default=None, help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it")
+    p.add_argument("--until", default=None, help="UTC time: only runs taken before it")
     p.add_argument("--split", default=None,
                    help="UTC time: calibrations before it, measurements after it")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="the setup's number of requests a rate (default: the newest run's)")
+    p.add_argument("--rates", default=None, help="the setup's rates, e.g. 1,1.5,2 (default: the newest run's)")
     p.add_argument("--out", default=None, help="default: <results>/slo_pooled.json")
     p.add_argument("--write-profile", default=None,
                    help="also write the pooled profile of every placement's calibrations (all worker "
                         "kinds together) here, for `pdserve tune --profile`")
     args = p.parse_args()
     results_dir = pathlib.Path(args.results)
-    measurements, calibrations, cfg = find_runs(results_dir, args.workload)
+    from deploy.tuning.metrics import parse_positive_list
+    try:
+        rates = parse_positive_list(args.rates, "--rates") if args.rates else None
+    except ValueError as e:
+        p.error(str(e))
+    measurements, calibrations, cfg = find_runs(results_dir, args.workload, args.num_requests, rates)
     since, split = utc_time(p, args.since, "--since"), utc_time(p, args.split, "--split")
+    until = utc_time(p, args.until, "--until")
     if since is not None:
         calibrations = [c for c in calibrations if c["time"] > since]
         measurements = [m for m in measurements if m["time"] > since]
+    if until is not None:
+        calibrations = [c for c in calibrations if c["time"] < until]
+        measurements = [m for m in measurements if m["time"] < until]
     if split is not None:
         calibrations = [c for c in calibrations if c["time"] < split]
         measurements = [m for m in measurements if m["time"] > split]
-    if not calibrations or not measurements:
-        p.error(f"found {len(calibrations)} calibrations and {len(measurements)} measurements to use "
-                f"under {results_dir}")
+    if not calibrations:
+        p.error(f"found no calibration to use under {results_dir}")
+    if not measurements:
+        print(f"no measurement of this setup ({cfg['num_requests']} requests a rate at "
+              f"{', '.join(f'{r:g}' for r in cfg['rates'][args.workload])} req/s): the prediction alone")
     out = pathlib.Path(args.out or results_dir / "slo_pooled.json")
     report = {"date": now(), "command": " ".join(["python"] + sys.argv), "workload": args.workload,
-              "since": args.since, "split": args.split, "window_s": args.window, "seeds": args.seeds,
+              "num_requests": cfg["num_requests"], "rates": cfg["rates"][args.workload],
+              "since": args.since, "until": args.until, "split": args.split, "window_s": args.window, "seeds": args.seeds,
               "interference": not args.no_interference,
               "band_percentiles": BAND, "slo_s": _slo(cfg), "placements": {}}
     engine = pathlib.Path(args.profile)
@@ -275,7 +309,7 @@ def main() -> int:
     for placement in PLACEMENTS:
         cals = [c for c in calibrations if c["placement"] == placement]
         meas = [m for m in measurements if m["placement"] == placement]
-        if not cals or not meas:
+        if not cals or (measurements and not meas):
             continue
         profile, data = pooled_profile(engine, cals, args.window or None, not args.no_interference)
         merge_serving(merged, data)
@@ -313,6 +347,7 @@ def main() -> int:
     rows = {pl: v["rows"] for pl, v in report["placements"].items()}
     png = out.with_suffix(".png")
     plot(rows, png, f"{args.workload}, pooled prediction" + (f", since {args.since}" if args.since else "")
+         + (f", until {args.until}" if args.until else "")
          + (f", split {args.split}" if args.split else ""))
     report["plot"] = png.name
     out.write_text(json.dumps(report, indent=1, default=str))

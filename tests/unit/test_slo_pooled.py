@@ -1,5 +1,6 @@
-"""bench/slo_pooled.py: which stored runs it takes (same setup only; measurements and calibrations,
-also the earlier ones of --remeasure, never the step or disturbed files), and the pooled profile
+"""bench/slo_pooled.py: which stored runs it takes (measurements of the setup only, calibrations of
+every run calibrated the same way, also the earlier ones of --remeasure, never the step or disturbed
+files), and the pooled profile
 made from their calibration steps."""
 from __future__ import annotations
 
@@ -42,17 +43,32 @@ def a_run(folder, date: str, t: float, config=None, suffixes=("",)) -> None:
     bench_file(folder / "slo_validation_disaggregated_azure_conv_disturbed1.json", t - 500)
 
 
-def test_find_runs_takes_every_run_of_the_newest_runs_setup_and_nothing_else(tmp_path):
+def test_find_runs_takes_the_setups_measurements_and_every_compatible_calibration(tmp_path):
     a_run(tmp_path, "2026-11-23T00:31:00+00:00", T0, suffixes=("", "_run1"))
     a_run(tmp_path / "run_b", "2026-11-23T02:20:00+00:00", T0 + 1000)
-    a_run(tmp_path / "other_setup", "2026-11-23T01:00:00+00:00", T0 + 2000, config={**CONFIG, "num_requests": 60})
+    # other requests a rate: its sweep is another setup, its calibration the same procedure
+    a_run(tmp_path / "other_requests", "2026-11-23T01:00:00+00:00", T0 + 2000, config={**CONFIG, "num_requests": 60})
+    # another prompt cap: calibrated on other requests, so neither counts
+    a_run(tmp_path / "other_prompts", "2026-11-23T01:30:00+00:00", T0 + 3000, config={**CONFIG, "max_prompt": 256})
     measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
     assert cfg == CONFIG
     assert sorted((m["time"], m["run"]) for m in measurements) == [
         (T0, tmp_path.name), (T0 + 100, tmp_path.name), (T0 + 1000, "run_b")]
     assert sorted((c["time"], c["run"]) for c in calibrations) == [
-        (T0 - 50, tmp_path.name), (T0 + 50, tmp_path.name), (T0 + 950, "run_b")]
+        (T0 - 50, tmp_path.name), (T0 + 50, tmp_path.name), (T0 + 950, "run_b"), (T0 + 1950, "other_requests")]
     assert all(c["serving"].name == "profile_serving.json" and c["serving"].is_file() for c in calibrations)
+
+
+def test_find_runs_for_another_setup_measures_only_that_one(tmp_path):
+    a_run(tmp_path / "run_a", "2026-11-23T00:31:00+00:00", T0)
+    a_run(tmp_path / "run_b", "2026-11-23T01:00:00+00:00", T0 + 2000, config={**CONFIG, "num_requests": 60})
+    measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv", num_requests=2)
+    assert cfg["num_requests"] == 2 and [m["run"] for m in measurements] == ["run_a"]
+    assert sorted(c["run"] for c in calibrations) == ["run_a", "run_b"]
+    # a setup nobody measured yet: every compatible calibration, no measurement (a prediction alone)
+    measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv", num_requests=2, rates=[1.0, 2.0])
+    assert cfg["rates"]["azure_conv"] == [1.0, 2.0] and measurements == []
+    assert len(calibrations) == 2
 
 
 def test_pooled_profile_fits_every_calibration_and_replays_each_workers_speed(tmp_path):
