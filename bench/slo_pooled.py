@@ -34,8 +34,9 @@ run's measurements count when its settings (model, scale, lengths, requests, rat
 memory) equal the setup's: the newest run's, or the newest run's with --num-requests and --rates
 in place of its own. Its calibrations count when the settings they depend on (all of those but the
 number of requests, the rates and the SLO) are equal. With no measurement of the setup yet, the
-prediction alone is written: a prediction to commit before the runs that will judge it. Measurements: slo_validation_<placement>_<workload>[_runN].json beside it;
-calibrations: slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
+prediction alone is written: a prediction to commit before the runs that will judge it.
+Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
+slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
 from __future__ import annotations
 
 import argparse
