@@ -1,7 +1,6 @@
 """bench/slo_pooled.py: which stored runs it takes (measurements of the setup only, calibrations of
 every run calibrated the same way, also the earlier ones of --remeasure, never the step or disturbed
-files), and the pooled profile
-made from their calibration steps."""
+files), and the pooled profile made from their calibration steps."""
 from __future__ import annotations
 
 import json
