@@ -32,8 +32,9 @@ is given: how many points of attainment 5% slower steps cost.
 Runs are found as bench/results/slo_validation.json and bench/results/*/slo_validation.json. A
 run's measurements count when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV
 memory) equal the setup's: the newest run's, or the newest run's with --num-requests and --rates
-in place of its own. Its calibrations count when the settings they depend on (all of those but the
-number of requests, the rates and the SLO) are equal. With no measurement of the setup yet, the
+in place of its own. Its calibrations count when the settings they depend on are equal: all of
+those but the number of requests, the rates and the SLO, plus the in-load calibration's own rates
+and number of requests (runs that predate those keys: slo_calibration.LEGACY_LOAD). With no measurement of the setup yet, the
 prediction alone is written: a prediction to commit before the runs that will judge it.
 Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
 slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
@@ -51,16 +52,18 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.slo_calibration import LOAD_RATES, SPEED_WINDOW_S, fit_load  # noqa: E402
+from bench.slo_calibration import LEGACY_LOAD, SPEED_WINDOW_S, fit_load  # noqa: E402
 from bench.slo_report import measured_rows  # noqa: E402
 from bench.slo_simulate import PLACEMENTS, WORKLOAD_SEEDS, now, serving_entries, sim_placement  # noqa: E402
 from deploy.tuning import workload  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
-# what an in-load calibration depends on (its own trace slice, rates and seeds are fixed)
-CALIBRATION_SETUP = ("model", "conv_scale", "code_scale", "max_prompt", "max_output",
-                     "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
-SAME_SETUP = CALIBRATION_SETUP + ("num_requests", "slo")   # and the workload's rates
+# the deployment and trace settings a run's sweeps and calibrations are taken under; a calibration
+# also depends on its own rates and number of requests (its trace slice and seeds are fixed)
+DEPLOYMENT = ("model", "conv_scale", "code_scale", "max_prompt", "max_output",
+              "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
+CALIBRATION_SETUP = DEPLOYMENT + ("load_rates", "load_requests")
+SAME_SETUP = DEPLOYMENT + ("num_requests", "slo")   # and the workload's rates
 BAND = (10, 90)
 
 
@@ -76,24 +79,29 @@ def utc(t: float) -> str:
 
 
 def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = None,
-              rates: list[float] | None = None) -> tuple[list[dict], list[dict], dict]:
+              rates: list[float] | None = None, as_of: float | None = None) -> tuple[list[dict], list[dict], dict]:
     """(measurements, calibrations, the setup's config) of every stored run: the setup is the newest
-    run's config, with num_requests and rates in place of its own when given."""
+    run's config (the newest started before as_of, a unix time, when given), with num_requests and
+    rates in place of its own when given."""
     outs = [p for p in [results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")]
             if p.is_file()]
     if not outs:
         raise SystemExit(f"no slo_validation.json in {results_dir} or its folders")
-    outs.sort(key=lambda p: json.loads(p.read_text())["date"])
-    setup = json.loads(outs[-1].read_text())["config"]
+    started = {p: _dt.datetime.fromisoformat(json.loads(p.read_text())["date"]).timestamp() for p in outs}
+    outs.sort(key=started.get)
+    then = [p for p in outs if as_of is None or started[p] < as_of]
+    if not then:
+        raise SystemExit(f"no slo_validation.json in {results_dir} or its folders started before {utc(as_of)}")
+    setup = json.loads(then[-1].read_text())["config"]
     if num_requests is not None:
         setup = {**setup, "num_requests": num_requests}
     if rates is not None:
         setup = {**setup, "rates": {**setup["rates"], wl: rates}}
+    setup = {**LEGACY_LOAD, **setup}
     measurements, calibrations = [], []
     for out in outs:
-        cfg = json.loads(out.read_text())["config"]
-        if any(cfg.get(k) != setup.get(k) for k in CALIBRATION_SETUP):
-            continue
+        cfg = {**LEGACY_LOAD, **json.loads(out.read_text())["config"]}   # runs that predate the keys
+        calibrated = all(cfg.get(k) == setup.get(k) for k in CALIBRATION_SETUP)
         measured = (all(cfg.get(k) == setup.get(k) for k in SAME_SETUP)
                     and cfg["rates"].get(wl) == setup["rates"][wl])
         serving = out.parent / pathlib.Path(cfg["serving_profile"]).name
@@ -104,9 +112,9 @@ def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = Non
                     t = first_send(path)
                     measurements.append({"placement": placement, "path": path, "time": t, "run": out.parent.name,
                                          "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
-            for path in sorted(out.parent.glob(f"slo_validation_{placement}_load_steps*.json")):
+            for path in sorted(out.parent.glob(f"slo_validation_{placement}_load_steps*.json")) if calibrated else []:
                 suffix = path.stem[len(f"slo_validation_{placement}_load_steps"):]
-                first_load = out.parent / f"slo_validation_{placement}_load_{LOAD_RATES[0]:g}{suffix}.json"
+                first_load = out.parent / f"slo_validation_{placement}_load_{cfg['load_rates'][0]:g}{suffix}.json"
                 t = first_send(first_load) if first_load.is_file() else path.stat().st_mtime
                 calibrations.append({"placement": placement, "path": path, "time": t, "serving": serving,
                                      "run": out.parent.name,
@@ -282,9 +290,12 @@ def main() -> int:
         rates = parse_positive_list(args.rates, "--rates") if args.rates else None
     except ValueError as e:
         p.error(str(e))
-    measurements, calibrations, cfg = find_runs(results_dir, args.workload, args.num_requests, rates)
     since, split = utc_time(p, args.since, "--since"), utc_time(p, args.split, "--split")
     until = utc_time(p, args.until, "--until")
+    # the setup as it stood at the latest time the runs are taken up to (--until, or --split for
+    # the calibrations): later runs may calibrate another way
+    as_of = min((t for t in (until, split) if t is not None), default=None)
+    measurements, calibrations, cfg = find_runs(results_dir, args.workload, args.num_requests, rates, as_of)
     if since is not None:
         calibrations = [c for c in calibrations if c["time"] > since]
         measurements = [m for m in measurements if m["time"] > since]

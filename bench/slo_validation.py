@@ -31,7 +31,7 @@ beside it (how much each side slows while the other computes). Fitted into "serv
 models for the profile (deploy/tuning/perf_model.py), written as --serving-profile.
 
 In-load calibration: open-loop conv traffic from a later part of the trace than the measured
-slice (LOAD_TRACE_START_S on, own seeds) at 2 and 4 req/s, 100 requests each, while every worker's
+slice (LOAD_TRACE_START_S on, own seeds) at LOAD_RATES (2 req/s, 150 requests), while every worker's
 engine records its steps (engine.step_trace: start, end and shape of each step). Fitted per worker
 kind (bench/slo_calibration.fit_load) on the time each step held the engine loop, so the steps carry
 what really slows them in a loaded deployment (the other worker on the same host, gRPC threads,
@@ -81,8 +81,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
-from bench.slo_calibration import (LOAD_RATES, LOAD_REQUESTS, LOAD_SEED, LOAD_TRACE,  # noqa: E402
-                                   LOAD_TRACE_START_S, calibrate_child)
+from bench.slo_calibration import (LEGACY_LOAD, LOAD_RATES, LOAD_REQUESTS, LOAD_SEED,  # noqa: E402
+                                   LOAD_TRACE, LOAD_TRACE_START_S, calibrate_child)
 from bench.slo_report import report  # noqa: E402
 from bench.slo_simulate import (PLACEMENTS, SIM_SEEDS, WORKLOAD_SEEDS, check_steps,  # noqa: E402
                                 load_profile_from_fits, now, oracle_per_rate, serving_profile,
@@ -278,17 +278,18 @@ def take_step_traces(cluster) -> dict[str, dict]:
 
 def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> None:
     """The in-load calibration: open-loop runs on a later part of the conv trace than the one
-    measured (LOAD_TRACE_START_S on, its own seeds) at LOAD_RATES, and every engine step the
-    workers ran meanwhile (their step traces), for bench/slo_calibration.fit_load."""
+    measured (LOAD_TRACE_START_S on, its own seeds) at args.load_rates (LOAD_RATES, or a stored
+    run's own), and every engine step the workers ran meanwhile (their step traces), for
+    bench/slo_calibration.fit_load."""
     take_step_traces(cluster)          # drop the steps of the warm-up and the isolated calibration
     mon = TreeCpuMonitor()
     runs = []
-    for k, rate in enumerate(LOAD_RATES):
+    for k, rate in enumerate(args.load_rates):
         name = f"slo_validation_{placement}_load_{rate:g}.json"
         rc, _ = run_child(bench_cmd(router, [
             "--trace", LOAD_TRACE, "--trace-start", f"{LOAD_TRACE_START_S:g}",
             "--scale", f"{args.scale[LOAD_TRACE]:g}", "--max-prompt", str(args.max_prompt),
-            "--max-output", str(args.max_output), "--num-requests", str(LOAD_REQUESTS),
+            "--max-output", str(args.max_output), "--num-requests", str(args.load_requests),
             "--rate", f"{rate:g}", "--seed", str(LOAD_SEED + k), "--out", str(args.out.with_name(name))]), 900)
         runs.append({"rate": rate, "rc": rc, "bench_json": name})
     raw = {"runs": runs, "workers": take_step_traces(cluster), "cpu": mon.stop()}
@@ -376,6 +377,7 @@ def main() -> int:
     args.rates = {"azure_conv": metrics.parse_positive_list(args.conv_rates, "--conv-rates"),
                   "azure_code": metrics.parse_positive_list(args.code_rates, "--code-rates")}
     args.slo_text = args.slo
+    args.load_rates, args.load_requests = list(LOAD_RATES), LOAD_REQUESTS
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     if args.simulate_only or args.remeasure:
@@ -391,6 +393,8 @@ def main() -> int:
         args.scale = {"azure_conv": cfg["conv_scale"], "azure_code": cfg["code_scale"]}
         args.rates = {k: v for k, v in cfg["rates"].items()}
         args.slo_text = cfg["slo"]
+        args.load_rates = cfg.get("load_rates", LEGACY_LOAD["load_rates"])
+        args.load_requests = cfg.get("load_requests", LEGACY_LOAD["load_requests"])
     if args.remeasure:
         # measure these placements (and workloads) again into the stored results; the earlier
         # files are kept with a _run<N> suffix and their measured entries under "earlier"

@@ -3,10 +3,12 @@ every run calibrated the same way, also the earlier ones of --remeasure, never t
 files), and the pooled profile made from their calibration steps."""
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
 
+from bench.slo_calibration import LEGACY_LOAD
 from bench.slo_pooled import find_runs, merge_serving, pooled_profile, scaled
 from deploy.tuning.perf_model import profile_dict
 
@@ -49,10 +51,14 @@ def test_find_runs_takes_the_setups_measurements_and_every_compatible_calibratio
     a_run(tmp_path / "other_requests", "2026-11-23T01:00:00+00:00", T0 + 2000, config={**CONFIG, "num_requests": 60})
     # another prompt cap: calibrated on other requests, so neither counts
     a_run(tmp_path / "other_prompts", "2026-11-23T01:30:00+00:00", T0 + 3000, config={**CONFIG, "max_prompt": 256})
+    # the same sweep, calibrated at other loads than the runs without the keys (LEGACY_LOAD) were:
+    # its measurement counts, its calibration does not
+    a_run(tmp_path / "other_load", "2026-11-23T01:45:00+00:00", T0 + 4000,
+          config={**CONFIG, "load_rates": [2.0], "load_requests": 150})
     measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
-    assert cfg == CONFIG
+    assert cfg == {**CONFIG, **LEGACY_LOAD}
     assert sorted((m["time"], m["run"]) for m in measurements) == [
-        (T0, tmp_path.name), (T0 + 100, tmp_path.name), (T0 + 1000, "run_b")]
+        (T0, tmp_path.name), (T0 + 100, tmp_path.name), (T0 + 1000, "run_b"), (T0 + 4000, "other_load")]
     assert sorted((c["time"], c["run"]) for c in calibrations) == [
         (T0 - 50, tmp_path.name), (T0 + 50, tmp_path.name), (T0 + 950, "run_b"), (T0 + 1950, "other_requests")]
     assert all(c["serving"].name == "profile_serving.json" and c["serving"].is_file() for c in calibrations)
@@ -68,6 +74,16 @@ def test_find_runs_for_another_setup_measures_only_that_one(tmp_path):
     measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv", num_requests=2, rates=[1.0, 2.0])
     assert cfg["rates"]["azure_conv"] == [1.0, 2.0] and measurements == []
     assert len(calibrations) == 2
+    # the newest run calibrated at other loads: only its own calibration counts
+    a_run(tmp_path / "run_c", "2026-11-23T02:00:00+00:00", T0 + 4000,
+          config={**CONFIG, "load_rates": [2.0], "load_requests": 150})
+    measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
+    assert [c["run"] for c in calibrations] == ["run_c"] and cfg["load_rates"] == [2.0]
+    assert sorted(m["run"] for m in measurements) == ["run_a", "run_c"]
+    # ... but as the setup stood before it started, the earlier calibrations count
+    as_of = datetime.datetime(2026, 11, 23, 1, 30, tzinfo=datetime.timezone.utc).timestamp()
+    _, calibrations, cfg = find_runs(tmp_path, "azure_conv", as_of=as_of)
+    assert sorted(c["run"] for c in calibrations) == ["run_a", "run_b"] and cfg["load_rates"] == [2.0, 4.0]
 
 
 def test_pooled_profile_fits_every_calibration_and_replays_each_workers_speed(tmp_path):
