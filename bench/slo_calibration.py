@@ -170,7 +170,7 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
 # ---- in-load calibration: step models fitted from the steps a loaded deployment ran ------------
 LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trace than the measured slice
 # the loads the sweep is judged at, not past them: the highest rate of the 2026-11-23 180-request
-# conv sweeps. Runs before 09:30 that day calibrated at 2 then 4 req/s, 100 requests each
+# conv sweeps. Runs before R22 (09:23 that day) calibrated at 2 then 4 req/s, 100 requests each
 # (LEGACY_LOAD); the 4 req/s phase overloaded the prefill worker, and there both sides ran slower
 # beside each other than they did in the sweeps (BENCHMARKS.md, sessions 7 and 8)
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0,), 150, 7000

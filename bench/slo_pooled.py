@@ -32,10 +32,12 @@ is given: how many points of attainment 5% slower steps cost.
 Runs are found as bench/results/slo_validation.json and bench/results/*/slo_validation.json. A
 run's measurements count when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV
 memory) equal the setup's: the newest run's, or the newest run's with --num-requests and --rates
-in place of its own. Its calibrations count when the settings they depend on are equal: all of
-those but the number of requests, the rates and the SLO, plus the in-load calibration's own rates
-and number of requests (runs that predate those keys: slo_calibration.LEGACY_LOAD). With no measurement of the setup yet, the
-prediction alone is written: a prediction to commit before the runs that will judge it.
+in place of its own; with --until or --split, the newest run started before that time (the setup
+as it stood then). Its calibrations count when the settings they depend on are equal: all of those
+but the number of requests, the rates and the SLO, plus the in-load calibration's own rates and
+number of requests (runs that predate those keys: slo_calibration.LEGACY_LOAD). With no
+measurement of the setup yet, the prediction alone is written: a prediction to commit before the
+runs that will judge it.
 Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
 slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
 from __future__ import annotations
