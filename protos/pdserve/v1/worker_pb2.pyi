@@ -142,18 +142,20 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv", "model")
+    __slots__ = ("worker_id", "role", "address", "kv", "model", "deployment_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
     kv: KVEndpoint
     model: _pdserve_pb2.ModelCard
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv: _Optional[_Union[KVEndpoint, _Mapping]] = ..., model: _Optional[_Union[_pdserve_pb2.ModelCard, _Mapping]] = ...) -> None: ...
+    deployment_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv: _Optional[_Union[KVEndpoint, _Mapping]] = ..., model: _Optional[_Union[_pdserve_pb2.ModelCard, _Mapping]] = ..., deployment_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_ms",)

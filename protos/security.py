@@ -1,0 +1,227 @@
+"""Who may call a pdserve process, and how its gRPC doors are opened.
+
+Every process of a deployment (router, workers, KV channels) shares one `ClusterSecurity`:
+
+  secret   the deployment's cluster secret. Every control-plane call (Registry, DecodeWorker,
+           PrefillWorker, the KV channels) carries it in the `x-pdserve-cluster-secret` metadata
+           entry, and a server built with `server_interceptors()` refuses a call without it
+           (UNAUTHENTICATED) before any handler runs. The client API (PDServe) and the standard
+           health service stay open. None: no check (a library user's in-process setup; `pdserve
+           up` always sets one).
+  tls      optional mutual TLS between the processes of the deployment: PEM bytes of the CA that
+           signed every process's certificate, and this process's certificate and key. Channels
+           and ports then use it in place of plaintext.
+
+The interceptor also decodes requests itself: a message protobuf cannot parse (truncated bytes,
+non-UTF-8 in a string field) ends with INVALID_ARGUMENT naming the method, instead of gRPC's
+INTERNAL "Exception deserializing request!".
+
+The secret never appears in a repr, a log line or an error message.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+log = logging.getLogger(__name__)
+SECRET_METADATA_KEY = "x-pdserve-cluster-secret"
+# services a stranger may call without the secret: the health service (load balancers, probes)
+# and, on the router, the client API with its reflection
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+MIN_SECRET_CHARS = 16
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Mutual TLS material, as PEM bytes (read once where the config is loaded, so it travels to
+    workers on other nodes with the rest of their config)."""
+    ca_pem: bytes = field(repr=False)
+    cert_pem: bytes = field(repr=False)
+    key_pem: bytes = field(repr=False)
+    # the name the peers' certificates are issued for, when it is not the host in the address
+    server_name: str = ""
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
+                                            certificate_chain=self.cert_pem)
+
+
+@dataclass(frozen=True)
+class ClusterSecurity:
+    secret: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None
+
+    def __post_init__(self):
+        if self.secret is not None and len(self.secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"the cluster secret must have at least {MIN_SECRET_CHARS} characters "
+                             f"(got {len(self.secret)}); leave it unset and pdserve up makes one")
+
+    def __repr__(self) -> str:
+        return (f"ClusterSecurity(secret={'<set>' if self.secret else None}, "
+                f"tls={'mutual' if self.tls else None})")
+
+    # ---- servers --------------------------------------------------------------------------------
+    def server_interceptors(self, open_prefixes: tuple[str, ...] = ()) -> list[grpc.ServerInterceptor]:
+        """For grpc.server(interceptors=...): methods under `open_prefixes` (and health) need no
+        secret; every method decodes its request safely."""
+        return [ServerGuard(self.secret, (HEALTH_PREFIX,) + tuple(open_prefixes))]
+
+    def add_port(self, server: grpc.Server, address: str) -> int:
+        """Binds `address` with mutual TLS when configured; returns the port (0: not bound)."""
+        if self.tls is not None:
+            return server.add_secure_port(address, self.tls.server_credentials())
+        return server.add_insecure_port(address)
+
+    # ---- clients --------------------------------------------------------------------------------
+    def channel(self, address: str, options=()) -> grpc.Channel:
+        """A channel to another process of the deployment, carrying the secret on every call."""
+        options = list(options)
+        if self.tls is not None:
+            if self.tls.server_name:
+                options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+            raw = grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
+        else:
+            raw = grpc.insecure_channel(address, options=options)
+        if not self.secret:
+            return raw
+        return grpc.intercept_channel(raw, _SecretAdder(self.secret))
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((SECRET_METADATA_KEY, self.secret),) if self.secret else ()
+
+    def accepts(self, presented: str | bytes | None) -> bool:
+        """Whether `presented` is the secret (always True without one); constant time."""
+        if not self.secret:
+            return True
+        if presented is None:
+            return False
+        if isinstance(presented, str):
+            presented = presented.encode("utf-8", "surrogatepass")
+        return hmac.compare_digest(presented, self.secret.encode())
+
+
+INSECURE = ClusterSecurity()
+
+
+class _Undecodable:
+    """What the guard's deserializer returns for bytes protobuf cannot parse."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _safe_deserializer(deserialize):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:   # DecodeError, UnicodeDecodeError, ...
+            return _Undecodable(e)
+    return parse
+
+
+def _reject_undecodable(behavior, method: str, response_streaming: bool):
+    def check(request, context):
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{method}: the request is not a valid protobuf message ({request.error}); "
+                          f"string fields must be UTF-8")
+        return behavior(request, context)
+
+    if not response_streaming:
+        return check
+
+    def check_stream(request, context):
+        yield from check(request, context)
+    return check_stream
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    def refuse(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def refuse_stream(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse_stream if handler.response_streaming else refuse)
+
+
+class ServerGuard(grpc.ServerInterceptor):
+    """Runs on gRPC's polling thread for every call: a dictionary lookup and a constant-time
+    compare, nothing that can block."""
+
+    def __init__(self, secret: str | None, open_prefixes: tuple[str, ...]):
+        self._security = ClusterSecurity(secret)
+        self._open = open_prefixes
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method or ""
+        if self._security.secret and not method.startswith(self._open):
+            presented = None
+            for key, value in handler_call_details.invocation_metadata or ():
+                if key == SECRET_METADATA_KEY:
+                    presented = value
+                    break
+            if not self._security.accepts(presented):
+                log.warning("refused %s: %s cluster secret", method,
+                            "no" if presented is None else "a wrong")
+                return _refusal(handler, f"{method} is part of the pdserve control plane and needs "
+                                         f"the deployment's cluster secret in the "
+                                         f"{SECRET_METADATA_KEY!r} metadata entry")
+        if handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        behavior = handler.unary_unary or handler.unary_stream
+        guarded = _reject_undecodable(behavior, method, handler.response_streaming)
+        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming \
+            else grpc.unary_unary_rpc_method_handler
+        return make(guarded, request_deserializer=_safe_deserializer(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
+
+
+class _SecretAdder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, secret: str):
+        self._entry = (SECRET_METADATA_KEY, secret)
+
+    def _details(self, details):
+        metadata = list(details.metadata or ()) + [self._entry]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: list
+    credentials: object
+    wait_for_ready: bool | None
+    compression: object
