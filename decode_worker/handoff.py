@@ -4,7 +4,9 @@ Lifecycle of one request on a decode worker:
   reserve (router)      -> RESERVED: engine blocks held, a KVReceiver, a lease deadline
   "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread)
   "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch;
-                           the callback gets the first token at once, then the engine's outputs
+                           the callback gets the first token at once, then the engine's outputs;
+                           a commit the engine refuses (a first token outside the vocabulary)
+                           frees the blocks like an abort
   "abort" frame, abort(), a bad frame, or the lease running out before the commit
                         -> engine abort: blocks freed, the callback gets a finished "abort" output
 Every path ends in exactly one of: running in the engine, or freed. Writes and aborts of one
@@ -115,9 +117,15 @@ class DecodeHandoff:
             return
         with entry.lock:
             entry.closed = True
-        self.loop.watch(request_id, entry.on_output)
         first_token = entry.receiver.first_token
-        self.loop.engine.commit(request_id, first_token)
+        try:
+            self.loop.engine.commit(request_id, first_token)
+        except (ValueError, KeyError) as e:   # popped already: freed here or never
+            self.loop.engine.abort(request_id)
+            log.warning("commit of %s refused: %s", request_id, e)
+            entry.on_output(RequestOutput.aborted(request_id, f"commit refused: {e}"))
+            return
+        self.loop.watch(request_id, entry.on_output)
         # the prefill worker already sampled the first token: stream it now, not with the next
         # decode step's output (a whole step later). Outputs are cumulative, so the step's output
         # (which holds this token too) only adds what is new; when the commit itself finished the

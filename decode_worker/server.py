@@ -19,6 +19,7 @@ from kvtransfer.layout import KVLayout
 from protos.grpc_server import ServiceHost
 from protos.registration import register_worker
 from protos.pdserve.v1 import worker_pb2_grpc
+from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.worker.v1.DecodeWorker"
@@ -35,6 +36,7 @@ class DecodeWorkerConfig:
     kv_options: dict = field(default_factory=dict)      # serve(kv_backend, handler, **kv_options)
     worker_id: str = "decode-0"
     lease_ms: int = 10_000         # default reservation lease when a Reserve gives none
+    max_lease_ms: int = 120_000    # longer leases asked by a Reserve are cut to this
     lease_sweep_s: float = 0.05
     # gRPC handler threads. Each open Stream holds one for its whole life, so the pool must cover
     # every sequence the engine may run plus those waiting for their KV, with room for Reserve,
@@ -43,12 +45,17 @@ class DecodeWorkerConfig:
     max_workers: int | None = None
     stop_grace_s: float = 1.0
     registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
+    # every RPC to this worker (and, decode, its KV channels) needs security.secret; the
+    # router's Registry too. INSECURE: no check (in-process setups and tests)
+    security: ClusterSecurity = field(default=INSECURE)
+    deployment_id: str = ""      # sent with Register; the router refuses another deployment's workers
 
     def __post_init__(self):
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
-        if self.lease_ms <= 0:
-            raise ValueError(f"lease_ms must be > 0, got {self.lease_ms}")
+        if not 0 < self.lease_ms <= self.max_lease_ms:
+            raise ValueError(f"lease_ms must be in (0, max_lease_ms={self.max_lease_ms}], got "
+                             f"{self.lease_ms}")
 
 
 class DecodeWorker:
@@ -83,19 +90,22 @@ class DecodeWorker:
             kv_options = dict(cfg.kv_options)
             if cfg.kv_backend == "shm":
                 kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
-            self._kv_server = serve(cfg.kv_backend, self.handoff.on_frame, **kv_options)
+            self._kv_server = serve(cfg.kv_backend, self.handoff.on_frame, security=cfg.security,
+                                    **kv_options)
             servicer = DecodeWorkerServicer(self.loop, self.handoff, DecodeServiceOptions(
                 worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
-                kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms, tp_size=tp))
+                kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms,
+                max_lease_ms=cfg.max_lease_ms, tp_size=tp))
             max_workers = cfg.max_workers or 2 * engine.scheduler.max_num_seqs + 16
             self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, max_workers,
-                                     MAX_MESSAGE_BYTES)
+                                     MAX_MESSAGE_BYTES, security=cfg.security)
             self.address = self._host.start(
                 lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s), (SERVICE_NAME,))
             if cfg.registry_address:
                 self.registration = register_worker(
                     cfg.registry_address, "decode", cfg.worker_id, self.address, cfg.model,
-                    lambda: servicer.Stats(None, None))
+                    lambda: servicer.Stats(None, None), security=cfg.security,
+                    deployment_id=cfg.deployment_id)
         except BaseException:
             self.stop()
             raise

@@ -27,6 +27,7 @@ from engine.block_manager import NoFreeBlocks
 from engine.engine_loop import EngineLoop
 from engine.request import RequestOutput
 from protos.convert import sampling_kwargs, unix_ns
+from protos.limits import check_id, check_sampling, check_token_ids
 from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class DecodeServiceOptions:
     kv_backend: str = "grpc"
     kv_address: str = ""
     default_lease_ms: int = 10_000
+    max_lease_ms: int = 120_000      # a Reserve's lease_ms is cut to this
     tp_size: int = 1
     poll_s: float = 0.1              # every queue wait is this long, then the client is checked
     finished_ttl_s: float = 60.0     # how long a finished, never-streamed request is kept
@@ -80,8 +82,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # ---- Reserve --------------------------------------------------------------------------------
     def Reserve(self, request, context):
         rid = request.request_id
-        if not rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
+        config = self.loop.engine.config
+        vocab = self.loop.engine.model_config.vocab_size
+        refusal = (check_id("request_id", rid)
+                   or check_token_ids("prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab)
+                   or check_sampling(request.sampling, config.max_model_len, vocab))
+        if refusal:
+            refusal.abort(context)
         params = build_params(request.sampling, context)
         stream = _Stream()
         with self._lock:
@@ -90,7 +97,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._streams[rid] = stream
         if request.run_prefill:
             return self._run_here(rid, request, params, stream, context)
-        lease_ms = request.lease_ms or self.options.default_lease_ms
+        # capped: a stranger's (or a bug's) 49-day lease would hold blocks that long
+        lease_ms = min(request.lease_ms or self.options.default_lease_ms, self.options.max_lease_ms)
         try:
             reserved = self.handoff.reserve(rid, list(request.prompt_token_ids), params,
                                             self._on_output(stream), lease_s=lease_ms / 1000)
@@ -137,6 +145,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # ---- Stream ---------------------------------------------------------------------------------
     def Stream(self, request, context):
         rid = request.request_id
+        refusal = check_id("request_id", rid)
+        if refusal:
+            refusal.abort(context)
         with self._lock:
             stream = self._streams.get(rid)
             if stream is not None and stream.attached:
@@ -201,6 +212,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # ---- Abort, Stats ---------------------------------------------------------------------------
     def Abort(self, request, context):
+        refusal = check_id("request_id", request.request_id)
+        if refusal:
+            refusal.abort(context)
         return worker_pb2.WorkerAbortResponse(
             found=self.handoff.abort(request.request_id, "aborted by the router"))
 

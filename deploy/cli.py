@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -34,7 +35,35 @@ def _client_args(p: argparse.ArgumentParser) -> None:
                         "a .gguf file or an HF directory")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="--local only")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache")
+    tls = p.add_argument_group("TLS, for a router with router.tls (the client API needs no secret)")
+    tls.add_argument("--tls-ca", metavar="PEM", help="trust the router's certificate from this CA")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (router.tls.ca_file set)")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
+    tls.add_argument("--tls-server-name", metavar="NAME",
+                     help="the name in the router's certificate, when not the --router host")
     _sampling_args(p)
+
+
+def _channel(args):
+    """A channel to the router: plaintext, or TLS when any --tls-* option is given."""
+    import grpc
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return grpc.insecure_channel(args.router)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+
+    def read(path):
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key),
+                                               read(args.tls_cert))
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.router, credentials, options=options)
 
 
 def _run_local(args) -> int:
@@ -90,7 +119,12 @@ def _run_remote(args) -> int:
     num_tokens, finish, t_first = 0, None, None
     t0 = time.perf_counter()
     try:
-        with grpc.insecure_channel(args.router) as channel:
+        channel = _channel(args)
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+    try:
+        with channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
             for resp in stub.Generate(_request(args), wait_for_ready=False):
                 if resp.HasField("delta"):
@@ -123,28 +157,31 @@ def _run_remote(args) -> int:
 
 
 def _run_up(args) -> int:
+    """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
+    change; no traceback), 130 interrupted while starting."""
     try:
         config = load_config(args.config)
     except ConfigError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
-    from deploy.launcher import up
+    # the deployment's own lines (deaths, replacements, the secret's source: never the secret)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("deploy").setLevel(logging.INFO)
+    from deploy.launcher import DeployError, up
     try:
         cluster = up(config, address=args.address, block=False)
-    except ConfigError as e:
-        print(f"pdserve: {args.config or 'default config'}: {e}", file=sys.stderr)
+    except ConfigError as e:   # the pools against the model, one line per problem
+        for line in str(e).splitlines():
+            print(f"pdserve: {args.config or 'default config'}: {line}", file=sys.stderr)
         return 2
-    except RuntimeError as e:   # e.g. the cluster cannot fit the pools
+    except DeployError as e:   # the port, Ray's resources, a worker that failed to start
         print(f"pdserve: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         return 130
     print(f"router on {cluster.router_address}", flush=True)
     print("ready", flush=True)
-    reason = cluster.wait()   # until Ctrl-C / SIGTERM / a pool is gone; stops the deployment
-    if reason.startswith("no live"):
-        print(f"pdserve: {reason}; stopped", file=sys.stderr)
-        return 1
+    cluster.wait()   # until Ctrl-C / SIGTERM, replacing dead workers meanwhile; then stops
     return 0
 
 

@@ -6,20 +6,36 @@ key in every error it raises.
       prefill: {replicas: 1, tp: 1, resources: {num_cpus: 1}}
       decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}
       # or, instead of both: colocated: {replicas: 2, ...}
-    router: {host: 127.0.0.1, port: 50051}
+    router: {host: 127.0.0.1, port: 50051}   # + tls: {cert_file, key_file, ca_file} for clients
+                                             # (needs security.tls: workers register there too)
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
+    security:                     # between the deployment's own processes
+      cluster_secret_file: null   # or cluster_secret: <str> (not both); PEM/secret files are read
+      tls: null                   # at load, relative to the YAML's folder: {ca_file, cert_file,
+                                  # key_file, server_name}
+
+The cluster secret, first found wins: security.cluster_secret_file, security.cluster_secret, the
+environment's PDSERVE_CLUSTER_SECRET, else `pdserve up` makes a fresh one. The file wins over the
+environment because it is the reviewed description of the deployment; the environment is for a
+secret that should be in no file. Every worker gets it from `up` with its config, so it only has
+to be known here.
 """
 from __future__ import annotations
 
+import os
 import pathlib
-from typing import Annotated, Literal, Union
+from dataclasses import dataclass, field as dataclass_field
+from typing import Annotated, Literal, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, \
-    field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, SecretStr, \
+    StrictFloat, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
+
+from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")   # engine/config.py
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 
 
 class ConfigError(ValueError):
@@ -45,6 +61,113 @@ class Resources(_Frozen):
     def bundle(self) -> dict[str, float]:
         """A Ray placement-group bundle; zero amounts are left out (Ray rejects empty resources)."""
         return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+
+
+@dataclass(frozen=True)
+class LoadedFile:
+    """A file named in the YAML, read when the config is loaded: workers on other nodes get its
+    bytes with their config, not a path that may only exist here."""
+    path: str
+    data: bytes = dataclass_field(repr=False)
+
+
+def _read_file(what: str, marker: bytes | None = None):
+    """A validator turning a path (relative to the YAML's folder) into a LoadedFile."""
+    def load(value, info: ValidationInfo) -> LoadedFile:
+        if isinstance(value, LoadedFile):
+            return value
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"must be the path of {what}")
+        path = pathlib.Path(value).expanduser()
+        path = pathlib.Path((info.context or {}).get("base_dir", ".")) / path
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+        if marker is not None and marker not in data:
+            raise ValueError(f"{path} is not {what} (no '{marker.decode()}' line)")
+        return LoadedFile(str(path.resolve()), data)
+    return PlainValidator(load)
+
+
+_AS_PATH = PlainSerializer(lambda f: f.path, return_type=str)   # a dump shows the path, not the key
+CertFile = Annotated[LoadedFile, _read_file("a PEM certificate", b"-----BEGIN CERTIFICATE-----"),
+                     _AS_PATH]
+KeyFile = Annotated[LoadedFile, _read_file("a PEM private key", b"PRIVATE KEY-----"), _AS_PATH]
+SecretFile = Annotated[LoadedFile, _read_file("a file holding the cluster secret"), _AS_PATH]
+
+
+def _check_secret(value: str, where: str) -> str:
+    if len(value) < MIN_SECRET_CHARS:
+        raise ValueError(f"{where}must have at least {MIN_SECRET_CHARS} characters, has "
+                         f"{len(value)}; leave it unset and pdserve up makes one")
+    return value
+
+
+class ClusterTLS(_Frozen):
+    """Mutual TLS between the deployment's processes: every certificate signed by ca_file."""
+    ca_file: CertFile
+    cert_file: CertFile
+    key_file: KeyFile
+    server_name: str = ""   # the name in the certificates, when it is not the host dialled
+
+    def tls_config(self) -> TLSConfig:
+        return TLSConfig(self.ca_file.data, self.cert_file.data, self.key_file.data, self.server_name)
+
+
+class RouterTLS(_Frozen):
+    """TLS on the client-facing port; with ca_file, clients must show a certificate it signed."""
+    cert_file: CertFile
+    key_file: KeyFile
+    ca_file: CertFile | None = None
+
+    def tls_config(self) -> TLSConfig:
+        return TLSConfig(self.ca_file.data if self.ca_file else b"", self.cert_file.data,
+                         self.key_file.data)
+
+
+class SecuritySettings(_Frozen):
+    cluster_secret: SecretStr | None = None      # SecretStr: a repr or log line shows ******
+    cluster_secret_file: SecretFile | None = None
+    tls: ClusterTLS | None = None
+
+    @field_validator("cluster_secret")
+    @classmethod
+    def _secret_length(cls, v):
+        if v is not None:
+            _check_secret(v.get_secret_value(), "")
+        return v
+
+    @field_validator("cluster_secret_file")
+    @classmethod
+    def _file_secret(cls, v):
+        if v is None:
+            return v
+        try:
+            text = v.data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{v.path} must hold the secret as UTF-8 text") from None
+        _check_secret(text, f"the secret in {v.path} ")
+        return v
+
+    @model_validator(mode="after")
+    def _one_secret(self):
+        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+            raise ValueError("set cluster_secret or cluster_secret_file, not both")
+        return self
+
+    def secret(self, environ=os.environ) -> tuple[str | None, str]:
+        """(the cluster secret, which setting gave it); (None, "") when none did."""
+        if self.cluster_secret_file is not None:
+            return (self.cluster_secret_file.data.decode().strip(),
+                    f"security.cluster_secret_file ({self.cluster_secret_file.path})")
+        if self.cluster_secret is not None:
+            return self.cluster_secret.get_secret_value(), "security.cluster_secret"
+        value = environ.get(SECRET_ENV, "").strip()
+        return (value, SECRET_ENV) if value else (None, "")
+
+    def cluster_security(self, secret: str) -> ClusterSecurity:
+        return ClusterSecurity(secret, self.tls.tls_config() if self.tls else None)
 
 
 class Pool(_Frozen):
@@ -105,6 +228,7 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    tls: RouterTLS | None = None      # None: plaintext for clients (the client API needs no secret)
 
     @property
     def address(self) -> str:
@@ -128,6 +252,7 @@ class DeployConfig(_Frozen):
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
     ray: RaySettings = RaySettings()
+    security: SecuritySettings = SecuritySettings()
 
     def worker_pools(self) -> list[tuple[str, Pool]]:
         """(key under `pools`, Pool) in start order: decode before prefill, so prefill has
@@ -148,6 +273,57 @@ class DeployConfig(_Frozen):
         return kwargs
 
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = None) -> list[str]:
+    """What would make a pool's workers refuse to start with this model (its config.json as a
+    dict), found without loading weights: TP must divide the heads, and one sequence of
+    max_model_len must fit each rank's KV blocks, computed as engine/model_runner.py does. A
+    kv_cache_memory fraction is checked on CPU pools against `cpu_memory_bytes` (this machine's
+    free memory; None: not checked), never on GPU pools: it depends on the GPU."""
+    from engine.config import DEFAULT_CPU_KV_BYTES   # imports torch: only when a check runs
+    hf = hf.get("text_config", hf)
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    limit = hf.get("max_position_embeddings")
+    problems = []
+    for key, pool in config.worker_pools():
+        tp, bs, gpu = pool.tp, pool.block_size, pool.resources.num_gpus > 0
+        if heads % tp or kv_heads % tp:
+            fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+            problems.append(f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "
+                            f"heads and {kv_heads} key/value heads; use one of {fits}")
+            continue
+        max_len = pool.max_model_len or limit
+        if limit and max_len > limit:
+            problems.append(f"pools.{key}.max_model_len: {max_len} is more than the model's "
+                            f"max_position_embeddings ({limit}); lower it")
+            continue
+        kv = pool.kv_cache_memory
+        if kv is None:
+            kv = None if gpu else DEFAULT_CPU_KV_BYTES
+        elif isinstance(kv, float):
+            kv = int(kv * cpu_memory_bytes) if cpu_memory_bytes and not gpu else None
+        if kv is None or not max_len:
+            continue
+        # the engine's dtype: "auto" is bfloat16 on a GPU, float32 on a CPU (engine/config.py)
+        fp32 = config.dtype in ("float32", "fp32") or (config.dtype == "auto" and not gpu)
+        itemsize = 4 if fp32 else 2
+        per_block = 2 * hf["num_hidden_layers"] * bs * (kv_heads // tp) * head_dim * itemsize
+        blocks, need = kv // per_block, -(-max_len // bs)
+        if blocks < need:
+            shorter = f" or pools.{key}.max_model_len to at most {blocks * bs}" if blocks else ""
+            problems.append(
+                f"pools.{key}: kv_cache_memory of {kv} bytes ({_mib(kv)}) holds {blocks} KV blocks "
+                f"of {bs} tokens, but one sequence of max_model_len {max_len} needs {need}: set "
+                f"pools.{key}.kv_cache_memory to at least {need * per_block} "
+                f"({_mib(need * per_block)}){shorter}")
+    return problems
+
+
 def _key(loc: tuple) -> str:
     # pydantic appends the union member it tried ("int", "float") to the location: not a key
     parts = [str(p) for p in loc if p not in ("int", "float", "none", "str")]
@@ -161,6 +337,8 @@ def _message(err: dict) -> str:
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
     given = err.get("input")
+    if "cluster_secret" in err["loc"]:    # never echo a secret back, not even a wrong one
+        return msg
     if err["type"] not in ("missing",) and not isinstance(given, (dict, list)):
         msg += f" (got {given!r})"
     return msg
@@ -171,17 +349,21 @@ def _allowed_keys(loc: tuple) -> list[str]:
     model: type[BaseModel] = DeployConfig
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # X | None: the model inside
+        options = [a for a in (get_args(field.annotation) or (field.annotation,)) if field
+                   and isinstance(a, type) and issubclass(a, BaseModel)] if field else []
+        if not options:
             return []
-        model = ann
+        model = options[0]
     return sorted(model.model_fields)
 
 
-def validate_config(data: dict, source: str = "<config>") -> DeployConfig:
-    """A DeployConfig from plain data, or a ConfigError naming `source` and each bad key."""
+def validate_config(data: dict, source: str = "<config>",
+                    base_dir: str | pathlib.Path = ".") -> DeployConfig:
+    """A DeployConfig from plain data, or a ConfigError naming `source` and each bad key; files
+    the config names are read relative to `base_dir`."""
     try:
-        return DeployConfig.model_validate(data)
+        config = DeployConfig.model_validate(data, context={"base_dir": str(base_dir)})
     except ValidationError as e:
         lines, seen = [], set()
         for err in e.errors():
@@ -196,6 +378,12 @@ def validate_config(data: dict, source: str = "<config>") -> DeployConfig:
                     line += f"; allowed here: {', '.join(allowed)}"
             lines.append(line)
         raise ConfigError("\n".join(lines)) from None
+    if config.router.tls is not None and config.security.tls is None:
+        # workers register on the router's one port: plaintext would not get through its TLS
+        raise ConfigError(f"{source}: router.tls: the workers register through the router's "
+                          f"TLS port, so set security.tls too, its ca_file being the CA that "
+                          f"signed router.tls.cert_file")
+    return config
 
 
 def load_config(path: str | pathlib.Path | None) -> DeployConfig:
@@ -220,4 +408,4 @@ def load_config(path: str | pathlib.Path | None) -> DeployConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: the top level must be a mapping of keys "
                           f"(model, pools, router, ...), got {type(data).__name__}")
-    return validate_config(data, name)
+    return validate_config(data, name, pathlib.Path(path).parent)

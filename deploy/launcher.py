@@ -4,13 +4,23 @@
     print(cluster.router_address)
     cluster.stop()
 
-Order: connect to Ray (or start a local one) -> the router, with empty pools -> for each replica,
-one placement group per TP group (`tp` bundles of the pool's resources, STRICT_PACK so a TP group
-shares a node; rank 0 runs in the actor and spawns the other ranks in its bundles) -> decode
-actors, then prefill actors, each started and registered with the router (Registry service,
-heartbeats) -> up() returns once every replica is in the router's pool. `stop()` undoes it in
-reverse. A worker that stops heartbeating drops out of the router's pool; one that registers
-again (the same worker_id) comes back.
+Refused at once, before Ray starts: a router port something already listens on, and pools that
+do not fit the model (TP must divide the heads, one max_model_len sequence must fit the KV
+cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each refusal is
+a ConfigError or DeployError naming the key to change; so is a worker that fails to start.
+
+Order: connect to Ray (or start a local one) -> the router, with empty pools, a fresh
+deployment_id and the cluster secret -> for each replica, one placement group per TP group (`tp`
+bundles of the pool's resources, STRICT_PACK so a TP group shares a node; rank 0 runs in the actor
+and spawns the other ranks in its bundles) -> decode actors, then prefill actors, each started and
+registered with the router (Registry service, heartbeats, the same secret and deployment_id) ->
+up() returns once every replica is in the router's pool. `stop()` undoes it in reverse.
+
+Self-healing (Supervisor): a thread pings every replica; one whose actor died is relaunched as a
+new actor in its placement group with the same worker_id, and registers again (the router replaces
+the dead address). Deaths soon after a start back off, and a replica that keeps dying that way is
+given up on (RestartPolicy), one log line each. Meanwhile the deployment stays up: a pool with no
+live worker gets UNAVAILABLE from the router itself. Only Ctrl-C or SIGTERM stops it.
 
 Why the router lives in the driver and not in an actor: it is the one client-facing port, so it
 should listen on the host the operator launched from, at the address printed there, and die with
@@ -19,20 +29,31 @@ should listen on the host the operator launched from, at the address printed the
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import secrets
 import signal
+import socket
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.config import ConfigError, DeployConfig, Pool
+from deploy.config import SECRET_ENV, ConfigError, DeployConfig, Pool, fit_problems
+from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
+
+
+class DeployError(RuntimeError):
+    """The deployment cannot start as configured; the message names the pool or key to change."""
 
 
 def role_of(key: str) -> str:
@@ -108,13 +129,29 @@ class WorkerActor:
     def ping(self) -> bool:
         return self.worker is not None
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
 
 
+# Ray's own restarts re-run only __init__ (not start), at once and without a bound on quick
+# deaths; the Supervisor replaces dead actors itself instead
 RemoteWorker = ray.remote(max_restarts=0)(WorkerActor)
+
+
+def ray_error_reason(e: BaseException) -> str:
+    """The original exception's type and message inside a Ray error, without Ray's traceback."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        if isinstance(e, RayTaskError) and not isinstance(cause, RayError):
+            return f"{type(cause).__name__}: {cause}"
+        return ray_error_reason(cause)
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 @dataclass
@@ -124,6 +161,14 @@ class Replica:
     pg: PlacementGroup
     actor: object = None
     address: str | None = None
+    spawn: Callable[[], object] | None = field(default=None, repr=False)   # a new actor in pg
+    # the Supervisor's bookkeeping
+    start_ref: object = field(default=None, repr=False)
+    ping_ref: object = field(default=None, repr=False)
+    serving_since: float | None = None
+    quick_deaths: int = 0
+    retry_at: float = 0.0
+    given_up: bool = False
 
     @property
     def role(self) -> str:
@@ -134,6 +179,98 @@ class Replica:
         return f"{self.key}-{self.index}"
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How dead workers are replaced. A death before a replica served `stable_s` seconds (or
+    before it started serving) is quick: the n-th quick death in a row waits backoff_s x 2^(n-1),
+    at most max_backoff_s, before the relaunch, and the max_quick_deaths-th gives the replica up
+    (a crash loop: a broken node, a model that no longer fits). Other deaths wait backoff_s."""
+    poll_s: float = 1.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 60.0
+    max_quick_deaths: int = 3
+
+
+class Supervisor:
+    """A thread that notices dead replicas and relaunches them. It never blocks on an actor: a
+    starting or busy actor's ping simply stays pending (busy is not dead)."""
+
+    def __init__(self, replicas: list[Replica], policy: RestartPolicy):
+        self.replicas = replicas
+        self.policy = policy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pdserve-supervisor")
+
+    def start(self) -> "Supervisor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.wait(self.policy.poll_s):
+            try:
+                for r in self.replicas:
+                    if not self._stop.is_set():
+                        self.check(r)
+                failing = False
+            except Exception:   # e.g. Ray itself went away; said once, tried again next poll
+                if not failing:
+                    log.exception("checking the workers failed; retrying every %.0fs",
+                                  self.policy.poll_s)
+                failing = True
+
+    def check(self, r: Replica) -> None:
+        if r.given_up:
+            return
+        if r.actor is None:
+            if time.monotonic() >= r.retry_at:
+                r.actor = r.spawn()   # same placement group, same worker config and worker_id
+                r.start_ref = r.actor.start.remote()
+            return
+        ref = r.start_ref if r.start_ref is not None else r.ping_ref
+        if ref is None:
+            r.ping_ref = r.actor.ping.remote()
+            return
+        if not ray.wait([ref], timeout=0)[0]:
+            return
+        starting, r.start_ref, r.ping_ref = r.start_ref is not None, None, None
+        try:
+            result = ray.get(ref)
+        except (RayActorError, RayTaskError) as e:
+            self._died(r, ray_error_reason(e), starting)
+            return
+        if starting:
+            r.address, r.serving_since = result, time.monotonic()
+            log.warning("worker %s replaced: serving on %s", r.name, r.address)
+
+    def _died(self, r: Replica, reason: str, starting: bool) -> None:
+        p = self.policy
+        quick = starting or r.serving_since is None or time.monotonic() - r.serving_since < p.stable_s
+        r.quick_deaths = r.quick_deaths + 1 if quick else 0
+        try:
+            ray.kill(r.actor)   # a start that raised leaves a live actor holding the bundle
+        except Exception:   # already gone
+            pass
+        r.actor, r.address, r.serving_since = None, None, None
+        what = "failed to start" if starting else "died"
+        if r.quick_deaths >= p.max_quick_deaths:
+            r.given_up = True
+            log.error("worker %s %s (%s); giving up on it: %d deaths in a row within %.0fs of "
+                      "starting. The rest of the deployment keeps serving; fix the cause and "
+                      "restart pdserve up to bring it back", r.name, what, reason, r.quick_deaths,
+                      p.stable_s)
+            return
+        delay = min(p.backoff_s * 2 ** max(r.quick_deaths - 1, 0), p.max_backoff_s)
+        r.retry_at = time.monotonic() + delay
+        log.error("worker %s %s (%s); replacing it in %.0fs", r.name, what, reason, delay)
+
+
 @dataclass
 class Cluster:
     config: DeployConfig
@@ -142,32 +279,25 @@ class Cluster:
     router: object = None
     router_address: str | None = None
     registry_address: str | None = None   # the router as workers reach it
+    security: ClusterSecurity = INSECURE  # its repr never shows the secret
+    deployment_id: str = ""
+    supervisor: Supervisor | None = None
     _stopped: bool = False
 
     def addresses(self, role: str) -> list[str]:
         return [r.address for r in self.replicas if r.role == role and r.address]
 
     def wait(self, poll_s: float = 1.0) -> str:
-        """Serves until Ctrl-C, SIGTERM, or a pool with no live replica left, then stops the
-        deployment; returns why. One dead replica alone does not stop it: the router routes
-        around a worker that stopped answering."""
+        """Serves until Ctrl-C or SIGTERM, then stops the deployment; returns why. Dead workers
+        are replaced meanwhile, and not even an empty pool stops it (see Supervisor)."""
         done = threading.Event()
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
-        reason, dead = "SIGTERM", set()
+        reason = "SIGTERM"
         try:
             while not done.wait(poll_s):
-                newly_dead = self._dead_replicas() - dead
-                for name in sorted(newly_dead):
-                    log.error("worker %s died; the router routes around it", name)
-                dead |= newly_dead
-                empty = [key for key, _ in self.config.worker_pools()
-                         if all(r.name in dead for r in self.replicas if r.key == key)]
-                if empty:
-                    reason = f"no live {empty[0]} worker left"
-                    log.error("%s; stopping the deployment", reason)
-                    break
+                pass
         except KeyboardInterrupt:
             reason = "interrupted"
         finally:
@@ -176,24 +306,14 @@ class Cluster:
             self.stop()
         return reason
 
-    def _dead_replicas(self) -> set[str]:
-        refs = [(r, r.actor.ping.remote()) for r in self.replicas if r.actor is not None]
-        dead = set()
-        for r, ref in refs:
-            try:
-                ray.get(ref, timeout=30)
-            except ray.exceptions.RayActorError:
-                dead.add(r.name)
-            except ray.exceptions.GetTimeoutError:   # busy is not dead: serving runs on other threads
-                pass
-        return dead
-
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Router first (no new requests), then the workers, their placement groups, and Ray if
-        we started it. Safe to call twice."""
+        """Supervisor (no more relaunches), router (no new requests), then the workers, their
+        placement groups, and Ray if we started it. Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.router is not None:
             try:
                 self.router.stop()
@@ -205,7 +325,7 @@ class Cluster:
             try:
                 ray.get(ref, timeout=timeout_s)
             except Exception as e:   # it is killed next regardless
-                log.warning("%s did not stop cleanly: %s", r.name, e)
+                log.warning("%s did not stop cleanly: %s", r.name, ray_error_reason(e))
         for r in self.replicas:
             if r.actor is not None:
                 ray.kill(r.actor)
@@ -216,22 +336,111 @@ class Cluster:
             ray.shutdown()
 
 
-def check_model_fit(config: DeployConfig) -> None:
-    """Refuses, before anything starts, a TP degree the model's heads cannot be split by (else
-    every rank of that pool would fail the same way inside its actor)."""
+# ---- checks before anything waits ---------------------------------------------------------------
+def check_port_free(host: str, port: int) -> None:
+    """Refuses a router port something already listens on. gRPC alone would not: it binds with
+    SO_REUSEPORT, so a second router on a busy port starts anyway and the kernel splits the
+    connections, and the workers' registrations, between the two. A probe without SO_REUSEPORT
+    cannot bind beside any listener; SO_REUSEADDR (as gRPC sets) still lets it past connections
+    in TIME_WAIT from a router that just stopped."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise DeployError(f"router.host: cannot resolve {host!r} ({e.strerror}); set it to an "
+                          f"address of this machine") from None
+    failures = []
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DeployError(f"router.port: {host}:{port} is already in use (another "
+                                      f"pdserve up?); stop that, or set router.port to a free "
+                                      f"port (0 picks one)") from None
+                failures.append(e)
+    if failures and len(failures) == len(infos):   # gRPC needs one of the addresses
+        raise DeployError(f"router: cannot listen on {host}:{port} ({failures[0].strerror}); set "
+                          f"router.host to an address of this machine and router.port to a port "
+                          f"you may open")
+
+
+def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
+    """Refuses, before anything starts, pools whose workers would refuse the model (config.fit_problems);
+    else every replica of the pool would fail the same way inside its actor."""
+    from engine.config import available_memory_bytes
     from engine.loader import load_hf_config, resolve_model
-    hf = load_hf_config(resolve_model(config.model))
-    hf = hf.get("text_config", hf)
-    heads = hf.get("num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads") or heads
+    try:
+        model_dir = resolve_model(config.model)
+    except ValueError as e:
+        if on_this_machine:
+            raise ConfigError(str(e)) from None
+        log.warning("not checking the pools against the model: %s (the workers load it on their "
+                    "nodes)", e)
+        return
+    memory = available_memory_bytes("cpu") if on_this_machine else None
+    problems = fit_problems(config, load_hf_config(model_dir), memory)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _amounts(resources: dict) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(resources.items()) if v) or "nothing"
+
+
+def _cpus_gpus(resources: dict) -> dict:
+    return {k: resources.get(k, 0) for k in ("CPU", "GPU") if resources.get(k)}
+
+
+def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local: bool) -> None:
+    """Refuses at once pools the Ray cluster could not hold even when idle, rather than waiting for
+    placement groups that can never be placed: every replica together against the cluster's
+    `total`, then each TP group (STRICT_PACK: one node) against the largest of `nodes`."""
+    need, asks = {}, []
     for key, pool in config.worker_pools():
-        tp = pool.tp
-        if heads and (heads % tp or kv_heads % tp):
-            fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-            raise ConfigError(f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "
-                              f"heads and {kv_heads} key/value heads; use one of {fits}")
+        bundle = pool.resources.bundle()
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0) + v * pool.tp * pool.replicas
+        asks.append(f"{key} {pool.replicas} x tp {pool.tp} x {_amounts(bundle)}")
+    short = [k for k, v in sorted(need.items()) if v > total.get(k, 0) + 1e-9]
+    if short:
+        more = "raise ray.num_cpus" if local and "CPU" in short else "add Ray nodes"
+        raise DeployError(
+            f"the pools ask for {_amounts(need)} ({'; '.join(asks)}) but the Ray cluster has "
+            f"{_amounts({k: total.get(k, 0) for k in need})}: lower pools.<pool>.replicas, .tp or "
+            f".resources.num_{short[0].lower()}s, or {more}")
+    for key, pool in config.worker_pools():
+        bundle = pool.resources.bundle()
+        group = {k: v * pool.tp for k, v in bundle.items()}
+        if nodes and not any(all(n.get(k, 0) >= v for k, v in group.items()) for n in nodes):
+            biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
+            raise DeployError(f"pools.{key}: one replica needs {_amounts(group)} on one node (tp "
+                              f"{pool.tp} x {_amounts(bundle)}); the largest Ray node has "
+                              f"{_amounts(_cpus_gpus(biggest))}: lower pools.{key}.tp or "
+                              f"pools.{key}.resources")
 
 
+def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurity:
+    """The deployment's ClusterSecurity: its secret as config.SecuritySettings.secret finds it,
+    else a fresh one (every process gets it from `up`, so nobody else needs to know it)."""
+    secret, source = config.security.secret(environ)
+    if secret is None:
+        secret, source = secrets.token_urlsafe(32), "a fresh one for this deployment"
+    elif source != SECRET_ENV and environ.get(SECRET_ENV):
+        log.warning("%s is set, but %s wins over it", SECRET_ENV, source)
+    try:
+        security = config.security.cluster_security(secret)
+    except ValueError as e:   # too short: only the environment's is not checked at load
+        raise DeployError(f"{source}: {e}") from None
+    log.info("cluster secret: %s", source)
+    return security
+
+
+# ---- starting ------------------------------------------------------------------------------------
 def _init_ray(config: DeployConfig, address: str | None) -> bool:
     """Connects to (or starts) Ray; True when this call started it, so stop() shuts it down."""
     if ray.is_initialized():    # the caller owns Ray (a notebook, a test): reuse it
@@ -247,13 +456,20 @@ def _init_ray(config: DeployConfig, address: str | None) -> bool:
         kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=os.path.abspath(temp_dir))
     elif config.ray.temp_dir:
         kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
-    ray.init(address=address, **kwargs)
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"join the Ray cluster at {address} (ray.address, --address)" if address \
+            else "start a local Ray (ray.num_cpus, ray.temp_dir)"
+        raise DeployError(f"cannot {where}: {ray_error_reason(e)}") from None
     return True
 
 
-def _worker_config(config: DeployConfig, key: str, pool: Pool, index: int, host: str, registry: str):
+def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str):
+    config = cluster.config
     common = dict(model=config.model, engine_kwargs=config.engine_kwargs(pool), host=host, port=0,
-                  worker_id=f"{key}-{index}", registry_address=registry)
+                  worker_id=f"{key}-{index}", registry_address=cluster.registry_address,
+                  security=cluster.security, deployment_id=cluster.deployment_id)
     if role_of(key) == "decode":
         from decode_worker.server import DecodeWorkerConfig
         return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
@@ -261,10 +477,19 @@ def _worker_config(config: DeployConfig, key: str, pool: Pool, index: int, host:
     return PrefillWorkerConfig(**common)
 
 
+def _spawner(r: Replica, pool: Pool, worker_config, cpus: list[int] | None) -> Callable[[], object]:
+    def spawn():
+        return RemoteWorker.options(
+            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=r.pg, placement_group_bundle_index=0),
+        ).remote(r.role, worker_config, pool.threads, cpus)
+    return spawn
+
+
 def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout_s: float,
                 cores: dict[tuple[str, int], list[int]]) -> None:
     """Reserves a placement group per replica and creates its actor (not yet serving)."""
-    config = cluster.config
     bundle = pool.resources.bundle()
     new = []
     for i in range(pool.replicas):
@@ -276,18 +501,16 @@ def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout
     for r in new:
         try:
             ray.get(r.pg.ready(), timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {bundle} within "
-                f"{ready_timeout_s:.0f}s; the Ray cluster has {ray.available_resources()} free of "
-                f"{ray.cluster_resources()}: lower pools.{key}.replicas or resources, or add "
-                f"nodes") from None
-        r.actor = RemoteWorker.options(
-            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=r.pg, placement_group_bundle_index=0),
-        ).remote(r.role, _worker_config(config, key, pool, r.index, host, cluster.registry_address),
-                 pool.threads, cores.get((key, r.index)))
+        except ray.exceptions.GetTimeoutError:   # it fits the cluster (check_resources): busy
+            raise DeployError(
+                f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {_amounts(bundle)} "
+                f"within {ready_timeout_s:.0f}s; the Ray cluster has "
+                f"{_amounts(_cpus_gpus(ray.available_resources()))} free of "
+                f"{_amounts(_cpus_gpus(ray.cluster_resources()))}, the rest held by others: free "
+                f"it, or lower pools.{key}.replicas or resources") from None
+        r.spawn = _spawner(r, pool, _worker_config(cluster, key, pool, r.index, host),
+                           cores.get((key, r.index)))
+        r.actor = r.spawn()
 
 
 def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
@@ -297,8 +520,12 @@ def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
         try:
             r.address = ray.get(ref, timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"pools.{key}: replica {r.index} did not start within "
-                               f"{start_timeout_s:.0f}s") from None
+            raise DeployError(f"pools.{key}: replica {r.index} did not start within "
+                              f"{start_timeout_s:.0f}s") from None
+        except (RayTaskError, RayActorError) as e:
+            raise DeployError(f"pools.{key}: replica {r.index} failed to start: "
+                              f"{ray_error_reason(e)}") from None
+        r.serving_since = time.monotonic()
         log.info("%s serving on %s", r.name, r.address)
 
 
@@ -312,7 +539,9 @@ def _start_router(cluster: Cluster) -> None:
         port=config.router.port, max_inflight=config.router.max_inflight,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
         max_model_len=min(lens) if lens else None,   # what every worker on the path can hold
-        dtype=None if config.dtype == "auto" else config.dtype)
+        dtype=None if config.dtype == "auto" else config.dtype,
+        security=cluster.security, deployment_id=cluster.deployment_id,
+        client_tls=config.router.tls.tls_config() if config.router.tls else None)
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address
     host, _, port = cluster.router_address.rpartition(":")
@@ -328,25 +557,37 @@ def _wait_registered(cluster: Cluster, timeout_s: float) -> None:
         role, want = role_of(key), spec.replicas
         while pool.num_workers(role) < want:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"pools.{key}: {pool.num_workers(role)} of {want} replicas "
-                                   f"registered with the router within {timeout_s:.0f}s; can the "
-                                   f"workers reach {cluster.registry_address}? (router.host)")
+                raise DeployError(f"pools.{key}: {pool.num_workers(role)} of {want} replicas "
+                                  f"registered with the router within {timeout_s:.0f}s; can the "
+                                  f"workers reach {cluster.registry_address}? (router.host)")
             time.sleep(0.05)
 
 
 def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
-       ready_timeout_s: float = 120.0, start_timeout_s: float = 600.0) -> Cluster:
+       ready_timeout_s: float = 120.0, start_timeout_s: float = 600.0,
+       restart: RestartPolicy = RestartPolicy(), environ=os.environ) -> Cluster:
     """Starts the deployment described by `config` and returns it; with block=True, serves until
-    Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address."""
-    check_model_fit(config)
+    Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address;
+    `environ` is where PDSERVE_CLUSTER_SECRET is looked up."""
+    on_this_machine = not (address or config.ray.address)
+    check_port_free(config.router.host, config.router.port)
+    check_model_fit(config, on_this_machine)
+    if on_this_machine and not ray.is_initialized():   # a local Ray's CPUs are known before it starts
+        cpus = float(config.ray.num_cpus or os.cpu_count() or 1)
+        gpus = sum(p.replicas * p.tp * p.resources.num_gpus for _, p in config.worker_pools())
+        # GPUs: as many as asked (Ray finds the real number: checked again once it runs)
+        check_resources(config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True)
+    security = cluster_security(config, environ)
     t0 = time.perf_counter()
     started = _init_ray(config, address)
-    cluster = Cluster(config, started)
+    cluster = Cluster(config, started, security=security, deployment_id=uuid.uuid4().hex)
     # a local Ray runs everything on this machine: loopback is reachable and opens no ports
-    local = started and not (address or config.ray.address)
+    local = started and on_this_machine
     host = "127.0.0.1" if local else ""
     try:
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        check_resources(config, ray.cluster_resources(), nodes, local)
         _start_router(cluster)
         pools = config.worker_pools()
         cores = core_plan(pools, local)
@@ -358,8 +599,9 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
     except BaseException:
         cluster.stop()
         raise
-    log.info("deployment up in %.1fs; router on %s", time.perf_counter() - t0,
-             cluster.router_address)
+    cluster.supervisor = Supervisor(cluster.replicas, restart).start()
+    log.info("deployment %s up in %.1fs; router on %s", cluster.deployment_id,
+             time.perf_counter() - t0, cluster.router_address)
     if block:
         cluster.wait()
     return cluster

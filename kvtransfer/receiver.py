@@ -12,8 +12,9 @@ import math
 import torch
 
 from kvtransfer.layout import KVLayout
-from kvtransfer.reshard import write_chunk
+from kvtransfer.reshard import check_chunk, write_chunk
 from kvtransfer.state import TransferState
+from kvtransfer.transport import RefusedFrame
 from kvtransfer.wire import ChunkHeader
 
 
@@ -46,7 +47,9 @@ class KVReceiver:
         if self.state in (TransferState.DONE, TransferState.FAILED):
             return self.state
         try:
-            if header.kind == "abort":
+            if isinstance(payload, RefusedFrame):   # the server refused a frame of this request
+                self._fail(payload.reason)
+            elif header.kind == "abort":
                 self._fail("the sender aborted the transfer")
             elif header.kind == "commit":
                 if not self.complete:
@@ -61,13 +64,19 @@ class KVReceiver:
         return self.state
 
     def _write(self, header: ChunkHeader, payload) -> None:
-        self.layout.check_compatible(header.fingerprint, "prefill worker")
-        if header.end > self.num_prompt_tokens:
-            raise ValueError(f"chunk tokens [{header.start}, {header.end}) run past the prompt "
-                             f"({self.num_prompt_tokens} tokens)")
+        # every field is checked before it marks coverage: a layer counts as written only when
+        # its bytes are in the blocks (write_chunk checks the payload against the header)
+        check_chunk(self.layout, header, self.kv_cache.dtype)
+        if not 0 <= header.start < header.end <= self.num_prompt_tokens:
+            raise ValueError(f"chunk tokens [{header.start}, {header.end}) are not a non-empty range "
+                             f"of the prompt ({self.num_prompt_tokens} tokens)")
         d0, d1 = self.layout.head_range
         lo, hi = max(d0, header.head_start), min(d1, header.head_end)
-        if header.in_place:   # shm: the sender wrote the KV into kv_cache itself; only record coverage
+        if header.in_place:
+            # shm: the sender wrote the KV into kv_cache itself; only record coverage. Only the shm
+            # server lets such a frame through (the others refuse it: nothing was written)
+            if payload is not None:
+                raise ValueError("an in-place KV frame carries no payload")
             written = header.end - header.start if lo < hi else 0
         else:
             written = write_chunk(self.kv_cache, self.layout, self.block_ids, header, payload)
@@ -76,8 +85,8 @@ class KVReceiver:
             if header.in_place:
                 self.bytes_received += math.prod(header.shape) * self.kv_cache.element_size()
             else:
-                self.bytes_received += len(payload) if not isinstance(payload, torch.Tensor) else (
-                    payload.numel() * payload.element_size())
+                self.bytes_received += memoryview(payload).nbytes if not isinstance(
+                    payload, torch.Tensor) else payload.numel() * payload.element_size()
         self.state = TransferState.TRANSFERRING
 
     def _fail(self, why: str) -> None:

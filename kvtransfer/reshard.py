@@ -6,15 +6,13 @@ every receiving rank takes the intersection of the chunk's heads with its own.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.wire import ChunkHeader
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:
     # received frames are read-only buffers; we only read them, so a zero-copy view is safe and
@@ -57,31 +55,46 @@ def read_chunk(layer_kv: torch.Tensor, layout: KVLayout, request_id: str, layer:
     return header, data
 
 
+def check_chunk(layout: KVLayout, header: ChunkHeader, cache_dtype: torch.dtype) -> None:
+    """A "kv" header's fields against this rank's layout and cache, before any byte is written
+    (a stranger's header names the blocks we write into)."""
+    layout.check_compatible(header.fingerprint, "sender")
+    if header.dtype != dtype_name(cache_dtype):
+        raise LayoutMismatch(f"chunk dtype {header.dtype} != cache dtype {dtype_name(cache_dtype)}")
+    if header.head_dim != layout.head_dim:
+        raise LayoutMismatch(f"chunk head_dim {header.head_dim} != this layout's {layout.head_dim}")
+    if not 0 <= header.layer < layout.num_layers:
+        raise ValueError(f"chunk layer {header.layer} outside [0, {layout.num_layers})")
+    if not 0 <= header.head_start < header.head_end <= layout.num_kv_heads:
+        raise ValueError(f"chunk kv heads [{header.head_start}, {header.head_end}) are not a "
+                         f"non-empty range of the model's {layout.num_kv_heads}")
+
+
 def write_chunk(kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int],
                 header: ChunkHeader, payload) -> int:
     """Write the part of a chunk this rank holds into its blocks; returns the tokens written.
 
     kv_cache: [num_layers, 2, num_blocks, block_size, heads_per_rank, head_dim] of this rank.
-    payload: a tensor or a bytes-like object in the header's dtype and shape.
+    payload: a tensor or a bytes-like object in the header's dtype and shape; anything else in
+    size or dtype is refused (ValueError), never written or counted.
     """
-    layout.check_compatible(header.fingerprint, "sender")
-    if header.dtype != dtype_name(kv_cache.dtype):
-        raise LayoutMismatch(f"chunk dtype {header.dtype} != cache dtype {dtype_name(kv_cache.dtype)}")
-    if not 0 <= header.layer < layout.num_layers:
-        raise ValueError(f"chunk layer {header.layer} outside [0, {layout.num_layers})")
+    check_chunk(layout, header, kv_cache.dtype)
     if header.end > len(block_ids) * layout.block_size or header.start < 0 or header.end < header.start:
         raise ValueError(f"chunk tokens [{header.start}, {header.end}) do not fit the "
                          f"{len(block_ids)} reserved blocks of {layout.block_size} tokens")
+    expected = math.prod(header.shape)
     if isinstance(payload, torch.Tensor):
+        if payload.dtype != kv_cache.dtype:
+            raise ValueError(f"chunk payload is {dtype_name(payload.dtype)}, header says {header.dtype}")
         data = payload
     else:
-        data = _view_bytes(payload, _DTYPES[header.dtype]) if len(payload) else None
-    expected = 1
-    for n in header.shape:
-        expected *= n
-    if data is None or data.numel() != expected:
-        raise ValueError(f"chunk payload has {0 if data is None else data.numel()} values, "
-                         f"header says {header.shape}")
+        nbytes, need = memoryview(payload).nbytes, expected * kv_cache.element_size()
+        if nbytes != need:
+            raise ValueError(f"chunk payload has {nbytes} bytes, header says shape {header.shape} "
+                             f"in {header.dtype}: {need} bytes")
+        data = _view_bytes(payload, kv_cache.dtype) if nbytes else kv_cache.new_empty(0)
+    if data.numel() != expected:
+        raise ValueError(f"chunk payload has {data.numel()} values, header says {header.shape}")
     data = data.view(header.shape)
     d0, d1 = layout.head_range
     lo, hi = max(d0, header.head_start), min(d1, header.head_end)

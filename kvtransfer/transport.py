@@ -19,8 +19,21 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.wire import ChunkHeader
 
 # called on the receiving side for every frame, in channel order; payload is bytes-like or a
-# tensor, or None when the sender already wrote the KV in place (shm)
+# tensor, None when the sender already wrote the KV in place (shm), or a RefusedFrame
 FrameHandler = Callable[[ChunkHeader, object], None]
+
+
+@dataclass(frozen=True)
+class RefusedFrame:
+    """The payload of the "abort" header a server hands the handler in place of a frame it refused
+    (an in-place frame off the shm backend, an unreadable header naming a request): the request
+    fails with `reason`. A handler that knows nothing of it still sees an abort."""
+    reason: str
+
+
+def refusal(request_id: str, reason: str) -> tuple[ChunkHeader, RefusedFrame]:
+    """What to hand the handler so that `request_id` fails with `reason`."""
+    return ChunkHeader(request_id, "", kind="abort"), RefusedFrame(reason)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,12 @@ channel, in order: "kv" chunks, then one "commit" (carrying the first token) or 
 The payload of a "kv" chunk is one layer's K and V for tokens [start, end) and kv heads
 [head_start, head_end), contiguous, in the header's dtype: shape
 [2, end - start, head_end - head_start, head_dim]. Never pickle.
+
+A header is checked field by field when it is built (so also when one is decoded): types,
+lengths of strings and non-negative bounded ints, before any receiver does work with them. What
+needs the receiver's layout (layer < num_layers, the head range, the prompt length) is checked
+where the layout is known (kvtransfer.reshard.check_chunk); the first token's range against the
+vocabulary is the decode worker's.
 """
 from __future__ import annotations
 
@@ -13,15 +19,33 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
+from protos.limits import MAX_ID_CHARS
+
 WIRE_VERSION = 1
 _LEN = struct.Struct("<I")
+MAX_REQUEST_ID_CHARS = MAX_ID_CHARS     # what the router accepts as a request_id
+MAX_FINGERPRINT_CHARS = 64
+MAX_DTYPE_CHARS = 32
+MAX_HEADER_BYTES = 4096                 # a legal header is well under 2 KiB
+MAX_INDEX = 1 << 31                     # layers, tokens, heads, head_dim
+_INT64 = 1 << 63
 
 
 class WireError(ValueError):
-    pass
+    """A frame that cannot be used. request_id: the request it names, when that much was readable
+    (the server then fails that request instead of only dropping the frame)."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 KINDS = ("kv", "commit", "abort")
+_INDEX_FIELDS = ("layer", "start", "end", "head_start", "head_end", "head_dim")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -43,10 +67,38 @@ class ChunkHeader:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise WireError(f"frame kind {self.kind!r} is not one of {KINDS}")
+        if not isinstance(self.request_id, str) or not 0 < len(self.request_id) <= MAX_REQUEST_ID_CHARS:
+            raise WireError(f"frame request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} "
+                            f"characters, got {_describe(self.request_id)}")
+        for name, limit in (("fingerprint", MAX_FINGERPRINT_CHARS), ("dtype", MAX_DTYPE_CHARS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > limit:
+                raise WireError(f"frame {name} must be a string of at most {limit} characters, "
+                                f"got {_describe(value)}")
+        for name in _INDEX_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) or not 0 <= value < MAX_INDEX:
+                raise WireError(f"frame {name} must be an int in [0, {MAX_INDEX}), got {_describe(value)}")
+        if self.end < self.start or self.head_end < self.head_start:
+            raise WireError(f"frame ranges must not run backwards: tokens [{self.start}, {self.end}), "
+                            f"heads [{self.head_start}, {self.head_end})")
+        if not _is_int(self.first_token) or not -_INT64 <= self.first_token < _INT64:
+            raise WireError(f"frame first_token must be a 64-bit int, got {_describe(self.first_token)}")
+        if not isinstance(self.in_place, bool):
+            raise WireError(f"frame in_place must be true or false, got {_describe(self.in_place)}")
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (2, self.end - self.start, self.head_end - self.head_start, self.head_dim)
+
+
+def _describe(value) -> str:
+    """A value for an error message, cut short (it may come from a stranger)."""
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    size = f" of {len(value)}" if hasattr(value, "__len__") else ""
+    return f"{text[:60]}... ({type(value).__name__}{size})"
 
 
 def encode_frame(header: ChunkHeader, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
@@ -55,20 +107,39 @@ def encode_frame(header: ChunkHeader, payload: bytes | memoryview = b"") -> list
     return [_LEN.pack(len(head)), head, payload]
 
 
-def decode_frame(data: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
+def split_frame(data: bytes | memoryview) -> tuple[dict, memoryview]:
+    """A frame's raw header fields and what follows the header. WireError: the framing itself is
+    broken (nothing after it can be located)."""
     view = memoryview(data)
     if len(view) < _LEN.size:
         raise WireError("frame shorter than its length prefix")
     (n,) = _LEN.unpack_from(view)
+    if n > MAX_HEADER_BYTES or n > len(view) - _LEN.size:
+        raise WireError(f"frame header of {n} bytes does not fit the frame ({len(view)} bytes) or "
+                        f"exceeds {MAX_HEADER_BYTES} bytes")
     try:
         fields = msgpack.unpackb(view[_LEN.size:_LEN.size + n])
     except Exception as e:
         raise WireError(f"bad frame header: {e}") from None
-    version = fields.get("version") if isinstance(fields, dict) else None
-    if version != WIRE_VERSION:
-        raise WireError(f"wire version {version!r} is not supported (this side speaks {WIRE_VERSION})")
+    if not isinstance(fields, dict):
+        raise WireError(f"a frame header is a msgpack map, got {type(fields).__name__}")
+    return fields, view[_LEN.size + n:]
+
+
+def header_from_fields(fields: dict) -> ChunkHeader:
+    """WireError (with the request id when readable): a field is missing, unknown or out of range."""
+    rid = fields.get("request_id")
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS else None
+    version = fields.get("version")
+    if not _is_int(version) or version != WIRE_VERSION:
+        raise WireError(f"wire version {_describe(version)} is not supported (this side speaks "
+                        f"{WIRE_VERSION})", rid)
     try:
-        header = ChunkHeader(**fields)
+        return ChunkHeader(**fields)
     except (TypeError, WireError) as e:
-        raise WireError(f"bad frame header fields: {e}") from None
-    return header, view[_LEN.size + n:]
+        raise WireError(f"bad frame header fields: {e}", rid) from None
+
+
+def decode_frame(data: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
+    fields, rest = split_frame(data)
+    return header_from_fields(fields), rest

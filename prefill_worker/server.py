@@ -18,6 +18,7 @@ from prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
 from protos.grpc_server import ServiceHost
 from protos.registration import register_worker
 from protos.pdserve.v1 import worker_pb2_grpc
+from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.worker.v1.PrefillWorker"
@@ -38,6 +39,10 @@ class PrefillWorkerConfig:
     max_workers: int | None = None
     stop_grace_s: float = 1.0
     registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
+    # every RPC to this worker (and, decode, its KV channels) needs security.secret; the
+    # router's Registry too. INSECURE: no check (in-process setups and tests)
+    security: ClusterSecurity = field(default=INSECURE)
+    deployment_id: str = ""      # sent with Register; the router refuses another deployment's workers
 
 
 class PrefillWorker:
@@ -67,16 +72,17 @@ class PrefillWorker:
             rank_caches = engine.rank_kv_caches() if tp > 1 else None
             self.servicer = PrefillWorkerServicer(self.loop, self.layout, PrefillServiceOptions(
                 worker_id=cfg.worker_id, prefill_timeout_s=cfg.prefill_timeout_s,
-                flush_timeout_s=cfg.flush_timeout_s), rank_caches)
+                flush_timeout_s=cfg.flush_timeout_s, security=cfg.security), rank_caches)
             max_workers = cfg.max_workers or 2 * engine.scheduler.max_num_seqs + 16
             self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, max_workers,
-                                     MAX_MESSAGE_BYTES)
+                                     MAX_MESSAGE_BYTES, security=cfg.security)
             self.address = self._host.start(
                 lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, s), (SERVICE_NAME,))
             if cfg.registry_address:
                 self.registration = register_worker(
                     cfg.registry_address, "prefill", cfg.worker_id, self.address, cfg.model,
-                    lambda: self.servicer.Stats(None, None))
+                    lambda: self.servicer.Stats(None, None), security=cfg.security,
+                    deployment_id=cfg.deployment_id)
         except BaseException:
             self.stop()
             raise

@@ -22,12 +22,15 @@ import grpc
 from engine import SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.request import RequestOutput
-from kvtransfer.backends import connect
+from kvtransfer.backends import BACKENDS, connect
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import Destination, Transport
 from prefill_worker.handoff import PushSink
 from protos.convert import sampling_kwargs, unix_ns
+from protos.limits import (MAX_ADDRESS_CHARS, Refusal, check_id, check_sampling, check_token_ids,
+                           invalid)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,9 @@ class PrefillServiceOptions:
     flush_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     poll_s: float = 0.1
+    security: ClusterSecurity = INSECURE   # KV channels carry the cluster secret
+    max_block_size: int = 1024
+    max_tp_size: int = 64
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -112,8 +118,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def Prefill(self, request, context):
         rid = request.request_id
-        if not rid:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty")
+        refusal = self._check_fields(request)
+        if refusal:
+            refusal.abort(context)
         try:
             params = SamplingParams(**sampling_kwargs(request.sampling))
         except (ValueError, TypeError) as e:
@@ -121,6 +128,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not request.HasField("reservation"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "reservation must be set: call DecodeWorker.Reserve first")
+        refusal = self._check_reservation(request)
+        if refusal:
+            refusal.abort(context)
         res = request.reservation
         endpoint = res.endpoint
         if endpoint.layout_fingerprint != self.layout.fingerprint:
@@ -182,6 +192,39 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prefill_end_unix_ns=waiter.end_ns, transfer_end_unix_ns=unix_ns(),
             bytes_sent=sink.sink.bytes_sent)
 
+    def _check_fields(self, request) -> Refusal | None:
+        """What is wrong with a PrefillRequest's id, prompt or sampling sizes, before any work."""
+        config = self.loop.engine.config
+        vocab = self.loop.engine.model_config.vocab_size
+        return (check_id("request_id", request.request_id)
+                or check_token_ids("prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab)
+                or check_sampling(request.sampling, config.max_model_len, vocab))
+
+    def _check_reservation(self, request) -> Refusal | None:
+        """Whether the reservation's numbers fit the prompt and the limits of this worker."""
+        prompt = request.prompt_token_ids
+        res, opts = request.reservation, self.options
+        if not 1 <= res.block_size <= opts.max_block_size:
+            return invalid(f"reservation.block_size must be in [1, {opts.max_block_size}], got "
+                           f"{res.block_size}")
+        needed = -(-len(prompt) // res.block_size)
+        if not needed <= len(res.block_ids) <= needed + 1:
+            return invalid(f"reservation.block_ids has {len(res.block_ids)} blocks; a prompt of "
+                           f"{len(prompt)} tokens in blocks of {res.block_size} needs {needed}")
+        if res.num_cached_tokens > len(prompt):
+            return invalid(f"reservation.num_cached_tokens={res.num_cached_tokens} exceeds the "
+                           f"prompt's {len(prompt)} tokens")
+        endpoint = res.endpoint
+        if endpoint.backend not in BACKENDS:
+            return invalid(f"reservation.endpoint.backend must be one of {BACKENDS}, got "
+                           f"{endpoint.backend[:40]!r}")
+        if not endpoint.address or len(endpoint.address) > MAX_ADDRESS_CHARS:
+            return invalid(f"reservation.endpoint.address must have 1 to {MAX_ADDRESS_CHARS} characters")
+        if endpoint.tp_size > opts.max_tp_size:
+            return invalid(f"reservation.endpoint.tp_size must be at most {opts.max_tp_size}, got "
+                           f"{endpoint.tp_size}")
+        return None
+
     def _budget(self, context) -> float:
         remaining = context.time_remaining()
         if remaining is None:
@@ -194,7 +237,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         with self._transports_lock:
             transport = self._transports.get(key)
             if transport is None:
-                transport = connect(backend, address, timeout=self.options.connect_timeout_s)
+                transport = connect(backend, address, timeout=self.options.connect_timeout_s,
+                                    security=self.options.security)
                 self._transports[key] = transport
             return transport
 
@@ -208,6 +252,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       f"KV transfer to {endpoint.address} failed: {err}")
 
     def Abort(self, request, context):
+        refusal = check_id("request_id", request.request_id)
+        if refusal:
+            refusal.abort(context)
         found = self.loop.abort(request.request_id, "aborted by the router")
         return worker_pb2.WorkerAbortResponse(found=found)
 

@@ -1,6 +1,8 @@
 """A gRPC server the way every pdserve process runs one: its own handler pool (gRPC does not own
 the executor, so its threads would outlive `stop()`), raised message limits, and the standard
-health service, SERVING for "" and the given service names once started."""
+health service, SERVING for "" and the given service names once started. Every service but health
+needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
+(protos/security.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,21 +11,26 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from protos.security import INSECURE, ClusterSecurity
+
 
 class ServiceHost:
-    def __init__(self, name: str, host: str, port: int, max_workers: int, max_message_bytes: int):
+    def __init__(self, name: str, host: str, port: int, max_workers: int, max_message_bytes: int,
+                 security: ClusterSecurity = INSECURE):
         self.host, self.port = host, port
+        self.security = security
         self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=f"{name}-grpc")
         self.server = grpc.server(self._executor, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+            ("grpc.max_receive_message_length", max_message_bytes)],
+            interceptors=security.server_interceptors())
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         self.address: str | None = None
 
     def start(self, register: Callable[[grpc.Server], None], service_names: tuple[str, ...]) -> str:
         register(self.server)
-        port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        port = self.security.add_port(self.server, f"{self.host}:{self.port}")
         if port == 0:
             raise OSError(f"cannot listen on {self.host}:{self.port}: set port to a free one")
         self.address = f"{self.host}:{port}"

@@ -8,7 +8,8 @@
 The thread: Register (retried with exponential backoff while the router is unreachable or
 refuses) -> every heartbeat_ms (the router's answer) Heartbeat with stats_fn() -> when the router
 answers known=false (it restarted, or dropped this worker) or cannot be reached, Register again.
-A router that rejects the registration (bad role, other model) is retried too, at the longest
+A router that rejects the registration (bad role, other model, another deployment, no or a wrong
+cluster secret) is retried too, at the longest
 backoff, with the reason logged: the deployment, not this process, has to change.
 """
 from __future__ import annotations
@@ -21,15 +22,18 @@ from collections.abc import Callable
 import grpc
 
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
-_REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+_REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+             grpc.StatusCode.UNAUTHENTICATED}
 
 
 class Registration:
     def __init__(self, registry_address: str, request: worker_pb2.RegisterRequest,
                  stats_fn: Callable[[], worker_pb2.WorkerStats], *, rpc_timeout_s: float = 2.0,
-                 min_backoff_s: float = 0.1, max_backoff_s: float = 5.0):
+                 min_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 security: ClusterSecurity = INSECURE):
         if not request.worker_id or not request.address:
             raise ValueError("RegisterRequest needs worker_id and address")
         self.registry_address = registry_address
@@ -40,7 +44,7 @@ class Registration:
         self.max_backoff_s = max_backoff_s
         max_ms = int(max_backoff_s * 1000)
         # gRPC's own reconnect backoff grows to 120 s; ours must decide when to try again
-        self._channel = grpc.insecure_channel(registry_address, options=[
+        self._channel = security.channel(registry_address, [
             ("grpc.initial_reconnect_backoff_ms", int(min_backoff_s * 1000)),
             ("grpc.min_reconnect_backoff_ms", int(min_backoff_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", max_ms)])
@@ -128,10 +132,12 @@ class Registration:
 
 
 def register_worker(registry_address: str, role: str, worker_id: str, address: str, model: str,
-                    stats_fn: Callable[[], worker_pb2.WorkerStats]) -> Registration:
+                    stats_fn: Callable[[], worker_pb2.WorkerStats], *,
+                    security: ClusterSecurity = INSECURE, deployment_id: str = "") -> Registration:
     """Starts the membership of a worker serving `model` (the deployment's model string, whose base
-    name is the router's model id) at `address`."""
+    name is the router's model id) at `address`, for deployment `deployment_id`."""
     from protos.pdserve.v1 import pdserve_pb2
     card = pdserve_pb2.ModelCard(id=os.path.basename(model.rstrip("/")))
     return Registration(registry_address, worker_pb2.RegisterRequest(
-        worker_id=worker_id, role=role, address=address, model=card), stats_fn).start()
+        worker_id=worker_id, role=role, address=address, model=card, deployment_id=deployment_id),
+        stats_fn, security=security).start()

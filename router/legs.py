@@ -18,8 +18,10 @@ different decode worker with
 and the prefill runs again (the prefill worker's prefix cache holds the prompt, so mostly only
 the streamed tokens are computed). The client's stream goes on where it stopped: no token is
 sent twice, text deltas continue from the same incremental detokenizer, usage counts every token.
-Each leg has its own worker-side request id, so whatever a dead leg left on a worker (a prefill
-still running, a reservation on a worker that was only unreachable) cannot collide with it.
+Each leg has its own worker-side request id, minted by the router (the client's request_id
+never reaches a worker), so whatever a dead leg left on a worker (a prefill still running, a
+reservation on a worker that was only unreachable) cannot collide with it, and no client can
+name another's request to a worker.
 
 What differs after a resume, compared with an uninterrupted run:
 - greedy decoding gives the same tokens; seeded sampling continues from a fresh generator seeded
@@ -37,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent import futures
 
@@ -68,6 +71,7 @@ class RouterStatus(grpc.RpcError):
 
 
 DECODE_QUEUE_POLL_S = 0.05   # a waiting request retries Reserve at least this often
+ABORT_THREADS = 4            # concurrent worker Abort calls; a burst of cancellations queues
 
 
 class DecodeFull(Exception):
@@ -146,9 +150,9 @@ class Inflight:
 class Leg:
     """Leg `number` of a request; resumes get their own worker-side id (see the module docstring)."""
 
-    def __init__(self, request_id: str, number: int):
+    def __init__(self, number: int):
         self.number = number
-        self.request_id = request_id if number == 0 else f"{request_id}~resume{number}"
+        self.request_id = uuid.uuid4().hex   # what the workers know this leg by
         self.decode = None                # pool worker holding the reservation
         self.reservation = None
         self.stream_call = None
@@ -176,11 +180,28 @@ class Legs:
         self.executor = executor          # Prefill calls
         self.options = options
         self.decode_queue = DecodeQueue()
+        # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
+        self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
+
+    def close(self) -> None:
+        self._aborter.shutdown(wait=False, cancel_futures=True)
+
+    def abort_later(self, leg: "Leg", cancel_stream: bool = False) -> None:
+        """Aborts `leg` on its workers from the abort threads (and cancels its decode stream);
+        returns at once."""
+        def run():
+            if cancel_stream:
+                leg.stream_call.cancel()
+            self.abort(leg)
+        try:
+            self._aborter.submit(run)
+        except RuntimeError:   # the router is stopping; the workers' leases free the blocks
+            log.debug("router stopping: %s not aborted", leg.request_id)
 
     def start(self, req: Inflight, prompt, sampling, deadline: float, number: int) -> Leg | None:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
-        leg = Leg(req.request_id, number)
+        leg = Leg(number)
         leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
         leg.stream_call = leg.decode.stub.Stream(worker_pb2.StreamRequest(request_id=leg.request_id),
                                                  timeout=left(deadline))
@@ -239,10 +260,7 @@ class Legs:
         with req.lock:
             req.dead_decodes.append(leg.decode)
             req.leg = None
-        try:   # not inline: a dead worker's Abort may take its whole timeout
-            self.executor.submit(self.abort, leg)
-        except RuntimeError:   # the router is stopping; the workers' leases free the blocks
-            log.debug("router stopping: %s not aborted", leg.request_id)
+        self.abort_later(leg)   # not inline: a dead worker's Abort may take its whole timeout
 
     def abort(self, leg: Leg) -> bool:
         found = False

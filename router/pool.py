@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.security import INSECURE, ClusterSecurity
 from router.affinity import PrefixAffinity, prefix_hashes
 
 log = logging.getLogger(__name__)
@@ -68,12 +69,14 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, prefill_addresses=(), decode_addresses=(), stats_ttl_s: float = 0.5,
-                 stats_timeout_s: float = 1.0, down_after: int = 2):
+                 stats_timeout_s: float = 1.0, down_after: int = 2,
+                 security: ClusterSecurity = INSECURE):
         if down_after < 1:
             raise ValueError(f"down_after must be >= 1, got {down_after}")
         self.stats_ttl_s = stats_ttl_s
         self.stats_timeout_s = stats_timeout_s
         self.down_after = down_after
+        self.security = security
         self._workers = {"prefill": [self._connect("prefill", a) for a in prefill_addresses],
                          "decode": [self._connect("decode", a) for a in decode_addresses]}
         self._registered: dict[str, _Worker] = {}   # worker_id -> worker, for heartbeats
@@ -84,9 +87,8 @@ class WorkerPool:
         self.num_sweeps = 0
         self._thread = threading.Thread(target=self._run, name="router-health", daemon=True)
 
-    @staticmethod
-    def _connect(role: str, address: str, **fields) -> _Worker:
-        channel = grpc.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+    def _connect(self, role: str, address: str, **fields) -> _Worker:
+        channel = self.security.channel(address, WORKER_CHANNEL_OPTIONS)
         return _Worker(role, address, channel, _STUBS[role](channel), **fields)
 
     def start(self) -> "WorkerPool":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.loader import load_hf_config, resolve_model
 from engine.tokenizer import load_tokenizer
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.security import INSECURE, ClusterSecurity, TLSConfig
 from router.pool import CHANNEL_OPTIONS, WorkerPool
 from router.registry import RegistryServicer
 from router.service import PDServeServicer, ServiceOptions
@@ -53,6 +54,12 @@ class RouterConfig:
     max_resumes: int = 2                # decode workers one request may move to when its worker dies
     decode_queue_timeout_s: float = 120.0   # longest wait for decode KV blocks when all are full
     colocated: bool = False             # decode workers prefill too: no prefill pool, no hand-off
+    # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
+    # it (the client API stays open); INSECURE: no check (in-process setups, tests)
+    security: ClusterSecurity = field(default=INSECURE)
+    deployment_id: str = ""             # set: workers registering for another deployment are refused
+    # TLS on the client-facing port (cert_pem/key_pem; with ca_pem, clients must present a cert)
+    client_tls: TLSConfig | None = None
 
     def __post_init__(self):
         for name in ("stats_interval_s", "stats_timeout_s", "decode_queue_timeout_s"):
@@ -106,21 +113,25 @@ class Router:
             tokenizer = load_tokenizer(model_dir)
             self.pool = WorkerPool(list(cfg.prefill_addresses), list(cfg.decode_addresses),
                                    stats_ttl_s=cfg.stats_interval_s, stats_timeout_s=cfg.stats_timeout_s,
-                                   down_after=cfg.down_after).start()
+                                   down_after=cfg.down_after, security=cfg.security).start()
             self._prefill_executor = futures.ThreadPoolExecutor(cfg.max_inflight,
                                                                 thread_name_prefix="router-prefill")
             self.servicer = PDServeServicer(self.pool, tokenizer, options, self._prefill_executor)
             self._executor = futures.ThreadPoolExecutor(cfg.max_inflight + _EXTRA_THREADS,
                                                         thread_name_prefix="router-grpc")
-            self._server = grpc.server(self._executor, options=CHANNEL_OPTIONS)
+            # the client API and reflection are open to anyone; the Registry needs the secret
+            guard = cfg.security.server_interceptors(
+                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."))
+            self._server = grpc.server(self._executor, options=CHANNEL_OPTIONS, interceptors=guard)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             worker_pb2_grpc.add_RegistryServicer_to_server(
-                RegistryServicer(self.pool, options.model_id, cfg.heartbeat_ms), self._server)
+                RegistryServicer(self.pool, options.model_id, cfg.heartbeat_ms,
+                                 deployment_id=cfg.deployment_id), self._server)
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
             reflection.enable_server_reflection(
                 (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-            port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            port = self._bind(f"{cfg.host}:{cfg.port}")
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
             self.address = f"{cfg.host}:{port}"
@@ -134,6 +145,17 @@ class Router:
                  self.address, list(cfg.prefill_addresses), list(cfg.decode_addresses))
         return self
 
+    def _bind(self, address: str) -> int:
+        """The client-facing port: TLS when client_tls is set, else mutual TLS when the cluster
+        uses it (workers and clients then share the CA), else plaintext."""
+        tls = self.config.client_tls
+        if tls is not None:
+            creds = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)],
+                                                root_certificates=tls.ca_pem or None,
+                                                require_client_auth=bool(tls.ca_pem))
+            return self._server.add_secure_port(address, creds)
+        return self.config.security.add_port(self._server, address)
+
     def stop(self) -> None:
         """Stops taking requests, cancels open streams (which aborts them on the workers), then
         closes the worker channels."""
@@ -142,6 +164,8 @@ class Router:
         if self._server is not None:
             self._server.stop(grace=self.config.stop_grace_s).wait(self.config.stop_grace_s + 5)
             self._server = None
+        if self.servicer is not None:
+            self.servicer.close()
         for name in ("_executor", "_prefill_executor"):   # grpc does not own them
             executor = getattr(self, name)
             if executor is not None:

@@ -15,8 +15,16 @@ Lifecycle of one Generate call (DESIGN.md section 1):
      already streamed, prefill again, keep streaming (at most max_resumes times; the steps above
      are a "leg", router/legs.py). After a resume seeded sampling continues from a new generator
      and presence/frequency penalties see the earlier output as prompt (details in router/legs.py)
-  client gone (context callback) or deadline_ms exceeded -> Abort on both workers
+  client gone (context callback) or deadline_ms exceeded -> Abort on both workers, sent from the
+     router's abort threads: gRPC runs the callback on its polling thread, which must never wait
+     on a worker (it would stall every call of the router, health checks and heartbeats included)
 A role with no worker in the pool -> UNAVAILABLE before anything is reserved.
+
+Ids: the client's request_id is only a label for its own responses and its own Abort calls, which
+find requests started on the same connection only (another client cannot abort them). The workers
+see ids the router mints (router/legs.py), so nothing a client chooses reaches a worker.
+Every field is checked before any work (protos/limits.py, router/text.py): sizes, counts, and
+numbers a wrapped -1 would make enormous.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import grpc
 
 from protos.convert import unix_ns
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
+from protos.limits import check_id, check_sampling
 from router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus, decode_died, resume_sampling
 from router.pool import ROLES, NoWorker, WorkerPool
 from router.text import BadRequest, PromptEncoder, TextStream
@@ -66,19 +75,27 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.pool = pool
         self.tokenizer = tokenizer
         self.options = options
-        self.encoder = PromptEncoder(tokenizer, options.max_model_len)
+        self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
         self.legs = Legs(pool, executor, options)
-        self._inflight: dict[str, Inflight] = {}
+        self._inflight: dict[tuple[str, str], Inflight] = {}   # (client peer, request_id) ->
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.encoder.close()
+        self.legs.close()
 
     # ---- Generate -------------------------------------------------------------------------------
     def Generate(self, request, context):
         queued_ns, start = unix_ns(), time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         opts = self.options
+        refusal = check_id("request_id", rid) or check_sampling(request.sampling, opts.max_model_len,
+                                                                   opts.vocab_size)
+        if refusal:
+            refusal.abort(context)
         if request.model and request.model != opts.model_id:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"model {request.model} is not served; served: {opts.model_id}")
+                          f"model {request.model[:200]} is not served; served: {opts.model_id}")
         if request.sampling.HasField("n") and request.sampling.n > 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "n>1 is not supported by the disaggregated router yet")
@@ -89,24 +106,27 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         for role in (("decode",) if opts.colocated else ROLES):
             if not self.pool.num_workers(role):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))
-        budget_s = request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s
+        budget_s = min(request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s,
+                       opts.request_timeout_s)
         deadline = start + budget_s
-        req = self._admit(rid, context)
+        key = (context.peer(), rid)
+        req = self._admit(key, context)
         context.add_callback(lambda: self._on_rpc_end(req))
         try:
             yield from self._generate(req, request, prompt, deadline, queued_ns, context)
         finally:
             with self._lock:
-                if self._inflight.get(rid) is req:
-                    del self._inflight[rid]
+                if self._inflight.get(key) is req:
+                    del self._inflight[key]
 
-    def _admit(self, rid: str, context) -> Inflight:
+    def _admit(self, key: tuple[str, str], context) -> Inflight:
+        rid = key[1]
         req = Inflight(rid)
         with self._lock:
             num = len(self._inflight)
-            full, taken = num >= self.options.max_inflight, rid in self._inflight
+            full, taken = num >= self.options.max_inflight, key in self._inflight
             if not full and not taken:
-                self._inflight[rid] = req
+                self._inflight[key] = req
         if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"router queue full ({num} in flight), retry later")
@@ -223,25 +243,32 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     # ---- cancellation ---------------------------------------------------------------------------
     def _on_rpc_end(self, req: Inflight) -> None:
-        """gRPC calls this when the call ends for any reason; only an unfinished one needs work."""
+        """gRPC calls this on its polling thread when the call ends for any reason; only an
+        unfinished one needs work, and that work (worker Abort calls) goes to the abort threads."""
         with req.lock:
             if req.finished:
                 return
             req.cancelled = True
             leg = req.leg
         if leg is not None:
-            leg.stream_call.cancel()
-            self.legs.abort(leg)
+            self.legs.abort_later(leg, cancel_stream=True)
 
     def _abort_workers(self, req: Inflight) -> bool:
+        """Aborts the request's running leg from the abort threads; whether there was one."""
         with req.lock:
             leg = req.leg
-        return leg is not None and self.legs.abort(leg)
+        if leg is None:
+            return False
+        self.legs.abort_later(leg)
+        return True
 
     # ---- Abort, ListModels ----------------------------------------------------------------------
     def Abort(self, request, context):
-        with self._lock:
-            req = self._inflight.get(request.request_id)
+        refusal = check_id("request_id", request.request_id)
+        if refusal:
+            refusal.abort(context)
+        with self._lock:   # only the caller's own requests: those its connection started
+            req = self._inflight.get((context.peer(), request.request_id))
         if req is None:
             return pdserve_pb2.AbortResponse(found=False)
         with req.lock:

@@ -5,7 +5,7 @@ does (IncrementalDetokenizer, stop strings cut the text), so a client sees the e
 """
 from __future__ import annotations
 
-import threading
+from concurrent import futures
 
 import grpc
 
@@ -21,12 +21,32 @@ class BadRequest(Exception):
         self.message = message
 
 
+MAX_CHAT_MESSAGES = 4096
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token decodes to (a partial character counts as its replacement
+    character, which only makes the bound looser)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+    return max((len(t.encode("utf-8")) for t in texts), default=1) or 1
+
+
 class PromptEncoder:
-    def __init__(self, tokenizer, max_model_len: int):
+    """Turns a request's input into prompt ids, with the work bounded before it starts: a text
+    (or chat) longer in bytes than max_model_len tokens of the vocabulary's longest token cannot
+    fit and is refused unread; tokenizing runs on one thread of its own, so no gRPC handler holds
+    the tokenizer (HF fast tokenizers refuse concurrent encode calls: "Already borrowed")."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int = 0):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        # HF fast tokenizers may refuse concurrent encode calls ("Already borrowed")
-        self._lock = threading.Lock()
+        self.vocab_size = vocab_size
+        # one separator byte per token on top: pre-tokenizers that split on whitespace drop it
+        self.max_prompt_bytes = (max_model_len - 1) * (max_token_bytes(tokenizer) + 1)
+        self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def encode(self, request) -> list[int]:
         """Prompt token ids of a pdserve.v1.GenerateRequest; raises BadRequest."""
@@ -34,7 +54,8 @@ class PromptEncoder:
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "text":
-            ids = self._encode(request.text, add_special_tokens=True) if request.text else []
+            self._check_bytes(len(request.text.encode("utf-8", "surrogatepass")), "text")
+            ids = self._run(self._encode, request.text, True) if request.text else []
         elif kind == "chat":
             ids = self._encode_chat(request.chat.messages)
         else:
@@ -46,23 +67,46 @@ class PromptEncoder:
             raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
                              f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                              f"shorten it to at most {self.max_model_len - 1} tokens")
+        if self.vocab_size and max(ids) >= self.vocab_size:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"token_ids must be below the vocabulary size {self.vocab_size}, got "
+                             f"{[t for t in ids if t >= self.vocab_size][:3]}")
         return ids
 
+    def _check_bytes(self, num_bytes: int, what: str) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
+                             f"the {what} has {num_bytes} bytes, more than max_model_len="
+                             f"{self.max_model_len} tokens can hold (at most {self.max_prompt_bytes} "
+                             f"bytes): shorten it")
+
+    def _run(self, fn, *args):
+        try:
+            return self._executor.submit(fn, *args).result()
+        except RuntimeError as e:   # shut down: the router is stopping
+            raise BadRequest(grpc.StatusCode.UNAVAILABLE, f"the router is stopping: {e}") from None
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        with self._lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _encode_chat(self, messages) -> list[int]:
         if not messages:
             return []
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
+                             f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed")
+        self._check_bytes(sum(len(m.content.encode("utf-8", "surrogatepass")) + len(m.role)
+                              for m in messages), "chat")
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                              "this model's tokenizer has no chat template: send text or token_ids instead")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
+        return self._run(self._render_and_encode, conversation)
+
+    def _render_and_encode(self, conversation) -> list[int]:
         try:
-            with self._lock:
-                rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                              tokenize=False)
+            rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                          tokenize=False)
         except Exception as e:   # jinja errors: a role or shape the template rejects
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                              f"chat messages do not fit the model's chat template: {e}") from e

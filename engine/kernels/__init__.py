@@ -5,6 +5,7 @@ without a compiler (or with PDSERVE_CPU_KERNELS=0) just runs the fallback.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -41,10 +42,16 @@ def cpu_paged_decode():
         key = hashlib.sha256((_cpu_flags() + _SRC.read_text()).encode()).hexdigest()[:12]
         build = default_cache_dir() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
-        module = load(name=f"pdserve_paged_decode_{key}", sources=[str(_SRC)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                      extra_ldflags=["-fopenmp", "-lmvec"],
-                      build_directory=str(build), verbose=False)
+        # torch's own build lock is a plain file: a worker killed while compiling leaves it behind
+        # and every later worker waits on it forever. An flock dies with its holder, so under it
+        # any torch lock found is a dead one.
+        with open(build / "pdserve.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            module = load(name=f"pdserve_paged_decode_{key}", sources=[str(_SRC)],
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp", "-lmvec"],
+                          build_directory=str(build), verbose=False)
         return module.paged_decode
     except Exception as e:   # no compiler, no headers, no ninja: the torch path still works
         log.warning("pdserve: compiled CPU decode attention unavailable (%s); using torch", e)

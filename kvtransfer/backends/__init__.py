@@ -8,7 +8,10 @@
            create_shared_kv_cache; the sender writes KV straight into it, headers ride gRPC
     torch  torch.distributed gloo point-to-point in a private group per sender (no default group)
 
-Options (keyword arguments) go to the backend's server or transport class; see each module.
+security (protos.security.ClusterSecurity): the deployment's cluster secret; a server built with
+one refuses senders without it (grpc, shm: UNAUTHENTICATED before any handler runs; torch: an
+HMAC handshake before the gloo group forms), and a transport presents it. INSECURE: no check.
+Other options (keyword arguments) go to the backend's server or transport class; see each module.
 Worker processes should call tune_malloc() once at start (see its docstring: +60% gRPC throughput).
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import ctypes
 from kvtransfer.backends.shm_backend import (create_shared_kv_cache, default_shared_dir, populate,
                                              remove_shared_kv_cache)
 from kvtransfer.transport import FrameHandler, Transport, TransportServer
+from protos.security import INSECURE, ClusterSecurity
 
 BACKENDS = ("grpc", "shm", "torch")
 
@@ -45,30 +49,40 @@ def _check(backend: str) -> None:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}: set backend to one of them")
 
 
-def serve(backend: str, handler: FrameHandler, **opts) -> TransportServer:
-    """Start the receiving side (decode rank); its `address` is what senders pass to `connect`."""
+def _check_security(security) -> None:
+    if not isinstance(security, ClusterSecurity):
+        raise TypeError(f"security must be a protos.security.ClusterSecurity, got {type(security).__name__}")
+
+
+def serve(backend: str, handler: FrameHandler, *, security: ClusterSecurity = INSECURE,
+          **opts) -> TransportServer:
+    """Start the receiving side (decode rank); its `address` is what senders pass to `connect`.
+    Only senders presenting `security`'s secret get their frames to `handler`."""
     _check(backend)
+    _check_security(security)
     if backend == "grpc":
         from kvtransfer.backends.grpc_backend import GrpcServer
-        return GrpcServer(handler, **opts)
+        return GrpcServer(handler, security=security, **opts)
     if backend == "shm":
         from kvtransfer.backends.shm_backend import ShmServer
-        return ShmServer(handler, **opts)
+        return ShmServer(handler, security=security, **opts)
     from kvtransfer.backends.torch_backend import TorchServer
-    return TorchServer(handler, **opts)
+    return TorchServer(handler, security=security, **opts)
 
 
-def connect(backend: str, address: str, **opts) -> Transport:
-    """Open a channel from a sender (prefill rank) to the server at `address`."""
+def connect(backend: str, address: str, *, security: ClusterSecurity = INSECURE, **opts) -> Transport:
+    """Open a channel from a sender (prefill rank) to the server at `address`, presenting
+    `security`'s secret. ConnectionRefusedError: the server refused it."""
     _check(backend)
+    _check_security(security)
     if backend == "grpc":
         from kvtransfer.backends.grpc_backend import GrpcTransport
-        return GrpcTransport(address, **opts)
+        return GrpcTransport(address, security=security, **opts)
     if backend == "shm":
         from kvtransfer.backends.shm_backend import ShmTransport
-        return ShmTransport(address, **opts)
+        return ShmTransport(address, security=security, **opts)
     from kvtransfer.backends.torch_backend import TorchTransport
-    return TorchTransport(address, **opts)
+    return TorchTransport(address, security=security, **opts)
 
 
 __all__ = ["BACKENDS", "serve", "connect", "create_shared_kv_cache", "default_shared_dir", "populate",

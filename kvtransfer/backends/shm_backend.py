@@ -12,6 +12,10 @@ header alone with `in_place=True` on the control channel, so the receiver's hand
 payload=None and only records coverage. "commit" and "abort" frames follow on the same ordered
 channel, after the writes, so the KV is in place before the commit is seen. Header-only frames
 queued together travel in one gRPC message (see grpc_backend).
+
+Only this backend's control server takes in-place frames (the plain gRPC server refuses them:
+there, no bytes would have arrived). The control channel needs the deployment's cluster secret
+like the gRPC backend; the pool file is mode 0600 (its owner's processes only).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.reshard import dtype_name, write_chunk
 from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
 from kvtransfer.wire import ChunkHeader
+from protos.security import INSECURE, ClusterSecurity
 
 SCHEME = "shm"
 
@@ -168,8 +173,8 @@ class PagedWriter:
         known = self._layouts.get(layout)
         if known is None:
             known = self._layouts[layout] = (layout.fingerprint, layout.head_range, layout.num_layers,
-                                             layout.block_size)
-        fingerprint, (d0, d1), num_layers, bs = known
+                                             layout.block_size, layout.head_dim)
+        fingerprint, (d0, d1), num_layers, bs, head_dim = known
         if not (self._fast and isinstance(data, torch.Tensor) and data.device.type == "cpu"
                 and data.dtype == self.kv_cache.dtype and header.head_start == d0 and header.head_end == d1):
             return write_chunk(self.kv_cache, layout, block_ids, header, data)
@@ -177,6 +182,8 @@ class PagedWriter:
             layout.check_compatible(header.fingerprint, "sender")
         if header.dtype != self._dtype:
             raise LayoutMismatch(f"chunk dtype {header.dtype} != cache dtype {self._dtype}")
+        if header.head_dim != head_dim:
+            raise LayoutMismatch(f"chunk head_dim {header.head_dim} != this layout's {head_dim}")
         if not 0 <= header.layer < num_layers:
             raise ValueError(f"chunk layer {header.layer} outside [0, {num_layers})")
         start, end = header.start, header.end
@@ -207,6 +214,12 @@ class PagedWriter:
         return end - start
 
 
+class ShmControlServer(GrpcServer):
+    """The gRPC server of the headers: in-place frames are valid here, the sender wrote their KV
+    into the shared pool."""
+    accepts_in_place = True
+
+
 class ShmServer(TransportServer):
     """Receiver side: the KV pool is `kv_cache` (made by `create_shared_kv_cache`, file `kv_path`);
     frames arrive on a gRPC control channel (options pass through to GrpcServer).
@@ -215,8 +228,8 @@ class ShmServer(TransportServer):
     kv_cache (rank 0's); the sender then writes each rank's share of the heads into its file.
     """
 
-    def __init__(self, handler: FrameHandler, kv_cache: torch.Tensor, kv_path: str | list[str],
-                 **grpc_opts):
+    def __init__(self, handler: FrameHandler, kv_cache: torch.Tensor, kv_path: str | list[str], *,
+                 security: ClusterSecurity = INSECURE, **grpc_opts):
         if kv_cache is None or not kv_path:
             raise ValueError("the shm backend needs kv_cache and kv_path (from create_shared_kv_cache)")
         paths = [kv_path] if isinstance(kv_path, str) else list(kv_path)
@@ -224,12 +237,16 @@ class ShmServer(TransportServer):
         if not kv_cache.is_contiguous() or any(os.path.getsize(p) != expected for p in paths):
             raise ValueError(f"kv_cache is not the whole contiguous tensor of each of {paths}: map it "
                              f"with create_shared_kv_cache")
-        self._control = GrpcServer(handler, **grpc_opts)
+        self._control = ShmControlServer(handler, security=security, **grpc_opts)
         self._address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
 
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def num_channels(self) -> int:
+        return self._control.num_channels
 
     def stop(self) -> None:
         self._control.stop()
@@ -244,7 +261,8 @@ class ShmTransport(Transport):
     and it saves gRPC's per-message cost on every layer.
     """
 
-    def __init__(self, address: str, max_pending_headers: int = 64, **grpc_opts):
+    def __init__(self, address: str, max_pending_headers: int = 64, *,
+                 security: ClusterSecurity = INSECURE, **grpc_opts):
         paths, shape, dtype, control = parse_address(address)
         self._caches = [map_shared_kv_cache(p, shape, dtype) for p in paths]
         for cache in self._caches:   # this process's first touch of every page, now, not mid-prefill
@@ -255,7 +273,7 @@ class ShmTransport(Transport):
         self._pending: list[ChunkHeader] = []
         self._lock = threading.Lock()
         try:
-            self._control = GrpcTransport(control, **grpc_opts)
+            self._control = GrpcTransport(control, security=security, **grpc_opts)
         except BaseException:
             self._caches = self._writers = None
             raise

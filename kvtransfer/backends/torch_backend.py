@@ -2,8 +2,20 @@
 any default process group (each worker may already sit in its own TP group).
 
 Rendezvous: the server hosts a TCPStore (`address` = "host:port" of the store). Each sender takes a
-connection number from the store's counter, and both sides build a private gloo group under that
-connection's key prefix, so any number of senders can share one server.
+connection number from the store's counter, proves it holds the cluster secret (an HMAC-SHA256
+of a nonce the server publishes for that connection: backends.torch_auth), and only then do both
+sides build a private gloo group under that connection's key prefix, so any number of senders
+can share one server and a stranger never gets a group, a thread or a handler call.
+
+Remaining limit of a TCPStore rendezvous: the store has no access control. Anyone who can reach
+its port can read, list and write its keys: disturb or refuse others' handshakes (rewrite their
+keys, flood the connection counter; both bounded here, never blocking the accept loop), fill
+the store's memory, and, after a sender passed its handshake, rewrite that connection's gloo
+rendezvous keys to redirect its group (to pose as or relay between the two ranks). The gloo
+traffic itself is neither authenticated nor encrypted, and `security.tls` does not apply to it.
+So the secret keeps strangers from opening connections, not an attacker on the network path or
+one racing the rendezvous: bind the store (`host`) to a private interface, or use the grpc
+backend with TLS where the network is not trusted.
 
 The group has three ranks: 0 is the server's receiving thread, 1 the sender, and 2 a "waker" the
 server holds for `stop`: a pending gloo receive ends only with a message or a dead peer (a wait
@@ -33,9 +45,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from kvtransfer.backends.grpc_backend import FrameWorker, call_handler, encode_header
+from kvtransfer.backends.frames import FrameWorker, call_handler, encode_header, screen
+from kvtransfer.backends.torch_auth import CONNECTIONS_KEY, Gatekeeper, authenticate, group_prefix
 from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
-from kvtransfer.wire import ChunkHeader, WireError, decode_frame
+from kvtransfer.wire import MAX_HEADER_BYTES, ChunkHeader, WireError, header_from_fields, split_frame
+from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +59,7 @@ LOOKAHEAD = 4                   # frames whose envelope the receiver has posted 
 ENVELOPE_BYTES = 512            # int64 [header bytes, payload values, dtype code] + the header
 _ENVELOPE = struct.Struct("<qqq")
 _HEADER_LENGTH = struct.Struct("<I")   # the wire frame's length prefix
-KEY_PREFIX = "pdserve/kv"
-CONNECTIONS_KEY = f"{KEY_PREFIX}/connections"
+MAX_FRAME_BYTES = 512 << 20            # a payload, like the grpc backend's largest message
 PAYLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8,
                   torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
 
@@ -72,10 +85,6 @@ def make_group(store, rank: int, timeout: float, host: str) -> dist.ProcessGroup
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = _td(timeout)
     return dist.ProcessGroupGloo(store, rank, GROUP_SIZE, opts)
-
-
-def _store_prefix(conn_id: int) -> str:
-    return f"{KEY_PREFIX}/conn{conn_id}/"
 
 
 def _local_address_towards(host: str, port: int) -> str:
@@ -105,7 +114,7 @@ class _Connection:
 
     def _store(self):
         s = self.server
-        return dist.PrefixStore(_store_prefix(self.conn_id),
+        return dist.PrefixStore(group_prefix(self.conn_id),
                                 dist.TCPStore(s.host, s.port, is_master=False, timeout=_td(s.timeout)))
 
     def _build(self):
@@ -165,6 +174,7 @@ class _Connection:
                 n_header, n_values, code = _ENVELOPE.unpack_from(raw)
                 if n_header < 0:
                     return
+                self._check_envelope(n_header, n_values, code)
                 works, head = [], raw[_ENVELOPE.size:_ENVELOPE.size + n_header]
                 if n_header > ENVELOPE_BYTES - _ENVELOPE.size:     # a header too long to ride inside
                     head = torch.empty(n_header, dtype=torch.uint8)
@@ -179,6 +189,15 @@ class _Connection:
         finally:   # frames that fully arrive still count, unless the server is stopping
             worker.close(drain=not s.stopping)
 
+    def _check_envelope(self, n_header: int, n_values: int, code: int) -> None:
+        """Sizes a peer sends, before we allocate for them. Raising ends this channel: the frames
+        after a bad envelope cannot be located."""
+        if not (0 <= code < len(PAYLOAD_DTYPES) and 0 <= n_header <= MAX_HEADER_BYTES and n_values >= 0
+                and n_values * PAYLOAD_DTYPES[code].itemsize <= self.server.max_frame_bytes):
+            raise WireError(f"bad envelope (header {n_header} bytes, {n_values} values of dtype code "
+                            f"{code}): at most {MAX_HEADER_BYTES} header bytes and max_frame_bytes="
+                            f"{self.server.max_frame_bytes} of payload")
+
     def _complete(self, item) -> None:
         head, payload, works = item
         if self.broken:
@@ -192,13 +211,13 @@ class _Connection:
             return
         if isinstance(head, torch.Tensor):
             head = head.numpy().tobytes()
-        try:
-            header, _ = decode_frame(_HEADER_LENGTH.pack(len(head)) + head)
-        except WireError as e:    # the peer speaks another format: nothing on this channel is usable
-            self.broken = True
-            log.warning("KV channel %d: %s", self.conn_id, e)
-            return
-        self.server.call_handler(header, None if header.in_place else payload)
+        try:   # the envelope frames each message, so a bad header costs only its own frame
+            header = header_from_fields(split_frame(_HEADER_LENGTH.pack(len(head)) + head)[0])
+        except WireError as e:
+            header = e
+        item = screen(header, payload, False, f"KV channel {self.conn_id}")
+        if item is not None:
+            self.server.call_handler(*item)
 
     def wake(self) -> None:
         with self.lock:
@@ -209,18 +228,23 @@ class _Connection:
 class TorchServer(TransportServer):
     """Receiver side. timeout bounds group formation and a frame's messages; idle_timeout bounds the
     wait for the next frame (an idle channel past it closes and its sender must reconnect);
-    max_backlog_bytes bounds the frames received but not yet handled, per channel."""
+    max_backlog_bytes bounds the frames received but not yet handled, per channel; max_frame_bytes
+    a frame's payload. security: the secret a sender must prove (torch_auth) within auth_timeout;
+    at most max_pending_auth handshakes are kept waiting."""
 
     def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
                  timeout: float = 30.0, idle_timeout: float = 24 * 3600.0, poll_interval: float = 0.02,
-                 max_backlog_bytes: int = 64 << 20):
+                 max_backlog_bytes: int = 64 << 20, *, security: ClusterSecurity = INSECURE,
+                 auth_timeout: float = 10.0, max_pending_auth: int = 64,
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
         self._handler = handler
         self.host, self.timeout, self.idle_timeout = host, timeout, idle_timeout
-        self.max_backlog_bytes = max_backlog_bytes
+        self.max_backlog_bytes, self.max_frame_bytes = max_backlog_bytes, max_frame_bytes
         self._poll_interval = poll_interval
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                     timeout=_td(timeout))
         self.port = self._store.port
+        self._gate = Gatekeeper(self._store, security.secret, auth_timeout, max_pending_auth)
         self.stopping = False
         self._stop_event = threading.Event()
         self._connections: list[_Connection] = []
@@ -233,23 +257,29 @@ class TorchServer(TransportServer):
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def num_channels(self) -> int:
+        """Connections that passed their handshake and are still open."""
+        with self._lock:
+            return sum(1 for c in self._connections if c.thread.is_alive())
+
     def _accept(self) -> None:
-        seen = 0
+        """Polls the handshakes (never waiting on a sender) and starts a connection for each that
+        passed."""
         while not self._stop_event.wait(self._poll_interval):
             try:
-                announced = self._store.add(CONNECTIONS_KEY, 0)
+                passed = self._gate.poll()
             except Exception as e:
                 log.error("KV transfer store at %s failed: %s", self.address, e)
                 return
-            while seen < announced:
-                conn = _Connection(self, seen)
+            for conn_id in passed:
+                conn = _Connection(self, conn_id)
                 with self._lock:
                     if self.stopping:
                         return
                     self._connections.append(conn)
                     self._connections = [c for c in self._connections if c.thread.is_alive() or c is conn]
                 conn.thread.start()
-                seen += 1
 
     def call_handler(self, header: ChunkHeader, payload) -> None:
         call_handler(self._handler, header, payload)
@@ -283,7 +313,7 @@ class TorchTransport(Transport):
     """
 
     def __init__(self, address: str, timeout: float = 30.0, max_inflight_frames: int = 32,
-                 gloo_host: str | None = None):
+                 gloo_host: str | None = None, *, security: ClusterSecurity = INSECURE):
         host, _, port = address.rpartition(":")
         self._address, self._timeout = address, timeout
         self._max_inflight = max(1, max_inflight_frames)
@@ -292,10 +322,13 @@ class TorchTransport(Transport):
             socket.create_connection((host, int(port)), timeout=timeout).close()
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=_td(timeout))
             conn_id = self._store.add(CONNECTIONS_KEY, 1) - 1
+            authenticate(self._store, conn_id, security.secret, timeout)
             if gloo_host is None:
                 gloo_host = "127.0.0.1" if _is_loopback(host) else _local_address_towards(host, int(port))
-            self._pg = make_group(dist.PrefixStore(_store_prefix(conn_id), self._store), SENDER_RANK,
+            self._pg = make_group(dist.PrefixStore(group_prefix(conn_id), self._store), SENDER_RANK,
                                   timeout, gloo_host)
+        except ConnectionRefusedError as e:
+            raise ConnectionRefusedError(f"cannot join the KV transfer server at {address}: {e}") from None
         except (OSError, RuntimeError, ValueError) as e:
             raise ConnectionError(f"cannot join the KV transfer server at {address}: {e}") from None
         self._lock = threading.Lock()

@@ -70,7 +70,7 @@ def _all_free(cluster) -> bool:
     for role, stub_cls in (("decode", worker_pb2_grpc.DecodeWorkerStub),
                            ("prefill", worker_pb2_grpc.PrefillWorkerStub)):
         for address in cluster.addresses(role):
-            with grpc.insecure_channel(address) as ch:
+            with cluster.security.channel(address) as ch:
                 s = stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
             # prefill pools keep finished prompts as evictable prefix-cache blocks: free counts them
             if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_reserved:

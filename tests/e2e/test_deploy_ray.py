@@ -1,10 +1,15 @@
 """`up()` on a local Ray (the `pdserve up` code path): 1 prefill + 1 decode actor and the router,
 or two colocated workers; a client's greedy Generate through the router equals the in-process
-engine's tokens."""
+engine's tokens. And self-healing: kill -9 the only decode worker, requests get UNAVAILABLE, then
+its replacement registers and serves the same tokens, with nobody restarting anything."""
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
+import pathlib
 import shutil
+import signal
 import tempfile
 import time
 
@@ -74,3 +79,113 @@ def test_up_generate_stop(tiny_models, shape):
     import ray
     assert not ray.is_initialized()      # up() started this Ray, so stop() shut it down
     print(f"{shape}: up {t_up:.1f}s, total {time.perf_counter() - t0:.1f}s")
+
+
+SECRET = "e2e-cluster-secret-0123456789"
+
+
+def _generate(stub, prompt_ids):
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [t for resp in stub.Generate(request, timeout=30) if resp.HasField("delta")
+            for t in resp.delta.token_ids]
+
+
+def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog):
+    import grpc
+    import ray
+
+    from deploy.config import validate_config
+    from deploy.launcher import RestartPolicy, up
+    from protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from conftest import random_prompts
+
+    caplog.set_level(logging.INFO, "deploy")
+    model_dir, _ = tiny_models("llama-gqa")
+    prompt_ids = random_prompts([23], seed=5)[0]
+    ray_tmp = tempfile.mkdtemp(prefix="pdray")
+    pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
+    config = validate_config({"model": model_dir, "pools": {"prefill": pool, "decode": pool},
+                              "router": {"port": 0}, "ray": {"num_cpus": 2, "temp_dir": ray_tmp}})
+    t0 = time.perf_counter()
+    cluster = up(config, block=False, restart=RestartPolicy(poll_s=0.2, backoff_s=0.5),
+                 environ={"PDSERVE_CLUSTER_SECRET": SECRET})
+    try:
+        t_up = time.perf_counter() - t0
+        assert cluster.security.secret == SECRET and len(cluster.deployment_id) == 32
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            # the control plane needs the secret; the client API does not
+            register = worker_pb2.RegisterRequest(worker_id="decode-0", role="decode",
+                                                  address="127.0.0.1:1")
+            with pytest.raises(grpc.RpcError) as e:
+                worker_pb2_grpc.RegistryStub(channel).Register(register, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            want = _generate(stub, prompt_ids)
+            assert len(want) == MAX_TOKENS
+
+            decode = next(r for r in cluster.replicas if r.key == "decode")
+            old_actor, old_address = decode.actor, decode.address
+            os.kill(ray.get(decode.actor.pid.remote(), timeout=30), signal.SIGKILL)
+            t_kill = time.perf_counter()
+            failures, got = [], None
+            while got is None:   # nobody but the launcher's supervisor does anything from here
+                assert time.perf_counter() - t_kill < 60, f"not served again within 60 s: {failures}"
+                try:
+                    got = _generate(stub, prompt_ids)
+                except grpc.RpcError as err:
+                    failures.append(err.code())
+                    time.sleep(0.2)
+            t_back = time.perf_counter() - t_kill
+        assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}, failures
+        assert got == want
+        assert decode.actor is not old_actor and decode.address not in (None, old_address)
+        assert cluster.router.pool.num_workers("decode") == 1
+        died = [m for m in caplog.messages if m.startswith("worker decode-0 died")]
+        replaced = [m for m in caplog.messages if m.startswith("worker decode-0 replaced")]
+        assert len(died) == 1 and len(replaced) == 1, caplog.messages
+        assert not any("prefill-0" in m for m in died + replaced)
+    finally:
+        cluster.stop()
+    try:   # the secret is in no log line, here or in any file Ray wrote
+        assert SECRET not in caplog.text
+        leaked = [str(p) for p in pathlib.Path(ray_tmp).rglob("*")
+                  if p.is_file() and not p.is_socket() and SECRET.encode() in p.read_bytes()]
+        assert not leaked
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    print(f"up {t_up:.1f}s, served again {t_back:.1f}s after the kill "
+          f"({len(failures)} requests failed meanwhile)")
+
+
+def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(tiny_models, tmp_path, capsys,
+                                                                  monkeypatch):
+    """A misfit the launcher cannot see beforehand (here: its fit check is switched off) fails
+    inside the actor; `pdserve up` prints the engine's own reason under the pool's key, exit 2."""
+    import ray
+
+    from deploy import launcher
+    from deploy.cli import main
+
+    monkeypatch.setattr(launcher, "check_model_fit", lambda *a, **k: None)
+    model_dir, _ = tiny_models("llama-gqa")
+    ray_tmp = tempfile.mkdtemp(prefix="pdray")
+    path = tmp_path / "small-kv.yaml"
+    path.write_text(f"model: {model_dir}\nrouter: {{port: 0}}\n"
+                    f"ray: {{num_cpus: 1, temp_dir: {ray_tmp}}}\n"
+                    f"pools:\n  colocated: {{kv_cache_memory: 1000, max_model_len: 64}}\n")
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    try:
+        assert main(["up", str(path)]) == 2
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("pdserve:")]
+    assert len(ours) == 1 and "Traceback" not in err, err
+    assert ours[0].startswith("pdserve: pools.colocated: replica 0 failed to start: ValueError: "
+                              "kv_cache_memory=1000 gives 0 blocks"), ours
+    assert ours[0].endswith("raise kv_cache_memory or lower max_model_len")
+    assert not ray.is_initialized()       # everything it started is stopped
+    print(f"refused in {time.perf_counter() - t0:.1f}s")

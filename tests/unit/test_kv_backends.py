@@ -293,8 +293,9 @@ def test_kvtransfer_imports_no_engine_and_no_worker():
 
 
 def test_a_long_header_travels_whole(decode):
-    """A request id too long for the torch backend's envelope: its header goes as its own message."""
-    rid = "r" * 700
+    """The longest request id (256 characters, 2 bytes each in UTF-8) makes a header too long for
+    the torch backend's envelope: it goes as its own message."""
+    rid = "é" * 256
     dest = decode.reserve(rid, [5, 1, 6])
     tx = connect(decode.backend, decode.server.address, timeout=TIMEOUT)
     try:

@@ -242,9 +242,10 @@ def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
     first = next(call)
     assert first.HasField("delta") and first.delta.token_ids
     call.cancel()
-    # the router aborts explicitly, not only by dropping its decode stream
-    wait_until(lambda: ("cancel-me", "aborted by the router") in aborted and pool_idle(idle), 1.0,
-               f"the cancelled request still holds decode blocks: {idle.stats()}")
+    # the router aborts explicitly, not only by dropping its decode stream, under an id it minted
+    wait_until(lambda: any(reason == "aborted by the router" for _, reason in aborted) and pool_idle(idle),
+               1.0, f"the cancelled request still holds decode blocks: {idle.stats()}")
+    assert all(rid != "cancel-me" for rid, _ in aborted), "the client's id reached a worker"
 
 
 def test_router_abort_ends_the_stream_with_abort(idle):

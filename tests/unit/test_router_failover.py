@@ -444,7 +444,7 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
     text = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=False)
     sent = [5, 6]   # streamed before the resume; "t6", maybe the start of the stop, is held back
     assert text.add(sent) == " t5 "
-    leg = Leg("r", 1)
+    leg = Leg(1)
     leg.stream_call = FakeStream([7, 8, 9])
     legs = Legs(pool=None, executor=None, options=None)
     run = legs.stream(Inflight("r"), leg, text, sent)

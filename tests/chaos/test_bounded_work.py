@@ -1,0 +1,55 @@
+"""Must-show (c) at CI scale (bench/chaos.py measures the router's CPU and the other client's
+TTFT): a prompt far past what max_model_len can hold and a huge stop list are refused before the
+router tokenizes or scans anything, with statuses that say what to change, while another client
+keeps being served."""
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+
+from chaos_helpers import RPC_TIMEOUT, SecureCluster, stream
+from protos.pdserve.v1 import pdserve_pb2
+
+SAMPLING = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models):
+    model_dir, _ = tiny_models("llama-gqa")
+    c = SecureCluster(model_dir)
+    yield c
+    c.stop()
+
+
+def _expect(cluster, request, code, says):
+    with pytest.raises(grpc.RpcError) as err:
+        list(cluster.api.Generate(request, timeout=RPC_TIMEOUT))
+    assert err.value.code() == code, err.value.details()
+    assert says in err.value.details()
+
+
+def test_oversized_prompt_and_stop_list_are_refused_beside_a_normal_client(cluster):
+    # one word of the tiny vocabulary per token: 60 MB is ~20 million tokens for max_model_len 256
+    huge_text = pdserve_pb2.GenerateRequest(text="t5 " * (20 << 20), sampling=SAMPLING)
+    huge_chat = pdserve_pb2.GenerateRequest(chat=pdserve_pb2.ChatMessages(messages=[
+        pdserve_pb2.ChatMessage(role="user", content="t7 " * (4 << 20))]), sampling=SAMPLING)
+    stops = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8)
+    stops.stop.extend(["s"] * 1_000_000)
+    huge_stops = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[3, 4, 5]), sampling=stops)
+    with futures.ThreadPoolExecutor(4) as pool:
+        normal = [pool.submit(stream, cluster.api, [2, 3, 4, 5, 6], SAMPLING) for _ in range(4)]
+        _expect(cluster, huge_text, grpc.StatusCode.OUT_OF_RANGE, "bytes")
+        _expect(cluster, huge_chat, grpc.StatusCode.OUT_OF_RANGE, "bytes")
+        _expect(cluster, huge_stops, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop has 1000000 strings")
+        results = [f.result(timeout=RPC_TIMEOUT) for f in normal]
+    assert all(how == "finished" and len(ids) == 8 for ids, _, how in results)
+
+
+def test_a_text_prompt_that_fits_is_still_served(cluster):
+    ids, finish, how = stream(cluster.api, [2, 3], SAMPLING)
+    assert how == "finished"
+    responses = list(cluster.api.Generate(pdserve_pb2.GenerateRequest(text="t5 t6 t7", sampling=SAMPLING),
+                                          timeout=RPC_TIMEOUT))
+    assert responses[-1].finish.usage.prompt_tokens >= 3

@@ -1,0 +1,397 @@
+"""What `pdserve up` refuses before it waits (a busy router port, pools the Ray cluster cannot
+hold), the cluster secret it picks and never shows, Ray errors reduced to their cause, and the
+Supervisor's replacement of dead workers (against fake actors: the real thing is in
+tests/e2e/test_deploy_ray.py)."""
+from __future__ import annotations
+
+import logging
+import pathlib
+import socket
+import sys
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from deploy import launcher
+from deploy.cli import main
+from deploy.config import validate_config
+from deploy.launcher import DeployError, RestartPolicy, Replica, Supervisor
+
+SECRET = "s3cret-value-that-is-long-enough"
+
+
+# ---- the router's port -----------------------------------------------------------------------------
+def grpc_server_on(address: str) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    port = server.add_insecure_port(address)
+    server.start()
+    return server, port
+
+
+def test_grpc_alone_binds_a_port_in_use_but_the_probe_does_not():
+    """Why check_port_free exists: gRPC's SO_REUSEPORT lets a second server bind a busy port."""
+    first, port = grpc_server_on("127.0.0.1:0")
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(1))
+        assert second.add_insecure_port(f"127.0.0.1:{port}") == port   # no error from gRPC
+        second.stop(None)
+        with pytest.raises(DeployError) as e:
+            launcher.check_port_free("127.0.0.1", port)
+        assert str(e.value).startswith(f"router.port: 127.0.0.1:{port} is already in use")
+        with pytest.raises(DeployError, match="router.port: 0.0.0.0"):   # wildcard covers loopback
+            launcher.check_port_free("0.0.0.0", port)
+    finally:
+        first.stop(None)
+
+
+def test_a_wildcard_listener_blocks_loopback_too():
+    first, port = grpc_server_on("0.0.0.0:0")
+    try:
+        with pytest.raises(DeployError, match="already in use"):
+            launcher.check_port_free("127.0.0.1", port)
+    finally:
+        first.stop(None)
+
+
+def test_a_port_freed_by_a_stopped_router_is_free_again():
+    server, port = grpc_server_on("127.0.0.1:0")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:   # leaves connections behind
+        grpc.channel_ready_future(channel).result(timeout=10)
+    server.stop(None).wait(5)
+    launcher.check_port_free("127.0.0.1", port)   # TIME_WAIT does not count as in use
+    launcher.check_port_free("127.0.0.1", 0)      # 0: any free port, nothing to check
+
+
+def test_a_host_that_is_not_this_machine_is_named():
+    with pytest.raises(DeployError, match=r"router: cannot listen on 192\.0\.2\.1:\d+ .*router\.host"):
+        launcher.check_port_free("192.0.2.1", free_port())   # TEST-NET-1: nobody's address
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_up_on_a_busy_port_fails_at_once_and_the_first_router_keeps_serving(
+        tmp_path, capsys, monkeypatch, tiny_models):
+    from router.server import Router, RouterConfig
+    from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+    import ray
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    model_dir = tiny_models("llama-gqa")[0]
+    first = Router(RouterConfig(model=model_dir, port=0)).start()
+    try:
+        port = int(first.address.rsplit(":", 1)[1])
+        path = tmp_path / "second.yaml"
+        path.write_text(f"model: {model_dir}\nrouter: {{host: 127.0.0.1, port: {port}}}\n")
+        capsys.readouterr()   # the fixture's own output
+        t0 = time.monotonic()
+        assert main(["up", str(path)]) == 2
+        assert time.monotonic() - t0 < 10
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"pdserve: router.port: 127.0.0.1:{port} is already in use (another pdserve "
+                       f"up?); stop that, or set router.port to a free port (0 picks one)"]
+        with grpc.insecure_channel(first.address) as channel:   # the first one answers as before
+            models = pdserve_pb2_grpc.PDServeStub(channel).ListModels(
+                pdserve_pb2.ListModelsRequest(), timeout=10)
+        assert len(models.models) == 1
+    finally:
+        first.stop()
+
+
+# ---- Ray's resources -------------------------------------------------------------------------------
+def pools(prefill: dict, decode: dict):
+    return validate_config({"pools": {"prefill": prefill, "decode": decode}})
+
+
+def test_pools_that_cannot_fit_the_cluster_are_refused_with_what_to_lower():
+    cfg = pools({"replicas": 2}, {"replicas": 2, "resources": {"num_cpus": 2}})
+    with pytest.raises(DeployError) as e:
+        launcher.check_resources(cfg, {"CPU": 2.0, "memory": 1e10}, [{"CPU": 2.0}], local=True)
+    assert str(e.value) == (
+        "the pools ask for 6 CPU (decode 2 x tp 1 x 2 CPU; prefill 2 x tp 1 x 1 CPU) but the Ray "
+        "cluster has 2 CPU: lower pools.<pool>.replicas, .tp or .resources.num_cpus, or raise "
+        "ray.num_cpus")
+    gpus = pools({"resources": {"num_gpus": 1}}, {"resources": {"num_gpus": 1}})
+    with pytest.raises(DeployError, match=r"has 8 CPU: .*\.resources\.num_gpus, or add Ray nodes"):
+        launcher.check_resources(gpus, {"CPU": 8.0}, [{"CPU": 8.0}], local=False)
+
+
+def test_cli_up_refuses_pools_a_local_ray_cannot_hold_before_starting_it(tmp_path, capsys,
+                                                                       monkeypatch, tiny_models):
+    import ray
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    path = tmp_path / "big.yaml"
+    path.write_text(f"model: {tiny_models('llama-gqa')[0]}\nrouter: {{port: 0}}\nray: {{num_cpus: 2}}\n"
+                    f"pools:\n  prefill: {{replicas: 2}}\n  decode: {{replicas: 2}}\n")
+    capsys.readouterr()
+    assert main(["up", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "pdserve: the pools ask for 4 CPU (decode 2 x tp 1 x 1 CPU; prefill 2 x tp 1 x 1 CPU) but "
+        "the Ray cluster has 2 CPU: lower pools.<pool>.replicas, .tp or .resources.num_cpus, or "
+        "raise ray.num_cpus"]
+
+
+def test_a_tp_group_must_fit_one_node():
+    cfg = pools({"tp": 4, "resources": {"num_cpus": 1, "num_gpus": 1}}, {})
+    nodes = [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}]
+    with pytest.raises(DeployError) as e:   # 4 GPUs in the cluster, but 2 per node
+        launcher.check_resources(cfg, {"CPU": 16.0, "GPU": 4.0}, nodes, local=False)
+    assert str(e.value) == ("pools.prefill: one replica needs 4 CPU, 4 GPU on one node (tp 4 x 1 "
+                            "CPU, 1 GPU); the largest Ray node has 8 CPU, 2 GPU: lower "
+                            "pools.prefill.tp or pools.prefill.resources")
+
+
+def test_pools_that_fit_pass():
+    cfg = pools({"resources": {"num_cpus": 0.5}}, {"replicas": 3, "resources": {"num_cpus": 0.5}})
+    launcher.check_resources(cfg, {"CPU": 2.0}, [{"CPU": 2.0}], local=True)
+
+
+# ---- the cluster secret ----------------------------------------------------------------------------
+def test_up_makes_a_fresh_secret_when_none_is_given(caplog):
+    caplog.set_level(logging.INFO, "deploy")
+    a = launcher.cluster_security(validate_config({}), {})
+    b = launcher.cluster_security(validate_config({}), {})
+    assert a.secret and b.secret and a.secret != b.secret and len(a.secret) >= 32
+    assert a.tls is None
+    assert "cluster secret: a fresh one for this deployment" in caplog.text
+    assert a.secret not in caplog.text and a.secret not in repr(a)
+
+
+def test_the_environment_gives_the_secret_unless_the_yaml_does(caplog):
+    caplog.set_level(logging.INFO, "deploy")
+    env = {"PDSERVE_CLUSTER_SECRET": SECRET}
+    assert launcher.cluster_security(validate_config({}), env).secret == SECRET
+    yaml_secret = "the-yaml-secret-0123456789"
+    chosen = launcher.cluster_security(
+        validate_config({"security": {"cluster_secret": yaml_secret}}), env)
+    assert chosen.secret == yaml_secret
+    assert "PDSERVE_CLUSTER_SECRET is set, but security.cluster_secret wins" in caplog.text
+    assert SECRET not in caplog.text and yaml_secret not in caplog.text
+
+
+def test_a_short_secret_in_the_environment_is_refused_without_showing_it():
+    with pytest.raises(DeployError) as e:
+        launcher.cluster_security(validate_config({}), {"PDSERVE_CLUSTER_SECRET": "short-one"})
+    assert str(e.value).startswith("PDSERVE_CLUSTER_SECRET: the cluster secret must have at least 16")
+    assert "short-one" not in str(e.value)
+
+
+def test_router_and_worker_configs_carry_the_secret_and_never_show_it():
+    from decode_worker.server import DecodeWorkerConfig
+    from prefill_worker.server import PrefillWorkerConfig
+    from router.server import RouterConfig
+    security = launcher.cluster_security(validate_config({}), {"PDSERVE_CLUSTER_SECRET": SECRET})
+    for cfg in (RouterConfig(model="m", security=security, deployment_id="d1"),
+                DecodeWorkerConfig(model="m", security=security, deployment_id="d1"),
+                PrefillWorkerConfig(model="m", security=security, deployment_id="d1")):
+        assert cfg.security.secret == SECRET and cfg.deployment_id == "d1"
+        assert SECRET not in repr(cfg) and SECRET not in str(cfg)
+
+
+def test_worker_config_gets_the_deployments_secret_and_id():
+    cfg = validate_config({})
+    security = launcher.cluster_security(cfg, {"PDSERVE_CLUSTER_SECRET": SECRET})
+    cluster = launcher.Cluster(cfg, False, registry_address="127.0.0.1:1", security=security,
+                               deployment_id="0123abcd")
+    for key, pool in cfg.worker_pools():
+        wc = launcher._worker_config(cluster, key, pool, 0, "127.0.0.1")
+        assert (wc.security, wc.deployment_id, wc.worker_id) == (security, "0123abcd", f"{key}-0")
+    assert SECRET not in repr(cluster)
+
+
+# ---- Ray errors --------------------------------------------------------------------------------------
+def test_ray_errors_are_reduced_to_their_cause():
+    from ray.exceptions import RayActorError, RayTaskError
+    task = RayTaskError("start", "Traceback (most recent call last):\n  ...\nValueError: x",
+                        ValueError("kv_cache_memory=1 gives 0 blocks: raise kv_cache_memory"))
+    assert launcher.ray_error_reason(task) == \
+        "ValueError: kv_cache_memory=1 gives 0 blocks: raise kv_cache_memory"
+    assert launcher.ray_error_reason(task.as_instanceof_cause()) == launcher.ray_error_reason(task)
+    died = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n\tpid: 7")
+    assert launcher.ray_error_reason(died) == "The actor died unexpectedly before finishing this task."
+
+
+# ---- the Supervisor, against fake actors ---------------------------------------------------------
+class Ref:
+    def __init__(self, value=None, error: BaseException | None = None, ready: bool = True):
+        self.value, self.error, self.ready = value, error, ready
+
+
+class Method:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def remote(self):
+        return self.actor.answer(self.name)
+
+
+class FakeActor:
+    """Answers start/ping from a script: "ok", "dead" (RayActorError) or "raise" (RayTaskError)."""
+    launched = 0
+
+    def __init__(self, start="ok", ping="ok"):
+        FakeActor.launched += 1
+        self.mode = {"start": start, "ping": ping}
+        self.start, self.ping = Method(self, "start"), Method(self, "ping")
+
+    def answer(self, name):
+        from ray.exceptions import RayActorError, RayTaskError
+        mode = self.mode[name]
+        if mode == "dead":
+            return Ref(error=RayActorError(error_msg="The actor died unexpectedly"))
+        if mode == "raise":
+            return Ref(error=RayTaskError("start", "tb", ValueError("no KV")))
+        return Ref(f"127.0.0.1:{FakeActor.launched}" if name == "start" else True)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    clock = [1000.0]
+
+    def get(ref, timeout=None):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+    monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (
+        [r for r in refs if r.ready], [r for r in refs if not r.ready]))
+    monkeypatch.setattr(launcher.ray, "get", get)
+    monkeypatch.setattr(launcher.ray, "kill", lambda actor: None)
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
+    FakeActor.launched = 0
+    return clock
+
+
+def serving_replica(clock, spawn) -> Replica:
+    r = Replica("decode", 0, pg=None, actor=FakeActor(), address="127.0.0.1:0", spawn=spawn)
+    r.serving_since = clock[0]
+    return r
+
+
+def test_a_dead_worker_is_replaced_once_and_logged_once(fake_ray, caplog):
+    clock = fake_ray
+    r = serving_replica(clock, spawn=FakeActor)
+    sup = Supervisor([r], RestartPolicy(backoff_s=1, stable_s=60))
+    clock[0] += 3600                         # long after it started: not a quick death
+    r.actor.mode["ping"] = "dead"
+    sup.check(r)                             # sends a ping
+    sup.check(r)                             # reads it: dead
+    assert r.actor is None and r.address is None and r.quick_deaths == 0
+    sup.check(r)
+    assert r.actor is None                   # waits backoff_s before the relaunch
+    clock[0] += 1
+    sup.check(r)                             # relaunched, starting
+    assert r.actor is not None and r.start_ref is not None and FakeActor.launched == 2
+    sup.check(r)                             # start returned
+    assert r.address == "127.0.0.1:2" and r.serving_since == clock[0]
+    for _ in range(5):
+        sup.check(r)
+    assert FakeActor.launched == 2
+    died = [m for m in caplog.messages if "died" in m]
+    replaced = [m for m in caplog.messages if "replaced" in m]
+    assert died == ["worker decode-0 died (The actor died unexpectedly); replacing it in 1s"]
+    assert replaced == ["worker decode-0 replaced: serving on 127.0.0.1:2"]
+
+
+def test_a_worker_dying_right_after_each_start_is_given_up_on(fake_ray, caplog):
+    clock = fake_ray
+    r = serving_replica(clock, spawn=lambda: FakeActor(start="raise"))
+    sup = Supervisor([r], RestartPolicy(backoff_s=1, max_backoff_s=1.5, stable_s=60, max_quick_deaths=3))
+    r.actor.mode["ping"] = "dead"
+    delays = []
+    for _ in range(100):
+        before = r.retry_at
+        sup.check(r)
+        if r.retry_at != before:
+            delays.append(r.retry_at - clock[0])
+        clock[0] += 0.5
+    assert r.given_up and r.actor is None
+    assert delays == [1, 1.5]                # 1 x 2^0, then 2^1 capped at 1.5; the third gives up
+    assert FakeActor.launched == 3           # the first actor, then two relaunches
+    assert sum("giving up on it" in m for m in caplog.messages) == 1
+    assert "worker decode-0 failed to start (ValueError: no KV); giving up on it: 3 deaths in a " \
+           "row within 60s of starting" in caplog.text
+
+
+def test_a_busy_worker_is_not_dead(fake_ray):
+    clock = fake_ray
+    r = serving_replica(clock, spawn=FakeActor)
+    sup = Supervisor([r], RestartPolicy())
+    r.actor.answer = lambda name: Ref(ready=False)   # a ping that never comes back
+    for _ in range(10):
+        sup.check(r)
+        clock[0] += 10
+    assert r.actor is not None and r.address == "127.0.0.1:0" and FakeActor.launched == 1
+
+
+def test_cli_up_refuses_a_bad_secret_without_importing_ray(tmp_path):
+    import subprocess
+    path = tmp_path / "bad.yaml"
+    path.write_text("security: {cluster_secret: short-secret}\n")
+    code = ("import sys; from deploy.cli import main; rc = main(['up', sys.argv[1]]); "
+            "assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=120, cwd=pathlib.Path(__file__).parents[2])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (f"pdserve: {path}: security.cluster_secret: must have at least "
+                                   f"16 characters, has 12; leave it unset and pdserve up makes one")
+
+
+# ---- the CLI client against a router with router.tls -------------------------------------------------
+def tls_files(tmp_path) -> dict[str, pathlib.Path]:
+    """A CA and a certificate it signed for 127.0.0.1, as PEM files."""
+    x509 = pytest.importorskip("cryptography.x509")
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(subject, key, issuer, issuer_key, ca: bool):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            import ipaddress
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    name = lambda cn: x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])  # noqa: E731
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = issue(name("pdserve-test-ca"), ca_key, name("pdserve-test-ca"), ca_key, ca=True)
+    cert = issue(name("router"), key, ca.subject, ca_key, ca=False)
+    files = {"ca": tmp_path / "ca.pem", "cert": tmp_path / "cert.pem", "key": tmp_path / "key.pem"}
+    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    return files
+
+
+def test_cli_client_reaches_a_tls_router_with_tls_ca(tmp_path, tiny_models, capsys):
+    from protos.security import TLSConfig
+    from router.server import Router, RouterConfig
+    files = tls_files(tmp_path)
+    tls = TLSConfig(b"", files["cert"].read_bytes(), files["key"].read_bytes())
+    router = Router(RouterConfig(model=tiny_models("llama-gqa")[0], port=0, client_tls=tls)).start()
+    try:
+        capsys.readouterr()
+        # through TLS the router itself answers: it has no worker yet
+        assert main(["generate", "t5 t6", "--router", router.address, "--tls-ca", str(files["ca"])]) == 1
+        assert "worker is registered with the router" in capsys.readouterr().err
+        # plaintext does not get through its TLS port
+        assert main(["generate", "t5 t6", "--router", router.address]) == 1
+        assert "worker is registered" not in capsys.readouterr().err
+        missing = str(tmp_path / "nope.pem")
+        assert main(["generate", "t5", "--router", router.address, "--tls-ca", missing]) == 2
+        assert f"cannot read {tmp_path / 'nope.pem'}" in capsys.readouterr().err
+    finally:
+        router.stop()
