@@ -1,0 +1,564 @@
+"""Chaos runs against a real deployment: `deploy.launcher.up()` (what `pdserve up` runs) of the
+embedded SmolLM2 on this machine, with clients, probes and abusers in processes of their own.
+
+  python bench/chaos.py                       # every part, ~10 min on 2 cores
+  python bench/chaos.py --parts a,c --requests 100
+
+Parts (issue #14's must-show; tests/chaos/ runs the same at CI scale on a tiny model):
+  a  500 streams, 32 at a time, half cancelled by the client at random points (before the first
+     token or after k tokens), a health probe every 100 ms: worker drop-outs, probe latency
+     percentiles, the non-cancelled streams against a clean run of the same prompts, KV after.
+  c  a 60 MB text prompt and a 1,000,000-entry stop list: the router process's CPU for each
+     refusal (alone), then a normal client's TTFT with and without an abuser sending both in a loop.
+  d  a second `pdserve up` on the router's port (time to exit, its message; the first still
+     serves), then kill -9 of the only decode worker under 8 looping clients: the errors clients
+     see, time to a replacement and to the first served request, tokens against before.
+  e  two prefill + two decode workers: 64 streams clean, then again with kill -9 of one decode
+     worker mid-decode, then of one prefill worker mid-prefill: streams token-identical.
+
+Writes bench/results/chaos.json (machine, commit, command, every figure).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.bench_common import REPO_ROOT, cpu_model, git_head, log, random_prompts  # noqa: E402
+
+EXAMPLE = os.path.join(REPO_ROOT, "deploy", "examples", "local-cpu.yaml")
+RPC_TIMEOUT = 120.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))] if s else float("nan")
+
+
+def cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split(":", 1)[-1].split()
+    return sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the deployment -----------------------------------------------------------------------------
+def example_config(port: int = 0, prefill: int = 1, decode: int = 1) -> dict:
+    import yaml
+    with open(EXAMPLE) as f:
+        data = yaml.safe_load(f)
+    data["router"]["port"] = port
+    data["pools"]["prefill"]["replicas"] = prefill
+    data["pools"]["decode"]["replicas"] = decode
+    data["ray"] = {"num_cpus": max(2, prefill + decode), "temp_dir": tempfile.mkdtemp(prefix="pdray")}
+    return data
+
+
+class DropCounter(logging.Handler):
+    """Counts the router pool's "dropped out" warnings and its registrations."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.dropped: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "dropped out" in msg:
+            self.dropped.append(msg)
+
+
+@contextlib.contextmanager
+def deployment(data: dict, **up_kwargs):
+    from deploy.config import validate_config
+    from deploy.launcher import up
+    drops = DropCounter()
+    logging.getLogger("router").addHandler(drops)
+    t0 = time.perf_counter()
+    cluster = up(validate_config(data, "bench/chaos"), block=False, **up_kwargs)
+    log(f"deployment up in {time.perf_counter() - t0:.1f} s on {cluster.router_address}")
+    try:
+        yield cluster, drops
+    finally:
+        cluster.stop()
+        logging.getLogger("router").removeHandler(drops)
+
+
+def kv_state(cluster) -> dict:
+    """Every worker's Stats through the cluster secret: free/total blocks, running, reserved."""
+    from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+    out = {}
+    for r in cluster.replicas:
+        if not r.address:
+            continue
+        stub = (worker_pb2_grpc.DecodeWorkerStub if r.role == "decode" else worker_pb2_grpc.PrefillWorkerStub)
+        with cluster.security.channel(r.address) as ch:
+            s = stub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+        out[r.name] = {"free": s.num_free_blocks, "total": s.num_total_blocks,
+                       "running": s.num_running, "reserved": s.num_reserved}
+    return out
+
+
+def wait_kv_free(cluster, timeout_s: float = 10.0) -> tuple[bool, float, dict]:
+    t0 = time.perf_counter()
+    while True:
+        state = kv_state(cluster)
+        free = all(s["free"] == s["total"] and not s["running"] and not s["reserved"] for s in state.values())
+        if free or time.perf_counter() - t0 > timeout_s:
+            return free, time.perf_counter() - t0, state
+        time.sleep(0.05)
+
+
+def wait_replaced(cluster, replica, old_actor, role: str, members: int, timeout_s: float = 180.0) -> float:
+    """Seconds until the supervisor has replaced `replica`'s dead `old_actor` with a new one that
+    serves and is registered with the router (the pool has `members` of `role` again)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        workers = getattr(cluster.router.pool, role)
+        if replica.actor is not None and replica.actor is not old_actor and replica.address \
+                and len(workers) == members and any(w.address == replica.address for w in workers):
+            return time.perf_counter() - t0
+        time.sleep(0.02)
+    raise RuntimeError(f"{replica.name} was not replaced within {timeout_s:.0f} s")
+
+
+# ---- client processes ---------------------------------------------------------------------------
+def one_stream(stub, job: dict) -> dict:
+    """job: prompt, max_tokens, and optionally cancel_after (tokens) or cancel_delay_s."""
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+    import grpc
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=job["prompt"]), sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True))
+    sent = time.perf_counter()
+    call = stub.Generate(request, timeout=RPC_TIMEOUT)
+    timer = None
+    if job.get("cancel_delay_s") is not None:
+        timer = threading.Timer(job["cancel_delay_s"], call.cancel)
+        timer.start()
+    tokens, finish, first, error = [], None, None, None
+    try:
+        for resp in call:
+            if resp.HasField("delta"):
+                if first is None and resp.delta.token_ids:
+                    first = time.perf_counter() - sent
+                tokens += list(resp.delta.token_ids)
+                if job.get("cancel_after") is not None and len(tokens) >= job["cancel_after"]:
+                    call.cancel()
+            else:
+                finish = resp.finish.finish_reason
+    except grpc.RpcError as e:
+        error = (e.code().name, e.details())
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return {"i": job["i"], "tokens": tokens, "finish": finish, "error": error, "ttft_s": first,
+            "cancelled": error is not None and error[0] == "CANCELLED"}
+
+
+def run_streams(address: str, jobs: list[dict], concurrency: int, conn) -> None:
+    """Process body: every job through `concurrency` threads; sends back the rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from protos.pdserve.v1 import pdserve_pb2_grpc
+    with grpc.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        with ThreadPoolExecutor(concurrency) as pool:
+            rows = list(pool.map(lambda j: one_stream(stub, j), jobs))
+    conn.send(rows)
+
+
+def loop_streams(address: str, jobs: list[dict], concurrency: int, stop, conn) -> None:
+    """Process body: each thread cycles through its jobs until `stop`; sends back every row with
+    its start time (perf_counter of this machine's monotonic clock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from protos.pdserve.v1 import pdserve_pb2_grpc
+    rows = []
+
+    def worker(k):
+        n = 0
+        while not stop.is_set():
+            job = jobs[(k + n * concurrency) % len(jobs)]
+            t = time.monotonic()
+            row = one_stream(stub, job)
+            row["t"], row["took_s"] = t, time.monotonic() - t
+            rows.append(row)
+            n += 1
+            if row["error"]:
+                time.sleep(0.1)
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(worker, range(concurrency)))
+    conn.send(rows)
+
+
+def probe_health(address: str, interval_s: float, stop, conn) -> None:
+    """Process body: grpc.health.v1 Check every interval_s; sends back (latency ms | None) each."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    out = []
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                ok = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                ok = False
+            took = (time.perf_counter() - t) * 1000
+            out.append(round(took, 2) if ok else None)
+            time.sleep(max(0.0, interval_s - took / 1000))
+    conn.send(out)
+
+
+class Child:
+    """A spawned process running one of the bodies above; `result()` waits for what it sends."""
+    ctx = mp.get_context("spawn")
+
+    def __init__(self, target, *args, stop=None):
+        self.stop = stop
+        self.parent, child = self.ctx.Pipe()
+        extra = (stop,) if stop is not None else ()
+        self.proc = self.ctx.Process(target=target, args=(*args, *extra, child), daemon=True)
+        self.proc.start()
+
+    def result(self, timeout: float = 1800.0):
+        if self.stop is not None:
+            self.stop.set()
+        if not self.parent.poll(timeout):
+            raise TimeoutError(f"{self.proc} sent nothing within {timeout}s")
+        got = self.parent.recv()
+        self.proc.join(30)
+        return got
+
+
+def jobs_for(prompts, max_tokens: int, cancel: dict[int, dict] | None = None) -> list[dict]:
+    return [{"i": i, "prompt": p, "max_tokens": max_tokens, **(cancel or {}).get(i, {})}
+            for i, p in enumerate(prompts)]
+
+
+# ---- a: cancellation storm ----------------------------------------------------------------------
+def part_a(args) -> dict:
+    rng = random.Random(14)
+    lengths = [rng.randint(16, 96) for _ in range(args.requests)]
+    prompts = [random_prompts(7000 + i, 1, n)[0] for i, n in enumerate(lengths)]
+    cancelled = set(rng.sample(range(args.requests), args.requests // 2))
+    cancel = {}
+    for i in cancelled:   # a quarter before any token (a timer), the rest after k tokens
+        if rng.random() < 0.25:
+            cancel[i] = {"cancel_delay_s": rng.uniform(0.0, 0.5)}
+        else:
+            cancel[i] = {"cancel_after": rng.randint(1, args.max_tokens - 1)}
+    kept = [i for i in range(args.requests) if i not in cancelled]
+    out = {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+           "cancelled_by_client": len(cancelled), "probe_interval_ms": 100}
+    with deployment(example_config()) as (cluster, drops):
+        address = cluster.router_address
+        # the clean run: the streams that will not be cancelled, same concurrency, no chaos
+        t0 = time.perf_counter()
+        clean = Child(run_streams, address, jobs_for([prompts[i] for i in kept], args.max_tokens),
+                      args.concurrency).result()
+        out["clean_run_s"] = round(time.perf_counter() - t0, 1)
+        want = {kept[r["i"]]: r["tokens"] for r in clean}
+        out["clean_errors"] = [r["error"] for r in clean if r["error"]]
+        stop = Child.ctx.Event()
+        probe = Child(probe_health, address, 0.1, stop=stop)
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        rows = Child(run_streams, address, jobs_for(prompts, args.max_tokens, cancel), args.concurrency).result()
+        out["chaos_run_s"] = round(time.perf_counter() - t0, 1)
+        time.sleep(0.5)
+        probes = probe.result()
+        free, took, state = wait_kv_free(cluster)
+    ok = [p for p in probes if p is not None]
+    by_i = {r["i"]: r for r in rows}
+    kept_rows = [by_i[i] for i in kept]
+    out.update({
+        "workers_dropped": len(drops.dropped), "drop_messages": drops.dropped[:5],
+        "probes": len(probes), "probe_failures": len(probes) - len(ok),
+        "probe_ms": {"p50": pct(ok, 50), "p99": pct(ok, 99), "max": max(ok) if ok else None},
+        "cancelled_streams_ended_cancelled": sum(by_i[i]["cancelled"] for i in cancelled),
+        "cancelled_streams_that_finished_first": sum(by_i[i]["finish"] == "length" for i in cancelled),
+        "kept_streams": len(kept),
+        "kept_complete": sum(r["finish"] == "length" and len(r["tokens"]) == args.max_tokens for r in kept_rows),
+        "kept_identical_to_clean": sum(r["tokens"] == want[r["i"]] for r in kept_rows),
+        "kept_errors": [r["error"] for r in kept_rows if r["error"]][:5],
+        "kv_all_free": free, "kv_free_after_s": round(took, 3), "kv_state": state,
+    })
+    log(f"a: {out['workers_dropped']} dropped, probe p99 {out['probe_ms']['p99']} ms "
+        f"({out['probe_failures']} failed of {len(probes)}), {out['kept_identical_to_clean']}/"
+        f"{len(kept)} identical, KV free {free}")
+    return out
+
+
+# ---- c: bounded work per request ----------------------------------------------------------------
+ABUSES = ("text_60MB", "stop_list_1M")
+
+
+def abuse_payload(kind: str) -> bytes:
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=8)
+    if kind == "text_60MB":
+        request = pb.GenerateRequest(text="hello world " * (5 << 20), sampling=sampling)   # 62.9 MB
+    else:
+        sampling.stop.extend(["stop"] * 1_000_000)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=sampling)
+    return request.SerializeToString()
+
+
+def abuser(address: str, commands, conn) -> None:
+    """Process body: serialized once, each abusive request is sent as raw bytes. Answers each
+    command ("text_60MB", "stop_list_1M", "loop", "quit") with the outcomes."""
+    import grpc
+    payloads = {k: abuse_payload(k) for k in ABUSES}
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 128 << 20)]) as channel:
+        generate = channel.unary_stream("/pdserve.v1.PDServe/Generate")
+
+        def send(kind):
+            t = time.perf_counter()
+            try:
+                list(generate(payloads[kind], timeout=RPC_TIMEOUT))
+                status = ("OK", "")
+            except grpc.RpcError as e:
+                status = (e.code().name, e.details()[:160])
+            return {"kind": kind, "wall_s": time.perf_counter() - t, "status": status}
+
+        conn.send({"ready": {k: len(v) for k, v in payloads.items()}})
+        while True:
+            cmd = commands.get()
+            if cmd == "quit":
+                return
+            if cmd == "loop":   # alternate until told to stop (the next command)
+                sent = []
+                while commands.empty():
+                    sent.append(send(ABUSES[len(sent) % 2]))
+                conn.send(sent)
+            else:
+                conn.send(send(cmd))
+
+
+def router_cpu_s() -> float:
+    """This process's CPU: the router runs in it (deploy.launcher.up starts it here)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def normal_ttfts(address: str, n: int) -> list[float]:
+    jobs = jobs_for(random_prompts(8000, n, 64), 4)
+    rows = Child(run_streams, address, jobs, 1).result()
+    bad = [r["error"] for r in rows if r["error"]]
+    if bad:
+        raise RuntimeError(f"normal client failed: {bad[:3]}")
+    return [r["ttft_s"] * 1000 for r in rows]
+
+
+def part_c(args) -> dict:
+    out = {}
+    with deployment(example_config()) as (cluster, drops):
+        address = cluster.router_address
+        normal_ttfts(address, 4)   # warm
+        commands = Child.ctx.Queue()
+        abuse = Child(abuser, address, commands)
+        out["payload_bytes"] = abuse.parent.recv()["ready"]
+        out["alone"] = {}
+        for kind in ABUSES:
+            runs = []
+            for _ in range(3):
+                time.sleep(0.5)
+                c0 = router_cpu_s()
+                commands.put(kind)
+                got = abuse.parent.recv()
+                time.sleep(0.2)   # let the router finish whatever it does after answering
+                runs.append({"router_cpu_s": round(router_cpu_s() - c0, 3),
+                             "client_wall_s": round(got["wall_s"], 3), "status": got["status"]})
+            out["alone"][kind] = runs
+            log(f"c: {kind}: router CPU {[r['router_cpu_s'] for r in runs]} s, {runs[0]['status']}")
+        # idle CPU of this process over the same window, to read the numbers above against
+        c0 = router_cpu_s()
+        time.sleep(0.2)
+        out["idle_cpu_s_per_0.2s"] = round(router_cpu_s() - c0, 4)
+        base = normal_ttfts(address, args.ttft_requests)
+        commands.put("loop")
+        time.sleep(1.0)
+        beside = normal_ttfts(address, args.ttft_requests)
+        commands.put("quit")
+        sent = abuse.parent.recv()
+        abuse.proc.join(30)
+        out["baseline_ttft_ms"] = {"median": statistics.median(base), "p90": pct(base, 90), "runs": base}
+        out["beside_abuser_ttft_ms"] = {"median": statistics.median(beside), "p90": pct(beside, 90),
+                                        "runs": beside}
+        out["ttft_ratio_median"] = round(statistics.median(beside) / statistics.median(base), 3)
+        out["abuser_requests_during"] = {k: sum(s["kind"] == k for s in sent) for k in ABUSES}
+        out["abuser_statuses"] = sorted({s["status"][0] for s in sent})
+        out["workers_dropped"] = len(drops.dropped)
+    log(f"c: TTFT median {out['baseline_ttft_ms']['median']:.0f} -> {out['beside_abuser_ttft_ms']['median']:.0f}"
+        f" ms (x{out['ttft_ratio_median']}) beside {out['abuser_requests_during']}")
+    return out
+
+
+# ---- d: port collision, kill -9 of the only decode worker ---------------------------------------
+def part_d(args) -> dict:
+    import ray
+    import yaml
+
+    from deploy.launcher import RestartPolicy
+    out = {}
+    port = free_port()
+    data = example_config(port)
+    probe_prompts = random_prompts(9000, 4, 48)
+    with deployment(data, restart=RestartPolicy(poll_s=0.5, backoff_s=0.5)) as (cluster, drops):
+        address = cluster.router_address
+        before = Child(run_streams, address, jobs_for(probe_prompts, 16), 4).result()
+        # a second `pdserve up` of the same YAML: same port
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump({**data, "ray": {"num_cpus": 2}}, f)
+        t0 = time.perf_counter()
+        second = subprocess.run([sys.executable, "-m", "deploy.cli", "up", f.name], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=120)
+        os.unlink(f.name)
+        out["second_up"] = {"exit_code": second.returncode, "took_s": round(time.perf_counter() - t0, 2),
+                            "stderr_tail": second.stderr.strip().splitlines()[-3:]}
+        after = Child(run_streams, address, jobs_for(probe_prompts, 16), 4).result()
+        out["first_still_serves"] = all(not r["error"] for r in after) and \
+            [r["tokens"] for r in after] == [r["tokens"] for r in before]
+        log(f"d: second up exit {second.returncode} in {out['second_up']['took_s']} s; first serves: "
+            f"{out['first_still_serves']}")
+
+        # kill -9 the only decode worker while 8 clients loop
+        stop = Child.ctx.Event()
+        load = Child(loop_streams, address, jobs_for(random_prompts(9100, 32, 48), 32), 8, stop=stop)
+        time.sleep(5.0)
+        decode = next(r for r in cluster.replicas if r.role == "decode")
+        old_actor = decode.actor
+        pid = ray.get(old_actor.pid.remote(), timeout=30)
+        t_kill_wall = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.perf_counter()
+        replaced = wait_replaced(cluster, decode, old_actor, "decode", 1)
+        time.sleep(8.0)
+        rows = load.result()
+        after_kill = [r for r in rows if r["t"] + r["took_s"] > t_kill_wall]
+        first_ok = min((r["t"] + r["took_s"] - t_kill_wall for r in after_kill
+                        if not r["error"] and r["t"] > t_kill_wall), default=None)
+        errors = {}
+        for r in after_kill:
+            if r["error"]:
+                errors.setdefault(r["error"][0], r["error"][1][:200])
+        out["kill_decode"] = {
+            "replacement_registered_after_s": round(replaced, 2) if replaced else None,
+            "first_request_served_after_s": round(first_ok, 2) if first_ok is not None else None,
+            "requests_after_kill": len(after_kill),
+            "errors_by_code": {k: sum(r["error"] is not None and r["error"][0] == k for r in after_kill)
+                               for k in errors},
+            "error_messages": errors,
+        }
+        again = Child(run_streams, address, jobs_for(probe_prompts, 16), 4).result()
+        out["kill_decode"]["tokens_after_replacement_match_before"] = \
+            [r["tokens"] for r in again] == [r["tokens"] for r in before]
+        free, _, state = wait_kv_free(cluster)
+        out["kill_decode"]["kv_all_free"] = free
+    log(f"d: kill -9 decode: {out['kill_decode']}")
+    return out
+
+
+# ---- e: kill -9 with a survivor: streams token-identical ----------------------------------------
+def part_e(args) -> dict:
+    import ray
+
+    from deploy.launcher import RestartPolicy
+    out = {}
+    prompts = random_prompts(9500, 64, 64)
+    with deployment(example_config(prefill=2, decode=2), restart=RestartPolicy(poll_s=0.5)) as (cluster, _):
+        address = cluster.router_address
+        clean = Child(run_streams, address, jobs_for(prompts, args.max_tokens), 32).result()
+        want = [r["tokens"] for r in sorted(clean, key=lambda r: r["i"])]
+        for role, wait_for in (("decode", "num_running"), ("prefill", "num_running")):
+            victim = next(r for r in cluster.replicas if r.role == role and r.address)
+            old_actor = victim.actor
+            pid = ray.get(old_actor.pid.remote(), timeout=30)
+            run = Child(run_streams, address, jobs_for(prompts, args.max_tokens), 32)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 60:   # kill while it works
+                state = kv_state(cluster).get(victim.name, {})
+                if state.get(wait_for, 0) >= (4 if role == "decode" else 1):
+                    break
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            rows = sorted(run.result(), key=lambda r: r["i"])
+            got = [r["tokens"] for r in rows]
+            out[f"kill_{role}"] = {
+                "killed": victim.name, "killed_after_s": round(time.perf_counter() - t0, 2),
+                "streams": len(rows), "errors": [r["error"] for r in rows if r["error"]][:5],
+                "identical": sum(a == b for a, b in zip(got, want)),
+            }
+            log(f"e: kill -9 {victim.name}: {out[f'kill_{role}']['identical']}/{len(rows)} identical")
+            # the supervisor brings it back before the next kill
+            out[f"kill_{role}"]["replaced_after_kill_s"] = round(wait_replaced(cluster, victim, old_actor, role, 2), 1)
+        free, _, _ = wait_kv_free(cluster)
+        out["kv_all_free"] = free
+    return out
+
+
+PARTS = {"a": part_a, "c": part_c, "d": part_d, "e": part_e}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="a,c,d,e")
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--ttft-requests", type=int, default=20)
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "chaos.json"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    report = {"command": "python bench/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_head(),
+              "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
+              "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml"}
+    if os.path.exists(args.out):   # parts not run this time keep their last figures
+        with open(args.out) as f:
+            old = json.load(f)
+        report["parts"] = old.get("parts", {})
+    report.setdefault("parts", {})
+    for name in args.parts.split(","):
+        t0 = time.perf_counter()
+        result = PARTS[name](args)
+        result["run"] = {"date": report["date"], "commit": report["commit"], "cpu_model": report["cpu_model"],
+                         "took_s": round(time.perf_counter() - t0, 1)}
+        report["parts"][name] = result
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
