@@ -7,7 +7,8 @@
 Refused at once, before Ray starts: a router port something already listens on, and pools that
 do not fit the model (TP must divide the heads, one max_model_len sequence must fit the KV
 cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each refusal is
-a ConfigError or DeployError naming the key to change; so is a worker that fails to start.
+a ConfigError or DeployError naming the key to change (deploy/prechecks.py); so is a worker
+that fails to start.
 
 Order: connect to Ray (or start a local one) -> the router, with empty pools, a fresh
 deployment_id and the cluster secret -> for each replica, one placement group per TP group (`tp`
@@ -16,7 +17,7 @@ and spawns the other ranks in its bundles) -> decode actors, then prefill actors
 registered with the router (Registry service, heartbeats, the same secret and deployment_id) ->
 up() returns once every replica is in the router's pool. `stop()` undoes it in reverse.
 
-Self-healing (Supervisor): a thread pings every replica; one whose actor died is relaunched as a
+Self-healing (deploy/supervisor.py): a thread pings every replica; one whose actor died is relaunched as a
 new actor in its placement group with the same worker_id, and registers again (the router replaces
 the dead address). Deaths soon after a start back off, and a replica that keeps dying that way is
 given up on (RestartPolicy), one log line each. Meanwhile the deployment stays up: a pool with no
@@ -29,12 +30,9 @@ should listen on the host the operator launched from, at the address printed the
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
-import secrets
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -42,23 +40,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.config import SECRET_ENV, ConfigError, DeployConfig, Pool, fit_problems
+from deploy.config import DeployConfig, Pool
+from deploy.prechecks import (DeployError, amounts, check_model_fit, check_port_free,  # noqa: F401
+                              check_resources, cluster_security, cpus_gpus)
+from deploy.supervisor import (Replica, RestartPolicy, Supervisor, ray_error_reason,  # noqa: F401
+                               role_of)
 from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
-
-
-class DeployError(RuntimeError):
-    """The deployment cannot start as configured; the message names the pool or key to change."""
-
-
-def role_of(key: str) -> str:
-    """The worker kind a pool runs: colocated workers are decode workers that also prefill."""
-    return "prefill" if key == "prefill" else "decode"
 
 
 def pin_to(cpus: list[int] | None) -> None:
@@ -143,134 +136,6 @@ class WorkerActor:
 RemoteWorker = ray.remote(max_restarts=0)(WorkerActor)
 
 
-def ray_error_reason(e: BaseException) -> str:
-    """The original exception's type and message inside a Ray error, without Ray's traceback."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, BaseException) and cause is not e:
-        if isinstance(e, RayTaskError) and not isinstance(cause, RayError):
-            return f"{type(cause).__name__}: {cause}"
-        return ray_error_reason(cause)
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
-
-
-@dataclass
-class Replica:
-    key: str            # its pool under `pools`: prefill, decode or colocated
-    index: int
-    pg: PlacementGroup
-    actor: object = None
-    address: str | None = None
-    spawn: Callable[[], object] | None = field(default=None, repr=False)   # a new actor in pg
-    # the Supervisor's bookkeeping
-    start_ref: object = field(default=None, repr=False)
-    ping_ref: object = field(default=None, repr=False)
-    serving_since: float | None = None
-    quick_deaths: int = 0
-    retry_at: float = 0.0
-    given_up: bool = False
-
-    @property
-    def role(self) -> str:
-        return role_of(self.key)
-
-    @property
-    def name(self) -> str:
-        return f"{self.key}-{self.index}"
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How dead workers are replaced. A death before a replica served `stable_s` seconds (or
-    before it started serving) is quick: the n-th quick death in a row waits backoff_s x 2^(n-1),
-    at most max_backoff_s, before the relaunch, and the max_quick_deaths-th gives the replica up
-    (a crash loop: a broken node, a model that no longer fits). Other deaths wait backoff_s."""
-    poll_s: float = 1.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    stable_s: float = 60.0
-    max_quick_deaths: int = 3
-
-
-class Supervisor:
-    """A thread that notices dead replicas and relaunches them. It never blocks on an actor: a
-    starting or busy actor's ping simply stays pending (busy is not dead)."""
-
-    def __init__(self, replicas: list[Replica], policy: RestartPolicy):
-        self.replicas = replicas
-        self.policy = policy
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pdserve-supervisor")
-
-    def start(self) -> "Supervisor":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(30)
-
-    def _run(self) -> None:
-        failing = False
-        while not self._stop.wait(self.policy.poll_s):
-            try:
-                for r in self.replicas:
-                    if not self._stop.is_set():
-                        self.check(r)
-                failing = False
-            except Exception:   # e.g. Ray itself went away; said once, tried again next poll
-                if not failing:
-                    log.exception("checking the workers failed; retrying every %.0fs",
-                                  self.policy.poll_s)
-                failing = True
-
-    def check(self, r: Replica) -> None:
-        if r.given_up:
-            return
-        if r.actor is None:
-            if time.monotonic() >= r.retry_at:
-                r.actor = r.spawn()   # same placement group, same worker config and worker_id
-                r.start_ref = r.actor.start.remote()
-            return
-        ref = r.start_ref if r.start_ref is not None else r.ping_ref
-        if ref is None:
-            r.ping_ref = r.actor.ping.remote()
-            return
-        if not ray.wait([ref], timeout=0)[0]:
-            return
-        starting, r.start_ref, r.ping_ref = r.start_ref is not None, None, None
-        try:
-            result = ray.get(ref)
-        except (RayActorError, RayTaskError) as e:
-            self._died(r, ray_error_reason(e), starting)
-            return
-        if starting:
-            r.address, r.serving_since = result, time.monotonic()
-            log.warning("worker %s replaced: serving on %s", r.name, r.address)
-
-    def _died(self, r: Replica, reason: str, starting: bool) -> None:
-        p = self.policy
-        quick = starting or r.serving_since is None or time.monotonic() - r.serving_since < p.stable_s
-        r.quick_deaths = r.quick_deaths + 1 if quick else 0
-        try:
-            ray.kill(r.actor)   # a start that raised leaves a live actor holding the bundle
-        except Exception:   # already gone
-            pass
-        r.actor, r.address, r.serving_since = None, None, None
-        what = "failed to start" if starting else "died"
-        if r.quick_deaths >= p.max_quick_deaths:
-            r.given_up = True
-            log.error("worker %s %s (%s); giving up on it: %d deaths in a row within %.0fs of "
-                      "starting. The rest of the deployment keeps serving; fix the cause and "
-                      "restart pdserve up to bring it back", r.name, what, reason, r.quick_deaths,
-                      p.stable_s)
-            return
-        delay = min(p.backoff_s * 2 ** max(r.quick_deaths - 1, 0), p.max_backoff_s)
-        r.retry_at = time.monotonic() + delay
-        log.error("worker %s %s (%s); replacing it in %.0fs", r.name, what, reason, delay)
-
-
 @dataclass
 class Cluster:
     config: DeployConfig
@@ -336,110 +201,6 @@ class Cluster:
             ray.shutdown()
 
 
-# ---- checks before anything waits ---------------------------------------------------------------
-def check_port_free(host: str, port: int) -> None:
-    """Refuses a router port something already listens on. gRPC alone would not: it binds with
-    SO_REUSEPORT, so a second router on a busy port starts anyway and the kernel splits the
-    connections, and the workers' registrations, between the two. A probe without SO_REUSEPORT
-    cannot bind beside any listener; SO_REUSEADDR (as gRPC sets) still lets it past connections
-    in TIME_WAIT from a router that just stopped."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise DeployError(f"router.host: cannot resolve {host!r} ({e.strerror}); set it to an "
-                          f"address of this machine") from None
-    failures = []
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    raise DeployError(f"router.port: {host}:{port} is already in use (another "
-                                      f"pdserve up?); stop that, or set router.port to a free "
-                                      f"port (0 picks one)") from None
-                failures.append(e)
-    if failures and len(failures) == len(infos):   # gRPC needs one of the addresses
-        raise DeployError(f"router: cannot listen on {host}:{port} ({failures[0].strerror}); set "
-                          f"router.host to an address of this machine and router.port to a port "
-                          f"you may open")
-
-
-def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
-    """Refuses, before anything starts, pools whose workers would refuse the model (config.fit_problems);
-    else every replica of the pool would fail the same way inside its actor."""
-    from engine.config import available_memory_bytes
-    from engine.loader import load_hf_config, resolve_model
-    try:
-        model_dir = resolve_model(config.model)
-    except ValueError as e:
-        if on_this_machine:
-            raise ConfigError(str(e)) from None
-        log.warning("not checking the pools against the model: %s (the workers load it on their "
-                    "nodes)", e)
-        return
-    memory = available_memory_bytes("cpu") if on_this_machine else None
-    problems = fit_problems(config, load_hf_config(model_dir), memory)
-    if problems:
-        raise ConfigError("\n".join(problems))
-
-
-def _amounts(resources: dict) -> str:
-    return ", ".join(f"{v:g} {k}" for k, v in sorted(resources.items()) if v) or "nothing"
-
-
-def _cpus_gpus(resources: dict) -> dict:
-    return {k: resources.get(k, 0) for k in ("CPU", "GPU") if resources.get(k)}
-
-
-def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local: bool) -> None:
-    """Refuses at once pools the Ray cluster could not hold even when idle, rather than waiting for
-    placement groups that can never be placed: every replica together against the cluster's
-    `total`, then each TP group (STRICT_PACK: one node) against the largest of `nodes`."""
-    need, asks = {}, []
-    for key, pool in config.worker_pools():
-        bundle = pool.resources.bundle()
-        for k, v in bundle.items():
-            need[k] = need.get(k, 0) + v * pool.tp * pool.replicas
-        asks.append(f"{key} {pool.replicas} x tp {pool.tp} x {_amounts(bundle)}")
-    short = [k for k, v in sorted(need.items()) if v > total.get(k, 0) + 1e-9]
-    if short:
-        more = "raise ray.num_cpus" if local and "CPU" in short else "add Ray nodes"
-        raise DeployError(
-            f"the pools ask for {_amounts(need)} ({'; '.join(asks)}) but the Ray cluster has "
-            f"{_amounts({k: total.get(k, 0) for k in need})}: lower pools.<pool>.replicas, .tp or "
-            f".resources.num_{short[0].lower()}s, or {more}")
-    for key, pool in config.worker_pools():
-        bundle = pool.resources.bundle()
-        group = {k: v * pool.tp for k, v in bundle.items()}
-        if nodes and not any(all(n.get(k, 0) >= v for k, v in group.items()) for n in nodes):
-            biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
-            raise DeployError(f"pools.{key}: one replica needs {_amounts(group)} on one node (tp "
-                              f"{pool.tp} x {_amounts(bundle)}); the largest Ray node has "
-                              f"{_amounts(_cpus_gpus(biggest))}: lower pools.{key}.tp or "
-                              f"pools.{key}.resources")
-
-
-def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurity:
-    """The deployment's ClusterSecurity: its secret as config.SecuritySettings.secret finds it,
-    else a fresh one (every process gets it from `up`, so nobody else needs to know it)."""
-    secret, source = config.security.secret(environ)
-    if secret is None:
-        secret, source = secrets.token_urlsafe(32), "a fresh one for this deployment"
-    elif source != SECRET_ENV and environ.get(SECRET_ENV):
-        log.warning("%s is set, but %s wins over it", SECRET_ENV, source)
-    try:
-        security = config.security.cluster_security(secret)
-    except ValueError as e:   # too short: only the environment's is not checked at load
-        raise DeployError(f"{source}: {e}") from None
-    log.info("cluster secret: %s", source)
-    return security
-
-
 # ---- starting ------------------------------------------------------------------------------------
 def _init_ray(config: DeployConfig, address: str | None) -> bool:
     """Connects to (or starts) Ray; True when this call started it, so stop() shuts it down."""
@@ -503,10 +264,10 @@ def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout
             ray.get(r.pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:   # it fits the cluster (check_resources): busy
             raise DeployError(
-                f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {_amounts(bundle)} "
+                f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {amounts(bundle)} "
                 f"within {ready_timeout_s:.0f}s; the Ray cluster has "
-                f"{_amounts(_cpus_gpus(ray.available_resources()))} free of "
-                f"{_amounts(_cpus_gpus(ray.cluster_resources()))}, the rest held by others: free "
+                f"{amounts(cpus_gpus(ray.available_resources()))} free of "
+                f"{amounts(cpus_gpus(ray.cluster_resources()))}, the rest held by others: free "
                 f"it, or lower pools.{key}.replicas or resources") from None
         r.spawn = _spawner(r, pool, _worker_config(cluster, key, pool, r.index, host),
                            cores.get((key, r.index)))

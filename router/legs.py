@@ -390,8 +390,9 @@ class Legs:
                     timeout=min(self.options.prefill_timeout_s, left(deadline)))
             except grpc.RpcError as e:
                 error, excluded = e, worker
-                log.warning("prefill of %s on %s failed: %s %s", leg.request_id, worker.address,
-                            e.code(), e.details())
+                ours = req.cancelled or req.abort_requested or leg.ended.is_set()   # we aborted it
+                log.log(logging.DEBUG if ours else logging.WARNING, "prefill of %s on %s failed: %s %s",
+                        leg.request_id, worker.address, e.code(), e.details())
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
             finally:
