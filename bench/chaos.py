@@ -27,6 +27,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import re
 import resource
 import signal
 import socket
@@ -465,13 +466,18 @@ def part_d(args) -> dict:
         after_kill = [r for r in rows if r["t"] + r["took_s"] > t_kill_wall]
         first_ok = min((r["t"] + r["took_s"] - t_kill_wall for r in after_kill
                         if not r["error"] and r["t"] > t_kill_wall), default=None)
-        errors = {}
+        errors = {}   # the distinct messages per code, request ids blanked
         for r in after_kill:
             if r["error"]:
-                errors.setdefault(r["error"][0], r["error"][1][:200])
+                message = re.sub(r"'[0-9a-f]{32}'", "'<id>'", r["error"][1][:300])
+                errors.setdefault(r["error"][0], {}).setdefault(message, 0)
+                errors[r["error"][0]][message] += 1
         out["kill_decode"] = {
             "replacement_registered_after_s": round(replaced, 2) if replaced else None,
             "first_request_served_after_s": round(first_ok, 2) if first_ok is not None else None,
+            "first_served_request_sent_after_s": min(
+                (round(r["t"] - t_kill_wall, 2) for r in after_kill if not r["error"] and r["t"] > t_kill_wall),
+                default=None),
             "requests_after_kill": len(after_kill),
             "errors_by_code": {k: sum(r["error"] is not None and r["error"][0] == k for r in after_kill)
                                for k in errors},
@@ -497,22 +503,25 @@ def part_e(args) -> dict:
         address = cluster.router_address
         clean = Child(run_streams, address, jobs_for(prompts, args.max_tokens), 32).result()
         want = [r["tokens"] for r in sorted(clean, key=lambda r: r["i"])]
-        for role, wait_for in (("decode", "num_running"), ("prefill", "num_running")):
+        for role, busy in (("decode", 4), ("prefill", 1)):   # sequences running there at the kill
             victim = next(r for r in cluster.replicas if r.role == role and r.address)
             old_actor = victim.actor
             pid = ray.get(old_actor.pid.remote(), timeout=30)
             run = Child(run_streams, address, jobs_for(prompts, args.max_tokens), 32)
             t0 = time.perf_counter()
+            state = {}
             while time.perf_counter() - t0 < 60:   # kill while it works
                 state = kv_state(cluster).get(victim.name, {})
-                if state.get(wait_for, 0) >= (4 if role == "decode" else 1):
+                if state.get("running", 0) >= busy:
                     break
                 time.sleep(0.02)
+            inflight = len(cluster.router.servicer._inflight)
             os.kill(pid, signal.SIGKILL)
             rows = sorted(run.result(), key=lambda r: r["i"])
             got = [r["tokens"] for r in rows]
             out[f"kill_{role}"] = {
                 "killed": victim.name, "killed_after_s": round(time.perf_counter() - t0, 2),
+                "victim_at_kill": state, "streams_in_flight_at_kill": inflight,
                 "streams": len(rows), "errors": [r["error"] for r in rows if r["error"]][:5],
                 "identical": sum(a == b for a, b in zip(got, want)),
             }

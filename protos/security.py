@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -162,9 +164,24 @@ class ServerGuard(grpc.ServerInterceptor):
     """Runs on gRPC's polling thread for every call: a dictionary lookup and a constant-time
     compare, nothing that can block."""
 
+    LOG_EVERY_S = 10.0   # refusals are logged at most this often (a stranger may call in a loop)
+
     def __init__(self, secret: str | None, open_prefixes: tuple[str, ...]):
         self._security = ClusterSecurity(secret)
         self._open = open_prefixes
+        self._lock = threading.Lock()
+        self._refused_since_log = 0
+        self._logged_at = -float("inf")
+
+    def _note_refusal(self, method: str, presented: str | None) -> None:
+        with self._lock:
+            self._refused_since_log += 1
+            now = time.monotonic()
+            if now - self._logged_at < self.LOG_EVERY_S:
+                return
+            count, self._refused_since_log, self._logged_at = self._refused_since_log, 0, now
+        log.warning("refused %s: %s cluster secret (%d refusal%s since the last such line)", method,
+                    "no" if presented is None else "a wrong", count, "" if count == 1 else "s")
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -178,8 +195,7 @@ class ServerGuard(grpc.ServerInterceptor):
                     presented = value
                     break
             if not self._security.accepts(presented):
-                log.warning("refused %s: %s cluster secret", method,
-                            "no" if presented is None else "a wrong")
+                self._note_refusal(method, presented)
                 return _refusal(handler, f"{method} is part of the pdserve control plane and needs "
                                          f"the deployment's cluster secret in the "
                                          f"{SECRET_METADATA_KEY!r} metadata entry")

@@ -78,6 +78,15 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}")
 
 
+def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
+    """The largest request a valid client can send, at least gRPC's usual 4 MiB: a prompt of
+    max_model_len ids (varints of at most 5 bytes) or max_prompt_bytes of text or chat, twice over,
+    and a MiB for the sampling lists at their caps and the framing. A larger message is refused by
+    gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or parsed: a 60 MB
+    prompt then costs the router almost nothing."""
+    return max(4 << 20, 2 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
+
+
 def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
     hf = load_hf_config(model_dir)
     hf_text = hf.get("text_config", hf)
@@ -122,7 +131,10 @@ class Router:
             # the client API and reflection are open to anyone; the Registry needs the secret
             guard = cfg.security.server_interceptors(
                 open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."))
-            self._server = grpc.server(self._executor, options=CHANNEL_OPTIONS, interceptors=guard)
+            limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
+            self._server = grpc.server(self._executor, interceptors=guard, options=[
+                *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
+                ("grpc.max_receive_message_length", limit)])
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             worker_pb2_grpc.add_RegistryServicer_to_server(
                 RegistryServicer(self.pool, options.model_id, cfg.heartbeat_ms,

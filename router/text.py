@@ -54,7 +54,7 @@ class PromptEncoder:
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "text":
-            self._check_bytes(len(request.text.encode("utf-8", "surrogatepass")), "text")
+            self._check_size([request.text], "text")
             ids = self._run(self._encode, request.text, True) if request.text else []
         elif kind == "chat":
             ids = self._encode_chat(request.chat.messages)
@@ -73,12 +73,19 @@ class PromptEncoder:
                              f"{[t for t in ids if t >= self.vocab_size][:3]}")
         return ids
 
-    def _check_bytes(self, num_bytes: int, what: str) -> None:
-        if num_bytes > self.max_prompt_bytes:
+    def _check_size(self, texts: list[str], what: str) -> None:
+        """Refuses texts whose UTF-8 is longer than max_prompt_bytes, encoding them only when the
+        character count cannot decide (a character is 1 to 4 bytes)."""
+        chars = sum(len(t) for t in texts)
+        if chars * 4 <= self.max_prompt_bytes:
+            return
+        counted = chars <= self.max_prompt_bytes
+        num = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) if counted else chars
+        if num > self.max_prompt_bytes:
             raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
-                             f"the {what} has {num_bytes} bytes, more than max_model_len="
-                             f"{self.max_model_len} tokens can hold (at most {self.max_prompt_bytes} "
-                             f"bytes): shorten it")
+                             f"the {what} has {'' if counted else 'at least '}{num} bytes, more "
+                             f"than max_model_len={self.max_model_len} tokens can hold (at most "
+                             f"{self.max_prompt_bytes} bytes): shorten it")
 
     def _run(self, fn, *args):
         try:
@@ -95,8 +102,7 @@ class PromptEncoder:
         if len(messages) > MAX_CHAT_MESSAGES:
             raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
                              f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed")
-        self._check_bytes(sum(len(m.content.encode("utf-8", "surrogatepass")) + len(m.role)
-                              for m in messages), "chat")
+        self._check_size([t for m in messages for t in (m.role, m.content)], "chat")
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                              "this model's tokenizer has no chat template: send text or token_ids instead")

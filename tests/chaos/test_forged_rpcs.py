@@ -213,3 +213,14 @@ def test_workers_check_fields_with_the_secret_too(cluster):
         cluster.d.Reserve(worker_pb2.ReserveRequest(request_id="v", prompt_token_ids=[10**6]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert cluster.decode_stats().num_reserved == 0
+
+
+def test_a_stranger_calling_in_a_loop_does_not_flood_the_log(cluster, caplog):
+    stranger = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode.address))
+    with caplog.at_level("WARNING", "protos.security"):
+        for _ in range(50):
+            with pytest.raises(grpc.RpcError):
+                stranger.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+    lines = [r for r in caplog.records if "cluster secret" in r.getMessage()]
+    assert len(lines) <= 1, [r.getMessage() for r in lines]
+    assert SECURITY.secret not in caplog.text
