@@ -35,12 +35,13 @@ class SecureCluster:
     exactly what a stalled polling thread did."""
 
     def __init__(self, model_dir: str, heartbeat_ms: int = 300, max_lease_ms: int = 120_000,
-                 kv_backend: str = "grpc", max_inflight: int = 64):
+                 kv_backend: str = "grpc", max_inflight: int = 64, security: ClusterSecurity = SECURITY):
+        self.security = security
         self.router = Router(RouterConfig(
             model=model_dir, max_model_len=MAX_MODEL_LEN, max_inflight=max_inflight,
-            heartbeat_ms=heartbeat_ms, security=SECURITY, deployment_id="chaos")).start()
+            heartbeat_ms=heartbeat_ms, security=security, deployment_id="chaos")).start()
         engine = dict(max_model_len=MAX_MODEL_LEN, block_size=16)
-        common = dict(model=model_dir, registry_address=self.router.address, security=SECURITY,
+        common = dict(model=model_dir, registry_address=self.router.address, security=security,
                       deployment_id="chaos")
         self.decode = DecodeWorker(DecodeWorkerConfig(
             worker_id="d0", lease_ms=min(5000, max_lease_ms), max_lease_ms=max_lease_ms, kv_backend=kv_backend,
@@ -50,9 +51,11 @@ class SecureCluster:
         pool = self.router.pool
         wait_until(lambda: pool.num_workers("prefill") == 1 and pool.num_workers("decode") == 1,
                    30, "both workers registered")
-        self.api_channel = grpc.insecure_channel(self.router.address)
+        # the client API needs no secret; with cluster TLS the router's port is mutual TLS too
+        self.api_channel = grpc.secure_channel(self.router.address, security.tls.channel_credentials()) \
+            if security.tls else grpc.insecure_channel(self.router.address)
         self.api = pdserve_pb2_grpc.PDServeStub(self.api_channel)
-        self.decode_channel = SECURITY.channel(self.decode.address)
+        self.decode_channel = security.channel(self.decode.address)
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.decode_channel)
 
     def stop(self) -> None:
