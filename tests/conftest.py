@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -60,6 +61,16 @@ def tiny_models(tmp_path_factory):
             cache[kind] = (str(path), make_tiny_model(path, kind))
         return cache[kind]
     return get
+
+
+def wait_until(cond, timeout: float, what: str, poll_s: float = 0.02) -> None:
+    """Polls `cond` until it holds; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = 256):

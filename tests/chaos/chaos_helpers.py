@@ -9,6 +9,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import wait_until  # noqa: F401  (the chaos tests import it from here)
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -20,14 +21,6 @@ SECURITY = ClusterSecurity(SECRET)
 RPC_TIMEOUT = 30.0
 MAX_MODEL_LEN = 256
 
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 class SecureCluster:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import random_prompts
+from conftest import random_prompts, wait_until
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -69,14 +69,6 @@ class Cluster:
         return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
                 responses[-1].finish)
 
-
-def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def pool_idle(cluster) -> bool:

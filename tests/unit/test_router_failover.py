@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import random_prompts
+from conftest import random_prompts, wait_until
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -32,14 +32,6 @@ ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
 LONG_GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 STEP_DELAY_S = 0.02   # decode steps slowed so a test can stop the worker mid-stream
 
-
-def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 # ---- real workers -------------------------------------------------------------------------------

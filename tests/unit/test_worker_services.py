@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from conftest import random_prompts
+from conftest import random_prompts, wait_until
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
@@ -68,14 +68,6 @@ class Cluster:
         assert first.bytes_sent > 0 and first.transfer_end_unix_ns >= first.prefill_end_unix_ns > 0
         return tokens
 
-
-def wait_until(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def non_daemon_threads():

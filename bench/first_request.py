@@ -1,0 +1,87 @@
+"""The first request after `ready` against the ones after it, through the default deployment.
+
+  python bench/first_request.py                 # 3 fresh deployments, ~3 min on 2 cores
+  python bench/first_request.py --deployments 1 --later 3
+
+Each deployment is `deploy/examples/local-cpu.yaml` started with `deploy.launcher.up()` (what
+`pdserve up` runs; it returns once every worker has registered, which is when `pdserve up`
+prints "ready"). At once, one client sends a 128-token prompt (random ids, a fresh one per
+request, so no prefix-cache hit) for 64 greedy tokens (`ignore_eos`), then `--later` more the
+same way, one at a time. Per request: TTFT at the client and decode tok/s (tokens after the first
+over the time after the first). The figure is the first request's over the median of the later
+ones, per deployment. Writes bench/results/first_request.json (with the CPU model and flags).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.bench_common import REPO_ROOT, cpu_model, git_head, log, random_prompts  # noqa: E402
+from bench.chaos import cpu_flags, deployment, example_config  # noqa: E402
+
+
+def one(stub, prompt: list[int], max_tokens: int) -> dict:
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    sent = time.perf_counter()
+    first = last = None
+    n = 0
+    for resp in stub.Generate(request, timeout=300):
+        if resp.HasField("delta") and resp.delta.token_ids:
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            n += len(resp.delta.token_ids)
+    return {"ttft_ms": (first - sent) * 1000, "tokens": n,
+            "decode_tok_s": (n - 1) / (last - first) if n > 1 and last > first else None}
+
+
+def run_deployment(args, index: int) -> dict:
+    import grpc
+
+    from protos.pdserve.v1 import pdserve_pb2_grpc
+    prompts = random_prompts(11000 + 100 * index, args.later + 1, args.prompt_len)
+    with deployment(example_config()) as (cluster, _):
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            rows = [one(stub, p, args.max_tokens) for p in prompts]
+    first, later = rows[0], rows[1:]
+    out = {"first": first, "later": later,
+           "later_median_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
+           "later_median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in later)}
+    out["first_ttft_over_later"] = round(first["ttft_ms"] / out["later_median_ttft_ms"], 3)
+    out["later_decode_over_first"] = round(out["later_median_decode_tok_s"] / first["decode_tok_s"], 3)
+    log(f"deployment {index}: first TTFT {first['ttft_ms']:.0f} ms, decode {first['decode_tok_s']:.1f} "
+        f"tok/s; later median {out['later_median_ttft_ms']:.0f} ms, "
+        f"{out['later_median_decode_tok_s']:.1f} tok/s")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deployments", type=int, default=3)
+    p.add_argument("--later", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "first_request.json"))
+    args = p.parse_args(argv)
+    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    report = {"command": "python bench/first_request.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_head(),
+              "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
+              "deployments": [run_deployment(args, i) for i in range(args.deployments)]}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
