@@ -1,7 +1,7 @@
 """The first request after `ready` against the ones after it, through the default deployment.
 
-  python bench/first_request.py                 # 3 fresh deployments, ~3 min on 2 cores
-  python bench/first_request.py --deployments 1 --later 3
+  python bench/first_request.py                 # 2 deployments on the cache, 2 on an empty one
+  python bench/first_request.py --deployments 1 --later 3 --caches warm
 
 Each deployment is `deploy/examples/local-cpu.yaml` started with `deploy.launcher.up()` (what
 `pdserve up` runs; it returns once every worker has registered, which is when `pdserve up`
@@ -9,15 +9,20 @@ prints "ready"). At once, one client sends a 128-token prompt (random ids, a fre
 request, so no prefix-cache hit) for 64 greedy tokens (`ignore_eos`), then `--later` more the
 same way, one at a time. Per request: TTFT at the client and decode tok/s (tokens after the first
 over the time after the first). The figure is the first request's over the median of the later
-ones, per deployment. Writes bench/results/first_request.json (with the CPU model and flags).
+ones, per deployment. "warm" deployments use pdserve's cache as it is; "fresh" ones an empty
+PDSERVE_CACHE_DIR, as on a machine (or a CPU) pdserve never ran on: the GGUF is converted and the
+CPU decode kernel compiled again. Writes bench/results/first_request.json (with the CPU model and
+flags).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,22 +48,36 @@ def one(stub, prompt: list[int], max_tokens: int) -> dict:
             "decode_tok_s": (n - 1) / (last - first) if n > 1 and last > first else None}
 
 
-def run_deployment(args, index: int) -> dict:
+def run_deployment(args, index: int, cache: str) -> dict:
     import grpc
 
     from protos.pdserve.v1 import pdserve_pb2_grpc
     prompts = random_prompts(11000 + 100 * index, args.later + 1, args.prompt_len)
-    with deployment(example_config()) as (cluster, _):
-        with grpc.insecure_channel(cluster.router_address) as channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            rows = [one(stub, p, args.max_tokens) for p in prompts]
+    before = os.environ.get("PDSERVE_CACHE_DIR")
+    empty = tempfile.mkdtemp(prefix="pdcache") if cache == "fresh" else None
+    if empty:   # up() starts a fresh local Ray, whose workers inherit this environment
+        os.environ["PDSERVE_CACHE_DIR"] = empty
+    try:
+        t0 = time.perf_counter()
+        with deployment(example_config()) as (cluster, _):
+            up_s = time.perf_counter() - t0
+            with grpc.insecure_channel(cluster.router_address) as channel:
+                stub = pdserve_pb2_grpc.PDServeStub(channel)
+                rows = [one(stub, p, args.max_tokens) for p in prompts]
+    finally:
+        if empty:
+            shutil.rmtree(empty, ignore_errors=True)
+            if before is None:
+                os.environ.pop("PDSERVE_CACHE_DIR", None)
+            else:
+                os.environ["PDSERVE_CACHE_DIR"] = before
     first, later = rows[0], rows[1:]
-    out = {"first": first, "later": later,
+    out = {"cache": cache, "up_s": round(up_s, 1), "first": first, "later": later,
            "later_median_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
            "later_median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in later)}
     out["first_ttft_over_later"] = round(first["ttft_ms"] / out["later_median_ttft_ms"], 3)
     out["later_decode_over_first"] = round(out["later_median_decode_tok_s"] / first["decode_tok_s"], 3)
-    log(f"deployment {index}: first TTFT {first['ttft_ms']:.0f} ms, decode {first['decode_tok_s']:.1f} "
+    log(f"deployment {index} ({cache} cache, up in {up_s:.0f} s): first TTFT {first['ttft_ms']:.0f} ms, decode {first['decode_tok_s']:.1f} "
         f"tok/s; later median {out['later_median_ttft_ms']:.0f} ms, "
         f"{out['later_median_decode_tok_s']:.1f} tok/s")
     return out
@@ -66,7 +85,8 @@ def run_deployment(args, index: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deployments", type=int, default=3)
+    p.add_argument("--deployments", type=int, default=2, help="per cache kind")
+    p.add_argument("--caches", default="warm,fresh")
     p.add_argument("--later", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -76,7 +96,8 @@ def main(argv=None) -> int:
     report = {"command": "python bench/first_request.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_head(),
               "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
-              "deployments": [run_deployment(args, i) for i in range(args.deployments)]}
+              "deployments": [run_deployment(args, i, cache) for cache in args.caches.split(",")
+                              for i in range(args.deployments)]}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     log(f"wrote {args.out}")

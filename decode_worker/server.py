@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from decode_worker.handoff import DecodeHandoff
 from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
 from engine import EngineConfig, LLMEngine
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, warmed
 from kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
 from kvtransfer.layout import KVLayout
 from protos.grpc_server import ServiceHost
@@ -80,8 +80,8 @@ class DecodeWorker:
                 kwargs["kv_cache_shared_dir"] = default_shared_dir()
             # the engine itself, not an LLM (an LLM shuts its engine down when collected), built
             # on the loop thread that will step it (EngineLoop.build says why)
-            self.loop = EngineLoop.build(lambda: LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
-                                         name=f"{cfg.worker_id}-engine")
+            self.loop = EngineLoop.build(lambda: warmed(LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
+                                                        cfg.worker_id), name=f"{cfg.worker_id}-engine")
             engine = self.loop.engine
             self.layout = KVLayout(**engine.kv_layout_spec())
             rank_caches = engine.rank_kv_caches()

@@ -246,6 +246,27 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._undelivered)
 
+    def warm_up(self, prompt_len: int = 64, max_tokens: int = 8) -> float:
+        """Runs one throwaway request (a prefill and a few decode steps) before any real one, so
+        the one-time work happens now: building or loading the compiled decode kernel (tens of
+        seconds on a CPU it was never built for), oneDNN's primitives, the allocator's first
+        pages. Workers call it before they register, so "ready" means the first request runs at
+        full speed. Its blocks go back to the free queue; the step trace forgets it. Returns
+        the seconds it took."""
+        if self._requests or self._undelivered:
+            raise RuntimeError("warm_up runs before any request")
+        t0 = time.monotonic()
+        max_tokens = max(1, min(max_tokens, self.config.max_model_len // 2))
+        n = max(1, min(prompt_len, self.config.max_model_len - max_tokens))
+        generator = torch.Generator().manual_seed(0x5EED)
+        prompt = torch.randint(0, self.model_config.vocab_size, (n,), generator=generator).tolist()
+        self.add_request("pdserve-warm-up", prompt, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        self.step_trace.clear()
+        return time.monotonic() - t0
+
     def kv_layout_spec(self) -> dict:
         """What identifies this engine's KV contents, as plain data (kvtransfer.KVLayout's fields):
         every worker builds its transfer layout from this one definition."""

@@ -224,3 +224,15 @@ class EngineLoop:
         for _, _, fut in calls:
             if not fut.done():
                 fut.set_exception(EngineLoopStopped("the engine loop stopped"))
+
+
+def warmed(engine, name: str):
+    """`engine` once its warm_up ran (LLMEngine.warm_up says why), for an EngineLoop.build factory:
+    workers warm their engine on the loop thread that will step it, before they register."""
+    try:
+        took = engine.warm_up()
+    except BaseException:
+        engine.shutdown()
+        raise
+    log.info("%s: engine warmed up in %.2fs", name, took)
+    return engine

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, warmed
 from kvtransfer.backends import default_shared_dir, tune_malloc
 from kvtransfer.layout import KVLayout
 from prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
@@ -65,8 +65,8 @@ class PrefillWorker:
                 kwargs["kv_cache_shared_dir"] = default_shared_dir()
             # the engine itself, not an LLM (an LLM shuts its engine down when collected), built
             # on the loop thread that will step it (EngineLoop.build says why)
-            self.loop = EngineLoop.build(lambda: LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
-                                         name=f"{cfg.worker_id}-engine")
+            self.loop = EngineLoop.build(lambda: warmed(LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
+                                                        cfg.worker_id), name=f"{cfg.worker_id}-engine")
             engine = self.loop.engine
             self.layout = KVLayout(**engine.kv_layout_spec())
             rank_caches = engine.rank_kv_caches() if tp > 1 else None

@@ -182,3 +182,29 @@ def test_step_trace_records_each_step_shape(refs):
     assert all(r.prefill_pairs == 0 and r.tokens == r.num_decode for r in trace[2:])
     assert all(r.end >= r.start for r in trace) and len(trace) >= 4
     assert_no_leaks(engine)
+
+
+def test_warm_up_leaves_no_trace_and_changes_no_output(refs):
+    """A warmed engine (what workers register with) holds nothing afterwards, its step trace is
+    empty, and greedy and seeded outputs equal a cold engine's."""
+    from engine import SamplingParams
+    model_dir, _, prompts, want = refs("llama-gqa")
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for warm in (False, True):
+        engine = LLM(model_dir, kv_cache_memory=KV).engine
+        if warm:
+            assert engine.warm_up() > 0
+            assert not engine.step_trace and not engine._requests
+            assert_no_leaks(engine)
+            with pytest.raises(RuntimeError, match="before any request"):
+                engine.add_request("busy", prompts[0], greedy(2))
+                engine.warm_up()
+            engine.abort("busy")
+        engine.add_request("g", prompts[4], greedy())
+        engine.add_request("s", prompts[2], seeded)
+        outs = {o.request_id: list(o.outputs[0].token_ids) for o in run_until_done(engine) if o.finished}
+        outputs.append(outs)
+        assert_no_leaks(engine)
+    assert outputs[0] == outputs[1]
+    assert outputs[1]["g"] == want[4]
