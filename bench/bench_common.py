@@ -70,11 +70,18 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> list[str]:
+    """The ISA flags that decide the engine's paths (engine.cpu.ISA_FLAGS) this CPU has."""
+    from engine.cpu import cpu_features
+    return cpu_features().isa()
+
+
 def machine_info(threads: int) -> dict:
     import torch
     import transformers
     return {
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, cpu_model, git_head, log, random_prompts  # noqa: E402
+from bench.bench_common import REPO_ROOT, cpu_flags, cpu_model, git_head, log, random_prompts  # noqa: E402
 
 EXAMPLE = os.path.join(REPO_ROOT, "deploy", "examples", "local-cpu.yaml")
 RPC_TIMEOUT = 120.0
@@ -49,12 +49,6 @@ RPC_TIMEOUT = 120.0
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))] if s else float("nan")
-
-
-def cpu_flags() -> list[str]:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split(":", 1)[-1].split()
-    return sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
 
 
 def free_port() -> int:

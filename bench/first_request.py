@@ -27,8 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, cpu_model, git_head, log, random_prompts  # noqa: E402
-from bench.chaos import cpu_flags, deployment, example_config  # noqa: E402
+from bench.bench_common import REPO_ROOT, cpu_flags, cpu_model, git_head, log, random_prompts  # noqa: E402
+from bench.chaos import deployment, example_config  # noqa: E402
 
 
 def one(stub, prompt: list[int], max_tokens: int) -> dict:

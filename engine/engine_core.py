@@ -27,6 +27,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu import log_once as log_cpu_once
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
@@ -108,6 +109,8 @@ class LLMEngine:
         self.model_id = model_dir.name
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
         self.config = config.resolve(self.model_config)
+        if self.config.device == "cpu":
+            log_cpu_once()
         self.tokenizer = load_tokenizer(model_dir)
         torch.manual_seed(self.config.seed)
         self.kv_cache_paths = self._kv_cache_paths()
