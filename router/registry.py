@@ -38,7 +38,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         if self.deployment_id and request.deployment_id != self.deployment_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"worker {request.worker_id} belongs to deployment "
-                          f"{request.deployment_id or '(none)'} but this router serves deployment "
+                          f"{request.deployment_id[:64] or '(none)'} but this router serves deployment "
                           f"{self.deployment_id}: another pdserve deployment may be using this port")
         if request.role not in ROLES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
