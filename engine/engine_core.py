@@ -95,6 +95,7 @@ class _Request:
     kv_sink: KVSink | None = None
     published: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # filled as the prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -199,6 +200,8 @@ class LLMEngine:
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                   for _ in seqs]
         req = _Request(request_id, prompt if isinstance(prompt, str) else None, params, seqs, detoks)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         req.metrics["arrival"] = time.monotonic()
         return req
 
@@ -323,12 +326,18 @@ class LLMEngine:
         if plan.is_empty:
             return done + self._collect([])
         inp = ModelInput([SeqInput(s.seq.token_ids[s.start:s.end], s.start, list(s.seq.block_ids),
-                                   s.samples) for s in plan.scheduled], plan.block_copies)
+                                   s.samples, *self._prompt_targets(s)) for s in plan.scheduled],
+                         plan.block_copies)
         start = time.monotonic()
         if self.tp is not None:
             self.tp.broadcast(inp)
-        token_ids, logprobs = self.runner.execute(inp, plan.rows, plan.row_logits,
-                                                  self._layer_hook(plan))
+        token_ids, logprobs, prompt_lps = self.runner.execute(inp, plan.rows, plan.row_logits,
+                                                              self._layer_hook(plan))
+        for i, rows in prompt_lps.items():
+            item = plan.scheduled[i]
+            req = self._requests.get(item.seq.request_id)
+            if req is not None:   # position p's numbers are about prompt token p + 1
+                req.prompt_logprobs[item.start + 1:item.start + 1 + len(rows)] = rows
         self.step_trace.append(_step_record(plan, start, time.monotonic()))
         for item in plan.scheduled:
             req = self._requests.get(item.seq.request_id)
@@ -336,6 +345,17 @@ class LLMEngine:
                 req.published = item.end
         touched = self.scheduler.update(plan, StepResult(token_ids, logprobs))
         return done + self._collect(touched)
+
+    @staticmethod
+    def _prompt_targets(item) -> tuple[list[int], int]:
+        """For a request with prompt_logprobs (its first sample only), the prompt tokens that follow
+        the positions this step computes, and how many alternatives to report."""
+        seq = item.seq
+        k = seq.params.prompt_logprobs
+        if k is None or seq.index != 0:
+            return [], 0
+        end = min(item.end, seq.num_prompt_tokens - 1)
+        return list(seq.prompt_token_ids[item.start + 1:end + 1]), k
 
     def _layer_hook(self, plan: StepPlan):
         pubs = []
@@ -392,7 +412,8 @@ class LLMEngine:
         if first.first_token_time is not None:
             req.metrics.setdefault("first_token", first.first_token_time)
         return RequestOutput(req.request_id, req.prompt, first.prompt_token_ids, completions,
-                             req.finished, first.num_cached_tokens, dict(req.metrics))
+                             req.finished, first.num_cached_tokens, dict(req.metrics),
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
 
     def shutdown(self) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.parallel import divide, tp_rank, tp_size
 from engine.sampler import Sampler, SamplingRow
 
+PROMPT_LOGITS_ROWS = 512   # prompt positions whose vocabulary-wide logits are held at once
 
 @dataclass
 class SeqInput:
@@ -25,6 +26,9 @@ class SeqInput:
     start: int                # position of the first of them
     block_ids: list[int]
     samples: bool
+    # prompt logprobs wanted: the prompt token that follows each of the first len() computed tokens
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_topk: int = 0      # and this many most likely tokens at each of those positions
 
 
 @dataclass
@@ -104,16 +108,44 @@ class ModelRunner:
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:
-            return [], None
-        meta, input_ids, positions, last_idx = self._prepare(inp)
+            return [], None, {}
+        meta, input_ids, positions, last_idx, q_starts = self._prepare(inp)
         meta.on_layer_done = on_layer_done
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
+        prompt_lps = self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
         logits = self.model.compute_logits(hidden[last_idx]) if last_idx.numel() else None
         if logits is None or rows is None:
-            return [], None
+            return [], None, prompt_lps
         out = self.sampler(logits[row_logits].float(), rows)
-        return out.token_ids, out.logprobs
+        return out.token_ids, out.logprobs, prompt_lps
+
+    def _prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int],
+                         rank0: bool) -> dict[int, list[dict[int, float]]]:
+        """seq index -> for each position with a prompt target, {token id: logprob} of the target
+        and the seq's prompt_topk most likely tokens. Every rank computes the logits (the LM head
+        may gather across ranks); rank 0 keeps the numbers. At most PROMPT_LOGITS_ROWS rows of
+        vocabulary-wide logits exist at a time."""
+        out: dict[int, list[dict[int, float]]] = {}
+        for i, s in enumerate(inp.seqs):
+            n, k = len(s.prompt_targets), s.prompt_topk
+            rows: list[dict[int, float]] = []
+            for a in range(0, n, PROMPT_LOGITS_ROWS):
+                b = min(n, a + PROMPT_LOGITS_ROWS)
+                logits = self.model.compute_logits(hidden[q_starts[i] + a:q_starts[i] + b])
+                if logits is None or not rank0:
+                    continue
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                targets = torch.tensor(s.prompt_targets[a:b], dtype=torch.long, device=lp.device)
+                picked = lp.gather(1, targets[:, None])[:, 0].tolist()
+                top = lp.topk(k, dim=-1) if k else None
+                for r, (t, v) in enumerate(zip(s.prompt_targets[a:b], picked)):
+                    entry = dict(zip(top.indices[r].tolist(), top.values[r].tolist())) if top is not None else {}
+                    entry[t] = v
+                    rows.append(entry)
+            if rows:
+                out[i] = rows
+        return out
 
     def _prepare(self, inp: ModelInput):
         bs = self.block_size
@@ -121,10 +153,11 @@ class ModelRunner:
         order = sorted(range(len(inp.seqs)), key=lambda i: len(inp.seqs[i].token_ids) != 1)
         ids, pos, slots, last_idx = [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
+        q_starts = {}
         for i in order:
             s = inp.seqs[i]
             n = len(s.token_ids)
-            q_start = len(ids)
+            q_start = q_starts[i] = len(ids)
             ids += s.token_ids
             positions = range(s.start, s.start + n)
             pos += positions
@@ -164,4 +197,4 @@ class ModelRunner:
         # logits rows in the order of the scheduled seqs that sample (the plan's row_logits index)
         last_idx.sort()
         sample_rows = torch.tensor([t for _, t in last_idx], dtype=torch.long, device=dev)
-        return (meta, torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), sample_rows)
+        return (meta, torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), sample_rows, q_starts)

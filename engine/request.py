@@ -90,6 +90,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), else {token id: logprob} holding the prompt token and the k most likely
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def aborted(cls, request_id: str, reason: str) -> "RequestOutput":

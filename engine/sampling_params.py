@@ -15,6 +15,7 @@ from dataclasses import dataclass
 # softmax then yields NaN), so such temperatures are treated as greedy, as
 # vLLM does with its _SAMPLING_EPS.
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_PROMPT_LOGPROBS = 20   # alternatives per prompt position, as vLLM's default max_logprobs
 
 
 def _int(name: str, value: object) -> int:
@@ -94,6 +95,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # vLLM's name: for every prompt token after the first, its logprob given the tokens before it
+    # and the prompt_logprobs most likely tokens there (0: the prompt token's alone). The prompt
+    # is then computed in full, never served from the prefix cache.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -142,6 +147,12 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs))
+            if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
+                                 f"{self.prompt_logprobs}")
 
         put("stop", _str_tuple("stop", self.stop))
         put("stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))

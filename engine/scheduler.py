@@ -154,7 +154,9 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+            # prompt logprobs need every prompt position computed: no prefix-cache hit for them
+            cached = [] if seq.params.prompt_logprobs is not None else \
+                self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
             try:
                 self._admit_blocks(seq, cached, seq.num_tokens, watermark=self.watermark_blocks)
             except NoFreeBlocks:

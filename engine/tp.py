@@ -45,7 +45,8 @@ def _init(config: EngineConfig, rank: int, port: int):
 def _encode(inp: ModelInput | None) -> bytes:
     if inp is None:
         return msgpack.packb(None)
-    return msgpack.packb([[[s.token_ids, s.start, s.block_ids, s.samples] for s in inp.seqs],
+    return msgpack.packb([[[s.token_ids, s.start, s.block_ids, s.samples, s.prompt_targets, s.prompt_topk]
+                           for s in inp.seqs],
                           inp.block_copies])
 
 
