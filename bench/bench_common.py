@@ -76,6 +76,15 @@ def cpu_flags() -> list[str]:
     return cpu_features().isa()
 
 
+def run_header(script: str, argv: list[str] | None) -> dict:
+    """What every result file starts with: the command, when, at which commit, on which CPU."""
+    args = argv if argv is not None else sys.argv[1:]
+    return {"command": " ".join(["python", script, *args]),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": git_head(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "cpu_flags": cpu_flags()}
+
+
 def machine_info(threads: int) -> dict:
     import torch
     import transformers

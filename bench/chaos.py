@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, cpu_flags, cpu_model, git_head, log, random_prompts  # noqa: E402
+from bench.bench_common import REPO_ROOT, log, random_prompts, run_header  # noqa: E402
 
 EXAMPLE = os.path.join(REPO_ROOT, "deploy", "examples", "local-cpu.yaml")
 RPC_TIMEOUT = 120.0
@@ -555,9 +555,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
-    report = {"command": "python bench/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_head(),
-              "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
+    report = {**run_header("bench/chaos.py", argv),
               "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml"}
     if os.path.exists(args.out):   # parts not run this time keep their last figures
         with open(args.out) as f:

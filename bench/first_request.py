@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, cpu_flags, cpu_model, git_head, log, random_prompts  # noqa: E402
+from bench.bench_common import REPO_ROOT, log, random_prompts, run_header  # noqa: E402
 from bench.chaos import deployment, example_config  # noqa: E402
 
 
@@ -93,9 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "first_request.json"))
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
-    report = {"command": "python bench/first_request.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_head(),
-              "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_flags": cpu_flags(),
+    report = {**run_header("bench/first_request.py", argv),
               "deployments": [run_deployment(args, i, cache) for cache in args.caches.split(",")
                               for i in range(args.deployments)]}
     with open(args.out, "w") as f:

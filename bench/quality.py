@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, cpu_flags, cpu_model, git_head, log  # noqa: E402
+from bench.bench_common import REPO_ROOT, log, run_header  # noqa: E402
 
 MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16")}
 
@@ -144,9 +144,7 @@ def main(argv=None) -> int:
                   for a, b in zip(r["greedy"], ref)]
         r["greedy_identical"] = f"{sum(same)}/{len(same)}"
         r["greedy_prefix_share"] = statistics.mean(prefix)
-    report = {"command": "python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_head(),
-              "cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "threads": args.threads,
+    report = {**run_header("bench/quality.py", argv), "threads": args.threads,
               "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
                         f"first {args.tokens} tokens, windows of {args.window}",
               "modes": results}

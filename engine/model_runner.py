@@ -19,6 +19,7 @@ from engine.sampler import Sampler, SamplingRow
 
 PROMPT_LOGITS_ROWS = 512   # prompt positions whose vocabulary-wide logits are held at once
 
+
 @dataclass
 class SeqInput:
     """What every rank needs to know about one scheduled sequence (plain data: it is broadcast)."""
