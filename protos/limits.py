@@ -49,6 +49,10 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
     ranges of temperature, top_p, penalties...)."""
     if sampling is None:
         return None
+    if sampling.HasField("prompt_logprobs"):
+        return Refusal(grpc.StatusCode.UNIMPLEMENTED,
+                       "sampling.prompt_logprobs is not served over gRPC yet: leave it unset, or "
+                       "use the engine API in-process (engine.SamplingParams(prompt_logprobs=k))")
     if sampling.HasField("max_tokens"):
         m = sampling.max_tokens
         if m >= _UINT32_WRAPPED:

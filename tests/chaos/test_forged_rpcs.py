@@ -224,3 +224,16 @@ def test_a_stranger_calling_in_a_loop_does_not_flood_the_log(cluster, caplog):
     lines = [r for r in caplog.records if "cluster secret" in r.getMessage()]
     assert len(lines) <= 1, [r.getMessage() for r in lines]
     assert SECURITY.secret not in caplog.text
+
+
+def test_prompt_logprobs_are_refused_on_the_wire_until_served(cluster):
+    sampling = pdserve_pb2.SamplingParams(max_tokens=4, prompt_logprobs=2)
+    with pytest.raises(grpc.RpcError) as err:
+        list(cluster.api.Generate(pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling), timeout=RPC_TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "engine.SamplingParams(prompt_logprobs=k)" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:   # nor does a worker take it from a router
+        cluster.d.Reserve(worker_pb2.ReserveRequest(request_id="plp", prompt_token_ids=PROMPT,
+                                                    sampling=sampling), timeout=RPC_TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
