@@ -339,6 +339,9 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
         # GPUs: as many as asked (Ray finds the real number: checked again once it runs)
         check_resources(config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True)
     security = cluster_security(config, environ)
+    if on_this_machine:   # the workers' engines pick their paths from it (engine/cpu.py)
+        from engine.cpu import cpu_features
+        log.info("this machine's CPU: %s", cpu_features().describe())
     t0 = time.perf_counter()
     started = _init_ray(config, address)
     cluster = Cluster(config, started, security=security, deployment_id=uuid.uuid4().hex)
