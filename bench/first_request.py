@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_common import REPO_ROOT, log, random_prompts, run_header  # noqa: E402
-from bench.chaos import deployment, example_config  # noqa: E402
+from bench.chaos_harness import deployment, example_config  # noqa: E402
 
 
 def one(stub, prompt: list[int], max_tokens: int) -> dict:
