@@ -1,7 +1,7 @@
 """Bounds on what one request may ask for, checked at every RPC edge (router and workers) before
 any work: sizes a stranger controls (ids, stop lists, prompts) and numbers that would make a
 process loop, allocate or wait without end. Pure protobuf: no engine import, so the router can
-use it (DESIGN.md section 2). Each check returns None or a Refusal: the gRPC status and a
+use it (docs/architecture.md section 2). Each check returns None or a Refusal: the gRPC status and a
 message that says what to change.
 """
 from __future__ import annotations

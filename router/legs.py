@@ -1,5 +1,5 @@
 """The worker side of a Generate call, in legs, and resuming on another decode worker when a
-leg's decode worker dies (DESIGN.md section 1: "D dies -> reserve on another D and prefill again").
+leg's decode worker dies (docs/architecture.md section 4).
 
 A leg is one reservation on one decode worker, the prefill that fills it and the token stream it
 produces: Reserve (the decode worker with most free blocks; colocated, the fewest prompt tokens
@@ -52,7 +52,7 @@ from router.text import TextStream
 
 log = logging.getLogger(__name__)
 # pdserve.proto documents it as SamplingParams.max_tokens' default (the engine's); the router
-# may not import the engine's SamplingParams (DESIGN.md section 2)
+# may not import the engine's SamplingParams (docs/architecture.md section 2)
 DEFAULT_MAX_TOKENS = 16
 
 

@@ -1,6 +1,6 @@
 """The public PDServe gRPC service: Generate, Abort, ListModels.
 
-Lifecycle of one Generate call (DESIGN.md section 1):
+Lifecycle of one Generate call (docs/architecture.md section 1):
   admit (at most max_inflight) -> tokenize and validate
   -> DecodeWorker.Reserve on the decode worker with the most free blocks (the next one when full;
      when all are full, the request waits for blocks in the router's first-come-first-served

@@ -1,7 +1,7 @@
 """The numbers of a load-generator run: per-request records, latency distributions, SLO attainment,
 `vllm bench serve` style summaries and DistServe goodput. Pure functions, no I/O.
 
-Two goodputs, named apart (DESIGN.md section 5):
+Two goodputs, named apart:
   request_goodput  vLLM's --goodput: completed requests that meet every SLO, per second, at the
                    load that was offered (one run).
   goodput rate     DistServe's: the highest request rate at which at least `threshold` of the

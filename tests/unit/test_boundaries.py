@@ -1,4 +1,4 @@
-"""The folder boundaries of DESIGN.md section 2, checked on every module's imports."""
+"""The folder boundaries of docs/architecture.md section 2, checked on every module's imports."""
 from __future__ import annotations
 
 import ast
@@ -39,7 +39,7 @@ def test_package_imports_stay_inside_its_boundary(package):
     assert files, f"{package}/ has no modules"
     bad = [f"{f.relative_to(ROOT)} imports {sorted(imported_packages(f) & FORBIDDEN[package])}"
            for f in files if imported_packages(f) & FORBIDDEN[package]]
-    assert not bad, "boundary violations (see ../shared/DESIGN.md section 2):\n" + "\n".join(bad)
+    assert not bad, "boundary violations (see docs/architecture.md section 2):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED_ENGINE_MODULES))
