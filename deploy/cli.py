@@ -186,8 +186,10 @@ def _run_up(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve import __version__
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     upp = sub.add_parser("up", help="launch the deployment on Ray and serve until Ctrl-C")
     upp.add_argument("config", nargs="?", default=None,

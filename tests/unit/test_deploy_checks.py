@@ -361,3 +361,15 @@ def test_cli_client_reaches_a_tls_router_with_tls_ca(tmp_path, tiny_models, caps
         assert f"cannot read {tmp_path / 'nope.pem'}" in capsys.readouterr().err
     finally:
         router.stop()
+
+
+def test_version_from_the_command_and_from_python_m(capsys):
+    import subprocess
+
+    from pdserve import __version__
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pdserve {__version__}"
+    ran = subprocess.run([sys.executable, "-m", "pdserve", "--version"], capture_output=True, text=True,
+                         timeout=120, cwd=pathlib.Path(__file__).parents[2])
+    assert ran.returncode == 0 and ran.stdout.strip() == f"pdserve {__version__}", ran.stderr
