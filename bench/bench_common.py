@@ -85,6 +85,13 @@ def run_header(script: str, argv: list[str] | None) -> dict:
             "cpu_flags": cpu_flags()}
 
 
+def write_result(path: str, report: dict) -> None:
+    """The benchmark's one current result file (indented JSON)."""
+    import json
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def machine_info(threads: int) -> dict:
     import torch
     import transformers

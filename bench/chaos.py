@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, log, random_prompts, run_header  # noqa: E402
+from bench.bench_common import REPO_ROOT, log, random_prompts, run_header, write_result  # noqa: E402
 from bench.chaos_harness import (RPC_TIMEOUT, Child, deployment, example_config, free_port,  # noqa: E402
                                  jobs_for, kv_state, loop_streams, pct, probe_health, run_streams,
                                  wait_kv_free, wait_replaced)
@@ -348,8 +348,7 @@ def main(argv=None) -> int:
         result["run"] = {"date": report["date"], "commit": report["commit"], "cpu_model": report["cpu_model"],
                          "took_s": round(time.perf_counter() - t0, 1)}
         report["parts"][name] = result
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_result(args.out, report)   # after each part: a later part's failure keeps it
     log(f"wrote {args.out}")
     return 0
 

@@ -17,7 +17,6 @@ flags).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -27,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, log, random_prompts, run_header  # noqa: E402
+from bench.bench_common import REPO_ROOT, log, random_prompts, run_header, write_result  # noqa: E402
 from bench.chaos_harness import deployment, example_config  # noqa: E402
 
 
@@ -96,8 +95,7 @@ def main(argv=None) -> int:
     report = {**run_header("bench/first_request.py", argv),
               "deployments": [run_deployment(args, i, cache) for cache in args.caches.split(",")
                               for i in range(args.deployments)]}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(args.out, report)
     log(f"wrote {args.out}")
     return 0
 

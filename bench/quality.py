@@ -21,7 +21,6 @@ this process one after the other, with the same threads.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -31,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, log, run_header  # noqa: E402
+from bench.bench_common import REPO_ROOT, log, run_header, write_result  # noqa: E402
 
 MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16")}
 
@@ -148,8 +147,7 @@ def main(argv=None) -> int:
               "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
                         f"first {args.tokens} tokens, windows of {args.window}",
               "modes": results}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(args.out, report)
     print("| mode | perplexity | vs float32 | greedy identical to float32 | mean share before first divergence |")
     print("|---|---|---|---|---|")
     for m, r in results.items():
