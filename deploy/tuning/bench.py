@@ -27,7 +27,7 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
     p.add_argument("--model", default="", help="a served model id (default: the router's default)")
     src = p.add_argument_group("requests: a trace, or synthetic lengths")
     src.add_argument("--trace", default=None, metavar="NAME|PATH",
-                     help=f"{', '.join(workload.TRACES)} or a .csv/.jsonl file")
+                     help=f"{', '.join(workload.TRACES)} (bundled) or a .csv/.jsonl[.gz] file")
     src.add_argument("--trace-start", type=float, default=0.0, metavar="SECONDS",
                      help="replay the trace from this many seconds into it (default 0)")
     src.add_argument("--scale", type=float, default=1.0, help="multiply the trace's lengths (default 1)")

@@ -1,4 +1,4 @@
-"""Workloads: request arrivals and lengths from the shared traces or from a distribution, and the
+"""Workloads: request arrivals and lengths from the bundled traces or from a distribution, and the
 token ids that make them real prompts.
 
     reqs = load_trace("azure_conv", scale=0.1, max_prompt=512, max_output=64, max_requests=200)
@@ -13,6 +13,7 @@ prompts that share ids really share prefixes.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import pathlib
@@ -32,12 +33,15 @@ class RequestSpec:
     block_tokens: int = 0             # tokens per prefix block after scaling
 
 
+BUNDLED_TRACES_DIR = pathlib.Path(__file__).resolve().parent / "traces"   # shipped in the package
+
+
 def traces_dir() -> pathlib.Path:
-    """$PDSERVE_TRACES_DIR, else the shared/ folder beside the repository."""
+    """$PDSERVE_TRACES_DIR, else the traces that ship with pdserve (deploy/tuning/traces/)."""
     env = os.environ.get("PDSERVE_TRACES_DIR")
     if env:
         return pathlib.Path(env)
-    return pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
+    return BUNDLED_TRACES_DIR
 
 
 def resolve_trace(name_or_path: str) -> pathlib.Path:
@@ -46,13 +50,15 @@ def resolve_trace(name_or_path: str) -> pathlib.Path:
         return path
     if name_or_path in TRACES:
         ext = ".jsonl" if name_or_path.startswith("mooncake") else ".csv"
-        path = traces_dir() / f"{name_or_path}{ext}"
-        if path.is_file():
-            return path
-        raise ValueError(f"trace {name_or_path!r} is not at {path}: set PDSERVE_TRACES_DIR to the "
-                         f"folder that holds {path.name}")
+        folder = traces_dir()
+        for candidate in (folder / f"{name_or_path}{ext}", folder / f"{name_or_path}{ext}.gz"):
+            if candidate.is_file():
+                return candidate
+        raise ValueError(f"trace {name_or_path!r} is not in {folder} (as {name_or_path}{ext} or "
+                         f"{name_or_path}{ext}.gz): set PDSERVE_TRACES_DIR to the folder that holds it")
     raise ValueError(f"unknown trace {name_or_path!r}: use one of {', '.join(TRACES)} or a path to "
-                     f"a .csv (arrived_at,num_prefill_tokens,num_decode_tokens) or .jsonl (mooncake) file")
+                     f"a .csv (arrived_at,num_prefill_tokens,num_decode_tokens) or .jsonl (mooncake) "
+                     f"file, either of them optionally gzip-compressed (.gz)")
 
 
 def _scaled(n: int, scale: float, cap: int | None) -> int:
@@ -84,15 +90,18 @@ def load_trace(name_or_path: str, *, scale: float = 1.0, max_prompt: int | None 
 
 
 def _read_rows(path: pathlib.Path) -> list[tuple[float, int, int, list[int]]]:
+    gz = path.suffix == ".gz"
+    kind = pathlib.Path(path.stem).suffix if gz else path.suffix   # .jsonl or (anything else) csv
+    opener = gzip.open if gz else open
     try:
-        if path.suffix == ".jsonl":
-            with open(path) as f:
+        if kind == ".jsonl":
+            with opener(path, "rt") as f:
                 return [(d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"]),
                          list(d.get("hash_ids", ()))) for d in map(json.loads, filter(str.strip, f))]
-        with open(path, newline="") as f:
+        with opener(path, "rt", newline="") as f:
             return [(float(r["arrived_at"]), int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]), [])
                     for r in csv.DictReader(f)]
-    except (KeyError, ValueError, json.JSONDecodeError) as e:
+    except (KeyError, ValueError, json.JSONDecodeError, gzip.BadGzipFile, EOFError) as e:
         raise ValueError(f"{path}: not a trace this reader knows ({e!r}); expected csv columns "
                          f"arrived_at,num_prefill_tokens,num_decode_tokens or mooncake jsonl") from None
 

@@ -155,7 +155,7 @@ def cluster(tiny_models, one_thread):
 
 
 def write_trace(path, n=20, seed=3):
-    """A CSV trace in the shared traces' format: a request every ~12 ms, outputs 1-12 tokens."""
+    """A CSV trace in the bundled traces' format: a request every ~12 ms, outputs 1-12 tokens."""
     rng = random.Random(seed)
     rows = [(round(0.2 + i * 0.01 + rng.random() * 0.005, 4), rng.randint(4, 40), 1 if i == 5 else rng.randint(2, 12))
             for i in range(n)]
