@@ -172,7 +172,7 @@ LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trac
 # the loads the sweep is judged at, not past them: the highest rate of the 2026-11-23 180-request
 # conv sweeps. Runs before R22 (09:23 that day) calibrated at 2 then 4 req/s, 100 requests each
 # (LEGACY_LOAD); the 4 req/s phase overloaded the prefill worker, and there both sides ran slower
-# beside each other than they did in the sweeps (BENCHMARKS.md, sessions 7 and 8)
+# beside each other than they did in the sweeps (docs/experiments/slo-validation.md)
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0,), 150, 7000
 LEGACY_LOAD = {"load_rates": [2.0, 4.0], "load_requests": 100}
 CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled

@@ -9,9 +9,9 @@ the same setup, against every measurement of it.
                                                         # another setup (its prediction alone, if unmeasured)
 
 A single run of bench/slo_validation.py predicts its sweeps from the calibration it took one to
-three minutes before. On this VM the step speed moves by 10-40% between minutes (BENCHMARKS.md), so
-near the knee one sweep lands tens of points away from another of the same setup, and from any
-snapshot prediction. Here the prediction is made for the machine as it behaves over time:
+three minutes before. On this VM the step speed moves by 10-40% between minutes
+(docs/experiments/slo-validation.md), so near the knee one sweep lands tens of points away from
+another of the same setup, and from any snapshot prediction. Here the prediction is made for the machine as it behaves over time:
 
   * the step models are fitted on the in-load calibration steps of every stored run of the same
     setup (bench/slo_calibration.fit_load over all their workers), and
@@ -28,6 +28,9 @@ after it are compared: a prediction made before the measurement, out of sample. 
 only the runs taken after TIME (the machine's speed moves over hours too). Each run is also
 predicted from the other runs' calibrations alone (leave one run out), and each point's sensitivity
 is given: how many points of attainment 5% slower steps cost.
+
+bench/results/ is not kept in git; the runs of 2026-11-23 are in its history
+(git checkout 88ca975 -- bench/results).
 
 Runs are found as bench/results/slo_validation.json and bench/results/*/slo_validation.json. A
 run's measurements count when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV

@@ -5,6 +5,7 @@ N times back to back, and after each run the measured/modelled time of the engin
     python bench/step_repeat.py --placement disaggregated --repeats 5 \
         --profile bench/results/profile_cpu_smollm2_1thread_inload.json
 
+The profile is the in-load one bench/slo_validation.py writes beside its serving profile.
 A trend over the repeats would point at the deployment (something growing in a worker); ratios
 that wander without one point at the host. Prints one line a repeat.
 """
