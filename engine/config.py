@@ -69,6 +69,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
+_QUANTIZATIONS = (None, "int8", "int4", "auto")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -79,6 +80,10 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    # None, "int8" (weights int8, activations quantized per row at run time), "int4" (weights
+    # int4 in groups of 32, bf16 activations) or "auto": the fastest that passes a quality probe
+    # (engine/quality.py). dtype="auto" on CPU means float32 activations with quantization="auto".
+    quantization: str | None = None
     device: str = "auto"
     tensor_parallel_size: int = 1
     kv_cache_memory: int | float | None = None
@@ -100,6 +105,8 @@ class EngineConfig:
 
         check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty string")
         check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"'auto' or one of {sorted(_DTYPES)}")
+        check(self.quantization in _QUANTIZATIONS, "quantization",
+              f"one of {', '.join(map(repr, _QUANTIZATIONS))}")
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
         check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "an integer >= 1")
@@ -125,9 +132,17 @@ class EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = self.dtype
-        if dtype == "auto":  # this CPU class has no fast bf16; GPUs do
+        dtype, quantization = self.dtype, self.quantization
+        if dtype == "auto":
+            # GPUs: bf16. CPUs: float32 activations; the weights as fast as quality allows
             dtype = "bfloat16" if device == "cuda" else "float32"
+            if device == "cpu" and quantization is None:
+                quantization = "auto"
+        if quantization is not None and device != "cpu":
+            if quantization != "auto":
+                raise ValueError(f"quantization={quantization!r} runs on CPU only; on {device} use "
+                                 "dtype='bfloat16' or 'float16'")
+            quantization = None
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -138,7 +153,8 @@ class EngineConfig:
             kv = DEFAULT_CPU_KV_BYTES if device == "cpu" else 0.85
         if isinstance(kv, float):   # fixed once here, so every TP rank gets the same block count
             kv = int(kv * available_memory_bytes(device))
-        return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_len,
+        return dataclasses.replace(self, device=device, dtype=dtype, quantization=quantization,
+                                   max_model_len=max_len,
                                    kv_cache_memory=kv)
 
 

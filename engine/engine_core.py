@@ -14,8 +14,10 @@ Disaggregation hooks:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -36,6 +38,8 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
 from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 KV_FILE_PREFIX = "pdserve-kv-"
@@ -120,6 +124,10 @@ class LLMEngine:
         self.tp_state = TPState()   # what this engine's steps run under (see engine.parallel)
         with tp_scope(self.tp_state):   # whatever TPGroup.start sets stays inside this block
             self._start_ranks(model_dir)
+        # the serving mode as chosen (quantization="auto" resolved) and why
+        self.config = dataclasses.replace(self.config, quantization=self.runner.quantization)
+        self.mode_note = self.runner.mode_note
+        log.info("%s", self.mode_note)
 
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)

@@ -14,7 +14,7 @@ from engine.forward_context import AttentionMetadata, PrefillSpan, forward_conte
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from engine.loader import iter_safetensors
 from engine.models.llama import LlamaForCausalLM
-from engine.parallel import divide, tp_rank, tp_size
+from engine.parallel import all_reduce, divide, tp_rank, tp_size
 from engine.sampler import Sampler, SamplingRow
 
 PROMPT_LOGITS_ROWS = 512   # prompt positions whose vocabulary-wide logits are held at once
@@ -79,6 +79,94 @@ class ModelRunner:
         self.model.eval()
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler() if tp_rank() == 0 else None
+        # the quantization the linears run in (None: config.dtype), and why
+        self.quantization, self.mode_note = self._prepare_weights(model_dir)
+
+    def _prepare_weights(self, model_dir: str) -> tuple[str | None, str]:
+        wanted = self.config.quantization
+        if wanted is None:
+            self.model.prepare_linears(None)
+            return None, f"quantization=none ({self.config.dtype}), as configured"
+        from engine.quality import PROBE_TOKENS, probe_ids
+        from engine.tokenizer import load_tokenizer
+
+        # calibration text and probe text: disjoint stretches of the same corpus
+        length = min(PROBE_TOKENS, self.config.max_model_len, self.num_blocks * self.block_size)
+        ids = probe_ids(load_tokenizer(model_dir), length, skip=length) if length >= 64 else []
+        calibration, probe = ids[:length], ids[length:]
+        self.model.prepare_linears(None, release_dense=False)
+        if calibration:
+            self._calibrate(calibration)
+        if wanted != "auto":
+            self.model.prepare_linears(wanted)
+            return wanted, f"quantization={wanted} ({self.config.dtype}), as configured"
+        return self._choose_quantization(probe, length)
+
+    def _calibrate(self, ids: list[int]) -> None:
+        """Records, for every linear, the largest |input| per channel over `ids` (int8 smooths
+        its activations by it; see engine/layers/quant.py)."""
+        from engine.layers.linear import LinearBase
+
+        def record(module, args, _out):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
+            seen = module.act_absmax
+            module.act_absmax = x if seen is None else torch.maximum(seen, x)
+
+        hooks = [m.register_forward_hook(record) for m in self.model.modules() if isinstance(m, LinearBase)]
+        try:
+            self._probe_perplexity(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _choose_quantization(self, ids: list[int], length: int) -> tuple[str | None, str]:
+        """quantization="auto": score a probe text in float32, then with each mode in order of
+        speed on this CPU, and keep the first whose perplexity is within its bound. Every rank
+        runs the same probes (their collectives pair up); rank 0 judges and tells the rest."""
+        from engine.layers.quant import auto_candidates
+        from engine.quality import QUALITY_BOUNDS, informative
+
+        note = ""
+        chosen: str | None = None
+        if not ids:
+            note = (f"float32: no probe text (the probe needs 64 tokens of English; max_model_len "
+                    f"and the KV cache allow {length}, or the tokenizer cannot spell it)")
+        else:
+            base = self._probe_perplexity(ids)
+            if not self._agree(base is not None and informative(base, self.model_config.vocab_size)):
+                note = (f"float32: the model does not predict the probe text (perplexity "
+                        f"{base if base is not None else float('nan'):.1f}), so no mode's quality "
+                        "can be judged")
+            for mode in auto_candidates() if not note else ():
+                self.model.prepare_linears(mode, release_dense=False)
+                ppl = self._probe_perplexity(ids)
+                ok = ppl is not None and ppl <= base * (1 + QUALITY_BOUNDS[mode])
+                if tp_rank() == 0:
+                    note += (f"{mode}: probe perplexity {ppl:.3f} vs float32 {base:.3f} "
+                             f"({ppl / base - 1:+.2%}, bound +{QUALITY_BOUNDS[mode]:.0%}); ")
+                if self._agree(ok):
+                    chosen = mode
+                    break
+            note = note or "float32: no quantization mode passed"
+        self.model.prepare_linears(chosen)   # the final mode, and the dense weights released
+        return chosen, f"quantization=auto chose {chosen or 'none'} ({self.config.dtype}): {note}"
+
+    @staticmethod
+    def _agree(flag_on_rank0: bool) -> bool:
+        """Rank 0's verdict, on every rank."""
+        if tp_size() == 1:
+            return bool(flag_on_rank0)
+        t = torch.tensor([1.0 if (flag_on_rank0 and tp_rank() == 0) else 0.0])
+        return bool(all_reduce(t).item() > 0)
+
+    def _probe_perplexity(self, ids: list[int]) -> float | None:
+        """The perplexity of `ids` on rank 0 (None on the others), through the KV cache's first
+        blocks (no request holds any yet)."""
+        from engine.quality import perplexity
+        seq = SeqInput(token_ids=ids, start=0, block_ids=list(range(-(-len(ids) // self.block_size))),
+                       samples=False, prompt_targets=ids[1:])
+        _, _, rows = self.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
+        return perplexity(rows[0], ids) if tp_rank() == 0 else None
 
     @property
     def num_blocks(self) -> int:

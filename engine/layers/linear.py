@@ -1,10 +1,11 @@
 """Linear layers that own their tensor-parallel sharding.
 
 Each layer holds only its shard and exposes `weight_loader(param, full_tensor, shard_id)`, so a
-checkpoint loader streams full tensors in without knowing about TP. On CPU in float32 the weight is
-also reordered into oneDNN's blocked layout after loading and multiplied with
-`mkldnn._linear_pointwise` (dense in, dense out, as torch inductor does): at the batch sizes of
-decoding that ran 2-4x faster than `F.linear` on the 2-core machine we measure on.
+checkpoint loader streams full tensors in without knowing about TP. After loading, `finalize`
+prepares the weight for the matmul that will use it: on CPU in float32 or bfloat16 it is reordered
+into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (dense in, dense out,
+as torch inductor does), which beats `F.linear` at the row counts of decoding; with a quantization
+mode it becomes an int8 or int4 weight (engine/layers/quant.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.quant import quantize_weight
 from engine.parallel import all_reduce, divide, tp_rank, tp_size
 
 
@@ -19,7 +21,7 @@ _BATCH_HINT = 32   # rows the reordered layout is tuned for; any row count is ac
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available())
 
 
@@ -34,21 +36,35 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: torch.Tensor | None = None
+        self._quant = None   # an engine.layers.quant weight when a quantization mode is on
+        # per input channel, the largest |activation| seen on calibration text (int8 smooths by it)
+        self.act_absmax: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
-    def finalize(self, release_dense: bool = True) -> None:
-        """Called once after all weights are loaded. Once packed, the dense copy is only dead
-        weight (a second copy of the model in memory), unless another module shares it."""
-        self._packed = None
-        if _onednn_usable(self.weight):
+    def finalize(self, quantization: str | None = None, release_dense: bool = True) -> None:
+        """Called after all weights are loaded (again to switch modes, while the dense weight is
+        kept). Once packed, the dense copy is only dead weight (a second copy of the model in
+        memory), unless another module shares it: `release_dense` drops it."""
+        if self.weight.numel() == 0:
+            raise RuntimeError("finalize after the dense weight was released")
+        self._packed = self._quant = None
+        if quantization is not None:
+            self._quant = quantize_weight(quantization, self.weight.detach(), self.act_absmax)
+        elif _onednn_usable(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
-            if release_dense:
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        if release_dense and (self._packed is not None or self._quant is not None):
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._packed is not None:   # (the dense weight may be released: always take this path)
+        # (the dense weight may be released: a prepared weight always takes its own path)
+        if self._quant is not None:
+            y = self._quant.matmul(x.reshape(-1, x.shape[-1]))
+            if bias is not None:
+                y = y + bias
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if self._packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, bias,
                                                    "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])

@@ -14,6 +14,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear)
 from engine.layers.norm import RMSNorm
+from engine.layers.quant import head_quantization
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -132,6 +133,12 @@ class LlamaForCausalLM(nn.Module):
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+
+    def prepare_linears(self, quantization: str | None, release_dense: bool = True) -> None:
+        """Packs (or quantizes) every linear's loaded weight for its matmul; see LinearBase."""
         for module in self.modules():
             if isinstance(module, LinearBase):   # the tied head shares the embedding's storage
-                module.finalize(release_dense=not (module is self.lm_head and self.config.tie_word_embeddings))
+                head = module is self.lm_head
+                shared = head and self.config.tie_word_embeddings
+                module.finalize(head_quantization(quantization) if head else quantization,
+                                release_dense=release_dense and not shared)

@@ -1,0 +1,120 @@
+"""Low-precision weights for the linear layers, on torch's own CPU kernels.
+
+- "int8": weights int8 per output channel (symmetric), activations quantized per row at run time
+  (dynamic quantization) by torch's x86 quantized engine (fbgemm/oneDNN, VNNI where the CPU has
+  it). Input and output stay in floating point.
+- "int4": weights int4 in groups of 32 input features with a scale and a zero point per group
+  (asymmetric, the layout of GGUF's Q4_1), activations bf16 (`_weight_int4pack_mm_for_cpu`);
+  the LM head stays int8 (`head_quantization`).
+  Re-quantizing a weight that came from a Q4_1 GGUF recovers its blocks: where a block spans its
+  full 0..15 range, min/max give back the same scale and offset.
+
+Only the weight bytes shrink: at batch 1 a decode step streams every weight from memory once, so
+its time falls with them. Which mode is fastest, and by how much, depends on the CPU: see
+BENCHMARKS.md and `bench/quality.py` for the quality each costs.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from engine.cpu import cpu_features
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP = 32
+SMOOTH_ALPHA = 0.5
+
+
+def auto_candidates() -> list[str]:
+    """The modes quantization="auto" tries, fastest first for serving (many rows a step): on the
+    AVX-512 EPYC with bf16 and VNNI (BENCHMARKS.md) int8 beat float32 and bf16 at 1, 32 and 512
+    rows, and int4 won at one row only. int4's activations are bf16: offered only where the CPU
+    computes bf16 natively."""
+    return ["int8", "int4"] if cpu_features().bf16_units else ["int8"]
+
+
+def _use_x86_engine() -> None:
+    engines = torch.backends.quantized.supported_engines
+    for name in ("x86", "fbgemm", "onednn"):
+        if name in engines:
+            if torch.backends.quantized.engine != name:
+                torch.backends.quantized.engine = name
+            return
+    raise RuntimeError(f"quantization='int8' needs torch's x86 quantized engine; this torch has {engines}")
+
+
+class Int8Weight:
+    """A weight [out, in] as torch's prepacked dynamic-quantization linear."""
+
+    def __init__(self, weight: torch.Tensor, act_absmax: torch.Tensor | None = None,
+                 alpha: float = SMOOTH_ALPHA):
+        _use_x86_engine()
+        w = weight.detach().float()
+        self.inv_smooth = None
+        if act_absmax is not None:
+            # SmoothQuant: a few input channels carry activations far larger than the rest, and one
+            # int8 scale per row would flatten every other channel to a handful of levels. Divide
+            # channel j by s_j = max|x_j|^alpha / max|w_j|^(1 - alpha) at run time and multiply
+            # the weight's column j by it: the product is unchanged, the ranges are evened out.
+            a = act_absmax.detach().float().clamp(min=1e-5)
+            smooth = (a.pow(alpha) / w.abs().amax(dim=0).clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+            w = w * smooth
+            self.inv_smooth = 1.0 / smooth
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():   # the quantized-tensor constructors are deprecated, not gone
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        # without VNNI, fbgemm's AVX2 path sums u8*s8 pairs in int16 and can saturate: it asks
+        # for 7-bit activations then
+        self.reduce_range = not cpu_features().int8_units
+        self.out_features = w.shape[0]
+
+    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
+        # the kernel quantizes the whole matrix with one scale, but a few tokens (the first,
+        # delimiters) carry activations 100x the others': bring every row to the same range
+        # first, so one scale serves each row as well as its own would, and undo it after
+        rmax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-6)
+        y = torch.ops.quantized.linear_dynamic(x / rmax, self.packed, self.reduce_range).mul_(rmax)
+        return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
+
+
+class Int4Weight:
+    """A weight [out, in] as int4 groups of INT4_GROUP input features (asymmetric, per group)."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        n, k = w.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"quantization='int4' needs in_features divisible by {INT4_GROUP}, got {k}")
+        groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        lo = groups.amin(dim=-1, keepdim=True)
+        hi = groups.amax(dim=-1, keepdim=True)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+        q = ((groups - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale
+        sz = torch.stack([scale.view(n, -1), (lo + 8 * scale).view(n, -1)], dim=-1)
+        self.scales_zeros = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.out_features = n
+
+    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
+                                                 INT4_GROUP, self.scales_zeros).to(x2d.dtype)
+
+
+def head_quantization(mode: str | None) -> str | None:
+    """The LM head's mode under `mode`. int4 there cost SmolLM2 7% perplexity on the probe text
+    (its head is the tied embedding, stored as Q8_0 in the GGUF), int8 1%: the head stays int8."""
+    return "int8" if mode == "int4" else mode
+
+
+def quantize_weight(mode: str, weight: torch.Tensor, act_absmax: torch.Tensor | None = None):
+    if mode == "int8":
+        return Int8Weight(weight, act_absmax)
+    if mode == "int4":
+        return Int4Weight(weight)
+    raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
