@@ -25,6 +25,7 @@ SEED_TTFT = 3000          # + repeat index
 SEED_COLD = 4000          # + repeat index
 SEED_PREFIX = 5000
 SEED_SUFFIX = 6000        # + repeat index
+SEED_ONE_STREAM = 7000
 
 CONTENTION_WARN_CORES = 0.1   # other processes' average CPU use that makes timings suspect
 

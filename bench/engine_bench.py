@@ -66,7 +66,7 @@ def side_argv(args, side: str) -> list[str]:
             "--threads", str(args.threads), "--model", args.model]
     if args.kv_cache_memory is not None:
         argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    return argv
+    return argv + ["--dtype", args.dtype, "--quantization", args.quantization]
 
 
 def run_side_subprocess(args, side: str) -> dict:
@@ -172,6 +172,56 @@ def combine(args, hf: dict, pd: dict, command: str) -> dict:
     }
 
 
+# --modes name -> (--dtype, --quantization) of the pdserve side
+MODES = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
+         "int8": ("float32", "int8"), "int4": ("float32", "int4"), "auto": ("auto", "none")}
+
+
+def modes_summary(hf: dict, runs: dict, lc: dict) -> dict:
+    """Per pdserve mode, against HF float32 (and llama.cpp's one stream) measured in the same run."""
+    ratio = lambda a, b: (a / b) if (a is not None and b) else None  # noqa: E731
+    hf_dec, hf_one = get(hf, "decode", "decode_tok_s"), get(hf, "one_stream", "decode_tok_s")
+    hf_ttft, lc_one = get(hf, "ttft512", "median_s"), get(lc, "one_stream", "decode_tok_s")
+    out = {"hf": {"decode_tok_s": hf_dec, "one_stream_tok_s": hf_one, "ttft512_s": hf_ttft},
+           "llamacpp": {"one_stream_tok_s": lc_one, "how": lc.get("how"), "error": lc.get("error")},
+           "pdserve": {}}
+    for m, pd in runs.items():
+        dec, one, ttft = (get(pd, "decode", "decode_tok_s"), get(pd, "one_stream", "decode_tok_s"),
+                          get(pd, "ttft512", "median_s"))
+        out["pdserve"][m] = {
+            "mode_note": get(pd, "mode", "note"), "error": pd.get("error"),
+            "decode_tok_s": dec, "decode_vs_hf": ratio(dec, hf_dec),
+            "one_stream_tok_s": one, "one_stream_vs_hf": ratio(one, hf_one),
+            "one_stream_vs_llamacpp": ratio(one, lc_one),
+            "ttft512_s": ttft, "ttft512_vs_hf": ratio(ttft, hf_ttft)}
+    return out
+
+
+def render_modes(summary: dict, args) -> str:
+    hf, lc = summary["hf"], summary["llamacpp"]
+    ms = lambda x: None if x is None else x * 1000  # noqa: E731
+    lines = [f"### Serving modes vs HF float32 and llama.cpp (same run; {args.num_requests} concurrent "
+             f"x {args.prompt_len} prompt x {args.new_tokens} new; one stream {args.prompt_len} + "
+             f"{args.new_tokens}; TTFT of {args.ttft_len} tokens)", "",
+             "| side | decode tok/s, 32 concurrent | vs HF | one stream tok/s | vs HF | vs llama.cpp "
+             "| TTFT 512 ms | vs HF |", "|---|---|---|---|---|---|---|---|",
+             f"| HF transformers float32 | {fmt(hf['decode_tok_s'])} | 1.00x | {fmt(hf['one_stream_tok_s'])} "
+             f"| 1.00x | - | {fmt(ms(hf['ttft512_s']), '.0f')} | 1.00x |",
+             f"| llama.cpp (same GGUF) | - | - | {fmt(lc['one_stream_tok_s'])} | "
+             f"{fmt(lc['one_stream_tok_s'] / hf['one_stream_tok_s'] if lc['one_stream_tok_s'] and hf['one_stream_tok_s'] else None, '.2f', 'x')} "
+             f"| 1.00x | - | - |"]
+    for m, r in summary["pdserve"].items():
+        lines.append(f"| pdserve {m} | {fmt(r['decode_tok_s'])} | {fmt(r['decode_vs_hf'], '.2f', 'x')} "
+                     f"| {fmt(r['one_stream_tok_s'])} | {fmt(r['one_stream_vs_hf'], '.2f', 'x')} "
+                     f"| {fmt(r['one_stream_vs_llamacpp'], '.2f', 'x')} | {fmt(ms(r['ttft512_s']), '.0f')} "
+                     f"| {fmt(r['ttft512_vs_hf'], '.2f', 'x')} |")
+    lines.append("")
+    lines += [f"- {m}: {r['mode_note']}" for m, r in summary["pdserve"].items() if r.get("mode_note")]
+    if lc.get("how"):
+        lines.append(f"- llama.cpp: llama-cpp-python {lc['how']}")
+    return "\n".join(lines)
+
+
 def render(report: dict) -> str:
     c, s, m = report["config"], report["summary"], report["machine"] or {}
     hf, pd = report["hf"], report["pdserve"]
@@ -184,8 +234,9 @@ def render(report: dict) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {m.get('cpu_model')} ({m.get('cpu_count')} cpus), torch {m.get('torch')}, "
         f"transformers {m.get('transformers')}, threads {m.get('torch_num_threads')}, "
-        f"python {m.get('python')}, {m.get('date_utc')}",
-        f"- model {c['model']}, fp32, greedy; prompts = random token ids in "
+        f"python {m.get('python')}, {m.get('date_utc')}, commit {report.get('git_head')}",
+        f"- CPU flags: {' '.join(m.get('cpu_flags') or [])}",
+        f"- model {c['model']}, pdserve {c['dtype']} (HF float32), greedy; prompts = random token ids in "
         f"[{c['token_id_range'][0]}, {c['token_id_range'][1]})",
         "",
         "| metric | HF transformers | pdserve | pdserve/HF | target | result |",
@@ -281,9 +332,16 @@ def render(report: dict) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--side", choices=["both", "hf", "pdserve"], default="both",
-                    help="hf / pdserve: run one side in this process and print one JSON line; "
-                         "both (default): run each side in its own subprocess and report")
+    ap.add_argument("--side", choices=["both", "hf", "pdserve", "llamacpp"], default="both",
+                    help="hf / pdserve / llamacpp: run one side in this process and print one JSON "
+                         "line; both (default): run each side in its own subprocess and report")
+    ap.add_argument("--dtype", default="float32", help="pdserve side: the engine's dtype")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
+                    help="pdserve side: the engine's quantization")
+    ap.add_argument("--modes", default="float32",
+                    help="comma-separated pdserve modes to run against the one HF run, each in its "
+                         "own process: float32, bfloat16, int8, int4, auto (dtype auto); more than "
+                         "float32 adds the modes table and llama.cpp's one stream")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 32 new tokens")
     ap.add_argument("--out", default=None, help=f"JSON results path (default {DEFAULT_OUT})")
     ap.add_argument("--num-requests", type=int, default=None, help="concurrent requests (32; quick 8)")
@@ -319,14 +377,32 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.side != "both":
-        res = run_hf(args) if args.side == "hf" else run_pdserve(args)
+        if args.side == "llamacpp":
+            from bench.engine_bench_llamacpp import run_llamacpp
+            res = run_llamacpp(args)
+        else:
+            res = run_hf(args) if args.side == "hf" else run_pdserve(args)
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return 0
     command = shlex.join(["python"] + [os.path.relpath(sys.argv[0], os.getcwd())] + sys.argv[1:])
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes: each of {sorted(MODES)}")
     hf = run_side_subprocess(args, "hf")
-    pd = run_side_subprocess(args, "pdserve")
+    runs = {}
+    for m in modes:
+        args.dtype, args.quantization = MODES[m]
+        runs[m] = run_side_subprocess(args, "pdserve")
+    pd = runs[modes[0]]
     report = combine(args, hf, pd, command)
+    report["config"]["dtype"] = modes[0]
     table = render(report)
+    if len(modes) > 1:
+        from bench.engine_bench_llamacpp import LLAMA_CPP_VERSION  # noqa: F401 (import check)
+        lc = run_side_subprocess(args, "llamacpp")
+        report["modes"] = modes_summary(hf, runs, lc)
+        report["llamacpp"] = lc
+        table += "\n\n" + render_modes(report["modes"], args)
     report["table_markdown"] = table
     out = args.out or os.path.join(REPO_ROOT, DEFAULT_OUT)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

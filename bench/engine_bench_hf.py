@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bench.bench_common import (SEED_DECODE, SEED_TTFT, SEED_WARMUP, machine_info, median,
+from bench.bench_common import (SEED_DECODE, SEED_ONE_STREAM, SEED_TTFT, SEED_WARMUP, machine_info, median,
                                 memory_snapshot, random_prompts, section)
 
 
@@ -75,6 +75,17 @@ def run_hf(args) -> dict:
             "output_token_ids": new.tolist(),
         }
 
+    def one_stream():
+        """One sequence alone: P prompt tokens, then M new; decode tok/s over the tokens after the
+        first, from the per-step timestamps."""
+        ids = torch.tensor(random_prompts(SEED_ONE_STREAM, 1, P))
+        runs = []
+        for _ in range(2):   # the first run warms this shape
+            clock = StepClock()
+            generate(ids, M, clock)
+            runs.append((M - 1) / (clock.times[-1] - clock.times[0]))
+        return {"decode_tok_s": runs[-1], "runs_tok_s": runs}
+
     def ttft512():
         ids = torch.tensor(random_prompts(SEED_TTFT, 1, args.ttft_len))
         times, times_keep1 = [], []
@@ -96,6 +107,7 @@ def run_hf(args) -> dict:
 
     section(res, "warmup", warmup)
     section(res, "decode", decode)
+    section(res, "one_stream", one_stream)
     section(res, "ttft512", ttft512)
     res["memory_peak"] = memory_snapshot()
     return res

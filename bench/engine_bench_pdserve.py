@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bench.bench_common import (SEED_COLD, SEED_DECODE, SEED_PREFIX, SEED_SUFFIX, SEED_TTFT,
+from bench.bench_common import (SEED_COLD, SEED_DECODE, SEED_ONE_STREAM, SEED_PREFIX, SEED_SUFFIX, SEED_TTFT,
                                 SEED_WARMUP, machine_info, median, memory_snapshot, random_prompts,
                                 section)
 
@@ -18,11 +18,15 @@ def run_pdserve(args) -> dict:
     res: dict = {"side": "pdserve", "machine": machine_info(args.threads),
                  "memory_start": memory_snapshot()}
     t0 = time.perf_counter()
+    quant = None if args.quantization == "none" else args.quantization
     llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, block_size=16,
-              enable_prefix_caching=True, max_num_batched_tokens=2048, max_num_seqs=128)
+              enable_prefix_caching=True, max_num_batched_tokens=2048, max_num_seqs=128,
+              dtype=args.dtype, quantization=quant)
     res["load_s"] = time.perf_counter() - t0
     torch.set_num_threads(args.threads)   # in case engine construction touched it
     eng = llm.engine
+    res["mode"] = {"dtype": eng.config.dtype, "quantization": eng.config.quantization,
+                   "note": eng.mode_note}
     kv = eng.kv_cache
     res["kv_cache"] = {
         "bytes": kv.numel() * kv.element_size(), "num_blocks": eng.block_manager.num_blocks,
@@ -115,6 +119,21 @@ def run_pdserve(args) -> dict:
             "output_token_ids": outputs,
         }
 
+    def one_stream():
+        """One request alone: P prompt tokens, then M new; decode tok/s over the tokens after
+        the first, from the step timestamps."""
+        prompt = random_prompts(SEED_ONE_STREAM, 1, P)[0]
+        params = SamplingParams(temperature=0, max_tokens=M, ignore_eos=True)
+        runs = []
+        for i in range(2):   # the first run warms this shape
+            eng.add_request(f"one-{i}", prompt, params)
+            times = []
+            while eng.has_unfinished_requests():
+                eng.step()
+                times.append(time.perf_counter())
+            runs.append((M - 1) / (times[-1] - times[0]))
+        return {"decode_tok_s": runs[-1], "runs_tok_s": runs}
+
     def ttft512():
         ttft(random_prompts(SEED_TTFT + 99, 1, args.ttft_len)[0])   # warm-up, its own prompt
         runs, cached = [], []
@@ -150,6 +169,7 @@ def run_pdserve(args) -> dict:
 
     section(res, "warmup", warmup)
     section(res, "decode", decode)
+    section(res, "one_stream", one_stream)
     section(res, "ttft512", ttft512)
     section(res, "prefix", prefix)
     res["memory_peak"] = memory_snapshot()

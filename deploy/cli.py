@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 
-from deploy.config import ConfigError, DeployConfig, load_config
+from deploy.config import DTYPES, ConfigError, DeployConfig, load_config
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,24 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+
+
+def _mode_args(p: argparse.ArgumentParser, where: str = "") -> None:
+    p.add_argument("--dtype", choices=DTYPES[:1] + DTYPES[1::2], default=None,
+                   help=f"{where}dtype: 'auto' is bfloat16 on GPU, and on CPU float32 activations "
+                        "with the fastest quantization whose quality passes a probe")
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "auto"], default=None,
+                   help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, "
+                        "or auto")
+
+
+def _mode_overrides(args) -> dict:
+    out = {}
+    if args.dtype is not None:
+        out["dtype"] = args.dtype
+    if args.quantization is not None:
+        out["quantization"] = None if args.quantization == "none" else args.quantization
+    return out
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +53,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
                         "a .gguf file or an HF directory")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="--local only")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache")
+    _mode_args(p, "--local only: ")
     tls = p.add_argument_group("TLS, for a router with router.tls (the client API needs no secret)")
     tls.add_argument("--tls-ca", metavar="PEM", help="trust the router's certificate from this CA")
     tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (router.tls.ca_file set)")
@@ -73,7 +92,7 @@ def _run_local(args) -> int:
                                 top_p=args.top_p, seed=args.seed)
         t0 = time.perf_counter()
         llm = LLM(args.model or "smollm2", tensor_parallel_size=args.tensor_parallel_size,
-                  kv_cache_memory=args.kv_cache_memory)
+                  kv_cache_memory=args.kv_cache_memory, **_mode_overrides(args))
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.cmd == "generate":
@@ -91,7 +110,8 @@ def _run_local(args) -> int:
     ttft = out.metrics.get("first_token", 0) - out.metrics.get("arrival", 0)
     print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
           f"finish={c.finish_reason}; load {t_load:.1f}s, TTFT {ttft * 1e3:.0f} ms, "
-          f"total {elapsed:.2f}s, {len(c.token_ids) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+          f"total {elapsed:.2f}s, {len(c.token_ids) / max(elapsed, 1e-9):.1f} tok/s; "
+          f"{llm.engine.mode_note}]", file=sys.stderr)
     llm.shutdown()
     return 0
 
@@ -160,7 +180,7 @@ def _run_up(args) -> int:
     """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
     change; no traceback), 130 interrupted while starting."""
     try:
-        config = load_config(args.config)
+        config = load_config(args.config).model_copy(update=_mode_overrides(args))
     except ConfigError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
@@ -196,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="deployment YAML (default: SmolLM2, 1 prefill + 1 decode, local Ray)")
     upp.add_argument("--address", default=None,
                      help="Ray cluster to join ('auto' or host:port); overrides ray.address")
+    _mode_args(upp, "overrides the YAML's ")
     gen = sub.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
     _client_args(gen)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")   # engine/config.py
+QUANTIZATIONS = (None, "int8", "int4", "auto")
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 
 
@@ -248,6 +249,9 @@ class RaySettings(_Frozen):
 class DeployConfig(_Frozen):
     model: Annotated[str, Field(min_length=1)] = "smollm2"
     dtype: Literal[DTYPES] = "auto"
+    # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
+    # means quantization "auto"
+    quantization: Literal[QUANTIZATIONS] = None
     pools: Pools = Pools()
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
@@ -263,7 +267,8 @@ class DeployConfig(_Frozen):
 
     def engine_kwargs(self, pool: Pool) -> dict:
         """`LLM(model, **kwargs)` for one worker of `pool`."""
-        kwargs = dict(dtype=self.dtype, tensor_parallel_size=pool.tp, block_size=pool.block_size,
+        kwargs = dict(dtype=self.dtype, quantization=self.quantization,
+                      tensor_parallel_size=pool.tp, block_size=pool.block_size,
                       max_num_batched_tokens=pool.max_num_batched_tokens,
                       max_num_seqs=pool.max_num_seqs, enable_prefix_caching=pool.enable_prefix_caching)
         if pool.kv_cache_memory is not None:
@@ -292,6 +297,10 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     problems = []
     for key, pool in config.worker_pools():
         tp, bs, gpu = pool.tp, pool.block_size, pool.resources.num_gpus > 0
+        if gpu and config.quantization in ("int8", "int4"):
+            problems.append(f"pools.{key}: quantization {config.quantization!r} runs on CPU only, and "
+                            f"this pool has GPUs; remove quantization or use dtype bfloat16")
+            continue
         if heads % tp or kv_heads % tp:
             fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
             problems.append(f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "

@@ -104,8 +104,9 @@ class WorkerActor:
         self.worker_config = worker_config
         self.worker = None
 
-    def start(self) -> str:
-        """Loads the model, starts serving; returns the worker's gRPC address."""
+    def start(self) -> tuple[str, str]:
+        """Loads the model, starts serving; returns the worker's gRPC address and its engine's
+        serving mode (dtype, quantization and why)."""
         pin_to(self.cpus)   # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         cfg = self.worker_config
         if not cfg.host:      # listen on, and advertise, this node's address
@@ -117,7 +118,7 @@ class WorkerActor:
         else:
             from prefill_worker.server import PrefillWorker
             self.worker = PrefillWorker(cfg).start()
-        return self.worker.address
+        return self.worker.address, self.worker.loop.engine.mode_note
 
     def ping(self) -> bool:
         return self.worker is not None
@@ -279,7 +280,7 @@ def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
     refs = [r.actor.start.remote() for r in replicas]   # replicas load their models concurrently
     for r, ref in zip(replicas, refs):
         try:
-            r.address = ray.get(ref, timeout=start_timeout_s)
+            r.address, mode = ray.get(ref, timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise DeployError(f"pools.{key}: replica {r.index} did not start within "
                               f"{start_timeout_s:.0f}s") from None
@@ -287,7 +288,7 @@ def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
             raise DeployError(f"pools.{key}: replica {r.index} failed to start: "
                               f"{ray_error_reason(e)}") from None
         r.serving_since = time.monotonic()
-        log.info("%s serving on %s", r.name, r.address)
+        log.info("%s serving on %s; %s", r.name, r.address, mode)
 
 
 def _start_router(cluster: Cluster) -> None:

@@ -125,8 +125,8 @@ class Supervisor:
             self._died(r, ray_error_reason(e), starting)
             return
         if starting:
-            r.address, r.serving_since = result, time.monotonic()
-            log.warning("worker %s replaced: serving on %s", r.name, r.address)
+            (r.address, mode), r.serving_since = result, time.monotonic()
+            log.warning("worker %s replaced: serving on %s; %s", r.name, r.address, mode)
 
     def _died(self, r: Replica, reason: str, starting: bool) -> None:
         p = self.policy

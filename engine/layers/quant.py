@@ -70,15 +70,20 @@ class Int8Weight:
         # without VNNI, fbgemm's AVX2 path sums u8*s8 pairs in int16 and can saturate: it asks
         # for 7-bit activations then
         self.reduce_range = not cpu_features().int8_units
+        self.span_row = torch.ones(1, w.shape[1])
+        self.span_row[0, 1::2] = -1.0
         self.out_features = w.shape[0]
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
-        # the kernel quantizes the whole matrix with one scale, but a few tokens (the first,
-        # delimiters) carry activations 100x the others': bring every row to the same range
-        # first, so one scale serves each row as well as its own would, and undo it after
+        # The kernel quantizes the whole matrix with one range, its min and max, but a few tokens
+        # (the first, delimiters) carry activations 100x the others'. So every row is scaled to
+        # [-1, 1] first (and the output row back), and one extra row spanning exactly [-1, 1]
+        # pins the range: each row's quantization, hence its result, no longer depends on which
+        # other rows share the step (batch-invariant, like float32 here).
         rmax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-6)
-        y = torch.ops.quantized.linear_dynamic(x / rmax, self.packed, self.reduce_range).mul_(rmax)
+        x = torch.cat([x / rmax, self.span_row])
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)[:-1].mul_(rmax)
         return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 

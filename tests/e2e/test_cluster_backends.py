@@ -36,14 +36,21 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def reference():
+    """dtype -> (prompts, the engine's greedy tokens in one process)."""
     from engine import LLM, SamplingParams
-    llm = LLM("smollm2", kv_cache_memory=KV_BYTES, max_model_len=1024)
-    tok = llm.get_tokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    llm.shutdown()
-    return prompts, [list(o.outputs[0].token_ids) for o in outs]
+    cache = {}
+
+    def get(dtype: str):
+        if dtype not in cache:
+            llm = LLM("smollm2", dtype=dtype, kv_cache_memory=KV_BYTES, max_model_len=1024)
+            tok = llm.get_tokenizer()
+            prompts = [tok.encode(p) for p in PROMPTS]
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                        ignore_eos=True), use_tqdm=False)
+            llm.shutdown()
+            cache[dtype] = prompts, [list(o.outputs[0].token_ids) for o in outs]
+        return cache[dtype]
+    return get
 
 
 def _pool(tp: int) -> dict:
@@ -101,8 +108,12 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, refer
     from deploy.launcher import up
     from protos.pdserve.v1 import pdserve_pb2_grpc
 
-    prompts, want = reference
-    config = validate_config({"model": "smollm2", "kvtransfer": {"backend": backend},
+    # dtype auto is the default deployment's (on a CPU it may quantize; int8 is batch-invariant, so
+    # the cluster still equals one engine); a quantized weight is split differently at another
+    # TP degree, so mixed TP compares in float32
+    dtype = "auto" if prefill_tp == decode_tp == 1 else "float32"
+    prompts, want = reference(dtype)
+    config = validate_config({"model": "smollm2", "dtype": dtype, "kvtransfer": {"backend": backend},
                               "pools": {"prefill": _pool(prefill_tp), "decode": _pool(decode_tp)},
                               "router": {"port": 0}})
     t0 = time.perf_counter()

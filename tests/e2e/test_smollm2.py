@@ -1,4 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct against HF transformers on the same float32 weights.
+"""The embedded SmolLM2-135M-Instruct against HF transformers on the same float32 weights, with
+dtype="float32" (the reference mode; dtype "auto" may quantize: tests/unit/test_quantization.py).
 
 Greedy outputs must be token-identical, whatever the batching: one request at a time, all
 together, prefix caching on (with real cache hits) and off, and a token budget that splits the
@@ -76,7 +77,7 @@ def _check(outputs, reference, prompts):
 
 @pytest.mark.parametrize("mode", ["together", "one_at_a_time", "no_prefix_cache", "chunked"])
 def test_greedy_matches_hf(mode, smollm2_prompts, reference):
-    kwargs = dict(kv_cache_memory=256 << 20, max_model_len=2048)
+    kwargs = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048)
     if mode == "no_prefix_cache":
         kwargs["enable_prefix_caching"] = False
     if mode == "chunked":   # the 1,600-token prompt runs as 13 chunks next to the other requests
@@ -98,7 +99,8 @@ def test_greedy_matches_hf(mode, smollm2_prompts, reference):
 def test_tp3_matches_tp1(smollm2_prompts, reference):
     picks = [0, 5, 7, 15]   # English, Chinese, code, the long document
     prompts = [smollm2_prompts[i] for i in picks]
-    llm = LLM("smollm2", tensor_parallel_size=3, kv_cache_memory=128 << 20, max_model_len=2048)
+    llm = LLM("smollm2", dtype="float32", tensor_parallel_size=3, kv_cache_memory=128 << 20,
+              max_model_len=2048)
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         _check(outputs, [reference[i] for i in picks], prompts)

