@@ -22,32 +22,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_worker.handoff import DecodeHandoff
-from engine import SamplingParams
-from engine.block_manager import NoFreeBlocks
 from engine.engine_loop import EngineLoop
 from engine.request import RequestOutput
-from protos.convert import sampling_kwargs, unix_ns
+from protos.convert import unix_ns
 from protos.limits import check_id, check_sampling, check_token_ids
 from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from worker_common.errors import abort_for_engine_error, build_params
 
 log = logging.getLogger(__name__)
-
-
-def status_for_engine_error(err: ValueError) -> grpc.StatusCode:
-    """The engine raises ValueError for every bad request; its message tells which kind."""
-    text = str(err)
-    if "max_model_len" in text:
-        return grpc.StatusCode.OUT_OF_RANGE
-    if "already in use" in text:
-        return grpc.StatusCode.ALREADY_EXISTS
-    return grpc.StatusCode.INVALID_ARGUMENT
-
-
-def build_params(sampling, context) -> SamplingParams:
-    try:
-        return SamplingParams(**sampling_kwargs(sampling))
-    except (ValueError, TypeError) as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
 
 
 @dataclass
@@ -105,10 +87,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
-            if isinstance(e, NoFreeBlocks):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full, retry later ({e})")
-            if isinstance(e, ValueError):
-                context.abort(status_for_engine_error(e), str(e))
+            abort_for_engine_error(context, e)
             raise
         endpoint = worker_pb2.KVEndpoint(backend=self.options.kv_backend,
                                          address=self.options.kv_address,
@@ -127,8 +106,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
-            if isinstance(e, ValueError):
-                context.abort(status_for_engine_error(e), str(e))
+            abort_for_engine_error(context, e)
             raise
         # no blocks are reserved ahead, but the router charges the prompt's blocks to this worker
         # until its next health check reads the real count: it needs the block size for that

@@ -30,6 +30,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu import log_once as log_cpu_once
+from engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
@@ -175,31 +176,31 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+                raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = list(prompt)
         if not ids:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
         return ids
 
     def _new_request(self, request_id: str, prompt, params: SamplingParams | None,
                      prefill_only: bool = False) -> _Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequest(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise DuplicateRequestId(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
+            raise PromptTooLong(f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
                              f"prompt to at most {limit - 1} tokens (one must be left for output)")
         if prefill_only and params.n != 1:
-            raise ValueError(f"n must be 1 for a prefill-only request, got {params.n}")
+            raise InvalidRequest(f"n must be 1 for a prefill-only request, got {params.n}")
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None
@@ -235,7 +236,7 @@ class LLMEngine:
         """Blocks for a prompt whose KV another engine will write. Raises NoFreeBlocks when full."""
         req = self._new_request(request_id, prompt_token_ids, params)
         if req.params.n != 1:
-            raise ValueError(f"n must be 1 for a disaggregated request, got {req.params.n}")
+            raise InvalidRequest(f"n must be 1 for a disaggregated request, got {req.params.n}")
         seq = req.seqs[0]
         self.scheduler.reserve(seq)
         self._requests[request_id] = req
@@ -249,7 +250,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if (not isinstance(first_token_id, int) or isinstance(first_token_id, bool)
                 or not 0 <= first_token_id < vocab):   # else the next step fails for every request
-            raise ValueError(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
+            raise InvalidRequest(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
         seq = req.seqs[0]
         self.scheduler.commit(seq, first_token_id)
         self._emit_text(req, 0)

@@ -11,6 +11,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from engine.errors import BadSamplingParams
+
 # Dividing float32 logits by a temperature this small overflows to inf (and
 # softmax then yields NaN), so such temperatures are treated as greedy, as
 # vLLM does with its _SAMPLING_EPS.
@@ -21,22 +23,22 @@ MAX_PROMPT_LOGPROBS = 20   # alternatives per prompt position, as vLLM's default
 def _int(name: str, value: object) -> int:
     # bool is a subclass of int, but True as max_tokens is a client bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise BadSamplingParams(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
 
 
 def _float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise BadSamplingParams(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise BadSamplingParams(f"{name} must be finite, got {value!r}")
     return value
 
 
 def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        raise BadSamplingParams(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -46,7 +48,7 @@ def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = Fal
     ok_hi = value < hi if hi_open else value <= hi
     if not (ok_lo and ok_hi):
         lb, rb = ("(" if lo_open else "["), (")" if hi_open else "]")
-        raise ValueError(f"{name} must be in {lb}{lo:g}, {hi:g}{rb}, got {value!r}")
+        raise BadSamplingParams(f"{name} must be in {lb}{lo:g}, {hi:g}{rb}, got {value!r}")
 
 
 def _str_tuple(name: str, value: object) -> tuple[str, ...]:
@@ -55,13 +57,13 @@ def _str_tuple(name: str, value: object) -> tuple[str, ...]:
     # A bare str is one stop string, not a sequence of one-char stop strings.
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise ValueError(
+        raise BadSamplingParams(
             f"{name} must be a str or a list of str, got {type(value).__name__} {value!r}")
     for s in items:
         if not isinstance(s, str):
-            raise ValueError(f"{name} must contain only str, got {type(s).__name__} {s!r}")
+            raise BadSamplingParams(f"{name} must contain only str, got {type(s).__name__} {s!r}")
         if not s:
-            raise ValueError(f"{name} must not contain empty strings, got {list(items)!r}")
+            raise BadSamplingParams(f"{name} must not contain empty strings, got {list(items)!r}")
     return tuple(items)
 
 
@@ -69,12 +71,12 @@ def _id_tuple(name: str, value: object) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)):
-        raise ValueError(
+        raise BadSamplingParams(
             f"{name} must be a list of int, got {type(value).__name__} {value!r}")
     ids = tuple(_int(name, v) for v in value)
     for v in ids:
         if v < 0:
-            raise ValueError(f"{name} must contain only ids >= 0, got {v}")
+            raise BadSamplingParams(f"{name} must contain only ids >= 0, got {v}")
     return ids
 
 
@@ -110,18 +112,18 @@ class SamplingParams:
 
         put("n", _int("n", self.n))
         if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise BadSamplingParams(f"n must be >= 1, got {self.n}")
 
         put("temperature", _float("temperature", self.temperature))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise BadSamplingParams(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
 
         put("top_p", _float("top_p", self.top_p))
         _in_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
 
         put("top_k", _int("top_k", self.top_k))
         if self.top_k < -1:
-            raise ValueError(
+            raise BadSamplingParams(
                 f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
 
         put("min_p", _float("min_p", self.min_p))
@@ -136,22 +138,22 @@ class SamplingParams:
 
         put("repetition_penalty", _float("repetition_penalty", self.repetition_penalty))
         if self.repetition_penalty <= 0:
-            raise ValueError(
+            raise BadSamplingParams(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
         put("max_tokens", _int("max_tokens", self.max_tokens))
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise BadSamplingParams(f"max_tokens must be >= 1, got {self.max_tokens}")
 
         put("min_tokens", _int("min_tokens", self.min_tokens))
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
+            raise BadSamplingParams(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
         if self.prompt_logprobs is not None:
             put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs))
             if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
-                raise ValueError(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
+                raise BadSamplingParams(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
                                  f"{self.prompt_logprobs}")
 
         put("stop", _str_tuple("stop", self.stop))

@@ -19,29 +19,20 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine import SamplingParams
 from engine.engine_loop import EngineLoop
 from engine.request import RequestOutput
 from kvtransfer.backends import BACKENDS, connect
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import Destination, Transport
 from prefill_worker.handoff import PushSink
-from protos.convert import sampling_kwargs, unix_ns
+from protos.convert import unix_ns
 from protos.limits import (MAX_ADDRESS_CHARS, Refusal, check_id, check_sampling, check_token_ids,
                            invalid)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.security import INSECURE, ClusterSecurity
+from worker_common.errors import abort_for_engine_error, build_params
 
 log = logging.getLogger(__name__)
-
-
-def status_for_engine_error(err: ValueError) -> grpc.StatusCode:
-    text = str(err)
-    if "max_model_len" in text:
-        return grpc.StatusCode.OUT_OF_RANGE
-    if "already in use" in text:
-        return grpc.StatusCode.ALREADY_EXISTS
-    return grpc.StatusCode.INVALID_ARGUMENT
 
 
 class GuardedSink:
@@ -121,10 +112,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         refusal = self._check_fields(request)
         if refusal:
             refusal.abort(context)
-        try:
-            params = SamplingParams(**sampling_kwargs(request.sampling))
-        except (ValueError, TypeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        params = build_params(request.sampling, context)
         if not request.HasField("reservation"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "reservation must be set: call DecodeWorker.Reserve first")
@@ -160,9 +148,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             self.loop.add_request(rid, list(request.prompt_token_ids), params, waiter,
                                   prefill_only=True, kv_sink=sink)
-        except ValueError as e:
+        except Exception as e:
             sink.abort()
-            context.abort(status_for_engine_error(e), str(e))
+            abort_for_engine_error(context, e)
+            raise
 
         deadline = time.monotonic() + self._budget(context)
         while not waiter.done.wait(self.options.poll_s):

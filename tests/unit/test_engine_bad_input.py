@@ -6,6 +6,7 @@ import pytest
 
 from conftest import assert_no_leaks, hf_greedy, random_prompts
 from engine import LLM, SamplingParams
+from engine.errors import BadSamplingParams, DuplicateRequestId, InvalidRequest, PromptTooLong
 from engine_helpers import KV, greedy, run_until_done
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,14 +63,17 @@ def test_bad_prompt_in_batch_rolls_back_the_others(small_llm):
 def test_engine_level_bad_input(small_llm):
     llm, prompt, want = small_llm
     engine = llm.engine
-    with pytest.raises(ValueError, match="prompt"):
+    # typed (engine/errors.py), so the workers choose a status by kind, never by the wording
+    with pytest.raises(InvalidRequest, match="prompt"):
         engine.add_request("bad", [], greedy())
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(PromptTooLong, match="max_model_len"):
         engine.reserve("bad", list(range(2, 66)), greedy())
-    with pytest.raises(ValueError, match="n must be 1"):
+    with pytest.raises(InvalidRequest, match="n must be 1"):
         engine.add_request("bad", prompt, SamplingParams(n=2), prefill_only=True)
+    with pytest.raises(BadSamplingParams, match="top_p"):
+        SamplingParams(top_p=0)
     engine.add_request("dup", prompt, greedy(20))
-    with pytest.raises(ValueError, match="request_id"):
+    with pytest.raises(DuplicateRequestId, match="request_id"):
         engine.add_request("dup", prompt, greedy(20))
     outs = [o for o in run_until_done(engine) if o.finished]
     assert [o.outputs[0].token_ids for o in outs] == [want]

@@ -1,0 +1,38 @@
+"""The errors the engine raises about one request, by kind, so a server picks its answer by type
+(worker_common/errors.py maps them to gRPC statuses) instead of by the message's wording.
+
+    EngineError                      a request the engine will not take (never its own fault)
+      InvalidRequest (ValueError)    something in the request is wrong: the client must change it
+        BadSamplingParams            a SamplingParams field out of range or of the wrong type
+        PromptTooLong                the prompt leaves no room for output under max_model_len
+        DuplicateRequestId           request_id names a request the engine already holds
+      NoFreeBlocks (RuntimeError)    not enough free KV blocks now: the same request may fit later
+
+Each stays a subclass of what the engine raised before (ValueError, RuntimeError), so callers
+that catch those keep working.
+"""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """A request the engine refuses."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is wrong (prompt, ids, sampling); retrying it unchanged fails again."""
+
+
+class BadSamplingParams(InvalidRequest):
+    """A SamplingParams field is out of range or of the wrong type."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt has max_model_len tokens or more: none would be left for output."""
+
+
+class DuplicateRequestId(InvalidRequest):
+    """The request id is already in use on this engine."""
+
+
+class NoFreeBlocks(EngineError, RuntimeError):
+    """Not enough free KV blocks for the request now (reserve); it may fit once others finish."""

@@ -1,0 +1,51 @@
+"""Engine errors -> gRPC statuses, for both worker services: the one place that decides what a
+client is told when the engine refuses its request (engine/errors.py has the kinds).
+
+    try:
+        loop.add_request(...)
+    except Exception as e:
+        abort_for_engine_error(context, e)   # aborts the call if `e` is the engine refusing
+        raise                                # anything else is a bug: gRPC answers UNKNOWN
+"""
+from __future__ import annotations
+
+import grpc
+
+from engine.errors import BadSamplingParams, DuplicateRequestId, NoFreeBlocks, PromptTooLong
+from engine.sampling_params import SamplingParams
+from protos.convert import sampling_kwargs
+
+
+def engine_error_status(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message for an error the engine raised about a request; None for anything
+    else. Any other ValueError from the engine is a bad request too (INVALID_ARGUMENT)."""
+    if isinstance(err, NoFreeBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full, retry later ({err})"
+    if isinstance(err, PromptTooLong):
+        return grpc.StatusCode.OUT_OF_RANGE, str(err)
+    if isinstance(err, DuplicateRequestId):
+        return grpc.StatusCode.ALREADY_EXISTS, str(err)
+    if isinstance(err, BadSamplingParams):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {err}"
+    if isinstance(err, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    return None
+
+
+def abort_for_engine_error(context, err: BaseException) -> None:
+    """Ends the call with `err`'s status if it is an engine refusal; returns otherwise."""
+    status = engine_error_status(err)
+    if status is not None:
+        context.abort(*status)
+
+
+def build_params(sampling, context) -> SamplingParams:
+    """The engine's SamplingParams from a pdserve.v1.SamplingParams, or the call aborted with
+    INVALID_ARGUMENT saying which field is wrong."""
+    try:
+        return SamplingParams(**sampling_kwargs(sampling))
+    except BadSamplingParams as e:
+        abort_for_engine_error(context, e)
+        raise
+    except (ValueError, TypeError) as e:   # a field the engine does not know, say
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
