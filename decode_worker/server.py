@@ -4,6 +4,9 @@
     stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(worker.address))
     ...
     worker.stop()
+
+The frame (engine on its loop thread, gRPC server, registration, stop order) is
+worker_common/process.py, shared with the prefill worker.
 """
 from __future__ import annotations
 
@@ -12,43 +15,27 @@ from dataclasses import dataclass, field
 
 from decode_worker.handoff import DecodeHandoff
 from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
-from engine import EngineConfig, LLMEngine
-from engine.engine_loop import EngineLoop, warmed
 from kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
 from kvtransfer.layout import KVLayout
-from protos.grpc_server import ServiceHost
-from protos.registration import register_worker
 from protos.pdserve.v1 import worker_pb2_grpc
-from protos.security import INSECURE, ClusterSecurity
+from worker_common.process import WorkerConfig, WorkerProcess
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.worker.v1.DecodeWorker"
-MAX_MESSAGE_BYTES = 64 << 20   # long prompts' token id lists
 
 
 @dataclass(frozen=True)
-class DecodeWorkerConfig:
-    model: str
-    engine_kwargs: dict = field(default_factory=dict)   # LLM(model, **engine_kwargs)
-    host: str = "127.0.0.1"
-    port: int = 0                  # 0: pick a free port
+class DecodeWorkerConfig(WorkerConfig):
+    """WorkerConfig's fields, plus the KV backend and the leases. max_workers: each open Stream
+    holds a handler thread for its whole life, so the pool must cover every sequence the engine
+    may run plus those waiting for their KV, with room for Reserve, Abort and Stats (16 threads
+    made the 17th concurrent stream, and the router's health checks, wait for a stream to end)."""
+    worker_id: str = "decode-0"
     kv_backend: str = "grpc"
     kv_options: dict = field(default_factory=dict)      # serve(kv_backend, handler, **kv_options)
-    worker_id: str = "decode-0"
     lease_ms: int = 10_000         # default reservation lease when a Reserve gives none
     max_lease_ms: int = 120_000    # longer leases asked by a Reserve are cut to this
     lease_sweep_s: float = 0.05
-    # gRPC handler threads. Each open Stream holds one for its whole life, so the pool must cover
-    # every sequence the engine may run plus those waiting for their KV, with room for Reserve,
-    # Abort and Stats; None: 2 x the engine's max_num_seqs + 16. (16 threads made the 17th
-    # concurrent stream, and the router's health checks, wait for a stream to end.)
-    max_workers: int | None = None
-    stop_grace_s: float = 1.0
-    registry_address: str = ""   # a router's address: join its pool (protos/registration.py)
-    # every RPC to this worker (and, decode, its KV channels) needs security.secret; the
-    # router's Registry too. INSECURE: no check (in-process setups and tests)
-    security: ClusterSecurity = field(default=INSECURE)
-    deployment_id: str = ""      # sent with Register; the router refuses another deployment's workers
 
     def __post_init__(self):
         if self.kv_backend not in BACKENDS:
@@ -58,16 +45,15 @@ class DecodeWorkerConfig:
                              f"{self.lease_ms}")
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerProcess):
+    ROLE = "decode"
+    SERVICE_NAME = SERVICE_NAME
+
     def __init__(self, config: DecodeWorkerConfig):
-        self.config = config
-        self.loop: EngineLoop | None = None
+        super().__init__(config)
         self.handoff: DecodeHandoff | None = None
         self.layout: KVLayout | None = None
         self._kv_server = None
-        self._host: ServiceHost | None = None
-        self.address: str | None = None
-        self.registration = None
 
     def start(self) -> "DecodeWorker":
         cfg = self.config
@@ -78,11 +64,7 @@ class DecodeWorker:
             # the hand-off writes every rank's pool from rank 0, and shm senders write into it
             if (tp > 1 or cfg.kv_backend == "shm") and not kwargs.get("kv_cache_shared_dir"):
                 kwargs["kv_cache_shared_dir"] = default_shared_dir()
-            # the engine itself, not an LLM (an LLM shuts its engine down when collected), built
-            # on the loop thread that will step it (EngineLoop.build says why)
-            self.loop = EngineLoop.build(lambda: warmed(LLMEngine(EngineConfig(model=cfg.model, **kwargs)),
-                                                        cfg.worker_id), name=f"{cfg.worker_id}-engine")
-            engine = self.loop.engine
+            engine = self._build_engine(kwargs)
             self.layout = KVLayout(**engine.kv_layout_spec())
             rank_caches = engine.rank_kv_caches()
             self.handoff = DecodeHandoff(self.loop, self.layout, lease_s=cfg.lease_ms / 1000,
@@ -96,16 +78,8 @@ class DecodeWorker:
                 worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
                 kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms,
                 max_lease_ms=cfg.max_lease_ms, tp_size=tp))
-            max_workers = cfg.max_workers or 2 * engine.scheduler.max_num_seqs + 16
-            self._host = ServiceHost(cfg.worker_id, cfg.host, cfg.port, max_workers,
-                                     MAX_MESSAGE_BYTES, security=cfg.security)
-            self.address = self._host.start(
-                lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s), (SERVICE_NAME,))
-            if cfg.registry_address:
-                self.registration = register_worker(
-                    cfg.registry_address, "decode", cfg.worker_id, self.address, cfg.model,
-                    lambda: servicer.Stats(None, None), security=cfg.security,
-                    deployment_id=cfg.deployment_id)
+            self._serve(lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
+                        lambda: servicer.Stats(None, None))
         except BaseException:
             self.stop()
             raise
@@ -115,16 +89,8 @@ class DecodeWorker:
 
     def stop(self) -> None:
         """Stops taking requests, ends open streams, then the KV channel and the engine loop."""
-        if self.registration is not None:   # heartbeats end first: the router drops this worker
-            self.registration.stop()
-            self.registration = None
-        if self._host is not None:   # stop taking requests, end open streams
-            self._host.stop(self.config.stop_grace_s)
-            self._host = None
+        self._stop_serving()
         if self._kv_server is not None:
             self._kv_server.stop()
             self._kv_server = None
-        if self.loop is not None:
-            self.loop.stop()
-            self.loop.engine.shutdown()
-            self.loop = None
+        self._stop_engine()

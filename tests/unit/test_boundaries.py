@@ -8,11 +8,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "engine": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
-    "kvtransfer": {"engine", "prefill_worker", "decode_worker", "router", "deploy"},
+    "engine": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
+    "kvtransfer": {"engine", "prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
+    "worker_common": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
     "prefill_worker": {"decode_worker", "router", "deploy"},
     "decode_worker": {"prefill_worker", "router", "deploy"},
-    "router": {"kvtransfer", "prefill_worker", "decode_worker", "deploy"},
+    "router": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "deploy"},
+    # wire definitions only: the processes' code lives in the folders above
+    "protos": {"engine", "kvtransfer", "prefill_worker", "decode_worker", "worker_common", "router",
+               "deploy"},
 }
 # the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone
 ALLOWED_ENGINE_MODULES = {"router": {"engine.tokenizer", "engine.loader"}}

@@ -20,7 +20,7 @@ from engine.tokenizer import load_tokenizer
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.registration import Registration
+from worker_common.registration import Registration
 from router.legs import Inflight, Leg, Legs, resume_sampling
 from router.pool import WorkerPool
 from router.server import Router, RouterConfig

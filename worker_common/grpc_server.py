@@ -2,7 +2,8 @@
 the executor, so its threads would outlive `stop()`), raised message limits, and the standard
 health service, SERVING for "" and the given service names once started. Every service but health
 needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
-(protos/security.py)."""
+(protos/security.py).
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
