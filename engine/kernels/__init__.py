@@ -14,6 +14,7 @@ import pathlib
 
 log = logging.getLogger(__name__)
 _SRC = pathlib.Path(__file__).with_name("paged_decode_cpu.cpp")
+_FUSED_SRC = pathlib.Path(__file__).with_name("fused_cpu.cpp")
 
 
 def _cpu_flags() -> str:
@@ -24,12 +25,8 @@ def _cpu_flags() -> str:
         return ""
 
 
-@functools.cache
-def cpu_paged_decode():
-    """The compiled `paged_decode(q, layer_kv, block_tables, context_lens, scale)`, or None.
-
-    It needs head_dim to be a multiple of 16; `engine.attention.decode_kernel` checks that.
-    """
+def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
+    """The extension module compiled from `source` for this CPU (cached), or None (logged once)."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -39,7 +36,7 @@ def cpu_paged_decode():
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one
         # thread. -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
         # directory shared by different machines never hands one a binary built for another
-        key = hashlib.sha256((_cpu_flags() + _SRC.read_text()).encode()).hexdigest()[:12]
+        key = hashlib.sha256((_cpu_flags() + source.read_text() + " ".join(extra_cflags)).encode()).hexdigest()[:12]
         build = default_cache_dir() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         # torch's own build lock is a plain file: a worker killed while compiling leaves it behind
@@ -48,11 +45,33 @@ def cpu_paged_decode():
         with open(build / "pdserve.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
-            module = load(name=f"pdserve_paged_decode_{key}", sources=[str(_SRC)],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                          extra_ldflags=["-fopenmp", "-lmvec"],
-                          build_directory=str(build), verbose=False)
-        return module.paged_decode
+            return load(name=f"pdserve_{name}_{key}", sources=[str(source)],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                        extra_ldflags=["-fopenmp", "-lmvec"],
+                        build_directory=str(build), verbose=False)
     except Exception as e:   # no compiler, no headers, no ninja: the torch path still works
-        log.warning("pdserve: compiled CPU decode attention unavailable (%s); using torch", e)
+        log.warning("pdserve: compiled CPU kernels %s unavailable (%s); using torch", name, e)
         return None
+
+
+@functools.cache
+def cpu_paged_decode():
+    """The compiled `paged_decode(q, layer_kv, block_tables, context_lens, scale)`, or None.
+
+    It needs head_dim to be a multiple of 16; `engine.attention.decode_kernel` checks that.
+    """
+    module = _build("paged_decode", _SRC, [])
+    return None if module is None else module.paged_decode
+
+
+@functools.cache
+def cpu_fused():
+    """The compiled fused float32 ops (fused_cpu.cpp: add_rms_norm, rope_, silu_mul, int8_rows),
+    or None. The layers use them for float32 CPU tensors and fall back to torch otherwise."""
+    return _build("fused", _FUSED_SRC, ["-ffp-contract=off"])
+
+
+def fused_for(t):
+    """cpu_fused() when `t` is a float32 CPU tensor (what its ops take), else None."""
+    import torch
+    return cpu_fused() if t.device.type == "cpu" and t.dtype == torch.float32 else None

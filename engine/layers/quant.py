@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from engine.cpu import cpu_features
+from engine.kernels import fused_for
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 32
@@ -75,6 +76,10 @@ class Int8Weight:
         self.out_features = w.shape[0]
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        fused = fused_for(x2d)
+        if fused is not None:   # the same arithmetic as below, in one call
+            x, rmax = fused.int8_rows(x2d, self.inv_smooth, self.span_row)
+            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)[:-1].mul_(rmax)
         x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
         # The kernel quantizes the whole matrix with one range, its min and max, but a few tokens
         # (the first, delimiters) carry activations 100x the others'. So every row is scaled to

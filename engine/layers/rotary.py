@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import fused_for
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -41,7 +43,12 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The compiled path rotates
+        q and k in place (they are views of the step's fresh qkv projection)."""
+        fused = fused_for(q)
+        if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            fused.rope_(q, k, positions, self.cos, self.sin)
+            return q, k
         # one module serves every layer: look the step's positions up once, not once per layer
         if positions is not self._step_positions:
             self._step_positions = positions
