@@ -31,6 +31,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu import log_once as log_cpu_once
 from engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
+from engine.kv_pool import KV_FILE_PREFIX, map_pool_file
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
@@ -43,7 +44,6 @@ from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_toke
 log = logging.getLogger(__name__)
 
 
-KV_FILE_PREFIX = "pdserve-kv-"
 STEP_TRACE_LEN = 32768    # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
 
 
@@ -304,9 +304,8 @@ class LLMEngine:
             raise ValueError("the KV pools of tensor-parallel ranks > 0 are private to their "
                              "processes: set kv_cache_shared_dir to reach them from rank 0")
         if self._rank_kv_caches is None:
-            from engine.model_runner import map_shared
             own = self.kv_cache
-            self._rank_kv_caches = [own] + [map_shared(p, tuple(own.shape), own.dtype)
+            self._rank_kv_caches = [own] + [map_pool_file(p, tuple(own.shape), own.dtype)
                                             for p in self.kv_cache_paths[1:]]
         return self._rank_kv_caches
 

@@ -1,8 +1,6 @@
 """Executes a step plan on one tensor-parallel rank: build inputs, run the model, sample (rank 0)."""
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,6 +9,7 @@ import torch
 from engine.attention import decode_kernel
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
+from engine.kv_pool import create_pool_file
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from engine.loader import iter_safetensors
 from engine.models.llama import LlamaForCausalLM
@@ -36,22 +35,6 @@ class SeqInput:
 class ModelInput:
     seqs: list[SeqInput]
     block_copies: list[tuple[int, int]]
-
-
-def shared_zeros(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor backed by the file at `path`, which other processes can map."""
-    numel = math.prod(shape)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, numel * dtype.itemsize)   # a fresh (truncated) file reads as zeros
-    finally:
-        os.close(fd)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-
-
-def map_shared(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Another rank's pool made by `shared_zeros`."""
-    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 class ModelRunner:
@@ -184,7 +167,7 @@ class ModelRunner:
                 f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len")
         shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.kv_cache_path is not None:
-            return shared_zeros(self.kv_cache_path, shape, self.dtype)
+            return create_pool_file(self.kv_cache_path, shape, self.dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 

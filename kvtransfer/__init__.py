@@ -1,7 +1,8 @@
 """Moving KV cache between engines: headers, layouts, re-sharding and the transports.
 
-Imports neither the engine nor any worker (see docs/architecture.md section 2): everything here
-speaks in tensors, block ids and token ranges.
+Imports no worker, and of the engine only engine/kv_pool.py, the one creator of shared KV pool
+files (see docs/architecture.md section 2): everything here speaks in tensors, block ids and
+token ranges.
 """
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.state import TransferState

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
 import mmap
 import os
 import tempfile
@@ -32,6 +31,7 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 import numpy as np
 import torch
 
+from engine.kv_pool import KV_FILE_PREFIX, create_pool_file, map_pool_file
 from kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.reshard import dtype_name, write_chunk
@@ -50,22 +50,15 @@ def default_shared_dir() -> str:
 def create_shared_kv_cache(shape, dtype: torch.dtype = torch.float32, name: str | None = None,
                            directory: str | None = None) -> tuple[torch.Tensor, str]:
     """A zero-filled tensor backed by a shared file that another process can map; returns (tensor, path).
+    The file is made by engine/kv_pool.py, the one creator of pool files (the engine's own pools
+    included).
 
     The file outlives the tensor: call `remove_shared_kv_cache(path)` when the cache is retired
     (the mapping stays valid after the unlink, for as long as the tensor lives).
     """
-    shape = tuple(int(n) for n in shape)
-    numel = math.prod(shape)
-    if numel <= 0:
-        raise ValueError(f"a shared KV cache needs a non-empty shape, got {shape}")
-    path = os.path.join(directory or default_shared_dir(), name or f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)     # a fresh (truncated) file reads as zeros
-    finally:
-        os.close(fd)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape), path
+    path = os.path.join(directory or default_shared_dir(),
+                        name or f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return create_pool_file(path, shape, dtype), path
 
 
 def remove_shared_kv_cache(path: str) -> None:
@@ -102,18 +95,11 @@ def populate(tensor: torch.Tensor) -> bool:
 
 def map_shared_kv_cache(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
     """Map an existing shared KV cache file (the sender's view of the receiver's pool)."""
-    shape = tuple(int(n) for n in shape)
-    numel = math.prod(shape)
-    expected = numel * torch.empty((), dtype=dtype).element_size()
     try:
-        size = os.path.getsize(path)
+        return map_pool_file(path, shape, dtype)
     except OSError as e:
         raise ConnectionError(f"the shared KV cache {path} cannot be opened: {e} (the shm backend "
                               f"needs both workers on the same host)") from None
-    if size != expected:
-        raise ValueError(f"the shared KV cache {path} holds {size} bytes, but shape {shape} in "
-                         f"{dtype_name(dtype)} needs {expected}")
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
 def format_address(paths: str | list[str], shape, dtype: torch.dtype, control: str) -> str:

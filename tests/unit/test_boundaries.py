@@ -9,7 +9,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "engine": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
-    "kvtransfer": {"engine", "prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
+    "kvtransfer": {"prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
     "worker_common": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
     "prefill_worker": {"decode_worker", "router", "deploy"},
     "decode_worker": {"prefill_worker", "router", "deploy"},
@@ -18,8 +18,11 @@ FORBIDDEN = {
     "protos": {"engine", "kvtransfer", "prefill_worker", "decode_worker", "worker_common", "router",
                "deploy"},
 }
-# the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone
-ALLOWED_ENGINE_MODULES = {"router": {"engine.tokenizer", "engine.loader"}}
+# the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone.
+# kvtransfer may use the shared KV pool files' one creator, a leaf module (torch and stdlib only)
+ALLOWED_ENGINE_MODULES = {"router": {"engine.tokenizer", "engine.loader"},
+                          "kvtransfer": {"engine.kv_pool"}}
+LEAF_MODULES = {"engine.kv_pool": "engine/kv_pool.py"}
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -54,3 +57,10 @@ def test_engine_modules_used_outside_the_workers(package):
            if name.split(".")[0] == "engine" and not any(
                name == a or name.startswith(a + ".") for a in allowed)]
     assert not bad, f"{package}/ may use only {sorted(allowed)} of the engine:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", sorted(LEAF_MODULES))
+def test_engine_modules_lent_out_import_nothing_of_the_engine(module):
+    """What kvtransfer or the router may import of the engine must not pull in the rest of it."""
+    names = imported_packages(ROOT / LEAF_MODULES[module])
+    assert not names & ({"engine"} | set(FORBIDDEN)), f"{module} imports {sorted(names)}"

@@ -1,0 +1,51 @@
+"""KV pools in shared files: the one place that creates and maps them.
+
+A pool that another process must reach (a tensor-parallel rank's pool read by rank 0, a decode
+worker's pool written in place by an shm sender) lives in a file, usually under /dev/shm, mapped
+with torch.from_file. The engine's model runner creates its pool here, and kvtransfer's shm
+backend creates and maps pools through the same functions, so the file's mode (0600: its owner's
+processes only), its zero fill and its size check are the same everywhere.
+
+Only torch and the standard library: kvtransfer may import this module and no other of the
+engine's (tests/unit/test_boundaries.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+KV_FILE_PREFIX = "pdserve-kv-"   # every pool file's name starts with it
+
+
+def _shape_and_bytes(shape, dtype: torch.dtype) -> tuple[tuple[int, ...], int, int]:
+    shape = tuple(int(n) for n in shape)
+    numel = math.prod(shape)
+    return shape, numel, numel * torch.empty((), dtype=dtype).element_size()
+
+
+def create_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor backed by a new file at `path` (an existing file is truncated),
+    which other processes can map with `map_pool_file`. The file outlives the tensor: unlink it
+    when the pool is retired (the mapping stays valid after the unlink for as long as it lives)."""
+    shape, numel, nbytes = _shape_and_bytes(shape, dtype)
+    if numel <= 0:
+        raise ValueError(f"a shared KV pool needs a non-empty shape, got {shape}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)   # a fresh (truncated) file reads as zeros
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def map_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A pool made by `create_pool_file` (in this process or another), mapped shared. Raises
+    OSError when the file cannot be opened, ValueError when its size does not fit shape and dtype."""
+    shape, numel, nbytes = _shape_and_bytes(shape, dtype)
+    size = os.path.getsize(path)
+    if size != nbytes:
+        raise ValueError(f"the shared KV pool {path} holds {size} bytes, but shape {shape} in "
+                         f"{str(dtype).removeprefix('torch.')} needs {nbytes}")
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
