@@ -111,3 +111,27 @@ def run_hf(args) -> dict:
     section(res, "ttft512", ttft512)
     res["memory_peak"] = memory_snapshot()
     return res
+
+
+def one_stream_tok_s(model_name: str, threads: int, prompt_len: int, new_tokens: int) -> list[float]:
+    """HF float32 decoding one sequence: tok/s after the first token, for 2 runs (the first warms)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from engine.loader import resolve_model
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model(model_name)), dtype=torch.float32).eval()
+    ids = torch.tensor(random_prompts(SEED_ONE_STREAM, 1, prompt_len))
+    runs = []
+    for _ in range(2):
+        times: list[float] = []
+
+        def clock(input_ids, scores):
+            times.append(time.perf_counter())
+            return scores
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=0,   # one sequence: nothing is padded
+                       logits_processor=LogitsProcessorList([clock]))
+        runs.append((new_tokens - 1) / (times[-1] - times[0]))
+    return runs

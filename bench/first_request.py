@@ -9,7 +9,8 @@ prints "ready"). At once, one client sends a 128-token prompt (random ids, a fre
 request, so no prefix-cache hit) for 64 greedy tokens (`ignore_eos`), then `--later` more the
 same way, one at a time. Per request: TTFT at the client and decode tok/s (tokens after the first
 over the time after the first). The figure is the first request's over the median of the later
-ones, per deployment. "warm" deployments use pdserve's cache as it is; "fresh" ones an empty
+ones, per deployment; and the later ones' decode speed over HF transformers' float32 decoding
+one sequence in-process (2 threads, same lengths) measured in the same run. "warm" deployments use pdserve's cache as it is; "fresh" ones an empty
 PDSERVE_CACHE_DIR, as on a machine (or a CPU) pdserve never ran on: the GGUF is converted and the
 CPU decode kernel compiled again. Writes bench/results/first_request.json (with the CPU model and
 flags).
@@ -58,7 +59,10 @@ def run_deployment(args, index: int, cache: str) -> dict:
         os.environ["PDSERVE_CACHE_DIR"] = empty
     try:
         t0 = time.perf_counter()
-        with deployment(example_config()) as (cluster, _):
+        config = example_config()
+        if args.decode_threads:   # a layout to compare: the decode worker's compute threads
+            config["pools"]["decode"]["num_threads"] = args.decode_threads
+        with deployment(config) as (cluster, _):
             up_s = time.perf_counter() - t0
             with grpc.insecure_channel(cluster.router_address) as channel:
                 stub = pdserve_pb2_grpc.PDServeStub(channel)
@@ -71,7 +75,8 @@ def run_deployment(args, index: int, cache: str) -> dict:
             else:
                 os.environ["PDSERVE_CACHE_DIR"] = before
     first, later = rows[0], rows[1:]
-    out = {"cache": cache, "up_s": round(up_s, 1), "first": first, "later": later,
+    out = {"cache": cache, "decode_threads": args.decode_threads, "up_s": round(up_s, 1),
+           "first": first, "later": later,
            "later_median_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
            "later_median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in later)}
     out["first_ttft_over_later"] = round(first["ttft_ms"] / out["later_median_ttft_ms"], 3)
@@ -82,6 +87,20 @@ def run_deployment(args, index: int, cache: str) -> dict:
     return out
 
 
+def hf_one_stream(args) -> dict:
+    """HF transformers float32 decoding one sequence in this process, 2 threads (the machine's
+    cores), the same prompt length and new tokens: tok/s after the first token, best of 2 runs;
+    in a subprocess so its threads and memory leave with it."""
+    import json
+    import subprocess
+    code = ("import json, sys; sys.path.insert(0, %r); from bench.engine_bench_hf import one_stream_tok_s; "
+            "print(json.dumps(one_stream_tok_s('smollm2', 2, %d, %d)))" % (REPO_ROOT, args.prompt_len, args.max_tokens))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    log(f"HF float32 one stream in-process: {runs} tok/s")
+    return {"decode_tok_s": max(runs), "runs_tok_s": runs, "threads": 2}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deployments", type=int, default=2, help="per cache kind")
@@ -89,12 +108,22 @@ def main(argv=None) -> int:
     p.add_argument("--later", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--decode-threads", type=int, default=None,
+                   help="the decode worker's num_threads (default: the example config's)")
+    p.add_argument("--no-hf", dest="hf", action="store_false",
+                   help="skip HF's in-process one stream (the baseline of 'one stream vs HF')")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "first_request.json"))
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
-    report = {**run_header("bench/first_request.py", argv),
+    hf = hf_one_stream(args) if args.hf else None
+    report = {**run_header("bench/first_request.py", argv), "hf_one_stream": hf,
               "deployments": [run_deployment(args, i, cache) for cache in args.caches.split(",")
                               for i in range(args.deployments)]}
+    if hf:
+        for d in report["deployments"]:
+            d["later_decode_over_hf"] = round(d["later_median_decode_tok_s"] / hf["decode_tok_s"], 3)
+            log(f"{d['cache']} cache: one stream through the cluster {d['later_median_decode_tok_s']:.1f} "
+                f"tok/s = {d['later_decode_over_hf']:.2f}x HF float32 in-process ({hf['decode_tok_s']:.1f})")
     write_result(args.out, report)
     log(f"wrote {args.out}")
     return 0

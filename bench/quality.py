@@ -1,6 +1,6 @@
 """Quality per serving mode: perplexity on real text and greedy agreement with float32.
 
-  python bench/quality.py                          # float32 and bfloat16, ~5 min on 2 cores
+  python bench/quality.py                          # float32, bfloat16, int8, int4: ~10 min on 2 cores
   python bench/quality.py --modes float32 --tokens 4096
 
 Corpus: the Python Language Reference topics that every CPython ships for `help()`
@@ -10,6 +10,8 @@ joined in sorted order, tokenized with the model's tokenizer, and the first `--t
 (default 20,480) are cut into windows of `--window` tokens (default 512, each starting with BOS
 when the model has one). Perplexity = exp(mean negative log-likelihood) of every token after
 the first of each window, from the engine's public API: `SamplingParams(prompt_logprobs=0)`.
+The int8 mode calibrates, and dtype="auto" probes, on the corpus's last 1,024 tokens
+(engine/quality.py), which this benchmark never scores.
 
 Greedy agreement: `--prompts` varied prompts (chat-templated questions and plain text, a code
 start), `--new` greedy tokens each; per mode, the share of prompts whose tokens equal float32's
@@ -32,7 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_common import REPO_ROOT, log, run_header, write_result  # noqa: E402
 
-MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16")}
+MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+         "int8": dict(dtype="float32", quantization="int8"),
+         "int4": dict(dtype="float32", quantization="int4")}
 
 PROMPTS = [
     "The capital of France is",
@@ -57,9 +61,8 @@ QUESTIONS = [
 
 
 def corpus_ids(tokenizer, num_tokens: int) -> list[int]:
-    from pydoc_data.topics import topics
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    from engine.quality import corpus_ids as all_ids
+    ids = all_ids(tokenizer)
     if len(ids) < num_tokens:
         raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than --tokens {num_tokens}")
     return ids[:num_tokens]
@@ -88,6 +91,7 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=max(args.window, 2048), **MODES[name])
     load_s = time.perf_counter() - t0
+    mode_note = llm.engine.mode_note
     try:
         t0 = time.perf_counter()
         outs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -106,6 +110,7 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
     finally:
         llm.shutdown()
     result = {"perplexity": math.exp(nll / n), "scored_tokens": n, "windows": len(texts),
+              "mode_note": mode_note,
               "greedy": greedy, "load_s": round(load_s, 1), "perplexity_s": round(ppl_s, 1),
               "greedy_s": round(greedy_s, 1)}
     log(f"{name}: perplexity {result['perplexity']:.4f} over {n} tokens ({ppl_s:.0f} s)")
@@ -115,7 +120,7 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--modes", default="float32,bfloat16", help=f"of {sorted(MODES)}; float32 first")
+    p.add_argument("--modes", default="float32,bfloat16,int8,int4", help=f"of {sorted(MODES)}; float32 first")
     p.add_argument("--tokens", type=int, default=20480)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--new", type=int, default=32, help="greedy tokens per agreement prompt")
@@ -129,6 +134,7 @@ def main(argv=None) -> int:
     import torch
 
     from engine.loader import resolve_model
+    from engine.quality import QUALITY_BOUNDS
     from engine.tokenizer import load_tokenizer
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model(args.model))
@@ -143,16 +149,21 @@ def main(argv=None) -> int:
                   for a, b in zip(r["greedy"], ref)]
         r["greedy_identical"] = f"{sum(same)}/{len(same)}"
         r["greedy_prefix_share"] = statistics.mean(prefix)
+        bound = QUALITY_BOUNDS.get(m)
+        r["bound"] = bound
+        r["pass"] = None if bound is None else r["perplexity_vs_float32"] <= bound
     report = {**run_header("bench/quality.py", argv), "threads": args.threads,
               "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
                         f"first {args.tokens} tokens, windows of {args.window}",
               "modes": results}
     write_result(args.out, report)
-    print("| mode | perplexity | vs float32 | greedy identical to float32 | mean share before first divergence |")
-    print("|---|---|---|---|---|")
+    print("| mode | perplexity | vs float32 | bound | greedy identical to float32 "
+          "| mean share before first divergence |")
+    print("|---|---|---|---|---|---|")
     for m, r in results.items():
-        print(f"| {m} | {r['perplexity']:.4f} | {r['perplexity_vs_float32']:+.2%} | {r['greedy_identical']} "
-              f"| {r['greedy_prefix_share']:.0%} |")
+        bound = "-" if r["bound"] is None else f"<= +{r['bound']:.0%} {'PASS' if r['pass'] else 'FAIL'}"
+        print(f"| {m} | {r['perplexity']:.4f} | {r['perplexity_vs_float32']:+.2%} | {bound} "
+              f"| {r['greedy_identical']} | {r['greedy_prefix_share']:.0%} |")
     log(f"wrote {args.out}")
     return 0
 
