@@ -14,7 +14,8 @@ three minutes before. On this VM the step speed moves by 10-40% between minutes
 another of the same setup, and from any snapshot prediction. Here the prediction is made for the machine as it behaves over time:
 
   * the step models are fitted on the in-load calibration steps of every stored run of the same
-    setup (bench/slo_calibration.fit_load over all their workers), and
+    setup (deploy/tuning/pooled.pooled_profile: deploy/tuning/calibration.fit_load over all their
+    workers), and
   * the measured/modelled step time is kept as it moved: per calibrated worker, its mean in every
     SPEED_WINDOW_S window, in time order (the profile's step_speed), plus what is left within a
     window (step_noise). The simulator replays one such trace per worker from a random window.
@@ -38,7 +39,7 @@ memory) equal the setup's: the newest run's, or the newest run's with --num-requ
 in place of its own; with --until or --split, the newest run started before that time (the setup
 as it stood then). Its calibrations count when the settings they depend on are equal: all of those
 but the number of requests, the rates and the SLO, plus the in-load calibration's own rates and
-number of requests (runs that predate those keys: slo_calibration.LEGACY_LOAD). With no
+number of requests (runs that predate those keys: deploy/tuning/calibration.LEGACY_LOAD). With no
 measurement of the setup yet, the prediction alone is written: a prediction to commit before the
 runs that will judge it.
 Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
@@ -57,115 +58,14 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.slo_calibration import LEGACY_LOAD, SPEED_WINDOW_S, fit_load  # noqa: E402
 from bench.slo_report import measured_rows  # noqa: E402
-from bench.slo_simulate import PLACEMENTS, WORKLOAD_SEEDS, now, serving_entries, sim_placement  # noqa: E402
+from bench.slo_simulate import WORKLOAD_SEEDS, sim_placement  # noqa: E402
 from deploy.tuning import workload  # noqa: E402
+from deploy.tuning.calibration import PLACEMENTS, SPEED_WINDOW_S, now  # noqa: E402
+from deploy.tuning.pooled import find_runs, merge_serving, pooled_profile, scaled  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
-# the deployment and trace settings a run's sweeps and calibrations are taken under; a calibration
-# also depends on its own rates and number of requests (its trace slice and seeds are fixed)
-DEPLOYMENT = ("model", "conv_scale", "code_scale", "max_prompt", "max_output",
-              "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
-CALIBRATION_SETUP = DEPLOYMENT + ("load_rates", "load_requests")
-SAME_SETUP = DEPLOYMENT + ("num_requests", "slo")   # and the workload's rates
 BAND = (10, 90)
-
-
-def first_send(path: pathlib.Path) -> float:
-    """Unix time of the first request a load-generator JSON (one rate or a sweep) sent."""
-    data = json.loads(path.read_text())
-    runs = data["runs"] if "runs" in data else [data]
-    return min(r["send_unix_ns"] for run in runs for r in run["requests"]) / 1e9
-
-
-def utc(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-
-
-def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = None,
-              rates: list[float] | None = None, as_of: float | None = None) -> tuple[list[dict], list[dict], dict]:
-    """(measurements, calibrations, the setup's config) of every stored run: the setup is the newest
-    run's config (the newest started before as_of, a unix time, when given), with num_requests and
-    rates in place of its own when given."""
-    outs = [p for p in [results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")]
-            if p.is_file()]
-    if not outs:
-        raise SystemExit(f"no slo_validation.json in {results_dir} or its folders")
-    started = {p: _dt.datetime.fromisoformat(json.loads(p.read_text())["date"]).timestamp() for p in outs}
-    outs.sort(key=started.get)
-    then = [p for p in outs if as_of is None or started[p] < as_of]
-    if not then:
-        raise SystemExit(f"no slo_validation.json in {results_dir} or its folders started before {utc(as_of)}")
-    setup = json.loads(then[-1].read_text())["config"]
-    if num_requests is not None:
-        setup = {**setup, "num_requests": num_requests}
-    if rates is not None:
-        setup = {**setup, "rates": {**setup["rates"], wl: rates}}
-    setup = {**LEGACY_LOAD, **setup}
-    measurements, calibrations = [], []
-    for out in outs:
-        cfg = {**LEGACY_LOAD, **json.loads(out.read_text())["config"]}   # runs that predate the keys
-        calibrated = all(cfg.get(k) == setup.get(k) for k in CALIBRATION_SETUP)
-        measured = (all(cfg.get(k) == setup.get(k) for k in SAME_SETUP)
-                    and cfg["rates"].get(wl) == setup["rates"][wl])
-        serving = out.parent / pathlib.Path(cfg["serving_profile"]).name
-        for placement in PLACEMENTS:
-            for path in sorted(out.parent.glob(f"slo_validation_{placement}_{wl}*.json")) if measured else []:
-                suffix = path.stem[len(f"slo_validation_{placement}_{wl}"):]
-                if suffix == "" or (suffix.startswith("_run") and suffix[4:].isdigit()):
-                    t = first_send(path)
-                    measurements.append({"placement": placement, "path": path, "time": t, "run": out.parent.name,
-                                         "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
-            for path in sorted(out.parent.glob(f"slo_validation_{placement}_load_steps*.json")) if calibrated else []:
-                suffix = path.stem[len(f"slo_validation_{placement}_load_steps"):]
-                first_load = out.parent / f"slo_validation_{placement}_load_{cfg['load_rates'][0]:g}{suffix}.json"
-                t = first_send(first_load) if first_load.is_file() else path.stat().st_mtime
-                calibrations.append({"placement": placement, "path": path, "time": t, "serving": serving,
-                                     "run": out.parent.name,
-                                     "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
-    return measurements, calibrations, setup
-
-
-def merge_serving(merged: dict, data: dict) -> None:
-    """Adds one placement's pooled profile (its worker kinds, its interference factors) to
-    `merged`, which starts empty and ends as one profile with every kind."""
-    if not merged:
-        merged.update(data, serving={"interference": {}, "source": {"summary": data["serving"]["source"]["summary"],
-                                                                   "calibrations": []}})
-    for key, value in data["serving"].items():
-        if key == "interference":
-            merged["serving"]["interference"].update(value)
-        elif key == "source":
-            merged["serving"]["source"]["calibrations"] += value["calibrations"]
-        else:
-            merged["serving"][key] = value
-
-
-def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s: float,
-                   interference: bool = True):
-    """The engine profile plus step models, step_speed and step_noise fitted per worker kind on
-    the steps of all these in-load calibrations; each kind's first-token latency is the mean of
-    the isolated calibrations' (their serving profiles). interference=False: no interference
-    factors are fitted (the step models average over the calibrations' overlaps)."""
-    from deploy.tuning.perf_model import load_profile, profile_from_dict
-    engine = load_profile(engine_path)
-    workers, latency = {}, {}
-    for k, c in enumerate(calibrations):
-        for name, w in json.loads(c["path"].read_text())["workers"].items():
-            workers[f"{k}:{name}"] = w
-        if c["serving"].is_file():
-            for kind, per_tp in json.loads(c["serving"].read_text())["serving"].items():
-                value = per_tp.get("1", {}).get("first_token_latency_s") if isinstance(per_tp, dict) else None
-                if value is not None:
-                    latency.setdefault(kind, []).append(value)
-    fits = fit_load(engine, {"workers": workers}, window_s, interference)
-    isolated = {kind: {"1": {"first_token_latency_s": float(np.mean(v))}} for kind, v in latency.items()}
-    data = dict(engine.raw)
-    data["serving"] = {**serving_entries(fits, isolated),
-                       "source": {"summary": "bench/slo_pooled.py: in-load calibrations pooled",
-                                  "calibrations": [c["label"] for c in calibrations], "date": now()}}
-    return profile_from_dict(data, "pooled in-load profile"), data
 
 
 def predict(profile, cfg: dict, placement: str, wl: str, seeds: int) -> list[dict]:
@@ -230,20 +130,6 @@ def plot(rows: dict, path: pathlib.Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def scaled(profile, factor: float):
-    """The profile with every serving step model's coefficients times factor (a machine that much
-    slower), for the sensitivity of attainment to step speed."""
-    from deploy.tuning.perf_model import profile_from_dict
-    data = json.loads(json.dumps(profile.raw))
-    for kind, per_tp in data["serving"].items():
-        if kind in ("prefill", "decode", "colocated"):
-            for entry in per_tp.values():
-                for key in ("prefill", "decode"):
-                    coef = entry[key]["coef"] if key in entry else getattr(profile.tp[1], key)
-                    entry[key] = {"coef": [c * factor for c in coef]}
-    return profile_from_dict(data, f"pooled profile x{factor:g}")
-
-
 def print_table(rows: list[dict]) -> None:
     print("| rate | measured, each run (%) | measured mean | predicted mean "
           f"[p{BAND[0]}-p{BAND[1]}] | pred - mean (pp) | runs in band | pp per 5% slower steps |")
@@ -300,7 +186,10 @@ def main() -> int:
     # the setup as it stood at the latest time the runs are taken up to (--until, or --split for
     # the calibrations): later runs may calibrate another way
     as_of = min((t for t in (until, split) if t is not None), default=None)
-    measurements, calibrations, cfg = find_runs(results_dir, args.workload, args.num_requests, rates, as_of)
+    try:
+        measurements, calibrations, cfg = find_runs(results_dir, args.workload, args.num_requests, rates, as_of)
+    except FileNotFoundError as e:
+        p.error(str(e))
     if since is not None:
         calibrations = [c for c in calibrations if c["time"] > since]
         measurements = [m for m in measurements if m["time"] > since]

@@ -5,7 +5,6 @@ each point on the steps it ran) and the step check. Everything here reads the fi
 beside --out and runs no deployment."""
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import pathlib
@@ -13,20 +12,13 @@ import time
 
 import numpy as np
 
-from bench.slo_calibration import SPEED_WINDOW_S, fit_load, fit_serving, step_model_check
 from deploy.tuning import workload
+from deploy.tuning.calibration import (PLACEMENTS, SPEED_WINDOW_S, fit_load, fit_serving,  # noqa: F401
+                                       now, serving_entries, step_model_check)
 from deploy.tuning.perf_model import Profile
 
-PLACEMENTS = ("disaggregated", "colocated")
 WORKLOAD_SEEDS = {"azure_conv": 0, "azure_code": 100}   # prompt seeds seed+k never overlap
 SIM_SEEDS = 20          # simulations with step noise per point (the in-load profile)
-# the profile's serving.interference key for each worker kind's fitted factor
-INTERFERENCE_KEY = {"decode": "decode_while_prefill", "prefill": "prefill_while_decode",
-                    "colocated": "colocated_while_busy"}
-
-
-def now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 # ---- profiles fitted from a run's calibrations -------------------------------------------------
@@ -68,25 +60,8 @@ def write_profile(args, serving: dict, fits: dict, out: pathlib.Path, summary: s
     return out
 
 
-def serving_entries(fits: dict, isolated: dict) -> dict:
-    """A profile's "serving" entries from fit_load's fits; each kind's first-token latency comes
-    from the isolated calibration's serving profile (`isolated`: its "serving" block), and the
-    fitted interference factors go to serving.interference."""
-    out: dict = {}
-    for kind, fit in fits.items():
-        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "prompt_step_noise", "step_speed")
-                 if k in fit}
-        latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
-        if latency is not None:
-            entry["first_token_latency_s"] = latency
-        out[kind] = {"1": entry}
-        if "interference" in fit:
-            out.setdefault("interference", {})[INTERFERENCE_KEY[kind]] = fit["interference"]
-    return out
-
-
 def check_steps(args, profile_path) -> dict:
-    """The in-load step models against the steps each measured sweep ran (slo_calibration.
+    """The in-load step models against the steps each measured sweep ran (deploy/tuning/calibration.
     step_model_check): measured / modelled step time per worker kind."""
     from deploy.tuning.perf_model import load_profile
     profile = load_profile(profile_path)

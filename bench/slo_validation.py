@@ -33,7 +33,7 @@ models for the profile (deploy/tuning/perf_model.py), written as --serving-profi
 In-load calibration: open-loop conv traffic from a later part of the trace than the measured
 slice (LOAD_TRACE_START_S on, own seeds) at LOAD_RATES (2 req/s, 150 requests), while every worker's
 engine records its steps (engine.step_trace: start, end and shape of each step). Fitted per worker
-kind (bench/slo_calibration.fit_load) on the time each step held the engine loop, so the steps carry
+kind (deploy/tuning/calibration.fit_load) on the time each step held the engine loop, so the steps carry
 what really slows them in a loaded deployment (the other worker on the same host, gRPC threads,
 KV pushes and receives, token streaming), with an interference factor per kind (how much slower
 its steps run when another worker is in a step as they start); the residuals become the profile's
@@ -60,7 +60,7 @@ recorded for every measured sweep, with a per-component breakdown: another engin
 benchmarking on the same machine.
 
 The code: this file runs the deployments, the calibrations, the sweeps and the tuner;
-bench/slo_calibration.py holds the calibration requests and fits, bench/slo_simulate.py the
+deploy/tuning/calibration.py holds the calibration requests and fits, bench/slo_simulate.py the
 profiles and simulations, bench/slo_report.py the tables, plots and printed summary.
 """
 from __future__ import annotations
@@ -81,13 +81,12 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
-from bench.slo_calibration import (LEGACY_LOAD, LOAD_RATES, LOAD_REQUESTS, LOAD_SEED,  # noqa: E402
-                                   LOAD_TRACE, LOAD_TRACE_START_S, calibrate_child)
 from bench.slo_report import report  # noqa: E402
-from bench.slo_simulate import (PLACEMENTS, SIM_SEEDS, WORKLOAD_SEEDS, check_steps,  # noqa: E402
-                                load_profile_from_fits, now, oracle_per_rate, serving_profile,
-                                simulate_all)
+from bench.slo_simulate import (SIM_SEEDS, WORKLOAD_SEEDS, check_steps, load_profile_from_fits,  # noqa: E402
+                                oracle_per_rate, serving_profile, simulate_all)
 from deploy.tuning import metrics, workload  # noqa: E402
+from deploy.tuning.calibration import (LEGACY_LOAD, LOAD_RATES, LOAD_REQUESTS, LOAD_SEED,  # noqa: E402
+                                       LOAD_TRACE, LOAD_TRACE_START_S, PLACEMENTS, calibrate_child, now)
 
 RESULTS = REPO_ROOT / "bench" / "results"
 WARMUP_SEED = 1000
@@ -255,7 +254,7 @@ def measure(args, placement: str, results: dict, workloads: list[str] | None = N
         time.sleep(2)
 
 
-# ---- serving-path calibration (the requests and the fits: bench/slo_calibration.py) ------------
+# ---- serving-path calibration (the requests and the fits: deploy/tuning/calibration.py) -----
 def calibrate(args, placement: str, router: str, entry: dict) -> None:
     path = args.out.with_name(f"slo_validation_{placement}_calibration.json")
     rc, out = run_child([sys.executable, str(pathlib.Path(__file__).resolve()), "--calibrate-router", router,
@@ -280,7 +279,7 @@ def load_calibrate(args, placement: str, router: str, cluster, entry: dict) -> N
     """The in-load calibration: open-loop runs on a later part of the conv trace than the one
     measured (LOAD_TRACE_START_S on, its own seeds) at args.load_rates (LOAD_RATES, or a stored
     run's own), and every engine step the workers ran meanwhile (their step traces), for
-    bench/slo_calibration.fit_load."""
+    deploy/tuning/calibration.fit_load."""
     take_step_traces(cluster)          # drop the steps of the warm-up and the isolated calibration
     mon = TreeCpuMonitor()
     runs = []

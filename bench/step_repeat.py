@@ -23,7 +23,7 @@ if str(REPO_ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from bench import slo_validation as sv  # noqa: E402
-from bench.slo_calibration import effective_steps, modelled_s  # noqa: E402
+from deploy.tuning.calibration import effective_steps, modelled_s  # noqa: E402
 
 
 def main() -> int:

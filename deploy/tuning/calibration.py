@@ -1,11 +1,14 @@
-"""The serving-path calibration of bench/slo_validation.py: the requests it sends through a running
-deployment (calibrate_child, in its own process) and the fits made from their records
-(fit_serving: prefill and decode step models plus the per-request first-token latency;
-fit_interference: how much each side of a disaggregated pair slows while the other computes), and
-the in-load fits (fit_load: step models, interference, step speed and noise from a loaded
-deployment's engine steps)."""
+"""Serving-path calibration: how a profile's "serving" block (perf_model.py) is measured and
+fitted. The requests sent through a running deployment (calibrate_child, in its own process) and
+the fits made from their records (fit_serving: prefill and decode step models plus the per-request
+first-token latency; fit_interference: how much each side of a disaggregated pair slows while the
+other computes), the in-load fits (fit_load: step models, interference, step speed and noise from a
+loaded deployment's engine steps), and the profile entries made from them (serving_entries).
+bench/slo_validation.py runs these against a deployment; pooled.py pools the in-load calibrations
+of many runs into one profile for `pdserve tune --profile`."""
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import pathlib
 import time
@@ -14,6 +17,10 @@ import numpy as np
 
 from deploy.tuning import workload
 
+PLACEMENTS = ("disaggregated", "colocated")
+# the profile's serving.interference key for each worker kind's fitted factor
+INTERFERENCE_KEY = {"decode": "decode_while_prefill", "prefill": "prefill_while_decode",
+                    "colocated": "colocated_while_busy"}
 CAL_PREFILL_LENS = (32, 128, 512, 64, 256, 32, 128, 512)   # isolated requests, one at a time
 CAL_DECODE_BATCHES = (1, 4, 16)                           # requests sent together, 64 + 64 tokens
 CAL_SEED = 5000
@@ -367,4 +374,27 @@ def step_model_check(profile, raw: dict) -> dict:
             out[kind] = {"num_steps": len(ratios), "ratio_mean": float(np.mean(ratios)),
                          "ratio_p50": float(np.median(ratios)), "ratio_p90": float(np.quantile(ratios, 0.9)),
                          "busy_share": busy / span if span else None}
+    return out
+
+
+# ---- the profile's "serving" entries ------------------------------------------------------------
+def now() -> str:
+    """A profile's source.date: UTC, to the second."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def serving_entries(fits: dict, isolated: dict) -> dict:
+    """A profile's "serving" entries from fit_load's fits; each kind's first-token latency comes
+    from the isolated calibration's serving profile (`isolated`: its "serving" block), and the
+    fitted interference factors go to serving.interference."""
+    out: dict = {}
+    for kind, fit in fits.items():
+        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "prompt_step_noise", "step_speed")
+                 if k in fit}
+        latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
+        if latency is not None:
+            entry["first_token_latency_s"] = latency
+        out[kind] = {"1": entry}
+        if "interference" in fit:
+            out.setdefault("interference", {})[INTERFERENCE_KEY[kind]] = fit["interference"]
     return out

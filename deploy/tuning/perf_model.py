@@ -17,8 +17,9 @@ Stats calls taken between steps) and behind the router, which the bare step does
 the profile carries "serving", the simulator uses, per worker kind ("prefill", "decode",
 "colocated") and TP degree, the coefficients given there instead of the engine's, for the steps
 that kind runs; anything not given falls back to the engine's model. They are measured through a
-running deployment (isolated requests for prefill, concurrent batches for decode; see
-bench/slo_validation.py), so they include the request's fixed costs outside the worker too.
+running deployment (isolated requests for prefill, concurrent batches for decode; the fits are
+calibration.py, run by bench/slo_validation.py), so they include the request's fixed costs outside
+the worker too.
 "interference" says how much slower a disaggregated pair's steps run while the other side computes
 on the same host (CPU: the prefill worker's KV pushes land in the decode worker's process while it
 decodes, both sides' gRPC threads compete for the same cores as the two engines, and the two share

@@ -247,7 +247,8 @@ def run(args) -> int:
     seeded_note = None
     if args.seeds and not profile.has_step_variation:
         seeded_note = (f"note: --seeds {args.seeds} skipped: the profile has no step-time variation "
-                       f"(serving step_noise / step_speed, from bench/slo_validation.py's in-load fit)")
+                       f"(serving step_noise / step_speed: deploy/tuning/calibration.fit_load, run by "
+                       f"bench/slo_validation.py, or pooled by bench/slo_pooled.py)")
     elif args.seeds:
         for cand in [c for c in cands if c.status.startswith("simulated")][:args.verify_top]:
             search.band(cand, args.seeds)

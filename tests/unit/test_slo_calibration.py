@@ -1,4 +1,4 @@
-"""The in-load calibration's fits (bench/slo_calibration.py) on synthetic engine steps: the time a
+"""The in-load calibration's fits (deploy/tuning/calibration.py) on synthetic engine steps: the time a
 step holds the loop, the per-kind step models recovered from it, and the step check."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from bench.slo_calibration import (effective_steps, fit_load, modelled_s, others_busy, speed_traces,
-                                   step_model_check)
+from deploy.tuning.calibration import (effective_steps, fit_load, modelled_s, others_busy, speed_traces,
+                                       step_model_check)
 from deploy.tuning.perf_model import StepModel, profile_dict, profile_from_dict
 
 ENGINE = profile_from_dict(profile_dict(

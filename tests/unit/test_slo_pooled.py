@@ -1,6 +1,7 @@
-"""bench/slo_pooled.py: which stored runs it takes (measurements of the setup only, calibrations of
-every run calibrated the same way, also the earlier ones of --remeasure, never the step or disturbed
-files), and the pooled profile made from their calibration steps."""
+"""deploy/tuning/pooled.py, which bench/slo_pooled.py runs on: which stored runs it takes
+(measurements of the setup only, calibrations of every run calibrated the same way, also the
+earlier ones of --remeasure, never the step or disturbed files), and the pooled profile made from
+their calibration steps."""
 from __future__ import annotations
 
 import datetime
@@ -8,9 +9,9 @@ import json
 
 import pytest
 
-from bench.slo_calibration import LEGACY_LOAD
-from bench.slo_pooled import find_runs, merge_serving, pooled_profile, scaled
+from deploy.tuning.calibration import LEGACY_LOAD
 from deploy.tuning.perf_model import profile_dict
+from deploy.tuning.pooled import find_runs, merge_serving, pooled_profile, scaled
 
 CONFIG = {"model": "smollm2", "conv_scale": 0.2, "code_scale": 0.1, "max_prompt": 512, "max_output": 64,
           "num_requests": 2, "slo": "ttft=1.5s,tpot=100ms", "max_num_batched_tokens": 512,
