@@ -2,10 +2,10 @@
 the same setup, against every measurement of it.
 
     python bench/slo_pooled.py                          # every run under bench/results
-    python bench/slo_pooled.py --since 2026-11-23T02:15 --out bench/results/slo_pooled_since0215.json
-    python bench/slo_pooled.py --split 2026-11-23T02:15 --out bench/results/slo_pooled_split0215.json
+    python bench/slo_pooled.py --since TIME             # only the runs taken after TIME (UTC)
+    python bench/slo_pooled.py --split TIME             # calibrations before TIME, measurements after
     python bench/slo_pooled.py --write-profile pooled.json   # then: pdserve tune --profile pooled.json --seeds 10
-    python bench/slo_pooled.py --num-requests 180 --rates 1,1.5,2 --until 2026-11-23T07:00
+    python bench/slo_pooled.py --num-requests 180 --rates 1,1.5,2 --until TIME
                                                         # another setup (its prediction alone, if unmeasured)
 
 A single run of bench/slo_validation.py predicts its sweeps from the calibration it took one to
@@ -39,7 +39,7 @@ memory) equal the setup's: the newest run's, or the newest run's with --num-requ
 in place of its own; with --until or --split, the newest run started before that time (the setup
 as it stood then). Its calibrations count when the settings they depend on are equal: all of those
 but the number of requests, the rates and the SLO, plus the in-load calibration's own rates and
-number of requests (runs that predate those keys: deploy/tuning/calibration.LEGACY_LOAD). With no
+number of requests (a run that does not record those pools with none). With no
 measurement of the setup yet, the prediction alone is written: a prediction to commit before the
 runs that will judge it.
 Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
@@ -149,7 +149,7 @@ def utc_time(p: argparse.ArgumentParser, text: str | None, flag: str) -> float |
     try:
         return _dt.datetime.fromisoformat(text).replace(tzinfo=_dt.timezone.utc).timestamp()
     except ValueError:
-        p.error(f"{flag}: expected a UTC time like 2026-11-23T02:15, got {text!r}")
+        p.error(f"{flag}: expected a UTC time like YYYY-MM-DDTHH:MM, got {text!r}")
 
 
 def main() -> int:

@@ -85,8 +85,8 @@ from bench.slo_report import report  # noqa: E402
 from bench.slo_simulate import (SIM_SEEDS, WORKLOAD_SEEDS, check_steps, load_profile_from_fits,  # noqa: E402
                                 oracle_per_rate, serving_profile, simulate_all)
 from deploy.tuning import metrics, workload  # noqa: E402
-from deploy.tuning.calibration import (LEGACY_LOAD, LOAD_RATES, LOAD_REQUESTS, LOAD_SEED,  # noqa: E402
-                                       LOAD_TRACE, LOAD_TRACE_START_S, PLACEMENTS, calibrate_child, now)
+from deploy.tuning.calibration import (LOAD_RATES, LOAD_REQUESTS, LOAD_SEED, LOAD_TRACE,  # noqa: E402
+                                       LOAD_TRACE_START_S, PLACEMENTS, calibrate_child, now)
 
 RESULTS = REPO_ROOT / "bench" / "results"
 WARMUP_SEED = 1000
@@ -392,8 +392,10 @@ def main() -> int:
         args.scale = {"azure_conv": cfg["conv_scale"], "azure_code": cfg["code_scale"]}
         args.rates = {k: v for k, v in cfg["rates"].items()}
         args.slo_text = cfg["slo"]
-        args.load_rates = cfg.get("load_rates", LEGACY_LOAD["load_rates"])
-        args.load_requests = cfg.get("load_requests", LEGACY_LOAD["load_requests"])
+        if "load_rates" not in cfg or "load_requests" not in cfg:
+            raise SystemExit(f"{args.out} does not record its in-load calibration's load_rates and "
+                             f"load_requests (an older run): run it again without --simulate-only/--remeasure")
+        args.load_rates, args.load_requests = cfg["load_rates"], cfg["load_requests"]
     if args.remeasure:
         # measure these placements (and workloads) again into the stored results; the earlier
         # files are kept with a _run<N> suffix and their measured entries under "earlier"

@@ -66,8 +66,8 @@ def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
 
     Left free to move, the workers' compute threads of a 1 prefill + 1 decode pair on 2 cores
     shared a core often enough that the same sweep at 3 req/s attained anywhere from 46% to 86%;
-    pinned one per core, 84-91% with a third lower TPOT p90 (bench/pin_experiment.py,
-    docs/experiments/slo-validation.md). The router and other threads stay free. Not for GPU
+    pinned one per core, 84-91% with a third lower TPOT p90 (docs/experiments/slo-validation.md,
+    "Repeatability, and pinning the workers to cores"). The router and other threads stay free. Not for GPU
     pools, nor a Ray cluster given by address, whose nodes' cores this process cannot see."""
     if not local or not hasattr(os, "sched_getaffinity"):
         return {}

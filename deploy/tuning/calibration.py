@@ -176,12 +176,10 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
 
 # ---- in-load calibration: step models fitted from the steps a loaded deployment ran ------------
 LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trace than the measured slice
-# the loads the sweep is judged at, not past them: the highest rate of the 2026-11-23 180-request
-# conv sweeps. Runs before R22 (09:23 that day) calibrated at 2 then 4 req/s, 100 requests each
-# (LEGACY_LOAD); the 4 req/s phase overloaded the prefill worker, and there both sides ran slower
-# beside each other than they did in the sweeps (docs/experiments/slo-validation.md)
+# the loads the sweep is judged at, not past them: the highest rate of the 180-request conv sweeps
+# (calibrating past it, at 4 req/s, overloaded the prefill worker, and there both sides ran slower
+# beside each other than they did in the sweeps: docs/experiments/slo-validation.md)
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0,), 150, 7000
-LEGACY_LOAD = {"load_rates": [2.0, 4.0], "load_requests": 100}
 CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled
 NOISE_POINTS = 40         # quantiles of measured/modelled step time kept as the profile's step_noise
 NOISE_MIN_STEPS = 40      # steps with prompt tokens, and without, needed to keep their noise apart

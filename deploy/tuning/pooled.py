@@ -15,7 +15,7 @@ import pathlib
 
 import numpy as np
 
-from deploy.tuning.calibration import LEGACY_LOAD, PLACEMENTS, fit_load, now, serving_entries
+from deploy.tuning.calibration import PLACEMENTS, fit_load, now, serving_entries
 
 # the deployment and trace settings a run's sweeps and calibrations are taken under; a calibration
 # also depends on its own rates and number of requests (its trace slice and seeds are fixed)
@@ -56,11 +56,11 @@ def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = Non
         setup = {**setup, "num_requests": num_requests}
     if rates is not None:
         setup = {**setup, "rates": {**setup["rates"], wl: rates}}
-    setup = {**LEGACY_LOAD, **setup}
     measurements, calibrations = [], []
     for out in outs:
-        cfg = {**LEGACY_LOAD, **json.loads(out.read_text())["config"]}   # runs that predate the keys
-        calibrated = all(cfg.get(k) == setup.get(k) for k in CALIBRATION_SETUP)
+        cfg = json.loads(out.read_text())["config"]
+        # a run that does not record how it calibrated (load_rates, load_requests) pools with none
+        calibrated = all(k in cfg and cfg[k] == setup.get(k) for k in CALIBRATION_SETUP)
         measured = (all(cfg.get(k) == setup.get(k) for k in SAME_SETUP)
                     and cfg["rates"].get(wl) == setup["rates"][wl])
         serving = out.parent / pathlib.Path(cfg["serving_profile"]).name

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from deploy.tuning.calibration import LEGACY_LOAD
 from deploy.tuning.perf_model import profile_dict
 from deploy.tuning.pooled import find_runs, merge_serving, pooled_profile, scaled
 
 CONFIG = {"model": "smollm2", "conv_scale": 0.2, "code_scale": 0.1, "max_prompt": 512, "max_output": 64,
           "num_requests": 2, "slo": "ttft=1.5s,tpot=100ms", "max_num_batched_tokens": 512,
+          "load_rates": [2.0, 4.0], "load_requests": 100,
           "kv_cache_memory": 1 << 29, "max_model_len": 1024, "rates": {"azure_conv": [1.5, 3.0]},
           "serving_profile": "/elsewhere/profile_serving.json"}
 T0 = 1_800_000_000.0
@@ -52,12 +52,11 @@ def test_find_runs_takes_the_setups_measurements_and_every_compatible_calibratio
     a_run(tmp_path / "other_requests", "2026-11-23T01:00:00+00:00", T0 + 2000, config={**CONFIG, "num_requests": 60})
     # another prompt cap: calibrated on other requests, so neither counts
     a_run(tmp_path / "other_prompts", "2026-11-23T01:30:00+00:00", T0 + 3000, config={**CONFIG, "max_prompt": 256})
-    # the same sweep, calibrated at other loads than the runs without the keys (LEGACY_LOAD) were:
-    # its measurement counts, its calibration does not
+    # the same sweep, calibrated at other loads: its measurement counts, its calibration does not
     a_run(tmp_path / "other_load", "2026-11-23T01:45:00+00:00", T0 + 4000,
           config={**CONFIG, "load_rates": [2.0], "load_requests": 150})
     measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
-    assert cfg == {**CONFIG, **LEGACY_LOAD}
+    assert cfg == CONFIG
     assert sorted((m["time"], m["run"]) for m in measurements) == [
         (T0, tmp_path.name), (T0 + 100, tmp_path.name), (T0 + 1000, "run_b"), (T0 + 4000, "other_load")]
     assert sorted((c["time"], c["run"]) for c in calibrations) == [
