@@ -203,7 +203,7 @@ def render_modes(summary: dict, args) -> str:
     lines = [f"### Serving modes vs HF float32 and llama.cpp (same run; {args.num_requests} concurrent "
              f"x {args.prompt_len} prompt x {args.new_tokens} new; one stream {args.prompt_len} + "
              f"{args.new_tokens}; TTFT of {args.ttft_len} tokens)", "",
-             "| side | decode tok/s, 32 concurrent | vs HF | one stream tok/s | vs HF | vs llama.cpp "
+             f"| side | decode tok/s, {args.num_requests} concurrent | vs HF | one stream tok/s | vs HF | vs llama.cpp "
              "| TTFT 512 ms | vs HF |", "|---|---|---|---|---|---|---|---|",
              f"| HF transformers float32 | {fmt(hf['decode_tok_s'])} | 1.00x | {fmt(hf['one_stream_tok_s'])} "
              f"| 1.00x | - | {fmt(ms(hf['ttft512_s']), '.0f')} | 1.00x |",

@@ -246,7 +246,8 @@ class FakeActor:
             return Ref(error=RayActorError(error_msg="The actor died unexpectedly"))
         if mode == "raise":
             return Ref(error=RayTaskError("start", "tb", ValueError("no KV")))
-        return Ref(f"127.0.0.1:{FakeActor.launched}" if name == "start" else True)
+        # start: (address, the engine's mode note), as WorkerActor.start returns
+        return Ref((f"127.0.0.1:{FakeActor.launched}", "quantization=none") if name == "start" else True)
 
 
 @pytest.fixture
@@ -294,7 +295,7 @@ def test_a_dead_worker_is_replaced_once_and_logged_once(fake_ray, caplog):
     died = [m for m in caplog.messages if "died" in m]
     replaced = [m for m in caplog.messages if "replaced" in m]
     assert died == ["worker decode-0 died (The actor died unexpectedly); replacing it in 1s"]
-    assert replaced == ["worker decode-0 replaced: serving on 127.0.0.1:2"]
+    assert replaced == ["worker decode-0 replaced: serving on 127.0.0.1:2; quantization=none"]
 
 
 def test_a_worker_dying_right_after_each_start_is_given_up_on(fake_ray, caplog):
