@@ -5,7 +5,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -16,9 +18,10 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 void norm_row(const float* in, const float* w, float* out, int64_t n, double eps) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(in[i]) * in[i];
-  const float r = 1.0f / std::sqrt(static_cast<float>(ss / n) + static_cast<float>(eps));
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += in[i] * in[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * r);
 }
 
@@ -88,25 +91,6 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Ten
   }
 }
 
-// silu(gate) * up for gate_up = [gate | up] rows [T, 2I] -> [T, I]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const float* g = gp + r * gs;
-      const float* u = g + I;
-      float* o = op + r * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
-  });
-  return out;
-}
-
 // The int8 linear's input (engine/layers/quant.py Int8Weight.matmul): each row of x (times
 // inv_smooth when given) divided by its largest |value| (at least 1e-6), then one row spanning
 // [-1, 1] appended. Returns (prepared [T + 1, K], row maxima [T, 1]).
@@ -125,12 +109,17 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
       const float* xr = xp + r * xs;
       float* o = op + r * K;
       float m = 0.0f;
-      for (int64_t i = 0; i < K; ++i) {
-        o[i] = sm ? xr[i] * sm[i] : xr[i];
-        m = std::max(m, std::fabs(o[i]));
+      if (sm) {
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) o[i] = xr[i] * sm[i];
+      } else {
+        std::memcpy(o, xr, K * sizeof(float));
       }
+#pragma omp simd reduction(max : m)
+      for (int64_t i = 0; i < K; ++i) m = std::max(m, std::fabs(o[i]));
       m = std::max(m, 1e-6f);
       mp[r] = m;
+#pragma omp simd
       for (int64_t i = 0; i < K; ++i) o[i] = o[i] / m;
     }
   });
@@ -141,6 +130,5 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
-  m.def("silu_mul", &silu_mul);
   m.def("int8_rows", &int8_rows);
 }

@@ -10,7 +10,6 @@ from torch import nn
 from engine.attention import PagedAttention
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.kernels import fused_for
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear)
@@ -49,11 +48,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = fused_for(gate_up) if gate_up.dim() == 2 else None
-        if fused is not None:
-            return self.down_proj(fused.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
