@@ -4,6 +4,7 @@ contention monitor that records how much CPU other processes used while a sectio
 
 No torch import at module level: the parent process, which imports this module too, must stay small.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -21,13 +22,13 @@ TOKEN_LO, TOKEN_HI = 100, 49000
 # seeds of the prompt sets (disjoint, so no two sections share a prompt by construction)
 SEED_DECODE = 1000
 SEED_WARMUP = 2000
-SEED_TTFT = 3000          # + repeat index
-SEED_COLD = 4000          # + repeat index
+SEED_TTFT = 3000  # + repeat index
+SEED_COLD = 4000  # + repeat index
 SEED_PREFIX = 5000
-SEED_SUFFIX = 6000        # + repeat index
+SEED_SUFFIX = 6000  # + repeat index
 SEED_ONE_STREAM = 7000
 
-CONTENTION_WARN_CORES = 0.1   # other processes' average CPU use that makes timings suspect
+CONTENTION_WARN_CORES = 0.1  # other processes' average CPU use that makes timings suspect
 
 
 def log(msg: str) -> None:
@@ -36,6 +37,7 @@ def log(msg: str) -> None:
 
 def random_prompts(seed: int, n: int, length: int) -> list[list[int]]:
     import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(TOKEN_LO, TOKEN_HI, (n, length), generator=g).tolist()
 
@@ -53,8 +55,10 @@ def proc_status_kb(field: str) -> int | None:
 
 def memory_snapshot() -> dict:
     import resource
+
     return {
-        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        * 1024,  # KiB on Linux
         "vm_hwm_bytes": (proc_status_kb("VmHWM") or 0) * 1024,
         "vm_rss_bytes": (proc_status_kb("VmRSS") or 0) * 1024,
     }
@@ -74,21 +78,27 @@ def cpu_model() -> str:
 def cpu_flags() -> list[str]:
     """The ISA flags that decide the engine's paths (engine.cpu.ISA_FLAGS) this CPU has."""
     from engine.cpu import cpu_features
+
     return cpu_features().isa()
 
 
 def run_header(script: str, argv: list[str] | None) -> dict:
     """What every result file starts with: the command, when, at which commit, on which CPU."""
     args = argv if argv is not None else sys.argv[1:]
-    return {"command": " ".join(["python", script, *args]),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": git_head(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "cpu_flags": cpu_flags()}
+    return {
+        "command": " ".join(["python", script, *args]),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_head(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
+    }
 
 
 def write_result(path: str, report: dict) -> None:
     """The benchmark's one current result file (indented JSON)."""
     import json
+
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
 
@@ -96,6 +106,7 @@ def write_result(path: str, report: dict) -> None:
 def machine_info(threads: int) -> dict:
     import torch
     import transformers
+
     return {
         "cpu_model": cpu_model(),
         "cpu_flags": cpu_flags(),
@@ -106,7 +117,7 @@ def machine_info(threads: int) -> dict:
         "platform": platform.platform(),
         "torch_num_threads": torch.get_num_threads(),
         "threads_requested": threads,
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -114,7 +125,7 @@ def git_head() -> str | None:
     """Best effort, read from .git without running git."""
     try:
         git = os.path.join(REPO_ROOT, ".git")
-        if os.path.isfile(git):   # a worktree: "gitdir: <path>"
+        if os.path.isfile(git):  # a worktree: "gitdir: <path>"
             with open(git) as f:
                 git = f.read().split(":", 1)[1].strip()
         with open(os.path.join(git, "HEAD")) as f:
@@ -122,7 +133,7 @@ def git_head() -> str | None:
         if not head.startswith("ref:"):
             return head
         ref = head.split(":", 1)[1].strip()
-        for base in (git, os.path.join(git, "..", "..")):   # worktrees keep refs in the common dir
+        for base in (git, os.path.join(git, "..", "..")):  # worktrees keep refs in the common dir
             path = os.path.join(base, ref)
             if os.path.isfile(path):
                 with open(path) as f:
@@ -143,13 +154,14 @@ def machine_busy_cpu_s() -> float | None:
             fields = [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
-    busy = sum(fields[:8]) - idle                                     # guest is inside user
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = sum(fields[:8]) - idle  # guest is inside user
     return busy / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMonitor:
     """How much CPU *other* processes used while we measured: the benchmark shares the machine."""
+
     own_key = "own_cpu_s"
 
     def __init__(self):
@@ -167,8 +179,11 @@ class CpuMonitor:
         out = {"wall_s": wall, self.own_key: own}
         if busy is not None and self.busy is not None:
             foreign = max(0.0, (busy - self.busy) - own)
-            out.update(machine_busy_cpu_s=busy - self.busy, foreign_cpu_s=foreign,
-                       foreign_cores_avg=foreign / wall if wall > 0 else None)
+            out.update(
+                machine_busy_cpu_s=busy - self.busy,
+                foreign_cpu_s=foreign,
+                foreign_cores_avg=foreign / wall if wall > 0 else None,
+            )
         return out
 
 
@@ -181,12 +196,14 @@ def process_table() -> tuple[dict[int, int], dict[int, float]]:
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()   # after the "(comm)", which may hold spaces
+                fields = (
+                    f.read().rsplit(")", 1)[1].split()
+                )  # after the "(comm)", which may hold spaces
         except OSError:
             continue
         pid = int(name)
         parent[pid] = int(fields[1])
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return parent, cpu
 
 
@@ -215,6 +232,7 @@ def process_tree_cpu_s(root_pid: int | None = None) -> float:
 
 class TreeCpuMonitor(CpuMonitor):
     """Like CpuMonitor, but this process's whole tree (Ray, workers, helpers) counts as its own."""
+
     own_key = "own_tree_cpu_s"
 
     @staticmethod
@@ -231,6 +249,7 @@ class CpuBreakdown:
 
     def __init__(self, names: dict[int, str], period_s: float = 0.5):
         import threading
+
         self.names, self.period_s = dict(names), period_s
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
@@ -279,8 +298,13 @@ class CpuBreakdown:
         groups: dict[str, float] = {}
         for pid, label in self.label.items():
             groups[label] = groups.get(label, 0.0) + max(0.0, self.last[pid] - self.first[pid])
-        return {"wall_s": wall, "machine_cores_avg": busy / wall,
-                "cores_avg": {k: round(v / wall, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
+        return {
+            "wall_s": wall,
+            "machine_cores_avg": busy / wall,
+            "cores_avg": {
+                k: round(v / wall, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])
+            },
+        }
 
 
 def section(results: dict, name: str, fn) -> None:
@@ -295,8 +319,10 @@ def section(results: dict, name: str, fn) -> None:
         log(f"{results['side']}: {name} FAILED: {type(e).__name__}: {e}")
     cpu = mon.stop()
     results.setdefault("cpu_contention", {})[name] = cpu
-    log(f"{results['side']}: {name} done in {time.perf_counter() - t0:.1f} s; other processes used "
-        f"{fmt(cpu.get('foreign_cores_avg'), '.2f')} cores on average meanwhile")
+    log(
+        f"{results['side']}: {name} done in {time.perf_counter() - t0:.1f} s; other processes used "
+        f"{fmt(cpu.get('foreign_cores_avg'), '.2f')} cores on average meanwhile"
+    )
 
 
 def wait_for_idle_machine(max_wait_s: float) -> dict:
@@ -309,9 +335,13 @@ def wait_for_idle_machine(max_wait_s: float) -> dict:
         waited = time.perf_counter() - t0
         if f is None or f < CONTENTION_WARN_CORES or waited >= max_wait_s:
             if f is not None and f >= CONTENTION_WARN_CORES:
-                log(f"machine still busy ({f:.2f} cores used by others) after {waited:.0f} s; going on")
+                log(
+                    f"machine still busy ({f:.2f} cores used by others) after {waited:.0f} s; going on"
+                )
             return {"waited_s": waited, "foreign_cores_avg_last_3s": f}
-        log(f"waiting for an idle machine: others use {f:.2f} cores ({waited:.0f}/{max_wait_s:.0f} s)")
+        log(
+            f"waiting for an idle machine: others use {f:.2f} cores ({waited:.0f}/{max_wait_s:.0f} s)"
+        )
 
 
 def fmt(x, spec: str = ".1f", suffix: str = "") -> str:

@@ -3,6 +3,7 @@ example deployment started with `deploy.launcher.up()`, what the bench reads of 
 the cluster secret, worker replacements, the router's drop-outs), and the client bodies that run
 in spawned processes of their own (streams that cancel themselves, a looping load, a health
 probe)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,10 +33,13 @@ def free_port() -> int:
 
 
 # ---- the deployment -----------------------------------------------------------------------------
-def example_config(port: int = 0, prefill: int = 1, decode: int = 1, prefix_caching: bool = True) -> dict:
+def example_config(
+    port: int = 0, prefill: int = 1, decode: int = 1, prefix_caching: bool = True
+) -> dict:
     """The README's example deployment; runs that replay a clean run's prompts turn prefix
     caching off, so the replay does the same work as the clean run."""
     import yaml
+
     with open(EXAMPLE) as f:
         data = yaml.safe_load(f)
     data["router"]["port"] = port
@@ -43,7 +47,10 @@ def example_config(port: int = 0, prefill: int = 1, decode: int = 1, prefix_cach
         pool["enable_prefix_caching"] = prefix_caching
     data["pools"]["prefill"]["replicas"] = prefill
     data["pools"]["decode"]["replicas"] = decode
-    data["ray"] = {"num_cpus": max(2, prefill + decode), "temp_dir": tempfile.mkdtemp(prefix="pdray")}
+    data["ray"] = {
+        "num_cpus": max(2, prefill + decode),
+        "temp_dir": tempfile.mkdtemp(prefix="pdray"),
+    }
     return data
 
 
@@ -64,6 +71,7 @@ class DropCounter(logging.Handler):
 def deployment(data: dict, **up_kwargs):
     from deploy.config import validate_config
     from deploy.launcher import up
+
     drops = DropCounter()
     logging.getLogger("router").addHandler(drops)
     t0 = time.perf_counter()
@@ -79,15 +87,24 @@ def deployment(data: dict, **up_kwargs):
 def kv_state(cluster) -> dict:
     """Every worker's Stats through the cluster secret: free/total blocks, running, reserved."""
     from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
     out = {}
     for r in cluster.replicas:
         if not r.address:
             continue
-        stub = (worker_pb2_grpc.DecodeWorkerStub if r.role == "decode" else worker_pb2_grpc.PrefillWorkerStub)
+        stub = (
+            worker_pb2_grpc.DecodeWorkerStub
+            if r.role == "decode"
+            else worker_pb2_grpc.PrefillWorkerStub
+        )
         with cluster.security.channel(r.address) as ch:
             s = stub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
-        out[r.name] = {"free": s.num_free_blocks, "total": s.num_total_blocks,
-                       "running": s.num_running, "reserved": s.num_reserved}
+        out[r.name] = {
+            "free": s.num_free_blocks,
+            "total": s.num_total_blocks,
+            "running": s.num_running,
+            "reserved": s.num_reserved,
+        }
     return out
 
 
@@ -95,20 +112,30 @@ def wait_kv_free(cluster, timeout_s: float = 10.0) -> tuple[bool, float, dict]:
     t0 = time.perf_counter()
     while True:
         state = kv_state(cluster)
-        free = all(s["free"] == s["total"] and not s["running"] and not s["reserved"] for s in state.values())
+        free = all(
+            s["free"] == s["total"] and not s["running"] and not s["reserved"]
+            for s in state.values()
+        )
         if free or time.perf_counter() - t0 > timeout_s:
             return free, time.perf_counter() - t0, state
         time.sleep(0.05)
 
 
-def wait_replaced(cluster, replica, old_actor, role: str, members: int, timeout_s: float = 180.0) -> float:
+def wait_replaced(
+    cluster, replica, old_actor, role: str, members: int, timeout_s: float = 180.0
+) -> float:
     """Seconds until the supervisor has replaced `replica`'s dead `old_actor` with a new one that
     serves and is registered with the router (the pool has `members` of `role` again)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
         workers = getattr(cluster.router.pool, role)
-        if replica.actor is not None and replica.actor is not old_actor and replica.address \
-                and len(workers) == members and any(w.address == replica.address for w in workers):
+        if (
+            replica.actor is not None
+            and replica.actor is not old_actor
+            and replica.address
+            and len(workers) == members
+            and any(w.address == replica.address for w in workers)
+        ):
             return time.perf_counter() - t0
         time.sleep(0.02)
     raise RuntimeError(f"{replica.name} was not replaced within {timeout_s:.0f} s")
@@ -117,10 +144,14 @@ def wait_replaced(cluster, replica, old_actor, role: str, members: int, timeout_
 # ---- client processes ---------------------------------------------------------------------------
 def one_stream(stub, job: dict) -> dict:
     """job: prompt, max_tokens, and optionally cancel_after (tokens) or cancel_delay_s."""
-    from protos.pdserve.v1 import pdserve_pb2 as pb
     import grpc
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=job["prompt"]), sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True))
+
+    from protos.pdserve.v1 import pdserve_pb2 as pb
+
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=job["prompt"]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True),
+    )
     sent = time.perf_counter()
     call = stub.Generate(request, timeout=RPC_TIMEOUT)
     timer = None
@@ -143,8 +174,14 @@ def one_stream(stub, job: dict) -> dict:
     finally:
         if timer is not None:
             timer.cancel()
-    return {"i": job["i"], "tokens": tokens, "finish": finish, "error": error, "ttft_s": first,
-            "cancelled": error is not None and error[0] == "CANCELLED"}
+    return {
+        "i": job["i"],
+        "tokens": tokens,
+        "finish": finish,
+        "error": error,
+        "ttft_s": first,
+        "cancelled": error is not None and error[0] == "CANCELLED",
+    }
 
 
 def run_streams(address: str, jobs: list[dict], concurrency: int, conn) -> None:
@@ -154,6 +191,7 @@ def run_streams(address: str, jobs: list[dict], concurrency: int, conn) -> None:
     import grpc
 
     from protos.pdserve.v1 import pdserve_pb2_grpc
+
     with grpc.insecure_channel(address) as channel:
         stub = pdserve_pb2_grpc.PDServeStub(channel)
         with ThreadPoolExecutor(concurrency) as pool:
@@ -169,6 +207,7 @@ def loop_streams(address: str, jobs: list[dict], concurrency: int, stop, conn) -
     import grpc
 
     from protos.pdserve.v1 import pdserve_pb2_grpc
+
     rows = []
 
     def worker(k):
@@ -194,14 +233,17 @@ def probe_health(address: str, interval_s: float, stop, conn) -> None:
     """Process body: grpc.health.v1 Check every interval_s; sends back (latency ms | None) each."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     out = []
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while not stop.is_set():
             t = time.perf_counter()
             try:
-                ok = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status == \
-                    health_pb2.HealthCheckResponse.SERVING
+                ok = (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
             except grpc.RpcError:
                 ok = False
             took = (time.perf_counter() - t) * 1000
@@ -212,6 +254,7 @@ def probe_health(address: str, interval_s: float, stop, conn) -> None:
 
 class Child:
     """A spawned process running one of the bodies above; `result()` waits for what it sends."""
+
     ctx = mp.get_context("spawn")
 
     def __init__(self, target, *args, stop=None):
@@ -232,5 +275,7 @@ class Child:
 
 
 def jobs_for(prompts, max_tokens: int, cancel: dict[int, dict] | None = None) -> list[dict]:
-    return [{"i": i, "prompt": p, "max_tokens": max_tokens, **(cancel or {}).get(i, {})}
-            for i, p in enumerate(prompts)]
+    return [
+        {"i": i, "prompt": p, "max_tokens": max_tokens, **(cancel or {}).get(i, {})}
+        for i, p in enumerate(prompts)
+    ]

@@ -20,6 +20,7 @@ Timed per trial (each trial its own fresh prompt and its own reservation on the 
                layer (what PushSink picks by itself when the compute threads take every core)
 The three kinds of trial rotate order, each on its own fresh prompt.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,12 +35,14 @@ from bench.bench_common import TreeCpuMonitor, random_prompts
 
 def _threads(n: int) -> int:
     import torch
+
     torch.set_num_threads(n)
     return torch.get_num_threads()
 
 
 def _engine(model: str, engine_kwargs: dict):
     from engine import EngineConfig, LLMEngine
+
     return LLMEngine(EngineConfig(model=model, **engine_kwargs))
 
 
@@ -48,7 +51,7 @@ def _run_until_first_token(engine, request_id: str) -> int:
     while True:
         for out in engine.step():
             if out.request_id == request_id and out.outputs[0].token_ids:
-                while engine.has_unfinished_requests():   # a prefill-only request is done already
+                while engine.has_unfinished_requests():  # a prefill-only request is done already
                     engine.step()
                 return out.outputs[0].token_ids[0]
 
@@ -59,6 +62,7 @@ def engine_side(conn, model: str, engine_kwargs: dict, threads: int) -> None:
     None -> exit."""
     try:
         from engine import SamplingParams
+
         num_threads = _threads(threads)
         t0 = time.perf_counter()
         engine = _engine(model, engine_kwargs)
@@ -78,7 +82,9 @@ def engine_side(conn, model: str, engine_kwargs: dict, threads: int) -> None:
                 t = time.perf_counter()
                 engine.add_request(rid, prompt, params)
                 while True:
-                    outs = [o for o in engine.step() if o.request_id == rid and o.outputs[0].token_ids]
+                    outs = [
+                        o for o in engine.step() if o.request_id == rid and o.outputs[0].token_ids
+                    ]
                     if outs:
                         break
                 ttfts.append(time.perf_counter() - t)
@@ -86,7 +92,7 @@ def engine_side(conn, model: str, engine_kwargs: dict, threads: int) -> None:
                 while engine.has_unfinished_requests():
                     engine.step()
             conn.send({"ttft_s": ttfts, "cached_tokens": cached, "cpu": mon.stop()})
-    except BaseException:   # noqa: BLE001 - the parent must hear why
+    except BaseException:  # noqa: BLE001 - the parent must hear why
         conn.send({"error": traceback.format_exc()})
 
 
@@ -95,12 +101,14 @@ def _decode_child(conn, model: str, engine_kwargs: dict, backend: str, threads: 
     try:
         _threads(threads)
         from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-        worker = DecodeWorker(DecodeWorkerConfig(model=model, engine_kwargs=engine_kwargs,
-                                                 kv_backend=backend)).start()
+
+        worker = DecodeWorker(
+            DecodeWorkerConfig(model=model, engine_kwargs=engine_kwargs, kv_backend=backend)
+        ).start()
         conn.send({"address": worker.address})
         conn.recv()
         worker.stop()
-    except BaseException:   # noqa: BLE001
+    except BaseException:  # noqa: BLE001
         conn.send({"error": traceback.format_exc()})
 
 
@@ -117,16 +125,21 @@ class _RecordingSink:
 class _Pipeline:
     """One backend: a decode worker child, one transport to it, trials."""
 
-    def __init__(self, engine, layout, model: str, engine_kwargs: dict, backend: str,
-                 decode_threads: int):
+    def __init__(
+        self, engine, layout, model: str, engine_kwargs: dict, backend: str, decode_threads: int
+    ):
         import grpc
 
         from protos.pdserve.v1 import worker_pb2_grpc
+
         self.engine, self.layout, self.backend = engine, layout, backend
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_child, args=(child, model, engine_kwargs, backend,
-                                                            decode_threads), daemon=True)
+        self.proc = ctx.Process(
+            target=_decode_child,
+            args=(child, model, engine_kwargs, backend, decode_threads),
+            daemon=True,
+        )
         self.proc.start()
         if not self.conn.poll(300):
             raise TimeoutError("the decode worker did not start in 300 s")
@@ -142,56 +155,88 @@ class _Pipeline:
         from kvtransfer.backends import connect
         from kvtransfer.transport import Destination
         from protos.pdserve.v1 import pdserve_pb2, worker_pb2
+
         rid = f"pipe-{self.backend}-{self.count}"
         self.count += 1
-        res = self.stub.Reserve(worker_pb2.ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt, lease_ms=60_000,
-            sampling=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=1)), timeout=30)
+        res = self.stub.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                lease_ms=60_000,
+                sampling=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=1),
+            ),
+            timeout=30,
+        )
         if self.transport is None:
             self.transport = connect(res.endpoint.backend, res.endpoint.address, timeout=30)
-        dest = Destination(list(res.block_ids), dataclasses.replace(
-            self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)))
+        dest = Destination(
+            list(res.block_ids),
+            dataclasses.replace(
+                self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)
+            ),
+        )
         return rid, res, dest
 
     def _check_committed(self, rid: str, first: int) -> None:
         """The decode worker took the KV and the commit: its stream ends with the first token."""
         from protos.pdserve.v1 import worker_pb2
+
         tokens, reason = [], None
         for event in self.stub.Stream(worker_pb2.StreamRequest(request_id=rid), timeout=30):
             tokens += list(event.token_ids)
             if event.HasField("finish_reason"):
                 reason = event.finish_reason
         if tokens != [first] or reason != "length":
-            raise RuntimeError(f"{rid}: the decode worker ended with {tokens} {reason!r}, "
-                               f"expected [{first}] 'length' (the transfer did not land)")
+            raise RuntimeError(
+                f"{rid}: the decode worker ended with {tokens} {reason!r}, "
+                f"expected [{first}] 'length' (the transfer did not land)"
+            )
 
     def pipelined(self, prompt, overlap: bool = True) -> dict:
         """overlap True: the normal per-layer pushes; False: PushSink's deferred mode (a step's
         layers pushed after its last layer, what it picks when the compute takes every core)."""
         from engine import SamplingParams
         from prefill_worker.handoff import PushSink
+
         rid, res, dest = self._reserve(prompt)
-        sink = PushSink(rid, self.layout, self.transport, dest, res.num_cached_tokens, overlap=overlap)
+        sink = PushSink(
+            rid, self.layout, self.transport, dest, res.num_cached_tokens, overlap=overlap
+        )
         t0 = time.perf_counter()
-        self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1),
-                                prefill_only=True, kv_sink=sink)
+        self.engine.add_request(
+            rid,
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=1),
+            prefill_only=True,
+            kv_sink=sink,
+        )
         first = _run_until_first_token(self.engine, rid)
         t1 = time.perf_counter()
         sink.commit(first)
         self.transport.flush(30.0)
         t2 = time.perf_counter()
         self._check_committed(rid, first)
-        return {"pipelined_s": t2 - t0, "pipelined_compute_s": t1 - t0, "exposed_s": t2 - t1,
-                "bytes": sink.bytes_sent}
+        return {
+            "pipelined_s": t2 - t0,
+            "pipelined_compute_s": t1 - t0,
+            "exposed_s": t2 - t1,
+            "bytes": sink.bytes_sent,
+        }
 
     def sequential(self, prompt) -> dict:
         from engine import SamplingParams
         from prefill_worker.handoff import PushSink
+
         rid, res, dest = self._reserve(prompt)
         recorder = _RecordingSink()
         t0 = time.perf_counter()
-        self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1),
-                                prefill_only=True, kv_sink=recorder)
+        self.engine.add_request(
+            rid,
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=1),
+            prefill_only=True,
+            kv_sink=recorder,
+        )
         first = _run_until_first_token(self.engine, rid)
         t1 = time.perf_counter()
         # the request finished, its blocks are free but keep their KV until reused (nothing ran since)
@@ -203,8 +248,12 @@ class _Pipeline:
         self.transport.flush(30.0)
         t2 = time.perf_counter()
         self._check_committed(rid, first)
-        return {"compute_s": t1 - t0, "transfer_s": t2 - t1, "bytes": sink.bytes_sent,
-                "num_layer_calls": len(recorder.calls)}
+        return {
+            "compute_s": t1 - t0,
+            "transfer_s": t2 - t1,
+            "bytes": sink.bytes_sent,
+            "num_layer_calls": len(recorder.calls),
+        }
 
     def close(self) -> None:
         if self.transport is not None:
@@ -219,14 +268,23 @@ class _Pipeline:
             self.proc.kill()
 
 
-def pipeline_side(conn, model: str, engine_kwargs: dict, prefill_threads: int,
-                  decode_threads: int, backends: list[str], num_trials: int, seed: int,
-                  length: int) -> None:
+def pipeline_side(
+    conn,
+    model: str,
+    engine_kwargs: dict,
+    prefill_threads: int,
+    decode_threads: int,
+    backends: list[str],
+    num_trials: int,
+    seed: int,
+    length: int,
+) -> None:
     """Sends {"backends": {name: {...}}, ...} once every backend ran (or {"error": ...})."""
     try:
         from kvtransfer.backends import tune_malloc
         from kvtransfer.layout import KVLayout
-        tune_malloc()   # as the prefill worker does at start
+
+        tune_malloc()  # as the prefill worker does at start
         num_threads = _threads(prefill_threads)
         engine = _engine(model, engine_kwargs)
         layout = KVLayout(**engine.kv_layout_spec())
@@ -235,34 +293,41 @@ def pipeline_side(conn, model: str, engine_kwargs: dict, prefill_threads: int,
             out = results["backends"][backend] = {}
             try:
                 pipe = _Pipeline(engine, layout, model, engine_kwargs, backend, decode_threads)
-            except Exception:   # noqa: BLE001
+            except Exception:  # noqa: BLE001
                 out["error"] = traceback.format_exc()
                 continue
             try:
                 prompts = random_prompts(seed + 100 * b, 3 * num_trials + 3, length)
-                pipe.pipelined(prompts[0])    # warm-up: the channel's first frames, the decode pages
+                pipe.pipelined(prompts[0])  # warm-up: the channel's first frames, the decode pages
                 pipe.sequential(prompts[1])
                 pipe.pipelined(prompts[2], overlap=False)
                 mon = TreeCpuMonitor()
                 trials = []
-                for i in range(num_trials):   # rotate which mode goes first: drift cancels
-                    a, b_, c = prompts[3 + 3 * i:6 + 3 * i]
-                    runs = [lambda: pipe.pipelined(a), lambda: pipe.sequential(b_),
-                            lambda: {"deferred_" + k: v for k, v in pipe.pipelined(c, overlap=False).items()}]
+                for i in range(num_trials):  # rotate which mode goes first: drift cancels
+                    a, b_, c = prompts[3 + 3 * i : 6 + 3 * i]
+                    runs = [
+                        lambda: pipe.pipelined(a),
+                        lambda: pipe.sequential(b_),
+                        lambda: {
+                            "deferred_" + k: v for k, v in pipe.pipelined(c, overlap=False).items()
+                        },
+                    ]
                     t = {}
                     for j in range(3):
                         t.update(runs[(i + j) % 3]())
-                    t["hidden"] = (t["compute_s"] + t["transfer_s"] - t["pipelined_s"]) / t["transfer_s"]
+                    t["hidden"] = (t["compute_s"] + t["transfer_s"] - t["pipelined_s"]) / t[
+                        "transfer_s"
+                    ]
                     trials.append(t)
                 out["cpu"] = mon.stop()
                 out["trials"] = trials
                 out["summary"] = summarize_pipeline(trials)
-            except Exception:   # noqa: BLE001
+            except Exception:  # noqa: BLE001
                 out["error"] = traceback.format_exc()
             finally:
                 pipe.close()
         conn.send(results)
-    except BaseException:   # noqa: BLE001
+    except BaseException:  # noqa: BLE001
         conn.send({"error": traceback.format_exc()})
 
 
@@ -273,15 +338,26 @@ def med_diff(trials: list[dict], a: str, b: str) -> float:
 def summarize_pipeline(trials: list[dict]) -> dict:
     med = lambda k: statistics.median(t[k] for t in trials)  # noqa: E731
     t_c, t_t, t_p = med("compute_s"), med("transfer_s"), med("pipelined_s")
-    return {"compute_s": t_c, "transfer_s": t_t, "pipelined_s": t_p,
-            "pipelined_compute_s": med("pipelined_compute_s"), "exposed_s": med("exposed_s"),
-            "deferred_s": med("deferred_pipelined_s"), "deferred_exposed_s": med("deferred_exposed_s"),
-            "inflation_median_of_trials_s": med_diff(trials, "pipelined_s", "compute_s"),
-            "inflation_compute_median_of_trials_s": med_diff(trials, "pipelined_compute_s", "compute_s"),
-            "deferred_inflation_median_of_trials_s": med_diff(trials, "deferred_pipelined_s", "compute_s"),
-            "hidden_of_medians": (t_c + t_t - t_p) / t_t if t_t > 0 else None,
-            "hidden_median_of_trials": med("hidden"), "bytes": trials[0]["bytes"],
-            "num_trials": len(trials)}
+    return {
+        "compute_s": t_c,
+        "transfer_s": t_t,
+        "pipelined_s": t_p,
+        "pipelined_compute_s": med("pipelined_compute_s"),
+        "exposed_s": med("exposed_s"),
+        "deferred_s": med("deferred_pipelined_s"),
+        "deferred_exposed_s": med("deferred_exposed_s"),
+        "inflation_median_of_trials_s": med_diff(trials, "pipelined_s", "compute_s"),
+        "inflation_compute_median_of_trials_s": med_diff(
+            trials, "pipelined_compute_s", "compute_s"
+        ),
+        "deferred_inflation_median_of_trials_s": med_diff(
+            trials, "deferred_pipelined_s", "compute_s"
+        ),
+        "hidden_of_medians": (t_c + t_t - t_p) / t_t if t_t > 0 else None,
+        "hidden_median_of_trials": med("hidden"),
+        "bytes": trials[0]["bytes"],
+        "num_trials": len(trials),
+    }
 
 
 def start(target, *args):

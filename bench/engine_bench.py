@@ -29,6 +29,7 @@ and the JSON report; engine_bench_hf.py and engine_bench_pdserve.py are the two 
 `--side hf` / `--side pdserve` run); bench_common.py holds what they share (prompts, memory
 snapshots, machine info, the CPU contention monitor).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from bench.bench_common import (CONTENTION_WARN_CORES, TOKEN_HI, TOKEN_LO,  # noqa: E402
-                                fmt, git_head, log, wait_for_idle_machine)
+from bench.bench_common import (  # noqa: E402
+    CONTENTION_WARN_CORES,
+    TOKEN_HI,
+    TOKEN_LO,
+    fmt,
+    git_head,
+    log,
+    wait_for_idle_machine,
+)
 from bench.engine_bench_hf import run_hf  # noqa: E402
 from bench.engine_bench_pdserve import run_pdserve  # noqa: E402
 
@@ -58,12 +66,32 @@ TARGET_PREFIX_SPEEDUP = 5.0
 
 # ---- orchestration ----------------------------------------------------------------------------
 def side_argv(args, side: str) -> list[str]:
-    argv = [sys.executable, os.path.abspath(__file__), "--side", side,
-            "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
-            "--new-tokens", str(args.new_tokens), "--ttft-len", str(args.ttft_len),
-            "--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len),
-            "--repeats", str(args.repeats), "--prefill-repeats", str(args.prefill_repeats),
-            "--threads", str(args.threads), "--model", args.model]
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--side",
+        side,
+        "--num-requests",
+        str(args.num_requests),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--ttft-len",
+        str(args.ttft_len),
+        "--prefix-len",
+        str(args.prefix_len),
+        "--suffix-len",
+        str(args.suffix_len),
+        "--repeats",
+        str(args.repeats),
+        "--prefill-repeats",
+        str(args.prefill_repeats),
+        "--threads",
+        str(args.threads),
+        "--model",
+        args.model,
+    ]
     if args.kv_cache_memory is not None:
         argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
     return argv + ["--dtype", args.dtype, "--quantization", args.quantization]
@@ -72,8 +100,12 @@ def side_argv(args, side: str) -> list[str]:
 def run_side_subprocess(args, side: str) -> dict:
     argv = side_argv(args, side)
     idle = wait_for_idle_machine(args.wait_idle) if args.wait_idle > 0 else None
-    env = dict(os.environ, PDSERVE_NO_PROGRESS="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PDSERVE_NO_PROGRESS="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     log(f"running {side}: {shlex.join(argv)}")
     t0 = time.perf_counter()
     proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -81,13 +113,17 @@ def run_side_subprocess(args, side: str) -> dict:
     result = None
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
+            result = json.loads(line[len(RESULT_PREFIX) :])
         elif line.strip():
             print(line, file=sys.stderr)
     if result is None:
         result = {"side": side, "error": f"subprocess exited {proc.returncode} without a result"}
-    result["subprocess"] = {"argv": argv, "returncode": proc.returncode, "wall_s": wall,
-                            "wait_idle": idle}
+    result["subprocess"] = {
+        "argv": argv,
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "wait_idle": idle,
+    }
     log(f"{side} finished in {wall:.1f} s (rc={proc.returncode})")
     return result
 
@@ -112,8 +148,12 @@ def agreement(a: list[list[int]] | None, b: list[list[int]] | None) -> dict | No
                 break
             n += 1
         prefixes.append(n)
-    return {"identical_requests": sum(1 for x, y in zip(a, b) if x == y), "num_requests": len(a),
-            "mean_common_prefix": sum(prefixes) / len(prefixes), "min_common_prefix": min(prefixes)}
+    return {
+        "identical_requests": sum(1 for x, y in zip(a, b) if x == y),
+        "num_requests": len(a),
+        "mean_common_prefix": sum(prefixes) / len(prefixes),
+        "min_common_prefix": min(prefixes),
+    }
 
 
 def verdict(ok: bool | None) -> str:
@@ -130,51 +170,90 @@ def combine(args, hf: dict, pd: dict, command: str) -> dict:
     dec_ratio, e2e_ratio = ratio(pd_dec, hf_dec), ratio(pd_e2e, hf_e2e)
     ttft_ratio, speedup = ratio(pd_ttft, hf_ttft), ratio(cold, hot)
     summary = {
-        "decode": {"hf_tok_s": hf_dec, "pdserve_tok_s": pd_dec, "ratio": dec_ratio,
-                   "target": f">= {TARGET_DECODE_RATIO}x HF decode-only",
-                   "pass": None if dec_ratio is None else dec_ratio >= TARGET_DECODE_RATIO},
+        "decode": {
+            "hf_tok_s": hf_dec,
+            "pdserve_tok_s": pd_dec,
+            "ratio": dec_ratio,
+            "target": f">= {TARGET_DECODE_RATIO}x HF decode-only",
+            "pass": None if dec_ratio is None else dec_ratio >= TARGET_DECODE_RATIO,
+        },
         "e2e": {"hf_tok_s": hf_e2e, "pdserve_tok_s": pd_e2e, "ratio": e2e_ratio},
         # from each side's median decode-step time: the same comparison, insensitive to bursts of
         # VM slowness that land on one side's wall time and not the other's
         "decode_median_step": {
             "hf_tok_s": get(hf, "decode", "decode_tok_s_median_step"),
             "pdserve_tok_s": get(pd, "decode", "decode_tok_s_median_step"),
-            "ratio": ratio(get(pd, "decode", "decode_tok_s_median_step"),
-                           get(hf, "decode", "decode_tok_s_median_step"))},
-        "ttft512": {"hf_forward_median_s": hf_ttft, "hf_forward_best_s": get(hf, "ttft512", "best_s"),
-                    "pdserve_median_s": pd_ttft, "pdserve_best_s": get(pd, "ttft512", "best_s"),
-                    "ratio": ttft_ratio, "target": "pdserve median <= HF forward median",
-                    "pass": None if ttft_ratio is None else ttft_ratio <= TARGET_TTFT_RATIO},
-        "prefix": {"cold_median_s": cold, "cached_median_s": hot, "speedup": speedup,
-                   "target": f">= {TARGET_PREFIX_SPEEDUP}x faster than cold",
-                   "pass": None if speedup is None else speedup >= TARGET_PREFIX_SPEEDUP},
-        "peak_rss": {"hf_bytes": get(hf, "memory_peak", "ru_maxrss_bytes"),
-                     "pdserve_bytes": get(pd, "memory_peak", "ru_maxrss_bytes"),
-                     "hf_vm_hwm_bytes": get(hf, "memory_peak", "vm_hwm_bytes"),
-                     "pdserve_vm_hwm_bytes": get(pd, "memory_peak", "vm_hwm_bytes"),
-                     "pdserve_kv_cache_bytes": get(pd, "kv_cache", "bytes"),
-                     "pdserve_kv_cache_blocks": get(pd, "kv_cache", "num_blocks")},
-        "output_agreement": agreement(get(hf, "decode", "output_token_ids"),
-                                      get(pd, "decode", "output_token_ids")),
+            "ratio": ratio(
+                get(pd, "decode", "decode_tok_s_median_step"),
+                get(hf, "decode", "decode_tok_s_median_step"),
+            ),
+        },
+        "ttft512": {
+            "hf_forward_median_s": hf_ttft,
+            "hf_forward_best_s": get(hf, "ttft512", "best_s"),
+            "pdserve_median_s": pd_ttft,
+            "pdserve_best_s": get(pd, "ttft512", "best_s"),
+            "ratio": ttft_ratio,
+            "target": "pdserve median <= HF forward median",
+            "pass": None if ttft_ratio is None else ttft_ratio <= TARGET_TTFT_RATIO,
+        },
+        "prefix": {
+            "cold_median_s": cold,
+            "cached_median_s": hot,
+            "speedup": speedup,
+            "target": f">= {TARGET_PREFIX_SPEEDUP}x faster than cold",
+            "pass": None if speedup is None else speedup >= TARGET_PREFIX_SPEEDUP,
+        },
+        "peak_rss": {
+            "hf_bytes": get(hf, "memory_peak", "ru_maxrss_bytes"),
+            "pdserve_bytes": get(pd, "memory_peak", "ru_maxrss_bytes"),
+            "hf_vm_hwm_bytes": get(hf, "memory_peak", "vm_hwm_bytes"),
+            "pdserve_vm_hwm_bytes": get(pd, "memory_peak", "vm_hwm_bytes"),
+            "pdserve_kv_cache_bytes": get(pd, "kv_cache", "bytes"),
+            "pdserve_kv_cache_blocks": get(pd, "kv_cache", "num_blocks"),
+        },
+        "output_agreement": agreement(
+            get(hf, "decode", "output_token_ids"), get(pd, "decode", "output_token_ids")
+        ),
     }
     return {
-        "command": command, "argv": sys.argv, "cwd": os.getcwd(), "git_head": git_head(),
+        "command": command,
+        "argv": sys.argv,
+        "cwd": os.getcwd(),
+        "git_head": git_head(),
         "quick": args.quick,
-        "config": {"num_requests": N, "prompt_len": P, "new_tokens": M, "ttft_len": args.ttft_len,
-                   "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
-                   "repeats": args.repeats, "prefill_repeats": args.prefill_repeats,
-                   "threads": args.threads, "dtype": "float32", "greedy": True,
-                   "model": args.model, "kv_cache_memory": args.kv_cache_memory,
-                   "wait_idle_s": args.wait_idle,
-                   "token_id_range": [TOKEN_LO, TOKEN_HI]},
+        "config": {
+            "num_requests": N,
+            "prompt_len": P,
+            "new_tokens": M,
+            "ttft_len": args.ttft_len,
+            "prefix_len": args.prefix_len,
+            "suffix_len": args.suffix_len,
+            "repeats": args.repeats,
+            "prefill_repeats": args.prefill_repeats,
+            "threads": args.threads,
+            "dtype": "float32",
+            "greedy": True,
+            "model": args.model,
+            "kv_cache_memory": args.kv_cache_memory,
+            "wait_idle_s": args.wait_idle,
+            "token_id_range": [TOKEN_LO, TOKEN_HI],
+        },
         "machine": hf.get("machine") or pd.get("machine"),
-        "summary": summary, "hf": hf, "pdserve": pd,
+        "summary": summary,
+        "hf": hf,
+        "pdserve": pd,
     }
 
 
 # --modes name -> (--dtype, --quantization) of the pdserve side
-MODES = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
-         "int8": ("float32", "int8"), "int4": ("float32", "int4"), "auto": ("auto", "none")}
+MODES = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+    "auto": ("auto", "none"),
+}
 
 
 def modes_summary(hf: dict, runs: dict, lc: dict) -> dict:
@@ -182,41 +261,59 @@ def modes_summary(hf: dict, runs: dict, lc: dict) -> dict:
     ratio = lambda a, b: (a / b) if (a is not None and b) else None  # noqa: E731
     hf_dec, hf_one = get(hf, "decode", "decode_tok_s"), get(hf, "one_stream", "decode_tok_s")
     hf_ttft, lc_one = get(hf, "ttft512", "median_s"), get(lc, "one_stream", "decode_tok_s")
-    out = {"hf": {"decode_tok_s": hf_dec, "one_stream_tok_s": hf_one, "ttft512_s": hf_ttft},
-           "llamacpp": {"one_stream_tok_s": lc_one, "how": lc.get("how"), "error": lc.get("error")},
-           "pdserve": {}}
+    out = {
+        "hf": {"decode_tok_s": hf_dec, "one_stream_tok_s": hf_one, "ttft512_s": hf_ttft},
+        "llamacpp": {"one_stream_tok_s": lc_one, "how": lc.get("how"), "error": lc.get("error")},
+        "pdserve": {},
+    }
     for m, pd in runs.items():
-        dec, one, ttft = (get(pd, "decode", "decode_tok_s"), get(pd, "one_stream", "decode_tok_s"),
-                          get(pd, "ttft512", "median_s"))
+        dec, one, ttft = (
+            get(pd, "decode", "decode_tok_s"),
+            get(pd, "one_stream", "decode_tok_s"),
+            get(pd, "ttft512", "median_s"),
+        )
         out["pdserve"][m] = {
-            "mode_note": get(pd, "mode", "note"), "error": pd.get("error"),
-            "decode_tok_s": dec, "decode_vs_hf": ratio(dec, hf_dec),
-            "one_stream_tok_s": one, "one_stream_vs_hf": ratio(one, hf_one),
+            "mode_note": get(pd, "mode", "note"),
+            "error": pd.get("error"),
+            "decode_tok_s": dec,
+            "decode_vs_hf": ratio(dec, hf_dec),
+            "one_stream_tok_s": one,
+            "one_stream_vs_hf": ratio(one, hf_one),
             "one_stream_vs_llamacpp": ratio(one, lc_one),
-            "ttft512_s": ttft, "ttft512_vs_hf": ratio(ttft, hf_ttft)}
+            "ttft512_s": ttft,
+            "ttft512_vs_hf": ratio(ttft, hf_ttft),
+        }
     return out
 
 
 def render_modes(summary: dict, args) -> str:
     hf, lc = summary["hf"], summary["llamacpp"]
     ms = lambda x: None if x is None else x * 1000  # noqa: E731
-    lines = [f"### Serving modes vs HF float32 and llama.cpp (same run; {args.num_requests} concurrent "
-             f"x {args.prompt_len} prompt x {args.new_tokens} new; one stream {args.prompt_len} + "
-             f"{args.new_tokens}; TTFT of {args.ttft_len} tokens)", "",
-             f"| side | decode tok/s, {args.num_requests} concurrent | vs HF | one stream tok/s | vs HF | vs llama.cpp "
-             "| TTFT 512 ms | vs HF |", "|---|---|---|---|---|---|---|---|",
-             f"| HF transformers float32 | {fmt(hf['decode_tok_s'])} | 1.00x | {fmt(hf['one_stream_tok_s'])} "
-             f"| 1.00x | - | {fmt(ms(hf['ttft512_s']), '.0f')} | 1.00x |",
-             f"| llama.cpp (same GGUF) | - | - | {fmt(lc['one_stream_tok_s'])} | "
-             f"{fmt(lc['one_stream_tok_s'] / hf['one_stream_tok_s'] if lc['one_stream_tok_s'] and hf['one_stream_tok_s'] else None, '.2f', 'x')} "
-             f"| 1.00x | - | - |"]
+    lines = [
+        f"### Serving modes vs HF float32 and llama.cpp (same run; {args.num_requests} concurrent "
+        f"x {args.prompt_len} prompt x {args.new_tokens} new; one stream {args.prompt_len} + "
+        f"{args.new_tokens}; TTFT of {args.ttft_len} tokens)",
+        "",
+        f"| side | decode tok/s, {args.num_requests} concurrent | vs HF | one stream tok/s | vs HF | vs llama.cpp "
+        "| TTFT 512 ms | vs HF |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| HF transformers float32 | {fmt(hf['decode_tok_s'])} | 1.00x | {fmt(hf['one_stream_tok_s'])} "
+        f"| 1.00x | - | {fmt(ms(hf['ttft512_s']), '.0f')} | 1.00x |",
+        f"| llama.cpp (same GGUF) | - | - | {fmt(lc['one_stream_tok_s'])} | "
+        f"{fmt(lc['one_stream_tok_s'] / hf['one_stream_tok_s'] if lc['one_stream_tok_s'] and hf['one_stream_tok_s'] else None, '.2f', 'x')} "
+        f"| 1.00x | - | - |",
+    ]
     for m, r in summary["pdserve"].items():
-        lines.append(f"| pdserve {m} | {fmt(r['decode_tok_s'])} | {fmt(r['decode_vs_hf'], '.2f', 'x')} "
-                     f"| {fmt(r['one_stream_tok_s'])} | {fmt(r['one_stream_vs_hf'], '.2f', 'x')} "
-                     f"| {fmt(r['one_stream_vs_llamacpp'], '.2f', 'x')} | {fmt(ms(r['ttft512_s']), '.0f')} "
-                     f"| {fmt(r['ttft512_vs_hf'], '.2f', 'x')} |")
+        lines.append(
+            f"| pdserve {m} | {fmt(r['decode_tok_s'])} | {fmt(r['decode_vs_hf'], '.2f', 'x')} "
+            f"| {fmt(r['one_stream_tok_s'])} | {fmt(r['one_stream_vs_hf'], '.2f', 'x')} "
+            f"| {fmt(r['one_stream_vs_llamacpp'], '.2f', 'x')} | {fmt(ms(r['ttft512_s']), '.0f')} "
+            f"| {fmt(r['ttft512_vs_hf'], '.2f', 'x')} |"
+        )
     lines.append("")
-    lines += [f"- {m}: {r['mode_note']}" for m, r in summary["pdserve"].items() if r.get("mode_note")]
+    lines += [
+        f"- {m}: {r['mode_note']}" for m, r in summary["pdserve"].items() if r.get("mode_note")
+    ]
     if lc.get("how"):
         lines.append(f"- llama.cpp: llama-cpp-python {lc['how']}")
     return "\n".join(lines)
@@ -226,7 +323,7 @@ def render(report: dict) -> str:
     c, s, m = report["config"], report["summary"], report["machine"] or {}
     hf, pd = report["hf"], report["pdserve"]
     N, P, M = c["num_requests"], c["prompt_len"], c["new_tokens"]
-    mib = lambda b: None if b is None else b / 2 ** 20  # noqa: E731
+    mib = lambda b: None if b is None else b / 2**20  # noqa: E731
     ms = lambda x: None if x is None else x * 1000  # noqa: E731
     lines = [
         f"## pdserve engine benchmark{' (QUICK smoke run)' if report['quick'] else ''}",
@@ -267,42 +364,56 @@ def render(report: dict) -> str:
     ]
     hd, pdd = hf.get("decode", {}), pd.get("decode", {})
     if "t_total_s" in hd:
-        lines.append(f"- HF decode: prefill {hd['t_prefill_s']:.2f} s (median of "
-                     f"{[round(x, 2) for x in hd['t_prefill_runs_s']]}), generate total "
-                     f"{hd['t_total_s']:.2f} s -> decode {hd['t_total_s'] - hd['t_prefill_s']:.2f} s "
-                     f"for {N}x{M - 1} tokens")
+        lines.append(
+            f"- HF decode: prefill {hd['t_prefill_s']:.2f} s (median of "
+            f"{[round(x, 2) for x in hd['t_prefill_runs_s']]}), generate total "
+            f"{hd['t_total_s']:.2f} s -> decode {hd['t_total_s'] - hd['t_prefill_s']:.2f} s "
+            f"for {N}x{M - 1} tokens"
+        )
     if "t_total_s" in pdd:
-        lines.append(f"- pdserve decode: total {pdd['t_total_s']:.2f} s in {pdd['num_steps']} steps; "
-                     f"all first tokens after {pdd['num_prefill_phase_steps']} steps / "
-                     f"{pdd['t_all_first_token_s']:.2f} s; then {pdd['decode_tokens']} tokens in "
-                     f"{pdd['decode_time_s']:.2f} s; prefix-cache hits "
-                     f"{sum(pdd['num_cached_tokens'])} tokens; preemptions {pdd['num_preemptions']}")
+        lines.append(
+            f"- pdserve decode: total {pdd['t_total_s']:.2f} s in {pdd['num_steps']} steps; "
+            f"all first tokens after {pdd['num_prefill_phase_steps']} steps / "
+            f"{pdd['t_all_first_token_s']:.2f} s; then {pdd['decode_tokens']} tokens in "
+            f"{pdd['decode_time_s']:.2f} s; prefix-cache hits "
+            f"{sum(pdd['num_cached_tokens'])} tokens; preemptions {pdd['num_preemptions']}"
+        )
     ht, pt = hf.get("ttft512", {}), pd.get("ttft512", {})
     if "runs_s" in ht:
-        lines.append(f"- HF forward {c['ttft_len']} runs ms: {[round(x * 1000, 1) for x in ht['runs_s']]} "
-                     f"(best {ht['best_s'] * 1000:.1f}); with logits_to_keep=1 (info): "
-                     f"{[round(x * 1000, 1) for x in ht['logits_to_keep1_runs_s']]}")
+        lines.append(
+            f"- HF forward {c['ttft_len']} runs ms: {[round(x * 1000, 1) for x in ht['runs_s']]} "
+            f"(best {ht['best_s'] * 1000:.1f}); with logits_to_keep=1 (info): "
+            f"{[round(x * 1000, 1) for x in ht['logits_to_keep1_runs_s']]}"
+        )
     if "runs_s" in pt:
-        lines.append(f"- pdserve TTFT {c['ttft_len']} runs ms: {[round(x * 1000, 1) for x in pt['runs_s']]} "
-                     f"(best {pt['best_s'] * 1000:.1f}); cached tokens {pt['num_cached_tokens']}")
+        lines.append(
+            f"- pdserve TTFT {c['ttft_len']} runs ms: {[round(x * 1000, 1) for x in pt['runs_s']]} "
+            f"(best {pt['best_s'] * 1000:.1f}); cached tokens {pt['num_cached_tokens']}"
+        )
     pp = pd.get("prefix", {})
     if "cold_runs_s" in pp:
-        lines.append(f"- prefix: cold runs ms {[round(x * 1000, 1) for x in pp['cold_runs_s']]} "
-                     f"(cached tokens {pp['cold_num_cached_tokens']}); cached runs ms "
-                     f"{[round(x * 1000, 1) for x in pp['cached_runs_s']]} "
-                     f"(cached tokens {pp['cached_num_cached_tokens']})")
+        lines.append(
+            f"- prefix: cold runs ms {[round(x * 1000, 1) for x in pp['cold_runs_s']]} "
+            f"(cached tokens {pp['cold_num_cached_tokens']}); cached runs ms "
+            f"{[round(x * 1000, 1) for x in pp['cached_runs_s']]} "
+            f"(cached tokens {pp['cached_num_cached_tokens']})"
+        )
     kv = pd.get("kv_cache")
     if kv:
-        lines.append(f"- pdserve KV cache: {kv['bytes']} bytes ({kv['bytes'] / 2 ** 20:.0f} MiB), "
-                     f"{kv['num_blocks']} blocks x {kv['block_size']} tokens "
-                     f"({kv['num_blocks'] * kv['block_size']} token slots), shape {kv['shape']}, "
-                     f"kv_cache_memory={kv['kv_cache_memory_config']}")
+        lines.append(
+            f"- pdserve KV cache: {kv['bytes']} bytes ({kv['bytes'] / 2**20:.0f} MiB), "
+            f"{kv['num_blocks']} blocks x {kv['block_size']} tokens "
+            f"({kv['num_blocks'] * kv['block_size']} token slots), shape {kv['shape']}, "
+            f"kv_cache_memory={kv['kv_cache_memory_config']}"
+        )
     for side, r in (("HF", hf), ("pdserve", pd)):
         mp, ml = r.get("memory_peak") or {}, r.get("memory_after_load") or {}
         if mp:
-            lines.append(f"- {side} memory: after load RSS {ml.get('vm_rss_bytes', 0) / 2 ** 20:.0f} MiB; "
-                         f"peak ru_maxrss {mp['ru_maxrss_bytes'] / 2 ** 20:.0f} MiB, "
-                         f"VmHWM {mp['vm_hwm_bytes'] / 2 ** 20:.0f} MiB; load {r.get('load_s', 0):.1f} s")
+            lines.append(
+                f"- {side} memory: after load RSS {ml.get('vm_rss_bytes', 0) / 2**20:.0f} MiB; "
+                f"peak ru_maxrss {mp['ru_maxrss_bytes'] / 2**20:.0f} MiB, "
+                f"VmHWM {mp['vm_hwm_bytes'] / 2**20:.0f} MiB; load {r.get('load_s', 0):.1f} s"
+            )
     contended = []
     for side, r in (("HF", hf), ("pdserve", pd)):
         for name, cpu in (r.get("cpu_contention") or {}).items():
@@ -311,15 +422,22 @@ def render(report: dict) -> str:
                 contended.append(f"{side} {name} {f:.2f}")
     if contended:
         worst = max(float(x.rsplit(" ", 1)[1]) for x in contended)
-        lines.append(f"- CPU used by OTHER processes during each section (avg cores of "
-                     f"{m.get('cpu_count')}): {', '.join(contended)}"
-                     + (" -- WARNING: the machine was shared, timings are disturbed"
-                        if worst >= CONTENTION_WARN_CORES else ""))
+        lines.append(
+            f"- CPU used by OTHER processes during each section (avg cores of "
+            f"{m.get('cpu_count')}): {', '.join(contended)}"
+            + (
+                " -- WARNING: the machine was shared, timings are disturbed"
+                if worst >= CONTENTION_WARN_CORES
+                else ""
+            )
+        )
     ag = s.get("output_agreement")
     if ag:
-        lines.append(f"- greedy output agreement pdserve vs HF: {ag['identical_requests']}/"
-                     f"{ag['num_requests']} requests identical, mean common prefix "
-                     f"{ag['mean_common_prefix']:.1f}/{M} tokens (min {ag['min_common_prefix']})")
+        lines.append(
+            f"- greedy output agreement pdserve vs HF: {ag['identical_requests']}/"
+            f"{ag['num_requests']} requests identical, mean common prefix "
+            f"{ag['mean_common_prefix']:.1f}/{M} tokens (min {ag['min_common_prefix']})"
+        )
     for side, r in (("HF", hf), ("pdserve", pd)):
         if r.get("error"):
             lines.append(f"- {side} ERROR: {r['error']}")
@@ -330,36 +448,65 @@ def render(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--side", choices=["both", "hf", "pdserve", "llamacpp"], default="both",
-                    help="hf / pdserve / llamacpp: run one side in this process and print one JSON "
-                         "line; both (default): run each side in its own subprocess and report")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--side",
+        choices=["both", "hf", "pdserve", "llamacpp"],
+        default="both",
+        help="hf / pdserve / llamacpp: run one side in this process and print one JSON "
+        "line; both (default): run each side in its own subprocess and report",
+    )
     ap.add_argument("--dtype", default="float32", help="pdserve side: the engine's dtype")
-    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "auto"],
-                    help="pdserve side: the engine's quantization")
-    ap.add_argument("--modes", default="float32",
-                    help="comma-separated pdserve modes to run against the one HF run, each in its "
-                         "own process: float32, bfloat16, int8, int4, auto (dtype auto); more than "
-                         "float32 adds the modes table and llama.cpp's one stream")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8", "int4", "auto"],
+        help="pdserve side: the engine's quantization",
+    )
+    ap.add_argument(
+        "--modes",
+        default="float32",
+        help="comma-separated pdserve modes to run against the one HF run, each in its "
+        "own process: float32, bfloat16, int8, int4, auto (dtype auto); more than "
+        "float32 adds the modes table and llama.cpp's one stream",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 32 new tokens")
     ap.add_argument("--out", default=None, help=f"JSON results path (default {DEFAULT_OUT})")
-    ap.add_argument("--num-requests", type=int, default=None, help="concurrent requests (32; quick 8)")
+    ap.add_argument(
+        "--num-requests", type=int, default=None, help="concurrent requests (32; quick 8)"
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (128; quick 32)")
+    ap.add_argument(
+        "--new-tokens", type=int, default=None, help="new tokens per request (128; quick 32)"
+    )
     ap.add_argument("--ttft-len", type=int, default=512)
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each TTFT measurement")
-    ap.add_argument("--prefill-repeats", type=int, default=2,
-                    help="HF prefill-only generate runs (median is subtracted)")
+    ap.add_argument(
+        "--prefill-repeats",
+        type=int,
+        default=2,
+        help="HF prefill-only generate runs (median is subtracted)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--kv-cache-memory", type=int, default=None,
-                    help="pdserve KV bytes (default: the engine default, 1 GiB on CPU)")
-    ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
-                    help="before each side, wait up to SECONDS for other processes to stop using "
-                         "the CPU (the machine may be shared); 0 = do not wait")
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="pdserve KV bytes (default: the engine default, 1 GiB on CPU)",
+    )
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each side, wait up to SECONDS for other processes to stop using "
+        "the CPU (the machine may be shared); 0 = do not wait",
+    )
     args = ap.parse_args(argv)
     if args.num_requests is None:
         args.num_requests = 8 if args.quick else 32
@@ -367,8 +514,16 @@ def parse_args(argv=None):
         args.new_tokens = 32 if args.quick else 128
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode-only throughput needs a decode step)")
-    for name in ("num_requests", "prompt_len", "ttft_len", "prefix_len", "suffix_len", "repeats",
-                 "prefill_repeats", "threads"):
+    for name in (
+        "num_requests",
+        "prompt_len",
+        "ttft_len",
+        "prefix_len",
+        "suffix_len",
+        "repeats",
+        "prefill_repeats",
+        "threads",
+    ):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -379,6 +534,7 @@ def main(argv=None) -> int:
     if args.side != "both":
         if args.side == "llamacpp":
             from bench.engine_bench_llamacpp import run_llamacpp
+
             res = run_llamacpp(args)
         else:
             res = run_hf(args) if args.side == "hf" else run_pdserve(args)
@@ -399,6 +555,7 @@ def main(argv=None) -> int:
     table = render(report)
     if len(modes) > 1:
         from bench.engine_bench_llamacpp import LLAMA_CPP_VERSION  # noqa: F401 (import check)
+
         lc = run_side_subprocess(args, "llamacpp")
         report["modes"] = modes_summary(hf, runs, lc)
         report["llamacpp"] = lc

@@ -1,21 +1,37 @@
 """The HF transformers side of bench/engine_bench.py, run in its own process (`--side hf`):
 static-batch `model.generate` decode throughput (prefill timed separately) and the time of one
 forward over a fresh 512-token prompt. See engine_bench.py's docstring for the measurements."""
+
 from __future__ import annotations
 
 import time
 
-from bench.bench_common import (SEED_DECODE, SEED_ONE_STREAM, SEED_TTFT, SEED_WARMUP, machine_info, median,
-                                memory_snapshot, random_prompts, section)
+from bench.bench_common import (
+    SEED_DECODE,
+    SEED_ONE_STREAM,
+    SEED_TTFT,
+    SEED_WARMUP,
+    machine_info,
+    median,
+    memory_snapshot,
+    random_prompts,
+    section,
+)
 
 
 def run_hf(args) -> dict:
     import torch
+
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
+
     from engine.loader import resolve_model
 
-    res: dict = {"side": "hf", "machine": machine_info(args.threads), "memory_start": memory_snapshot()}
+    res: dict = {
+        "side": "hf",
+        "machine": machine_info(args.threads),
+        "memory_start": memory_snapshot(),
+    }
     t0 = time.perf_counter()
     model_dir = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -23,14 +39,18 @@ def run_hf(args) -> dict:
     res["model_dir"] = str(model_dir)
     res["memory_after_load"] = memory_snapshot()
     gc = model.generation_config
-    pad = gc.pad_token_id if gc.pad_token_id is not None else (
-        gc.eos_token_id[0] if isinstance(gc.eos_token_id, (list, tuple)) else gc.eos_token_id)
+    pad = (
+        gc.pad_token_id
+        if gc.pad_token_id is not None
+        else (gc.eos_token_id[0] if isinstance(gc.eos_token_id, (list, tuple)) else gc.eos_token_id)
+    )
     N, P, M = args.num_requests, args.prompt_len, args.new_tokens
 
     class StepClock:
         """A logits processor that only timestamps: generate calls it once per step, so the gaps
         between calls are HF's decode step times (robust to bursts of VM slowness, unlike the
         wall time of the whole generate)."""
+
         def __init__(self):
             self.times = []
 
@@ -40,10 +60,17 @@ def run_hf(args) -> dict:
 
     def generate(ids: torch.Tensor, new: int, clock=None) -> tuple[torch.Tensor, float]:
         from transformers import LogitsProcessorList
+
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=pad,
-                             logits_processor=LogitsProcessorList([clock] if clock else []))
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+            logits_processor=LogitsProcessorList([clock] if clock else []),
+        )
         return out, time.perf_counter() - t
 
     def warmup():
@@ -66,7 +93,9 @@ def run_hf(args) -> dict:
         assert new.shape == (N, M), f"HF produced {tuple(new.shape)} new tokens, wanted {(N, M)}"
         t_prefill = median(prefill)
         return {
-            "t_prefill_s": t_prefill, "t_prefill_runs_s": prefill, "t_total_s": total,
+            "t_prefill_s": t_prefill,
+            "t_prefill_runs_s": prefill,
+            "t_total_s": total,
             "decode_tok_s": N * (M - 1) / (total - t_prefill),
             "e2e_tok_s": N * M / total,
             "step_durations_s": steps,
@@ -80,7 +109,7 @@ def run_hf(args) -> dict:
         first, from the per-step timestamps."""
         ids = torch.tensor(random_prompts(SEED_ONE_STREAM, 1, P))
         runs = []
-        for _ in range(2):   # the first run warms this shape
+        for _ in range(2):  # the first run warms this shape
             clock = StepClock()
             generate(ids, M, clock)
             runs.append((M - 1) / (clock.times[-1] - clock.times[0]))
@@ -90,7 +119,7 @@ def run_hf(args) -> dict:
         ids = torch.tensor(random_prompts(SEED_TTFT, 1, args.ttft_len))
         times, times_keep1 = [], []
         with torch.inference_mode():
-            model(ids)   # warm-up
+            model(ids)  # warm-up
             for _ in range(args.repeats):
                 t = time.perf_counter()
                 model(ids)
@@ -101,9 +130,13 @@ def run_hf(args) -> dict:
                 t = time.perf_counter()
                 model(ids, logits_to_keep=1)
                 times_keep1.append(time.perf_counter() - t)
-        return {"runs_s": times, "best_s": min(times), "median_s": median(times),
-                "logits_to_keep1_runs_s": times_keep1,
-                "logits_to_keep1_median_s": median(times_keep1)}
+        return {
+            "runs_s": times,
+            "best_s": min(times),
+            "median_s": median(times),
+            "logits_to_keep1_runs_s": times_keep1,
+            "logits_to_keep1_median_s": median(times_keep1),
+        }
 
     section(res, "warmup", warmup)
     section(res, "decode", decode)
@@ -113,14 +146,19 @@ def run_hf(args) -> dict:
     return res
 
 
-def one_stream_tok_s(model_name: str, threads: int, prompt_len: int, new_tokens: int) -> list[float]:
+def one_stream_tok_s(
+    model_name: str, threads: int, prompt_len: int, new_tokens: int
+) -> list[float]:
     """HF float32 decoding one sequence: tok/s after the first token, for 2 runs (the first warms)."""
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     from engine.loader import resolve_model
+
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model(model_name)), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model(model_name)), dtype=torch.float32
+    ).eval()
     ids = torch.tensor(random_prompts(SEED_ONE_STREAM, 1, prompt_len))
     runs = []
     for _ in range(2):
@@ -129,9 +167,15 @@ def one_stream_tok_s(model_name: str, threads: int, prompt_len: int, new_tokens:
         def clock(input_ids, scores):
             times.append(time.perf_counter())
             return scores
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False,
-                       pad_token_id=0,   # one sequence: nothing is padded
-                       logits_processor=LogitsProcessorList([clock]))
+
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,  # one sequence: nothing is padded
+            logits_processor=LogitsProcessorList([clock]),
+        )
         runs.append((new_tokens - 1) / (times[-1] - times[0]))
     return runs

@@ -1,43 +1,72 @@
 """The pdserve side of bench/engine_bench.py, run in its own process (`--side pdserve`): decode
 throughput with every engine step timestamped, TTFT of a fresh 512-token prompt, and TTFT with a
 cached prefix vs a cold prompt. See engine_bench.py's docstring for the measurements."""
+
 from __future__ import annotations
 
 import time
 
-from bench.bench_common import (SEED_COLD, SEED_DECODE, SEED_ONE_STREAM, SEED_PREFIX, SEED_SUFFIX, SEED_TTFT,
-                                SEED_WARMUP, machine_info, median, memory_snapshot, random_prompts,
-                                section)
+from bench.bench_common import (
+    SEED_COLD,
+    SEED_DECODE,
+    SEED_ONE_STREAM,
+    SEED_PREFIX,
+    SEED_SUFFIX,
+    SEED_TTFT,
+    SEED_WARMUP,
+    machine_info,
+    median,
+    memory_snapshot,
+    random_prompts,
+    section,
+)
 
 
 def run_pdserve(args) -> dict:
     import torch
+
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
-    res: dict = {"side": "pdserve", "machine": machine_info(args.threads),
-                 "memory_start": memory_snapshot()}
+    res: dict = {
+        "side": "pdserve",
+        "machine": machine_info(args.threads),
+        "memory_start": memory_snapshot(),
+    }
     t0 = time.perf_counter()
     quant = None if args.quantization == "none" else args.quantization
-    llm = LLM(model=args.model, kv_cache_memory=args.kv_cache_memory, block_size=16,
-              enable_prefix_caching=True, max_num_batched_tokens=2048, max_num_seqs=128,
-              dtype=args.dtype, quantization=quant)
+    llm = LLM(
+        model=args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=16,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=2048,
+        max_num_seqs=128,
+        dtype=args.dtype,
+        quantization=quant,
+    )
     res["load_s"] = time.perf_counter() - t0
-    torch.set_num_threads(args.threads)   # in case engine construction touched it
+    torch.set_num_threads(args.threads)  # in case engine construction touched it
     eng = llm.engine
-    res["mode"] = {"dtype": eng.config.dtype, "quantization": eng.config.quantization,
-                   "note": eng.mode_note}
+    res["mode"] = {
+        "dtype": eng.config.dtype,
+        "quantization": eng.config.quantization,
+        "note": eng.mode_note,
+    }
     kv = eng.kv_cache
     res["kv_cache"] = {
-        "bytes": kv.numel() * kv.element_size(), "num_blocks": eng.block_manager.num_blocks,
-        "block_size": eng.config.block_size, "shape": list(kv.shape), "dtype": str(kv.dtype),
+        "bytes": kv.numel() * kv.element_size(),
+        "num_blocks": eng.block_manager.num_blocks,
+        "block_size": eng.config.block_size,
+        "shape": list(kv.shape),
+        "dtype": str(kv.dtype),
         "kv_cache_memory_config": eng.config.kv_cache_memory,
         "max_model_len": eng.config.max_model_len,
         "max_num_batched_tokens": eng.config.max_num_batched_tokens,
     }
     res["memory_after_load"] = memory_snapshot()
     N, P, M = args.num_requests, args.prompt_len, args.new_tokens
-    counter = iter(range(10 ** 9))
+    counter = iter(range(10**9))
 
     def ttft(prompt: list[int]) -> tuple[float, int]:
         """add_request -> first output token, for one request run alone; (seconds, cached tokens)."""
@@ -62,8 +91,11 @@ def run_pdserve(args) -> dict:
 
     def warmup():
         t = time.perf_counter()
-        llm.generate(random_prompts(SEED_WARMUP, 2, 16),
-                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            random_prompts(SEED_WARMUP, 2, 16),
+            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
         return {"s": time.perf_counter() - t}
 
     def decode():
@@ -72,7 +104,7 @@ def run_pdserve(args) -> dict:
         rids = [f"decode-{i}" for i in range(N)]
         num_out = dict.fromkeys(rids, 0)
         final: dict = {}
-        steps = []   # (t_end relative to start, step duration, tokens produced, all_have_first)
+        steps = []  # (t_end relative to start, step duration, tokens produced, all_have_first)
         t_start = time.perf_counter()
         for rid, p in zip(rids, prompts):
             eng.add_request(rid, p, params)
@@ -89,8 +121,9 @@ def run_pdserve(args) -> dict:
                 num_out[o.request_id] = n
                 if o.finished:
                     final[o.request_id] = o
-            steps.append((t_now - t_start, t_now - t_prev, produced,
-                          all(v > 0 for v in num_out.values())))
+            steps.append(
+                (t_now - t_start, t_now - t_prev, produced, all(v > 0 for v in num_out.values()))
+            )
             t_prev = t_now
             if not outs and not eng.has_unfinished_requests() and len(final) < N:
                 raise RuntimeError("engine went idle before all decode requests finished")
@@ -98,16 +131,19 @@ def run_pdserve(args) -> dict:
         # first step after which every request has its first token
         k = next(i for i, s in enumerate(steps) if s[3])
         t_first_all = steps[k][0]
-        decode_tokens = sum(s[2] for s in steps[k + 1:])
+        decode_tokens = sum(s[2] for s in steps[k + 1 :])
         decode_time = steps[-1][0] - t_first_all
-        full = sorted(s[1] for s in steps[k + 1:] if s[2] == N)   # steps that decode every request
+        full = sorted(s[1] for s in steps[k + 1 :] if s[2] == N)  # steps that decode every request
         median_step = full[len(full) // 2] if full else None
         outputs = [final[r].outputs[0].token_ids for r in rids]
         assert all(len(o) == M for o in outputs), "a request did not produce exactly new_tokens"
         return {
-            "t_total_s": total, "t_all_first_token_s": t_first_all,
-            "num_steps": len(steps), "num_prefill_phase_steps": k + 1,
-            "decode_tokens": decode_tokens, "decode_time_s": decode_time,
+            "t_total_s": total,
+            "t_all_first_token_s": t_first_all,
+            "num_steps": len(steps),
+            "num_prefill_phase_steps": k + 1,
+            "decode_tokens": decode_tokens,
+            "decode_time_s": decode_time,
             "decode_tok_s": decode_tokens / decode_time if decode_time > 0 else None,
             "e2e_tok_s": N * M / total,
             "median_step_s": median_step,
@@ -125,7 +161,7 @@ def run_pdserve(args) -> dict:
         prompt = random_prompts(SEED_ONE_STREAM, 1, P)[0]
         params = SamplingParams(temperature=0, max_tokens=M, ignore_eos=True)
         runs = []
-        for i in range(2):   # the first run warms this shape
+        for i in range(2):  # the first run warms this shape
             eng.add_request(f"one-{i}", prompt, params)
             times = []
             while eng.has_unfinished_requests():
@@ -135,14 +171,18 @@ def run_pdserve(args) -> dict:
         return {"decode_tok_s": runs[-1], "runs_tok_s": runs}
 
     def ttft512():
-        ttft(random_prompts(SEED_TTFT + 99, 1, args.ttft_len)[0])   # warm-up, its own prompt
+        ttft(random_prompts(SEED_TTFT + 99, 1, args.ttft_len)[0])  # warm-up, its own prompt
         runs, cached = [], []
         for i in range(args.repeats):
             t, c = ttft(random_prompts(SEED_TTFT + i, 1, args.ttft_len)[0])
             runs.append(t)
             cached.append(c)
-        return {"runs_s": runs, "best_s": min(runs), "median_s": median(runs),
-                "num_cached_tokens": cached}
+        return {
+            "runs_s": runs,
+            "best_s": min(runs),
+            "median_s": median(runs),
+            "num_cached_tokens": cached,
+        }
 
     def prefix():
         L, S = args.prefix_len, args.suffix_len
@@ -159,10 +199,15 @@ def run_pdserve(args) -> dict:
             hot.append(t)
             hot_cached.append(c)
         return {
-            "prefix_len": L, "suffix_len": S,
-            "cold_runs_s": cold, "cold_median_s": median(cold), "cold_num_cached_tokens": cold_cached,
-            "cache_warm_s": warm_t, "cache_warm_num_cached_tokens": warm_c,
-            "cached_runs_s": hot, "cached_median_s": median(hot),
+            "prefix_len": L,
+            "suffix_len": S,
+            "cold_runs_s": cold,
+            "cold_median_s": median(cold),
+            "cold_num_cached_tokens": cold_cached,
+            "cache_warm_s": warm_t,
+            "cache_warm_num_cached_tokens": warm_c,
+            "cached_runs_s": hot,
+            "cached_median_s": median(hot),
             "cached_num_cached_tokens": hot_cached,
             "speedup": median(cold) / median(hot),
         }
@@ -173,7 +218,9 @@ def run_pdserve(args) -> dict:
     section(res, "ttft512", ttft512)
     section(res, "prefix", prefix)
     res["memory_peak"] = memory_snapshot()
-    res["block_manager"] = {"num_free_blocks": eng.block_manager.num_free_blocks,
-                            "num_blocks": eng.block_manager.num_blocks}
+    res["block_manager"] = {
+        "num_free_blocks": eng.block_manager.num_free_blocks,
+        "num_blocks": eng.block_manager.num_blocks,
+    }
     llm.shutdown()
     return res

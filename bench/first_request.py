@@ -15,6 +15,7 @@ PDSERVE_CACHE_DIR, as on a machine (or a CPU) pdserve never ran on: the GGUF is 
 CPU decode kernel compiled again. Writes bench/results/first_request.json (with the CPU model and
 flags).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,11 @@ from bench.chaos_harness import deployment, example_config  # noqa: E402
 
 def one(stub, prompt: list[int], max_tokens: int) -> dict:
     from protos.pdserve.v1 import pdserve_pb2 as pb
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
     sent = time.perf_counter()
     first = last = None
     n = 0
@@ -44,23 +48,27 @@ def one(stub, prompt: list[int], max_tokens: int) -> dict:
             first = first if first is not None else now
             last = now
             n += len(resp.delta.token_ids)
-    return {"ttft_ms": (first - sent) * 1000, "tokens": n,
-            "decode_tok_s": (n - 1) / (last - first) if n > 1 and last > first else None}
+    return {
+        "ttft_ms": (first - sent) * 1000,
+        "tokens": n,
+        "decode_tok_s": (n - 1) / (last - first) if n > 1 and last > first else None,
+    }
 
 
 def run_deployment(args, index: int, cache: str) -> dict:
     import grpc
 
     from protos.pdserve.v1 import pdserve_pb2_grpc
+
     prompts = random_prompts(11000 + 100 * index, args.later + 1, args.prompt_len)
     before = os.environ.get("PDSERVE_CACHE_DIR")
     empty = tempfile.mkdtemp(prefix="pdcache") if cache == "fresh" else None
-    if empty:   # up() starts a fresh local Ray, whose workers inherit this environment
+    if empty:  # up() starts a fresh local Ray, whose workers inherit this environment
         os.environ["PDSERVE_CACHE_DIR"] = empty
     try:
         t0 = time.perf_counter()
         config = example_config()
-        if args.decode_threads:   # a layout to compare: the decode worker's compute threads
+        if args.decode_threads:  # a layout to compare: the decode worker's compute threads
             config["pools"]["decode"]["num_threads"] = args.decode_threads
         with deployment(config) as (cluster, _):
             up_s = time.perf_counter() - t0
@@ -75,15 +83,24 @@ def run_deployment(args, index: int, cache: str) -> dict:
             else:
                 os.environ["PDSERVE_CACHE_DIR"] = before
     first, later = rows[0], rows[1:]
-    out = {"cache": cache, "decode_threads": args.decode_threads, "up_s": round(up_s, 1),
-           "first": first, "later": later,
-           "later_median_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
-           "later_median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in later)}
+    out = {
+        "cache": cache,
+        "decode_threads": args.decode_threads,
+        "up_s": round(up_s, 1),
+        "first": first,
+        "later": later,
+        "later_median_ttft_ms": statistics.median(r["ttft_ms"] for r in later),
+        "later_median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in later),
+    }
     out["first_ttft_over_later"] = round(first["ttft_ms"] / out["later_median_ttft_ms"], 3)
-    out["later_decode_over_first"] = round(out["later_median_decode_tok_s"] / first["decode_tok_s"], 3)
-    log(f"deployment {index} ({cache} cache, up in {up_s:.0f} s): first TTFT {first['ttft_ms']:.0f} ms, decode {first['decode_tok_s']:.1f} "
+    out["later_decode_over_first"] = round(
+        out["later_median_decode_tok_s"] / first["decode_tok_s"], 3
+    )
+    log(
+        f"deployment {index} ({cache} cache, up in {up_s:.0f} s): first TTFT {first['ttft_ms']:.0f} ms, decode {first['decode_tok_s']:.1f} "
         f"tok/s; later median {out['later_median_ttft_ms']:.0f} ms, "
-        f"{out['later_median_decode_tok_s']:.1f} tok/s")
+        f"{out['later_median_decode_tok_s']:.1f} tok/s"
+    )
     return out
 
 
@@ -93,8 +110,12 @@ def hf_one_stream(args) -> dict:
     in a subprocess so its threads and memory leave with it."""
     import json
     import subprocess
-    code = ("import json, sys; sys.path.insert(0, %r); from bench.engine_bench_hf import one_stream_tok_s; "
-            "print(json.dumps(one_stream_tok_s('smollm2', 2, %d, %d)))" % (REPO_ROOT, args.prompt_len, args.max_tokens))
+
+    code = (
+        f"import json, sys; sys.path.insert(0, {REPO_ROOT!r}); "
+        "from bench.engine_bench_hf import one_stream_tok_s; "
+        f"print(json.dumps(one_stream_tok_s('smollm2', 2, {args.prompt_len:d}, {args.max_tokens:d})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     runs = json.loads(out.stdout.strip().splitlines()[-1])
     log(f"HF float32 one stream in-process: {runs} tok/s")
@@ -102,28 +123,50 @@ def hf_one_stream(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--deployments", type=int, default=2, help="per cache kind")
     p.add_argument("--caches", default="warm,fresh")
     p.add_argument("--later", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--decode-threads", type=int, default=None,
-                   help="the decode worker's num_threads (default: the example config's)")
-    p.add_argument("--no-hf", dest="hf", action="store_false",
-                   help="skip HF's in-process one stream (the baseline of 'one stream vs HF')")
-    p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "first_request.json"))
+    p.add_argument(
+        "--decode-threads",
+        type=int,
+        default=None,
+        help="the decode worker's num_threads (default: the example config's)",
+    )
+    p.add_argument(
+        "--no-hf",
+        dest="hf",
+        action="store_false",
+        help="skip HF's in-process one stream (the baseline of 'one stream vs HF')",
+    )
+    p.add_argument(
+        "--out", default=os.path.join(REPO_ROOT, "bench", "results", "first_request.json")
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     hf = hf_one_stream(args) if args.hf else None
-    report = {**run_header("bench/first_request.py", argv), "hf_one_stream": hf,
-              "deployments": [run_deployment(args, i, cache) for cache in args.caches.split(",")
-                              for i in range(args.deployments)]}
+    report = {
+        **run_header("bench/first_request.py", argv),
+        "hf_one_stream": hf,
+        "deployments": [
+            run_deployment(args, i, cache)
+            for cache in args.caches.split(",")
+            for i in range(args.deployments)
+        ],
+    }
     if hf:
         for d in report["deployments"]:
-            d["later_decode_over_hf"] = round(d["later_median_decode_tok_s"] / hf["decode_tok_s"], 3)
-            log(f"{d['cache']} cache: one stream through the cluster {d['later_median_decode_tok_s']:.1f} "
-                f"tok/s = {d['later_decode_over_hf']:.2f}x HF float32 in-process ({hf['decode_tok_s']:.1f})")
+            d["later_decode_over_hf"] = round(
+                d["later_median_decode_tok_s"] / hf["decode_tok_s"], 3
+            )
+            log(
+                f"{d['cache']} cache: one stream through the cluster {d['later_median_decode_tok_s']:.1f} "
+                f"tok/s = {d['later_decode_over_hf']:.2f}x HF float32 in-process ({hf['decode_tok_s']:.1f})"
+            )
     write_result(args.out, report)
     log(f"wrote {args.out}")
     return 0

@@ -33,6 +33,7 @@ torch.set_num_threads(1) and (unless --no-malloc-tune) kvtransfer.backends.tune_
 machine may be shared: each trial records the CPU other processes used meanwhile (/proc/stat
 minus our processes) and the table warns above 0.2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,12 +58,14 @@ from bench.bench_common import cpu_model, machine_busy_cpu_s as busy_cpu_s  # no
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPE_BYTES = 4
-TOKEN_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES * NUM_LAYERS          # 46,080
-POOL_SLOTS = 4                     # requests' worth of blocks in the decode pool, used in turn
+TOKEN_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES * NUM_LAYERS  # 46,080
+POOL_SLOTS = 4  # requests' worth of blocks in the decode pool, used in turn
 TARGET_RATIO = 0.5
 CEILING_OF = {"grpc": "tcp", "torch": "tcp", "shm": "memcpy"}
-MODES = {"transport": "the decode handler drops the frames (shm: the KV is already in the paged pool)",
-         "kvreceiver": "a KVReceiver writes the KV into the decode paged cache and takes the commit"}
+MODES = {
+    "transport": "the decode handler drops the frames (shm: the KV is already in the paged pool)",
+    "kvreceiver": "a KVReceiver writes the KV into the decode paged cache and takes the commit",
+}
 CONTENTION_WARN_CORES = 0.2
 DEFAULT_OUT = os.path.join("bench", "results", "kv_transfer.json")
 
@@ -71,7 +74,9 @@ def log(msg: str) -> None:
     print(f"[kv-bench] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_idle(max_wait_s: float, threshold_cores: float = 0.15, window_s: float = 1.0) -> float | None:
+def wait_idle(
+    max_wait_s: float, threshold_cores: float = 0.15, window_s: float = 1.0
+) -> float | None:
     """Wait (up to max_wait_s) for a window in which the machine uses < threshold_cores; returns
     the busy cores of the last window seen."""
     deadline = time.monotonic() + max_wait_s
@@ -88,17 +93,25 @@ def wait_idle(max_wait_s: float, threshold_cores: float = 0.15, window_s: float 
 
 def minor_faults() -> int:
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def pool_shape(tokens: int) -> tuple[int, tuple[int, ...]]:
     blocks_per_request = math.ceil(tokens / BLOCK_SIZE)
-    return blocks_per_request, (NUM_LAYERS, 2, blocks_per_request * POOL_SLOTS, BLOCK_SIZE,
-                                NUM_KV_HEADS, HEAD_DIM)
+    return blocks_per_request, (
+        NUM_LAYERS,
+        2,
+        blocks_per_request * POOL_SLOTS,
+        BLOCK_SIZE,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+    )
 
 
 def make_layout():
     from kvtransfer.layout import KVLayout
+
     return KVLayout("smollm2-135m", "float32", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
 
 
@@ -112,11 +125,13 @@ def _child(body, kind: str, conn, notify, cfg: dict) -> None:
     try:
         if cfg["tune_malloc"]:
             from kvtransfer.backends import tune_malloc
+
             tune_malloc()
         import torch
+
         torch.set_num_threads(1)
         body(kind, conn, notify, cfg)
-    except BaseException:   # noqa: BLE001 - the parent must hear why
+    except BaseException:  # noqa: BLE001 - the parent must hear why
         conn.send({"error": traceback.format_exc()})
 
 
@@ -155,7 +170,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
                 all_done.set()
 
         def handler(header, payload):
-            if trial["null"]:            # transport mode: drop the KV, finish on the commit
+            if trial["null"]:  # transport mode: drop the KV, finish on the commit
                 if header.kind == "commit":
                     finished(header.request_id)
                 return
@@ -187,11 +202,17 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
             trial["null"] = msg["mode"] == "transport"
             for i in range(n):
                 rid = f"t{msg['trial']}-r{i}"
-                receivers[rid] = KVReceiver(rid, cache, make_layout(), slot_block_ids(i % POOL_SLOTS, blocks_per_request),
-                                            0, tokens)
+                receivers[rid] = KVReceiver(
+                    rid,
+                    cache,
+                    make_layout(),
+                    slot_block_ids(i % POOL_SLOTS, blocks_per_request),
+                    0,
+                    tokens,
+                )
             cpu0, faults0 = time.process_time(), minor_faults()
             conn.send("ready")
-            if kind == "tcp":        # each request's bytes land in its pool slot, contiguous
+            if kind == "tcp":  # each request's bytes land in its pool slot, contiguous
                 for i in range(n):
                     base = (i % POOL_SLOTS) * request_bytes
                     for layer in range(NUM_LAYERS):
@@ -210,10 +231,23 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
                     finished(f"t{msg['trial']}-r{i}")
             elif not all_done.wait(120):
                 raise TimeoutError(f"only {len(done_times)} of {n} requests finished")
-            failed = [] if trial["null"] or kind in ("tcp", "memcpy") else [
-                f"{r}: {rx.error}" for r, rx in receivers.items() if rx.state != TransferState.DONE]
-            conn.send({"done_times": list(done_times.values()), "failed": failed,
-                       "cpu_s": time.process_time() - cpu0, "faults": minor_faults() - faults0})
+            failed = (
+                []
+                if trial["null"] or kind in ("tcp", "memcpy")
+                else [
+                    f"{r}: {rx.error}"
+                    for r, rx in receivers.items()
+                    if rx.state != TransferState.DONE
+                ]
+            )
+            conn.send(
+                {
+                    "done_times": list(done_times.values()),
+                    "failed": failed,
+                    "cpu_s": time.process_time() - cpu0,
+                    "faults": minor_faults() - faults0,
+                }
+            )
     finally:
         if server is not None:
             server.stop()
@@ -242,10 +276,20 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     blocks_per_request, dst_shape = pool_shape(tokens)
     layout = make_layout()
     # the prefill side's own paged cache: one request's worth of blocks, in reverse order
-    src = torch.randn(NUM_LAYERS, 2, blocks_per_request, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                      generator=torch.Generator().manual_seed(0))
+    src = torch.randn(
+        NUM_LAYERS,
+        2,
+        blocks_per_request,
+        BLOCK_SIZE,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        generator=torch.Generator().manual_seed(0),
+    )
     src_blocks = list(reversed(range(blocks_per_request)))
-    chunks = [read_chunk(src[layer], layout, "x", layer, src_blocks, 0, tokens) for layer in range(NUM_LAYERS)]
+    chunks = [
+        read_chunk(src[layer], layout, "x", layer, src_blocks, 0, tokens)
+        for layer in range(NUM_LAYERS)
+    ]
     address = conn.recv()
     transport = sock = shared = None
     if kind in ("grpc", "shm", "torch"):
@@ -268,9 +312,18 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                 starts.append(time.perf_counter())
                 if transport is not None:
                     dest = Destination(slot_block_ids(i % POOL_SLOTS, blocks_per_request), layout)
-                    for header, data in chunks:   # the header read_chunk would build for this request
-                        transport.send(ChunkHeader(**{**vars(header), "request_id": rid}), data, dest)
-                    transport.send(ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1), None, dest)
+                    for (
+                        header,
+                        data,
+                    ) in chunks:  # the header read_chunk would build for this request
+                        transport.send(
+                            ChunkHeader(**{**vars(header), "request_id": rid}), data, dest
+                        )
+                    transport.send(
+                        ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1),
+                        None,
+                        dest,
+                    )
                 elif sock is not None:
                     for piece in layer_bytes:
                         sock.sendall(piece)
@@ -278,12 +331,18 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                     base = (i % POOL_SLOTS) * tokens * TOKEN_BYTES // DTYPE_BYTES
                     for _, data in chunks:
                         flat = data.view(-1)
-                        shared[base:base + flat.numel()].copy_(flat)
+                        shared[base : base + flat.numel()].copy_(flat)
                         base += flat.numel()
                     notify.send(i)
             if transport is not None:
                 transport.flush(120.0)
-            conn.send({"starts": starts, "cpu_s": time.process_time() - cpu0, "faults": minor_faults() - faults0})
+            conn.send(
+                {
+                    "starts": starts,
+                    "cpu_s": time.process_time() - cpu0,
+                    "faults": minor_faults() - faults0,
+                }
+            )
     finally:
         if transport is not None:
             transport.close()
@@ -310,8 +369,14 @@ class Pair:
         self.rx, rx_child = ctx.Pipe()
         self.tx, tx_child = ctx.Pipe()
         notify_rx, notify_tx = ctx.Pipe(duplex=False)
-        self.procs = [ctx.Process(target=decode_main, args=(kind, rx_child, notify_rx, cfg), name=f"decode-{kind}"),
-                      ctx.Process(target=prefill_main, args=(kind, tx_child, notify_tx, cfg), name=f"prefill-{kind}")]
+        self.procs = [
+            ctx.Process(
+                target=decode_main, args=(kind, rx_child, notify_rx, cfg), name=f"decode-{kind}"
+            ),
+            ctx.Process(
+                target=prefill_main, args=(kind, tx_child, notify_tx, cfg), name=f"prefill-{kind}"
+            ),
+        ]
         for p in self.procs:
             p.start()
 
@@ -334,11 +399,16 @@ class Pair:
         busy1 = busy_cpu_s()
         foreign = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - own) / wall
         latencies = [d - s for d, s in zip(got["done_times"], sent["starts"])]
-        return {"gbps": self.cfg["requests"] * self.cfg["tokens"] * TOKEN_BYTES / elapsed / 1e9,
-                "elapsed_s": elapsed, "median_request_latency_ms": 1e3 * statistics.median(latencies),
-                "prefill_cpu_s": sent["cpu_s"], "decode_cpu_s": got["cpu_s"],
-                "prefill_page_faults": sent["faults"], "decode_page_faults": got["faults"],
-                "foreign_cores_avg": foreign}
+        return {
+            "gbps": self.cfg["requests"] * self.cfg["tokens"] * TOKEN_BYTES / elapsed / 1e9,
+            "elapsed_s": elapsed,
+            "median_request_latency_ms": 1e3 * statistics.median(latencies),
+            "prefill_cpu_s": sent["cpu_s"],
+            "decode_cpu_s": got["cpu_s"],
+            "prefill_page_faults": sent["faults"],
+            "decode_page_faults": got["faults"],
+            "foreign_cores_avg": foreign,
+        }
 
     def stop(self) -> None:
         for conn in (self.rx, self.tx):
@@ -356,9 +426,16 @@ class Pair:
 def machine() -> dict:
     import grpc
     import torch
+
     cpu = cpu_model()
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "grpcio": grpc.__version__, "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "platform": platform.platform(),
+    }
 
 
 def summarize(runs, trials: dict, ceiling_of_key: dict) -> list[dict]:
@@ -366,14 +443,31 @@ def summarize(runs, trials: dict, ceiling_of_key: dict) -> list[dict]:
     for key in runs:
         kind, _, mode = key.partition("/")
         good = [t for t in trials[key] if "gbps" in t]
-        row = {"backend": kind, "mode": mode or "raw", "rounds": len(good),
-               "gbps": statistics.median(t["gbps"] for t in good) if good else None,
-               "median_request_latency_ms": statistics.median(t["median_request_latency_ms"] for t in good) if good else None,
-               "foreign_cores_max": max((t["foreign_cores_avg"] or 0.0) for t in good) if good else None,
-               "ceiling": ceiling_of_key.get(key), "ceiling_gbps": None, "ratio": None, "result": "(ceiling)"}
+        row = {
+            "backend": kind,
+            "mode": mode or "raw",
+            "rounds": len(good),
+            "gbps": statistics.median(t["gbps"] for t in good) if good else None,
+            "median_request_latency_ms": statistics.median(
+                t["median_request_latency_ms"] for t in good
+            )
+            if good
+            else None,
+            "foreign_cores_max": max((t["foreign_cores_avg"] or 0.0) for t in good)
+            if good
+            else None,
+            "ceiling": ceiling_of_key.get(key),
+            "ceiling_gbps": None,
+            "ratio": None,
+            "result": "(ceiling)",
+        }
         if row["ceiling"]:
             c = ceiling_of_key[key]
-            ratios = [t["gbps"] / ct["gbps"] for t, ct in zip(trials[key], trials[c]) if "gbps" in t and "gbps" in ct]
+            ratios = [
+                t["gbps"] / ct["gbps"]
+                for t, ct in zip(trials[key], trials[c])
+                if "gbps" in t and "gbps" in ct
+            ]
             cg = [t["gbps"] for t in trials[c] if "gbps" in t]
             row["ceiling_gbps"] = statistics.median(cg) if cg else None
             row["ratio"] = statistics.median(ratios) if ratios else None
@@ -394,15 +488,29 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=float, default=16.0, help="MiB of KV per request")
     ap.add_argument("--backends", default="grpc,shm,torch")
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
-    ap.add_argument("--no-malloc-tune", action="store_true",
-                    help="leave glibc malloc's thresholds alone (default: every process calls "
-                         "kvtransfer.backends.tune_malloc(), as the workers should)")
+    ap.add_argument(
+        "--no-malloc-tune",
+        action="store_true",
+        help="leave glibc malloc's thresholds alone (default: every process calls "
+        "kvtransfer.backends.tune_malloc(), as the workers should)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 6 requests, 1 round")
-    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                    help="before each trial, wait up to SECONDS for a quiet machine (< 0.15 busy cores)")
-    ap.add_argument("--server-opts", default="{}", metavar="JSON",
-                    help='tuning, e.g. {"grpc": {"max_backlog_bytes": 8388608}}: passed to serve()')
-    ap.add_argument("--connect-opts", default="{}", metavar="JSON", help="tuning: passed to connect()")
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each trial, wait up to SECONDS for a quiet machine (< 0.15 busy cores)",
+    )
+    ap.add_argument(
+        "--server-opts",
+        default="{}",
+        metavar="JSON",
+        help='tuning, e.g. {"grpc": {"max_backlog_bytes": 8388608}}: passed to serve()',
+    )
+    ap.add_argument(
+        "--connect-opts", default="{}", metavar="JSON", help="tuning: passed to connect()"
+    )
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.quick:
@@ -416,10 +524,15 @@ def main(argv=None) -> int:
     for b in backends:
         if b not in CEILING_OF:
             ap.error(f"--backends: {b!r} is not one of {sorted(CEILING_OF)}")
-    cfg = {"tokens": tokens, "requests": args.requests, "tune_malloc": not args.no_malloc_tune,
-           "server_opts": json.loads(args.server_opts), "connect_opts": json.loads(args.connect_opts)}
+    cfg = {
+        "tokens": tokens,
+        "requests": args.requests,
+        "tune_malloc": not args.no_malloc_tune,
+        "server_opts": json.loads(args.server_opts),
+        "connect_opts": json.loads(args.connect_opts),
+    }
     kinds = sorted({CEILING_OF[b] for b in backends}) + backends
-    runs, ceiling_of_key = [], {}      # one round, in order: each ceiling, then its backends
+    runs, ceiling_of_key = [], {}  # one round, in order: each ceiling, then its backends
     for ceiling in sorted({CEILING_OF[b] for b in backends}):
         runs.append(ceiling)
         for b in backends:
@@ -427,37 +540,56 @@ def main(argv=None) -> int:
                 for m in modes:
                     runs.append(f"{b}/{m}")
                     ceiling_of_key[f"{b}/{m}"] = ceiling
-    results = {"command": shlex.join([sys.executable] + sys.argv),
-               "date": _dt.datetime.now().astimezone().isoformat(), "machine": machine(),
-               "config": {"model_shape": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS,
-                                          "head_dim": HEAD_DIM, "dtype": "float32", "block_size": BLOCK_SIZE},
-                          "tokens_per_request": tokens, "kv_bytes_per_request": tokens * TOKEN_BYTES,
-                          "frames_per_request": NUM_LAYERS + 1, "requests_per_trial": args.requests,
-                          "rounds": args.rounds, "torch_threads_per_process": 1,
-                          "malloc_tuned": cfg["tune_malloc"], "modes": {m: MODES[m] for m in modes},
-                          "server_opts": cfg["server_opts"], "connect_opts": cfg["connect_opts"]},
-               "trials": {key: [] for key in runs}}
+    results = {
+        "command": shlex.join([sys.executable] + sys.argv),
+        "date": _dt.datetime.now().astimezone().isoformat(),
+        "machine": machine(),
+        "config": {
+            "model_shape": {
+                "num_layers": NUM_LAYERS,
+                "num_kv_heads": NUM_KV_HEADS,
+                "head_dim": HEAD_DIM,
+                "dtype": "float32",
+                "block_size": BLOCK_SIZE,
+            },
+            "tokens_per_request": tokens,
+            "kv_bytes_per_request": tokens * TOKEN_BYTES,
+            "frames_per_request": NUM_LAYERS + 1,
+            "requests_per_trial": args.requests,
+            "rounds": args.rounds,
+            "torch_threads_per_process": 1,
+            "malloc_tuned": cfg["tune_malloc"],
+            "modes": {m: MODES[m] for m in modes},
+            "server_opts": cfg["server_opts"],
+            "connect_opts": cfg["connect_opts"],
+        },
+        "trials": {key: [] for key in runs},
+    }
     status = 0
     pairs = {kind: Pair(kind, cfg) for kind in kinds}
     try:
         for pair in pairs.values():
             pair.connect()
-        for rnd in range(args.rounds + 1):       # round 0 warms up
+        for rnd in range(args.rounds + 1):  # round 0 warms up
             for trial, key in enumerate(runs):
                 kind, _, mode = key.partition("/")
                 if args.wait_idle:
                     busy = wait_idle(args.wait_idle)
                     if busy is not None and busy >= 0.15:
-                        log(f"the machine stayed busy ({busy:.2f} cores) for {args.wait_idle} s; measuring anyway")
+                        log(
+                            f"the machine stayed busy ({busy:.2f} cores) for {args.wait_idle} s; measuring anyway"
+                        )
                 try:
                     row = pairs[kind].trial(rnd * 100 + trial, mode or None)
-                except Exception as e:   # noqa: BLE001 - the report must say what broke
+                except Exception as e:  # noqa: BLE001 - the report must say what broke
                     row = {"error": f"{type(e).__name__}: {e}"}
                     status = 1
                     log(f"round {rnd} {key}: FAILED {row['error']}")
                 else:
-                    log(f"round {rnd} {key}: {row['gbps']:.2f} GB/s, cpu prefill {row['prefill_cpu_s']:.3f} s "
-                        f"decode {row['decode_cpu_s']:.3f} s, other processes {row['foreign_cores_avg'] or 0:.2f} cores")
+                    log(
+                        f"round {rnd} {key}: {row['gbps']:.2f} GB/s, cpu prefill {row['prefill_cpu_s']:.3f} s "
+                        f"decode {row['decode_cpu_s']:.3f} s, other processes {row['foreign_cores_avg'] or 0:.2f} cores"
+                    )
                 if rnd:
                     results["trials"][key].append(row)
     finally:
@@ -465,19 +597,25 @@ def main(argv=None) -> int:
             pair.stop()
     rows = summarize(runs, results["trials"], ceiling_of_key)
     results["table"] = rows
-    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)
-    print(f"\nKV transfer between two processes: {tokens} tokens x {NUM_LAYERS} layers = "
-          f"{tokens * TOKEN_BYTES / (1 << 20):.2f} MiB per request in {NUM_LAYERS + 1} frames, "
-          f"{args.requests} requests back to back per trial, medians of {args.rounds} rounds, "
-          f"malloc {'tuned' if cfg['tune_malloc'] else 'default'}\n")
-    print("| backend | mode | GB/s | ceiling | ceiling GB/s | ratio | target | result | median request latency | other procs (max cores) |")
+    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
+    print(
+        f"\nKV transfer between two processes: {tokens} tokens x {NUM_LAYERS} layers = "
+        f"{tokens * TOKEN_BYTES / (1 << 20):.2f} MiB per request in {NUM_LAYERS + 1} frames, "
+        f"{args.requests} requests back to back per trial, medians of {args.rounds} rounds, "
+        f"malloc {'tuned' if cfg['tune_malloc'] else 'default'}\n"
+    )
+    print(
+        "| backend | mode | GB/s | ceiling | ceiling GB/s | ratio | target | result | median request latency | other procs (max cores) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = r["foreign_cores_max"]
         warn = " (busy!)" if busy is not None and busy > CONTENTION_WARN_CORES else ""
-        print(f"| {r['backend']} | {r['mode']} | {fmt(r['gbps'])} | {r['ceiling'] or '-'} | {fmt(r['ceiling_gbps'])} | "
-              f"{fmt(r['ratio'], '.0%')} | {'>= 50%' if r['mode'] == 'transport' else '-'} | {r['result']} | "
-              f"{fmt(r['median_request_latency_ms'], '.1f')} ms | {fmt(busy)}{warn} |")
+        print(
+            f"| {r['backend']} | {r['mode']} | {fmt(r['gbps'])} | {r['ceiling'] or '-'} | {fmt(r['ceiling_gbps'])} | "
+            f"{fmt(r['ratio'], '.0%')} | {'>= 50%' if r['mode'] == 'transport' else '-'} | {r['result']} | "
+            f"{fmt(r['median_request_latency_ms'], '.1f')} ms | {fmt(busy)}{warn} |"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -20,6 +20,7 @@ exactly and the mean share of tokens before the first divergence.
 Writes bench/results/quality.json (machine, CPU flags, commit, per mode). Every mode runs in
 this process one after the other, with the same threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_common import REPO_ROOT, log, run_header, write_result  # noqa: E402
 
-MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-         "int8": dict(dtype="float32", quantization="int8"),
-         "int4": dict(dtype="float32", quantization="int4")}
+MODES = {
+    "float32": dict(dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16"),
+    "int8": dict(dtype="float32", quantization="int8"),
+    "int4": dict(dtype="float32", quantization="int4"),
+}
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Photosynthesis is the process by which",
     "Once upon a time, in a village by the sea,",
     "The three laws of thermodynamics state that",
@@ -62,6 +66,7 @@ QUESTIONS = [
 
 def corpus_ids(tokenizer, num_tokens: int) -> list[int]:
     from engine.quality import corpus_ids as all_ids
+
     ids = all_ids(tokenizer)
     if len(ids) < num_tokens:
         raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than --tokens {num_tokens}")
@@ -72,7 +77,7 @@ def windows(ids: list[int], size: int, bos: int | None) -> list[list[int]]:
     step = size - (1 if bos is not None else 0)
     out = []
     for a in range(0, len(ids) - 1, step):
-        chunk = ids[a:a + step]
+        chunk = ids[a : a + step]
         if len(chunk) >= 2:
             out.append(([bos] if bos is not None else []) + chunk)
     return out
@@ -81,13 +86,18 @@ def windows(ids: list[int], size: int, bos: int | None) -> list[list[int]]:
 def prompts_for(tokenizer) -> list[list[int]]:
     out = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     if getattr(tokenizer, "chat_template", None):
-        out += [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
-                                              add_generation_prompt=True) for q in QUESTIONS]
+        out += [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True
+            )
+            for q in QUESTIONS
+        ]
     return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in out]
 
 
 def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) -> dict:
     from engine import LLM, SamplingParams
+
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=max(args.window, 2048), **MODES[name])
     load_s = time.perf_counter() - t0
@@ -103,24 +113,37 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
                 n += 1
         ppl_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        gen = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True),
-                           use_tqdm=False)
+        gen = llm.generate(
+            prompts,
+            SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True),
+            use_tqdm=False,
+        )
         greedy = [list(o.outputs[0].token_ids) for o in gen]
         greedy_s = time.perf_counter() - t0
     finally:
         llm.shutdown()
-    result = {"perplexity": math.exp(nll / n), "scored_tokens": n, "windows": len(texts),
-              "mode_note": mode_note,
-              "greedy": greedy, "load_s": round(load_s, 1), "perplexity_s": round(ppl_s, 1),
-              "greedy_s": round(greedy_s, 1)}
+    result = {
+        "perplexity": math.exp(nll / n),
+        "scored_tokens": n,
+        "windows": len(texts),
+        "mode_note": mode_note,
+        "greedy": greedy,
+        "load_s": round(load_s, 1),
+        "perplexity_s": round(ppl_s, 1),
+        "greedy_s": round(greedy_s, 1),
+    }
     log(f"{name}: perplexity {result['perplexity']:.4f} over {n} tokens ({ppl_s:.0f} s)")
     return result
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--modes", default="float32,bfloat16,int8,int4", help=f"of {sorted(MODES)}; float32 first")
+    p.add_argument(
+        "--modes", default="float32,bfloat16,int8,int4", help=f"of {sorted(MODES)}; float32 first"
+    )
     p.add_argument("--tokens", type=int, default=20480)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--new", type=int, default=32, help="greedy tokens per agreement prompt")
@@ -136,6 +159,7 @@ def main(argv=None) -> int:
     from engine.loader import resolve_model
     from engine.quality import QUALITY_BOUNDS
     from engine.tokenizer import load_tokenizer
+
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model(args.model))
     texts = windows(corpus_ids(tokenizer, args.tokens), args.window, tokenizer.bos_token_id)
@@ -145,25 +169,36 @@ def main(argv=None) -> int:
     for m, r in results.items():
         r["perplexity_vs_float32"] = r["perplexity"] / ref_ppl - 1
         same = [a == b for a, b in zip(r["greedy"], ref)]
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) / len(b)
-                  for a, b in zip(r["greedy"], ref)]
+        prefix = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) / len(b)
+            for a, b in zip(r["greedy"], ref)
+        ]
         r["greedy_identical"] = f"{sum(same)}/{len(same)}"
         r["greedy_prefix_share"] = statistics.mean(prefix)
         bound = QUALITY_BOUNDS.get(m)
         r["bound"] = bound
         r["pass"] = None if bound is None else r["perplexity_vs_float32"] <= bound
-    report = {**run_header("bench/quality.py", argv), "threads": args.threads,
-              "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
-                        f"first {args.tokens} tokens, windows of {args.window}",
-              "modes": results}
+    report = {
+        **run_header("bench/quality.py", argv),
+        "threads": args.threads,
+        "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
+        f"first {args.tokens} tokens, windows of {args.window}",
+        "modes": results,
+    }
     write_result(args.out, report)
-    print("| mode | perplexity | vs float32 | bound | greedy identical to float32 "
-          "| mean share before first divergence |")
+    print(
+        "| mode | perplexity | vs float32 | bound | greedy identical to float32 "
+        "| mean share before first divergence |"
+    )
     print("|---|---|---|---|---|---|")
     for m, r in results.items():
-        bound = "-" if r["bound"] is None else f"<= +{r['bound']:.0%} {'PASS' if r['pass'] else 'FAIL'}"
-        print(f"| {m} | {r['perplexity']:.4f} | {r['perplexity_vs_float32']:+.2%} | {bound} "
-              f"| {r['greedy_identical']} | {r['greedy_prefix_share']:.0%} |")
+        bound = (
+            "-" if r["bound"] is None else f"<= +{r['bound']:.0%} {'PASS' if r['pass'] else 'FAIL'}"
+        )
+        print(
+            f"| {m} | {r['perplexity']:.4f} | {r['perplexity_vs_float32']:+.2%} | {bound} "
+            f"| {r['greedy_identical']} | {r['greedy_prefix_share']:.0%} |"
+        )
     log(f"wrote {args.out}")
     return 0
 

@@ -44,6 +44,7 @@ measurement of the setup yet, the prediction alone is written: a prediction to c
 runs that will judge it.
 Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
 slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
+
 from __future__ import annotations
 
 import argparse
@@ -71,42 +72,68 @@ BAND = (10, 90)
 def predict(profile, cfg: dict, placement: str, wl: str, seeds: int) -> list[dict]:
     """Per rate: the mean attainment over `seeds` simulations and its BAND percentiles."""
     from deploy.tuning.simulator import Simulator
+
     args = argparse.Namespace(max_num_batched_tokens=cfg["max_num_batched_tokens"])
     slo = _slo(cfg)
-    reqs = workload.load_trace(wl, scale=cfg["scale"][wl], max_prompt=cfg["max_prompt"],
-                               max_output=cfg["max_output"], max_requests=cfg["num_requests"])
-    sims = [Simulator(profile, sim_placement(args, profile, placement), seed=k) for k in range(seeds)]
+    reqs = workload.load_trace(
+        wl,
+        scale=cfg["scale"][wl],
+        max_prompt=cfg["max_prompt"],
+        max_output=cfg["max_output"],
+        max_requests=cfg["num_requests"],
+    )
+    sims = [
+        Simulator(profile, sim_placement(args, profile, placement), seed=k) for k in range(seeds)
+    ]
     rows = []
     for rate in cfg["rates"][wl]:
         timed = workload.retime(reqs, rate, 1.0, WORKLOAD_SEEDS[wl])
         att = [s.run(timed).attainment(slo["ttft"], slo["tpot"]) for s in sims]
-        rows.append({"rate": rate, "mean": float(np.mean(att)),
-                     "band": [float(np.percentile(att, q)) for q in BAND]})
+        rows.append(
+            {
+                "rate": rate,
+                "mean": float(np.mean(att)),
+                "band": [float(np.percentile(att, q)) for q in BAND],
+            }
+        )
     return rows
 
 
 def _slo(cfg: dict) -> dict:
     from deploy.tuning.metrics import parse_slo
+
     return parse_slo(cfg["slo"])
 
 
 def compare(pred: list[dict], measurements: list[dict], cfg: dict, wl: str) -> list[dict]:
     """Per rate: every measurement's attainment, their mean, the prediction, and which runs fell
     in the band."""
-    runs = [(m["label"], measured_rows(None, m["placement"], wl, _slo(cfg), m["path"])) for m in measurements]
+    runs = [
+        (m["label"], measured_rows(None, m["placement"], wl, _slo(cfg), m["path"]))
+        for m in measurements
+    ]
     out = []
     for k, p in enumerate(pred):
-        meas = [(label, rows[k]["attainment"]) for label, rows in runs if rows[k]["rate"] == p["rate"]]
+        meas = [
+            (label, rows[k]["attainment"]) for label, rows in runs if rows[k]["rate"] == p["rate"]
+        ]
         values = [v for _, v in meas]
         mean = float(np.mean(values)) if values else None
-        out.append({**p, "measured": meas, "measured_mean": mean,
-                    "diff_pp": None if mean is None else 100 * (p["mean"] - mean),
-                    "in_band": sum(p["band"][0] <= v <= p["band"][1] for v in values)})
+        out.append(
+            {
+                **p,
+                "measured": meas,
+                "measured_mean": mean,
+                "diff_pp": None if mean is None else 100 * (p["mean"] - mean),
+                "in_band": sum(p["band"][0] <= v <= p["band"][1] for v in values),
+            }
+        )
     return out
 
 
 def plot(rows: dict, path: pathlib.Path, title: str) -> None:
     from matplotlib.figure import Figure
+
     fig = Figure(figsize=(12, 4.5), tight_layout=True)
     for i, placement in enumerate(PLACEMENTS):
         ax = fig.add_subplot(1, 2, i + 1)
@@ -115,68 +142,120 @@ def plot(rows: dict, path: pathlib.Path, title: str) -> None:
             continue
         rates = [r["rate"] for r in per]
         for r in per:
-            ax.plot([r["rate"]] * len(r["measured"]), [100 * v for _, v in r["measured"]], "o", mfc="none",
-                    color="gray")
+            ax.plot(
+                [r["rate"]] * len(r["measured"]),
+                [100 * v for _, v in r["measured"]],
+                "o",
+                mfc="none",
+                color="gray",
+            )
         if per[0]["measured"]:
-            ax.plot(rates, [100 * r["measured_mean"] for r in per], "o-", color="black", lw=2,
-                    label=f"measured: mean of {len(per[0]['measured'])} runs (circles: each run)")
-        ax.plot(rates, [100 * r["mean"] for r in per], "x-", color="tab:red", label="predicted: mean")
-        ax.fill_between(rates, [100 * r["band"][0] for r in per], [100 * r["band"][1] for r in per],
-                        color="tab:red", alpha=0.15, label=f"predicted: p{BAND[0]}-p{BAND[1]} of one run")
+            ax.plot(
+                rates,
+                [100 * r["measured_mean"] for r in per],
+                "o-",
+                color="black",
+                lw=2,
+                label=f"measured: mean of {len(per[0]['measured'])} runs (circles: each run)",
+            )
+        ax.plot(
+            rates, [100 * r["mean"] for r in per], "x-", color="tab:red", label="predicted: mean"
+        )
+        ax.fill_between(
+            rates,
+            [100 * r["band"][0] for r in per],
+            [100 * r["band"][1] for r in per],
+            color="tab:red",
+            alpha=0.15,
+            label=f"predicted: p{BAND[0]}-p{BAND[1]} of one run",
+        )
         ax.axhline(90, color="gray", ls="--", lw=1)
-        ax.set(xlabel="request rate (req/s)", ylabel="joint SLO attainment (%)", ylim=(0, 105),
-               title=f"{placement}: {title}")
+        ax.set(
+            xlabel="request rate (req/s)",
+            ylabel="joint SLO attainment (%)",
+            ylim=(0, 105),
+            title=f"{placement}: {title}",
+        )
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=100)
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| rate | measured, each run (%) | measured mean | predicted mean "
-          f"[p{BAND[0]}-p{BAND[1]}] | pred - mean (pp) | runs in band | pp per 5% slower steps |")
+    print(
+        "| rate | measured, each run (%) | measured mean | predicted mean "
+        f"[p{BAND[0]}-p{BAND[1]}] | pred - mean (pp) | runs in band | pp per 5% slower steps |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         mean = "-" if r["measured_mean"] is None else f"{100 * r['measured_mean']:.1f}"
         diff = "-" if r["diff_pp"] is None else f"{r['diff_pp']:+.1f}"
-        print(f"| {r['rate']:g} | {' / '.join(f'{100 * v:.1f}' for _, v in r['measured']) or '-'} | "
-              f"{mean} | {100 * r['mean']:.1f} [{100 * r['band'][0]:.0f}-"
-              f"{100 * r['band'][1]:.0f}] | {diff} | {r['in_band']} of {len(r['measured'])} | "
-              f"{r['pp_per_5pct_slower']:+.1f} |")
+        print(
+            f"| {r['rate']:g} | {' / '.join(f'{100 * v:.1f}' for _, v in r['measured']) or '-'} | "
+            f"{mean} | {100 * r['mean']:.1f} [{100 * r['band'][0]:.0f}-"
+            f"{100 * r['band'][1]:.0f}] | {diff} | {r['in_band']} of {len(r['measured'])} | "
+            f"{r['pp_per_5pct_slower']:+.1f} |"
+        )
 
 
 def utc_time(p: argparse.ArgumentParser, text: str | None, flag: str) -> float | None:
     if text is None:
         return None
     try:
-        return _dt.datetime.fromisoformat(text).replace(tzinfo=_dt.timezone.utc).timestamp()
+        return _dt.datetime.fromisoformat(text).replace(tzinfo=_dt.UTC).timestamp()
     except ValueError:
         p.error(f"{flag}: expected a UTC time like YYYY-MM-DDTHH:MM, got {text!r}")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--results", default=str(RESULTS), help="where the runs are stored")
-    p.add_argument("--profile", default=str(RESULTS / "profile_cpu_smollm2_1thread.json"),
-                   help="the engine profile (for the KV transfer and capacity figures)")
+    p.add_argument(
+        "--profile",
+        default=str(RESULTS / "profile_cpu_smollm2_1thread.json"),
+        help="the engine profile (for the KV transfer and capacity figures)",
+    )
     p.add_argument("--workload", default="azure_conv")
     p.add_argument("--seeds", type=int, default=40)
-    p.add_argument("--window", type=float, default=SPEED_WINDOW_S,
-                   help="seconds per step_speed window; 0: independent step noise only")
-    p.add_argument("--no-interference", action="store_true",
-                   help="fit no interference factors (for comparison)")
-    p.add_argument("--since", default=None, help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it")
+    p.add_argument(
+        "--window",
+        type=float,
+        default=SPEED_WINDOW_S,
+        help="seconds per step_speed window; 0: independent step noise only",
+    )
+    p.add_argument(
+        "--no-interference",
+        action="store_true",
+        help="fit no interference factors (for comparison)",
+    )
+    p.add_argument(
+        "--since", default=None, help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it"
+    )
     p.add_argument("--until", default=None, help="UTC time: only runs taken before it")
-    p.add_argument("--split", default=None,
-                   help="UTC time: calibrations before it, measurements after it")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="the setup's number of requests a rate (default: the newest run's)")
-    p.add_argument("--rates", default=None, help="the setup's rates, e.g. 1,1.5,2 (default: the newest run's)")
+    p.add_argument(
+        "--split", default=None, help="UTC time: calibrations before it, measurements after it"
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="the setup's number of requests a rate (default: the newest run's)",
+    )
+    p.add_argument(
+        "--rates", default=None, help="the setup's rates, e.g. 1,1.5,2 (default: the newest run's)"
+    )
     p.add_argument("--out", default=None, help="default: <results>/slo_pooled.json")
-    p.add_argument("--write-profile", default=None,
-                   help="also write the pooled profile of every placement's calibrations (all worker "
-                        "kinds together) here, for `pdserve tune --profile`")
+    p.add_argument(
+        "--write-profile",
+        default=None,
+        help="also write the pooled profile of every placement's calibrations (all worker "
+        "kinds together) here, for `pdserve tune --profile`",
+    )
     args = p.parse_args()
     results_dir = pathlib.Path(args.results)
     from deploy.tuning.metrics import parse_positive_list
+
     try:
         rates = parse_positive_list(args.rates, "--rates") if args.rates else None
     except ValueError as e:
@@ -187,7 +266,9 @@ def main() -> int:
     # the calibrations): later runs may calibrate another way
     as_of = min((t for t in (until, split) if t is not None), default=None)
     try:
-        measurements, calibrations, cfg = find_runs(results_dir, args.workload, args.num_requests, rates, as_of)
+        measurements, calibrations, cfg = find_runs(
+            results_dir, args.workload, args.num_requests, rates, as_of
+        )
     except FileNotFoundError as e:
         p.error(str(e))
     if since is not None:
@@ -202,14 +283,27 @@ def main() -> int:
     if not calibrations:
         p.error(f"found no calibration to use under {results_dir}")
     if not measurements:
-        print(f"no measurement of this setup ({cfg['num_requests']} requests a rate at "
-              f"{', '.join(f'{r:g}' for r in cfg['rates'][args.workload])} req/s): the prediction alone")
+        print(
+            f"no measurement of this setup ({cfg['num_requests']} requests a rate at "
+            f"{', '.join(f'{r:g}' for r in cfg['rates'][args.workload])} req/s): the prediction alone"
+        )
     out = pathlib.Path(args.out or results_dir / "slo_pooled.json")
-    report = {"date": now(), "command": " ".join(["python"] + sys.argv), "workload": args.workload,
-              "num_requests": cfg["num_requests"], "rates": cfg["rates"][args.workload],
-              "since": args.since, "until": args.until, "split": args.split, "window_s": args.window, "seeds": args.seeds,
-              "interference": not args.no_interference,
-              "band_percentiles": BAND, "slo_s": _slo(cfg), "placements": {}}
+    report = {
+        "date": now(),
+        "command": " ".join(["python"] + sys.argv),
+        "workload": args.workload,
+        "num_requests": cfg["num_requests"],
+        "rates": cfg["rates"][args.workload],
+        "since": args.since,
+        "until": args.until,
+        "split": args.split,
+        "window_s": args.window,
+        "seeds": args.seeds,
+        "interference": not args.no_interference,
+        "band_percentiles": BAND,
+        "slo_s": _slo(cfg),
+        "placements": {},
+    }
     engine = pathlib.Path(args.profile)
     merged: dict = {}
     for placement in PLACEMENTS:
@@ -219,7 +313,9 @@ def main() -> int:
             continue
         profile, data = pooled_profile(engine, cals, args.window or None, not args.no_interference)
         merge_serving(merged, data)
-        rows = compare(predict(profile, cfg, placement, args.workload, args.seeds), meas, cfg, args.workload)
+        rows = compare(
+            predict(profile, cfg, placement, args.workload, args.seeds), meas, cfg, args.workload
+        )
         # how far 5% slower steps move each point (the same seeds)
         slower = predict(scaled(profile, 1.05), cfg, placement, args.workload, args.seeds)
         for r, s in zip(rows, slower):
@@ -232,29 +328,54 @@ def main() -> int:
                 continue
             prof, _ = pooled_profile(engine, others, args.window or None, not args.no_interference)
             mine = [m for m in meas if m["run"] == run]
-            for row in compare(predict(prof, cfg, placement, args.workload, args.seeds), mine, cfg, args.workload):
+            for row in compare(
+                predict(prof, cfg, placement, args.workload, args.seeds), mine, cfg, args.workload
+            ):
                 for label, value in row["measured"]:
-                    loo.append({"run": label, "rate": row["rate"], "measured": value, "predicted": row["mean"],
-                                "band": row["band"], "diff_pp": 100 * (row["mean"] - value)})
-        report["placements"][placement] = {"calibrations": [c["label"] for c in cals],
-                                           "measurements": [m["label"] for m in meas], "rows": rows,
-                                           "leave_one_run_out": loo,
-                                           "step_models": {k: v for k, v in data["serving"].items()
-                                                           if k != "source"}}
-        print(f"\n{placement}: {len(cals)} calibrations ({', '.join(c['label'] for c in cals)}); "
-              f"{len(meas)} measurements")
+                    loo.append(
+                        {
+                            "run": label,
+                            "rate": row["rate"],
+                            "measured": value,
+                            "predicted": row["mean"],
+                            "band": row["band"],
+                            "diff_pp": 100 * (row["mean"] - value),
+                        }
+                    )
+        report["placements"][placement] = {
+            "calibrations": [c["label"] for c in cals],
+            "measurements": [m["label"] for m in meas],
+            "rows": rows,
+            "leave_one_run_out": loo,
+            "step_models": {k: v for k, v in data["serving"].items() if k != "source"},
+        }
+        print(
+            f"\n{placement}: {len(cals)} calibrations ({', '.join(c['label'] for c in cals)}); "
+            f"{len(meas)} measurements"
+        )
         print_table(rows)
         if loo:
-            print(f"\nleave one run out ({placement}): each run predicted from the other runs' calibrations")
-            print("| run | rate | measured | predicted [band] | pred - meas (pp) |\n|---|---|---|---|---|")
+            print(
+                f"\nleave one run out ({placement}): each run predicted from the other runs' calibrations"
+            )
+            print(
+                "| run | rate | measured | predicted [band] | pred - meas (pp) |\n|---|---|---|---|---|"
+            )
             for r in loo:
-                print(f"| {r['run']} | {r['rate']:g} | {100 * r['measured']:.1f} | {100 * r['predicted']:.1f} "
-                      f"[{100 * r['band'][0]:.0f}-{100 * r['band'][1]:.0f}] | {r['diff_pp']:+.1f} |")
+                print(
+                    f"| {r['run']} | {r['rate']:g} | {100 * r['measured']:.1f} | {100 * r['predicted']:.1f} "
+                    f"[{100 * r['band'][0]:.0f}-{100 * r['band'][1]:.0f}] | {r['diff_pp']:+.1f} |"
+                )
     rows = {pl: v["rows"] for pl, v in report["placements"].items()}
     png = out.with_suffix(".png")
-    plot(rows, png, f"{args.workload}, pooled prediction" + (f", since {args.since}" if args.since else "")
-         + (f", until {args.until}" if args.until else "")
-         + (f", split {args.split}" if args.split else ""))
+    plot(
+        rows,
+        png,
+        f"{args.workload}, pooled prediction"
+        + (f", since {args.since}" if args.since else "")
+        + (f", until {args.until}" if args.until else "")
+        + (f", split {args.split}" if args.split else ""),
+    )
     report["plot"] = png.name
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {out} and {png.name}")

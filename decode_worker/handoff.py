@@ -12,6 +12,7 @@ Lifecycle of one request on a decode worker:
 Every path ends in exactly one of: running in the engine, or freed. Writes and aborts of one
 reservation take its lock, so blocks are never freed (and handed to someone else) mid-write.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,9 @@ class _Entry:
     receiver: WorkerReceiver
     on_output: OutputCallback
     deadline: float
-    logprobs: bool = False   # the request asked for logprobs (its outputs carry a list)
+    logprobs: bool = False  # the request asked for logprobs (its outputs carry a list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    closed: bool = False   # committed or aborted: no more writes into its blocks
+    closed: bool = False  # committed or aborted: no more writes into its blocks
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,18 @@ class Reserved:
     block_ids: list[int]
     block_size: int
     num_cached_tokens: int
-    lease_deadline: float   # time.monotonic() of this process
+    lease_deadline: float  # time.monotonic() of this process
 
 
 class DecodeHandoff:
-    def __init__(self, loop: EngineLoop, layout: KVLayout, lease_s: float = 10.0,
-                 sweep_s: float = 0.1, rank_caches: list | None = None):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        layout: KVLayout,
+        lease_s: float = 10.0,
+        sweep_s: float = 0.1,
+        rank_caches: list | None = None,
+    ):
         """rank_caches: every TP rank's KV pool (engine.rank_kv_caches()); None: tp=1."""
         self.loop = loop
         self.layout = layout
@@ -68,21 +75,36 @@ class DecodeHandoff:
         loop.every(sweep_s, self._expire)
 
     # ---- control plane (router) -----------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params,
-                on_output: OutputCallback, lease_s: float | None = None) -> Reserved:
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params,
+        on_output: OutputCallback,
+        lease_s: float | None = None,
+    ) -> Reserved:
         """Raises the engine's ValueError (bad request) or NoFreeBlocks (pool full)."""
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
             res = self.loop.engine.reserve(request_id, prompt_token_ids, params)
-            receiver = WorkerReceiver(request_id, self.rank_caches or [self.loop.engine.kv_cache],
-                                      self.layout, res.block_ids, res.num_cached_tokens,
-                                      len(prompt_token_ids))
+            receiver = WorkerReceiver(
+                request_id,
+                self.rank_caches or [self.loop.engine.kv_cache],
+                self.layout,
+                res.block_ids,
+                res.num_cached_tokens,
+                len(prompt_token_ids),
+            )
             deadline = time.monotonic() + lease
             with self._entries_lock:
-                self._entries[request_id] = _Entry(receiver, on_output, deadline,
-                                                   logprobs=bool(getattr(params, "logprobs", False)))
-            return Reserved(request_id, res.block_ids, res.block_size, res.num_cached_tokens, deadline)
+                self._entries[request_id] = _Entry(
+                    receiver, on_output, deadline, logprobs=bool(getattr(params, "logprobs", False))
+                )
+            return Reserved(
+                request_id, res.block_ids, res.block_size, res.num_cached_tokens, deadline
+            )
+
         return self.loop.call(reserve)
 
     def abort(self, request_id: str, reason: str = "aborted by the router") -> bool:
@@ -98,7 +120,7 @@ class DecodeHandoff:
     # ---- data plane (transport threads) ---------------------------------------------------------
     def on_frame(self, header, payload) -> None:
         entry = self._entries.get(header.request_id)
-        if entry is None:   # expired or aborted already: the sender learns at its next Prefill
+        if entry is None:  # expired or aborted already: the sender learns at its next Prefill
             self.num_unknown_frames += 1
             return
         with entry.lock:
@@ -120,7 +142,7 @@ class DecodeHandoff:
         first_token = entry.receiver.first_token
         try:
             self.loop.engine.commit(request_id, first_token)
-        except (ValueError, KeyError) as e:   # popped already: freed here or never
+        except (ValueError, KeyError) as e:  # popped already: freed here or never
             self.loop.engine.abort(request_id)
             log.warning("commit of %s refused: %s", request_id, e)
             entry.on_output(RequestOutput.aborted(request_id, f"commit refused: {e}"))
@@ -130,16 +152,27 @@ class DecodeHandoff:
         # decode step's output (a whole step later). Outputs are cumulative, so the step's output
         # (which holds this token too) only adds what is new; when the commit itself finished the
         # request, the engine's final output follows at the next step as before.
-        entry.on_output(RequestOutput(request_id, None, [], [CompletionOutput(
-            0, "", [first_token], None, logprobs=[] if entry.logprobs else None)], finished=False))
+        entry.on_output(
+            RequestOutput(
+                request_id,
+                None,
+                [],
+                [
+                    CompletionOutput(
+                        0, "", [first_token], None, logprobs=[] if entry.logprobs else None
+                    )
+                ],
+                finished=False,
+            )
+        )
 
     def _close(self, request_id: str, reason: str, expired: bool = False) -> bool:
         entry = self._pop(request_id)
         if entry is None:
             return False
-        with entry.lock:   # waits out a write in progress
+        with entry.lock:  # waits out a write in progress
             entry.closed = True
-        self.num_expired += expired   # before the callback: whoever it wakes sees the count
+        self.num_expired += expired  # before the callback: whoever it wakes sees the count
         self.loop.engine.abort(request_id)
         log.info("reservation %s freed: %s", request_id, reason)
         entry.on_output(RequestOutput.aborted(request_id, reason))

@@ -8,6 +8,7 @@
 The frame (engine on its loop thread, gRPC server, registration, stop order) is
 worker_common/process.py, shared with the prefill worker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,19 +31,21 @@ class DecodeWorkerConfig(WorkerConfig):
     holds a handler thread for its whole life, so the pool must cover every sequence the engine
     may run plus those waiting for their KV, with room for Reserve, Abort and Stats (16 threads
     made the 17th concurrent stream, and the router's health checks, wait for a stream to end)."""
+
     worker_id: str = "decode-0"
     kv_backend: str = "grpc"
-    kv_options: dict = field(default_factory=dict)      # serve(kv_backend, handler, **kv_options)
-    lease_ms: int = 10_000         # default reservation lease when a Reserve gives none
-    max_lease_ms: int = 120_000    # longer leases asked by a Reserve are cut to this
+    kv_options: dict = field(default_factory=dict)  # serve(kv_backend, handler, **kv_options)
+    lease_ms: int = 10_000  # default reservation lease when a Reserve gives none
+    max_lease_ms: int = 120_000  # longer leases asked by a Reserve are cut to this
     lease_sweep_s: float = 0.05
 
     def __post_init__(self):
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         if not 0 < self.lease_ms <= self.max_lease_ms:
-            raise ValueError(f"lease_ms must be in (0, max_lease_ms={self.max_lease_ms}], got "
-                             f"{self.lease_ms}")
+            raise ValueError(
+                f"lease_ms must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}"
+            )
 
 
 class DecodeWorker(WorkerProcess):
@@ -55,10 +58,10 @@ class DecodeWorker(WorkerProcess):
         self.layout: KVLayout | None = None
         self._kv_server = None
 
-    def start(self) -> "DecodeWorker":
+    def start(self) -> DecodeWorker:
         cfg = self.config
         try:
-            tune_malloc()   # frame-sized receive buffers: see its docstring
+            tune_malloc()  # frame-sized receive buffers: see its docstring
             kwargs = dict(cfg.engine_kwargs)
             tp = kwargs.get("tensor_parallel_size", 1)
             # the hand-off writes every rank's pool from rank 0, and shm senders write into it
@@ -67,24 +70,44 @@ class DecodeWorker(WorkerProcess):
             engine = self._build_engine(kwargs)
             self.layout = KVLayout(**engine.kv_layout_spec())
             rank_caches = engine.rank_kv_caches()
-            self.handoff = DecodeHandoff(self.loop, self.layout, lease_s=cfg.lease_ms / 1000,
-                                         sweep_s=cfg.lease_sweep_s, rank_caches=rank_caches)
+            self.handoff = DecodeHandoff(
+                self.loop,
+                self.layout,
+                lease_s=cfg.lease_ms / 1000,
+                sweep_s=cfg.lease_sweep_s,
+                rank_caches=rank_caches,
+            )
             kv_options = dict(cfg.kv_options)
             if cfg.kv_backend == "shm":
                 kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
-            self._kv_server = serve(cfg.kv_backend, self.handoff.on_frame, security=cfg.security,
-                                    **kv_options)
-            servicer = DecodeWorkerServicer(self.loop, self.handoff, DecodeServiceOptions(
-                worker_id=cfg.worker_id, kv_backend=cfg.kv_backend,
-                kv_address=self._kv_server.address, default_lease_ms=cfg.lease_ms,
-                max_lease_ms=cfg.max_lease_ms, tp_size=tp))
-            self._serve(lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
-                        lambda: servicer.Stats(None, None))
+            self._kv_server = serve(
+                cfg.kv_backend, self.handoff.on_frame, security=cfg.security, **kv_options
+            )
+            servicer = DecodeWorkerServicer(
+                self.loop,
+                self.handoff,
+                DecodeServiceOptions(
+                    worker_id=cfg.worker_id,
+                    kv_backend=cfg.kv_backend,
+                    kv_address=self._kv_server.address,
+                    default_lease_ms=cfg.lease_ms,
+                    max_lease_ms=cfg.max_lease_ms,
+                    tp_size=tp,
+                ),
+            )
+            self._serve(
+                lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
+                lambda: servicer.Stats(None, None),
+            )
         except BaseException:
             self.stop()
             raise
-        log.info("decode worker %s serving on %s, KV on %s", cfg.worker_id, self.address,
-                 self._kv_server.address)
+        log.info(
+            "decode worker %s serving on %s, KV on %s",
+            cfg.worker_id,
+            self.address,
+            self._kv_server.address,
+        )
         return self
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               gets a final "abort" output
 A finished request nobody streams is forgotten after `finished_ttl_s`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,9 +36,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Stream:
     """Outputs of one reserved request, waiting for (or being drained by) a Stream call."""
+
     outputs: queue.Queue = field(default_factory=queue.Queue)
-    finished_at: float | None = None   # time.monotonic() of the final output
-    attached: bool = False             # a Stream call is draining it
+    finished_at: float | None = None  # time.monotonic() of the final output
+    attached: bool = False  # a Stream call is draining it
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,10 @@ class DecodeServiceOptions:
     kv_backend: str = "grpc"
     kv_address: str = ""
     default_lease_ms: int = 10_000
-    max_lease_ms: int = 120_000      # a Reserve's lease_ms is cut to this
+    max_lease_ms: int = 120_000  # a Reserve's lease_ms is cut to this
     tp_size: int = 1
-    poll_s: float = 0.1              # every queue wait is this long, then the client is checked
-    finished_ttl_s: float = 60.0     # how long a finished, never-streamed request is kept
+    poll_s: float = 0.1  # every queue wait is this long, then the client is checked
+    finished_ttl_s: float = 60.0  # how long a finished, never-streamed request is kept
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -66,43 +68,62 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         config = self.loop.engine.config
         vocab = self.loop.engine.model_config.vocab_size
-        refusal = (check_id("request_id", rid)
-                   or check_token_ids("prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab)
-                   or check_sampling(request.sampling, config.max_model_len, vocab))
+        refusal = (
+            check_id("request_id", rid)
+            or check_token_ids(
+                "prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab
+            )
+            or check_sampling(request.sampling, config.max_model_len, vocab)
+        )
         if refusal:
             refusal.abort(context)
         params = build_params(request.sampling, context)
         stream = _Stream()
         with self._lock:
             if rid in self._streams:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use"
+                )
             self._streams[rid] = stream
         if request.run_prefill:
             return self._run_here(rid, request, params, stream, context)
         # capped: a stranger's (or a bug's) 49-day lease would hold blocks that long
         lease_ms = min(request.lease_ms or self.options.default_lease_ms, self.options.max_lease_ms)
         try:
-            reserved = self.handoff.reserve(rid, list(request.prompt_token_ids), params,
-                                            self._on_output(stream), lease_s=lease_ms / 1000)
+            reserved = self.handoff.reserve(
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                self._on_output(stream),
+                lease_s=lease_ms / 1000,
+            )
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
             abort_for_engine_error(context, e)
             raise
-        endpoint = worker_pb2.KVEndpoint(backend=self.options.kv_backend,
-                                         address=self.options.kv_address,
-                                         layout_fingerprint=self.handoff.layout.fingerprint,
-                                         tp_size=self.options.tp_size)
+        endpoint = worker_pb2.KVEndpoint(
+            backend=self.options.kv_backend,
+            address=self.options.kv_address,
+            layout_fingerprint=self.handoff.layout.fingerprint,
+            tp_size=self.options.tp_size,
+        )
         return worker_pb2.ReserveResponse(
-            request_id=rid, block_ids=reserved.block_ids, block_size=reserved.block_size,
-            num_cached_tokens=reserved.num_cached_tokens, endpoint=endpoint,
-            lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000)
+            request_id=rid,
+            block_ids=reserved.block_ids,
+            block_size=reserved.block_size,
+            num_cached_tokens=reserved.num_cached_tokens,
+            endpoint=endpoint,
+            lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000,
+        )
 
     def _run_here(self, rid: str, request, params, stream: _Stream, context):
         """Colocated serving: the engine runs the prompt and the decode (chunked prefill inside
         continuous batching); the Stream call carries every token."""
         try:
-            self.loop.add_request(rid, list(request.prompt_token_ids), params, self._on_output(stream))
+            self.loop.add_request(
+                rid, list(request.prompt_token_ids), params, self._on_output(stream)
+            )
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -110,14 +131,17 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise
         # no blocks are reserved ahead, but the router charges the prompt's blocks to this worker
         # until its next health check reads the real count: it needs the block size for that
-        return worker_pb2.ReserveResponse(request_id=rid, block_size=self.loop.engine.block_manager.block_size)
+        return worker_pb2.ReserveResponse(
+            request_id=rid, block_size=self.loop.engine.block_manager.block_size
+        )
 
     @staticmethod
     def _on_output(stream: _Stream):
-        def on_output(out: RequestOutput) -> None:   # on the loop thread: cheap
+        def on_output(out: RequestOutput) -> None:  # on the loop thread: cheap
             if out.finished:
                 stream.finished_at = time.monotonic()
             stream.outputs.put(out)
+
         return on_output
 
     # ---- Stream ---------------------------------------------------------------------------------
@@ -129,14 +153,18 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         with self._lock:
             stream = self._streams.get(rid)
             if stream is not None and stream.attached:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"request {rid!r} is already being streamed by another call")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request {rid!r} is already being streamed by another call",
+                )
             if stream is not None:
                 stream.attached = True
         if stream is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no request {rid!r} on this decode worker (never reserved, or forgotten)")
-        sent: dict[int, int] = {}    # sequence index -> tokens already sent (outputs are cumulative)
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no request {rid!r} on this decode worker (never reserved, or forgotten)",
+            )
+        sent: dict[int, int] = {}  # sequence index -> tokens already sent (outputs are cumulative)
         finished = False
         first_token_ns = 0
         try:
@@ -154,15 +182,19 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         continue
                     first_token_ns = first_token_ns or now
                     if out.finished:
-                        event.timings.CopyFrom(pdserve_pb2.Timings(
-                            first_token_unix_ns=first_token_ns, last_token_unix_ns=now,
-                            decode_worker=self.options.worker_id))
+                        event.timings.CopyFrom(
+                            pdserve_pb2.Timings(
+                                first_token_unix_ns=first_token_ns,
+                                last_token_unix_ns=now,
+                                decode_worker=self.options.worker_id,
+                            )
+                        )
                     yield event
                 finished = out.finished
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
-            if not finished:   # the client went away: free the request now, not at its end
+            if not finished:  # the client went away: free the request now, not at its end
                 log.info("stream of %s ended early; aborting it", rid)
                 try:
                     self.handoff.abort(rid, "the stream client went away")
@@ -194,16 +226,23 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if refusal:
             refusal.abort(context)
         return worker_pb2.WorkerAbortResponse(
-            found=self.handoff.abort(request.request_id, "aborted by the router"))
+            found=self.handoff.abort(request.request_id, "aborted by the router")
+        )
 
     def Stats(self, request, context):
-        return worker_pb2.WorkerStats(worker_id=self.options.worker_id, **self.loop.load(),
-                                      num_reserved=self.handoff.num_reserved)
+        return worker_pb2.WorkerStats(
+            worker_id=self.options.worker_id,
+            **self.loop.load(),
+            num_reserved=self.handoff.num_reserved,
+        )
 
     def _forget_finished(self) -> None:
         cutoff = time.monotonic() - self.options.finished_ttl_s
         with self._lock:
-            stale = [rid for rid, s in self._streams.items()
-                     if not s.attached and s.finished_at is not None and s.finished_at < cutoff]
+            stale = [
+                rid
+                for rid, s in self._streams.items()
+                if not s.attached and s.finished_at is not None and s.finished_at < cutoff
+            ]
             for rid in stale:
                 del self._streams[rid]

@@ -1,3 +1,6 @@
+# The usage lines below are `pdserve --help`'s text (description=__doc__, raw): the formatter
+# must keep their indent.
+# fmt: off
 """`pdserve` command line.
 
     pdserve up [CONFIG] [--address ADDR]      launch the deployment on Ray, serve until Ctrl-C
@@ -8,6 +11,8 @@
     pdserve profile --model M --tp 1[,3] --out profile.json [--quick]   measure step latencies
     pdserve tune --profile P --workload W --slo ttft=..,tpot=.. --devices N   best placement
 """
+# fmt: on
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +31,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _mode_args(p: argparse.ArgumentParser, where: str = "") -> None:
-    p.add_argument("--dtype", choices=DTYPES[:1] + DTYPES[1::2], default=None,
-                   help=f"{where}dtype: 'auto' is bfloat16 on GPU, and on CPU float32 activations "
-                        "with the fastest quantization whose quality passes a probe")
-    p.add_argument("--quantization", choices=["none", "int8", "int4", "auto"], default=None,
-                   help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, "
-                        "or auto")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES[:1] + DTYPES[1::2],
+        default=None,
+        help=f"{where}dtype: 'auto' is bfloat16 on GPU, and on CPU float32 activations "
+        "with the fastest quantization whose quality passes a probe",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4", "auto"],
+        default=None,
+        help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, or auto",
+    )
 
 
 def _mode_overrides(args) -> dict:
@@ -44,28 +56,45 @@ def _mode_overrides(args) -> dict:
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--router", default=DeployConfig().router.address,
-                   help="the router's host:port (default: %(default)s)")
-    p.add_argument("--local", action="store_true",
-                   help="run the engine in this process instead of asking a router")
-    p.add_argument("--model", default=None,
-                   help="router: a served model id (default: its default); --local: 'smollm2', "
-                        "a .gguf file or an HF directory")
+    p.add_argument(
+        "--router",
+        default=DeployConfig().router.address,
+        help="the router's host:port (default: %(default)s)",
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="run the engine in this process instead of asking a router",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="router: a served model id (default: its default); --local: 'smollm2', "
+        "a .gguf file or an HF directory",
+    )
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="--local only")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache")
+    p.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache"
+    )
     _mode_args(p, "--local only: ")
     tls = p.add_argument_group("TLS, for a router with router.tls (the client API needs no secret)")
     tls.add_argument("--tls-ca", metavar="PEM", help="trust the router's certificate from this CA")
-    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate (router.tls.ca_file set)")
+    tls.add_argument(
+        "--tls-cert", metavar="PEM", help="client certificate (router.tls.ca_file set)"
+    )
     tls.add_argument("--tls-key", metavar="PEM", help="its private key")
-    tls.add_argument("--tls-server-name", metavar="NAME",
-                     help="the name in the router's certificate, when not the --router host")
+    tls.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name in the router's certificate, when not the --router host",
+    )
     _sampling_args(p)
 
 
 def _channel(args):
     """A channel to the router: plaintext, or TLS when any --tls-* option is given."""
     import grpc
+
     if not (args.tls_ca or args.tls_cert or args.tls_key):
         return grpc.insecure_channel(args.router)
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -79,28 +108,42 @@ def _channel(args):
                 return f.read()
         except OSError as e:
             raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key),
-                                               read(args.tls_cert))
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+
+    credentials = grpc.ssl_channel_credentials(
+        read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
+    )
+    options = (
+        [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    )
     return grpc.secure_channel(args.router, credentials, options=options)
 
 
 def _run_local(args) -> int:
     from engine import LLM, SamplingParams
+
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
         t0 = time.perf_counter()
-        llm = LLM(args.model or "smollm2", tensor_parallel_size=args.tensor_parallel_size,
-                  kv_cache_memory=args.kv_cache_memory, **_mode_overrides(args))
+        llm = LLM(
+            args.model or "smollm2",
+            tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_memory=args.kv_cache_memory,
+            **_mode_overrides(args),
+        )
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.cmd == "generate":
             out = llm.generate(args.prompt, params, use_tqdm=False)[0]
         else:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            out = llm.chat(messages + [{"role": "user", "content": args.message}], params,
-                           use_tqdm=False)[0]
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            out = llm.chat(
+                messages + [{"role": "user", "content": args.message}], params, use_tqdm=False
+            )[0]
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
@@ -108,25 +151,30 @@ def _run_local(args) -> int:
     c = out.outputs[0]
     print(c.text)
     ttft = out.metrics.get("first_token", 0) - out.metrics.get("arrival", 0)
-    print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
-          f"finish={c.finish_reason}; load {t_load:.1f}s, TTFT {ttft * 1e3:.0f} ms, "
-          f"total {elapsed:.2f}s, {len(c.token_ids) / max(elapsed, 1e-9):.1f} tok/s; "
-          f"{llm.engine.mode_note}]", file=sys.stderr)
+    print(
+        f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
+        f"finish={c.finish_reason}; load {t_load:.1f}s, TTFT {ttft * 1e3:.0f} ms, "
+        f"total {elapsed:.2f}s, {len(c.token_ids) / max(elapsed, 1e-9):.1f} tok/s; "
+        f"{llm.engine.mode_note}]",
+        file=sys.stderr,
+    )
     llm.shutdown()
     return 0
 
 
 def _request(args):
     from protos.pdserve.v1 import pdserve_pb2 as pb
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                 top_p=args.top_p)
+
+    sampling = pb.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+    )
     if args.seed is not None:
         sampling.seed = args.seed
     req = pb.GenerateRequest(model=args.model or "", sampling=sampling)
     if args.cmd == "generate":
         req.text = args.prompt
     else:
-        messages = ([pb.ChatMessage(role="system", content=args.system)] if args.system else [])
+        messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
         messages.append(pb.ChatMessage(role="user", content=args.message))
         req.chat.CopyFrom(pb.ChatMessages(messages=messages))
     return req
@@ -135,7 +183,9 @@ def _request(args):
 def _run_remote(args) -> int:
     """Streams the router's reply to stdout as it arrives; timings go to stderr."""
     import grpc
+
     from protos.pdserve.v1 import pdserve_pb2_grpc
+
     num_tokens, finish, t_first = 0, None, None
     t0 = time.perf_counter()
     try:
@@ -156,10 +206,15 @@ def _run_remote(args) -> int:
                 elif resp.HasField("finish"):
                     finish = resp.finish
     except grpc.RpcError as e:
-        hint = (" (is `pdserve up` running there? pass its address with --router)"
-                if e.code() == grpc.StatusCode.UNAVAILABLE else "")
-        print(f"\npdserve: router {args.router}: {e.code().name}: {e.details()}{hint}",
-              file=sys.stderr)
+        hint = (
+            " (is `pdserve up` running there? pass its address with --router)"
+            if e.code() == grpc.StatusCode.UNAVAILABLE
+            else ""
+        )
+        print(
+            f"\npdserve: router {args.router}: {e.code().name}: {e.details()}{hint}",
+            file=sys.stderr,
+        )
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     elapsed = time.perf_counter() - t0
     print()
@@ -168,8 +223,11 @@ def _run_remote(args) -> int:
     decode_s = elapsed - (t_first - t0) if t_first is not None else 0.0
     rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
     prompt = f"{finish.usage.prompt_tokens} prompt tokens, " if finish is not None else ""
-    print(f"[{prompt}{num_tokens} generated, finish={reason}; TTFT {ttft}, total {elapsed:.2f}s, "
-          f"{rate:.1f} tok/s]", file=sys.stderr)
+    print(
+        f"[{prompt}{num_tokens} generated, finish={reason}; TTFT {ttft}, total {elapsed:.2f}s, "
+        f"{rate:.1f} tok/s]",
+        file=sys.stderr,
+    )
     if finish is not None and finish.finish_reason == "error":
         print(f"pdserve: {finish.message}", file=sys.stderr)
         return 1
@@ -188,34 +246,44 @@ def _run_up(args) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("deploy").setLevel(logging.INFO)
     from deploy.launcher import DeployError, up
+
     try:
         cluster = up(config, address=args.address, block=False)
-    except ConfigError as e:   # the pools against the model, one line per problem
+    except ConfigError as e:  # the pools against the model, one line per problem
         for line in str(e).splitlines():
             print(f"pdserve: {args.config or 'default config'}: {line}", file=sys.stderr)
         return 2
-    except DeployError as e:   # the port, Ray's resources, a worker that failed to start
+    except DeployError as e:  # the port, Ray's resources, a worker that failed to start
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     print(f"router on {cluster.router_address}", flush=True)
     print("ready", flush=True)
-    cluster.wait()   # until Ctrl-C / SIGTERM, replacing dead workers meanwhile; then stops
+    cluster.wait()  # until Ctrl-C / SIGTERM, replacing dead workers meanwhile; then stops
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     from pdserve import __version__
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     upp = sub.add_parser("up", help="launch the deployment on Ray and serve until Ctrl-C")
-    upp.add_argument("config", nargs="?", default=None,
-                     help="deployment YAML (default: SmolLM2, 1 prefill + 1 decode, local Ray)")
-    upp.add_argument("--address", default=None,
-                     help="Ray cluster to join ('auto' or host:port); overrides ray.address")
+    upp.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="deployment YAML (default: SmolLM2, 1 prefill + 1 decode, local Ray)",
+    )
+    upp.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto' or host:port); overrides ray.address",
+    )
     _mode_args(upp, "overrides the YAML's ")
     gen = sub.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
@@ -225,15 +293,29 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--system", default=None)
     _client_args(chat)
     from deploy.tuning import bench as bench_cmd
-    bench = sub.add_parser("bench", help="open-loop load test of a router: latency, SLO attainment, goodput",
-                           description=bench_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    bench = sub.add_parser(
+        "bench",
+        help="open-loop load test of a router: latency, SLO attainment, goodput",
+        description=bench_cmd.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench_cmd.add_args(bench, DeployConfig().router.address)
     from deploy.tuning import profiler as profile_cmd, tune_cmd
-    prof = sub.add_parser("profile", help="measure this machine's step latencies and KV transfer for the tuner",
-                          description=profile_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    prof = sub.add_parser(
+        "profile",
+        help="measure this machine's step latencies and KV transfer for the tuner",
+        description=profile_cmd.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     profile_cmd.add_args(prof)
-    tune = sub.add_parser("tune", help="search placements for the best goodput per device (simulated)",
-                          description=tune_cmd.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune = sub.add_parser(
+        "tune",
+        help="search placements for the best goodput per device (simulated)",
+        description=tune_cmd.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     tune_cmd.add_args(tune)
     args = parser.parse_args(argv)
 

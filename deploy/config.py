@@ -21,20 +21,33 @@ environment because it is the reviewed description of the deployment; the enviro
 secret that should be in no file. Every worker gets it from `up` with its config, so it only has
 to be known here.
 """
+
 from __future__ import annotations
 
 import os
 import pathlib
 from dataclasses import dataclass, field as dataclass_field
-from typing import Annotated, Literal, Union, get_args
+from typing import Annotated, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, SecretStr, \
-    StrictFloat, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    SecretStr,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig
 
-DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")   # engine/config.py
+DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
 QUANTIZATIONS = (None, "int8", "int4", "auto")
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 
@@ -50,13 +63,16 @@ class _Frozen(BaseModel):
 
 class Resources(_Frozen):
     """What one TP rank of a replica reserves (one placement-group bundle)."""
+
     num_cpus: Annotated[float, Field(ge=0)] = 1
     num_gpus: Annotated[float, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _not_empty(self):
         if self.num_cpus == 0 and self.num_gpus == 0:
-            raise ValueError("num_cpus and num_gpus cannot both be 0 (a worker needs somewhere to run)")
+            raise ValueError(
+                "num_cpus and num_gpus cannot both be 0 (a worker needs somewhere to run)"
+            )
         return self
 
     def bundle(self) -> dict[str, float]:
@@ -68,12 +84,14 @@ class Resources(_Frozen):
 class LoadedFile:
     """A file named in the YAML, read when the config is loaded: workers on other nodes get its
     bytes with their config, not a path that may only exist here."""
+
     path: str
     data: bytes = dataclass_field(repr=False)
 
 
 def _read_file(what: str, marker: bytes | None = None):
     """A validator turning a path (relative to the YAML's folder) into a LoadedFile."""
+
     def load(value, info: ValidationInfo) -> LoadedFile:
         if isinstance(value, LoadedFile):
             return value
@@ -88,47 +106,56 @@ def _read_file(what: str, marker: bytes | None = None):
         if marker is not None and marker not in data:
             raise ValueError(f"{path} is not {what} (no '{marker.decode()}' line)")
         return LoadedFile(str(path.resolve()), data)
+
     return PlainValidator(load)
 
 
-_AS_PATH = PlainSerializer(lambda f: f.path, return_type=str)   # a dump shows the path, not the key
-CertFile = Annotated[LoadedFile, _read_file("a PEM certificate", b"-----BEGIN CERTIFICATE-----"),
-                     _AS_PATH]
+_AS_PATH = PlainSerializer(lambda f: f.path, return_type=str)  # a dump shows the path, not the key
+CertFile = Annotated[
+    LoadedFile, _read_file("a PEM certificate", b"-----BEGIN CERTIFICATE-----"), _AS_PATH
+]
 KeyFile = Annotated[LoadedFile, _read_file("a PEM private key", b"PRIVATE KEY-----"), _AS_PATH]
 SecretFile = Annotated[LoadedFile, _read_file("a file holding the cluster secret"), _AS_PATH]
 
 
 def _check_secret(value: str, where: str) -> str:
     if len(value) < MIN_SECRET_CHARS:
-        raise ValueError(f"{where}must have at least {MIN_SECRET_CHARS} characters, has "
-                         f"{len(value)}; leave it unset and pdserve up makes one")
+        raise ValueError(
+            f"{where}must have at least {MIN_SECRET_CHARS} characters, has "
+            f"{len(value)}; leave it unset and pdserve up makes one"
+        )
     return value
 
 
 class ClusterTLS(_Frozen):
     """Mutual TLS between the deployment's processes: every certificate signed by ca_file."""
+
     ca_file: CertFile
     cert_file: CertFile
     key_file: KeyFile
-    server_name: str = ""   # the name in the certificates, when it is not the host dialled
+    server_name: str = ""  # the name in the certificates, when it is not the host dialled
 
     def tls_config(self) -> TLSConfig:
-        return TLSConfig(self.ca_file.data, self.cert_file.data, self.key_file.data, self.server_name)
+        return TLSConfig(
+            self.ca_file.data, self.cert_file.data, self.key_file.data, self.server_name
+        )
 
 
 class RouterTLS(_Frozen):
     """TLS on the client-facing port; with ca_file, clients must show a certificate it signed."""
+
     cert_file: CertFile
     key_file: KeyFile
     ca_file: CertFile | None = None
 
     def tls_config(self) -> TLSConfig:
-        return TLSConfig(self.ca_file.data if self.ca_file else b"", self.cert_file.data,
-                         self.key_file.data)
+        return TLSConfig(
+            self.ca_file.data if self.ca_file else b"", self.cert_file.data, self.key_file.data
+        )
 
 
 class SecuritySettings(_Frozen):
-    cluster_secret: SecretStr | None = None      # SecretStr: a repr or log line shows ******
+    cluster_secret: SecretStr | None = None  # SecretStr: a repr or log line shows ******
     cluster_secret_file: SecretFile | None = None
     tls: ClusterTLS | None = None
 
@@ -160,8 +187,10 @@ class SecuritySettings(_Frozen):
     def secret(self, environ=os.environ) -> tuple[str | None, str]:
         """(the cluster secret, which setting gave it); (None, "") when none did."""
         if self.cluster_secret_file is not None:
-            return (self.cluster_secret_file.data.decode().strip(),
-                    f"security.cluster_secret_file ({self.cluster_secret_file.path})")
+            return (
+                self.cluster_secret_file.data.decode().strip(),
+                f"security.cluster_secret_file ({self.cluster_secret_file.path})",
+            )
         if self.cluster_secret is not None:
             return self.cluster_secret.get_secret_value(), "security.cluster_secret"
         value = environ.get(SECRET_ENV, "").strip()
@@ -176,7 +205,7 @@ class Pool(_Frozen):
     tp: Annotated[int, Field(ge=1)] = 1
     resources: Resources = Resources()
     # bytes (an integer) or a fraction of free memory in (0, 1]; unset: the engine's default
-    kv_cache_memory: Union[StrictInt, StrictFloat, None] = None
+    kv_cache_memory: StrictInt | StrictFloat | None = None
     block_size: Annotated[int, Field(ge=1)] = 16
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
@@ -217,19 +246,21 @@ class Pools(_Frozen):
     @model_validator(mode="after")
     def _one_shape(self):
         if self.colocated is not None and self.model_fields_set & {"prefill", "decode"}:
-            raise ValueError("set either colocated or prefill/decode, not both (colocated workers "
-                             "prefill and decode themselves)")
+            raise ValueError(
+                "set either colocated or prefill/decode, not both (colocated workers "
+                "prefill and decode themselves)"
+            )
         return self
 
 
 class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 50051    # 0: pick a free port
+    port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
     max_inflight: Annotated[int, Field(ge=1)] = 64
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    tls: RouterTLS | None = None      # None: plaintext for clients (the client API needs no secret)
+    tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
 
     @property
     def address(self) -> str:
@@ -241,9 +272,9 @@ class KVTransferSettings(_Frozen):
 
 
 class RaySettings(_Frozen):
-    address: str | None = None          # None: start a local Ray for this deployment
-    num_cpus: Annotated[int, Field(ge=1)] | None = None   # local Ray only; None: all cores
-    temp_dir: str | None = None         # local Ray only; None: <pdserve cache dir>/ray
+    address: str | None = None  # None: start a local Ray for this deployment
+    num_cpus: Annotated[int, Field(ge=1)] | None = None  # local Ray only; None: all cores
+    temp_dir: str | None = None  # local Ray only; None: <pdserve cache dir>/ray
 
 
 class DeployConfig(_Frozen):
@@ -267,10 +298,15 @@ class DeployConfig(_Frozen):
 
     def engine_kwargs(self, pool: Pool) -> dict:
         """`LLM(model, **kwargs)` for one worker of `pool`."""
-        kwargs = dict(dtype=self.dtype, quantization=self.quantization,
-                      tensor_parallel_size=pool.tp, block_size=pool.block_size,
-                      max_num_batched_tokens=pool.max_num_batched_tokens,
-                      max_num_seqs=pool.max_num_seqs, enable_prefix_caching=pool.enable_prefix_caching)
+        kwargs = dict(
+            dtype=self.dtype,
+            quantization=self.quantization,
+            tensor_parallel_size=pool.tp,
+            block_size=pool.block_size,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            enable_prefix_caching=pool.enable_prefix_caching,
+        )
         if pool.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = pool.kv_cache_memory
         if pool.max_model_len is not None:
@@ -288,7 +324,8 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     max_model_len must fit each rank's KV blocks, computed as engine/model_runner.py does. A
     kv_cache_memory fraction is checked on CPU pools against `cpu_memory_bytes` (this machine's
     free memory; None: not checked), never on GPU pools: it depends on the GPU."""
-    from engine.config import DEFAULT_CPU_KV_BYTES   # imports torch: only when a check runs
+    from engine.config import DEFAULT_CPU_KV_BYTES  # imports torch: only when a check runs
+
     hf = hf.get("text_config", hf)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -298,18 +335,24 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     for key, pool in config.worker_pools():
         tp, bs, gpu = pool.tp, pool.block_size, pool.resources.num_gpus > 0
         if gpu and config.quantization in ("int8", "int4"):
-            problems.append(f"pools.{key}: quantization {config.quantization!r} runs on CPU only, and "
-                            f"this pool has GPUs; remove quantization or use dtype bfloat16")
+            problems.append(
+                f"pools.{key}: quantization {config.quantization!r} runs on CPU only, and "
+                f"this pool has GPUs; remove quantization or use dtype bfloat16"
+            )
             continue
         if heads % tp or kv_heads % tp:
             fits = [d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-            problems.append(f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "
-                            f"heads and {kv_heads} key/value heads; use one of {fits}")
+            problems.append(
+                f"pools.{key}.tp: {tp} does not divide the model's {heads} attention "
+                f"heads and {kv_heads} key/value heads; use one of {fits}"
+            )
             continue
         max_len = pool.max_model_len or limit
         if limit and max_len > limit:
-            problems.append(f"pools.{key}.max_model_len: {max_len} is more than the model's "
-                            f"max_position_embeddings ({limit}); lower it")
+            problems.append(
+                f"pools.{key}.max_model_len: {max_len} is more than the model's "
+                f"max_position_embeddings ({limit}); lower it"
+            )
             continue
         kv = pool.kv_cache_memory
         if kv is None:
@@ -329,7 +372,8 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
                 f"pools.{key}: kv_cache_memory of {kv} bytes ({_mib(kv)}) holds {blocks} KV blocks "
                 f"of {bs} tokens, but one sequence of max_model_len {max_len} needs {need}: set "
                 f"pools.{key}.kv_cache_memory to at least {need * per_block} "
-                f"({_mib(need * per_block)}){shorter}")
+                f"({_mib(need * per_block)}){shorter}"
+            )
     return problems
 
 
@@ -346,7 +390,7 @@ def _message(err: dict) -> str:
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
     given = err.get("input")
-    if "cluster_secret" in err["loc"]:    # never echo a secret back, not even a wrong one
+    if "cluster_secret" in err["loc"]:  # never echo a secret back, not even a wrong one
         return msg
     if err["type"] not in ("missing",) and not isinstance(given, (dict, list)):
         msg += f" (got {given!r})"
@@ -359,16 +403,24 @@ def _allowed_keys(loc: tuple) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         # X | None: the model inside
-        options = [a for a in (get_args(field.annotation) or (field.annotation,)) if field
-                   and isinstance(a, type) and issubclass(a, BaseModel)] if field else []
+        options = (
+            [
+                a
+                for a in (get_args(field.annotation) or (field.annotation,))
+                if field and isinstance(a, type) and issubclass(a, BaseModel)
+            ]
+            if field
+            else []
+        )
         if not options:
             return []
         model = options[0]
     return sorted(model.model_fields)
 
 
-def validate_config(data: dict, source: str = "<config>",
-                    base_dir: str | pathlib.Path = ".") -> DeployConfig:
+def validate_config(
+    data: dict, source: str = "<config>", base_dir: str | pathlib.Path = "."
+) -> DeployConfig:
     """A DeployConfig from plain data, or a ConfigError naming `source` and each bad key; files
     the config names are read relative to `base_dir`."""
     try:
@@ -377,7 +429,7 @@ def validate_config(data: dict, source: str = "<config>",
         lines, seen = [], set()
         for err in e.errors():
             key = _key(err["loc"])
-            if key in seen:     # a Union reports once per member: the first says enough
+            if key in seen:  # a Union reports once per member: the first says enough
                 continue
             seen.add(key)
             line = f"{source}: {key}: {_message(err)}"
@@ -389,9 +441,11 @@ def validate_config(data: dict, source: str = "<config>",
         raise ConfigError("\n".join(lines)) from None
     if config.router.tls is not None and config.security.tls is None:
         # workers register on the router's one port: plaintext would not get through its TLS
-        raise ConfigError(f"{source}: router.tls: the workers register through the router's "
-                          f"TLS port, so set security.tls too, its ca_file being the CA that "
-                          f"signed router.tls.cert_file")
+        raise ConfigError(
+            f"{source}: router.tls: the workers register through the router's "
+            f"TLS port, so set security.tls too, its ca_file being the CA that "
+            f"signed router.tls.cert_file"
+        )
     return config
 
 
@@ -415,6 +469,8 @@ def load_config(path: str | pathlib.Path | None) -> DeployConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{name}: the top level must be a mapping of keys "
-                          f"(model, pools, router, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{name}: the top level must be a mapping of keys "
+            f"(model, pools, router, ...), got {type(data).__name__}"
+        )
     return validate_config(data, name, pathlib.Path(path).parent)

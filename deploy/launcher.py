@@ -27,6 +27,7 @@ Why the router lives in the driver and not in an actor: it is the one client-fac
 should listen on the host the operator launched from, at the address printed there, and die with
 `pdserve up` (Ctrl-C); it holds no model, so it needs no Ray resources or placement of its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,10 +46,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.config import DeployConfig, Pool
-from deploy.prechecks import (DeployError, amounts, check_model_fit, check_port_free,  # noqa: F401
-                              check_resources, cluster_security, cpus_gpus)
-from deploy.supervisor import (Replica, RestartPolicy, Supervisor, ray_error_reason,  # noqa: F401
-                               role_of)
+from deploy.prechecks import (  # noqa: F401
+    DeployError,
+    amounts,
+    check_model_fit,
+    check_port_free,
+    check_resources,
+    cluster_security,
+    cpus_gpus,
+)
+from deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
 from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
@@ -79,11 +86,15 @@ def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
             return {}
         for i in range(pool.replicas):
             need = pool.threads * pool.tp
-            plan[(key, i)] = cores[used:used + need]
+            plan[(key, i)] = cores[used : used + need]
             used += need
     if used > len(cores):
-        log.info("not pinning workers to cores: they ask for %d compute threads, this machine "
-                 "has %d cores", used, len(cores))
+        log.info(
+            "not pinning workers to cores: they ask for %d compute threads, this machine "
+            "has %d cores",
+            used,
+            len(cores),
+        )
         return {}
     return plan
 
@@ -94,7 +105,8 @@ class WorkerActor:
     def __init__(self, role: str, worker_config, num_threads: int, cpus: list[int] | None = None):
         self.cpus = cpus
         pin_to(cpus)
-        import torch   # the heavy imports, here: actors are created (and import) concurrently
+        import torch  # the heavy imports, here: actors are created (and import) concurrently
+
         if role == "decode":
             import decode_worker.server  # noqa: F401
         else:
@@ -107,16 +119,18 @@ class WorkerActor:
     def start(self) -> tuple[str, str]:
         """Loads the model, starts serving; returns the worker's gRPC address and its engine's
         serving mode (dtype, quantization and why)."""
-        pin_to(self.cpus)   # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
+        pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         cfg = self.worker_config
-        if not cfg.host:      # listen on, and advertise, this node's address
+        if not cfg.host:  # listen on, and advertise, this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         if self.role == "decode":
             from decode_worker.server import DecodeWorker
+
             cfg = dataclasses.replace(cfg, kv_options={"host": cfg.host, **cfg.kv_options})
             self.worker = DecodeWorker(cfg).start()
         else:
             from prefill_worker.server import PrefillWorker
+
             self.worker = PrefillWorker(cfg).start()
         return self.worker.address, self.worker.loop.engine.mode_note
 
@@ -144,7 +158,7 @@ class Cluster:
     replicas: list[Replica] = field(default_factory=list)
     router: object = None
     router_address: str | None = None
-    registry_address: str | None = None   # the router as workers reach it
+    registry_address: str | None = None  # the router as workers reach it
     security: ClusterSecurity = INSECURE  # its repr never shows the secret
     deployment_id: str = ""
     supervisor: Supervisor | None = None
@@ -190,7 +204,7 @@ class Cluster:
         for r, ref in pending:
             try:
                 ray.get(ref, timeout=timeout_s)
-            except Exception as e:   # it is killed next regardless
+            except Exception as e:  # it is killed next regardless
                 log.warning("%s did not stop cleanly: %s", r.name, ray_error_reason(e))
         for r in self.replicas:
             if r.actor is not None:
@@ -205,12 +219,13 @@ class Cluster:
 # ---- starting ------------------------------------------------------------------------------------
 def _init_ray(config: DeployConfig, address: str | None) -> bool:
     """Connects to (or starts) Ray; True when this call started it, so stop() shuts it down."""
-    if ray.is_initialized():    # the caller owns Ray (a notebook, a test): reuse it
+    if ray.is_initialized():  # the caller owns Ray (a notebook, a test): reuse it
         return False
     address = address or config.ray.address
     kwargs = dict(include_dashboard=False, log_to_driver=False)
     if address is None:
         from engine.loader import default_cache_dir
+
         temp_dir = config.ray.temp_dir or str(default_cache_dir() / "ray")
         os.makedirs(temp_dir, exist_ok=True)
         # a private temp dir keeps this Ray off the machine-wide default (/tmp/ray); Unix socket
@@ -221,93 +236,130 @@ def _init_ray(config: DeployConfig, address: str | None) -> bool:
     try:
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = f"join the Ray cluster at {address} (ray.address, --address)" if address \
+        where = (
+            f"join the Ray cluster at {address} (ray.address, --address)"
+            if address
             else "start a local Ray (ray.num_cpus, ray.temp_dir)"
+        )
         raise DeployError(f"cannot {where}: {ray_error_reason(e)}") from None
     return True
 
 
 def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str):
     config = cluster.config
-    common = dict(model=config.model, engine_kwargs=config.engine_kwargs(pool), host=host, port=0,
-                  worker_id=f"{key}-{index}", registry_address=cluster.registry_address,
-                  security=cluster.security, deployment_id=cluster.deployment_id)
+    common = dict(
+        model=config.model,
+        engine_kwargs=config.engine_kwargs(pool),
+        host=host,
+        port=0,
+        worker_id=f"{key}-{index}",
+        registry_address=cluster.registry_address,
+        security=cluster.security,
+        deployment_id=cluster.deployment_id,
+    )
     if role_of(key) == "decode":
         from decode_worker.server import DecodeWorkerConfig
+
         return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
     from prefill_worker.server import PrefillWorkerConfig
+
     return PrefillWorkerConfig(**common)
 
 
 def _spawner(r: Replica, pool: Pool, worker_config, cpus: list[int] | None) -> Callable[[], object]:
     def spawn():
         return RemoteWorker.options(
-            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus,
+            num_cpus=pool.resources.num_cpus,
+            num_gpus=pool.resources.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=r.pg, placement_group_bundle_index=0),
+                placement_group=r.pg, placement_group_bundle_index=0
+            ),
         ).remote(r.role, worker_config, pool.threads, cpus)
+
     return spawn
 
 
-def _place_pool(cluster: Cluster, key: str, pool: Pool, host: str, ready_timeout_s: float,
-                cores: dict[tuple[str, int], list[int]]) -> None:
+def _place_pool(
+    cluster: Cluster,
+    key: str,
+    pool: Pool,
+    host: str,
+    ready_timeout_s: float,
+    cores: dict[tuple[str, int], list[int]],
+) -> None:
     """Reserves a placement group per replica and creates its actor (not yet serving)."""
     bundle = pool.resources.bundle()
     new = []
     for i in range(pool.replicas):
         # one placement group per TP group: all of its ranks' bundles land on one node together
-        pg = placement_group([dict(bundle) for _ in range(pool.tp)], strategy="STRICT_PACK",
-                             name=f"pdserve-{key}-{i}")
+        pg = placement_group(
+            [dict(bundle) for _ in range(pool.tp)],
+            strategy="STRICT_PACK",
+            name=f"pdserve-{key}-{i}",
+        )
         new.append(Replica(key, i, pg))
         cluster.replicas.append(new[-1])
     for r in new:
         try:
             ray.get(r.pg.ready(), timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:   # it fits the cluster (check_resources): busy
+        except ray.exceptions.GetTimeoutError:  # it fits the cluster (check_resources): busy
             raise DeployError(
                 f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {amounts(bundle)} "
                 f"within {ready_timeout_s:.0f}s; the Ray cluster has "
                 f"{amounts(cpus_gpus(ray.available_resources()))} free of "
                 f"{amounts(cpus_gpus(ray.cluster_resources()))}, the rest held by others: free "
-                f"it, or lower pools.{key}.replicas or resources") from None
-        r.spawn = _spawner(r, pool, _worker_config(cluster, key, pool, r.index, host),
-                           cores.get((key, r.index)))
+                f"it, or lower pools.{key}.replicas or resources"
+            ) from None
+        r.spawn = _spawner(
+            r, pool, _worker_config(cluster, key, pool, r.index, host), cores.get((key, r.index))
+        )
         r.actor = r.spawn()
 
 
 def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
     replicas = [r for r in cluster.replicas if r.key == key]
-    refs = [r.actor.start.remote() for r in replicas]   # replicas load their models concurrently
+    refs = [r.actor.start.remote() for r in replicas]  # replicas load their models concurrently
     for r, ref in zip(replicas, refs):
         try:
             r.address, mode = ray.get(ref, timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise DeployError(f"pools.{key}: replica {r.index} did not start within "
-                              f"{start_timeout_s:.0f}s") from None
+            raise DeployError(
+                f"pools.{key}: replica {r.index} did not start within {start_timeout_s:.0f}s"
+            ) from None
         except (RayTaskError, RayActorError) as e:
-            raise DeployError(f"pools.{key}: replica {r.index} failed to start: "
-                              f"{ray_error_reason(e)}") from None
+            raise DeployError(
+                f"pools.{key}: replica {r.index} failed to start: {ray_error_reason(e)}"
+            ) from None
         r.serving_since = time.monotonic()
         log.info("%s serving on %s; %s", r.name, r.address, mode)
 
 
 def _start_router(cluster: Cluster) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
-    from router.server import Router, RouterConfig   # imported late: the router is optional to the rest
+    from router.server import (  # imported late: the router is optional to the rest
+        Router,
+        RouterConfig,
+    )
+
     config = cluster.config
     lens = [p.max_model_len for _, p in config.worker_pools() if p.max_model_len]
     router_config = RouterConfig(
-        model=config.model, host=config.router.host, colocated=config.pools.colocated is not None,
-        port=config.router.port, max_inflight=config.router.max_inflight,
+        model=config.model,
+        host=config.router.host,
+        colocated=config.pools.colocated is not None,
+        port=config.router.port,
+        max_inflight=config.router.max_inflight,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
-        max_model_len=min(lens) if lens else None,   # what every worker on the path can hold
+        max_model_len=min(lens) if lens else None,  # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype,
-        security=cluster.security, deployment_id=cluster.deployment_id,
-        client_tls=config.router.tls.tls_config() if config.router.tls else None)
+        security=cluster.security,
+        deployment_id=cluster.deployment_id,
+        client_tls=config.router.tls.tls_config() if config.router.tls else None,
+    )
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address
     host, _, port = cluster.router_address.rpartition(":")
-    if host in ("0.0.0.0", "", "[::]"):   # listening everywhere: workers reach it at this node's IP
+    if host in ("0.0.0.0", "", "[::]"):  # listening everywhere: workers reach it at this node's IP
         host = ray.util.get_node_ip_address()
     cluster.registry_address = f"{host}:{port}"
 
@@ -319,29 +371,43 @@ def _wait_registered(cluster: Cluster, timeout_s: float) -> None:
         role, want = role_of(key), spec.replicas
         while pool.num_workers(role) < want:
             if time.monotonic() > deadline:
-                raise DeployError(f"pools.{key}: {pool.num_workers(role)} of {want} replicas "
-                                  f"registered with the router within {timeout_s:.0f}s; can the "
-                                  f"workers reach {cluster.registry_address}? (router.host)")
+                raise DeployError(
+                    f"pools.{key}: {pool.num_workers(role)} of {want} replicas "
+                    f"registered with the router within {timeout_s:.0f}s; can the "
+                    f"workers reach {cluster.registry_address}? (router.host)"
+                )
             time.sleep(0.05)
 
 
-def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
-       ready_timeout_s: float = 120.0, start_timeout_s: float = 600.0,
-       restart: RestartPolicy = RestartPolicy(), environ=os.environ) -> Cluster:
+def up(
+    config: DeployConfig,
+    address: str | None = None,
+    block: bool = True,
+    *,
+    ready_timeout_s: float = 120.0,
+    start_timeout_s: float = 600.0,
+    restart: RestartPolicy = RestartPolicy(),
+    environ=os.environ,
+) -> Cluster:
     """Starts the deployment described by `config` and returns it; with block=True, serves until
     Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address;
     `environ` is where PDSERVE_CLUSTER_SECRET is looked up."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
     check_model_fit(config, on_this_machine)
-    if on_this_machine and not ray.is_initialized():   # a local Ray's CPUs are known before it starts
+    if (
+        on_this_machine and not ray.is_initialized()
+    ):  # a local Ray's CPUs are known before it starts
         cpus = float(config.ray.num_cpus or os.cpu_count() or 1)
         gpus = sum(p.replicas * p.tp * p.resources.num_gpus for _, p in config.worker_pools())
         # GPUs: as many as asked (Ray finds the real number: checked again once it runs)
-        check_resources(config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True)
+        check_resources(
+            config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True
+        )
     security = cluster_security(config, environ)
-    if on_this_machine:   # the workers' engines pick their paths from it (engine/cpu.py)
+    if on_this_machine:  # the workers' engines pick their paths from it (engine/cpu.py)
         from engine.cpu import cpu_features
+
         log.info("this machine's CPU: %s", cpu_features().describe())
     t0 = time.perf_counter()
     started = _init_ray(config, address)
@@ -356,7 +422,7 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
         _start_router(cluster)
         pools = config.worker_pools()
         cores = core_plan(pools, local)
-        for key, pool in pools:   # all actors first, so their processes spawn and import in parallel
+        for key, pool in pools:  # all actors first, so their processes spawn and import in parallel
             _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
         for key, _ in pools:
             _start_pool(cluster, key, start_timeout_s)
@@ -365,8 +431,12 @@ def up(config: DeployConfig, address: str | None = None, block: bool = True, *,
         cluster.stop()
         raise
     cluster.supervisor = Supervisor(cluster.replicas, restart).start()
-    log.info("deployment %s up in %.1fs; router on %s", cluster.deployment_id,
-             time.perf_counter() - t0, cluster.router_address)
+    log.info(
+        "deployment %s up in %.1fs; router on %s",
+        cluster.deployment_id,
+        time.perf_counter() - t0,
+        cluster.router_address,
+    )
     if block:
         cluster.wait()
     return cluster

@@ -1,6 +1,7 @@
 """Checks `pdserve up` makes before it waits on anything: the router's port, the pools against the
 model, the pools against Ray's resources, and the cluster secret. Each refusal is a ConfigError
 or a DeployError whose one-line message names the key to change."""
+
 from __future__ import annotations
 
 import errno
@@ -28,11 +29,14 @@ def check_port_free(host: str, port: int) -> None:
     if port == 0:
         return
     try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as e:
-        raise DeployError(f"router.host: cannot resolve {host!r} ({e.strerror}); set it to an "
-                          f"address of this machine") from None
+        raise DeployError(
+            f"router.host: cannot resolve {host!r} ({e.strerror}); set it to an "
+            f"address of this machine"
+        ) from None
     failures = []
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as probe:
@@ -41,14 +45,18 @@ def check_port_free(host: str, port: int) -> None:
                 probe.bind(sockaddr)
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
-                    raise DeployError(f"router.port: {host}:{port} is already in use (another "
-                                      f"pdserve up?); stop that, or set router.port to a free "
-                                      f"port (0 picks one)") from None
+                    raise DeployError(
+                        f"router.port: {host}:{port} is already in use (another "
+                        f"pdserve up?); stop that, or set router.port to a free "
+                        f"port (0 picks one)"
+                    ) from None
                 failures.append(e)
-    if failures and len(failures) == len(infos):   # gRPC needs one of the addresses
-        raise DeployError(f"router: cannot listen on {host}:{port} ({failures[0].strerror}); set "
-                          f"router.host to an address of this machine and router.port to a port "
-                          f"you may open")
+    if failures and len(failures) == len(infos):  # gRPC needs one of the addresses
+        raise DeployError(
+            f"router: cannot listen on {host}:{port} ({failures[0].strerror}); set "
+            f"router.host to an address of this machine and router.port to a port "
+            f"you may open"
+        )
 
 
 def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
@@ -56,13 +64,15 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
     else every replica of the pool would fail the same way inside its actor."""
     from engine.config import available_memory_bytes
     from engine.loader import load_hf_config, resolve_model
+
     try:
         model_dir = resolve_model(config.model)
     except ValueError as e:
         if on_this_machine:
             raise ConfigError(str(e)) from None
-        log.warning("not checking the pools against the model: %s (the workers load it on their "
-                    "nodes)", e)
+        log.warning(
+            "not checking the pools against the model: %s (the workers load it on their nodes)", e
+        )
         return
     memory = available_memory_bytes("cpu") if on_this_machine else None
     problems = fit_problems(config, load_hf_config(model_dir), memory)
@@ -94,16 +104,19 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
         raise DeployError(
             f"the pools ask for {amounts(need)} ({'; '.join(asks)}) but the Ray cluster has "
             f"{amounts({k: total.get(k, 0) for k in need})}: lower pools.<pool>.replicas, .tp or "
-            f".resources.num_{short[0].lower()}s, or {more}")
+            f".resources.num_{short[0].lower()}s, or {more}"
+        )
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
         group = {k: v * pool.tp for k, v in bundle.items()}
         if nodes and not any(all(n.get(k, 0) >= v for k, v in group.items()) for n in nodes):
             biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
-            raise DeployError(f"pools.{key}: one replica needs {amounts(group)} on one node (tp "
-                              f"{pool.tp} x {amounts(bundle)}); the largest Ray node has "
-                              f"{amounts(cpus_gpus(biggest))}: lower pools.{key}.tp or "
-                              f"pools.{key}.resources")
+            raise DeployError(
+                f"pools.{key}: one replica needs {amounts(group)} on one node (tp "
+                f"{pool.tp} x {amounts(bundle)}); the largest Ray node has "
+                f"{amounts(cpus_gpus(biggest))}: lower pools.{key}.tp or "
+                f"pools.{key}.resources"
+            )
 
 
 def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurity:
@@ -116,7 +129,7 @@ def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurit
         log.warning("%s is set, but %s wins over it", SECRET_ENV, source)
     try:
         security = config.security.cluster_security(secret)
-    except ValueError as e:   # too short: only the environment's is not checked at load
+    except ValueError as e:  # too short: only the environment's is not checked at load
         raise DeployError(f"{source}: {e}") from None
     log.info("cluster secret: %s", source)
     return security

@@ -2,6 +2,7 @@
 in the same placement group with the same worker_id, so it registers with the router again. Deaths
 soon after a start back off, and a replica that keeps dying that way is given up on
 (RestartPolicy), one log line each."""
+
 from __future__ import annotations
 
 import logging
@@ -35,12 +36,12 @@ def ray_error_reason(e: BaseException) -> str:
 
 @dataclass
 class Replica:
-    key: str            # its pool under `pools`: prefill, decode or colocated
+    key: str  # its pool under `pools`: prefill, decode or colocated
     index: int
     pg: PlacementGroup
     actor: object = None
     address: str | None = None
-    spawn: Callable[[], object] | None = field(default=None, repr=False)   # a new actor in pg
+    spawn: Callable[[], object] | None = field(default=None, repr=False)  # a new actor in pg
     # the Supervisor's bookkeeping
     start_ref: object = field(default=None, repr=False)
     ping_ref: object = field(default=None, repr=False)
@@ -64,6 +65,7 @@ class RestartPolicy:
     before it started serving) is quick: the n-th quick death in a row waits backoff_s x 2^(n-1),
     at most max_backoff_s, before the relaunch, and the max_quick_deaths-th gives the replica up
     (a crash loop: a broken node, a model that no longer fits). Other deaths wait backoff_s."""
+
     poll_s: float = 1.0
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
@@ -81,7 +83,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="pdserve-supervisor")
 
-    def start(self) -> "Supervisor":
+    def start(self) -> Supervisor:
         self._thread.start()
         return self
 
@@ -98,10 +100,11 @@ class Supervisor:
                     if not self._stop.is_set():
                         self.check(r)
                 failing = False
-            except Exception:   # e.g. Ray itself went away; said once, tried again next poll
+            except Exception:  # e.g. Ray itself went away; said once, tried again next poll
                 if not failing:
-                    log.exception("checking the workers failed; retrying every %.0fs",
-                                  self.policy.poll_s)
+                    log.exception(
+                        "checking the workers failed; retrying every %.0fs", self.policy.poll_s
+                    )
                 failing = True
 
     def check(self, r: Replica) -> None:
@@ -109,7 +112,7 @@ class Supervisor:
             return
         if r.actor is None:
             if time.monotonic() >= r.retry_at:
-                r.actor = r.spawn()   # same placement group, same worker config and worker_id
+                r.actor = r.spawn()  # same placement group, same worker config and worker_id
                 r.start_ref = r.actor.start.remote()
             return
         ref = r.start_ref if r.start_ref is not None else r.ping_ref
@@ -130,20 +133,28 @@ class Supervisor:
 
     def _died(self, r: Replica, reason: str, starting: bool) -> None:
         p = self.policy
-        quick = starting or r.serving_since is None or time.monotonic() - r.serving_since < p.stable_s
+        quick = (
+            starting or r.serving_since is None or time.monotonic() - r.serving_since < p.stable_s
+        )
         r.quick_deaths = r.quick_deaths + 1 if quick else 0
         try:
-            ray.kill(r.actor)   # a start that raised leaves a live actor holding the bundle
-        except Exception:   # already gone
+            ray.kill(r.actor)  # a start that raised leaves a live actor holding the bundle
+        except Exception:  # already gone
             pass
         r.actor, r.address, r.serving_since = None, None, None
         what = "failed to start" if starting else "died"
         if r.quick_deaths >= p.max_quick_deaths:
             r.given_up = True
-            log.error("worker %s %s (%s); giving up on it: %d deaths in a row within %.0fs of "
-                      "starting. The rest of the deployment keeps serving; fix the cause and "
-                      "restart pdserve up to bring it back", r.name, what, reason, r.quick_deaths,
-                      p.stable_s)
+            log.error(
+                "worker %s %s (%s); giving up on it: %d deaths in a row within %.0fs of "
+                "starting. The rest of the deployment keeps serving; fix the cause and "
+                "restart pdserve up to bring it back",
+                r.name,
+                what,
+                reason,
+                r.quick_deaths,
+                p.stable_s,
+            )
             return
         delay = min(p.backoff_s * 2 ** max(r.quick_deaths - 1, 0), p.max_backoff_s)
         r.retry_at = time.monotonic() + delay

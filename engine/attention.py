@@ -5,6 +5,7 @@ place; otherwise their blocks are gathered with one index op per layer and atten
 call. A prompt chunk with no cached context attends its own fresh K/V with a causal kernel
 and skips the gather entirely; a chunk after a cached prefix gathers its context once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,12 +30,12 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
         meta = get_forward_context()
-        cache = meta.kv_cache[self.layer_idx]          # [2, num_blocks, block_size, H, D]
+        cache = meta.kv_cache[self.layer_idx]  # [2, num_blocks, block_size, H, D]
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
@@ -51,24 +52,40 @@ class PagedAttention(nn.Module):
         if meta.decode_mask is None:
             kernel = decode_kernel(q.device, q.dtype, self.head_dim)
             with torch.profiler.record_function("pdserve::paged_decode"):
-                return kernel(q.contiguous(), cache, meta.decode_block_tables,
-                              meta.decode_context_lens, self.scale)
+                return kernel(
+                    q.contiguous(),
+                    cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                )
         n = q.shape[0]
-        kv = cache[:, meta.decode_block_tables]                    # [2, n, max_blocks, block_size, H, D]
+        kv = cache[:, meta.decode_block_tables]  # [2, n, max_blocks, block_size, H, D]
         kv = kv.view(2, n, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.decode_mask,
-                                           scale=self.scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            kv[0],
+            kv[1],
+            attn_mask=meta.decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return o.squeeze(2)
 
     def _prefill(self, q, k, v, cache, span):
-        if span.causal_mask is None:   # no cached context: attend the fresh K/V directly
+        if span.causal_mask is None:  # no cached context: attend the fresh K/V directly
             keys, values, mask, causal = k, v, None, True
         else:
             kv = cache[:, span.block_ids].view(2, -1, self.num_kv_heads, self.head_dim)
-            keys, values = kv[0, :span.context_len], kv[1, :span.context_len]
+            keys, values = kv[0, : span.context_len], kv[1, : span.context_len]
             mask, causal = span.causal_mask, False
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=True)
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return o.squeeze(0).transpose(0, 1)

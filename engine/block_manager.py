@@ -7,6 +7,7 @@ previous block's hash (128-bit BLAKE2b: a crafted prompt must not be able to col
 user's prefix and read its KV), every hit is confirmed by comparing the block's tokens and parent
 hash, and a chain is not extended past a block whose hash is held by other tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,7 +46,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # insertion order = eviction order; OrderedDict gives O(1) removal on a cache hit
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}   # hash -> block_id
+        self._cached: dict[int, int] = {}  # hash -> block_id
 
     @property
     def num_blocks(self) -> int:
@@ -69,7 +70,7 @@ class BlockManager:
             return []
         found, parent = [], None
         for i in range(max_tokens // self.block_size):
-            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, chunk)
             block_id = self._cached.get(h)
             if block_id is None:
@@ -81,8 +82,9 @@ class BlockManager:
             parent = h
         return found
 
-    def register_full_blocks(self, block_ids: Seq[int], token_ids: Seq[int], num_hashed: int,
-                             num_computed_tokens: int) -> int:
+    def register_full_blocks(
+        self, block_ids: Seq[int], token_ids: Seq[int], num_hashed: int, num_computed_tokens: int
+    ) -> int:
         """Hash the full, computed blocks after the first `num_hashed`; returns the new count."""
         if not self.enable_prefix_caching:
             return num_hashed
@@ -95,16 +97,16 @@ class BlockManager:
             # that block duplicated an already-cached one and was never registered itself:
             # rebuild the chain from the tokens instead of restarting it at the root
             for i in range(num_hashed):
-                parent = block_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+                parent = block_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
         for i in range(num_hashed, num_full):
             block = self.blocks[block_ids[i]]
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
             holder = self._cached.get(h)
             if holder is not None and holder != block.block_id:
                 other = self.blocks[holder]
                 if other.token_ids != chunk or other.parent_hash != parent:
-                    break   # a true collision: what hangs below this hash would be ambiguous
+                    break  # a true collision: what hangs below this hash would be ambiguous
             elif block.hash is None:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self._cached[h] = block.block_id
@@ -127,7 +129,9 @@ class BlockManager:
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
-            if block.hash is not None:   # evict: the block's old contents are about to be overwritten
+            if (
+                block.hash is not None
+            ):  # evict: the block's old contents are about to be overwritten
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
                 block.hash, block.parent_hash, block.token_ids = None, None, ()

@@ -1,4 +1,5 @@
 """Frozen, validated configuration of a model and of an engine."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                           "MistralForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "llama",
+}
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -32,12 +36,14 @@ class ModelConfig:
     hf_config: object = field(repr=False, compare=False, default=None)
 
     @classmethod
-    def from_hf(cls, hf_config) -> "ModelConfig":
+    def from_hf(cls, hf_config) -> ModelConfig:
         archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
         arch = SUPPORTED_ARCHITECTURES.get(archs[0])
         if arch is None:
-            raise ValueError(f"model architecture {archs[0]!r} is not supported; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"model architecture {archs[0]!r} is not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         rope = getattr(hf_config, "rope_parameters", None) or {}
         if not rope:  # transformers < 5 keeps these as two attributes
             rope = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -70,8 +76,14 @@ class ModelConfig:
 
 
 _QUANTIZATIONS = (None, "int8", "int4", "auto")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -104,31 +116,63 @@ class EngineConfig:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
         check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty string")
-        check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"'auto' or one of {sorted(_DTYPES)}")
-        check(self.quantization in _QUANTIZATIONS, "quantization",
-              f"one of {', '.join(map(repr, _QUANTIZATIONS))}")
+        check(
+            self.dtype == "auto" or self.dtype in _DTYPES,
+            "dtype",
+            f"'auto' or one of {sorted(_DTYPES)}",
+        )
+        check(
+            self.quantization in _QUANTIZATIONS,
+            "quantization",
+            f"one of {', '.join(map(repr, _QUANTIZATIONS))}",
+        )
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
-        check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
-              "tensor_parallel_size", "an integer >= 1")
-        check(_is_int(self.block_size) and self.block_size >= 1 and
-              self.block_size & (self.block_size - 1) == 0, "block_size", "a power of two >= 1")
+        check(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            "an integer >= 1",
+        )
+        check(
+            _is_int(self.block_size)
+            and self.block_size >= 1
+            and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            "a power of two >= 1",
+        )
         kv = self.kv_cache_memory
-        check(kv is None or (_is_int(kv) and kv > 0) or (isinstance(kv, float) and 0 < kv <= 1),
-              "kv_cache_memory", "bytes (an integer > 0) or a fraction of free memory in (0, 1]")
-        check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
-              "max_num_batched_tokens", "an integer >= 1")
-        check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
-        check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
-              "max_model_len", "None or an integer >= 1")
-        check(self.kv_cache_shared_dir is None or (isinstance(self.kv_cache_shared_dir, str)
-                                                   and os.path.isdir(self.kv_cache_shared_dir)),
-              "kv_cache_shared_dir", "None or an existing directory")
+        check(
+            kv is None or (_is_int(kv) and kv > 0) or (isinstance(kv, float) and 0 < kv <= 1),
+            "kv_cache_memory",
+            "bytes (an integer > 0) or a fraction of free memory in (0, 1]",
+        )
+        check(
+            _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "an integer >= 1",
+        )
+        check(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1"
+        )
+        check(
+            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
+            "max_model_len",
+            "None or an integer >= 1",
+        )
+        check(
+            self.kv_cache_shared_dir is None
+            or (
+                isinstance(self.kv_cache_shared_dir, str)
+                and os.path.isdir(self.kv_cache_shared_dir)
+            ),
+            "kv_cache_shared_dir",
+            "None or an existing directory",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
-    def resolve(self, model_config: ModelConfig) -> "EngineConfig":
+    def resolve(self, model_config: ModelConfig) -> EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,22 +184,31 @@ class EngineConfig:
                 quantization = "auto"
         if quantization is not None and device != "cpu":
             if quantization != "auto":
-                raise ValueError(f"quantization={quantization!r} runs on CPU only; on {device} use "
-                                 "dtype='bfloat16' or 'float16'")
+                raise ValueError(
+                    f"quantization={quantization!r} runs on CPU only; on {device} use "
+                    "dtype='bfloat16' or 'float16'"
+                )
             quantization = None
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
-            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
-                             f"({limit}), got {max_len}")
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings "
+                f"({limit}), got {max_len}"
+            )
         kv = self.kv_cache_memory
         if kv is None:
             kv = DEFAULT_CPU_KV_BYTES if device == "cpu" else 0.85
-        if isinstance(kv, float):   # fixed once here, so every TP rank gets the same block count
+        if isinstance(kv, float):  # fixed once here, so every TP rank gets the same block count
             kv = int(kv * available_memory_bytes(device))
-        return dataclasses.replace(self, device=device, dtype=dtype, quantization=quantization,
-                                   max_model_len=max_len,
-                                   kv_cache_memory=kv)
+        return dataclasses.replace(
+            self,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            max_model_len=max_len,
+            kv_cache_memory=kv,
+        )
 
 
 def available_memory_bytes(device: str) -> int:

@@ -5,6 +5,7 @@ only, Intel Xeons with AVX-512 VNNI, or with AMX and AVX512-BF16), and a path tu
 on another. Hot paths ask `cpu_features()` rather than assume; the engine logs it once per process
 (`log_once`), and every benchmark result records `describe()`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,19 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 # the flags that decide a path, in the order they are reported
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 @dataclass(frozen=True)
@@ -43,9 +55,16 @@ class CPUFeatures:
 
     def describe(self) -> str:
         isa = " ".join(self.isa()) or "no AVX2"
-        units = [name for name, present in (("bf16", self.bf16_units), ("int8", self.int8_units)) if present]
-        return f"{self.model} [{isa}]; " + (f"native {' and '.join(units)} matrix units" if units
-                                              else "no native bf16 or int8 matrix units")
+        units = [
+            name
+            for name, present in (("bf16", self.bf16_units), ("int8", self.int8_units))
+            if present
+        ]
+        return f"{self.model} [{isa}]; " + (
+            f"native {' and '.join(units)} matrix units"
+            if units
+            else "no native bf16 or int8 matrix units"
+        )
 
 
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:
@@ -61,7 +80,7 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
                     flags = frozenset(value.split())
                 if model and flags:
                     break
-    except OSError:   # not Linux: no flags known, every path takes its portable branch
+    except OSError:  # not Linux: no flags known, every path takes its portable branch
         pass
     return model or platform.processor() or "unknown CPU", flags
 

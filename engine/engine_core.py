@@ -11,6 +11,7 @@ Disaggregation hooks:
   * external KV: `reserve()` sets aside blocks for a prompt, someone else writes its KV into
     `kv_cache[:, :, block_ids]`, and `commit(first_token)` continues decoding from there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,7 @@ from engine.kv_pool import KV_FILE_PREFIX, map_pool_file
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
-from engine.request import CompletionOutput, FinishReason, RequestOutput, Sequence, SeqStatus
+from engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus, Sequence
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
@@ -44,7 +45,7 @@ from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_toke
 log = logging.getLogger(__name__)
 
 
-STEP_TRACE_LEN = 32768    # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
+STEP_TRACE_LEN = 32768  # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
 
 
 @dataclass(frozen=True)
@@ -52,19 +53,20 @@ class StepRecord:
     """One engine step as the latency models see it (deploy/tuning/perf_model.py): when it ran
     (time.monotonic seconds) and its shape. Decode rows are sequences that computed one token on
     top of a context; every other row is a prompt chunk."""
+
     start: float
     end: float
-    tokens: int               # every token the step computed
-    prefill_pairs: int        # sum over prompt chunks of n * (start + n)
-    num_decode: int           # decode rows
-    decode_context: int       # sum of the decode rows' context tokens (the new one included)
+    tokens: int  # every token the step computed
+    prefill_pairs: int  # sum over prompt chunks of n * (start + n)
+    num_decode: int  # decode rows
+    decode_context: int  # sum of the decode rows' context tokens (the new one included)
 
 
 def remove_stale_kv_files(directory: str) -> None:
     """Unlink shared KV pool files left by engines whose process is gone (killed before shutdown):
     under /dev/shm they would hold memory until reboot."""
     for path in glob.glob(os.path.join(directory, f"{KV_FILE_PREFIX}*-rank*")):
-        pid = os.path.basename(path)[len(KV_FILE_PREFIX):].split("-", 1)[0]
+        pid = os.path.basename(path)[len(KV_FILE_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit():
             continue
         try:
@@ -72,13 +74,14 @@ def remove_stale_kv_files(directory: str) -> None:
         except ProcessLookupError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        except PermissionError:   # alive, someone else's
+        except PermissionError:  # alive, someone else's
             pass
 
 
 class KVSink(Protocol):
-    def on_layer(self, layer_idx: int, layer_kv: torch.Tensor, block_ids: list[int],
-                 start: int, end: int) -> None:
+    def on_layer(
+        self, layer_idx: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
+    ) -> None:
         """layer_kv: [2, num_blocks, block_size, kv_heads, head_dim]; tokens [start, end) are final."""
 
 
@@ -86,7 +89,7 @@ class KVSink(Protocol):
 class Reservation:
     request_id: str
     block_ids: list[int]
-    num_cached_tokens: int   # leading prompt tokens whose KV this engine already holds
+    num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
     block_size: int
 
 
@@ -100,7 +103,7 @@ class _Request:
     kv_sink: KVSink | None = None
     published: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # filled as the prompt is computed
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -122,20 +125,24 @@ class LLMEngine:
         self.kv_cache_paths = self._kv_cache_paths()
         self._rank_kv_caches: list[torch.Tensor] | None = None
         self.tp = None
-        self.tp_state = TPState()   # what this engine's steps run under (see engine.parallel)
-        with tp_scope(self.tp_state):   # whatever TPGroup.start sets stays inside this block
+        self.tp_state = TPState()  # what this engine's steps run under (see engine.parallel)
+        with tp_scope(self.tp_state):  # whatever TPGroup.start sets stays inside this block
             self._start_ranks(model_dir)
         # the serving mode as chosen (quantization="auto" resolved) and why
         self.config = dataclasses.replace(self.config, quantization=self.runner.quantization)
         self.mode_note = self.runner.mode_note
         log.info("%s", self.mode_note)
 
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
-            self.block_manager, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
-            eos_token_ids=self.model_config.eos_token_ids)
+            self.block_manager,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
         # requests that finished outside step() (commit): the next step() reports them
@@ -148,18 +155,26 @@ class LLMEngine:
         """The TP followers (if any), then this rank's runner; under this engine's tp_scope."""
         if self.config.tensor_parallel_size > 1:
             from engine.tp import TPGroup
+
             mc, tp = self.model_config, self.config.tensor_parallel_size
             # refuse before spawning ranks that would all fail the same way
-            for n, what in ((mc.num_heads, "the attention heads"),
-                            (mc.num_kv_heads, "the key/value heads"),
-                            (mc.intermediate_size, "the MLP intermediate size"),
-                            (mc.vocab_size, "the vocabulary size")):
+            for n, what in (
+                (mc.num_heads, "the attention heads"),
+                (mc.num_kv_heads, "the key/value heads"),
+                (mc.intermediate_size, "the MLP intermediate size"),
+                (mc.vocab_size, "the vocabulary size"),
+            ):
                 divide(n, tp, what)
-            self.tp = TPGroup.start(self.config, self.model_config, str(model_dir),
-                                    self.kv_cache_paths or [None] * tp)
+            self.tp = TPGroup.start(
+                self.config, self.model_config, str(model_dir), self.kv_cache_paths or [None] * tp
+            )
         try:
-            self.runner = ModelRunner(self.config, self.model_config, str(model_dir),
-                                      self.kv_cache_paths[0] if self.kv_cache_paths else None)
+            self.runner = ModelRunner(
+                self.config,
+                self.model_config,
+                str(model_dir),
+                self.kv_cache_paths[0] if self.kv_cache_paths else None,
+            )
             if self.tp is not None:
                 self.tp.ready()
             self.tp_state = current_tp_state()
@@ -176,47 +191,78 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")
+                raise InvalidRequest(
+                    "prompt must be a non-empty string or a non-empty list of token ids"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = list(prompt)
         if not ids:
-            raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")
+            raise InvalidRequest(
+                "prompt must be a non-empty string or a non-empty list of token ids"
+            )
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
+            raise InvalidRequest(
+                f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}"
+            )
         return ids
 
-    def _new_request(self, request_id: str, prompt, params: SamplingParams | None,
-                     prefill_only: bool = False) -> _Request:
+    def _new_request(
+        self, request_id: str, prompt, params: SamplingParams | None, prefill_only: bool = False
+    ) -> _Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequest(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
         if request_id in self._requests:
             raise DuplicateRequestId(f"request_id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise PromptTooLong(f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
-                             f"prompt to at most {limit - 1} tokens (one must be left for output)")
+            raise PromptTooLong(
+                f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
+                f"prompt to at most {limit - 1} tokens (one must be left for output)"
+            )
         if prefill_only and params.n != 1:
             raise InvalidRequest(f"n must be 1 for a prefill-only request, got {params.n}")
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None
-            seqs.append(Sequence(next(self._seq_counter), request_id, i, ids, params, gen,
-                                 prefill_only=prefill_only))
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                  for _ in seqs]
-        req = _Request(request_id, prompt if isinstance(prompt, str) else None, params, seqs, detoks)
+            seqs.append(
+                Sequence(
+                    next(self._seq_counter),
+                    request_id,
+                    i,
+                    ids,
+                    params,
+                    gen,
+                    prefill_only=prefill_only,
+                )
+            )
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs
+        ]
+        req = _Request(
+            request_id, prompt if isinstance(prompt, str) else None, params, seqs, detoks
+        )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
         req.metrics["arrival"] = time.monotonic()
         return req
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, *, prefill_only: bool = False,
-                    kv_sink: KVSink | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        prefill_only: bool = False,
+        kv_sink: KVSink | None = None,
+    ) -> None:
         """Validates fully before touching any state, so a bad request never disturbs others."""
         req = self._new_request(request_id, prompt, params, prefill_only)
         req.kv_sink = kv_sink
@@ -231,8 +277,9 @@ class LLMEngine:
             self.scheduler.finish(seq, FinishReason.ABORT)
         return True
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams | None = None) -> Reservation:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> Reservation:
         """Blocks for a prompt whose KV another engine will write. Raises NoFreeBlocks when full."""
         req = self._new_request(request_id, prompt_token_ids, params)
         if req.params.n != 1:
@@ -240,21 +287,27 @@ class LLMEngine:
         seq = req.seqs[0]
         self.scheduler.reserve(seq)
         self._requests[request_id] = req
-        return Reservation(request_id, list(seq.block_ids), seq.num_cached_tokens,
-                           self.config.block_size)
+        return Reservation(
+            request_id, list(seq.block_ids), seq.num_cached_tokens, self.config.block_size
+        )
 
     def commit(self, request_id: str, first_token_id: int) -> None:
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
         vocab = self.model_config.vocab_size
-        if (not isinstance(first_token_id, int) or isinstance(first_token_id, bool)
-                or not 0 <= first_token_id < vocab):   # else the next step fails for every request
-            raise InvalidRequest(f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}")
+        if (
+            not isinstance(first_token_id, int)
+            or isinstance(first_token_id, bool)
+            or not 0 <= first_token_id < vocab
+        ):  # else the next step fails for every request
+            raise InvalidRequest(
+                f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}"
+            )
         seq = req.seqs[0]
         self.scheduler.commit(seq, first_token_id)
         self._emit_text(req, 0)
-        if req.finished:   # the first token already ended it (eos, a stop, max_tokens=1)
+        if req.finished:  # the first token already ended it (eos, a stop, max_tokens=1)
             self._undelivered.append(self._output(req))
             del self._requests[request_id]
 
@@ -275,8 +328,11 @@ class LLMEngine:
         n = max(1, min(prompt_len, self.config.max_model_len - max_tokens))
         generator = torch.Generator().manual_seed(0x5EED)
         prompt = torch.randint(0, self.model_config.vocab_size, (n,), generator=generator).tolist()
-        self.add_request("pdserve-warm-up", prompt, SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        self.add_request(
+            "pdserve-warm-up",
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        )
         while self.has_unfinished_requests():
             self.step()
         self.step_trace.clear()
@@ -286,9 +342,14 @@ class LLMEngine:
         """What identifies this engine's KV contents, as plain data (kvtransfer.KVLayout's fields):
         every worker builds its transfer layout from this one definition."""
         mc = self.model_config
-        return dict(model=self.model_id, dtype=self.config.dtype, num_layers=mc.num_layers,
-                    num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                    block_size=self.config.block_size)
+        return dict(
+            model=self.model_id,
+            dtype=self.config.dtype,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=self.config.block_size,
+        )
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -301,12 +362,15 @@ class LLMEngine:
         if self.config.tensor_parallel_size == 1:
             return [self.kv_cache]
         if not self.kv_cache_paths:
-            raise ValueError("the KV pools of tensor-parallel ranks > 0 are private to their "
-                             "processes: set kv_cache_shared_dir to reach them from rank 0")
+            raise ValueError(
+                "the KV pools of tensor-parallel ranks > 0 are private to their "
+                "processes: set kv_cache_shared_dir to reach them from rank 0"
+            )
         if self._rank_kv_caches is None:
             own = self.kv_cache
-            self._rank_kv_caches = [own] + [map_pool_file(p, tuple(own.shape), own.dtype)
-                                            for p in self.kv_cache_paths[1:]]
+            self._rank_kv_caches = [own] + [
+                map_pool_file(p, tuple(own.shape), own.dtype) for p in self.kv_cache_paths[1:]
+            ]
         return self._rank_kv_caches
 
     def _kv_cache_paths(self) -> list[str]:
@@ -318,7 +382,8 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_shared_dir needs KV pools in CPU memory, device is {self.config.device}: "
                 f"leave it unset (workers set it for tensor parallelism and the shm backend, whose "
-                f"KV hand-off is CPU-only for now: use tp=1 workers with the grpc or torch backend)")
+                f"KV hand-off is CPU-only for now: use tp=1 workers with the grpc or torch backend)"
+            )
         remove_stale_kv_files(directory)
         prefix = os.path.join(directory, f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         return [f"{prefix}-rank{r}" for r in range(self.config.tensor_parallel_size)]
@@ -333,19 +398,30 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return done + self._collect([])
-        inp = ModelInput([SeqInput(s.seq.token_ids[s.start:s.end], s.start, list(s.seq.block_ids),
-                                   s.samples, *self._prompt_targets(s)) for s in plan.scheduled],
-                         plan.block_copies)
+        inp = ModelInput(
+            [
+                SeqInput(
+                    s.seq.token_ids[s.start : s.end],
+                    s.start,
+                    list(s.seq.block_ids),
+                    s.samples,
+                    *self._prompt_targets(s),
+                )
+                for s in plan.scheduled
+            ],
+            plan.block_copies,
+        )
         start = time.monotonic()
         if self.tp is not None:
             self.tp.broadcast(inp)
-        token_ids, logprobs, prompt_lps = self.runner.execute(inp, plan.rows, plan.row_logits,
-                                                              self._layer_hook(plan))
+        token_ids, logprobs, prompt_lps = self.runner.execute(
+            inp, plan.rows, plan.row_logits, self._layer_hook(plan)
+        )
         for i, rows in prompt_lps.items():
             item = plan.scheduled[i]
             req = self._requests.get(item.seq.request_id)
-            if req is not None:   # position p's numbers are about prompt token p + 1
-                req.prompt_logprobs[item.start + 1:item.start + 1 + len(rows)] = rows
+            if req is not None:  # position p's numbers are about prompt token p + 1
+                req.prompt_logprobs[item.start + 1 : item.start + 1 + len(rows)] = rows
         self.step_trace.append(_step_record(plan, start, time.monotonic()))
         for item in plan.scheduled:
             req = self._requests.get(item.seq.request_id)
@@ -363,7 +439,7 @@ class LLMEngine:
         if k is None or seq.index != 0:
             return [], 0
         end = min(item.end, seq.num_prompt_tokens - 1)
-        return list(seq.prompt_token_ids[item.start + 1:end + 1]), k
+        return list(seq.prompt_token_ids[item.start + 1 : end + 1]), k
 
     def _layer_hook(self, plan: StepPlan):
         pubs = []
@@ -378,6 +454,7 @@ class LLMEngine:
         def on_layer_done(layer: int) -> None:
             for req, block_ids, end in pubs:
                 req.kv_sink.on_layer(layer, kv[layer], block_ids, req.published, end)
+
         return on_layer_done
 
     def _emit_text(self, req: _Request, index: int) -> None:
@@ -391,7 +468,11 @@ class LLMEngine:
         hit = find_stop_string(detok.text, len(delta), stops)
         if hit is not None:
             i, stop = hit
-            detok.text = detok.text[:i + len(stop)] if req.params.include_stop_str_in_output else detok.text[:i]
+            detok.text = (
+                detok.text[: i + len(stop)]
+                if req.params.include_stop_str_in_output
+                else detok.text[:i]
+            )
             self.scheduler.finish(seq, FinishReason.STOP, stop)
 
     def _collect(self, touched: list[Sequence]) -> list[RequestOutput]:
@@ -411,24 +492,36 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         first = req.seqs[0]
-        completions = [CompletionOutput(
-            index=s.index, text=d.text, token_ids=s.output_token_ids,
-            finish_reason=s.finish_reason.value if s.finish_reason else None,
-            stop_reason=s.stop_reason,
-            logprobs=list(s.logprobs) if req.params.logprobs else None)
-            for s, d in zip(req.seqs, req.detoks)]
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=d.text,
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason.value if s.finish_reason else None,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if req.params.logprobs else None,
+            )
+            for s, d in zip(req.seqs, req.detoks)
+        ]
         if first.first_token_time is not None:
             req.metrics.setdefault("first_token", first.first_token_time)
-        return RequestOutput(req.request_id, req.prompt, first.prompt_token_ids, completions,
-                             req.finished, first.num_cached_tokens, dict(req.metrics),
-                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            first.prompt_token_ids,
+            completions,
+            req.finished,
+            first.num_cached_tokens,
+            dict(req.metrics),
+            list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        )
 
     def shutdown(self) -> None:
         try:
             if self.tp is not None:
                 self.tp.shutdown()
                 self.tp = None
-        finally:   # the mappings stay valid for whoever still holds them; the names go
+        finally:  # the mappings stay valid for whoever still holds them; the names go
             for path in self.kv_cache_paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)

@@ -17,6 +17,7 @@ Loop: run queued calls -> run periodic ticks (lease expiry) -> one engine step i
 dispatch outputs -> sleep until new work when idle (also when the only unfinished requests are
 reservations waiting for their KV: a step has nothing to compute for them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,13 +50,14 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
     @classmethod
-    def build(cls, factory: Callable[[], object], name: str = "engine-loop",
-              timeout: float | None = None) -> "EngineLoop":
+    def build(
+        cls, factory: Callable[[], object], name: str = "engine-loop", timeout: float | None = None
+    ) -> EngineLoop:
         """Start a loop whose engine `factory()` builds on the loop thread itself (see the module
         docstring); returns once it is built, or raises what the factory raised."""
         loop = cls(None, name=name)
@@ -64,7 +66,7 @@ class EngineLoop:
         def bootstrap():
             try:
                 loop.engine = factory()
-            except BaseException as e:   # noqa: BLE001 - handed to the caller
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
                 built.set_exception(e)
                 loop._fail_pending_calls()
                 return
@@ -96,12 +98,21 @@ class EngineLoop:
     def call(self, fn: Callable, *args, timeout: float | None = 30.0):
         return self.submit(fn, *args).result(timeout)
 
-    def add_request(self, request_id: str, prompt, params, on_output: OutputCallback,
-                    timeout: float | None = 30.0, **kwargs) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params,
+        on_output: OutputCallback,
+        timeout: float | None = 30.0,
+        **kwargs,
+    ) -> None:
         """Validated on the loop thread; raises the engine's ValueError to the caller."""
+
         def add():
             self.engine.add_request(request_id, prompt, params, **kwargs)
             self._callbacks[request_id] = on_output
+
         self.call(add, timeout=timeout)
 
     def watch(self, request_id: str, on_output: OutputCallback) -> None:
@@ -111,12 +122,14 @@ class EngineLoop:
 
     def abort(self, request_id: str, reason: str = "aborted", timeout: float | None = 30.0) -> bool:
         """Stops a request; its callback receives a final "abort" output."""
+
         def abort():
             found = self.engine.abort(request_id)
             cb = self._callbacks.pop(request_id, None)
             if found and cb is not None:
                 cb(RequestOutput.aborted(request_id, reason))
             return found
+
         return self.call(abort, timeout=timeout)
 
     def load(self) -> dict[str, int]:
@@ -126,20 +139,26 @@ class EngineLoop:
         together they are a snapshot that may straddle a step, which is all a load report needs."""
         engine = self.engine
         bm, sched = engine.block_manager, engine.scheduler
-        waiting = list(sched.waiting)   # copied in one C call: the loop may append meanwhile
+        waiting = list(sched.waiting)  # copied in one C call: the loop may append meanwhile
         queued = sum(s.num_prompt_tokens - s.num_computed_tokens for s in waiting)
-        return {"num_free_blocks": bm.num_free_blocks, "num_total_blocks": bm.num_blocks,
-                "num_running": len(sched.running), "num_waiting": len(waiting),
-                "queued_prompt_tokens": max(queued, 0)}
+        return {
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_blocks,
+            "num_running": len(sched.running),
+            "num_waiting": len(waiting),
+            "queued_prompt_tokens": max(queued, 0),
+        }
 
     def take_step_trace(self, timeout: float | None = 30.0) -> list:
         """The engine's StepRecords since the last take (engine_core.StepRecord), taken on the loop
         thread between steps so that none is half-written or lost."""
+
         def take():
             trace = self.engine.step_trace
             out = list(trace)
             trace.clear()
             return out
+
         return self.call(take, timeout=timeout)
 
     def every(self, period_s: float, fn: Callable[[], None]) -> None:
@@ -149,7 +168,7 @@ class EngineLoop:
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.clear()   # before taking calls: a submit after this sets it again
+            self._wake.clear()  # before taking calls: a submit after this sets it again
             self._run_calls()
             self._run_ticks()
             if self.engine.has_unfinished_requests():
@@ -159,13 +178,13 @@ class EngineLoop:
                 idle = not self._has_runnable()
                 try:
                     outputs = self.engine.step()
-                except Exception:   # a failed step must not kill the server silently
+                except Exception:  # a failed step must not kill the server silently
                     log.exception("engine step failed; aborting its requests")
                     self._fail_all()
                     continue
                 self.num_steps += 1
                 self._dispatch(outputs)
-                if idle and not outputs:   # nothing ran and nothing was pending delivery
+                if idle and not outputs:  # nothing ran and nothing was pending delivery
                     self._wait_for_work()
             else:
                 self._wait_for_work()
@@ -174,7 +193,7 @@ class EngineLoop:
     def _has_runnable(self) -> bool:
         """Whether the scheduler holds sequences a step would compute (reserved ones it does not)."""
         scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is None:   # an engine without a visible scheduler: assume work, as before
+        if scheduler is None:  # an engine without a visible scheduler: assume work, as before
             return True
         return bool(scheduler.waiting or scheduler.running)
 

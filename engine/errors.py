@@ -11,6 +11,7 @@
 Each stays a subclass of what the engine raised before (ValueError, RuntimeError), so callers
 that catch those keep working.
 """
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 The model keeps the signature `forward(input_ids, positions)`; everything about paging (where new
 KV goes, which blocks each sequence reads) is computed once per step and shared by all layers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,23 +17,26 @@ import torch
 @dataclass
 class PrefillSpan:
     """One sequence computing more than one token this step (a prompt chunk)."""
-    q_start: int               # offset of its tokens in the flattened batch
+
+    q_start: int  # offset of its tokens in the flattened batch
     q_len: int
-    context_len: int           # tokens visible after this step (cached + new)
-    block_ids: torch.Tensor    # blocks covering context_len, int64
-    causal_mask: torch.Tensor | None   # [q_len, context_len] bool when part of the context is cached
+    context_len: int  # tokens visible after this step (cached + new)
+    block_ids: torch.Tensor  # blocks covering context_len, int64
+    causal_mask: torch.Tensor | None  # [q_len, context_len] bool when part of the context is cached
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor              # [num_tokens] flat cache slot of each new token
-    num_decode_tokens: int = 0              # decodes come first in the batch, one token each
-    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None = None   # [num_decodes] int64
-    decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks * block_size]
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    num_decode_tokens: int = 0  # decodes come first in the batch, one token each
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     # (the mask only when the compiled kernel is not used)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    kv_cache: torch.Tensor | None = None    # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_cache: torch.Tensor | None = (
+        None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    )
     on_layer_done: Callable[[int], None] | None = None
 
 

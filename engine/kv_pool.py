@@ -9,6 +9,7 @@ processes only), its zero fill and its size check are the same everywhere.
 Only torch and the standard library: kvtransfer may import this module and no other of the
 engine's (tests/unit/test_boundaries.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-KV_FILE_PREFIX = "pdserve-kv-"   # every pool file's name starts with it
+KV_FILE_PREFIX = "pdserve-kv-"  # every pool file's name starts with it
 
 
 def _shape_and_bytes(shape, dtype: torch.dtype) -> tuple[tuple[int, ...], int, int]:
@@ -34,7 +35,7 @@ def create_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"a shared KV pool needs a non-empty shape, got {shape}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.ftruncate(fd, nbytes)   # a fresh (truncated) file reads as zeros
+        os.ftruncate(fd, nbytes)  # a fresh (truncated) file reads as zeros
     finally:
         os.close(fd)
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
@@ -46,6 +47,8 @@ def map_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
     shape, numel, nbytes = _shape_and_bytes(shape, dtype)
     size = os.path.getsize(path)
     if size != nbytes:
-        raise ValueError(f"the shared KV pool {path} holds {size} bytes, but shape {shape} in "
-                         f"{str(dtype).removeprefix('torch.')} needs {nbytes}")
+        raise ValueError(
+            f"the shared KV pool {path} holds {size} bytes, but shape {shape} in "
+            f"{str(dtype).removeprefix('torch.')} needs {nbytes}"
+        )
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)

@@ -1,4 +1,5 @@
 """The offline API in the shape vLLM users know: LLM(...).generate(...) and .chat(...)."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,17 +24,22 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
-                             f"{len(prompts)} prompts; give one, or one per prompt")
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for "
+                f"{len(prompts)} prompts; give one, or one per prompt"
+            )
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         try:
@@ -55,13 +61,21 @@ class LLM:
                         bar.update(1)
         return [results[rid] for rid in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None,
-             **template_kwargs) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | None = None,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False,
-                                           **template_kwargs) for c in conversations]
+        prompts = [
+            tok.apply_chat_template(
+                c, add_generation_prompt=True, tokenize=False, **template_kwargs
+            )
+            for c in conversations
+        ]
         # the template already holds the special tokens: do not let encode add a second BOS
         prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(prompt_ids, sampling_params, use_tqdm)

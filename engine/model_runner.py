@@ -1,4 +1,5 @@
 """Executes a step plan on one tensor-parallel rank: build inputs, run the model, sample (rank 0)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,19 +17,20 @@ from engine.models.llama import LlamaForCausalLM
 from engine.parallel import all_reduce, divide, tp_rank, tp_size
 from engine.sampler import Sampler, SamplingRow
 
-PROMPT_LOGITS_ROWS = 512   # prompt positions whose vocabulary-wide logits are held at once
+PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are held at once
 
 
 @dataclass
 class SeqInput:
     """What every rank needs to know about one scheduled sequence (plain data: it is broadcast)."""
-    token_ids: list[int]      # the tokens computed this step
-    start: int                # position of the first of them
+
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of the first of them
     block_ids: list[int]
     samples: bool
     # prompt logprobs wanted: the prompt token that follows each of the first len() computed tokens
     prompt_targets: list[int] = field(default_factory=list)
-    prompt_topk: int = 0      # and this many most likely tokens at each of those positions
+    prompt_topk: int = 0  # and this many most likely tokens at each of those positions
 
 
 @dataclass
@@ -38,23 +40,34 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str,
-                 kv_cache_path: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: str,
+        kv_cache_path: str | None = None,
+    ):
         self.config = config
-        self.kv_cache_path = kv_cache_path   # this rank's pool in a shared file, or private memory
+        self.kv_cache_path = kv_cache_path  # this rank's pool in a shared file, or private memory
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         divide(model_config.num_heads, tp_size(), "the attention heads")
         self.num_kv_heads = divide(model_config.num_kv_heads, tp_size(), "the key/value heads")
-        inv_freq, attn_factor = rope_inv_freq(model_config.hf_config, model_config.rope_type,
-                                              model_config.rope_theta, model_config.head_dim)
+        inv_freq, attn_factor = rope_inv_freq(
+            model_config.hf_config,
+            model_config.rope_type,
+            model_config.rope_theta,
+            model_config.head_dim,
+        )
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                rotary = RotaryEmbedding(inv_freq.to(self.device), attn_factor, config.max_model_len)
+                rotary = RotaryEmbedding(
+                    inv_freq.to(self.device), attn_factor, config.max_model_len
+                )
                 self.model = LlamaForCausalLM(model_config, rotary)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -95,7 +108,11 @@ class ModelRunner:
             seen = module.act_absmax
             module.act_absmax = x if seen is None else torch.maximum(seen, x)
 
-        hooks = [m.register_forward_hook(record) for m in self.model.modules() if isinstance(m, LinearBase)]
+        hooks = [
+            m.register_forward_hook(record)
+            for m in self.model.modules()
+            if isinstance(m, LinearBase)
+        ]
         try:
             self._probe_perplexity(ids)
         finally:
@@ -112,26 +129,34 @@ class ModelRunner:
         note = ""
         chosen: str | None = None
         if not ids:
-            note = (f"float32: no probe text (the probe needs 64 tokens of English; max_model_len "
-                    f"and the KV cache allow {length}, or the tokenizer cannot spell it)")
+            note = (
+                f"float32: no probe text (the probe needs 64 tokens of English; max_model_len "
+                f"and the KV cache allow {length}, or the tokenizer cannot spell it)"
+            )
         else:
             base = self._probe_perplexity(ids)
-            if not self._agree(base is not None and informative(base, self.model_config.vocab_size)):
-                note = (f"float32: the model does not predict the probe text (perplexity "
-                        f"{base if base is not None else float('nan'):.1f}), so no mode's quality "
-                        "can be judged")
+            if not self._agree(
+                base is not None and informative(base, self.model_config.vocab_size)
+            ):
+                note = (
+                    f"float32: the model does not predict the probe text (perplexity "
+                    f"{base if base is not None else float('nan'):.1f}), so no mode's quality "
+                    "can be judged"
+                )
             for mode in auto_candidates() if not note else ():
                 self.model.prepare_linears(mode, release_dense=False)
                 ppl = self._probe_perplexity(ids)
                 ok = ppl is not None and ppl <= base * (1 + QUALITY_BOUNDS[mode])
                 if tp_rank() == 0:
-                    note += (f"{mode}: probe perplexity {ppl:.3f} vs float32 {base:.3f} "
-                             f"({ppl / base - 1:+.2%}, bound +{QUALITY_BOUNDS[mode]:.0%}); ")
+                    note += (
+                        f"{mode}: probe perplexity {ppl:.3f} vs float32 {base:.3f} "
+                        f"({ppl / base - 1:+.2%}, bound +{QUALITY_BOUNDS[mode]:.0%}); "
+                    )
                 if self._agree(ok):
                     chosen = mode
                     break
             note = note or "float32: no quantization mode passed"
-        self.model.prepare_linears(chosen)   # the final mode, and the dense weights released
+        self.model.prepare_linears(chosen)  # the final mode, and the dense weights released
         return chosen, f"quantization=auto chose {chosen or 'none'} ({self.config.dtype}): {note}"
 
     @staticmethod
@@ -146,8 +171,14 @@ class ModelRunner:
         """The perplexity of `ids` on rank 0 (None on the others), through the KV cache's first
         blocks (no request holds any yet)."""
         from engine.quality import perplexity
-        seq = SeqInput(token_ids=ids, start=0, block_ids=list(range(-(-len(ids) // self.block_size))),
-                       samples=False, prompt_targets=ids[1:])
+
+        seq = SeqInput(
+            token_ids=ids,
+            start=0,
+            block_ids=list(range(-(-len(ids) // self.block_size))),
+            samples=False,
+            prompt_targets=ids[1:],
+        )
         _, _, rows = self.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
         return perplexity(rows[0], ids) if tp_rank() == 0 else None
 
@@ -157,14 +188,22 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         mc = self.model_config
-        per_block = 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        per_block = (
+            2
+            * mc.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * mc.head_dim
+            * self.dtype.itemsize
+        )
         num_blocks = self.config.kv_cache_memory // per_block
         min_blocks = -(-self.config.max_model_len // self.block_size)
         if num_blocks < min_blocks:
             raise ValueError(
                 f"kv_cache_memory={self.config.kv_cache_memory!r} gives {num_blocks} blocks of "
                 f"{self.block_size} tokens; one sequence of max_model_len={self.config.max_model_len} "
-                f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len")
+                f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len"
+            )
         shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.kv_cache_path is not None:
             return create_pool_file(self.kv_cache_path, shape, self.dtype)
@@ -173,9 +212,13 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inp: ModelInput, rows: list[SamplingRow] | None = None,
-                row_logits: list[int] | None = None,
-                on_layer_done: Callable[[int], None] | None = None):
+    def execute(
+        self,
+        inp: ModelInput,
+        rows: list[SamplingRow] | None = None,
+        row_logits: list[int] | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ):
         """Runs the model; on rank 0 with rows given, returns (token_ids, logprobs or None)."""
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
@@ -192,8 +235,9 @@ class ModelRunner:
         out = self.sampler(logits[row_logits].float(), rows)
         return out.token_ids, out.logprobs, prompt_lps
 
-    def _prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int],
-                         rank0: bool) -> dict[int, list[dict[int, float]]]:
+    def _prompt_logprobs(
+        self, inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int], rank0: bool
+    ) -> dict[int, list[dict[int, float]]]:
         """seq index -> for each position with a prompt target, {token id: logprob} of the target
         and the seq's prompt_topk most likely tokens. Every rank computes the logits (the LM head
         may gather across ranks); rank 0 keeps the numbers. At most PROMPT_LOGITS_ROWS rows of
@@ -204,7 +248,7 @@ class ModelRunner:
             rows: list[dict[int, float]] = []
             for a in range(0, n, PROMPT_LOGITS_ROWS):
                 b = min(n, a + PROMPT_LOGITS_ROWS)
-                logits = self.model.compute_logits(hidden[q_starts[i] + a:q_starts[i] + b])
+                logits = self.model.compute_logits(hidden[q_starts[i] + a : q_starts[i] + b])
                 if logits is None or not rank0:
                     continue
                 lp = torch.log_softmax(logits.float(), dim=-1)
@@ -212,7 +256,11 @@ class ModelRunner:
                 picked = lp.gather(1, targets[:, None])[:, 0].tolist()
                 top = lp.topk(k, dim=-1) if k else None
                 for r, (t, v) in enumerate(zip(s.prompt_targets[a:b], picked)):
-                    entry = dict(zip(top.indices[r].tolist(), top.values[r].tolist())) if top is not None else {}
+                    entry = (
+                        dict(zip(top.indices[r].tolist(), top.values[r].tolist()))
+                        if top is not None
+                        else {}
+                    )
                     entry[t] = v
                     rows.append(entry)
             if rows:
@@ -244,23 +292,31 @@ class ModelRunner:
                 if s.start > 0:
                     q_pos = torch.arange(s.start, context_len).unsqueeze(1)
                     mask = torch.arange(context_len).unsqueeze(0) <= q_pos
-                prefills.append(PrefillSpan(q_start, n, context_len,
-                                            torch.tensor(s.block_ids[:num_blocks]), mask))
+                prefills.append(
+                    PrefillSpan(
+                        q_start, n, context_len, torch.tensor(s.block_ids[:num_blocks]), mask
+                    )
+                )
             if s.samples:
                 last_idx.append((i, q_start + n - 1))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev),
-                                 num_decode_tokens=len(decode_tables), kv_cache=self.kv_cache)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decode_tokens=len(decode_tables),
+            kv_cache=self.kv_cache,
+        )
         if decode_tables:
             width = max(map(len, decode_tables))
             table = torch.zeros(len(decode_tables), width, dtype=torch.long)
             for r, t in enumerate(decode_tables):
-                table[r, :len(t)] = torch.tensor(t)
+                table[r, : len(t)] = torch.tensor(t)
             lens = torch.tensor(decode_lens)
             meta.decode_block_tables = table.to(dev)
             meta.decode_context_lens = lens.to(dev)
             if decode_kernel(self.device, self.dtype, self.model_config.head_dim) is None:
-                meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
+                meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[
+                    :, None, None, :
+                ].to(dev)
         for span in prefills:
             span.block_ids = span.block_ids.to(dev)
             if span.causal_mask is not None:
@@ -269,4 +325,10 @@ class ModelRunner:
         # logits rows in the order of the scheduled seqs that sample (the plan's row_logits index)
         last_idx.sort()
         sample_rows = torch.tensor([t for _, t in last_idx], dtype=torch.long, device=dev)
-        return (meta, torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), sample_rows, q_starts)
+        return (
+            meta,
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            sample_rows,
+            q_starts,
+        )

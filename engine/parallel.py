@@ -7,6 +7,7 @@ The state is per thread: an engine sets its own around construction and every st
 so two engines in one process (a tp=1 decode worker beside a tp=2 prefill worker in a test, each
 stepping on its own loop thread) never run collectives on each other's group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,5 +78,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
             f"tensor_parallel_size={denominator} must divide {what} ({numerator}); "
-            f"choose a tensor_parallel_size that divides {numerator}")
+            f"choose a tensor_parallel_size that divides {numerator}"
+        )
     return numerator // denominator

@@ -6,6 +6,7 @@ per mode; `dtype="auto"` scores a short probe from its end (tokens the benchmark
 float32 and with each quantization mode, and serves the first mode, in order of speed, whose
 perplexity stays within its bound of float32's.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ PROBE_TOKENS = 512
 
 def corpus_text() -> str:
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
@@ -32,13 +34,13 @@ def probe_ids(tokenizer, length: int, skip: int = 0) -> list[int]:
     body = length - (1 if bos is not None else 0)
     windows = skip // length + 1
     # only the end is read: ~4 characters a token in English, so 12 leave room for any tokenizer
-    ids = tokenizer.encode(corpus_text()[-12 * body * windows:], add_special_tokens=False)[1:]
-    if len(ids) < body * windows:   # a tokenizer that cannot spell English: nothing to probe with
+    ids = tokenizer.encode(corpus_text()[-12 * body * windows :], add_special_tokens=False)[1:]
+    if len(ids) < body * windows:  # a tokenizer that cannot spell English: nothing to probe with
         return []
     out = []
     for w in range(skip // length, -1, -1):
         end = len(ids) - w * body
-        out += ([bos] if bos is not None else []) + ids[end - body:end]
+        out += ([bos] if bos is not None else []) + ids[end - body : end]
     return out
 
 

@@ -1,4 +1,5 @@
 """Sequences (one sampled continuation each) and the outputs handed to callers."""
+
 from __future__ import annotations
 
 import enum
@@ -11,34 +12,34 @@ from engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.IntEnum):
-    WAITING = 0        # in the waiting queue (new or preempted)
-    RUNNING = 1        # in the running batch
-    RESERVED = 2       # blocks held for KV that another engine writes (disaggregated decode)
-    FORK_PENDING = 3   # an n>1 child waiting for its parent's prompt to finish
+    WAITING = 0  # in the waiting queue (new or preempted)
+    RUNNING = 1  # in the running batch
+    RESERVED = 2  # blocks held for KV that another engine writes (disaggregated decode)
+    FORK_PENDING = 3  # an n>1 child waiting for its parent's prompt to finish
     FINISHED = 4
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"          # eos, a stop token or a stop string
-    LENGTH = "length"      # max_tokens or the context limit
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
-    PREFILL_DONE = "prefill_done"   # prefill-only request: first token sampled, KV handed out
+    PREFILL_DONE = "prefill_done"  # prefill-only request: first token sampled, KV handed out
 
 
 @dataclass
 class Sequence:
     seq_id: int
     request_id: str
-    index: int                       # which of the request's n samples
+    index: int  # which of the request's n samples
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
-    token_ids: list[int] = field(default_factory=list)   # prompt + outputs
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache (last admission)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     block_ids: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0       # leading full blocks already registered in the prefix cache
+    num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[float] = field(default_factory=list)
@@ -60,7 +61,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -95,7 +96,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
-    def aborted(cls, request_id: str, reason: str) -> "RequestOutput":
+    def aborted(cls, request_id: str, reason: str) -> RequestOutput:
         """The last output of a request that was cut short, so its stream ends."""
-        return cls(request_id, None, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value,
-                                                           stop_reason=reason)], finished=True)
+        return cls(
+            request_id,
+            None,
+            [],
+            [CompletionOutput(0, "", [], FinishReason.ABORT.value, stop_reason=reason)],
+            finished=True,
+        )

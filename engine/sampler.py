@@ -12,8 +12,8 @@ decode step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -101,16 +101,19 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             # OpenAI semantics: only generated tokens count, not the prompt.
             counts = _counts(row.output_token_ids, vocab, device)
-            x.sub_(counts.to(x.dtype) * p.frequency_penalty
-                   + (counts > 0).to(x.dtype) * p.presence_penalty)
+            x.sub_(
+                counts.to(x.dtype) * p.frequency_penalty
+                + (counts > 0).to(x.dtype) * p.presence_penalty
+            )
         masked = [t for t in masked if 0 <= t < vocab]
         if masked:
             x[torch.as_tensor(masked, dtype=torch.long, device=device)] = float("-inf")
     return logits if out is None else out
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
-                      p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
     """Masks logits outside each row's top-k / nucleus to -inf (returns a new tensor).
 
     k: long [rows], <= 0 = disabled. p: float [rows], 1.0 = disabled.
@@ -161,10 +164,13 @@ def _exponential_race(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             idx = torch.as_tensor(unseeded, device=device)
             q[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
     if seeded:
-        noise = [torch.empty(vocab, dtype=probs.dtype, device=rows[i].generator.device)
-                 .exponential_(generator=rows[i].generator) for i in seeded]
-        q[torch.as_tensor(seeded, device=device)] = torch.stack(
-            [n.to(device) for n in noise])
+        noise = [
+            torch.empty(vocab, dtype=probs.dtype, device=rows[i].generator.device).exponential_(
+                generator=rows[i].generator
+            )
+            for i in seeded
+        ]
+        q[torch.as_tensor(seeded, device=device)] = torch.stack([n.to(device) for n in noise])
     # An Exp(1) draw of exactly 0 would turn a zero-prob token into 0/0 = NaN,
     # which argmax would happily pick.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
@@ -195,7 +201,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
-                f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+                f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
+            )
         if logits.dtype != torch.float32:
             logits = logits.float()
 

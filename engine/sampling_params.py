@@ -17,7 +17,7 @@ from engine.errors import BadSamplingParams
 # softmax then yields NaN), so such temperatures are treated as greedy, as
 # vLLM does with its _SAMPLING_EPS.
 GREEDY_TEMPERATURE_EPS = 1e-5
-MAX_PROMPT_LOGPROBS = 20   # alternatives per prompt position, as vLLM's default max_logprobs
+MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt position, as vLLM's default max_logprobs
 
 
 def _int(name: str, value: object) -> int:
@@ -42,8 +42,9 @@ def _bool(name: str, value: object) -> bool:
     return value
 
 
-def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False,
-              hi_open: bool = False) -> None:
+def _in_range(
+    name: str, value: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
+) -> None:
     ok_lo = value > lo if lo_open else value >= lo
     ok_hi = value < hi if hi_open else value <= hi
     if not (ok_lo and ok_hi):
@@ -58,7 +59,8 @@ def _str_tuple(name: str, value: object) -> tuple[str, ...]:
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise BadSamplingParams(
-            f"{name} must be a str or a list of str, got {type(value).__name__} {value!r}")
+            f"{name} must be a str or a list of str, got {type(value).__name__} {value!r}"
+        )
     for s in items:
         if not isinstance(s, str):
             raise BadSamplingParams(f"{name} must contain only str, got {type(s).__name__} {s!r}")
@@ -72,7 +74,8 @@ def _id_tuple(name: str, value: object) -> tuple[int, ...]:
         return ()
     if not isinstance(value, (list, tuple)):
         raise BadSamplingParams(
-            f"{name} must be a list of int, got {type(value).__name__} {value!r}")
+            f"{name} must be a list of int, got {type(value).__name__} {value!r}"
+        )
     ids = tuple(_int(name, v) for v in value)
     for v in ids:
         if v < 0:
@@ -116,15 +119,16 @@ class SamplingParams:
 
         put("temperature", _float("temperature", self.temperature))
         if self.temperature < 0:
-            raise BadSamplingParams(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise BadSamplingParams(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
+            )
 
         put("top_p", _float("top_p", self.top_p))
         _in_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
 
         put("top_k", _int("top_k", self.top_k))
         if self.top_k < -1:
-            raise BadSamplingParams(
-                f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+            raise BadSamplingParams(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
 
         put("min_p", _float("min_p", self.min_p))
         _in_range("min_p", self.min_p, 0.0, 1.0)
@@ -139,7 +143,8 @@ class SamplingParams:
         put("repetition_penalty", _float("repetition_penalty", self.repetition_penalty))
         if self.repetition_penalty <= 0:
             raise BadSamplingParams(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
+            )
 
         put("max_tokens", _int("max_tokens", self.max_tokens))
         if self.max_tokens < 1:
@@ -148,19 +153,21 @@ class SamplingParams:
         put("min_tokens", _int("min_tokens", self.min_tokens))
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise BadSamplingParams(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
 
         if self.prompt_logprobs is not None:
             put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs))
             if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
-                raise BadSamplingParams(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
-                                 f"{self.prompt_logprobs}")
+                raise BadSamplingParams(
+                    f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
+                    f"{self.prompt_logprobs}"
+                )
 
         put("stop", _str_tuple("stop", self.stop))
         put("stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))
 
-        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output",
-                     "skip_special_tokens"):
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
 
     @property
@@ -169,5 +176,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -10,13 +10,14 @@ Request lifecycle in one engine:
 n>1: the first sequence prefills; the other n-1 wait in FORK_PENDING, sample from the same logits
 and take the prompt's blocks by reference, with the partial last block copied (copy-on-write).
 """
+
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocks
-from engine.request import FinishReason, Sequence, SeqStatus
+from engine.request import FinishReason, SeqStatus, Sequence
 from engine.sampler import SamplingRow
 
 
@@ -39,8 +40,8 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq]
     rows: list[SamplingRow] = field(default_factory=list)
-    row_seqs: list[Sequence] = field(default_factory=list)   # which sequence each row samples for
-    row_logits: list[int] = field(default_factory=list)      # which logits row (sampling seq) feeds it
+    row_seqs: list[Sequence] = field(default_factory=list)  # which sequence each row samples for
+    row_logits: list[int] = field(default_factory=list)  # which logits row (sampling seq) feeds it
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -59,8 +60,15 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ):
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -104,7 +112,8 @@ class Scheduler:
         del self.reserved[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         seq.num_hashed_blocks = self.bm.register_full_blocks(
-            seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens)
+            seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
+        )
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._append_token(seq, first_token_id, None)
@@ -151,12 +160,16 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
             i += 1
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
             seq = self.waiting[0]
             # prompt logprobs need every prompt position computed: no prefix-cache hit for them
-            cached = [] if seq.params.prompt_logprobs is not None else \
-                self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+            cached = (
+                []
+                if seq.params.prompt_logprobs is not None
+                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+            )
             try:
                 self._admit_blocks(seq, cached, seq.num_tokens, watermark=self.watermark_blocks)
             except NoFreeBlocks:
@@ -175,9 +188,15 @@ class Scheduler:
             if seq.num_output_tokens == 0:
                 family += self.fork_children.get(seq.seq_id, [])
             for member in family:
-                plan.rows.append(SamplingRow(member.params, member.prompt_token_ids,
-                                             member.output_token_ids, member.generator,
-                                             self.eos_token_ids))
+                plan.rows.append(
+                    SamplingRow(
+                        member.params,
+                        member.prompt_token_ids,
+                        member.output_token_ids,
+                        member.generator,
+                        self.eos_token_ids,
+                    )
+                )
                 plan.row_seqs.append(member)
                 plan.row_logits.append(idx)
         return plan
@@ -208,10 +227,11 @@ class Scheduler:
         for item in plan.scheduled:
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
-                continue   # aborted while the step ran
+                continue  # aborted while the step ran
             seq.num_computed_tokens = item.end
             seq.num_hashed_blocks = self.bm.register_full_blocks(
-                seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens)
+                seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
+            )
         # fork before appending any token, so a parent that stops on its first token
         # cannot take its not-yet-forked children down with it
         parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}
@@ -246,7 +266,7 @@ class Scheduler:
         elif parent.num_computed_tokens % bs == 0:
             self.bm.take(shared)
             child.block_ids = list(shared)
-        else:   # no block for the copy: recompute the child later instead
+        else:  # no block for the copy: recompute the child later instead
             child.num_computed_tokens = child.num_hashed_blocks = 0
             child.status = SeqStatus.WAITING
             self.waiting.append(child)

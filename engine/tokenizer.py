@@ -4,6 +4,7 @@ Decoding one token at a time loses the spaces that depend on the previous token 
 multi-byte characters, so each step decodes a short window (prefix_offset..end) and emits only
 the text past the window's already-emitted part (the scheme of TGI and vLLM).
 """
+
 from __future__ import annotations
 
 from transformers import AutoTokenizer
@@ -27,18 +28,22 @@ class IncrementalDetokenizer:
         """Append one token; returns the newly readable text (may be empty)."""
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset],
-                        skip_special_tokens=self.skip_special_tokens)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        prefix = decode(
+            self.ids[self.prefix_offset : self.read_offset],
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""   # an incomplete UTF-8 sequence or a token with no text yet
-        delta = full[len(prefix):]
+            return ""  # an incomplete UTF-8 sequence or a token with no text yet
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
 
 
-def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+def find_stop_string(
+    text: str, num_new_chars: int, stops: tuple[str, ...]
+) -> tuple[int, str] | None:
     """Earliest stop string that ends inside the last `num_new_chars` characters of `text`."""
     best = None
     for stop in stops:

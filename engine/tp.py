@@ -4,9 +4,9 @@ Rank 0 (the caller's process) broadcasts each step's ModelInput as msgpack bytes
 (plain data, no pickle); every rank then runs the same step on its shard of the weights and KV.
 Only rank 0 samples: the vocab-parallel LM head gathers logits there.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
@@ -33,10 +33,15 @@ def _init(config: EngineConfig, rank: int, port: int):
     backend = "nccl" if config.device == "cuda" else "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.tensor_parallel_size, timeout=_TIMEOUT)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+        timeout=_TIMEOUT,
+    )
     set_tp_state(rank, config.tensor_parallel_size, dist.group.WORLD)
-    if config.device == "cpu":   # share the cores instead of oversubscribing them N times
+    if config.device == "cpu":  # share the cores instead of oversubscribing them N times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     # control messages stay on the CPU even when the weights talk over NCCL
     return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
@@ -45,9 +50,15 @@ def _init(config: EngineConfig, rank: int, port: int):
 def _encode(inp: ModelInput | None) -> bytes:
     if inp is None:
         return msgpack.packb(None)
-    return msgpack.packb([[[s.token_ids, s.start, s.block_ids, s.samples, s.prompt_targets, s.prompt_topk]
-                           for s in inp.seqs],
-                          inp.block_copies])
+    return msgpack.packb(
+        [
+            [
+                [s.token_ids, s.start, s.block_ids, s.samples, s.prompt_targets, s.prompt_topk]
+                for s in inp.seqs
+            ],
+            inp.block_copies,
+        ]
+    )
 
 
 def _decode(data: bytes) -> ModelInput | None:
@@ -61,19 +72,28 @@ def _decode(data: bytes) -> ModelInput | None:
 def _broadcast_bytes(data: bytes | None, group) -> bytes:
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
     dist.broadcast(size, src=0, group=group)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
-           else torch.empty(int(size), dtype=torch.uint8))
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data is not None
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
     dist.broadcast(buf, src=0, group=group)
     return buf.numpy().tobytes()
 
 
-def _follower_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int,
-                   port: int, kv_cache_path: str | None) -> None:
+def _follower_main(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    model_dir: str,
+    rank: int,
+    port: int,
+    kv_cache_path: str | None,
+) -> None:
     from engine.model_runner import ModelRunner
 
     group = _init(config, rank, port)
     runner = ModelRunner(config, model_config, model_dir, kv_cache_path)
-    dist.barrier(group=group)   # see TPGroup.ready
+    dist.barrier(group=group)  # see TPGroup.ready
     while True:
         inp = _decode(_broadcast_bytes(None, group))
         if inp is None:
@@ -88,17 +108,30 @@ class TPGroup:
         self.group = group
 
     @classmethod
-    def start(cls, config: EngineConfig, model_config: ModelConfig, model_dir: str,
-              kv_cache_paths: list[str | None]) -> "TPGroup":
+    def start(
+        cls,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: str,
+        kv_cache_paths: list[str | None],
+    ) -> TPGroup:
         """kv_cache_paths[r]: rank r's shared KV pool file, or None for private memory."""
         if config.device == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs that many "
-                             f"GPUs, {torch.cuda.device_count()} visible")
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs that many "
+                f"GPUs, {torch.cuda.device_count()} visible"
+            )
         port = _free_port()
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_follower_main, daemon=True, name=f"pdserve-tp{rank}",
-                             args=(config, model_config, model_dir, rank, port, kv_cache_paths[rank]))
-                 for rank in range(1, config.tensor_parallel_size)]
+        procs = [
+            ctx.Process(
+                target=_follower_main,
+                daemon=True,
+                name=f"pdserve-tp{rank}",
+                args=(config, model_config, model_dir, rank, port, kv_cache_paths[rank]),
+            )
+            for rank in range(1, config.tensor_parallel_size)
+        ]
         for p in procs:
             p.start()
         return cls(procs, _init(config, 0, port))
@@ -121,5 +154,3 @@ class TPGroup:
                     p.kill()
             dist.destroy_process_group()
             set_tp_state(0, 1, None)
-
-

@@ -4,9 +4,17 @@ Imports no worker, and of the engine only engine/kv_pool.py, the one creator of 
 files (see docs/architecture.md section 2): everything here speaks in tensors, block ids and
 token ranges.
 """
+
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.state import TransferState
 from kvtransfer.wire import WIRE_VERSION, ChunkHeader, decode_frame, encode_frame
 
-__all__ = ["KVLayout", "LayoutMismatch", "TransferState", "ChunkHeader", "WIRE_VERSION",
-           "encode_frame", "decode_frame"]
+__all__ = [
+    "KVLayout",
+    "LayoutMismatch",
+    "TransferState",
+    "ChunkHeader",
+    "WIRE_VERSION",
+    "encode_frame",
+    "decode_frame",
+]

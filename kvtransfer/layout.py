@@ -1,4 +1,5 @@
 """What both ends of a transfer must agree on, and how heads are split across TP ranks."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,12 +12,12 @@ class LayoutMismatch(ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    model: str            # a name or checkpoint digest; equal strings mean equal weights
-    dtype: str            # "float32", "bfloat16", ...
+    model: str  # a name or checkpoint digest; equal strings mean equal weights
+    dtype: str  # "float32", "bfloat16", ...
     num_layers: int
-    num_kv_heads: int     # over the whole model, not per rank
+    num_kv_heads: int  # over the whole model, not per rank
     head_dim: int
-    block_size: int       # may differ between the two sides: data moves per token
+    block_size: int  # may differ between the two sides: data moves per token
     tp_size: int = 1
     tp_rank: int = 0
 
@@ -45,7 +46,8 @@ class KVLayout:
                 f"KV layout of the {what} ({other_fingerprint}) differs from this one "
                 f"({self.fingerprint}: model={self.model}, dtype={self.dtype}, layers={self.num_layers}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}): both sides must serve the "
-                f"same model in the same dtype")
+                f"same model in the same dtype"
+            )
 
 
 def overlapping_ranks(src: KVLayout, dst_tp_size: int) -> list[int]:

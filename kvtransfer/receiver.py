@@ -4,6 +4,7 @@ Coverage is kept per (layer, token, kv head) of this rank, so chunks may arrive 
 split any way (chunked prefill, several prefill TP ranks): a commit is accepted only once every
 layer holds every prompt token past the tokens the decode side already had cached.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,15 @@ class IncompleteTransfer(RuntimeError):
 
 
 class KVReceiver:
-    def __init__(self, request_id: str, kv_cache: torch.Tensor, layout: KVLayout,
-                 block_ids: list[int], num_cached_tokens: int, num_prompt_tokens: int):
+    def __init__(
+        self,
+        request_id: str,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        block_ids: list[int],
+        num_cached_tokens: int,
+        num_prompt_tokens: int,
+    ):
         self.request_id = request_id
         self.kv_cache = kv_cache
         self.layout = layout
@@ -35,8 +43,9 @@ class KVReceiver:
         self.first_token: int | None = None
         self.error: str | None = None
         self.bytes_received = 0
-        self._covered = torch.zeros(layout.num_layers, num_prompt_tokens, layout.heads_per_rank,
-                                    dtype=torch.bool)
+        self._covered = torch.zeros(
+            layout.num_layers, num_prompt_tokens, layout.heads_per_rank, dtype=torch.bool
+        )
         self._covered[:, :num_cached_tokens] = True
 
     @property
@@ -47,19 +56,21 @@ class KVReceiver:
         if self.state in (TransferState.DONE, TransferState.FAILED):
             return self.state
         try:
-            if isinstance(payload, RefusedFrame):   # the server refused a frame of this request
+            if isinstance(payload, RefusedFrame):  # the server refused a frame of this request
                 self._fail(payload.reason)
             elif header.kind == "abort":
                 self._fail("the sender aborted the transfer")
             elif header.kind == "commit":
                 if not self.complete:
                     missing = int((~self._covered).sum())
-                    raise IncompleteTransfer(f"commit before all KV arrived ({missing} values missing)")
+                    raise IncompleteTransfer(
+                        f"commit before all KV arrived ({missing} values missing)"
+                    )
                 self.first_token = header.first_token
                 self.state = TransferState.DONE
             else:
                 self._write(header, payload)
-        except Exception as e:   # a bad chunk fails this request, never the worker
+        except Exception as e:  # a bad chunk fails this request, never the worker
             self._fail(str(e))
         return self.state
 
@@ -68,8 +79,10 @@ class KVReceiver:
         # its bytes are in the blocks (write_chunk checks the payload against the header)
         check_chunk(self.layout, header, self.kv_cache.dtype)
         if not 0 <= header.start < header.end <= self.num_prompt_tokens:
-            raise ValueError(f"chunk tokens [{header.start}, {header.end}) are not a non-empty range "
-                             f"of the prompt ({self.num_prompt_tokens} tokens)")
+            raise ValueError(
+                f"chunk tokens [{header.start}, {header.end}) are not a non-empty range "
+                f"of the prompt ({self.num_prompt_tokens} tokens)"
+            )
         d0, d1 = self.layout.head_range
         lo, hi = max(d0, header.head_start), min(d1, header.head_end)
         if header.in_place:
@@ -81,12 +94,15 @@ class KVReceiver:
         else:
             written = write_chunk(self.kv_cache, self.layout, self.block_ids, header, payload)
         if written:
-            self._covered[header.layer, header.start:header.end, lo - d0:hi - d0] = True
+            self._covered[header.layer, header.start : header.end, lo - d0 : hi - d0] = True
             if header.in_place:
                 self.bytes_received += math.prod(header.shape) * self.kv_cache.element_size()
             else:
-                self.bytes_received += memoryview(payload).nbytes if not isinstance(
-                    payload, torch.Tensor) else payload.numel() * payload.element_size()
+                self.bytes_received += (
+                    memoryview(payload).nbytes
+                    if not isinstance(payload, torch.Tensor)
+                    else payload.numel() * payload.element_size()
+                )
         self.state = TransferState.TRANSFERRING
 
     def _fail(self, why: str) -> None:
@@ -101,12 +117,27 @@ class WorkerReceiver:
     DONE when every rank is, and FAILED when any is (TransferState.combine).
     """
 
-    def __init__(self, request_id: str, rank_caches: list[torch.Tensor], layout: KVLayout,
-                 block_ids: list[int], num_cached_tokens: int, num_prompt_tokens: int):
+    def __init__(
+        self,
+        request_id: str,
+        rank_caches: list[torch.Tensor],
+        layout: KVLayout,
+        block_ids: list[int],
+        num_cached_tokens: int,
+        num_prompt_tokens: int,
+    ):
         tp = len(rank_caches)
-        self.ranks = [KVReceiver(request_id, cache, dataclasses.replace(layout, tp_size=tp, tp_rank=r),
-                                 block_ids, num_cached_tokens, num_prompt_tokens)
-                      for r, cache in enumerate(rank_caches)]
+        self.ranks = [
+            KVReceiver(
+                request_id,
+                cache,
+                dataclasses.replace(layout, tp_size=tp, tp_rank=r),
+                block_ids,
+                num_cached_tokens,
+                num_prompt_tokens,
+            )
+            for r, cache in enumerate(rank_caches)
+        ]
 
     def on_frame(self, header: ChunkHeader, payload) -> TransferState:
         return TransferState.combine([r.on_frame(header, payload) for r in self.ranks])

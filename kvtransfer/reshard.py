@@ -4,6 +4,7 @@ Data moves per token (each side maps token t to its own block_ids[t // block_siz
 global kv-head range, so prefill with tp=3 can fill decode with tp=1 and the other way round:
 every receiving rank takes the intersection of the chunk's heads with its own.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ import torch
 
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.wire import ChunkHeader
+
 
 def _view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:
     # received frames are read-only buffers; we only read them, so a zero-copy view is safe and
@@ -31,8 +33,15 @@ def slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.
     return torch.tensor(block_ids, dtype=torch.long)[t // block_size] * block_size + t % block_size
 
 
-def read_chunk(layer_kv: torch.Tensor, layout: KVLayout, request_id: str, layer: int,
-               block_ids: list[int], start: int, end: int) -> tuple[ChunkHeader, torch.Tensor]:
+def read_chunk(
+    layer_kv: torch.Tensor,
+    layout: KVLayout,
+    request_id: str,
+    layer: int,
+    block_ids: list[int],
+    start: int,
+    end: int,
+) -> tuple[ChunkHeader, torch.Tensor]:
     """This rank's heads of tokens [start, end): header + contiguous [2, n, heads, head_dim].
 
     layer_kv: [2, num_blocks, block_size, heads_per_rank, head_dim] (block_size the layout's).
@@ -42,16 +51,25 @@ def read_chunk(layer_kv: torch.Tensor, layout: KVLayout, request_id: str, layer:
     bs, heads, head_dim = layout.block_size, layout.heads_per_rank, layout.head_dim
     if end > start:
         first, last = start // bs, (end - 1) // bs
-        ids = torch.tensor(block_ids[first:last + 1], dtype=torch.long, device=layer_kv.device)
+        ids = torch.tensor(block_ids[first : last + 1], dtype=torch.long, device=layer_kv.device)
         rows = layer_kv.view(2, -1, bs, heads, head_dim).index_select(1, ids)
-        data = rows.view(2, -1, heads, head_dim)[:, start - first * bs:end - first * bs]
-        if not data.is_contiguous():   # a partial first or last block
+        data = rows.view(2, -1, heads, head_dim)[:, start - first * bs : end - first * bs]
+        if not data.is_contiguous():  # a partial first or last block
             data = data.contiguous()
     else:
         data = layer_kv.new_empty((2, 0, heads, head_dim))
     h0, h1 = layout.head_range
-    header = ChunkHeader(request_id, layout.fingerprint, layer, start, end, h0, h1,
-                         layout.head_dim, dtype_name(layer_kv.dtype))
+    header = ChunkHeader(
+        request_id,
+        layout.fingerprint,
+        layer,
+        start,
+        end,
+        h0,
+        h1,
+        layout.head_dim,
+        dtype_name(layer_kv.dtype),
+    )
     return header, data
 
 
@@ -66,12 +84,15 @@ def check_chunk(layout: KVLayout, header: ChunkHeader, cache_dtype: torch.dtype)
     if not 0 <= header.layer < layout.num_layers:
         raise ValueError(f"chunk layer {header.layer} outside [0, {layout.num_layers})")
     if not 0 <= header.head_start < header.head_end <= layout.num_kv_heads:
-        raise ValueError(f"chunk kv heads [{header.head_start}, {header.head_end}) are not a "
-                         f"non-empty range of the model's {layout.num_kv_heads}")
+        raise ValueError(
+            f"chunk kv heads [{header.head_start}, {header.head_end}) are not a "
+            f"non-empty range of the model's {layout.num_kv_heads}"
+        )
 
 
-def write_chunk(kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int],
-                header: ChunkHeader, payload) -> int:
+def write_chunk(
+    kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int], header: ChunkHeader, payload
+) -> int:
     """Write the part of a chunk this rank holds into its blocks; returns the tokens written.
 
     kv_cache: [num_layers, 2, num_blocks, block_size, heads_per_rank, head_dim] of this rank.
@@ -79,19 +100,29 @@ def write_chunk(kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int],
     size or dtype is refused (ValueError), never written or counted.
     """
     check_chunk(layout, header, kv_cache.dtype)
-    if header.end > len(block_ids) * layout.block_size or header.start < 0 or header.end < header.start:
-        raise ValueError(f"chunk tokens [{header.start}, {header.end}) do not fit the "
-                         f"{len(block_ids)} reserved blocks of {layout.block_size} tokens")
+    if (
+        header.end > len(block_ids) * layout.block_size
+        or header.start < 0
+        or header.end < header.start
+    ):
+        raise ValueError(
+            f"chunk tokens [{header.start}, {header.end}) do not fit the "
+            f"{len(block_ids)} reserved blocks of {layout.block_size} tokens"
+        )
     expected = math.prod(header.shape)
     if isinstance(payload, torch.Tensor):
         if payload.dtype != kv_cache.dtype:
-            raise ValueError(f"chunk payload is {dtype_name(payload.dtype)}, header says {header.dtype}")
+            raise ValueError(
+                f"chunk payload is {dtype_name(payload.dtype)}, header says {header.dtype}"
+            )
         data = payload
     else:
         nbytes, need = memoryview(payload).nbytes, expected * kv_cache.element_size()
         if nbytes != need:
-            raise ValueError(f"chunk payload has {nbytes} bytes, header says shape {header.shape} "
-                             f"in {header.dtype}: {need} bytes")
+            raise ValueError(
+                f"chunk payload has {nbytes} bytes, header says shape {header.shape} "
+                f"in {header.dtype}: {need} bytes"
+            )
         data = _view_bytes(payload, kv_cache.dtype) if nbytes else kv_cache.new_empty(0)
     if data.numel() != expected:
         raise ValueError(f"chunk payload has {data.numel()} values, header says {header.shape}")
@@ -100,8 +131,8 @@ def write_chunk(kv_cache: torch.Tensor, layout: KVLayout, block_ids: list[int],
     lo, hi = max(d0, header.head_start), min(d1, header.head_end)
     if lo >= hi or header.end == header.start:
         return 0
-    part = data[:, :, lo - header.head_start:hi - header.head_start].to(kv_cache.device)
+    part = data[:, :, lo - header.head_start : hi - header.head_start].to(kv_cache.device)
     flat = kv_cache[header.layer].view(2, -1, layout.heads_per_rank, layout.head_dim)
     idx = slots(block_ids, layout.block_size, header.start, header.end).to(kv_cache.device)
-    flat[:, idx, lo - d0:hi - d0] = part
+    flat[:, idx, lo - d0 : hi - d0] = part
     return header.end - header.start

@@ -1,4 +1,5 @@
 """Transfer state, ordered so that the most conservative state across TP ranks is a `min`."""
+
 from __future__ import annotations
 
 import enum
@@ -11,6 +12,6 @@ class TransferState(enum.IntEnum):
     DONE = 3
 
     @classmethod
-    def combine(cls, states) -> "TransferState":
+    def combine(cls, states) -> TransferState:
         """One request's state across the ranks that carry parts of it."""
         return min(states, default=cls.PENDING)

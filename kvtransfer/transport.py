@@ -7,6 +7,7 @@ the order they were sent, so a request's "commit" always follows its KV. Backend
          memory; only the headers travel
   torch  torch.distributed send/recv over a process group of the two ranks (gloo on CPU, nccl on GPU)
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -28,6 +29,7 @@ class RefusedFrame:
     """The payload of the "abort" header a server hands the handler in place of a frame it refused
     (an in-place frame off the shm backend, an unreadable header naming a request): the request
     fails with `reason`. A handler that knows nothing of it still sees an abort."""
+
     reason: str
 
 
@@ -39,6 +41,7 @@ def refusal(request_id: str, reason: str) -> tuple[ChunkHeader, RefusedFrame]:
 @dataclass(frozen=True)
 class Destination:
     """Where a request's KV goes on one decode rank (from its reservation)."""
+
     block_ids: list[int]
     layout: KVLayout
 

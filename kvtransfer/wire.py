@@ -12,6 +12,7 @@ needs the receiver's layout (layer < num_layers, the head range, the prompt leng
 where the layout is known (kvtransfer.reshard.check_chunk); the first token's range against the
 vocabulary is the decode worker's.
 """
+
 from __future__ import annotations
 
 import struct
@@ -23,11 +24,11 @@ from protos.limits import MAX_ID_CHARS
 
 WIRE_VERSION = 1
 _LEN = struct.Struct("<I")
-MAX_REQUEST_ID_CHARS = MAX_ID_CHARS     # what the router accepts as a request_id
+MAX_REQUEST_ID_CHARS = MAX_ID_CHARS  # what the router accepts as a request_id
 MAX_FINGERPRINT_CHARS = 64
 MAX_DTYPE_CHARS = 32
-MAX_HEADER_BYTES = 4096                 # a legal header is well under 2 KiB
-MAX_INDEX = 1 << 31                     # layers, tokens, heads, head_dim
+MAX_HEADER_BYTES = 4096  # a legal header is well under 2 KiB
+MAX_INDEX = 1 << 31  # layers, tokens, heads, head_dim
 _INT64 = 1 << 63
 
 
@@ -53,37 +54,52 @@ class ChunkHeader:
     request_id: str
     fingerprint: str
     layer: int = 0
-    start: int = 0      # token range [start, end) of the prompt
+    start: int = 0  # token range [start, end) of the prompt
     end: int = 0
     head_start: int = 0  # global kv heads [head_start, head_end)
     head_end: int = 0
     head_dim: int = 0
     dtype: str = ""
     kind: str = "kv"
-    first_token: int = -1   # "commit" only
+    first_token: int = -1  # "commit" only
     version: int = WIRE_VERSION
-    in_place: bool = False  # "kv" only: the sender already wrote the KV into the receiver's cache (shm)
+    in_place: bool = (
+        False  # "kv" only: the sender already wrote the KV into the receiver's cache (shm)
+    )
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise WireError(f"frame kind {self.kind!r} is not one of {KINDS}")
-        if not isinstance(self.request_id, str) or not 0 < len(self.request_id) <= MAX_REQUEST_ID_CHARS:
-            raise WireError(f"frame request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} "
-                            f"characters, got {_describe(self.request_id)}")
+        if (
+            not isinstance(self.request_id, str)
+            or not 0 < len(self.request_id) <= MAX_REQUEST_ID_CHARS
+        ):
+            raise WireError(
+                f"frame request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} "
+                f"characters, got {_describe(self.request_id)}"
+            )
         for name, limit in (("fingerprint", MAX_FINGERPRINT_CHARS), ("dtype", MAX_DTYPE_CHARS)):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > limit:
-                raise WireError(f"frame {name} must be a string of at most {limit} characters, "
-                                f"got {_describe(value)}")
+                raise WireError(
+                    f"frame {name} must be a string of at most {limit} characters, "
+                    f"got {_describe(value)}"
+                )
         for name in _INDEX_FIELDS:
             value = getattr(self, name)
             if not _is_int(value) or not 0 <= value < MAX_INDEX:
-                raise WireError(f"frame {name} must be an int in [0, {MAX_INDEX}), got {_describe(value)}")
+                raise WireError(
+                    f"frame {name} must be an int in [0, {MAX_INDEX}), got {_describe(value)}"
+                )
         if self.end < self.start or self.head_end < self.head_start:
-            raise WireError(f"frame ranges must not run backwards: tokens [{self.start}, {self.end}), "
-                            f"heads [{self.head_start}, {self.head_end})")
+            raise WireError(
+                f"frame ranges must not run backwards: tokens [{self.start}, {self.end}), "
+                f"heads [{self.head_start}, {self.head_end})"
+            )
         if not _is_int(self.first_token) or not -_INT64 <= self.first_token < _INT64:
-            raise WireError(f"frame first_token must be a 64-bit int, got {_describe(self.first_token)}")
+            raise WireError(
+                f"frame first_token must be a 64-bit int, got {_describe(self.first_token)}"
+            )
         if not isinstance(self.in_place, bool):
             raise WireError(f"frame in_place must be true or false, got {_describe(self.in_place)}")
 
@@ -101,7 +117,9 @@ def _describe(value) -> str:
     return f"{text[:60]}... ({type(value).__name__}{size})"
 
 
-def encode_frame(header: ChunkHeader, payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+def encode_frame(
+    header: ChunkHeader, payload: bytes | memoryview = b""
+) -> list[bytes | memoryview]:
     """Pieces to write in order (no copy of the payload)."""
     head = msgpack.packb(asdict(header))
     return [_LEN.pack(len(head)), head, payload]
@@ -115,15 +133,17 @@ def split_frame(data: bytes | memoryview) -> tuple[dict, memoryview]:
         raise WireError("frame shorter than its length prefix")
     (n,) = _LEN.unpack_from(view)
     if n > MAX_HEADER_BYTES or n > len(view) - _LEN.size:
-        raise WireError(f"frame header of {n} bytes does not fit the frame ({len(view)} bytes) or "
-                        f"exceeds {MAX_HEADER_BYTES} bytes")
+        raise WireError(
+            f"frame header of {n} bytes does not fit the frame ({len(view)} bytes) or "
+            f"exceeds {MAX_HEADER_BYTES} bytes"
+        )
     try:
-        fields = msgpack.unpackb(view[_LEN.size:_LEN.size + n])
+        fields = msgpack.unpackb(view[_LEN.size : _LEN.size + n])
     except Exception as e:
         raise WireError(f"bad frame header: {e}") from None
     if not isinstance(fields, dict):
         raise WireError(f"a frame header is a msgpack map, got {type(fields).__name__}")
-    return fields, view[_LEN.size + n:]
+    return fields, view[_LEN.size + n :]
 
 
 def header_from_fields(fields: dict) -> ChunkHeader:
@@ -132,8 +152,10 @@ def header_from_fields(fields: dict) -> ChunkHeader:
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS else None
     version = fields.get("version")
     if not _is_int(version) or version != WIRE_VERSION:
-        raise WireError(f"wire version {_describe(version)} is not supported (this side speaks "
-                        f"{WIRE_VERSION})", rid)
+        raise WireError(
+            f"wire version {_describe(version)} is not supported (this side speaks {WIRE_VERSION})",
+            rid,
+        )
     try:
         return ChunkHeader(**fields)
     except (TypeError, WireError) as e:

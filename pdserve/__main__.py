@@ -1,4 +1,5 @@
 """`python -m pdserve ...`: the same as the `pdserve` command."""
+
 import sys
 
 from deploy.cli import main

@@ -9,6 +9,7 @@ Lifecycle of one request on a prefill worker:
   first token sampled -> "commit" frame on the same channel (so it follows all the KV)
   failure or abort    -> "abort" frame; the decode side frees the reservation
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,7 @@ def compute_takes_every_core(kv: torch.Tensor) -> bool:
         return False
     try:
         cores = len(os.sched_getaffinity(0))
-    except AttributeError:   # not Linux
+    except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return torch.get_num_threads() >= cores
 
@@ -50,14 +51,27 @@ class PushSink:
     BENCHMARKS.md, bench/cluster_bench.py).
     """
 
-    def __init__(self, request_id: str, layout: KVLayout, transport: Transport,
-                 dest: Destination, num_cached_on_decode: int,
-                 rank_caches: list[torch.Tensor] | None = None, overlap: bool | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        layout: KVLayout,
+        transport: Transport,
+        dest: Destination,
+        num_cached_on_decode: int,
+        rank_caches: list[torch.Tensor] | None = None,
+        overlap: bool | None = None,
+    ):
         self.request_id = request_id
         self.layout = layout
         tp = len(rank_caches) if rank_caches else 1
-        self.sources = None if tp == 1 else [
-            (dataclasses.replace(layout, tp_size=tp, tp_rank=r), cache) for r, cache in enumerate(rank_caches)]
+        self.sources = (
+            None
+            if tp == 1
+            else [
+                (dataclasses.replace(layout, tp_size=tp, tp_rank=r), cache)
+                for r, cache in enumerate(rank_caches)
+            ]
+        )
         self.transport = transport
         self.dest = dest
         self.skip = num_cached_on_decode
@@ -66,8 +80,9 @@ class PushSink:
         self.overlap = overlap
         self._deferred: list[tuple] = []
 
-    def on_layer(self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int,
-                 end: int) -> None:
+    def on_layer(
+        self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
+    ) -> None:
         start = max(start, self.skip)
         if start >= end:
             return
@@ -83,23 +98,34 @@ class PushSink:
             for args in deferred:
                 self._push(*args)
 
-    def _push(self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int,
-              end: int) -> None:
+    def _push(
+        self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
+    ) -> None:
         if self.sources is None:
-            header, data = read_chunk(layer_kv, self.layout, self.request_id, layer, block_ids, start, end)
+            header, data = read_chunk(
+                layer_kv, self.layout, self.request_id, layer, block_ids, start, end
+            )
         else:
-            parts = [read_chunk(cache[layer], layout, self.request_id, layer, block_ids, start, end)
-                     for layout, cache in self.sources]
+            parts = [
+                read_chunk(cache[layer], layout, self.request_id, layer, block_ids, start, end)
+                for layout, cache in self.sources
+            ]
             header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
-            data = torch.cat([d for _, d in parts], dim=2)   # [2, tokens, heads, head_dim]
+            data = torch.cat([d for _, d in parts], dim=2)  # [2, tokens, heads, head_dim]
         self.transport.send(header, data, self.dest)
         self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 
     def commit(self, first_token: int) -> None:
-        self.transport.send(ChunkHeader(self.request_id, self.layout.fingerprint, kind="commit",
-                                        first_token=first_token), None, self.dest)
+        self.transport.send(
+            ChunkHeader(
+                self.request_id, self.layout.fingerprint, kind="commit", first_token=first_token
+            ),
+            None,
+            self.dest,
+        )
 
     def abort(self) -> None:
-        self.transport.send(ChunkHeader(self.request_id, self.layout.fingerprint, kind="abort"),
-                            None, self.dest)
+        self.transport.send(
+            ChunkHeader(self.request_id, self.layout.fingerprint, kind="abort"), None, self.dest
+        )

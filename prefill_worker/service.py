@@ -9,6 +9,7 @@ Lifecycle of one Prefill call:
   timeout, Abort, client gone or a transport error -> engine request aborted, "abort" frame sent
      (so the decode side frees the reservation at once instead of at lease expiry)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,14 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.transport import Destination, Transport
 from prefill_worker.handoff import PushSink
 from protos.convert import unix_ns
-from protos.limits import (MAX_ADDRESS_CHARS, Refusal, check_id, check_sampling, check_token_ids,
-                           invalid)
+from protos.limits import (
+    MAX_ADDRESS_CHARS,
+    Refusal,
+    check_id,
+    check_sampling,
+    check_token_ids,
+    invalid,
+)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.security import INSECURE, ClusterSecurity
 from worker_common.errors import abort_for_engine_error, build_params
@@ -60,7 +67,7 @@ class GuardedSink:
     def abort(self) -> None:
         try:
             self.sink.abort()
-        except Exception as e:   # the channel is gone: the decode side's lease frees the blocks
+        except Exception as e:  # the channel is gone: the decode side's lease frees the blocks
             log.debug("abort frame for %s not sent: %r", self.sink.request_id, e)
 
 
@@ -73,7 +80,7 @@ class _Waiter:
         self.output: RequestOutput | None = None
         self.end_ns = 0
 
-    def __call__(self, out: RequestOutput) -> None:   # on the loop thread
+    def __call__(self, out: RequestOutput) -> None:  # on the loop thread
         if not out.finished:
             return
         comp = out.outputs[0]
@@ -87,18 +94,23 @@ class _Waiter:
 @dataclass(frozen=True)
 class PrefillServiceOptions:
     worker_id: str = "prefill"
-    prefill_timeout_s: float = 60.0   # when the client gives no deadline (and at most this)
+    prefill_timeout_s: float = 60.0  # when the client gives no deadline (and at most this)
     flush_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     poll_s: float = 0.1
-    security: ClusterSecurity = INSECURE   # KV channels carry the cluster secret
+    security: ClusterSecurity = INSECURE  # KV channels carry the cluster secret
     max_block_size: int = 1024
     max_tp_size: int = 64
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: EngineLoop, layout: KVLayout, options: PrefillServiceOptions,
-                 rank_caches: list | None = None):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        layout: KVLayout,
+        options: PrefillServiceOptions,
+        rank_caches: list | None = None,
+    ):
         """rank_caches: every TP rank's KV pool when this worker is tensor parallel."""
         self.loop = loop
         self.layout = layout
@@ -114,23 +126,29 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             refusal.abort(context)
         params = build_params(request.sampling, context)
         if not request.HasField("reservation"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "reservation must be set: call DecodeWorker.Reserve first")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "reservation must be set: call DecodeWorker.Reserve first",
+            )
         refusal = self._check_reservation(request)
         if refusal:
             refusal.abort(context)
         res = request.reservation
         endpoint = res.endpoint
         if endpoint.layout_fingerprint != self.layout.fingerprint:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the decode worker's KV layout ({endpoint.layout_fingerprint or 'unset'}) "
-                          f"differs from this prefill worker's ({self.layout.fingerprint}: "
-                          f"model={self.layout.model}, dtype={self.layout.dtype}): both sides must "
-                          f"serve the same model in the same dtype")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the decode worker's KV layout ({endpoint.layout_fingerprint or 'unset'}) "
+                f"differs from this prefill worker's ({self.layout.fingerprint}: "
+                f"model={self.layout.model}, dtype={self.layout.dtype}): both sides must "
+                f"serve the same model in the same dtype",
+            )
         if endpoint.rank_addresses:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                          "endpoint.rank_addresses is not supported: a tensor-parallel decode worker "
-                          "takes every rank's KV at endpoint.address")
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "endpoint.rank_addresses is not supported: a tensor-parallel decode worker "
+                "takes every rank's KV at endpoint.address",
+            )
         if res.block_size < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.block_size must be >= 1")
         try:
@@ -139,15 +157,21 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
 
         # the receiver's layout: its block size and TP split (head ranges travel in each frame)
-        dest = Destination(list(res.block_ids), dataclasses.replace(
-            self.layout, block_size=res.block_size, tp_size=max(1, endpoint.tp_size)))
-        sink = GuardedSink(PushSink(rid, self.layout, transport, dest, res.num_cached_tokens,
-                                    self.rank_caches))
+        dest = Destination(
+            list(res.block_ids),
+            dataclasses.replace(
+                self.layout, block_size=res.block_size, tp_size=max(1, endpoint.tp_size)
+            ),
+        )
+        sink = GuardedSink(
+            PushSink(rid, self.layout, transport, dest, res.num_cached_tokens, self.rank_caches)
+        )
         waiter = _Waiter(sink)
         start_ns = unix_ns()
         try:
-            self.loop.add_request(rid, list(request.prompt_token_ids), params, waiter,
-                                  prefill_only=True, kv_sink=sink)
+            self.loop.add_request(
+                rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
+            )
         except Exception as e:
             sink.abort()
             abort_for_engine_error(context, e)
@@ -158,60 +182,88 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             if time.monotonic() > deadline or not context.is_active():
                 self.loop.abort(rid, "prefill deadline exceeded")
                 sink.abort()
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"prefill of {rid!r} did not finish in time; raise the deadline")
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"prefill of {rid!r} did not finish in time; raise the deadline",
+                )
         comp = waiter.output.outputs[0]
         if comp.finish_reason != "prefill_done":
             sink.abort()
-            context.abort(grpc.StatusCode.ABORTED,
-                          f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}")
+            context.abort(
+                grpc.StatusCode.ABORTED,
+                f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}",
+            )
         if sink.error is not None:
             self._fail_transport(endpoint, transport, sink, context, sink.error)
         try:
-            transport.flush(max(0.1, min(self.options.flush_timeout_s, deadline - time.monotonic())))
+            transport.flush(
+                max(0.1, min(self.options.flush_timeout_s, deadline - time.monotonic()))
+            )
         except TimeoutError as e:
             sink.abort()
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer of {rid!r} did not finish: {e}")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer of {rid!r} did not finish: {e}"
+            )
         except Exception as e:
             self._fail_transport(endpoint, transport, sink, context, e)
         return worker_pb2.PrefillResponse(
-            request_id=rid, first_token=comp.token_ids[0],
+            request_id=rid,
+            first_token=comp.token_ids[0],
             first_token_logprob=comp.logprobs[0] if comp.logprobs else 0.0,
-            num_cached_tokens=waiter.output.num_cached_tokens, prefill_start_unix_ns=start_ns,
-            prefill_end_unix_ns=waiter.end_ns, transfer_end_unix_ns=unix_ns(),
-            bytes_sent=sink.sink.bytes_sent)
+            num_cached_tokens=waiter.output.num_cached_tokens,
+            prefill_start_unix_ns=start_ns,
+            prefill_end_unix_ns=waiter.end_ns,
+            transfer_end_unix_ns=unix_ns(),
+            bytes_sent=sink.sink.bytes_sent,
+        )
 
     def _check_fields(self, request) -> Refusal | None:
         """What is wrong with a PrefillRequest's id, prompt or sampling sizes, before any work."""
         config = self.loop.engine.config
         vocab = self.loop.engine.model_config.vocab_size
-        return (check_id("request_id", request.request_id)
-                or check_token_ids("prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab)
-                or check_sampling(request.sampling, config.max_model_len, vocab))
+        return (
+            check_id("request_id", request.request_id)
+            or check_token_ids(
+                "prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab
+            )
+            or check_sampling(request.sampling, config.max_model_len, vocab)
+        )
 
     def _check_reservation(self, request) -> Refusal | None:
         """Whether the reservation's numbers fit the prompt and the limits of this worker."""
         prompt = request.prompt_token_ids
         res, opts = request.reservation, self.options
         if not 1 <= res.block_size <= opts.max_block_size:
-            return invalid(f"reservation.block_size must be in [1, {opts.max_block_size}], got "
-                           f"{res.block_size}")
+            return invalid(
+                f"reservation.block_size must be in [1, {opts.max_block_size}], got "
+                f"{res.block_size}"
+            )
         needed = -(-len(prompt) // res.block_size)
         if not needed <= len(res.block_ids) <= needed + 1:
-            return invalid(f"reservation.block_ids has {len(res.block_ids)} blocks; a prompt of "
-                           f"{len(prompt)} tokens in blocks of {res.block_size} needs {needed}")
+            return invalid(
+                f"reservation.block_ids has {len(res.block_ids)} blocks; a prompt of "
+                f"{len(prompt)} tokens in blocks of {res.block_size} needs {needed}"
+            )
         if res.num_cached_tokens > len(prompt):
-            return invalid(f"reservation.num_cached_tokens={res.num_cached_tokens} exceeds the "
-                           f"prompt's {len(prompt)} tokens")
+            return invalid(
+                f"reservation.num_cached_tokens={res.num_cached_tokens} exceeds the "
+                f"prompt's {len(prompt)} tokens"
+            )
         endpoint = res.endpoint
         if endpoint.backend not in BACKENDS:
-            return invalid(f"reservation.endpoint.backend must be one of {BACKENDS}, got "
-                           f"{endpoint.backend[:40]!r}")
+            return invalid(
+                f"reservation.endpoint.backend must be one of {BACKENDS}, got "
+                f"{endpoint.backend[:40]!r}"
+            )
         if not endpoint.address or len(endpoint.address) > MAX_ADDRESS_CHARS:
-            return invalid(f"reservation.endpoint.address must have 1 to {MAX_ADDRESS_CHARS} characters")
+            return invalid(
+                f"reservation.endpoint.address must have 1 to {MAX_ADDRESS_CHARS} characters"
+            )
         if endpoint.tp_size > opts.max_tp_size:
-            return invalid(f"reservation.endpoint.tp_size must be at most {opts.max_tp_size}, got "
-                           f"{endpoint.tp_size}")
+            return invalid(
+                f"reservation.endpoint.tp_size must be at most {opts.max_tp_size}, got "
+                f"{endpoint.tp_size}"
+            )
         return None
 
     def _budget(self, context) -> float:
@@ -226,19 +278,24 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         with self._transports_lock:
             transport = self._transports.get(key)
             if transport is None:
-                transport = connect(backend, address, timeout=self.options.connect_timeout_s,
-                                    security=self.options.security)
+                transport = connect(
+                    backend,
+                    address,
+                    timeout=self.options.connect_timeout_s,
+                    security=self.options.security,
+                )
                 self._transports[key] = transport
             return transport
 
     def _fail_transport(self, endpoint, transport, sink: GuardedSink, context, err: Exception):
         sink.abort()
-        with self._transports_lock:   # the next request to this endpoint opens a fresh channel
+        with self._transports_lock:  # the next request to this endpoint opens a fresh channel
             if self._transports.get((endpoint.backend, endpoint.address)) is transport:
                 del self._transports[(endpoint.backend, endpoint.address)]
         threading.Thread(target=transport.close, daemon=True).start()
-        context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"KV transfer to {endpoint.address} failed: {err}")
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"KV transfer to {endpoint.address} failed: {err}"
+        )
 
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)

@@ -1,13 +1,28 @@
 """Protobuf <-> plain Python values for the worker services. Pure protobuf: no engine import,
 so the router can use it too."""
+
 from __future__ import annotations
 
 import time
 
 # proto3 `optional` scalars of pdserve.v1.SamplingParams; names equal the engine's keywords
-_OPTIONAL_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
-                    "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens")
+_OPTIONAL_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
 
 

@@ -4,6 +4,7 @@ process loop, allocate or wait without end. Pure protobuf: no engine import, so 
 use it (docs/architecture.md section 2). Each check returns None or a Refusal: the gRPC status and a
 message that says what to change.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,14 +12,20 @@ from dataclasses import dataclass
 
 import grpc
 
-MAX_ID_CHARS = 256              # request_id, worker_id
-MAX_ADDRESS_CHARS = 1024        # host:port or a KV endpoint address
+MAX_ID_CHARS = 256  # request_id, worker_id
+MAX_ADDRESS_CHARS = 1024  # host:port or a KV endpoint address
 MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 512            # per stop string
+MAX_STOP_CHARS = 512  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
-MAX_N = 64                      # sequences per prompt
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+MAX_N = 64  # sequences per prompt
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 # proto uint32 fields a client's -1 turns into 4294967295: anything above this is not a length
 _UINT32_WRAPPED = 1 << 31
 
@@ -50,40 +57,56 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
     if sampling is None:
         return None
     if sampling.HasField("prompt_logprobs"):
-        return Refusal(grpc.StatusCode.UNIMPLEMENTED,
-                       "sampling.prompt_logprobs is not served over gRPC yet: leave it unset, or "
-                       "use the engine API in-process (engine.SamplingParams(prompt_logprobs=k))")
+        return Refusal(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "sampling.prompt_logprobs is not served over gRPC yet: leave it unset, or "
+            "use the engine API in-process (engine.SamplingParams(prompt_logprobs=k))",
+        )
     if sampling.HasField("max_tokens"):
         m = sampling.max_tokens
         if m >= _UINT32_WRAPPED:
-            return invalid(f"sampling.max_tokens={m} is not a token count (a -1 sent as uint32?): "
-                           f"leave it unset for the default, or give at most max_model_len="
-                           f"{max_model_len}")
+            return invalid(
+                f"sampling.max_tokens={m} is not a token count (a -1 sent as uint32?): "
+                f"leave it unset for the default, or give at most max_model_len="
+                f"{max_model_len}"
+            )
         if m > max_model_len:
-            return Refusal(grpc.StatusCode.OUT_OF_RANGE,
-                           f"sampling.max_tokens={m} exceeds max_model_len={max_model_len}: lower it")
+            return Refusal(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"sampling.max_tokens={m} exceeds max_model_len={max_model_len}: lower it",
+            )
     if sampling.HasField("min_tokens") and sampling.min_tokens > max_model_len:
-        return Refusal(grpc.StatusCode.OUT_OF_RANGE, f"sampling.min_tokens={sampling.min_tokens} "
-                                                     f"exceeds max_model_len={max_model_len}")
+        return Refusal(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"sampling.min_tokens={sampling.min_tokens} exceeds max_model_len={max_model_len}",
+        )
     if sampling.HasField("n") and sampling.n > MAX_N:
         return invalid(f"sampling.n={sampling.n}: at most {MAX_N} sequences per prompt")
     for name in _FLOAT_FIELDS:
         if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
-            return invalid(f"sampling.{name} must be a finite number, got {getattr(sampling, name)}")
+            return invalid(
+                f"sampling.{name} must be a finite number, got {getattr(sampling, name)}"
+            )
     if len(sampling.stop) > MAX_STOP_STRINGS:
-        return invalid(f"sampling.stop has {len(sampling.stop)} strings; at most {MAX_STOP_STRINGS} "
-                       f"are allowed")
+        return invalid(
+            f"sampling.stop has {len(sampling.stop)} strings; at most {MAX_STOP_STRINGS} "
+            f"are allowed"
+        )
     longest = max(map(len, sampling.stop), default=0)
     if longest > MAX_STOP_CHARS:
-        return invalid(f"a sampling.stop string has {longest} characters; at most {MAX_STOP_CHARS} "
-                       f"are allowed")
+        return invalid(
+            f"a sampling.stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed"
+        )
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        return invalid(f"sampling.stop_token_ids has {len(sampling.stop_token_ids)} ids; at most "
-                       f"{MAX_STOP_TOKEN_IDS} are allowed")
+        return invalid(
+            f"sampling.stop_token_ids has {len(sampling.stop_token_ids)} ids; at most "
+            f"{MAX_STOP_TOKEN_IDS} are allowed"
+        )
     bad = [t for t in sampling.stop_token_ids if t >= vocab_size] if vocab_size else []
     if bad:
-        return invalid(f"sampling.stop_token_ids must be below the vocabulary size {vocab_size}, "
-                       f"got {bad[:3]}")
+        return invalid(
+            f"sampling.stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}"
+        )
     return None
 
 
@@ -93,9 +116,11 @@ def check_token_ids(name: str, ids, max_model_len: int, vocab_size: int) -> Refu
     if not len(ids):
         return invalid(f"{name} is empty: send at least one token")
     if len(ids) > max_model_len - 1:
-        return Refusal(grpc.StatusCode.OUT_OF_RANGE,
-                       f"{name} has {len(ids)} tokens but max_model_len is {max_model_len}: shorten "
-                       f"it to at most {max_model_len - 1} tokens")
+        return Refusal(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"{name} has {len(ids)} tokens but max_model_len is {max_model_len}: shorten "
+            f"it to at most {max_model_len - 1} tokens",
+        )
     if vocab_size and max(ids) >= vocab_size:
         bad = [t for t in ids if t >= vocab_size][:3]
         return invalid(f"{name} must be ids below the vocabulary size {vocab_size}, got {bad}")

@@ -18,6 +18,7 @@ INTERNAL "Exception deserializing request!".
 
 The secret never appears in a repr, a log line or an error message.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -40,6 +41,7 @@ MIN_SECRET_CHARS = 16
 class TLSConfig:
     """Mutual TLS material, as PEM bytes (read once where the config is loaded, so it travels to
     workers on other nodes with the rest of their config)."""
+
     ca_pem: bytes = field(repr=False)
     cert_pem: bytes = field(repr=False)
     key_pem: bytes = field(repr=False)
@@ -47,12 +49,14 @@ class TLSConfig:
     server_name: str = ""
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem, require_client_auth=True
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
-                                            certificate_chain=self.cert_pem)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
+        )
 
 
 @dataclass(frozen=True)
@@ -62,15 +66,21 @@ class ClusterSecurity:
 
     def __post_init__(self):
         if self.secret is not None and len(self.secret) < MIN_SECRET_CHARS:
-            raise ValueError(f"the cluster secret must have at least {MIN_SECRET_CHARS} characters "
-                             f"(got {len(self.secret)}); leave it unset and pdserve up makes one")
+            raise ValueError(
+                f"the cluster secret must have at least {MIN_SECRET_CHARS} characters "
+                f"(got {len(self.secret)}); leave it unset and pdserve up makes one"
+            )
 
     def __repr__(self) -> str:
-        return (f"ClusterSecurity(secret={'<set>' if self.secret else None}, "
-                f"tls={'mutual' if self.tls else None})")
+        return (
+            f"ClusterSecurity(secret={'<set>' if self.secret else None}, "
+            f"tls={'mutual' if self.tls else None})"
+        )
 
     # ---- servers --------------------------------------------------------------------------------
-    def server_interceptors(self, open_prefixes: tuple[str, ...] = ()) -> list[grpc.ServerInterceptor]:
+    def server_interceptors(
+        self, open_prefixes: tuple[str, ...] = ()
+    ) -> list[grpc.ServerInterceptor]:
         """For grpc.server(interceptors=...): methods under `open_prefixes` (and health) need no
         secret; every method decodes its request safely."""
         return [ServerGuard(self.secret, (HEALTH_PREFIX,) + tuple(open_prefixes))]
@@ -123,17 +133,20 @@ def _safe_deserializer(deserialize):
     def parse(data: bytes):
         try:
             return deserialize(data)
-        except Exception as e:   # DecodeError, UnicodeDecodeError, ...
+        except Exception as e:  # DecodeError, UnicodeDecodeError, ...
             return _Undecodable(e)
+
     return parse
 
 
 def _reject_undecodable(behavior, method: str, response_streaming: bool):
     def check(request, context):
         if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{method}: the request is not a valid protobuf message ({request.error}); "
-                          f"string fields must be UTF-8")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{method}: the request is not a valid protobuf message ({request.error}); "
+                f"string fields must be UTF-8",
+            )
         return behavior(request, context)
 
     if not response_streaming:
@@ -141,6 +154,7 @@ def _reject_undecodable(behavior, method: str, response_streaming: bool):
 
     def check_stream(request, context):
         yield from check(request, context)
+
     return check_stream
 
 
@@ -152,10 +166,12 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - abort raises
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
     make = kinds[(handler.request_streaming, handler.response_streaming)]
     return make(refuse_stream if handler.response_streaming else refuse)
 
@@ -164,7 +180,7 @@ class ServerGuard(grpc.ServerInterceptor):
     """Runs on gRPC's polling thread for every call: a dictionary lookup and a constant-time
     compare, nothing that can block."""
 
-    LOG_EVERY_S = 10.0   # refusals are logged at most this often (a stranger may call in a loop)
+    LOG_EVERY_S = 10.0  # refusals are logged at most this often (a stranger may call in a loop)
 
     def __init__(self, secret: str | None, open_prefixes: tuple[str, ...]):
         self._security = ClusterSecurity(secret)
@@ -180,8 +196,13 @@ class ServerGuard(grpc.ServerInterceptor):
             if now - self._logged_at < self.LOG_EVERY_S:
                 return
             count, self._refused_since_log, self._logged_at = self._refused_since_log, 0, now
-        log.warning("refused %s: %s cluster secret (%d refusal%s since the last such line)", method,
-                    "no" if presented is None else "a wrong", count, "" if count == 1 else "s")
+        log.warning(
+            "refused %s: %s cluster secret (%d refusal%s since the last such line)",
+            method,
+            "no" if presented is None else "a wrong",
+            count,
+            "" if count == 1 else "s",
+        )
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -196,29 +217,47 @@ class ServerGuard(grpc.ServerInterceptor):
                     break
             if not self._security.accepts(presented):
                 self._note_refusal(method, presented)
-                return _refusal(handler, f"{method} is part of the pdserve control plane and needs "
-                                         f"the deployment's cluster secret in the "
-                                         f"{SECRET_METADATA_KEY!r} metadata entry")
+                return _refusal(
+                    handler,
+                    f"{method} is part of the pdserve control plane and needs "
+                    f"the deployment's cluster secret in the "
+                    f"{SECRET_METADATA_KEY!r} metadata entry",
+                )
         if handler.request_streaming or handler.request_deserializer is None:
             return handler
         behavior = handler.unary_unary or handler.unary_stream
         guarded = _reject_undecodable(behavior, method, handler.response_streaming)
-        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming \
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
             else grpc.unary_unary_rpc_method_handler
-        return make(guarded, request_deserializer=_safe_deserializer(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
+        )
+        return make(
+            guarded,
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
 
 
-class _SecretAdder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _SecretAdder(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, secret: str):
         self._entry = (SECRET_METADATA_KEY, secret)
 
     def _details(self, details):
         metadata = list(details.metadata or ()) + [self._entry]
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            getattr(details, "wait_for_ready", None),
-                            getattr(details, "compression", None))
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)

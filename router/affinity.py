@@ -6,6 +6,7 @@ Prompts are cut into CHUNK-token pieces with chained hashes (a piece's hash cove
 before it); each hash remembers the workers that were sent a prompt starting with it, in LRU
 order, up to `max_entries` hashes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,7 @@ CHUNK = 32
 def prefix_hashes(prompt: list[int], chunk: int = CHUNK) -> list[bytes]:
     hashes, h = [], b""
     for i in range(0, len(prompt) - len(prompt) % chunk, chunk):
-        piece = ",".join(map(str, prompt[i:i + chunk])).encode()
+        piece = ",".join(map(str, prompt[i : i + chunk])).encode()
         h = hashlib.blake2b(h + piece, digest_size=16).digest()
         hashes.append(h)
     return hashes

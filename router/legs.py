@@ -34,6 +34,7 @@ What differs after a resume, compared with an uninterrupted run:
 - Timings come from the last leg, except queued/prefill (the first leg) and first_token (the
   first token the client received).
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,8 @@ class RouterStatus(grpc.RpcError):
         return self._details
 
 
-DECODE_QUEUE_POLL_S = 0.05   # a waiting request retries Reserve at least this often
-ABORT_THREADS = 4            # concurrent worker Abort calls; a burst of cancellations queues
+DECODE_QUEUE_POLL_S = 0.05  # a waiting request retries Reserve at least this often
+ABORT_THREADS = 4  # concurrent worker Abort calls; a burst of cancellations queues
 
 
 class DecodeFull(Exception):
@@ -139,12 +140,12 @@ class Inflight:
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.lock = threading.Lock()
-        self.leg: Leg | None = None       # the reservation and streams now running
-        self.dead_decodes: list = []      # decode workers that failed this request: not again
-        self.cancelled = False            # the client went away
-        self.abort_requested = False      # PDServe.Abort for this id
-        self.finished = False             # ended normally or already cleaned up
-        self.first_token_ns = 0           # when the router got the first token
+        self.leg: Leg | None = None  # the reservation and streams now running
+        self.dead_decodes: list = []  # decode workers that failed this request: not again
+        self.cancelled = False  # the client went away
+        self.abort_requested = False  # PDServe.Abort for this id
+        self.finished = False  # ended normally or already cleaned up
+        self.first_token_ns = 0  # when the router got the first token
 
 
 class Leg:
@@ -152,16 +153,18 @@ class Leg:
 
     def __init__(self, number: int):
         self.number = number
-        self.request_id = uuid.uuid4().hex   # what the workers know this leg by
-        self.decode = None                # pool worker holding the reservation
+        self.request_id = uuid.uuid4().hex  # what the workers know this leg by
+        self.decode = None  # pool worker holding the reservation
         self.reservation = None
         self.stream_call = None
-        self.prefill = None               # pool worker running (or last running) the prefill
-        self.charged_tokens = 0           # colocated: prompt tokens charged to `decode` until the first token
+        self.prefill = None  # pool worker running (or last running) the prefill
+        self.charged_tokens = (
+            0  # colocated: prompt tokens charged to `decode` until the first token
+        )
         self.prefill_future: futures.Future | None = None
         self.prefill_error: grpc.RpcError | None = None
-        self.decode_lost = False          # the prefill could not reach the decode worker to abort
-        self.ended = threading.Event()    # superseded by the next leg: its prefill stops retrying
+        self.decode_lost = False  # the prefill could not reach the decode worker to abort
+        self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
 
     def prefill_reply(self):
         """The PrefillResponse if the prefill already succeeded, without waiting."""
@@ -177,7 +180,7 @@ class Legs:
 
     def __init__(self, pool: WorkerPool, executor: futures.Executor, options):
         self.pool = pool
-        self.executor = executor          # Prefill calls
+        self.executor = executor  # Prefill calls
         self.options = options
         self.decode_queue = DecodeQueue()
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
@@ -186,16 +189,18 @@ class Legs:
     def close(self) -> None:
         self._aborter.shutdown(wait=False, cancel_futures=True)
 
-    def abort_later(self, leg: "Leg", cancel_stream: bool = False) -> None:
+    def abort_later(self, leg: Leg, cancel_stream: bool = False) -> None:
         """Aborts `leg` on its workers from the abort threads (and cancels its decode stream);
         returns at once."""
+
         def run():
             if cancel_stream:
                 leg.stream_call.cancel()
             self.abort(leg)
+
         try:
             self._aborter.submit(run)
-        except RuntimeError:   # the router is stopping; the workers' leases free the blocks
+        except RuntimeError:  # the router is stopping; the workers' leases free the blocks
             log.debug("router stopping: %s not aborted", leg.request_id)
 
     def start(self, req: Inflight, prompt, sampling, deadline: float, number: int) -> Leg | None:
@@ -203,20 +208,23 @@ class Legs:
         Raises LegFailed."""
         leg = Leg(number)
         leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
-        leg.stream_call = leg.decode.stub.Stream(worker_pb2.StreamRequest(request_id=leg.request_id),
-                                                 timeout=left(deadline))
+        leg.stream_call = leg.decode.stub.Stream(
+            worker_pb2.StreamRequest(request_id=leg.request_id), timeout=left(deadline)
+        )
         with req.lock:
             req.leg = leg
             cancelled, abort_requested = req.cancelled, req.abort_requested
-        if cancelled:   # the client left during Reserve: the callback did not know this leg yet
+        if cancelled:  # the client left during Reserve: the callback did not know this leg yet
             leg.stream_call.cancel()
             self.abort(leg)
             self.release_charge(leg)
             return None
         if abort_requested:
-            self.abort(leg)   # the stream ends with finish_reason "abort"
+            self.abort(leg)  # the stream ends with finish_reason "abort"
         if not self.options.colocated:
-            leg.prefill_future = self.executor.submit(self._prefill, req, leg, prompt, sampling, deadline)
+            leg.prefill_future = self.executor.submit(
+                self._prefill, req, leg, prompt, sampling, deadline
+            )
         return leg
 
     def stream(self, req: Inflight, leg: Leg, text: TextStream, sent: list[int]):
@@ -232,21 +240,26 @@ class Legs:
                 is_final = event.HasField("finish_reason")
                 piece = text.add(event.token_ids) + (text.flush() if is_final else "")
                 if event.token_ids or piece:
-                    delta = pdserve_pb2.TokenDelta(index=event.index, token_ids=event.token_ids,
-                                                   text=piece, logprobs=event.logprobs)
+                    delta = pdserve_pb2.TokenDelta(
+                        index=event.index,
+                        token_ids=event.token_ids,
+                        text=piece,
+                        logprobs=event.logprobs,
+                    )
                     yield pdserve_pb2.GenerateResponse(request_id=req.request_id, delta=delta)
                 if is_final:
                     return event, None
-                if text.stopped:   # a stop string across a resume point: the worker cannot see it
+                if text.stopped:  # a stop string across a resume point: the worker cannot see it
                     self.abort(leg)
                     leg.stream_call.cancel()
-                    return worker_pb2.TokenEvent(index=event.index, finish_reason="stop",
-                                                 stop_str=text.stop_str), None
+                    return worker_pb2.TokenEvent(
+                        index=event.index, finish_reason="stop", stop_str=text.stop_str
+                    ), None
         except grpc.RpcError as e:
             return None, e
         finally:
             self.release_charge(leg)
-            self.decode_queue.freed()   # the worker freed (or will free) this leg's blocks
+            self.decode_queue.freed()  # the worker freed (or will free) this leg's blocks
         return None, None
 
     def release_charge(self, leg: Leg) -> None:
@@ -260,7 +273,7 @@ class Legs:
         with req.lock:
             req.dead_decodes.append(leg.decode)
             req.leg = None
-        self.abort_later(leg)   # not inline: a dead worker's Abort may take its whole timeout
+        self.abort_later(leg)  # not inline: a dead worker's Abort may take its whole timeout
 
     def abort(self, leg: Leg) -> bool:
         found = False
@@ -299,22 +312,37 @@ class Legs:
         while True:
             waited = time.monotonic() - since
             if req.cancelled:
-                raise LegFailed(RouterStatus(grpc.StatusCode.CANCELLED,
-                                             "cancelled while waiting for decode KV blocks"), "router")
+                raise LegFailed(
+                    RouterStatus(
+                        grpc.StatusCode.CANCELLED, "cancelled while waiting for decode KV blocks"
+                    ),
+                    "router",
+                )
             if req.abort_requested:
-                raise LegFailed(RouterStatus(grpc.StatusCode.ABORTED,
-                                             "aborted (PDServe.Abort) while waiting for decode KV blocks"),
-                                "router")
+                raise LegFailed(
+                    RouterStatus(
+                        grpc.StatusCode.ABORTED,
+                        "aborted (PDServe.Abort) while waiting for decode KV blocks",
+                    ),
+                    "router",
+                )
             if time.monotonic() >= deadline:
-                raise LegFailed(RouterStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                             f"deadline passed after {waited:.1f} s waiting for decode "
-                                             f"KV blocks"), "router")
+                raise LegFailed(
+                    RouterStatus(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"deadline passed after {waited:.1f} s waiting for decode KV blocks",
+                    ),
+                    "router",
+                )
             if waited >= self.options.decode_queue_timeout_s:
-                raise LegFailed(RouterStatus(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"decode pool full: waited {waited:.0f} s for KV blocks with {queue.waiting()} "
-                    f"requests queued; retry later, or add decode workers or KV cache memory"),
-                    "decode worker")
+                raise LegFailed(
+                    RouterStatus(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"decode pool full: waited {waited:.0f} s for KV blocks with {queue.waiting()} "
+                        f"requests queued; retry later, or add decode workers or KV cache memory",
+                    ),
+                    "decode worker",
+                )
             if queue.head(ticket, timeout=min(DECODE_QUEUE_POLL_S, left(deadline))):
                 return
 
@@ -330,9 +358,13 @@ class Legs:
             message = str(e)
             if req.dead_decodes:
                 dead = ", ".join(self.pool.name(w) for w in req.dead_decodes)
-                message = (f"decode worker {dead} failed while streaming request {req.request_id!r} "
-                           f"and no other decode worker is available to resume it; retry when one is")
-            raise LegFailed(RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker") from None
+                message = (
+                    f"decode worker {dead} failed while streaming request {req.request_id!r} "
+                    f"and no other decode worker is available to resume it; retry when one is"
+                )
+            raise LegFailed(
+                RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker"
+            ) from None
         error, full = None, False
         # the reservation must outlive the longest the router waits for its prefill (queued
         # behind other prompts on a busy pool): a failed prefill is aborted explicitly, and the
@@ -347,25 +379,37 @@ class Legs:
                 self.pool.charge_queued(worker, charge)
                 leg.decode, leg.charged_tokens = worker, charge
             try:
-                reservation = worker.stub.Reserve(worker_pb2.ReserveRequest(
-                    request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    lease_ms=lease_ms, run_prefill=self.options.colocated),
-                    timeout=min(self.options.rpc_timeout_s, left(deadline)))
+                reservation = worker.stub.Reserve(
+                    worker_pb2.ReserveRequest(
+                        request_id=leg.request_id,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        lease_ms=lease_ms,
+                        run_prefill=self.options.colocated,
+                    ),
+                    timeout=min(self.options.rpc_timeout_s, left(deadline)),
+                )
                 num_blocks = len(reservation.block_ids)
-                if self.options.colocated and reservation.block_size:   # it allocates as it prefills
+                if self.options.colocated and reservation.block_size:  # it allocates as it prefills
                     num_blocks = -(-len(prompt) // reservation.block_size)
                 self.pool.note_reserved(worker, num_blocks)
                 return worker, reservation
             except grpc.RpcError as e:
                 error = e
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:   # it may have reserved anyway
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have reserved anyway
                     call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
-                if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                if e.code() not in (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
+                ):
                     break
                 full |= e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         self.release_charge(leg)
-        if full and error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) \
-                and not self.options.colocated:
+        if (
+            full
+            and error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+            and not self.options.colocated
+        ):
             raise DecodeFull()
         raise LegFailed(error, "decode worker")
 
@@ -384,32 +428,47 @@ class Legs:
             with req.lock:
                 leg.prefill = worker
             try:
-                return worker.stub.Prefill(worker_pb2.PrefillRequest(
-                    request_id=leg.request_id, prompt_token_ids=prompt, sampling=sampling,
-                    reservation=leg.reservation),
-                    timeout=min(self.options.prefill_timeout_s, left(deadline)))
+                return worker.stub.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=leg.request_id,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        reservation=leg.reservation,
+                    ),
+                    timeout=min(self.options.prefill_timeout_s, left(deadline)),
+                )
             except grpc.RpcError as e:
                 error, excluded = e, worker
-                ours = req.cancelled or req.abort_requested or leg.ended.is_set()   # we aborted it
-                log.log(logging.DEBUG if ours else logging.WARNING, "prefill of %s on %s failed: %s %s",
-                        leg.request_id, worker.address, e.code(), e.details())
+                ours = req.cancelled or req.abort_requested or leg.ended.is_set()  # we aborted it
+                log.log(
+                    logging.DEBUG if ours else logging.WARNING,
+                    "prefill of %s on %s failed: %s %s",
+                    leg.request_id,
+                    worker.address,
+                    e.code(),
+                    e.details(),
+                )
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
             finally:
                 self.pool.end_prefill(worker, charge)
-        if req.cancelled or req.abort_requested or leg.ended.is_set():   # the failure is the abort itself
+        if (
+            req.cancelled or req.abort_requested or leg.ended.is_set()
+        ):  # the failure is the abort itself
             return None
         leg.prefill_error = error
         try:
-            found = leg.decode.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=leg.request_id),
-                                          timeout=self.options.abort_timeout_s).found
+            found = leg.decode.stub.Abort(
+                worker_pb2.WorkerAbortRequest(request_id=leg.request_id),
+                timeout=self.options.abort_timeout_s,
+            ).found
         except grpc.RpcError as e:
             # unreachable is lost; slow (a deadline, a busy worker) is not, and must not be
             # mistaken for a death that a resume would answer with a second prefill
-            leg.decode_lost = e.code() == grpc.StatusCode.UNAVAILABLE   # before the cancel below
+            leg.decode_lost = e.code() == grpc.StatusCode.UNAVAILABLE  # before the cancel below
             found = False
         if not found:
-            leg.stream_call.cancel()   # decode unreachable or the request already gone
+            leg.stream_call.cancel()  # decode unreachable or the request already gone
         return None
 
 
@@ -429,13 +488,14 @@ def resume_sampling(sampling: pdserve_pb2.SamplingParams, num_sent: int):
     return resumed
 
 
-def decode_died(leg: Leg, final, error: grpc.RpcError | None, ended_by_client: bool,
-                deadline: float) -> bool:
+def decode_died(
+    leg: Leg, final, error: grpc.RpcError | None, ended_by_client: bool, deadline: float
+) -> bool:
     """Whether a leg's stream ended because its decode worker (or the link to it) failed, rather
     than by the client, an abort or the deadline."""
     if final is not None or ended_by_client or time.monotonic() >= deadline:
         return False
-    if error is None:   # the worker closed the stream without a final event
+    if error is None:  # the worker closed the stream without a final event
         return True
     return error.code() == grpc.StatusCode.UNAVAILABLE or leg.decode_lost
 
@@ -447,7 +507,9 @@ def left(deadline: float) -> float:
 def call_abort(stub, request_id: str, timeout: float) -> bool:
     """Best effort: a worker that is gone frees the request by its lease or stream end."""
     try:
-        return stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=timeout).found
+        return stub.Abort(
+            worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=timeout
+        ).found
     except grpc.RpcError as e:
         log.debug("Abort of %s failed: %s", request_id, e.code())
         return False

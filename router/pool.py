@@ -15,6 +15,7 @@ refusing costs the request). One successful Stats brings it back.
 Membership: workers from the config are static. Workers that Register (router/registry.py) are
 keyed by worker_id and drop out when their heartbeats stop for `ttl_s`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,14 +31,18 @@ from protos.security import INSECURE, ClusterSecurity
 from router.affinity import PrefixAffinity, prefix_hashes
 
 log = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 64 << 20   # long prompts' token id lists
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 # gRPC's default reconnect backoff grows to 120 s: a worker back after a long outage would stay
 # "down" that long after it answers again
-WORKER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
-                                            ("grpc.min_reconnect_backoff_ms", 100),
-                                            ("grpc.max_reconnect_backoff_ms", 2000)]
+WORKER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 ROLES = ("prefill", "decode")
 _STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
 
@@ -46,12 +51,14 @@ class NoWorker(Exception):
     """No worker of `role` to send a request to."""
 
     def __init__(self, role: str):
-        super().__init__(f"no {role} worker is registered with the router: start one (or wait "
-                         f"for one to register), then retry")
+        super().__init__(
+            f"no {role} worker is registered with the router: start one (or wait "
+            f"for one to register), then retry"
+        )
         self.role = role
 
 
-@dataclass(eq=False)   # identity: two workers may share an address across a re-registration
+@dataclass(eq=False)  # identity: two workers may share an address across a re-registration
 class _Worker:
     role: str
     address: str
@@ -59,27 +66,35 @@ class _Worker:
     stub: object
     worker_id: str = ""
     static: bool = True
-    expires_at: float = float("inf")   # registered workers: the heartbeat deadline
-    num_free_blocks: int = -1          # -1: unknown or unreachable, ranks last
-    num_inflight: int = 0              # prefills this router has running there
-    queued_tokens: int = 0             # their prompt tokens not expected in that worker's cache
-    num_failures: int = 0              # Stats failures in a row
+    expires_at: float = float("inf")  # registered workers: the heartbeat deadline
+    num_free_blocks: int = -1  # -1: unknown or unreachable, ranks last
+    num_inflight: int = 0  # prefills this router has running there
+    queued_tokens: int = 0  # their prompt tokens not expected in that worker's cache
+    num_failures: int = 0  # Stats failures in a row
     down: bool = False
 
 
 class WorkerPool:
-    def __init__(self, prefill_addresses=(), decode_addresses=(), stats_ttl_s: float = 0.5,
-                 stats_timeout_s: float = 1.0, down_after: int = 2,
-                 security: ClusterSecurity = INSECURE):
+    def __init__(
+        self,
+        prefill_addresses=(),
+        decode_addresses=(),
+        stats_ttl_s: float = 0.5,
+        stats_timeout_s: float = 1.0,
+        down_after: int = 2,
+        security: ClusterSecurity = INSECURE,
+    ):
         if down_after < 1:
             raise ValueError(f"down_after must be >= 1, got {down_after}")
         self.stats_ttl_s = stats_ttl_s
         self.stats_timeout_s = stats_timeout_s
         self.down_after = down_after
         self.security = security
-        self._workers = {"prefill": [self._connect("prefill", a) for a in prefill_addresses],
-                         "decode": [self._connect("decode", a) for a in decode_addresses]}
-        self._registered: dict[str, _Worker] = {}   # worker_id -> worker, for heartbeats
+        self._workers = {
+            "prefill": [self._connect("prefill", a) for a in prefill_addresses],
+            "decode": [self._connect("decode", a) for a in decode_addresses],
+        }
+        self._registered: dict[str, _Worker] = {}  # worker_id -> worker, for heartbeats
         self._affinity = PrefixAffinity()
         self._lock = threading.Lock()
         self._rr = {role: itertools.count() for role in ROLES}
@@ -91,7 +106,7 @@ class WorkerPool:
         channel = self.security.channel(address, WORKER_CHANNEL_OPTIONS)
         return _Worker(role, address, channel, _STUBS[role](channel), **fields)
 
-    def start(self) -> "WorkerPool":
+    def start(self) -> WorkerPool:
         self._thread.start()
         return self
 
@@ -124,7 +139,7 @@ class WorkerPool:
             workers = self._candidates("decode", exclude)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
-            if charge_tokens is None:   # stable sorts: ties keep the rotation
+            if charge_tokens is None:  # stable sorts: ties keep the rotation
                 return sorted(rotated, key=lambda w: -w.num_free_blocks)
             ordered = sorted(rotated, key=lambda w: (w.queued_tokens, -w.num_free_blocks))
             ordered[0].queued_tokens += charge_tokens
@@ -140,7 +155,9 @@ class WorkerPool:
             if worker.num_free_blocks >= 0:
                 worker.num_free_blocks = max(0, worker.num_free_blocks - num_blocks)
 
-    def pick_prefill(self, prompt: list[int] = (), exclude: _Worker | None = None) -> tuple[_Worker, int]:
+    def pick_prefill(
+        self, prompt: list[int] = (), exclude: _Worker | None = None
+    ) -> tuple[_Worker, int]:
         """The prefill worker other than `exclude` (or `exclude` when it is the only one) that
         finishes `prompt` soonest, and the tokens charged to it until end_prefill(worker, charge).
         Raises NoWorker when there is none."""
@@ -191,17 +208,29 @@ class WorkerPool:
                 self._workers[old.role].remove(old)
                 del self._registered[worker_id]
                 self._affinity.forget(old)
-            static = next((w for w in self._workers[role] if w.static and w.address == address), None)
-            if static is not None:   # already configured: learn its id, never expire it
+            static = next(
+                (w for w in self._workers[role] if w.static and w.address == address), None
+            )
+            if static is not None:  # already configured: learn its id, never expire it
                 static.worker_id = worker_id
                 self._registered[worker_id] = static
                 return static
-            worker = self._connect(role, address, worker_id=worker_id, static=False,
-                                   expires_at=time.monotonic() + ttl_s)
+            worker = self._connect(
+                role,
+                address,
+                worker_id=worker_id,
+                static=False,
+                expires_at=time.monotonic() + ttl_s,
+            )
             self._workers[role].append(worker)
             self._registered[worker_id] = worker
-        log.info("%s worker %s registered at %s%s", role, worker_id, address,
-                 f" (was {old.role} at {old.address})" if old is not None and not old.static else "")
+        log.info(
+            "%s worker %s registered at %s%s",
+            role,
+            worker_id,
+            address,
+            f" (was {old.role} at {old.address})" if old is not None and not old.static else "",
+        )
         return worker
 
     def heartbeat(self, worker_id: str, ttl_s: float, stats=None) -> bool:
@@ -225,8 +254,12 @@ class WorkerPool:
                 del self._registered[worker.worker_id]
                 self._affinity.forget(worker)
         for worker in late:
-            log.warning("%s worker %s at %s dropped out: no heartbeat", worker.role,
-                        worker.worker_id, worker.address)
+            log.warning(
+                "%s worker %s at %s dropped out: no heartbeat",
+                worker.role,
+                worker.worker_id,
+                worker.address,
+            )
 
     # ---- health ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -234,7 +267,7 @@ class WorkerPool:
             try:
                 self._expire()
                 self.sweep()
-            except Exception:   # a dead health thread would freeze every worker's state
+            except Exception:  # a dead health thread would freeze every worker's state
                 log.exception("worker health sweep failed")
             self._stop.wait(self.stats_ttl_s)
 
@@ -244,8 +277,10 @@ class WorkerPool:
         of workers."""
         with self._lock:
             workers = self._workers["prefill"] + self._workers["decode"]
-        calls = [(w, w.stub.Stats.future(worker_pb2.StatsRequest(), timeout=self.stats_timeout_s))
-                 for w in workers]
+        calls = [
+            (w, w.stub.Stats.future(worker_pb2.StatsRequest(), timeout=self.stats_timeout_s))
+            for w in workers
+        ]
         for worker, call in calls:
             try:
                 self._note_stats(worker, call.result())
@@ -269,9 +304,14 @@ class WorkerPool:
             went_down = not worker.down and worker.num_failures >= self.down_after
             worker.down = worker.down or went_down
         if went_down:
-            log.warning("%s worker %s is down: %d Stats calls failed in a row (last: %s %s)",
-                        worker.role, self.name(worker), worker.num_failures, error.code(),
-                        error.details())
+            log.warning(
+                "%s worker %s is down: %d Stats calls failed in a row (last: %s %s)",
+                worker.role,
+                self.name(worker),
+                worker.num_failures,
+                error.code(),
+                error.details(),
+            )
 
     def close(self) -> None:
         self._stop.set()

@@ -10,6 +10,7 @@ heartbeat.
       out), which tells the worker to Register again
   no Heartbeat for missed_beats x heartbeat_ms -> the pool's health thread drops the worker
 """
+
 from __future__ import annotations
 
 import grpc
@@ -20,11 +21,18 @@ from router.pool import ROLES, WorkerPool
 
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
-    def __init__(self, pool: WorkerPool, model_id: str, heartbeat_ms: int = 1000,
-                 missed_beats: int = 3, deployment_id: str = ""):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        model_id: str,
+        heartbeat_ms: int = 1000,
+        missed_beats: int = 3,
+        deployment_id: str = "",
+    ):
         if heartbeat_ms < 1 or missed_beats < 1:
-            raise ValueError(f"heartbeat_ms and missed_beats must be >= 1, got {heartbeat_ms}, "
-                             f"{missed_beats}")
+            raise ValueError(
+                f"heartbeat_ms and missed_beats must be >= 1, got {heartbeat_ms}, {missed_beats}"
+            )
         self.pool = pool
         self.model_id = model_id
         self.heartbeat_ms = heartbeat_ms
@@ -36,23 +44,33 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         if refusal:
             refusal.abort(context)
         if self.deployment_id and request.deployment_id != self.deployment_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"worker {request.worker_id} belongs to deployment "
-                          f"{request.deployment_id[:64] or '(none)'} but this router serves deployment "
-                          f"{self.deployment_id}: another pdserve deployment may be using this port")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {request.worker_id} belongs to deployment "
+                f"{request.deployment_id[:64] or '(none)'} but this router serves deployment "
+                f"{self.deployment_id}: another pdserve deployment may be using this port",
+            )
         if request.role not in ROLES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"role must be one of {list(ROLES)}, got {request.role!r}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"role must be one of {list(ROLES)}, got {request.role!r}",
+            )
         if len(request.address) > MAX_ADDRESS_CHARS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"address has {len(request.address)} characters; at most {MAX_ADDRESS_CHARS}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"address has {len(request.address)} characters; at most {MAX_ADDRESS_CHARS}",
+            )
         if not request.address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"address must be the host:port of the worker's {request.role} service")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"address must be the host:port of the worker's {request.role} service",
+            )
         if request.HasField("model") and request.model.id and request.model.id != self.model_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"worker {request.worker_id} serves model {request.model.id[:200]!r} but this "
-                          f"router serves {self.model_id!r}: register it with the router of its model")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {request.worker_id} serves model {request.model.id[:200]!r} but this "
+                f"router serves {self.model_id!r}: register it with the router of its model",
+            )
         self.pool.register(request.role, request.worker_id, request.address, self.ttl_s)
         return worker_pb2.RegisterResponse(heartbeat_ms=self.heartbeat_ms)
 
@@ -62,4 +80,5 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             refusal.abort(context)
         stats = request.stats if request.HasField("stats") else None
         return worker_pb2.HeartbeatResponse(
-            known=self.pool.heartbeat(request.worker_id, self.ttl_s, stats))
+            known=self.pool.heartbeat(request.worker_id, self.ttl_s, stats)
+        )

@@ -8,6 +8,7 @@ gRPC server.
     ...
     router.stop()
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,34 +31,34 @@ from router.service import PDServeServicer, ServiceOptions
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
 REGISTRY_NAME = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
-_EXTRA_THREADS = 8   # Abort, ListModels and health checks still get a thread when Generate is full
+_EXTRA_THREADS = 8  # Abort, ListModels and health checks still get a thread when Generate is full
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str                          # what the workers serve: HF directory, *.gguf or "smollm2"
-    prefill_addresses: tuple = ()       # static workers; empty: wait for workers to Register
+    model: str  # what the workers serve: HF directory, *.gguf or "smollm2"
+    prefill_addresses: tuple = ()  # static workers; empty: wait for workers to Register
     decode_addresses: tuple = ()
     host: str = "127.0.0.1"
-    port: int = 0                       # 0: pick a free port
-    max_inflight: int = 64              # concurrent Generate calls; more get RESOURCE_EXHAUSTED
-    max_model_len: int | None = None    # None: the model's max_position_embeddings
-    lease_ms: int = 10_000              # a reservation's lease; raised to cover the prefill timeout
+    port: int = 0  # 0: pick a free port
+    max_inflight: int = 64  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    lease_ms: int = 10_000  # a reservation's lease; raised to cover the prefill timeout
     prefill_timeout_s: float = 60.0
-    model_id: str | None = None         # ModelCard.id; None: the model's directory or file name
-    dtype: str | None = None            # ModelCard.dtype; None: config.json's torch_dtype
+    model_id: str | None = None  # ModelCard.id; None: the model's directory or file name
+    dtype: str | None = None  # ModelCard.dtype; None: config.json's torch_dtype
     stop_grace_s: float = 1.0
-    stats_interval_s: float = 0.5       # how often every worker's Stats is refreshed
+    stats_interval_s: float = 0.5  # how often every worker's Stats is refreshed
     stats_timeout_s: float = 1.0
-    down_after: int = 2                 # failed Stats in a row before a worker is skipped
-    heartbeat_ms: int = 1000            # registered workers heartbeat this often, drop out after 3 missed
-    max_resumes: int = 2                # decode workers one request may move to when its worker dies
-    decode_queue_timeout_s: float = 120.0   # longest wait for decode KV blocks when all are full
-    colocated: bool = False             # decode workers prefill too: no prefill pool, no hand-off
+    down_after: int = 2  # failed Stats in a row before a worker is skipped
+    heartbeat_ms: int = 1000  # registered workers heartbeat this often, drop out after 3 missed
+    max_resumes: int = 2  # decode workers one request may move to when its worker dies
+    decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
+    colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
     # it (the client API stays open); INSECURE: no check (in-process setups, tests)
     security: ClusterSecurity = field(default=INSECURE)
-    deployment_id: str = ""             # set: workers registering for another deployment are refused
+    deployment_id: str = ""  # set: workers registering for another deployment are refused
     # TLS on the client-facing port (cert_pem/key_pem; with ca_pem, clients must present a cert)
     client_tls: TLSConfig | None = None
 
@@ -75,7 +76,9 @@ class RouterConfig:
         if self.lease_ms <= 0:
             raise ValueError(f"RouterConfig.lease_ms must be > 0, got {self.lease_ms}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}")
+            raise ValueError(
+                f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}"
+            )
 
 
 def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
@@ -92,15 +95,26 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
     hf_text = hf.get("text_config", hf)
     max_len = config.max_model_len or hf_text.get("max_position_embeddings")
     if not max_len:
-        raise ValueError(f"{model_dir}/config.json has no max_position_embeddings: set "
-                         f"RouterConfig.max_model_len")
+        raise ValueError(
+            f"{model_dir}/config.json has no max_position_embeddings: set "
+            f"RouterConfig.max_model_len"
+        )
     dtype = config.dtype or hf_text.get("torch_dtype") or hf_text.get("dtype") or "float32"
-    model_id = config.model_id or os.path.basename(os.fspath(config.model).rstrip("/")) or str(model_dir)
-    return ServiceOptions(model_id=model_id, max_model_len=int(max_len),
-                          vocab_size=int(hf_text.get("vocab_size", 0)), dtype=str(dtype),
-                          max_inflight=config.max_inflight, lease_ms=config.lease_ms,
-                          prefill_timeout_s=config.prefill_timeout_s, max_resumes=config.max_resumes,
-                          decode_queue_timeout_s=config.decode_queue_timeout_s, colocated=config.colocated)
+    model_id = (
+        config.model_id or os.path.basename(os.fspath(config.model).rstrip("/")) or str(model_dir)
+    )
+    return ServiceOptions(
+        model_id=model_id,
+        max_model_len=int(max_len),
+        vocab_size=int(hf_text.get("vocab_size", 0)),
+        dtype=str(dtype),
+        max_inflight=config.max_inflight,
+        lease_ms=config.lease_ms,
+        prefill_timeout_s=config.prefill_timeout_s,
+        max_resumes=config.max_resumes,
+        decode_queue_timeout_s=config.decode_queue_timeout_s,
+        colocated=config.colocated,
+    )
 
 
 class Router:
@@ -114,35 +128,53 @@ class Router:
         self._health: health.HealthServicer | None = None
         self.address: str | None = None
 
-    def start(self) -> "Router":
+    def start(self) -> Router:
         cfg = self.config
         try:
             model_dir = resolve_model(cfg.model)
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
-            self.pool = WorkerPool(list(cfg.prefill_addresses), list(cfg.decode_addresses),
-                                   stats_ttl_s=cfg.stats_interval_s, stats_timeout_s=cfg.stats_timeout_s,
-                                   down_after=cfg.down_after, security=cfg.security).start()
-            self._prefill_executor = futures.ThreadPoolExecutor(cfg.max_inflight,
-                                                                thread_name_prefix="router-prefill")
+            self.pool = WorkerPool(
+                list(cfg.prefill_addresses),
+                list(cfg.decode_addresses),
+                stats_ttl_s=cfg.stats_interval_s,
+                stats_timeout_s=cfg.stats_timeout_s,
+                down_after=cfg.down_after,
+                security=cfg.security,
+            ).start()
+            self._prefill_executor = futures.ThreadPoolExecutor(
+                cfg.max_inflight, thread_name_prefix="router-prefill"
+            )
             self.servicer = PDServeServicer(self.pool, tokenizer, options, self._prefill_executor)
-            self._executor = futures.ThreadPoolExecutor(cfg.max_inflight + _EXTRA_THREADS,
-                                                        thread_name_prefix="router-grpc")
+            self._executor = futures.ThreadPoolExecutor(
+                cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
+            )
             # the client API and reflection are open to anyone; the Registry needs the secret
             guard = cfg.security.server_interceptors(
-                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."))
+                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection.")
+            )
             limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
-            self._server = grpc.server(self._executor, interceptors=guard, options=[
-                *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
-                ("grpc.max_receive_message_length", limit)])
+            self._server = grpc.server(
+                self._executor,
+                interceptors=guard,
+                options=[
+                    *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
+                    ("grpc.max_receive_message_length", limit),
+                ],
+            )
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             worker_pb2_grpc.add_RegistryServicer_to_server(
-                RegistryServicer(self.pool, options.model_id, cfg.heartbeat_ms,
-                                 deployment_id=cfg.deployment_id), self._server)
+                RegistryServicer(
+                    self.pool, options.model_id, cfg.heartbeat_ms, deployment_id=cfg.deployment_id
+                ),
+                self._server,
+            )
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
             reflection.enable_server_reflection(
-                (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+                (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                self._server,
+            )
             port = self._bind(f"{cfg.host}:{cfg.port}")
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
@@ -153,8 +185,13 @@ class Router:
             raise
         for name in ("", SERVICE_NAME, REGISTRY_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("router serving %s on %s (prefill %s, decode %s, more may register)", options.model_id,
-                 self.address, list(cfg.prefill_addresses), list(cfg.decode_addresses))
+        log.info(
+            "router serving %s on %s (prefill %s, decode %s, more may register)",
+            options.model_id,
+            self.address,
+            list(cfg.prefill_addresses),
+            list(cfg.decode_addresses),
+        )
         return self
 
     def _bind(self, address: str) -> int:
@@ -162,9 +199,11 @@ class Router:
         uses it (workers and clients then share the CA), else plaintext."""
         tls = self.config.client_tls
         if tls is not None:
-            creds = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)],
-                                                root_certificates=tls.ca_pem or None,
-                                                require_client_auth=bool(tls.ca_pem))
+            creds = grpc.ssl_server_credentials(
+                [(tls.key_pem, tls.cert_pem)],
+                root_certificates=tls.ca_pem or None,
+                require_client_auth=bool(tls.ca_pem),
+            )
             return self._server.add_secure_port(address, creds)
         return self.config.security.add_port(self._server, address)
 
@@ -178,7 +217,7 @@ class Router:
             self._server = None
         if self.servicer is not None:
             self.servicer.close()
-        for name in ("_executor", "_prefill_executor"):   # grpc does not own them
+        for name in ("_executor", "_prefill_executor"):  # grpc does not own them
             executor = getattr(self, name)
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)

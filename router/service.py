@@ -26,6 +26,7 @@ see ids the router mints (router/legs.py), so nothing a client chooses reaches a
 Every field is checked before any work (protos/limits.py, router/text.py): sizes, counts, and
 numbers a wrapped -1 would make enormous.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,17 +39,21 @@ from dataclasses import dataclass
 import grpc
 
 from protos.convert import unix_ns
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 from protos.limits import check_id, check_sampling
+from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 from router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus, decode_died, resume_sampling
 from router.pool import ROLES, NoWorker, WorkerPool
 from router.text import BadRequest, PromptEncoder, TextStream
 
 log = logging.getLogger(__name__)
 # worker statuses that describe the client's request: passed on unchanged
-_CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
-                 grpc.StatusCode.FAILED_PRECONDITION}
+_CLIENT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 @dataclass(frozen=True)
@@ -60,24 +65,29 @@ class ServiceOptions:
     max_inflight: int = 64
     lease_ms: int = 10_000
     prefill_timeout_s: float = 60.0
-    rpc_timeout_s: float = 10.0          # Reserve
-    abort_timeout_s: float = 0.5         # best-effort Abort calls
-    request_timeout_s: float = 3600.0    # the whole stream when the client sets no deadline_ms
-    prefill_result_wait_s: float = 5.0   # Prefill's reply may trail its committed first token
-    max_resumes: int = 2                 # new decode workers one request may move to
-    decode_queue_timeout_s: float = 120.0   # disaggregated: longest wait for decode KV blocks
-    colocated: bool = False              # workers prefill and decode themselves (no prefill pool)
+    rpc_timeout_s: float = 10.0  # Reserve
+    abort_timeout_s: float = 0.5  # best-effort Abort calls
+    request_timeout_s: float = 3600.0  # the whole stream when the client sets no deadline_ms
+    prefill_result_wait_s: float = 5.0  # Prefill's reply may trail its committed first token
+    max_resumes: int = 2  # new decode workers one request may move to
+    decode_queue_timeout_s: float = 120.0  # disaggregated: longest wait for decode KV blocks
+    colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
 
 
 class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
-    def __init__(self, pool: WorkerPool, tokenizer, options: ServiceOptions,
-                 executor: futures.ThreadPoolExecutor):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        tokenizer,
+        options: ServiceOptions,
+        executor: futures.ThreadPoolExecutor,
+    ):
         self.pool = pool
         self.tokenizer = tokenizer
         self.options = options
         self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
         self.legs = Legs(pool, executor, options)
-        self._inflight: dict[tuple[str, str], Inflight] = {}   # (client peer, request_id) ->
+        self._inflight: dict[tuple[str, str], Inflight] = {}  # (client peer, request_id) ->
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -89,25 +99,32 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         queued_ns, start = unix_ns(), time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         opts = self.options
-        refusal = check_id("request_id", rid) or check_sampling(request.sampling, opts.max_model_len,
-                                                                   opts.vocab_size)
+        refusal = check_id("request_id", rid) or check_sampling(
+            request.sampling, opts.max_model_len, opts.vocab_size
+        )
         if refusal:
             refusal.abort(context)
         if request.model and request.model != opts.model_id:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"model {request.model[:200]} is not served; served: {opts.model_id}")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.model[:200]} is not served; served: {opts.model_id}",
+            )
         if request.sampling.HasField("n") and request.sampling.n > 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "n>1 is not supported by the disaggregated router yet")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "n>1 is not supported by the disaggregated router yet",
+            )
         try:
             prompt = self.encoder.encode(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
-        for role in (("decode",) if opts.colocated else ROLES):
+        for role in ("decode",) if opts.colocated else ROLES:
             if not self.pool.num_workers(role):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))
-        budget_s = min(request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s,
-                       opts.request_timeout_s)
+        budget_s = min(
+            request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s,
+            opts.request_timeout_s,
+        )
         deadline = start + budget_s
         key = (context.peer(), rid)
         req = self._admit(key, context)
@@ -128,23 +145,31 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             if not full and not taken:
                 self._inflight[key] = req
         if full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"router queue full ({num} in flight), retry later")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router queue full ({num} in flight), retry later",
+            )
         if taken:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+            )
         return req
 
     def _generate(self, req: Inflight, request, prompt, deadline, queued_ns, context):
         sampling = request.sampling
-        text = TextStream(self.tokenizer, prompt,
-                          sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
-                          tuple(sampling.stop), sampling.include_stop_str_in_output)
-        sent: list[int] = []   # token ids the client got, over all legs
+        text = TextStream(
+            self.tokenizer,
+            prompt,
+            sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+            tuple(sampling.stop),
+            sampling.include_stop_str_in_output,
+        )
+        sent: list[int] = []  # token ids the client got, over all legs
         legs: list[Leg] = []
         while True:
             leg_sampling = resume_sampling(sampling, len(sent))
             if leg_sampling is None or len(prompt) + len(sent) >= self.options.max_model_len:
-                final = worker_pb2.TokenEvent(finish_reason="length")   # the dead leg had got there
+                final = worker_pb2.TokenEvent(finish_reason="length")  # the dead leg had got there
                 break
             try:
                 leg = self.legs.start(req, prompt + sent, leg_sampling, deadline, len(legs))
@@ -160,48 +185,75 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 self._resume_or_fail(req, leg, error, len(sent), context)
                 continue
             self._prefill_result(leg.prefill_future)
-            if leg.prefill_error is not None and (final is None or final.finish_reason == "abort") \
-                    and not req.abort_requested:
+            if (
+                leg.prefill_error is not None
+                and (final is None or final.finish_reason == "abort")
+                and not req.abort_requested
+            ):
                 self._fail(req, context, leg.prefill_error, "prefill worker", request.deadline_ms)
             if final is None:
                 self._fail(req, context, error, "decode worker", request.deadline_ms)
             break
         req.finished = True
-        yield pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=self._finish(
-            final, len(prompt), len(sent), legs, queued_ns, req))
+        yield pdserve_pb2.GenerateResponse(
+            request_id=req.request_id,
+            finish=self._finish(final, len(prompt), len(sent), legs, queued_ns, req),
+        )
 
     def _resume_or_fail(self, req: Inflight, leg: Leg, error, num_sent: int, context) -> None:
         """After a leg's decode worker died: returns so the caller starts the next leg, or ends the
         call when no resume is left."""
         self.legs.retire(req, leg)
-        why = f"{error.code().name}: {error.details()}" if error is not None else \
-            "its stream ended without a final event"
+        why = (
+            f"{error.code().name}: {error.details()}"
+            if error is not None
+            else "its stream ended without a final event"
+        )
         name = self.pool.name(leg.decode)
         if leg.number >= self.options.max_resumes:
-            self._fail(req, context, RouterStatus(grpc.StatusCode.UNAVAILABLE,
-                       f"decode worker {name} failed ({why}) and request {req.request_id!r} was "
-                       f"already resumed {leg.number} times (max_resumes={self.options.max_resumes}); "
-                       f"retry the request"), "decode worker", 0)
-        log.warning("decode worker %s failed for %s after %d tokens (%s); resuming on another",
-                    name, req.request_id, num_sent, why)
+            self._fail(
+                req,
+                context,
+                RouterStatus(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"decode worker {name} failed ({why}) and request {req.request_id!r} was "
+                    f"already resumed {leg.number} times (max_resumes={self.options.max_resumes}); "
+                    f"retry the request",
+                ),
+                "decode worker",
+                0,
+            )
+        log.warning(
+            "decode worker %s failed for %s after %d tokens (%s); resuming on another",
+            name,
+            req.request_id,
+            num_sent,
+            why,
+        )
 
     def _prefill_result(self, prefill: futures.Future | None):
-        if prefill is None:   # colocated: there is no prefill leg
+        if prefill is None:  # colocated: there is no prefill leg
             return None
         try:
             return prefill.result(timeout=self.options.prefill_result_wait_s)
         except futures.TimeoutError:
             return None
 
-    def _finish(self, final, num_prompt_tokens, num_tokens, legs: list[Leg], queued_ns,
-                req) -> pdserve_pb2.Finish:
+    def _finish(
+        self, final, num_prompt_tokens, num_tokens, legs: list[Leg], queued_ns, req
+    ) -> pdserve_pb2.Finish:
         first, last = legs[0], legs[-1]
-        usage = pdserve_pb2.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_tokens,
-                                  cached_prompt_tokens=first.reservation.num_cached_tokens)
-        finish = pdserve_pb2.Finish(index=final.index, finish_reason=final.finish_reason, usage=usage)
+        usage = pdserve_pb2.Usage(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_tokens,
+            cached_prompt_tokens=first.reservation.num_cached_tokens,
+        )
+        finish = pdserve_pb2.Finish(
+            index=final.index, finish_reason=final.finish_reason, usage=usage
+        )
         kind = final.WhichOneof("stop_reason")
         if final.finish_reason in ("abort", "error"):
-            finish.message = final.stop_str   # the decode worker's reason rides in stop_str
+            finish.message = final.stop_str  # the decode worker's reason rides in stop_str
         elif kind == "stop_str":
             finish.stop_str = final.stop_str
         elif kind == "stop_token":
@@ -209,7 +261,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         timings = finish.timings
         timings.CopyFrom(final.timings)
         timings.queued_unix_ns = queued_ns
-        if len(legs) > 1 and req.first_token_ns:   # the client's first token came from an earlier leg
+        if (
+            len(legs) > 1 and req.first_token_ns
+        ):  # the client's first token came from an earlier leg
             timings.first_token_unix_ns = req.first_token_ns
         prefill_leg = first if first.prefill_reply() is not None else last
         prefill_reply = prefill_leg.prefill_reply()
@@ -229,12 +283,15 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self._abort_workers(req)
         if error is None:
             context.abort(grpc.StatusCode.INTERNAL, f"the {who} stream ended without a final event")
-        if isinstance(error, RouterStatus):   # already says what happened
+        if isinstance(error, RouterStatus):  # already says what happened
             context.abort(error.code(), error.details())
         code = error.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            context.abort(code, f"request {req.request_id!r} did not finish within deadline_ms="
-                                f"{deadline_ms or 'unset'} (at the {who})")
+            context.abort(
+                code,
+                f"request {req.request_id!r} did not finish within deadline_ms="
+                f"{deadline_ms or 'unset'} (at the {who})",
+            )
         if code in _CLIENT_CODES:
             context.abort(code, error.details())
         if code == grpc.StatusCode.CANCELLED:
@@ -267,17 +324,24 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         refusal = check_id("request_id", request.request_id)
         if refusal:
             refusal.abort(context)
-        with self._lock:   # only the caller's own requests: those its connection started
+        with self._lock:  # only the caller's own requests: those its connection started
             req = self._inflight.get((context.peer(), request.request_id))
         if req is None:
             return pdserve_pb2.AbortResponse(found=False)
         with req.lock:
             req.abort_requested = True
-        self._abort_workers(req)   # the decode stream then ends with finish_reason "abort"
+        self._abort_workers(req)  # the decode stream then ends with finish_reason "abort"
         return pdserve_pb2.AbortResponse(found=True)
 
     def ListModels(self, request, context):
         opts = self.options
-        return pdserve_pb2.ListModelsResponse(models=[pdserve_pb2.ModelCard(
-            id=opts.model_id, max_model_len=opts.max_model_len, vocab_size=opts.vocab_size,
-            dtype=opts.dtype)])
+        return pdserve_pb2.ListModelsResponse(
+            models=[
+                pdserve_pb2.ModelCard(
+                    id=opts.model_id,
+                    max_model_len=opts.max_model_len,
+                    vocab_size=opts.vocab_size,
+                    dtype=opts.dtype,
+                )
+            ]
+        )

@@ -3,6 +3,7 @@
 The decode worker streams token ids; the router turns them into text the same way the engine
 does (IncrementalDetokenizer, stop strings cut the text), so a client sees the engine's text.
 """
+
 from __future__ import annotations
 
 from concurrent import futures
@@ -61,16 +62,22 @@ class PromptEncoder:
         else:
             ids = []
         if not ids:
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                             "prompt is empty: send text, token ids or chat messages")
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "prompt is empty: send text, token ids or chat messages",
+            )
         if len(ids) > self.max_model_len - 1:
-            raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
-                             f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                             f"shorten it to at most {self.max_model_len - 1} tokens")
+            raise BadRequest(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"shorten it to at most {self.max_model_len - 1} tokens",
+            )
         if self.vocab_size and max(ids) >= self.vocab_size:
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"token_ids must be below the vocabulary size {self.vocab_size}, got "
-                             f"{[t for t in ids if t >= self.vocab_size][:3]}")
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"token_ids must be below the vocabulary size {self.vocab_size}, got "
+                f"{[t for t in ids if t >= self.vocab_size][:3]}",
+            )
         return ids
 
     def _check_size(self, texts: list[str], what: str) -> None:
@@ -82,15 +89,17 @@ class PromptEncoder:
         counted = chars <= self.max_prompt_bytes
         num = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) if counted else chars
         if num > self.max_prompt_bytes:
-            raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
-                             f"the {what} has {'' if counted else 'at least '}{num} bytes, more "
-                             f"than max_model_len={self.max_model_len} tokens can hold (at most "
-                             f"{self.max_prompt_bytes} bytes): shorten it")
+            raise BadRequest(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the {what} has {'' if counted else 'at least '}{num} bytes, more "
+                f"than max_model_len={self.max_model_len} tokens can hold (at most "
+                f"{self.max_prompt_bytes} bytes): shorten it",
+            )
 
     def _run(self, fn, *args):
         try:
             return self._executor.submit(fn, *args).result()
-        except RuntimeError as e:   # shut down: the router is stopping
+        except RuntimeError as e:  # shut down: the router is stopping
             raise BadRequest(grpc.StatusCode.UNAVAILABLE, f"the router is stopping: {e}") from None
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -100,22 +109,29 @@ class PromptEncoder:
         if not messages:
             return []
         if len(messages) > MAX_CHAT_MESSAGES:
-            raise BadRequest(grpc.StatusCode.OUT_OF_RANGE,
-                             f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed")
+            raise BadRequest(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed",
+            )
         self._check_size([t for m in messages for t in (m.role, m.content)], "chat")
         if not getattr(self.tokenizer, "chat_template", None):
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                             "this model's tokenizer has no chat template: send text or token_ids instead")
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this model's tokenizer has no chat template: send text or token_ids instead",
+            )
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         return self._run(self._render_and_encode, conversation)
 
     def _render_and_encode(self, conversation) -> list[int]:
         try:
-            rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                          tokenize=False)
-        except Exception as e:   # jinja errors: a role or shape the template rejects
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"chat messages do not fit the model's chat template: {e}") from e
+            rendered = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # jinja errors: a role or shape the template rejects
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"chat messages do not fit the model's chat template: {e}",
+            ) from e
         return self._encode(rendered, add_special_tokens=False)
 
 
@@ -123,14 +139,20 @@ class TextStream:
     """Incremental text of one sequence. Text that may be the start of a stop string is held
     back until it is clearly not one, so a client never receives text the engine cuts off."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
-                 stops: tuple[str, ...], include_stop_str: bool):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: list[int],
+        skip_special_tokens: bool,
+        stops: tuple[str, ...],
+        include_stop_str: bool,
+    ):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stops = stops
         self.include_stop_str = include_stop_str
         self.num_sent_chars = 0
         self.stopped = False
-        self.stop_str: str | None = None   # the stop string that ended the text
+        self.stop_str: str | None = None  # the stop string that ended the text
 
     def add(self, token_ids) -> str:
         for token_id in token_ids:
@@ -154,7 +176,7 @@ class TextStream:
     def _take(self, end: int) -> str:
         if end <= self.num_sent_chars:
             return ""
-        out = self.detok.text[self.num_sent_chars:end]
+        out = self.detok.text[self.num_sent_chars : end]
         self.num_sent_chars = end
         return out
 

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random Llama-family models saved as HF directories, and leak checks."""
+
 from __future__ import annotations
 
 import os
@@ -12,41 +13,92 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 TINY_SHAPES = {
     # name: (architecture, extra config)
-    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    "llama-mqa-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
-    "llama3-rope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                  rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 64})),
-    "qwen2-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen2-yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                  "original_max_position_embeddings": 128})),
+    "llama-gqa": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    ),
+    "llama-mqa-tied": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+    "llama3-rope": (
+        "llama",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2-bias": (
+        "qwen2",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen2-yarn": (
+        "qwen2",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+    ),
 }
 
 
 def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0):
     """Save a random tiny model + a word-level tokenizer ("t0".."t255") to `path`; returns the HF model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     arch, extra = TINY_SHAPES[kind]
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
-                  max_position_embeddings=512, eos_token_id=1, bos_token_id=0, **extra)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        eos_token_id=1,
+        bos_token_id=0,
+        **extra,
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-        with torch.no_grad():   # random biases, so a dropped bias cannot go unnoticed
+        with torch.no_grad():  # random biases, so a dropped bias cannot go unnoticed
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     model.eval().save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
+        path
+    )
     return model
 
 
@@ -60,6 +112,7 @@ def tiny_models(tmp_path_factory):
             path = tmp_path_factory.mktemp(kind)
             cache[kind] = (str(path), make_tiny_model(path, kind))
         return cache[kind]
+
     return get
 
 
@@ -103,9 +156,9 @@ def assert_no_leaks(engine) -> None:
 
 
 # ---- engine tests on the tiny models (tests/unit/test_engine_*.py) ----------------------------
-LENGTHS = (1, 5, 16, 17, 40, 100, 200)   # the reference prompts' lengths
-NEW = 24                                 # new tokens of each HF greedy reference continuation
-SHARED_PREFIX = 48                       # the shared prefix of the last three reference prompts
+LENGTHS = (1, 5, 16, 17, 40, 100, 200)  # the reference prompts' lengths
+NEW = 24  # new tokens of each HF greedy reference continuation
+SHARED_PREFIX = 48  # the shared prefix of the last three reference prompts
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +186,7 @@ def refs(tiny_models):
             prompts += [prefix + tail for tail in random_prompts([3, 20, 33], seed=13)]
             cache[kind] = (model_dir, hf, prompts, [hf_greedy(hf, p, NEW) for p in prompts])
         return cache[kind]
+
     return get
 
 
@@ -145,17 +199,26 @@ def tls_files(tmp_path) -> dict:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def issue(subject, key, issuer, issuer_key, ca: bool):
-        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if not ca:
             import ipaddress
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            )
         return builder.sign(issuer_key, hashes.SHA256())
 
     name = lambda cn: x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])  # noqa: E731
@@ -165,7 +228,11 @@ def tls_files(tmp_path) -> dict:
     files = {"ca": tmp_path / "ca.pem", "cert": tmp_path / "cert.pem", "key": tmp_path / "key.pem"}
     files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
+    files["key"].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return files

@@ -7,6 +7,7 @@ client is told when the engine refuses its request (engine/errors.py has the kin
         abort_for_engine_error(context, e)   # aborts the call if `e` is the engine refusing
         raise                                # anything else is a bug: gRPC answers UNKNOWN
 """
+
 from __future__ import annotations
 
 import grpc
@@ -47,5 +48,5 @@ def build_params(sampling, context) -> SamplingParams:
     except BadSamplingParams as e:
         abort_for_engine_error(context, e)
         raise
-    except (ValueError, TypeError) as e:   # a field the engine does not know, say
+    except (ValueError, TypeError) as e:  # a field the engine does not know, say
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")

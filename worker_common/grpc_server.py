@@ -4,6 +4,7 @@ health service, SERVING for "" and the given service names once started. Every s
 needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
 (protos/security.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,15 +17,26 @@ from protos.security import INSECURE, ClusterSecurity
 
 
 class ServiceHost:
-    def __init__(self, name: str, host: str, port: int, max_workers: int, max_message_bytes: int,
-                 security: ClusterSecurity = INSECURE):
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        max_workers: int,
+        max_message_bytes: int,
+        security: ClusterSecurity = INSECURE,
+    ):
         self.host, self.port = host, port
         self.security = security
         self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=f"{name}-grpc")
-        self.server = grpc.server(self._executor, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)],
-            interceptors=security.server_interceptors())
+        self.server = grpc.server(
+            self._executor,
+            options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+            ],
+            interceptors=security.server_interceptors(),
+        )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         self.address: str | None = None

@@ -6,6 +6,7 @@ other computes), the in-load fits (fit_load: step models, interference, step spe
 loaded deployment's engine steps), and the profile entries made from them (serving_entries).
 bench/slo_validation.py runs these against a deployment; pooled.py pools the in-load calibrations
 of many runs into one profile for `pdserve tune --profile`."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -19,36 +20,47 @@ from deploy.tuning import workload
 
 PLACEMENTS = ("disaggregated", "colocated")
 # the profile's serving.interference key for each worker kind's fitted factor
-INTERFERENCE_KEY = {"decode": "decode_while_prefill", "prefill": "prefill_while_decode",
-                    "colocated": "colocated_while_busy"}
-CAL_PREFILL_LENS = (32, 128, 512, 64, 256, 32, 128, 512)   # isolated requests, one at a time
-CAL_DECODE_BATCHES = (1, 4, 16)                           # requests sent together, 64 + 64 tokens
+INTERFERENCE_KEY = {
+    "decode": "decode_while_prefill",
+    "prefill": "prefill_while_decode",
+    "colocated": "colocated_while_busy",
+}
+CAL_PREFILL_LENS = (32, 128, 512, 64, 256, 32, 128, 512)  # isolated requests, one at a time
+CAL_DECODE_BATCHES = (1, 4, 16)  # requests sent together, 64 + 64 tokens
 CAL_SEED = 5000
-CAL_BG_BATCH = 8                                          # interference: decode batch (64 + 160)
-CAL_PROBE_LEN, CAL_PROBE_TIMES = 256, (1.5, 2.7, 3.9, 5.1) # ... and prompts prefilled beside it
+CAL_BG_BATCH = 8  # interference: decode batch (64 + 160)
+CAL_PROBE_LEN, CAL_PROBE_TIMES = 256, (1.5, 2.7, 3.9, 5.1)  # ... and prompts prefilled beside it
 
 
 def calibrate_child(router: str, out_path: str, placement: str) -> int:
     """Runs in its own process (as the load generator does): isolated prompts, then decode batches.
     Writes the raw records; the fit happens in the parent (fit_serving)."""
     from deploy.tuning import loadgen
+
     card = loadgen.model_card(router)
     out = {"prefill": [], "decode": []}
     for k, n in enumerate(CAL_PREFILL_LENS):
         spec = workload.RequestSpec(0.0, n, 2)
-        recs, _ = loadgen.run_load(router, [spec], workload.build_prompts([spec], card.vocab_size, CAL_SEED + k))
+        recs, _ = loadgen.run_load(
+            router, [spec], workload.build_prompts([spec], card.vocab_size, CAL_SEED + k)
+        )
         out["prefill"].append(recs[0].to_json())
         time.sleep(0.2)
     for k, b in enumerate(CAL_DECODE_BATCHES):
         specs = [workload.RequestSpec(0.0, 64, 64)] * b
-        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 100 + k))
+        recs, _ = loadgen.run_load(
+            router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 100 + k)
+        )
         out["decode"].append({"batch": b, "requests": [r.to_json() for r in recs]})
         time.sleep(0.2)
     if placement == "disaggregated":
         # interference: a decode batch runs while isolated prompts are prefilled beside it
-        specs = [workload.RequestSpec(0.0, 64, 160)] * CAL_BG_BATCH + \
-                [workload.RequestSpec(t, CAL_PROBE_LEN, 2) for t in CAL_PROBE_TIMES]
-        recs, _ = loadgen.run_load(router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 200))
+        specs = [workload.RequestSpec(0.0, 64, 160)] * CAL_BG_BATCH + [
+            workload.RequestSpec(t, CAL_PROBE_LEN, 2) for t in CAL_PROBE_TIMES
+        ]
+        recs, _ = loadgen.run_load(
+            router, specs, workload.build_prompts(specs, card.vocab_size, CAL_SEED + 200)
+        )
         out["interference"] = [r.to_json() for r in recs]
     pathlib.Path(out_path).write_text(json.dumps(out))
     return 0
@@ -70,12 +82,21 @@ def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> di
     the probes' TTFT (less what the simulator adds after the step) over the serving prefill model,
     minus 1."""
     bg = records[:CAL_BG_BATCH]
-    probes = [r for r in records[CAL_BG_BATCH:] if not r["error"] and r["timings"].get("prefill_end_unix_ns")]
+    probes = [
+        r
+        for r in records[CAL_BG_BATCH:]
+        if not r["error"] and r["timings"].get("prefill_end_unix_ns")
+    ]
     if any(r["error"] for r in bg) or not probes:
         return {}
-    t0 = min(r["send_unix_ns"] - r["send_s"] * 1e9 for r in records)   # the run's start, unix ns
-    busy = [((r["timings"]["prefill_start_unix_ns"] - t0) / 1e9, (r["timings"]["prefill_end_unix_ns"] - t0) / 1e9)
-            for r in probes]
+    t0 = min(r["send_unix_ns"] - r["send_s"] * 1e9 for r in records)  # the run's start, unix ns
+    busy = [
+        (
+            (r["timings"]["prefill_start_unix_ns"] - t0) / 1e9,
+            (r["timings"]["prefill_end_unix_ns"] - t0) / 1e9,
+        )
+        for r in probes
+    ]
     times = [token_times(r) for r in bg]
     lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
     on, off = [], []
@@ -92,8 +113,11 @@ def fit_interference(records: list[dict], serving_prefill, extra_s: float) -> di
     n = CAL_PROBE_LEN
     model = serving_prefill[0] + serving_prefill[1] * n + serving_prefill[2] * n * n
     ttft = float(np.median([r["ttft_s"] for r in probes])) - extra_s
-    out.update(probe_ttft_s=ttft + extra_s, probe_model_s=model + extra_s,
-               prefill_while_decode=max(0.0, ttft / model - 1))
+    out.update(
+        probe_ttft_s=ttft + extra_s,
+        probe_model_s=model + extra_s,
+        prefill_while_decode=max(0.0, ttft / model - 1),
+    )
     return out
 
 
@@ -113,9 +137,18 @@ def decode_windows(batch: list[dict]) -> list[dict]:
         if len(gaps) < 3 * len(reqs):
             continue
         mid = (lo + hi) / 2
-        context = sum(r["prompt_len"] + sum(1 for x in ts if x <= mid) for r, ts in zip(reqs, times))
-        out.append({"worker": worker, "batch": len(reqs), "context": context,
-                    "step_s": float(np.median(gaps)), "num_gaps": len(gaps)})
+        context = sum(
+            r["prompt_len"] + sum(1 for x in ts if x <= mid) for r, ts in zip(reqs, times)
+        )
+        out.append(
+            {
+                "worker": worker,
+                "batch": len(reqs),
+                "context": context,
+                "step_s": float(np.median(gaps)),
+                "num_gaps": len(gaps),
+            }
+        )
     return out
 
 
@@ -126,10 +159,13 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
     decode a', b' fitted to the in-window step times with the engine's per-context-token c kept."""
     from deploy.tuning.perf_model import fit_nonnegative
     from deploy.tuning.simulator import Placement, PoolSpec, Simulator
+
     m = engine_profile.tp[1]
     pool = PoolSpec(1, 1, 2048, 128, m.kv_capacity_tokens)
-    sim = Simulator(engine_profile, Placement(None, pool) if placement == "colocated"
-                    else Placement(pool, pool, backend))
+    sim = Simulator(
+        engine_profile,
+        Placement(None, pool) if placement == "colocated" else Placement(pool, pool, backend),
+    )
     pf_x, pf_y, pf_rows = [], [], []
     for r in raw["prefill"]:
         if r["error"] or r["ttft_s"] is None:
@@ -140,7 +176,9 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
         target = r["ttft_s"] - extra - m.prefill[2] * n * n
         pf_x.append([1.0, float(n)])
         pf_y.append(target)
-        pf_rows.append({"prompt_len": n, "ttft_s": r["ttft_s"], "engine_model_s": bare, "sim_extra_s": extra})
+        pf_rows.append(
+            {"prompt_len": n, "ttft_s": r["ttft_s"], "engine_model_s": bare, "sim_extra_s": extra}
+        )
     dc_x, dc_y, dc_rows = [], [], []
     for b in raw["decode"]:
         for w in decode_windows(b["requests"]):
@@ -161,32 +199,52 @@ def fit_serving(engine_profile, placement: str, raw: dict, backend: str = "grpc"
         row["serving_model_s"] = latency + prefill[0] + prefill[1] * n + prefill[2] * n * n
     for row in dc_rows:
         row["serving_model_s"] = decode[0] + decode[1] * row["batch"] + decode[2] * row["context"]
-    kinds = {"colocated": {"prefill": {"coef": prefill}, "decode": {"coef": decode},
-                           "first_token_latency_s": latency}} if placement == "colocated" \
-        else {"prefill": {"prefill": {"coef": prefill}, "first_token_latency_s": latency},
-              "decode": {"decode": {"coef": decode}}}
+    kinds = (
+        {
+            "colocated": {
+                "prefill": {"coef": prefill},
+                "decode": {"coef": decode},
+                "first_token_latency_s": latency,
+            }
+        }
+        if placement == "colocated"
+        else {
+            "prefill": {"prefill": {"coef": prefill}, "first_token_latency_s": latency},
+            "decode": {"decode": {"coef": decode}},
+        }
+    )
     interference = {}
     if raw.get("interference"):
-        extra = sim.run([workload.RequestSpec(0.0, CAL_PROBE_LEN, 2)]).requests[0].ttft_s - \
-            m.prefill_time(CAL_PROBE_LEN, CAL_PROBE_LEN ** 2)
+        extra = sim.run([workload.RequestSpec(0.0, CAL_PROBE_LEN, 2)]).requests[
+            0
+        ].ttft_s - m.prefill_time(CAL_PROBE_LEN, CAL_PROBE_LEN**2)
         interference = fit_interference(raw["interference"], prefill, extra + latency)
-    return {"kinds": kinds, "prefill_samples": pf_rows, "decode_samples": dc_rows,
-            "prefill_fit": pf["fit"], "decode_fit": dc["fit"], "interference": interference}
+    return {
+        "kinds": kinds,
+        "prefill_samples": pf_rows,
+        "decode_samples": dc_rows,
+        "prefill_fit": pf["fit"],
+        "decode_fit": dc["fit"],
+        "interference": interference,
+    }
 
 
 # ---- in-load calibration: step models fitted from the steps a loaded deployment ran ------------
-LOAD_TRACE, LOAD_TRACE_START_S = "azure_conv", 60.0   # a later part of the trace than the measured slice
+LOAD_TRACE, LOAD_TRACE_START_S = (
+    "azure_conv",
+    60.0,
+)  # a later part of the trace than the measured slice
 # the loads the sweep is judged at, not past them: the highest rate of the 180-request conv sweeps
 # (calibrating past it, at 4 req/s, overloaded the prefill worker, and there both sides ran slower
 # beside each other than they did in the sweeps: docs/experiments/slo-validation.md)
 LOAD_RATES, LOAD_REQUESTS, LOAD_SEED = (2.0,), 150, 7000
-CONTINUOUS_GAP_S = 0.02   # a step that starts this soon after the one before: the loop never idled
-NOISE_POINTS = 40         # quantiles of measured/modelled step time kept as the profile's step_noise
-NOISE_MIN_STEPS = 40      # steps with prompt tokens, and without, needed to keep their noise apart
-INTERFERENCE_GRID = [k / 100 for k in range(0, 101, 2)]   # factors tried for fit_load's interference
-INTERFERENCE_MIN_STEPS = 20   # steps needed with another worker busy, and with none, to fit it
-SPEED_WINDOW_S = 0.5      # step_speed windows: 0.5 s means of measured/modelled decode step time had
-                          # a lag-1 autocorrelation of 0.6-0.8 in the calibrations of 2026-11-23
+CONTINUOUS_GAP_S = 0.02  # a step that starts this soon after the one before: the loop never idled
+NOISE_POINTS = 40  # quantiles of measured/modelled step time kept as the profile's step_noise
+NOISE_MIN_STEPS = 40  # steps with prompt tokens, and without, needed to keep their noise apart
+INTERFERENCE_GRID = [k / 100 for k in range(0, 101, 2)]  # factors tried for fit_load's interference
+INTERFERENCE_MIN_STEPS = 20  # steps needed with another worker busy, and with none, to fit it
+SPEED_WINDOW_S = 0.5  # step_speed windows: 0.5 s means of measured/modelled decode step time had
+# a lag-1 autocorrelation of 0.6-0.8 in the calibrations of 2026-11-23
 
 
 def effective_steps(steps: list[dict]) -> list[dict]:
@@ -217,23 +275,30 @@ def modelled_s(model, step: dict) -> float:
 def _fit_models(m, dec: list[dict], pre: list[dict], scale) -> tuple[list, list, dict]:
     """(prefill coef, decode coef, fit details) on each step's eff_s / scale(step)."""
     from deploy.tuning.perf_model import fit_nonnegative
+
     out = {}
     decode = list(m.decode)
     if len(dec) >= 10:
-        fit = fit_nonnegative([[1.0, s["num_decode"], s["decode_context"]] for s in dec],
-                              [s["eff_s"] / scale(s) for s in dec])
+        fit = fit_nonnegative(
+            [[1.0, s["num_decode"], s["decode_context"]] for s in dec],
+            [s["eff_s"] / scale(s) for s in dec],
+        )
         decode, out["decode_fit"] = fit["coef"], fit["fit"]
         out["decode"] = {"coef": decode}
     prefill = list(m.prefill)
     if len(pre) >= 10:
-        fit = fit_nonnegative([[1.0, s["tokens"], s["prefill_pairs"]] for s in pre],
-                              [max(1e-6, s["eff_s"] / scale(s) - decode[2] * s["decode_context"]) for s in pre])
+        fit = fit_nonnegative(
+            [[1.0, s["tokens"], s["prefill_pairs"]] for s in pre],
+            [max(1e-6, s["eff_s"] / scale(s) - decode[2] * s["decode_context"]) for s in pre],
+        )
         prefill, out["prefill_fit"] = fit["coef"], fit["fit"]
         out["prefill"] = {"coef": prefill}
     return prefill, decode, out
 
 
-def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s: float | None = None) -> dict:
+def fit_load_steps(
+    engine_profile, kind: str, steps: list[dict], speed_window_s: float | None = None
+) -> dict:
     """Step models for one worker kind from its loaded steps: the decode model a + b*B + c*C on
     the decode-only steps, the prefill model a + b*T + c*A on the steps with prompt tokens (less
     the decode model's c times their decode rows' context, as the simulator prices a mixed step);
@@ -254,6 +319,7 @@ def fit_load_steps(engine_profile, kind: str, steps: list[dict], speed_window_s:
     ran steps (speed_traces), in time order, and the noise is taken from each step's ratio over
     its window's speed."""
     from deploy.tuning.perf_model import StepModel
+
     m = engine_profile.tp[1]
     dec = [s for s in steps if s["tokens"] == s["num_decode"]]
     pre = [s for s in steps if s["tokens"] > s["num_decode"]]
@@ -320,8 +386,12 @@ def others_busy(raw: dict) -> dict[str, list[bool]]:
     deployment was in a step when it started. Workers named "<run>:<name>" (pooled calibrations)
     are compared only within their run."""
     import bisect
+
     group = lambda name: name.split(":", 1)[0] if ":" in name else ""  # noqa: E731
-    spans = {name: sorted((s["start"], s["end"]) for s in w["steps"]) for name, w in raw["workers"].items()}
+    spans = {
+        name: sorted((s["start"], s["end"]) for s in w["steps"])
+        for name, w in raw["workers"].items()
+    }
     out = {}
     for name, w in raw["workers"].items():
         others = [spans[o] for o in spans if o != name and group(o) == group(name)]
@@ -329,7 +399,7 @@ def others_busy(raw: dict) -> dict[str, list[bool]]:
         for s in w["steps"]:
             t = s["start"]
             hit = False
-            for sp in others:      # the other's last step starting at or before t: still running?
+            for sp in others:  # the other's last step starting at or before t: still running?
                 i = bisect.bisect_right(sp, (t, float("inf"))) - 1
                 if i >= 0 and sp[i][1] > t:
                     hit = True
@@ -339,17 +409,28 @@ def others_busy(raw: dict) -> dict[str, list[bool]]:
     return out
 
 
-def fit_load(engine_profile, raw: dict, speed_window_s: float | None = None, interference: bool = True) -> dict:
+def fit_load(
+    engine_profile, raw: dict, speed_window_s: float | None = None, interference: bool = True
+) -> dict:
     """kind -> fit_load_steps over every worker of that kind in a load calibration's raw records
     (each step tagged with its worker's name, for step_speed, and, unless interference=False,
     with others_busy, for the interference factor)."""
-    busy = others_busy(raw) if interference else {n: [False] * len(w["steps"]) for n, w in raw["workers"].items()}
+    busy = (
+        others_busy(raw)
+        if interference
+        else {n: [False] * len(w["steps"]) for n, w in raw["workers"].items()}
+    )
     by_kind: dict[str, list[dict]] = {}
     for name, w in raw["workers"].items():
         flags = dict(zip(((s["start"], s["end"]) for s in w["steps"]), busy[name]))
         by_kind.setdefault(w["kind"], []).extend(
-            {**s, "worker": name, "others_busy": flags[(s["start"], s["end"])]} for s in effective_steps(w["steps"]))
-    return {kind: fit_load_steps(engine_profile, kind, steps, speed_window_s) for kind, steps in by_kind.items()}
+            {**s, "worker": name, "others_busy": flags[(s["start"], s["end"])]}
+            for s in effective_steps(w["steps"])
+        )
+    return {
+        kind: fit_load_steps(engine_profile, kind, steps, speed_window_s)
+        for kind, steps in by_kind.items()
+    }
 
 
 def step_model_check(profile, raw: dict) -> dict:
@@ -369,16 +450,20 @@ def step_model_check(profile, raw: dict) -> dict:
                 busy += s["eff_s"]
             span += steps[-1]["end"] - steps[0]["start"]
         if ratios:
-            out[kind] = {"num_steps": len(ratios), "ratio_mean": float(np.mean(ratios)),
-                         "ratio_p50": float(np.median(ratios)), "ratio_p90": float(np.quantile(ratios, 0.9)),
-                         "busy_share": busy / span if span else None}
+            out[kind] = {
+                "num_steps": len(ratios),
+                "ratio_mean": float(np.mean(ratios)),
+                "ratio_p50": float(np.median(ratios)),
+                "ratio_p90": float(np.quantile(ratios, 0.9)),
+                "busy_share": busy / span if span else None,
+            }
     return out
 
 
 # ---- the profile's "serving" entries ------------------------------------------------------------
 def now() -> str:
     """A profile's source.date: UTC, to the second."""
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def serving_entries(fits: dict, isolated: dict) -> dict:
@@ -387,8 +472,11 @@ def serving_entries(fits: dict, isolated: dict) -> dict:
     fitted interference factors go to serving.interference."""
     out: dict = {}
     for kind, fit in fits.items():
-        entry = {k: fit[k] for k in ("prefill", "decode", "step_noise", "prompt_step_noise", "step_speed")
-                 if k in fit}
+        entry = {
+            k: fit[k]
+            for k in ("prefill", "decode", "step_noise", "prompt_step_noise", "step_speed")
+            if k in fit
+        }
         latency = isolated.get(kind, {}).get("1", {}).get("first_token_latency_s")
         if latency is not None:
             entry["first_token_latency_s"] = latency

@@ -9,6 +9,7 @@ GenerateRequest(token_ids, greedy, max_tokens=output_len, ignore_eos) so it prod
 output_len tokens. A refused request (RESOURCE_EXHAUSTED when the router is full) or any other
 failure is recorded with its status code and the run goes on.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,11 +21,18 @@ from tqdm import tqdm
 
 from deploy.tuning.metrics import RequestRecord, attribute_itl
 from deploy.tuning.workload import RequestSpec, retime
-from protos.pdserve.v1 import pdserve_pb2 as pb
-from protos.pdserve.v1 import pdserve_pb2_grpc
+from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
-TIMINGS_FIELDS = ("queued_unix_ns", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns",
-                  "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker")
+TIMINGS_FIELDS = (
+    "queued_unix_ns",
+    "prefill_start_unix_ns",
+    "prefill_end_unix_ns",
+    "transfer_end_unix_ns",
+    "first_token_unix_ns",
+    "last_token_unix_ns",
+    "prefill_worker",
+    "decode_worker",
+)
 
 
 class LoadgenError(Exception):
@@ -33,7 +41,7 @@ class LoadgenError(Exception):
 
 @dataclass
 class Run:
-    rate: float | None          # req/s it was re-timed to; None = the trace's own arrival times
+    rate: float | None  # req/s it was re-timed to; None = the trace's own arrival times
     records: list[RequestRecord]
     duration_s: float
 
@@ -42,12 +50,20 @@ def model_card(address: str, model: str = "", timeout_s: float = 10.0) -> pb.Mod
     """The router's ModelCard for `model` ("" = its default, the first it lists)."""
     try:
         with grpc.insecure_channel(address) as channel:
-            cards = pdserve_pb2_grpc.PDServeStub(channel).ListModels(pb.ListModelsRequest(),
-                                                                    timeout=timeout_s).models
+            cards = (
+                pdserve_pb2_grpc.PDServeStub(channel)
+                .ListModels(pb.ListModelsRequest(), timeout=timeout_s)
+                .models
+            )
     except grpc.RpcError as e:
-        hint = (" (is `pdserve up` running there? pass its address with --router)"
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "")
-        raise LoadgenError(f"router {address} unreachable: {e.code().name}: {e.details()}{hint}") from None
+        hint = (
+            " (is `pdserve up` running there? pass its address with --router)"
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            else ""
+        )
+        raise LoadgenError(
+            f"router {address} unreachable: {e.code().name}: {e.details()}{hint}"
+        ) from None
     if not cards:
         raise LoadgenError(f"router {address} serves no model")
     if not model:
@@ -55,8 +71,10 @@ def model_card(address: str, model: str = "", timeout_s: float = 10.0) -> pb.Mod
     for card in cards:
         if card.id == model:
             return card
-    raise LoadgenError(f"router {address} does not serve model {model!r}; it serves "
-                       f"{', '.join(c.id for c in cards)}")
+    raise LoadgenError(
+        f"router {address} does not serve model {model!r}; it serves "
+        f"{', '.join(c.id for c in cards)}"
+    )
 
 
 def check_fits(requests: list[RequestSpec], max_model_len: int) -> None:
@@ -64,9 +82,11 @@ def check_fits(requests: list[RequestSpec], max_model_len: int) -> None:
     over = [r for r in requests if r.prompt_len + r.output_len > max_model_len]
     if over:
         worst = max(over, key=lambda r: r.prompt_len + r.output_len)
-        raise LoadgenError(f"{len(over)} of {len(requests)} requests do not fit max_model_len "
-                           f"{max_model_len} (longest: {worst.prompt_len} prompt + {worst.output_len} "
-                           f"output tokens): lower --scale or cap with --max-prompt/--max-output")
+        raise LoadgenError(
+            f"{len(over)} of {len(requests)} requests do not fit max_model_len "
+            f"{max_model_len} (longest: {worst.prompt_len} prompt + {worst.output_len} "
+            f"output tokens): lower --scale or cap with --max-prompt/--max-output"
+        )
 
 
 def make_request(spec: RequestSpec, prompt: list[int], model: str = "") -> pb.GenerateRequest:
@@ -74,14 +94,23 @@ def make_request(spec: RequestSpec, prompt: list[int], model: str = "") -> pb.Ge
     return pb.GenerateRequest(model=model, token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
-def run_load(address: str, requests: list[RequestSpec], prompts: list[list[int]], *, model: str = "",
-             request_timeout_s: float | None = 600.0, progress: bool = False,
-             desc: str = "requests") -> tuple[list[RequestRecord], float]:
+def run_load(
+    address: str,
+    requests: list[RequestSpec],
+    prompts: list[list[int]],
+    *,
+    model: str = "",
+    request_timeout_s: float | None = 600.0,
+    progress: bool = False,
+    desc: str = "requests",
+) -> tuple[list[RequestRecord], float]:
     """Sends every request at its arrival time; returns the records (in request order) and the
     run's duration: from the first send to the end of the last stream."""
     if len(prompts) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(prompts)} prompts")
-    records = [RequestRecord(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+    records = [
+        RequestRecord(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)
+    ]
     messages = [make_request(r, p, model) for r, p in zip(requests, prompts)]
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
     lock = threading.Lock()
@@ -89,6 +118,7 @@ def run_load(address: str, requests: list[RequestSpec], prompts: list[list[int]]
     def done():
         with lock:
             bar.update(1)
+
     threads = []
     with grpc.insecure_channel(address) as channel:
         stub = pdserve_pb2_grpc.PDServeStub(channel)
@@ -97,8 +127,12 @@ def run_load(address: str, requests: list[RequestSpec], prompts: list[list[int]]
             delay = t0 + rec.arrival_s - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            thread = threading.Thread(target=_send, args=(stub, msg, rec, t0, request_timeout_s, done),
-                                      name=f"loadgen-{rec.index}", daemon=True)
+            thread = threading.Thread(
+                target=_send,
+                args=(stub, msg, rec, t0, request_timeout_s, done),
+                name=f"loadgen-{rec.index}",
+                daemon=True,
+            )
             thread.start()
             threads.append(thread)
         for thread in threads:
@@ -108,8 +142,9 @@ def run_load(address: str, requests: list[RequestSpec], prompts: list[list[int]]
     return records, duration_s
 
 
-def _send(stub, msg: pb.GenerateRequest, rec: RequestRecord, t0: float, timeout_s: float | None,
-          done) -> None:
+def _send(
+    stub, msg: pb.GenerateRequest, rec: RequestRecord, t0: float, timeout_s: float | None, done
+) -> None:
     times: list[float] = []
     counts: list[int] = []
     finish = None
@@ -126,7 +161,7 @@ def _send(stub, msg: pb.GenerateRequest, rec: RequestRecord, t0: float, timeout_
         rec.e2e_s = time.perf_counter() - start
     except grpc.RpcError as e:
         rec.error, rec.error_message = e.code().name, e.details() or ""
-    except Exception as e:   # recorded, so one odd stream cannot end the whole run
+    except Exception as e:  # recorded, so one odd stream cannot end the whole run
         rec.error, rec.error_message = type(e).__name__, str(e)
     rec.output_tokens = sum(counts)
     if times:
@@ -143,14 +178,24 @@ def _send(stub, msg: pb.GenerateRequest, rec: RequestRecord, t0: float, timeout_
     done()
 
 
-def run_sweep(address: str, requests: list[RequestSpec], prompts_for, rates: list[float], *,
-              burstiness: float = 1.0, seed: int = 0, **kwargs) -> list[Run]:
+def run_sweep(
+    address: str,
+    requests: list[RequestSpec],
+    prompts_for,
+    rates: list[float],
+    *,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    **kwargs,
+) -> list[Run]:
     """The same requests re-timed to each rate (ascending), one run after the other.
     `prompts_for(k)` gives the k-th run its prompts: fresh token ids per run (same lengths and
     prefix sharing), so a run is not served from the prefix cache the previous one filled."""
     runs = []
     for k, rate in enumerate(sorted(rates)):
         timed = retime(requests, rate, burstiness, seed)
-        records, duration_s = run_load(address, timed, prompts_for(k), desc=f"rate {rate:g}", **kwargs)
+        records, duration_s = run_load(
+            address, timed, prompts_for(k), desc=f"rate {rate:g}", **kwargs
+        )
         runs.append(Run(rate, records, duration_s))
     return runs

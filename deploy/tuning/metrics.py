@@ -9,6 +9,7 @@ Two goodputs, named apart:
 Failed requests (RESOURCE_EXHAUSTED, deadline, ...) count as missing every SLO, so shedding load
 cannot raise attainment.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,13 +19,17 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
-_SLO_ITEM = re.compile(r"^\s*([a-z0-9_]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)?\s*$", re.I)
+_SLO_ITEM = re.compile(
+    r"^\s*([a-z0-9_]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)?\s*$", re.I
+)
 # (name, start Timings field, end Timings field): the server's stages of a request
-SERVER_STAGES = (("router_queue", "queued_unix_ns", "prefill_start_unix_ns"),
-                 ("prefill", "prefill_start_unix_ns", "prefill_end_unix_ns"),
-                 ("exposed_transfer", "prefill_end_unix_ns", "transfer_end_unix_ns"),
-                 ("prefill_end_to_first_token", "prefill_end_unix_ns", "first_token_unix_ns"),
-                 ("decode", "first_token_unix_ns", "last_token_unix_ns"))
+SERVER_STAGES = (
+    ("router_queue", "queued_unix_ns", "prefill_start_unix_ns"),
+    ("prefill", "prefill_start_unix_ns", "prefill_end_unix_ns"),
+    ("exposed_transfer", "prefill_end_unix_ns", "transfer_end_unix_ns"),
+    ("prefill_end_to_first_token", "prefill_end_unix_ns", "first_token_unix_ns"),
+    ("decode", "first_token_unix_ns", "last_token_unix_ns"),
+)
 
 
 @dataclass
@@ -32,21 +37,22 @@ class RequestRecord:
     """One request as the client saw it; times in seconds from the request's own send unless named
     otherwise. `error` is "" for a completed request, else the gRPC status code name (or the
     Finish reason "error"/"abort", or "NO_FINISH")."""
+
     index: int
-    arrival_s: float                 # scheduled send, from the run's start
+    arrival_s: float  # scheduled send, from the run's start
     prompt_len: int
-    output_len: int                  # max_tokens asked for (ignore_eos: the tokens expected)
-    send_s: float = 0.0              # actual send, from the run's start (open loop: ~arrival_s)
+    output_len: int  # max_tokens asked for (ignore_eos: the tokens expected)
+    send_s: float = 0.0  # actual send, from the run's start (open loop: ~arrival_s)
     send_unix_ns: int = 0
-    ttft_s: float | None = None      # first TokenDelta that carries tokens
-    e2e_s: float | None = None       # the end of the stream
-    itl_s: list[float] = field(default_factory=list)   # one gap per output token after the first
+    ttft_s: float | None = None  # first TokenDelta that carries tokens
+    e2e_s: float | None = None  # the end of the stream
+    itl_s: list[float] = field(default_factory=list)  # one gap per output token after the first
     output_tokens: int = 0
     cached_prompt_tokens: int = 0
     finish_reason: str = ""
     error: str = ""
     error_message: str = ""
-    timings: dict = field(default_factory=dict)   # Finish.timings: unix ns stamps, worker names
+    timings: dict = field(default_factory=dict)  # Finish.timings: unix ns stamps, worker names
 
     @property
     def ok(self) -> bool:
@@ -79,18 +85,24 @@ def attribute_itl(times: list[float], counts: list[int]) -> list[float]:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """"ttft=500ms,tpot=0.1s" -> {"ttft": 0.5, "tpot": 0.1} (seconds). A unit is required."""
+    """ "ttft=500ms,tpot=0.1s" -> {"ttft": 0.5, "tpot": 0.1} (seconds). A unit is required."""
     slo: dict[str, float] = {}
     for item in filter(str.strip, text.split(",")):
         m = _SLO_ITEM.match(item)
         if not m:
-            raise ValueError(f"SLO {item.strip()!r}: expected NAME=VALUE with a unit, e.g. ttft=500ms,tpot=100ms")
+            raise ValueError(
+                f"SLO {item.strip()!r}: expected NAME=VALUE with a unit, e.g. ttft=500ms,tpot=100ms"
+            )
         name, value, unit = m.group(1).lower(), float(m.group(2)), m.group(3)
         if name not in SLO_METRICS:
-            raise ValueError(f"SLO {item.strip()!r}: unknown metric {name!r}; use {', '.join(SLO_METRICS)}")
+            raise ValueError(
+                f"SLO {item.strip()!r}: unknown metric {name!r}; use {', '.join(SLO_METRICS)}"
+            )
         if unit is None:
-            raise ValueError(f"SLO {item.strip()!r} has no unit: write {name}={m.group(2)}ms or "
-                             f"{name}={m.group(2)}s")
+            raise ValueError(
+                f"SLO {item.strip()!r} has no unit: write {name}={m.group(2)}ms or "
+                f"{name}={m.group(2)}s"
+            )
         if name in slo:
             raise ValueError(f"SLO {name} given twice in {text!r}")
         if not value > 0:
@@ -102,11 +114,13 @@ def parse_slo(text: str) -> dict[str, float]:
 
 
 def parse_positive_list(text: str, what: str) -> list[float]:
-    """"0.5,1,2" -> [0.5, 1.0, 2.0]; every value finite and > 0."""
+    """ "0.5,1,2" -> [0.5, 1.0, 2.0]; every value finite and > 0."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{what} {text!r}: expected comma-separated numbers, e.g. 0.5,1,2,4") from None
+        raise ValueError(
+            f"{what} {text!r}: expected comma-separated numbers, e.g. 0.5,1,2,4"
+        ) from None
     bad = [v for v in values if not (v > 0 and math.isfinite(v))]
     if not values or bad:
         raise ValueError(f"{what} {text!r}: every value must be a number > 0")
@@ -145,39 +159,63 @@ def goodput_rate(rates: list[float], attainments: list[float], threshold: float 
     Returns {"rate", "lower_bound", "note"}: rate 0 when even the lowest rate misses;
     lower_bound when the highest rate swept still meets it (the true goodput is higher)."""
     if len(rates) != len(attainments) or not rates:
-        raise ValueError(f"need one attainment per rate, got {len(rates)} rates, {len(attainments)} attainments")
+        raise ValueError(
+            f"need one attainment per rate, got {len(rates)} rates, {len(attainments)} attainments"
+        )
     points = sorted(zip(rates, attainments))
     above = [i for i, (_, a) in enumerate(points) if a >= threshold]
     if not above:
-        return dict(rate=0.0, lower_bound=False,
-                    note=f"attainment < {threshold:g} at every rate swept, even {points[0][0]:g} req/s: "
-                         f"sweep lower rates")
+        return dict(
+            rate=0.0,
+            lower_bound=False,
+            note=f"attainment < {threshold:g} at every rate swept, even {points[0][0]:g} req/s: "
+            f"sweep lower rates",
+        )
     i = above[-1]
     dipped = any(a < threshold for _, a in points[:i])
-    note = (f"attainment dips below {threshold:g} at a lower rate and recovers: the highest crossing "
-            f"is taken; " if dipped else "")
+    note = (
+        f"attainment dips below {threshold:g} at a lower rate and recovers: the highest crossing "
+        f"is taken; "
+        if dipped
+        else ""
+    )
     if i == len(points) - 1:
-        return dict(rate=points[i][0], lower_bound=True,
-                    note=note + f"a lower bound: attainment still >= {threshold:g} at the highest rate "
-                                f"swept ({points[i][0]:g} req/s): sweep higher rates")
+        return dict(
+            rate=points[i][0],
+            lower_bound=True,
+            note=note + f"a lower bound: attainment still >= {threshold:g} at the highest rate "
+            f"swept ({points[i][0]:g} req/s): sweep higher rates",
+        )
     (r0, a0), (r1, a1) = points[i], points[i + 1]
     rate = r0 + (a0 - threshold) / (a0 - a1) * (r1 - r0)
     return dict(rate=rate, lower_bound=False, note=note.rstrip("; "))
 
 
-def slo_scale_goodput(runs: list[tuple[float, list[RequestRecord]]], slo: dict[str, float],
-                      scales: list[float], threshold: float = 0.9) -> list[dict]:
+def slo_scale_goodput(
+    runs: list[tuple[float, list[RequestRecord]]],
+    slo: dict[str, float],
+    scales: list[float],
+    threshold: float = 0.9,
+) -> list[dict]:
     """For each scale, the goodput rate with every SLO multiplied by it, from the same sweep."""
     rates = [rate for rate, _ in runs]
     out = []
     for s in scales:
         att = [attainment(records, slo, s) for _, records in runs]
-        out.append(dict(scale=s, slo_s={k: v * s for k, v in slo.items()}, attainment=att,
-                        **goodput_rate(rates, att, threshold)))
+        out.append(
+            dict(
+                scale=s,
+                slo_s={k: v * s for k, v in slo.items()},
+                attainment=att,
+                **goodput_rate(rates, att, threshold),
+            )
+        )
     return out
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:
+def summarize(
+    records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None
+) -> dict:
     """The `vllm bench serve` result of one run (throughputs over completed requests)."""
     done = [r for r in records if r.ok]
     errors: dict[str, int] = {}
@@ -187,12 +225,20 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
     num_in = sum(r.prompt_len for r in done)
     num_out = sum(r.output_tokens for r in done)
     per_s = 1.0 / duration_s if duration_s > 0 else 0.0
-    out = dict(completed=len(done), failed=len(records) - len(done), errors=errors, duration=duration_s,
-               total_input_tokens=num_in, total_output_tokens=num_out,
-               cached_prompt_tokens=sum(r.cached_prompt_tokens for r in done),
-               request_throughput=len(done) * per_s, input_throughput=num_in * per_s,
-               output_throughput=num_out * per_s, total_token_throughput=(num_in + num_out) * per_s,
-               max_send_lag_ms=max((r.send_s - r.arrival_s for r in records), default=0.0) * 1e3)
+    out = dict(
+        completed=len(done),
+        failed=len(records) - len(done),
+        errors=errors,
+        duration=duration_s,
+        total_input_tokens=num_in,
+        total_output_tokens=num_out,
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in done),
+        request_throughput=len(done) * per_s,
+        input_throughput=num_in * per_s,
+        output_throughput=num_out * per_s,
+        total_token_throughput=(num_in + num_out) * per_s,
+        max_send_lag_ms=max((r.send_s - r.arrival_s for r in records), default=0.0) * 1e3,
+    )
     out.update(distribution([r.ttft_s for r in done], "ttft"))
     out.update(distribution([r.tpot_s for r in done if r.tpot_s is not None], "tpot"))
     out.update(distribution([g for r in done for g in r.itl_s], "itl"))
@@ -209,8 +255,11 @@ def server_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]
     """Mean and p90 (ms) of each server stage, from the Finish timings where both stamps are set."""
     out = {}
     for name, start, end in SERVER_STAGES:
-        values = [(r.timings[end] - r.timings[start]) / 1e9 for r in records
-                  if r.timings.get(start) and r.timings.get(end)]
+        values = [
+            (r.timings[end] - r.timings[start]) / 1e9
+            for r in records
+            if r.timings.get(start) and r.timings.get(end)
+        ]
         if values:
             d = distribution(values, name)
             out[name] = dict(mean=d[f"mean_{name}_ms"], p90=d[f"p90_{name}_ms"])

@@ -43,6 +43,7 @@ Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
                                       colocated_while_busy: z}}
 The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,6 +67,7 @@ class ProfileError(ValueError):
 @dataclass(frozen=True)
 class StepModel:
     """One TP degree: the two fitted step models and the KV a replica holds."""
+
     prefill: tuple[float, float, float]
     decode: tuple[float, float, float]
     kv_capacity_tokens: int
@@ -113,7 +115,7 @@ class Profile:
     dtype: str
     kv_bytes_per_token: int
     block_size: int
-    device: str                       # "cpu" (a device is a core) or "gpu"
+    device: str  # "cpu" (a device is a core) or "gpu"
     tp: dict[int, StepModel]
     transfer: dict[str, TransferModel]
     derived: bool = False
@@ -135,8 +137,11 @@ class Profile:
     def has_step_variation(self) -> bool:
         """Whether a seeded simulation differs from an unseeded one: some serving model carries
         step_noise, prompt_step_noise or step_speed traces."""
-        return any(m.step_noise or m.prompt_step_noise or m.speed_traces
-                   for per_tp in self.serving.values() for m in per_tp.values())
+        return any(
+            m.step_noise or m.prompt_step_noise or m.speed_traces
+            for per_tp in self.serving.values()
+            for m in per_tp.values()
+        )
 
     @property
     def tp_degrees(self) -> list[int]:
@@ -149,30 +154,39 @@ class Profile:
         """Whether a deployment's `model` (an alias, an id or a path) names this profile's model."""
         want = {self.model_id.lower(), self.model_name.lower()}
         name = model.rstrip("/").lower()
-        return name in want or pathlib.PurePath(name).name in want or \
-            pathlib.PurePath(name).stem in want
+        return (
+            name in want
+            or pathlib.PurePath(name).name in want
+            or pathlib.PurePath(name).stem in want
+        )
 
 
 def _get(data: dict, key: str, source: str, kind, where: str = ""):
     path = f"{where}.{key}" if where else key
     if not isinstance(data, dict) or key not in data:
-        raise ProfileError(f"{source}: {path}: missing (is this a profile written by `pdserve profile`?)")
+        raise ProfileError(
+            f"{source}: {path}: missing (is this a profile written by `pdserve profile`?)"
+        )
     value = data[key]
     ok = isinstance(value, kind) and not isinstance(value, bool)
     if kind in (int, float) or kind == (int, float):
         ok = ok and math.isfinite(value)
     if not ok:
-        raise ProfileError(f"{source}: {path}: expected {getattr(kind, '__name__', 'a number')}, "
-                           f"got {value!r}")
+        raise ProfileError(
+            f"{source}: {path}: expected {getattr(kind, '__name__', 'a number')}, got {value!r}"
+        )
     return value
 
 
 def _coef(entry: dict, source: str, where: str) -> tuple[float, float, float]:
     coef = _get(entry, "coef", source, list, where)
-    if len(coef) != 3 or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                 and math.isfinite(x) and x >= 0 for x in coef):
-        raise ProfileError(f"{source}: {where}.coef: expected three finite numbers >= 0 [a, b, c], "
-                           f"got {coef!r}")
+    if len(coef) != 3 or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        for x in coef
+    ):
+        raise ProfileError(
+            f"{source}: {where}.coef: expected three finite numbers >= 0 [a, b, c], got {coef!r}"
+        )
     if coef[0] + coef[1] <= 0:
         raise ProfileError(f"{source}: {where}.coef: a step cannot take no time, got {coef!r}")
     return tuple(float(x) for x in coef)
@@ -180,29 +194,45 @@ def _coef(entry: dict, source: str, where: str) -> tuple[float, float, float]:
 
 def _multipliers(values, source: str, where: str) -> tuple[float, ...]:
     if not isinstance(values, list) or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-            for x in values):
-        raise ProfileError(f"{source}: {where}: expected a list of step-time multipliers > 0, "
-                           f"got {values!r}")
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        for x in values
+    ):
+        raise ProfileError(
+            f"{source}: {where}: expected a list of step-time multipliers > 0, got {values!r}"
+        )
     return tuple(float(x) for x in values)
 
 
 def _step_speed(entry, source: str, where: str) -> tuple[float, tuple[tuple[float, ...], ...]]:
     if entry is None:
         return 0.0, ()
+
     def positive(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-    if not isinstance(entry, dict) or not positive(entry.get("window_s")) or \
-            not isinstance(entry.get("traces"), list) or not entry["traces"] or \
-            not all(isinstance(t, list) and t and all(positive(x) for x in t) for t in entry["traces"]):
-        raise ProfileError(f"{source}: {where}: expected {{window_s: seconds > 0, traces: [[step-time "
-                           f"multipliers > 0, one per window], ...]}} with at least one non-empty trace")
+        return (
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        )
+
+    if (
+        not isinstance(entry, dict)
+        or not positive(entry.get("window_s"))
+        or not isinstance(entry.get("traces"), list)
+        or not entry["traces"]
+        or not all(
+            isinstance(t, list) and t and all(positive(x) for x in t) for t in entry["traces"]
+        )
+    ):
+        raise ProfileError(
+            f"{source}: {where}: expected {{window_s: seconds > 0, traces: [[step-time "
+            f"multipliers > 0, one per window], ...]}} with at least one non-empty trace"
+        )
     return float(entry["window_s"]), tuple(tuple(float(x) for x in t) for t in entry["traces"])
 
 
 def profile_from_dict(data, source: str = "<profile>") -> Profile:
     if not isinstance(data, dict):
-        raise ProfileError(f"{source}: the top level must be a JSON object, got {type(data).__name__}")
+        raise ProfileError(
+            f"{source}: the top level must be a JSON object, got {type(data).__name__}"
+        )
     schema = data.get("schema")
     if schema != SCHEMA:
         raise ProfileError(f"{source}: schema: expected {SCHEMA!r}, got {schema!r}")
@@ -220,16 +250,22 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
     for key, entry in tps.items():
         where = f"tp.{key}"
         if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
-            raise ProfileError(f"{source}: {where}: TP degrees are keys like \"1\", got {key!r}")
+            raise ProfileError(f'{source}: {where}: TP degrees are keys like "1", got {key!r}')
         if num_heads % int(key) or num_kv_heads % int(key):
-            raise ProfileError(f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
-                               f"and {num_kv_heads} KV heads")
+            raise ProfileError(
+                f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
+                f"and {num_kv_heads} KV heads"
+            )
         capacity = _get(entry, "kv_capacity_tokens", source, int, where)
         if capacity < 1:
-            raise ProfileError(f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}")
-        steps[int(key)] = StepModel(_coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),
-                                    _coef(_get(entry, "decode", source, dict, where), source, f"{where}.decode"),
-                                    capacity)
+            raise ProfileError(
+                f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}"
+            )
+        steps[int(key)] = StepModel(
+            _coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),
+            _coef(_get(entry, "decode", source, dict, where), source, f"{where}.decode"),
+            capacity,
+        )
     transfer = {}
     for backend, entry in _get(data, "kv_transfer", source, dict).items():
         where = f"kv_transfer.{backend}"
@@ -247,47 +283,90 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
             continue
         if kind == "interference":
             for key, value in (per_tp or {}).items():
-                if key not in INTERFERENCE_KEYS or isinstance(value, bool) or \
-                        not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
-                    raise ProfileError(f"{source}: serving.interference.{key}: expected one of "
-                                       f"{INTERFERENCE_KEYS} with a number >= 0, got {value!r}")
+                if (
+                    key not in INTERFERENCE_KEYS
+                    or isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not (math.isfinite(value) and value >= 0)
+                ):
+                    raise ProfileError(
+                        f"{source}: serving.interference.{key}: expected one of "
+                        f"{INTERFERENCE_KEYS} with a number >= 0, got {value!r}"
+                    )
                 interference[key] = float(value)
             continue
         if kind not in SERVING_KINDS or not isinstance(per_tp, dict):
-            raise ProfileError(f"{source}: serving.{kind}: expected one of {SERVING_KINDS} mapping "
-                               f"TP degrees to {{prefill: {{coef}}, decode: {{coef}}}}")
+            raise ProfileError(
+                f"{source}: serving.{kind}: expected one of {SERVING_KINDS} mapping "
+                f"TP degrees to {{prefill: {{coef}}, decode: {{coef}}}}"
+            )
         for key, entry in per_tp.items():
             where = f"serving.{kind}.{key}"
             if not (isinstance(key, str) and key.isdigit() and int(key) in steps):
-                raise ProfileError(f"{source}: {where}: not a TP degree of this profile ({sorted(steps)})")
+                raise ProfileError(
+                    f"{source}: {where}: not a TP degree of this profile ({sorted(steps)})"
+                )
             if not isinstance(entry, dict):
-                raise ProfileError(f"{source}: {where}: expected {{prefill: {{coef}}, decode: {{coef}}}}")
+                raise ProfileError(
+                    f"{source}: {where}: expected {{prefill: {{coef}}, decode: {{coef}}}}"
+                )
             base = steps[int(key)]
-            pf = _coef(entry["prefill"], source, f"{where}.prefill") if "prefill" in entry else base.prefill
-            dc = _coef(entry["decode"], source, f"{where}.decode") if "decode" in entry else base.decode
+            pf = (
+                _coef(entry["prefill"], source, f"{where}.prefill")
+                if "prefill" in entry
+                else base.prefill
+            )
+            dc = (
+                _coef(entry["decode"], source, f"{where}.decode")
+                if "decode" in entry
+                else base.decode
+            )
             latency = entry.get("first_token_latency_s", 0.0)
-            if isinstance(latency, bool) or not isinstance(latency, (int, float)) or \
-                    not (math.isfinite(latency) and latency >= 0):
-                raise ProfileError(f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
-                                   f"got {latency!r}")
-            noise = {k: _multipliers(entry.get(k, []), source, f"{where}.{k}")
-                     for k in ("step_noise", "prompt_step_noise")}
+            if (
+                isinstance(latency, bool)
+                or not isinstance(latency, (int, float))
+                or not (math.isfinite(latency) and latency >= 0)
+            ):
+                raise ProfileError(
+                    f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
+                    f"got {latency!r}"
+                )
+            noise = {
+                k: _multipliers(entry.get(k, []), source, f"{where}.{k}")
+                for k in ("step_noise", "prompt_step_noise")
+            }
             window, traces = _step_speed(entry.get("step_speed"), source, f"{where}.step_speed")
             serving.setdefault(kind, {})[int(key)] = StepModel(
-                pf, dc, base.kv_capacity_tokens, float(latency), noise["step_noise"],
-                noise["prompt_step_noise"], window, traces)
+                pf,
+                dc,
+                base.kv_capacity_tokens,
+                float(latency),
+                noise["step_noise"],
+                noise["prompt_step_noise"],
+                window,
+                traces,
+            )
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:
         raise ProfileError(f"{source}: kv_bytes_per_token and block_size must be >= 1")
-    return Profile(model_id=_get(model, "id", source, str, "model"),
-                   model_name=str(model.get("name") or model["id"]),
-                   num_layers=_get(model, "num_layers", source, int, "model"),
-                   num_heads=num_heads, num_kv_heads=num_kv_heads,
-                   dtype=str(model.get("dtype", "auto")), kv_bytes_per_token=kv_bytes,
-                   block_size=block_size, device=device, tp=steps, transfer=transfer,
-                   derived=bool(data.get("derived", False)), raw=data, serving=serving,
-                   interference=interference)
+    return Profile(
+        model_id=_get(model, "id", source, str, "model"),
+        model_name=str(model.get("name") or model["id"]),
+        num_layers=_get(model, "num_layers", source, int, "model"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=str(model.get("dtype", "auto")),
+        kv_bytes_per_token=kv_bytes,
+        block_size=block_size,
+        device=device,
+        tp=steps,
+        transfer=transfer,
+        derived=bool(data.get("derived", False)),
+        raw=data,
+        serving=serving,
+        interference=interference,
+    )
 
 
 def load_profile(path: str | pathlib.Path) -> Profile:
@@ -312,7 +391,9 @@ def fit_nonnegative(features: list[list[float]], latencies: list[float]) -> dict
     x = np.asarray(features, dtype=float)
     y = np.asarray(latencies, dtype=float)
     if x.ndim != 2 or len(y) != len(x) or len(y) < x.shape[1]:
-        raise ValueError(f"need at least {x.shape[1] if x.ndim == 2 else '?'} samples to fit, got {len(y)}")
+        raise ValueError(
+            f"need at least {x.shape[1] if x.ndim == 2 else '?'} samples to fit, got {len(y)}"
+        )
     w = 1.0 / np.maximum(y, 1e-9)
     best = None
     ncols = x.shape[1]
@@ -324,17 +405,21 @@ def fit_nonnegative(features: list[list[float]], latencies: list[float]) -> dict
         coef = np.zeros(ncols)
         coef[cols] = sol
         rel = (x @ coef - y) / y
-        score = float(np.sum(rel ** 2))
+        score = float(np.sum(rel**2))
         if best is None or score < best[0]:
             best = (score, coef)
     coef = best[1]
     pred = x @ coef
     rel = (pred - y) / y
-    return {"coef": [float(c) for c in coef],
-            "fit": {"rms_rel_error": float(np.sqrt(np.mean(rel ** 2))),
-                    "max_rel_error": float(np.max(np.abs(rel))),
-                    "rmse_s": float(np.sqrt(np.mean((pred - y) ** 2))),
-                    "num_samples": int(len(y))}}
+    return {
+        "coef": [float(c) for c in coef],
+        "fit": {
+            "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
+            "max_rel_error": float(np.max(np.abs(rel))),
+            "rmse_s": float(np.sqrt(np.mean((pred - y) ** 2))),
+            "num_samples": int(len(y)),
+        },
+    }
 
 
 def prefill_features(seq_lens: list[int], starts: list[int] | None = None) -> list[float]:
@@ -347,9 +432,16 @@ def decode_features(batch_size: int, context_tokens: int) -> list[float]:
     return [1.0, float(batch_size), float(batch_size * context_tokens)]
 
 
-def profile_dict(*, model: dict, kv_bytes_per_token: int, hardware: dict,
-                 tp: dict[int, dict], kv_transfer: dict[str, dict], block_size: int = 16,
-                 **extra) -> dict:
+def profile_dict(
+    *,
+    model: dict,
+    kv_bytes_per_token: int,
+    hardware: dict,
+    tp: dict[int, dict],
+    kv_transfer: dict[str, dict],
+    block_size: int = 16,
+    **extra,
+) -> dict:
     """A profile in the JSON schema from its parts; tp[degree] holds prefill and decode entries
     ({coef, samples, fit, ...}) and kv_capacity_tokens. Used by the profiler, the derived GPU
     profile and tests (hand-made profiles)."""
@@ -359,7 +451,20 @@ def profile_dict(*, model: dict, kv_bytes_per_token: int, hardware: dict,
             "prefill": {"form": PREFILL_FORM, **entry["prefill"]},
             "decode": {"form": DECODE_FORM, **entry["decode"]},
             "kv_capacity_tokens": int(entry["kv_capacity_tokens"]),
-            **{k: v for k, v in entry.items() if k not in ("prefill", "decode", "kv_capacity_tokens")}}
-    return {"schema": SCHEMA, **extra, "model": model, "kv_bytes_per_token": int(kv_bytes_per_token),
-            "block_size": block_size, "hardware": hardware, "tp_degrees": sorted(tp),
-            "tp": tp_out, "kv_transfer": kv_transfer}
+            **{
+                k: v
+                for k, v in entry.items()
+                if k not in ("prefill", "decode", "kv_capacity_tokens")
+            },
+        }
+    return {
+        "schema": SCHEMA,
+        **extra,
+        "model": model,
+        "kv_bytes_per_token": int(kv_bytes_per_token),
+        "block_size": block_size,
+        "hardware": hardware,
+        "tp_degrees": sorted(tp),
+        "tp": tp_out,
+        "kv_transfer": kv_transfer,
+    }

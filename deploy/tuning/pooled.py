@@ -7,6 +7,7 @@ stored measurements and writes the merged profile for `pdserve tune --profile`.
 Runs are bench/slo_validation.py's output folders: <dir>/slo_validation.json (its date and config)
 with, beside it, slo_validation_<placement>_<workload>[_runN].json (measurements) and
 slo_validation_<placement>_load_steps[_runN].json (in-load calibrations)."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -19,10 +20,18 @@ from deploy.tuning.calibration import PLACEMENTS, fit_load, now, serving_entries
 
 # the deployment and trace settings a run's sweeps and calibrations are taken under; a calibration
 # also depends on its own rates and number of requests (its trace slice and seeds are fixed)
-DEPLOYMENT = ("model", "conv_scale", "code_scale", "max_prompt", "max_output",
-              "max_num_batched_tokens", "kv_cache_memory", "max_model_len")
+DEPLOYMENT = (
+    "model",
+    "conv_scale",
+    "code_scale",
+    "max_prompt",
+    "max_output",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "max_model_len",
+)
 CALIBRATION_SETUP = DEPLOYMENT + ("load_rates", "load_requests")
-SAME_SETUP = DEPLOYMENT + ("num_requests", "slo")   # and the workload's rates
+SAME_SETUP = DEPLOYMENT + ("num_requests", "slo")  # and the workload's rates
 
 
 def first_send(path: pathlib.Path) -> float:
@@ -33,24 +42,35 @@ def first_send(path: pathlib.Path) -> float:
 
 
 def utc(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    return _dt.datetime.fromtimestamp(t, _dt.UTC).strftime("%Y-%m-%d %H:%M")
 
 
-def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = None,
-              rates: list[float] | None = None, as_of: float | None = None) -> tuple[list[dict], list[dict], dict]:
+def find_runs(
+    results_dir: pathlib.Path,
+    wl: str,
+    num_requests: int | None = None,
+    rates: list[float] | None = None,
+    as_of: float | None = None,
+) -> tuple[list[dict], list[dict], dict]:
     """(measurements, calibrations, the setup's config) of every stored run: the setup is the newest
     run's config (the newest started before as_of, a unix time, when given), with num_requests and
     rates in place of its own when given."""
-    outs = [p for p in [results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")]
-            if p.is_file()]
+    outs = [
+        p
+        for p in [results_dir / "slo_validation.json", *results_dir.glob("*/slo_validation.json")]
+        if p.is_file()
+    ]
     if not outs:
         raise FileNotFoundError(f"no slo_validation.json in {results_dir} or its folders")
-    started = {p: _dt.datetime.fromisoformat(json.loads(p.read_text())["date"]).timestamp() for p in outs}
+    started = {
+        p: _dt.datetime.fromisoformat(json.loads(p.read_text())["date"]).timestamp() for p in outs
+    }
     outs.sort(key=started.get)
     then = [p for p in outs if as_of is None or started[p] < as_of]
     if not then:
-        raise FileNotFoundError(f"no slo_validation.json in {results_dir} or its folders started before "
-                                f"{utc(as_of)}")
+        raise FileNotFoundError(
+            f"no slo_validation.json in {results_dir} or its folders started before {utc(as_of)}"
+        )
     setup = json.loads(then[-1].read_text())["config"]
     if num_requests is not None:
         setup = {**setup, "num_requests": num_requests}
@@ -61,23 +81,50 @@ def find_runs(results_dir: pathlib.Path, wl: str, num_requests: int | None = Non
         cfg = json.loads(out.read_text())["config"]
         # a run that does not record how it calibrated (load_rates, load_requests) pools with none
         calibrated = all(k in cfg and cfg[k] == setup.get(k) for k in CALIBRATION_SETUP)
-        measured = (all(cfg.get(k) == setup.get(k) for k in SAME_SETUP)
-                    and cfg["rates"].get(wl) == setup["rates"][wl])
+        measured = (
+            all(cfg.get(k) == setup.get(k) for k in SAME_SETUP)
+            and cfg["rates"].get(wl) == setup["rates"][wl]
+        )
         serving = out.parent / pathlib.Path(cfg["serving_profile"]).name
         for placement in PLACEMENTS:
-            for path in sorted(out.parent.glob(f"slo_validation_{placement}_{wl}*.json")) if measured else []:
-                suffix = path.stem[len(f"slo_validation_{placement}_{wl}"):]
+            for path in (
+                sorted(out.parent.glob(f"slo_validation_{placement}_{wl}*.json"))
+                if measured
+                else []
+            ):
+                suffix = path.stem[len(f"slo_validation_{placement}_{wl}") :]
                 if suffix == "" or (suffix.startswith("_run") and suffix[4:].isdigit()):
                     t = first_send(path)
-                    measurements.append({"placement": placement, "path": path, "time": t, "run": out.parent.name,
-                                         "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
-            for path in sorted(out.parent.glob(f"slo_validation_{placement}_load_steps*.json")) if calibrated else []:
-                suffix = path.stem[len(f"slo_validation_{placement}_load_steps"):]
-                first_load = out.parent / f"slo_validation_{placement}_load_{cfg['load_rates'][0]:g}{suffix}.json"
+                    measurements.append(
+                        {
+                            "placement": placement,
+                            "path": path,
+                            "time": t,
+                            "run": out.parent.name,
+                            "label": f"{utc(t)[11:]} {out.parent.name}{suffix}",
+                        }
+                    )
+            for path in (
+                sorted(out.parent.glob(f"slo_validation_{placement}_load_steps*.json"))
+                if calibrated
+                else []
+            ):
+                suffix = path.stem[len(f"slo_validation_{placement}_load_steps") :]
+                first_load = (
+                    out.parent
+                    / f"slo_validation_{placement}_load_{cfg['load_rates'][0]:g}{suffix}.json"
+                )
                 t = first_send(first_load) if first_load.is_file() else path.stat().st_mtime
-                calibrations.append({"placement": placement, "path": path, "time": t, "serving": serving,
-                                     "run": out.parent.name,
-                                     "label": f"{utc(t)[11:]} {out.parent.name}{suffix}"})
+                calibrations.append(
+                    {
+                        "placement": placement,
+                        "path": path,
+                        "time": t,
+                        "serving": serving,
+                        "run": out.parent.name,
+                        "label": f"{utc(t)[11:]} {out.parent.name}{suffix}",
+                    }
+                )
     return measurements, calibrations, setup
 
 
@@ -85,8 +132,13 @@ def merge_serving(merged: dict, data: dict) -> None:
     """Adds one placement's pooled profile (its worker kinds, its interference factors) to
     `merged`, which starts empty and ends as one profile with every kind."""
     if not merged:
-        merged.update(data, serving={"interference": {}, "source": {"summary": data["serving"]["source"]["summary"],
-                                                                   "calibrations": []}})
+        merged.update(
+            data,
+            serving={
+                "interference": {},
+                "source": {"summary": data["serving"]["source"]["summary"], "calibrations": []},
+            },
+        )
     for key, value in data["serving"].items():
         if key == "interference":
             merged["serving"]["interference"].update(value)
@@ -96,13 +148,15 @@ def merge_serving(merged: dict, data: dict) -> None:
             merged["serving"][key] = value
 
 
-def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s: float,
-                   interference: bool = True):
+def pooled_profile(
+    engine_path: pathlib.Path, calibrations: list[dict], window_s: float, interference: bool = True
+):
     """The engine profile plus step models, step_speed and step_noise fitted per worker kind on
     the steps of all these in-load calibrations; each kind's first-token latency is the mean of
     the isolated calibrations' (their serving profiles). interference=False: no interference
     factors are fitted (the step models average over the calibrations' overlaps)."""
     from deploy.tuning.perf_model import load_profile, profile_from_dict
+
     engine = load_profile(engine_path)
     workers, latency = {}, {}
     for k, c in enumerate(calibrations):
@@ -110,15 +164,26 @@ def pooled_profile(engine_path: pathlib.Path, calibrations: list[dict], window_s
             workers[f"{k}:{name}"] = w
         if c["serving"].is_file():
             for kind, per_tp in json.loads(c["serving"].read_text())["serving"].items():
-                value = per_tp.get("1", {}).get("first_token_latency_s") if isinstance(per_tp, dict) else None
+                value = (
+                    per_tp.get("1", {}).get("first_token_latency_s")
+                    if isinstance(per_tp, dict)
+                    else None
+                )
                 if value is not None:
                     latency.setdefault(kind, []).append(value)
     fits = fit_load(engine, {"workers": workers}, window_s, interference)
-    isolated = {kind: {"1": {"first_token_latency_s": float(np.mean(v))}} for kind, v in latency.items()}
+    isolated = {
+        kind: {"1": {"first_token_latency_s": float(np.mean(v))}} for kind, v in latency.items()
+    }
     data = dict(engine.raw)
-    data["serving"] = {**serving_entries(fits, isolated),
-                       "source": {"summary": "deploy/tuning/pooled.py: in-load calibrations pooled",
-                                  "calibrations": [c["label"] for c in calibrations], "date": now()}}
+    data["serving"] = {
+        **serving_entries(fits, isolated),
+        "source": {
+            "summary": "deploy/tuning/pooled.py: in-load calibrations pooled",
+            "calibrations": [c["label"] for c in calibrations],
+            "date": now(),
+        },
+    }
     return profile_from_dict(data, "pooled in-load profile"), data
 
 
@@ -126,6 +191,7 @@ def scaled(profile, factor: float):
     """The profile with every serving step model's coefficients times factor (a machine that much
     slower), for the sensitivity of attainment to step speed."""
     from deploy.tuning.perf_model import profile_from_dict
+
     data = json.loads(json.dumps(profile.raw))
     for kind, per_tp in data["serving"].items():
         if kind in ("prefill", "decode", "colocated"):

@@ -15,6 +15,7 @@ KV transfer per backend (grpc, shm, torch): a receiver process serves the backen
 KV into a paged cache through a KVReceiver, as a decode worker does; this process sends requests
 layer by layer: latency from one small request at a time, bandwidth from large ones back to back.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,48 @@ import sys
 import time
 import traceback
 
-from deploy.tuning.perf_model import (decode_features, fit_nonnegative, prefill_features,
-                                      profile_dict, profile_from_dict)
+from deploy.tuning.perf_model import (
+    decode_features,
+    fit_nonnegative,
+    prefill_features,
+    profile_dict,
+    profile_from_dict,
+)
 
-QUICK = {"prefill": [[32], [128], [512], [1024], [256] * 4, [64] * 8], "prefill_reps": 1,
-         "batches": (1, 4, 16, 64), "contexts": (32, 256), "decode_steps": 3,
-         "transfer_mib": 16.0, "transfer_requests": 6, "pings": 3}
-FULL = {"prefill": [[16], [32], [64], [128], [256], [512], [1024], [2048], [256] * 4, [128] * 8,
-                    [64] * 16, [1024] * 2, [512] * 4], "prefill_reps": 3,
-        "batches": (1, 2, 4, 8, 16, 32, 64), "contexts": (32, 128, 512, 1024), "decode_steps": 5,
-        "transfer_mib": 16.0, "transfer_requests": 12, "pings": 7}
+QUICK = {
+    "prefill": [[32], [128], [512], [1024], [256] * 4, [64] * 8],
+    "prefill_reps": 1,
+    "batches": (1, 4, 16, 64),
+    "contexts": (32, 256),
+    "decode_steps": 3,
+    "transfer_mib": 16.0,
+    "transfer_requests": 6,
+    "pings": 3,
+}
+FULL = {
+    "prefill": [
+        [16],
+        [32],
+        [64],
+        [128],
+        [256],
+        [512],
+        [1024],
+        [2048],
+        [256] * 4,
+        [128] * 8,
+        [64] * 16,
+        [1024] * 2,
+        [512] * 4,
+    ],
+    "prefill_reps": 3,
+    "batches": (1, 2, 4, 8, 16, 32, 64),
+    "contexts": (32, 128, 512, 1024),
+    "decode_steps": 5,
+    "transfer_mib": 16.0,
+    "transfer_requests": 12,
+    "pings": 7,
+}
 TRANSFER_BLOCK_SIZE = 16
 
 
@@ -50,12 +83,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf")
     p.add_argument("--tp", default="1", help="TP degrees to measure, e.g. 1,3 (default 1)")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
-    p.add_argument("--quick", action="store_true", help="small grids, one repeat (~1 min for SmolLM2 tp 1)")
-    p.add_argument("--threads-per-rank", type=int, default=1,
-                   help="compute threads of each TP rank; a device is this many cores (default 1)")
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30,
-                   help="bytes of KV pool per rank while profiling; the profile's KV capacity and "
-                        "the tuner's YAML use it (default 1 GiB, the engine's CPU default)")
+    p.add_argument(
+        "--quick", action="store_true", help="small grids, one repeat (~1 min for SmolLM2 tp 1)"
+    )
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=1,
+        help="compute threads of each TP rank; a device is this many cores (default 1)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=1 << 30,
+        help="bytes of KV pool per rank while profiling; the profile's KV capacity and "
+        "the tuner's YAML use it (default 1 GiB, the engine's CPU default)",
+    )
     p.add_argument("--backends", default="grpc,shm,torch", help="KV transfer backends to measure")
     p.add_argument("--dtype", default="auto")
 
@@ -68,6 +111,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def _measure_prefill(engine, grid, reps: int, rng) -> list[dict]:
     from engine import SamplingParams
+
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     vocab = engine.model_config.vocab_size
     samples = []
@@ -82,15 +126,24 @@ def _measure_prefill(engine, grid, reps: int, rng) -> list[dict]:
             runs.append(time.perf_counter() - t0)
             while engine.has_unfinished_requests():
                 engine.step()
-        samples.append({"seq_lens": lens, "num_tokens": sum(lens), "latency_s": statistics.median(runs),
-                        "runs_s": runs})
-        log(f"prefill {'+'.join(map(str, lens)) if len(set(lens)) > 1 else f'{len(lens)}x{lens[0]}'}: "
-            f"{samples[-1]['latency_s'] * 1e3:.1f} ms")
+        samples.append(
+            {
+                "seq_lens": lens,
+                "num_tokens": sum(lens),
+                "latency_s": statistics.median(runs),
+                "runs_s": runs,
+            }
+        )
+        log(
+            f"prefill {'+'.join(map(str, lens)) if len(set(lens)) > 1 else f'{len(lens)}x{lens[0]}'}: "
+            f"{samples[-1]['latency_s'] * 1e3:.1f} ms"
+        )
     return samples
 
 
 def _measure_decode(engine, batches, contexts, steps: int, rng) -> list[dict]:
     from engine import SamplingParams
+
     vocab = engine.model_config.vocab_size
     capacity = engine.block_manager.num_blocks * engine.config.block_size
     samples = []
@@ -103,7 +156,7 @@ def _measure_decode(engine, batches, contexts, steps: int, rng) -> list[dict]:
             for rid in rids:
                 engine.reserve(rid, _prompt(rng, ctx, vocab), params)
                 engine.commit(rid, 1000 % vocab)
-            engine.step()          # the first step after the commits: allocations, not steady state
+            engine.step()  # the first step after the commits: allocations, not steady state
             runs = []
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -114,8 +167,14 @@ def _measure_decode(engine, batches, contexts, steps: int, rng) -> list[dict]:
             while engine.has_unfinished_requests():
                 engine.step()
             # the timed steps saw contexts ctx+1 .. ctx+steps; the middle one stands for them
-            samples.append({"batch_size": batch, "context_tokens": ctx + 1 + steps // 2,
-                            "latency_s": statistics.median(runs), "runs_s": runs})
+            samples.append(
+                {
+                    "batch_size": batch,
+                    "context_tokens": ctx + 1 + steps // 2,
+                    "latency_s": statistics.median(runs),
+                    "runs_s": runs,
+                }
+            )
             log(f"decode B={batch} ctx={ctx}: {samples[-1]['latency_s'] * 1e3:.1f} ms")
     return samples
 
@@ -125,50 +184,91 @@ def profile_tp(model: str, tp: int, grids: dict, args) -> tuple[dict, dict]:
     import torch
 
     from engine import LLM
+
     torch.set_num_threads(args.threads_per_rank)
     max_prefill = max(sum(lens) for lens in grids["prefill"])
     t0 = time.perf_counter()
-    llm = LLM(model, tensor_parallel_size=tp, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_num_batched_tokens=max(max_prefill, 2048), max_num_seqs=max(grids["batches"]) + 8,
-              enable_prefix_caching=False)
-    torch.set_num_threads(args.threads_per_rank)   # in case engine construction touched it
+    llm = LLM(
+        model,
+        tensor_parallel_size=tp,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=max(max_prefill, 2048),
+        max_num_seqs=max(grids["batches"]) + 8,
+        enable_prefix_caching=False,
+    )
+    torch.set_num_threads(args.threads_per_rank)  # in case engine construction touched it
     log(f"tp={tp}: engine loaded in {time.perf_counter() - t0:.1f} s")
     try:
         engine = llm.engine
         rng = random.Random(tp)
-        _measure_prefill(engine, [[64], [16] * 2], 1, rng)                     # warm-up
+        _measure_prefill(engine, [[64], [16] * 2], 1, rng)  # warm-up
         _measure_decode(engine, (4,), (32,), 2, rng)
         prefill = _measure_prefill(engine, grids["prefill"], grids["prefill_reps"], rng)
-        decode = _measure_decode(engine, grids["batches"], grids["contexts"], grids["decode_steps"], rng)
+        decode = _measure_decode(
+            engine, grids["batches"], grids["contexts"], grids["decode_steps"], rng
+        )
         mc, cfg = engine.model_config, engine.config
-        info = {"id": engine.model_id, "name": model, "num_layers": mc.num_layers,
-                "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
-                "hidden_size": mc.hidden_size, "dtype": cfg.dtype, "device": cfg.device,
-                "kv_bytes_per_token": mc.kv_bytes_per_token(cfg.torch_dtype),
-                "block_size": cfg.block_size}
+        info = {
+            "id": engine.model_id,
+            "name": model,
+            "num_layers": mc.num_layers,
+            "num_heads": mc.num_heads,
+            "num_kv_heads": mc.num_kv_heads,
+            "head_dim": mc.head_dim,
+            "hidden_size": mc.hidden_size,
+            "dtype": cfg.dtype,
+            "device": cfg.device,
+            "kv_bytes_per_token": mc.kv_bytes_per_token(cfg.torch_dtype),
+            "block_size": cfg.block_size,
+        }
         capacity = engine.block_manager.num_blocks * cfg.block_size
     finally:
         llm.shutdown()
-    pf = fit_nonnegative([prefill_features(s["seq_lens"]) for s in prefill], [s["latency_s"] for s in prefill])
-    df = fit_nonnegative([decode_features(s["batch_size"], s["context_tokens"]) for s in decode],
-                         [s["latency_s"] for s in decode])
-    log(f"tp={tp}: prefill fit {pf['coef']} (rms rel error {pf['fit']['rms_rel_error']:.1%}), "
-        f"decode fit {df['coef']} (rms rel error {df['fit']['rms_rel_error']:.1%})")
-    entry = {"prefill": {**pf, "samples": prefill}, "decode": {**df, "samples": decode},
-             "kv_capacity_tokens": capacity, "threads_per_rank": args.threads_per_rank}
+    pf = fit_nonnegative(
+        [prefill_features(s["seq_lens"]) for s in prefill], [s["latency_s"] for s in prefill]
+    )
+    df = fit_nonnegative(
+        [decode_features(s["batch_size"], s["context_tokens"]) for s in decode],
+        [s["latency_s"] for s in decode],
+    )
+    log(
+        f"tp={tp}: prefill fit {pf['coef']} (rms rel error {pf['fit']['rms_rel_error']:.1%}), "
+        f"decode fit {df['coef']} (rms rel error {df['fit']['rms_rel_error']:.1%})"
+    )
+    entry = {
+        "prefill": {**pf, "samples": prefill},
+        "decode": {**df, "samples": decode},
+        "kv_capacity_tokens": capacity,
+        "threads_per_rank": args.threads_per_rank,
+    }
     return entry, info
 
 
 # ---- KV transfer --------------------------------------------------------------------------------
 def _layout(info: dict):
     from kvtransfer.layout import KVLayout
-    return KVLayout(info["id"], info["dtype"], info["num_layers"], info["num_kv_heads"],
-                    info["head_dim"], TRANSFER_BLOCK_SIZE)
+
+    return KVLayout(
+        info["id"],
+        info["dtype"],
+        info["num_layers"],
+        info["num_kv_heads"],
+        info["head_dim"],
+        TRANSFER_BLOCK_SIZE,
+    )
 
 
 def _pool_shape(info: dict, tokens: int, slots: int) -> tuple[int, ...]:
     blocks = -(-tokens // TRANSFER_BLOCK_SIZE) * slots
-    return (info["num_layers"], 2, blocks, TRANSFER_BLOCK_SIZE, info["num_kv_heads"], info["head_dim"])
+    return (
+        info["num_layers"],
+        2,
+        blocks,
+        TRANSFER_BLOCK_SIZE,
+        info["num_kv_heads"],
+        info["head_dim"],
+    )
 
 
 def _block_ids(slot: int, tokens: int) -> list[int]:
@@ -184,9 +284,15 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
 
         import torch
 
-        from kvtransfer.backends import create_shared_kv_cache, remove_shared_kv_cache, serve, tune_malloc
+        from kvtransfer.backends import (
+            create_shared_kv_cache,
+            remove_shared_kv_cache,
+            serve,
+            tune_malloc,
+        )
         from kvtransfer.receiver import KVReceiver
         from kvtransfer.state import TransferState
+
         tune_malloc()
         torch.set_num_threads(1)
         dtype = getattr(torch, info["dtype"])
@@ -202,10 +308,16 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
                 def handler(header, payload):
                     with lock:
                         rx = receivers.get(header.request_id)
-                        if rx is None:   # request ids are "<slot>-<tokens>-<serial>"
+                        if rx is None:  # request ids are "<slot>-<tokens>-<serial>"
                             slot, n, _ = header.request_id.split("-")
                             rx = receivers[header.request_id] = KVReceiver(
-                                header.request_id, cache, layout, _block_ids(int(slot), int(n)), 0, int(n))
+                                header.request_id,
+                                cache,
+                                layout,
+                                _block_ids(int(slot), int(n)),
+                                0,
+                                int(n),
+                            )
                     if rx.on_frame(header, payload) in (TransferState.DONE, TransferState.FAILED):
                         done[header.request_id] = (time.perf_counter(), rx.error)
 
@@ -221,7 +333,7 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
                 server.stop()
         finally:
             remove_shared_kv_cache(path)
-    except BaseException:   # noqa: BLE001 - the parent must hear why
+    except BaseException:  # noqa: BLE001 - the parent must hear why
         conn.send({"error": traceback.format_exc()})
 
 
@@ -245,17 +357,25 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
     from kvtransfer.reshard import read_chunk
     from kvtransfer.transport import Destination
     from kvtransfer.wire import ChunkHeader
+
     tune_malloc()
     dtype = getattr(torch, info["dtype"])
-    big = max(TRANSFER_BLOCK_SIZE, int(grids["transfer_mib"] * (1 << 20)) // info["kv_bytes_per_token"])
+    big = max(
+        TRANSFER_BLOCK_SIZE, int(grids["transfer_mib"] * (1 << 20)) // info["kv_bytes_per_token"]
+    )
     small = TRANSFER_BLOCK_SIZE
     slots = grids["transfer_requests"]
     layout = _layout(info)
-    src = torch.randn(_pool_shape(info, big, 1), generator=torch.Generator().manual_seed(0)).to(dtype)
+    src = torch.randn(_pool_shape(info, big, 1), generator=torch.Generator().manual_seed(0)).to(
+        dtype
+    )
     src_blocks = _block_ids(0, big)
 
     def chunks(n: int):
-        return [read_chunk(src[layer], layout, "x", layer, src_blocks, 0, n) for layer in range(info["num_layers"])]
+        return [
+            read_chunk(src[layer], layout, "x", layer, src_blocks, 0, n)
+            for layer in range(info["num_layers"])
+        ]
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -266,31 +386,40 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
         for backend in backends:
             parent.send({"backend": backend})
             transport = connect(backend, _recv(parent, proc)["address"], timeout=60.0)
-            counter = iter(range(10 ** 9))
+            counter = iter(range(10**9))
             try:
+
                 def send_batch(n: int, count: int, frames) -> list[tuple[float, float]]:
                     starts = {}
                     for i in range(count):
-                        rid = f"{i % slots}-{n}-{next(counter)}"    # what the receiver parses
+                        rid = f"{i % slots}-{n}-{next(counter)}"  # what the receiver parses
                         starts[rid] = time.perf_counter()
                         dest = Destination(_block_ids(i % slots, n), layout)
                         for header, data in frames:
-                            transport.send(ChunkHeader(**{**vars(header), "request_id": rid}), data, dest)
-                        transport.send(ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1), None, dest)
+                            transport.send(
+                                ChunkHeader(**{**vars(header), "request_id": rid}), data, dest
+                            )
+                        transport.send(
+                            ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1),
+                            None,
+                            dest,
+                        )
                     transport.flush(120.0)
                     parent.send({"count": count})
                     done = _recv(parent, proc)
                     bad = [f"{r}: {e}" for r, (_, e) in done.items() if e]
                     if bad or len(done) < count:
-                        raise RuntimeError(f"{backend}: {len(done)} of {count} transfers done; {bad[:1]}")
+                        raise RuntimeError(
+                            f"{backend}: {len(done)} of {count} transfers done; {bad[:1]}"
+                        )
                     return [(starts[r], t) for r, (t, _) in done.items()]
 
                 small_frames, big_frames = chunks(small), chunks(big)
-                send_batch(small, 1, small_frames)                     # warm-up
+                send_batch(small, 1, small_frames)  # warm-up
                 send_batch(big, 2, big_frames)
                 pings = []
                 for _ in range(grids["pings"]):
-                    (s, t), = send_batch(small, 1, small_frames)
+                    ((s, t),) = send_batch(small, 1, small_frames)
                     pings.append(t - s)
                 per_request = small * info["kv_bytes_per_token"]
                 latency = max(0.0, statistics.median(pings))
@@ -301,10 +430,18 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
             finally:
                 transport.close()
                 parent.send("end")
-            out[backend] = {"bandwidth_bytes_per_s": bw, "latency_s": latency,
-                            "samples": {"ping_s": pings, "ping_bytes": per_request,
-                                        "bulk_bytes": nbytes, "bulk_requests": slots, "bulk_s": elapsed},
-                            "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker"}
+            out[backend] = {
+                "bandwidth_bytes_per_s": bw,
+                "latency_s": latency,
+                "samples": {
+                    "ping_s": pings,
+                    "ping_bytes": per_request,
+                    "bulk_bytes": nbytes,
+                    "bulk_requests": slots,
+                    "bulk_s": elapsed,
+                },
+                "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker",
+            }
             log(f"transfer {backend}: {bw / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
     finally:
         try:
@@ -320,10 +457,13 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
 # ---- the command --------------------------------------------------------------------------------
 def _hardware(info: dict, args) -> dict:
     import torch
+
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
     memory = None
@@ -333,12 +473,18 @@ def _hardware(info: dict, args) -> dict:
     except (OSError, StopIteration):
         pass
     gpu = info["device"] == "cuda"
-    return {"device": "gpu" if gpu else "cpu",
-            "name": torch.cuda.get_device_name(0) if gpu else cpu,
-            "cpu": cpu, "num_cpus": os.cpu_count(), "memory_bytes": memory,
-            "threads_per_rank": args.threads_per_rank, "kv_cache_memory": args.kv_cache_memory,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {
+        "device": "gpu" if gpu else "cpu",
+        "name": torch.cuda.get_device_name(0) if gpu else cpu,
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "memory_bytes": memory,
+        "threads_per_rank": args.threads_per_rank,
+        "kv_cache_memory": args.kv_cache_memory,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def run(args) -> int:
@@ -347,15 +493,21 @@ def run(args) -> int:
         if not tps or min(tps) < 1:
             raise ValueError
     except ValueError:
-        print(f"pdserve profile: --tp {args.tp!r}: a comma-separated list of integers >= 1, e.g. 1,3",
-              file=sys.stderr)
+        print(
+            f"pdserve profile: --tp {args.tp!r}: a comma-separated list of integers >= 1, e.g. 1,3",
+            file=sys.stderr,
+        )
         return 2
     backends = [b for b in args.backends.split(",") if b]
     from kvtransfer.backends import BACKENDS
+
     bad = [b for b in backends if b not in BACKENDS]
     if bad or args.threads_per_rank < 1 or args.kv_cache_memory < 1:
-        print(f"pdserve profile: --backends must be of {BACKENDS}, --threads-per-rank and "
-              f"--kv-cache-memory >= 1", file=sys.stderr)
+        print(
+            f"pdserve profile: --backends must be of {BACKENDS}, --threads-per-rank and "
+            f"--kv-cache-memory >= 1",
+            file=sys.stderr,
+        )
         return 2
     grids = QUICK if args.quick else FULL
     cores = os.cpu_count() or 1
@@ -364,23 +516,45 @@ def run(args) -> int:
     try:
         for tp in tps:
             if tp * args.threads_per_rank > cores:
-                log(f"warning: tp={tp} x {args.threads_per_rank} threads > {cores} cores: its ranks "
-                    f"share cores, so its timings include that contention")
+                log(
+                    f"warning: tp={tp} x {args.threads_per_rank} threads > {cores} cores: its ranks "
+                    f"share cores, so its timings include that contention"
+                )
             entries[tp], info = profile_tp(args.model, tp, grids, args)
         transfer = measure_transfer(info, backends, grids) if backends else {}
-    except ValueError as e:   # the engine's message for a bad model or a TP degree it refuses
+    except ValueError as e:  # the engine's message for a bad model or a TP degree it refuses
         print(f"pdserve profile: {e}", file=sys.stderr)
         return 2
-    model = {k: info[k] for k in ("id", "name", "num_layers", "num_heads", "num_kv_heads",
-                                  "head_dim", "hidden_size", "dtype")}
-    data = profile_dict(model=model, kv_bytes_per_token=info["kv_bytes_per_token"],
-                        hardware=_hardware(info, args), tp=entries, kv_transfer=transfer,
-                        block_size=info["block_size"], derived=False,
-                        source={"summary": "measured by `pdserve profile` on this machine",
-                                "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                                "date": _dt.datetime.now().astimezone().isoformat(),
-                                "quick": bool(args.quick), "seconds": round(time.perf_counter() - t0, 1)})
-    profile_from_dict(data, args.out)     # what the tuner will accept
+    model = {
+        k: info[k]
+        for k in (
+            "id",
+            "name",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "hidden_size",
+            "dtype",
+        )
+    }
+    data = profile_dict(
+        model=model,
+        kv_bytes_per_token=info["kv_bytes_per_token"],
+        hardware=_hardware(info, args),
+        tp=entries,
+        kv_transfer=transfer,
+        block_size=info["block_size"],
+        derived=False,
+        source={
+            "summary": "measured by `pdserve profile` on this machine",
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+            "date": _dt.datetime.now().astimezone().isoformat(),
+            "quick": bool(args.quick),
+            "seconds": round(time.perf_counter() - t0, 1),
+        },
+    )
+    profile_from_dict(data, args.out)  # what the tuner will accept
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")

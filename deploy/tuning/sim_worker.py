@@ -13,6 +13,7 @@ blocks, a heap gives the step at which each sequence finishes, and a sequence's 
 up (computed += steps since it joined) when the worker leaves the fast path. Same answers as the
 slow path (tests/unit/test_tuning.py checks), much faster for big decode batches.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -22,7 +23,16 @@ from deploy.tuning.perf_model import StepModel
 
 
 class Seq:
-    __slots__ = ("req", "num_tokens", "computed", "blocks", "prefill_only", "done", "base_step", "key")
+    __slots__ = (
+        "req",
+        "num_tokens",
+        "computed",
+        "blocks",
+        "prefill_only",
+        "done",
+        "base_step",
+        "key",
+    )
 
     def __init__(self, req, num_tokens: int, computed: int, blocks: int, prefill_only: bool):
         self.req, self.num_tokens, self.computed = req, num_tokens, computed
@@ -33,8 +43,16 @@ class Seq:
 class Worker:
     """One replica (see the module docstring)."""
 
-    def __init__(self, model: StepModel, block_size: int, capacity_tokens: int, budget: int,
-                 max_seqs: int, is_prefill: bool, fast: bool = True):
+    def __init__(
+        self,
+        model: StepModel,
+        block_size: int,
+        capacity_tokens: int,
+        budget: int,
+        max_seqs: int,
+        is_prefill: bool,
+        fast: bool = True,
+    ):
         self.is_prefill, self.fast = is_prefill, fast and not is_prefill
         self.model, self.bs = model, block_size
         self.budget, self.max_seqs = budget, max_seqs
@@ -44,25 +62,25 @@ class Worker:
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
         self.joining: list[Seq] = []  # committed while a step ran: they join the next one
-        self.queued_tokens = 0         # sum of num_tokens - computed over its sequences
-        self.pending_blocks = 0        # blocks its waiting prompts will take
-        self.router_view = self.free   # its free blocks as the router sees them (colocated)
-        self.router_tokens = 0         # prompt tokens the router charged to it, until their first token
+        self.queued_tokens = 0  # sum of num_tokens - computed over its sequences
+        self.pending_blocks = 0  # blocks its waiting prompts will take
+        self.router_view = self.free  # its free blocks as the router sees them (colocated)
+        self.router_tokens = 0  # prompt tokens the router charged to it, until their first token
         self.busy = False
-        self.calls: list = []          # (fn, request): RPCs that wait for the step in flight
-        self.plan: list[tuple[Seq, int, int]] | None = None   # None: a fast-path step
-        self.step_has_prompt = False   # the planned step computes prompt tokens (prefill or mixed)
+        self.calls: list = []  # (fn, request): RPCs that wait for the step in flight
+        self.plan: list[tuple[Seq, int, int]] | None = None  # None: a fast-path step
+        self.step_has_prompt = False  # the planned step computes prompt tokens (prefill or mixed)
         self.step_start = 0.0
         self.link_free = 0.0
         self.num_preemptions = 0
-        self.speed: tuple[tuple[float, ...], int] | None = None   # (speed trace, start window)
+        self.speed: tuple[tuple[float, ...], int] | None = None  # (speed trace, start window)
         # fast path
         self.lazy = False
         self.step_no = 0
         self.phase_counts = [0] * block_size
-        self.finishing: list = []      # heap of (last step, tiebreak, seq)
+        self.finishing: list = []  # heap of (last step, tiebreak, seq)
         self.num_lazy = 0
-        self.lazy_context = 0          # sum of computed over the lazy sequences
+        self.lazy_context = 0  # sum of computed over the lazy sequences
         self.tiebreak = 0
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -79,10 +97,12 @@ class Worker:
     # ---- fast path ------------------------------------------------------------------------------
     def _add_lazy(self, seq: Seq) -> None:
         seq.base_step = self.step_no
-        seq.key = (self.step_no - seq.computed) % self.bs   # steps s with s % bs == key open a block
+        seq.key = (self.step_no - seq.computed) % self.bs  # steps s with s % bs == key open a block
         self.phase_counts[seq.key] += 1
         r = seq.req
-        heapq.heappush(self.finishing, (self.step_no + r.output - r.num_out - 1, self.tiebreak, seq))
+        heapq.heappush(
+            self.finishing, (self.step_no + r.output - r.num_out - 1, self.tiebreak, seq)
+        )
         self.tiebreak += 1
         self.num_lazy += 1
         self.lazy_context += seq.computed
@@ -105,9 +125,18 @@ class Worker:
 
     def _enter_fast_path(self) -> bool:
         bs = self.bs
-        if (self.waiting or not self.running or len(self.running) > self.budget
-                or any(s.num_tokens - s.computed != 1 or s.computed == 0 or s.req.num_out == 0
-                       or s.blocks != (s.computed + bs - 1) // bs for s in self.running)):
+        if (
+            self.waiting
+            or not self.running
+            or len(self.running) > self.budget
+            or any(
+                s.num_tokens - s.computed != 1
+                or s.computed == 0
+                or s.req.num_out == 0
+                or s.blocks != (s.computed + bs - 1) // bs
+                for s in self.running
+            )
+        ):
             return False
         self.lazy = True
         for seq in self.running:

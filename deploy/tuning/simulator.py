@@ -71,6 +71,7 @@ What it does not model:
     a random window, so a slow spell of the machine lasts as long as it did when measured, and
     step_noise is the fast part within a window.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -84,7 +85,7 @@ from deploy.tuning.sim_worker import Seq, Worker
 
 _ARRIVE, _STEP_DONE, _COMMIT = 0, 1, 2
 INF = math.inf
-ROUTER_STATS_S = 0.5      # router.server.RouterConfig.stats_interval_s
+ROUTER_STATS_S = 0.5  # router.server.RouterConfig.stats_interval_s
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,16 @@ class PoolSpec:
     tp: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    kv_capacity_tokens: int | None = None     # per replica; None: the profile's for this tp
+    kv_capacity_tokens: int | None = None  # per replica; None: the profile's for this tp
 
 
 @dataclass(frozen=True)
 class Placement:
     """prefill None: `decode` is a colocated pool whose workers prefill and decode together."""
+
     prefill: PoolSpec | None
     decode: PoolSpec
-    backend: str | None = None                # None: the profile's fastest
+    backend: str | None = None  # None: the profile's fastest
 
     @property
     def colocated(self) -> bool:
@@ -129,7 +131,7 @@ class RequestResult:
 @dataclass
 class SimResult:
     requests: list[RequestResult]
-    stopped_early: bool = False       # gave up once too many requests had missed the SLO
+    stopped_early: bool = False  # gave up once too many requests had missed the SLO
     num_steps: int = 0
     num_preemptions: int = 0
 
@@ -141,8 +143,17 @@ class SimResult:
 
 
 class _Req:
-    __slots__ = ("arrival", "prompt", "output", "dest", "reserved", "first_at", "done_at",
-                 "num_out", "missed")
+    __slots__ = (
+        "arrival",
+        "prompt",
+        "output",
+        "dest",
+        "reserved",
+        "first_at",
+        "done_at",
+        "num_out",
+        "missed",
+    )
 
     def __init__(self, arrival: float, prompt: int, output: int):
         self.arrival, self.prompt, self.output = arrival, prompt, output
@@ -154,21 +165,37 @@ class _Req:
 
 
 class Simulator:
-    def __init__(self, profile: Profile, placement: Placement, fast: bool = True,
-                 router_stats_s: float = ROUTER_STATS_S, seed: int | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        placement: Placement,
+        fast: bool = True,
+        router_stats_s: float = ROUTER_STATS_S,
+        seed: int | None = None,
+    ):
         self.profile, self.placement, self.fast = profile, placement, fast
         self.router_stats_s = router_stats_s
-        self.seed = seed        # None: no step noise
+        self.seed = seed  # None: no step noise
         for pool in filter(None, (placement.prefill, placement.decode)):
             if pool.tp not in profile.tp:
                 raise ValueError(f"the profile has no tp={pool.tp} (it has {profile.tp_degrees})")
         self.backend = placement.backend or profile.best_backend()
         if not placement.colocated and self.backend not in profile.transfer:
-            raise ValueError(f"the profile has no KV transfer figures for backend {self.backend!r} "
-                             f"(it has {sorted(profile.transfer)})")
+            raise ValueError(
+                f"the profile has no KV transfer figures for backend {self.backend!r} "
+                f"(it has {sorted(profile.transfer)})"
+            )
 
-    def run(self, requests, *, max_missed: int | None = None, ttft_s: float = INF,
-            tpot_s: float = INF, phase: str = "both", max_steps: int = 20_000_000) -> SimResult:
+    def run(
+        self,
+        requests,
+        *,
+        max_missed: int | None = None,
+        ttft_s: float = INF,
+        tpot_s: float = INF,
+        phase: str = "both",
+        max_steps: int = 20_000_000,
+    ) -> SimResult:
         """requests: RequestSpecs. With max_missed, stops once more than that many requests missed
         ttft_s or tpot_s (the answer to "does it meet the SLO" is known by then).
 
@@ -186,17 +213,27 @@ class Simulator:
         if pl.colocated and phase != "both":
             raise ValueError("a colocated placement has no separate prefill or decode phase")
         bs = prof.block_size
+
         def worker(pool: PoolSpec, is_prefill: bool) -> Worker:
             kind = "prefill" if is_prefill else "colocated" if pl.colocated else "decode"
             model = prof.step_model(pool.tp, kind)
-            return Worker(model, bs, pool.kv_capacity_tokens or model.kv_capacity_tokens,
-                          pool.max_num_batched_tokens, pool.max_num_seqs, is_prefill, self.fast)
+            return Worker(
+                model,
+                bs,
+                pool.kv_capacity_tokens or model.kv_capacity_tokens,
+                pool.max_num_batched_tokens,
+                pool.max_num_seqs,
+                is_prefill,
+                self.fast,
+            )
 
         decode = [worker(pl.decode, False) for _ in range(pl.decode.replicas)]
-        prefill = [] if pl.colocated else [worker(pl.prefill, True) for _ in range(pl.prefill.replicas)]
+        prefill = (
+            [] if pl.colocated else [worker(pl.prefill, True) for _ in range(pl.prefill.replicas)]
+        )
         rng = random.Random(self.seed) if self.seed is not None else None
         if rng is not None:
-            for w in prefill + decode:   # each worker replays a speed trace from a random window
+            for w in prefill + decode:  # each worker replays a speed trace from a random window
                 if w.model.speed_traces:
                     trace = w.model.speed_traces[rng.randrange(len(w.model.speed_traces))]
                     w.speed = (trace, rng.randrange(len(trace)))
@@ -205,11 +242,13 @@ class Simulator:
         reqs = [_Req(r.arrival_s, r.prompt_len, r.output_len) for r in requests]
         # serving profiles: a request's trip outside the steps (the router, its RPCs to the
         # workers) delays when it reaches a worker; its TTFT still counts from its arrival
-        hops = (decode[0] if pl.colocated or not prefill else prefill[0]).model.first_token_latency_s
+        hops = (
+            decode[0] if pl.colocated or not prefill else prefill[0]
+        ).model.first_token_latency_s
         events = [(r.arrival + hops, i, _ARRIVE, i) for i, r in enumerate(reqs)]
         heapq.heapify(events)
         counter = len(events)
-        held: deque[_Req] = deque()     # disaggregated: waiting for decode blocks
+        held: deque[_Req] = deque()  # disaggregated: waiting for decode blocks
         stats_s, next_sweep = self.router_stats_s, 0.0
         rr = [0, 0]
         missed = 0
@@ -291,7 +330,7 @@ class Simulator:
                     heapq.heappush(events, (now, counter, _COMMIT, r))
                     counter += 1
                 elif phase == "both" and r.dest.busy:
-                    r.dest.calls.append((to_prefill, r))   # Reserve runs between decode steps
+                    r.dest.calls.append((to_prefill, r))  # Reserve runs between decode steps
                 else:
                     to_prefill(r, now)
 
@@ -326,15 +365,15 @@ class Simulator:
                 r = reqs[obj]
                 if pl.colocated:
                     if stats_s > 0:
-                        if now >= next_sweep:     # the router's view: free blocks at its last sweep
+                        if now >= next_sweep:  # the router's view: free blocks at its last sweep
                             for d in decode:
                                 d.router_view = d.free
                             next_sweep = (math.floor(now / stats_s) + 1) * stats_s
                         w = pick(decode, lambda w: (-w.router_tokens, w.router_view), 0)
-                        w.router_view -= (r.prompt + bs - 1) // bs   # charged until the next sweep
+                        w.router_view -= (r.prompt + bs - 1) // bs  # charged until the next sweep
                     else:
                         w = pick(decode, lambda w: (-w.router_tokens, w.free - w.pending_blocks), 0)
-                    w.router_tokens += r.prompt   # until its first token
+                    w.router_tokens += r.prompt  # until its first token
                     w.enqueue(Seq(r, r.prompt, 0, 0, False))
                     if not w.busy:
                         start_step(w, now)
@@ -344,7 +383,7 @@ class Simulator:
             elif kind == _COMMIT:
                 r = obj
                 if phase != "prefill" and r.dest.busy:
-                    r.dest.calls.append((commit, r))   # runs between the decode worker's steps
+                    r.dest.calls.append((commit, r))  # runs between the decode worker's steps
                 else:
                     commit(r, now)
             else:
@@ -371,7 +410,7 @@ class Simulator:
                         counter += 1
                 if done and held:
                     dispatch(now)
-                if w.calls:   # Reserve and commit calls that waited for this step, in order
+                if w.calls:  # Reserve and commit calls that waited for this step, in order
                     calls, w.calls = w.calls, []
                     for call, r in calls:
                         call(r, now)
@@ -387,8 +426,9 @@ class Simulator:
             else:
                 tpot = 0.0 if e2e < INF else INF
             results.append(RequestResult(ttft, tpot, e2e))
-        return SimResult(results, stopped, num_steps,
-                         sum(w.num_preemptions for w in decode + prefill))
+        return SimResult(
+            results, stopped, num_steps, sum(w.num_preemptions for w in decode + prefill)
+        )
 
 
 def simulate(requests, profile: Profile, placement: Placement, **kwargs) -> SimResult:

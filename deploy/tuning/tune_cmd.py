@@ -7,6 +7,7 @@
 Bad arguments exit with code 2 and a message: unknown trace, an SLO without a unit, devices < 2,
 a profile of another model than --model, a malformed profile.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,47 +19,95 @@ import time
 import yaml
 
 from deploy.tuning.perf_model import Profile, ProfileError, load_profile
-from deploy.tuning.tuner import (SLO, Candidate, Search, TuneError, enumerate_placements,
-                                 parse_slo)
+from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
 from deploy.tuning.workload import RequestSpec, load_trace, synthetic
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, help="profile JSON from `pdserve profile` (or a derived one)")
-    p.add_argument("--workload", required=True,
-                   help="a trace name (azure_conv, azure_code, mooncake_synthetic), a trace file, "
-                        "or synthetic:PROMPT_LEN:OUTPUT_LEN")
+    p.add_argument(
+        "--profile", required=True, help="profile JSON from `pdserve profile` (or a derived one)"
+    )
+    p.add_argument(
+        "--workload",
+        required=True,
+        help="a trace name (azure_conv, azure_code, mooncake_synthetic), a trace file, "
+        "or synthetic:PROMPT_LEN:OUTPUT_LEN",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="trace lengths x this (default 1.0)")
-    p.add_argument("--max-prompt", type=int, default=None, help="cap on prompt tokens after scaling")
-    p.add_argument("--max-output", type=int, default=None, help="cap on output tokens after scaling")
-    p.add_argument("--slo", required=True, help="e.g. ttft=200ms,tpot=50ms,attainment=0.9 (units: ms or s)")
-    p.add_argument("--devices", type=int, required=True,
-                   help="devices to place on: GPUs for a gpu profile, else CPU cores")
-    p.add_argument("--colocated", action="store_true",
-                   help="also consider colocated workers (prefill and decode in one engine)")
-    p.add_argument("--model", default=None,
-                   help="the deployment's model (default: the profile's); must be the profile's model")
-    p.add_argument("--backend", default=None, help="KV transfer backend (default: the profile's fastest)")
-    p.add_argument("--tp", default=None, help="TP degrees to consider, e.g. 1,2 (default: the profile's)")
+    p.add_argument(
+        "--max-prompt", type=int, default=None, help="cap on prompt tokens after scaling"
+    )
+    p.add_argument(
+        "--max-output", type=int, default=None, help="cap on output tokens after scaling"
+    )
+    p.add_argument(
+        "--slo", required=True, help="e.g. ttft=200ms,tpot=50ms,attainment=0.9 (units: ms or s)"
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        required=True,
+        help="devices to place on: GPUs for a gpu profile, else CPU cores",
+    )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also consider colocated workers (prefill and decode in one engine)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the deployment's model (default: the profile's); must be the profile's model",
+    )
+    p.add_argument(
+        "--backend", default=None, help="KV transfer backend (default: the profile's fastest)"
+    )
+    p.add_argument(
+        "--tp", default=None, help="TP degrees to consider, e.g. 1,2 (default: the profile's)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--num-requests", type=int, default=300,
-                   help="requests sampled from the workload per simulation, at least (default 300)")
-    p.add_argument("--max-requests", type=int, default=6000,
-                   help="at most this many per simulation: high rates need more to reach steady "
-                        "state (default 6000)")
-    p.add_argument("--max-verify-requests", type=int, default=20000,
-                   help="at most this many when simulating a whole placement (default 20000)")
-    p.add_argument("--verify-top", type=int, default=3,
-                   help="simulate at least this many placements whole (default 3)")
-    p.add_argument("--time-limit", type=float, default=45.0,
-                   help="stop simulating whole placements after this many seconds (default 45)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=300,
+        help="requests sampled from the workload per simulation, at least (default 300)",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=6000,
+        help="at most this many per simulation: high rates need more to reach steady "
+        "state (default 6000)",
+    )
+    p.add_argument(
+        "--max-verify-requests",
+        type=int,
+        default=20000,
+        help="at most this many when simulating a whole placement (default 20000)",
+    )
+    p.add_argument(
+        "--verify-top",
+        type=int,
+        default=3,
+        help="simulate at least this many placements whole (default 3)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=45.0,
+        help="stop simulating whole placements after this many seconds (default 45)",
+    )
     p.add_argument("--burstiness", type=float, default=1.0, help="arrival gamma shape (1: Poisson)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", type=int, default=0,
-                   help="also bisect the placements simulated whole once per seed with the "
-                        "profile's step-time variation (step_noise, step_speed from an in-load "
-                        "calibration) and print their goodput's p10/p50/p90 (default 0: off)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="also bisect the placements simulated whole once per seed with the "
+        "profile's step-time variation (step_noise, step_speed from an in-load "
+        "calibration) and print their goodput's p10/p50/p90 (default 0: off)",
+    )
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--out", default=None, help="write the best placement as a deploy YAML here")
     p.add_argument("--plot", default=None, help="write a PNG of the candidates here")
@@ -73,11 +122,17 @@ def _workload(args) -> list[RequestSpec]:
             if len(parts) != 3 or prompt < 1 or output < 1:
                 raise ValueError
         except (ValueError, IndexError):
-            raise TuneError(f"--workload {spec!r}: write synthetic:PROMPT_LEN:OUTPUT_LEN with two "
-                            f"integers >= 1, e.g. synthetic:512:128") from None
-        return synthetic(max(args.num_requests, args.max_requests), 1.0, prompt, output, seed=args.seed)
+            raise TuneError(
+                f"--workload {spec!r}: write synthetic:PROMPT_LEN:OUTPUT_LEN with two "
+                f"integers >= 1, e.g. synthetic:512:128"
+            ) from None
+        return synthetic(
+            max(args.num_requests, args.max_requests), 1.0, prompt, output, seed=args.seed
+        )
     try:
-        return load_trace(spec, scale=args.scale, max_prompt=args.max_prompt, max_output=args.max_output)
+        return load_trace(
+            spec, scale=args.scale, max_prompt=args.max_prompt, max_output=args.max_output
+        )
     except ValueError as e:
         raise TuneError(f"--workload: {e}") from None
 
@@ -98,8 +153,17 @@ def _tp_degrees(args, profile: Profile) -> list[int] | None:
 def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
     slo = parse_slo(args.slo)
     if args.devices < 2:
-        raise TuneError(f"--devices must be >= 2 (a prefill and a decode worker), got {args.devices}")
-    for name in ("num_requests", "max_requests", "max_verify_requests", "verify_top", "max_num_batched_tokens", "max_num_seqs"):
+        raise TuneError(
+            f"--devices must be >= 2 (a prefill and a decode worker), got {args.devices}"
+        )
+    for name in (
+        "num_requests",
+        "max_requests",
+        "max_verify_requests",
+        "verify_top",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+    ):
         if getattr(args, name) < 1:
             raise TuneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seeds < 0:
@@ -109,15 +173,21 @@ def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
     except ProfileError as e:
         raise TuneError(f"--profile: {e}") from None
     if args.model is not None and not profile.matches_model(args.model):
-        raise TuneError(f"--profile {args.profile} was measured for model {profile.model_id!r} "
-                        f"({profile.model_name}), not {args.model!r}: profile that model with "
-                        f"`pdserve profile --model {args.model}` or pass its profile")
+        raise TuneError(
+            f"--profile {args.profile} was measured for model {profile.model_id!r} "
+            f"({profile.model_name}), not {args.model!r}: profile that model with "
+            f"`pdserve profile --model {args.model}` or pass its profile"
+        )
     if args.backend is not None and args.backend not in profile.transfer:
-        raise TuneError(f"--backend {args.backend!r}: the profile has KV transfer figures for "
-                        f"{sorted(profile.transfer)}")
+        raise TuneError(
+            f"--backend {args.backend!r}: the profile has KV transfer figures for "
+            f"{sorted(profile.transfer)}"
+        )
     if min(profile.tp_degrees) * 2 > args.devices:
-        raise TuneError(f"--devices {args.devices}: the smallest TP degree in the profile is "
-                        f"{min(profile.tp_degrees)}, too big for a prefill and a decode worker")
+        raise TuneError(
+            f"--devices {args.devices}: the smallest TP degree in the profile is "
+            f"{min(profile.tp_degrees)}, too big for a prefill and a decode worker"
+        )
     return profile, _workload(args), slo
 
 
@@ -129,21 +199,28 @@ def _ms(x: float | None) -> str:
 def seeded_percentiles(values: list[float]) -> tuple[float, float, float]:
     """p10, p50, p90 (numpy's linear interpolation)."""
     import numpy as np
+
     return tuple(float(x) for x in np.quantile(values, [0.1, 0.5, 0.9]))
 
 
 def table(cands: list[Candidate], top: int, unit: str) -> str:
     seeded = any(c.seeded for c in cands[:top])
-    rows = [f"{'#':>3}  {'placement':<26} {unit + 's':>5} {'estimate':>9} {'simulated':>9} "
-            f"{'per ' + unit:>9} {'TTFT p90':>9} {'TPOT p90':>9}  "
-            + (f"{'seeded p10/p50/p90':>20}  " if seeded else "") + "status"]
+    rows = [
+        f"{'#':>3}  {'placement':<26} {unit + 's':>5} {'estimate':>9} {'simulated':>9} "
+        f"{'per ' + unit:>9} {'TTFT p90':>9} {'TPOT p90':>9}  "
+        + (f"{'seeded p10/p50/p90':>20}  " if seeded else "")
+        + "status"
+    ]
     for i, c in enumerate(cands[:top], 1):
         sim = "-" if c.goodput is None or c.status in ("no-rate", "dropped") else f"{c.goodput:.3g}"
         per = f"{c.per_device:.3g}" if c.status not in ("no-rate", "dropped") else "-"
         band = "/".join(f"{x:.3g}" for x in seeded_percentiles(c.seeded)) if c.seeded else "-"
-        rows.append(f"{i:>3}  {c.placement.label():<26} {c.placement.num_devices:>5} {c.estimate:>9.3g} "
-                    f"{sim:>9} {per:>9} {_ms(c.ttft_p90_s):>9} {_ms(c.tpot_p90_s):>9}  "
-                    + (f"{band:>20}  " if seeded else "") + c.status)
+        rows.append(
+            f"{i:>3}  {c.placement.label():<26} {c.placement.num_devices:>5} {c.estimate:>9.3g} "
+            f"{sim:>9} {per:>9} {_ms(c.ttft_p90_s):>9} {_ms(c.tpot_p90_s):>9}  "
+            + (f"{band:>20}  " if seeded else "")
+            + c.status
+        )
     if len(cands) > top:
         rows.append(f"     ... {len(cands) - top} more")
     return "\n".join(rows)
@@ -153,8 +230,10 @@ def instances_table(search: Search, unit: str) -> str:
     rows = []
     for (kind, tp), inst in sorted(search.instances.items()):
         at_least = ">=" if inst.capped else "  "
-        rows.append(f"  {kind:<9} tp{tp}: {at_least}{inst.goodput:8.3g} req/s ({inst.goodput / tp:.3g} per "
-                    f"{unit}; {len(inst.trials)} trials, {inst.num_requests} requests at the goodput)")
+        rows.append(
+            f"  {kind:<9} tp{tp}: {at_least}{inst.goodput:8.3g} req/s ({inst.goodput / tp:.3g} per "
+            f"{unit}; {len(inst.trials)} trials, {inst.num_requests} requests at the goodput)"
+        )
     return "\n".join(rows)
 
 
@@ -165,19 +244,34 @@ def deploy_yaml(cand: Candidate, profile: Profile, model: str, backend: str) -> 
     gpu = profile.device == "gpu"
 
     def pool(spec) -> dict:
-        out = {"replicas": spec.replicas, "tp": spec.tp,
-               "resources": {"num_cpus": 1, "num_gpus": 1} if gpu else {"num_cpus": 1},
-               "max_num_batched_tokens": spec.max_num_batched_tokens, "max_num_seqs": spec.max_num_seqs}
-        if isinstance(kv_memory, (int, float)) and not isinstance(kv_memory, bool) and kv_memory > 0:
+        out = {
+            "replicas": spec.replicas,
+            "tp": spec.tp,
+            "resources": {"num_cpus": 1, "num_gpus": 1} if gpu else {"num_cpus": 1},
+            "max_num_batched_tokens": spec.max_num_batched_tokens,
+            "max_num_seqs": spec.max_num_seqs,
+        }
+        if (
+            isinstance(kv_memory, (int, float))
+            and not isinstance(kv_memory, bool)
+            and kv_memory > 0
+        ):
             out["kv_cache_memory"] = kv_memory
         if not gpu and hw.get("threads_per_rank"):
             out["num_threads"] = int(hw["threads_per_rank"])
         return out
 
     pl = cand.placement
-    pools = ({"colocated": pool(pl.decode)} if pl.colocated
-             else {"prefill": pool(pl.prefill), "decode": pool(pl.decode)})
-    data = {"model": model, "dtype": profile.dtype if profile.dtype != "auto" else "auto", "pools": pools}
+    pools = (
+        {"colocated": pool(pl.decode)}
+        if pl.colocated
+        else {"prefill": pool(pl.prefill), "decode": pool(pl.decode)}
+    )
+    data = {
+        "model": model,
+        "dtype": profile.dtype if profile.dtype != "auto" else "auto",
+        "pools": pools,
+    }
     if not pl.colocated:
         data["kvtransfer"] = {"backend": backend}
     return data
@@ -185,6 +279,7 @@ def deploy_yaml(cand: Candidate, profile: Profile, model: str, backend: str) -> 
 
 def write_yaml(path: str, data: dict, header: list[str]) -> None:
     from deploy.config import ConfigError, validate_config
+
     try:
         validate_config(data, path)
     except ConfigError as e:
@@ -195,6 +290,7 @@ def write_yaml(path: str, data: dict, header: list[str]) -> None:
 
 def plot(path: str, cands: list[Candidate], unit: str, title: str, attainment: float) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -203,8 +299,13 @@ def plot(path: str, cands: list[Candidate], unit: str, title: str, attainment: f
     for i, c in enumerate(shown):
         color = "tab:green" if c.placement.colocated else "tab:blue"
         simulated = c.status.startswith("simulated")
-        ax1.barh(i, c.per_device, color=color if simulated else "white", edgecolor=color,
-                 hatch=None if simulated else "//")
+        ax1.barh(
+            i,
+            c.per_device,
+            color=color if simulated else "white",
+            edgecolor=color,
+            hatch=None if simulated else "//",
+        )
     ax1.set_yticks(range(len(shown)), [c.placement.label() for c in shown], fontsize=8)
     ax1.invert_yaxis()
     ax1.set_xlabel(f"goodput per {unit} (req/s)  [blue: disaggregated, green: colocated]")
@@ -229,86 +330,144 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         profile, workload, slo = check_args(args)
-        placements = enumerate_placements(profile, args.devices, colocated=args.colocated,
-                                          tp_degrees=_tp_degrees(args, profile), backend=args.backend,
-                                          max_num_batched_tokens=args.max_num_batched_tokens,
-                                          max_num_seqs=args.max_num_seqs)
+        placements = enumerate_placements(
+            profile,
+            args.devices,
+            colocated=args.colocated,
+            tp_degrees=_tp_degrees(args, profile),
+            backend=args.backend,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+        )
     except TuneError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
     unit = "GPU" if profile.device == "gpu" else "core"
     backend = args.backend or profile.best_backend()
-    search = Search(profile, workload, slo, num_requests=args.num_requests,
-                    max_requests=args.max_requests, max_verify_requests=args.max_verify_requests, burstiness=args.burstiness, seed=args.seed,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_num_seqs=args.max_num_seqs, backend=args.backend)
-    cands = search.run(placements, verify_top=args.verify_top, deadline_s=args.time_limit,
-                       prune=not args.seeds)   # a band needs every finalist's full goodput
+    search = Search(
+        profile,
+        workload,
+        slo,
+        num_requests=args.num_requests,
+        max_requests=args.max_requests,
+        max_verify_requests=args.max_verify_requests,
+        burstiness=args.burstiness,
+        seed=args.seed,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        backend=args.backend,
+    )
+    cands = search.run(
+        placements, verify_top=args.verify_top, deadline_s=args.time_limit, prune=not args.seeds
+    )  # a band needs every finalist's full goodput
     seeded_note = None
     if args.seeds and not profile.has_step_variation:
-        seeded_note = (f"note: --seeds {args.seeds} skipped: the profile has no step-time variation "
-                       f"(serving step_noise / step_speed: deploy/tuning/calibration.fit_load, run by "
-                       f"bench/slo_validation.py, or pooled by bench/slo_pooled.py)")
+        seeded_note = (
+            f"note: --seeds {args.seeds} skipped: the profile has no step-time variation "
+            f"(serving step_noise / step_speed: deploy/tuning/calibration.fit_load, run by "
+            f"bench/slo_validation.py, or pooled by bench/slo_pooled.py)"
+        )
     elif args.seeds:
-        for cand in [c for c in cands if c.status.startswith("simulated")][:args.verify_top]:
+        for cand in [c for c in cands if c.status.startswith("simulated")][: args.verify_top]:
             search.band(cand, args.seeds)
         banded = [c for c in cands if c.seeded]
-        if len(banded) >= 2 and seeded_percentiles(banded[1].seeded)[2] >= seeded_percentiles(banded[0].seeded)[0]:
-            seeded_note = (f"note: with the profile's step-time variation ({args.seeds} seeds) the goodput "
-                           f"bands of {banded[0].placement.label()} and {banded[1].placement.label()} "
-                           f"overlap: on this hardware either may measure best in one run")
+        if (
+            len(banded) >= 2
+            and seeded_percentiles(banded[1].seeded)[2] >= seeded_percentiles(banded[0].seeded)[0]
+        ):
+            seeded_note = (
+                f"note: with the profile's step-time variation ({args.seeds} seeds) the goodput "
+                f"bands of {banded[0].placement.label()} and {banded[1].placement.label()} "
+                f"overlap: on this hardware either may measure best in one run"
+            )
     elapsed = time.perf_counter() - t0
     reqs = search.base
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.output_len for r in reqs) / len(reqs)
-    print(f"profile {args.profile}: {profile.model_id} on {profile.device}"
-          f"{' (DERIVED, not measured)' if profile.derived else ''}; KV backend {backend}")
-    print(f"workload {args.workload}: mean prompt {mean_p:.0f}, mean output {mean_o:.0f} tokens "
-          f"(sample of {len(reqs)}); SLO {slo.describe()}")
-    print(f"{len(placements)} placements on {args.devices} {unit}s; {search.num_sims} simulations "
-          f"in {elapsed:.1f} s; steady-state horizon {search.horizon_s:.0f} s of arrivals\n")
-    print("one worker alone (prefill: ideal decode side; decode: ideal prefill), req/s; '>=': "
-          f"passed at {search.max_rate:.3g} req/s, the most that --max-requests {args.max_requests} "
-          f"can show in steady state:")
+    print(
+        f"profile {args.profile}: {profile.model_id} on {profile.device}"
+        f"{' (DERIVED, not measured)' if profile.derived else ''}; KV backend {backend}"
+    )
+    print(
+        f"workload {args.workload}: mean prompt {mean_p:.0f}, mean output {mean_o:.0f} tokens "
+        f"(sample of {len(reqs)}); SLO {slo.describe()}"
+    )
+    print(
+        f"{len(placements)} placements on {args.devices} {unit}s; {search.num_sims} simulations "
+        f"in {elapsed:.1f} s; steady-state horizon {search.horizon_s:.0f} s of arrivals\n"
+    )
+    print(
+        "one worker alone (prefill: ideal decode side; decode: ideal prefill), req/s; '>=': "
+        f"passed at {search.max_rate:.3g} req/s, the most that --max-requests {args.max_requests} "
+        f"can show in steady state:"
+    )
     print(instances_table(search, unit) + "\n")
     print(table(cands, args.top, unit))
-    print("\nestimate: min(prefill replicas x one prefill worker, decode replicas x one decode "
-          "worker); simulated: the whole deployment (its smallest repeating unit)"
-          + ("; seeded: simulated again with the profile's step-time variation, one bisection "
-             "per seed (the ranking uses the unseeded goodput)" if any(c.seeded for c in cands) else ""))
+    print(
+        "\nestimate: min(prefill replicas x one prefill worker, decode replicas x one decode "
+        "worker); simulated: the whole deployment (its smallest repeating unit)"
+        + (
+            "; seeded: simulated again with the profile's step-time variation, one bisection "
+            "per seed (the ranking uses the unseeded goodput)"
+            if any(c.seeded for c in cands)
+            else ""
+        )
+    )
     if seeded_note:
         print(seeded_note)
     if search.timed_out:
-        print(f"note: stopped after --time-limit {args.time_limit:g} s; candidates marked "
-              f"'estimate' were not simulated whole", file=sys.stderr)
-    best = cands[0] if cands and cands[0].status not in ("no-rate", "dropped") and cands[0].score > 0 else None
+        print(
+            f"note: stopped after --time-limit {args.time_limit:g} s; candidates marked "
+            f"'estimate' were not simulated whole",
+            file=sys.stderr,
+        )
+    best = (
+        cands[0]
+        if cands and cands[0].status not in ("no-rate", "dropped") and cands[0].score > 0
+        else None
+    )
     if best is None:
-        print(f"\nno placement meets the SLO at any rate tried: loosen the SLO or add {unit}s",
-              file=sys.stderr)
+        print(
+            f"\nno placement meets the SLO at any rate tried: loosen the SLO or add {unit}s",
+            file=sys.stderr,
+        )
         return 1
-    print(f"\nbest: {best.placement.label()}: {best.score:.3g} req/s on "
-          f"{best.placement.num_devices} {unit}s = {best.per_device:.3g} req/s per {unit} "
-          f"(predicted, {best.status})")
+    print(
+        f"\nbest: {best.placement.label()}: {best.score:.3g} req/s on "
+        f"{best.placement.num_devices} {unit}s = {best.per_device:.3g} req/s per {unit} "
+        f"(predicted, {best.status})"
+    )
     try:
         if args.out:
             model = args.model or profile.model_name
             data = deploy_yaml(best, profile, model, backend)
-            header = [f"pdserve tune: {best.placement.label()}, predicted goodput {best.score:.3g} req/s "
-                      f"({best.per_device:.3g} per {unit}, {best.status})",
-                      f"SLO {slo.describe()}; workload {args.workload} (scale {args.scale}, "
-                      f"max prompt {args.max_prompt}, max output {args.max_output})",
-                      f"profile {args.profile}" + (" (DERIVED, not measured)" if profile.derived else "")]
-            tps = [best.placement.decode.tp] + ([] if best.placement.colocated else [best.placement.prefill.tp])
+            header = [
+                f"pdserve tune: {best.placement.label()}, predicted goodput {best.score:.3g} req/s "
+                f"({best.per_device:.3g} per {unit}, {best.status})",
+                f"SLO {slo.describe()}; workload {args.workload} (scale {args.scale}, "
+                f"max prompt {args.max_prompt}, max output {args.max_output})",
+                f"profile {args.profile}" + (" (DERIVED, not measured)" if profile.derived else ""),
+            ]
+            tps = [best.placement.decode.tp] + (
+                [] if best.placement.colocated else [best.placement.prefill.tp]
+            )
             if profile.device == "gpu" and max(tps) > 1 and not best.placement.colocated:
-                header.append("note: tp > 1 with a GPU KV hand-off is refused by the engine today "
-                              "(CPU-only TP hand-off); rerun with --tp 1 for a deployable answer")
+                header.append(
+                    "note: tp > 1 with a GPU KV hand-off is refused by the engine today "
+                    "(CPU-only TP hand-off); rerun with --tp 1 for a deployable answer"
+                )
             write_yaml(args.out, data, header)
             print(f"wrote {args.out}")
     except TuneError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 1
     if args.plot:
-        plot(args.plot, cands, unit, f"{profile.model_id}, {args.devices} {unit}s, {slo.describe()}",
-             slo.attainment)
+        plot(
+            args.plot,
+            cands,
+            unit,
+            f"{profile.model_id}, {args.devices} {unit}s, {slo.describe()}",
+            slo.attainment,
+        )
         print(f"wrote {args.plot}")
     return 0

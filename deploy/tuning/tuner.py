@@ -28,6 +28,7 @@ Speed: samples and re-timed workloads are cached (re-timing with the same seed s
 arrival gaps exactly with 1/rate), bisection stops at 5%, a simulation stops as soon as too many
 requests missed the SLO, and a candidate that cannot beat the best simulated one is dropped.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,8 @@ from deploy.tuning.perf_model import Profile
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator
 from deploy.tuning.workload import RequestSpec, retime
 
-BISECT_RATIO = 1.05         # stop when the failing rate is within 5% of the passing one
-PRUNE_SLACK = 1.25          # the capacity estimate may be this much too pessimistic
+BISECT_RATIO = 1.05  # stop when the failing rate is within 5% of the passing one
+PRUNE_SLACK = 1.25  # the capacity estimate may be this much too pessimistic
 
 
 class TuneError(ValueError):
@@ -56,15 +57,19 @@ class SLO:
     attainment: float = 0.9
 
     def describe(self) -> str:
-        return (f"TTFT <= {self.ttft_s * 1e3:g} ms and TPOT <= {self.tpot_s * 1e3:g} ms "
-                f"for {self.attainment:.0%} of requests")
+        return (
+            f"TTFT <= {self.ttft_s * 1e3:g} ms and TPOT <= {self.tpot_s * 1e3:g} ms "
+            f"for {self.attainment:.0%} of requests"
+        )
 
 
 def _duration(key: str, text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s)\s*", text)
     if not m:
-        raise TuneError(f"--slo {key}={text!r}: give a number with a unit, ms or s "
-                        f"(e.g. {key}=200ms or {key}=0.2s)")
+        raise TuneError(
+            f"--slo {key}={text!r}: give a number with a unit, ms or s "
+            f"(e.g. {key}=200ms or {key}=0.2s)"
+        )
     value = float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
     if value <= 0:
         raise TuneError(f"--slo {key}: must be > 0, got {text!r}")
@@ -78,17 +83,23 @@ def parse_slo(text: str) -> SLO:
         key, sep, value = item.partition("=")
         key = key.strip().lower()
         if not sep or key not in ("ttft", "tpot", "attainment"):
-            raise TuneError(f"--slo: {item!r} is not one of ttft=..., tpot=..., attainment=... "
-                            f"(e.g. ttft=200ms,tpot=50ms,attainment=0.9)")
+            raise TuneError(
+                f"--slo: {item!r} is not one of ttft=..., tpot=..., attainment=... "
+                f"(e.g. ttft=200ms,tpot=50ms,attainment=0.9)"
+            )
         parts[key] = value.strip()
     missing = [k for k in ("ttft", "tpot") if k not in parts]
     if missing:
-        raise TuneError(f"--slo: {' and '.join(missing)} missing (e.g. ttft=200ms,tpot=50ms,attainment=0.9)")
+        raise TuneError(
+            f"--slo: {' and '.join(missing)} missing (e.g. ttft=200ms,tpot=50ms,attainment=0.9)"
+        )
     att = parts.get("attainment", "0.9")
     try:
         attainment = float(att[:-1]) / 100 if att.endswith("%") else float(att)
     except ValueError:
-        raise TuneError(f"--slo attainment={att!r}: a fraction in (0, 1], e.g. 0.9 or 90%") from None
+        raise TuneError(
+            f"--slo attainment={att!r}: a fraction in (0, 1], e.g. 0.9 or 90%"
+        ) from None
     if not 0 < attainment <= 1:
         raise TuneError(f"--slo attainment={att!r}: a fraction in (0, 1], e.g. 0.9 or 90%")
     return SLO(_duration("ttft", parts["ttft"]), _duration("tpot", parts["tpot"]), attainment)
@@ -103,9 +114,16 @@ def sample_requests(requests: list[RequestSpec], n: int, seed: int = 0) -> list[
 
 
 # ---- candidates ---------------------------------------------------------------------------------
-def enumerate_placements(profile: Profile, num_devices: int, *, colocated: bool = False,
-                         tp_degrees: list[int] | None = None, backend: str | None = None,
-                         max_num_batched_tokens: int = 2048, max_num_seqs: int = 128) -> list[Placement]:
+def enumerate_placements(
+    profile: Profile,
+    num_devices: int,
+    *,
+    colocated: bool = False,
+    tp_degrees: list[int] | None = None,
+    backend: str | None = None,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+) -> list[Placement]:
     """Every prefill/decode split with as many decode replicas as the rest of the devices allow
     (so every n:m ratio per pair of TP degrees), and with colocated, N // tp workers per degree."""
     tps = [t for t in (tp_degrees or profile.tp_degrees) if t in profile.tp]
@@ -124,22 +142,27 @@ def enumerate_placements(profile: Profile, num_devices: int, *, colocated: bool 
     return out
 
 
-def instance_capacity(kind: str, pool: PoolSpec, profile: Profile, requests: list[RequestSpec],
-                      slo: SLO) -> float:
+def instance_capacity(
+    kind: str, pool: PoolSpec, profile: Profile, requests: list[RequestSpec], slo: SLO
+) -> float:
     """Requests/s one worker could sustain at best (no queueing): prefill work per request, and
     the decode batch that the TPOT SLO and the KV capacity allow. Brackets the bisections."""
-    m = profile.step_model(pool.tp, kind)   # the serving-path model of this kind, when profiled
+    m = profile.step_model(pool.tp, kind)  # the serving-path model of this kind, when profiled
     mean_out = statistics.fmean(max(0, r.output_len - 1) for r in requests) or 1e-9
     ctx = statistics.fmean(r.prompt_len + r.output_len / 2 for r in requests)
     held = statistics.fmean(r.prompt_len + r.output_len for r in requests)
     a, b, c = m.prefill
-    prefill_s = statistics.fmean(a * r.prompt_len / pool.max_num_batched_tokens + b * r.prompt_len
-                                 + c * r.prompt_len ** 2 for r in requests)
+    prefill_s = statistics.fmean(
+        a * r.prompt_len / pool.max_num_batched_tokens + b * r.prompt_len + c * r.prompt_len**2
+        for r in requests
+    )
     if kind == "prefill":
         return 1.0 / prefill_s
     a, b, c = m.decode
-    batch = min((pool.kv_capacity_tokens or m.kv_capacity_tokens) / held,
-                (slo.tpot_s - a) / (b + c * ctx) if slo.tpot_s > a else 0.0)
+    batch = min(
+        (pool.kv_capacity_tokens or m.kv_capacity_tokens) / held,
+        (slo.tpot_s - a) / (b + c * ctx) if slo.tpot_s > a else 0.0,
+    )
     if batch < 1:
         return 0.0
     step = a + b * batch + c * batch * ctx
@@ -152,16 +175,18 @@ def instance_capacity(kind: str, pool: PoolSpec, profile: Profile, requests: lis
 @dataclass
 class Candidate:
     placement: Placement
-    estimate: float = 0.0             # req/s from the per-instance goodputs (DistServe's sizing)
-    goodput: float | None = None      # req/s from simulating the deployment (None: not simulated)
+    estimate: float = 0.0  # req/s from the per-instance goodputs (DistServe's sizing)
+    goodput: float | None = None  # req/s from simulating the deployment (None: not simulated)
     # estimate | simulated | "simulated (at least)" (passed at max_rate) | unverified (its unit is
     # too big to simulate in steady state) | dropped (could not beat the best) | no-rate
     status: str = "estimate"
-    trials: list[tuple[float, float]] = field(default_factory=list)   # (rate, attainment)
-    ttft_p90_s: float | None = None   # at the goodput rate
+    trials: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment)
+    ttft_p90_s: float | None = None  # at the goodput rate
     tpot_p90_s: float | None = None
-    horizon_s: float | None = None    # simulated seconds of arrivals at the goodput rate
-    seeded: list[float] | None = None  # goodputs with the profile's step noise, one per seed (band())
+    horizon_s: float | None = None  # simulated seconds of arrivals at the goodput rate
+    seeded: list[float] | None = (
+        None  # goodputs with the profile's step noise, one per seed (band())
+    )
 
     @property
     def score(self) -> float:
@@ -176,6 +201,7 @@ class Candidate:
 @dataclass
 class Instance:
     """One worker of one kind alone: its goodput (req/s) and the trials that found it."""
+
     kind: str
     tp: int
     goodput: float
@@ -183,7 +209,7 @@ class Instance:
     ttft_p90_s: float | None
     tpot_p90_s: float | None
     num_requests: int
-    capped: bool = False              # passed at the highest rate simulated: at least this
+    capped: bool = False  # passed at the highest rate simulated: at least this
 
 
 def _p90(values: list[float]) -> float:
@@ -198,11 +224,21 @@ class Search:
     smallest repeating unit: 4P+6D as 2P+3D at half the rate), best first, until the best
     simulated one beats every estimate left (or `verify_top` were simulated and time is up)."""
 
-    def __init__(self, profile: Profile, workload: list[RequestSpec], slo: SLO, *,
-                 num_requests: int = 300, max_requests: int = 6000, max_verify_requests: int = 20000,
-                 burstiness: float = 1.0,
-                 seed: int = 0, max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
-                 backend: str | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        workload: list[RequestSpec],
+        slo: SLO,
+        *,
+        num_requests: int = 300,
+        max_requests: int = 6000,
+        max_verify_requests: int = 20000,
+        burstiness: float = 1.0,
+        seed: int = 0,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        backend: str | None = None,
+    ):
         self.profile, self.workload, self.slo = profile, workload, slo
         self.num_requests, self.max_requests = num_requests, max(max_requests, num_requests)
         self.max_verify_requests = max(max_verify_requests, self.max_requests)
@@ -227,7 +263,7 @@ class Search:
         """The sample to simulate at about `rate`: enough requests to span the horizon."""
         n = self.num_requests
         while n < rate * self.horizon_s and n < cap:
-            n = math.ceil(n * 1.5)      # a coarse ladder: fewer distinct samples, more cache hits
+            n = math.ceil(n * 1.5)  # a coarse ladder: fewer distinct samples, more cache hits
         n = min(n, cap, len(self.workload))
         if n not in self._sized:
             self._sized[n] = sample_requests(self.workload, n, self.seed)
@@ -239,27 +275,49 @@ class Search:
             self._timed[key] = retime(reqs, rate, self.burstiness, self.seed)
         return self._timed[key]
 
-    def _bisect(self, sim: Simulator, start: float, cap: int, *, phase: str = "both",
-                give_up_below: float = 0.0):
+    def _bisect(
+        self,
+        sim: Simulator,
+        start: float,
+        cap: int,
+        *,
+        phase: str = "both",
+        give_up_below: float = 0.0,
+    ):
         """Highest passing rate (0 if none) and the lowest failing one (None if none), with the
         trials, the passing run's p90 TTFT/TPOT and its number of requests. In the decode phase
         TTFT is the wait for KV blocks on a decode worker (prefill is ideal)."""
         slo = self.slo
         tpot = slo.tpot_s if phase != "prefill" else math.inf
-        state = {"good": 0.0, "bad": None, "trials": [], "p90": (None, None), "n": 0, "capped": False}
+        state = {
+            "good": 0.0,
+            "bad": None,
+            "trials": [],
+            "p90": (None, None),
+            "n": 0,
+            "capped": False,
+        }
 
         def trial(rate: float) -> bool:
             reqs = self._requests(rate, cap)
             max_missed = int(math.floor((1 - slo.attainment) * len(reqs) + 1e-9))
-            res = sim.run(self._timed_at(reqs, rate), max_missed=max_missed, ttft_s=slo.ttft_s,
-                          tpot_s=tpot, phase=phase)
+            res = sim.run(
+                self._timed_at(reqs, rate),
+                max_missed=max_missed,
+                ttft_s=slo.ttft_s,
+                tpot_s=tpot,
+                phase=phase,
+            )
             self.num_sims += 1
             att = res.attainment(slo.ttft_s, tpot)
             state["trials"].append((rate, att))
             ok = att >= slo.attainment - 1e-12
             if ok and rate > state["good"]:
                 state["good"], state["n"] = rate, len(reqs)
-                state["p90"] = (_p90([r.ttft_s for r in res.requests]), _p90([r.tpot_s for r in res.requests]))
+                state["p90"] = (
+                    _p90([r.ttft_s for r in res.requests]),
+                    _p90([r.tpot_s for r in res.requests]),
+                )
             elif not ok and (state["bad"] is None or rate < state["bad"]):
                 state["bad"] = rate
             return ok
@@ -276,14 +334,18 @@ class Search:
                     break
         else:
             for _ in range(14):
-                if rate <= give_up_below:   # failed at or below the best so far: cannot beat it
+                if rate <= give_up_below:  # failed at or below the best so far: cannot beat it
                     break
                 # never below give_up_below, but that rate itself is tried: a goodput between it
                 # and the failed rate must not be stepped over (it would beat the best so far)
                 rate = max(rate / 1.5, give_up_below)
                 if trial(rate):
                     break
-        while state["good"] > 0 and state["bad"] is not None and state["bad"] / state["good"] > BISECT_RATIO:
+        while (
+            state["good"] > 0
+            and state["bad"] is not None
+            and state["bad"] / state["good"] > BISECT_RATIO
+        ):
             if state["bad"] < give_up_below:
                 break
             trial(math.sqrt(state["good"] * state["bad"]))
@@ -304,9 +366,12 @@ class Search:
             if est <= 0:
                 self.instances[key] = Instance(kind, tp, 0.0, [], None, None, 0)
             else:
-                good, trials, (ttft, tpot), n = self._bisect(Simulator(self.profile, placement),
-                                                             est * 0.7, self.max_requests, phase=phase)
-                self.instances[key] = Instance(kind, tp, good, trials, ttft, tpot, n, self.last_capped)
+                good, trials, (ttft, tpot), n = self._bisect(
+                    Simulator(self.profile, placement), est * 0.7, self.max_requests, phase=phase
+                )
+                self.instances[key] = Instance(
+                    kind, tp, good, trials, ttft, tpot, n, self.last_capped
+                )
         return self.instances[key]
 
     def estimate(self, cand: Candidate) -> None:
@@ -323,8 +388,13 @@ class Search:
             cand.estimate = cand.goodput = n * inst.goodput
             cand.trials = [(r * n, a) for r, a in inst.trials]
             cand.ttft_p90_s, cand.tpot_p90_s = inst.ttft_p90_s, inst.tpot_p90_s
-            cand.status = ("no-rate" if inst.goodput <= 0 else
-                           "simulated (at least)" if inst.capped else "simulated")
+            cand.status = (
+                "no-rate"
+                if inst.goodput <= 0
+                else "simulated (at least)"
+                if inst.capped
+                else "simulated"
+            )
             if inst.goodput > 0:
                 cand.horizon_s = inst.num_requests / inst.goodput
             return
@@ -339,11 +409,15 @@ class Search:
         pl = cand.placement
         g, unit = self._unit(pl)
         if cand.estimate / g > self.max_verify_requests / self.horizon_s:
-            cand.status = "unverified"    # its unit is too big to reach steady state: see max_rate
+            cand.status = "unverified"  # its unit is too big to reach steady state: see max_rate
             return
         give_up = best_per_device * pl.num_devices / g
-        good, trials, (ttft, tpot), n = self._bisect(Simulator(self.profile, unit), cand.estimate / g,
-                                                     self.max_verify_requests, give_up_below=give_up)
+        good, trials, (ttft, tpot), n = self._bisect(
+            Simulator(self.profile, unit),
+            cand.estimate / g,
+            self.max_verify_requests,
+            give_up_below=give_up,
+        )
         cand.trials = [(r * g, a) for r, a in trials]
         cand.goodput = good * g
         cand.ttft_p90_s, cand.tpot_p90_s = ttft, tpot
@@ -355,13 +429,16 @@ class Search:
 
     def _unit(self, pl: Placement) -> tuple[int, Placement]:
         """(g, the smallest repeating unit): pl is g copies of it."""
-        if pl.colocated:   # simulated whole only when its workers slow each other (estimate)
+        if pl.colocated:  # simulated whole only when its workers slow each other (estimate)
             if self.profile.interference.get("colocated_while_busy"):
                 return 1, pl
             return pl.decode.replicas, Placement(None, replace(pl.decode, replicas=1))
         g = math.gcd(pl.prefill.replicas, pl.decode.replicas)
-        return g, Placement(replace(pl.prefill, replicas=pl.prefill.replicas // g),
-                            replace(pl.decode, replicas=pl.decode.replicas // g), pl.backend)
+        return g, Placement(
+            replace(pl.prefill, replicas=pl.prefill.replicas // g),
+            replace(pl.decode, replicas=pl.decode.replicas // g),
+            pl.backend,
+        )
 
     def band(self, cand: Candidate, seeds: int) -> None:
         """cand.seeded: its goodput bisected again with the profile's step-time variation
@@ -370,8 +447,9 @@ class Search:
         g, unit = self._unit(cand.placement)
         cand.seeded = []
         for k in range(seeds):
-            good, *_ = self._bisect(Simulator(self.profile, unit, seed=k), cand.score / g,
-                                    self.max_verify_requests)
+            good, *_ = self._bisect(
+                Simulator(self.profile, unit, seed=k), cand.score / g, self.max_verify_requests
+            )
             cand.seeded.append(good * g)
 
     def evaluate(self, placement: Placement) -> Candidate:
@@ -382,8 +460,14 @@ class Search:
             self.simulate(cand, 0.0)
         return cand
 
-    def run(self, placements: list[Placement], *, verify_top: int = 3,
-            deadline_s: float | None = 45.0, prune: bool = True) -> list[Candidate]:
+    def run(
+        self,
+        placements: list[Placement],
+        *,
+        verify_top: int = 3,
+        deadline_s: float | None = 45.0,
+        prune: bool = True,
+    ) -> list[Candidate]:
         """The candidates, best first. prune=False: none is dropped early; each one simulated
         is bisected in full (for a goodput band around every finalist)."""
         t0 = time.monotonic()
@@ -405,7 +489,9 @@ class Search:
                 break
             # while the top is an estimate, a candidate that cannot beat the best simulated one is
             # dropped early; the extra ones simulated for the table are bisected in full
-            best = max((c.per_device for c in live if c.status.startswith("simulated")), default=0.0)
+            best = max(
+                (c.per_device for c in live if c.status.startswith("simulated")), default=0.0
+            )
             self.simulate(pending[0], 0.0 if top_is_simulated or not prune else best)
             num_simulated += 1
         cands.sort(key=lambda c: (c.status in ("no-rate", "dropped"),) + order(c))

@@ -3,6 +3,7 @@
 Everything here has a torch fallback in engine/attention.py and is tested against it; a machine
 without a compiler (or with PDSERVE_CPU_KERNELS=0) just runs the fallback.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -33,10 +34,13 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
         from torch.utils.cpp_extension import load
 
         from engine.loader import default_cache_dir
+
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one
         # thread. -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
         # directory shared by different machines never hands one a binary built for another
-        key = hashlib.sha256((_cpu_flags() + source.read_text() + " ".join(extra_cflags)).encode()).hexdigest()[:12]
+        key = hashlib.sha256(
+            (_cpu_flags() + source.read_text() + " ".join(extra_cflags)).encode()
+        ).hexdigest()[:12]
         build = default_cache_dir() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         # torch's own build lock is a plain file: a worker killed while compiling leaves it behind
@@ -45,11 +49,15 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
         with open(build / "pdserve.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
-            return load(name=f"pdserve_{name}_{key}", sources=[str(source)],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
-                        extra_ldflags=["-fopenmp", "-lmvec"],
-                        build_directory=str(build), verbose=False)
-    except Exception as e:   # no compiler, no headers, no ninja: the torch path still works
+            return load(
+                name=f"pdserve_{name}_{key}",
+                sources=[str(source)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                extra_ldflags=["-fopenmp", "-lmvec"],
+                build_directory=str(build),
+                verbose=False,
+            )
+    except Exception as e:  # no compiler, no headers, no ninja: the torch path still works
         log.warning("pdserve: compiled CPU kernels %s unavailable (%s); using torch", name, e)
         return None
 
@@ -74,4 +82,5 @@ def cpu_fused():
 def fused_for(t):
     """cpu_fused() when `t` is a float32 CPU tensor (what its ops take), else None."""
     import torch
+
     return cpu_fused() if t.device.type == "cpu" and t.dtype == torch.float32 else None

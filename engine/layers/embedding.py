@@ -1,4 +1,5 @@
 """Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
 from __future__ import annotations
 
 import torch

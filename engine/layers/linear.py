@@ -7,6 +7,7 @@ into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (den
 as torch inductor does), which beats `F.linear` at the row counts of decoding; with a quantization
 mode it becomes an int8 or int4 weight (engine/layers/quant.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,13 +17,15 @@ from torch import nn
 from engine.layers.quant import quantize_weight
 from engine.parallel import all_reduce, divide, tp_rank, tp_size
 
-
-_BATCH_HINT = 32   # rows the reordered layout is tuned for; any row count is accepted
+_BATCH_HINT = 32  # rows the reordered layout is tuned for; any row count is accepted
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 class LinearBase(nn.Module):
@@ -36,7 +39,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: torch.Tensor | None = None
-        self._quant = None   # an engine.layers.quant weight when a quantization mode is on
+        self._quant = None  # an engine.layers.quant weight when a quantization mode is on
         # per input channel, the largest |activation| seen on calibration text (int8 smooths by it)
         self.act_absmax: torch.Tensor | None = None
 
@@ -53,7 +56,9 @@ class LinearBase(nn.Module):
         if quantization is not None:
             self._quant = quantize_weight(quantization, self.weight.detach(), self.act_absmax)
         elif _onednn_usable(self.weight):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.detach(), _BATCH_HINT
+            )
         if release_dense and (self._packed is not None or self._quant is not None):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
@@ -65,8 +70,9 @@ class LinearBase(nn.Module):
                 y = y + bias
             return y.view(*x.shape[:-1], y.shape[-1])
         if self._packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, bias,
-                                                   "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.reshape(-1, x.shape[-1]), self._packed, bias, "none", [], ""
+            )
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, bias)
 
@@ -106,8 +112,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matmul; each rank holds its own heads of each."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ):
         n = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, n, "the attention heads")

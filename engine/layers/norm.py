@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fused = fused_for(x) if x.dim() == 2 and self.weight.dtype == torch.float32 else None
-        if fused is not None:   # one call; the residual sum is written in place
+        if fused is not None:  # one call; the residual sum is written in place
             out, residual = fused.add_rms_norm(x, residual, self.weight, self.eps)
             return out, residual
         if residual is None:

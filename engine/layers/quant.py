@@ -13,6 +13,7 @@ Only the weight bytes shrink: at batch 1 a decode step streams every weight from
 its time falls with them. Which mode is fastest, and by how much, depends on the CPU: see
 BENCHMARKS.md and `bench/quality.py` for the quality each costs.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -42,14 +43,20 @@ def _use_x86_engine() -> None:
             if torch.backends.quantized.engine != name:
                 torch.backends.quantized.engine = name
             return
-    raise RuntimeError(f"quantization='int8' needs torch's x86 quantized engine; this torch has {engines}")
+    raise RuntimeError(
+        f"quantization='int8' needs torch's x86 quantized engine; this torch has {engines}"
+    )
 
 
 class Int8Weight:
     """A weight [out, in] as torch's prepacked dynamic-quantization linear."""
 
-    def __init__(self, weight: torch.Tensor, act_absmax: torch.Tensor | None = None,
-                 alpha: float = SMOOTH_ALPHA):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        act_absmax: torch.Tensor | None = None,
+        alpha: float = SMOOTH_ALPHA,
+    ):
         _use_x86_engine()
         w = weight.detach().float()
         self.inv_smooth = None
@@ -59,12 +66,16 @@ class Int8Weight:
             # channel j by s_j = max|x_j|^alpha / max|w_j|^(1 - alpha) at run time and multiply
             # the weight's column j by it: the product is unchanged, the ranges are evened out.
             a = act_absmax.detach().float().clamp(min=1e-5)
-            smooth = (a.pow(alpha) / w.abs().amax(dim=0).clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+            smooth = (a.pow(alpha) / w.abs().amax(dim=0).clamp(min=1e-5).pow(1 - alpha)).clamp(
+                min=1e-5
+            )
             w = w * smooth
             self.inv_smooth = 1.0 / smooth
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():   # the quantized-tensor constructors are deprecated, not gone
+        with (
+            warnings.catch_warnings()
+        ):  # the quantized-tensor constructors are deprecated, not gone
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
@@ -77,9 +88,11 @@ class Int8Weight:
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         fused = fused_for(x2d)
-        if fused is not None:   # the same arithmetic as below, in one call
+        if fused is not None:  # the same arithmetic as below, in one call
             x, rmax = fused.int8_rows(x2d, self.inv_smooth, self.span_row)
-            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)[:-1].mul_(rmax)
+            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)[:-1].mul_(
+                rmax
+            )
         x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
         # The kernel quantizes the whole matrix with one range, its min and max, but a few tokens
         # (the first, delimiters) carry activations 100x the others'. So every row is scaled to
@@ -99,7 +112,9 @@ class Int4Weight:
         w = weight.detach().float()
         n, k = w.shape
         if k % INT4_GROUP:
-            raise ValueError(f"quantization='int4' needs in_features divisible by {INT4_GROUP}, got {k}")
+            raise ValueError(
+                f"quantization='int4' needs in_features divisible by {INT4_GROUP}, got {k}"
+            )
         groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
         lo = groups.amin(dim=-1, keepdim=True)
         hi = groups.amax(dim=-1, keepdim=True)
@@ -112,8 +127,9 @@ class Int4Weight:
         self.out_features = n
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x2d.to(torch.bfloat16).contiguous(), self.packed,
-                                                 INT4_GROUP, self.scales_zeros).to(x2d.dtype)
+        return torch._weight_int4pack_mm_for_cpu(
+            x2d.to(torch.bfloat16).contiguous(), self.packed, INT4_GROUP, self.scales_zeros
+        ).to(x2d.dtype)
 
 
 def head_quantization(mode: str | None) -> str | None:

@@ -5,6 +5,7 @@ Scaled variants (linear, llama3, yarn) take their inverse frequencies from trans
 frequencies change with the live sequence length (dynamic, longrope) do not fit a fixed cache over
 paged KV and are refused.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,11 +18,16 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def rope_inv_freq(hf_config, rope_type: str, rope_theta: float, head_dim: int):
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}")
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}"
+        )
     if rope_type == "default":
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv_freq = 1.0 / (
+            rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+        )
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(attention_factor)
 
@@ -52,7 +58,9 @@ class RotaryEmbedding(nn.Module):
         # one module serves every layer: look the step's positions up once, not once per layer
         if positions is not self._step_positions:
             self._step_positions = positions
-            self._step_cos_sin = (self.cos[positions].unsqueeze(1).to(q.dtype),
-                                  self.sin[positions].unsqueeze(1).to(q.dtype))
+            self._step_cos_sin = (
+                self.cos[positions].unsqueeze(1).to(q.dtype),
+                self.sin[positions].unsqueeze(1).to(q.dtype),
+            )
         cos, sin = self._step_cos_sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

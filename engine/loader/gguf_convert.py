@@ -59,7 +59,9 @@ def gguf_to_hf_name(name: str) -> str:
     if m and m.group(2) in _LAYER_MODULES:
         layer, module, kind = m.groups()
         return f"model.layers.{layer}.{_LAYER_MODULES[module]}.{kind}"
-    raise ValueError(f"GGUF tensor {name!r} has no known HF name (supported: llama/qwen2 dense models)")
+    raise ValueError(
+        f"GGUF tensor {name!r} has no known HF name (supported: llama/qwen2 dense models)"
+    )
 
 
 def reverse_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
@@ -84,7 +86,9 @@ def read_architecture(reader: GGUFReader) -> str:
 def supported_architecture(reader: GGUFReader) -> str:
     arch = read_architecture(reader)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+        )
     return arch
 
 
@@ -108,7 +112,9 @@ def convert_gguf_weights(
     `config_dict` needs num_attention_heads and num_key_value_heads (an HF config dict).
     Returns the HF tensor names written.
     """
-    reader = reader_or_path if isinstance(reader_or_path, GGUFReader) else GGUFReader(reader_or_path)
+    reader = (
+        reader_or_path if isinstance(reader_or_path, GGUFReader) else GGUFReader(reader_or_path)
+    )
     arch = supported_architecture(reader)
     n_head = int(config_dict["num_attention_heads"])
     n_head_kv = int(config_dict.get("num_key_value_heads") or n_head)
@@ -117,8 +123,14 @@ def convert_gguf_weights(
     from tqdm import tqdm
 
     from .safetensors_io import _progress_disabled
-    for t in tqdm(reader.tensors, desc="converting GGUF to float32", unit="tensor", leave=False,
-                  disable=_progress_disabled()):
+
+    for t in tqdm(
+        reader.tensors,
+        desc="converting GGUF to float32",
+        unit="tensor",
+        leave=False,
+        disable=_progress_disabled(),
+    ):
         if t.name in _IGNORED:
             continue
         hf_name = gguf_to_hf_name(t.name)

@@ -60,7 +60,9 @@ def gguf_cache_key(gguf_path: pathlib.Path) -> str:
     # Size + mtime identify the file without hashing ~100 MB+ on every start; the converter
     # version invalidates entries whose layout an older converter produced.
     st = gguf_path.stat()
-    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}".encode()).hexdigest()
+    digest = hashlib.sha256(
+        f"{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}".encode()
+    ).hexdigest()
     return f"{gguf_path.stem}-{digest[:12]}"
 
 

@@ -1,4 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2 with q/k/v bias)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -11,8 +12,12 @@ from engine.attention import PagedAttention
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                  RowParallelLinear)
+from engine.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.quant import head_quantization
 from engine.layers.rotary import RotaryEmbedding
@@ -21,8 +26,9 @@ from engine.layers.rotary import RotaryEmbedding
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -71,7 +77,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -79,7 +87,7 @@ class LlamaModel(nn.Module):
         on_layer_done = get_forward_context().on_layer_done
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
-            if on_layer_done is not None:   # this layer's KV is final: it may leave now
+            if on_layer_done is not None:  # this layer's KV is final: it may leave now
                 on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -87,8 +95,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (our parameter fragment, shard id)
-    packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -119,7 +132,9 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(name)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 param.data.copy_(tensor)
@@ -137,8 +152,10 @@ class LlamaForCausalLM(nn.Module):
     def prepare_linears(self, quantization: str | None, release_dense: bool = True) -> None:
         """Packs (or quantizes) every linear's loaded weight for its matmul; see LinearBase."""
         for module in self.modules():
-            if isinstance(module, LinearBase):   # the tied head shares the embedding's storage
+            if isinstance(module, LinearBase):  # the tied head shares the embedding's storage
                 head = module is self.lm_head
                 shared = head and self.config.tie_word_embeddings
-                module.finalize(head_quantization(quantization) if head else quantization,
-                                release_dense=release_dense and not shared)
+                module.finalize(
+                    head_quantization(quantization) if head else quantization,
+                    release_dense=release_dense and not shared,
+                )

@@ -14,12 +14,17 @@ HMAC handshake before the gloo group forms), and a transport presents it. INSECU
 Other options (keyword arguments) go to the backend's server or transport class; see each module.
 Worker processes should call tune_malloc() once at start (see its docstring: +60% gRPC throughput).
 """
+
 from __future__ import annotations
 
 import ctypes
 
-from kvtransfer.backends.shm_backend import (create_shared_kv_cache, default_shared_dir, populate,
-                                             remove_shared_kv_cache)
+from kvtransfer.backends.shm_backend import (
+    create_shared_kv_cache,
+    default_shared_dir,
+    populate,
+    remove_shared_kv_cache,
+)
 from kvtransfer.transport import FrameHandler, Transport, TransportServer
 from protos.security import INSECURE, ClusterSecurity
 
@@ -40,50 +45,73 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3      # from glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, mmap_threshold)) and bool(mallopt(m_trim_threshold, trim_threshold))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, mmap_threshold)) and bool(
+        mallopt(m_trim_threshold, trim_threshold)
+    )
 
 
 def _check(backend: str) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}: set backend to one of them")
+        raise ValueError(
+            f"backend {backend!r} is not one of {BACKENDS}: set backend to one of them"
+        )
 
 
 def _check_security(security) -> None:
     if not isinstance(security, ClusterSecurity):
-        raise TypeError(f"security must be a protos.security.ClusterSecurity, got {type(security).__name__}")
+        raise TypeError(
+            f"security must be a protos.security.ClusterSecurity, got {type(security).__name__}"
+        )
 
 
-def serve(backend: str, handler: FrameHandler, *, security: ClusterSecurity = INSECURE,
-          **opts) -> TransportServer:
+def serve(
+    backend: str, handler: FrameHandler, *, security: ClusterSecurity = INSECURE, **opts
+) -> TransportServer:
     """Start the receiving side (decode rank); its `address` is what senders pass to `connect`.
     Only senders presenting `security`'s secret get their frames to `handler`."""
     _check(backend)
     _check_security(security)
     if backend == "grpc":
         from kvtransfer.backends.grpc_backend import GrpcServer
+
         return GrpcServer(handler, security=security, **opts)
     if backend == "shm":
         from kvtransfer.backends.shm_backend import ShmServer
+
         return ShmServer(handler, security=security, **opts)
     from kvtransfer.backends.torch_backend import TorchServer
+
     return TorchServer(handler, security=security, **opts)
 
 
-def connect(backend: str, address: str, *, security: ClusterSecurity = INSECURE, **opts) -> Transport:
+def connect(
+    backend: str, address: str, *, security: ClusterSecurity = INSECURE, **opts
+) -> Transport:
     """Open a channel from a sender (prefill rank) to the server at `address`, presenting
     `security`'s secret. ConnectionRefusedError: the server refused it."""
     _check(backend)
     _check_security(security)
     if backend == "grpc":
         from kvtransfer.backends.grpc_backend import GrpcTransport
+
         return GrpcTransport(address, security=security, **opts)
     if backend == "shm":
         from kvtransfer.backends.shm_backend import ShmTransport
+
         return ShmTransport(address, security=security, **opts)
     from kvtransfer.backends.torch_backend import TorchTransport
+
     return TorchTransport(address, security=security, **opts)
 
 
-__all__ = ["BACKENDS", "serve", "connect", "create_shared_kv_cache", "default_shared_dir", "populate",
-           "remove_shared_kv_cache", "tune_malloc"]
+__all__ = [
+    "BACKENDS",
+    "serve",
+    "connect",
+    "create_shared_kv_cache",
+    "default_shared_dir",
+    "populate",
+    "remove_shared_kv_cache",
+    "tune_malloc",
+]

@@ -13,6 +13,7 @@ send when every frame it sent was confirmed). Cancelling is a call into gRPC cor
 wait: admission runs on the new stream's own thread, the idle sweep on its own thread, and
 neither ever blocks a gRPC poller thread.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,28 +45,40 @@ class Channel:
     def __init__(self, channel_id: str, peer: str, context):
         self.id, self.peer, self.context = channel_id, peer, context
         self.last_active = time.monotonic()
-        self.pending = 0      # frames received and not yet handled: the channel is busy
+        self.pending = 0  # frames received and not yet handled: the channel is busy
         self.handled = 0
-        self.closed = False   # evicted or timed out: the stream is being cancelled
+        self.closed = False  # evicted or timed out: the stream is being cancelled
 
 
 class ChannelTable:
-    def __init__(self, max_channels: int, max_channels_per_peer: int, idle_timeout_s: float,
-                 min_idle_evict_s: float):
-        for name, value in (("max_channels", max_channels), ("max_channels_per_peer", max_channels_per_peer)):
+    def __init__(
+        self,
+        max_channels: int,
+        max_channels_per_peer: int,
+        idle_timeout_s: float,
+        min_idle_evict_s: float,
+    ):
+        for name, value in (
+            ("max_channels", max_channels),
+            ("max_channels_per_peer", max_channels_per_peer),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not idle_timeout_s > 0 or not min_idle_evict_s >= 0:
-            raise ValueError(f"idle_timeout_s must be > 0 and min_idle_evict_s >= 0, got "
-                             f"{idle_timeout_s} and {min_idle_evict_s}")
+            raise ValueError(
+                f"idle_timeout_s must be > 0 and min_idle_evict_s >= 0, got "
+                f"{idle_timeout_s} and {min_idle_evict_s}"
+            )
         self.max_channels, self.max_per_peer = max_channels, max_channels_per_peer
         self.idle_timeout_s, self.min_idle_evict_s = idle_timeout_s, min_idle_evict_s
         self.cond = threading.Condition()
         self._open: dict[str, Channel] = {}
         self.num_evicted = self.num_idle_closed = 0
         self._stopped = False
-        self._stop_sweeping = threading.Event()   # (not `cond`: every handled frame notifies that)
-        self._sweeper = threading.Thread(target=self._sweep, name="pdserve-kv-grpc-idle", daemon=True)
+        self._stop_sweeping = threading.Event()  # (not `cond`: every handled frame notifies that)
+        self._sweeper = threading.Thread(
+            target=self._sweep, name="pdserve-kv-grpc-idle", daemon=True
+        )
         self._sweeper.start()
 
     def admit(self, channel_id: str, peer: str, context) -> Channel:
@@ -73,20 +86,34 @@ class ChannelTable:
         victims = []
         with self.cond:
             if channel_id in self._open:
-                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"KV channel {channel_id} is already open")
+                raise Refused(
+                    grpc.StatusCode.ALREADY_EXISTS, f"KV channel {channel_id} is already open"
+                )
             mine = [c for c in self._open.values() if c.peer == peer]
             if len(mine) >= self.max_per_peer:
-                victims.append(self._evictable(mine, Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{peer} holds {len(mine)} KV channels to this server (max_channels_per_peer="
-                    f"{self.max_per_peer}), all busy within the last {self.min_idle_evict_s}s: reuse "
-                    f"one channel per decode worker, or raise max_channels_per_peer")))
+                victims.append(
+                    self._evictable(
+                        mine,
+                        Refused(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{peer} holds {len(mine)} KV channels to this server (max_channels_per_peer="
+                            f"{self.max_per_peer}), all busy within the last {self.min_idle_evict_s}s: reuse "
+                            f"one channel per decode worker, or raise max_channels_per_peer",
+                        ),
+                    )
+                )
             elif len(self._open) >= self.max_channels:
-                victims.append(self._evictable(list(self._open.values()), Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this KV transfer server holds {len(self._open)} channels (max_channels="
-                    f"{self.max_channels}), all busy within the last {self.min_idle_evict_s}s: retry "
-                    f"later, or raise max_channels")))
+                victims.append(
+                    self._evictable(
+                        list(self._open.values()),
+                        Refused(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"this KV transfer server holds {len(self._open)} channels (max_channels="
+                            f"{self.max_channels}), all busy within the last {self.min_idle_evict_s}s: retry "
+                            f"later, or raise max_channels",
+                        ),
+                    )
+                )
             channel = self._open[channel_id] = Channel(channel_id, peer, context)
             self.num_evicted += len(victims)
             self.cond.notify_all()
@@ -96,7 +123,9 @@ class ChannelTable:
     def _evictable(self, channels: list[Channel], refused: Refused) -> Channel:
         """The longest-idle of `channels` that may be evicted (taken out of the table), else raise."""
         now = time.monotonic()
-        idle = [c for c in channels if c.pending == 0 and now - c.last_active >= self.min_idle_evict_s]
+        idle = [
+            c for c in channels if c.pending == 0 and now - c.last_active >= self.min_idle_evict_s
+        ]
         if not idle:
             raise refused
         victim = min(idle, key=lambda c: c.last_active)
@@ -112,7 +141,7 @@ class ChannelTable:
     def _cancel(channels: list[Channel], why: str) -> None:
         for channel in channels:
             log.info("closing KV channel %s from %s: %s", channel.id[:8], channel.peer, why)
-            channel.context.cancel()    # the stream's thread sees its request iterator end
+            channel.context.cancel()  # the stream's thread sees its request iterator end
 
     def release(self, channel: Channel) -> None:
         with self.cond:
@@ -135,6 +164,7 @@ class ChannelTable:
     def wait_handled(self, channel_id: str, frames: int, wait_s: float) -> int:
         """Frames handled on an open channel (-1: none open with that id), after waiting up to
         wait_s for `frames` of them."""
+
         def handled() -> int:
             channel = self._open.get(channel_id)
             return -1 if channel is None else channel.handled
@@ -148,8 +178,11 @@ class ChannelTable:
         while not self._stop_sweeping.wait(period):
             with self.cond:
                 now = time.monotonic()
-                stale = [c for c in self._open.values()
-                         if c.pending == 0 and now - c.last_active >= self.idle_timeout_s]
+                stale = [
+                    c
+                    for c in self._open.values()
+                    if c.pending == 0 and now - c.last_active >= self.idle_timeout_s
+                ]
                 for channel in stale:
                     self._take(channel)
                 self.num_idle_closed += len(stale)

@@ -7,6 +7,7 @@ fails with the reason: a header with bad fields that still names its request, or
 frame on a backend where the sender cannot have written the KV itself (only shm can: a layer
 counts as written only when its bytes arrived).
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,12 +24,14 @@ from kvtransfer.wire import ChunkHeader, WireError, header_from_fields, split_fr
 
 log = logging.getLogger(__name__)
 
-IN_PLACE_REFUSED = ("in-place KV frames are only valid on the shm backend: this server received no "
-                    "bytes for that layer (send the KV as the frame's payload, or use the shm backend "
-                    "on the decode worker's host)")
+IN_PLACE_REFUSED = (
+    "in-place KV frames are only valid on the shm backend: this server received no "
+    "bytes for that layer (send the KV as the frame's payload, or use the shm backend "
+    "on the decode worker's host)"
+)
 
 _HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(ChunkHeader))
-_HEADER_LENGTH = struct.Struct("<I")     # the wire frame's length prefix
+_HEADER_LENGTH = struct.Struct("<I")  # the wire frame's length prefix
 
 
 def encode_header(header: ChunkHeader) -> bytes:
@@ -162,5 +165,7 @@ class FrameWorker:
 def call_handler(handler: FrameHandler, header: ChunkHeader, payload) -> None:
     try:
         handler(header, payload)
-    except Exception:   # one request's trouble must not close a channel that carries others
-        log.exception("KV frame handler failed for request %s (%s frame)", header.request_id, header.kind)
+    except Exception:  # one request's trouble must not close a channel that carries others
+        log.exception(
+            "KV frame handler failed for request %s (%s frame)", header.request_id, header.kind
+        )

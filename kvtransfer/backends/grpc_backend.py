@@ -33,6 +33,7 @@ Receiver: the RPC's thread reads each message and runs the handler on its frames
 max_backlog_bytes > 0 a per-channel worker thread runs the handler instead (measured no faster on
 the 2-core bench machine: gRPC's Python threads and the handler contend for the GIL).
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,18 +44,32 @@ import grpc
 import msgpack
 
 from kvtransfer.backends.channels import ChannelTable, Refused, peer_host
-from kvtransfer.backends.frames import (FrameWorker, call_handler, frame_pieces,  # noqa: F401
-                                        iter_frames, screen, split_message)
-from kvtransfer.backends.grpc_sender import (CHANNEL_METADATA_KEY, FLUSH_METHOD,  # noqa: F401
-                                             FLUSH_POLL_S, MAX_CHANNEL_ID_CHARS, MAX_MESSAGE_BYTES,
-                                             PUSH_METHOD, SERVICE, GrpcTransport, channel_options)
+from kvtransfer.backends.frames import (  # noqa: F401
+    FrameWorker,
+    call_handler,
+    frame_pieces,
+    iter_frames,
+    screen,
+    split_message,
+)
+from kvtransfer.backends.grpc_sender import (  # noqa: F401
+    CHANNEL_METADATA_KEY,
+    FLUSH_METHOD,
+    FLUSH_POLL_S,
+    MAX_CHANNEL_ID_CHARS,
+    MAX_MESSAGE_BYTES,
+    PUSH_METHOD,
+    SERVICE,
+    GrpcTransport,
+    channel_options,
+)
 from kvtransfer.transport import FrameHandler, TransportServer
 from kvtransfer.wire import WireError
 from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
-MAX_FLUSH_BYTES = 1024       # a Flush request is a map of three small fields
+MAX_FLUSH_BYTES = 1024  # a Flush request is a map of three small fields
 MAX_FLUSH_FRAMES = 1 << 62
 
 
@@ -70,14 +85,26 @@ def parse_flush(request: bytes) -> tuple[str, int, float]:
         raise ValueError('send a msgpack map {"channel": str, "frames": int, "wait_s": float}')
     channel, frames, wait_s = ask.get("channel"), ask.get("frames"), ask.get("wait_s", 0.0)
     if not isinstance(channel, str) or not 0 < len(channel) <= MAX_CHANNEL_ID_CHARS:
-        raise ValueError(f'"channel" must be the stream\'s id, a string of 1 to {MAX_CHANNEL_ID_CHARS} '
-                         f'characters')
-    if not isinstance(frames, int) or isinstance(frames, bool) or not 0 <= frames <= MAX_FLUSH_FRAMES:
+        raise ValueError(
+            f'"channel" must be the stream\'s id, a string of 1 to {MAX_CHANNEL_ID_CHARS} '
+            f"characters"
+        )
+    if (
+        not isinstance(frames, int)
+        or isinstance(frames, bool)
+        or not 0 <= frames <= MAX_FLUSH_FRAMES
+    ):
         raise ValueError(f'"frames" must be an int in [0, {MAX_FLUSH_FRAMES}], got {frames!r:.40}')
-    if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not math.isfinite(wait_s) \
-            or wait_s < 0:
-        raise ValueError(f'"wait_s" must be a finite number of seconds >= 0, got {wait_s!r:.40}: send '
-                         f'e.g. 0.5 (the server waits at most {FLUSH_POLL_S}s per call)')
+    if (
+        not isinstance(wait_s, (int, float))
+        or isinstance(wait_s, bool)
+        or not math.isfinite(wait_s)
+        or wait_s < 0
+    ):
+        raise ValueError(
+            f'"wait_s" must be a finite number of seconds >= 0, got {wait_s!r:.40}: send '
+            f"e.g. 0.5 (the server waits at most {FLUSH_POLL_S}s per call)"
+        )
     return channel, frames, float(wait_s)
 
 
@@ -90,30 +117,49 @@ class GrpcServer(TransportServer):
     max_backlog_bytes > 0 runs the handler on a worker thread per channel, with at most that many
     payload bytes received but not yet handled. security: who may push (INSECURE: anyone).
     """
-    accepts_in_place = False     # the shm backend's control server says True
 
-    def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
-                 max_channels: int = 16, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 max_backlog_bytes: int = 0, stop_grace: float = 0.2, grpc_options=(), *,
-                 security: ClusterSecurity = INSECURE, max_channels_per_peer: int = 8,
-                 idle_timeout_s: float = 60.0, min_idle_evict_s: float = 1.0):
+    accepts_in_place = False  # the shm backend's control server says True
+
+    def __init__(
+        self,
+        handler: FrameHandler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_channels: int = 16,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_backlog_bytes: int = 0,
+        stop_grace: float = 0.2,
+        grpc_options=(),
+        *,
+        security: ClusterSecurity = INSECURE,
+        max_channels_per_peer: int = 8,
+        idle_timeout_s: float = 60.0,
+        min_idle_evict_s: float = 1.0,
+    ):
         self._handler = handler
         self._max_backlog_bytes = max_backlog_bytes
         self._stop_grace = stop_grace
         self._stopped = False
-        self._channels = ChannelTable(max_channels, min(max_channels_per_peer, max_channels),
-                                      idle_timeout_s, min_idle_evict_s)
+        self._channels = ChannelTable(
+            max_channels, min(max_channels_per_peer, max_channels), idle_timeout_s, min_idle_evict_s
+        )
         # every open stream holds a thread; the rest serve Flush calls and streams being admitted
         workers = 2 * max_channels + 2
         self._executor = futures.ThreadPoolExecutor(workers, thread_name_prefix="pdserve-kv-grpc")
-        methods = grpc.method_handlers_generic_handler(SERVICE, {
-            "Push": grpc.stream_unary_rpc_method_handler(self._push),
-            "Flush": grpc.unary_unary_rpc_method_handler(self._flush),
-        })
-        self._server = grpc.server(self._executor, handlers=[methods],
-                                   interceptors=security.server_interceptors(),
-                                   options=channel_options(max_message_bytes, grpc_options),
-                                   maximum_concurrent_rpcs=workers)
+        methods = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Push": grpc.stream_unary_rpc_method_handler(self._push),
+                "Flush": grpc.unary_unary_rpc_method_handler(self._flush),
+            },
+        )
+        self._server = grpc.server(
+            self._executor,
+            handlers=[methods],
+            interceptors=security.server_interceptors(),
+            options=channel_options(max_message_bytes, grpc_options),
+            maximum_concurrent_rpcs=workers,
+        )
         try:
             bound, why = security.add_port(self._server, f"{host}:{port}"), "the port is taken"
         except RuntimeError as e:
@@ -136,9 +182,11 @@ class GrpcServer(TransportServer):
     def _push(self, request_iterator, context):
         channel_id = dict(context.invocation_metadata()).get(CHANNEL_METADATA_KEY)
         if not isinstance(channel_id, str) or not 0 < len(channel_id) <= MAX_CHANNEL_ID_CHARS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"a KV push stream needs a {CHANNEL_METADATA_KEY!r} metadata entry of 1 to "
-                          f"{MAX_CHANNEL_ID_CHARS} characters")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a KV push stream needs a {CHANNEL_METADATA_KEY!r} metadata entry of 1 to "
+                f"{MAX_CHANNEL_ID_CHARS} characters",
+            )
         try:
             channel = self._channels.admit(channel_id, peer_host(context.peer()), context)
         except Refused as e:
@@ -148,20 +196,26 @@ class GrpcServer(TransportServer):
         def handle(item):
             if item is not None:
                 call_handler(self._handler, *item)
-            self._channels.done(channel)     # a dropped frame counts too: the sender counted it
+            self._channels.done(channel)  # a dropped frame counts too: the sender counted it
 
-        worker = FrameWorker(handle, f"pdserve-kv-grpc-handler-{channel_id[:8]}", self._max_backlog_bytes)
+        worker = FrameWorker(
+            handle, f"pdserve-kv-grpc-handler-{channel_id[:8]}", self._max_backlog_bytes
+        )
         try:
             for message in request_iterator:
                 try:
                     for header, payload in iter_frames(message):
                         self._channels.received(channel, 1)
-                        worker.put(screen(header, payload, self.accepts_in_place, where),
-                                   0 if payload is None else len(payload))
-                except WireError as e:   # framing lost: frame counts (Flush) cannot agree any more
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"bad KV frame on channel {channel_id}: {e}; the channel is closed")
-        except grpc.RpcError:            # the client went away or the server is stopping
+                        worker.put(
+                            screen(header, payload, self.accepts_in_place, where),
+                            0 if payload is None else len(payload),
+                        )
+                except WireError as e:  # framing lost: frame counts (Flush) cannot agree any more
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"bad KV frame on channel {channel_id}: {e}; the channel is closed",
+                    )
+        except grpc.RpcError:  # the client went away or the server is stopping
             pass
         finally:
             # frames that arrived are handled (a sender's close returns after them), unless stopping
@@ -182,7 +236,7 @@ class GrpcServer(TransportServer):
             if self._stopped:
                 return
             self._stopped = True
-        self._channels.stop()       # also wakes Flush calls waiting on frames
+        self._channels.stop()  # also wakes Flush calls waiting on frames
         # cancels the open streams; their threads leave after the frame in hand
         self._server.stop(grace=self._stop_grace).wait(self._stop_grace + 5.0)
         self._executor.shutdown(wait=True)

@@ -6,6 +6,7 @@ on it at a time. Opening a stream waits until the server has admitted it (a Flus
 stream's id answers >= 0), so a wrong secret, a full server or no server at all surfaces at
 `connect` as ConnectionError (ConnectionRefusedError for the secret), not at a later send.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,10 +30,10 @@ SERVICE = "pdserve.kv.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 FLUSH_METHOD = f"/{SERVICE}/Flush"
 CHANNEL_METADATA_KEY = "pdserve-kv-channel"
-MAX_CHANNEL_ID_CHARS = 64           # a channel id is a uuid4 hex (32)
-MAX_MESSAGE_BYTES = 512 << 20       # a frame is one message; a layer of a long prompt is tens of MB
-FLUSH_POLL_S = 0.5                  # one Flush RPC waits at most this long on the server
-ADMIT_POLL_S = 0.1                  # ... and this long while a new stream is being admitted
+MAX_CHANNEL_ID_CHARS = 64  # a channel id is a uuid4 hex (32)
+MAX_MESSAGE_BYTES = 512 << 20  # a frame is one message; a layer of a long prompt is tens of MB
+FLUSH_POLL_S = 0.5  # one Flush RPC waits at most this long on the server
+ADMIT_POLL_S = 0.1  # ... and this long while a new stream is being admitted
 MAX_FRAMES_PER_MESSAGE = 256
 # how a stream may end and be reopened when nothing sent on it is unconfirmed: the server closed
 # it (idle or evicted: CANCELLED) or lost it (UNAVAILABLE, the reopen then fails fast if it is gone)
@@ -41,8 +42,11 @@ _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 def channel_options(max_message_bytes: int, extra=()) -> list[tuple[str, object]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes), *extra]
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        *extra,
+    ]
 
 
 class _FrameQueue:
@@ -53,12 +57,14 @@ class _FrameQueue:
 
     def __init__(self, max_bytes: int):
         self._max_bytes = max_bytes
-        self._items: collections.deque[list] = collections.deque()   # [pieces, nbytes, open, frames]
+        self._items: collections.deque[list] = collections.deque()  # [pieces, nbytes, open, frames]
         self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
 
-    def put(self, pieces: list, payload_less: bool, timeout: float, failed, num_frames: int = 1) -> None:
+    def put(
+        self, pieces: list, payload_less: bool, timeout: float, failed, num_frames: int = 1
+    ) -> None:
         nbytes = sum(len(p) for p in pieces)
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -67,8 +73,10 @@ class _FrameQueue:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"the KV channel stayed full ({self._bytes} bytes queued) for "
-                                       f"{timeout}s: the receiver is not keeping up")
+                    raise TimeoutError(
+                        f"the KV channel stayed full ({self._bytes} bytes queued) for "
+                        f"{timeout}s: the receiver is not keeping up"
+                    )
                 self._cond.wait(min(remaining, 0.1))
             tail = self._items[-1] if self._items else None
             if tail is not None and tail[2] and tail[3] + num_frames <= MAX_FRAMES_PER_MESSAGE:
@@ -95,7 +103,7 @@ class _FrameQueue:
                 if not self._items:
                     return
                 pieces, nbytes, _, _ = self._items.popleft()
-            message = b"".join(pieces)       # the one copy of the payload on this side
+            message = b"".join(pieces)  # the one copy of the payload on this side
             with self._cond:
                 self._bytes -= nbytes
                 self._cond.notify_all()
@@ -110,9 +118,14 @@ class _Stream:
         self.queue = _FrameQueue(max_queued_bytes)
         self.messages = self.queue.drain()
         self.sent = self.confirmed = 0
-        self.ended = threading.Event()      # (the call's own done() takes a lock gRPC's threads hold often)
-        self.call = push_rpc.future(self.messages, metadata=((CHANNEL_METADATA_KEY, self.id),),
-                                    wait_for_ready=wait_for_ready)
+        self.ended = (
+            threading.Event()
+        )  # (the call's own done() takes a lock gRPC's threads hold often)
+        self.call = push_rpc.future(
+            self.messages,
+            metadata=((CHANNEL_METADATA_KEY, self.id),),
+            wait_for_ready=wait_for_ready,
+        )
         self.call.add_done_callback(lambda _: self.ended.set())
 
     def code(self) -> grpc.StatusCode:
@@ -129,9 +142,11 @@ class _Stream:
         if err is None:
             return ConnectionError(f"the KV transfer server at {address} ended the channel")
         if err.code() == grpc.StatusCode.CANCELLED:
-            return ConnectionError(f"the KV transfer server at {address} closed the channel (it was idle "
-                                   f"and its slot was needed, or the server stopped) before frames "
-                                   f"sent on it were confirmed")
+            return ConnectionError(
+                f"the KV transfer server at {address} closed the channel (it was idle "
+                f"and its slot was needed, or the server stopped) before frames "
+                f"sent on it were confirmed"
+            )
         kind = ConnectionRefusedError if err.code() in _REFUSALS else ConnectionError
         return kind(f"the KV channel to {address} failed: {err.code().name}: {err.details()}")
 
@@ -140,7 +155,7 @@ class _Stream:
         self.queue.close()
         try:
             self.call.result(timeout=timeout)
-        except Exception as e:    # the server is gone or slow: closing the channel cancels the call
+        except Exception as e:  # the server is gone or slow: closing the channel cancels the call
             log.debug("KV stream %s ended with %r", self.id[:8], e)
 
     def release(self) -> None:
@@ -150,7 +165,7 @@ class _Stream:
             try:
                 self.messages.close()
                 return
-            except ValueError:    # "generator already executing": it is about to see the close
+            except ValueError:  # "generator already executing": it is about to see the close
                 time.sleep(0.005)
 
 
@@ -163,14 +178,21 @@ class GrpcTransport(Transport):
     secret (and TLS) the server expects.
     """
 
-    def __init__(self, address: str, timeout: float = 10.0, max_queued_bytes: int = 64 << 20,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, grpc_options=(), *,
-                 security: ClusterSecurity = INSECURE):
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 10.0,
+        max_queued_bytes: int = 64 << 20,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        grpc_options=(),
+        *,
+        security: ClusterSecurity = INSECURE,
+    ):
         self._address, self._timeout, self._max_queued_bytes = address, timeout, max_queued_bytes
         self._channel = security.channel(address, channel_options(max_message_bytes, grpc_options))
         self._flush_rpc = self._channel.unary_unary(FLUSH_METHOD)
         self._push_rpc = self._channel.stream_unary(PUSH_METHOD)
-        self._lock = threading.Lock()    # frames enter the queue in send order
+        self._lock = threading.Lock()  # frames enter the queue in send order
         self._closed = False
         try:
             # a fresh server may still be starting: wait for it, up to timeout
@@ -179,18 +201,32 @@ class GrpcTransport(Transport):
             self._channel.close()
             raise
 
-    def _ask(self, stream: _Stream, frames: int, wait_s: float, timeout: float,
-             wait_for_ready: bool | None = None) -> int:
+    def _ask(
+        self,
+        stream: _Stream,
+        frames: int,
+        wait_s: float,
+        timeout: float,
+        wait_for_ready: bool | None = None,
+    ) -> int:
         ask = msgpack.packb({"channel": stream.id, "frames": frames, "wait_s": wait_s})
         try:
-            reply = msgpack.unpackb(self._flush_rpc(ask, timeout=timeout, wait_for_ready=wait_for_ready))
+            reply = msgpack.unpackb(
+                self._flush_rpc(ask, timeout=timeout, wait_for_ready=wait_for_ready)
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(e.details()) from None
             kind = ConnectionRefusedError if e.code() in _REFUSALS else ConnectionError
-            hint = " (both workers need the deployment's cluster secret)" if e.code() in _REFUSALS else ""
-            raise kind(f"the KV transfer server at {self._address} refused this sender: "
-                       f"{e.code().name}: {e.details()}{hint}") from None
+            hint = (
+                " (both workers need the deployment's cluster secret)"
+                if e.code() in _REFUSALS
+                else ""
+            )
+            raise kind(
+                f"the KV transfer server at {self._address} refused this sender: "
+                f"{e.code().name}: {e.details()}{hint}"
+            ) from None
         return int(reply["frames"])
 
     def _open_stream(self, wait_for_ready: bool) -> _Stream:
@@ -199,17 +235,23 @@ class GrpcTransport(Transport):
         stream = _Stream(self._push_rpc, self._max_queued_bytes, wait_for_ready)
         try:
             while True:
-                if stream.ended.is_set():       # refused: a full server, a bad channel id...
+                if stream.ended.is_set():  # refused: a full server, a bad channel id...
                     raise stream.failure(self._address)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ConnectionError(f"no KV transfer server answered at {self._address} "
-                                          f"within {self._timeout}s")
+                    raise ConnectionError(
+                        f"no KV transfer server answered at {self._address} within {self._timeout}s"
+                    )
                 try:
-                    if self._ask(stream, 0, min(remaining, ADMIT_POLL_S), remaining, wait_for_ready) >= 0:
+                    if (
+                        self._ask(
+                            stream, 0, min(remaining, ADMIT_POLL_S), remaining, wait_for_ready
+                        )
+                        >= 0
+                    ):
                         return stream
                 except TimeoutError:
-                    continue                    # the loop raises ConnectionError
+                    continue  # the loop raises ConnectionError
         except BaseException:
             stream.call.cancel()
             stream.finish(0)
@@ -225,11 +267,14 @@ class GrpcTransport(Transport):
             return stream
         if stream.sent != stream.confirmed or stream.code() not in _REOPENABLE:
             raise stream.failure(self._address)
-        log.info("KV channel to %s was closed by the server (%s); reopening it", self._address,
-                 stream.code().name)
+        log.info(
+            "KV channel to %s was closed by the server (%s); reopening it",
+            self._address,
+            stream.code().name,
+        )
         stream.finish(0)
         stream.release()
-        self._stream = self._open_stream(wait_for_ready=False)   # a server that is gone fails fast
+        self._stream = self._open_stream(wait_for_ready=False)  # a server that is gone fails fast
         return self._stream
 
     def _queue(self, pieces: list, payload_less: bool, num_frames: int) -> None:
@@ -243,8 +288,10 @@ class GrpcTransport(Transport):
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
         payload = payload_view(data)
         if len(payload) and not carries_payload(header):
-            raise ValueError(f"a {header.kind} frame{' written in place' if header.in_place else ''} "
-                             f"carries no payload (request {header.request_id})")
+            raise ValueError(
+                f"a {header.kind} frame{' written in place' if header.in_place else ''} "
+                f"carries no payload (request {header.request_id})"
+            )
         self._queue(frame_pieces(header, payload), not carries_payload(header), 1)
 
     def send_headers(self, headers: list[ChunkHeader]) -> None:
@@ -252,7 +299,9 @@ class GrpcTransport(Transport):
         if not headers:
             return
         if any(carries_payload(h) for h in headers):
-            raise ValueError("send_headers takes only frames without a payload (commit, abort, in-place kv)")
+            raise ValueError(
+                "send_headers takes only frames without a payload (commit, abort, in-place kv)"
+            )
         self._queue([piece for h in headers for piece in frame_pieces(h)[:2]], True, len(headers))
 
     def flush(self, timeout: float) -> None:
@@ -266,12 +315,14 @@ class GrpcTransport(Transport):
                 raise stream.failure(self._address)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"the KV transfer server at {self._address} did not handle "
-                                   f"{target} frames within {timeout}s")
+                raise TimeoutError(
+                    f"the KV transfer server at {self._address} did not handle "
+                    f"{target} frames within {timeout}s"
+                )
             try:
                 handled = self._ask(stream, target, min(remaining, FLUSH_POLL_S), remaining)
             except TimeoutError:
-                continue         # the loop raises TimeoutError
+                continue  # the loop raises TimeoutError
             if handled >= target:
                 with self._lock:
                     stream.confirmed = max(stream.confirmed, target)

@@ -17,6 +17,7 @@ Only this backend's control server takes in-place frames (the plain gRPC server 
 there, no bytes would have arrived). The control channel needs the deployment's cluster secret
 like the gRPC backend; the pool file is mode 0600 (its owner's processes only).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -47,8 +48,9 @@ def default_shared_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def create_shared_kv_cache(shape, dtype: torch.dtype = torch.float32, name: str | None = None,
-                           directory: str | None = None) -> tuple[torch.Tensor, str]:
+def create_shared_kv_cache(
+    shape, dtype: torch.dtype = torch.float32, name: str | None = None, directory: str | None = None
+) -> tuple[torch.Tensor, str]:
     """A zero-filled tensor backed by a shared file that another process can map; returns (tensor, path).
     The file is made by engine/kv_pool.py, the one creator of pool files (the engine's own pools
     included).
@@ -56,8 +58,10 @@ def create_shared_kv_cache(shape, dtype: torch.dtype = torch.float32, name: str 
     The file outlives the tensor: call `remove_shared_kv_cache(path)` when the cache is retired
     (the mapping stays valid after the unlink, for as long as the tensor lives).
     """
-    path = os.path.join(directory or default_shared_dir(),
-                        name or f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    path = os.path.join(
+        directory or default_shared_dir(),
+        name or f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}",
+    )
     return create_pool_file(path, shape, dtype), path
 
 
@@ -68,7 +72,7 @@ def remove_shared_kv_cache(path: str) -> None:
         pass
 
 
-_MADV_POPULATE_WRITE = 23   # Linux >= 5.14 (asm-generic/mman-common.h)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
 
 
 def populate(tensor: torch.Tensor) -> bool:
@@ -88,7 +92,7 @@ def populate(tensor: torch.Tensor) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    start = tensor.data_ptr() // page * page          # madvise wants a page-aligned start
+    start = tensor.data_ptr() // page * page  # madvise wants a page-aligned start
     end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
     return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
@@ -98,16 +102,25 @@ def map_shared_kv_cache(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
     try:
         return map_pool_file(path, shape, dtype)
     except OSError as e:
-        raise ConnectionError(f"the shared KV cache {path} cannot be opened: {e} (the shm backend "
-                              f"needs both workers on the same host)") from None
+        raise ConnectionError(
+            f"the shared KV cache {path} cannot be opened: {e} (the shm backend "
+            f"needs both workers on the same host)"
+        ) from None
 
 
 def format_address(paths: str | list[str], shape, dtype: torch.dtype, control: str) -> str:
     """paths: the pool file of each TP rank of the receiver, in rank order (shape is one rank's)."""
     paths = [paths] if isinstance(paths, str) else list(paths)
-    query = urlencode({"shape": ",".join(str(int(n)) for n in shape), "dtype": dtype_name(dtype),
-                       "control": control})
-    return f"{SCHEME}://{','.join(quote(p) for p in paths)}?{query}"   # quote() escapes a ',' in a path
+    query = urlencode(
+        {
+            "shape": ",".join(str(int(n)) for n in shape),
+            "dtype": dtype_name(dtype),
+            "control": control,
+        }
+    )
+    return (
+        f"{SCHEME}://{','.join(quote(p) for p in paths)}?{query}"  # quote() escapes a ',' in a path
+    )
 
 
 def parse_address(address: str) -> tuple[list[str], tuple[int, ...], torch.dtype, str]:
@@ -126,8 +139,10 @@ def parse_address(address: str) -> tuple[list[str], tuple[int, ...], torch.dtype
         if not all(paths):
             raise ValueError("an empty pool path")
     except (KeyError, ValueError, IndexError) as e:
-        raise ValueError(f"{address!r} is not a shm KV address ({e}); expected "
-                         f"shm://PATH[,PATH...]?shape=...&dtype=...&control=HOST:PORT") from None
+        raise ValueError(
+            f"{address!r} is not a shm KV address ({e}); expected "
+            f"shm://PATH[,PATH...]?shape=...&dtype=...&control=HOST:PORT"
+        ) from None
     return paths, shape, dtype, control
 
 
@@ -145,8 +160,10 @@ class PagedWriter:
         self.kv_cache = kv_cache
         self._fast = kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
         self._dtype = dtype_name(kv_cache.dtype)
-        self._rows: dict[tuple[int, int], np.ndarray] = {}     # (layer, block_size) -> [2, blocks, bs, token bytes]
-        self._layouts: dict[KVLayout, tuple] = {}              # what the checks need, computed once
+        self._rows: dict[
+            tuple[int, int], np.ndarray
+        ] = {}  # (layer, block_size) -> [2, blocks, bs, token bytes]
+        self._layouts: dict[KVLayout, tuple] = {}  # what the checks need, computed once
 
     def _layer_rows(self, layer: int, block_size: int) -> np.ndarray:
         rows = self._rows.get((layer, block_size))
@@ -155,14 +172,27 @@ class PagedWriter:
             rows = self._rows[(layer, block_size)] = rows.reshape(2, rows.shape[1], block_size, -1)
         return rows
 
-    def write(self, layout: KVLayout, block_ids: list[int], header: ChunkHeader, data: torch.Tensor) -> int:
+    def write(
+        self, layout: KVLayout, block_ids: list[int], header: ChunkHeader, data: torch.Tensor
+    ) -> int:
         known = self._layouts.get(layout)
         if known is None:
-            known = self._layouts[layout] = (layout.fingerprint, layout.head_range, layout.num_layers,
-                                             layout.block_size, layout.head_dim)
+            known = self._layouts[layout] = (
+                layout.fingerprint,
+                layout.head_range,
+                layout.num_layers,
+                layout.block_size,
+                layout.head_dim,
+            )
         fingerprint, (d0, d1), num_layers, bs, head_dim = known
-        if not (self._fast and isinstance(data, torch.Tensor) and data.device.type == "cpu"
-                and data.dtype == self.kv_cache.dtype and header.head_start == d0 and header.head_end == d1):
+        if not (
+            self._fast
+            and isinstance(data, torch.Tensor)
+            and data.device.type == "cpu"
+            and data.dtype == self.kv_cache.dtype
+            and header.head_start == d0
+            and header.head_end == d1
+        ):
             return write_chunk(self.kv_cache, layout, block_ids, header, data)
         if header.fingerprint != fingerprint:
             layout.check_compatible(header.fingerprint, "sender")
@@ -174,35 +204,39 @@ class PagedWriter:
             raise ValueError(f"chunk layer {header.layer} outside [0, {num_layers})")
         start, end = header.start, header.end
         if end > len(block_ids) * bs or start < 0 or end < start:
-            raise ValueError(f"chunk tokens [{start}, {end}) do not fit the {len(block_ids)} reserved "
-                             f"blocks of {bs} tokens")
+            raise ValueError(
+                f"chunk tokens [{start}, {end}) do not fit the {len(block_ids)} reserved "
+                f"blocks of {bs} tokens"
+            )
         if data.numel() != 2 * (end - start) * (d1 - d0) * header.head_dim:
             raise ValueError(f"chunk payload has {data.numel()} values, header says {header.shape}")
         if end == start:
             return 0
         if not data.is_contiguous():
             data = data.contiguous()
-        src = data.view(torch.uint8).numpy().reshape(2, end - start, -1)    # [2, tokens, token bytes]
+        src = data.view(torch.uint8).numpy().reshape(2, end - start, -1)  # [2, tokens, token bytes]
         dst = self._layer_rows(header.layer, bs)
         t = start
-        if t % bs:                                   # a partial first block
+        if t % bs:  # a partial first block
             n = min(bs - t % bs, end - t)
-            dst[:, block_ids[t // bs], t % bs:t % bs + n] = src[:, :n]
+            dst[:, block_ids[t // bs], t % bs : t % bs + n] = src[:, :n]
             t += n
         num_full = (end - t) // bs
-        if num_full:                                 # whole blocks, one row each
+        if num_full:  # whole blocks, one row each
             rows = dst.reshape(2, dst.shape[1], -1)
-            rows[:, block_ids[t // bs:t // bs + num_full]] = \
-                src[:, t - start:t - start + num_full * bs].reshape(2, num_full, -1)
+            rows[:, block_ids[t // bs : t // bs + num_full]] = src[
+                :, t - start : t - start + num_full * bs
+            ].reshape(2, num_full, -1)
             t += num_full * bs
-        if t < end:                                  # a partial last block
-            dst[:, block_ids[t // bs], :end - t] = src[:, t - start:]
+        if t < end:  # a partial last block
+            dst[:, block_ids[t // bs], : end - t] = src[:, t - start :]
         return end - start
 
 
 class ShmControlServer(GrpcServer):
     """The gRPC server of the headers: in-place frames are valid here, the sender wrote their KV
     into the shared pool."""
+
     accepts_in_place = True
 
 
@@ -214,15 +248,26 @@ class ShmServer(TransportServer):
     kv_cache (rank 0's); the sender then writes each rank's share of the heads into its file.
     """
 
-    def __init__(self, handler: FrameHandler, kv_cache: torch.Tensor, kv_path: str | list[str], *,
-                 security: ClusterSecurity = INSECURE, **grpc_opts):
+    def __init__(
+        self,
+        handler: FrameHandler,
+        kv_cache: torch.Tensor,
+        kv_path: str | list[str],
+        *,
+        security: ClusterSecurity = INSECURE,
+        **grpc_opts,
+    ):
         if kv_cache is None or not kv_path:
-            raise ValueError("the shm backend needs kv_cache and kv_path (from create_shared_kv_cache)")
+            raise ValueError(
+                "the shm backend needs kv_cache and kv_path (from create_shared_kv_cache)"
+            )
         paths = [kv_path] if isinstance(kv_path, str) else list(kv_path)
         expected = kv_cache.numel() * kv_cache.element_size()
         if not kv_cache.is_contiguous() or any(os.path.getsize(p) != expected for p in paths):
-            raise ValueError(f"kv_cache is not the whole contiguous tensor of each of {paths}: map it "
-                             f"with create_shared_kv_cache")
+            raise ValueError(
+                f"kv_cache is not the whole contiguous tensor of each of {paths}: map it "
+                f"with create_shared_kv_cache"
+            )
         self._control = ShmControlServer(handler, security=security, **grpc_opts)
         self._address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
 
@@ -247,11 +292,17 @@ class ShmTransport(Transport):
     and it saves gRPC's per-message cost on every layer.
     """
 
-    def __init__(self, address: str, max_pending_headers: int = 64, *,
-                 security: ClusterSecurity = INSECURE, **grpc_opts):
+    def __init__(
+        self,
+        address: str,
+        max_pending_headers: int = 64,
+        *,
+        security: ClusterSecurity = INSECURE,
+        **grpc_opts,
+    ):
         paths, shape, dtype, control = parse_address(address)
         self._caches = [map_shared_kv_cache(p, shape, dtype) for p in paths]
-        for cache in self._caches:   # this process's first touch of every page, now, not mid-prefill
+        for cache in self._caches:  # this process's first touch of every page, now, not mid-prefill
             populate(cache)
         self._writers = [PagedWriter(c) for c in self._caches]
         self._rank_layouts: dict[KVLayout, list[KVLayout]] = {}
@@ -269,7 +320,9 @@ class ShmTransport(Transport):
             raise RuntimeError("this KV transport is closed")
         if header.kind != "kv":
             if data is not None and data.numel():
-                raise ValueError(f"a {header.kind} frame carries no payload (request {header.request_id})")
+                raise ValueError(
+                    f"a {header.kind} frame carries no payload (request {header.request_id})"
+                )
             with self._lock:
                 self._control.send_headers(self._take_pending() + [header])
             return
@@ -282,8 +335,10 @@ class ShmTransport(Transport):
             # the receiver must not wait for KV that will never land: fail the request there,
             # and tell the caller why here
             with self._lock:
-                self._control.send_headers(self._take_pending() + [
-                    ChunkHeader(header.request_id, header.fingerprint, kind="abort")])
+                self._control.send_headers(
+                    self._take_pending()
+                    + [ChunkHeader(header.request_id, header.fingerprint, kind="abort")]
+                )
             raise
         with self._lock:
             self._pending.append(ChunkHeader(**{**vars(header), "in_place": True}))
@@ -295,8 +350,11 @@ class ShmTransport(Transport):
         ranks = self._rank_layouts.get(layout)
         if ranks is None:
             tp = len(self._writers)
-            ranks = [layout] if tp == 1 else [dataclasses.replace(layout, tp_size=tp, tp_rank=r)
-                                              for r in range(tp)]
+            ranks = (
+                [layout]
+                if tp == 1
+                else [dataclasses.replace(layout, tp_size=tp, tp_rank=r) for r in range(tp)]
+            )
             self._rank_layouts[layout] = ranks
         return ranks
 
@@ -314,7 +372,7 @@ class ShmTransport(Transport):
             try:
                 with self._lock:
                     self._control.send_headers(self._take_pending())
-            except Exception:   # the receiver is gone; nothing left to tell it
+            except Exception:  # the receiver is gone; nothing left to tell it
                 pass
-        self._caches = self._writers = None      # unmaps once no view of them is left
+        self._caches = self._writers = None  # unmaps once no view of them is left
         self._control.close()

@@ -14,6 +14,7 @@ kept (the newest; a flood of counter increments cannot grow them or stall the lo
 
 A server without a secret (INSECURE) runs the same steps and accepts any `auth`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,7 +63,8 @@ def authenticate(store, conn_id: int, secret: str | None, timeout: float) -> Non
     if verdict != OK:
         raise ConnectionRefusedError(
             f"the KV transfer server refused this sender ({verdict[:80].decode(errors='replace')}): "
-            f"both workers need the deployment's cluster secret")
+            f"both workers need the deployment's cluster secret"
+        )
 
 
 class Gatekeeper:
@@ -78,13 +80,17 @@ class Gatekeeper:
     def poll(self) -> list[int]:
         store = self._store
         announced = store.add(CONNECTIONS_KEY, 0)
-        if announced - self._seen > self._max_pending:    # a flood: only the newest can be served
-            log.warning("KV transfer store: %d connections announced at once; skipping all but the "
-                        "newest %d", announced - self._seen, self._max_pending)
+        if announced - self._seen > self._max_pending:  # a flood: only the newest can be served
+            log.warning(
+                "KV transfer store: %d connections announced at once; skipping all but the "
+                "newest %d",
+                announced - self._seen,
+                self._max_pending,
+            )
             self._seen = announced - self._max_pending
         while self._seen < announced:
             conn_id, nonce = self._seen, os.urandom(NONCE_BYTES)
-            store.delete_key(_key(conn_id, "auth"))     # an answer written before the nonce is void
+            store.delete_key(_key(conn_id, "auth"))  # an answer written before the nonce is void
             store.set(_key(conn_id, "nonce"), nonce)
             self._pending[conn_id] = (nonce, time.monotonic() + self._auth_timeout)
             if len(self._pending) > self._max_pending:
@@ -94,7 +100,9 @@ class Gatekeeper:
         for conn_id, (nonce, deadline) in list(self._pending.items()):
             if store.check([_key(conn_id, "auth")]):
                 presented = store.get(_key(conn_id, "auth"))
-                if self._secret and not hmac.compare_digest(presented, mac(self._secret, nonce, conn_id)):
+                if self._secret and not hmac.compare_digest(
+                    presented, mac(self._secret, nonce, conn_id)
+                ):
                     self._refuse(conn_id, "wrong credentials")
                     continue
                 del self._pending[conn_id]

@@ -31,6 +31,7 @@ saves a rendezvous per frame (+18% throughput against three messages). One recei
 the envelopes and posts each payload's receive at once, never waiting for a payload; a second
 thread waits for the payloads and runs the handler, in order.
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,20 +49,36 @@ import torch.distributed as dist
 from kvtransfer.backends.frames import FrameWorker, call_handler, encode_header, screen
 from kvtransfer.backends.torch_auth import CONNECTIONS_KEY, Gatekeeper, authenticate, group_prefix
 from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
-from kvtransfer.wire import MAX_HEADER_BYTES, ChunkHeader, WireError, header_from_fields, split_frame
+from kvtransfer.wire import (
+    MAX_HEADER_BYTES,
+    ChunkHeader,
+    WireError,
+    header_from_fields,
+    split_frame,
+)
 from protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
 RECEIVER_RANK, SENDER_RANK, WAKER_RANK, GROUP_SIZE = 0, 1, 2, 3
 TAG_ENVELOPE, TAG_HEADER, TAG_PAYLOAD = 1, 2, 3
-LOOKAHEAD = 4                   # frames whose envelope the receiver has posted ahead
-ENVELOPE_BYTES = 512            # int64 [header bytes, payload values, dtype code] + the header
+LOOKAHEAD = 4  # frames whose envelope the receiver has posted ahead
+ENVELOPE_BYTES = 512  # int64 [header bytes, payload values, dtype code] + the header
 _ENVELOPE = struct.Struct("<qqq")
-_HEADER_LENGTH = struct.Struct("<I")   # the wire frame's length prefix
-MAX_FRAME_BYTES = 512 << 20            # a payload, like the grpc backend's largest message
-PAYLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8,
-                  torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+_HEADER_LENGTH = struct.Struct("<I")  # the wire frame's length prefix
+MAX_FRAME_BYTES = 512 << 20  # a payload, like the grpc backend's largest message
+PAYLOAD_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
 
 
 def _envelope(n_header: int, n_values: int, code: int) -> bytearray:
@@ -102,20 +119,23 @@ def _is_loopback(host: str) -> bool:
 class _Connection:
     """The server's side of one sender: its group, its receiving thread, its waker."""
 
-    def __init__(self, server: "TorchServer", conn_id: int):
+    def __init__(self, server: TorchServer, conn_id: int):
         self.server = server
         self.conn_id = conn_id
         self.lock = threading.Lock()
         self.waker: dist.ProcessGroupGloo | None = None
         self.wake_work = None
         self.broken = False
-        self.thread = threading.Thread(target=self._run, name=f"pdserve-kv-torch-conn{conn_id}",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"pdserve-kv-torch-conn{conn_id}", daemon=True
+        )
 
     def _store(self):
         s = self.server
-        return dist.PrefixStore(group_prefix(self.conn_id),
-                                dist.TCPStore(s.host, s.port, is_master=False, timeout=_td(s.timeout)))
+        return dist.PrefixStore(
+            group_prefix(self.conn_id),
+            dist.TCPStore(s.host, s.port, is_master=False, timeout=_td(s.timeout)),
+        )
 
     def _build(self):
         s, built = self.server, {}
@@ -126,8 +146,9 @@ class _Connection:
             except Exception as e:
                 built["error"] = e
 
-        helper = threading.Thread(target=build_waker, name=f"pdserve-kv-torch-waker{self.conn_id}",
-                                  daemon=True)
+        helper = threading.Thread(
+            target=build_waker, name=f"pdserve-kv-torch-waker{self.conn_id}", daemon=True
+        )
         helper.start()
         try:
             pg = make_group(self._store(), RECEIVER_RANK, s.timeout, s.host)
@@ -145,7 +166,7 @@ class _Connection:
             return
         with self.lock:
             self.waker = waker
-            if self.server.stopping:    # stop() ran while the group formed: end at once
+            if self.server.stopping:  # stop() ran while the group formed: end at once
                 self.wake_work = waker.send([_end_envelope()], RECEIVER_RANK, TAG_ENVELOPE)
         try:
             self._receive(pg)
@@ -154,7 +175,7 @@ class _Connection:
         finally:
             with self.lock:
                 self.waker = None
-            del pg, waker    # closes the sockets: the sender sees a dead peer at its next send
+            del pg, waker  # closes the sockets: the sender sees a dead peer at its next send
 
     def _receive(self, pg) -> None:
         """Two threads per channel: this one takes each frame's envelope and posts the receive of
@@ -163,7 +184,9 @@ class _Connection:
         moves a message only once its receive is posted), and the envelopes of the next
         LOOKAHEAD frames are always posted ahead."""
         s = self.server
-        worker = FrameWorker(self._complete, f"pdserve-kv-torch-handler{self.conn_id}", s.max_backlog_bytes)
+        worker = FrameWorker(
+            self._complete, f"pdserve-kv-torch-handler{self.conn_id}", s.max_backlog_bytes
+        )
         envelopes = [torch.empty(ENVELOPE_BYTES, dtype=torch.uint8) for _ in range(LOOKAHEAD)]
         pending = [pg.recv_anysource([e], TAG_ENVELOPE) for e in envelopes]
         try:
@@ -175,8 +198,8 @@ class _Connection:
                 if n_header < 0:
                     return
                 self._check_envelope(n_header, n_values, code)
-                works, head = [], raw[_ENVELOPE.size:_ENVELOPE.size + n_header]
-                if n_header > ENVELOPE_BYTES - _ENVELOPE.size:     # a header too long to ride inside
+                works, head = [], raw[_ENVELOPE.size : _ENVELOPE.size + n_header]
+                if n_header > ENVELOPE_BYTES - _ENVELOPE.size:  # a header too long to ride inside
                     head = torch.empty(n_header, dtype=torch.uint8)
                     works.append(pg.recv([head], SENDER_RANK, TAG_HEADER))
                 payload = None
@@ -186,17 +209,23 @@ class _Connection:
                 pending[i] = pg.recv_anysource([envelopes[i]], TAG_ENVELOPE)
                 nbytes = 0 if payload is None else payload.numel() * payload.element_size()
                 worker.put((head, payload, works), nbytes)
-        finally:   # frames that fully arrive still count, unless the server is stopping
+        finally:  # frames that fully arrive still count, unless the server is stopping
             worker.close(drain=not s.stopping)
 
     def _check_envelope(self, n_header: int, n_values: int, code: int) -> None:
         """Sizes a peer sends, before we allocate for them. Raising ends this channel: the frames
         after a bad envelope cannot be located."""
-        if not (0 <= code < len(PAYLOAD_DTYPES) and 0 <= n_header <= MAX_HEADER_BYTES and n_values >= 0
-                and n_values * PAYLOAD_DTYPES[code].itemsize <= self.server.max_frame_bytes):
-            raise WireError(f"bad envelope (header {n_header} bytes, {n_values} values of dtype code "
-                            f"{code}): at most {MAX_HEADER_BYTES} header bytes and max_frame_bytes="
-                            f"{self.server.max_frame_bytes} of payload")
+        if not (
+            0 <= code < len(PAYLOAD_DTYPES)
+            and 0 <= n_header <= MAX_HEADER_BYTES
+            and n_values >= 0
+            and n_values * PAYLOAD_DTYPES[code].itemsize <= self.server.max_frame_bytes
+        ):
+            raise WireError(
+                f"bad envelope (header {n_header} bytes, {n_values} values of dtype code "
+                f"{code}): at most {MAX_HEADER_BYTES} header bytes and max_frame_bytes="
+                f"{self.server.max_frame_bytes} of payload"
+            )
 
     def _complete(self, item) -> None:
         head, payload, works = item
@@ -211,7 +240,7 @@ class _Connection:
             return
         if isinstance(head, torch.Tensor):
             head = head.numpy().tobytes()
-        try:   # the envelope frames each message, so a bad header costs only its own frame
+        try:  # the envelope frames each message, so a bad header costs only its own frame
             header = header_from_fields(split_frame(_HEADER_LENGTH.pack(len(head)) + head)[0])
         except WireError as e:
             header = e
@@ -232,25 +261,37 @@ class TorchServer(TransportServer):
     a frame's payload. security: the secret a sender must prove (torch_auth) within auth_timeout;
     at most max_pending_auth handshakes are kept waiting."""
 
-    def __init__(self, handler: FrameHandler, host: str = "127.0.0.1", port: int = 0,
-                 timeout: float = 30.0, idle_timeout: float = 24 * 3600.0, poll_interval: float = 0.02,
-                 max_backlog_bytes: int = 64 << 20, *, security: ClusterSecurity = INSECURE,
-                 auth_timeout: float = 10.0, max_pending_auth: int = 64,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(
+        self,
+        handler: FrameHandler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 30.0,
+        idle_timeout: float = 24 * 3600.0,
+        poll_interval: float = 0.02,
+        max_backlog_bytes: int = 64 << 20,
+        *,
+        security: ClusterSecurity = INSECURE,
+        auth_timeout: float = 10.0,
+        max_pending_auth: int = 64,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ):
         self._handler = handler
         self.host, self.timeout, self.idle_timeout = host, timeout, idle_timeout
         self.max_backlog_bytes, self.max_frame_bytes = max_backlog_bytes, max_frame_bytes
         self._poll_interval = poll_interval
-        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                    timeout=_td(timeout))
+        self._store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout)
+        )
         self.port = self._store.port
         self._gate = Gatekeeper(self._store, security.secret, auth_timeout, max_pending_auth)
         self.stopping = False
         self._stop_event = threading.Event()
         self._connections: list[_Connection] = []
         self._lock = threading.Lock()
-        self._accept_thread = threading.Thread(target=self._accept, name="pdserve-kv-torch-accept",
-                                               daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept, name="pdserve-kv-torch-accept", daemon=True
+        )
         self._accept_thread.start()
 
     @property
@@ -278,7 +319,9 @@ class TorchServer(TransportServer):
                     if self.stopping:
                         return
                     self._connections.append(conn)
-                    self._connections = [c for c in self._connections if c.thread.is_alive() or c is conn]
+                    self._connections = [
+                        c for c in self._connections if c.thread.is_alive() or c is conn
+                    ]
                 conn.thread.start()
 
     def call_handler(self, header: ChunkHeader, payload) -> None:
@@ -312,8 +355,15 @@ class TorchTransport(Transport):
     (read_chunk hands out a fresh tensor per chunk).
     """
 
-    def __init__(self, address: str, timeout: float = 30.0, max_inflight_frames: int = 32,
-                 gloo_host: str | None = None, *, security: ClusterSecurity = INSECURE):
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 30.0,
+        max_inflight_frames: int = 32,
+        gloo_host: str | None = None,
+        *,
+        security: ClusterSecurity = INSECURE,
+    ):
         host, _, port = address.rpartition(":")
         self._address, self._timeout = address, timeout
         self._max_inflight = max(1, max_inflight_frames)
@@ -324,22 +374,31 @@ class TorchTransport(Transport):
             conn_id = self._store.add(CONNECTIONS_KEY, 1) - 1
             authenticate(self._store, conn_id, security.secret, timeout)
             if gloo_host is None:
-                gloo_host = "127.0.0.1" if _is_loopback(host) else _local_address_towards(host, int(port))
-            self._pg = make_group(dist.PrefixStore(group_prefix(conn_id), self._store), SENDER_RANK,
-                                  timeout, gloo_host)
+                gloo_host = (
+                    "127.0.0.1" if _is_loopback(host) else _local_address_towards(host, int(port))
+                )
+            self._pg = make_group(
+                dist.PrefixStore(group_prefix(conn_id), self._store),
+                SENDER_RANK,
+                timeout,
+                gloo_host,
+            )
         except ConnectionRefusedError as e:
-            raise ConnectionRefusedError(f"cannot join the KV transfer server at {address}: {e}") from None
+            raise ConnectionRefusedError(
+                f"cannot join the KV transfer server at {address}: {e}"
+            ) from None
         except (OSError, RuntimeError, ValueError) as e:
             raise ConnectionError(f"cannot join the KV transfer server at {address}: {e}") from None
         self._lock = threading.Lock()
-        self._inflight: collections.deque = collections.deque()   # (works, tensors kept alive)
+        self._inflight: collections.deque = collections.deque()  # (works, tensors kept alive)
         self._error: Exception | None = None
         self._closed = False
 
     def _fail(self, e: Exception, what: str) -> Exception:
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
         err = (TimeoutError if timed_out else ConnectionError)(
-            f"KV {what} to {self._address} failed: {e}")
+            f"KV {what} to {self._address} failed: {e}"
+        )
         self._error = err
         return err
 
@@ -372,9 +431,12 @@ class TorchTransport(Transport):
             if payload.dtype not in PAYLOAD_DTYPES:
                 raise ValueError(f"the torch KV backend cannot send {payload.dtype} payloads")
         code = PAYLOAD_DTYPES.index(payload.dtype) if payload is not None else 0
-        envelope, header_bytes = _envelope(len(head), 0 if payload is None else payload.numel(), code), None
+        envelope, header_bytes = (
+            _envelope(len(head), 0 if payload is None else payload.numel(), code),
+            None,
+        )
         if len(head) <= ENVELOPE_BYTES - _ENVELOPE.size:
-            envelope[_ENVELOPE.size:_ENVELOPE.size + len(head)] = head
+            envelope[_ENVELOPE.size : _ENVELOPE.size + len(head)] = head
         else:
             header_bytes = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         envelope = torch.frombuffer(envelope, dtype=torch.uint8)
@@ -405,10 +467,12 @@ class TorchTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            if self._error is None:    # a clean end, so the server's thread leaves without an error
+            if self._error is None:  # a clean end, so the server's thread leaves without an error
                 try:
                     end = _end_envelope()
-                    self._inflight.append(([self._pg.send([end], RECEIVER_RANK, TAG_ENVELOPE)], (end,)))
+                    self._inflight.append(
+                        ([self._pg.send([end], RECEIVER_RANK, TAG_ENVELOPE)], (end,))
+                    )
                     deadline = time.monotonic() + self._timeout
                     while self._inflight:
                         self._wait_oldest(deadline)

@@ -1,6 +1,7 @@
 """A secured cluster in one process (router + one prefill + one decode worker on a tiny model, the
 workers joined through the Registry with the cluster secret), and the clients the chaos tests
 play: a health probe, streams that cancel themselves, strangers without the secret."""
+
 from __future__ import annotations
 
 import threading
@@ -22,31 +23,64 @@ RPC_TIMEOUT = 30.0
 MAX_MODEL_LEN = 256
 
 
-
 class SecureCluster:
     """heartbeat_ms is short, so a router that stops answering for a moment drops its workers:
     exactly what a stalled polling thread did."""
 
-    def __init__(self, model_dir: str, heartbeat_ms: int = 300, max_lease_ms: int = 120_000,
-                 kv_backend: str = "grpc", max_inflight: int = 64, security: ClusterSecurity = SECURITY):
+    def __init__(
+        self,
+        model_dir: str,
+        heartbeat_ms: int = 300,
+        max_lease_ms: int = 120_000,
+        kv_backend: str = "grpc",
+        max_inflight: int = 64,
+        security: ClusterSecurity = SECURITY,
+    ):
         self.security = security
-        self.router = Router(RouterConfig(
-            model=model_dir, max_model_len=MAX_MODEL_LEN, max_inflight=max_inflight,
-            heartbeat_ms=heartbeat_ms, security=security, deployment_id="chaos")).start()
+        self.router = Router(
+            RouterConfig(
+                model=model_dir,
+                max_model_len=MAX_MODEL_LEN,
+                max_inflight=max_inflight,
+                heartbeat_ms=heartbeat_ms,
+                security=security,
+                deployment_id="chaos",
+            )
+        ).start()
         engine = dict(max_model_len=MAX_MODEL_LEN, block_size=16)
-        common = dict(model=model_dir, registry_address=self.router.address, security=security,
-                      deployment_id="chaos")
-        self.decode = DecodeWorker(DecodeWorkerConfig(
-            worker_id="d0", lease_ms=min(5000, max_lease_ms), max_lease_ms=max_lease_ms, kv_backend=kv_backend,
-            engine_kwargs=dict(kv_cache_memory=1 << 20, **engine), **common)).start()
-        self.prefill = PrefillWorker(PrefillWorkerConfig(
-            worker_id="p0", engine_kwargs=dict(kv_cache_memory=1 << 20, **engine), **common)).start()
+        common = dict(
+            model=model_dir,
+            registry_address=self.router.address,
+            security=security,
+            deployment_id="chaos",
+        )
+        self.decode = DecodeWorker(
+            DecodeWorkerConfig(
+                worker_id="d0",
+                lease_ms=min(5000, max_lease_ms),
+                max_lease_ms=max_lease_ms,
+                kv_backend=kv_backend,
+                engine_kwargs=dict(kv_cache_memory=1 << 20, **engine),
+                **common,
+            )
+        ).start()
+        self.prefill = PrefillWorker(
+            PrefillWorkerConfig(
+                worker_id="p0", engine_kwargs=dict(kv_cache_memory=1 << 20, **engine), **common
+            )
+        ).start()
         pool = self.router.pool
-        wait_until(lambda: pool.num_workers("prefill") == 1 and pool.num_workers("decode") == 1,
-                   30, "both workers registered")
+        wait_until(
+            lambda: pool.num_workers("prefill") == 1 and pool.num_workers("decode") == 1,
+            30,
+            "both workers registered",
+        )
         # the client API needs no secret; with cluster TLS the router's port is mutual TLS too
-        self.api_channel = grpc.secure_channel(self.router.address, security.tls.channel_credentials()) \
-            if security.tls else grpc.insecure_channel(self.router.address)
+        self.api_channel = (
+            grpc.secure_channel(self.router.address, security.tls.channel_credentials())
+            if security.tls
+            else grpc.insecure_channel(self.router.address)
+        )
         self.api = pdserve_pb2_grpc.PDServeStub(self.api_channel)
         self.decode_channel = security.channel(self.decode.address)
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.decode_channel)
@@ -64,21 +98,37 @@ class SecureCluster:
     def kv_all_free(self) -> bool:
         stats = self.decode_stats()
         engine = self.prefill.loop.engine
-        return (stats.num_free_blocks == stats.num_total_blocks and stats.num_reserved == 0
-                and stats.num_running == 0 and not engine.has_unfinished_requests()
-                and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks)
+        return (
+            stats.num_free_blocks == stats.num_total_blocks
+            and stats.num_reserved == 0
+            and stats.num_running == 0
+            and not engine.has_unfinished_requests()
+            and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        )
 
     def registrations(self) -> tuple[int, int]:
-        return self.prefill.registration.num_registrations, self.decode.registration.num_registrations
+        return (
+            self.prefill.registration.num_registrations,
+            self.decode.registration.num_registrations,
+        )
 
 
-def stream(api, prompt: list[int], sampling, request_id: str = "", cancel_after: int | None = None,
-           timeout: float = RPC_TIMEOUT):
+def stream(
+    api,
+    prompt: list[int],
+    sampling,
+    request_id: str = "",
+    cancel_after: int | None = None,
+    timeout: float = RPC_TIMEOUT,
+):
     """(token ids, the Finish or None, how it ended): "finished", "cancelled" (by this client, after
     `cancel_after` deltas) or the gRPC status code."""
-    call = api.Generate(pdserve_pb2.GenerateRequest(
-        request_id=request_id, token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling),
-        timeout=timeout)
+    call = api.Generate(
+        pdserve_pb2.GenerateRequest(
+            request_id=request_id, token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
+        ),
+        timeout=timeout,
+    )
     ids, finish = [], None
     try:
         for response in call:
@@ -109,7 +159,7 @@ class HealthProbe:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "HealthProbe":
+    def __enter__(self) -> HealthProbe:
         self._thread.start()
         return self
 

@@ -4,6 +4,7 @@ slowly (0.3 s, as a busy worker does), which is what stalled the router when its
 called Abort on gRPC's polling thread. Afterwards: no worker dropped out or had to register
 again, no health check missed its 1 s deadline, every stream that was not cancelled is
 token-identical to a clean run, and all KV is free."""
+
 from __future__ import annotations
 
 import random
@@ -27,9 +28,10 @@ def cluster(tiny_models):
     model_dir, _ = tiny_models("llama-gqa")
     real_abort = PrefillWorkerServicer.Abort
 
-    def slow_abort(self, request, context):   # a busy worker: its engine loop answers late
+    def slow_abort(self, request, context):  # a busy worker: its engine loop answers late
         time.sleep(0.3)
         return real_abort(self, request, context)
+
     # on the class, before the server binds its handlers
     PrefillWorkerServicer.Abort = slow_abort
     try:
@@ -47,13 +49,21 @@ def test_cancel_storm_keeps_router_and_streams_whole(cluster):
     registrations = cluster.registrations()
 
     rng = random.Random(7)
-    plan = [(i % len(prompts), rng.randint(1, 11) if rng.random() < 0.5 else None)
-            for i in range(NUM_REQUESTS)]
+    plan = [
+        (i % len(prompts), rng.randint(1, 11) if rng.random() < 0.5 else None)
+        for i in range(NUM_REQUESTS)
+    ]
     with HealthProbe(cluster.router.address, period_s=0.1, deadline_s=1.0) as probe:
         with futures.ThreadPoolExecutor(CONCURRENCY) as pool:
-            results = list(pool.map(
-                lambda item: stream(cluster.api, prompts[item[0]], SAMPLING, cancel_after=item[1]), plan))
-        time.sleep(0.5)   # the last aborts land while the probe still runs
+            results = list(
+                pool.map(
+                    lambda item: stream(
+                        cluster.api, prompts[item[0]], SAMPLING, cancel_after=item[1]
+                    ),
+                    plan,
+                )
+            )
+        time.sleep(0.5)  # the last aborts land while the probe still runs
     outcomes = [how for _, _, how in results]
     assert outcomes.count("cancelled") == sum(c is not None for _, c in plan)
     for (idx, cancel_after), (ids, finish, how) in zip(plan, results):

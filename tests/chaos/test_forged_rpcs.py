@@ -2,6 +2,7 @@
 holds nothing, and receives no prompt or KV; a process with the secret that abuses a door gets a
 clear error and holds nothing. (The KV channels of each backend: tests/unit/test_kv_security.py.)
 """
+
 from __future__ import annotations
 
 import time
@@ -56,42 +57,82 @@ def fake_decode():
 
 
 def _reservation(cluster, rid="r", prompt=PROMPT, lease_ms=5000):
-    return cluster.d.Reserve(worker_pb2.ReserveRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, lease_ms=lease_ms), timeout=RPC_TIMEOUT)
+    return cluster.d.Reserve(
+        worker_pb2.ReserveRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, lease_ms=lease_ms
+        ),
+        timeout=RPC_TIMEOUT,
+    )
 
 
 @pytest.mark.parametrize("secret", [None, "a-wrong-secret-of-enough-length"])
 def test_every_control_plane_door_refuses_a_stranger(cluster, fake_decode, secret):
     fake, fake_address = fake_decode
     stranger = ClusterSecurity(secret)
-    held = "held-" + ("none" if secret is None else "wrong")   # one per case: an aborted id stays known a while
-    reservation = _reservation(cluster, held)   # a real one, for the stranger to aim at
+    held = "held-" + (
+        "none" if secret is None else "wrong"
+    )  # one per case: an aborted id stays known a while
+    reservation = _reservation(cluster, held)  # a real one, for the stranger to aim at
     kv_address = reservation.endpoint.address
     calls = {
-        "Registry.Register": lambda ch: worker_pb2_grpc.RegistryStub(ch).Register(worker_pb2.RegisterRequest(
-            worker_id="d0", role="decode", address=fake_address, deployment_id="chaos")),
+        "Registry.Register": lambda ch: worker_pb2_grpc.RegistryStub(ch).Register(
+            worker_pb2.RegisterRequest(
+                worker_id="d0", role="decode", address=fake_address, deployment_id="chaos"
+            )
+        ),
         "Registry.Heartbeat": lambda ch: worker_pb2_grpc.RegistryStub(ch).Heartbeat(
-            worker_pb2.HeartbeatRequest(worker_id="d0")),
+            worker_pb2.HeartbeatRequest(worker_id="d0")
+        ),
         "DecodeWorker.Reserve": lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).Reserve(
-            worker_pb2.ReserveRequest(request_id="x", prompt_token_ids=PROMPT, lease_ms=2**32 - 1)),
-        "DecodeWorker.Stream": lambda ch: list(worker_pb2_grpc.DecodeWorkerStub(ch).Stream(
-            worker_pb2.StreamRequest(request_id=held))),
+            worker_pb2.ReserveRequest(request_id="x", prompt_token_ids=PROMPT, lease_ms=2**32 - 1)
+        ),
+        "DecodeWorker.Stream": lambda ch: list(
+            worker_pb2_grpc.DecodeWorkerStub(ch).Stream(worker_pb2.StreamRequest(request_id=held))
+        ),
         "DecodeWorker.Abort": lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).Abort(
-            worker_pb2.WorkerAbortRequest(request_id=held)),
-        "DecodeWorker.Stats": lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).Stats(worker_pb2.StatsRequest()),
+            worker_pb2.WorkerAbortRequest(request_id=held)
+        ),
+        "DecodeWorker.Stats": lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).Stats(
+            worker_pb2.StatsRequest()
+        ),
         "PrefillWorker.Prefill": lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(
-            worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=PROMPT, reservation=reservation)),
+            worker_pb2.PrefillRequest(
+                request_id="x", prompt_token_ids=PROMPT, reservation=reservation
+            )
+        ),
         "PrefillWorker.Abort": lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).Abort(
-            worker_pb2.WorkerAbortRequest(request_id="x")),
-        "PrefillWorker.Stats": lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).Stats(worker_pb2.StatsRequest()),
-        "KV.Push": lambda ch: ch.stream_unary(PUSH_METHOD)(iter([b"".join(frame_pieces(ChunkHeader(
-            held, reservation.endpoint.layout_fingerprint, kind="commit", first_token=5)))]),
-            metadata=(("pdserve-kv-channel", "stranger"),)),
-        "KV.Flush": lambda ch: ch.unary_unary(FLUSH_METHOD)(msgpack.packb(
-            {"channel": "x", "frames": 1, "wait_s": float("nan")})),
+            worker_pb2.WorkerAbortRequest(request_id="x")
+        ),
+        "PrefillWorker.Stats": lambda ch: worker_pb2_grpc.PrefillWorkerStub(ch).Stats(
+            worker_pb2.StatsRequest()
+        ),
+        "KV.Push": lambda ch: ch.stream_unary(PUSH_METHOD)(
+            iter(
+                [
+                    b"".join(
+                        frame_pieces(
+                            ChunkHeader(
+                                held,
+                                reservation.endpoint.layout_fingerprint,
+                                kind="commit",
+                                first_token=5,
+                            )
+                        )
+                    )
+                ]
+            ),
+            metadata=(("pdserve-kv-channel", "stranger"),),
+        ),
+        "KV.Flush": lambda ch: ch.unary_unary(FLUSH_METHOD)(
+            msgpack.packb({"channel": "x", "frames": 1, "wait_s": float("nan")})
+        ),
     }
-    targets = {"Registry": cluster.router.address, "DecodeWorker": cluster.decode.address,
-               "PrefillWorker": cluster.prefill.address, "KV": kv_address}
+    targets = {
+        "Registry": cluster.router.address,
+        "DecodeWorker": cluster.decode.address,
+        "PrefillWorker": cluster.prefill.address,
+        "KV": kv_address,
+    }
     refused = {}
     for name, call in calls.items():
         channel = stranger.channel(targets[name.split(".")[0]])
@@ -119,8 +160,11 @@ def test_lease_is_capped_by_the_worker(cluster):
     reservation = _reservation(cluster, "long-lease", lease_ms=2**32 - 1)
     assert reservation.lease_deadline_unix_ns <= before + (MAX_LEASE_MS + 1000) * 1_000_000
     assert cluster.decode_stats().num_reserved == 1
-    wait_until(lambda: cluster.decode_stats().num_reserved == 0, MAX_LEASE_MS / 1000 + 5,
-               "the capped lease expired")
+    wait_until(
+        lambda: cluster.decode_stats().num_reserved == 0,
+        MAX_LEASE_MS / 1000 + 5,
+        "the capped lease expired",
+    )
     wait_until(cluster.kv_all_free, 5, "all KV free")
 
 
@@ -132,11 +176,26 @@ def test_commit_of_an_out_of_vocabulary_token_frees_the_reservation(cluster):
     try:
         dest = Destination(list(reservation.block_ids), dest_layout)
         n = len(PROMPT)
-        for layer in range(layout.num_layers):   # every layer's KV really sent
+        for layer in range(layout.num_layers):  # every layer's KV really sent
             data = torch.zeros(2, n, layout.num_kv_heads, layout.head_dim)
-            transport.send(ChunkHeader("oov", layout.fingerprint, layer, 0, n, 0, layout.num_kv_heads,
-                                       layout.head_dim, "float32"), data, dest)
-        transport.send(ChunkHeader("oov", layout.fingerprint, kind="commit", first_token=10**9), None, dest)
+            transport.send(
+                ChunkHeader(
+                    "oov",
+                    layout.fingerprint,
+                    layer,
+                    0,
+                    n,
+                    0,
+                    layout.num_kv_heads,
+                    layout.head_dim,
+                    "float32",
+                ),
+                data,
+                dest,
+            )
+        transport.send(
+            ChunkHeader("oov", layout.fingerprint, kind="commit", first_token=10**9), None, dest
+        )
         transport.flush(10)
     finally:
         transport.close()
@@ -149,14 +208,23 @@ def test_commit_of_an_out_of_vocabulary_token_frees_the_reservation(cluster):
 def test_a_client_cannot_abort_another_clients_request(cluster):
     # a channel of its own connection: channels to one target in one process share a subchannel
     # (one TCP connection, one peer) unless told otherwise, and the router scopes aborts by peer
-    other = grpc.insecure_channel(cluster.router.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    other = grpc.insecure_channel(
+        cluster.router.address, options=[("grpc.use_local_subchannel_pool", 1)]
+    )
     try:
         sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         with futures.ThreadPoolExecutor(1) as pool:
             victim = pool.submit(stream, cluster.api, PROMPT, sampling, "victim-id")
-            wait_until(lambda: cluster.decode_stats().num_running + cluster.decode_stats().num_reserved > 0,
-                       10, "the victim's request is running")
-            found = pdserve_pb2_grpc.PDServeStub(other).Abort(pdserve_pb2.AbortRequest(request_id="victim-id"))
+            wait_until(
+                lambda: (
+                    cluster.decode_stats().num_running + cluster.decode_stats().num_reserved > 0
+                ),
+                10,
+                "the victim's request is running",
+            )
+            found = pdserve_pb2_grpc.PDServeStub(other).Abort(
+                pdserve_pb2.AbortRequest(request_id="victim-id")
+            )
             ids, finish, how = victim.result(timeout=RPC_TIMEOUT)
         assert not found.found
         assert how == "finished" and len(ids) == 40 and finish.finish_reason == "length"
@@ -164,8 +232,13 @@ def test_a_client_cannot_abort_another_clients_request(cluster):
         other.close()
     # the owner can: same channel, same id
     with futures.ThreadPoolExecutor(1) as pool:
-        mine = pool.submit(stream, cluster.api, PROMPT, pdserve_pb2.SamplingParams(
-            temperature=0, max_tokens=200, ignore_eos=True), "mine")
+        mine = pool.submit(
+            stream,
+            cluster.api,
+            PROMPT,
+            pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+            "mine",
+        )
         wait_until(lambda: cluster.decode_stats().num_running > 0, 10, "running")
         assert cluster.api.Abort(pdserve_pb2.AbortRequest(request_id="mine")).found
         ids, finish, how = mine.result(timeout=RPC_TIMEOUT)
@@ -173,13 +246,20 @@ def test_a_client_cannot_abort_another_clients_request(cluster):
     wait_until(cluster.kv_all_free, 5, "all KV free")
 
 
-@pytest.mark.parametrize("payload, method", [
-    (b"\x1a\x03\xff\xfe\xfd", "Generate"),       # text with bytes that are not UTF-8
-    (b"\x1a\x40abc", "Generate"),                # a length prefix past the end: truncated
-    (b"\x0a\x02\xc3\x28", "Abort"),
-])
+@pytest.mark.parametrize(
+    "payload, method",
+    [
+        (b"\x1a\x03\xff\xfe\xfd", "Generate"),  # text with bytes that are not UTF-8
+        (b"\x1a\x40abc", "Generate"),  # a length prefix past the end: truncated
+        (b"\x0a\x02\xc3\x28", "Abort"),
+    ],
+)
 def test_undecodable_requests_get_invalid_argument(cluster, payload, method):
-    kind = cluster.api_channel.unary_stream if method == "Generate" else cluster.api_channel.unary_unary
+    kind = (
+        cluster.api_channel.unary_stream
+        if method == "Generate"
+        else cluster.api_channel.unary_unary
+    )
     call = kind(f"/pdserve.v1.PDServe/{method}")
     with pytest.raises(grpc.RpcError) as err:
         result = call(payload, timeout=RPC_TIMEOUT)
@@ -189,25 +269,39 @@ def test_undecodable_requests_get_invalid_argument(cluster, payload, method):
     assert "not a valid protobuf message" in err.value.details()
 
 
-@pytest.mark.parametrize("sampling, says", [
-    (pdserve_pb2.SamplingParams(max_tokens=2**32 - 1), "a -1 sent as uint32"),
-    (pdserve_pb2.SamplingParams(stop=["x"] * 65), "at most 64"),
-    (pdserve_pb2.SamplingParams(stop=["x" * 600]), "at most 512"),
-    (pdserve_pb2.SamplingParams(temperature=float("nan")), "finite"),
-    (pdserve_pb2.SamplingParams(stop_token_ids=[10**6]), "vocabulary size"),
-])
+@pytest.mark.parametrize(
+    "sampling, says",
+    [
+        (pdserve_pb2.SamplingParams(max_tokens=2**32 - 1), "a -1 sent as uint32"),
+        (pdserve_pb2.SamplingParams(stop=["x"] * 65), "at most 64"),
+        (pdserve_pb2.SamplingParams(stop=["x" * 600]), "at most 512"),
+        (pdserve_pb2.SamplingParams(temperature=float("nan")), "finite"),
+        (pdserve_pb2.SamplingParams(stop_token_ids=[10**6]), "vocabulary size"),
+    ],
+)
 def test_numbers_and_sizes_are_checked_at_the_router(cluster, sampling, says):
     with pytest.raises(grpc.RpcError) as err:
-        list(cluster.api.Generate(pdserve_pb2.GenerateRequest(
-            token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling), timeout=RPC_TIMEOUT))
+        list(
+            cluster.api.Generate(
+                pdserve_pb2.GenerateRequest(
+                    token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in err.value.details()
 
 
 def test_workers_check_fields_with_the_secret_too(cluster):
     with pytest.raises(grpc.RpcError) as err:
-        cluster.d.Reserve(worker_pb2.ReserveRequest(request_id="big", prompt_token_ids=PROMPT,
-                                                    sampling=pdserve_pb2.SamplingParams(max_tokens=2**32 - 1)))
+        cluster.d.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id="big",
+                prompt_token_ids=PROMPT,
+                sampling=pdserve_pb2.SamplingParams(max_tokens=2**32 - 1),
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
         cluster.d.Reserve(worker_pb2.ReserveRequest(request_id="v", prompt_token_ids=[10**6]))
@@ -229,11 +323,19 @@ def test_a_stranger_calling_in_a_loop_does_not_flood_the_log(cluster, caplog):
 def test_prompt_logprobs_are_refused_on_the_wire_until_served(cluster):
     sampling = pdserve_pb2.SamplingParams(max_tokens=4, prompt_logprobs=2)
     with pytest.raises(grpc.RpcError) as err:
-        list(cluster.api.Generate(pdserve_pb2.GenerateRequest(
-            token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling), timeout=RPC_TIMEOUT))
+        list(
+            cluster.api.Generate(
+                pdserve_pb2.GenerateRequest(
+                    token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        )
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "engine.SamplingParams(prompt_logprobs=k)" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:   # nor does a worker take it from a router
-        cluster.d.Reserve(worker_pb2.ReserveRequest(request_id="plp", prompt_token_ids=PROMPT,
-                                                    sampling=sampling), timeout=RPC_TIMEOUT)
+    with pytest.raises(grpc.RpcError) as err:  # nor does a worker take it from a router
+        cluster.d.Reserve(
+            worker_pb2.ReserveRequest(request_id="plp", prompt_token_ids=PROMPT, sampling=sampling),
+            timeout=RPC_TIMEOUT,
+        )
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

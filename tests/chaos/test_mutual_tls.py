@@ -1,6 +1,7 @@
 """security.tls: router, workers and the KV channel speak mutual TLS. A deployment with it serves
 the same tokens as one without; a process that knows the secret but has no certificate signed by
 the deployment's CA gets no connection to any port, and plaintext gets none either."""
+
 from __future__ import annotations
 
 import grpc
@@ -32,7 +33,7 @@ def test_a_mutual_tls_deployment_serves_the_same_tokens(clusters):
     ids, finish, how = stream(secure.api, PROMPT, SAMPLING)
     assert how == "finished" and len(ids) == 8
     assert ids == stream(plain.api, PROMPT, SAMPLING)[0]
-    assert finish.timings.transfer_end_unix_ns > 0     # the KV went over the TLS channel
+    assert finish.timings.transfer_end_unix_ns > 0  # the KV went over the TLS channel
 
 
 def test_without_a_signed_certificate_no_port_answers(clusters):
@@ -40,14 +41,32 @@ def test_without_a_signed_certificate_no_port_answers(clusters):
     # the secret and the CA, but no client certificate: the handshake fails, whatever the call
     no_cert = grpc.ssl_channel_credentials(root_certificates=tls.ca_pem)
     for address, call in (
-            (secure.router.address, lambda ch: worker_pb2_grpc.RegistryStub(ch).Heartbeat(
-                worker_pb2.HeartbeatRequest(worker_id="d0"), metadata=SECURITY.metadata(),
-                timeout=RPC_TIMEOUT)),
-            (secure.router.address, lambda ch: list(pdserve_pb2_grpc.PDServeStub(ch).Generate(
-                pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=SAMPLING),
-                timeout=RPC_TIMEOUT))),
-            (secure.decode.address, lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).Stats(
-                worker_pb2.StatsRequest(), metadata=SECURITY.metadata(), timeout=RPC_TIMEOUT))):
+        (
+            secure.router.address,
+            lambda ch: worker_pb2_grpc.RegistryStub(ch).Heartbeat(
+                worker_pb2.HeartbeatRequest(worker_id="d0"),
+                metadata=SECURITY.metadata(),
+                timeout=RPC_TIMEOUT,
+            ),
+        ),
+        (
+            secure.router.address,
+            lambda ch: list(
+                pdserve_pb2_grpc.PDServeStub(ch).Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=SAMPLING
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+            ),
+        ),
+        (
+            secure.decode.address,
+            lambda ch: worker_pb2_grpc.DecodeWorkerStub(ch).Stats(
+                worker_pb2.StatsRequest(), metadata=SECURITY.metadata(), timeout=RPC_TIMEOUT
+            ),
+        ),
+    ):
         for channel in (grpc.secure_channel(address, no_cert), grpc.insecure_channel(address)):
             with channel, pytest.raises(grpc.RpcError) as err:
                 call(channel)

@@ -1,4 +1,5 @@
 """Eight varied prompts for the SmolLM2 cluster tests (languages, code, numbers, a longer text)."""
+
 PROMPTS = [
     "The capital of France is",
     "La tour Eiffel a été construite en",

@@ -5,6 +5,7 @@ free afterwards, and a client that cancels mid-stream has its KV freed on both s
 
 SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: tp 3 -> 1 and 1 -> 3.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -21,13 +22,14 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 NUM_CONCURRENT = 32
-KV_BYTES = 128 << 20   # decode holds all 32 streams at once
+KV_BYTES = 128 << 20  # decode holds all 32 streams at once
 
 
 @pytest.fixture(scope="module")
 def ray_session():
     import ray
-    tmp = tempfile.mkdtemp(prefix="pdray")   # short: Ray's socket paths live under it
+
+    tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
     yield
     ray.shutdown()
@@ -38,6 +40,7 @@ def ray_session():
 def reference():
     """dtype -> (prompts, the engine's greedy tokens in one process)."""
     from engine import LLM, SamplingParams
+
     cache = {}
 
     def get(dtype: str):
@@ -45,24 +48,37 @@ def reference():
             llm = LLM("smollm2", dtype=dtype, kv_cache_memory=KV_BYTES, max_model_len=1024)
             tok = llm.get_tokenizer()
             prompts = [tok.encode(p) for p in PROMPTS]
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                        ignore_eos=True), use_tqdm=False)
+            outs = llm.generate(
+                prompts,
+                SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                use_tqdm=False,
+            )
             llm.shutdown()
             cache[dtype] = prompts, [list(o.outputs[0].token_ids) for o in outs]
         return cache[dtype]
+
     return get
 
 
 def _pool(tp: int) -> dict:
     # 2 CPUs for the whole deployment: a TP group's bundles share them; threads are set explicitly
-    return {"replicas": 1, "tp": tp, "resources": {"num_cpus": 0.25}, "num_threads": 1,
-            "kv_cache_memory": KV_BYTES, "max_model_len": 1024}
+    return {
+        "replicas": 1,
+        "tp": tp,
+        "resources": {"num_cpus": 0.25},
+        "num_threads": 1,
+        "kv_cache_memory": KV_BYTES,
+        "max_model_len": 1024,
+    }
 
 
 def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
     from protos.pdserve.v1 import pdserve_pb2 as pb
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt_ids),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
     tokens, finish = [], None
     for resp in stub.Generate(request, timeout=120):
         if resp.HasField("delta"):
@@ -74,8 +90,11 @@ def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
 
 def _all_free(cluster) -> bool:
     from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-    for role, stub_cls in (("decode", worker_pb2_grpc.DecodeWorkerStub),
-                           ("prefill", worker_pb2_grpc.PrefillWorkerStub)):
+
+    for role, stub_cls in (
+        ("decode", worker_pb2_grpc.DecodeWorkerStub),
+        ("prefill", worker_pb2_grpc.PrefillWorkerStub),
+    ):
         for address in cluster.addresses(role):
             with cluster.security.channel(address) as ch:
                 s = stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
@@ -86,12 +105,16 @@ def _all_free(cluster) -> bool:
 
 
 def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
-    from protos.pdserve.v1 import pdserve_pb2 as pb
-    from protos.pdserve.v1 import pdserve_pb2_grpc
+    from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+
     with grpc.insecure_channel(cluster.router_address) as channel:
-        call = pdserve_pb2_grpc.PDServeStub(channel).Generate(pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=prompt_ids + [7]),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)), timeout=120)
+        call = pdserve_pb2_grpc.PDServeStub(channel).Generate(
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt_ids + [7]),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+            ),
+            timeout=120,
+        )
         assert next(call).HasField("delta")
         call.cancel()
         cancelled = time.monotonic()
@@ -100,10 +123,13 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
             time.sleep(0.02)
 
 
-@pytest.mark.parametrize("backend,prefill_tp,decode_tp", [
-    ("grpc", 1, 1), ("shm", 1, 1), ("torch", 1, 1), ("grpc", 3, 1), ("shm", 1, 3)])
-def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, reference, backend,
-                                                              prefill_tp, decode_tp):
+@pytest.mark.parametrize(
+    "backend,prefill_tp,decode_tp",
+    [("grpc", 1, 1), ("shm", 1, 1), ("torch", 1, 1), ("grpc", 3, 1), ("shm", 1, 3)],
+)
+def test_cluster_matches_engine_and_serves_concurrent_streams(
+    ray_session, reference, backend, prefill_tp, decode_tp
+):
     from deploy.config import validate_config
     from deploy.launcher import up
     from protos.pdserve.v1 import pdserve_pb2_grpc
@@ -113,9 +139,15 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, refer
     # TP degree, so mixed TP compares in float32
     dtype = "auto" if prefill_tp == decode_tp == 1 else "float32"
     prompts, want = reference(dtype)
-    config = validate_config({"model": "smollm2", "dtype": dtype, "kvtransfer": {"backend": backend},
-                              "pools": {"prefill": _pool(prefill_tp), "decode": _pool(decode_tp)},
-                              "router": {"port": 0}})
+    config = validate_config(
+        {
+            "model": "smollm2",
+            "dtype": dtype,
+            "kvtransfer": {"backend": backend},
+            "pools": {"prefill": _pool(prefill_tp), "decode": _pool(decode_tp)},
+            "router": {"port": 0},
+        }
+    )
     t0 = time.perf_counter()
     cluster = up(config, block=False)
     try:
@@ -125,15 +157,19 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, refer
             for prompt, expected in zip(prompts, want):
                 tokens, finish = _generate(stub, prompt)
                 assert tokens == expected
-                assert finish.finish_reason == "length" and finish.usage.completion_tokens == MAX_TOKENS
+                assert (
+                    finish.finish_reason == "length"
+                    and finish.usage.completion_tokens == MAX_TOKENS
+                )
 
             results, errors = {}, []
 
             def run(i):
                 try:
                     results[i] = _generate(stub, prompts[i % len(prompts)] + [i], max_tokens=6)
-                except Exception as e:   # surfaced below, not lost in the thread
+                except Exception as e:  # surfaced below, not lost in the thread
                     errors.append(e)
+
             threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_CONCURRENT)]
             t1 = time.perf_counter()
             for t in threads:
@@ -143,8 +179,11 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, refer
             t_concurrent = time.perf_counter() - t1
             assert not errors, errors[:3]
             assert len(results) == NUM_CONCURRENT
-            bad = {i: (tok, fin) for i, (tok, fin) in results.items()
-                   if len(tok) != 6 or fin.finish_reason != "length"}
+            bad = {
+                i: (tok, fin)
+                for i, (tok, fin) in results.items()
+                if len(tok) != 6 or fin.finish_reason != "length"
+            }
             assert not bad, bad
 
         deadline = time.monotonic() + 10
@@ -152,7 +191,9 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(ray_session, refer
             assert time.monotonic() < deadline, "KV blocks still held after every stream finished"
             time.sleep(0.1)
         _cancel_mid_stream_frees_both_sides(cluster, prompts[-1])
-        print(f"{backend} prefill tp{prefill_tp} -> decode tp{decode_tp}: up {t_up:.1f}s, "
-              f"{NUM_CONCURRENT} concurrent streams {t_concurrent:.1f}s")
+        print(
+            f"{backend} prefill tp{prefill_tp} -> decode tp{decode_tp}: up {t_up:.1f}s, "
+            f"{NUM_CONCURRENT} concurrent streams {t_concurrent:.1f}s"
+        )
     finally:
         cluster.stop()

@@ -2,6 +2,7 @@
 or two colocated workers; a client's greedy Generate through the router equals the in-process
 engine's tokens. And self-healing: kill -9 the only decode worker, requests get UNAVAILABLE, then
 its replacement registers and serves the same tokens, with nobody restarting anything."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,9 +18,11 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("router") is None
-                       or importlib.util.find_spec("router.server") is None,
-                       reason="router not available"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("router") is None
+        or importlib.util.find_spec("router.server") is None,
+        reason="router not available",
+    ),
 ]
 
 MAX_TOKENS = 16
@@ -30,18 +33,20 @@ KV_BYTES = 4 << 20
 def test_up_generate_stop(tiny_models, shape):
     import grpc
 
+    from conftest import random_prompts
     from deploy.config import validate_config
     from deploy.launcher import up
     from engine import LLM, SamplingParams
-    from protos.pdserve.v1 import pdserve_pb2 as pb
-    from protos.pdserve.v1 import pdserve_pb2_grpc
-    from conftest import random_prompts
+    from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
     model_dir, _ = tiny_models("llama-gqa")
     prompt_ids = random_prompts([23], seed=5)[0]
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
-    want = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                   ignore_eos=True), use_tqdm=False)
+    want = llm.generate(
+        prompt_ids,
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     want = list(want[0].outputs[0].token_ids)
     llm.shutdown()
     assert len(want) == MAX_TOKENS
@@ -49,10 +54,19 @@ def test_up_generate_stop(tiny_models, shape):
     # a short private temp dir: Ray's Unix socket paths live under it and have a length limit
     ray_tmp = tempfile.mkdtemp(prefix="pdray")
     pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
-    pools = {"prefill": pool, "decode": pool} if shape == "disaggregated" else \
-        {"colocated": {**pool, "replicas": 2}}
-    config = validate_config({"model": model_dir, "pools": pools,
-                              "router": {"port": 0}, "ray": {"num_cpus": 2, "temp_dir": ray_tmp}})
+    pools = (
+        {"prefill": pool, "decode": pool}
+        if shape == "disaggregated"
+        else {"colocated": {**pool, "replicas": 2}}
+    )
+    config = validate_config(
+        {
+            "model": model_dir,
+            "pools": pools,
+            "router": {"port": 0},
+            "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+        }
+    )
     t0 = time.perf_counter()
     cluster = up(config, block=False)
     try:
@@ -62,7 +76,8 @@ def test_up_generate_stop(tiny_models, shape):
         assert cluster.router_address
         request = pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=prompt_ids),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
         got, finish = [], None
         with grpc.insecure_channel(cluster.router_address) as channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
@@ -77,7 +92,8 @@ def test_up_generate_stop(tiny_models, shape):
         cluster.stop()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     import ray
-    assert not ray.is_initialized()      # up() started this Ray, so stop() shut it down
+
+    assert not ray.is_initialized()  # up() started this Ray, so stop() shut it down
     print(f"{shape}: up {t_up:.1f}s, total {time.perf_counter() - t0:.1f}s")
 
 
@@ -86,38 +102,56 @@ SECRET = "e2e-cluster-secret-0123456789"
 
 def _generate(stub, prompt_ids):
     from protos.pdserve.v1 import pdserve_pb2 as pb
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    return [t for resp in stub.Generate(request, timeout=30) if resp.HasField("delta")
-            for t in resp.delta.token_ids]
+
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt_ids),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    return [
+        t
+        for resp in stub.Generate(request, timeout=30)
+        if resp.HasField("delta")
+        for t in resp.delta.token_ids
+    ]
 
 
 def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog):
     import grpc
     import ray
 
+    from conftest import random_prompts
     from deploy.config import validate_config
     from deploy.launcher import RestartPolicy, up
     from protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-    from conftest import random_prompts
 
     caplog.set_level(logging.INFO, "deploy")
     model_dir, _ = tiny_models("llama-gqa")
     prompt_ids = random_prompts([23], seed=5)[0]
     ray_tmp = tempfile.mkdtemp(prefix="pdray")
     pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": KV_BYTES}
-    config = validate_config({"model": model_dir, "pools": {"prefill": pool, "decode": pool},
-                              "router": {"port": 0}, "ray": {"num_cpus": 2, "temp_dir": ray_tmp}})
+    config = validate_config(
+        {
+            "model": model_dir,
+            "pools": {"prefill": pool, "decode": pool},
+            "router": {"port": 0},
+            "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+        }
+    )
     t0 = time.perf_counter()
-    cluster = up(config, block=False, restart=RestartPolicy(poll_s=0.2, backoff_s=0.5),
-                 environ={"PDSERVE_CLUSTER_SECRET": SECRET})
+    cluster = up(
+        config,
+        block=False,
+        restart=RestartPolicy(poll_s=0.2, backoff_s=0.5),
+        environ={"PDSERVE_CLUSTER_SECRET": SECRET},
+    )
     try:
         t_up = time.perf_counter() - t0
         assert cluster.security.secret == SECRET and len(cluster.deployment_id) == 32
         with grpc.insecure_channel(cluster.router_address) as channel:
             # the control plane needs the secret; the client API does not
-            register = worker_pb2.RegisterRequest(worker_id="decode-0", role="decode",
-                                                  address="127.0.0.1:1")
+            register = worker_pb2.RegisterRequest(
+                worker_id="decode-0", role="decode", address="127.0.0.1:1"
+            )
             with pytest.raises(grpc.RpcError) as e:
                 worker_pb2_grpc.RegistryStub(channel).Register(register, timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -130,8 +164,10 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
             os.kill(ray.get(decode.actor.pid.remote(), timeout=30), signal.SIGKILL)
             t_kill = time.perf_counter()
             failures, got = [], None
-            while got is None:   # nobody but the launcher's supervisor does anything from here
-                assert time.perf_counter() - t_kill < 60, f"not served again within 60 s: {failures}"
+            while got is None:  # nobody but the launcher's supervisor does anything from here
+                assert time.perf_counter() - t_kill < 60, (
+                    f"not served again within 60 s: {failures}"
+                )
                 try:
                     got = _generate(stub, prompt_ids)
                 except grpc.RpcError as err:
@@ -148,19 +184,25 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
         assert not any("prefill-0" in m for m in died + replaced)
     finally:
         cluster.stop()
-    try:   # the secret is in no log line, here or in any file Ray wrote
+    try:  # the secret is in no log line, here or in any file Ray wrote
         assert SECRET not in caplog.text
-        leaked = [str(p) for p in pathlib.Path(ray_tmp).rglob("*")
-                  if p.is_file() and not p.is_socket() and SECRET.encode() in p.read_bytes()]
+        leaked = [
+            str(p)
+            for p in pathlib.Path(ray_tmp).rglob("*")
+            if p.is_file() and not p.is_socket() and SECRET.encode() in p.read_bytes()
+        ]
         assert not leaked
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    print(f"up {t_up:.1f}s, served again {t_back:.1f}s after the kill "
-          f"({len(failures)} requests failed meanwhile)")
+    print(
+        f"up {t_up:.1f}s, served again {t_back:.1f}s after the kill "
+        f"({len(failures)} requests failed meanwhile)"
+    )
 
 
-def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(tiny_models, tmp_path, capsys,
-                                                                  monkeypatch):
+def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
     """A misfit the launcher cannot see beforehand (here: its fit check is switched off) fails
     inside the actor; `pdserve up` prints the engine's own reason under the pool's key, exit 2."""
     import ray
@@ -172,9 +214,11 @@ def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(tiny_models, t
     model_dir, _ = tiny_models("llama-gqa")
     ray_tmp = tempfile.mkdtemp(prefix="pdray")
     path = tmp_path / "small-kv.yaml"
-    path.write_text(f"model: {model_dir}\nrouter: {{port: 0}}\n"
-                    f"ray: {{num_cpus: 1, temp_dir: {ray_tmp}}}\n"
-                    f"pools:\n  colocated: {{kv_cache_memory: 1000, max_model_len: 64}}\n")
+    path.write_text(
+        f"model: {model_dir}\nrouter: {{port: 0}}\n"
+        f"ray: {{num_cpus: 1, temp_dir: {ray_tmp}}}\n"
+        f"pools:\n  colocated: {{kv_cache_memory: 1000, max_model_len: 64}}\n"
+    )
     capsys.readouterr()
     t0 = time.perf_counter()
     try:
@@ -184,8 +228,10 @@ def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(tiny_models, t
     err = capsys.readouterr().err
     ours = [line for line in err.splitlines() if line.startswith("pdserve:")]
     assert len(ours) == 1 and "Traceback" not in err, err
-    assert ours[0].startswith("pdserve: pools.colocated: replica 0 failed to start: ValueError: "
-                              "kv_cache_memory=1000 gives 0 blocks"), ours
+    assert ours[0].startswith(
+        "pdserve: pools.colocated: replica 0 failed to start: ValueError: "
+        "kv_cache_memory=1000 gives 0 blocks"
+    ), ours
     assert ours[0].endswith("raise kv_cache_memory or lower max_model_len")
-    assert not ray.is_initialized()       # everything it started is stopped
+    assert not ray.is_initialized()  # everything it started is stopped
     print(f"refused in {time.perf_counter() - t0:.1f}s")

@@ -5,6 +5,7 @@ Greedy outputs must be token-identical, whatever the batching: one request at a 
 together, prefix caching on (with real cache hits) and off, and a token budget that splits the
 long prompt into many chunks. Also tp=3 (the degree that divides SmolLM2's 9 heads and 3 KV heads).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -13,8 +14,8 @@ import json.decoder
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from conftest import assert_no_leaks, hf_greedy
+from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +46,11 @@ def smollm2_prompts():
 
     tok = load_tokenizer(resolve_model("smollm2"))
     prompts = [tok.encode(p) for p in TEXT_PROMPTS]
-    chat = tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
-                                   add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three primary colors."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompts.append(tok.encode(chat, add_special_tokens=False))
     # a long, real document: the source of a stdlib module, cut to just over 1,600 tokens
     source = tok.encode(inspect.getsource(json.decoder))
@@ -61,7 +65,10 @@ def reference(smollm2_prompts):
     from transformers import AutoModelForCausalLM
 
     from engine.loader import resolve_model
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model("smollm2")), dtype=torch.float32).eval()
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model("smollm2")), dtype=torch.float32
+    ).eval()
     refs = [hf_greedy(model, p, NEW_TOKENS) for p in smollm2_prompts]
     del model
     return refs
@@ -80,7 +87,7 @@ def test_greedy_matches_hf(mode, smollm2_prompts, reference):
     kwargs = dict(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048)
     if mode == "no_prefix_cache":
         kwargs["enable_prefix_caching"] = False
-    if mode == "chunked":   # the 1,600-token prompt runs as 13 chunks next to the other requests
+    if mode == "chunked":  # the 1,600-token prompt runs as 13 chunks next to the other requests
         kwargs["max_num_batched_tokens"] = 128
     llm = LLM("smollm2", **kwargs)
     if mode == "one_at_a_time":
@@ -97,10 +104,15 @@ def test_greedy_matches_hf(mode, smollm2_prompts, reference):
 
 
 def test_tp3_matches_tp1(smollm2_prompts, reference):
-    picks = [0, 5, 7, 15]   # English, Chinese, code, the long document
+    picks = [0, 5, 7, 15]  # English, Chinese, code, the long document
     prompts = [smollm2_prompts[i] for i in picks]
-    llm = LLM("smollm2", dtype="float32", tensor_parallel_size=3, kv_cache_memory=128 << 20,
-              max_model_len=2048)
+    llm = LLM(
+        "smollm2",
+        dtype="float32",
+        tensor_parallel_size=3,
+        kv_cache_memory=128 << 20,
+        max_model_len=2048,
+    )
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         _check(outputs, [reference[i] for i in picks], prompts)

@@ -4,6 +4,7 @@ Not a test module: imported as `from engine_helpers import ...` (pytest's defaul
 mode puts tests/unit on sys.path). The fixtures those tests share (`refs`, the HF greedy reference
 continuations, and `one_thread`) are in tests/conftest.py, with the reference set's constants.
 """
+
 from __future__ import annotations
 
 from conftest import NEW

@@ -13,15 +13,17 @@ Not a test module: the test_scheduler*.py modules import it as `from scheduler_h
 (pytest's default "prepend" import mode puts tests/unit on sys.path, as it does tests/ for
 `from conftest import ...`).
 """
+
 from __future__ import annotations
 
 import engine.block_manager as block_manager_mod
 from engine.block_manager import BlockManager
-from engine.request import FinishReason, Sequence, SeqStatus
+from engine.request import FinishReason, SeqStatus, Sequence
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
 
 EOS = 1
+
 
 def prefix_keys(token_ids) -> list[int]:
     keys, h = [], 0
@@ -37,22 +39,37 @@ def default_token(seq: Sequence) -> int:
 
 
 class Harness:
-    def __init__(self, num_blocks=64, block_size=4, caching=True, *, budget=64, max_num_seqs=8,
-                 max_model_len=10_000, token_fn=default_token):
+    def __init__(
+        self,
+        num_blocks=64,
+        block_size=4,
+        caching=True,
+        *,
+        budget=64,
+        max_num_seqs=8,
+        max_model_len=10_000,
+        token_fn=default_token,
+    ):
         self.bm = BlockManager(num_blocks, block_size, caching)
-        self.sched = Scheduler(self.bm, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                               max_model_len=max_model_len, eos_token_ids=(EOS,))
+        self.sched = Scheduler(
+            self.bm,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            eos_token_ids=(EOS,),
+        )
         self.bs = block_size
         self.token_fn = token_fn
         self.kv: dict[tuple[int, int], int] = {}
-        self.kv_text: dict[int, tuple[int, ...]] = {}   # full block -> tokens [0, end of block)
+        self.kv_text: dict[int, tuple[int, ...]] = {}  # full block -> tokens [0, end of block)
         self.seqs: list[Sequence] = []
         self._ids = 0
 
     # ---- building requests ----
     def new(self, prompt, request_id=None, index=0, **params) -> Sequence:
-        seq = Sequence(self._ids, request_id or f"r{self._ids}", index, list(prompt),
-                       SamplingParams(**params))
+        seq = Sequence(
+            self._ids, request_id or f"r{self._ids}", index, list(prompt), SamplingParams(**params)
+        )
         self._ids += 1
         return seq
 
@@ -71,7 +88,8 @@ class Harness:
     def _verify_reads(self, seq, upto, keys):
         for p in range(upto):
             assert self.kv.get(self._slot(seq, p)) == keys[p], (
-                f"seq {seq.seq_id} position {p}: wrong KV in block {seq.block_ids[p // self.bs]}")
+                f"seq {seq.seq_id} position {p}: wrong KV in block {seq.block_ids[p // self.bs]}"
+            )
 
     def _write(self, seq, start, end, keys):
         for p in range(start, end):
@@ -80,7 +98,7 @@ class Harness:
             assert self.bm.blocks[b].hash is None, f"write into cached block {b}"
             self.kv[(b, p % self.bs)] = keys[p]
             if p % self.bs == self.bs - 1:
-                self.kv_text[b] = tuple(seq.token_ids[:p + 1])
+                self.kv_text[b] = tuple(seq.token_ids[: p + 1])
             else:
                 self.kv_text.pop(b, None)
 
@@ -100,7 +118,7 @@ class Harness:
             assert seq.status == SeqStatus.RUNNING and item.num_new_tokens > 0
             assert item.start == seq.num_computed_tokens
             assert len(seq.block_ids) >= self.bm.blocks_needed(item.end)
-            keys = prefix_keys(seq.token_ids[:item.end])
+            keys = prefix_keys(seq.token_ids[: item.end])
             self._verify_reads(seq, item.start, keys)
             self._write(seq, item.start, item.end, keys)
         assert plan.num_tokens <= self.sched.max_num_batched_tokens
@@ -156,10 +174,15 @@ class Harness:
             assert text is not None and len(text) % self.bs == 0, f"block {block.block_id}"
             parent = None
             for i in range(len(text) // self.bs):
-                grand, parent = parent, block_manager_mod.block_hash(
-                    parent, text[i * self.bs:(i + 1) * self.bs])
+                grand, parent = (
+                    parent,
+                    block_manager_mod.block_hash(parent, text[i * self.bs : (i + 1) * self.bs]),
+                )
             assert (block.hash, block.parent_hash, block.token_ids) == (
-                parent, grand, text[-self.bs:]), f"block {block.block_id} cached under another text"
+                parent,
+                grand,
+                text[-self.bs :],
+            ), f"block {block.block_id} cached under another text"
         refs = [0] * bm.num_blocks
         for seq in self.seqs:
             assert len(set(seq.block_ids)) == len(seq.block_ids)
@@ -170,8 +193,11 @@ class Harness:
             if seq.status in (SeqStatus.WAITING, SeqStatus.FORK_PENDING):
                 assert seq.block_ids == [] and seq.num_computed_tokens == 0
             if seq.status == SeqStatus.RUNNING:
-                assert (bm.blocks_needed(seq.num_computed_tokens) <= len(seq.block_ids)
-                        <= bm.blocks_needed(seq.num_tokens))
+                assert (
+                    bm.blocks_needed(seq.num_computed_tokens)
+                    <= len(seq.block_ids)
+                    <= bm.blocks_needed(seq.num_tokens)
+                )
                 assert seq.num_hashed_blocks <= seq.num_computed_tokens // self.bs
         assert refs == [b.ref_count for b in bm.blocks]
         assert sum(len(s.block_ids) for s in self.seqs) == sum(b.ref_count for b in bm.blocks)
@@ -180,7 +206,8 @@ class Harness:
         assert sorted(s.seq_id for s in sched.running) == sorted(running)
         assert sorted(s.seq_id for s in sched.waiting) == sorted(waiting)
         assert sorted(sched.reserved) == sorted(
-            s.seq_id for s in self.seqs if s.status == SeqStatus.RESERVED)
+            s.seq_id for s in self.seqs if s.status == SeqStatus.RESERVED
+        )
         pending = sorted(c.seq_id for cs in sched.fork_children.values() for c in cs)
         assert pending == sorted(s.seq_id for s in self.seqs if s.status == SeqStatus.FORK_PENDING)
 

@@ -1,5 +1,6 @@
 """BlockManager tested like an allocator: exact block ids, free counts, LRU order, prefix-cache hits
 and misses, and a consistency/leak check after every operation."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,8 +61,8 @@ def test_blocks_needed():
 
 def test_free_appends_tail_blocks_first_to_end_of_queue():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
-    a = bm.allocate(3)            # [0, 1, 2]
-    b = bm.allocate(2)            # [3, 4]
+    a = bm.allocate(3)  # [0, 1, 2]
+    b = bm.allocate(2)  # [3, 4]
     assert free_order(bm) == [5, 6, 7]
     bm.free(a)
     ok(bm)
@@ -81,15 +82,15 @@ def test_free_appends_tail_blocks_first_to_end_of_queue():
 
 def test_take_free_block_removes_it_from_queue_and_used_block_only_bumps_refcount():
     bm = BlockManager(6, BS)
-    ids = bm.allocate(2)          # [0, 1]
-    bm.free(ids)                  # queue [2, 3, 4, 5, 1, 0]
+    ids = bm.allocate(2)  # [0, 1]
+    bm.free(ids)  # queue [2, 3, 4, 5, 1, 0]
     assert bm.num_free_blocks == 6
     bm.take([1])
     ok(bm)
     assert bm.num_free_blocks == 5
     assert bm.ref_count(1) == 1
     assert free_order(bm) == [2, 3, 4, 5, 0]
-    bm.take([1])                  # used block: only the count moves
+    bm.take([1])  # used block: only the count moves
     ok(bm)
     assert bm.num_free_blocks == 5
     assert bm.ref_count(1) == 2
@@ -112,7 +113,7 @@ def test_double_free_raises():
         bm.free([ids[0]])
     ok(bm)
     with pytest.raises(RuntimeError, match="double free"):
-        bm.free([3])              # never allocated
+        bm.free([3])  # never allocated
     assert_no_leaks(bm)
 
 
@@ -136,9 +137,10 @@ def test_allocate_more_than_free_raises_and_changes_nothing():
 
 # ---- prefix cache ------------------------------------------------------------------------------
 
+
 def test_register_only_hashes_full_computed_blocks():
     bm = BlockManager(8, BS)
-    tokens = toks(10, 20, 30) + [40, 41]        # 3 full blocks + a partial one
+    tokens = toks(10, 20, 30) + [40, 41]  # 3 full blocks + a partial one
     ids = bm.allocate(4)
     # nothing computed: nothing hashed
     assert bm.register_full_blocks(ids, tokens, 0, 0) == 0
@@ -189,7 +191,7 @@ def test_find_cached_prefix_respects_max_tokens():
     tokens = toks(10, 20, 30, 40)
     ids = bm.allocate(4)
     bm.register_full_blocks(ids, tokens, 0, 16)
-    assert bm.find_cached_prefix(tokens, 15) == ids[:3]   # only whole blocks within the limit
+    assert bm.find_cached_prefix(tokens, 15) == ids[:3]  # only whole blocks within the limit
     assert bm.find_cached_prefix(tokens, 12) == ids[:3]
     assert bm.find_cached_prefix(tokens, 11) == ids[:2]
     assert bm.find_cached_prefix(tokens, 3) == []
@@ -207,7 +209,7 @@ def test_hash_collision_with_different_tokens_is_not_served(monkeypatch):
     bm.register_full_blocks(a, toks(10), 0, 4)
     ok(bm)
     assert bm.find_cached_prefix(toks(10), 4) == a
-    assert bm.find_cached_prefix(toks(20), 4) == []        # same hash, other tokens
+    assert bm.find_cached_prefix(toks(20), 4) == []  # same hash, other tokens
     # a second block with the colliding hash is not registered over the first one
     b = bm.allocate(1)
     bm.register_full_blocks(b, toks(20), 0, 4)
@@ -236,12 +238,12 @@ def test_hash_collision_with_same_tokens_under_another_parent_is_not_served(monk
 def test_freed_cached_blocks_are_found_until_reallocated_lru_evicts_least_recently_freed():
     bm = BlockManager(6, BS)
     a, b = toks(10, 20), toks(30, 40)
-    ia = bm.allocate(2)                    # [0, 1]
+    ia = bm.allocate(2)  # [0, 1]
     bm.register_full_blocks(ia, a, 0, 8)
-    ib = bm.allocate(2)                    # [2, 3]
+    ib = bm.allocate(2)  # [2, 3]
     bm.register_full_blocks(ib, b, 0, 8)
-    bm.free(ia)                            # queue [4, 5, 1, 0]
-    bm.free(ib)                            # queue [4, 5, 1, 0, 3, 2]
+    bm.free(ia)  # queue [4, 5, 1, 0]
+    bm.free(ib)  # queue [4, 5, 1, 0, 3, 2]
     ok(bm)
     assert bm.num_free_blocks == 6
     assert free_order(bm) == [4, 5, 1, 0, 3, 2]
@@ -263,7 +265,7 @@ def test_freed_cached_blocks_are_found_until_reallocated_lru_evicts_least_recent
     bm.take([2, 3])
     ok(bm)
     assert free_order(bm) == [0]
-    assert bm.allocate(1) == [0]           # evicts a's first block
+    assert bm.allocate(1) == [0]  # evicts a's first block
     ok(bm)
     assert bm.find_cached_prefix(a, 8) == []
     assert bm.find_cached_prefix(b, 8) == [2, 3]
@@ -317,7 +319,7 @@ def test_register_continues_chain_across_calls_after_a_duplicate_block():
     a = bm.allocate(1)
     b = bm.allocate(2)
     assert bm.register_full_blocks(a, first, 0, 4) == 1
-    assert bm.register_full_blocks(b, first + second, 0, 4) == 1   # duplicate: not registered
+    assert bm.register_full_blocks(b, first + second, 0, 4) == 1  # duplicate: not registered
     assert bm.blocks[b[0]].hash is None
     # b's second block fills in a later step
     assert bm.register_full_blocks(b, first + second, 1, 8) == 2
@@ -332,13 +334,16 @@ def test_register_continues_chain_across_calls_after_a_duplicate_block():
 
 def test_collision_of_the_parent_block_cannot_serve_kv_computed_after_other_tokens(monkeypatch):
     # every first block hashes alike; later blocks hash properly (through their parent)
-    monkeypatch.setattr(block_manager_mod, "block_hash",
-                        lambda parent, token_ids: 0 if parent is None else hash((parent, token_ids)))
+    monkeypatch.setattr(
+        block_manager_mod,
+        "block_hash",
+        lambda parent, token_ids: 0 if parent is None else hash((parent, token_ids)),
+    )
     bm = BlockManager(8, BS)
     r = bm.allocate(1)
-    bm.register_full_blocks(r, toks(10), 0, 4)            # [R] owns hash 0
+    bm.register_full_blocks(r, toks(10), 0, 4)  # [R] owns hash 0
     a = bm.allocate(2)
-    bm.register_full_blocks(a, toks(20, 30), 0, 8)        # P collides (not cached), Q is cached
+    bm.register_full_blocks(a, toks(20, 30), 0, 8)  # P collides (not cached), Q is cached
     ok(bm)
     # Q's KV was computed after P, so a prompt [R, Q] may reuse R but must recompute Q
     assert bm.find_cached_prefix(toks(10, 30), 8) == r

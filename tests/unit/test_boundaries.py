@@ -1,4 +1,5 @@
 """The folder boundaries of docs/architecture.md section 2, checked on every module's imports."""
+
 from __future__ import annotations
 
 import ast
@@ -8,20 +9,36 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "engine": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
+    "engine": {
+        "kvtransfer",
+        "prefill_worker",
+        "decode_worker",
+        "worker_common",
+        "router",
+        "deploy",
+    },
     "kvtransfer": {"prefill_worker", "decode_worker", "worker_common", "router", "deploy"},
     "worker_common": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
     "prefill_worker": {"decode_worker", "router", "deploy"},
     "decode_worker": {"prefill_worker", "router", "deploy"},
     "router": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "deploy"},
     # wire definitions only: the processes' code lives in the folders above
-    "protos": {"engine", "kvtransfer", "prefill_worker", "decode_worker", "worker_common", "router",
-               "deploy"},
+    "protos": {
+        "engine",
+        "kvtransfer",
+        "prefill_worker",
+        "decode_worker",
+        "worker_common",
+        "router",
+        "deploy",
+    },
 }
 # the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone.
 # kvtransfer may use the shared KV pool files' one creator, a leaf module (torch and stdlib only)
-ALLOWED_ENGINE_MODULES = {"router": {"engine.tokenizer", "engine.loader"},
-                          "kvtransfer": {"engine.kv_pool"}}
+ALLOWED_ENGINE_MODULES = {
+    "router": {"engine.tokenizer", "engine.loader"},
+    "kvtransfer": {"engine.kv_pool"},
+}
 LEAF_MODULES = {"engine.kv_pool": "engine/kv_pool.py"}
 
 
@@ -44,18 +61,24 @@ def imported_packages(path: pathlib.Path) -> set[str]:
 def test_package_imports_stay_inside_its_boundary(package):
     files = sorted((ROOT / package).rglob("*.py"))
     assert files, f"{package}/ has no modules"
-    bad = [f"{f.relative_to(ROOT)} imports {sorted(imported_packages(f) & FORBIDDEN[package])}"
-           for f in files if imported_packages(f) & FORBIDDEN[package]]
+    bad = [
+        f"{f.relative_to(ROOT)} imports {sorted(imported_packages(f) & FORBIDDEN[package])}"
+        for f in files
+        if imported_packages(f) & FORBIDDEN[package]
+    ]
     assert not bad, "boundary violations (see docs/architecture.md section 2):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED_ENGINE_MODULES))
 def test_engine_modules_used_outside_the_workers(package):
     allowed = ALLOWED_ENGINE_MODULES[package]
-    bad = [f"{f.relative_to(ROOT)} imports {name}"
-           for f in sorted((ROOT / package).rglob("*.py")) for name in imported_modules(f)
-           if name.split(".")[0] == "engine" and not any(
-               name == a or name.startswith(a + ".") for a in allowed)]
+    bad = [
+        f"{f.relative_to(ROOT)} imports {name}"
+        for f in sorted((ROOT / package).rglob("*.py"))
+        for name in imported_modules(f)
+        if name.split(".")[0] == "engine"
+        and not any(name == a or name.startswith(a + ".") for a in allowed)
+    ]
     assert not bad, f"{package}/ may use only {sorted(allowed)} of the engine:\n" + "\n".join(bad)
 
 

@@ -1,6 +1,7 @@
 """Colocated serving: the router in front of workers that prefill and decode themselves (Reserve
 with run_prefill, no prefill pool, no KV hand-off). Same greedy tokens as the engine alone, the
 pool ends free, and the deployment YAML takes `pools.colocated` instead of prefill/decode."""
+
 from __future__ import annotations
 
 import threading
@@ -23,12 +24,22 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=10, ignore_eos=Tru
 @pytest.fixture(scope="module")
 def colocated(tiny_models):
     model_dir = tiny_models("llama-gqa")[0]
-    worker = DecodeWorker(DecodeWorkerConfig(model=model_dir, worker_id="c0", engine_kwargs=dict(
-        kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32))).start()
-    router = Router(RouterConfig(model=model_dir, decode_addresses=(worker.address,),
-                                 colocated=True)).start()
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=model_dir,
+            worker_id="c0",
+            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32),
+        )
+    ).start()
+    router = Router(
+        RouterConfig(model=model_dir, decode_addresses=(worker.address,), colocated=True)
+    ).start()
     channels = [grpc.insecure_channel(a) for a in (router.address, worker.address)]
-    yield model_dir, pdserve_pb2_grpc.PDServeStub(channels[0]), worker_pb2_grpc.DecodeWorkerStub(channels[1])
+    yield (
+        model_dir,
+        pdserve_pb2_grpc.PDServeStub(channels[0]),
+        worker_pb2_grpc.DecodeWorkerStub(channels[1]),
+    )
     for ch in channels:
         ch.close()
     router.stop()
@@ -37,8 +48,10 @@ def colocated(tiny_models):
 
 def _tokens(api, prompt, sampling=GREEDY):
     out, finish = [], None
-    for resp in api.Generate(pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt),
-                                                         sampling=sampling), timeout=30):
+    for resp in api.Generate(
+        pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling),
+        timeout=30,
+    ):
         if resp.HasField("delta"):
             out += resp.delta.token_ids
         else:
@@ -49,8 +62,10 @@ def _tokens(api, prompt, sampling=GREEDY):
 def _concurrently(api, prompts) -> dict:
     """Each prompt's (tokens, finish) from one Generate call per prompt, all at once."""
     results = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _tokens(api, prompts[i])))
-               for i in range(len(prompts))]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, _tokens(api, prompts[i])))
+        for i in range(len(prompts))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -60,9 +75,13 @@ def _concurrently(api, prompts) -> dict:
 
 def test_colocated_matches_engine_concurrently_and_frees_the_pool(colocated):
     model_dir, api, worker = colocated
-    prompts = random_prompts([70, 9, 33, 50], seed=21)   # 70 > the 32-token budget: chunked
-    want = [o.outputs[0].token_ids for o in LLM(model_dir, kv_cache_memory=1 << 20).generate(
-        prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)]
+    prompts = random_prompts([70, 9, 33, 50], seed=21)  # 70 > the 32-token budget: chunked
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(model_dir, kv_cache_memory=1 << 20).generate(
+            prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False
+        )
+    ]
     results = _concurrently(api, prompts)
     assert [results[i][0] for i in range(len(prompts))] == want
     finish = results[0][1]
@@ -72,6 +91,7 @@ def test_colocated_matches_engine_concurrently_and_frees_the_pool(colocated):
     def idle():
         s = worker.Stats(worker_pb2.StatsRequest(), timeout=10)
         return s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+
     wait_until(idle, 5, "the colocated worker still holds blocks")
 
 
@@ -80,15 +100,20 @@ def test_colocated_bad_request_and_cancel(colocated):
     with pytest.raises(grpc.RpcError) as err:
         _tokens(api, [5, 6], pdserve_pb2.SamplingParams(top_p=2.0))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
-    call = api.Generate(pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[5, 6, 7]),
-                        sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
-                        timeout=30)
+    call = api.Generate(
+        pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+        ),
+        timeout=30,
+    )
     assert next(call).HasField("delta")
     call.cancel()
 
     def idle():
         s = worker.Stats(worker_pb2.StatsRequest(), timeout=10)
         return s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+
     wait_until(idle, 1.0, "a cancelled colocated stream still holds blocks after 1 s")
 
 
@@ -105,15 +130,31 @@ def test_colocated_router_spreads_prompts_by_queued_tokens(tiny_models):
     until its first token; free blocks alone are only re-read every health sweep), and every
     charge is released when the requests end."""
     model_dir = tiny_models("llama-gqa")[0]
-    workers = [DecodeWorker(DecodeWorkerConfig(model=model_dir, worker_id=f"c{i}", engine_kwargs=dict(
-        kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32))).start() for i in range(2)]
-    router = Router(RouterConfig(model=model_dir, decode_addresses=tuple(w.address for w in workers),
-                                 colocated=True, stats_interval_s=60)).start()
+    workers = [
+        DecodeWorker(
+            DecodeWorkerConfig(
+                model=model_dir,
+                worker_id=f"c{i}",
+                engine_kwargs=dict(
+                    kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32
+                ),
+            )
+        ).start()
+        for i in range(2)
+    ]
+    router = Router(
+        RouterConfig(
+            model=model_dir,
+            decode_addresses=tuple(w.address for w in workers),
+            colocated=True,
+            stats_interval_s=60,
+        )
+    ).start()
     channel = grpc.insecure_channel(router.address)
     try:
         api = pdserve_pb2_grpc.PDServeStub(channel)
         wait_until(lambda: all(w.num_free_blocks > 0 for w in router.pool.decode), 5, "first sweep")
-        router.pool.decode[1].num_free_blocks -= 3   # as if c1 was busier at the last sweep
+        router.pool.decode[1].num_free_blocks -= 3  # as if c1 was busier at the last sweep
         prompts = random_prompts([40] * 6, seed=5)
         results = _concurrently(api, prompts)
         used = {results[i][1].timings.decode_worker for i in range(len(prompts))}

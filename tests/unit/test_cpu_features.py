@@ -1,4 +1,5 @@
 """engine.cpu: which units a CPU's flags mean, for the three CPUs the project has met."""
+
 from engine.cpu import CPUFeatures, cpu_features
 
 EPYC_AVX2 = "fpu sse sse2 avx avx2 fma f16c"
@@ -14,9 +15,22 @@ def test_units_follow_the_flags():
     assert (features(EPYC_AVX2).bf16_units, features(EPYC_AVX2).int8_units) == (False, False)
     assert (features(XEON_VNNI).bf16_units, features(XEON_VNNI).int8_units) == (False, True)
     assert (features(XEON_AMX).bf16_units, features(XEON_AMX).int8_units) == (True, True)
-    assert features(XEON_AMX).isa() == ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
-                                        "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"]
-    assert features(EPYC_AVX2).describe() == "test CPU [avx2 fma f16c]; no native bf16 or int8 matrix units"
+    assert features(XEON_AMX).isa() == [
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx512_bf16",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+    ]
+    assert (
+        features(EPYC_AVX2).describe()
+        == "test CPU [avx2 fma f16c]; no native bf16 or int8 matrix units"
+    )
     assert features(XEON_AMX).describe().endswith("native bf16 and int8 matrix units")
 
 

@@ -2,6 +2,7 @@
 hold), the cluster secret it picks and never shows, Ray errors reduced to their cause, and the
 Supervisor's replacement of dead workers (against fake actors: the real thing is in
 tests/e2e/test_deploy_ray.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,7 @@ from conftest import tls_files
 from deploy import launcher
 from deploy.cli import main
 from deploy.config import validate_config
-from deploy.launcher import DeployError, RestartPolicy, Replica, Supervisor
+from deploy.launcher import DeployError, Replica, RestartPolicy, Supervisor
 
 SECRET = "s3cret-value-that-is-long-enough"
 
@@ -36,12 +37,12 @@ def test_grpc_alone_binds_a_port_in_use_but_the_probe_does_not():
     first, port = grpc_server_on("127.0.0.1:0")
     try:
         second = grpc.server(futures.ThreadPoolExecutor(1))
-        assert second.add_insecure_port(f"127.0.0.1:{port}") == port   # no error from gRPC
+        assert second.add_insecure_port(f"127.0.0.1:{port}") == port  # no error from gRPC
         second.stop(None)
         with pytest.raises(DeployError) as e:
             launcher.check_port_free("127.0.0.1", port)
         assert str(e.value).startswith(f"router.port: 127.0.0.1:{port} is already in use")
-        with pytest.raises(DeployError, match="router.port: 0.0.0.0"):   # wildcard covers loopback
+        with pytest.raises(DeployError, match="router.port: 0.0.0.0"):  # wildcard covers loopback
             launcher.check_port_free("0.0.0.0", port)
     finally:
         first.stop(None)
@@ -58,16 +59,18 @@ def test_a_wildcard_listener_blocks_loopback_too():
 
 def test_a_port_freed_by_a_stopped_router_is_free_again():
     server, port = grpc_server_on("127.0.0.1:0")
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:   # leaves connections behind
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # leaves connections behind
         grpc.channel_ready_future(channel).result(timeout=10)
     server.stop(None).wait(5)
-    launcher.check_port_free("127.0.0.1", port)   # TIME_WAIT does not count as in use
-    launcher.check_port_free("127.0.0.1", 0)      # 0: any free port, nothing to check
+    launcher.check_port_free("127.0.0.1", port)  # TIME_WAIT does not count as in use
+    launcher.check_port_free("127.0.0.1", 0)  # 0: any free port, nothing to check
 
 
 def test_a_host_that_is_not_this_machine_is_named():
-    with pytest.raises(DeployError, match=r"router: cannot listen on 192\.0\.2\.1:\d+ .*router\.host"):
-        launcher.check_port_free("192.0.2.1", free_port())   # TEST-NET-1: nobody's address
+    with pytest.raises(
+        DeployError, match=r"router: cannot listen on 192\.0\.2\.1:\d+ .*router\.host"
+    ):
+        launcher.check_port_free("192.0.2.1", free_port())  # TEST-NET-1: nobody's address
 
 
 def free_port() -> int:
@@ -77,10 +80,13 @@ def free_port() -> int:
 
 
 def test_cli_up_on_a_busy_port_fails_at_once_and_the_first_router_keeps_serving(
-        tmp_path, capsys, monkeypatch, tiny_models):
-    from router.server import Router, RouterConfig
-    from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+    tmp_path, capsys, monkeypatch, tiny_models
+):
     import ray
+
+    from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+    from router.server import Router, RouterConfig
+
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
     model_dir = tiny_models("llama-gqa")[0]
     first = Router(RouterConfig(model=model_dir, port=0)).start()
@@ -88,16 +94,19 @@ def test_cli_up_on_a_busy_port_fails_at_once_and_the_first_router_keeps_serving(
         port = int(first.address.rsplit(":", 1)[1])
         path = tmp_path / "second.yaml"
         path.write_text(f"model: {model_dir}\nrouter: {{host: 127.0.0.1, port: {port}}}\n")
-        capsys.readouterr()   # the fixture's own output
+        capsys.readouterr()  # the fixture's own output
         t0 = time.monotonic()
         assert main(["up", str(path)]) == 2
         assert time.monotonic() - t0 < 10
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"pdserve: router.port: 127.0.0.1:{port} is already in use (another pdserve "
-                       f"up?); stop that, or set router.port to a free port (0 picks one)"]
-        with grpc.insecure_channel(first.address) as channel:   # the first one answers as before
+        assert err == [
+            f"pdserve: router.port: 127.0.0.1:{port} is already in use (another pdserve "
+            f"up?); stop that, or set router.port to a free port (0 picks one)"
+        ]
+        with grpc.insecure_channel(first.address) as channel:  # the first one answers as before
             models = pdserve_pb2_grpc.PDServeStub(channel).ListModels(
-                pdserve_pb2.ListModelsRequest(), timeout=10)
+                pdserve_pb2.ListModelsRequest(), timeout=10
+            )
         assert len(models.models) == 1
     finally:
         first.stop()
@@ -115,35 +124,43 @@ def test_pools_that_cannot_fit_the_cluster_are_refused_with_what_to_lower():
     assert str(e.value) == (
         "the pools ask for 6 CPU (decode 2 x tp 1 x 2 CPU; prefill 2 x tp 1 x 1 CPU) but the Ray "
         "cluster has 2 CPU: lower pools.<pool>.replicas, .tp or .resources.num_cpus, or raise "
-        "ray.num_cpus")
+        "ray.num_cpus"
+    )
     gpus = pools({"resources": {"num_gpus": 1}}, {"resources": {"num_gpus": 1}})
     with pytest.raises(DeployError, match=r"has 8 CPU: .*\.resources\.num_gpus, or add Ray nodes"):
         launcher.check_resources(gpus, {"CPU": 8.0}, [{"CPU": 8.0}], local=False)
 
 
-def test_cli_up_refuses_pools_a_local_ray_cannot_hold_before_starting_it(tmp_path, capsys,
-                                                                       monkeypatch, tiny_models):
+def test_cli_up_refuses_pools_a_local_ray_cannot_hold_before_starting_it(
+    tmp_path, capsys, monkeypatch, tiny_models
+):
     import ray
+
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
     path = tmp_path / "big.yaml"
-    path.write_text(f"model: {tiny_models('llama-gqa')[0]}\nrouter: {{port: 0}}\nray: {{num_cpus: 2}}\n"
-                    f"pools:\n  prefill: {{replicas: 2}}\n  decode: {{replicas: 2}}\n")
+    path.write_text(
+        f"model: {tiny_models('llama-gqa')[0]}\nrouter: {{port: 0}}\nray: {{num_cpus: 2}}\n"
+        f"pools:\n  prefill: {{replicas: 2}}\n  decode: {{replicas: 2}}\n"
+    )
     capsys.readouterr()
     assert main(["up", str(path)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "pdserve: the pools ask for 4 CPU (decode 2 x tp 1 x 1 CPU; prefill 2 x tp 1 x 1 CPU) but "
         "the Ray cluster has 2 CPU: lower pools.<pool>.replicas, .tp or .resources.num_cpus, or "
-        "raise ray.num_cpus"]
+        "raise ray.num_cpus"
+    ]
 
 
 def test_a_tp_group_must_fit_one_node():
     cfg = pools({"tp": 4, "resources": {"num_cpus": 1, "num_gpus": 1}}, {})
     nodes = [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}]
-    with pytest.raises(DeployError) as e:   # 4 GPUs in the cluster, but 2 per node
+    with pytest.raises(DeployError) as e:  # 4 GPUs in the cluster, but 2 per node
         launcher.check_resources(cfg, {"CPU": 16.0, "GPU": 4.0}, nodes, local=False)
-    assert str(e.value) == ("pools.prefill: one replica needs 4 CPU, 4 GPU on one node (tp 4 x 1 "
-                            "CPU, 1 GPU); the largest Ray node has 8 CPU, 2 GPU: lower "
-                            "pools.prefill.tp or pools.prefill.resources")
+    assert str(e.value) == (
+        "pools.prefill: one replica needs 4 CPU, 4 GPU on one node (tp 4 x 1 "
+        "CPU, 1 GPU); the largest Ray node has 8 CPU, 2 GPU: lower "
+        "pools.prefill.tp or pools.prefill.resources"
+    )
 
 
 def test_pools_that_fit_pass():
@@ -168,7 +185,8 @@ def test_the_environment_gives_the_secret_unless_the_yaml_does(caplog):
     assert launcher.cluster_security(validate_config({}), env).secret == SECRET
     yaml_secret = "the-yaml-secret-0123456789"
     chosen = launcher.cluster_security(
-        validate_config({"security": {"cluster_secret": yaml_secret}}), env)
+        validate_config({"security": {"cluster_secret": yaml_secret}}), env
+    )
     assert chosen.secret == yaml_secret
     assert "PDSERVE_CLUSTER_SECRET is set, but security.cluster_secret wins" in caplog.text
     assert SECRET not in caplog.text and yaml_secret not in caplog.text
@@ -177,7 +195,9 @@ def test_the_environment_gives_the_secret_unless_the_yaml_does(caplog):
 def test_a_short_secret_in_the_environment_is_refused_without_showing_it():
     with pytest.raises(DeployError) as e:
         launcher.cluster_security(validate_config({}), {"PDSERVE_CLUSTER_SECRET": "short-one"})
-    assert str(e.value).startswith("PDSERVE_CLUSTER_SECRET: the cluster secret must have at least 16")
+    assert str(e.value).startswith(
+        "PDSERVE_CLUSTER_SECRET: the cluster secret must have at least 16"
+    )
     assert "short-one" not in str(e.value)
 
 
@@ -185,10 +205,13 @@ def test_router_and_worker_configs_carry_the_secret_and_never_show_it():
     from decode_worker.server import DecodeWorkerConfig
     from prefill_worker.server import PrefillWorkerConfig
     from router.server import RouterConfig
+
     security = launcher.cluster_security(validate_config({}), {"PDSERVE_CLUSTER_SECRET": SECRET})
-    for cfg in (RouterConfig(model="m", security=security, deployment_id="d1"),
-                DecodeWorkerConfig(model="m", security=security, deployment_id="d1"),
-                PrefillWorkerConfig(model="m", security=security, deployment_id="d1")):
+    for cfg in (
+        RouterConfig(model="m", security=security, deployment_id="d1"),
+        DecodeWorkerConfig(model="m", security=security, deployment_id="d1"),
+        PrefillWorkerConfig(model="m", security=security, deployment_id="d1"),
+    ):
         assert cfg.security.secret == SECRET and cfg.deployment_id == "d1"
         assert SECRET not in repr(cfg) and SECRET not in str(cfg)
 
@@ -196,8 +219,9 @@ def test_router_and_worker_configs_carry_the_secret_and_never_show_it():
 def test_worker_config_gets_the_deployments_secret_and_id():
     cfg = validate_config({})
     security = launcher.cluster_security(cfg, {"PDSERVE_CLUSTER_SECRET": SECRET})
-    cluster = launcher.Cluster(cfg, False, registry_address="127.0.0.1:1", security=security,
-                               deployment_id="0123abcd")
+    cluster = launcher.Cluster(
+        cfg, False, registry_address="127.0.0.1:1", security=security, deployment_id="0123abcd"
+    )
     for key, pool in cfg.worker_pools():
         wc = launcher._worker_config(cluster, key, pool, 0, "127.0.0.1")
         assert (wc.security, wc.deployment_id, wc.worker_id) == (security, "0123abcd", f"{key}-0")
@@ -207,13 +231,23 @@ def test_worker_config_gets_the_deployments_secret_and_id():
 # ---- Ray errors --------------------------------------------------------------------------------------
 def test_ray_errors_are_reduced_to_their_cause():
     from ray.exceptions import RayActorError, RayTaskError
-    task = RayTaskError("start", "Traceback (most recent call last):\n  ...\nValueError: x",
-                        ValueError("kv_cache_memory=1 gives 0 blocks: raise kv_cache_memory"))
-    assert launcher.ray_error_reason(task) == \
-        "ValueError: kv_cache_memory=1 gives 0 blocks: raise kv_cache_memory"
+
+    task = RayTaskError(
+        "start",
+        "Traceback (most recent call last):\n  ...\nValueError: x",
+        ValueError("kv_cache_memory=1 gives 0 blocks: raise kv_cache_memory"),
+    )
+    assert (
+        launcher.ray_error_reason(task)
+        == "ValueError: kv_cache_memory=1 gives 0 blocks: raise kv_cache_memory"
+    )
     assert launcher.ray_error_reason(task.as_instanceof_cause()) == launcher.ray_error_reason(task)
-    died = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n\tpid: 7")
-    assert launcher.ray_error_reason(died) == "The actor died unexpectedly before finishing this task."
+    died = RayActorError(
+        error_msg="The actor died unexpectedly before finishing this task.\n\tpid: 7"
+    )
+    assert (
+        launcher.ray_error_reason(died) == "The actor died unexpectedly before finishing this task."
+    )
 
 
 # ---- the Supervisor, against fake actors ---------------------------------------------------------
@@ -232,6 +266,7 @@ class Method:
 
 class FakeActor:
     """Answers start/ping from a script: "ok", "dead" (RayActorError) or "raise" (RayTaskError)."""
+
     launched = 0
 
     def __init__(self, start="ok", ping="ok"):
@@ -241,13 +276,16 @@ class FakeActor:
 
     def answer(self, name):
         from ray.exceptions import RayActorError, RayTaskError
+
         mode = self.mode[name]
         if mode == "dead":
             return Ref(error=RayActorError(error_msg="The actor died unexpectedly"))
         if mode == "raise":
             return Ref(error=RayTaskError("start", "tb", ValueError("no KV")))
         # start: (address, the engine's mode note), as WorkerActor.start returns
-        return Ref((f"127.0.0.1:{FakeActor.launched}", "quantization=none") if name == "start" else True)
+        return Ref(
+            (f"127.0.0.1:{FakeActor.launched}", "quantization=none") if name == "start" else True
+        )
 
 
 @pytest.fixture
@@ -258,8 +296,12 @@ def fake_ray(monkeypatch):
         if ref.error is not None:
             raise ref.error
         return ref.value
-    monkeypatch.setattr(launcher.ray, "wait", lambda refs, timeout=None: (
-        [r for r in refs if r.ready], [r for r in refs if not r.ready]))
+
+    monkeypatch.setattr(
+        launcher.ray,
+        "wait",
+        lambda refs, timeout=None: ([r for r in refs if r.ready], [r for r in refs if not r.ready]),
+    )
     monkeypatch.setattr(launcher.ray, "get", get)
     monkeypatch.setattr(launcher.ray, "kill", lambda actor: None)
     monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
@@ -277,17 +319,17 @@ def test_a_dead_worker_is_replaced_once_and_logged_once(fake_ray, caplog):
     clock = fake_ray
     r = serving_replica(clock, spawn=FakeActor)
     sup = Supervisor([r], RestartPolicy(backoff_s=1, stable_s=60))
-    clock[0] += 3600                         # long after it started: not a quick death
+    clock[0] += 3600  # long after it started: not a quick death
     r.actor.mode["ping"] = "dead"
-    sup.check(r)                             # sends a ping
-    sup.check(r)                             # reads it: dead
+    sup.check(r)  # sends a ping
+    sup.check(r)  # reads it: dead
     assert r.actor is None and r.address is None and r.quick_deaths == 0
     sup.check(r)
-    assert r.actor is None                   # waits backoff_s before the relaunch
+    assert r.actor is None  # waits backoff_s before the relaunch
     clock[0] += 1
-    sup.check(r)                             # relaunched, starting
+    sup.check(r)  # relaunched, starting
     assert r.actor is not None and r.start_ref is not None and FakeActor.launched == 2
-    sup.check(r)                             # start returned
+    sup.check(r)  # start returned
     assert r.address == "127.0.0.1:2" and r.serving_since == clock[0]
     for _ in range(5):
         sup.check(r)
@@ -301,7 +343,9 @@ def test_a_dead_worker_is_replaced_once_and_logged_once(fake_ray, caplog):
 def test_a_worker_dying_right_after_each_start_is_given_up_on(fake_ray, caplog):
     clock = fake_ray
     r = serving_replica(clock, spawn=lambda: FakeActor(start="raise"))
-    sup = Supervisor([r], RestartPolicy(backoff_s=1, max_backoff_s=1.5, stable_s=60, max_quick_deaths=3))
+    sup = Supervisor(
+        [r], RestartPolicy(backoff_s=1, max_backoff_s=1.5, stable_s=60, max_quick_deaths=3)
+    )
     r.actor.mode["ping"] = "dead"
     delays = []
     for _ in range(100):
@@ -311,18 +355,20 @@ def test_a_worker_dying_right_after_each_start_is_given_up_on(fake_ray, caplog):
             delays.append(r.retry_at - clock[0])
         clock[0] += 0.5
     assert r.given_up and r.actor is None
-    assert delays == [1, 1.5]                # 1 x 2^0, then 2^1 capped at 1.5; the third gives up
-    assert FakeActor.launched == 3           # the first actor, then two relaunches
+    assert delays == [1, 1.5]  # 1 x 2^0, then 2^1 capped at 1.5; the third gives up
+    assert FakeActor.launched == 3  # the first actor, then two relaunches
     assert sum("giving up on it" in m for m in caplog.messages) == 1
-    assert "worker decode-0 failed to start (ValueError: no KV); giving up on it: 3 deaths in a " \
-           "row within 60s of starting" in caplog.text
+    assert (
+        "worker decode-0 failed to start (ValueError: no KV); giving up on it: 3 deaths in a "
+        "row within 60s of starting" in caplog.text
+    )
 
 
 def test_a_busy_worker_is_not_dead(fake_ray):
     clock = fake_ray
     r = serving_replica(clock, spawn=FakeActor)
     sup = Supervisor([r], RestartPolicy())
-    r.actor.answer = lambda name: Ref(ready=False)   # a ping that never comes back
+    r.actor.answer = lambda name: Ref(ready=False)  # a ping that never comes back
     for _ in range(10):
         sup.check(r)
         clock[0] += 10
@@ -331,28 +377,42 @@ def test_a_busy_worker_is_not_dead(fake_ray):
 
 def test_cli_up_refuses_a_bad_secret_without_importing_ray(tmp_path):
     import subprocess
+
     path = tmp_path / "bad.yaml"
     path.write_text("security: {cluster_secret: short-secret}\n")
-    code = ("import sys; from deploy.cli import main; rc = main(['up', sys.argv[1]]); "
-            "assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                          timeout=120, cwd=pathlib.Path(__file__).parents[2])
+    code = (
+        "import sys; from deploy.cli import main; rc = main(['up', sys.argv[1]]); "
+        "assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=pathlib.Path(__file__).parents[2],
+    )
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == (f"pdserve: {path}: security.cluster_secret: must have at least "
-                                   f"16 characters, has 12; leave it unset and pdserve up makes one")
+    assert done.stderr.strip() == (
+        f"pdserve: {path}: security.cluster_secret: must have at least "
+        f"16 characters, has 12; leave it unset and pdserve up makes one"
+    )
 
 
 # ---- the CLI client against a router with router.tls -------------------------------------------------
 def test_cli_client_reaches_a_tls_router_with_tls_ca(tmp_path, tiny_models, capsys):
     from protos.security import TLSConfig
     from router.server import Router, RouterConfig
+
     files = tls_files(tmp_path)
     tls = TLSConfig(b"", files["cert"].read_bytes(), files["key"].read_bytes())
     router = Router(RouterConfig(model=tiny_models("llama-gqa")[0], port=0, client_tls=tls)).start()
     try:
         capsys.readouterr()
         # through TLS the router itself answers: it has no worker yet
-        assert main(["generate", "t5 t6", "--router", router.address, "--tls-ca", str(files["ca"])]) == 1
+        assert (
+            main(["generate", "t5 t6", "--router", router.address, "--tls-ca", str(files["ca"])])
+            == 1
+        )
         assert "worker is registered with the router" in capsys.readouterr().err
         # plaintext does not get through its TLS port
         assert main(["generate", "t5 t6", "--router", router.address]) == 1
@@ -368,9 +428,15 @@ def test_version_from_the_command_and_from_python_m(capsys):
     import subprocess
 
     from pdserve import __version__
+
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"pdserve {__version__}"
-    ran = subprocess.run([sys.executable, "-m", "pdserve", "--version"], capture_output=True, text=True,
-                         timeout=120, cwd=pathlib.Path(__file__).parents[2])
+    ran = subprocess.run(
+        [sys.executable, "-m", "pdserve", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=pathlib.Path(__file__).parents[2],
+    )
     assert ran.returncode == 0 and ran.stdout.strip() == f"pdserve {__version__}", ran.stderr

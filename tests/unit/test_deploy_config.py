@@ -1,9 +1,11 @@
 """The deployment YAML schema: defaults, the shipped examples, and errors that name file and key."""
+
 from __future__ import annotations
 
 import pathlib
 import sys
 
+import pydantic
 import pytest
 
 from deploy.cli import main
@@ -43,19 +45,24 @@ def test_empty_file_gives_the_defaults(tmp_path):
 
 def test_config_is_frozen():
     cfg = load_config(None)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError):
         cfg.pools.decode.replicas = 3
 
 
 def test_engine_kwargs_pass_pool_settings():
-    cfg = validate_config({"dtype": "float32", "pools": {"decode": {
-        "kv_cache_memory": 0.5, "block_size": 32, "max_model_len": 256}}})
+    cfg = validate_config(
+        {
+            "dtype": "float32",
+            "pools": {"decode": {"kv_cache_memory": 0.5, "block_size": 32, "max_model_len": 256}},
+        }
+    )
     kwargs = cfg.engine_kwargs(cfg.pools.decode)
     assert kwargs["dtype"] == "float32" and kwargs["kv_cache_memory"] == 0.5
     assert kwargs["block_size"] == 32 and kwargs["max_model_len"] == 256
     assert "kv_cache_memory" not in cfg.engine_kwargs(cfg.pools.prefill)
     # and the engine accepts exactly these keywords
     from engine.config import EngineConfig
+
     EngineConfig(model="m", **kwargs)
 
 
@@ -73,28 +80,50 @@ def test_example_contents():
     by_name = {p.name: load_config(str(p)) for p in EXAMPLES}
     local = by_name["local-cpu.yaml"]
     assert local.model == "smollm2" and local.ray.address is None
-    assert local.pools.prefill.resources.num_cpus == 1 and local.pools.decode.resources.num_gpus == 0
+    assert (
+        local.pools.prefill.resources.num_cpus == 1 and local.pools.decode.resources.num_gpus == 0
+    )
     gpu8 = by_name["one-node-8gpu.yaml"]
-    gpus = sum(p.replicas * p.tp * p.resources.num_gpus
-               for p in (gpu8.pools.prefill, gpu8.pools.decode))
+    gpus = sum(
+        p.replicas * p.tp * p.resources.num_gpus for p in (gpu8.pools.prefill, gpu8.pools.decode)
+    )
     assert gpus == 8
     assert by_name["two-nodes.yaml"].ray.address == "auto"
 
 
-@pytest.mark.parametrize("text, key, words", [
-    ("pools:\n  decode:\n    replicas: 0\n", "pools.decode.replicas", "greater than or equal to 1"),
-    ("pools:\n  prefill:\n    tp: 0\n", "pools.prefill.tp", "greater than or equal to 1"),
-    ("pools:\n  decode:\n    replicaz: 2\n", "pools.decode.replicaz", "unknown key"),
-    ("modle: smollm2\n", "modle", "unknown key"),
-    ("kvtransfer:\n  backend: nccl\n", "kvtransfer.backend", "'grpc', 'shm' or 'torch'"),
-    ("pools:\n  prefill:\n    replicas: two\n", "pools.prefill.replicas", "valid integer"),
-    ("router:\n  port: '50051'\n", "router.port", "valid integer"),
-    ("router:\n  decode_queue_timeout_s: 0\n", "router.decode_queue_timeout_s", "greater than 0"),
-    ("pools:\n  decode:\n    kv_cache_memory: 1.5\n", "pools.decode.kv_cache_memory", "fraction"),
-    ("pools:\n  decode:\n    block_size: 12\n", "pools.decode.block_size", "power of two"),
-    ("pools:\n  decode:\n    resources: {num_cpus: 0}\n", "pools.decode.resources", "both be 0"),
-    ("pools:\n  decode: 3\n", "pools.decode", "valid dictionary"),
-])
+@pytest.mark.parametrize(
+    "text, key, words",
+    [
+        (
+            "pools:\n  decode:\n    replicas: 0\n",
+            "pools.decode.replicas",
+            "greater than or equal to 1",
+        ),
+        ("pools:\n  prefill:\n    tp: 0\n", "pools.prefill.tp", "greater than or equal to 1"),
+        ("pools:\n  decode:\n    replicaz: 2\n", "pools.decode.replicaz", "unknown key"),
+        ("modle: smollm2\n", "modle", "unknown key"),
+        ("kvtransfer:\n  backend: nccl\n", "kvtransfer.backend", "'grpc', 'shm' or 'torch'"),
+        ("pools:\n  prefill:\n    replicas: two\n", "pools.prefill.replicas", "valid integer"),
+        ("router:\n  port: '50051'\n", "router.port", "valid integer"),
+        (
+            "router:\n  decode_queue_timeout_s: 0\n",
+            "router.decode_queue_timeout_s",
+            "greater than 0",
+        ),
+        (
+            "pools:\n  decode:\n    kv_cache_memory: 1.5\n",
+            "pools.decode.kv_cache_memory",
+            "fraction",
+        ),
+        ("pools:\n  decode:\n    block_size: 12\n", "pools.decode.block_size", "power of two"),
+        (
+            "pools:\n  decode:\n    resources: {num_cpus: 0}\n",
+            "pools.decode.resources",
+            "both be 0",
+        ),
+        ("pools:\n  decode: 3\n", "pools.decode", "valid dictionary"),
+    ],
+)
 def test_errors_name_file_and_key(tmp_path, text, key, words):
     path = write(tmp_path, text)
     msg = error_of(path)
@@ -104,8 +133,9 @@ def test_errors_name_file_and_key(tmp_path, text, key, words):
 
 def test_replicas_zero_message_exactly(tmp_path):
     path = write(tmp_path, "pools:\n  decode:\n    replicas: 0\n")
-    assert error_of(path) == (f"{path}: pools.decode.replicas: "
-                              f"Input should be greater than or equal to 1 (got 0)")
+    assert error_of(path) == (
+        f"{path}: pools.decode.replicas: Input should be greater than or equal to 1 (got 0)"
+    )
 
 
 def test_unknown_key_lists_the_allowed_ones(tmp_path):
@@ -120,12 +150,14 @@ def test_every_bad_key_is_reported(tmp_path):
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
-    path = write(tmp_path, "model: smollm2\npools:\n  decode:\n    replicas: [1, 2\n  prefill: {}\n")
+    path = write(
+        tmp_path, "model: smollm2\npools:\n  decode:\n    replicas: [1, 2\n  prefill: {}\n"
+    )
     msg = error_of(path)
     assert msg.startswith(f"{path}: line "), msg
     assert "YAML syntax error" in msg
     line = int(msg.split("line ")[1].split(",")[0])
-    assert 4 <= line <= 5     # the unclosed list opens on line 4; the parser notices on 5
+    assert 4 <= line <= 5  # the unclosed list opens on line 4; the parser notices on 5
 
 
 def test_top_level_must_be_a_mapping(tmp_path):
@@ -145,14 +177,17 @@ def test_cli_up_with_bad_config_exits_2_without_ray(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{path}: pools.decode.replicas: Input should be greater than or equal to 1" in err
     assert "Traceback" not in err
-    if not ray_loaded:   # the config is checked before Ray is even imported
+    if not ray_loaded:  # the config is checked before Ray is even imported
         assert "ray" not in sys.modules
 
 
-def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(tmp_path, capsys, monkeypatch, tiny_models):
+def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(
+    tmp_path, capsys, monkeypatch, tiny_models
+):
     import ray
+
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
-    model_dir = tiny_models("llama-gqa")[0]   # 4 heads, 2 key/value heads
+    model_dir = tiny_models("llama-gqa")[0]  # 4 heads, 2 key/value heads
     assert main(["up", write(tmp_path, f"model: {model_dir}\npools:\n  decode: {{tp: 4}}\n")]) == 2
     err = capsys.readouterr().err
     assert "pools.decode.tp: 4 does not divide" in err and "use one of [1, 2]" in err
@@ -160,13 +195,17 @@ def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(tmp_path, capsys,
 
 def test_core_plan_gives_each_local_replica_its_own_cores(monkeypatch):
     from deploy import launcher
+
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    pools = lambda prefill, decode: validate_config({"pools": {  # noqa: E731
-        "prefill": prefill, "decode": decode}}).worker_pools()
+
+    def pools(prefill, decode):
+        return validate_config({"pools": {"prefill": prefill, "decode": decode}}).worker_pools()
+
     one = {"resources": {"num_cpus": 1}}
     # decode first (start order), then prefill; num_threads x tp cores each
-    assert launcher.core_plan(pools({**one, "num_threads": 2}, {**one, "replicas": 2}), local=True) == {
-        ("decode", 0): [0], ("decode", 1): [1], ("prefill", 0): [2, 3]}
+    assert launcher.core_plan(
+        pools({**one, "num_threads": 2}, {**one, "replicas": 2}), local=True
+    ) == {("decode", 0): [0], ("decode", 1): [1], ("prefill", 0): [2, 3]}
     # more compute threads than cores, a Ray cluster given by address, GPU pools: no pinning
     assert launcher.core_plan(pools({**one, "tp": 3}, {**one, "replicas": 2}), local=True) == {}
     assert launcher.core_plan(pools(one, one), local=False) == {}
@@ -180,8 +219,12 @@ SECRET = "s3cret-value-that-is-long-enough"
 
 def make_pems(tmp_path) -> dict[str, str]:
     """PEM-shaped certificate and key files (loading checks the markers, not the crypto)."""
-    (tmp_path / "cert.pem").write_text("-----BEGIN CERTIFICATE-----\nMIIBcert\n-----END CERTIFICATE-----\n")
-    (tmp_path / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\nMIIBkey\n-----END PRIVATE KEY-----\n")
+    (tmp_path / "cert.pem").write_text(
+        "-----BEGIN CERTIFICATE-----\nMIIBcert\n-----END CERTIFICATE-----\n"
+    )
+    (tmp_path / "key.pem").write_text(
+        "-----BEGIN PRIVATE KEY-----\nMIIBkey\n-----END PRIVATE KEY-----\n"
+    )
     return {"cert": str(tmp_path / "cert.pem"), "key": str(tmp_path / "key.pem")}
 
 
@@ -199,10 +242,13 @@ def test_cluster_secret_is_never_shown(tmp_path):
         assert SECRET not in text
 
 
-@pytest.mark.parametrize("value, words", [
-    ("tooshort1", "at least 16 characters, has 9"),
-    ("12345678901234567890", "valid string"),    # a YAML number is not a secret
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("tooshort1", "at least 16 characters, has 9"),
+        ("12345678901234567890", "valid string"),  # a YAML number is not a secret
+    ],
+)
 def test_bad_cluster_secret_names_the_key_without_echoing_it(tmp_path, value, words):
     msg = error_of(write(tmp_path, f"security:\n  cluster_secret: {value}\n"))
     assert msg.startswith(f"{tmp_path / 'deploy.yaml'}: security.cluster_secret: "), msg
@@ -214,15 +260,17 @@ def test_cluster_secret_file_is_read_at_load_relative_to_the_yaml(tmp_path):
     (tmp_path / "conf" / "secret.txt").write_text(SECRET + "\n")
     path = write(tmp_path / "conf", "security:\n  cluster_secret_file: secret.txt\n")
     cfg = load_config(path)
-    (tmp_path / "conf" / "secret.txt").unlink()   # read at load: the file is not needed after
+    (tmp_path / "conf" / "secret.txt").unlink()  # read at load: the file is not needed after
     secret, source = cfg.security.secret({"PDSERVE_CLUSTER_SECRET": "x" * 20})
-    assert secret == SECRET      # the trailing newline is not part of it
+    assert secret == SECRET  # the trailing newline is not part of it
     assert source == f"security.cluster_secret_file ({tmp_path / 'conf' / 'secret.txt'})"
     assert SECRET not in repr(cfg)
 
 
-@pytest.mark.parametrize("content, words", [
-    (None, "cannot read"), ("short\n", "at least 16 characters, has 5"), ("", "has 0")])
+@pytest.mark.parametrize(
+    "content, words",
+    [(None, "cannot read"), ("short\n", "at least 16 characters, has 5"), ("", "has 0")],
+)
 def test_bad_cluster_secret_file_names_key_and_file(tmp_path, content, words):
     if content is not None:
         (tmp_path / "secret.txt").write_text(content)
@@ -235,8 +283,11 @@ def test_bad_cluster_secret_file_names_key_and_file(tmp_path, content, words):
 
 def test_secret_and_secret_file_together_are_refused(tmp_path):
     (tmp_path / "secret.txt").write_text(SECRET)
-    msg = error_of(write(tmp_path, f"security:\n  cluster_secret: {SECRET}\n"
-                                   f"  cluster_secret_file: secret.txt\n"))
+    msg = error_of(
+        write(
+            tmp_path, f"security:\n  cluster_secret: {SECRET}\n  cluster_secret_file: secret.txt\n"
+        )
+    )
     assert "security: set cluster_secret or cluster_secret_file, not both" in msg
     assert SECRET not in msg
 
@@ -245,24 +296,39 @@ def test_secret_precedence_file_then_yaml_then_environment(tmp_path):
     env = {"PDSERVE_CLUSTER_SECRET": "from-the-environment-123"}
     (tmp_path / "secret.txt").write_text("from-the-file-0123456789")
     from_file = load_config(write(tmp_path, "security: {cluster_secret_file: secret.txt}\n"))
-    from_yaml = load_config(write(tmp_path, "security: {cluster_secret: from-the-yaml-0123456789}\n"))
+    from_yaml = load_config(
+        write(tmp_path, "security: {cluster_secret: from-the-yaml-0123456789}\n")
+    )
     assert from_file.security.secret(env)[0] == "from-the-file-0123456789"
     assert from_yaml.security.secret(env)[0] == "from-the-yaml-0123456789"
-    assert DeployConfig().security.secret(env) == ("from-the-environment-123", "PDSERVE_CLUSTER_SECRET")
+    assert DeployConfig().security.secret(env) == (
+        "from-the-environment-123",
+        "PDSERVE_CLUSTER_SECRET",
+    )
     assert DeployConfig().security.secret({"PDSERVE_CLUSTER_SECRET": "  "}) == (None, "")
 
 
 def test_tls_files_are_read_into_pem_bytes_at_load(tmp_path):
     pems = make_pems(tmp_path)
-    cfg = load_config(write(tmp_path, "security:\n  cluster_secret: " + SECRET + "\n"
-                                      "  tls: {ca_file: cert.pem, cert_file: cert.pem, key_file: key.pem,"
-                                      " server_name: pdserve-test}\n"
-                                      "router:\n  tls: {cert_file: cert.pem, key_file: key.pem}\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            "security:\n  cluster_secret: " + SECRET + "\n"
+            "  tls: {ca_file: cert.pem, cert_file: cert.pem, key_file: key.pem,"
+            " server_name: pdserve-test}\n"
+            "router:\n  tls: {cert_file: cert.pem, key_file: key.pem}\n",
+        )
+    )
     cert, key = (pathlib.Path(pems[k]).read_bytes() for k in ("cert", "key"))
-    for name in pems.values():   # the bytes travel with the config, not the paths
+    for name in pems.values():  # the bytes travel with the config, not the paths
         pathlib.Path(name).unlink()
     tls = cfg.security.tls.tls_config()
-    assert (tls.ca_pem, tls.cert_pem, tls.key_pem, tls.server_name) == (cert, cert, key, "pdserve-test")
+    assert (tls.ca_pem, tls.cert_pem, tls.key_pem, tls.server_name) == (
+        cert,
+        cert,
+        key,
+        "pdserve-test",
+    )
     client = cfg.router.tls.tls_config()
     assert (client.ca_pem, client.cert_pem, client.key_pem) == (b"", cert, key)
     security = cfg.security.cluster_security(SECRET)
@@ -272,16 +338,32 @@ def test_tls_files_are_read_into_pem_bytes_at_load(tmp_path):
     assert cfg.model_dump()["security"]["tls"]["key_file"] == str(tmp_path / "key.pem")
 
 
-@pytest.mark.parametrize("tls, key, words", [
-    ("{ca_file: nope.pem, cert_file: cert.pem, key_file: key.pem}", "security.tls.ca_file", "cannot read"),
-    ("{ca_file: cert.pem, cert_file: key.pem, key_file: key.pem}", "security.tls.cert_file",
-     "not a PEM certificate"),
-    ("{ca_file: cert.pem, cert_file: cert.pem, key_file: cert.pem}", "security.tls.key_file",
-     "not a PEM private key"),
-    ("{ca_file: cert.pem, cert_file: cert.pem}", "security.tls.key_file", "Field required"),
-    ("{ca_file: cert.pem, cert_file: cert.pem, key_file: key.pem, cafile: x}", "security.tls.cafile",
-     "allowed here: ca_file, cert_file, key_file, server_name"),
-])
+@pytest.mark.parametrize(
+    "tls, key, words",
+    [
+        (
+            "{ca_file: nope.pem, cert_file: cert.pem, key_file: key.pem}",
+            "security.tls.ca_file",
+            "cannot read",
+        ),
+        (
+            "{ca_file: cert.pem, cert_file: key.pem, key_file: key.pem}",
+            "security.tls.cert_file",
+            "not a PEM certificate",
+        ),
+        (
+            "{ca_file: cert.pem, cert_file: cert.pem, key_file: cert.pem}",
+            "security.tls.key_file",
+            "not a PEM private key",
+        ),
+        ("{ca_file: cert.pem, cert_file: cert.pem}", "security.tls.key_file", "Field required"),
+        (
+            "{ca_file: cert.pem, cert_file: cert.pem, key_file: key.pem, cafile: x}",
+            "security.tls.cafile",
+            "allowed here: ca_file, cert_file, key_file, server_name",
+        ),
+    ],
+)
 def test_bad_tls_settings_name_key_and_file(tmp_path, tls, key, words):
     make_pems(tmp_path)
     msg = error_of(write(tmp_path, f"security:\n  tls: {tls}\n"))
@@ -291,16 +373,28 @@ def test_bad_tls_settings_name_key_and_file(tmp_path, tls, key, words):
 
 def test_router_tls_names_its_key(tmp_path):
     make_pems(tmp_path)
-    msg = error_of(write(tmp_path, "router:\n  tls: {cert_file: cert.pem, key_file: key.pem, ca_file: ca.pem}\n"))
-    assert msg.startswith(f"{tmp_path / 'deploy.yaml'}: router.tls.ca_file: cannot read {tmp_path / 'ca.pem'}")
+    msg = error_of(
+        write(
+            tmp_path, "router:\n  tls: {cert_file: cert.pem, key_file: key.pem, ca_file: ca.pem}\n"
+        )
+    )
+    assert msg.startswith(
+        f"{tmp_path / 'deploy.yaml'}: router.tls.ca_file: cannot read {tmp_path / 'ca.pem'}"
+    )
 
 
 # ---- the shipped examples fit the model and the machine they are for ------------------------------
 # config.json of the models the GPU examples name, which are not on a CPU machine (from
 # HuggingFaceTB/SmolLM2-1.7B-Instruct)
-ABSENT_MODELS = {"/models/SmolLM2-1.7B-Instruct": {
-    "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 24,
-    "hidden_size": 2048, "max_position_embeddings": 8192}}
+ABSENT_MODELS = {
+    "/models/SmolLM2-1.7B-Instruct": {
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "num_hidden_layers": 24,
+        "hidden_size": 2048,
+        "max_position_embeddings": 8192,
+    }
+}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -308,13 +402,14 @@ def test_example_fits_its_model_and_machine(path):
     from deploy.config import fit_problems
     from deploy.launcher import check_resources
     from engine.loader import load_hf_config, resolve_model
+
     cfg = load_config(str(path))
     gpu = any(p.resources.num_gpus for _, p in cfg.worker_pools())
     hf = ABSENT_MODELS.get(cfg.model) or load_hf_config(resolve_model(cfg.model))
     # CPU examples: every KV check, fractions against a 24 GiB machine; GPU ones: heads,
     # max_model_len, and fixed KV bytes (a fraction of GPU memory needs the GPU)
     assert fit_problems(cfg, hf, cpu_memory_bytes=None if gpu else 24 << 30) == []
-    if not gpu:   # and the 2-core machine they are for holds every pool
+    if not gpu:  # and the 2-core machine they are for holds every pool
         assert cfg.ray.num_cpus is None or cfg.ray.num_cpus <= 2
         check_resources(cfg, {"CPU": 2.0}, [{"CPU": 2.0}], local=True)
         kv = sum(p.replicas * p.tp * (p.kv_cache_memory or 1 << 30) for _, p in cfg.worker_pools())
@@ -329,47 +424,82 @@ def test_fit_check_matches_what_the_engine_refuses(tiny_models):
     from deploy.config import fit_problems
     from engine import LLM
     from engine.loader import load_hf_config
+
     model_dir = tiny_models("llama-gqa")[0]
-    cfg = validate_config({"model": model_dir, "dtype": "float32", "pools": {
-        "prefill": {"kv_cache_memory": 1000, "max_model_len": 64, "block_size": 16}}})
+    cfg = validate_config(
+        {
+            "model": model_dir,
+            "dtype": "float32",
+            "pools": {"prefill": {"kv_cache_memory": 1000, "max_model_len": 64, "block_size": 16}},
+        }
+    )
     problems = fit_problems(cfg, load_hf_config(model_dir))
-    assert len(problems) == 1 and problems[0].startswith("pools.prefill: kv_cache_memory of 1000 bytes")
-    need = int(re.search(r"set pools.prefill.kv_cache_memory to at least (\d+)", problems[0]).group(1))
+    assert len(problems) == 1 and problems[0].startswith(
+        "pools.prefill: kv_cache_memory of 1000 bytes"
+    )
+    need = int(
+        re.search(r"set pools.prefill.kv_cache_memory to at least (\d+)", problems[0]).group(1)
+    )
     with pytest.raises(ValueError, match="raise kv_cache_memory or lower max_model_len"):
         LLM(model_dir, dtype="float32", kv_cache_memory=need - 1, max_model_len=64)
     LLM(model_dir, dtype="float32", kv_cache_memory=need, max_model_len=64).shutdown()
-    ok = validate_config({"model": model_dir, "pools": {"prefill": {"kv_cache_memory": need,
-                                                                    "max_model_len": 64}}})
+    ok = validate_config(
+        {"model": model_dir, "pools": {"prefill": {"kv_cache_memory": need, "max_model_len": 64}}}
+    )
     assert fit_problems(ok, load_hf_config(model_dir)) == []
 
 
 def test_fit_check_suggests_what_to_change():
     from deploy.config import fit_problems
-    hf = {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
-          "hidden_size": 576, "head_dim": 64, "max_position_embeddings": 8192}   # SmolLM2-135M
-    cfg = validate_config({"pools": {"prefill": {"kv_cache_memory": 256 << 20},
-                                     "decode": {"max_model_len": 9000, "tp": 2}}})
+
+    hf = {
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+    }  # SmolLM2-135M
+    cfg = validate_config(
+        {
+            "pools": {
+                "prefill": {"kv_cache_memory": 256 << 20},
+                "decode": {"max_model_len": 9000, "tp": 2},
+            }
+        }
+    )
     problems = fit_problems(cfg, hf)
     assert problems == [
         "pools.decode.tp: 2 does not divide the model's 9 attention heads and 3 key/value heads; "
         "use one of [1, 3]",
         "pools.prefill: kv_cache_memory of 268435456 bytes (256 MiB) holds 364 KV blocks of 16 "
         "tokens, but one sequence of max_model_len 8192 needs 512: set pools.prefill.kv_cache_memory "
-        "to at least 377487360 (360 MiB) or pools.prefill.max_model_len to at most 5824"]
+        "to at least 377487360 (360 MiB) or pools.prefill.max_model_len to at most 5824",
+    ]
     too_long = validate_config({"pools": {"decode": {"max_model_len": 9000}}})
     assert fit_problems(too_long, hf) == [
         "pools.decode.max_model_len: 9000 is more than the model's max_position_embeddings "
-        "(8192); lower it"]
+        "(8192); lower it"
+    ]
     # a GPU pool's fraction of GPU memory cannot be checked here; a CPU pool's is, against memory
-    frac = validate_config({"pools": {"prefill": {"kv_cache_memory": 0.5}, "decode": {
-        "kv_cache_memory": 0.001, "resources": {"num_gpus": 1}}}})
+    frac = validate_config(
+        {
+            "pools": {
+                "prefill": {"kv_cache_memory": 0.5},
+                "decode": {"kv_cache_memory": 0.001, "resources": {"num_gpus": 1}},
+            }
+        }
+    )
     assert fit_problems(frac, hf, cpu_memory_bytes=None) == []
     assert fit_problems(frac, hf, cpu_memory_bytes=600 << 20)[0].startswith(
-        "pools.prefill: kv_cache_memory of 314572800 bytes (300 MiB)")
+        "pools.prefill: kv_cache_memory of 314572800 bytes (300 MiB)"
+    )
 
 
 def test_router_tls_needs_cluster_tls_for_the_workers_to_register(tmp_path):
     make_pems(tmp_path)
     path = write(tmp_path, "router:\n  tls: {cert_file: cert.pem, key_file: key.pem}\n")
-    assert error_of(path).startswith(f"{path}: router.tls: the workers register through the "
-                                     f"router's TLS port, so set security.tls too")
+    assert error_of(path).startswith(
+        f"{path}: router.tls: the workers register through the "
+        f"router's TLS port, so set security.tls too"
+    )

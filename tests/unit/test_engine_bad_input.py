@@ -1,5 +1,6 @@
 """Input validation on tiny random models: bad requests and bad engine configs are refused with a
 ValueError that names the field, nothing leaks, and the engine still serves afterwards."""
+
 from __future__ import annotations
 
 import pytest
@@ -80,15 +81,18 @@ def test_engine_level_bad_input(small_llm):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(model="/nonexistent"), "model"),
-    (dict(kv_cache_memory=1000), "kv_cache_memory"),
-    (dict(kv_cache_memory=0), "kv_cache_memory"),
-    (dict(block_size=3), "block_size"),
-    (dict(block_size=0), "block_size"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
-    (dict(max_model_len=100_000), "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(model="/nonexistent"), "model"),
+        (dict(kv_cache_memory=1000), "kv_cache_memory"),
+        (dict(kv_cache_memory=0), "kv_cache_memory"),
+        (dict(block_size=3), "block_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(max_model_len=100_000), "max_model_len"),
+    ],
+)
 def test_bad_engine_config(refs, kwargs, field):
     model_dir, *_ = refs("llama-gqa")
     kwargs = dict(dict(model=model_dir, kv_cache_memory=KV), **kwargs)
@@ -97,4 +101,3 @@ def test_bad_engine_config(refs, kwargs, field):
     assert field in str(exc.value), str(exc.value)
     if field == "block_size":
         assert "power of two" in str(exc.value)
-

@@ -1,6 +1,7 @@
 """The engine on tiny random models against HF transformers' own greedy decoding: every model kind
 in sequential/batched, chunked and prefix-cached modes, repeated prompts served from the prefix
 cache, and preemption under memory pressure."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,21 +22,31 @@ def decoded(tok, prompt, output) -> str:
     before = tok.decode(ctx, skip_special_tokens=True)
     after = tok.decode(ctx + output, skip_special_tokens=True)
     assert after.startswith(before)
-    return after[len(before):]
+    return after[len(before) :]
 
 
 # name: (LLM kwargs, submit one at a time?)
 MODES = {
-    "sequential-prefix-bs16": (dict(block_size=16, enable_prefix_caching=True,
-                                    max_num_batched_tokens=64), True),
-    "batched-prefix-bs16": (dict(block_size=16, enable_prefix_caching=True,
-                                 max_num_batched_tokens=2048), False),
-    "batched-noprefix-bs4": (dict(block_size=4, enable_prefix_caching=False,
-                                  max_num_batched_tokens=2048), False),
-    "chunk32-sequential-prefix-bs4": (dict(block_size=4, enable_prefix_caching=True,
-                                           max_num_batched_tokens=32), True),
-    "chunk32-batched-noprefix-bs16": (dict(block_size=16, enable_prefix_caching=False,
-                                           max_num_batched_tokens=32), False),
+    "sequential-prefix-bs16": (
+        dict(block_size=16, enable_prefix_caching=True, max_num_batched_tokens=64),
+        True,
+    ),
+    "batched-prefix-bs16": (
+        dict(block_size=16, enable_prefix_caching=True, max_num_batched_tokens=2048),
+        False,
+    ),
+    "batched-noprefix-bs4": (
+        dict(block_size=4, enable_prefix_caching=False, max_num_batched_tokens=2048),
+        False,
+    ),
+    "chunk32-sequential-prefix-bs4": (
+        dict(block_size=4, enable_prefix_caching=True, max_num_batched_tokens=32),
+        True,
+    ),
+    "chunk32-batched-noprefix-bs16": (
+        dict(block_size=16, enable_prefix_caching=False, max_num_batched_tokens=32),
+        False,
+    ),
 }
 
 
@@ -62,7 +73,10 @@ def test_greedy_matches_hf(refs, kind, mode):
             outs.append(final)
             # prefill ran in ceil(uncached / budget) steps, then one token per step
             uncached = len(prompt) - final.num_cached_tokens
-            assert first_token_step == -(-uncached // budget), (len(prompt), final.num_cached_tokens)
+            assert first_token_step == -(-uncached // budget), (
+                len(prompt),
+                final.num_cached_tokens,
+            )
             assert steps == first_token_step + NEW - 1
             if len(prompt) == 200 and budget == 32:
                 assert first_token_step == 7
@@ -100,8 +114,9 @@ def test_preemption_under_memory_pressure_matches_hf(refs):
     model_dir, _, prompts, expected = refs("llama-gqa")
     llm = LLM(model_dir, kv_cache_memory=KV, max_model_len=256)
     per_block = llm.engine.kv_cache[:, :, 0].numel() * llm.engine.kv_cache.element_size()
-    llm = LLM(model_dir, kv_cache_memory=20 * per_block, max_model_len=256,
-              max_num_batched_tokens=64)
+    llm = LLM(
+        model_dir, kv_cache_memory=20 * per_block, max_model_len=256, max_num_batched_tokens=64
+    )
     assert llm.engine.block_manager.num_blocks == 20
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

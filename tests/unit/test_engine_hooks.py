@@ -1,6 +1,7 @@
 """The disaggregation hooks on tiny random models: a prefill-only engine publishes each layer's KV
 through a kv_sink into another engine's reserved blocks, which commits the first token and decodes;
 commit validation, reservations beyond capacity and aborted reservations."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,8 @@ class CopySink:
         self.b = engine_b
         self.res = reservation
         self.num_layers = num_layers
-        self.step = 0                 # set by the test before each A.step()
-        self.calls: list[tuple[int, int, int, int]] = []   # (step, layer, start, end)
+        self.step = 0  # set by the test before each A.step()
+        self.calls: list[tuple[int, int, int, int]] = []  # (step, layer, start, end)
 
     def on_layer(self, layer_idx, layer_kv, block_ids, start, end):
         self.calls.append((self.step, layer_idx, start, end))
@@ -29,18 +30,21 @@ class CopySink:
         assert all(0 <= b < nb for b in block_ids)
         bs_b = self.res.block_size
         for t in range(max(start, self.res.num_cached_tokens), end):
-            self.b.kv_cache[layer_idx, :, self.res.block_ids[t // bs_b], t % bs_b] = \
-                layer_kv[:, block_ids[t // bs_a], t % bs_a]
+            self.b.kv_cache[layer_idx, :, self.res.block_ids[t // bs_b], t % bs_b] = layer_kv[
+                :, block_ids[t // bs_a], t % bs_a
+            ]
 
     def check(self, prompt_len: int) -> None:
         steps = sorted({c[0] for c in self.calls})
         covered = 0
         for s in steps:
             calls = [c for c in self.calls if c[0] == s]
-            assert [c[1] for c in calls] == list(range(self.num_layers)), "one call per layer, in order"
+            assert [c[1] for c in calls] == list(range(self.num_layers)), (
+                "one call per layer, in order"
+            )
             ranges = {(c[2], c[3]) for c in calls}
             assert len(ranges) == 1, "every layer of a step publishes the same range"
-            (start, end), = ranges
+            ((start, end),) = ranges
             assert start == covered and end > start, "ranges are consecutive"
             covered = end
         assert covered == prompt_len
@@ -55,17 +59,24 @@ def disagg_reference(refs):
     def get(prompt, max_tokens):
         key = (tuple(prompt), max_tokens)
         if key not in cache:
-            cache[key] = llm.generate(prompt, greedy(max_tokens), use_tqdm=False)[0].outputs[0].token_ids
+            cache[key] = (
+                llm.generate(prompt, greedy(max_tokens), use_tqdm=False)[0].outputs[0].token_ids
+            )
         return cache[key]
+
     return get
 
 
-@pytest.mark.parametrize("a_kw, b_kw", [
-    (dict(block_size=16), dict(block_size=16)),
-    (dict(block_size=16, max_num_batched_tokens=32), dict(block_size=16)),
-    (dict(block_size=4, max_num_batched_tokens=24), dict(block_size=16)),
-    (dict(block_size=16), dict(block_size=4)),
-], ids=["same", "chunked", "a4-b16-chunked", "a16-b4"])
+@pytest.mark.parametrize(
+    "a_kw, b_kw",
+    [
+        (dict(block_size=16), dict(block_size=16)),
+        (dict(block_size=16, max_num_batched_tokens=32), dict(block_size=16)),
+        (dict(block_size=4, max_num_batched_tokens=24), dict(block_size=16)),
+        (dict(block_size=16), dict(block_size=4)),
+    ],
+    ids=["same", "chunked", "a4-b16-chunked", "a16-b4"],
+)
 def test_prefill_only_to_reserved_blocks(refs, disagg_reference, a_kw, b_kw):
     model_dir, *_ = refs("qwen2-bias")
     a = LLM(model_dir, kv_cache_memory=KV, **a_kw).engine
@@ -73,8 +84,12 @@ def test_prefill_only_to_reserved_blocks(refs, disagg_reference, a_kw, b_kw):
     num_layers = a.model_config.num_layers
     assert b.kv_cache.shape[:2] == (num_layers, 2)
     prefix = random_prompts([SHARED_PREFIX], seed=21)[0]
-    prompts = [random_prompts([70], seed=22)[0], random_prompts([1], seed=23)[0],
-               prefix + [5, 6, 7], prefix + [9] * 19]   # the last two hit both prefix caches
+    prompts = [
+        random_prompts([70], seed=22)[0],
+        random_prompts([1], seed=23)[0],
+        prefix + [5, 6, 7],
+        prefix + [9] * 19,
+    ]  # the last two hit both prefix caches
     max_tokens = 12
     budget = a.config.max_num_batched_tokens
     for i, prompt in enumerate(prompts):
@@ -117,8 +132,9 @@ def test_commit_that_finishes_at_once_is_reported(refs):
     b.reserve("one", prompt, greedy(1))
     b.commit("one", 42)
     outs = run_until_done(b)
-    assert [(o.request_id, o.finished, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-            for o in outs] == [("one", True, [42], "length")]
+    assert [
+        (o.request_id, o.finished, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs
+    ] == [("one", True, [42], "length")]
     assert_no_leaks(b)
     with pytest.raises(KeyError):
         b.commit("one", 42)
@@ -132,7 +148,7 @@ def test_commit_refuses_a_bad_first_token(refs):
     for bad in (256, -1, True, 3.0):
         with pytest.raises(ValueError, match="first_token_id"):
             b.commit("r", bad)
-    assert not b.step()                      # still only reserved: nothing ran
+    assert not b.step()  # still only reserved: nothing ran
     b.commit("r", 7)
     final = [o for o in run_until_done(b) if o.finished]
     assert len(final[0].outputs[0].token_ids) == 12 and final[0].outputs[0].token_ids[0] == 7
@@ -144,10 +160,11 @@ def test_reserve_beyond_capacity(refs):
     probe = LLM(model_dir, kv_cache_memory=KV, max_model_len=64).engine
     per_block = probe.kv_cache[:, :, 0].numel() * probe.kv_cache.element_size()
     b = LLM(model_dir, kv_cache_memory=8 * per_block, max_model_len=64).engine
-    prompts = random_prompts([40, 40, 40], seed=7)   # 3 blocks each, 8 blocks in all
+    prompts = random_prompts([40, 40, 40], seed=7)  # 3 blocks each, 8 blocks in all
     b.reserve("a", prompts[0], greedy(4))
     b.reserve("b", prompts[1], greedy(4))
     from engine.block_manager import NoFreeBlocks
+
     with pytest.raises(NoFreeBlocks):
         b.reserve("c", prompts[2], greedy(4))
     b.block_manager.check_consistency()
@@ -165,19 +182,19 @@ def test_reservation_abort_frees_blocks(refs):
     assert_no_leaks(b)
 
 
-
 def test_step_trace_records_each_step_shape(refs):
     """Two prompts in 16-token chunks, then decode: every step that computed is in step_trace with
     the shape the latency models use (tokens, n*(start+n) pairs per chunk, decode rows, context)."""
     model_dir, _, prompts, _ = refs("llama-gqa")
     engine = LLM(model_dir, kv_cache_memory=KV, max_num_batched_tokens=16).engine
-    engine.add_request("a", prompts[3], greedy(3))    # 17 tokens: chunks of 16 and 1
-    engine.add_request("b", prompts[1], greedy(3))    # 5 tokens
+    engine.add_request("a", prompts[3], greedy(3))  # 17 tokens: chunks of 16 and 1
+    engine.add_request("b", prompts[1], greedy(3))  # 5 tokens
     run_until_done(engine)
     trace = list(engine.step_trace)
     assert [(r.tokens, r.prefill_pairs, r.num_decode, r.decode_context) for r in trace[:2]] == [
-        (16, 16 * 16, 0, 0),               # a's first chunk fills the budget
-        (1 + 5, 5 * 5, 1, 17)]   # a's last prompt token costs what a decode row does; b's prompt
+        (16, 16 * 16, 0, 0),  # a's first chunk fills the budget
+        (1 + 5, 5 * 5, 1, 17),
+    ]  # a's last prompt token costs what a decode row does; b's prompt
     # b decodes one row from step 3 on; a joins as a decode row once its prompt is done
     assert all(r.prefill_pairs == 0 and r.tokens == r.num_decode for r in trace[2:])
     assert all(r.end >= r.start for r in trace) and len(trace) >= 4
@@ -188,6 +205,7 @@ def test_warm_up_leaves_no_trace_and_changes_no_output(refs):
     """A warmed engine (what workers register with) holds nothing afterwards, its step trace is
     empty, and greedy and seeded outputs equal a cold engine's."""
     from engine import SamplingParams
+
     model_dir, _, prompts, want = refs("llama-gqa")
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
     outputs = []
@@ -203,7 +221,9 @@ def test_warm_up_leaves_no_trace_and_changes_no_output(refs):
             engine.abort("busy")
         engine.add_request("g", prompts[4], greedy())
         engine.add_request("s", prompts[2], seeded)
-        outs = {o.request_id: list(o.outputs[0].token_ids) for o in run_until_done(engine) if o.finished}
+        outs = {
+            o.request_id: list(o.outputs[0].token_ids) for o in run_until_done(engine) if o.finished
+        }
         outputs.append(outs)
         assert_no_leaks(engine)
     assert outputs[0] == outputs[1]

@@ -1,4 +1,5 @@
 """EngineLoop: the engine is built and stepped on one thread; loads are read without it."""
+
 import threading
 from collections import deque
 
@@ -30,8 +31,13 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
     try:
         assert loop.engine.built_on.name == "t-loop"
         assert loop.call(threading.current_thread) is loop.engine.built_on
-        assert loop.load() == {"num_free_blocks": 8, "num_total_blocks": 8, "num_running": 0,
-                               "num_waiting": 0, "queued_prompt_tokens": 0}
+        assert loop.load() == {
+            "num_free_blocks": 8,
+            "num_total_blocks": 8,
+            "num_running": 0,
+            "num_waiting": 0,
+            "queued_prompt_tokens": 0,
+        }
     finally:
         loop.stop()
 
@@ -39,6 +45,7 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
 def test_build_raises_what_the_factory_raised_and_leaves_no_thread():
     def broken():
         raise ValueError("model file not found: /nowhere")
+
     with pytest.raises(ValueError, match="/nowhere"):
         EngineLoop.build(broken, name="t-broken", timeout=10)
     for t in [t for t in threading.enumerate() if t.name == "t-broken"]:

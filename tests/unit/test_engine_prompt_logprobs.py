@@ -1,6 +1,7 @@
 """SamplingParams(prompt_logprobs=k): each prompt token's logprob given the tokens before it, and
 the k most likely tokens there, equal HF's log-softmax of the same positions; with chunked
 prefill, over a prefix-cache hit (which such requests skip), and across TP ranks."""
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)   # row p: the distribution of token p + 1
+    return torch.log_softmax(logits, dim=-1)  # row p: the distribution of token p + 1
 
 
 def check(output, hf, prompt: list[int], k: int) -> None:
@@ -30,7 +31,7 @@ def check(output, hf, prompt: list[int], k: int) -> None:
         assert math.isclose(entry[prompt[p]], want[p - 1, prompt[p]].item(), abs_tol=1e-4), p
         top = want[p - 1].topk(k)
         assert set(top.indices.tolist()) <= set(entry)
-        assert len(entry) in (k, k + 1)   # the prompt token, when it is not among the k
+        assert len(entry) in (k, k + 1)  # the prompt token, when it is not among the k
         for t, v in zip(top.indices.tolist(), top.values.tolist()):
             assert math.isclose(entry[t], v, abs_tol=1e-4)
 
@@ -40,23 +41,28 @@ def test_prompt_logprobs_match_hf(refs, chunk):
     model_dir, hf, prompts, _ = refs("llama-gqa")
     llm = LLM(model_dir, kv_cache_memory=KV, max_num_batched_tokens=chunk)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
-    outs = llm.generate([prompts[4], prompts[1]], params, use_tqdm=False)   # 40 and 5 tokens
+    outs = llm.generate([prompts[4], prompts[1]], params, use_tqdm=False)  # 40 and 5 tokens
     for out, prompt in zip(outs, [prompts[4], prompts[1]]):
         check(out, hf, prompt, 3)
     # zero alternatives: the prompt token's own logprob only; none asked: no list at all
-    only = llm.generate(prompts[2], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    only = llm.generate(
+        prompts[2], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
     assert all(e is None or len(e) == 1 for e in only.prompt_logprobs)
-    assert llm.generate(prompts[2], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+    assert (
+        llm.generate(prompts[2], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs
+        is None
+    )
     assert_no_leaks(llm.engine)
 
 
 def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(refs):
     model_dir, hf, prompts, _ = refs("llama-gqa")
-    shared = prompts[-1]   # the last prompts share a 48-token prefix
+    shared = prompts[-1]  # the last prompts share a 48-token prefix
     llm = LLM(model_dir, kv_cache_memory=KV)
     llm.generate(prompts[-2], SamplingParams(max_tokens=1), use_tqdm=False)
     warm = llm.generate(shared, SamplingParams(max_tokens=1), use_tqdm=False)[0]
-    assert warm.num_cached_tokens > 0   # a plain request hits the cache
+    assert warm.num_cached_tokens > 0  # a plain request hits the cache
     out = llm.generate(shared, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0
     check(out, hf, shared, 2)
@@ -66,7 +72,9 @@ def test_tp2_gives_the_same_prompt_logprobs(refs):
     model_dir, hf, prompts, _ = refs("llama-gqa")
     llm = LLM(model_dir, kv_cache_memory=KV, tensor_parallel_size=2, max_num_batched_tokens=16)
     try:
-        out = llm.generate(prompts[4], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+        out = llm.generate(
+            prompts[4], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False
+        )[0]
         check(out, hf, prompts[4], 2)
     finally:
         llm.shutdown()

@@ -1,5 +1,6 @@
 """Tensor parallelism on tiny random models: TP=2 gives TP=1's tokens, and a TP size that does not
 divide the heads (or is 0) is refused without leaving a process group behind."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
 def test_tp2_matches_tp1(refs, kind):
     model_dir, _, prompts, _ = refs(kind)
-    prompts = [prompts[i] for i in (0, 3, 5, 6, 9)]   # 1, 17, 100, 200 and a shared-prefix one
+    prompts = [prompts[i] for i in (0, 3, 5, 6, 9)]  # 1, 17, 100, 200 and a shared-prefix one
     kw = dict(kv_cache_memory=KV, block_size=16, max_num_batched_tokens=64)
     tp1 = LLM(model_dir, **kw)
     want = [o.outputs[0].token_ids for o in tp1.generate(prompts, greedy(), use_tqdm=False)]
@@ -42,6 +43,7 @@ def test_tp_must_divide_heads(refs):
     assert "heads" in str(exc.value)
     # nothing of the refused group is left behind: a single-process engine still works
     import torch.distributed as dist
+
     assert not dist.is_initialized()
     llm = LLM(model_dir, kv_cache_memory=KV)
     assert llm.generate(prompts[1], greedy(), use_tqdm=False)[0].outputs[0].token_ids == expected[1]
@@ -72,7 +74,9 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
         # both engines allocate the same first blocks to their first request
         whole = torch.cat([c[:, :, :num_blocks] for c in caches], dim=4)
         assert torch.count_nonzero(caches[1][:, :, :num_blocks]) > 0
-        torch.testing.assert_close(whole, tp1.engine.kv_cache[:, :, :num_blocks], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            whole, tp1.engine.kv_cache[:, :, :num_blocks], rtol=1e-4, atol=1e-5
+        )
     finally:
         llm.shutdown()
     assert not any(os.path.exists(p) for p in paths)
@@ -80,7 +84,8 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
 
 def test_stale_shared_kv_files_are_removed(tmp_path):
     from engine.engine_core import remove_stale_kv_files
-    dead = 2 ** 22 + 7   # above the largest pid_max Linux allows: no such process
+
+    dead = 2**22 + 7  # above the largest pid_max Linux allows: no such process
     stale = tmp_path / f"pdserve-kv-{dead}-abcd-rank0"
     alive = tmp_path / f"pdserve-kv-{os.getpid()}-abcd-rank0"
     other = tmp_path / "unrelated"

@@ -1,5 +1,6 @@
 """The compiled fused float32 ops (engine/kernels/fused_cpu.cpp) against the torch expressions
 they replace, and the layers taking the torch path when the kernels are off."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,36 +19,41 @@ def torch_rms(x, w, eps):
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_add_rms_norm(rows):
     g = torch.Generator().manual_seed(rows)
-    x, res, w = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g), torch.randn(96, generator=g)
+    x, res, w = (
+        torch.randn(rows, 96, generator=g),
+        torch.randn(rows, 96, generator=g),
+        torch.randn(96, generator=g),
+    )
     out, same = fused.add_rms_norm(x, None, w, 1e-5)
     assert same.data_ptr() == x.data_ptr()
     torch.testing.assert_close(out, torch_rms(x, w, 1e-5), rtol=1e-5, atol=1e-6)
     want_sum = x + res
     out, summed = fused.add_rms_norm(x, res, w, 1e-5)
-    assert summed.data_ptr() == res.data_ptr() and torch.equal(summed, want_sum)   # in place
+    assert summed.data_ptr() == res.data_ptr() and torch.equal(summed, want_sum)  # in place
     torch.testing.assert_close(out, torch_rms(want_sum, w, 1e-5), rtol=1e-5, atol=1e-6)
 
 
 def test_rope_in_place_equals_rotate_half():
     from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+
     inv, factor = rope_inv_freq(None, "default", 10000.0, 64)
     rot = RotaryEmbedding(inv, factor, 256)
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(7, (4 + 2 + 2) * 64, generator=g)
     q, k, _ = qkv.split([256, 128, 128], dim=-1)
-    q, k = q.view(7, 4, 64), k.reshape(7, 2, 64)   # views with a row stride, as in the model
+    q, k = q.view(7, 4, 64), k.reshape(7, 2, 64)  # views with a row stride, as in the model
     pos = torch.tensor([0, 3, 9, 17, 100, 200, 255])
     cos, sin = rot.cos[pos].unsqueeze(1), rot.sin[pos].unsqueeze(1)
     half = lambda t: torch.cat((-t[..., 32:], t[..., :32]), dim=-1)  # noqa: E731
     want_q, want_k = q * cos + half(q) * sin, k * cos + half(k) * sin
     fused.rope_(q, k, pos, rot.cos, rot.sin)
-    assert torch.equal(q, want_q) and torch.equal(k, want_k)   # the same rounding, no FMA
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)  # the same rounding, no FMA
 
 
 def test_int8_rows_equal_the_torch_expression():
     g = torch.Generator().manual_seed(2)
     x, inv = torch.randn(6, 64, generator=g), torch.rand(64, generator=g) + 0.5
-    x[2] = 0.0   # a zero row: its maximum is clamped, not divided by
+    x[2] = 0.0  # a zero row: its maximum is clamped, not divided by
     span = torch.ones(1, 64)
     span[0, 1::2] = -1
     out, rmax = fused.int8_rows(x, inv, span)
@@ -63,6 +69,7 @@ def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
     """PDSERVE_CPU_KERNELS=0 (or no compiler) routes every layer through torch: same results."""
     import engine.layers.norm as norm_mod
     from engine.layers.norm import RMSNorm
+
     layer = RMSNorm(96, 1e-5)
     layer.weight.data.normal_()
     x, res = torch.randn(3, 96), torch.randn(3, 96)

@@ -4,6 +4,7 @@ reserve -> push -> commit; abort at every stage; lease expiry; a prefill that di
 a bad frame. After each: the decode pool's used blocks are back to zero, and nothing waits
 without a deadline (every wait here has a timeout).
 """
+
 from __future__ import annotations
 
 import queue
@@ -81,8 +82,10 @@ def pair(tiny_models):
     prefill = EngineLoop(LLM(model_dir, kv_cache_memory=1 << 22, block_size=4).engine).start()
     decode = EngineLoop(LLM(model_dir, kv_cache_memory=1 << 22, block_size=16).engine).start()
     mc = decode.engine.model_config
-    layouts = {bs: KVLayout("tiny", "float32", mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)
-               for bs in (4, 16)}
+    layouts = {
+        bs: KVLayout("tiny", "float32", mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)
+        for bs in (4, 16)
+    }
     handoff = DecodeHandoff(decode, layouts[16], lease_s=5.0, sweep_s=0.05)
     yield prefill, decode, handoff, layouts
     for loop in (prefill, decode):
@@ -92,12 +95,18 @@ def pair(tiny_models):
 
 
 def start_prefill(prefill, handoff, layouts, rid, prompt, reserved, transport):
-    sink = PushSink(rid, layouts[4], transport, Destination(reserved.block_ids, layouts[16]),
-                    reserved.num_cached_tokens)
+    sink = PushSink(
+        rid,
+        layouts[4],
+        transport,
+        Destination(reserved.block_ids, layouts[16]),
+        reserved.num_cached_tokens,
+    )
 
     def on_output(out):
         if out.finished and out.outputs[0].finish_reason == "prefill_done":
             sink.commit(out.outputs[0].token_ids[0])
+
     prefill.add_request(rid, prompt, PARAMS, on_output, prefill_only=True, kv_sink=sink)
     return sink
 
@@ -106,7 +115,8 @@ def test_reserve_push_commit_matches_engine_alone(pair, tiny_models):
     prefill, decode, handoff, layouts = pair
     prompts = random_prompts([30, 7, 61], seed=11)
     expected = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 22).generate(
-        prompts, PARAMS, use_tqdm=False)
+        prompts, PARAMS, use_tqdm=False
+    )
     transport = LoopbackTransport(handoff.on_frame)
     collectors = []
     for i, prompt in enumerate(prompts):
@@ -134,12 +144,12 @@ def test_abort_at_every_stage(pair):
     reserved = handoff.reserve("a2", prompt, PARAMS, c)
     start_prefill(prefill, handoff, layouts, "a2", prompt, reserved, transport)
     deadline = time.monotonic() + 10
-    while transport.sent == 0 and time.monotonic() < deadline:   # KV is on its way, held
+    while transport.sent == 0 and time.monotonic() < deadline:  # KV is on its way, held
         time.sleep(0.005)
     assert transport.sent > 0
     assert handoff.abort("a2") and c.final().finish_reason == "abort"
     transport.hold.set()
-    transport.flush(10)          # late frames for a freed reservation are dropped, not written
+    transport.flush(10)  # late frames for a freed reservation are dropped, not written
     assert handoff.num_unknown_frames > 0
     # 3. committed and decoding
     c = Collector()
@@ -147,8 +157,14 @@ def test_abort_at_every_stage(pair):
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     reserved = handoff.reserve("a3", prompt, params, c)
     sink = PushSink("a3", layouts[4], transport2, Destination(reserved.block_ids, layouts[16]), 0)
-    prefill.add_request("a3", prompt, params, lambda o: o.finished and sink.commit(
-        o.outputs[0].token_ids[0]), prefill_only=True, kv_sink=sink)
+    prefill.add_request(
+        "a3",
+        prompt,
+        params,
+        lambda o: o.finished and sink.commit(o.outputs[0].token_ids[0]),
+        prefill_only=True,
+        kv_sink=sink,
+    )
     deadline = time.monotonic() + 10
     while not c.outputs and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -166,7 +182,7 @@ def test_lease_expiry_frees_a_reservation_whose_prefill_died(pair):
     handoff.lease_s = 0.3
     prompt = random_prompts([50], seed=4)[0]
     c = Collector()
-    transport = LoopbackTransport(handoff.on_frame, die_after=1)   # one layer, then silence
+    transport = LoopbackTransport(handoff.on_frame, die_after=1)  # one layer, then silence
     reserved = handoff.reserve("d1", prompt, PARAMS, c)
     start_prefill(prefill, handoff, layouts, "d1", prompt, reserved, transport)
     out = c.final(timeout=5)
@@ -180,8 +196,20 @@ def test_bad_frame_fails_only_its_request(pair):
     prompts = random_prompts([20, 20], seed=8)
     bad, good = Collector(), Collector()
     handoff.reserve("bad", prompts[0], PARAMS, bad)
-    handoff.on_frame(ChunkHeader("bad", "not-this-model", layer=0, start=0, end=1, head_start=0,
-                                 head_end=2, head_dim=16, dtype="float32"), b"\0" * 256)
+    handoff.on_frame(
+        ChunkHeader(
+            "bad",
+            "not-this-model",
+            layer=0,
+            start=0,
+            end=1,
+            head_start=0,
+            head_end=2,
+            head_dim=16,
+            dtype="float32",
+        ),
+        b"\0" * 256,
+    )
     out = bad.final(timeout=5)
     assert out.finish_reason == "abort" and "same model" in out.stop_reason
     transport = LoopbackTransport(handoff.on_frame)
@@ -196,7 +224,9 @@ def test_commit_before_all_kv_arrived_is_refused(pair):
     prompt = random_prompts([24], seed=9)[0]
     c = Collector()
     handoff.reserve("early", prompt, PARAMS, c)
-    handoff.on_frame(ChunkHeader("early", layouts[16].fingerprint, kind="commit", first_token=5), None)
+    handoff.on_frame(
+        ChunkHeader("early", layouts[16].fingerprint, kind="commit", first_token=5), None
+    )
     out = c.final(timeout=5)
     assert out.finish_reason == "abort" and "before all KV arrived" in out.stop_reason
 
@@ -218,7 +248,7 @@ class RecordingTransport(Transport):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_push_sink_sends_each_layer_as_it_ends_or_after_the_last(overlap):
     layout = KVLayout("tiny", "float32", num_layers=3, num_kv_heads=2, head_dim=4, block_size=4)
-    kv = torch.zeros(2, 4, 4, 2, 4)   # [k/v, blocks, block_size, heads, head_dim]
+    kv = torch.zeros(2, 4, 4, 2, 4)  # [k/v, blocks, block_size, heads, head_dim]
     transport = RecordingTransport()
     sink = PushSink("r", layout, transport, Destination([0, 1], layout), 0, overlap=overlap)
     sent_after_each = []
@@ -231,6 +261,7 @@ def test_push_sink_sends_each_layer_as_it_ends_or_after_the_last(overlap):
 
 def test_push_sink_defers_when_the_compute_takes_every_core(monkeypatch):
     from prefill_worker import handoff as prefill_handoff
+
     cores = 4
     monkeypatch.setattr(prefill_handoff.os, "sched_getaffinity", lambda pid: set(range(cores)))
     for threads, overlap in ((cores, False), (cores - 1, True)):

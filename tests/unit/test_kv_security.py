@@ -1,6 +1,7 @@
 """What a stranger (or a broken peer) on the network can do to a decode worker's KV server: without
 the cluster secret nothing reaches the handler; every field it sends is checked before work; a
 layer counts as written only when its bytes arrived; idle channels cannot lock real senders out."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,18 +19,30 @@ import torch.distributed as dist
 
 from kvtransfer import ChunkHeader, TransferState
 from kvtransfer.backends import connect
-from kvtransfer.backends.grpc_backend import (CHANNEL_METADATA_KEY, FLUSH_METHOD, PUSH_METHOD,
-                                              frame_pieces)
+from kvtransfer.backends.grpc_backend import (
+    CHANNEL_METADATA_KEY,
+    FLUSH_METHOD,
+    PUSH_METHOD,
+    frame_pieces,
+)
 from kvtransfer.backends.torch_auth import CONNECTIONS_KEY, conn_prefix
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reshard import read_chunk
 from protos.security import INSECURE, ClusterSecurity
-from test_kv_backends import (LAYOUT_KW, NUM_TOKENS, SRC_BLOCK_IDS, TIMEOUT, DecodeSide, push_request,
-                              source_cache, src_layout)
+from test_kv_backends import (
+    LAYOUT_KW,
+    NUM_TOKENS,
+    SRC_BLOCK_IDS,
+    TIMEOUT,
+    DecodeSide,
+    push_request,
+    source_cache,
+    src_layout,
+)
 
 SECURITY = ClusterSecurity("kv-test-secret-0123456789")
 STRANGERS = [INSECURE, ClusterSecurity("not-the-cluster-secret")]
-QUICK = 2.0        # a refusal comes back well within this (a spinning or hanging server does not)
+QUICK = 2.0  # a refusal comes back well within this (a spinning or hanging server does not)
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +63,7 @@ def sides():
     def make(backend: str, cls=DecodeSide, **opts) -> DecodeSide:
         made.append(cls(backend, security=SECURITY, **opts))
         return made[-1]
+
     yield make
     for side in made:
         side.close()
@@ -74,15 +88,18 @@ def raw_push(address: str, messages: list[bytes], security=SECURITY):
     """A Push stream of our own: returns once the server handled it (or raises its RpcError)."""
     channel = security.channel(address)
     try:
-        return channel.stream_unary(PUSH_METHOD)(iter(messages), timeout=TIMEOUT,
-                                                 metadata=((CHANNEL_METADATA_KEY, uuid.uuid4().hex),))
+        return channel.stream_unary(PUSH_METHOD)(
+            iter(messages), timeout=TIMEOUT, metadata=((CHANNEL_METADATA_KEY, uuid.uuid4().hex),)
+        )
     finally:
         channel.close()
 
 
 def finished(side: DecodeSide, request_id: str) -> KVReceiver:
     rx = side.wait_finished(request_id)
-    assert rx.state in (TransferState.DONE, TransferState.FAILED), f"{request_id} is still {rx.state!r}"
+    assert rx.state in (TransferState.DONE, TransferState.FAILED), (
+        f"{request_id} is still {rx.state!r}"
+    )
     return rx
 
 
@@ -102,7 +119,7 @@ def test_only_a_sender_with_the_secret_reaches_the_handler(sides, backend):
         with pytest.raises(ConnectionRefusedError, match="secret"):
             connect(backend, side.server.address, security=stranger, timeout=TIMEOUT)
         assert time.monotonic() - t0 < QUICK
-    assert side.frames == [] and side.server.num_channels == 0     # refused: nothing held
+    assert side.frames == [] and side.server.num_channels == 0  # refused: nothing held
     tx = connect(backend, side.server.address, security=SECURITY, timeout=TIMEOUT)
     try:
         push_good(side, tx)
@@ -122,19 +139,25 @@ def test_a_raw_stream_without_the_secret_writes_nothing(sides, backend):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         channel = stranger.channel(grpc_address(side))
         with pytest.raises(grpc.RpcError) as err:
-            channel.unary_unary(FLUSH_METHOD)(msgpack.packb({"channel": "x", "frames": 0, "wait_s": 0}),
-                                              timeout=QUICK)
+            channel.unary_unary(FLUSH_METHOD)(
+                msgpack.packb({"channel": "x", "frames": 0, "wait_s": 0}), timeout=QUICK
+            )
         channel.close()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert side.frames == [] and side.server.num_channels == 0
-    assert side.receivers["r"].state == TransferState.PENDING and not side.cache[:, :, dest.block_ids].any()
+    assert (
+        side.receivers["r"].state == TransferState.PENDING
+        and not side.cache[:, :, dest.block_ids].any()
+    )
 
 
 def test_silent_forged_and_flooding_torch_handshakes_block_nobody(sides):
     side = sides("torch", auth_timeout=0.5)
     host, port = side.server.address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=dist.constants.default_pg_timeout)
-    silent = store.add(CONNECTIONS_KEY, 1) - 1          # takes a connection and never answers
+    store = dist.TCPStore(
+        host, int(port), is_master=False, timeout=dist.constants.default_pg_timeout
+    )
+    silent = store.add(CONNECTIONS_KEY, 1) - 1  # takes a connection and never answers
     forged = store.add(CONNECTIONS_KEY, 1) - 1
     store.wait([conn_prefix(forged) + "nonce"])
     store.set(conn_prefix(forged) + "auth", b"\0" * 32)
@@ -146,7 +169,7 @@ def test_silent_forged_and_flooding_torch_handshakes_block_nobody(sides):
     store.wait([conn_prefix(forged) + "verdict", conn_prefix(silent) + "verdict"])
     assert store.get(conn_prefix(forged) + "verdict") == b"refused: wrong credentials"
     assert store.get(conn_prefix(silent) + "verdict").startswith(b"refused: no answer")
-    store.add(CONNECTIONS_KEY, 100_000)                 # a flood of connection numbers
+    store.add(CONNECTIONS_KEY, 100_000)  # a flood of connection numbers
     tx = connect("torch", side.server.address, security=SECURITY, timeout=TIMEOUT)
     try:
         push_good(side, tx, "after-flood", seed=4)
@@ -157,18 +180,21 @@ def test_silent_forged_and_flooding_torch_handshakes_block_nobody(sides):
 
 
 # ---- fields a stranger sends -----------------------------------------------------------------------
-@pytest.mark.parametrize("ask,complaint", [
-    ({"channel": "c", "frames": 1, "wait_s": math.nan}, "wait_s"),
-    ({"channel": "c", "frames": 1, "wait_s": math.inf}, "wait_s"),
-    ({"channel": "c", "frames": 1, "wait_s": -1.0}, "wait_s"),
-    ({"channel": "c", "frames": 1, "wait_s": "0.5"}, "wait_s"),
-    ({"channel": "c", "frames": -1, "wait_s": 0.1}, "frames"),
-    ({"channel": "c", "frames": True, "wait_s": 0.1}, "frames"),
-    ({"channel": "c", "frames": 2 ** 63, "wait_s": 0.1}, "frames"),
-    ({"channel": "c" * 65, "frames": 1, "wait_s": 0.1}, "channel"),
-    ({"channel": 7, "frames": 1, "wait_s": 0.1}, "channel"),
-    ([1, 2, 3], "map"),
-])
+@pytest.mark.parametrize(
+    "ask,complaint",
+    [
+        ({"channel": "c", "frames": 1, "wait_s": math.nan}, "wait_s"),
+        ({"channel": "c", "frames": 1, "wait_s": math.inf}, "wait_s"),
+        ({"channel": "c", "frames": 1, "wait_s": -1.0}, "wait_s"),
+        ({"channel": "c", "frames": 1, "wait_s": "0.5"}, "wait_s"),
+        ({"channel": "c", "frames": -1, "wait_s": 0.1}, "frames"),
+        ({"channel": "c", "frames": True, "wait_s": 0.1}, "frames"),
+        ({"channel": "c", "frames": 2**63, "wait_s": 0.1}, "frames"),
+        ({"channel": "c" * 65, "frames": 1, "wait_s": 0.1}, "channel"),
+        ({"channel": 7, "frames": 1, "wait_s": 0.1}, "channel"),
+        ([1, 2, 3], "map"),
+    ],
+)
 def test_flush_refuses_bad_fields_at_once(sides, ask, complaint):
     side = sides("grpc")
     channel = SECURITY.channel(side.server.address)
@@ -178,11 +204,14 @@ def test_flush_refuses_bad_fields_at_once(sides, ask, complaint):
         with pytest.raises(grpc.RpcError) as err:
             flush(msgpack.packb(ask), timeout=QUICK)
         assert time.monotonic() - t0 < QUICK
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and complaint in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and complaint in err.value.details()
+        )
         if complaint == "wait_s":
             assert "finite number of seconds >= 0" in err.value.details()
         reply = flush(msgpack.packb({"channel": "c", "frames": 0, "wait_s": 0.0}), timeout=QUICK)
-        assert msgpack.unpackb(reply) == {"frames": -1}      # the server still answers
+        assert msgpack.unpackb(reply) == {"frames": -1}  # the server still answers
     finally:
         channel.close()
 
@@ -197,22 +226,27 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
     payload = data.numpy().tobytes()
     fields = dataclasses.asdict(header)
     messages = [
-        raw_frame({**fields, "layer": "0"}, payload),                      # names its request: fails it
-        raw_frame({**fields, "request_id": "x" * 300}, payload),           # names none: dropped
+        raw_frame({**fields, "layer": "0"}, payload),  # names its request: fails it
+        raw_frame({**fields, "request_id": "x" * 300}, payload),  # names none: dropped
         raw_frame({**fields, "request_id": "bad-token", "kind": "commit", "first_token": "7"})
-        + frame(dataclasses.replace(header, request_id="bad-dim", head_dim=4), payload[:len(payload) // 2]),
-        frame(ChunkHeader("ghost", fp, kind="abort")),                      # a request this rank never had
+        + frame(
+            dataclasses.replace(header, request_id="bad-dim", head_dim=4),
+            payload[: len(payload) // 2],
+        ),
+        frame(ChunkHeader("ghost", fp, kind="abort")),  # a request this rank never had
     ]
-    for layer in range(LAYOUT_KW["num_layers"]):                          # then a whole good request
+    for layer in range(LAYOUT_KW["num_layers"]):  # then a whole good request
         for start, end in ((0, 20), (20, NUM_TOKENS)):
-            h, d = read_chunk(source_cache(9)[layer], layout, "good", layer, SRC_BLOCK_IDS, start, end)
+            h, d = read_chunk(
+                source_cache(9)[layer], layout, "good", layer, SRC_BLOCK_IDS, start, end
+            )
             messages.append(frame(h, d.numpy().tobytes()))
     messages.append(frame(ChunkHeader("good", fp, kind="commit", first_token=9)))
     raw_push(side.server.address, messages)
     assert "layer" in finished(side, "bad-layer").error
     assert "first_token" in finished(side, "bad-token").error
     assert "head_dim" in finished(side, "bad-dim").error
-    side.assert_received("good", 9)      # the channel that carried the bad frames went on
+    side.assert_received("good", 9)  # the channel that carried the bad frames went on
     assert good.block_ids == [5, 6, 7]
 
 
@@ -220,16 +254,21 @@ def test_the_receiver_checks_an_in_place_header_against_its_layout():
     layout = dataclasses.replace(src_layout(), block_size=16)
     cache = torch.zeros(3, 2, 4, 16, 2, 8)
     ok = ChunkHeader("r", layout.fingerprint, 0, 0, 10, 0, 2, 8, "float32", in_place=True)
-    for bad, complaint in [(dict(layer=3), "layer 3"), (dict(head_dim=4), "head_dim"),
-                           (dict(dtype="bfloat16"), "dtype"), (dict(head_end=3), "kv heads"),
-                           (dict(start=10), "non-empty"), (dict(end=NUM_TOKENS + 1), "non-empty")]:
+    for bad, complaint in [
+        (dict(layer=3), "layer 3"),
+        (dict(head_dim=4), "head_dim"),
+        (dict(dtype="bfloat16"), "dtype"),
+        (dict(head_end=3), "kv heads"),
+        (dict(start=10), "non-empty"),
+        (dict(end=NUM_TOKENS + 1), "non-empty"),
+    ]:
         rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
         assert rx.on_frame(dataclasses.replace(ok, **bad), None) == TransferState.FAILED
         assert complaint in rx.error, rx.error
     rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
     assert rx.on_frame(ok, b"\0" * 4) == TransferState.FAILED and "no payload" in rx.error
     rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
-    assert rx.on_frame(ok, None) == TransferState.TRANSFERRING       # what the shm server passes
+    assert rx.on_frame(ok, None) == TransferState.TRANSFERRING  # what the shm server passes
 
 
 # ---- a layer is written only when its bytes arrived ------------------------------------------------
@@ -240,10 +279,15 @@ def test_in_place_frames_off_the_shm_backend_fail_their_request(sides, backend):
     tx = connect(backend, side.server.address, security=SECURITY, timeout=TIMEOUT)
     try:
         for layer in range(LAYOUT_KW["num_layers"]):
-            header, _ = read_chunk(source_cache(2)[layer], src_layout(), "claims", layer, SRC_BLOCK_IDS,
-                                   0, NUM_TOKENS)
+            header, _ = read_chunk(
+                source_cache(2)[layer], src_layout(), "claims", layer, SRC_BLOCK_IDS, 0, NUM_TOKENS
+            )
             tx.send(dataclasses.replace(header, in_place=True), None, dest)
-        tx.send(ChunkHeader("claims", src_layout().fingerprint, kind="commit", first_token=1), None, dest)
+        tx.send(
+            ChunkHeader("claims", src_layout().fingerprint, kind="commit", first_token=1),
+            None,
+            dest,
+        )
         tx.flush(TIMEOUT)
         rx = finished(side, "claims")
         assert rx.state == TransferState.FAILED and "only valid on the shm backend" in rx.error
@@ -258,9 +302,14 @@ def test_a_payload_of_the_wrong_size_fails_its_request(sides, backend):
     side = sides(backend)
     tx = connect(backend, side.server.address, security=SECURITY, timeout=TIMEOUT)
     try:
-        for rid, mangle in [("short", lambda d: d.reshape(-1)[:-1]), ("wide", lambda d: d.double())]:
+        for rid, mangle in [
+            ("short", lambda d: d.reshape(-1)[:-1]),
+            ("wide", lambda d: d.double()),
+        ]:
             dest = side.reserve(rid, [0, 1, 2])
-            header, data = read_chunk(source_cache(3)[0], src_layout(), rid, 0, SRC_BLOCK_IDS, 0, 20)
+            header, data = read_chunk(
+                source_cache(3)[0], src_layout(), rid, 0, SRC_BLOCK_IDS, 0, 20
+            )
             tx.send(header, mangle(data), dest)
             tx.flush(TIMEOUT)
             rx = finished(side, rid)
@@ -278,9 +327,14 @@ class IdleStreams:
     def __init__(self, address: str, count: int):
         self._release = threading.Event()
         self.channels = [SECURITY.channel(address) for _ in range(count)]
-        self.calls = [c.stream_unary(PUSH_METHOD).future(self._idle(), wait_for_ready=True,
-                                                         metadata=((CHANNEL_METADATA_KEY, uuid.uuid4().hex),))
-                      for c in self.channels]
+        self.calls = [
+            c.stream_unary(PUSH_METHOD).future(
+                self._idle(),
+                wait_for_ready=True,
+                metadata=((CHANNEL_METADATA_KEY, uuid.uuid4().hex),),
+            )
+            for c in self.channels
+        ]
 
     def _idle(self):
         self._release.wait()
@@ -311,10 +365,12 @@ def test_idle_channels_of_one_peer_do_not_lock_out_a_fresh_sender(sides, per_pee
     side = sides("grpc", min_idle_evict_s=1.0, max_channels_per_peer=per_peer)
     idle = IdleStreams(side.server.address, 20)
     try:
-        wait_until(lambda: side.server.num_channels == per_peer and len(idle.ended()) == 20 - per_peer,
-                   "the idle streams were not admitted or refused")
-        assert set(idle.ended()) == {grpc.StatusCode.RESOURCE_EXHAUSTED}    # refused: nothing held
-        time.sleep(1.2)                                  # now they have been idle long enough
+        wait_until(
+            lambda: side.server.num_channels == per_peer and len(idle.ended()) == 20 - per_peer,
+            "the idle streams were not admitted or refused",
+        )
+        assert set(idle.ended()) == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # refused: nothing held
+        time.sleep(1.2)  # now they have been idle long enough
         tx = connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT)
         try:
             push_good(side, tx)
@@ -332,7 +388,7 @@ def test_a_channel_closed_while_idle_reopens_at_the_next_send(sides):
     try:
         push_good(side, tx, "before", seed=5)
         wait_until(lambda: side.server.num_channels == 0, "the idle channel was not closed")
-        time.sleep(0.5)                                  # the sender hears of it
+        time.sleep(0.5)  # the sender hears of it
         push_good(side, tx, "after", seed=6)
     finally:
         tx.close()
@@ -344,17 +400,19 @@ def test_an_evicted_sender_reopens_or_says_frames_were_lost(sides):
     try:
         push_good(side, a, "a1", seed=1)
         time.sleep(0.5)
-        b = connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT)   # evicts a
+        b = connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT)  # evicts a
         try:
             push_good(side, b, "b1", seed=2)
             dest = side.reserve("b2", [0, 1, 2])
-            header, data = read_chunk(source_cache(4)[0], src_layout(), "b2", 0, SRC_BLOCK_IDS, 0, 20)
-            b.send(header, data, dest)                   # not flushed yet
+            header, data = read_chunk(
+                source_cache(4)[0], src_layout(), "b2", 0, SRC_BLOCK_IDS, 0, 20
+            )
+            b.send(header, data, dest)  # not flushed yet
             time.sleep(0.5)
-            push_good(side, a, "a2", seed=3)             # a's frames were all confirmed: it reopens
-                                                         # (evicting b, idle and now the oldest)
+            push_good(side, a, "a2", seed=3)  # a's frames were all confirmed: it reopens
+            # (evicting b, idle and now the oldest)
             with pytest.raises(ConnectionError, match="closed the channel"):
-                b.flush(TIMEOUT)                         # b's frame may be lost: it must say so
+                b.flush(TIMEOUT)  # b's frame may be lost: it must say so
         finally:
             b.close()
     finally:
@@ -382,7 +440,7 @@ def test_a_busy_channel_is_never_evicted(sides):
     try:
         a.send(ChunkHeader("slow", src_layout().fingerprint, kind="abort"), None, None)
         assert side.entered.wait(TIMEOUT)
-        time.sleep(0.2)                                  # no frame for a while, but one in its handler
+        time.sleep(0.2)  # no frame for a while, but one in its handler
         with pytest.raises(ConnectionError, match="RESOURCE_EXHAUSTED.*all busy"):
             connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT)
         assert side.server.num_channels == 1
@@ -396,7 +454,9 @@ def test_a_busy_channel_is_never_evicted(sides):
 
 def test_one_peer_has_a_channel_limit(sides):
     side = sides("grpc", max_channels=8, max_channels_per_peer=2, min_idle_evict_s=60.0)
-    held = [connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT) for _ in range(2)]
+    held = [
+        connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT) for _ in range(2)
+    ]
     try:
         with pytest.raises(ConnectionError, match="RESOURCE_EXHAUSTED.*max_channels_per_peer=2"):
             connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT)

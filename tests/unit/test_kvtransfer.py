@@ -1,4 +1,5 @@
 """kvtransfer without a network: wire frames, layouts, re-sharding, and a receiver fed by an engine."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks, random_prompts
-from kvtransfer import ChunkHeader, KVLayout, LayoutMismatch, TransferState, decode_frame, encode_frame
+from kvtransfer import (
+    ChunkHeader,
+    KVLayout,
+    LayoutMismatch,
+    TransferState,
+    decode_frame,
+    encode_frame,
+)
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.reshard import read_chunk, write_chunk
 from kvtransfer.wire import WireError
@@ -19,8 +27,9 @@ def frame_bytes(header, payload=b""):
 
 
 def test_frame_round_trip_and_refusals():
-    h = ChunkHeader("r1", "abc", layer=2, start=3, end=5, head_start=0, head_end=2, head_dim=4,
-                    dtype="float32")
+    h = ChunkHeader(
+        "r1", "abc", layer=2, start=3, end=5, head_start=0, head_end=2, head_dim=4, dtype="float32"
+    )
     data = torch.arange(2 * 2 * 2 * 4, dtype=torch.float32)
     got, payload = decode_frame(frame_bytes(h, data.numpy().tobytes()))
     assert got == h and torch.equal(torch.frombuffer(bytearray(payload), dtype=torch.float32), data)
@@ -36,7 +45,10 @@ def test_frame_round_trip_and_refusals():
 def test_layout_mismatch_is_refused_with_a_clear_message():
     a = KVLayout("smollm2", "float32", 30, 3, 64, 16)
     b = KVLayout("smollm2", "bfloat16", 30, 3, 64, 16)
-    assert a.fingerprint == KVLayout("smollm2", "float32", 30, 3, 64, block_size=4, tp_size=3).fingerprint
+    assert (
+        a.fingerprint
+        == KVLayout("smollm2", "float32", 30, 3, 64, block_size=4, tp_size=3).fingerprint
+    )
     with pytest.raises(LayoutMismatch, match="same model in the same dtype"):
         a.check_compatible(b.fingerprint)
     with pytest.raises(ValueError, match="tp_size=2 must divide num_kv_heads=3"):
@@ -44,10 +56,22 @@ def test_layout_mismatch_is_refused_with_a_clear_message():
 
 
 def make_rank_caches(layout_kw, tp, block_size, num_blocks, seed=0):
-    layouts = [KVLayout(**layout_kw, block_size=block_size, tp_size=tp, tp_rank=r) for r in range(tp)]
+    layouts = [
+        KVLayout(**layout_kw, block_size=block_size, tp_size=tp, tp_rank=r) for r in range(tp)
+    ]
     g = torch.Generator().manual_seed(seed)
-    caches = [torch.randn(layout_kw["num_layers"], 2, num_blocks, block_size, l.heads_per_rank,
-                          layout_kw["head_dim"], generator=g) for l in layouts]
+    caches = [
+        torch.randn(
+            layout_kw["num_layers"],
+            2,
+            num_blocks,
+            block_size,
+            lay.heads_per_rank,
+            layout_kw["head_dim"],
+            generator=g,
+        )
+        for lay in layouts
+    ]
     return layouts, caches
 
 
@@ -57,7 +81,10 @@ def token_view(caches, layouts, block_ids, num_tokens):
     for cache, layout in zip(caches, layouts):
         flat = cache.view(cache.shape[0], 2, -1, layout.heads_per_rank, layout.head_dim)
         t = torch.arange(num_tokens)
-        idx = torch.tensor(block_ids)[t // layout.block_size] * layout.block_size + t % layout.block_size
+        idx = (
+            torch.tensor(block_ids)[t // layout.block_size] * layout.block_size
+            + t % layout.block_size
+        )
         parts.append(flat[:, :, idx])
     return torch.cat(parts, dim=3)
 
@@ -68,8 +95,8 @@ def test_reshard_between_tp_sizes_and_block_sizes(src_tp, dst_tp):
     num_tokens = 37
     src_layouts, src_caches = make_rank_caches(kw, src_tp, block_size=4, num_blocks=16, seed=1)
     dst_layouts, dst_caches = make_rank_caches(kw, dst_tp, block_size=16, num_blocks=8, seed=2)
-    src_blocks = [15, 3, 7, 0, 9, 11, 2, 4, 6, 13]          # 10 blocks of 4 >= 37 tokens
-    dst_blocks = [5, 1, 6]                                  # 3 blocks of 16 >= 37 tokens
+    src_blocks = [15, 3, 7, 0, 9, 11, 2, 4, 6, 13]  # 10 blocks of 4 >= 37 tokens
+    dst_blocks = [5, 1, 6]  # 3 blocks of 16 >= 37 tokens
     for layer, (start, end) in itertools.product(range(2), [(0, 20), (20, 37)]):
         for layout, cache in zip(src_layouts, src_caches):
             header, data = read_chunk(cache[layer], layout, "r", layer, src_blocks, start, end)
@@ -85,25 +112,36 @@ def test_receiver_coverage_commit_and_failures():
     layout = KVLayout("m", "float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
     cache = torch.zeros(2, 2, 8, 4, 2, 4)
     src = torch.randn(2, 2, 8, 4, 2, 4)
-    rx = KVReceiver("r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=4, num_prompt_tokens=10)
+    rx = KVReceiver(
+        "r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=4, num_prompt_tokens=10
+    )
     commit = ChunkHeader("r", layout.fingerprint, kind="commit", first_token=7)
     header, data = read_chunk(src[0], layout, "r", 0, [0, 1, 2], 4, 10)
     assert rx.on_frame(header, data) == TransferState.TRANSFERRING
-    assert rx.on_frame(commit, b"") == TransferState.FAILED           # layer 1 never arrived
+    assert rx.on_frame(commit, b"") == TransferState.FAILED  # layer 1 never arrived
     assert "missing" in rx.error
 
-    rx = KVReceiver("r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=4, num_prompt_tokens=10)
+    rx = KVReceiver(
+        "r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=4, num_prompt_tokens=10
+    )
     for layer in range(2):
         rx.on_frame(*read_chunk(src[layer], layout, "r", layer, [0, 1, 2], 4, 10))
     assert rx.on_frame(commit, b"") == TransferState.DONE and rx.first_token == 7
 
-    rx = KVReceiver("r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=0, num_prompt_tokens=10)
-    wrong = ChunkHeader("r", "0000", layer=0, start=0, end=2, head_start=0, head_end=2, head_dim=4,
-                        dtype="float32")
+    rx = KVReceiver(
+        "r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=0, num_prompt_tokens=10
+    )
+    wrong = ChunkHeader(
+        "r", "0000", layer=0, start=0, end=2, head_start=0, head_end=2, head_dim=4, dtype="float32"
+    )
     assert rx.on_frame(wrong, torch.zeros(2, 2, 2, 4)) == TransferState.FAILED
     assert "same model" in rx.error
-    rx = KVReceiver("r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=0, num_prompt_tokens=10)
-    assert rx.on_frame(ChunkHeader("r", layout.fingerprint, kind="abort"), b"") == TransferState.FAILED
+    rx = KVReceiver(
+        "r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=0, num_prompt_tokens=10
+    )
+    assert (
+        rx.on_frame(ChunkHeader("r", layout.fingerprint, kind="abort"), b"") == TransferState.FAILED
+    )
 
 
 class FramingSink:
@@ -115,8 +153,9 @@ class FramingSink:
     def on_layer(self, layer, layer_kv, block_ids, start, end):
         start = max(start, self.receiver.num_cached_tokens)
         if start < end:
-            header, data = read_chunk(layer_kv, self.layout, self.receiver.request_id, layer,
-                                      block_ids, start, end)
+            header, data = read_chunk(
+                layer_kv, self.layout, self.receiver.request_id, layer, block_ids, start, end
+            )
             self.receiver.on_frame(*decode_frame(frame_bytes(header, data.numpy().tobytes())))
 
 
@@ -127,15 +166,21 @@ def test_engine_to_engine_through_frames(tiny_models):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = random_prompts([45, 3, 70], seed=5)
     expected = LLM(model_dir, kv_cache_memory=1 << 22).generate(prompts, params, use_tqdm=False)
-    prefill = LLM(model_dir, kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=32).engine
+    prefill = LLM(
+        model_dir, kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=32
+    ).engine
     decode = LLM(model_dir, kv_cache_memory=1 << 22, block_size=16).engine
     mc = decode.model_config
-    layout = lambda bs: KVLayout("tiny", "float32", mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)
+    layout = lambda bs: KVLayout("tiny", "float32", mc.num_layers, mc.num_kv_heads, mc.head_dim, bs)  # noqa: E731
     for i, (prompt, want) in enumerate(zip(prompts, expected)):
         rid = f"r{i}"
         res = decode.reserve(rid, prompt, params)
-        rx = KVReceiver(rid, decode.kv_cache, layout(16), res.block_ids, res.num_cached_tokens, len(prompt))
-        prefill.add_request(rid, prompt, params, prefill_only=True, kv_sink=FramingSink(layout(4), rx))
+        rx = KVReceiver(
+            rid, decode.kv_cache, layout(16), res.block_ids, res.num_cached_tokens, len(prompt)
+        )
+        prefill.add_request(
+            rid, prompt, params, prefill_only=True, kv_sink=FramingSink(layout(4), rx)
+        )
         first = None
         while prefill.has_unfinished_requests():
             for out in prefill.step():

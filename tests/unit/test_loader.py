@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import time
 
@@ -22,8 +20,14 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.loader import default_cache_dir, iter_safetensors, load_hf_config, resolve_model
-from engine.loader import gguf_convert, resolve
+from engine.loader import (
+    default_cache_dir,
+    gguf_convert,
+    iter_safetensors,
+    load_hf_config,
+    resolve,
+    resolve_model,
+)
 from engine.loader.gguf_convert import convert_gguf_weights, reverse_permute
 
 N_HEAD, N_KV_HEAD = 4, 2
@@ -36,9 +40,17 @@ def _quiet(monkeypatch):
 
 def tiny_model(arch: str, tied: bool):
     common = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=N_HEAD, num_key_value_heads=N_KV_HEAD, max_position_embeddings=128,
-        rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_KV_HEAD,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=256,
+        eos_token_id=257,
     )
     torch.manual_seed(0)
     if arch == "llama":
@@ -109,7 +121,9 @@ def test_resolve_hf_dir_returned_as_is(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
 
 
-@pytest.mark.parametrize("case", ["missing", "no_config", "no_weights", "missing_gguf", "plain_file", "empty"])
+@pytest.mark.parametrize(
+    "case", ["missing", "no_config", "no_weights", "missing_gguf", "plain_file", "empty"]
+)
 def test_resolve_rejects_bad_model(tmp_path, case):
     target = {
         "missing": tmp_path / "nope",
@@ -147,16 +161,24 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 # --- GGUF conversion -------------------------------------------------------------------------
 
 _LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
 
 def hf_to_gguf_name(name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in top:
         return top[name]
     _, _, layer, rest = name.split(".", 3)
@@ -168,7 +190,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
     # Copy of LlamaModel.permute from llama.cpp's convert_hf_to_gguf.py: the forward direction.
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_gguf(path: pathlib.Path, model, arch: str, quantize: set[str] = frozenset()) -> dict:
@@ -267,7 +293,9 @@ def test_gguf_weights_quantized_tensors_dequantize(tmp_path):
     model = tiny_model("llama", False)
     quantized = {"blk.0.attn_q.weight", "blk.1.attn_k.weight", "blk.0.ffn_down.weight"}
     stored = write_gguf(tmp_path / "q.gguf", model, "llama", quantize=quantized)
-    names = convert_gguf_weights(tmp_path / "q.gguf", model.config.to_dict(), tmp_path / "w.safetensors")
+    names = convert_gguf_weights(
+        tmp_path / "q.gguf", model.config.to_dict(), tmp_path / "w.safetensors"
+    )
     got = load_file(str(tmp_path / "w.safetensors"))
     assert sorted(names) == sorted(got)
     sd = model.state_dict()
@@ -276,26 +304,44 @@ def test_gguf_weights_quantized_tensors_dequantize(tmp_path):
     k = reverse_permute(stored["blk.1.attn_k.weight"], N_HEAD, N_KV_HEAD)
     assert np.array_equal(got["model.layers.0.self_attn.q_proj.weight"].numpy(), q)
     assert np.array_equal(got["model.layers.1.self_attn.k_proj.weight"].numpy(), k)
-    torch.testing.assert_close(got["model.layers.0.self_attn.q_proj.weight"],
-                               sd["model.layers.0.self_attn.q_proj.weight"], atol=0.02, rtol=0)
-    assert torch.equal(got["model.layers.0.self_attn.v_proj.weight"], sd["model.layers.0.self_attn.v_proj.weight"])
+    torch.testing.assert_close(
+        got["model.layers.0.self_attn.q_proj.weight"],
+        sd["model.layers.0.self_attn.q_proj.weight"],
+        atol=0.02,
+        rtol=0,
+    )
+    assert torch.equal(
+        got["model.layers.0.self_attn.v_proj.weight"], sd["model.layers.0.self_attn.v_proj.weight"]
+    )
 
 
 def test_gguf_unsupported_architecture_and_tensor(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(ValueError, match="gpt2"):
-        convert_gguf_weights(tmp_path / "g.gguf", {"num_attention_heads": 1}, tmp_path / "o.safetensors")
+        convert_gguf_weights(
+            tmp_path / "g.gguf", {"num_attention_heads": 1}, tmp_path / "o.safetensors"
+        )
     with pytest.raises(ValueError, match="gpt2"):
         resolve_model(str(tmp_path / "g.gguf"), cache_dir=tmp_path / "cache")
-    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+    assert not (tmp_path / "cache" / "models").exists() or not any(
+        (tmp_path / "cache" / "models").iterdir()
+    )
 
     w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
     w.add_tensor("blk.0.attn_qkv.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
-        convert_gguf_weights(tmp_path / "odd.gguf", {"num_attention_heads": 1}, tmp_path / "o.safetensors")
+        convert_gguf_weights(
+            tmp_path / "odd.gguf", {"num_attention_heads": 1}, tmp_path / "o.safetensors"
+        )
 
 
 def test_concurrent_conversion_uses_the_winner(tmp_path, monkeypatch):
@@ -354,11 +400,17 @@ def test_smollm2_converts_and_answers(tmp_path_factory):
     assert resolve_model("SMOLLM2", cache_dir=cache) == out
     cached = time.perf_counter() - t0
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
-    print(f"\nsmollm2: first resolve (conversion) {first:.1f}s, cached resolve {cached * 1000:.1f}ms")
+    print(
+        f"\nsmollm2: first resolve (conversion) {first:.1f}s, cached resolve {cached * 1000:.1f}ms"
+    )
 
     cfg = load_hf_config(out)
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (576, 9, 3)
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        576,
+        9,
+        3,
+    )
     assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
     assert cfg["rope_parameters"]["rope_theta"] == 100000.0 and cfg["dtype"] == "float32"
 
@@ -367,9 +419,11 @@ def test_smollm2_converts_and_answers(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     inputs = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         ids = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    answer = tok.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer

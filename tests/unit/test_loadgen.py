@@ -1,5 +1,6 @@
 """`pdserve bench`: the goodput/SLO math on hand-made numbers, and the load generator end to end
 against an in-process tiny-model cluster (router + one prefill + one decode worker)."""
+
 from __future__ import annotations
 
 import csv
@@ -12,8 +13,18 @@ import pytest
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from deploy.cli import main
 from deploy.tuning.loadgen import run_load
-from deploy.tuning.metrics import (RequestRecord, attainment, attribute_itl, distribution, goodput_rate,
-                                   meets_slo, parse_positive_list, parse_slo, slo_scale_goodput, summarize)
+from deploy.tuning.metrics import (
+    RequestRecord,
+    attainment,
+    attribute_itl,
+    distribution,
+    goodput_rate,
+    meets_slo,
+    parse_positive_list,
+    parse_slo,
+    slo_scale_goodput,
+    summarize,
+)
 from deploy.tuning.workload import RequestSpec, build_prompts
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from router.server import Router, RouterConfig
@@ -60,9 +71,18 @@ def test_parse_slo_units():
     assert parse_slo(" TTFT = 2s , e2e=1.5e3ms") == {"ttft": 2.0, "e2e": 1.5}
 
 
-@pytest.mark.parametrize("text, named", [
-    ("ttft=500", "no unit"), ("ttft=500us", "expected NAME=VALUE"), ("itl=5ms", "unknown metric"),
-    ("ttft=1s,ttft=2s", "twice"), ("ttft=0ms", "> 0"), ("", "no SLO"), ("ttft", "expected NAME=VALUE")])
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("ttft=500", "no unit"),
+        ("ttft=500us", "expected NAME=VALUE"),
+        ("itl=5ms", "unknown metric"),
+        ("ttft=1s,ttft=2s", "twice"),
+        ("ttft=0ms", "> 0"),
+        ("", "no SLO"),
+        ("ttft", "expected NAME=VALUE"),
+    ],
+)
 def test_parse_slo_errors_name_the_problem(text, named):
     with pytest.raises(ValueError, match=named):
         parse_slo(text)
@@ -87,13 +107,17 @@ def test_itl_spreads_a_multi_token_delta_gap_evenly():
 
 
 def record(i=0, ttft=0.1, e2e=1.1, tokens=11, error="", prompt=10):
-    return RequestRecord(i, 0.0, prompt, tokens, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens, error=error)
+    return RequestRecord(
+        i, 0.0, prompt, tokens, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens, error=error
+    )
 
 
 def test_tpot_and_slo_membership():
     r = record()
     assert r.tpot_s == pytest.approx(0.1)
-    assert meets_slo(r, {"ttft": 0.1, "tpot": 0.1}) and not meets_slo(r, {"ttft": 0.1, "tpot": 0.09})
+    assert meets_slo(r, {"ttft": 0.1, "tpot": 0.1}) and not meets_slo(
+        r, {"ttft": 0.1, "tpot": 0.09}
+    )
     assert meets_slo(r, {"ttft": 0.06, "tpot": 0.06}, scale=2) and not meets_slo(r, {"e2e": 1.0})
     assert record(tokens=1).tpot_s is None and meets_slo(record(tokens=1), {"tpot": 1e-6})
     assert not meets_slo(record(error="RESOURCE_EXHAUSTED"), {"ttft": 10})
@@ -104,12 +128,18 @@ def test_summary_counts_failures_as_misses():
     records.append(record(4, ttft=None, e2e=None, tokens=0, error="RESOURCE_EXHAUSTED"))
     s = summarize(records, duration_s=2.0, slo={"ttft": 0.25})
     assert (s["completed"], s["failed"], s["errors"]) == (4, 1, {"RESOURCE_EXHAUSTED": 1})
-    assert s["request_throughput"] == pytest.approx(2.0) and s["output_throughput"] == pytest.approx(22.0)
+    assert s["request_throughput"] == pytest.approx(2.0) and s[
+        "output_throughput"
+    ] == pytest.approx(22.0)
     assert s["input_throughput"] == pytest.approx(20.0) and s["total_input_tokens"] == 40
     assert s["mean_ttft_ms"] == pytest.approx(250) and s["median_ttft_ms"] == pytest.approx(250)
     assert s["p99_ttft_ms"] == pytest.approx(397) and s["mean_tpot_ms"] == pytest.approx(100)
-    assert s["slo_attainment"] == pytest.approx(2 / 5) and s["request_goodput"] == pytest.approx(1.0)
-    assert distribution([], "ttft") == dict.fromkeys(["mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"])
+    assert s["slo_attainment"] == pytest.approx(2 / 5) and s["request_goodput"] == pytest.approx(
+        1.0
+    )
+    assert distribution([], "ttft") == dict.fromkeys(
+        ["mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"]
+    )
 
 
 def test_slo_scale_goodput_from_the_same_sweep():
@@ -127,16 +157,31 @@ def test_slo_scale_goodput_from_the_same_sweep():
 class TinyCluster:
     def __init__(self, model_dir):
         engine = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
-        self.decode = DecodeWorker(DecodeWorkerConfig(model=model_dir, worker_id="d0", lease_ms=5000,
-                                                      engine_kwargs=dict(block_size=16, **engine))).start()
-        self.prefill = PrefillWorker(PrefillWorkerConfig(model=model_dir, worker_id="p0",
-                                                         engine_kwargs=dict(block_size=4, **engine))).start()
+        self.decode = DecodeWorker(
+            DecodeWorkerConfig(
+                model=model_dir,
+                worker_id="d0",
+                lease_ms=5000,
+                engine_kwargs=dict(block_size=16, **engine),
+            )
+        ).start()
+        self.prefill = PrefillWorker(
+            PrefillWorkerConfig(
+                model=model_dir, worker_id="p0", engine_kwargs=dict(block_size=4, **engine)
+            )
+        ).start()
         self.routers = []
 
     def router(self, max_inflight=16) -> str:
-        r = Router(RouterConfig(model=self.decode.config.model, prefill_addresses=(self.prefill.address,),
-                                decode_addresses=(self.decode.address,), max_model_len=MAX_MODEL_LEN,
-                                max_inflight=max_inflight)).start()
+        r = Router(
+            RouterConfig(
+                model=self.decode.config.model,
+                prefill_addresses=(self.prefill.address,),
+                decode_addresses=(self.decode.address,),
+                max_model_len=MAX_MODEL_LEN,
+                max_inflight=max_inflight,
+            )
+        ).start()
         self.routers.append(r)
         return r.address
 
@@ -157,8 +202,14 @@ def cluster(tiny_models, one_thread):
 def write_trace(path, n=20, seed=3):
     """A CSV trace in the bundled traces' format: a request every ~12 ms, outputs 1-12 tokens."""
     rng = random.Random(seed)
-    rows = [(round(0.2 + i * 0.01 + rng.random() * 0.005, 4), rng.randint(4, 40), 1 if i == 5 else rng.randint(2, 12))
-            for i in range(n)]
+    rows = [
+        (
+            round(0.2 + i * 0.01 + rng.random() * 0.005, 4),
+            rng.randint(4, 40),
+            1 if i == 5 else rng.randint(2, 12),
+        )
+        for i in range(n)
+    ]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["arrived_at", "num_prefill_tokens", "num_decode_tokens"])
@@ -169,8 +220,21 @@ def write_trace(path, n=20, seed=3):
 def test_bench_runs_a_trace_open_loop_and_writes_the_summary(cluster, tmp_path, capsys):
     rows = write_trace(tmp_path / "trace.csv")
     out = tmp_path / "result.json"
-    rc = main(["bench", "--router", cluster.router(max_inflight=32), "--trace", str(tmp_path / "trace.csv"),
-               "--num-requests", "20", "--slo", "ttft=10s,tpot=2s", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--router",
+            cluster.router(max_inflight=32),
+            "--trace",
+            str(tmp_path / "trace.csv"),
+            "--num-requests",
+            "20",
+            "--slo",
+            "ttft=10s,tpot=2s",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -185,15 +249,31 @@ def test_bench_runs_a_trace_open_loop_and_writes_the_summary(cluster, tmp_path, 
     assert any(b["send_s"] < a["send_s"] + a["e2e_s"] for a, b in zip(reqs, reqs[1:]))
     assert all(0 <= r["send_s"] - r["arrival_s"] < 1.0 for r in reqs)
     for r in reqs:
-        assert r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and len(r["itl_s"]) == r["output_tokens"] - 1
+        assert (
+            r["ttft_s"] > 0
+            and r["e2e_s"] >= r["ttft_s"]
+            and len(r["itl_s"]) == r["output_tokens"] - 1
+        )
         assert (r["tpot_s"] is None) == (r["output_tokens"] == 1)
         t = r["timings"]
         assert t["prefill_worker"] == "p0" and t["decode_worker"] == "d0"
         assert 0 < t["queued_unix_ns"] <= t["prefill_start_unix_ns"] <= t["first_token_unix_ns"]
-    assert (s["completed"], s["failed"]) == (20, 0) and s["total_output_tokens"] == sum(o for *_, o in rows)
-    for key in ("duration", "request_throughput", "input_throughput", "output_throughput", "slo_attainment",
-                "request_goodput", *(f"{m}_{k}_ms" for m in ("mean", "median", "p90", "p99")
-                                     for k in ("ttft", "tpot", "itl", "e2el"))):
+    assert (s["completed"], s["failed"]) == (20, 0) and s["total_output_tokens"] == sum(
+        o for *_, o in rows
+    )
+    for key in (
+        "duration",
+        "request_throughput",
+        "input_throughput",
+        "output_throughput",
+        "slo_attainment",
+        "request_goodput",
+        *(
+            f"{m}_{k}_ms"
+            for m in ("mean", "median", "p90", "p99")
+            for k in ("ttft", "tpot", "itl", "e2el")
+        ),
+    ):
         assert s[key] is not None and s[key] >= 0, key
     assert s["slo_attainment"] == 1.0 and s["server_ms"]["prefill"]["mean"] > 0
 
@@ -201,9 +281,23 @@ def test_bench_runs_a_trace_open_loop_and_writes_the_summary(cluster, tmp_path, 
 def test_sweep_writes_goodput_and_plots(cluster, tmp_path):
     write_trace(tmp_path / "trace.csv", n=10)
     out = tmp_path / "sweep.json"
-    rc = main(["bench", "--router", cluster.router(max_inflight=32), "--trace", str(tmp_path / "trace.csv"),
-               "--sweep-rates", "20,50", "--slo", "ttft=10s,tpot=2s", "--slo-scales", "0.000001,1",
-               "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--router",
+            cluster.router(max_inflight=32),
+            "--trace",
+            str(tmp_path / "trace.csv"),
+            "--sweep-rates",
+            "20,50",
+            "--slo",
+            "ttft=10s,tpot=2s",
+            "--slo-scales",
+            "0.000001,1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert [r["rate"] for r in result["runs"]] == [20, 50]
@@ -219,7 +313,7 @@ def test_sweep_writes_goodput_and_plots(cluster, tmp_path):
 
 def test_a_full_router_refuses_and_the_run_goes_on(cluster):
     address = cluster.router(max_inflight=2)
-    requests = [RequestSpec(0.0, 16, 100)] * 8   # all at once: more than the router admits
+    requests = [RequestSpec(0.0, 16, 100)] * 8  # all at once: more than the router admits
     records, duration_s = run_load(address, requests, build_prompts(requests, 256, seed=1))
     s = summarize(records, duration_s)
     assert s["errors"].get("RESOURCE_EXHAUSTED", 0) >= 1 and s["completed"] >= 2
@@ -233,15 +327,17 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys):
         dead = f"127.0.0.1:{sock.getsockname()[1]}"
     write_trace(tmp_path / "trace.csv", n=3)
     trace = str(tmp_path / "trace.csv")
-    cases = [(["--trace", "nope"], "unknown trace 'nope'"),
-             (["--trace", trace, "--slo", "ttft=500"], "has no unit"),
-             (["--trace", trace, "--rate", "0"], "--rate must be > 0"),
-             (["--trace", trace, "--sweep-rates", "1,2"], "needs --slo"),
-             (["--prompt-len", "8"], "--output-len"),
-             (["--trace", trace, "--burstiness", "0.5"], "--burstiness"),
-             (["--trace", trace, "--trace-start", "-1"], "--trace-start must be >= 0"),
-             (["--trace", trace, "--trace-start", "100"], "no requests from 100"),
-             (["--trace", trace, "--router", dead], f"router {dead} unreachable: UNAVAILABLE")]
+    cases = [
+        (["--trace", "nope"], "unknown trace 'nope'"),
+        (["--trace", trace, "--slo", "ttft=500"], "has no unit"),
+        (["--trace", trace, "--rate", "0"], "--rate must be > 0"),
+        (["--trace", trace, "--sweep-rates", "1,2"], "needs --slo"),
+        (["--prompt-len", "8"], "--output-len"),
+        (["--trace", trace, "--burstiness", "0.5"], "--burstiness"),
+        (["--trace", trace, "--trace-start", "-1"], "--trace-start must be >= 0"),
+        (["--trace", trace, "--trace-start", "100"], "no requests from 100"),
+        (["--trace", trace, "--router", dead], f"router {dead} unreachable: UNAVAILABLE"),
+    ]
     for argv, named in cases:
         assert main(["bench", *argv]) == 2, argv
         assert named in capsys.readouterr().err, argv

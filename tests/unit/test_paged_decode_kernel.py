@@ -1,4 +1,5 @@
 """The compiled CPU decode kernel against a plain torch reference over the same paged cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,8 @@ def reference(q, layer_kv, block_tables, context_lens, scale):
     out = torch.empty_like(q)
     for i in range(n):
         length = int(context_lens[i])
-        kv = layer_kv[:, block_tables[i]].reshape(2, -1, hkv, d)[:, :length]   # [2, L, Hkv, D]
-        k = kv[0].repeat_interleave(hq // hkv, dim=1)                             # [L, Hq, D]
+        kv = layer_kv[:, block_tables[i]].reshape(2, -1, hkv, d)[:, :length]  # [2, L, Hkv, D]
+        k = kv[0].repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
         v = kv[1].repeat_interleave(hq // hkv, dim=1)
         p = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k) * scale, dim=-1)
         out[i] = torch.einsum("hl,lhd->hd", p, v)
@@ -25,13 +26,16 @@ def reference(q, layer_kv, block_tables, context_lens, scale):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n,hkv,group,d,bs", [
-    (1, 3, 3, 64, 16),     # one sequence: fewer tasks than threads, split by head
-    (7, 3, 3, 64, 16),     # the SmolLM2 shape
-    (5, 1, 4, 128, 4),     # MQA, head_dim 128, small blocks
-    (4, 4, 1, 64, 8),      # no GQA
-    (3, 2, 2, 16, 16),
-])
+@pytest.mark.parametrize(
+    "n,hkv,group,d,bs",
+    [
+        (1, 3, 3, 64, 16),  # one sequence: fewer tasks than threads, split by head
+        (7, 3, 3, 64, 16),  # the SmolLM2 shape
+        (5, 1, 4, 128, 4),  # MQA, head_dim 128, small blocks
+        (4, 4, 1, 64, 8),  # no GQA
+        (3, 2, 2, 16, 16),
+    ],
+)
 def test_kernel_matches_reference(threads, n, hkv, group, d, bs):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -40,13 +44,16 @@ def test_kernel_matches_reference(threads, n, hkv, group, d, bs):
         num_blocks, max_blocks = 64, 9
         layer_kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g)
         q = torch.randn(n, hkv * group, d, generator=g)
-        tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(n)])
+        tables = torch.stack(
+            [torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in range(n)]
+        )
         lens = torch.randint(1, max_blocks * bs + 1, (n,), generator=g)
-        lens[0] = 1                  # a prompt of one token
-        lens[-1] = max_blocks * bs   # a completely full block table
-        got = kernel(q, layer_kv, tables, lens, d ** -0.5)
-        torch.testing.assert_close(got, reference(q, layer_kv, tables, lens, d ** -0.5),
-                                   rtol=1e-5, atol=1e-5)
+        lens[0] = 1  # a prompt of one token
+        lens[-1] = max_blocks * bs  # a completely full block table
+        got = kernel(q, layer_kv, tables, lens, d**-0.5)
+        torch.testing.assert_close(
+            got, reference(q, layer_kv, tables, lens, d**-0.5), rtol=1e-5, atol=1e-5
+        )
     finally:
         torch.set_num_threads(old)
 
@@ -69,12 +76,14 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_worker(tmp_path):
     import subprocess
     import sys
 
-    code = ("import pathlib, hashlib, engine.kernels as k\n"
-            "from engine.loader import default_cache_dir\n"
-            "key = hashlib.sha256((k._cpu_flags() + k._SRC.read_text()).encode()).hexdigest()[:12]\n"
-            "build = default_cache_dir() / 'kernels' / key\n"
-            "build.mkdir(parents=True, exist_ok=True)\n"
-            "(build / 'lock').touch()\n"
-            "assert k.cpu_paged_decode() is not None\n")
+    code = (
+        "import pathlib, hashlib, engine.kernels as k\n"
+        "from engine.loader import default_cache_dir\n"
+        "key = hashlib.sha256((k._cpu_flags() + k._SRC.read_text()).encode()).hexdigest()[:12]\n"
+        "build = default_cache_dir() / 'kernels' / key\n"
+        "build.mkdir(parents=True, exist_ok=True)\n"
+        "(build / 'lock').touch()\n"
+        "assert k.cpu_paged_decode() is not None\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

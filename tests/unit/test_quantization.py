@@ -1,6 +1,7 @@
 """Serving precisions: int8 and int4 linears stay close to float32, the engine serves in each mode,
 and quantization="auto" (what dtype="auto" means on a CPU) keeps float32 for a model whose
 quality it cannot judge and picks a mode within its bound for one it can."""
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 needs_x86_int8 = pytest.mark.skipif(
     not any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "onednn")),
-    reason="torch has no x86 quantized engine here")
+    reason="torch has no x86 quantized engine here",
+)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -57,18 +59,18 @@ def test_int8_is_batch_invariant():
     request gets does not depend on who shares its step, as in float32."""
     w, x = weight_and_input(12)
     x[4] *= 50.0
-    x[7] = x[7].abs()   # all positive: a different min/max than the rest
+    x[7] = x[7].abs()  # all positive: a different min/max than the rest
     q = Int8Weight(w, act_absmax=x.abs().amax(dim=0))
     together = q.matmul(x)
     for r in range(12):
-        assert torch.equal(q.matmul(x[r:r + 1])[0], together[r]), r
+        assert torch.equal(q.matmul(x[r : r + 1])[0], together[r]), r
     assert torch.equal(q.matmul(x[3:9]), together[3:9])
 
 
 @needs_x86_int8
 def test_int8_smoothing_keeps_the_product_and_tames_an_outlier_channel():
     w, x = weight_and_input(32)
-    x[:, 5] *= 200.0   # one input channel far larger than the rest, in every row
+    x[:, 5] *= 200.0  # one input channel far larger than the rest, in every row
     want = x @ w.T
     plain = rel_err(Int8Weight(w).matmul(x), want)
     smoothed = Int8Weight(w, act_absmax=x.abs().amax(dim=0)).matmul(x)
@@ -89,7 +91,7 @@ def test_int4_recovers_q4_1_blocks_exactly():
     g = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (n, k), generator=g).float()
     q[:, ::INT4_GROUP] = 0.0
-    q[:, 1::INT4_GROUP] = 15.0   # every block spans its full range
+    q[:, 1::INT4_GROUP] = 15.0  # every block spans its full range
     scale = torch.rand(n, k // INT4_GROUP, 1, generator=g) * 0.01 + 0.001
     low = -8 * scale + torch.randn(n, k // INT4_GROUP, 1, generator=g) * 0.001
     w = (q.view(n, -1, INT4_GROUP) * scale + low).view(n, k)
@@ -113,7 +115,7 @@ def test_linear_layer_modes_and_bias(mode):
     want = x @ w.T + layer.bias
     layer.finalize(mode, release_dense=False)
     assert rel_err(layer(x), want) < 0.12
-    layer.finalize(None)   # back to float32 from the kept dense weight, then released
+    layer.finalize(None)  # back to float32 from the kept dense weight, then released
     assert torch.allclose(layer(x), want, atol=1e-4) and layer.weight.numel() == 0
     with pytest.raises(RuntimeError, match="released"):
         layer.finalize(mode)
@@ -131,20 +133,26 @@ def test_config_checks_quantization():
 
 
 def test_quantization_refused_on_cuda(tiny_models):
-    from engine.config import ModelConfig
     from transformers import AutoConfig
+
+    from engine.config import ModelConfig
+
     model_dir, _ = tiny_models("llama-gqa")
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     with pytest.raises(ValueError, match="runs on CPU only"):
-        EngineConfig(model=model_dir, device="cuda", quantization="int8", kv_cache_memory=1 << 20).resolve(mc)
+        EngineConfig(
+            model=model_dir, device="cuda", quantization="int8", kv_cache_memory=1 << 20
+        ).resolve(mc)
     # dtype auto on a GPU means bf16 and no quantization
     cfg = EngineConfig(model=model_dir, device="cuda", kv_cache_memory=1 << 20).resolve(mc)
     assert cfg.dtype == "bfloat16" and cfg.quantization is None
 
 
 def test_dtype_auto_on_cpu_means_quantization_auto(tiny_models):
-    from engine.config import ModelConfig
     from transformers import AutoConfig
+
+    from engine.config import ModelConfig
+
     model_dir, _ = tiny_models("llama-gqa")
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     cfg = EngineConfig(model=model_dir, device="cpu").resolve(mc)
@@ -169,8 +177,9 @@ def test_engine_serves_in_each_mode(refs, mode):
             b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
             diffs = [abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))]
             assert max(diffs) < (0.05 if mode == "int8" else 0.25), max(diffs)
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
         assert_no_leaks(llm.engine)
     finally:
@@ -220,6 +229,7 @@ def test_smollm2_auto_picks_a_mode_within_its_bound():
     first within bound; the note says which and by how much."""
     pytest.importorskip("gguf")
     from engine.loader import resolve_model
+
     try:
         resolve_model("smollm2")
     except ValueError:
@@ -232,8 +242,15 @@ def test_smollm2_auto_picks_a_mode_within_its_bound():
         if chosen is not None:
             assert f"auto chose {chosen}" in note and f"bound +{QUALITY_BOUNDS[chosen]:.0%}" in note
         # the chosen mode still answers sensibly
-        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                           use_tqdm=False)[0].outputs[0].text
+        out = (
+            llm.generate(
+                ["The capital of France is"],
+                SamplingParams(temperature=0, max_tokens=4),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .text
+        )
         assert "Paris" in out, (out, note)
         ids = probe_ids(llm.engine.tokenizer, 128)
         assert len(ids) == 128 and ids[0] == llm.engine.tokenizer.bos_token_id

@@ -1,4 +1,5 @@
 """Our rotary embedding against transformers' own LlamaRotaryEmbedding, per rope type."""
+
 from __future__ import annotations
 
 import json
@@ -20,20 +21,41 @@ ROPE_CASES = {
     "default": dict(rope_type="default", rope_theta=10000.0),
     "default-theta": dict(rope_type="default", rope_theta=500000.0),
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
-    "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                   high_freq_factor=4.0, original_max_position_embeddings=64),
-    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                 original_max_position_embeddings=128),
-    "yarn-betas": dict(rope_type="yarn", rope_theta=1000000.0, factor=8.0, beta_fast=16.0,
-                       beta_slow=2.0, original_max_position_embeddings=64),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+    "yarn": dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128
+    ),
+    "yarn-betas": dict(
+        rope_type="yarn",
+        rope_theta=1000000.0,
+        factor=8.0,
+        beta_fast=16.0,
+        beta_slow=2.0,
+        original_max_position_embeddings=64,
+    ),
 }
 
 
 def hf_config(rope: dict, head_dim: int | None = None) -> LlamaConfig:
     extra = {} if head_dim is None else {"head_dim": head_dim}
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                       max_position_embeddings=MAX_POS, rope_parameters=dict(rope), **extra)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=MAX_POS,
+        rope_parameters=dict(rope),
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("head_dim", [None, 32])
@@ -52,7 +74,7 @@ def test_matches_hf_rotary_embedding(case, head_dim):
     torch.testing.assert_close(inv_freq, hf.inv_freq.float(), rtol=1e-6, atol=0)
     assert attn_factor == pytest.approx(float(hf.attention_scaling), rel=1e-6)
     if rope["rope_type"] == "yarn":
-        assert attn_factor != 1.0   # yarn scales cos/sin: a dropped factor must show
+        assert attn_factor != 1.0  # yarn scales cos/sin: a dropped factor must show
 
     ours = RotaryEmbedding(inv_freq, attn_factor, MAX_POS)
     pos = torch.tensor(POSITIONS)
@@ -65,8 +87,10 @@ def test_matches_hf_rotary_embedding(case, head_dim):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(len(POSITIONS), 4, mc.head_dim, generator=g)
     k = torch.randn(len(POSITIONS), 2, mc.head_dim, generator=g)
-    q_ours, k_ours = ours(pos, q.clone(), k.clone())   # (the compiled path rotates in place)
-    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    q_ours, k_ours = ours(pos, q.clone(), k.clone())  # (the compiled path rotates in place)
+    q_hf, k_hf = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin
+    )
     torch.testing.assert_close(q_ours, q_hf[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_ours, k_hf[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
@@ -80,11 +104,18 @@ def test_scaled_types_differ_from_default():
         assert not torch.allclose(inv, base), case
 
 
-@pytest.mark.parametrize("rope_type, params", [
-    ("dynamic", dict(factor=2.0)),
-    ("longrope", dict(short_factor=[1.0] * 8, long_factor=[2.0] * 8,
-                      original_max_position_embeddings=128)),
-])
+@pytest.mark.parametrize(
+    "rope_type, params",
+    [
+        ("dynamic", dict(factor=2.0)),
+        (
+            "longrope",
+            dict(
+                short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=128
+            ),
+        ),
+    ],
+)
 def test_unsupported_rope_types_are_refused(rope_type, params):
     cfg = hf_config(dict(rope_type=rope_type, rope_theta=10000.0, **params))
     with pytest.raises(ValueError) as exc:

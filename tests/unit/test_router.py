@@ -2,6 +2,7 @@
 the Router in front. Streams match the engine's greedy output (ids and text), bad requests get
 specific statuses, concurrency and client cancellation leave the decode pool fully free.
 """
+
 from __future__ import annotations
 
 import socket
@@ -30,16 +31,33 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True
 class Cluster:
     def __init__(self, model_dir):
         engine = dict(max_model_len=MAX_MODEL_LEN)
-        self.decode = DecodeWorker(DecodeWorkerConfig(
-            model=model_dir, worker_id="d0", lease_ms=5000,
-            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, **engine))).start()
-        self.prefill = PrefillWorker(PrefillWorkerConfig(
-            model=model_dir, worker_id="p0", engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4,
-                                                                **engine))).start()
-        self.router = Router(RouterConfig(model=model_dir, prefill_addresses=(self.prefill.address,),
-                                          decode_addresses=(self.decode.address,),
-                                          max_model_len=MAX_MODEL_LEN, max_inflight=16)).start()
-        self.channels = [grpc.insecure_channel(a) for a in (self.router.address, self.decode.address)]
+        self.decode = DecodeWorker(
+            DecodeWorkerConfig(
+                model=model_dir,
+                worker_id="d0",
+                lease_ms=5000,
+                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, **engine),
+            )
+        ).start()
+        self.prefill = PrefillWorker(
+            PrefillWorkerConfig(
+                model=model_dir,
+                worker_id="p0",
+                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, **engine),
+            )
+        ).start()
+        self.router = Router(
+            RouterConfig(
+                model=model_dir,
+                prefill_addresses=(self.prefill.address,),
+                decode_addresses=(self.decode.address,),
+                max_model_len=MAX_MODEL_LEN,
+                max_inflight=16,
+            )
+        ).start()
+        self.channels = [
+            grpc.insecure_channel(a) for a in (self.router.address, self.decode.address)
+        ]
         self.api = pdserve_pb2_grpc.PDServeStub(self.channels[0])
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[1])
 
@@ -59,16 +77,23 @@ class Cluster:
             input_["token_ids"] = pdserve_pb2.TokenIds(ids=input_["token_ids"])
         if "chat" in input_:
             input_["chat"] = pdserve_pb2.ChatMessages(
-                messages=[pdserve_pb2.ChatMessage(role=r, content=c) for r, c in input_["chat"]])
+                messages=[pdserve_pb2.ChatMessage(role=r, content=c) for r, c in input_["chat"]]
+            )
         model = input_.pop("model", "")
-        responses = list(self.api.Generate(pdserve_pb2.GenerateRequest(
-            sampling=sampling, model=model, **input_), timeout=RPC_TIMEOUT))
+        responses = list(
+            self.api.Generate(
+                pdserve_pb2.GenerateRequest(sampling=sampling, model=model, **input_),
+                timeout=RPC_TIMEOUT,
+            )
+        )
         deltas = [r.delta for r in responses if r.HasField("delta")]
         assert [r.HasField("finish") for r in responses] == [False] * len(deltas) + [True]
         assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
-        return ([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
-                responses[-1].finish)
-
+        return (
+            [t for d in deltas for t in d.token_ids],
+            "".join(d.text for d in deltas),
+            responses[-1].finish,
+        )
 
 
 def pool_idle(cluster) -> bool:
@@ -86,7 +111,9 @@ def cluster(tiny_models, one_thread):
     c = Cluster(tiny_models("llama-gqa")[0])
     yield c
     c.stop()
-    wait_until(lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}")
+    wait_until(
+        lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}"
+    )
 
 
 def dead_address() -> str:
@@ -111,6 +138,7 @@ def greedy(tiny_models):
     def run(prompt):
         out = llm.generate([prompt], SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)[0]
         return out.outputs[0].token_ids, out.outputs[0].text
+
     return run
 
 
@@ -138,10 +166,13 @@ def test_token_ids_stream_matches_engine(idle, expected):
 def test_stop_string_text_matches_engine(idle, expected, tiny_models):
     prompts, want = expected
     words = want[0][1].split()
-    stop = f"{words[3]} {words[4]}"   # cut mid-stream: the engine drops it from its text
+    stop = f"{words[3]} {words[4]}"  # cut mid-stream: the engine drops it from its text
     sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, stop=[stop])
-    llm_out = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20).generate(
-        [prompts[0]], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0].outputs[0]
+    llm_out = (
+        LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20)
+        .generate([prompts[0]], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0]
+        .outputs[0]
+    )
     ids, text, finish = idle.generate(sampling=sampling, token_ids=prompts[0])
     assert (ids, text) == (llm_out.token_ids, llm_out.text) and stop not in text
     assert finish.finish_reason == "stop" and finish.stop_str == stop
@@ -177,8 +208,9 @@ def test_concurrent_streams_complete_and_free_the_pool(idle, expected):
     def run(i):
         try:
             results[i] = idle.generate(token_ids=prompts[i % len(prompts)])[:2]
-        except Exception as e:   # surfaced below, not lost in the thread
+        except Exception as e:  # surfaced below, not lost in the thread
             errors.append(e)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -190,14 +222,28 @@ def test_concurrent_streams_complete_and_free_the_pool(idle, expected):
 
 
 def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expected):
-    cases = [(dict(text=""), GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-             (dict(token_ids=list(range(2, 2 + MAX_MODEL_LEN))), GREEDY, grpc.StatusCode.OUT_OF_RANGE,
-              "max_model_len"),
-             (dict(token_ids=[5, 6, 7]), pdserve_pb2.SamplingParams(top_p=1.5),
-              grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-             (dict(token_ids=[5, 6, 7], model="nope"), GREEDY, grpc.StatusCode.NOT_FOUND, "nope"),
-             (dict(token_ids=[5, 6, 7]), pdserve_pb2.SamplingParams(n=2), grpc.StatusCode.INVALID_ARGUMENT,
-              "n>1")]
+    cases = [
+        (dict(text=""), GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (
+            dict(token_ids=list(range(2, 2 + MAX_MODEL_LEN))),
+            GREEDY,
+            grpc.StatusCode.OUT_OF_RANGE,
+            "max_model_len",
+        ),
+        (
+            dict(token_ids=[5, 6, 7]),
+            pdserve_pb2.SamplingParams(top_p=1.5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+        (dict(token_ids=[5, 6, 7], model="nope"), GREEDY, grpc.StatusCode.NOT_FOUND, "nope"),
+        (
+            dict(token_ids=[5, 6, 7]),
+            pdserve_pb2.SamplingParams(n=2),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "n>1",
+        ),
+    ]
     for input_, sampling, code, named in cases:
         with pytest.raises(grpc.RpcError) as err:
             idle.generate(sampling=sampling, **input_)
@@ -205,19 +251,28 @@ def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expect
     # a message over the router's limit (64 MiB) is refused by gRPC itself, naming both sizes
     with pytest.raises(grpc.RpcError) as err:
         idle.generate(text="a" * (65 << 20))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "larger than max" in err.value.details()
+    )
     prompts, want = expected
-    model_id = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models[0].id
+    model_id = (
+        idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models[0].id
+    )
     assert idle.generate(token_ids=prompts[1], model=model_id)[:2] == want[1]
 
 
 def test_list_models_health_and_abort_of_unknown(idle):
-    card, = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+    (card,) = idle.api.ListModels(pdserve_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT).models
     assert card.max_model_len == MAX_MODEL_LEN and card.vocab_size == 256 and card.dtype and card.id
     health = health_pb2_grpc.HealthStub(idle.channels[0])
-    reply = health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.PDServe"), timeout=RPC_TIMEOUT)
+    reply = health.Check(
+        health_pb2.HealthCheckRequest(service="pdserve.v1.PDServe"), timeout=RPC_TIMEOUT
+    )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert not idle.api.Abort(pdserve_pb2.AbortRequest(request_id="nobody"), timeout=RPC_TIMEOUT).found
+    assert not idle.api.Abort(
+        pdserve_pb2.AbortRequest(request_id="nobody"), timeout=RPC_TIMEOUT
+    ).found
 
 
 LONG = pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -226,26 +281,44 @@ LONG = pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True
 def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
     aborted = []
     real_abort = idle.decode.handoff.abort
-    monkeypatch.setattr(idle.decode.handoff, "abort",
-                        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason))
-    call = idle.api.Generate(pdserve_pb2.GenerateRequest(
-        request_id="cancel-me", token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=8)[0]),
-        sampling=LONG), timeout=RPC_TIMEOUT)
+    monkeypatch.setattr(
+        idle.decode.handoff,
+        "abort",
+        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason),
+    )
+    call = idle.api.Generate(
+        pdserve_pb2.GenerateRequest(
+            request_id="cancel-me",
+            token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=8)[0]),
+            sampling=LONG,
+        ),
+        timeout=RPC_TIMEOUT,
+    )
     first = next(call)
     assert first.HasField("delta") and first.delta.token_ids
     call.cancel()
     # the router aborts explicitly, not only by dropping its decode stream, under an id it minted
-    wait_until(lambda: any(reason == "aborted by the router" for _, reason in aborted) and pool_idle(idle),
-               1.0, f"the cancelled request still holds decode blocks: {idle.stats()}")
+    wait_until(
+        lambda: any(reason == "aborted by the router" for _, reason in aborted) and pool_idle(idle),
+        1.0,
+        f"the cancelled request still holds decode blocks: {idle.stats()}",
+    )
     assert all(rid != "cancel-me" for rid, _ in aborted), "the client's id reached a worker"
 
 
 def test_router_abort_ends_the_stream_with_abort(idle):
-    call = idle.api.Generate(pdserve_pb2.GenerateRequest(
-        request_id="abort-me", token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=9)[0]),
-        sampling=LONG), timeout=RPC_TIMEOUT)
+    call = idle.api.Generate(
+        pdserve_pb2.GenerateRequest(
+            request_id="abort-me",
+            token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=9)[0]),
+            sampling=LONG,
+        ),
+        timeout=RPC_TIMEOUT,
+    )
     assert next(call).HasField("delta")
-    assert idle.api.Abort(pdserve_pb2.AbortRequest(request_id="abort-me"), timeout=RPC_TIMEOUT).found
+    assert idle.api.Abort(
+        pdserve_pb2.AbortRequest(request_id="abort-me"), timeout=RPC_TIMEOUT
+    ).found
     last = list(call)[-1]
     assert last.HasField("finish") and last.finish.finish_reason == "abort"
     assert last.finish.usage.completion_tokens < 200
@@ -253,8 +326,7 @@ def test_router_abort_ends_the_stream_with_abort(idle):
 
 def test_deadline_exceeded(idle):
     with pytest.raises(grpc.RpcError) as err:
-        idle.generate(token_ids=random_prompts([8], seed=10)[0], deadline_ms=1,
-                      sampling=LONG)
+        idle.generate(token_ids=random_prompts([8], seed=10)[0], deadline_ms=1, sampling=LONG)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline_ms" in err.value.details()
 
@@ -262,17 +334,27 @@ def test_deadline_exceeded(idle):
 def test_unreachable_prefill_worker_is_retried_on_another(idle, expected, caplog):
     """Requests that first pick the dead prefill worker get UNAVAILABLE, then succeed on the live
     one into the same reservation; a dead decode worker ranks last (its Stats fail)."""
-    router = Router(RouterConfig(model=idle.router.config.model,
-                                 prefill_addresses=(dead_address(), idle.prefill.address),
-                                 decode_addresses=(dead_address(), idle.decode.address),
-                                 max_model_len=MAX_MODEL_LEN)).start()
+    router = Router(
+        RouterConfig(
+            model=idle.router.config.model,
+            prefill_addresses=(dead_address(), idle.prefill.address),
+            decode_addresses=(dead_address(), idle.decode.address),
+            max_model_len=MAX_MODEL_LEN,
+        )
+    ).start()
     prompts, want = expected
     try:
         with grpc.insecure_channel(router.address) as channel:
             api = pdserve_pb2_grpc.PDServeStub(channel)
-            for i in range(4):   # round-robin: half of them try the dead prefill worker first
-                responses = list(api.Generate(pdserve_pb2.GenerateRequest(
-                    token_ids=pdserve_pb2.TokenIds(ids=prompts[i]), sampling=GREEDY), timeout=RPC_TIMEOUT))
+            for i in range(4):  # round-robin: half of them try the dead prefill worker first
+                responses = list(
+                    api.Generate(
+                        pdserve_pb2.GenerateRequest(
+                            token_ids=pdserve_pb2.TokenIds(ids=prompts[i]), sampling=GREEDY
+                        ),
+                        timeout=RPC_TIMEOUT,
+                    )
+                )
                 ids = [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
                 assert ids == want[i][0]
                 assert responses[-1].finish.timings.prefill_worker == "p0"
@@ -290,7 +372,11 @@ def test_text_that_may_start_a_stop_string_is_held_back(tiny_models):
     kept = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=True)
     assert "".join([kept.add([5]), kept.add([6]), kept.add([7]), kept.flush()]) == " t5 t6 t7"
     miss = TextStream(tokenizer, [3], True, ("t6 t8",), include_stop_str=False)
-    assert [miss.add([5]), miss.add([6]), miss.add([7])] == [" t5", " ", "t6 t7"] and not miss.stopped
+    assert [miss.add([5]), miss.add([6]), miss.add([7])] == [
+        " t5",
+        " ",
+        "t6 t7",
+    ] and not miss.stopped
 
 
 def test_client_cancel_during_prefill_frees_both_sides_within_a_second(idle, monkeypatch):
@@ -300,26 +386,34 @@ def test_client_cancel_during_prefill_frees_both_sides_within_a_second(idle, mon
     real_step = engine.step
     prefilling = threading.Event()
 
-    def slow_step():   # every prefill step takes 0.3 s, so the cancel lands mid-prefill
+    def slow_step():  # every prefill step takes 0.3 s, so the cancel lands mid-prefill
         prefilling.set()
         time.sleep(0.3)
         return real_step()
+
     monkeypatch.setattr(engine, "step", slow_step)
     with grpc.insecure_channel(idle.prefill.address) as channel:
         p = worker_pb2_grpc.PrefillWorkerStub(channel)
 
         def prefill_stats():
             return p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+
         # a response-streaming call starts at once; nobody needs to read it
-        call = idle.api.Generate(pdserve_pb2.GenerateRequest(
-            request_id="cancel-in-prefill", token_ids=pdserve_pb2.TokenIds(ids=random_prompts([40], seed=12)[0]),
-            sampling=LONG), timeout=RPC_TIMEOUT)
+        call = idle.api.Generate(
+            pdserve_pb2.GenerateRequest(
+                request_id="cancel-in-prefill",
+                token_ids=pdserve_pb2.TokenIds(ids=random_prompts([40], seed=12)[0]),
+                sampling=LONG,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
         assert prefilling.wait(5), "the prefill never started"
         call.cancel()
 
         def both_free():
             s = prefill_stats()
             return s.num_running == 0 and s.num_waiting == 0 and pool_idle(idle)
+
         wait_until(both_free, 1.0, f"not freed within 1 s of the cancel: decode {idle.stats()}")
 
 
@@ -330,13 +424,22 @@ def concurrent_requests(cluster, prefix: str, length: int, max_tokens: int, n: i
 
     def run(i):
         try:
-            responses = list(cluster.api.Generate(pdserve_pb2.GenerateRequest(
-                request_id=f"{prefix}-{i}", token_ids=pdserve_pb2.TokenIds(ids=prompts[i]),
-                sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)),
-                timeout=60))
+            responses = list(
+                cluster.api.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        request_id=f"{prefix}-{i}",
+                        token_ids=pdserve_pb2.TokenIds(ids=prompts[i]),
+                        sampling=pdserve_pb2.SamplingParams(
+                            temperature=0, max_tokens=max_tokens, ignore_eos=True
+                        ),
+                    ),
+                    timeout=60,
+                )
+            )
             results[i] = responses[-1].finish.usage.completion_tokens
         except grpc.RpcError as e:
             errors[i] = e
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     return threads, results, errors
 
@@ -345,8 +448,8 @@ def test_a_full_decode_pool_queues_requests_in_the_router_until_blocks_free(idle
     """More prompts at once than the decode worker's KV holds: none fails with "decode pool
     full"; the ones that do not fit wait in the router's queue and run as blocks free."""
     total = idle.stats().num_total_blocks
-    per_request = -(-(200 + 30) // 16)            # blocks one request holds at its end
-    n = total // per_request + 3                  # at least 3 have to wait
+    per_request = -(-(200 + 30) // 16)  # blocks one request holds at its end
+    n = total // per_request + 3  # at least 3 have to wait
     threads, results, errors = concurrent_requests(idle, "full", 200, 30, n)
     for t in threads:
         t.start()
@@ -362,6 +465,7 @@ def test_the_decode_queue_gives_up_after_its_timeout_and_on_cancel(idle, tiny_mo
     one cancelled or aborted while it waits leaves the queue; one that waits while blocks free
     succeeds."""
     from engine.block_manager import NoFreeBlocks
+
     full = threading.Event()
     full.set()
     real_reserve = idle.decode.handoff.reserve
@@ -370,10 +474,17 @@ def test_the_decode_queue_gives_up_after_its_timeout_and_on_cancel(idle, tiny_mo
         if full.is_set():
             raise NoFreeBlocks("need 1 KV blocks, 0 free")
         return real_reserve(*args, **kwargs)
+
     monkeypatch.setattr(idle.decode.handoff, "reserve", reserve)
-    router = Router(RouterConfig(model=tiny_models("llama-gqa")[0], prefill_addresses=(idle.prefill.address,),
-                                 decode_addresses=(idle.decode.address,), max_model_len=MAX_MODEL_LEN,
-                                 decode_queue_timeout_s=1.0)).start()
+    router = Router(
+        RouterConfig(
+            model=tiny_models("llama-gqa")[0],
+            prefill_addresses=(idle.prefill.address,),
+            decode_addresses=(idle.decode.address,),
+            max_model_len=MAX_MODEL_LEN,
+            decode_queue_timeout_s=1.0,
+        )
+    ).start()
     prompts = random_prompts([20, 21, 22], seed=60)
     try:
         with grpc.insecure_channel(router.address) as channel:
@@ -381,13 +492,21 @@ def test_the_decode_queue_gives_up_after_its_timeout_and_on_cancel(idle, tiny_mo
             queue = router.servicer.legs.decode_queue
 
             def generate(i, **kwargs):
-                return api.Generate(pdserve_pb2.GenerateRequest(
-                    token_ids=pdserve_pb2.TokenIds(ids=prompts[i]), sampling=GREEDY, **kwargs), timeout=RPC_TIMEOUT)
+                return api.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=prompts[i]), sampling=GREEDY, **kwargs
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 list(generate(0))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "decode pool full: waited" in err.value.details() and "add decode workers" in err.value.details()
+            assert (
+                "decode pool full: waited" in err.value.details()
+                and "add decode workers" in err.value.details()
+            )
             assert 0.95 < time.monotonic() - start < 5
             waiting = generate(1)
             wait_until(lambda: queue.waiting() == 1, 2, "the request never queued")
@@ -395,14 +514,22 @@ def test_the_decode_queue_gives_up_after_its_timeout_and_on_cancel(idle, tiny_mo
             wait_until(lambda: queue.waiting() == 0, 2, "the cancelled request is still queued")
             aborted = generate(1, request_id="abort-while-queued")
             wait_until(lambda: queue.waiting() == 1, 2, "the request never queued")
-            assert api.Abort(pdserve_pb2.AbortRequest(request_id="abort-while-queued"), timeout=RPC_TIMEOUT).found
+            assert api.Abort(
+                pdserve_pb2.AbortRequest(request_id="abort-while-queued"), timeout=RPC_TIMEOUT
+            ).found
             with pytest.raises(grpc.RpcError) as err:
                 list(aborted)
-            assert err.value.code() == grpc.StatusCode.ABORTED and "PDServe.Abort" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.ABORTED
+                and "PDServe.Abort" in err.value.details()
+            )
             assert queue.waiting() == 0
             later = generate(2)
             wait_until(lambda: queue.waiting() == 1, 2, "the request never queued")
-            full.clear()                                  # blocks freed: it goes on
-            assert sum(len(r.delta.token_ids) for r in later if r.HasField("delta")) == GREEDY.max_tokens
+            full.clear()  # blocks freed: it goes on
+            assert (
+                sum(len(r.delta.token_ids) for r in later if r.HasField("delta"))
+                == GREEDY.max_tokens
+            )
     finally:
         router.stop()

@@ -3,6 +3,7 @@
 Real workers and the router run in this process over 127.0.0.1 (as in test_router.py); health and
 registry tests use fake workers that only answer Stats, so they need no engine.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,25 +21,30 @@ from engine.tokenizer import load_tokenizer
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_common.registration import Registration
 from router.legs import Inflight, Leg, Legs, resume_sampling
 from router.pool import WorkerPool
 from router.server import Router, RouterConfig
 from router.text import TextStream
+from worker_common.registration import Registration
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 256
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
 LONG_GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-STEP_DELAY_S = 0.02   # decode steps slowed so a test can stop the worker mid-stream
-
+STEP_DELAY_S = 0.02  # decode steps slowed so a test can stop the worker mid-stream
 
 
 # ---- real workers -------------------------------------------------------------------------------
 def start_decode(model_dir, worker_id: str) -> DecodeWorker:
-    worker = DecodeWorker(DecodeWorkerConfig(
-        model=model_dir, worker_id=worker_id, lease_ms=5000, stop_grace_s=0,   # stop = sudden death
-        engine_kwargs=dict(block_size=16, **ENGINE))).start()
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=model_dir,
+            worker_id=worker_id,
+            lease_ms=5000,
+            stop_grace_s=0,  # stop = sudden death
+            engine_kwargs=dict(block_size=16, **ENGINE),
+        )
+    ).start()
     step = worker.loop.engine.step
     worker.loop.engine.step = lambda: (time.sleep(STEP_DELAY_S), step())[1]
     worker.channel = grpc.insecure_channel(worker.address)
@@ -67,8 +73,11 @@ def model_dir(tiny_models, one_thread):
 
 @pytest.fixture(scope="module")
 def prefill(model_dir):
-    worker = PrefillWorker(PrefillWorkerConfig(model=model_dir, worker_id="p0",
-                                               engine_kwargs=dict(block_size=4, **ENGINE))).start()
+    worker = PrefillWorker(
+        PrefillWorkerConfig(
+            model=model_dir, worker_id="p0", engine_kwargs=dict(block_size=4, **ENGINE)
+        )
+    ).start()
     worker.channel = grpc.insecure_channel(worker.address)
     worker.stub = worker_pb2_grpc.PrefillWorkerStub(worker.channel)
     yield worker
@@ -85,9 +94,16 @@ def expected(model_dir):
 
 
 def start_router(model_dir, prefill_addresses=(), decode_addresses=(), **kwargs) -> Router:
-    router = Router(RouterConfig(model=model_dir, prefill_addresses=tuple(prefill_addresses),
-                                 decode_addresses=tuple(decode_addresses), max_model_len=MAX_MODEL_LEN,
-                                 stats_interval_s=0.05, **kwargs)).start()
+    router = Router(
+        RouterConfig(
+            model=model_dir,
+            prefill_addresses=tuple(prefill_addresses),
+            decode_addresses=tuple(decode_addresses),
+            max_model_len=MAX_MODEL_LEN,
+            stats_interval_s=0.05,
+            **kwargs,
+        )
+    ).start()
     router.channel = grpc.insecure_channel(router.address)
     router.api = pdserve_pb2_grpc.PDServeStub(router.channel)
     router.registry = worker_pb2_grpc.RegistryStub(router.channel)
@@ -102,8 +118,12 @@ def stop_router(router):
 def stream_killing_holder(router, prompt, decodes, kill_after: int):
     """Streams a request and stops the decode worker running it once `kill_after` tokens arrived.
     Returns (token ids, text, the last response, the stopped worker, tokens before the stop)."""
-    call = router.api.Generate(pdserve_pb2.GenerateRequest(
-        token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY), timeout=RPC_TIMEOUT)
+    call = router.api.Generate(
+        pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
+        ),
+        timeout=RPC_TIMEOUT,
+    )
     ids, text, last, victim, num_before = [], "", None, None, 0
     for response in call:
         last = response
@@ -118,24 +138,31 @@ def stream_killing_holder(router, prompt, decodes, kill_after: int):
     return ids, text, last, victim, num_before
 
 
-def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(model_dir, prefill, expected, caplog):
+def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(
+    model_dir, prefill, expected, caplog
+):
     prompt, want_ids, want_text = expected
     decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
     router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
     try:
         with caplog.at_level(logging.WARNING, logger="router.service"):
             ids, text, last, victim, num_before = stream_killing_holder(router, prompt, decodes, 5)
-        assert 5 <= num_before < len(want_ids), "the worker was stopped after the stream had finished"
-        assert ids == want_ids and text == want_text   # nothing repeated, nothing lost
+        assert 5 <= num_before < len(want_ids), (
+            "the worker was stopped after the stream had finished"
+        )
+        assert ids == want_ids and text == want_text  # nothing repeated, nothing lost
         finish = last.finish
         assert finish.finish_reason == "length" and finish.usage.completion_tokens == len(want_ids)
         assert finish.usage.prompt_tokens == len(prompt)
-        survivor, = [d for d in decodes if d is not victim]
+        (survivor,) = [d for d in decodes if d is not victim]
         assert finish.timings.decode_worker == survivor.config.worker_id
         assert 0 < finish.timings.first_token_unix_ns <= finish.timings.last_token_unix_ns
         assert any("resuming on another" in r.getMessage() for r in caplog.records)
-        wait_until(lambda: all_blocks_free(survivor) and all_blocks_free(prefill), 5,
-                   f"blocks still held: {stats(survivor)} {stats(prefill)}")
+        wait_until(
+            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
+            5,
+            f"blocks still held: {stats(survivor)} {stats(prefill)}",
+        )
     finally:
         stop_router(router)
         for d in decodes:
@@ -143,7 +170,8 @@ def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(model_dir,
 
 
 def test_decode_death_before_the_first_token_resumes_with_the_prompt_unchanged(
-        model_dir, prefill, expected, monkeypatch):
+    model_dir, prefill, expected, monkeypatch
+):
     prompt, want_ids, want_text = expected
     step = prefill.loop.engine.step
     # the prefill waits, so the reservation is the only thing on the decode worker when it dies
@@ -151,20 +179,30 @@ def test_decode_death_before_the_first_token_resumes_with_the_prompt_unchanged(
     decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
     router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
     try:
-        call = router.api.Generate(pdserve_pb2.GenerateRequest(
-            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY), timeout=RPC_TIMEOUT)
+        call = router.api.Generate(
+            pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
+            ),
+            timeout=RPC_TIMEOUT,
+        )
         holders = []
-        wait_until(lambda: holders.extend(d for d in decodes if stats(d).num_reserved == 1) or holders,
-                   5, "a decode worker holds the reservation")
+        wait_until(
+            lambda: holders.extend(d for d in decodes if stats(d).num_reserved == 1) or holders,
+            5,
+            "a decode worker holds the reservation",
+        )
         holders[0].stop()
         responses = list(call)
         assert [t for r in responses if r.HasField("delta") for t in r.delta.token_ids] == want_ids
         assert "".join(r.delta.text for r in responses if r.HasField("delta")) == want_text
-        survivor, = [d for d in decodes if d is not holders[0]]
+        (survivor,) = [d for d in decodes if d is not holders[0]]
         assert responses[-1].finish.timings.decode_worker == survivor.config.worker_id
         monkeypatch.undo()
-        wait_until(lambda: all_blocks_free(survivor) and all_blocks_free(prefill), 5,
-                   f"blocks still held: {stats(survivor)} {stats(prefill)}")
+        wait_until(
+            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
+            5,
+            f"blocks still held: {stats(survivor)} {stats(prefill)}",
+        )
     finally:
         stop_router(router)
         for d in decodes:
@@ -172,7 +210,8 @@ def test_decode_death_before_the_first_token_resumes_with_the_prompt_unchanged(
 
 
 def test_no_other_decode_worker_fails_unavailable_until_a_replacement_registers(
-        model_dir, prefill, expected):
+    model_dir, prefill, expected
+):
     prompt, want_ids, want_text = expected
     only = start_decode(model_dir, "d-only")
     router = start_router(model_dir, [prefill.address], [only.address], heartbeat_ms=100)
@@ -186,13 +225,25 @@ def test_no_other_decode_worker_fails_unavailable_until_a_replacement_registers(
         wait_until(lambda: all_blocks_free(prefill), 5, f"prefill blocks held: {stats(prefill)}")
 
         replacement = start_decode(model_dir, "d-new")
-        registration = Registration(router.address, worker_pb2.RegisterRequest(
-            worker_id="d-new", role="decode", address=replacement.address,
-            model=pdserve_pb2.ModelCard(id=router.servicer.options.model_id)),
-            lambda: stats(replacement)).start()
+        registration = Registration(
+            router.address,
+            worker_pb2.RegisterRequest(
+                worker_id="d-new",
+                role="decode",
+                address=replacement.address,
+                model=pdserve_pb2.ModelCard(id=router.servicer.options.model_id),
+            ),
+            lambda: stats(replacement),
+        ).start()
         assert registration.wait_registered(5)
-        responses = list(router.api.Generate(pdserve_pb2.GenerateRequest(
-            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY), timeout=RPC_TIMEOUT))
+        responses = list(
+            router.api.Generate(
+                pdserve_pb2.GenerateRequest(
+                    token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        )
         assert [t for r in responses if r.HasField("delta") for t in r.delta.token_ids] == want_ids
         assert responses[-1].finish.timings.decode_worker == "d-new"
         wait_until(lambda: all_blocks_free(replacement), 5, f"blocks held: {stats(replacement)}")
@@ -213,7 +264,7 @@ class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWo
         self.worker_id = worker_id
         self.num_free_blocks = num_free_blocks
         self.mode = "ok"
-        self.release = threading.Event()   # ends hung calls
+        self.release = threading.Event()  # ends hung calls
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
@@ -225,8 +276,11 @@ class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWo
             context.abort(grpc.StatusCode.UNAVAILABLE, "fake outage")
         if self.mode == "hang":
             self.release.wait(5)
-        return worker_pb2.WorkerStats(worker_id=self.worker_id, num_free_blocks=self.num_free_blocks,
-                                      num_total_blocks=self.num_free_blocks)
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id,
+            num_free_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_free_blocks,
+        )
 
     def stop(self):
         self.release.set()
@@ -240,6 +294,7 @@ def fakes():
     def make(worker_id, num_free_blocks=10):
         made.append(FakeWorker(worker_id, num_free_blocks))
         return made[-1]
+
     yield make
     for fake in made:
         fake.stop()
@@ -248,13 +303,15 @@ def fakes():
 def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_back(fakes, caplog):
     a, b = fakes("a", num_free_blocks=5), fakes("b", num_free_blocks=9)
     p, q = fakes("p"), fakes("q")
-    pool = WorkerPool([p.address, q.address], [a.address, b.address], stats_timeout_s=2.0, down_after=2)
+    pool = WorkerPool(
+        [p.address, q.address], [a.address, b.address], stats_timeout_s=2.0, down_after=2
+    )
     try:
         pool.sweep()
-        assert [w.worker_id for w in pool.decode_order()] == ["b", "a"]   # most free blocks first
+        assert [w.worker_id for w in pool.decode_order()] == ["b", "a"]  # most free blocks first
         b.mode = q.mode = "fail"
         with caplog.at_level(logging.INFO, logger="router.pool"):
-            pool.sweep()   # one failure: still used, ranked last (unknown load)
+            pool.sweep()  # one failure: still used, ranked last (unknown load)
             assert [w.worker_id for w in pool.decode_order()] == ["a", "b"]
             for _ in range(3):
                 pool.sweep()
@@ -264,14 +321,14 @@ def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_bac
                 assert picked.worker_id == "p"
             a.mode = p.mode = "fail"
             pool.sweep()
-            pool.sweep()   # every worker of each role down: try them all rather than none
+            pool.sweep()  # every worker of each role down: try them all rather than none
             assert {w.worker_id for w in pool.decode_order()} == {"a", "b"}
             b.mode = q.mode = "ok"
-            pool.sweep()   # one success brings a worker back
+            pool.sweep()  # one success brings a worker back
             assert [w.worker_id for w in pool.decode_order()] == ["b"]
             assert all(pool.pick_prefill(exclude=None)[0].worker_id == "q" for _ in range(3))
         messages = [r.getMessage() for r in caplog.records]
-        assert sum("b is down" in m for m in messages) == 1   # each transition logged once
+        assert sum("b is down" in m for m in messages) == 1  # each transition logged once
         assert sum("b is back up" in m for m in messages) == 1
     finally:
         pool.close()
@@ -280,14 +337,19 @@ def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_bac
 def test_picking_never_waits_on_a_hung_stats_call(fakes):
     hung, fine = fakes("hung"), fakes("fine")
     hung.mode = "hang"
-    pool = WorkerPool([fine.address], [hung.address, fine.address], stats_ttl_s=0.01,
-                      stats_timeout_s=1.0, down_after=1).start()
+    pool = WorkerPool(
+        [fine.address],
+        [hung.address, fine.address],
+        stats_ttl_s=0.01,
+        stats_timeout_s=1.0,
+        down_after=1,
+    ).start()
     try:
         wait_until(lambda: pool.num_sweeps >= 1, 5, "one health sweep")
-        for _ in range(20):   # sweeps are in flight all along, each waiting on the hung worker
+        for _ in range(20):  # sweeps are in flight all along, each waiting on the hung worker
             t0 = time.monotonic()
             order = pool.decode_order()
-            assert time.monotonic() - t0 < 0.25   # a sweep waits 1 s on the hung worker
+            assert time.monotonic() - t0 < 0.25  # a sweep waits 1 s on the hung worker
             assert [w.address for w in order] == [fine.address]
             time.sleep(0.01)
     finally:
@@ -301,65 +363,101 @@ def test_static_workers_never_drop_out_and_registering_them_adds_no_duplicate(fa
     try:
         assert pool.register("decode", "d-static", static.address, ttl_s=0.1) in pool.decode
         pool.register("decode", "d-joined", joined.address, ttl_s=0.1)
-        pool.register("prefill", "d-joined", joined.address, ttl_s=0.1)   # same id, new role: moves
+        pool.register("prefill", "d-joined", joined.address, ttl_s=0.1)  # same id, new role: moves
         assert [w.address for w in pool.decode] == [static.address]
         assert [w.address for w in pool.prefill] == [joined.address]
         wait_until(lambda: not pool.prefill, 3, "the registered worker dropped out")
-        assert [w.address for w in pool.decode] == [static.address]   # no heartbeat needed
+        assert [w.address for w in pool.decode] == [static.address]  # no heartbeat needed
         assert pool.heartbeat("d-static", ttl_s=0.1) and not pool.heartbeat("d-joined", ttl_s=0.1)
     finally:
         pool.close()
 
 
 def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, caplog):
-    router = start_router(model_dir, heartbeat_ms=100)   # no static workers: waits for them
+    router = start_router(model_dir, heartbeat_ms=100)  # no static workers: waits for them
     fake = fakes("d-fake")
     try:
         with pytest.raises(grpc.RpcError) as err:
-            next(router.api.Generate(pdserve_pb2.GenerateRequest(
-                token_ids=pdserve_pb2.TokenIds(ids=[5, 6]), sampling=LONG_GREEDY), timeout=RPC_TIMEOUT))
+            next(
+                router.api.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=[5, 6]), sampling=LONG_GREEDY
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no prefill worker is registered" in err.value.details()
 
         model_id = router.servicer.options.model_id
-        bad = [(dict(worker_id="x", role="encoder", address=fake.address), grpc.StatusCode.INVALID_ARGUMENT,
-                "role must be one of"),
-               (dict(worker_id="", role="decode", address=fake.address), grpc.StatusCode.INVALID_ARGUMENT,
-                "worker_id"),
-               (dict(worker_id="x", role="decode", address=""), grpc.StatusCode.INVALID_ARGUMENT, "address"),
-               (dict(worker_id="x", role="decode", address=fake.address,
-                     model=pdserve_pb2.ModelCard(id="other-model")), grpc.StatusCode.FAILED_PRECONDITION,
-                f"serves model 'other-model' but this router serves {model_id!r}")]
+        bad = [
+            (
+                dict(worker_id="x", role="encoder", address=fake.address),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "role must be one of",
+            ),
+            (
+                dict(worker_id="", role="decode", address=fake.address),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "worker_id",
+            ),
+            (
+                dict(worker_id="x", role="decode", address=""),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "address",
+            ),
+            (
+                dict(
+                    worker_id="x",
+                    role="decode",
+                    address=fake.address,
+                    model=pdserve_pb2.ModelCard(id="other-model"),
+                ),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"serves model 'other-model' but this router serves {model_id!r}",
+            ),
+        ]
         for fields, code, named in bad:
             with pytest.raises(grpc.RpcError) as err:
                 router.registry.Register(worker_pb2.RegisterRequest(**fields), timeout=RPC_TIMEOUT)
             assert err.value.code() == code and named in err.value.details(), err.value
         assert router.pool.num_workers("decode") == 0
 
-        reply = router.registry.Register(worker_pb2.RegisterRequest(
-            worker_id="d-fake", role="decode", address=fake.address,
-            model=pdserve_pb2.ModelCard(id=model_id)), timeout=RPC_TIMEOUT)
+        reply = router.registry.Register(
+            worker_pb2.RegisterRequest(
+                worker_id="d-fake",
+                role="decode",
+                address=fake.address,
+                model=pdserve_pb2.ModelCard(id=model_id),
+            ),
+            timeout=RPC_TIMEOUT,
+        )
         assert reply.heartbeat_ms == 100
         assert [w.address for w in router.pool.decode] == [fake.address]
         beat = worker_pb2.HeartbeatRequest(worker_id="d-fake")
-        assert not router.registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="nobody"),
-                                             timeout=RPC_TIMEOUT).known
-        end = time.monotonic() + 0.6   # twice the drop-out time, heartbeating: stays
+        assert not router.registry.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id="nobody"), timeout=RPC_TIMEOUT
+        ).known
+        end = time.monotonic() + 0.6  # twice the drop-out time, heartbeating: stays
         while time.monotonic() < end:
             assert router.registry.Heartbeat(beat, timeout=RPC_TIMEOUT).known
             time.sleep(0.05)
         assert router.pool.num_workers("decode") == 1
 
-        moved = fakes("d-fake")   # re-registering under the same id replaces the old address
+        moved = fakes("d-fake")  # re-registering under the same id replaces the old address
         last_beat = time.monotonic()
-        router.registry.Register(worker_pb2.RegisterRequest(
-            worker_id="d-fake", role="decode", address=moved.address), timeout=RPC_TIMEOUT)
+        router.registry.Register(
+            worker_pb2.RegisterRequest(worker_id="d-fake", role="decode", address=moved.address),
+            timeout=RPC_TIMEOUT,
+        )
         assert [w.address for w in router.pool.decode] == [moved.address]
 
         with caplog.at_level(logging.WARNING, logger="router.pool"):
             wait_until(lambda: router.pool.num_workers("decode") == 0, 3, "d-fake dropped out")
-        assert time.monotonic() - last_beat >= 0.3   # heartbeats stopped: out after 3 x heartbeat_ms
-        assert any("d-fake" in r.getMessage() and "dropped out" in r.getMessage() for r in caplog.records)
+        assert time.monotonic() - last_beat >= 0.3  # heartbeats stopped: out after 3 x heartbeat_ms
+        assert any(
+            "d-fake" in r.getMessage() and "dropped out" in r.getMessage() for r in caplog.records
+        )
         assert not router.registry.Heartbeat(beat, timeout=RPC_TIMEOUT).known
     finally:
         stop_router(router)
@@ -374,31 +472,43 @@ def test_registration_client_registers_again_after_drop_out_and_router_restart(m
     router = start_router(model_dir, heartbeat_ms=100)
     slow = threading.Event()
 
-    def stats_fn():   # a heartbeat stalled past 3 x heartbeat_ms: the router drops the worker
+    def stats_fn():  # a heartbeat stalled past 3 x heartbeat_ms: the router drops the worker
         if slow.is_set():
             slow.clear()
             time.sleep(0.6)
         return fake_stats()
 
-    registration = Registration(router.address, worker_pb2.RegisterRequest(
-        worker_id="d-fake", role="decode", address=fake.address), stats_fn,
-        rpc_timeout_s=1.0, max_backoff_s=0.2).start()
+    registration = Registration(
+        router.address,
+        worker_pb2.RegisterRequest(worker_id="d-fake", role="decode", address=fake.address),
+        stats_fn,
+        rpc_timeout_s=1.0,
+        max_backoff_s=0.2,
+    ).start()
     try:
         assert registration.wait_registered(5) and registration.heartbeat_s == 0.1
         assert [w.worker_id for w in router.pool.decode] == ["d-fake"]
         slow.set()
-        wait_until(lambda: router.pool.num_workers("decode") == 0, 3, "the stalled worker dropped out")
+        wait_until(
+            lambda: router.pool.num_workers("decode") == 0, 3, "the stalled worker dropped out"
+        )
         # the next Heartbeat answers known=false and the client registers again
-        wait_until(lambda: registration.num_registrations == 2 and router.pool.num_workers("decode") == 1,
-                   3, "registered again after known=false")
+        wait_until(
+            lambda: registration.num_registrations == 2 and router.pool.num_workers("decode") == 1,
+            3,
+            "registered again after known=false",
+        )
 
         port = router.address.rsplit(":", 1)[1]
         stop_router(router)
         wait_until(lambda: not registration.registered, 3, "heartbeats to the stopped router fail")
         router = start_router(model_dir, heartbeat_ms=100, port=int(port))
         # the router counts the worker inside Register, the client once Register returned
-        wait_until(lambda: router.pool.num_workers("decode") == 1 and registration.num_registrations == 3,
-                   5, "registered with the new router")
+        wait_until(
+            lambda: router.pool.num_workers("decode") == 1 and registration.num_registrations == 3,
+            5,
+            "registered with the new router",
+        )
         assert registration.registered
     finally:
         registration.stop()
@@ -410,10 +520,15 @@ def test_resumed_sampling_lowers_the_token_budgets():
     sampling = pdserve_pb2.SamplingParams(temperature=0.5, seed=3, max_tokens=48, min_tokens=10)
     assert resume_sampling(sampling, 0) is sampling
     resumed = resume_sampling(sampling, 12)
-    assert (resumed.max_tokens, resumed.min_tokens, resumed.seed, resumed.temperature) == (36, 0, 3, 0.5)
+    assert (resumed.max_tokens, resumed.min_tokens, resumed.seed, resumed.temperature) == (
+        36,
+        0,
+        3,
+        0.5,
+    )
     assert resume_sampling(sampling, 4).min_tokens == 6
-    assert resume_sampling(sampling, 48) is None   # nothing left to generate
-    unset = resume_sampling(pdserve_pb2.SamplingParams(), 5)   # the engine default, 16
+    assert resume_sampling(sampling, 48) is None  # nothing left to generate
+    unset = resume_sampling(pdserve_pb2.SamplingParams(), 5)  # the engine default, 16
     assert unset.max_tokens == 11 and not unset.HasField("min_tokens")
 
 
@@ -434,7 +549,7 @@ class FakeStream:
 def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model_dir):
     tokenizer = load_tokenizer(model_dir)
     text = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=False)
-    sent = [5, 6]   # streamed before the resume; "t6", maybe the start of the stop, is held back
+    sent = [5, 6]  # streamed before the resume; "t6", maybe the start of the stop, is held back
     assert text.add(sent) == " t5 "
     leg = Leg(1)
     leg.stream_call = FakeStream([7, 8, 9])
@@ -446,5 +561,5 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
             responses.append(next(run))
     final, error = done.value.value
     assert error is None and final.finish_reason == "stop" and final.stop_str == "t6 t7"
-    assert leg.stream_call.cancelled and sent == [5, 6, 7]   # 8 and 9 never reach the client
+    assert leg.stream_call.cancelled and sent == [5, 6, 7]  # 8 and 9 never reach the client
     assert [list(r.delta.token_ids) for r in responses] == [[7]] and text.flush() == ""

@@ -1,9 +1,9 @@
+import dataclasses
 import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from engine.sampler import (
     Sampler,
@@ -26,40 +26,44 @@ def row(params=None, prompt=(), output=(), generator=None, eos=()):
 
 # ---------------------------------------------------------------- validation
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(n=0), "n"),
-    (dict(n=1.5), "n"),
-    (dict(n=True), "n"),
-    (dict(temperature=-1), "temperature"),
-    (dict(temperature="hot"), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(top_k=2.0), "top_k"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(min_p=-0.1), "min_p"),
-    (dict(seed=1.5), "seed"),
-    (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(presence_penalty=-2.5), "presence_penalty"),
-    (dict(frequency_penalty=3), "frequency_penalty"),
-    (dict(frequency_penalty=-2.01), "frequency_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens="3"), "max_tokens"),
-    (dict(max_tokens=False), "max_tokens"),
-    (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(stop=""), "stop"),
-    (dict(stop=["ok", ""]), "stop"),
-    (dict(stop=[1]), "stop"),
-    (dict(stop=5), "stop"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
-    (dict(ignore_eos=1), "ignore_eos"),
-    (dict(logprobs="yes"), "logprobs"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n=0), "n"),
+        (dict(n=1.5), "n"),
+        (dict(n=True), "n"),
+        (dict(temperature=-1), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.0), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(seed=1.5), "seed"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(presence_penalty=-2.5), "presence_penalty"),
+        (dict(frequency_penalty=3), "frequency_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens="3"), "max_tokens"),
+        (dict(max_tokens=False), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(stop=""), "stop"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop=[1]), "stop"),
+        (dict(stop=5), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+        (dict(ignore_eos=1), "ignore_eos"),
+        (dict(logprobs="yes"), "logprobs"),
+    ],
+)
 def test_validation_error_names_field(kwargs, field):
     with pytest.raises(ValueError) as exc:
         SamplingParams(**kwargs)
@@ -88,13 +92,15 @@ def test_defaults_and_normalization():
     assert q.greedy and q.temperature == 0.0 and isinstance(q.temperature, float)
     assert q.stop == ("END",) and q.stop_token_ids == (3, 4)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    assert hash(q) == hash(SamplingParams(temperature=0.0, stop=("END",),
-                                          stop_token_ids=(3, 4), top_k=-1))
-    with pytest.raises(Exception):
+    assert hash(q) == hash(
+        SamplingParams(temperature=0.0, stop=("END",), stop_token_ids=(3, 4), top_k=-1)
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
         q.top_k = 3  # frozen
 
 
 # ---------------------------------------------------------------- greedy-equivalents
+
 
 def _rand_logits(rows, vocab, seed=0):
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
@@ -109,12 +115,16 @@ def test_greedy_is_argmax_and_logits_untouched():
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(top_k=1),
-    SamplingParams(top_p=1e-6),
-    SamplingParams(min_p=1.0),
-    SamplingParams(top_k=1, temperature=5.0),
-], ids=["top_k=1", "top_p_tiny", "min_p=1", "top_k=1_hot"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(min_p=1.0),
+        SamplingParams(top_k=1, temperature=5.0),
+    ],
+    ids=["top_k=1", "top_p_tiny", "min_p=1", "top_k=1_hot"],
+)
 def test_filters_that_reduce_to_greedy(params):
     # Flat-ish logits over 100 tokens: unfiltered sampling would miss argmax often.
     torch.manual_seed(0)
@@ -135,12 +145,15 @@ def test_mixed_batch_greedy_rows_stay_argmax():
 
 # ---------------------------------------------------------------- seeding
 
+
 def _generate(seed, position, batch_size, steps=20, vocab=50):
     """Runs `steps` decode steps for a seeded row at `position` among random rows."""
     torch.manual_seed(1234 + position + batch_size)  # unseeded neighbours vary
     target = row(SamplingParams(seed=seed, top_p=0.95, top_k=40), prompt=[1, 2])
-    others = [row(SamplingParams(seed=999 + j) if j % 2 else SamplingParams(temperature=0.8))
-              for j in range(batch_size - 1)]
+    others = [
+        row(SamplingParams(seed=999 + j) if j % 2 else SamplingParams(temperature=0.8))
+        for j in range(batch_size - 1)
+    ]
     rows = others[:position] + [target] + others[position:]
     logit_gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
@@ -184,8 +197,7 @@ def _freqs(params_list):
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 2.0])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_empirical_frequencies_match_softmax(temperature, seeded):
-    params = [SamplingParams(temperature=temperature, seed=i if seeded else None)
-              for i in range(N)]
+    params = [SamplingParams(temperature=temperature, seed=i if seeded else None) for i in range(N)]
     expected = torch.softmax(BASE / temperature, -1)
     assert torch.allclose(_freqs(params), expected, atol=0.03)
 
@@ -212,8 +224,11 @@ def test_min_p_drops_unlikely_tokens():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(-50, 50), min_size=2, max_size=12, unique=True),
-       st.floats(0.05, 1.0), st.integers(-1, 14))
+@given(
+    st.lists(st.integers(-50, 50), min_size=2, max_size=12, unique=True),
+    st.floats(0.05, 1.0),
+    st.integers(-1, 14),
+)
 def test_top_k_top_p_match_reference(values, top_p, top_k):
     logits = torch.tensor([values], dtype=torch.float32) / 10
     order = sorted(range(len(values)), key=lambda i: -values[i])
@@ -228,6 +243,7 @@ def test_top_k_top_p_match_reference(values, top_p, top_k):
 
 
 # ---------------------------------------------------------------- penalties
+
 
 def test_repetition_penalty_divides_positive_multiplies_negative():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
@@ -256,7 +272,8 @@ def test_frequency_scales_with_count_presence_is_flat():
     assert torch.allclose(pres, torch.tensor([[-0.5, -0.5, 0.0, 0.0]]))
     # OpenAI semantics: prompt tokens are not penalized.
     prompt_only = process_logits(
-        logits, [row(SamplingParams(frequency_penalty=1.0, presence_penalty=1.0), prompt=[2])])
+        logits, [row(SamplingParams(frequency_penalty=1.0, presence_penalty=1.0), prompt=[2])]
+    )
     assert torch.equal(prompt_only, logits)
     # Negative penalties encourage repetition.
     enc = process_logits(logits, [row(SamplingParams(presence_penalty=-1.0), output=[3])])
@@ -267,7 +284,7 @@ def test_frequency_vs_presence_greedy_picks():
     logits = torch.tensor([[3.0, 2.0, 0.0]])
     out = [0, 0, 0, 1]  # token 0 x3, token 1 x1
     f = SamplingParams(temperature=0, frequency_penalty=0.6)  # 3-1.8=1.2 < 2-0.6=1.4
-    p = SamplingParams(temperature=0, presence_penalty=0.6)   # 2.4 > 1.4
+    p = SamplingParams(temperature=0, presence_penalty=0.6)  # 2.4 > 1.4
     rows = [row(f, output=out), row(p, output=out)]
     assert sampler(logits.repeat(2, 1), rows).token_ids == [1, 0]
 
@@ -278,6 +295,7 @@ def test_no_penalty_returns_same_tensor():
 
 
 # ---------------------------------------------------------------- min_tokens / eos
+
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[0.0, 1.0, 5.0, 4.0]])  # eos=2, stop id=3
@@ -298,6 +316,7 @@ def test_ignore_eos_leaves_eos_but_masks_stop_ids():
 
 
 # ---------------------------------------------------------------- logprobs
+
 
 def test_logprobs_are_raw_log_softmax():
     torch.manual_seed(0)

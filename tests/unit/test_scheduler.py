@@ -5,6 +5,7 @@ The fake runner and its KV/prefix-cache checks are in scheduler_harness.py; pree
 test_scheduler_preemption.py, n > 1 forks, reserve/commit and aborts in
 test_scheduler_fork_reserve.py, the random-operation property tests in test_scheduler_property.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,8 @@ import pytest
 from engine.request import FinishReason, SeqStatus
 from scheduler_harness import EOS, Harness, sched_view
 
-
 # ---- chunked prefill -------------------------------------------------------------------------
+
 
 def test_chunked_prefill_then_decode():
     h = Harness(num_blocks=16, block_size=16, budget=32)
@@ -21,10 +22,10 @@ def test_chunked_prefill_then_decode():
     for start, n in ((0, 32), (32, 32), (64, 32)):
         plan = h.step()
         assert sched_view(plan) == [(seq.seq_id, start, n)]
-        assert plan.rows == [] and plan.row_seqs == []          # mid-prompt: nothing sampled
+        assert plan.rows == [] and plan.row_seqs == []  # mid-prompt: nothing sampled
         assert seq.num_computed_tokens == start + n
         assert seq.num_output_tokens == 0
-    assert len(seq.block_ids) == 7                              # the whole prompt was allocated up front
+    assert len(seq.block_ids) == 7  # the whole prompt was allocated up front
     plan = h.step()
     assert sched_view(plan) == [(seq.seq_id, 96, 4)]
     assert plan.row_seqs == [seq] and plan.row_logits == [0]
@@ -42,6 +43,7 @@ def test_chunked_prefill_then_decode():
 
 # ---- budget, order, admission ----------------------------------------------------------------
 
+
 def test_budget_shared_running_before_waiting_fcfs_and_max_num_seqs():
     h = Harness(num_blocks=64, block_size=4, budget=10, max_num_seqs=2)
     a = h.add(range(10, 16), max_tokens=4, ignore_eos=True)[0]
@@ -57,10 +59,10 @@ def test_budget_shared_running_before_waiting_fcfs_and_max_num_seqs():
     assert sched_view(plan) == [(a.seq_id, 6, 1), (b.seq_id, 4, 2)]
     assert plan.row_seqs == [a, b] and plan.row_logits == [0, 1]
     h.step()
-    h.step()          # a gets its 4th token and finishes
+    h.step()  # a gets its 4th token and finishes
     assert a.status == SeqStatus.FINISHED and a.num_output_tokens == 4
     plan = h.step()
-    assert sched_view(plan) == [(b.seq_id, 8, 1), (c.seq_id, 0, 6)]   # decode before admission
+    assert sched_view(plan) == [(b.seq_id, 8, 1), (c.seq_id, 0, 6)]  # decode before admission
     h.run()
     assert [s.num_output_tokens for s in (a, b, c)] == [4, 4, 4]
     h.assert_no_leaks()
@@ -98,7 +100,7 @@ def test_admission_waits_for_blocks_and_keeps_fcfs():
     assert sched_view(plan) == [(a.seq_id, 0, 24)]
     assert [s.seq_id for s in h.sched.waiting] == [b.seq_id, c.seq_id]
     assert h.bm.num_free_blocks == 2
-    plan = h.step()                   # a finishes
+    plan = h.step()  # a finishes
     assert a.status == SeqStatus.FINISHED
     plan = h.step()
     assert sched_view(plan) == [(b.seq_id, 0, 12), (c.seq_id, 0, 1)]
@@ -107,6 +109,7 @@ def test_admission_waits_for_blocks_and_keeps_fcfs():
 
 
 # ---- prefix caching through the scheduler ----------------------------------------------------
+
 
 @pytest.mark.parametrize("first_alive", [True, False])
 def test_prefix_cache_hit_shares_full_blocks(first_alive):
@@ -120,7 +123,7 @@ def test_prefix_cache_hit_shares_full_blocks(first_alive):
     b = h.add(prompt, max_tokens=2, ignore_eos=True)[0]
     free_before, a_before = h.bm.num_free_blocks, len(a.block_ids)
     plan = h.step()
-    free_before -= len(a.block_ids) - a_before        # a's own decode block, if any
+    free_before -= len(a.block_ids) - a_before  # a's own decode block, if any
     # 3 cached blocks; the 4th is recomputed so the last prompt token yields logits
     assert b.num_cached_tokens == 48
     item = [s for s in plan.scheduled if s.seq is b][0]
@@ -130,10 +133,10 @@ def test_prefix_cache_hit_shares_full_blocks(first_alive):
     if first_alive:
         assert b.block_ids[:3] == a.block_ids[:3]
         assert [h.bm.ref_count(x) for x in b.block_ids] == [2, 2, 2, 1]
-        assert h.bm.num_free_blocks == free_before - 1      # only the recomputed block is new
+        assert h.bm.num_free_blocks == free_before - 1  # only the recomputed block is new
     else:
         assert [h.bm.ref_count(x) for x in b.block_ids] == [1, 1, 1, 1]
-        assert h.bm.num_free_blocks == free_before - 4      # 3 revived + 1 new
+        assert h.bm.num_free_blocks == free_before - 4  # 3 revived + 1 new
     h.finish(a)
     h.run()
     h.assert_no_leaks()
@@ -171,10 +174,10 @@ def test_prefix_cache_partial_hit_and_decoded_blocks_are_cached():
     assert b.num_cached_tokens == 16
     e = h.add(a.token_ids[:15], max_tokens=1)[0]
     h.step()
-    assert e.num_cached_tokens == 12           # only whole blocks, within num_tokens - 1
+    assert e.num_cached_tokens == 12  # only whole blocks, within num_tokens - 1
     c = h.add(list(range(10, 18)) + [7, 7, 7, 7], max_tokens=1)[0]
     h.step()
-    assert c.num_cached_tokens == 8            # stops at the first differing block
+    assert c.num_cached_tokens == 8  # stops at the first differing block
     h.run()
     h.assert_no_leaks()
 
@@ -185,7 +188,7 @@ def test_same_prompt_admitted_together_then_decoded_blocks_chain_correctly():
     to b's text), never as the first block of an unrelated prompt."""
     h = Harness(num_blocks=32, block_size=4, budget=256)
     prompt = list(range(10, 18))
-    a = h.add(prompt, max_tokens=1)[0]
+    h.add(prompt, max_tokens=1)
     b = h.add(prompt, max_tokens=5, ignore_eos=True)[0]
     h.run()
     assert b.num_tokens == 13 and b.num_hashed_blocks == 3
@@ -204,24 +207,34 @@ def test_same_prompt_admitted_together_then_decoded_blocks_chain_correctly():
 
 # ---- stops ------------------------------------------------------------------------------------
 
+
 def scripted(script):
     """Fake runner tokens: the k-th output token of each sequence is script[k]."""
     return lambda seq: script[seq.num_output_tokens]
 
 
-@pytest.mark.parametrize("params, script, n_out, reason, stop_reason", [
-    (dict(max_tokens=10), [5, 6, EOS, 7], 3, FinishReason.STOP, None),
-    (dict(max_tokens=10), [EOS], 1, FinishReason.STOP, None),
-    (dict(max_tokens=5, ignore_eos=True), [EOS] * 6, 5, FinishReason.LENGTH, None),
-    (dict(max_tokens=10, min_tokens=3), [EOS, EOS, EOS, 5], 3, FinishReason.STOP, None),
-    (dict(max_tokens=10, min_tokens=3), [EOS, 5, 6, 7, EOS, 8], 5, FinishReason.STOP, None),
-    (dict(max_tokens=10, stop_token_ids=[7]), [5, 7, 8], 2, FinishReason.STOP, 7),
-    (dict(max_tokens=10, stop_token_ids=[7], min_tokens=2), [7, 7, 8], 2, FinishReason.STOP, 7),
-    (dict(max_tokens=10, stop_token_ids=[7], ignore_eos=True), [EOS, 7], 2, FinishReason.STOP, 7),
-    (dict(max_tokens=3), [5, 6, 8, 9], 3, FinishReason.LENGTH, None),
-    (dict(max_tokens=3), [5, 6, EOS], 3, FinishReason.STOP, None),
-    (dict(max_tokens=1), [5], 1, FinishReason.LENGTH, None),
-])
+@pytest.mark.parametrize(
+    "params, script, n_out, reason, stop_reason",
+    [
+        (dict(max_tokens=10), [5, 6, EOS, 7], 3, FinishReason.STOP, None),
+        (dict(max_tokens=10), [EOS], 1, FinishReason.STOP, None),
+        (dict(max_tokens=5, ignore_eos=True), [EOS] * 6, 5, FinishReason.LENGTH, None),
+        (dict(max_tokens=10, min_tokens=3), [EOS, EOS, EOS, 5], 3, FinishReason.STOP, None),
+        (dict(max_tokens=10, min_tokens=3), [EOS, 5, 6, 7, EOS, 8], 5, FinishReason.STOP, None),
+        (dict(max_tokens=10, stop_token_ids=[7]), [5, 7, 8], 2, FinishReason.STOP, 7),
+        (dict(max_tokens=10, stop_token_ids=[7], min_tokens=2), [7, 7, 8], 2, FinishReason.STOP, 7),
+        (
+            dict(max_tokens=10, stop_token_ids=[7], ignore_eos=True),
+            [EOS, 7],
+            2,
+            FinishReason.STOP,
+            7,
+        ),
+        (dict(max_tokens=3), [5, 6, 8, 9], 3, FinishReason.LENGTH, None),
+        (dict(max_tokens=3), [5, 6, EOS], 3, FinishReason.STOP, None),
+        (dict(max_tokens=1), [5], 1, FinishReason.LENGTH, None),
+    ],
+)
 def test_stop_conditions(params, script, n_out, reason, stop_reason):
     h = Harness(token_fn=scripted(script))
     (seq,) = h.add(range(10, 16), **params)

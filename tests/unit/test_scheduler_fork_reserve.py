@@ -1,5 +1,6 @@
 """Scheduler n > 1 forks, reserve/commit (the decode side of a prefill/decode handoff) and aborts at
 every stage, with the fake runner of scheduler_harness.py (no model)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,15 +9,18 @@ from engine.block_manager import NoFreeBlocks
 from engine.request import FinishReason, SeqStatus
 from scheduler_harness import EOS, Harness, abort_request, sched_view
 
-
 # ---- n > 1 --------------------------------------------------------------------------------------
+
 
 def test_n_parallel_fork_shares_full_blocks_and_copies_partial():
     h = Harness(num_blocks=32, block_size=4, budget=64)
     other = h.add(range(50, 53), max_tokens=8, ignore_eos=True)[0]
     parent, c1, c2 = fam = h.add(range(10, 20), n=3, max_tokens=4, ignore_eos=True)
-    assert [s.status for s in fam] == [SeqStatus.WAITING, SeqStatus.FORK_PENDING,
-                                       SeqStatus.FORK_PENDING]
+    assert [s.status for s in fam] == [
+        SeqStatus.WAITING,
+        SeqStatus.FORK_PENDING,
+        SeqStatus.FORK_PENDING,
+    ]
     assert h.sched.fork_children[parent.seq_id] == [c1, c2]
     assert h.sched.num_unfinished == 2
     plan = h.step()
@@ -38,13 +42,17 @@ def test_n_parallel_fork_shares_full_blocks_and_copies_partial():
     assert h.bm.ref_count(c1.block_ids[2]) == h.bm.ref_count(c2.block_ids[2]) == 1
     plan = h.step()
     assert plan.block_copies == [(partial, c1.block_ids[2]), (partial, c2.block_ids[2])]
-    assert sched_view(plan) == [(other.seq_id, 3, 1), (parent.seq_id, 10, 1),
-                                (c1.seq_id, 10, 1), (c2.seq_id, 10, 1)]
+    assert sched_view(plan) == [
+        (other.seq_id, 3, 1),
+        (parent.seq_id, 10, 1),
+        (c1.seq_id, 10, 1),
+        (c2.seq_id, 10, 1),
+    ]
     assert plan.row_logits == [0, 1, 2, 3]
     assert h.step().block_copies == []
     h.run()
     assert [s.num_output_tokens for s in fam] == [4, 4, 4]
-    assert len({tuple(s.output_token_ids) for s in fam}) == 3      # each sampled on its own
+    assert len({tuple(s.output_token_ids) for s in fam}) == 3  # each sampled on its own
     h.assert_no_leaks()
 
 
@@ -65,6 +73,7 @@ def test_n_parallel_prompt_multiple_of_block_size_has_no_copies():
 def test_n_parallel_parent_stopping_on_first_token_keeps_children():
     def tokens(seq):
         return EOS if seq.index == 0 else 5 + seq.index
+
     h = Harness(num_blocks=32, block_size=4, budget=64, token_fn=tokens)
     parent, c1, c2 = h.add(range(10, 20), n=3, max_tokens=3)
     h.step()
@@ -99,7 +108,7 @@ def test_n_parallel_child_without_a_free_block_for_its_copy_is_recomputed():
     h = Harness(num_blocks=4, block_size=4, budget=64, caching=False)
     parent, child = h.add(range(10, 20), n=2, max_tokens=2, ignore_eos=True)
     h.step()
-    assert child.status == SeqStatus.RUNNING      # the one free block became its copy
+    assert child.status == SeqStatus.RUNNING  # the one free block became its copy
     assert h.bm.num_free_blocks == 0
     # 5 blocks; in the step that ends the parent's prompt a decode takes the last free block
     h2 = Harness(num_blocks=5, block_size=4, budget=8, caching=False)
@@ -125,6 +134,7 @@ def test_n_parallel_child_without_a_free_block_for_its_copy_is_recomputed():
 
 # ---- reserve / commit ---------------------------------------------------------------------------
 
+
 def test_reserve_commit():
     h = Harness(num_blocks=16, block_size=4, budget=64)
     seq = h.new(range(10, 20), max_tokens=3, ignore_eos=True)
@@ -132,11 +142,11 @@ def test_reserve_commit():
     assert seq.status == SeqStatus.RESERVED and h.sched.reserved == {seq.seq_id: seq}
     assert seq.block_ids == [0, 1, 2] and h.bm.num_free_blocks == 13
     assert h.sched.num_unfinished == 1
-    assert h.step().is_empty                        # held, not scheduled
+    assert h.step().is_empty  # held, not scheduled
     h.commit(seq, 42)
     assert seq.status == SeqStatus.RUNNING and h.sched.reserved == {}
     assert seq.num_computed_tokens == 10 and seq.output_token_ids == [42]
-    assert seq.num_hashed_blocks == 2               # the committed full blocks are now cached
+    assert seq.num_hashed_blocks == 2  # the committed full blocks are now cached
     plan = h.step()
     assert sched_view(plan) == [(seq.seq_id, 10, 1)]
     h.run()
@@ -175,7 +185,7 @@ def test_reserve_abort_frees_everything_and_unwritten_blocks_are_not_cached():
 
 def test_reserve_without_room_raises_and_changes_nothing():
     h = Harness(num_blocks=4, block_size=4)
-    seq = h.new(range(10, 30), max_tokens=3)            # 5 blocks
+    seq = h.new(range(10, 30), max_tokens=3)  # 5 blocks
     with pytest.raises(NoFreeBlocks):
         h.reserve(seq)
     assert seq.status == SeqStatus.WAITING and seq.block_ids == []
@@ -187,14 +197,16 @@ def test_reserve_never_hands_out_blocks_a_pending_fork_copy_still_reads():
     """The parent stops on its first token right after the fork, so its partial last block is free
     until the next step performs the copy. A reservation made in between must not get that block:
     another engine would overwrite it before the copy reads it."""
+
     def tokens(seq):
         return EOS if seq.index == 0 else 5
+
     h = Harness(num_blocks=5, block_size=4, budget=64, caching=False, token_fn=tokens)
-    parent, child = h.add(range(10, 16), n=2, max_tokens=3)     # 1 full + 1 partial block
+    parent, child = h.add(range(10, 16), n=2, max_tokens=3)  # 1 full + 1 partial block
     h.step()
     assert parent.status == SeqStatus.FINISHED and child.status == SeqStatus.RUNNING
     (copy,) = h.sched._pending_copies
-    r = h.new(range(30, 42), max_tokens=2)                   # needs all 3 free blocks
+    r = h.new(range(30, 42), max_tokens=2)  # needs all 3 free blocks
     try:
         h.reserve(r)
     except NoFreeBlocks:
@@ -202,15 +214,27 @@ def test_reserve_never_hands_out_blocks_a_pending_fork_copy_still_reads():
     else:
         assert not set(r.block_ids) & set(copy)
         h.commit(r, 5)
-    h.run()       # the fake runner checks the child reads its prompt's KV from the copied block
+    h.run()  # the fake runner checks the child reads its prompt's KV from the copied block
     assert child.num_output_tokens == 3
     h.assert_no_leaks()
 
 
 # ---- abort at every stage -------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", ["waiting", "prefill", "decode", "reserved", "fork_pending",
-                                   "forked", "preempted", "during_step"])
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        "waiting",
+        "prefill",
+        "decode",
+        "reserved",
+        "fork_pending",
+        "forked",
+        "preempted",
+        "during_step",
+    ],
+)
 def test_abort_at_every_stage_frees_everything(stage):
     h = Harness(num_blocks=16, block_size=4, budget=8)
     bystander = h.add(range(70, 75), max_tokens=6, ignore_eos=True)[0]
@@ -262,4 +286,3 @@ def test_finish_is_idempotent():
     h.finish(seq, FinishReason.ABORT)
     assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, "x")
     h.assert_no_leaks()
-

@@ -1,13 +1,14 @@
 """Scheduler preemption by recompute, with the fake runner of scheduler_harness.py (no model):
 which sequence is preempted, where it is requeued, the admission watermark, and what a preempted
 sequence recomputes with and without the prefix cache."""
+
 from __future__ import annotations
 
 from engine.request import FinishReason, SeqStatus
 from scheduler_harness import Harness, sched_view
 
-
 # ---- preemption by recompute -----------------------------------------------------------------
+
 
 def _preemption_run(num_blocks):
     h = Harness(num_blocks=num_blocks, block_size=4, caching=False, budget=64, max_num_seqs=2)
@@ -25,8 +26,10 @@ def test_preemption_by_recompute():
     h, a, b, c = _preemption_run(num_blocks=8)
     for _ in range(9):
         plan = h.step()
-        assert sched_view(plan) == [(a.seq_id, plan.scheduled[0].start, plan.scheduled[0].num_new_tokens),
-                                    (b.seq_id, plan.scheduled[1].start, plan.scheduled[1].num_new_tokens)]
+        assert sched_view(plan) == [
+            (a.seq_id, plan.scheduled[0].start, plan.scheduled[0].num_new_tokens),
+            (b.seq_id, plan.scheduled[1].start, plan.scheduled[1].num_new_tokens),
+        ]
     assert a.num_tokens == b.num_tokens == 17 and h.bm.num_free_blocks == 0
     assert h.sched.num_preemptions == 0
     plan = h.step()
@@ -34,7 +37,7 @@ def test_preemption_by_recompute():
     assert h.sched.num_preemptions == 1
     assert sched_view(plan) == [(a.seq_id, 16, 1)]
     assert b.status == SeqStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
-    assert [s.seq_id for s in h.sched.waiting] == [b.seq_id, c.seq_id]    # front of the queue
+    assert [s.seq_id for s in h.sched.waiting] == [b.seq_id, c.seq_id]  # front of the queue
     assert b.num_output_tokens == 9
     assert h.bm.num_free_blocks == 3
     while a.status != SeqStatus.FINISHED:
@@ -55,8 +58,9 @@ def test_preemption_by_recompute():
 
 def test_preemption_picks_the_last_running_sequence_and_requeues_it_first():
     h = Harness(num_blocks=9, block_size=4, caching=False, budget=64, max_num_seqs=3)
-    a, b, c, d = (h.add(range(10 * i, 10 * i + 8), max_tokens=8, ignore_eos=True)[0]
-                  for i in range(1, 5))
+    a, b, c, d = (
+        h.add(range(10 * i, 10 * i + 8), max_tokens=8, ignore_eos=True)[0] for i in range(1, 5)
+    )
     plan = h.step()
     assert sched_view(plan) == [(a.seq_id, 0, 8), (b.seq_id, 0, 8), (c.seq_id, 0, 8)]
     assert list(h.sched.waiting) == [d]
@@ -72,7 +76,7 @@ def test_preemption_picks_the_last_running_sequence_and_requeues_it_first():
     assert c.block_ids == [] and c.num_computed_tokens == 0 and c.num_output_tokens == 5
     assert h.bm.num_free_blocks == 1
     h.step()
-    plan = h.step()                  # a and b get their 8th token and finish
+    plan = h.step()  # a and b get their 8th token and finish
     assert sched_view(plan) == [(a.seq_id, 14, 1), (b.seq_id, 14, 1)]
     assert a.is_finished and b.is_finished
     plan = h.step()
@@ -86,10 +90,10 @@ def test_preemption_picks_the_last_running_sequence_and_requeues_it_first():
 def test_admission_keeps_a_watermark_but_reservation_does_not():
     h = Harness(num_blocks=8, block_size=4, caching=False, budget=64)
     assert h.sched.watermark_blocks == 1
-    a = h.add(range(10, 26), max_tokens=2, ignore_eos=True)[0]     # 4 blocks
+    a = h.add(range(10, 26), max_tokens=2, ignore_eos=True)[0]  # 4 blocks
     h.step()
     assert h.bm.num_free_blocks == 4
-    b = h.add(range(30, 46), max_tokens=1)[0]                      # 4 more: would leave 0 free
+    b = h.add(range(30, 46), max_tokens=1)[0]  # 4 more: would leave 0 free
     plan = h.step()
     assert sched_view(plan) == [(a.seq_id, 16, 1)] and b.status == SeqStatus.WAITING
     assert a.is_finished
@@ -121,7 +125,7 @@ def test_preemption_with_prefix_cache_recomputes_only_the_uncached_tail():
     (item,) = [s for s in plan.scheduled if s.seq is b]
     assert item.start == b.num_cached_tokens > 0
     assert b.num_cached_tokens % 4 == 0
-    assert item.end == b.num_computed_tokens == b.num_tokens - 1     # sampled at the end
+    assert item.end == b.num_computed_tokens == b.num_tokens - 1  # sampled at the end
     h.run()
     assert a.num_output_tokens == b.num_output_tokens == 12
     h.assert_no_leaks()

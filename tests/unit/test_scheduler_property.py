@@ -1,18 +1,17 @@
 """Scheduler property tests: long random mixes of add / step / abort / finish / reserve / commit
 (and aborts that land mid-step) against the fake runner of scheduler_harness.py, whose checks run
 after every operation; at the end nothing may leak."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from engine.block_manager import NoFreeBlocks
-from engine.request import FinishReason, Sequence, SeqStatus
+from engine.request import FinishReason, SeqStatus, Sequence
 from scheduler_harness import EOS, Harness, abort_request
-
 
 # ---- property test ------------------------------------------------------------------------------
 
@@ -26,7 +25,7 @@ def _random_prompt(rng, earlier=()):
         start = rng.choice((0, 0, 4 * rng.randint(0, len(text) // 4)))
         extra = [rng.choice((2, 3, 4)) for _ in range(rng.randint(0, 8))]
         return (text[start:] + extra)[:80] or [2]
-    if rng.random() < 0.6:             # a shared prefix, so the cache gets hits (and collisions)
+    if rng.random() < 0.6:  # a shared prefix, so the cache gets hits (and collisions)
         base = rng.choice(SYSTEM_PROMPTS)
         k = rng.randint(0, n)
         return base[:k] + [rng.choice((2, 3, 4)) for _ in range(n - k)]
@@ -48,8 +47,15 @@ def _property_run(seed, num_ops=1000, caching=True):
     def token_fn(seq):
         return EOS if rng.random() < 0.06 else rng.choice((2, 3, 4))
 
-    h = Harness(num_blocks=24, block_size=4, caching=caching, budget=rng.choice((16, 24, 48)),
-                max_num_seqs=rng.choice((4, 6, 8)), max_model_len=92, token_fn=token_fn)
+    h = Harness(
+        num_blocks=24,
+        block_size=4,
+        caching=caching,
+        budget=rng.choice((16, 24, 48)),
+        max_num_seqs=rng.choice((4, 6, 8)),
+        max_model_len=92,
+        token_fn=token_fn,
+    )
     requests: dict[str, list[Sequence]] = {}
     stats = dict(steps=0, aborts=0, finishes=0, reserves=0, commits=0, forks=0, hits=0)
 
@@ -57,8 +63,10 @@ def _property_run(seed, num_ops=1000, caching=True):
         return any(s.status != SeqStatus.FINISHED for s in fam)
 
     for _ in range(num_ops):
-        op = rng.choices(["add", "step", "abort", "finish", "reserve", "commit", "abort_mid_step"],
-                         weights=[4, 10, 1, 1, 1, 1, 0.3])[0]
+        op = rng.choices(
+            ["add", "step", "abort", "finish", "reserve", "commit", "abort_mid_step"],
+            weights=[4, 10, 1, 1, 1, 1, 0.3],
+        )[0]
         if op == "add":
             prompt = _random_prompt(rng, h.seqs[-30:])
             # sometimes a burst of one prompt: copies computed side by side are not cached twice
@@ -78,7 +86,7 @@ def _property_run(seed, num_ops=1000, caching=True):
             if not alive:
                 continue
             fam = rng.choice(alive)
-            if op == "abort_mid_step":      # the abort lands while the forward runs
+            if op == "abort_mid_step":  # the abort lands while the forward runs
                 plan = h.sched.schedule()
                 h.check()
                 result = h.execute(plan) if not plan.is_empty else None
@@ -89,9 +97,12 @@ def _property_run(seed, num_ops=1000, caching=True):
             else:
                 abort_request(h, fam)
             stats["aborts"] += 1
-        elif op == "finish":              # e.g. a stop string seen by the detokenizer
-            cands = [s for s in h.seqs if s.status in (SeqStatus.RUNNING, SeqStatus.WAITING)
-                     and s.num_output_tokens > 0]
+        elif op == "finish":  # e.g. a stop string seen by the detokenizer
+            cands = [
+                s
+                for s in h.seqs
+                if s.status in (SeqStatus.RUNNING, SeqStatus.WAITING) and s.num_output_tokens > 0
+            ]
             if cands:
                 h.finish(rng.choice(cands), FinishReason.STOP, "stop")
                 stats["finishes"] += 1

@@ -1,5 +1,6 @@
 """The in-load calibration's fits (deploy/tuning/calibration.py) on synthetic engine steps: the time a
 step holds the loop, the per-kind step models recovered from it, and the step check."""
+
 from __future__ import annotations
 
 import random
@@ -7,19 +8,42 @@ import random
 import numpy as np
 import pytest
 
-from deploy.tuning.calibration import (effective_steps, fit_load, modelled_s, others_busy, speed_traces,
-                                       step_model_check)
+from deploy.tuning.calibration import (
+    effective_steps,
+    fit_load,
+    modelled_s,
+    others_busy,
+    speed_traces,
+    step_model_check,
+)
 from deploy.tuning.perf_model import StepModel, profile_dict, profile_from_dict
 
-ENGINE = profile_from_dict(profile_dict(
-    model=dict(id="Toy-1", name="toy", num_layers=10, num_heads=6, num_kv_heads=3, head_dim=64,
-               hidden_size=384, dtype="float32"),
-    kv_bytes_per_token=1000, hardware={"device": "cpu"},
-    tp={1: {"prefill": {"coef": [0.01, 0.001, 0.0]}, "decode": {"coef": [0.02, 0.001, 0.0]},
-            "kv_capacity_tokens": 100_000}},
-    kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}}))
+ENGINE = profile_from_dict(
+    profile_dict(
+        model=dict(
+            id="Toy-1",
+            name="toy",
+            num_layers=10,
+            num_heads=6,
+            num_kv_heads=3,
+            head_dim=64,
+            hidden_size=384,
+            dtype="float32",
+        ),
+        kv_bytes_per_token=1000,
+        hardware={"device": "cpu"},
+        tp={
+            1: {
+                "prefill": {"coef": [0.01, 0.001, 0.0]},
+                "decode": {"coef": [0.02, 0.001, 0.0]},
+                "kv_capacity_tokens": 100_000,
+            }
+        },
+        kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}},
+    )
+)
 TRUE = StepModel((0.03, 0.0012, 1e-6), (0.025, 0.0015, 7e-6), 100_000)
-GAP = 0.0005   # the loop's time between back-to-back steps
+GAP = 0.0005  # the loop's time between back-to-back steps
 
 
 def synthetic_steps(n: int, seed: int = 0, noise: float = 0.0) -> list[dict]:
@@ -29,14 +53,19 @@ def synthetic_steps(n: int, seed: int = 0, noise: float = 0.0) -> list[dict]:
     for i in range(n):
         b = rng.randint(1, 20)
         ctx = b * rng.randint(50, 400)
-        if i % 4 == 0:   # a mixed step: a prompt chunk beside the decode rows
+        if i % 4 == 0:  # a mixed step: a prompt chunk beside the decode rows
             chunk, start = rng.randint(16, 400), rng.choice([0, 0, 128])
-            step = dict(tokens=chunk + b, prefill_pairs=chunk * (start + chunk), num_decode=b, decode_context=ctx)
+            step = dict(
+                tokens=chunk + b,
+                prefill_pairs=chunk * (start + chunk),
+                num_decode=b,
+                decode_context=ctx,
+            )
         else:
             step = dict(tokens=b, prefill_pairs=0, num_decode=b, decode_context=ctx)
         dur = (modelled_s(TRUE, step) - GAP) * (1 + noise * rng.uniform(-1, 1))
         out.append({**step, "start": t, "end": t + dur})
-        t += dur + (GAP if i % 50 else 1.0)     # every 50th step the loop idles for a second
+        t += dur + (GAP if i % 50 else 1.0)  # every 50th step the loop idles for a second
     return out
 
 
@@ -44,12 +73,16 @@ def test_effective_steps_count_the_loop_time_between_back_to_back_steps():
     steps = synthetic_steps(200)
     eff = effective_steps(steps)
     for s, e in zip(steps, eff):
-        assert e["eff_s"] == pytest.approx(s["end"] - s["start"] + GAP)   # idle or not
+        assert e["eff_s"] == pytest.approx(s["end"] - s["start"] + GAP)  # idle or not
 
 
 def test_fit_load_recovers_the_step_models_of_each_kind():
-    raw = {"workers": {"colocated-0": {"kind": "colocated", "steps": synthetic_steps(400, 1)},
-                       "colocated-1": {"kind": "colocated", "steps": synthetic_steps(400, 2)}}}
+    raw = {
+        "workers": {
+            "colocated-0": {"kind": "colocated", "steps": synthetic_steps(400, 1)},
+            "colocated-1": {"kind": "colocated", "steps": synthetic_steps(400, 2)},
+        }
+    }
     fit = fit_load(ENGINE, raw)["colocated"]
     assert fit["num_steps"] == 800 and fit["num_prefill_steps"] == 200
     assert fit["decode"]["coef"] == pytest.approx(TRUE.decode, rel=1e-3)
@@ -58,11 +91,16 @@ def test_fit_load_recovers_the_step_models_of_each_kind():
 
 
 def test_step_noise_spans_the_measured_spread_and_the_check_reads_it():
-    raw = {"workers": {"decode-0": {"kind": "decode",
-                                    "steps": [s for s in synthetic_steps(600, 3, noise=0.2)
-                                              if s["prefill_pairs"] == 0]}}}
+    raw = {
+        "workers": {
+            "decode-0": {
+                "kind": "decode",
+                "steps": [s for s in synthetic_steps(600, 3, noise=0.2) if s["prefill_pairs"] == 0],
+            }
+        }
+    }
     fit = fit_load(ENGINE, raw)["decode"]
-    assert "prefill" not in fit                      # no prompt steps: the engine's prefill model stays
+    assert "prefill" not in fit  # no prompt steps: the engine's prefill model stays
     noise = fit["step_noise"]
     assert noise == sorted(noise) and noise[0] < 0.9 and noise[-1] > 1.1
     assert noise[len(noise) // 2] == pytest.approx(1.0, abs=0.05)
@@ -81,7 +119,9 @@ def test_step_speed_keeps_a_slow_spell_and_step_noise_what_is_left_within_a_wind
     t, steps = 0.0, []
     while t < 30.0:
         b = rng.randint(1, 20)
-        step = dict(tokens=b, prefill_pairs=0, num_decode=b, decode_context=b * rng.randint(50, 400))
+        step = dict(
+            tokens=b, prefill_pairs=0, num_decode=b, decode_context=b * rng.randint(50, 400)
+        )
         dur = modelled_s(TRUE, step) * (1.5 if 10.0 <= t < 20.0 else 1.0) - GAP
         steps.append({**step, "start": t, "end": t + dur})
         t += dur + GAP
@@ -118,13 +158,19 @@ def test_steps_with_prompt_tokens_keep_their_own_step_noise():
     steps = []
     for s in synthetic_steps(800, 7):
         jitter = 0.03 if s["prefill_pairs"] else 0.3
-        steps.append({**s, "end": s["start"] + (s["end"] - s["start"]) * (1 + jitter * rng.uniform(-1, 1))})
-    fit = fit_load(ENGINE, {"workers": {"colocated-0": {"kind": "colocated", "steps": steps}}})["colocated"]
+        steps.append(
+            {**s, "end": s["start"] + (s["end"] - s["start"]) * (1 + jitter * rng.uniform(-1, 1))}
+        )
+    fit = fit_load(ENGINE, {"workers": {"colocated-0": {"kind": "colocated", "steps": steps}}})[
+        "colocated"
+    ]
     decode, prompt = fit["step_noise"], fit["prompt_step_noise"]
     assert decode[-1] / decode[0] > 1.4
     assert 0.95 < prompt[0] and prompt[-1] < 1.05
-    few = [s for i, s in enumerate(steps) if not s["prefill_pairs"] or i < 100]   # 25 prompt steps
-    fit = fit_load(ENGINE, {"workers": {"colocated-0": {"kind": "colocated", "steps": few}}})["colocated"]
+    few = [s for i, s in enumerate(steps) if not s["prefill_pairs"] or i < 100]  # 25 prompt steps
+    fit = fit_load(ENGINE, {"workers": {"colocated-0": {"kind": "colocated", "steps": few}}})[
+        "colocated"
+    ]
     assert "prompt_step_noise" not in fit and fit["step_noise"][-1] / fit["step_noise"][0] > 1.4
 
 
@@ -144,23 +190,36 @@ def test_fit_load_finds_how_much_slower_a_kind_runs_while_another_worker_compute
     decode, t = [], 0.0
     while t < 60.0:
         b = rng.randint(1, 20)
-        step = dict(tokens=b, prefill_pairs=0, num_decode=b, decode_context=b * rng.randint(50, 400))
+        step = dict(
+            tokens=b, prefill_pairs=0, num_decode=b, decode_context=b * rng.randint(50, 400)
+        )
         busy = any(a <= t < e for a, e in spans)
         dur = modelled_s(TRUE, step) * (1.3 if busy else 1.0) - GAP
         decode.append({**step, "start": t, "end": t + dur})
         t += dur + GAP
-    raw = {"workers": {"decode-0": {"kind": "decode", "steps": decode},
-                       "prefill-0": {"kind": "prefill", "steps": prefill}}}
+    raw = {
+        "workers": {
+            "decode-0": {"kind": "decode", "steps": decode},
+            "prefill-0": {"kind": "prefill", "steps": prefill},
+        }
+    }
     fits = fit_load(ENGINE, raw)
     assert fits["decode"]["interference"] == pytest.approx(0.3)
     assert fits["decode"]["decode"]["coef"] == pytest.approx(TRUE.decode, rel=1e-2)
-    assert fits["decode"]["step_noise"] == pytest.approx([1.0] * len(fits["decode"]["step_noise"]), abs=0.01)
+    assert fits["decode"]["step_noise"] == pytest.approx(
+        [1.0] * len(fits["decode"]["step_noise"]), abs=0.01
+    )
     assert "interference" not in fits["prefill"]
     assert fits["prefill"]["prefill"]["coef"] == pytest.approx(TRUE.prefill, rel=1e-3)
 
 
 def test_others_busy_compares_workers_of_the_same_run_only():
     steps = lambda *spans: [{"start": a, "end": b} for a, b in spans]  # noqa: E731
-    raw = {"workers": {"r1:a": {"steps": steps((0.0, 1.0), (2.0, 3.0))}, "r1:b": {"steps": steps((0.5, 2.5))},
-                       "r2:c": {"steps": steps((2.9, 3.0))}}}
+    raw = {
+        "workers": {
+            "r1:a": {"steps": steps((0.0, 1.0), (2.0, 3.0))},
+            "r1:b": {"steps": steps((0.5, 2.5))},
+            "r2:c": {"steps": steps((2.9, 3.0))},
+        }
+    }
     assert others_busy(raw) == {"r1:a": [False, True], "r1:b": [True], "r2:c": [False]}

@@ -1,6 +1,7 @@
 """The SLO tuner's pieces without a model: the latency-model fit, the simulator against closed-form
 answers on hand-made profiles, the placement search, the deploy YAML it writes, the derived GPU
 profile and the `pdserve tune` argument errors."""
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,26 @@ import pytest
 
 from deploy import cli
 from deploy.config import load_config, validate_config
-from deploy.tuning.perf_model import (ProfileError, fit_nonnegative, load_profile, prefill_features,
-                                      profile_from_dict)
+from deploy.tuning.perf_model import (
+    ProfileError,
+    fit_nonnegative,
+    load_profile,
+    prefill_features,
+    profile_from_dict,
+)
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
 from deploy.tuning.tune_cmd import deploy_yaml
-from deploy.tuning.tuner import (SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo)
+from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
 from deploy.tuning.workload import retime, synthetic
 from tuning_helpers import make_profile, one
 
-DERIVED = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "tuning" / "profiles" / "h100_llama3_8b.json"
+DERIVED = (
+    pathlib.Path(__file__).resolve().parents[2]
+    / "deploy"
+    / "tuning"
+    / "profiles"
+    / "h100_llama3_8b.json"
+)
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -40,7 +52,7 @@ def test_fit_never_returns_a_negative_coefficient():
     feats = [[1.0, 100.0, 0.0], [1.0, 100.0, 10000.0], [1.0, 200.0, 0.0], [1.0, 200.0, 40000.0]]
     fit = fit_nonnegative(feats, [0.2, 0.15, 0.4, 0.3])
     assert min(fit["coef"]) >= 0
-    assert fit["fit"]["max_rel_error"] > 0.05     # and it says the fit is poor
+    assert fit["fit"]["max_rel_error"] > 0.05  # and it says the fit is poor
 
 
 # ---- simulator: closed forms --------------------------------------------------------------------
@@ -52,8 +64,8 @@ def test_one_request_disaggregated_closed_form():
     prof = make_profile(decode=(0.02, 0.001, 1e-5))
     res = simulate([one(100, 10)], prof, Placement(PoolSpec(1), PoolSpec(1)))
     (r,) = res.requests
-    prefill = 0.01 + 0.001 * 100                      # 0.11 s, per layer c = 0.011
-    x = 100 * 1000 / 1e6 / 10                         # 0.01 s per layer < c: only x is exposed
+    prefill = 0.01 + 0.001 * 100  # 0.11 s, per layer c = 0.011
+    x = 100 * 1000 / 1e6 / 10  # 0.01 s per layer < c: only x is exposed
     assert r.ttft_s == pytest.approx(prefill + x + 0.001)
     decode = sum(0.02 + 0.001 + 1e-5 * (100 + k) for k in range(1, 10))
     assert r.e2e_s == pytest.approx(prefill + x + 0.001 + decode)
@@ -61,9 +73,9 @@ def test_one_request_disaggregated_closed_form():
 
 
 def test_one_request_on_a_slow_link_exposes_the_transfer_minus_the_overlap():
-    prof = make_profile(bandwidth=1e5)                # x = 0.1 s per layer > c = 0.011 s
+    prof = make_profile(bandwidth=1e5)  # x = 0.1 s per layer > c = 0.011 s
     (r,) = simulate([one(100, 2)], prof, Placement(PoolSpec(1), PoolSpec(1))).requests
-    exposed = 10 * 0.1 - 9 * 0.011                    # L*x - (L-1)*c
+    exposed = 10 * 0.1 - 9 * 0.011  # L*x - (L-1)*c
     assert r.ttft_s == pytest.approx(0.11 + exposed + 0.001)
 
 
@@ -77,16 +89,18 @@ def test_serving_models_replace_the_engine_model_per_worker_kind():
     """A profile's serving-path models (measured through a deployment) time the steps of their
     worker kind; kinds and coefficients not given fall back to the engine's."""
     data = make_profile(decode=(0.02, 0.001, 0.0), as_dict=True)
-    data["serving"] = {"prefill": {"1": {"prefill": {"coef": [0.05, 0.001, 0.0]}}},
-                       "colocated": {"1": {"decode": {"coef": [0.03, 0.001, 0.0]}}}}
+    data["serving"] = {
+        "prefill": {"1": {"prefill": {"coef": [0.05, 0.001, 0.0]}}},
+        "colocated": {"1": {"decode": {"coef": [0.03, 0.001, 0.0]}}},
+    }
     prof = profile_from_dict(data)
     (r,) = simulate([one(100, 10)], prof, Placement(PoolSpec(1), PoolSpec(1))).requests
     x = 100 * 1000 / 1e6 / 10
-    assert r.ttft_s == pytest.approx(0.05 + 0.1 + x + 0.001)          # serving prefill model
-    assert r.tpot_s == pytest.approx(0.021)                           # decode: engine's
+    assert r.ttft_s == pytest.approx(0.05 + 0.1 + x + 0.001)  # serving prefill model
+    assert r.tpot_s == pytest.approx(0.021)  # decode: engine's
     (r,) = simulate([one(100, 10)], prof, Placement(None, PoolSpec(1))).requests
-    assert r.ttft_s == pytest.approx(0.11)                            # colocated prefill: engine's
-    assert r.tpot_s == pytest.approx(0.031)                           # colocated decode: serving
+    assert r.ttft_s == pytest.approx(0.11)  # colocated prefill: engine's
+    assert r.tpot_s == pytest.approx(0.031)  # colocated decode: serving
 
 
 def test_interference_stretches_a_decode_step_that_starts_while_prefill_computes():
@@ -147,8 +161,9 @@ def test_decode_batches_every_running_sequence_and_late_commits_join_the_next_st
     then every step decodes all running sequences (a + b*B: 0.03 s for B=1, 0.05 s for B=3, 0.06 s
     for B=4)."""
     prof = make_profile(decode=(0.02, 0.01, 0.0))
-    res = Simulator(prof, Placement(PoolSpec(1), PoolSpec(1))).run([one(16, 5) for _ in range(4)],
-                                                                   phase="decode")
+    res = Simulator(prof, Placement(PoolSpec(1), PoolSpec(1))).run(
+        [one(16, 5) for _ in range(4)], phase="decode"
+    )
     first, *rest = res.requests
     assert first.ttft_s == 0 and first.e2e_s == pytest.approx(0.03 + 3 * 0.06)
     for r in rest:
@@ -160,7 +175,9 @@ def test_decode_batches_every_running_sequence_and_late_commits_join_the_next_st
 
 def test_simulation_is_deterministic():
     prof = load_profile(DERIVED)
-    reqs = retime([one(200 + 37 * i % 900, 5 + 13 * i % 200) for i in range(300)], rate=40.0, seed=3)
+    reqs = retime(
+        [one(200 + 37 * i % 900, 5 + 13 * i % 200) for i in range(300)], rate=40.0, seed=3
+    )
     pl = Placement(PoolSpec(2), PoolSpec(1, kv_capacity_tokens=40_000))
     a, b = simulate(reqs, prof, pl), simulate(reqs, prof, pl)
     assert a.requests == b.requests and a.num_steps == b.num_steps
@@ -168,12 +185,16 @@ def test_simulation_is_deterministic():
 
 def test_fast_decode_path_gives_the_same_answers_as_the_slow_one():
     prof = load_profile(DERIVED)
-    reqs = retime([one(100 + 53 * i % 1500, 1 + 29 * i % 300) for i in range(400)], rate=60.0, seed=1)
-    for pl in (Placement(PoolSpec(3), PoolSpec(1, kv_capacity_tokens=60_000)),
-               Placement(None, PoolSpec(2, kv_capacity_tokens=30_000))):
+    reqs = retime(
+        [one(100 + 53 * i % 1500, 1 + 29 * i % 300) for i in range(400)], rate=60.0, seed=1
+    )
+    for pl in (
+        Placement(PoolSpec(3), PoolSpec(1, kv_capacity_tokens=60_000)),
+        Placement(None, PoolSpec(2, kv_capacity_tokens=30_000)),
+    ):
         fast = Simulator(prof, pl, fast=True).run(reqs)
         slow = Simulator(prof, pl, fast=False).run(reqs)
-        assert fast.num_preemptions > 0          # the comparison covers preemption too
+        assert fast.num_preemptions > 0  # the comparison covers preemption too
         assert fast.requests == slow.requests
 
 
@@ -220,8 +241,13 @@ def test_pruning_never_drops_a_placement_that_would_beat_the_best():
     and its goodput (~3.15) lies between the best so far and that failed rate. The search may give
     up below the best, but it must try the best's rate itself rather than step past it."""
     data = make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True)
-    data["serving"] = {"interference": {"colocated_while_busy": 0.5, "decode_while_prefill": 0.5,
-                                        "prefill_while_decode": 0.5}}
+    data["serving"] = {
+        "interference": {
+            "colocated_while_busy": 0.5,
+            "decode_while_prefill": 0.5,
+            "prefill_while_decode": 0.5,
+        }
+    }
     prof = profile_from_dict(data)
     picks = []
     for prune in (True, False):
@@ -235,8 +261,14 @@ def test_pruning_never_drops_a_placement_that_would_beat_the_best():
 def test_enumeration_covers_ratios_and_tp_degrees():
     prof = make_profile(tps=(1, 3))
     labels = {p.label() for p in enumerate_placements(prof, 6, colocated=True)}
-    assert {"1P tp1 + 5D tp1", "5P tp1 + 1D tp1", "1P tp3 + 3D tp1", "1P tp3 + 1D tp3",
-            "colocated 6x tp1", "colocated 2x tp3"} <= labels
+    assert {
+        "1P tp1 + 5D tp1",
+        "5P tp1 + 1D tp1",
+        "1P tp3 + 3D tp1",
+        "1P tp3 + 1D tp3",
+        "colocated 6x tp1",
+        "colocated 2x tp3",
+    } <= labels
     assert all(p.num_devices <= 6 for p in enumerate_placements(prof, 6, colocated=True))
 
 
@@ -253,7 +285,11 @@ def test_yaml_of_either_shape_validates():
     prof = make_profile(tps=(1, 3))
     disagg = deploy_yaml(Candidate(Placement(PoolSpec(2, 3), PoolSpec(1))), prof, "smollm2", "grpc")
     cfg = validate_config(disagg)
-    assert (cfg.pools.prefill.replicas, cfg.pools.prefill.tp, cfg.pools.decode.replicas) == (2, 3, 1)
+    assert (cfg.pools.prefill.replicas, cfg.pools.prefill.tp, cfg.pools.decode.replicas) == (
+        2,
+        3,
+        1,
+    )
     assert cfg.kvtransfer.backend == "grpc" and cfg.pools.prefill.kv_cache_memory == 1 << 28
     colocated = deploy_yaml(Candidate(Placement(None, PoolSpec(4))), prof, "smollm2", "grpc")
     assert validate_config(colocated).pools.colocated.replicas == 4
@@ -261,12 +297,30 @@ def test_yaml_of_either_shape_validates():
 
 def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps(make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0),
-                                            as_dict=True)))
+    path.write_text(
+        json.dumps(make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True))
+    )
     out, png = tmp_path / "best.yaml", tmp_path / "c.png"
-    rc = cli.main(["tune", "--profile", str(path), "--workload", "synthetic:200:20",
-                   "--slo", "ttft=2s,tpot=100ms", "--devices", "4", "--colocated",
-                   "--model", "toy", "--out", str(out), "--plot", str(png)])
+    rc = cli.main(
+        [
+            "tune",
+            "--profile",
+            str(path),
+            "--workload",
+            "synthetic:200:20",
+            "--slo",
+            "ttft=2s,tpot=100ms",
+            "--devices",
+            "4",
+            "--colocated",
+            "--model",
+            "toy",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     cfg = load_config(out)
@@ -289,16 +343,31 @@ def test_derived_profile_is_marked_and_shaped_like_a_measured_one():
     measured_keys = set(make_profile(as_dict=True)) | {"derived", "source"}
     assert set(data) == measured_keys
     for entry in data["tp"].values():
-        assert entry["prefill"]["samples"] and entry["decode"]["samples"] and "fit" in entry["prefill"]
+        assert (
+            entry["prefill"]["samples"] and entry["decode"]["samples"] and "fit" in entry["prefill"]
+        )
 
 
 @pytest.mark.parametrize("devices", [8, 32])
 def test_gpu_search_finishes(devices, tmp_path, capsys):
     out = tmp_path / "best.yaml"
     t0 = time.perf_counter()
-    rc = cli.main(["tune", "--profile", str(DERIVED), "--workload", "azure_conv",
-                   "--slo", "ttft=1s,tpot=50ms,attainment=0.9", "--devices", str(devices),
-                   "--colocated", "--out", str(out)])
+    rc = cli.main(
+        [
+            "tune",
+            "--profile",
+            str(DERIVED),
+            "--workload",
+            "azure_conv",
+            "--slo",
+            "ttft=1s,tpot=50ms,attainment=0.9",
+            "--devices",
+            str(devices),
+            "--colocated",
+            "--out",
+            str(out),
+        ]
+    )
     elapsed = time.perf_counter() - t0
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -318,43 +387,79 @@ def profile_path(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"--workload": "azure_chat"}, "unknown trace 'azure_chat'"),
-    ({"--slo": "ttft=200,tpot=50ms"}, "give a number with a unit, ms or s"),
-    ({"--devices": "1"}, "--devices must be >= 2"),
-    ({"--model": "llama"}, "was measured for model 'Toy-1'"),
-    ({"--workload": "synthetic:10"}, "synthetic:PROMPT_LEN:OUTPUT_LEN"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"--workload": "azure_chat"}, "unknown trace 'azure_chat'"),
+        ({"--slo": "ttft=200,tpot=50ms"}, "give a number with a unit, ms or s"),
+        ({"--devices": "1"}, "--devices must be >= 2"),
+        ({"--model": "llama"}, "was measured for model 'Toy-1'"),
+        ({"--workload": "synthetic:10"}, "synthetic:PROMPT_LEN:OUTPUT_LEN"),
+    ],
+)
 def test_bad_arguments_exit_2_with_a_message(change, message, profile_path, capsys):
-    args = {"--profile": str(profile_path), "--workload": "synthetic:100:10",
-            "--slo": "ttft=1s,tpot=100ms", "--devices": "4", **change}
+    args = {
+        "--profile": str(profile_path),
+        "--workload": "synthetic:100:10",
+        "--slo": "ttft=1s,tpot=100ms",
+        "--devices": "4",
+        **change,
+    }
     rc = cli.main(["tune"] + [x for kv in args.items() for x in kv])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("mangle, message", [
-    (lambda d: "{not json", "not JSON"),
-    (lambda d: {**d, "schema": "other/1"}, "schema: expected 'pdserve-profile/1'"),
-    (lambda d: {**d, "tp": {"1": {**d["tp"]["1"], "decode": {"coef": [0.1, -1, 0]}}}}, "tp.1.decode.coef"),
-    (lambda d: {k: v for k, v in d.items() if k != "kv_transfer"}, "kv_transfer: missing"),
-    (lambda d: {**d, "tp": {"2": d["tp"]["1"]}}, "2 does not divide"),
-])
+@pytest.mark.parametrize(
+    "mangle, message",
+    [
+        (lambda d: "{not json", "not JSON"),
+        (lambda d: {**d, "schema": "other/1"}, "schema: expected 'pdserve-profile/1'"),
+        (
+            lambda d: {**d, "tp": {"1": {**d["tp"]["1"], "decode": {"coef": [0.1, -1, 0]}}}},
+            "tp.1.decode.coef",
+        ),
+        (lambda d: {k: v for k, v in d.items() if k != "kv_transfer"}, "kv_transfer: missing"),
+        (lambda d: {**d, "tp": {"2": d["tp"]["1"]}}, "2 does not divide"),
+    ],
+)
 def test_malformed_profiles_exit_2_naming_the_key(mangle, message, tmp_path, capsys):
     data = mangle(make_profile(as_dict=True))
     path = tmp_path / "bad.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
     with pytest.raises(ProfileError, match=re.escape(message)):
         load_profile(path)
-    rc = cli.main(["tune", "--profile", str(path), "--workload", "synthetic:100:10",
-                   "--slo", "ttft=1s,tpot=100ms", "--devices", "4"])
+    rc = cli.main(
+        [
+            "tune",
+            "--profile",
+            str(path),
+            "--workload",
+            "synthetic:100:10",
+            "--slo",
+            "ttft=1s,tpot=100ms",
+            "--devices",
+            "4",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and message in err and str(path) in err
 
 
 def test_no_rate_meets_an_impossible_slo(profile_path, capsys):
-    rc = cli.main(["tune", "--profile", str(profile_path), "--workload", "synthetic:100:10",
-                   "--slo", "ttft=1ms,tpot=1ms", "--devices", "2"])
+    rc = cli.main(
+        [
+            "tune",
+            "--profile",
+            str(profile_path),
+            "--workload",
+            "synthetic:100:10",
+            "--slo",
+            "ttft=1ms,tpot=1ms",
+            "--devices",
+            "2",
+        ]
+    )
     assert rc == 1 and "no placement meets the SLO" in capsys.readouterr().err
 
 
@@ -380,7 +485,7 @@ def test_first_token_latency_delays_the_request_without_taking_step_time():
 def test_a_reserve_waits_for_the_decode_step_in_flight():
     """Disaggregated, the router's Reserve runs on the decode worker's loop between steps: a
     request that arrives while a decode step runs reaches the prefill worker when that step ends."""
-    prof = make_profile(decode=(0.2, 0.0, 0.0))      # decode steps of 0.2 s
+    prof = make_profile(decode=(0.2, 0.0, 0.0))  # decode steps of 0.2 s
     pl = Placement(PoolSpec(1), PoolSpec(1))
     first, second = simulate([one(100, 5), one(100, 2, at=0.2)], prof, pl).requests
     alone = simulate([one(100, 2)], prof, pl).requests[0]
@@ -389,7 +494,7 @@ def test_a_reserve_waits_for_the_decode_step_in_flight():
     # for the decode step in flight at that time too (it ends at ~0.521 s)
     commit_1 = first.ttft_s
     assert second.ttft_s + 0.2 == pytest.approx(commit_1 + 2 * 0.2)
-    assert alone.ttft_s == pytest.approx(commit_1)     # alone, neither call waits
+    assert alone.ttft_s == pytest.approx(commit_1)  # alone, neither call waits
 
 
 def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
@@ -399,6 +504,8 @@ def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
     pool = PoolSpec(1, max_num_batched_tokens=64)
     reqs = [one(8, 40), one(64, 5, at=0.05)]
     for fast in (True, False):
-        first, second = Simulator(make_profile(), Placement(None, pool), fast=fast).run(reqs).requests
+        first, second = (
+            Simulator(make_profile(), Placement(None, pool), fast=fast).run(reqs).requests
+        )
         assert math.isfinite(second.ttft_s) and math.isfinite(second.e2e_s)
         assert math.isfinite(first.e2e_s)

@@ -7,6 +7,7 @@ With TP, rank 0 of each worker reaches every rank's KV pool through shared files
 sends each rank's heads, the decode side writes each frame into every rank it overlaps (and with
 shm, the sender writes straight into each decode rank's pool).
 """
+
 from __future__ import annotations
 
 import grpc
@@ -22,16 +23,31 @@ from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, generate_concur
 
 
 class BackendCluster(Cluster):
-    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int):   # its own workers
-        self.decode = DecodeWorker(DecodeWorkerConfig(
-            model=model_dir, worker_id="d0", lease_ms=10_000, kv_backend=backend,
-            engine_kwargs=dict(kv_cache_memory=1 << 17, block_size=16, max_model_len=MAX_MODEL_LEN,
-                               tensor_parallel_size=decode_tp))).start()
+    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int):  # its own workers
+        self.decode = DecodeWorker(
+            DecodeWorkerConfig(
+                model=model_dir,
+                worker_id="d0",
+                lease_ms=10_000,
+                kv_backend=backend,
+                engine_kwargs=dict(
+                    kv_cache_memory=1 << 17,
+                    block_size=16,
+                    max_model_len=MAX_MODEL_LEN,
+                    tensor_parallel_size=decode_tp,
+                ),
+            )
+        ).start()
         try:
-            self.prefill = PrefillWorker(PrefillWorkerConfig(
-                model=model_dir, worker_id="p0",
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4,
-                                   tensor_parallel_size=prefill_tp))).start()
+            self.prefill = PrefillWorker(
+                PrefillWorkerConfig(
+                    model=model_dir,
+                    worker_id="p0",
+                    engine_kwargs=dict(
+                        kv_cache_memory=1 << 20, block_size=4, tensor_parallel_size=prefill_tp
+                    ),
+                )
+            ).start()
         except BaseException:
             self.decode.stop()
             raise
@@ -48,8 +64,10 @@ def expected(tiny_models):
     return prompts, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("backend,prefill_tp,decode_tp", [
-    ("shm", 1, 1), ("torch", 1, 1), ("grpc", 2, 1), ("shm", 1, 2), ("torch", 2, 1)])
+@pytest.mark.parametrize(
+    "backend,prefill_tp,decode_tp",
+    [("shm", 1, 1), ("torch", 1, 1), ("grpc", 2, 1), ("shm", 1, 2), ("torch", 2, 1)],
+)
 def test_backend_and_tp_mix_matches_engine(tiny_models, expected, backend, prefill_tp, decode_tp):
     prompts, want = expected
     cluster = BackendCluster(tiny_models("llama-gqa")[0], backend, prefill_tp, decode_tp)
@@ -59,7 +77,12 @@ def test_backend_and_tp_mix_matches_engine(tiny_models, expected, backend, prefi
 
         def idle():
             s = cluster.stats()
-            return s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
+            return (
+                s.num_free_blocks == s.num_total_blocks
+                and s.num_reserved == 0
+                and s.num_running == 0
+            )
+
         wait_until(idle, 5, f"decode pool not back to idle: {cluster.stats()}")
     finally:
         cluster.stop()

@@ -3,6 +3,7 @@ Reserve -> Prefill (KV pushed over the grpc kvtransfer backend) -> Stream, bad r
 a client that goes away, lease expiry and a layout mismatch. Every wait has a timeout, and every
 test ends with the decode pool fully free.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,8 +15,13 @@ import pytest
 from conftest import random_prompts, wait_until
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
-from engine.errors import (BadSamplingParams, DuplicateRequestId, InvalidRequest, NoFreeBlocks,
-                           PromptTooLong)
+from engine.errors import (
+    BadSamplingParams,
+    DuplicateRequestId,
+    InvalidRequest,
+    NoFreeBlocks,
+    PromptTooLong,
+)
 from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
@@ -28,12 +34,23 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True
 
 class Cluster:
     def __init__(self, model_dir):
-        self.decode = DecodeWorker(DecodeWorkerConfig(
-            model=model_dir, worker_id="d0", lease_ms=5000,
-            engine_kwargs=dict(kv_cache_memory=1 << 17, block_size=16, max_model_len=MAX_MODEL_LEN))).start()
-        self.prefill = PrefillWorker(PrefillWorkerConfig(
-            model=model_dir, worker_id="p0",
-            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4))).start()
+        self.decode = DecodeWorker(
+            DecodeWorkerConfig(
+                model=model_dir,
+                worker_id="d0",
+                lease_ms=5000,
+                engine_kwargs=dict(
+                    kv_cache_memory=1 << 17, block_size=16, max_model_len=MAX_MODEL_LEN
+                ),
+            )
+        ).start()
+        self.prefill = PrefillWorker(
+            PrefillWorkerConfig(
+                model=model_dir,
+                worker_id="p0",
+                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4),
+            )
+        ).start()
         self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
         self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
@@ -48,14 +65,20 @@ class Cluster:
         return self.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
 
     def reserve(self, rid, prompt, sampling=GREEDY, lease_ms=0):
-        return self.d.Reserve(worker_pb2.ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=lease_ms),
-            timeout=RPC_TIMEOUT)
+        return self.d.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=lease_ms
+            ),
+            timeout=RPC_TIMEOUT,
+        )
 
     def prefill_req(self, rid, prompt, reservation, sampling=GREEDY):
-        return self.p.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation),
-            timeout=RPC_TIMEOUT)
+        return self.p.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=reservation
+            ),
+            timeout=RPC_TIMEOUT,
+        )
 
     def stream(self, rid):
         return list(self.d.Stream(worker_pb2.StreamRequest(request_id=rid), timeout=RPC_TIMEOUT))
@@ -72,7 +95,6 @@ class Cluster:
         return tokens
 
 
-
 def non_daemon_threads():
     return {t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()}
 
@@ -83,7 +105,9 @@ def cluster(tiny_models):
     c = Cluster(tiny_models("llama-gqa")[0])
     yield c
     c.stop()
-    wait_until(lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}")
+    wait_until(
+        lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}"
+    )
 
 
 @pytest.fixture
@@ -93,7 +117,10 @@ def idle(cluster):
 
     def clean():
         s = cluster.stats()
-        return s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
+        return (
+            s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
+        )
+
     wait_until(clean, 5, f"decode pool not back to idle: {cluster.stats()}")
 
 
@@ -107,7 +134,9 @@ def expected(tiny_models):
 
 def test_sampling_kwargs_only_set_fields():
     assert sampling_kwargs(pdserve_pb2.SamplingParams()) == {}
-    kw = sampling_kwargs(pdserve_pb2.SamplingParams(temperature=0, top_k=0, stop=["x"], ignore_eos=False))
+    kw = sampling_kwargs(
+        pdserve_pb2.SamplingParams(temperature=0, top_k=0, stop=["x"], ignore_eos=False)
+    )
     assert kw == {"temperature": 0.0, "top_k": 0, "stop": ["x"], "ignore_eos": False}
 
 
@@ -120,18 +149,37 @@ class _Aborted(Exception):
     pass
 
 
-@pytest.mark.parametrize("error, code, details", [
-    (PromptTooLong("prompt has 70 tokens but max_model_len is 64"), grpc.StatusCode.OUT_OF_RANGE,
-     "prompt has 70 tokens but max_model_len is 64"),
-    (DuplicateRequestId("request_id 'a' is already in use"), grpc.StatusCode.ALREADY_EXISTS,
-     "request_id 'a' is already in use"),
-    (BadSamplingParams("top_p must be in (0, 1], got 0"), grpc.StatusCode.INVALID_ARGUMENT,
-     "sampling: top_p must be in (0, 1], got 0"),
-    (InvalidRequest("prompt must be non-empty"), grpc.StatusCode.INVALID_ARGUMENT, "prompt must be non-empty"),
-    (ValueError("any other refusal"), grpc.StatusCode.INVALID_ARGUMENT, "any other refusal"),
-    (NoFreeBlocks("need 3 KV blocks, 1 free"), grpc.StatusCode.RESOURCE_EXHAUSTED,
-     "decode pool full, retry later (need 3 KV blocks, 1 free)"),
-])
+@pytest.mark.parametrize(
+    "error, code, details",
+    [
+        (
+            PromptTooLong("prompt has 70 tokens but max_model_len is 64"),
+            grpc.StatusCode.OUT_OF_RANGE,
+            "prompt has 70 tokens but max_model_len is 64",
+        ),
+        (
+            DuplicateRequestId("request_id 'a' is already in use"),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "request_id 'a' is already in use",
+        ),
+        (
+            BadSamplingParams("top_p must be in (0, 1], got 0"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling: top_p must be in (0, 1], got 0",
+        ),
+        (
+            InvalidRequest("prompt must be non-empty"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prompt must be non-empty",
+        ),
+        (ValueError("any other refusal"), grpc.StatusCode.INVALID_ARGUMENT, "any other refusal"),
+        (
+            NoFreeBlocks("need 3 KV blocks, 1 free"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "decode pool full, retry later (need 3 KV blocks, 1 free)",
+        ),
+    ],
+)
 def test_engine_errors_map_to_statuses_by_type(error, code, details):
     """One mapping for both workers (worker_common/errors.py), chosen by the error's type; the
     wording does not matter (a PromptTooLong that never says max_model_len is still OUT_OF_RANGE)."""
@@ -140,7 +188,7 @@ def test_engine_errors_map_to_statuses_by_type(error, code, details):
     with pytest.raises(_Aborted) as aborted:
         abort_for_engine_error(_Context(), error)
     assert aborted.value.args == (code, details)
-    abort_for_engine_error(_Context(), RuntimeError("a bug"))   # not a refusal: left to the caller
+    abort_for_engine_error(_Context(), RuntimeError("a bug"))  # not a refusal: left to the caller
     assert engine_error_status(KeyError("x")) is None
 
 
@@ -158,8 +206,9 @@ def generate_concurrently(cluster, prompts, timeout=120) -> list:
     def run(i):
         try:
             results[i] = cluster.generate(f"par-{i}", prompts[i])
-        except Exception as e:   # surfaced below, not lost in the thread
+        except Exception as e:  # surfaced below, not lost in the thread
             errors.append(e)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
@@ -170,15 +219,24 @@ def generate_concurrently(cluster, prompts, timeout=120) -> list:
 
 
 def test_bad_requests_name_the_problem_and_the_worker_keeps_serving(idle, expected):
-    cases = [([], GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-             (list(range(2, 2 + MAX_MODEL_LEN)), GREEDY, grpc.StatusCode.OUT_OF_RANGE, "max_model_len"),
-             ([5, 6, 7], pdserve_pb2.SamplingParams(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p")]
+    cases = [
+        ([], GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (list(range(2, 2 + MAX_MODEL_LEN)), GREEDY, grpc.StatusCode.OUT_OF_RANGE, "max_model_len"),
+        (
+            [5, 6, 7],
+            pdserve_pb2.SamplingParams(top_p=1.5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+    ]
     for i, (prompt, sampling, code, named) in enumerate(cases):
         with pytest.raises(grpc.RpcError) as err:
             idle.reserve(f"bad-{i}", prompt, sampling)
         assert err.value.code() == code and named in err.value.details(), err.value
     with pytest.raises(grpc.RpcError) as err:
-        idle.prefill_req("bad-p", [5, 6], worker_pb2.ReserveResponse(), pdserve_pb2.SamplingParams(top_p=1.5))
+        idle.prefill_req(
+            "bad-p", [5, 6], worker_pb2.ReserveResponse(), pdserve_pb2.SamplingParams(top_p=1.5)
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
     prompts, want = expected
     assert idle.generate("good-after-bad", prompts[1]) == want[1]
@@ -196,7 +254,9 @@ def test_pool_full_is_resource_exhausted(idle):
             code, details = e.code(), e.details()
             break
     for rid in reserved:
-        assert idle.d.Abort(worker_pb2.WorkerAbortRequest(request_id=rid), timeout=RPC_TIMEOUT).found
+        assert idle.d.Abort(
+            worker_pb2.WorkerAbortRequest(request_id=rid), timeout=RPC_TIMEOUT
+        ).found
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in details
     assert reserved, "not even one reservation fit"
 
@@ -210,16 +270,23 @@ def test_unknown_stream_abort_and_cancelled_stream(idle, monkeypatch):
     idle.reserve("to-abort", prompt)
     s = idle.stats()
     assert s.num_reserved == 1 and s.num_free_blocks < s.num_total_blocks
-    assert idle.d.Abort(worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT).found
+    assert idle.d.Abort(
+        worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT
+    ).found
     s = idle.stats()
     assert s.num_reserved == 0 and s.num_free_blocks == s.num_total_blocks
     assert idle.stream("to-abort")[-1].finish_reason == "abort"
-    assert not idle.d.Abort(worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT).found
+    assert not idle.d.Abort(
+        worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT
+    ).found
     # a client that cancels its stream mid-way: the decode side aborts the request
     aborted = []
     real_abort = idle.decode.handoff.abort
-    monkeypatch.setattr(idle.decode.handoff, "abort",
-                        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason))
+    monkeypatch.setattr(
+        idle.decode.handoff,
+        "abort",
+        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason),
+    )
     long = pdserve_pb2.SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
     prompt = random_prompts([8], seed=8)[0]
     reservation = idle.reserve("cancel-me", prompt, long)
@@ -259,7 +326,9 @@ def test_prefill_into_another_layout_is_refused(idle):
         idle.prefill_req("other-layout", prompt, forged)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "same model" in err.value.details()
-    assert idle.d.Abort(worker_pb2.WorkerAbortRequest(request_id="other-layout"), timeout=RPC_TIMEOUT).found
+    assert idle.d.Abort(
+        worker_pb2.WorkerAbortRequest(request_id="other-layout"), timeout=RPC_TIMEOUT
+    ).found
     p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
     assert p.num_running == 0 and p.num_waiting == 0
 
@@ -271,7 +340,7 @@ def test_stats_answer_while_the_engine_loop_is_busy(idle):
     busy = [w.loop.submit(release.wait, 30) for w in (idle.decode, idle.prefill)]
     try:
         time.sleep(0.1)
-        assert not any(f.done() for f in busy)   # both loop threads are held
+        assert not any(f.done() for f in busy)  # both loop threads are held
         d = idle.d.Stats(worker_pb2.StatsRequest(), timeout=1.0)
         p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=1.0)
         assert d.num_free_blocks == d.num_total_blocks > 0 and d.worker_id == "d0"
@@ -285,21 +354,34 @@ def test_more_open_streams_than_sixteen_leave_the_worker_answering(tiny_models):
     """Every open Stream holds a gRPC handler thread on the decode worker; with a fixed pool of 16
     the 17th stream and every Stats/Reserve behind it waited for a stream to end."""
     n = 24
-    worker = DecodeWorker(DecodeWorkerConfig(
-        model=tiny_models("llama-gqa")[0], worker_id="d-many", lease_ms=20_000,
-        engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, max_model_len=MAX_MODEL_LEN))).start()
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=tiny_models("llama-gqa")[0],
+            worker_id="d-many",
+            lease_ms=20_000,
+            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, max_model_len=MAX_MODEL_LEN),
+        )
+    ).start()
     channel = grpc.insecure_channel(worker.address)
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)
     calls = []
     try:
         for i, prompt in enumerate(random_prompts([3] * n, seed=17)):
-            stub.Reserve(worker_pb2.ReserveRequest(request_id=f"many-{i}", prompt_token_ids=prompt,
-                                                   sampling=GREEDY), timeout=1.0)
-            calls.append(stub.Stream(worker_pb2.StreamRequest(request_id=f"many-{i}"), timeout=RPC_TIMEOUT))
-        time.sleep(0.2)   # every stream is open and waiting for its KV
+            stub.Reserve(
+                worker_pb2.ReserveRequest(
+                    request_id=f"many-{i}", prompt_token_ids=prompt, sampling=GREEDY
+                ),
+                timeout=1.0,
+            )
+            calls.append(
+                stub.Stream(worker_pb2.StreamRequest(request_id=f"many-{i}"), timeout=RPC_TIMEOUT)
+            )
+        time.sleep(0.2)  # every stream is open and waiting for its KV
         assert stub.Stats(worker_pb2.StatsRequest(), timeout=1.0).num_reserved == n
         # the last stream is served too: after an abort it ends at once with "abort"
-        assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id=f"many-{n - 1}"), timeout=1.0).found
+        assert stub.Abort(
+            worker_pb2.WorkerAbortRequest(request_id=f"many-{n - 1}"), timeout=1.0
+        ).found
         assert list(calls[-1])[-1].finish_reason == "abort"
     finally:
         for i in range(n):

@@ -1,21 +1,47 @@
 """Hand-made profiles and requests for the simulator and tuner tests."""
+
 from __future__ import annotations
 
 from deploy.tuning.perf_model import profile_dict, profile_from_dict
 from deploy.tuning.workload import RequestSpec
 
-MODEL = dict(id="Toy-1", name="toy", num_layers=10, num_heads=6, num_kv_heads=3, head_dim=64,
-             hidden_size=384, dtype="float32")
+MODEL = dict(
+    id="Toy-1",
+    name="toy",
+    num_layers=10,
+    num_heads=6,
+    num_kv_heads=3,
+    head_dim=64,
+    hidden_size=384,
+    dtype="float32",
+)
 
 
-def make_profile(prefill=(0.01, 0.001, 0.0), decode=(0.02, 0.001, 0.0), capacity=100_000,
-                 bandwidth=1e6, latency=0.001, tps=(1,), device="cpu", as_dict=False):
+def make_profile(
+    prefill=(0.01, 0.001, 0.0),
+    decode=(0.02, 0.001, 0.0),
+    capacity=100_000,
+    bandwidth=1e6,
+    latency=0.001,
+    tps=(1,),
+    device="cpu",
+    as_dict=False,
+):
     """A hand-made profile: 10 layers, 1000 bytes of KV per token, block size 16."""
-    data = profile_dict(model=dict(MODEL), kv_bytes_per_token=1000,
-                        hardware={"device": device, "kv_cache_memory": 1 << 28, "threads_per_rank": 1},
-                        tp={t: {"prefill": {"coef": list(prefill)}, "decode": {"coef": list(decode)},
-                                "kv_capacity_tokens": capacity} for t in tps},
-                        kv_transfer={"grpc": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}})
+    data = profile_dict(
+        model=dict(MODEL),
+        kv_bytes_per_token=1000,
+        hardware={"device": device, "kv_cache_memory": 1 << 28, "threads_per_rank": 1},
+        tp={
+            t: {
+                "prefill": {"coef": list(prefill)},
+                "decode": {"coef": list(decode)},
+                "kv_capacity_tokens": capacity,
+            }
+            for t in tps
+        },
+        kv_transfer={"grpc": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}},
+    )
     return data if as_dict else profile_from_dict(data)
 
 
