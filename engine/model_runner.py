@@ -155,7 +155,10 @@ class ModelRunner:
                 if self._agree(ok):
                     chosen = mode
                     break
-            note = note or "float32: no quantization mode passed"
+            # (only rank 0 words the probes; the others know the verdict)
+            note = note.rstrip("; ") or (
+                "float32: no quantization mode passed" if chosen is None else ""
+            )
         self.model.prepare_linears(chosen)  # the final mode, and the dense weights released
         return chosen, f"quantization=auto chose {chosen or 'none'} ({self.config.dtype}): {note}"
 

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from conftest import wait_until
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -176,7 +178,14 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
             t_back = time.perf_counter() - t_kill
         assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}, failures
         assert got == want
-        assert decode.actor is not old_actor and decode.address not in (None, old_address)
+        # the replacement registers with the router from inside its start(); the supervisor
+        # records its address on its next poll after start() returns (every 0.2 s)
+        wait_until(
+            lambda: decode.address not in (None, old_address),
+            10,
+            "the supervisor records the replacement's address",
+        )
+        assert decode.actor is not old_actor
         assert cluster.router.pool.num_workers("decode") == 1
         died = [m for m in caplog.messages if m.startswith("worker decode-0 died")]
         replaced = [m for m in caplog.messages if m.startswith("worker decode-0 replaced")]
