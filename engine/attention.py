@@ -39,8 +39,10 @@ class PagedAttention(nn.Module):
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:  # a decode-only step: no output buffer to assemble
+            return self._decode(q, cache, meta).reshape(nd, -1)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta)
         for span in meta.prefills:
