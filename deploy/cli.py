@@ -4,6 +4,7 @@
 """`pdserve` command line.
 
     pdserve up [CONFIG] [--address ADDR]      launch the deployment on Ray, serve until Ctrl-C
+    pdserve up CONFIG --check                 validate the config as `up` would; start nothing
     pdserve generate TEXT [--router H:P]      complete a prompt through the router
     pdserve chat MESSAGE [--router H:P]       one chat turn through the router
     pdserve generate TEXT --local             run the engine in this process instead
@@ -234,6 +235,25 @@ def _run_remote(args) -> int:
     return 0
 
 
+def _check_up(args, config: DeployConfig) -> int:
+    """`pdserve up --check`: the config loaded and validated as `up` would before Ray starts
+    (deploy/prechecks.check_offline); 0 when `up` would go on, 2 with its refusal."""
+    from deploy.prechecks import DeployError, check_offline
+
+    name = args.config or "default config"
+    try:
+        notes = check_offline(config, args.address)
+    except (ConfigError, DeployError) as e:
+        for line in str(e).splitlines():
+            print(f"pdserve: {name}: {line}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"note: {note}")
+    pools = ", ".join(f"{k} {p.replicas} x tp {p.tp}" for k, p in config.worker_pools())
+    print(f"{name}: ok ({config.model}; {pools}); nothing started")
+    return 0
+
+
 def _run_up(args) -> int:
     """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
     change; no traceback), 130 interrupted while starting."""
@@ -242,6 +262,8 @@ def _run_up(args) -> int:
     except ConfigError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
+    if args.check:
+        return _check_up(args, config)
     # the deployment's own lines (deaths, replacements, the secret's source: never the secret)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("deploy").setLevel(logging.INFO)
@@ -283,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         "--address",
         default=None,
         help="Ray cluster to join ('auto' or host:port); overrides ray.address",
+    )
+    upp.add_argument(
+        "--check",
+        action="store_true",
+        help="load and validate the config as `up` would before starting Ray (the pools against "
+        "the model and a local Ray's CPUs), print the result and exit: 0 ok, 2 refused",
     )
     _mode_args(upp, "overrides the YAML's ")
     gen = sub.add_parser("generate", help="complete a prompt")

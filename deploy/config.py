@@ -318,9 +318,36 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
+def placement_problems(config: DeployConfig) -> list[str]:
+    """Pool shapes the workers refuse whatever the model, found from the config alone: a
+    disaggregated worker hands its KV off through CPU memory when it is tensor-parallel (every
+    rank's pool mapped from a file under kv_cache_shared_dir) and a decode worker does with the
+    shm backend, and the engine refuses kv_cache_shared_dir on a GPU (engine/engine_core.py:
+    "KV hand-off is CPU-only for now"). Colocated workers hand nothing off: any tp runs."""
+    problems = []
+    if config.pools.colocated is not None:
+        return problems
+    for key, pool in config.worker_pools():
+        if pool.resources.num_gpus <= 0:
+            continue
+        if pool.tp > 1:
+            problems.append(
+                f"pools.{key}.tp: {pool.tp} on GPUs is refused today (a tensor-parallel "
+                f"{key} worker hands its KV off through CPU shared memory, which GPU KV pools "
+                f"cannot use): set pools.{key}.tp to 1, or use pools.colocated"
+            )
+        elif key == "decode" and config.kvtransfer.backend == "shm":
+            problems.append(
+                "kvtransfer.backend: 'shm' with GPU decode workers is refused today (the shm "
+                "hand-off maps KV pools in CPU memory): use 'grpc' or 'torch'"
+            )
+    return problems
+
+
 def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = None) -> list[str]:
     """What would make a pool's workers refuse to start with this model (its config.json as a
-    dict), found without loading weights: TP must divide the heads, and one sequence of
+    dict), found without loading weights: the pool shapes no model runs (placement_problems),
+    TP must divide the heads, and one sequence of
     max_model_len must fit each rank's KV blocks, computed as engine/model_runner.py does. A
     kv_cache_memory fraction is checked on CPU pools against `cpu_memory_bytes` (this machine's
     free memory; None: not checked), never on GPU pools: it depends on the GPU."""
@@ -331,7 +358,7 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     kv_heads = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     limit = hf.get("max_position_embeddings")
-    problems = []
+    problems = placement_problems(config)
     for key, pool in config.worker_pools():
         tp, bs, gpu = pool.tp, pool.block_size, pool.resources.num_gpus > 0
         if gpu and config.quantization in ("int8", "int4"):

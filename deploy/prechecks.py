@@ -10,7 +10,7 @@ import os
 import secrets
 import socket
 
-from deploy.config import SECRET_ENV, ConfigError, DeployConfig, fit_problems
+from deploy.config import SECRET_ENV, ConfigError, DeployConfig, fit_problems, placement_problems
 from protos.security import ClusterSecurity
 
 log = logging.getLogger("deploy.launcher")
@@ -69,10 +69,12 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
         model_dir = resolve_model(config.model)
     except ValueError as e:
         if on_this_machine:
-            raise ConfigError(str(e)) from None
+            raise ConfigError("\n".join([str(e)] + placement_problems(config))) from None
         log.warning(
             "not checking the pools against the model: %s (the workers load it on their nodes)", e
         )
+        if placement_problems(config):  # refused whatever the model
+            raise ConfigError("\n".join(placement_problems(config))) from None
         return
     memory = available_memory_bytes("cpu") if on_this_machine else None
     problems = fit_problems(config, load_hf_config(model_dir), memory)
@@ -133,3 +135,31 @@ def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurit
         raise DeployError(f"{source}: {e}") from None
     log.info("cluster secret: %s", source)
     return security
+
+
+def check_offline(config: DeployConfig, address: str | None = None) -> list[str]:
+    """`pdserve up --check`: the refusals `up` makes before Ray starts, bar the router port (a
+    check of this moment, not of the config): the pools against the model (fit_problems; a model
+    that is not on this machine is checked for the placement only, its workers load it on their
+    nodes) and, for a local Ray, the pools against its CPUs. Returns the notes on what was not
+    checked; raises ConfigError or DeployError on a refusal."""
+    on_this_machine = not (address or config.ray.address)
+    from engine.loader import resolve_model
+
+    notes, found = [], True
+    try:
+        resolve_model(config.model)
+    except ValueError as e:
+        notes.append(f"the pools were not checked against the model: {e}")
+        found = False
+    check_model_fit(config, on_this_machine=on_this_machine and found)
+    if on_this_machine:
+        cpus = float(config.ray.num_cpus or os.cpu_count() or 1)
+        gpus = sum(p.replicas * p.tp * p.resources.num_gpus for _, p in config.worker_pools())
+        check_resources(
+            config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True
+        )
+    else:
+        notes.append("the pools were not checked against the Ray cluster's resources (not joined)")
+    notes.append(f"router port {config.router.address} not probed (checked by `pdserve up`)")
+    return notes

@@ -1,11 +1,23 @@
 """`pdserve tune`: arguments, the ranked table, the winner as a deploy YAML, the candidates plot.
 
     pdserve tune --profile deploy/tuning/profiles/h100_llama3_8b.json --workload azure_conv \
-        --slo ttft=1s,tpot=50ms,attainment=0.9 --devices 8 --colocated --out best.yaml --plot c.png
+        --slo ttft=1s,tpot=50ms,attainment=0.9 --devices 8 --colocated \
+        --model /models/Meta-Llama-3-8B --out best.yaml --plot c.png
     pdserve tune --profile profile.json --workload synthetic:256:64 --slo ttft=2s,tpot=200ms --devices 2
 
+Ranking: --objective total (default) ranks by the placement's goodput, for a fixed budget of
+--devices; per-device by goodput per device. Every row says whether its goodput was simulated
+(the whole deployment through the simulator) or estimated (sized from one worker of each kind).
+Placements `pdserve up` refuses today (tp > 1 prefill or decode workers on GPUs, the shm backend
+with GPU decode: deploy/config.placement_problems) are left out and listed; the YAML written is
+checked against the launcher's offline checks (validate_config, fit_problems with the profile's
+model shape) and carries the router's and Ray's settings (--router-host/--router-port,
+--ray-address, else a local Ray with num_cpus = the CPUs the pools reserve). Prefix caching is
+not simulated: a trace with Mooncake hash_ids gets a note saying so.
+
 Bad arguments exit with code 2 and a message: unknown trace, an SLO without a unit, devices < 2,
-a profile of another model than --model, a malformed profile.
+a profile of another model than --model, a malformed profile, --out without a --model the engine
+can load (the profile's hub id is not one).
 """
 
 from __future__ import annotations
@@ -19,7 +31,15 @@ import time
 import yaml
 
 from deploy.tuning.perf_model import Profile, ProfileError, load_profile
-from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
+from deploy.tuning.tuner import (
+    OBJECTIVES,
+    SLO,
+    Candidate,
+    Search,
+    TuneError,
+    enumerate_placements,
+    parse_slo,
+)
 from deploy.tuning.workload import RequestSpec, load_trace, synthetic
 
 
@@ -57,7 +77,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="the deployment's model (default: the profile's); must be the profile's model",
+        help="the model the written YAML serves, as the engine loads it: 'smollm2', a .gguf file "
+        "or an HF directory on every node; its name must be the profile's model. Needed with "
+        "--out unless the profile's own model name is one of those",
+    )
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="total",
+        help="the ranking for the --devices budget: the placement's total goodput (default; "
+        "fewer devices on a tie) or its goodput per device",
+    )
+    p.add_argument(
+        "--router-host",
+        default=None,
+        help="router.host of the written YAML (default: 127.0.0.1 for a local Ray, 0.0.0.0 "
+        "with --ray-address)",
+    )
+    p.add_argument("--router-port", type=int, default=50051, help="router.port (default 50051)")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="ray.address of the written YAML: a Ray cluster to join (default: none, `pdserve "
+        "up` starts a local Ray with ray.num_cpus = the CPUs the pools reserve)",
     )
     p.add_argument(
         "--backend", default=None, help="KV transfer backend (default: the profile's fastest)"
@@ -150,6 +192,20 @@ def _tp_degrees(args, profile: Profile) -> list[int] | None:
     return tps
 
 
+def _loadable(model: str) -> bool:
+    """Whether the engine can load `model` as named (engine/loader/resolve.py): the smollm2
+    alias, a .gguf file or a directory path; never a hub id it would have to fetch."""
+    from engine.loader.resolve import SMOLLM2_ALIAS
+
+    m = model.strip()
+    return (
+        m.lower() == SMOLLM2_ALIAS
+        or m.lower().endswith(".gguf")
+        or m.startswith(("/", ".", "~"))
+        or pathlib.Path(m).is_dir()
+    )
+
+
 def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
     slo = parse_slo(args.slo)
     if args.devices < 2:
@@ -178,6 +234,14 @@ def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
             f"({profile.model_name}), not {args.model!r}: profile that model with "
             f"`pdserve profile --model {args.model}` or pass its profile"
         )
+    if not 0 <= args.router_port <= 65535:
+        raise TuneError(f"--router-port must be in 0..65535, got {args.router_port}")
+    if args.out and args.model is None and not _loadable(profile.model_name):
+        raise TuneError(
+            f"--out needs --model: the profile names {profile.model_name!r}, which the engine "
+            f"cannot load (it takes 'smollm2', a .gguf file or an HF directory); pass the "
+            f"model's path on the nodes, e.g. --model /models/{profile.model_id}"
+        )
     if args.backend is not None and args.backend not in profile.transfer:
         raise TuneError(
             f"--backend {args.backend!r}: the profile has KV transfer figures for "
@@ -203,13 +267,27 @@ def seeded_percentiles(values: list[float]) -> tuple[float, float, float]:
     return tuple(float(x) for x in np.quantile(values, [0.1, 0.5, 0.9]))
 
 
+def basis(c: Candidate) -> str:
+    """'simulated' when the row's goodput comes from simulating the whole deployment (or, for
+    colocated workers that do not slow each other, n x one simulated worker), else 'estimated'."""
+    return "simulated" if c.goodput is not None or c.status == "dropped" else "estimated"
+
+
+BASIS_NOTE = (
+    "* basis: 'simulated' rows were run whole through the simulator (a request trace through every "
+    "worker's scheduler, the KV hand-offs and the SLO), 'estimated' rows only sized from one "
+    "worker of each kind alone (min(prefill replicas x one prefill worker, decode replicas x one "
+    "decode worker)): an estimate ignores how the pools interact and may be optimistic"
+)
+
+
 def table(cands: list[Candidate], top: int, unit: str) -> str:
     seeded = any(c.seeded for c in cands[:top])
     rows = [
         f"{'#':>3}  {'placement':<26} {unit + 's':>5} {'estimate':>9} {'simulated':>9} "
         f"{'per ' + unit:>9} {'TTFT p90':>9} {'TPOT p90':>9}  "
         + (f"{'seeded p10/p50/p90':>20}  " if seeded else "")
-        + "status"
+        + f"{'basis*':<9}  status"
     ]
     for i, c in enumerate(cands[:top], 1):
         sim = "-" if c.goodput is None or c.status in ("no-rate", "dropped") else f"{c.goodput:.3g}"
@@ -219,7 +297,7 @@ def table(cands: list[Candidate], top: int, unit: str) -> str:
             f"{i:>3}  {c.placement.label():<26} {c.placement.num_devices:>5} {c.estimate:>9.3g} "
             f"{sim:>9} {per:>9} {_ms(c.ttft_p90_s):>9} {_ms(c.tpot_p90_s):>9}  "
             + (f"{band:>20}  " if seeded else "")
-            + c.status
+            + f"{basis(c):<9}  {c.status}"
         )
     if len(cands) > top:
         rows.append(f"     ... {len(cands) - top} more")
@@ -237,8 +315,19 @@ def instances_table(search: Search, unit: str) -> str:
     return "\n".join(rows)
 
 
-def deploy_yaml(cand: Candidate, profile: Profile, model: str, backend: str) -> dict:
-    """The placement as deploy YAML data (deploy.config's schema)."""
+def deploy_yaml(
+    cand: Candidate,
+    profile: Profile,
+    model: str,
+    backend: str,
+    *,
+    router_host: str | None = None,
+    router_port: int = 50051,
+    ray_address: str | None = None,
+) -> dict:
+    """The placement as deploy YAML data (deploy.config's schema), with the router's and Ray's
+    settings: a local Ray (ray_address None) gets num_cpus = the CPUs the pools reserve, and the
+    router listens on loopback; joining a cluster, on every interface."""
     hw = profile.raw.get("hardware", {})
     kv_memory = hw.get("kv_cache_memory")
     gpu = profile.device == "gpu"
@@ -274,16 +363,48 @@ def deploy_yaml(cand: Candidate, profile: Profile, model: str, backend: str) -> 
     }
     if not pl.colocated:
         data["kvtransfer"] = {"backend": backend}
+    host = router_host or ("0.0.0.0" if ray_address else "127.0.0.1")
+    data["router"] = {"host": host, "port": router_port}
+    if ray_address:
+        data["ray"] = {"address": ray_address}
+    else:
+        specs = [pl.decode] if pl.colocated else [pl.prefill, pl.decode]
+        data["ray"] = {"address": None, "num_cpus": sum(s.replicas * s.tp for s in specs)}
     return data
 
 
-def write_yaml(path: str, data: dict, header: list[str]) -> None:
-    from deploy.config import ConfigError, validate_config
+def hf_config(profile: Profile) -> dict:
+    """The model's shape as config.json would give it, from the profile (for fit_problems)."""
+    m = profile.raw["model"]
+    return {
+        "num_attention_heads": m["num_heads"],
+        "num_key_value_heads": m["num_kv_heads"],
+        "head_dim": m["head_dim"],
+        "hidden_size": m["hidden_size"],
+        "num_hidden_layers": m["num_layers"],
+    }
+
+
+def launcher_problems(data: dict, profile: Profile) -> list[str]:
+    """Why `pdserve up` would refuse this YAML data before starting Ray, [] when it would not:
+    the schema (validate_config) and the pools against the model (fit_problems, with the model's
+    shape from the profile: the launcher's own check once the model is on the machine)."""
+    from deploy.config import ConfigError, fit_problems, validate_config
 
     try:
-        validate_config(data, path)
+        cfg = validate_config(data)
     except ConfigError as e:
-        raise TuneError(f"the best placement does not validate as a deploy config:\n{e}") from None
+        return str(e).splitlines()
+    return fit_problems(cfg, hf_config(profile))
+
+
+def write_yaml(path: str, data: dict, header: list[str], profile: Profile) -> None:
+    problems = launcher_problems(data, profile)
+    if problems:
+        raise TuneError(
+            "the best placement would be refused by `pdserve up`, not written:\n"
+            + "\n".join(problems)
+        )
     text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(data, sort_keys=False)
     pathlib.Path(path).write_text(text)
 
@@ -344,6 +465,30 @@ def run(args) -> int:
         return 2
     unit = "GPU" if profile.device == "gpu" else "core"
     backend = args.backend or profile.best_backend()
+    model = args.model or profile.model_name
+    yaml_args = dict(
+        router_host=args.router_host, router_port=args.router_port, ray_address=args.ray_address
+    )
+    # placements `pdserve up` refuses today (e.g. tp > 1 prefill/decode workers on GPUs) are no
+    # candidates: shown here, never simulated or written
+    refused: dict[str, list[str]] = {}
+    runnable = []
+    for pl in placements:
+        why = launcher_problems(
+            deploy_yaml(Candidate(pl), profile, model, backend, **yaml_args), profile
+        )
+        if why:
+            refused[pl.label()] = why
+        else:
+            runnable.append(pl)
+    if not runnable:
+        print(
+            f"pdserve tune: the launcher refuses every placement on {args.devices} {unit}s, e.g. "
+            f"{next(iter(refused))}: {next(iter(refused.values()))[0]}",
+            file=sys.stderr,
+        )
+        return 2
+    placements = runnable
     search = Search(
         profile,
         workload,
@@ -356,6 +501,7 @@ def run(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         backend=args.backend,
+        objective=args.objective,
     )
     cands = search.run(
         placements, verify_top=args.verify_top, deadline_s=args.time_limit, prune=not args.seeds
@@ -392,10 +538,26 @@ def run(args) -> int:
         f"workload {args.workload}: mean prompt {mean_p:.0f}, mean output {mean_o:.0f} tokens "
         f"(sample of {len(reqs)}); SLO {slo.describe()}"
     )
+    shared = sum(1 for r in workload if r.block_ids)
+    if shared:
+        print(
+            f"note: prefix caching is not simulated: {shared} of {len(workload)} requests name "
+            f"shared prefix blocks (hash_ids), but every prompt is computed in full, so the "
+            f"goodput is a lower bound where the engine's prefix cache would hit"
+        )
     print(
-        f"{len(placements)} placements on {args.devices} {unit}s; {search.num_sims} simulations "
-        f"in {elapsed:.1f} s; steady-state horizon {search.horizon_s:.0f} s of arrivals\n"
+        f"{len(placements)} placements on {args.devices} {unit}s, ranked by "
+        f"{'total goodput' if args.objective == 'total' else 'goodput per ' + unit} "
+        f"(--objective {args.objective}); {search.num_sims} simulations "
+        f"in {elapsed:.1f} s; steady-state horizon {search.horizon_s:.0f} s of arrivals"
     )
+    if refused:
+        first = next(iter(refused.values()))[0]
+        print(
+            f"{len(refused)} more placements left out, refused by `pdserve up` today: "
+            f"{', '.join(list(refused)[:4])}{', ...' if len(refused) > 4 else ''} ({first})"
+        )
+    print()
     print(
         "one worker alone (prefill: ideal decode side; decode: ideal prefill), req/s; '>=': "
         f"passed at {search.max_rate:.3g} req/s, the most that --max-requests {args.max_requests} "
@@ -403,8 +565,9 @@ def run(args) -> int:
     )
     print(instances_table(search, unit) + "\n")
     print(table(cands, args.top, unit))
+    print("\n" + BASIS_NOTE)
     print(
-        "\nestimate: min(prefill replicas x one prefill worker, decode replicas x one decode "
+        "estimate: min(prefill replicas x one prefill worker, decode replicas x one decode "
         "worker); simulated: the whole deployment (its smallest repeating unit)"
         + (
             "; seeded: simulated again with the profile's step-time variation, one bisection "
@@ -439,24 +602,17 @@ def run(args) -> int:
     )
     try:
         if args.out:
-            model = args.model or profile.model_name
-            data = deploy_yaml(best, profile, model, backend)
+            data = deploy_yaml(best, profile, model, backend, **yaml_args)
             header = [
                 f"pdserve tune: {best.placement.label()}, predicted goodput {best.score:.3g} req/s "
                 f"({best.per_device:.3g} per {unit}, {best.status})",
                 f"SLO {slo.describe()}; workload {args.workload} (scale {args.scale}, "
                 f"max prompt {args.max_prompt}, max output {args.max_output})",
                 f"profile {args.profile}" + (" (DERIVED, not measured)" if profile.derived else ""),
+                f"ranked by --objective {args.objective} on {args.devices} {unit}s; checked "
+                f"against the launcher's refusals (`pdserve up --check` re-checks on the machine)",
             ]
-            tps = [best.placement.decode.tp] + (
-                [] if best.placement.colocated else [best.placement.prefill.tp]
-            )
-            if profile.device == "gpu" and max(tps) > 1 and not best.placement.colocated:
-                header.append(
-                    "note: tp > 1 with a GPU KV hand-off is refused by the engine today "
-                    "(CPU-only TP hand-off); rerun with --tp 1 for a deployable answer"
-                )
-            write_yaml(args.out, data, header)
+            write_yaml(args.out, data, header, profile)
             print(f"wrote {args.out}")
     except TuneError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Placement search: the deployment of N devices with the highest goodput per device for a workload
+"""Placement search: the deployment of N devices with the highest goodput (in total, or per device:
+the objective) for a workload
 and an SLO, predicted by the simulator from a hardware profile (DistServe's goodput: the highest
 request rate at which at least `attainment` of the requests meet both the TTFT and the TPOT SLO).
 
@@ -17,7 +18,7 @@ Search (DistServe's algorithm, then a check of the best by whole-deployment simu
   2. every placement's estimate: min(n_prefill x prefill goodput, n_decode x decode goodput), or
      n x colocated goodput (final when colocated workers do not slow each other; with a profile's
      serving.interference.colocated_while_busy they are simulated whole in step 3);
-  3. best first by estimate per device, placements are simulated whole (on their smallest
+  3. best first by estimate (total or per device), placements are simulated whole (on their smallest
      repeating unit: 4P+6D as 2P+3D at half the rate) and bisected, until the best simulated one
      ranks above every estimate left and `verify_top` were simulated.
 Steady state: at rate r a simulation needs about r x horizon requests (horizon = 10 x the TTFT
@@ -44,6 +45,12 @@ from deploy.tuning.workload import RequestSpec, retime
 
 BISECT_RATIO = 1.05  # stop when the failing rate is within 5% of the passing one
 PRUNE_SLACK = 1.25  # the capacity estimate may be this much too pessimistic
+
+
+# the ranking: "total" goodput of the placement (for a fixed budget of devices: a layout that uses
+# them all and serves more beats one that leaves one idle), or goodput "per-device" (the cheapest
+# layout per request/s, fewer devices on a tie)
+OBJECTIVES = ("total", "per-device")
 
 
 class TuneError(ValueError):
@@ -238,7 +245,11 @@ class Search:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
         backend: str | None = None,
+        objective: str = "per-device",
     ):
+        if objective not in OBJECTIVES:
+            raise TuneError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")
+        self.objective = objective
         self.profile, self.workload, self.slo = profile, workload, slo
         self.num_requests, self.max_requests = num_requests, max(max_requests, num_requests)
         self.max_verify_requests = max(max_verify_requests, self.max_requests)
@@ -404,14 +415,20 @@ class Search:
         if cand.estimate <= 0:
             cand.status = "no-rate"
 
-    def simulate(self, cand: Candidate, best_per_device: float) -> None:
-        """The whole deployment, on its smallest repeating unit, bisected around the estimate."""
+    def value(self, cand: Candidate) -> float:
+        """What the ranking maximizes (self.objective)."""
+        return cand.score if self.objective == "total" else cand.per_device
+
+    def simulate(self, cand: Candidate, best: float) -> None:
+        """The whole deployment, on its smallest repeating unit, bisected around the estimate;
+        `best`: the best value (self.value) so far, below which it may give up."""
         pl = cand.placement
         g, unit = self._unit(pl)
         if cand.estimate / g > self.max_verify_requests / self.horizon_s:
             cand.status = "unverified"  # its unit is too big to reach steady state: see max_rate
             return
-        give_up = best_per_device * pl.num_devices / g
+        total = best if self.objective == "total" else best * pl.num_devices
+        give_up = total / g
         good, trials, (ttft, tpot), n = self._bisect(
             Simulator(self.profile, unit),
             cand.estimate / g,
@@ -474,7 +491,7 @@ class Search:
         cands = [Candidate(p) for p in placements]
         for cand in cands:
             self.estimate(cand)
-        order = lambda c: (-c.per_device, c.placement.num_devices, c.placement.label())  # noqa: E731
+        order = lambda c: (-self.value(c), c.placement.num_devices, c.placement.label())  # noqa: E731
         num_simulated = 0
         while True:
             live = sorted((c for c in cands if c.status not in ("no-rate", "dropped")), key=order)
@@ -490,7 +507,7 @@ class Search:
             # while the top is an estimate, a candidate that cannot beat the best simulated one is
             # dropped early; the extra ones simulated for the table are bisected in full
             best = max(
-                (c.per_device for c in live if c.status.startswith("simulated")), default=0.0
+                (self.value(c) for c in live if c.status.startswith("simulated")), default=0.0
             )
             self.simulate(pending[0], 0.0 if top_is_simulated or not prune else best)
             num_simulated += 1

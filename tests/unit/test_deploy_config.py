@@ -503,3 +503,22 @@ def test_router_tls_needs_cluster_tls_for_the_workers_to_register(tmp_path):
         f"{path}: router.tls: the workers register through the "
         f"router's TLS port, so set security.tls too"
     )
+
+
+# ---- pdserve up --check -------------------------------------------------------------------------
+def test_up_check_validates_without_starting_ray(tmp_path, capsys, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
+    local = [p for p in EXAMPLES if p.name == "local-cpu.yaml"][0]
+    assert main(["up", str(local), "--check"]) == 0
+    assert "ok (smollm2" in capsys.readouterr().out
+    gpu_tp2 = write(
+        tmp_path,
+        "model: /nowhere/model\npools:\n"
+        "  prefill: {resources: {num_gpus: 1}}\n"
+        "  decode: {tp: 2, resources: {num_gpus: 1}}\n"
+        "ray: {address: auto}\n",
+    )
+    assert main(["up", gpu_tp2, "--check"]) == 2
+    assert "pools.decode.tp: 2 on GPUs is refused today" in capsys.readouterr().err

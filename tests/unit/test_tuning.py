@@ -13,7 +13,8 @@ import time
 import pytest
 
 from deploy import cli
-from deploy.config import load_config, validate_config
+from deploy.config import fit_problems, load_config, validate_config
+from deploy.prechecks import check_offline
 from deploy.tuning.perf_model import (
     ProfileError,
     fit_nonnegative,
@@ -22,7 +23,7 @@ from deploy.tuning.perf_model import (
     profile_from_dict,
 )
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from deploy.tuning.tune_cmd import deploy_yaml
+from deploy.tuning.tune_cmd import deploy_yaml, hf_config
 from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
 from deploy.tuning.workload import retime, synthetic
 from tuning_helpers import make_profile, one
@@ -331,6 +332,20 @@ def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
         p, d = cfg.pools.prefill, cfg.pools.decode
         assert best == f"{p.replicas}P tp{p.tp} + {d.replicas}D tp{d.tp}"
     assert cfg.model == "toy" and png.stat().st_size > 10_000
+    assert_launchable(out, load_profile(path))
+    assert (cfg.router.host, cfg.router.port, cfg.ray.address) == ("127.0.0.1", 50051, None)
+    pools = [cfg.pools.colocated] if cfg.pools.colocated else [cfg.pools.prefill, cfg.pools.decode]
+    assert cfg.ray.num_cpus == sum(p.replicas * p.tp * p.resources.num_cpus for p in pools)
+
+
+def assert_launchable(path, profile) -> None:
+    """What `pdserve up` checks before Ray starts, on a YAML `pdserve tune` wrote: it loads, the
+    pools fit the profile's model (fit_problems, the placement refusals included), and the
+    offline prechecks pass (`pdserve up --check`: the model need not be on this machine)."""
+    cfg = load_config(path)
+    assert fit_problems(cfg, hf_config(profile)) == []
+    check_offline(cfg)
+    assert cli.main(["up", str(path), "--check"]) == 0
 
 
 # ---- the derived GPU profile ---------------------------------------------------------------------
@@ -364,6 +379,8 @@ def test_gpu_search_finishes(devices, tmp_path, capsys):
             "--devices",
             str(devices),
             "--colocated",
+            "--model",
+            "/models/Meta-Llama-3-8B",
             "--out",
             str(out),
         ]
@@ -371,6 +388,7 @@ def test_gpu_search_finishes(devices, tmp_path, capsys):
     elapsed = time.perf_counter() - t0
     text = capsys.readouterr().out
     assert rc == 0, text
+    assert_launchable(out, load_profile(DERIVED))
     cfg = load_config(out)
     pools = [cfg.pools.colocated] if cfg.pools.colocated else [cfg.pools.prefill, cfg.pools.decode]
     assert 2 <= sum(p.replicas * p.tp for p in pools) <= devices
@@ -509,3 +527,132 @@ def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
         )
         assert math.isfinite(second.ttft_s) and math.isfinite(second.e2e_s)
         assert math.isfinite(first.e2e_s)
+
+
+# ---- deployable answers -------------------------------------------------------------------------
+def _tune_derived(tmp_path, *extra):
+    out = tmp_path / "best.yaml"
+    args = [
+        "tune",
+        "--profile",
+        str(DERIVED),
+        "--workload",
+        "azure_conv",
+        "--slo",
+        "ttft=1s,tpot=50ms,attainment=0.9",
+        "--devices",
+        "8",
+        "--tp",
+        "1,2",
+        "--time-limit",
+        "10",
+        "--model",
+        "/models/Meta-Llama-3-8B",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    return cli.main(args), out
+
+
+def test_gpu_tp2_prefill_and_decode_are_left_out_as_the_launcher_refuses_them(tmp_path, capsys):
+    rc, out = _tune_derived(tmp_path, "--colocated")
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "placements left out, refused by `pdserve up` today" in text
+    rows = text.split("  status\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    for row in rows:
+        if "P tp" in row:  # disaggregated rows: tp 1 only
+            assert "tp2" not in row, row
+        if not row.lstrip().startswith("..."):
+            assert " simulated " in row or " estimated " in row, row
+    assert "* basis: 'simulated' rows were run whole" in text
+    assert_launchable(out, load_profile(DERIVED))
+
+
+def test_the_launcher_refuses_tp2_on_gpu_disaggregated_but_not_colocated():
+    prof = load_profile(DERIVED)
+    for pl, refused in [
+        (Placement(PoolSpec(2, 2), PoolSpec(4, 1)), True),
+        (Placement(PoolSpec(4, 1), PoolSpec(2, 2)), True),
+        (Placement(PoolSpec(4, 1), PoolSpec(4, 1)), False),
+        (Placement(None, PoolSpec(4, 2)), False),
+    ]:
+        cfg = validate_config(deploy_yaml(Candidate(pl), prof, "/m/Meta-Llama-3-8B", "grpc"))
+        assert bool(fit_problems(cfg, hf_config(prof))) == refused, pl.label()
+    shm = deploy_yaml(Candidate(Placement(PoolSpec(4), PoolSpec(4))), prof, "/m/x", "shm")
+    assert "kvtransfer.backend" in fit_problems(validate_config(shm), hf_config(prof))[0]
+
+
+def test_out_without_model_is_refused_for_a_hub_id(tmp_path, capsys):
+    rc = cli.main(
+        [
+            "tune",
+            "--profile",
+            str(DERIVED),
+            "--workload",
+            "azure_conv",
+            "--slo",
+            "ttft=1s,tpot=50ms",
+            "--devices",
+            "8",
+            "--out",
+            str(tmp_path / "x.yaml"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "--out needs --model" in err and not (tmp_path / "x.yaml").exists()
+
+
+def test_router_and_ray_settings_reach_the_yaml(tmp_path, capsys):
+    rc, out = _tune_derived(
+        tmp_path, "--router-host", "10.0.0.5", "--router-port", "6000", "--ray-address", "auto"
+    )
+    assert rc == 0, capsys.readouterr().out
+    cfg = load_config(out)
+    assert cfg.model == "/models/Meta-Llama-3-8B"
+    assert (cfg.router.host, cfg.router.port, cfg.ray.address) == ("10.0.0.5", 6000, "auto")
+    assert cfg.ray.num_cpus is None
+
+
+def test_mooncake_prefix_blocks_are_named_as_not_simulated(profile_path, capsys):
+    rc = cli.main(
+        [
+            "tune",
+            "--profile",
+            str(profile_path),
+            "--workload",
+            "mooncake_synthetic",
+            "--scale",
+            "0.01",
+            "--slo",
+            "ttft=10s,tpot=1s",
+            "--devices",
+            "2",
+            "--time-limit",
+            "5",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc in (0, 1) and "note: prefix caching is not simulated" in text
+
+
+@pytest.mark.parametrize("objective, winner", [("total", "8 devices"), ("per-device", "7 devices")])
+def test_objective_chooses_total_or_per_device_goodput(objective, winner, monkeypatch):
+    """For a fixed budget of 8: 8 devices serving 8.0 req/s beat 7 serving 7.7 (1.1 per device)
+    in total, and lose per device."""
+    prof = make_profile()
+    seven, eight = Placement(PoolSpec(3), PoolSpec(4)), Placement(PoolSpec(4), PoolSpec(4))
+    goodput = {seven.label(): 7.7, eight.label(): 8.0}
+
+    def estimate(self, cand):
+        cand.estimate = goodput[cand.placement.label()]
+
+    def simulate(self, cand, best):
+        cand.goodput, cand.status = cand.estimate, "simulated"
+
+    monkeypatch.setattr(Search, "estimate", estimate)
+    monkeypatch.setattr(Search, "simulate", simulate)
+    search = Search(prof, synthetic(20, 1.0, 10, 5), SLO(1.0, 0.1), objective=objective)
+    best = search.run([seven, eight])[0]
+    assert f"{best.placement.num_devices} devices" == winner
