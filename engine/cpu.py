@@ -42,7 +42,7 @@ class CPUFeatures:
     @property
     def bf16_units(self) -> bool:
         """Native bf16 matrix math (AMX-BF16 or AVX512-BF16): without them oneDNN emulates bf16,
-        which measured 2.4-3.5x slower than float32 here; with AMX, 2.6-5.7x faster."""
+        slower than float32; with them bf16 beats it (BENCHMARKS.md has the numbers)."""
         return self.has("amx_bf16") or self.has("avx512_bf16")
 
     @property

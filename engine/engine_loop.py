@@ -8,10 +8,10 @@ outputs go back through per-request callbacks, which must be cheap (put into a q
 The engine is built on the loop thread too (`EngineLoop.build`): torch's OpenMP keeps a pool of
 worker threads for every thread that ever ran a parallel op, and once the pools together
 outnumber the cores every barrier sleeps after a short spin instead of spinning. An engine built
-on the main thread and stepped on the loop thread left two pools, and a 512-token prefill on 2
-threads ran 1.45x slower than stepping on the thread that built it (SmolLM2, the 2-core VM; the
-one-off script that measured it is in git history, `git show 97d40ee:bench/engine_thread_bench.py`);
-built on the loop thread it matched.
+on the main thread and stepped on the loop thread left two pools and ran prefill measurably
+slower than stepping on the thread that built it (BENCHMARKS.md, the cluster TTFT section; the
+one-off script is in git history, `git show 97d40ee:bench/engine_thread_bench.py`); built on the
+loop thread it matched.
 
 Loop: run queued calls -> run periodic ticks (lease expiry) -> one engine step if any work ->
 dispatch outputs -> sleep until new work when idle (also when the only unfinished requests are

@@ -47,7 +47,7 @@ def read_chunk(
     layer_kv: [2, num_blocks, block_size, heads_per_rank, head_dim] (block_size the layout's).
     Whole blocks are gathered (one row of block_size tokens each) and the partial ends trimmed:
     this runs between two layers of a prefill, on the thread the next layer waits for, and a
-    per-token gather made it 12x slower (0.5 ms a layer at 512 tokens of SmolLM2)."""
+    per-token gather made it an order of magnitude slower."""
     bs, heads, head_dim = layout.block_size, layout.heads_per_rank, layout.head_dim
     if end > start:
         first, last = start // bs, (end - 1) // bs

@@ -12,7 +12,7 @@ security (protos.security.ClusterSecurity): the deployment's cluster secret; a s
 one refuses senders without it (grpc, shm: UNAUTHENTICATED before any handler runs; torch: an
 HMAC handshake before the gloo group forms), and a transport presents it. INSECURE: no check.
 Other options (keyword arguments) go to the backend's server or transport class; see each module.
-Worker processes should call tune_malloc() once at start (see its docstring: +60% gRPC throughput).
+Worker processes should call tune_malloc() once at start (see its docstring).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ BACKENDS = ("grpc", "shm", "torch")
 def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
     """Make glibc malloc keep frame-sized buffers mapped; call once at a worker's start.
 
-    Every frame allocates a buffer of a layer's KV (0.5 MB for SmolLM2 at 364 tokens): above glibc's
-    default mmap threshold each one is a fresh mmap, faulted in page by page and unmapped when freed.
-    Serving buffers below `mmap_threshold` from the heap, and keeping up to `trim_threshold` of freed
-    heap, removes that churn: +60% gRPC and +10% torch throughput on the 2-core bench machine.
+    Every frame allocates a buffer of a layer's KV (half a megabyte for SmolLM2 at a few hundred
+    tokens): above glibc's default mmap threshold each one is a fresh mmap, faulted in page by page
+    and unmapped when freed. Serving buffers below `mmap_threshold` from the heap, and keeping up to
+    `trim_threshold` of freed heap, removes that churn (BENCHMARKS.md, KV transfer per backend).
     It changes the whole process's allocator, hence opt-in. Returns False where it is not glibc.
     """
     try:

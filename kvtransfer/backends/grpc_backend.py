@@ -30,8 +30,8 @@ send when every frame sent on it was confirmed by a flush; otherwise the send ra
 ConnectionError (frames may be lost) and the caller opens a fresh transport.
 
 Receiver: the RPC's thread reads each message and runs the handler on its frames, in order. With
-max_backlog_bytes > 0 a per-channel worker thread runs the handler instead (measured no faster on
-the 2-core bench machine: gRPC's Python threads and the handler contend for the GIL).
+max_backlog_bytes > 0 a per-channel worker thread runs the handler instead (it was no faster:
+gRPC's Python threads and the handler contend for the GIL).
 """
 
 from __future__ import annotations

@@ -80,9 +80,9 @@ def populate(tensor: torch.Tensor) -> bool:
     touching the contents (madvise MADV_POPULATE_WRITE); False where the kernel cannot.
 
     Pool files live in tmpfs with 4 KiB pages, and a page is faulted in by each process on its
-    first touch: a fresh reservation's 22 MiB of SmolLM2 KV (512 tokens) cost the first writer
-    ~100 ms in faults on the 2-core VM, against ~8 ms once mapped. Populating at start moves
-    that to the start (about 0.3 s per 256 MiB for the owner, 0.1 s for a second mapping)."""
+    first touch: the first writer of a fresh reservation paid for its faults many times over what
+    the copy itself costs once mapped. Populating at start moves that cost to the start, where it
+    grows with the pool's size."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
         return False
     try:
