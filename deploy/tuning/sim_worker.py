@@ -4,7 +4,9 @@ profile's step model) and then applied (`complete`), as the engine's plan -> exe
 
 Slow path: the scheduler's loops, sequence by sequence (chunked prefill within the token budget,
 preemption of the most recently admitted sequences when blocks run out, FCFS admission above a 1%
-watermark while fewer than max_num_seqs run).
+watermark while fewer than max_num_seqs run). tests/unit/test_sim_vs_scheduler.py runs the same
+traces through engine/scheduler.py (prefix caching off: not modelled here) and checks that every
+step schedules the same requests with the same token counts, on both paths.
 Fast path: while every running sequence is decoding (one token a step after its first token: a
 prompt whose last chunk is one token is not decoding yet), nothing waits, the batch
 fits the token budget and the step's new blocks are free, steps are identical in shape, so the
