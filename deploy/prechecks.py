@@ -146,13 +146,15 @@ def check_offline(config: DeployConfig, address: str | None = None) -> list[str]
     on_this_machine = not (address or config.ray.address)
     from engine.loader import resolve_model
 
-    notes, found = [], True
+    notes = []
     try:
         resolve_model(config.model)
     except ValueError as e:
         notes.append(f"the pools were not checked against the model: {e}")
-        found = False
-    check_model_fit(config, on_this_machine=on_this_machine and found)
+        if placement_problems(config):  # refused whatever the model
+            raise ConfigError("\n".join(placement_problems(config))) from None
+    else:
+        check_model_fit(config, on_this_machine)
     if on_this_machine:
         cpus = float(config.ray.num_cpus or os.cpu_count() or 1)
         gpus = sum(p.replicas * p.tp * p.resources.num_gpus for _, p in config.worker_pools())

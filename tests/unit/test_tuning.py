@@ -613,6 +613,7 @@ def test_router_and_ray_settings_reach_the_yaml(tmp_path, capsys):
     assert cfg.model == "/models/Meta-Llama-3-8B"
     assert (cfg.router.host, cfg.router.port, cfg.ray.address) == ("10.0.0.5", 6000, "auto")
     assert cfg.ray.num_cpus is None
+    assert_launchable(out, load_profile(DERIVED))
 
 
 def test_mooncake_prefix_blocks_are_named_as_not_simulated(profile_path, capsys):
