@@ -275,7 +275,8 @@ def basis(c: Candidate) -> str:
 
 BASIS_NOTE = (
     "* basis: 'simulated' rows were run whole through the simulator (a request trace through every "
-    "worker's scheduler, the KV hand-offs and the SLO), 'estimated' rows only sized from one "
+    "worker's scheduler, the KV hand-offs and the SLO; colocated workers that do not slow each "
+    "other: one worker, times n), 'estimated' rows only sized from one "
     "worker of each kind alone (min(prefill replicas x one prefill worker, decode replicas x one "
     "decode worker)): an estimate ignores how the pools interact and may be optimistic"
 )
@@ -409,7 +410,14 @@ def write_yaml(path: str, data: dict, header: list[str], profile: Profile) -> No
     pathlib.Path(path).write_text(text)
 
 
-def plot(path: str, cands: list[Candidate], unit: str, title: str, attainment: float) -> None:
+def plot(
+    path: str,
+    cands: list[Candidate],
+    unit: str,
+    title: str,
+    attainment: float,
+    objective: str = "per-device",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,14 +430,15 @@ def plot(path: str, cands: list[Candidate], unit: str, title: str, attainment: f
         simulated = c.status.startswith("simulated")
         ax1.barh(
             i,
-            c.per_device,
+            c.score if objective == "total" else c.per_device,
             color=color if simulated else "white",
             edgecolor=color,
             hatch=None if simulated else "//",
         )
     ax1.set_yticks(range(len(shown)), [c.placement.label() for c in shown], fontsize=8)
     ax1.invert_yaxis()
-    ax1.set_xlabel(f"goodput per {unit} (req/s)  [blue: disaggregated, green: colocated]")
+    what = "goodput" if objective == "total" else f"goodput per {unit}"
+    ax1.set_xlabel(f"{what} (req/s)  [blue: disaggregated, green: colocated]")
     ax1.set_title("candidates, best first (solid: simulated whole; hatched: estimate)")
     for c in [c for c in shown if c.trials][:6]:
         pts = sorted(c.trials)
@@ -624,6 +633,7 @@ def run(args) -> int:
             unit,
             f"{profile.model_id}, {args.devices} {unit}s, {slo.describe()}",
             slo.attainment,
+            args.objective,
         )
         print(f"wrote {args.plot}")
     return 0
