@@ -45,6 +45,12 @@ def _mode_args(p: argparse.ArgumentParser, where: str = "") -> None:
         default=None,
         help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, or auto",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=DTYPES[:1] + DTYPES[1::2],
+        default=None,
+        help=f"{where}the KV cache's dtype ('auto': the activations')",
+    )
 
 
 def _mode_overrides(args) -> dict:
@@ -53,6 +59,8 @@ def _mode_overrides(args) -> dict:
         out["dtype"] = args.dtype
     if args.quantization is not None:
         out["quantization"] = None if args.quantization == "none" else args.quantization
+    if args.kv_cache_dtype is not None:
+        out["kv_cache_dtype"] = args.kv_cache_dtype
     return out
 
 

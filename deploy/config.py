@@ -283,6 +283,7 @@ class DeployConfig(_Frozen):
     # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
     # means quantization "auto"
     quantization: Literal[QUANTIZATIONS] = None
+    kv_cache_dtype: Literal[DTYPES] = "auto"  # "auto": the activations' dtype (engine/config.py)
     pools: Pools = Pools()
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
@@ -301,6 +302,7 @@ class DeployConfig(_Frozen):
         kwargs = dict(
             dtype=self.dtype,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             tensor_parallel_size=pool.tp,
             block_size=pool.block_size,
             max_num_batched_tokens=pool.max_num_batched_tokens,
@@ -388,8 +390,10 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
             kv = int(kv * cpu_memory_bytes) if cpu_memory_bytes and not gpu else None
         if kv is None or not max_len:
             continue
-        # the engine's dtype: "auto" is bfloat16 on a GPU, float32 on a CPU (engine/config.py)
-        fp32 = config.dtype in ("float32", "fp32") or (config.dtype == "auto" and not gpu)
+        # the KV cache's dtype: the activations' unless set; "auto" activations are bfloat16 on
+        # a GPU, float32 on a CPU (engine/config.py)
+        kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        fp32 = kv_dtype in ("float32", "fp32") or (kv_dtype == "auto" and not gpu)
         itemsize = 4 if fp32 else 2
         per_block = 2 * hf["num_hidden_layers"] * bs * (kv_heads // tp) * head_dim * itemsize
         blocks, need = kv // per_block, -(-max_len // bs)

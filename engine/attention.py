@@ -16,9 +16,13 @@ from engine.forward_context import get_forward_context
 from engine.kernels import cpu_paged_decode
 
 
-def decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The compiled paged decode kernel where it applies, else None (use the torch path)."""
-    if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0:
+def decode_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
+):
+    """The compiled paged decode kernel where it applies (float32 queries, a float32 or bf16 KV
+    cache), else None (use the torch path)."""
+    kv_ok = kv_dtype in (None, torch.float32, torch.bfloat16)
+    if device.type == "cpu" and dtype == torch.float32 and kv_ok and head_dim % 16 == 0:
         return cpu_paged_decode()
     return None
 
@@ -37,8 +41,9 @@ class PagedAttention(nn.Module):
         meta = get_forward_context()
         cache = meta.kv_cache[self.layer_idx]  # [2, num_blocks, block_size, H, D]
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        narrow = flat.dtype != k.dtype  # a KV cache kept narrower than the activations
+        flat[0].index_copy_(0, meta.slot_mapping, k.to(flat.dtype) if narrow else k)
+        flat[1].index_copy_(0, meta.slot_mapping, v.to(flat.dtype) if narrow else v)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # a decode-only step: no output buffer to assemble
             return self._decode(q, cache, meta).reshape(nd, -1)
@@ -52,7 +57,7 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q, cache, meta):
         if meta.decode_mask is None:
-            kernel = decode_kernel(q.device, q.dtype, self.head_dim)
+            kernel = decode_kernel(q.device, q.dtype, self.head_dim, cache.dtype)
             with torch.profiler.record_function("pdserve::paged_decode"):
                 return kernel(
                     q.contiguous(),
@@ -63,7 +68,7 @@ class PagedAttention(nn.Module):
                 )
         n = q.shape[0]
         kv = cache[:, meta.decode_block_tables]  # [2, n, max_blocks, block_size, H, D]
-        kv = kv.view(2, n, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        kv = kv.view(2, n, -1, self.num_kv_heads, self.head_dim).transpose(2, 3).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             kv[0],
@@ -80,6 +85,7 @@ class PagedAttention(nn.Module):
         else:
             kv = cache[:, span.block_ids].view(2, -1, self.num_kv_heads, self.head_dim)
             keys, values = kv[0, : span.context_len], kv[1, : span.context_len]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
             mask, causal = span.causal_mask, False
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),

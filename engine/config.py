@@ -96,6 +96,9 @@ class EngineConfig:
     # int4 in groups of 32, bf16 activations) or "auto": the fastest that passes a quality probe
     # (engine/quality.py). dtype="auto" on CPU means float32 activations with quantization="auto".
     quantization: str | None = None
+    # the KV cache's dtype: "auto" follows the activations (dtype); "bfloat16" halves the cache
+    # (and the bytes decode attention reads) under float32 activations (vLLM's kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
     kv_cache_memory: int | float | None = None
@@ -125,6 +128,11 @@ class EngineConfig:
             self.quantization in _QUANTIZATIONS,
             "quantization",
             f"one of {', '.join(map(repr, _QUANTIZATIONS))}",
+        )
+        check(
+            self.kv_cache_dtype == "auto" or self.kv_cache_dtype in _DTYPES,
+            "kv_cache_dtype",
+            f"'auto' or one of {sorted(_DTYPES)}",
         )
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
         check(
@@ -171,6 +179,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype]
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:
         device = self.device

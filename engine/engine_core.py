@@ -344,7 +344,9 @@ class LLMEngine:
         mc = self.model_config
         return dict(
             model=self.model_id,
-            dtype=self.config.dtype,
+            dtype=str(self.config.kv_torch_dtype).removeprefix(
+                "torch."
+            ),  # the cache's, not the activations'
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,

@@ -52,6 +52,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.block_size
         divide(model_config.num_heads, tp_size(), "the attention heads")
         self.num_kv_heads = divide(model_config.num_kv_heads, tp_size(), "the key/value heads")
@@ -197,7 +198,7 @@ class ModelRunner:
             * self.block_size
             * self.num_kv_heads
             * mc.head_dim
-            * self.dtype.itemsize
+            * self.kv_dtype.itemsize
         )
         num_blocks = self.config.kv_cache_memory // per_block
         min_blocks = -(-self.config.max_model_len // self.block_size)
@@ -209,9 +210,9 @@ class ModelRunner:
             )
         shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.kv_cache_path is not None:
-            return create_pool_file(self.kv_cache_path, shape, self.dtype)
+            return create_pool_file(self.kv_cache_path, shape, self.kv_dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -316,7 +317,10 @@ class ModelRunner:
             lens = torch.tensor(decode_lens)
             meta.decode_block_tables = table.to(dev)
             meta.decode_context_lens = lens.to(dev)
-            if decode_kernel(self.device, self.dtype, self.model_config.head_dim) is None:
+            if (
+                decode_kernel(self.device, self.dtype, self.model_config.head_dim, self.kv_dtype)
+                is None
+            ):
                 meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[
                     :, None, None, :
                 ].to(dev)

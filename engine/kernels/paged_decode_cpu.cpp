@@ -1,4 +1,5 @@
-// Decode attention read straight from the paged KV cache (CPU, float32).
+// Decode attention read straight from the paged KV cache (CPU; float32 queries, a float32 or bf16
+// cache, read as float32).
 //
 // A torch version must first gather every sequence's blocks into a contiguous copy: it reads the
 // KV, writes a copy and reads that again, and on a 2-core machine those copies took most of a
@@ -33,6 +34,25 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
 
+// 16 bf16 values widened to float32 (a bf16 is a float32's upper half)
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline v16 load16(const at::BFloat16* p) {
+  v16 x;
+#ifdef __AVX512F__
+  const __m512i w = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  __builtin_memcpy(&x, &w, sizeof(x));
+#else
+  u16x16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  __builtin_memcpy(&x, &w, sizeof(x));
+#endif
+  return x;
+}
+
 inline float hsum(v16 x) {
 #ifdef __AVX512F__
   __m512 r;
@@ -45,8 +65,9 @@ inline float hsum(v16 x) {
 #endif
 }
 
-// D is a multiple of 16 (checked by the caller)
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+// D is a multiple of 16 (checked by the caller); b is the KV side: float32 or bf16
+template <typename KV>
+inline float dot(const float* __restrict a, const KV* __restrict b, int64_t D) {
   v16 acc0 = {}, acc1 = {};
   int64_t i = 0;
   for (; i + 32 <= D; i += 32) {
@@ -57,7 +78,8 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t D
   return hsum(acc0 + acc1);
 }
 
-inline void axpy(float* __restrict acc, float p, const float* __restrict v, int64_t D) {
+template <typename KV>
+inline void axpy(float* __restrict acc, float p, const KV* __restrict v, int64_t D) {
   for (int64_t i = 0; i < D; i += 16) store16(acc + i, load16(acc + i) + p * load16(v + i));
 }
 
@@ -66,13 +88,14 @@ inline void axpy(float* __restrict acc, float p, const float* __restrict v, int6
 // heads once, contiguously; splitting by head is only for batches smaller than the thread count.
 // A plain function with everything passed by value: inside the OpenMP region a lambda reads its
 // captures through a pointer, which cost a 4x slowdown here.
-void attend(const float* __restrict q, const float* __restrict kp, const float* __restrict vp,
+template <typename KV>
+void attend(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
             const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h0,
             int64_t h1, int64_t G, int64_t D, float sc, float* __restrict scores,
             float* __restrict acc, float* __restrict out) {
   const int64_t nh = (h1 - h0) * G;   // query heads in this task; q and out start at head h0 * G
   for (int64_t t = 0; t < L; ++t) {
-    const float* k = kp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
+    const KV* k = kp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) scores[j * L + t] = dot(q + j * D, k + (j / G) * D, D) * sc;
   }
   for (int64_t j = 0; j < nh; ++j) {
@@ -103,34 +126,18 @@ void attend(const float* __restrict q, const float* __restrict kp, const float* 
   }
   std::fill(acc, acc + nh * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const float* v = vp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
+    const KV* v = vp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) axpy(acc + j * D, scores[j * L + t], v + (j / G) * D, D);
   }
   std::copy(acc, acc + nh * D, out);
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && layer_kv.scalar_type() == torch::kFloat32,
-              "paged_decode: q and the KV cache must be float32");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
-              "paged_decode: block tables and context lengths must be int64");
-  TORCH_CHECK(q.is_contiguous() && layer_kv.is_contiguous() && block_tables.is_contiguous() &&
-              context_lens.is_contiguous(), "paged_decode: inputs must be contiguous");
-  TORCH_CHECK(q.dim() == 3 && layer_kv.dim() == 5 && block_tables.dim() == 2,
-              "paged_decode: q [N,Hq,D], layer_kv [2,blocks,block_size,Hkv,D], block_tables [N,max_blocks]");
-  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t num_blocks = layer_kv.size(1), bs = layer_kv.size(2), Hkv = layer_kv.size(3);
-  TORCH_CHECK(layer_kv.size(4) == D && Hq % Hkv == 0, "paged_decode: head shapes do not match");
-  TORCH_CHECK(D % 16 == 0, "paged_decode: head_dim must be a multiple of 16");
+template <typename KV>
+void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor& block_tables,
+         const int64_t* cl, torch::Tensor& out, int64_t N, int64_t Hq, int64_t D, int64_t bs,
+         int64_t Hkv, double scale) {
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  const int64_t* cl = context_lens.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(cl[n] >= 1 && cl[n] <= max_blocks * bs, "paged_decode: context length out of range");
-  auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = layer_kv.data_ptr<float>();
-  const float* vp = kp + num_blocks * bs * Hkv * D;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
@@ -147,6 +154,35 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tenso
              h0 + hpt, G, D, sc, scores.data(), acc.data(), op + (n * Hq + h0 * G) * D);
     }
   });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (layer_kv.scalar_type() == torch::kFloat32 ||
+                                                     layer_kv.scalar_type() == torch::kBFloat16),
+              "paged_decode: q must be float32 and the KV cache float32 or bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "paged_decode: block tables and context lengths must be int64");
+  TORCH_CHECK(q.is_contiguous() && layer_kv.is_contiguous() && block_tables.is_contiguous() &&
+              context_lens.is_contiguous(), "paged_decode: inputs must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && layer_kv.dim() == 5 && block_tables.dim() == 2,
+              "paged_decode: q [N,Hq,D], layer_kv [2,blocks,block_size,Hkv,D], block_tables [N,max_blocks]");
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_blocks = layer_kv.size(1), bs = layer_kv.size(2), Hkv = layer_kv.size(3);
+  TORCH_CHECK(layer_kv.size(4) == D && Hq % Hkv == 0, "paged_decode: head shapes do not match");
+  TORCH_CHECK(D % 16 == 0, "paged_decode: head_dim must be a multiple of 16");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(cl[n] >= 1 && cl[n] <= max_blocks * bs, "paged_decode: context length out of range");
+  auto out = torch::empty_like(q);
+  if (layer_kv.scalar_type() == torch::kBFloat16) {
+    const at::BFloat16* kp = layer_kv.data_ptr<at::BFloat16>();
+    run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale);
+  } else {
+    const float* kp = layer_kv.data_ptr<float>();
+    run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale);
+  }
   return out;
 }
 

@@ -58,6 +58,27 @@ def test_kernel_matches_reference(threads, n, hkv, group, d, bs):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_cache_reads_as_its_float32_values(threads):
+    """A bf16 KV cache (kv_cache_dtype="bfloat16") is widened exactly: the same result as the
+    float32 kernel over the same values."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(5)
+        layer_kv = torch.randn(2, 32, 16, 3, 64, generator=g).bfloat16()
+        q = torch.randn(4, 9, 64, generator=g)
+        tables = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(4)])
+        lens = torch.tensor([1, 17, 50, 96])
+        got = kernel(q, layer_kv, tables, lens, 0.125)
+        assert torch.equal(got, kernel(q, layer_kv.float(), tables, lens, 0.125))
+        torch.testing.assert_close(
+            got, reference(q, layer_kv.float(), tables, lens, 0.125), rtol=1e-5, atol=1e-5
+        )
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_kernel_rejects_bad_inputs():
     q = torch.randn(2, 4, 64)
     kv = torch.randn(2, 8, 16, 2, 64)

@@ -256,3 +256,40 @@ def test_smollm2_auto_picks_a_mode_within_its_bound():
         assert len(ids) == 128 and ids[0] == llm.engine.tokenizer.bos_token_id
     finally:
         llm.shutdown()
+
+
+@needs_x86_int8
+def test_bf16_kv_cache_under_float32_activations(refs):
+    """kv_cache_dtype="bfloat16": the cache (and the transfer layout) is bf16, prompt chunks that
+    read cached context and decode steps work from it, and the logprobs stay near float32's."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    kw = dict(quantization="int8", kv_cache_memory=1 << 22, max_num_batched_tokens=32)
+    ref = LLM(model_dir, **kw)
+    llm = LLM(model_dir, kv_cache_dtype="bfloat16", **kw)
+    try:
+        assert llm.engine.kv_cache.dtype == torch.bfloat16
+        assert llm.engine.kv_layout_spec()["dtype"] == "bfloat16"
+        assert ref.engine.kv_layout_spec()["dtype"] == "float32"
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        p = prompts[6]  # 200 tokens in chunks of 32: every chunk after the first reads the cache
+        a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+        b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+        assert max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))) < 0.05
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+        assert_no_leaks(llm.engine)
+    finally:
+        ref.shutdown()
+        llm.shutdown()
+
+
+def test_kv_cache_dtype_is_checked():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        EngineConfig(model="m", kv_cache_dtype="int8")
+    assert EngineConfig(model="m", dtype="float32").kv_torch_dtype == torch.float32
+    assert (
+        EngineConfig(model="m", dtype="float32", kv_cache_dtype="bf16").kv_torch_dtype
+        == torch.bfloat16
+    )

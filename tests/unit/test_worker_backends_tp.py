@@ -23,7 +23,8 @@ from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, generate_concur
 
 
 class BackendCluster(Cluster):
-    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int):  # its own workers
+    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int, **engine):
+        # its own workers; `engine`: more engine settings for both (e.g. kv_cache_dtype)
         self.decode = DecodeWorker(
             DecodeWorkerConfig(
                 model=model_dir,
@@ -35,6 +36,7 @@ class BackendCluster(Cluster):
                     block_size=16,
                     max_model_len=MAX_MODEL_LEN,
                     tensor_parallel_size=decode_tp,
+                    **engine,
                 ),
             )
         ).start()
@@ -44,7 +46,10 @@ class BackendCluster(Cluster):
                     model=model_dir,
                     worker_id="p0",
                     engine_kwargs=dict(
-                        kv_cache_memory=1 << 20, block_size=4, tensor_parallel_size=prefill_tp
+                        kv_cache_memory=1 << 20,
+                        block_size=4,
+                        tensor_parallel_size=prefill_tp,
+                        **engine,
                     ),
                 )
             ).start()
@@ -84,5 +89,22 @@ def test_backend_and_tp_mix_matches_engine(tiny_models, expected, backend, prefi
             )
 
         wait_until(idle, 5, f"decode pool not back to idle: {cluster.stats()}")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("backend,prefill_tp,decode_tp", [("shm", 1, 1), ("grpc", 2, 1)])
+def test_bf16_kv_cache_hands_off(tiny_models, backend, prefill_tp, decode_tp):
+    """kv_cache_dtype="bfloat16" under float32 activations: the hand-off moves bf16 KV (half the
+    bytes) and the cluster gives the engine's greedy tokens in the same mode."""
+    model_dir = tiny_models("llama-gqa")[0]
+    prompts = random_prompts([30, 7, 21], seed=12)
+    llm = LLM(model_dir, kv_cache_memory=1 << 20, kv_cache_dtype="bfloat16")
+    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in outs]
+    llm.shutdown()
+    cluster = BackendCluster(model_dir, backend, prefill_tp, decode_tp, kv_cache_dtype="bfloat16")
+    try:
+        assert [cluster.generate(f"seq-{i}", p) for i, p in enumerate(prompts)] == want
     finally:
         cluster.stop()
