@@ -40,6 +40,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     check_rows(src, "residual");
     TORCH_CHECK(src.sizes() == x.sizes(), "residual: shape of x expected");
   }
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == n,
+              "weight: contiguous float32 of the row width expected");
   const float* xp = x.data_ptr<float>();
   float* sp = src.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -68,6 +70,10 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Ten
   TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions: int64");
   const int64_t T = positions.size(0), D = cos.size(1), h = D / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && sin.scalar_type() == torch::kFloat32,
+              "cos/sin: [max_pos, head_dim] tables of one shape expected");
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "positions: beyond the rotary table");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   for (torch::Tensor* t : {&q, &k}) {
@@ -100,6 +106,11 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
   const int64_t T = x.size(0), K = x.size(1), xs = x.stride(0);
   auto out = torch::empty({T + 1, K}, x.options());
   auto rmax = torch::empty({T, 1}, x.options());
+  TORCH_CHECK(span_row.scalar_type() == torch::kFloat32 && span_row.is_contiguous() && span_row.numel() == K,
+              "span_row: contiguous float32 of the row width expected");
+  if (inv_smooth.has_value())
+    TORCH_CHECK(inv_smooth->scalar_type() == torch::kFloat32 && inv_smooth->is_contiguous() &&
+                inv_smooth->numel() == K, "inv_smooth: contiguous float32 of the row width expected");
   const float* xp = x.data_ptr<float>();
   const float* sm = inv_smooth.has_value() ? inv_smooth.value().data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();

@@ -73,9 +73,8 @@ class Int8Weight:
             self.inv_smooth = 1.0 / smooth
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.long)
-        with (
-            warnings.catch_warnings()
-        ):  # the quantized-tensor constructors are deprecated, not gone
+        # the quantized-tensor constructors are deprecated, not gone
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)

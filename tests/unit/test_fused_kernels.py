@@ -78,3 +78,17 @@ def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
     without, s2 = layer(x.clone(), res.clone())
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-6)
     assert torch.equal(s1, s2)
+
+
+def test_fused_ops_refuse_shapes_they_would_read_past():
+    x, w = torch.randn(2, 8), torch.randn(7)
+    with pytest.raises(RuntimeError, match="weight"):
+        fused.add_rms_norm(x, None, w, 1e-5)
+    with pytest.raises(RuntimeError, match="span_row"):
+        fused.int8_rows(x, None, torch.ones(1, 7))
+    with pytest.raises(RuntimeError, match="inv_smooth"):
+        fused.int8_rows(x, torch.ones(7), torch.ones(1, 8))
+    table = torch.randn(4, 8)
+    q, k = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+    with pytest.raises(RuntimeError, match="beyond the rotary table"):
+        fused.rope_(q, k, torch.tensor([4]), table, table)
