@@ -32,7 +32,6 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu import log_once as log_cpu_once
 from engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
-from engine.kv_pool import KV_FILE_PREFIX, map_pool_file
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
@@ -41,6 +40,7 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
 from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
+from kvpool import KV_FILE_PREFIX, map_pool_file
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ import torch
 from engine.attention import decode_kernel
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
-from engine.kv_pool import create_pool_file
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from engine.loader import iter_safetensors
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import all_reduce, divide, tp_rank, tp_size
 from engine.sampler import Sampler, SamplingRow
+from kvpool import create_pool_file
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are held at once
 

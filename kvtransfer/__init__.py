@@ -1,8 +1,8 @@
 """Moving KV cache between engines: headers, layouts, re-sharding and the transports.
 
-Imports no worker, and of the engine only engine/kv_pool.py, the one creator of shared KV pool
-files (see docs/architecture.md section 2): everything here speaks in tensors, block ids and
-token ranges.
+Imports no worker and nothing of the engine (shared KV pool files come from kvpool/, which both
+use; see docs/architecture.md section 2): everything here speaks in tensors, block ids and token
+ranges.
 """
 
 from kvtransfer.layout import KVLayout, LayoutMismatch

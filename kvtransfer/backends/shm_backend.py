@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 import numpy as np
 import torch
 
-from engine.kv_pool import KV_FILE_PREFIX, create_pool_file, map_pool_file
+from kvpool import KV_FILE_PREFIX, create_pool_file, map_pool_file
 from kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.reshard import dtype_name, write_chunk
@@ -52,7 +52,7 @@ def create_shared_kv_cache(
     shape, dtype: torch.dtype = torch.float32, name: str | None = None, directory: str | None = None
 ) -> tuple[torch.Tensor, str]:
     """A zero-filled tensor backed by a shared file that another process can map; returns (tensor, path).
-    The file is made by engine/kv_pool.py, the one creator of pool files (the engine's own pools
+    The file is made by kvpool/, the one creator of pool files (the engine's own pools
     included).
 
     The file outlives the tensor: call `remove_shared_kv_cache(path)` when the cache is retired

@@ -6,8 +6,8 @@ with torch.from_file. The engine's model runner creates its pool here, and kvtra
 backend creates and maps pools through the same functions, so the file's mode (0600: its owner's
 processes only), its zero fill and its size check are the same everywhere.
 
-Only torch and the standard library: kvtransfer may import this module and no other of the
-engine's (tests/unit/test_boundaries.py).
+A package of its own, importing only torch and the standard library, so that the engine and
+kvtransfer can both use it and still never import each other (tests/unit/test_boundaries.py).
 """
 
 from __future__ import annotations
