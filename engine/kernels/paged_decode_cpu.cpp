@@ -65,6 +65,34 @@ inline float hsum(v16 x) {
 #endif
 }
 
+// out[u] = sum of the lanes of x_u, times sc, for four vectors at once
+inline void hsum4(v16 x0, v16 x1, v16 x2, v16 x3, float* out, float sc) {
+#ifdef __AVX512F__
+  __m512 a, b, c, d;
+  __builtin_memcpy(&a, &x0, 64);
+  __builtin_memcpy(&b, &x1, 64);
+  __builtin_memcpy(&c, &x2, 64);
+  __builtin_memcpy(&d, &x3, 64);
+  // pairs: lanes of ab hold a/b partial sums interleaved, cd likewise
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // each 128-bit lane now [a b c d] partial sums
+  const __m512 abcd = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  // the four 128-bit lanes summed
+  __m512 r = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
+  r = _mm512_add_ps(r, _mm512_shuffle_f32x4(r, r, 0xB1));
+  const __m128 s = _mm_mul_ps(_mm512_castps512_ps128(r), _mm_set1_ps(sc));
+  _mm_storeu_ps(out, s);
+#else
+  out[0] = hsum(x0) * sc;
+  out[1] = hsum(x1) * sc;
+  out[2] = hsum(x2) * sc;
+  out[3] = hsum(x3) * sc;
+#endif
+}
+
 // D is a multiple of 16 (checked by the caller); b is the KV side: float32 or bf16
 template <typename KV>
 inline float dot(const float* __restrict a, const KV* __restrict b, int64_t D) {
@@ -94,7 +122,27 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
             int64_t h1, int64_t G, int64_t D, float sc, float* __restrict scores,
             float* __restrict acc, float* __restrict out) {
   const int64_t nh = (h1 - h0) * G;   // query heads in this task; q and out start at head h0 * G
-  for (int64_t t = 0; t < L; ++t) {
+  int64_t t = 0;
+  // four tokens at a time: their partial sums are reduced together (hsum4), a quarter of the
+  // shuffles four separate horizontal sums take
+  for (; t + 4 <= L; t += 4) {
+    const KV* k[4];
+    for (int u = 0; u < 4; ++u) k[u] = kp + ((row[(t + u) / bs] * bs + (t + u) % bs) * Hkv + h0) * D;
+    for (int64_t j = 0; j < nh; ++j) {
+      const float* qj = q + j * D;
+      const int64_t off = (j / G) * D;
+      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t i = 0; i < D; i += 16) {
+        const v16 qv = load16(qj + i);
+        a0 += qv * load16(k[0] + off + i);
+        a1 += qv * load16(k[1] + off + i);
+        a2 += qv * load16(k[2] + off + i);
+        a3 += qv * load16(k[3] + off + i);
+      }
+      hsum4(a0, a1, a2, a3, scores + j * L + t, sc);
+    }
+  }
+  for (; t < L; ++t) {
     const KV* k = kp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) scores[j * L + t] = dot(q + j * D, k + (j / G) * D, D) * sc;
   }
