@@ -16,32 +16,10 @@ from deploy.tuning.calibration import (
     speed_traces,
     step_model_check,
 )
-from deploy.tuning.perf_model import StepModel, profile_dict, profile_from_dict
+from deploy.tuning.perf_model import StepModel, profile_from_dict
+from tuning_helpers import toy_engine_profile_dict
 
-ENGINE = profile_from_dict(
-    profile_dict(
-        model=dict(
-            id="Toy-1",
-            name="toy",
-            num_layers=10,
-            num_heads=6,
-            num_kv_heads=3,
-            head_dim=64,
-            hidden_size=384,
-            dtype="float32",
-        ),
-        kv_bytes_per_token=1000,
-        hardware={"device": "cpu"},
-        tp={
-            1: {
-                "prefill": {"coef": [0.01, 0.001, 0.0]},
-                "decode": {"coef": [0.02, 0.001, 0.0]},
-                "kv_capacity_tokens": 100_000,
-            }
-        },
-        kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}},
-    )
-)
+ENGINE = profile_from_dict(toy_engine_profile_dict())
 TRUE = StepModel((0.03, 0.0012, 1e-6), (0.025, 0.0015, 7e-6), 100_000)
 GAP = 0.0005  # the loop's time between back-to-back steps
 

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from deploy.tuning.perf_model import profile_dict
 from deploy.tuning.pooled import find_runs, merge_serving, pooled_profile, scaled
+from tuning_helpers import toy_engine_profile_dict
 
 CONFIG = {
     "model": "smollm2",
@@ -165,32 +165,7 @@ def test_pooled_profile_fits_every_calibration_and_replays_each_workers_speed(tm
     a_run(tmp_path / "run_b", "2026-11-23T02:20:00+00:00", T0 + 1000)
     _, calibrations, _ = find_runs(tmp_path, "azure_conv")
     engine = tmp_path / "engine.json"
-    engine.write_text(
-        json.dumps(
-            profile_dict(
-                model=dict(
-                    id="Toy-1",
-                    name="toy",
-                    num_layers=10,
-                    num_heads=6,
-                    num_kv_heads=3,
-                    head_dim=64,
-                    hidden_size=384,
-                    dtype="float32",
-                ),
-                kv_bytes_per_token=1000,
-                hardware={"device": "cpu"},
-                tp={
-                    1: {
-                        "prefill": {"coef": [0.01, 0.001, 0.0]},
-                        "decode": {"coef": [0.02, 0.001, 0.0]},
-                        "kv_capacity_tokens": 100_000,
-                    }
-                },
-                kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}},
-            )
-        )
-    )
+    engine.write_text(json.dumps(toy_engine_profile_dict()))
     profile, data = pooled_profile(engine, calibrations, 0.5)
     model = profile.step_model(1, "decode")
     assert len(model.speed_traces) == 3  # one per calibrated worker

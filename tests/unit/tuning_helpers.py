@@ -45,5 +45,23 @@ def make_profile(
     return data if as_dict else profile_from_dict(data)
 
 
+def toy_engine_profile_dict() -> dict:
+    """The toy model's engine profile as the calibration tests start from it: engine step models
+    only (no serving block), a bare CPU, a fast lossless link."""
+    return profile_dict(
+        model=dict(MODEL),
+        kv_bytes_per_token=1000,
+        hardware={"device": "cpu"},
+        tp={
+            1: {
+                "prefill": {"coef": [0.01, 0.001, 0.0]},
+                "decode": {"coef": [0.02, 0.001, 0.0]},
+                "kv_capacity_tokens": 100_000,
+            }
+        },
+        kv_transfer={"grpc": {"bandwidth_bytes_per_s": 1e9, "latency_s": 0.0}},
+    )
+
+
 def one(prompt, output, at=0.0):
     return RequestSpec(at, prompt, output)
