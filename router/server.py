@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from engine.loader import load_hf_config, resolve_model
 from engine.tokenizer import load_tokenizer
@@ -127,6 +128,8 @@ class Router:
         self._prefill_executor: futures.ThreadPoolExecutor | None = None
         self._health: health.HealthServicer | None = None
         self.address: str | None = None
+        # every Prometheus figure of the cluster: GET /metrics on the HTTP front renders it
+        self.metrics_registry = CollectorRegistry(auto_describe=True)
 
     def start(self) -> Router:
         cfg = self.config
