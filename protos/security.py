@@ -12,6 +12,12 @@ Every process of a deployment (router, workers, KV channels) shares one `Cluster
            signed every process's certificate, and this process's certificate and key. Channels
            and ports then use it in place of plaintext.
 
+Client API keys (`ClientKeys`): when a deployment sets any, the client API (the methods under
+`keyed_prefixes`, on the router: pdserve.v1.PDServe) needs one of them in the `authorization`
+metadata entry as `Bearer <key>` (the HTTP front's header, the same words), compared in constant
+time; a call without a valid one ends with UNAUTHENTICATED before any handler runs. Health and
+reflection stay open. Keys, like the secret, never appear in a repr, a log line or an error.
+
 The interceptor also decodes requests itself: a message protobuf cannot parse (truncated bytes,
 non-UTF-8 in a string field) ends with INVALID_ARGUMENT naming the method, instead of gRPC's
 INTERNAL "Exception deserializing request!".
@@ -35,6 +41,9 @@ SECRET_METADATA_KEY = "x-pdserve-cluster-secret"
 # and, on the router, the client API with its reflection
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 MIN_SECRET_CHARS = 16
+API_KEY_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case; HTTP's header name
+MIN_API_KEY_CHARS = 8
+MAX_API_KEY_CHARS = 512
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,73 @@ class TLSConfig:
         )
 
 
+def bearer_token(value: str | bytes | None) -> str | bytes | None:
+    """The credential of an `Authorization: Bearer <key>` value (the scheme in any case), or None
+    when `value` is not one."""
+    if value is None:
+        return None
+    sep = b" " if isinstance(value, bytes) else " "
+    scheme, _, token = value.strip().partition(sep)
+    if scheme.lower() not in ("bearer", b"bearer") or not token.strip():
+        return None
+    return token.strip()
+
+
+def check_api_key(key: str, where: str = "an API key") -> str:
+    """A client API key as configured: printable ASCII without spaces or commas (it travels in an
+    HTTP header and gRPC metadata, and PDSERVE_API_KEYS separates keys with commas), 8 to 512
+    characters. The message never shows the key."""
+    if not isinstance(key, str):
+        raise ValueError(f"{where} must be a string")
+    if not MIN_API_KEY_CHARS <= len(key) <= MAX_API_KEY_CHARS:
+        raise ValueError(
+            f"{where} must have {MIN_API_KEY_CHARS} to {MAX_API_KEY_CHARS} characters, has "
+            f"{len(key)}"
+        )
+    if any(not (0x21 <= ord(c) <= 0x7E) or c == "," for c in key):
+        raise ValueError(f"{where} must be printable ASCII without spaces or commas")
+    return key
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """The API keys clients may present (any one of them); empty: the client API is open."""
+
+    keys: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self):
+        for i, key in enumerate(self.keys):
+            check_api_key(key, f"API key #{i + 1}")
+        object.__setattr__(self, "_encoded", tuple(k.encode() for k in self.keys))
+
+    def __repr__(self) -> str:
+        return f"ClientKeys({len(self.keys)} key{'' if len(self.keys) == 1 else 's'})"
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def accepts(self, presented: str | bytes | None) -> bool:
+        """Whether `presented` (the key itself) is one of the keys (always True without keys).
+        Every key is compared, each in constant time, whatever matches first."""
+        if not self.keys:
+            return True
+        if presented is None:
+            return False
+        if isinstance(presented, str):
+            presented = presented.encode("utf-8", "surrogatepass")
+        ok = False
+        for key in self._encoded:
+            ok |= hmac.compare_digest(presented, key)
+        return ok
+
+    def accepts_header(self, authorization: str | bytes | None) -> bool:
+        """Whether an `Authorization` value (`Bearer <key>`) carries one of the keys."""
+        return self.accepts(bearer_token(authorization)) if self.keys else True
+
+
+NO_KEYS = ClientKeys()
+
+
 @dataclass(frozen=True)
 class ClusterSecurity:
     secret: str | None = field(default=None, repr=False)
@@ -79,11 +155,22 @@ class ClusterSecurity:
 
     # ---- servers --------------------------------------------------------------------------------
     def server_interceptors(
-        self, open_prefixes: tuple[str, ...] = ()
+        self,
+        open_prefixes: tuple[str, ...] = (),
+        client_keys: ClientKeys = NO_KEYS,
+        keyed_prefixes: tuple[str, ...] = (),
     ) -> list[grpc.ServerInterceptor]:
         """For grpc.server(interceptors=...): methods under `open_prefixes` (and health) need no
-        secret; every method decodes its request safely."""
-        return [ServerGuard(self.secret, (HEALTH_PREFIX,) + tuple(open_prefixes))]
+        secret; of those, the ones under `keyed_prefixes` need one of `client_keys` when there
+        are any; every method decodes its request safely."""
+        return [
+            ServerGuard(
+                self.secret,
+                (HEALTH_PREFIX,) + tuple(open_prefixes),
+                client_keys,
+                tuple(keyed_prefixes),
+            )
+        ]
 
     def add_port(self, server: grpc.Server, address: str) -> int:
         """Binds `address` with mutual TLS when configured; returns the port (0: not bound)."""
@@ -182,14 +269,24 @@ class ServerGuard(grpc.ServerInterceptor):
 
     LOG_EVERY_S = 10.0  # refusals are logged at most this often (a stranger may call in a loop)
 
-    def __init__(self, secret: str | None, open_prefixes: tuple[str, ...]):
+    def __init__(
+        self,
+        secret: str | None,
+        open_prefixes: tuple[str, ...],
+        client_keys: ClientKeys = NO_KEYS,
+        keyed_prefixes: tuple[str, ...] = (),
+    ):
         self._security = ClusterSecurity(secret)
         self._open = open_prefixes
+        self._keys = client_keys
+        self._keyed = keyed_prefixes
         self._lock = threading.Lock()
         self._refused_since_log = 0
         self._logged_at = -float("inf")
 
-    def _note_refusal(self, method: str, presented: str | None) -> None:
+    def _note_refusal(
+        self, method: str, presented: str | None, what: str = "cluster secret"
+    ) -> None:
         with self._lock:
             self._refused_since_log += 1
             now = time.monotonic()
@@ -197,11 +294,28 @@ class ServerGuard(grpc.ServerInterceptor):
                 return
             count, self._refused_since_log, self._logged_at = self._refused_since_log, 0, now
         log.warning(
-            "refused %s: %s cluster secret (%d refusal%s since the last such line)",
+            "refused %s: %s %s (%d refusal%s since the last such line)",
             method,
             "no" if presented is None else "a wrong",
+            what,
             count,
             "" if count == 1 else "s",
+        )
+
+    def _key_refusal(self, handler, method: str, metadata) -> grpc.RpcMethodHandler | None:
+        """None when the call carries one of the client keys; else the handler that refuses it."""
+        presented = None
+        for key, value in metadata or ():
+            if key == API_KEY_METADATA_KEY:
+                presented = value
+                break
+        if self._keys.accepts_header(presented):
+            return None
+        self._note_refusal(method, presented, "API key")
+        return _refusal(
+            handler,
+            f"{method} needs an API key: send the metadata entry "
+            f"'{API_KEY_METADATA_KEY}: Bearer <key>' with one of the deployment's keys",
         )
 
     def intercept_service(self, continuation, handler_call_details):
@@ -209,6 +323,10 @@ class ServerGuard(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method or ""
+        if self._keys and self._keyed and method.startswith(self._keyed):
+            refused = self._key_refusal(handler, method, handler_call_details.invocation_metadata)
+            if refused is not None:
+                return refused
         if self._security.secret and not method.startswith(self._open):
             presented = None
             for key, value in handler_call_details.invocation_metadata or ():

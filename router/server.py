@@ -15,6 +15,7 @@ import logging
 import os
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,10 +25,14 @@ from prometheus_client import CollectorRegistry
 from engine.loader import load_hf_config, resolve_model
 from engine.tokenizer import load_tokenizer
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.security import INSECURE, ClusterSecurity, TLSConfig
+from protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
+from router.metrics import RouterMetrics
 from router.pool import CHANNEL_OPTIONS, WorkerPool
 from router.registry import RegistryServicer
 from router.service import PDServeServicer, ServiceOptions
+
+if TYPE_CHECKING:
+    from router.http_api import HttpFront
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
@@ -62,6 +67,13 @@ class RouterConfig:
     deployment_id: str = ""  # set: workers registering for another deployment are refused
     # TLS on the client-facing port (cert_pem/key_pem; with ca_pem, clients must present a cert)
     client_tls: TLSConfig | None = None
+    # the OpenAI-compatible HTTP front (router/http_api.py) on host:http_port, with client_tls
+    # (HTTPS) when set; 0: a free port; None: no HTTP front
+    http_port: int | None = None
+    http_max_body_bytes: int | None = None  # None: the largest valid request (http_api.py)
+    # client API keys: when any, the client API (gRPC metadata or HTTP header
+    # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         for name in ("stats_interval_s", "stats_timeout_s", "decode_queue_timeout_s"):
@@ -76,6 +88,16 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_inflight must be >= 1, got {self.max_inflight}")
         if self.lease_ms <= 0:
             raise ValueError(f"RouterConfig.lease_ms must be > 0, got {self.lease_ms}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(
+                f"RouterConfig.http_port must be None or 0..65535, got {self.http_port}"
+            )
+        if self.http_max_body_bytes is not None and self.http_max_body_bytes < 1024:
+            raise ValueError(
+                f"RouterConfig.http_max_body_bytes must be None or >= 1024, got "
+                f"{self.http_max_body_bytes}"
+            )
+        ClientKeys(tuple(self.api_keys))  # raises on a malformed key, without showing it
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(
                 f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}"
@@ -128,8 +150,11 @@ class Router:
         self._prefill_executor: futures.ThreadPoolExecutor | None = None
         self._health: health.HealthServicer | None = None
         self.address: str | None = None
+        self.http: HttpFront | None = None  # the OpenAI-compatible HTTP front, when http_port set
+        self.http_address: str | None = None
         # every Prometheus figure of the cluster: GET /metrics on the HTTP front renders it
         self.metrics_registry = CollectorRegistry(auto_describe=True)
+        self.metrics: RouterMetrics | None = None  # router/metrics.py, on metrics_registry
 
     def start(self) -> Router:
         cfg = self.config
@@ -148,13 +173,28 @@ class Router:
             self._prefill_executor = futures.ThreadPoolExecutor(
                 cfg.max_inflight, thread_name_prefix="router-prefill"
             )
-            self.servicer = PDServeServicer(self.pool, tokenizer, options, self._prefill_executor)
+            self.metrics = RouterMetrics(
+                self.metrics_registry,
+                self.pool,
+                options.model_id,
+                options.max_model_len,
+                colocated=cfg.colocated,
+            )
+            self.servicer = PDServeServicer(
+                self.pool, tokenizer, options, self._prefill_executor, metrics=self.metrics
+            )
+            self.metrics.track_router(
+                self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
+            )
             self._executor = futures.ThreadPoolExecutor(
                 cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
             )
-            # the client API and reflection are open to anyone; the Registry needs the secret
+            # the client API (given API keys: with one of them) and reflection need no secret;
+            # the Registry does
             guard = cfg.security.server_interceptors(
-                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection.")
+                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."),
+                client_keys=ClientKeys(tuple(cfg.api_keys)),
+                keyed_prefixes=(f"/{SERVICE_NAME}/",),
             )
             limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
             self._server = grpc.server(
@@ -182,20 +222,58 @@ class Router:
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
             self.address = f"{cfg.host}:{port}"
+            if cfg.http_port is not None:
+                self.http = self._http_front(options)
+                self.http.add_internal_port(self._server)
             self._server.start()
+            if self.http is not None:
+                self.http_address = self.http.start().address
         except BaseException:
             self.stop()
             raise
         for name in ("", SERVICE_NAME, REGISTRY_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "router serving %s on %s (prefill %s, decode %s, more may register)",
+            "router serving %s on %s%s (prefill %s, decode %s, more may register)",
             options.model_id,
             self.address,
+            f" and HTTP on {self.http.scheme}://{self.http_address}" if self.http else "",
             list(cfg.prefill_addresses),
             list(cfg.decode_addresses),
         )
         return self
+
+    def _http_front(self, options: ServiceOptions):
+        from router.http_api import HttpFront, HttpSettings, default_max_body_bytes
+
+        cfg = self.config
+        return HttpFront(
+            HttpSettings(
+                host=cfg.host,
+                port=cfg.http_port,
+                model_id=options.model_id,
+                tokenizer=self.servicer.tokenizer,
+                keys=ClientKeys(tuple(cfg.api_keys)),
+                tls=cfg.client_tls,
+                max_body_bytes=cfg.http_max_body_bytes
+                or default_max_body_bytes(
+                    options.max_model_len, self.servicer.encoder.max_prompt_bytes
+                ),
+                max_model_len=options.max_model_len,
+                metrics_registry=self.metrics_registry,
+                ready=self._not_ready,
+                grace_s=cfg.stop_grace_s,
+            )
+        )
+
+    def _not_ready(self) -> str | None:
+        """None while every pool the router needs has a worker; else why not (GET /health)."""
+        pool = self.pool
+        if pool is None:
+            return "the router is stopping"
+        roles = ("decode",) if self.config.colocated else ("prefill", "decode")
+        empty = [r for r in roles if not pool.num_workers(r)]
+        return f"no {' or '.join(empty)} worker in the pool" if empty else None
 
     def _bind(self, address: str) -> int:
         """The client-facing port: TLS when client_tls is set, else mutual TLS when the cluster
@@ -212,7 +290,11 @@ class Router:
 
     def stop(self) -> None:
         """Stops taking requests, cancels open streams (which aborts them on the workers), then
-        closes the worker channels."""
+        closes the worker channels. The HTTP front goes first: its open streams are cancelled,
+        which cancels their gRPC calls."""
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         if self._server is not None:

@@ -1,0 +1,286 @@
+"""The OpenAI request bodies the HTTP front accepts (router/http_api.py), as strict pydantic models:
+every field typed and bounded before any work, unknown fields refused (400 naming the field).
+
+What is accepted beyond OpenAI's own fields: the sampling fields vLLM accepts (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+include_stop_str_in_output). OpenAI fields that change nothing here are accepted and ignored
+(`user`, `metadata`, `store`, `service_tier`, ...); OpenAI fields whose meaning pdserve does not
+serve (tools, response formats, logit_bias, echo, suffix, top alternatives in logprobs, ...) are
+accepted only at their neutral value, and anything else is refused with a message saying so.
+
+The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
+ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's
+(protos/limits.py, router/text.py), so a request refused by one front is refused by the other.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from protos.limits import MAX_ID_CHARS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from router.text import MAX_CHAT_MESSAGES
+
+INT64 = 1 << 63
+UINT32 = 1 << 32
+MAX_TOKENS_FIELD = (1 << 31) - 1  # beyond any max_model_len; the router says which is the limit
+MAX_PROMPT_IDS = 1 << 20  # more than any max_model_len; the router refuses past max_model_len
+MAX_LOGPROBS = 20  # vLLM's bound for logprobs / top_logprobs
+MAX_NAME_CHARS = 256
+MAX_METADATA_ITEMS = 16
+
+
+class _Strict(BaseModel):
+    # strict: "2" for an integer or 1 for a bool is a mistake worth a 400; NaN and infinities are
+    # refused for every float; unknown fields are refused (OpenAI's harmless ones are declared)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
+ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)]
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    max_tokens: TokenCount | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None
+    # accepted and ignored: they change nothing about the result
+    user: ShortStr | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported; leave it unset or empty")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        most = self.max_new_tokens()
+        if self.min_tokens is not None and most is not None and self.min_tokens > most:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={most}")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    # one prompt: text, or token ids; a one-element list of either is the same prompt
+    prompt: (
+        StrictStr
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]],
+            Field(min_length=1, max_length=1),
+        ]
+    )
+    # 0: the sampled token's logprob (OpenAI returns the top `logprobs` alternatives besides it;
+    # pdserve streams only the sampled token's, so more than 0 is refused)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI fields accepted only at their neutral value
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _sampled_only(cls, v):
+        if v:
+            raise ValueError(
+                "logprobs > 0 asks for the most likely alternatives of each token, which pdserve "
+                "does not serve: use logprobs=0 for the sampled tokens' logprobs"
+            )
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("best_of > 1 is not supported; use n")
+        return v
+
+    def prompt_value(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]
+        return p
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    # developer: OpenAI's newer name for system
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)]
+    name: ShortStr | None = None  # accepted and ignored (most chat templates have no place for it)
+    refusal: None = None  # OpenAI clients replay assistant messages with "refusal": null
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content parts of type {str(kind)[:40]!r} are not supported: this model "
+                        f"reads text only (parts of type 'text')"
+                    )
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI fields accepted only at their neutral value
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    # accepted and ignored: they change nothing about the result
+    parallel_tool_calls: StrictBool | None = None
+    metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
+    store: StrictBool | None = None
+    service_tier: ShortStr | None = None
+    prompt_cache_key: ShortStr | None = None
+    safety_identifier: ShortStr | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _sampled_only(cls, v):
+        if v:
+            raise ValueError(
+                "top_logprobs > 0 asks for the most likely alternatives of each token, which "
+                "pdserve does not serve: use logprobs=true alone for the sampled tokens' logprobs"
+            )
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tool and function calling is not supported; leave it unset")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none"):
+            raise ValueError("tool and function calling is not supported; leave it unset")
+        return v
+
+    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
+    @classmethod
+    def _unset_only(cls, v, info):
+        if v is not None:
+            raise ValueError(f"{info.field_name} is not supported; leave it unset")
+        return v
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self):
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(
+                f"max_tokens={a} and max_completion_tokens={b} disagree: send one of them"
+            )
+        return self
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v is not None and v != {"type": "text"}:
+            raise ValueError(
+                "only response_format {'type': 'text'} is supported (no JSON mode or schemas)"
+            )
+        return v
+
+    def max_new_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
