@@ -20,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.engine_loop import EngineLoop, OutputCallback
 from engine.request import CompletionOutput, RequestOutput
 from kvtransfer.backends import populate
@@ -67,6 +69,11 @@ class DecodeHandoff:
         self._entries_lock = threading.Lock()
         self.num_expired = 0
         self.num_unknown_frames = 0
+        # WorkerStats counters: prompt tokens reserved and those the prefix cache held, hand-offs
+        # committed and failed (a bad frame, a refused commit), KV bytes received
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.num_committed = self.num_failed = self.bytes_received = 0
+        self._counts_lock = threading.Lock()
         # every page of the pool faulted in now, not while KV arrives during a prefill (the first
         # requests into fresh blocks measured 2-4x slower transfers on the 2-core VM); the pool
         # is this worker's memory anyway, so it is resident from the start
@@ -97,6 +104,8 @@ class DecodeHandoff:
                 len(prompt_token_ids),
             )
             deadline = time.monotonic() + lease
+            self.prefix_cache_queries += len(prompt_token_ids)  # on the loop thread only
+            self.prefix_cache_hits += res.num_cached_tokens
             with self._entries_lock:
                 self._entries[request_id] = _Entry(
                     receiver, on_output, deadline, logprobs=bool(getattr(params, "logprobs", False))
@@ -127,13 +136,18 @@ class DecodeHandoff:
             if entry.closed:
                 return
             state = entry.receiver.on_frame(header, payload)
-        if state == TransferState.DONE:
-            self.loop.submit(self._commit, header.request_id)
+        if header.kind == "kv" and state != TransferState.FAILED:
+            with self._counts_lock:
+                self.bytes_received += frame_bytes(header)
+        if state == TransferState.DONE:  # the last KV frame and the commit are in
+            self.loop.submit(self._commit, header.request_id, time.time_ns())
         elif state == TransferState.FAILED:
+            with self._counts_lock:
+                self.num_failed += 1
             self.loop.submit(self._close, header.request_id, entry.receiver.error)
 
     # ---- on the loop thread ---------------------------------------------------------------------
-    def _commit(self, request_id: str) -> None:
+    def _commit(self, request_id: str, received_ns: int = 0) -> None:
         entry = self._pop(request_id)
         if entry is None:
             return
@@ -145,8 +159,12 @@ class DecodeHandoff:
         except (ValueError, KeyError) as e:  # popped already: freed here or never
             self.loop.engine.abort(request_id)
             log.warning("commit of %s refused: %s", request_id, e)
+            with self._counts_lock:
+                self.num_failed += 1
             entry.on_output(RequestOutput.aborted(request_id, f"commit refused: {e}"))
             return
+        with self._counts_lock:
+            self.num_committed += 1
         self.loop.watch(request_id, entry.on_output)
         # the prefill worker already sampled the first token: stream it now, not with the next
         # decode step's output (a whole step later). Outputs are cumulative, so the step's output
@@ -163,6 +181,8 @@ class DecodeHandoff:
                     )
                 ],
                 finished=False,
+                # Timings.transfer_end_unix_ns and commit_unix_ns (decode_worker/service.py)
+                metrics={"kv_received_unix_ns": received_ns, "commit_unix_ns": time.time_ns()},
             )
         )
 
@@ -187,3 +207,20 @@ class DecodeHandoff:
     def _pop(self, request_id: str) -> _Entry | None:
         with self._entries_lock:
             return self._entries.pop(request_id, None)
+
+
+def frame_bytes(header) -> int:
+    """The KV bytes a "kv" frame carries (written in place by shm senders, so from its header)."""
+    size = _ITEMSIZE.get(header.dtype)
+    if size is None:
+        dtype = getattr(torch, header.dtype, None)
+        size = _ITEMSIZE[header.dtype] = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+    return (
+        2
+        * (header.end - header.start)
+        * (header.head_end - header.head_start)
+        * (header.head_dim * size)
+    )
+
+
+_ITEMSIZE: dict[str, int] = {}

@@ -40,6 +40,7 @@ class _Stream:
     outputs: queue.Queue = field(default_factory=queue.Queue)
     finished_at: float | None = None  # time.monotonic() of the final output
     attached: bool = False  # a Stream call is draining it
+    colocated: bool = False  # this worker runs the prompt too (Reserve with run_prefill)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.options = options
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self._colocated_queries = self._colocated_hits = 0  # prefix cache, colocated requests
         loop.every(1.0, self._forget_finished)
 
     # ---- Reserve --------------------------------------------------------------------------------
@@ -129,6 +131,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self._streams.pop(rid, None)
             abort_for_engine_error(context, e)
             raise
+        stream.colocated = True
+        with self._lock:
+            self._colocated_queries += len(request.prompt_token_ids)
         # no blocks are reserved ahead, but the router charges the prompt's blocks to this worker
         # until its next health check reads the real count: it needs the block size for that
         return worker_pb2.ReserveResponse(
@@ -166,7 +171,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
         sent: dict[int, int] = {}  # sequence index -> tokens already sent (outputs are cumulative)
         finished = False
-        first_token_ns = 0
+        first_token_ns = commit_ns = received_ns = 0
         try:
             while not finished:
                 if not context.is_active():
@@ -176,6 +181,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 except queue.Empty:
                     continue
                 now = unix_ns()
+                if not commit_ns and "commit_unix_ns" in out.metrics:  # the hand-off's output
+                    commit_ns = int(out.metrics["commit_unix_ns"])
+                    received_ns = int(out.metrics.get("kv_received_unix_ns", 0))
+                if out.finished and stream.colocated:
+                    with self._lock:
+                        self._colocated_hits += out.num_cached_tokens
                 for comp in out.outputs:
                     event = self._event(comp, sent, out.finished)
                     if event is None:
@@ -187,6 +198,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                 first_token_unix_ns=first_token_ns,
                                 last_token_unix_ns=now,
                                 decode_worker=self.options.worker_id,
+                                commit_unix_ns=commit_ns,
+                                transfer_end_unix_ns=received_ns,
                             )
                         )
                     yield event
@@ -230,10 +243,18 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
     def Stats(self, request, context):
+        h = self.handoff
         return worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,
             **self.loop.load(),
-            num_reserved=self.handoff.num_reserved,
+            num_reserved=h.num_reserved,
+            prefix_cache_queries=h.prefix_cache_queries + self._colocated_queries,
+            prefix_cache_hits=h.prefix_cache_hits + self._colocated_hits,
+            num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
+            kv_transfers=h.num_committed,
+            kv_transfer_failures=h.num_failed,
+            kv_transfer_bytes=h.bytes_received,
+            leases_expired=h.num_expired,
         )
 
     def _forget_finished(self) -> None:

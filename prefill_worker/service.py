@@ -46,16 +46,38 @@ class GuardedSink:
     """A PushSink whose send errors are recorded instead of raised: raised inside an engine step
     they would fail the whole batch, every other request on this worker with it."""
 
-    def __init__(self, sink: PushSink):
+    def __init__(self, sink: PushSink, num_layers: int = 1):
         self.sink = sink
         self.error: Exception | None = None
+        self.num_layers = max(1, num_layers)
+        # unix ns: the first step's first and last layer done, the first KV handed to the transport
+        self.first_layer_ns = self.first_step_end_ns = self.transfer_start_ns = 0
 
-    def on_layer(self, *args) -> None:
+    def on_layer(self, layer: int, *args) -> None:
+        now = unix_ns()
+        if not self.first_layer_ns:
+            self.first_layer_ns = now
+        if not self.first_step_end_ns and layer == self.num_layers - 1:
+            self.first_step_end_ns = now
         if self.error is None:
+            sent = self.sink.bytes_sent
             try:
-                self.sink.on_layer(*args)
+                self.sink.on_layer(layer, *args)
             except Exception as e:
                 self.error = e
+            if not self.transfer_start_ns and self.sink.bytes_sent > sent:
+                self.transfer_start_ns = now
+
+    def compute_start_ns(self) -> int:
+        """When the engine step that began this prompt started: the first layer's end less one
+        layer's share of that step (the engine reports layers as they end, not the step's start);
+        0 when no layer ran."""
+        if not self.first_layer_ns:
+            return 0
+        if not self.first_step_end_ns or self.num_layers == 1:
+            return self.first_layer_ns
+        per_layer = (self.first_step_end_ns - self.first_layer_ns) / (self.num_layers - 1)
+        return int(self.first_layer_ns - per_layer)
 
     def commit(self, first_token: int) -> None:
         if self.error is None:
@@ -84,9 +106,9 @@ class _Waiter:
         if not out.finished:
             return
         comp = out.outputs[0]
+        self.end_ns = unix_ns()  # before the commit: the decode side may stamp its arrival first
         if comp.finish_reason == "prefill_done":
             self.sink.commit(comp.token_ids[0])
-        self.end_ns = unix_ns()
         self.output = out
         self.done.set()
 
@@ -118,8 +140,22 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.options = options
         self._transports: dict[tuple[str, str], Transport] = {}
         self._transports_lock = threading.Lock()
+        self._counts_lock = threading.Lock()  # the counters WorkerStats reports
+        self.counts = dict(
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            kv_transfers=0,
+            kv_transfer_failures=0,
+            kv_transfer_bytes=0,
+        )
+
+    def _count(self, **deltas) -> None:
+        with self._counts_lock:
+            for name, delta in deltas.items():
+                self.counts[name] += delta
 
     def Prefill(self, request, context):
+        arrival_ns = unix_ns()
         rid = request.request_id
         refusal = self._check_fields(request)
         if refusal:
@@ -154,6 +190,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             transport = self._transport(endpoint.backend, endpoint.address)
         except (ConnectionError, OSError, ValueError) as e:
+            self._count(kv_transfer_failures=1)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
 
         # the receiver's layout: its block size and TP split (head ranges travel in each frame)
@@ -164,10 +201,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ),
         )
         sink = GuardedSink(
-            PushSink(rid, self.layout, transport, dest, res.num_cached_tokens, self.rank_caches)
+            PushSink(rid, self.layout, transport, dest, res.num_cached_tokens, self.rank_caches),
+            self.layout.num_layers,
         )
         waiter = _Waiter(sink)
-        start_ns = unix_ns()
         try:
             self.loop.add_request(
                 rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
@@ -193,6 +230,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 grpc.StatusCode.ABORTED,
                 f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}",
             )
+        self._count(
+            prefix_cache_queries=len(request.prompt_token_ids),
+            prefix_cache_hits=waiter.output.num_cached_tokens,
+        )
         if sink.error is not None:
             self._fail_transport(endpoint, transport, sink, context, sink.error)
         try:
@@ -200,21 +241,26 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 max(0.1, min(self.options.flush_timeout_s, deadline - time.monotonic()))
             )
         except TimeoutError as e:
+            self._count(kv_transfer_failures=1)
             sink.abort()
             context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer of {rid!r} did not finish: {e}"
             )
         except Exception as e:
             self._fail_transport(endpoint, transport, sink, context, e)
+        transfer_end_ns = unix_ns()
+        self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
         return worker_pb2.PrefillResponse(
             request_id=rid,
             first_token=comp.token_ids[0],
             first_token_logprob=comp.logprobs[0] if comp.logprobs else 0.0,
             num_cached_tokens=waiter.output.num_cached_tokens,
-            prefill_start_unix_ns=start_ns,
+            prefill_start_unix_ns=max(arrival_ns, sink.compute_start_ns()),
             prefill_end_unix_ns=waiter.end_ns,
-            transfer_end_unix_ns=unix_ns(),
+            transfer_end_unix_ns=transfer_end_ns,
             bytes_sent=sink.sink.bytes_sent,
+            prefill_arrival_unix_ns=arrival_ns,
+            transfer_start_unix_ns=sink.transfer_start_ns,
         )
 
     def _check_fields(self, request) -> Refusal | None:
@@ -288,6 +334,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return transport
 
     def _fail_transport(self, endpoint, transport, sink: GuardedSink, context, err: Exception):
+        self._count(kv_transfer_failures=1)
         sink.abort()
         with self._transports_lock:  # the next request to this endpoint opens a fresh channel
             if self._transports.get((endpoint.backend, endpoint.address)) is transport:
@@ -305,7 +352,14 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def Stats(self, request, context):
-        return worker_pb2.WorkerStats(worker_id=self.options.worker_id, **self.loop.load())
+        with self._counts_lock:
+            counts = dict(self.counts)
+        return worker_pb2.WorkerStats(
+            worker_id=self.options.worker_id,
+            **self.loop.load(),
+            **counts,
+            num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
+        )
 
     def close(self) -> None:
         with self._transports_lock:

@@ -146,6 +146,7 @@ class Inflight:
         self.abort_requested = False  # PDServe.Abort for this id
         self.finished = False  # ended normally or already cleaned up
         self.first_token_ns = 0  # when the router got the first token
+        self.token_clock: dict[int, int] = {}  # sequence index -> unix ns of its last tokens
 
 
 class Leg:
@@ -164,6 +165,8 @@ class Leg:
         self.prefill_future: futures.Future | None = None
         self.prefill_error: grpc.RpcError | None = None
         self.decode_lost = False  # the prefill could not reach the decode worker to abort
+        # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
+        self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
 
     def prefill_reply(self):
@@ -183,6 +186,7 @@ class Legs:
         self.executor = executor  # Prefill calls
         self.options = options
         self.decode_queue = DecodeQueue()
+        self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
 
@@ -207,7 +211,9 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
+        leg.reserve_start_ns = unix_ns()
         leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
+        leg.reserved_ns = unix_ns()
         leg.stream_call = leg.decode.stub.Stream(
             worker_pb2.StreamRequest(request_id=leg.request_id), timeout=left(deadline)
         )
@@ -234,6 +240,8 @@ class Legs:
             for event in leg.stream_call:
                 if event.token_ids and not req.first_token_ns:
                     req.first_token_ns = unix_ns()
+                if event.token_ids and self.on_tokens is not None:
+                    self.on_tokens(req, event.index, len(event.token_ids))
                 if event.token_ids and leg.charged_tokens:
                     self.release_charge(leg)
                 sent.extend(event.token_ids)
@@ -427,6 +435,7 @@ class Legs:
                 break
             with req.lock:
                 leg.prefill = worker
+            leg.prefill_dispatch_ns = unix_ns()
             try:
                 return worker.stub.Prefill(
                     worker_pb2.PrefillRequest(

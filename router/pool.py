@@ -72,6 +72,7 @@ class _Worker:
     queued_tokens: int = 0  # their prompt tokens not expected in that worker's cache
     num_failures: int = 0  # Stats failures in a row
     down: bool = False
+    stats: object = None  # the last WorkerStats (a sweep's or a heartbeat's): router/metrics.py
 
 
 class WorkerPool:
@@ -194,6 +195,13 @@ class WorkerPool:
     def name(self, worker: _Worker) -> str:
         return worker.worker_id or worker.address
 
+    def snapshot(self) -> list[tuple[str, str, object, bool]]:
+        """(role, name, last WorkerStats or None, down) of every member, without waiting on any
+        worker: what the last health sweep or heartbeat left (the metrics read it per scrape)."""
+        with self._lock:
+            workers = self._workers["prefill"] + self._workers["decode"]
+            return [(w.role, self.name(w), w.stats, w.down) for w in workers]
+
     # ---- membership -----------------------------------------------------------------------------
     def register(self, role: str, worker_id: str, address: str, ttl_s: float) -> _Worker:
         """Adds a worker, or refreshes it; a new address or role replaces the old entry."""
@@ -241,6 +249,8 @@ class WorkerPool:
                 return False
             if not worker.static:
                 worker.expires_at = time.monotonic() + ttl_s
+            if stats is not None and stats.worker_id:
+                worker.stats = stats
             if stats is not None and worker.role == "decode" and not worker.down:
                 worker.num_free_blocks = stats.num_free_blocks
             return True
@@ -294,6 +304,7 @@ class WorkerPool:
             worker.num_failures, worker.down = 0, False
             worker.num_free_blocks = stats.num_free_blocks
             worker.worker_id = worker.worker_id or stats.worker_id
+            worker.stats = stats
         if came_back:
             log.info("%s worker %s is back up", worker.role, self.name(worker))
 

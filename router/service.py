@@ -81,18 +81,26 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         tokenizer,
         options: ServiceOptions,
         executor: futures.ThreadPoolExecutor,
+        metrics=None,
     ):
         self.pool = pool
         self.tokenizer = tokenizer
         self.options = options
         self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
         self.legs = Legs(pool, executor, options)
+        self.metrics = metrics  # router/metrics.py RouterMetrics: every request's figures
+        if metrics is not None:
+            self.legs.on_tokens = metrics.on_tokens
         self._inflight: dict[tuple[str, str], Inflight] = {}  # (client peer, request_id) ->
         self._lock = threading.Lock()
 
     def close(self) -> None:
         self.encoder.close()
         self.legs.close()
+
+    def num_inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
 
     # ---- Generate -------------------------------------------------------------------------------
     def Generate(self, request, context):
@@ -195,10 +203,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 self._fail(req, context, error, "decode worker", request.deadline_ms)
             break
         req.finished = True
-        yield pdserve_pb2.GenerateResponse(
-            request_id=req.request_id,
-            finish=self._finish(final, len(prompt), len(sent), legs, queued_ns, req),
-        )
+        finish = self._finish(final, len(prompt), len(sent), legs, queued_ns, req)
+        if self.metrics is not None:
+            self.metrics.observe_finish(finish, req, legs[0], unix_ns())
+        yield pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=finish)
 
     def _resume_or_fail(self, req: Inflight, leg: Leg, error, num_sent: int, context) -> None:
         """After a leg's decode worker died: returns so the caller starts the next leg, or ends the
@@ -259,8 +267,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         elif kind == "stop_token":
             finish.stop_token = final.stop_token
         timings = finish.timings
-        timings.CopyFrom(final.timings)
+        timings.CopyFrom(final.timings)  # the decode worker's: transfer_end, commit, tokens
         timings.queued_unix_ns = queued_ns
+        timings.reserved_unix_ns = first.reserved_ns
         if (
             len(legs) > 1 and req.first_token_ns
         ):  # the client's first token came from an earlier leg
@@ -268,9 +277,16 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         prefill_leg = first if first.prefill_reply() is not None else last
         prefill_reply = prefill_leg.prefill_reply()
         if prefill_reply is not None:
+            timings.prefill_dispatch_unix_ns = prefill_leg.prefill_dispatch_ns
+            timings.prefill_arrival_unix_ns = prefill_reply.prefill_arrival_unix_ns
             timings.prefill_start_unix_ns = prefill_reply.prefill_start_unix_ns
             timings.prefill_end_unix_ns = prefill_reply.prefill_end_unix_ns
-            timings.transfer_end_unix_ns = prefill_reply.transfer_end_unix_ns
+            timings.transfer_start_unix_ns = prefill_reply.transfer_start_unix_ns
+            if prefill_leg is not last or not timings.transfer_end_unix_ns:
+                # the decode side's arrival of the last KV frame when it has it, else the
+                # prefill side's flush
+                timings.transfer_end_unix_ns = prefill_reply.transfer_end_unix_ns
+            finish.usage.kv_transfer_bytes = prefill_reply.bytes_sent
         if prefill_leg.prefill is not None:
             timings.prefill_worker = self.pool.name(prefill_leg.prefill)
         if not timings.decode_worker and last.decode is not None:

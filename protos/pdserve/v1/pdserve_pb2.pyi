@@ -125,17 +125,19 @@ class Finish(_message.Message):
     def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "kv_transfer_bytes")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    kv_transfer_bytes: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued_unix_ns", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker")
+    __slots__ = ("queued_unix_ns", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker", "reserved_unix_ns", "prefill_dispatch_unix_ns", "prefill_arrival_unix_ns", "transfer_start_unix_ns", "commit_unix_ns")
     QUEUED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,11 @@ class Timings(_message.Message):
     LAST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DISPATCH_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     queued_unix_ns: int
     prefill_start_unix_ns: int
     prefill_end_unix_ns: int
@@ -152,7 +159,12 @@ class Timings(_message.Message):
     last_token_unix_ns: int
     prefill_worker: str
     decode_worker: str
-    def __init__(self, queued_unix_ns: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., last_token_unix_ns: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    reserved_unix_ns: int
+    prefill_dispatch_unix_ns: int
+    prefill_arrival_unix_ns: int
+    transfer_start_unix_ns: int
+    commit_unix_ns: int
+    def __init__(self, queued_unix_ns: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., last_token_unix_ns: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., reserved_unix_ns: _Optional[int] = ..., prefill_dispatch_unix_ns: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ..., commit_unix_ns: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

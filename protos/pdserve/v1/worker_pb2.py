@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import pdserve_pb2 as pdserve_dot_v1_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\x11pdserve.worker.v1\x1a\x18pdserve/v1/pdserve.proto\"\x93\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x13\n\x0brun_prefill\x18\x05 \x01(\x08\"s\n\nKVEndpoint\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x16\n\x0erank_addresses\x18\x05 \x03(\t\"\xb8\x01\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\x08\x65ndpoint\x18\x05 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12\x1e\n\x16lease_deadline_unix_ns\x18\x06 \x01(\x04\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xcd\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12\x14\n\nstop_token\x18\x05 \x01(\rH\x00\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\rB\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x37\n\x0breservation\x18\x04 \x01(\x0b\x32\".pdserve.worker.v1.ReserveResponse\"\xe0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1d\n\x15prefill_start_unix_ns\x18\x05 \x01(\x04\x12\x1b\n\x13prefill_end_unix_ns\x18\x06 \x01(\x04\x12\x1c\n\x14transfer_end_unix_ns\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb1\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x04\"\xab\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x02kv\x18\x04 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12$\n\x05model\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.ModelCard\x12\x15\n\rdeployment_id\x18\x06 \x01(\t\"(\n\x10RegisterResponse\x12\x14\n\x0cheartbeat_ms\x18\x01 \x01(\r\"T\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12-\n\x05stats\x18\x02 \x01(\x0b\x32\x1e.pdserve.worker.v1.WorkerStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xcf\x02\n\x0c\x44\x65\x63odeWorker\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12K\n\x06Stream\x12 .pdserve.worker.v1.StreamRequest\x1a\x1d.pdserve.worker.v1.TokenEvent0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\x83\x02\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\xb7\x01\n\x08Registry\x12S\n\x08Register\x12\".pdserve.worker.v1.RegisterRequest\x1a#.pdserve.worker.v1.RegisterResponse\x12V\n\tHeartbeat\x12#.pdserve.worker.v1.HeartbeatRequest\x1a$.pdserve.worker.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\x11pdserve.worker.v1\x1a\x18pdserve/v1/pdserve.proto\"\x93\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x13\n\x0brun_prefill\x18\x05 \x01(\x08\"s\n\nKVEndpoint\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x16\n\x0erank_addresses\x18\x05 \x03(\t\"\xb8\x01\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\x08\x65ndpoint\x18\x05 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12\x1e\n\x16lease_deadline_unix_ns\x18\x06 \x01(\x04\"#\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xcd\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12\x14\n\nstop_token\x18\x05 \x01(\rH\x00\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\x07 \x01(\rB\r\n\x0bstop_reasonB\x10\n\x0e_finish_reason\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x37\n\x0breservation\x18\x04 \x01(\x0b\x32\".pdserve.worker.v1.ReserveResponse\"\xa1\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1d\n\x15prefill_start_unix_ns\x18\x05 \x01(\x04\x12\x1b\n\x13prefill_end_unix_ns\x18\x06 \x01(\x04\x12\x1c\n\x14transfer_end_unix_ns\x18\x07 \x01(\x04\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x1f\n\x17prefill_arrival_unix_ns\x18\t \x01(\x04\x12\x1e\n\x16transfer_start_unix_ns\x18\n \x01(\x04\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xea\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x0b \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x04\x12\x16\n\x0eleases_expired\x18\x0e \x01(\x04\"\xab\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x02kv\x18\x04 \x01(\x0b\x32\x1d.pdserve.worker.v1.KVEndpoint\x12$\n\x05model\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.ModelCard\x12\x15\n\rdeployment_id\x18\x06 \x01(\t\"(\n\x10RegisterResponse\x12\x14\n\x0cheartbeat_ms\x18\x01 \x01(\r\"T\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12-\n\x05stats\x18\x02 \x01(\x0b\x32\x1e.pdserve.worker.v1.WorkerStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xcf\x02\n\x0c\x44\x65\x63odeWorker\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12K\n\x06Stream\x12 .pdserve.worker.v1.StreamRequest\x1a\x1d.pdserve.worker.v1.TokenEvent0\x01\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\x83\x02\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12V\n\x05\x41\x62ort\x12%.pdserve.worker.v1.WorkerAbortRequest\x1a&.pdserve.worker.v1.WorkerAbortResponse\x12H\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a\x1e.pdserve.worker.v1.WorkerStats2\xb7\x01\n\x08Registry\x12S\n\x08Register\x12\".pdserve.worker.v1.RegisterRequest\x1a#.pdserve.worker.v1.RegisterResponse\x12V\n\tHeartbeat\x12#.pdserve.worker.v1.HeartbeatRequest\x1a$.pdserve.worker.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,27 +45,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=772
   _globals['_PREFILLREQUEST']._serialized_end=937
   _globals['_PREFILLRESPONSE']._serialized_start=940
-  _globals['_PREFILLRESPONSE']._serialized_end=1164
-  _globals['_WORKERABORTREQUEST']._serialized_start=1166
-  _globals['_WORKERABORTREQUEST']._serialized_end=1206
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1208
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1244
-  _globals['_STATSREQUEST']._serialized_start=1246
-  _globals['_STATSREQUEST']._serialized_end=1260
-  _globals['_WORKERSTATS']._serialized_start=1263
-  _globals['_WORKERSTATS']._serialized_end=1440
-  _globals['_REGISTERREQUEST']._serialized_start=1443
-  _globals['_REGISTERREQUEST']._serialized_end=1614
-  _globals['_REGISTERRESPONSE']._serialized_start=1616
-  _globals['_REGISTERRESPONSE']._serialized_end=1656
-  _globals['_HEARTBEATREQUEST']._serialized_start=1658
-  _globals['_HEARTBEATREQUEST']._serialized_end=1742
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1744
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1778
-  _globals['_DECODEWORKER']._serialized_start=1781
-  _globals['_DECODEWORKER']._serialized_end=2116
-  _globals['_PREFILLWORKER']._serialized_start=2119
-  _globals['_PREFILLWORKER']._serialized_end=2378
-  _globals['_REGISTRY']._serialized_start=2381
-  _globals['_REGISTRY']._serialized_end=2564
+  _globals['_PREFILLRESPONSE']._serialized_end=1229
+  _globals['_WORKERABORTREQUEST']._serialized_start=1231
+  _globals['_WORKERABORTREQUEST']._serialized_end=1271
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1273
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1309
+  _globals['_STATSREQUEST']._serialized_start=1311
+  _globals['_STATSREQUEST']._serialized_end=1325
+  _globals['_WORKERSTATS']._serialized_start=1328
+  _globals['_WORKERSTATS']._serialized_end=1690
+  _globals['_REGISTERREQUEST']._serialized_start=1693
+  _globals['_REGISTERREQUEST']._serialized_end=1864
+  _globals['_REGISTERRESPONSE']._serialized_start=1866
+  _globals['_REGISTERRESPONSE']._serialized_end=1906
+  _globals['_HEARTBEATREQUEST']._serialized_start=1908
+  _globals['_HEARTBEATREQUEST']._serialized_end=1992
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1994
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2028
+  _globals['_DECODEWORKER']._serialized_start=2031
+  _globals['_DECODEWORKER']._serialized_end=2366
+  _globals['_PREFILLWORKER']._serialized_start=2369
+  _globals['_PREFILLWORKER']._serialized_end=2628
+  _globals['_REGISTRY']._serialized_start=2631
+  _globals['_REGISTRY']._serialized_end=2814
 # @@protoc_insertion_point(module_scope)

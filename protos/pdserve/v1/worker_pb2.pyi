@@ -88,7 +88,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "bytes_sent")
+    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "bytes_sent", "prefill_arrival_unix_ns", "transfer_start_unix_ns")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class PrefillResponse(_message.Message):
     PREFILL_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     first_token_logprob: float
@@ -105,7 +107,9 @@ class PrefillResponse(_message.Message):
     prefill_end_unix_ns: int
     transfer_end_unix_ns: int
     bytes_sent: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    prefill_arrival_unix_ns: int
+    transfer_start_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -124,7 +128,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,13 @@ class WorkerStats(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -139,7 +150,14 @@ class WorkerStats(_message.Message):
     num_waiting: int
     num_reserved: int
     queued_prompt_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    kv_transfers: int
+    kv_transfer_failures: int
+    kv_transfer_bytes: int
+    leases_expired: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "role", "address", "kv", "model", "deployment_id")

@@ -1,0 +1,411 @@
+"""The cluster's Prometheus metrics, all on the router's registry (Router.metrics_registry): one
+scrape of the router's GET /metrics gives every figure of every worker.
+
+Two sources:
+  per request   observed in the router as each request ends (Finish: usage and timings) and as its
+                tokens arrive (inter-token latency): the vllm: request histograms and counters,
+                pdserve:request_stage_seconds{stage} (router/stage_timings.py) and the KV hand-off
+                histograms pdserve:request_kv_transfer_*, pdserve:request_reservation_wait_seconds
+  per worker    read at scrape time from the WorkerStats the router's WorkerPool already keeps
+                (its health sweep every stats_interval_s, and heartbeats): never an RPC per
+                scrape, so a scrape cannot wait on a slow worker. Gauges vllm:num_requests_running,
+                vllm:num_requests_waiting, vllm:kv_cache_usage_perc; counters
+                vllm:prefix_cache_{queries,hits}_total, vllm:num_preemptions_total and
+                pdserve:kv_transfers_total, pdserve:kv_transfer_failures_total,
+                pdserve:kv_transfer_bytes_total, pdserve:leases_expired_total, labelled with the
+                worker's role (its pool: prefill, decode or colocated) and worker id. Counters
+                restart at 0 with the worker process, which Prometheus's rate() and increase() allow
+
+Names, types and bucket layouts follow vLLM's (vllm/v1/metrics/loggers.py), with model_name on
+every series; the time buckets add a few finer ones below vLLM's smallest, where a CPU cluster's
+queues and steps fall. What pdserve measures for vLLM's phases of a disaggregated request:
+  vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
+  vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router, split
+                                     evenly over the tokens an event carries
+  vllm:e2e_request_latency_seconds   arrival -> the router built the Finish
+  vllm:request_queue_time_seconds    arrival -> the prefill compute started (router queue and the
+                                     prefill worker's queue; colocated: until the Reserve)
+  vllm:request_prefill_time_seconds  prefill compute start -> first token (the hand-off included)
+  vllm:request_decode_time_seconds   first token -> last token (decode worker)
+  vllm:request_inference_time_seconds  prefill compute start -> last token
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from protos.convert import unix_ns
+from router.stage_timings import STAGES, stage_durations
+
+log = logging.getLogger(__name__)
+_NS = 1e-9
+_FINE = [0.001, 0.0025, 0.005]  # below vLLM's buckets
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = _FINE + [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = _FINE + [0.01, 0.025, 0.05, 0.1] + [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+STAGE_BUCKETS = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 480.0, 1920.0,
+]  # fmt: skip
+BYTES_BUCKETS = [float(1 << k) for k in range(10, 35, 2)]  # 1 KiB .. 16 GiB, x4
+RATIO_BUCKETS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return [float(v) for v in out]
+            out.append(m * scale)
+        scale *= 10
+
+
+def _seconds(start_ns: int, end_ns: int) -> float | None:
+    if not start_ns or not end_ns:
+        return None
+    return max(0, end_ns - start_ns) * _NS
+
+
+class RouterMetrics:
+    """The per-request figures, observed by the router's PDServe service; and the collector of
+    the workers' figures, registered on the same registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        pool,
+        model_name: str,
+        max_model_len: int,
+        colocated: bool = False,
+    ):
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def hist(name, doc, buckets, extra=()):
+            return Histogram(name, doc, labels + list(extra), buckets=buckets, registry=registry)
+
+        def one(metric):
+            return metric.labels(model_name)
+
+        self.ttft = one(
+            hist(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                TTFT_BUCKETS,
+            )
+        )
+        self.itl = one(
+            hist(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                ITL_BUCKETS,
+            )
+        )
+        self.e2e = one(
+            hist(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+        )
+        self.queue = one(
+            hist(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent waiting (router and prefill queues) for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+        )
+        self.prefill = one(
+            hist(
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase (compute start to first token, KV "
+                "hand-off included) for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+        )
+        self.decode = one(
+            hist(
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+        )
+        self.inference = one(
+            hist(
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase (prefill and decode) for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.prompt_hist = one(
+            hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        )
+        self.generation_hist = one(
+            hist(
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+                token_buckets,
+            )
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=registry
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of processed requests, by finish reason.",
+            labels + ["finished_reason"],
+            registry=registry,
+        )
+        self.stage = hist(
+            "pdserve:request_stage_seconds",
+            "Where each request's time went, by stage (router/stage_timings.py).",
+            STAGE_BUCKETS,
+            ["stage"],
+        )
+        self.stages = {s: self.stage.labels(model_name, s) for s in STAGES}
+        self.transfer_s = one(
+            hist(
+                "pdserve:request_kv_transfer_seconds",
+                "KV hand-off per request: the first layer handed to the transport -> the last "
+                "KV frame and the commit landed on the decode worker.",
+                STAGE_BUCKETS,
+            )
+        )
+        self.transfer_bytes = one(
+            hist(
+                "pdserve:request_kv_transfer_bytes",
+                "KV bytes the prefill worker pushed into the decode worker's reservation, per "
+                "request (prefix-cache hits on the decode worker are not sent).",
+                BYTES_BUCKETS,
+            )
+        )
+        self.exposed_s = one(
+            hist(
+                "pdserve:request_kv_transfer_exposed_seconds",
+                "KV transfer not hidden behind the prefill compute: prefill end -> the last KV "
+                "frame landed.",
+                STAGE_BUCKETS,
+            )
+        )
+        self.exposed_ratio = one(
+            hist(
+                "pdserve:request_kv_transfer_exposed_ratio",
+                "The exposed share of each request's KV transfer time (0: all hidden behind the "
+                "compute, 1: all after it).",
+                RATIO_BUCKETS,
+            )
+        )
+        self.reservation_wait = one(
+            hist(
+                "pdserve:request_reservation_wait_seconds",
+                "Reserve on a decode worker until it succeeded, waits in the router's decode "
+                "queue (every decode worker's KV full) included.",
+                STAGE_BUCKETS,
+            )
+        )
+        self.workers = WorkerCollector(pool, model_name, colocated)
+        registry.register(self.workers)
+        self._registry = registry
+
+    def track_router(self, inflight, decode_queue_waiting) -> None:
+        """Router gauges read at scrape time: callables giving the Generate calls in flight and
+        the requests waiting in the router's decode queue."""
+        g = Gauge(
+            "pdserve:router_requests_inflight",
+            "Generate calls the router is serving.",
+            ["model_name"],
+            registry=self._registry,
+        )
+        g.labels(self.model_name).set_function(inflight)
+        g = Gauge(
+            "pdserve:router_decode_queue_waiting",
+            "Requests waiting in the router for decode KV blocks (every decode worker full).",
+            ["model_name"],
+            registry=self._registry,
+        )
+        g.labels(self.model_name).set_function(decode_queue_waiting)
+
+    # ---- per request ----------------------------------------------------------------------------
+    def on_tokens(self, req, index: int, num_tokens: int) -> None:
+        """A token event of sequence `index` reached the router: its gap from the sequence's
+        previous event, split evenly over the event's tokens (the first event's extra tokens get
+        gaps of 0, as deploy/tuning/metrics.attribute_itl counts them)."""
+        now = unix_ns()
+        last = req.token_clock.get(index)
+        req.token_clock[index] = now
+        if last is None:
+            gaps = [0.0] * (num_tokens - 1)
+        else:
+            gaps = [max(0, now - last) * _NS / num_tokens] * num_tokens
+        for gap in gaps:
+            self.itl.observe(gap)
+
+    def observe_finish(self, finish, req, first_leg, end_ns: int) -> None:
+        """One request ended with `finish` (the router's, timings and usage filled in)."""
+        try:
+            self._observe_finish(finish, req, first_leg, end_ns)
+        except Exception:  # a metrics bug must never fail a request
+            log.exception("metrics of request %s not recorded", req.request_id)
+
+    def _observe_finish(self, finish, req, first_leg, end_ns: int) -> None:
+        t, usage = finish.timings, finish.usage
+        self.success.labels(self.model_name, finish.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.prompt_hist.observe(usage.prompt_tokens)
+        self.generation_hist.observe(usage.completion_tokens)
+        stages = stage_durations(t)
+        for name in STAGES:
+            value = stages[f"{name}_s"]
+            if value is not None:
+                self.stages[name].observe(value)
+        self.e2e.observe(_seconds(t.queued_unix_ns, end_ns) or 0.0)
+        ttft = _seconds(t.queued_unix_ns, req.first_token_ns)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        started = t.prefill_start_unix_ns
+        queue = _seconds(t.queued_unix_ns, started or t.reserved_unix_ns)
+        for hist, value in (
+            (self.queue, queue),
+            (self.prefill, _seconds(started, t.first_token_unix_ns)),
+            (self.decode, stages["decode_s"]),
+            (self.inference, _seconds(started, t.last_token_unix_ns)),
+            (self.reservation_wait, _seconds(first_leg.reserve_start_ns, first_leg.reserved_ns)),
+        ):
+            if value is not None:
+                hist.observe(value)
+        if not t.prefill_end_unix_ns:  # colocated, or the prefill's reply never came
+            return
+        self.transfer_bytes.observe(usage.kv_transfer_bytes)
+        exposed = stages["kv_transfer_exposed_s"]
+        if exposed is not None:
+            self.exposed_s.observe(exposed)
+        total = _seconds(t.transfer_start_unix_ns, t.transfer_end_unix_ns)
+        if total is not None:
+            self.transfer_s.observe(total)
+            if exposed is not None and total > 0:
+                self.exposed_ratio.observe(min(1.0, exposed / total))
+
+
+# (name, documentation, WorkerStats field) of the per-worker counters, each exposed as NAME_total
+WORKER_COUNTERS = (
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in prompt tokens looked up.",
+        "prefix_cache_queries",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in prompt tokens found.",
+        "prefix_cache_hits",
+    ),
+    (
+        "vllm:num_preemptions",
+        "Cumulative number of preemptions from the engine.",
+        "num_preemptions",
+    ),
+    (
+        "pdserve:kv_transfers",
+        "KV hand-offs completed (prefill: pushed and flushed; decode: committed).",
+        "kv_transfers",
+    ),
+    (
+        "pdserve:kv_transfer_failures",
+        "KV hand-offs that failed (prefill: channel or flush; decode: a bad frame or a refused "
+        "commit).",
+        "kv_transfer_failures",
+    ),
+    (
+        "pdserve:kv_transfer_bytes",
+        "KV bytes pushed (prefill workers) or received (decode workers).",
+        "kv_transfer_bytes",
+    ),
+    (
+        "pdserve:leases_expired",
+        "Reservations freed because their lease ran out before the commit (decode workers).",
+        "leases_expired",
+    ),
+)
+
+
+class WorkerCollector(Collector):
+    """Every worker's last WorkerStats as gauges and counters, read at scrape time from the pool
+    (WorkerPool.snapshot: no RPC). A worker that has not answered a Stats call yet shows only in
+    pdserve:worker_up; one marked down keeps its last figures and worker_up 0."""
+
+    LABELS = ["model_name", "role", "worker"]
+
+    def __init__(self, pool, model_name: str, colocated: bool = False):
+        self.pool = pool
+        self.model_name = model_name
+        self.colocated = colocated
+
+    def describe(self):
+        return list(self._families().values())
+
+    def _families(self) -> dict:
+        gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=self.LABELS)  # noqa: E731
+        fams = {
+            "running": gauge(
+                "vllm:num_requests_running", "Number of requests in model execution batches."
+            ),
+            "waiting": gauge(
+                "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+            ),
+            "kv": gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            "reserved": gauge(
+                "pdserve:num_requests_reserved",
+                "Decode reservations waiting for their KV and commit.",
+            ),
+            "queued": gauge(
+                "pdserve:queued_prompt_tokens", "Prompt tokens waiting to be computed."
+            ),
+            "up": gauge(
+                "pdserve:worker_up",
+                "1 when the worker's last Stats call answered, 0 when it is marked down.",
+            ),
+        }
+        for name, doc, field in WORKER_COUNTERS:
+            fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
+        return fams
+
+    def collect(self):
+        fams = self._families()
+        for role, name, stats, down in self.pool.snapshot():
+            if self.colocated and role == "decode":
+                role = "colocated"
+            labels = [self.model_name, role, name]
+            fams["up"].add_metric(labels, 0.0 if down else 1.0)
+            if stats is None:
+                continue
+            fams["running"].add_metric(labels, stats.num_running)
+            fams["waiting"].add_metric(labels, stats.num_waiting)
+            total = stats.num_total_blocks
+            fams["kv"].add_metric(labels, (total - stats.num_free_blocks) / total if total else 0.0)
+            fams["reserved"].add_metric(labels, stats.num_reserved)
+            fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
+            for _, _, field in WORKER_COUNTERS:
+                fams[field].add_metric(labels, getattr(stats, field))
+        return list(fams.values())

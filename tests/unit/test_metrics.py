@@ -1,0 +1,324 @@
+"""The router's Prometheus metrics (router/metrics.py) and stage timings (router/stage_timings.py)
+through a real router with an in-process prefill and decode worker on a tiny model: every name
+with its type and labels, counts and sums that match what the requests did, worker counters from
+WorkerStats, and stages that are non-negative and add up to the end-to-end time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import random_prompts, wait_until
+from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from router.metrics import build_1_2_5_buckets
+from router.stage_timings import STAGES, stage_durations
+from test_router import RPC_TIMEOUT, Cluster, pool_idle
+
+MODEL = "model_name"
+ROUTER_METRICS = {  # name -> (type, labels besides model_name)
+    "vllm:time_to_first_token_seconds": ("histogram", set()),
+    "vllm:inter_token_latency_seconds": ("histogram", set()),
+    "vllm:e2e_request_latency_seconds": ("histogram", set()),
+    "vllm:request_queue_time_seconds": ("histogram", set()),
+    "vllm:request_prefill_time_seconds": ("histogram", set()),
+    "vllm:request_decode_time_seconds": ("histogram", set()),
+    "vllm:request_inference_time_seconds": ("histogram", set()),
+    "vllm:request_prompt_tokens": ("histogram", set()),
+    "vllm:request_generation_tokens": ("histogram", set()),
+    "vllm:prompt_tokens": ("counter", set()),
+    "vllm:generation_tokens": ("counter", set()),
+    "vllm:request_success": ("counter", {"finished_reason"}),
+    "pdserve:request_stage_seconds": ("histogram", {"stage"}),
+    "pdserve:request_kv_transfer_seconds": ("histogram", set()),
+    "pdserve:request_kv_transfer_bytes": ("histogram", set()),
+    "pdserve:request_kv_transfer_exposed_seconds": ("histogram", set()),
+    "pdserve:request_kv_transfer_exposed_ratio": ("histogram", set()),
+    "pdserve:request_reservation_wait_seconds": ("histogram", set()),
+    "pdserve:router_requests_inflight": ("gauge", set()),
+    "pdserve:router_decode_queue_waiting": ("gauge", set()),
+}
+WORKER_METRICS = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "pdserve:kv_transfers": "counter",
+    "pdserve:kv_transfer_failures": "counter",
+    "pdserve:kv_transfer_bytes": "counter",
+    "pdserve:leases_expired": "counter",
+    "pdserve:num_requests_reserved": "gauge",
+    "pdserve:worker_up": "gauge",
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, one_thread):
+    c = Cluster(tiny_models("llama-gqa")[0])
+    c.p = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(c.prefill.address))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def idle(cluster):
+    yield cluster
+    wait_until(lambda: pool_idle(cluster), 5, f"decode pool not back to idle: {cluster.stats()}")
+
+
+def scrape(cluster) -> dict:
+    """{family name: family} of one render of the router's registry."""
+    text = generate_latest(cluster.router.metrics_registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(cluster, name: str, **labels) -> float:
+    got = cluster.router.metrics_registry.get_sample_value(name, {MODEL: _model(cluster), **labels})
+    return got or 0.0
+
+
+def _model(cluster) -> str:
+    return cluster.router.servicer.options.model_id
+
+
+def worker_stats(cluster) -> dict[str, worker_pb2.WorkerStats]:
+    req = worker_pb2.StatsRequest()
+    return {
+        "prefill": cluster.p.Stats(req, timeout=RPC_TIMEOUT),
+        "decode": cluster.d.Stats(req, timeout=RPC_TIMEOUT),
+    }
+
+
+def run(cluster, prompts, max_tokens: int) -> list[pdserve_pb2.Finish]:
+    """The prompts sent at once (one thread each); their Finish messages in prompt order."""
+    finishes: list = [None] * len(prompts)
+
+    def one(i):
+        _, _, finishes[i] = cluster.generate(
+            pdserve_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            token_ids=prompts[i],
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(finishes), "a request did not finish"
+    return finishes
+
+
+def test_every_metric_has_its_name_type_and_labels(idle):
+    run(idle, random_prompts([12], seed=1), 3)
+    wait_until(
+        lambda: all(s is not None for _, _, s, _ in idle.router.pool.snapshot()),
+        5,
+        "both workers' Stats",
+    )
+    families = scrape(idle)
+    for name, (kind, extra) in ROUTER_METRICS.items():
+        assert name in families, f"{name} missing"
+        fam = families[name]
+        assert fam.type == kind, (name, fam.type)
+        for sample in fam.samples:
+            assert set(sample.labels) - {"le"} == {MODEL} | extra, (name, sample.labels)
+            assert sample.labels[MODEL] == _model(idle)
+    assert {s.labels["stage"] for s in families["pdserve:request_stage_seconds"].samples} == set(
+        STAGES
+    )
+    for name, kind in WORKER_METRICS.items():
+        fam = families[name]
+        assert fam.type == kind, (name, fam.type)
+        seen = {(s.labels["role"], s.labels["worker"]) for s in fam.samples}
+        assert seen == {("prefill", "p0"), ("decode", "d0")}, (name, seen)
+        assert all(set(s.labels) == {MODEL, "role", "worker"} for s in fam.samples)
+    usage = [s.value for s in families["vllm:kv_cache_usage_perc"].samples]
+    assert all(0.0 <= u <= 1.0 for u in usage)
+    assert [s.value for s in families["pdserve:worker_up"].samples] == [1.0, 1.0]
+    # the counters are exposed as NAME_total, as vLLM's are
+    text = generate_latest(idle.router.metrics_registry).decode()
+    for name in ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total"):
+        assert f"\n{name}{{" in text
+
+
+def test_counts_and_sums_match_the_requests(idle):
+    lengths, max_tokens = [9, 23, 40, 17], 5
+    prompts = random_prompts(lengths, seed=2)
+    names = [
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_prompt_tokens_sum",
+        "pdserve:request_kv_transfer_bytes_sum",
+        "pdserve:request_kv_transfer_bytes_count",
+        "pdserve:request_reservation_wait_seconds_count",
+    ]
+    before = {n: value(idle, n) for n in names}
+    length_before = value(idle, "vllm:request_success_total", finished_reason="length")
+    stages_before = {s: value(idle, "pdserve:request_stage_seconds_count", stage=s) for s in STAGES}
+    stats_before = worker_stats(idle)
+    finishes = run(idle, prompts, max_tokens)
+    delta = {n: value(idle, n) - before[n] for n in names}
+    n = len(prompts)
+    assert delta["vllm:prompt_tokens_total"] == sum(lengths)
+    assert delta["vllm:request_prompt_tokens_sum"] == sum(lengths)
+    assert delta["vllm:generation_tokens_total"] == n * max_tokens
+    for name in names[2:5] + names[7:]:
+        if name != "vllm:inter_token_latency_seconds_count":
+            assert delta[name] == n, name
+    assert delta["vllm:inter_token_latency_seconds_count"] == n * (max_tokens - 1)
+    assert value(idle, "vllm:request_success_total", finished_reason="length") - length_before == n
+    for s in STAGES:
+        assert value(idle, "pdserve:request_stage_seconds_count", stage=s) - stages_before[s] == n
+
+    # KV bytes: the router's histogram, the prefill worker's pushes and the decode worker's
+    # frames all count the same bytes: those of the prompt tokens the decode side did not hold
+    layout = idle.prefill.layout
+    per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 4  # float32
+    assert layout.dtype == "float32"
+    expected = sum(
+        (len(p) - f.usage.cached_prompt_tokens) * per_token for p, f in zip(prompts, finishes)
+    )
+    assert [f.usage.kv_transfer_bytes for f in finishes] == [
+        (len(p) - f.usage.cached_prompt_tokens) * per_token for p, f in zip(prompts, finishes)
+    ]
+    assert delta["pdserve:request_kv_transfer_bytes_sum"] == expected > 0
+    stats = worker_stats(idle)
+    for role in ("prefill", "decode"):
+        got, was = stats[role], stats_before[role]
+        assert got.kv_transfer_bytes - was.kv_transfer_bytes == expected, role
+        assert got.kv_transfers - was.kv_transfers == n, role
+        assert got.kv_transfer_failures == was.kv_transfer_failures, role
+        assert got.prefix_cache_queries - was.prefix_cache_queries == sum(lengths), role
+    decode_hits = stats["decode"].prefix_cache_hits - stats_before["decode"].prefix_cache_hits
+    assert decode_hits == sum(f.usage.cached_prompt_tokens for f in finishes)
+
+    # what the router exports per worker is that worker's WorkerStats, one health sweep later
+    def exported(role, worker, name):
+        return idle.router.metrics_registry.get_sample_value(
+            name, {MODEL: _model(idle), "role": role, "worker": worker}
+        )
+
+    wait_until(
+        lambda: (
+            exported("prefill", "p0", "pdserve:kv_transfer_bytes_total")
+            == stats["prefill"].kv_transfer_bytes
+            and exported("decode", "d0", "vllm:prefix_cache_queries_total")
+            == stats["decode"].prefix_cache_queries
+        ),
+        5,
+        "the router's copy of the workers' counters",
+    )
+
+
+def test_stage_durations_are_non_negative_and_add_up(idle):
+    finishes = run(idle, random_prompts([30, 7, 44], seed=3), 4)
+    for finish in finishes:
+        t = finish.timings
+        stamps = [
+            t.queued_unix_ns,
+            t.reserved_unix_ns,
+            t.prefill_dispatch_unix_ns,
+            t.prefill_arrival_unix_ns,
+            t.prefill_start_unix_ns,
+            t.prefill_end_unix_ns,
+            t.transfer_end_unix_ns,
+            t.commit_unix_ns,
+            t.first_token_unix_ns,
+            t.last_token_unix_ns,
+        ]
+        assert all(stamps), t
+        assert stamps == sorted(stamps), t  # one machine, one clock: stage by stage in order
+        assert t.prefill_start_unix_ns <= t.transfer_start_unix_ns <= t.transfer_end_unix_ns
+        d = stage_durations(t)
+        parts = [d[f"{s}_s"] for s in STAGES]
+        assert all(p is not None and p >= 0 for p in parts), d
+        assert math.isclose(sum(parts), d["e2e_s"], rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(sum(parts[:5]), d["ttft_s"], rel_tol=1e-9, abs_tol=1e-9)
+        assert t.prefill_worker == "p0" and t.decode_worker == "d0"
+
+
+def test_stage_durations_of_a_colocated_request_and_of_stages_not_reached():
+    t = pdserve_pb2.Timings(
+        queued_unix_ns=1_000, reserved_unix_ns=3_000, first_token_unix_ns=9_000,
+        last_token_unix_ns=12_000,
+    )  # fmt: skip
+    d = stage_durations(t)
+    assert d["router_queue_s"] == pytest.approx(2e-6)
+    assert d["decode_s"] == pytest.approx(3e-6)
+    assert d["ttft_s"] == pytest.approx(8e-6) and d["e2e_s"] == pytest.approx(11e-6)
+    assert [d[f"{s}_s"] for s in STAGES[1:5]] == [None] * 4
+    d = stage_durations(pdserve_pb2.Timings(queued_unix_ns=5))
+    assert all(v is None for v in d.values())
+
+
+def test_prefix_cache_hits_on_a_repeated_prompt(idle):
+    prompt = random_prompts([40], seed=4)[0]
+    run(idle, [prompt], 2)
+    before = worker_stats(idle)["prefill"]
+    run(idle, [prompt], 2)
+    after = worker_stats(idle)["prefill"]
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 40
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    assert 0 < hits < 40  # the last prompt token is always computed
+
+
+def test_expired_leases_and_failed_transfers_are_counted_and_exported(idle):
+    before = worker_stats(idle)
+    prompt = random_prompts([8], seed=5)[0]
+    idle.d.Reserve(
+        worker_pb2.ReserveRequest(request_id="lapses", prompt_token_ids=prompt, lease_ms=50),
+        timeout=RPC_TIMEOUT,
+    )
+    wait_until(
+        lambda: worker_stats(idle)["decode"].leases_expired == before["decode"].leases_expired + 1,
+        5,
+        "the lease to run out",
+    )
+    # a Prefill into a reservation whose KV endpoint does not answer
+    res = idle.d.Reserve(
+        worker_pb2.ReserveRequest(request_id="nowhere", prompt_token_ids=prompt, lease_ms=5000),
+        timeout=RPC_TIMEOUT,
+    )
+    res.endpoint.address = "127.0.0.1:1"
+    with pytest.raises(grpc.RpcError) as err:
+        idle.p.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="nowhere", prompt_token_ids=prompt, reservation=res
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    idle.d.Abort(worker_pb2.WorkerAbortRequest(request_id="nowhere"), timeout=RPC_TIMEOUT)
+    after = worker_stats(idle)
+    assert after["prefill"].kv_transfer_failures == before["prefill"].kv_transfer_failures + 1
+
+    def exported(role, worker, name):
+        return idle.router.metrics_registry.get_sample_value(
+            name, {MODEL: _model(idle), "role": role, "worker": worker}
+        )
+
+    wait_until(
+        lambda: (
+            exported("decode", "d0", "pdserve:leases_expired_total")
+            == after["decode"].leases_expired
+            and exported("prefill", "p0", "pdserve:kv_transfer_failures_total")
+            == after["prefill"].kv_transfer_failures
+        ),
+        5,
+        "the router's copy of the counters",
+    )
+
+
+def test_one_two_five_buckets():
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(256)[-1] == 200
