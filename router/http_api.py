@@ -155,13 +155,15 @@ def _field_names(*annotations) -> set[str]:
     return names
 
 
-def _param(loc: tuple, known: set[str]) -> str | None:
+def _param(loc: tuple, known: set[str], extra: bool = False) -> str | None:
+    """The field a pydantic error location names, as `messages[0].role`; union members and
+    validator names in the location are left out. `extra`: the last part is an unknown field."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in known:
-            out += f".{part}" if out else part
+        elif part in known or (extra and i == len(loc) - 1):
+            out += f".{str(part)[:64]}" if out else str(part)[:64]
     return out or None
 
 
@@ -174,10 +176,10 @@ def validation_error(e: ValidationError, known: set[str]) -> ApiError:
         return ApiError(400, f"the body is not valid JSON: {first['msg']}", code="invalid_json")
     if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
         return ApiError(400, "the body must be a JSON object", code="invalid_body")
-    param = _param(first["loc"], known)
+    param = _param(first["loc"], known, first["type"] == "extra_forbidden")
     msgs = []
     for err in errors:
-        if _param(err["loc"], known) != param:
+        if _param(err["loc"], known, err["type"] == "extra_forbidden") != param:
             continue
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
