@@ -4,6 +4,7 @@
 """`pdserve` command line.
 
     pdserve up [CONFIG] [--address ADDR]      launch the deployment on Ray, serve until Ctrl-C
+                  [--http-port PORT|off]      (gRPC and OpenAI-compatible HTTP, default :8000)
     pdserve up CONFIG --check                 validate the config as `up` would; start nothing
     pdserve generate TEXT [--router H:P]      complete a prompt through the router
     pdserve chat MESSAGE [--router H:P]       one chat turn through the router
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -86,7 +88,10 @@ def _client_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache"
     )
     _mode_args(p, "--local only: ")
-    tls = p.add_argument_group("TLS, for a router with router.tls (the client API needs no secret)")
+    tls = p.add_argument_group(
+        "TLS, for a router with router.tls (the client API needs no secret; with API keys "
+        "configured, put one in the environment: PDSERVE_API_KEY)"
+    )
     tls.add_argument("--tls-ca", metavar="PEM", help="trust the router's certificate from this CA")
     tls.add_argument(
         "--tls-cert", metavar="PEM", help="client certificate (router.tls.ca_file set)"
@@ -205,7 +210,9 @@ def _run_remote(args) -> int:
     try:
         with channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
-            for resp in stub.Generate(_request(args), wait_for_ready=False):
+            key = os.environ.get("PDSERVE_API_KEY", "")
+            metadata = (("authorization", f"Bearer {key}"),) if key else ()
+            for resp in stub.Generate(_request(args), metadata=metadata, wait_for_ready=False):
                 if resp.HasField("delta"):
                     if t_first is None:
                         t_first = time.perf_counter()
@@ -262,11 +269,29 @@ def _check_up(args, config: DeployConfig) -> int:
     return 0
 
 
+def _with_http_port(config: DeployConfig, value: str) -> DeployConfig:
+    """--http-port over the YAML's router.http_port ('off': no HTTP front), checked as that key
+    is (a port, not router.port)."""
+    from deploy.config import validate_config
+
+    try:
+        port = None if value == "off" else int(value)
+    except ValueError:
+        raise ConfigError(f"--http-port: {value!r} is not a port number or 'off'") from None
+    router = {"host": config.router.host, "port": config.router.port, "http_port": port}
+    validate_config({"router": router}, "--http-port")
+    return config.model_copy(
+        update={"router": config.router.model_copy(update={"http_port": port})}
+    )
+
+
 def _run_up(args) -> int:
     """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
     change; no traceback), 130 interrupted while starting."""
     try:
         config = load_config(args.config).model_copy(update=_mode_overrides(args))
+        if args.http_port is not None:
+            config = _with_http_port(config, args.http_port)
     except ConfigError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
@@ -288,7 +313,9 @@ def _run_up(args) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    print(f"router on {cluster.router_address}", flush=True)
+    print(f"router on {cluster.router_address}", flush=True)  # gRPC: pdserve.v1.PDServe
+    if cluster.http_url:
+        print(f"OpenAI-compatible HTTP on {cluster.http_url}/v1", flush=True)
     print("ready", flush=True)
     cluster.wait()  # until Ctrl-C / SIGTERM, replacing dead workers meanwhile; then stops
     return 0
@@ -319,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="load and validate the config as `up` would before starting Ray (the pools against "
         "the model and a local Ray's CPUs), print the result and exit: 0 ok, 2 refused",
+    )
+    upp.add_argument(
+        "--http-port",
+        default=None,
+        metavar="PORT",
+        help="the OpenAI-compatible HTTP front's port (0: a free one; 'off': none); overrides "
+        "router.http_port (default 8000)",
     )
     _mode_args(upp, "overrides the YAML's ")
     gen = sub.add_parser("generate", help="complete a prompt")

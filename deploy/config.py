@@ -8,12 +8,18 @@ key in every error it raises.
       # or, instead of both: colocated: {replicas: 2, ...}
     router: {host: 127.0.0.1, port: 50051}   # + tls: {cert_file, key_file, ca_file} for clients
                                              # (needs security.tls: workers register there too)
+      # http_port: 8000 (OpenAI-compatible HTTP; null: off), api_keys / api_keys_file
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
     security:                     # between the deployment's own processes
       cluster_secret_file: null   # or cluster_secret: <str> (not both); PEM/secret files are read
       tls: null                   # at load, relative to the YAML's folder: {ca_file, cert_file,
                                   # key_file, server_name}
+
+Client API keys (router.api_keys, router.api_keys_file, PDSERVE_API_KEYS), first found wins as for
+the secret: the file (one key a line; blank lines and lines starting with # are skipped), the YAML
+list, the environment (comma-separated). None: the client API is open. Keys are never shown in an
+error, a dump or a log line.
 
 The cluster secret, first found wins: security.cluster_secret_file, security.cluster_secret, the
 environment's PDSERVE_CLUSTER_SECRET, else `pdserve up` makes a fresh one. The file wins over the
@@ -45,11 +51,13 @@ from pydantic import (
     model_validator,
 )
 
-from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig
+from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
 QUANTIZATIONS = (None, "int8", "int4", "auto")
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+API_KEYS_ENV = "PDSERVE_API_KEYS"
+MAX_API_KEYS = 1024
 
 
 class ConfigError(ValueError):
@@ -116,6 +124,24 @@ CertFile = Annotated[
 ]
 KeyFile = Annotated[LoadedFile, _read_file("a PEM private key", b"PRIVATE KEY-----"), _AS_PATH]
 SecretFile = Annotated[LoadedFile, _read_file("a file holding the cluster secret"), _AS_PATH]
+KeysFile = Annotated[LoadedFile, _read_file("a file holding API keys"), _AS_PATH]
+
+
+def parse_api_keys(text: str, where: str) -> tuple[str, ...]:
+    """Keys from a keys file (one a line; blank lines and # comments skipped) or the environment
+    (comma-separated); ValueError naming `where` and the key's position, never the key."""
+    if "," in text and "\n" not in text.strip():
+        items = text.split(",")
+    else:
+        items = [line for line in text.splitlines() if not line.strip().startswith("#")]
+    keys = tuple(k.strip() for k in items if k.strip())
+    if not keys:
+        raise ValueError(f"{where} holds no API key")
+    if len(keys) > MAX_API_KEYS:
+        raise ValueError(f"{where} holds {len(keys)} API keys; at most {MAX_API_KEYS}")
+    for i, key in enumerate(keys):
+        check_api_key(key, f"API key #{i + 1} of {where}")
+    return keys
 
 
 def _check_secret(value: str, where: str) -> str:
@@ -261,10 +287,56 @@ class RouterSettings(_Frozen):
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
+    # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
+    # null: no HTTP front
+    http_port: Annotated[int, Field(ge=0, le=65535)] | None = 8000
+    # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
+    api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
+    api_keys_file: KeysFile | None = None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v):
+        for i, key in enumerate(v or ()):
+            check_api_key(key.get_secret_value(), f"API key #{i + 1}")
+        return v
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, v):
+        if v is not None:
+            try:
+                parse_api_keys(v.data.decode("utf-8"), v.path)
+            except UnicodeDecodeError:
+                raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
+        return v
+
+    @model_validator(mode="after")
+    def _ports(self):
+        if self.api_keys is not None and self.api_keys_file is not None:
+            raise ValueError("set api_keys or api_keys_file, not both")
+        if self.http_port is not None and self.http_port and self.http_port == self.port:
+            raise ValueError(
+                f"http_port and port are both {self.port}: the HTTP and gRPC fronts need a port "
+                f"each"
+            )
+        return self
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def client_keys(self, environ=os.environ) -> tuple[tuple[str, ...], str]:
+        """(the client API keys, which setting gave them); ((), "") when none did."""
+        if self.api_keys_file is not None:
+            f = self.api_keys_file
+            return parse_api_keys(f.data.decode(), f.path), f"router.api_keys_file ({f.path})"
+        if self.api_keys is not None:
+            return tuple(k.get_secret_value() for k in self.api_keys), "router.api_keys"
+        value = environ.get(API_KEYS_ENV, "").strip()
+        if value:
+            return parse_api_keys(value, API_KEYS_ENV), API_KEYS_ENV
+        return (), ""
 
 
 class KVTransferSettings(_Frozen):
@@ -421,7 +493,7 @@ def _message(err: dict) -> str:
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
     given = err.get("input")
-    if "cluster_secret" in err["loc"]:  # never echo a secret back, not even a wrong one
+    if {"cluster_secret", "api_keys"} & set(err["loc"]):  # never echo a secret, not a wrong one
         return msg
     if err["type"] not in ("missing",) and not isinstance(given, (dict, list)):
         msg += f" (got {given!r})"

@@ -158,6 +158,7 @@ class Cluster:
     replicas: list[Replica] = field(default_factory=list)
     router: object = None
     router_address: str | None = None
+    http_url: str | None = None  # the OpenAI-compatible HTTP front, e.g. http://127.0.0.1:8000
     registry_address: str | None = None  # the router as workers reach it
     security: ClusterSecurity = INSECURE  # its repr never shows the secret
     deployment_id: str = ""
@@ -334,7 +335,35 @@ def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
         log.info("%s serving on %s; %s", r.name, r.address, mode)
 
 
-def _start_router(cluster: Cluster) -> None:
+def _check_http_port_free(config: DeployConfig) -> None:
+    """router.http_port as check_port_free checks router.port (uvicorn would fail later, once Ray
+    and the router had started)."""
+    port = config.router.http_port
+    if not port:
+        return
+    try:
+        check_port_free(config.router.host, port)
+    except DeployError as e:
+        raise DeployError(str(e).replace("router.port", "router.http_port")) from None
+
+
+def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
+    """The client API keys (router.api_keys_file, router.api_keys, PDSERVE_API_KEYS: first found
+    wins); logs where they came from and how many, never the keys."""
+    from deploy.config import ConfigError
+
+    try:
+        keys, source = config.router.client_keys(environ)
+    except ValueError as e:  # the environment's keys are only checked here
+        raise ConfigError(str(e)) from None
+    if keys:
+        log.info("client API keys: %d from %s", len(keys), source)
+    else:
+        log.info("client API keys: none (the client API is open to anyone who can reach it)")
+    return keys
+
+
+def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
     from router.server import (  # imported late: the router is optional to the rest
         Router,
@@ -355,9 +384,13 @@ def _start_router(cluster: Cluster) -> None:
         security=cluster.security,
         deployment_id=cluster.deployment_id,
         client_tls=config.router.tls.tls_config() if config.router.tls else None,
+        http_port=config.router.http_port,
+        api_keys=api_keys,
     )
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address
+    if cluster.router.http is not None:
+        cluster.http_url = f"{cluster.router.http.scheme}://{cluster.router.http_address}"
     host, _, port = cluster.router_address.rpartition(":")
     if host in ("0.0.0.0", "", "[::]"):  # listening everywhere: workers reach it at this node's IP
         host = ray.util.get_node_ip_address()
@@ -391,9 +424,11 @@ def up(
 ) -> Cluster:
     """Starts the deployment described by `config` and returns it; with block=True, serves until
     Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address;
-    `environ` is where PDSERVE_CLUSTER_SECRET is looked up."""
+    `environ` is where PDSERVE_CLUSTER_SECRET and PDSERVE_API_KEYS are looked up."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
+    _check_http_port_free(config)
+    api_keys = client_keys(config, environ)
     check_model_fit(config, on_this_machine)
     if (
         on_this_machine and not ray.is_initialized()
@@ -419,7 +454,7 @@ def up(
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         check_resources(config, ray.cluster_resources(), nodes, local)
-        _start_router(cluster)
+        _start_router(cluster, api_keys)
         pools = config.worker_pools()
         cores = core_plan(pools, local)
         for key, pool in pools:  # all actors first, so their processes spawn and import in parallel
@@ -432,10 +467,11 @@ def up(
         raise
     cluster.supervisor = Supervisor(cluster.replicas, restart).start()
     log.info(
-        "deployment %s up in %.1fs; router on %s",
+        "deployment %s up in %.1fs; router on %s%s",
         cluster.deployment_id,
         time.perf_counter() - t0,
         cluster.router_address,
+        f", OpenAI-compatible HTTP on {cluster.http_url}" if cluster.http_url else "",
     )
     if block:
         cluster.wait()

@@ -141,7 +141,10 @@ def test_replicas_zero_message_exactly(tmp_path):
 def test_unknown_key_lists_the_allowed_ones(tmp_path):
     msg = error_of(write(tmp_path, "router:\n  max_in_flight: 8\n"))
     assert "router.max_in_flight: unknown key" in msg
-    assert "allowed here: decode_queue_timeout_s, host, max_inflight, port" in msg
+    assert (
+        "allowed here: api_keys, api_keys_file, decode_queue_timeout_s, host, http_port, "
+        "max_inflight, port, tls" in msg
+    )
 
 
 def test_every_bad_key_is_reported(tmp_path):
