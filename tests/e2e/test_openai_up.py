@@ -1,0 +1,223 @@
+"""The official `openai` client against `up()` (the `pdserve up` code path) on a local Ray with the
+real SmolLM2: chat and completions, streaming and not, stop, seed, usage, greedy text equal to
+`engine.LLM`'s in one process; API keys on both fronts; a client that disconnects mid-stream has
+its KV freed on both pools within 1 s. One deployment for the module (the Ray session and the
+pool helpers are test_cluster_backends.py's)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import grpc
+import pytest
+
+from test_cluster_backends import _all_free, _pool, ray_session  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+KEY = "sk-e2e-openai-0123456789"
+MAX_TOKENS = 12
+KV_BYTES = 128 << 20
+MESSAGES = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The engine's greedy texts in this process (float32: the cluster's workers use it too)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM("smollm2", dtype="float32", kv_cache_memory=KV_BYTES, max_model_len=1024)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    chat = llm.chat(MESSAGES, greedy, use_tqdm=False)[0]
+    completion = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+    llm.shutdown()
+    return {
+        "chat": (chat.outputs[0].text, len(chat.prompt_token_ids)),
+        "completion": (completion.outputs[0].text, len(completion.prompt_token_ids)),
+    }
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_session, reference):  # noqa: F811 - the imported fixture
+    from deploy.config import validate_config
+    from deploy.launcher import up
+
+    config = validate_config(
+        {
+            "model": "smollm2",
+            "dtype": "float32",
+            "pools": {"prefill": _pool(1), "decode": _pool(1)},
+            "router": {"port": 0, "http_port": 0},
+        }
+    )
+    cluster = up(config, block=False, environ={"PDSERVE_API_KEYS": KEY})
+    try:
+        assert cluster.http_url and cluster.http_url.startswith("http://")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def client(cluster, key=KEY):
+    return openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def model_id(cluster) -> str:
+    return client(cluster).models.list().data[0].id
+
+
+def test_chat_and_completions_greedy_equal_the_engine(deployment, reference):
+    c, model = client(deployment), model_id(deployment)
+    want_chat, chat_prompt_tokens = reference["chat"]
+    got = c.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].message.content == want_chat
+    assert got.usage.prompt_tokens == chat_prompt_tokens
+    assert got.usage.completion_tokens == MAX_TOKENS
+    assert got.model_extra["pdserve"]["decode_worker"] == "decode-0"
+    stream = c.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want_chat
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert chunks[-1].model_extra["pdserve"]["timings"]["ttft_s"] > 0
+
+    want_text, prompt_tokens = reference["completion"]
+    got = c.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == want_text and got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (prompt_tokens, MAX_TOKENS)
+    pieces = [
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    ]
+    assert "".join(pieces) == want_text
+
+
+def test_stop_and_seed(deployment, reference):
+    c, model = client(deployment), model_id(deployment)
+    want_text, _ = reference["completion"]
+    stop = want_text.strip().split()[1]  # a word the greedy text has, not at its start
+    got = c.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
+    assert got.choices[0].finish_reason == "stop"
+    assert want_text.startswith(got.choices[0].text) and stop not in got.choices[0].text
+
+    def sample(seed):  # an open prompt, sampled: only the seed makes two runs agree
+        return (
+            c.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Tell me a story about a dragon."}],
+                max_tokens=MAX_TOKENS,
+                temperature=1.5,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .message.content
+        )
+
+    first = sample(11)
+    assert sample(11) == first
+    assert sample(12) != first
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="disaggregated: the prefill worker does not hand its first token's logprob over, and "
+    "the decode worker's later logprobs do not reach the stream (the HTTP front answers 501)",
+)
+def test_logprobs(deployment):
+    c, model = client(deployment), model_id(deployment)
+    got = c.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True
+    )
+    assert len(got.choices[0].logprobs.content) == got.usage.completion_tokens
+
+
+@pytest.mark.xfail(strict=False, reason="n>1 through the cluster is being built")
+def test_n_2(deployment):
+    c, model = client(deployment), model_id(deployment)
+    got = c.completions.create(
+        model=model, prompt=PROMPT, n=2, max_tokens=6, temperature=1.0, seed=3
+    )
+    assert sorted(ch.index for ch in got.choices) == [0, 1]
+
+
+def test_keys_are_required_on_both_fronts(deployment):
+    from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+
+    with pytest.raises(openai.AuthenticationError):
+        client(deployment, key="sk-not-the-key-000").models.list()
+    with grpc.insecure_channel(deployment.router_address) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ListModels(pdserve_pb2.ListModelsRequest(), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = stub.ListModels(
+            pdserve_pb2.ListModelsRequest(), metadata=(("authorization", f"Bearer {KEY}"),)
+        )
+        assert reply.models
+
+
+def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_within_1s(deployment):
+    host, _, port = deployment.http_url.removeprefix("http://").rpartition(":")
+    body = json.dumps(
+        {
+            "model": model_id(deployment),
+            "messages": MESSAGES,
+            "max_tokens": 500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=120) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        got = b""
+        while got.count(b'"content":"') < 3:  # the role chunk, then two tokens' text
+            more = s.recv(4096)
+            assert more, got
+            got += more
+        assert not _all_free(deployment)  # the stream holds KV now
+    left = time.monotonic()
+    while not _all_free(deployment):
+        assert time.monotonic() - left < 1.0, "a disconnected stream still holds KV after 1 s"
+        time.sleep(0.02)
