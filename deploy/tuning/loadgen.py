@@ -32,6 +32,11 @@ TIMINGS_FIELDS = (
     "last_token_unix_ns",
     "prefill_worker",
     "decode_worker",
+    "reserved_unix_ns",
+    "prefill_dispatch_unix_ns",
+    "prefill_arrival_unix_ns",
+    "transfer_start_unix_ns",
+    "commit_unix_ns",
 )
 
 
@@ -170,6 +175,7 @@ def _send(
     if finish is not None:
         rec.finish_reason = finish.finish_reason
         rec.cached_prompt_tokens = finish.usage.cached_prompt_tokens
+        rec.kv_transfer_bytes = finish.usage.kv_transfer_bytes
         rec.timings = {k: getattr(finish.timings, k) for k in TIMINGS_FIELDS}
         if finish.finish_reason in ("error", "abort") and not rec.error:
             rec.error, rec.error_message = finish.finish_reason, finish.message

@@ -22,14 +22,6 @@ SLO_METRICS = ("ttft", "tpot", "e2e")
 _SLO_ITEM = re.compile(
     r"^\s*([a-z0-9_]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)?\s*$", re.I
 )
-# (name, start Timings field, end Timings field): the server's stages of a request
-SERVER_STAGES = (
-    ("router_queue", "queued_unix_ns", "prefill_start_unix_ns"),
-    ("prefill", "prefill_start_unix_ns", "prefill_end_unix_ns"),
-    ("exposed_transfer", "prefill_end_unix_ns", "transfer_end_unix_ns"),
-    ("prefill_end_to_first_token", "prefill_end_unix_ns", "first_token_unix_ns"),
-    ("decode", "first_token_unix_ns", "last_token_unix_ns"),
-)
 
 
 @dataclass
@@ -49,6 +41,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # one gap per output token after the first
     output_tokens: int = 0
     cached_prompt_tokens: int = 0
+    kv_transfer_bytes: int = 0  # Finish.usage: KV the prefill worker pushed to the decode worker
     finish_reason: str = ""
     error: str = ""
     error_message: str = ""
@@ -252,14 +245,19 @@ def summarize(
 
 
 def server_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
-    """Mean and p90 (ms) of each server stage, from the Finish timings where both stamps are set."""
+    """Mean and p90 (ms) of each server stage (router/stage_timings.py, the one definition), from
+    the Finish timings of the requests that reached it."""
+    from protos.pdserve.v1 import pdserve_pb2
+    from router.stage_timings import STAGES, stage_durations
+
+    fields = set(pdserve_pb2.Timings.DESCRIPTOR.fields_by_name)
+    stages = [
+        stage_durations(pdserve_pb2.Timings(**{k: v for k, v in r.timings.items() if k in fields}))
+        for r in records
+    ]
     out = {}
-    for name, start, end in SERVER_STAGES:
-        values = [
-            (r.timings[end] - r.timings[start]) / 1e9
-            for r in records
-            if r.timings.get(start) and r.timings.get(end)
-        ]
+    for name in STAGES:
+        values = [d[f"{name}_s"] for d in stages if d[f"{name}_s"] is not None]
         if values:
             d = distribution(values, name)
             out[name] = dict(mean=d[f"mean_{name}_ms"], p90=d[f"p90_{name}_ms"])

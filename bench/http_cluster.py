@@ -1,0 +1,140 @@
+"""A local disaggregated pdserve cluster with the router's HTTP front, for the checks that need an
+OpenAI-compatible endpoint and GET /metrics (bench/prometheus_check.py,
+bench/external_client_check.py).
+
+The router runs in this process with RouterConfig(http_port=0); one prefill and one decode
+worker each run in a spawned process of their own through deploy.launcher.WorkerActor (the class
+`pdserve up` runs in its Ray actors), with the engine settings and torch threads that
+validate_config gives the same YAML, and join the router through its Registry. No Ray: the
+launcher does not pass router.http_port yet (deploy/config.py); to check a deployment started
+with `pdserve up` instead, give the scripts its addresses (--router, --http).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+
+def deploy_dict(args) -> dict:
+    """The YAML the cluster follows (the workers' engine settings come from it)."""
+
+    def pool(threads: int) -> dict:
+        return {
+            "replicas": 1,
+            "resources": {"num_cpus": 1},
+            "num_threads": threads,
+            "kv_cache_memory": args.kv_cache_memory,
+            "max_model_len": args.max_model_len,
+        }
+
+    return {
+        "model": args.model,
+        "kvtransfer": {"backend": args.kv_backend},
+        "router": {"port": 0},
+        "pools": {"prefill": pool(args.prefill_threads), "decode": pool(args.decode_threads)},
+    }
+
+
+def add_args(ap) -> None:
+    g = ap.add_argument_group("the local cluster (when --router/--http are not given)")
+    g.add_argument("--model", default="smollm2")
+    g.add_argument("--kv-backend", default="shm", choices=("grpc", "shm", "torch"))
+    g.add_argument("--prefill-threads", type=int, default=1)
+    g.add_argument("--decode-threads", type=int, default=1)
+    g.add_argument("--kv-cache-memory", type=int, default=256 << 20)
+    g.add_argument("--max-model-len", type=int, default=2048)
+
+
+def _worker_main(role: str, worker_config, threads: int, cpus, conn) -> None:
+    """A spawned worker process: starts the worker, reports its address, serves until told."""
+    try:
+        from deploy.launcher import WorkerActor
+
+        actor = WorkerActor(role, worker_config, threads, cpus)
+        address, mode = actor.start()
+        conn.send(("ready", address, mode))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", repr(e), ""))
+        return
+    try:
+        conn.recv()  # anything, or the parent's end closing: stop
+    except EOFError:
+        pass
+    actor.stop()
+
+
+class LocalCluster:
+    def __init__(self, args, start_timeout_s: float = 600.0):
+        from decode_worker.server import DecodeWorkerConfig
+        from deploy.config import validate_config
+        from deploy.launcher import core_plan
+        from prefill_worker.server import PrefillWorkerConfig
+        from router.server import Router, RouterConfig
+
+        self.config = config = validate_config(deploy_dict(args), "local cluster")
+        self.router = Router(
+            RouterConfig(
+                model=config.model,
+                port=0,
+                http_port=0,
+                max_model_len=args.max_model_len,
+                max_inflight=config.router.max_inflight,
+            )
+        ).start()
+        self.router_address = self.router.address
+        self.http_url = f"http://{self.router.http_address}"
+        self.procs, self.conns, self.modes = [], [], {}
+        ctx = mp.get_context("spawn")
+        # cores of their own, as `pdserve up` pins a local deployment's workers (core_plan)
+        cores = core_plan(config.worker_pools(), local=True)
+        try:
+            for key, pool in config.worker_pools():
+                common = dict(
+                    model=config.model,
+                    engine_kwargs=config.engine_kwargs(pool),
+                    worker_id=f"{key}-0",
+                    registry_address=self.router_address,
+                )
+                cfg = (
+                    DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
+                    if key == "decode"
+                    else PrefillWorkerConfig(**common)
+                )
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(key, cfg, pool.threads, cores.get((key, 0)), theirs),
+                    daemon=True,
+                )
+                proc.start()
+                self.procs.append(proc)
+                self.conns.append(ours)
+            for (key, _), conn in zip(config.worker_pools(), self.conns):
+                if not conn.poll(start_timeout_s):
+                    raise TimeoutError(f"the {key} worker did not start in {start_timeout_s} s")
+                status, detail, mode = conn.recv()
+                if status != "ready":
+                    raise RuntimeError(f"the {key} worker failed to start: {detail}")
+                self.modes[key] = mode
+            deadline = time.monotonic() + 60
+            while not all(self.router.pool.num_workers(r) for r in ("prefill", "decode")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the workers did not register with the router")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+        self.procs, self.conns = [], []
+        self.router.stop()
