@@ -56,7 +56,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from protos.security import API_KEY_METADATA_KEY, NO_KEYS, ClientKeys, TLSConfig
+from protos.security import API_KEY_METADATA_KEY, NO_KEYS, ClientKeys, TLSConfig, bearer_token
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
 from router.stage_timings import stage_durations
 
@@ -514,7 +514,7 @@ def build_app(front: HttpFront) -> FastAPI:
                 "authentication_error",
                 code="invalid_api_key",
             )
-        return ((API_KEY_METADATA_KEY, header),)
+        return ((API_KEY_METADATA_KEY, f"Bearer {bearer_token(header)}"),)
 
     async def read_body(request: Request) -> bytes:
         limit = s.max_body_bytes
@@ -630,7 +630,8 @@ def build_app(front: HttpFront) -> FastAPI:
                 raise ApiError(500, "the router ended the call without a response", "server_error")
             if body.stream:
                 watcher.cancel()  # Starlette's StreamingResponse watches from here on
-                return StreamingResponse(
+                return _CallStream(
+                    call,
                     _stream(call, first, body, chat, s.model_id, gen.request_id, text_of),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
@@ -652,6 +653,21 @@ def build_app(front: HttpFront) -> FastAPI:
                 call.cancel()  # no-op once finished
 
     return app
+
+
+class _CallStream(StreamingResponse):
+    """The SSE response of one gRPC call, which it cancels however the response ends: finished,
+    the client gone (Starlette cancels the body), or never started at all."""
+
+    def __init__(self, call, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.cancel()  # no-op once the call finished
 
 
 async def _cancel_on_disconnect(request: Request, call) -> None:

@@ -98,3 +98,35 @@ def test_client_keys_accept_only_their_keys():
         assert not keys.accepts_header(header), header
     assert ClientKeys().accepts(None) and ClientKeys().accepts_header(None)  # no keys: open
     assert bearer_token(b"Bearer abc") == b"abc"
+
+
+def test_up_prints_the_grpc_and_the_http_address(monkeypatch, capsys):
+    """`pdserve up` prints both fronts' addresses once the deployment is up (the launcher is
+    stubbed: the real one runs in tests/e2e), with --http-port passed through."""
+    import deploy.launcher
+    from deploy.cli import main
+
+    seen = {}
+
+    class Up:
+        router_address = "127.0.0.1:50051"
+        http_url = "http://127.0.0.1:9100"
+
+        def wait(self):
+            return "interrupted"
+
+    def fake_up(config, address=None, block=True):
+        seen["http_port"] = config.router.http_port
+        return Up()
+
+    monkeypatch.setattr(deploy.launcher, "up", fake_up)
+    assert main(["up", "--http-port", "9100"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert seen == {"http_port": 9100}
+    assert out == [
+        "router on 127.0.0.1:50051",
+        "OpenAI-compatible HTTP on http://127.0.0.1:9100/v1",
+        "ready",
+    ]
+    assert main(["up", "--http-port", "nope"]) == 2
+    assert "--http-port" in capsys.readouterr().err
