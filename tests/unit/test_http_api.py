@@ -78,18 +78,16 @@ class Workers:
 
     def router(self, **kwargs) -> Router:
         colocated = kwargs.get("colocated", False)
-        return Router(
-            RouterConfig(
-                model=self.model_dir,
-                model_id=MODEL,
-                prefill_addresses=() if colocated else (self.prefill.address,),
-                decode_addresses=(self.decode.address,),
-                max_model_len=MAX_MODEL_LEN,
-                max_inflight=16,
-                http_port=0,
-                **kwargs,
-            )
-        ).start()
+        settings = dict(
+            model=self.model_dir,
+            model_id=MODEL,
+            prefill_addresses=() if colocated else (self.prefill.address,),
+            decode_addresses=(self.decode.address,),
+            max_model_len=MAX_MODEL_LEN,
+            max_inflight=16,
+            http_port=0,
+        )
+        return Router(RouterConfig(**{**settings, **kwargs})).start()
 
     def stats(self):
         return (
@@ -915,3 +913,48 @@ def test_openai_client_over_https_with_a_key(secured, idle):
     assert repr(secured.config).count(KEY) == 0 and "ClientKeys(2 keys)" in repr(
         secured.http.settings.keys
     )
+
+
+# ---- overload and no workers: 429 and 503 ------------------------------------------------------
+def test_a_full_router_answers_429_with_retry_after(workers, idle):
+    full = workers.router(max_inflight=1)
+    host, port = split(full.http_address)
+    body = json.dumps(
+        {**GOOD, "max_tokens": MAX_MODEL_LEN - 10, "ignore_eos": True, "stream": True}
+    ).encode()
+    try:
+        with socket.create_connection((host, port), timeout=TIMEOUT) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            got = b""
+            while b"data: " not in got:  # the one admitted request is streaming
+                got += s.recv(4096)
+            status, headers, resp = post(full, C, GOOD)
+            err = assert_error(status, resp, 429)
+            assert err["code"] == "rate_limit_exceeded" and headers["retry-after"] == "1"
+    finally:
+        full.stop()
+
+
+def test_no_workers_is_503_and_health_says_so(workers):
+    empty = Router(
+        RouterConfig(
+            model=workers.model_dir, model_id=MODEL, max_model_len=MAX_MODEL_LEN, http_port=0
+        )
+    ).start()
+    private_dir = empty.http._dir
+    try:
+        status, _, body = request(empty.http_address, "GET", "/health")
+        assert "worker" in assert_error(status, body, 503)["message"]
+        status, headers, body = post(empty, C, GOOD)
+        assert_error(status, body, 503) and headers["retry-after"] == "1"
+    finally:
+        empty.stop()
+    import os
+
+    assert not os.path.exists(private_dir)  # the Unix socket's directory goes with the router
+    with pytest.raises(OSError):
+        request(empty.http_address, "GET", "/health")
