@@ -288,11 +288,20 @@ class RouterSettings(_Frozen):
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
-    # null: no HTTP front
+    # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0
     http_port: Annotated[int, Field(ge=0, le=65535)] | None = 8000
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _free_http_port_with_a_free_port(cls, data):
+        # a free gRPC port asked for (tests, side-by-side deployments): a free HTTP port too,
+        # not the fixed default that a second such deployment would collide on
+        if isinstance(data, dict) and data.get("port") == 0 and "http_port" not in data:
+            data = {**data, "http_port": 0}
+        return data
 
     @field_validator("api_keys")
     @classmethod

@@ -20,6 +20,10 @@ def test_http_port_default_off_free_and_refusals():
     assert DeployConfig().router.http_port == 8000
     assert validate_config({"router": {"http_port": None}}).router.http_port is None
     assert validate_config({"router": {"http_port": 0, "port": 0}}).router.http_port == 0
+    # a free gRPC port: a free HTTP port too unless one is given
+    assert validate_config({"router": {"port": 0}}).router.http_port == 0
+    assert validate_config({"router": {"port": 0, "http_port": 8001}}).router.http_port == 8001
+    assert validate_config({"router": {"port": 9000}}).router.http_port == 8000
     for bad, named in (
         ({"http_port": 70000}, "router.http_port"),
         ({"http_port": "8000"}, "router.http_port"),
