@@ -67,8 +67,8 @@ class RouterConfig:
     deployment_id: str = ""  # set: workers registering for another deployment are refused
     # TLS on the client-facing port (cert_pem/key_pem; with ca_pem, clients must present a cert)
     client_tls: TLSConfig | None = None
-    # the OpenAI-compatible HTTP front (router/http_api.py) on host:http_port, with client_tls
-    # (HTTPS) when set; 0: a free port; None: no HTTP front
+    # the OpenAI-compatible HTTP front (router/http_api.py) on host:http_port, with the client
+    # port's TLS (client_tls, else security.tls) as HTTPS; 0: a free port; None: no HTTP front
     http_port: int | None = None
     http_max_body_bytes: int | None = None  # None: the largest valid request (http_api.py)
     # client API keys: when any, the client API (gRPC metadata or HTTP header
@@ -254,7 +254,8 @@ class Router:
                 model_id=options.model_id,
                 tokenizer=self.servicer.tokenizer,
                 keys=ClientKeys(tuple(cfg.api_keys)),
-                tls=cfg.client_tls,
+                # the gRPC client port's TLS (_bind): router.tls, else the cluster's mutual TLS
+                tls=cfg.client_tls if cfg.client_tls is not None else cfg.security.tls,
                 max_body_bytes=cfg.http_max_body_bytes
                 or default_max_body_bytes(
                     options.max_model_len, self.servicer.encoder.max_prompt_bytes

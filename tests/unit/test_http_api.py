@@ -958,3 +958,32 @@ def test_no_workers_is_503_and_health_says_so(workers):
     assert not os.path.exists(private_dir)  # the Unix socket's directory goes with the router
     with pytest.raises(OSError):
         request(empty.http_address, "GET", "/health")
+
+
+def test_https_with_client_certificates_like_the_grpc_port(workers, tmp_path):
+    """client_tls with a CA: like the gRPC port, HTTPS then needs a client certificate it
+    signed (the test's certificate serves as both)."""
+    files = tls_files(tmp_path)
+    ca, cert, key = (files[k].read_bytes() for k in ("ca", "cert", "key"))
+    mutual = workers.router(client_tls=TLSConfig(ca, cert, key))
+    try:
+        host, port = split(mutual.http_address)
+        anonymous = ssl.create_default_context(cafile=str(files["ca"]))
+        with pytest.raises((ssl.SSLError, OSError, http.client.HTTPException)):
+            conn = http.client.HTTPSConnection(host, port, timeout=TIMEOUT, context=anonymous)
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+        known = ssl.create_default_context(cafile=str(files["ca"]))
+        known.load_cert_chain(str(files["cert"]), str(files["key"]))
+        conn = http.client.HTTPSConnection(host, port, timeout=TIMEOUT, context=known)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(GOOD),
+            headers={"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+        conn.close()
+    finally:
+        mutual.stop()
