@@ -773,6 +773,41 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, i
     )
 
 
+def test_client_disconnect_before_a_whole_response_frees_kv_within_1s(router, idle, monkeypatch):
+    """Without stream, nothing is sent until the end: the front notices the client leaving by
+    the connection itself and cancels the call as well."""
+    aborted = []
+    real_abort = idle.decode.handoff.abort
+    monkeypatch.setattr(
+        idle.decode.handoff,
+        "abort",
+        lambda rid, reason="": aborted.append(reason) or real_abort(rid, reason),
+    )
+    host, port = split(router.http_address)
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": random_prompts([40], seed=6)[0],
+            "max_tokens": MAX_MODEL_LEN - 41,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    s = socket.create_connection((host, port), timeout=TIMEOUT)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: idle.stats()[0].num_running == 1, 5, "the request is decoding")
+    s.close()
+    wait_until(
+        lambda: "aborted by the router" in aborted and idle.idle(),
+        1.0,
+        f"KV still held after the client left: {idle.stats()}",
+    )
+
+
 def test_concurrent_requests_on_one_front(router, idle, llm):
     prompts = random_prompts([5, 9, 13, 17], seed=31)
     want = [
