@@ -57,6 +57,19 @@ ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
+    # vLLM's usage on every chunk: the prompt's token count reaches the HTTP front only with the
+    # Finish, so only false is accepted (benchmark clients send it when asked to)
+    continuous_usage_stats: StrictBool | None = None
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _final_usage_only(cls, v):
+        if v:
+            raise ValueError(
+                "continuous_usage_stats is not supported: usage comes on the last chunk "
+                "(include_usage)"
+            )
+        return v
 
 
 class _Sampling(_Strict):

@@ -271,6 +271,13 @@ BAD = [
     ("logprobs-alternatives", C, {**GOOD, "logprobs": 5}, 400, "logprobs"),
     ("echo", C, {**GOOD, "echo": True}, 400, "echo"),
     ("stream-options-without-stream", C, {**GOOD, "stream_options": {}}, 400, None),
+    (
+        "continuous-usage",
+        C,
+        {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        400,
+        "stream_options.continuous_usage_stats",
+    ),
     ("unknown-model", C, {**GOOD, "model": "gpt-5"}, 404, None),
     ("chat-unknown-model", CHAT, {**GOOD_CHAT, "model": "nope"}, 404, None),
     (
