@@ -112,6 +112,32 @@ inline void axpy(float* __restrict acc, float p, const KV* __restrict v, int64_t
 }
 
 
+// s[t] = exp(s[t] - max(s)) in place for t < L; returns their sum (a softmax before the division)
+inline float exp_shifted(float* s, int64_t L) {
+  float m = s[0];
+  for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef __AVX512F__
+  // glibc's vector expf (libmvec), 16 lanes a call; scalar expf was a third of the kernel.
+  // Called by name: its declarations need -ffast-math, which would also flip flush-to-zero
+  // for the whole process.
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; t + 16 <= L; t += 16) {
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; t < L; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 template <typename KV>
 inline void prefetch_span(const KV* p, int64_t n, int hint) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -125,7 +151,7 @@ inline void prefetch_span(const KV* p, int64_t n, int hint) {
 constexpr int64_t PF = 8;   // tokens ahead that K rows are prefetched (4 to 32 measured the same)
 
 // One kv head of one sequence with its G query heads, for the common shapes (DV = D / 16 vectors
-// per head; see kFast below). The queries and the output accumulators live in registers for the
+// per head; see fast_kernel below). The queries and the output accumulators live in registers for the
 // whole context: every K and V vector loaded serves all G heads, and the output is written once
 // instead of read and written per token. While the scores are computed, K rows PF tokens ahead
 // and the V rows of the same tokens are prefetched: the KV of a 30-layer batch is far larger than
@@ -170,29 +196,8 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
       scores[g * L + t] = hsum(a) * sc;
     }
   }
-  float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* s = scores + g * L;
-    float m = s[0];
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-    int64_t t = 0;
-#ifdef __AVX512F__
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t + 16 <= L; t += 16) {
-      const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
-      _mm512_storeu_ps(s + t, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
-    for (; t < L; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    inv[g] = 1.f / sum;
-  }
+  float inv[G];   // the softmax's 1 / sum, applied once to the output
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_shifted(scores + g * L, L);
   v16 acc[G][DV] = {};
   for (int64_t t = 0; t < L; ++t) {
     const KV* v = at(vp, t);
@@ -244,28 +249,7 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
   }
   for (int64_t j = 0; j < nh; ++j) {
     float* s = scores + j * L;
-    float m = s[0];
-    for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-    int64_t t = 0;
-#ifdef __AVX512F__
-    // glibc's vector expf (libmvec), 16 lanes a call; scalar expf was a third of the kernel.
-    // Called by name: its declarations need -ffast-math, which would also flip flush-to-zero
-    // for the whole process.
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t + 16 <= L; t += 16) {
-      const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
-      _mm512_storeu_ps(s + t, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#endif
-    for (; t < L; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.f / sum;
+    const float inv = 1.f / exp_shifted(s, L);
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + nh * D, 0.f);
