@@ -94,7 +94,14 @@ def side_argv(args, side: str) -> list[str]:
     ]
     if args.kv_cache_memory is not None:
         argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    return argv + ["--dtype", args.dtype, "--quantization", args.quantization]
+    return argv + [
+        "--dtype",
+        args.dtype,
+        "--quantization",
+        args.quantization,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
+    ]
 
 
 def run_side_subprocess(args, side: str) -> dict:
@@ -246,13 +253,14 @@ def combine(args, hf: dict, pd: dict, command: str) -> dict:
     }
 
 
-# --modes name -> (--dtype, --quantization) of the pdserve side
+# --modes name -> (--dtype, --quantization, --kv-cache-dtype) of the pdserve side
 MODES = {
-    "float32": ("float32", "none"),
-    "bfloat16": ("bfloat16", "none"),
-    "int8": ("float32", "int8"),
-    "int4": ("float32", "int4"),
-    "auto": ("auto", "none"),
+    "float32": ("float32", "none", "auto"),
+    "bfloat16": ("bfloat16", "none", "auto"),
+    "int8": ("float32", "int8", "auto"),
+    "int8-kvbf16": ("float32", "int8", "bfloat16"),  # int8 weights, a bf16 KV cache
+    "int4": ("float32", "int4", "auto"),
+    "auto": ("auto", "none", "auto"),
 }
 
 
@@ -466,10 +474,16 @@ def parse_args(argv=None):
         help="pdserve side: the engine's quantization",
     )
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="pdserve side: the KV cache's dtype (auto: the activations')",
+    )
+    ap.add_argument(
         "--modes",
         default="float32",
         help="comma-separated pdserve modes to run against the one HF run, each in its "
-        "own process: float32, bfloat16, int8, int4, auto (dtype auto); more than "
+        "own process: float32, bfloat16, int8, int8-kvbf16, int4, auto (dtype auto); more than "
         "float32 adds the modes table and llama.cpp's one stream",
     )
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 32 new tokens")
@@ -547,7 +561,7 @@ def main(argv=None) -> int:
     hf = run_side_subprocess(args, "hf")
     runs = {}
     for m in modes:
-        args.dtype, args.quantization = MODES[m]
+        args.dtype, args.quantization, args.kv_cache_dtype = MODES[m]
         runs[m] = run_side_subprocess(args, "pdserve")
     pd = runs[modes[0]]
     report = combine(args, hf, pd, command)

@@ -44,6 +44,7 @@ def run_pdserve(args) -> dict:
         max_num_seqs=128,
         dtype=args.dtype,
         quantization=quant,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     res["load_s"] = time.perf_counter() - t0
     torch.set_num_threads(args.threads)  # in case engine construction touched it
