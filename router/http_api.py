@@ -131,6 +131,8 @@ class ApiError(Exception):
         code = error.code()
         status, type_, err_code = GRPC_TO_HTTP.get(code, _SERVER_ERROR)
         details = error.details() or code.name
+        if code == grpc.StatusCode.OUT_OF_RANGE and "max_model_len" in details:
+            err_code = "context_length_exceeded"  # OpenAI's code for it
         if status == 500:
             details = f"{code.name}: {details}"
         return cls(status, details, type_, None, err_code)
@@ -348,6 +350,9 @@ class HttpSettings:
     tls: TLSConfig | None = None
     max_body_bytes: int = 4 << 20
     max_model_len: int = 0
+    # a prompt (or chat) longer in UTF-8 bytes cannot fit max_model_len tokens (router/text.py):
+    # refused here, before a gRPC message that may exceed the gRPC port's size limit; 0: no check
+    max_prompt_bytes: int = 0
     metrics_registry: object = None
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0
@@ -540,6 +545,21 @@ def build_app(front: HttpFront) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def check_prompt_size(texts: list[str], param: str) -> None:
+        limit = s.max_prompt_bytes
+        chars = sum(len(t) for t in texts)
+        if not limit or chars * 4 <= limit:
+            return
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > limit:
+            raise ApiError(
+                400,
+                f"{param} has {size} bytes, more than max_model_len={s.max_model_len} tokens can "
+                f"hold (at most {limit} bytes): shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     async def parse(request: Request, model):
         metadata = authorize(request)
         body = await read_body(request)
@@ -595,6 +615,7 @@ def build_app(front: HttpFront) -> FastAPI:
             sampling=sampling_params(body, body.max_tokens, body.logprobs is not None),
         )
         if isinstance(prompt, str):
+            check_prompt_size([prompt], "prompt")
             gen.text = prompt
         else:
             gen.token_ids.ids.extend(prompt)
@@ -603,6 +624,7 @@ def build_app(front: HttpFront) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body, metadata = await parse(request, ChatCompletionRequest)
+        check_prompt_size([t for m in body.messages for t in (m.role, m.text())], "messages")
         # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
         most = body.max_new_tokens() or s.max_model_len or None
         gen = pdserve_pb2.GenerateRequest(

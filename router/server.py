@@ -261,6 +261,7 @@ class Router:
                     options.max_model_len, self.servicer.encoder.max_prompt_bytes
                 ),
                 max_model_len=options.max_model_len,
+                max_prompt_bytes=self.servicer.encoder.max_prompt_bytes,
                 metrics_registry=self.metrics_registry,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

@@ -267,6 +267,14 @@ BAD = [
     ("token-id-past-vocab", C, {**GOOD, "prompt": [5, 256]}, 400, None),
     ("prompt-empty", C, {**GOOD, "prompt": ""}, 400, None),
     ("prompt-too-long", C, {**GOOD, "prompt": [5] * MAX_MODEL_LEN}, 400, None),
+    ("text-too-long", C, {**GOOD, "prompt": "t5 " * 5000}, 400, "prompt"),
+    (
+        "chat-too-long",
+        CHAT,
+        {**GOOD_CHAT, "messages": [{"role": "user", "content": "é" * 100_000}]},
+        400,
+        "messages",
+    ),
     ("two-prompts", C, {**GOOD, "prompt": ["t5", "t6"]}, 400, "prompt"),
     ("logprobs-alternatives", C, {**GOOD, "logprobs": 5}, 400, "logprobs"),
     ("echo", C, {**GOOD, "echo": True}, 400, "echo"),
@@ -336,6 +344,17 @@ def test_bad_input_gets_the_openai_error_and_the_server_keeps_serving(
     got_status, _, got = post(router, path, body)
     assert_error(got_status, got, status, param)
     serves(router)
+
+
+def test_prompts_too_long_for_the_model_say_context_length_exceeded(router, idle):
+    for body in (
+        {**GOOD, "prompt": [5] * MAX_MODEL_LEN},  # counted in tokens by the router
+        {**GOOD, "prompt": "t5 " * 5000},  # refused by its bytes before the call
+        {**GOOD, "max_tokens": MAX_MODEL_LEN + 1},
+    ):
+        status, _, got = post(router, C, body)
+        err = assert_error(status, got, 400)
+        assert err["code"] == "context_length_exceeded" and "max_model_len" in err["message"]
 
 
 def test_body_over_the_limit_is_refused_unread_by_content_length_or_by_bytes(router, idle):
