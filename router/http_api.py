@@ -365,7 +365,9 @@ class HttpFront:
         self.settings = settings
         self.address: str | None = None
         self.scheme = "https" if settings.tls is not None else "http"
-        self._dir = tempfile.mkdtemp(prefix="pdserve-http-")  # 0700: only this user
+        # 0700: only this user; a short path (a Unix socket's path has ~100 bytes at most)
+        base = tempfile.gettempdir()
+        self._dir = tempfile.mkdtemp(prefix="pdserve-http-", dir=base if len(base) < 64 else "/tmp")
         self.grpc_target = f"unix:{os.path.join(self._dir, 'grpc.sock')}"
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -393,6 +395,9 @@ class HttpFront:
                 **self._ssl_options(),
             )
             config.load()  # reads the TLS files now; they are deleted right after
+        except BaseException:
+            sock.close()
+            raise
         finally:
             self._remove_tls_files()
         self._server = uvicorn.Server(config)

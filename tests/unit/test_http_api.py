@@ -1048,3 +1048,10 @@ def test_https_with_client_certificates_like_the_grpc_port(workers, tmp_path):
         conn.close()
     finally:
         mutual.stop()
+
+
+def test_an_http_port_in_use_fails_the_start_naming_it(workers, router):
+    _, port = split(router.http_address)
+    with pytest.raises(OSError, match=f"cannot listen for HTTP on 127.0.0.1:{port}"):
+        workers.router(http_port=port)
+    serves(router)  # the one listening there is untouched
