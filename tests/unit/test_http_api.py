@@ -1055,3 +1055,17 @@ def test_an_http_port_in_use_fails_the_start_naming_it(workers, router):
     with pytest.raises(OSError, match=f"cannot listen for HTTP on 127.0.0.1:{port}"):
         workers.router(http_port=port)
     serves(router)  # the one listening there is untouched
+
+
+def test_pdserve_generate_sends_the_key_from_the_environment(secured, idle, monkeypatch, capsys):
+    from deploy.cli import main
+
+    argv = ["generate", "t5 t6", "--router", secured.address, "--tls-ca", secured.ca_file]
+    argv += ["--max-tokens", "2"]
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    assert main(argv) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY2)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "2 generated" in err and KEY2 not in err
