@@ -138,8 +138,74 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
   return {out, rmax};
 }
 
+namespace {
+
+// y = x @ W^T (+ bias) for an int4 weight as engine/layers/quant.py Int4Weight packs it: the same
+// torch ops Int4Weight.matmul and LinearBase.matmul run, so the same bits come out
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales_zeros, const torch::Tensor& bias) {
+  const int64_t group = x.size(1) / scales_zeros.size(0);
+  auto y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16).contiguous(), packed, group,
+                                           scales_zeros)
+               .to(torch::kFloat32);
+  return bias.defined() && bias.numel() ? y + bias : y;
+}
+
+}  // namespace
+
+// The decoder layers of a decode-only step (one new token per sequence) with int4 weights, in one
+// call: the per-layer work of engine/models/llama.py (norms, projections, rotary, the KV write,
+// paged attention, the MLP) as the same torch ops in the same order, without a Python call per
+// op. At one row a decode step is mostly such calls, so this is where batch-1 latency goes.
+// params holds kParams tensors per layer (see engine/models/llama.py's _int4_stack_params);
+// attend is the compiled paged decode kernel. Returns (hidden, residual) before the final norm.
+constexpr int64_t kParams = 11;
+
+std::vector<torch::Tensor> int4_decode_layers(
+    torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+    torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+    torch::Tensor context_lens, const std::vector<torch::Tensor>& params, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, py::object attend) {
+  check_rows(hidden, "hidden");
+  const int64_t layers = kv_cache.size(0), T = hidden.size(0);
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParams,
+              "int4_decode_layers: ", kParams, " parameters per layer expected");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim,
+              "int4_decode_layers: kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim]");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  c10::optional<torch::Tensor> residual;
+  for (int64_t i = 0; i < layers; ++i) {
+    const torch::Tensor* p = params.data() + i * kParams;
+    auto normed = add_rms_norm(hidden, residual, p[0], eps);
+    residual = normed[1];
+    // attention
+    auto qkv = int4_linear(normed[0], p[1], p[2], p[3]);
+    auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+    auto q = parts[0].view({-1, num_heads, head_dim});
+    auto k = parts[1].reshape({-1, num_kv_heads, head_dim});
+    auto v = parts[2].reshape({-1, num_kv_heads, head_dim});
+    rope_(q, k, positions, cos, sin);
+    auto flat = kv_cache[i].view({2, -1, num_kv_heads, head_dim});
+    const bool narrow = flat.scalar_type() != k.scalar_type();
+    flat[0].index_copy_(0, slot_mapping, narrow ? k.to(flat.scalar_type()) : k);
+    flat[1].index_copy_(0, slot_mapping, narrow ? v.to(flat.scalar_type()) : v);
+    auto o = attend(q.contiguous(), kv_cache[i], block_tables, context_lens, scale)
+                 .cast<torch::Tensor>()
+                 .reshape({T, -1});
+    auto attn = int4_linear(o, p[4], p[5], torch::Tensor());
+    normed = add_rms_norm(attn, residual, p[6], eps);
+    residual = normed[1];
+    // MLP
+    auto gate_up = int4_linear(normed[0], p[7], p[8], torch::Tensor());
+    auto gu = gate_up.chunk(2, -1);
+    hidden = int4_linear(at::silu(gu[0]) * gu[1], p[9], p[10], torch::Tensor());
+  }
+  return {hidden, residual.value()};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("int8_rows", &int8_rows);
+  m.def("int4_decode_layers", &int4_decode_layers);
 }

@@ -11,6 +11,7 @@ from torch import nn
 from engine.attention import PagedAttention
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
+from engine.kernels import cpu_fused, cpu_paged_decode
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     LinearBase,
@@ -19,8 +20,9 @@ from engine.layers.linear import (
     RowParallelLinear,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.quant import head_quantization
+from engine.layers.quant import Int4Weight, head_quantization
 from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import tp_size
 
 
 class LlamaAttention(nn.Module):
@@ -81,10 +83,86 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.eps = cfg.rms_norm_eps
+        self._stack: list[torch.Tensor] | None = None  # see prepare_decode_stack
+        self._stack_call = None
+
+    def prepare_decode_stack(self) -> None:
+        """Decode-only steps run every layer in one compiled call (fused_cpu.cpp
+        int4_decode_layers: the same ops, without a Python call per op) where that call applies:
+        int4 weights on CPU in float32, one TP rank, the compiled kernels built. Else the layers
+        run one by one below."""
+        self._stack = None
+        fused, attend = cpu_fused(), cpu_paged_decode()
+        layers = list(self.layers)
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, LinearBase)]
+        if (
+            fused is None
+            or attend is None
+            or not hasattr(fused, "int4_decode_layers")
+            or tp_size() != 1
+            or self.embed_tokens.weight.device.type != "cpu"
+            or self.rotary.cos.dtype != torch.float32
+            or layers[0].self_attn.head_dim % 16
+            or not all(isinstance(m._quant, Int4Weight) for m in linears)
+        ):
+            return
+        params = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            bias = attn.qkv_proj.bias
+            params += [
+                layer.input_layernorm.weight,
+                attn.qkv_proj._quant.packed,
+                attn.qkv_proj._quant.scales_zeros,
+                torch.empty(0) if bias is None else bias.detach(),
+                attn.o_proj._quant.packed,
+                attn.o_proj._quant.scales_zeros,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj._quant.packed,
+                mlp.gate_up_proj._quant.scales_zeros,
+                mlp.down_proj._quant.packed,
+                mlp.down_proj._quant.scales_zeros,
+            ]
+        self._stack = [p.detach() for p in params]
+        self._stack_call = (fused.int4_decode_layers, attend)
+
+    def _decode_stack(self, hidden, positions, meta):
+        run, attend = self._stack_call
+        attn = self.layers[0].self_attn
+        return run(
+            hidden,
+            positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            meta.kv_cache,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self._stack,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.eps,
+            attn.attn.scale,
+            attend,
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        on_layer_done = get_forward_context().on_layer_done
+        meta = get_forward_context()
+        on_layer_done = meta.on_layer_done
+        if (
+            self._stack is not None
+            and on_layer_done is None
+            and meta.num_decode_tokens == input_ids.shape[0]
+            and meta.decode_mask is None
+            and hidden.dtype == torch.float32
+        ):
+            hidden, residual = self._decode_stack(hidden, positions, meta)
+            hidden, _ = self.norm(hidden, residual)
+            return hidden
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
             if on_layer_done is not None:  # this layer's KV is final: it may leave now
@@ -159,3 +237,4 @@ class LlamaForCausalLM(nn.Module):
                     head_quantization(quantization) if head else quantization,
                     release_dense=release_dense and not shared,
                 )
+        self.model.prepare_decode_stack()

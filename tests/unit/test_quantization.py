@@ -12,6 +12,7 @@ import torch
 from conftest import assert_no_leaks
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.kernels import cpu_fused
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.quant import INT4_GROUP, Int4Weight, Int8Weight, head_quantization
 from engine.quality import QUALITY_BOUNDS, informative, perplexity, probe_ids
@@ -293,3 +294,38 @@ def test_kv_cache_dtype_is_checked():
         EngineConfig(model="m", dtype="float32", kv_cache_dtype="bf16").kv_torch_dtype
         == torch.bfloat16
     )
+
+
+@needs_x86_int8
+@pytest.mark.skipif(cpu_fused() is None, reason="no C++ toolchain: layers run one by one")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_int4_decode_stack_gives_the_layer_by_layer_bits(refs, kv_cache_dtype):
+    """Decode-only steps in int4 run every layer in one compiled call; it must compute exactly
+    what the layers do one by one (same tokens, same logprobs, bit for bit), batched with
+    sequences of different lengths."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    llm = LLM(  # no prefix cache: the second run must prefill exactly as the first did
+        model_dir,
+        quantization="int4",
+        kv_cache_memory=1 << 22,
+        kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=False,
+    )
+    model = llm.engine.runner.model.model
+    try:
+        stack = model._stack
+        assert stack is not None, "the int4 decode stack was not prepared"
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+
+        def run():
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+        fused = run()
+        model._stack = None
+        layer_by_layer = run()
+        assert fused == layer_by_layer
+        assert_no_leaks(llm.engine)
+    finally:
+        model._stack = stack
+        llm.shutdown()
