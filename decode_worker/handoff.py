@@ -3,7 +3,9 @@
 Lifecycle of one request on a decode worker:
   reserve (router)      -> RESERVED: engine blocks held, a KVReceiver, a lease deadline
   "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread)
-  "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch;
+  "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch
+                           (n>1: every sequence's first token; the engine forks the sequences
+                           on copy-on-write blocks);
                            the callback gets the first token at once, then the engine's outputs;
                            a commit the engine refuses (a first token outside the vocabulary)
                            frees the blocks like an abort
@@ -153,9 +155,10 @@ class DecodeHandoff:
             return
         with entry.lock:
             entry.closed = True
-        first_token = entry.receiver.first_token
+        first_tokens = list(entry.receiver.first_tokens)
         try:
-            self.loop.engine.commit(request_id, first_token)
+            # n>1: the engine forks the other sequences from the prompt's blocks (copy-on-write)
+            self.loop.engine.commit(request_id, first_tokens)
         except (ValueError, KeyError) as e:  # popped already: freed here or never
             self.loop.engine.abort(request_id)
             log.warning("commit of %s refused: %s", request_id, e)
@@ -176,9 +179,8 @@ class DecodeHandoff:
                 None,
                 [],
                 [
-                    CompletionOutput(
-                        0, "", [first_token], None, logprobs=[] if entry.logprobs else None
-                    )
+                    CompletionOutput(i, "", [token], None, logprobs=[] if entry.logprobs else None)
+                    for i, token in enumerate(first_tokens)
                 ],
                 finished=False,
                 # Timings.transfer_end_unix_ns and commit_unix_ns (decode_worker/service.py)

@@ -6,7 +6,9 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               receives the engine's outputs (the hand-off's on_output callback puts into it)
   KV frames + commit arrive on the kvtransfer channel (not here) -> the request decodes
   Stream   -> drains the queue, sending only the tokens that are new since the last event, and
-              ends with the finished output ("stop" | "length" | "abort")
+              ends with the finished output ("stop" | "length" | "abort"). n>1: per sequence
+              (TokenEvent.index); each sequence's final event goes out when it ends, and a request
+              that ends as a whole (an abort) ends every sequence still open with its reason
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
               gets a final "abort" output
 A finished request nobody streams is forgotten after `finished_ttl_s`.
@@ -41,6 +43,7 @@ class _Stream:
     finished_at: float | None = None  # time.monotonic() of the final output
     attached: bool = False  # a Stream call is draining it
     colocated: bool = False  # this worker runs the prompt too (Reserve with run_prefill)
+    n: int = 1  # sequences of the request (sampling.n)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if refusal:
             refusal.abort(context)
         params = build_params(request.sampling, context)
-        stream = _Stream()
+        stream = _Stream(n=params.n)
         with self._lock:
             if rid in self._streams:
                 context.abort(
@@ -170,6 +173,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 f"no request {rid!r} on this decode worker (never reserved, or forgotten)",
             )
         sent: dict[int, int] = {}  # sequence index -> tokens already sent (outputs are cumulative)
+        ended: set[int] = set()  # sequence indexes whose final event went out
         finished = False
         first_token_ns = commit_ns = received_ns = 0
         try:
@@ -187,12 +191,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if out.finished and stream.colocated:
                     with self._lock:
                         self._colocated_hits += out.num_cached_tokens
-                for comp in out.outputs:
-                    event = self._event(comp, sent, out.finished)
+                events = [self._event(comp, sent, ended) for comp in out.outputs]
+                if out.finished:  # an abort's output names sequence 0 only: end every other one
+                    events += self._end_rest(out, stream.n, ended)
+                for event in events:
                     if event is None:
                         continue
                     first_token_ns = first_token_ns or now
-                    if out.finished:
+                    if event.HasField("finish_reason"):
                         event.timings.CopyFrom(
                             pdserve_pb2.Timings(
                                 first_token_unix_ns=first_token_ns,
@@ -215,16 +221,22 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     log.exception("abort of %s after its stream ended failed", rid)
 
     @staticmethod
-    def _event(comp, sent: dict[int, int], final: bool) -> worker_pb2.TokenEvent | None:
+    def _event(comp, sent: dict[int, int], ended: set[int]) -> worker_pb2.TokenEvent | None:
+        """The event for what is new in one sequence's (cumulative) output: its new tokens, and
+        its end the first time it is finished; None when nothing is new."""
+        if comp.index in ended:
+            return None
         start = sent.get(comp.index, 0)
         new_ids = comp.token_ids[start:]
+        final = comp.finish_reason is not None
         if not new_ids and not final:
             return None
         sent[comp.index] = len(comp.token_ids)
         event = worker_pb2.TokenEvent(index=comp.index, token_ids=new_ids)
         if comp.logprobs:
             event.logprobs.extend(comp.logprobs[start:])
-        if final and comp.finish_reason is not None:
+        if final:
+            ended.add(comp.index)
             event.finish_reason = comp.finish_reason
             # for "abort" stop_str carries the human-readable reason (TokenEvent has no message)
             if isinstance(comp.stop_reason, str):
@@ -232,6 +244,32 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             elif isinstance(comp.stop_reason, int):
                 event.stop_token = comp.stop_reason
         return event
+
+    @staticmethod
+    def _end_rest(out: RequestOutput, n: int, ended: set[int]) -> list[worker_pb2.TokenEvent]:
+        """Final events for the sequences a finished output left open (an abort names only
+        sequence 0), with the reason of the first sequence that gave one."""
+        why = next((c for c in out.outputs if c.finish_reason is not None), None)
+        events = []
+        for index in range(n):
+            if index in ended:
+                continue
+            ended.add(index)
+            event = worker_pb2.TokenEvent(
+                index=index, finish_reason=why.finish_reason if why else "abort"
+            )
+            if (
+                why is not None
+                and isinstance(why.stop_reason, str)
+                and why.finish_reason
+                in (
+                    "abort",
+                    "error",
+                )
+            ):
+                event.stop_str = why.stop_reason
+            events.append(event)
+        return events
 
     # ---- Abort, Stats ---------------------------------------------------------------------------
     def Abort(self, request, context):

@@ -8,8 +8,13 @@ Disaggregation hooks:
   * prefill-only: `add_request(..., prefill_only=True, kv_sink=sink)` runs the prompt, calls
     `sink.on_layer(layer, layer_kv, block_ids, start, end)` as each layer's KV becomes final (so a
     transfer can overlap the next layer), samples the first token and finishes ("prefill_done").
+    n>1: every sequence samples its first token from the prompt's last logits with its own
+    generator, as add_request's n>1 does; only the first sequence holds KV.
   * external KV: `reserve()` sets aside blocks for a prompt, someone else writes its KV into
-    `kv_cache[:, :, block_ids]`, and `commit(first_token)` continues decoding from there.
+    `kv_cache[:, :, block_ids]`, and `commit(first_token)` continues decoding from there. n>1:
+    `commit([n first tokens])` forks the other sequences on copy-on-write blocks (the scheduler's
+    fork), and each seeded generator skips the draw its first token took on the other engine, so
+    the n outputs equal add_request's.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
 from engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus, Sequence
-from engine.sampler import make_generator
+from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
 from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
@@ -227,8 +232,6 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {limit}: shorten the "
                 f"prompt to at most {limit - 1} tokens (one must be left for output)"
             )
-        if prefill_only and params.n != 1:
-            raise InvalidRequest(f"n must be 1 for a prefill-only request, got {params.n}")
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None
@@ -280,33 +283,58 @@ class LLMEngine:
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> Reservation:
-        """Blocks for a prompt whose KV another engine will write. Raises NoFreeBlocks when full."""
+        """Blocks for a prompt whose KV another engine will write (n>1: plus one block per extra
+        sequence for its copy of a partial last block). Raises NoFreeBlocks when full, and
+        InvalidRequest when the whole KV cache could never hold them."""
         req = self._new_request(request_id, prompt_token_ids, params)
-        if req.params.n != 1:
-            raise InvalidRequest(f"n must be 1 for a disaggregated request, got {req.params.n}")
-        seq = req.seqs[0]
-        self.scheduler.reserve(seq)
+        seq, children = req.seqs[0], req.seqs[1:]
+        bm = self.block_manager
+        need = bm.blocks_needed(seq.num_tokens) + (
+            len(children) if seq.num_tokens % bm.block_size else 0
+        )
+        if need > bm.num_blocks:
+            raise InvalidRequest(
+                f"n={len(req.seqs)} sequences of a {seq.num_tokens}-token prompt need {need} KV "
+                f"blocks at once, more than this worker's {bm.num_blocks} in all: lower n or "
+                f"shorten the prompt"
+            )
+        self.scheduler.reserve(seq, children)
         self._requests[request_id] = req
         return Reservation(
             request_id, list(seq.block_ids), seq.num_cached_tokens, self.config.block_size
         )
 
-    def commit(self, request_id: str, first_token_id: int) -> None:
+    def commit(self, request_id: str, first_token_ids: int | list[int]) -> None:
+        """first_token_ids: the first token (n=1), or one per sequence in index order."""
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
-        vocab = self.model_config.vocab_size
-        if (
-            not isinstance(first_token_id, int)
-            or isinstance(first_token_id, bool)
-            or not 0 <= first_token_id < vocab
-        ):  # else the next step fails for every request
+        tokens = (
+            [first_token_ids]
+            if not isinstance(first_token_ids, list | tuple)
+            else list(first_token_ids)
+        )
+        if len(tokens) != len(req.seqs):
             raise InvalidRequest(
-                f"first_token_id must be an integer in [0, {vocab}), got {first_token_id!r}"
+                f"commit of {request_id!r} has {len(tokens)} first tokens for "
+                f"n={len(req.seqs)} sequences"
             )
-        seq = req.seqs[0]
-        self.scheduler.commit(seq, first_token_id)
-        self._emit_text(req, 0)
+        vocab = self.model_config.vocab_size
+        for token in tokens:
+            if (
+                not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab
+            ):  # else the next step fails for every request
+                raise InvalidRequest(
+                    f"first_token_id must be an integer in [0, {vocab}), got {token!r}"
+                )
+        # the first tokens were sampled elsewhere: each generator moves past that draw, so the
+        # next token comes from the same point of its stream as in an uninterrupted run
+        for seq in req.seqs:
+            if seq.generator is not None and not req.params.greedy:
+                skip_sample_draw(seq.generator, vocab)
+        self.scheduler.commit(req.seqs[0], tokens)
+        for i in range(len(req.seqs)):
+            self._emit_text(req, i)
         if req.finished:  # the first token already ended it (eos, a stop, max_tokens=1)
             self._undelivered.append(self._output(req))
             del self._requests[request_id]

@@ -177,6 +177,15 @@ def _exponential_race(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return probs.div_(q).argmax(dim=-1)
 
 
+def skip_sample_draw(generator: torch.Generator, vocab: int) -> None:
+    """Advances `generator` past the noise one random (temperature > 0) sampling step draws from
+    it in _exponential_race: a sequence whose first token another engine sampled (disaggregated
+    serving) then draws its next token from the same point of its stream as in one engine."""
+    torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(
+        generator=generator
+    )
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     device = logits.device
     params = [r.params for r in rows]

@@ -6,6 +6,9 @@ Request lifecycle in one engine:
            decode token) within the step's token budget; a step that reaches the end samples.
   RUNNING --blocks run out--> preempted (blocks freed, recomputed later) -> front of WAITING
   reserve -> RESERVED (blocks written by another engine) --commit(first token)--> RUNNING
+           n>1: the reservation also holds one block per child for the copy of the prompt's
+           partial last block; commit(n first tokens) forks the children as below and appends
+           each its own first token (they were sampled by the engine that ran the prompt)
   any -> FINISHED (stop, length, abort, prefill_done): blocks freed (full ones stay cached)
 n>1: the first sequence prefills; the other n-1 wait in FORK_PENDING, sample from the same logits
 and take the prompt's blocks by reference, with the partial last block copied (copy-on-write).
@@ -78,6 +81,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.reserved: dict[int, Sequence] = {}
         self.fork_children: dict[int, list[Sequence]] = {}
+        # reserved parent seq_id -> blocks held for its children's fork copies until the commit
+        self.reserved_copies: dict[int, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
         # keep a sliver free so admissions do not immediately force decodes into preemption
@@ -92,23 +97,35 @@ class Scheduler:
             self.fork_children[parent.seq_id] = children
         self.waiting.append(parent)
 
-    def reserve(self, seq: Sequence) -> None:
-        """Hold blocks for a prompt whose KV another engine will write; raises NoFreeBlocks."""
+    def reserve(self, seq: Sequence, children: list[Sequence] = ()) -> None:
+        """Hold blocks for a prompt whose KV another engine will write; raises NoFreeBlocks.
+        children: the request's other n-1 sequences (n>1), forked at the commit; one block each
+        is held for the copy of a partial last prompt block, so the commit never runs short."""
         # a copy the next step still has to make may involve blocks that are free by now (the parent
         # stopped on its first token, the child was aborted): another engine must not write them
         # before that copy runs, so keep them out of this reservation
         pinned = [b for copy in self._pending_copies for b in copy if self.bm.ref_count(b) == 0]
         self.bm.take(pinned)
+        copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
             cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
-            self._admit_blocks(seq, cached, seq.num_tokens, watermark=0)
+            # the copies count as a watermark: all of the family's blocks are free, or none is taken
+            self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies)
+            held = self.bm.allocate(copies)
         finally:
             self.bm.free(pinned)
         seq.status = SeqStatus.RESERVED
         self.reserved[seq.seq_id] = seq
+        if children:
+            for child in children:
+                child.status = SeqStatus.FORK_PENDING
+            self.fork_children[seq.seq_id] = list(children)
+            self.reserved_copies[seq.seq_id] = held
 
-    def commit(self, seq: Sequence, first_token_id: int) -> None:
-        """The reserved prompt's KV is in place: continue decoding from `first_token_id`."""
+    def commit(self, seq: Sequence, first_token_ids: int | list[int]) -> None:
+        """The reserved prompt's KV is in place: continue decoding from the first token (n>1: one
+        per sequence, in index order; the children fork from `seq` on copy-on-write blocks)."""
+        tokens = [first_token_ids] if isinstance(first_token_ids, int) else list(first_token_ids)
         del self.reserved[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         seq.num_hashed_blocks = self.bm.register_full_blocks(
@@ -116,7 +133,15 @@ class Scheduler:
         )
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        self._append_token(seq, first_token_id, None)
+        children = list(self.fork_children.get(seq.seq_id, []))
+        self.bm.free(self.reserved_copies.pop(seq.seq_id, []))  # for _fork to allocate at once
+        # fork before appending any token, as update() does: a parent that stops on its first
+        # token must not take its children down with it
+        for child in children:
+            self._fork(seq, child)
+        self._append_token(seq, tokens[0], None)
+        for child, token in zip(children, tokens[1:]):
+            self._append_token(child, token, None)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason=None) -> None:
         if seq.status == SeqStatus.FINISHED:
@@ -127,6 +152,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SeqStatus.RESERVED:
             del self.reserved[seq.seq_id]
+            self.bm.free(self.reserved_copies.pop(seq.seq_id, []))
         self.bm.free(seq.block_ids)
         seq.block_ids = []
         seq.status = SeqStatus.FINISHED
@@ -253,6 +279,8 @@ class Scheduler:
             self.fork_children.pop(parent.seq_id, None)
         if parent.status != SeqStatus.RUNNING:
             return False
+        if child.prefill_only:  # it only takes its first token and finishes: no KV of its own
+            return True
         bs = self.bm.block_size
         num_full = parent.num_computed_tokens // bs
         shared = parent.block_ids[:num_full]

@@ -41,6 +41,7 @@ class KVReceiver:
         self.num_prompt_tokens = num_prompt_tokens
         self.state = TransferState.PENDING
         self.first_token: int | None = None
+        self.first_tokens: tuple[int, ...] = ()  # n>1: every sequence's, in index order
         self.error: str | None = None
         self.bytes_received = 0
         self._covered = torch.zeros(
@@ -67,6 +68,7 @@ class KVReceiver:
                         f"commit before all KV arrived ({missing} values missing)"
                     )
                 self.first_token = header.first_token
+                self.first_tokens = header.first_tokens or (header.first_token,)
                 self.state = TransferState.DONE
             else:
                 self._write(header, payload)
@@ -145,6 +147,11 @@ class WorkerReceiver:
     @property
     def first_token(self) -> int | None:
         return self.ranks[0].first_token
+
+    @property
+    def first_tokens(self) -> tuple[int, ...]:
+        """Every sequence's first token (one for n=1), in index order."""
+        return self.ranks[0].first_tokens
 
     @property
     def error(self) -> str | None:

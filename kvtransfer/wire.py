@@ -1,7 +1,8 @@
 """Frames on the wire: a msgpack header (versioned, with the layout fingerprint) + raw KV bytes.
 
 Frame = u32 little-endian header length | msgpack header | payload. Three kinds travel on one
-channel, in order: "kv" chunks, then one "commit" (carrying the first token) or one "abort".
+channel, in order: "kv" chunks, then one "commit" (carrying the first token; n>1: also every
+sequence's first token in first_tokens) or one "abort".
 The payload of a "kv" chunk is one layer's K and V for tokens [start, end) and kv heads
 [head_start, head_end), contiguous, in the header's dtype: shape
 [2, end - start, head_end - head_start, head_dim]. Never pickle.
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from protos.limits import MAX_ID_CHARS
+from protos.limits import MAX_ID_CHARS, MAX_N
 
 WIRE_VERSION = 1
 _LEN = struct.Struct("<I")
@@ -66,6 +67,9 @@ class ChunkHeader:
     in_place: bool = (
         False  # "kv" only: the sender already wrote the KV into the receiver's cache (shm)
     )
+    # "commit" of an n>1 request only: each sequence's first token in index order (first_tokens[0]
+    # is first_token); empty for n=1
+    first_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -100,6 +104,17 @@ class ChunkHeader:
             raise WireError(
                 f"frame first_token must be a 64-bit int, got {_describe(self.first_token)}"
             )
+        tokens = self.first_tokens
+        if (
+            not isinstance(tokens, list | tuple)
+            or len(tokens) > MAX_N
+            or not all(_is_int(t) and -_INT64 <= t < _INT64 for t in tokens)
+        ):
+            raise WireError(
+                f"frame first_tokens must be at most {MAX_N} 64-bit ints, got {_describe(tokens)}"
+            )
+        if isinstance(tokens, list):  # msgpack decodes arrays as lists; the header stays hashable
+            object.__setattr__(self, "first_tokens", tuple(tokens))
         if not isinstance(self.in_place, bool):
             raise WireError(f"frame in_place must be true or false, got {_describe(self.in_place)}")
 

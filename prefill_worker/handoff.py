@@ -6,7 +6,8 @@ Lifecycle of one request on a prefill worker:
                                        tokens the decode side already holds from its prefix cache);
                                        when the compute has every core, after the step's last layer
                                        instead (see PushSink.overlap)
-  first token sampled -> "commit" frame on the same channel (so it follows all the KV)
+  first token sampled -> "commit" frame on the same channel (so it follows all the KV); n>1: the
+                         frame carries every sequence's first token (the KV is sent once)
   failure or abort    -> "abort" frame; the decode side frees the reservation
 """
 
@@ -116,10 +117,16 @@ class PushSink:
         self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 
-    def commit(self, first_token: int) -> None:
+    def commit(self, first_token: int | list[int]) -> None:
+        """first_token: the first token, or every sequence's in index order (n>1)."""
+        tokens = [first_token] if isinstance(first_token, int) else list(first_token)
         self.transport.send(
             ChunkHeader(
-                self.request_id, self.layout.fingerprint, kind="commit", first_token=first_token
+                self.request_id,
+                self.layout.fingerprint,
+                kind="commit",
+                first_token=tokens[0],
+                first_tokens=tuple(tokens) if len(tokens) > 1 else (),
             ),
             None,
             self.dest,

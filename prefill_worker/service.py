@@ -6,6 +6,9 @@ Lifecycle of one Prefill call:
      next layer computes
   -> finished output ("prefill_done"): commit(first_token) on the same channel -> flush the
      channel (every frame handed to the decode side) -> reply with the first token and timings
+  n>1: the prompt runs and its KV is pushed once; each of the n sequences samples its first token
+     from the prompt's last logits with its own generator (the engine's n>1), and the commit and
+     the reply carry all n (the decode worker forks the sequences)
   timeout, Abort, client gone or a transport error -> engine request aborted, "abort" frame sent
      (so the decode side frees the reservation at once instead of at lease expiry)
 """
@@ -79,7 +82,7 @@ class GuardedSink:
         per_layer = (self.first_step_end_ns - self.first_layer_ns) / (self.num_layers - 1)
         return int(self.first_layer_ns - per_layer)
 
-    def commit(self, first_token: int) -> None:
+    def commit(self, first_token: int | list[int]) -> None:
         if self.error is None:
             try:
                 self.sink.commit(first_token)
@@ -91,6 +94,18 @@ class GuardedSink:
             self.sink.abort()
         except Exception as e:  # the channel is gone: the decode side's lease frees the blocks
             log.debug("abort frame for %s not sent: %r", self.sink.request_id, e)
+
+
+def prefill_done(out: RequestOutput) -> bool:
+    """Whether every sequence of a finished prefill-only request sampled its first token."""
+    return bool(out.outputs) and all(
+        c.finish_reason == "prefill_done" and c.token_ids for c in out.outputs
+    )
+
+
+def first_tokens(out: RequestOutput) -> list[int]:
+    """Each sequence's first token, in index order."""
+    return [c.token_ids[0] for c in sorted(out.outputs, key=lambda c: c.index)]
 
 
 class _Waiter:
@@ -105,10 +120,9 @@ class _Waiter:
     def __call__(self, out: RequestOutput) -> None:  # on the loop thread
         if not out.finished:
             return
-        comp = out.outputs[0]
         self.end_ns = unix_ns()  # before the commit: the decode side may stamp its arrival first
-        if comp.finish_reason == "prefill_done":
-            self.sink.commit(comp.token_ids[0])
+        if prefill_done(out):
+            self.sink.commit(first_tokens(out))
         self.output = out
         self.done.set()
 
@@ -224,7 +238,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     f"prefill of {rid!r} did not finish in time; raise the deadline",
                 )
         comp = waiter.output.outputs[0]
-        if comp.finish_reason != "prefill_done":
+        if not prefill_done(waiter.output):
             sink.abort()
             context.abort(
                 grpc.StatusCode.ABORTED,
@@ -250,10 +264,15 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self._fail_transport(endpoint, transport, sink, context, e)
         transfer_end_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
+        comps = sorted(waiter.output.outputs, key=lambda c: c.index)
         return worker_pb2.PrefillResponse(
             request_id=rid,
             first_token=comp.token_ids[0],
             first_token_logprob=comp.logprobs[0] if comp.logprobs else 0.0,
+            first_tokens=[c.token_ids[0] for c in comps] if len(comps) > 1 else [],
+            first_token_logprobs=(
+                [c.logprobs[0] for c in comps] if len(comps) > 1 and comp.logprobs else []
+            ),
             num_cached_tokens=waiter.output.num_cached_tokens,
             prefill_start_unix_ns=max(arrival_ns, sink.compute_start_ns()),
             prefill_end_unix_ns=waiter.end_ns,

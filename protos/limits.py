@@ -80,6 +80,8 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
             grpc.StatusCode.OUT_OF_RANGE,
             f"sampling.min_tokens={sampling.min_tokens} exceeds max_model_len={max_model_len}",
         )
+    if sampling.HasField("n") and sampling.n < 1:
+        return invalid(f"sampling.n={sampling.n}: at least 1 sequence per prompt")
     if sampling.HasField("n") and sampling.n > MAX_N:
         return invalid(f"sampling.n={sampling.n}: at most {MAX_N} sequences per prompt")
     for name in _FLOAT_FIELDS:

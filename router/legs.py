@@ -233,36 +233,57 @@ class Legs:
             )
         return leg
 
-    def stream(self, req: Inflight, leg: Leg, text: TextStream, sent: list[int]):
-        """Yields the client's responses for one leg's token events, adding their ids to `sent`;
-        returns (the final event or None, the stream's error or None)."""
+    def stream(
+        self,
+        req: Inflight,
+        leg: Leg,
+        texts: list[TextStream],
+        sent: list[list[int]],
+        finish_of=None,
+    ):
+        """Yields the client's responses for one leg's token events, sequence i's (TokenEvent.index)
+        through texts[i], adding their ids to sent[i]; returns (the final event of the sequence that
+        ended last, or None; the stream's error or None). n>1: the Finish of each sequence that
+        ends before the last is `finish_of(its final event)`, yielded in place."""
+        n, ended = len(texts), set()
         try:
             for event in leg.stream_call:
+                i = event.index
+                if i >= n or i in ended:  # never sent, or the router already ended it (below)
+                    continue
                 if event.token_ids and not req.first_token_ns:
                     req.first_token_ns = unix_ns()
                 if event.token_ids and self.on_tokens is not None:
-                    self.on_tokens(req, event.index, len(event.token_ids))
+                    self.on_tokens(req, i, len(event.token_ids))
                 if event.token_ids and leg.charged_tokens:
                     self.release_charge(leg)
-                sent.extend(event.token_ids)
+                sent[i].extend(event.token_ids)
+                text = texts[i]
                 is_final = event.HasField("finish_reason")
                 piece = text.add(event.token_ids) + (text.flush() if is_final else "")
                 if event.token_ids or piece:
                     delta = pdserve_pb2.TokenDelta(
-                        index=event.index,
+                        index=i,
                         token_ids=event.token_ids,
                         text=piece,
                         logprobs=event.logprobs,
                     )
                     yield pdserve_pb2.GenerateResponse(request_id=req.request_id, delta=delta)
+                if not is_final and text.stopped:
+                    # a stop string across a resume point: the worker cannot see it. The last open
+                    # sequence ends the leg; another (n>1) runs on there, its events dropped
+                    if len(ended) == n - 1:
+                        self.abort(leg)
+                        leg.stream_call.cancel()
+                    is_final = True
+                    event = worker_pb2.TokenEvent(
+                        index=i, finish_reason="stop", stop_str=text.stop_str
+                    )
                 if is_final:
-                    return event, None
-                if text.stopped:  # a stop string across a resume point: the worker cannot see it
-                    self.abort(leg)
-                    leg.stream_call.cancel()
-                    return worker_pb2.TokenEvent(
-                        index=event.index, finish_reason="stop", stop_str=text.stop_str
-                    ), None
+                    ended.add(i)
+                    if len(ended) == n:
+                        return event, None
+                    yield finish_of(event)
         except grpc.RpcError as e:
             return None, e
         finally:
@@ -400,6 +421,9 @@ class Legs:
                 num_blocks = len(reservation.block_ids)
                 if self.options.colocated and reservation.block_size:  # it allocates as it prefills
                     num_blocks = -(-len(prompt) // reservation.block_size)
+                n = sampling.n if sampling.HasField("n") else 1
+                if n > 1 and reservation.block_size and len(prompt) % reservation.block_size:
+                    num_blocks += n - 1  # each fork's copy of the partial last prompt block
                 self.pool.note_reserved(worker, num_blocks)
                 return worker, reservation
             except grpc.RpcError as e:

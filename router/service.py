@@ -15,6 +15,11 @@ Lifecycle of one Generate call (docs/architecture.md section 1):
      already streamed, prefill again, keep streaming (at most max_resumes times; the steps above
      are a "leg", router/legs.py). After a resume seeded sampling continues from a new generator
      and presence/frequency penalties see the earlier output as prompt (details in router/legs.py)
+  n>1: one leg for all n sequences (prefilled once; the decode worker forks them) and one text
+     stream per sequence here; each sequence's Finish goes out when it ends, the call ends after
+     the n-th. A decode worker that dies once an n>1 request streamed tokens fails it with
+     UNAVAILABLE instead of resuming: each sequence would need its own prompt (the client's plus
+     its own tokens), so one leg could not carry them (before any token it restarts as for n=1)
   client gone (context callback) or deadline_ms exceeded -> Abort on both workers, sent from the
      router's abort threads: gRPC runs the callback on its polling thread, which must never wait
      on a worker (it would stall every call of the router, health checks and heartbeats included)
@@ -74,6 +79,17 @@ class ServiceOptions:
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
 
 
+def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
+    """The request's figures for the metrics: `last` (the sequence that ended the request) with
+    the completion tokens of all its sequences (n>1: each Finish counts its own, pdserve.proto)."""
+    if not earlier:
+        return last
+    total = pdserve_pb2.Finish()
+    total.CopyFrom(last)
+    total.usage.completion_tokens += sum(f.usage.completion_tokens for f in earlier)
+    return total
+
+
 class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
     def __init__(
         self,
@@ -116,11 +132,6 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"model {request.model[:200]} is not served; served: {opts.model_id}",
-            )
-        if request.sampling.HasField("n") and request.sampling.n > 1:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "n>1 is not supported by the disaggregated router yet",
             )
         try:
             prompt = self.encoder.encode(request)
@@ -165,32 +176,46 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     def _generate(self, req: Inflight, request, prompt, deadline, queued_ns, context):
         sampling = request.sampling
-        text = TextStream(
-            self.tokenizer,
-            prompt,
-            sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
-            tuple(sampling.stop),
-            sampling.include_stop_str_in_output,
-        )
-        sent: list[int] = []  # token ids the client got, over all legs
+        n = sampling.n if sampling.HasField("n") else 1
+        texts = [
+            TextStream(
+                self.tokenizer,
+                prompt,
+                sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+                tuple(sampling.stop),
+                sampling.include_stop_str_in_output,
+            )
+            for _ in range(n)
+        ]
+        sent: list[list[int]] = [[] for _ in range(n)]  # token ids the client got, per sequence
         legs: list[Leg] = []
+        finishes: list[pdserve_pb2.Finish] = []  # n>1: the sequences that ended before the last
+
+        def finish_of(event) -> pdserve_pb2.GenerateResponse:
+            """A sequence's Finish while others still run (n>1)."""
+            self._prefill_result(legs[-1].prefill_future)
+            finish = self._finish(event, len(prompt), len(sent[event.index]), legs, queued_ns, req)
+            finishes.append(finish)
+            return pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=finish)
+
         while True:
-            leg_sampling = resume_sampling(sampling, len(sent))
-            if leg_sampling is None or len(prompt) + len(sent) >= self.options.max_model_len:
+            streamed = sent[0] if n == 1 else []  # n>1 only restarts before any token
+            leg_sampling = resume_sampling(sampling, len(streamed))
+            if leg_sampling is None or len(prompt) + len(streamed) >= self.options.max_model_len:
                 final = worker_pb2.TokenEvent(finish_reason="length")  # the dead leg had got there
                 break
             try:
-                leg = self.legs.start(req, prompt + sent, leg_sampling, deadline, len(legs))
+                leg = self.legs.start(req, prompt + streamed, leg_sampling, deadline, len(legs))
             except LegFailed as e:
                 self._fail(req, context, e.error, e.who, 0)
             if leg is None:
                 return
             legs.append(leg)
-            final, error = yield from self.legs.stream(req, leg, text, sent)
+            final, error = yield from self.legs.stream(req, leg, texts, sent, finish_of)
             if req.cancelled:
                 return
             if decode_died(leg, final, error, req.abort_requested, deadline):
-                self._resume_or_fail(req, leg, error, len(sent), context)
+                self._resume_or_fail(req, leg, error, sum(map(len, sent)), context, n)
                 continue
             self._prefill_result(leg.prefill_future)
             if (
@@ -203,14 +228,17 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 self._fail(req, context, error, "decode worker", request.deadline_ms)
             break
         req.finished = True
-        finish = self._finish(final, len(prompt), len(sent), legs, queued_ns, req)
+        finish = self._finish(final, len(prompt), len(sent[final.index]), legs, queued_ns, req)
         if self.metrics is not None:
-            self.metrics.observe_finish(finish, req, legs[0], unix_ns())
+            self.metrics.observe_finish(request_finish(finish, finishes), req, legs[0], unix_ns())
         yield pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=finish)
 
-    def _resume_or_fail(self, req: Inflight, leg: Leg, error, num_sent: int, context) -> None:
+    def _resume_or_fail(
+        self, req: Inflight, leg: Leg, error, num_sent: int, context, n: int = 1
+    ) -> None:
         """After a leg's decode worker died: returns so the caller starts the next leg, or ends the
-        call when no resume is left."""
+        call when no resume is left. n>1 after any streamed token: not resumed (see the module
+        docstring), the call ends with UNAVAILABLE."""
         self.legs.retire(req, leg)
         why = (
             f"{error.code().name}: {error.details()}"
@@ -218,6 +246,20 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             else "its stream ended without a final event"
         )
         name = self.pool.name(leg.decode)
+        if n > 1 and num_sent:
+            self._fail(
+                req,
+                context,
+                RouterStatus(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"decode worker {name} failed ({why}) while streaming request "
+                    f"{req.request_id!r} with n={n} after {num_sent} tokens; a request with n>1 "
+                    f"is not resumed on another decode worker once tokens were streamed: retry "
+                    f"the request",
+                ),
+                "decode worker",
+                0,
+            )
         if leg.number >= self.options.max_resumes:
             self._fail(
                 req,

@@ -69,8 +69,10 @@ def test_engine_level_bad_input(small_llm):
         engine.add_request("bad", [], greedy())
     with pytest.raises(PromptTooLong, match="max_model_len"):
         engine.reserve("bad", list(range(2, 66)), greedy())
-    with pytest.raises(InvalidRequest, match="n must be 1"):
-        engine.add_request("bad", prompt, SamplingParams(n=2), prefill_only=True)
+    with pytest.raises(InvalidRequest, match="first tokens"):  # n=2 commits two (test_n_sequences)
+        engine.reserve("n2", prompt, SamplingParams(n=2))
+        engine.commit("n2", 5)
+    engine.abort("n2")
     with pytest.raises(BadSamplingParams, match="top_p"):
         SamplingParams(top_p=0)
     engine.add_request("dup", prompt, greedy(20))

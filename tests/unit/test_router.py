@@ -239,9 +239,15 @@ def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expect
         (dict(token_ids=[5, 6, 7], model="nope"), GREEDY, grpc.StatusCode.NOT_FOUND, "nope"),
         (
             dict(token_ids=[5, 6, 7]),
-            pdserve_pb2.SamplingParams(n=2),
+            pdserve_pb2.SamplingParams(n=65),
             grpc.StatusCode.INVALID_ARGUMENT,
-            "n>1",
+            "at most 64",
+        ),
+        (
+            dict(token_ids=[5, 6, 7]),
+            pdserve_pb2.SamplingParams(n=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.n=0",
         ),
     ]
     for input_, sampling, code, named in cases:

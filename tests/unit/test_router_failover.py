@@ -554,7 +554,7 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
     leg = Leg(1)
     leg.stream_call = FakeStream([7, 8, 9])
     legs = Legs(pool=None, executor=None, options=None)
-    run = legs.stream(Inflight("r"), leg, text, sent)
+    run = legs.stream(Inflight("r"), leg, [text], [sent])  # sequence 0 of 1
     responses = []
     with pytest.raises(StopIteration) as done:
         while True:

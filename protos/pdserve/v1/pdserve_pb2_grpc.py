@@ -58,6 +58,10 @@ class PDServeServicer:
         """Streams TokenDelta events for each of the `sampling.n` sequences, then one Finish per
         sequence. Bad requests fail with INVALID_ARGUMENT, an exceeded deadline_ms with
         DEADLINE_EXCEEDED, a full cluster with RESOURCE_EXHAUSTED.
+        n>1: the prompt is prefilled once; the sequences' deltas interleave, each with its index, and
+        each sequence's Finish (with its index) comes when that sequence ends; the call ends after the
+        n-th Finish. A decode worker that dies once tokens were streamed fails an n>1 request
+        (UNAVAILABLE) instead of resuming it as it does for n=1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -88,7 +88,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "bytes_sent", "prefill_arrival_unix_ns", "transfer_start_unix_ns")
+    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "bytes_sent", "prefill_arrival_unix_ns", "transfer_start_unix_ns", "first_tokens", "first_token_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class PrefillResponse(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     first_token_logprob: float
@@ -109,7 +111,9 @@ class PrefillResponse(_message.Message):
     bytes_sent: int
     prefill_arrival_unix_ns: int
     transfer_start_unix_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ...) -> None: ...
+    first_tokens: _containers.RepeatedScalarFieldContainer[int]
+    first_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

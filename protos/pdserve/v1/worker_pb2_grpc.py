@@ -69,6 +69,10 @@ class DecodeWorkerServicer:
 
     def Stream(self, request, context):
         """Tokens of a reserved request, from the first (committed by the prefill worker) to Finish.
+        n>1: events of the n sequences interleave, each with its TokenEvent.index; every sequence
+        ends with one event carrying its finish_reason (sent when that sequence ends; a request
+        aborted as a whole ends each unfinished sequence with "abort"), and the stream closes after
+        the last of them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,345 @@
+"""n > 1 through the disaggregated path (issue #16): the prompt is prefilled once, the prefill
+engine samples the n first tokens (each sequence with its own generator), the KV goes once into
+one reservation, and the decode engine forks the n sequences on copy-on-write blocks.
+
+Engine level first (a prefill-only engine copying its KV into another engine's reservation), then
+the workers and the Router in one process over 127.0.0.1 with the shm and grpc KV backends: the
+n outputs equal engine.LLM's for the same prompt and SamplingParams (greedy and seeded sampling),
+each sequence ends with its own Finish, stop strings, usage, aborts and short KV pools.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from conftest import assert_no_leaks, random_prompts, wait_until
+from decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequest, NoFreeBlocks
+from engine_helpers import KV, run_until_done
+from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from protos.convert import sampling_kwargs
+from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.server import Router, RouterConfig
+from test_engine_hooks import CopySink
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RPC_TIMEOUT = 30.0
+MAX_MODEL_LEN = 128
+
+
+def proto_sampling(**kw) -> pdserve_pb2.SamplingParams:
+    return pdserve_pb2.SamplingParams(**kw)
+
+
+SEEDED = dict(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+GREEDY = dict(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def engine_outputs(llm, prompt, sampling: pdserve_pb2.SamplingParams) -> list[list[int]]:
+    """engine.LLM's n token lists for a prompt, by sequence index."""
+    out = llm.generate([prompt], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0]
+    return [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+# ---- the engines alone --------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("prompt_len", [21, 32])  # a partial last block (copied), whole blocks only
+def test_prefill_once_fork_on_the_decode_engine_matches_one_engine(tiny_models, kind, prompt_len):
+    model_dir = tiny_models("llama-gqa")[0]
+    params = dict(GREEDY if kind == "greedy" else SEEDED, n=3)
+    sp = proto_sampling(**params)
+    prompt = random_prompts([prompt_len], seed=31)[0]
+    llm = LLM(model_dir, kv_cache_memory=KV)
+    want = engine_outputs(llm, prompt, sp)
+    assert len({tuple(w) for w in want}) == (1 if kind == "greedy" else 3)
+    a = LLM(model_dir, kv_cache_memory=KV, block_size=4).engine
+    b = LLM(model_dir, kv_cache_memory=KV, block_size=16).engine
+    free_before = b.block_manager.num_free_blocks
+    res = b.reserve("r", prompt, SamplingParams(**params))
+    assert len(res.block_ids) == -(-prompt_len // 16)
+    copies = 2 if prompt_len % 16 else 0  # held for the forks' copies of the partial last block
+    assert b.block_manager.num_free_blocks == free_before - len(res.block_ids) - copies
+    sink = CopySink(b, res, a.model_config.num_layers)
+    a.add_request("r", prompt, SamplingParams(**params), prefill_only=True, kv_sink=sink)
+    first = [o for o in run_until_done(a) if o.finished][-1]
+    assert [c.finish_reason for c in first.outputs] == ["prefill_done"] * 3
+    firsts = [c.token_ids[0] for c in first.outputs]
+    assert firsts == [w[0] for w in want]
+    assert_no_leaks(a)  # the children never held KV on the prefill engine
+    b.commit("r", firsts)
+    final = [o for o in run_until_done(b) if o.finished]
+    assert len(final) == 1
+    assert [c.token_ids for c in final[0].outputs] == want
+    assert [c.finish_reason for c in final[0].outputs] == ["length"] * 3
+    assert_no_leaks(b)
+
+
+def small_engine(model_dir, num_blocks: int, **kw):
+    """An engine whose KV cache holds `num_blocks` blocks of 16 tokens."""
+    probe = LLM(model_dir, kv_cache_memory=KV, block_size=16).engine
+    per_block = probe.kv_cache[:, :, 0].numel() * probe.kv_cache.element_size()
+    kw.setdefault("max_model_len", MAX_MODEL_LEN)
+    engine = LLM(model_dir, kv_cache_memory=num_blocks * per_block, block_size=16, **kw).engine
+    assert engine.block_manager.num_blocks == num_blocks
+    return engine
+
+
+def test_reserve_and_commit_of_n_sequences_refuse_what_does_not_fit(tiny_models):
+    b = small_engine(tiny_models("llama-gqa")[0], 12)
+    prompt = random_prompts([17], seed=3)[0]  # 2 blocks, the second partial: one copy per child
+    with pytest.raises(InvalidRequest, match="lower n"):  # never fits: not a "retry later"
+        b.reserve("huge", prompt, SamplingParams(n=12, max_tokens=4))
+    # fits the pool but not what is free now: nothing is taken
+    b.reserve("hold", random_prompts([16 * 8 - 1], seed=4)[0])  # 8 blocks
+    assert b.block_manager.num_free_blocks == 4
+    with pytest.raises(NoFreeBlocks):
+        b.reserve("n4", prompt, SamplingParams(n=4, max_tokens=4))  # 2 + 3 copies > 4
+    assert b.block_manager.num_free_blocks == 4
+    b.reserve("n3", prompt, SamplingParams(n=3, max_tokens=4))  # 2 + 2 copies
+    assert b.block_manager.num_free_blocks == 0
+    with pytest.raises(InvalidRequest, match="n=3"):
+        b.commit("n3", [5, 6])
+    b.abort("n3")
+    b.abort("hold")
+    assert_no_leaks(b)
+
+
+def test_forked_decodes_that_run_short_of_blocks_are_preempted_and_still_match(tiny_models):
+    """Three sequences that each need 4 blocks in a pool of 8: the scheduler preempts forked
+    children (recomputed later from the prefix cache) and every output is the engine's."""
+    model_dir = tiny_models("llama-gqa")[0]
+    prompt = random_prompts([20], seed=5)[0]
+    params = dict(temperature=0, max_tokens=40, ignore_eos=True, n=3)
+    want = engine_outputs(LLM(model_dir, kv_cache_memory=KV), prompt, proto_sampling(**params))
+    a = LLM(model_dir, kv_cache_memory=KV, block_size=16).engine
+    b = small_engine(model_dir, 8)
+    res = b.reserve("r", prompt, SamplingParams(**params))
+    sink = CopySink(b, res, a.model_config.num_layers)
+    a.add_request("r", prompt, SamplingParams(**params), prefill_only=True, kv_sink=sink)
+    first = [o for o in run_until_done(a) if o.finished][-1]
+    b.commit("r", [c.token_ids[0] for c in first.outputs])
+    final = [o for o in run_until_done(b) if o.finished]
+    assert [c.token_ids for c in final[0].outputs] == want
+    assert b.scheduler.num_preemptions > 0
+    assert_no_leaks(b)
+
+
+# ---- through the Router -------------------------------------------------------------------------
+class Cluster:
+    """A decode worker (KV over `backend`), a prefill worker and the Router in front."""
+
+    def __init__(self, model_dir, backend: str, decode_blocks: int | None = None):
+        engine = dict(max_model_len=MAX_MODEL_LEN)
+        decode_kv = 1 << 20
+        if decode_blocks is not None:
+            probe = LLM(model_dir, kv_cache_memory=KV, block_size=16).engine
+            decode_kv = (
+                decode_blocks * probe.kv_cache[:, :, 0].numel() * probe.kv_cache.element_size()
+            )
+        self.decode = DecodeWorker(
+            DecodeWorkerConfig(
+                model=model_dir,
+                worker_id="d0",
+                lease_ms=10_000,
+                kv_backend=backend,
+                engine_kwargs=dict(kv_cache_memory=decode_kv, block_size=16, **engine),
+            )
+        ).start()
+        self.prefill = PrefillWorker(
+            PrefillWorkerConfig(
+                model=model_dir,
+                worker_id="p0",
+                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, **engine),
+            )
+        ).start()
+        self.router = Router(
+            RouterConfig(
+                model=model_dir,
+                prefill_addresses=(self.prefill.address,),
+                decode_addresses=(self.decode.address,),
+                max_model_len=MAX_MODEL_LEN,
+                max_inflight=16,
+            )
+        ).start()
+        self.channels = [
+            grpc.insecure_channel(a)
+            for a in (self.router.address, self.decode.address, self.prefill.address)
+        ]
+        self.api = pdserve_pb2_grpc.PDServeStub(self.channels[0])
+        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[1])
+        self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[2])
+
+    def stop(self):
+        for ch in self.channels:
+            ch.close()
+        self.router.stop()
+        self.prefill.stop()
+        self.decode.stop()
+
+    def idle(self) -> bool:
+        """Every KV block of both pools free, nothing reserved or running."""
+        d = self.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+        p = self.p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+        return (
+            d.num_free_blocks == d.num_total_blocks
+            and p.num_free_blocks == p.num_total_blocks
+            and d.num_reserved == d.num_running == d.num_waiting == 0
+            and p.num_running == p.num_waiting == 0
+        )
+
+    def wait_idle(self):
+        wait_until(self.idle, 5, "both KV pools back to all free")
+
+    def call(self, prompt, sampling, **kw):
+        return self.api.Generate(
+            pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling, **kw
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+
+
+def collect(responses, n: int):
+    """Per sequence: token ids, text, and its Finish; checks that each index ends exactly once,
+    with no delta after its Finish."""
+    ids = {i: [] for i in range(n)}
+    text = {i: "" for i in range(n)}
+    finish = {}
+    for r in responses:
+        if r.HasField("delta"):
+            d = r.delta
+            assert d.index < n and d.index not in finish, (
+                f"delta of sequence {d.index} after its end"
+            )
+            ids[d.index] += d.token_ids
+            text[d.index] += d.text
+        else:
+            f = r.finish
+            assert f.index < n and f.index not in finish, f"second Finish for sequence {f.index}"
+            finish[f.index] = f
+    assert sorted(finish) == list(range(n)), f"Finish for {sorted(finish)} of {n} sequences"
+    return ids, text, finish
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models("llama-gqa")[0], kv_cache_memory=KV)
+
+
+@pytest.fixture(scope="module", params=["shm", "grpc"])
+def cluster(request, tiny_models):
+    c = Cluster(tiny_models("llama-gqa")[0], request.param)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def idle(cluster):
+    yield cluster
+    cluster.wait_idle()
+
+
+def want_of(llm, prompt, sampling):
+    """engine.LLM's (token ids, text, finish reason, stop reason) per sequence index."""
+    out = llm.generate([prompt], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0]
+    return {c.index: (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [dict(GREEDY, n=2), dict(SEEDED, n=3), dict(SEEDED, n=2, top_k=20, seed=7, max_tokens=7)],
+    ids=["greedy-n2", "seeded-n3", "seeded-topk-n2"],
+)
+@pytest.mark.parametrize("prompt_len", [21, 32])
+def test_n_outputs_equal_the_engines(idle, llm, params, prompt_len):
+    sampling = proto_sampling(**params)
+    prompt = random_prompts([prompt_len], seed=prompt_len)[0]
+    want = want_of(llm, prompt, sampling)
+    n = params["n"]
+    ids, text, finish = collect(idle.call(prompt, sampling), n)
+    for i in range(n):
+        assert ids[i] == want[i][0] and text[i] == want[i][1], f"sequence {i}"
+        f = finish[i]
+        assert f.finish_reason == "length" and f.index == i
+        # usage: the request's prompt in each Finish, each sequence's own completion tokens
+        assert f.usage.prompt_tokens == prompt_len
+        assert f.usage.completion_tokens == len(want[i][0]) == params["max_tokens"]
+        # the KV was sent once (the same figure in each), unless the decode side had it cached
+        assert (f.usage.kv_transfer_bytes > 0) == (f.usage.cached_prompt_tokens < prompt_len)
+        assert f.timings.decode_worker == "d0" and f.timings.prefill_worker == "p0"
+        assert 0 < f.timings.first_token_unix_ns <= f.timings.last_token_unix_ns
+    assert len({f.usage.kv_transfer_bytes for f in finish.values()}) == 1
+    if params.get("seed") is not None:  # the same seed again: the same n texts
+        assert collect(idle.call(prompt, sampling), n)[1] == text
+
+
+def test_stop_strings_end_each_sequence_on_its_own(idle, llm):
+    """A stop string that some sequences produce and others do not: each ends where engine.LLM's
+    does, with its own finish reason and stop string, and the others run on."""
+    prompt = random_prompts([19], seed=41)[0]
+    free = proto_sampling(**dict(SEEDED, n=4, max_tokens=12))
+    runs = want_of(llm, prompt, free)
+    # a word that sequence 1 says after a few tokens; the others may or may not
+    stop = runs[1][1].split()[3]
+    sampling = proto_sampling(**dict(SEEDED, n=4, max_tokens=12), stop=[stop])
+    want = want_of(llm, prompt, sampling)
+    assert want[1][2] == "stop" and any(w[2] == "length" for w in want.values()), want
+    ids, text, finish = collect(idle.call(prompt, sampling), 4)
+    for i in range(4):
+        tokens, want_text, reason, stop_reason = want[i]
+        assert (ids[i], text[i], finish[i].finish_reason) == (tokens, want_text, reason)
+        if reason == "stop":
+            assert finish[i].stop_str == stop_reason == stop
+        assert finish[i].usage.completion_tokens == len(tokens)
+
+
+def test_abort_of_an_n_request_ends_every_sequence_and_frees_both_pools(idle):
+    prompt = random_prompts([40], seed=42)[0]
+    sampling = proto_sampling(temperature=1.0, n=3, max_tokens=MAX_MODEL_LEN - 41, ignore_eos=True)
+    call = idle.call(prompt, sampling, request_id="n-abort")
+    responses = []
+    for r in call:
+        responses.append(r)
+        if len(responses) == 4:  # tokens are flowing on the decode worker
+            found = idle.api.Abort(pdserve_pb2.AbortRequest(request_id="n-abort"), timeout=5)
+            assert found.found
+    ids, _, finish = collect(responses, 3)
+    assert {f.finish_reason for f in finish.values()} == {"abort"}
+    assert all(len(ids[i]) < MAX_MODEL_LEN - 41 for i in range(3))
+    idle.wait_idle()
+
+
+def test_client_cancel_of_an_n_request_frees_both_pools(idle):
+    prompt = random_prompts([40], seed=43)[0]
+    sampling = proto_sampling(temperature=0, n=3, max_tokens=MAX_MODEL_LEN - 41, ignore_eos=True)
+    call = idle.call(prompt, sampling)
+    got = 0
+    for r in call:
+        got += r.HasField("delta")
+        if got == 5:
+            call.cancel()
+            break
+    idle.wait_idle()
+
+
+def test_concurrent_n_requests_all_complete(idle, llm):
+    prompts = random_prompts([9, 30, 17], seed=44)
+    sampling = proto_sampling(**dict(SEEDED, n=2, max_tokens=6))
+    wants = [want_of(llm, p, sampling) for p in prompts]
+    got = [None] * len(prompts)
+
+    def run(k):
+        got[k] = collect(idle.call(prompts[k], sampling), 2)[0]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RPC_TIMEOUT)
+    for k, want in enumerate(wants):
+        assert got[k] == {i: want[i][0] for i in range(2)}
