@@ -133,7 +133,7 @@ def test_forked_decodes_that_run_short_of_blocks_are_preempted_and_still_match(t
 class Cluster:
     """A decode worker (KV over `backend`), a prefill worker and the Router in front."""
 
-    def __init__(self, model_dir, backend: str, decode_blocks: int | None = None):
+    def __init__(self, model_dir, backend: str, decode_blocks: int | None = None, **router):
         engine = dict(max_model_len=MAX_MODEL_LEN)
         decode_kv = 1 << 20
         if decode_blocks is not None:
@@ -164,6 +164,7 @@ class Cluster:
                 decode_addresses=(self.decode.address,),
                 max_model_len=MAX_MODEL_LEN,
                 max_inflight=16,
+                **router,
             )
         ).start()
         self.channels = [
@@ -343,3 +344,138 @@ def test_concurrent_n_requests_all_complete(idle, llm):
         t.join(RPC_TIMEOUT)
     for k, want in enumerate(wants):
         assert got[k] == {i: want[i][0] for i in range(2)}
+
+
+# ---- a decode pool that runs short ----------------------------------------------------------
+def test_a_short_decode_pool_preempts_forks_refuses_what_never_fits_and_queues_the_rest(
+    tiny_models, llm
+):
+    """8 decode blocks of 16 tokens. n=3 sequences that each grow to 4 blocks: the decode worker
+    preempts (and recomputes) forks and the outputs are still engine.LLM's; n=10 of a 20-token
+    prompt needs 2 + 9 blocks at once, more than the pool: INVALID_ARGUMENT at once (not a wait);
+    n=3 while another reservation holds most blocks: the router's decode queue waits, then
+    RESOURCE_EXHAUSTED. Every block is free afterwards, on both pools."""
+    c = Cluster(tiny_models("llama-gqa")[0], "shm", decode_blocks=8, decode_queue_timeout_s=1.0)
+    try:
+        prompt = random_prompts([20], seed=51)[0]
+        sampling = proto_sampling(temperature=0, n=3, max_tokens=40, ignore_eos=True)
+        want = want_of(llm, prompt, sampling)
+        ids, _, finish = collect(c.call(prompt, sampling), 3)
+        assert ids == {i: want[i][0] for i in range(3)}
+        assert all(f.finish_reason == "length" for f in finish.values())
+        assert c.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT).num_preemptions > 0
+        c.wait_idle()
+
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.call(prompt, proto_sampling(temperature=0, n=10, max_tokens=4)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lower n" in err.value.details()
+
+        held = c.d.Reserve(  # 6 of the 8 blocks, until aborted
+            worker_pb2.ReserveRequest(
+                request_id="holder",
+                prompt_token_ids=random_prompts([90], seed=52)[0],
+                sampling=proto_sampling(max_tokens=4),
+                lease_ms=30_000,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+        assert len(held.block_ids) == 6
+        with pytest.raises(grpc.RpcError) as err:  # 2 + 2 copy blocks > 2 free
+            list(c.call(prompt, proto_sampling(temperature=0, n=3, max_tokens=4)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert c.d.Abort(worker_pb2.WorkerAbortRequest(request_id="holder"), timeout=5).found
+        c.wait_idle()
+        # n=1 of the same prompt still fits beside the holder: only the copies were short
+        ids, _, _ = collect(c.call(prompt, proto_sampling(temperature=0, max_tokens=4)), 1)
+        assert ids[0] == want[0][0][:4]
+        c.wait_idle()
+    finally:
+        c.stop()
+
+
+# ---- colocated: the decode worker runs the prompt itself -----------------------------------
+def test_colocated_n_outputs_equal_the_engines(tiny_models, llm):
+    model_dir = tiny_models("llama-gqa")[0]
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=model_dir,
+            worker_id="c0",
+            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32),
+        )
+    ).start()
+    router = Router(
+        RouterConfig(model=model_dir, decode_addresses=(worker.address,), colocated=True)
+    ).start()
+    channels = [grpc.insecure_channel(a) for a in (router.address, worker.address)]
+    try:
+        api = pdserve_pb2_grpc.PDServeStub(channels[0])
+        stub = worker_pb2_grpc.DecodeWorkerStub(channels[1])
+        for params in (dict(GREEDY, n=2), dict(SEEDED, n=3)):
+            sampling = proto_sampling(**params)
+            prompt = random_prompts([45], seed=53)[0]  # > the 32-token budget: chunked
+            want = want_of(llm, prompt, sampling)
+            responses = api.Generate(
+                pdserve_pb2.GenerateRequest(
+                    token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+            ids, text, finish = collect(responses, params["n"])
+            for i in range(params["n"]):
+                assert (ids[i], text[i]) == want[i][:2]
+                assert finish[i].usage.completion_tokens == params["max_tokens"]
+
+        def idle():
+            st = stub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+            return st.num_free_blocks == st.num_total_blocks and st.num_running == 0
+
+        wait_until(idle, 5, "the colocated pool back to all free")
+    finally:
+        for ch in channels:
+            ch.close()
+        router.stop()
+        worker.stop()
+
+
+# ---- prefill and decode of different tensor-parallel sizes ---------------------------------
+@pytest.mark.parametrize("backend,prefill_tp,decode_tp", [("grpc", 2, 1), ("shm", 1, 2)])
+def test_n_across_tp_sizes_equals_the_engine(tiny_models, llm, backend, prefill_tp, decode_tp):
+    from test_worker_backends_tp import BackendCluster
+
+    model_dir = tiny_models("llama-gqa")[0]
+    workers = BackendCluster(model_dir, backend, prefill_tp, decode_tp)
+    router = None
+    try:
+        router = Router(
+            RouterConfig(
+                model=model_dir,
+                prefill_addresses=(workers.prefill.address,),
+                decode_addresses=(workers.decode.address,),
+                max_model_len=workers.decode.loop.engine.config.max_model_len,
+            )
+        ).start()
+        with grpc.insecure_channel(router.address) as channel:
+            api = pdserve_pb2_grpc.PDServeStub(channel)
+            prompt = random_prompts([21], seed=54)[0]
+            for params in (dict(GREEDY, n=2), dict(SEEDED, n=3)):
+                sampling = proto_sampling(**params)
+                want = want_of(llm, prompt, sampling)
+                responses = api.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+                ids, _, _ = collect(responses, params["n"])
+                assert ids == {i: want[i][0] for i in range(params["n"])}
+
+        def idle():
+            s = workers.stats()
+            return s.num_free_blocks == s.num_total_blocks and s.num_reserved == s.num_running == 0
+
+        wait_until(idle, 5, f"decode pool not back to idle: {workers.stats()}")
+    finally:
+        if router is not None:
+            router.stop()
+        workers.stop()

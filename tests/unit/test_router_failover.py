@@ -563,3 +563,94 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
     assert error is None and final.finish_reason == "stop" and final.stop_str == "t6 t7"
     assert leg.stream_call.cancelled and sent == [5, 6, 7]  # 8 and 9 never reach the client
     assert [list(r.delta.token_ids) for r in responses] == [[7]] and text.flush() == ""
+
+
+def test_decode_death_of_an_n_request_fails_it_unavailable_once_tokens_were_streamed(
+    model_dir, prefill
+):
+    """n>1 is not resumed on another decode worker once tokens were streamed (each sequence would
+    need its own prompt: router/service.py): the call fails with UNAVAILABLE saying so, though
+    another decode worker is there, and both sides free their blocks. Before any token it starts
+    over like n=1 (the same prompt and sampling): the n outputs are then engine.LLM's."""
+    prompt = random_prompts([20], seed=23)[0]
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, n=2)
+    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
+    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
+    try:
+        call = router.api.Generate(
+            pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+        got, victim = 0, None
+        with pytest.raises(grpc.RpcError) as err:
+            for response in call:
+                got += len(response.delta.token_ids)
+                if victim is None and got >= 4:
+                    (victim,) = [d for d in decodes if stats(d).num_running == 2]
+                    victim.stop()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "n=2" in err.value.details() and "not resumed" in err.value.details()
+        assert victim.config.worker_id in err.value.details()
+        (survivor,) = [d for d in decodes if d is not victim]
+        wait_until(
+            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
+            5,
+            f"blocks still held: {stats(survivor)} {stats(prefill)}",
+        )
+    finally:
+        stop_router(router)
+        for d in decodes:
+            stop_worker(d)
+
+
+def test_decode_death_of_an_n_request_before_any_token_starts_it_over(
+    model_dir, prefill, monkeypatch
+):
+    prompt = random_prompts([20], seed=24)[0]
+    sampling = pdserve_pb2.SamplingParams(
+        temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, n=3
+    )
+    llm = LLM(model_dir, **ENGINE)
+    out = llm.generate([prompt], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0]
+    want = {c.index: c.token_ids for c in out.outputs}
+    step = prefill.loop.engine.step
+    # the prefill waits, so the reservation is the only thing on the decode worker when it dies
+    monkeypatch.setattr(prefill.loop.engine, "step", lambda: (time.sleep(0.3), step())[1])
+    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
+    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
+    try:
+        call = router.api.Generate(
+            pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+        holders = []
+        wait_until(
+            lambda: holders.extend(d for d in decodes if stats(d).num_reserved == 1) or holders,
+            5,
+            "a decode worker holds the reservation",
+        )
+        holders[0].stop()
+        got = {i: [] for i in range(3)}
+        finishes = {}
+        for r in call:
+            if r.HasField("delta"):
+                got[r.delta.index] += r.delta.token_ids
+            else:
+                finishes[r.finish.index] = r.finish
+        assert got == want and sorted(finishes) == [0, 1, 2]
+        (survivor,) = [d for d in decodes if d is not holders[0]]
+        assert {f.timings.decode_worker for f in finishes.values()} == {survivor.config.worker_id}
+        monkeypatch.undo()
+        wait_until(
+            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
+            5,
+            f"blocks still held: {stats(survivor)} {stats(prefill)}",
+        )
+    finally:
+        stop_router(router)
+        for d in decodes:
+            stop_worker(d)
