@@ -3,7 +3,9 @@
 // Built with -ffp-contract=off: no fused multiply-adds, so rotary and the int8 row preparation
 // round exactly as the torch expressions they replace (RMSNorm's sum is ordered differently).
 #include <torch/extension.h>
+#include <torch/csrc/jit/api/object.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cmath>
@@ -140,72 +142,140 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
 
 namespace {
 
-// y = x @ W^T (+ bias) for an int4 weight as engine/layers/quant.py Int4Weight packs it: the same
-// torch ops Int4Weight.matmul and LinearBase.matmul run, so the same bits come out
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& scales_zeros, const torch::Tensor& bias) {
-  const int64_t group = x.size(1) / scales_zeros.size(0);
-  auto y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16).contiguous(), packed, group,
-                                           scales_zeros)
-               .to(torch::kFloat32);
-  return bias.defined() && bias.numel() ? y + bias : y;
-}
+// One linear layer of the stack, prepared as engine/layers/linear.py and quant.py prepare it, and
+// multiplied with the same torch ops their matmul runs (so the same bits come out):
+//   dense: oneDNN's packed float32 weight (mkldnn::_linear_pointwise)
+//   int8:  int8_rows, then quantized::linear_dynamic on the prepacked weight, the span row
+//          dropped and each row scaled back
+//   int4:  _weight_int4pack_mm_for_cpu on bf16 activations
+struct Linear {
+  enum Kind { kDense, kInt8, kInt4 } kind = kDense;
+  torch::Tensor weight, aux, span_row, bias;   // aux: int4 scales/zeros or int8 inv_smooth
+  c10::IValue packed;                          // int8: the prepacked weight object
+  bool reduce_range = false;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    if (kind == kDense) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+      torch::jit::Stack st{x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                           c10::List<std::optional<at::Scalar>>(), std::string("")};
+      op.callBoxed(&st);
+      return st[0].toTensor();
+    }
+    if (kind == kInt8) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+      auto rows = int8_rows(x, aux.defined() ? c10::optional<torch::Tensor>(aux) : c10::nullopt, span_row);
+      torch::jit::Stack st{rows[0], packed, reduce_range};
+      op.callBoxed(&st);
+      const auto full = st[0].toTensor();
+      y = full.slice(0, 0, full.size(0) - 1).mul_(rows[1]);
+    } else {
+      const int64_t group = x.size(1) / aux.size(0);
+      y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16).contiguous(), weight, group, aux)
+              .to(torch::kFloat32);
+    }
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
 
 }  // namespace
 
-// The decoder layers of a decode-only step (one new token per sequence) with int4 weights, in one
-// call: the per-layer work of engine/models/llama.py (norms, projections, rotary, the KV write,
-// paged attention, the MLP) as the same torch ops in the same order, without a Python call per
-// op. At one row a decode step is mostly such calls, so this is where batch-1 latency goes.
-// params holds kParams tensors per layer (see engine/models/llama.py's _int4_stack_params);
-// attend is the compiled paged decode kernel. Returns (hidden, residual) before the final norm.
-constexpr int64_t kParams = 11;
+// The decoder layers of a decode-only step (one new token per sequence) in one call: the
+// per-layer work of engine/models/llama.py (norms, projections, rotary, the KV write, paged
+// attention, the MLP) as the same torch ops in the same order, without a Python call per op.
+// At a few rows a decode step is mostly such calls. Built by engine/models/llama.py
+// (LlamaModel.prepare_decode_stack); `attend` is the compiled paged decode kernel.
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              py::object attend)
+      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(eps), scale_(scale), attend_(attend) {}
 
-std::vector<torch::Tensor> int4_decode_layers(
-    torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, const std::vector<torch::Tensor>& params, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, py::object attend) {
-  check_rows(hidden, "hidden");
-  const int64_t layers = kv_cache.size(0), T = hidden.size(0);
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == layers * kParams,
-              "int4_decode_layers: ", kParams, " parameters per layer expected");
-  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(4) == num_kv_heads && kv_cache.size(5) == head_dim,
-              "int4_decode_layers: kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim]");
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  c10::optional<torch::Tensor> residual;
-  for (int64_t i = 0; i < layers; ++i) {
-    const torch::Tensor* p = params.data() + i * kParams;
-    auto normed = add_rms_norm(hidden, residual, p[0], eps);
-    residual = normed[1];
-    // attention
-    auto qkv = int4_linear(normed[0], p[1], p[2], p[3]);
-    auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
-    auto q = parts[0].view({-1, num_heads, head_dim});
-    auto k = parts[1].reshape({-1, num_kv_heads, head_dim});
-    auto v = parts[2].reshape({-1, num_kv_heads, head_dim});
-    rope_(q, k, positions, cos, sin);
-    auto flat = kv_cache[i].view({2, -1, num_kv_heads, head_dim});
-    const bool narrow = flat.scalar_type() != k.scalar_type();
-    flat[0].index_copy_(0, slot_mapping, narrow ? k.to(flat.scalar_type()) : k);
-    flat[1].index_copy_(0, slot_mapping, narrow ? v.to(flat.scalar_type()) : v);
-    auto o = attend(q.contiguous(), kv_cache[i], block_tables, context_lens, scale)
-                 .cast<torch::Tensor>()
-                 .reshape({T, -1});
-    auto attn = int4_linear(o, p[4], p[5], torch::Tensor());
-    normed = add_rms_norm(attn, residual, p[6], eps);
-    residual = normed[1];
-    // MLP
-    auto gate_up = int4_linear(normed[0], p[7], p[8], torch::Tensor());
-    auto gu = gate_up.chunk(2, -1);
-    hidden = int4_linear(at::silu(gu[0]) * gu[1], p[9], p[10], torch::Tensor());
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm) {
+    layers_.push_back(Layer{input_norm, post_norm});
   }
-  return {hidden, residual.value()};
-}
+
+  // which: "qkv" | "o" | "gate_up" | "down" of the last layer added; kind: "dense" | "int8" | "int4"
+  void set_linear(const std::string& which, const std::string& kind, py::object weight,
+                  c10::optional<torch::Tensor> aux, c10::optional<torch::Tensor> span_row,
+                  c10::optional<torch::Tensor> bias, bool reduce_range) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
+    Layer& l = layers_.back();
+    Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
+                : which == "down" ? &l.down : nullptr;
+    TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
+    if (kind == "int8") {
+      lin->kind = Linear::kInt8;
+      // a torch.ScriptObject in Python: torch::jit::Object, whose IValue the op takes
+      lin->packed = c10::IValue(weight.cast<torch::jit::Object>()._ivalue());
+      TORCH_CHECK(span_row.has_value(), "DecodeStack: int8 needs its span row");
+      lin->span_row = *span_row;
+    } else {
+      TORCH_CHECK(kind == "dense" || kind == "int4", "DecodeStack: unknown kind ", kind);
+      lin->kind = kind == "dense" ? Linear::kDense : Linear::kInt4;
+      lin->weight = weight.cast<torch::Tensor>();
+      TORCH_CHECK(kind == "dense" || aux.has_value(), "DecodeStack: int4 needs its scales");
+    }
+    if (aux.has_value()) lin->aux = *aux;
+    if (bias.has_value()) lin->bias = *bias;
+    lin->reduce_range = reduce_range;
+  }
+
+  // Returns (hidden, residual) of the last layer, before the final norm.
+  std::vector<torch::Tensor> run(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos,
+                                 torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                                 torch::Tensor block_tables, torch::Tensor context_lens) {
+    check_rows(hidden, "hidden");
+    const int64_t T = hidden.size(0), L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == L && kv_cache.size(4) == Hkv_ &&
+                    kv_cache.size(5) == D_,
+                "DecodeStack: kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim] expected");
+    const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
+    c10::optional<torch::Tensor> residual;
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      auto normed = add_rms_norm(hidden, residual, l.input_norm, eps_);
+      residual = normed[1];
+      auto parts = l.qkv(normed[0]).split_with_sizes({q_size, kv_size, kv_size}, -1);
+      auto q = parts[0].view({-1, H_, D_});
+      auto k = parts[1].reshape({-1, Hkv_, D_});
+      auto v = parts[2].reshape({-1, Hkv_, D_});
+      rope_(q, k, positions, cos, sin);
+      auto flat = kv_cache[i].view({2, -1, Hkv_, D_});
+      const bool narrow = flat.scalar_type() != k.scalar_type();
+      flat[0].index_copy_(0, slot_mapping, narrow ? k.to(flat.scalar_type()) : k);
+      flat[1].index_copy_(0, slot_mapping, narrow ? v.to(flat.scalar_type()) : v);
+      auto o = attend_(q.contiguous(), kv_cache[i], block_tables, context_lens, scale_)
+                   .cast<torch::Tensor>()
+                   .reshape({T, -1});
+      normed = add_rms_norm(l.o(o), residual, l.post_norm, eps_);
+      residual = normed[1];
+      auto gu = l.gate_up(normed[0]).chunk(2, -1);
+      hidden = l.down(at::silu(gu[0]) * gu[1]);
+    }
+    return {hidden, residual.value()};
+  }
+
+ private:
+  int64_t H_, Hkv_, D_;
+  double eps_, scale_;
+  py::object attend_;
+  std::vector<Layer> layers_;
+};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("int8_rows", &int8_rows);
-  m.def("int4_decode_layers", &int4_decode_layers);
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, py::object>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_linear", &DecodeStack::set_linear)
+      .def("run", &DecodeStack::run);
 }

@@ -20,7 +20,7 @@ from engine.layers.linear import (
     RowParallelLinear,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.quant import Int4Weight, head_quantization
+from engine.layers.quant import Int4Weight, Int8Weight, head_quantization
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import tp_size
 
@@ -85,53 +85,48 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps
-        self._stack: list[torch.Tensor] | None = None  # see prepare_decode_stack
-        self._stack_call = None
+        self._stack = None  # see prepare_decode_stack
 
     def prepare_decode_stack(self) -> None:
-        """Decode-only steps run every layer in one compiled call (fused_cpu.cpp
-        int4_decode_layers: the same ops, without a Python call per op) where that call applies:
-        int4 weights on CPU in float32, one TP rank, the compiled kernels built. Else the layers
-        run one by one below."""
+        """Decode-only steps run every layer in one compiled call (fused_cpu.cpp DecodeStack: the
+        same ops, without a Python call per op) where that call applies: float32 activations on
+        CPU, one TP rank, the compiled kernels built, every linear prepared (oneDNN float32,
+        int8 or int4). Else the layers run one by one in forward."""
         self._stack = None
         fused, attend = cpu_fused(), cpu_paged_decode()
         layers = list(self.layers)
-        linears = [m for layer in layers for m in layer.modules() if isinstance(m, LinearBase)]
+        attn = layers[0].self_attn
         if (
             fused is None
             or attend is None
-            or not hasattr(fused, "int4_decode_layers")
             or tp_size() != 1
-            or self.embed_tokens.weight.device.type != "cpu"
             or self.rotary.cos.dtype != torch.float32
-            or layers[0].self_attn.head_dim % 16
-            or not all(isinstance(m._quant, Int4Weight) for m in linears)
+            or self.rotary.cos.device.type != "cpu"
+            or attn.head_dim % 16
         ):
             return
-        params = []
+        stack = fused.DecodeStack(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.eps, attn.attn.scale, attend
+        )
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            bias = attn.qkv_proj.bias
-            params += [
-                layer.input_layernorm.weight,
-                attn.qkv_proj._quant.packed,
-                attn.qkv_proj._quant.scales_zeros,
-                torch.empty(0) if bias is None else bias.detach(),
-                attn.o_proj._quant.packed,
-                attn.o_proj._quant.scales_zeros,
-                layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj._quant.packed,
-                mlp.gate_up_proj._quant.scales_zeros,
-                mlp.down_proj._quant.packed,
-                mlp.down_proj._quant.scales_zeros,
-            ]
-        self._stack = [p.detach() for p in params]
-        self._stack_call = (fused.int4_decode_layers, attend)
+            if layer.input_layernorm.weight.dtype != torch.float32:
+                return
+            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            linears = {
+                "qkv": layer.self_attn.qkv_proj,
+                "o": layer.self_attn.o_proj,
+                "gate_up": layer.mlp.gate_up_proj,
+                "down": layer.mlp.down_proj,
+            }
+            for which, linear in linears.items():
+                spec = _stack_linear(linear)
+                if spec is None:
+                    return
+                stack.set_linear(which, *spec)
+        self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):
-        run, attend = self._stack_call
-        attn = self.layers[0].self_attn
-        return run(
+        return self._stack.run(
             hidden,
             positions,
             self.rotary.cos,
@@ -140,13 +135,6 @@ class LlamaModel(nn.Module):
             meta.slot_mapping,
             meta.decode_block_tables,
             meta.decode_context_lens,
-            self._stack,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            self.eps,
-            attn.attn.scale,
-            attend,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -169,6 +157,20 @@ class LlamaModel(nn.Module):
                 on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+def _stack_linear(linear: LinearBase):
+    """DecodeStack.set_linear's arguments after `which` for a prepared linear, or None where the
+    stack cannot run it (a dense weight not packed for oneDNN)."""
+    bias = None if linear.bias is None else linear.bias.detach()
+    q = linear._quant
+    if isinstance(q, Int4Weight):
+        return "int4", q.packed, q.scales_zeros, None, bias, False
+    if isinstance(q, Int8Weight):
+        return "int8", q.packed, q.inv_smooth, q.span_row, bias, q.reduce_range
+    if q is None and linear._packed is not None and linear._packed.dtype == torch.float32:
+        return "dense", linear._packed, None, None, bias, False
+    return None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -299,14 +299,16 @@ def test_kv_cache_dtype_is_checked():
 @needs_x86_int8
 @pytest.mark.skipif(cpu_fused() is None, reason="no C++ toolchain: layers run one by one")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-def test_int4_decode_stack_gives_the_layer_by_layer_bits(refs, kv_cache_dtype):
-    """Decode-only steps in int4 run every layer in one compiled call; it must compute exactly
-    what the layers do one by one (same tokens, same logprobs, bit for bit), batched with
-    sequences of different lengths."""
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_decode_stack_gives_the_layer_by_layer_bits(refs, mode, kv_cache_dtype):
+    """Decode-only steps run every layer in one compiled call; it must compute exactly what the
+    layers do one by one (same tokens, same logprobs, bit for bit), batched with sequences of
+    different lengths, in float32 and each quantization mode."""
     model_dir, _, prompts, _ = refs("llama-gqa")
     llm = LLM(  # no prefix cache: the second run must prefill exactly as the first did
         model_dir,
-        quantization="int4",
+        dtype="float32",
+        quantization=mode,
         kv_cache_memory=1 << 22,
         kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=False,
@@ -314,7 +316,7 @@ def test_int4_decode_stack_gives_the_layer_by_layer_bits(refs, kv_cache_dtype):
     model = llm.engine.runner.model.model
     try:
         stack = model._stack
-        assert stack is not None, "the int4 decode stack was not prepared"
+        assert stack is not None, "the decode stack was not prepared"
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
 
         def run():
