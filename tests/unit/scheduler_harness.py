@@ -138,12 +138,13 @@ class Harness:
         self.check()
         return plan
 
-    def reserve(self, seq):
-        self.sched.reserve(seq)
-        self.seqs.append(seq)
+    def reserve(self, seq, children=()):
+        self.sched.reserve(seq, list(children))
+        self.seqs += [seq, *children]
         self.check()
 
     def commit(self, seq, first_token):
+        """first_token: one, or (n>1) one per sequence of the reserved family."""
         """Another engine writes the prompt's KV into the reserved blocks, then we commit."""
         assert seq.status == SeqStatus.RESERVED
         keys = prefix_keys(seq.token_ids)
@@ -199,8 +200,14 @@ class Harness:
                     <= bm.blocks_needed(seq.num_tokens)
                 )
                 assert seq.num_hashed_blocks <= seq.num_computed_tokens // self.bs
+        held = [b for blocks in sched.reserved_copies.values() for b in blocks]  # n>1 forks' copies
+        for b in held:
+            refs[b] += 1
         assert refs == [b.ref_count for b in bm.blocks]
-        assert sum(len(s.block_ids) for s in self.seqs) == sum(b.ref_count for b in bm.blocks)
+        assert sum(len(s.block_ids) for s in self.seqs) + len(held) == sum(
+            b.ref_count for b in bm.blocks
+        )
+        assert set(sched.reserved_copies) <= set(sched.reserved)
         running = [s.seq_id for s in self.seqs if s.status == SeqStatus.RUNNING]
         waiting = [s.seq_id for s in self.seqs if s.status == SeqStatus.WAITING]
         assert sorted(s.seq_id for s in sched.running) == sorted(running)

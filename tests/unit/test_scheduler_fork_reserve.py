@@ -286,3 +286,89 @@ def test_finish_is_idempotent():
     h.finish(seq, FinishReason.ABORT)
     assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, "x")
     h.assert_no_leaks()
+
+
+# ---- n > 1 on the disaggregated path ------------------------------------------------------------
+def reserved_family(h, prompt, n, **params):
+    rid = f"res{h._ids}"
+    fam = [h.new(prompt, rid, i, n=n, **params) for i in range(n)]
+    h.reserve(fam[0], fam[1:])
+    return fam
+
+
+def test_reserve_of_n_holds_the_fork_copies_and_commit_forks_copy_on_write():
+    h = Harness(num_blocks=16, block_size=4, budget=64)
+    parent, c1, c2 = fam = reserved_family(h, range(10, 20), 3, max_tokens=4, ignore_eos=True)
+    assert parent.status == SeqStatus.RESERVED and len(parent.block_ids) == 3
+    assert [c.status for c in (c1, c2)] == [SeqStatus.FORK_PENDING] * 2
+    assert h.bm.num_free_blocks == 16 - 3 - 2  # the prompt's blocks and one copy per child
+    h.commit(parent, [5, 6, 7])
+    assert all(s.status == SeqStatus.RUNNING for s in fam)
+    assert [s.output_token_ids for s in fam] == [[5], [6], [7]]
+    full, partial = parent.block_ids[:2], parent.block_ids[2]
+    assert all(c.block_ids[:2] == full and c.block_ids[2] != partial for c in (c1, c2))
+    assert [h.bm.ref_count(b) for b in full] == [3, 3]
+    assert h.sched.reserved_copies == {} and h.bm.num_free_blocks == 16 - 5
+    plan = h.step()  # the copies run first; the fake runner checks each child reads its prompt
+    assert plan.block_copies == [(partial, c1.block_ids[2]), (partial, c2.block_ids[2])]
+    h.run()
+    assert [s.num_output_tokens for s in fam] == [4, 4, 4]
+    h.assert_no_leaks()
+
+
+def test_reserve_of_n_with_whole_blocks_holds_no_copies_and_aborts_free_everything():
+    h = Harness(num_blocks=8, block_size=4, budget=64)
+    fam = reserved_family(h, range(10, 18), 3, max_tokens=3, ignore_eos=True)
+    assert h.bm.num_free_blocks == 8 - 2  # the children share both blocks at the commit
+    h.commit(fam[0], [5, 6, 7])
+    assert all(s.block_ids == fam[0].block_ids for s in fam)
+    h.run()
+    h.assert_no_leaks()
+    fam = reserved_family(h, range(30, 39), 4, max_tokens=3)
+    assert h.bm.num_free_blocks == 8 - 3 - 3
+    abort_request(h, fam)  # before the commit: the copies go back too
+    assert h.sched.reserved_copies == {} and h.sched.fork_children == {}
+    h.assert_no_leaks()
+
+
+def test_reserve_of_n_takes_nothing_when_the_copies_do_not_fit():
+    h = Harness(num_blocks=5, block_size=4)
+    (other,) = h.add(range(40, 43), max_tokens=3, ignore_eos=True)
+    h.step()  # 1 block taken: the prompt's 3 blocks fit, not with 2 copies
+    seqs = [h.new(range(10, 19), "full", i, n=3, max_tokens=2) for i in range(3)]
+    with pytest.raises(NoFreeBlocks):
+        h.sched.reserve(seqs[0], seqs[1:])
+    assert h.bm.num_free_blocks == 4 and h.sched.reserved == {} and h.sched.fork_children == {}
+    assert all(s.status == SeqStatus.WAITING for s in seqs)
+    h.run()
+    fam = reserved_family(h, range(10, 19), 3, max_tokens=2)  # now it fits: 3 + 2 of 5
+    assert h.bm.num_free_blocks == 0
+    h.commit(fam[0], [5, 6, 7])
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_commit_whose_parent_stops_on_its_first_token_keeps_the_children():
+    h = Harness(num_blocks=16, block_size=4, budget=64)
+    parent, c1, c2 = fam = reserved_family(h, range(10, 19), 3, max_tokens=3)
+    h.commit(parent, [EOS, 6, 7])
+    assert parent.status == SeqStatus.FINISHED and parent.finish_reason == FinishReason.STOP
+    assert c1.status == c2.status == SeqStatus.RUNNING
+    h.run()  # the copies of the freed parent's last block still run before anyone reuses it
+    assert [s.num_output_tokens for s in fam] == [1, 3, 3]
+    h.assert_no_leaks()
+
+
+def test_prefill_only_n_samples_every_first_token_and_only_the_first_holds_kv():
+    h = Harness(num_blocks=16, block_size=4, budget=64)
+    fam = [h.new(range(10, 19), "p", i, n=3, max_tokens=8) for i in range(3)]
+    for s in fam:
+        s.prefill_only = True
+    h.seqs += fam
+    h.sched.add(fam)
+    plan = h.step()
+    assert plan.row_seqs == fam and plan.row_logits == [0, 0, 0]
+    assert all(s.finish_reason == FinishReason.PREFILL_DONE for s in fam)
+    assert [s.num_output_tokens for s in fam] == [1, 1, 1] and plan.block_copies == []
+    assert h.sched._pending_copies == []
+    h.assert_no_leaks()
