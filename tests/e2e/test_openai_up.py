@@ -168,13 +168,19 @@ def test_logprobs(deployment):
     assert len(got.choices[0].logprobs.content) == got.usage.completion_tokens
 
 
-@pytest.mark.xfail(strict=False, reason="n>1 through the cluster is being built")
 def test_n_2(deployment):
     c, model = client(deployment), model_id(deployment)
     got = c.completions.create(
-        model=model, prompt=PROMPT, n=2, max_tokens=6, temperature=1.0, seed=3
+        model=model,
+        prompt=PROMPT,
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
     )
     assert sorted(ch.index for ch in got.choices) == [0, 1]
+    assert got.usage.completion_tokens == 12 and all(ch.text for ch in got.choices)
 
 
 def test_keys_are_required_on_both_fronts(deployment):

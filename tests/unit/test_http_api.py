@@ -412,15 +412,29 @@ def test_unknown_paths_and_methods_get_the_error_shape(router):
     assert_error(status, body, 405)
 
 
-def test_n_above_one_is_passed_through_and_refused_in_the_openai_shape_until_served(router, idle):
-    """Today the router refuses n>1 (INVALID_ARGUMENT -> 400); once n>1 runs through the
-    cluster, the same request returns two choices (test_openai_n_2)."""
-    status, _, body = post(router, C, {**GOOD, "n": 2, "temperature": 1.0, "seed": 1})
-    if status == 200:
-        assert sorted(c["index"] for c in json.loads(body)["choices"]) == [0, 1]
-    else:
-        err = assert_error(status, body, 400)
-        assert "n" in err["message"]
+def test_n_2_choices_in_the_raw_stream_carry_their_index(router, idle):
+    """TokenDelta.index and Finish.index become choices[i].index; each sequence gets its own
+    finish chunk, and the usage counts both."""
+    status, _, body = post(
+        router,
+        C,
+        {
+            **GOOD,
+            "n": 2,
+            "max_tokens": 4,
+            "temperature": 1.0,
+            "seed": 1,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert status == 200, body
+    events = sse_events(body)
+    indices = {c["index"] for e in events for c in e["choices"]}
+    finished = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])
+    assert indices == {0, 1} and finished == [0, 1]
+    assert events[-1]["usage"]["completion_tokens"] == 8
 
 
 # ---- the wire format ---------------------------------------------------------------------------
@@ -711,11 +725,6 @@ def test_openai_logprobs_disaggregated(router, idle):
     assert len(got.choices[0].logprobs.token_logprobs) == 4
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="n>1 through the cluster is being built (router/service.py refuses it today with "
-    "INVALID_ARGUMENT, which the HTTP front returns as a 400)",
-)
 def test_openai_n_2(router, idle):
     """n=2 through the cluster: two choices with their own index, in the whole response and in
     the stream; each sequence seeded differently."""
