@@ -68,8 +68,20 @@ def cpu_paged_decode():
 
     It needs head_dim to be a multiple of 16; `engine.attention.decode_kernel` checks that.
     """
-    module = _build("paged_decode", _SRC, [])
+    module = _cpu_paged_decode_module()
     return None if module is None else module.paged_decode
+
+
+@functools.cache
+def _cpu_paged_decode_module():
+    return _build("paged_decode", _SRC, [])
+
+
+def cpu_paged_decode_capsule():
+    """The compiled paged decode kernel as a C function for other compiled code (the decode
+    stack in fused_cpu.cpp), or None."""
+    module = _cpu_paged_decode_module()
+    return None if module is None else module.paged_decode_capsule
 
 
 @functools.cache

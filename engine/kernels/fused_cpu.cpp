@@ -190,12 +190,21 @@ struct Layer {
 // per-layer work of engine/models/llama.py (norms, projections, rotary, the KV write, paged
 // attention, the MLP) as the same torch ops in the same order, without a Python call per op.
 // At a few rows a decode step is mostly such calls. Built by engine/models/llama.py
-// (LlamaModel.prepare_decode_stack); `attend` is the compiled paged decode kernel.
+// (LlamaModel.prepare_decode_stack); `attend` is the paged decode kernel's capsule
+// (paged_decode_cpu.cpp). run() releases the GIL: a step never stalls the process's other threads.
+constexpr const char* kAttendSignature =
+    "pdserve.paged_decode(Tensor q, Tensor layer_kv, Tensor block_tables, Tensor context_lens, double scale) -> Tensor";
+using AttendFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double);
+
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-              py::object attend)
-      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(eps), scale_(scale), attend_(attend) {}
+              py::capsule attend)
+      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(attend.name() != nullptr && std::string(attend.name()) == kAttendSignature,
+                "DecodeStack: attend must be the paged decode kernel's capsule");
+    attend_ = reinterpret_cast<AttendFn>(attend.get_pointer());
+  }
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm) {
     layers_.push_back(Layer{input_norm, post_norm});
@@ -232,6 +241,7 @@ class DecodeStack {
                                  torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                                  torch::Tensor block_tables, torch::Tensor context_lens) {
     check_rows(hidden, "hidden");
+    py::gil_scoped_release no_gil;
     const int64_t T = hidden.size(0), L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == L && kv_cache.size(4) == Hkv_ &&
                     kv_cache.size(5) == D_,
@@ -251,9 +261,7 @@ class DecodeStack {
       const bool narrow = flat.scalar_type() != k.scalar_type();
       flat[0].index_copy_(0, slot_mapping, narrow ? k.to(flat.scalar_type()) : k);
       flat[1].index_copy_(0, slot_mapping, narrow ? v.to(flat.scalar_type()) : v);
-      auto o = attend_(q.contiguous(), kv_cache[i], block_tables, context_lens, scale_)
-                   .cast<torch::Tensor>()
-                   .reshape({T, -1});
+      auto o = attend_(q.contiguous(), kv_cache[i], block_tables, context_lens, scale_).reshape({T, -1});
       normed = add_rms_norm(l.o(o), residual, l.post_norm, eps_);
       residual = normed[1];
       auto gu = l.gate_up(normed[0]).chunk(2, -1);
@@ -265,7 +273,7 @@ class DecodeStack {
  private:
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
-  py::object attend_;
+  AttendFn attend_;
   std::vector<Layer> layers_;
 };
 
@@ -274,7 +282,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("int8_rows", &int8_rows);
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, py::object>())
+      .def(py::init<int64_t, int64_t, int64_t, double, double, py::capsule>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("run", &DecodeStack::run);

@@ -353,4 +353,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");
+  // the same function for C++ callers in other modules (fused_cpu.cpp's DecodeStack), which call
+  // it without the GIL; the capsule's name is the signature they cast it to
+  m.attr("paged_decode_capsule") = py::capsule(
+      reinterpret_cast<void*>(&paged_decode),
+      "pdserve.paged_decode(Tensor q, Tensor layer_kv, Tensor block_tables, Tensor context_lens, double scale) -> Tensor");
 }

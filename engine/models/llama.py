@@ -11,7 +11,7 @@ from torch import nn
 from engine.attention import PagedAttention
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.kernels import cpu_fused, cpu_paged_decode
+from engine.kernels import cpu_fused, cpu_paged_decode_capsule
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     LinearBase,
@@ -93,7 +93,7 @@ class LlamaModel(nn.Module):
         CPU, one TP rank, the compiled kernels built, every linear prepared (oneDNN float32,
         int8 or int4). Else the layers run one by one in forward."""
         self._stack = None
-        fused, attend = cpu_fused(), cpu_paged_decode()
+        fused, attend = cpu_fused(), cpu_paged_decode_capsule()
         layers = list(self.layers)
         attn = layers[0].self_attn
         if (
