@@ -156,9 +156,10 @@ class DecodeHandoff:
         with entry.lock:
             entry.closed = True
         first_tokens = list(entry.receiver.first_tokens)
+        logprobs = list(entry.receiver.first_logprobs) if entry.logprobs else []
         try:
             # n>1: the engine forks the other sequences from the prompt's blocks (copy-on-write)
-            self.loop.engine.commit(request_id, first_tokens)
+            self.loop.engine.commit(request_id, first_tokens, logprobs or None)
         except (ValueError, KeyError) as e:  # popped already: freed here or never
             self.loop.engine.abort(request_id)
             log.warning("commit of %s refused: %s", request_id, e)
@@ -179,7 +180,13 @@ class DecodeHandoff:
                 None,
                 [],
                 [
-                    CompletionOutput(i, "", [token], None, logprobs=[] if entry.logprobs else None)
+                    CompletionOutput(
+                        i,
+                        "",
+                        [token],
+                        None,
+                        logprobs=logprobs[i : i + 1] if entry.logprobs else None,
+                    )
                     for i, token in enumerate(first_tokens)
                 ],
                 finished=False,

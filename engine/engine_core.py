@@ -304,8 +304,14 @@ class LLMEngine:
             request_id, list(seq.block_ids), seq.num_cached_tokens, self.config.block_size
         )
 
-    def commit(self, request_id: str, first_token_ids: int | list[int]) -> None:
-        """first_token_ids: the first token (n=1), or one per sequence in index order."""
+    def commit(
+        self,
+        request_id: str,
+        first_token_ids: int | list[int],
+        logprobs: list[float] | None = None,
+    ) -> None:
+        """first_token_ids: the first token (n=1), or one per sequence in index order; logprobs:
+        theirs as the engine that sampled them computed them (kept for outputs with logprobs)."""
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
@@ -318,6 +324,10 @@ class LLMEngine:
             raise InvalidRequest(
                 f"commit of {request_id!r} has {len(tokens)} first tokens for "
                 f"n={len(req.seqs)} sequences"
+            )
+        if logprobs is not None and len(logprobs) != len(tokens):
+            raise InvalidRequest(
+                f"commit of {request_id!r} has {len(logprobs)} logprobs for {len(tokens)} tokens"
             )
         vocab = self.model_config.vocab_size
         for token in tokens:
@@ -332,7 +342,7 @@ class LLMEngine:
         for seq in req.seqs:
             if seq.generator is not None and not req.params.greedy:
                 skip_sample_draw(seq.generator, vocab)
-        self.scheduler.commit(req.seqs[0], tokens)
+        self.scheduler.commit(req.seqs[0], tokens, logprobs)
         for i in range(len(req.seqs)):
             self._emit_text(req, i)
         if req.finished:  # the first token already ended it (eos, a stop, max_tokens=1)

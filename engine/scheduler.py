@@ -122,7 +122,9 @@ class Scheduler:
             self.fork_children[seq.seq_id] = list(children)
             self.reserved_copies[seq.seq_id] = held
 
-    def commit(self, seq: Sequence, first_token_ids: int | list[int]) -> None:
+    def commit(
+        self, seq: Sequence, first_token_ids: int | list[int], logprobs: list[float] | None = None
+    ) -> None:
         """The reserved prompt's KV is in place: continue decoding from the first token (n>1: one
         per sequence, in index order; the children fork from `seq` on copy-on-write blocks)."""
         tokens = [first_token_ids] if isinstance(first_token_ids, int) else list(first_token_ids)
@@ -139,9 +141,10 @@ class Scheduler:
         # token must not take its children down with it
         for child in children:
             self._fork(seq, child)
-        self._append_token(seq, tokens[0], None)
-        for child, token in zip(children, tokens[1:]):
-            self._append_token(child, token, None)
+        lps = list(logprobs) if logprobs else [None] * len(tokens)
+        self._append_token(seq, tokens[0], lps[0])
+        for child, token, logprob in zip(children, tokens[1:], lps[1:]):
+            self._append_token(child, token, logprob)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason=None) -> None:
         if seq.status == SeqStatus.FINISHED:

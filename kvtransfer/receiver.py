@@ -42,6 +42,7 @@ class KVReceiver:
         self.state = TransferState.PENDING
         self.first_token: int | None = None
         self.first_tokens: tuple[int, ...] = ()  # n>1: every sequence's, in index order
+        self.first_logprobs: tuple[float, ...] = ()  # theirs, when the request wants logprobs
         self.error: str | None = None
         self.bytes_received = 0
         self._covered = torch.zeros(
@@ -69,6 +70,7 @@ class KVReceiver:
                     )
                 self.first_token = header.first_token
                 self.first_tokens = header.first_tokens or (header.first_token,)
+                self.first_logprobs = header.first_logprobs
                 self.state = TransferState.DONE
             else:
                 self._write(header, payload)
@@ -152,6 +154,10 @@ class WorkerReceiver:
     def first_tokens(self) -> tuple[int, ...]:
         """Every sequence's first token (one for n=1), in index order."""
         return self.ranks[0].first_tokens
+
+    @property
+    def first_logprobs(self) -> tuple[float, ...]:
+        return self.ranks[0].first_logprobs
 
     @property
     def error(self) -> str | None:

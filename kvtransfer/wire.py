@@ -2,7 +2,7 @@
 
 Frame = u32 little-endian header length | msgpack header | payload. Three kinds travel on one
 channel, in order: "kv" chunks, then one "commit" (carrying the first token; n>1: also every
-sequence's first token in first_tokens) or one "abort".
+sequence's first token in first_tokens; with logprobs, theirs in first_logprobs) or one "abort".
 The payload of a "kv" chunk is one layer's K and V for tokens [start, end) and kv heads
 [head_start, head_end), contiguous, in the header's dtype: shape
 [2, end - start, head_end - head_start, head_dim]. Never pickle.
@@ -70,6 +70,8 @@ class ChunkHeader:
     # "commit" of an n>1 request only: each sequence's first token in index order (first_tokens[0]
     # is first_token); empty for n=1
     first_tokens: tuple[int, ...] = ()
+    # "commit" only, when the request asked for logprobs: the first tokens' logprobs, in order
+    first_logprobs: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -115,6 +117,17 @@ class ChunkHeader:
             )
         if isinstance(tokens, list):  # msgpack decodes arrays as lists; the header stays hashable
             object.__setattr__(self, "first_tokens", tuple(tokens))
+        lps = self.first_logprobs
+        if (
+            not isinstance(lps, list | tuple)
+            or len(lps) > MAX_N
+            or not all(isinstance(x, float | int) and not isinstance(x, bool) for x in lps)
+        ):
+            raise WireError(
+                f"frame first_logprobs must be at most {MAX_N} numbers, got {_describe(lps)}"
+            )
+        if isinstance(lps, list):
+            object.__setattr__(self, "first_logprobs", tuple(float(x) for x in lps))
         if not isinstance(self.in_place, bool):
             raise WireError(f"frame in_place must be true or false, got {_describe(self.in_place)}")
 

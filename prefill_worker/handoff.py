@@ -117,8 +117,9 @@ class PushSink:
         self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 
-    def commit(self, first_token: int | list[int]) -> None:
-        """first_token: the first token, or every sequence's in index order (n>1)."""
+    def commit(self, first_token: int | list[int], logprobs: list[float] | None = None) -> None:
+        """first_token: the first token, or every sequence's in index order (n>1); logprobs:
+        theirs, when the request asked for logprobs (the decode side streams them)."""
         tokens = [first_token] if isinstance(first_token, int) else list(first_token)
         self.transport.send(
             ChunkHeader(
@@ -127,6 +128,7 @@ class PushSink:
                 kind="commit",
                 first_token=tokens[0],
                 first_tokens=tuple(tokens) if len(tokens) > 1 else (),
+                first_logprobs=tuple(logprobs or ()),
             ),
             None,
             self.dest,

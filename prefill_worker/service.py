@@ -82,10 +82,10 @@ class GuardedSink:
         per_layer = (self.first_step_end_ns - self.first_layer_ns) / (self.num_layers - 1)
         return int(self.first_layer_ns - per_layer)
 
-    def commit(self, first_token: int | list[int]) -> None:
+    def commit(self, first_token: int | list[int], logprobs: list[float] | None = None) -> None:
         if self.error is None:
             try:
-                self.sink.commit(first_token)
+                self.sink.commit(first_token, logprobs)
             except Exception as e:
                 self.error = e
 
@@ -108,6 +108,14 @@ def first_tokens(out: RequestOutput) -> list[int]:
     return [c.token_ids[0] for c in sorted(out.outputs, key=lambda c: c.index)]
 
 
+def first_logprobs(out: RequestOutput) -> list[float] | None:
+    """Each sequence's first token's logprob, in index order; None without logprobs."""
+    comps = sorted(out.outputs, key=lambda c: c.index)
+    if not all(c.logprobs for c in comps):
+        return None
+    return [c.logprobs[0] for c in comps]
+
+
 class _Waiter:
     """The finished output of one prefill-only request, handed from the loop thread."""
 
@@ -122,7 +130,7 @@ class _Waiter:
             return
         self.end_ns = unix_ns()  # before the commit: the decode side may stamp its arrival first
         if prefill_done(out):
-            self.sink.commit(first_tokens(out))
+            self.sink.commit(first_tokens(out), first_logprobs(out))
         self.output = out
         self.done.set()
 

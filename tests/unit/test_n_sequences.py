@@ -479,3 +479,40 @@ def test_n_across_tp_sizes_equals_the_engine(tiny_models, llm, backend, prefill_
         if router is not None:
             router.stop()
         workers.stop()
+
+
+def test_logprobs_of_every_token_first_included(idle, llm):
+    """The prefill worker's first tokens' logprobs ride in the commit, so each sequence's stream
+    has one logprob per token, as engine.LLM computes them (n=1 and n=3)."""
+    prompt = random_prompts([14], seed=55)[0]
+    for n in (1, 3):
+        sampling = proto_sampling(**dict(SEEDED, n=n, max_tokens=6), logprobs=True)
+        out = llm.generate([prompt], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)
+        want = {c.index: (c.token_ids, c.logprobs) for c in out[0].outputs}
+        got = {i: ([], []) for i in range(n)}
+        for r in idle.call(prompt, sampling):
+            if r.HasField("delta"):
+                got[r.delta.index][0].extend(r.delta.token_ids)
+                got[r.delta.index][1].extend(r.delta.logprobs)
+        for i in range(n):
+            assert got[i][0] == want[i][0]
+            assert got[i][1] == pytest.approx(want[i][1], abs=1e-4)
+
+
+def test_the_commit_frame_carries_every_first_token_and_refuses_bad_ones():
+    from kvtransfer.backends.frames import encode_header
+    from kvtransfer.wire import ChunkHeader, WireError, decode_frame, encode_frame
+
+    header = ChunkHeader(
+        "r", "fp", kind="commit", first_token=5, first_tokens=(5, 6, 7), first_logprobs=(-1.5,) * 3
+    )
+    pieces = encode_frame(header)
+    assert pieces[1] == encode_header(header)
+    back, _ = decode_frame(b"".join(bytes(p) for p in pieces))
+    assert back == header and back.first_tokens == (5, 6, 7)
+    assert back.first_logprobs == (-1.5, -1.5, -1.5)
+    for bad in (dict(first_tokens=[1] * 65), dict(first_tokens=["x"]), dict(first_tokens=5)):
+        with pytest.raises(WireError, match="first_tokens"):
+            ChunkHeader("r", "fp", kind="commit", **bad)
+    with pytest.raises(WireError, match="first_logprobs"):
+        ChunkHeader("r", "fp", kind="commit", first_logprobs=["x"])
