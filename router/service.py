@@ -193,7 +193,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
         def finish_of(event) -> pdserve_pb2.GenerateResponse:
             """A sequence's Finish while others still run (n>1)."""
-            self._prefill_result(legs[-1].prefill_future)
+            leg = legs[-1]
+            self._prefill_result(leg.prefill_future)
+            if (
+                event.finish_reason == "abort"
+                and leg.prefill_error is not None
+                and not req.abort_requested
+            ):  # the failed prefill aborted the reservation: the call ends with its status, as n=1
+                self._fail(req, context, leg.prefill_error, "prefill worker", request.deadline_ms)
             finish = self._finish(event, len(prompt), len(sent[event.index]), legs, queued_ns, req)
             finishes.append(finish)
             return pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=finish)

@@ -516,3 +516,22 @@ def test_the_commit_frame_carries_every_first_token_and_refuses_bad_ones():
             ChunkHeader("r", "fp", kind="commit", **bad)
     with pytest.raises(WireError, match="first_logprobs"):
         ChunkHeader("r", "fp", kind="commit", first_logprobs=["x"])
+
+
+def test_a_failed_prefill_fails_an_n_request_with_its_status_and_frees_both_pools(
+    idle, monkeypatch
+):
+    """As for n=1: the client gets the prefill worker's status, not n "abort" Finishes."""
+    from engine.errors import InvalidRequest as Refused
+
+    def refuse(*args, **kwargs):
+        raise Refused("refused for the test")
+
+    monkeypatch.setattr(idle.prefill.loop, "add_request", refuse)
+    responses = []
+    with pytest.raises(grpc.RpcError) as err:
+        for r in idle.call(random_prompts([12], seed=56)[0], proto_sampling(n=3, max_tokens=4)):
+            responses.append(r)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "refused for the test" in err.value.details()
+    assert not any(r.HasField("finish") for r in responses)
