@@ -11,6 +11,7 @@ each sequence ends with its own Finish, stop strings, usage, aborts and short KV
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -535,3 +536,33 @@ def test_a_failed_prefill_fails_an_n_request_with_its_status_and_frees_both_pool
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "refused for the test" in err.value.details()
     assert not any(r.HasField("finish") for r in responses)
+
+
+def test_a_sequence_ends_while_another_runs_and_an_abort_ends_only_the_open_one(
+    idle, llm, monkeypatch
+):
+    """Sequence 0 hits a stop token early: its Finish comes at once, while sequence 1 still
+    streams; an abort then ends sequence 1 alone ("abort"), and sequence 0 keeps its "stop"."""
+    prompt = random_prompts([15], seed=57)[0]
+    long = MAX_MODEL_LEN - len(prompt) - 1
+    free = proto_sampling(temperature=1.0, seed=3, n=2, max_tokens=long, ignore_eos=True)
+    runs = want_of(llm, prompt, free)
+    stop = next(t for t in runs[0][0][1:] if t not in runs[1][0])  # never in sequence 1
+    step = idle.decode.loop.engine.step
+    monkeypatch.setattr(idle.decode.loop.engine, "step", lambda: (time.sleep(0.01), step())[1])
+    sampling = proto_sampling(
+        temperature=1.0, seed=3, n=2, max_tokens=long, ignore_eos=True, stop_token_ids=[stop]
+    )
+    responses, later = [], 0
+    for r in idle.call(prompt, sampling, request_id="n-early"):
+        responses.append(r)
+        if r.HasField("finish") and r.finish.index == 0:
+            later = len(responses)
+        if later and len(responses) == later + 2:  # sequence 1 streamed on after sequence 0 ended
+            assert all(x.delta.index == 1 for x in responses[later:])
+            assert idle.api.Abort(pdserve_pb2.AbortRequest(request_id="n-early"), timeout=5).found
+    ids, _, finish = collect(responses, 2)
+    assert finish[0].finish_reason == "stop" and finish[0].stop_token == stop
+    assert ids[0] == runs[0][0][: runs[0][0].index(stop) + 1]
+    assert finish[1].finish_reason == "abort" and len(ids[1]) < long
+    assert ids[1] == runs[1][0][: len(ids[1])]
