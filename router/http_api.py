@@ -296,10 +296,9 @@ def check_logprobs(tokens, lps) -> None:
     token's logprob, nor leaves one out silently."""
     if len(lps) != len(tokens):
         raise ApiError(
-            501,
-            f"logprobs: the workers returned {len(lps)} logprobs for {len(tokens)} tokens (a "
-            f"disaggregated prefill does not hand over its first token's logprob yet); send "
-            f"the request without logprobs",
+            500,
+            f"logprobs: the workers returned {len(lps)} logprobs for {len(tokens)} tokens; "
+            f"send the request without logprobs, and report this",
             "server_error",
             code="logprobs_unavailable",
         )

@@ -155,11 +155,6 @@ def test_stop_and_seed(deployment, reference):
     assert sample(12) != first
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="disaggregated: the prefill worker does not hand its first token's logprob over, and "
-    "the decode worker's later logprobs do not reach the stream (the HTTP front answers 501)",
-)
 def test_logprobs(deployment):
     c, model = client(deployment), model_id(deployment)
     got = c.chat.completions.create(

@@ -712,12 +712,6 @@ def test_openai_logprobs_through_a_colocated_router(colocated, idle, llm):
     assert all(t.bytes == list(t.token.encode()) for t in content)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="disaggregated: the prefill worker does not hand its first token's logprob to the "
-    "decode worker, and the decode worker's later logprobs do not reach the stream; the HTTP "
-    "front answers 501 rather than pair tokens with the wrong logprobs",
-)
 def test_openai_logprobs_disaggregated(router, idle):
     got = client(router).completions.create(
         model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=0
