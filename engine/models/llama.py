@@ -93,17 +93,17 @@ class LlamaModel(nn.Module):
         CPU, one TP rank, the compiled kernels built, every linear prepared (oneDNN float32,
         int8 or int4). Else the layers run one by one in forward."""
         self._stack = None
-        fused, attend = cpu_fused(), cpu_paged_decode_capsule()
         layers = list(self.layers)
         attn = layers[0].self_attn
         if (
-            fused is None
-            or attend is None
-            or tp_size() != 1
+            tp_size() != 1
             or self.rotary.cos.dtype != torch.float32
             or self.rotary.cos.device.type != "cpu"
             or attn.head_dim % 16
         ):
+            return
+        fused, attend = cpu_fused(), cpu_paged_decode_capsule()
+        if fused is None or attend is None:
             return
         stack = fused.DecodeStack(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.eps, attn.attn.scale, attend
