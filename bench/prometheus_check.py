@@ -234,7 +234,7 @@ def check(args, router: str, metrics_url: str, workdir: str) -> dict:
     return {
         "bench_summary": {
             k: summary.get(k)
-            for k in ("completed", "failed", "duration_s", "median_ttft_ms", "median_itl_ms")
+            for k in ("completed", "failed", "duration", "median_ttft_ms", "median_itl_ms")
         },
         "bench_server_ms": summary.get("server_ms"),
         "prometheus": {
