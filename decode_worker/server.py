@@ -1,13 +1,5 @@
 """A decode worker process: engine + loop thread + hand-off + KV transport server + gRPC service.
-
-    worker = DecodeWorker(DecodeWorkerConfig(model=model_dir)).start()
-    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(worker.address))
-    ...
-    worker.stop()
-
-The frame (engine on its loop thread, gRPC server, registration, stop order) is
-worker_common/process.py, shared with the prefill worker.
-"""
+Its frame (start and stop order, registration, usage) is worker_common/process.py."""
 
 from __future__ import annotations
 
@@ -22,7 +14,6 @@ from protos.pdserve.v1 import worker_pb2_grpc
 from worker_common.process import WorkerConfig, WorkerProcess
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "pdserve.worker.v1.DecodeWorker"
 
 
 @dataclass(frozen=True)
@@ -49,71 +40,60 @@ class DecodeWorkerConfig(WorkerConfig):
 
 
 class DecodeWorker(WorkerProcess):
-    ROLE = "decode"
-    SERVICE_NAME = SERVICE_NAME
+    ROLE, SERVICE_NAME = "decode", "pdserve.worker.v1.DecodeWorker"
 
-    def __init__(self, config: DecodeWorkerConfig):
-        super().__init__(config)
-        self.handoff: DecodeHandoff | None = None
-        self.layout: KVLayout | None = None
-        self._kv_server = None
+    config: DecodeWorkerConfig
+    # set by start()
+    layout: KVLayout | None = None
+    handoff: DecodeHandoff | None = None
+    _kv_server = None
 
-    def start(self) -> DecodeWorker:
+    def _start(self) -> None:
         cfg = self.config
-        try:
-            tune_malloc()  # frame-sized receive buffers: see its docstring
-            kwargs = dict(cfg.engine_kwargs)
-            tp = kwargs.get("tensor_parallel_size", 1)
-            # the hand-off writes every rank's pool from rank 0, and shm senders write into it
-            if (tp > 1 or cfg.kv_backend == "shm") and not kwargs.get("kv_cache_shared_dir"):
-                kwargs["kv_cache_shared_dir"] = default_shared_dir()
-            engine = self._build_engine(kwargs)
-            self.layout = KVLayout(**engine.kv_layout_spec())
-            rank_caches = engine.rank_kv_caches()
-            self.handoff = DecodeHandoff(
-                self.loop,
-                self.layout,
-                lease_s=cfg.lease_ms / 1000,
-                sweep_s=cfg.lease_sweep_s,
-                rank_caches=rank_caches,
-            )
-            kv_options = dict(cfg.kv_options)
-            if cfg.kv_backend == "shm":
-                kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
-            self._kv_server = serve(
-                cfg.kv_backend, self.handoff.on_frame, security=cfg.security, **kv_options
-            )
-            servicer = DecodeWorkerServicer(
-                self.loop,
-                self.handoff,
-                DecodeServiceOptions(
-                    worker_id=cfg.worker_id,
-                    kv_backend=cfg.kv_backend,
-                    kv_address=self._kv_server.address,
-                    default_lease_ms=cfg.lease_ms,
-                    max_lease_ms=cfg.max_lease_ms,
-                    tp_size=tp,
-                ),
-            )
-            self._serve(
-                lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
-                lambda: servicer.Stats(None, None),
-            )
-        except BaseException:
-            self.stop()
-            raise
+        tune_malloc()  # frame-sized receive buffers: see its docstring
+        # the hand-off writes every rank's pool from rank 0, and shm senders write into it
+        shared = self.tp_size > 1 or cfg.kv_backend == "shm"
+        engine = self._build_engine(default_shared_dir() if shared else None)
+        self.layout = KVLayout(**engine.kv_layout_spec())
+        rank_caches = engine.rank_kv_caches()
+        self.handoff = DecodeHandoff(
+            self.loop,
+            self.layout,
+            lease_s=cfg.lease_ms / 1000,
+            sweep_s=cfg.lease_sweep_s,
+            rank_caches=rank_caches,
+        )
+        kv_options = dict(cfg.kv_options)
+        if cfg.kv_backend == "shm":
+            kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
+        self._kv_server = serve(
+            cfg.kv_backend, self.handoff.on_frame, security=cfg.security, **kv_options
+        )
+        servicer = DecodeWorkerServicer(
+            self.loop,
+            self.handoff,
+            DecodeServiceOptions(
+                worker_id=cfg.worker_id,
+                kv_backend=cfg.kv_backend,
+                kv_address=self._kv_server.address,
+                default_lease_ms=cfg.lease_ms,
+                max_lease_ms=cfg.max_lease_ms,
+                tp_size=self.tp_size,
+            ),
+        )
+        self._serve(
+            lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
+            lambda: servicer.Stats(None, None),
+        )
         log.info(
             "decode worker %s serving on %s, KV on %s",
             cfg.worker_id,
             self.address,
             self._kv_server.address,
         )
-        return self
 
-    def stop(self) -> None:
-        """Stops taking requests, ends open streams, then the KV channel and the engine loop."""
-        self._stop_serving()
+    def _stop_own(self) -> None:
+        """The KV channel, after the gRPC server (open streams have ended)."""
         if self._kv_server is not None:
             self._kv_server.stop()
             self._kv_server = None
-        self._stop_engine()

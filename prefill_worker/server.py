@@ -1,13 +1,5 @@
-"""A prefill worker process: engine (prefill-only requests) + loop thread + gRPC service.
-
-    worker = PrefillWorker(PrefillWorkerConfig(model=model_dir)).start()
-    stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(worker.address))
-    ...
-    worker.stop()
-
-The frame (engine on its loop thread, gRPC server, registration, stop order) is
-worker_common/process.py, shared with the decode worker.
-"""
+"""A prefill worker process: engine (prefill-only requests) + loop thread + gRPC service. Its
+frame (start and stop order, registration, usage) is worker_common/process.py."""
 
 from __future__ import annotations
 
@@ -21,7 +13,6 @@ from protos.pdserve.v1 import worker_pb2_grpc
 from worker_common.process import WorkerConfig, WorkerProcess
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "pdserve.worker.v1.PrefillWorker"
 
 
 @dataclass(frozen=True)
@@ -35,50 +26,38 @@ class PrefillWorkerConfig(WorkerConfig):
 
 
 class PrefillWorker(WorkerProcess):
-    ROLE = "prefill"
-    SERVICE_NAME = SERVICE_NAME
+    ROLE, SERVICE_NAME = "prefill", "pdserve.worker.v1.PrefillWorker"
 
-    def __init__(self, config: PrefillWorkerConfig):
-        super().__init__(config)
-        self.layout: KVLayout | None = None
-        self.servicer: PrefillWorkerServicer | None = None
+    config: PrefillWorkerConfig
+    # set by start()
+    layout: KVLayout | None = None
+    servicer: PrefillWorkerServicer | None = None
 
-    def start(self) -> PrefillWorker:
+    def _start(self) -> None:
         cfg = self.config
-        try:
-            tune_malloc()  # frame-sized send buffers: see its docstring
-            kwargs = dict(cfg.engine_kwargs)
-            tp = kwargs.get("tensor_parallel_size", 1)
-            if tp > 1 and not kwargs.get("kv_cache_shared_dir"):  # rank 0 sends every rank's heads
-                kwargs["kv_cache_shared_dir"] = default_shared_dir()
-            engine = self._build_engine(kwargs)
-            self.layout = KVLayout(**engine.kv_layout_spec())
-            rank_caches = engine.rank_kv_caches() if tp > 1 else None
-            self.servicer = PrefillWorkerServicer(
-                self.loop,
-                self.layout,
-                PrefillServiceOptions(
-                    worker_id=cfg.worker_id,
-                    prefill_timeout_s=cfg.prefill_timeout_s,
-                    flush_timeout_s=cfg.flush_timeout_s,
-                    security=cfg.security,
-                ),
-                rank_caches,
-            )
-            self._serve(
-                lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, s),
-                lambda: self.servicer.Stats(None, None),
-            )
-        except BaseException:
-            self.stop()
-            raise
+        tune_malloc()  # frame-sized send buffers: see its docstring
+        tp = self.tp_size
+        engine = self._build_engine(default_shared_dir() if tp > 1 else None)  # rank 0 sends all
+        self.layout = KVLayout(**engine.kv_layout_spec())
+        self.servicer = PrefillWorkerServicer(
+            self.loop,
+            self.layout,
+            PrefillServiceOptions(
+                worker_id=cfg.worker_id,
+                prefill_timeout_s=cfg.prefill_timeout_s,
+                flush_timeout_s=cfg.flush_timeout_s,
+                security=cfg.security,
+            ),
+            engine.rank_kv_caches() if tp > 1 else None,
+        )
+        self._serve(
+            lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, s),
+            lambda: self.servicer.Stats(None, None),
+        )
         log.info("prefill worker %s serving on %s", cfg.worker_id, self.address)
-        return self
 
-    def stop(self) -> None:
-        """Stops taking requests, then closes the KV channels and the engine loop."""
-        self._stop_serving()
+    def _stop_own(self) -> None:
+        """The KV channels, after the gRPC server."""
         if self.servicer is not None:
             self.servicer.close()
             self.servicer = None
-        self._stop_engine()

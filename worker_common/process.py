@@ -5,26 +5,27 @@ WorkerProcess, sets ROLE and SERVICE_NAME, and writes only what is its own:
     class DecodeWorker(WorkerProcess):
         ROLE, SERVICE_NAME = "decode", "pdserve.worker.v1.DecodeWorker"
 
-        def start(self):
-            try:
-                engine = self._build_engine(engine_kwargs)
-                ... its hand-off, KV server, servicer ...
-                self._serve(lambda server: add_servicer(servicer, server), stats_fn)
-            except BaseException:
-                self.stop()
-                raise
-            return self
+        def _start(self):
+            engine = self._build_engine(shared_dir)
+            ... its hand-off, KV server, servicer ...
+            self._serve(lambda server: add_servicer(servicer, server), stats_fn)
 
-        def stop(self):
-            self._stop_serving()   # registration, then the gRPC server (open streams end)
-            ... its own parts ...
-            self._stop_engine()
+        def _stop_own(self):
+            ... its own parts (between the gRPC server and the engine) ...
+
+Used as
+
+    worker = DecodeWorker(DecodeWorkerConfig(model=model_dir)).start()
+    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(worker.address))
+    ...
+    worker.stop()
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
 import grpc
 
@@ -68,10 +69,43 @@ class WorkerProcess:
         self.address: str | None = None
         self.registration: Registration | None = None
 
-    def _build_engine(self, engine_kwargs: dict) -> LLMEngine:
+    @property
+    def tp_size(self) -> int:
+        return self.config.engine_kwargs.get("tensor_parallel_size", 1)
+
+    def start(self) -> Self:
+        """Builds and serves the worker (_start); on any failure stops what had started, then
+        raises."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Registration and the gRPC server first (open streams end), then the worker's own
+        parts, then the engine loop."""
+        self._stop_serving()
+        self._stop_own()
+        self._stop_engine()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _stop_own(self) -> None:
+        """Closes what _start made besides the engine and the gRPC server; runs on a partial start
+        too."""
+
+    def _build_engine(self, shared_dir: str | None = None) -> LLMEngine:
         """The engine itself, not an LLM (an LLM shuts its engine down when collected), built and
-        warmed on the loop thread that will step it (EngineLoop.build says why)."""
+        warmed on the loop thread that will step it (EngineLoop.build says why). shared_dir: put
+        the KV pool in a shared file there (where another process or rank must map it), unless
+        engine_kwargs already name a kv_cache_shared_dir."""
         cfg = self.config
+        engine_kwargs = dict(cfg.engine_kwargs)
+        if shared_dir and not engine_kwargs.get("kv_cache_shared_dir"):
+            engine_kwargs["kv_cache_shared_dir"] = shared_dir
         self.loop = EngineLoop.build(
             lambda: warmed(
                 LLMEngine(EngineConfig(model=cfg.model, **engine_kwargs)), cfg.worker_id
