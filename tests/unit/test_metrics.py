@@ -322,3 +322,58 @@ def test_expired_leases_and_failed_transfers_are_counted_and_exported(idle):
 def test_one_two_five_buckets():
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(256)[-1] == 200
+
+
+def test_a_colocated_cluster_labels_its_pool_and_has_no_hand_off(tiny_models, one_thread):
+    from decode_worker.server import DecodeWorker, DecodeWorkerConfig
+    from protos.pdserve.v1 import pdserve_pb2_grpc
+    from router.server import Router, RouterConfig
+
+    model_dir = tiny_models("llama-gqa")[0]
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=model_dir, worker_id="c0", engine_kwargs=dict(kv_cache_memory=1 << 20)
+        )
+    ).start()
+    router = Router(
+        RouterConfig(model=model_dir, decode_addresses=(worker.address,), colocated=True)
+    ).start()
+    channel = grpc.insecure_channel(router.address)
+    try:
+        api = pdserve_pb2_grpc.PDServeStub(channel)
+        prompt = random_prompts([40], seed=6)[0]
+        for _ in range(2):  # the second finds the first's blocks in the prefix cache
+            finish = list(
+                api.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=prompt),
+                        sampling=pdserve_pb2.SamplingParams(
+                            temperature=0, max_tokens=3, ignore_eos=True
+                        ),
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+            )[-1].finish
+        d = stage_durations(finish.timings)
+        assert d["router_queue_s"] is not None and d["decode_s"] is not None
+        assert [d[f"{s}_s"] for s in STAGES[1:5]] == [None] * 4
+        assert finish.usage.kv_transfer_bytes == 0
+        reg, model = router.metrics_registry, router.servicer.options.model_id
+        assert reg.get_sample_value("vllm:time_to_first_token_seconds_count", {MODEL: model}) == 2
+        assert not reg.get_sample_value("pdserve:request_kv_transfer_bytes_count", {MODEL: model})
+        labels = {MODEL: model, "role": "colocated", "worker": "c0"}
+
+        def counter(name):
+            return reg.get_sample_value(name, labels)
+
+        wait_until(
+            lambda: counter("vllm:prefix_cache_queries_total") == 80,
+            5,
+            "the worker's prefix cache queries in the router's metrics",
+        )
+        assert 0 < counter("vllm:prefix_cache_hits_total") < 40
+        assert counter("pdserve:kv_transfers_total") == 0
+    finally:
+        channel.close()
+        router.stop()
+        worker.stop()
