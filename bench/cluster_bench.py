@@ -21,7 +21,7 @@ One run, in this order:
   pipelining: bench/cluster_bench_sides.pipeline_side, in-process with the real classes
 TTFT at the client: time.time_ns() before calling PDServe.Generate -> the first TokenDelta. The
 breakdown comes from Finish.timings (unix ns, one machine clock) and telescopes to the TTFT:
-  client->router (queued - sent), router before prefill (prefill_start - queued), prefill compute
+  client->router (queued - sent), router and prefill queue (prefill_start - queued), prefill compute
   (prefill_end - prefill_start, per-layer pushes included), hand-off to the first token
   (first_token - prefill_end; "exposed transfer" transfer_end - prefill_end overlaps its start),
   delivery (first TokenDelta at the client - first_token).
@@ -67,7 +67,7 @@ SEGMENTS = (  # (key, label, start field, end field); "sent"/"client_first" are 
     ("client_to_router", "client -> router", "sent", "queued_unix_ns"),
     (
         "router_before_prefill",
-        "router before prefill (Reserve, Stream, Prefill RPC)",
+        "router and prefill queue (Reserve, Stream, Prefill RPC, the prefill worker's queue)",
         "queued_unix_ns",
         "prefill_start_unix_ns",
     ),
