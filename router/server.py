@@ -113,6 +113,17 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
     return max(4 << 20, 2 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
 
 
+# RouterConfig's fields that ServiceOptions takes as they are
+PASSED_TO_SERVICE = (
+    "max_inflight",
+    "lease_ms",
+    "prefill_timeout_s",
+    "max_resumes",
+    "decode_queue_timeout_s",
+    "colocated",
+)
+
+
 def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
     hf = load_hf_config(model_dir)
     hf_text = hf.get("text_config", hf)
@@ -131,12 +142,7 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         max_model_len=int(max_len),
         vocab_size=int(hf_text.get("vocab_size", 0)),
         dtype=str(dtype),
-        max_inflight=config.max_inflight,
-        lease_ms=config.lease_ms,
-        prefill_timeout_s=config.prefill_timeout_s,
-        max_resumes=config.max_resumes,
-        decode_queue_timeout_s=config.decode_queue_timeout_s,
-        colocated=config.colocated,
+        **{name: getattr(config, name) for name in PASSED_TO_SERVICE},
     )
 
 

@@ -155,6 +155,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG of the candidates here")
 
 
+# the flags that Search takes as they are, under the same names
+SEARCH_ARGS = (
+    "num_requests",
+    "max_requests",
+    "max_verify_requests",
+    "burstiness",
+    "seed",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "backend",
+    "objective",
+)
+
+
 def _workload(args) -> list[RequestSpec]:
     spec = args.workload
     if spec.startswith("synthetic"):
@@ -498,20 +512,7 @@ def run(args) -> int:
         )
         return 2
     placements = runnable
-    search = Search(
-        profile,
-        workload,
-        slo,
-        num_requests=args.num_requests,
-        max_requests=args.max_requests,
-        max_verify_requests=args.max_verify_requests,
-        burstiness=args.burstiness,
-        seed=args.seed,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        backend=args.backend,
-        objective=args.objective,
-    )
+    search = Search(profile, workload, slo, **{name: getattr(args, name) for name in SEARCH_ARGS})
     cands = search.run(
         placements, verify_top=args.verify_top, deadline_s=args.time_limit, prune=not args.seeds
     )  # a band needs every finalist's full goodput
