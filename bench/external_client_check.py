@@ -248,13 +248,12 @@ def main(argv=None) -> int:
             router, http = args.router, args.http.rstrip("/")
             report["cluster"] = {"router": router, "http": http}
         else:
-            cluster = http_cluster.LocalCluster(args)
+            cluster = http_cluster.start(args)
             router, http = cluster.router_address, cluster.http_url
             report["cluster"] = {
                 "deploy": http_cluster.deploy_dict(args),
                 "modes": cluster.modes,
-                "how": "bench/http_cluster.py: router in the script, one prefill and one decode "
-                "worker process",
+                "how": f"bench/http_cluster.py --cluster {args.cluster}",
             }
         warm_up(router, args)
         for k in range(args.rounds):

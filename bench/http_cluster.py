@@ -1,13 +1,16 @@
 """A local disaggregated pdserve cluster with the router's HTTP front, for the checks that need an
 OpenAI-compatible endpoint and GET /metrics (bench/prometheus_check.py,
-bench/external_client_check.py).
+bench/external_client_check.py), started one of two ways (--cluster):
 
-The router runs in this process with RouterConfig(http_port=0); one prefill and one decode
-worker each run in a spawned process of their own through deploy.launcher.WorkerActor (the class
-`pdserve up` runs in its Ray actors), with the engine settings and torch threads that
-validate_config gives the same YAML, and join the router through its Registry. No Ray: the
-launcher does not pass router.http_port yet (deploy/config.py); to check a deployment started
-with `pdserve up` instead, give the scripts its addresses (--router, --http).
+  up      deploy.launcher.up() of the YAML below on a local Ray, what `pdserve up` runs: the
+          router (gRPC and HTTP on free ports) in this process, one Ray actor per worker
+  local   no Ray: the router in this process with RouterConfig(http_port=0), one prefill and one
+          decode worker each in a spawned process through deploy.launcher.WorkerActor (the class
+          `pdserve up` runs in its actors), joining the router through its Registry
+Both give the workers the engine settings and torch threads validate_config gives the YAML and
+pin them to cores as `pdserve up` pins a local deployment (deploy.launcher.core_plan: one core
+each by default). To check a deployment already up, give the scripts its addresses (--router,
+--http).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ def deploy_dict(args) -> dict:
     return {
         "model": args.model,
         "kvtransfer": {"backend": args.kv_backend},
-        "router": {"port": 0},
+        "router": {"port": 0, "http_port": 0},
         "pools": {"prefill": pool(args.prefill_threads), "decode": pool(args.decode_threads)},
     }
 
 
 def add_args(ap) -> None:
     g = ap.add_argument_group("the local cluster (when --router/--http are not given)")
+    g.add_argument("--cluster", default="up", choices=("up", "local"), help="default: up")
     g.add_argument("--model", default="smollm2")
     g.add_argument("--kv-backend", default="shm", choices=("grpc", "shm", "torch"))
     g.add_argument("--prefill-threads", type=int, default=1)
@@ -138,3 +142,25 @@ class LocalCluster:
                 proc.terminate()
         self.procs, self.conns = [], []
         self.router.stop()
+
+
+class UpCluster:
+    """deploy.launcher.up() of deploy_dict(args), as `pdserve up` starts it, on a local Ray."""
+
+    def __init__(self, args):
+        from deploy.config import validate_config
+        from deploy.launcher import up
+
+        self.cluster = up(validate_config(deploy_dict(args), "http_cluster"), block=False)
+        self.router = self.cluster.router
+        self.router_address = self.cluster.router_address
+        self.http_url = self.cluster.http_url
+        self.modes = {}
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def start(args):
+    """The cluster --cluster names."""
+    return UpCluster(args) if args.cluster == "up" else LocalCluster(args)
