@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-# proto3 `optional` scalars of pdserve.v1.SamplingParams; names equal the engine's keywords
-_OPTIONAL_FIELDS = (
+# proto3 `optional` scalars of pdserve.v1.SamplingParams; names equal the engine's keywords (and,
+# but for n, max_tokens and logprobs, the OpenAI body's fields: router/http_api.py)
+OPTIONAL_FIELDS = (
     "n",
     "temperature",
     "top_p",
@@ -31,7 +32,7 @@ def sampling_kwargs(msg) -> dict:
     the fields the client set, so the engine's defaults (and its validation) apply to the rest."""
     if msg is None:
         return {}
-    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    kwargs = {name: getattr(msg, name) for name in OPTIONAL_FIELDS if msg.HasField(name)}
     for name in _REPEATED_FIELDS:
         values = list(getattr(msg, name))
         if values:

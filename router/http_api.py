@@ -55,6 +55,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protos.convert import OPTIONAL_FIELDS
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from protos.security import API_KEY_METADATA_KEY, NO_KEYS, ClientKeys, TLSConfig, bearer_token
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -196,20 +197,9 @@ _KNOWN = _field_names(CompletionRequest, ChatCompletionRequest)
 
 
 # ---- building the gRPC request ---------------------------------------------------------------
-_PASSED_THROUGH = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-)
+# SamplingParams' optional scalars an OpenAI body carries as they are (n, max_tokens and logprobs
+# are translated in sampling_params)
+_PASSED_THROUGH = tuple(f for f in OPTIONAL_FIELDS if f not in ("n", "max_tokens", "logprobs"))
 
 
 def sampling_params(body, max_tokens: int | None, logprobs: bool) -> pdserve_pb2.SamplingParams:
@@ -644,14 +634,7 @@ def build_app(front: HttpFront) -> FastAPI:
         call = front.stub.Generate(gen, metadata=metadata)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
         try:
-            try:
-                first = await call.read()
-            except asyncio.CancelledError:
-                if watcher.done():
-                    raise ClientGone() from None
-                raise
-            except grpc.RpcError as e:
-                raise ApiError.from_grpc(e) from None
+            first = await _from_router(call.read(), watcher)
             if first is grpc.aio.EOF:
                 raise ApiError(500, "the router ended the call without a response", "server_error")
             if body.stream:
@@ -662,14 +645,7 @@ def build_app(front: HttpFront) -> FastAPI:
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
-            try:
-                responses = [first] + [r async for r in _rest(call)]
-            except asyncio.CancelledError:
-                if watcher.done():
-                    raise ClientGone() from None
-                raise
-            except grpc.RpcError as e:
-                raise ApiError.from_grpc(e) from None
+            responses = [first] + await _from_router(_all(_rest(call)), watcher)
             return JSONResponse(_whole(responses, body, chat, s.model_id, gen.request_id, text_of))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: the client left
@@ -694,6 +670,23 @@ class _CallStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._call.cancel()  # no-op once the call finished
+
+
+async def _from_router(awaitable, watcher: asyncio.Task):
+    """What `awaitable` (a read of the router's call) gives; the call's gRPC error as the HTTP
+    error, and a cancellation by _cancel_on_disconnect (`watcher` done) as ClientGone."""
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if watcher.done():
+            raise ClientGone() from None
+        raise
+    except grpc.RpcError as e:
+        raise ApiError.from_grpc(e) from None
+
+
+async def _all(responses: AsyncIterator) -> list:
+    return [r async for r in responses]
 
 
 async def _cancel_on_disconnect(request: Request, call) -> None:

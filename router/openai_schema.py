@@ -15,6 +15,8 @@ ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC A
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -55,21 +57,30 @@ TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
 ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 
 
+def _neutral_only(*fields: str, message: str, neutral: Callable[[Any], bool] = operator.not_):
+    """A validator for OpenAI fields pdserve accepts only at their neutral value: any value of
+    `fields` that neutral(value) (default: falsy) does not accept is refused with `message`, where
+    {field} names the field."""
+
+    def check(cls, v, info):
+        if not neutral(v):
+            raise ValueError(message.replace("{field}", info.field_name))
+        return v
+
+    return field_validator(*fields)(classmethod(check))
+
+
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
     # vLLM's usage on every chunk: the prompt's token count reaches the HTTP front only with the
     # Finish, so only false is accepted (benchmark clients send it when asked to)
     continuous_usage_stats: StrictBool | None = None
 
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _final_usage_only(cls, v):
-        if v:
-            raise ValueError(
-                "continuous_usage_stats is not supported: usage comes on the last chunk "
-                "(include_usage)"
-            )
-        return v
+    _final_usage_only = _neutral_only(
+        "continuous_usage_stats",
+        message="continuous_usage_stats is not supported: usage comes on the last chunk "
+        "(include_usage)",
+    )
 
 
 class _Sampling(_Strict):
@@ -98,12 +109,9 @@ class _Sampling(_Strict):
     # accepted and ignored: they change nothing about the result
     user: ShortStr | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported; leave it unset or empty")
-        return v
+    _no_logit_bias = _neutral_only(
+        "logit_bias", message="logit_bias is not supported; leave it unset or empty"
+    )
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -144,36 +152,16 @@ class CompletionRequest(_Sampling):
     suffix: StrictStr | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _sampled_only(cls, v):
-        if v:
-            raise ValueError(
-                "logprobs > 0 asks for the most likely alternatives of each token, which pdserve "
-                "does not serve: use logprobs=0 for the sampled tokens' logprobs"
-            )
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo=true is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("best_of > 1 is not supported; use n")
-        return v
+    _sampled_only = _neutral_only(
+        "logprobs",
+        message="logprobs > 0 asks for the most likely alternatives of each token, which pdserve "
+        "does not serve: use logprobs=0 for the sampled tokens' logprobs",
+    )
+    _no_echo = _neutral_only("echo", message="echo=true is not supported")
+    _no_suffix = _neutral_only("suffix", message="suffix is not supported")
+    _no_best_of = _neutral_only(
+        "best_of", message="best_of > 1 is not supported; use n", neutral=lambda v: v in (None, 1)
+    )
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt
@@ -242,36 +230,28 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_key: ShortStr | None = None
     safety_identifier: ShortStr | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _sampled_only(cls, v):
-        if v:
-            raise ValueError(
-                "top_logprobs > 0 asks for the most likely alternatives of each token, which "
-                "pdserve does not serve: use logprobs=true alone for the sampled tokens' logprobs"
-            )
-        return v
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tool and function calling is not supported; leave it unset")
-        return v
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        if v not in (None, "none"):
-            raise ValueError("tool and function calling is not supported; leave it unset")
-        return v
-
-    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
-    @classmethod
-    def _unset_only(cls, v, info):
-        if v is not None:
-            raise ValueError(f"{info.field_name} is not supported; leave it unset")
-        return v
+    _sampled_only = _neutral_only(
+        "top_logprobs",
+        message="top_logprobs > 0 asks for the most likely alternatives of each token, which "
+        "pdserve does not serve: use logprobs=true alone for the sampled tokens' logprobs",
+    )
+    _no_tools = _neutral_only(
+        "tools", "functions", message="tool and function calling is not supported; leave it unset"
+    )
+    _no_tool_choice = _neutral_only(
+        "tool_choice",
+        "function_call",
+        message="tool and function calling is not supported; leave it unset",
+        neutral=lambda v: v in (None, "none"),
+    )
+    _unset_only = _neutral_only(
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "web_search_options",
+        message="{field} is not supported; leave it unset",
+        neutral=lambda v: v is None,
+    )
 
     @model_validator(mode="after")
     def _one_max_tokens(self):
@@ -282,14 +262,11 @@ class ChatCompletionRequest(_Sampling):
             )
         return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v is not None and v != {"type": "text"}:
-            raise ValueError(
-                "only response_format {'type': 'text'} is supported (no JSON mode or schemas)"
-            )
-        return v
+    _text_format = _neutral_only(
+        "response_format",
+        message="only response_format {'type': 'text'} is supported (no JSON mode or schemas)",
+        neutral=lambda v: v is None or v == {"type": "text"},
+    )
 
     def max_new_tokens(self) -> int | None:
         return (
