@@ -17,8 +17,9 @@ Two sources:
                 restart at 0 with the worker process, which Prometheus's rate() and increase() allow
 
 Names, types and bucket layouts follow vLLM's (vllm/v1/metrics/loggers.py), with model_name on
-every series; the time buckets add a few finer ones (below vLLM's smallest, and between its bounds
-where a CPU cluster's TTFTs and steps fall). What pdserve measures for vLLM's phases of a disaggregated request:
+every series; the time buckets add a few finer ones (below vLLM's smallest, and between its
+bounds where a CPU cluster's TTFTs and steps fall). What pdserve measures for vLLM's phases of a
+disaggregated request:
   vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
   vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router, split
                                      evenly over the tokens an event carries
@@ -47,57 +48,14 @@ _FINE = [0.001, 0.0025, 0.005]  # below vLLM's buckets
 # vLLM's layouts, plus (marked +) a few finer buckets where a CPU cluster's TTFTs and decode steps
 # fall: histogram_quantile interpolates linearly inside a bucket, so (0.25, 0.5] alone turned a
 # 416 ms median into 458 ms. Every vLLM bound stays, so dashboards that pick `le` values still match.
-TTFT_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-]  # fmt: skip  (+ 0.15, 0.2, 0.3, 0.4)
-ITL_BUCKETS = _FINE + [
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]  # fmt: skip  (+ _FINE, 0.015, 0.02)
+TTFT_BUCKETS = [  # + 0.15, 0.2, 0.3, 0.4
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = _FINE + [  # + _FINE, 0.015, 0.02
+    0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
 REQUEST_LATENCY_BUCKETS = _FINE + [0.01, 0.025, 0.05, 0.1] + [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
