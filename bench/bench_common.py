@@ -121,6 +121,12 @@ def machine_info(threads: int) -> dict:
     }
 
 
+def side_result(side: str, threads: int) -> dict:
+    """The opening fields of one side's result (engine_bench_hf.py, engine_bench_pdserve.py),
+    taken once torch's threads are set and the side's imports are done."""
+    return {"side": side, "machine": machine_info(threads), "memory_start": memory_snapshot()}
+
+
 def git_head() -> str | None:
     """Best effort, read from .git without running git."""
     try:

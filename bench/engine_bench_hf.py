@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import time
 
-from bench.bench_common import (
-    SEED_DECODE,
-    SEED_ONE_STREAM,
-    SEED_TTFT,
-    SEED_WARMUP,
-    machine_info,
-    median,
-    memory_snapshot,
-    random_prompts,
-    section,
-)
+from bench import bench_common as bc
 
 
 def run_hf(args) -> dict:
@@ -27,17 +17,13 @@ def run_hf(args) -> dict:
 
     from engine.loader import resolve_model
 
-    res: dict = {
-        "side": "hf",
-        "machine": machine_info(args.threads),
-        "memory_start": memory_snapshot(),
-    }
+    res = bc.side_result("hf", args.threads)
     t0 = time.perf_counter()
     model_dir = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     res["load_s"] = time.perf_counter() - t0
     res["model_dir"] = str(model_dir)
-    res["memory_after_load"] = memory_snapshot()
+    res["memory_after_load"] = bc.memory_snapshot()
     gc = model.generation_config
     pad = (
         gc.pad_token_id
@@ -74,14 +60,14 @@ def run_hf(args) -> dict:
         return out, time.perf_counter() - t
 
     def warmup():
-        ids = torch.tensor(random_prompts(SEED_WARMUP, 2, 16))
+        ids = torch.tensor(bc.random_prompts(bc.SEED_WARMUP, 2, 16))
         _, t = generate(ids, 4)
         with torch.inference_mode():
             model(ids)
         return {"s": t}
 
     def decode():
-        ids = torch.tensor(random_prompts(SEED_DECODE, N, P))
+        ids = torch.tensor(bc.random_prompts(bc.SEED_DECODE, N, P))
         prefill = []
         for _ in range(args.prefill_repeats):
             _, t = generate(ids, 1)
@@ -91,7 +77,7 @@ def run_hf(args) -> dict:
         steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
         new = out[:, P:]
         assert new.shape == (N, M), f"HF produced {tuple(new.shape)} new tokens, wanted {(N, M)}"
-        t_prefill = median(prefill)
+        t_prefill = bc.median(prefill)
         return {
             "t_prefill_s": t_prefill,
             "t_prefill_runs_s": prefill,
@@ -99,15 +85,15 @@ def run_hf(args) -> dict:
             "decode_tok_s": N * (M - 1) / (total - t_prefill),
             "e2e_tok_s": N * M / total,
             "step_durations_s": steps,
-            "median_step_s": median(steps),
-            "decode_tok_s_median_step": N / median(steps),
+            "median_step_s": bc.median(steps),
+            "decode_tok_s_median_step": N / bc.median(steps),
             "output_token_ids": new.tolist(),
         }
 
     def one_stream():
         """One sequence alone: P prompt tokens, then M new; decode tok/s over the tokens after the
         first, from the per-step timestamps."""
-        ids = torch.tensor(random_prompts(SEED_ONE_STREAM, 1, P))
+        ids = torch.tensor(bc.random_prompts(bc.SEED_ONE_STREAM, 1, P))
         runs = []
         for _ in range(2):  # the first run warms this shape
             clock = StepClock()
@@ -116,7 +102,7 @@ def run_hf(args) -> dict:
         return {"decode_tok_s": runs[-1], "runs_tok_s": runs}
 
     def ttft512():
-        ids = torch.tensor(random_prompts(SEED_TTFT, 1, args.ttft_len))
+        ids = torch.tensor(bc.random_prompts(bc.SEED_TTFT, 1, args.ttft_len))
         times, times_keep1 = [], []
         with torch.inference_mode():
             model(ids)  # warm-up
@@ -133,16 +119,16 @@ def run_hf(args) -> dict:
         return {
             "runs_s": times,
             "best_s": min(times),
-            "median_s": median(times),
+            "median_s": bc.median(times),
             "logits_to_keep1_runs_s": times_keep1,
-            "logits_to_keep1_median_s": median(times_keep1),
+            "logits_to_keep1_median_s": bc.median(times_keep1),
         }
 
-    section(res, "warmup", warmup)
-    section(res, "decode", decode)
-    section(res, "one_stream", one_stream)
-    section(res, "ttft512", ttft512)
-    res["memory_peak"] = memory_snapshot()
+    bc.section(res, "warmup", warmup)
+    bc.section(res, "decode", decode)
+    bc.section(res, "one_stream", one_stream)
+    bc.section(res, "ttft512", ttft512)
+    res["memory_peak"] = bc.memory_snapshot()
     return res
 
 
@@ -159,7 +145,7 @@ def one_stream_tok_s(
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model(model_name)), dtype=torch.float32
     ).eval()
-    ids = torch.tensor(random_prompts(SEED_ONE_STREAM, 1, prompt_len))
+    ids = torch.tensor(bc.random_prompts(bc.SEED_ONE_STREAM, 1, prompt_len))
     runs = []
     for _ in range(2):
         times: list[float] = []

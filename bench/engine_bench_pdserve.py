@@ -14,11 +14,11 @@ from bench.bench_common import (
     SEED_SUFFIX,
     SEED_TTFT,
     SEED_WARMUP,
-    machine_info,
     median,
     memory_snapshot,
     random_prompts,
     section,
+    side_result,
 )
 
 
@@ -28,11 +28,7 @@ def run_pdserve(args) -> dict:
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
-    res: dict = {
-        "side": "pdserve",
-        "machine": machine_info(args.threads),
-        "memory_start": memory_snapshot(),
-    }
+    res = side_result("pdserve", args.threads)
     t0 = time.perf_counter()
     quant = None if args.quantization == "none" else args.quantization
     llm = LLM(
