@@ -51,6 +51,7 @@ from pydantic import (
     model_validator,
 )
 
+from deploy.files import read_text
 from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
@@ -567,10 +568,7 @@ def load_config(path: str | pathlib.Path | None) -> DeployConfig:
     if path is None:
         return DeployConfig()
     name = str(path)
-    try:
-        text = pathlib.Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"{name}: cannot read: {e.strerror or e}") from None
+    text = read_text(path, ConfigError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deploy.files import read_text
+
 SCHEMA = "pdserve-profile/1"
 PREFILL_FORM = "a + b*T + c*A; T = tokens in the step, A = sum over prompts of n*(start+n)"
 DECODE_FORM = "a + b*B + c*C; B = sequences, C = sum of their context tokens"
@@ -371,10 +373,7 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
 
 def load_profile(path: str | pathlib.Path) -> Profile:
     name = str(path)
-    try:
-        text = pathlib.Path(path).read_text()
-    except OSError as e:
-        raise ProfileError(f"{name}: cannot read: {e.strerror or e}") from None
+    text = read_text(path, ProfileError)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
