@@ -51,17 +51,8 @@ ALLREDUCE_LATENCY_S = 15e-6  # per all-reduce, small messages over NVLink
 GPU_MEMORY_UTILIZATION, ACTIVATION_RESERVE = 0.9, 2 << 30
 TP_DEGREES = (1, 2, 4, 8)
 
-PREFILL_GRID = [
-    [16],
-    [32],
-    [64],
-    [128],
-    [256],
-    [512],
-    [1024],
-    [2048],
-    [4096],
-    [8192],
+# one prompt of 16, 32, ..., 8192 tokens, then batches of several
+PREFILL_GRID = [[1 << k] for k in range(4, 14)] + [
     [512] * 4,
     [256] * 8,
     [128] * 16,
