@@ -58,6 +58,7 @@ from bench.bench_common import (  # noqa: E402
     wait_for_idle_machine,
 )
 from bench.cluster_bench_sides import engine_side, pipeline_side, start  # noqa: E402
+from deploy.tuning.loadgen import PATH_STAMPS  # noqa: E402
 
 DEFAULT_OUT = os.path.join("bench", "results", "cluster_bench.json")
 TARGET_RATIO = 1.15
@@ -177,14 +178,7 @@ def generate(stub, prompt: list[int], max_tokens: int) -> dict:
         raise RuntimeError(f"stream ended without a token or a finish: {finish}")
     t = finish.timings
     stamps = {"sent": sent, "client_first": first}
-    for field in (
-        "queued_unix_ns",
-        "prefill_start_unix_ns",
-        "prefill_end_unix_ns",
-        "transfer_end_unix_ns",
-        "first_token_unix_ns",
-        "last_token_unix_ns",
-    ):
+    for field in PATH_STAMPS:
         stamps[field] = getattr(t, field)
     row = {
         "ttft_s": (first - sent) / 1e9,

@@ -23,13 +23,16 @@ from deploy.tuning.metrics import RequestRecord, attribute_itl
 from deploy.tuning.workload import RequestSpec, retime
 from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
-TIMINGS_FIELDS = (
+# Finish.timings' stamps along a request's path, in order (bench/cluster_bench.py reads these)
+PATH_STAMPS = (
     "queued_unix_ns",
     "prefill_start_unix_ns",
     "prefill_end_unix_ns",
     "transfer_end_unix_ns",
     "first_token_unix_ns",
     "last_token_unix_ns",
+)
+TIMINGS_FIELDS = PATH_STAMPS + (
     "prefill_worker",
     "decode_worker",
     "reserved_unix_ns",
