@@ -10,13 +10,12 @@ import grpc
 import pytest
 
 from conftest import random_prompts
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from deploy.config import ConfigError, validate_config
 from engine import LLM, SamplingParams
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.server import Router, RouterConfig
 from test_worker_services import wait_until
+from worker_helpers import start_decode, start_router, stop_all
 
 GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -24,26 +23,15 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=10, ignore_eos=Tru
 @pytest.fixture(scope="module")
 def colocated(tiny_models):
     model_dir = tiny_models("llama-gqa")[0]
-    worker = DecodeWorker(
-        DecodeWorkerConfig(
-            model=model_dir,
-            worker_id="c0",
-            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32),
-        )
-    ).start()
-    router = Router(
-        RouterConfig(model=model_dir, decode_addresses=(worker.address,), colocated=True)
-    ).start()
+    worker = start_decode(model_dir, "c0", engine=dict(max_num_batched_tokens=32))
+    router = start_router(model_dir, worker, colocated=True)
     channels = [grpc.insecure_channel(a) for a in (router.address, worker.address)]
     yield (
         model_dir,
         pdserve_pb2_grpc.PDServeStub(channels[0]),
         worker_pb2_grpc.DecodeWorkerStub(channels[1]),
     )
-    for ch in channels:
-        ch.close()
-    router.stop()
-    worker.stop()
+    stop_all(channels, router, worker)
 
 
 def _tokens(api, prompt, sampling=GREEDY):
@@ -131,25 +119,9 @@ def test_colocated_router_spreads_prompts_by_queued_tokens(tiny_models):
     charge is released when the requests end."""
     model_dir = tiny_models("llama-gqa")[0]
     workers = [
-        DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id=f"c{i}",
-                engine_kwargs=dict(
-                    kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32
-                ),
-            )
-        ).start()
-        for i in range(2)
+        start_decode(model_dir, f"c{i}", engine=dict(max_num_batched_tokens=32)) for i in range(2)
     ]
-    router = Router(
-        RouterConfig(
-            model=model_dir,
-            decode_addresses=tuple(w.address for w in workers),
-            colocated=True,
-            stats_interval_s=60,
-        )
-    ).start()
+    router = start_router(model_dir, workers, colocated=True, stats_interval_s=60)
     channel = grpc.insecure_channel(router.address)
     try:
         api = pdserve_pb2_grpc.PDServeStub(channel)

@@ -19,12 +19,11 @@ import grpc
 import pytest
 
 from conftest import random_prompts, tls_files, wait_until
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from protos.security import TLSConfig
 from router.server import Router, RouterConfig
+from worker_helpers import start_decode, start_prefill, stop_all
 
 openai = pytest.importorskip("openai")
 
@@ -55,21 +54,8 @@ class Workers:
     def __init__(self, model_dir):
         engine = dict(max_model_len=MAX_MODEL_LEN)
         self.model_dir = model_dir
-        self.decode = DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id="d0",
-                lease_ms=5000,
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, **engine),
-            )
-        ).start()
-        self.prefill = PrefillWorker(
-            PrefillWorkerConfig(
-                model=model_dir,
-                worker_id="p0",
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, **engine),
-            )
-        ).start()
+        self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
+        self.prefill = start_prefill(model_dir, engine=engine)
         self.channels = [
             grpc.insecure_channel(a) for a in (self.decode.address, self.prefill.address)
         ]
@@ -105,10 +91,7 @@ class Workers:
         )
 
     def stop(self):
-        for ch in self.channels:
-            ch.close()
-        self.prefill.stop()
-        self.decode.stop()
+        stop_all(self.channels, self.prefill, self.decode)
 
 
 @pytest.fixture(scope="module")

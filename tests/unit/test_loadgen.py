@@ -10,7 +10,6 @@ import socket
 
 import pytest
 
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from deploy.cli import main
 from deploy.tuning.loadgen import run_load
 from deploy.tuning.metrics import (
@@ -26,8 +25,7 @@ from deploy.tuning.metrics import (
     summarize,
 )
 from deploy.tuning.workload import RequestSpec, build_prompts
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-from router.server import Router, RouterConfig
+from worker_helpers import start_decode, start_prefill, start_router
 
 MAX_MODEL_LEN = 256
 
@@ -156,32 +154,19 @@ def test_slo_scale_goodput_from_the_same_sweep():
 # ---- end to end against the tiny cluster -------------------------------------------------------
 class TinyCluster:
     def __init__(self, model_dir):
-        engine = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
-        self.decode = DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id="d0",
-                lease_ms=5000,
-                engine_kwargs=dict(block_size=16, **engine),
-            )
-        ).start()
-        self.prefill = PrefillWorker(
-            PrefillWorkerConfig(
-                model=model_dir, worker_id="p0", engine_kwargs=dict(block_size=4, **engine)
-            )
-        ).start()
+        engine = dict(max_model_len=MAX_MODEL_LEN)
+        self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
+        self.prefill = start_prefill(model_dir, engine=engine)
         self.routers = []
 
     def router(self, max_inflight=16) -> str:
-        r = Router(
-            RouterConfig(
-                model=self.decode.config.model,
-                prefill_addresses=(self.prefill.address,),
-                decode_addresses=(self.decode.address,),
-                max_model_len=MAX_MODEL_LEN,
-                max_inflight=max_inflight,
-            )
-        ).start()
+        r = start_router(
+            self.decode.config.model,
+            self.decode,
+            self.prefill,
+            max_model_len=MAX_MODEL_LEN,
+            max_inflight=max_inflight,
+        )
         self.routers.append(r)
         return r.address
 

@@ -17,15 +17,13 @@ import grpc
 import pytest
 
 from conftest import assert_no_leaks, random_prompts, wait_until
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequest, NoFreeBlocks
 from engine_helpers import KV, run_until_done
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.server import Router, RouterConfig
 from test_engine_hooks import CopySink
+from worker_helpers import start_decode, start_prefill, start_router, stop_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -142,32 +140,21 @@ class Cluster:
             decode_kv = (
                 decode_blocks * probe.kv_cache[:, :, 0].numel() * probe.kv_cache.element_size()
             )
-        self.decode = DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id="d0",
-                lease_ms=10_000,
-                kv_backend=backend,
-                engine_kwargs=dict(kv_cache_memory=decode_kv, block_size=16, **engine),
-            )
-        ).start()
-        self.prefill = PrefillWorker(
-            PrefillWorkerConfig(
-                model=model_dir,
-                worker_id="p0",
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, **engine),
-            )
-        ).start()
-        self.router = Router(
-            RouterConfig(
-                model=model_dir,
-                prefill_addresses=(self.prefill.address,),
-                decode_addresses=(self.decode.address,),
-                max_model_len=MAX_MODEL_LEN,
-                max_inflight=16,
-                **router,
-            )
-        ).start()
+        self.decode = start_decode(
+            model_dir,
+            engine=dict(kv_cache_memory=decode_kv, **engine),
+            lease_ms=10_000,
+            kv_backend=backend,
+        )
+        self.prefill = start_prefill(model_dir, engine=engine)
+        self.router = start_router(
+            model_dir,
+            self.decode,
+            self.prefill,
+            max_model_len=MAX_MODEL_LEN,
+            max_inflight=16,
+            **router,
+        )
         self.channels = [
             grpc.insecure_channel(a)
             for a in (self.router.address, self.decode.address, self.prefill.address)
@@ -177,11 +164,7 @@ class Cluster:
         self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[2])
 
     def stop(self):
-        for ch in self.channels:
-            ch.close()
-        self.router.stop()
-        self.prefill.stop()
-        self.decode.stop()
+        stop_all(self.channels, self.router, self.prefill, self.decode)
 
     def idle(self) -> bool:
         """Every KV block of both pools free, nothing reserved or running."""
@@ -398,16 +381,8 @@ def test_a_short_decode_pool_preempts_forks_refuses_what_never_fits_and_queues_t
 # ---- colocated: the decode worker runs the prompt itself -----------------------------------
 def test_colocated_n_outputs_equal_the_engines(tiny_models, llm):
     model_dir = tiny_models("llama-gqa")[0]
-    worker = DecodeWorker(
-        DecodeWorkerConfig(
-            model=model_dir,
-            worker_id="c0",
-            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, max_num_batched_tokens=32),
-        )
-    ).start()
-    router = Router(
-        RouterConfig(model=model_dir, decode_addresses=(worker.address,), colocated=True)
-    ).start()
+    worker = start_decode(model_dir, "c0", engine=dict(max_num_batched_tokens=32))
+    router = start_router(model_dir, worker, colocated=True)
     channels = [grpc.insecure_channel(a) for a in (router.address, worker.address)]
     try:
         api = pdserve_pb2_grpc.PDServeStub(channels[0])
@@ -448,14 +423,12 @@ def test_n_across_tp_sizes_equals_the_engine(tiny_models, llm, backend, prefill_
     workers = BackendCluster(model_dir, backend, prefill_tp, decode_tp)
     router = None
     try:
-        router = Router(
-            RouterConfig(
-                model=model_dir,
-                prefill_addresses=(workers.prefill.address,),
-                decode_addresses=(workers.decode.address,),
-                max_model_len=workers.decode.loop.engine.config.max_model_len,
-            )
-        ).start()
+        router = start_router(
+            model_dir,
+            workers.decode,
+            workers.prefill,
+            max_model_len=workers.decode.loop.engine.config.max_model_len,
+        )
         with grpc.insecure_channel(router.address) as channel:
             api = pdserve_pb2_grpc.PDServeStub(channel)
             prompt = random_prompts([21], seed=54)[0]

@@ -14,14 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import random_prompts, wait_until
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.tokenizer import load_tokenizer
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.server import Router, RouterConfig
 from router.text import TextStream
+from worker_helpers import start_decode, start_prefill, start_router, stop_all
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 256
@@ -31,30 +30,11 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True
 class Cluster:
     def __init__(self, model_dir):
         engine = dict(max_model_len=MAX_MODEL_LEN)
-        self.decode = DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id="d0",
-                lease_ms=5000,
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=16, **engine),
-            )
-        ).start()
-        self.prefill = PrefillWorker(
-            PrefillWorkerConfig(
-                model=model_dir,
-                worker_id="p0",
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, **engine),
-            )
-        ).start()
-        self.router = Router(
-            RouterConfig(
-                model=model_dir,
-                prefill_addresses=(self.prefill.address,),
-                decode_addresses=(self.decode.address,),
-                max_model_len=MAX_MODEL_LEN,
-                max_inflight=16,
-            )
-        ).start()
+        self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
+        self.prefill = start_prefill(model_dir, engine=engine)
+        self.router = start_router(
+            model_dir, self.decode, self.prefill, max_model_len=MAX_MODEL_LEN, max_inflight=16
+        )
         self.channels = [
             grpc.insecure_channel(a) for a in (self.router.address, self.decode.address)
         ]
@@ -62,11 +42,7 @@ class Cluster:
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[1])
 
     def stop(self):
-        for ch in self.channels:
-            ch.close()
-        self.router.stop()
-        self.prefill.stop()
-        self.decode.stop()
+        stop_all(self.channels, self.router, self.prefill, self.decode)
 
     def stats(self):
         return self.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)

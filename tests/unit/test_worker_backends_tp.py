@@ -14,45 +14,31 @@ import grpc
 import pytest
 
 from conftest import random_prompts
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import worker_pb2_grpc
 from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, generate_concurrently, wait_until
+from worker_helpers import start_decode, start_prefill
 
 
 class BackendCluster(Cluster):
     def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int, **engine):
         # its own workers; `engine`: more engine settings for both (e.g. kv_cache_dtype)
-        self.decode = DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id="d0",
-                lease_ms=10_000,
-                kv_backend=backend,
-                engine_kwargs=dict(
-                    kv_cache_memory=1 << 17,
-                    block_size=16,
-                    max_model_len=MAX_MODEL_LEN,
-                    tensor_parallel_size=decode_tp,
-                    **engine,
-                ),
-            )
-        ).start()
+        self.decode = start_decode(
+            model_dir,
+            engine=dict(
+                kv_cache_memory=1 << 17,
+                max_model_len=MAX_MODEL_LEN,
+                tensor_parallel_size=decode_tp,
+                **engine,
+            ),
+            lease_ms=10_000,
+            kv_backend=backend,
+        )
         try:
-            self.prefill = PrefillWorker(
-                PrefillWorkerConfig(
-                    model=model_dir,
-                    worker_id="p0",
-                    engine_kwargs=dict(
-                        kv_cache_memory=1 << 20,
-                        block_size=4,
-                        tensor_parallel_size=prefill_tp,
-                        **engine,
-                    ),
-                )
-            ).start()
+            self.prefill = start_prefill(
+                model_dir, engine=dict(tensor_parallel_size=prefill_tp, **engine)
+            )
         except BaseException:
             self.decode.stop()
             raise

@@ -22,10 +22,10 @@ from engine.errors import (
     NoFreeBlocks,
     PromptTooLong,
 )
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.errors import abort_for_engine_error, engine_error_status
+from worker_helpers import start_decode, start_prefill, stop_all
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 64
@@ -34,32 +34,15 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True
 
 class Cluster:
     def __init__(self, model_dir):
-        self.decode = DecodeWorker(
-            DecodeWorkerConfig(
-                model=model_dir,
-                worker_id="d0",
-                lease_ms=5000,
-                engine_kwargs=dict(
-                    kv_cache_memory=1 << 17, block_size=16, max_model_len=MAX_MODEL_LEN
-                ),
-            )
-        ).start()
-        self.prefill = PrefillWorker(
-            PrefillWorkerConfig(
-                model=model_dir,
-                worker_id="p0",
-                engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4),
-            )
-        ).start()
+        engine = dict(kv_cache_memory=1 << 17, max_model_len=MAX_MODEL_LEN)
+        self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
+        self.prefill = start_prefill(model_dir)
         self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
         self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
 
     def stop(self):
-        for ch in self.channels:
-            ch.close()
-        self.prefill.stop()
-        self.decode.stop()
+        stop_all(self.channels, self.prefill, self.decode)
 
     def stats(self):
         return self.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)

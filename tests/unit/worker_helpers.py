@@ -1,0 +1,59 @@
+"""The tiny cluster's processes as the tests start them: a decode worker, a prefill worker and a
+Router in front, with the settings most tests share (1 MiB of KV each; blocks of 16 on the decode
+worker, 4 on the prefill worker, so a hand-off re-blocks)."""
+
+from __future__ import annotations
+
+from decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from router.server import Router, RouterConfig
+
+DECODE_ENGINE = dict(kv_cache_memory=1 << 20, block_size=16)
+PREFILL_ENGINE = dict(kv_cache_memory=1 << 20, block_size=4)
+
+
+def start_decode(model_dir, worker_id: str = "d0", engine: dict | None = None, **config):
+    """A started DecodeWorker; engine: its engine_kwargs over DECODE_ENGINE; config: more
+    DecodeWorkerConfig fields."""
+    return DecodeWorker(
+        DecodeWorkerConfig(
+            model=model_dir,
+            worker_id=worker_id,
+            engine_kwargs={**DECODE_ENGINE, **(engine or {})},
+            **config,
+        )
+    ).start()
+
+
+def start_prefill(model_dir, worker_id: str = "p0", engine: dict | None = None, **config):
+    """A started PrefillWorker; engine: its engine_kwargs over PREFILL_ENGINE."""
+    return PrefillWorker(
+        PrefillWorkerConfig(
+            model=model_dir,
+            worker_id=worker_id,
+            engine_kwargs={**PREFILL_ENGINE, **(engine or {})},
+            **config,
+        )
+    ).start()
+
+
+def start_router(model_dir, decode, prefill=None, **config) -> Router:
+    """A started Router in front of the worker(s) `decode` (one or a list) and `prefill` (None:
+    no prefill pool, as colocated=True wants)."""
+    decodes = decode if isinstance(decode, list) else [decode]
+    return Router(
+        RouterConfig(
+            model=model_dir,
+            prefill_addresses=() if prefill is None else (prefill.address,),
+            decode_addresses=tuple(w.address for w in decodes),
+            **config,
+        )
+    ).start()
+
+
+def stop_all(channels, *processes) -> None:
+    """Closes the channels, then stops the processes in the order given (router first)."""
+    for ch in channels:
+        ch.close()
+    for p in processes:
+        p.stop()
