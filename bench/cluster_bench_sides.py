@@ -192,10 +192,31 @@ class _Pipeline:
                 f"expected [{first}] 'length' (the transfer did not land)"
             )
 
+    def _prefill(self, rid: str, prompt, kv_sink) -> int:
+        """Prefills `prompt` alone with its KV going to kv_sink; returns the first token."""
+        from engine import SamplingParams
+
+        self.engine.add_request(
+            rid,
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=1),
+            prefill_only=True,
+            kv_sink=kv_sink,
+        )
+        return _run_until_first_token(self.engine, rid)
+
+    def _commit(self, rid: str, sink, first: int) -> float:
+        """Commits the hand-off, waits for it to land and checks it did; returns the time it had
+        landed (time.perf_counter)."""
+        sink.commit(first)
+        self.transport.flush(30.0)
+        t2 = time.perf_counter()
+        self._check_committed(rid, first)
+        return t2
+
     def pipelined(self, prompt, overlap: bool = True) -> dict:
         """overlap True: the normal per-layer pushes; False: PushSink's deferred mode (a step's
         layers pushed after its last layer, what it picks when the compute takes every core)."""
-        from engine import SamplingParams
         from prefill_worker.handoff import PushSink
 
         rid, res, dest = self._reserve(prompt)
@@ -203,19 +224,9 @@ class _Pipeline:
             rid, self.layout, self.transport, dest, res.num_cached_tokens, overlap=overlap
         )
         t0 = time.perf_counter()
-        self.engine.add_request(
-            rid,
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=1),
-            prefill_only=True,
-            kv_sink=sink,
-        )
-        first = _run_until_first_token(self.engine, rid)
+        first = self._prefill(rid, prompt, sink)
         t1 = time.perf_counter()
-        sink.commit(first)
-        self.transport.flush(30.0)
-        t2 = time.perf_counter()
-        self._check_committed(rid, first)
+        t2 = self._commit(rid, sink, first)
         return {
             "pipelined_s": t2 - t0,
             "pipelined_compute_s": t1 - t0,
@@ -224,30 +235,19 @@ class _Pipeline:
         }
 
     def sequential(self, prompt) -> dict:
-        from engine import SamplingParams
         from prefill_worker.handoff import PushSink
 
         rid, res, dest = self._reserve(prompt)
         recorder = _RecordingSink()
         t0 = time.perf_counter()
-        self.engine.add_request(
-            rid,
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=1),
-            prefill_only=True,
-            kv_sink=recorder,
-        )
-        first = _run_until_first_token(self.engine, rid)
+        first = self._prefill(rid, prompt, recorder)
         t1 = time.perf_counter()
         # the request finished, its blocks are free but keep their KV until reused (nothing ran since)
         sink = PushSink(rid, self.layout, self.transport, dest, res.num_cached_tokens, overlap=True)
         kv = self.engine.kv_cache
         for layer, block_ids, start, end in recorder.calls:
             sink.on_layer(layer, kv[layer], block_ids, start, end)
-        sink.commit(first)
-        self.transport.flush(30.0)
-        t2 = time.perf_counter()
-        self._check_committed(rid, first)
+        t2 = self._commit(rid, sink, first)
         return {
             "compute_s": t1 - t0,
             "transfer_s": t2 - t1,
