@@ -350,5 +350,24 @@ def wait_for_idle_machine(max_wait_s: float) -> dict:
         )
 
 
+def stop_children(conns, procs, kill: bool = False, timeout_s: float = 30.0) -> None:
+    """Stops a benchmark's child processes: "stop" down each pipe in `conns` (one whose child is
+    gone is skipped), then waits up to timeout_s for each of `procs` and terminates one still
+    alive (kill: kills it, and reaps it)."""
+    for conn in conns:
+        try:
+            conn.send("stop")
+        except OSError:
+            pass
+    for proc in procs:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            if kill:
+                proc.kill()
+                proc.join()
+            else:
+                proc.terminate()
+
+
 def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"

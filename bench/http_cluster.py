@@ -18,6 +18,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from bench.bench_common import stop_children
+
 
 def deploy_dict(args) -> dict:
     """The YAML the cluster follows (the workers' engine settings come from it)."""
@@ -131,15 +133,7 @@ class LocalCluster:
             raise
 
     def stop(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send("stop")
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
+        stop_children(self.conns, self.procs)
         self.procs, self.conns = [], []
         self.router.stop()
 

@@ -54,7 +54,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from bench.bench_common import cpu_model, machine_busy_cpu_s as busy_cpu_s  # noqa: E402
+from bench.bench_common import (  # noqa: E402
+    cpu_model,
+    machine_busy_cpu_s as busy_cpu_s,
+    stop_children,
+)
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPE_BYTES = 4
@@ -95,6 +99,12 @@ def minor_faults() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _used_since(cpu0: float, faults0: int) -> dict:
+    """This process's CPU time and minor page faults since process_time() was cpu0 and
+    minor_faults() was faults0."""
+    return {"cpu_s": time.process_time() - cpu0, "faults": minor_faults() - faults0}
 
 
 def pool_shape(tokens: int) -> tuple[int, tuple[int, ...]]:
@@ -244,8 +254,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
                 {
                     "done_times": list(done_times.values()),
                     "failed": failed,
-                    "cpu_s": time.process_time() - cpu0,
-                    "faults": minor_faults() - faults0,
+                    **_used_since(cpu0, faults0),
                 }
             )
     finally:
@@ -336,13 +345,7 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                     notify.send(i)
             if transport is not None:
                 transport.flush(120.0)
-            conn.send(
-                {
-                    "starts": starts,
-                    "cpu_s": time.process_time() - cpu0,
-                    "faults": minor_faults() - faults0,
-                }
-            )
+            conn.send({"starts": starts, **_used_since(cpu0, faults0)})
     finally:
         if transport is not None:
             transport.close()
@@ -411,16 +414,7 @@ class Pair:
         }
 
     def stop(self) -> None:
-        for conn in (self.rx, self.tx):
-            try:
-                conn.send("stop")
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop_children([self.rx, self.tx], self.procs, kill=True)
 
 
 def machine() -> dict:
