@@ -15,25 +15,22 @@ PREFILL_ENGINE = dict(kv_cache_memory=1 << 20, block_size=4)
 def start_decode(model_dir, worker_id: str = "d0", engine: dict | None = None, **config):
     """A started DecodeWorker; engine: its engine_kwargs over DECODE_ENGINE; config: more
     DecodeWorkerConfig fields."""
-    return DecodeWorker(
-        DecodeWorkerConfig(
-            model=model_dir,
-            worker_id=worker_id,
-            engine_kwargs={**DECODE_ENGINE, **(engine or {})},
-            **config,
-        )
-    ).start()
+    return _start(
+        DecodeWorker, DecodeWorkerConfig, DECODE_ENGINE, model_dir, worker_id, engine, config
+    )
 
 
 def start_prefill(model_dir, worker_id: str = "p0", engine: dict | None = None, **config):
     """A started PrefillWorker; engine: its engine_kwargs over PREFILL_ENGINE."""
-    return PrefillWorker(
-        PrefillWorkerConfig(
-            model=model_dir,
-            worker_id=worker_id,
-            engine_kwargs={**PREFILL_ENGINE, **(engine or {})},
-            **config,
-        )
+    return _start(
+        PrefillWorker, PrefillWorkerConfig, PREFILL_ENGINE, model_dir, worker_id, engine, config
+    )
+
+
+def _start(worker, worker_config, base_engine, model_dir, worker_id, engine, config):
+    engine_kwargs = {**base_engine, **(engine or {})}
+    return worker(
+        worker_config(model=model_dir, worker_id=worker_id, engine_kwargs=engine_kwargs, **config)
     ).start()
 
 
