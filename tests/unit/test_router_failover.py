@@ -6,6 +6,7 @@ registry tests use fake workers that only answer Stats, so they need no engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -115,15 +116,58 @@ def stop_router(router):
     router.stop()
 
 
+@contextlib.contextmanager
+def two_decode_workers(model_dir, prefill):
+    """(router, [d0, d1]): two decode workers behind a router with `prefill`; stopped after."""
+    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
+    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
+    try:
+        yield router, decodes
+    finally:
+        stop_router(router)
+        for d in decodes:
+            stop_worker(d)
+
+
+def generate_call(router, prompt, sampling):
+    return router.api.Generate(
+        pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling),
+        timeout=RPC_TIMEOUT,
+    )
+
+
+def slow_prefill(monkeypatch, prefill) -> None:
+    """The prefill waits, so the reservation is the only thing on the decode worker when it
+    dies (monkeypatch.undo() ends it)."""
+    step = prefill.loop.engine.step
+    monkeypatch.setattr(prefill.loop.engine, "step", lambda: (time.sleep(0.3), step())[1])
+
+
+def stop_reservation_holder(decodes):
+    """Stops the decode worker holding the reservation once one does; returns the other one."""
+    holders = []
+    wait_until(
+        lambda: holders.extend(d for d in decodes if stats(d).num_reserved == 1) or holders,
+        5,
+        "a decode worker holds the reservation",
+    )
+    holders[0].stop()
+    (survivor,) = [d for d in decodes if d is not holders[0]]
+    return survivor
+
+
+def wait_blocks_free(survivor, prefill) -> None:
+    wait_until(
+        lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
+        5,
+        f"blocks still held: {stats(survivor)} {stats(prefill)}",
+    )
+
+
 def stream_killing_holder(router, prompt, decodes, kill_after: int):
     """Streams a request and stops the decode worker running it once `kill_after` tokens arrived.
     Returns (token ids, text, the last response, the stopped worker, tokens before the stop)."""
-    call = router.api.Generate(
-        pdserve_pb2.GenerateRequest(
-            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
-        ),
-        timeout=RPC_TIMEOUT,
-    )
+    call = generate_call(router, prompt, LONG_GREEDY)
     ids, text, last, victim, num_before = [], "", None, None, 0
     for response in call:
         last = response
@@ -142,9 +186,7 @@ def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(
     model_dir, prefill, expected, caplog
 ):
     prompt, want_ids, want_text = expected
-    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
-    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
-    try:
+    with two_decode_workers(model_dir, prefill) as (router, decodes):
         with caplog.at_level(logging.WARNING, logger="router.service"):
             ids, text, last, victim, num_before = stream_killing_holder(router, prompt, decodes, 5)
         assert 5 <= num_before < len(want_ids), (
@@ -158,55 +200,23 @@ def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(
         assert finish.timings.decode_worker == survivor.config.worker_id
         assert 0 < finish.timings.first_token_unix_ns <= finish.timings.last_token_unix_ns
         assert any("resuming on another" in r.getMessage() for r in caplog.records)
-        wait_until(
-            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
-            5,
-            f"blocks still held: {stats(survivor)} {stats(prefill)}",
-        )
-    finally:
-        stop_router(router)
-        for d in decodes:
-            stop_worker(d)
+        wait_blocks_free(survivor, prefill)
 
 
 def test_decode_death_before_the_first_token_resumes_with_the_prompt_unchanged(
     model_dir, prefill, expected, monkeypatch
 ):
     prompt, want_ids, want_text = expected
-    step = prefill.loop.engine.step
-    # the prefill waits, so the reservation is the only thing on the decode worker when it dies
-    monkeypatch.setattr(prefill.loop.engine, "step", lambda: (time.sleep(0.3), step())[1])
-    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
-    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
-    try:
-        call = router.api.Generate(
-            pdserve_pb2.GenerateRequest(
-                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
-            ),
-            timeout=RPC_TIMEOUT,
-        )
-        holders = []
-        wait_until(
-            lambda: holders.extend(d for d in decodes if stats(d).num_reserved == 1) or holders,
-            5,
-            "a decode worker holds the reservation",
-        )
-        holders[0].stop()
+    slow_prefill(monkeypatch, prefill)
+    with two_decode_workers(model_dir, prefill) as (router, decodes):
+        call = generate_call(router, prompt, LONG_GREEDY)
+        survivor = stop_reservation_holder(decodes)
         responses = list(call)
         assert [t for r in responses if r.HasField("delta") for t in r.delta.token_ids] == want_ids
         assert "".join(r.delta.text for r in responses if r.HasField("delta")) == want_text
-        (survivor,) = [d for d in decodes if d is not holders[0]]
         assert responses[-1].finish.timings.decode_worker == survivor.config.worker_id
         monkeypatch.undo()
-        wait_until(
-            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
-            5,
-            f"blocks still held: {stats(survivor)} {stats(prefill)}",
-        )
-    finally:
-        stop_router(router)
-        for d in decodes:
-            stop_worker(d)
+        wait_blocks_free(survivor, prefill)
 
 
 def test_no_other_decode_worker_fails_unavailable_until_a_replacement_registers(
@@ -236,14 +246,7 @@ def test_no_other_decode_worker_fails_unavailable_until_a_replacement_registers(
             lambda: stats(replacement),
         ).start()
         assert registration.wait_registered(5)
-        responses = list(
-            router.api.Generate(
-                pdserve_pb2.GenerateRequest(
-                    token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
-                ),
-                timeout=RPC_TIMEOUT,
-            )
-        )
+        responses = list(generate_call(router, prompt, LONG_GREEDY))
         assert [t for r in responses if r.HasField("delta") for t in r.delta.token_ids] == want_ids
         assert responses[-1].finish.timings.decode_worker == "d-new"
         wait_until(lambda: all_blocks_free(replacement), 5, f"blocks held: {stats(replacement)}")
@@ -378,14 +381,7 @@ def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, c
     fake = fakes("d-fake")
     try:
         with pytest.raises(grpc.RpcError) as err:
-            next(
-                router.api.Generate(
-                    pdserve_pb2.GenerateRequest(
-                        token_ids=pdserve_pb2.TokenIds(ids=[5, 6]), sampling=LONG_GREEDY
-                    ),
-                    timeout=RPC_TIMEOUT,
-                )
-            )
+            next(generate_call(router, [5, 6], LONG_GREEDY))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no prefill worker is registered" in err.value.details()
 
@@ -574,15 +570,8 @@ def test_decode_death_of_an_n_request_fails_it_unavailable_once_tokens_were_stre
     over like n=1 (the same prompt and sampling): the n outputs are then engine.LLM's."""
     prompt = random_prompts([20], seed=23)[0]
     sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, n=2)
-    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
-    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
-    try:
-        call = router.api.Generate(
-            pdserve_pb2.GenerateRequest(
-                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
-            ),
-            timeout=RPC_TIMEOUT,
-        )
+    with two_decode_workers(model_dir, prefill) as (router, decodes):
+        call = generate_call(router, prompt, sampling)
         got, victim = 0, None
         with pytest.raises(grpc.RpcError) as err:
             for response in call:
@@ -594,15 +583,7 @@ def test_decode_death_of_an_n_request_fails_it_unavailable_once_tokens_were_stre
         assert "n=2" in err.value.details() and "not resumed" in err.value.details()
         assert victim.config.worker_id in err.value.details()
         (survivor,) = [d for d in decodes if d is not victim]
-        wait_until(
-            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
-            5,
-            f"blocks still held: {stats(survivor)} {stats(prefill)}",
-        )
-    finally:
-        stop_router(router)
-        for d in decodes:
-            stop_worker(d)
+        wait_blocks_free(survivor, prefill)
 
 
 def test_decode_death_of_an_n_request_before_any_token_starts_it_over(
@@ -615,25 +596,10 @@ def test_decode_death_of_an_n_request_before_any_token_starts_it_over(
     llm = LLM(model_dir, **ENGINE)
     out = llm.generate([prompt], SamplingParams(**sampling_kwargs(sampling)), use_tqdm=False)[0]
     want = {c.index: c.token_ids for c in out.outputs}
-    step = prefill.loop.engine.step
-    # the prefill waits, so the reservation is the only thing on the decode worker when it dies
-    monkeypatch.setattr(prefill.loop.engine, "step", lambda: (time.sleep(0.3), step())[1])
-    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
-    router = start_router(model_dir, [prefill.address], [d.address for d in decodes])
-    try:
-        call = router.api.Generate(
-            pdserve_pb2.GenerateRequest(
-                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
-            ),
-            timeout=RPC_TIMEOUT,
-        )
-        holders = []
-        wait_until(
-            lambda: holders.extend(d for d in decodes if stats(d).num_reserved == 1) or holders,
-            5,
-            "a decode worker holds the reservation",
-        )
-        holders[0].stop()
+    slow_prefill(monkeypatch, prefill)
+    with two_decode_workers(model_dir, prefill) as (router, decodes):
+        call = generate_call(router, prompt, sampling)
+        survivor = stop_reservation_holder(decodes)
         got = {i: [] for i in range(3)}
         finishes = {}
         for r in call:
@@ -642,15 +608,6 @@ def test_decode_death_of_an_n_request_before_any_token_starts_it_over(
             else:
                 finishes[r.finish.index] = r.finish
         assert got == want and sorted(finishes) == [0, 1, 2]
-        (survivor,) = [d for d in decodes if d is not holders[0]]
         assert {f.timings.decode_worker for f in finishes.values()} == {survivor.config.worker_id}
         monkeypatch.undo()
-        wait_until(
-            lambda: all_blocks_free(survivor) and all_blocks_free(prefill),
-            5,
-            f"blocks still held: {stats(survivor)} {stats(prefill)}",
-        )
-    finally:
-        stop_router(router)
-        for d in decodes:
-            stop_worker(d)
+        wait_blocks_free(survivor, prefill)
