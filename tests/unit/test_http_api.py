@@ -748,7 +748,8 @@ def test_openai_errors_are_the_client_exceptions(router):
 
 
 # ---- a client that disconnects ---------------------------------------------------------------
-def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, idle, monkeypatch):
+def record_aborts(idle, monkeypatch) -> list:
+    """The reasons of the decode hand-off's aborts from now on, as they come."""
     aborted = []
     real_abort = idle.decode.handoff.abort
     monkeypatch.setattr(
@@ -756,15 +757,21 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, i
         "abort",
         lambda rid, reason="": aborted.append(reason) or real_abort(rid, reason),
     )
+    return aborted
+
+
+def post_raw_completion(router, seed: int, **extra) -> socket.socket:
+    """A raw socket that has sent a completion (a 40-token prompt, decoding until the context is
+    full) and reads nothing yet."""
     host, port = split(router.http_address)
     body = json.dumps(
         {
             "model": MODEL,
-            "prompt": random_prompts([40], seed=4)[0],
+            "prompt": random_prompts([40], seed=seed)[0],
             "max_tokens": MAX_MODEL_LEN - 41,
             "temperature": 0,
             "ignore_eos": True,
-            "stream": True,
+            **extra,
         }
     ).encode()
     s = socket.create_connection((host, port), timeout=TIMEOUT)
@@ -773,6 +780,20 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, i
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
+    return s
+
+
+def wait_kv_freed_by_abort(idle, aborted) -> None:
+    wait_until(
+        lambda: "aborted by the router" in aborted and idle.idle(),
+        1.0,
+        f"KV still held after the client left: {idle.stats()}",
+    )
+
+
+def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, idle, monkeypatch):
+    aborted = record_aborts(idle, monkeypatch)
+    s = post_raw_completion(router, seed=4, stream=True)
     got = b""
     while got.count(b"data: ") < 2:  # the stream is running: two tokens arrived
         got += s.recv(4096)
@@ -780,46 +801,17 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, i
     d, _ = idle.stats()
     assert d.num_running == 1 and d.num_free_blocks < d.num_total_blocks
     s.close()
-    wait_until(
-        lambda: "aborted by the router" in aborted and idle.idle(),
-        1.0,
-        f"KV still held after the client left: {idle.stats()}",
-    )
+    wait_kv_freed_by_abort(idle, aborted)
 
 
 def test_client_disconnect_before_a_whole_response_frees_kv_within_1s(router, idle, monkeypatch):
     """Without stream, nothing is sent until the end: the front notices the client leaving by
     the connection itself and cancels the call as well."""
-    aborted = []
-    real_abort = idle.decode.handoff.abort
-    monkeypatch.setattr(
-        idle.decode.handoff,
-        "abort",
-        lambda rid, reason="": aborted.append(reason) or real_abort(rid, reason),
-    )
-    host, port = split(router.http_address)
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "prompt": random_prompts([40], seed=6)[0],
-            "max_tokens": MAX_MODEL_LEN - 41,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-    ).encode()
-    s = socket.create_connection((host, port), timeout=TIMEOUT)
-    s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    aborted = record_aborts(idle, monkeypatch)
+    s = post_raw_completion(router, seed=6)
     wait_until(lambda: idle.stats()[0].num_running == 1, 5, "the request is decoding")
     s.close()
-    wait_until(
-        lambda: "aborted by the router" in aborted and idle.idle(),
-        1.0,
-        f"KV still held after the client left: {idle.stats()}",
-    )
+    wait_kv_freed_by_abort(idle, aborted)
 
 
 def test_concurrent_requests_on_one_front(router, idle, llm):
