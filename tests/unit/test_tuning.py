@@ -26,7 +26,7 @@ from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
 from deploy.tuning.tune_cmd import deploy_yaml, hf_config
 from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
 from deploy.tuning.workload import retime, synthetic
-from tuning_helpers import make_profile, one
+from tuning_helpers import make_profile, one, tune_argv
 
 DERIVED = (
     pathlib.Path(__file__).resolve().parents[2]
@@ -303,16 +303,11 @@ def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
     )
     out, png = tmp_path / "best.yaml", tmp_path / "c.png"
     rc = cli.main(
-        [
-            "tune",
-            "--profile",
+        tune_argv(
             str(path),
-            "--workload",
             "synthetic:200:20",
-            "--slo",
             "ttft=2s,tpot=100ms",
-            "--devices",
-            "4",
+            4,
             "--colocated",
             "--model",
             "toy",
@@ -320,7 +315,7 @@ def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
             str(out),
             "--plot",
             str(png),
-        ]
+        )
     )
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -368,22 +363,17 @@ def test_gpu_search_finishes(devices, tmp_path, capsys):
     out = tmp_path / "best.yaml"
     t0 = time.perf_counter()
     rc = cli.main(
-        [
-            "tune",
-            "--profile",
+        tune_argv(
             str(DERIVED),
-            "--workload",
             "azure_conv",
-            "--slo",
             "ttft=1s,tpot=50ms,attainment=0.9",
-            "--devices",
-            str(devices),
+            devices,
             "--colocated",
             "--model",
             "/models/Meta-Llama-3-8B",
             "--out",
             str(out),
-        ]
+        )
     )
     elapsed = time.perf_counter() - t0
     text = capsys.readouterr().out
@@ -447,37 +437,13 @@ def test_malformed_profiles_exit_2_naming_the_key(mangle, message, tmp_path, cap
     path.write_text(data if isinstance(data, str) else json.dumps(data))
     with pytest.raises(ProfileError, match=re.escape(message)):
         load_profile(path)
-    rc = cli.main(
-        [
-            "tune",
-            "--profile",
-            str(path),
-            "--workload",
-            "synthetic:100:10",
-            "--slo",
-            "ttft=1s,tpot=100ms",
-            "--devices",
-            "4",
-        ]
-    )
+    rc = cli.main(tune_argv(str(path), "synthetic:100:10", "ttft=1s,tpot=100ms", 4))
     err = capsys.readouterr().err
     assert rc == 2 and message in err and str(path) in err
 
 
 def test_no_rate_meets_an_impossible_slo(profile_path, capsys):
-    rc = cli.main(
-        [
-            "tune",
-            "--profile",
-            str(profile_path),
-            "--workload",
-            "synthetic:100:10",
-            "--slo",
-            "ttft=1ms,tpot=1ms",
-            "--devices",
-            "2",
-        ]
-    )
+    rc = cli.main(tune_argv(str(profile_path), "synthetic:100:10", "ttft=1ms,tpot=1ms", 2))
     assert rc == 1 and "no placement meets the SLO" in capsys.readouterr().err
 
 
@@ -532,16 +498,11 @@ def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
 # ---- deployable answers -------------------------------------------------------------------------
 def _tune_derived(tmp_path, *extra):
     out = tmp_path / "best.yaml"
-    args = [
-        "tune",
-        "--profile",
+    args = tune_argv(
         str(DERIVED),
-        "--workload",
         "azure_conv",
-        "--slo",
         "ttft=1s,tpot=50ms,attainment=0.9",
-        "--devices",
-        "8",
+        8,
         "--tp",
         "1,2",
         "--time-limit",
@@ -551,7 +512,7 @@ def _tune_derived(tmp_path, *extra):
         "--out",
         str(out),
         *extra,
-    ]
+    )
     return cli.main(args), out
 
 
@@ -586,19 +547,9 @@ def test_the_launcher_refuses_tp2_on_gpu_disaggregated_but_not_colocated():
 
 def test_out_without_model_is_refused_for_a_hub_id(tmp_path, capsys):
     rc = cli.main(
-        [
-            "tune",
-            "--profile",
-            str(DERIVED),
-            "--workload",
-            "azure_conv",
-            "--slo",
-            "ttft=1s,tpot=50ms",
-            "--devices",
-            "8",
-            "--out",
-            str(tmp_path / "x.yaml"),
-        ]
+        tune_argv(
+            str(DERIVED), "azure_conv", "ttft=1s,tpot=50ms", 8, "--out", str(tmp_path / "x.yaml")
+        )
     )
     err = capsys.readouterr().err
     assert rc == 2 and "--out needs --model" in err and not (tmp_path / "x.yaml").exists()
@@ -618,21 +569,16 @@ def test_router_and_ray_settings_reach_the_yaml(tmp_path, capsys):
 
 def test_mooncake_prefix_blocks_are_named_as_not_simulated(profile_path, capsys):
     rc = cli.main(
-        [
-            "tune",
-            "--profile",
+        tune_argv(
             str(profile_path),
-            "--workload",
             "mooncake_synthetic",
+            "ttft=10s,tpot=1s",
+            2,
             "--scale",
             "0.01",
-            "--slo",
-            "ttft=10s,tpot=1s",
-            "--devices",
-            "2",
             "--time-limit",
             "5",
-        ]
+        )
     )
     text = capsys.readouterr().out
     assert rc in (0, 1) and "note: prefix caching is not simulated" in text

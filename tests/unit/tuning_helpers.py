@@ -65,3 +65,9 @@ def toy_engine_profile_dict() -> dict:
 
 def one(prompt, output, at=0.0):
     return RequestSpec(at, prompt, output)
+
+
+def tune_argv(profile, workload: str, slo: str, devices, *extra: str) -> list[str]:
+    """`pdserve tune`'s arguments: the four it requires, then `extra`."""
+    required = ["--profile", str(profile), "--workload", workload, "--slo", slo]
+    return ["tune", *required, "--devices", str(devices), *extra]
