@@ -12,7 +12,7 @@ from deploy.tuning.perf_model import ProfileError, profile_from_dict
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
 from deploy.tuning.tuner import SLO, Search
 from deploy.tuning.workload import synthetic
-from tuning_helpers import make_profile, one, tune_argv
+from tuning_helpers import make_profile, one, toy_tune_argv
 
 
 def test_seeded_goodput_band_spreads_with_step_noise_and_collapses_without(tmp_path, capsys):
@@ -31,17 +31,7 @@ def test_seeded_goodput_band_spreads_with_step_noise_and_collapses_without(tmp_p
     assert len(cand.seeded) == 6 and len(set(cand.seeded)) > 1 and min(cand.seeded) < cand.goodput
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
-    argv = tune_argv(
-        str(path),
-        "synthetic:200:20",
-        "ttft=2s,tpot=100ms",
-        2,
-        "--colocated",
-        "--model",
-        "toy",
-        "--seeds",
-        "4",
-    )
+    argv = toy_tune_argv(path, 2, "--seeds", "4")
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "seeded p10/p50/p90" in out and "one bisection per seed" in out

@@ -26,7 +26,7 @@ from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
 from deploy.tuning.tune_cmd import deploy_yaml, hf_config
 from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
 from deploy.tuning.workload import retime, synthetic
-from tuning_helpers import make_profile, one, tune_argv
+from tuning_helpers import make_profile, one, toy_tune_argv, tune_argv
 
 DERIVED = (
     pathlib.Path(__file__).resolve().parents[2]
@@ -302,21 +302,7 @@ def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
         json.dumps(make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True))
     )
     out, png = tmp_path / "best.yaml", tmp_path / "c.png"
-    rc = cli.main(
-        tune_argv(
-            str(path),
-            "synthetic:200:20",
-            "ttft=2s,tpot=100ms",
-            4,
-            "--colocated",
-            "--model",
-            "toy",
-            "--out",
-            str(out),
-            "--plot",
-            str(png),
-        )
-    )
+    rc = cli.main(toy_tune_argv(path, 4, "--out", str(out), "--plot", str(png)))
     text = capsys.readouterr().out
     assert rc == 0, text
     cfg = load_config(out)

@@ -71,3 +71,18 @@ def tune_argv(profile, workload: str, slo: str, devices, *extra: str) -> list[st
     """`pdserve tune`'s arguments: the four it requires, then `extra`."""
     required = ["--profile", str(profile), "--workload", workload, "--slo", slo]
     return ["tune", *required, "--devices", str(devices), *extra]
+
+
+def toy_tune_argv(profile, devices, *extra: str) -> list[str]:
+    """tune_argv of a short synthetic load with a loose SLO, colocated workers considered, the
+    toy model named."""
+    return tune_argv(
+        profile,
+        "synthetic:200:20",
+        "ttft=2s,tpot=100ms",
+        devices,
+        "--colocated",
+        "--model",
+        "toy",
+        *extra,
+    )
