@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 
 import pytest
@@ -124,6 +126,42 @@ def wait_until(cond, timeout: float, what: str, poll_s: float = 0.02) -> None:
             return
         time.sleep(poll_s)
     raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def run_in_threads(fn, n: int, timeout: float = 60.0) -> dict:
+    """fn(0) .. fn(n - 1), each on its own thread, all at once: {i: what fn(i) returned}. The
+    threads' exceptions fail the caller (not lost in the threads)."""
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except Exception as e:  # surfaced below, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return results
+
+
+def non_daemon_threads() -> set:
+    return {t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()}
+
+
+@contextlib.contextmanager
+def leaves_no_threads(timeout: float = 5.0):
+    """Fails if the block leaves non-daemon threads behind for more than `timeout` seconds."""
+    before = non_daemon_threads()
+    yield
+    wait_until(
+        lambda: non_daemon_threads() <= before,
+        timeout,
+        f"threads left: {non_daemon_threads() - before}",
+    )
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = 256):

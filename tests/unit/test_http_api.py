@@ -13,17 +13,16 @@ import logging
 import shutil
 import socket
 import ssl
-import threading
 
 import grpc
 import pytest
 
-from conftest import random_prompts, tls_files, wait_until
+from conftest import random_prompts, run_in_threads, tls_files, wait_until
 from engine import LLM, SamplingParams
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from protos.security import TLSConfig
 from router.server import Router, RouterConfig
-from worker_helpers import start_decode, start_prefill, stop_all
+from worker_helpers import record_aborts, start_decode, start_prefill, stop_all
 
 openai = pytest.importorskip("openai")
 
@@ -748,18 +747,6 @@ def test_openai_errors_are_the_client_exceptions(router):
 
 
 # ---- a client that disconnects ---------------------------------------------------------------
-def record_aborts(idle, monkeypatch) -> list:
-    """The reasons of the decode hand-off's aborts from now on, as they come."""
-    aborted = []
-    real_abort = idle.decode.handoff.abort
-    monkeypatch.setattr(
-        idle.decode.handoff,
-        "abort",
-        lambda rid, reason="": aborted.append(reason) or real_abort(rid, reason),
-    )
-    return aborted
-
-
 def post_raw_completion(router, seed: int, **extra) -> socket.socket:
     """A raw socket that has sent a completion (a 40-token prompt, decoding until the context is
     full) and reads nothing yet."""
@@ -785,14 +772,14 @@ def post_raw_completion(router, seed: int, **extra) -> socket.socket:
 
 def wait_kv_freed_by_abort(idle, aborted) -> None:
     wait_until(
-        lambda: "aborted by the router" in aborted and idle.idle(),
+        lambda: any(reason == "aborted by the router" for _, reason in aborted) and idle.idle(),
         1.0,
         f"KV still held after the client left: {idle.stats()}",
     )
 
 
 def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, idle, monkeypatch):
-    aborted = record_aborts(idle, monkeypatch)
+    aborted = record_aborts(idle.decode, monkeypatch)
     s = post_raw_completion(router, seed=4, stream=True)
     got = b""
     while got.count(b"data: ") < 2:  # the stream is running: two tokens arrived
@@ -807,7 +794,7 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_pools_within_1s(router, i
 def test_client_disconnect_before_a_whole_response_frees_kv_within_1s(router, idle, monkeypatch):
     """Without stream, nothing is sent until the end: the front notices the client leaving by
     the connection itself and cancels the call as well."""
-    aborted = record_aborts(idle, monkeypatch)
+    aborted = record_aborts(idle.decode, monkeypatch)
     s = post_raw_completion(router, seed=6)
     wait_until(lambda: idle.stats()[0].num_running == 1, 5, "the request is decoding")
     s.close()
@@ -822,27 +809,17 @@ def test_concurrent_requests_on_one_front(router, idle, llm):
             prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
         )
     ]
-    results, errors = {}, []
-
-    def run(i):
-        try:
-            results[i] = client(router).completions.create(
-                model=MODEL,
-                prompt=prompts[i % 4],
-                max_tokens=6,
-                temperature=0,
-                stream=bool(i % 2),
-                extra_body={"ignore_eos": True},
-            )
-        except Exception as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    results = run_in_threads(
+        lambda i: client(router).completions.create(
+            model=MODEL,
+            prompt=prompts[i % 4],
+            max_tokens=6,
+            temperature=0,
+            stream=bool(i % 2),
+            extra_body={"ignore_eos": True},
+        ),
+        8,
+    )
     for i in range(8):
         r = results[i]
         text = r.choices[0].text if not i % 2 else "".join(ch.choices[0].text for ch in r)

@@ -13,14 +13,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import random_prompts, wait_until
+from conftest import leaves_no_threads, random_prompts, run_in_threads, wait_until
 from engine import LLM, SamplingParams
 from engine.tokenizer import load_tokenizer
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.server import Router, RouterConfig
 from router.text import TextStream
-from worker_helpers import start_decode, start_prefill, start_router, stop_all
+from worker_helpers import record_aborts, start_decode, start_prefill, start_router, stop_all
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 256
@@ -77,19 +77,12 @@ def pool_idle(cluster) -> bool:
     return s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
 
 
-def non_daemon_threads():
-    return {t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()}
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_models, one_thread):
-    before = non_daemon_threads()
-    c = Cluster(tiny_models("llama-gqa")[0])
-    yield c
-    c.stop()
-    wait_until(
-        lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}"
-    )
+    with leaves_no_threads():
+        c = Cluster(tiny_models("llama-gqa")[0])
+        yield c
+        c.stop()
 
 
 def dead_address() -> str:
@@ -179,20 +172,7 @@ def test_text_and_chat_inputs(idle, greedy):
 
 def test_concurrent_streams_complete_and_free_the_pool(idle, expected):
     prompts, want = expected
-    results, errors = {}, []
-
-    def run(i):
-        try:
-            results[i] = idle.generate(token_ids=prompts[i % len(prompts)])[:2]
-        except Exception as e:  # surfaced below, not lost in the thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    results = run_in_threads(lambda i: idle.generate(token_ids=prompts[i % len(prompts)])[:2], 8)
     assert [results.get(i) for i in range(8)] == [want[i % len(prompts)] for i in range(8)]
     wait_until(lambda: pool_idle(idle), 2, f"blocks still held after 8 streams: {idle.stats()}")
 
@@ -261,13 +241,7 @@ LONG = pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True
 
 
 def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
-    aborted = []
-    real_abort = idle.decode.handoff.abort
-    monkeypatch.setattr(
-        idle.decode.handoff,
-        "abort",
-        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason),
-    )
+    aborted = record_aborts(idle.decode, monkeypatch)
     call = idle.api.Generate(
         pdserve_pb2.GenerateRequest(
             request_id="cancel-me",

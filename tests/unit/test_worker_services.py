@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from conftest import random_prompts, wait_until
+from conftest import leaves_no_threads, random_prompts, wait_until
 from decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from engine import LLM, SamplingParams
 from engine.errors import (
@@ -25,7 +25,7 @@ from engine.errors import (
 from protos.convert import sampling_kwargs
 from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.errors import abort_for_engine_error, engine_error_status
-from worker_helpers import start_decode, start_prefill, stop_all
+from worker_helpers import record_aborts, start_decode, start_prefill, stop_all
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 64
@@ -78,19 +78,12 @@ class Cluster:
         return tokens
 
 
-def non_daemon_threads():
-    return {t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()}
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_models):
-    before = non_daemon_threads()
-    c = Cluster(tiny_models("llama-gqa")[0])
-    yield c
-    c.stop()
-    wait_until(
-        lambda: non_daemon_threads() <= before, 5, f"threads left: {non_daemon_threads() - before}"
-    )
+    with leaves_no_threads():
+        c = Cluster(tiny_models("llama-gqa")[0])
+        yield c
+        c.stop()
 
 
 @pytest.fixture
@@ -263,13 +256,7 @@ def test_unknown_stream_abort_and_cancelled_stream(idle, monkeypatch):
         worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT
     ).found
     # a client that cancels its stream mid-way: the decode side aborts the request
-    aborted = []
-    real_abort = idle.decode.handoff.abort
-    monkeypatch.setattr(
-        idle.decode.handoff,
-        "abort",
-        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason),
-    )
+    aborted = record_aborts(idle.decode, monkeypatch)
     long = pdserve_pb2.SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
     prompt = random_prompts([8], seed=8)[0]
     reservation = idle.reserve("cancel-me", prompt, long)

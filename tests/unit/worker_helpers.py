@@ -54,3 +54,15 @@ def stop_all(channels, *processes) -> None:
         ch.close()
     for p in processes:
         p.stop()
+
+
+def record_aborts(decode, monkeypatch) -> list:
+    """The (request id, reason) of each abort of `decode`'s hand-off from now on, as they come."""
+    aborted = []
+    real_abort = decode.handoff.abort
+    monkeypatch.setattr(
+        decode.handoff,
+        "abort",
+        lambda rid, reason="": aborted.append((rid, reason)) or real_abort(rid, reason),
+    )
+    return aborted
