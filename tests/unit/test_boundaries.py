@@ -8,37 +8,17 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# what sits above the engine and kvtransfer: the workers, the router, the launcher
+ABOVE = {"prefill_worker", "decode_worker", "worker_common", "router", "deploy"}
 FORBIDDEN = {
-    "engine": {
-        "kvtransfer",
-        "prefill_worker",
-        "decode_worker",
-        "worker_common",
-        "router",
-        "deploy",
-    },
-    "kvtransfer": {
-        "engine",
-        "prefill_worker",
-        "decode_worker",
-        "worker_common",
-        "router",
-        "deploy",
-    },
+    "engine": {"kvtransfer", *ABOVE},
+    "kvtransfer": {"engine", *ABOVE},
     "worker_common": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
     "prefill_worker": {"decode_worker", "router", "deploy"},
     "decode_worker": {"prefill_worker", "router", "deploy"},
     "router": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "deploy"},
     # wire definitions only: the processes' code lives in the folders above
-    "protos": {
-        "engine",
-        "kvtransfer",
-        "prefill_worker",
-        "decode_worker",
-        "worker_common",
-        "router",
-        "deploy",
-    },
+    "protos": {"engine", "kvtransfer", *ABOVE},
 }
 # the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone.
 ALLOWED_ENGINE_MODULES = {
