@@ -202,24 +202,21 @@ def write_trace(path, n=20, seed=3):
     return rows
 
 
+def bench_trace(cluster, tmp_path, out, *extra: str) -> int:
+    """`pdserve bench` of tmp_path/trace.csv against a router of `cluster` (a loose SLO), its
+    result written to `out`; the exit code."""
+    router = cluster.router(max_inflight=32)
+    trace = str(tmp_path / "trace.csv")
+    return main(
+        ["bench", "--router", router, "--trace", trace, *extra]
+        + ["--slo", "ttft=10s,tpot=2s", "--out", str(out)]
+    )
+
+
 def test_bench_runs_a_trace_open_loop_and_writes_the_summary(cluster, tmp_path, capsys):
     rows = write_trace(tmp_path / "trace.csv")
     out = tmp_path / "result.json"
-    rc = main(
-        [
-            "bench",
-            "--router",
-            cluster.router(max_inflight=32),
-            "--trace",
-            str(tmp_path / "trace.csv"),
-            "--num-requests",
-            "20",
-            "--slo",
-            "ttft=10s,tpot=2s",
-            "--out",
-            str(out),
-        ]
-    )
+    rc = bench_trace(cluster, tmp_path, out, "--num-requests", "20")
     assert rc == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -266,23 +263,7 @@ def test_bench_runs_a_trace_open_loop_and_writes_the_summary(cluster, tmp_path, 
 def test_sweep_writes_goodput_and_plots(cluster, tmp_path):
     write_trace(tmp_path / "trace.csv", n=10)
     out = tmp_path / "sweep.json"
-    rc = main(
-        [
-            "bench",
-            "--router",
-            cluster.router(max_inflight=32),
-            "--trace",
-            str(tmp_path / "trace.csv"),
-            "--sweep-rates",
-            "20,50",
-            "--slo",
-            "ttft=10s,tpot=2s",
-            "--slo-scales",
-            "0.000001,1",
-            "--out",
-            str(out),
-        ]
-    )
+    rc = bench_trace(cluster, tmp_path, out, "--sweep-rates", "20,50", "--slo-scales", "0.000001,1")
     assert rc == 0
     result = json.loads(out.read_text())
     assert [r["rate"] for r in result["runs"]] == [20, 50]
