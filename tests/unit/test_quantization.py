@@ -162,6 +162,22 @@ def test_dtype_auto_on_cpu_means_quantization_auto(tiny_models):
     assert (cfg.dtype, cfg.quantization) == ("float32", None)
 
 
+def prompt_logprob_diff(ref, llm, p) -> float:
+    """The largest gap between `ref`'s and `llm`'s logprob of one of prompt p's own tokens."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+    b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+    return max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p)))
+
+
+def assert_greedy_runs_without_leaks(llm, prompts) -> None:
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert_no_leaks(llm.engine)
+
+
 @needs_x86_int8
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_engine_serves_in_each_mode(refs, mode):
@@ -172,17 +188,10 @@ def test_engine_serves_in_each_mode(refs, mode):
     llm = LLM(model_dir, quantization=mode, kv_cache_memory=1 << 22)
     assert llm.engine.config.quantization == mode and mode in llm.engine.mode_note
     try:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
         for p in prompts[3:6]:
-            a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-            b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-            diffs = [abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))]
-            assert max(diffs) < (0.05 if mode == "int8" else 0.25), max(diffs)
-        outs = llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
-        )
-        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-        assert_no_leaks(llm.engine)
+            diff = prompt_logprob_diff(ref, llm, p)
+            assert diff < (0.05 if mode == "int8" else 0.25), diff
+        assert_greedy_runs_without_leaks(llm, prompts)
     finally:
         ref.shutdown()
         llm.shutdown()
@@ -271,16 +280,9 @@ def test_bf16_kv_cache_under_float32_activations(refs):
         assert llm.engine.kv_cache.dtype == torch.bfloat16
         assert llm.engine.kv_layout_spec()["dtype"] == "bfloat16"
         assert ref.engine.kv_layout_spec()["dtype"] == "float32"
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-        p = prompts[6]  # 200 tokens in chunks of 32: every chunk after the first reads the cache
-        a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-        b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-        assert max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))) < 0.05
-        outs = llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
-        )
-        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-        assert_no_leaks(llm.engine)
+        # 200 tokens in chunks of 32: every chunk after the first reads the cache
+        assert prompt_logprob_diff(ref, llm, prompts[6]) < 0.05
+        assert_greedy_runs_without_leaks(llm, prompts)
     finally:
         ref.shutdown()
         llm.shutdown()
