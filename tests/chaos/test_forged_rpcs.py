@@ -56,6 +56,18 @@ def fake_decode():
     server.stop(0)
 
 
+def generate_prompt(cluster, sampling) -> list:
+    """Every response of a Generate of PROMPT with `sampling`, through the router."""
+    return list(
+        cluster.api.Generate(
+            pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+    )
+
+
 def _reservation(cluster, rid="r", prompt=PROMPT, lease_ms=5000):
     return cluster.d.Reserve(
         worker_pb2.ReserveRequest(
@@ -281,14 +293,7 @@ def test_undecodable_requests_get_invalid_argument(cluster, payload, method):
 )
 def test_numbers_and_sizes_are_checked_at_the_router(cluster, sampling, says):
     with pytest.raises(grpc.RpcError) as err:
-        list(
-            cluster.api.Generate(
-                pdserve_pb2.GenerateRequest(
-                    token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling
-                ),
-                timeout=RPC_TIMEOUT,
-            )
-        )
+        generate_prompt(cluster, sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in err.value.details()
 
@@ -323,14 +328,7 @@ def test_a_stranger_calling_in_a_loop_does_not_flood_the_log(cluster, caplog):
 def test_prompt_logprobs_are_refused_on_the_wire_until_served(cluster):
     sampling = pdserve_pb2.SamplingParams(max_tokens=4, prompt_logprobs=2)
     with pytest.raises(grpc.RpcError) as err:
-        list(
-            cluster.api.Generate(
-                pdserve_pb2.GenerateRequest(
-                    token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling=sampling
-                ),
-                timeout=RPC_TIMEOUT,
-            )
-        )
+        generate_prompt(cluster, sampling)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "engine.SamplingParams(prompt_logprobs=k)" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # nor does a worker take it from a router
