@@ -25,28 +25,21 @@ def decoded(tok, prompt, output) -> str:
     return after[len(before) :]
 
 
+# name: (block_size, enable_prefix_caching, max_num_batched_tokens, submit one at a time?)
+_MODES = {
+    "sequential-prefix-bs16": (16, True, 64, True),
+    "batched-prefix-bs16": (16, True, 2048, False),
+    "batched-noprefix-bs4": (4, False, 2048, False),
+    "chunk32-sequential-prefix-bs4": (4, True, 32, True),
+    "chunk32-batched-noprefix-bs16": (16, False, 32, False),
+}
 # name: (LLM kwargs, submit one at a time?)
 MODES = {
-    "sequential-prefix-bs16": (
-        dict(block_size=16, enable_prefix_caching=True, max_num_batched_tokens=64),
-        True,
-    ),
-    "batched-prefix-bs16": (
-        dict(block_size=16, enable_prefix_caching=True, max_num_batched_tokens=2048),
-        False,
-    ),
-    "batched-noprefix-bs4": (
-        dict(block_size=4, enable_prefix_caching=False, max_num_batched_tokens=2048),
-        False,
-    ),
-    "chunk32-sequential-prefix-bs4": (
-        dict(block_size=4, enable_prefix_caching=True, max_num_batched_tokens=32),
-        True,
-    ),
-    "chunk32-batched-noprefix-bs16": (
-        dict(block_size=16, enable_prefix_caching=False, max_num_batched_tokens=32),
-        False,
-    ),
+    name: (
+        dict(block_size=bs, enable_prefix_caching=prefix, max_num_batched_tokens=budget),
+        sequential,
+    )
+    for name, (bs, prefix, budget, sequential) in _MODES.items()
 }
 
 

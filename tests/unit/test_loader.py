@@ -315,33 +315,33 @@ def test_gguf_weights_quantized_tensors_dequantize(tmp_path):
     )
 
 
-def test_gguf_unsupported_architecture_and_tensor(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+def write_one_tensor_gguf(path, arch: str, tensor: str) -> None:
+    """A GGUF file of `arch` holding only `tensor` (4x4 zeros)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor(tensor, np.zeros((4, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def convert_to_tmp(path, tmp_path) -> None:
+    convert_gguf_weights(path, {"num_attention_heads": 1}, tmp_path / "o.safetensors")
+
+
+def test_gguf_unsupported_architecture_and_tensor(tmp_path):
+    write_one_tensor_gguf(tmp_path / "g.gguf", "gpt2", "token_embd.weight")
     with pytest.raises(ValueError, match="gpt2"):
-        convert_gguf_weights(
-            tmp_path / "g.gguf", {"num_attention_heads": 1}, tmp_path / "o.safetensors"
-        )
+        convert_to_tmp(tmp_path / "g.gguf", tmp_path)
     with pytest.raises(ValueError, match="gpt2"):
         resolve_model(str(tmp_path / "g.gguf"), cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache" / "models").exists() or not any(
         (tmp_path / "cache" / "models").iterdir()
     )
 
-    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
-    w.add_tensor("blk.0.attn_qkv.weight", np.zeros((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_one_tensor_gguf(tmp_path / "odd.gguf", "llama", "blk.0.attn_qkv.weight")
     with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
-        convert_gguf_weights(
-            tmp_path / "odd.gguf", {"num_attention_heads": 1}, tmp_path / "o.safetensors"
-        )
+        convert_to_tmp(tmp_path / "odd.gguf", tmp_path)
 
 
 def test_concurrent_conversion_uses_the_winner(tmp_path, monkeypatch):
