@@ -167,12 +167,18 @@ def test_register_only_hashes_full_computed_blocks():
     assert_no_leaks(bm)
 
 
-def test_find_cached_prefix_chains_and_stops_at_first_miss():
+def four_cached_blocks():
+    """(bm, tokens, ids): 4 full blocks of tokens 10, 20, 30, 40 allocated and in the cache."""
     bm = BlockManager(8, BS)
     tokens = toks(10, 20, 30, 40)
     ids = bm.allocate(4)
     assert bm.register_full_blocks(ids, tokens, 0, 16) == 4
     ok(bm)
+    return bm, tokens, ids
+
+
+def test_find_cached_prefix_chains_and_stops_at_first_miss():
+    bm, tokens, ids = four_cached_blocks()
     assert bm.find_cached_prefix(tokens, 16) == ids
     assert bm.find_cached_prefix(tokens + [1, 2], 18) == ids
     # a miss in block 1 stops the walk even though blocks 2 and 3 match
@@ -187,10 +193,7 @@ def test_find_cached_prefix_chains_and_stops_at_first_miss():
 
 
 def test_find_cached_prefix_respects_max_tokens():
-    bm = BlockManager(8, BS)
-    tokens = toks(10, 20, 30, 40)
-    ids = bm.allocate(4)
-    bm.register_full_blocks(ids, tokens, 0, 16)
+    bm, tokens, ids = four_cached_blocks()
     assert bm.find_cached_prefix(tokens, 15) == ids[:3]  # only whole blocks within the limit
     assert bm.find_cached_prefix(tokens, 12) == ids[:3]
     assert bm.find_cached_prefix(tokens, 11) == ids[:2]

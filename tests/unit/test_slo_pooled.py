@@ -30,6 +30,8 @@ CONFIG = {
     "serving_profile": "/elsewhere/profile_serving.json",
 }
 T0 = 1_800_000_000.0
+# the same setup, calibrated at other loads
+OTHER_LOADS = {**CONFIG, "load_rates": [2.0], "load_requests": 150}
 
 
 def bench_file(path, t: float) -> None:
@@ -99,12 +101,7 @@ def test_find_runs_takes_the_setups_measurements_and_every_compatible_calibratio
         config={**CONFIG, "max_prompt": 256},
     )
     # the same sweep, calibrated at other loads: its measurement counts, its calibration does not
-    a_run(
-        tmp_path / "other_load",
-        "2026-11-23T01:45:00+00:00",
-        T0 + 4000,
-        config={**CONFIG, "load_rates": [2.0], "load_requests": 150},
-    )
+    a_run(tmp_path / "other_load", "2026-11-23T01:45:00+00:00", T0 + 4000, config=OTHER_LOADS)
     measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
     assert cfg == CONFIG
     assert sorted((m["time"], m["run"]) for m in measurements) == [
@@ -142,12 +139,7 @@ def test_find_runs_for_another_setup_measures_only_that_one(tmp_path):
     assert cfg["rates"]["azure_conv"] == [1.0, 2.0] and measurements == []
     assert len(calibrations) == 2
     # the newest run calibrated at other loads: only its own calibration counts
-    a_run(
-        tmp_path / "run_c",
-        "2026-11-23T02:00:00+00:00",
-        T0 + 4000,
-        config={**CONFIG, "load_rates": [2.0], "load_requests": 150},
-    )
+    a_run(tmp_path / "run_c", "2026-11-23T02:00:00+00:00", T0 + 4000, config=OTHER_LOADS)
     measurements, calibrations, cfg = find_runs(tmp_path, "azure_conv")
     assert [c["run"] for c in calibrations] == ["run_c"] and cfg["load_rates"] == [2.0]
     assert sorted(m["run"] for m in measurements) == ["run_a", "run_c"]
