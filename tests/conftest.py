@@ -13,50 +13,47 @@ import torch
 os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-TINY_SHAPES = {
-    # name: (architecture, extra config)
-    "llama-gqa": (
-        "llama",
-        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-    ),
-    "llama-mqa-tied": (
-        "llama",
-        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
-    ),
-    "llama3-rope": (
-        "llama",
+# the tiny models' shape: 2 layers, 64 wide, a 256-token vocabulary
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+# name: (architecture, num_key_value_heads, tie_word_embeddings, rope_parameters); 4 query heads
+_SHAPES = {
+    "llama-gqa": ("llama", 2, False, None),
+    "llama-mqa-tied": ("llama", 1, True, None),
+    "llama3-rope": ("llama", 2, False, LLAMA3_ROPE),
+    "qwen2-bias": ("qwen2", 2, True, None),
+    "qwen2-yarn": ("qwen2", 2, False, YARN_ROPE),
+}
+TINY_SHAPES = {  # name: (architecture, extra config)
+    name: (
+        arch,
         dict(
             num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 50000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            num_key_value_heads=kv_heads,
+            tie_word_embeddings=tied,
+            **({} if rope is None else {"rope_parameters": rope}),
         ),
-    ),
-    "qwen2-bias": (
-        "qwen2",
-        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    ),
-    "qwen2-yarn": (
-        "qwen2",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-        ),
-    ),
+    )
+    for name, (arch, kv_heads, tied, rope) in _SHAPES.items()
 }
 
 
@@ -72,16 +69,7 @@ def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0):
     )
 
     arch, extra = TINY_SHAPES[kind]
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        eos_token_id=1,
-        bos_token_id=0,
-        **extra,
-    )
+    common = dict(**TINY_CONFIG, eos_token_id=1, bos_token_id=0, **extra)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from conftest import TINY_CONFIG
 from engine.config import ModelConfig
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -45,16 +46,9 @@ ROPE_CASES = {
 
 def hf_config(rope: dict, head_dim: int | None = None) -> LlamaConfig:
     extra = {} if head_dim is None else {"head_dim": head_dim}
+    shape = {**TINY_CONFIG, "num_hidden_layers": 1, "max_position_embeddings": MAX_POS}
     return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=MAX_POS,
-        rope_parameters=dict(rope),
-        **extra,
+        **shape, num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(rope), **extra
     )
 
 
