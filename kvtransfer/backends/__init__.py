@@ -18,6 +18,7 @@ Worker processes should call tune_malloc() once at start (see its docstring).
 from __future__ import annotations
 
 import ctypes
+import importlib
 
 from kvtransfer.backends.shm_backend import (
     create_shared_kv_cache,
@@ -65,24 +66,28 @@ def _check_security(security) -> None:
         )
 
 
+# backend: (its module, its server class, its transport class); a module is imported when used
+_CLASSES = {
+    "grpc": ("grpc_backend", "GrpcServer", "GrpcTransport"),
+    "shm": ("shm_backend", "ShmServer", "ShmTransport"),
+    "torch": ("torch_backend", "TorchServer", "TorchTransport"),
+}
+
+
+def _backend_class(backend: str, security, side: int) -> type:
+    """The backend's server (side 1) or transport (side 2) class, once both arguments check."""
+    _check(backend)
+    _check_security(security)
+    module = importlib.import_module(f"kvtransfer.backends.{_CLASSES[backend][0]}")
+    return getattr(module, _CLASSES[backend][side])
+
+
 def serve(
     backend: str, handler: FrameHandler, *, security: ClusterSecurity = INSECURE, **opts
 ) -> TransportServer:
     """Start the receiving side (decode rank); its `address` is what senders pass to `connect`.
     Only senders presenting `security`'s secret get their frames to `handler`."""
-    _check(backend)
-    _check_security(security)
-    if backend == "grpc":
-        from kvtransfer.backends.grpc_backend import GrpcServer
-
-        return GrpcServer(handler, security=security, **opts)
-    if backend == "shm":
-        from kvtransfer.backends.shm_backend import ShmServer
-
-        return ShmServer(handler, security=security, **opts)
-    from kvtransfer.backends.torch_backend import TorchServer
-
-    return TorchServer(handler, security=security, **opts)
+    return _backend_class(backend, security, 1)(handler, security=security, **opts)
 
 
 def connect(
@@ -90,19 +95,7 @@ def connect(
 ) -> Transport:
     """Open a channel from a sender (prefill rank) to the server at `address`, presenting
     `security`'s secret. ConnectionRefusedError: the server refused it."""
-    _check(backend)
-    _check_security(security)
-    if backend == "grpc":
-        from kvtransfer.backends.grpc_backend import GrpcTransport
-
-        return GrpcTransport(address, security=security, **opts)
-    if backend == "shm":
-        from kvtransfer.backends.shm_backend import ShmTransport
-
-        return ShmTransport(address, security=security, **opts)
-    from kvtransfer.backends.torch_backend import TorchTransport
-
-    return TorchTransport(address, security=security, **opts)
+    return _backend_class(backend, security, 2)(address, security=security, **opts)
 
 
 __all__ = [
