@@ -275,11 +275,11 @@ def prefill_main(kind: str, conn, notify, cfg: dict) -> None:
 def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     import torch
 
+    from deploy.tuning.profiler import send_request
     from kvtransfer.backends import connect
     from kvtransfer.backends.shm_backend import map_shared_kv_cache
     from kvtransfer.reshard import read_chunk
     from kvtransfer.transport import Destination
-    from kvtransfer.wire import ChunkHeader
 
     tokens, n = cfg["tokens"], cfg["requests"]
     blocks_per_request, dst_shape = pool_shape(tokens)
@@ -321,18 +321,8 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                 starts.append(time.perf_counter())
                 if transport is not None:
                     dest = Destination(slot_block_ids(i % POOL_SLOTS, blocks_per_request), layout)
-                    for (
-                        header,
-                        data,
-                    ) in chunks:  # the header read_chunk would build for this request
-                        transport.send(
-                            ChunkHeader(**{**vars(header), "request_id": rid}), data, dest
-                        )
-                    transport.send(
-                        ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1),
-                        None,
-                        dest,
-                    )
+                    # the headers read_chunk would build for this request
+                    send_request(transport, chunks, rid, dest, layout)
                 elif sock is not None:
                     for piece in layer_bytes:
                         sock.sendall(piece)

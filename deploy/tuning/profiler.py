@@ -338,13 +338,22 @@ def _recv(conn, proc, timeout: float = 180.0):
     return msg
 
 
+def send_request(transport, frames, rid: str, dest, layout) -> None:
+    """Sends prebuilt (header, data) frames as request `rid` into `dest`, then its commit (first
+    token 1): one request's hand-off, as a prefill worker sends it."""
+    from kvtransfer.wire import ChunkHeader
+
+    for header, data in frames:
+        transport.send(ChunkHeader(**{**vars(header), "request_id": rid}), data, dest)
+    transport.send(ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1), None, dest)
+
+
 def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
     import torch
 
     from kvtransfer.backends import connect, tune_malloc
     from kvtransfer.reshard import read_chunk
     from kvtransfer.transport import Destination
-    from kvtransfer.wire import ChunkHeader
 
     tune_malloc()
     dtype = getattr(torch, info["dtype"])
@@ -383,15 +392,7 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
                         rid = f"{i % slots}-{n}-{next(counter)}"  # what the receiver parses
                         starts[rid] = time.perf_counter()
                         dest = Destination(_block_ids(i % slots, n), layout)
-                        for header, data in frames:
-                            transport.send(
-                                ChunkHeader(**{**vars(header), "request_id": rid}), data, dest
-                            )
-                        transport.send(
-                            ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1),
-                            None,
-                            dest,
-                        )
+                        send_request(transport, frames, rid, dest, layout)
                     transport.flush(120.0)
                     parent.send({"count": count})
                     done = _recv(parent, proc)
