@@ -321,6 +321,16 @@ def _run_up(args) -> int:
     return 0
 
 
+def _documented_command(sub, name: str, module, summary: str) -> argparse.ArgumentParser:
+    """The subcommand `name`, whose --help shows `module`'s docstring as written."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from pdserve import __version__
 
@@ -364,29 +374,21 @@ def main(argv: list[str] | None = None) -> int:
     _client_args(chat)
     from deploy.tuning import bench as bench_cmd
 
-    bench = sub.add_parser(
-        "bench",
-        help="open-loop load test of a router: latency, SLO attainment, goodput",
-        description=bench_cmd.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    bench = _documented_command(
+        sub, "bench", bench_cmd, "open-loop load test of a router: latency, SLO attainment, goodput"
     )
     bench_cmd.add_args(bench, DeployConfig().router.address)
     from deploy.tuning import profiler as profile_cmd, tune_cmd
 
-    prof = sub.add_parser(
-        "profile",
-        help="measure this machine's step latencies and KV transfer for the tuner",
-        description=profile_cmd.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    profile_cmd.add_args(prof)
-    tune = sub.add_parser(
-        "tune",
-        help="search placements for the best goodput per device (simulated)",
-        description=tune_cmd.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    tune_cmd.add_args(tune)
+    for name, module, summary in (
+        (
+            "profile",
+            profile_cmd,
+            "measure this machine's step latencies and KV transfer for the tuner",
+        ),
+        ("tune", tune_cmd, "search placements for the best goodput per device (simulated)"),
+    ):
+        module.add_args(_documented_command(sub, name, module, summary))
     args = parser.parse_args(argv)
 
     if args.cmd == "up":
