@@ -10,13 +10,12 @@ each sequence ends with its own Finish, stop strings, usage, aborts and short KV
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
 import pytest
 
-from conftest import assert_no_leaks, random_prompts, wait_until
+from conftest import assert_no_leaks, random_prompts, run_in_threads, wait_until
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequest, NoFreeBlocks
 from engine_helpers import KV, run_until_done
@@ -181,12 +180,17 @@ class Cluster:
         wait_until(self.idle, 5, "both KV pools back to all free")
 
     def call(self, prompt, sampling, **kw):
-        return self.api.Generate(
-            pdserve_pb2.GenerateRequest(
-                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling, **kw
-            ),
-            timeout=RPC_TIMEOUT,
-        )
+        return generate(self.api, prompt, sampling, **kw)
+
+
+def generate(api, prompt, sampling, **kw):
+    """The response stream of a Generate of the token ids `prompt`."""
+    return api.Generate(
+        pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling, **kw
+        ),
+        timeout=RPC_TIMEOUT,
+    )
 
 
 def collect(responses, n: int):
@@ -316,16 +320,9 @@ def test_concurrent_n_requests_all_complete(idle, llm):
     prompts = random_prompts([9, 30, 17], seed=44)
     sampling = proto_sampling(**dict(SEEDED, n=2, max_tokens=6))
     wants = [want_of(llm, p, sampling) for p in prompts]
-    got = [None] * len(prompts)
-
-    def run(k):
-        got[k] = collect(idle.call(prompts[k], sampling), 2)[0]
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(RPC_TIMEOUT)
+    got = run_in_threads(
+        lambda k: collect(idle.call(prompts[k], sampling), 2)[0], len(prompts), RPC_TIMEOUT
+    )
     for k, want in enumerate(wants):
         assert got[k] == {i: want[i][0] for i in range(2)}
 
@@ -391,13 +388,7 @@ def test_colocated_n_outputs_equal_the_engines(tiny_models, llm):
             sampling = proto_sampling(**params)
             prompt = random_prompts([45], seed=53)[0]  # > the 32-token budget: chunked
             want = want_of(llm, prompt, sampling)
-            responses = api.Generate(
-                pdserve_pb2.GenerateRequest(
-                    token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
-                ),
-                timeout=RPC_TIMEOUT,
-            )
-            ids, text, finish = collect(responses, params["n"])
+            ids, text, finish = collect(generate(api, prompt, sampling), params["n"])
             for i in range(params["n"]):
                 assert (ids[i], text[i]) == want[i][:2]
                 assert finish[i].usage.completion_tokens == params["max_tokens"]
@@ -435,13 +426,7 @@ def test_n_across_tp_sizes_equals_the_engine(tiny_models, llm, backend, prefill_
             for params in (dict(GREEDY, n=2), dict(SEEDED, n=3)):
                 sampling = proto_sampling(**params)
                 want = want_of(llm, prompt, sampling)
-                responses = api.Generate(
-                    pdserve_pb2.GenerateRequest(
-                        token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
-                    ),
-                    timeout=RPC_TIMEOUT,
-                )
-                ids, _, _ = collect(responses, params["n"])
+                ids, _, _ = collect(generate(api, prompt, sampling), params["n"])
                 assert ids == {i: want[i][0] for i in range(params["n"])}
 
         def idle():
