@@ -216,19 +216,21 @@ def deploy_dict(args, placement: str) -> dict:
     return {**base, "pools": {"colocated": {**pool_dict(args), "replicas": 2}}}
 
 
-def trace_args(args, wl: str) -> list[str]:
+def length_args(args, wl: str) -> list[str]:
+    """The trace's length scale and caps, as `pdserve bench` and `pdserve tune` take them."""
+    scale = f"{args.scale[wl]:g}"
     return [
-        "--trace",
-        wl,
         "--scale",
-        f"{args.scale[wl]:g}",
+        scale,
         "--max-prompt",
         str(args.max_prompt),
         "--max-output",
         str(args.max_output),
-        "--num-requests",
-        str(args.num_requests),
     ]
+
+
+def trace_args(args, wl: str) -> list[str]:
+    return ["--trace", wl, *length_args(args, wl), "--num-requests", str(args.num_requests)]
 
 
 def bench_cmd(router: str, extra: list[str]) -> list[str]:
@@ -474,12 +476,7 @@ def run_tuner(args, wl: str, profile_path, trace: str) -> dict:
         str(profile_path),
         "--workload",
         trace,
-        "--scale",
-        f"{args.scale[wl]:g}",
-        "--max-prompt",
-        str(args.max_prompt),
-        "--max-output",
-        str(args.max_output),
+        *length_args(args, wl),
         "--slo",
         slo,
         "--devices",
