@@ -96,6 +96,19 @@ def check_api_key(key: str, where: str = "an API key") -> str:
     return key
 
 
+def _is_one_of(presented: str | bytes | None, candidates) -> bool:
+    """Whether `presented` equals one of `candidates` (bytes): every one is compared, each in
+    constant time, whatever matches first."""
+    if presented is None:
+        return False
+    if isinstance(presented, str):
+        presented = presented.encode("utf-8", "surrogatepass")
+    ok = False
+    for candidate in candidates:
+        ok |= hmac.compare_digest(presented, candidate)
+    return ok
+
+
 @dataclass(frozen=True)
 class ClientKeys:
     """The API keys clients may present (any one of them); empty: the client API is open."""
@@ -116,16 +129,7 @@ class ClientKeys:
     def accepts(self, presented: str | bytes | None) -> bool:
         """Whether `presented` (the key itself) is one of the keys (always True without keys).
         Every key is compared, each in constant time, whatever matches first."""
-        if not self.keys:
-            return True
-        if presented is None:
-            return False
-        if isinstance(presented, str):
-            presented = presented.encode("utf-8", "surrogatepass")
-        ok = False
-        for key in self._encoded:
-            ok |= hmac.compare_digest(presented, key)
-        return ok
+        return not self.keys or _is_one_of(presented, self._encoded)
 
     def accepts_header(self, authorization: str | bytes | None) -> bool:
         """Whether an `Authorization` value (`Bearer <key>`) carries one of the keys."""
@@ -197,13 +201,7 @@ class ClusterSecurity:
 
     def accepts(self, presented: str | bytes | None) -> bool:
         """Whether `presented` is the secret (always True without one); constant time."""
-        if not self.secret:
-            return True
-        if presented is None:
-            return False
-        if isinstance(presented, str):
-            presented = presented.encode("utf-8", "surrogatepass")
-        return hmac.compare_digest(presented, self.secret.encode())
+        return not self.secret or _is_one_of(presented, [self.secret.encode()])
 
 
 INSECURE = ClusterSecurity()
