@@ -152,6 +152,18 @@ def leaves_no_threads(timeout: float = 5.0):
     )
 
 
+@contextlib.contextmanager
+def threads_joined(timeout: float):
+    """Fails if a thread the block started (daemon or not) is still alive `timeout` seconds after
+    it ended."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + timeout
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not left, f"threads left behind: {sorted(t.name for t in left)}"
+
+
 def random_prompts(lengths, seed: int = 0, vocab: int = 256):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]

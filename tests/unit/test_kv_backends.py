@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from conftest import threads_joined
 from kvtransfer import ChunkHeader, KVLayout, LayoutMismatch, TransferState
 from kvtransfer.backends import (
     BACKENDS,
@@ -153,12 +154,8 @@ class DecodeSide:
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
     """close() and stop() join their threads (gRPC's own consumer thread may take a moment)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 1.0
-    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not left, f"threads left behind: {sorted(t.name for t in left)}"
+    with threads_joined(1.0):
+        yield
 
 
 @pytest.fixture(params=BACKENDS)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import threads_joined
 from kvtransfer import ChunkHeader, TransferState
 from kvtransfer.backends import connect
 from kvtransfer.backends.grpc_backend import (
@@ -48,12 +49,8 @@ QUICK = 2.0  # a refusal comes back well within this (a spinning or hanging serv
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
     """Refused streams and handshakes hold no thread once the server stopped."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 2.0
-    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not left, f"threads left behind: {sorted(t.name for t in left)}"
+    with threads_joined(2.0):
+        yield
 
 
 @pytest.fixture
