@@ -59,7 +59,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.slo_report import measured_rows  # noqa: E402
+from bench.slo_report import finish_attainment_axes, measured_rows  # noqa: E402
 from bench.slo_simulate import WORKLOAD_SEEDS, sim_placement  # noqa: E402
 from deploy.tuning import workload  # noqa: E402
 from deploy.tuning.calibration import PLACEMENTS, SPEED_WINDOW_S, now  # noqa: E402
@@ -169,14 +169,7 @@ def plot(rows: dict, path: pathlib.Path, title: str) -> None:
             alpha=0.15,
             label=f"predicted: p{BAND[0]}-p{BAND[1]} of one run",
         )
-        ax.axhline(90, color="gray", ls="--", lw=1)
-        ax.set(
-            xlabel="request rate (req/s)",
-            ylabel="joint SLO attainment (%)",
-            ylim=(0, 105),
-            title=f"{placement}: {title}",
-        )
-        ax.legend(fontsize=7)
+        finish_attainment_axes(ax, f"{placement}: {title}")
     fig.savefig(path, dpi=100)
 
 

@@ -13,6 +13,18 @@ from bench.slo_simulate import PLACEMENTS, stats
 from deploy.tuning import metrics
 
 
+def finish_attainment_axes(ax, title: str) -> None:
+    """An attainment-vs-rate panel's target line (90%), labels, range, title and legend."""
+    ax.axhline(90, color="gray", ls="--", lw=1)
+    ax.set(
+        xlabel="request rate (req/s)",
+        ylabel="joint SLO attainment (%)",
+        ylim=(0, 105),
+        title=title,
+    )
+    ax.legend(fontsize=7)
+
+
 def measured_rows(args, placement: str, wl: str, slo: dict, path=None) -> list[dict] | None:
     path = path or args.out.with_name(f"slo_validation_{placement}_{wl}.json")
     if not path.is_file():
@@ -220,14 +232,10 @@ def plot_validation(results: dict, args, wl: str) -> str | None:
                     ls=styles[label],
                     label=f"simulated: {label}",
                 )
-        ax.axhline(90, color="gray", ls="--", lw=1)
-        ax.set(
-            xlabel="request rate (req/s)",
-            ylabel="joint SLO attainment (%)",
-            ylim=(0, 105),
-            title=f"{wl}, {placement}: TTFT <= {slo['ttft'] * 1e3:g} ms, TPOT <= {slo['tpot'] * 1e3:g} ms",
+        finish_attainment_axes(
+            ax,
+            f"{wl}, {placement}: TTFT <= {slo['ttft'] * 1e3:g} ms, TPOT <= {slo['tpot'] * 1e3:g} ms",
         )
-        ax.legend(fontsize=7)
     if not drawn:
         return None
     path = args.out.parent / f"slo_validation_{wl}_attainment.png"
