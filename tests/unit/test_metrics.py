@@ -88,6 +88,13 @@ def _model(cluster) -> str:
     return cluster.router.servicer.options.model_id
 
 
+def exported(cluster, role: str, worker: str, name: str):
+    """The router's exported value of the per-worker counter `name` of one worker."""
+    return cluster.router.metrics_registry.get_sample_value(
+        name, {MODEL: _model(cluster), "role": role, "worker": worker}
+    )
+
+
 def worker_stats(cluster) -> dict[str, worker_pb2.WorkerStats]:
     req = worker_pb2.StatsRequest()
     return {
@@ -203,16 +210,11 @@ def test_counts_and_sums_match_the_requests(idle):
     assert decode_hits == sum(f.usage.cached_prompt_tokens for f in finishes)
 
     # what the router exports per worker is that worker's WorkerStats, one health sweep later
-    def exported(role, worker, name):
-        return idle.router.metrics_registry.get_sample_value(
-            name, {MODEL: _model(idle), "role": role, "worker": worker}
-        )
-
     wait_until(
         lambda: (
-            exported("prefill", "p0", "pdserve:kv_transfer_bytes_total")
+            exported(idle, "prefill", "p0", "pdserve:kv_transfer_bytes_total")
             == stats["prefill"].kv_transfer_bytes
-            and exported("decode", "d0", "vllm:prefix_cache_queries_total")
+            and exported(idle, "decode", "d0", "vllm:prefix_cache_queries_total")
             == stats["decode"].prefix_cache_queries
         ),
         5,
@@ -302,16 +304,11 @@ def test_expired_leases_and_failed_transfers_are_counted_and_exported(idle):
     after = worker_stats(idle)
     assert after["prefill"].kv_transfer_failures == before["prefill"].kv_transfer_failures + 1
 
-    def exported(role, worker, name):
-        return idle.router.metrics_registry.get_sample_value(
-            name, {MODEL: _model(idle), "role": role, "worker": worker}
-        )
-
     wait_until(
         lambda: (
-            exported("decode", "d0", "pdserve:leases_expired_total")
+            exported(idle, "decode", "d0", "pdserve:leases_expired_total")
             == after["decode"].leases_expired
-            and exported("prefill", "p0", "pdserve:kv_transfer_failures_total")
+            and exported(idle, "prefill", "p0", "pdserve:kv_transfer_failures_total")
             == after["prefill"].kv_transfer_failures
         ),
         5,
