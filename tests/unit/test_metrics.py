@@ -95,6 +95,16 @@ def exported(cluster, role: str, worker: str, name: str):
     )
 
 
+def wait_exported(cluster, want: dict) -> None:
+    """Waits (5 s at most) until the router exports each (role, worker, name) of `want` with its
+    value: the workers' WorkerStats, one health sweep later."""
+    wait_until(
+        lambda: all(exported(cluster, *key) == value for key, value in want.items()),
+        5,
+        f"the router's copy of the workers' counters: {want}",
+    )
+
+
 def worker_stats(cluster) -> dict[str, worker_pb2.WorkerStats]:
     req = worker_pb2.StatsRequest()
     return {
@@ -210,15 +220,13 @@ def test_counts_and_sums_match_the_requests(idle):
     assert decode_hits == sum(f.usage.cached_prompt_tokens for f in finishes)
 
     # what the router exports per worker is that worker's WorkerStats, one health sweep later
-    wait_until(
-        lambda: (
-            exported(idle, "prefill", "p0", "pdserve:kv_transfer_bytes_total")
-            == stats["prefill"].kv_transfer_bytes
-            and exported(idle, "decode", "d0", "vllm:prefix_cache_queries_total")
-            == stats["decode"].prefix_cache_queries
-        ),
-        5,
-        "the router's copy of the workers' counters",
+    prefill, decode = stats["prefill"], stats["decode"]
+    wait_exported(
+        idle,
+        {
+            ("prefill", "p0", "pdserve:kv_transfer_bytes_total"): prefill.kv_transfer_bytes,
+            ("decode", "d0", "vllm:prefix_cache_queries_total"): decode.prefix_cache_queries,
+        },
     )
 
 
@@ -304,15 +312,13 @@ def test_expired_leases_and_failed_transfers_are_counted_and_exported(idle):
     after = worker_stats(idle)
     assert after["prefill"].kv_transfer_failures == before["prefill"].kv_transfer_failures + 1
 
-    wait_until(
-        lambda: (
-            exported(idle, "decode", "d0", "pdserve:leases_expired_total")
-            == after["decode"].leases_expired
-            and exported(idle, "prefill", "p0", "pdserve:kv_transfer_failures_total")
-            == after["prefill"].kv_transfer_failures
-        ),
-        5,
-        "the router's copy of the counters",
+    failures = after["prefill"].kv_transfer_failures
+    wait_exported(
+        idle,
+        {
+            ("decode", "d0", "pdserve:leases_expired_total"): after["decode"].leases_expired,
+            ("prefill", "p0", "pdserve:kv_transfer_failures_total"): failures,
+        },
     )
 
 
