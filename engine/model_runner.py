@@ -233,10 +233,16 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
         prompt_lps = self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
-        logits = self.model.compute_logits(hidden[last_idx]) if last_idx.numel() else None
+        n = last_idx.numel()
+        # a decode-only step samples every row in order: no copies of hidden states or logits
+        every_row = n == hidden.shape[0] and meta.num_decode_tokens == n
+        last = hidden if every_row else hidden[last_idx]
+        logits = self.model.compute_logits(last) if n else None
         if logits is None or rows is None:
             return [], None, prompt_lps
-        out = self.sampler(logits[row_logits].float(), rows)
+        if row_logits != list(range(logits.shape[0])):
+            logits = logits[row_logits]
+        out = self.sampler(logits.float(), rows)
         return out.token_ids, out.logprobs, prompt_lps
 
     def _prompt_logprobs(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import fused_for
 from engine.sampling_params import SamplingParams
 
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -206,6 +207,12 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return _exponential_race(probs, rows)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [rows, vocab] float32 logits, by the compiled kernel on CPU."""
+    fused = fused_for(x)
+    return fused.argmax_rows(x) if fused is not None and x.stride(-1) == 1 else x.argmax(dim=-1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -218,11 +225,11 @@ class Sampler:
         processed = process_logits(logits, rows)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
-            tokens = processed.argmax(dim=-1)
+            tokens = argmax(processed)
         elif len(random_rows) == len(rows):
             tokens = _sample_random(processed, rows)
         else:
-            tokens = processed.argmax(dim=-1)
+            tokens = argmax(processed)
             idx = torch.as_tensor(random_rows, device=logits.device)
             tokens[idx] = _sample_random(processed[idx], [rows[i] for i in random_rows])
 

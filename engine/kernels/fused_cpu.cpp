@@ -140,6 +140,61 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
   return {out, rmax};
 }
 
+// Each row's argmax, as torch.argmax(x, dim=-1) gives it: the first index of the largest value,
+// or of the first NaN. torch's CPU argmax reads a row element by element (~27x slower than a max
+// at 32 x 49k logits); here a vectorized max, then a vectorized search for its first index.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), V = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(V > 0, "argmax_rows: rows of at least one value expected");
+  auto out = torch::empty({R}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const float* p = xp + r * xs;
+      // 16 lanes of running maxima (GCC vector types: AVX-512 or two AVX2 registers); without
+      // -ffast-math the compiler does not vectorize a scalar max reduction by itself
+      typedef float f16 __attribute__((vector_size(64)));
+      typedef int i16 __attribute__((vector_size(64)));
+      f16 mv;
+      i16 nanv = {};
+      for (int l = 0; l < 16; ++l) mv[l] = -INFINITY;
+      int64_t i = 0;
+      for (; i + 16 <= V; i += 16) {
+        f16 v;
+        std::memcpy(&v, p + i, sizeof(v));
+        mv = v > mv ? v : mv;
+        nanv |= v != v;
+      }
+      float m = -INFINITY;
+      int nan = 0;
+      for (int l = 0; l < 16; ++l) {
+        m = std::max(m, mv[l]);
+        nan |= nanv[l];
+      }
+      for (; i < V; ++i) {
+        m = std::max(m, p[i]);
+        nan |= p[i] != p[i];
+      }
+      i = 0;
+      if (nan) {
+        while (p[i] == p[i]) ++i;
+      } else {
+        for (; i + 64 <= V; i += 64) {
+          int hit = 0;
+#pragma omp simd reduction(| : hit)
+          for (int64_t j = i; j < i + 64; ++j) hit |= p[j] == m;
+          if (hit) break;
+        }
+        while (p[i] != m) ++i;   // m is in the row: found at or after i
+      }
+      op[r] = i;
+    }
+  });
+  return out;
+}
+
 namespace {
 
 // One linear layer of the stack, prepared as engine/layers/linear.py and quant.py prepare it, and
@@ -281,6 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_", &rope_);
   m.def("int8_rows", &int8_rows);
+  m.def("argmax_rows", &argmax_rows);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, py::capsule>())
       .def("add_layer", &DecodeStack::add_layer)

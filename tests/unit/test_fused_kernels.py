@@ -92,3 +92,23 @@ def test_fused_ops_refuse_shapes_they_would_read_past():
     q, k = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match="beyond the rotary table"):
         fused.rope_(q, k, torch.tensor([4]), table, table)
+
+
+@pytest.mark.parametrize("width", [1, 63, 64, 200, 49152])
+def test_argmax_rows_is_torch_argmax(width):
+    """First index of the maximum, ties and -inf rows included; a NaN wins (its first index)."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=g)
+    x[1] = x[1].round()  # many ties
+    x[2] = float("-inf")
+    if width > 3:
+        x[3, width // 2 :] = x[3].max() + 1  # the maximum repeated to the end
+        x[4, 2] = float("nan")
+        x[4, width - 1] = float("nan")
+        x[5, 1] = float("inf")
+        x[6, width - 1] = x[6].max() + 1  # the last index
+    x[7] = 0.0
+    x[7, -1] = -0.0
+    assert torch.equal(fused.argmax_rows(x), x.argmax(dim=-1))
+    strided = torch.randn(4, width + 7, generator=g)[:, :width]  # rows not packed together
+    assert torch.equal(fused.argmax_rows(strided), strided.argmax(dim=-1))
