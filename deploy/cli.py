@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -199,6 +198,7 @@ def _run_remote(args) -> int:
     import grpc
 
     from protos.pdserve.v1 import pdserve_pb2_grpc
+    from protos.security import client_key_metadata
 
     num_tokens, finish, t_first = 0, None, None
     t0 = time.perf_counter()
@@ -210,9 +210,9 @@ def _run_remote(args) -> int:
     try:
         with channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
-            key = os.environ.get("PDSERVE_API_KEY", "")
-            metadata = (("authorization", f"Bearer {key}"),) if key else ()
-            for resp in stub.Generate(_request(args), metadata=metadata, wait_for_ready=False):
+            for resp in stub.Generate(
+                _request(args), metadata=client_key_metadata(), wait_for_ready=False
+            ):
                 if resp.HasField("delta"):
                     if t_first is None:
                         t_first = time.perf_counter()

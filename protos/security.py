@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,12 @@ class TLSConfig:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
         )
+
+
+def client_key_metadata() -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata a pdserve client command sends: the key in PDSERVE_API_KEY, if any."""
+    key = os.environ.get("PDSERVE_API_KEY", "")
+    return ((API_KEY_METADATA_KEY, f"Bearer {key}"),) if key else ()
 
 
 def bearer_token(value: str | bytes | None) -> str | bytes | None:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from deploy.tuning.metrics import RequestRecord, attribute_itl
 from deploy.tuning.workload import RequestSpec, retime
 from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+from protos.security import client_key_metadata
 
 # Finish.timings' stamps along a request's path, in order (bench/cluster_bench.py reads these)
 PATH_STAMPS = (
@@ -60,17 +61,22 @@ def model_card(address: str, model: str = "", timeout_s: float = 10.0) -> pb.Mod
         with grpc.insecure_channel(address) as channel:
             cards = (
                 pdserve_pb2_grpc.PDServeStub(channel)
-                .ListModels(pb.ListModelsRequest(), timeout=timeout_s)
+                .ListModels(
+                    pb.ListModelsRequest(), timeout=timeout_s, metadata=client_key_metadata()
+                )
                 .models
             )
     except grpc.RpcError as e:
-        hint = (
-            " (is `pdserve up` running there? pass its address with --router)"
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            else ""
-        )
+        down = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if down:
+            hint = " (is `pdserve up` running there? pass its address with --router)"
+        elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            hint = " (it has API keys: put one in the environment, PDSERVE_API_KEY)"
+        else:
+            hint = ""
         raise LoadgenError(
-            f"router {address} unreachable: {e.code().name}: {e.details()}{hint}"
+            f"router {address} {'unreachable' if down else 'refused'}: "
+            f"{e.code().name}: {e.details()}{hint}"
         ) from None
     if not cards:
         raise LoadgenError(f"router {address} serves no model")
@@ -159,7 +165,7 @@ def _send(
     start = time.perf_counter()
     rec.send_s, rec.send_unix_ns = start - t0, time.time_ns()
     try:
-        for resp in stub.Generate(msg, timeout=timeout_s):
+        for resp in stub.Generate(msg, timeout=timeout_s, metadata=client_key_metadata()):
             if resp.HasField("delta"):
                 if resp.delta.token_ids:
                     times.append(time.perf_counter())

@@ -1026,3 +1026,18 @@ def test_pdserve_generate_sends_the_key_from_the_environment(secured, idle, monk
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "2 generated" in err and KEY2 not in err
+
+
+def test_pdserve_bench_sends_the_key_from_the_environment(workers, idle, monkeypatch):
+    """The load generator behind `pdserve bench` reads PDSERVE_API_KEY like `pdserve generate`."""
+    from deploy.tuning import loadgen
+
+    keyed = workers.router(api_keys=(KEY,))
+    try:
+        monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+        with pytest.raises(loadgen.LoadgenError, match="UNAUTHENTICATED.*PDSERVE_API_KEY"):
+            loadgen.model_card(keyed.address, MODEL)
+        monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+        assert loadgen.model_card(keyed.address, MODEL).id == MODEL
+    finally:
+        keyed.stop()
