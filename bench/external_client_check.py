@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -211,21 +210,7 @@ def main(argv=None) -> int:
         metavar="SECONDS",
         help="before each run, wait up to SECONDS for other processes to leave the CPU",
     )
-    ap.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="prompts' seed (default: from the clock, so a "
-        "rerun on the same cluster is not served from its prefix caches)",
-    )
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    http_cluster.add_args(ap)
-    args = ap.parse_args(argv)
-    if args.seed is None:
-        args.seed = int(time.time()) % 1_000_000
-    if bool(args.router) != bool(args.http):
-        ap.error("--router and --http go together")
+    args = http_cluster.parse_args(ap, argv, DEFAULT_OUT)
     if shutil.which(args.aiperf) is None:
         ap.error(f"{args.aiperf} not found: see this script's docstring to install aiperf")
     tokenizer = args.tokenizer

@@ -41,6 +41,27 @@ def deploy_dict(args) -> dict:
     }
 
 
+def parse_args(ap, argv, default_out: str):
+    """Adds what every check against an HTTP cluster takes (the prompts' seed, warm-up requests,
+    the result file, the local cluster's settings) to `ap`, parses `argv`, and checks it."""
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompts' seed (default: from the clock, so a "
+        "rerun on the same cluster is not served from its prefix caches)",
+    )
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=default_out)
+    add_args(ap)
+    args = ap.parse_args(argv)
+    if args.seed is None:
+        args.seed = int(time.time()) % 1_000_000
+    if bool(args.router) != bool(args.http):
+        ap.error("--router and --http go together")
+    return args
+
+
 def add_args(ap) -> None:
     g = ap.add_argument_group("the local cluster (when --router/--http are not given)")
     g.add_argument("--cluster", default="up", choices=("up", "local"), help="default: up")

@@ -274,21 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--rate", type=float, default=1.0, help="req/s, Poisson arrivals")
-    ap.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="prompts' seed (default: from the clock, so a "
-        "rerun on the same cluster is not served from its prefix caches)",
-    )
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    http_cluster.add_args(ap)
-    args = ap.parse_args(argv)
-    if args.seed is None:
-        args.seed = int(time.time()) % 1_000_000
-    if bool(args.router) != bool(args.http):
-        ap.error("--router and --http go together")
+    args = http_cluster.parse_args(ap, argv, DEFAULT_OUT)
     if shutil.which(args.prometheus) is None:
         ap.error(f"{args.prometheus} not found: apt-get install -y prometheus")
     report = run_header(os.path.relpath(__file__, REPO_ROOT), argv)
