@@ -229,17 +229,7 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="pdext")
     sides: dict[str, list] = {"aiperf": [], "pdserve_bench": []}
     try:
-        if args.router:
-            router, http = args.router, args.http.rstrip("/")
-            report["cluster"] = {"router": router, "http": http}
-        else:
-            cluster = http_cluster.start(args)
-            router, http = cluster.router_address, cluster.http_url
-            report["cluster"] = {
-                "deploy": http_cluster.deploy_dict(args),
-                "modes": cluster.modes,
-                "how": f"bench/http_cluster.py --cluster {args.cluster}",
-            }
+        cluster, router, http, report["cluster"] = http_cluster.open_cluster(args)
         warm_up(router, args)
         for k in range(args.rounds):
             order = ("pdserve_bench", "aiperf") if k % 2 == 0 else ("aiperf", "pdserve_bench")

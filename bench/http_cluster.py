@@ -179,3 +179,18 @@ class UpCluster:
 def start(args):
     """The cluster --cluster names."""
     return UpCluster(args) if args.cluster == "up" else LocalCluster(args)
+
+
+def open_cluster(args):
+    """(the cluster to stop, or None; its router's gRPC address; its HTTP base URL; what the report
+    says of it): the running one --router and --http name, else a local one started here."""
+    if args.router:
+        http = args.http.rstrip("/")
+        return None, args.router, http, {"router": args.router, "http": http}
+    cluster = start(args)
+    how = {
+        "deploy": deploy_dict(args),
+        "modes": cluster.modes,
+        "how": f"bench/http_cluster.py --cluster {args.cluster}",
+    }
+    return cluster, cluster.router_address, cluster.http_url, how

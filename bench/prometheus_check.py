@@ -286,17 +286,7 @@ def main(argv=None) -> int:
     cluster = None
     workdir = tempfile.mkdtemp(prefix="pdprom")
     try:
-        if args.router:
-            router, http = args.router, args.http.rstrip("/")
-            report["cluster"] = {"router": router, "http": http}
-        else:
-            cluster = http_cluster.start(args)
-            router, http = cluster.router_address, cluster.http_url
-            report["cluster"] = {
-                "deploy": http_cluster.deploy_dict(args),
-                "modes": cluster.modes,
-                "how": f"bench/http_cluster.py --cluster {args.cluster}",
-            }
+        cluster, router, http, report["cluster"] = http_cluster.open_cluster(args)
         report.update(check(args, router, f"{http}/metrics", workdir))
     finally:
         if cluster is not None:
