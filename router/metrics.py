@@ -266,6 +266,11 @@ class RouterMetrics:
         for gap in gaps:
             self.itl.observe(gap)
 
+    def observe_unfinished(self, reason: str) -> None:
+        """An admitted request ended without a Finish: "abort" (the client cancelled or left) or
+        "error" (a worker failed it); vLLM counts its aborts under the same counter."""
+        self.success.labels(self.model_name, reason).inc()
+
     def observe_finish(self, finish, req, first_leg, end_ns: int) -> None:
         """One request ended with `finish` (the router's, timings and usage filled in)."""
         try:

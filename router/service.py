@@ -346,6 +346,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         """Frees the request on both workers and ends the call with the worker's status."""
         req.finished = True
         self._abort_workers(req)
+        if self.metrics is not None:
+            self.metrics.observe_unfinished("error")
         if error is None:
             context.abort(grpc.StatusCode.INTERNAL, f"the {who} stream ended without a final event")
         if isinstance(error, RouterStatus):  # already says what happened
@@ -372,6 +374,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 return
             req.cancelled = True
             leg = req.leg
+        if self.metrics is not None:
+            self.metrics.observe_unfinished("abort")
         if leg is not None:
             self.legs.abort_later(leg, cancel_stream=True)
 

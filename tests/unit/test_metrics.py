@@ -380,3 +380,24 @@ def test_a_colocated_cluster_labels_its_pool_and_has_no_hand_off(tiny_models, on
         channel.close()
         router.stop()
         worker.stop()
+
+
+def test_a_cancelled_request_counts_as_an_abort(idle):
+    """A request that ends without a Finish is counted too, as vLLM counts its aborts."""
+    before = value(idle, "vllm:request_success_total", finished_reason="abort")
+    stopped = value(idle, "vllm:request_success_total", finished_reason="stop")
+    call = idle.api.Generate(
+        pdserve_pb2.GenerateRequest(
+            token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=5)[0]),
+            sampling=pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+        ),
+        timeout=RPC_TIMEOUT,
+    )
+    assert next(call).HasField("delta")
+    call.cancel()
+    wait_until(
+        lambda: value(idle, "vllm:request_success_total", finished_reason="abort") == before + 1,
+        5,
+        "the cancelled request was not counted as an abort",
+    )
+    assert value(idle, "vllm:request_success_total", finished_reason="stop") == stopped
