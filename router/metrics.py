@@ -18,8 +18,10 @@ Two sources:
 
 Names, types and bucket layouts follow vLLM's (vllm/v1/metrics/loggers.py), with model_name on
 every series; the time buckets add a few finer ones (below vLLM's smallest, and between its
-bounds where a CPU cluster's TTFTs and steps fall). What pdserve measures for vLLM's phases of a
-disaggregated request:
+bounds where a CPU cluster's TTFTs and steps fall). vllm:request_success_total counts every
+admitted request once by finished_reason: its Finish's (stop, length), or abort (the client cancelled
+or left) and error (a worker failed it) for one that ended without a Finish. What pdserve measures
+for vLLM's phases of a disaggregated request:
   vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
   vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router, split
                                      evenly over the tokens an event carries
