@@ -58,9 +58,10 @@ class DecodeHandoff:
         self,
         loop: EngineLoop,
         layout: KVLayout,
-        lease_s: float = 10.0,
-        sweep_s: float = 0.1,
         rank_caches: list | None = None,
+        *,
+        lease_s: float = 10.0,  # a reservation's life without its commit (default for reserve)
+        sweep_s: float = 0.1,  # how often the engine loop frees the expired ones
     ):
         """rank_caches: every TP rank's KV pool (engine.rank_kv_caches()); None: tp=1."""
         self.loop = loop

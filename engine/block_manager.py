@@ -43,14 +43,11 @@ class BlockManager:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks = num_blocks  # the pool's size, fixed at start
         self.blocks = [Block(i) for i in range(num_blocks)]
         # insertion order = eviction order; OrderedDict gives O(1) removal on a cache hit
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # hash -> block_id
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,7 +55,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self._free)
+        return self.num_blocks - len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

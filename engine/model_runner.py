@@ -45,10 +45,10 @@ class ModelRunner:
         config: EngineConfig,
         model_config: ModelConfig,
         model_dir: str,
-        kv_cache_path: str | None = None,
+        kv_cache_path: str | None = None,  # this rank's pool in a shared file; None: private
     ):
         self.config = config
-        self.kv_cache_path = kv_cache_path  # this rank's pool in a shared file, or private memory
+        self.kv_cache_path = kv_cache_path
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype

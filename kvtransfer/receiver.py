@@ -36,8 +36,8 @@ class KVReceiver:
         self.request_id = request_id
         self.kv_cache = kv_cache
         self.layout = layout
-        self.block_ids = block_ids
-        self.num_cached_tokens = num_cached_tokens
+        self.block_ids = block_ids  # the reservation's blocks in this rank's kv_cache
+        self.num_cached_tokens = num_cached_tokens  # already held (prefix cache): no KV comes
         self.num_prompt_tokens = num_prompt_tokens
         self.state = TransferState.PENDING
         self.first_token: int | None = None

@@ -62,12 +62,10 @@ class Transport(ABC):
 
 
 class TransportServer(ABC):
-    """Receiver side: accepts channels and calls the handler for each frame."""
+    """Receiver side: accepts channels and calls the handler for each frame. Once listening it
+    sets `address`: what a sender passes to `connect` (host:port, a shm name, a store address)."""
 
-    @property
-    @abstractmethod
-    def address(self) -> str:
-        """What a sender passes to `connect` (host:port, a shm name, a store address...)."""
+    address: str
 
     @abstractmethod
     def stop(self) -> None: ...

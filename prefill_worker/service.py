@@ -38,7 +38,7 @@ from protos.limits import (
     check_token_ids,
     invalid,
 )
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from protos.security import INSECURE, ClusterSecurity
 from worker_common.errors import abort_for_engine_error, build_params
 
@@ -282,12 +282,14 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 [c.logprobs[0] for c in comps] if len(comps) > 1 and comp.logprobs else []
             ),
             num_cached_tokens=waiter.output.num_cached_tokens,
-            prefill_start_unix_ns=max(arrival_ns, sink.compute_start_ns()),
-            prefill_end_unix_ns=waiter.end_ns,
-            transfer_end_unix_ns=transfer_end_ns,
             bytes_sent=sink.sink.bytes_sent,
-            prefill_arrival_unix_ns=arrival_ns,
-            transfer_start_unix_ns=sink.transfer_start_ns,
+            timings=pdserve_pb2.Timings(
+                prefill_arrival_unix_ns=arrival_ns,
+                prefill_start_unix_ns=max(arrival_ns, sink.compute_start_ns()),
+                transfer_start_unix_ns=sink.transfer_start_ns,
+                prefill_end_unix_ns=waiter.end_ns,
+                transfer_end_unix_ns=transfer_end_ns,
+            ),
         )
 
     def _check_fields(self, request) -> Refusal | None:

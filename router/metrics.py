@@ -238,20 +238,16 @@ class RouterMetrics:
     def track_router(self, inflight, decode_queue_waiting) -> None:
         """Router gauges read at scrape time: callables giving the Generate calls in flight and
         the requests waiting in the router's decode queue."""
-        g = Gauge(
-            "pdserve:router_requests_inflight",
-            "Generate calls the router is serving.",
-            ["model_name"],
-            registry=self._registry,
-        )
-        g.labels(self.model_name).set_function(inflight)
-        g = Gauge(
-            "pdserve:router_decode_queue_waiting",
-            "Requests waiting in the router for decode KV blocks (every decode worker full).",
-            ["model_name"],
-            registry=self._registry,
-        )
-        g.labels(self.model_name).set_function(decode_queue_waiting)
+        for name, doc, read in (
+            ("pdserve:router_requests_inflight", "Generate calls the router is serving.", inflight),
+            (
+                "pdserve:router_decode_queue_waiting",
+                "Requests waiting in the router for decode KV blocks (every decode worker full).",
+                decode_queue_waiting,
+            ),
+        ):
+            gauge = Gauge(name, doc, ["model_name"], registry=self._registry)
+            gauge.labels(self.model_name).set_function(read)
 
     # ---- per request ----------------------------------------------------------------------------
     def on_tokens(self, req, index: int, num_tokens: int) -> None:

@@ -211,6 +211,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    _sampled_only = _neutral_only(
+        "top_logprobs",
+        message="top_logprobs > 0 asks for the most likely alternatives of each token, which "
+        "pdserve does not serve: use logprobs=true alone for the sampled tokens' logprobs",
+    )
     # OpenAI fields accepted only at their neutral value
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -230,11 +235,6 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_key: ShortStr | None = None
     safety_identifier: ShortStr | None = None
 
-    _sampled_only = _neutral_only(
-        "top_logprobs",
-        message="top_logprobs > 0 asks for the most likely alternatives of each token, which "
-        "pdserve does not serve: use logprobs=true alone for the sampled tokens' logprobs",
-    )
     _no_tools = _neutral_only(
         "tools", "functions", message="tool and function calling is not supported; leave it unset"
     )

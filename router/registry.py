@@ -25,6 +25,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         self,
         pool: WorkerPool,
         model_id: str,
+        *,
         heartbeat_ms: int = 1000,
         missed_beats: int = 3,
         deployment_id: str = "",

@@ -214,7 +214,10 @@ class Router:
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             worker_pb2_grpc.add_RegistryServicer_to_server(
                 RegistryServicer(
-                    self.pool, options.model_id, cfg.heartbeat_ms, deployment_id=cfg.deployment_id
+                    self.pool,
+                    options.model_id,
+                    heartbeat_ms=cfg.heartbeat_ms,
+                    deployment_id=cfg.deployment_id,
                 ),
                 self._server,
             )

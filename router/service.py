@@ -327,14 +327,15 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         prefill_reply = prefill_leg.prefill_reply()
         if prefill_reply is not None:
             timings.prefill_dispatch_unix_ns = prefill_leg.prefill_dispatch_ns
-            timings.prefill_arrival_unix_ns = prefill_reply.prefill_arrival_unix_ns
-            timings.prefill_start_unix_ns = prefill_reply.prefill_start_unix_ns
-            timings.prefill_end_unix_ns = prefill_reply.prefill_end_unix_ns
-            timings.transfer_start_unix_ns = prefill_reply.transfer_start_unix_ns
+            stamps = prefill_reply.timings
+            timings.prefill_arrival_unix_ns = stamps.prefill_arrival_unix_ns
+            timings.prefill_start_unix_ns = stamps.prefill_start_unix_ns
+            timings.prefill_end_unix_ns = stamps.prefill_end_unix_ns
+            timings.transfer_start_unix_ns = stamps.transfer_start_unix_ns
             if prefill_leg is not last or not timings.transfer_end_unix_ns:
                 # the decode side's arrival of the last KV frame when it has it, else the
                 # prefill side's flush
-                timings.transfer_end_unix_ns = prefill_reply.transfer_end_unix_ns
+                timings.transfer_end_unix_ns = stamps.transfer_end_unix_ns
             finish.usage.kv_transfer_bytes = prefill_reply.bytes_sent
         if prefill_leg.prefill is not None:
             timings.prefill_worker = self.pool.name(prefill_leg.prefill)

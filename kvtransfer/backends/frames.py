@@ -107,6 +107,37 @@ def screen(header: ChunkHeader | WireError, payload, accepts_in_place: bool, whe
     return header, payload
 
 
+class ByteQueue:
+    """Items in arrival order with the bytes they hold, under one condition: the producer checks
+    `num_bytes` against its bound, the consumer `take`s and then `release`s an item's bytes."""
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+        self.num_bytes = 0
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def take(self):
+        """The oldest item, waiting for one; None once closed and empty."""
+        with self.cond:
+            while not self.items and not self.closed:
+                self.cond.wait(1.0)
+            return self.items.popleft() if self.items else None
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.num_bytes -= nbytes
+            self.cond.notify_all()
+
+    def close(self, drop: bool = False) -> None:
+        """No more items: `take` returns what is queued (none with drop), then None."""
+        with self.cond:
+            self.closed = True
+            if drop:
+                self.items.clear()
+            self.cond.notify_all()
+
+
 class FrameWorker:
     """Runs `handle(item)` for one channel's items in arrival order on its own thread, so the
     channel's reader can take the next frame meanwhile. Holds at most max_bytes of payloads (and
@@ -116,49 +147,37 @@ class FrameWorker:
     def __init__(self, handle, name: str, max_bytes: int = 64 << 20):
         self._handle = handle
         self._max_bytes = max_bytes
-        self._items: collections.deque = collections.deque()
-        self._bytes = 0
-        self._closing = False
-        self._cond = threading.Condition()
+        self._queue = ByteQueue()
         self._thread = None
         if max_bytes > 0:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
 
     def put(self, item, nbytes: int) -> None:
+        q = self._queue
         if self._thread is None:
-            if not self._closing:
+            if not q.closed:
                 self._handle(item)
             return
-        with self._cond:
-            while self._items and self._bytes + nbytes > self._max_bytes and not self._closing:
-                self._cond.wait(0.5)
-            if self._closing:
+        with q.cond:
+            while q.items and q.num_bytes + nbytes > self._max_bytes and not q.closed:
+                q.cond.wait(0.5)
+            if q.closed:
                 return
-            self._items.append((item, nbytes))
-            self._bytes += nbytes
-            self._cond.notify_all()
+            q.items.append((item, nbytes))
+            q.num_bytes += nbytes
+            q.cond.notify_all()
 
     def close(self, drain: bool, timeout: float | None = None) -> None:
         """Stop after the queued items (drain) or right after the item in hand; joins the thread."""
-        with self._cond:
-            self._closing = True
-            if not drain:
-                self._items.clear()
-            self._cond.notify_all()
+        self._queue.close(drop=not drain)
         if self._thread is not None:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._items and not self._closing:
-                    self._cond.wait(1.0)
-                if not self._items:
-                    return
-                item, nbytes = self._items.popleft()
-                self._bytes -= nbytes
-                self._cond.notify_all()
+        while (entry := self._queue.take()) is not None:
+            item, nbytes = entry
+            self._queue.release(nbytes)
             self._handle(item)
 
 

@@ -124,7 +124,7 @@ class GrpcServer(TransportServer):
         self,
         handler: FrameHandler,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int = 0,  # 0: a free port, then read .address
         max_channels: int = 16,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_backlog_bytes: int = 0,
@@ -168,12 +168,8 @@ class GrpcServer(TransportServer):
             self._channels.stop()
             self._executor.shutdown(wait=False)
             raise OSError(f"cannot listen on {host}:{port} for KV transfer: {why}")
-        self._address = f"{host}:{bound}"
+        self.address = f"{host}:{bound}"
         self._server.start()
-
-    @property
-    def address(self) -> str:
-        return self._address
 
     @property
     def num_channels(self) -> int:

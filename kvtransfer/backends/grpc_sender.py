@@ -9,7 +9,6 @@ stream's id answers >= 0), so a wrong secret, a full server or no server at all 
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ import grpc
 import msgpack
 import torch
 
-from kvtransfer.backends.frames import carries_payload, frame_pieces, payload_view
+from kvtransfer.backends.frames import ByteQueue, carries_payload, frame_pieces, payload_view
 from kvtransfer.transport import Destination, Transport
 from kvtransfer.wire import ChunkHeader
 from protos.security import INSECURE, ClusterSecurity
@@ -49,64 +48,50 @@ def channel_options(max_message_bytes: int, extra=()) -> list[tuple[str, object]
     ]
 
 
-class _FrameQueue:
-    """Frames waiting for the gRPC stream, bounded in bytes (one message always fits).
+class _FrameQueue(ByteQueue):
+    """Frames waiting for the gRPC stream, bounded in bytes (one message always fits); its items
+    are [pieces, nbytes, ends payload-less, frames].
 
     A frame joins the last queued message when that message ends with a payload-less frame
     (see grpc_backend's docstring), so header-only traffic rides in few messages."""
 
     def __init__(self, max_bytes: int):
+        super().__init__()
         self._max_bytes = max_bytes
-        self._items: collections.deque[list] = collections.deque()  # [pieces, nbytes, open, frames]
-        self._bytes = 0
-        self._closed = False
-        self._cond = threading.Condition()
 
     def put(
         self, pieces: list, payload_less: bool, timeout: float, failed, num_frames: int = 1
     ) -> None:
         nbytes = sum(len(p) for p in pieces)
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._items and self._bytes + nbytes > self._max_bytes:
+        with self.cond:
+            while self.items and self.num_bytes + nbytes > self._max_bytes:
                 if failed():
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"the KV channel stayed full ({self._bytes} bytes queued) for "
+                        f"the KV channel stayed full ({self.num_bytes} bytes queued) for "
                         f"{timeout}s: the receiver is not keeping up"
                     )
-                self._cond.wait(min(remaining, 0.1))
-            tail = self._items[-1] if self._items else None
+                self.cond.wait(min(remaining, 0.1))
+            tail = self.items[-1] if self.items else None
             if tail is not None and tail[2] and tail[3] + num_frames <= MAX_FRAMES_PER_MESSAGE:
                 tail[0].extend(pieces)
                 tail[1] += nbytes
                 tail[2] = payload_less
                 tail[3] += num_frames
             else:
-                self._items.append([list(pieces), nbytes, payload_less, num_frames])
-            self._bytes += nbytes
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+                self.items.append([list(pieces), nbytes, payload_less, num_frames])
+            self.num_bytes += nbytes
+            self.cond.notify_all()
 
     def drain(self):
         """The request iterator of the Push call: messages in order, until closed and empty."""
-        while True:
-            with self._cond:
-                while not self._items and not self._closed:
-                    self._cond.wait(1.0)
-                if not self._items:
-                    return
-                pieces, nbytes, _, _ = self._items.popleft()
+        while (entry := self.take()) is not None:
+            pieces, nbytes, _, _ = entry
             message = b"".join(pieces)  # the one copy of the payload on this side
-            with self._cond:
-                self._bytes -= nbytes
-                self._cond.notify_all()
+            self.release(nbytes)
             yield message
 
 

@@ -269,11 +269,7 @@ class ShmServer(TransportServer):
                 f"with create_shared_kv_cache"
             )
         self._control = ShmControlServer(handler, security=security, **grpc_opts)
-        self._address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
-
-    @property
-    def address(self) -> str:
-        return self._address
+        self.address = format_address(paths, kv_cache.shape, kv_cache.dtype, self._control.address)
 
     @property
     def num_channels(self) -> int:

@@ -265,7 +265,7 @@ class TorchServer(TransportServer):
         self,
         handler: FrameHandler,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int = 0,  # the TCPStore's; 0: a free one (see .address)
         timeout: float = 30.0,
         idle_timeout: float = 24 * 3600.0,
         poll_interval: float = 0.02,
@@ -284,6 +284,7 @@ class TorchServer(TransportServer):
             host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout)
         )
         self.port = self._store.port
+        self.address = f"{host}:{self.port}"
         self._gate = Gatekeeper(self._store, security.secret, auth_timeout, max_pending_auth)
         self.stopping = False
         self._stop_event = threading.Event()
@@ -293,10 +294,6 @@ class TorchServer(TransportServer):
             target=self._accept, name="pdserve-kv-torch-accept", daemon=True
         )
         self._accept_thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @property
     def num_channels(self) -> int:

@@ -74,7 +74,8 @@ class Cluster:
         assert tokens[0] == first.first_token
         assert events[-1].HasField("finish_reason") and events[-1].finish_reason == "length"
         assert all(not e.HasField("finish_reason") for e in events[:-1])
-        assert first.bytes_sent > 0 and first.transfer_end_unix_ns >= first.prefill_end_unix_ns > 0
+        assert first.bytes_sent > 0
+        assert first.timings.transfer_end_unix_ns >= first.timings.prefill_end_unix_ns > 0
         return tokens
 
 

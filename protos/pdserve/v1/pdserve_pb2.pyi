@@ -137,34 +137,34 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued_unix_ns", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker", "reserved_unix_ns", "prefill_dispatch_unix_ns", "prefill_arrival_unix_ns", "transfer_start_unix_ns", "commit_unix_ns")
+    __slots__ = ("queued_unix_ns", "reserved_unix_ns", "prefill_dispatch_unix_ns", "prefill_arrival_unix_ns", "prefill_start_unix_ns", "transfer_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "commit_unix_ns", "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker")
     QUEUED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DISPATCH_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
-    RESERVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_DISPATCH_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     queued_unix_ns: int
+    reserved_unix_ns: int
+    prefill_dispatch_unix_ns: int
+    prefill_arrival_unix_ns: int
     prefill_start_unix_ns: int
+    transfer_start_unix_ns: int
     prefill_end_unix_ns: int
     transfer_end_unix_ns: int
+    commit_unix_ns: int
     first_token_unix_ns: int
     last_token_unix_ns: int
     prefill_worker: str
     decode_worker: str
-    reserved_unix_ns: int
-    prefill_dispatch_unix_ns: int
-    prefill_arrival_unix_ns: int
-    transfer_start_unix_ns: int
-    commit_unix_ns: int
-    def __init__(self, queued_unix_ns: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., last_token_unix_ns: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., reserved_unix_ns: _Optional[int] = ..., prefill_dispatch_unix_ns: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ..., commit_unix_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, queued_unix_ns: _Optional[int] = ..., reserved_unix_ns: _Optional[int] = ..., prefill_dispatch_unix_ns: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., commit_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., last_token_unix_ns: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

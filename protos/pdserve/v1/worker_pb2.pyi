@@ -88,32 +88,24 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "prefill_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "bytes_sent", "prefill_arrival_unix_ns", "transfer_start_unix_ns", "first_tokens", "first_token_logprobs")
+    __slots__ = ("request_id", "first_token", "first_token_logprob", "num_cached_tokens", "bytes_sent", "timings", "first_tokens", "first_token_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_END_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_ARRIVAL_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_START_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     first_token_logprob: float
     num_cached_tokens: int
-    prefill_start_unix_ns: int
-    prefill_end_unix_ns: int
-    transfer_end_unix_ns: int
     bytes_sent: int
-    prefill_arrival_unix_ns: int
-    transfer_start_unix_ns: int
+    timings: _pdserve_pb2.Timings
     first_tokens: _containers.RepeatedScalarFieldContainer[int]
     first_token_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prefill_start_unix_ns: _Optional[int] = ..., prefill_end_unix_ns: _Optional[int] = ..., transfer_end_unix_ns: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., prefill_arrival_unix_ns: _Optional[int] = ..., transfer_start_unix_ns: _Optional[int] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
