@@ -73,29 +73,22 @@ def model_id(cluster) -> str:
     return client(cluster).models.list().data[0].id
 
 
+def eos_ignored(model, temperature: float = 0, **kwargs) -> dict:
+    """create()'s arguments for `model` with EOS ignored (a request runs to its token limit),
+    greedy unless `temperature` says otherwise, and `kwargs`."""
+    return dict(model=model, temperature=temperature, extra_body={"ignore_eos": True}, **kwargs)
+
+
 def test_chat_and_completions_greedy_equal_the_engine(deployment, reference):
     c, model = client(deployment), model_id(deployment)
     want_chat, chat_prompt_tokens = reference["chat"]
-    got = c.chat.completions.create(
-        model=model,
-        messages=MESSAGES,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    chat = eos_ignored(model, messages=MESSAGES, max_tokens=MAX_TOKENS)
+    got = c.chat.completions.create(**chat)
     assert got.choices[0].message.content == want_chat
     assert got.usage.prompt_tokens == chat_prompt_tokens
     assert got.usage.completion_tokens == MAX_TOKENS
     assert got.model_extra["pdserve"]["decode_worker"] == "decode-0"
-    stream = c.chat.completions.create(
-        model=model,
-        messages=MESSAGES,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    stream = c.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == want_chat
@@ -103,26 +96,11 @@ def test_chat_and_completions_greedy_equal_the_engine(deployment, reference):
     assert chunks[-1].model_extra["pdserve"]["timings"]["ttft_s"] > 0
 
     want_text, prompt_tokens = reference["completion"]
-    got = c.completions.create(
-        model=model,
-        prompt=PROMPT,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
+    completion = eos_ignored(model, prompt=PROMPT, max_tokens=MAX_TOKENS)
+    got = c.completions.create(**completion)
     assert got.choices[0].text == want_text and got.choices[0].finish_reason == "length"
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (prompt_tokens, MAX_TOKENS)
-    pieces = [
-        ch.choices[0].text
-        for ch in c.completions.create(
-            model=model,
-            prompt=PROMPT,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-    ]
+    pieces = [ch.choices[0].text for ch in c.completions.create(**completion, stream=True)]
     assert "".join(pieces) == want_text
 
 
@@ -137,18 +115,11 @@ def test_stop_and_seed(deployment, reference):
     assert want_text.startswith(got.choices[0].text) and stop not in got.choices[0].text
 
     def sample(seed):  # an open prompt, sampled: only the seed makes two runs agree
-        return (
-            c.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": "Tell me a story about a dragon."}],
-                max_tokens=MAX_TOKENS,
-                temperature=1.5,
-                seed=seed,
-                extra_body={"ignore_eos": True},
-            )
-            .choices[0]
-            .message.content
+        got = c.chat.completions.create(
+            messages=[{"role": "user", "content": "Tell me a story about a dragon."}],
+            **eos_ignored(model, max_tokens=MAX_TOKENS, temperature=1.5, seed=seed),
         )
+        return got.choices[0].message.content
 
     first = sample(11)
     assert sample(11) == first
@@ -166,13 +137,7 @@ def test_logprobs(deployment):
 def test_n_2(deployment):
     c, model = client(deployment), model_id(deployment)
     got = c.completions.create(
-        model=model,
-        prompt=PROMPT,
-        n=2,
-        max_tokens=6,
-        temperature=1.0,
-        seed=3,
-        extra_body={"ignore_eos": True},
+        prompt=PROMPT, n=2, **eos_ignored(model, max_tokens=6, temperature=1.0, seed=3)
     )
     assert sorted(ch.index for ch in got.choices) == [0, 1]
     assert got.usage.completion_tokens == 12 and all(ch.text for ch in got.choices)

@@ -196,20 +196,11 @@ def test_bad_frame_fails_only_its_request(pair):
     prompts = random_prompts([20, 20], seed=8)
     bad, good = Collector(), Collector()
     handoff.reserve("bad", prompts[0], PARAMS, bad)
-    handoff.on_frame(
-        ChunkHeader(
-            "bad",
-            "not-this-model",
-            layer=0,
-            start=0,
-            end=1,
-            head_start=0,
-            head_end=2,
-            head_dim=16,
-            dtype="float32",
-        ),
-        b"\0" * 256,
+    # a KV chunk (layer 0, token 0, heads 0 and 1) that names another model's fingerprint
+    other_model = ChunkHeader(
+        "bad", "not-this-model", end=1, head_end=2, head_dim=16, dtype="float32"
     )
+    handoff.on_frame(other_model, b"\0" * 256)
     out = bad.final(timeout=5)
     assert out.finish_reason == "abort" and "same model" in out.stop_reason
     transport = LoopbackTransport(handoff.on_frame)

@@ -535,26 +535,25 @@ def client(router_, key="unused", **kwargs):
     )
 
 
+def eos_ignored(temperature: float = 0, **kwargs) -> dict:
+    """create()'s arguments for MODEL with EOS ignored (a request runs to its token limit), greedy
+    unless `temperature` says otherwise, and `kwargs`."""
+    return dict(model=MODEL, temperature=temperature, extra_body={"ignore_eos": True}, **kwargs)
+
+
 def test_openai_completions_greedy_equals_engine_llm(router, idle, llm):
     prompt = random_prompts([11], seed=21)[0]
     want = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
     )[0].outputs[0]
     c = client(router)
-    got = c.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
-    )
+    greedy = eos_ignored(prompt=prompt, max_tokens=10)
+    got = c.completions.create(**greedy)
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (11, 10)
     pieces, usage = [], None
     for chunk in c.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=10,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        **greedy, stream=True, stream_options={"include_usage": True}
     ):
         pieces += [ch.text for ch in chunk.choices]
         usage = chunk.usage or usage
@@ -570,27 +569,17 @@ def test_openai_chat_greedy_equals_engine_llm(router, idle, llm):
         messages, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False
     )[0]
     c = client(router)
-    got = c.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
-    )
+    greedy = eos_ignored(messages=messages)
+    got = c.chat.completions.create(**greedy, max_tokens=9)
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want.outputs[0].text
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     assert got.usage.completion_tokens == 9
-    stream = c.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_completion_tokens=9,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = c.chat.completions.create(**greedy, max_completion_tokens=9, stream=True)
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == want.outputs[0].text
     # without max_tokens, a chat runs until the context is full (OpenAI's and vLLM's default)
-    long = c.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
-    )
+    long = c.chat.completions.create(**greedy)
     assert long.choices[0].finish_reason == "length"
     assert long.usage.prompt_tokens + long.usage.completion_tokens == MAX_MODEL_LEN
 
@@ -639,18 +628,8 @@ def test_openai_seed_same_seed_same_text(router, idle):
     c = client(router)
 
     def run(seed):
-        return (
-            c.completions.create(
-                model=MODEL,
-                prompt="t5 t9",
-                max_tokens=12,
-                temperature=1.0,
-                seed=seed,
-                extra_body={"ignore_eos": True},
-            )
-            .choices[0]
-            .text
-        )
+        args = eos_ignored(prompt="t5 t9", max_tokens=12, temperature=1.0, seed=seed)
+        return c.completions.create(**args).choices[0].text
 
     first = run(1234)
     assert run(1234) == first
@@ -667,14 +646,7 @@ def test_openai_logprobs_through_a_colocated_router(colocated, idle, llm):
         use_tqdm=False,
     )[0].outputs[0]
     c = client(colocated)
-    got = c.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=5,
-        temperature=0,
-        logprobs=0,
-        extra_body={"ignore_eos": True},
-    )
+    got = c.completions.create(**eos_ignored(prompt=prompt, max_tokens=5, logprobs=0))
     lp = got.choices[0].logprobs
     tokenizer = colocated.servicer.tokenizer
     assert got.choices[0].text == want.text
@@ -682,12 +654,7 @@ def test_openai_logprobs_through_a_colocated_router(colocated, idle, llm):
     assert lp.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-4)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     chat = c.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "t5"}],
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        extra_body={"ignore_eos": True},
+        **eos_ignored(messages=[{"role": "user", "content": "t5"}], max_tokens=4, logprobs=True)
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(t.logprob <= 0 and t.top_logprobs == [] for t in content)
@@ -704,29 +671,15 @@ def test_openai_logprobs_disaggregated(router, idle):
 def test_openai_n_2(router, idle):
     """n=2 through the cluster: two choices with their own index, in the whole response and in
     the stream; each sequence seeded differently."""
-    got = client(router).completions.create(
-        model=MODEL,
-        prompt="t5 t9",
-        n=2,
-        max_tokens=6,
-        temperature=1.0,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
+    two = eos_ignored(n=2, max_tokens=6, temperature=1.0, seed=7)
+    got = client(router).completions.create(prompt="t5 t9", **two)
     assert sorted(ch.index for ch in got.choices) == [0, 1]
     assert all(ch.text and ch.finish_reason == "length" for ch in got.choices)
     want_prompt = len(router.servicer.tokenizer.encode("t5 t9"))
     assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == want_prompt
     assert got.choices[0].text != got.choices[1].text  # seeded per sequence, not copies
     stream = client(router).chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "t5"}],
-        n=2,
-        max_tokens=6,
-        temperature=1.0,
-        seed=7,
-        stream=True,
-        extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "t5"}], stream=True, **two
     )
     texts, reasons = {0: "", 1: ""}, {}
     for chunk in stream:
@@ -811,12 +764,7 @@ def test_concurrent_requests_on_one_front(router, idle, llm):
     ]
     results = run_in_threads(
         lambda i: client(router).completions.create(
-            model=MODEL,
-            prompt=prompts[i % 4],
-            max_tokens=6,
-            temperature=0,
-            stream=bool(i % 2),
-            extra_body={"ignore_eos": True},
+            prompt=prompts[i % 4], stream=bool(i % 2), **eos_ignored(max_tokens=6)
         ),
         8,
     )

@@ -18,29 +18,25 @@ from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 POSITIONS = [0, 7, 300]
 MAX_POS = 512
 
+
+def scaled(rope_type: str, theta: float, factor: float, original_max: int, **extra) -> dict:
+    """A scaled rope's parameters: `factor` times the `original_max` positions it trained on."""
+    return dict(
+        rope_type=rope_type,
+        rope_theta=theta,
+        factor=factor,
+        original_max_position_embeddings=original_max,
+        **extra,
+    )
+
+
 ROPE_CASES = {
     "default": dict(rope_type="default", rope_theta=10000.0),
     "default-theta": dict(rope_type="default", rope_theta=500000.0),
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
-    "llama3": dict(
-        rope_type="llama3",
-        rope_theta=500000.0,
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=64,
-    ),
-    "yarn": dict(
-        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128
-    ),
-    "yarn-betas": dict(
-        rope_type="yarn",
-        rope_theta=1000000.0,
-        factor=8.0,
-        beta_fast=16.0,
-        beta_slow=2.0,
-        original_max_position_embeddings=64,
-    ),
+    "llama3": scaled("llama3", 500000.0, 8.0, 64, low_freq_factor=1.0, high_freq_factor=4.0),
+    "yarn": scaled("yarn", 10000.0, 4.0, 128),
+    "yarn-betas": scaled("yarn", 1000000.0, 8.0, 64, beta_fast=16.0, beta_slow=2.0),
 }
 
 

@@ -178,33 +178,17 @@ def test_concurrent_streams_complete_and_free_the_pool(idle, expected):
 
 
 def test_bad_requests_name_the_problem_and_the_router_keeps_serving(idle, expected):
+    tokens = dict(token_ids=[5, 6, 7])
+    too_long = dict(token_ids=list(range(2, 2 + MAX_MODEL_LEN)))
+    params = pdserve_pb2.SamplingParams
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
     cases = [
-        (dict(text=""), GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-        (
-            dict(token_ids=list(range(2, 2 + MAX_MODEL_LEN))),
-            GREEDY,
-            grpc.StatusCode.OUT_OF_RANGE,
-            "max_model_len",
-        ),
-        (
-            dict(token_ids=[5, 6, 7]),
-            pdserve_pb2.SamplingParams(top_p=1.5),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "top_p",
-        ),
-        (dict(token_ids=[5, 6, 7], model="nope"), GREEDY, grpc.StatusCode.NOT_FOUND, "nope"),
-        (
-            dict(token_ids=[5, 6, 7]),
-            pdserve_pb2.SamplingParams(n=65),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "at most 64",
-        ),
-        (
-            dict(token_ids=[5, 6, 7]),
-            pdserve_pb2.SamplingParams(n=0),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "sampling.n=0",
-        ),
+        (dict(text=""), GREEDY, invalid, "prompt is empty"),
+        (too_long, GREEDY, grpc.StatusCode.OUT_OF_RANGE, "max_model_len"),
+        (tokens, params(top_p=1.5), invalid, "top_p"),
+        (dict(tokens, model="nope"), GREEDY, grpc.StatusCode.NOT_FOUND, "nope"),
+        (tokens, params(n=65), invalid, "at most 64"),
+        (tokens, params(n=0), invalid, "sampling.n=0"),
     ]
     for input_, sampling, code, named in cases:
         with pytest.raises(grpc.RpcError) as err:
@@ -240,16 +224,21 @@ def test_list_models_health_and_abort_of_unknown(idle):
 LONG = pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 
-def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
-    aborted = record_aborts(idle.decode, monkeypatch)
-    call = idle.api.Generate(
+def start_long(cluster, request_id: str, prompt_len: int, seed: int):
+    """The response stream of a LONG request of a random prompt, started and not yet read."""
+    return cluster.api.Generate(
         pdserve_pb2.GenerateRequest(
-            request_id="cancel-me",
-            token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=8)[0]),
+            request_id=request_id,
+            token_ids=pdserve_pb2.TokenIds(ids=random_prompts([prompt_len], seed=seed)[0]),
             sampling=LONG,
         ),
         timeout=RPC_TIMEOUT,
     )
+
+
+def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
+    aborted = record_aborts(idle.decode, monkeypatch)
+    call = start_long(idle, "cancel-me", 8, seed=8)
     first = next(call)
     assert first.HasField("delta") and first.delta.token_ids
     call.cancel()
@@ -263,14 +252,7 @@ def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
 
 
 def test_router_abort_ends_the_stream_with_abort(idle):
-    call = idle.api.Generate(
-        pdserve_pb2.GenerateRequest(
-            request_id="abort-me",
-            token_ids=pdserve_pb2.TokenIds(ids=random_prompts([8], seed=9)[0]),
-            sampling=LONG,
-        ),
-        timeout=RPC_TIMEOUT,
-    )
+    call = start_long(idle, "abort-me", 8, seed=9)
     assert next(call).HasField("delta")
     assert idle.api.Abort(
         pdserve_pb2.AbortRequest(request_id="abort-me"), timeout=RPC_TIMEOUT
@@ -355,14 +337,7 @@ def test_client_cancel_during_prefill_frees_both_sides_within_a_second(idle, mon
             return p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
 
         # a response-streaming call starts at once; nobody needs to read it
-        call = idle.api.Generate(
-            pdserve_pb2.GenerateRequest(
-                request_id="cancel-in-prefill",
-                token_ids=pdserve_pb2.TokenIds(ids=random_prompts([40], seed=12)[0]),
-                sampling=LONG,
-            ),
-            timeout=RPC_TIMEOUT,
-        )
+        call = start_long(idle, "cancel-in-prefill", 40, seed=12)
         assert prefilling.wait(5), "the prefill never started"
         call.cancel()
 
