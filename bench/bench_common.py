@@ -1,12 +1,14 @@
 """Helpers shared by the two sides of bench/engine_bench.py and its orchestrating parent process:
 the deterministic random-token prompts and their seeds, memory snapshots, machine info, and the CPU
-contention monitor that records how much CPU other processes used while a section was measured.
+contention monitor that records how much CPU other processes used while a section was measured;
+and what the bench scripts share: their result header and file, their parser and common options.
 
 No torch import at module level: the parent process, which imports this module too, must stay small.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import os
 import platform
@@ -371,3 +373,36 @@ def stop_children(conns, procs, kill: bool = False, timeout_s: float = 30.0) -> 
 
 def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+# ---- the options the benchmark scripts share ---------------------------------------------------
+def script_parser(description: str) -> argparse.ArgumentParser:
+    """A bench script's argument parser; --help prints `description` (the script's docstring, or
+    its first paragraph) as written."""
+    return argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_out_arg(ap, name: str) -> None:
+    """--out: the JSON result file, by default bench/results/<name> in this checkout (wherever
+    the script runs from)."""
+    ap.add_argument(
+        "--out",
+        default=os.path.join(REPO_ROOT, "bench", "results", name),
+        help=f"JSON results path (default bench/results/{name})",
+    )
+
+
+def add_wait_idle_arg(
+    ap, before: str, quiet: str = "other processes to stop using the CPU", default: float = 0
+) -> None:
+    """--wait-idle SECONDS: the benchmarks share the machine, so before each measured part
+    (`before`: "each section", "each run", ...) a script may wait for it to be quiet."""
+    ap.add_argument(
+        "--wait-idle",
+        type=float,
+        default=default,
+        metavar="SECONDS",
+        help=f"before {before}, wait up to SECONDS for {quiet} (default {default:g})",
+    )

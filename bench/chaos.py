@@ -21,7 +21,6 @@ Writes bench/results/chaos.json (machine, commit, command, every figure).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -38,7 +37,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, log, random_prompts, run_header, write_result  # noqa: E402
+from bench.bench_common import (  # noqa: E402
+    REPO_ROOT,
+    add_out_arg,
+    log,
+    random_prompts,
+    run_header,
+    script_parser,
+    write_result,
+)
 from bench.chaos_harness import (  # noqa: E402
     RPC_TIMEOUT,
     Child,
@@ -418,15 +425,13 @@ PARTS = {"a": part_a, "c": part_c, "d": part_d, "e": part_e}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__)
     p.add_argument("--parts", default="a,c,d,e")
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--ttft-requests", type=int, default=20)
-    p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "chaos.json"))
+    add_out_arg(p, "chaos.json")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"

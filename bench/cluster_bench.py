@@ -31,7 +31,6 @@ Each section records the CPU that processes outside this benchmark's process tre
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -43,18 +42,19 @@ import tempfile
 import time
 import traceback
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_common import (  # noqa: E402
     CONTENTION_WARN_CORES,
+    REPO_ROOT,
     TreeCpuMonitor,
+    add_wait_idle_arg,
     fmt,
     git_head,
     log,
     machine_info,
     random_prompts,
+    script_parser,
     wait_for_idle_machine,
 )
 from bench.cluster_bench_sides import engine_side, pipeline_side, start  # noqa: E402
@@ -379,9 +379,7 @@ def render(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: 3 prompts a section, grpc only"
     )
@@ -400,13 +398,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--skip-pipeline", action="store_true")
-    ap.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0,
-        metavar="SECONDS",
-        help="before each section, wait up to SECONDS for other processes to stop using the CPU",
-    )
+    add_wait_idle_arg(ap, "each section")
     args = ap.parse_args(argv)
     if args.quick:
         args.backends = args.backends if "--backends" in (argv or sys.argv) else "grpc"

@@ -32,7 +32,6 @@ snapshots, machine info, the CPU contention monitor).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -40,17 +39,18 @@ import subprocess
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_common import (  # noqa: E402
     CONTENTION_WARN_CORES,
+    REPO_ROOT,
     TOKEN_HI,
     TOKEN_LO,
+    add_wait_idle_arg,
     fmt,
     git_head,
     log,
+    script_parser,
     wait_for_idle_machine,
 )
 from bench.engine_bench_hf import run_hf  # noqa: E402
@@ -333,6 +333,7 @@ def render(report: dict) -> str:
     N, P, M = c["num_requests"], c["prompt_len"], c["new_tokens"]
     mib = lambda b: None if b is None else b / 2**20  # noqa: E731
     ms = lambda x: None if x is None else x * 1000  # noqa: E731
+    runs_ms = lambda xs: [round(x * 1000, 1) for x in xs]  # noqa: E731
     lines = [
         f"## pdserve engine benchmark{' (QUICK smoke run)' if report['quick'] else ''}",
         "",
@@ -370,7 +371,8 @@ def render(report: dict) -> str:
         "",
         "Details:",
     ]
-    hd, pdd = hf.get("decode", {}), pd.get("decode", {})
+    hd, ht = hf.get("decode", {}), hf.get("ttft512", {})
+    pdd, pt, pp = pd.get("decode", {}), pd.get("ttft512", {}), pd.get("prefix", {})
     if "t_total_s" in hd:
         lines.append(
             f"- HF decode: prefill {hd['t_prefill_s']:.2f} s (median of "
@@ -386,25 +388,22 @@ def render(report: dict) -> str:
             f"{pdd['decode_time_s']:.2f} s; prefix-cache hits "
             f"{sum(pdd['num_cached_tokens'])} tokens; preemptions {pdd['num_preemptions']}"
         )
-    ht, pt = hf.get("ttft512", {}), pd.get("ttft512", {})
     if "runs_s" in ht:
         lines.append(
-            f"- HF forward {c['ttft_len']} runs ms: {[round(x * 1000, 1) for x in ht['runs_s']]} "
+            f"- HF forward {c['ttft_len']} runs ms: {runs_ms(ht['runs_s'])} "
             f"(best {ht['best_s'] * 1000:.1f}); with logits_to_keep=1 (info): "
-            f"{[round(x * 1000, 1) for x in ht['logits_to_keep1_runs_s']]}"
+            f"{runs_ms(ht['logits_to_keep1_runs_s'])}"
         )
     if "runs_s" in pt:
         lines.append(
-            f"- pdserve TTFT {c['ttft_len']} runs ms: {[round(x * 1000, 1) for x in pt['runs_s']]} "
+            f"- pdserve TTFT {c['ttft_len']} runs ms: {runs_ms(pt['runs_s'])} "
             f"(best {pt['best_s'] * 1000:.1f}); cached tokens {pt['num_cached_tokens']}"
         )
-    pp = pd.get("prefix", {})
     if "cold_runs_s" in pp:
         lines.append(
-            f"- prefix: cold runs ms {[round(x * 1000, 1) for x in pp['cold_runs_s']]} "
+            f"- prefix: cold runs ms {runs_ms(pp['cold_runs_s'])} "
             f"(cached tokens {pp['cold_num_cached_tokens']}); cached runs ms "
-            f"{[round(x * 1000, 1) for x in pp['cached_runs_s']]} "
-            f"(cached tokens {pp['cached_num_cached_tokens']})"
+            f"{runs_ms(pp['cached_runs_s'])} (cached tokens {pp['cached_num_cached_tokens']})"
         )
     kv = pd.get("kv_cache")
     if kv:
@@ -456,9 +455,7 @@ def render(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument(
         "--side",
         choices=["both", "hf", "pdserve", "llamacpp"],
@@ -513,14 +510,7 @@ def parse_args(argv=None):
         default=None,
         help="pdserve KV bytes (default: the engine default, 1 GiB on CPU)",
     )
-    ap.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0,
-        metavar="SECONDS",
-        help="before each side, wait up to SECONDS for other processes to stop using "
-        "the CPU (the machine may be shared); 0 = do not wait",
-    )
+    add_wait_idle_arg(ap, "each side")
     args = ap.parse_args(argv)
     if args.num_requests is None:
         args.num_requests = 8 if args.quick else 32

@@ -29,7 +29,6 @@ bench median_itl_ms). Results: bench/results/external_client_check.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,20 +37,20 @@ import subprocess
 import sys
 import tempfile
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import http_cluster  # noqa: E402
 from bench.bench_common import (  # noqa: E402
+    REPO_ROOT,
     TreeCpuMonitor,
+    add_wait_idle_arg,
     log,
     run_header,
+    script_parser,
     wait_for_idle_machine,
     write_result,
 )
 
-DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results", "external_client_check.json")
 VENV_AIPERF = os.path.join(REPO_ROOT, "bench", ".venv", "bin", "aiperf")
 TOLERANCE = 0.15
 
@@ -187,9 +186,7 @@ def compare(sides: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--router", help="a running router's gRPC address (else: a local cluster)")
     ap.add_argument("--http", help="its HTTP front, e.g. http://127.0.0.1:8000 (with --router)")
     ap.add_argument("--tokenizer", help="aiperf's tokenizer (default: the model's directory)")
@@ -203,14 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=20, help="per run")
     ap.add_argument("--rate", type=float, default=1.0, help="req/s at even intervals")
     ap.add_argument("--rounds", type=int, default=4, help="each client runs once per round")
-    ap.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0,
-        metavar="SECONDS",
-        help="before each run, wait up to SECONDS for other processes to leave the CPU",
-    )
-    args = http_cluster.parse_args(ap, argv, DEFAULT_OUT)
+    add_wait_idle_arg(ap, "each run")
+    args = http_cluster.parse_args(ap, argv, "external_client_check.json")
     if shutil.which(args.aiperf) is None:
         ap.error(f"{args.aiperf} not found: see this script's docstring to install aiperf")
     tokenizer = args.tokenizer

@@ -18,7 +18,6 @@ flags).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -28,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, log, random_prompts, run_header, write_result  # noqa: E402
+from bench import bench_common as bc  # noqa: E402
 from bench.chaos_harness import deployment, example_config  # noqa: E402
 
 
@@ -60,7 +59,7 @@ def run_deployment(args, index: int, cache: str) -> dict:
 
     from protos.pdserve.v1 import pdserve_pb2_grpc
 
-    prompts = random_prompts(11000 + 100 * index, args.later + 1, args.prompt_len)
+    prompts = bc.random_prompts(11000 + 100 * index, args.later + 1, args.prompt_len)
     before = os.environ.get("PDSERVE_CACHE_DIR")
     empty = tempfile.mkdtemp(prefix="pdcache") if cache == "fresh" else None
     if empty:  # up() starts a fresh local Ray, whose workers inherit this environment
@@ -96,7 +95,7 @@ def run_deployment(args, index: int, cache: str) -> dict:
     out["later_decode_over_first"] = round(
         out["later_median_decode_tok_s"] / first["decode_tok_s"], 3
     )
-    log(
+    bc.log(
         f"deployment {index} ({cache} cache, up in {up_s:.0f} s): first TTFT {first['ttft_ms']:.0f} ms, decode {first['decode_tok_s']:.1f} "
         f"tok/s; later median {out['later_median_ttft_ms']:.0f} ms, "
         f"{out['later_median_decode_tok_s']:.1f} tok/s"
@@ -112,20 +111,18 @@ def hf_one_stream(args) -> dict:
     import subprocess
 
     code = (
-        f"import json, sys; sys.path.insert(0, {REPO_ROOT!r}); "
+        f"import json, sys; sys.path.insert(0, {bc.REPO_ROOT!r}); "
         "from bench.engine_bench_hf import one_stream_tok_s; "
         f"print(json.dumps(one_stream_tok_s('smollm2', 2, {args.prompt_len:d}, {args.max_tokens:d})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     runs = json.loads(out.stdout.strip().splitlines()[-1])
-    log(f"HF float32 one stream in-process: {runs} tok/s")
+    bc.log(f"HF float32 one stream in-process: {runs} tok/s")
     return {"decode_tok_s": max(runs), "runs_tok_s": runs, "threads": 2}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bc.script_parser(__doc__)
     p.add_argument("--deployments", type=int, default=2, help="per cache kind")
     p.add_argument("--caches", default="warm,fresh")
     p.add_argument("--later", type=int, default=5)
@@ -134,7 +131,6 @@ def main(argv=None) -> int:
     p.add_argument(
         "--decode-threads",
         type=int,
-        default=None,
         help="the decode worker's num_threads (default: the example config's)",
     )
     p.add_argument(
@@ -143,14 +139,12 @@ def main(argv=None) -> int:
         action="store_false",
         help="skip HF's in-process one stream (the baseline of 'one stream vs HF')",
     )
-    p.add_argument(
-        "--out", default=os.path.join(REPO_ROOT, "bench", "results", "first_request.json")
-    )
+    bc.add_out_arg(p, "first_request.json")
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     hf = hf_one_stream(args) if args.hf else None
     report = {
-        **run_header("bench/first_request.py", argv),
+        **bc.run_header("bench/first_request.py", argv),
         "hf_one_stream": hf,
         "deployments": [
             run_deployment(args, i, cache)
@@ -163,12 +157,12 @@ def main(argv=None) -> int:
             d["later_decode_over_hf"] = round(
                 d["later_median_decode_tok_s"] / hf["decode_tok_s"], 3
             )
-            log(
+            bc.log(
                 f"{d['cache']} cache: one stream through the cluster {d['later_median_decode_tok_s']:.1f} "
                 f"tok/s = {d['later_decode_over_hf']:.2f}x HF float32 in-process ({hf['decode_tok_s']:.1f})"
             )
-    write_result(args.out, report)
-    log(f"wrote {args.out}")
+    bc.write_result(args.out, report)
+    bc.log(f"wrote {args.out}")
     return 0
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from bench.bench_common import stop_children
+from bench.bench_common import add_out_arg, stop_children
 
 
 def deploy_dict(args) -> dict:
@@ -41,9 +41,10 @@ def deploy_dict(args) -> dict:
     }
 
 
-def parse_args(ap, argv, default_out: str):
+def parse_args(ap, argv, out_name: str):
     """Adds what every check against an HTTP cluster takes (the prompts' seed, warm-up requests,
-    the result file, the local cluster's settings) to `ap`, parses `argv`, and checks it."""
+    the result file bench/results/<out_name>, the local cluster's settings) to `ap`, parses
+    `argv`, and checks it."""
     ap.add_argument(
         "--seed",
         type=int,
@@ -52,7 +53,7 @@ def parse_args(ap, argv, default_out: str):
         "rerun on the same cluster is not served from its prefix caches)",
     )
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=default_out)
+    add_out_arg(ap, out_name)
     add_args(ap)
     args = ap.parse_args(argv)
     if args.seed is None:

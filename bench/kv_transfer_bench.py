@@ -50,11 +50,10 @@ import sys
 import time
 import traceback
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_common import (  # noqa: E402
+    add_wait_idle_arg,
     cpu_model,
     machine_busy_cpu_s as busy_cpu_s,
     stop_children,
@@ -479,13 +478,7 @@ def main(argv=None) -> int:
         "kvtransfer.backends.tune_malloc(), as the workers should)",
     )
     ap.add_argument("--quick", action="store_true", help="smoke run: 6 requests, 1 round")
-    ap.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="before each trial, wait up to SECONDS for a quiet machine (< 0.15 busy cores)",
-    )
+    add_wait_idle_arg(ap, "each trial", quiet="a quiet machine, < 0.15 busy cores")
     ap.add_argument(
         "--server-opts",
         default="{}",

@@ -24,7 +24,6 @@ Results: bench/results/prometheus_check.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -36,14 +35,10 @@ import time
 import urllib.parse
 import urllib.request
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import http_cluster  # noqa: E402
-from bench.bench_common import log, run_header, write_result  # noqa: E402
-
-DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results", "prometheus_check.json")
+from bench.bench_common import REPO_ROOT, log, run_header, script_parser, write_result  # noqa: E402
 
 
 def free_port() -> int:
@@ -263,9 +258,7 @@ def check(args, router: str, metrics_url: str, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--router", help="a running router's gRPC address (else: a local cluster)")
     ap.add_argument("--http", help="its HTTP front, e.g. http://127.0.0.1:8000 (with --router)")
     ap.add_argument("--prometheus", default="prometheus", help="the prometheus binary")
@@ -274,7 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--rate", type=float, default=1.0, help="req/s, Poisson arrivals")
-    args = http_cluster.parse_args(ap, argv, DEFAULT_OUT)
+    args = http_cluster.parse_args(ap, argv, "prometheus_check.json")
     if shutil.which(args.prometheus) is None:
         ap.error(f"{args.prometheus} not found: apt-get install -y prometheus")
     report = run_header(os.path.relpath(__file__, REPO_ROOT), argv)

@@ -23,7 +23,6 @@ this process one after the other, with the same threads.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
@@ -33,7 +32,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_common import REPO_ROOT, log, run_header, write_result  # noqa: E402
+from bench.bench_common import (  # noqa: E402
+    add_out_arg,
+    log,
+    run_header,
+    script_parser,
+    write_result,
+)
 
 MODES = {
     "float32": dict(dtype="float32"),
@@ -145,9 +150,7 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__)
     p.add_argument("--model", default="smollm2")
     p.add_argument(
         "--modes", default="float32,bfloat16,int8,int4", help=f"of {sorted(MODES)}; float32 first"
@@ -162,7 +165,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--new", type=int, default=32, help="greedy tokens per agreement prompt")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results", "quality.json"))
+    add_out_arg(p, "quality.json")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     if modes[0] != "float32" or any(m not in MODES for m in modes):

@@ -56,9 +56,9 @@ import sys
 import numpy as np
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))
 
+from bench.bench_common import script_parser  # noqa: E402
 from bench.slo_report import finish_attainment_axes, measured_rows  # noqa: E402
 from bench.slo_simulate import WORKLOAD_SEEDS, sim_placement  # noqa: E402
 from deploy.tuning import workload  # noqa: E402
@@ -200,9 +200,7 @@ def utc_time(p: argparse.ArgumentParser, text: str | None, flag: str) -> float |
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__)
     p.add_argument("--results", default=str(RESULTS), help="where the runs are stored")
     p.add_argument(
         "--profile",
@@ -222,26 +220,18 @@ def main() -> int:
         action="store_true",
         help="fit no interference factors (for comparison)",
     )
-    p.add_argument(
-        "--since", default=None, help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it"
-    )
-    p.add_argument("--until", default=None, help="UTC time: only runs taken before it")
-    p.add_argument(
-        "--split", default=None, help="UTC time: calibrations before it, measurements after it"
-    )
+    p.add_argument("--since", help="UTC time (YYYY-MM-DDTHH:MM): only runs taken after it")
+    p.add_argument("--until", help="UTC time: only runs taken before it")
+    p.add_argument("--split", help="UTC time: calibrations before it, measurements after it")
     p.add_argument(
         "--num-requests",
         type=int,
-        default=None,
         help="the setup's number of requests a rate (default: the newest run's)",
     )
-    p.add_argument(
-        "--rates", default=None, help="the setup's rates, e.g. 1,1.5,2 (default: the newest run's)"
-    )
-    p.add_argument("--out", default=None, help="default: <results>/slo_pooled.json")
+    p.add_argument("--rates", help="the setup's rates, e.g. 1,1.5,2 (default: the newest run's)")
+    p.add_argument("--out", help="default: <results>/slo_pooled.json")
     p.add_argument(
         "--write-profile",
-        default=None,
         help="also write the pooled profile of every placement's calibrations (all worker "
         "kinds together) here, for `pdserve tune --profile`",
     )

@@ -78,10 +78,14 @@ import sys
 import time
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))
 
-from bench.bench_common import CpuBreakdown, TreeCpuMonitor  # noqa: E402
+from bench.bench_common import (  # noqa: E402
+    CpuBreakdown,
+    TreeCpuMonitor,
+    add_wait_idle_arg,
+    script_parser,
+)
 from bench.slo_report import report  # noqa: E402
 from bench.slo_simulate import (  # noqa: E402
     SIM_SEEDS,
@@ -529,9 +533,7 @@ def run_tuner(args, wl: str, profile_path, trace: str) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__)
     p.add_argument(
         "--profile",
         default=str(RESULTS / "profile_cpu_smollm2_1thread.json"),
@@ -564,9 +566,7 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--ray-temp-dir", default="/tmp/pdsv_ray")
-    p.add_argument(
-        "--wait-idle", type=float, default=600.0, help="wait at most this long for a quiet CPU"
-    )
+    add_wait_idle_arg(p, "each deployment, load sweep and profile run", "a quiet CPU", 600.0)
     p.add_argument(
         "--simulate-only",
         action="store_true",

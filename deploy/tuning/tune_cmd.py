@@ -44,105 +44,84 @@ from deploy.tuning.workload import RequestSpec, load_trace, synthetic
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--profile", required=True, help="profile JSON from `pdserve profile` (or a derived one)"
-    )
-    p.add_argument(
+    wl = p.add_argument_group("workload")
+    wl.add_argument(
         "--workload",
         required=True,
         help="a trace name (azure_conv, azure_code, mooncake_synthetic), a trace file, "
         "or synthetic:PROMPT_LEN:OUTPUT_LEN",
     )
-    p.add_argument("--scale", type=float, default=1.0, help="trace lengths x this (default 1.0)")
-    p.add_argument(
-        "--max-prompt", type=int, default=None, help="cap on prompt tokens after scaling"
+    wl.add_argument("--scale", type=float, default=1.0, help="trace lengths x this (default 1.0)")
+    wl.add_argument("--max-prompt", type=int, help="cap on prompt tokens after scaling")
+    wl.add_argument("--max-output", type=int, help="cap on output tokens after scaling")
+    wl.add_argument(
+        "--burstiness", type=float, default=1.0, help="arrival gamma shape (1: Poisson)"
     )
-    p.add_argument(
-        "--max-output", type=int, default=None, help="cap on output tokens after scaling"
+    wl.add_argument("--seed", type=int, default=0)
+
+    placing = p.add_argument_group("profile, SLO and placements")
+    placing.add_argument(
+        "--profile", required=True, help="profile JSON from `pdserve profile` (or a derived one)"
     )
-    p.add_argument(
+    placing.add_argument(
         "--slo", required=True, help="e.g. ttft=200ms,tpot=50ms,attainment=0.9 (units: ms or s)"
     )
-    p.add_argument(
+    placing.add_argument(
         "--devices",
         type=int,
         required=True,
         help="devices to place on: GPUs for a gpu profile, else CPU cores",
     )
-    p.add_argument(
+    placing.add_argument(
         "--colocated",
         action="store_true",
         help="also consider colocated workers (prefill and decode in one engine)",
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="the model the written YAML serves, as the engine loads it: 'smollm2', a .gguf file "
-        "or an HF directory on every node; its name must be the profile's model. Needed with "
-        "--out unless the profile's own model name is one of those",
-    )
-    p.add_argument(
+    placing.add_argument(
         "--objective",
         choices=OBJECTIVES,
         default="total",
         help="the ranking for the --devices budget: the placement's total goodput (default; "
         "fewer devices on a tie) or its goodput per device",
     )
-    p.add_argument(
-        "--router-host",
-        default=None,
-        help="router.host of the written YAML (default: 127.0.0.1 for a local Ray, 0.0.0.0 "
-        "with --ray-address)",
-    )
-    p.add_argument("--router-port", type=int, default=50051, help="router.port (default 50051)")
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="ray.address of the written YAML: a Ray cluster to join (default: none, `pdserve "
-        "up` starts a local Ray with ray.num_cpus = the CPUs the pools reserve)",
-    )
-    p.add_argument(
-        "--backend", default=None, help="KV transfer backend (default: the profile's fastest)"
-    )
-    p.add_argument(
-        "--tp", default=None, help="TP degrees to consider, e.g. 1,2 (default: the profile's)"
-    )
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument(
+    placing.add_argument("--backend", help="KV transfer backend (default: the profile's fastest)")
+    placing.add_argument("--tp", help="TP degrees to consider, e.g. 1,2 (default: the profile's)")
+    placing.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    placing.add_argument("--max-num-seqs", type=int, default=128)
+
+    search = p.add_argument_group("search")
+    search.add_argument(
         "--num-requests",
         type=int,
         default=300,
         help="requests sampled from the workload per simulation, at least (default 300)",
     )
-    p.add_argument(
+    search.add_argument(
         "--max-requests",
         type=int,
         default=6000,
         help="at most this many per simulation: high rates need more to reach steady "
         "state (default 6000)",
     )
-    p.add_argument(
+    search.add_argument(
         "--max-verify-requests",
         type=int,
         default=20000,
         help="at most this many when simulating a whole placement (default 20000)",
     )
-    p.add_argument(
+    search.add_argument(
         "--verify-top",
         type=int,
         default=3,
         help="simulate at least this many placements whole (default 3)",
     )
-    p.add_argument(
+    search.add_argument(
         "--time-limit",
         type=float,
         default=45.0,
         help="stop simulating whole placements after this many seconds (default 45)",
     )
-    p.add_argument("--burstiness", type=float, default=1.0, help="arrival gamma shape (1: Poisson)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    search.add_argument(
         "--seeds",
         type=int,
         default=0,
@@ -150,9 +129,32 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "profile's step-time variation (step_noise, step_speed from an in-load "
         "calibration) and print their goodput's p10/p50/p90 (default 0: off)",
     )
-    p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
-    p.add_argument("--out", default=None, help="write the best placement as a deploy YAML here")
-    p.add_argument("--plot", default=None, help="write a PNG of the candidates here")
+
+    output = p.add_argument_group("output")
+    output.add_argument("--top", type=int, default=15, help="rows of the ranked table")
+    output.add_argument("--plot", help="write a PNG of the candidates here")
+    output.add_argument("--out", help="write the best placement as a deploy YAML here")
+
+    yaml_out = p.add_argument_group("the deploy YAML that --out writes")
+    yaml_out.add_argument(
+        "--model",
+        help="the model the written YAML serves, as the engine loads it: 'smollm2', a .gguf file "
+        "or an HF directory on every node; its name must be the profile's model. Needed with "
+        "--out unless the profile's own model name is one of those",
+    )
+    yaml_out.add_argument(
+        "--router-host",
+        help="router.host of the written YAML (default: 127.0.0.1 for a local Ray, 0.0.0.0 "
+        "with --ray-address)",
+    )
+    yaml_out.add_argument(
+        "--router-port", type=int, default=50051, help="router.port (default 50051)"
+    )
+    yaml_out.add_argument(
+        "--ray-address",
+        help="ray.address of the written YAML: a Ray cluster to join (default: none, `pdserve "
+        "up` starts a local Ray with ray.num_cpus = the CPUs the pools reserve)",
+    )
 
 
 # the flags that Search takes as they are, under the same names
