@@ -20,8 +20,11 @@ Names, types and bucket layouts follow vLLM's (vllm/v1/metrics/loggers.py), with
 every series; the time buckets add a few finer ones (below vLLM's smallest, and between its
 bounds where a CPU cluster's TTFTs and steps fall). vllm:request_success_total counts every
 admitted request once by finished_reason: its Finish's (stop, length), or abort (the client cancelled
-or left) and error (a worker failed it) for one that ended without a Finish. What pdserve measures
-for vLLM's phases of a disaggregated request:
+or left) and error (a worker failed it) for one that ended without a Finish;
+pdserve:request_errors_total{code} counts every Generate call that ended with an error status by its
+gRPC code, refusals before admission (bad fields, RESOURCE_EXHAUSTED) included, HTTP requests too
+once they reach their Generate call (not those the HTTP front refuses itself). What pdserve
+measures for vLLM's phases of a disaggregated request:
   vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
   vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router, split
                                      evenly over the tokens an event carries
@@ -184,6 +187,13 @@ class RouterMetrics:
             labels + ["finished_reason"],
             registry=registry,
         )
+        self.errors = Counter(
+            "pdserve:request_errors",
+            "Generate calls that ended with an error status, by gRPC status code (refusals "
+            "before admission included; an HTTP request the front refused itself is not one).",
+            labels + ["code"],
+            registry=registry,
+        )
         self.stage = hist(
             "pdserve:request_stage_seconds",
             "Where each request's time went, by stage (router/stage_timings.py).",
@@ -268,6 +278,10 @@ class RouterMetrics:
         """An admitted request ended without a Finish: "abort" (the client cancelled or left) or
         "error" (a worker failed it); vLLM counts its aborts under the same counter."""
         self.success.labels(self.model_name, reason).inc()
+
+    def observe_error(self, code) -> None:
+        """A Generate call ended with `code` (a grpc.StatusCode other than OK)."""
+        self.errors.labels(self.model_name, code.name).inc()
 
     def observe_finish(self, finish, req, first_leg, end_ns: int) -> None:
         """One request ended with `finish` (the router's, timings and usage filled in)."""

@@ -120,6 +120,15 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     # ---- Generate -------------------------------------------------------------------------------
     def Generate(self, request, context):
+        try:
+            yield from self._admit_and_generate(request, context)
+        except Exception:
+            code = context.code()  # set by context.abort; None for an unexpected exception
+            if self.metrics is not None:
+                self.metrics.observe_error(code or grpc.StatusCode.UNKNOWN)
+            raise
+
+    def _admit_and_generate(self, request, context):
         queued_ns, start = unix_ns(), time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         opts = self.options

@@ -42,8 +42,10 @@ ROUTER_METRICS = {  # name -> type
     "pdserve:request_reservation_wait_seconds": "histogram",
     "pdserve:router_requests_inflight": "gauge",
     "pdserve:router_decode_queue_waiting": "gauge",
+    "pdserve:request_errors": "counter",
 }
 ROUTER_LABELS = {  # the labels besides model_name, of the router metrics that have any
+    "pdserve:request_errors": {"code"},
     "vllm:request_success": {"finished_reason"},
     "pdserve:request_stage_seconds": {"stage"},
 }
@@ -406,3 +408,31 @@ def test_a_cancelled_request_counts_as_an_abort(idle):
         "the cancelled request was not counted as an abort",
     )
     assert value(idle, "vllm:request_success_total", finished_reason="stop") == stopped
+
+
+def test_failed_calls_are_counted_by_status_and_a_cancel_is_not_an_error(idle):
+    """pdserve:request_errors_total{code}: every Generate call that ends with an error status,
+    refusals before admission included; a client's cancel is an abort, not an error."""
+    errors = lambda code: value(idle, "pdserve:request_errors_total", code=code)  # noqa: E731
+    invalid, missing = errors("INVALID_ARGUMENT"), errors("NOT_FOUND")
+    bad = [
+        (dict(sampling=pdserve_pb2.SamplingParams(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(sampling=pdserve_pb2.SamplingParams(n=0)), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(model="no-such-model"), grpc.StatusCode.NOT_FOUND),
+    ]
+    for fields, code in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            list(
+                idle.api.Generate(
+                    pdserve_pb2.GenerateRequest(
+                        token_ids=pdserve_pb2.TokenIds(ids=[5, 6]), **fields
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+            )
+        assert err.value.code() == code
+    assert (errors("INVALID_ARGUMENT"), errors("NOT_FOUND")) == (invalid + 2, missing + 1)
+    run(idle, random_prompts([6], seed=3), 2)  # a served request counts nowhere here
+    test_a_cancelled_request_counts_as_an_abort(idle)
+    assert (errors("INVALID_ARGUMENT"), errors("NOT_FOUND")) == (invalid + 2, missing + 1)
+    assert errors("CANCELLED") == errors("UNKNOWN") == 0
