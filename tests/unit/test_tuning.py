@@ -15,6 +15,7 @@ import pytest
 from deploy import cli
 from deploy.config import fit_problems, load_config, validate_config
 from deploy.prechecks import check_offline
+from deploy.tuning.deploy_yaml import deploy_yaml, hf_config
 from deploy.tuning.perf_model import (
     ProfileError,
     fit_nonnegative,
@@ -23,7 +24,6 @@ from deploy.tuning.perf_model import (
     profile_from_dict,
 )
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from deploy.tuning.tune_cmd import deploy_yaml, hf_config
 from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
 from deploy.tuning.workload import retime, synthetic
 from tuning_helpers import make_profile, one, toy_tune_argv, tune_argv
