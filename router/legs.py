@@ -4,10 +4,10 @@ leg's decode worker dies (docs/architecture.md section 4).
 A leg is one reservation on one decode worker, the prefill that fills it and the token stream it
 produces: Reserve (the decode worker with most free blocks; colocated, the fewest prompt tokens
 charged to it until their first token; the next one when full; when every one is full, a wait
-in the router's decode queue, first come first served, until blocks free) -> Stream
-opened (the worker queues tokens from the Reserve on) -> Prefill on an executor thread
-(UNAVAILABLE retries once on another prefill worker into the same reservation; any other failure
-aborts the reservation, which ends the stream).
+in the router's decode queue (router/decode_queue.py), first come first served, until blocks
+free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an executor
+thread (UNAVAILABLE retries once on another prefill worker into the same reservation; any other
+failure aborts the reservation, which ends the stream).
 
 The first leg runs the client's prompt. When the decode worker's stream fails (the worker or its
 link died: UNAVAILABLE, a stream that ends without a final event, or a prefill that cannot reach
@@ -41,13 +41,13 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from concurrent import futures
 
 import grpc
 
 from protos.convert import unix_ns
 from protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
 from router.pool import NoWorker, WorkerPool
 from router.text import TextStream
 
@@ -71,58 +71,7 @@ class RouterStatus(grpc.RpcError):
         return self._details
 
 
-DECODE_QUEUE_POLL_S = 0.05  # a waiting request retries Reserve at least this often
 ABORT_THREADS = 4  # concurrent worker Abort calls; a burst of cancellations queues
-
-
-class DecodeFull(Exception):
-    """Every decode worker that answered a Reserve had no free KV blocks for the prompt."""
-
-
-class DecodeQueue:
-    """Requests waiting for decode KV blocks, first come first served: only the head retries
-    its Reserve; the others wait their turn. Stream ends call freed() to wake the head at once."""
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._tickets: deque = deque()
-        self._freed = 0
-
-    def waiting(self) -> int:
-        with self._cv:
-            return len(self._tickets)
-
-    def join(self, first: bool = False):
-        """A ticket at the back (first: at the front, for a request that was already trying)."""
-        ticket = object()
-        with self._cv:
-            if first:
-                self._tickets.appendleft(ticket)
-            else:
-                self._tickets.append(ticket)
-        return ticket
-
-    def leave(self, ticket) -> None:
-        with self._cv:
-            if ticket in self._tickets:
-                self._tickets.remove(ticket)
-            self._cv.notify_all()
-
-    def head(self, ticket, timeout: float) -> bool:
-        """Whether `ticket` heads the queue, waiting up to `timeout` for it to."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self._tickets and self._tickets[0] is ticket, timeout)
-
-    def wait_for_blocks(self, timeout: float) -> None:
-        """Until freed() is called or `timeout` passes."""
-        with self._cv:
-            seen = self._freed
-            self._cv.wait_for(lambda: self._freed != seen, timeout)
-
-    def freed(self) -> None:
-        with self._cv:
-            self._freed += 1
-            self._cv.notify_all()
 
 
 class LegFailed(Exception):

@@ -32,7 +32,7 @@ from router.registry import RegistryServicer
 from router.service import PDServeServicer, ServiceOptions
 
 if TYPE_CHECKING:
-    from router.http_api import HttpFront
+    from router.http_server import HttpFront
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
@@ -70,7 +70,7 @@ class RouterConfig:
     # the OpenAI-compatible HTTP front (router/http_api.py) on host:http_port, with the client
     # port's TLS (client_tls, else security.tls) as HTTPS; 0: a free port; None: no HTTP front
     http_port: int | None = None
-    http_max_body_bytes: int | None = None  # None: the largest valid request (http_api.py)
+    http_max_body_bytes: int | None = None  # None: the largest valid request (http_server.py)
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -253,7 +253,7 @@ class Router:
         return self
 
     def _http_front(self, options: ServiceOptions):
-        from router.http_api import HttpFront, HttpSettings, default_max_body_bytes
+        from router.http_server import HttpFront, HttpSettings, default_max_body_bytes
 
         cfg = self.config
         return HttpFront(

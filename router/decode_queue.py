@@ -1,0 +1,60 @@
+"""The router's wait queue for decode KV blocks (router/legs.py): when every decode worker's KV is
+full, a disaggregated request waits here, first come first served, until blocks free.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+DECODE_QUEUE_POLL_S = 0.05  # a waiting request retries Reserve at least this often
+
+
+class DecodeFull(Exception):
+    """Every decode worker that answered a Reserve had no free KV blocks for the prompt."""
+
+
+class DecodeQueue:
+    """Requests waiting for decode KV blocks, first come first served: only the head retries
+    its Reserve; the others wait their turn. Stream ends call freed() to wake the head at once."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._tickets: deque = deque()
+        self._freed = 0
+
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._tickets)
+
+    def join(self, first: bool = False):
+        """A ticket at the back (first: at the front, for a request that was already trying)."""
+        ticket = object()
+        with self._cv:
+            if first:
+                self._tickets.appendleft(ticket)
+            else:
+                self._tickets.append(ticket)
+        return ticket
+
+    def leave(self, ticket) -> None:
+        with self._cv:
+            if ticket in self._tickets:
+                self._tickets.remove(ticket)
+            self._cv.notify_all()
+
+    def head(self, ticket, timeout: float) -> bool:
+        """Whether `ticket` heads the queue, waiting up to `timeout` for it to."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._tickets and self._tickets[0] is ticket, timeout)
+
+    def wait_for_blocks(self, timeout: float) -> None:
+        """Until freed() is called or `timeout` passes."""
+        with self._cv:
+            seen = self._freed
+            self._cv.wait_for(lambda: self._freed != seen, timeout)
+
+    def freed(self) -> None:
+        with self._cv:
+            self._freed += 1
+            self._cv.notify_all()

@@ -1,0 +1,192 @@
+"""The OpenAI-compatible HTTP front's server (the app is router/http_api.py's build_app): its
+settings, the listening socket, and uvicorn on a thread of its own with its own event loop, so no
+gRPC thread ever waits on HTTP; Router.stop() stops it first (open streams are cancelled after
+the grace period).
+
+The handlers call the router's gRPC API through an in-process grpc.aio channel to a Unix socket in
+a private (0700) directory that the gRPC server also listens on (add_internal_port): the loopback
+path needs neither the client port's TLS nor a client certificate, and no TCP port is opened for
+it. With TLS, the certificate files uvicorn reads are written to that directory and deleted as
+soon as they are loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+import uvicorn
+
+from protos.pdserve.v1 import pdserve_pb2_grpc
+from protos.security import NO_KEYS, ClientKeys, TLSConfig
+from router.http_api import build_app
+
+log = logging.getLogger(__name__)
+
+
+def default_max_body_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
+    """The largest body a valid request can have, at least 4 MiB: a prompt of max_prompt_bytes
+    written as JSON escapes (at most 6 bytes per UTF-8 byte: `\\u00e9`), or max_model_len token
+    ids of 11 characters each, plus a MiB for the other fields at their caps."""
+    return max(4 << 20, 6 * max_prompt_bytes + 12 * max_model_len + (1 << 20))
+
+
+@dataclass
+class HttpSettings:
+    host: str
+    port: int  # 0: a free port
+    model_id: str
+    tokenizer: object
+    keys: ClientKeys = NO_KEYS
+    tls: TLSConfig | None = None
+    max_body_bytes: int = 4 << 20
+    max_model_len: int = 0
+    # a prompt (or chat) longer in UTF-8 bytes cannot fit max_model_len tokens (router/text.py):
+    # refused here, before a gRPC message that may exceed the gRPC port's size limit; 0: no check
+    max_prompt_bytes: int = 0
+    metrics_registry: object = None
+    ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
+    grace_s: float = 1.0
+
+
+class HttpFront:
+    """uvicorn on its own thread and event loop, serving build_app()."""
+
+    def __init__(self, settings: HttpSettings):
+        self.settings = settings
+        self.address: str | None = None
+        self.scheme = "https" if settings.tls is not None else "http"
+        # 0700: only this user; a short path (a Unix socket's path has ~100 bytes at most)
+        base = tempfile.gettempdir()
+        self._dir = tempfile.mkdtemp(prefix="pdserve-http-", dir=base if len(base) < 64 else "/tmp")
+        self.grpc_target = f"unix:{os.path.join(self._dir, 'grpc.sock')}"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.stub: pdserve_pb2_grpc.PDServeStub | None = None
+
+    def add_internal_port(self, grpc_server: grpc.Server) -> None:
+        """The Unix socket the HTTP handlers call gRPC through; before grpc_server.start()."""
+        grpc_server.add_insecure_port(self.grpc_target)
+
+    def start(self, timeout_s: float = 30.0) -> HttpFront:
+        s = self.settings
+        sock = _bind(s.host, s.port)
+        try:
+            config = uvicorn.Config(
+                build_app(self),
+                log_config=None,  # the process's logging stays as it is
+                access_log=False,
+                http="h11",
+                ws="none",
+                lifespan="off",
+                loop="asyncio",
+                server_header=False,
+                timeout_graceful_shutdown=max(1, math.ceil(s.grace_s)),
+                **self._ssl_options(),
+            )
+            config.load()  # reads the TLS files now; they are deleted right after
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            self._remove_tls_files()
+        self._server = uvicorn.Server(config)
+        port = sock.getsockname()[1]
+        host = f"[{s.host}]" if ":" in s.host else s.host
+        self.address = f"{host}:{port}"
+        self._thread = threading.Thread(
+            target=self._run, args=(sock,), name="router-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise OSError(
+                    f"the HTTP front did not start on {self.address}: {self._error or 'timeout'}"
+                )
+            time.sleep(0.01)
+        return self
+
+    def _ssl_options(self) -> dict:
+        tls = self.settings.tls
+        if tls is None:
+            return {}
+        paths = {}
+        for name, data in (("cert", tls.cert_pem), ("key", tls.key_pem), ("ca", tls.ca_pem)):
+            if not data:
+                continue
+            path = os.path.join(self._dir, f"{name}.pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            paths[name] = path
+        options = dict(ssl_certfile=paths["cert"], ssl_keyfile=paths["key"])
+        if "ca" in paths:  # as the gRPC client port: clients must show a certificate it signed
+            import ssl
+
+            options.update(ssl_ca_certs=paths["ca"], ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
+
+    def _remove_tls_files(self) -> None:
+        for name in ("cert", "key", "ca"):
+            try:
+                os.unlink(os.path.join(self._dir, f"{name}.pem"))
+            except FileNotFoundError:
+                pass
+
+    def _run(self, sock: socket.socket) -> None:
+        async def serve():
+            channel = grpc.aio.insecure_channel(self.grpc_target)
+            self.stub = pdserve_pb2_grpc.PDServeStub(channel)
+            try:
+                await self._server.serve(sockets=[sock])
+            finally:
+                await channel.close(grace=None)
+
+        try:
+            asyncio.run(serve())
+        except BaseException as e:  # noqa: BLE001 - reported by start() or logged
+            self._error = e
+            log.exception("the HTTP front stopped")
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        """Stops taking requests; open streams get the grace period, then are cancelled (which
+        cancels their gRPC calls)."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(self.settings.grace_s + 5)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True
+                self._thread.join(5)
+            self._thread = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen for HTTP on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,283 @@
+"""Pool membership that changes at run time: health sweeps that skip a failing worker and bring
+it back, picking that never waits on a hung Stats call, static workers, and the registry
+(Register, Heartbeat, drop-out) with the workers' registration client.
+
+These tests use fake workers that only answer Stats, so they need no engine; the registry tests
+run the router in this process over 127.0.0.1. Requests that outlive their decode worker are in
+test_router_failover.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from conftest import wait_until
+from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from router.pool import WorkerPool
+from router_helpers import (
+    LONG_GREEDY,
+    RPC_TIMEOUT,
+    fixture_model_dir,  # noqa: F401
+    generate_call,
+    start_router,
+    stop_router,
+)
+from worker_common.registration import Registration
+
+
+# ---- fake workers: Stats only -------------------------------------------------------------------
+class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWorkerServicer):
+    """Answers Stats ("ok"), fails it ("fail") or does not answer in time ("hang")."""
+
+    def __init__(self, worker_id: str, num_free_blocks: int = 10):
+        self.worker_id = worker_id
+        self.num_free_blocks = num_free_blocks
+        self.mode = "ok"
+        self.release = threading.Event()  # ends hung calls
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def Stats(self, request, context):
+        if self.mode == "fail":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "fake outage")
+        if self.mode == "hang":
+            self.release.wait(5)
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id,
+            num_free_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_free_blocks,
+        )
+
+    def stop(self):
+        self.release.set()
+        self.server.stop(0).wait(5)
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(worker_id, num_free_blocks=10):
+        made.append(FakeWorker(worker_id, num_free_blocks))
+        return made[-1]
+
+    yield make
+    for fake in made:
+        fake.stop()
+
+
+def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_back(fakes, caplog):
+    a, b = fakes("a", num_free_blocks=5), fakes("b", num_free_blocks=9)
+    p, q = fakes("p"), fakes("q")
+    pool = WorkerPool(
+        [p.address, q.address], [a.address, b.address], stats_timeout_s=2.0, down_after=2
+    )
+    try:
+        pool.sweep()
+        assert [w.worker_id for w in pool.decode_order()] == ["b", "a"]  # most free blocks first
+        b.mode = q.mode = "fail"
+        with caplog.at_level(logging.INFO, logger="router.pool"):
+            pool.sweep()  # one failure: still used, ranked last (unknown load)
+            assert [w.worker_id for w in pool.decode_order()] == ["a", "b"]
+            for _ in range(3):
+                pool.sweep()
+                assert [w.worker_id for w in pool.decode_order()] == ["a"]
+                picked, charge = pool.pick_prefill()
+                pool.end_prefill(picked, charge)
+                assert picked.worker_id == "p"
+            a.mode = p.mode = "fail"
+            pool.sweep()
+            pool.sweep()  # every worker of each role down: try them all rather than none
+            assert {w.worker_id for w in pool.decode_order()} == {"a", "b"}
+            b.mode = q.mode = "ok"
+            pool.sweep()  # one success brings a worker back
+            assert [w.worker_id for w in pool.decode_order()] == ["b"]
+            assert all(pool.pick_prefill(exclude=None)[0].worker_id == "q" for _ in range(3))
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("b is down" in m for m in messages) == 1  # each transition logged once
+        assert sum("b is back up" in m for m in messages) == 1
+    finally:
+        pool.close()
+
+
+def test_picking_never_waits_on_a_hung_stats_call(fakes):
+    hung, fine = fakes("hung"), fakes("fine")
+    hung.mode = "hang"
+    pool = WorkerPool(
+        [fine.address],
+        [hung.address, fine.address],
+        stats_ttl_s=0.01,
+        stats_timeout_s=1.0,
+        down_after=1,
+    ).start()
+    try:
+        wait_until(lambda: pool.num_sweeps >= 1, 5, "one health sweep")
+        for _ in range(20):  # sweeps are in flight all along, each waiting on the hung worker
+            t0 = time.monotonic()
+            order = pool.decode_order()
+            assert time.monotonic() - t0 < 0.25  # a sweep waits 1 s on the hung worker
+            assert [w.address for w in order] == [fine.address]
+            time.sleep(0.01)
+    finally:
+        hung.release.set()
+        pool.close()
+
+
+def test_static_workers_never_drop_out_and_registering_them_adds_no_duplicate(fakes):
+    static, joined = fakes("d-static"), fakes("d-joined")
+    pool = WorkerPool([], [static.address], stats_ttl_s=0.02).start()
+    try:
+        assert pool.register("decode", "d-static", static.address, ttl_s=0.1) in pool.decode
+        pool.register("decode", "d-joined", joined.address, ttl_s=0.1)
+        pool.register("prefill", "d-joined", joined.address, ttl_s=0.1)  # same id, new role: moves
+        assert [w.address for w in pool.decode] == [static.address]
+        assert [w.address for w in pool.prefill] == [joined.address]
+        wait_until(lambda: not pool.prefill, 3, "the registered worker dropped out")
+        assert [w.address for w in pool.decode] == [static.address]  # no heartbeat needed
+        assert pool.heartbeat("d-static", ttl_s=0.1) and not pool.heartbeat("d-joined", ttl_s=0.1)
+    finally:
+        pool.close()
+
+
+def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, caplog):
+    router = start_router(model_dir, heartbeat_ms=100)  # no static workers: waits for them
+    fake = fakes("d-fake")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            next(generate_call(router, [5, 6], LONG_GREEDY))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no prefill worker is registered" in err.value.details()
+
+        model_id = router.servicer.options.model_id
+        bad = [
+            (
+                dict(worker_id="x", role="encoder", address=fake.address),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "role must be one of",
+            ),
+            (
+                dict(worker_id="", role="decode", address=fake.address),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "worker_id",
+            ),
+            (
+                dict(worker_id="x", role="decode", address=""),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "address",
+            ),
+            (
+                dict(
+                    worker_id="x",
+                    role="decode",
+                    address=fake.address,
+                    model=pdserve_pb2.ModelCard(id="other-model"),
+                ),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"serves model 'other-model' but this router serves {model_id!r}",
+            ),
+        ]
+        for fields, code, named in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                router.registry.Register(worker_pb2.RegisterRequest(**fields), timeout=RPC_TIMEOUT)
+            assert err.value.code() == code and named in err.value.details(), err.value
+        assert router.pool.num_workers("decode") == 0
+
+        reply = router.registry.Register(
+            worker_pb2.RegisterRequest(
+                worker_id="d-fake",
+                role="decode",
+                address=fake.address,
+                model=pdserve_pb2.ModelCard(id=model_id),
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+        assert reply.heartbeat_ms == 100
+        assert [w.address for w in router.pool.decode] == [fake.address]
+        beat = worker_pb2.HeartbeatRequest(worker_id="d-fake")
+        assert not router.registry.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id="nobody"), timeout=RPC_TIMEOUT
+        ).known
+        end = time.monotonic() + 0.6  # twice the drop-out time, heartbeating: stays
+        while time.monotonic() < end:
+            assert router.registry.Heartbeat(beat, timeout=RPC_TIMEOUT).known
+            time.sleep(0.05)
+        assert router.pool.num_workers("decode") == 1
+
+        moved = fakes("d-fake")  # re-registering under the same id replaces the old address
+        last_beat = time.monotonic()
+        router.registry.Register(
+            worker_pb2.RegisterRequest(worker_id="d-fake", role="decode", address=moved.address),
+            timeout=RPC_TIMEOUT,
+        )
+        assert [w.address for w in router.pool.decode] == [moved.address]
+
+        with caplog.at_level(logging.WARNING, logger="router.pool"):
+            wait_until(lambda: router.pool.num_workers("decode") == 0, 3, "d-fake dropped out")
+        assert time.monotonic() - last_beat >= 0.3  # heartbeats stopped: out after 3 x heartbeat_ms
+        assert any(
+            "d-fake" in r.getMessage() and "dropped out" in r.getMessage() for r in caplog.records
+        )
+        assert not router.registry.Heartbeat(beat, timeout=RPC_TIMEOUT).known
+    finally:
+        stop_router(router)
+
+
+def fake_stats():
+    return worker_pb2.WorkerStats(worker_id="d-fake", num_free_blocks=7, num_total_blocks=7)
+
+
+def test_registration_client_registers_again_after_drop_out_and_router_restart(model_dir, fakes):
+    fake = fakes("d-fake")
+    router = start_router(model_dir, heartbeat_ms=100)
+    slow = threading.Event()
+
+    def stats_fn():  # a heartbeat stalled past 3 x heartbeat_ms: the router drops the worker
+        if slow.is_set():
+            slow.clear()
+            time.sleep(0.6)
+        return fake_stats()
+
+    registration = Registration(
+        router.address,
+        worker_pb2.RegisterRequest(worker_id="d-fake", role="decode", address=fake.address),
+        stats_fn,
+        rpc_timeout_s=1.0,
+        max_backoff_s=0.2,
+    ).start()
+    try:
+        assert registration.wait_registered(5) and registration.heartbeat_s == 0.1
+        assert [w.worker_id for w in router.pool.decode] == ["d-fake"]
+        slow.set()
+        wait_until(
+            lambda: router.pool.num_workers("decode") == 0, 3, "the stalled worker dropped out"
+        )
+        # the next Heartbeat answers known=false and the client registers again
+        wait_until(
+            lambda: registration.num_registrations == 2 and router.pool.num_workers("decode") == 1,
+            3,
+            "registered again after known=false",
+        )
+
+        port = router.address.rsplit(":", 1)[1]
+        stop_router(router)
+        wait_until(lambda: not registration.registered, 3, "heartbeats to the stopped router fail")
+        router = start_router(model_dir, heartbeat_ms=100, port=int(port))
+        # the router counts the worker inside Register, the client once Register returned
+        wait_until(
+            lambda: router.pool.num_workers("decode") == 1 and registration.num_registrations == 3,
+            5,
+            "registered with the new router",
+        )
+        assert registration.registered
+    finally:
+        registration.stop()
+        stop_router(router)
