@@ -10,7 +10,8 @@ import os
 import secrets
 import socket
 
-from deploy.config import SECRET_ENV, ConfigError, DeployConfig, fit_problems, placement_problems
+from deploy.config import SECRET_ENV, ConfigError, DeployConfig
+from deploy.config_checks import fit_problems, placement_problems
 from protos.security import ClusterSecurity
 
 log = logging.getLogger("deploy.launcher")
@@ -60,8 +61,9 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
-    """Refuses, before anything starts, pools whose workers would refuse the model (config.fit_problems);
-    else every replica of the pool would fail the same way inside its actor."""
+    """Refuses, before anything starts, pools whose workers would refuse the model
+    (config_checks.fit_problems); else every replica of the pool would fail the same way inside
+    its actor."""
     from engine.config import available_memory_bytes
     from engine.loader import load_hf_config, resolve_model
 

@@ -10,7 +10,8 @@ import pathlib
 import yaml
 
 from deploy.tuning.perf_model import Profile
-from deploy.tuning.tuner import Candidate, TuneError
+from deploy.tuning.slo import TuneError
+from deploy.tuning.tuner import Candidate
 
 
 def deploy_yaml(
@@ -87,7 +88,8 @@ def launcher_problems(data: dict, profile: Profile) -> list[str]:
     """Why `pdserve up` would refuse this YAML data before starting Ray, [] when it would not:
     the schema (validate_config) and the pools against the model (fit_problems, with the model's
     shape from the profile: the launcher's own check once the model is on the machine)."""
-    from deploy.config import ConfigError, fit_problems, validate_config
+    from deploy.config import ConfigError, validate_config
+    from deploy.config_checks import fit_problems
 
     try:
         cfg = validate_config(data)

@@ -9,9 +9,9 @@ Ranking: --objective total (default) ranks by the placement's goodput, for a fix
 --devices; per-device by goodput per device. Every row says whether its goodput was simulated
 (the whole deployment through the simulator) or estimated (sized from one worker of each kind).
 Placements `pdserve up` refuses today (tp > 1 prefill or decode workers on GPUs, the shm backend
-with GPU decode: deploy/config.placement_problems) are left out and listed; the YAML written is
-checked against the launcher's offline checks (validate_config, fit_problems with the profile's
-model shape) and carries the router's and Ray's settings (--router-host/--router-port,
+with GPU decode: deploy/config_checks.placement_problems) are left out and listed; the YAML
+written is checked against the launcher's offline checks (validate_config, fit_problems with the
+profile's model shape) and carries the router's and Ray's settings (--router-host/--router-port,
 --ray-address, else a local Ray with num_cpus = the CPUs the pools reserve). Prefix caching is
 not simulated: a trace with Mooncake hash_ids gets a note saying so.
 
@@ -29,16 +29,9 @@ import time
 
 from deploy.tuning.deploy_yaml import deploy_yaml, launcher_problems, write_yaml
 from deploy.tuning.perf_model import Profile, ProfileError, load_profile
+from deploy.tuning.slo import SLO, TuneError, parse_slo
 from deploy.tuning.tune_report import BASIS_NOTE, instances_table, plot, seeded_percentiles, table
-from deploy.tuning.tuner import (
-    OBJECTIVES,
-    SLO,
-    Candidate,
-    Search,
-    TuneError,
-    enumerate_placements,
-    parse_slo,
-)
+from deploy.tuning.tuner import OBJECTIVES, Candidate, Search, enumerate_placements
 from deploy.tuning.workload import RequestSpec, load_trace, synthetic
 
 

@@ -10,7 +10,8 @@ import pytest
 from deploy import cli
 from deploy.tuning.perf_model import ProfileError, profile_from_dict
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from deploy.tuning.tuner import SLO, Search
+from deploy.tuning.slo import SLO
+from deploy.tuning.tuner import Search
 from deploy.tuning.workload import synthetic
 from tuning_helpers import make_profile, one, toy_tune_argv
 

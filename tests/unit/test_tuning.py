@@ -1,21 +1,13 @@
 """The SLO tuner's pieces without a model: the latency-model fit, the simulator against closed-form
-answers on hand-made profiles, the placement search, the deploy YAML it writes, the derived GPU
-profile and the `pdserve tune` argument errors."""
+answers on hand-made profiles, the placement search and the --slo parser (`pdserve tune` itself,
+the YAML it writes and its argument errors: test_tuning_cli.py)."""
 
 from __future__ import annotations
 
-import json
 import math
-import pathlib
-import re
-import time
 
 import pytest
 
-from deploy import cli
-from deploy.config import fit_problems, load_config, validate_config
-from deploy.prechecks import check_offline
-from deploy.tuning.deploy_yaml import deploy_yaml, hf_config
 from deploy.tuning.perf_model import (
     ProfileError,
     fit_nonnegative,
@@ -24,17 +16,10 @@ from deploy.tuning.perf_model import (
     profile_from_dict,
 )
 from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from deploy.tuning.tuner import SLO, Candidate, Search, TuneError, enumerate_placements, parse_slo
+from deploy.tuning.slo import SLO, TuneError, parse_slo
+from deploy.tuning.tuner import Search, enumerate_placements
 from deploy.tuning.workload import retime, synthetic
-from tuning_helpers import make_profile, one, toy_tune_argv, tune_argv
-
-DERIVED = (
-    pathlib.Path(__file__).resolve().parents[2]
-    / "deploy"
-    / "tuning"
-    / "profiles"
-    / "h100_llama3_8b.json"
-)
+from tuning_helpers import DERIVED, make_profile, one
 
 
 # ---- fitting ------------------------------------------------------------------------------------
@@ -199,6 +184,54 @@ def test_fast_decode_path_gives_the_same_answers_as_the_slow_one():
         assert fast.requests == slow.requests
 
 
+def test_first_token_latency_delays_the_request_without_taking_step_time():
+    """A serving profile's first_token_latency_s (the router's hops to the workers) is paid once
+    per request, before it reaches a worker: its TTFT and E2E grow by it, its steps (and so the
+    decodes sharing them, its TPOT) do not."""
+    data = make_profile(as_dict=True)
+    data["serving"] = {"colocated": {"1": {"first_token_latency_s": 0.05}}}
+    slow = profile_from_dict(data)
+    reqs = [one(100, 10), one(100, 10, at=0.001)]
+    pl = Placement(None, PoolSpec(1))
+    base = simulate(reqs, make_profile(), pl).requests
+    late = simulate(reqs, slow, pl).requests
+    assert [r.ttft_s for r in late] == pytest.approx([r.ttft_s + 0.05 for r in base])
+    assert [r.e2e_s for r in late] == pytest.approx([r.e2e_s + 0.05 for r in base])
+    assert [r.tpot_s for r in late] == pytest.approx([r.tpot_s for r in base])
+    with pytest.raises(ProfileError, match="first_token_latency_s"):
+        data["serving"]["colocated"]["1"]["first_token_latency_s"] = -1
+        profile_from_dict(data)
+
+
+def test_a_reserve_waits_for_the_decode_step_in_flight():
+    """Disaggregated, the router's Reserve runs on the decode worker's loop between steps: a
+    request that arrives while a decode step runs reaches the prefill worker when that step ends."""
+    prof = make_profile(decode=(0.2, 0.0, 0.0))  # decode steps of 0.2 s
+    pl = Placement(PoolSpec(1), PoolSpec(1))
+    first, second = simulate([one(100, 5), one(100, 2, at=0.2)], prof, pl).requests
+    alone = simulate([one(100, 2)], prof, pl).requests[0]
+    # the first request commits at ~0.121 s and decodes from then on: its first decode step runs
+    # until ~0.321 s, so the second's prefill starts there, not at 0.2 s; its commit then waits
+    # for the decode step in flight at that time too (it ends at ~0.521 s)
+    commit_1 = first.ttft_s
+    assert second.ttft_s + 0.2 == pytest.approx(commit_1 + 2 * 0.2)
+    assert alone.ttft_s == pytest.approx(commit_1)  # alone, neither call waits
+
+
+def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
+    """Colocated, budget 64: a 64-token prompt admitted beside one decoding sequence gets 63
+    tokens, then a last chunk of one token while everything else decodes. It is not decoding yet
+    (the fast path once took it for a decode row and it never got a first token)."""
+    pool = PoolSpec(1, max_num_batched_tokens=64)
+    reqs = [one(8, 40), one(64, 5, at=0.05)]
+    for fast in (True, False):
+        first, second = (
+            Simulator(make_profile(), Placement(None, pool), fast=fast).run(reqs).requests
+        )
+        assert math.isfinite(second.ttft_s) and math.isfinite(second.e2e_s)
+        assert math.isfinite(first.e2e_s)
+
+
 # ---- search -------------------------------------------------------------------------------------
 def test_decode_bound_traffic_gains_from_decode_replicas():
     prof = make_profile(prefill=(0.001, 1e-5, 0.0), decode=(0.05, 0.01, 0.0))
@@ -279,295 +312,6 @@ def test_parse_slo():
     for bad in ("ttft=200,tpot=50ms", "ttft=200ms", "ttft=1s,tpot=1s,attainment=2", "foo=1s"):
         with pytest.raises(TuneError):
             parse_slo(bad)
-
-
-# ---- YAML ---------------------------------------------------------------------------------------
-def test_yaml_of_either_shape_validates():
-    prof = make_profile(tps=(1, 3))
-    disagg = deploy_yaml(Candidate(Placement(PoolSpec(2, 3), PoolSpec(1))), prof, "smollm2", "grpc")
-    cfg = validate_config(disagg)
-    assert (cfg.pools.prefill.replicas, cfg.pools.prefill.tp, cfg.pools.decode.replicas) == (
-        2,
-        3,
-        1,
-    )
-    assert cfg.kvtransfer.backend == "grpc" and cfg.pools.prefill.kv_cache_memory == 1 << 28
-    colocated = deploy_yaml(Candidate(Placement(None, PoolSpec(4))), prof, "smollm2", "grpc")
-    assert validate_config(colocated).pools.colocated.replicas == 4
-
-
-def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
-    path = tmp_path / "p.json"
-    path.write_text(
-        json.dumps(make_profile(prefill=(0.01, 1e-3, 0.0), decode=(0.02, 1e-3, 0.0), as_dict=True))
-    )
-    out, png = tmp_path / "best.yaml", tmp_path / "c.png"
-    rc = cli.main(toy_tune_argv(path, 4, "--out", str(out), "--plot", str(png)))
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    cfg = load_config(out)
-    best = text.split("best: ", 1)[1].split(":", 1)[0]
-    if best.startswith("colocated"):
-        assert best == f"colocated {cfg.pools.colocated.replicas}x tp{cfg.pools.colocated.tp}"
-    else:
-        p, d = cfg.pools.prefill, cfg.pools.decode
-        assert best == f"{p.replicas}P tp{p.tp} + {d.replicas}D tp{d.tp}"
-    assert cfg.model == "toy" and png.stat().st_size > 10_000
-    assert_launchable(out, load_profile(path))
-    assert (cfg.router.host, cfg.router.port, cfg.ray.address) == ("127.0.0.1", 50051, None)
-    pools = [cfg.pools.colocated] if cfg.pools.colocated else [cfg.pools.prefill, cfg.pools.decode]
-    assert cfg.ray.num_cpus == sum(p.replicas * p.tp * p.resources.num_cpus for p in pools)
-
-
-def assert_launchable(path, profile) -> None:
-    """What `pdserve up` checks before Ray starts, on a YAML `pdserve tune` wrote: it loads, the
-    pools fit the profile's model (fit_problems, the placement refusals included), and the
-    offline prechecks pass (`pdserve up --check`: the model need not be on this machine)."""
-    cfg = load_config(path)
-    assert fit_problems(cfg, hf_config(profile)) == []
-    check_offline(cfg)
-    assert cli.main(["up", str(path), "--check"]) == 0
-
-
-# ---- the derived GPU profile ---------------------------------------------------------------------
-def test_derived_profile_is_marked_and_shaped_like_a_measured_one():
-    data = json.loads(DERIVED.read_text())
-    assert data["derived"] is True and data["source"]["publications"]
-    prof = profile_from_dict(data)
-    assert (prof.num_layers, prof.num_heads, prof.num_kv_heads) == (32, 32, 8)
-    assert prof.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 and prof.device == "gpu"
-    measured_keys = set(make_profile(as_dict=True)) | {"derived", "source"}
-    assert set(data) == measured_keys
-    for entry in data["tp"].values():
-        assert (
-            entry["prefill"]["samples"] and entry["decode"]["samples"] and "fit" in entry["prefill"]
-        )
-
-
-@pytest.mark.parametrize("devices", [8, 32])
-def test_gpu_search_finishes(devices, tmp_path, capsys):
-    out = tmp_path / "best.yaml"
-    t0 = time.perf_counter()
-    rc = cli.main(
-        tune_argv(
-            str(DERIVED),
-            "azure_conv",
-            "ttft=1s,tpot=50ms,attainment=0.9",
-            devices,
-            "--colocated",
-            "--model",
-            "/models/Meta-Llama-3-8B",
-            "--out",
-            str(out),
-        )
-    )
-    elapsed = time.perf_counter() - t0
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert_launchable(out, load_profile(DERIVED))
-    cfg = load_config(out)
-    pools = [cfg.pools.colocated] if cfg.pools.colocated else [cfg.pools.prefill, cfg.pools.decode]
-    assert 2 <= sum(p.replicas * p.tp for p in pools) <= devices
-    with capsys.disabled():
-        best = text.split("best: ", 1)[1].splitlines()[0]
-        print(f"\n[{devices} GPUs] {elapsed:.1f} s: {best}")
-
-
-# ---- bad arguments ------------------------------------------------------------------------------
-@pytest.fixture
-def profile_path(tmp_path):
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(make_profile(as_dict=True)))
-    return path
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"--workload": "azure_chat"}, "unknown trace 'azure_chat'"),
-        ({"--slo": "ttft=200,tpot=50ms"}, "give a number with a unit, ms or s"),
-        ({"--devices": "1"}, "--devices must be >= 2"),
-        ({"--model": "llama"}, "was measured for model 'Toy-1'"),
-        ({"--workload": "synthetic:10"}, "synthetic:PROMPT_LEN:OUTPUT_LEN"),
-    ],
-)
-def test_bad_arguments_exit_2_with_a_message(change, message, profile_path, capsys):
-    args = {
-        "--profile": str(profile_path),
-        "--workload": "synthetic:100:10",
-        "--slo": "ttft=1s,tpot=100ms",
-        "--devices": "4",
-        **change,
-    }
-    rc = cli.main(["tune"] + [x for kv in args.items() for x in kv])
-    err = capsys.readouterr().err
-    assert rc == 2 and message in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize(
-    "mangle, message",
-    [
-        (lambda d: "{not json", "not JSON"),
-        (lambda d: {**d, "schema": "other/1"}, "schema: expected 'pdserve-profile/1'"),
-        (
-            lambda d: {**d, "tp": {"1": {**d["tp"]["1"], "decode": {"coef": [0.1, -1, 0]}}}},
-            "tp.1.decode.coef",
-        ),
-        (lambda d: {k: v for k, v in d.items() if k != "kv_transfer"}, "kv_transfer: missing"),
-        (lambda d: {**d, "tp": {"2": d["tp"]["1"]}}, "2 does not divide"),
-    ],
-)
-def test_malformed_profiles_exit_2_naming_the_key(mangle, message, tmp_path, capsys):
-    data = mangle(make_profile(as_dict=True))
-    path = tmp_path / "bad.json"
-    path.write_text(data if isinstance(data, str) else json.dumps(data))
-    with pytest.raises(ProfileError, match=re.escape(message)):
-        load_profile(path)
-    rc = cli.main(tune_argv(str(path), "synthetic:100:10", "ttft=1s,tpot=100ms", 4))
-    err = capsys.readouterr().err
-    assert rc == 2 and message in err and str(path) in err
-
-
-def test_no_rate_meets_an_impossible_slo(profile_path, capsys):
-    rc = cli.main(tune_argv(str(profile_path), "synthetic:100:10", "ttft=1ms,tpot=1ms", 2))
-    assert rc == 1 and "no placement meets the SLO" in capsys.readouterr().err
-
-
-def test_first_token_latency_delays_the_request_without_taking_step_time():
-    """A serving profile's first_token_latency_s (the router's hops to the workers) is paid once
-    per request, before it reaches a worker: its TTFT and E2E grow by it, its steps (and so the
-    decodes sharing them, its TPOT) do not."""
-    data = make_profile(as_dict=True)
-    data["serving"] = {"colocated": {"1": {"first_token_latency_s": 0.05}}}
-    slow = profile_from_dict(data)
-    reqs = [one(100, 10), one(100, 10, at=0.001)]
-    pl = Placement(None, PoolSpec(1))
-    base = simulate(reqs, make_profile(), pl).requests
-    late = simulate(reqs, slow, pl).requests
-    assert [r.ttft_s for r in late] == pytest.approx([r.ttft_s + 0.05 for r in base])
-    assert [r.e2e_s for r in late] == pytest.approx([r.e2e_s + 0.05 for r in base])
-    assert [r.tpot_s for r in late] == pytest.approx([r.tpot_s for r in base])
-    with pytest.raises(ProfileError, match="first_token_latency_s"):
-        data["serving"]["colocated"]["1"]["first_token_latency_s"] = -1
-        profile_from_dict(data)
-
-
-def test_a_reserve_waits_for_the_decode_step_in_flight():
-    """Disaggregated, the router's Reserve runs on the decode worker's loop between steps: a
-    request that arrives while a decode step runs reaches the prefill worker when that step ends."""
-    prof = make_profile(decode=(0.2, 0.0, 0.0))  # decode steps of 0.2 s
-    pl = Placement(PoolSpec(1), PoolSpec(1))
-    first, second = simulate([one(100, 5), one(100, 2, at=0.2)], prof, pl).requests
-    alone = simulate([one(100, 2)], prof, pl).requests[0]
-    # the first request commits at ~0.121 s and decodes from then on: its first decode step runs
-    # until ~0.321 s, so the second's prefill starts there, not at 0.2 s; its commit then waits
-    # for the decode step in flight at that time too (it ends at ~0.521 s)
-    commit_1 = first.ttft_s
-    assert second.ttft_s + 0.2 == pytest.approx(commit_1 + 2 * 0.2)
-    assert alone.ttft_s == pytest.approx(commit_1)  # alone, neither call waits
-
-
-def test_a_prompt_whose_last_chunk_is_one_token_gets_its_first_token():
-    """Colocated, budget 64: a 64-token prompt admitted beside one decoding sequence gets 63
-    tokens, then a last chunk of one token while everything else decodes. It is not decoding yet
-    (the fast path once took it for a decode row and it never got a first token)."""
-    pool = PoolSpec(1, max_num_batched_tokens=64)
-    reqs = [one(8, 40), one(64, 5, at=0.05)]
-    for fast in (True, False):
-        first, second = (
-            Simulator(make_profile(), Placement(None, pool), fast=fast).run(reqs).requests
-        )
-        assert math.isfinite(second.ttft_s) and math.isfinite(second.e2e_s)
-        assert math.isfinite(first.e2e_s)
-
-
-# ---- deployable answers -------------------------------------------------------------------------
-def _tune_derived(tmp_path, *extra):
-    out = tmp_path / "best.yaml"
-    args = tune_argv(
-        str(DERIVED),
-        "azure_conv",
-        "ttft=1s,tpot=50ms,attainment=0.9",
-        8,
-        "--tp",
-        "1,2",
-        "--time-limit",
-        "10",
-        "--model",
-        "/models/Meta-Llama-3-8B",
-        "--out",
-        str(out),
-        *extra,
-    )
-    return cli.main(args), out
-
-
-def test_gpu_tp2_prefill_and_decode_are_left_out_as_the_launcher_refuses_them(tmp_path, capsys):
-    rc, out = _tune_derived(tmp_path, "--colocated")
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert "placements left out, refused by `pdserve up` today" in text
-    rows = text.split("  status\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    for row in rows:
-        if "P tp" in row:  # disaggregated rows: tp 1 only
-            assert "tp2" not in row, row
-        if not row.lstrip().startswith("..."):
-            assert " simulated " in row or " estimated " in row, row
-    assert "* basis: 'simulated' rows were run whole" in text
-    assert_launchable(out, load_profile(DERIVED))
-
-
-def test_the_launcher_refuses_tp2_on_gpu_disaggregated_but_not_colocated():
-    prof = load_profile(DERIVED)
-    for pl, refused in [
-        (Placement(PoolSpec(2, 2), PoolSpec(4, 1)), True),
-        (Placement(PoolSpec(4, 1), PoolSpec(2, 2)), True),
-        (Placement(PoolSpec(4, 1), PoolSpec(4, 1)), False),
-        (Placement(None, PoolSpec(4, 2)), False),
-    ]:
-        cfg = validate_config(deploy_yaml(Candidate(pl), prof, "/m/Meta-Llama-3-8B", "grpc"))
-        assert bool(fit_problems(cfg, hf_config(prof))) == refused, pl.label()
-    shm = deploy_yaml(Candidate(Placement(PoolSpec(4), PoolSpec(4))), prof, "/m/x", "shm")
-    assert "kvtransfer.backend" in fit_problems(validate_config(shm), hf_config(prof))[0]
-
-
-def test_out_without_model_is_refused_for_a_hub_id(tmp_path, capsys):
-    rc = cli.main(
-        tune_argv(
-            str(DERIVED), "azure_conv", "ttft=1s,tpot=50ms", 8, "--out", str(tmp_path / "x.yaml")
-        )
-    )
-    err = capsys.readouterr().err
-    assert rc == 2 and "--out needs --model" in err and not (tmp_path / "x.yaml").exists()
-
-
-def test_router_and_ray_settings_reach_the_yaml(tmp_path, capsys):
-    rc, out = _tune_derived(
-        tmp_path, "--router-host", "10.0.0.5", "--router-port", "6000", "--ray-address", "auto"
-    )
-    assert rc == 0, capsys.readouterr().out
-    cfg = load_config(out)
-    assert cfg.model == "/models/Meta-Llama-3-8B"
-    assert (cfg.router.host, cfg.router.port, cfg.ray.address) == ("10.0.0.5", 6000, "auto")
-    assert cfg.ray.num_cpus is None
-    assert_launchable(out, load_profile(DERIVED))
-
-
-def test_mooncake_prefix_blocks_are_named_as_not_simulated(profile_path, capsys):
-    rc = cli.main(
-        tune_argv(
-            str(profile_path),
-            "mooncake_synthetic",
-            "ttft=10s,tpot=1s",
-            2,
-            "--scale",
-            "0.01",
-            "--time-limit",
-            "5",
-        )
-    )
-    text = capsys.readouterr().out
-    assert rc in (0, 1) and "note: prefix caching is not simulated" in text
 
 
 @pytest.mark.parametrize("objective, winner", [("total", "8 devices"), ("per-device", "7 devices")])
