@@ -79,20 +79,24 @@ def build_app(front: HttpFront) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     text_of = TokenText(s.tokenizer)
 
+    def answer(e: ApiError):
+        s.on_error(e.status)
+        return e.response()
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return e.response()
+        return answer(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         message = f"{request.method} {request.url.path[:200]}: {e.detail}"
-        return ApiError(e.status_code, message, code=code).response()
+        return answer(ApiError(e.status_code, message, code=code))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         log.exception("HTTP %s %s failed", request.method, request.url.path[:200])
-        return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
+        return answer(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     def authorize(request: Request) -> tuple[tuple[str, str], ...]:
         """The metadata the gRPC call carries: the client's key, checked here first."""
@@ -161,6 +165,7 @@ def build_app(front: HttpFront) -> FastAPI:
     async def health():
         why = s.ready()
         if why:
+            # a probe's answer, not a failed request: not counted as an error
             return ApiError(503, why, "server_error", code="service_unavailable").response()
         return JSONResponse({"status": "ok"})
 

@@ -23,7 +23,8 @@ admitted request once by finished_reason: its Finish's (stop, length), or abort 
 or left) and error (a worker failed it) for one that ended without a Finish;
 pdserve:request_errors_total{code} counts every Generate call that ended with an error status by its
 gRPC code, refusals before admission (bad fields, RESOURCE_EXHAUSTED) included, HTTP requests too
-once they reach their Generate call (not those the HTTP front refuses itself). What pdserve
+once they reach their Generate call; pdserve:http_errors_total{status} counts the HTTP front's error
+responses by HTTP status, its own refusals (bad JSON, keys, sizes) included. What pdserve
 measures for vLLM's phases of a disaggregated request:
   vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
   vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router, split
@@ -194,6 +195,13 @@ class RouterMetrics:
             labels + ["code"],
             registry=registry,
         )
+        self.http_errors = Counter(
+            "pdserve:http_errors",
+            "Error responses of the OpenAI HTTP front, by HTTP status (its own refusals and the "
+            "failed Generate calls it relays).",
+            labels + ["status"],
+            registry=registry,
+        )
         self.stage = hist(
             "pdserve:request_stage_seconds",
             "Where each request's time went, by stage (router/stage_timings.py).",
@@ -282,6 +290,10 @@ class RouterMetrics:
     def observe_error(self, code) -> None:
         """A Generate call ended with `code` (a grpc.StatusCode other than OK)."""
         self.errors.labels(self.model_name, code.name).inc()
+
+    def observe_http_error(self, status: int) -> None:
+        """The HTTP front answered with an error status (4xx/5xx)."""
+        self.http_errors.labels(self.model_name, str(status)).inc()
 
     def observe_finish(self, finish, req, first_leg, end_ns: int) -> None:
         """One request ended with `finish` (the router's, timings and usage filled in)."""

@@ -272,6 +272,7 @@ class Router:
                 max_model_len=options.max_model_len,
                 max_prompt_bytes=self.servicer.encoder.max_prompt_bytes,
                 metrics_registry=self.metrics_registry,
+                on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,
             )

@@ -209,6 +209,33 @@ def read_response(s: socket.socket) -> tuple[int, bytes]:
     return int(lines[0].split()[1]), body
 
 
+def test_error_responses_are_counted_by_status(router, idle):
+    """pdserve:http_errors_total{status} counts the front's own refusals and the failed Generate
+    calls it relays; pdserve:request_errors_total counts only the calls that reached Generate."""
+    registry, model = router.metrics_registry, router.servicer.options.model_id
+
+    def total(name: str, **labels) -> float:
+        return sum(
+            sample.value
+            for family in registry.collect()
+            for sample in family.samples
+            if sample.name == name
+            and sample.labels["model_name"] == model
+            and labels.items() <= sample.labels.items()
+        )
+
+    before = {s: total("pdserve:http_errors_total", status=s) for s in ("400", "404")}
+    relayed = total("pdserve:request_errors_total")
+    assert_error(*post(router, C, b"{not json")[::2], 400)  # the front's own: no Generate call
+    assert_error(*request(router.http_address, "GET", "/v1/nothing")[::2], 404)
+    assert total("pdserve:request_errors_total") == relayed
+    assert_error(*post(router, C, {**GOOD, "max_tokens": MAX_MODEL_LEN + 1})[::2], 400)
+    assert total("pdserve:request_errors_total") == relayed + 1  # this one reached Generate
+    assert total("pdserve:http_errors_total", status="400") == before["400"] + 2
+    assert total("pdserve:http_errors_total", status="404") == before["404"] + 1
+    serves(router)
+
+
 def test_unknown_paths_and_methods_get_the_error_shape(router):
     status, _, body = request(router.http_address, "GET", "/v1/nothing")
     assert_error(status, body, 404)

@@ -43,9 +43,11 @@ ROUTER_METRICS = {  # name -> type
     "pdserve:router_requests_inflight": "gauge",
     "pdserve:router_decode_queue_waiting": "gauge",
     "pdserve:request_errors": "counter",
+    "pdserve:http_errors": "counter",
 }
 ROUTER_LABELS = {  # the labels besides model_name, of the router metrics that have any
     "pdserve:request_errors": {"code"},
+    "pdserve:http_errors": {"status"},
     "vllm:request_success": {"finished_reason"},
     "pdserve:request_stage_seconds": {"stage"},
 }
