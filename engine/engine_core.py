@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import itertools
 import logging
 import os
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -40,62 +37,28 @@ from engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
 from engine.loader import resolve_model
 from engine.model_runner import ModelInput, ModelRunner, SeqInput
 from engine.parallel import TPState, current_tp_state, divide, tp_scope
-from engine.request import CompletionOutput, FinishReason, RequestOutput, SeqStatus, Sequence
+from engine.request import (
+    CompletionOutput,
+    FinishReason,
+    KVSink,
+    RequestOutput,
+    Reservation,
+    SeqStatus,
+    Sequence,
+)
 from engine.sampler import make_generator, skip_sample_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, StepResult
-from engine.tokenizer import IncrementalDetokenizer, find_stop_string, load_tokenizer
-from kvpool import KV_FILE_PREFIX, map_pool_file
+from engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    find_stop_string,
+    load_tokenizer,
+    prompt_token_ids,
+)
+from kvpool import map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
-
-
-STEP_TRACE_LEN = 32768  # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step as the latency models see it (deploy/tuning/perf_model.py): when it ran
-    (time.monotonic seconds) and its shape. Decode rows are sequences that computed one token on
-    top of a context; every other row is a prompt chunk."""
-
-    start: float
-    end: float
-    tokens: int  # every token the step computed
-    prefill_pairs: int  # sum over prompt chunks of n * (start + n)
-    num_decode: int  # decode rows
-    decode_context: int  # sum of the decode rows' context tokens (the new one included)
-
-
-def remove_stale_kv_files(directory: str) -> None:
-    """Unlink shared KV pool files left by engines whose process is gone (killed before shutdown):
-    under /dev/shm they would hold memory until reboot."""
-    for path in glob.glob(os.path.join(directory, f"{KV_FILE_PREFIX}*-rank*")):
-        pid = os.path.basename(path)[len(KV_FILE_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        except PermissionError:  # alive, someone else's
-            pass
-
-
-class KVSink(Protocol):
-    def on_layer(
-        self, layer_idx: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
-    ) -> None:
-        """layer_kv: [2, num_blocks, block_size, kv_heads, head_dim]; tokens [start, end) are final."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    request_id: str
-    block_ids: list[int]
-    num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
-    block_size: int
 
 
 @dataclass
@@ -193,28 +156,6 @@ class LLMEngine:
             raise
 
     # ---- requests -------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest(
-                    "prompt must be a non-empty string or a non-empty list of token ids"
-                )
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequest(
-                "prompt must be a non-empty string or a non-empty list of token ids"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [
-            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-        ]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}"
-            )
-        return ids
-
     def _new_request(
         self, request_id: str, prompt, params: SamplingParams | None, prefill_only: bool = False
     ) -> _Request:
@@ -225,7 +166,7 @@ class LLMEngine:
             )
         if request_id in self._requests:
             raise DuplicateRequestId(f"request_id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
+        ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise PromptTooLong(
@@ -235,16 +176,9 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             gen = make_generator(params.seed, i) if params.seed is not None else None
+            seq_id = next(self._seq_counter)
             seqs.append(
-                Sequence(
-                    next(self._seq_counter),
-                    request_id,
-                    i,
-                    ids,
-                    params,
-                    gen,
-                    prefill_only=prefill_only,
-                )
+                Sequence(seq_id, request_id, i, ids, params, gen, prefill_only=prefill_only)
             )
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs
@@ -382,9 +316,8 @@ class LLMEngine:
         mc = self.model_config
         return dict(
             model=self.model_id,
-            dtype=str(self.config.kv_torch_dtype).removeprefix(
-                "torch."
-            ),  # the cache's, not the activations'
+            # the cache's dtype, not the activations'
+            dtype=str(self.config.kv_torch_dtype).removeprefix("torch."),
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
@@ -424,9 +357,7 @@ class LLMEngine:
                 f"leave it unset (workers set it for tensor parallelism and the shm backend, whose "
                 f"KV hand-off is CPU-only for now: use tp=1 workers with the grpc or torch backend)"
             )
-        remove_stale_kv_files(directory)
-        prefix = os.path.join(directory, f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        return [f"{prefix}-rank{r}" for r in range(self.config.tensor_parallel_size)]
+        return new_pool_paths(directory, self.config.tensor_parallel_size)
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -462,7 +393,7 @@ class LLMEngine:
             req = self._requests.get(item.seq.request_id)
             if req is not None:  # position p's numbers are about prompt token p + 1
                 req.prompt_logprobs[item.start + 1 : item.start + 1 + len(rows)] = rows
-        self.step_trace.append(_step_record(plan, start, time.monotonic()))
+        self.step_trace.append(step_record(plan, start, time.monotonic()))
         for item in plan.scheduled:
             req = self._requests.get(item.seq.request_id)
             if req is not None and req.kv_sink is not None:
@@ -565,16 +496,3 @@ class LLMEngine:
             for path in self.kv_cache_paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-
-
-def _step_record(plan: StepPlan, start: float, end: float) -> StepRecord:
-    tokens = pairs = num_decode = context = 0
-    for item in plan.scheduled:
-        n = item.num_new_tokens
-        tokens += n
-        if n == 1 and item.start > 0:
-            num_decode += 1
-            context += item.start + 1
-        else:
-            pairs += n * (item.start + n)
-    return StepRecord(start, end, tokens, pairs, num_decode, context)

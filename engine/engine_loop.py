@@ -150,7 +150,7 @@ class EngineLoop:
         }
 
     def take_step_trace(self, timeout: float | None = 30.0) -> list:
-        """The engine's StepRecords since the last take (engine_core.StepRecord), taken on the loop
+        """The engine's StepRecords since the last take (engine.step_trace.StepRecord), taken on the loop
         thread between steps so that none is half-written or lost."""
 
         def take():

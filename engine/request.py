@@ -1,10 +1,12 @@
-"""Sequences (one sampled continuation each) and the outputs handed to callers."""
+"""Sequences (one sampled continuation each), the outputs handed to callers, and what the
+disaggregation hooks take and give (KVSink, Reservation: engine/engine_core.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -105,3 +107,18 @@ class RequestOutput:
             [CompletionOutput(0, "", [], FinishReason.ABORT.value, stop_reason=reason)],
             finished=True,
         )
+
+
+class KVSink(Protocol):
+    def on_layer(
+        self, layer_idx: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
+    ) -> None:
+        """layer_kv: [2, num_blocks, block_size, kv_heads, head_dim]; tokens [start, end) are final."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds
+    block_size: int

@@ -9,9 +9,33 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
+from engine.errors import InvalidRequest
+
 
 def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
+    """A prompt as token ids: text through the tokenizer (with its special tokens), a list of ids
+    checked (integers in [0, vocab_size)); InvalidRequest for an empty or bad one."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest(
+                "prompt must be a non-empty string or a non-empty list of token ids"
+            )
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    ids = list(prompt)
+    if not ids:
+        raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")
+    bad = [
+        t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise InvalidRequest(
+            f"prompt token ids must be integers in [0, {vocab_size}), got {bad[:3]}"
+        )
+    return ids
 
 
 class IncrementalDetokenizer:

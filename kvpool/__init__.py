@@ -1,10 +1,12 @@
-"""KV pools in shared files: the one place that creates and maps them.
+"""KV pools in shared files: the one place that names, creates, maps and cleans up after them.
 
 A pool that another process must reach (a tensor-parallel rank's pool read by rank 0, a decode
 worker's pool written in place by an shm sender) lives in a file, usually under /dev/shm, mapped
 with torch.from_file. The engine's model runner creates its pool here, and kvtransfer's shm
 backend creates and maps pools through the same functions, so the file's mode (0600: its owner's
-processes only), its zero fill and its size check are the same everywhere.
+processes only), its zero fill and its size check are the same everywhere. An engine's files are
+named after its process (new_pool_paths), so the files of a process killed before it could unlink
+them are found and removed later (remove_stale_pool_files).
 
 A package of its own, importing only torch and the standard library, so that the engine and
 kvtransfer can both use it and still never import each other (tests/unit/test_boundaries.py).
@@ -12,8 +14,11 @@ kvtransfer can both use it and still never import each other (tests/unit/test_bo
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import math
 import os
+import uuid
 
 import torch
 
@@ -52,3 +57,28 @@ def map_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
             f"{str(dtype).removeprefix('torch.')} needs {nbytes}"
         )
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def remove_stale_pool_files(directory: str) -> None:
+    """Unlink pool files left by processes that are gone (killed before they could unlink them):
+    under /dev/shm they would hold memory until reboot."""
+    for path in glob.glob(os.path.join(directory, f"{KV_FILE_PREFIX}*-rank*")):
+        pid = os.path.basename(path)[len(KV_FILE_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
+def new_pool_paths(directory: str, num_ranks: int) -> list[str]:
+    """Fresh names for one engine's pool files, one per tensor-parallel rank, under `directory`
+    (named after this process, so remove_stale_pool_files can tell when they are orphaned);
+    orphaned files found there are removed first."""
+    remove_stale_pool_files(directory)
+    prefix = os.path.join(directory, f"{KV_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return [f"{prefix}-rank{r}" for r in range(num_ranks)]

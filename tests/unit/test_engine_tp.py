@@ -83,7 +83,7 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
 
 
 def test_stale_shared_kv_files_are_removed(tmp_path):
-    from engine.engine_core import remove_stale_kv_files
+    from kvpool import remove_stale_pool_files
 
     dead = 2**22 + 7  # above the largest pid_max Linux allows: no such process
     stale = tmp_path / f"pdserve-kv-{dead}-abcd-rank0"
@@ -91,5 +91,5 @@ def test_stale_shared_kv_files_are_removed(tmp_path):
     other = tmp_path / "unrelated"
     for p in (stale, alive, other):
         p.write_bytes(b"x")
-    remove_stale_kv_files(str(tmp_path))
+    remove_stale_pool_files(str(tmp_path))
     assert not stale.exists() and alive.exists() and other.exists()
