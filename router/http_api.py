@@ -3,7 +3,8 @@ process, next to gRPC (docs/architecture.md section 1). This module is the app (
 responses; router/http_server.py serves it (HttpFront, HttpSettings).
 
     GET  /v1/models             the served model (gRPC ListModels)
-    POST /v1/completions        a prompt (text or token ids)          -> gRPC Generate
+    POST /v1/completions        a prompt (text or token ids), or a    -> gRPC Generate (one call
+                                batch of them                            a prompt)
     POST /v1/chat/completions   messages (the model's chat template)  -> gRPC Generate
     GET  /health                200 while every pool has a worker, else 503 (no key needed)
     GET  /metrics               the router's Prometheus registry (needs a key when keys are set)
@@ -203,17 +204,19 @@ def build_app(front: HttpFront) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body, metadata = await parse(request, CompletionRequest)
-        prompt = body.prompt_value()
-        gen = pdserve_pb2.GenerateRequest(
-            model=body.model,
-            sampling=sampling_params(body, body.max_tokens, body.logprobs is not None),
-        )
-        if isinstance(prompt, str):
-            check_prompt_size([prompt], "prompt")
-            gen.text = prompt
-        else:
-            gen.token_ids.ids.extend(prompt)
-        return await run(request, gen, metadata, body, chat=False)
+        prompts = body.prompts()
+        for text in (p for p in prompts if isinstance(p, str)):
+            check_prompt_size([text], "prompt")
+        sampling = sampling_params(body, body.max_tokens, body.logprobs is not None)
+        gens = []
+        for prompt in prompts:
+            gen = pdserve_pb2.GenerateRequest(model=body.model, sampling=sampling)
+            if isinstance(prompt, str):
+                gen.text = prompt
+            else:
+                gen.token_ids.ids.extend(prompt)
+            gens.append(gen)
+        return await run(request, gens, metadata, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -227,36 +230,82 @@ def build_app(front: HttpFront) -> FastAPI:
         gen.chat.messages.extend(
             pdserve_pb2.ChatMessage(role=m.template_role(), content=m.text()) for m in body.messages
         )
-        return await run(request, gen, metadata, body, chat=True)
+        return await run(request, [gen], metadata, body, chat=True)
 
-    async def run(request: Request, gen, metadata, body, chat: bool):
-        gen.request_id = f"http-{uuid.uuid4().hex}"
-        call = front.stub.Generate(gen, metadata=metadata)
+    async def run(request: Request, gens: list, metadata, body, chat: bool):
+        request_id = f"http-{uuid.uuid4().hex}"
+        if len(gens) == 1:
+            gens[0].request_id = request_id
+            call = front.stub.Generate(gens[0], metadata=metadata)
+        else:  # a batch: one call a prompt, their responses as one stream
+            for i, gen in enumerate(gens):
+                gen.request_id = f"{request_id}-{i}"
+            calls = [front.stub.Generate(gen, metadata=metadata) for gen in gens]
+            call = _BatchCall(calls, body.n)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
+        streaming = False  # once true, the stream's response owns the call
         try:
             first = await _from_router(call.read(), watcher)
             if first is grpc.aio.EOF:
                 raise ApiError(500, "the router ended the call without a response", "server_error")
             if body.stream:
                 watcher.cancel()  # Starlette's StreamingResponse watches from here on
+                streaming = True
                 return _CallStream(
                     call,
-                    _stream(call, first, body, chat, s.model_id, gen.request_id, text_of),
+                    _stream(call, first, body, chat, s.model_id, request_id, text_of),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
             responses = [first] + await _from_router(_all(_rest(call)), watcher)
             return JSONResponse(
-                whole_response(responses, body, chat, s.model_id, gen.request_id, text_of)
+                whole_response(responses, body, chat, s.model_id, request_id, text_of)
             )
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: the client left
         finally:
             watcher.cancel()
-            if not body.stream:
-                call.cancel()  # no-op once finished
+            if not streaming:
+                call.cancel()  # no-op once finished; a batch's other calls stop here
 
     return app
+
+
+class _BatchCall:
+    """The gRPC calls of a batch of prompts read as one call: `read` gives the next response of
+    any of them (first come, first given) with its sequence index moved to prompt i's range
+    (i * n + j), EOF once all ended; the first error ends the batch (the caller cancels it)."""
+
+    def __init__(self, calls: list, n: int):
+        self._calls, self._n = calls, n
+        # one pending read per call still open -> the call's prompt index
+        self._reads = {asyncio.ensure_future(c.read()): i for i, c in enumerate(calls)}
+        self._ready: list = []
+
+    async def read(self):
+        while not self._ready and self._reads:
+            done, _ = await asyncio.wait(self._reads, return_when=asyncio.FIRST_COMPLETED)
+            if any(task.cancelled() for task in done):  # cancel() ran: the client is gone
+                raise asyncio.CancelledError()
+            errors = [task.exception() for task in done if task.exception() is not None]
+            if errors:
+                raise errors[0]
+            for task in done:
+                i = self._reads.pop(task)
+                msg = task.result()
+                if msg is grpc.aio.EOF:
+                    continue
+                event = msg.delta if msg.HasField("delta") else msg.finish
+                event.index += i * self._n
+                self._ready.append(msg)
+                self._reads[asyncio.ensure_future(self._calls[i].read())] = i
+        return self._ready.pop(0) if self._ready else grpc.aio.EOF
+
+    def cancel(self) -> None:
+        for task in self._reads:
+            task.cancel()
+        for call in self._calls:
+            call.cancel()
 
 
 class _CallStream(StreamingResponse):
@@ -378,7 +427,7 @@ async def _stream(call, first, body, chat: bool, model_id: str, request_id: str,
         if include_usage:
             if held is not None:
                 yield sse(held)
-            held = {**base, "choices": [], "usage": usage(finishes)}
+            held = {**base, "choices": [], "usage": usage(finishes, body.n)}
         if held is not None:
             held["pdserve"] = extension(finishes, request_id)
             yield sse(held)

@@ -189,10 +189,15 @@ def finish_reason(finish: pdserve_pb2.Finish) -> str:
     raise ApiError(500, f"the request failed ({reason}): {why}", "server_error")
 
 
-def usage(finishes: list[pdserve_pb2.Finish]) -> dict:
-    prompt = max((f.usage.prompt_tokens for f in finishes), default=0)
+def usage(finishes: list[pdserve_pb2.Finish], n: int = 1) -> dict:
+    """The request's usage from its sequences' Finishes (index i * n + j: prompt i's sequence j):
+    each prompt's tokens once (every Finish of a prompt repeats them), every sequence's output."""
+    per_prompt: dict[int, pdserve_pb2.Usage] = {}
+    for f in finishes:
+        per_prompt.setdefault(f.index // n, f.usage)
+    prompt = sum(u.prompt_tokens for u in per_prompt.values())
     completion = sum(f.usage.completion_tokens for f in finishes)
-    cached = max((f.usage.cached_prompt_tokens for f in finishes), default=0)
+    cached = sum(u.cached_prompt_tokens for u in per_prompt.values())
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -328,7 +333,7 @@ def whole_response(responses, body, chat: bool, model_id: str, request_id: str, 
         "created": int(time.time()),
         "model": model_id,
         "choices": out,
-        "usage": usage(finishes),
+        "usage": usage(finishes, body.n),
         "system_fingerprint": None,
         "pdserve": extension(finishes, request_id),
     }

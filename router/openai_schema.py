@@ -134,14 +134,15 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    # one prompt: text, or token ids; a one-element list of either is the same prompt
+    # one prompt (text, or token ids) or a batch of them (a list of texts or of token id lists):
+    # choice i * n + j is prompt i's sequence j, as OpenAI's and vLLM's
     prompt: (
         StrictStr
         | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_N)]
         | Annotated[
             list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]],
-            Field(min_length=1, max_length=1),
+            Field(min_length=1, max_length=MAX_N),
         ]
     )
     # 0: the sampled token's logprob (OpenAI returns the top `logprobs` alternatives besides it;
@@ -163,11 +164,22 @@ class CompletionRequest(_Sampling):
         "best_of", message="best_of > 1 is not supported; use n", neutral=lambda v: v in (None, 1)
     )
 
-    def prompt_value(self) -> str | list[int]:
+    @model_validator(mode="after")
+    def _sequences_bounded(self):
+        num_prompts = len(self.prompts())
+        if num_prompts * self.n > MAX_N:
+            raise ValueError(
+                f"{num_prompts} prompts x n={self.n} asks for {num_prompts * self.n} sequences, "
+                f"at most {MAX_N} a request: send fewer prompts or a lower n"
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]
-        return p
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
 
 class TextPart(_Strict):

@@ -195,6 +195,44 @@ def test_openai_n_2(router, idle):
     assert reasons == {0: "length", 1: "length"} and all(texts.values())
 
 
+def test_a_batch_of_prompts_gives_prompt_i_choices_i_times_n_to_plus_n(router, idle, llm):
+    """prompt as a list: one Generate call a prompt; choice i * n + j is prompt i's sequence j,
+    greedy text equal to engine.LLM's for that prompt; usage counts each prompt once and every
+    sequence's tokens; the stream carries the same texts under the same indexes."""
+    prompts = random_prompts([7, 12, 9], seed=31)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    c = client(router)
+    batch = eos_ignored(prompt=prompts, n=2, max_tokens=5)
+    got = c.completions.create(**batch)
+    assert [ch.index for ch in got.choices] == list(range(6))
+    assert [ch.text for ch in got.choices] == [w for w in want for _ in range(2)]
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (7 + 12 + 9, 6 * 5)
+    texts, reasons, usage = {}, {}, None
+    for chunk in c.completions.create(**batch, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    assert [texts[i] for i in range(6)] == [w for w in want for _ in range(2)]
+    assert reasons == dict.fromkeys(range(6), "length")
+    assert (usage.prompt_tokens, usage.completion_tokens) == (28, 30)
+
+
+def test_a_batch_with_one_bad_prompt_fails_whole_and_aborts_the_others(router, idle, monkeypatch):
+    """A prompt the router refuses (too long) fails the batch with its status at once; the other
+    prompt's call is cancelled, so the router aborts it on the decode worker instead of letting it
+    decode to the end for nobody."""
+    aborted = record_aborts(idle.decode, monkeypatch)
+    ok, too_long = random_prompts([8], seed=32)[0], [5] * MAX_MODEL_LEN
+    until_full = eos_ignored(prompt=[ok, too_long], max_tokens=MAX_MODEL_LEN - 9)
+    with pytest.raises(openai.BadRequestError) as e:
+        client(router).completions.create(**until_full)
+    assert "max_model_len" in str(e.value)
+    wait_kv_freed_by_abort(idle, aborted)
+
+
 def test_openai_errors_are_the_client_exceptions(router):
     c = client(router)
     with pytest.raises(openai.NotFoundError):
