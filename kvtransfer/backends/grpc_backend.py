@@ -24,7 +24,8 @@ here (only the shm backend's server takes them: its sender wrote the KV into the
 
 Sender: `send` puts the frame on a queue bounded in bytes (backpressure); gRPC's request-iterator
 thread drains it into the stream, so `send` returns quickly and frames keep their order. `flush`
-asks the server until it has handled every frame sent so far, or the deadline passes. A stream the
+asks the server until it has handled every frame sent so far, or the deadline passes; concurrent
+flushes share one Flush call at a time (the server admits 2 * max_channels + 2 calls in all). A stream the
 server closed (idle, or evicted for a new sender: see backends.channels) is reopened at the next
 send when every frame sent on it was confirmed by a flush; otherwise the send raises
 ConnectionError (frames may be lost) and the caller opens a fresh transport.

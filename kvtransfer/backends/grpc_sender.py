@@ -103,6 +103,11 @@ class _Stream:
         self.queue = _FrameQueue(max_queued_bytes)
         self.messages = self.queue.drain()
         self.sent = self.confirmed = 0
+        # one Flush call in flight per stream (the server bounds its concurrent calls): it asks
+        # for the lowest frame count a flush waits for, and its answer confirms every frame the
+        # server has handled, for all of them
+        self.asking = threading.Lock()
+        self.flush_targets: list[int] = []
         self.ended = (
             threading.Event()
         )  # (the call's own done() takes a lock gRPC's threads hold often)
@@ -295,22 +300,38 @@ class GrpcTransport(Transport):
             if self._closed:
                 raise RuntimeError("this KV transport is closed")
             stream, target = self._stream, self._stream.sent
-        while target > stream.confirmed:
-            if stream.ended.is_set():
-                raise stream.failure(self._address)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"the KV transfer server at {self._address} did not handle "
-                    f"{target} frames within {timeout}s"
-                )
-            try:
-                handled = self._ask(stream, target, min(remaining, FLUSH_POLL_S), remaining)
-            except TimeoutError:
-                continue  # the loop raises TimeoutError
-            if handled >= target:
-                with self._lock:
-                    stream.confirmed = max(stream.confirmed, target)
+            stream.flush_targets.append(target)
+        try:
+            while target > stream.confirmed:
+                if stream.ended.is_set():
+                    raise stream.failure(self._address)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"the KV transfer server at {self._address} did not handle "
+                        f"{target} frames within {timeout}s"
+                    )
+                if stream.asking.acquire(timeout=min(remaining, FLUSH_POLL_S)):
+                    try:
+                        self._ask_for_waiters(stream, remaining)
+                    finally:
+                        stream.asking.release()
+        finally:
+            with self._lock:
+                stream.flush_targets.remove(target)
+
+    def _ask_for_waiters(self, stream: _Stream, remaining: float) -> None:
+        """One Flush call (the caller holds stream.asking) for the lowest count still awaited."""
+        with self._lock:
+            pending = [t for t in stream.flush_targets if t > stream.confirmed]
+        if not pending:
+            return  # the last answer confirmed them all
+        try:
+            handled = self._ask(stream, min(pending), min(remaining, FLUSH_POLL_S), remaining)
+        except TimeoutError:
+            return  # the caller's loop raises TimeoutError past its deadline
+        with self._lock:  # frames are handled in order: the first `handled` are done
+            stream.confirmed = max(stream.confirmed, min(handled, stream.sent))
 
     def close(self) -> None:
         with self._lock:

@@ -439,3 +439,37 @@ def test_paged_writer_matches_write_chunk(dtype):
         writer.write(dst_layout, dst_blocks, dataclasses.replace(header, layer=5), data)
     with pytest.raises(ValueError, match="payload has"):
         writer.write(dst_layout, dst_blocks, header, data.view(-1)[:-1])
+
+
+def test_concurrent_flushes_share_one_flush_call_within_the_servers_rpc_limit():
+    """Many requests flushing one channel at once (a prefill worker finishing a batch of prompts)
+    ask the server with one Flush call at a time: the server admits 2 * max_channels + 2 calls,
+    and each extra Flush used to be refused (RESOURCE_EXHAUSTED) and failed its request."""
+    handled = []
+
+    def slow_handler(header, payload):  # keeps the flushes waiting on the server together
+        time.sleep(0.02)
+        handled.append(header.request_id)
+
+    server = serve("grpc", slow_handler, max_channels=1)  # at most 4 calls at once
+    tx = connect("grpc", server.address, timeout=TIMEOUT)
+    errors = []
+
+    def one(i: int) -> None:
+        try:
+            tx.send_headers([ChunkHeader(f"r{i}", "fp", kind="abort")])
+            tx.flush(TIMEOUT)
+        except Exception as e:  # the test reports every failure
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * TIMEOUT)
+        assert errors == []
+        assert sorted(handled) == sorted(f"r{i}" for i in range(12))
+    finally:
+        tx.close()
+        server.stop()
