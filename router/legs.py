@@ -24,8 +24,11 @@ reservation on a worker that was only unreachable) cannot collide with it, and n
 name another's request to a worker.
 
 What differs after a resume, compared with an uninterrupted run:
-- greedy decoding gives the same tokens; seeded sampling continues from a fresh generator seeded
-  with the same seed, so the tokens after the resume differ from an uninterrupted seeded run;
+- greedy decoding gives the same tokens up to rounding: the new leg computes the streamed tokens'
+  KV in one prefill, whose kernels round differently from the decode steps that computed it
+  first, so a near-tie can go the other way (BENCHMARKS.md, chaos part e); seeded sampling
+  continues from a fresh generator seeded with the same seed, so the tokens after the resume
+  differ from an uninterrupted seeded run;
 - presence/frequency penalties see the earlier output as prompt, which they ignore (they count
   generated tokens only), so tokens streamed before the resume stop being penalised; repetition
   penalty counts prompt and output alike and is unchanged;
