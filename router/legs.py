@@ -15,20 +15,17 @@ it to abort) and neither the client nor a deadline ended it, the router starts a
 different decode worker with
     prompt   = the client's prompt + every token id already streamed to the client
     sampling = max_tokens (and min_tokens) lowered by the tokens already streamed
-and the prefill runs again (the prefill worker's prefix cache holds the prompt, so mostly only
-the streamed tokens are computed). The client's stream goes on where it stopped: no token is
-sent twice, text deltas continue from the same incremental detokenizer, usage counts every token.
-Each leg has its own worker-side request id, minted by the router (the client's request_id
-never reaches a worker), so whatever a dead leg left on a worker (a prefill still running, a
-reservation on a worker that was only unreachable) cannot collide with it, and no client can
-name another's request to a worker.
+and the prefill runs again (the prefill worker's prefix cache holds the prompt, so mostly only the
+streamed tokens are computed). The client's stream goes on where it stopped: no token is sent twice,
+text deltas continue from the same incremental detokenizer, usage counts every token.
+Each leg has its own worker-side request id, minted by the router (the client's request_id never
+reaches a worker), so whatever a dead leg left on a worker (a prefill still running, a reservation
+on a worker that was only unreachable) cannot collide with it, and no client can name another's
+request to a worker.
 
 What differs after a resume, compared with an uninterrupted run:
-- greedy decoding gives the same tokens up to rounding: the new leg computes the streamed tokens'
-  KV in one prefill, whose kernels round differently from the decode steps that computed it
-  first, so a near-tie can go the other way (BENCHMARKS.md, chaos part e); seeded sampling
-  continues from a fresh generator seeded with the same seed, so the tokens after the resume
-  differ from an uninterrupted seeded run;
+- greedy decoding gives the same tokens up to rounding (a prefill recomputes the streamed tokens'
+  KV: a near-tie can flip); seeded sampling restarts from a fresh generator of the same seed;
 - presence/frequency penalties see the earlier output as prompt, which they ignore (they count
   generated tokens only), so tokens streamed before the resume stop being penalised; repetition
   penalty counts prompt and output alike and is unchanged;
@@ -192,16 +189,19 @@ class Legs:
         texts: list[TextStream],
         sent: list[list[int]],
         finish_of=None,
+        indexes: list[int] | None = None,
     ):
-        """Yields the client's responses for one leg's token events, sequence i's (TokenEvent.index)
-        through texts[i], adding their ids to sent[i]; returns (the final event of the sequence that
-        ended last, or None; the stream's error or None). n>1: the Finish of each sequence that
-        ends before the last is `finish_of(its final event)`, yielded in place."""
-        n, ended = len(texts), set()
+        """Yields the client's responses for one leg's token events: sequence i's (the event's
+        index, or indexes[index]) go through texts[i], their ids onto sent[i]. Returns (the final
+        event of the sequence that ended last, or None; the stream's error or None). n>1: a
+        sequence ending before the last yields `finish_of(its final event)` in place."""
+        n, ended = len(indexes or texts), set()
         try:
             for event in leg.stream_call:
-                i = event.index
-                if i >= n or i in ended:  # never sent, or the router already ended it (below)
+                if event.index >= n:  # never sent
+                    continue
+                i = event.index = indexes[event.index] if indexes else event.index
+                if i in ended:  # the router already ended it (below)
                     continue
                 if event.token_ids and not req.first_token_ns:
                     req.first_token_ns = unix_ns()

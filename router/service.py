@@ -17,9 +17,10 @@ Lifecycle of one Generate call (docs/architecture.md section 1):
      and presence/frequency penalties see the earlier output as prompt (details in router/legs.py)
   n>1: one leg for all n sequences (prefilled once; the decode worker forks them) and one text
      stream per sequence here; each sequence's Finish goes out when it ends, the call ends after
-     the n-th. A decode worker that dies once an n>1 request streamed tokens fails it with
-     UNAVAILABLE instead of resuming: each sequence would need its own prompt (the client's plus
-     its own tokens), so one leg could not carry them (before any token it restarts as for n=1)
+     the n-th. A decode worker that dies before any token: the request restarts as for n=1.
+     Once tokens were streamed, each sequence still open needs its own prompt (the client's plus
+     its own tokens): they resume one after another, each alone on a leg (n=1), and their events
+     keep the client's indexes
   client gone (context callback) or deadline_ms exceeded -> Abort on both workers, sent from the
      router's abort threads: gRPC runs the callback on its polling thread, which must never wait
      on a worker (it would stall every call of the router, health checks and heartbeats included)
@@ -214,34 +215,56 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             finishes.append(finish)
             return pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=finish)
 
+        # n>1 whose decode worker died after tokens were streamed: the sequences still open, each
+        # resumed on a leg of its own (the client's prompt plus its own tokens), one after another
+        reopened: list[int] | None = None
+        num_resumes = 0
         while True:
-            streamed = sent[0] if n == 1 else []  # n>1 only restarts before any token
-            leg_sampling = resume_sampling(sampling, len(streamed))
+            if reopened is None:
+                seqs, streamed = None, sent[0] if n == 1 else []  # n>1 restarts before any token
+                leg_sampling = resume_sampling(sampling, len(streamed))
+            else:
+                seqs, streamed = reopened[:1], sent[reopened[0]]
+                alone = pdserve_pb2.SamplingParams()
+                alone.CopyFrom(sampling)
+                alone.n = 1
+                leg_sampling = resume_sampling(alone, len(streamed))
             if leg_sampling is None or len(prompt) + len(streamed) >= self.options.max_model_len:
-                final = worker_pb2.TokenEvent(finish_reason="length")  # the dead leg had got there
-                break
-            try:
-                leg = self.legs.start(req, prompt + streamed, leg_sampling, deadline, len(legs))
-            except LegFailed as e:
-                self._fail(req, context, e.error, e.who, 0)
-            if leg is None:
-                return
-            legs.append(leg)
-            final, error = yield from self.legs.stream(req, leg, texts, sent, finish_of)
-            if req.cancelled:
-                return
-            if decode_died(leg, final, error, req.abort_requested, deadline):
-                self._resume_or_fail(req, leg, error, sum(map(len, sent)), context, n)
+                # the dead leg had got there
+                final = worker_pb2.TokenEvent(index=seqs[0] if seqs else 0, finish_reason="length")
+            else:
+                try:
+                    leg = self.legs.start(req, prompt + streamed, leg_sampling, deadline, len(legs))
+                except LegFailed as e:
+                    self._fail(req, context, e.error, e.who, 0)
+                if leg is None:
+                    return
+                legs.append(leg)
+                final, error = yield from self.legs.stream(req, leg, texts, sent, finish_of, seqs)
+                if req.cancelled:
+                    return
+                if decode_died(leg, final, error, req.abort_requested, deadline):
+                    num_resumes += 1
+                    self._resume_or_fail(req, leg, error, sum(map(len, sent)), context, num_resumes)
+                    if reopened is None and n > 1 and any(sent):
+                        ended = {f.index for f in finishes}
+                        reopened = [i for i in range(n) if i not in ended]
+                    continue
+                self._prefill_result(leg.prefill_future)
+                if (
+                    leg.prefill_error is not None
+                    and (final is None or final.finish_reason == "abort")
+                    and not req.abort_requested
+                ):
+                    self._fail(
+                        req, context, leg.prefill_error, "prefill worker", request.deadline_ms
+                    )
+                if final is None:
+                    self._fail(req, context, error, "decode worker", request.deadline_ms)
+            if reopened is not None and len(reopened) > 1:  # the next open sequence's turn
+                yield finish_of(final)
+                reopened.pop(0)
                 continue
-            self._prefill_result(leg.prefill_future)
-            if (
-                leg.prefill_error is not None
-                and (final is None or final.finish_reason == "abort")
-                and not req.abort_requested
-            ):
-                self._fail(req, context, leg.prefill_error, "prefill worker", request.deadline_ms)
-            if final is None:
-                self._fail(req, context, error, "decode worker", request.deadline_ms)
             break
         req.finished = True
         finish = self._finish(final, len(prompt), len(sent[final.index]), legs, queued_ns, req)
@@ -250,11 +273,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         yield pdserve_pb2.GenerateResponse(request_id=req.request_id, finish=finish)
 
     def _resume_or_fail(
-        self, req: Inflight, leg: Leg, error, num_sent: int, context, n: int = 1
+        self, req: Inflight, leg: Leg, error, num_sent: int, context, num_resumes: int
     ) -> None:
-        """After a leg's decode worker died: returns so the caller starts the next leg, or ends the
-        call when no resume is left. n>1 after any streamed token: not resumed (see the module
-        docstring), the call ends with UNAVAILABLE."""
+        """After a leg's decode worker died (the request's num_resumes-th death): returns so the
+        caller starts the next leg, or ends the call when no resume is left."""
         self.legs.retire(req, leg)
         why = (
             f"{error.code().name}: {error.details()}"
@@ -262,28 +284,15 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             else "its stream ended without a final event"
         )
         name = self.pool.name(leg.decode)
-        if n > 1 and num_sent:
-            self._fail(
-                req,
-                context,
-                RouterStatus(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"decode worker {name} failed ({why}) while streaming request "
-                    f"{req.request_id!r} with n={n} after {num_sent} tokens; a request with n>1 "
-                    f"is not resumed on another decode worker once tokens were streamed: retry "
-                    f"the request",
-                ),
-                "decode worker",
-                0,
-            )
-        if leg.number >= self.options.max_resumes:
+        if num_resumes > self.options.max_resumes:
             self._fail(
                 req,
                 context,
                 RouterStatus(
                     grpc.StatusCode.UNAVAILABLE,
                     f"decode worker {name} failed ({why}) and request {req.request_id!r} was "
-                    f"already resumed {leg.number} times (max_resumes={self.options.max_resumes}); "
+                    f"already resumed {num_resumes - 1} times (max_resumes="
+                    f"{self.options.max_resumes}); "
                     f"retry the request",
                 ),
                 "decode worker",

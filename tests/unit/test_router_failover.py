@@ -279,29 +279,54 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
     assert [list(r.delta.token_ids) for r in responses] == [[7]] and text.flush() == ""
 
 
-def test_decode_death_of_an_n_request_fails_it_unavailable_once_tokens_were_streamed(
-    model_dir, prefill
+def test_decode_death_of_an_n_request_resumes_each_open_sequence_on_its_own_leg(
+    model_dir, prefill, expected
 ):
-    """n>1 is not resumed on another decode worker once tokens were streamed (each sequence would
-    need its own prompt: router/service.py): the call fails with UNAVAILABLE saying so, though
-    another decode worker is there, and both sides free their blocks. Before any token it starts
-    over like n=1 (the same prompt and sampling): the n outputs are then engine.LLM's."""
-    prompt = random_prompts([20], seed=23)[0]
-    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, n=2)
+    """n>1 once tokens were streamed: each sequence still open resumes alone on a leg (the prompt
+    plus its own tokens) on the survivor, one after another, under its own index: greedy, every
+    sequence ends with the engine's tokens, none repeated or lost, and both sides free their
+    blocks."""
+    prompt, want_ids, want_text = expected
+    sampling = pdserve_pb2.SamplingParams()
+    sampling.CopyFrom(LONG_GREEDY)
+    sampling.n = 2
     with two_decode_workers(model_dir, prefill) as (router, decodes):
         call = generate_call(router, prompt, sampling)
-        got, victim = 0, None
-        with pytest.raises(grpc.RpcError) as err:
-            for response in call:
-                got += len(response.delta.token_ids)
-                if victim is None and got >= 4:
-                    (victim,) = [d for d in decodes if stats(d).num_running == 2]
-                    victim.stop()
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "n=2" in err.value.details() and "not resumed" in err.value.details()
-        assert victim.config.worker_id in err.value.details()
+        got, texts, finishes, victim = {0: [], 1: []}, {0: "", 1: ""}, {}, None
+        for response in call:
+            if response.HasField("delta"):
+                got[response.delta.index] += response.delta.token_ids
+                texts[response.delta.index] += response.delta.text
+            else:
+                finishes[response.finish.index] = response.finish
+            if victim is None and len(got[0]) + len(got[1]) >= 8:
+                (victim,) = [d for d in decodes if stats(d).num_running == 2]
+                victim.stop()
+                at_kill = len(got[0]) + len(got[1])
+        assert victim is not None and at_kill < 2 * len(want_ids), "stopped after the end"
+        assert got == {0: want_ids, 1: want_ids} and texts == {0: want_text, 1: want_text}
+        assert sorted(finishes) == [0, 1]
         (survivor,) = [d for d in decodes if d is not victim]
+        for f in finishes.values():
+            assert f.finish_reason == "length" and f.usage.completion_tokens == len(want_ids)
+            assert f.timings.decode_worker == survivor.config.worker_id
         wait_blocks_free(survivor, prefill)
+
+
+def test_a_death_past_max_resumes_fails_unavailable_saying_so(model_dir, prefill, expected):
+    prompt = expected[0]
+    decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
+    addresses = [d.address for d in decodes]
+    router = start_router(model_dir, [prefill.address], addresses, max_resumes=0)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stream_killing_holder(router, prompt, decodes, 5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "already resumed 0 times (max_resumes=0)" in err.value.details()
+    finally:
+        stop_router(router)
+        for d in decodes:
+            stop_worker(d)
 
 
 def test_decode_death_of_an_n_request_before_any_token_starts_it_over(
