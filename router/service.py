@@ -232,6 +232,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             if leg_sampling is None or len(prompt) + len(streamed) >= self.options.max_model_len:
                 # the dead leg had got there
                 final = worker_pb2.TokenEvent(index=seqs[0] if seqs else 0, finish_reason="length")
+            elif reopened is not None and req.abort_requested:  # no new leg for an aborted call
+                final = worker_pb2.TokenEvent(
+                    index=seqs[0], finish_reason="abort", stop_str="aborted by the router"
+                )
             else:
                 try:
                     leg = self.legs.start(req, prompt + streamed, leg_sampling, deadline, len(legs))
