@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine_loop import EngineLoop, OutputCallback
-from engine.request import CompletionOutput, RequestOutput
-from kvtransfer.backends import populate
-from kvtransfer.layout import KVLayout
-from kvtransfer.receiver import WorkerReceiver
-from kvtransfer.state import TransferState
+from pdserve.engine.engine_loop import EngineLoop, OutputCallback
+from pdserve.engine.request import CompletionOutput, RequestOutput
+from pdserve.kvtransfer.backends import populate
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.receiver import WorkerReceiver
+from pdserve.kvtransfer.state import TransferState
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from decode_worker.handoff import DecodeHandoff
-from decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
-from kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
-from kvtransfer.layout import KVLayout
-from protos.pdserve.v1 import worker_pb2_grpc
-from worker_common.process import WorkerConfig, WorkerProcess
+from pdserve.decode_worker.handoff import DecodeHandoff
+from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
+from pdserve.kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.protos.pdserve.v1 import worker_pb2_grpc
+from pdserve.worker_common.process import WorkerConfig, WorkerProcess
 
 log = logging.getLogger(__name__)
 

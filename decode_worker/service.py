@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.handoff import DecodeHandoff
-from engine.engine_loop import EngineLoop
-from engine.request import RequestOutput
-from protos.convert import unix_ns
-from protos.limits import check_id, check_sampling, check_token_ids
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from worker_common.errors import abort_for_engine_error, build_params
+from pdserve.decode_worker.handoff import DecodeHandoff
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.request import RequestOutput
+from pdserve.protos.convert import unix_ns
+from pdserve.protos.limits import check_id, check_sampling, check_token_ids
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker_common.errors import abort_for_engine_error, build_params
 
 log = logging.getLogger(__name__)
 

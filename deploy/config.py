@@ -51,8 +51,8 @@ from pydantic import (
     model_validator,
 )
 
-from deploy.files import read_text
-from protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig, check_api_key
+from pdserve.deploy.files import read_text
+from pdserve.protos.security import MIN_SECRET_CHARS, ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
 QUANTIZATIONS = (None, "int8", "int4", "auto")

@@ -4,7 +4,7 @@ with a given model (fit_problems), both found without loading weights."""
 
 from __future__ import annotations
 
-from deploy.config import DeployConfig
+from pdserve.deploy.config import DeployConfig
 
 
 def _mib(n: int) -> str:
@@ -44,7 +44,7 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     max_model_len must fit each rank's KV blocks, computed as engine/model_runner.py does. A
     kv_cache_memory fraction is checked on CPU pools against `cpu_memory_bytes` (this machine's
     free memory; None: not checked), never on GPU pools: it depends on the GPU."""
-    from engine.config import DEFAULT_CPU_KV_BYTES  # imports torch: only when a check runs
+    from pdserve.engine.config import DEFAULT_CPU_KV_BYTES  # imports torch: only when a check runs
 
     hf = hf.get("text_config", hf)
     heads = hf["num_attention_heads"]

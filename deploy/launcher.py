@@ -45,8 +45,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.config import DeployConfig, Pool
-from deploy.prechecks import (  # noqa: F401
+from pdserve.deploy.config import DeployConfig, Pool
+from pdserve.deploy.prechecks import (  # noqa: F401
     DeployError,
     amounts,
     check_model_fit,
@@ -55,8 +55,8 @@ from deploy.prechecks import (  # noqa: F401
     cluster_security,
     cpus_gpus,
 )
-from deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class WorkerActor:
         import torch  # the heavy imports, here: actors are created (and import) concurrently
 
         if role == "decode":
-            import decode_worker.server  # noqa: F401
+            import pdserve.decode_worker.server  # noqa: F401
         else:
-            import prefill_worker.server  # noqa: F401
+            import pdserve.prefill_worker.server  # noqa: F401
         torch.set_num_threads(num_threads)
         self.role = role
         self.worker_config = worker_config
@@ -124,12 +124,12 @@ class WorkerActor:
         if not cfg.host:  # listen on, and advertise, this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         if self.role == "decode":
-            from decode_worker.server import DecodeWorker
+            from pdserve.decode_worker.server import DecodeWorker
 
             cfg = dataclasses.replace(cfg, kv_options={"host": cfg.host, **cfg.kv_options})
             self.worker = DecodeWorker(cfg).start()
         else:
-            from prefill_worker.server import PrefillWorker
+            from pdserve.prefill_worker.server import PrefillWorker
 
             self.worker = PrefillWorker(cfg).start()
         return self.worker.address, self.worker.loop.engine.mode_note
@@ -225,7 +225,7 @@ def _init_ray(config: DeployConfig, address: str | None) -> bool:
     address = address or config.ray.address
     kwargs = dict(include_dashboard=False, log_to_driver=False)
     if address is None:
-        from engine.loader import default_cache_dir
+        from pdserve.engine.loader import default_cache_dir
 
         temp_dir = config.ray.temp_dir or str(default_cache_dir() / "ray")
         os.makedirs(temp_dir, exist_ok=True)
@@ -259,10 +259,10 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         deployment_id=cluster.deployment_id,
     )
     if role_of(key) == "decode":
-        from decode_worker.server import DecodeWorkerConfig
+        from pdserve.decode_worker.server import DecodeWorkerConfig
 
         return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
-    from prefill_worker.server import PrefillWorkerConfig
+    from pdserve.prefill_worker.server import PrefillWorkerConfig
 
     return PrefillWorkerConfig(**common)
 
@@ -350,7 +350,7 @@ def _check_http_port_free(config: DeployConfig) -> None:
 def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
     """The client API keys (router.api_keys_file, router.api_keys, PDSERVE_API_KEYS: first found
     wins); logs where they came from and how many, never the keys."""
-    from deploy.config import ConfigError
+    from pdserve.deploy.config import ConfigError
 
     try:
         keys, source = config.router.client_keys(environ)
@@ -365,7 +365,7 @@ def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
 
 def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
-    from router.server import (  # imported late: the router is optional to the rest
+    from pdserve.router.server import (  # imported late: the router is optional to the rest
         Router,
         RouterConfig,
     )
@@ -441,7 +441,7 @@ def up(
         )
     security = cluster_security(config, environ)
     if on_this_machine:  # the workers' engines pick their paths from it (engine/cpu.py)
-        from engine.cpu import cpu_features
+        from pdserve.engine.cpu import cpu_features
 
         log.info("this machine's CPU: %s", cpu_features().describe())
     t0 = time.perf_counter()

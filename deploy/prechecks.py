@@ -10,11 +10,11 @@ import os
 import secrets
 import socket
 
-from deploy.config import SECRET_ENV, ConfigError, DeployConfig
-from deploy.config_checks import fit_problems, placement_problems
-from protos.security import ClusterSecurity
+from pdserve.deploy.config import SECRET_ENV, ConfigError, DeployConfig
+from pdserve.deploy.config_checks import fit_problems, placement_problems
+from pdserve.protos.security import ClusterSecurity
 
-log = logging.getLogger("deploy.launcher")
+log = logging.getLogger("pdserve.deploy.launcher")
 
 
 class DeployError(RuntimeError):
@@ -64,8 +64,8 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
     """Refuses, before anything starts, pools whose workers would refuse the model
     (config_checks.fit_problems); else every replica of the pool would fail the same way inside
     its actor."""
-    from engine.config import available_memory_bytes
-    from engine.loader import load_hf_config, resolve_model
+    from pdserve.engine.config import available_memory_bytes
+    from pdserve.engine.loader import load_hf_config, resolve_model
 
     try:
         model_dir = resolve_model(config.model)
@@ -146,7 +146,7 @@ def check_offline(config: DeployConfig, address: str | None = None) -> list[str]
     nodes) and, for a local Ray, the pools against its CPUs. Returns the notes on what was not
     checked; raises ConfigError or DeployError on a refusal."""
     on_this_machine = not (address or config.ray.address)
-    from engine.loader import resolve_model
+    from pdserve.engine.loader import resolve_model
 
     notes = []
     try:

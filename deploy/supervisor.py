@@ -15,7 +15,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 
-log = logging.getLogger("deploy.launcher")
+log = logging.getLogger("pdserve.deploy.launcher")
 
 
 def role_of(key: str) -> str:

@@ -1,10 +1,10 @@
 """pdserve engine: one model replica with paged KV, continuous batching and prefix caching."""
 
-from engine.config import EngineConfig, ModelConfig
-from engine.engine_core import LLMEngine
-from engine.llm import LLM
-from engine.request import CompletionOutput, RequestOutput, Reservation
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine_core import LLMEngine
+from pdserve.engine.llm import LLM
+from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
+from pdserve.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import get_forward_context
-from engine.kernels import cpu_paged_decode
+from pdserve.engine.forward_context import get_forward_context
+from pdserve.engine.kernels import cpu_paged_decode
 
 
 def decode_kernel(

@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from engine.errors import NoFreeBlocks  # noqa: F401 - raised here; engine.block_manager.NoFreeBlocks stays importable
+from pdserve.engine.errors import NoFreeBlocks  # noqa: F401 - raised here; engine.block_manager.NoFreeBlocks stays importable
 
 
 def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:

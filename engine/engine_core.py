@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.cpu import log_once as log_cpu_once
-from engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
-from engine.loader import resolve_model
-from engine.model_runner import ModelInput, ModelRunner, SeqInput
-from engine.parallel import TPState, current_tp_state, divide, tp_scope
-from engine.request import (
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cpu import log_once as log_cpu_once
+from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
+from pdserve.engine.loader import resolve_model
+from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
+from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
+from pdserve.engine.request import (
     CompletionOutput,
     FinishReason,
     KVSink,
@@ -46,17 +46,17 @@ from engine.request import (
     SeqStatus,
     Sequence,
 )
-from engine.sampler import make_generator, skip_sample_draw
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan, StepResult
-from engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
-from engine.tokenizer import (
+from pdserve.engine.sampler import make_generator, skip_sample_draw
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
+from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
+from pdserve.engine.tokenizer import (
     IncrementalDetokenizer,
     find_stop_string,
     load_tokenizer,
     prompt_token_ids,
 )
-from kvpool import map_pool_file, new_pool_paths
+from pdserve.kvpool import map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,13 @@ class LLMEngine:
         # requests that finished outside step() (commit): the next step() reports them
         self._undelivered: list[RequestOutput] = []
         # the last STEP_TRACE_LEN steps that computed something (read and cleared on the thread
-        # that steps; bench/slo_validation.py fits serving-path step models from it)
+        # that steps; experiments/slo_validation.py fits serving-path step models from it)
         self.step_trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
 
     def _start_ranks(self, model_dir) -> None:
         """The TP followers (if any), then this rank's runner; under this engine's tp_scope."""
         if self.config.tensor_parallel_size > 1:
-            from engine.tp import TPGroup
+            from pdserve.engine.tp import TPGroup
 
             mc, tp = self.model_config, self.config.tensor_parallel_size
             # refuse before spawning ranks that would all fail the same way

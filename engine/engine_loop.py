@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from engine.request import RequestOutput
+from pdserve.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]

@@ -8,10 +8,10 @@ from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.engine_core import LLMEngine
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import LLMEngine
+from pdserve.engine.request import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import decode_kernel
-from engine.config import EngineConfig, ModelConfig
-from engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
-from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
-from engine.loader import iter_safetensors
-from engine.models.llama import LlamaForCausalLM
-from engine.parallel import all_reduce, divide, tp_rank, tp_size
-from engine.sampler import Sampler, SamplingRow
-from kvpool import create_pool_file
+from pdserve.engine.attention import decode_kernel
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
+from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pdserve.engine.loader import iter_safetensors
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.kvpool import create_pool_file
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are held at once
 
@@ -84,8 +84,8 @@ class ModelRunner:
         if wanted is None:
             self.model.prepare_linears(None)
             return None, f"quantization=none ({self.config.dtype}), as configured"
-        from engine.quality import PROBE_TOKENS, probe_ids
-        from engine.tokenizer import load_tokenizer
+        from pdserve.engine.quality import PROBE_TOKENS, probe_ids
+        from pdserve.engine.tokenizer import load_tokenizer
 
         # calibration text and probe text: disjoint stretches of the same corpus
         length = min(PROBE_TOKENS, self.config.max_model_len, self.num_blocks * self.block_size)
@@ -102,7 +102,7 @@ class ModelRunner:
     def _calibrate(self, ids: list[int]) -> None:
         """Records, for every linear, the largest |input| per channel over `ids` (int8 smooths
         its activations by it; see engine/layers/quant.py)."""
-        from engine.layers.linear import LinearBase
+        from pdserve.engine.layers.linear import LinearBase
 
         def record(module, args, _out):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
@@ -124,8 +124,8 @@ class ModelRunner:
         """quantization="auto": score a probe text in float32, then with each mode in order of
         speed on this CPU, and keep the first whose perplexity is within its bound. Every rank
         runs the same probes (their collectives pair up); rank 0 judges and tells the rest."""
-        from engine.layers.quant import auto_candidates
-        from engine.quality import QUALITY_BOUNDS, informative
+        from pdserve.engine.layers.quant import auto_candidates
+        from pdserve.engine.quality import QUALITY_BOUNDS, informative
 
         note = ""
         chosen: str | None = None
@@ -174,7 +174,7 @@ class ModelRunner:
     def _probe_perplexity(self, ids: list[int]) -> float | None:
         """The perplexity of `ids` on rank 0 (None on the others), through the KV cache's first
         blocks (no request holds any yet)."""
-        from engine.quality import perplexity
+        from pdserve.engine.quality import perplexity
 
         seq = SeqInput(
             token_ids=ids,

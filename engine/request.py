@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.IntEnum):

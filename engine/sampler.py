@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import fused_for
-from engine.sampling_params import SamplingParams
+from pdserve.engine.kernels import fused_for
+from pdserve.engine.sampling_params import SamplingParams
 
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 

@@ -11,7 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from engine.errors import BadSamplingParams
+from pdserve.engine.errors import BadSamplingParams
 
 # Dividing float32 logits by a temperature this small overflows to inf (and
 # softmax then yields NaN), so such temperatures are treated as greedy, as

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, NoFreeBlocks
-from engine.request import FinishReason, SeqStatus, Sequence
-from engine.sampler import SamplingRow
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.request import FinishReason, SeqStatus, Sequence
+from pdserve.engine.sampler import SamplingRow
 
 
 @dataclass

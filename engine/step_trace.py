@@ -1,19 +1,19 @@
-"""What each engine step was, as the latency models see it (deploy/tuning/perf_model.py): the
+"""What each engine step was, as the latency models see it (tuning/perf_model.py): the
 engine keeps the last STEP_TRACE_LEN steps that computed something in LLMEngine.step_trace, and
-the serving-path calibration (deploy/tuning/calibration.py) fits step-time models from them."""
+the serving-path calibration (experiments/calibration.py) fits step-time models from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler import StepPlan
+from pdserve.engine.scheduler import StepPlan
 
 STEP_TRACE_LEN = 32768  # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step as the latency models see it (deploy/tuning/perf_model.py): when it ran
+    """One engine step as the latency models see it (tuning/perf_model.py): when it ran
     (time.monotonic seconds) and its shape. Decode rows are sequences that computed one token on
     top of a context; every other row is a prompt chunk."""
 

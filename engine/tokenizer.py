@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from engine.errors import InvalidRequest
+from pdserve.engine.errors import InvalidRequest
 
 
 def load_tokenizer(model_dir):

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelInput, SeqInput
-from engine.parallel import set_tp_state
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelInput, SeqInput
+from pdserve.engine.parallel import set_tp_state
 
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "600")))
 
@@ -89,7 +89,7 @@ def _follower_main(
     port: int,
     kv_cache_path: str | None,
 ) -> None:
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     group = _init(config, rank, port)
     runner = ModelRunner(config, model_config, model_dir, kv_cache_path)

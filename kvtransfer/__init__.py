@@ -5,9 +5,9 @@ use; see docs/architecture.md section 2): everything here speaks in tensors, blo
 ranges.
 """
 
-from kvtransfer.layout import KVLayout, LayoutMismatch
-from kvtransfer.state import TransferState
-from kvtransfer.wire import WIRE_VERSION, ChunkHeader, decode_frame, encode_frame
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.state import TransferState
+from pdserve.kvtransfer.wire import WIRE_VERSION, ChunkHeader, decode_frame, encode_frame
 
 __all__ = [
     "KVLayout",

@@ -12,11 +12,11 @@ import math
 
 import torch
 
-from kvtransfer.layout import KVLayout
-from kvtransfer.reshard import check_chunk, write_chunk
-from kvtransfer.state import TransferState
-from kvtransfer.transport import RefusedFrame
-from kvtransfer.wire import ChunkHeader
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.reshard import check_chunk, write_chunk
+from pdserve.kvtransfer.state import TransferState
+from pdserve.kvtransfer.transport import RefusedFrame
+from pdserve.kvtransfer.wire import ChunkHeader
 
 
 class IncompleteTransfer(RuntimeError):

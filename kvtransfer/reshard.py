@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from kvtransfer.layout import KVLayout, LayoutMismatch
-from kvtransfer.wire import ChunkHeader
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.wire import ChunkHeader
 
 
 def _view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.layout import KVLayout
-from kvtransfer.wire import ChunkHeader
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.wire import ChunkHeader
 
 # called on the receiving side for every frame, in channel order; payload is bytes-like or a
 # tensor, None when the sender already wrote the KV in place (shm), or a RefusedFrame

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from protos.limits import MAX_ID_CHARS, MAX_N
+from pdserve.protos.limits import MAX_ID_CHARS, MAX_N
 
 WIRE_VERSION = 1
 _LEN = struct.Struct("<I")

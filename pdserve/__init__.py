@@ -1,4 +1,4 @@
-"""pdserve: `python -m pdserve` is the `pdserve` command (deploy/cli.py)."""
+"""pdserve: `python -m pdserve` is the `pdserve` command (pdserve/cli.py)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from deploy.cli import main
+from pdserve.cli import main
 
 sys.exit(main())

@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from kvtransfer.layout import KVLayout
-from kvtransfer.reshard import read_chunk
-from kvtransfer.transport import Destination, Transport
-from kvtransfer.wire import ChunkHeader
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.reshard import read_chunk
+from pdserve.kvtransfer.transport import Destination, Transport
+from pdserve.kvtransfer.wire import ChunkHeader
 
 
 def compute_takes_every_core(kv: torch.Tensor) -> bool:
@@ -49,7 +49,7 @@ class PushSink:
     machine, the per-layer sends (and the decode side's receiving) preempted the compute, whose
     OpenMP barriers then waited on them, and cost 2-5x the transfer's own time (512 tokens of
     SmolLM2: grpc +56 ms against 29 ms sent after the compute, torch +88 ms against 21 ms;
-    BENCHMARKS.md, bench/cluster_bench.py).
+    BENCHMARKS.md, benchmarks/cluster_bench.py).
     """
 
     def __init__(

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvtransfer.backends import default_shared_dir, tune_malloc
-from kvtransfer.layout import KVLayout
-from prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
-from protos.pdserve.v1 import worker_pb2_grpc
-from worker_common.process import WorkerConfig, WorkerProcess
+from pdserve.kvtransfer.backends import default_shared_dir, tune_malloc
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
+from pdserve.protos.pdserve.v1 import worker_pb2_grpc
+from pdserve.worker_common.process import WorkerConfig, WorkerProcess
 
 log = logging.getLogger(__name__)
 

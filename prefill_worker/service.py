@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.engine_loop import EngineLoop
-from engine.request import RequestOutput
-from kvtransfer.backends import BACKENDS, connect
-from kvtransfer.layout import KVLayout
-from kvtransfer.transport import Destination, Transport
-from prefill_worker.handoff import PushSink
-from protos.convert import unix_ns
-from protos.limits import (
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.request import RequestOutput
+from pdserve.kvtransfer.backends import BACKENDS, connect
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.transport import Destination, Transport
+from pdserve.prefill_worker.handoff import PushSink
+from pdserve.protos.convert import unix_ns
+from pdserve.protos.limits import (
     MAX_ADDRESS_CHARS,
     Refusal,
     check_id,
@@ -38,9 +38,9 @@ from protos.limits import (
     check_token_ids,
     invalid,
 )
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from protos.security import INSECURE, ClusterSecurity
-from worker_common.errors import abort_for_engine_error, build_params
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common.errors import abort_for_engine_error, build_params
 
 log = logging.getLogger(__name__)
 

@@ -43,9 +43,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protos.pdserve.v1 import pdserve_pb2
-from protos.security import API_KEY_METADATA_KEY, bearer_token
-from router.openai_format import (
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
+from pdserve.router.openai_format import (
     KNOWN_FIELDS,
     ApiError,
     TokenText,
@@ -60,10 +60,10 @@ from router.openai_format import (
     validation_error,
     whole_response,
 )
-from router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from router.http_server import HttpFront
+    from pdserve.router.http_server import HttpFront
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import grpc
 import grpc.aio
 import uvicorn
 
-from protos.pdserve.v1 import pdserve_pb2_grpc
-from protos.security import NO_KEYS, ClientKeys, TLSConfig
-from router.http_api import build_app
+from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
+from pdserve.protos.security import NO_KEYS, ClientKeys, TLSConfig
+from pdserve.router.http_api import build_app
 
 log = logging.getLogger(__name__)
 

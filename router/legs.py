@@ -45,11 +45,11 @@ from concurrent import futures
 
 import grpc
 
-from protos.convert import unix_ns
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2
-from router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
-from router.pool import NoWorker, WorkerPool
-from router.text import TextStream
+from pdserve.protos.convert import unix_ns
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
+from pdserve.router.pool import NoWorker, WorkerPool
+from pdserve.router.text import TextStream
 
 log = logging.getLogger(__name__)
 # pdserve.proto documents it as SamplingParams.max_tokens' default (the engine's); the router

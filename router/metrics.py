@@ -45,8 +45,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from protos.convert import unix_ns
-from router.stage_timings import STAGES, stage_durations
+from pdserve.protos.convert import unix_ns
+from pdserve.router.stage_timings import STAGES, stage_durations
 
 log = logging.getLogger(__name__)
 _NS = 1e-9
@@ -271,7 +271,7 @@ class RouterMetrics:
     def on_tokens(self, req, index: int, num_tokens: int) -> None:
         """A token event of sequence `index` reached the router: its gap from the sequence's
         previous event, split evenly over the event's tokens (the first event's extra tokens get
-        gaps of 0, as deploy/tuning/metrics.attribute_itl counts them)."""
+        gaps of 0, as tuning/metrics.attribute_itl counts them)."""
         now = unix_ns()
         last = req.token_clock.get(index)
         req.token_clock[index] = now

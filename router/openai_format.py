@@ -16,10 +16,10 @@ import grpc
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from protos.convert import OPTIONAL_FIELDS
-from protos.pdserve.v1 import pdserve_pb2
-from router.openai_schema import ChatCompletionRequest, CompletionRequest
-from router.stage_timings import stage_durations
+from pdserve.protos.convert import OPTIONAL_FIELDS
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.router.stage_timings import stage_durations
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {

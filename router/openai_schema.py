@@ -29,8 +29,14 @@ from pydantic import (
     model_validator,
 )
 
-from protos.limits import MAX_ID_CHARS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from router.text import MAX_CHAT_MESSAGES
+from pdserve.protos.limits import (
+    MAX_ID_CHARS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from pdserve.router.text import MAX_CHAT_MESSAGES
 
 INT64 = 1 << 63
 UINT32 = 1 << 32

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from protos.security import INSECURE, ClusterSecurity
-from router.affinity import PrefixAffinity, prefix_hashes
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.router.affinity import PrefixAffinity, prefix_hashes
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists

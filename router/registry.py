@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import grpc
 
-from protos.limits import MAX_ADDRESS_CHARS, check_id
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.pool import ROLES, WorkerPool
+from pdserve.protos.limits import MAX_ADDRESS_CHARS, check_id
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.router.pool import ROLES, WorkerPool
 
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):

@@ -22,17 +22,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from engine.loader import load_hf_config, resolve_model
-from engine.tokenizer import load_tokenizer
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
-from router.metrics import RouterMetrics
-from router.pool import CHANNEL_OPTIONS, WorkerPool
-from router.registry import RegistryServicer
-from router.service import PDServeServicer, ServiceOptions
+from pdserve.engine.loader import load_hf_config, resolve_model
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
+from pdserve.router.registry import RegistryServicer
+from pdserve.router.service import PDServeServicer, ServiceOptions
 
 if TYPE_CHECKING:
-    from router.http_server import HttpFront
+    from pdserve.router.http_server import HttpFront
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
@@ -253,7 +253,7 @@ class Router:
         return self
 
     def _http_front(self, options: ServiceOptions):
-        from router.http_server import HttpFront, HttpSettings, default_max_body_bytes
+        from pdserve.router.http_server import HttpFront, HttpSettings, default_max_body_bytes
 
         cfg = self.config
         return HttpFront(

@@ -44,12 +44,20 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.convert import unix_ns
-from protos.limits import check_id, check_sampling
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
-from router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus, decode_died, resume_sampling
-from router.pool import ROLES, NoWorker, WorkerPool
-from router.text import BadRequest, PromptEncoder, TextStream
+from pdserve.protos.convert import unix_ns
+from pdserve.protos.limits import check_id, check_sampling
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
+from pdserve.router.legs import (
+    Inflight,
+    Leg,
+    LegFailed,
+    Legs,
+    RouterStatus,
+    decode_died,
+    resume_sampling,
+)
+from pdserve.router.pool import ROLES, NoWorker, WorkerPool
+from pdserve.router.text import BadRequest, PromptEncoder, TextStream
 
 log = logging.getLogger(__name__)
 # worker statuses that describe the client's request: passed on unchanged

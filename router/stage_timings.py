@@ -23,7 +23,7 @@ worker: on several machines their clocks' offsets shift the stages at each chang
 
 from __future__ import annotations
 
-from protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 _NS = 1e-9
 STAGES = (

@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 
-from engine.tokenizer import IncrementalDetokenizer, find_stop_string
+from pdserve.engine.tokenizer import IncrementalDetokenizer, find_stop_string
 
 
 class BadRequest(Exception):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fails when a file tracked by git is larger than the limit (default 2 MB = 2,000,000 bytes;
 # MAX_BYTES overrides it). Benchmark output, traces, models and other data do not belong in the
-# repository: bench/results/ keeps only the result BENCHMARKS.md quotes (see .gitignore), and
+# repository: benchmarks/results/ keeps only the result BENCHMARKS.md quotes (see .gitignore), and
 # larger data goes elsewhere (a package, a release asset, a download at first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."

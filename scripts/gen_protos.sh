@@ -10,11 +10,11 @@
 # Import layout: the .proto files keep their canonical paths (pdserve/v1/pdserve.proto, include
 # root protos/), so other languages and server reflection see clean file names. protoc then
 # writes Python imports relative to that root ("from pdserve.v1 import pdserve_pb2"), which
-# would only resolve with protos/ on sys.path; the sed below rewrites them to the real package,
-# "from protos.pdserve.v1 import pdserve_pb2". It also rewrites the module name the messages are
-# built under ('pdserve.v1.pdserve_pb2' -> 'protos.pdserve.v1.pdserve_pb2'), so their __module__
-# is importable and they pickle (Ray passes objects by pickle). The script fails if either
-# pattern is left unrewritten, e.g. after a protoc upgrade changes its output.
+# would only resolve with protos/ on sys.path; the sed below rewrites them to the installed
+# package, "from pdserve.protos.pdserve.v1 import pdserve_pb2". It also rewrites the module name
+# the messages are built under ('pdserve.v1.pdserve_pb2' -> 'pdserve.protos.pdserve.v1.pdserve_pb2'),
+# so their __module__ is importable and they pickle (Ray passes objects by pickle). The script
+# fails if either pattern is left unrewritten, e.g. after a protoc upgrade changes its output.
 #
 # Deterministic: protoc's output depends only on the .proto files and the grpcio-tools version
 # (pinned in pyproject's dev extra), and the files are processed in C-locale order.
@@ -37,13 +37,13 @@ trap 'rm -rf "$tmp"' EXIT
 generated=$(cd "$tmp" && find . -type f \( -name '*_pb2.py' -o -name '*_pb2_grpc.py' -o -name '*_pb2.pyi' \) | sort)
 for f in $generated; do
   sed -i -E \
-    -e 's/^(from|import) pdserve([. ])/\1 protos.pdserve\2/' \
-    -e "s/^(_builder\.BuildTopDescriptorsAndMessages\(DESCRIPTOR, )'pdserve\./\1'protos.pdserve./" \
+    -e 's/^(from|import) pdserve([. ])/\1 pdserve.protos.pdserve\2/' \
+    -e "s/^(_builder\.BuildTopDescriptorsAndMessages\(DESCRIPTOR, )'pdserve\./\1'pdserve.protos.pdserve./" \
     "$tmp/$f"
 done
-if grep -nE "^(from|import) pdserve([. ]|\$)|BuildTopDescriptorsAndMessages\(DESCRIPTOR, 'pdserve\." \
+if grep -nE "^(from|import) pdserve\.v1([. ]|\$)|BuildTopDescriptorsAndMessages\(DESCRIPTOR, 'pdserve\.v1\." \
     $(for f in $generated; do echo "$tmp/$f"; done); then
-  echo "gen_protos.sh: the lines above still name 'pdserve.' instead of 'protos.pdserve.'; fix the sed" >&2
+  echo "gen_protos.sh: the lines above still name 'pdserve.v1' instead of 'pdserve.protos.pdserve.v1'; fix the sed" >&2
   exit 1
 fi
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import BadSamplingParams, DuplicateRequestId, NoFreeBlocks, PromptTooLong
-from engine.sampling_params import SamplingParams
-from protos.convert import sampling_kwargs
+from pdserve.engine.errors import BadSamplingParams, DuplicateRequestId, NoFreeBlocks, PromptTooLong
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos.convert import sampling_kwargs
 
 
 def engine_error_status(err: BaseException) -> tuple[grpc.StatusCode, str] | None:

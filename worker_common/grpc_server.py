@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 
 class ServiceHost:

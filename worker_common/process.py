@@ -29,12 +29,12 @@ from typing import Self
 
 import grpc
 
-from engine import EngineConfig, LLMEngine
-from engine.engine_loop import EngineLoop, warmed
-from protos.pdserve.v1 import worker_pb2
-from protos.security import INSECURE, ClusterSecurity
-from worker_common.grpc_server import ServiceHost
-from worker_common.registration import Registration, register_worker
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.engine_loop import EngineLoop, warmed
+from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common.grpc_server import ServiceHost
+from pdserve.worker_common.registration import Registration, register_worker
 
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import grpc
 
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 _REJECTED = {
@@ -179,7 +179,7 @@ def register_worker(
 ) -> Registration:
     """Starts the membership of a worker serving `model` (the deployment's model string, whose base
     name is the router's model id) at `address`, for deployment `deployment_id`."""
-    from protos.pdserve.v1 import pdserve_pb2
+    from pdserve.protos.pdserve.v1 import pdserve_pb2
 
     card = pdserve_pb2.ModelCard(id=os.path.basename(model.rstrip("/")))
     return Registration(

@@ -33,7 +33,7 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
     try:
         from torch.utils.cpp_extension import load
 
-        from engine.loader import default_cache_dir
+        from pdserve.engine.loader import default_cache_dir
 
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one
         # thread. -march=native: the build is keyed by the CPU's feature flags and the source, so a cache

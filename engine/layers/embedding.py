@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import LinearBase
-from engine.parallel import all_reduce, divide, gather_to_rank0, tp_rank, tp_size
+from pdserve.engine.layers.linear import LinearBase
+from pdserve.engine.parallel import all_reduce, divide, gather_to_rank0, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.quant import quantize_weight
-from engine.parallel import all_reduce, divide, tp_rank, tp_size
+from pdserve.engine.layers.quant import quantize_weight
+from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 
 _BATCH_HINT = 32  # rows the reordered layout is tuned for; any row count is accepted
 

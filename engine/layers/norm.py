@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import fused_for
+from pdserve.engine.kernels import fused_for
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,7 @@
 
 Only the weight bytes shrink: at batch 1 a decode step streams every weight from memory once, so
 its time falls with them. Which mode is fastest, and by how much, depends on the CPU: see
-BENCHMARKS.md and `bench/quality.py` for the quality each costs.
+BENCHMARKS.md and `benchmarks/quality.py` for the quality each costs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import warnings
 
 import torch
 
-from engine.cpu import cpu_features
-from engine.kernels import fused_for
+from pdserve.engine.cpu import cpu_features
+from pdserve.engine.kernels import fused_for
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 32

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels import fused_for
+from pdserve.engine.kernels import fused_for
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -8,21 +8,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import PagedAttention
-from engine.config import ModelConfig
-from engine.forward_context import get_forward_context
-from engine.kernels import cpu_fused, cpu_paged_decode_capsule
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (
+from pdserve.engine.attention import PagedAttention
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.forward_context import get_forward_context
+from pdserve.engine.kernels import cpu_fused, cpu_paged_decode_capsule
+from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.engine.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from engine.layers.norm import RMSNorm
-from engine.layers.quant import Int4Weight, Int8Weight, head_quantization
-from engine.layers.rotary import RotaryEmbedding
-from engine.parallel import tp_size
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.quant import Int4Weight, Int8Weight, head_quantization
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.parallel import tp_size
 
 
 class LlamaAttention(nn.Module):

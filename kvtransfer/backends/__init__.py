@@ -20,14 +20,14 @@ from __future__ import annotations
 import ctypes
 import importlib
 
-from kvtransfer.backends.shm_backend import (
+from pdserve.kvtransfer.backends.shm_backend import (
     create_shared_kv_cache,
     default_shared_dir,
     populate,
     remove_shared_kv_cache,
 )
-from kvtransfer.transport import FrameHandler, Transport, TransportServer
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.kvtransfer.transport import FrameHandler, Transport, TransportServer
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 BACKENDS = ("grpc", "shm", "torch")
 

@@ -19,8 +19,8 @@ import threading
 import msgpack
 import torch
 
-from kvtransfer.transport import FrameHandler, refusal
-from kvtransfer.wire import ChunkHeader, WireError, header_from_fields, split_frame
+from pdserve.kvtransfer.transport import FrameHandler, refusal
+from pdserve.kvtransfer.wire import ChunkHeader, WireError, header_from_fields, split_frame
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from concurrent import futures
 import grpc
 import msgpack
 
-from kvtransfer.backends.channels import ChannelTable, Refused, peer_host
-from kvtransfer.backends.frames import (  # noqa: F401
+from pdserve.kvtransfer.backends.channels import ChannelTable, Refused, peer_host
+from pdserve.kvtransfer.backends.frames import (  # noqa: F401
     FrameWorker,
     call_handler,
     frame_pieces,
@@ -53,7 +53,7 @@ from kvtransfer.backends.frames import (  # noqa: F401
     screen,
     split_message,
 )
-from kvtransfer.backends.grpc_sender import (  # noqa: F401
+from pdserve.kvtransfer.backends.grpc_sender import (  # noqa: F401
     CHANNEL_METADATA_KEY,
     FLUSH_METHOD,
     FLUSH_POLL_S,
@@ -64,9 +64,9 @@ from kvtransfer.backends.grpc_sender import (  # noqa: F401
     GrpcTransport,
     channel_options,
 )
-from kvtransfer.transport import FrameHandler, TransportServer
-from kvtransfer.wire import WireError
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.kvtransfer.transport import FrameHandler, TransportServer
+from pdserve.kvtransfer.wire import WireError
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,15 @@ import grpc
 import msgpack
 import torch
 
-from kvtransfer.backends.frames import ByteQueue, carries_payload, frame_pieces, payload_view
-from kvtransfer.transport import Destination, Transport
-from kvtransfer.wire import ChunkHeader
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.kvtransfer.backends.frames import (
+    ByteQueue,
+    carries_payload,
+    frame_pieces,
+    payload_view,
+)
+from pdserve.kvtransfer.transport import Destination, Transport
+from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 import numpy as np
 import torch
 
-from kvpool import KV_FILE_PREFIX, create_pool_file, map_pool_file
-from kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
-from kvtransfer.layout import KVLayout, LayoutMismatch
-from kvtransfer.reshard import dtype_name, write_chunk
-from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
-from kvtransfer.wire import ChunkHeader
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.kvpool import KV_FILE_PREFIX, create_pool_file, map_pool_file
+from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.reshard import dtype_name, write_chunk
+from pdserve.kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
+from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 SCHEME = "shm"
 

@@ -46,17 +46,22 @@ import time
 import torch
 import torch.distributed as dist
 
-from kvtransfer.backends.frames import FrameWorker, call_handler, encode_header, screen
-from kvtransfer.backends.torch_auth import CONNECTIONS_KEY, Gatekeeper, authenticate, group_prefix
-from kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
-from kvtransfer.wire import (
+from pdserve.kvtransfer.backends.frames import FrameWorker, call_handler, encode_header, screen
+from pdserve.kvtransfer.backends.torch_auth import (
+    CONNECTIONS_KEY,
+    Gatekeeper,
+    authenticate,
+    group_prefix,
+)
+from pdserve.kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
+from pdserve.kvtransfer.wire import (
     MAX_HEADER_BYTES,
     ChunkHeader,
     WireError,
     header_from_fields,
     split_frame,
 )
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import wait_until  # noqa: F401  (the chaos tests import it from here)
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.security import ClusterSecurity
-from router.server import Router, RouterConfig
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import ClusterSecurity
+from pdserve.router.server import Router, RouterConfig
 
 SECRET = "chaos-test-secret-0123456789"
 SECURITY = ClusterSecurity(SECRET)

@@ -1,4 +1,4 @@
-"""Must-show (c) at CI scale (bench/chaos.py measures the router's CPU and the other client's
+"""Must-show (c) at CI scale (benchmarks/chaos.py measures the router's CPU and the other client's
 TTFT): a prompt far past what max_model_len can hold and a huge stop list are refused before the
 router tokenizes or scans anything, with statuses that say what to change, while another client
 keeps being served."""
@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from chaos_helpers import RPC_TIMEOUT, SecureCluster, stream
-from protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 SAMPLING = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

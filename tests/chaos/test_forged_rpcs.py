@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from chaos_helpers import RPC_TIMEOUT, SECURITY, SecureCluster, stream, wait_until
-from kvtransfer.backends import connect
-from kvtransfer.backends.grpc_backend import FLUSH_METHOD, PUSH_METHOD, frame_pieces
-from kvtransfer.transport import Destination
-from kvtransfer.wire import ChunkHeader
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.security import ClusterSecurity
+from pdserve.kvtransfer.backends import connect
+from pdserve.kvtransfer.backends.grpc_backend import FLUSH_METHOD, PUSH_METHOD, frame_pieces
+from pdserve.kvtransfer.transport import Destination
+from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import ClusterSecurity
 
 SAMPLING = pdserve_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(2, 40))
@@ -316,7 +316,7 @@ def test_workers_check_fields_with_the_secret_too(cluster):
 
 def test_a_stranger_calling_in_a_loop_does_not_flood_the_log(cluster, caplog):
     stranger = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode.address))
-    with caplog.at_level("WARNING", "protos.security"):
+    with caplog.at_level("WARNING", "pdserve.protos.security"):
         for _ in range(50):
             with pytest.raises(grpc.RpcError):
                 stranger.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)

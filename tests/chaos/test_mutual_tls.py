@@ -9,8 +9,8 @@ import pytest
 
 from chaos_helpers import RPC_TIMEOUT, SECRET, SECURITY, SecureCluster, stream
 from conftest import tls_files
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.security import ClusterSecurity, TLSConfig
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import ClusterSecurity, TLSConfig
 
 SAMPLING = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = list(range(2, 30))

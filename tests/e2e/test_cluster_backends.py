@@ -39,7 +39,7 @@ def ray_session():
 @pytest.fixture(scope="module")
 def reference():
     """dtype -> (prompts, the engine's greedy tokens in one process)."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     cache = {}
 
@@ -73,7 +73,7 @@ def _pool(tp: int) -> dict:
 
 
 def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
-    from protos.pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
 
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt_ids),
@@ -89,7 +89,7 @@ def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
 
 
 def _all_free(cluster) -> bool:
-    from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
     for role, stub_cls in (
         ("decode", worker_pb2_grpc.DecodeWorkerStub),
@@ -105,7 +105,7 @@ def _all_free(cluster) -> bool:
 
 
 def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
-    from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
     with grpc.insecure_channel(cluster.router_address) as channel:
         call = pdserve_pb2_grpc.PDServeStub(channel).Generate(
@@ -130,9 +130,9 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
 def test_cluster_matches_engine_and_serves_concurrent_streams(
     ray_session, reference, backend, prefill_tp, decode_tp
 ):
-    from deploy.config import validate_config
-    from deploy.launcher import up
-    from protos.pdserve.v1 import pdserve_pb2_grpc
+    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.launcher import up
+    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 
     # dtype auto is the default deployment's (on a CPU it may quantize; int8 is batch-invariant, so
     # the cluster still equals one engine); a quantized weight is split differently at another

@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("router") is None
-        or importlib.util.find_spec("router.server") is None,
+        or importlib.util.find_spec("pdserve.router.server") is None,
         reason="router not available",
     ),
 ]
@@ -36,10 +36,10 @@ def test_up_generate_stop(tiny_models, shape):
     import grpc
 
     from conftest import random_prompts
-    from deploy.config import validate_config
-    from deploy.launcher import up
-    from engine import LLM, SamplingParams
-    from protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.launcher import up
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
     model_dir, _ = tiny_models("llama-gqa")
     prompt_ids = random_prompts([23], seed=5)[0]
@@ -103,7 +103,7 @@ SECRET = "e2e-cluster-secret-0123456789"
 
 
 def _generate(stub, prompt_ids):
-    from protos.pdserve.v1 import pdserve_pb2 as pb
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
 
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt_ids),
@@ -122,9 +122,9 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
     import ray
 
     from conftest import random_prompts
-    from deploy.config import validate_config
-    from deploy.launcher import RestartPolicy, up
-    from protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.launcher import RestartPolicy, up
+    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     caplog.set_level(logging.INFO, "deploy")
     model_dir, _ = tiny_models("llama-gqa")
@@ -216,8 +216,8 @@ def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(
     inside the actor; `pdserve up` prints the engine's own reason under the pool's key, exit 2."""
     import ray
 
-    from deploy import launcher
-    from deploy.cli import main
+    from pdserve.cli import main
+    from pdserve.deploy import launcher
 
     monkeypatch.setattr(launcher, "check_model_fit", lambda *a, **k: None)
     model_dir, _ = tiny_models("llama-gqa")

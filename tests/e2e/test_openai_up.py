@@ -31,7 +31,7 @@ PROMPT = "def fibonacci(n):"
 @pytest.fixture(scope="module")
 def reference():
     """The engine's greedy texts in this process (float32: the cluster's workers use it too)."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM("smollm2", dtype="float32", kv_cache_memory=KV_BYTES, max_model_len=1024)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -46,8 +46,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def deployment(ray_session, reference):  # noqa: F811 - the imported fixture
-    from deploy.config import validate_config
-    from deploy.launcher import up
+    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.launcher import up
 
     config = validate_config(
         {
@@ -144,7 +144,7 @@ def test_n_2(deployment):
 
 
 def test_keys_are_required_on_both_fronts(deployment):
-    from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
     with pytest.raises(openai.AuthenticationError):
         client(deployment, key="sk-not-the-key-000").models.list()

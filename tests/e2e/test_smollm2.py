@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks, hf_greedy
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,8 @@ TEXT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_prompts():
-    from engine.loader import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("smollm2"))
     prompts = [tok.encode(p) for p in TEXT_PROMPTS]
@@ -64,7 +64,7 @@ def smollm2_prompts():
 def reference(smollm2_prompts):
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import resolve_model
+    from pdserve.engine.loader import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model("smollm2")), dtype=torch.float32

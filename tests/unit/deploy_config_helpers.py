@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.config import ConfigError, load_config
+from pdserve.deploy.config import ConfigError, load_config
 
 
 def write(tmp_path, text: str, name: str = "deploy.yaml") -> str:

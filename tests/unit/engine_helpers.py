@@ -8,7 +8,7 @@ continuations, and `one_thread`) are in tests/conftest.py, with the reference se
 from __future__ import annotations
 
 from conftest import NEW
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 
 KV = 1 << 22
 

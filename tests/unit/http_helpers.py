@@ -20,10 +20,10 @@ import grpc
 import pytest
 
 from conftest import tls_files, wait_until
-from engine import LLM
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from protos.security import TLSConfig
-from router.server import Router, RouterConfig
+from pdserve.engine import LLM
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.security import TLSConfig
+from pdserve.router.server import Router, RouterConfig
 from worker_helpers import start_decode, start_prefill, stop_all
 
 MAX_MODEL_LEN = 256

@@ -8,7 +8,7 @@ import mode puts tests/unit on sys.path).
 
 from __future__ import annotations
 
-from protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 MAX_MODEL_LEN = 128
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2_grpc
-from router.server import Router, RouterConfig
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2_grpc
+from pdserve.router.server import Router, RouterConfig
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 256

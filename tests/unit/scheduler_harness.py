@@ -16,11 +16,11 @@ Not a test module: the test_scheduler*.py modules import it as `from scheduler_h
 
 from __future__ import annotations
 
-import engine.block_manager as block_manager_mod
-from engine.block_manager import BlockManager
-from engine.request import FinishReason, SeqStatus, Sequence
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepPlan, StepResult
+import pdserve.engine.block_manager as block_manager_mod
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import FinishReason, SeqStatus, Sequence
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
 
 EOS = 1
 

@@ -1,5 +1,5 @@
 """The deployment YAML's HTTP front and client API keys (deploy/config.py, deploy/launcher.py,
-deploy/cli.py): router.http_port, router.api_keys / api_keys_file / PDSERVE_API_KEYS (first found
+pdserve/cli.py): router.http_port, router.api_keys / api_keys_file / PDSERVE_API_KEYS (first found
 wins), refusals that name the key without showing it, and the interceptor's key check itself."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from deploy.cli import _with_http_port
-from deploy.config import ConfigError, DeployConfig, load_config, validate_config
-from deploy.launcher import client_keys
-from protos.security import ClientKeys, bearer_token
+from pdserve.cli import _with_http_port
+from pdserve.deploy.config import ConfigError, DeployConfig, load_config, validate_config
+from pdserve.deploy.launcher import client_keys
+from pdserve.protos.security import ClientKeys, bearer_token
 
 KEY, KEY2 = "sk-config-key-0001", "sk-config-key-0002"
 
@@ -107,8 +107,8 @@ def test_client_keys_accept_only_their_keys():
 def test_up_prints_the_grpc_and_the_http_address(monkeypatch, capsys):
     """`pdserve up` prints both fronts' addresses once the deployment is up (the launcher is
     stubbed: the real one runs in tests/e2e), with --http-port passed through."""
-    import deploy.launcher
-    from deploy.cli import main
+    from pdserve.cli import main
+    from pdserve.deploy import launcher
 
     seen = {}
 
@@ -123,7 +123,7 @@ def test_up_prints_the_grpc_and_the_http_address(monkeypatch, capsys):
         seen["http_port"] = config.router.http_port
         return Up()
 
-    monkeypatch.setattr(deploy.launcher, "up", fake_up)
+    monkeypatch.setattr(launcher, "up", fake_up)
     assert main(["up", "--http-port", "9100"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert seen == {"http_port": 9100}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-import engine.block_manager as block_manager_mod
-from engine.block_manager import BlockManager, NoFreeBlocks
+import pdserve.engine.block_manager as block_manager_mod
+from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 
 BS = 4
 

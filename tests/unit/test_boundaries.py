@@ -1,28 +1,50 @@
-"""The folder boundaries of docs/architecture.md section 2, checked on every module's imports."""
+"""The folder boundaries of docs/architecture.md section 2, checked on every module's imports.
+
+Every folder installs as `pdserve.<folder>`; `package_of` reads an import by its folder
+("pdserve.engine.tokenizer" is in `engine`). The last tests check the namespace itself: every
+import of the project is spelled `pdserve.*`, pyproject's package list covers every folder
+that holds modules, and benchmarks/ and experiments/ import the package as users do."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import tomllib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # what sits above the engine and kvtransfer: the workers, the router, the launcher
-ABOVE = {"prefill_worker", "decode_worker", "worker_common", "router", "deploy"}
+ABOVE = {"prefill_worker", "decode_worker", "worker_common", "router", "deploy", "tuning"}
 FORBIDDEN = {
     "engine": {"kvtransfer", *ABOVE},
     "kvtransfer": {"engine", *ABOVE},
-    "worker_common": {"kvtransfer", "prefill_worker", "decode_worker", "router", "deploy"},
-    "prefill_worker": {"decode_worker", "router", "deploy"},
-    "decode_worker": {"prefill_worker", "router", "deploy"},
-    "router": {"kvtransfer", "prefill_worker", "decode_worker", "worker_common", "deploy"},
+    "worker_common": {
+        "kvtransfer",
+        "prefill_worker",
+        "decode_worker",
+        "router",
+        "deploy",
+        "tuning",
+    },
+    "prefill_worker": {"decode_worker", "router", "deploy", "tuning"},
+    "decode_worker": {"prefill_worker", "router", "deploy", "tuning"},
+    "router": {
+        "kvtransfer",
+        "prefill_worker",
+        "decode_worker",
+        "worker_common",
+        "deploy",
+        "tuning",
+    },
+    # the launcher runs what the tuner wrote; it never needs the tuner
+    "deploy": {"tuning"},
     # wire definitions only: the processes' code lives in the folders above
     "protos": {"engine", "kvtransfer", *ABOVE},
 }
 # the router reaches workers over gRPC only; of the engine it may use the tokenizer side alone.
 ALLOWED_ENGINE_MODULES = {
-    "router": {"engine.tokenizer", "engine.loader"},
+    "router": {"pdserve.engine.tokenizer", "pdserve.engine.loader"},
 }
 # imported by both the engine and kvtransfer: it may import neither, nor anything of the project
 LEAF_MODULES = {"kvpool": "kvpool/__init__.py"}
@@ -39,8 +61,14 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return names
 
 
+def package_of(name: str) -> str:
+    """The repository folder an absolute import names: "pdserve.router.pool" -> "router"."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "pdserve" and len(parts) > 1 else parts[0]
+
+
 def imported_packages(path: pathlib.Path) -> set[str]:
-    return {name.split(".")[0] for name in imported_modules(path)}
+    return {package_of(name) for name in imported_modules(path)}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -62,7 +90,7 @@ def test_engine_modules_used_outside_the_workers(package):
         f"{f.relative_to(ROOT)} imports {name}"
         for f in sorted((ROOT / package).rglob("*.py"))
         for name in imported_modules(f)
-        if name.split(".")[0] == "engine"
+        if package_of(name) == "engine"
         and not any(name == a or name.startswith(a + ".") for a in allowed)
     ]
     assert not bad, f"{package}/ may use only {sorted(allowed)} of the engine:\n" + "\n".join(bad)
@@ -74,3 +102,57 @@ def test_engine_modules_lent_out_import_nothing_of_the_engine(module):
     not pull in the rest of the project."""
     names = imported_packages(ROOT / LEAF_MODULES[module])
     assert not names & ({"engine"} | set(FORBIDDEN)), f"{module} imports {sorted(names)}"
+
+
+# The repository's folders that install as pdserve.<folder>, and those that never install.
+INSTALLED = {"pdserve", *FORBIDDEN, *ABOVE, "kvpool"}
+NOT_INSTALLED = {"benchmarks", "experiments", "tests"}
+
+
+def python_files(*folders: str) -> list[pathlib.Path]:
+    return sorted(f for d in folders for f in (ROOT / d).rglob("*.py"))
+
+
+def test_every_import_of_the_project_is_spelled_pdserve_dot():
+    """A bare `import engine` works in a checkout (the root is on sys.path) and fails in the
+    installed wheel; and one module imported under two names is two modules."""
+    bare = INSTALLED - {"pdserve"}
+    bad = [
+        f"{f.relative_to(ROOT)} imports {name}"
+        for f in python_files(*INSTALLED, *NOT_INSTALLED)
+        for name in imported_modules(f)
+        if name.split(".")[0] in bare
+    ]
+    assert not bad, "import these as pdserve.<folder>:\n" + "\n".join(bad)
+
+
+def test_pyproject_installs_every_folder_that_holds_modules():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = config["package-dir"]
+    assert {f"pdserve.{d}" for d in INSTALLED - {"pdserve"}} | {"pdserve"} == set(mapping)
+    expected = set()
+    for name, folder in mapping.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            expected.add(".".join((name, *rel)))
+    assert set(config["packages"]) == expected
+    assert not any(d in NOT_INSTALLED for d in mapping.values())
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "experiments"])
+def test_benchmarks_and_experiments_import_the_package_without_editing_sys_path(folder):
+    files = python_files(folder)
+    assert files
+    bad = []
+    for f in files:
+        tree = ast.parse(f.read_text(), filename=str(f))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path":
+                if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if "sys.path" in node.value:  # code handed to a child process
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "run these as `python -m <folder>.<name>` from the root instead:\n" + "\n".join(
+        bad
+    )

@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from conftest import random_prompts
-from deploy.config import ConfigError, validate_config
-from engine import LLM, SamplingParams
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.deploy.config import ConfigError, validate_config
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from test_worker_services import wait_until
 from worker_helpers import start_decode, start_router, stop_all
 

@@ -1,6 +1,6 @@
 """engine.cpu: which units a CPU's flags mean, for the three CPUs the project has met."""
 
-from engine.cpu import CPUFeatures, cpu_features
+from pdserve.engine.cpu import CPUFeatures, cpu_features
 
 EPYC_AVX2 = "fpu sse sse2 avx avx2 fma f16c"
 XEON_VNNI = EPYC_AVX2 + " avx512f avx512bw avx512_vnni"

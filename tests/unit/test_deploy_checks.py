@@ -16,10 +16,10 @@ import grpc
 import pytest
 
 from conftest import tls_files
-from deploy import launcher
-from deploy.cli import main
-from deploy.config import validate_config
-from deploy.launcher import DeployError, Replica, RestartPolicy, Supervisor
+from pdserve.cli import main
+from pdserve.deploy import launcher
+from pdserve.deploy.config import validate_config
+from pdserve.deploy.launcher import DeployError, Replica, RestartPolicy, Supervisor
 
 SECRET = "s3cret-value-that-is-long-enough"
 
@@ -84,8 +84,8 @@ def test_cli_up_on_a_busy_port_fails_at_once_and_the_first_router_keeps_serving(
 ):
     import ray
 
-    from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-    from router.server import Router, RouterConfig
+    from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve.router.server import Router, RouterConfig
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
     model_dir = tiny_models("llama-gqa")[0]
@@ -202,9 +202,9 @@ def test_a_short_secret_in_the_environment_is_refused_without_showing_it():
 
 
 def test_router_and_worker_configs_carry_the_secret_and_never_show_it():
-    from decode_worker.server import DecodeWorkerConfig
-    from prefill_worker.server import PrefillWorkerConfig
-    from router.server import RouterConfig
+    from pdserve.decode_worker.server import DecodeWorkerConfig
+    from pdserve.prefill_worker.server import PrefillWorkerConfig
+    from pdserve.router.server import RouterConfig
 
     security = launcher.cluster_security(validate_config({}), {"PDSERVE_CLUSTER_SECRET": SECRET})
     for cfg in (
@@ -381,7 +381,7 @@ def test_cli_up_refuses_a_bad_secret_without_importing_ray(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("security: {cluster_secret: short-secret}\n")
     code = (
-        "import sys; from deploy.cli import main; rc = main(['up', sys.argv[1]]); "
+        "import sys; from pdserve.cli import main; rc = main(['up', sys.argv[1]]); "
         "assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)"
     )
     done = subprocess.run(
@@ -400,8 +400,8 @@ def test_cli_up_refuses_a_bad_secret_without_importing_ray(tmp_path):
 
 # ---- the CLI client against a router with router.tls -------------------------------------------------
 def test_cli_client_reaches_a_tls_router_with_tls_ca(tmp_path, tiny_models, capsys):
-    from protos.security import TLSConfig
-    from router.server import Router, RouterConfig
+    from pdserve.protos.security import TLSConfig
+    from pdserve.router.server import Router, RouterConfig
 
     files = tls_files(tmp_path)
     tls = TLSConfig(b"", files["cert"].read_bytes(), files["key"].read_bytes())

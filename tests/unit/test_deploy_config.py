@@ -10,9 +10,9 @@ import sys
 import pydantic
 import pytest
 
-from deploy.cli import main
-from deploy.config import DeployConfig, load_config, validate_config
 from deploy_config_helpers import error_of, write
+from pdserve.cli import main
+from pdserve.deploy.config import DeployConfig, load_config, validate_config
 
 EXAMPLES = sorted((pathlib.Path(__file__).parents[2] / "deploy" / "examples").glob("*.yaml"))
 
@@ -52,7 +52,7 @@ def test_engine_kwargs_pass_pool_settings():
     assert kwargs["block_size"] == 32 and kwargs["max_model_len"] == 256
     assert "kv_cache_memory" not in cfg.engine_kwargs(cfg.pools.prefill)
     # and the engine accepts exactly these keywords
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     EngineConfig(model="m", **kwargs)
 
@@ -188,7 +188,7 @@ def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(
 
 
 def test_core_plan_gives_each_local_replica_its_own_cores(monkeypatch):
-    from deploy import launcher
+    from pdserve.deploy import launcher
 
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
 
@@ -223,9 +223,9 @@ ABSENT_MODELS = {
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_fits_its_model_and_machine(path):
-    from deploy.config_checks import fit_problems
-    from deploy.launcher import check_resources
-    from engine.loader import load_hf_config, resolve_model
+    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.launcher import check_resources
+    from pdserve.engine.loader import load_hf_config, resolve_model
 
     cfg = load_config(str(path))
     gpu = any(p.resources.num_gpus for _, p in cfg.worker_pools())
@@ -245,9 +245,9 @@ def test_fit_check_matches_what_the_engine_refuses(tiny_models):
     the bytes the message asks for, the engine refuses to start; exactly those, it starts."""
     import re
 
-    from deploy.config_checks import fit_problems
-    from engine import LLM
-    from engine.loader import load_hf_config
+    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.engine import LLM
+    from pdserve.engine.loader import load_hf_config
 
     model_dir = tiny_models("llama-gqa")[0]
     cfg = validate_config(
@@ -274,7 +274,7 @@ def test_fit_check_matches_what_the_engine_refuses(tiny_models):
 
 
 def test_fit_check_suggests_what_to_change():
-    from deploy.config_checks import fit_problems
+    from pdserve.deploy.config_checks import fit_problems
 
     hf = {
         "num_attention_heads": 9,

@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from deploy.config import DeployConfig, load_config
 from deploy_config_helpers import error_of, write
+from pdserve.deploy.config import DeployConfig, load_config
 
 SECRET = "s3cret-value-that-is-long-enough"
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_no_leaks, hf_greedy, random_prompts
-from engine import LLM, SamplingParams
-from engine.errors import BadSamplingParams, DuplicateRequestId, InvalidRequest, PromptTooLong
 from engine_helpers import KV, greedy, run_until_done
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.errors import (
+    BadSamplingParams,
+    DuplicateRequestId,
+    InvalidRequest,
+    PromptTooLong,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import NEW, SHARED_PREFIX, assert_no_leaks
-from engine import LLM
 from engine_helpers import KV, greedy
+from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

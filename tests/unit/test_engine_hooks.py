@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import SHARED_PREFIX, assert_no_leaks, random_prompts
-from engine import LLM
 from engine_helpers import KV, greedy, run_until_done
+from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -163,7 +163,7 @@ def test_reserve_beyond_capacity(refs):
     prompts = random_prompts([40, 40, 40], seed=7)  # 3 blocks each, 8 blocks in all
     b.reserve("a", prompts[0], greedy(4))
     b.reserve("b", prompts[1], greedy(4))
-    from engine.block_manager import NoFreeBlocks
+    from pdserve.engine.block_manager import NoFreeBlocks
 
     with pytest.raises(NoFreeBlocks):
         b.reserve("c", prompts[2], greedy(4))
@@ -204,7 +204,7 @@ def test_step_trace_records_each_step_shape(refs):
 def test_warm_up_leaves_no_trace_and_changes_no_output(refs):
     """A warmed engine (what workers register with) holds nothing afterwards, its step trace is
     empty, and greedy and seeded outputs equal a cold engine's."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     model_dir, _, prompts, want = refs("llama-gqa")
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)

@@ -5,7 +5,7 @@ from collections import deque
 
 import pytest
 
-from engine.engine_loop import EngineLoop
+from pdserve.engine.engine_loop import EngineLoop
 
 
 class _Scheduler:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks
-from engine import LLM, SamplingParams
 from engine_helpers import KV
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks, hf_greedy, random_prompts
-from engine import LLM, SamplingParams
 from engine_helpers import KV, greedy
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

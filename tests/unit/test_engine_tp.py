@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks
-from engine import LLM
 from engine_helpers import KV, greedy
+from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +83,7 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
 
 
 def test_stale_shared_kv_files_are_removed(tmp_path):
-    from kvpool import remove_stale_pool_files
+    from pdserve.kvpool import remove_stale_pool_files
 
     dead = 2**22 + 7  # above the largest pid_max Linux allows: no such process
     stale = tmp_path / f"pdserve-kv-{dead}-abcd-rank0"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import cpu_fused
+from pdserve.engine.kernels import cpu_fused
 
 fused = cpu_fused()
 pytestmark = pytest.mark.skipif(fused is None, reason="no C++ compiler for the CPU kernels here")
@@ -34,7 +34,7 @@ def test_add_rms_norm(rows):
 
 
 def test_rope_in_place_equals_rotate_half():
-    from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+    from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 
     inv, factor = rope_inv_freq(None, "default", 10000.0, 64)
     rot = RotaryEmbedding(inv, factor, 256)
@@ -67,8 +67,8 @@ def test_int8_rows_equal_the_torch_expression():
 
 def test_layers_fall_back_to_torch_without_kernels(monkeypatch):
     """PDSERVE_CPU_KERNELS=0 (or no compiler) routes every layer through torch: same results."""
-    import engine.layers.norm as norm_mod
-    from engine.layers.norm import RMSNorm
+    import pdserve.engine.layers.norm as norm_mod
+    from pdserve.engine.layers.norm import RMSNorm
 
     layer = RMSNorm(96, 1e-5)
     layer.weight.data.normal_()

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from decode_worker.handoff import DecodeHandoff
-from engine import LLM, SamplingParams
-from engine.engine_loop import EngineLoop
-from kvtransfer.layout import KVLayout
-from kvtransfer.transport import Destination, Transport
-from kvtransfer.wire import ChunkHeader
-from prefill_worker.handoff import PushSink
+from pdserve.decode_worker.handoff import DecodeHandoff
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.transport import Destination, Transport
+from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.prefill_worker.handoff import PushSink
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -251,7 +251,7 @@ def test_push_sink_sends_each_layer_as_it_ends_or_after_the_last(overlap):
 
 
 def test_push_sink_defers_when_the_compute_takes_every_core(monkeypatch):
-    from prefill_worker import handoff as prefill_handoff
+    from pdserve.prefill_worker import handoff as prefill_handoff
 
     cores = 4
     monkeypatch.setattr(prefill_handoff.os, "sched_getaffinity", lambda pid: set(range(cores)))

@@ -360,7 +360,7 @@ def test_stream_is_openai_sse_and_matches_the_whole_response(router, idle, chat)
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event_then_done(router, idle, monkeypatch):
-    from router import http_api
+    from pdserve.router import http_api
 
     def fail(finish):
         raise http_api.ApiError(500, "injected", "server_error")

@@ -12,7 +12,6 @@ import socket
 import pytest
 
 from conftest import random_prompts, run_in_threads, wait_until
-from engine import SamplingParams
 from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported here)
     MAX_MODEL_LEN,
     MODEL,
@@ -24,6 +23,7 @@ from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported 
     fixture_workers,
     split,
 )
+from pdserve.engine import SamplingParams
 from worker_helpers import record_aborts
 
 openai = pytest.importorskip("openai")

@@ -35,9 +35,9 @@ from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported 
     serves,
     split,
 )
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from protos.security import TLSConfig
-from router.server import Router, RouterConfig
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.protos.security import TLSConfig
+from pdserve.router.server import Router, RouterConfig
 
 openai = pytest.importorskip("openai")
 
@@ -231,7 +231,7 @@ def test_an_http_port_in_use_fails_the_start_naming_it(workers, router):
 
 
 def test_pdserve_generate_sends_the_key_from_the_environment(secured, idle, monkeypatch, capsys):
-    from deploy.cli import main
+    from pdserve.cli import main
 
     argv = ["generate", "t5 t6", "--router", secured.address, "--tls-ca", secured.ca_file]
     argv += ["--max-tokens", "2"]
@@ -246,7 +246,7 @@ def test_pdserve_generate_sends_the_key_from_the_environment(secured, idle, monk
 
 def test_pdserve_bench_sends_the_key_from_the_environment(workers, idle, monkeypatch):
     """The load generator behind `pdserve bench` reads PDSERVE_API_KEY like `pdserve generate`."""
-    from deploy.tuning import loadgen
+    from pdserve.tuning import loadgen
 
     keyed = workers.router(api_keys=(KEY,))
     try:

@@ -18,18 +18,18 @@ import torch
 import torch.distributed as dist
 
 from conftest import threads_joined
-from kvtransfer import ChunkHeader, TransferState
-from kvtransfer.backends import connect
-from kvtransfer.backends.grpc_backend import (
+from pdserve.kvtransfer import ChunkHeader, TransferState
+from pdserve.kvtransfer.backends import connect
+from pdserve.kvtransfer.backends.grpc_backend import (
     CHANNEL_METADATA_KEY,
     FLUSH_METHOD,
     PUSH_METHOD,
     frame_pieces,
 )
-from kvtransfer.backends.torch_auth import CONNECTIONS_KEY, conn_prefix
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.reshard import read_chunk
-from protos.security import INSECURE, ClusterSecurity
+from pdserve.kvtransfer.backends.torch_auth import CONNECTIONS_KEY, conn_prefix
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.reshard import read_chunk
+from pdserve.protos.security import INSECURE, ClusterSecurity
 from test_kv_backends import (
     LAYOUT_KW,
     NUM_TOKENS,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks, random_prompts
-from kvtransfer import (
+from pdserve.kvtransfer import (
     ChunkHeader,
     KVLayout,
     LayoutMismatch,
@@ -17,9 +17,9 @@ from kvtransfer import (
     decode_frame,
     encode_frame,
 )
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.reshard import read_chunk, write_chunk
-from kvtransfer.wire import WireError
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.reshard import read_chunk, write_chunk
+from pdserve.kvtransfer.wire import WireError
 
 
 def frame_bytes(header, payload=b""):
@@ -160,7 +160,7 @@ class FramingSink:
 
 
 def test_engine_to_engine_through_frames(tiny_models):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     model_dir, _ = tiny_models("llama-gqa")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -20,7 +20,7 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.loader import (
+from pdserve.engine.loader import (
     default_cache_dir,
     gguf_convert,
     iter_safetensors,
@@ -28,7 +28,7 @@ from engine.loader import (
     resolve,
     resolve_model,
 )
-from engine.loader.gguf_convert import convert_gguf_weights, reverse_permute
+from pdserve.engine.loader.gguf_convert import convert_gguf_weights, reverse_permute
 
 N_HEAD, N_KV_HEAD = 4, 2
 

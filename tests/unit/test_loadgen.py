@@ -10,9 +10,9 @@ import socket
 
 import pytest
 
-from deploy.cli import main
-from deploy.tuning.loadgen import run_load
-from deploy.tuning.metrics import (
+from pdserve.cli import main
+from pdserve.tuning.loadgen import run_load
+from pdserve.tuning.metrics import (
     RequestRecord,
     attainment,
     attribute_itl,
@@ -24,7 +24,7 @@ from deploy.tuning.metrics import (
     slo_scale_goodput,
     summarize,
 )
-from deploy.tuning.workload import RequestSpec, build_prompts
+from pdserve.tuning.workload import RequestSpec, build_prompts
 from worker_helpers import start_decode, start_prefill, start_router
 
 MAX_MODEL_LEN = 256

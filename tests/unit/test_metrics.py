@@ -15,9 +15,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import random_prompts, wait_until
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from router.metrics import build_1_2_5_buckets
-from router.stage_timings import STAGES, stage_durations
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.router.metrics import build_1_2_5_buckets
+from pdserve.router.stage_timings import STAGES, stage_durations
 from test_router import RPC_TIMEOUT, Cluster, pool_idle
 
 MODEL = "model_name"
@@ -337,9 +337,9 @@ def test_one_two_five_buckets():
 
 
 def test_a_colocated_cluster_labels_its_pool_and_has_no_hand_off(tiny_models, one_thread):
-    from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-    from protos.pdserve.v1 import pdserve_pb2_grpc
-    from router.server import Router, RouterConfig
+    from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
+    from pdserve.router.server import Router, RouterConfig
 
     model_dir = tiny_models("llama-gqa")[0]
     worker = DecodeWorker(

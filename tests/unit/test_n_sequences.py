@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from conftest import random_prompts, run_in_threads, wait_until
-from engine import LLM, SamplingParams
 from engine_helpers import KV
 from n_sequences_helpers import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_helpers import start_decode, start_prefill, start_router, stop_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -362,7 +362,7 @@ def test_a_failed_prefill_fails_an_n_request_with_its_status_and_frees_both_pool
     idle, monkeypatch
 ):
     """As for n=1: the client gets the prefill worker's status, not n "abort" Finishes."""
-    from engine.errors import InvalidRequest as Refused
+    from pdserve.engine.errors import InvalidRequest as Refused
 
     def refuse(*args, **kwargs):
         raise Refused("refused for the test")

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_no_leaks, random_prompts
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequest, NoFreeBlocks
 from engine_helpers import KV, run_until_done
 from n_sequences_helpers import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import pdserve_pb2
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.errors import InvalidRequest, NoFreeBlocks
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2
 from test_engine_hooks import CopySink
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,8 +114,8 @@ def test_forked_decodes_that_run_short_of_blocks_are_preempted_and_still_match(t
 
 
 def test_the_commit_frame_carries_every_first_token_and_refuses_bad_ones():
-    from kvtransfer.backends.frames import encode_header
-    from kvtransfer.wire import ChunkHeader, WireError, decode_frame, encode_frame
+    from pdserve.kvtransfer.backends.frames import encode_header
+    from pdserve.kvtransfer.wire import ChunkHeader, WireError, decode_frame, encode_frame
 
     header = ChunkHeader(
         "r", "fp", kind="commit", first_token=5, first_tokens=(5, 6, 7), first_logprobs=(-1.5,) * 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import cpu_paged_decode
+from pdserve.engine.kernels import cpu_paged_decode
 
 kernel = cpu_paged_decode()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the torch path is used")

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
@@ -65,8 +65,8 @@ def test_generated_code_is_current(tmp_path):
 
 def test_generated_code_imports_through_the_protos_package():
     # The messages' module must be importable (pickle, Ray), not protoc's 'pdserve.v1...'.
-    assert pdserve_pb2.GenerateRequest.__module__ == "protos.pdserve.v1.pdserve_pb2"
-    assert worker_pb2.ReserveRequest.__module__ == "protos.pdserve.v1.worker_pb2"
+    assert pdserve_pb2.GenerateRequest.__module__ == "pdserve.protos.pdserve.v1.pdserve_pb2"
+    assert worker_pb2.ReserveRequest.__module__ == "pdserve.protos.pdserve.v1.worker_pb2"
     # Canonical file names, as other languages and reflection see them.
     assert pdserve_pb2.DESCRIPTOR.name == "pdserve/v1/pdserve.proto"
     assert [d.name for d in worker_pb2.DESCRIPTOR.dependencies] == ["pdserve/v1/pdserve.proto"]
@@ -131,7 +131,7 @@ def test_sampling_params_unset_differs_from_zero():
 
 
 def test_sampling_params_mirror_the_engine():
-    from engine.sampling_params import SamplingParams as EngineSamplingParams
+    from pdserve.engine.sampling_params import SamplingParams as EngineSamplingParams
 
     proto_fields = {f.name: f for f in pdserve_pb2.SamplingParams.DESCRIPTOR.fields}
     engine_fields = {f.name for f in dataclasses.fields(EngineSamplingParams)}

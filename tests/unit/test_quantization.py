@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.kernels import cpu_fused
-from engine.layers.linear import ReplicatedLinear
-from engine.layers.quant import INT4_GROUP, Int4Weight, Int8Weight, head_quantization
-from engine.quality import QUALITY_BOUNDS, informative, perplexity, probe_ids
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels import cpu_fused
+from pdserve.engine.layers.linear import ReplicatedLinear
+from pdserve.engine.layers.quant import INT4_GROUP, Int4Weight, Int8Weight, head_quantization
+from pdserve.engine.quality import QUALITY_BOUNDS, informative, perplexity, probe_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,7 +136,7 @@ def test_config_checks_quantization():
 def test_quantization_refused_on_cuda(tiny_models):
     from transformers import AutoConfig
 
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     model_dir, _ = tiny_models("llama-gqa")
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
@@ -152,7 +152,7 @@ def test_quantization_refused_on_cuda(tiny_models):
 def test_dtype_auto_on_cpu_means_quantization_auto(tiny_models):
     from transformers import AutoConfig
 
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     model_dir, _ = tiny_models("llama-gqa")
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
@@ -238,7 +238,7 @@ def test_smollm2_auto_picks_a_mode_within_its_bound():
     """The embedded model: auto scores the probe in float32 and in each candidate and serves the
     first within bound; the note says which and by how much."""
     pytest.importorskip("gguf")
-    from engine.loader import resolve_model
+    from pdserve.engine.loader import resolve_model
 
     try:
         resolve_model("smollm2")

@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from conftest import TINY_CONFIG
-from engine.config import ModelConfig
-from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 POSITIONS = [0, 7, 300]
 MAX_POS = 512
@@ -115,7 +115,7 @@ def test_unsupported_rope_types_are_refused(rope_type, params):
 
 def test_unsupported_rope_type_refused_by_llm(tiny_models, tmp_path):
     """The refusal reaches the user as a ValueError from LLM(...), not a failure mid-forward."""
-    from engine import LLM
+    from pdserve.engine import LLM
 
     src, _ = tiny_models("llama-gqa")
     dst = pathlib.Path(shutil.copytree(src, tmp_path / "dynamic"))

@@ -14,12 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import leaves_no_threads, random_prompts, run_in_threads, wait_until
-from engine import LLM, SamplingParams
-from engine.tokenizer import load_tokenizer
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.server import Router, RouterConfig
-from router.text import TextStream
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.router.server import Router, RouterConfig
+from pdserve.router.text import TextStream
 from worker_helpers import record_aborts, start_decode, start_prefill, start_router, stop_all
 
 RPC_TIMEOUT = 20.0
@@ -395,7 +395,7 @@ def test_the_decode_queue_gives_up_after_its_timeout_and_on_cancel(idle, tiny_mo
     until told otherwise: a request fails after the wait with RESOURCE_EXHAUSTED saying what to do;
     one cancelled or aborted while it waits leaves the queue; one that waits while blocks free
     succeeds."""
-    from engine.block_manager import NoFreeBlocks
+    from pdserve.engine.block_manager import NoFreeBlocks
 
     full = threading.Event()
     full.set()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.affinity import CHUNK, PrefixAffinity, prefix_hashes
-from router.pool import WorkerPool
+from pdserve.router.affinity import CHUNK, PrefixAffinity, prefix_hashes
+from pdserve.router.pool import WorkerPool
 
 
 def make_pool():

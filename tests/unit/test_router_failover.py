@@ -16,14 +16,15 @@ import grpc
 import pytest
 
 from conftest import random_prompts, wait_until
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-from engine import LLM, SamplingParams
-from engine.tokenizer import load_tokenizer
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from router.legs import Inflight, Leg, Legs, resume_sampling
-from router.text import TextStream
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.router.legs import Inflight, Leg, Legs, resume_sampling
+from pdserve.router.text import TextStream
+from pdserve.worker_common.registration import Registration
 from router_helpers import (
     LONG_GREEDY,
     MAX_MODEL_LEN,
@@ -33,7 +34,6 @@ from router_helpers import (
     start_router,
     stop_router,
 )
-from worker_common.registration import Registration
 
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
 STEP_DELAY_S = 0.02  # decode steps slowed so a test can stop the worker mid-stream
@@ -157,7 +157,7 @@ def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(
 ):
     prompt, want_ids, want_text = expected
     with two_decode_workers(model_dir, prefill) as (router, decodes):
-        with caplog.at_level(logging.WARNING, logger="router.service"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.service"):
             ids, text, last, victim, num_before = stream_killing_holder(router, prompt, decodes, 5)
         assert 5 <= num_before < len(want_ids), (
             "the worker was stopped after the stream had finished"

@@ -18,8 +18,9 @@ import grpc
 import pytest
 
 from conftest import wait_until
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from router.pool import WorkerPool
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.router.pool import WorkerPool
+from pdserve.worker_common.registration import Registration
 from router_helpers import (
     LONG_GREEDY,
     RPC_TIMEOUT,
@@ -28,7 +29,6 @@ from router_helpers import (
     start_router,
     stop_router,
 )
-from worker_common.registration import Registration
 
 
 # ---- fake workers: Stats only -------------------------------------------------------------------
@@ -85,7 +85,7 @@ def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_bac
         pool.sweep()
         assert [w.worker_id for w in pool.decode_order()] == ["b", "a"]  # most free blocks first
         b.mode = q.mode = "fail"
-        with caplog.at_level(logging.INFO, logger="router.pool"):
+        with caplog.at_level(logging.INFO, logger="pdserve.router.pool"):
             pool.sweep()  # one failure: still used, ranked last (unknown load)
             assert [w.worker_id for w in pool.decode_order()] == ["a", "b"]
             for _ in range(3):
@@ -220,7 +220,7 @@ def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, c
         )
         assert [w.address for w in router.pool.decode] == [moved.address]
 
-        with caplog.at_level(logging.WARNING, logger="router.pool"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.pool"):
             wait_until(lambda: router.pool.num_workers("decode") == 0, 3, "d-fake dropped out")
         assert time.monotonic() - last_beat >= 0.3  # heartbeats stopped: out after 3 x heartbeat_ms
         assert any(

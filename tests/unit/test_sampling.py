@@ -5,14 +5,14 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from engine.sampler import (
+from pdserve.engine.sampler import (
     Sampler,
     SamplingRow,
     apply_top_k_top_p,
     make_generator,
     process_logits,
 )
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 sampler = Sampler()
 

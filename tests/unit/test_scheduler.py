@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import FinishReason, SeqStatus
+from pdserve.engine.request import FinishReason, SeqStatus
 from scheduler_harness import EOS, Harness, sched_view
 
 # ---- chunked prefill -------------------------------------------------------------------------

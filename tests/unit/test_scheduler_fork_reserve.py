@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import NoFreeBlocks
-from engine.request import FinishReason, SeqStatus
+from pdserve.engine.block_manager import NoFreeBlocks
+from pdserve.engine.request import FinishReason, SeqStatus
 from scheduler_harness import EOS, Harness, abort_request, sched_view
 
 # ---- n > 1 --------------------------------------------------------------------------------------

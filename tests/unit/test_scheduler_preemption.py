@@ -4,7 +4,7 @@ sequence recomputes with and without the prefix cache."""
 
 from __future__ import annotations
 
-from engine.request import FinishReason, SeqStatus
+from pdserve.engine.request import FinishReason, SeqStatus
 from scheduler_harness import Harness, sched_view
 
 # ---- preemption by recompute -----------------------------------------------------------------

@@ -9,8 +9,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.block_manager import NoFreeBlocks
-from engine.request import FinishReason, SeqStatus, Sequence
+from pdserve.engine.block_manager import NoFreeBlocks
+from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from scheduler_harness import EOS, Harness, abort_request
 
 # ---- property test ------------------------------------------------------------------------------

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from deploy import cli
-from deploy.tuning.perf_model import ProfileError, profile_from_dict
-from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from deploy.tuning.slo import SLO
-from deploy.tuning.tuner import Search
-from deploy.tuning.workload import synthetic
+from pdserve import cli
+from pdserve.tuning.perf_model import ProfileError, profile_from_dict
+from pdserve.tuning.simulator import Placement, PoolSpec, Simulator, simulate
+from pdserve.tuning.slo import SLO
+from pdserve.tuning.tuner import Search
+from pdserve.tuning.workload import synthetic
 from tuning_helpers import make_profile, one, toy_tune_argv
 
 

@@ -1,4 +1,4 @@
-"""The simulator's worker (deploy/tuning/sim_worker.py, "engine/scheduler.py's policy over token
+"""The simulator's worker (tuning/sim_worker.py, "engine/scheduler.py's policy over token
 counts") against the real thing: the same request trace through engine/scheduler.py's Scheduler
 with a BlockManager (driven by tests/unit/scheduler_harness.py's fake runner, no model) and
 through sim_worker.Worker, step by step; every step must schedule the same requests with the same
@@ -10,7 +10,7 @@ azure_code, mooncake_synthetic), scaled down so that the fake runner stays fast.
 arrives before the step of index arrival_s / STEP_S.
 
 Deliberate difference, stated and bounded here: the simulator does not model the prefix cache
-(deploy/tuning/simulator.py: "every prompt is computed in full; mooncake hash_ids are ignored").
+(tuning/simulator.py: "every prompt is computed in full; mooncake hash_ids are ignored").
 The exact comparisons run the scheduler with prefix caching off; with it on, a Mooncake slice
 whose prompts share prefix blocks is checked to differ by exactly the tokens the cache served:
 the scheduler computes each prompt minus its cached prefix, the simulator the whole prompt, and
@@ -24,8 +24,8 @@ from dataclasses import replace
 
 import pytest
 
-from deploy.tuning.sim_worker import Seq, Worker
-from deploy.tuning.workload import RequestSpec, build_prompts, load_trace
+from pdserve.tuning.sim_worker import Seq, Worker
+from pdserve.tuning.workload import RequestSpec, build_prompts, load_trace
 from scheduler_harness import Harness
 
 STEP_S = 0.05  # seconds of arrivals per step

@@ -1,4 +1,4 @@
-"""The in-load calibration's fits (deploy/tuning/calibration.py) on synthetic engine steps: the time a
+"""The in-load calibration's fits (experiments/calibration.py) on synthetic engine steps: the time a
 step holds the loop, the per-kind step models recovered from it, and the step check."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from deploy.tuning.calibration import (
+from experiments.calibration import (
     effective_steps,
     fit_load,
     modelled_s,
@@ -16,7 +16,7 @@ from deploy.tuning.calibration import (
     speed_traces,
     step_model_check,
 )
-from deploy.tuning.perf_model import StepModel, profile_from_dict
+from pdserve.tuning.perf_model import StepModel, profile_from_dict
 from tuning_helpers import toy_engine_profile_dict
 
 ENGINE = profile_from_dict(toy_engine_profile_dict())

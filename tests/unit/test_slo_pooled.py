@@ -1,4 +1,4 @@
-"""deploy/tuning/pooled.py, which bench/slo_pooled.py runs on: which stored runs it takes
+"""experiments/pooled.py, which experiments/slo_pooled.py runs on: which stored runs it takes
 (measurements of the setup only, calibrations of every run calibrated the same way, also the
 earlier ones of --remeasure, never the step or disturbed files), and the pooled profile made from
 their calibration steps."""
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from deploy.tuning.pooled import find_runs, merge_serving, pooled_profile, scaled
+from experiments.pooled import find_runs, merge_serving, pooled_profile, scaled
 from tuning_helpers import toy_engine_profile_dict
 
 CONFIG = {

@@ -8,17 +8,17 @@ import math
 
 import pytest
 
-from deploy.tuning.perf_model import (
+from pdserve.tuning.perf_model import (
     ProfileError,
     fit_nonnegative,
     load_profile,
     prefill_features,
     profile_from_dict,
 )
-from deploy.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from deploy.tuning.slo import SLO, TuneError, parse_slo
-from deploy.tuning.tuner import Search, enumerate_placements
-from deploy.tuning.workload import retime, synthetic
+from pdserve.tuning.simulator import Placement, PoolSpec, Simulator, simulate
+from pdserve.tuning.slo import SLO, TuneError, parse_slo
+from pdserve.tuning.tuner import Search, enumerate_placements
+from pdserve.tuning.workload import retime, synthetic
 from tuning_helpers import DERIVED, make_profile, one
 
 

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from deploy import cli
-from deploy.config import load_config, validate_config
-from deploy.config_checks import fit_problems
-from deploy.prechecks import check_offline
-from deploy.tuning.deploy_yaml import deploy_yaml, hf_config
-from deploy.tuning.perf_model import ProfileError, load_profile, profile_from_dict
-from deploy.tuning.simulator import Placement, PoolSpec
-from deploy.tuning.tuner import Candidate
+from pdserve import cli
+from pdserve.deploy.config import load_config, validate_config
+from pdserve.deploy.config_checks import fit_problems
+from pdserve.deploy.prechecks import check_offline
+from pdserve.tuning.deploy_yaml import deploy_yaml, hf_config
+from pdserve.tuning.perf_model import ProfileError, load_profile, profile_from_dict
+from pdserve.tuning.simulator import Placement, PoolSpec
+from pdserve.tuning.tuner import Candidate
 from tuning_helpers import DERIVED, make_profile, toy_tune_argv, tune_argv
 
 

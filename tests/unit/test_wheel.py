@@ -1,8 +1,11 @@
-"""The wheel carries everything: build it (`pip wheel . --no-deps`, from a copy of the tracked
+"""The wheel carries everything, under one name: build it (`pip wheel . --no-deps`, from a copy of the tracked
 files, so nothing untracked or stale rides along), install it into a fresh virtual environment
 (--system-site-packages: torch and the other dependencies are not reinstalled), and from a
 directory outside the repository run what a deployment needs from the installed package alone:
 
+  * its top-level names are exactly `pdserve` and its dist-info, and neither benchmarks/ nor
+    experiments/ is in it or importable from the environment;
+  * `pdserve --version` and `python -m pdserve --help`;
   * the engine with its compiled CPU kernel (the .cpp sources are package data) and a short
     generation with SmolLM2 (`pdserve generate --local`);
   * `pdserve tune` with the shipped profile and a bundled trace, writing a deploy YAML;
@@ -20,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 
@@ -71,7 +75,7 @@ def venv(tmp_path_factory):
     _run([py, "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", wheel], root)
     work = root / "work"
     work.mkdir()
-    return py, env_dir / "bin", work
+    return py, env_dir / "bin", work, wheel
 
 
 def _env():
@@ -81,8 +85,44 @@ def _env():
     return env
 
 
+def test_the_wheel_installs_one_top_level_name(venv):
+    py, _, work, wheel = venv
+    with zipfile.ZipFile(wheel) as z:
+        top = {name.split("/")[0] for name in z.namelist()}
+    assert top == {"pdserve", "pdserve-0.1.0.dist-info"}, sorted(top)
+    out = _run(
+        [
+            py,
+            "-c",
+            textwrap.dedent(
+                """
+                import importlib.util
+                for name in ("benchmarks", "experiments", "engine", "router", "deploy", "protos",
+                             "tuning", "pdserve.benchmarks", "pdserve.experiments"):
+                    try:
+                        spec = importlib.util.find_spec(name)
+                    except ModuleNotFoundError:
+                        spec = None
+                    assert spec is None, (name, spec)
+                print("ok")
+                """
+            ),
+        ],
+        work,
+        env=_env(),
+    )
+    assert out.strip() == "ok"
+
+
+def test_version_and_module_entry_point_from_the_venv(venv):
+    py, bin_dir, work, _ = venv
+    assert _run([bin_dir / "pdserve", "--version"], work, env=_env()).startswith("pdserve 0.1.0")
+    out = _run([py, "-m", "pdserve", "--help"], work, env=_env())
+    assert "usage: pdserve" in out and "{up,generate,chat,bench,profile,tune}" in out
+
+
 def test_the_installed_package_is_complete_and_imported_from_the_venv(venv):
-    py, _, work = venv
+    py, _, work, _ = venv
     out = _run(
         [
             py,
@@ -90,24 +130,26 @@ def test_the_installed_package_is_complete_and_imported_from_the_venv(venv):
             textwrap.dedent(
                 """
                 import pathlib, sys
-                import deploy, deploy.tuning, engine, engine.kernels, protos, router
+                import pdserve
+                from pdserve import deploy, engine, protos, router, tuning
+                import pdserve.engine.kernels
                 prefix = pathlib.Path(sys.prefix).resolve()
-                for m in (deploy, engine, protos, router):
+                for m in (pdserve, deploy, engine, protos, router, tuning):
                     path = pathlib.Path(m.__file__).resolve()
                     assert prefix in path.parents, (m.__name__, path)
                 pkg = pathlib.Path(deploy.__file__).parent
                 assert len(list((pkg / "examples").glob("*.yaml"))) >= 4
-                tuning = pathlib.Path(deploy.tuning.__file__).parent
+                tuning = pathlib.Path(tuning.__file__).parent
                 assert (tuning / "profiles" / "h100_llama3_8b.json").is_file()
                 for name in ("azure_conv.csv", "azure_code.csv", "mooncake_synthetic.jsonl.gz",
                              "LICENSES.md"):
                     assert (tuning / "traces" / name).is_file(), name
-                kernels = pathlib.Path(engine.kernels.__file__).parent
+                kernels = pathlib.Path(pdserve.engine.kernels.__file__).parent
                 assert (kernels / "paged_decode_cpu.cpp").is_file()
                 assert (kernels / "fused_cpu.cpp").is_file()
                 protos_dir = pathlib.Path(protos.__file__).parent / "pdserve" / "v1"
                 assert list(protos_dir.glob("*.proto")), protos_dir
-                from engine.kernels import cpu_paged_decode
+                from pdserve.engine.kernels import cpu_paged_decode
                 assert cpu_paged_decode() is not None, "the compiled CPU kernel did not build"
                 print("ok", prefix)
                 """
@@ -120,7 +162,7 @@ def test_the_installed_package_is_complete_and_imported_from_the_venv(venv):
 
 
 def test_generate_from_the_venv(venv):
-    _, bin_dir, work = venv
+    _, bin_dir, work, _ = venv
     out = _run(
         [
             bin_dir / "pdserve",
@@ -143,9 +185,9 @@ def test_generate_from_the_venv(venv):
 
 
 def test_tune_then_up_check_from_the_venv(venv):
-    py, bin_dir, work = venv
+    py, bin_dir, work, _ = venv
     pkg = _run(
-        [py, "-c", "import deploy, pathlib; print(pathlib.Path(deploy.__file__).parent)"],
+        [py, "-c", "import pdserve, pathlib; print(pathlib.Path(pdserve.__file__).parent)"],
         work,
         env=_env(),
     ).strip()
@@ -175,7 +217,7 @@ def test_tune_then_up_check_from_the_venv(venv):
         env=_env(),
     )
     assert "best: " in out and tuned.is_file()
-    examples = sorted((pathlib.Path(pkg) / "examples").glob("local-cpu*.yaml"))
+    examples = sorted((pathlib.Path(pkg) / "deploy" / "examples").glob("local-cpu*.yaml"))
     assert examples
     for config in [*examples, tuned]:
         out = _run([bin_dir / "pdserve", "up", config, "--check"], work, env=_env())

@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from conftest import random_prompts
-from engine import LLM, SamplingParams
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import worker_pb2_grpc
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, generate_concurrently, wait_until
 from worker_helpers import start_decode, start_prefill
 

@@ -13,18 +13,18 @@ import grpc
 import pytest
 
 from conftest import leaves_no_threads, random_prompts, wait_until
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-from engine import LLM, SamplingParams
-from engine.errors import (
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.errors import (
     BadSamplingParams,
     DuplicateRequestId,
     InvalidRequest,
     NoFreeBlocks,
     PromptTooLong,
 )
-from protos.convert import sampling_kwargs
-from protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from worker_common.errors import abort_for_engine_error, engine_error_status
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.worker_common.errors import abort_for_engine_error, engine_error_status
 from worker_helpers import record_aborts, start_decode, start_prefill, stop_all
 
 RPC_TIMEOUT = 20.0

@@ -1,4 +1,4 @@
-"""The request traces that ship with pdserve (deploy/tuning/traces/): found by name with no setup,
+"""The request traces that ship with pdserve (tuning/traces/): found by name with no setup,
 $PDSERVE_TRACES_DIR and plain paths still win, and gzip-compressed traces read like plain ones."""
 
 import gzip
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deploy.tuning import workload
+from pdserve.tuning import workload
 
 
 def test_every_named_trace_loads_from_the_bundled_folder(monkeypatch):

@@ -4,9 +4,9 @@ worker, 4 on the prefill worker, so a hand-off re-blocks)."""
 
 from __future__ import annotations
 
-from decode_worker.server import DecodeWorker, DecodeWorkerConfig
-from prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-from router.server import Router, RouterConfig
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from pdserve.router.server import Router, RouterConfig
 
 DECODE_ENGINE = dict(kv_cache_memory=1 << 20, block_size=16)
 PREFILL_ENGINE = dict(kv_cache_memory=1 << 20, block_size=4)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.pdserve.v1 import pdserve_pb2 as pdserve_dot_v1_dot_pdserve__pb2
+from pdserve.protos.pdserve.v1 import pdserve_pb2 as pdserve_dot_v1_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,0 +1,281 @@
+"""The deployment and client side of benchmarks/chaos.py (and benchmarks/first_request.py): the README's
+example deployment started with `deploy.launcher.up()`, what the bench reads of it (Stats through
+the cluster secret, worker replacements, the router's drop-outs), and the client bodies that run
+in spawned processes of their own (streams that cancel themselves, a looping load, a health
+probe)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import threading
+import time
+
+from benchmarks.bench_common import REPO_ROOT, log
+
+EXAMPLE = os.path.join(REPO_ROOT, "deploy", "examples", "local-cpu.yaml")
+RPC_TIMEOUT = 120.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))] if s else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the deployment -----------------------------------------------------------------------------
+def example_config(
+    port: int = 0, prefill: int = 1, decode: int = 1, prefix_caching: bool = True
+) -> dict:
+    """The README's example deployment; runs that replay a clean run's prompts turn prefix
+    caching off, so the replay does the same work as the clean run."""
+    import yaml
+
+    with open(EXAMPLE) as f:
+        data = yaml.safe_load(f)
+    data["router"]["port"] = port
+    for pool in data["pools"].values():
+        pool["enable_prefix_caching"] = prefix_caching
+    data["pools"]["prefill"]["replicas"] = prefill
+    data["pools"]["decode"]["replicas"] = decode
+    data["ray"] = {
+        "num_cpus": max(2, prefill + decode),
+        "temp_dir": tempfile.mkdtemp(prefix="pdray"),
+    }
+    return data
+
+
+class DropCounter(logging.Handler):
+    """Counts the router pool's "dropped out" warnings and its registrations."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.dropped: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "dropped out" in msg:
+            self.dropped.append(msg)
+
+
+@contextlib.contextmanager
+def deployment(data: dict, **up_kwargs):
+    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.launcher import up
+
+    drops = DropCounter()
+    logging.getLogger("router").addHandler(drops)
+    t0 = time.perf_counter()
+    cluster = up(validate_config(data, "bench/chaos"), block=False, **up_kwargs)
+    log(f"deployment up in {time.perf_counter() - t0:.1f} s on {cluster.router_address}")
+    try:
+        yield cluster, drops
+    finally:
+        cluster.stop()
+        logging.getLogger("router").removeHandler(drops)
+
+
+def kv_state(cluster) -> dict:
+    """Every worker's Stats through the cluster secret: free/total blocks, running, reserved."""
+    from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    out = {}
+    for r in cluster.replicas:
+        if not r.address:
+            continue
+        stub = (
+            worker_pb2_grpc.DecodeWorkerStub
+            if r.role == "decode"
+            else worker_pb2_grpc.PrefillWorkerStub
+        )
+        with cluster.security.channel(r.address) as ch:
+            s = stub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+        out[r.name] = {
+            "free": s.num_free_blocks,
+            "total": s.num_total_blocks,
+            "running": s.num_running,
+            "reserved": s.num_reserved,
+        }
+    return out
+
+
+def wait_kv_free(cluster, timeout_s: float = 10.0) -> tuple[bool, float, dict]:
+    t0 = time.perf_counter()
+    while True:
+        state = kv_state(cluster)
+        free = all(
+            s["free"] == s["total"] and not s["running"] and not s["reserved"]
+            for s in state.values()
+        )
+        if free or time.perf_counter() - t0 > timeout_s:
+            return free, time.perf_counter() - t0, state
+        time.sleep(0.05)
+
+
+def wait_replaced(
+    cluster, replica, old_actor, role: str, members: int, timeout_s: float = 180.0
+) -> float:
+    """Seconds until the supervisor has replaced `replica`'s dead `old_actor` with a new one that
+    serves and is registered with the router (the pool has `members` of `role` again)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        workers = getattr(cluster.router.pool, role)
+        if (
+            replica.actor is not None
+            and replica.actor is not old_actor
+            and replica.address
+            and len(workers) == members
+            and any(w.address == replica.address for w in workers)
+        ):
+            return time.perf_counter() - t0
+        time.sleep(0.02)
+    raise RuntimeError(f"{replica.name} was not replaced within {timeout_s:.0f} s")
+
+
+# ---- client processes ---------------------------------------------------------------------------
+def one_stream(stub, job: dict) -> dict:
+    """job: prompt, max_tokens, and optionally cancel_after (tokens) or cancel_delay_s."""
+    import grpc
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
+
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=job["prompt"]),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True),
+    )
+    sent = time.perf_counter()
+    call = stub.Generate(request, timeout=RPC_TIMEOUT)
+    timer = None
+    if job.get("cancel_delay_s") is not None:
+        timer = threading.Timer(job["cancel_delay_s"], call.cancel)
+        timer.start()
+    tokens, finish, first, error = [], None, None, None
+    try:
+        for resp in call:
+            if resp.HasField("delta"):
+                if first is None and resp.delta.token_ids:
+                    first = time.perf_counter() - sent
+                tokens += list(resp.delta.token_ids)
+                if job.get("cancel_after") is not None and len(tokens) >= job["cancel_after"]:
+                    call.cancel()
+            else:
+                finish = resp.finish.finish_reason
+    except grpc.RpcError as e:
+        error = (e.code().name, e.details())
+    finally:
+        if timer is not None:
+            timer.cancel()
+    return {
+        "i": job["i"],
+        "tokens": tokens,
+        "finish": finish,
+        "error": error,
+        "ttft_s": first,
+        "cancelled": error is not None and error[0] == "CANCELLED",
+    }
+
+
+def run_streams(address: str, jobs: list[dict], concurrency: int, conn) -> None:
+    """Process body: every job through `concurrency` threads; sends back the rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        with ThreadPoolExecutor(concurrency) as pool:
+            rows = list(pool.map(lambda j: one_stream(stub, j), jobs))
+    conn.send(rows)
+
+
+def loop_streams(address: str, jobs: list[dict], concurrency: int, stop, conn) -> None:
+    """Process body: each thread cycles through its jobs until `stop`; sends back every row with
+    its start time (perf_counter of this machine's monotonic clock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
+
+    rows = []
+
+    def worker(k):
+        n = 0
+        while not stop.is_set():
+            job = jobs[(k + n * concurrency) % len(jobs)]
+            t = time.monotonic()
+            row = one_stream(stub, job)
+            row["t"], row["took_s"] = t, time.monotonic() - t
+            rows.append(row)
+            n += 1
+            if row["error"]:
+                time.sleep(0.1)
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(worker, range(concurrency)))
+    conn.send(rows)
+
+
+def probe_health(address: str, interval_s: float, stop, conn) -> None:
+    """Process body: grpc.health.v1 Check every interval_s; sends back (latency ms | None) each."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    out = []
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                ok = (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                )
+            except grpc.RpcError:
+                ok = False
+            took = (time.perf_counter() - t) * 1000
+            out.append(round(took, 2) if ok else None)
+            time.sleep(max(0.0, interval_s - took / 1000))
+    conn.send(out)
+
+
+class Child:
+    """A spawned process running one of the bodies above; `result()` waits for what it sends."""
+
+    ctx = mp.get_context("spawn")
+
+    def __init__(self, target, *args, stop=None):
+        self.stop = stop
+        self.parent, child = self.ctx.Pipe()
+        extra = (stop,) if stop is not None else ()
+        self.proc = self.ctx.Process(target=target, args=(*args, *extra, child), daemon=True)
+        self.proc.start()
+
+    def result(self, timeout: float = 1800.0):
+        if self.stop is not None:
+            self.stop.set()
+        if not self.parent.poll(timeout):
+            raise TimeoutError(f"{self.proc} sent nothing within {timeout}s")
+        got = self.parent.recv()
+        self.proc.join(30)
+        return got
+
+
+def jobs_for(prompts, max_tokens: int, cancel: dict[int, dict] | None = None) -> list[dict]:
+    return [
+        {"i": i, "prompt": p, "max_tokens": max_tokens, **(cancel or {}).get(i, {})}
+        for i, p in enumerate(prompts)
+    ]

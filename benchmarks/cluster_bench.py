@@ -1,0 +1,495 @@
+"""Cluster benchmark: TTFT of a 512-token prompt through the whole disaggregated cluster (router ->
+prefill -> layer-pipelined KV transfer -> decode, launched by deploy.launcher.up on a local Ray)
+against the engine alone, per KV backend, and how much transfer time layer pipelining hides.
+
+    python -m benchmarks.cluster_bench                  # full run, ~4-5 min on the 2-core machine
+    python -m benchmarks.cluster_bench --quick          # smoke run (fewer prompts, one backend)
+    python -m benchmarks.cluster_bench --wait-idle 60   # wait up to 60 s for a quiet CPU per section
+
+One run, in this order:
+  engine alone: an LLMEngine in a spawned process with --prefill-threads torch threads and the
+      workers' engine settings (DeployConfig.engine_kwargs of the prefill pool: block size,
+      max_num_batched_tokens, prefix caching on, KV budget, max_model_len); a warm-up prompt, then
+      it waits for requests on a pipe. TTFT = add_request -> the step output with the first token
+  per backend (grpc, shm, torch): up(validate_config({...}), block=False) on one local Ray
+      (num_cpus 2) -> 2 warm-up requests -> --requests rounds of [one fresh 512-token prompt on the
+      engine alone, then one through the cluster] (max_tokens 2, greedy, one request at a time)
+      -> cluster.stop(). Alternating request by request pairs the two sides in time: this VM's
+      speed drifts by tens of percent between minutes, which a batch-then-batch order would
+      fold into the ratio. The idle cluster's own background (heartbeats, health checks) is
+      counted in the section's CPU and stays in the engine-alone numbers
+  pipelining: bench/cluster_bench_sides.pipeline_side, in-process with the real classes
+TTFT at the client: time.time_ns() before calling PDServe.Generate -> the first TokenDelta. The
+breakdown comes from Finish.timings (unix ns, one machine clock) and telescopes to the TTFT:
+  client->router (queued - sent), router and prefill queue (prefill_start - queued), prefill compute
+  (prefill_end - prefill_start, per-layer pushes included), hand-off to the first token
+  (first_token - prefill_end; "exposed transfer" transfer_end - prefill_end overlaps its start),
+  delivery (first TokenDelta at the client - first_token).
+Every prompt is distinct random token ids, so nothing hits a prefix cache (checked: cached tokens).
+Each section records the CPU that processes outside this benchmark's process tree used meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+from benchmarks.bench_common import (
+    CONTENTION_WARN_CORES,
+    REPO_ROOT,
+    TreeCpuMonitor,
+    add_wait_idle_arg,
+    fmt,
+    git_head,
+    log,
+    machine_info,
+    random_prompts,
+    script_parser,
+    wait_for_idle_machine,
+)
+from benchmarks.cluster_bench_sides import engine_side, pipeline_side, start
+from pdserve.tuning.loadgen import PATH_STAMPS
+
+DEFAULT_OUT = os.path.join("benchmarks", "results", "cluster_bench.json")
+TARGET_RATIO = 1.15
+BACKENDS = ("grpc", "shm", "torch")
+SEED_ENGINE, SEED_CLUSTER, SEED_PIPELINE = 7000, 8000, 9000
+SEGMENTS = (  # (key, label, start field, end field); "sent"/"client_first" are the client's stamps
+    ("client_to_router", "client -> router", "sent", "queued_unix_ns"),
+    (
+        "router_before_prefill",
+        "router and prefill queue (Reserve, Stream, Prefill RPC, the prefill worker's queue)",
+        "queued_unix_ns",
+        "prefill_start_unix_ns",
+    ),
+    (
+        "prefill",
+        "prefill compute (+ per-layer pushes)",
+        "prefill_start_unix_ns",
+        "prefill_end_unix_ns",
+    ),
+    (
+        "handoff_first_token",
+        "commit -> decode's first token",
+        "prefill_end_unix_ns",
+        "first_token_unix_ns",
+    ),
+    ("delivery", "decode -> router -> client", "first_token_unix_ns", "client_first"),
+)
+
+
+def pool_config(args, role: str) -> dict:
+    threads = args.prefill_threads if role == "prefill" else args.decode_threads
+    return {
+        "replicas": 1,
+        "tp": 1,
+        "resources": {"num_cpus": 1},
+        "num_threads": threads,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_model_len": args.max_model_len,
+    }
+
+
+def deploy_dict(args, backend: str) -> dict:
+    return {
+        "model": args.model,
+        "kvtransfer": {"backend": backend},
+        "router": {"port": 0},
+        "pools": {"prefill": pool_config(args, "prefill"), "decode": pool_config(args, "decode")},
+    }
+
+
+def pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))]
+
+
+def stats_ms(xs_s: list[float]) -> dict:
+    ms = [x * 1000 for x in xs_s]
+    return {
+        "median_ms": statistics.median(ms),
+        "p90_ms": pct(ms, 90),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+        "n": len(ms),
+        "runs_ms": [round(x, 2) for x in ms],
+    }
+
+
+# ---- engine alone -------------------------------------------------------------------------------
+class EngineAlone:
+    def __init__(self, args, engine_kwargs: dict):
+        self.proc, self.conn = start(engine_side, args.model, engine_kwargs, args.prefill_threads)
+        self.info = self._recv(600)
+        self.length = args.prompt_len
+
+    def _recv(self, timeout: float) -> dict:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("the engine-alone process did not answer")
+        got = self.conn.recv()
+        if "error" in got:
+            raise RuntimeError(f"engine-alone process failed:\n{got['error']}")
+        return got
+
+    def measure(self, seed: int, n: int) -> dict:
+        self.conn.send(("measure", seed, n, self.length))
+        return self._recv(600)
+
+    def warmup(self, seed: int) -> None:
+        self.measure(seed, 1)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(30)
+
+
+# ---- the cluster --------------------------------------------------------------------------------
+def generate(stub, prompt: list[int], max_tokens: int) -> dict:
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
+
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    sent = time.time_ns()
+    first, finish, tokens = None, None, []
+    for resp in stub.Generate(request, timeout=120):
+        if resp.HasField("delta"):
+            if first is None and resp.delta.token_ids:
+                first = time.time_ns()
+            tokens += list(resp.delta.token_ids)
+        else:
+            finish = resp.finish
+    if first is None or finish is None:
+        raise RuntimeError(f"stream ended without a token or a finish: {finish}")
+    t = finish.timings
+    stamps = {"sent": sent, "client_first": first}
+    for field in PATH_STAMPS:
+        stamps[field] = getattr(t, field)
+    row = {
+        "ttft_s": (first - sent) / 1e9,
+        "tokens": tokens,
+        "finish_reason": finish.finish_reason,
+        "cached_prompt_tokens": finish.usage.cached_prompt_tokens,
+        "stamps": stamps,
+    }
+    for key, _, a, b in SEGMENTS:
+        row[key + "_s"] = (stamps[b] - stamps[a]) / 1e9
+    row["exposed_transfer_s"] = (
+        stamps["transfer_end_unix_ns"] - stamps["prefill_end_unix_ns"]
+    ) / 1e9
+    return row
+
+
+def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
+    import grpc
+
+    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.launcher import up
+    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
+
+    config_dict = deploy_dict(args, backend)
+    out = {"config": config_dict}
+    b = BACKENDS.index(backend)
+    t0 = time.perf_counter()
+    cluster = up(validate_config(config_dict, "cluster_bench"), block=False)
+    out["up_s"] = time.perf_counter() - t0
+    try:
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            prompts = random_prompts(
+                SEED_CLUSTER + 100 * b, args.requests + args.cluster_warmup, args.prompt_len
+            )
+            for p in prompts[: args.cluster_warmup]:
+                generate(stub, p, args.max_tokens)
+            mon = TreeCpuMonitor()
+            rows, engine = [], []
+            for i, p in enumerate(prompts[args.cluster_warmup :]):
+                engine.append(alone.measure(SEED_ENGINE + 100 * b + i, 1))
+                rows.append(generate(stub, p, args.max_tokens))
+            out["cpu"] = mon.stop()
+    finally:
+        t1 = time.perf_counter()
+        cluster.stop()
+        out["stop_s"] = time.perf_counter() - t1
+    out["requests"] = rows
+    out["engine_alone_ttft_s"] = [e["ttft_s"][0] for e in engine]
+    out["engine_alone_cached_tokens"] = [e["cached_tokens"][0] for e in engine]
+    out["ttft"] = stats_ms([r["ttft_s"] for r in rows])
+    out["engine_alone"] = stats_ms(out["engine_alone_ttft_s"])
+    out["breakdown_median_ms"] = {
+        k: statistics.median(r[k + "_s"] for r in rows) * 1000
+        for k in [s[0] for s in SEGMENTS] + ["exposed_transfer"]
+    }
+    bad = [
+        r
+        for r in rows
+        if r["cached_prompt_tokens"]
+        or r["finish_reason"] != "length"
+        or len(r["tokens"]) != args.max_tokens
+    ]
+    if bad or any(out["engine_alone_cached_tokens"]):
+        out["warning"] = (
+            f"{len(bad)} cluster requests hit a prefix cache or ended early; engine "
+            f"cached tokens {out['engine_alone_cached_tokens']}"
+        )
+    log(
+        f"cluster {backend}: TTFT ms {out['ttft']['runs_ms']} (up {out['up_s']:.1f} s); engine alone "
+        f"meanwhile {out['engine_alone']['runs_ms']}; breakdown "
+        f"{ {k: round(v, 1) for k, v in out['breakdown_median_ms'].items()} }; other processes "
+        f"{fmt(out['cpu'].get('foreign_cores_avg'), '.2f')} cores"
+    )
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------
+def combine(args, report: dict) -> None:
+    alone = [t for c in report["cluster"].values() for t in c.get("engine_alone_ttft_s", [])]
+    if alone:
+        report["engine_alone"]["ttft"] = stats_ms(alone)
+    for backend in report["backends_run"]:
+        c = report["cluster"].get(backend, {})
+        if "ttft" not in c:
+            continue
+        pairs = [r["ttft_s"] / e for r, e in zip(c["requests"], c["engine_alone_ttft_s"])]
+        c["ratio"] = c["ttft"]["median_ms"] / c["engine_alone"]["median_ms"]
+        c["ratio_median_of_pairs"] = statistics.median(pairs)
+        c["ratio_vs_all_engine"] = (
+            c["ttft"]["median_ms"] / report["engine_alone"]["ttft"]["median_ms"]
+        )
+        c["pass"] = c["ratio"] <= TARGET_RATIO
+
+
+def render(report: dict) -> str:
+    m, cfg = report["machine"], report["config"]
+    ea = report["engine_alone"].get("ttft")
+    lines = [
+        f"- command: `{report['command']}`",
+        f"- date (UTC): {m.get('date_utc')}; machine: {m.get('cpu_model')} ({m.get('cpu_count')} cpus), "
+        f"torch {m.get('torch')}, python {m.get('python')}; git {str(report.get('git_head'))[:10]}",
+        f"- pools: prefill num_cpus 1, num_threads {cfg['prefill_threads']}; decode num_cpus 1, "
+        f"num_threads {cfg['decode_threads']}; Ray num_cpus 2; KV {cfg['kv_cache_memory'] >> 20} MiB, "
+        f"max_model_len {cfg['max_model_len']}, block 16, max_num_batched_tokens 2048, prefix caching on",
+        "",
+        f"| backend | cluster TTFT median ms | p90 ms | engine alone, interleaved: median ms | p90 ms "
+        f"| cluster / engine (medians) | median of per-pair ratios | target <= {TARGET_RATIO}x |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for backend in report["backends_run"]:
+        c = report["cluster"].get(backend, {})
+        if "ttft" not in c:
+            lines.append(f"| {backend} | ERROR | | | | | | |")
+            continue
+        t, e = c["ttft"], c["engine_alone"]
+        lines.append(
+            f"| {backend} | {t['median_ms']:.1f} | {t['p90_ms']:.1f} | {e['median_ms']:.1f} "
+            f"| {e['p90_ms']:.1f} | {c['ratio']:.3f}x | {c['ratio_median_of_pairs']:.3f}x "
+            f"| {'PASS' if c['pass'] else 'FAIL'} |"
+        )
+    if ea:
+        lines.append(
+            f"| (engine alone, all {ea['n']} prompts) | - | - | {ea['median_ms']:.1f} "
+            f"| {ea['p90_ms']:.1f} | - | - | - |"
+        )
+    lines += [
+        "",
+        "Where the cluster's time goes (medians of the requests, ms; the segments telescope "
+        "to each request's TTFT, their medians need not sum exactly):",
+        "",
+        "| backend | "
+        + " | ".join(s[1] for s in SEGMENTS)
+        + " | exposed transfer (prefill_end -> transfer_end) |",
+        "|---|" + "---|" * (len(SEGMENTS) + 1),
+    ]
+    for backend in report["backends_run"]:
+        b = report["cluster"].get(backend, {}).get("breakdown_median_ms")
+        if b:
+            lines.append(
+                f"| {backend} | "
+                + " | ".join(f"{b[s[0]]:.1f}" for s in SEGMENTS)
+                + f" | {b['exposed_transfer']:.1f} |"
+            )
+    pipe = report.get("pipeline", {})
+    if pipe.get("backends"):
+        lines += [
+            "",
+            "Transfer hidden by layer pipelining (in-process: prefill engine + PushSink + "
+            "transport -> a DecodeWorker process; medians, ms):",
+            "",
+            "| backend | KV MiB | T_compute | T_transfer (after compute) | T_pipelined (per-layer "
+            "pushes) | of which after the compute | compute slowed by the pushes (median of "
+            "trials) | hidden = (Tc+Tt-Tp)/Tt | hidden, not counting the slowdown = 1 - "
+            "after/Tt | T_deferred (pushed after the last layer) | deferred - compute "
+            "(median of trials) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for backend, r in pipe["backends"].items():
+            s = r.get("summary")
+            if not s:
+                lines.append(f"| {backend} | ERROR |" + " |" * 10)
+                continue
+            ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731
+            lines.append(
+                f"| {backend} | {s['bytes'] / 2**20:.1f} | {ms(s['compute_s'])} "
+                f"| {ms(s['transfer_s'])} | {ms(s['pipelined_s'])} | {ms(s['exposed_s'])} "
+                f"| {s['inflation_compute_median_of_trials_s'] * 1000:+.1f} "
+                f"| {s['hidden_of_medians'] * 100:.0f}% "
+                f"| {(1 - s['exposed_s'] / s['transfer_s']) * 100:.0f}% "
+                f"| {ms(s['deferred_s'])} "
+                f"| {s['deferred_inflation_median_of_trials_s'] * 1000:+.1f} |"
+            )
+    contention = []
+    for backend in report["backends_run"]:
+        cpu = report["cluster"].get(backend, {}).get("cpu")
+        if cpu:
+            contention.append(f"cluster+engine {backend} {cpu.get('foreign_cores_avg') or 0:.2f}")
+    for backend, r in pipe.get("backends", {}).items():
+        if r.get("cpu"):
+            contention.append(f"pipeline {backend} {r['cpu'].get('foreign_cores_avg') or 0:.2f}")
+    worst = max((float(x.rsplit(" ", 1)[1]) for x in contention), default=0.0)
+    lines += [
+        "",
+        f"- CPU used by processes outside this benchmark during each measured section "
+        f"(avg cores): {', '.join(contention)}"
+        + (
+            " -- WARNING: the machine was shared, timings are disturbed"
+            if worst >= CONTENTION_WARN_CORES
+            else ""
+        ),
+    ]
+    for backend in report["backends_run"]:
+        c = report["cluster"].get(backend, {})
+        if "error" in c or "warning" in c:
+            lines.append(f"- {backend}: {c.get('error', '').splitlines()[-1:] or c.get('warning')}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = script_parser(__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 3 prompts a section, grpc only"
+    )
+    ap.add_argument("--out", default=None, help=f"JSON results path (default {DEFAULT_OUT})")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument(
+        "--requests", type=int, default=None, help="measured cluster requests per backend (10)"
+    )
+    ap.add_argument("--cluster-warmup", type=int, default=2)
+    ap.add_argument("--pipeline-trials", type=int, default=None, help="trials per backend (8)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=2)
+    ap.add_argument("--prefill-threads", type=int, default=2)
+    ap.add_argument("--decode-threads", type=int, default=1)
+    ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--skip-pipeline", action="store_true")
+    add_wait_idle_arg(ap, "each section")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.backends = args.backends if "--backends" in (argv or sys.argv) else "grpc"
+    args.requests = args.requests or (3 if args.quick else 10)
+    args.pipeline_trials = args.pipeline_trials or (2 if args.quick else 20)
+    args.backends = [b for b in args.backends.split(",") if b]
+    unknown = set(args.backends) - set(BACKENDS)
+    if unknown:
+        ap.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    import ray
+
+    from pdserve.deploy.config import validate_config
+
+    command = shlex.join(["python", "-m", "benchmarks.cluster_bench", *sys.argv[1:]])
+    config = validate_config(deploy_dict(args, args.backends[0]))
+    engine_kwargs = config.engine_kwargs(
+        config.pools.prefill
+    )  # exactly what the prefill worker gets
+    report = {
+        "command": command,
+        "git_head": git_head(),
+        "machine": machine_info(args.prefill_threads),
+        "config": {**{k: v for k, v in vars(args).items()}, "engine_kwargs": engine_kwargs},
+        "backends_run": args.backends,
+        "cluster": {},
+        "engine_alone": {},
+    }
+    t_start = time.perf_counter()
+    idle = lambda: wait_for_idle_machine(args.wait_idle) if args.wait_idle > 0 else None  # noqa: E731
+    alone = EngineAlone(args, engine_kwargs)
+    report["engine_alone"]["info"] = alone.info
+    tmp = tempfile.mkdtemp(prefix="pdcb")  # short: Ray's socket paths live under it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    try:
+        alone.warmup(SEED_ENGINE + 99)
+        for backend in args.backends:
+            idle()
+            try:
+                report["cluster"][backend] = run_cluster(args, backend, alone)
+            except Exception as e:  # noqa: BLE001 - the other backends still run
+                report["cluster"][backend] = {"error": traceback.format_exc()}
+                log(f"cluster {backend} FAILED: {type(e).__name__}: {e}")
+    finally:
+        alone.close()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not args.skip_pipeline:
+        idle()
+        proc, conn = start(
+            pipeline_side,
+            args.model,
+            engine_kwargs,
+            args.prefill_threads,
+            args.decode_threads,
+            args.backends,
+            args.pipeline_trials,
+            SEED_PIPELINE,
+            args.prompt_len,
+        )
+        report["pipeline"] = conn.recv() if conn.poll(900) else {"error": "no answer in 900 s"}
+        proc.join(60)
+        for backend, r in report["pipeline"].get("backends", {}).items():
+            if "summary" in r:
+                s = r["summary"]
+                log(
+                    f"pipeline {backend}: compute {s['compute_s'] * 1000:.1f} ms, transfer "
+                    f"{s['transfer_s'] * 1000:.1f} ms, pipelined {s['pipelined_s'] * 1000:.1f} ms, "
+                    f"hidden {s['hidden_of_medians'] * 100:.0f}%"
+                )
+            elif "error" in r:
+                log(f"pipeline {backend} FAILED:\n{r['error']}")
+    combine(args, report)
+    report["wall_s"] = time.perf_counter() - t_start
+    table = render(report)
+    report["table_markdown"] = table
+    out = args.out or os.path.join(REPO_ROOT, DEFAULT_OUT)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(table)
+    print(f"\nwall {report['wall_s']:.0f} s; results written to {out}")
+    failed = [b for b in args.backends if "ttft" not in report["cluster"].get(b, {})]
+    return 1 if failed or "error" in report.get("pipeline", {}) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

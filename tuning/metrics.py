@@ -1,0 +1,264 @@
+"""The numbers of a load-generator run: per-request records, latency distributions, SLO attainment,
+`vllm bench serve` style summaries and DistServe goodput. Pure functions, no I/O.
+
+Two goodputs, named apart:
+  request_goodput  vLLM's --goodput: completed requests that meet every SLO, per second, at the
+                   load that was offered (one run).
+  goodput rate     DistServe's: the highest request rate at which at least `threshold` of the
+                   requests meet both the TTFT and the TPOT SLO, interpolated over a rate sweep.
+Failed requests (RESOURCE_EXHAUSTED, deadline, ...) count as missing every SLO, so shedding load
+cannot raise attainment.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+SLO_METRICS = ("ttft", "tpot", "e2e")
+_SLO_ITEM = re.compile(
+    r"^\s*([a-z0-9_]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)?\s*$", re.I
+)
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds from the request's own send unless named
+    otherwise. `error` is "" for a completed request, else the gRPC status code name (or the
+    Finish reason "error"/"abort", or "NO_FINISH")."""
+
+    index: int
+    arrival_s: float  # scheduled send, from the run's start
+    prompt_len: int
+    output_len: int  # max_tokens asked for (ignore_eos: the tokens expected)
+    send_s: float = 0.0  # actual send, from the run's start (open loop: ~arrival_s)
+    send_unix_ns: int = 0
+    ttft_s: float | None = None  # first TokenDelta that carries tokens
+    e2e_s: float | None = None  # the end of the stream
+    itl_s: list[float] = field(default_factory=list)  # one gap per output token after the first
+    output_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    kv_transfer_bytes: int = 0  # Finish.usage: KV the prefill worker pushed to the decode worker
+    finish_reason: str = ""
+    error: str = ""
+    error_message: str = ""
+    timings: dict = field(default_factory=dict)  # Finish.timings: unix ns stamps, worker names
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1); None with fewer than 2 tokens."""
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), tpot_s=self.tpot_s)
+
+
+def attribute_itl(times: list[float], counts: list[int]) -> list[float]:
+    """Inter-token gaps from the arrival times of the deltas that carried tokens and their token
+    counts. A delta may carry several tokens: its gap from the previous delta is split evenly over
+    them. Tokens that came in the first delta with the first token get gaps of 0. So there is one
+    gap per token after the first and the gaps sum to the last delta's time minus the first's."""
+    if len(times) != len(counts):
+        raise ValueError(f"{len(times)} delta times but {len(counts)} token counts")
+    if not times:
+        return []
+    gaps = [0.0] * (counts[0] - 1)
+    for prev, now, n in zip(times, times[1:], counts[1:]):
+        gaps += [(now - prev) / n] * n
+    return gaps
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """ "ttft=500ms,tpot=0.1s" -> {"ttft": 0.5, "tpot": 0.1} (seconds). A unit is required."""
+    slo: dict[str, float] = {}
+    for item in filter(str.strip, text.split(",")):
+        m = _SLO_ITEM.match(item)
+        if not m:
+            raise ValueError(
+                f"SLO {item.strip()!r}: expected NAME=VALUE with a unit, e.g. ttft=500ms,tpot=100ms"
+            )
+        name, value, unit = m.group(1).lower(), float(m.group(2)), m.group(3)
+        if name not in SLO_METRICS:
+            raise ValueError(
+                f"SLO {item.strip()!r}: unknown metric {name!r}; use {', '.join(SLO_METRICS)}"
+            )
+        if unit is None:
+            raise ValueError(
+                f"SLO {item.strip()!r} has no unit: write {name}={m.group(2)}ms or "
+                f"{name}={m.group(2)}s"
+            )
+        if name in slo:
+            raise ValueError(f"SLO {name} given twice in {text!r}")
+        if not value > 0:
+            raise ValueError(f"SLO {item.strip()!r} must be > 0")
+        slo[name] = value / 1000.0 if unit.lower() == "ms" else value
+    if not slo:
+        raise ValueError(f"no SLO in {text!r}: expected e.g. ttft=500ms,tpot=100ms")
+    return slo
+
+
+def parse_positive_list(text: str, what: str) -> list[float]:
+    """ "0.5,1,2" -> [0.5, 1.0, 2.0]; every value finite and > 0."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(
+            f"{what} {text!r}: expected comma-separated numbers, e.g. 0.5,1,2,4"
+        ) from None
+    bad = [v for v in values if not (v > 0 and math.isfinite(v))]
+    if not values or bad:
+        raise ValueError(f"{what} {text!r}: every value must be a number > 0")
+    return values
+
+
+def distribution(values_s: list[float], name: str) -> dict[str, float | None]:
+    """mean/median/p90/p99 of `values_s` (seconds) in ms, keyed as vLLM does ("p90_ttft_ms")."""
+    keys = [f"{k}_{name}_ms" for k in ("mean", "median", "p90", "p99")]
+    if not values_s:
+        return dict.fromkeys(keys)
+    a = np.asarray(values_s, dtype=float) * 1e3
+    stats = (a.mean(), np.median(a), np.percentile(a, 90), np.percentile(a, 99))
+    return {k: float(v) for k, v in zip(keys, stats)}
+
+
+def meets_slo(r: RequestRecord, slo: dict[str, float], scale: float = 1.0) -> bool:
+    """Completed and within every SLO (each multiplied by `scale`); a single-token output has no
+    TPOT and meets a TPOT SLO, as in vLLM."""
+    if not r.ok:
+        return False
+    values = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}
+    return all(values[k] is None or values[k] <= limit * scale for k, limit in slo.items())
+
+
+def attainment(records: list[RequestRecord], slo: dict[str, float], scale: float = 1.0) -> float:
+    """Share of all requests (failed ones included, as misses) that meet every SLO."""
+    if not records:
+        return 0.0
+    return sum(meets_slo(r, slo, scale) for r in records) / len(records)
+
+
+def goodput_rate(rates: list[float], attainments: list[float], threshold: float = 0.9) -> dict:
+    """DistServe goodput from a sweep: the highest rate with attainment >= threshold, linearly
+    interpolated between the last swept rate at or above the threshold and the next one below.
+    Returns {"rate", "lower_bound", "note"}: rate 0 when even the lowest rate misses;
+    lower_bound when the highest rate swept still meets it (the true goodput is higher)."""
+    if len(rates) != len(attainments) or not rates:
+        raise ValueError(
+            f"need one attainment per rate, got {len(rates)} rates, {len(attainments)} attainments"
+        )
+    points = sorted(zip(rates, attainments))
+    above = [i for i, (_, a) in enumerate(points) if a >= threshold]
+    if not above:
+        return dict(
+            rate=0.0,
+            lower_bound=False,
+            note=f"attainment < {threshold:g} at every rate swept, even {points[0][0]:g} req/s: "
+            f"sweep lower rates",
+        )
+    i = above[-1]
+    dipped = any(a < threshold for _, a in points[:i])
+    note = (
+        f"attainment dips below {threshold:g} at a lower rate and recovers: the highest crossing "
+        f"is taken; "
+        if dipped
+        else ""
+    )
+    if i == len(points) - 1:
+        return dict(
+            rate=points[i][0],
+            lower_bound=True,
+            note=note + f"a lower bound: attainment still >= {threshold:g} at the highest rate "
+            f"swept ({points[i][0]:g} req/s): sweep higher rates",
+        )
+    (r0, a0), (r1, a1) = points[i], points[i + 1]
+    rate = r0 + (a0 - threshold) / (a0 - a1) * (r1 - r0)
+    return dict(rate=rate, lower_bound=False, note=note.rstrip("; "))
+
+
+def slo_scale_goodput(
+    runs: list[tuple[float, list[RequestRecord]]],
+    slo: dict[str, float],
+    scales: list[float],
+    threshold: float = 0.9,
+) -> list[dict]:
+    """For each scale, the goodput rate with every SLO multiplied by it, from the same sweep."""
+    rates = [rate for rate, _ in runs]
+    out = []
+    for s in scales:
+        att = [attainment(records, slo, s) for _, records in runs]
+        out.append(
+            dict(
+                scale=s,
+                slo_s={k: v * s for k, v in slo.items()},
+                attainment=att,
+                **goodput_rate(rates, att, threshold),
+            )
+        )
+    return out
+
+
+def summarize(
+    records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None
+) -> dict:
+    """The `vllm bench serve` result of one run (throughputs over completed requests)."""
+    done = [r for r in records if r.ok]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    num_in = sum(r.prompt_len for r in done)
+    num_out = sum(r.output_tokens for r in done)
+    per_s = 1.0 / duration_s if duration_s > 0 else 0.0
+    out = dict(
+        completed=len(done),
+        failed=len(records) - len(done),
+        errors=errors,
+        duration=duration_s,
+        total_input_tokens=num_in,
+        total_output_tokens=num_out,
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in done),
+        request_throughput=len(done) * per_s,
+        input_throughput=num_in * per_s,
+        output_throughput=num_out * per_s,
+        total_token_throughput=(num_in + num_out) * per_s,
+        max_send_lag_ms=max((r.send_s - r.arrival_s for r in records), default=0.0) * 1e3,
+    )
+    out.update(distribution([r.ttft_s for r in done], "ttft"))
+    out.update(distribution([r.tpot_s for r in done if r.tpot_s is not None], "tpot"))
+    out.update(distribution([g for r in done for g in r.itl_s], "itl"))
+    out.update(distribution([r.e2e_s for r in done], "e2el"))
+    if slo:
+        out["slo_s"] = dict(slo)
+        out["slo_attainment"] = attainment(records, slo)
+        out["request_goodput"] = sum(meets_slo(r, slo) for r in done) * per_s
+    out["server_ms"] = server_breakdown(done)
+    return out
+
+
+def server_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    """Mean and p90 (ms) of each server stage (router/stage_timings.py, the one definition), from
+    the Finish timings of the requests that reached it."""
+    from pdserve.protos.pdserve.v1 import pdserve_pb2
+    from pdserve.router.stage_timings import STAGES, stage_durations
+
+    fields = set(pdserve_pb2.Timings.DESCRIPTOR.fields_by_name)
+    stages = [
+        stage_durations(pdserve_pb2.Timings(**{k: v for k, v in r.timings.items() if k in fields}))
+        for r in records
+    ]
+    out = {}
+    for name in STAGES:
+        values = [d[f"{name}_s"] for d in stages if d[f"{name}_s"] is not None]
+        if values:
+            d = distribution(values, name)
+            out[name] = dict(mean=d[f"mean_{name}_ms"], p90=d[f"p90_{name}_ms"])
+    return out

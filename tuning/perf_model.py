@@ -1,0 +1,469 @@
+"""A hardware profile as the simulator uses it: step-latency models per TP degree, KV capacity, and
+KV transfer per backend, loaded and checked from the JSON that `pdserve profile` writes.
+
+Latency models (seconds), fitted by least squares on measured engine steps:
+  prefill step   a + b*T + c*A     T = tokens computed in the step (every scheduled token)
+                                   A = attention pairs, sum over prefill chunks of n*(start + n)
+  decode step    a + b*B + c*C     B = sequences (one token each), C = their context tokens
+A step that holds prefill chunks and decode tokens together (chunked prefill in a colocated
+worker) is the prefill model over all its tokens plus the decode model's c times the decode
+contexts: linears cost per token either way, decode attention reads KV like a decode step does.
+Transfer: latency + bytes / bandwidth, per backend.
+
+Serving-path step models (optional, key "serving"): the fitted models above time engine.step()
+alone in one process. A worker that serves runs the same step beside its gRPC threads (KV pushed
+layer by layer on a prefill worker, KV received and tokens streamed on a decode worker, Reserve /
+Stats calls taken between steps) and behind the router, which the bare step does not see. When
+the profile carries "serving", the simulator uses, per worker kind ("prefill", "decode",
+"colocated") and TP degree, the coefficients given there instead of the engine's, for the steps
+that kind runs; anything not given falls back to the engine's model. They are measured through a
+running deployment (isolated requests for prefill, concurrent batches for decode; the fits are
+calibration.py, run by experiments/slo_validation.py), so they include the request's fixed costs outside
+the worker too.
+"interference" says how much slower a disaggregated pair's steps run while the other side computes
+on the same host (CPU: the prefill worker's KV pushes land in the decode worker's process while it
+decodes, both sides' gRPC threads compete for the same cores as the two engines, and the two share
+the memory bandwidth and last-level cache), and how much slower a colocated worker's steps run
+while another colocated worker computes.
+
+Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
+  model: {id, name, num_layers, num_heads, num_kv_heads, head_dim, hidden_size, dtype}
+  kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu", ...}
+  tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
+  kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
+  serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef},
+      first_token_latency_s (optional: per request, outside the steps),
+      step_noise (optional: measured / modelled step time, a list of equally likely values),
+      prompt_step_noise (optional: the same for steps with prompt tokens, where they vary less
+          than decode-only steps; without it those steps draw from step_noise too),
+      step_speed (optional: {window_s, traces: [[multiplier per window, in time order], ...]}:
+          the slow part of that ratio, as it moved during calibration; step_noise is then the
+          fast part, within a window)}},
+                       interference: {decode_while_prefill: x, prefill_while_decode: y,
+                                      colocated_while_busy: z}}
+The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.deploy.files import read_text
+
+SCHEMA = "pdserve-profile/1"
+PREFILL_FORM = "a + b*T + c*A; T = tokens in the step, A = sum over prompts of n*(start+n)"
+DECODE_FORM = "a + b*B + c*C; B = sequences, C = sum of their context tokens"
+SERVING_KINDS = ("prefill", "decode", "colocated")
+INTERFERENCE_KEYS = ("decode_while_prefill", "prefill_while_decode", "colocated_while_busy")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """One TP degree: the two fitted step models and the KV a replica holds."""
+
+    prefill: tuple[float, float, float]
+    decode: tuple[float, float, float]
+    kv_capacity_tokens: int
+    # serving only: what each request's first token takes outside the worker's steps (RPC hops,
+    # the router, streaming it back); it delays that request's TTFT but occupies no step
+    first_token_latency_s: float = 0.0
+    # serving only: measured step time / model step time, as equally likely values (quantiles of
+    # the fit's residuals); the simulator draws one per step when given a seed
+    step_noise: tuple[float, ...] = ()
+    # serving only: the same for steps with prompt tokens (prefill and mixed steps), when the
+    # calibration gave them apart: long steps average out the jitter that short decode steps show
+    prompt_step_noise: tuple[float, ...] = ()
+    # serving only: how the step speed moved over time, one trace per calibrated worker: the mean
+    # measured / modelled step time in each window of speed_window_s seconds, in time order. The
+    # simulator replays one trace per worker (from a random point) so that slow and fast spells
+    # last as long as they did; step_noise then holds what is left within a window
+    speed_window_s: float = 0.0
+    speed_traces: tuple[tuple[float, ...], ...] = ()
+
+    def prefill_time(self, num_tokens: int, pairs: float, decode_context: float = 0.0) -> float:
+        a, b, c = self.prefill
+        return a + b * num_tokens + c * pairs + self.decode[2] * decode_context
+
+    def decode_time(self, num_seqs: int, context: float) -> float:
+        a, b, c = self.decode
+        return a + b * num_seqs + c * context
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Profile:
+    model_id: str
+    model_name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: str
+    kv_bytes_per_token: int
+    block_size: int
+    device: str  # "cpu" (a device is a core) or "gpu"
+    tp: dict[int, StepModel]
+    transfer: dict[str, TransferModel]
+    derived: bool = False
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+    # worker kind -> TP degree -> StepModel measured through a deployment (see the module docstring)
+    serving: dict[str, dict[int, StepModel]] = field(default_factory=dict)
+    # slowdowns between the workers of one host (serving.interference): "decode_while_prefill"
+    # (a decode step that starts while a prefill worker computes and streams KV takes 1 + x times
+    # as long), "prefill_while_decode" (the other way round) and "colocated_while_busy" (a
+    # colocated worker's step that starts while another colocated worker computes); absent: 0
+    interference: dict[str, float] = field(default_factory=dict)
+
+    def step_model(self, tp: int, kind: str | None = None) -> StepModel:
+        """The step model a worker of `kind` ("prefill", "decode", "colocated"; None: the bare
+        engine) runs with at this TP degree: the serving-path one when the profile has it."""
+        return self.serving.get(kind or "", {}).get(tp, self.tp[tp])
+
+    @property
+    def has_step_variation(self) -> bool:
+        """Whether a seeded simulation differs from an unseeded one: some serving model carries
+        step_noise, prompt_step_noise or step_speed traces."""
+        return any(
+            m.step_noise or m.prompt_step_noise or m.speed_traces
+            for per_tp in self.serving.values()
+            for m in per_tp.values()
+        )
+
+    @property
+    def tp_degrees(self) -> list[int]:
+        return sorted(self.tp)
+
+    def best_backend(self) -> str:
+        return max(self.transfer, key=lambda b: (self.transfer[b].bandwidth_bytes_per_s, b))
+
+    def matches_model(self, model: str) -> bool:
+        """Whether a deployment's `model` (an alias, an id or a path) names this profile's model."""
+        want = {self.model_id.lower(), self.model_name.lower()}
+        name = model.rstrip("/").lower()
+        return (
+            name in want
+            or pathlib.PurePath(name).name in want
+            or pathlib.PurePath(name).stem in want
+        )
+
+
+def _get(data: dict, key: str, source: str, kind, where: str = ""):
+    path = f"{where}.{key}" if where else key
+    if not isinstance(data, dict) or key not in data:
+        raise ProfileError(
+            f"{source}: {path}: missing (is this a profile written by `pdserve profile`?)"
+        )
+    value = data[key]
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind in (int, float) or kind == (int, float):
+        ok = ok and math.isfinite(value)
+    if not ok:
+        raise ProfileError(
+            f"{source}: {path}: expected {getattr(kind, '__name__', 'a number')}, got {value!r}"
+        )
+    return value
+
+
+def _coef(entry: dict, source: str, where: str) -> tuple[float, float, float]:
+    coef = _get(entry, "coef", source, list, where)
+    if len(coef) != 3 or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        for x in coef
+    ):
+        raise ProfileError(
+            f"{source}: {where}.coef: expected three finite numbers >= 0 [a, b, c], got {coef!r}"
+        )
+    if coef[0] + coef[1] <= 0:
+        raise ProfileError(f"{source}: {where}.coef: a step cannot take no time, got {coef!r}")
+    return tuple(float(x) for x in coef)
+
+
+def _multipliers(values, source: str, where: str) -> tuple[float, ...]:
+    if not isinstance(values, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        for x in values
+    ):
+        raise ProfileError(
+            f"{source}: {where}: expected a list of step-time multipliers > 0, got {values!r}"
+        )
+    return tuple(float(x) for x in values)
+
+
+def _step_speed(entry, source: str, where: str) -> tuple[float, tuple[tuple[float, ...], ...]]:
+    if entry is None:
+        return 0.0, ()
+
+    def positive(x) -> bool:
+        return (
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        )
+
+    if (
+        not isinstance(entry, dict)
+        or not positive(entry.get("window_s"))
+        or not isinstance(entry.get("traces"), list)
+        or not entry["traces"]
+        or not all(
+            isinstance(t, list) and t and all(positive(x) for x in t) for t in entry["traces"]
+        )
+    ):
+        raise ProfileError(
+            f"{source}: {where}: expected {{window_s: seconds > 0, traces: [[step-time "
+            f"multipliers > 0, one per window], ...]}} with at least one non-empty trace"
+        )
+    return float(entry["window_s"]), tuple(tuple(float(x) for x in t) for t in entry["traces"])
+
+
+def profile_from_dict(data, source: str = "<profile>") -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(
+            f"{source}: the top level must be a JSON object, got {type(data).__name__}"
+        )
+    schema = data.get("schema")
+    if schema != SCHEMA:
+        raise ProfileError(f"{source}: schema: expected {SCHEMA!r}, got {schema!r}")
+    model = _get(data, "model", source, dict)
+    hw = _get(data, "hardware", source, dict)
+    device = _get(hw, "device", source, str, "hardware")
+    if device not in ("cpu", "gpu"):
+        raise ProfileError(f"{source}: hardware.device: expected 'cpu' or 'gpu', got {device!r}")
+    tps = _get(data, "tp", source, dict)
+    if not tps:
+        raise ProfileError(f"{source}: tp: no TP degree was profiled")
+    num_heads = _get(model, "num_heads", source, int, "model")
+    num_kv_heads = _get(model, "num_kv_heads", source, int, "model")
+    steps = {}
+    for key, entry in tps.items():
+        where = f"tp.{key}"
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise ProfileError(f'{source}: {where}: TP degrees are keys like "1", got {key!r}')
+        if num_heads % int(key) or num_kv_heads % int(key):
+            raise ProfileError(
+                f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
+                f"and {num_kv_heads} KV heads"
+            )
+        capacity = _get(entry, "kv_capacity_tokens", source, int, where)
+        if capacity < 1:
+            raise ProfileError(
+                f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}"
+            )
+        steps[int(key)] = StepModel(
+            _coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),
+            _coef(_get(entry, "decode", source, dict, where), source, f"{where}.decode"),
+            capacity,
+        )
+    transfer = {}
+    for backend, entry in _get(data, "kv_transfer", source, dict).items():
+        where = f"kv_transfer.{backend}"
+        bw = _get(entry, "bandwidth_bytes_per_s", source, (int, float), where)
+        lat = _get(entry, "latency_s", source, (int, float), where) if "latency_s" in entry else 0.0
+        if bw <= 0 or lat < 0:
+            raise ProfileError(f"{source}: {where}: bandwidth must be > 0 and latency >= 0")
+        transfer[backend] = TransferModel(float(bw), float(lat))
+    if not transfer:
+        raise ProfileError(f"{source}: kv_transfer: no backend was measured")
+    serving: dict[str, dict[int, StepModel]] = {}
+    interference: dict[str, float] = {}
+    for kind, per_tp in (data.get("serving") or {}).items():
+        if kind == "source":
+            continue
+        if kind == "interference":
+            for key, value in (per_tp or {}).items():
+                if (
+                    key not in INTERFERENCE_KEYS
+                    or isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not (math.isfinite(value) and value >= 0)
+                ):
+                    raise ProfileError(
+                        f"{source}: serving.interference.{key}: expected one of "
+                        f"{INTERFERENCE_KEYS} with a number >= 0, got {value!r}"
+                    )
+                interference[key] = float(value)
+            continue
+        if kind not in SERVING_KINDS or not isinstance(per_tp, dict):
+            raise ProfileError(
+                f"{source}: serving.{kind}: expected one of {SERVING_KINDS} mapping "
+                f"TP degrees to {{prefill: {{coef}}, decode: {{coef}}}}"
+            )
+        for key, entry in per_tp.items():
+            where = f"serving.{kind}.{key}"
+            if not (isinstance(key, str) and key.isdigit() and int(key) in steps):
+                raise ProfileError(
+                    f"{source}: {where}: not a TP degree of this profile ({sorted(steps)})"
+                )
+            if not isinstance(entry, dict):
+                raise ProfileError(
+                    f"{source}: {where}: expected {{prefill: {{coef}}, decode: {{coef}}}}"
+                )
+            base = steps[int(key)]
+            pf = (
+                _coef(entry["prefill"], source, f"{where}.prefill")
+                if "prefill" in entry
+                else base.prefill
+            )
+            dc = (
+                _coef(entry["decode"], source, f"{where}.decode")
+                if "decode" in entry
+                else base.decode
+            )
+            latency = entry.get("first_token_latency_s", 0.0)
+            if (
+                isinstance(latency, bool)
+                or not isinstance(latency, (int, float))
+                or not (math.isfinite(latency) and latency >= 0)
+            ):
+                raise ProfileError(
+                    f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
+                    f"got {latency!r}"
+                )
+            noise = {
+                k: _multipliers(entry.get(k, []), source, f"{where}.{k}")
+                for k in ("step_noise", "prompt_step_noise")
+            }
+            window, traces = _step_speed(entry.get("step_speed"), source, f"{where}.step_speed")
+            serving.setdefault(kind, {})[int(key)] = StepModel(
+                pf,
+                dc,
+                base.kv_capacity_tokens,
+                float(latency),
+                noise["step_noise"],
+                noise["prompt_step_noise"],
+                window,
+                traces,
+            )
+    kv_bytes = _get(data, "kv_bytes_per_token", source, int)
+    block_size = _get(data, "block_size", source, int)
+    if kv_bytes < 1 or block_size < 1:
+        raise ProfileError(f"{source}: kv_bytes_per_token and block_size must be >= 1")
+    return Profile(
+        model_id=_get(model, "id", source, str, "model"),
+        model_name=str(model.get("name") or model["id"]),
+        num_layers=_get(model, "num_layers", source, int, "model"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=str(model.get("dtype", "auto")),
+        kv_bytes_per_token=kv_bytes,
+        block_size=block_size,
+        device=device,
+        tp=steps,
+        transfer=transfer,
+        derived=bool(data.get("derived", False)),
+        raw=data,
+        serving=serving,
+        interference=interference,
+    )
+
+
+def load_profile(path: str | pathlib.Path) -> Profile:
+    name = str(path)
+    text = read_text(path, ProfileError)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{name}: not JSON: {e}") from None
+    return profile_from_dict(data, name)
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+def fit_nonnegative(features: list[list[float]], latencies: list[float]) -> dict:
+    """Least squares of latency on features (the first column is 1s), weighted by 1/latency so
+    small steps count as much as big ones, with every coefficient >= 0 (a negative one would
+    predict negative time somewhere): the best fit over the subsets of columns whose unconstrained
+    fit is non-negative. Returns coef and the fit error (relative and absolute)."""
+    x = np.asarray(features, dtype=float)
+    y = np.asarray(latencies, dtype=float)
+    if x.ndim != 2 or len(y) != len(x) or len(y) < x.shape[1]:
+        raise ValueError(
+            f"need at least {x.shape[1] if x.ndim == 2 else '?'} samples to fit, got {len(y)}"
+        )
+    w = 1.0 / np.maximum(y, 1e-9)
+    best = None
+    ncols = x.shape[1]
+    for mask in range(1, 1 << ncols):
+        cols = [j for j in range(ncols) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(x[:, cols] * w[:, None], y * w, rcond=None)
+        if (sol < 0).any():
+            continue
+        coef = np.zeros(ncols)
+        coef[cols] = sol
+        rel = (x @ coef - y) / y
+        score = float(np.sum(rel**2))
+        if best is None or score < best[0]:
+            best = (score, coef)
+    coef = best[1]
+    pred = x @ coef
+    rel = (pred - y) / y
+    return {
+        "coef": [float(c) for c in coef],
+        "fit": {
+            "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
+            "max_rel_error": float(np.max(np.abs(rel))),
+            "rmse_s": float(np.sqrt(np.mean((pred - y) ** 2))),
+            "num_samples": int(len(y)),
+        },
+    }
+
+
+def prefill_features(seq_lens: list[int], starts: list[int] | None = None) -> list[float]:
+    starts = starts or [0] * len(seq_lens)
+    return [1.0, float(sum(seq_lens)), float(sum(n * (s + n) for n, s in zip(seq_lens, starts)))]
+
+
+def decode_features(batch_size: int, context_tokens: int) -> list[float]:
+    """context_tokens: per sequence."""
+    return [1.0, float(batch_size), float(batch_size * context_tokens)]
+
+
+def profile_dict(
+    *,
+    model: dict,
+    kv_bytes_per_token: int,
+    hardware: dict,
+    tp: dict[int, dict],
+    kv_transfer: dict[str, dict],
+    block_size: int = 16,
+    **extra,
+) -> dict:
+    """A profile in the JSON schema from its parts; tp[degree] holds prefill and decode entries
+    ({coef, samples, fit, ...}) and kv_capacity_tokens. Used by the profiler, the derived GPU
+    profile and tests (hand-made profiles)."""
+    tp_out = {}
+    for degree, entry in sorted(tp.items()):
+        tp_out[str(degree)] = {
+            "prefill": {"form": PREFILL_FORM, **entry["prefill"]},
+            "decode": {"form": DECODE_FORM, **entry["decode"]},
+            "kv_capacity_tokens": int(entry["kv_capacity_tokens"]),
+            **{
+                k: v
+                for k, v in entry.items()
+                if k not in ("prefill", "decode", "kv_capacity_tokens")
+            },
+        }
+    return {
+        "schema": SCHEMA,
+        **extra,
+        "model": model,
+        "kv_bytes_per_token": int(kv_bytes_per_token),
+        "block_size": block_size,
+        "hardware": hardware,
+        "tp_degrees": sorted(tp),
+        "tp": tp_out,
+        "kv_transfer": kv_transfer,
+    }

@@ -1,0 +1,399 @@
+"""`pdserve profile`: measure this machine for the tuner and save a profile JSON.
+
+    pdserve profile --model smollm2 --tp 1 --out profile.json --quick     # ~1 min on 2 cores
+    pdserve profile --model smollm2 --tp 1,3 --out profile.json           # the full grids
+
+Per TP degree, the engine runs in this process (LLMEngine, ignore_eos requests, every rank with
+--threads-per-rank compute threads: on CPU a device is a core) and engine.step() is timed:
+  prefill  one step that runs whole prompts (one, or several of equal length), 16..2048 tokens
+  decode   B sequences whose KV is put in place by reserve + commit (no prefill: the cache holds
+           whatever it held, which costs the same), then steps that each decode B tokens;
+           B = 1..64, context 32..1024 tokens per sequence (as far as the KV pool holds them)
+Then `a + b*T + c*A` (prefill) and `a + b*B + c*C` (decode) are fitted by non-negative least
+squares weighted by 1/latency (tuning/perf_model.py), with their error.
+KV transfer per backend (grpc, shm, torch): a receiver process serves the backend and writes the
+KV into a paged cache through a KVReceiver, as a decode worker does; this process sends requests
+layer by layer: latency from one small request at a time, bandwidth from large ones back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+from pdserve.tuning.perf_model import profile_dict, profile_from_dict
+from pdserve.tuning.profile_engine import log, profile_tp
+
+QUICK = {
+    "prefill": [[32], [128], [512], [1024], [256] * 4, [64] * 8],
+    "prefill_reps": 1,
+    "batches": (1, 4, 16, 64),
+    "contexts": (32, 256),
+    "decode_steps": 3,
+    "transfer_mib": 16.0,
+    "transfer_requests": 6,
+    "pings": 3,
+}
+FULL = {
+    # one prompt of 16, 32, ..., 2048 tokens, then batches of several
+    "prefill": [[1 << k] for k in range(4, 12)]
+    + [[256] * 4, [128] * 8, [64] * 16, [1024] * 2, [512] * 4],
+    "prefill_reps": 3,
+    "batches": (1, 2, 4, 8, 16, 32, 64),
+    "contexts": (32, 128, 512, 1024),
+    "decode_steps": 5,
+    "transfer_mib": 16.0,
+    "transfer_requests": 12,
+    "pings": 7,
+}
+TRANSFER_BLOCK_SIZE = 16
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2', an HF directory or a .gguf")
+    p.add_argument("--tp", default="1", help="TP degrees to measure, e.g. 1,3 (default 1)")
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument(
+        "--quick", action="store_true", help="small grids, one repeat (~1 min for SmolLM2 tp 1)"
+    )
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=1,
+        help="compute threads of each TP rank; a device is this many cores (default 1)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=1 << 30,
+        help="bytes of KV pool per rank while profiling; the profile's KV capacity and "
+        "the tuner's YAML use it (default 1 GiB, the engine's CPU default)",
+    )
+    p.add_argument("--backends", default="grpc,shm,torch", help="KV transfer backends to measure")
+    p.add_argument("--dtype", default="auto")
+
+
+# ---- KV transfer --------------------------------------------------------------------------------
+def _layout(info: dict):
+    from pdserve.kvtransfer.layout import KVLayout
+
+    return KVLayout(
+        info["id"],
+        info["dtype"],
+        info["num_layers"],
+        info["num_kv_heads"],
+        info["head_dim"],
+        TRANSFER_BLOCK_SIZE,
+    )
+
+
+def _pool_shape(info: dict, tokens: int, slots: int) -> tuple[int, ...]:
+    blocks = -(-tokens // TRANSFER_BLOCK_SIZE) * slots
+    return (
+        info["num_layers"],
+        2,
+        blocks,
+        TRANSFER_BLOCK_SIZE,
+        info["num_kv_heads"],
+        info["head_dim"],
+    )
+
+
+def _block_ids(slot: int, tokens: int) -> list[int]:
+    per = -(-tokens // TRANSFER_BLOCK_SIZE)
+    return list(range(slot * per, (slot + 1) * per))
+
+
+def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
+    """The decode side: serves each backend the parent asks for; every request's KV goes into a
+    paged cache through a KVReceiver; reports when each commit was taken."""
+    try:
+        import threading
+
+        import torch
+
+        from pdserve.kvtransfer.backends import (
+            create_shared_kv_cache,
+            remove_shared_kv_cache,
+            serve,
+            tune_malloc,
+        )
+        from pdserve.kvtransfer.receiver import KVReceiver
+        from pdserve.kvtransfer.state import TransferState
+
+        tune_malloc()
+        torch.set_num_threads(1)
+        dtype = getattr(torch, info["dtype"])
+        cache, path = create_shared_kv_cache(_pool_shape(info, tokens, slots), dtype)
+        layout = _layout(info)
+        try:
+            while True:
+                msg = conn.recv()
+                if msg == "stop":
+                    break
+                receivers, done, lock = {}, {}, threading.Lock()
+
+                def handler(header, payload):
+                    with lock:
+                        rx = receivers.get(header.request_id)
+                        if rx is None:  # request ids are "<slot>-<tokens>-<serial>"
+                            slot, n, _ = header.request_id.split("-")
+                            rx = receivers[header.request_id] = KVReceiver(
+                                header.request_id,
+                                cache,
+                                layout,
+                                _block_ids(int(slot), int(n)),
+                                0,
+                                int(n),
+                            )
+                    if rx.on_frame(header, payload) in (TransferState.DONE, TransferState.FAILED):
+                        done[header.request_id] = (time.perf_counter(), rx.error)
+
+                opts = {"kv_cache": cache, "kv_path": path} if msg["backend"] == "shm" else {}
+                server = serve(msg["backend"], handler, **opts)
+                conn.send({"address": server.address})
+                while (cmd := conn.recv()) != "end":
+                    deadline = time.monotonic() + 120
+                    while len(done) < cmd["count"] and time.monotonic() < deadline:
+                        time.sleep(0.0005)
+                    conn.send(dict(done))
+                    done.clear()
+                server.stop()
+        finally:
+            remove_shared_kv_cache(path)
+    except BaseException:  # noqa: BLE001 - the parent must hear why
+        conn.send({"error": traceback.format_exc()})
+
+
+def _recv(conn, proc, timeout: float = 180.0):
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"the transfer receiver exited ({proc.exitcode}) without an answer")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the transfer receiver did not answer within {timeout:.0f} s")
+    msg = conn.recv()
+    if isinstance(msg, dict) and "error" in msg:
+        raise RuntimeError(f"the transfer receiver failed:\n{msg['error']}")
+    return msg
+
+
+def send_request(transport, frames, rid: str, dest, layout) -> None:
+    """Sends prebuilt (header, data) frames as request `rid` into `dest`, then its commit (first
+    token 1): one request's hand-off, as a prefill worker sends it."""
+    from pdserve.kvtransfer.wire import ChunkHeader
+
+    for header, data in frames:
+        transport.send(ChunkHeader(**{**vars(header), "request_id": rid}), data, dest)
+    transport.send(ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1), None, dest)
+
+
+def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
+    import torch
+
+    from pdserve.kvtransfer.backends import connect, tune_malloc
+    from pdserve.kvtransfer.reshard import read_chunk
+    from pdserve.kvtransfer.transport import Destination
+
+    tune_malloc()
+    dtype = getattr(torch, info["dtype"])
+    big = max(
+        TRANSFER_BLOCK_SIZE, int(grids["transfer_mib"] * (1 << 20)) // info["kv_bytes_per_token"]
+    )
+    small = TRANSFER_BLOCK_SIZE
+    slots = grids["transfer_requests"]
+    layout = _layout(info)
+    src = torch.randn(_pool_shape(info, big, 1), generator=torch.Generator().manual_seed(0)).to(
+        dtype
+    )
+    src_blocks = _block_ids(0, big)
+
+    def chunks(n: int):
+        return [
+            read_chunk(src[layer], layout, "x", layer, src_blocks, 0, n)
+            for layer in range(info["num_layers"])
+        ]
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, info, big, slots), daemon=True)
+    proc.start()
+    out = {}
+    try:
+        for backend in backends:
+            parent.send({"backend": backend})
+            transport = connect(backend, _recv(parent, proc)["address"], timeout=60.0)
+            counter = iter(range(10**9))
+            try:
+
+                def send_batch(n: int, count: int, frames) -> list[tuple[float, float]]:
+                    starts = {}
+                    for i in range(count):
+                        rid = f"{i % slots}-{n}-{next(counter)}"  # what the receiver parses
+                        starts[rid] = time.perf_counter()
+                        dest = Destination(_block_ids(i % slots, n), layout)
+                        send_request(transport, frames, rid, dest, layout)
+                    transport.flush(120.0)
+                    parent.send({"count": count})
+                    done = _recv(parent, proc)
+                    bad = [f"{r}: {e}" for r, (_, e) in done.items() if e]
+                    if bad or len(done) < count:
+                        raise RuntimeError(
+                            f"{backend}: {len(done)} of {count} transfers done; {bad[:1]}"
+                        )
+                    return [(starts[r], t) for r, (t, _) in done.items()]
+
+                small_frames, big_frames = chunks(small), chunks(big)
+                send_batch(small, 1, small_frames)  # warm-up
+                send_batch(big, 2, big_frames)
+                pings = []
+                for _ in range(grids["pings"]):
+                    ((s, t),) = send_batch(small, 1, small_frames)
+                    pings.append(t - s)
+                per_request = small * info["kv_bytes_per_token"]
+                latency = max(0.0, statistics.median(pings))
+                times = send_batch(big, slots, big_frames)
+                elapsed = max(t for _, t in times) - min(s for s, _ in times)
+                nbytes = slots * big * info["kv_bytes_per_token"]
+                bw = nbytes / max(elapsed - latency, 1e-9)
+            finally:
+                transport.close()
+                parent.send("end")
+            out[backend] = {
+                "bandwidth_bytes_per_s": bw,
+                "latency_s": latency,
+                "samples": {
+                    "ping_s": pings,
+                    "ping_bytes": per_request,
+                    "bulk_bytes": nbytes,
+                    "bulk_requests": slots,
+                    "bulk_s": elapsed,
+                },
+                "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker",
+            }
+            log(f"transfer {backend}: {bw / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
+    finally:
+        try:
+            parent.send("stop")
+        except OSError:
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return out
+
+
+# ---- the command --------------------------------------------------------------------------------
+def _hardware(info: dict, args) -> dict:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    memory = None
+    try:
+        with open("/proc/meminfo") as f:
+            memory = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        pass
+    gpu = info["device"] == "cuda"
+    return {
+        "device": "gpu" if gpu else "cpu",
+        "name": torch.cuda.get_device_name(0) if gpu else cpu,
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "memory_bytes": memory,
+        "threads_per_rank": args.threads_per_rank,
+        "kv_cache_memory": args.kv_cache_memory,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def run(args) -> int:
+    try:
+        tps = sorted({int(x) for x in str(args.tp).split(",") if x.strip()})
+        if not tps or min(tps) < 1:
+            raise ValueError
+    except ValueError:
+        print(
+            f"pdserve profile: --tp {args.tp!r}: a comma-separated list of integers >= 1, e.g. 1,3",
+            file=sys.stderr,
+        )
+        return 2
+    backends = [b for b in args.backends.split(",") if b]
+    from pdserve.kvtransfer.backends import BACKENDS
+
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or args.threads_per_rank < 1 or args.kv_cache_memory < 1:
+        print(
+            f"pdserve profile: --backends must be of {BACKENDS}, --threads-per-rank and "
+            f"--kv-cache-memory >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    grids = QUICK if args.quick else FULL
+    cores = os.cpu_count() or 1
+    t0 = time.perf_counter()
+    entries, info = {}, None
+    try:
+        for tp in tps:
+            if tp * args.threads_per_rank > cores:
+                log(
+                    f"warning: tp={tp} x {args.threads_per_rank} threads > {cores} cores: its ranks "
+                    f"share cores, so its timings include that contention"
+                )
+            entries[tp], info = profile_tp(args.model, tp, grids, args)
+        transfer = measure_transfer(info, backends, grids) if backends else {}
+    except ValueError as e:  # the engine's message for a bad model or a TP degree it refuses
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 2
+    model = {
+        k: info[k]
+        for k in (
+            "id",
+            "name",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "hidden_size",
+            "dtype",
+        )
+    }
+    data = profile_dict(
+        model=model,
+        kv_bytes_per_token=info["kv_bytes_per_token"],
+        hardware=_hardware(info, args),
+        tp=entries,
+        kv_transfer=transfer,
+        block_size=info["block_size"],
+        derived=False,
+        source={
+            "summary": "measured by `pdserve profile` on this machine",
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+            "date": _dt.datetime.now().astimezone().isoformat(),
+            "quick": bool(args.quick),
+            "seconds": round(time.perf_counter() - t0, 1),
+        },
+    )
+    profile_from_dict(data, args.out)  # what the tuner will accept
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,171 @@
+"""What `pdserve bench` prints and writes: the `vllm bench serve` style table of a run, the sweep's
+attainment and goodput lines, and the sweep's plots (attainment vs rate, TTFT and TPOT CDFs)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from pdserve.tuning.loadgen import Run
+
+WIDTH = 50
+_SECTIONS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
+
+
+def _line(label: str, value) -> str:
+    if value is None:
+        text = "-"
+    elif isinstance(value, float):
+        text = f"{value:.2f}"
+    else:
+        text = str(value)
+    return f"{label:<40}{text:<10}"
+
+
+def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
+    lines = [
+        f" {title} ".center(WIDTH, "="),
+        _line("Successful requests:", s["completed"]),
+        _line("Failed requests:", s["failed"]),
+    ]
+    lines += [_line(f"  {code}:", n) for code, n in sorted(s["errors"].items())]
+    lines += [
+        _line("Benchmark duration (s):", s["duration"]),
+        _line("Total input tokens:", s["total_input_tokens"]),
+        _line("  served from prefix cache:", s["cached_prompt_tokens"]),
+        _line("Total generated tokens:", s["total_output_tokens"]),
+        _line("Request throughput (req/s):", s["request_throughput"]),
+        _line("Input token throughput (tok/s):", s["input_throughput"]),
+        _line("Output token throughput (tok/s):", s["output_throughput"]),
+        _line("Total token throughput (tok/s):", s["total_token_throughput"]),
+        _line("Max send lag (ms):", s["max_send_lag_ms"]),
+    ]
+    if "slo_s" in s:
+        slo = " ".join(f"{k}<={v * 1e3:g}ms" for k, v in s["slo_s"].items())
+        lines += [
+            _line("SLO attainment (%):", s["slo_attainment"] * 100),
+            _line("  SLOs:", slo),
+            _line("Request goodput (req/s):", s["request_goodput"]),
+        ]
+    for key, section, short in _SECTIONS:
+        lines.append(f"{section}".center(WIDTH, "-"))
+        lines += [
+            _line(
+                f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {short} (ms):",
+                s[f"{stat}_{key}_ms"],
+            )
+            for stat in ("mean", "median", "p90", "p99")
+        ]
+    if s.get("server_ms"):
+        lines.append("Server stages, mean / p90 (ms)".center(WIDTH, "-"))
+        lines += [
+            _line(f"{stage}:", f"{v['mean']:.2f} / {v['p90']:.2f}")
+            for stage, v in s["server_ms"].items()
+        ]
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def format_sweep(runs: list[Run], summaries: list[dict], goodput: dict, scales: list[dict]) -> str:
+    lines = [
+        " Rate sweep ".center(WIDTH + 22, "="),
+        f"{'rate':>8} {'done':>6} {'failed':>6} {'attain':>7} {'p90 TTFT':>10} {'p90 TPOT':>10} "
+        f"{'goodput':>9} {'lag':>8}",
+        f"{'req/s':>8} {'':>6} {'':>6} {'%':>7} {'ms':>10} {'ms':>10} {'req/s':>9} {'ms':>8}",
+    ]
+    for run, s in zip(runs, summaries):
+        p90 = [s[k] for k in ("p90_ttft_ms", "p90_tpot_ms")]
+        p90 = [f"{v:.1f}" if v is not None else "-" for v in p90]
+        lines.append(
+            f"{run.rate:>8g} {s['completed']:>6} {s['failed']:>6} {s['slo_attainment'] * 100:>7.1f} "
+            f"{p90[0]:>10} {p90[1]:>10} {s['request_goodput']:>9.2f} {s['max_send_lag_ms']:>8.1f}"
+        )
+    lines.append(
+        "(goodput column: vLLM's --goodput, requests meeting both SLOs per second at that rate)"
+    )
+    lines.append(
+        f"DistServe goodput (>= {goodput['threshold'] * 100:g}% attain both SLOs): "
+        f"{_rate(goodput)} req/s"
+    )
+    if goodput["note"]:
+        lines.append(f"  note: {goodput['note']}")
+    lines.append("SLO scale -> goodput (req/s):")
+    for g in scales:
+        slo = ", ".join(f"{k}<={v * 1e3:g}ms" for k, v in g["slo_s"].items())
+        lines.append(f"  x{g['scale']:<5g} {_rate(g):>10}   ({slo})")
+    lines.append("=" * (WIDTH + 22))
+    return "\n".join(lines)
+
+
+def _rate(g: dict) -> str:
+    return (">= " if g["lower_bound"] else "") + f"{g['rate']:.3g}"
+
+
+def plot_sweep(
+    out: pathlib.Path, runs: list[Run], goodput: dict, slo: dict[str, float]
+) -> list[str]:
+    """Three PNGs beside `out` (result.json -> result_attainment.png, ..._ttft_cdf, ..._tpot_cdf)."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    paths = []
+    fig = Figure(figsize=(6, 4), tight_layout=True)
+    ax = fig.add_subplot()
+    rates = [r.rate for r in runs]
+    ax.plot(rates, [a * 100 for a in goodput["attainment"]], "o-", label="both SLOs met")
+    ax.axhline(
+        goodput["threshold"] * 100,
+        color="gray",
+        ls="--",
+        label=f"{goodput['threshold'] * 100:g}% target",
+    )
+    if goodput["rate"] > 0:
+        ax.axvline(
+            goodput["rate"], color="tab:red", ls=":", label=f"goodput {_rate(goodput)} req/s"
+        )
+    ax.set(
+        xlabel="request rate (req/s)",
+        ylabel="SLO attainment (%)",
+        ylim=(0, 105),
+        title=", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items()),
+    )
+    ax.legend()
+    paths.append(_save(fig, out, "attainment"))
+    for metric in ("ttft", "tpot"):
+        fig = Figure(figsize=(6, 4), tight_layout=True)
+        ax = fig.add_subplot()
+        for run in runs:
+            values = sorted(
+                v * 1e3
+                for r in run.records
+                if r.ok
+                for v in [r.ttft_s if metric == "ttft" else r.tpot_s]
+                if v is not None
+            )
+            if values:  # y: share of all requests, so failed ones keep the curve below 1
+                ax.step(
+                    values,
+                    [(i + 1) / len(run.records) for i in range(len(values))],
+                    where="post",
+                    label=f"{run.rate:g} req/s",
+                )
+        if metric in slo:
+            ax.axvline(slo[metric] * 1e3, color="gray", ls="--", label="SLO")
+        ax.set(
+            xlabel=f"{metric.upper()} (ms)",
+            ylabel="share of requests",
+            ylim=(0, 1.02),
+            title=f"{metric.upper()} CDF per request rate",
+        )
+        ax.legend()
+        paths.append(_save(fig, out, f"{metric}_cdf"))
+    return paths
+
+
+def _save(fig, out: pathlib.Path, name: str) -> str:
+    path = out.with_name(f"{out.stem}_{name}.png")
+    fig.savefig(path, dpi=100)
+    return str(path)
