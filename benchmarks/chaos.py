@@ -4,18 +4,12 @@ embedded SmolLM2 on this machine, with clients, probes and abusers in processes 
   python -m benchmarks.chaos                       # every part, ~10 min on 2 cores
   python -m benchmarks.chaos --parts a,c --requests 100
 
-Parts (issue #14's must-show; tests/chaos/ runs the same at CI scale on a tiny model):
-  a  500 streams, 32 at a time, half cancelled by the client at random points (before the first
-     token or after k tokens), a health probe every 100 ms: worker drop-outs, probe latency
-     percentiles, the non-cancelled streams against a clean run of the same prompts, KV after.
-  c  a 60 MB text prompt and a 1,000,000-entry stop list: the router process's CPU for each
-     refusal (alone), then a normal client's TTFT with and without an abuser sending both in a loop.
-  d  a second `pdserve up` on the router's port (time to exit, its message; the first still
-     serves), then kill -9 of the only decode worker under 8 looping clients: the errors clients
-     see, time to a replacement and to the first served request, tokens against before.
-  e  two prefill + two decode workers: 64 streams clean, then again with kill -9 of one decode
-     worker mid-decode, then of one prefill worker mid-prefill: streams token-identical.
-
+Parts (issue #14's must-show; tests/chaos/ runs the same at CI scale on a tiny model), each
+described in its function:
+  a  500 streams, half of them cancelled at random points, under a health probe
+  c  a 60 MB prompt and a 1,000,000-entry stop list: the router's CPU and another client's TTFT
+  d  a second `pdserve up` on the same port, then kill -9 of the only decode worker
+  e  kill -9 of a decode and of a prefill worker while a survivor of each serves
 Writes benchmarks/results/chaos.json (machine, commit, command, every figure).
 """
 
@@ -63,6 +57,10 @@ from benchmarks.chaos_harness import (
 
 # ---- a: cancellation storm ----------------------------------------------------------------------
 def part_a(args) -> dict:
+    """500 streams (--requests), 32 at a time (--concurrency), half cancelled by the client at
+    random points (before the first token or after k tokens), a health probe every 100 ms: worker
+    drop-outs, probe latency percentiles, the non-cancelled streams against a clean run of the same
+    prompts, and the KV blocks after."""
     rng = random.Random(14)
     lengths = [rng.randint(16, 96) for _ in range(args.requests)]
     prompts = [random_prompts(7000 + i, 1, n)[0] for i, n in enumerate(lengths)]
@@ -207,6 +205,9 @@ def normal_ttfts(address: str, n: int, seed: int) -> list[float]:
 
 
 def part_c(args) -> dict:
+    """A 60 MB text prompt and a 1,000,000-entry stop list: the router process's CPU for each
+    refusal (alone), then a normal client's TTFT with and without an abuser sending both in a
+    loop."""
     out = {}
     with deployment(example_config()) as (cluster, drops):
         address = cluster.router_address
@@ -266,6 +267,9 @@ def part_c(args) -> dict:
 
 # ---- d: port collision, kill -9 of the only decode worker ---------------------------------------
 def part_d(args) -> dict:
+    """A second `pdserve up` on the router's port (time to exit, its message; the first still
+    serves), then kill -9 of the only decode worker under 8 looping clients: the errors clients
+    see, the time to a replacement and to the first served request, tokens against before."""
     import ray
     import yaml
 
@@ -363,6 +367,8 @@ def part_d(args) -> dict:
 
 # ---- e: kill -9 with a survivor: streams token-identical ----------------------------------------
 def part_e(args) -> dict:
+    """Two prefill and two decode workers: 64 streams clean, then again with kill -9 of one decode
+    worker mid-decode, then of one prefill worker mid-prefill: are the streams token-identical?"""
     import ray
 
     from pdserve.deploy.launcher import RestartPolicy

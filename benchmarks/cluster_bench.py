@@ -6,27 +6,12 @@ against the engine alone, per KV backend, and how much transfer time layer pipel
     python -m benchmarks.cluster_bench --quick          # smoke run (fewer prompts, one backend)
     python -m benchmarks.cluster_bench --wait-idle 60   # wait up to 60 s for a quiet CPU per section
 
-One run, in this order:
-  engine alone: an LLMEngine in a spawned process with --prefill-threads torch threads and the
-      workers' engine settings (DeployConfig.engine_kwargs of the prefill pool: block size,
-      max_num_batched_tokens, prefix caching on, KV budget, max_model_len); a warm-up prompt, then
-      it waits for requests on a pipe. TTFT = add_request -> the step output with the first token
-  per backend (grpc, shm, torch): up(validate_config({...}), block=False) on one local Ray
-      (num_cpus 2) -> 2 warm-up requests -> --requests rounds of [one fresh 512-token prompt on the
-      engine alone, then one through the cluster] (max_tokens 2, greedy, one request at a time)
-      -> cluster.stop(). Alternating request by request pairs the two sides in time: this VM's
-      speed drifts by tens of percent between minutes, which a batch-then-batch order would
-      fold into the ratio. The idle cluster's own background (heartbeats, health checks) is
-      counted in the section's CPU and stays in the engine-alone numbers
-  pipelining: bench/cluster_bench_sides.pipeline_side, in-process with the real classes
-TTFT at the client: time.time_ns() before calling PDServe.Generate -> the first TokenDelta. The
-breakdown comes from Finish.timings (unix ns, one machine clock) and telescopes to the TTFT:
-  client->router (queued - sent), router and prefill queue (prefill_start - queued), prefill compute
-  (prefill_end - prefill_start, per-layer pushes included), hand-off to the first token
-  (first_token - prefill_end; "exposed transfer" transfer_end - prefill_end overlaps its start),
-  delivery (first TokenDelta at the client - first_token).
-Every prompt is distinct random token ids, so nothing hits a prefix cache (checked: cached tokens).
-Each section records the CPU that processes outside this benchmark's process tree used meanwhile.
+One run starts the engine alone in a spawned process (EngineAlone), then, per backend, a cluster
+that serves fresh prompts alternating with the engine alone (run_cluster, timed by `generate`),
+then the pipelining trials (cluster_bench_sides.pipeline_side). Every prompt is distinct random
+token ids, so nothing hits a prefix cache (checked: cached tokens), and each section records the
+CPU that processes outside this benchmark's process tree used meanwhile. The result is in
+BENCHMARKS.md, "TTFT through the cluster vs the engine alone".
 """
 
 from __future__ import annotations
@@ -127,6 +112,11 @@ def stats_ms(xs_s: list[float]) -> dict:
 
 # ---- engine alone -------------------------------------------------------------------------------
 class EngineAlone:
+    """The engine alone: an LLMEngine in a spawned process with --prefill-threads torch threads and
+    the workers' engine settings (DeployConfig.engine_kwargs of the prefill pool: block size,
+    max_num_batched_tokens, prefix caching on, KV budget, max_model_len). After a warm-up prompt it
+    waits for requests on a pipe. TTFT = add_request -> the step output with the first token."""
+
     def __init__(self, args, engine_kwargs: dict):
         self.proc, self.conn = start(engine_side, args.model, engine_kwargs, args.prefill_threads)
         self.info = self._recv(600)
@@ -157,6 +147,13 @@ class EngineAlone:
 
 # ---- the cluster --------------------------------------------------------------------------------
 def generate(stub, prompt: list[int], max_tokens: int) -> dict:
+    """One request through the cluster. TTFT at the client: time.time_ns() before calling
+    PDServe.Generate -> the first TokenDelta. The breakdown comes from Finish.timings (unix ns, one
+    machine clock) and telescopes to the TTFT: client->router (queued - sent), router and prefill
+    queue (prefill_start - queued), prefill compute (prefill_end - prefill_start, per-layer pushes
+    included), hand-off to the first token (first_token - prefill_end; "exposed transfer"
+    transfer_end - prefill_end overlaps its start), delivery (first TokenDelta at the client -
+    first_token)."""
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
 
     request = pb.GenerateRequest(
@@ -194,6 +191,13 @@ def generate(stub, prompt: list[int], max_tokens: int) -> dict:
 
 
 def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
+    """up(validate_config({...}), block=False) on one local Ray (num_cpus 2) -> 2 warm-up requests
+    -> --requests rounds of [one fresh 512-token prompt on the engine alone, then one through the
+    cluster] (max_tokens 2, greedy, one request at a time) -> cluster.stop(). Alternating request
+    by request pairs the two sides in time: this VM's speed drifts by tens of percent between
+    minutes, which a batch-then-batch order would fold into the ratio. The idle cluster's own
+    background (heartbeats, health checks) is counted in the section's CPU and stays in the
+    engine-alone numbers."""
     import grpc
 
     from pdserve.deploy.config import validate_config
@@ -379,7 +383,7 @@ def render(report: dict) -> str:
 def parse_args(argv=None):
     ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--quick", action="store_true", help="smoke run: 3 prompts a section, grpc only"
+        "--quick", action="store_true", help="smoke run: 3 prompts per section, grpc only"
     )
     ap.add_argument("--out", default=None, help=f"JSON results path (default {DEFAULT_OUT})")
     ap.add_argument("--backends", default=",".join(BACKENDS))

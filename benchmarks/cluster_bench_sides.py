@@ -9,16 +9,7 @@
                  kvtransfer transport, exactly what a prefill worker's Prefill runs (without the
                  gRPC service and Ray around it)
 
-Timed per trial (each trial its own fresh prompt and its own reservation on the decode worker):
-  T_pipelined  add_request(prefill_only, kv_sink=PushSink) -> step until the first token ->
-               commit frame -> transport.flush() returned (every frame handed to the decode side)
-  T_compute    the same prefill with a sink that only records the layer calls (no transfer)
-  T_transfer   right after that compute: the recorded per-layer pushes replayed through a PushSink
-               (read_chunk + send, as in the step), commit, flush
-  hidden       (T_compute + T_transfer - T_pipelined) / T_transfer
-  T_deferred   as T_pipelined with PushSink(overlap=False): the step's layers pushed after its last
-               layer (what PushSink picks by itself when the compute threads take every core)
-The three kinds of trial rotate order, each on its own fresh prompt.
+`pipeline_side` says what each trial times.
 """
 
 from __future__ import annotations
@@ -279,7 +270,19 @@ def pipeline_side(
     seed: int,
     length: int,
 ) -> None:
-    """Sends {"backends": {name: {...}}, ...} once every backend ran (or {"error": ...})."""
+    """Sends {"backends": {name: {...}}, ...} once every backend ran (or {"error": ...}).
+
+    Timed per trial (each its own fresh prompt and its own reservation on the decode worker):
+      T_pipelined  add_request(prefill_only, kv_sink=PushSink) -> step until the first token ->
+                   commit frame -> transport.flush() returned (every frame handed to the decode
+                   side)
+      T_compute    the same prefill with a sink that only records the layer calls (no transfer)
+      T_transfer   right after that compute: the recorded per-layer pushes replayed through a
+                   PushSink (read_chunk + send, as in the step), commit, flush
+      hidden       (T_compute + T_transfer - T_pipelined) / T_transfer
+      T_deferred   as T_pipelined with PushSink(overlap=False): the step's layers pushed after its
+                   last layer (what PushSink picks by itself when the compute takes every core)
+    The kinds of trial rotate their order."""
     try:
         from pdserve.kvtransfer.backends import tune_malloc
         from pdserve.kvtransfer.layout import KVLayout

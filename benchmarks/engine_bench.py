@@ -5,30 +5,12 @@
 
 The default mode runs `--side hf` and then `--side pdserve` as separate subprocesses (so each
 side's peak RSS is its own, and neither warms the other's caches), collects one JSON line from
-each, prints a markdown table and writes the combined results to --out.
-
-Prompts are deterministic random token ids (a fixed torch.Generator, ids in [100, 49000)), not
-text, so every length is exact and both sides see identical inputs. Everything is fp32, greedy,
-torch.set_num_threads(--threads) on both sides.
-
-Measurements
-  1. decode throughput, N concurrent requests of P prompt tokens, M new tokens, ignore_eos
-       HF: static-batch model.generate (min_new_tokens=M); prefill timed separately with
-           max_new_tokens=1; decode-only tok/s = N*(M-1) / (t_total - t_prefill)
-       pdserve: all N requests added to llm.engine, step() until done, every step timestamped;
-           decode-only tok/s = tokens produced in the steps after every request has its first
-           token / wall time of those steps
-       end-to-end tok/s = N*M / t_total on both sides
-  2. TTFT of one fresh 512-token prompt: HF = one forward model(ids[1,512]);
-     pdserve = add_request -> first output token (each repeat a different prompt)
-  3. pdserve TTFT of <cached 512-token prefix> + 32 fresh tokens vs a cold 544-token prompt
-  4. peak RSS of each side's process (ru_maxrss and /proc/self/status VmHWM), KV cache size
-
-Files: this one is the CLI and the orchestration (each side in its own subprocess);
-engine_bench_report.py combines the sides' results into the JSON report and renders the markdown
-tables; engine_bench_hf.py and engine_bench_pdserve.py are the two sides (what
-`--side hf` / `--side pdserve` run); bench_common.py holds what they share (prompts, memory
-snapshots, machine info, the CPU contention monitor).
+each, prints a markdown table and writes the combined results to --out. Prompts are deterministic
+random token ids, so every length is exact and both sides see identical inputs. It measures the
+decode throughput of N concurrent requests, the TTFT of a fresh 512-token prompt, the TTFT of a
+cached 512-token prefix plus 32 fresh tokens, and each side's peak RSS; benchmarks/README.md says
+how each side times them. engine_bench_report.py renders the report, engine_bench_hf.py and
+engine_bench_pdserve.py are the two sides, and bench_common.py holds what they share.
 """
 
 from __future__ import annotations

@@ -4,16 +4,14 @@
   python -m benchmarks.first_request --deployments 1 --later 3 --caches warm
 
 Each deployment is `deploy/examples/local-cpu.yaml` started with `deploy.launcher.up()` (what
-`pdserve up` runs; it returns once every worker has registered, which is when `pdserve up`
-prints "ready"). At once, one client sends a 128-token prompt (random ids, a fresh one per
-request, so no prefix-cache hit) for 64 greedy tokens (`ignore_eos`), then `--later` more the
-same way, one at a time. Per request: TTFT at the client and decode tok/s (tokens after the first
-over the time after the first). The figure is the first request's over the median of the later
-ones, per deployment; and the later ones' decode speed over HF transformers' float32 decoding
-one sequence in-process (2 threads, same lengths) measured in the same run. "warm" deployments use pdserve's cache as it is; "fresh" ones an empty
-PDSERVE_CACHE_DIR, as on a machine (or a CPU) pdserve never ran on: the GGUF is converted and the
-CPU decode kernel compiled again. Writes benchmarks/results/first_request.json (with the CPU model and
-flags).
+`pdserve up` runs; it returns once every worker has registered, which is when `pdserve up` prints
+"ready"). At once, one client sends a fresh 128-token prompt for 64 greedy tokens, then `--later`
+more the same way, one at a time; per request it records the TTFT at the client and the decode
+tok/s. The figures are the first request's over the median of the later ones, and the later
+ones' decode speed over HF transformers' float32 decoding one sequence in-process, measured in
+the same run. "warm" deployments use pdserve's cache as it is; "fresh" ones an empty
+PDSERVE_CACHE_DIR, so the GGUF is converted and the CPU decode kernel compiled again. Writes
+benchmarks/results/first_request.json (with the CPU model and flags).
 """
 
 from __future__ import annotations

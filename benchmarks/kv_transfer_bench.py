@@ -4,37 +4,14 @@
     python -m benchmarks.kv_transfer_bench --quick         # smoke run
     python -m benchmarks.kv_transfer_bench --wait-idle 60  # wait for a quiet machine before each trial
 
-Workload: SmolLM2-135M's KV shape (30 layers, 3 kv heads, head dim 64, fp32, block size 16 on both
-sides), 16 MiB of KV per request (364 prompt tokens), sent layer by layer as the prefill engine does
-(one "kv" frame per layer, then a "commit"), --requests requests back to back. The prefill process
-reads its chunks out of its paged cache beforehand (read_chunk is the engine's cost, not the
-transport's); each request lands in its own reservation of the decode pool (shuffled block ids).
-Throughput = KV bytes / (last commit handled on the decode side - first send on the prefill side),
-both on the system-wide monotonic clock.
-
-Two modes per backend:
-  transport   the decode handler drops the frames: the backend alone, what the ceilings compare to
-              (for shm the KV is already in the paged pool: the sender writes it there)
-  kvreceiver  a KVReceiver per request writes each chunk into the decode paged cache (reshard's
-              write_chunk) and takes the commit: end to end, as a decode worker would
-Ceilings, same process pair layout and message sizes:
-  tcp     a plain TCP socket on 127.0.0.1: sendall of each layer's bytes, recv_into the pool
-          (the ceiling of grpc and torch)
-  memcpy  the prefill process copies each layer's bytes into a shared-memory pool the decode
-          process mapped, then tells it over a pipe (the ceiling of shm: the one copy shm makes,
-          without its paged scatter)
-Targets: grpc and torch >= 50% of tcp, shm >= 50% of memcpy (transport mode).
-
-All process pairs start once; then a warm-up round (it also faults in every page of the pools) and
---rounds measured rounds, each running every ceiling and backend once, interleaved, so that a
-backend and its ceiling see the same machine. The table shows medians over rounds: throughput, and
-the ratio of each round's backend to the same round's ceiling. Every process runs with
-torch.set_num_threads(1) and (unless --no-malloc-tune) kvtransfer.backends.tune_malloc(). The
-machine may be shared: each trial records the CPU other processes used meanwhile (/proc/stat
-minus our processes) and the table warns above 0.2 cores.
-
-Files: this one is the CLI, the parent (process pairs, trials, the table); kv_transfer_sides.py
-holds the prefill and decode processes and the KV shape they share.
+Each request is SmolLM2-135M's KV of 364 prompt tokens (16 MiB, fp32), sent layer by layer as the
+prefill engine sends it, and --requests requests go back to back. Each backend runs in two modes:
+transport (the decode handler drops the frames) and kvreceiver (a KVReceiver writes each chunk
+into the decode paged cache, as a decode worker does). The ceilings are a plain TCP socket (for
+grpc and torch) and a copy into shared memory (for shm); the targets are 50% of the ceiling in
+transport mode. `main` says how rounds are run and timed; the result is in BENCHMARKS.md, "KV
+transfer per backend". This file is the CLI and the parent; kv_transfer_sides.py holds the two
+processes.
 """
 
 from __future__ import annotations
@@ -220,6 +197,25 @@ def summarize(runs, trials: dict, ceiling_of_key: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """The command line and the run.
+
+    Workload: SmolLM2-135M's KV shape (30 layers, 3 kv heads, head dim 64, fp32, block size 16 on
+    both sides), one "kv" frame per layer, then a "commit". The prefill process reads its chunks
+    out of its paged cache beforehand (read_chunk is the engine's cost, not the transport's); each
+    request lands in its own reservation of the decode pool (shuffled block ids). Throughput = KV
+    bytes / (last commit handled on the decode side - first send on the prefill side), both on
+    the system-wide monotonic clock. Ceilings, with the same process pair layout and message
+    sizes: tcp sends each layer's bytes with sendall and receives them into the pool with
+    recv_into; memcpy copies each layer's bytes into a shared-memory pool the decode process
+    mapped, then tells it over a pipe (the one copy shm makes, without its paged scatter).
+
+    All process pairs start once; then a warm-up round (it also faults in every page of the pools)
+    and --rounds measured rounds, each running every ceiling and backend once, interleaved, so
+    that a backend and its ceiling see the same machine. The table shows medians over rounds:
+    throughput, and the ratio of each round's backend to the same round's ceiling. Every process
+    runs with torch.set_num_threads(1) and (unless --no-malloc-tune)
+    kvtransfer.backends.tune_malloc(). Each trial records the CPU other processes used meanwhile
+    (/proc/stat minus ours), and the table warns above CONTENTION_WARN_CORES."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=24, help="requests per trial")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after 1 warm-up round)")

@@ -4,21 +4,13 @@
   python -m benchmarks.quality --modes float32 --tokens 4096
 
 Corpus: the Python Language Reference topics that every CPython ships for `help()`
-(`pydoc_data.topics.topics`, 79 topics, 465 KB of English technical prose; on every machine,
-offline, and the same for a given Python version, which the result records). The topics are
-joined in sorted order, tokenized with the model's tokenizer, and the first `--tokens` tokens
-(default 20,480) are cut into windows of `--window` tokens (default 512, each starting with BOS
-when the model has one). Perplexity = exp(mean negative log-likelihood) of every token after
-the first of each window, from the engine's public API: `SamplingParams(prompt_logprobs=0)`.
-The int8 mode calibrates, and dtype="auto" probes, on the corpus's last 1,024 tokens
-(engine/quality.py), which this benchmark never scores.
-
-Greedy agreement: `--prompts` varied prompts (chat-templated questions and plain text, a code
-start), `--new` greedy tokens each; per mode, the share of prompts whose tokens equal float32's
-exactly and the mean share of tokens before the first divergence.
-
-Writes benchmarks/results/quality.json (machine, CPU flags, commit, per mode). Every mode runs in
-this process one after the other, with the same threads.
+(`pydoc_data.topics.topics`: English technical prose, offline on every machine, and the same for
+a given Python version, which the result records). The first `--tokens` tokens are cut into
+windows of `--window` tokens, and perplexity is exp(mean negative log-likelihood) of every token
+after the first of each window, from `SamplingParams(prompt_logprobs=0)`. Greedy agreement: per
+mode, the share of `--prompts` varied prompts whose `--new` greedy tokens equal float32's, and the
+mean share of tokens before the first divergence. Every mode runs in this process one after the
+other, with the same threads; writes benchmarks/results/quality.json.
 """
 
 from __future__ import annotations
@@ -69,6 +61,9 @@ QUESTIONS = [
 
 
 def corpus_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of the corpus (its 79 topics joined in sorted order, 465 KB,
+    tokenized with the model's tokenizer). The int8 mode calibrates, and dtype="auto" probes, on
+    the corpus's last 1,024 tokens (engine/quality.py), which this benchmark never scores."""
     from pdserve.engine.quality import corpus_ids as all_ids
 
     ids = all_ids(tokenizer)
@@ -78,6 +73,7 @@ def corpus_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 def windows(ids: list[int], size: int, bos: int | None) -> list[list[int]]:
+    """`ids` cut into windows of `size` tokens, each starting with BOS when the model has one."""
     step = size - (1 if bos is not None else 0)
     out = []
     for a in range(0, len(ids) - 1, step):
@@ -88,6 +84,8 @@ def windows(ids: list[int], size: int, bos: int | None) -> list[list[int]]:
 
 
 def prompts_for(tokenizer) -> list[list[int]]:
+    """The greedy-agreement prompts: plain text and a code start, then chat-templated questions
+    when the model has a chat template."""
     out = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     if getattr(tokenizer, "chat_template", None):
         out += [
@@ -159,7 +157,7 @@ def main(argv=None) -> int:
         "--chunk",
         type=int,
         default=128,
-        help="prompt tokens a step (windows are prefilled in chunks)",
+        help="prompt tokens per step (windows are prefilled in chunks)",
     )
     p.add_argument("--new", type=int, default=32, help="greedy tokens per agreement prompt")
     p.add_argument("--threads", type=int, default=2)
@@ -197,7 +195,7 @@ def main(argv=None) -> int:
         **run_header("benchmarks.quality", argv),
         "threads": args.threads,
         "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
-        f"first {args.tokens} tokens, windows of {args.window} prefilled {args.chunk} tokens a step",
+        f"first {args.tokens} tokens, windows of {args.window} prefilled {args.chunk} tokens per step",
         "modes": results,
     }
     write_result(args.out, report)

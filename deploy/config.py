@@ -1,31 +1,18 @@
-"""The deployment YAML: a frozen, validated schema and `load_config`, which names the file and the
-key in every error it raises.
+"""The deployment YAML: a frozen, validated schema (DeployConfig) and `load_config`, which names the
+file and the key in every error it raises. `pdserve up` loads one file at its start; the launcher
+and the pre-start checks then read the frozen result.
 
     model: smollm2
     pools:
       prefill: {replicas: 1, tp: 1, resources: {num_cpus: 1}}
-      decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}
-      # or, instead of both: colocated: {replicas: 2, ...}
-    router: {host: 127.0.0.1, port: 50051}   # + tls: {cert_file, key_file, ca_file} for clients
-                                             # (needs security.tls: workers register there too)
-      # http_port: 8000 (OpenAI-compatible HTTP; null: off), api_keys / api_keys_file
+      decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}   # or instead: colocated: {...}
+    router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file)
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
-    security:                     # between the deployment's own processes
-      cluster_secret_file: null   # or cluster_secret: <str> (not both); PEM/secret files are read
-      tls: null                   # at load, relative to the YAML's folder: {ca_file, cert_file,
-                                  # key_file, server_name}
+    security: {cluster_secret_file: null, tls: null}   # between the deployment's own processes
 
-Client API keys (router.api_keys, router.api_keys_file, PDSERVE_API_KEYS), first found wins as for
-the secret: the file (one key a line; blank lines and lines starting with # are skipped), the YAML
-list, the environment (comma-separated). None: the client API is open. Keys are never shown in an
-error, a dump or a log line.
-
-The cluster secret, first found wins: security.cluster_secret_file, security.cluster_secret, the
-environment's PDSERVE_CLUSTER_SECRET, else `pdserve up` makes a fresh one. The file wins over the
-environment because it is the reviewed description of the deployment; the environment is for a
-secret that should be in no file. Every worker gets it from `up` with its config, so it only has
-to be known here.
+SecuritySettings.secret says where the cluster secret comes from, RouterSettings.client_keys the
+client API keys.
 """
 
 from __future__ import annotations
@@ -129,7 +116,7 @@ KeysFile = Annotated[LoadedFile, _read_file("a file holding API keys"), _AS_PATH
 
 
 def parse_api_keys(text: str, where: str) -> tuple[str, ...]:
-    """Keys from a keys file (one a line; blank lines and # comments skipped) or the environment
+    """Keys from a keys file (one per line; blank lines and # comments skipped) or the environment
     (comma-separated); ValueError naming `where` and the key's position, never the key."""
     if "," in text and "\n" not in text.strip():
         items = text.split(",")
@@ -169,7 +156,8 @@ class ClusterTLS(_Frozen):
 
 
 class RouterTLS(_Frozen):
-    """TLS on the client-facing port; with ca_file, clients must show a certificate it signed."""
+    """TLS on the client-facing port; with ca_file, clients must show a certificate it signed.
+    It needs security.tls too, because the workers register through that port."""
 
     cert_file: CertFile
     key_file: KeyFile
@@ -182,6 +170,9 @@ class RouterTLS(_Frozen):
 
 
 class SecuritySettings(_Frozen):
+    """Security between the deployment's own processes. Secret and PEM files are read when the
+    config is loaded, relative to the YAML file's folder."""
+
     cluster_secret: SecretStr | None = None  # SecretStr: a repr or log line shows ******
     cluster_secret_file: SecretFile | None = None
     tls: ClusterTLS | None = None
@@ -212,7 +203,11 @@ class SecuritySettings(_Frozen):
         return self
 
     def secret(self, environ=os.environ) -> tuple[str | None, str]:
-        """(the cluster secret, which setting gave it); (None, "") when none did."""
+        """(the cluster secret, which setting gave it); (None, "") when none did, and then
+        `pdserve up` makes a fresh one. The first found wins: cluster_secret_file, cluster_secret,
+        then the environment's PDSERVE_CLUSTER_SECRET. The file wins over the environment because
+        it is the reviewed description of the deployment; the environment is for a secret that
+        should be in no file. Every worker gets the secret from `up` with its config."""
         if self.cluster_secret_file is not None:
             return (
                 self.cluster_secret_file.data.decode().strip(),
@@ -337,7 +332,10 @@ class RouterSettings(_Frozen):
         return f"{self.host}:{self.port}"
 
     def client_keys(self, environ=os.environ) -> tuple[tuple[str, ...], str]:
-        """(the client API keys, which setting gave them); ((), "") when none did."""
+        """(the client API keys, which setting gave them); ((), "") when none did, and then the
+        client API is open. The first found wins, as for the secret: api_keys_file (one key per
+        line), api_keys, then the environment's PDSERVE_API_KEYS (comma-separated). Keys are never
+        shown in an error, a dump or a log line."""
         if self.api_keys_file is not None:
             f = self.api_keys_file
             return parse_api_keys(f.data.decode(), f.path), f"router.api_keys_file ({f.path})"

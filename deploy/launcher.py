@@ -4,28 +4,14 @@
     print(cluster.router_address)
     cluster.stop()
 
-Refused at once, before Ray starts: a router port something already listens on, and pools that
-do not fit the model (TP must divide the heads, one max_model_len sequence must fit the KV
-cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each refusal is
-a ConfigError or DeployError naming the key to change (deploy/prechecks.py); so is a worker
-that fails to start.
-
-Order: connect to Ray (or start a local one) -> the router, with empty pools, a fresh
-deployment_id and the cluster secret -> for each replica, one placement group per TP group (`tp`
-bundles of the pool's resources, STRICT_PACK so a TP group shares a node; rank 0 runs in the actor
-and spawns the other ranks in its bundles) -> decode actors, then prefill actors, each started and
-registered with the router (Registry service, heartbeats, the same secret and deployment_id) ->
-up() returns once every replica is in the router's pool. `stop()` undoes it in reverse.
-
-Self-healing (deploy/supervisor.py): a thread pings every replica; one whose actor died is relaunched as a
-new actor in its placement group with the same worker_id, and registers again (the router replaces
-the dead address). Deaths soon after a start back off, and a replica that keeps dying that way is
-given up on (RestartPolicy), one log line each. Meanwhile the deployment stays up: a pool with no
-live worker gets UNAVAILABLE from the router itself. Only Ctrl-C or SIGTERM stops it.
-
-Why the router lives in the driver and not in an actor: it is the one client-facing port, so it
-should listen on the host the operator launched from, at the address printed there, and die with
-`pdserve up` (Ctrl-C); it holds no model, so it needs no Ray resources or placement of its own.
+`pdserve up` calls `up`, which refuses a deployment that cannot run before it starts anything
+(deploy/prechecks.py), then connects to Ray, starts the router, and starts every worker replica;
+it returns once each replica has registered with the router. The Cluster it returns serves until
+Ctrl-C, SIGTERM or `stop()`, which undoes the start in reverse. Meanwhile its Supervisor
+(deploy/supervisor.py) relaunches replicas whose actor died, and a pool with no live worker gets
+UNAVAILABLE from the router. The router lives in the driver because it is the one client-facing
+port: it should listen on the host the operator launched from and die with `pdserve up`, and it
+holds no model, so it needs no Ray resources of its own.
 """
 
 from __future__ import annotations
@@ -71,11 +57,11 @@ def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
     """Cores of their own for each replica of a local deployment: (pool key, replica index) ->
     its num_threads x tp cores, when all of them fit in this process's cores; else {} (no pinning).
 
-    Left free to move, the workers' compute threads of a 1 prefill + 1 decode pair on 2 cores
-    shared a core often enough that the same sweep at 3 req/s attained anywhere from 46% to 86%;
-    pinned one per core, 84-91% with a third lower TPOT p90 (docs/experiments/slo-validation.md,
-    "Repeatability, and pinning the workers to cores"). The router and other threads stay free. Not for GPU
-    pools, nor a Ray cluster given by address, whose nodes' cores this process cannot see."""
+    Left free to move, the compute threads of a prefill and a decode worker on 2 cores shared a
+    core often enough to make the same sweep's SLO attainment vary widely from run to run, and
+    pinning them narrowed that spread (docs/experiments/slo-validation.md, "Repeatability, and
+    pinning the workers to cores"). The router and other threads stay free. Not for GPU pools,
+    nor a Ray cluster given by address, whose nodes' cores this process cannot see."""
     if not local or not hasattr(os, "sched_getaffinity"):
         return {}
     cores = sorted(os.sched_getaffinity(0))
@@ -424,7 +410,17 @@ def up(
 ) -> Cluster:
     """Starts the deployment described by `config` and returns it; with block=True, serves until
     Ctrl-C or SIGTERM and stops before returning. `address` overrides config.ray.address;
-    `environ` is where PDSERVE_CLUSTER_SECRET and PDSERVE_API_KEYS are looked up."""
+    `environ` is where PDSERVE_CLUSTER_SECRET and PDSERVE_API_KEYS are looked up.
+
+    Refused at once, before Ray starts: a router port something already listens on, and pools
+    that do not fit the model (TP must divide the heads, one max_model_len sequence must fit the
+    KV cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each
+    refusal is a ConfigError or DeployError naming the key to change; so is a worker that fails
+    to start. Then: the router, with empty pools, a fresh deployment_id and the cluster secret;
+    for each replica one placement group per TP group (`tp` bundles of the pool's resources,
+    STRICT_PACK so that a TP group shares a node; rank 0 runs in the actor and spawns the other
+    ranks in its bundles); decode actors, then prefill actors, each started and registered with
+    the router under the same secret and deployment_id."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
     _check_http_port_free(config)

@@ -42,7 +42,8 @@ class CPUFeatures:
     @property
     def bf16_units(self) -> bool:
         """Native bf16 matrix math (AMX-BF16 or AVX512-BF16): without them oneDNN emulates bf16,
-        slower than float32; with them bf16 beats it (BENCHMARKS.md has the numbers)."""
+        slower than float32 (measured on the AVX2 EPYC: BENCHMARKS.md, "Quality per serving
+        mode")."""
         return self.has("amx_bf16") or self.has("avx512_bf16")
 
     @property

@@ -1,20 +1,13 @@
 """LLMEngine: one model replica behind add_request / step / abort, plus the disaggregation hooks.
 
-A step is plan -> execute -> apply: `scheduler.schedule()` makes a StepPlan, the model runner
-executes it (on every tensor-parallel rank), `scheduler.update()` applies the sampled tokens, and
-the output side here detokenizes, checks stop strings and builds RequestOutputs.
-
-Disaggregation hooks:
-  * prefill-only: `add_request(..., prefill_only=True, kv_sink=sink)` runs the prompt, calls
-    `sink.on_layer(layer, layer_kv, block_ids, start, end)` as each layer's KV becomes final (so a
-    transfer can overlap the next layer), samples the first token and finishes ("prefill_done").
-    n>1: every sequence samples its first token from the prompt's last logits with its own
-    generator, as add_request's n>1 does; only the first sequence holds KV.
-  * external KV: `reserve()` sets aside blocks for a prompt, someone else writes its KV into
-    `kv_cache[:, :, block_ids]`, and `commit(first_token)` continues decoding from there. n>1:
-    `commit([n first tokens])` forks the other sequences on copy-on-write blocks (the scheduler's
-    fork), and each seeded generator skips the draw its first token took on the other engine, so
-    the n outputs equal add_request's.
+An LLM (engine/llm.py), or a worker through its EngineLoop, builds one LLMEngine and steps it
+from one thread until `shutdown`. A step is plan -> execute -> apply: `scheduler.schedule()`
+makes a StepPlan, the model runner executes it (on every tensor-parallel rank),
+`scheduler.update()` applies the sampled tokens, and the output side here detokenizes, checks
+stop strings and builds RequestOutputs. The disaggregation hooks are prefill-only requests
+(`add_request(..., prefill_only=True, kv_sink=sink)`, whose KV leaves layer by layer) and
+external KV (`reserve` sets blocks aside for KV that another engine writes, and `commit`
+continues decoding from there); their docstrings say how each one works.
 """
 
 from __future__ import annotations
@@ -200,7 +193,13 @@ class LLMEngine:
         prefill_only: bool = False,
         kv_sink: KVSink | None = None,
     ) -> None:
-        """Validates fully before touching any state, so a bad request never disturbs others."""
+        """Validates fully before touching any state, so a bad request never disturbs others.
+
+        prefill_only=True runs the prompt, calls `kv_sink.on_layer(layer, layer_kv, block_ids,
+        start, end)` as each layer's KV becomes final (so a transfer can overlap the next layer),
+        samples the first token and finishes ("prefill_done"). n>1: every sequence samples its
+        first token from the prompt's last logits with its own generator, as an ordinary n>1
+        request does; only the first sequence holds KV."""
         req = self._new_request(request_id, prompt, params, prefill_only)
         req.kv_sink = kv_sink
         self._requests[request_id] = req
@@ -217,9 +216,9 @@ class LLMEngine:
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> Reservation:
-        """Blocks for a prompt whose KV another engine will write (n>1: plus one block per extra
-        sequence for its copy of a partial last block). Raises NoFreeBlocks when full, and
-        InvalidRequest when the whole KV cache could never hold them."""
+        """Blocks for a prompt whose KV another engine will write into `kv_cache[:, :, block_ids]`
+        (n>1: plus one block per extra sequence for its copy of a partial last block). Raises
+        NoFreeBlocks when full, and InvalidRequest when the whole KV cache could never hold them."""
         req = self._new_request(request_id, prompt_token_ids, params)
         seq, children = req.seqs[0], req.seqs[1:]
         bm = self.block_manager
@@ -244,8 +243,12 @@ class LLMEngine:
         first_token_ids: int | list[int],
         logprobs: list[float] | None = None,
     ) -> None:
-        """first_token_ids: the first token (n=1), or one per sequence in index order; logprobs:
-        theirs as the engine that sampled them computed them (kept for outputs with logprobs)."""
+        """Continues a reserved request from its first token(s), once its KV is in place.
+        first_token_ids: the first token (n=1), or one per sequence in index order; logprobs:
+        theirs as the engine that sampled them computed them (kept for outputs with logprobs).
+        n>1 forks the other sequences on copy-on-write blocks (the scheduler's fork), and each
+        seeded generator skips the draw its first token took on the other engine, so the n
+        outputs equal an ordinary request's."""
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")

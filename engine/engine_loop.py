@@ -1,21 +1,14 @@
 """An LLMEngine owned by one dedicated thread, for servers.
 
-gRPC handlers run on a thread pool; if they called into torch directly, several threads would
-compete for the cores (on the 2-core machine that halved throughput). Here every engine call runs
-on the loop thread, between steps: other threads `call()` a function and wait for its result, and
-outputs go back through per-request callbacks, which must be cheap (put into a queue).
-
-The engine is built on the loop thread too (`EngineLoop.build`): torch's OpenMP keeps a pool of
-worker threads for every thread that ever ran a parallel op, and once the pools together
-outnumber the cores every barrier sleeps after a short spin instead of spinning. An engine built
-on the main thread and stepped on the loop thread left two pools and ran prefill measurably
-slower than stepping on the thread that built it (BENCHMARKS.md, the cluster TTFT section; the
-one-off script is in git history, `git show 97d40ee:bench/engine_thread_bench.py`); built on the
-loop thread it matched.
-
-Loop: run queued calls -> run periodic ticks (lease expiry) -> one engine step if any work ->
-dispatch outputs -> sleep until new work when idle (also when the only unfinished requests are
-reservations waiting for their KV: a step has nothing to compute for them).
+Each worker process builds one EngineLoop at its start (`EngineLoop.build`, which builds the
+engine on the loop thread itself) and stops it last, when the worker stops. gRPC handlers run on
+a thread pool; if they called into torch directly, several threads would compete for the cores
+(docs/experiments/design-measurements.md). Here every engine call runs on the loop thread,
+between steps: other threads `call()` a function and wait for its result, and outputs go back
+through per-request callbacks, which must be cheap (put into a queue). Each turn of the loop runs
+the queued calls, then the periodic ticks (lease expiry), then one engine step if any work can
+run, and dispatches the outputs. It sleeps until new work when idle, including when the only
+unfinished requests are reservations waiting for their KV.
 """
 
 from __future__ import annotations
@@ -58,8 +51,12 @@ class EngineLoop:
     def build(
         cls, factory: Callable[[], object], name: str = "engine-loop", timeout: float | None = None
     ) -> EngineLoop:
-        """Start a loop whose engine `factory()` builds on the loop thread itself (see the module
-        docstring); returns once it is built, or raises what the factory raised."""
+        """Start a loop whose engine `factory()` builds on the loop thread itself; returns once it
+        is built, or raises what the factory raised. torch's OpenMP keeps a pool of worker threads
+        for every thread that ever ran a parallel op, and once the pools together outnumber the
+        cores every barrier sleeps after a short spin instead of spinning: an engine built on
+        another thread ran prefill slower than one built on the thread that steps it (BENCHMARKS.md,
+        "TTFT through the cluster vs the engine alone")."""
         loop = cls(None, name=name)
         built: Future = Future()
 
@@ -134,9 +131,9 @@ class EngineLoop:
 
     def load(self) -> dict[str, int]:
         """The engine's occupancy, read from any thread without waiting for the loop: health
-        checks and heartbeats must answer while a long step runs (a 512-token prefill takes half
-        a second on 2 cores, a long prompt seconds). Each count is one atomic read under the GIL;
-        together they are a snapshot that may straddle a step, which is all a load report needs."""
+        checks and heartbeats must answer while a long step runs (a long prompt's prefill takes
+        seconds on a small CPU). Each count is one atomic read under the GIL; together they are a
+        snapshot that may straddle a step, which is all a load report needs."""
         engine = self.engine
         bm, sched = engine.block_manager, engine.scheduler
         waiting = list(sched.waiting)  # copied in one C call: the loop may append meanwhile

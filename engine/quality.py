@@ -33,7 +33,7 @@ def probe_ids(tokenizer, length: int, skip: int = 0) -> list[int]:
     bos = tokenizer.bos_token_id
     body = length - (1 if bos is not None else 0)
     windows = skip // length + 1
-    # only the end is read: ~4 characters a token in English, so 12 leave room for any tokenizer
+    # only the end is read: ~4 characters per token in English, so 12 leave room for any tokenizer
     ids = tokenizer.encode(corpus_text()[-12 * body * windows :], add_special_tokens=False)[1:]
     if len(ids) < body * windows:  # a tokenizer that cannot spell English: nothing to probe with
         return []

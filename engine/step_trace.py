@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.scheduler import StepPlan
 
-STEP_TRACE_LEN = 32768  # steps kept in LLMEngine.step_trace (at 30 ms a step: 16 minutes)
+STEP_TRACE_LEN = 32768  # steps kept in LLMEngine.step_trace (at 30 ms per step, 16 minutes)
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,11 @@ CAL_PROBE_LEN, CAL_PROBE_TIMES = 256, (1.5, 2.7, 3.9, 5.1)  # ... and prompts pr
 
 
 def calibrate_child(router: str, out_path: str, placement: str) -> int:
-    """Runs in its own process (as the load generator does): isolated prompts, then decode batches.
-    Writes the raw records; the fit happens in the parent (fit_serving)."""
+    """Runs in its own process (as the load generator does): isolated prompts of CAL_PREFILL_LENS
+    tokens one at a time (TTFT through the whole path), then batches of requests sent together
+    (the step time while all of a worker's requests decode), and, disaggregated, a decode batch
+    with prompts prefilled beside it (how much each side slows while the other computes). Writes
+    the raw records; the fit happens in the parent (fit_serving, fit_interference)."""
     from pdserve.tuning import loadgen
 
     card = loadgen.model_card(router)

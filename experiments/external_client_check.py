@@ -5,26 +5,13 @@ gRPC API, and their median TTFT and ITL agree within 15%.
     python -m experiments.external_client_check                  # local cluster (experiments/http_cluster.py)
     python -m experiments.external_client_check --router HOST:PORT --http http://HOST:PORT
 
-aiperf comes from PyPI (`pip install aiperf==0.13.0`); its dependencies (kubernetes, dash, optuna,
-pyarrow, pinned huggingface_hub and prometheus_client versions ...) would move packages pdserve
-runs on, so it lives in its own virtual environment, experiments/.venv (git-ignored):
+aiperf would move packages pdserve runs on, so it lives in its own virtual environment,
+experiments/.venv (git-ignored):
     python -m venv experiments/.venv && experiments/.venv/bin/pip install aiperf==0.13.0
-It reads the model's own tokenizer from its local directory (no network) to make prompts of
-exactly --prompt-len tokens.
-
-The same load on both sides: --num-requests requests of --prompt-len prompt tokens and exactly
---output-len output tokens (greedy, ignore_eos), arriving at --rate req/s at even intervals
-(aiperf --arrival-pattern constant; pdserve bench --burstiness 1000, gamma gaps within 3% of even),
-streaming, after the same warm-up. Rounds alternate which client goes first (the machine's speed
-drifts between minutes, and other processes come and go: each run records the CPU they took);
-the medians compared are over every round's requests. aiperf counts output tokens from the
-server's usage (--use-server-token-count), as pdserve bench counts token ids.
-What is compared, defined alike on both sides:
-  TTFT  request sent -> first token received (aiperf: first SSE chunk with text)
-  ITL   per request (e2e - TTFT) / (output tokens - 1), the median over requests: aiperf's
-        "inter_token_latency"; pdserve bench's TPOT (its median_tpot_ms)
-and, for reference, the median gap between token events (aiperf "inter_chunk_latency", pdserve
-bench median_itl_ms). Results: experiments/results/external_client_check.json.
+Both clients send the same load after the same warm-up, in rounds that alternate which goes
+first; `compare` says what is compared and `main` how the load is made alike. Results:
+experiments/results/external_client_check.json and BENCHMARKS.md, "Prometheus and an external
+client against the HTTP front".
 """
 
 from __future__ import annotations
@@ -160,7 +147,13 @@ def median_ms(xs: list[float]) -> float | None:
 
 def compare(sides: dict) -> dict:
     """Pooled medians of each side over all its rounds, and the median over rounds of the
-    per-round ratio (aiperf / pdserve bench): the two clients ran back to back in each round."""
+    per-round ratio (aiperf / pdserve bench): the two clients ran back to back in each round.
+    Defined alike on both sides:
+      ttft  request sent -> first token received (aiperf: first SSE chunk with text)
+      itl   per request (e2e - TTFT) / (output tokens - 1), the median over requests: aiperf's
+            "inter_token_latency"; pdserve bench's TPOT (its median_tpot_ms)
+      gap   for reference, the median gap between token events (aiperf "inter_chunk_latency",
+            pdserve bench median_itl_ms)"""
     out = {}
     for metric in ("ttft", "itl", "gap"):
         a = median_ms([x for r in sides["aiperf"] for x in r[f"{metric}_s"]])
@@ -184,6 +177,15 @@ def compare(sides: dict) -> dict:
 
 
 def main(argv=None) -> int:
+    """The command line and the run. The same load on both sides: --num-requests requests of
+    --prompt-len prompt tokens and exactly --output-len output tokens (greedy, ignore_eos),
+    arriving at --rate req/s at even intervals (aiperf --arrival-pattern constant; pdserve bench
+    --burstiness 1000, gamma gaps within 3% of even), streaming. aiperf reads the model's own
+    tokenizer from its local directory (no network) to make prompts of exactly --prompt-len
+    tokens, and counts output tokens from the server's usage (--use-server-token-count), as
+    pdserve bench counts token ids. Rounds alternate which client goes first, because the
+    machine's speed drifts between minutes and other processes come and go; each run records the
+    CPU they took."""
     ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--router", help="a running router's gRPC address (else: a local cluster)")
     ap.add_argument("--http", help="its HTTP front, e.g. http://127.0.0.1:8000 (with --router)")

@@ -5,21 +5,11 @@ measured.
     python -m experiments.prometheus_check                       # local cluster (experiments/http_cluster.py)
     python -m experiments.prometheus_check --router HOST:PORT --http http://HOST:PORT   # a running one
 
-Steps: the cluster (or the given one) gets a few warm-up requests; Prometheus starts with a
-generated config that scrapes the router's /metrics every --scrape-interval; once it has a sample,
-`pdserve bench` (a subprocess) sends the load; after Prometheus has scraped the end of it, the
-script asks Prometheus's HTTP API
-  histogram_quantile(0.5, sum by (le) (increase(vllm:time_to_first_token_seconds_bucket[W])))
-  (W: from before the load to its end, so the increase is the bench's requests exactly) and the
-  same for vllm:inter_token_latency_seconds;
-  the increases of vllm:time_to_first_token_seconds_count, vllm:prompt_tokens_total,
-  vllm:generation_tokens_total, pdserve:request_kv_transfer_bytes_sum and
-  pdserve:kv_transfer_bytes_total{role=prefill|decode}
-and compares: the median TTFT Prometheus estimates must lie within one bucket width (the
-histogram's resolution there) of the bench's median; the counts and token totals must equal the
-bench's; the KV bytes must equal the sum of the bench's per-request Finish.usage.kv_transfer_bytes
-(router histogram, prefill workers' pushes and decode workers' received frames alike).
-Results: experiments/results/prometheus_check.json.
+The cluster gets a few warm-up requests; Prometheus starts with a generated config that scrapes
+the router every --scrape-interval; once it has a sample, `pdserve bench` (a subprocess) sends
+the load; after Prometheus has scraped the end of it, the script queries Prometheus's HTTP API
+and compares (`check` says what). Results: experiments/results/prometheus_check.json and
+BENCHMARKS.md, "Prometheus and an external client against the HTTP front".
 """
 
 from __future__ import annotations
@@ -183,6 +173,17 @@ def warm_up(router: str, n: int) -> None:
 
 
 def check(args, router: str, metrics_url: str, workdir: str) -> dict:
+    """Runs the load under Prometheus and compares. The queries:
+      histogram_quantile(0.5, sum by (le) (increase(vllm:time_to_first_token_seconds_bucket[W])))
+      (W: from before the load to its end, so the increase is the bench's requests exactly) and
+      the same for vllm:inter_token_latency_seconds; the increases of
+      vllm:time_to_first_token_seconds_count, vllm:prompt_tokens_total,
+      vllm:generation_tokens_total, pdserve:request_kv_transfer_bytes_sum and
+      pdserve:kv_transfer_bytes_total{role=prefill|decode}.
+    The median TTFT Prometheus estimates must lie within one bucket width (the histogram's
+    resolution there) of the bench's median; the counts and token totals must equal the bench's;
+    the KV bytes must equal the sum of the bench's per-request Finish.usage.kv_transfer_bytes
+    (router histogram, prefill workers' pushes and decode workers' received frames alike)."""
     from pdserve.router.metrics import ITL_BUCKETS, TTFT_BUCKETS
 
     warm_up(router, args.warmup)

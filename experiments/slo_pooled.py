@@ -1,49 +1,18 @@
 """Issue #4 (a) on a machine whose speed drifts: one prediction from every in-load calibration of
-the same setup, against every measurement of it.
+the same setup, against every measurement of it (docs/experiments/slo-validation.md).
 
     python -m experiments.slo_pooled                          # every run under experiments/results
     python -m experiments.slo_pooled --since TIME             # only the runs taken after TIME (UTC)
     python -m experiments.slo_pooled --split TIME             # calibrations before TIME, measurements after
     python -m experiments.slo_pooled --write-profile pooled.json   # then: pdserve tune --profile pooled.json --seeds 10
-    python -m experiments.slo_pooled --num-requests 180 --rates 1,1.5,2 --until TIME
-                                                        # another setup (its prediction alone, if unmeasured)
 
-A single run of experiments/slo_validation.py predicts its sweeps from the calibration it took one to
-three minutes before. On this VM the step speed moves by 10-40% between minutes
-(docs/experiments/slo-validation.md), so near the knee one sweep lands tens of points away from
-another of the same setup, and from any snapshot prediction. Here the prediction is made for the machine as it behaves over time:
-
-  * the step models are fitted on the in-load calibration steps of every stored run of the same
-    setup (experiments/pooled.pooled_profile: experiments/calibration.fit_load over all their
-    workers), and
-  * the measured/modelled step time is kept as it moved: per calibrated worker, its mean in every
-    SPEED_WINDOW_S window, in time order (the profile's step_speed), plus what is left within a
-    window (step_noise). The simulator replays one such trace per worker from a random window.
-
-Each point is simulated with --seeds seeds. The prediction is their mean attainment, with the 10th
-and 90th percentile as the band a single run is expected to fall in. It is compared with the mean
-of every stored measurement of the point, and each measurement with the band.
-
-With --split TIME (UTC), only calibrations taken before TIME are used and only measurements taken
-after it are compared: a prediction made before the measurement, out of sample. --since TIME keeps
-only the runs taken after TIME (the machine's speed moves over hours too). Each run is also
-predicted from the other runs' calibrations alone (leave one run out), and each point's sensitivity
-is given: how many points of attainment 5% slower steps cost.
-
-experiments/results/ is not kept in git; the runs of 2026-11-23 are in its history
-(git checkout 88ca975 -- bench/results).
-
-Runs are found as experiments/results/slo_validation.json and experiments/results/*/slo_validation.json. A
-run's measurements count when its settings (model, scale, lengths, requests, rates, SLO, chunk, KV
-memory) equal the setup's: the newest run's, or the newest run's with --num-requests and --rates
-in place of its own; with --until or --split, the newest run started before that time (the setup
-as it stood then). Its calibrations count when the settings they depend on are equal: all of those
-but the number of requests, the rates and the SLO, plus the in-load calibration's own rates and
-number of requests (a run that does not record those pools with none). With no
-measurement of the setup yet, the prediction alone is written: a prediction to commit before the
-runs that will judge it.
-Measurements: slo_validation_<placement>_<workload>[_runN].json beside it; calibrations:
-slo_validation_<placement>_load_steps[_runN].json. Writes --out (JSON) and a plot."""
+One run of experiments/slo_validation.py predicts its sweeps from a calibration taken minutes
+before, but this VM's step speed moves by 10-40% between minutes, so near the knee a snapshot
+prediction can land tens of points away from a sweep. Here the step models, step-speed traces and
+step noise are fitted on the calibrations of every stored run of the setup (experiments/pooled.py),
+each point is simulated with --seeds seeds, and the mean and its 10-90th percentile band are
+compared with every stored measurement. `main` says which runs count. Writes --out and a plot.
+"""
 
 from __future__ import annotations
 
@@ -199,6 +168,21 @@ def utc_time(p: argparse.ArgumentParser, text: str | None, flag: str) -> float |
 
 
 def main() -> int:
+    """The command line. Runs are found as experiments/results/slo_validation.json and
+    experiments/results/*/slo_validation.json (experiments/results/ is not kept in git; the runs of
+    2026-11-23 are in its history: git checkout 88ca975 -- bench/results).
+
+    A run's measurements count when its settings (model, scale, lengths, requests, rates, SLO,
+    chunk, KV memory) equal the setup's: the newest run's, or the newest run's with --num-requests
+    and --rates in place of its own; with --until or --split, the newest run started before that
+    time. Its calibrations count when the settings they depend on are equal: all of those but the
+    number of requests, the rates and the SLO, plus the in-load calibration's own rates and number
+    of requests. With no measurement of the setup yet, the prediction alone is written: one to
+    commit before the runs that will judge it. --split TIME uses only calibrations taken before
+    TIME and compares only measurements taken after it (out of sample); --since TIME keeps only
+    the runs taken after TIME. Each run is also predicted from the other runs' calibrations alone
+    (leave one run out), and each point's sensitivity is given: how many points of attainment 5%
+    slower steps cost."""
     p = script_parser(__doc__)
     p.add_argument("--results", default=str(RESULTS), help="where the runs are stored")
     p.add_argument(
@@ -225,7 +209,7 @@ def main() -> int:
     p.add_argument(
         "--num-requests",
         type=int,
-        help="the setup's number of requests a rate (default: the newest run's)",
+        help="the setup's number of requests per rate (default: the newest run's)",
     )
     p.add_argument("--rates", help="the setup's rates, e.g. 1,1.5,2 (default: the newest run's)")
     p.add_argument("--out", help="default: <results>/slo_pooled.json")
@@ -266,7 +250,7 @@ def main() -> int:
         p.error(f"found no calibration to use under {results_dir}")
     if not measurements:
         print(
-            f"no measurement of this setup ({cfg['num_requests']} requests a rate at "
+            f"no measurement of this setup ({cfg['num_requests']} requests per rate at "
             f"{', '.join(f'{r:g}' for r in cfg['rates'][args.workload])} req/s): the prediction alone"
         )
     out = pathlib.Path(args.out or results_dir / "slo_pooled.json")

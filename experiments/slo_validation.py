@@ -1,67 +1,18 @@
-"""SLO validation (issue #4, "Must show" a, b, c): measured vs simulated joint SLO attainment on this
-machine's 2 cores, the tuner's pick vs the measured best placement, and disaggregated vs colocated.
+"""SLO validation (issue #4, "Must show" a, b, c): measured vs simulated joint SLO attainment on
+this machine's 2 cores, the tuner's pick vs the measured best placement, and disaggregated vs
+colocated. Setup, method and results: docs/experiments/slo-validation.md.
 
     python -m experiments.slo_validation --reprofile          # profile + measure + simulate + tune (~12 min
                                                         #   of machine time, plus waits for quiet)
     python -m experiments.slo_validation --simulate-only      # re-fit, re-simulate, re-tune the stored runs
     python -m experiments.slo_validation --remeasure --placements colocated [--workloads azure_code]
-                                                        # measure again; earlier files kept as _run<N>
 
-Placements of the 2 cores (each launched by deploy.launcher.up(validate_config({...}), block=False)
-on a local Ray with num_cpus 2, model smollm2, every worker num_cpus 1 and ONE torch thread):
-  disaggregated  1 prefill + 1 decode worker, grpc KV transfer
-  colocated      2 workers that prefill and decode (chunked prefill in continuous batching)
-Same pool settings for both: kv_cache_memory, max_model_len, max_num_batched_tokens (the chunk);
-the router's max_inflight is raised so that no request is refused.
-
-Per placement: wait for a quiet machine -> up() -> a warm-up run (its own prompt seed) -> the
-serving-path calibration and the in-load calibration (below) -> per workload one
-`pdserve bench --sweep-rates` in a subprocess
-(the load generator runs in its own process, so it does not share the router's GIL in this driver
-process) -> stop(). The sweep writes its JSON (every request) and its PNGs (attainment vs rate,
-TTFT and TPOT CDFs) under experiments/results/. The same trace slice, seed and rates for both placements,
-so both get the same requests at the same times (prompt token ids: seed + k for the k-th rate; the
-two workloads use different seeds so no prompt of one is a prefix of the other's). A sweep during
-which processes outside this run used more than DISTURBED_CORES is set aside and measured again.
-
-Calibration (a child process, like the load generator): isolated prompts of 32..512 tokens one at
-a time (TTFT through the whole path), batches of 1, 4 and 16 requests sent together (the step time
-while all of a worker's requests decode), and, disaggregated, a decode batch with prompts prefilled
-beside it (how much each side slows while the other computes). Fitted into "serving-path" step
-models for the profile (tuning/perf_model.py), written as --serving-profile.
-
-In-load calibration: open-loop conv traffic from a later part of the trace than the measured
-slice (LOAD_TRACE_START_S on, own seeds) at LOAD_RATES (2 req/s, 150 requests), while every worker's
-engine records its steps (engine.step_trace: start, end and shape of each step). Fitted per worker
-kind (experiments/calibration.fit_load) on the time each step held the engine loop, so the steps carry
-what really slows them in a loaded deployment (the other worker on the same host, gRPC threads,
-KV pushes and receives, token streaming), with an interference factor per kind (how much slower
-its steps run when another worker is in a step as they start); the residuals become the profile's
-step_speed (their mean per worker and 0.5 s window, in time order: the machine's slow and fast
-spells) and step_noise (what is left within a window). Written beside --serving-profile as *_inload.json. Every measured sweep's steps are kept too
-(*_<workload>_steps.json), only to check the models against them ("step_model_check").
-
-Simulations of the very same RequestSpecs, kept side by side under "simulations"/<label>:
-  original       the simulator before this validation (exact router view) on the engine profile
-  engine         the current simulator (the colocated router's 0.5 s stale view) on the engine profile
-  serving-steps  + the serving-path step models, without the interference factors
-  serving        + the interference factors: the full serving profile
-  in-load        the in-load profile, each point simulated with SIM_SEEDS seeds of step speed and noise
-                 (mean attainment; percentiles over all their requests)
-  sweep-steps (oracle)  not a prediction: each point on step models fitted from the steps that
-                 ran during it (every kept run, also the earlier ones of --remeasure)
-experiments/slo_pooled.py predicts from every stored calibration of the same setup at once and compares
-with every stored measurement.
-Finally `pdserve tune --devices 2 --colocated` with the engine, serving and in-load profiles on
-the measured trace slice (and the serving and in-load profiles on the whole trace).
-
-CPU used by processes outside this script's process tree (Ray and its workers are inside it) is
-recorded for every measured sweep, with a per-component breakdown: another engineer may be
-benchmarking on the same machine.
-
-The code: this file drives the run; experiments/slo_measure.py runs the deployments, the calibrations
-and the sweeps, experiments/slo_tune.py the tuner; experiments/calibration.py holds the calibration requests and fits, experiments/slo_simulate.py the
-profiles and simulations, experiments/slo_report.py the tables, plots and printed summary.
+Per placement (1 prefill + 1 decode worker, or 2 colocated workers, one torch thread each), a run
+waits for a quiet machine, brings the deployment up, calibrates it and sweeps each workload's
+rates (experiments/slo_measure.py). It then simulates the very same requests under several
+profiles (experiments/slo_simulate.py; `main` lists them), runs the tuner (experiments/slo_tune.py)
+and reports (experiments/slo_report.py). Results land in experiments/results/, with the CPU that
+processes outside the run used during every sweep.
 """
 
 from __future__ import annotations
@@ -102,6 +53,23 @@ RESULTS = REPO_ROOT / "experiments" / "results"
 
 
 def main() -> int:
+    """The command line (or, with --calibrate-router, the calibration's child process).
+
+    Both placements get the same trace slice, seed and rates, so they see the same requests at the
+    same times (prompt ids: seed + k for the k-th rate; the two workloads use different seeds, so
+    no prompt of one is a prefix of the other's). The simulations of the measured requests are
+    kept side by side in the result under "simulations"/<label>:
+      original       the simulator before this validation (exact router view), engine profile
+      engine         the current simulator (the colocated router's 0.5 s stale view), engine profile
+      serving-steps  + the serving-path step models, without the interference factors
+      serving        + the interference factors: the full serving profile
+      in-load        the in-load profile, each point simulated with SIM_SEEDS seeds of step speed
+                     and noise (mean attainment; percentiles over all their requests)
+      sweep-steps    the oracle, not a prediction: each point on step models fitted from the steps
+                     that ran during it (every kept run, also the earlier ones of --remeasure)
+    Finally `pdserve tune --devices 2 --colocated` runs with the engine, serving and in-load
+    profiles on the measured trace slice, and with the serving and in-load ones on the whole
+    trace."""
     p = script_parser(__doc__)
     p.add_argument(
         "--profile",

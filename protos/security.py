@@ -1,28 +1,13 @@
 """Who may call a pdserve process, and how its gRPC doors are opened.
 
-Every process of a deployment (router, workers, KV channels) shares one `ClusterSecurity`:
-
-  secret   the deployment's cluster secret. Every control-plane call (Registry, DecodeWorker,
-           PrefillWorker, the KV channels) carries it in the `x-pdserve-cluster-secret` metadata
-           entry, and a server built with `server_interceptors()` refuses a call without it
-           (UNAUTHENTICATED) before any handler runs. The client API (PDServe) and the standard
-           health service stay open. None: no check (a library user's in-process setup; `pdserve
-           up` always sets one).
-  tls      optional mutual TLS between the processes of the deployment: PEM bytes of the CA that
-           signed every process's certificate, and this process's certificate and key. Channels
-           and ports then use it in place of plaintext.
-
-Client API keys (`ClientKeys`): when a deployment sets any, the client API (the methods under
-`keyed_prefixes`, on the router: pdserve.v1.PDServe) needs one of them in the `authorization`
-metadata entry as `Bearer <key>` (the HTTP front's header, the same words), compared in constant
-time; a call without a valid one ends with UNAUTHENTICATED before any handler runs. Health and
-reflection stay open. Keys, like the secret, never appear in a repr, a log line or an error.
-
-The interceptor also decodes requests itself: a message protobuf cannot parse (truncated bytes,
-non-UTF-8 in a string field) ends with INVALID_ARGUMENT naming the method, instead of gRPC's
-INTERNAL "Exception deserializing request!".
-
-The secret never appears in a repr, a log line or an error message.
+Every process of a deployment (router, workers, KV channels) builds one ClusterSecurity from the
+deployment's config at its start and keeps it for its lifetime: the cluster secret that every
+control-plane call carries, and optional mutual TLS between the processes. Servers install
+ServerGuard (`server_interceptors()`), which refuses a call without the secret, or without a
+client API key where the deployment sets keys (ClientKeys), before any handler runs; it also
+turns a request that protobuf cannot parse into INVALID_ARGUMENT. The client API (PDServe), the
+standard health service and reflection need no secret. The secret and the keys never appear in
+a repr, a log line or an error message.
 """
 
 from __future__ import annotations
@@ -118,7 +103,12 @@ def _is_one_of(presented: str | bytes | None, candidates) -> bool:
 
 @dataclass(frozen=True)
 class ClientKeys:
-    """The API keys clients may present (any one of them); empty: the client API is open."""
+    """The API keys clients may present (any one of them); empty: the client API is open.
+
+    With keys set, the client API (the methods under `keyed_prefixes`; on the router,
+    pdserve.v1.PDServe) needs one of them in the `authorization` metadata entry as `Bearer <key>`
+    (the HTTP front's header, the same words); a call without a valid one ends with
+    UNAUTHENTICATED before any handler runs. Health and reflection stay open."""
 
     keys: tuple[str, ...] = field(default=(), repr=False)
 
@@ -148,6 +138,13 @@ NO_KEYS = ClientKeys()
 
 @dataclass(frozen=True)
 class ClusterSecurity:
+    """secret: the deployment's cluster secret. Every control-plane call (Registry, DecodeWorker,
+    PrefillWorker, the KV channels) carries it in the `x-pdserve-cluster-secret` metadata entry.
+    None: no check (a library user's in-process setup; `pdserve up` always sets one).
+    tls: optional mutual TLS between the processes of the deployment: PEM bytes of the CA that
+    signed every process's certificate, and this process's certificate and key. Channels and
+    ports then use it in place of plaintext."""
+
     secret: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None
 
@@ -270,7 +267,9 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 
 class ServerGuard(grpc.ServerInterceptor):
     """Runs on gRPC's polling thread for every call: a dictionary lookup and a constant-time
-    compare, nothing that can block."""
+    compare, nothing that can block. It also decodes requests itself: a message protobuf cannot
+    parse (truncated bytes, non-UTF-8 in a string field) ends with INVALID_ARGUMENT naming the
+    method, instead of gRPC's INTERNAL "Exception deserializing request!"."""
 
     LOG_EVERY_S = 10.0  # refusals are logged at most this often (a stranger may call in a loop)
 

@@ -1,29 +1,17 @@
-"""The OpenAI-compatible HTTP front of the router: FastAPI served by uvicorn inside the router
-process, next to gRPC (docs/architecture.md section 1). This module is the app (build_app) and its
-responses; router/http_server.py serves it (HttpFront, HttpSettings).
+"""The OpenAI-compatible HTTP front of the router: the FastAPI app (`build_app`) and its responses.
+The router's HttpFront (router/http_server.py) builds the app once and serves it with uvicorn
+inside the router process, next to gRPC, until the router stops (docs/architecture.md section 1).
 
     GET  /v1/models             the served model (gRPC ListModels)
-    POST /v1/completions        a prompt (text or token ids), or a    -> gRPC Generate (one call
-                                batch of them                            a prompt)
+    POST /v1/completions        a prompt, or a batch of them  -> gRPC Generate, one call per prompt
     POST /v1/chat/completions   messages (the model's chat template)  -> gRPC Generate
     GET  /health                200 while every pool has a worker, else 503 (no key needed)
     GET  /metrics               the router's Prometheus registry (needs a key when keys are set)
 
-One path for every request: a handler checks the key, reads the body (bounded: Content-Length and
-the bytes actually read), validates it (router/openai_schema.py), then calls the router's own
-gRPC API through an in-process grpc.aio channel (to a private Unix socket: router/http_server.py),
-so the router's validation, admission, routing, retries and aborts are the gRPC ones. The
-client's key is forwarded in the `authorization` metadata, so the gRPC interceptor
-(protos/security.py) checks it exactly as for a gRPC client; the HTTP front checks it first only
-to refuse a stranger before it reads the body. A client that disconnects cancels the gRPC call,
-which the router turns into aborts on both pools (router/service.py).
-
-Errors use OpenAI's error object, {"error": {"message", "type", "param", "code"}}, with the HTTP
-status of the failure; a failure after a stream started is sent as one such event, then
-`data: [DONE]`. The usage and `pdserve` extension (per-stage timings from router/stage_timings.py,
-the prefill and decode worker) are in every response, and in a stream on its last chunk. Those
-shapes, and the gRPC status each error maps to, are router/openai_format.py's; this module is the
-app around them.
+Every request takes one path: its handler checks the key, reads the body, validates it
+(router/openai_schema.py), and calls the router's own gRPC API through an in-process grpc.aio
+channel, so admission, routing, retries and aborts are the gRPC path's. OpenAI's shapes, and the
+gRPC status each error maps to, are router/openai_format.py's; `build_app` says more.
 """
 
 from __future__ import annotations
@@ -76,6 +64,15 @@ class ClientGone(Exception):
 
 # ---- the app ---------------------------------------------------------------------------------
 def build_app(front: HttpFront) -> FastAPI:
+    """The app that `front` serves. The body is bounded by its Content-Length and by the bytes
+    actually read. The client's key is forwarded in the `authorization` metadata, so the gRPC
+    interceptor (protos/security.py) checks it exactly as for a gRPC client; the front checks it
+    first only to refuse a stranger before it reads the body. A client that disconnects cancels
+    the gRPC call, which the router turns into aborts on both pools. Errors use OpenAI's error
+    object, {"error": {"message", "type", "param", "code"}}, with the HTTP status of the failure;
+    a failure after a stream started is sent as one such event, then `data: [DONE]`. The usage
+    and the `pdserve` extension (per-stage timings: router/stage_timings.py) are in every
+    response, and in a stream on its last chunk."""
     s = front.settings
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     text_of = TokenText(s.tokenizer)
@@ -237,7 +234,7 @@ def build_app(front: HttpFront) -> FastAPI:
         if len(gens) == 1:
             gens[0].request_id = request_id
             call = front.stub.Generate(gens[0], metadata=metadata)
-        else:  # a batch: one call a prompt, their responses as one stream
+        else:  # a batch: one call per prompt, their responses read as one stream
             for i, gen in enumerate(gens):
                 gen.request_id = f"{request_id}-{i}"
             calls = [front.stub.Generate(gen, metadata=metadata) for gen in gens]

@@ -1,40 +1,13 @@
-"""The cluster's Prometheus metrics, all on the router's registry (Router.metrics_registry): one
+"""The cluster's Prometheus metrics, all on the router's registry (Router.metrics_registry), so one
 scrape of the router's GET /metrics gives every figure of every worker.
 
-Two sources:
-  per request   observed in the router as each request ends (Finish: usage and timings) and as its
-                tokens arrive (inter-token latency): the vllm: request histograms and counters,
-                pdserve:request_stage_seconds{stage} (router/stage_timings.py) and the KV hand-off
-                histograms pdserve:request_kv_transfer_*, pdserve:request_reservation_wait_seconds
-  per worker    read at scrape time from the WorkerStats the router's WorkerPool already keeps
-                (its health sweep every stats_interval_s, and heartbeats): never an RPC per
-                scrape, so a scrape cannot wait on a slow worker. Gauges vllm:num_requests_running,
-                vllm:num_requests_waiting, vllm:kv_cache_usage_perc; counters
-                vllm:prefix_cache_{queries,hits}_total, vllm:num_preemptions_total and
-                pdserve:kv_transfers_total, pdserve:kv_transfer_failures_total,
-                pdserve:kv_transfer_bytes_total, pdserve:leases_expired_total, labelled with the
-                worker's role (its pool: prefill, decode or colocated) and worker id. Counters
-                restart at 0 with the worker process, which Prometheus's rate() and increase() allow
-
-Names, types and bucket layouts follow vLLM's (vllm/v1/metrics/loggers.py), with model_name on
-every series; the time buckets add a few finer ones (below vLLM's smallest, and between its
-bounds where a CPU cluster's TTFTs and steps fall). vllm:request_success_total counts every
-admitted request once by finished_reason: its Finish's (stop, length), or abort (the client cancelled
-or left) and error (a worker failed it) for one that ended without a Finish;
-pdserve:request_errors_total{code} counts every Generate call that ended with an error status by its
-gRPC code, refusals before admission (bad fields, RESOURCE_EXHAUSTED) included, HTTP requests too
-once they reach their Generate call; pdserve:http_errors_total{status} counts the HTTP front's error
-responses by HTTP status, its own refusals (bad JSON, keys, sizes) included. What pdserve
-measures for vLLM's phases of a disaggregated request:
-  vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
-  vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router, split
-                                     evenly over the tokens an event carries
-  vllm:e2e_request_latency_seconds   arrival -> the router built the Finish
-  vllm:request_queue_time_seconds    arrival -> the prefill compute started (router queue and the
-                                     prefill worker's queue; colocated: until the Reserve)
-  vllm:request_prefill_time_seconds  prefill compute start -> first token (the hand-off included)
-  vllm:request_decode_time_seconds   first token -> last token (decode worker)
-  vllm:request_inference_time_seconds  prefill compute start -> last token
+The Router creates one RouterMetrics as it starts, and it lives as long as the router. Per-request
+figures are observed in the router as each request's tokens arrive and as it ends (its Finish:
+usage and timings). Per-worker figures are read at scrape time by WorkerCollector, from the
+WorkerStats that the router's WorkerPool already keeps: a scrape never makes an RPC, so it cannot
+wait on a slow worker. Worker counters restart at 0 with the worker process, which Prometheus's
+rate() and increase() allow. Names, types and bucket layouts follow vLLM's
+(vllm/v1/metrics/loggers.py), with model_name on every series.
 """
 
 from __future__ import annotations
@@ -52,8 +25,9 @@ log = logging.getLogger(__name__)
 _NS = 1e-9
 _FINE = [0.001, 0.0025, 0.005]  # below vLLM's buckets
 # vLLM's layouts, plus (marked +) a few finer buckets where a CPU cluster's TTFTs and decode steps
-# fall: histogram_quantile interpolates linearly inside a bucket, so (0.25, 0.5] alone turned a
-# 416 ms median into 458 ms. Every vLLM bound stays, so dashboards that pick `le` values still match.
+# fall: histogram_quantile interpolates linearly inside a bucket, so a wide bucket moves the
+# median it reports (docs/experiments/design-measurements.md). Every vLLM bound stays, so
+# dashboards that pick `le` values still match.
 TTFT_BUCKETS = [  # + 0.15, 0.2, 0.3, 0.4
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -93,7 +67,20 @@ def _seconds(start_ns: int, end_ns: int) -> float | None:
 
 class RouterMetrics:
     """The per-request figures, observed by the router's PDServe service; and the collector of
-    the workers' figures, registered on the same registry."""
+    the workers' figures, registered on the same registry.
+
+    What it measures for vLLM's phases of a disaggregated request:
+      vllm:time_to_first_token_seconds   arrival at the router -> the router got the first token
+      vllm:inter_token_latency_seconds   gaps between a sequence's token events at the router,
+                                         split evenly over the tokens an event carries
+      vllm:e2e_request_latency_seconds   arrival -> the router built the Finish
+      vllm:request_queue_time_seconds    arrival -> the prefill compute started (router and
+                                         prefill worker queues; colocated: until the Reserve)
+      vllm:request_prefill_time_seconds  prefill compute start -> first token (hand-off included)
+      vllm:request_decode_time_seconds   first token -> last token (decode worker)
+      vllm:request_inference_time_seconds  prefill compute start -> last token
+    vllm:request_success_total counts every admitted request once, by its Finish's reason, or as
+    abort or error when it ended without one (`observe_unfinished`)."""
 
     def __init__(
         self,

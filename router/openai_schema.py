@@ -176,7 +176,7 @@ class CompletionRequest(_Sampling):
         if num_prompts * self.n > MAX_N:
             raise ValueError(
                 f"{num_prompts} prompts x n={self.n} asks for {num_prompts * self.n} sequences, "
-                f"at most {MAX_N} a request: send fewer prompts or a lower n"
+                f"at most {MAX_N} per request: send fewer prompts or a lower n"
             )
         return self
 

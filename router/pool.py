@@ -1,19 +1,16 @@
 """The router's view of its workers: channels, stubs, health, cached load, membership, and who
 gets the next request.
 
-Decode: most free KV blocks first, from Stats a background thread refreshes every `stats_ttl_s`
-(a Reserve lowers the cached count at once, so a burst between refreshes spreads out instead of
-piling onto one worker). Prefill: the least work before this prompt is done, in tokens: the
-prompt tokens this router has in flight there, plus this prompt's tokens that worker probably
-does not hold in its prefix cache (router/affinity.py), so a shared prefix goes back to the
-worker that has it unless that worker is busier than the cache hit saves. Ties go round-robin. Requests never wait on a Stats call: they read what the last sweep left.
-
-Health: `down_after` failed Stats in a row mark a worker down and the pickers skip it, unless
-every worker of its role is down (then they try them all: a wrong guess costs one failed RPC,
-refusing costs the request). One successful Stats brings it back.
-
-Membership: workers from the config are static. Workers that Register (router/registry.py) are
-keyed by worker_id and drop out when their heartbeats stop for `ttl_s`.
+The router creates one WorkerPool as it starts and keeps it until it stops. A background thread
+refreshes every worker's Stats every `stats_ttl_s`, and requests never wait on a Stats call:
+they read what the last sweep left. Decode picks prefer the most free KV blocks (a Reserve lowers
+the cached count at once, so a burst between refreshes spreads out); prefill picks prefer the
+worker that finishes the prompt soonest, counting the prefix it probably caches
+(router/affinity.py). Ties go round-robin. `down_after` failed Stats in a row mark a worker down
+and the pickers skip it, unless every worker of its role is down (then they try them all: a
+wrong guess costs one failed RPC, refusing costs the request). Workers from the config are
+static; workers that Register (router/registry.py) drop out when their heartbeats stop for
+`ttl_s`.
 """
 
 from __future__ import annotations
@@ -161,7 +158,10 @@ class WorkerPool:
     ) -> tuple[_Worker, int]:
         """The prefill worker other than `exclude` (or `exclude` when it is the only one) that
         finishes `prompt` soonest, and the tokens charged to it until end_prefill(worker, charge).
-        Raises NoWorker when there is none."""
+        Raises NoWorker when there is none. A worker's work before this prompt is done, in
+        tokens: the prompt tokens this router has in flight there, plus this prompt's tokens that
+        it probably does not hold in its prefix cache, so a shared prefix goes back to the worker
+        that has it unless that worker is busier than the cache hit saves."""
         hashes = prefix_hashes(list(prompt))
         with self._lock:
             try:
@@ -283,8 +283,8 @@ class WorkerPool:
 
     def sweep(self) -> None:
         """One health check of every worker (the thread runs one every stats_ttl_s). Stats go out
-        to all at once, so a hung worker costs a sweep stats_timeout_s, not that times the number
-        of workers."""
+        to all at once, so a hung worker costs each sweep stats_timeout_s, not that times the
+        number of workers. One successful Stats brings a worker marked down back."""
         with self._lock:
             workers = self._workers["prefill"] + self._workers["decode"]
         calls = [

@@ -108,8 +108,8 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
     """The largest request a valid client can send, at least gRPC's usual 4 MiB: a prompt of
     max_model_len ids (varints of at most 5 bytes) or max_prompt_bytes of text or chat, twice over,
     and a MiB for the sampling lists at their caps and the framing. A larger message is refused by
-    gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or parsed: a 60 MB
-    prompt then costs the router almost nothing."""
+    gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or parsed, so a
+    huge prompt costs the router almost nothing (BENCHMARKS.md, "Chaos", part c)."""
     return max(4 << 20, 2 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
 
 

@@ -1,24 +1,12 @@
 """Where one request's time went, in seconds per stage, from its Finish.timings.
 
-One definition for every place that reports it: the gRPC Finish carries the raw timestamps, the
-HTTP response's `pdserve.timings` extension and the per-stage histograms (router/metrics.py) use
-these durations.
-
-A disaggregated request's stages follow each other, so they add up to its end-to-end time:
-  router_queue           queued -> prefill_dispatch: checks, tokenizing, Reserve on a decode
-                         worker (with any wait in the router's decode queue), opening its stream
-  prefill_queue          prefill_dispatch -> prefill_start: the Prefill call's trip and the wait
-                         in the prefill worker's engine queue (prefill_arrival splits the two)
-  prefill                prefill_start -> prefill_end: the prompt's compute (per-layer KV pushes
-                         that overlap it included) and sampling the first token
-  kv_transfer_exposed    prefill_end -> transfer_end: the transfer not hidden behind the compute,
-                         until the last KV frame and the commit landed on the decode worker
-  commit_to_first_token  transfer_end -> first_token: the decode worker admits the request to its
-                         batch (commit splits the two) and streams the first token
-  decode                 first_token -> last_token
-A colocated request (no prefill worker) has router_queue (queued -> reserved) and decode; the
-stages it has no timestamps for are None. Stamps come from the router, the prefill and the decode
-worker: on several machines their clocks' offsets shift the stages at each change of machine.
+This is the one definition for every place that reports it: the gRPC Finish carries the raw
+timestamps, and the HTTP response's `pdserve.timings` extension and the per-stage histograms
+(router/metrics.py) use the durations that `stage_durations` computes from them. The module holds
+no state; the router calls it as each request ends. A disaggregated request's stages (STAGES)
+follow each other, so they add up to its end-to-end time; `stage_durations` says what each one
+spans. Stamps come from the router, the prefill and the decode worker: on several machines their
+clocks' offsets shift the stages at each change of machine.
 """
 
 from __future__ import annotations
@@ -46,7 +34,21 @@ def _span(start_ns: int, end_ns: int) -> float | None:
 
 def stage_durations(t: pdserve_pb2.Timings) -> dict[str, float | None]:
     """The stages of a request (STAGES, in order), then its totals ttft_s and e2e_s, in seconds
-    (None: not reached). Keys end in "_s"."""
+    (None: not reached). Keys end in "_s".
+
+    router_queue           queued -> prefill_dispatch: checks, tokenizing, Reserve on a decode
+                           worker (with any wait in the router's decode queue), opening its stream
+    prefill_queue          prefill_dispatch -> prefill_start: the Prefill call's trip and the wait
+                           in the prefill worker's engine queue (prefill_arrival splits the two)
+    prefill                prefill_start -> prefill_end: the prompt's compute (per-layer KV pushes
+                           that overlap it included) and sampling the first token
+    kv_transfer_exposed    prefill_end -> transfer_end: the transfer not hidden behind the compute,
+                           until the last KV frame and the commit landed on the decode worker
+    commit_to_first_token  transfer_end -> first_token: the decode worker admits the request to
+                           its batch (commit splits the two) and streams the first token
+    decode                 first_token -> last_token
+    A colocated request (no prefill worker) has router_queue (queued -> reserved) and decode; the
+    stages it has no timestamps for are None."""
     if t.prefill_start_unix_ns:  # disaggregated
         marks = (
             t.queued_unix_ns,

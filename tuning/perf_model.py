@@ -1,47 +1,13 @@
-"""A hardware profile as the simulator uses it: step-latency models per TP degree, KV capacity, and
-KV transfer per backend, loaded and checked from the JSON that `pdserve profile` writes.
+"""A hardware profile as the simulator uses it: step-latency models per TP degree, the KV a replica
+holds, and KV transfer per backend, loaded and checked from the JSON that `pdserve profile` writes.
 
-Latency models (seconds), fitted by least squares on measured engine steps:
-  prefill step   a + b*T + c*A     T = tokens computed in the step (every scheduled token)
-                                   A = attention pairs, sum over prefill chunks of n*(start + n)
-  decode step    a + b*B + c*C     B = sequences (one token each), C = their context tokens
-A step that holds prefill chunks and decode tokens together (chunked prefill in a colocated
-worker) is the prefill model over all its tokens plus the decode model's c times the decode
-contexts: linears cost per token either way, decode attention reads KV like a decode step does.
-Transfer: latency + bytes / bandwidth, per backend.
-
-Serving-path step models (optional, key "serving"): the fitted models above time engine.step()
-alone in one process. A worker that serves runs the same step beside its gRPC threads (KV pushed
-layer by layer on a prefill worker, KV received and tokens streamed on a decode worker, Reserve /
-Stats calls taken between steps) and behind the router, which the bare step does not see. When
-the profile carries "serving", the simulator uses, per worker kind ("prefill", "decode",
-"colocated") and TP degree, the coefficients given there instead of the engine's, for the steps
-that kind runs; anything not given falls back to the engine's model. They are measured through a
-running deployment (isolated requests for prefill, concurrent batches for decode; the fits are
-calibration.py, run by experiments/slo_validation.py), so they include the request's fixed costs outside
-the worker too.
-"interference" says how much slower a disaggregated pair's steps run while the other side computes
-on the same host (CPU: the prefill worker's KV pushes land in the decode worker's process while it
-decodes, both sides' gRPC threads compete for the same cores as the two engines, and the two share
-the memory bandwidth and last-level cache), and how much slower a colocated worker's steps run
-while another colocated worker computes.
-
-Profile JSON (schema "pdserve-profile/1"), the keys this module reads:
-  model: {id, name, num_layers, num_heads, num_kv_heads, head_dim, hidden_size, dtype}
-  kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu", ...}
-  tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
-  kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
-  serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef}, decode: {coef},
-      first_token_latency_s (optional: per request, outside the steps),
-      step_noise (optional: measured / modelled step time, a list of equally likely values),
-      prompt_step_noise (optional: the same for steps with prompt tokens, where they vary less
-          than decode-only steps; without it those steps draw from step_noise too),
-      step_speed (optional: {window_s, traces: [[multiplier per window, in time order], ...]}:
-          the slow part of that ratio, as it moved during calibration; step_noise is then the
-          fast part, within a window)}},
-                       interference: {decode_while_prefill: x, prefill_while_decode: y,
-                                      colocated_while_busy: z}}
-The rest (samples, fit errors, source, derived) is for people and is carried along untouched.
+`pdserve profile` (tuning/profiler.py) fits the models with `fit_nonnegative` and writes the file
+with `profile_dict`. `load_profile` reads it back once per `pdserve tune` run or simulation and
+returns a frozen Profile, which the simulator and the tuner only read. A profile may also carry
+serving-path step models per worker kind ("serving"), fitted through a running deployment by the
+SLO experiments; they include the costs of serving that a bare engine step lacks, and the
+simulator uses them wherever they are given. StepModel says what the models compute, and
+`profile_from_dict` lists the keys of the JSON that are read.
 """
 
 from __future__ import annotations
@@ -68,7 +34,14 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class StepModel:
-    """One TP degree: the two fitted step models and the KV a replica holds."""
+    """One TP degree: the two fitted step models (seconds) and the KV a replica holds.
+
+    prefill is a + b*T + c*A, with T the tokens computed in the step and A the attention pairs
+    (the sum over prefill chunks of n*(start + n)); decode is a + b*B + c*C, with B sequences of
+    one token each and C their context tokens. A step that holds prefill chunks and decode tokens
+    together (chunked prefill in a colocated worker) costs the prefill model over all its tokens
+    plus the decode model's c times the decode contexts: linears cost the same per token either
+    way, and decode attention reads KV as a decode step does."""
 
     prefill: tuple[float, float, float]
     decode: tuple[float, float, float]
@@ -122,12 +95,17 @@ class Profile:
     transfer: dict[str, TransferModel]
     derived: bool = False
     raw: dict = field(default_factory=dict, repr=False, compare=False)
-    # worker kind -> TP degree -> StepModel measured through a deployment (see the module docstring)
+    # worker kind -> TP degree -> StepModel fitted through a running deployment (isolated
+    # requests for prefill, concurrent batches for decode: experiments/calibration.py). It times
+    # a step beside the worker's gRPC threads, KV pushes or receives and token streaming, which a
+    # bare engine.step() does not see; the simulator uses it in place of `tp`'s where given.
     serving: dict[str, dict[int, StepModel]] = field(default_factory=dict)
     # slowdowns between the workers of one host (serving.interference): "decode_while_prefill"
     # (a decode step that starts while a prefill worker computes and streams KV takes 1 + x times
     # as long), "prefill_while_decode" (the other way round) and "colocated_while_busy" (a
-    # colocated worker's step that starts while another colocated worker computes); absent: 0
+    # colocated worker's step that starts while another colocated worker computes); absent: 0.
+    # On a CPU host the workers share cores and memory bandwidth, and a prefill worker's KV
+    # pushes land in the decode worker's process while it decodes.
     interference: dict[str, float] = field(default_factory=dict)
 
     def step_model(self, tp: int, kind: str | None = None) -> StepModel:
@@ -231,6 +209,20 @@ def _step_speed(entry, source: str, where: str) -> tuple[float, tuple[tuple[floa
 
 
 def profile_from_dict(data, source: str = "<profile>") -> Profile:
+    """The Profile in `data`, a parsed profile JSON (schema "pdserve-profile/1"); a ProfileError
+    names `source` and the key of anything missing or malformed. The keys it reads:
+
+      model: {id, name, num_layers, num_heads, num_kv_heads, dtype}
+      kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu"}, derived
+      tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
+      kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
+      serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef},
+          decode: {coef}, first_token_latency_s, step_noise, prompt_step_noise,
+          step_speed: {window_s, traces}}}, interference: {decode_while_prefill,
+          prefill_while_decode, colocated_while_busy}}
+
+    StepModel's fields say what the serving keys mean. The rest of the file (samples, fit errors,
+    source) is for people and is kept untouched in Profile.raw."""
     if not isinstance(data, dict):
         raise ProfileError(
             f"{source}: the top level must be a JSON object, got {type(data).__name__}"

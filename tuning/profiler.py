@@ -6,14 +6,12 @@
 Per TP degree, the engine runs in this process (LLMEngine, ignore_eos requests, every rank with
 --threads-per-rank compute threads: on CPU a device is a core) and engine.step() is timed:
   prefill  one step that runs whole prompts (one, or several of equal length), 16..2048 tokens
-  decode   B sequences whose KV is put in place by reserve + commit (no prefill: the cache holds
-           whatever it held, which costs the same), then steps that each decode B tokens;
-           B = 1..64, context 32..1024 tokens per sequence (as far as the KV pool holds them)
-Then `a + b*T + c*A` (prefill) and `a + b*B + c*C` (decode) are fitted by non-negative least
-squares weighted by 1/latency (tuning/perf_model.py), with their error.
-KV transfer per backend (grpc, shm, torch): a receiver process serves the backend and writes the
-KV into a paged cache through a KVReceiver, as a decode worker does; this process sends requests
-layer by layer: latency from one small request at a time, bandwidth from large ones back to back.
+  decode   B = 1..64 sequences of 32..1024 context tokens each (as far as the KV pool holds them),
+           their KV put in place by reserve + commit, then steps that each decode B tokens
+The step models of tuning/perf_model.py are fitted to these by non-negative least squares.
+KV transfer per backend (grpc, shm, torch): a receiver process writes the KV into a paged cache
+as a decode worker does, while this process sends requests layer by layer: latency from one
+small request at a time, bandwidth from large ones back to back.
 """
 
 from __future__ import annotations

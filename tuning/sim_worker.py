@@ -1,19 +1,16 @@
 """One simulated replica: engine/scheduler.py's policy over token counts (no tensors), for
-tuning/simulator.py. A step is planned (`schedule`, which returns its duration from the
-profile's step model) and then applied (`complete`), as the engine's plan -> execute -> apply.
+tuning/simulator.py, which creates one Worker per replica for each run. A step is planned
+(`schedule`, which returns its duration from the profile's step model) and then applied
+(`complete`), as the engine's plan -> execute -> apply.
 
 Slow path: the scheduler's loops, sequence by sequence (chunked prefill within the token budget,
 preemption of the most recently admitted sequences when blocks run out, FCFS admission above a 1%
 watermark while fewer than max_num_seqs run). tests/unit/test_sim_vs_scheduler.py runs the same
 traces through engine/scheduler.py (prefix caching off: not modelled here) and checks that every
-step schedules the same requests with the same token counts, on both paths.
-Fast path: while every running sequence is decoding (one token a step after its first token: a
-prompt whose last chunk is one token is not decoding yet), nothing waits, the batch
-fits the token budget and the step's new blocks are free, steps are identical in shape, so the
-sequences are not touched one by one: counts per block-boundary phase give each step's new
-blocks, a heap gives the step at which each sequence finishes, and a sequence's own counters catch
-up (computed += steps since it joined) when the worker leaves the fast path. Same answers as the
-slow path (tests/unit/test_tuning.py checks), much faster for big decode batches.
+step schedules the same requests with the same token counts, on both paths. Fast path: when
+every step has the same shape, sequences are not touched one by one (`_enter_fast_path` says
+when and how). It gives the same answers as the slow path (tests/unit/test_tuning.py checks),
+much faster for big decode batches.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ class Seq:
 
 
 class Worker:
-    """One replica (see the module docstring)."""
+    """One replica, planned and applied step by step (see the module docstring)."""
 
     def __init__(
         self,
@@ -126,6 +123,13 @@ class Worker:
         self.num_lazy = self.lazy_context = 0
 
     def _enter_fast_path(self) -> bool:
+        """Enters the fast path when every running sequence is decoding (one token per step after
+        its first token; a prompt whose last chunk is one token is not decoding yet), nothing
+        waits and the batch fits the token budget; `schedule` leaves it when that changes or a
+        step's new blocks are not free. Meanwhile steps are identical in shape: counts per
+        block-boundary phase give each step's new blocks, a heap gives the step at which each
+        sequence finishes, and a sequence's own counters catch up (computed += steps since it
+        joined) when the worker leaves the fast path."""
         bs = self.bs
         if (
             self.waiting

@@ -1,75 +1,16 @@
-"""A discrete-event simulator of a pdserve deployment: router, prefill queues, KV transfer and
-decode continuous batching (or colocated workers), driven by RequestSpecs and a hardware profile.
+"""A discrete-event simulator of a pdserve deployment, for the tuner: the router, the prefill
+queues, the KV transfer and continuous-batching decode (or colocated workers), driven by
+RequestSpecs and a hardware profile (tuning/perf_model.py).
 
     result = simulate(requests, profile, Placement(prefill=PoolSpec(2, 1), decode=PoolSpec(1, 2)))
     result.attainment(ttft_s=0.5, tpot_s=0.05)        # fraction meeting both SLOs
 
-What it models (each worker runs a port of engine/scheduler.py at the level of token counts):
-  * router, disaggregated: on arrival a request reserves KV blocks for its prompt on the decode
-    worker with the most free blocks (ties rotate), then goes to the prefill worker with the least
-    queued tokens (prompt tokens not yet computed; ties rotate). When no decode worker has room
-    the router holds requests in arrival order until blocks free up (the real router answers
-    RESOURCE_EXHAUSTED and the client retries: here that is waiting, not an error). The decode
-    worker takes the Reserve, and later the commit of the prefilled KV (which streams the first
-    token), on its engine loop between steps: while a decode step runs, both wait for its end.
-  * router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
-    blocks as the router sees them (ties rotate), as router/pool.py picks: a request's prompt is
-    charged to its worker from the pick to its first token, and its prompt's blocks are taken
-    off the worker's free count until the router's next Stats sweep (every `router_stats_s`,
-    0.5 s) reads the real count. router_stats_s=0: an exact view (free blocks less the blocks
-    of queued prompts).
-  * each worker, per step: running sequences first, in order, each up to its remaining tokens
-    within the max_num_batched_tokens budget (chunked prefill); a sequence that needs a block
-    when none is free preempts the most recently admitted ones (they lose their KV and are
-    recomputed later); then waiting sequences are admitted FCFS while the budget lasts, fewer than
-    max_num_seqs run and their whole prompt's blocks fit above a 1% watermark. Committed
-    reservations join a decode worker's batch at its next step, without the max_num_seqs check,
-    as in the engine; a preempted sequence on a decode worker is recomputed there (prompt and
-    generated tokens, chunked), as the engine does. The worker itself is sim_worker.py.
-  * step time from the profile's fitted models for the pool's TP degree (perf_model.py), so TP
-    communication is whatever the profile measured; a step that finishes a prompt samples its
-    next token at the step's end. Where the profile has serving-path models for the worker's kind
-    (prefill, decode, colocated; measured through a deployment), those are used: they carry the
-    costs of serving that a bare engine step lacks (KV pushes and receives, token streaming, RPCs
-    between steps, the router's hops on an isolated request).
-  * KV transfer: every chunk a prefill step computes is pushed layer by layer while the next
-    layer computes. Per prefill worker one link: the step's bytes start moving once its first
-    layer is done (or when the link frees) at the backend's bandwidth, and cannot end before the
-    last layer's share has moved after compute ends. Alone on the link, the time the transfer
-    adds after prefill compute is therefore max(x, L*x - (L-1)*c) for per-layer transfer x and
-    per-layer compute c: only the last layer's share when the link keeps up. Then the backend's
-    per-message latency, and the decode worker commits the request.
-  * timings: TTFT = the commit on the decode worker (it streams the first token at once) or, when
-    colocated, the end of the step that finishes the prompt, minus arrival; with a serving
-    profile, a request reaches the router's pick first_token_latency_s (of the prefilling kind)
-    after its arrival: the hops that an isolated request's TTFT pays outside the steps; E2E = the end of the
-    step that samples the last token, minus arrival; TPOT = (E2E - TTFT) / (output_len - 1), 0 for
-    one-token outputs. Requests that never finish get infinite TTFT and E2E.
-
-What it does not model:
-  * prefix caching (every prompt is computed in full; mooncake hash_ids are ignored);
-  * stop tokens (every request produces exactly output_len tokens, as with ignore_eos);
-  * the router's max_inflight limit and rejections, retries, lease expiry, failures, aborts;
-  * network or CPU time of the router (tokenizing, detokenizing, gRPC hops) and the workers'
-    serving threads, except as far as serving-path step models (above) fold them into step time:
-    with an engine-only profile, none of it; the decode side's write of received KV into its cache
-    is in the profiled bandwidth but takes no time from the decode worker's steps; transfers into one decode worker do not contend with each other (only
-    the sender's link is shared); KV re-sharding between different prefill and decode TP sizes;
-  * interference between workers that share a host (memory bandwidth, caches, cores), except the
-    profile's serving.interference factors: a decode step that starts while a prefill worker is
-    busy (or the other way round), or a colocated worker's step that starts while another
-    colocated worker is busy, is stretched by that factor, judged at the step's start (all the
-    workers of a placement are taken to share one host);
-  * the router's stale view of free blocks when disaggregated (it reads Stats every 0.5 s and
-    charges each reservation; here it knows exactly);
-  * step-time noise, unless asked: with a seed, and a serving profile whose kind carries
-    step_noise (measured step time / modelled, from the fit's residuals), each step's time is
-    multiplied by one of those values drawn at random; without a seed the same inputs always give
-    the same answer. A step with prompt tokens draws from prompt_step_noise where the kind has
-    it. Where the kind also carries step_speed (the slow part of that ratio, per
-    window of time, as it moved during calibration), each worker replays one of those traces from
-    a random window, so a slow spell of the machine lasts as long as it did when measured, and
-    step_noise is the fast part within a window.
+The tuner (tuning/tuner.py) and the SLO experiments create one Simulator per placement and call
+`run` once per workload and rate. A run builds its workers (tuning/sim_worker.py: the engine
+scheduler's policy over token counts), plays every event to the end, and returns a SimResult.
+Nothing is kept between runs and nothing touches the disk; without a seed, the same inputs always
+give the same answer. What the simulation models, and what it leaves out, is in the Simulator
+docstring.
 """
 
 from __future__ import annotations
@@ -165,6 +106,34 @@ class _Req:
 
 
 class Simulator:
+    """One placement under one profile; `run` simulates a workload on it.
+
+    Modelled, as the real components behave:
+    * Router, disaggregated: a request reserves its prompt's blocks on the decode worker with the
+      most free blocks, then goes to the prefill worker with the fewest queued prompt tokens (ties
+      rotate). With no room on any decode worker it waits in arrival order, where the real
+      router answers RESOURCE_EXHAUSTED and the client retries. A decode worker takes the Reserve
+      and the commit between its steps.
+    * Router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
+      blocks as the router saw them at its last Stats sweep (`router_stats_s`; 0: an exact view).
+    * Workers: the engine scheduler's policy (tuning/sim_worker.py), with step times from the
+      profile's model for the pool's TP degree and worker kind (serving-path models where given).
+    * KV transfer: layer by layer behind the prefill compute, one link per prefill worker, then
+      the backend's per-message latency.
+    * Timings: TTFT ends at the commit on the decode worker (colocated: at the step that finishes
+      the prompt). TPOT is (E2E - TTFT) / (output_len - 1), and 0 for one-token outputs. A request
+      that never finishes gets an infinite TTFT and E2E.
+    * Step times: the profile's interference factors stretch a step that starts while another
+      worker on the host is busy; a seeded run also draws the profile's step noise and replays
+      its speed traces.
+
+    It does not model prefix caching, stop tokens (every request produces output_len tokens), the
+    router's max_inflight, retries, lease expiry or failures, the CPU time of the router and of
+    the workers' serving threads beyond what serving-path step models fold in, contention between
+    transfers into one decode worker, KV re-sharding between TP sizes, interference beyond the
+    profile's factors, or the disaggregated router's stale view of free blocks.
+    """
+
     def __init__(
         self,
         profile: Profile,
@@ -278,6 +247,9 @@ class Simulator:
             if not w.has_plan:
                 w.busy = False
                 return
+            # A seeded run multiplies each step by one value drawn from the kind's step_noise
+            # (prompt_step_noise for steps with prompt tokens), and by the worker's speed trace
+            # at this time, so that a slow spell lasts as long as it did during calibration.
             if rng is not None:
                 noise = (w.step_has_prompt and w.model.prompt_step_noise) or w.model.step_noise
                 if noise:
@@ -399,7 +371,11 @@ class Simulator:
                 for r in done:
                     note_done(r, now)
                 if w.is_prefill and step_tokens:
-                    # the step's KV moves layer by layer behind its compute (see the docstring)
+                    # The step's KV moves layer by layer behind its compute: it starts once the
+                    # first layer is done (or when the link frees) at the backend's bandwidth and
+                    # cannot end before the last layer's share has moved after the compute ends.
+                    # Alone on the link, the time it adds after the compute is therefore
+                    # max(x, L*x - (L-1)*c) for per-layer transfer x and per-layer compute c.
                     dur = now - w.step_start
                     x_total = step_tokens * kv_bytes / transfer.bandwidth_bytes_per_s
                     begin = max(w.step_start + dur / num_layers, w.link_free)

@@ -5,19 +5,12 @@
         --model /models/Meta-Llama-3-8B --out best.yaml --plot c.png
     pdserve tune --profile profile.json --workload synthetic:256:64 --slo ttft=2s,tpot=200ms --devices 2
 
-Ranking: --objective total (default) ranks by the placement's goodput, for a fixed budget of
---devices; per-device by goodput per device. Every row says whether its goodput was simulated
-(the whole deployment through the simulator) or estimated (sized from one worker of each kind).
-Placements `pdserve up` refuses today (tp > 1 prefill or decode workers on GPUs, the shm backend
-with GPU decode: deploy/config_checks.placement_problems) are left out and listed; the YAML
-written is checked against the launcher's offline checks (validate_config, fit_problems with the
-profile's model shape) and carries the router's and Ray's settings (--router-host/--router-port,
---ray-address, else a local Ray with num_cpus = the CPUs the pools reserve). Prefix caching is
-not simulated: a trace with Mooncake hash_ids gets a note saying so.
-
-Bad arguments exit with code 2 and a message: unknown trace, an SLO without a unit, devices < 2,
-a profile of another model than --model, a malformed profile, --out without a --model the engine
-can load (the profile's hub id is not one).
+--objective total (the default) ranks placements by goodput for a fixed budget of --devices;
+per-device ranks them by goodput per device. Each row says whether its goodput was simulated (the
+whole deployment through the simulator) or estimated (sized from one worker of each kind).
+Placements that `pdserve up` refuses today are left out and listed, and the YAML written passes
+the launcher's offline checks. Prefix caching is not simulated: a trace with Mooncake hash_ids
+gets a note saying so. Bad arguments exit with code 2 and a message.
 """
 
 from __future__ import annotations
@@ -264,6 +257,15 @@ def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
 
 
 def run(args) -> int:
+    """Runs `pdserve tune`; returns the exit code. Placements the launcher refuses
+    (deploy/config_checks.placement_problems: tp > 1 prefill or decode workers on GPUs, the shm
+    backend with GPU decode) are left out and listed. The YAML written is checked against the
+    launcher's offline checks (validate_config, fit_problems with the profile's model shape) and
+    carries the router's and Ray's settings (--router-host/--router-port, --ray-address, else a
+    local Ray with num_cpus = the CPUs the pools reserve). Exit code 2 with a message: an unknown
+    trace, an SLO without a unit, devices < 2, a profile of another model than --model, a
+    malformed profile, or --out without a --model the engine can load (the profile's hub id is
+    not one)."""
     t0 = time.perf_counter()
     try:
         profile, workload, slo = check_args(args)

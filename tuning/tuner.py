@@ -1,33 +1,15 @@
 """Placement search: the deployment of N devices with the highest goodput (in total, or per device:
-the objective) for a workload
-and an SLO, predicted by the simulator from a hardware profile (DistServe's goodput: the highest
-request rate at which at least `attainment` of the requests meet both the TTFT and the TPOT SLO).
+the objective) for a workload and an SLO, predicted by the simulator from a hardware profile.
+Goodput is DistServe's: the highest request rate at which at least `attainment` of the requests
+meet both the TTFT and the TPOT SLO.
 
     pdserve tune --profile P --workload azure_conv --scale 0.2 --max-prompt 1024 \
         --slo ttft=1s,tpot=100ms,attainment=0.9 --devices 8 [--colocated] [--out best.yaml]
 
-Candidates: every n_prefill x tp_prefill + n_decode x tp_decode that fits N devices with as many
-decode replicas as the rest allows (so every n:m ratio per pair of TP degrees), and with
---colocated, N // tp colocated workers per TP degree. TP degrees: the profile's (they divide the
-model's heads). A device is a GPU when the profile says gpu, else a CPU core.
-
-Search (DistServe's algorithm, then a check of the best by whole-deployment simulation):
-  1. per TP degree, the goodput of ONE worker of each kind, by bisection on the rate: a prefill
-     worker with an ideal decode side (TTFT only, transfer included), a decode worker fed by an
-     ideal prefill (TPOT, and TTFT = the wait for KV blocks), a colocated worker (both SLOs);
-  2. every placement's estimate: min(n_prefill x prefill goodput, n_decode x decode goodput), or
-     n x colocated goodput (final when colocated workers do not slow each other; with a profile's
-     serving.interference.colocated_while_busy they are simulated whole in step 3);
-  3. best first by estimate (total or per device), placements are simulated whole (on their smallest
-     repeating unit: 4P+6D as 2P+3D at half the rate) and bisected, until the best simulated one
-     ranks above every estimate left and `verify_top` were simulated.
-Steady state: at rate r a simulation needs about r x horizon requests (horizon = 10 x the TTFT
-SLO, or 1.5 x the mean output x the TPOT SLO when longer) or a short burst would pass that
-steady traffic fails; so the sample grows with the rate, up to --max-requests (one worker) and
---max-verify-requests (a whole unit), and no rate is tried above what that many can show.
-Speed: samples and re-timed workloads are cached (re-timing with the same seed scales the
-arrival gaps exactly with 1/rate), bisection stops at 5%, a simulation stops as soon as too many
-requests missed the SLO, and a candidate that cannot beat the best simulated one is dropped.
+`pdserve tune` (tuning/tune_cmd.py) creates one Search per run and calls `run`, which returns the
+ranked candidates; nothing outlives the run. `enumerate_placements` says which layouts are
+candidates, and Search how they are sized and checked. A device is a GPU when the profile says
+gpu, else a CPU core.
 """
 
 from __future__ import annotations
@@ -166,11 +148,21 @@ def _p90(values: list[float]) -> float:
 
 
 class Search:
-    """Per-instance goodputs first (one prefill worker with an ideal decode side, one decode worker
-    fed by an ideal prefill, one colocated worker: DistServe's algorithm), which size every
-    placement at once; then the best placements by that estimate are simulated whole (on their
-    smallest repeating unit: 4P+6D as 2P+3D at half the rate), best first, until the best
-    simulated one beats every estimate left (or `verify_top` were simulated and time is up)."""
+    """Per-instance goodputs first, by bisection on the rate (one prefill worker with an ideal
+    decode side, one decode worker fed by an ideal prefill, one colocated worker: DistServe's
+    algorithm), which size every placement at once: min(n_prefill x prefill goodput, n_decode x
+    decode goodput), or n x colocated goodput. Then the best placements by that estimate are
+    simulated whole (on their smallest repeating unit: 4P+6D as 2P+3D at half the rate), best
+    first, until the best simulated one beats every estimate left (or `verify_top` were simulated
+    and time is up). A colocated estimate is final unless the profile's
+    serving.interference.colocated_while_busy says colocated workers slow each other.
+
+    A simulation at rate r needs about r x horizon_s requests, or a short burst would pass that
+    steady traffic fails; so the sample grows with the rate, up to max_requests (one worker) and
+    max_verify_requests (a whole unit), and no rate is tried above what that many can show. To
+    save time, samples and re-timed workloads are cached (re-timing with the same seed scales the
+    arrival gaps exactly with 1/rate), and a simulation stops as soon as too many requests missed
+    the SLO."""
 
     def __init__(
         self,

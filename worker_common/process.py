@@ -1,19 +1,11 @@
 """The frame both worker processes share: their common settings, the engine built on its loop
-thread, the gRPC server, pool registration, and the order things stop in. A worker subclasses
-WorkerProcess, sets ROLE and SERVICE_NAME, and writes only what is its own:
+thread, the gRPC server, pool registration, and the order things stop in.
 
-    class DecodeWorker(WorkerProcess):
-        ROLE, SERVICE_NAME = "decode", "pdserve.worker.v1.DecodeWorker"
-
-        def _start(self):
-            engine = self._build_engine(shared_dir)
-            ... its hand-off, KV server, servicer ...
-            self._serve(lambda server: add_servicer(servicer, server), stats_fn)
-
-        def _stop_own(self):
-            ... its own parts (between the gRPC server and the engine) ...
-
-Used as
+A worker (prefill_worker/, decode_worker/) subclasses WorkerProcess and writes only what is its
+own. The launcher's actor, or a test, creates one with its config and calls `start()`, which
+builds and warms the engine on its loop thread, serves gRPC and joins the router's pool; the
+worker serves until `stop()`, which leaves the pool, closes the gRPC server, stops the worker's
+own parts and then the engine.
 
     worker = DecodeWorker(DecodeWorkerConfig(model=model_dir)).start()
     stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(worker.address))
@@ -59,6 +51,22 @@ class WorkerConfig:
 
 
 class WorkerProcess:
+    """A worker sets ROLE and SERVICE_NAME and writes `_start` and `_stop_own`:
+
+        class DecodeWorker(WorkerProcess):
+            ROLE, SERVICE_NAME = "decode", "pdserve.worker.v1.DecodeWorker"
+
+            def _start(self):
+                engine = self._build_engine(shared_dir)
+                ... its hand-off, KV server, servicer ...
+                self._serve(lambda server: add_servicer(servicer, server), stats_fn)
+
+            def _stop_own(self):
+                ... its own parts (between the gRPC server and the engine) ...
+
+    `start` and `stop` do the rest, in the order the module docstring gives.
+    """
+
     ROLE = ""  # "prefill" | "decode": the role it registers with
     SERVICE_NAME = ""  # its gRPC service, marked SERVING in the health service
 

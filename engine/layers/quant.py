@@ -29,10 +29,10 @@ SMOOTH_ALPHA = 0.5
 
 
 def auto_candidates() -> list[str]:
-    """The modes quantization="auto" tries, fastest first for serving (many rows a step): on the
-    AVX-512 EPYC with bf16 and VNNI (BENCHMARKS.md) int8 beat float32 and bf16 at 1, 32 and 512
-    rows, and int4 won at one row only. int4's activations are bf16: offered only where the CPU
-    computes bf16 natively."""
+    """The modes quantization="auto" tries, fastest first for serving (many rows per step): on
+    the AVX-512 EPYC with bf16 and VNNI, int8 beat float32 and bf16 at 1, 32 and 512 rows, and
+    int4 won at one row only (BENCHMARKS.md, "Engine serving modes vs HF and llama.cpp"). int4's
+    activations are bf16: offered only where the CPU computes bf16 natively."""
     return ["int8", "int4"] if cpu_features().bf16_units else ["int8"]
 
 
@@ -94,7 +94,8 @@ class Int8Weight:
             )
         x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
         # The kernel quantizes the whole matrix with one range, its min and max, but a few tokens
-        # (the first, delimiters) carry activations 100x the others'. So every row is scaled to
+        # (the first, delimiters) carry activations orders of magnitude larger than the others'
+        # (BENCHMARKS.md, "Quality per serving mode"). So every row is scaled to
         # [-1, 1] first (and the output row back), and one extra row spanning exactly [-1, 1]
         # pins the range: each row's quantization, hence its result, no longer depends on which
         # other rows share the step (batch-invariant, like float32 here).
@@ -132,8 +133,9 @@ class Int4Weight:
 
 
 def head_quantization(mode: str | None) -> str | None:
-    """The LM head's mode under `mode`: int4 there cost SmolLM2 several times the perplexity that
-    int8 did (its head is the tied embedding, stored as Q8_0 in the GGUF), so it stays int8."""
+    """The LM head's mode under `mode`: int4 there cost several times the perplexity that int8
+    did (BENCHMARKS.md, "Quality per serving mode"; the head is the tied embedding, stored as
+    Q8_0 in the GGUF), so it stays int8."""
     return "int8" if mode == "int4" else mode
 
 

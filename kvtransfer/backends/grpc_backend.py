@@ -1,38 +1,18 @@
-"""gRPC backend: one long-lived client-streaming RPC per channel.
+"""gRPC backend: its protocol and its receiving side, GrpcServer; grpc_sender.GrpcTransport sends.
 
-No .proto: the service is registered with generic handlers whose (de)serializers are the identity
-on bytes, so KV bytes never pass through protobuf.
+A decode rank starts one GrpcServer through `serve("grpc", handler)` and stops it when it stops.
+Each sender holds one long-lived client-streaming Push call per channel. There is no .proto: the
+service is registered with generic handlers whose (de)serializers are the identity on bytes, so
+KV bytes never pass through protobuf.
 
-  /pdserve.kv.v1.KVTransfer/Push   client-streaming; each message holds wire frames
-                                   (u32 header length | msgpack header | payload); the channel id
-                                   rides in the call metadata; the reply is b"" when the stream ends
+  /pdserve.kv.v1.KVTransfer/Push   client-streaming; each message holds wire frames (u32 header
+                                   length | msgpack header | payload); the channel id rides in the
+                                   call metadata; the reply is b"" when the stream ends
   /pdserve.kv.v1.KVTransfer/Flush  unary; msgpack {"channel", "frames", "wait_s"} -> msgpack
                                    {"frames": frames of that channel the handler returned from}
-                                   (-1: no open stream with that id); waits up to wait_s for "frames"
+                                   (-1: no open stream with that id); waits up to wait_s
 
-Both need the deployment's cluster secret (`security`, see protos/security.py): the server's
-interceptor refuses a call without it (UNAUTHENTICATED) before any handler runs, so a refused
-stream holds no channel slot and no thread. Every Flush field and every frame header is checked
-before work (kvtransfer.wire, backends.frames); a frame this server cannot use fails its request
-or is dropped, and only broken framing (nothing after it can be located) ends its channel.
-
-A message is one frame, or several when the sender had payload-less frames queued ("commit",
-"abort", in-place "kv" headers of the shm backend): such a frame ends right after its header, so
-frames that follow it in the message are read as frames; a frame with a payload is always the
-last one of its message and its payload runs to the message's end. In-place frames are refused
-here (only the shm backend's server takes them: its sender wrote the KV into the shared pool).
-
-Sender: `send` puts the frame on a queue bounded in bytes (backpressure); gRPC's request-iterator
-thread drains it into the stream, so `send` returns quickly and frames keep their order. `flush`
-asks the server until it has handled every frame sent so far, or the deadline passes; concurrent
-flushes share one Flush call at a time (the server admits 2 * max_channels + 2 calls in all). A stream the
-server closed (idle, or evicted for a new sender: see backends.channels) is reopened at the next
-send when every frame sent on it was confirmed by a flush; otherwise the send raises
-ConnectionError (frames may be lost) and the caller opens a fresh transport.
-
-Receiver: the RPC's thread reads each message and runs the handler on its frames, in order. With
-max_backlog_bytes > 0 a per-channel worker thread runs the handler instead (it was no faster:
-gRPC's Python threads and the handler contend for the GIL).
+Both calls need the cluster secret (protos/security.py); GrpcServer says what it refuses.
 """
 
 from __future__ import annotations
@@ -112,11 +92,21 @@ def parse_flush(request: bytes) -> tuple[str, int, float]:
 class GrpcServer(TransportServer):
     """Receives frames on any number of streams and calls the handler per frame, in stream order.
 
+    A message is one frame, or several when the sender had payload-less frames queued ("commit",
+    "abort", in-place "kv" headers): such a frame ends right after its header, and a frame with a
+    payload is always the last of its message. In-place frames are refused here (only the shm
+    backend's server takes them). The interceptor refuses a call without the cluster secret
+    before any handler runs, so a refused stream holds no channel slot and no thread. Every Flush
+    field and frame header is checked before work (kvtransfer.wire, backends.frames): a frame this
+    server cannot use fails its request or is dropped, and only broken framing ends its channel.
+
     max_channels bounds the open streams (each holds a server thread), max_channels_per_peer those
     of one network address; idle_timeout_s closes a stream with no frame for that long, and a new
     stream at a limit evicts the longest-idle one idle at least min_idle_evict_s (backends.channels).
-    max_backlog_bytes > 0 runs the handler on a worker thread per channel, with at most that many
-    payload bytes received but not yet handled. security: who may push (INSECURE: anyone).
+    The RPC's thread runs the handler; max_backlog_bytes > 0 runs it on a worker thread per channel
+    instead, with at most that many payload bytes received but not yet handled (it was no faster:
+    gRPC's Python threads and the handler contend for the GIL). security: who may push (INSECURE:
+    anyone).
     """
 
     accepts_in_place = False  # the shm backend's control server says True

@@ -167,6 +167,14 @@ class _Stream:
 class GrpcTransport(Transport):
     """Sender side: one Push stream at a time on one channel.
 
+    `send` puts the frame on a queue bounded in bytes (backpressure) that gRPC's request-iterator
+    thread drains into the stream, so `send` returns quickly and frames keep their order. `flush`
+    asks the server until it has handled every frame sent so far, or the deadline passes;
+    concurrent flushes share one Flush call at a time (the server admits 2 * max_channels + 2
+    calls in all). A stream the server closed (idle, or evicted for a new sender) is reopened at
+    the next send when a flush confirmed every frame sent on it; otherwise the send raises
+    ConnectionError (frames may be lost) and the caller opens a fresh transport.
+
     timeout bounds connecting (and reopening), a `send` blocked on a full queue, and `close`. The
     payload is read when gRPC takes the frame, not during `send`: do not modify it until `flush`
     returns (read_chunk hands out a fresh tensor per chunk). security: the deployment's cluster

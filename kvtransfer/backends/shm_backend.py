@@ -1,21 +1,16 @@
 """Shared-memory backend (same host): the sender writes KV straight into the receiver's KV pool.
 
-The decode side allocates its paged KV cache in a shared file (`create_shared_kv_cache`, under
-/dev/shm by default). The server's address names that file, its shape and dtype, and a gRPC
-control channel:
+A decode rank allocates its paged KV cache in a shared file (`create_shared_kv_cache`, under
+/dev/shm by default) and serves it with ShmServer until the worker stops; the address names that
+file, its shape and dtype, and a gRPC control channel:
 
     shm:///dev/shm/pdserve-kv-...?shape=30,2,512,16,3,64&dtype=float32&control=127.0.0.1:40123
 
-The sender maps the same file. For a "kv" frame it writes the chunk into the mapped cache (what
-`write_chunk` does, block by block when it can; the KV is never serialized), then sends the
-header alone with `in_place=True` on the control channel, so the receiver's handler gets
-payload=None and only records coverage. "commit" and "abort" frames follow on the same ordered
-channel, after the writes, so the KV is in place before the commit is seen. Header-only frames
-queued together travel in one gRPC message (see grpc_backend).
-
-Only this backend's control server takes in-place frames (the plain gRPC server refuses them:
-there, no bytes would have arrived). The control channel needs the deployment's cluster secret
-like the gRPC backend; the pool file is mode 0600 (its owner's processes only).
+The sender (ShmTransport) maps the same file and writes each "kv" chunk into it, so the KV is
+never serialized; only the header travels, on the ordered control channel, followed by "commit"
+and "abort" frames, so the KV is in place before the commit is seen. Only this backend's control
+server takes such in-place frames. The control channel needs the deployment's cluster secret like
+the gRPC backend, and the pool file is mode 0600 (its owner's processes only).
 """
 
 from __future__ import annotations
@@ -281,6 +276,11 @@ class ShmServer(TransportServer):
 
 class ShmTransport(Transport):
     """Sender side: writes KV into the mapped pool; headers go on the control channel.
+
+    For a "kv" frame it writes the chunk into the mapped cache (what `write_chunk` does, block by
+    block when it can), then sends the header alone with `in_place=True`, so the receiver's handler
+    gets payload=None and only records coverage (the plain gRPC server refuses such frames: there,
+    no bytes would have arrived).
 
     The in-place headers of a channel wait (at most max_pending_headers of them) and travel with
     the next commit or abort, or at `flush`, in one control message: the KV itself is written at

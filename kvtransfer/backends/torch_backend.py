@@ -1,35 +1,15 @@
 """torch.distributed backend: gloo point-to-point between a prefill rank and a decode rank, outside
 any default process group (each worker may already sit in its own TP group).
 
-Rendezvous: the server hosts a TCPStore (`address` = "host:port" of the store). Each sender takes a
-connection number from the store's counter, proves it holds the cluster secret (an HMAC-SHA256
-of a nonce the server publishes for that connection: backends.torch_auth), and only then do both
-sides build a private gloo group under that connection's key prefix, so any number of senders
-can share one server and a stranger never gets a group, a thread or a handler call.
-
-Remaining limit of a TCPStore rendezvous: the store has no access control. Anyone who can reach
-its port can read, list and write its keys: disturb or refuse others' handshakes (rewrite their
-keys, flood the connection counter; both bounded here, never blocking the accept loop), fill
-the store's memory, and, after a sender passed its handshake, rewrite that connection's gloo
-rendezvous keys to redirect its group (to pose as or relay between the two ranks). The gloo
-traffic itself is neither authenticated nor encrypted, and `security.tls` does not apply to it.
-So the secret keeps strangers from opening connections, not an attacker on the network path or
-one racing the rendezvous: bind the store (`host`) to a private interface, or use the grpc
-backend with TLS where the network is not trusted.
-
-The group has three ranks: 0 is the server's receiving thread, 1 the sender, and 2 a "waker" the
-server holds for `stop`: a pending gloo receive ends only with a message or a dead peer (a wait
-that times out tears the group down), so `stop` ends an idle channel by sending from rank 2.
-
-A frame travels as an envelope, then its payload, each with its own tag. The envelope is a fixed
-512-byte uint8 tensor: int64 [header bytes, payload values, dtype code] (header bytes < 0: the
-channel ends), then the msgpack header itself when it fits (else the header follows as its own
-uint8 message). The payload is the flat tensor in its own dtype, left out when empty. gloo moves a
-message only once its receive is posted, and a fixed size is what lets the receiver post the
-envelopes of the next LOOKAHEAD frames ahead: folding the lengths and the header into one message
-saves a rendezvous per frame (more throughput than three messages). One receiving thread takes
-the envelopes and posts each payload's receive at once, never waiting for a payload; a second
-thread waits for the payloads and runs the handler, in order.
+A decode rank starts one TorchServer through `serve("torch", handler)`: it hosts a TCPStore
+(`address` is the store's "host:port") and runs until `stop`. Each sender (TorchTransport) takes
+a connection number from the store's counter and proves it holds the cluster secret
+(backends.torch_auth); only then do both sides build a private gloo group under that
+connection's key prefix. Rank 0 of the group is the server's receiving thread, rank 1 the sender,
+and rank 2 a "waker" that lets `stop` end an idle channel. So any number of senders can share one
+server, and a stranger never gets a group, a thread or a handler call. The store has no access
+control and gloo's traffic is neither authenticated nor encrypted: TorchServer says what that
+leaves open. A frame travels as a fixed-size envelope, then its payload (`_envelope`).
 """
 
 from __future__ import annotations
@@ -87,6 +67,13 @@ PAYLOAD_DTYPES = (
 
 
 def _envelope(n_header: int, n_values: int, code: int) -> bytearray:
+    """A frame's envelope, a fixed ENVELOPE_BYTES uint8 message: int64 [header bytes, payload
+    values, dtype code] (header bytes < 0: the channel ends), then the msgpack header itself when
+    it fits (else the header follows as its own uint8 message). The payload follows as the flat
+    tensor in its own dtype, left out when empty. gloo moves a message only once its receive is
+    posted, and the fixed size is what lets the receiver post the envelopes of the next LOOKAHEAD
+    frames ahead; folding the lengths and the header into one message saves a rendezvous per
+    frame."""
     buf = bytearray(ENVELOPE_BYTES)
     _ENVELOPE.pack_into(buf, 0, n_header, n_values, code)
     return buf
@@ -122,7 +109,9 @@ def _is_loopback(host: str) -> bool:
 
 
 class _Connection:
-    """The server's side of one sender: its group, its receiving thread, its waker."""
+    """The server's side of one sender: its group, its receiving thread, its waker. A pending gloo
+    receive ends only with a message or a dead peer (a wait that times out tears the group down),
+    so `wake` ends an idle channel by sending from the waker's rank."""
 
     def __init__(self, server: TorchServer, conn_id: int):
         self.server = server
@@ -264,7 +253,15 @@ class TorchServer(TransportServer):
     wait for the next frame (an idle channel past it closes and its sender must reconnect);
     max_backlog_bytes bounds the frames received but not yet handled, per channel; max_frame_bytes
     a frame's payload. security: the secret a sender must prove (torch_auth) within auth_timeout;
-    at most max_pending_auth handshakes are kept waiting."""
+    at most max_pending_auth handshakes are kept waiting.
+
+    What the secret leaves open: the TCPStore has no access control, so anyone who can reach its
+    port can read, list and write its keys. They can disturb or refuse others' handshakes
+    (rewrite their keys, flood the connection counter; both bounded here, never blocking the
+    accept loop), fill the store's memory, and rewrite the gloo rendezvous keys of a connection
+    that passed its handshake to redirect its group. The gloo traffic is neither authenticated nor
+    encrypted, and `security.tls` does not apply to it. So bind the store (`host`) to a private
+    interface, or use the grpc backend with TLS where the network is not trusted."""
 
     def __init__(
         self,
