@@ -1,38 +1,17 @@
-"""The worker side of a Generate call, in legs, and resuming on another decode worker when a
-leg's decode worker dies (docs/architecture.md section 4).
+"""The worker side of a Generate call, in legs. A leg is one reservation on one decode worker, the
+prefill that fills it and the token stream it produces. A call (router/call.py) runs one leg, or
+more when it resumes; the resume rules: router/call.py.
 
-A leg is one reservation on one decode worker, the prefill that fills it and the token stream it
-produces: Reserve (the decode worker with most free blocks; colocated, the fewest prompt tokens
-charged to it until their first token; the next one when full; when every one is full, a wait
-in the router's decode queue (router/decode_queue.py), first come first served, until blocks
-free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an executor
-thread (UNAVAILABLE retries once on another prefill worker into the same reservation; any other
-failure aborts the reservation, which ends the stream).
-
-The first leg runs the client's prompt. When the decode worker's stream fails (the worker or its
-link died: UNAVAILABLE, a stream that ends without a final event, or a prefill that cannot reach
-it to abort) and neither the client nor a deadline ended it, the router starts another leg on a
-different decode worker with
-    prompt   = the client's prompt + every token id already streamed to the client
-    sampling = max_tokens (and min_tokens) lowered by the tokens already streamed
-and the prefill runs again (the prefill worker's prefix cache holds the prompt, so mostly only the
-streamed tokens are computed). The client's stream goes on where it stopped: no token is sent twice,
-text deltas continue from the same incremental detokenizer, usage counts every token.
-Each leg has its own worker-side request id, minted by the router (the client's request_id never
-reaches a worker), so whatever a dead leg left on a worker (a prefill still running, a reservation
-on a worker that was only unreachable) cannot collide with it, and no client can name another's
-request to a worker.
-
-What differs after a resume, compared with an uninterrupted run:
-- greedy decoding gives the same tokens up to rounding (a prefill recomputes the streamed tokens'
-  KV: a near-tie can flip); seeded sampling restarts from a fresh generator of the same seed;
-- presence/frequency penalties see the earlier output as prompt, which they ignore (they count
-  generated tokens only), so tokens streamed before the resume stop being penalised; repetition
-  penalty counts prompt and output alike and is unchanged;
-- the new decode worker checks stop strings only in its own output; the router's TextStream sees
-  the whole text and ends the stream itself when a stop string spans the resume point;
-- Timings come from the last leg, except queued/prefill (the first leg) and first_token (the
-  first token the client received).
+A leg's lifecycle: Reserve (the decode worker with most free blocks; colocated, the fewest prompt
+tokens charged to it until their first token; the next one when full; when every one is full, a
+wait in the router's decode queue (router/decode_queue.py), first come first served, until
+blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
+executor thread (UNAVAILABLE retries once on another prefill worker into the same reservation;
+any other failure aborts the reservation, which ends the stream) -> token events into the call's
+text streams until every sequence's final event, or the stream fails. A leg the call lets go of
+gets its Abort calls from the router's abort threads, never from gRPC's polling thread.
+Each leg has its own worker-side request id, minted here: the client's request_id never reaches
+a worker, so no client can name another's request to one.
 """
 
 from __future__ import annotations
@@ -52,9 +31,6 @@ from pdserve.router.pool import NoWorker, WorkerPool
 from pdserve.router.text import TextStream
 
 log = logging.getLogger(__name__)
-# pdserve.proto documents it as SamplingParams.max_tokens' default (the engine's); the router
-# may not import the engine's SamplingParams (docs/architecture.md section 2)
-DEFAULT_MAX_TOKENS = 16
 
 
 class RouterStatus(grpc.RpcError):
@@ -83,8 +59,8 @@ class LegFailed(Exception):
 
 
 class Inflight:
-    """One Generate call as the router tracks it; fields shared with the cancel callback and the
-    prefill thread are read and written under `lock`."""
+    """What a call shares with its legs' threads and the cancel callback (router/call.py's
+    ClientCall is the call itself); fields shared across threads go under `lock`."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
@@ -99,7 +75,7 @@ class Inflight:
 
 
 class Leg:
-    """Leg `number` of a request; resumes get their own worker-side id (see the module docstring)."""
+    """Leg `number` of a call, with a worker-side id of its own (the module docstring)."""
 
     def __init__(self, number: int):
         self.number = number
@@ -455,34 +431,6 @@ class Legs:
         if not found:
             leg.stream_call.cancel()  # decode unreachable or the request already gone
         return None
-
-
-def resume_sampling(sampling: pdserve_pb2.SamplingParams, num_sent: int):
-    """The client's sampling for a leg that starts after `num_sent` tokens were streamed; None when
-    those already used up max_tokens (the sequence is complete)."""
-    if num_sent == 0:
-        return sampling
-    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    if max_tokens <= num_sent:
-        return None
-    resumed = pdserve_pb2.SamplingParams()
-    resumed.CopyFrom(sampling)
-    resumed.max_tokens = max_tokens - num_sent
-    if sampling.HasField("min_tokens"):
-        resumed.min_tokens = max(0, sampling.min_tokens - num_sent)
-    return resumed
-
-
-def decode_died(
-    leg: Leg, final, error: grpc.RpcError | None, ended_by_client: bool, deadline: float
-) -> bool:
-    """Whether a leg's stream ended because its decode worker (or the link to it) failed, rather
-    than by the client, an abort or the deadline."""
-    if final is not None or ended_by_client or time.monotonic() >= deadline:
-        return False
-    if error is None:  # the worker closed the stream without a final event
-        return True
-    return error.code() == grpc.StatusCode.UNAVAILABLE or leg.decode_lost
 
 
 def left(deadline: float) -> float:

@@ -196,7 +196,7 @@ def test_openai_n_2(router, idle):
 
 
 def test_a_batch_of_prompts_gives_prompt_i_choices_i_times_n_to_plus_n(router, idle, llm):
-    """prompt as a list: one Generate call a prompt; choice i * n + j is prompt i's sequence j,
+    """prompt as a list: one Generate call per prompt; choice i * n + j is prompt i's sequence j,
     greedy text equal to engine.LLM's for that prompt; usage counts each prompt once and every
     sequence's tokens; the stream carries the same texts under the same indexes."""
     prompts = random_prompts([7, 12, 9], seed=31)

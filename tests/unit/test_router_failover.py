@@ -22,7 +22,8 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.router.legs import Inflight, Leg, Legs, resume_sampling
+from pdserve.router.call import resume_sampling
+from pdserve.router.legs import Inflight, Leg, Legs
 from pdserve.router.text import TextStream
 from pdserve.worker_common.registration import Registration
 from router_helpers import (
@@ -157,7 +158,7 @@ def test_stream_resumes_on_another_decode_worker_when_its_worker_dies(
 ):
     prompt, want_ids, want_text = expected
     with two_decode_workers(model_dir, prefill) as (router, decodes):
-        with caplog.at_level(logging.WARNING, logger="pdserve.router.service"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.call"):
             ids, text, last, victim, num_before = stream_killing_holder(router, prompt, decodes, 5)
         assert 5 <= num_before < len(want_ids), (
             "the worker was stopped after the stream had finished"
