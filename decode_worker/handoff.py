@@ -1,18 +1,17 @@
-"""Decode-side hand-off: reservations with leases, incoming KV, commit.
+"""Decode-side hand-off: reservations with leases, incoming KV, the commit, and its timings.
 
-Lifecycle of one request on a decode worker:
-  reserve (router)      -> RESERVED: engine blocks held, a KVReceiver, a lease deadline
+DecodeHandoff owns each reservation from Reserve until it runs in the engine or is freed; the
+service (service.py) owns the gRPC calls and the token streams. Lifecycle of one request:
+  reserve (router)      -> RESERVED: the engine's Reservation, a KVReceiver, a lease deadline
   "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread)
-  "commit" frame        -> receiver DONE -> engine.commit(first_token): RUNNING in the batch
-                           (n>1: every sequence's first token; the engine forks the sequences
-                           on copy-on-write blocks);
-                           the callback gets the first token at once, then the engine's outputs;
-                           a commit the engine refuses (a first token outside the vocabulary)
-                           frees the blocks like an abort
+  "commit" frame        -> receiver DONE -> engine.commit(first tokens): RUNNING in the batch (n>1:
+                           forked on copy-on-write blocks); the callback gets a CommitOutput (the
+                           first tokens, HandoffTimings) at once, then the engine's outputs. A
+                           commit the engine refuses frees the blocks like an abort
   "abort" frame, abort(), a bad frame, or the lease running out before the commit
                         -> engine abort: blocks freed, the callback gets a finished "abort" output
-Every path ends in exactly one of: running in the engine, or freed. Writes and aborts of one
-reservation take its lock, so blocks are never freed (and handed to someone else) mid-write.
+Every path ends either running in the engine or freed. Writes and aborts of one reservation take
+its lock, so blocks are never freed (and handed to someone else) mid-write.
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.engine_loop import EngineLoop, OutputCallback
-from pdserve.engine.request import CompletionOutput, RequestOutput
+from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
 from pdserve.kvtransfer.backends import populate
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.receiver import WorkerReceiver
 from pdserve.kvtransfer.state import TransferState
+from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,32 @@ class _Entry:
 
 
 @dataclass(frozen=True)
-class Reserved:
-    request_id: str
-    block_ids: list[int]
-    block_size: int
-    num_cached_tokens: int
-    lease_deadline: float  # time.monotonic() of this process
+class HandoffTimings:
+    """The stamps of one request's hand-off, in unix ns (0: not reached, as for a colocated request
+    or one freed before its commit), and the one place they and the token stream's become the
+    Timings this worker reports on a sequence's last TokenEvent."""
+
+    transfer_end_unix_ns: int = 0  # the last KV frame and the commit landed
+    commit_unix_ns: int = 0  # the engine took the commit: the request is in the running batch
+
+    def to_proto(
+        self, decode_worker: str, first_token_unix_ns: int, last_token_unix_ns: int
+    ) -> pdserve_pb2.Timings:
+        return pdserve_pb2.Timings(
+            first_token_unix_ns=first_token_unix_ns,
+            last_token_unix_ns=last_token_unix_ns,
+            decode_worker=decode_worker,
+            commit_unix_ns=self.commit_unix_ns,
+            transfer_end_unix_ns=self.transfer_end_unix_ns,
+        )
+
+
+@dataclass
+class CommitOutput(RequestOutput):
+    """The hand-off's first output: every sequence's first token, streamed at the commit rather
+    than a decode step later, with the hand-off's timings."""
+
+    timings: HandoffTimings = field(default_factory=HandoffTimings)
 
 
 class DecodeHandoff:
@@ -77,9 +97,9 @@ class DecodeHandoff:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.num_committed = self.num_failed = self.bytes_received = 0
         self._counts_lock = threading.Lock()
-        # every page of the pool faulted in now, not while KV arrives during a prefill (the first
-        # requests into fresh blocks measured 2-4x slower transfers on the 2-core VM); the pool
-        # is this worker's memory anyway, so it is resident from the start
+        # every page of the pool faulted in now, not while KV arrives during a prefill (transfers
+        # into pages touched for the first time are slower); the pool is this worker's memory
+        # anyway, so it is resident from the start
         for cache in rank_caches or [loop.engine.kv_cache]:
             populate(cache)
         loop.every(sweep_s, self._expire)
@@ -92,8 +112,9 @@ class DecodeHandoff:
         params,
         on_output: OutputCallback,
         lease_s: float | None = None,
-    ) -> Reserved:
-        """Raises the engine's ValueError (bad request) or NoFreeBlocks (pool full)."""
+    ) -> Reservation:
+        """The engine's reservation, held until its commit, an abort or the lease's end. Raises the
+        engine's ValueError (bad request) or NoFreeBlocks (pool full)."""
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
@@ -113,9 +134,7 @@ class DecodeHandoff:
                 self._entries[request_id] = _Entry(
                     receiver, on_output, deadline, logprobs=bool(getattr(params, "logprobs", False))
                 )
-            return Reserved(
-                request_id, res.block_ids, res.block_size, res.num_cached_tokens, deadline
-            )
+            return res
 
         return self.loop.call(reserve)
 
@@ -176,7 +195,7 @@ class DecodeHandoff:
         # (which holds this token too) only adds what is new; when the commit itself finished the
         # request, the engine's final output follows at the next step as before.
         entry.on_output(
-            RequestOutput(
+            CommitOutput(
                 request_id,
                 None,
                 [],
@@ -191,8 +210,7 @@ class DecodeHandoff:
                     for i, token in enumerate(first_tokens)
                 ],
                 finished=False,
-                # Timings.transfer_end_unix_ns and commit_unix_ns (decode_worker/service.py)
-                metrics={"kv_received_unix_ns": received_ns, "commit_unix_ns": time.time_ns()},
+                timings=HandoffTimings(received_ns, time.time_ns()),
             )
         )
 

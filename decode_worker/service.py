@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.decode_worker.handoff import DecodeHandoff
+from pdserve.decode_worker.handoff import CommitOutput, DecodeHandoff, HandoffTimings
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_id, check_sampling, check_token_ids
-from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         sent: dict[int, int] = {}  # sequence index -> tokens already sent (outputs are cumulative)
         ended: set[int] = set()  # sequence indexes whose final event went out
         finished = False
-        first_token_ns = commit_ns = received_ns = 0
+        first_token_ns = 0
+        handoff_timings = HandoffTimings()  # stays empty: colocated, or freed before its commit
         try:
             while not finished:
                 if not context.is_active():
@@ -185,9 +186,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 except queue.Empty:
                     continue
                 now = unix_ns()
-                if not commit_ns and "commit_unix_ns" in out.metrics:  # the hand-off's output
-                    commit_ns = int(out.metrics["commit_unix_ns"])
-                    received_ns = int(out.metrics.get("kv_received_unix_ns", 0))
+                if isinstance(out, CommitOutput):  # the hand-off's first output
+                    handoff_timings = out.timings
                 if out.finished and stream.colocated:
                     with self._lock:
                         self._colocated_hits += out.num_cached_tokens
@@ -200,13 +200,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     first_token_ns = first_token_ns or now
                     if event.HasField("finish_reason"):
                         event.timings.CopyFrom(
-                            pdserve_pb2.Timings(
-                                first_token_unix_ns=first_token_ns,
-                                last_token_unix_ns=now,
-                                decode_worker=self.options.worker_id,
-                                commit_unix_ns=commit_ns,
-                                transfer_end_unix_ns=received_ns,
-                            )
+                            handoff_timings.to_proto(self.options.worker_id, first_token_ns, now)
                         )
                     yield event
                 finished = out.finished

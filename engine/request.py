@@ -118,6 +118,9 @@ class KVSink(Protocol):
 
 @dataclass(frozen=True)
 class Reservation:
+    """What LLMEngine.reserve holds for a prompt whose KV another engine writes: the one record of
+    a reservation, also the one a disaggregated decode worker's hand-off returns."""
+
     request_id: str
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens whose KV this engine already holds

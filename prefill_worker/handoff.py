@@ -1,28 +1,76 @@
-"""Prefill-side hand-off: an engine KV sink that pushes each finished layer into a reservation.
+"""Prefill-side hand-off: one prompt's KV pushed, layer by layer, into a decode reservation.
 
-Lifecycle of one request on a prefill worker:
-  Prefill(request, reservation) -> engine prefill-only request with a PushSink
-  each step, as each layer finishes -> "kv" frames for the tokens that became final (skipping the
-                                       tokens the decode side already holds from its prefix cache);
-                                       when the compute has every core, after the step's last layer
-                                       instead (see PushSink.overlap)
-  first token sampled -> "commit" frame on the same channel (so it follows all the KV); n>1: the
-                         frame carries every sequence's first token (the KV is sent once)
-  failure or abort    -> "abort" frame; the decode side frees the reservation
+It owns what lies between the engine and the KV channel for one Prefill call: the engine KV sink
+(PushSink, wrapped in GuardedSink so that a send error fails only its own request), the Waiter
+that takes the finished output off the engine loop and sends the commit, and HandoffTimings, the
+stamps the hand-off records. The servicer (service.py) checks the call, picks the channel,
+flushes it and replies. The lifecycle of one request:
+  prefill-only engine request with a GuardedSink -> as each layer finishes, "kv" frames for the
+    tokens that became final, less those the decode side's prefix cache holds (after the step's
+    last layer instead when the compute takes every core: PushSink.overlap)
+  first token sampled -> "commit" frame on the same channel, so it follows all the KV; n>1: the
+    frame carries every sequence's first token, and the KV goes once
+  failure or abort -> "abort" frame, and the decode side frees the reservation at once
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.request import RequestOutput
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.kvtransfer.transport import Destination, Transport
 from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.protos.convert import unix_ns
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HandoffTimings:
+    """The stamps of one Prefill call's hand-off, in unix ns (0: not reached), and the one place
+    they become the Timings this worker reports in its PrefillResponse."""
+
+    arrival_unix_ns: int  # the Prefill call arrived
+    num_layers: int = 1  # the model's: the first step's start is estimated from its layers' ends
+    first_layer_unix_ns: int = 0  # the first engine step's first layer done
+    first_step_end_unix_ns: int = 0  # the first engine step's last layer done
+    transfer_start_unix_ns: int = 0  # the first KV handed to the transport
+    prefill_end_unix_ns: int = 0  # the finished output arrived (first token sampled), pre-commit
+    transfer_end_unix_ns: int = 0  # the channel flushed: every frame handed to the decode side
+
+    def __post_init__(self):
+        self.num_layers = max(1, self.num_layers)
+
+    def compute_start_unix_ns(self) -> int:
+        """When the engine step that began this prompt started: the first layer's end less one
+        layer's share of that step (the engine reports layers as they end, not the step's start);
+        0 when no layer ran."""
+        first, step_end = self.first_layer_unix_ns, self.first_step_end_unix_ns
+        if not first:
+            return 0
+        if not step_end or self.num_layers == 1:
+            return first
+        per_layer = (step_end - first) / (self.num_layers - 1)
+        return int(first - per_layer)
+
+    def to_proto(self) -> pdserve_pb2.Timings:
+        return pdserve_pb2.Timings(
+            prefill_arrival_unix_ns=self.arrival_unix_ns,
+            prefill_start_unix_ns=max(self.arrival_unix_ns, self.compute_start_unix_ns()),
+            transfer_start_unix_ns=self.transfer_start_unix_ns,
+            prefill_end_unix_ns=self.prefill_end_unix_ns,
+            transfer_end_unix_ns=self.transfer_end_unix_ns,
+        )
 
 
 def compute_takes_every_core(kv: torch.Tensor) -> bool:
@@ -45,11 +93,9 @@ class PushSink:
     overlap: push each layer as it finishes, while the next computes (True), or push a step's
     layers after its last one (False). None decides at the first layer: overlap unless the KV is
     on the CPU and the compute threads take every core this process may use. Overlap hides the
-    transfer only where it has a core to run on: with the prefill on both cores of the 2-core
-    machine, the per-layer sends (and the decode side's receiving) preempted the compute, whose
-    OpenMP barriers then waited on them, and cost 2-5x the transfer's own time (512 tokens of
-    SmolLM2: grpc +56 ms against 29 ms sent after the compute, torch +88 ms against 21 ms;
-    BENCHMARKS.md, benchmarks/cluster_bench.py).
+    transfer only where it has a core to run on: when the prefill takes every core, the per-layer
+    sends (and the decode side's receiving) preempt the compute, whose OpenMP barriers then wait
+    on them, and the prefill slows by more than the transfer takes (see BENCHMARKS.md).
     """
 
     def __init__(
@@ -138,3 +184,81 @@ class PushSink:
         self.transport.send(
             ChunkHeader(self.request_id, self.layout.fingerprint, kind="abort"), None, self.dest
         )
+
+
+class GuardedSink:
+    """A PushSink whose send errors are recorded instead of raised: raised inside an engine step
+    they would fail the whole batch, every other request on this worker with it."""
+
+    def __init__(self, sink: PushSink, timings: HandoffTimings):
+        self.sink = sink
+        self.error: Exception | None = None
+        self.timings = timings  # stamps its first and first step's last layer, its first KV sent
+
+    def on_layer(self, layer: int, *args) -> None:
+        now, t = unix_ns(), self.timings
+        if not t.first_layer_unix_ns:
+            t.first_layer_unix_ns = now
+        if not t.first_step_end_unix_ns and layer == t.num_layers - 1:
+            t.first_step_end_unix_ns = now
+        if self.error is None:
+            sent = self.sink.bytes_sent
+            try:
+                self.sink.on_layer(layer, *args)
+            except Exception as e:
+                self.error = e
+            if not t.transfer_start_unix_ns and self.sink.bytes_sent > sent:
+                t.transfer_start_unix_ns = now
+
+    def commit(self, first_token: int | list[int], logprobs: list[float] | None = None) -> None:
+        if self.error is None:
+            try:
+                self.sink.commit(first_token, logprobs)
+            except Exception as e:
+                self.error = e
+
+    def abort(self) -> None:
+        try:
+            self.sink.abort()
+        except Exception as e:  # the channel is gone: the decode side's lease frees the blocks
+            log.debug("abort frame for %s not sent: %r", self.sink.request_id, e)
+
+
+def prefill_done(out: RequestOutput) -> bool:
+    """Whether every sequence of a finished prefill-only request sampled its first token."""
+    return bool(out.outputs) and all(
+        c.finish_reason == "prefill_done" and c.token_ids for c in out.outputs
+    )
+
+
+def first_tokens(out: RequestOutput) -> list[int]:
+    """Each sequence's first token, in index order."""
+    return [c.token_ids[0] for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+def first_logprobs(out: RequestOutput) -> list[float] | None:
+    """Each sequence's first token's logprob, in index order; None without logprobs."""
+    comps = sorted(out.outputs, key=lambda c: c.index)
+    if not all(c.logprobs for c in comps):
+        return None
+    return [c.logprobs[0] for c in comps]
+
+
+class Waiter:
+    """The finished output of one prefill-only request, handed from the loop thread; it stamps the
+    prefill's end and sends the commit."""
+
+    def __init__(self, sink: GuardedSink):
+        self.sink = sink
+        self.done = threading.Event()
+        self.output: RequestOutput | None = None
+
+    def __call__(self, out: RequestOutput) -> None:  # on the loop thread
+        if not out.finished:
+            return
+        # before the commit: the decode side may stamp its arrival first
+        self.sink.timings.prefill_end_unix_ns = unix_ns()
+        if prefill_done(out):
+            self.sink.commit(first_tokens(out), first_logprobs(out))
+        self.output = out
+        self.done.set()

@@ -1,22 +1,20 @@
 """The PrefillWorker gRPC service: Prefill, Abort, Stats.
 
-Lifecycle of one Prefill call:
-  check the reservation (layout fingerprint) -> open or reuse the KV channel to its endpoint
-  -> engine prefill-only request with a PushSink: each finished layer's KV is pushed while the
-     next layer computes
-  -> finished output ("prefill_done"): commit(first_token) on the same channel -> flush the
-     channel (every frame handed to the decode side) -> reply with the first token and timings
-  n>1: the prompt runs and its KV is pushed once; each of the n sequences samples its first token
-     from the prompt's last logits with its own generator (the engine's n>1), and the commit and
-     the reply carry all n (the decode worker forks the sequences)
-  timeout, Abort, client gone or a transport error -> engine request aborted, "abort" frame sent
-     (so the decode side frees the reservation at once instead of at lease expiry)
+It checks every field of a call and the reservation's numbers before any work, refuses a decode
+worker whose KV layout differs, keeps one long-lived KV channel per decode endpoint, bounds each
+call by its deadline, and counts what WorkerStats reports. The hand-off itself (the KV sink, the
+commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill call:
+  checks -> open or reuse the KV channel to the reservation's endpoint -> prefill-only engine
+  request with the hand-off's sink -> wait for the finished output (the hand-off sends the commit)
+  -> flush the channel (every frame handed to the decode side) -> reply with the first tokens and
+  the hand-off's timings.
+  Timeout, Abort, client gone or a transport error -> the engine request is aborted and an
+  "abort" frame sent, so the decode side frees the reservation at once, not at lease expiry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -24,11 +22,16 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.request import RequestOutput
 from pdserve.kvtransfer.backends import BACKENDS, connect
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.transport import Destination, Transport
-from pdserve.prefill_worker.handoff import PushSink
+from pdserve.prefill_worker.handoff import (
+    GuardedSink,
+    HandoffTimings,
+    PushSink,
+    Waiter,
+    prefill_done,
+)
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import (
     MAX_ADDRESS_CHARS,
@@ -38,101 +41,9 @@ from pdserve.protos.limits import (
     check_token_ids,
     invalid,
 )
-from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
-
-log = logging.getLogger(__name__)
-
-
-class GuardedSink:
-    """A PushSink whose send errors are recorded instead of raised: raised inside an engine step
-    they would fail the whole batch, every other request on this worker with it."""
-
-    def __init__(self, sink: PushSink, num_layers: int = 1):
-        self.sink = sink
-        self.error: Exception | None = None
-        self.num_layers = max(1, num_layers)
-        # unix ns: the first step's first and last layer done, the first KV handed to the transport
-        self.first_layer_ns = self.first_step_end_ns = self.transfer_start_ns = 0
-
-    def on_layer(self, layer: int, *args) -> None:
-        now = unix_ns()
-        if not self.first_layer_ns:
-            self.first_layer_ns = now
-        if not self.first_step_end_ns and layer == self.num_layers - 1:
-            self.first_step_end_ns = now
-        if self.error is None:
-            sent = self.sink.bytes_sent
-            try:
-                self.sink.on_layer(layer, *args)
-            except Exception as e:
-                self.error = e
-            if not self.transfer_start_ns and self.sink.bytes_sent > sent:
-                self.transfer_start_ns = now
-
-    def compute_start_ns(self) -> int:
-        """When the engine step that began this prompt started: the first layer's end less one
-        layer's share of that step (the engine reports layers as they end, not the step's start);
-        0 when no layer ran."""
-        if not self.first_layer_ns:
-            return 0
-        if not self.first_step_end_ns or self.num_layers == 1:
-            return self.first_layer_ns
-        per_layer = (self.first_step_end_ns - self.first_layer_ns) / (self.num_layers - 1)
-        return int(self.first_layer_ns - per_layer)
-
-    def commit(self, first_token: int | list[int], logprobs: list[float] | None = None) -> None:
-        if self.error is None:
-            try:
-                self.sink.commit(first_token, logprobs)
-            except Exception as e:
-                self.error = e
-
-    def abort(self) -> None:
-        try:
-            self.sink.abort()
-        except Exception as e:  # the channel is gone: the decode side's lease frees the blocks
-            log.debug("abort frame for %s not sent: %r", self.sink.request_id, e)
-
-
-def prefill_done(out: RequestOutput) -> bool:
-    """Whether every sequence of a finished prefill-only request sampled its first token."""
-    return bool(out.outputs) and all(
-        c.finish_reason == "prefill_done" and c.token_ids for c in out.outputs
-    )
-
-
-def first_tokens(out: RequestOutput) -> list[int]:
-    """Each sequence's first token, in index order."""
-    return [c.token_ids[0] for c in sorted(out.outputs, key=lambda c: c.index)]
-
-
-def first_logprobs(out: RequestOutput) -> list[float] | None:
-    """Each sequence's first token's logprob, in index order; None without logprobs."""
-    comps = sorted(out.outputs, key=lambda c: c.index)
-    if not all(c.logprobs for c in comps):
-        return None
-    return [c.logprobs[0] for c in comps]
-
-
-class _Waiter:
-    """The finished output of one prefill-only request, handed from the loop thread."""
-
-    def __init__(self, sink: GuardedSink):
-        self.sink = sink
-        self.done = threading.Event()
-        self.output: RequestOutput | None = None
-        self.end_ns = 0
-
-    def __call__(self, out: RequestOutput) -> None:  # on the loop thread
-        if not out.finished:
-            return
-        self.end_ns = unix_ns()  # before the commit: the decode side may stamp its arrival first
-        if prefill_done(out):
-            self.sink.commit(first_tokens(out), first_logprobs(out))
-        self.output = out
-        self.done.set()
 
 
 @dataclass(frozen=True)
@@ -177,7 +88,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self.counts[name] += delta
 
     def Prefill(self, request, context):
-        arrival_ns = unix_ns()
+        timings = HandoffTimings(unix_ns(), self.layout.num_layers)
         rid = request.request_id
         refusal = self._check_fields(request)
         if refusal:
@@ -224,9 +135,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
         sink = GuardedSink(
             PushSink(rid, self.layout, transport, dest, res.num_cached_tokens, self.rank_caches),
-            self.layout.num_layers,
+            timings,
         )
-        waiter = _Waiter(sink)
+        waiter = Waiter(sink)
         try:
             self.loop.add_request(
                 rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
@@ -270,7 +181,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
         except Exception as e:
             self._fail_transport(endpoint, transport, sink, context, e)
-        transfer_end_ns = unix_ns()
+        timings.transfer_end_unix_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
         comps = sorted(waiter.output.outputs, key=lambda c: c.index)
         return worker_pb2.PrefillResponse(
@@ -283,13 +194,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ),
             num_cached_tokens=waiter.output.num_cached_tokens,
             bytes_sent=sink.sink.bytes_sent,
-            timings=pdserve_pb2.Timings(
-                prefill_arrival_unix_ns=arrival_ns,
-                prefill_start_unix_ns=max(arrival_ns, sink.compute_start_ns()),
-                transfer_start_unix_ns=sink.transfer_start_ns,
-                prefill_end_unix_ns=waiter.end_ns,
-                transfer_end_unix_ns=transfer_end_ns,
-            ),
+            timings=timings.to_proto(),
         )
 
     def _check_fields(self, request) -> Refusal | None:
