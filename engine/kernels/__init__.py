@@ -49,9 +49,16 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
         with open(build / "pdserve.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
+            # Compile a copy kept beside the build: torch's build file records the source's path,
+            # so two checkouts (or a venv and a checkout) with the same source would otherwise
+            # rebuild each other's cache entry. Rewritten only when it differs (ninja sees mtimes).
+            copy = build / source.name
+            text = source.read_text()
+            if not copy.exists() or copy.read_text() != text:
+                copy.write_text(text)
             return load(
                 name=f"pdserve_{name}_{key}",
-                sources=[str(source)],
+                sources=[str(copy)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
                 extra_ldflags=["-fopenmp", "-lmvec"],
                 build_directory=str(build),
