@@ -4,8 +4,8 @@
 #
 #   usage: scripts/gen_protos.sh [OUT_DIR]
 #
-# OUT_DIR defaults to protos/ (the committed files); tests/unit/test_protos.py passes a temp dir
-# and compares byte for byte, so run this after every .proto edit and commit the result.
+# OUT_DIR defaults to protos/ (the committed files); tests/integration/test_protos_server.py passes
+# a temp dir and compares byte for byte, so run this after every .proto edit and commit the result.
 #
 # Import layout: the .proto files keep their canonical paths (pdserve/v1/pdserve.proto, include
 # root protos/), so other languages and server reflection see clean file names. protoc then

@@ -1,6 +1,6 @@
 """Must-show (b): a stranger without the cluster secret is refused at every control-plane door,
 holds nothing, and receives no prompt or KV; a process with the secret that abuses a door gets a
-clear error and holds nothing. (The KV channels of each backend: tests/unit/test_kv_security.py.)
+clear error and holds nothing. (The KV channels of each backend: tests/integration/test_kv_security.py.)
 """
 
 from __future__ import annotations

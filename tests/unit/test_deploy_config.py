@@ -1,20 +1,18 @@
 """The deployment YAML schema: defaults, the shipped examples, errors that name file and key, and
 the offline checks of the pools against the model (the security settings:
-test_deploy_security.py)."""
+test_deploy_security.py). The checks that `pdserve up` runs on the real SmolLM2 and a tiny model
+through the CLI: tests/integration/test_deploy_config_fit.py."""
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import pydantic
 import pytest
 
-from deploy_config_helpers import error_of, write
+from deploy_config_helpers import EXAMPLES, error_of, on_gpus, write
 from pdserve.cli import main
 from pdserve.deploy.config import DeployConfig, load_config, validate_config
-
-EXAMPLES = sorted((pathlib.Path(__file__).parents[2] / "deploy" / "examples").glob("*.yaml"))
 
 
 def test_defaults():
@@ -175,18 +173,6 @@ def test_cli_up_with_bad_config_exits_2_without_ray(tmp_path, capsys):
         assert "ray" not in sys.modules
 
 
-def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(
-    tmp_path, capsys, monkeypatch, tiny_models
-):
-    import ray
-
-    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
-    model_dir = tiny_models("llama-gqa")[0]  # 4 heads, 2 key/value heads
-    assert main(["up", write(tmp_path, f"model: {model_dir}\npools:\n  decode: {{tp: 4}}\n")]) == 2
-    err = capsys.readouterr().err
-    assert "pools.decode.tp: 4 does not divide" in err and "use one of [1, 2]" in err
-
-
 def test_core_plan_gives_each_local_replica_its_own_cores(monkeypatch):
     from pdserve.deploy import launcher
 
@@ -221,23 +207,15 @@ ABSENT_MODELS = {
 }
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if on_gpus(p)], ids=lambda p: p.name)
 def test_example_fits_its_model_and_machine(path):
+    """The GPU examples, against the config.json of the models they name: heads, max_model_len, and
+    fixed KV bytes (a fraction of GPU memory needs the GPU). The CPU examples, against the real
+    SmolLM2 and the machine they are for: tests/integration/test_deploy_config_fit.py."""
     from pdserve.deploy.config_checks import fit_problems
-    from pdserve.deploy.launcher import check_resources
-    from pdserve.engine.loader import load_hf_config, resolve_model
 
     cfg = load_config(str(path))
-    gpu = any(p.resources.num_gpus for _, p in cfg.worker_pools())
-    hf = ABSENT_MODELS.get(cfg.model) or load_hf_config(resolve_model(cfg.model))
-    # CPU examples: every KV check, fractions against a 24 GiB machine; GPU ones: heads,
-    # max_model_len, and fixed KV bytes (a fraction of GPU memory needs the GPU)
-    assert fit_problems(cfg, hf, cpu_memory_bytes=None if gpu else 24 << 30) == []
-    if not gpu:  # and the 2-core machine they are for holds every pool
-        assert cfg.ray.num_cpus is None or cfg.ray.num_cpus <= 2
-        check_resources(cfg, {"CPU": 2.0}, [{"CPU": 2.0}], local=True)
-        kv = sum(p.replicas * p.tp * (p.kv_cache_memory or 1 << 30) for _, p in cfg.worker_pools())
-        assert kv < 8 << 30, "KV caches beyond a third of a 24 GiB machine"
+    assert fit_problems(cfg, ABSENT_MODELS[cfg.model], cpu_memory_bytes=None) == []
 
 
 def test_fit_check_matches_what_the_engine_refuses(tiny_models):
@@ -318,22 +296,3 @@ def test_fit_check_suggests_what_to_change():
     assert fit_problems(frac, hf, cpu_memory_bytes=600 << 20)[0].startswith(
         "pools.prefill: kv_cache_memory of 314572800 bytes (300 MiB)"
     )
-
-
-# ---- pdserve up --check -------------------------------------------------------------------------
-def test_up_check_validates_without_starting_ray(tmp_path, capsys, monkeypatch):
-    import ray
-
-    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init was called"))
-    local = [p for p in EXAMPLES if p.name == "local-cpu.yaml"][0]
-    assert main(["up", str(local), "--check"]) == 0
-    assert "ok (smollm2" in capsys.readouterr().out
-    gpu_tp2 = write(
-        tmp_path,
-        "model: /nowhere/model\npools:\n"
-        "  prefill: {resources: {num_gpus: 1}}\n"
-        "  decode: {tp: 2, resources: {num_gpus: 1}}\n"
-        "ray: {address: auto}\n",
-    )
-    assert main(["up", gpu_tp2, "--check"]) == 2
-    assert "pools.decode.tp: 2 on GPUs is refused today" in capsys.readouterr().err

@@ -7,47 +7,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import SHARED_PREFIX, assert_no_leaks, random_prompts
-from engine_helpers import KV, greedy, run_until_done
+from engine_helpers import KV, CopySink, greedy, run_until_done
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class CopySink:
-    """Copies each final token range of A's layer KV into B's reserved blocks, token by token."""
-
-    def __init__(self, engine_b, reservation, num_layers: int):
-        self.b = engine_b
-        self.res = reservation
-        self.num_layers = num_layers
-        self.step = 0  # set by the test before each A.step()
-        self.calls: list[tuple[int, int, int, int]] = []  # (step, layer, start, end)
-
-    def on_layer(self, layer_idx, layer_kv, block_ids, start, end):
-        self.calls.append((self.step, layer_idx, start, end))
-        nb, bs_a = layer_kv.shape[1], layer_kv.shape[2]
-        assert layer_kv.shape[0] == 2 and layer_kv.shape[3:] == self.b.kv_cache.shape[4:]
-        assert all(0 <= b < nb for b in block_ids)
-        bs_b = self.res.block_size
-        for t in range(max(start, self.res.num_cached_tokens), end):
-            self.b.kv_cache[layer_idx, :, self.res.block_ids[t // bs_b], t % bs_b] = layer_kv[
-                :, block_ids[t // bs_a], t % bs_a
-            ]
-
-    def check(self, prompt_len: int) -> None:
-        steps = sorted({c[0] for c in self.calls})
-        covered = 0
-        for s in steps:
-            calls = [c for c in self.calls if c[0] == s]
-            assert [c[1] for c in calls] == list(range(self.num_layers)), (
-                "one call per layer, in order"
-            )
-            ranges = {(c[2], c[3]) for c in calls}
-            assert len(ranges) == 1, "every layer of a step publishes the same range"
-            ((start, end),) = ranges
-            assert start == covered and end > start, "ranges are consecutive"
-            covered = end
-        assert covered == prompt_len
 
 
 @pytest.fixture(scope="module")

@@ -1,39 +1,18 @@
 """SamplingParams(prompt_logprobs=k): each prompt token's logprob given the tokens before it, and
 the k most likely tokens there, equal HF's log-softmax of the same positions; with chunked
-prefill, over a prefix-cache hit (which such requests skip), and across TP ranks."""
+prefill and over a prefix-cache hit (which such requests skip). Across TP ranks:
+tests/integration/test_engine_prompt_logprobs_tp.py."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
 from conftest import assert_no_leaks
 from engine_helpers import KV
 from pdserve.engine import LLM, SamplingParams
+from prompt_logprobs_helpers import check
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)  # row p: the distribution of token p + 1
-
-
-def check(output, hf, prompt: list[int], k: int) -> None:
-    got = output.prompt_logprobs
-    want = hf_prompt_logprobs(hf, prompt)
-    assert len(got) == len(prompt) and got[0] is None
-    for p in range(1, len(prompt)):
-        entry = got[p]
-        assert math.isclose(entry[prompt[p]], want[p - 1, prompt[p]].item(), abs_tol=1e-4), p
-        top = want[p - 1].topk(k)
-        assert set(top.indices.tolist()) <= set(entry)
-        assert len(entry) in (k, k + 1)  # the prompt token, when it is not among the k
-        for t, v in zip(top.indices.tolist(), top.values.tolist()):
-            assert math.isclose(entry[t], v, abs_tol=1e-4)
 
 
 @pytest.mark.parametrize("chunk", [16, 512])
@@ -66,18 +45,6 @@ def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(refs):
     out = llm.generate(shared, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0
     check(out, hf, shared, 2)
-
-
-def test_tp2_gives_the_same_prompt_logprobs(refs):
-    model_dir, hf, prompts, _ = refs("llama-gqa")
-    llm = LLM(model_dir, kv_cache_memory=KV, tensor_parallel_size=2, max_num_batched_tokens=16)
-    try:
-        out = llm.generate(
-            prompts[4], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False
-        )[0]
-        check(out, hf, prompts[4], 2)
-    finally:
-        llm.shutdown()
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 2.5, "3"])

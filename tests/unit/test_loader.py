@@ -1,9 +1,9 @@
-"""Tests for engine.loader: model resolution, GGUF conversion and safetensors iteration."""
+"""Tests for engine.loader: model resolution, GGUF conversion and safetensors iteration, on tiny
+models (the real SmolLM2's conversion: tests/integration/test_loader_smollm2.py)."""
 
 from __future__ import annotations
 
 import pathlib
-import time
 
 import gguf
 import numpy as np
@@ -384,46 +384,3 @@ def test_cache_key_changes_with_converter_version(tmp_path, monkeypatch):
     key = resolve.gguf_cache_key(f)
     monkeypatch.setattr(resolve, "CONVERTER_VERSION", gguf_convert.CONVERTER_VERSION + 1)
     assert resolve.gguf_cache_key(f) != key and key.startswith("m-")
-
-
-# --- the real model --------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_smollm2_converts_and_answers(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("pdserve-cache")
-    t0 = time.perf_counter()
-    out = resolve_model("smollm2", cache_dir=cache)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    mtime = (out / "model.safetensors").stat().st_mtime_ns
-    assert resolve_model("SMOLLM2", cache_dir=cache) == out
-    cached = time.perf_counter() - t0
-    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
-    print(
-        f"\nsmollm2: first resolve (conversion) {first:.1f}s, cached resolve {cached * 1000:.1f}ms"
-    )
-
-    cfg = load_hf_config(out)
-    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
-        576,
-        9,
-        3,
-    )
-    assert cfg["vocab_size"] == 49152 and cfg["tie_word_embeddings"] is True
-    assert cfg["rope_parameters"]["rope_theta"] == 100000.0 and cfg["dtype"] == "float32"
-
-    tok = AutoTokenizer.from_pretrained(out)
-    assert tok.eos_token == "<|im_end|>"
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    inputs = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    with torch.no_grad():
-        ids = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    answer = tok.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert "Paris" in answer, answer

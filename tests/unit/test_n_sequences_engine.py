@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_no_leaks, random_prompts
-from engine_helpers import KV, run_until_done
+from engine_helpers import KV, CopySink, run_until_done
 from n_sequences_helpers import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import InvalidRequest, NoFreeBlocks
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from test_engine_hooks import CopySink
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

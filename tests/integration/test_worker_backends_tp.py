@@ -10,41 +10,12 @@ shm, the sender writes straight into each decode rank's pool).
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
-from conftest import random_prompts
+from conftest import random_prompts, wait_until
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2_grpc
-from test_worker_services import GREEDY, MAX_MODEL_LEN, Cluster, generate_concurrently, wait_until
-from worker_helpers import start_decode, start_prefill
-
-
-class BackendCluster(Cluster):
-    def __init__(self, model_dir, backend: str, prefill_tp: int, decode_tp: int, **engine):
-        # its own workers; `engine`: more engine settings for both (e.g. kv_cache_dtype)
-        self.decode = start_decode(
-            model_dir,
-            engine=dict(
-                kv_cache_memory=1 << 17,
-                max_model_len=MAX_MODEL_LEN,
-                tensor_parallel_size=decode_tp,
-                **engine,
-            ),
-            lease_ms=10_000,
-            kv_backend=backend,
-        )
-        try:
-            self.prefill = start_prefill(
-                model_dir, engine=dict(tensor_parallel_size=prefill_tp, **engine)
-            )
-        except BaseException:
-            self.decode.stop()
-            raise
-        self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
-        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
-        self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
+from worker_helpers import GREEDY, BackendCluster, generate_concurrently
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """The cluster and the raw HTTP helpers shared by the tests of the OpenAI-compatible HTTP front
-(router/http_api.py): tests/unit/test_http_*.py.
+(router/http_api.py): tests/integration/test_http_*.py.
 
-Not a test module: imported as `from http_helpers import ...` (pytest's default "prepend" import
-mode puts tests/unit on sys.path). The fixtures are `fixture_<name>` functions registered as
-`<name>` (`workers`, `router`, `colocated`, `secured`, `llm`, `idle`), so that a test module imports
-the ones it uses and its tests' parameters do not shadow the imports; the module-scoped ones then
-start once per test module: a DecodeWorker, a PrefillWorker and Routers in front with
-http_port=0, on a tiny random model given a chat template.
+Not a test module: imported as `from http_helpers import ...` (it lives in tests/, next to
+conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+fixtures are `fixture_<name>` functions registered as `<name>` (`workers`, `router`, `colocated`,
+`secured`, `llm`, `idle`), so that a test module imports the ones it uses and its tests' parameters
+do not shadow the imports; the module-scoped ones then start once per test module: a DecodeWorker,
+a PrefillWorker and Routers in front with http_port=0, on a tiny random model given a chat
+template.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What a stranger (or a broken peer) on the network can do to a decode worker's KV server: without
 the cluster secret nothing reaches the handler; every field it sends is checked before work; a
-layer counts as written only when its bytes arrived; idle channels cannot lock real senders out."""
+layer counts as written only when its bytes arrived; idle channels cannot lock real senders out.
+(The receiver's own check of an in-place header: tests/unit/test_kv_receiver_checks.py.)"""
 
 from __future__ import annotations
 
@@ -14,10 +15,19 @@ import uuid
 import grpc
 import msgpack
 import pytest
-import torch
 import torch.distributed as dist
 
-from conftest import threads_joined
+from kv_helpers import (
+    LAYOUT_KW,
+    NUM_TOKENS,
+    SRC_BLOCK_IDS,
+    TIMEOUT,
+    DecodeSide,
+    fixture_no_leaked_threads_of_refusals,  # noqa: F401 - autouse, every test
+    push_request,
+    source_cache,
+    src_layout,
+)
 from pdserve.kvtransfer import ChunkHeader, TransferState
 from pdserve.kvtransfer.backends import connect
 from pdserve.kvtransfer.backends.grpc_backend import (
@@ -30,27 +40,10 @@ from pdserve.kvtransfer.backends.torch_auth import CONNECTIONS_KEY, conn_prefix
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.protos.security import INSECURE, ClusterSecurity
-from test_kv_backends import (
-    LAYOUT_KW,
-    NUM_TOKENS,
-    SRC_BLOCK_IDS,
-    TIMEOUT,
-    DecodeSide,
-    push_request,
-    source_cache,
-    src_layout,
-)
 
 SECURITY = ClusterSecurity("kv-test-secret-0123456789")
 STRANGERS = [INSECURE, ClusterSecurity("not-the-cluster-secret")]
 QUICK = 2.0  # a refusal comes back well within this (a spinning or hanging server does not)
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads():
-    """Refused streams and handshakes hold no thread once the server stopped."""
-    with threads_joined(2.0):
-        yield
 
 
 @pytest.fixture
@@ -245,27 +238,6 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
     assert "head_dim" in finished(side, "bad-dim").error
     side.assert_received("good", 9)  # the channel that carried the bad frames went on
     assert good.block_ids == [5, 6, 7]
-
-
-def test_the_receiver_checks_an_in_place_header_against_its_layout():
-    layout = dataclasses.replace(src_layout(), block_size=16)
-    cache = torch.zeros(3, 2, 4, 16, 2, 8)
-    ok = ChunkHeader("r", layout.fingerprint, 0, 0, 10, 0, 2, 8, "float32", in_place=True)
-    for bad, complaint in [
-        (dict(layer=3), "layer 3"),
-        (dict(head_dim=4), "head_dim"),
-        (dict(dtype="bfloat16"), "dtype"),
-        (dict(head_end=3), "kv heads"),
-        (dict(start=10), "non-empty"),
-        (dict(end=NUM_TOKENS + 1), "non-empty"),
-    ]:
-        rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
-        assert rx.on_frame(dataclasses.replace(ok, **bad), None) == TransferState.FAILED
-        assert complaint in rx.error, rx.error
-    rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
-    assert rx.on_frame(ok, b"\0" * 4) == TransferState.FAILED and "no payload" in rx.error
-    rx = KVReceiver("r", cache, layout, [0, 1, 2], 0, NUM_TOKENS)
-    assert rx.on_frame(ok, None) == TransferState.TRANSFERRING  # what the shm server passes
 
 
 # ---- a layer is written only when its bytes arrived ------------------------------------------------

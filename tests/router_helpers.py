@@ -1,11 +1,12 @@
 """The router and the request shared by the tests of the router's worker pool: membership that
-changes at run time (tests/unit/test_router_membership.py) and requests that outlive their decode
-worker (tests/unit/test_router_failover.py).
+changes at run time (tests/integration/test_router_membership.py) and requests that outlive their
+decode worker (tests/integration/test_router_failover_workers.py and, without a worker,
+tests/unit/test_router_failover.py).
 
-Not a test module: imported as `from router_helpers import ...` (pytest's default "prepend" import
-mode puts tests/unit on sys.path). The fixture is a `fixture_<name>` function registered as
-`<name>` (`model_dir`, module-scoped), so that a test module imports it and its tests' parameters
-do not shadow the import.
+Not a test module: imported as `from router_helpers import ...` (it lives in tests/, next to
+conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+fixture is a `fixture_<name>` function registered as `<name>` (`model_dir`, module-scoped), so that
+a test module imports it and its tests' parameters do not shadow the import.
 """
 
 from __future__ import annotations

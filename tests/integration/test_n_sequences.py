@@ -20,7 +20,7 @@ from n_sequences_helpers import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_helpers import start_decode, start_prefill, start_router, stop_all
+from worker_helpers import BackendCluster, start_decode, start_prefill, start_router, stop_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -308,8 +308,6 @@ def test_colocated_n_outputs_equal_the_engines(tiny_models, llm):
 # ---- prefill and decode of different tensor-parallel sizes ---------------------------------
 @pytest.mark.parametrize("backend,prefill_tp,decode_tp", [("grpc", 2, 1), ("shm", 1, 2)])
 def test_n_across_tp_sizes_equals_the_engine(tiny_models, llm, backend, prefill_tp, decode_tp):
-    from test_worker_backends_tp import BackendCluster
-
     model_dir = tiny_models("llama-gqa")[0]
     workers = BackendCluster(model_dir, backend, prefill_tp, decode_tp)
     router = None

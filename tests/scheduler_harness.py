@@ -10,8 +10,8 @@ is registered under exactly that text's chained hash (so a lookup can only ever 
 text).
 
 Not a test module: the test_scheduler*.py modules import it as `from scheduler_harness import ...`
-(pytest's default "prepend" import mode puts tests/unit on sys.path, as it does tests/ for
-`from conftest import ...`).
+(it lives in tests/, next to conftest.py, which pytest's default "prepend" import mode puts on
+sys.path for every test).
 """
 
 from __future__ import annotations

@@ -15,66 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import leaves_no_threads, random_prompts, run_in_threads, wait_until
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.server import Router, RouterConfig
-from pdserve.router.text import TextStream
-from worker_helpers import record_aborts, start_decode, start_prefill, start_router, stop_all
-
-RPC_TIMEOUT = 20.0
-MAX_MODEL_LEN = 256
-GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-class Cluster:
-    def __init__(self, model_dir):
-        engine = dict(max_model_len=MAX_MODEL_LEN)
-        self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
-        self.prefill = start_prefill(model_dir, engine=engine)
-        self.router = start_router(
-            model_dir, self.decode, self.prefill, max_model_len=MAX_MODEL_LEN, max_inflight=16
-        )
-        self.channels = [
-            grpc.insecure_channel(a) for a in (self.router.address, self.decode.address)
-        ]
-        self.api = pdserve_pb2_grpc.PDServeStub(self.channels[0])
-        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[1])
-
-    def stop(self):
-        stop_all(self.channels, self.router, self.prefill, self.decode)
-
-    def stats(self):
-        return self.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
-
-    def generate(self, sampling=GREEDY, **input_):
-        """(token ids, text, Finish) of a request with one of text=, token_ids=, chat= set."""
-        if "token_ids" in input_:
-            input_["token_ids"] = pdserve_pb2.TokenIds(ids=input_["token_ids"])
-        if "chat" in input_:
-            input_["chat"] = pdserve_pb2.ChatMessages(
-                messages=[pdserve_pb2.ChatMessage(role=r, content=c) for r, c in input_["chat"]]
-            )
-        model = input_.pop("model", "")
-        responses = list(
-            self.api.Generate(
-                pdserve_pb2.GenerateRequest(sampling=sampling, model=model, **input_),
-                timeout=RPC_TIMEOUT,
-            )
-        )
-        deltas = [r.delta for r in responses if r.HasField("delta")]
-        assert [r.HasField("finish") for r in responses] == [False] * len(deltas) + [True]
-        assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
-        return (
-            [t for d in deltas for t in d.token_ids],
-            "".join(d.text for d in deltas),
-            responses[-1].finish,
-        )
-
-
-def pool_idle(cluster) -> bool:
-    s = cluster.stats()
-    return s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
+from router_cluster_helpers import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster, pool_idle
+from worker_helpers import record_aborts
 
 
 @pytest.fixture(scope="module")
@@ -300,21 +245,6 @@ def test_unreachable_prefill_worker_is_retried_on_another(idle, expected, caplog
         router.stop()
     retried = [r for r in caplog.records if "failed: StatusCode.UNAVAILABLE" in r.getMessage()]
     assert retried, "no request picked the dead prefill worker first"
-
-
-def test_text_that_may_start_a_stop_string_is_held_back(tiny_models):
-    tokenizer = load_tokenizer(tiny_models("llama-gqa")[0])
-    cut = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=False)
-    assert [cut.add([5]), cut.add([6]), cut.add([7]), cut.flush()] == [" t5", " ", "", ""]
-    assert cut.stopped
-    kept = TextStream(tokenizer, [3], True, ("t6 t7",), include_stop_str=True)
-    assert "".join([kept.add([5]), kept.add([6]), kept.add([7]), kept.flush()]) == " t5 t6 t7"
-    miss = TextStream(tokenizer, [3], True, ("t6 t8",), include_stop_str=False)
-    assert [miss.add([5]), miss.add([6]), miss.add([7])] == [
-        " t5",
-        " ",
-        "t6 t7",
-    ] and not miss.stopped
 
 
 def test_client_cancel_during_prefill_frees_both_sides_within_a_second(idle, monkeypatch):

@@ -1,9 +1,9 @@
 """What the tests of n > 1 (issue #16) share: the sampling of n sequences they send, greedy and
 seeded, and the model length; tests/unit/test_n_sequences_engine.py (the engines and the commit
-frame) and tests/unit/test_n_sequences.py (through the workers and the Router).
+frame) and tests/integration/test_n_sequences.py (through the workers and the Router).
 
-Not a test module: imported as `from n_sequences_helpers import ...` (pytest's default "prepend"
-import mode puts tests/unit on sys.path).
+Not a test module: imported as `from n_sequences_helpers import ...` (it lives in tests/, next to
+conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test).
 """
 
 from __future__ import annotations

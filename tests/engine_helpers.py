@@ -1,0 +1,77 @@
+"""Helpers shared by the engine tests on tiny random models (tests/unit/test_engine_*.py, and
+tests/integration/test_engine_*.py for those that need processes): greedy sampling, stepping an
+engine to the end, `CopySink` (the kv_sink that the disaggregation hooks' tests hand a
+prefill-only engine) and `needs_x86_int8` (the skip mark of the int8 tests).
+
+Not a test module: imported as `from engine_helpers import ...` (it lives in tests/, next to
+conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+fixtures those tests share (`refs`, the HF greedy reference continuations, and `one_thread`) are in
+tests/conftest.py, with the reference set's constants.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import NEW
+from pdserve.engine import SamplingParams
+
+KV = 1 << 22
+
+
+def greedy(max_tokens: int = NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run_until_done(engine, max_steps: int = 10_000) -> list:
+    outs = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outs
+        outs += engine.step()
+    raise AssertionError("engine did not finish")
+
+
+class CopySink:
+    """Copies each final token range of A's layer KV into B's reserved blocks, token by token."""
+
+    def __init__(self, engine_b, reservation, num_layers: int):
+        self.b = engine_b
+        self.res = reservation
+        self.num_layers = num_layers
+        self.step = 0  # set by the test before each A.step()
+        self.calls: list[tuple[int, int, int, int]] = []  # (step, layer, start, end)
+
+    def on_layer(self, layer_idx, layer_kv, block_ids, start, end):
+        self.calls.append((self.step, layer_idx, start, end))
+        nb, bs_a = layer_kv.shape[1], layer_kv.shape[2]
+        assert layer_kv.shape[0] == 2 and layer_kv.shape[3:] == self.b.kv_cache.shape[4:]
+        assert all(0 <= b < nb for b in block_ids)
+        bs_b = self.res.block_size
+        for t in range(max(start, self.res.num_cached_tokens), end):
+            self.b.kv_cache[layer_idx, :, self.res.block_ids[t // bs_b], t % bs_b] = layer_kv[
+                :, block_ids[t // bs_a], t % bs_a
+            ]
+
+    def check(self, prompt_len: int) -> None:
+        steps = sorted({c[0] for c in self.calls})
+        covered = 0
+        for s in steps:
+            calls = [c for c in self.calls if c[0] == s]
+            assert [c[1] for c in calls] == list(range(self.num_layers)), (
+                "one call per layer, in order"
+            )
+            ranges = {(c[2], c[3]) for c in calls}
+            assert len(ranges) == 1, "every layer of a step publishes the same range"
+            ((start, end),) = ranges
+            assert start == covered and end > start, "ranges are consecutive"
+            covered = end
+        assert covered == prompt_len
+
+
+# int8 linears need one of torch's x86 quantized engines
+needs_x86_int8 = pytest.mark.skipif(
+    not any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "onednn")),
+    reason="torch has no x86 quantized engine here",
+)

@@ -1,0 +1,63 @@
+"""Tensor parallelism on tiny random models, with TP=2's rank processes: TP=2 gives TP=1's tokens,
+and with kv_cache_shared_dir rank 0 sees every rank's KV pool. (The TP sizes refused before any
+rank starts: tests/unit/test_engine_tp.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks
+from engine_helpers import KV, greedy
+from pdserve.engine import LLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
+def test_tp2_matches_tp1(refs, kind):
+    model_dir, _, prompts, _ = refs(kind)
+    prompts = [prompts[i] for i in (0, 3, 5, 6, 9)]  # 1, 17, 100, 200 and a shared-prefix one
+    kw = dict(kv_cache_memory=KV, block_size=16, max_num_batched_tokens=64)
+    tp1 = LLM(model_dir, **kw)
+    want = [o.outputs[0].token_ids for o in tp1.generate(prompts, greedy(), use_tqdm=False)]
+    llm = LLM(model_dir, tensor_parallel_size=2, **kw)
+    try:
+        got = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        # a later, smaller batch over the same ranks (decode + prefix hits across steps)
+        again = llm.generate(prompts[:2], greedy(8), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [w[:8] for w in want[:2]]
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+    assert llm.engine.tp is None
+
+
+def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
+    """With kv_cache_shared_dir, rank 0 sees each rank's pool: concatenated over the kv-head axis
+    they hold exactly what a tp=1 engine holds for the same request; shutdown removes the files."""
+    model_dir, _, prompts, _ = refs("llama-gqa")
+    kw = dict(kv_cache_memory=KV, block_size=16, enable_prefix_caching=False)
+    prompt = prompts[5]
+    tp1 = LLM(model_dir, **kw)
+    tp1.generate(prompt, greedy(4), use_tqdm=False)
+    llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_shared_dir=str(tmp_path), **kw)
+    try:
+        paths = llm.engine.kv_cache_paths
+        assert len(paths) == 2 and all(p.startswith(str(tmp_path)) for p in paths)
+        llm.generate(prompt, greedy(4), use_tqdm=False)
+        caches = llm.engine.rank_kv_caches()
+        assert caches[0] is llm.engine.kv_cache
+        num_blocks = -(-len(prompt) // 16)
+        # both engines allocate the same first blocks to their first request
+        whole = torch.cat([c[:, :, :num_blocks] for c in caches], dim=4)
+        assert torch.count_nonzero(caches[1][:, :, :num_blocks]) > 0
+        torch.testing.assert_close(
+            whole, tp1.engine.kv_cache[:, :, :num_blocks], rtol=1e-4, atol=1e-5
+        )
+    finally:
+        llm.shutdown()
+    assert not any(os.path.exists(p) for p in paths)

@@ -1,0 +1,232 @@
+"""The DecodeWorker and PrefillWorker gRPC services end to end in one process, over 127.0.0.1:
+Reserve -> Prefill (KV pushed over the grpc kvtransfer backend) -> Stream, bad requests, aborts,
+a client that goes away, lease expiry and a layout mismatch. Every wait has a timeout, and every
+test ends with the decode pool fully free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import leaves_no_threads, random_prompts, wait_until
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from worker_helpers import (
+    GREEDY,
+    MAX_MODEL_LEN,
+    RPC_TIMEOUT,
+    Cluster,
+    generate_concurrently,
+    record_aborts,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models):
+    with leaves_no_threads():
+        c = Cluster(tiny_models("llama-gqa")[0])
+        yield c
+        c.stop()
+
+
+@pytest.fixture
+def idle(cluster):
+    """Each test leaves the decode pool as it found it: every block free, nothing reserved."""
+    yield cluster
+
+    def clean():
+        s = cluster.stats()
+        return (
+            s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0 and s.num_running == 0
+        )
+
+    wait_until(clean, 5, f"decode pool not back to idle: {cluster.stats()}")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    prompts = random_prompts([30, 7, 21], seed=5)
+    llm = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20)
+    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def test_reserve_prefill_stream_matches_engine(idle, expected):
+    prompts, want = expected
+    for i, prompt in enumerate(prompts):
+        assert idle.generate(f"seq-{i}", prompt) == want[i]
+    assert generate_concurrently(idle, prompts) == want
+
+
+def test_bad_requests_name_the_problem_and_the_worker_keeps_serving(idle, expected):
+    cases = [
+        ([], GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (list(range(2, 2 + MAX_MODEL_LEN)), GREEDY, grpc.StatusCode.OUT_OF_RANGE, "max_model_len"),
+        (
+            [5, 6, 7],
+            pdserve_pb2.SamplingParams(top_p=1.5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+    ]
+    for i, (prompt, sampling, code, named) in enumerate(cases):
+        with pytest.raises(grpc.RpcError) as err:
+            idle.reserve(f"bad-{i}", prompt, sampling)
+        assert err.value.code() == code and named in err.value.details(), err.value
+    with pytest.raises(grpc.RpcError) as err:
+        idle.prefill_req(
+            "bad-p", [5, 6], worker_pb2.ReserveResponse(), pdserve_pb2.SamplingParams(top_p=1.5)
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+    prompts, want = expected
+    assert idle.generate("good-after-bad", prompts[1]) == want[1]
+
+
+def test_pool_full_is_resource_exhausted(idle):
+    total = idle.stats().num_total_blocks
+    prompts = random_prompts([MAX_MODEL_LEN - 8] * (total + 1), seed=21)
+    reserved, code = [], None
+    for i, prompt in enumerate(prompts):
+        try:
+            idle.reserve(f"full-{i}", prompt)
+            reserved.append(f"full-{i}")
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            break
+    for rid in reserved:
+        assert idle.d.Abort(
+            worker_pb2.WorkerAbortRequest(request_id=rid), timeout=RPC_TIMEOUT
+        ).found
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry later" in details
+    assert reserved, "not even one reservation fit"
+
+
+def test_unknown_stream_abort_and_cancelled_stream(idle, monkeypatch):
+    with pytest.raises(grpc.RpcError) as err:
+        idle.stream("nobody")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # Abort of a reservation frees its blocks at once; its stream ends with "abort"
+    prompt = random_prompts([40], seed=7)[0]
+    idle.reserve("to-abort", prompt)
+    s = idle.stats()
+    assert s.num_reserved == 1 and s.num_free_blocks < s.num_total_blocks
+    assert idle.d.Abort(
+        worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT
+    ).found
+    s = idle.stats()
+    assert s.num_reserved == 0 and s.num_free_blocks == s.num_total_blocks
+    assert idle.stream("to-abort")[-1].finish_reason == "abort"
+    assert not idle.d.Abort(
+        worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT
+    ).found
+    # a client that cancels its stream mid-way: the decode side aborts the request
+    aborted = record_aborts(idle.decode, monkeypatch)
+    long = pdserve_pb2.SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
+    prompt = random_prompts([8], seed=8)[0]
+    reservation = idle.reserve("cancel-me", prompt, long)
+    idle.prefill_req("cancel-me", prompt, reservation, long)
+    call = idle.d.Stream(worker_pb2.StreamRequest(request_id="cancel-me"), timeout=RPC_TIMEOUT)
+    first = next(call)
+    assert first.token_ids and not first.HasField("finish_reason")
+    call.cancel()
+    wait_until(lambda: aborted, 1.0, "the decode side did not abort the cancelled stream's request")
+    assert aborted[0] == ("cancel-me", "the stream client went away")
+    s = idle.stats()
+    assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+
+
+def test_lease_expiry_frees_a_reservation_never_prefilled(idle):
+    prompt = random_prompts([33], seed=9)[0]
+    reply = idle.reserve("lease", prompt, lease_ms=300)
+    assert len(reply.block_ids) == 3 and reply.block_size == 16
+    assert 0 < reply.lease_deadline_unix_ns - time.time_ns() <= 300_000_000
+    assert idle.stats().num_reserved == 1
+    wait_until(lambda: idle.stats().num_reserved == 0, 2.0, "the lease never expired")
+    s = idle.stats()
+    assert s.num_free_blocks == s.num_total_blocks
+    last = idle.stream("lease")[-1]
+    assert last.finish_reason == "abort" and "lease expired" in last.stop_str
+
+
+def test_prefill_into_another_layout_is_refused(idle):
+    prompt = random_prompts([20], seed=10)[0]
+    reservation = idle.reserve("other-layout", prompt)
+    assert reservation.endpoint.backend == "grpc" and reservation.endpoint.tp_size == 1
+    assert reservation.endpoint.layout_fingerprint == idle.prefill.layout.fingerprint
+    forged = worker_pb2.ReserveResponse()
+    forged.CopyFrom(reservation)
+    forged.endpoint.layout_fingerprint = "0123456789abcdef"
+    with pytest.raises(grpc.RpcError) as err:
+        idle.prefill_req("other-layout", prompt, forged)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "same model" in err.value.details()
+    assert idle.d.Abort(
+        worker_pb2.WorkerAbortRequest(request_id="other-layout"), timeout=RPC_TIMEOUT
+    ).found
+    p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+    assert p.num_running == 0 and p.num_waiting == 0
+
+
+def test_stats_answer_while_the_engine_loop_is_busy(idle):
+    """Health checks and heartbeats read Stats: a long engine step (a long prompt's prefill) must
+    not make a live worker look dead, so Stats does not wait for the loop thread."""
+    release = threading.Event()
+    busy = [w.loop.submit(release.wait, 30) for w in (idle.decode, idle.prefill)]
+    try:
+        time.sleep(0.1)
+        assert not any(f.done() for f in busy)  # both loop threads are held
+        d = idle.d.Stats(worker_pb2.StatsRequest(), timeout=1.0)
+        p = idle.p.Stats(worker_pb2.StatsRequest(), timeout=1.0)
+        assert d.num_free_blocks == d.num_total_blocks > 0 and d.worker_id == "d0"
+        assert p.num_total_blocks > 0 and p.num_waiting == 0 and p.worker_id == "p0"
+    finally:
+        release.set()
+    assert all(f.result(5) for f in busy)
+
+
+def test_more_open_streams_than_sixteen_leave_the_worker_answering(tiny_models):
+    """Every open Stream holds a gRPC handler thread on the decode worker; with a fixed pool of 16
+    the 17th stream and every Stats/Reserve behind it waited for a stream to end."""
+    n = 24
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=tiny_models("llama-gqa")[0],
+            worker_id="d-many",
+            lease_ms=20_000,
+            engine_kwargs=dict(kv_cache_memory=1 << 20, block_size=4, max_model_len=MAX_MODEL_LEN),
+        )
+    ).start()
+    channel = grpc.insecure_channel(worker.address)
+    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+    calls = []
+    try:
+        for i, prompt in enumerate(random_prompts([3] * n, seed=17)):
+            stub.Reserve(
+                worker_pb2.ReserveRequest(
+                    request_id=f"many-{i}", prompt_token_ids=prompt, sampling=GREEDY
+                ),
+                timeout=1.0,
+            )
+            calls.append(
+                stub.Stream(worker_pb2.StreamRequest(request_id=f"many-{i}"), timeout=RPC_TIMEOUT)
+            )
+        time.sleep(0.2)  # every stream is open and waiting for its KV
+        assert stub.Stats(worker_pb2.StatsRequest(), timeout=1.0).num_reserved == n
+        # the last stream is served too: after an abort it ends at once with "abort"
+        assert stub.Abort(
+            worker_pb2.WorkerAbortRequest(request_id=f"many-{n - 1}"), timeout=1.0
+        ).found
+        assert list(calls[-1])[-1].finish_reason == "abort"
+    finally:
+        for i in range(n):
+            stub.Abort(worker_pb2.WorkerAbortRequest(request_id=f"many-{i}"), timeout=RPC_TIMEOUT)
+        for call in calls:
+            call.cancel()
+        channel.close()
+        worker.stop()
