@@ -108,8 +108,7 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         # requests that finished outside step() (commit): the next step() reports them
         self._undelivered: list[RequestOutput] = []
-        # the last STEP_TRACE_LEN steps that computed something (read and cleared on the thread
-        # that steps; experiments/slo_validation.py fits serving-path step models from it)
+        # the last STEP_TRACE_LEN steps that computed something (read and cleared by their reader)
         self.step_trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
 
     def _start_ranks(self, model_dir) -> None:
