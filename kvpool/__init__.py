@@ -4,9 +4,11 @@ A pool that another process must reach (a tensor-parallel rank's pool read by ra
 worker's pool written in place by an shm sender) lives in a file, usually under /dev/shm, mapped
 with torch.from_file. The engine's model runner creates its pool here, and kvtransfer's shm
 backend creates and maps pools through the same functions, so the file's mode (0600: its owner's
-processes only), its zero fill and its size check are the same everywhere. An engine's files are
-named after its process (new_pool_paths), so the files of a process killed before it could unlink
-them are found and removed later (remove_stale_pool_files).
+processes only), its zero fill and its size check are the same everywhere. A new pool's memory is
+reserved when its file is made, so a full filesystem fails there with one line naming the bytes
+needed and free (PoolSpaceError), not later as a SIGBUS in whichever process touches a page
+first. An engine's files are named after its process (new_pool_paths), so the files of a process
+killed before it could unlink them are found and removed later (remove_stale_pool_files).
 
 A package of its own, importing only torch and the standard library, so that the engine and
 kvtransfer can both use it and still never import each other (tests/unit/test_boundaries.py).
@@ -15,6 +17,7 @@ kvtransfer can both use it and still never import each other (tests/unit/test_bo
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import math
 import os
@@ -31,16 +34,67 @@ def _shape_and_bytes(shape, dtype: torch.dtype) -> tuple[tuple[int, ...], int, i
     return shape, numel, numel * torch.empty((), dtype=dtype).element_size()
 
 
+class PoolSpaceError(OSError):
+    """The filesystem of a new pool file cannot hold the pool; the message is one line for the
+    operator: the path, the bytes needed, the bytes free, and what to change."""
+
+
+def _free_bytes(fd: int) -> int | None:
+    try:
+        st = os.fstatvfs(fd)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _no_space(path: str, needed: int, free: int | None) -> PoolSpaceError:
+    directory = os.path.dirname(path) or "."
+    has = "too little" if free is None else f"{free} bytes ({free / 2**20:.1f} MiB)"
+    return PoolSpaceError(
+        f"the shared KV pool {path} needs {needed} bytes ({needed / 2**20:.1f} MiB) but "
+        f"{directory} has {has} free: lower kv_cache_memory, make {directory} larger (docker "
+        f"run --shm-size, or mount -o remount,size=...), or use the grpc or torch KV backend "
+        f"instead of shm"
+    )
+
+
+def _reserve(fd: int, path: str, nbytes: int) -> None:
+    """Give the file its nbytes for real (posix_fallocate), or raise PoolSpaceError. A sparse file
+    would take its pages on first touch, and a full tmpfs answers that touch with SIGBUS."""
+    free = _free_bytes(fd)
+    if free is not None and free < nbytes:
+        raise _no_space(path, nbytes, free)
+    fallocate = getattr(os, "posix_fallocate", None)
+    try:
+        if fallocate is None:
+            raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
+        fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise _no_space(path, nbytes, _free_bytes(fd)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, nbytes)  # a filesystem that cannot allocate ahead: sparse, as before
+
+
 def create_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor backed by a new file at `path` (an existing file is truncated),
     which other processes can map with `map_pool_file`. The file outlives the tensor: unlink it
-    when the pool is retired (the mapping stays valid after the unlink for as long as it lives)."""
+    when the pool is retired (the mapping stays valid after the unlink for as long as it lives).
+
+    The file's bytes are allocated here (posix_fallocate): on tmpfs (/dev/shm) that commits the
+    pool's memory up front, zeroed pages and all, which is the point: a filesystem that cannot
+    hold the pool raises PoolSpaceError now, and the file is removed."""
     shape, numel, nbytes = _shape_and_bytes(shape, dtype)
     if numel <= 0:
         raise ValueError(f"a shared KV pool needs a non-empty shape, got {shape}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.ftruncate(fd, nbytes)  # a fresh (truncated) file reads as zeros
+        _reserve(fd, path, nbytes)  # a fresh (truncated) file reads as zeros
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
     finally:
         os.close(fd)
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)

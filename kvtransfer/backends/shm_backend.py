@@ -10,7 +10,9 @@ The sender (ShmTransport) maps the same file and writes each "kv" chunk into it,
 never serialized; only the header travels, on the ordered control channel, followed by "commit"
 and "abort" frames, so the KV is in place before the commit is seen. Only this backend's control
 server takes such in-place frames. The control channel needs the deployment's cluster secret like
-the gRPC backend, and the pool file is mode 0600 (its owner's processes only).
+the gRPC backend, and the pool file is mode 0600 (its owner's processes only). A sender unmaps a
+receiver's pool once the receiver is gone, or it would hold every dead receiver's pages
+(release_gone_pools).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import tempfile
 import threading
 import uuid
+import weakref
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 import numpy as np
@@ -274,6 +277,73 @@ class ShmServer(TransportServer):
         self._control.stop()
 
 
+WATCH_S = 2.0  # how often a sender process checks that the pools it maps still exist
+
+_live: weakref.WeakSet = weakref.WeakSet()  # every ShmTransport holding a mapping
+_live_lock = threading.Condition()  # notified when a transport leaves _live
+_watching = False
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def release_gone_pools() -> int:
+    """Unmap, in every ShmTransport of this process, the pools whose file was unlinked or replaced
+    (their receiver is gone); returns how many transports let go. Runs every WATCH_S seconds on a
+    daemon thread while any transport maps a pool, and when a transport is made."""
+    with _live_lock:
+        transports = list(_live)
+    released = 0
+    for transport in transports:
+        why = transport._why_gone()
+        if why is not None:
+            transport._release(why)
+            released += 1
+    return released
+
+
+def _watch() -> None:
+    global _watching
+    while True:
+        with _live_lock:
+            _live_lock.wait_for(lambda: not _live, WATCH_S)
+            if not _live:  # the last transport closed: the next one starts a watcher again
+                _watching = False
+                return
+        release_gone_pools()
+
+
+def _track(transport: ShmTransport) -> None:
+    """Watch `transport`'s pools; one it replaces (same control address, another pool: its
+    receiver restarted) is released now."""
+    global _watching
+    with _live_lock:
+        replaced = [
+            t
+            for t in _live
+            if t._control_address == transport._control_address and t is not transport
+        ]
+        _live.add(transport)
+        if not _watching:
+            _watching = True
+            threading.Thread(target=_watch, name="pdserve-shm-pools", daemon=True).start()
+    for old in replaced:
+        if old._paths != transport._paths:
+            old._release(f"its receiver at {old._control_address} now serves {transport._paths}")
+    release_gone_pools()
+
+
+def _untrack(transport: ShmTransport) -> None:
+    with _live_lock:
+        _live.discard(transport)
+        _live_lock.notify_all()
+
+
 class ShmTransport(Transport):
     """Sender side: writes KV into the mapped pool; headers go on the control channel.
 
@@ -286,6 +356,10 @@ class ShmTransport(Transport):
     the next commit or abort, or at `flush`, in one control message: the KV itself is written at
     `send`, so holding back its bookkeeping delays nothing but the receiver's progress counter,
     and it saves gRPC's per-message cost on every layer.
+
+    The mapping is dropped (`_release`) once the receiver is gone: its pool file unlinked or
+    replaced, or its control address serving another pool; the transport's sends then raise
+    ConnectionError, so its user opens a fresh one. close() drops it too.
     """
 
     def __init__(
@@ -297,6 +371,9 @@ class ShmTransport(Transport):
         **grpc_opts,
     ):
         paths, shape, dtype, control = parse_address(address)
+        self._paths, self._control_address, self._gone = paths, control, None
+        # each file's identity before it is mapped: a file replaced meanwhile reads as gone
+        self._file_ids = [_file_id(p) for p in paths]
         self._caches = [map_shared_kv_cache(p, shape, dtype) for p in paths]
         for cache in self._caches:  # this process's first touch of every page, now, not mid-prefill
             populate(cache)
@@ -310,9 +387,34 @@ class ShmTransport(Transport):
         except BaseException:
             self._caches = self._writers = None
             raise
+        _track(self)
+
+    def _why_gone(self) -> str | None:
+        """Why the receiver's pool is gone (a file unlinked or replaced); None while it is there."""
+        if self._writers is None:
+            return None  # nothing mapped
+        for path, file_id in zip(self._paths, self._file_ids):
+            now = _file_id(path)
+            if now is None or now != file_id:
+                return f"{path} was {'unlinked' if now is None else 'replaced'}"
+        return None
+
+    def _release(self, why: str) -> None:
+        """Unmap the receiver's pool (a send in progress keeps its views until it returns) and
+        close the control channel: the receiver is gone."""
+        with self._lock:
+            if self._writers is None:
+                return
+            self._gone = f"the receiver's KV pool is gone ({why}): open a fresh transport"
+            self._caches = self._writers = None
+        _untrack(self)
+        threading.Thread(target=self._control.close, daemon=True).start()
 
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
-        if self._writers is None:
+        writers = self._writers
+        if writers is None:
+            if self._gone is not None:
+                raise ConnectionError(self._gone)
             raise RuntimeError("this KV transport is closed")
         if header.kind != "kv":
             if data is not None and data.numel():
@@ -325,7 +427,7 @@ class ShmTransport(Transport):
         if data is None:
             raise ValueError(f"a kv frame for request {header.request_id} needs its data")
         try:
-            for writer, layout in zip(self._writers, self._layouts(dest.layout)):
+            for writer, layout in zip(writers, self._layouts(dest.layout, len(writers))):
                 writer.write(layout, dest.block_ids, header, data)
         except Exception:
             # the receiver must not wait for KV that will never land: fail the request there,
@@ -341,11 +443,10 @@ class ShmTransport(Transport):
             if len(self._pending) >= self._max_pending:
                 self._control.send_headers(self._take_pending())
 
-    def _layouts(self, layout: KVLayout) -> list[KVLayout]:
-        """The receiver's layout of each of its ranks (one per mapped pool file)."""
+    def _layouts(self, layout: KVLayout, tp: int) -> list[KVLayout]:
+        """The receiver's layout of each of its tp ranks (one per mapped pool file)."""
         ranks = self._rank_layouts.get(layout)
         if ranks is None:
-            tp = len(self._writers)
             ranks = (
                 [layout]
                 if tp == 1
@@ -359,6 +460,8 @@ class ShmTransport(Transport):
         return pending
 
     def flush(self, timeout: float) -> None:
+        if self._gone is not None:
+            raise ConnectionError(self._gone)
         with self._lock:
             self._control.send_headers(self._take_pending())
         self._control.flush(timeout)
@@ -370,5 +473,7 @@ class ShmTransport(Transport):
                     self._control.send_headers(self._take_pending())
             except Exception:  # the receiver is gone; nothing left to tell it
                 pass
-        self._caches = self._writers = None  # unmaps once no view of them is left
+        with self._lock:
+            self._caches = self._writers = None  # unmaps once no view of them is left
+        _untrack(self)
         self._control.close()
