@@ -45,7 +45,8 @@ class ClientCall(Inflight):
     """One client's Generate call (the module docstring). The resume rules:
 
     A leg's decode worker died when the leg's stream fails (UNAVAILABLE, a stream that ends
-    without a final event, or a prefill that could not reach the decode worker to abort it) and
+    without a final event, a prefill that could not reach the decode worker to abort it, or a
+    stream the router cancelled because the pool dropped its worker: router/open_legs.py) and
     neither the client, a PDServe.Abort nor the deadline ended it (`decode_died`). The call then
     lets go of that leg (its workers get an Abort from the router's abort threads), never picks
     that decode worker again, and starts another leg on a different one, with
@@ -211,7 +212,7 @@ class ClientCall(Inflight):
         """After `leg`'s decode worker died: returns so the caller starts the next leg, or fails
         the call when no resume is left."""
         self.transport.retire(self, leg)
-        why = (
+        why = leg.lost_why or (
             f"{error.code().name}: {error.details()}"
             if error is not None
             else "its stream ended without a final event"

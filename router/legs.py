@@ -6,10 +6,12 @@ A leg's lifecycle: Reserve (the decode worker with most free blocks; colocated, 
 tokens charged to it until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), first come first served, until
 blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
-executor thread (UNAVAILABLE retries once on another prefill worker into the same reservation;
-any other failure aborts the reservation, which ends the stream) -> token events into the call's
-text streams until every sequence's final event, or the stream fails. A leg the call lets go of
-gets its Abort calls from the router's abort threads, never from gRPC's polling thread.
+executor thread (UNAVAILABLE, a prefill worker the pool dropped or one past prefill_timeout_s
+retries once on another prefill worker into the same reservation; any other failure aborts the
+reservation, which ends the stream) -> token events into the call's text streams until every
+sequence's final event, or the stream fails (or is cancelled because the pool dropped its
+worker: router/open_legs.py). A leg the call lets go of gets its Abort calls from the router's
+abort threads, never from gRPC's polling thread.
 Each leg has its own worker-side request id, minted here: the client's request_id never reaches
 a worker, so no client can name another's request to one.
 """
@@ -27,6 +29,7 @@ import grpc
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
+from pdserve.router.open_legs import OpenLegs
 from pdserve.router.pool import NoWorker, WorkerPool
 from pdserve.router.text import TextStream
 
@@ -82,7 +85,7 @@ class Leg:
         self.request_id = uuid.uuid4().hex  # what the workers know this leg by
         self.decode = None  # pool worker holding the reservation
         self.reservation = None
-        self.stream_call = None
+        self.stream_call = self.prefill_call = None  # the calls open on the workers
         self.prefill = None  # pool worker running (or last running) the prefill
         self.charged_tokens = (
             0  # colocated: prompt tokens charged to `decode` until the first token
@@ -90,6 +93,9 @@ class Leg:
         self.prefill_future: futures.Future | None = None
         self.prefill_error: grpc.RpcError | None = None
         self.decode_lost = False  # the prefill could not reach the decode worker to abort
+        self.lost_why = self.prefill_lost = ""  # the pool dropped the decode / prefill worker
+        # time.monotonic(): the decode stream's last event (or opening), the last Prefill sent
+        self.heard = self.prefill_sent = 0.0
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
         self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
@@ -114,6 +120,13 @@ class Legs:
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
+        self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
+
+    def _run_later(self, fn) -> None:
+        try:
+            self._aborter.submit(fn)
+        except RuntimeError:  # the router is stopping
+            log.debug("router stopping: %s not run", fn)
 
     def close(self) -> None:
         self._aborter.shutdown(wait=False, cancel_futures=True)
@@ -150,6 +163,8 @@ class Legs:
             self.abort(leg)
             self.release_charge(leg)
             return None
+        leg.heard = time.monotonic()
+        self.open.add(leg.decode, leg)  # until stream() ends
         if abort_requested:
             self.abort(leg)  # the stream ends with finish_reason "abort"
         if not self.options.colocated:
@@ -174,6 +189,7 @@ class Legs:
         n, ended = len(indexes or texts), set()
         try:
             for event in leg.stream_call:
+                leg.heard = time.monotonic()  # the worker answers (router/open_legs.py)
                 if event.index >= n:  # never sent
                     continue
                 i = event.index = indexes[event.index] if indexes else event.index
@@ -215,6 +231,7 @@ class Legs:
         except grpc.RpcError as e:
             return None, e
         finally:
+            self.open.remove(leg.decode, leg)
             self.release_charge(leg)
             self.decode_queue.freed()  # the worker freed (or will free) this leg's blocks
         return None, None
@@ -327,7 +344,8 @@ class Legs:
         # behind other prompts on a busy pool): a failed prefill is aborted explicitly, and the
         # lease only frees what a router that died itself left behind
         prefill_wait = min(self.options.prefill_timeout_s, left(deadline))
-        lease_ms = max(self.options.lease_ms, int(prefill_wait * 1000) + 1000)
+        # (twice: a prefill past its timeout is retried once on another worker)
+        lease_ms = max(self.options.lease_ms, int(2 * prefill_wait * 1000) + 1000)
         if charge:
             leg.decode, leg.charged_tokens = workers[0], charge
         for worker in workers:
@@ -389,15 +407,7 @@ class Legs:
                 leg.prefill = worker
             leg.prefill_dispatch_ns = unix_ns()
             try:
-                return worker.stub.Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=leg.request_id,
-                        prompt_token_ids=prompt,
-                        sampling=sampling,
-                        reservation=leg.reservation,
-                    ),
-                    timeout=min(self.options.prefill_timeout_s, left(deadline)),
-                )
+                return self._prefill_on(worker, leg, prompt, sampling, deadline)
             except grpc.RpcError as e:
                 error, excluded = e, worker
                 ours = req.cancelled or req.abort_requested or leg.ended.is_set()  # we aborted it
@@ -426,11 +436,48 @@ class Legs:
         except grpc.RpcError as e:
             # unreachable is lost; slow (a deadline, a busy worker) is not, and must not be
             # mistaken for a death that a resume would answer with a second prefill
-            leg.decode_lost = e.code() == grpc.StatusCode.UNAVAILABLE  # before the cancel below
+            leg.decode_lost |= e.code() == grpc.StatusCode.UNAVAILABLE  # before the cancel below
             found = False
         if not found:
             leg.stream_call.cancel()  # decode unreachable or the request already gone
         return None
+
+    def _prefill_on(self, worker, leg: Leg, prompt, sampling, deadline: float):
+        """One Prefill call on `worker`, cancelled when the pool drops it (router/open_legs.py).
+        A dropped worker, or a prefill past options.prefill_timeout_s while the client's
+        deadline has not passed, raises UNAVAILABLE (the caller retries elsewhere)."""
+        leg.prefill_lost, leg.prefill_sent = "", time.monotonic()
+        leg.prefill_call = worker.stub.Prefill.future(
+            worker_pb2.PrefillRequest(
+                request_id=leg.request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                reservation=leg.reservation,
+            ),
+            timeout=min(self.options.prefill_timeout_s, left(deadline)),
+        )
+        self.open.add(worker, leg)
+        try:
+            return leg.prefill_call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            why = leg.prefill_lost or ("" if isinstance(e, grpc.RpcError) else "cancelled")
+            timed_out = isinstance(e, grpc.RpcError) and (
+                e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline
+            )
+            if timed_out:
+                why = f"no reply within prefill_timeout_s={self.options.prefill_timeout_s:g}"
+            if not why:
+                raise
+            # it may still hold the request when it comes back: best effort, not waited on
+            self._run_later(
+                lambda: call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
+            )
+            raise RouterStatus(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill worker {self.pool.name(worker)} failed: {why}",
+            ) from None
+        finally:
+            self.open.remove(worker, leg)
 
 
 def left(deadline: float) -> float:

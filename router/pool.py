@@ -10,7 +10,9 @@ worker that finishes the prompt soonest, counting the prefix it probably caches
 and the pickers skip it, unless every worker of its role is down (then they try them all: a
 wrong guess costs one failed RPC, refusing costs the request). Workers from the config are
 static; workers that Register (router/registry.py) drop out when their heartbeats stop for
-`ttl_s`.
+`ttl_s`. A worker dropped either way is passed to every `on_drop` listener with the reason
+(router/open_legs.py ends the calls still open on it): once when its heartbeats stop, and after
+each failed Stats while it is down, with the time that Stats was sent.
 """
 
 from __future__ import annotations
@@ -33,12 +35,23 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# HTTP/2 keepalive: a worker that stops answering (a stopped or hung process keeps its socket
+# open) fails every call open on the channel UNAVAILABLE once a ping goes unanswered for
+# KEEPALIVE_TIMEOUT_MS, so its streams resume elsewhere even where the pool has not dropped it.
+# The workers' servers permit these pings (worker_common/grpc_server.py).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 10_000
 # gRPC's default reconnect backoff grows to 120 s: a worker back after a long outage would stay
 # "down" that long after it answers again
 WORKER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # newer gRPC cores time pings by this
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data for a while
 ]
 ROLES = ("prefill", "decode")
 _STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
@@ -97,6 +110,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._rr = {role: itertools.count() for role in ROLES}
         self._stop = threading.Event()
+        self._drop_listeners: list = []  # (worker, why, silent_since): on the health thread
         self.num_sweeps = 0
         self._thread = threading.Thread(target=self._run, name="router-health", daemon=True)
 
@@ -192,6 +206,25 @@ class WorkerPool:
             raise NoWorker(role)
         return [w for w in workers if not w.down] or workers
 
+    def is_member(self, worker: _Worker) -> bool:
+        """False once `worker` left the pool (its heartbeats stopped, or it re-registered)."""
+        with self._lock:
+            return worker in self._workers[worker.role]
+
+    def on_drop(self, listener) -> None:
+        """Calls `listener(worker, why, silent_since)` when a worker's heartbeats stop
+        (silent_since None: it left the pool) and after each Stats it fails while marked down
+        (silent_since: time.monotonic() when that Stats was sent, unanswered since). It runs on
+        the health thread and must return at once (no worker calls)."""
+        self._drop_listeners.append(listener)
+
+    def _dropped(self, worker: _Worker, why: str, silent_since: float | None = None) -> None:
+        for listener in list(self._drop_listeners):
+            try:
+                listener(worker, why, silent_since)
+            except Exception:  # one listener's bug must not stop the health sweeps
+                log.exception("drop listener failed for %s", self.name(worker))
+
     def name(self, worker: _Worker) -> str:
         return worker.worker_id or worker.address
 
@@ -270,6 +303,7 @@ class WorkerPool:
                 worker.worker_id,
                 worker.address,
             )
+            self._dropped(worker, f"{worker.role} worker {worker.worker_id} missed its heartbeats")
 
     # ---- health ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -287,6 +321,7 @@ class WorkerPool:
         number of workers. One successful Stats brings a worker marked down back."""
         with self._lock:
             workers = self._workers["prefill"] + self._workers["decode"]
+        sent = time.monotonic()
         calls = [
             (w, w.stub.Stats.future(worker_pb2.StatsRequest(), timeout=self.stats_timeout_s))
             for w in workers
@@ -295,7 +330,7 @@ class WorkerPool:
             try:
                 self._note_stats(worker, call.result())
             except grpc.RpcError as e:
-                self._note_failure(worker, e)
+                self._note_failure(worker, e, sent)
         self.num_sweeps += 1
 
     def _note_stats(self, worker: _Worker, stats) -> None:
@@ -308,7 +343,7 @@ class WorkerPool:
         if came_back:
             log.info("%s worker %s is back up", worker.role, self.name(worker))
 
-    def _note_failure(self, worker: _Worker, error: grpc.RpcError) -> None:
+    def _note_failure(self, worker: _Worker, error: grpc.RpcError, sent: float) -> None:
         with self._lock:
             worker.num_failures += 1
             worker.num_free_blocks = -1
@@ -322,6 +357,13 @@ class WorkerPool:
                 worker.num_failures,
                 error.code(),
                 error.details(),
+            )
+        if worker.down:
+            self._dropped(
+                worker,
+                f"{worker.role} worker {self.name(worker)} is down: {worker.num_failures} "
+                f"Stats calls failed in a row",
+                sent,
             )
 
     def close(self) -> None:

@@ -1,0 +1,288 @@
+"""Workers that hang rather than die: a stopped process keeps its connections open and answers
+nothing, so no call on it fails by itself. The router must treat it as dead once its pool drops
+it (router/open_legs.py): decode streams resume on another decode worker, a pending prefill is
+retried on another prefill worker, and a prefill past prefill_timeout_s is retried, not failed
+with a deadline the client never set.
+
+Real workers and the router run in this process over 127.0.0.1 (as in
+test_router_failover_workers.py). A hang is simulated by holding the worker's engine step and its
+load report (what Stats answers from) on a gate, without stopping its gRPC server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import random_prompts, wait_until
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router_helpers import (
+    LONG_GREEDY,
+    MAX_MODEL_LEN,
+    RPC_TIMEOUT,
+    fixture_model_dir,  # noqa: F401
+    generate_call,
+    start_router,
+    stop_router,
+)
+
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
+DECODE_STEP_S = 0.05  # decode steps slowed so that the streams are mid-way when the worker hangs
+HANG_WAIT_S = 30.0  # a hung worker's threads wait at most this long for the test to release them
+# Stats answer within 0.3 s or fail; two failures in a row mark a worker down (about a second)
+FAST_HEALTH = dict(stats_timeout_s=0.3, down_after=2)
+
+
+class Hang:
+    """Holds a worker's engine step (with `step`: it emits nothing) and its load report (with
+    `stats`: its Stats calls time out) until `release()`; its gRPC server keeps accepting calls."""
+
+    def __init__(self, worker, stats: bool = True, step: bool = True):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.hang_stats, self.hang_step = stats, step
+        self.prompts = []  # requests added to the worker's engine
+        loop = worker.loop
+        step, load, add = loop.engine.step, loop.load, loop.add_request
+
+        def held_step():
+            if self.hang_step:
+                self.gate.wait(HANG_WAIT_S)
+            return step()
+
+        def held_load():
+            if self.hang_stats:
+                self.gate.wait(HANG_WAIT_S)
+            return load()
+
+        def recorded_add(request_id, *args, **kwargs):
+            self.prompts.append(request_id)
+            return add(request_id, *args, **kwargs)
+
+        loop.engine.step, loop.load, loop.add_request = held_step, held_load, recorded_add
+
+    def start(self) -> None:
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def with_stub(worker, stub_class):
+    worker.channel = grpc.insecure_channel(worker.address)
+    worker.stub = stub_class(worker.channel)
+    return worker
+
+
+def start_decode(model_dir, worker_id: str, registry_address: str = "") -> DecodeWorker:
+    worker = DecodeWorker(
+        DecodeWorkerConfig(
+            model=model_dir,
+            worker_id=worker_id,
+            lease_ms=5000,
+            stop_grace_s=0,
+            engine_kwargs=dict(block_size=16, **ENGINE),
+            registry_address=registry_address,
+        )
+    ).start()
+    step = worker.loop.engine.step
+    worker.loop.engine.step = lambda: (time.sleep(DECODE_STEP_S), step())[1]
+    return with_stub(worker, worker_pb2_grpc.DecodeWorkerStub)
+
+
+def start_prefill(model_dir, worker_id: str) -> PrefillWorker:
+    worker = PrefillWorker(
+        PrefillWorkerConfig(
+            model=model_dir, worker_id=worker_id, engine_kwargs=dict(block_size=4, **ENGINE)
+        )
+    ).start()
+    return with_stub(worker, worker_pb2_grpc.PrefillWorkerStub)
+
+
+def stop_workers(*workers) -> None:
+    for worker in workers:
+        worker.channel.close()
+        worker.stop()
+
+
+def blocks_free(worker) -> bool:
+    s = worker.stub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+    return s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_reserved == 0
+
+
+def wait_freed(hangs, workers) -> None:
+    """Releases the hung workers and waits until every worker freed every block."""
+    for hang in hangs:
+        hang.release()
+    for w in workers:
+        wait_until(lambda w=w: blocks_free(w), 10, f"{w.config.worker_id} still holds blocks")
+
+
+@contextlib.contextmanager
+def stopped_after(router, hangs, workers):
+    """Releases the hangs, stops the router and the workers when the block ends."""
+    try:
+        yield
+    finally:
+        for hang in hangs:
+            hang.release()
+        stop_router(router)
+        stop_workers(*workers)
+
+
+def greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+    """The engine's own greedy continuations of `prompts`."""
+    llm = LLM(model_dir, **ENGINE)
+    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(LONG_GREEDY)), use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outs]
+
+
+class Streams:
+    """Generate calls running on threads: each one's token ids, last response and error."""
+
+    def __init__(self, router, prompts):
+        self.ids = [[] for _ in prompts]
+        self.last = [None] * len(prompts)
+        self.errors = [None] * len(prompts)
+        self.threads = [
+            threading.Thread(target=self._run, args=(router, i, p), daemon=True)
+            for i, p in enumerate(prompts)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, router, i, prompt):
+        try:
+            for response in generate_call(router, prompt, LONG_GREEDY):
+                self.last[i] = response
+                if response.HasField("delta"):
+                    self.ids[i] += response.delta.token_ids
+        except grpc.RpcError as e:
+            self.errors[i] = e
+
+    def join(self, timeout: float) -> bool:
+        """True when every call ended within `timeout` seconds."""
+        end = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([20, 24, 28, 32], seed=26)
+
+
+@pytest.fixture(scope="module")
+def want(model_dir, prompts):
+    return greedy(model_dir, prompts)
+
+
+def two_decode_workers(model_dir, prefill, how: str):
+    """(router, [d0, d1]). swept: static workers, marked down by the health sweep's failed Stats;
+    heartbeats: registered workers, dropped by their missed heartbeats long before a sweep would
+    mark them down."""
+    if how == "swept":
+        decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
+        addresses = [d.address for d in decodes]
+        return start_router(model_dir, [prefill.address], addresses, **FAST_HEALTH), decodes
+    router = start_router(model_dir, [prefill.address], stats_timeout_s=5.0, heartbeat_ms=200)
+    decodes = [start_decode(model_dir, f"d{i}", router.address) for i in range(2)]
+    wait_until(lambda: router.pool.num_workers("decode") == 2, 10, "both decode workers joined")
+    return router, decodes
+
+
+@pytest.mark.parametrize("how", ["swept", "heartbeats"])
+def test_streams_on_a_hung_decode_worker_resume_on_the_other_one(model_dir, prompts, want, how):
+    prefill = start_prefill(model_dir, "p0")
+    router, decodes = two_decode_workers(model_dir, prefill, how)
+    hangs = [Hang(d) for d in decodes]
+    with stopped_after(router, hangs, [prefill, *decodes]):
+        streams = Streams(router, prompts)
+        wait_until(lambda: all(len(ids) >= 2 for ids in streams.ids), 20, "every stream started")
+        running = [len(d.loop.engine.scheduler.running) for d in decodes]
+        victim = running.index(max(running))
+        assert running[victim] >= 1
+        hangs[victim].start()  # mid-stream: no token, no Stats answer, the process still there
+        assert streams.join(20), "streams on the hung decode worker never finished"
+        assert streams.errors == [None] * len(prompts)
+        assert streams.ids == want  # every token once, in order: nothing from the hung worker
+        survivor = decodes[1 - victim].config.worker_id
+        for last, ids in zip(streams.last, want):
+            assert last.finish.finish_reason == "length"
+            assert last.finish.usage.completion_tokens == len(ids)
+            assert last.finish.timings.decode_worker == survivor
+        # it comes back: its cancelled streams and the reservations they held are freed
+        wait_freed(hangs, [prefill, *decodes])
+
+
+def test_a_decode_worker_that_streams_but_fails_its_stats_keeps_its_streams(
+    model_dir, prompts, want, caplog
+):
+    """Failed Stats mark the worker down (no new requests), but it still sends tokens: it is busy
+    or its Stats are lost, not hung, and its streams finish there, resumed nowhere."""
+    prefill = start_prefill(model_dir, "p0")
+    router, decodes = two_decode_workers(model_dir, prefill, "swept")
+    hangs = [Hang(d, step=False) for d in decodes]
+    with stopped_after(router, hangs, [prefill, *decodes]):
+        streams = Streams(router, prompts)
+        wait_until(lambda: all(len(ids) >= 2 for ids in streams.ids), 20, "every stream started")
+        running = [len(d.loop.engine.scheduler.running) for d in decodes]
+        slow = running.index(max(running))
+        with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+            hangs[slow].start()
+            wait_until(lambda: router.pool.decode[slow].down, 5, "the worker is marked down")
+            assert streams.join(20)
+        assert streams.errors == [None] * len(prompts) and streams.ids == want
+        assert not any("resuming on another" in r.getMessage() for r in caplog.records)
+        workers = [last.finish.timings.decode_worker for last in streams.last]
+        assert workers.count(decodes[slow].config.worker_id) == running[slow]
+        wait_freed(hangs, [prefill, *decodes])
+
+
+def hung_prefill_cluster(model_dir, **router_config):
+    """(router, [p0, p1], their Hangs, decode): two prefill workers, one decode worker."""
+    prefills = [start_prefill(model_dir, "p0"), start_prefill(model_dir, "p1")]
+    hangs = [Hang(p, stats=False) for p in prefills]
+    decode = start_decode(model_dir, "d0")
+    router = start_router(
+        model_dir,
+        [p.address for p in prefills],
+        [decode.address],
+        **FAST_HEALTH,
+        **router_config,
+    )
+    # Timings name a prefill worker by the worker_id its first Stats told the router
+    wait_until(lambda: router.pool.num_sweeps >= 1, 10, "the router's first health sweep")
+    return router, prefills, hangs, decode
+
+
+@pytest.mark.parametrize("how", ["dropped", "timeout"])
+def test_a_prefill_on_a_hung_prefill_worker_is_retried_on_the_other_one(
+    model_dir, prompts, want, how
+):
+    """dropped: the worker stops answering Stats too, so the pool marks it down and its pending
+    prefill is cancelled; timeout: it still answers Stats, and its prefill outlives
+    prefill_timeout_s. Either way the request completes via the other prefill worker."""
+    config = dict(prefill_timeout_s=3.0) if how == "timeout" else {}
+    router, prefills, hangs, decode = hung_prefill_cluster(model_dir, **config)
+    with stopped_after(router, hangs, [decode, *prefills]):
+        hangs[0].start()  # p0 takes requests and never prefills them
+        streams = Streams(router, prompts[:2])
+        wait_until(lambda: hangs[0].prompts, 10, "a prefill reached the hung worker")
+        if how == "dropped":
+            hangs[0].hang_stats = True
+        assert streams.join(15), "the prefill on the hung worker was never retried"
+        assert streams.errors == [None, None]  # no DEADLINE_EXCEEDED: the client set no deadline
+        assert streams.ids == want[:2]
+        assert [last.finish.timings.prefill_worker for last in streams.last] == ["p1", "p1"]
+        wait_freed(hangs, [decode, *prefills])

@@ -1,0 +1,94 @@
+"""The router's HTTP/2 keepalive on its channels to workers (router/pool.py) and the workers'
+servers permitting it (worker_common/grpc_server.py): a worker process that is stopped (SIGSTOP)
+keeps its socket open and answers nothing, and a call open on it must fail UNAVAILABLE within
+the keepalive bound rather than wait for its own deadline; a worker that answers must not hang up
+on the pings (gRPC's default server sends GOAWAY "too_many_pings" to a client pinging more often
+than every 5 minutes without data).
+
+The server runs in a child process, so that it can be stopped without stopping the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.router.pool import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, WORKER_CHANNEL_OPTIONS
+from pdserve.worker_common.grpc_server import MIN_PING_INTERVAL_MS
+
+SERVER = """
+import time
+from pdserve.worker_common.grpc_server import ServiceHost
+host = ServiceHost("keepalive-test", "127.0.0.1", 0, 4, 1 << 20)
+print(host.start(lambda server: None, ()), flush=True)
+time.sleep(300)
+"""
+# the bound: a ping goes out after KEEPALIVE_TIME_MS without traffic and fails after
+# KEEPALIVE_TIMEOUT_MS; the call's own deadline is far beyond it
+BOUND_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 5
+CALL_DEADLINE_S = BOUND_S + 30
+
+
+@pytest.fixture
+def worker_process():
+    """(the child's Popen, its address): a ServiceHost in a child process, killed after."""
+    child = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        address = child.stdout.readline().strip()
+        assert address, "the server did not start"
+        yield child, address
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait(10)
+
+
+def open_watch(address, options):
+    """(channel, a Health.Watch call open on it, with its first response read)."""
+    channel = grpc.insecure_channel(address, options)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=""), timeout=CALL_DEADLINE_S
+    )
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    return channel, watch
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+def test_a_call_on_a_stopped_worker_fails_unavailable_within_the_keepalive_bound(worker_process):
+    child, address = worker_process
+    channel, watch = open_watch(address, WORKER_CHANNEL_OPTIONS)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in watch:
+                pass
+        waited = time.monotonic() - stopped
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert waited < BOUND_S, f"the stopped worker was noticed after {waited:.0f} s"
+    finally:
+        channel.close()
+
+
+def test_a_worker_server_accepts_keepalive_pings_on_a_quiet_call(worker_process):
+    """Pings every MIN_PING_INTERVAL_MS (the most the server permits) on a call with no data:
+    three of them would be enough for a default server to hang up."""
+    _, address = worker_process
+    options = [
+        (key, MIN_PING_INTERVAL_MS if key == "grpc.keepalive_time_ms" else value)
+        for key, value in WORKER_CHANNEL_OPTIONS
+    ]
+    channel, watch = open_watch(address, options)
+    try:
+        time.sleep(3.5 * MIN_PING_INTERVAL_MS / 1000)
+        assert not watch.done(), f"the server hung up: {watch.code()} {watch.details()}"
+    finally:
+        watch.cancel()
+        channel.close()
