@@ -365,6 +365,8 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         port=config.router.port,
         max_inflight=config.router.max_inflight,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
+        prefill_timeout_s=config.router.prefill_timeout_s,
+        worker_stall_s=config.router.worker_stall_s,
         max_model_len=min(lens) if lens else None,  # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype,
         security=cluster.security,

@@ -40,6 +40,7 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}
         self._ticks: list[tuple[float, Callable[[], None], list[float]]] = []
         self._stop = threading.Event()
+        self._turn_since = 0.0  # time.monotonic() when the running turn began; 0.0: waiting
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
 
@@ -144,7 +145,15 @@ class EngineLoop:
             "num_running": len(sched.running),
             "num_waiting": len(waiting),
             "queued_prompt_tokens": max(queued, 0),
+            "engine_stalled_ms": self.stalled_ms(),
         }
+
+    def stalled_ms(self) -> int:
+        """How long the loop thread has been inside its current turn (queued calls, ticks, one
+        step, dispatch); 0 while it waits for work. A turn that never ends is a hung engine,
+        which the router tells from a slow one by this figure (WorkerStats.engine_stalled_ms)."""
+        since = self._turn_since
+        return int((time.monotonic() - since) * 1000) if since else 0
 
     def take_step_trace(self, timeout: float | None = 30.0) -> list:
         """The engine's StepRecords since the last take (engine.step_trace.StepRecord), taken on the loop
@@ -165,6 +174,7 @@ class EngineLoop:
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._turn_since = time.monotonic()
             self._wake.clear()  # before taking calls: a submit after this sets it again
             self._run_calls()
             self._run_ticks()
@@ -215,6 +225,7 @@ class EngineLoop:
                     log.exception("engine loop tick failed")
 
     def _wait_for_work(self) -> None:
+        self._turn_since = 0.0
         deadline = min((due[0] for _, _, due in self._ticks), default=time.monotonic() + 0.5)
         self._wake.wait(max(0.0, deadline - time.monotonic()))
 

@@ -11,8 +11,10 @@ and the pickers skip it, unless every worker of its role is down (then they try 
 wrong guess costs one failed RPC, refusing costs the request). Workers from the config are
 static; workers that Register (router/registry.py) drop out when their heartbeats stop for
 `ttl_s`. A worker dropped either way is passed to every `on_drop` listener with the reason
-(router/open_legs.py ends the calls still open on it): once when its heartbeats stop, and after
-each failed Stats while it is down, with the time that Stats was sent.
+(router/open_legs.py ends the calls still open on it): once when its heartbeats stop, after each
+failed Stats while it is down, with the time that Stats was sent, and while its Stats say its
+engine has been stuck for `stall_after_s` (a hung GPU or deadlock: the server answers, the
+engine computes nothing), with the time it stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.router.affinity import PrefixAffinity, prefix_hashes
@@ -35,23 +38,15 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-# HTTP/2 keepalive: a worker that stops answering (a stopped or hung process keeps its socket
-# open) fails every call open on the channel UNAVAILABLE once a ping goes unanswered for
-# KEEPALIVE_TIMEOUT_MS, so its streams resume elsewhere even where the pool has not dropped it.
-# The workers' servers permit these pings (worker_common/grpc_server.py).
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 10_000
 # gRPC's default reconnect backoff grows to 120 s: a worker back after a long outage would stay
-# "down" that long after it answers again
+# "down" that long after it answers again. Keepalive (protos/keepalive.py): a worker that stops
+# answering fails every call open on its channel UNAVAILABLE within about 20 s, so its streams
+# resume elsewhere even where the pool has not dropped it.
 WORKER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # newer gRPC cores time pings by this
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data for a while
+    *keepalive.CLIENT_OPTIONS,
 ]
 ROLES = ("prefill", "decode")
 _STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
@@ -94,9 +89,13 @@ class WorkerPool:
         stats_timeout_s: float = 1.0,
         down_after: int = 2,
         security: ClusterSecurity = INSECURE,
+        stall_after_s: float = 30.0,
     ):
         if down_after < 1:
             raise ValueError(f"down_after must be >= 1, got {down_after}")
+        if stall_after_s <= 0:
+            raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
+        self.stall_after_s = stall_after_s
         self.stats_ttl_s = stats_ttl_s
         self.stats_timeout_s = stats_timeout_s
         self.down_after = down_after
@@ -286,7 +285,9 @@ class WorkerPool:
                 worker.stats = stats
             if stats is not None and worker.role == "decode" and not worker.down:
                 worker.num_free_blocks = stats.num_free_blocks
-            return True
+        if stats is not None:
+            self._check_stall(worker, stats)
+        return True
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -334,6 +335,8 @@ class WorkerPool:
         self.num_sweeps += 1
 
     def _note_stats(self, worker: _Worker, stats) -> None:
+        if self._check_stall(worker, stats):
+            return
         with self._lock:
             came_back = worker.down
             worker.num_failures, worker.down = 0, False
@@ -342,6 +345,24 @@ class WorkerPool:
             worker.stats = stats
         if came_back:
             log.info("%s worker %s is back up", worker.role, self.name(worker))
+
+    def _check_stall(self, worker: _Worker, stats) -> bool:
+        """True when `stats` says the worker's engine has been stuck in one turn for stall_after_s
+        or more: it answers, but computes nothing. It is marked down (no new requests), and
+        its calls silent since the turn began are dropped, as for a worker that stopped."""
+        stalled_s = stats.engine_stalled_ms / 1000
+        if stalled_s < self.stall_after_s:
+            return False
+        with self._lock:
+            went_down, worker.down = not worker.down, True
+            worker.num_free_blocks = -1
+            worker.stats = stats
+        why = f"{worker.role} worker {self.name(worker)} is hung: its engine made no progress for "
+        why += f"{stalled_s:.0f} s (stall_after_s={self.stall_after_s:g})"
+        if went_down:
+            log.warning("%s", why)
+        self._dropped(worker, why, time.monotonic() - stalled_s)
+        return True
 
     def _note_failure(self, worker: _Worker, error: grpc.RpcError, sent: float) -> None:
         with self._lock:

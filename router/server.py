@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.loader import load_hf_config, resolve_model
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.metrics import RouterMetrics
@@ -57,6 +58,9 @@ class RouterConfig:
     stats_interval_s: float = 0.5  # how often every worker's Stats is refreshed
     stats_timeout_s: float = 1.0
     down_after: int = 2  # failed Stats in a row before a worker is skipped
+    # a worker whose engine is stuck in one step this long (its Stats still answer) is treated
+    # as down and its streams resume elsewhere (router/pool.py)
+    worker_stall_s: float = 30.0
     heartbeat_ms: int = 1000  # registered workers heartbeat this often, drop out after 3 missed
     max_resumes: int = 2  # decode workers one request may move to when its worker dies
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
@@ -76,7 +80,13 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
-        for name in ("stats_interval_s", "stats_timeout_s", "decode_queue_timeout_s"):
+        for name in (
+            "stats_interval_s",
+            "stats_timeout_s",
+            "decode_queue_timeout_s",
+            "prefill_timeout_s",
+            "worker_stall_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("down_after", "heartbeat_ms"):
@@ -175,6 +185,7 @@ class Router:
                 stats_timeout_s=cfg.stats_timeout_s,
                 down_after=cfg.down_after,
                 security=cfg.security,
+                stall_after_s=cfg.worker_stall_s,
             ).start()
             self._prefill_executor = futures.ThreadPoolExecutor(
                 cfg.max_inflight, thread_name_prefix="router-prefill"
@@ -209,6 +220,7 @@ class Router:
                 options=[
                     *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
                     ("grpc.max_receive_message_length", limit),
+                    *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
                 ],
             )
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)

@@ -2,8 +2,8 @@
 the executor, so its threads would outlive `stop()`), raised message limits, and the standard
 health service, SERVING for "" and the given service names once started. Every service but health
 needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
-(protos/security.py). It accepts the router's HTTP/2 keepalive pings (router/pool.py), by which
-the router notices a worker that stopped answering while calls are open on it.
+(protos/security.py). It accepts HTTP/2 keepalive pings (protos/keepalive.py), by which the
+router notices a worker that stopped answering while calls are open on it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.protos import keepalive
 from pdserve.protos.security import INSECURE, ClusterSecurity
-
-MIN_PING_INTERVAL_MS = 5_000  # clients may ping this often (the router pings every 10 s)
 
 
 class ServiceHost:
@@ -37,12 +36,7 @@ class ServiceHost:
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
-                # the router's keepalive pings (router/pool.py), idle channels included: by
-                # default a server answers pings more often than every 5 minutes with GOAWAY
-                # "too_many_pings"; and an early ping (timer jitter) is never held against it
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
-                ("grpc.http2.max_ping_strikes", 0),
+                *keepalive.SERVER_OPTIONS,  # the router's pings (protos/keepalive.py)
             ],
             interceptors=security.server_interceptors(),
         )

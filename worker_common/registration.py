@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import grpc
 
+from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
@@ -61,6 +62,7 @@ class Registration:
                 ("grpc.initial_reconnect_backoff_ms", int(min_backoff_s * 1000)),
                 ("grpc.min_reconnect_backoff_ms", int(min_backoff_s * 1000)),
                 ("grpc.max_reconnect_backoff_ms", max_ms),
+                *keepalive.CLIENT_OPTIONS,  # a stopped router fails the heartbeat's call
             ],
         )
         self._stub = worker_pb2_grpc.RegistryStub(self._channel)

@@ -26,6 +26,7 @@ from pdserve.kvtransfer.backends.frames import (
 )
 from pdserve.kvtransfer.transport import Destination, Transport
 from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.protos import keepalive
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ def channel_options(max_message_bytes: int, extra=()) -> list[tuple[str, object]
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # a stopped peer fails the push within ~20 s instead of holding it (protos/keepalive.py);
+        # the receiving server takes the server half, both ends use the same list
+        *keepalive.CLIENT_OPTIONS,
+        *keepalive.SERVER_OPTIONS,
         *extra,
     ]
 
@@ -67,17 +72,22 @@ class _FrameQueue(ByteQueue):
     def put(
         self, pieces: list, payload_less: bool, timeout: float, failed, num_frames: int = 1
     ) -> None:
+        """Blocks while the queue is full; raises TimeoutError when it took nothing for `timeout`
+        seconds (a stopped or hung receiver), however long a steadily draining queue takes."""
         nbytes = sum(len(p) for p in pieces)
         deadline = time.monotonic() + timeout
         with self.cond:
+            seen = self.num_bytes
             while self.items and self.num_bytes + nbytes > self._max_bytes:
                 if failed():
                     return
+                if self.num_bytes < seen:  # the receiver took some: it is alive
+                    seen, deadline = self.num_bytes, time.monotonic() + timeout
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"the KV channel stayed full ({self.num_bytes} bytes queued) for "
-                        f"{timeout}s: the receiver is not keeping up"
+                        f"the KV channel stayed full ({self.num_bytes} bytes queued) with "
+                        f"nothing taken for {timeout}s: the receiver is stopped or hung"
                     )
                 self.cond.wait(min(remaining, 0.1))
             tail = self.items[-1] if self.items else None
@@ -122,6 +132,7 @@ class _Stream:
             wait_for_ready=wait_for_ready,
         )
         self.call.add_done_callback(lambda _: self.ended.set())
+        self.stalled: TimeoutError | None = None  # set when the receiver stopped taking frames
 
     def code(self) -> grpc.StatusCode:
         """How the ended call ended."""
@@ -131,6 +142,8 @@ class _Stream:
         return grpc.StatusCode.OK if err is None else err.code()
 
     def failure(self, address: str) -> ConnectionError:
+        if self.stalled is not None:
+            return ConnectionError(f"the KV channel to {address} failed: {self.stalled}")
         if self.call.cancelled():
             return ConnectionError(f"the KV channel to {address} was cancelled")
         err = self.call.exception()
@@ -175,7 +188,8 @@ class GrpcTransport(Transport):
     the next send when a flush confirmed every frame sent on it; otherwise the send raises
     ConnectionError (frames may be lost) and the caller opens a fresh transport.
 
-    timeout bounds connecting (and reopening), a `send` blocked on a full queue, and `close`. The
+    timeout bounds connecting (and reopening), a `send` blocked on a full queue that takes nothing
+    (then the stream fails for every sender), and `close`. The
     payload is read when gRPC takes the frame, not during `send`: do not modify it until `flush`
     returns (read_chunk hands out a fresh tensor per chunk). security: the deployment's cluster
     secret (and TLS) the server expects.
@@ -268,7 +282,7 @@ class GrpcTransport(Transport):
         stream = self._stream
         if not stream.ended.is_set():
             return stream
-        if stream.sent != stream.confirmed or stream.code() not in _REOPENABLE:
+        if stream.stalled or stream.sent != stream.confirmed or stream.code() not in _REOPENABLE:
             raise stream.failure(self._address)
         log.info(
             "KV channel to %s was closed by the server (%s); reopening it",
@@ -283,7 +297,16 @@ class GrpcTransport(Transport):
     def _queue(self, pieces: list, payload_less: bool, num_frames: int) -> None:
         with self._lock:
             stream = self._usable_stream()
-            stream.queue.put(pieces, payload_less, self._timeout, stream.ended.is_set, num_frames)
+            try:
+                stream.queue.put(
+                    pieces, payload_less, self._timeout, stream.ended.is_set, num_frames
+                )
+            except TimeoutError as e:
+                # the stream is dead to every sender: the next one fails at once, instead of
+                # each waiting out the timeout on its own (an engine thread waits here)
+                stream.stalled = e
+                stream.call.cancel()
+                raise stream.failure(self._address) from None
             if stream.ended.is_set():
                 raise stream.failure(self._address)
             stream.sent += num_frames

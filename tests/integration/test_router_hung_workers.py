@@ -190,22 +190,24 @@ def want(model_dir, prompts):
 def two_decode_workers(model_dir, prefill, how: str):
     """(router, [d0, d1]). swept: static workers, marked down by the health sweep's failed Stats;
     heartbeats: registered workers, dropped by their missed heartbeats long before a sweep would
-    mark them down."""
-    if how == "swept":
+    mark them down; stalled: static workers whose Stats still answer, marked down because they
+    report their engine stuck in one step for worker_stall_s."""
+    if how in ("swept", "stalled"):
         decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
         addresses = [d.address for d in decodes]
-        return start_router(model_dir, [prefill.address], addresses, **FAST_HEALTH), decodes
+        config = dict(FAST_HEALTH, worker_stall_s=1.0) if how == "stalled" else FAST_HEALTH
+        return start_router(model_dir, [prefill.address], addresses, **config), decodes
     router = start_router(model_dir, [prefill.address], stats_timeout_s=5.0, heartbeat_ms=200)
     decodes = [start_decode(model_dir, f"d{i}", router.address) for i in range(2)]
     wait_until(lambda: router.pool.num_workers("decode") == 2, 10, "both decode workers joined")
     return router, decodes
 
 
-@pytest.mark.parametrize("how", ["swept", "heartbeats"])
+@pytest.mark.parametrize("how", ["swept", "heartbeats", "stalled"])
 def test_streams_on_a_hung_decode_worker_resume_on_the_other_one(model_dir, prompts, want, how):
     prefill = start_prefill(model_dir, "p0")
     router, decodes = two_decode_workers(model_dir, prefill, how)
-    hangs = [Hang(d) for d in decodes]
+    hangs = [Hang(d, stats=how != "stalled") for d in decodes]
     with stopped_after(router, hangs, [prefill, *decodes]):
         streams = Streams(router, prompts)
         wait_until(lambda: all(len(ids) >= 2 for ids in streams.ids), 20, "every stream started")

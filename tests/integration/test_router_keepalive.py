@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.router.pool import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, WORKER_CHANNEL_OPTIONS
-from pdserve.worker_common.grpc_server import MIN_PING_INTERVAL_MS
+from pdserve.protos.keepalive import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, MIN_PING_INTERVAL_MS
+from pdserve.router.pool import WORKER_CHANNEL_OPTIONS
 
 SERVER = """
 import time

@@ -132,7 +132,7 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
     assert "router.max_in_flight: unknown key" in msg
     assert (
         "allowed here: api_keys, api_keys_file, decode_queue_timeout_s, host, http_port, "
-        "max_inflight, port, tls" in msg
+        "max_inflight, port, prefill_timeout_s, tls, worker_stall_s" in msg
     )
 
 

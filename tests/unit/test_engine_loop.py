@@ -1,6 +1,7 @@
 """EngineLoop: the engine is built and stepped on one thread; loads are read without it."""
 
 import threading
+import time
 from collections import deque
 
 import pytest
@@ -31,7 +32,9 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
     try:
         assert loop.engine.built_on.name == "t-loop"
         assert loop.call(threading.current_thread) is loop.engine.built_on
-        assert loop.load() == {
+        load = loop.load()
+        assert load.pop("engine_stalled_ms") < 1000  # 0 once the loop waits for work
+        assert load == {
             "num_free_blocks": 8,
             "num_total_blocks": 8,
             "num_running": 0,
@@ -39,6 +42,26 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
             "queued_prompt_tokens": 0,
         }
     finally:
+        loop.stop()
+
+
+def test_a_turn_that_never_ends_shows_as_a_growing_stall_and_idle_as_none():
+    """What WorkerStats.engine_stalled_ms reports: the router tells a hung engine by it."""
+    loop = EngineLoop.build(FakeEngine, name="t-stall", timeout=10)
+    gate = threading.Event()
+    try:
+        loop.submit(gate.wait, 30)  # a call that hangs the loop thread, as a stuck step would
+        time.sleep(0.3)
+        first = loop.stalled_ms()
+        time.sleep(0.3)
+        assert 250 <= first < loop.stalled_ms()
+        gate.set()
+        deadline = time.monotonic() + 10
+        while loop.stalled_ms() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.stalled_ms() == 0
+    finally:
+        gate.set()
         loop.stop()
 
 
