@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from concurrent import futures
 
 import grpc
@@ -29,6 +28,7 @@ import grpc
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
+from pdserve.router.inflight import Inflight, Leg, LegFailed, RouterStatus
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.pool import NoWorker, WorkerPool
 from pdserve.router.text import TextStream
@@ -36,76 +36,9 @@ from pdserve.router.text import TextStream
 log = logging.getLogger(__name__)
 
 
-class RouterStatus(grpc.RpcError):
-    """A failure the router found itself, shaped like a worker's RpcError for the same handling."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 ABORT_THREADS = 4  # concurrent worker Abort calls; a burst of cancellations queues
-
-
-class LegFailed(Exception):
-    """A leg could not start; the call ends with `error` (a worker's or the router's status)."""
-
-    def __init__(self, error: grpc.RpcError | None, who: str):
-        super().__init__(who)
-        self.error, self.who = error, who
-
-
-class Inflight:
-    """What a call shares with its legs' threads and the cancel callback (router/call.py's
-    ClientCall is the call itself); fields shared across threads go under `lock`."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.lock = threading.Lock()
-        self.leg: Leg | None = None  # the reservation and streams now running
-        self.dead_decodes: list = []  # decode workers that failed this request: not again
-        self.cancelled = False  # the client went away
-        self.abort_requested = False  # PDServe.Abort for this id
-        self.finished = False  # ended normally or already cleaned up
-        self.first_token_ns = 0  # when the router got the first token
-        self.token_clock: dict[int, int] = {}  # sequence index -> unix ns of its last tokens
-
-
-class Leg:
-    """Leg `number` of a call, with a worker-side id of its own (the module docstring)."""
-
-    def __init__(self, number: int):
-        self.number = number
-        self.request_id = uuid.uuid4().hex  # what the workers know this leg by
-        self.decode = None  # pool worker holding the reservation
-        self.reservation = None
-        self.stream_call = self.prefill_call = None  # the calls open on the workers
-        self.prefill = None  # pool worker running (or last running) the prefill
-        self.charged_tokens = (
-            0  # colocated: prompt tokens charged to `decode` until the first token
-        )
-        self.prefill_future: futures.Future | None = None
-        self.prefill_error: grpc.RpcError | None = None
-        self.decode_lost = False  # the prefill could not reach the decode worker to abort
-        self.lost_why = self.prefill_lost = ""  # the pool dropped the decode / prefill worker
-        # time.monotonic(): the decode stream's last event (or opening), the last Prefill sent
-        self.heard = self.prefill_sent = 0.0
-        # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
-        self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
-        self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
-
-    def prefill_reply(self):
-        """The PrefillResponse if the prefill already succeeded, without waiting."""
-        fut = self.prefill_future
-        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return None
-        return fut.result()
+# a worker that did not answer an Abort is asked again this often, this many times (~5 minutes)
+ABORT_RETRY_S, ABORT_TRIES = 5.0, 60
 
 
 class Legs:
@@ -354,7 +287,9 @@ class Legs:
                 self.pool.charge_queued(worker, charge)
                 leg.decode, leg.charged_tokens = worker, charge
             try:
-                reservation = worker.stub.Reserve(
+                reservation = self._reserve_on(
+                    worker,
+                    leg,
                     worker_pb2.ReserveRequest(
                         request_id=leg.request_id,
                         prompt_token_ids=prompt,
@@ -362,7 +297,7 @@ class Legs:
                         lease_ms=lease_ms,
                         run_prefill=self.options.colocated,
                     ),
-                    timeout=min(self.options.rpc_timeout_s, left(deadline)),
+                    deadline,
                 )
                 num_blocks = len(reservation.block_ids)
                 if self.options.colocated and reservation.block_size:  # it allocates as it prefills
@@ -374,8 +309,6 @@ class Legs:
                 return worker, reservation
             except grpc.RpcError as e:
                 error = e
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have reserved anyway
-                    call_abort(worker.stub, leg.request_id, self.options.abort_timeout_s)
                 if e.code() not in (
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     grpc.StatusCode.UNAVAILABLE,
@@ -390,6 +323,54 @@ class Legs:
         ):
             raise DecodeFull()
         raise LegFailed(error, "decode worker")
+
+    def _reserve_on(self, worker, leg: Leg, request, deadline: float):
+        """One Reserve call, cancelled when the pool drops `worker` (router/open_legs.py). A
+        worker that did not answer (dropped, or no reply within rpc_timeout_s while the client's
+        deadline has not passed) raises UNAVAILABLE, so the next decode worker is tried; it may
+        have reserved anyway, so the reservation is aborted until the worker answers."""
+        leg.reserving = worker
+        leg.reserve_call = worker.stub.Reserve.future(
+            request, timeout=min(self.options.rpc_timeout_s, left(deadline))
+        )
+        self.open.add(worker, leg)
+        try:
+            return leg.reserve_call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as e:
+            dropped = not isinstance(e, grpc.RpcError)
+            if dropped or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have reserved
+                self._run_later(lambda: self.abort_until_answered(worker, leg.request_id))
+            if not dropped and (
+                e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline
+            ):
+                raise
+            raise RouterStatus(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode worker {self.pool.name(worker)} did not answer Reserve",
+            ) from None
+        finally:
+            self.open.remove(worker, leg)
+            leg.reserve_call = leg.reserving = None
+
+    def abort_until_answered(self, worker, request_id: str, tries: int = ABORT_TRIES) -> None:
+        """On the abort threads: Abort `request_id` on `worker`, again every ABORT_RETRY_S while
+        the worker does not answer (stopped, hung), at most `tries` times, so that what it holds
+        is freed as soon as it comes back, not when a lease runs out."""
+        try:
+            worker.stub.Abort(
+                worker_pb2.WorkerAbortRequest(request_id=request_id),
+                timeout=self.options.abort_timeout_s,
+            )
+        except grpc.RpcError as e:
+            silent = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if e.code() in silent and tries > 1:
+                timer = threading.Timer(
+                    ABORT_RETRY_S,
+                    self._run_later,
+                    args=(lambda: self.abort_until_answered(worker, request_id, tries - 1),),
+                )
+                timer.daemon = True
+                timer.start()
 
     def _prefill(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
         """On an executor thread. Returns the PrefillResponse, or None after recording the error

@@ -9,7 +9,8 @@ decode_died) takes that as the decode worker's death, resumes on another decode 
 the lost leg's Abort from the abort threads. A prefill pending on it is cancelled the same way and
 retried once on another prefill worker (router/legs.py). Failed Stats are a weaker sign than
 stopped heartbeats (a busy worker answers late): a leg that got a token event after the failed
-Stats was sent keeps its stream, until a later failed Stats finds it silent too. A cancelled call
+Stats was sent keeps its stream, until a later failed Stats finds it silent too. A Reserve in
+flight on it is cancelled as well, and the next decode worker is tried. A cancelled call
 delivers nothing more, so a worker back from a stop cannot send into a stream that moved on. The
 cancels run on the abort threads: the pool's health thread never waits on a call.
 """
@@ -62,6 +63,8 @@ class OpenLegs:
             if not legs:
                 self._open.pop(worker, None)
         for leg in lost:
+            if leg.reserving is worker and leg.reserve_call is not None:
+                self._run_later(leg.reserve_call.cancel)
             if leg.decode is worker and leg.stream_call is not None:
                 leg.lost_why = why
                 leg.decode_lost = True  # before the cancel: decode_died reads it
@@ -73,5 +76,8 @@ class OpenLegs:
 
 def heard(leg, worker) -> float:
     """When `worker` was last heard of on `leg`'s call (time.monotonic()): the decode stream's
-    last event (or its opening), the prefill's dispatch."""
+    last event (or its opening), the prefill's dispatch; a Reserve in flight, never (it is
+    short: one the worker has not answered by a failed Stats is lost)."""
+    if leg.reserving is worker:
+        return 0.0
     return leg.heard if leg.decode is worker else leg.prefill_sent

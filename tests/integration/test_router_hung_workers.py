@@ -288,3 +288,20 @@ def test_a_prefill_on_a_hung_prefill_worker_is_retried_on_the_other_one(
         assert streams.ids == want[:2]
         assert [last.finish.timings.prefill_worker for last in streams.last] == ["p1", "p1"]
         wait_freed(hangs, [decode, *prefills])
+
+
+def test_a_reserve_on_a_hung_decode_worker_moves_to_the_other_one(model_dir, prompts, want):
+    """Reserve runs on the worker's engine loop, so a hung engine never answers it. The pool's
+    drop cancels it and the next decode worker takes the request; before, the client got
+    DEADLINE_EXCEEDED after the Reserve timeout, and the worker kept what it reserved."""
+    prefill = start_prefill(model_dir, "p0")
+    router, decodes = two_decode_workers(model_dir, prefill, "swept")
+    hangs = [Hang(d) for d in decodes]
+    with stopped_after(router, hangs, [prefill, *decodes]):
+        hangs[0].start()  # before any request: half the Reserves go to d0 until it is down
+        streams = Streams(router, prompts)
+        assert streams.join(8), "a Reserve on the hung worker was not moved within 8 s"
+        assert streams.errors == [None] * len(prompts)
+        assert streams.ids == want
+        assert {last.finish.timings.decode_worker for last in streams.last} == {"d1"}
+        wait_freed(hangs, [prefill, *decodes])
