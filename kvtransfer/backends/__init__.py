@@ -78,7 +78,7 @@ def _backend_class(backend: str, security, side: int) -> type:
     """The backend's server (side 1) or transport (side 2) class, once both arguments check."""
     _check(backend)
     _check_security(security)
-    module = importlib.import_module(f"kvtransfer.backends.{_CLASSES[backend][0]}")
+    module = importlib.import_module(f"{__name__}.{_CLASSES[backend][0]}")
     return getattr(module, _CLASSES[backend][side])
 
 

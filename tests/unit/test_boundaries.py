@@ -126,6 +126,27 @@ def test_every_import_of_the_project_is_spelled_pdserve_dot():
     assert not bad, "import these as pdserve.<folder>:\n" + "\n".join(bad)
 
 
+def test_modules_imported_by_name_are_spelled_pdserve_dot_too():
+    """importlib.import_module with a string: the check above cannot see it. A backend module
+    named "kvtransfer.backends..." stopped every decode worker started outside a checkout."""
+    bare = INSTALLED - {"pdserve"}
+    bad = []
+    for f in python_files(*INSTALLED):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not (
+                isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+            ):
+                continue
+            arg = node.args[0] if node.args else None
+            parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
+            first = parts[0] if parts else None
+            if isinstance(first, ast.Constant) and str(first.value).split(".")[0] in bare:
+                bad.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "spell these pdserve.<folder>... or build them from __name__:\n" + "\n".join(
+        bad
+    )
+
+
 def test_pyproject_installs_every_folder_that_holds_modules():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     mapping = config["package-dir"]
