@@ -28,7 +28,7 @@ from pdserve.decode_worker.handoff import CommitOutput, DecodeHandoff, HandoffTi
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
 from pdserve.protos.convert import unix_ns
-from pdserve.protos.limits import check_id, check_sampling, check_token_ids
+from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
 
@@ -79,6 +79,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 "prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab
             )
             or check_sampling(request.sampling, config.max_model_len, vocab)
+            or check_context(len(request.prompt_token_ids), request.sampling, config.max_model_len)
         )
         if refusal:
             refusal.abort(context)

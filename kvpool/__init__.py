@@ -116,7 +116,7 @@ def map_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
 def remove_stale_pool_files(directory: str) -> None:
     """Unlink pool files left by processes that are gone (killed before they could unlink them):
     under /dev/shm they would hold memory until reboot."""
-    for path in glob.glob(os.path.join(directory, f"{KV_FILE_PREFIX}*-rank*")):
+    for path in glob.glob(os.path.join(directory, f"{KV_FILE_PREFIX}*")):
         pid = os.path.basename(path)[len(KV_FILE_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit():
             continue

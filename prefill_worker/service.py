@@ -36,6 +36,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import (
     MAX_ADDRESS_CHARS,
     Refusal,
+    check_context,
     check_id,
     check_sampling,
     check_token_ids,
@@ -44,6 +45,10 @@ from pdserve.protos.limits import (
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
+
+# a KV channel (or mapped decode pool) unused this long is closed; far above any prefill's budget,
+# so no push in progress loses its channel
+TRANSPORT_IDLE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.rank_caches = rank_caches
         self.options = options
         self._transports: dict[tuple[str, str], Transport] = {}
+        self._transport_used: dict[tuple[str, str], float] = {}  # key -> time.monotonic()
         self._transports_lock = threading.Lock()
         self._counts_lock = threading.Lock()  # the counters WorkerStats reports
         self.counts = dict(
@@ -207,6 +213,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 "prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab
             )
             or check_sampling(request.sampling, config.max_model_len, vocab)
+            or check_context(len(request.prompt_token_ids), request.sampling, config.max_model_len)
         )
 
     def _check_reservation(self, request) -> Refusal | None:
@@ -253,9 +260,19 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return max(0.0, min(remaining - 0.05, self.options.prefill_timeout_s))
 
     def _transport(self, backend: str, address: str) -> Transport:
-        """One long-lived channel per decode endpoint, shared by all requests going there."""
+        """One long-lived channel per decode endpoint, shared by all requests going there. One
+        unused for TRANSPORT_IDLE_S is closed: a decode worker that died and came back on a new
+        address is never sent to again, and its channel (or mapped pool) must not stay."""
         key = (backend, address)
+        now = time.monotonic()
         with self._transports_lock:
+            idle = [k for k, t in self._transport_used.items() if now - t > TRANSPORT_IDLE_S]
+            closing = [self._transports.pop(k) for k in idle if k in self._transports]
+            for k in idle:
+                del self._transport_used[k]
+            self._transport_used[key] = now
+            for old in closing:
+                threading.Thread(target=old.close, daemon=True).start()
             transport = self._transports.get(key)
             if transport is None:
                 transport = connect(
@@ -273,6 +290,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         with self._transports_lock:  # the next request to this endpoint opens a fresh channel
             if self._transports.get((endpoint.backend, endpoint.address)) is transport:
                 del self._transports[(endpoint.backend, endpoint.address)]
+                self._transport_used.pop((endpoint.backend, endpoint.address), None)
         threading.Thread(target=transport.close, daemon=True).start()
         context.abort(
             grpc.StatusCode.UNAVAILABLE, f"KV transfer to {endpoint.address} failed: {err}"

@@ -112,6 +112,36 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
     return None
 
 
+def check_context(
+    prompt_len: int, sampling, max_model_len: int, prompt_is: str = "prompt"
+) -> Refusal | None:
+    """A prompt of `prompt_len` tokens plus the completion `sampling` asks for, against the context
+    (max_model_len), as vLLM's OpenAI server checks them: an explicit max_tokens (else an explicit
+    min_tokens) that the prompt leaves no room for is refused OUT_OF_RANGE, with the numbers and
+    what to lower. Each of n sequences has a context of its own, so n does not multiply the count,
+    and stop strings or stop tokens only end a sequence sooner. An unset max_tokens is not refused
+    here: its default ends where the context does. `prompt_is` names the input ("messages" for a
+    chat)."""
+    if sampling is None:
+        return None
+    if sampling.HasField("max_tokens"):
+        completion, name = sampling.max_tokens, "max_tokens"
+    elif sampling.HasField("min_tokens"):
+        completion, name = sampling.min_tokens, "min_tokens"
+    else:
+        return None
+    if prompt_len + completion <= max_model_len:
+        return None
+    return Refusal(
+        grpc.StatusCode.OUT_OF_RANGE,
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + completion} tokens ({prompt_len} in the {prompt_is}, {completion} in the "
+        f"completion). Please reduce the length of the {prompt_is} or the completion: with this "
+        f"{prompt_is}, {name} can be at most {max(0, max_model_len - prompt_len)} "
+        f"(max_model_len={max_model_len})",
+    )
+
+
 def check_token_ids(name: str, ids, max_model_len: int, vocab_size: int) -> Refusal | None:
     """Prompt ids: 1 to max_model_len - 1 of them (one position left to generate into), each a
     vocabulary id. `ids` is a repeated uint32 field or a list."""

@@ -2,13 +2,14 @@
 
 Generate admits a request (at most max_inflight in flight; a request_id not already in flight on
 the same connection), checks every field before any work (protos/limits.py, router/text.py:
-sizes, counts, and numbers a wrapped -1 would make enormous), tokenizes it, refuses it
-UNAVAILABLE when a role has no worker, and hands it to a ClientCall (router/call.py), which runs
-it on the workers, resumes it when a decode worker dies (the resume rules: router/call.py) and
-yields its responses. The servicer maps how the call ended to the client's gRPC status and the
-router's metrics. The client leaving (gRPC's callback) and PDServe.Abort only mark the call: the
-worker Abort calls run on the router's abort threads, never on gRPC's polling thread, which must
-never wait on a worker (it would stall every call, health checks and heartbeats included).
+sizes, counts, and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt
+plus max_tokens past max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no
+worker, and hands it to a ClientCall (router/call.py), which runs it on the workers, resumes it
+when a decode worker dies (the resume rules: router/call.py) and yields its responses. The
+servicer maps how the call ended to the client's gRPC status and the router's metrics. The
+client leaving (gRPC's callback) and PDServe.Abort only mark the call: the worker Abort calls run
+on the router's abort threads, never on gRPC's polling thread, which must never wait on a worker
+(it would stall every call, health checks and heartbeats included).
 
 Ids: the client's request_id is only a label for its own responses and its own Abort calls, which
 find requests started on the same connection only (another client cannot abort them). The workers
@@ -26,9 +27,9 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.protos.convert import unix_ns
-from pdserve.protos.limits import check_id, check_sampling
+from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.call import CallFailed, ClientCall
+from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.legs import Legs, RouterStatus
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder
@@ -70,6 +71,52 @@ def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
     total.CopyFrom(last)
     total.usage.completion_tokens += sum(f.usage.completion_tokens for f in earlier)
     return total
+
+
+def fit_to_context(
+    sampling: pdserve_pb2.SamplingParams, prompt_len: int, max_model_len: int, prompt_is: str
+) -> pdserve_pb2.SamplingParams | Refusal:
+    """The sampling a request runs with once its prompt is `prompt_len` tokens, or the Refusal of a
+    completion the context cannot hold (protos/limits.check_context, the workers' check too).
+
+    An explicit max_tokens must fit beside the prompt. Two values ask for whatever the context has
+    room for instead: an unset max_tokens (the default, DEFAULT_MAX_TOKENS, ends where the context
+    does, as it always has) and max_tokens = max_model_len, which no prompt leaves room for and
+    which the HTTP front sends for a chat without max_tokens (OpenAI's and vLLM's "until the
+    context is full"). Where that is more than the prompt leaves, max_tokens becomes what it
+    leaves, set explicitly (a copy; `sampling` itself is returned when nothing changes), so every
+    leg of the call, resumes included, carries a budget the workers accept."""
+    fill = not sampling.HasField("max_tokens") or sampling.max_tokens == max_model_len
+    if not fill:
+        return check_context(prompt_len, sampling, max_model_len, prompt_is) or sampling
+    refusal = check_context(prompt_len, _without_max_tokens(sampling), max_model_len, prompt_is)
+    if refusal:  # a min_tokens the prompt leaves no room for
+        return refusal
+    room = max_model_len - prompt_len
+    wanted = sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if wanted <= room:
+        return sampling
+    fitted = pdserve_pb2.SamplingParams()
+    fitted.CopyFrom(sampling)
+    fitted.max_tokens = room
+    return fitted
+
+
+def _without_max_tokens(sampling: pdserve_pb2.SamplingParams) -> pdserve_pb2.SamplingParams:
+    if not sampling.HasField("max_tokens"):
+        return sampling
+    copy = pdserve_pb2.SamplingParams()
+    copy.CopyFrom(sampling)
+    copy.ClearField("max_tokens")
+    return copy
+
+
+def _with_sampling(request: pdserve_pb2.GenerateRequest, sampling) -> pdserve_pb2.GenerateRequest:
+    """A copy of the client's request with `sampling` in place of its own."""
+    copy = pdserve_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.sampling.CopyFrom(sampling)
+    return copy
 
 
 class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
@@ -128,6 +175,13 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             prompt = self.encoder.encode(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
+        prompt_is = "messages" if request.WhichOneof("input") == "chat" else "prompt"
+        asked = request.sampling
+        sampling = fit_to_context(asked, len(prompt), opts.max_model_len, prompt_is)
+        if isinstance(sampling, Refusal):
+            sampling.abort(context)
+        if sampling is not asked:
+            request = _with_sampling(request, sampling)
         for role in ("decode",) if opts.colocated else ROLES:
             if not self.pool.num_workers(role):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))

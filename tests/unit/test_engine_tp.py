@@ -39,9 +39,12 @@ def test_stale_shared_kv_files_are_removed(tmp_path):
 
     dead = 2**22 + 7  # above the largest pid_max Linux allows: no such process
     stale = tmp_path / f"pdserve-kv-{dead}-abcd-rank0"
+    # a pool the shm backend made itself (create_shared_kv_cache) has no rank in its name
+    stale_shm = tmp_path / f"pdserve-kv-{dead}-0123456789ab"
     alive = tmp_path / f"pdserve-kv-{os.getpid()}-abcd-rank0"
     other = tmp_path / "unrelated"
-    for p in (stale, alive, other):
+    for p in (stale, stale_shm, alive, other):
         p.write_bytes(b"x")
     remove_stale_pool_files(str(tmp_path))
-    assert not stale.exists() and alive.exists() and other.exists()
+    assert not stale.exists() and not stale_shm.exists()
+    assert alive.exists() and other.exists()
