@@ -11,7 +11,8 @@ Ctrl-C, SIGTERM or `stop()`, which undoes the start in reverse. Meanwhile its Su
 (deploy/supervisor.py) relaunches replicas whose actor died, and a pool with no live worker gets
 UNAVAILABLE from the router. The router lives in the driver because it is the one client-facing
 port: it should listen on the host the operator launched from and die with `pdserve up`, and it
-holds no model, so it needs no Ray resources of its own.
+holds no model, so it needs no Ray resources of its own. A local Ray that `up` starts dies with
+it too, even when it is killed without a chance to stop it (deploy/ray_reaper.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -31,6 +33,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.deploy import ray_reaper
 from pdserve.deploy.config import DeployConfig, Pool
 from pdserve.deploy.prechecks import (  # noqa: F401
     DeployError,
@@ -38,8 +41,10 @@ from pdserve.deploy.prechecks import (  # noqa: F401
     check_model_fit,
     check_port_free,
     check_resources,
+    check_writable_dirs,
     cluster_security,
     cpus_gpus,
+    local_ray_temp_dir,
 )
 from pdserve.deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
 from pdserve.protos.security import INSECURE, ClusterSecurity
@@ -149,6 +154,7 @@ class Cluster:
     security: ClusterSecurity = INSECURE  # its repr never shows the secret
     deployment_id: str = ""
     supervisor: Supervisor | None = None
+    reaper: ray_reaper.Watchdog | None = None  # kills the local Ray we started if we die first
     _stopped: bool = False
 
     def addresses(self, role: str) -> list[str]:
@@ -201,25 +207,30 @@ class Cluster:
         self.replicas.clear()
         if self.started_ray:
             ray.shutdown()
+        if self.reaper is not None:
+            self.reaper.stop()
+            self.reaper = None
 
 
 # ---- starting ------------------------------------------------------------------------------------
-def _init_ray(config: DeployConfig, address: str | None) -> bool:
-    """Connects to (or starts) Ray; True when this call started it, so stop() shuts it down."""
+def _init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reaper.Watchdog | None]:
+    """Connects to (or starts) Ray. Returns whether this call started it (so stop() shuts it down)
+    and, for a local Ray it started, the watchdog that kills Ray's processes should this process
+    die without stopping them (deploy/ray_reaper.py)."""
     if ray.is_initialized():  # the caller owns Ray (a notebook, a test): reuse it
-        return False
+        return False, None
     address = address or config.ray.address
     kwargs = dict(include_dashboard=False, log_to_driver=False)
     if address is None:
-        from pdserve.engine.loader import default_cache_dir
-
-        temp_dir = config.ray.temp_dir or str(default_cache_dir() / "ray")
+        # a private temp dir keeps this Ray off the machine-wide default (/tmp/ray); checked
+        # writable before (check_writable_dirs)
+        temp_dir = local_ray_temp_dir(config)
         os.makedirs(temp_dir, exist_ok=True)
-        # a private temp dir keeps this Ray off the machine-wide default (/tmp/ray); Unix socket
-        # paths under it must stay short, which the cache dir is
-        kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=os.path.abspath(temp_dir))
+        kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=str(temp_dir))
     elif config.ray.temp_dir:
         kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
+    local = address is None and sys.platform == "linux"  # the watchdog reads /proc
+    before = ray_reaper.children_of(os.getpid()) if local else {}
     try:
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -229,7 +240,15 @@ def _init_ray(config: DeployConfig, address: str | None) -> bool:
             else "start a local Ray (ray.num_cpus, ray.temp_dir)"
         )
         raise DeployError(f"cannot {where}: {ray_error_reason(e)}") from None
-    return True
+    if not local:
+        return True, None
+    # the processes ray.init started here: Ray's head (GCS, raylet, monitor, ...)
+    started = {
+        pid: start
+        for pid, start in ray_reaper.children_of(os.getpid()).items()
+        if before.get(pid) != start
+    }
+    return True, ray_reaper.watch(started)
 
 
 def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str):
@@ -427,6 +446,7 @@ def up(
     check_port_free(config.router.host, config.router.port)
     _check_http_port_free(config)
     api_keys = client_keys(config, environ)
+    check_writable_dirs(config, on_this_machine, on_this_machine and not ray.is_initialized())
     check_model_fit(config, on_this_machine)
     if (
         on_this_machine and not ray.is_initialized()
@@ -443,8 +463,10 @@ def up(
 
         log.info("this machine's CPU: %s", cpu_features().describe())
     t0 = time.perf_counter()
-    started = _init_ray(config, address)
-    cluster = Cluster(config, started, security=security, deployment_id=uuid.uuid4().hex)
+    started, reaper = _init_ray(config, address)
+    cluster = Cluster(
+        config, started, security=security, deployment_id=uuid.uuid4().hex, reaper=reaper
+    )
     # a local Ray runs everything on this machine: loopback is reachable and opens no ports
     local = started and on_this_machine
     host = "127.0.0.1" if local else ""

@@ -1,12 +1,14 @@
-"""Checks `pdserve up` makes before it waits on anything: the router's port, the pools against the
-model, the pools against Ray's resources, and the cluster secret. Each refusal is a ConfigError
-or a DeployError whose one-line message names the key to change."""
+"""Checks `pdserve up` makes before it waits on anything: the router's port, the directories it
+writes on this machine (pdserve's cache, a local Ray's temp dir), the pools against the model, the
+pools against Ray's resources, and the cluster secret. Each refusal is a ConfigError or a
+DeployError whose one-line message names the key (or environment variable) to change."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import pathlib
 import secrets
 import socket
 
@@ -60,15 +62,53 @@ def check_port_free(host: str, port: int) -> None:
         )
 
 
+def local_ray_temp_dir(config: DeployConfig) -> pathlib.Path:
+    """Where a local Ray of this deployment keeps its files: ray.temp_dir, else `ray` in pdserve's
+    cache (a private one keeps it off the machine-wide /tmp/ray; the Unix socket paths under it
+    must stay short, which the cache's are)."""
+    from pdserve.engine.loader import default_cache_dir
+
+    return pathlib.Path(config.ray.temp_dir or default_cache_dir() / "ray").absolute()
+
+
+def check_writable_dirs(config: DeployConfig, on_this_machine: bool, local_ray: bool) -> None:
+    """Refuses directories `up` would write on this machine but cannot: the compiled CPU kernels'
+    (`kernels` in pdserve's cache) when a pool runs on CPU with the kernels on, and a local Ray's
+    temp dir (`local_ray_temp_dir`). A model converted into the cache is checked where it is
+    converted (engine/loader/resolve.py, through check_model_fit). Else the first of them to fail
+    would end `up` in a traceback (Ray's), or leave every worker on the slow torch path with
+    nothing but a line in its own log."""
+    from pdserve.engine.loader import CacheDirError, default_cache_dir, writable_dir
+
+    dirs = []  # (directory, the fix when it is not the cache's, what else would do)
+    cpu_pools = any(not p.resources.num_gpus for _, p in config.worker_pools())
+    if on_this_machine and cpu_pools and os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0":
+        also = " (or PDSERVE_CPU_KERNELS=0 to run without the compiled CPU kernels)"
+        dirs.append((default_cache_dir() / "kernels", None, also))
+    if local_ray and config.ray.temp_dir:
+        fix = "set ray.temp_dir to a directory you can write"
+        dirs.append((local_ray_temp_dir(config), fix, ""))
+    elif local_ray:
+        dirs.append((local_ray_temp_dir(config), None, " (or ray.temp_dir for Ray's files)"))
+    for path, fix, also in dirs:
+        try:
+            writable_dir(path, fix)
+        except CacheDirError as e:
+            raise DeployError(f"{e}{also}") from None
+
+
 def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
     """Refuses, before anything starts, pools whose workers would refuse the model
     (config_checks.fit_problems); else every replica of the pool would fail the same way inside
-    its actor."""
+    its actor. A model that needs converting into a cache this process cannot write is refused
+    as DeployError (the router, in this process, reads its tokenizer from there too)."""
     from pdserve.engine.config import available_memory_bytes
-    from pdserve.engine.loader import load_hf_config, resolve_model
+    from pdserve.engine.loader import CacheDirError, load_hf_config, resolve_model
 
     try:
         model_dir = resolve_model(config.model)
+    except CacheDirError as e:
+        raise DeployError(str(e)) from None
     except ValueError as e:
         if on_this_machine:
             raise ConfigError("\n".join([str(e)] + placement_problems(config))) from None
@@ -141,16 +181,20 @@ def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurit
 
 def check_offline(config: DeployConfig, address: str | None = None) -> list[str]:
     """`pdserve up --check`: the refusals `up` makes before Ray starts, bar the router port (a
-    check of this moment, not of the config): the pools against the model (fit_problems; a model
-    that is not on this machine is checked for the placement only, its workers load it on their
-    nodes) and, for a local Ray, the pools against its CPUs. Returns the notes on what was not
-    checked; raises ConfigError or DeployError on a refusal."""
+    check of this moment, not of the config): the directories it writes here
+    (check_writable_dirs), the pools against the model (fit_problems; a model that is not on this
+    machine is checked for the placement only, its workers load it on their nodes) and, for a
+    local Ray, the pools against its CPUs. Returns the notes on what was not checked; raises
+    ConfigError or DeployError on a refusal."""
     on_this_machine = not (address or config.ray.address)
-    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.loader import CacheDirError, resolve_model
 
+    check_writable_dirs(config, on_this_machine, local_ray=on_this_machine)
     notes = []
     try:
         resolve_model(config.model)
+    except CacheDirError as e:
+        raise DeployError(str(e)) from None
     except ValueError as e:
         notes.append(f"the pools were not checked against the model: {e}")
         if placement_problems(config):  # refused whatever the model

@@ -33,7 +33,7 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
     try:
         from torch.utils.cpp_extension import load
 
-        from pdserve.engine.loader import default_cache_dir
+        from pdserve.engine.loader import default_cache_dir, writable_dir
 
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one
         # thread. -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
@@ -42,7 +42,7 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
             (_cpu_flags() + source.read_text() + " ".join(extra_cflags)).encode()
         ).hexdigest()[:12]
         build = default_cache_dir() / "kernels" / key
-        build.mkdir(parents=True, exist_ok=True)
+        writable_dir(build)  # else a one-line CacheDirError, logged below: what to set
         # torch's own build lock is a plain file: a worker killed while compiling leaves it behind
         # and every later worker waits on it forever. An flock dies with its holder, so under it
         # any torch lock found is a dead one.

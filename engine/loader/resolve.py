@@ -18,11 +18,45 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ACCEPTED = "a directory with config.json and *.safetensors, a .gguf file, or 'smollm2'"
 
 
+CACHE_ENV = "PDSERVE_CACHE_DIR"
+
+
+class CacheDirError(ValueError):
+    """A pdserve cache directory cannot be written; the message is one line that names it, why,
+    and what to set instead. A ValueError, as the engine's other refusals of its settings are."""
+
+
 def default_cache_dir() -> pathlib.Path:
-    env = os.environ.get("PDSERVE_CACHE_DIR")
+    env = os.environ.get(CACHE_ENV)
     if env:
         return pathlib.Path(env).expanduser()
     return pathlib.Path.home() / ".cache" / "pdserve"
+
+
+def writable_dir(path: pathlib.Path, fix: str | None = None) -> pathlib.Path:
+    """`path`, created if missing, once a file could be made in it (a permission check alone
+    would pass root on a read-only directory); else CacheDirError naming `path` and `fix` (by
+    default: set PDSERVE_CACHE_DIR to a directory you can write)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise cache_dir_error(path, e, fix) from None
+    return path
+
+
+def cache_dir_error(path: pathlib.Path, err: OSError, fix: str | None = None) -> CacheDirError:
+    if fix is None and os.environ.get(CACHE_ENV):
+        fix = (
+            f"{CACHE_ENV}={os.environ[CACHE_ENV]} must be a directory you can write; set it to one"
+        )
+    elif fix is None:
+        fix = (
+            f"set {CACHE_ENV} to a directory you can write (pdserve's cache of converted models, "
+            f"compiled kernels and a local Ray's files)"
+        )
+    return CacheDirError(f"cannot write to {path} ({err.strerror or err}): {fix}")
 
 
 def _bad_model(model: object, why: str) -> ValueError:
@@ -76,7 +110,8 @@ def converted_gguf_dir(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> path
     target = models / gguf_cache_key(gguf_path)
     if _is_converted(target):
         return target
-    models.mkdir(parents=True, exist_ok=True)
+    fix = None if cache_dir == default_cache_dir() else "pass a cache_dir you can write"
+    writable_dir(models, fix)
     if target.exists():
         # Only a hand-edited cache gets here (conversions appear atomically); start it over.
         shutil.rmtree(target, ignore_errors=True)

@@ -1,0 +1,97 @@
+"""A kill -9 of `pdserve up` leaves no process of its local Ray behind. Ray's head processes die
+with their parent by themselves, but the raylet's dashboard and runtime env agents outlived it by a
+minute or more (issue #26); the watchdog of deploy/ray_reaper.py kills them, with one line on
+`up`'s stderr. `pdserve up` runs as a command, on a tiny random model. The watchdog alone, with
+fake processes: tests/integration/test_ray_reaper_processes.py."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+import yaml
+
+from process_helpers import alive, command_of, still_alive_after, tree
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc"),
+]
+
+ROOT = pathlib.Path(__file__).parents[2]
+START_TIMEOUT_S = 300.0
+GONE_WITHIN_S = 30.0  # the bound issue #26 asks for (the agents alone took over a minute)
+
+
+def _wait_for_line(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
+    """Reads `proc`'s stdout on a thread of its own until the line `want`."""
+    seen = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if line.strip() == want:
+                seen.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    if not seen.wait(timeout_s):
+        state = f"exited {proc.poll()}" if proc.poll() is not None else "still starting"
+        raise AssertionError(f"`pdserve up` printed no {want!r} within {timeout_s:.0f}s ({state})")
+
+
+def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
+    model_dir, _ = tiny_models("llama-gqa")
+    ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
+    pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": model_dir,
+                "dtype": "float32",
+                "pools": {"prefill": pool, "decode": pool},
+                "router": {"host": "127.0.0.1", "port": 0, "http_port": None},
+                "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+            }
+        )
+    )
+    err_path = tmp_path / "up.err"
+    processes: dict[int, int] = {}
+    with open(err_path, "w") as err:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,  # nothing of it shares the test's process group
+        )
+    try:
+        _wait_for_line(up, "ready", START_TIMEOUT_S)
+        processes = tree(up.pid)
+        commands = " ".join(command_of(pid) for pid in processes)
+        for part in ("raylet", "gcs_server", "Agent"):  # the agents: what outlived `up` before
+            assert part in commands, f"no {part} among {commands}"
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait()
+        left = still_alive_after(processes, GONE_WITHIN_S)
+        assert not left, f"still running {GONE_WITHIN_S:.0f}s after the kill: " + ", ".join(
+            f"{pid} {command_of(pid)}" for pid in left
+        )
+        said = err_path.read_text().splitlines()
+        assert any("died without stopping its local Ray; killed what was left" in s for s in said)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid, start in processes.items():
+            if alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
