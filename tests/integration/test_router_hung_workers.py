@@ -14,29 +14,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 
-import grpc
 import pytest
 
 from conftest import random_prompts, wait_until
-from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
-from pdserve.engine import LLM, SamplingParams
-from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
-from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from hang_helpers import (
+    Streams,
+    blocks_free,
+    greedy,
+    start_decode,
+    start_prefill,
+    stop_workers,
+)
 from router_helpers import (
-    LONG_GREEDY,
-    MAX_MODEL_LEN,
-    RPC_TIMEOUT,
     fixture_model_dir,  # noqa: F401
-    generate_call,
     start_router,
     stop_router,
 )
 
-ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
-DECODE_STEP_S = 0.05  # decode steps slowed so that the streams are mid-way when the worker hangs
 HANG_WAIT_S = 30.0  # a hung worker's threads wait at most this long for the test to release them
 # Stats answer within 0.3 s or fail; two failures in a row mark a worker down (about a second)
 FAST_HEALTH = dict(stats_timeout_s=0.3, down_after=2)
@@ -77,48 +72,6 @@ class Hang:
         self.gate.set()
 
 
-def with_stub(worker, stub_class):
-    worker.channel = grpc.insecure_channel(worker.address)
-    worker.stub = stub_class(worker.channel)
-    return worker
-
-
-def start_decode(model_dir, worker_id: str, registry_address: str = "") -> DecodeWorker:
-    worker = DecodeWorker(
-        DecodeWorkerConfig(
-            model=model_dir,
-            worker_id=worker_id,
-            lease_ms=5000,
-            stop_grace_s=0,
-            engine_kwargs=dict(block_size=16, **ENGINE),
-            registry_address=registry_address,
-        )
-    ).start()
-    step = worker.loop.engine.step
-    worker.loop.engine.step = lambda: (time.sleep(DECODE_STEP_S), step())[1]
-    return with_stub(worker, worker_pb2_grpc.DecodeWorkerStub)
-
-
-def start_prefill(model_dir, worker_id: str) -> PrefillWorker:
-    worker = PrefillWorker(
-        PrefillWorkerConfig(
-            model=model_dir, worker_id=worker_id, engine_kwargs=dict(block_size=4, **ENGINE)
-        )
-    ).start()
-    return with_stub(worker, worker_pb2_grpc.PrefillWorkerStub)
-
-
-def stop_workers(*workers) -> None:
-    for worker in workers:
-        worker.channel.close()
-        worker.stop()
-
-
-def blocks_free(worker) -> bool:
-    s = worker.stub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
-    return s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_reserved == 0
-
-
 def wait_freed(hangs, workers) -> None:
     """Releases the hung workers and waits until every worker freed every block."""
     for hang in hangs:
@@ -137,44 +90,6 @@ def stopped_after(router, hangs, workers):
             hang.release()
         stop_router(router)
         stop_workers(*workers)
-
-
-def greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
-    """The engine's own greedy continuations of `prompts`."""
-    llm = LLM(model_dir, **ENGINE)
-    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(LONG_GREEDY)), use_tqdm=False)
-    return [list(out.outputs[0].token_ids) for out in outs]
-
-
-class Streams:
-    """Generate calls running on threads: each one's token ids, last response and error."""
-
-    def __init__(self, router, prompts):
-        self.ids = [[] for _ in prompts]
-        self.last = [None] * len(prompts)
-        self.errors = [None] * len(prompts)
-        self.threads = [
-            threading.Thread(target=self._run, args=(router, i, p), daemon=True)
-            for i, p in enumerate(prompts)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, router, i, prompt):
-        try:
-            for response in generate_call(router, prompt, LONG_GREEDY):
-                self.last[i] = response
-                if response.HasField("delta"):
-                    self.ids[i] += response.delta.token_ids
-        except grpc.RpcError as e:
-            self.errors[i] = e
-
-    def join(self, timeout: float) -> bool:
-        """True when every call ended within `timeout` seconds."""
-        end = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(0.0, end - time.monotonic()))
-        return not any(t.is_alive() for t in self.threads)
 
 
 @pytest.fixture(scope="module")
