@@ -34,7 +34,8 @@ CONTENTION_WARN_CORES = 0.1  # other processes' average CPU use that makes timin
 
 
 def log(msg: str) -> None:
-    print(f"[engine_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv else "bench"
+    print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def random_prompts(seed: int, n: int, length: int) -> list[list[int]]:
@@ -385,13 +386,13 @@ def script_parser(description: str) -> argparse.ArgumentParser:
     )
 
 
-def add_out_arg(ap, name: str) -> None:
-    """--out: the JSON result file, by default benchmarks/results/<name> in this checkout (wherever
-    the script runs from)."""
+def add_out_arg(ap, name: str, folder: str = "benchmarks") -> None:
+    """--out: the JSON result file, by default <folder>/results/<name> in this checkout (wherever
+    the script runs from); folder is benchmarks or experiments."""
     ap.add_argument(
         "--out",
-        default=os.path.join(REPO_ROOT, "bench", "results", name),
-        help=f"JSON results path (default benchmarks/results/{name})",
+        default=os.path.join(REPO_ROOT, folder, "results", name),
+        help=f"JSON results path (default {folder}/results/{name})",
     )
 
 

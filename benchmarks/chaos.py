@@ -1,7 +1,7 @@
 """Chaos runs against a real deployment: `deploy.launcher.up()` (what `pdserve up` runs) of the
 embedded SmolLM2 on this machine, with clients, probes and abusers in processes of their own.
 
-  python -m benchmarks.chaos                       # every part, ~10 min on 2 cores
+  python -m benchmarks.chaos                       # every part, ~20 min on 2 cores
   python -m benchmarks.chaos --parts a,c --requests 100
 
 Parts (issue #14's must-show; tests/chaos/ runs the same at CI scale on a tiny model), each
@@ -10,6 +10,10 @@ described in its function:
   c  a 60 MB prompt and a 1,000,000-entry stop list: the router's CPU and another client's TTFT
   d  a second `pdserve up` on the same port, then kill -9 of the only decode worker
   e  kill -9 of a decode and of a prefill worker while a survivor of each serves
+  h  SIGSTOP of a decode worker (1P+2D) and of a prefill worker (2P+1D) for 120 s under 32
+     streams (benchmarks/chaos_hangs.py)
+  s  kill -9 of a decode worker 5 times with the shm backend: pools in /dev/shm and the prefill
+     worker's maps (benchmarks/chaos_shm.py)
 Writes benchmarks/results/chaos.json (machine, commit, command, every figure).
 """
 
@@ -29,6 +33,7 @@ import tempfile
 import threading
 import time
 
+from benchmarks import chaos_hangs, chaos_shm
 from benchmarks.bench_common import (
     REPO_ROOT,
     add_out_arg,
@@ -425,16 +430,25 @@ def part_e(args) -> dict:
     return out
 
 
-PARTS = {"a": part_a, "c": part_c, "d": part_d, "e": part_e}
+PARTS = {
+    "a": part_a,
+    "c": part_c,
+    "d": part_d,
+    "e": part_e,
+    "h": chaos_hangs.part_h,
+    "s": chaos_shm.part_s,
+}
 
 
 def main(argv=None) -> int:
     p = script_parser(__doc__)
-    p.add_argument("--parts", default="a,c,d,e")
+    p.add_argument("--parts", default="a,c,d,e,h,s")
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--ttft-requests", type=int, default=20)
+    chaos_hangs.add_args(p)
+    chaos_shm.add_args(p)
     add_out_arg(p, "chaos.json")
     args = p.parse_args(argv)
     logging.basicConfig(

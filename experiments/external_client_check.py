@@ -36,7 +36,7 @@ from benchmarks.bench_common import (
 )
 from experiments import http_cluster
 
-VENV_AIPERF = os.path.join(REPO_ROOT, "bench", ".venv", "bin", "aiperf")
+VENV_AIPERF = os.path.join(REPO_ROOT, "experiments", ".venv", "bin", "aiperf")
 TOLERANCE = 0.15
 
 

@@ -53,7 +53,7 @@ def parse_args(ap, argv, out_name: str):
         "rerun on the same cluster is not served from its prefix caches)",
     )
     ap.add_argument("--warmup", type=int, default=3)
-    add_out_arg(ap, out_name)
+    add_out_arg(ap, out_name, folder="experiments")
     add_args(ap)
     args = ap.parse_args(argv)
     if args.seed is None:
