@@ -4,7 +4,12 @@ caches evict independently, so a match is a hint, never a promise).
 
 Prompts are cut into CHUNK-token pieces with chained hashes (a piece's hash covers everything
 before it); each hash remembers the workers that were sent a prompt starting with it, in LRU
-order, up to `max_entries` hashes.
+order, up to `max_entries` hashes. That bound is all the memory the view ever takes: every
+request with a fresh prompt adds a hash per CHUNK tokens, so the map grows with the requests
+served until it reaches the bound (about 200 bytes a hash), and stays there. The pool may lower
+the bound to what its prefill workers' caches can hold (`fit_to_blocks`, from their Stats): a
+hash beyond that names a prefix every worker has evicted long ago. A worker that leaves is
+forgotten, and the hashes no worker holds any more are dropped with it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,14 @@ import hashlib
 from collections import OrderedDict
 
 CHUNK = 32
+# 2M prompt tokens of prefixes (about 13 MB): more than the prefix caches of the prefill pools
+# this router is sized for hold; the pool may set a tighter bound from its workers' KV sizes
+DEFAULT_MAX_ENTRIES = 65_536
+# fit_to_blocks: hashes per KV block of the prefill pool. A block holds block_size tokens and a
+# hash covers CHUNK, so 4 a block remember at least all that the caches hold for any block size
+# up to 128 (8 times it for 16-token blocks), whatever block size the workers use.
+HASHES_PER_BLOCK = 4
+MIN_ENTRIES = 256
 
 
 def prefix_hashes(prompt: list[int], chunk: int = CHUNK) -> list[bytes]:
@@ -25,10 +38,15 @@ def prefix_hashes(prompt: list[int], chunk: int = CHUNK) -> list[bytes]:
 
 
 class PrefixAffinity:
-    def __init__(self, max_entries: int = 200_000, chunk: int = CHUNK):
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, chunk: int = CHUNK):
         self.chunk = chunk
         self.max_entries = max_entries
-        self._holders: OrderedDict[bytes, set] = OrderedDict()
+        # hash -> the workers sent a prompt with that prefix, as a tuple (nearly always one
+        # worker: a tuple takes a quarter of a set's memory)
+        self._holders: OrderedDict[bytes, tuple] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._holders)
 
     def matched_tokens(self, hashes: list[bytes]) -> dict:
         """worker key -> leading prompt tokens it was sent before (contiguous from the start)."""
@@ -50,14 +68,36 @@ class PrefixAffinity:
         for h in hashes:
             holders = self._holders.get(h)
             if holders is None:
-                holders = self._holders[h] = set()
+                self._holders[h] = (key,)
             else:
                 self._holders.move_to_end(h)
-            holders.add(key)
+                if key not in holders:
+                    self._holders[h] = holders + (key,)
+        self._evict()
+
+    def set_max_entries(self, max_entries: int) -> None:
+        """A new bound (at least 1); the least recently sent hashes past it go at once."""
+        self.max_entries = max(1, max_entries)
+        self._evict()
+
+    def fit_to_blocks(self, num_blocks: int) -> None:
+        """Bounds the view by the KV blocks of the prefill workers (their prefix caches together
+        hold no more): HASHES_PER_BLOCK a block, at least MIN_ENTRIES. No blocks known (0):
+        the bound stays."""
+        if num_blocks > 0:
+            self.set_max_entries(max(MIN_ENTRIES, HASHES_PER_BLOCK * num_blocks))
+
+    def _evict(self) -> None:
         while len(self._holders) > self.max_entries:
             self._holders.popitem(last=False)
 
     def forget(self, key) -> None:
-        """A worker left the pool: its cache is gone with it."""
-        for holders in self._holders.values():
-            holders.discard(key)
+        """A worker left the pool: its cache is gone with it, and so are the hashes that only it
+        held."""
+        for h, holders in list(self._holders.items()):
+            if key in holders:
+                rest = tuple(k for k in holders if k != key)
+                if rest:
+                    self._holders[h] = rest  # keeps its place in the LRU order
+                else:
+                    del self._holders[h]

@@ -332,6 +332,10 @@ class WorkerPool:
                 self._note_stats(worker, call.result())
             except grpc.RpcError as e:
                 self._note_failure(worker, e, sent)
+        with self._lock:  # the affinity view holds no more than the prefill caches can
+            self._affinity.fit_to_blocks(
+                sum(w.stats.num_total_blocks for w in self._workers["prefill"] if w.stats)
+            )
         self.num_sweeps += 1
 
     def _note_stats(self, worker: _Worker, stats) -> None:

@@ -15,6 +15,7 @@ own parts and then the engine.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
@@ -29,6 +30,19 @@ from pdserve.worker_common.grpc_server import ServiceHost
 from pdserve.worker_common.registration import Registration, register_worker
 
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
+
+
+def release_freed_heap() -> bool:
+    """Gives the heap memory that is free back to the system (glibc's malloc_trim; False where
+    there is none). Called once, after the engine is built and warmed: building and warming it
+    free much of what they allocate on the way (about 0.7 GB in the example deployment's
+    prefill worker, 1 GB in its decode worker), and glibc would keep that until a later free
+    happened to trim it, minutes into serving: the worker's RSS would drop by that much mid-run,
+    a step that hides any growth."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,7 @@ class WorkerProcess:
             ),
             name=f"{cfg.worker_id}-engine",
         )
+        release_freed_heap()
         return self.loop.engine
 
     def _serve(

@@ -4,7 +4,13 @@ gRPC channels a fast-lane test may not open): tests/integration/test_router_affi
 
 from __future__ import annotations
 
-from pdserve.router.affinity import CHUNK, PrefixAffinity, prefix_hashes
+from pdserve.router.affinity import (
+    CHUNK,
+    HASHES_PER_BLOCK,
+    MIN_ENTRIES,
+    PrefixAffinity,
+    prefix_hashes,
+)
 
 
 def test_affinity_matches_whole_leading_chunks_only_and_forgets():
@@ -19,3 +25,35 @@ def test_affinity_matches_whole_leading_chunks_only_and_forgets():
     assert aff.matched_tokens(prefix_hashes(a)) == {}  # the oldest (first chunk) was evicted
     aff.forget("w2")
     assert aff.matched_tokens(prefix_hashes(list(range(500, 500 + CHUNK)))) == {}
+
+
+def test_affinity_keeps_at_most_its_bound_and_drops_what_no_worker_holds():
+    """The view's memory (issue #26's soak: the router grew with every fresh prompt) stays at its
+    bound however many requests pass, a tighter bound applies at once, and a worker that leaves
+    takes the hashes only it held."""
+    aff = PrefixAffinity(max_entries=500)
+    prompts = [[i * 1000 + j for j in range(2 * CHUNK)] for i in range(2000)]  # 2 hashes each
+    for i, prompt in enumerate(prompts):
+        aff.record(prefix_hashes(prompt), "w1" if i % 2 else "w2")
+    assert len(aff) == 500
+    newest = prompts[-1]
+    assert aff.matched_tokens(prefix_hashes(newest)) == {"w1": 2 * CHUNK}
+    aff.set_max_entries(100)
+    assert len(aff) == 100
+    assert aff.matched_tokens(prefix_hashes(newest)) == {"w1": 2 * CHUNK}  # the newest stay
+    aff.record(prefix_hashes(newest), "w2")  # now held by both
+    aff.forget("w1")
+    assert len(aff) == 50 + 2  # w2's prompts, and the one both held
+    assert aff.matched_tokens(prefix_hashes(newest)) == {"w2": 2 * CHUNK}
+    aff.forget("w2")
+    assert len(aff) == 0
+
+
+def test_affinity_fits_its_bound_to_the_prefill_pools_blocks():
+    aff = PrefixAffinity()
+    aff.fit_to_blocks(0)  # no worker's Stats yet: the default stays
+    assert aff.max_entries == PrefixAffinity().max_entries
+    aff.fit_to_blocks(546)
+    assert aff.max_entries == HASHES_PER_BLOCK * 546
+    aff.fit_to_blocks(1)
+    assert aff.max_entries == MIN_ENTRIES
