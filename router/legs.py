@@ -384,6 +384,11 @@ class Legs:
             except NoWorker as e:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
                 break
+            if worker is excluded and isinstance(error, RouterStatus):
+                # the only one, and it did not fail the call itself (dropped, or past the
+                # prefill timeout): it may still run this id, and a second copy would be refused
+                self.pool.end_prefill(worker, charge)
+                break
             with req.lock:
                 leg.prefill = worker
             leg.prefill_dispatch_ns = unix_ns()

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 
+import grpc
 import pytest
 
 from conftest import random_prompts, wait_until
@@ -220,3 +221,25 @@ def test_a_reserve_on_a_hung_decode_worker_moves_to_the_other_one(model_dir, pro
         assert streams.ids == want
         assert {last.finish.timings.decode_worker for last in streams.last} == {"d1"}
         wait_freed(hangs, [prefill, *decodes])
+
+
+def test_a_prefill_past_its_timeout_on_the_only_prefill_worker_fails_unavailable(
+    model_dir, prompts
+):
+    """No other prefill worker: the retry would send the same leg id to the worker still running
+    it (ALREADY_EXISTS, a second copy of the work); the call fails UNAVAILABLE, saying why."""
+    prefill = start_prefill(model_dir, "p0")
+    hang = Hang(prefill, stats=False)
+    decode = start_decode(model_dir, "d0")
+    router = start_router(
+        model_dir, [prefill.address], [decode.address], prefill_timeout_s=2.0, **FAST_HEALTH
+    )
+    with stopped_after(router, [hang], [prefill, decode]):
+        hang.start()
+        streams = Streams(router, prompts[:1])
+        assert streams.join(15)
+        error = streams.errors[0]
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert "prefill_timeout_s" in error.details()
+        assert len(hang.prompts) == 1  # sent once, not twice
+        wait_freed([hang], [prefill, decode])
