@@ -30,9 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
+from pdserve.router.http_conn import CLOSED_BY
 from pdserve.router.openai_format import (
     KNOWN_FIELDS,
     ApiError,
@@ -59,7 +61,14 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class ClientGone(Exception):
-    """The HTTP client disconnected; its gRPC call was cancelled."""
+    """The HTTP client disconnected (its gRPC call, if any, was cancelled)."""
+
+
+# why the front closed a connection whose body it was reading (router/http_conn.py)
+_CLOSED_BY = {
+    "body_timeout": "its body stalled: closed (408)",
+    "evicted": "its body stalled: closed for a new connection at the connection cap",
+}
 
 
 # ---- the app ---------------------------------------------------------------------------------
@@ -68,11 +77,12 @@ def build_app(front: HttpFront) -> FastAPI:
     actually read. The client's key is forwarded in the `authorization` metadata, so the gRPC
     interceptor (protos/security.py) checks it exactly as for a gRPC client; the front checks it
     first only to refuse a stranger before it reads the body. A client that disconnects cancels
-    the gRPC call, which the router turns into aborts on both pools. Errors use OpenAI's error
-    object, {"error": {"message", "type", "param", "code"}}, with the HTTP status of the failure;
-    a failure after a stream started is sent as one such event, then `data: [DONE]`. The usage
-    and the `pdserve` extension (per-stage timings: router/stage_timings.py) are in every
-    response, and in a stream on its last chunk."""
+    the gRPC call, which the router turns into aborts on both pools; one gone while its body is
+    read (or closed by the front's body timeout, router/http_conn.py) is one INFO line. Errors
+    use OpenAI's error object, {"error": {"message", "type", "param", "code"}}, with the HTTP
+    status of the failure; a failure after a stream started is sent as one such event, then
+    `data: [DONE]`. The usage and the `pdserve` extension (per-stage timings:
+    router/stage_timings.py) are in every response, and in a stream on its last chunk."""
     s = front.settings
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     text_of = TokenText(s.tokenizer)
@@ -90,6 +100,11 @@ def build_app(front: HttpFront) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         message = f"{request.method} {request.url.path[:200]}: {e.detail}"
         return answer(ApiError(e.status_code, message, code=code))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, e: ClientGone):
+        log.info("HTTP %s %s: %s", request.method, request.url.path[:200], e)
+        return Response(status_code=499)  # nobody reads it: the client left
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
@@ -125,15 +140,20 @@ def build_app(front: HttpFront) -> FastAPI:
                     code="body_too_large",
                 )
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(
-                    413,
-                    f"the body has more than {limit} bytes, the most accepted",
-                    code="body_too_large",
-                )
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(
+                        413,
+                        f"the body has more than {limit} bytes, the most accepted",
+                        code="body_too_large",
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect:  # one line (_client_gone), not a server error's traceback
+            why = _CLOSED_BY.get(request.scope.get(CLOSED_BY), "the client disconnected")
+            of = f" of {length}" if length is not None else ""
+            raise ClientGone(f"{why} after {size}{of} body bytes") from None
         return b"".join(chunks)
 
     def check_prompt_size(texts: list[str], param: str) -> None:

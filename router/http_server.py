@@ -8,11 +8,17 @@ a private (0700) directory that the gRPC server also listens on (add_internal_po
 path needs neither the client port's TLS nor a client certificate, and no TCP port is opened for
 it. With TLS, the certificate files uvicorn reads are written to that directory and deleted as
 soon as they are loaded.
+
+Every connection is bounded (router/http_conn.py): `header_timeout_s` to send its request
+headers, `body_timeout_s` between two pieces of its body, and at most `max_connections` open at
+once (0: derived from the process's file descriptor limit, leaving the rest to gRPC and the
+workers' channels); the error lines of a flood of bad clients are rate-limited while it serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -32,6 +38,19 @@ import uvicorn
 from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 from pdserve.protos.security import NO_KEYS, ClientKeys, TLSConfig
 from pdserve.router.http_api import build_app
+from pdserve.router.http_book import (
+    LISTEN_BACKLOG,
+    ConnectionBook,
+    Limits,
+    RateLimitFilter,
+    accept_batch,
+    connection_cap,
+    fd_limit,
+    install_filter,
+    remove_filter,
+    sweep,
+)
+from pdserve.router.http_conn import protocol_class
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +79,26 @@ class HttpSettings:
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0
+    # a connection must send its request headers within this (from its accept, or from the end
+    # of its previous response), else it is closed (408 if it sent part of them)
+    header_timeout_s: float = 10.0
+    # the longest pause in a request body (and in reading a response) before the connection is
+    # closed (408 while the body is read)
+    body_timeout_s: float = 30.0
+    # open connections at most; at the cap a new one closes the one that waited longest for its
+    # client. 0: the soft RLIMIT_NOFILE less max(1024, a quarter) kept for gRPC and the workers
+    max_connections: int = 0
+    log_interval_s: float = 10.0  # a flood's error lines: one of a kind per this long
+
+    def __post_init__(self):
+        for name in ("header_timeout_s", "body_timeout_s", "log_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HttpSettings.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 0:
+            raise ValueError(
+                f"HttpSettings.max_connections must be >= 0 (0: derived), got "
+                f"{self.max_connections}"
+            )
 
 
 class HttpFront:
@@ -77,6 +116,9 @@ class HttpFront:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.stub: pdserve_pb2_grpc.PDServeStub | None = None
+        self.book: ConnectionBook | None = None  # the open connections, once started
+        self._limits: Limits | None = None
+        self._log_filter: RateLimitFilter | None = None
 
     def add_internal_port(self, grpc_server: grpc.Server) -> None:
         """The Unix socket the HTTP handlers call gRPC through; before grpc_server.start()."""
@@ -84,13 +126,33 @@ class HttpFront:
 
     def start(self, timeout_s: float = 30.0) -> HttpFront:
         s = self.settings
+        limit = fd_limit()
+        derived = connection_cap(limit)
+        cap = s.max_connections or derived
+        if cap > derived:
+            log.warning(
+                "HTTP: max_connections=%d leaves less than %d of the %d file descriptors this "
+                "process may open to gRPC and the workers",
+                cap,
+                limit - derived,
+                limit,
+            )
+        self._limits = Limits(
+            s.header_timeout_s,
+            s.body_timeout_s,
+            handshake_timeout_s=s.header_timeout_s,
+            log_interval_s=s.log_interval_s,
+            max_body_bytes=s.max_body_bytes,
+        )
+        self.book = ConnectionBook(cap, self._limits.handshake_timeout_s)
         sock = _bind(s.host, s.port)
         try:
             config = uvicorn.Config(
                 build_app(self),
                 log_config=None,  # the process's logging stays as it is
                 access_log=False,
-                http="h11",
+                http=protocol_class(self.book, self._limits),
+                backlog=accept_batch(limit, derived),
                 ws="none",
                 lifespan="off",
                 loop="asyncio",
@@ -105,6 +167,8 @@ class HttpFront:
         finally:
             self._remove_tls_files()
         self._server = uvicorn.Server(config)
+        self._log_filter = RateLimitFilter(s.log_interval_s)
+        install_filter(self._log_filter)
         port = sock.getsockname()[1]
         host = f"[{s.host}]" if ":" in s.host else s.host
         self.address = f"{host}:{port}"
@@ -120,6 +184,7 @@ class HttpFront:
                     f"the HTTP front did not start on {self.address}: {self._error or 'timeout'}"
                 )
             time.sleep(0.01)
+        sock.listen(LISTEN_BACKLOG)  # asyncio listened with its accept batch (accept_batch)
         return self
 
     def _ssl_options(self) -> dict:
@@ -149,13 +214,28 @@ class HttpFront:
             except FileNotFoundError:
                 pass
 
+    def connection_stats(self) -> dict:
+        """The open connections, the cap, and how many were evicted, refused or timed out."""
+        return self.book.stats() if self.book is not None else {}
+
     def _run(self, sock: socket.socket) -> None:
         async def serve():
+            if self.settings.tls is not None:
+                # a TLS handshake is bounded like request headers (asyncio's default: 60 s)
+                loop = asyncio.get_running_loop()
+                loop.create_server = functools.partial(
+                    loop.create_server, ssl_handshake_timeout=self.settings.header_timeout_s
+                )
             channel = grpc.aio.insecure_channel(self.grpc_target)
             self.stub = pdserve_pb2_grpc.PDServeStub(channel)
+            sweeper = asyncio.create_task(sweep(self.book, self._limits))
             try:
                 await self._server.serve(sockets=[sock])
             finally:
+                sweeper.cancel()
+                for conn in list(self.book.open):  # those still open after the grace period
+                    if conn.transport is not None:
+                        conn.transport.abort()
                 await channel.close(grace=None)
 
         try:
@@ -177,6 +257,9 @@ class HttpFront:
                 self._server.force_exit = True
                 self._thread.join(5)
             self._thread = None
+        if self._log_filter is not None:
+            remove_filter(self._log_filter)
+            self._log_filter = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -173,7 +173,10 @@ class Router:
         self.metrics: RouterMetrics | None = None  # router/metrics.py, on metrics_registry
 
     def start(self) -> Router:
+        from pdserve.router.http_book import raise_fd_limit
+
         cfg = self.config
+        raise_fd_limit()  # soft RLIMIT_NOFILE to the hard limit: HTTP and gRPC clients, workers
         try:
             model_dir = resolve_model(cfg.model)
             options = service_options(cfg, model_dir)
