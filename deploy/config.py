@@ -292,6 +292,11 @@ class RouterSettings(_Frozen):
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
     # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0
     http_port: Annotated[int, Field(ge=0, le=65535)] | None = 8000
+    # the HTTP front's bounds on one client: seconds to send the request headers, seconds between
+    # two pieces of a body (then 408), and open connections (0: the fd limit less a quarter)
+    http_header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    http_body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    http_max_connections: Annotated[int, Field(ge=0)] = 0
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None

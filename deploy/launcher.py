@@ -392,6 +392,9 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         deployment_id=cluster.deployment_id,
         client_tls=config.router.tls.tls_config() if config.router.tls else None,
         http_port=config.router.http_port,
+        http_header_timeout_s=config.router.http_header_timeout_s,
+        http_body_timeout_s=config.router.http_body_timeout_s,
+        http_max_connections=config.router.http_max_connections,
         api_keys=api_keys,
     )
     cluster.router = Router(router_config).start()

@@ -75,6 +75,11 @@ class RouterConfig:
     # port's TLS (client_tls, else security.tls) as HTTPS; 0: a free port; None: no HTTP front
     http_port: int | None = None
     http_max_body_bytes: int | None = None  # None: the largest valid request (http_server.py)
+    # the HTTP front's bounds on a client (router/http_conn.py): seconds to send the request
+    # headers and between two body pieces; open connections (0: derived from the fd limit)
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int = 0
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -286,6 +291,9 @@ class Router:
                 ),
                 max_model_len=options.max_model_len,
                 max_prompt_bytes=self.servicer.encoder.max_prompt_bytes,
+                header_timeout_s=cfg.http_header_timeout_s,
+                body_timeout_s=cfg.http_body_timeout_s,
+                max_connections=cfg.http_max_connections,
                 metrics_registry=self.metrics_registry,
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
