@@ -282,18 +282,15 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # a prefill with no reply this long is retried once on another prefill worker (not failed:
-    # the client's own deadline is the only one a client sees)
+    # a prefill with no reply this long is retried once on another prefill worker
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    # a worker whose engine is stuck in one step this long while its server still answers (a
-    # hung GPU, a deadlock) is treated as down: its streams resume on another decode worker
+    # a worker whose engine is stuck in one step this long (a hung GPU) is treated as down
     worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
     # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0
     http_port: Annotated[int, Field(ge=0, le=65535)] | None = 8000
-    # the HTTP front's bounds on one client: seconds to send the request headers, seconds between
-    # two pieces of a body (then 408), and open connections (0: the fd limit less a quarter)
+    # the HTTP front's bounds on a client (headers, then between body pieces; 0: derived cap)
     http_header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     http_body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     http_max_connections: Annotated[int, Field(ge=0)] = 0

@@ -243,11 +243,8 @@ def _init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reap
     if not local:
         return True, None
     # the processes ray.init started here: Ray's head (GCS, raylet, monitor, ...)
-    started = {
-        pid: start
-        for pid, start in ray_reaper.children_of(os.getpid()).items()
-        if before.get(pid) != start
-    }
+    now = ray_reaper.children_of(os.getpid())
+    started = {pid: start for pid, start in now.items() if before.get(pid) != start}
     return True, ray_reaper.watch(started)
 
 
