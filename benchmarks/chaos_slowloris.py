@@ -23,6 +23,7 @@ benchmarks/chaos.py, takes the options `add_args` defines.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -235,12 +236,7 @@ def part_b(args) -> dict:
                 )
 
         workers = worker_pids(cluster)
-        import gc
-
-        if args.gc_freeze:  # not what pdserve does: what gc.freeze() after Router.start would do
-            gc.collect()
-            gc.freeze()
-        out["gc_freeze_after_up"] = args.gc_freeze
+        out["gc_frozen_objects"] = gc.get_freeze_count()  # Router.start froze its heap
         out["gc_tracked_objects_before_attack"] = len(gc.get_objects())
         pauses = GcPauses()
         try:
@@ -362,11 +358,6 @@ def add_args(p) -> None:
     p.add_argument("--open-per-s", type=float, default=1000.0, help="per attacker")
     p.add_argument("--pause-s", type=float, default=0.2, help="between a normal client's requests")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="gc.freeze() the router's process once the deployment is up (pdserve does not)",
-    )
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ gRPC server.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from concurrent import futures
@@ -262,6 +263,12 @@ class Router:
             raise
         for name in ("", SERVICE_NAME, REGISTRY_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # The startup heap (imports, tokenizer, templates: ~380k objects) lives as long as the
+        # process; frozen, the cyclic GC stops walking it. Each full collection of it held the GIL
+        # for up to a second under a flood of connections, a stall of every thread (BENCHMARKS.md,
+        # slowloris). stop() unfreezes it, for a process that runs several routers (tests).
+        gc.collect()
+        gc.freeze()
         log.info(
             "router serving %s on %s%s (prefill %s, decode %s, more may register)",
             options.model_id,
@@ -327,6 +334,7 @@ class Router:
         """Stops taking requests, cancels open streams (which aborts them on the workers), then
         closes the worker channels. The HTTP front goes first: its open streams are cancelled,
         which cancels their gRPC calls."""
+        gc.unfreeze()
         if self.http is not None:
             self.http.stop()
             self.http = None

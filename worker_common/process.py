@@ -30,6 +30,10 @@ from pdserve.worker_common.grpc_server import ServiceHost
 from pdserve.worker_common.registration import Registration, register_worker
 
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
+# How often the engine loop gives freed heap back (release_freed_heap). tune_malloc lets glibc
+# keep up to 256 MiB of freed heap for the KV frames' sake; without a trim a worker's RSS floats
+# by the size of its last big transient (a long prefill's activations) and hides any growth.
+HEAP_TRIM_PERIOD_S = 10.0
 
 
 def release_freed_heap() -> bool:
@@ -38,7 +42,8 @@ def release_freed_heap() -> bool:
     free much of what they allocate on the way (about 0.7 GB in the example deployment's
     prefill worker, 1 GB in its decode worker), and glibc would keep that until a later free
     happened to trim it, minutes into serving: the worker's RSS would drop by that much mid-run,
-    a step that hides any growth."""
+    a step that hides any growth. The engine loop calls it again every HEAP_TRIM_PERIOD_S, between
+    steps, for what serving frees."""
     try:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
@@ -135,6 +140,7 @@ class WorkerProcess:
             name=f"{cfg.worker_id}-engine",
         )
         release_freed_heap()
+        self.loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
         return self.loop.engine
 
     def _serve(
