@@ -1,9 +1,10 @@
-"""A decode worker process: engine + loop thread + hand-off + KV transport server + gRPC service.
-Its frame (start and stop order, registration, usage) is worker_common/process.py."""
+"""A decode worker process: engine + loop thread + hand-off + KV transport server + gRPC service,
+and DecodePart, the decode role that any worker can carry (the launcher's workers carry both
+roles, worker_common/role.py). Its frame (start and stop order, registration, usage) is
+worker_common/process.py."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from pdserve.decode_worker.handoff import DecodeHandoff
@@ -12,8 +13,6 @@ from pdserve.kvtransfer.backends import BACKENDS, default_shared_dir, serve, tun
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from pdserve.worker_common.process import WorkerConfig, WorkerProcess
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,25 +38,38 @@ class DecodeWorkerConfig(WorkerConfig):
             )
 
 
-class DecodeWorker(WorkerProcess):
-    ROLE, SERVICE_NAME = "decode", "pdserve.worker.v1.DecodeWorker"
+class DecodePart:
+    """The decode role: reservations and the hand-off that fills them, the KV transport server
+    prefill workers push into, and the DecodeWorker service. `cfg` has DecodeWorkerConfig's
+    fields (checked there)."""
 
-    config: DecodeWorkerConfig
-    # set by start()
-    layout: KVLayout | None = None
-    handoff: DecodeHandoff | None = None
-    _kv_server = None
+    role, service_name = "decode", "pdserve.worker.v1.DecodeWorker"
 
-    def _start(self) -> None:
-        cfg = self.config
+    def __init__(self, cfg: DecodeWorkerConfig):
+        self.cfg = cfg
+        self.layout: KVLayout | None = None
+        self.handoff: DecodeHandoff | None = None
+        self.servicer: DecodeWorkerServicer | None = None
+        self._kv_server = None
+
+    @classmethod
+    def from_config(cls, cfg) -> DecodePart:
+        return cls(cfg)
+
+    def prepare(self) -> None:
         tune_malloc()  # frame-sized receive buffers: see its docstring
+
+    def shared_dir(self, tp_size: int) -> str | None:
         # the hand-off writes every rank's pool from rank 0, and shm senders write into it
-        shared = self.tp_size > 1 or cfg.kv_backend == "shm"
-        engine = self._build_engine(default_shared_dir() if shared else None)
+        shared = tp_size > 1 or self.cfg.kv_backend == "shm"
+        return default_shared_dir() if shared else None
+
+    def start(self, worker: WorkerProcess, engine) -> None:
+        cfg = self.cfg
         self.layout = KVLayout(**engine.kv_layout_spec())
         rank_caches = engine.rank_kv_caches()
         self.handoff = DecodeHandoff(
-            self.loop,
+            worker.loop,
             self.layout,
             lease_s=cfg.lease_ms / 1000,
             sweep_s=cfg.lease_sweep_s,
@@ -69,8 +81,8 @@ class DecodeWorker(WorkerProcess):
         self._kv_server = serve(
             cfg.kv_backend, self.handoff.on_frame, security=cfg.security, **kv_options
         )
-        servicer = DecodeWorkerServicer(
-            self.loop,
+        self.servicer = DecodeWorkerServicer(
+            worker.loop,
             self.handoff,
             DecodeServiceOptions(
                 worker_id=cfg.worker_id,
@@ -78,22 +90,44 @@ class DecodeWorker(WorkerProcess):
                 kv_address=self._kv_server.address,
                 default_lease_ms=cfg.lease_ms,
                 max_lease_ms=cfg.max_lease_ms,
-                tp_size=self.tp_size,
+                tp_size=worker.tp_size,
             ),
-        )
-        self._serve(
-            lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s),
-            lambda: servicer.Stats(None, None),
-        )
-        log.info(
-            "decode worker %s serving on %s, KV on %s",
-            cfg.worker_id,
-            self.address,
-            self._kv_server.address,
+            gate=worker.gate,
         )
 
-    def _stop_own(self) -> None:
+    @property
+    def kv_address(self) -> str | None:
+        return self._kv_server.address if self._kv_server is not None else None
+
+    def add_to(self, server) -> None:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, server)
+
+    def stats(self):
+        return self.servicer.Stats(None, None)
+
+    def remaining(self) -> str:
+        reserved = self.handoff.num_reserved if self.handoff is not None else 0
+        return f"{reserved} reservation(s)" if reserved else ""
+
+    def close(self) -> None:
         """The KV channel, after the gRPC server (open streams have ended)."""
         if self._kv_server is not None:
             self._kv_server.stop()
             self._kv_server = None
+
+
+class DecodeWorker(WorkerProcess):
+    """A worker that only decodes."""
+
+    config: DecodeWorkerConfig
+
+    def _parts(self):
+        return [DecodePart(self.config)]
+
+    @property
+    def layout(self) -> KVLayout | None:
+        return self.parts["decode"].layout
+
+    @property
+    def handoff(self) -> DecodeHandoff | None:
+        return self.parts["decode"].handoff

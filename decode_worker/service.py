@@ -16,6 +16,7 @@ A finished request nobody streams is forgotten after `finished_ttl_s`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -31,6 +32,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
+from pdserve.worker_common.role import RoleGate
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,15 @@ class DecodeServiceOptions:
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, loop: EngineLoop, handoff: DecodeHandoff, options: DecodeServiceOptions):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        handoff: DecodeHandoff,
+        options: DecodeServiceOptions,
+        gate: RoleGate | None = None,
+    ):
+        """gate: the worker's role (worker_common/role.py), None for a worker that only decodes."""
+        self.gate = gate
         self.loop = loop
         self.handoff = handoff
         self.options = options
@@ -70,6 +80,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # ---- Reserve --------------------------------------------------------------------------------
     def Reserve(self, request, context):
+        """Refused UNAVAILABLE while this worker does not serve decode (a role flip)."""
+        gate = self.gate
+        with gate.admitted("decode", context) if gate else contextlib.nullcontext():
+            return self._reserve(request, context)
+
+    def _reserve(self, request, context):
         rid = request.request_id
         config = self.loop.engine.config
         vocab = self.loop.engine.model_config.vocab_size
@@ -277,7 +293,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Stats(self, request, context):
         h = self.handoff
-        return worker_pb2.WorkerStats(
+        stats = worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,
             **self.loop.load(),
             num_reserved=h.num_reserved,
@@ -289,6 +305,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_transfer_bytes=h.bytes_received,
             leases_expired=h.num_expired,
         )
+        return self.gate.stamp(stats) if self.gate else stats
 
     def _forget_finished(self) -> None:
         cutoff = time.monotonic() - self.options.finished_ttl_s

@@ -282,10 +282,10 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # a prefill with no reply this long is retried once on another prefill worker
+    # bounds (README): a prefill's before its retry, a stuck engine's, a role flip's drain
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    # a worker whose engine is stuck in one step this long (a hung GPU) is treated as down
     worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
+    flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
     # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0

@@ -17,7 +17,6 @@ it too, even when it is killed without a chance to stop it (deploy/ray_reaper.py
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -33,7 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.deploy import ray_reaper
+from pdserve.deploy import ray_reaper, workers
 from pdserve.deploy.config import DeployConfig, Pool
 from pdserve.deploy.prechecks import (  # noqa: F401
     DeployError,
@@ -47,15 +46,10 @@ from pdserve.deploy.prechecks import (  # noqa: F401
     local_ray_temp_dir,
 )
 from pdserve.deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
+from pdserve.deploy.workers import WorkerActor
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
-
-
-def pin_to(cpus: list[int] | None) -> None:
-    """Keep the calling thread, and the threads and processes it starts, on `cpus`."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
@@ -88,53 +82,6 @@ def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
         )
         return {}
     return plan
-
-
-class WorkerActor:
-    """One worker replica (a DecodeWorker or a PrefillWorker) inside a Ray actor process."""
-
-    def __init__(self, role: str, worker_config, num_threads: int, cpus: list[int] | None = None):
-        self.cpus = cpus
-        pin_to(cpus)
-        import torch  # the heavy imports, here: actors are created (and import) concurrently
-
-        if role == "decode":
-            import pdserve.decode_worker.server  # noqa: F401
-        else:
-            import pdserve.prefill_worker.server  # noqa: F401
-        torch.set_num_threads(num_threads)
-        self.role = role
-        self.worker_config = worker_config
-        self.worker = None
-
-    def start(self) -> tuple[str, str]:
-        """Loads the model, starts serving; returns the worker's gRPC address and its engine's
-        serving mode (dtype, quantization and why)."""
-        pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
-        cfg = self.worker_config
-        if not cfg.host:  # listen on, and advertise, this node's address
-            cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
-        if self.role == "decode":
-            from pdserve.decode_worker.server import DecodeWorker
-
-            cfg = dataclasses.replace(cfg, kv_options={"host": cfg.host, **cfg.kv_options})
-            self.worker = DecodeWorker(cfg).start()
-        else:
-            from pdserve.prefill_worker.server import PrefillWorker
-
-            self.worker = PrefillWorker(cfg).start()
-        return self.worker.address, self.worker.loop.engine.mode_note
-
-    def ping(self) -> bool:
-        return self.worker is not None
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
-            self.worker = None
 
 
 # Ray's own restarts re-run only __init__ (not start), at once and without a bound on quick
@@ -260,16 +207,19 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         security=cluster.security,
         deployment_id=cluster.deployment_id,
     )
-    if role_of(key) == "decode":
-        from pdserve.decode_worker.server import DecodeWorkerConfig
-
-        return DecodeWorkerConfig(kv_backend=config.kvtransfer.backend, **common)
-    from pdserve.prefill_worker.server import PrefillWorkerConfig
-
-    return PrefillWorkerConfig(**common)
+    return workers.worker_config(
+        common, role_of(key), config.kvtransfer.backend, _flippable(config)
+    )
 
 
-def _spawner(r: Replica, pool: Pool, worker_config, cpus: list[int] | None) -> Callable[[], object]:
+def _flippable(config: DeployConfig) -> bool:
+    """Whether the workers carry both roles (deploy/workers.py): all but colocated ones."""
+    return config.pools.colocated is None
+
+
+def _spawner(
+    r: Replica, pool: Pool, worker_config, cpus: list[int] | None, flippable: bool
+) -> Callable[[], object]:
     def spawn():
         return RemoteWorker.options(
             num_cpus=pool.resources.num_cpus,
@@ -277,7 +227,7 @@ def _spawner(r: Replica, pool: Pool, worker_config, cpus: list[int] | None) -> C
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=r.pg, placement_group_bundle_index=0
             ),
-        ).remote(r.role, worker_config, pool.threads, cpus)
+        ).remote(r.role, worker_config, pool.threads, cpus, flippable)
 
     return spawn
 
@@ -313,9 +263,8 @@ def _place_pool(
                 f"{amounts(cpus_gpus(ray.cluster_resources()))}, the rest held by others: free "
                 f"it, or lower pools.{key}.replicas or resources"
             ) from None
-        r.spawn = _spawner(
-            r, pool, _worker_config(cluster, key, pool, r.index, host), cores.get((key, r.index))
-        )
+        cfg = _worker_config(cluster, key, pool, r.index, host)
+        r.spawn = _spawner(r, pool, cfg, cores.get((key, r.index)), _flippable(cluster.config))
         r.actor = r.spawn()
 
 
@@ -383,6 +332,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
         prefill_timeout_s=config.router.prefill_timeout_s,
         worker_stall_s=config.router.worker_stall_s,
+        flip_drain_s=config.router.flip_drain_s,
         max_model_len=min(lens) if lens else None,  # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype,
         security=cluster.security,

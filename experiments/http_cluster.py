@@ -77,7 +77,7 @@ def add_args(ap) -> None:
 def _worker_main(role: str, worker_config, threads: int, cpus, conn) -> None:
     """A spawned worker process: starts the worker, reports its address, serves until told."""
     try:
-        from pdserve.deploy.launcher import WorkerActor
+        from pdserve.deploy.workers import WorkerActor
 
         actor = WorkerActor(role, worker_config, threads, cpus)
         address, mode = actor.start()

@@ -12,6 +12,9 @@
     pdserve bench --trace NAME [--rate R]     open-loop load test: latency table, SLO goodput
     pdserve profile --model M --tp 1[,3] --out profile.json [--quick]   measure step latencies
     pdserve tune --profile P --workload W --slo ttft=..,tpot=.. --devices N   best placement
+    pdserve shift-trace --phase NAME=SOURCE:SECONDS[:RATE] ... --out F   a workload-shift trace
+    pdserve ctl [--router H:P] [--secret-file F] roles        workers, roles and states
+    pdserve ctl [--router H:P] [--secret-file F] flip ID prefill|decode   move a worker's role
 """
 # fmt: on
 
@@ -87,6 +90,11 @@ def _client_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache"
     )
     _mode_args(p, "--local only: ")
+    _tls_args(p)
+    _sampling_args(p)
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
     tls = p.add_argument_group(
         "TLS, for a router with router.tls (the client API needs no secret; with API keys "
         "configured, put one in the environment: PDSERVE_API_KEY)"
@@ -101,7 +109,6 @@ def _client_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the name in the router's certificate, when not the --router host",
     )
-    _sampling_args(p)
 
 
 def _channel(args):
@@ -389,6 +396,23 @@ def main(argv: list[str] | None = None) -> int:
         ("tune", tune_cmd, "search placements for the best goodput per device (simulated)"),
     ):
         module.add_args(_documented_command(sub, name, module, summary))
+    from pdserve.tuning import shift_trace
+
+    shift_trace.add_arguments(
+        _documented_command(
+            sub, "shift-trace", shift_trace, "build a workload-shift trace from traces' phases"
+        )
+    )
+    from pdserve import ctl
+
+    ctlp = _documented_command(sub, "ctl", ctl, "operate a running deployment: roles, flips")
+    ctlp.add_argument(
+        "--router",
+        default=DeployConfig().router.address,
+        help="the router's host:port (default: %(default)s)",
+    )
+    _tls_args(ctlp)
+    ctl.add_args(ctlp)
     args = parser.parse_args(argv)
 
     if args.cmd == "up":
@@ -399,6 +423,15 @@ def main(argv: list[str] | None = None) -> int:
         return tune_cmd.run(args)
     if args.cmd == "bench":
         return bench_cmd.run(args)
+    if args.cmd == "shift-trace":
+        return shift_trace.run(args)
+    if args.cmd == "ctl":
+        try:
+            channel = _channel(args)
+        except ValueError as e:
+            print(f"pdserve ctl: {e}", file=sys.stderr)
+            return 2
+        return ctl.run(args, channel)
     return _run_local(args) if args.local else _run_remote(args)
 
 

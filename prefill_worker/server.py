@@ -1,9 +1,10 @@
-"""A prefill worker process: engine (prefill-only requests) + loop thread + gRPC service. Its
-frame (start and stop order, registration, usage) is worker_common/process.py."""
+"""A prefill worker process: engine (prefill-only requests) + loop thread + gRPC service, and
+PrefillPart, the prefill role that any worker can carry (the launcher's workers carry both
+roles, worker_common/role.py). Its frame (start and stop order, registration, usage) is
+worker_common/process.py."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.backends import default_shared_dir, tune_malloc
@@ -11,8 +12,6 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from pdserve.worker_common.process import WorkerConfig, WorkerProcess
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,39 +24,72 @@ class PrefillWorkerConfig(WorkerConfig):
     flush_timeout_s: float = 10.0
 
 
-class PrefillWorker(WorkerProcess):
-    ROLE, SERVICE_NAME = "prefill", "pdserve.worker.v1.PrefillWorker"
+class PrefillPart:
+    """The prefill role: the PrefillWorker service and its KV channels to decode workers. Under
+    TP, rank 0 sends every rank's KV (from a shared-file pool)."""
 
-    config: PrefillWorkerConfig
-    # set by start()
-    layout: KVLayout | None = None
-    servicer: PrefillWorkerServicer | None = None
+    role, service_name = "prefill", "pdserve.worker.v1.PrefillWorker"
 
-    def _start(self) -> None:
-        cfg = self.config
+    def __init__(self, prefill_timeout_s: float = 60.0, flush_timeout_s: float = 10.0):
+        self.prefill_timeout_s = prefill_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        self.layout: KVLayout | None = None
+        self.servicer: PrefillWorkerServicer | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> PrefillPart:
+        return cls(cfg.prefill_timeout_s, cfg.flush_timeout_s)
+
+    def prepare(self) -> None:
         tune_malloc()  # frame-sized send buffers: see its docstring
-        tp = self.tp_size
-        engine = self._build_engine(default_shared_dir() if tp > 1 else None)  # rank 0 sends all
+
+    def shared_dir(self, tp_size: int) -> str | None:
+        return default_shared_dir() if tp_size > 1 else None  # rank 0 sends all
+
+    def start(self, worker: WorkerProcess, engine) -> None:
+        cfg = worker.config
         self.layout = KVLayout(**engine.kv_layout_spec())
         self.servicer = PrefillWorkerServicer(
-            self.loop,
+            worker.loop,
             self.layout,
             PrefillServiceOptions(
                 worker_id=cfg.worker_id,
-                prefill_timeout_s=cfg.prefill_timeout_s,
-                flush_timeout_s=cfg.flush_timeout_s,
+                prefill_timeout_s=self.prefill_timeout_s,
+                flush_timeout_s=self.flush_timeout_s,
                 security=cfg.security,
             ),
-            engine.rank_kv_caches() if tp > 1 else None,
+            engine.rank_kv_caches() if worker.tp_size > 1 else None,
+            gate=worker.gate,
         )
-        self._serve(
-            lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, s),
-            lambda: self.servicer.Stats(None, None),
-        )
-        log.info("prefill worker %s serving on %s", cfg.worker_id, self.address)
 
-    def _stop_own(self) -> None:
+    def add_to(self, server) -> None:
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, server)
+
+    def stats(self):
+        return self.servicer.Stats(None, None)
+
+    def remaining(self) -> str:
+        return ""  # a prefill's whole life is inside its Prefill call (the gate counts those)
+
+    def close(self) -> None:
         """The KV channels, after the gRPC server."""
         if self.servicer is not None:
             self.servicer.close()
             self.servicer = None
+
+
+class PrefillWorker(WorkerProcess):
+    """A worker that only prefills."""
+
+    config: PrefillWorkerConfig
+
+    def _parts(self):
+        return [PrefillPart.from_config(self.config)]
+
+    @property
+    def layout(self) -> KVLayout | None:
+        return self.parts["prefill"].layout
+
+    @property
+    def servicer(self) -> PrefillWorkerServicer | None:
+        return self.parts["prefill"].servicer

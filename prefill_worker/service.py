@@ -14,6 +14,7 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -45,6 +46,7 @@ from pdserve.protos.limits import (
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
+from pdserve.worker_common.role import RoleGate
 
 # a KV channel (or mapped decode pool) unused this long is closed; far above any prefill's budget,
 # so no push in progress loses its channel
@@ -70,8 +72,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         layout: KVLayout,
         options: PrefillServiceOptions,
         rank_caches: list | None = None,
+        gate: RoleGate | None = None,
     ):
-        """rank_caches: every TP rank's KV pool when this worker is tensor parallel."""
+        """rank_caches: every TP rank's KV pool when this worker is tensor parallel; gate: the
+        worker's role (worker_common/role.py), None for a worker that only prefills."""
+        self.gate = gate
         self.loop = loop
         self.layout = layout
         self.rank_caches = rank_caches
@@ -94,6 +99,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self.counts[name] += delta
 
     def Prefill(self, request, context):
+        """Refused UNAVAILABLE while this worker does not serve prefill (a role flip)."""
+        gate = self.gate
+        with gate.admitted("prefill", context) if gate else contextlib.nullcontext():
+            return self._prefill(request, context)
+
+    def _prefill(self, request, context):
         timings = HandoffTimings(unix_ns(), self.layout.num_layers)
         rid = request.request_id
         refusal = self._check_fields(request)
@@ -306,12 +317,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def Stats(self, request, context):
         with self._counts_lock:
             counts = dict(self.counts)
-        return worker_pb2.WorkerStats(
+        stats = worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,
             **self.loop.load(),
             **counts,
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
         )
+        return self.gate.stamp(stats) if self.gate else stats
 
     def close(self) -> None:
         with self._transports_lock:

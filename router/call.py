@@ -114,6 +114,7 @@ class ClientCall(Inflight):
         # n>1: the Finish of each sequence that ended before the last
         self.finishes: list[pdserve_pb2.Finish] = []
         self.num_resumes = 0  # decode workers that died under this call
+        self.num_moves = 0  # decode workers a role flip moved it off (router/flips.py)
 
     # ---- from other threads ---------------------------------------------------------------------
     def cancel(self) -> bool:
@@ -204,7 +205,10 @@ class ClientCall(Inflight):
                 if final is None:
                     self._fail(error, "decode worker", self.request.deadline_ms)
                 return final
-            self.num_resumes += 1
+            if leg.moved:  # a role flip moved it (router/flips.py): not a death
+                self.num_moves += 1
+            else:
+                self.num_resumes += 1
             self._resume_or_fail(leg, error)
             if seqs is None and self.n > 1 and any(self.sent):
                 return _REOPEN
@@ -219,6 +223,15 @@ class ClientCall(Inflight):
             else "its stream ended without a final event"
         )
         name = self.transport.pool.name(leg.decode)
+        if leg.moved:
+            log.info(
+                "%s moves from decode worker %s after %d tokens (%s)",
+                self.request_id,
+                name,
+                sum(map(len, self.sent)),
+                why,
+            )
+            return
         if self.num_resumes > self.options.max_resumes:
             self._fail(
                 RouterStatus(

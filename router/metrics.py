@@ -370,6 +370,9 @@ WORKER_COUNTERS = (
 )
 
 
+WORKER_STATES = ("serving", "draining", "switching")
+
+
 class WorkerCollector(Collector):
     """Every worker's last WorkerStats as gauges and counters, read at scrape time from the pool
     (WorkerPool.snapshot: no RPC). A worker that has not answered a Stats call yet shows only in
@@ -407,17 +410,25 @@ class WorkerCollector(Collector):
                 "1 when the worker's last Stats call answered, 0 when it is marked down.",
             ),
         }
+        fams["state"] = GaugeMetricFamily(
+            "pdserve:worker_state",
+            "1 for the worker's state in its role: serving, or a role flip's draining or "
+            "switching (router/flips.py); the role label is the role it serves.",
+            labels=self.LABELS + ["state"],
+        )
         for name, doc, field in WORKER_COUNTERS:
             fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
         return fams
 
     def collect(self):
         fams = self._families()
-        for role, name, stats, down in self.pool.snapshot():
+        for role, name, stats, down, state in self.pool.snapshot():
             if self.colocated and role == "decode":
                 role = "colocated"
             labels = [self.model_name, role, name]
             fams["up"].add_metric(labels, 0.0 if down else 1.0)
+            for one in WORKER_STATES:
+                fams["state"].add_metric(labels + [one], 1.0 if state == one else 0.0)
             if stats is None:
                 continue
             fams["running"].add_metric(labels, stats.num_running)

@@ -50,10 +50,17 @@ class OpenLegs:
                 if not legs:
                     del self._open[worker]
 
-    def dropped(self, worker, why: str, silent_since: float | None) -> None:
+    def count(self, worker) -> int:
+        """How many legs have a call open on `worker`."""
+        with self._lock:
+            return len(self._open.get(worker, ()))
+
+    def dropped(self, worker, why: str, silent_since: float | None, moved: bool = False) -> list:
         """The pool dropped `worker` (on its health thread; the module docstring): each call open
         on it and silent since `silent_since` (None: every call) is cancelled from the abort
-        threads, its leg marked lost first so that the cancel reads as a death."""
+        threads, its leg marked lost first so that the cancel reads as a death. moved: not a
+        death but a role flip's move (router/flips.py), which costs the call no resume. Returns
+        the legs it let go of."""
         with self._lock:
             legs = self._open.get(worker, set())
             lost = [
@@ -66,12 +73,13 @@ class OpenLegs:
             if leg.reserving is worker and leg.reserve_call is not None:
                 self._run_later(leg.reserve_call.cancel)
             if leg.decode is worker and leg.stream_call is not None:
-                leg.lost_why = why
+                leg.lost_why, leg.moved = why, moved
                 leg.decode_lost = True  # before the cancel: decode_died reads it
                 self._run_later(leg.stream_call.cancel)
             if leg.prefill is worker and leg.prefill_call is not None:
                 leg.prefill_lost = why
                 self._run_later(leg.prefill_call.cancel)
+        return lost
 
 
 def heard(leg, worker) -> float:

@@ -77,6 +77,8 @@ class _Worker:
     queued_tokens: int = 0  # their prompt tokens not expected in that worker's cache
     num_failures: int = 0  # Stats failures in a row
     down: bool = False
+    # "serving", or a role flip's "draining" | "switching" (router/flips.py): no new work then
+    state: str = "serving"
     stats: object = None  # the last WorkerStats (a sweep's or a heartbeat's): router/metrics.py
 
 
@@ -200,7 +202,7 @@ class WorkerPool:
             worker.queued_tokens -= charge
 
     def _candidates(self, role: str, exclude) -> list[_Worker]:
-        workers = [w for w in self._workers[role] if w not in exclude]
+        workers = [w for w in self._workers[role] if w not in exclude and w.state == "serving"]
         if not workers:
             raise NoWorker(role)
         return [w for w in workers if not w.down] or workers
@@ -227,12 +229,50 @@ class WorkerPool:
     def name(self, worker: _Worker) -> str:
         return worker.worker_id or worker.address
 
-    def snapshot(self) -> list[tuple[str, str, object, bool]]:
-        """(role, name, last WorkerStats or None, down) of every member, without waiting on any
-        worker: what the last health sweep or heartbeat left (the metrics read it per scrape)."""
+    def snapshot(self) -> list[tuple[str, str, object, bool, str]]:
+        """(role, name, last WorkerStats or None, down, state) of every member, without waiting
+        on any worker: what the last health sweep or heartbeat left (the metrics read it per
+        scrape)."""
         with self._lock:
             workers = self._workers["prefill"] + self._workers["decode"]
-            return [(w.role, self.name(w), w.stats, w.down) for w in workers]
+            return [(w.role, self.name(w), w.stats, w.down, w.state) for w in workers]
+
+    def members(self) -> list[_Worker]:
+        with self._lock:
+            return self._workers["prefill"] + self._workers["decode"]
+
+    def registered(self, worker_id: str) -> _Worker | None:
+        """The member that registered as `worker_id`, or the static one it names by address."""
+        with self._lock:
+            worker = self._registered.get(worker_id)
+            if worker is not None:
+                return worker
+            return next(
+                (w for role in ROLES for w in self._workers[role] if w.address == worker_id), None
+            )
+
+    def begin_drain(self, worker: _Worker) -> str | None:
+        """Marks `worker` draining (no new work: the pickers skip it) unless that would leave its
+        role with no worker that is up and serving; then says why not, and changes nothing."""
+        with self._lock:
+            if worker not in self._workers[worker.role]:
+                return f"{worker.role} worker {self.name(worker)} left the pool"
+            others = [
+                w
+                for w in self._workers[worker.role]
+                if w is not worker and w.state == "serving" and not w.down
+            ]
+            if not others:
+                return (
+                    f"it is the last {worker.role} worker that is up and serving: flipping it "
+                    f"would leave the {worker.role} pool empty"
+                )
+            worker.state = "draining"
+        return None
+
+    def set_state(self, worker: _Worker, state: str) -> None:
+        with self._lock:
+            worker.state = state
 
     # ---- membership -----------------------------------------------------------------------------
     def register(self, role: str, worker_id: str, address: str, ttl_s: float) -> _Worker:

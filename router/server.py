@@ -28,6 +28,7 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
+from pdserve.router.flips import AdminServicer, Flips
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.registry import RegistryServicer
@@ -64,6 +65,8 @@ class RouterConfig:
     worker_stall_s: float = 30.0
     heartbeat_ms: int = 1000  # registered workers heartbeat this often, drop out after 3 missed
     max_resumes: int = 2  # decode workers one request may move to when its worker dies
+    # a role flip's drain bound: the flipped worker's calls still open then move (router/flips.py)
+    flip_drain_s: float = 5.0
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
@@ -92,6 +95,7 @@ class RouterConfig:
             "decode_queue_timeout_s",
             "prefill_timeout_s",
             "worker_stall_s",
+            "flip_drain_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -167,6 +171,7 @@ class Router:
         self.config = config
         self.pool: WorkerPool | None = None
         self.servicer: PDServeServicer | None = None
+        self.flips: Flips | None = None  # role flips (router/flips.py), once started
         self._server: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self._prefill_executor: futures.ThreadPoolExecutor | None = None
@@ -233,6 +238,14 @@ class Router:
                 ],
             )
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
+            self.flips = Flips(
+                self.pool,
+                self.servicer.legs.open,
+                drain_s=cfg.flip_drain_s,
+                registry=self.metrics_registry,
+                model_name=options.model_id,
+            )
+            worker_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.flips), self._server)
             worker_pb2_grpc.add_RegistryServicer_to_server(
                 RegistryServicer(
                     self.pool,

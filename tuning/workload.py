@@ -21,7 +21,9 @@ import pathlib
 import random
 from dataclasses import dataclass, replace
 
-TRACES = ("azure_conv", "azure_code", "mooncake_synthetic")
+# shift_code_conv_decode: a workload-shift trace built from the two azure traces by
+# tuning/shift_trace.py (traces/README.md); it has an extra `phase` column the reader ignores.
+TRACES = ("azure_conv", "azure_code", "mooncake_synthetic", "shift_code_conv_decode")
 MOONCAKE_BLOCK_TOKENS = 512
 
 

@@ -1,11 +1,14 @@
-"""The frame both worker processes share: their common settings, the engine built on its loop
-thread, the gRPC server, pool registration, and the order things stop in.
+"""The frame every worker process shares: its common settings, the engine built on its loop
+thread, its role parts, the gRPC server, pool registration, and the order things stop in.
 
-A worker (prefill_worker/, decode_worker/) subclasses WorkerProcess and writes only what is its
-own. The launcher's actor, or a test, creates one with its config and calls `start()`, which
-builds and warms the engine on its loop thread, serves gRPC and joins the router's pool; the
-worker serves until `stop()`, which leaves the pool, closes the gRPC server, stops the worker's
-own parts and then the engine.
+A worker is made of parts, one per role it can serve (prefill_worker/server.py's PrefillPart,
+decode_worker/server.py's DecodePart), around one engine. PrefillWorker and DecodeWorker have one
+part each; the launcher builds every deployed worker with both (`WorkerProcess(config, parts,
+role)`), so that it can switch roles while it runs (worker_common/role.py). `start()` builds and
+warms the engine on its loop thread, starts each part, serves every part's gRPC service (and
+WorkerControl, with two parts) and joins the router's pool under its current role; the worker
+serves until `stop()`, which leaves the pool, closes the gRPC server, closes the parts and then
+stops the engine.
 
     worker = DecodeWorker(DecodeWorkerConfig(model=model_dir)).start()
     stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(worker.address))
@@ -16,19 +19,21 @@ own parts and then the engine.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Protocol, Self
 
 import grpc
 
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.engine_loop import EngineLoop, warmed
-from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.grpc_server import ServiceHost
 from pdserve.worker_common.registration import Registration, register_worker
+from pdserve.worker_common.role import ControlServicer, RoleGate
 
+log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
 # How often the engine loop gives freed heap back (release_freed_heap). tune_malloc lets glibc
 # keep up to 256 MiB of freed heap for the KV frames' sake; without a trim a worker's RSS floats
@@ -69,60 +74,104 @@ class WorkerConfig:
     deployment_id: str = ""  # sent with Register; the router refuses another deployment's workers
 
 
+class Part(Protocol):
+    """One role of a worker (PrefillPart, DecodePart): what it adds to the engine and the server.
+    `prepare` runs before the engine is built, `start` after (the worker's loop, config and gate
+    are set), `close` after the gRPC server stopped."""
+
+    role: str  # "prefill" | "decode"
+    service_name: str  # its gRPC service, marked SERVING in the health service
+
+    def prepare(self) -> None: ...
+    def shared_dir(self, tp_size: int) -> str | None: ...  # a shared-file KV pool's folder
+    def start(self, worker: WorkerProcess, engine: LLMEngine) -> None: ...
+    def add_to(self, server: grpc.Server) -> None: ...
+    def stats(self) -> worker_pb2.WorkerStats: ...
+    def remaining(self) -> str: ...  # its work beyond the engine's (reservations), in words
+    def close(self) -> None: ...
+
+
 class WorkerProcess:
-    """A worker sets ROLE and SERVICE_NAME and writes `_start` and `_stop_own`:
+    """A worker of `parts`, serving `role` (the first part's role by default). A single-role
+    worker subclasses it and writes `_parts` from its config:
 
         class DecodeWorker(WorkerProcess):
-            ROLE, SERVICE_NAME = "decode", "pdserve.worker.v1.DecodeWorker"
-
-            def _start(self):
-                engine = self._build_engine(shared_dir)
-                ... its hand-off, KV server, servicer ...
-                self._serve(lambda server: add_servicer(servicer, server), stats_fn)
-
-            def _stop_own(self):
-                ... its own parts (between the gRPC server and the engine) ...
+            def _parts(self):
+                return [DecodePart.from_config(self.config)]
 
     `start` and `stop` do the rest, in the order the module docstring gives.
     """
 
-    ROLE = ""  # "prefill" | "decode": the role it registers with
-    SERVICE_NAME = ""  # its gRPC service, marked SERVING in the health service
-
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, parts: list[Part] | None = None, role: str = ""):
         self.config = config
+        self.parts = {p.role: p for p in (parts if parts is not None else self._parts())}
+        if role and role not in self.parts:
+            raise ValueError(f"role {role!r} is not one of this worker's {list(self.parts)}")
+        self.gate = RoleGate(config.worker_id, role or next(iter(self.parts)), tuple(self.parts))
         self.loop: EngineLoop | None = None
         self._host: ServiceHost | None = None
         self.address: str | None = None
         self.registration: Registration | None = None
+
+    def _parts(self) -> list[Part]:
+        raise NotImplementedError("give parts, or subclass and write _parts")
+
+    @property
+    def role(self) -> str:
+        return self.gate.role
 
     @property
     def tp_size(self) -> int:
         return self.config.engine_kwargs.get("tensor_parallel_size", 1)
 
     def start(self) -> Self:
-        """Builds and serves the worker (_start); on any failure stops what had started, then
-        raises."""
+        """Builds and serves the worker; on any failure stops what had started, then raises."""
         try:
-            self._start()
+            parts = list(self.parts.values())
+            for part in parts:
+                part.prepare()
+            shared = [d for d in (p.shared_dir(self.tp_size) for p in parts) if d]
+            engine = self._build_engine(shared[0] if shared else None)
+            for part in parts:
+                part.start(self, engine)
+            self._serve()
         except BaseException:
             self.stop()
             raise
+        log.info(
+            "%s worker %s serving on %s%s",
+            self.role,
+            self.config.worker_id,
+            self.address,
+            f" (can switch to {', '.join(r for r in self.parts if r != self.role)})"
+            if len(self.parts) > 1
+            else "",
+        )
         return self
 
     def stop(self) -> None:
-        """Registration and the gRPC server first (open streams end), then the worker's own
-        parts, then the engine loop."""
+        """Registration and the gRPC server first (open streams end), then the parts, then the
+        engine loop."""
         self._stop_serving()
-        self._stop_own()
+        for part in self.parts.values():
+            try:
+                part.close()
+            except Exception:  # the others and the engine must still stop
+                log.exception("closing the %s part of %s failed", part.role, self.config.worker_id)
         self._stop_engine()
 
-    def _start(self) -> None:
-        raise NotImplementedError
+    def stats(self) -> worker_pb2.WorkerStats:
+        """The current role's WorkerStats (with the role and its state: the services' Stats
+        stamp them, RoleGate.stamp)."""
+        return self.parts[self.gate.role].stats()
 
-    def _stop_own(self) -> None:
-        """Closes what _start made besides the engine and the gRPC server; runs on a partial start
-        too."""
+    def remaining(self, role: str) -> str:
+        """The work of `role` still in the worker, in words ("" when none). While the worker
+        drains a role it admits no other, so the engine's requests are all that role's."""
+        load = self.loop.load()
+        left = [f"{load[k]} {k[4:]} sequence(s)" for k in ("num_running", "num_waiting") if load[k]]
+        own = self.parts[role].remaining()
+        return ", ".join(left + ([own] if own else []))
 
     def _build_engine(self, shared_dir: str | None = None) -> LLMEngine:
         """The engine itself, not an LLM (an LLM shuts its engine down when collected), built and
@@ -143,29 +192,41 @@ class WorkerProcess:
         self.loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
         return self.loop.engine
 
-    def _serve(
-        self,
-        add_servicer: Callable[[grpc.Server], None],
-        stats_fn: Callable[[], worker_pb2.WorkerStats],
-    ) -> None:
-        """Starts the gRPC server (sets self.address), then joins the router's pool if one is set."""
+    def _serve(self) -> None:
+        """Starts the gRPC server with every part's service (sets self.address), then joins the
+        router's pool, if one is set, under the current role."""
         cfg = self.config
         max_workers = cfg.max_workers or 2 * self.loop.engine.scheduler.max_num_seqs + 16
         self._host = ServiceHost(
             cfg.worker_id, cfg.host, cfg.port, max_workers, MAX_MESSAGE_BYTES, security=cfg.security
         )
-        self.address = self._host.start(add_servicer, (self.SERVICE_NAME,))
+        parts = list(self.parts.values())
+
+        def add_services(server: grpc.Server) -> None:
+            for part in parts:
+                part.add_to(server)
+            if len(parts) > 1:
+                control = ControlServicer(self.gate, self.remaining, self._register_as)
+                worker_pb2_grpc.add_WorkerControlServicer_to_server(control, server)
+
+        self.address = self._host.start(add_services, tuple(p.service_name for p in parts))
         if cfg.registry_address:
             self.registration = register_worker(
                 cfg.registry_address,
-                self.ROLE,
+                self.role,
                 cfg.worker_id,
                 self.address,
                 cfg.model,
-                stats_fn,
+                self.stats,
                 security=cfg.security,
                 deployment_id=cfg.deployment_id,
             )
+
+    def _register_as(self, role: str) -> None:
+        """Registers again under `role` before a switch answers (raises grpc.RpcError when the
+        router refuses or cannot be reached); nothing to do without a router."""
+        if self.registration is not None:
+            self.registration.register_as(role)
 
     def _stop_serving(self) -> None:
         if self.registration is not None:  # heartbeats end first: the router drops this worker

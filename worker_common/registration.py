@@ -50,6 +50,7 @@ class Registration:
             raise ValueError("RegisterRequest needs worker_id and address")
         self.registry_address = registry_address
         self.request = request
+        self._register_lock = threading.Lock()
         self.stats_fn = stats_fn
         self.rpc_timeout_s = rpc_timeout_s
         self.min_backoff_s = min_backoff_s
@@ -110,7 +111,8 @@ class Registration:
     def _register(self) -> str:
         """ "ok", "retry" (the router is unreachable) or "rejected" (it refused this worker)."""
         try:
-            reply = self._stub.Register(self.request, timeout=self.rpc_timeout_s)
+            with self._register_lock:  # never the old role after register_as
+                reply = self._stub.Register(self.request, timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
             if e.code() in _REJECTED:
                 log.error(
@@ -140,6 +142,18 @@ class Registration:
             reply.heartbeat_ms,
         )
         return "ok"
+
+    def register_as(self, role: str) -> None:
+        """Registers under `role` now, from the calling thread (a role switch: the router moves
+        the worker to that pool before this returns); later registrations use it too. Raises
+        grpc.RpcError when the router refuses or cannot be reached (the role stays as it was)."""
+        request = worker_pb2.RegisterRequest()
+        request.CopyFrom(self.request)
+        request.role = role
+        with self._register_lock:
+            self._stub.Register(request, timeout=self.rpc_timeout_s)
+            self.request = request
+        self.num_registrations += 1
 
     def _heartbeat(self) -> None:
         request = worker_pb2.HeartbeatRequest(worker_id=self.request.worker_id)

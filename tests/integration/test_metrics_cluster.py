@@ -142,7 +142,7 @@ def run(cluster, prompts, max_tokens: int) -> list[pdserve_pb2.Finish]:
 def test_every_metric_has_its_name_type_and_labels(idle):
     run(idle, random_prompts([12], seed=1), 3)
     wait_until(
-        lambda: all(s is not None for _, _, s, _ in idle.router.pool.snapshot()),
+        lambda: all(row[2] is not None for row in idle.router.pool.snapshot()),
         5,
         "both workers' Stats",
     )

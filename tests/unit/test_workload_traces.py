@@ -13,6 +13,7 @@ def test_every_named_trace_loads_from_the_bundled_folder(monkeypatch):
     monkeypatch.delenv("PDSERVE_TRACES_DIR", raising=False)
     assert workload.traces_dir() == workload.BUNDLED_TRACES_DIR
     rows = {"azure_conv": 19366, "azure_code": 8819, "mooncake_synthetic": 3993}  # traces/README.md
+    rows["shift_code_conv_decode"] = 7338
     for name in workload.TRACES:
         path = workload.resolve_trace(name)
         assert path.parent == workload.BUNDLED_TRACES_DIR

@@ -393,6 +393,257 @@ class PrefillWorker:
             _registered_method=True)
 
 
+class WorkerControlStub:
+    """Served by every worker that can change role (router/flips.py drives it): which role it
+    serves, and the switch. A worker serves one role at a time; the service of its other role
+    refuses new work (Reserve, Prefill) with UNAVAILABLE, so a router tries another worker.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Drain = channel.unary_unary(
+                '/pdserve.worker.v1.WorkerControl/Drain',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RoleStatus.FromString,
+                _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.worker.v1.WorkerControl/SwitchRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RoleStatus.FromString,
+                _registered_method=True)
+
+
+class WorkerControlServicer:
+    """Served by every worker that can change role (router/flips.py drives it): which role it
+    serves, and the switch. A worker serves one role at a time; the service of its other role
+    refuses new work (Reserve, Prefill) with UNAVAILABLE, so a router tries another worker.
+    """
+
+    def Drain(self, request, context):
+        """draining=true: refuse new work of the current role from now on (what was admitted goes on);
+        draining=false: take it again (a flip given up). Answers the work still in the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwitchRole(self, request, context):
+        """Switches to `role` and registers again under it. FAILED_PRECONDITION while the worker still
+        holds work of its current role (RoleStatus.remaining says what), or is not draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RoleStatus.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RoleStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.worker.v1.WorkerControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.worker.v1.WorkerControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerControl:
+    """Served by every worker that can change role (router/flips.py drives it): which role it
+    serves, and the switch. A worker serves one role at a time; the service of its other role
+    refuses new work (Reserve, Prefill) with UNAVAILABLE, so a router tries another worker.
+    """
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.WorkerControl/Drain',
+            pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.RoleStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.WorkerControl/SwitchRole',
+            pdserve_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.RoleStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdminStub:
+    """Served by the router for operators (`pdserve ctl`); every call needs the cluster secret.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListWorkers = channel.unary_unary(
+                '/pdserve.worker.v1.Admin/ListWorkers',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.Flip = channel.unary_unary(
+                '/pdserve.worker.v1.Admin/Flip',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.FlipRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.FlipResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Served by the router for operators (`pdserve ctl`); every call needs the cluster secret.
+    """
+
+    def ListWorkers(self, request, context):
+        """Every worker in the pools, with its role and state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flip(self, request, context):
+        """Moves a worker to the other role's pool (router/flips.py): drain, switch, check. Returns once
+        the worker serves the new role. Refused, with nothing changed: NOT_FOUND for an unknown
+        worker; FAILED_PRECONDITION for a flip that would leave a pool empty, while another flip is
+        under way, or to the role it has; INVALID_ARGUMENT for a role that is not one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Flip': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flip,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.FlipRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.FlipResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.worker.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.worker.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Served by the router for operators (`pdserve ctl`); every call needs the cluster secret.
+    """
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Admin/ListWorkers',
+            pdserve_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Admin/Flip',
+            pdserve_dot_v1_dot_worker__pb2.FlipRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.FlipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class RegistryStub:
     """Served by the router: workers join the pools and keep their membership alive.
     """
