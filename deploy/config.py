@@ -127,6 +127,16 @@ class Pools(_Frozen):
         return self
 
 
+class LocalPrefillSettings(_Frozen):
+    """router.local_prefill (router/local_prefill.py): prompts of at most max_prompt_tokens run on
+    their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
+    + hop_tokens. 0: never (the default)."""
+
+    max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
+    cost: Annotated[float, Field(gt=0)] = 2.0
+    hop_tokens: Annotated[int, Field(ge=0)] = 64
+
+
 class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
@@ -138,6 +148,7 @@ class RouterSettings(_Frozen):
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
     flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
+    local_prefill: LocalPrefillSettings = LocalPrefillSettings()
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
     # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0

@@ -316,6 +316,7 @@ def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
 
 def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
+    from pdserve.router.local_prefill import LocalPrefill  # imported late, as the router
     from pdserve.router.server import (  # imported late: the router is optional to the rest
         Router,
         RouterConfig,
@@ -333,6 +334,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         prefill_timeout_s=config.router.prefill_timeout_s,
         worker_stall_s=config.router.worker_stall_s,
         flip_drain_s=config.router.flip_drain_s,
+        local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
         max_model_len=min(lens) if lens else None,  # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype,
         security=cluster.security,

@@ -75,6 +75,7 @@ class Leg:
         self.decode_lost = False  # the prefill could not reach the decode worker to abort
         self.lost_why = self.prefill_lost = ""  # the pool dropped the decode / prefill worker
         self.moved = False  # its worker was flipped to another role (router/flips.py): no death
+        self.local = False  # its decode worker prefills it too (colocated, or local_prefill.py)
         # time.monotonic(): the decode stream's last event (or opening), the last Prefill sent
         self.heard = self.prefill_sent = 0.0
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)

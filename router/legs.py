@@ -2,8 +2,9 @@
 prefill that fills it and the token stream it produces. A call (router/call.py) runs one leg, or
 more when it resumes; the resume rules: router/call.py.
 
-A leg's lifecycle: Reserve (the decode worker with most free blocks; colocated, the fewest prompt
-tokens charged to it until their first token; the next one when full; when every one is full, a
+A leg's lifecycle: Reserve (the decode worker with most free blocks; colocated, or a prompt the
+decode worker prefills itself (router/local_prefill.py), the fewest prompt tokens charged to it
+until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), first come first served, until
 blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
 executor thread (UNAVAILABLE, a prefill worker the pool dropped or one past prefill_timeout_s
@@ -51,9 +52,22 @@ class Legs:
         self.options = options
         self.decode_queue = DecodeQueue()
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
+        self.on_local = None  # a leg prefilled on its decode worker: router/metrics.py
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
         self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
+
+    def _prefill_here(self, prompt) -> bool:
+        """Whether the decode worker runs this prompt itself (router/local_prefill.py)."""
+        policy = self.options.local_prefill
+        if not policy.enabled:
+            return False
+        local = policy.choose(
+            len(prompt), self.pool.prefill_backlog(prompt), self.pool.decode_backlog()
+        )
+        if local and self.on_local is not None:
+            self.on_local()
+        return local
 
     def _run_later(self, fn) -> None:
         try:
@@ -82,6 +96,7 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
+        leg.local = self.options.colocated or self._prefill_here(prompt)
         leg.reserve_start_ns = unix_ns()
         leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
         leg.reserved_ns = unix_ns()
@@ -100,7 +115,7 @@ class Legs:
         self.open.add(leg.decode, leg)  # until stream() ends
         if abort_requested:
             self.abort(leg)  # the stream ends with finish_reason "abort"
-        if not self.options.colocated:
+        if not leg.local:
             leg.prefill_future = self.executor.submit(
                 self._prefill, req, leg, prompt, sampling, deadline
             )
@@ -195,7 +210,7 @@ class Legs:
         an engine's waiting queue would hold it, until its deadline or the queue timeout; a
         request that arrives while others wait queues behind them."""
         queue = self.decode_queue
-        ticket = queue.join() if queue.waiting() and not self.options.colocated else None
+        ticket = queue.join() if queue.waiting() and not leg.local else None
         since = time.monotonic()
         try:
             while True:
@@ -258,7 +273,7 @@ class Legs:
         worker that answered had no room (and one did), LegFailed for anything else."""
         # colocated: the worker prefills the prompt itself, its load until the first token; charged
         # to the first choice at the pick (concurrent arrivals must see it), moved on a fallback
-        charge = len(prompt) if self.options.colocated else None
+        charge = len(prompt) if leg.local else None
         try:
             workers = self.pool.decode_order(exclude=req.dead_decodes, charge_tokens=charge)
         except NoWorker as e:
@@ -295,12 +310,12 @@ class Legs:
                         prompt_token_ids=prompt,
                         sampling=sampling,
                         lease_ms=lease_ms,
-                        run_prefill=self.options.colocated,
+                        run_prefill=leg.local,
                     ),
                     deadline,
                 )
                 num_blocks = len(reservation.block_ids)
-                if self.options.colocated and reservation.block_size:  # it allocates as it prefills
+                if leg.local and reservation.block_size:  # it allocates as it prefills
                     num_blocks = -(-len(prompt) // reservation.block_size)
                 n = sampling.n if sampling.HasField("n") else 1
                 if n > 1 and reservation.block_size and len(prompt) % reservation.block_size:
@@ -319,7 +334,7 @@ class Legs:
         if (
             full
             and error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-            and not self.options.colocated
+            and not leg.local
         ):
             raise DecodeFull()
         raise LegFailed(error, "decode worker")

@@ -189,6 +189,13 @@ class RouterMetrics:
             labels + ["status"],
             registry=registry,
         )
+        self.local_prefills = Counter(
+            "pdserve:local_prefills",
+            "Disaggregated requests whose prompt their decode worker ran itself, with no prefill "
+            "leg and no KV transfer (router/local_prefill.py).",
+            labels,
+            registry=registry,
+        ).labels(model_name)
         self.stage = hist(
             "pdserve:request_stage_seconds",
             "Where each request's time went, by stage (router/stage_timings.py).",

@@ -196,6 +196,27 @@ class WorkerPool:
             self._affinity.record(hashes, worker)
             return worker, charge
 
+    def prefill_backlog(self, prompt: list[int]) -> int | None:
+        """The prompt tokens the least loaded prefill worker would compute before `prompt`'s
+        first token, this prompt's uncached ones included (as pick_prefill counts, without
+        charging); None when no prefill worker serves (router/local_prefill.py)."""
+        hashes = prefix_hashes(list(prompt))
+        with self._lock:
+            try:
+                workers = self._candidates("prefill", ())
+            except NoWorker:
+                return None
+            matched = self._affinity.matched_tokens(hashes)
+            return min(w.queued_tokens + len(prompt) - matched.get(w, 0) for w in workers)
+
+    def decode_backlog(self) -> int:
+        """The prompt tokens the least loaded decode worker is prefilling itself."""
+        with self._lock:
+            try:
+                return min(w.queued_tokens for w in self._candidates("decode", ()))
+            except NoWorker:
+                return 0
+
     def end_prefill(self, worker: _Worker, charge: int = 0) -> None:
         with self._lock:
             worker.num_inflight -= 1

@@ -29,6 +29,7 @@ from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.flips import AdminServicer, Flips
+from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.registry import RegistryServicer
@@ -69,6 +70,8 @@ class RouterConfig:
     flip_drain_s: float = 5.0
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
+    # disaggregated: prompts their decode worker runs itself (router/local_prefill.py); off
+    local_prefill: LocalPrefill = field(default_factory=LocalPrefill)
     # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
     # it (the client API stays open); INSECURE: no check (in-process setups, tests)
     security: ClusterSecurity = field(default=INSECURE)
@@ -141,6 +144,7 @@ PASSED_TO_SERVICE = (
     "max_resumes",
     "decode_queue_timeout_s",
     "colocated",
+    "local_prefill",
 )
 
 

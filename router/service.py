@@ -31,6 +31,7 @@ from pdserve.protos.limits import Refusal, check_context, check_id, check_sampli
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.legs import Legs, RouterStatus
+from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder
 
@@ -60,6 +61,8 @@ class ServiceOptions:
     max_resumes: int = 2  # new decode workers one request may move to
     decode_queue_timeout_s: float = 120.0  # disaggregated: longest wait for decode KV blocks
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
+    # disaggregated: which prompts their decode worker runs itself (router/local_prefill.py)
+    local_prefill: LocalPrefill = LocalPrefill()
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -136,6 +139,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.metrics = metrics  # router/metrics.py RouterMetrics: every request's figures
         if metrics is not None:
             self.legs.on_tokens = metrics.on_tokens
+            self.legs.on_local = metrics.local_prefills.inc
         self._inflight: dict[tuple[str, str], ClientCall] = {}  # (client peer, request_id) ->
         self._lock = threading.Lock()
 

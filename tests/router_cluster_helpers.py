@@ -19,12 +19,19 @@ GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True
 
 
 class Cluster:
+    ROUTER_CONFIG: dict = {}  # more RouterConfig fields (a subclass's)
+
     def __init__(self, model_dir):
         engine = dict(max_model_len=MAX_MODEL_LEN)
         self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
         self.prefill = start_prefill(model_dir, engine=engine)
         self.router = start_router(
-            model_dir, self.decode, self.prefill, max_model_len=MAX_MODEL_LEN, max_inflight=16
+            model_dir,
+            self.decode,
+            self.prefill,
+            max_model_len=MAX_MODEL_LEN,
+            max_inflight=16,
+            **self.ROUTER_CONFIG,
         )
         self.channels = [
             grpc.insecure_channel(a) for a in (self.router.address, self.decode.address)

@@ -1,0 +1,53 @@
+"""Local prefill per request in a disaggregated deployment (conditional disaggregation): the router
+may run a request's prompt on the decode worker that will decode it, with no prefill leg and no
+KV transfer, when that is predicted to reach the first token sooner than the prefill pool.
+
+Legs.start asks `LocalPrefill.choose` once per leg, with what the pool already knows and no RPC:
+the prefill pool's backlog for this prompt (the least loaded prefill worker's prompt tokens in
+flight, plus this prompt's tokens it probably does not cache: router/affinity.py) and the decode
+pool's (the prompt tokens its least loaded worker is prefilling locally). The prompt goes local
+when
+
+    prompt tokens <= max_prompt_tokens   and
+    cost x (decode backlog + prompt tokens)  <  prefill backlog + hop_tokens
+
+`cost` prices a prompt token computed on a decode worker (chunked into its running batch, where it
+shares each step with the decodes) in prefill-pool tokens; `hop_tokens` is the fixed price of the
+disaggregated path (two more RPCs, the KV transfer, its commit) in prompt tokens. So a short
+prompt goes local when the prefill pool is idle, and longer ones too while the prefill pool is
+queued. The running batch's step time stays bounded by the decode pool's max_num_batched_tokens
+(its chunk budget: set it from the TPOT SLO). max_prompt_tokens 0 turns it off (the default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    max_prompt_tokens: int = 0  # 0: never local
+    cost: float = 2.0
+    hop_tokens: int = 64
+
+    def __post_init__(self):
+        if self.max_prompt_tokens < 0 or self.hop_tokens < 0 or not self.cost > 0:
+            raise ValueError(
+                f"local prefill: max_prompt_tokens and hop_tokens must be >= 0 and cost > 0, "
+                f"got {self.max_prompt_tokens}, {self.hop_tokens}, {self.cost}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_prompt_tokens > 0
+
+    def choose(self, prompt_tokens: int, prefill_backlog: int | None, decode_backlog: int) -> bool:
+        """Whether a prompt of `prompt_tokens` runs on its decode worker. prefill_backlog: the
+        prefill pool's backlog for it, this prompt's uncached tokens included (None: no prefill
+        worker is serving; then it always goes local); decode_backlog: the least loaded decode
+        worker's local prompt tokens in flight."""
+        if not self.enabled or prompt_tokens > self.max_prompt_tokens:
+            return False
+        if prefill_backlog is None:
+            return True
+        return self.cost * (decode_backlog + prompt_tokens) < prefill_backlog + self.hop_tokens

@@ -1,0 +1,56 @@
+"""Local prefill per request (router/local_prefill.py) in a disaggregated deployment: a short
+prompt runs on its decode worker (no Prefill call, no KV transfer) and streams the engine's own
+greedy tokens; a prompt past max_prompt_tokens still goes through the prefill pool.
+
+One DecodeWorker, one PrefillWorker and the Router in this process over 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import leaves_no_threads, random_prompts
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.router.local_prefill import LocalPrefill
+from router_cluster_helpers import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster
+
+
+class LocalCluster(Cluster):
+    """router_cluster_helpers.Cluster with local prefill for prompts of up to 16 tokens."""
+
+    ROUTER_CONFIG = dict(local_prefill=LocalPrefill(max_prompt_tokens=16))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, one_thread):
+    with leaves_no_threads():
+        c = LocalCluster(tiny_models("llama-gqa")[0])
+        yield c
+        c.stop()
+
+
+def transfers(worker) -> int:
+    return worker.stats().kv_transfers
+
+
+def local_count(cluster) -> float:
+    return cluster.router.metrics_registry.get_sample_value(
+        "pdserve:local_prefills_total", {"model_name": cluster.router.servicer.options.model_id}
+    )
+
+
+def test_short_prompts_prefill_on_their_decode_worker_long_ones_on_the_pool(cluster, tiny_models):
+    llm = LLM(tiny_models("llama-gqa")[0], kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
+    short, long_ = random_prompts([9, 40], seed=41)
+    want = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate([short, long_], SamplingParams(**sampling_kwargs(GREEDY)))
+    ]
+    before = transfers(cluster.prefill), local_count(cluster)
+    assert cluster.generate(token_ids=short)[0] == want[0]
+    assert (transfers(cluster.prefill), local_count(cluster)) == (before[0], before[1] + 1)
+    assert cluster.generate(token_ids=long_)[0] == want[1]
+    assert (transfers(cluster.prefill), local_count(cluster)) == (before[0] + 1, before[1] + 1)
+    stats = cluster.d.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT)
+    assert stats.num_free_blocks == stats.num_total_blocks and not stats.num_reserved
