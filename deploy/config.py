@@ -228,6 +228,24 @@ class RaySettings(_Frozen):
     temp_dir: str | None = None  # local Ray only; None: <pdserve cache dir>/ray
 
 
+class PlannerSettings(_Frozen):
+    """`planner:` (router/planner.py): moves the prefill:decode split while traffic shifts, by
+    role flips and local prefill, to keep the SLO (p90 TTFT and TPOT). Off unless enabled."""
+
+    enabled: bool = False
+    ttft_s: Annotated[float, Field(gt=0)] = 1.0
+    tpot_s: Annotated[float, Field(gt=0)] = 0.1
+    interval_s: Annotated[float, Field(gt=0)] = 5.0
+    window_s: Annotated[float, Field(gt=0)] = 30.0
+    margin: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    sustain: Annotated[int, Field(ge=1)] = 2
+    cooldown_s: Annotated[float, Field(ge=0)] = 30.0
+    max_flips_per_min: Annotated[int, Field(ge=0)] = 2
+    kv_high: Annotated[float, Field(gt=0, le=1)] = 0.9
+    local_step: Annotated[int, Field(ge=0)] = 64
+    local_cap: Annotated[int, Field(ge=0)] = 1024  # 0: the planner never prefills locally
+
+
 class DeployConfig(_Frozen):
     model: Annotated[str, Field(min_length=1)] = "smollm2"
     dtype: Literal[DTYPES] = "auto"
@@ -240,6 +258,16 @@ class DeployConfig(_Frozen):
     kvtransfer: KVTransferSettings = KVTransferSettings()
     ray: RaySettings = RaySettings()
     security: SecuritySettings = SecuritySettings()
+    planner: PlannerSettings = PlannerSettings()
+
+    @model_validator(mode="after")
+    def _planner_needs_two_pools(self):
+        if self.planner.enabled and self.pools.colocated is not None:
+            raise ValueError(
+                "planner.enabled needs prefill and decode pools: a colocated deployment has no "
+                "split to move"
+            )
+        return self
 
     def worker_pools(self) -> list[tuple[str, Pool]]:
         """(key under `pools`, Pool) in start order: decode before prefill, so prefill has

@@ -317,6 +317,7 @@ def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
 def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
     from pdserve.router.local_prefill import LocalPrefill  # imported late, as the router
+    from pdserve.router.planner import PlannerConfig
     from pdserve.router.server import (  # imported late: the router is optional to the rest
         Router,
         RouterConfig,
@@ -335,6 +336,9 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         worker_stall_s=config.router.worker_stall_s,
         flip_drain_s=config.router.flip_drain_s,
         local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
+        planner=PlannerConfig(**config.planner.model_dump(exclude={"enabled"}))
+        if config.planner.enabled
+        else None,
         max_model_len=min(lens) if lens else None,  # what every worker on the path can hold
         dtype=None if config.dtype == "auto" else config.dtype,
         security=cluster.security,

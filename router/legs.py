@@ -30,6 +30,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
 from pdserve.router.inflight import Inflight, Leg, LegFailed, RouterStatus
+from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.pool import NoWorker, WorkerPool
 from pdserve.router.text import TextStream
@@ -53,13 +54,15 @@ class Legs:
         self.decode_queue = DecodeQueue()
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         self.on_local = None  # a leg prefilled on its decode worker: router/metrics.py
+        # which prompts go local (router/local_prefill.py); the planner may replace it
+        self.local_prefill = getattr(options, "local_prefill", LocalPrefill())
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
         self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
 
     def _prefill_here(self, prompt) -> bool:
         """Whether the decode worker runs this prompt itself (router/local_prefill.py)."""
-        policy = self.options.local_prefill
+        policy = self.local_prefill
         if not policy.enabled:
             return False
         local = policy.choose(

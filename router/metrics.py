@@ -13,6 +13,9 @@ rate() and increase() allow. Names, types and bucket layouts follow vLLM's
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -91,6 +94,7 @@ class RouterMetrics:
         colocated: bool = False,
     ):
         self.model_name = model_name
+        self.recent = RecentRequests()  # the planner's window (router/planner_loop.py)
         labels = ["model_name"]
 
         def hist(name, doc, buckets, extra=()):
@@ -312,6 +316,12 @@ class RouterMetrics:
         ttft = _seconds(t.queued_unix_ns, req.first_token_ns)
         if ttft is not None:
             self.ttft.observe(ttft)
+        self.recent.add(
+            ttft,
+            stages["decode_s"],
+            usage,
+            _seconds(t.prefill_start_unix_ns, t.prefill_end_unix_ns),
+        )
         started = t.prefill_start_unix_ns
         queue = _seconds(t.queued_unix_ns, started or t.reserved_unix_ns)
         for hist, value in (
@@ -334,6 +344,29 @@ class RouterMetrics:
             self.transfer_s.observe(total)
             if exposed is not None and total > 0:
                 self.exposed_ratio.observe(min(1.0, exposed / total))
+
+
+class RecentRequests:
+    """The last `keep` finished requests' TTFT, TPOT and prefill speed, with when each ended
+    (time.monotonic()), for the planner's sliding window (router/planner_loop.py)."""
+
+    def __init__(self, keep: int = 4096):
+        self._rows: deque = deque(maxlen=keep)  # (ended, ttft_s, tpot_s, prompt tokens/s)
+        self._lock = threading.Lock()
+
+    def add(self, ttft_s, decode_s, usage, prefill_s) -> None:
+        tpot = None
+        if decode_s is not None and usage.completion_tokens > 1:
+            tpot = decode_s / (usage.completion_tokens - 1)
+        speed = None
+        if prefill_s and usage.prompt_tokens > usage.cached_prompt_tokens:
+            speed = (usage.prompt_tokens - usage.cached_prompt_tokens) / prefill_s
+        with self._lock:
+            self._rows.append((time.monotonic(), ttft_s, tpot, speed))
+
+    def since(self, t: float) -> list[tuple]:
+        with self._lock:
+            return [r for r in self._rows if r[0] >= t]
 
 
 # (name, documentation, WorkerStats field) of the per-worker counters, each exposed as NAME_total

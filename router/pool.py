@@ -209,6 +209,11 @@ class WorkerPool:
             matched = self._affinity.matched_tokens(hashes)
             return min(w.queued_tokens + len(prompt) - matched.get(w, 0) for w in workers)
 
+    def queued_tokens(self, role: str) -> int:
+        """The prompt tokens this router has in flight on the serving workers of `role`."""
+        with self._lock:
+            return sum(w.queued_tokens for w in self._workers[role] if w.state == "serving")
+
     def decode_backlog(self) -> int:
         """The prompt tokens the least loaded decode worker is prefilling itself."""
         with self._lock:

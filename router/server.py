@@ -31,6 +31,8 @@ from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSCo
 from pdserve.router.flips import AdminServicer, Flips
 from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.planner import PlannerConfig
+from pdserve.router.planner_loop import PlannerLoop
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
@@ -72,6 +74,8 @@ class RouterConfig:
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # disaggregated: prompts their decode worker runs itself (router/local_prefill.py); off
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)
+    # moves the split while traffic shifts (router/planner_loop.py); None: the static split
+    planner: PlannerConfig | None = None
     # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
     # it (the client API stays open); INSECURE: no check (in-process setups, tests)
     security: ClusterSecurity = field(default=INSECURE)
@@ -176,6 +180,7 @@ class Router:
         self.pool: WorkerPool | None = None
         self.servicer: PDServeServicer | None = None
         self.flips: Flips | None = None  # role flips (router/flips.py), once started
+        self.planner: PlannerLoop | None = None  # when config.planner is set
         self._server: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self._prefill_executor: futures.ThreadPoolExecutor | None = None
@@ -250,6 +255,16 @@ class Router:
                 model_name=options.model_id,
             )
             worker_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.flips), self._server)
+            if cfg.planner is not None and not cfg.colocated:
+                self.planner = PlannerLoop(
+                    cfg.planner,
+                    self.pool,
+                    self.flips,
+                    self.servicer.legs,
+                    self.metrics.recent,
+                    registry=self.metrics_registry,
+                    model_name=options.model_id,
+                )
             worker_pb2_grpc.add_RegistryServicer_to_server(
                 RegistryServicer(
                     self.pool,
@@ -280,6 +295,8 @@ class Router:
             raise
         for name in ("", SERVICE_NAME, REGISTRY_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.planner is not None:
+            self.planner.start()
         # The startup heap (imports, tokenizer, templates: ~380k objects) lives as long as the
         # process; frozen, the cyclic GC stops walking it. Each full collection of it held the GIL
         # for up to a second under a flood of connections, a stall of every thread (BENCHMARKS.md,
@@ -352,6 +369,9 @@ class Router:
         closes the worker channels. The HTTP front goes first: its open streams are cancelled,
         which cancels their gRPC calls."""
         gc.unfreeze()
+        if self.planner is not None:  # no flip may start while the rest stops
+            self.planner.stop()
+            self.planner = None
         if self.http is not None:
             self.http.stop()
             self.http = None

@@ -9,6 +9,7 @@ Real workers and the router run in this process over 127.0.0.1 (as test_router_f
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -23,6 +24,8 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import ClusterSecurity
+from pdserve.router.planner import PlannerConfig
+from pdserve.router.planner_loop import PlannerLoop
 from pdserve.router.server import Router, RouterConfig
 from router_helpers import MAX_MODEL_LEN, RPC_TIMEOUT, fixture_model_dir  # noqa: F401
 
@@ -229,3 +232,31 @@ def test_pdserve_ctl_lists_roles_flips_and_refuses(deployment, tmp_path, capsys)
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert cli.main(base[:3] + ["--secret-file", str(tmp_path / "none"), "roles"]) == 2
     assert "cannot read the secret file" in capsys.readouterr().err
+
+
+def test_the_planner_loop_flips_the_least_loaded_worker_and_counts_its_decisions(
+    deployment, monkeypatch
+):
+    """PlannerLoop (router/planner_loop.py) over the live deployment, its signals forced: TTFT
+    pressed while TPOT has room twice in a row flips a decode worker to prefill, through Flips."""
+    r = deployment.router
+    loop = PlannerLoop(
+        PlannerConfig(ttft_s=1.0, tpot_s=0.1, sustain=2, cooldown_s=0),
+        r.pool,
+        r.flips,
+        r.servicer.legs,
+        r.metrics.recent,
+    )
+    live = loop.signals()
+    assert (live.prefill_workers, live.decode_workers) == (1, 2)
+    pressed = dataclasses.replace(live, ttft_p90_s=3.0, tpot_p90_s=0.01)
+    monkeypatch.setattr(loop, "signals", lambda: dataclasses.replace(pressed, now=time.monotonic()))
+    loop.step()
+    assert deployment.roles() == {"w0": "prefill", "w1": "decode", "w2": "decode"}
+    loop.step()
+    roles = deployment.roles()
+    assert sorted(roles.values()) == ["decode", "prefill", "prefill"], roles
+    flipped = next(w for w in ("w1", "w2") if roles[w] == "prefill")
+    assert loop.last[1].action == "flip_to_prefill" and not loop.planner.flipping
+    deployment.flip(flipped, "decode")
+    assert deployment.roles() == {"w0": "prefill", "w1": "decode", "w2": "decode"}
