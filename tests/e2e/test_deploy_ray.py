@@ -90,6 +90,23 @@ def test_up_generate_stop(tiny_models, shape):
                     finish = resp.finish
         assert got == want
         assert finish is not None and finish.finish_reason == "length", finish
+        if shape == "disaggregated":  # its workers carry both roles: the Admin service sees them
+            from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+            with cluster.security.channel(cluster.router_address) as channel:
+                admin = worker_pb2_grpc.AdminStub(channel)
+
+                def listed():
+                    return admin.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=10).workers
+
+                # each worker's first Stats reaches the router within a health sweep or two
+                wait_until(lambda: all(w.HasField("stats") for w in listed()), 10, "Stats")
+                assert [(w.worker_id, w.role, w.state, w.stats.role) for w in listed()] == [
+                    ("decode-0", "decode", "serving", "decode"),
+                    ("prefill-0", "prefill", "serving", "prefill"),
+                ]
+                with pytest.raises(grpc.RpcError, match="decode pool empty"):
+                    admin.Flip(worker_pb2.FlipRequest(worker_id="decode-0", role="prefill"))
     finally:
         cluster.stop()
         shutil.rmtree(ray_tmp, ignore_errors=True)
