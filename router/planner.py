@@ -10,8 +10,8 @@ and reports a flip's end with `flip_done`. The policy compares each side with it
 
     ttft pressure = TTFT p90 / ttft_s (or, before any first token, the prefill pool's queued
                     prompt tokens against what it computes in ttft_s)
-    tpot pressure = TPOT p90 / tpot_s; a decode pool whose KV use is over kv_high counts as
-                    pressed whatever its TPOT
+    tpot pressure = TPOT p90 / tpot_s; a decode pool whose KV use is over kv_high while TPOT
+                    is past 1 - margin counts as pressed
 
 One side over 1 + margin while the other is under 1 - margin, for `sustain` decisions in a row,
 flips a worker from the relaxed pool to the pressed one (never its last worker). TTFT pressed and
@@ -89,8 +89,11 @@ class Planner:
         if ttft is None and s.prefill_tokens_per_s > 0 and s.prefill_workers:
             ttft = s.prefill_queued_tokens / (s.prefill_tokens_per_s * s.prefill_workers * c.ttft_s)
         tpot = s.tpot_p90_s / c.tpot_s if s.tpot_p90_s is not None else None
-        if s.decode_kv_use > c.kv_high:  # preemptions are near: pressed, whatever TPOT says
-            tpot = max(tpot or 0.0, 1 + c.margin + s.decode_kv_use - c.kv_high)
+        # KV use over kv_high with TPOT near its SLO: preemptions are near, so it counts as
+        # pressed. Not with TPOT well inside it: in simulation that flipped back and forth at 16
+        # GPUs (a full KV pool with TPOT at 0.72 x SLO) and cost 7% goodput
+        if s.decode_kv_use > c.kv_high and tpot is not None and tpot > 1 - c.margin:
+            tpot = max(tpot, 1 + c.margin + s.decode_kv_use - c.kv_high)
         return ttft, tpot
 
     def decide(self, s: Signals) -> Decision:
@@ -153,6 +156,14 @@ class Planner:
         if action == LOCAL_LESS:
             return max(0, local_max - c.local_step)
         return local_max
+
+
+def p90(xs) -> float | None:
+    """The 90th percentile of `xs` (the nearest rank at or above it); None for none."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
 def _fmt(x: float | None) -> str:

@@ -34,16 +34,10 @@ from pdserve.router.planner import (
     Planner,
     PlannerConfig,
     Signals,
+    p90,
 )
 
 log = logging.getLogger(__name__)
-
-
-def p90(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
 class PlannerLoop:

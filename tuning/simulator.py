@@ -10,7 +10,9 @@ The tuner (tuning/tuner.py) and the SLO experiments create one Simulator per pla
 scheduler's policy over token counts), plays every event to the end, and returns a SimResult.
 Nothing is kept between runs and nothing touches the disk; without a seed, the same inputs always
 give the same answer. What the simulation models, and what it leaves out, is in the Simulator
-docstring.
+docstring. The placement here is static; tuning/sim_planner.py runs the same model with the
+planner (router/planner.py) moving workers between the pools as a trace plays
+(`simulate(..., planner=PlannerConfig(...))`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.tuning.perf_model import Profile
 from pdserve.tuning.sim_worker import Seq, Worker
@@ -81,6 +83,28 @@ class SimResult:
             return 0.0
         good = sum(1 for r in self.requests if r.ttft_s <= ttft_s and r.tpot_s <= tpot_s)
         return good / len(self.requests)
+
+
+@dataclass
+class FlipRecord:
+    worker: int  # the worker's slot (0.. in the starting placement's order: prefill, then decode)
+    from_role: str
+    to_role: str
+    start_s: float
+    drained_s: float | None = None
+    done_s: float | None = None
+    moved_streams: int = 0  # decode legs moved at the drain bound
+    moved_prompts: int = 0  # prompts moved off a prefill worker at the drain bound
+
+
+@dataclass
+class PlannerSimResult(SimResult):
+    flips: list[FlipRecord] = field(default_factory=list)
+    decisions: list[tuple[float, str, str]] = field(default_factory=list)  # acting ones
+    # one row per decision: (now, prefill workers, decode workers, local_max, ttft and tpot
+    # pressure as the planner computed them, action)
+    timeline: list[tuple] = field(default_factory=list)
+    num_local: int = 0  # legs prefilled on their decode worker
 
 
 class _Req:
@@ -407,5 +431,11 @@ class Simulator:
         )
 
 
-def simulate(requests, profile: Profile, placement: Placement, **kwargs) -> SimResult:
+def simulate(requests, profile: Profile, placement: Placement, planner=None, **kwargs) -> SimResult:
+    """One run; with `planner` (a router.planner.PlannerConfig), a disaggregated placement whose
+    split the planner moves as the run goes (tuning/sim_planner.py)."""
+    if planner is not None:
+        from pdserve.tuning.sim_planner import PlannerSimulator
+
+        return PlannerSimulator(profile, placement, planner).run(requests, **kwargs)
     return Simulator(profile, placement).run(requests, **kwargs)

@@ -64,7 +64,8 @@ def test_no_worker_to_spare_means_local_prefill_and_tpot_pressure_takes_it_back_
 
 def test_kv_use_counts_as_tpot_pressure_and_queued_tokens_as_ttft_before_any_sample():
     p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
-    assert p.decide(sig(0, ttft=0.3, tpot=0.05, p=2, kv=0.99)).action == TO_DECODE
+    assert p.decide(sig(0, ttft=0.3, tpot=0.05, p=2, kv=0.99)).action == NONE  # TPOT has room
+    assert p.decide(sig(0, ttft=0.3, tpot=0.09, p=2, kv=0.99)).action == TO_DECODE
     p.flip_done(0)
     # no TTFT sample yet: 3000 queued tokens at 1000 tokens/s on one worker is 3 x the SLO
     assert p.decide(sig(1, queued=3000, speed=1000.0, tpot=0.01)).action == TO_PREFILL
