@@ -427,6 +427,8 @@ def run(args) -> int:
         f"(predicted, {best.status})"
     )
     if args.planner:
+        from pdserve.tuning.shift_goodput import planner_report
+
         planner_report(args, profile, workload, slo, cands, unit)
     try:
         if args.out:
@@ -456,80 +458,3 @@ def run(args) -> int:
         )
         print(f"wrote {args.plot}")
     return 0
-
-
-def planner_report(args, profile: Profile, workload: list[RequestSpec], slo: SLO, cands, unit):
-    """--planner: the best disaggregated pick's goodput with and without the planner in the loop
-    (tuning/sim_planner.py), on the workload with its phases kept (scaled_phases: each phase at k
-    times its own rate for --planner-phase-s seconds), bisected on k as the search bisects."""
-    from pdserve.router.planner import PlannerConfig
-    from pdserve.tuning.shift_goodput import ShiftGoodput, trace_phases
-    from pdserve.tuning.tuner import BISECT_RATIO
-
-    pick = next(
-        (
-            c
-            for c in cands
-            if not c.placement.colocated and c.status not in ("no-rate", "dropped") and c.score > 0
-        ),
-        None,
-    )
-    if pick is None:
-        print("\nplanner: no disaggregated placement meets the SLO to start it from")
-        return
-    t0 = time.perf_counter()
-    bounds = trace_phases(args.workload, workload)
-    config = PlannerConfig(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s)
-    try:
-        ev = ShiftGoodput(
-            profile,
-            workload,
-            bounds,
-            slo,
-            phase_s=args.planner_phase_s or None,
-            seed=args.seed,
-            ratio=BISECT_RATIO,
-            planner=config,
-        )
-    except ValueError:  # phases that do not cover the requests as loaded: one phase
-        bounds = [("all", workload[0].arrival_s, workload[-1].arrival_s)]
-        ev = ShiftGoodput(
-            profile,
-            workload,
-            bounds,
-            slo,
-            phase_s=args.planner_phase_s or None,
-            seed=args.seed,
-            ratio=BISECT_RATIO,
-            planner=config,
-        )
-    pl = pick.placement
-    start = max(pick.score / ev.base_rate, 1e-3)
-    k_static, _ = ev.goodput(pl, start)
-    k_plan, _ = ev.goodput(pl, max(k_static, start), planner=True)
-    flips = ev.simulate(pl, k_plan, True).flips if k_plan > 0 else []
-    rate = ev.base_rate
-    names = ", ".join(name for name, _, _ in bounds)
-    spans = f"{args.planner_phase_s:g} s each" if args.planner_phase_s else "their whole spans"
-    print(
-        f"\nplanner (router/planner.py in the simulator, default settings at the SLO) from "
-        f"{pl.label()}, on {args.workload} with its {len(bounds)} phase(s) kept ({names}; "
-        f"{spans}, rates scaled together): "
-        f"{k_plan * rate:.3g} req/s with the planner ({len(flips)} flips at that rate) vs "
-        f"{k_static * rate:.3g} req/s static"
-    )
-    if k_static <= 0 and k_plan <= 0:
-        verdict = "neither meets the SLO at any rate tried on the phased workload"
-    elif k_static <= 0:
-        verdict = "the planner meets the SLO where the static pick does not at any rate tried"
-    elif k_plan > k_static * BISECT_RATIO:
-        verdict = f"the planner beats the static pick ({k_plan / max(k_static, 1e-12):.2f}x)"
-    elif k_plan * BISECT_RATIO < k_static:
-        verdict = f"the planner does worse than the static pick ({k_plan / k_static:.2f}x)"
-    else:
-        verdict = "no difference within the search's precision"
-    print(
-        f"planner: {verdict} ({ev.num_sims} simulations in {time.perf_counter() - t0:.1f} s; "
-        f"goodput per {unit}: {k_plan * rate / pl.num_devices:.3g} vs "
-        f"{k_static * rate / pl.num_devices:.3g})"
-    )
