@@ -236,14 +236,15 @@ class PlannerSettings(_Frozen):
     ttft_s: Annotated[float, Field(gt=0)] = 1.0
     tpot_s: Annotated[float, Field(gt=0)] = 0.1
     interval_s: Annotated[float, Field(gt=0)] = 5.0
-    window_s: Annotated[float, Field(gt=0)] = 30.0
+    window_s: Annotated[float, Field(gt=0)] = 15.0
     margin: Annotated[float, Field(ge=0, lt=1)] = 0.2
     sustain: Annotated[int, Field(ge=1)] = 2
     cooldown_s: Annotated[float, Field(ge=0)] = 30.0
-    max_flips_per_min: Annotated[int, Field(ge=0)] = 2
+    max_flips_per_min: Annotated[int, Field(ge=0)] = 8
     kv_high: Annotated[float, Field(gt=0, le=1)] = 0.9
     local_step: Annotated[int, Field(ge=0)] = 64
     local_cap: Annotated[int, Field(ge=0)] = 1024  # 0: the planner never prefills locally
+    prefill_use: Annotated[float, Field(gt=0, le=1)] = 0.95  # sizes a batch of flips
 
 
 class DeployConfig(_Frozen):

@@ -5,6 +5,7 @@ full, a disaggregated request waits here, first come first served, until blocks 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 DECODE_QUEUE_POLL_S = 0.05  # a waiting request retries Reserve at least this often
@@ -27,9 +28,15 @@ class DecodeQueue:
         with self._cv:
             return len(self._tickets)
 
+    def longest_wait_s(self) -> float:
+        """How long the longest waiting request has waited (0: none waits): the planner's sign
+        of a decode pool short of KV."""
+        with self._cv:
+            return time.monotonic() - min(t[0] for t in self._tickets) if self._tickets else 0.0
+
     def join(self, first: bool = False):
         """A ticket at the back (first: at the front, for a request that was already trying)."""
-        ticket = object()
+        ticket = [time.monotonic()]  # a list: each ticket is its own object
         with self._cv:
             if first:
                 self._tickets.appendleft(ticket)

@@ -100,6 +100,7 @@ class Legs:
         Raises LegFailed."""
         leg = Leg(number)
         leg.local = self.options.colocated or self._prefill_here(prompt)
+        self.pool.note_started(0 if leg.local else len(prompt))  # the planner's demand
         leg.reserve_start_ns = unix_ns()
         leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
         leg.reserved_ns = unix_ns()

@@ -11,17 +11,22 @@ and reports a flip's end with `flip_done`. The policy compares each side with it
     ttft pressure = TTFT p90 / ttft_s (or, before any first token, the prefill pool's queued
                     prompt tokens against what it computes in ttft_s)
     tpot pressure = TPOT p90 / tpot_s; a decode pool whose KV use is over kv_high while TPOT
-                    is past 1 - margin counts as pressed
+                    is past 1 - margin counts as pressed, and so does one that has kept a
+                    request waiting for KV blocks nearly ttft_s (that TTFT is the decode pool's)
 
-One side over 1 + margin while the other is under 1 - margin, for `sustain` decisions in a row,
-flips a worker from the relaxed pool to the pressed one (never its last worker). TTFT pressed and
-no decode worker to spare: prefill more locally, if TPOT has room; TPOT pressed: prefill less
-locally first. After a flip nothing moves for `cooldown_s`, and at most `max_flips_per_min`
-flips happen in any minute.
+A side is pressed from 1 - margin/2 on and has room under 1 - margin. One side pressed while the
+other has room, for `sustain` decisions in a row, flips workers from the relaxed pool to the
+pressed one (never its last worker), as many as the prefill demand asks for: the prompt tokens
+arriving per second plus the queue, over one prefill worker's speed at `prefill_use`, against
+the prefill workers serving. The same estimate holds a flip that would starve the pool it takes
+from. TTFT pressed and no decode worker to spare: prefill more locally, if TPOT has room; TPOT
+pressed: local prefill stops. After a batch of flips nothing moves for `cooldown_s`, and at most
+`max_flips_per_min` flips happen in any minute.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,14 +40,15 @@ class PlannerConfig:
     ttft_s: float  # the SLO's TTFT (p90)
     tpot_s: float  # the SLO's TPOT (p90)
     interval_s: float = 5.0
-    window_s: float = 30.0
-    margin: float = 0.2  # hysteresis around 1.0
+    window_s: float = 15.0
+    margin: float = 0.2  # a side is pressed from 1 - margin/2 x SLO on, has room under 1 - margin
     sustain: int = 2  # decisions in a row a condition must hold
     cooldown_s: float = 30.0
-    max_flips_per_min: int = 2
+    max_flips_per_min: int = 8
     kv_high: float = 0.9  # decode KV use that counts as TPOT pressure
-    local_step: int = 64  # prompt tokens added to or taken from local_max per decision
+    local_step: int = 64  # prompt tokens added to local_max per decision (taken back all at once)
     local_cap: int = 1024  # the most local_max grows to (0: the planner never prefills locally)
+    prefill_use: float = 0.95  # the prefill pool's target utilization: sizes a flip batch
 
     def __post_init__(self):
         for name in ("ttft_s", "tpot_s", "interval_s", "window_s"):
@@ -50,6 +56,8 @@ class PlannerConfig:
                 raise ValueError(f"planner.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"planner.margin must be in [0, 1), got {self.margin}")
+        if not 0 < self.prefill_use <= 1:
+            raise ValueError(f"planner.prefill_use must be in (0, 1], got {self.prefill_use}")
         if self.sustain < 1 or self.max_flips_per_min < 0 or self.cooldown_s < 0:
             raise ValueError("planner: sustain >= 1, max_flips_per_min >= 0, cooldown_s >= 0")
 
@@ -67,12 +75,15 @@ class Signals:
     prefill_tokens_per_s: float  # what one prefill worker computes (0: unknown)
     decode_kv_use: float  # mean over the decode pool, 0..1
     local_max: int = 0  # the local prefill bound now (router/local_prefill.py)
+    decode_wait_s: float = 0.0  # the longest wait in the router for decode KV blocks, now
+    prompt_tokens_per_s: float = 0.0  # prompt tokens arriving for the prefill pool (0: unknown)
 
 
 @dataclass(frozen=True)
 class Decision:
     action: str
     reason: str
+    count: int = 1  # flips: how many workers move, one after another
 
 
 @dataclass
@@ -86,20 +97,40 @@ class Planner:
     def pressures(self, s: Signals) -> tuple[float | None, float | None]:
         c = self.config
         ttft = s.ttft_p90_s / c.ttft_s if s.ttft_p90_s is not None else None
-        if ttft is None and s.prefill_tokens_per_s > 0 and s.prefill_workers:
-            ttft = s.prefill_queued_tokens / (s.prefill_tokens_per_s * s.prefill_workers * c.ttft_s)
+        if ttft is None:
+            ttft = _queue_pressure(s, c)
         tpot = s.tpot_p90_s / c.tpot_s if s.tpot_p90_s is not None else None
+        hi = 1 - c.margin / 2  # pressed: the p90 nears its SLO
+        if s.decode_wait_s > hi * c.ttft_s:
+            # A request has waited for decode KV blocks nearly the whole TTFT SLO: the decode
+            # pool is short, and TTFT holds that wait, which more prefill workers would not
+            # shorten; the prefill pool's own share is what its queue takes to drain. (Read from
+            # TTFT alone, a 7P:1D split whose one decode worker was full looked prefill-pressed
+            # and never gave a worker back.)
+            ttft = _queue_pressure(s, c)
+            tpot = max(tpot or 0.0, 1 + c.margin)
         # KV use over kv_high with TPOT near its SLO: preemptions are near, so it counts as
         # pressed. Not with TPOT well inside it: in simulation that flipped back and forth at 16
         # GPUs (a full KV pool with TPOT at 0.72 x SLO) and cost 7% goodput
         if s.decode_kv_use > c.kv_high and tpot is not None and tpot > 1 - c.margin:
-            tpot = max(tpot, 1 + c.margin + s.decode_kv_use - c.kv_high)
+            tpot = max(tpot, hi + s.decode_kv_use - c.kv_high)
         return ttft, tpot
+
+    def prefill_need(self, s: Signals) -> int | None:
+        """Prefill workers the demand needs at prefill_use (None: unknown): the prompt tokens
+        arriving per second for the prefill pool, plus its queue drained over one window, over
+        what one worker computes per second."""
+        c = self.config
+        if not (s.prefill_tokens_per_s > 0 and s.prompt_tokens_per_s > 0):
+            return None
+        demand = s.prompt_tokens_per_s + s.prefill_queued_tokens / c.window_s
+        return max(1, math.ceil(demand / (s.prefill_tokens_per_s * c.prefill_use)))
 
     def decide(self, s: Signals) -> Decision:
         c = self.config
+        need = self.prefill_need(s)
         ttft, tpot = self.pressures(s)
-        hi, lo = 1 + c.margin, 1 - c.margin
+        hi, lo = 1 - c.margin / 2, 1 - c.margin
         say = f"ttft {_fmt(ttft)} x SLO, tpot {_fmt(tpot)} x SLO, {s.prefill_workers}P:{s.decode_workers}D"
         want, why = NONE, "within the SLO's margins"
         if ttft is not None and ttft > hi and (tpot is None or tpot < lo):
@@ -111,10 +142,11 @@ class Planner:
                     "TTFT over its SLO, TPOT has room, no decode worker to spare",
                 )
         elif tpot is not None and tpot > hi and (ttft is None or ttft < lo):
-            if s.local_max > 0:
-                want, why = LOCAL_LESS, "TPOT over its SLO: prefill less on the decode workers"
-            elif s.prefill_workers > 1:
+            # a flip to decode also stops local prefill (the owner sets the bound to 0)
+            if s.prefill_workers > 1:
                 want, why = TO_DECODE, "TPOT over its SLO while TTFT has room"
+            elif s.local_max > 0:
+                want, why = LOCAL_LESS, "TPOT over its SLO: prefill less on the decode workers"
         elif tpot is not None and tpot > hi and s.local_max > 0:
             want, why = LOCAL_LESS, "both over their SLOs: local prefills cost TPOT"
         for action in ACTIONS:
@@ -123,14 +155,34 @@ class Planner:
             return Decision(NONE, f"{why} ({say})")
         if self._streak[want] < c.sustain:
             return Decision(NONE, f"{why}, {self._streak[want]} of {c.sustain} in a row ({say})")
+        count = 1
         if want in (TO_PREFILL, TO_DECODE):
             blocked = self._flip_blocked(s.now)
             if blocked:
                 return Decision(NONE, f"{why}, but {blocked} ({say})")
-            self._flips.append(s.now)
+            # a batch sized by the prefill demand, so one decision makes a big shift; within
+            # the flips a minute allows, never a pool's last worker
+            room = c.max_flips_per_min - len(self._flips)
+            if need is not None and want == TO_PREFILL:
+                if need <= s.prefill_workers:  # TTFT holds a backlog or decode waits
+                    return Decision(
+                        NONE, f"{why}, but {s.prefill_workers}P cover the prefill demand ({say})"
+                    )
+                count = min(need - s.prefill_workers, s.decode_workers - 1, room)
+            elif need is not None:
+                if need >= s.prefill_workers:
+                    why = f"{why}, but the prefill demand needs {need}P"
+                    if s.local_max > 0:
+                        return Decision(LOCAL_LESS, f"{why}: no local prefill ({say})")
+                    return Decision(NONE, f"{why} ({say})")
+                count = min(s.prefill_workers - need, s.prefill_workers - 1, room)
+            count = max(1, count)
+            if need is not None:
+                say += f", demand needs {need}P"
+            self._flips.extend([s.now] * count)
             self._last_flip, self.flipping = s.now, True
         self._streak[want] = 0
-        return Decision(want, f"{why} ({say})")
+        return Decision(want, f"{why} ({say})", count)
 
     def _flip_blocked(self, now: float) -> str | None:
         c = self.config
@@ -145,7 +197,8 @@ class Planner:
         return None
 
     def flip_done(self, now: float) -> None:
-        """The owner finished (or gave up) the flip decide asked for; the cooldown runs from now."""
+        """The owner finished (or gave up) the flips decide asked for; the cooldown runs from
+        now."""
         self.flipping = False
         self._last_flip = now
 
@@ -153,8 +206,8 @@ class Planner:
         c = self.config
         if action == LOCAL_MORE:
             return min(c.local_cap, local_max + c.local_step)
-        if action == LOCAL_LESS:
-            return max(0, local_max - c.local_step)
+        if action in (LOCAL_LESS, TO_DECODE):  # decode is pressed: local prefills stop at once
+            return 0
         return local_max
 
 
@@ -164,6 +217,13 @@ def p90(xs) -> float | None:
         return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+
+
+def _queue_pressure(s: Signals, c: PlannerConfig) -> float | None:
+    """The time the prefill pool's queued prompt tokens take to compute, over ttft_s."""
+    if s.prefill_tokens_per_s > 0 and s.prefill_workers:
+        return s.prefill_queued_tokens / (s.prefill_tokens_per_s * s.prefill_workers * c.ttft_s)
+    return None
 
 
 def _fmt(x: float | None) -> str:

@@ -5,13 +5,14 @@ The Router starts one when the deployment's YAML enables the planner (`planner:`
 the static split stays) and stops it first when it stops. Its thread wakes every `interval_s`
 and builds Signals from what the router already has, with no RPC: TTFT and TPOT p90 and the
 prefill speed of the requests that ended in the last `window_s` (RouterMetrics.recent), the
-prompt tokens in flight on the prefill pool (WorkerPool.queued_tokens), the decode pool's KV use
-from the workers' last Stats, the serving workers of each role, and the local prefill bound. A
-flip goes to the least loaded serving worker of the pool the policy takes from, through the same
-Flips an operator's `pdserve ctl flip` uses (so it drains, moves and checks alike, and refuses
-what would empty a pool); a local prefill change replaces the Legs' LocalPrefill bound. Every
-decision that acts is logged at INFO with its reason (the others at DEBUG) and counted in
-pdserve:planner_decisions_total{action}.
+prompt tokens started for the prefill pool per second over that window and those in flight there
+(WorkerPool), the longest wait for decode KV (the decode queue), the decode pool's KV use from
+the workers' last Stats, the serving workers of each role, and the local prefill bound. A flip (a
+decision may ask for several, done one after another) goes to the least loaded serving worker
+of the pool the policy takes from, through the same Flips an operator's `pdserve ctl flip` uses
+(so it drains, moves and checks alike, and refuses what would empty a pool); a local prefill
+change replaces the Legs' LocalPrefill bound. Every decision that acts is logged at INFO with
+its reason (the others at DEBUG) and counted in pdserve:planner_decisions_total{action}.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 
 from prometheus_client import Counter
 
@@ -61,6 +63,7 @@ class PlannerLoop:
             self._decisions.labels(model_name, action)
         self._model = model_name
         self.last: tuple[Signals, object] | None = None  # the last (signals, decision)
+        self._started: deque = deque()  # (when, legs.prefill_tokens_started) over the window
 
     def start(self) -> PlannerLoop:
         self._thread.start()
@@ -82,6 +85,11 @@ class PlannerLoop:
     def signals(self) -> Signals:
         now = time.monotonic()
         rows = self.recent.since(now - self.config.window_s)
+        started = self._started
+        started.append((now, self.pool.prefill_tokens_started))
+        while len(started) > 1 and started[0][0] < now - self.config.window_s:
+            started.popleft()
+        span = max(now - started[0][0], self.config.interval_s)
         speeds = [r[3] for r in rows if r[3]]
         serving = {"prefill": 0, "decode": 0}
         kv = []
@@ -101,6 +109,8 @@ class PlannerLoop:
             prefill_tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
             decode_kv_use=sum(kv) / len(kv) if kv else 0.0,
             local_max=self.legs.local_prefill.max_prompt_tokens,
+            decode_wait_s=self.legs.decode_queue.longest_wait_s(),
+            prompt_tokens_per_s=(started[-1][1] - started[0][1]) / span,
         )
 
     def step(self) -> None:
@@ -113,21 +123,23 @@ class PlannerLoop:
             log.debug("planner: nothing to do: %s", d.reason)
             return
         log.info("planner: %s: %s", d.action, d.reason)
-        if d.action in (LOCAL_MORE, LOCAL_LESS):
-            policy = self.legs.local_prefill
-            bound = self.planner.next_local_max(d.action, policy.max_prompt_tokens)
+        policy = self.legs.local_prefill
+        bound = self.planner.next_local_max(d.action, policy.max_prompt_tokens)
+        if bound != policy.max_prompt_tokens:
             self.legs.local_prefill = dataclasses.replace(policy, max_prompt_tokens=bound)
             log.info("planner: local prefill bound %d -> %d", policy.max_prompt_tokens, bound)
+        if d.action in (LOCAL_MORE, LOCAL_LESS):
             return
         source = "decode" if d.action == TO_PREFILL else "prefill"
         target = "prefill" if d.action == TO_PREFILL else "decode"
         assert d.action in (TO_PREFILL, TO_DECODE)
         try:
-            worker = self._least_loaded(source)
-            if worker is None:
-                log.info("planner: no %s worker can flip now", source)
-                return
-            self.flips.flip(worker, target)
+            for _ in range(d.count):  # a batch: one flip after another, each drained and checked
+                worker = self._least_loaded(source)
+                if worker is None:
+                    log.info("planner: no %s worker can flip now", source)
+                    return
+                self.flips.flip(worker, target)
         except FlipRefused as e:
             log.info("planner: flip refused: %s", e)
         finally:

@@ -109,6 +109,7 @@ class WorkerPool:
         self._registered: dict[str, _Worker] = {}  # worker_id -> worker, for heartbeats
         self._affinity = PrefixAffinity()
         self._lock = threading.Lock()
+        self.prefill_tokens_started = 0  # of the legs started for the prefill pool, ever
         self._rr = {role: itertools.count() for role in ROLES}
         self._stop = threading.Event()
         self._drop_listeners: list = []  # (worker, why, silent_since): on the health thread
@@ -157,6 +158,11 @@ class WorkerPool:
             ordered = sorted(rotated, key=lambda w: (w.queued_tokens, -w.num_free_blocks))
             ordered[0].queued_tokens += charge_tokens
             return ordered
+
+    def note_started(self, prompt_tokens: int) -> None:
+        """A leg for the prefill pool started (router/legs.py): the planner's prefill demand."""
+        with self._lock:
+            self.prefill_tokens_started += prompt_tokens
 
     def charge_queued(self, worker: _Worker, num_tokens: int) -> None:
         """Count `num_tokens` (negative: release them) against a worker's queued prompt tokens."""

@@ -112,18 +112,10 @@ class PlannerSimulator:
         def make_worker(role: str, tp: int, slot: int) -> Worker:
             spec = specs[role]
             model = prof.step_model(tp, role)
-            capacity = (spec.kv_capacity_tokens if spec.tp == tp else None) or (
-                model.kv_capacity_tokens
-            )
-            w = Worker(
-                model,
-                bs,
-                capacity,
-                spec.max_num_batched_tokens,
-                spec.max_num_seqs,
-                role == PREFILL,
-                self.fast,
-            )
+            capacity = spec.kv_capacity_tokens if spec.tp == tp else None
+            capacity = capacity or model.kv_capacity_tokens
+            limits = (spec.max_num_batched_tokens, spec.max_num_seqs)
+            w = Worker(model, bs, capacity, *limits, role == PREFILL, self.fast)
             w.role, w.tp, w.slot, w.state = role, tp, slot, SERVING
             w.pending = {}  # reservations on it whose commit has not come yet (a dict: ordered)
             w.bound_passed = w.move_pending = False
@@ -151,15 +143,14 @@ class PlannerSimulator:
         heapq.heapify(events)
         counter = len(events)
         held: deque[_Req] = deque()
-        rr = [0, 0]
-        missed = 0
-        num_steps = 0
-        stopped = False
+        rr, missed, num_steps, stopped = [0, 0], 0, 0, False
         out = PlannerSimResult([])
         planner = self.planner_cls(cfg) if cfg is not None else None
         policy = self.local_prefill
         retired_preemptions = 0  # of the workers a flip replaced
         ttft_window: deque = deque()  # (first token at, ttft)
+        arrived: deque = deque()  # (arrival, prompt tokens) of legs for the prefill pool
+        batch: list = [None, 0]  # a flip batch: the role flips take from, flips still to begin
         tpot_window: deque = deque()  # (done at, tpot)
 
         def push(t: float, kind: int, obj) -> None:
@@ -377,17 +368,20 @@ class PlannerSimulator:
             (prefill if role == PREFILL else decode).append(nw)
             serving[role].append(nw)
             w.flip.done_s = now
-            planner.flip_done(now)
-            push(now + cfg.interval_s, _TICK, None)
+            if batch[1] > 0 and len(serving[batch[0]]) > 1:  # the batch's next flip
+                batch[1] -= 1
+                begin_flip(batch[0], now)
+            else:
+                planner.flip_done(now)
+                push(now + cfg.interval_s, _TICK, None)
             if held:
                 dispatch(now)
 
         def tick(now: float) -> None:
             nonlocal policy
-            while ttft_window and ttft_window[0][0] <= now - cfg.window_s:
-                ttft_window.popleft()
-            while tpot_window and tpot_window[0][0] <= now - cfg.window_s:
-                tpot_window.popleft()
+            for window in (ttft_window, tpot_window, arrived):
+                while window and window[0][0] <= now - cfg.window_s:
+                    window.popleft()
             sp, sd = serving[PREFILL], serving[DECODE]
             speeds = []
             for w in sp:
@@ -403,17 +397,21 @@ class PlannerSimulator:
                 prefill_tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
                 decode_kv_use=sum(1 - w.free / w.num_blocks for w in sd) / len(sd) if sd else 0.0,
                 local_max=policy.max_prompt_tokens,
+                decode_wait_s=max((now - r.arrival for r in held if not r.local), default=0.0),
+                prompt_tokens_per_s=sum(n for _, n in arrived)
+                / max(min(cfg.window_s, now), cfg.interval_s),
             )
             d = planner.decide(s)
             ttft_p, tpot_p = planner.pressures(s)
             out.timeline.append((now, len(sp), len(sd), s.local_max, ttft_p, tpot_p, d.action))
             if d.action != NONE:
                 out.decisions.append((now, d.action, d.reason))
-            if d.action in (LOCAL_MORE, LOCAL_LESS):
+            if d.action in (LOCAL_MORE, LOCAL_LESS, TO_DECODE):
                 bound = planner.next_local_max(d.action, policy.max_prompt_tokens)
                 policy = dataclasses.replace(policy, max_prompt_tokens=bound)
             if d.action in (TO_PREFILL, TO_DECODE):
-                begin_flip(DECODE if d.action == TO_PREFILL else PREFILL, now)
+                batch[:] = [DECODE if d.action == TO_PREFILL else PREFILL, d.count - 1]
+                begin_flip(batch[0], now)
             elif events:  # no tick keeps an ended run going
                 push(now + cfg.interval_s, _TICK, None)
 
@@ -427,6 +425,8 @@ class PlannerSimulator:
                 r = reqs[obj]
                 if policy.enabled:
                     r.local = choose_local(r)
+                if planner is not None and not r.local:
+                    arrived.append((now, r.leg_prompt))
                 held.append(r)
                 dispatch(now)
             elif kind == _COMMIT:

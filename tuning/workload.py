@@ -21,9 +21,15 @@ import pathlib
 import random
 from dataclasses import dataclass, replace
 
-# shift_code_conv_decode: a workload-shift trace built from the two azure traces by
-# tuning/shift_trace.py (traces/README.md); it has an extra `phase` column the reader ignores.
-TRACES = ("azure_conv", "azure_code", "mooncake_synthetic", "shift_code_conv_decode")
+# shift_*: workload-shift traces built from the two azure traces by tuning/shift_trace.py
+# (traces/README.md); they have an extra `phase` column the reader ignores.
+TRACES = (
+    "azure_conv",
+    "azure_code",
+    "mooncake_synthetic",
+    "shift_code_conv_decode",
+    "shift_code_conv_reason",
+)
 MOONCAKE_BLOCK_TOKENS = 512
 
 

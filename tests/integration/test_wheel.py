@@ -144,7 +144,8 @@ def test_the_installed_package_is_complete_and_imported_from_the_venv(venv):
                 tuning = pathlib.Path(tuning.__file__).parent
                 assert (tuning / "profiles" / "h100_llama3_8b.json").is_file()
                 for name in ("azure_conv.csv", "azure_code.csv", "mooncake_synthetic.jsonl.gz",
-                             "shift_code_conv_decode.csv", "LICENSES.md"):
+                             "shift_code_conv_decode.csv", "shift_code_conv_reason.csv",
+                             "LICENSES.md"):
                     assert (tuning / "traces" / name).is_file(), name
                 kernels = pathlib.Path(pdserve.engine.kernels.__file__).parent
                 assert (kernels / "paged_decode_cpu.cpp").is_file()

@@ -18,8 +18,10 @@ from pdserve.router.planner import (
 CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, sustain=2, cooldown_s=30, max_flips_per_min=2)
 
 
-def sig(now, ttft=None, tpot=None, p=1, d=2, kv=0.2, local=0, queued=0, speed=0.0):
-    return Signals(now, p, d, ttft, tpot, queued, speed, kv, local)
+def sig(
+    now, ttft=None, tpot=None, p=1, d=2, kv=0.2, local=0, queued=0, speed=0.0, wait=0.0, rate=0.0
+):
+    return Signals(now, p, d, ttft, tpot, queued, speed, kv, local, wait, rate)
 
 
 def actions(planner, signals):
@@ -42,7 +44,8 @@ def test_a_pressed_side_must_hold_for_sustain_decisions_then_flips_once():
 
 def test_hysteresis_and_the_flip_rate_bound():
     p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0, max_flips_per_min=2))
-    assert p.decide(sig(0, ttft=1.1, tpot=0.05)).action == NONE  # inside the margin
+    # pressed from 1 - margin / 2 = 0.9 x SLO on, with room under 1 - margin = 0.8 x SLO
+    assert p.decide(sig(0, ttft=0.85, tpot=0.05)).action == NONE  # inside the margin
     assert p.decide(sig(1, ttft=1.5, tpot=0.085)).action == NONE  # TPOT has too little room
     for t in (2, 3):
         assert p.decide(sig(t, ttft=1.5, tpot=0.05)).action == TO_PREFILL
@@ -52,13 +55,17 @@ def test_hysteresis_and_the_flip_rate_bound():
     assert p.decide(sig(62.5, ttft=1.5, tpot=0.05)).action == TO_PREFILL
 
 
-def test_no_worker_to_spare_means_local_prefill_and_tpot_pressure_takes_it_back_first():
+def test_no_worker_to_spare_means_local_prefill_and_tpot_pressure_takes_it_back():
     p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
     assert p.decide(sig(0, ttft=3.0, tpot=0.02, d=1)).action == LOCAL_MORE
     assert p.next_local_max(LOCAL_MORE, 0) == 64
-    assert p.decide(sig(1, ttft=0.5, tpot=0.2, p=2, local=64)).action == LOCAL_LESS
-    assert p.next_local_max(LOCAL_LESS, 64) == 0
-    assert p.decide(sig(2, ttft=0.5, tpot=0.2, p=2, local=0)).action == TO_DECODE
+    # TPOT pressed: a prefill worker to spare flips, and the flip ends local prefill too
+    assert p.decide(sig(1, ttft=0.5, tpot=0.2, p=2, local=64)).action == TO_DECODE
+    assert p.next_local_max(TO_DECODE, 64) == 0
+    p.flip_done(1)
+    # no prefill worker to spare: local prefill goes, all of it at once
+    assert p.decide(sig(2, ttft=0.5, tpot=0.2, p=1, local=128)).action == LOCAL_LESS
+    assert p.next_local_max(LOCAL_LESS, 128) == 0
     assert p.decide(sig(3, ttft=0.5, tpot=0.2, p=1, local=0)).action == NONE  # last prefill
 
 
@@ -76,3 +83,54 @@ def test_bad_config():
         PlannerConfig(ttft_s=0, tpot_s=0.1)
     with pytest.raises(ValueError, match="margin"):
         PlannerConfig(ttft_s=1, tpot_s=0.1, margin=1.5)
+
+
+def test_a_flip_batch_is_sized_by_the_prefill_demand():
+    cfg = dict(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0, prefill_use=0.8)
+    p = Planner(PlannerConfig(**cfg, max_flips_per_min=4))
+    # 9000 prompt tokens/s arriving, 1000 queued over a 15 s window, 2000 tokens/s a worker at
+    # 0.8 use: ceil(9066.7 / 1600) = 6 prefill workers; 2 serve, 5 decode: 4 flip (the bound)
+    d = p.decide(sig(0, ttft=2.0, tpot=0.02, p=2, d=5, queued=1000, speed=2000.0, rate=9000.0))
+    assert (d.action, d.count) == (TO_PREFILL, 4) and "demand needs 6P" in d.reason
+    assert p.prefill_need(sig(0, p=2, d=5, queued=1000, speed=2000.0, rate=9000.0)) == 6
+    p.flip_done(0)
+    # the rate bound counts every flip of a batch
+    assert "4 flips in the last minute" in p.decide(sig(1, ttft=0.5, tpot=0.2, p=6, d=1)).reason
+    # never a pool's last worker: 3 decode workers give at most 2
+    q = Planner(PlannerConfig(**cfg, max_flips_per_min=9))
+    d = q.decide(sig(0, ttft=2.0, tpot=0.02, p=1, d=3, speed=1000.0, rate=9000.0))
+    assert (d.action, d.count) == (TO_PREFILL, 2)
+    # TPOT pressed with 6 prefill workers where the demand needs 2: 4 go to decode at once
+    q.flip_done(0)
+    d = q.decide(sig(1, ttft=0.1, tpot=0.2, p=6, d=2, speed=1000.0, rate=1200.0))
+    assert (d.action, d.count) == (TO_DECODE, 4) and "demand needs 2P" in d.reason
+    # unknown demand (no rate yet): one flip
+    q.flip_done(1)
+    assert q.decide(sig(2, ttft=0.1, tpot=0.2, p=6, d=2, speed=1000.0)).count == 1
+
+
+def test_the_demand_estimate_holds_a_flip_that_would_starve_the_other_pool():
+    cfg = dict(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0, max_flips_per_min=9)
+    p = Planner(PlannerConfig(**cfg, prefill_use=0.8))
+    # TPOT pressed, but the prefill demand needs all 3 prefill workers: no flip
+    d = p.decide(sig(0, ttft=0.1, tpot=0.2, p=3, d=2, speed=1000.0, rate=2000.0))
+    assert d.action == NONE and "the prefill demand needs 3P" in d.reason
+    # ... and with local prefill on, that stops instead
+    d = p.decide(sig(1, ttft=0.1, tpot=0.2, p=3, d=2, speed=1000.0, rate=2000.0, local=64))
+    assert d.action == LOCAL_LESS
+    # TTFT pressed while 3 prefill workers cover the demand (a backlog, or decode waits): none
+    d = p.decide(sig(2, ttft=2.0, tpot=0.02, p=3, d=2, speed=1000.0, rate=1000.0))
+    assert d.action == NONE and "3P cover the prefill demand" in d.reason
+
+
+def test_a_long_wait_for_decode_kv_presses_the_decode_pool_not_the_prefill_pool():
+    p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
+    # TTFT is 5 x its SLO only because requests wait for decode KV (the longest for 2 s); the
+    # prefill queue is empty: without the wait this would prefill locally, with it it flips
+    quiet = dict(ttft=5.0, tpot=0.05, p=3, d=1, speed=1000.0)
+    assert Planner(p.config).decide(sig(0, **quiet)).action == LOCAL_MORE
+    d = p.decide(sig(0, wait=2.0, **quiet))
+    assert d.action == TO_DECODE, d.reason
+    assert p.pressures(sig(0, wait=2.0, **quiet))[0] == 0.0  # the prefill queue's share
+    # a short wait (0.5 s of a 1 s SLO) is a full pool's normal turnover: nothing
+    assert Planner(p.config).decide(sig(0, ttft=0.5, tpot=0.05, p=3, d=1, wait=0.5)).action == NONE

@@ -14,6 +14,7 @@ def test_every_named_trace_loads_from_the_bundled_folder(monkeypatch):
     assert workload.traces_dir() == workload.BUNDLED_TRACES_DIR
     rows = {"azure_conv": 19366, "azure_code": 8819, "mooncake_synthetic": 3993}  # traces/README.md
     rows["shift_code_conv_decode"] = 7338
+    rows["shift_code_conv_reason"] = 17355
     for name in workload.TRACES:
         path = workload.resolve_trace(name)
         assert path.parent == workload.BUNDLED_TRACES_DIR

@@ -1,0 +1,324 @@
+"""The planner live on this machine against each static split, and the simulator's prediction of
+the same runs (issue #27, must-shows c and d).
+
+  python -m benchmarks.planner_live                     # 3 runs of 3 modes, ~45 min on 2 cores
+  python -m benchmarks.planner_live --sim-only --k 0.2,0.3,0.4   # pick a rate: the simulator only
+  python -m benchmarks.planner_live --runs 1 --phase-s 40        # a quick look
+
+Workload: a workload-shift trace (--trace, default the shipped shift_code_conv_reason: code
+completion, then conversation, then short prompts with long answers), each phase retimed to
+Poisson at --k times its own mean rate for --phase-s seconds, its lengths x--scale and capped
+(prompts <= --max-prompt, outputs <= --max-output) for SmolLM2 on 2 cores, as the other live
+benchmarks size azure_conv. The very same requests and prompt ids go to every run; the file is
+written once (tuning/shift_trace.py's format) and replayed with its own arrival times by
+`pdserve bench` in a process of its own.
+
+Deployments: 3 workers of the embedded SmolLM2 (the README's example deployment, one core each,
+grpc KV), brought up fresh for every run by deploy.launcher.up(), as `pdserve up` does. Modes:
+static 1P+2D, static 2P+1D, and the planner (the YAML's `planner:` section, enabled with the
+SLO below and --window-s/--cooldown-s; phases last minutes here, not the trace's 10) starting
+from --planner-start. The modes take turns (1P2D, 2P1D, planner, 1P2D, ...) so a slow spell of
+the machine hits each. Per run: SLO attainment over the trace and per phase, TTFT/TPOT p90, failed
+requests, and the flips the planner made (when, which way, its reason).
+
+Prediction (d): the simulator of `pdserve tune` with the planner in the loop
+(tuning/sim_planner.py, the same policy code) runs the same requests on each mode's starting
+split with a profile of this machine (`pdserve profile --quick`, measured by this script before
+the live runs unless --profile names one; stored in the result). Writes
+benchmarks/results/planner_live.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
+
+MODES = ("1P2D", "2P1D", "planner")
+
+
+def live_trace(args, path: str) -> tuple[list, list[tuple[str, float, float]]]:
+    """Write the run's requests (the shift trace scaled in rate and length) to `path` as a
+    shift trace; return them and their phases' (name, start_s, end_s)."""
+    from pdserve.tuning.shift_goodput import laid_end_to_end, scaled_phases, trace_phases
+    from pdserve.tuning.shift_trace import ShiftRow, phase_boundaries, write_shift_trace
+    from pdserve.tuning.workload import load_trace
+
+    reqs = load_trace(args.trace, scale=args.scale, max_prompt=args.max_prompt)
+    outs = load_trace(args.trace, scale=args.output_scale, max_output=args.max_output)
+    reqs = [dataclasses.replace(r, output_len=o.output_len) for r, o in zip(reqs, outs)]
+    phases = scaled_phases(reqs, trace_phases(args.trace, reqs), args.k, phase_s=args.phase_s)
+    spans = [args.phase_s] * len(phases)
+    rows, offset = [], 0.0
+    for (name, mine), span in zip(phases, spans):
+        rows += [
+            ShiftRow(round(r.arrival_s + offset, 6), r.prompt_len, r.output_len, name) for r in mine
+        ]
+        offset += span
+    write_shift_trace(rows, path)
+    return laid_end_to_end(phases, spans), phase_boundaries(path)
+
+
+def phase_of(arrival_s: float, bounds) -> str:
+    name = bounds[0][0]
+    for n, start, _ in bounds:
+        if arrival_s >= start - 1e-9:
+            name = n
+    return name
+
+
+def attainment(rows, bounds, ttft_s: float, tpot_s: float) -> dict:
+    """rows: (arrival_s, ttft_s or None, tpot_s or None, ok). A request meets the SLO when it
+    ended without error within both bounds (one output token: TPOT is not defined, TTFT alone)."""
+
+    def good(r) -> bool:
+        _, ttft, tpot, ok = r
+        return ok and ttft is not None and ttft <= ttft_s and (tpot is None or tpot <= tpot_s)
+
+    per = {}
+    for name, _, _ in bounds:
+        mine = [r for r in rows if phase_of(r[0], bounds) == name]
+        per[name] = round(sum(map(good, mine)) / len(mine), 4) if mine else None
+    return {"attainment": round(sum(map(good, rows)) / len(rows), 4), "per_phase": per}
+
+
+def p90(xs) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else None
+
+
+def deploy_config(args, mode: str) -> dict:
+    from benchmarks.chaos_harness import example_config
+
+    start = args.planner_start if mode == "planner" else mode
+    data = example_config(prefill=int(start[0]), decode=int(start[2]))
+    if mode == "planner":
+        data["planner"] = {
+            "enabled": True,
+            "ttft_s": args.ttft_s,
+            "tpot_s": args.tpot_s,
+            "interval_s": args.interval_s,
+            "window_s": args.window_s,
+            "cooldown_s": args.cooldown_s,
+        }
+    return data
+
+
+class PlannerLog(logging.Handler):
+    """The planner's acting decisions (INFO lines of router/planner_loop.py), timed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.restart()
+
+    def emit(self, record):
+        self.lines.append((round(record.created - self.t0_wall, 1), record.getMessage()))
+
+    def restart(self):
+        self.t0_wall = time.time()
+        self.lines = []
+
+
+def flips_done(router) -> int:
+    reg, model = router.metrics_registry, router.servicer.options.model_id
+    return int(
+        sum(
+            reg.get_sample_value(
+                "pdserve:role_flips_total",
+                {"model_name": model, "from_role": a, "to_role": b, "outcome": "done"},
+            )
+            or 0
+            for a, b in (("prefill", "decode"), ("decode", "prefill"))
+        )
+    )
+
+
+def bench(router_address: str, trace: str, n: int, args, out_path: str) -> dict:
+    cmd = [sys.executable, "-m", "pdserve", "bench", "--router", router_address, "--trace", trace]
+    cmd += ["--num-requests", str(n), "--seed", "27", "--out", out_path]
+    cmd += ["--slo", f"ttft={args.ttft_s}s,tpot={args.tpot_s}s"]
+    env = dict(os.environ, PDSERVE_NO_PROGRESS="1")
+    subprocess.run(cmd, check=True, capture_output=True, timeout=3600, env=env)
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
+    from benchmarks.chaos_harness import deployment
+
+    plan_log = PlannerLog()
+    logger = logging.getLogger("pdserve.router.planner_loop")
+    logger.addHandler(plan_log)
+    logger.setLevel(logging.INFO)
+    try:
+        with deployment(deploy_config(args, mode)) as (cluster, _):
+            warm = os.path.join(tmp, "warm.csv")
+            with open(trace) as f:  # the trace's first 10 requests, back to back
+                head = [next(f) for _ in range(11)]
+            with open(warm, "w") as f:
+                f.writelines(
+                    h if i == 0 else "0.0," + h.split(",", 1)[1] for i, h in enumerate(head)
+                )
+            bench(cluster.router_address, warm, 10, args, os.path.join(tmp, "warm.json"))
+            plan_log.restart()
+            t0 = time.monotonic()
+            result = bench(cluster.router_address, trace, n, args, os.path.join(tmp, "run.json"))
+            took = time.monotonic() - t0
+            flips = flips_done(cluster.router)
+    finally:
+        logger.removeHandler(plan_log)
+    recs = result["requests"]
+    rows = [(r["arrival_s"], r["ttft_s"], r["tpot_s"], not r["error"]) for r in recs]
+    row = {"mode": mode, **attainment(rows, bounds, args.ttft_s, args.tpot_s)}
+    row.update(
+        requests=len(recs),
+        failed=sum(1 for r in recs if r["error"]),
+        ttft_p90_s=p90(r["ttft_s"] for r in recs),
+        tpot_p90_s=p90(r["tpot_s"] for r in recs),
+        flips=flips,
+        planner_log=plan_log.lines,
+        took_s=round(took, 1),
+    )
+    return row
+
+
+def measure_profile(path: str) -> dict:
+    cmd = [sys.executable, "-m", "pdserve", "profile", "--model", "smollm2", "--tp", "1"]
+    # the decode pool's KV memory in the README's example deployment (deploy/examples)
+    cmd += ["--quick", "--backends", "grpc", "--kv-cache-memory", "536870912", "--out", path]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+    with open(path) as f:
+        return json.load(f)
+
+
+def simulate(args, profile_dict: dict, reqs, bounds) -> dict:
+    """Each mode's predicted attainment on the same requests (the module docstring)."""
+    from pdserve.router.planner import PlannerConfig
+    from pdserve.tuning.perf_model import profile_from_dict
+    from pdserve.tuning.sim_planner import PlannerSimulator
+    from pdserve.tuning.simulator import Placement, PoolSpec
+
+    profile = profile_from_dict(profile_dict)
+    out = {}
+    for mode in MODES:
+        start = args.planner_start if mode == "planner" else mode
+        placement = Placement(PoolSpec(int(start[0])), PoolSpec(int(start[2])), backend="grpc")
+        config = None
+        if mode == "planner":
+            config = PlannerConfig(
+                ttft_s=args.ttft_s,
+                tpot_s=args.tpot_s,
+                interval_s=args.interval_s,
+                window_s=args.window_s,
+                cooldown_s=args.cooldown_s,
+            )
+        res = PlannerSimulator(profile, placement, config).run(
+            reqs, ttft_s=args.ttft_s, tpot_s=args.tpot_s
+        )
+        rows = [
+            (q.arrival_s, r.ttft_s, r.tpot_s if q.output_len > 1 else None, True)
+            for q, r in zip(reqs, res.requests)
+        ]
+        out[mode] = attainment(rows, bounds, args.ttft_s, args.tpot_s)
+        out[mode]["flips"] = [(round(f.start_s, 1), f.to_role) for f in getattr(res, "flips", [])]
+    return out
+
+
+def spread(rows: list[dict], key) -> dict:
+    xs = [key(r) for r in rows]
+    xs = [x for x in xs if x is not None]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
+
+
+def main(argv=None) -> int:
+    p = script_parser(__doc__)
+    p.add_argument("--trace", default="shift_code_conv_reason")
+    p.add_argument("--k", default="0.6", help="rate multiplier (comma list with --sim-only)")
+    p.add_argument("--phase-s", type=float, default=120.0)
+    p.add_argument("--scale", type=float, default=0.2)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--output-scale", type=float, default=1.0)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--ttft-s", type=float, default=1.5)
+    p.add_argument("--tpot-s", type=float, default=0.1)
+    p.add_argument("--interval-s", type=float, default=2.0)
+    p.add_argument("--window-s", type=float, default=10.0)
+    p.add_argument("--cooldown-s", type=float, default=10.0)
+    p.add_argument("--planner-start", choices=("1P2D", "2P1D"), default="1P2D")
+    p.add_argument("--runs", type=int, default=3, help="runs per mode")
+    p.add_argument("--profile", help="a `pdserve profile` JSON of this machine (default: measure)")
+    p.add_argument("--sim-only", action="store_true", help="predict only; no live runs")
+    add_out_arg(p, "planner_live.json")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out = run_header("benchmarks.planner_live", argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:
+            with open(args.profile) as f:
+                profile = json.load(f)
+        else:
+            log("measuring this machine's profile (pdserve profile --quick)")
+            profile = measure_profile(os.path.join(tmp, "profile.json"))
+        ks = [float(k) for k in args.k.split(",")]
+        if args.sim_only:
+            for k in ks:
+                reqs, bounds = live_trace(_with_k(args, k), os.path.join(tmp, "t.csv"))
+                log(
+                    f"k={k:g}: {len(reqs)} requests; predicted {json.dumps(simulate(args, profile, reqs, bounds))}"
+                )
+            return 0
+        args.k = ks[0]
+        trace = os.path.join(tmp, "live_trace.csv")
+        reqs, bounds = live_trace(args, trace)
+        log(f"{len(reqs)} requests, phases {bounds}")
+        out["setup"] = {
+            k: v for k, v in vars(args).items() if k not in ("out", "sim_only", "profile")
+        }
+        out["setup"]["requests"] = len(reqs)
+        out["setup"]["phases"] = bounds
+        out["predicted"] = simulate(args, profile, reqs, bounds)
+        log(f"predicted: {json.dumps(out['predicted'])}")
+        runs = []
+        for i in range(args.runs):
+            for mode in MODES:
+                row = {"run": i + 1, **run_once(args, mode, trace, len(reqs), bounds, tmp)}
+                runs.append(row)
+                log(json.dumps({k: v for k, v in row.items() if k != "planner_log"}))
+                out["runs"] = runs
+                write_result(args.out, out)  # a partial result survives a crash
+    out["runs"] = runs
+    out["summary"] = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        out["summary"][mode] = {
+            "attainment": spread(mine, lambda r: r["attainment"]),
+            "per_phase": {
+                name: spread(mine, lambda r, n=name: r["per_phase"][n]) for name, _, _ in bounds
+            },
+            "failed": sum(r["failed"] for r in mine),
+            "flips": spread(mine, lambda r: r["flips"]),
+            "predicted": out["predicted"][mode]["attainment"],
+        }
+    out["profile"] = profile
+    out["took_s"] = round(time.perf_counter() - t0, 1)
+    write_result(args.out, out)
+    log(f"wrote {args.out}: {json.dumps(out['summary'])}")
+    return 0
+
+
+def _with_k(args, k: float):
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), "k": k})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
