@@ -42,7 +42,7 @@ import time
 
 from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
 
-MODES = ("1P2D", "2P1D", "planner")
+ALL_MODES = ("1P2D", "2P1D", "planner")
 
 
 def live_trace(args, path: str) -> tuple[list, list[tuple[str, float, float]]]:
@@ -181,6 +181,9 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
     row.update(
         requests=len(recs),
         failed=sum(1 for r in recs if r["error"]),
+        errors=sorted({f"{r['error']}: {r['error_message'][:160]}" for r in recs if r["error"]})[
+            :5
+        ],
         ttft_p90_s=p90(r["ttft_s"] for r in recs),
         tpot_p90_s=p90(r["tpot_s"] for r in recs),
         flips=flips,
@@ -206,9 +209,13 @@ def simulate(args, profile_dict: dict, reqs, bounds) -> dict:
     from pdserve.tuning.sim_planner import PlannerSimulator
     from pdserve.tuning.simulator import Placement, PoolSpec
 
-    profile = profile_from_dict(profile_dict)
+    slowed = json.loads(json.dumps(profile_dict))
+    for kind in ("prefill", "decode"):  # 3 workers share 2 cores: every step takes longer
+        model = slowed["tp"]["1"][kind]
+        model["coef"] = [c * args.slowdown for c in model["coef"]]
+    profile = profile_from_dict(slowed)
     out = {}
-    for mode in MODES:
+    for mode in ALL_MODES:
         start = args.planner_start if mode == "planner" else mode
         placement = Placement(PoolSpec(int(start[0])), PoolSpec(int(start[2])), backend="grpc")
         config = None
@@ -241,8 +248,8 @@ def spread(rows: list[dict], key) -> dict:
 def main(argv=None) -> int:
     p = script_parser(__doc__)
     p.add_argument("--trace", default="shift_code_conv_reason")
-    p.add_argument("--k", default="0.6", help="rate multiplier (comma list with --sim-only)")
-    p.add_argument("--phase-s", type=float, default=120.0)
+    p.add_argument("--k", default="0.35", help="rate multiplier (comma list with --sim-only)")
+    p.add_argument("--phase-s", type=float, default=90.0)
     p.add_argument("--scale", type=float, default=0.2)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--output-scale", type=float, default=1.0)
@@ -254,6 +261,15 @@ def main(argv=None) -> int:
     p.add_argument("--cooldown-s", type=float, default=10.0)
     p.add_argument("--planner-start", choices=("1P2D", "2P1D"), default="1P2D")
     p.add_argument("--runs", type=int, default=3, help="runs per mode")
+    p.add_argument(
+        "--modes", default=",".join(ALL_MODES), help="a comma list of " + ", ".join(ALL_MODES)
+    )
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.5,
+        help="the prediction's step times x this (default 1.5: 3 workers on 2 cores)",
+    )
     p.add_argument("--profile", help="a `pdserve profile` JSON of this machine (default: measure)")
     p.add_argument("--sim-only", action="store_true", help="predict only; no live runs")
     add_out_arg(p, "planner_live.json")
@@ -288,7 +304,7 @@ def main(argv=None) -> int:
         log(f"predicted: {json.dumps(out['predicted'])}")
         runs = []
         for i in range(args.runs):
-            for mode in MODES:
+            for mode in args.modes.split(","):
                 row = {"run": i + 1, **run_once(args, mode, trace, len(reqs), bounds, tmp)}
                 runs.append(row)
                 log(json.dumps({k: v for k, v in row.items() if k != "planner_log"}))
@@ -296,7 +312,7 @@ def main(argv=None) -> int:
                 write_result(args.out, out)  # a partial result survives a crash
     out["runs"] = runs
     out["summary"] = {}
-    for mode in MODES:
+    for mode in args.modes.split(","):
         mine = [r for r in runs if r["mode"] == mode]
         out["summary"][mode] = {
             "attainment": spread(mine, lambda r: r["attainment"]),

@@ -1,7 +1,9 @@
-"""The planner judged in simulation at GPU scale (issue #27, must-show b): on the workload-shift
-trace (tuning/traces/shift_code_conv_decode.csv: prefill-heavy, then balanced, then decode-heavy)
-and the shipped H100 Llama-3-8B profile (tuning/profiles/h100_llama3_8b.json, derived from
-datasheets), for 8 and 16 GPUs, DistServe's goodput at the SLO of:
+"""The planner judged in simulation at GPU scale (issue #27, must-show b): on a workload-shift
+trace (default tuning/traces/shift_code_conv_reason.csv: code completion, then conversation, then
+short prompts with long answers, at rates that load the cluster equally; --trace
+shift_code_conv_decode for the milder one, whose phases all want about the same split) and the
+shipped H100 Llama-3-8B profile (tuning/profiles/h100_llama3_8b.json, derived from datasheets),
+for 8 and 16 GPUs, DistServe's goodput at the SLO of:
 
   (i)   the best static placement for the whole trace, with hindsight: every prefill:decode split
         of the GPUs at the TP degrees of --tp, each simulated on the whole (scaled) trace, as the
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
     p = script_parser(__doc__)
     p.add_argument("--gpus", default="8,16")
     p.add_argument("--profile", default="tuning/profiles/h100_llama3_8b.json")
-    p.add_argument("--trace", default="shift_code_conv_decode")
+    p.add_argument("--trace", default="shift_code_conv_reason")
     p.add_argument("--slo", default="ttft=1s,tpot=50ms,attainment=0.9")
     p.add_argument("--tp", default="1")
     p.add_argument("--phase-s", type=float, default=200.0, help="0: each phase's full length")
