@@ -4,6 +4,7 @@ the same runs (issue #27, must-shows c and d).
   python -m benchmarks.planner_live                     # 3 runs of 3 modes, ~45 min on 2 cores
   python -m benchmarks.planner_live --sim-only --k 0.2,0.3,0.4   # pick a rate: the simulator only
   python -m benchmarks.planner_live --runs 1 --phase-s 40        # a quick look
+  python -m benchmarks.planner_live --modes planner --keep-runs old.json   # rerun one mode
 
 Workload: a workload-shift trace (--trace, default the shipped shift_code_conv_reason: code
 completion, then conversation, then short prompts with long answers), each phase retimed to
@@ -24,7 +25,9 @@ requests, and the flips the planner made (when, which way, its reason).
 Prediction (d): the simulator of `pdserve tune` with the planner in the loop
 (tuning/sim_planner.py, the same policy code) runs the same requests on each mode's starting
 split with a profile of this machine (`pdserve profile --quick`, measured by this script before
-the live runs unless --profile names one; stored in the result). Writes
+the live runs unless --profile names one; stored in the result). The profile times one engine
+alone on a core; here 3 workers, the router and the load generator share 2 cores, so every step
+time is multiplied by --slowdown (default 1.5 = 3 workers / 2 cores), fixed before the runs. Writes
 benchmarks/results/planner_live.json.
 """
 
@@ -101,15 +104,14 @@ def deploy_config(args, mode: str) -> dict:
     start = args.planner_start if mode == "planner" else mode
     data = example_config(prefill=int(start[0]), decode=int(start[2]))
     if mode == "planner":
-        data["planner"] = {
-            "enabled": True,
-            "ttft_s": args.ttft_s,
-            "tpot_s": args.tpot_s,
-            "interval_s": args.interval_s,
-            "window_s": args.window_s,
-            "cooldown_s": args.cooldown_s,
-        }
+        data["planner"] = {"enabled": True, **planner_settings(args)}
     return data
+
+
+def planner_settings(args) -> dict:
+    """The planner's settings, the same live (the YAML) and in the prediction."""
+    keys = ("ttft_s", "tpot_s", "interval_s", "window_s", "cooldown_s")
+    return {k: getattr(args, k) for k in keys}
 
 
 class PlannerLog(logging.Handler):
@@ -181,9 +183,7 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
     row.update(
         requests=len(recs),
         failed=sum(1 for r in recs if r["error"]),
-        errors=sorted({f"{r['error']}: {r['error_message'][:160]}" for r in recs if r["error"]})[
-            :5
-        ],
+        errors=sorted({f"{r['error']}: {r['error_message'][:160]}" for r in recs if r["error"]}),
         ttft_p90_s=p90(r["ttft_s"] for r in recs),
         tpot_p90_s=p90(r["tpot_s"] for r in recs),
         flips=flips,
@@ -218,15 +218,7 @@ def simulate(args, profile_dict: dict, reqs, bounds) -> dict:
     for mode in ALL_MODES:
         start = args.planner_start if mode == "planner" else mode
         placement = Placement(PoolSpec(int(start[0])), PoolSpec(int(start[2])), backend="grpc")
-        config = None
-        if mode == "planner":
-            config = PlannerConfig(
-                ttft_s=args.ttft_s,
-                tpot_s=args.tpot_s,
-                interval_s=args.interval_s,
-                window_s=args.window_s,
-                cooldown_s=args.cooldown_s,
-            )
+        config = PlannerConfig(**planner_settings(args)) if mode == "planner" else None
         res = PlannerSimulator(profile, placement, config).run(
             reqs, ttft_s=args.ttft_s, tpot_s=args.tpot_s
         )
@@ -237,6 +229,22 @@ def simulate(args, profile_dict: dict, reqs, bounds) -> dict:
         out[mode] = attainment(rows, bounds, args.ttft_s, args.tpot_s)
         out[mode]["flips"] = [(round(f.start_s, 1), f.to_role) for f in getattr(res, "flips", [])]
     return out
+
+
+def keep_runs(args, setup: dict, reqs) -> list[dict]:
+    """The runs of the modes not run now from an earlier result of this very setup (the same
+    trace, rate, lengths, SLO and planner settings), each marked with the commit it ran."""
+    with open(args.keep_runs) as f:
+        old = json.load(f)
+    same = ("trace", "k", "phase_s", "scale", "max_prompt", "output_scale", "max_output")
+    same += ("ttft_s", "tpot_s", "interval_s", "window_s", "cooldown_s", "planner_start")
+    differ = [k for k in same if old["setup"].get(k) != setup.get(k)]
+    if differ or old["setup"]["requests"] != len(reqs):
+        raise SystemExit(f"--keep-runs {args.keep_runs}: another setup ({differ or 'requests'})")
+    now = set(args.modes.split(","))
+    kept = [dict(r, commit=old["commit"]) for r in old["runs"] if r["mode"] not in now]
+    log(f"kept {len(kept)} runs of {sorted({r['mode'] for r in kept})} from {args.keep_runs}")
+    return kept
 
 
 def spread(rows: list[dict], key) -> dict:
@@ -272,6 +280,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--profile", help="a `pdserve profile` JSON of this machine (default: measure)")
     p.add_argument("--sim-only", action="store_true", help="predict only; no live runs")
+    p.add_argument("--keep-runs", help="an earlier result: keep its runs of the modes not run now")
     add_out_arg(p, "planner_live.json")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -287,9 +296,8 @@ def main(argv=None) -> int:
         if args.sim_only:
             for k in ks:
                 reqs, bounds = live_trace(_with_k(args, k), os.path.join(tmp, "t.csv"))
-                log(
-                    f"k={k:g}: {len(reqs)} requests; predicted {json.dumps(simulate(args, profile, reqs, bounds))}"
-                )
+                predicted = json.dumps(simulate(args, profile, reqs, bounds))
+                log(f"k={k:g}: {len(reqs)} requests; predicted {predicted}")
             return 0
         args.k = ks[0]
         trace = os.path.join(tmp, "live_trace.csv")
@@ -302,7 +310,7 @@ def main(argv=None) -> int:
         out["setup"]["phases"] = bounds
         out["predicted"] = simulate(args, profile, reqs, bounds)
         log(f"predicted: {json.dumps(out['predicted'])}")
-        runs = []
+        runs = keep_runs(args, out["setup"], reqs) if args.keep_runs else []
         for i in range(args.runs):
             for mode in args.modes.split(","):
                 row = {"run": i + 1, **run_once(args, mode, trace, len(reqs), bounds, tmp)}
@@ -312,7 +320,7 @@ def main(argv=None) -> int:
                 write_result(args.out, out)  # a partial result survives a crash
     out["runs"] = runs
     out["summary"] = {}
-    for mode in args.modes.split(","):
+    for mode in sorted({r["mode"] for r in runs}, key=ALL_MODES.index):
         mine = [r for r in runs if r["mode"] == mode]
         out["summary"][mode] = {
             "attainment": spread(mine, lambda r: r["attainment"]),

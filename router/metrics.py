@@ -279,6 +279,8 @@ class RouterMetrics:
             gaps = [max(0, now - last) * _NS / num_tokens] * num_tokens
         for gap in gaps:
             self.itl.observe(gap)
+        if last is not None:
+            self.recent.gap(gaps[0])
 
     def observe_unfinished(self, reason: str) -> None:
         """An admitted request ended without a Finish: "abort" (the client cancelled or left) or
@@ -348,11 +350,21 @@ class RouterMetrics:
 
 class RecentRequests:
     """The last `keep` finished requests' TTFT, TPOT and prefill speed, with when each ended
-    (time.monotonic()), for the planner's sliding window (router/planner_loop.py)."""
+    (time.monotonic()), and the latest gaps between the tokens of the streams (in flight too),
+    for the planner's sliding window (router/planner_loop.py)."""
 
     def __init__(self, keep: int = 4096):
         self._rows: deque = deque(maxlen=keep)  # (ended, ttft_s, tpot_s, prompt tokens/s)
+        self._gaps: deque = deque(maxlen=16 * keep)  # (when, gap between a stream's tokens)
         self._lock = threading.Lock()
+
+    def gap(self, gap_s: float) -> None:
+        with self._lock:
+            self._gaps.append((time.monotonic(), gap_s))
+
+    def gaps_since(self, t: float) -> list[float]:
+        with self._lock:
+            return [g for at, g in self._gaps if at >= t]
 
     def add(self, ttft_s, decode_s, usage, prefill_s) -> None:
         tpot = None

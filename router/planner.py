@@ -10,7 +10,8 @@ and reports a flip's end with `flip_done`. The policy compares each side with it
 
     ttft pressure = TTFT p90 / ttft_s (or, before any first token, the prefill pool's queued
                     prompt tokens against what it computes in ttft_s)
-    tpot pressure = TPOT p90 / tpot_s; a decode pool whose KV use is over kv_high while TPOT
+    tpot pressure = TPOT p90 / tpot_s, or the median gap between tokens over the last
+                    interval (in-flight streams too) / tpot_s if higher; a decode pool whose KV use is over kv_high while TPOT
                     is past 1 - margin counts as pressed, and so does one that has kept a
                     request waiting for KV blocks nearly ttft_s (that TTFT is the decode pool's)
 
@@ -77,6 +78,7 @@ class Signals:
     local_max: int = 0  # the local prefill bound now (router/local_prefill.py)
     decode_wait_s: float = 0.0  # the longest wait in the router for decode KV blocks, now
     prompt_tokens_per_s: float = 0.0  # prompt tokens arriving for the prefill pool (0: unknown)
+    itl_p50_s: float | None = None  # median gap between tokens of the streams now, in flight too
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class Planner:
         if ttft is None:
             ttft = _queue_pressure(s, c)
         tpot = s.tpot_p90_s / c.tpot_s if s.tpot_p90_s is not None else None
+        if s.itl_p50_s is not None:  # the streams' pace now: finished requests lag a surge
+            tpot = max(tpot or 0.0, s.itl_p50_s / c.tpot_s)
         hi = 1 - c.margin / 2  # pressed: the p90 nears its SLO
         if s.decode_wait_s > hi * c.ttft_s:
             # A request has waited for decode KV blocks nearly the whole TTFT SLO: the decode

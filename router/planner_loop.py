@@ -6,7 +6,8 @@ the static split stays) and stops it first when it stops. Its thread wakes every
 and builds Signals from what the router already has, with no RPC: TTFT and TPOT p90 and the
 prefill speed of the requests that ended in the last `window_s` (RouterMetrics.recent), the
 prompt tokens started for the prefill pool per second over that window and those in flight there
-(WorkerPool), the longest wait for decode KV (the decode queue), the decode pool's KV use from
+(WorkerPool), the median gap between the streams' tokens over the last interval, the longest
+wait for decode KV (the decode queue), the decode pool's KV use from
 the workers' last Stats, the serving workers of each role, and the local prefill bound. A flip (a
 decision may ask for several, done one after another) goes to the least loaded serving worker
 of the pool the policy takes from, through the same Flips an operator's `pdserve ctl flip` uses
@@ -111,6 +112,7 @@ class PlannerLoop:
             local_max=self.legs.local_prefill.max_prompt_tokens,
             decode_wait_s=self.legs.decode_queue.longest_wait_s(),
             prompt_tokens_per_s=(started[-1][1] - started[0][1]) / span,
+            itl_p50_s=_median(self.recent.gaps_since(now - self.config.interval_s)),
         )
 
     def step(self) -> None:
@@ -157,3 +159,7 @@ class PlannerLoop:
             if best_load is None or load < best_load:
                 best, best_load = w.worker_id, load
         return best
+
+
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None

@@ -150,6 +150,7 @@ class PlannerSimulator:
         retired_preemptions = 0  # of the workers a flip replaced
         ttft_window: deque = deque()  # (first token at, ttft)
         arrived: deque = deque()  # (arrival, prompt tokens) of legs for the prefill pool
+        gaps: deque = deque()  # (step end, step time) of decode steps with streams
         batch: list = [None, 0]  # a flip batch: the role flips take from, flips still to begin
         tpot_window: deque = deque()  # (done at, tpot)
 
@@ -315,9 +316,7 @@ class PlannerSimulator:
             drained_yet(w, now)
 
         def holds_nothing(w: Worker) -> bool:
-            if w.busy or w.running or w.waiting or w.joining or w.calls:
-                return False
-            return not w.pending
+            return not (w.busy or w.running or w.waiting or w.joining or w.calls or w.pending)
 
         def drained_yet(w: Worker, now: float) -> None:
             if w.state != DRAINING or not holds_nothing(w):
@@ -379,14 +378,12 @@ class PlannerSimulator:
 
         def tick(now: float) -> None:
             nonlocal policy
-            for window in (ttft_window, tpot_window, arrived):
+            for window in (ttft_window, tpot_window, arrived, gaps):
                 while window and window[0][0] <= now - cfg.window_s:
                     window.popleft()
+            pace = sorted(g for t, g in gaps if t > now - cfg.interval_s)  # decode steps' pace
             sp, sd = serving[PREFILL], serving[DECODE]
-            speeds = []
-            for w in sp:
-                t = w.budget
-                speeds.append(t / w.model.prefill_time(t, t * t))
+            speeds = [w.budget / w.model.prefill_time(w.budget, w.budget**2) for w in sp]
             s = Signals(
                 now=now,
                 prefill_workers=len(sp),
@@ -398,6 +395,7 @@ class PlannerSimulator:
                 decode_kv_use=sum(1 - w.free / w.num_blocks for w in sd) / len(sd) if sd else 0.0,
                 local_max=policy.max_prompt_tokens,
                 decode_wait_s=max((now - r.arrival for r in held if not r.local), default=0.0),
+                itl_p50_s=pace[len(pace) // 2] if pace else None,
                 prompt_tokens_per_s=sum(n for _, n in arrived)
                 / max(min(cfg.window_s, now), cfg.interval_s),
             )
@@ -437,9 +435,8 @@ class PlannerSimulator:
                     commit(r, now)
             elif kind == _STEP_DONE:
                 w = obj
-                first.clear()
-                done.clear()
-                prefilled.clear()
+                for xs in (first, done, prefilled):
+                    xs.clear()
                 step_tokens = w.complete(first, done, prefilled)
                 for r in first:
                     note_first(r, now)
@@ -451,6 +448,8 @@ class PlannerSimulator:
                             r.charged = 0
                 for r in done:
                     note_done(r, now)
+                if planner is not None and not w.is_prefill and w.running:
+                    gaps.append((now, now - w.step_start))  # its streams' gap between tokens
                 if w.is_prefill and step_tokens:
                     dur = now - w.step_start
                     x_total = step_tokens * kv_bytes / transfer.bandwidth_bytes_per_s
@@ -489,10 +488,7 @@ class PlannerSimulator:
         for r in reqs:
             ttft = r.first_at - r.arrival
             e2e = r.done_at - r.arrival
-            if r.output > 1:
-                tpot = (e2e - ttft) / (r.output - 1) if e2e < INF else INF
-            else:
-                tpot = 0.0 if e2e < INF else INF
+            tpot = INF if e2e == INF else (e2e - ttft) / (r.output - 1) if r.output > 1 else 0.0
             out.requests.append(RequestResult(ttft, tpot, e2e))
         out.stopped_early = stopped
         out.num_steps = num_steps

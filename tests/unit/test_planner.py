@@ -19,9 +19,20 @@ CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, sustain=2, cooldown_s=30, max_fli
 
 
 def sig(
-    now, ttft=None, tpot=None, p=1, d=2, kv=0.2, local=0, queued=0, speed=0.0, wait=0.0, rate=0.0
+    now,
+    ttft=None,
+    tpot=None,
+    p=1,
+    d=2,
+    kv=0.2,
+    local=0,
+    queued=0,
+    speed=0.0,
+    wait=0.0,
+    rate=0.0,
+    itl=None,
 ):
-    return Signals(now, p, d, ttft, tpot, queued, speed, kv, local, wait, rate)
+    return Signals(now, p, d, ttft, tpot, queued, speed, kv, local, wait, rate, itl)
 
 
 def actions(planner, signals):
@@ -134,3 +145,12 @@ def test_a_long_wait_for_decode_kv_presses_the_decode_pool_not_the_prefill_pool(
     assert p.pressures(sig(0, wait=2.0, **quiet))[0] == 0.0  # the prefill queue's share
     # a short wait (0.5 s of a 1 s SLO) is a full pool's normal turnover: nothing
     assert Planner(p.config).decide(sig(0, ttft=0.5, tpot=0.05, p=3, d=1, wait=0.5)).action == NONE
+
+
+def test_the_streams_pace_now_presses_the_decode_pool_before_finished_requests_show_it():
+    p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
+    # finished requests' TPOT p90 still 0.05 s, but tokens now come 0.15 s apart
+    assert p.pressures(sig(0, ttft=0.2, tpot=0.05, p=2, d=1, itl=0.15))[1] == pytest.approx(1.5)
+    assert p.decide(sig(0, ttft=0.2, tpot=0.05, p=2, d=1, itl=0.15)).action == TO_DECODE
+    # a calm pace never lowers what the finished requests say
+    assert p.pressures(sig(1, ttft=0.2, tpot=0.2, p=2, d=1, itl=0.01))[1] == pytest.approx(2.0)
