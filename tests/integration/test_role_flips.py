@@ -249,7 +249,10 @@ def test_the_planner_loop_flips_the_least_loaded_worker_and_counts_its_decisions
     )
     live = loop.signals()
     assert (live.prefill_workers, live.decode_workers) == (1, 2)
-    pressed = dataclasses.replace(live, ttft_p90_s=3.0, tpot_p90_s=0.01)
+    # (no demand estimate: one flip, whatever the tests before left in the window)
+    pressed = dataclasses.replace(
+        live, ttft_p90_s=3.0, tpot_p90_s=0.01, itl_p50_s=None, prompt_tokens_per_s=0.0
+    )
     monkeypatch.setattr(loop, "signals", lambda: dataclasses.replace(pressed, now=time.monotonic()))
     loop.step()
     assert deployment.roles() == {"w0": "prefill", "w1": "decode", "w2": "decode"}
