@@ -11,9 +11,10 @@ and reports a flip's end with `flip_done`. The policy compares each side with it
     ttft pressure = TTFT p90 / ttft_s (or, before any first token, the prefill pool's queued
                     prompt tokens against what it computes in ttft_s)
     tpot pressure = TPOT p90 / tpot_s, or the median gap between tokens over the last
-                    interval (in-flight streams too) / tpot_s if higher; a decode pool whose KV use is over kv_high while TPOT
-                    is past 1 - margin counts as pressed, and so does one that has kept a
-                    request waiting for KV blocks nearly ttft_s (that TTFT is the decode pool's)
+                    interval (in-flight streams too) / tpot_s if higher; a decode pool whose
+                    KV use is over kv_high while TPOT is past 1 - margin counts as pressed,
+                    and so does one that has kept a request waiting for KV blocks nearly
+                    ttft_s (that TTFT is the decode pool's)
 
 A side is pressed from 1 - margin/2 on and has room under 1 - margin. One side pressed while the
 other has room, for `sustain` decisions in a row, flips workers from the relaxed pool to the

@@ -7,13 +7,13 @@ and builds Signals from what the router already has, with no RPC: TTFT and TPOT 
 prefill speed of the requests that ended in the last `window_s` (RouterMetrics.recent), the
 prompt tokens started for the prefill pool per second over that window and those in flight there
 (WorkerPool), the median gap between the streams' tokens over the last interval, the longest
-wait for decode KV (the decode queue), the decode pool's KV use from
-the workers' last Stats, the serving workers of each role, and the local prefill bound. A flip (a
-decision may ask for several, done one after another) goes to the least loaded serving worker
-of the pool the policy takes from, through the same Flips an operator's `pdserve ctl flip` uses
-(so it drains, moves and checks alike, and refuses what would empty a pool); a local prefill
-change replaces the Legs' LocalPrefill bound. Every decision that acts is logged at INFO with
-its reason (the others at DEBUG) and counted in pdserve:planner_decisions_total{action}.
+wait for decode KV (the decode queue), the decode pool's KV use from the workers' last Stats,
+the serving workers of each role, and the local prefill bound. A flip (a decision may ask for
+several, done one after another) goes to the least loaded serving worker of the pool the policy
+takes from, through the same Flips an operator's `pdserve ctl flip` uses (so it drains, moves and
+checks alike, and refuses what would empty a pool); a local prefill change replaces the Legs'
+LocalPrefill bound. Every decision that acts is logged at INFO with its reason (the others at
+DEBUG) and counted in pdserve:planner_decisions_total{action}.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class PlannerLoop:
             self._decisions.labels(model_name, action)
         self._model = model_name
         self.last: tuple[Signals, object] | None = None  # the last (signals, decision)
-        self._started: deque = deque()  # (when, legs.prefill_tokens_started) over the window
+        self._started: deque = deque()  # (when, pool.prefill_tokens_started) over the window
 
     def start(self) -> PlannerLoop:
         self._thread.start()
