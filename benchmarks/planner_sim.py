@@ -123,17 +123,22 @@ def _split_changes(timeline) -> list:
 
 def one_size(args, profile, requests, boundaries, slo, gpus: int) -> dict:
     t0 = time.perf_counter()
-    ev = ShiftGoodput(
-        profile,
-        requests,
-        boundaries,
-        slo,
-        phase_s=args.phase_s or None,
-        seed=args.seed,
-        ratio=args.precision,
-        drain_s=args.drain_s,
-        switch_delay_s=args.switch_delay_s,
-    )
+
+    def evaluator(planner=None) -> ShiftGoodput:
+        return ShiftGoodput(
+            profile,
+            requests,
+            boundaries,
+            slo,
+            phase_s=args.phase_s or None,
+            seed=args.seed,
+            ratio=args.precision,
+            planner=planner,
+            drain_s=args.drain_s,
+            switch_delay_s=args.switch_delay_s,
+        )
+
+    ev = evaluator()
     tps = [int(x) for x in args.tp.split(",")]
     cands = splits(profile, gpus, tps)
     rate = ev.base_rate
@@ -192,18 +197,7 @@ def one_size(args, profile, requests, boundaries, slo, gpus: int) -> dict:
     variants = []
     for text in args.variant:
         config = planner_config(slo, text)
-        ev_v = ShiftGoodput(
-            profile,
-            requests,
-            boundaries,
-            slo,
-            phase_s=args.phase_s or None,
-            seed=args.seed,
-            ratio=args.precision,
-            planner=config,
-            drain_s=args.drain_s,
-            switch_delay_s=args.switch_delay_s,
-        )
+        ev_v = evaluator(config)
         k_v, _ = ev_v.goodput(start_pl, best_k, planner=True)
         variants.append(
             {
