@@ -2,16 +2,24 @@
 
     python -m benchmarks.kv_transfer_bench                 # full run (~1-2 min on 2 cores)
     python -m benchmarks.kv_transfer_bench --quick         # smoke run
-    python -m benchmarks.kv_transfer_bench --wait-idle 60  # wait for a quiet machine before each trial
+    python -m benchmarks.kv_transfer_bench --wait-idle 60  # wait for a quiet machine first
+    python -m benchmarks.kv_transfer_bench --device cuda --dtype bfloat16  # caches on the GPU
 
 Each request is SmolLM2-135M's KV of 364 prompt tokens (16 MiB, fp32), sent layer by layer as the
 prefill engine sends it, and --requests requests go back to back. Each backend runs in two modes:
 transport (the decode handler drops the frames) and kvreceiver (a KVReceiver writes each chunk
-into the decode paged cache, as a decode worker does). The ceilings are a plain TCP socket (for
-grpc and torch) and a copy into shared memory (for shm); the targets are 50% of the ceiling in
-transport mode. `main` says how rounds are run and timed; the result is in BENCHMARKS.md, "KV
-transfer per backend". This file is the CLI and the parent; kv_transfer_sides.py holds the two
-processes.
+into the decode paged cache, as a decode worker does; the decode side then checks the cache
+against the sent KV byte for byte, and a difference fails the trial). The ceilings are a plain
+TCP socket (for grpc and torch) and a copy into shared memory (for shm); the targets are 50% of
+the ceiling in transport mode. `main` says how rounds are run and timed; the result is in
+BENCHMARKS.md, "KV transfer per backend". This file is the CLI and the parent;
+kv_transfer_sides.py holds the two processes and the CUDA ceiling the parent runs.
+
+--device cuda puts both sides' paged caches of grpc and torch on the GPU, two processes on the
+one GPU: the sender's chunks are CUDA tensors that each transport copies to the host through
+pinned memory (kvtransfer.backends.frames.host_copy), and the KVReceiver writes into a CUDA pool.
+shm is left out (it maps a host file, never a CUDA cache), and the table adds the ceiling of a
+hand-off between CUDA caches: a device-to-device copy of the same bytes (D2D_COUNTING).
 """
 
 from __future__ import annotations
@@ -35,12 +43,18 @@ from benchmarks.bench_common import (
 )
 from benchmarks.kv_transfer_sides import (
     BLOCK_SIZE,
+    D2D_COUNTING,
+    DEVICE_KINDS,
+    DTYPES,
     HEAD_DIM,
     NUM_KV_HEADS,
     NUM_LAYERS,
-    TOKEN_BYTES,
+    SHM_ON_CUDA,
+    DeviceCopy,
+    add_d2d,
     decode_main,
     prefill_main,
+    token_bytes,
 )
 
 TARGET_RATIO = 0.5
@@ -51,6 +65,7 @@ MODES = {
 }
 CONTENTION_WARN_CORES = 0.2
 DEFAULT_OUT = os.path.join("benchmarks", "results", "kv_transfer.json")
+DEFAULT_CUDA_OUT = os.path.join("benchmarks", "results", "kv_transfer_cuda.json")
 
 
 def log(msg: str) -> None:
@@ -84,12 +99,18 @@ def _recv(conn, what: str, timeout: float = 180.0):
     return msg
 
 
+class TrialFailed(RuntimeError):
+    """A trial that failed with both processes still in step with the parent."""
+
+
 class Pair:
-    """A prefill process and a decode process of one kind, alive for the whole run."""
+    """A prefill process and a decode process of one kind, alive for the whole run. Once one of
+    them fails or stops answering, the pair is dead: its pipes may be out of step, so each later
+    trial fails at once with the first reason instead of waiting on it."""
 
     def __init__(self, kind: str, cfg: dict):
         ctx = mp.get_context("spawn")
-        self.kind, self.cfg = kind, cfg
+        self.kind, self.cfg, self.dead = kind, cfg, None
         self.rx, rx_child = ctx.Pipe()
         self.tx, tx_child = ctx.Pipe()
         notify_rx, notify_tx = ctx.Pipe(duplex=False)
@@ -108,6 +129,16 @@ class Pair:
         self.tx.send(_recv(self.rx, f"{self.kind} decode")["address"])
 
     def trial(self, trial: int, mode: str | None) -> dict:
+        if self.dead:
+            raise RuntimeError(f"not run: this pair failed earlier ({self.dead})")
+        try:
+            return self._trial(trial, mode)
+        except Exception as e:
+            if not isinstance(e, TrialFailed):
+                self.dead = f"{type(e).__name__}: {e}"
+            raise
+
+    def _trial(self, trial: int, mode: str | None) -> dict:
         self.rx.send({"trial": trial, "mode": mode})
         assert _recv(self.rx, f"{self.kind} decode") == "ready"
         busy0, own0, t0 = busy_cpu_s(), os.times(), time.perf_counter()
@@ -115,16 +146,22 @@ class Pair:
         sent = _recv(self.tx, f"{self.kind} prefill")
         got = _recv(self.rx, f"{self.kind} decode")
         wall = time.perf_counter() - t0
-        if got["failed"]:
-            raise RuntimeError(f"{len(got['failed'])} requests failed, e.g. {got['failed'][0]}")
-        elapsed = max(got["done_times"]) - min(sent["starts"])
         own1 = os.times()
-        own = got["cpu_s"] + sent["cpu_s"] + (own1.user + own1.system - own0.user - own0.system)
         busy1 = busy_cpu_s()
+        # The decode side checks its pool after the timed part (see _decode). Its answer is read
+        # before anything raises, or the next trial would read it in place of its own.
+        check = _recv(self.rx, f"{self.kind} decode")
+        if got["failed"]:
+            raise TrialFailed(f"{len(got['failed'])} requests failed, e.g. {got['failed'][0]}")
+        if check["mismatch"]:
+            raise TrialFailed(f"the decode pool does not hold the KV sent: {check['mismatch']}")
+        elapsed = max(got["done_times"]) - min(sent["starts"])
+        own = got["cpu_s"] + sent["cpu_s"] + (own1.user + own1.system - own0.user - own0.system)
         foreign = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - own) / wall
         latencies = [d - s for d, s in zip(got["done_times"], sent["starts"])]
+        request_bytes = self.cfg["tokens"] * token_bytes(self.cfg["dtype"])
         return {
-            "gbps": self.cfg["requests"] * self.cfg["tokens"] * TOKEN_BYTES / elapsed / 1e9,
+            "gbps": self.cfg["requests"] * request_bytes / elapsed / 1e9,
             "elapsed_s": elapsed,
             "median_request_latency_ms": 1e3 * statistics.median(latencies),
             "prefill_cpu_s": sent["cpu_s"],
@@ -132,18 +169,19 @@ class Pair:
             "prefill_page_faults": sent["faults"],
             "decode_page_faults": got["faults"],
             "foreign_cores_avg": foreign,
+            "kv_identical_pool_slots": check["kv_checked"],
         }
 
     def stop(self) -> None:
         stop_children([self.rx, self.tx], self.procs, kill=True)
 
 
-def machine() -> dict:
+def machine(device: str = "cpu") -> dict:
     import grpc
     import torch
 
     cpu = cpu_model()
-    return {
+    info = {
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -151,6 +189,10 @@ def machine() -> dict:
         "grpcio": grpc.__version__,
         "platform": platform.platform(),
     }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def summarize(runs, trials: dict, ceiling_of_key: dict) -> list[dict]:
@@ -158,16 +200,17 @@ def summarize(runs, trials: dict, ceiling_of_key: dict) -> list[dict]:
     for key in runs:
         kind, _, mode = key.partition("/")
         good = [t for t in trials[key] if "gbps" in t]
+        latencies = [
+            t["median_request_latency_ms"]
+            for t in good
+            if t["median_request_latency_ms"] is not None
+        ]
         row = {
             "backend": kind,
             "mode": mode or "raw",
             "rounds": len(good),
             "gbps": statistics.median(t["gbps"] for t in good) if good else None,
-            "median_request_latency_ms": statistics.median(
-                t["median_request_latency_ms"] for t in good
-            )
-            if good
-            else None,
+            "median_request_latency_ms": statistics.median(latencies) if latencies else None,
             "foreign_cores_max": max((t["foreign_cores_avg"] or 0.0) for t in good)
             if good
             else None,
@@ -196,32 +239,32 @@ def summarize(runs, trials: dict, ceiling_of_key: dict) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    """The command line and the run.
-
-    Workload: SmolLM2-135M's KV shape (30 layers, 3 kv heads, head dim 64, fp32, block size 16 on
-    both sides), one "kv" frame per layer, then a "commit". The prefill process reads its chunks
-    out of its paged cache beforehand (read_chunk is the engine's cost, not the transport's); each
-    request lands in its own reservation of the decode pool (shuffled block ids). Throughput = KV
-    bytes / (last commit handled on the decode side - first send on the prefill side), both on
-    the system-wide monotonic clock. Ceilings, with the same process pair layout and message
-    sizes: tcp sends each layer's bytes with sendall and receives them into the pool with
-    recv_into; memcpy copies each layer's bytes into a shared-memory pool the decode process
-    mapped, then tells it over a pipe (the one copy shm makes, without its paged scatter).
-
-    All process pairs start once; then a warm-up round (it also faults in every page of the pools)
-    and --rounds measured rounds, each running every ceiling and backend once, interleaved, so
-    that a backend and its ceiling see the same machine. The table shows medians over rounds:
-    throughput, and the ratio of each round's backend to the same round's ceiling. Every process
-    runs with torch.set_num_threads(1) and (unless --no-malloc-tune)
-    kvtransfer.backends.tune_malloc(). Each trial records the CPU other processes used meanwhile
-    (/proc/stat minus ours), and the table warns above CONTENTION_WARN_CORES."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; args.backends and args.modes come back as lists, args.out filled in,
+    args.skipped maps a backend left out to why."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=24, help="requests per trial")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after 1 warm-up round)")
     ap.add_argument("--mib", type=float, default=16.0, help="MiB of KV per request")
-    ap.add_argument("--backends", default="grpc,shm,torch")
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated (default grpc,shm,torch; with --device cuda, grpc,torch)",
+    )
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both sides' paged caches of grpc and torch live (cuda: two processes on GPU 0, "
+        "the hand-off through pinned host memory; default cpu)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="the KV dtype (default float32; bfloat16 is what a GPU engine holds)",
+    )
     ap.add_argument(
         "--no-malloc-tune",
         action="store_true",
@@ -239,65 +282,170 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--connect-opts", default="{}", metavar="JSON", help="tuning: passed to connect()"
     )
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument(
+        "--out", default=None, help=f"default {DEFAULT_OUT} ({DEFAULT_CUDA_OUT} with --device cuda)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.rounds = 6, 1
-    tokens = int(args.mib * (1 << 20)) // TOKEN_BYTES
-    modes = [m for m in args.modes.split(",") if m]
-    backends = [b for b in args.backends.split(",") if b]
-    for m in modes:
+    args.modes = [m for m in args.modes.split(",") if m]
+    for m in args.modes:
         if m not in MODES:
             ap.error(f"--modes: {m!r} is not one of {sorted(MODES)}")
-    for b in backends:
-        if b not in CEILING_OF:
-            ap.error(f"--backends: {b!r} is not one of {sorted(CEILING_OF)}")
+    args.skipped = {}
+    if args.backends is None:
+        args.backends = ["grpc", "shm", "torch"]
+        if args.device == "cuda":
+            args.backends.remove("shm")
+            args.skipped["shm"] = SHM_ON_CUDA
+    else:
+        args.backends = [b for b in args.backends.split(",") if b]
+        for b in args.backends:
+            if b not in CEILING_OF:
+                ap.error(f"--backends: {b!r} is not one of {sorted(CEILING_OF)}")
+            if args.device == "cuda" and b not in DEVICE_KINDS:
+                ap.error(f"--backends {b} with --device cuda: {SHM_ON_CUDA}; leave it out")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(
+                f"--device cuda: this torch ({torch.__version__}) sees no CUDA device "
+                f"(torch.cuda.is_available() is False)"
+            )
+    if args.out is None:
+        args.out = DEFAULT_CUDA_OUT if args.device == "cuda" else DEFAULT_OUT
+    return args
+
+
+def print_table(rows: list[dict], args, cfg: dict, machine_info: dict, checked: int) -> None:
+    """The result table on stdout; with --device cuda, also the GPU, the d2d ceiling's columns and
+    the pool slots whose KV the decode side found identical to what was sent."""
+    tokens, request_bytes = cfg["tokens"], cfg["tokens"] * token_bytes(args.dtype)
+    cuda = args.device == "cuda"
+    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
+    print(
+        f"\nKV transfer between two processes: {tokens} tokens x {NUM_LAYERS} layers = "
+        f"{request_bytes / (1 << 20):.2f} MiB per request in {NUM_LAYERS + 1} frames, "
+        f"{args.requests} requests back to back per trial, medians of {args.rounds} rounds, "
+        f"malloc {'tuned' if cfg['tune_malloc'] else 'default'}\n"
+    )
+    if cuda:
+        print(
+            f"KV caches of {', '.join(args.backends)} on {machine_info['gpu']} in {args.dtype} "
+            f"(torch {machine_info['torch']}, CUDA {machine_info['cuda']}); tcp is a host "
+            f"socket. {D2D_COUNTING}."
+        )
+        for b, why in args.skipped.items():
+            print(f"{b} skipped: {why}.")
+        print()
+    print(
+        "| backend | mode | GB/s | ceiling | ceiling GB/s | ratio | target | result "
+        "| median request latency | other procs (max cores) |" + (" d2d GB/s | of d2d |" * cuda)
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * cuda)
+    for r in rows:
+        busy = r["foreign_cores_max"]
+        warn = " (busy!)" if busy is not None and busy > CONTENTION_WARN_CORES else ""
+        d2d = f" {fmt(r['d2d_gbps'])} | {fmt(r['of_d2d'], '.2%')} |" if cuda else ""
+        print(
+            f"| {r['backend']} | {r['mode']} | {fmt(r['gbps'])} | {r['ceiling'] or '-'} "
+            f"| {fmt(r['ceiling_gbps'])} | {fmt(r['ratio'], '.0%')} "
+            f"| {'>= 50%' if r['mode'] == 'transport' else '-'} | {r['result']} "
+            f"| {fmt(r['median_request_latency_ms'], '.1f')} ms | {fmt(busy)}{warn} |{d2d}"
+        )
+    if cuda:
+        print(
+            f"\nKV identity: {checked} pool slots, checked byte for byte against the sent KV "
+            f"after the kvreceiver trials, all identical (a trial whose pool differs FAILS and "
+            f"counts none here)"
+        )
+
+
+def main(argv=None) -> int:
+    """The command line and the run.
+
+    Workload: SmolLM2-135M's KV shape (30 layers, 3 kv heads, head dim 64, --dtype (float32 by
+    default), block size 16 on both sides), one "kv" frame per layer, then a "commit". The
+    prefill process reads its chunks out of its paged cache beforehand (read_chunk is the
+    engine's cost, not the transport's); each request lands in its own reservation of the decode
+    pool (shuffled block ids). Throughput = KV bytes / (last commit handled on the decode side -
+    first send on the prefill side), both on the system-wide monotonic clock (on cuda a commit
+    counts once the device finished the request's writes). Ceilings, with the same process pair
+    layout and message sizes: tcp sends each layer's bytes with sendall and receives them into
+    the pool with recv_into; memcpy copies each layer's bytes into a shared-memory pool the
+    decode process mapped, then tells it over a pipe (the one copy shm makes, without its paged
+    scatter); on cuda, d2d (DeviceCopy) as well.
+
+    All process pairs start once; then a warm-up round (it also faults in every page of the pools)
+    and --rounds measured rounds, each running every ceiling and backend once, interleaved, so
+    that a backend and its ceiling see the same machine. The table shows medians over rounds:
+    throughput, and the ratio of each round's backend to the same round's ceiling. Every process
+    runs with torch.set_num_threads(1) and (unless --no-malloc-tune)
+    kvtransfer.backends.tune_malloc(). Each trial records the CPU other processes used meanwhile
+    (/proc/stat minus ours), and the table warns above CONTENTION_WARN_CORES."""
+    args = parse_args(argv)
+    cuda, backends = args.device == "cuda", args.backends
+    for b, why in args.skipped.items():
+        log(f"{b} skipped with --device {args.device}: {why}")
+    tokens = int(args.mib * (1 << 20)) // token_bytes(args.dtype)
     cfg = {
         "tokens": tokens,
         "requests": args.requests,
+        "device": args.device,
+        "dtype": args.dtype,
         "tune_malloc": not args.no_malloc_tune,
         "server_opts": json.loads(args.server_opts),
         "connect_opts": json.loads(args.connect_opts),
     }
     kinds = sorted({CEILING_OF[b] for b in backends}) + backends
-    runs, ceiling_of_key = [], {}  # one round, in order: each ceiling, then its backends
+    runs, ceiling_of_key = ["d2d"] if cuda else [], {}  # d2d, then each ceiling with its backends
     for ceiling in sorted({CEILING_OF[b] for b in backends}):
         runs.append(ceiling)
         for b in backends:
             if CEILING_OF[b] == ceiling:
-                for m in modes:
+                for m in args.modes:
                     runs.append(f"{b}/{m}")
                     ceiling_of_key[f"{b}/{m}"] = ceiling
+    machine_info = machine(args.device)
     results = {
         "command": shlex.join(["python", "-m", "benchmarks.kv_transfer_bench", *sys.argv[1:]]),
         "date": _dt.datetime.now().astimezone().isoformat(),
-        "machine": machine(),
+        "machine": machine_info,
         "config": {
             "model_shape": {
                 "num_layers": NUM_LAYERS,
                 "num_kv_heads": NUM_KV_HEADS,
                 "head_dim": HEAD_DIM,
-                "dtype": "float32",
+                "dtype": args.dtype,
                 "block_size": BLOCK_SIZE,
             },
+            "device": args.device,
             "tokens_per_request": tokens,
-            "kv_bytes_per_request": tokens * TOKEN_BYTES,
+            "kv_bytes_per_request": tokens * token_bytes(args.dtype),
             "frames_per_request": NUM_LAYERS + 1,
             "requests_per_trial": args.requests,
             "rounds": args.rounds,
             "torch_threads_per_process": 1,
             "malloc_tuned": cfg["tune_malloc"],
-            "modes": {m: MODES[m] for m in modes},
+            "modes": {m: MODES[m] for m in args.modes},
             "server_opts": cfg["server_opts"],
             "connect_opts": cfg["connect_opts"],
+            **({"d2d": D2D_COUNTING, "skipped": args.skipped} if cuda else {}),
         },
         "trials": {key: [] for key in runs},
     }
-    status = 0
+    status, checked_slots = 0, 0
     pairs = {kind: Pair(kind, cfg) for kind in kinds}
+    if cuda:
+        pairs["d2d"] = DeviceCopy(args.requests * tokens * token_bytes(args.dtype))
     try:
-        for pair in pairs.values():
-            pair.connect()
+        for kind, pair in pairs.items():
+            try:
+                pair.connect()
+            except Exception as e:  # noqa: BLE001 - its trials fail; the other kinds still run
+                pair.dead, status = f"{type(e).__name__}: {e}", 1
+                log(f"{kind}: FAILED to start: {pair.dead}")
         for rnd in range(args.rounds + 1):  # round 0 warms up
             for trial, key in enumerate(runs):
                 kind, _, mode = key.partition("/")
@@ -305,7 +453,8 @@ def main(argv=None) -> int:
                     busy = wait_idle(args.wait_idle)
                     if busy is not None and busy >= 0.15:
                         log(
-                            f"the machine stayed busy ({busy:.2f} cores) for {args.wait_idle} s; measuring anyway"
+                            f"the machine stayed busy ({busy:.2f} cores) for {args.wait_idle} s; "
+                            f"measuring anyway"
                         )
                 try:
                     row = pairs[kind].trial(rnd * 100 + trial, mode or None)
@@ -314,41 +463,36 @@ def main(argv=None) -> int:
                     status = 1
                     log(f"round {rnd} {key}: FAILED {row['error']}")
                 else:
-                    log(
-                        f"round {rnd} {key}: {row['gbps']:.2f} GB/s, cpu prefill {row['prefill_cpu_s']:.3f} s "
-                        f"decode {row['decode_cpu_s']:.3f} s, other processes {row['foreign_cores_avg'] or 0:.2f} cores"
-                    )
+                    log(f"round {rnd} {key}: {trial_line(row)}")
+                    checked_slots += row.get("kv_identical_pool_slots", 0)
                 if rnd:
                     results["trials"][key].append(row)
     finally:
         for pair in pairs.values():
             pair.stop()
     rows = summarize(runs, results["trials"], ceiling_of_key)
+    if cuda:
+        add_d2d(rows, results["trials"])
     results["table"] = rows
-    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
-    print(
-        f"\nKV transfer between two processes: {tokens} tokens x {NUM_LAYERS} layers = "
-        f"{tokens * TOKEN_BYTES / (1 << 20):.2f} MiB per request in {NUM_LAYERS + 1} frames, "
-        f"{args.requests} requests back to back per trial, medians of {args.rounds} rounds, "
-        f"malloc {'tuned' if cfg['tune_malloc'] else 'default'}\n"
-    )
-    print(
-        "| backend | mode | GB/s | ceiling | ceiling GB/s | ratio | target | result | median request latency | other procs (max cores) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        busy = r["foreign_cores_max"]
-        warn = " (busy!)" if busy is not None and busy > CONTENTION_WARN_CORES else ""
-        print(
-            f"| {r['backend']} | {r['mode']} | {fmt(r['gbps'])} | {r['ceiling'] or '-'} | {fmt(r['ceiling_gbps'])} | "
-            f"{fmt(r['ratio'], '.0%')} | {'>= 50%' if r['mode'] == 'transport' else '-'} | {r['result']} | "
-            f"{fmt(r['median_request_latency_ms'], '.1f')} ms | {fmt(busy)}{warn} |"
-        )
+    print_table(rows, args, cfg, machine_info, checked_slots)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"\nwrote {args.out}")
     return status
+
+
+def trial_line(row: dict) -> str:
+    """A measured trial, for the log."""
+    if "prefill_cpu_s" not in row:  # The d2d ceiling runs no processes.
+        return f"{row['gbps']:.2f} GB/s (device-to-device copy)"
+    slots = row["kv_identical_pool_slots"]
+    return (
+        f"{row['gbps']:.2f} GB/s, cpu prefill {row['prefill_cpu_s']:.3f} s "
+        f"decode {row['decode_cpu_s']:.3f} s, other processes "
+        f"{row['foreign_cores_avg'] or 0:.2f} cores"
+        + (f", KV identical in {slots} pool slots" if slots else "")
+    )
 
 
 if __name__ == "__main__":

@@ -112,6 +112,12 @@ class EngineConfig:
     # on this host can map it (the KV hand-off writes into a decode worker's pool in place, and
     # rank 0 of a tensor-parallel worker reads and writes every rank's pool); None: private memory
     kv_cache_shared_dir: str | None = None
+    # record decode-only steps as CUDA graphs (engine/cuda_graphs.py); used on CUDA with one TP
+    # rank, ignored elsewhere
+    cuda_graphs: bool = True
+    # "auto": read the checkpoint's weights; "dummy": small random weights of the checkpoint's
+    # shape (config.json alone is enough), for timing a model without its weights
+    load_format: str = "auto"
 
     def __post_init__(self):
         def check(ok: bool, name: str, rule: str):
@@ -135,6 +141,8 @@ class EngineConfig:
             f"'auto' or one of {sorted(_DTYPES)}",
         )
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
+        check(isinstance(self.cuda_graphs, bool), "cuda_graphs", "True or False")
+        check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         check(
             _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size",
@@ -207,6 +215,12 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be <= the model's max_position_embeddings "
                 f"({limit}), got {max_len}"
+            )
+        if device == "cuda" and self.kv_cache_shared_dir is not None:
+            raise ValueError(
+                "kv_cache_shared_dir keeps the KV pools in shared host files, which a CUDA engine "
+                "cannot attend from: on CUDA a decode worker runs with one TP rank and the grpc "
+                "or torch KV backend (the shm backend and decode TP > 1 need device='cpu')"
             )
         kv = self.kv_cache_memory
         if kv is None:

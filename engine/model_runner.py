@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
@@ -72,12 +73,24 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(model_config, rotary)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(iter_safetensors(model_dir))
+        if config.load_format == "dummy":
+            dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(iter_safetensors(model_dir))
         self.model.eval()
+        # with decode graphs, one block more than the scheduler is told of: padded rows write there
+        use_graphs = graphs_apply(self.device, tp_size(), config.cuda_graphs)
+        self._spare_blocks = 1 if use_graphs else 0
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler() if tp_rank() == 0 else None
+        self.graphs: DecodeGraphs | None = None  # (the weight probes below run eagerly)
         # the quantization the linears run in (None: config.dtype), and why
         self.quantization, self.mode_note = self._prepare_weights(model_dir)
+        self.graphs = (
+            DecodeGraphs(self, config.max_num_seqs, spare_block=self.num_blocks)
+            if use_graphs
+            else None
+        )
 
     def _prepare_weights(self, model_dir: str) -> tuple[str | None, str]:
         wanted = self.config.quantization
@@ -188,7 +201,8 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.shape[2]
+        """The blocks requests may hold (a spare block for padded graph rows is not counted)."""
+        return self.kv_cache.shape[2] - self._spare_blocks
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         mc = self.model_config
@@ -200,7 +214,7 @@ class ModelRunner:
             * mc.head_dim
             * self.kv_dtype.itemsize
         )
-        num_blocks = self.config.kv_cache_memory // per_block
+        num_blocks = self.config.kv_cache_memory // per_block - self._spare_blocks
         min_blocks = -(-self.config.max_model_len // self.block_size)
         if num_blocks < min_blocks:
             raise ValueError(
@@ -208,7 +222,14 @@ class ModelRunner:
                 f"{self.block_size} tokens; one sequence of max_model_len={self.config.max_model_len} "
                 f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len"
             )
-        shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        shape = (
+            mc.num_layers,
+            2,
+            num_blocks + self._spare_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            mc.head_dim,
+        )
         if self.kv_cache_path is not None:
             return create_pool_file(self.kv_cache_path, shape, self.kv_dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
@@ -228,6 +249,15 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:
             return [], None, {}
+        key = self._graph_key(inp, on_layer_done)
+        if key is not None:  # a decode-only step, replayed from its CUDA graph
+            logits = self.graphs.run(inp.seqs, key)
+            if rows is None:
+                return [], None, {}
+            if row_logits != list(range(logits.shape[0])):
+                logits = logits[row_logits]
+            out = self.sampler(logits.float(), rows)
+            return out.token_ids, out.logprobs, {}
         meta, input_ids, positions, last_idx, q_starts = self._prepare(inp)
         meta.on_layer_done = on_layer_done
         with forward_context(meta):
@@ -244,6 +274,17 @@ class ModelRunner:
             logits = logits[row_logits]
         out = self.sampler(logits.float(), rows)
         return out.token_ids, out.logprobs, prompt_lps
+
+    def _graph_key(self, inp: ModelInput, on_layer_done) -> tuple[int, int] | None:
+        """The decode graph bucket for this step, or None to run it eagerly: graphs take steps
+        in which every sequence decodes one token, samples it and wants no prompt logprobs, and
+        no layer hook waits (a prefill pushing its KV layer by layer)."""
+        if self.graphs is None or on_layer_done is not None:
+            return None
+        for s in inp.seqs:
+            if len(s.token_ids) != 1 or not s.samples or s.prompt_targets:
+                return None
+        return self.graphs.shape_for(inp.seqs)
 
     def _prompt_logprobs(
         self, inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int], rank0: bool
@@ -345,3 +386,19 @@ class ModelRunner:
             sample_rows,
             q_starts,
         )
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """load_format="dummy": every parameter drawn from U(-0.02, 0.02) (norm weights 1), like
+    vLLM's dummy loader; the tokens mean nothing, the step times are the model's."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        noise = torch.rand(param.shape, generator=gen, device=param.device, dtype=param.dtype)
+        param.copy_(noise.sub_(0.5).mul_(0.04))

@@ -56,10 +56,21 @@ def tp_size() -> int:
     return current_tp_state().size
 
 
+def _through_host(x: torch.Tensor, group) -> bool:
+    """A CUDA tensor on a gloo group (PDSERVE_TP_BACKEND=gloo, engine/tp.py): its collective
+    runs on a host copy, since gloo's CUDA support does not cover every collective."""
+    return x.is_cuda and dist.get_backend(group) == "gloo"
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     state = current_tp_state()
     if state.size > 1:
-        dist.all_reduce(x, group=state.group)
+        if _through_host(x, state.group):
+            host = x.float().cpu()  # (summed in float32: gloo's bf16 support varies)
+            dist.all_reduce(host, group=state.group)
+            x.copy_(host)
+        else:
+            dist.all_reduce(x, group=state.group)
     return x
 
 
@@ -69,9 +80,12 @@ def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     if state.size == 1:
         return x
     x = x.contiguous()
+    device = x.device
+    if _through_host(x, state.group):
+        x = x.cpu()
     parts = [torch.empty_like(x) for _ in range(state.size)] if state.rank == 0 else None
     dist.gather(x, parts, dst=0, group=state.group)
-    return torch.cat(parts, dim=dim) if state.rank == 0 else None
+    return torch.cat(parts, dim=dim).to(device) if state.rank == 0 else None
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -3,6 +3,11 @@
 Rank 0 (the caller's process) broadcasts each step's ModelInput as msgpack bytes over a gloo group
 (plain data, no pickle); every rank then runs the same step on its shard of the weights and KV.
 Only rank 0 samples: the vocab-parallel LM head gathers logits there.
+
+On CUDA the weights' collectives run over NCCL, one GPU per rank. NCCL cannot put two ranks on
+one GPU, so a machine with a single GPU can still run the TP code on CUDA tensors with
+PDSERVE_TP_BACKEND=gloo: the ranks then share the GPUs round robin and the collectives pass
+through host memory (engine/parallel.py). That setting is for proving the code, not for speed.
 """
 
 from __future__ import annotations
@@ -29,10 +34,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _backend(config: EngineConfig) -> str:
+    """The weights' collective backend: nccl on CUDA, gloo on CPU; PDSERVE_TP_BACKEND=gloo
+    forces gloo on CUDA (see the module docstring)."""
+    wanted = os.environ.get("PDSERVE_TP_BACKEND", "")
+    if wanted not in ("", "gloo", "nccl"):
+        raise ValueError(f"PDSERVE_TP_BACKEND must be 'gloo' or 'nccl', got {wanted!r}")
+    if config.device != "cuda":
+        return "gloo"
+    return wanted or "nccl"
+
+
 def _init(config: EngineConfig, rank: int, port: int):
-    backend = "nccl" if config.device == "cuda" else "gloo"
-    if config.device == "cuda":
-        torch.cuda.set_device(rank)
+    backend = _backend(config)
+    if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -116,7 +132,11 @@ class TPGroup:
         kv_cache_paths: list[str | None],
     ) -> TPGroup:
         """kv_cache_paths[r]: rank r's shared KV pool file, or None for private memory."""
-        if config.device == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+        if (
+            config.device == "cuda"
+            and _backend(config) == "nccl"
+            and torch.cuda.device_count() < config.tensor_parallel_size
+        ):
             raise ValueError(
                 f"tensor_parallel_size={config.tensor_parallel_size} needs that many "
                 f"GPUs, {torch.cuda.device_count()} visible"

@@ -131,6 +131,9 @@ def write_chunk(
     lo, hi = max(d0, header.head_start), min(d1, header.head_end)
     if lo >= hi or header.end == header.start:
         return 0
+    # A CPU payload bound for a CUDA cache: .to() is a blocking host-to-device copy, so the
+    # frame's buffer may be released as soon as it returns; the scatter below is queued on the
+    # current stream, before any kernel that later reads these blocks on it.
     part = data[:, :, lo - header.head_start : hi - header.head_start].to(kv_cache.device)
     flat = kv_cache[header.layer].view(2, -1, layout.heads_per_rank, layout.head_dim)
     idx = slots(block_ids, layout.block_size, header.start, header.end).to(kv_cache.device)

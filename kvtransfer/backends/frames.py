@@ -52,11 +52,29 @@ def carries_payload(header: ChunkHeader) -> bool:
     return header.kind == "kv" and not header.in_place
 
 
+def host_copy(data: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor of `data`'s values: `data` itself when it already is one.
+
+    A CUDA tensor (a chunk read_chunk took out of a CUDA cache) is copied into fresh pinned
+    (page-locked) host memory: the copy is one DMA transfer, where pageable memory would go through
+    the driver's own staging buffer first. The copy is blocking (non_blocking=False), so the bytes
+    are on the host when this returns, and the chunk may be freed or reused at once. The pinned
+    block goes back to torch's caching host allocator once the frame is sent, so the next chunk of
+    that size takes it without a new cudaHostAlloc."""
+    data = data.detach()
+    if data.is_cuda:
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        host.copy_(data, non_blocking=False)
+        return host
+    return data.to("cpu").contiguous()
+
+
 def payload_view(data: torch.Tensor | None) -> memoryview | bytes:
-    """The raw bytes of a tensor, without a copy when it is already contiguous on the CPU."""
+    """The raw bytes of a tensor, without a copy when it is already contiguous on the CPU (a CUDA
+    tensor is copied to the host through pinned memory: `host_copy`)."""
     if data is None:
         return b""
-    flat = data.detach().to("cpu").contiguous().view(-1)
+    flat = host_copy(data).view(-1)
     if flat.numel() == 0:
         return b""
     return memoryview(flat.view(torch.uint8).numpy())

@@ -26,7 +26,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.backends.frames import FrameWorker, call_handler, encode_header, screen
+from pdserve.kvtransfer.backends.frames import (
+    FrameWorker,
+    call_handler,
+    encode_header,
+    host_copy,
+    screen,
+)
 from pdserve.kvtransfer.backends.torch_auth import (
     CONNECTIONS_KEY,
     Gatekeeper,
@@ -351,7 +357,9 @@ class TorchTransport(Transport):
     once every send completed (its bytes are in the receiver's socket), not once handled.
 
     The payload tensor is sent from its own memory: do not modify it until `flush` returns
-    (read_chunk hands out a fresh tensor per chunk).
+    (read_chunk hands out a fresh tensor per chunk). gloo carries CPU tensors only, so a CUDA
+    payload is first copied into pinned host memory (frames.host_copy) and sent from there; the
+    receiver's handler gets CPU tensors either way.
     """
 
     def __init__(
@@ -426,7 +434,8 @@ class TorchTransport(Transport):
         head = encode_header(header)
         payload = None
         if data is not None and data.numel():
-            payload = data.detach().to("cpu").contiguous().view(-1)
+            # gloo carries CPU tensors only, so a CUDA chunk is staged in pinned host memory.
+            payload = host_copy(data).view(-1)
             if payload.dtype not in PAYLOAD_DTYPES:
                 raise ValueError(f"the torch KV backend cannot send {payload.dtype} payloads")
         code = PAYLOAD_DTYPES.index(payload.dtype) if payload is not None else 0

@@ -1,0 +1,147 @@
+"""CUDA graphs of decode-only steps: one launch replays every kernel of the model's forward.
+
+A decode step of a small model on a GPU is bound by kernel launches, not by the GPU: SmolLM2's
+30 layers issue several hundred small kernels per token, each a few microseconds of Python and
+driver time. `DecodeGraphs` records the whole forward (embedding, layers, final norm, LM head)
+once per shape and replays it, as vLLM and SGLang do for decode.
+
+Shapes are bucketed so a handful of graphs cover every step: the batch is padded up to the next
+size in BATCH_BUCKETS and the block table's width to the next power of two. Every graph reads its
+inputs from the same static buffers (token ids, positions, cache slots, block tables, context
+lengths), which `run` fills before each replay. A padded row writes its K/V into a spare block at
+the end of the cache that no request owns (ModelRunner allocates it when graphs are on) and
+attends to one token, so it costs work but touches nothing real.
+
+Lifecycle: the ModelRunner makes one `DecodeGraphs` at start when `applies_to` says the config
+can use graphs (CUDA, one TP rank, cuda_graphs on); graphs are captured lazily on the first step
+of each bucket, share one memory pool, and live as long as the runner. On CPU the same padded
+forward runs eagerly, which is how the tests check the padding on any machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.forward_context import AttentionMetadata, forward_context
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MIN_WIDTH_BLOCKS = 4  # the narrowest block table a graph is recorded for
+MAX_GRAPHS = 96  # beyond this many recorded shapes, further shapes run eagerly
+
+
+def applies_to(device: torch.device, tp: int, enabled: bool) -> bool:
+    """Whether a runner with this device and TP size records decode graphs."""
+    return enabled and device.type == "cuda" and tp == 1
+
+
+def batch_bucket(n: int) -> int | None:
+    """The smallest bucket that holds n decodes, or None above the largest."""
+    for b in BATCH_BUCKETS:
+        if b >= n:
+            return b
+    return None
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, spare_block: int):
+        """runner: the ModelRunner (its model, kv_cache, block_size and device); max_batch: the
+        most decodes one step holds (the scheduler's max_num_seqs); spare_block: the cache block
+        that padded rows write into. Off CUDA the padded forward runs eagerly (tests)."""
+        self.runner = runner
+        self.capture = runner.device.type == "cuda"
+        self.max_batch = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
+        bs = runner.block_size
+        self.max_blocks = -(-runner.config.max_model_len // bs)
+        self.spare_slot = spare_block * bs
+        dev = runner.device
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=dev)
+        self.lens = torch.ones(n, dtype=torch.long, device=dev)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def width_bucket(self, blocks: int) -> int:
+        w = MIN_WIDTH_BLOCKS
+        while w < blocks:
+            w *= 2
+        return min(w, self.max_blocks)
+
+    def shape_for(self, seqs) -> tuple[int, int] | None:
+        """The (batch, width) bucket of a decode-only step's sequences, or None where the step
+        does not fit one (too many rows; graphs full)."""
+        b = batch_bucket(len(seqs))
+        if b is None or b > self.max_batch:
+            return None
+        bs = self.runner.block_size
+        blocks = max(-(-(s.start + 1) // bs) for s in seqs)
+        key = (b, self.width_bucket(blocks))
+        if key not in self._graphs and len(self._graphs) >= MAX_GRAPHS:
+            return None
+        return key
+
+    def run(self, seqs, key: tuple[int, int]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode-only step (each seq one token)."""
+        b, w = key
+        n, bs = len(seqs), self.runner.block_size
+        rows = []
+        for s in seqs:
+            pos = s.start
+            used = -(-(pos + 1) // bs)
+            slot = s.block_ids[pos // bs] * bs + pos % bs
+            rows.append(
+                [s.token_ids[0], pos, slot, pos + 1, *s.block_ids[:used]] + [0] * (w - used)
+            )
+        rows += [[0, 0, self.spare_slot, 1] + [0] * w] * (b - n)
+        # one host-to-device transfer for the step's inputs
+        dev = torch.tensor(rows, dtype=torch.long).to(self.runner.device)
+        self.input_ids[:b].copy_(dev[:, 0])
+        self.positions[:b].copy_(dev[:, 1])
+        self.slots[:b].copy_(dev[:, 2])
+        self.lens[:b].copy_(dev[:, 3])
+        self.tables[:b, :w].copy_(dev[:, 4:])
+        if not self.capture:
+            return self._forward(b, w)[:n]
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._record(b, w)
+        entry[0].replay()
+        return entry[1][:n]
+
+    def _forward(self, b: int, w: int) -> torch.Tensor:
+        """The model on the first b rows of the static buffers, block tables w blocks wide."""
+        runner, bs = self.runner, self.runner.block_size
+        lens = self.lens[:b]
+        span = torch.arange(w * bs, device=lens.device)
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:b],
+            num_decode_tokens=b,
+            decode_block_tables=self.tables[:b, :w],
+            decode_context_lens=lens,
+            decode_mask=(span[None, :] < lens[:, None])[:, None, None, :],
+            kv_cache=runner.kv_cache,
+        )
+        with forward_context(meta):
+            hidden = runner.model(self.input_ids[:b], self.positions[:b])
+        return runner.model.compute_logits(hidden)
+
+    def _record(self, b: int, w: int):
+        """Captures the forward of bucket (b, w). The rows hold this step's inputs; the warm-up
+        runs write the same K/V to the same slots that the replay then writes again."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(b, w)  # warm-up: lazy initialization stays out of the graph
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(b, w)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, logits
+
+    @property
+    def recorded(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)

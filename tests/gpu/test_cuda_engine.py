@@ -1,0 +1,109 @@
+"""The engine on CUDA: tiny random models against HF transformers on the same GPU (float32 token
+for token; bfloat16 up to near ties), CUDA-graph decode against eager decode, and the TP code on
+CUDA tensors over gloo (NCCL cannot put two ranks on one GPU). Skipped without CUDA; on a GPU
+machine: `bash scripts/test.sh -m gpu tests/gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_no_leaks, random_prompts
+from engine_helpers import greedy
+from pdserve.engine import LLM
+
+pytestmark = pytest.mark.gpu
+
+KINDS = ["llama-gqa", "llama-mqa-tied", "llama3-rope", "qwen2-bias", "qwen2-yarn"]
+NEW = 24
+NEAR_TIE = 0.05  # HF's logit gap under which two greedy choices of a bf16 model count as a tie
+CUDA = dict(device="cuda", kv_cache_memory=1 << 24, max_model_len=512)
+
+
+def hf_on_cuda(hf, dtype: torch.dtype):
+    return hf.to(device="cuda", dtype=dtype).eval()
+
+
+def hf_greedy_cuda(hf, prompt: list[int], n: int):
+    """HF's greedy continuation on the GPU (its own KV cache) and its logits at each step."""
+    ids, past, out, logits = torch.tensor([prompt], device="cuda"), None, [], []
+    with torch.inference_mode():
+        for _ in range(n):
+            step = hf(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            logits.append(step.logits[0, -1].float())
+            out.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]], device="cuda")], dim=1)
+    return out, logits
+
+
+def prompts():
+    return random_prompts([3, 17, 40, 64, 1, 100, 9], seed=5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_matches_hf_on_the_gpu(tiny_models, kind):
+    model_dir, hf = tiny_models(kind)
+    hf = hf_on_cuda(hf, torch.float32)
+    llm = LLM(model_dir, dtype="float32", block_size=16, **CUDA)
+    assert llm.engine.runner.graphs is not None
+    ps = prompts()
+    outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_cuda(hf, p, NEW)[0] for p in ps]
+    assert llm.engine.runner.graphs.recorded  # the decodes were replayed from graphs
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
+def test_bfloat16_matches_hf_up_to_near_ties(tiny_models, kind):
+    model_dir, hf = tiny_models(kind)
+    hf = hf_on_cuda(hf, torch.bfloat16)
+    llm = LLM(model_dir, dtype="bfloat16", **CUDA)
+    ps = prompts()
+    outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
+    exact = 0
+    for p, o in zip(ps, outs):
+        ref, logits = hf_greedy_cuda(hf, p, NEW)
+        mine = o.outputs[0].token_ids
+        if mine == ref:
+            exact += 1
+            continue
+        d = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
+        gap = float(logits[d][ref[d]] - logits[d][mine[d]])
+        assert gap <= NEAR_TIE, f"diverged at token {d} where HF's logits differ by {gap}"
+    assert exact >= len(ps) - 2
+
+
+def test_graphs_match_eager_decode(tiny_models):
+    """Batches that pad to every bucket up to 16 and block tables that widen as contexts grow."""
+    model_dir, _ = tiny_models("llama-gqa")
+    ps = random_prompts([5 + 7 * i for i in range(13)], seed=9)
+    runs = {}
+    for graphs in (True, False):
+        llm = LLM(model_dir, dtype="float32", block_size=4, cuda_graphs=graphs, **CUDA)
+        runs[graphs] = [
+            o.outputs[0].token_ids for o in llm.generate(ps, greedy(40), use_tqdm=False)
+        ]
+        if graphs:
+            recorded = llm.engine.runner.graphs.recorded
+            assert len({w for _, w in recorded}) > 1 and len({b for b, _ in recorded}) > 1
+    assert runs[True] == runs[False]
+
+
+def test_tp2_on_one_gpu_over_gloo(tiny_models, monkeypatch):
+    monkeypatch.setenv("PDSERVE_TP_BACKEND", "gloo")
+    model_dir, hf = tiny_models("llama-gqa")
+    hf = hf_on_cuda(hf, torch.float32)
+    ps = prompts()[:4]
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, **CUDA)
+    try:
+        outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_cuda(hf, p, NEW)[0] for p in ps]
+
+
+def test_shared_pools_refused_on_cuda(tiny_models, tmp_path):
+    model_dir, _ = tiny_models("llama-gqa")
+    with pytest.raises(ValueError, match="kv_cache_shared_dir"):
+        LLM(model_dir, kv_cache_shared_dir=str(tmp_path), **CUDA)
