@@ -216,12 +216,6 @@ class EngineConfig:
                 f"max_model_len must be <= the model's max_position_embeddings "
                 f"({limit}), got {max_len}"
             )
-        if device == "cuda" and self.kv_cache_shared_dir is not None:
-            raise ValueError(
-                "kv_cache_shared_dir keeps the KV pools in shared host files, which a CUDA engine "
-                "cannot attend from: on CUDA a decode worker runs with one TP rank and the grpc "
-                "or torch KV backend (the shm backend and decode TP > 1 need device='cpu')"
-            )
         kv = self.kv_cache_memory
         if kv is None:
             kv = DEFAULT_CPU_KV_BYTES if device == "cpu" else 0.85
