@@ -73,7 +73,7 @@ def sync() -> None:
 
 def empty_cache() -> None:
     if DEVICE == "cuda":
-        empty_cache()
+        torch.cuda.empty_cache()
 
 
 def sync_time(fn, reps: int = 1) -> float:

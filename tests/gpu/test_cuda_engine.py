@@ -61,28 +61,23 @@ def test_bfloat16_matches_hf_up_to_near_ties(tiny_models, kind):
     llm = LLM(model_dir, dtype="bfloat16", **CUDA)
     ps = prompts()
     outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
-    exact = 0
-    for p, o in zip(ps, outs):
-        ref, logits = hf_greedy_cuda(hf, p, NEW)
-        mine = o.outputs[0].token_ids
-        if mine == ref:
-            exact += 1
-            continue
-        d = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
-        gap = float(logits[d][ref[d]] - logits[d][mine[d]])
-        assert gap <= NEAR_TIE, f"diverged at token {d} where HF's logits differ by {gap}"
+    gaps = [first_divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
+    assert max(gaps) <= NEAR_TIE, gaps
+    exact = gaps.count(0.0)
     assert exact >= len(ps) - 2
 
 
 def test_graphs_match_eager_decode(tiny_models):
-    """Batches that pad to every bucket up to 16 and block tables that widen as contexts grow."""
+    """Batches that pad to every bucket up to 16, and block tables of several widths: the short
+    prompts run alone first, then all of them together."""
     model_dir, _ = tiny_models("llama-gqa")
     ps = random_prompts([5 + 7 * i for i in range(13)], seed=9)
     runs = {}
     for graphs in (True, False):
         llm = LLM(model_dir, dtype="float32", block_size=4, cuda_graphs=graphs, **CUDA)
         runs[graphs] = [
-            o.outputs[0].token_ids for o in llm.generate(ps, greedy(40), use_tqdm=False)
+            [o.outputs[0].token_ids for o in llm.generate(batch, greedy(40), use_tqdm=False)]
+            for batch in (ps[:3], ps)
         ]
         if graphs:
             recorded = llm.engine.runner.graphs.recorded
@@ -90,7 +85,19 @@ def test_graphs_match_eager_decode(tiny_models):
     assert runs[True] == runs[False]
 
 
+def first_divergence_gap(hf, prompt, mine: list[int]) -> float:
+    """0 where `mine` is HF's greedy continuation, else HF's logit gap between its choice and
+    ours at the first token where they part."""
+    ref, logits = hf_greedy_cuda(hf, prompt, len(mine))
+    if mine == ref:
+        return 0.0
+    d = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
+    return float(logits[d][ref[d]] - logits[d][mine[d]])
+
+
 def test_tp2_on_one_gpu_over_gloo(tiny_models, monkeypatch):
+    """Sharded matmuls sum in another order than HF's whole ones, so a float32 near tie may
+    part them: every divergence must be one (HF's own logits within 1e-3)."""
     monkeypatch.setenv("PDSERVE_TP_BACKEND", "gloo")
     model_dir, hf = tiny_models("llama-gqa")
     hf = hf_on_cuda(hf, torch.float32)
@@ -100,7 +107,9 @@ def test_tp2_on_one_gpu_over_gloo(tiny_models, monkeypatch):
         outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_cuda(hf, p, NEW)[0] for p in ps]
+    gaps = [first_divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
+    assert max(gaps) <= 1e-3, gaps
+    assert gaps.count(0.0) >= len(ps) - 1
 
 
 def test_shared_pools_refused_on_cuda(tiny_models, tmp_path):
