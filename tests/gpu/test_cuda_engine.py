@@ -95,9 +95,15 @@ def first_divergence_gap(hf, prompt, mine: list[int]) -> float | None:
     return float(logits[d][ref[d]] - logits[d][mine[d]])
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (issue #32): on the H100, 2 of these 4 prompts part from HF at HF logit gaps "
+    "of 1.1e-4 and 6.7e-4, while TP=1 on CUDA and TP=2 on CPU (either decode path) match HF "
+    "exactly and TP=2's prompt logprobs are within 1e-6 of TP=1's: the TP decode step on CUDA "
+    "deviates by ~1e-4 somewhere",
+)
 def test_tp2_on_one_gpu_over_gloo(tiny_models, monkeypatch):
-    """Sharded matmuls sum in another order than HF's whole ones, so a float32 near tie may
-    part them: every divergence must be one (HF's own logits within 1e-3)."""
+    """TP=2 over gloo on one GPU (the TP code on CUDA tensors) against HF, token for token."""
     monkeypatch.setenv("PDSERVE_TP_BACKEND", "gloo")
     model_dir, hf = tiny_models("llama-gqa")
     hf = hf_on_cuda(hf, torch.float32)
@@ -108,8 +114,7 @@ def test_tp2_on_one_gpu_over_gloo(tiny_models, monkeypatch):
     finally:
         llm.engine.shutdown()
     gaps = [first_divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
-    assert all(g is None or g <= 1e-3 for g in gaps), gaps
-    assert gaps.count(None) >= len(ps) - 1
+    assert gaps == [None] * len(ps), gaps
 
 
 def test_shared_pools_refused_on_cuda(tiny_models, tmp_path):
