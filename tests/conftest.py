@@ -23,7 +23,11 @@ os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 def pytest_runtest_setup(item):
     """Tests marked `gpu` (tests/gpu) need CUDA: skipped where torch sees no GPU."""
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
-        pytest.skip("needs CUDA (a `gpu` test): run on a GPU machine with `pytest -m gpu tests/gpu`")
+        pytest.skip(
+            "needs CUDA (a `gpu` test): run on a GPU machine with `pytest -m gpu tests/gpu`"
+        )
+
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # the tiny models' shape: 2 layers, 64 wide, a 256-token vocabulary
