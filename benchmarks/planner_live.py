@@ -159,7 +159,10 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
     plan_log = PlannerLog()
     logger = logging.getLogger("pdserve.router.planner_loop")
     logger.addHandler(plan_log)
-    logger.setLevel(logging.INFO)
+    # --planner-debug: every decision with its signals, "nothing to do" included
+    level = logging.DEBUG if args.planner_debug else logging.INFO
+    logger.setLevel(level)
+    plan_log.setLevel(level)
     try:
         with deployment(deploy_config(args, mode)) as (cluster, _):
             warm = os.path.join(tmp, "warm.csv")
@@ -280,6 +283,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--profile", help="a `pdserve profile` JSON of this machine (default: measure)")
     p.add_argument("--sim-only", action="store_true", help="predict only; no live runs")
+    p.add_argument(
+        "--planner-debug", action="store_true", help="log every decision, not only the actions"
+    )
     p.add_argument("--keep-runs", help="an earlier result: keep its runs of the modes not run now")
     add_out_arg(p, "planner_live.json")
     args = p.parse_args(argv)

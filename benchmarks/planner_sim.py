@@ -294,6 +294,10 @@ def main(argv=None) -> int:
     )
     add_out_arg(p, "planner_sim.json")
     args = p.parse_args(argv)
+    sizes = [int(x) for x in args.gpus.split(",")]
+    smallest = 4 * max(int(t) for t in args.tp.split(","))
+    if min(sizes) < smallest:  # (ii), the fixed 1:3 split, needs a device per quarter at each TP
+        p.error(f"--gpus: each size must be at least {smallest} (a 1:3 split at --tp {args.tp})")
     t0 = time.perf_counter()
     profile = load_profile(args.profile)
     slo = parse_slo(args.slo)
@@ -310,7 +314,7 @@ def main(argv=None) -> int:
         "tp_degrees": args.tp,
         "sizes": [],
     }
-    for gpus in (int(x) for x in args.gpus.split(",")):
+    for gpus in sizes:
         out["sizes"].append(one_size(args, profile, requests, boundaries, slo, gpus))
         out["took_s"] = round(time.perf_counter() - t0, 1)
         write_result(args.out, out)  # what is done so far survives an interrupted run

@@ -21,7 +21,8 @@ other has room, for `sustain` decisions in a row, flips workers from the relaxed
 pressed one (never its last worker), as many as the prefill demand asks for: the prompt tokens
 arriving per second plus the queue, over one prefill worker's speed at `prefill_use`, against
 the prefill workers serving. The same estimate holds a flip that would starve the pool it takes
-from. TTFT pressed and no decode worker to spare: prefill more locally, if TPOT has room; TPOT
+from, and it decides when one side is pressed and the other has no room: a demand for fewer
+prefill workers than serve flips toward decode, one for more toward prefill. TTFT pressed and no decode worker to spare: prefill more locally, if TPOT has room; TPOT
 pressed: local prefill stops. After a batch of flips nothing moves for `cooldown_s`, and at most
 `max_flips_per_min` flips happen in any minute.
 """
@@ -121,15 +122,20 @@ class Planner:
             tpot = max(tpot, hi + s.decode_kv_use - c.kv_high)
         return ttft, tpot
 
-    def prefill_need(self, s: Signals) -> int | None:
-        """Prefill workers the demand needs at prefill_use (None: unknown): the prompt tokens
+    def prefill_demand(self, s: Signals) -> float | None:
+        """Prefill workers' worth of demand at prefill_use (None: unknown): the prompt tokens
         arriving per second for the prefill pool, plus its queue drained over one window, over
         what one worker computes per second."""
         c = self.config
         if not (s.prefill_tokens_per_s > 0 and s.prompt_tokens_per_s > 0):
             return None
         demand = s.prompt_tokens_per_s + s.prefill_queued_tokens / c.window_s
-        return max(1, math.ceil(demand / (s.prefill_tokens_per_s * c.prefill_use)))
+        return demand / (s.prefill_tokens_per_s * c.prefill_use)
+
+    def prefill_need(self, s: Signals) -> int | None:
+        """Prefill workers the demand needs (prefill_demand rounded up; None: unknown)."""
+        demand = self.prefill_demand(s)
+        return None if demand is None else max(1, math.ceil(demand))
 
     def decide(self, s: Signals) -> Decision:
         c = self.config
@@ -137,8 +143,12 @@ class Planner:
         ttft, tpot = self.pressures(s)
         hi, lo = 1 - c.margin / 2, 1 - c.margin
         say = f"ttft {_fmt(ttft)} x SLO, tpot {_fmt(tpot)} x SLO, {s.prefill_workers}P:{s.decode_workers}D"
+        if need is not None:
+            say += f", demand needs {need}P"
+        ttft_room = ttft is None or ttft < lo
+        tpot_room = tpot is None or tpot < lo
         want, why = NONE, "within the SLO's margins"
-        if ttft is not None and ttft > hi and (tpot is None or tpot < lo):
+        if ttft is not None and ttft > hi and tpot_room:
             if s.decode_workers > 1:
                 want, why = TO_PREFILL, "TTFT over its SLO while TPOT has room"
             elif s.local_max < c.local_cap:
@@ -146,14 +156,30 @@ class Planner:
                     LOCAL_MORE,
                     "TTFT over its SLO, TPOT has room, no decode worker to spare",
                 )
-        elif tpot is not None and tpot > hi and (ttft is None or ttft < lo):
+        elif tpot is not None and tpot > hi and ttft_room:
             # a flip to decode also stops local prefill (the owner sets the bound to 0)
             if s.prefill_workers > 1:
                 want, why = TO_DECODE, "TPOT over its SLO while TTFT has room"
             elif s.local_max > 0:
                 want, why = LOCAL_LESS, "TPOT over its SLO: prefill less on the decode workers"
-        elif tpot is not None and tpot > hi and s.local_max > 0:
-            want, why = LOCAL_LESS, "both over their SLOs: local prefills cost TPOT"
+        elif (ttft or 0) > hi or (tpot or 0) > hi:
+            # Pressed, and the other side has no room either. The prefill demand says which
+            # pool is short: TTFT also holds the wait for a full decode pool, so both rise
+            # together when decode is short. (Live, a shift to long answers on 2P:1D sat 14 s
+            # with both over their SLOs before TTFT fell and it flipped; the demand then was 1P.)
+            # Only a clear verdict counts, or the flips swing back and forth: the workers
+            # left after the flip cover the demand with the margin to spare, or the demand
+            # exceeds the pool by the margin.
+            want, why = NONE, "both near or over their SLOs, and no clear prefill demand"
+            demand = self.prefill_demand(s)
+            p = s.prefill_workers
+            if demand is not None and demand <= (p - 1) * lo and (tpot or 0) > lo:
+                want, why = TO_DECODE, f"both near or over their SLOs; prefill needs {need}P"
+            elif demand is not None and demand >= p + c.margin and (ttft or 0) > lo:
+                if s.decode_workers > 1:
+                    want, why = TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
+            if want == NONE and (tpot or 0) > hi and s.local_max > 0:
+                want, why = LOCAL_LESS, "both over their SLOs: local prefills cost TPOT"
         for action in ACTIONS:
             self._streak[action] = self._streak.get(action, 0) + 1 if action == want else 0
         if want == NONE:
@@ -182,8 +208,6 @@ class Planner:
                     return Decision(NONE, f"{why} ({say})")
                 count = min(s.prefill_workers - need, s.prefill_workers - 1, room)
             count = max(1, count)
-            if need is not None:
-                say += f", demand needs {need}P"
             self._flips.extend([s.now] * count)
             self._last_flip, self.flipping = s.now, True
         self._streak[want] = 0
