@@ -22,7 +22,8 @@ pressed one (never its last worker), as many as the prefill demand asks for: the
 arriving per second plus the queue, over one prefill worker's speed at `prefill_use`, against
 the prefill workers serving. The same estimate holds a flip that would starve the pool it takes
 from, and it decides when one side is pressed and the other has no room: a demand for fewer
-prefill workers than serve flips toward decode, one for more toward prefill. TTFT pressed and no decode worker to spare: prefill more locally, if TPOT has room; TPOT
+prefill workers than serve flips toward decode, one for more toward prefill, each only toward
+the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if TPOT has room; TPOT
 pressed: local prefill stops. After a batch of flips nothing moves for `cooldown_s`, and at most
 `max_flips_per_min` flips happen in any minute.
 """
@@ -169,13 +170,15 @@ class Planner:
             # with both over their SLOs before TTFT fell and it flipped; the demand then was 1P.)
             # Only a clear verdict counts, or the flips swing back and forth: the workers
             # left after the flip cover the demand with the margin to spare, or the demand
-            # exceeds the pool by the margin.
+            # exceeds the pool by the margin; and the side flipped toward is the more pressed
+            # (live, a queue that built behind a full decode pool read as prefill demand and
+            # flipped a worker back to prefill with TPOT at 2.6 x SLO).
             want, why = NONE, "both near or over their SLOs, and no clear prefill demand"
             demand = self.prefill_demand(s)
-            p = s.prefill_workers
-            if demand is not None and demand <= (p - 1) * lo and (tpot or 0) > lo:
+            p, t_in, t_out = s.prefill_workers, ttft or 0.0, tpot or 0.0
+            if demand is not None and demand <= (p - 1) * lo and t_out > max(lo, t_in):
                 want, why = TO_DECODE, f"both near or over their SLOs; prefill needs {need}P"
-            elif demand is not None and demand >= p + c.margin and (ttft or 0) > lo:
+            elif demand is not None and demand >= p + c.margin and t_in > max(lo, t_out):
                 if s.decode_workers > 1:
                     want, why = TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
             if want == NONE and (tpot or 0) > hi and s.local_max > 0:

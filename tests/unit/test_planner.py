@@ -158,16 +158,19 @@ def test_the_streams_pace_now_presses_the_decode_pool_before_finished_requests_s
 
 def test_both_sides_pressed_the_prefill_demand_decides_when_it_is_clear():
     """TTFT also holds the wait for a full decode pool, so a decode shortage presses both sides.
-    Then the prefill demand (in workers' worth at prefill_use 0.95) decides, only when clear:
-    the workers left cover it with the margin to spare, or it passes the pool by the margin."""
+    Then the prefill demand (in workers' worth at prefill_use 0.95) decides, only when clear
+    (the workers left cover it with the margin to spare, or it passes the pool by the margin)
+    and only toward the more pressed side."""
     p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
-    both = dict(ttft=1.5, tpot=0.15, p=2, d=2, speed=1000.0)
+    both = dict(ttft=1.5, tpot=0.2, p=2, d=2, speed=1000.0)
     assert "no clear prefill demand" in p.decide(sig(0, **both)).reason  # no estimate
     assert p.decide(sig(1, **both, rate=1400.0)).action == NONE  # 1.47 workers' worth: unclear
     d = p.decide(sig(2, **both, rate=500.0))  # 0.53: one worker covers it
     assert d.action == TO_DECODE and "prefill needs 1P" in d.reason
     p.flip_done(2)
-    d = p.decide(sig(3, **both, rate=2300.0))  # 2.42: more than 2 by the margin
+    # 2.42: more than 2 by the margin, but TPOT (2 x) is the more pressed: no flip to prefill
+    assert p.decide(sig(3, **both, rate=2300.0)).action == NONE
+    d = p.decide(sig(3, **dict(both, ttft=2.5), rate=2300.0))
     assert d.action == TO_PREFILL and d.count == 1
     p.flip_done(3)
     # unclear, with local prefill on: it stops, as TPOT is over its SLO
