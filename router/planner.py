@@ -23,9 +23,9 @@ arriving per second plus the queue, over one prefill worker's speed at `prefill_
 the prefill workers serving. The same estimate holds a flip that would starve the pool it takes
 from, and it decides when one side is pressed and the other has no room: a demand for fewer
 prefill workers than serve flips toward decode, one for more toward prefill, each only toward
-the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if TPOT has room; TPOT
-pressed: local prefill stops. After a batch of flips nothing moves for `cooldown_s`, and at most
-`max_flips_per_min` flips happen in any minute.
+the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if
+TPOT has room; TPOT pressed: local prefill stops. After a batch of flips nothing moves for
+`cooldown_s`, and at most `max_flips_per_min` flips happen in any minute.
 """
 
 from __future__ import annotations
