@@ -46,6 +46,7 @@ import time
 from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
 
 ALL_MODES = ("1P2D", "2P1D", "planner")
+BULKY = ("planner_log", "timeline", "workers")  # a run's fields kept out of the progress log
 
 
 def live_trace(args, path: str) -> tuple[list, list[tuple[str, float, float]]]:
@@ -129,6 +130,52 @@ class PlannerLog(logging.Handler):
         self.lines = []
 
 
+class Sampler:
+    """Every `every_s`, the pools as the router sees them: per worker its role and state, the
+    sequences it runs and the KV blocks it holds, and the requests waiting for decode KV. The
+    run's `workers` timeline, to see where a phase's requests went (not used by the planner)."""
+
+    def __init__(self, router, every_s: float = 2.0):
+        import threading
+
+        self.router, self.every_s, self.rows = router, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self):
+        pool, legs = self.router.pool, self.router.servicer.legs
+        while not self._stop.wait(self.every_s):
+            workers = []
+            for role, name, stats, _, state in sorted(pool.snapshot(), key=lambda x: x[1]):
+                used = stats.num_total_blocks - stats.num_free_blocks if stats else None
+                run = stats.num_running if stats else None
+                workers.append(
+                    f"{name[-4:]}:{role[0]}{'' if state == 'serving' else '*'}:{run}:{used}"
+                )
+            t = round(time.monotonic() - self.t0, 1)
+            self.rows.append((t, legs.decode_queue.waiting(), " ".join(workers)))
+
+
+def timeline(rows, ttft_s: float, tpot_s: float, bucket_s: float = 10.0) -> list:
+    """Per `bucket_s` of arrivals: (start_s, requests, met the SLO, failed)."""
+    out = {}
+    for arrival, ttft, tpot, ok in rows:
+        b = out.setdefault(int(arrival // bucket_s) * bucket_s, [0, 0, 0])
+        b[0] += 1
+        b[1] += ok and ttft is not None and ttft <= ttft_s and (tpot is None or tpot <= tpot_s)
+        b[2] += not ok
+    return [(k, *v) for k, v in sorted(out.items())]
+
+
 def flips_done(router) -> int:
     reg, model = router.metrics_registry, router.servicer.options.model_id
     return int(
@@ -175,7 +222,9 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
             bench(cluster.router_address, warm, 10, args, os.path.join(tmp, "warm.json"))
             plan_log.restart()
             t0 = time.monotonic()
-            result = bench(cluster.router_address, trace, n, args, os.path.join(tmp, "run.json"))
+            with Sampler(cluster.router) as sampler:
+                run_json = os.path.join(tmp, "run.json")
+                result = bench(cluster.router_address, trace, n, args, run_json)
             took = time.monotonic() - t0
             flips = flips_done(cluster.router)
     finally:
@@ -191,6 +240,8 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
         tpot_p90_s=p90(r["tpot_s"] for r in recs),
         flips=flips,
         planner_log=plan_log.lines,
+        timeline=timeline(rows, args.ttft_s, args.tpot_s),
+        workers=sampler.rows,
         took_s=round(took, 1),
     )
     return row
@@ -321,7 +372,7 @@ def main(argv=None) -> int:
             for mode in args.modes.split(","):
                 row = {"run": i + 1, **run_once(args, mode, trace, len(reqs), bounds, tmp)}
                 runs.append(row)
-                log(json.dumps({k: v for k, v in row.items() if k != "planner_log"}))
+                log(json.dumps({k: v for k, v in row.items() if k not in BULKY}))
                 out["runs"] = runs
                 write_result(args.out, out)  # a partial result survives a crash
     out["runs"] = runs

@@ -73,6 +73,7 @@ class _Worker:
     static: bool = True
     expires_at: float = float("inf")  # registered workers: the heartbeat deadline
     num_free_blocks: int = -1  # -1: unknown or unreachable, ranks last
+    num_used_blocks: int = 0  # the decode worker's KV in use: its load (decode_order)
     num_inflight: int = 0  # prefills this router has running there
     queued_tokens: int = 0  # their prompt tokens not expected in that worker's cache
     num_failures: int = 0  # Stats failures in a row
@@ -143,19 +144,29 @@ class WorkerPool:
         """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
         for a full pool. Raises NoWorker when there is none.
 
-        Preferred: the most free KV blocks. With charge_tokens (colocated workers, which prefill
-        too): the fewest prompt tokens charged to it, then the most free blocks, and the first
-        is charged `charge_tokens` before the lock is let go, so that concurrent arrivals see
-        each other (the caller moves the charge with charge_queued when it settles elsewhere, and
-        releases it at the first token). Free blocks alone are read every health sweep and a
-        colocated Reserve holds no blocks yet: a burst went to one worker."""
+        Preferred: the fewest KV blocks in use, which is the work of its decode steps (the
+        sequences and the context they attend over); then the most free blocks. A full worker
+        or one whose Stats are unknown ranks last. In use, not free: the workers' caches differ
+        in size (a worker flipped from the prefill pool keeps that pool's smaller cache), and
+        ranking by free blocks kept the bigger cache's worker that many blocks busier, its TPOT
+        over the SLO while the other idled. With charge_tokens (colocated workers, which prefill
+        too): the fewest prompt tokens charged to it first, and the first is charged
+        `charge_tokens` before the lock is let go, so that concurrent arrivals see each other
+        (the caller moves the charge with charge_queued when it settles elsewhere, and releases
+        it at the first token). Blocks alone are read every health sweep and a colocated Reserve
+        holds no blocks yet: a burst went to one worker."""
         with self._lock:
             workers = self._candidates("decode", exclude)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
+
+            def load(w: _Worker) -> tuple:
+                room = 0 if w.num_free_blocks > 0 else 1 if w.num_free_blocks == 0 else 2
+                return room, w.num_used_blocks, -w.num_free_blocks
+
             if charge_tokens is None:  # stable sorts: ties keep the rotation
-                return sorted(rotated, key=lambda w: -w.num_free_blocks)
-            ordered = sorted(rotated, key=lambda w: (w.queued_tokens, -w.num_free_blocks))
+                return sorted(rotated, key=load)
+            ordered = sorted(rotated, key=lambda w: (w.queued_tokens, *load(w)))
             ordered[0].queued_tokens += charge_tokens
             return ordered
 
@@ -173,6 +184,7 @@ class WorkerPool:
         with self._lock:
             if worker.num_free_blocks >= 0:
                 worker.num_free_blocks = max(0, worker.num_free_blocks - num_blocks)
+                worker.num_used_blocks += num_blocks
 
     def pick_prefill(
         self, prompt: list[int] = (), exclude: _Worker | None = None
@@ -356,7 +368,7 @@ class WorkerPool:
             if stats is not None and stats.worker_id:
                 worker.stats = stats
             if stats is not None and worker.role == "decode" and not worker.down:
-                worker.num_free_blocks = stats.num_free_blocks
+                _note_blocks(worker, stats)
         if stats is not None:
             self._check_stall(worker, stats)
         return True
@@ -416,7 +428,7 @@ class WorkerPool:
         with self._lock:
             came_back = worker.down
             worker.num_failures, worker.down = 0, False
-            worker.num_free_blocks = stats.num_free_blocks
+            _note_blocks(worker, stats)
             worker.worker_id = worker.worker_id or stats.worker_id
             worker.stats = stats
         if came_back:
@@ -471,3 +483,9 @@ class WorkerPool:
             workers = self._workers["prefill"] + self._workers["decode"]
         for worker in workers:
             worker.channel.close()
+
+
+def _note_blocks(worker: _Worker, stats) -> None:
+    """A worker's KV blocks from its Stats (under the pool's lock)."""
+    worker.num_free_blocks = stats.num_free_blocks
+    worker.num_used_blocks = max(0, stats.num_total_blocks - stats.num_free_blocks)

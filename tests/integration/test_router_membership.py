@@ -36,9 +36,10 @@ from router_helpers import (
 class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWorkerServicer):
     """Answers Stats ("ok"), fails it ("fail") or does not answer in time ("hang")."""
 
-    def __init__(self, worker_id: str, num_free_blocks: int = 10):
+    def __init__(self, worker_id: str, num_free_blocks: int = 10, num_total_blocks=None):
         self.worker_id = worker_id
         self.num_free_blocks = num_free_blocks
+        self.num_total_blocks = num_free_blocks if num_total_blocks is None else num_total_blocks
         self.mode = "ok"
         self.release = threading.Event()  # ends hung calls
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -55,7 +56,7 @@ class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWo
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id,
             num_free_blocks=self.num_free_blocks,
-            num_total_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_total_blocks,
         )
 
     def stop(self):
@@ -67,8 +68,8 @@ class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWo
 def fakes():
     made = []
 
-    def make(worker_id, num_free_blocks=10):
-        made.append(FakeWorker(worker_id, num_free_blocks))
+    def make(worker_id, num_free_blocks=10, num_total_blocks=None):
+        made.append(FakeWorker(worker_id, num_free_blocks, num_total_blocks))
         return made[-1]
 
     yield make
@@ -106,6 +107,25 @@ def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_bac
         messages = [r.getMessage() for r in caplog.records]
         assert sum("b is down" in m for m in messages) == 1  # each transition logged once
         assert sum("b is back up" in m for m in messages) == 1
+    finally:
+        pool.close()
+
+
+def test_decode_workers_rank_by_blocks_in_use_not_free_blocks(fakes):
+    """Caches of different sizes (a worker flipped from the prefill pool keeps its smaller one):
+    the less loaded worker goes first though the other has more free blocks, and a full worker
+    goes last however little it holds."""
+    big = fakes("big", num_free_blocks=500, num_total_blocks=728)  # 228 in use
+    small = fakes("small", num_free_blocks=446, num_total_blocks=546)  # 100 in use
+    full = fakes("full", num_free_blocks=0, num_total_blocks=16)
+    pool = WorkerPool([], [big.address, small.address, full.address])
+    try:
+        pool.sweep()
+        for _ in range(3):  # whatever the rotation
+            assert [w.worker_id for w in pool.decode_order()] == ["small", "big", "full"]
+        first = pool.decode_order()[0]
+        pool.note_reserved(first, 200)  # small now holds 300: big is the less loaded
+        assert [w.worker_id for w in pool.decode_order()] == ["big", "small", "full"]
     finally:
         pool.close()
 
