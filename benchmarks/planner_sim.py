@@ -44,7 +44,8 @@ default 1, the only one `pdserve tune` deploys for disaggregated GPU workers tod
 --precision (bisection stops when the failing rate is within this ratio of the passing one,
 default 1.03), --seed (arrivals), --planner-start best|half, --drain-s, --switch-delay-s,
 --no-tuner-pick (skip (i')), --variant SETTINGS (repeatable: also the planner with other
-PlannerConfig settings, e.g. margin=0,sustain=1, the same policy code), --out. Writes
+PlannerConfig settings, e.g. margin=0,sustain=1, the same policy code), --jobs N (sizes at once,
+a process each: 2 halves the time on 2 cores), --out. Writes
 benchmarks/results/planner_sim.json.
 """
 
@@ -292,6 +293,7 @@ def main(argv=None) -> int:
         default=[],
         help="also the planner with these PlannerConfig settings, e.g. margin=0,sustain=1",
     )
+    p.add_argument("--jobs", type=int, default=1, help="sizes simulated at once, a process each")
     add_out_arg(p, "planner_sim.json")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.gpus.split(",")]
@@ -314,10 +316,19 @@ def main(argv=None) -> int:
         "tp_degrees": args.tp,
         "sizes": [],
     }
-    for gpus in sizes:
-        out["sizes"].append(one_size(args, profile, requests, boundaries, slo, gpus))
-        out["took_s"] = round(time.perf_counter() - t0, 1)
-        write_result(args.out, out)  # what is done so far survives an interrupted run
+    if args.jobs > 1:  # one process per size: the simulations are pure Python, one core each
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(args.jobs, len(sizes))) as ex:
+            jobs = [ex.submit(one_size, args, profile, requests, boundaries, slo, g) for g in sizes]
+            out["sizes"] = [job.result() for job in jobs]
+    else:
+        for gpus in sizes:
+            out["sizes"].append(one_size(args, profile, requests, boundaries, slo, gpus))
+            out["took_s"] = round(time.perf_counter() - t0, 1)
+            write_result(args.out, out)  # what is done so far survives an interrupted run
+    out["took_s"] = round(time.perf_counter() - t0, 1)
+    write_result(args.out, out)
     log(f"wrote {args.out} ({out['took_s']} s)")
     return 0
 

@@ -2,7 +2,7 @@
 prefill that fills it and the token stream it produces. A call (router/call.py) runs one leg, or
 more when it resumes; the resume rules: router/call.py.
 
-A leg's lifecycle: Reserve (the decode worker with most free blocks; colocated, or a prompt the
+A leg's lifecycle: Reserve (the decode worker with the fewest blocks in use; colocated, or a prompt the
 decode worker prefills itself (router/local_prefill.py), the fewest prompt tokens charged to it
 until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), first come first served, until
@@ -273,7 +273,7 @@ class Legs:
                 return
 
     def _reserve_once(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
-        """One pass over the decode workers, most free blocks first. Raises DecodeFull when every
+        """One pass over the decode workers, the least loaded first (WorkerPool.decode_order). Raises DecodeFull when every
         worker that answered had no room (and one did), LegFailed for anything else."""
         # colocated: the worker prefills the prompt itself, its load until the first token; charged
         # to the first choice at the pick (concurrent arrivals must see it), moved on a fallback

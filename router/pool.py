@@ -3,9 +3,9 @@ gets the next request.
 
 The router creates one WorkerPool as it starts and keeps it until it stops. A background thread
 refreshes every worker's Stats every `stats_ttl_s`, and requests never wait on a Stats call:
-they read what the last sweep left. Decode picks prefer the most free KV blocks (a Reserve lowers
-the cached count at once, so a burst between refreshes spreads out); prefill picks prefer the
-worker that finishes the prompt soonest, counting the prefix it probably caches
+they read what the last sweep left. Decode picks prefer the fewest KV blocks in use (a Reserve
+raises the cached count at once, so a burst between refreshes spreads out); prefill picks prefer
+the worker that finishes the prompt soonest, counting the prefix it probably caches
 (router/affinity.py). Ties go round-robin. `down_after` failed Stats in a row mark a worker down
 and the pickers skip it, unless every worker of its role is down (then they try them all: a
 wrong guess costs one failed RPC, refusing costs the request). Workers from the config are

@@ -33,7 +33,7 @@ from pdserve.router.planner import (
     p90,
 )
 from pdserve.tuning.perf_model import Profile
-from pdserve.tuning.sim_worker import Seq, Worker
+from pdserve.tuning.sim_worker import Seq, Worker, least_used
 from pdserve.tuning.simulator import INF, FlipRecord, Placement, PlannerSimResult, RequestResult
 
 _ARRIVE, _STEP_DONE, _COMMIT, _TICK, _BOUND, _SWITCH = range(6)
@@ -249,7 +249,7 @@ class PlannerSimulator:
                     if not d.busy:
                         start_step(d, now)
                     continue
-                d = pick(serving[DECODE], lambda w: w.free, 0)
+                d = pick(serving[DECODE], least_used, 0)
                 if d.free < need:
                     return
                 d.free -= need
@@ -348,7 +348,7 @@ class PlannerSimulator:
                     resume(r, now)
             for r in list(w.pending):  # prompts still prefilling for it: reserved elsewhere
                 need = r.reserved
-                d = pick(serving[DECODE], lambda x: x.free, 0)
+                d = pick(serving[DECODE], least_used, 0)
                 if d.free >= need:
                     del w.pending[r]
                     d.free -= need

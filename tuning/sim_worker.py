@@ -39,6 +39,12 @@ class Seq:
         self.base_step = self.key = 0
 
 
+def least_used(worker: Worker) -> tuple[int, int]:
+    """The decode router's preference as a key for the highest-key pickers (router/pool.py
+    decode_order): the fewest KV blocks in use, then the most free."""
+    return worker.free - worker.num_blocks, worker.free
+
+
 class Worker:
     """One replica, planned and applied step by step (see the module docstring)."""
 

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.tuning.perf_model import Profile
-from pdserve.tuning.sim_worker import Seq, Worker
+from pdserve.tuning.sim_worker import Seq, Worker, least_used
 
 _ARRIVE, _STEP_DONE, _COMMIT = 0, 1, 2
 INF = math.inf
@@ -134,9 +134,9 @@ class Simulator:
 
     Modelled, as the real components behave:
     * Router, disaggregated: a request reserves its prompt's blocks on the decode worker with the
-      most free blocks, then goes to the prefill worker with the fewest queued prompt tokens (ties
-      rotate). With no room on any decode worker it waits in arrival order, where the real
-      router answers RESOURCE_EXHAUSTED and the client retries. A decode worker takes the Reserve
+      fewest blocks in use (then the most free), then goes to the prefill worker with the fewest
+      queued prompt tokens (ties rotate). With no room on any decode worker it waits in arrival
+      order, where the real router answers RESOURCE_EXHAUSTED and the client retries. A decode worker takes the Reserve
       and the commit between its steps.
     * Router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
       blocks as the router saw them at its last Stats sweep (`router_stats_s`; 0: an exact view).
@@ -316,7 +316,7 @@ class Simulator:
                 r = held[0]
                 if phase != "prefill":
                     need = (r.prompt + bs - 1) // bs
-                    d = pick(decode, lambda w: w.free, 0)
+                    d = pick(decode, least_used, 0)
                     if d.free < need:
                         return
                     d.free -= need
