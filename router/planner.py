@@ -24,7 +24,7 @@ the prefill workers serving. The same estimate holds a flip that would starve th
 from, and it decides when one side is pressed and the other has no room: a demand for fewer
 prefill workers than serve flips toward decode, one for more toward prefill, each only toward
 the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if
-TPOT has room; TPOT pressed: local prefill stops. After a batch of flips nothing moves for
+TPOT is under half its room; TPOT with no room: local prefill stops. After a batch of flips nothing moves for
 `cooldown_s`, and at most `max_flips_per_min` flips happen in any minute.
 """
 
@@ -152,10 +152,14 @@ class Planner:
         if ttft is not None and ttft > hi and tpot_room:
             if s.decode_workers > 1:
                 want, why = TO_PREFILL, "TTFT over its SLO while TPOT has room"
-            elif s.local_max < c.local_cap:
+            elif s.local_max < c.local_cap and (tpot is None or tpot < lo / 2):
+                # only onto a decode pool that is clearly idle: a local prompt stalls every
+                # stream of its worker for its whole prefill, and finished requests show the
+                # TPOT that costs late (live, a bound raised at TPOT 0.5-0.7 x SLO reached 832
+                # tokens and took TPOT to 2 x SLO)
                 want, why = (
                     LOCAL_MORE,
-                    "TTFT over its SLO, TPOT has room, no decode worker to spare",
+                    "TTFT over its SLO, TPOT well under it, no decode worker to spare",
                 )
         elif tpot is not None and tpot > hi and ttft_room:
             # a flip to decode also stops local prefill (the owner sets the bound to 0)
@@ -181,8 +185,9 @@ class Planner:
             elif demand is not None and demand >= p + c.margin and t_in > max(lo, t_out):
                 if s.decode_workers > 1:
                     want, why = TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
-            if want == NONE and (tpot or 0) > hi and s.local_max > 0:
-                want, why = LOCAL_LESS, "both over their SLOs: local prefills cost TPOT"
+
+        if want == NONE and (tpot or 0) > lo and s.local_max > 0:
+            want, why = LOCAL_LESS, "TPOT has no room: local prefills cost it"
         for action in ACTIONS:
             self._streak[action] = self._streak.get(action, 0) + 1 if action == want else 0
         if want == NONE:

@@ -80,6 +80,17 @@ def test_no_worker_to_spare_means_local_prefill_and_tpot_pressure_takes_it_back(
     assert p.decide(sig(3, ttft=0.5, tpot=0.2, p=1, local=0)).action == NONE  # last prefill
 
 
+def test_local_prefill_grows_only_onto_an_idle_decode_pool_and_stops_when_tpot_has_no_room():
+    p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
+    # room is under 0.8 x SLO; local prefill grows only under half of that
+    assert p.decide(sig(0, ttft=2.0, tpot=0.035, d=1, local=64)).action == LOCAL_MORE
+    assert p.decide(sig(1, ttft=2.0, tpot=0.05, d=1, local=128)).action == NONE
+    # TPOT past its room (0.85 x, not yet pressed): what runs locally stops
+    d = p.decide(sig(2, ttft=2.0, tpot=0.085, d=1, local=128))
+    assert d.action == LOCAL_LESS and "no room" in d.reason
+    assert p.decide(sig(3, ttft=0.5, tpot=0.085, d=1, local=0)).action == NONE
+
+
 def test_kv_use_counts_as_tpot_pressure_and_queued_tokens_as_ttft_before_any_sample():
     p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
     assert p.decide(sig(0, ttft=0.3, tpot=0.05, p=2, kv=0.99)).action == NONE  # TPOT has room
@@ -138,7 +149,7 @@ def test_a_long_wait_for_decode_kv_presses_the_decode_pool_not_the_prefill_pool(
     p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
     # TTFT is 5 x its SLO only because requests wait for decode KV (the longest for 2 s); the
     # prefill queue is empty: without the wait this would prefill locally, with it it flips
-    quiet = dict(ttft=5.0, tpot=0.05, p=3, d=1, speed=1000.0)
+    quiet = dict(ttft=5.0, tpot=0.03, p=3, d=1, speed=1000.0)
     assert Planner(p.config).decide(sig(0, **quiet)).action == LOCAL_MORE
     d = p.decide(sig(0, wait=2.0, **quiet))
     assert d.action == TO_DECODE, d.reason
