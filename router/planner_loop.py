@@ -4,8 +4,9 @@
 The Router starts one when the deployment's YAML enables the planner (`planner:`; off by default,
 the static split stays) and stops it first when it stops. Its thread wakes every `interval_s`
 and builds Signals from what the router already has, with no RPC: TTFT and TPOT p90 and the
-prefill speed of the requests that ended in the last `window_s` (RouterMetrics.recent), the
-prompt tokens started for the prefill pool per second over that window and those in flight there
+prefill speed of the requests that ended in the last `window_s` (RouterMetrics.recent; a
+worker's prompt tokens over the time it computed: metrics.prefill_speed), the prompt tokens
+started for the prefill pool per second over that window and those in flight there
 (WorkerPool), the median gap between the streams' tokens over the last interval, the longest
 wait for decode KV (the decode queue), the decode pool's KV use from the workers' last Stats,
 the serving workers of each role, and the local prefill bound. A flip (a decision may ask for
@@ -27,6 +28,7 @@ from collections import deque
 from prometheus_client import Counter
 
 from pdserve.router.flips import FlipRefused
+from pdserve.router.metrics import prefill_speed
 from pdserve.router.planner import (
     ACTIONS,
     LOCAL_LESS,
@@ -91,7 +93,6 @@ class PlannerLoop:
         while len(started) > 1 and started[0][0] < now - self.config.window_s:
             started.popleft()
         span = max(now - started[0][0], self.config.interval_s)
-        speeds = [r[3] for r in rows if r[3]]
         serving = {"prefill": 0, "decode": 0}
         kv = []
         for role, _, stats, down, state in self.pool.snapshot():
@@ -107,7 +108,7 @@ class PlannerLoop:
             ttft_p90_s=p90([r[1] for r in rows if r[1] is not None]),
             tpot_p90_s=p90([r[2] for r in rows if r[2] is not None]),
             prefill_queued_tokens=self.pool.queued_tokens("prefill"),
-            prefill_tokens_per_s=sum(speeds) / len(speeds) if speeds else 0.0,
+            prefill_tokens_per_s=prefill_speed([r[3] for r in rows if r[3]]),
             decode_kv_use=sum(kv) / len(kv) if kv else 0.0,
             local_max=self.legs.local_prefill.max_prompt_tokens,
             decode_wait_s=self.legs.decode_queue.longest_wait_s(),

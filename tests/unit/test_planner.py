@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.router.metrics import prefill_speed
 from pdserve.router.planner import (
     LOCAL_LESS,
     LOCAL_MORE,
@@ -186,3 +187,22 @@ def test_both_sides_pressed_the_prefill_demand_decides_when_it_is_clear():
     p.flip_done(3)
     # unclear, with local prefill on: it stops, as TPOT is over its SLO
     assert p.decide(sig(4, **both, rate=1400.0, local=128)).action == LOCAL_LESS
+
+
+def test_prefill_speed_is_a_workers_tokens_over_the_time_it_computed():
+    s = 1_000_000_000  # ns
+    # ten 100-token prompts batched into one 1-s step: the worker computes 1000 tokens/s, though
+    # each prompt alone saw 100
+    batch = [("p0", 5 * s, 6 * s, 100)] * 10
+    assert prefill_speed(batch) == pytest.approx(1000.0)
+    # overlapping and separate spans on one worker: busy 2.5 s (5-6.5 and 6-7 merged, 9-9.5 apart)
+    spans = [
+        ("p0", 5 * s, int(6.5 * s), 600),
+        ("p0", 6 * s, 7 * s, 400),
+        ("p0", 9 * s, int(9.5 * s), 500),
+    ]
+    assert prefill_speed(spans) == pytest.approx(1500 / 2.5)
+    # two workers computing at once count apart: each 1000 tokens in 1 s
+    both = [("p0", 5 * s, 6 * s, 1000), ("p1", 5 * s, 6 * s, 1000)]
+    assert prefill_speed(both) == pytest.approx(1000.0)
+    assert prefill_speed([]) == 0.0
