@@ -203,6 +203,7 @@ def bench(router_address: str, trace: str, n: int, args, out_path: str) -> dict:
 def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
     from benchmarks.chaos_harness import deployment
 
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     plan_log = PlannerLog()
     logger = logging.getLogger("pdserve.router.planner_loop")
     logger.addHandler(plan_log)
@@ -231,7 +232,7 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
         logger.removeHandler(plan_log)
     recs = result["requests"]
     rows = [(r["arrival_s"], r["ttft_s"], r["tpot_s"], not r["error"]) for r in recs]
-    row = {"mode": mode, **attainment(rows, bounds, args.ttft_s, args.tpot_s)}
+    row = {"mode": mode, "started": started, **attainment(rows, bounds, args.ttft_s, args.tpot_s)}
     row.update(
         requests=len(recs),
         failed=sum(1 for r in recs if r["error"]),
@@ -296,7 +297,9 @@ def keep_runs(args, setup: dict, reqs) -> list[dict]:
     if differ or old["setup"]["requests"] != len(reqs):
         raise SystemExit(f"--keep-runs {args.keep_runs}: another setup ({differ or 'requests'})")
     now = set(args.modes.split(","))
-    kept = [dict(r, commit=old["commit"]) for r in old["runs"] if r["mode"] not in now]
+    kept = [
+        dict(r, commit=r.get("commit", old["commit"])) for r in old["runs"] if r["mode"] not in now
+    ]
     log(f"kept {len(kept)} runs of {sorted({r['mode'] for r in kept})} from {args.keep_runs}")
     return kept
 

@@ -24,7 +24,9 @@ the prefill workers serving. The same estimate holds a flip that would starve th
 from, and it decides when one side is pressed and the other has no room: a demand for fewer
 prefill workers than serve flips toward decode, one for more toward prefill, each only toward
 the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if
-TPOT is under half its room; TPOT with no room: local prefill stops. After a batch of flips nothing moves for
+TPOT is under half its room; TPOT with no room: local prefill stops. With neither side pressed,
+a prefill worker the demand leaves spare goes to decode once TPOT is past half its room and
+TTFT under half of its own. After a batch of flips nothing moves for
 `cooldown_s`, and at most `max_flips_per_min` flips happen in any minute.
 """
 
@@ -185,6 +187,13 @@ class Planner:
             elif demand is not None and demand >= p + c.margin and t_in > max(lo, t_out):
                 if s.decode_workers > 1:
                     want, why = TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
+        elif self._spare_prefill(s, ttft, tpot):
+            # Neither side pressed, but the prefill pool has a worker to spare while decode has
+            # used over half its room: one goes before TPOT is pressed. Live, a shift to long
+            # answers on 2P:1D held TPOT at 0.5-0.7 x SLO for 15 s while the one decode worker's
+            # batch grew, then crossed the SLO within 4 s: the flip came 20 s into the phase,
+            # and the streams that worker had taken missed the SLO.
+            want, why = TO_DECODE, "prefill has a worker to spare and TPOT is past half its room"
 
         if want == NONE and (tpot or 0) > lo and s.local_max > 0:
             want, why = LOCAL_LESS, "TPOT has no room: local prefills cost it"
@@ -215,11 +224,24 @@ class Planner:
                         return Decision(LOCAL_LESS, f"{why}: no local prefill ({say})")
                     return Decision(NONE, f"{why} ({say})")
                 count = min(s.prefill_workers - need, s.prefill_workers - 1, room)
+                if why.startswith("prefill has a worker to spare"):
+                    count = 1  # a nudge ahead of pressure: one worker at a time
             count = max(1, count)
             self._flips.extend([s.now] * count)
             self._last_flip, self.flipping = s.now, True
         self._streak[want] = 0
         return Decision(want, f"{why} ({say})", count)
+
+    def _spare_prefill(self, s: Signals, ttft: float | None, tpot: float | None) -> bool:
+        """TTFT under half its room, TPOT over half its own, and the prefill workers but one
+        cover the prefill demand with the margin to spare."""
+        lo = 1 - self.config.margin
+        if s.prefill_workers < 2 or ttft is None or tpot is None:
+            return False
+        if not (ttft < lo / 2 < tpot):
+            return False
+        demand = self.prefill_demand(s)
+        return demand is not None and demand <= (s.prefill_workers - 1) * lo
 
     def _flip_blocked(self, now: float) -> str | None:
         c = self.config

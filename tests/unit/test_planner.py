@@ -206,3 +206,24 @@ def test_prefill_speed_is_a_workers_tokens_over_the_time_it_computed():
     both = [("p0", 5 * s, 6 * s, 1000), ("p1", 5 * s, 6 * s, 1000)]
     assert prefill_speed(both) == pytest.approx(1000.0)
     assert prefill_speed([]) == 0.0
+
+
+def test_a_spare_prefill_worker_goes_to_decode_before_tpot_is_pressed():
+    p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0))
+    # TTFT 0.3 x, TPOT 0.6 x (past half its 0.8 room), demand 500 / (1000 x 0.95) = 0.53
+    # workers: the one prefill worker left covers it at 0.8 of its capacity
+    spare = dict(ttft=0.3, tpot=0.06, p=2, d=1, speed=1000.0, rate=500.0)
+    d = p.decide(sig(0, **spare))
+    assert (d.action, d.count) == (TO_DECODE, 1) and "to spare" in d.reason
+    p.flip_done(0)
+    # one worker at a time, even with more to spare
+    d = Planner(p.config).decide(sig(0, **dict(spare, p=4)))
+    assert (d.action, d.count) == (TO_DECODE, 1)
+    for other in (
+        dict(spare, rate=900.0),  # 0.95 workers' worth: none to spare with the margin
+        dict(spare, ttft=0.5),  # TTFT past half its room
+        dict(spare, tpot=0.03),  # TPOT under half its room
+        dict(spare, p=1),  # the last prefill worker
+        dict(spare, rate=0.0),  # no demand estimate
+    ):
+        assert Planner(p.config).decide(sig(0, **other)).action == NONE, other
