@@ -151,6 +151,7 @@ class Planner:
         ttft_room = ttft is None or ttft < lo
         tpot_room = tpot is None or tpot < lo
         want, why = NONE, "within the SLO's margins"
+        nudge = False  # a flip ahead of pressure: one worker, whatever the demand would move
         if ttft is not None and ttft > hi and tpot_room:
             if s.decode_workers > 1:
                 want, why = TO_PREFILL, "TTFT over its SLO while TPOT has room"
@@ -194,6 +195,7 @@ class Planner:
             # batch grew, then crossed the SLO within 4 s: the flip came 20 s into the phase,
             # and the streams that worker had taken missed the SLO.
             want, why = TO_DECODE, "prefill has a worker to spare and TPOT is past half its room"
+            nudge = True
 
         if want == NONE and (tpot or 0) > lo and s.local_max > 0:
             want, why = LOCAL_LESS, "TPOT has no room: local prefills cost it"
@@ -223,9 +225,7 @@ class Planner:
                     if s.local_max > 0:
                         return Decision(LOCAL_LESS, f"{why}: no local prefill ({say})")
                     return Decision(NONE, f"{why} ({say})")
-                count = min(s.prefill_workers - need, s.prefill_workers - 1, room)
-                if why.startswith("prefill has a worker to spare"):
-                    count = 1  # a nudge ahead of pressure: one worker at a time
+                count = 1 if nudge else min(s.prefill_workers - need, s.prefill_workers - 1, room)
             count = max(1, count)
             self._flips.extend([s.now] * count)
             self._last_flip, self.flipping = s.now, True
