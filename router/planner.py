@@ -170,6 +170,8 @@ class Planner:
                 want, why = TO_DECODE, "TPOT over its SLO while TTFT has room"
             elif s.local_max > 0:
                 want, why = LOCAL_LESS, "TPOT over its SLO: prefill less on the decode workers"
+            else:
+                why = "TPOT over its SLO, but no prefill worker to spare and no local prefill"
         elif (ttft or 0) > hi or (tpot or 0) > hi:
             # Pressed, and the other side has no room either. The prefill demand says which
             # pool is short: TTFT also holds the wait for a full decode pool, so both rise

@@ -78,7 +78,8 @@ def test_no_worker_to_spare_means_local_prefill_and_tpot_pressure_takes_it_back(
     # no prefill worker to spare: local prefill goes, all of it at once
     assert p.decide(sig(2, ttft=0.5, tpot=0.2, p=1, local=128)).action == LOCAL_LESS
     assert p.next_local_max(LOCAL_LESS, 128) == 0
-    assert p.decide(sig(3, ttft=0.5, tpot=0.2, p=1, local=0)).action == NONE  # last prefill
+    d = p.decide(sig(3, ttft=0.5, tpot=0.2, p=1, local=0))  # the last prefill worker
+    assert d.action == NONE and "no prefill worker to spare" in d.reason
 
 
 def test_local_prefill_grows_only_onto_an_idle_decode_pool_and_stops_when_tpot_has_no_room():
