@@ -5,7 +5,7 @@ The Router starts one when the deployment's YAML enables the planner (`planner:`
 the static split stays) and stops it first when it stops. Its thread wakes every `interval_s`
 and builds Signals from what the router already has, with no RPC: TTFT and TPOT p90 and the
 prefill speed of the requests that ended in the last `window_s` (RouterMetrics.recent; a
-worker's prompt tokens over the time it computed: metrics.prefill_speed), the prompt tokens
+worker's prompt tokens over the time it computed: recent.prefill_speed), the prompt tokens
 started for the prefill pool per second over that window and those in flight there
 (WorkerPool), the median gap between the streams' tokens over the last interval, the longest
 wait for decode KV (the decode queue), the decode pool's KV use from the workers' last Stats,
@@ -28,7 +28,6 @@ from collections import deque
 from prometheus_client import Counter
 
 from pdserve.router.flips import FlipRefused
-from pdserve.router.metrics import prefill_speed
 from pdserve.router.planner import (
     ACTIONS,
     LOCAL_LESS,
@@ -41,6 +40,7 @@ from pdserve.router.planner import (
     Signals,
     p90,
 )
+from pdserve.router.recent import prefill_speed
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.metrics import prefill_speed
 from pdserve.router.planner import (
     LOCAL_LESS,
     LOCAL_MORE,
@@ -15,6 +14,7 @@ from pdserve.router.planner import (
     PlannerConfig,
     Signals,
 )
+from pdserve.router.recent import prefill_speed
 
 CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, sustain=2, cooldown_s=30, max_flips_per_min=2)
 
