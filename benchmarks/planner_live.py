@@ -20,7 +20,8 @@ static 1P+2D, static 2P+1D, and the planner (the YAML's `planner:` section, enab
 SLO below and --window-s/--cooldown-s; phases last minutes here, not the trace's 10) starting
 from --planner-start. The modes take turns (1P2D, 2P1D, planner, 1P2D, ...) so a slow spell of
 the machine hits each. Per run: SLO attainment over the trace and per phase, TTFT/TPOT p90, failed
-requests, and the flips the planner made (when, which way, its reason).
+requests, the flips the planner made (when, which way, its reason), attainment per 10 s of
+arrivals, and every 2 s each worker's role, running sequences and KV blocks in use.
 
 Prediction (d): the simulator of `pdserve tune` with the planner in the loop
 (tuning/sim_planner.py, the same policy code) runs the same requests on each mode's starting
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
@@ -136,8 +138,6 @@ class Sampler:
     run's `workers` timeline, to see where a phase's requests went (not used by the planner)."""
 
     def __init__(self, router, every_s: float = 2.0):
-        import threading
-
         self.router, self.every_s, self.rows = router, every_s, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
