@@ -142,6 +142,7 @@ class EngineLoop:
         return {
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
             "num_running": len(sched.running),
             "num_waiting": len(waiting),
             "queued_prompt_tokens": max(queued, 0),

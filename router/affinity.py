@@ -7,7 +7,7 @@ before it); each hash remembers the workers that were sent a prompt starting wit
 order, up to `max_entries` hashes. That bound is all the memory the view ever takes: every
 request with a fresh prompt adds a hash per CHUNK tokens, so the map grows with the requests
 served until it reaches the bound (about 200 bytes a hash), and stays there. The pool may lower
-the bound to what its prefill workers' caches can hold (`fit_to_blocks`, from their Stats): a
+the bound to what its prefill workers' caches can hold (`fit_to_tokens`, from their Stats): a
 hash beyond that names a prefix every worker has evicted long ago. A worker that leaves is
 forgotten, and the hashes no worker holds any more are dropped with it.
 """
@@ -21,10 +21,7 @@ CHUNK = 32
 # 2M prompt tokens of prefixes (about 13 MB): more than the prefix caches of the prefill pools
 # this router is sized for hold; the pool may set a tighter bound from its workers' KV sizes
 DEFAULT_MAX_ENTRIES = 65_536
-# fit_to_blocks: hashes per KV block of the prefill pool. A block holds block_size tokens and a
-# hash covers CHUNK, so 4 a block remember at least all that the caches hold for any block size
-# up to 128 (8 times it for 16-token blocks), whatever block size the workers use.
-HASHES_PER_BLOCK = 4
+# fit_to_tokens never bounds the view below this many hashes
 MIN_ENTRIES = 256
 
 
@@ -80,12 +77,14 @@ class PrefixAffinity:
         self.max_entries = max(1, max_entries)
         self._evict()
 
-    def fit_to_blocks(self, num_blocks: int) -> None:
-        """Bounds the view by the KV blocks of the prefill workers (their prefix caches together
-        hold no more): HASHES_PER_BLOCK a block, at least MIN_ENTRIES. No blocks known (0):
-        the bound stays."""
-        if num_blocks > 0:
-            self.set_max_entries(max(MIN_ENTRIES, HASHES_PER_BLOCK * num_blocks))
+    def fit_to_tokens(self, num_tokens: int) -> None:
+        """Bounds the view by the prompt tokens the prefill workers' KV caches hold together
+        (blocks times block size): a hash per `chunk` of them, at least MIN_ENTRIES. A looser
+        bound keeps hashes of prefixes the workers evicted, and a stale match makes a prompt look
+        cheaper on the prefill pool than it is (router/local_prefill.py then keeps it off its
+        decode worker). Nothing known (0): the bound stays."""
+        if num_tokens > 0:
+            self.set_max_entries(max(MIN_ENTRIES, num_tokens // self.chunk))
 
     def _evict(self) -> None:
         while len(self._holders) > self.max_entries:

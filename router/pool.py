@@ -417,8 +417,12 @@ class WorkerPool:
             except grpc.RpcError as e:
                 self._note_failure(worker, e, sent)
         with self._lock:  # the affinity view holds no more than the prefill caches can
-            self._affinity.fit_to_blocks(
-                sum(w.stats.num_total_blocks for w in self._workers["prefill"] if w.stats)
+            self._affinity.fit_to_tokens(
+                sum(
+                    w.stats.num_total_blocks * w.stats.block_size
+                    for w in self._workers["prefill"]
+                    if w.stats
+                )
             )
         self.num_sweeps += 1
 

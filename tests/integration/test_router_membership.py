@@ -20,6 +20,7 @@ import pytest
 
 from conftest import wait_until
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.router.affinity import CHUNK
 from pdserve.router.pool import WorkerPool
 from pdserve.worker_common.registration import Registration
 from router_helpers import (
@@ -57,6 +58,7 @@ class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWo
             worker_id=self.worker_id,
             num_free_blocks=self.num_free_blocks,
             num_total_blocks=self.num_total_blocks,
+            block_size=16,
         )
 
     def stop(self):
@@ -126,6 +128,19 @@ def test_decode_workers_rank_by_blocks_in_use_not_free_blocks(fakes):
         first = pool.decode_order()[0]
         pool.note_reserved(first, 200)  # small now holds 300: big is the less loaded
         assert [w.worker_id for w in pool.decode_order()] == ["big", "small", "full"]
+    finally:
+        pool.close()
+
+
+def test_the_affinity_view_holds_what_the_prefill_caches_hold(fakes):
+    """A sweep bounds the router's view of the prefill caches by their blocks times block size:
+    a hash per CHUNK tokens (a looser bound kept evicted prefixes, and their stale matches kept
+    prompts off local prefill)."""
+    one, two = fakes("p1", num_total_blocks=1000), fakes("p2", num_total_blocks=600)
+    pool = WorkerPool([one.address, two.address], [])
+    try:
+        pool.sweep()
+        assert pool._affinity.max_entries == (1000 + 600) * 16 // CHUNK
     finally:
         pool.close()
 

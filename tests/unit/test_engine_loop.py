@@ -15,7 +15,7 @@ class _Scheduler:
 
 
 class _Blocks:
-    num_blocks, num_free_blocks = 8, 8
+    num_blocks, num_free_blocks, block_size = 8, 8, 16
 
 
 class FakeEngine:
@@ -37,6 +37,7 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
         assert load == {
             "num_free_blocks": 8,
             "num_total_blocks": 8,
+            "block_size": 16,
             "num_running": 0,
             "num_waiting": 0,
             "queued_prompt_tokens": 0,

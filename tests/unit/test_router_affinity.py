@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pdserve.router.affinity import (
     CHUNK,
-    HASHES_PER_BLOCK,
     MIN_ENTRIES,
     PrefixAffinity,
     prefix_hashes,
@@ -49,11 +48,19 @@ def test_affinity_keeps_at_most_its_bound_and_drops_what_no_worker_holds():
     assert len(aff) == 0
 
 
-def test_affinity_fits_its_bound_to_the_prefill_pools_blocks():
+def test_affinity_fits_its_bound_to_what_the_prefill_caches_hold():
     aff = PrefixAffinity()
-    aff.fit_to_blocks(0)  # no worker's Stats yet: the default stays
+    aff.fit_to_tokens(0)  # no worker's Stats yet: the default stays
     assert aff.max_entries == PrefixAffinity().max_entries
-    aff.fit_to_blocks(546)
-    assert aff.max_entries == HASHES_PER_BLOCK * 546
-    aff.fit_to_blocks(1)
+    aff.fit_to_tokens(4 * 546 * 16)  # four workers of 546 16-token blocks: a hash per CHUNK
+    assert aff.max_entries == 4 * 546 * 16 // CHUNK
+    aff.fit_to_tokens(200 * 16)  # a small cache: the floor
     assert aff.max_entries == MIN_ENTRIES
+    # the bound holds: the least recently sent prefixes go first, and no longer match
+    aff = PrefixAffinity()
+    aff.fit_to_tokens(300 * CHUNK)
+    old, new = list(range(2 * CHUNK)), list(range(10**6, 10**6 + 299 * CHUNK))
+    aff.record(prefix_hashes(old), "w1")
+    aff.record(prefix_hashes(new), "w1")
+    assert len(aff) == 300
+    assert aff.matched_tokens(prefix_hashes(old)) == {}

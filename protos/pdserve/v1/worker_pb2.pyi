@@ -124,7 +124,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class WorkerStats(_message.Message):
     ENGINE_STALLED_MS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_STATE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -159,7 +160,8 @@ class WorkerStats(_message.Message):
     engine_stalled_ms: int
     role: str
     role_state: str
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ...) -> None: ...
+    block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)
