@@ -27,7 +27,8 @@ the more pressed side. TTFT pressed and no decode worker to spare: prefill more 
 TPOT is under half its room; TPOT with no room: local prefill stops. With neither side pressed,
 a prefill worker the demand leaves spare goes to decode once TPOT is past half its room and
 TTFT under half of its own. After a batch of flips nothing moves for
-`cooldown_s`, and at most `max_flips_per_min` flips happen in any minute.
+`cooldown_s`, and at most `max_flips_per_min` flips happen in any minute; a batch back the other
+way within 3 cooldowns of the last moves at most half as many workers as that one did.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class Planner:
     _streak: dict = field(default_factory=dict)  # action -> decisions in a row it was wanted
     _flips: deque = field(default_factory=deque)  # when each flip began (now), for the rate
     _last_flip: float = -float("inf")
+    _last_batch: tuple = (NONE, 0)  # (direction, workers) of the last batch of flips
     flipping: bool = False  # a flip the owner carries out, until flip_done
 
     def pressures(self, s: Signals) -> tuple[float | None, float | None]:
@@ -229,6 +231,17 @@ class Planner:
                     return Decision(NONE, f"{why} ({say})")
                 count = 1 if nudge else min(s.prefill_workers - need, s.prefill_workers - 1, room)
             count = max(1, count)
+            last_way, last_count = self._last_batch
+            if last_way not in (want, NONE) and s.now - self._last_flip < 3 * c.cooldown_s:
+                # Back the other way soon after a batch: that batch overshot, so this one moves
+                # at most half as many, and a split between the two is tried before either
+                # again. (In simulation at 16 GPUs, the demand read 9P on 11P:5D and 11P on
+                # 9P:7D, and the planner swung between the two by 2 every 40 s, never trying
+                # the 10P:6D that served the phase, and lost 99% of its requests.)
+                if count > max(1, last_count // 2):
+                    count = max(1, last_count // 2)
+                    why = f"{why}, {count} after a batch of {last_count} the other way"
+            self._last_batch = (want, count)
             self._flips.extend([s.now] * count)
             self._last_flip, self.flipping = s.now, True
         self._streak[want] = 0

@@ -228,3 +228,24 @@ def test_a_spare_prefill_worker_goes_to_decode_before_tpot_is_pressed():
         dict(spare, rate=0.0),  # no demand estimate
     ):
         assert Planner(p.config).decide(sig(0, **other)).action == NONE, other
+
+
+def test_a_batch_back_the_other_way_soon_after_moves_half_as_many():
+    # 14P:2D, the demand reads 9P: 5 go to decode; on 9P:7D it reads 13P (a queue built while
+    # the flip drained): back by 2, not 4, then by 1, so the splits between are tried
+    p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=30, prefill_use=1))
+    d = p.decide(sig(0, ttft=0.1, tpot=0.2, p=14, d=2, speed=1000.0, rate=9000.0))
+    assert (d.action, d.count) == (TO_DECODE, 5)
+    p.flip_done(5)
+    d = p.decide(sig(40, ttft=3.0, tpot=0.05, p=9, d=7, speed=1000.0, rate=13000.0))
+    assert (d.action, d.count) == (TO_PREFILL, 2) and "after a batch of 5" in d.reason
+    p.flip_done(45)
+    d = p.decide(sig(80, ttft=0.1, tpot=0.2, p=11, d=5, speed=1000.0, rate=9000.0))
+    assert (d.action, d.count) == (TO_DECODE, 1) and "after a batch of 2" in d.reason
+    p.flip_done(85)
+    # the same way again is not held back, and neither is a reversal long after the last batch
+    d = p.decide(sig(120, ttft=0.1, tpot=0.2, p=10, d=6, speed=1000.0, rate=7000.0))
+    assert (d.action, d.count) == (TO_DECODE, 3)
+    p.flip_done(125)
+    d = p.decide(sig(300, ttft=3.0, tpot=0.05, p=7, d=9, speed=1000.0, rate=11000.0))
+    assert (d.action, d.count) == (TO_PREFILL, 4)
