@@ -6,9 +6,13 @@ and the pre-start checks then read the frozen result.
     pools:
       prefill: {replicas: 1, tp: 1, resources: {num_cpus: 1}}
       decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}   # or instead: colocated: {...}
-    router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file)
+      # resources also take Ray custom resources ({num_cpus: 1, node2: 1}); label_selector: the
+      # Ray node labels a pool's nodes must have ({kind: big-memory}); docs/ray-cluster.md
+    router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file),
+                                             # metrics_keys_file (the /metrics scrape's own keys)
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
+                                  # (dashboard: true turns on a local Ray's dashboard)
     security: {cluster_secret_file: null, tls: null}   # between the deployment's own processes
 
 SecuritySettings.secret says where the cluster secret comes from, RouterSettings.client_keys the
@@ -24,6 +28,7 @@ from typing import Annotated, Literal, get_args
 import yaml
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     SecretStr,
     StrictFloat,
@@ -44,6 +49,7 @@ from pdserve.deploy.config_files import (  # noqa: F401 (re-exported: deploy.con
     _Frozen,
     parse_api_keys,
 )
+from pdserve.deploy.config_ray import custom_resource_problem, label_selector_problem
 from pdserve.deploy.files import read_text
 from pdserve.protos.security import check_api_key
 
@@ -56,8 +62,11 @@ class ConfigError(ValueError):
 
 
 class Resources(_Frozen):
-    """What one TP rank of a replica reserves (one placement-group bundle)."""
+    """What one TP rank of a replica reserves (one placement-group bundle): CPUs, GPUs, and any
+    Ray custom resources by name (`{num_cpus: 1, node2: 1}`: only nodes started with
+    `ray start --resources '{"node2": N}'` can hold it), so a pool lands on the nodes chosen."""
 
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
     num_cpus: Annotated[float, Field(ge=0)] = 1
     num_gpus: Annotated[float, Field(ge=0)] = 0
 
@@ -67,11 +76,20 @@ class Resources(_Frozen):
             raise ValueError(
                 "num_cpus and num_gpus cannot both be 0 (a worker needs somewhere to run)"
             )
+        for name, amount in self.custom().items():
+            problem = custom_resource_problem(name, amount)
+            if problem:
+                raise ValueError(problem)
         return self
+
+    def custom(self) -> dict[str, float]:
+        """The Ray custom resources asked for, by name."""
+        return dict(self.model_extra or {})
 
     def bundle(self) -> dict[str, float]:
         """A Ray placement-group bundle; zero amounts are left out (Ray rejects empty resources)."""
-        return {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+        base = {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+        return {**base, **{k: float(v) for k, v in self.custom().items()}}
 
 
 class Pool(_Frozen):
@@ -89,6 +107,18 @@ class Pool(_Frozen):
     # threads than reserved CPUs suit a pool that is idle while the other computes (prefill on a
     # small machine), at the price of contention when both are busy
     num_threads: Annotated[int, Field(ge=1)] | None = None
+    # Ray node labels every replica's node must match (Ray's label selectors: `{zone: us-a}`,
+    # `{gpu: "!a10"}`, `{zone: "in(a,b)"}`); nodes get labels from `ray start --labels k=v`
+    label_selector: dict[str, str] | None = None
+
+    @field_validator("label_selector")
+    @classmethod
+    def _labels(cls, v):
+        if v:
+            problem = label_selector_problem(v)
+            if problem:
+                raise ValueError(problem)
+        return v
 
     @property
     def threads(self) -> int:
@@ -160,6 +190,9 @@ class RouterSettings(_Frozen):
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None
+    # the metrics scrape's keys (a file, one a line): with it, GET /metrics takes one of these and
+    # no client key, so a Prometheus scrape config never carries a client API key
+    metrics_keys_file: KeysFile | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -187,10 +220,26 @@ class RouterSettings(_Frozen):
                 raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
         return v
 
+    @field_validator("metrics_keys_file")
+    @classmethod
+    def _metrics_keys_file(cls, v):
+        if v is not None:
+            try:
+                parse_api_keys(v.data.decode("utf-8"), v.path)
+            except UnicodeDecodeError:
+                raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
+        return v
+
     @model_validator(mode="after")
     def _ports(self):
         if self.api_keys is not None and self.api_keys_file is not None:
             raise ValueError("set api_keys or api_keys_file, not both")
+        both = set(self.metrics_keys()) & set(self.client_keys({})[0])
+        if both:
+            raise ValueError(
+                f"metrics_keys_file: {len(both)} of its keys are client API keys too; give the "
+                f"metrics scrape keys of their own"
+            )
         if self.http_port is not None and self.http_port and self.http_port == self.port:
             raise ValueError(
                 f"http_port and port are both {self.port}: the HTTP and gRPC fronts need a port "
@@ -201,6 +250,12 @@ class RouterSettings(_Frozen):
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def metrics_keys(self) -> tuple[str, ...]:
+        """The keys GET /metrics takes instead of the client keys (metrics_keys_file); () when
+        unset, and then /metrics takes what the client API takes. Never logged."""
+        f = self.metrics_keys_file
+        return parse_api_keys(f.data.decode(), f.path) if f is not None else ()
 
     def client_keys(self, environ=os.environ) -> tuple[tuple[str, ...], str]:
         """(the client API keys, which setting gave them); ((), "") when none did, and then the
@@ -226,6 +281,21 @@ class RaySettings(_Frozen):
     address: str | None = None  # None: start a local Ray for this deployment
     num_cpus: Annotated[int, Field(ge=1)] | None = None  # local Ray only; None: all cores
     temp_dir: str | None = None  # local Ray only; None: <pdserve cache dir>/ray
+    # local Ray only: Ray's dashboard (http://127.0.0.1:<dashboard_port>; None: Ray's 8265, or
+    # the next free one). Off by default: it costs a process and about 100 MB
+    dashboard: bool = False
+    dashboard_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+
+    @model_validator(mode="after")
+    def _dashboard_local_only(self):
+        if self.dashboard and self.address is not None:
+            raise ValueError(
+                "dashboard: only for the local Ray pdserve starts; a cluster joined by "
+                "ray.address has its own (`ray start --head` starts it, port 8265)"
+            )
+        if self.dashboard_port is not None and not self.dashboard:
+            raise ValueError("dashboard_port: set dashboard: true too, or remove dashboard_port")
+        return self
 
 
 class PlannerSettings(_Frozen):

@@ -6,7 +6,9 @@
 
 `pdserve up` calls `up`, which refuses a deployment that cannot run before it starts anything
 (deploy/prechecks.py), then connects to Ray, starts the router, and starts every worker replica;
-it returns once each replica has registered with the router. The Cluster it returns serves until
+it returns once each replica has registered with the router, having logged each worker's start
+stages as they came (deploy/start_watch.py); `Cluster.start_table()` is the table of where and how
+each worker serves (deploy/start_table.py). The Cluster it returns serves until
 Ctrl-C, SIGTERM or `stop()`, which undoes the start in reverse. Meanwhile its Supervisor
 (deploy/supervisor.py) relaunches replicas whose actor died, and a pool with no live worker gets
 UNAVAILABLE from the router. The router lives in the driver because it is the one client-facing
@@ -20,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -28,12 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.deploy import ray_reaper, workers
+from pdserve.deploy import ray_reaper, start_table, workers
 from pdserve.deploy.config import DeployConfig, Pool
+from pdserve.deploy.placement import check_custom_resources, check_labels, pg_options
 from pdserve.deploy.prechecks import (  # noqa: F401
     DeployError,
     amounts,
@@ -45,6 +46,8 @@ from pdserve.deploy.prechecks import (  # noqa: F401
     cpus_gpus,
     local_ray_temp_dir,
 )
+from pdserve.deploy.ray_connect import check_dashboard, init_ray  # noqa: F401
+from pdserve.deploy.start_watch import start_and_watch
 from pdserve.deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
 from pdserve.deploy.workers import WorkerActor
 from pdserve.protos.security import INSECURE, ClusterSecurity
@@ -85,8 +88,9 @@ def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
 
 
 # Ray's own restarts re-run only __init__ (not start), at once and without a bound on quick
-# deaths; the Supervisor replaces dead actors itself instead
-RemoteWorker = ray.remote(max_restarts=0)(WorkerActor)
+# deaths; the Supervisor replaces dead actors itself instead. A few threads: its `stages` and
+# `ping` answer while `start` loads the model (deploy/start_watch.py)
+RemoteWorker = ray.remote(max_restarts=0, max_concurrency=4)(WorkerActor)
 
 
 @dataclass
@@ -106,6 +110,13 @@ class Cluster:
 
     def addresses(self, role: str) -> list[str]:
         return [r.address for r in self.replicas if r.role == role and r.address]
+
+    def start_table(self) -> str:
+        """Each worker as it started: node, cores, precision, KV backend and capacity, log file
+        (deploy/start_table.py)."""
+        colocated = self.config.pools.colocated is not None
+        infos = [r.info or {"worker_id": r.name, "role": r.role} for r in self.replicas]
+        return start_table.format_table(infos, "none (colocated)" if colocated else None)
 
     def wait(self, poll_s: float = 1.0) -> str:
         """Serves until Ctrl-C or SIGTERM, then stops the deployment; returns why. Dead workers
@@ -160,41 +171,6 @@ class Cluster:
 
 
 # ---- starting ------------------------------------------------------------------------------------
-def _init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reaper.Watchdog | None]:
-    """Connects to (or starts) Ray. Returns whether this call started it (so stop() shuts it down)
-    and, for a local Ray it started, the watchdog that kills Ray's processes should this process
-    die without stopping them (deploy/ray_reaper.py)."""
-    if ray.is_initialized():  # the caller owns Ray (a notebook, a test): reuse it
-        return False, None
-    address = address or config.ray.address
-    kwargs = dict(include_dashboard=False, log_to_driver=False)
-    if address is None:
-        # a private temp dir keeps this Ray off the machine-wide default (/tmp/ray); checked
-        # writable before (check_writable_dirs)
-        temp_dir = local_ray_temp_dir(config)
-        os.makedirs(temp_dir, exist_ok=True)
-        kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=str(temp_dir))
-    elif config.ray.temp_dir:
-        kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
-    local = address is None and sys.platform == "linux"  # the watchdog reads /proc
-    before = ray_reaper.children_of(os.getpid()) if local else {}
-    try:
-        ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        where = (
-            f"join the Ray cluster at {address} (ray.address, --address)"
-            if address
-            else "start a local Ray (ray.num_cpus, ray.temp_dir)"
-        )
-        raise DeployError(f"cannot {where}: {ray_error_reason(e)}") from None
-    if not local:
-        return True, None
-    # the processes ray.init started here: Ray's head (GCS, raylet, monitor, ...)
-    now = ray_reaper.children_of(os.getpid())
-    started = {pid: start for pid, start in now.items() if before.get(pid) != start}
-    return True, ray_reaper.watch(started)
-
-
 def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str):
     config = cluster.config
     common = dict(
@@ -222,6 +198,7 @@ def _spawner(
 ) -> Callable[[], object]:
     def spawn():
         return RemoteWorker.options(
+            name=r.name,  # `ray list actors` shows decode-0, prefill-1, ...
             num_cpus=pool.resources.num_cpus,
             num_gpus=pool.resources.num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -244,12 +221,9 @@ def _place_pool(
     bundle = pool.resources.bundle()
     new = []
     for i in range(pool.replicas):
-        # one placement group per TP group: all of its ranks' bundles land on one node together
-        pg = placement_group(
-            [dict(bundle) for _ in range(pool.tp)],
-            strategy="STRICT_PACK",
-            name=f"pdserve-{key}-{i}",
-        )
+        # one placement group per TP group: all of its ranks' bundles land on one node together,
+        # a node with the pool's custom resources and labels (deploy/placement.py)
+        pg = placement_group(**pg_options(pool), name=f"pdserve-{key}-{i}")
         new.append(Replica(key, i, pg))
         cluster.replicas.append(new[-1])
     for r in new:
@@ -259,31 +233,41 @@ def _place_pool(
             raise DeployError(
                 f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {amounts(bundle)} "
                 f"within {ready_timeout_s:.0f}s; the Ray cluster has "
-                f"{amounts(cpus_gpus(ray.available_resources()))} free of "
-                f"{amounts(cpus_gpus(ray.cluster_resources()))}, the rest held by others: free "
+                f"{amounts(_of(bundle, ray.available_resources()))} free of "
+                f"{amounts(_of(bundle, ray.cluster_resources()))}, the rest held by others: free "
                 f"it, or lower pools.{key}.replicas or resources"
             ) from None
         cfg = _worker_config(cluster, key, pool, r.index, host)
         r.spawn = _spawner(r, pool, cfg, cores.get((key, r.index)), _flippable(cluster.config))
-        r.actor = r.spawn()
+        r.actor = _first_spawn(r)
+
+
+def _first_spawn(r: Replica, timeout_s: float = 10.0):
+    """r.spawn(), retried while its name is held: ray.kill frees a stopped deployment's actor
+    names a moment later, and a driver may start one deployment after another."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return r.spawn()
+        except ValueError as e:
+            if "already taken" not in str(e):
+                raise
+            if time.monotonic() > deadline:
+                raise DeployError(
+                    f"pools.{r.key}: a Ray actor named {r.name} is alive in this driver's Ray "
+                    f"namespace (another deployment started by this process?); stop it first"
+                ) from None
+            time.sleep(0.1)
+
+
+def _of(bundle: dict, resources: dict) -> dict:
+    """The amounts of `resources` (a Ray total) for the resources `bundle` asks for."""
+    return {k: resources.get(k, 0) for k in bundle} or cpus_gpus(resources)
 
 
 def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
-    replicas = [r for r in cluster.replicas if r.key == key]
-    refs = [r.actor.start.remote() for r in replicas]  # replicas load their models concurrently
-    for r, ref in zip(replicas, refs):
-        try:
-            r.address, mode = ray.get(ref, timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise DeployError(
-                f"pools.{key}: replica {r.index} did not start within {start_timeout_s:.0f}s"
-            ) from None
-        except (RayTaskError, RayActorError) as e:
-            raise DeployError(
-                f"pools.{key}: replica {r.index} failed to start: {ray_error_reason(e)}"
-            ) from None
-        r.serving_since = time.monotonic()
-        log.info("%s serving on %s; %s", r.name, r.address, mode)
+    """Starts the pool's replicas concurrently, logging each one's start stages as they come."""
+    start_and_watch([r for r in cluster.replicas if r.key == key], key, start_timeout_s)
 
 
 def _check_http_port_free(config: DeployConfig) -> None:
@@ -349,6 +333,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         http_body_timeout_s=config.router.http_body_timeout_s,
         http_max_connections=config.router.http_max_connections,
         api_keys=api_keys,
+        metrics_keys=config.router.metrics_keys(),
     )
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address
@@ -419,7 +404,7 @@ def up(
 
         log.info("this machine's CPU: %s", cpu_features().describe())
     t0 = time.perf_counter()
-    started, reaper = _init_ray(config, address)
+    started, reaper = init_ray(config, address)
     cluster = Cluster(
         config, started, security=security, deployment_id=uuid.uuid4().hex, reaper=reaper
     )
@@ -429,7 +414,9 @@ def up(
     try:
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        check_custom_resources(config, ray.cluster_resources(), local)
         check_resources(config, ray.cluster_resources(), nodes, local)
+        check_labels(config, ray.nodes())
         _start_router(cluster, api_keys)
         pools = config.worker_pools()
         cores = core_plan(pools, local)

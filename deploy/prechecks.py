@@ -1,7 +1,17 @@
-"""Checks `pdserve up` makes before it waits on anything: the router's port, the directories it
-writes on this machine (pdserve's cache, a local Ray's temp dir), the pools against the model, the
-pools against Ray's resources, and the cluster secret. Each refusal is a ConfigError or a
-DeployError whose one-line message names the key (or environment variable) to change."""
+"""Checks `pdserve up` makes before it waits on anything: the model on this machine, the router's
+ports, the settings the environment gives, the directories it writes on this machine (pdserve's
+cache, a local Ray's temp dir), the pools against Ray's resources and against the model, and the
+cluster secret. Each refusal is a ConfigError or a DeployError whose one-line message names the key
+(or environment variable) to change.
+
+`preflight` runs them in one order for both `pdserve up` and `pdserve up --check` (pdserve/cli.py),
+so the two stop at the same first refusal; nothing here starts Ray, binds a port for longer than a
+probe, or loads weights (a GGUF model is converted into the cache once, as the workers would).
+What cannot be known before the workers start, `preflight` returns as notes, which `--check`
+prints. After Ray has started, the launcher (deploy/launcher.py) calls check_resources again with
+the resources the cluster reports, the only check a cluster joined by address gets before its
+workers start. Nothing here keeps state between calls.
+"""
 
 from __future__ import annotations
 
@@ -145,10 +155,12 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
     short = [k for k, v in sorted(need.items()) if v > total.get(k, 0) + 1e-9]
     if short:
         more = "raise ray.num_cpus" if local and "CPU" in short else "add Ray nodes"
+        if local and "GPU" in short:
+            more = "join a Ray cluster that has them (ray.address, --address)"
+        has = ", ".join(f"{total.get(k, 0):g} {k}" for k in sorted(need))
         raise DeployError(
             f"the pools ask for {amounts(need)} ({'; '.join(asks)}) but the Ray cluster has "
-            f"{amounts({k: total.get(k, 0) for k in need})}: lower pools.<pool>.replicas, .tp or "
-            f".resources.num_{short[0].lower()}s, or {more}"
+            f"{has}: lower pools.<pool>.replicas, .tp or .resources.num_{short[0].lower()}s, or {more}"
         )
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
@@ -179,35 +191,128 @@ def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurit
     return security
 
 
-def check_offline(config: DeployConfig, address: str | None = None) -> list[str]:
-    """`pdserve up --check`: the refusals `up` makes before Ray starts, bar the router port (a
-    check of this moment, not of the config): the directories it writes here
-    (check_writable_dirs), the pools against the model (fit_problems; a model that is not on this
-    machine is checked for the placement only, its workers load it on their nodes) and, for a
-    local Ray, the pools against its CPUs. Returns the notes on what was not checked; raises
-    ConfigError or DeployError on a refusal."""
-    on_this_machine = not (address or config.ray.address)
-    from pdserve.engine.loader import CacheDirError, resolve_model
-
-    check_writable_dirs(config, on_this_machine, local_ray=on_this_machine)
-    notes = []
+def check_http_port_free(config: DeployConfig) -> None:
+    """router.http_port as check_port_free checks router.port (uvicorn would fail later, once Ray
+    and the router had started)."""
+    port = config.router.http_port
+    if not port:
+        return
     try:
-        resolve_model(config.model)
-    except CacheDirError as e:
-        raise DeployError(str(e)) from None
+        check_port_free(config.router.host, port)
+    except DeployError as e:
+        raise DeployError(str(e).replace("router.port", "router.http_port")) from None
+
+
+def model_path_problem(model: str) -> str | None:
+    """Why `model` is not found on this machine (the loader's one-line message), found without
+    converting anything (a GGUF is converted into the cache by check_model_fit, later); None
+    when it is there."""
+    from pdserve.engine.loader.resolve import SMOLLM2_ALIAS, resolve_model, smollm2_gguf_path
+
+    raw = model.strip()
+    try:
+        if raw.lower() == SMOLLM2_ALIAS:
+            smollm2_gguf_path()
+        elif not (raw.lower().endswith(".gguf") and pathlib.Path(raw).expanduser().is_file()):
+            resolve_model(raw)  # a directory (or a missing .gguf): checked, nothing converted
     except ValueError as e:
-        notes.append(f"the pools were not checked against the model: {e}")
+        return str(e)
+    return None
+
+
+def local_gpus() -> float:
+    """The GPUs a local Ray started by this process would have: Ray's own count (NVML, capped by
+    CUDA_VISIBLE_DEVICES), not what the YAML asks for. Imports Ray, so called only when a pool
+    asks for GPUs."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        count = manager.get_current_node_num_accelerators()
+        visible = manager.get_current_process_visible_accelerator_ids()
+        return float(count if visible is None else min(count, len(visible)))
+    except (ImportError, AttributeError):  # Ray moved its private API: ask torch instead
+        import torch
+
+        return float(torch.cuda.device_count())
+
+
+def check_environment(config: DeployConfig, environ=os.environ) -> None:
+    """The settings `up` reads from the environment, checked as it will read them: client API
+    keys (PDSERVE_API_KEYS, when no router key setting wins over it) and the cluster secret
+    (PDSERVE_CLUSTER_SECRET, likewise); the YAML's own were checked at load."""
+    try:
+        config.router.client_keys(environ)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    secret, source = config.security.secret(environ)
+    if secret is not None:
+        try:
+            config.security.cluster_security(secret)
+        except ValueError as e:
+            raise DeployError(f"{source}: {e}") from None
+
+
+# what no check can know before the workers start (README, "Deploying")
+NOT_BEFORE_START = (
+    "not knowable before the workers start: the weights loading, the precision each worker "
+    "serves (dtype auto probes it), the compiled CPU kernels' build, and a GPU pool's "
+    "kv_cache_memory fraction (it depends on the GPU's free memory)"
+)
+
+
+def preflight(config: DeployConfig, address: str | None = None, environ=os.environ) -> list[str]:
+    """The checks `pdserve up` and `pdserve up --check` both run, in this order, before Ray starts
+    and before any weights load; the first refusal ends them (a ConfigError or DeployError whose
+    one line names the key to change):
+
+      1. the model is on this machine (a local Ray; joining a cluster, the workers may load it on
+         their nodes: then a note, and only the placement is checked);
+      2. the router's gRPC port, then its HTTP port, are free on router.host;
+      3. the client keys and cluster secret the environment gives;
+      4. the directories `up` writes here (check_writable_dirs);
+      5. the pools against the resources a local Ray would have: ray.num_cpus (else the cores)
+         and the GPUs Ray finds here (local_gpus), not the YAML's counts, and no custom
+         resource; then ray.dashboard against the Ray installed;
+      6. the pools against the model (check_model_fit: TP divides the heads, one max_model_len
+         sequence fits each KV cache; a GGUF is converted into the cache first).
+
+    `address` overrides ray.address. Returns notes on what was not checked: a cluster joined by
+    address is checked against its resources only once `up` has joined it."""
+    on_this_machine = not (address or config.ray.address)
+    notes = []
+    missing = model_path_problem(config.model)
+    if missing and on_this_machine:
+        raise ConfigError("\n".join([missing] + placement_problems(config)))
+    if missing:
+        notes.append(
+            f"the pools were not checked against the model, not on this machine: {missing}"
+        )
         if placement_problems(config):  # refused whatever the model
-            raise ConfigError("\n".join(placement_problems(config))) from None
-    else:
-        check_model_fit(config, on_this_machine)
+            raise ConfigError("\n".join(placement_problems(config)))
+    check_port_free(config.router.host, config.router.port)
+    check_http_port_free(config)
+    check_environment(config, environ)
+    check_writable_dirs(config, on_this_machine, local_ray=on_this_machine)
     if on_this_machine:
         cpus = float(config.ray.num_cpus or os.cpu_count() or 1)
-        gpus = sum(p.replicas * p.tp * p.resources.num_gpus for _, p in config.worker_pools())
-        check_resources(
-            config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True
-        )
+        have = {"CPU": cpus}
+        if any(p.resources.num_gpus for _, p in config.worker_pools()):
+            have["GPU"] = local_gpus()
+        from pdserve.deploy.placement import check_custom_resources  # (it imports this module)
+
+        check_custom_resources(config, have, local=True)  # a local Ray has none
+        check_resources(config, have, [have], local=True)
+        if config.ray.dashboard:
+            from pdserve.deploy.ray_connect import check_dashboard
+
+            check_dashboard()
     else:
-        notes.append("the pools were not checked against the Ray cluster's resources (not joined)")
-    notes.append(f"router port {config.router.address} not probed (checked by `pdserve up`)")
+        notes.append(
+            f"the pools were not checked against the Ray cluster's resources: `up` checks them "
+            f"once it has joined {address or config.ray.address}"
+        )
+    if not missing:
+        check_model_fit(config, on_this_machine)
+    notes.append(NOT_BEFORE_START)
     return notes

@@ -42,6 +42,7 @@ class Replica:
     actor: object = None
     address: str | None = None
     spawn: Callable[[], object] | None = field(default=None, repr=False)  # a new actor in pg
+    info: dict | None = field(default=None, repr=False)  # WorkerActor.info() of its first start
     # the Supervisor's bookkeeping
     start_ref: object = field(default=None, repr=False)
     ping_ref: object = field(default=None, repr=False)
@@ -112,7 +113,13 @@ class Supervisor:
             return
         if r.actor is None:
             if time.monotonic() >= r.retry_at:
-                r.actor = r.spawn()  # same placement group, same worker config and worker_id
+                try:  # same placement group, worker config, worker_id and actor name
+                    r.actor = r.spawn()
+                except ValueError as e:  # the dead actor's name is freed a moment after it died
+                    if "already taken" not in str(e):
+                        raise
+                    r.retry_at = time.monotonic() + self.policy.poll_s
+                    return
                 r.start_ref = r.actor.start.remote()
             return
         ref = r.start_ref if r.start_ref is not None else r.ping_ref

@@ -7,13 +7,18 @@ router can flip it to the other pool while it runs (router/flips.py, worker_comm
 colocated deployment's workers decode only:
 they prefill their own prompts, and there is no other pool to flip to. `worker_config` builds
 the settings in the driver; WorkerActor, created by deploy/launcher.py in the replica's placement
-group, builds and starts the worker in its own process, and stops it when told.
+group, builds and starts the worker in its own process, and stops it when told. While it starts,
+the actor records the start's stages (worker_common/start_stages.py) and `stages` hands them to the
+launcher as they come (the actor runs its calls on a few threads, so `stages` answers while
+`start` is still busy); once started, `info` says where and how it serves (deploy/start_table.py
+prints it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 import ray
 
@@ -40,6 +45,16 @@ def build_worker(role: str, cfg, flippable: bool):
     if flippable:
         return WorkerProcess(cfg, [DecodePart(cfg), PrefillPart()], role=role)
     return DecodeWorker(cfg) if role == "decode" else PrefillWorker(cfg)
+
+
+def log_file() -> str | None:
+    """The file this process's stderr goes to (a Ray worker's log: Ray points it at
+    <session>/logs/worker-*.err), or None when it is not a file."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return None
+    return path if path.startswith("/") and os.path.isfile(path) else None
 
 
 def pin_to(cpus: list[int] | None) -> None:
@@ -71,6 +86,10 @@ class WorkerActor:
         self.role = role
         self.worker_config = worker_config
         self.worker = None
+        from pdserve.worker_common.start_stages import StageLog, log_to_stderr
+
+        log_to_stderr()  # this process's log file: Ray points stderr at it
+        self.start_stages = StageLog(worker_config.worker_id)
 
     def start(self) -> tuple[str, str]:
         """Loads the model, starts serving; returns the worker's gRPC address and its engine's
@@ -81,8 +100,49 @@ class WorkerActor:
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         if hasattr(cfg, "kv_options"):  # its decode part's KV server listens there too
             cfg = dataclasses.replace(cfg, kv_options={"host": cfg.host, **cfg.kv_options})
-        self.worker = build_worker(self.role, cfg, self.flippable).start()
+        from pdserve.worker_common.start_stages import traced
+
+        self.start_stages.begin()
+        with traced(self.start_stages):
+            self.worker = build_worker(self.role, cfg, self.flippable).start()
+        self.start_stages.add("serving", f"{self.role} on {self.worker.address}")
         return self.worker.address, self.worker.loop.engine.mode_note
+
+    def stages(self, since: int = 0) -> list[tuple[float, str, str]]:
+        """The start's stages after the first `since`: (seconds into the start, stage, text)."""
+        return [(s.t, s.name, s.text) for s in self.start_stages.since(since)]
+
+    def info(self) -> dict:
+        """Where and how this started worker serves, as plain data (deploy/start_table.py's
+        row): its node, cores, process and log file, its precision and its KV capacity."""
+        from pdserve.worker_common.start_stages import kv_capacity
+
+        engine = self.worker.loop.engine
+        cfg = engine.config
+        affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cores = self.cpus or affinity
+        context = ray.get_runtime_context()
+        return dict(
+            worker_id=self.worker_config.worker_id,
+            role=self.worker.role,
+            address=self.worker.address,
+            node_ip=ray.util.get_node_ip_address(),
+            node_id=context.get_node_id(),
+            hostname=socket.gethostname(),
+            pinned=bool(self.cpus),
+            cores=list(cores),
+            pid=os.getpid(),
+            log_file=log_file(),
+            device=cfg.device,
+            dtype=cfg.dtype,
+            quantization=cfg.quantization,
+            kv_dtype=str(engine.runner.kv_cache.dtype).removeprefix("torch."),
+            kv_backend=getattr(self.worker_config, "kv_backend", None),
+            tp=cfg.tensor_parallel_size,
+            **kv_capacity(
+                engine.runner.num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs
+            ),
+        )
 
     def ping(self) -> bool:
         return self.worker is not None

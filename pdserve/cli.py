@@ -169,7 +169,7 @@ def _run_local(args) -> int:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
     c = out.outputs[0]
-    print(c.text)
+    print(c.text, end="" if c.text.endswith("\n") else "\n", flush=True)
     ttft = out.metrics.get("first_token", 0) - out.metrics.get("arrival", 0)
     print(
         f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
@@ -207,7 +207,7 @@ def _run_remote(args) -> int:
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
     from pdserve.protos.security import client_key_metadata
 
-    num_tokens, finish, t_first = 0, None, None
+    num_tokens, finish, t_first, ends_line = 0, None, None, True
     t0 = time.perf_counter()
     try:
         channel = _channel(args)
@@ -226,6 +226,7 @@ def _run_remote(args) -> int:
                     num_tokens += len(resp.delta.token_ids)
                     sys.stdout.write(resp.delta.text)
                     sys.stdout.flush()
+                    ends_line = resp.delta.text.endswith("\n") if resp.delta.text else ends_line
                 elif resp.HasField("finish"):
                     finish = resp.finish
     except grpc.RpcError as e:
@@ -240,7 +241,9 @@ def _run_remote(args) -> int:
         )
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     elapsed = time.perf_counter() - t0
-    print()
+    # the text ends its line whatever stopped it (a `length` stop ends mid-line), and reaches
+    # stdout before the summary reaches stderr, even when both go to one file
+    print("" if ends_line else "\n", end="", flush=True)
     reason = finish.finish_reason if finish is not None else "?"
     ttft = f"{(t_first - t0) * 1e3:.0f} ms" if t_first is not None else "-"
     decode_s = elapsed - (t_first - t0) if t_first is not None else 0.0
@@ -257,22 +260,35 @@ def _run_remote(args) -> int:
     return 0
 
 
-def _check_up(args, config: DeployConfig) -> int:
-    """`pdserve up --check`: the config loaded and validated as `up` would before Ray starts
-    (deploy/prechecks.check_offline); 0 when `up` would go on, 2 with its refusal."""
-    from pdserve.deploy.prechecks import DeployError, check_offline
+def _refused(args, e: Exception) -> int:
+    """A refusal before anything started, printed alike by `up` and `up --check`: one line per
+    problem, each naming the config (a ConfigError: its keys) or what to change; exit code 2."""
+    prefix = f"{args.config or 'default config'}: " if isinstance(e, ConfigError) else ""
+    for line in str(e).splitlines() or [type(e).__name__]:
+        print(f"pdserve: {prefix}{line}", file=sys.stderr)
+    return 2
 
-    name = args.config or "default config"
+
+def _preflight(args, config: DeployConfig) -> list[str] | int:
+    """deploy/prechecks.preflight: the notes on what it could not check, or 2 once refused."""
+    from pdserve.deploy.prechecks import DeployError, preflight
+
     try:
-        notes = check_offline(config, args.address)
+        return preflight(config, args.address)
     except (ConfigError, DeployError) as e:
-        for line in str(e).splitlines():
-            print(f"pdserve: {name}: {line}", file=sys.stderr)
-        return 2
+        return _refused(args, e)
+
+
+def _check_up(args, config: DeployConfig) -> int:
+    """`pdserve up --check`: the checks `up` runs before Ray starts, the same ones in the same
+    order (deploy/prechecks.preflight); 0 when `up` would go on, 2 with its first refusal."""
+    notes = _preflight(args, config)
+    if isinstance(notes, int):
+        return notes
     for note in notes:
         print(f"note: {note}")
     pools = ", ".join(f"{k} {p.replicas} x tp {p.tp}" for k, p in config.worker_pools())
-    print(f"{name}: ok ({config.model}; {pools}); nothing started")
+    print(f"{args.config or 'default config'}: ok ({config.model}; {pools}); nothing started")
     return 0
 
 
@@ -304,6 +320,9 @@ def _run_up(args) -> int:
         return 2
     if args.check:
         return _check_up(args, config)
+    notes = _preflight(args, config)  # as --check: the same refusals, in the same order
+    if isinstance(notes, int):
+        return notes
     # the deployment's own lines (deaths, replacements, the secret's source: never the secret)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pdserve.deploy").setLevel(logging.INFO)
@@ -311,19 +330,15 @@ def _run_up(args) -> int:
 
     try:
         cluster = up(config, address=args.address, block=False)
-    except ConfigError as e:  # the pools against the model, one line per problem
-        for line in str(e).splitlines():
-            print(f"pdserve: {args.config or 'default config'}: {line}", file=sys.stderr)
-        return 2
-    except DeployError as e:  # the port, Ray's resources, a worker that failed to start
-        print(f"pdserve: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, DeployError) as e:  # Ray's resources, a worker that failed to start
+        return _refused(args, e)
     except KeyboardInterrupt:
         return 130
     print(f"router on {cluster.router_address}", flush=True)  # gRPC: pdserve.v1.PDServe
     if cluster.http_url:
         print(f"OpenAI-compatible HTTP on {cluster.http_url}/v1", flush=True)
     print("ready", flush=True)
+    print(cluster.start_table(), flush=True)  # each worker: node, cores, precision, KV, log
     cluster.wait()  # until Ctrl-C / SIGTERM, replacing dead workers meanwhile; then stops
     return 0
 
@@ -361,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     upp.add_argument(
         "--check",
         action="store_true",
-        help="load and validate the config as `up` would before starting Ray (the pools against "
-        "the model and a local Ray's CPUs), print the result and exit: 0 ok, 2 refused",
+        help="run the checks `up` runs before starting Ray, in the same order (the model path, "
+        "the gRPC and HTTP ports, the environment's keys, the cache, the resources a local Ray "
+        "would have, the pools against the model), say what only a start can tell, and exit: "
+        "0 ok, 2 refused with `up`'s first line",
     )
     upp.add_argument(
         "--http-port",

@@ -6,7 +6,8 @@ inside the router process, next to gRPC, until the router stops (docs/architectu
     POST /v1/completions        a prompt, or a batch of them  -> gRPC Generate, one call per prompt
     POST /v1/chat/completions   messages (the model's chat template)  -> gRPC Generate
     GET  /health                200 while every pool has a worker, else 503 (no key needed)
-    GET  /metrics               the router's Prometheus registry (needs a key when keys are set)
+    GET  /metrics               the router's Prometheus registry, no *_created series (a key:
+                                the metrics keys' when set, else the client keys' when set)
 
 Every request takes one path: its handler checks the key, reads the body, validates it
 (router/openai_schema.py), and calls the router's own gRPC API through an in-process grpc.aio
@@ -27,7 +28,7 @@ import grpc
 import grpc.aio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -35,6 +36,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.router.http_conn import CLOSED_BY
+from pdserve.router.metrics import exposition
 from pdserve.router.openai_format import (
     KNOWN_FIELDS,
     ApiError,
@@ -189,8 +191,18 @@ def build_app(front: HttpFront) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        authorize(request)
-        data = generate_latest(s.metrics_registry) if s.metrics_registry is not None else b""
+        if s.metrics_keys:  # the scrape's own keys (router.metrics_keys_file), not the clients'
+            if not s.metrics_keys.accepts_header(request.headers.get("authorization")):
+                raise ApiError(
+                    401,
+                    "GET /metrics needs a metrics key (router.metrics_keys_file): send the "
+                    "header 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+        else:
+            authorize(request)
+        data = exposition(s.metrics_registry) if s.metrics_registry is not None else b""
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

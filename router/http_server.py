@@ -76,6 +76,7 @@ class HttpSettings:
     # refused here, before a gRPC message that may exceed the gRPC port's size limit; 0: no check
     max_prompt_bytes: int = 0
     metrics_registry: object = None
+    metrics_keys: ClientKeys = NO_KEYS  # any: GET /metrics takes one of these, no client key
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0

@@ -7,14 +7,24 @@ usage and timings). Per-worker figures are read at scrape time by WorkerCollecto
 WorkerStats that the router's WorkerPool already keeps: a scrape never makes an RPC, so it cannot
 wait on a slow worker. Worker counters restart at 0 with the worker process, which Prometheus's
 rate() and increase() allow. Names, types and bucket layouts follow vLLM's
-(vllm/v1/metrics/loggers.py), with model_name on every series.
+(vllm/v1/metrics/loggers.py), with model_name on every series. As vLLM does, no `*_created`
+series: the module turns prometheus_client's off as it is imported, and `exposition`, which
+renders GET /metrics, leaves out any a collector still yields. deploy/grafana/pdserve.json is a
+dashboard over these names (tests/unit/test_grafana_dashboard.py keeps the two in step).
 """
 
 from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -23,6 +33,7 @@ from pdserve.router.recent import RecentRequests
 from pdserve.router.stage_timings import STAGES, stage_durations
 
 log = logging.getLogger(__name__)
+disable_created_metrics()  # process-wide: one `_created` per series doubles a scrape's lines
 _NS = 1e-9
 _FINE = [0.001, 0.0025, 0.005]  # below vLLM's buckets
 # vLLM's layouts, plus (marked +) a few finer buckets where a CPU cluster's TTFTs and decode steps
@@ -47,6 +58,34 @@ STAGE_BUCKETS = [
 ]  # fmt: skip
 BYTES_BUCKETS = [float(1 << k) for k in range(10, 35, 2)]  # 1 KiB .. 16 GiB, x4
 RATIO_BUCKETS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+
+
+class _NoCreated(Collector):
+    """`registry`'s families without their `*_created` samples."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """GET /metrics's body: Prometheus's text format of `registry`, no `*_created` series."""
+    return generate_latest(_NoCreated(registry))
+
+
+def served_names(registry: CollectorRegistry) -> set[str]:
+    """Every series name a scrape of `registry` can show, each family's samples included before
+    they have a value: a counter's NAME_total, a histogram's _bucket, _sum and _count, a gauge's
+    NAME (what a dashboard's query may name)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    names = set()
+    for family in registry.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:

@@ -94,6 +94,8 @@ class RouterConfig:
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # the metrics scrape's own keys: when any, GET /metrics takes one of them and no client key
+    metrics_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         for name in (
@@ -125,6 +127,7 @@ class RouterConfig:
                 f"{self.http_max_body_bytes}"
             )
         ClientKeys(tuple(self.api_keys))  # raises on a malformed key, without showing it
+        ClientKeys(tuple(self.metrics_keys))
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(
                 f"RouterConfig.max_model_len must be None or >= 2, got {self.max_model_len}"
@@ -336,6 +339,7 @@ class Router:
                 body_timeout_s=cfg.http_body_timeout_s,
                 max_connections=cfg.http_max_connections,
                 metrics_registry=self.metrics_registry,
+                metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

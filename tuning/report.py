@@ -26,9 +26,37 @@ def _line(label: str, value) -> str:
     return f"{label:<40}{text:<10}"
 
 
-def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
-    lines = [
-        f" {title} ".center(WIDTH, "="),
+def describe_load(args) -> tuple[str, str]:
+    """(the requests, their arrivals) of a `pdserve bench` run, from its arguments: what the
+    summary names, so that a table pasted elsewhere still says what it measured."""
+    if args.trace:
+        shaped = [f"x{args.scale:g}"] if args.scale != 1 else []
+        shaped += [f"from {args.trace_start:g}s"] if args.trace_start else []
+        shaped += [f"prompt <= {args.max_prompt}"] if args.max_prompt else []
+        shaped += [f"output <= {args.max_output}"] if args.max_output else []
+        what = f"trace {args.trace}" + (f" ({', '.join(shaped)})" if shaped else "")
+    else:
+        what = f"synthetic {args.prompt_len} in / {args.output_len} out"
+    if getattr(args, "sweep_rates", None):
+        rate = f"sweep {args.sweep_rates} req/s"
+    elif args.rate is None:
+        rate = "the trace's own arrival times" if args.trace else "all at once"
+    elif args.rate == float("inf"):
+        rate = "all at once (inf)"
+    else:
+        gaps = "Poisson" if args.burstiness == 1 else f"gamma, burstiness {args.burstiness:g}"
+        rate = f"{args.rate:g} req/s ({gaps})"
+    return f"{what}, {args.num_requests} requests", rate
+
+
+def format_summary(
+    s: dict, title: str = "Serving Benchmark Result", load: tuple[str, str] | None = None
+) -> str:
+    """The run's table; `load` (describe_load) names the workload and the rate it ran."""
+    lines = [f" {title} ".center(WIDTH, "=")]
+    if load is not None:
+        lines += [f"Workload: {load[0]}", f"Request rate: {load[1]}"]
+    lines += [
         _line("Successful requests:", s["completed"]),
         _line("Failed requests:", s["failed"]),
     ]
@@ -70,9 +98,16 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
     return "\n".join(lines)
 
 
-def format_sweep(runs: list[Run], summaries: list[dict], goodput: dict, scales: list[dict]) -> str:
+def format_sweep(
+    runs: list[Run],
+    summaries: list[dict],
+    goodput: dict,
+    scales: list[dict],
+    load: tuple[str, str] | None = None,
+) -> str:
     lines = [
         " Rate sweep ".center(WIDTH + 22, "="),
+        *([f"Workload: {load[0]}", f"Request rate: {load[1]}"] if load is not None else []),
         f"{'rate':>8} {'done':>6} {'failed':>6} {'attain':>7} {'p90 TTFT':>10} {'p90 TPOT':>10} "
         f"{'goodput':>9} {'lag':>8}",
         f"{'req/s':>8} {'':>6} {'':>6} {'%':>7} {'ms':>10} {'ms':>10} {'req/s':>9} {'ms':>8}",

@@ -143,7 +143,7 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
     from pdserve.deploy.launcher import RestartPolicy, up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-    caplog.set_level(logging.INFO, "deploy")
+    caplog.set_level(logging.INFO, "pdserve.deploy")
     model_dir, _ = tiny_models("llama-gqa")
     prompt_ids = random_prompts([23], seed=5)[0]
     ray_tmp = tempfile.mkdtemp(prefix="pdray")
@@ -234,8 +234,10 @@ def test_a_worker_that_fails_to_start_is_one_line_naming_its_pool(
     import ray
 
     from pdserve.cli import main
-    from pdserve.deploy import launcher
+    from pdserve.deploy import launcher, prechecks
 
+    # both places that check the fit before Ray starts: `up`'s preflight and the launcher's own
+    monkeypatch.setattr(prechecks, "check_model_fit", lambda *a, **k: None)
     monkeypatch.setattr(launcher, "check_model_fit", lambda *a, **k: None)
     model_dir, _ = tiny_models("llama-gqa")
     ray_tmp = tempfile.mkdtemp(prefix="pdray")

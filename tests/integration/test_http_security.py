@@ -242,6 +242,19 @@ def test_pdserve_generate_sends_the_key_from_the_environment(secured, idle, monk
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "2 generated" in err and KEY2 not in err
+    # a `length` stop ends mid-line: the text's line ends before the summary, which starts a
+    # line of its own even with stdout and stderr in one pipe (issue 28)
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=120, env={**os.environ, "PDSERVE_API_KEY": KEY2},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout
+    *text, summary = done.stdout.rstrip("\n").split("\n")
+    assert text and summary.startswith("[") and "finish=length" in summary, done.stdout
 
 
 def test_pdserve_bench_sends_the_key_from_the_environment(workers, idle, monkeypatch):

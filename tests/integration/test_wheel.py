@@ -9,8 +9,8 @@ directory outside the repository run what a deployment needs from the installed 
   * the engine with its compiled CPU kernel (the .cpp sources are package data) and a short
     generation with SmolLM2 (`pdserve generate --local`);
   * `pdserve tune` with the shipped profile and a bundled trace, writing a deploy YAML;
-  * `pdserve up --check` on the shipped examples and on the tuned YAML (validation only: nothing
-    starts, no Ray).
+  * `pdserve up --check` on the shipped examples (validation only: nothing starts, no Ray), and
+    on the tuned YAML, which it refuses by its model's path (tuned for a machine that has it).
 
 Every import is checked to come from the virtual environment, not from this checkout.
 """
@@ -222,6 +222,13 @@ def test_tune_then_up_check_from_the_venv(venv):
     assert "best: " in out and tuned.is_file()
     examples = sorted((pathlib.Path(pkg) / "deploy" / "examples").glob("local-cpu*.yaml"))
     assert examples
-    for config in [*examples, tuned]:
+    for config in examples:
         out = _run([bin_dir / "pdserve", "up", config, "--check"], work, env=_env())
         assert "nothing started" in out
+    # tuned for a machine that has the model: refused here by its path, first, as `up` would
+    done = subprocess.run(
+        [bin_dir / "pdserve", "up", tuned, "--check"], cwd=work, capture_output=True, text=True,
+        timeout=300, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"pdserve: {tuned}: model: got '/models/Meta-Llama-3-8B'")

@@ -105,10 +105,11 @@ def test_client_keys_accept_only_their_keys():
 
 
 def test_up_prints_the_grpc_and_the_http_address(monkeypatch, capsys):
-    """`pdserve up` prints both fronts' addresses once the deployment is up (the launcher is
-    stubbed: the real one runs in tests/e2e), with --http-port passed through."""
+    """`pdserve up` prints both fronts' addresses once the deployment is up (the launcher and the
+    checks before it are stubbed: the real ones run in tests/e2e), with --http-port passed
+    through."""
     from pdserve.cli import main
-    from pdserve.deploy import launcher
+    from pdserve.deploy import launcher, prechecks
 
     seen = {}
 
@@ -119,15 +120,20 @@ def test_up_prints_the_grpc_and_the_http_address(monkeypatch, capsys):
         def wait(self):
             return "interrupted"
 
+        def start_table(self):  # the workers' table (deploy/start_table.py): none here
+            return ""
+
     def fake_up(config, address=None, block=True):
         seen["http_port"] = config.router.http_port
         return Up()
 
     monkeypatch.setattr(launcher, "up", fake_up)
+    # the checks before the start probe the ports (tests/integration/test_up_check_same_refusals.py)
+    monkeypatch.setattr(prechecks, "preflight", lambda config, address=None: [])
     assert main(["up", "--http-port", "9100"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert seen == {"http_port": 9100}
-    assert out == [
+    assert out[:3] == [  # then the workers' table (deploy/start_table.py)
         "router on 127.0.0.1:50051",
         "OpenAI-compatible HTTP on http://127.0.0.1:9100/v1",
         "ready",

@@ -33,7 +33,7 @@ def test_pools_that_cannot_fit_the_cluster_are_refused_with_what_to_lower():
         "ray.num_cpus"
     )
     gpus = pools({"resources": {"num_gpus": 1}}, {"resources": {"num_gpus": 1}})
-    with pytest.raises(DeployError, match=r"has 8 CPU: .*\.resources\.num_gpus, or add Ray nodes"):
+    with pytest.raises(DeployError, match=r"has 8 CPU, 0 GPU: .*\.num_gpus, or add Ray nodes"):
         launcher.check_resources(gpus, {"CPU": 8.0}, [{"CPU": 8.0}], local=False)
 
 
@@ -76,7 +76,7 @@ def test_pools_that_fit_pass():
 
 # ---- the cluster secret ----------------------------------------------------------------------------
 def test_up_makes_a_fresh_secret_when_none_is_given(caplog):
-    caplog.set_level(logging.INFO, "deploy")
+    caplog.set_level(logging.INFO, "pdserve.deploy")
     a = launcher.cluster_security(validate_config({}), {})
     b = launcher.cluster_security(validate_config({}), {})
     assert a.secret and b.secret and a.secret != b.secret and len(a.secret) >= 32
@@ -86,7 +86,7 @@ def test_up_makes_a_fresh_secret_when_none_is_given(caplog):
 
 
 def test_the_environment_gives_the_secret_unless_the_yaml_does(caplog):
-    caplog.set_level(logging.INFO, "deploy")
+    caplog.set_level(logging.INFO, "pdserve.deploy")
     env = {"PDSERVE_CLUSTER_SECRET": SECRET}
     assert launcher.cluster_security(validate_config({}), env).secret == SECRET
     yaml_secret = "the-yaml-secret-0123456789"

@@ -13,7 +13,7 @@ import pytest
 from pdserve import cli
 from pdserve.deploy.config import load_config, validate_config
 from pdserve.deploy.config_checks import fit_problems
-from pdserve.deploy.prechecks import check_offline
+from pdserve.deploy.prechecks import check_resources
 from pdserve.tuning.deploy_yaml import deploy_yaml, hf_config
 from pdserve.tuning.perf_model import ProfileError, load_profile, profile_from_dict
 from pdserve.tuning.simulator import Placement, PoolSpec
@@ -60,13 +60,21 @@ def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
 
 
 def assert_launchable(path, profile) -> None:
-    """What `pdserve up` checks before Ray starts, on a YAML `pdserve tune` wrote: it loads, the
-    pools fit the profile's model (fit_problems, the placement refusals included), and the
-    offline prechecks pass (`pdserve up --check`: the model need not be on this machine)."""
+    """What `pdserve up` checks before Ray starts (deploy/prechecks.preflight), on a YAML `pdserve
+    tune` wrote, bar what this machine cannot stand in for: the model, which is on the machine it
+    was tuned for (`up --check` here refuses it first), and the router's ports (a probe opens a
+    socket: tests/integration/test_up_check_same_refusals.py). It loads, the pools fit the
+    profile's model (fit_problems, the placement refusals included), and a local Ray with the
+    YAML's ray.num_cpus and the devices it was tuned for holds them."""
     cfg = load_config(path)
     assert fit_problems(cfg, hf_config(profile)) == []
-    check_offline(cfg)
-    assert cli.main(["up", str(path), "--check"]) == 0
+    if cfg.ray.address is None:
+        pools = [p for _, p in cfg.worker_pools()]
+        have = {
+            "CPU": float(cfg.ray.num_cpus),
+            "GPU": sum(p.replicas * p.tp * p.resources.num_gpus for p in pools),
+        }
+        check_resources(cfg, have, [have], local=True)
 
 
 # ---- the derived GPU profile ---------------------------------------------------------------------

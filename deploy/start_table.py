@@ -1,0 +1,99 @@
+"""The table `pdserve up` prints once every worker is ready: one row per worker with its role, the
+Ray node it runs on, its cores, the precision it serves in, its KV transfer backend, its KV
+capacity (blocks, tokens, and how many sequences of max_model_len fit at once) and its log file.
+
+The launcher collects each started worker's WorkerActor.info() (plain data, deploy/workers.py)
+into Cluster.workers; `format_table` turns those into the text, and nothing here talks to Ray or a
+worker, so tests/unit/test_start_table.py checks the wording alone. A value a worker did not
+report shows as "?", so a table is printed even for a worker whose info could not be read.
+"""
+
+from __future__ import annotations
+
+COLUMNS = (
+    "worker",
+    "role",
+    "node",
+    "cores",
+    "precision",
+    "KV backend",
+    "KV blocks",
+    "max seqs",
+    "log",
+)
+
+
+def core_ranges(cores: list[int]) -> str:
+    """0,1,2,5 -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for c in sorted(set(cores)):
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def _cores(info: dict) -> str:
+    cores = info.get("cores")
+    if not cores:
+        return "?"
+    if info.get("pinned"):
+        return f"{core_ranges(cores)} (pinned)"
+    return f"any of {core_ranges(cores)}"
+
+
+def _node(info: dict) -> str:
+    ip, node_id = info.get("node_ip"), info.get("node_id")
+    if not ip and not node_id:
+        return "?"
+    return f"{ip or '?'} ({node_id[:8] if node_id else '?'})"
+
+
+def _precision(info: dict) -> str:
+    dtype = info.get("dtype")
+    if not dtype:
+        return "?"
+    text = dtype + (f"+{info['quantization']}" if info.get("quantization") else "")
+    device = info.get("device")
+    if device and device != "cpu":
+        text += f" on {device}"
+    if (info.get("tp") or 1) > 1:
+        text += f", tp {info['tp']}"
+    return text
+
+
+def _kv(info: dict) -> str:
+    if info.get("blocks") is None:
+        return "?"
+    return f"{info['blocks']} x {info['block_size']} = {info['tokens']} tokens"
+
+
+def _max_seqs(info: dict) -> str:
+    if info.get("max_seqs_at_max_len") is None:
+        return "?"
+    return f"{info['max_seqs_at_max_len']} at {info['max_model_len']} tokens"
+
+
+def row(info: dict, kv_backend: str | None = None) -> tuple[str, ...]:
+    """One worker's cells, in COLUMNS' order. `kv_backend` overrides the worker's own (a
+    colocated deployment hands no KV off: the launcher says so)."""
+    return (
+        info.get("worker_id") or "?",
+        info.get("role") or "?",
+        _node(info),
+        _cores(info),
+        _precision(info),
+        kv_backend or info.get("kv_backend") or "?",
+        _kv(info),
+        _max_seqs(info),
+        info.get("log_file") or "?",
+    )
+
+
+def format_table(infos: list[dict], kv_backend: str | None = None) -> str:
+    """The table of `infos` (one WorkerActor.info() each), its columns aligned, a header first."""
+    rows = [COLUMNS] + [row(i, kv_backend) for i in infos]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)

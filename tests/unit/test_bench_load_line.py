@@ -1,0 +1,55 @@
+"""`pdserve bench`'s summary names the workload and the rate it ran (tuning/report.describe_load),
+for a trace, synthetic lengths, a re-timed rate, all at once and a sweep (issue 28)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.tuning import bench, report
+from pdserve.tuning.metrics import summarize
+
+
+def args_of(*argv: str):
+    p = argparse.ArgumentParser()
+    bench.add_args(p, "127.0.0.1:50051")
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "load"),
+    [
+        (
+            ["--trace", "azure_conv", "--scale", "0.1", "--num-requests", "20", "--rate", "2"],
+            ("trace azure_conv (x0.1), 20 requests", "2 req/s (Poisson)"),
+        ),
+        (
+            ["--trace", "azure_code", "--num-requests", "5"],
+            ("trace azure_code, 5 requests", "the trace's own arrival times"),
+        ),
+        (
+            ["--prompt-len", "256", "--output-len", "32", "--rate", "1", "--burstiness", "0.5"],
+            ("synthetic 256 in / 32 out, 100 requests", "1 req/s (gamma, burstiness 0.5)"),
+        ),
+        (
+            ["--prompt-len", "8", "--output-len", "4", "--rate", "inf"],
+            ("synthetic 8 in / 4 out, 100 requests", "all at once (inf)"),
+        ),
+        (
+            ["--trace", "azure_conv", "--sweep-rates", "0.5,1"],
+            ("trace azure_conv, 100 requests", "sweep 0.5,1 req/s"),
+        ),
+    ],
+)
+def test_the_load_is_named(argv, load):
+    assert report.describe_load(args_of(*argv)) == load
+
+
+def test_the_summary_starts_with_it():
+    load = report.describe_load(args_of("--trace", "azure_conv", "--rate", "3"))
+    lines = report.format_summary(summarize([], 1.0, None), load=load).splitlines()
+    assert lines[1:3] == [
+        "Workload: trace azure_conv, 100 requests",
+        "Request rate: 3 req/s (Poisson)",
+    ]

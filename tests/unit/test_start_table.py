@@ -1,0 +1,86 @@
+"""The table `pdserve up` prints after `ready` (deploy/start_table.py): one aligned row per worker
+with its node, cores, precision, KV backend and capacity and log file, "?" for what a worker did
+not report. The real workers' rows: tests/e2e/test_ray_cluster_join.py."""
+
+from __future__ import annotations
+
+from pdserve.deploy.start_table import COLUMNS, core_ranges, format_table, row
+
+DECODE = dict(
+    worker_id="decode-0",
+    role="decode",
+    node_ip="10.0.0.2",
+    node_id="10c5ef9d0123456789",
+    pinned=True,
+    cores=[2, 3],
+    device="cpu",
+    dtype="float32",
+    quantization="int8",
+    kv_backend="grpc",
+    tp=1,
+    blocks=512,
+    block_size=16,
+    tokens=8192,
+    max_model_len=2048,
+    max_seqs_at_max_len=4,
+    log_file="/tmp/ray/session_x/logs/worker-ab-01-123.err",
+)
+
+
+def test_core_ranges_are_compressed():
+    assert core_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert core_ranges([3]) == "3"
+    assert core_ranges([]) == ""
+
+
+def test_a_row_says_where_and_how_the_worker_serves():
+    assert row(DECODE) == (
+        "decode-0",
+        "decode",
+        "10.0.0.2 (10c5ef9d)",
+        "2-3 (pinned)",
+        "float32+int8",
+        "grpc",
+        "512 x 16 = 8192 tokens",
+        "4 at 2048 tokens",
+        "/tmp/ray/session_x/logs/worker-ab-01-123.err",
+    )
+    gpu = {**DECODE, "device": "cuda", "quantization": None, "dtype": "bfloat16", "tp": 2}
+    assert row(gpu)[4] == "bfloat16 on cuda, tp 2"
+    unpinned = {**DECODE, "pinned": False, "cores": [0, 1, 2, 3]}
+    assert row(unpinned)[3] == "any of 0-3"
+    assert row(DECODE, kv_backend="none (colocated)")[5] == "none (colocated)"
+
+
+def test_what_a_worker_did_not_report_shows_as_a_question_mark():
+    assert row({"worker_id": "prefill-1", "role": "prefill"}) == ("prefill-1", "prefill") + (
+        "?",
+    ) * (len(COLUMNS) - 2)
+
+
+def test_the_table_has_a_header_and_aligned_columns():
+    prefill = {**DECODE, "worker_id": "prefill-10", "role": "prefill", "quantization": None}
+    lines = format_table([DECODE, prefill]).splitlines()
+    assert len(lines) == 3
+    assert lines[0].split() == [
+        "worker",
+        "role",
+        "node",
+        "cores",
+        "precision",
+        "KV",
+        "backend",
+        "KV",
+        "blocks",
+        "max",
+        "seqs",
+        "log",
+    ]
+    # every column starts where its header does
+    for name in ("role", "node", "cores", "precision", "KV backend", "KV blocks", "log"):
+        at = lines[0].index(name)
+        assert lines[1][at - 2 : at] == "  " and lines[1][at] != " ", (name, lines)
+        assert lines[2][at - 2 : at] == "  " and lines[2][at] != " ", (name, lines)
+    assert lines[2].startswith("prefill-10  prefill  10.0.0.2 (10c5ef9d)")
+    assert "float32 " in lines[2] and "float32+int8" in lines[1]
+    assert not any(line.endswith(" ") for line in lines)
