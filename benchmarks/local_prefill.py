@@ -33,10 +33,14 @@ from benchmarks.bench_common import add_out_arg, log, run_header, script_parser,
 from benchmarks.chaos_harness import deployment, example_config
 
 
-def bench_once(router: str, args, out_path: str) -> dict:
+def bench_once(router: str, args, out_path: str, prompt_seed: int) -> dict:
+    """One bench run: the same arrivals every time (seed 27), and prompts of their own
+    (`prompt_seed`), so that no run finds an earlier run's prompts in a worker's prefix cache or
+    in the router's view of it."""
     cmd = [sys.executable, "-m", "pdserve", "bench", "--router", router, "--trace", "azure_conv"]
     cmd += ["--scale", "0.2", "--max-prompt", "512", "--max-output", "64"]
     cmd += ["--num-requests", str(args.num_requests), "--rate", str(args.rate), "--seed", "27"]
+    cmd += ["--prompt-seed", str(prompt_seed)]
     cmd += ["--slo", f"ttft={args.ttft_s}s,tpot={args.tpot_s}s", "--out", out_path]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
     with open(out_path) as f:
@@ -75,6 +79,7 @@ def run(args) -> dict:
                 cluster.router_address,
                 dataclasses.replace(args, num_requests=20),
                 f"{tmp}/warm.json",
+                prompt_seed=1000,
             )
             for k in range(2 * args.runs):
                 mode = "local" if k % 2 else "disaggregated"
@@ -82,7 +87,14 @@ def run(args) -> dict:
                 before = local_count(router)
                 t0 = time.monotonic()
                 row = {"run": k // 2 + 1, "mode": mode}
-                row.update(bench_once(cluster.router_address, args, os.path.join(tmp, f"{k}.json")))
+                row.update(
+                    bench_once(
+                        cluster.router_address,
+                        args,
+                        os.path.join(tmp, f"{k}.json"),
+                        prompt_seed=1001 + k,
+                    )
+                )
                 row["local_prefills"] = int(local_count(router) - before)
                 row["took_s"] = round(time.monotonic() - t0, 1)
                 rows.append(row)

@@ -57,6 +57,13 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
     src.add_argument(
         "--seed", type=int, default=0, help="arrivals and prompt token ids (default 0)"
     )
+    src.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=None,
+        help="prompt token ids only (default: --seed): runs with the same arrivals and fresh "
+        "prompts, so that no run finds the last one's prompts in a prefix cache",
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--rate", type=float, default=None, help="req/s (re-times a trace); inf = all at once"
@@ -171,18 +178,19 @@ def _execute(args, plan: Plan) -> int:
         request_timeout_s=args.request_timeout,
         progress=os.environ.get("PDSERVE_NO_PROGRESS", "") in ("", "0"),
     )
+    prompt_seed = args.seed if args.prompt_seed is None else args.prompt_seed
     if plan.rates is None:
-        prompts = workload.build_prompts(requests, card.vocab_size, args.seed)
+        prompts = workload.build_prompts(requests, card.vocab_size, prompt_seed)
         records, duration_s = loadgen.run_load(args.router, requests, prompts, **common)
         summary = metrics.summarize(records, duration_s, slo)
-        print(report.format_summary(summary))
+        print(report.format_summary(summary, load=report.describe_load(args)))
         result.update(kind="run", summary=summary, requests=[r.to_json() for r in records])
         done = summary["completed"]
     else:
         runs = loadgen.run_sweep(
             args.router,
             requests,
-            lambda k: workload.build_prompts(requests, card.vocab_size, args.seed + k),
+            lambda k: workload.build_prompts(requests, card.vocab_size, prompt_seed + k),
             plan.rates,
             burstiness=args.burstiness,
             seed=args.seed,
@@ -200,7 +208,7 @@ def _execute(args, plan: Plan) -> int:
         scaled = metrics.slo_scale_goodput(
             [(r.rate, r.records) for r in runs], slo, plan.scales, args.attainment
         )
-        print(report.format_sweep(runs, summaries, goodput, scaled))
+        print(report.format_sweep(runs, summaries, goodput, scaled, report.describe_load(args)))
         result.update(
             kind="sweep",
             goodput=goodput,
