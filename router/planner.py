@@ -237,7 +237,7 @@ class Planner:
                 # at most half as many, and a split between the two is tried before either
                 # again. (In simulation at 16 GPUs, the demand read 9P on 11P:5D and 11P on
                 # 9P:7D, and the planner swung between the two by 2 every 40 s, never trying
-                # the 10P:6D that served the phase, and lost 99% of its requests.)
+                # the 10P:6D that served the phase: 1% of its requests in the SLO.)
                 if count > max(1, last_count // 2):
                     count = max(1, last_count // 2)
                     why = f"{why}, {count} after a batch of {last_count} the other way"
