@@ -210,19 +210,9 @@ class RouterSettings(_Frozen):
             check_api_key(key.get_secret_value(), f"API key #{i + 1}")
         return v
 
-    @field_validator("api_keys_file")
+    @field_validator("api_keys_file", "metrics_keys_file")
     @classmethod
     def _keys_file(cls, v):
-        if v is not None:
-            try:
-                parse_api_keys(v.data.decode("utf-8"), v.path)
-            except UnicodeDecodeError:
-                raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
-        return v
-
-    @field_validator("metrics_keys_file")
-    @classmethod
-    def _metrics_keys_file(cls, v):
         if v is not None:
             try:
                 parse_api_keys(v.data.decode("utf-8"), v.path)

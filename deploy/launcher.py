@@ -38,6 +38,7 @@ from pdserve.deploy.placement import check_custom_resources, check_labels, pg_op
 from pdserve.deploy.prechecks import (  # noqa: F401
     DeployError,
     amounts,
+    check_http_port_free,
     check_model_fit,
     check_port_free,
     check_resources,
@@ -270,18 +271,6 @@ def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
     start_and_watch([r for r in cluster.replicas if r.key == key], key, start_timeout_s)
 
 
-def _check_http_port_free(config: DeployConfig) -> None:
-    """router.http_port as check_port_free checks router.port (uvicorn would fail later, once Ray
-    and the router had started)."""
-    port = config.router.http_port
-    if not port:
-        return
-    try:
-        check_port_free(config.router.host, port)
-    except DeployError as e:
-        raise DeployError(str(e).replace("router.port", "router.http_port")) from None
-
-
 def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
     """The client API keys (router.api_keys_file, router.api_keys, PDSERVE_API_KEYS: first found
     wins); logs where they came from and how many, never the keys."""
@@ -385,7 +374,7 @@ def up(
     the router under the same secret and deployment_id."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
-    _check_http_port_free(config)
+    check_http_port_free(config)
     api_keys = client_keys(config, environ)
     check_writable_dirs(config, on_this_machine, on_this_machine and not ray.is_initialized())
     check_model_fit(config, on_this_machine)
