@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             profile_cmd,
             "measure this machine's step latencies and KV transfer for the tuner",
         ),
-        ("tune", tune_cmd, "search placements for the best goodput per device (simulated)"),
+        ("tune", tune_cmd, "search placements for the best goodput (simulated)"),
     ):
         module.add_args(_documented_command(sub, name, module, summary))
     from pdserve.tuning import shift_trace
