@@ -8,7 +8,10 @@ an ordinary engine request instead, and the rest is the same from Stream on):
   Stream   -> drains the queue, sending only the tokens that are new since the last event, and
               ends with the finished output ("stop" | "length" | "abort"). n>1: per sequence
               (TokenEvent.index); each sequence's final event goes out when it ends, and a request
-              that ends as a whole (an abort) ends every sequence still open with its reason
+              that ends as a whole (an abort) ends every sequence still open with its reason;
+              with sampling.top_logprobs each token's alternatives ride beside its logprob
+              (worker_common/logprobs.py), and a colocated request's prompt logprobs on each
+              sequence's final event
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
               gets a final "abort" output
 A finished request nobody streams is forgotten after `finished_ttl_s`.
@@ -32,6 +35,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
+from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.role import RoleGate
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class _Stream:
     attached: bool = False  # a Stream call is draining it
     colocated: bool = False  # this worker runs the prompt too (Reserve with run_prefill)
     n: int = 1  # sequences of the request (sampling.n)
+    prompt_logprobs: int | None = None  # sampling.prompt_logprobs (colocated: this worker's)
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if refusal:
             refusal.abort(context)
         params = build_params(request.sampling, context)
-        stream = _Stream(n=params.n)
+        stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs)
         with self._lock:
             if rid in self._streams:
                 context.abort(
@@ -215,6 +220,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if event is None:
                         continue
                     first_token_ns = first_token_ns or now
+                    if event.HasField("finish_reason") and stream.colocated:
+                        self._add_prompt_logprobs(event, out, stream, context)
                     if event.HasField("finish_reason"):
                         event.timings.CopyFrom(
                             handoff_timings.to_proto(self.options.worker_id, first_token_ns, now)
@@ -232,6 +239,21 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     log.exception("abort of %s after its stream ended failed", rid)
 
     @staticmethod
+    def _add_prompt_logprobs(event, out: RequestOutput, stream: _Stream, context) -> None:
+        """A colocated request's prompt logprobs on each sequence's last event (the router puts
+        them in the client's Finish), when its sampling asked for them."""
+        if stream.prompt_logprobs is None or event.finish_reason not in ("stop", "length"):
+            return
+        try:
+            fields = prompt_fields(
+                out.prompt_token_ids, out.prompt_logprobs, stream.prompt_logprobs
+            )
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs: {e}")
+        event.prompt_logprobs.extend(fields.get("prompt_logprobs", ()))
+        event.prompt_top_logprobs.extend(fields.get("prompt_top_logprobs", ()))
+
+    @staticmethod
     def _event(comp, sent: dict[int, int], ended: set[int]) -> worker_pb2.TokenEvent | None:
         """The event for what is new in one sequence's (cumulative) output: its new tokens, and
         its end the first time it is finished; None when nothing is new."""
@@ -246,6 +268,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         event = worker_pb2.TokenEvent(index=comp.index, token_ids=new_ids)
         if comp.logprobs:
             event.logprobs.extend(comp.logprobs[start:])
+            if wants_top(comp.logprobs[start:]):  # a committed first token's stays empty
+                event.top_logprobs.extend(top_of(x) for x in comp.logprobs[start:])
         if final:
             ended.add(comp.index)
             event.finish_reason = comp.finish_reason

@@ -7,7 +7,8 @@ Greedy rows take the argmax after the penalty/masking stage, as in vLLM.
 Only penalties (which need each sequence's own token history) and the
 per-generator noise draws loop over rows in Python; every other stage works on
 the whole batch with per-row parameter tensors, because this runs on every
-decode step.
+decode step. Logprobs are the raw distribution's (before any processing); a row
+with top_logprobs gets a TokenLogprob carrying its k most likely tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,39 @@ class SamplingRow:
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None
+
+
+class TokenLogprob(float):
+    """A sampled token's logprob that also carries `top`: {token id: logprob} of the
+    SamplingParams.top_logprobs most likely tokens at its position, most likely first (OpenAI's
+    top_logprobs). A float everywhere else, so the logprob lists pass through unchanged."""
+
+    top: dict[int, float]
+
+    def __new__(cls, value: float, top: dict[int, float]):
+        obj = super().__new__(cls, value)
+        obj.top = top
+        return obj
+
+    def __reduce__(self):
+        return (TokenLogprob, (float(self), self.top))
+
+
+def _with_top(logprobs: list[float], raw: torch.Tensor, rows: list[SamplingRow]) -> list[float]:
+    """`logprobs` with each row that asks for top_logprobs as a TokenLogprob (its top-k of the
+    raw distribution, as the sampled token's logprob is)."""
+    want = [i for i, r in enumerate(rows) if r.params.top_logprobs]
+    if not want:
+        return logprobs
+    k = max(rows[i].params.top_logprobs for i in want)
+    idx = torch.as_tensor(want, device=raw.device)
+    sub = raw[idx]
+    top = (sub - torch.logsumexp(sub, dim=-1, keepdim=True)).topk(k, dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    for j, i in enumerate(want):
+        kk = rows[i].params.top_logprobs
+        logprobs[i] = TokenLogprob(logprobs[i], dict(zip(ids[j][:kk], values[j][:kk])))
+    return logprobs
 
 
 def _splitmix64(x: int) -> int:
@@ -237,5 +271,5 @@ class Sampler:
         if any(r.params.logprobs for r in rows):
             # Raw logprobs: the model's distribution, before any processing.
             picked = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            logprobs = (picked - torch.logsumexp(logits, dim=-1)).tolist()
+            logprobs = _with_top((picked - torch.logsumexp(logits, dim=-1)).tolist(), logits, rows)
         return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs)

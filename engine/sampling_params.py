@@ -100,6 +100,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    # the most likely tokens at each sampled position besides the sampled one's logprob (OpenAI's
+    # top_logprobs; 0: none); needs logprobs. Each output logprob is then a TokenLogprob (.top).
+    top_logprobs: int = 0
     # vLLM's name: for every prompt token after the first, its logprob given the tokens before it
     # and the prompt_logprobs most likely tokens there (0: the prompt token's alone). The prompt
     # is then computed in full, never served from the prefix cache.
@@ -164,11 +167,22 @@ class SamplingParams:
                     f"{self.prompt_logprobs}"
                 )
 
+        put("top_logprobs", _int("top_logprobs", self.top_logprobs))
+        if not 0 <= self.top_logprobs <= MAX_PROMPT_LOGPROBS:
+            raise BadSamplingParams(
+                f"top_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {self.top_logprobs}"
+            )
+
         put("stop", _str_tuple("stop", self.stop))
         put("stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))
 
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
+        if self.top_logprobs and not self.logprobs:
+            raise BadSamplingParams(
+                f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
+                f"logprobs come with their alternatives)"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -7,7 +7,8 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   checks -> open or reuse the KV channel to the reservation's endpoint -> prefill-only engine
   request with the hand-off's sink -> wait for the finished output (the hand-off sends the commit)
   -> flush the channel (every frame handed to the decode side) -> reply with the first tokens and
-  the hand-off's timings.
+  the hand-off's timings (with the prompt's logprobs and the first tokens' most likely
+  alternatives when the sampling asks for them: worker_common/logprobs.py).
   Timeout, Abort, client gone or a transport error -> the engine request is aborted and an
   "abort" frame sent, so the decode side frees the reservation at once, not at lease expiry.
 """
@@ -46,6 +47,7 @@ from pdserve.protos.limits import (
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.worker_common.errors import abort_for_engine_error, build_params
+from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.role import RoleGate
 
 # a KV channel (or mapped decode pool) unused this long is closed; far above any prefill's budget,
@@ -201,6 +203,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         timings.transfer_end_unix_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
         comps = sorted(waiter.output.outputs, key=lambda c: c.index)
+        try:
+            prompt_lps = prompt_fields(
+                request.prompt_token_ids, waiter.output.prompt_logprobs, params.prompt_logprobs or 0
+            )
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs of {rid!r}: {e}")
         return worker_pb2.PrefillResponse(
             request_id=rid,
             first_token=comp.token_ids[0],
@@ -212,6 +220,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_tokens=waiter.output.num_cached_tokens,
             bytes_sent=sink.sink.bytes_sent,
             timings=timings.to_proto(),
+            first_token_top_logprobs=(
+                [top_of(c.logprobs[0]) for c in comps] if params.top_logprobs else []
+            ),
+            **prompt_lps,
         )
 
     def _check_fields(self, request) -> Refusal | None:

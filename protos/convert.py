@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 # proto3 `optional` scalars of pdserve.v1.SamplingParams; names equal the engine's keywords (and,
-# but for n, max_tokens and logprobs, the OpenAI body's fields: router/http_api.py)
+# but for n, max_tokens, logprobs, prompt_logprobs and top_logprobs, the OpenAI body's fields:
+# router/openai_format.py)
 OPTIONAL_FIELDS = (
     "n",
     "temperature",
@@ -23,6 +24,8 @@ OPTIONAL_FIELDS = (
     "logprobs",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "prompt_logprobs",
+    "top_logprobs",
 )
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
 

@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64  # sequences per prompt
+MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (vLLM's max_logprobs)
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -56,11 +57,15 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
     ranges of temperature, top_p, penalties...)."""
     if sampling is None:
         return None
-    if sampling.HasField("prompt_logprobs"):
-        return Refusal(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "sampling.prompt_logprobs is not served over gRPC yet: leave it unset, or "
-            "use the engine API in-process (engine.SamplingParams(prompt_logprobs=k))",
+    for name in ("prompt_logprobs", "top_logprobs"):
+        if sampling.HasField(name) and getattr(sampling, name) > MAX_LOGPROBS:
+            return invalid(
+                f"sampling.{name}={getattr(sampling, name)}: at most {MAX_LOGPROBS} most likely "
+                f"tokens per position"
+            )
+    if sampling.top_logprobs and not sampling.logprobs:
+        return invalid(
+            f"sampling.top_logprobs={sampling.top_logprobs} needs sampling.logprobs=true"
         )
     if sampling.HasField("max_tokens"):
         m = sampling.max_tokens

@@ -9,7 +9,9 @@ also owns the worker side of the request: its legs (router/legs.py: one reservat
 token stream each), in the order they ran, and the resumes between them. It ends in one of three
 ways: `run()` returns the last Finish, returns None because the client left (`cancel()`), or
 raises CallFailed, which the servicer maps to the client's gRPC status. A call that fails lets go
-of its running leg on the workers before it raises.
+of its running leg on the workers before it raises. Logprobs: the first token of a leg's
+sequence gets its alternatives (sampling.top_logprobs) from the leg's PrefillResponse, and each
+Finish the prompt's logprobs (sampling.prompt_logprobs) from whichever worker ran the prompt.
 """
 
 from __future__ import annotations
@@ -195,8 +197,10 @@ class ClientCall(Inflight):
             if leg is None:
                 return None
             self.legs.append(leg)
-            final, error = yield from self.transport.stream(
-                self, leg, self.texts, self.sent, self._finish_of, seqs
+            final, error = yield from self._with_first_tops(
+                leg,
+                self.transport.stream(self, leg, self.texts, self.sent, self._finish_of, seqs),
+                seqs is not None,
             )
             if self.cancelled:
                 return None
@@ -212,6 +216,54 @@ class ClientCall(Inflight):
             self._resume_or_fail(leg, error)
             if seqs is None and self.n > 1 and any(self.sent):
                 return _REOPEN
+
+    def _with_first_tops(self, leg: Leg, responses, alone: bool):
+        """`responses` (one leg's) with sampling.top_logprobs: each delta's top_logprobs one per
+        token, a sequence's first token on this leg (sampled by the prefill worker, whose
+        alternatives the decode worker does not have) filled from the leg's PrefillResponse;
+        `alone`: the leg runs one client sequence as its sequence 0."""
+        if not self.sampling.top_logprobs:
+            return (yield from responses)
+        started: set[int] = set()  # client indexes whose first token on this leg went out
+        try:
+            while True:
+                try:
+                    r = next(responses)
+                except StopIteration as stop:
+                    return stop.value
+                if r.HasField("delta") and r.delta.token_ids:
+                    d = r.delta
+                    while len(d.top_logprobs) < len(d.token_ids):
+                        d.top_logprobs.add()
+                    if d.index not in started and not d.top_logprobs[0].token_ids:
+                        d.top_logprobs[0].CopyFrom(self._first_top(leg, 0 if alone else d.index))
+                    started.add(d.index)
+                yield r
+        finally:
+            responses.close()  # its bookkeeping runs now, not when it is collected
+
+    def _first_top(self, leg: Leg, index: int) -> pdserve_pb2.TopLogprobs:
+        """The alternatives of the leg's sequence `index`'s first token, from its prefill worker's
+        reply (empty when there is none: the HTTP front then fails the request)."""
+        reply = self._prefill_result(leg.prefill_future)
+        if reply is None or index >= len(reply.first_token_top_logprobs):
+            return pdserve_pb2.TopLogprobs()
+        return reply.first_token_top_logprobs[index]
+
+    def _prompt_logprobs(self, final, finish: pdserve_pb2.Finish) -> None:
+        """sampling.prompt_logprobs: the client's prompt's logprobs in `finish`, from the worker
+        that computed the prompt (the final event of a leg prefilled on its decode worker, else a
+        prefill reply; a resumed leg's prompt extends the client's: its head is the client's)."""
+        if not self.sampling.HasField("prompt_logprobs"):
+            return
+        wanted = len(self.prompt) - 1
+        sources = [final] + [leg.prefill_reply() for leg in self.legs]
+        for src in sources:
+            if src is not None and len(src.prompt_logprobs) >= wanted:
+                finish.prompt_token_ids.extend(self.prompt)
+                finish.prompt_logprobs.extend(src.prompt_logprobs[:wanted])
+                finish.prompt_top_logprobs.extend(src.prompt_top_logprobs[:wanted])
+                return
 
     def _resume_or_fail(self, leg: Leg, error) -> None:
         """After `leg`'s decode worker died: returns so the caller starts the next leg, or fails
@@ -327,6 +379,7 @@ class ClientCall(Inflight):
             timings.prefill_worker = self.transport.pool.name(prefill_leg.prefill)
         if not timings.decode_worker and last.decode is not None:
             timings.decode_worker = self.transport.pool.name(last.decode)
+        self._prompt_logprobs(final, finish)
         return finish
 
 

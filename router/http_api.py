@@ -3,8 +3,12 @@ The router's HttpFront (router/http_server.py) builds the app once and serves it
 inside the router process, next to gRPC, until the router stops (docs/architecture.md section 1).
 
     GET  /v1/models             the served model (gRPC ListModels)
+    GET  /v1/models/{id}        that model, 404 for another id
     POST /v1/completions        a prompt, or a batch of them  -> gRPC Generate, one call per prompt
     POST /v1/chat/completions   messages (the model's chat template)  -> gRPC Generate
+    POST /tokenize, /detokenize vLLM's: a prompt or messages to token ids, and back
+    GET  /version               pdserve's version (no key needed)
+    GET  /openapi.json, /docs   the OpenAPI document and its page (no key needed)
     GET  /health                200 while every pool has a worker, else 503 (no key needed)
     GET  /metrics               the router's Prometheus registry, no *_created series (a key:
                                 the metrics keys' when set, else the client keys' when set)
@@ -12,7 +16,9 @@ inside the router process, next to gRPC, until the router stops (docs/architectu
 Every request takes one path: its handler checks the key, reads the body, validates it
 (router/openai_schema.py), and calls the router's own gRPC API through an in-process grpc.aio
 channel, so admission, routing, retries and aborts are the gRPC path's. OpenAI's shapes, and the
-gRPC status each error maps to, are router/openai_format.py's; `build_app` says more.
+gRPC status each error maps to, are router/openai_format.py's (whole responses
+router/openai_response.py's, streams router/http_stream.py's, the endpoints beyond generation
+router/http_extra.py's); `build_app` says more.
 """
 
 from __future__ import annotations
@@ -33,26 +39,32 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve import __version__
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.router.http_conn import CLOSED_BY
+from pdserve.router.http_extra import (
+    add_extra_routes,
+    chat_messages,
+    document_bodies,
+    model_card,
+)
+from pdserve.router.http_stream import rest, stream
 from pdserve.router.metrics import exposition
 from pdserve.router.openai_format import (
     KNOWN_FIELDS,
     ApiError,
-    TokenText,
-    chat_logprobs,
-    check_logprobs,
-    completion_logprobs,
-    extension,
-    finish_reason,
     sampling_params,
-    sse,
-    usage,
     validation_error,
-    whole_response,
 )
-from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai_logprobs import TokenText
+from pdserve.router.openai_response import whole_response
+from pdserve.router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 if TYPE_CHECKING:
     from pdserve.router.http_server import HttpFront
@@ -86,7 +98,14 @@ def build_app(front: HttpFront) -> FastAPI:
     `data: [DONE]`. The usage and the `pdserve` extension (per-stage timings:
     router/stage_timings.py) are in every response, and in a stream on its last chunk."""
     s = front.settings
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pdserve",
+        version=__version__,
+        description="pdserve's OpenAI-compatible API (router/http_api.py)",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     text_of = TokenText(s.tokenizer)
 
     def answer(e: ApiError):
@@ -217,17 +236,7 @@ def build_app(front: HttpFront) -> FastAPI:
         created = int(time.time())
         return {
             "object": "list",
-            "data": [
-                {
-                    "id": m.id,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "pdserve",
-                    "root": m.id,
-                    "max_model_len": m.max_model_len,
-                }
-                for m in reply.models
-            ],
+            "data": [model_card(m, created) for m in reply.models],
         }
 
     @app.post("/v1/completions")
@@ -236,10 +245,10 @@ def build_app(front: HttpFront) -> FastAPI:
         prompts = body.prompts()
         for text in (p for p in prompts if isinstance(p, str)):
             check_prompt_size([text], "prompt")
-        sampling = sampling_params(body, body.max_tokens, body.logprobs is not None)
+        sampling = sampling_params(body, body.max_new_tokens())
         gens = []
         for prompt in prompts:
-            gen = pdserve_pb2.GenerateRequest(model=body.model, sampling=sampling)
+            gen = pdserve_pb2.GenerateRequest(model=body.model or "", sampling=sampling)
             if isinstance(prompt, str):
                 gen.text = prompt
             else:
@@ -254,11 +263,9 @@ def build_app(front: HttpFront) -> FastAPI:
         # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
         most = body.max_new_tokens() or s.max_model_len or None
         gen = pdserve_pb2.GenerateRequest(
-            model=body.model, sampling=sampling_params(body, most, body.logprobs)
+            model=body.model or "", sampling=sampling_params(body, most)
         )
-        gen.chat.messages.extend(
-            pdserve_pb2.ChatMessage(role=m.template_role(), content=m.text()) for m in body.messages
-        )
+        gen.chat.CopyFrom(chat_messages(body))
         return await run(request, [gen], metadata, body, chat=True)
 
     async def run(request: Request, gens: list, metadata, body, chat: bool):
@@ -282,11 +289,11 @@ def build_app(front: HttpFront) -> FastAPI:
                 streaming = True
                 return _CallStream(
                     call,
-                    _stream(call, first, body, chat, s.model_id, request_id, text_of),
+                    stream(call, first, body, chat, s.model_id, request_id, text_of),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
-            responses = [first] + await _from_router(_all(_rest(call)), watcher)
+            responses = [first] + await _from_router(_all(rest(call)), watcher)
             return JSONResponse(
                 whole_response(responses, body, chat, s.model_id, request_id, text_of)
             )
@@ -297,6 +304,16 @@ def build_app(front: HttpFront) -> FastAPI:
             if not streaming:
                 call.cancel()  # no-op once finished; a batch's other calls stop here
 
+    add_extra_routes(app, front, authorize, parse)
+    document_bodies(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+    )
     return app
 
 
@@ -377,103 +394,3 @@ async def _cancel_on_disconnect(request: Request, call) -> None:
         if message["type"] == "http.disconnect":
             call.cancel()
             return
-
-
-async def _rest(call) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-    while True:
-        msg = await call.read()
-        if msg is grpc.aio.EOF:
-            return
-        yield msg
-
-
-async def _stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
-    """Server-sent events in OpenAI's chunk format: one chunk per TokenDelta, one with the
-    finish_reason per sequence, with include_usage a last chunk with empty choices and the usage,
-    then `data: [DONE]`. The `pdserve` extension rides on the last chunk before [DONE]."""
-    suffix = request_id.removeprefix("http-")
-    base = {
-        "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model_id,
-    }
-    opts = body.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    want_logprobs = body.logprobs if chat else body.logprobs is not None
-    finishes: list[pdserve_pb2.Finish] = []
-    offsets: dict[int, int] = {}
-    held: dict | None = None  # the latest finish chunk: the extension goes on the last one
-
-    def chunk(choices: list[dict]) -> dict:
-        out = {**base, "choices": choices}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    def choice(index: int, text: str | None, lp, reason: str | None, role: bool = False) -> dict:
-        if chat:
-            delta = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
-        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
-
-    try:
-        if chat:  # the assistant role first, one chunk per sequence
-            for i in range(body.n):
-                yield sse(chunk([choice(i, "", None, None, role=True)]))
-        async for r in _prepend(first, call):
-            if r.HasField("delta"):
-                d = r.delta
-                if not d.text and not (want_logprobs and d.token_ids):
-                    continue
-                lp = None
-                if want_logprobs:
-                    ids, lps = list(d.token_ids), list(d.logprobs)
-                    check_logprobs(ids, lps)
-                    if chat:
-                        lp = chat_logprobs(ids, lps, text_of)
-                    else:
-                        lp = completion_logprobs(ids, lps, text_of, offsets.get(d.index, 0))
-                        offsets[d.index] = offsets.get(d.index, 0) + sum(
-                            len(t) for t in lp["tokens"]
-                        )
-                out = chunk([choice(d.index, d.text, lp, None)])
-                if held is not None:
-                    yield sse(held)
-                    held = None
-                yield sse(out)
-            elif r.HasField("finish"):
-                f = r.finish
-                reason = finish_reason(f)
-                finishes.append(f)
-                if held is not None:
-                    yield sse(held)
-                held = chunk([choice(f.index, None if chat else "", None, reason)])
-        if include_usage:
-            if held is not None:
-                yield sse(held)
-            held = {**base, "choices": [], "usage": usage(finishes, body.n)}
-        if held is not None:
-            held["pdserve"] = extension(finishes, request_id)
-            yield sse(held)
-    except grpc.RpcError as e:
-        if held is not None:
-            yield sse(held)
-        yield sse(ApiError.from_grpc(e).body())
-    except ApiError as e:
-        if held is not None:
-            yield sse(held)
-        yield sse(e.body())
-    finally:
-        call.cancel()  # a client gone mid-stream cancels here: the router aborts both legs
-    yield sse("[DONE]")
-
-
-async def _prepend(first, call):
-    yield first
-    async for r in _rest(call):
-        yield r

@@ -75,6 +75,9 @@ class HttpSettings:
     # a prompt (or chat) longer in UTF-8 bytes cannot fit max_model_len tokens (router/text.py):
     # refused here, before a gRPC message that may exceed the gRPC port's size limit; 0: no check
     max_prompt_bytes: int = 0
+    # the router's PromptEncoder (router/text.py): /tokenize counts what Generate runs; None:
+    # one of the front's own on `tokenizer`
+    encoder: object = None
     metrics_registry: object = None
     metrics_keys: ClientKeys = NO_KEYS  # any: GET /metrics takes one of these, no client key
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status

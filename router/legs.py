@@ -163,6 +163,7 @@ class Legs:
                         token_ids=event.token_ids,
                         text=piece,
                         logprobs=event.logprobs,
+                        top_logprobs=event.top_logprobs,
                     )
                     yield pdserve_pb2.GenerateResponse(request_id=req.request_id, delta=delta)
                 if not is_final and text.stopped:
@@ -428,9 +429,7 @@ class Legs:
                     break
             finally:
                 self.pool.end_prefill(worker, charge)
-        if (
-            req.cancelled or req.abort_requested or leg.ended.is_set()
-        ):  # the failure is the abort itself
+        if req.cancelled or req.abort_requested or leg.ended.is_set():  # the abort's failure
             return None
         leg.prefill_error = error
         try:

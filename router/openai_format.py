@@ -1,16 +1,15 @@
-"""OpenAI's response and error shapes for the HTTP front (router/http_api.py), as pure functions of
-the router's gRPC messages: the error object and the gRPC status each maps to, request validation
-errors, the sampling fields passed through, choices, usage, the `pdserve` extension (stage timings
-from router/stage_timings.py), logprobs and server-sent event framing. No server state lives here.
+"""OpenAI's error shapes and the pieces of its responses for the HTTP front (router/http_api.py),
+as pure functions of the router's gRPC messages: the error object and the gRPC status each maps
+to, request validation errors, the sampling fields passed through, finish reasons, usage, the
+`pdserve` extension (stage timings from router/stage_timings.py) and server-sent event framing.
+Whole responses are router/openai_response.py's, logprobs router/openai_logprobs.py's. No server
+state lives here.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import time
 import typing
-from dataclasses import dataclass, field
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -18,7 +17,12 @@ from pydantic import ValidationError
 
 from pdserve.protos.convert import OPTIONAL_FIELDS
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pdserve.router.stage_timings import stage_durations
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
@@ -38,7 +42,6 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 }
 _SERVER_ERROR = (500, "server_error", None)
 _RETRY_AFTER = {429, 503}  # statuses a client may retry: they get a Retry-After header
-LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM does the same)
 
 
 class ApiError(Exception):
@@ -139,18 +142,23 @@ def validation_error(e: ValidationError, known: set[str]) -> ApiError:
     return ApiError(400, where + "; or ".join(msgs[:3]), param=param, code="invalid_value")
 
 
-KNOWN_FIELDS = _field_names(CompletionRequest, ChatCompletionRequest)
+KNOWN_FIELDS = _field_names(
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest
+)
 
 
 # ---- building the gRPC request ---------------------------------------------------------------
-# SamplingParams' optional scalars an OpenAI body carries as they are (n, max_tokens and logprobs
-# are translated in sampling_params)
-_PASSED_THROUGH = tuple(f for f in OPTIONAL_FIELDS if f not in ("n", "max_tokens", "logprobs"))
+# SamplingParams' optional scalars an OpenAI body carries as they are (the others are translated
+# in sampling_params)
+_TRANSLATED = ("n", "max_tokens", "logprobs", "prompt_logprobs", "top_logprobs")
+_PASSED_THROUGH = tuple(f for f in OPTIONAL_FIELDS if f not in _TRANSLATED)
 
 
-def sampling_params(body, max_tokens: int | None, logprobs: bool) -> pdserve_pb2.SamplingParams:
+def sampling_params(body, max_tokens: int | None) -> pdserve_pb2.SamplingParams:
     """The gRPC SamplingParams of an OpenAI body: only what the client set (the engine's defaults
-    are OpenAI's: temperature 1, top_p 1, max_tokens 16 for completions)."""
+    are OpenAI's: temperature 1, top_p 1, max_tokens 16 for completions). Logprobs: the sampled
+    tokens' when the body wants them, with its number of alternatives (top_logprobs); the
+    prompt's when echo or prompt_logprobs needs them."""
     s = pdserve_pb2.SamplingParams()
     if body.n != 1:
         s.n = body.n
@@ -163,21 +171,17 @@ def sampling_params(body, max_tokens: int | None, logprobs: bool) -> pdserve_pb2
     s.stop.extend(body.stops())
     if body.stop_token_ids:
         s.stop_token_ids.extend(body.stop_token_ids)
-    if logprobs:
+    if body.wants_logprobs:
         s.logprobs = True
+        if body.num_top():
+            s.top_logprobs = body.num_top()
+    k = body.prompt_logprobs_k()
+    if k is not None:
+        s.prompt_logprobs = k
     return s
 
 
 # ---- reading the gRPC stream -----------------------------------------------------------------
-@dataclass
-class Choice:
-    index: int
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: pdserve_pb2.Finish | None = None
-
-
 def finish_reason(finish: pdserve_pb2.Finish) -> str:
     """OpenAI's finish_reason; a Finish that is a failure raises it as an ApiError."""
     reason = finish.finish_reason
@@ -218,122 +222,6 @@ def extension(finishes: list[pdserve_pb2.Finish], request_id: str) -> dict:
     }
 
 
-def _logprob(value: float) -> float:
-    return value if math.isfinite(value) else LOGPROB_FLOOR
-
-
-class TokenText:
-    """Each token's own text, for logprobs (decoded alone, as vLLM reports them)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def check_logprobs(tokens, lps) -> None:
-    """One logprob per token, or the request fails: a response never pairs a token with another
-    token's logprob, nor leaves one out silently."""
-    if len(lps) != len(tokens):
-        raise ApiError(
-            500,
-            f"logprobs: the workers returned {len(lps)} logprobs for {len(tokens)} tokens; "
-            f"send the request without logprobs, and report this",
-            "server_error",
-            code="logprobs_unavailable",
-        )
-
-
-def completion_logprobs(tokens: list[int], lps: list[float], text_of, offset: int = 0) -> dict:
-    strs = [text_of(t) for t in tokens]
-    offsets, at = [], offset
-    for s in strs:
-        offsets.append(at)
-        at += len(s)
-    return {
-        "tokens": strs,
-        "token_logprobs": [_logprob(x) for x in lps],
-        "top_logprobs": [{s: _logprob(x)} for s, x in zip(strs, lps)],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(tokens: list[int], lps: list[float], text_of) -> dict:
-    content = []
-    for t, x in zip(tokens, lps):
-        s = text_of(t)
-        content.append(
-            {
-                "token": s,
-                "logprob": _logprob(x),
-                "bytes": list(s.encode("utf-8", "surrogatepass")),
-                "top_logprobs": [],
-            }
-        )
-    return {"content": content}
-
-
 def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
-
-
-def collect_choices(responses) -> dict[int, Choice]:
-    choices: dict[int, Choice] = {}
-    for r in responses:
-        if r.HasField("delta"):
-            d = r.delta
-            c = choices.setdefault(d.index, Choice(d.index))
-            c.text.append(d.text)
-            c.token_ids.extend(d.token_ids)
-            c.logprobs.extend(d.logprobs)
-        elif r.HasField("finish"):
-            c = choices.setdefault(r.finish.index, Choice(r.finish.index))
-            c.finish = r.finish
-    return choices
-
-
-def whole_response(responses, body, chat: bool, model_id: str, request_id: str, text_of) -> dict:
-    """The non-streaming response body."""
-    choices = collect_choices(responses)
-    finishes = [c.finish for c in choices.values() if c.finish is not None]
-    missing = [i for i, c in choices.items() if c.finish is None]
-    if missing or not finishes:
-        raise ApiError(500, f"sequences {missing} ended without a Finish", "server_error")
-    want_logprobs = body.logprobs if chat else body.logprobs is not None
-    out = []
-    for i in sorted(choices):
-        c = choices[i]
-        reason = finish_reason(c.finish)
-        text = "".join(c.text)
-        lp = None
-        if want_logprobs:
-            check_logprobs(c.token_ids, c.logprobs)
-            lp = (
-                chat_logprobs(c.token_ids, c.logprobs, text_of)
-                if chat
-                else completion_logprobs(c.token_ids, c.logprobs, text_of)
-            )
-        if chat:
-            out.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": reason,
-                }
-            )
-        else:
-            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
-    suffix = request_id.removeprefix("http-")
-    return {
-        "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model_id,
-        "choices": out,
-        "usage": usage(finishes, body.n),
-        "system_fingerprint": None,
-        "pdserve": extension(finishes, request_id),
-    }

@@ -3,10 +3,15 @@ every field typed and bounded before any work, unknown fields refused (400 namin
 
 What is accepted beyond OpenAI's own fields: the sampling fields vLLM accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output). OpenAI fields that change nothing here are accepted and ignored
-(`user`, `metadata`, `store`, `service_tier`, ...); OpenAI fields whose meaning pdserve does not
-serve (tools, response formats, logit_bias, echo, suffix, top alternatives in logprobs, ...) are
-accepted only at their neutral value, and anything else is refused with a message saying so.
+include_stop_str_in_output), vLLM's prompt_logprobs (completions) and its chat template fields
+(chat_template_kwargs, add_generation_prompt, continue_final_message). `model` may be left out
+(the served model). Logprobs: completions' `logprobs` N and chat's `top_logprobs` N up to
+MAX_LOGPROBS most likely tokens per position; completions' `echo` (with max_tokens 0: the
+prompt alone, its logprobs with `logprobs`, as vLLM; lm-evaluation-harness's log-likelihood
+requests). OpenAI fields that change nothing here are accepted and ignored (`user`, `metadata`,
+`store`, `service_tier`, ...); OpenAI fields whose meaning pdserve does not serve (tools,
+response formats, logit_bias, suffix, ...) are accepted only at their neutral value, and
+anything else is refused with a message saying so.
 
 The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
 ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's
@@ -15,6 +20,7 @@ ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC A
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -31,18 +37,22 @@ from pydantic import (
 
 from pdserve.protos.limits import (
     MAX_ID_CHARS,
+    MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from pdserve.router.text import MAX_CHAT_MESSAGES
+from pdserve.router.text import (
+    MAX_CHAT_MESSAGES,
+    MAX_TEMPLATE_KWARGS_BYTES,
+    RESERVED_TEMPLATE_KEYS,
+)
 
 INT64 = 1 << 63
 UINT32 = 1 << 32
 MAX_TOKENS_FIELD = (1 << 31) - 1  # beyond any max_model_len; the router says which is the limit
 MAX_PROMPT_IDS = 1 << 20  # more than any max_model_len; the router refuses past max_model_len
-MAX_LOGPROBS = 20  # vLLM's bound for logprobs / top_logprobs
 MAX_NAME_CHARS = 256
 MAX_METADATA_ITEMS = 16
 
@@ -92,7 +102,8 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """Fields both endpoints share."""
 
-    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)]
+    # unset: the served model (vLLM's default)
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -151,24 +162,65 @@ class CompletionRequest(_Sampling):
             Field(min_length=1, max_length=MAX_N),
         ]
     )
-    # 0: the sampled token's logprob (OpenAI returns the top `logprobs` alternatives besides it;
-    # pdserve streams only the sampled token's, so more than 0 is refused)
+    # 0 to 2**31 - 1: 0 only with echo (the prompt alone, nothing generated: vLLM's)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
+    # each token's logprob and the `logprobs` most likely tokens at its position
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # the prompt before the completion (with logprobs: the prompt's logprobs too)
+    echo: StrictBool = Field(False, validate_default=True)  # checked with max_tokens=0 too
+    # vLLM's: the prompt's logprobs and the k most likely tokens at each position, in each choice
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # OpenAI fields accepted only at their neutral value
-    echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
-    _sampled_only = _neutral_only(
-        "logprobs",
-        message="logprobs > 0 asks for the most likely alternatives of each token, which pdserve "
-        "does not serve: use logprobs=0 for the sampled tokens' logprobs",
-    )
-    _no_echo = _neutral_only("echo", message="echo=true is not supported")
     _no_suffix = _neutral_only("suffix", message="suffix is not supported")
     _no_best_of = _neutral_only(
         "best_of", message="best_of > 1 is not supported; use n", neutral=lambda v: v in (None, 1)
     )
+
+    # cross-field checks on the later field, so that the error names a field (info.data holds
+    # the fields declared before it that validated)
+    @field_validator("echo")
+    @classmethod
+    def _echo_consistent(cls, v, info):
+        if info.data.get("max_tokens") == 0 and not v:
+            raise ValueError(
+                "max_tokens=0 generates nothing: it is allowed only with echo=true (the prompt "
+                "alone, with its logprobs when logprobs is set)"
+            )
+        if v and info.data.get("stream") and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs is not streamed (the prompt's logprobs come with the "
+                "response's end): send stream=false, or leave logprobs unset"
+            )
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, v, info):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not streamed: send stream=false")
+        return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def num_top(self) -> int:
+        return self.logprobs or 0
+
+    def prompt_logprobs_k(self) -> int | None:
+        """The prompt logprobs the workers compute: echo with logprobs needs the prompt's (vLLM's
+        echo), prompt_logprobs asks for them; None: neither."""
+        ks = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(ks) if ks else None
+
+    def max_new_tokens(self) -> int | None:
+        # echo with max_tokens=0: one token is generated and dropped (vLLM does the same)
+        return 1 if self.max_tokens == 0 else self.max_tokens
 
     @model_validator(mode="after")
     def _sequences_bounded(self):
@@ -228,12 +280,12 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
+    # the most likely tokens at each position, besides each token's logprob: needs logprobs=true
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    _sampled_only = _neutral_only(
-        "top_logprobs",
-        message="top_logprobs > 0 asks for the most likely alternatives of each token, which "
-        "pdserve does not serve: use logprobs=true alone for the sampled tokens' logprobs",
-    )
+    # vLLM's chat template fields: rendered with the model's template (router/text.py)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields accepted only at their neutral value
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -271,6 +323,55 @@ class ChatCompletionRequest(_Sampling):
         neutral=lambda v: v is None,
     )
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs={v} needs logprobs=true")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_consistent(cls, v, info):
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError(
+                "continue_final_message=true continues the last message: set "
+                "add_generation_prompt=false with it"
+            )
+        messages = info.data.get("messages")
+        if v and messages and messages[-1].role != "assistant":
+            raise ValueError(
+                "continue_final_message=true continues the last message, which must be the "
+                "assistant's"
+            )
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        if v is None:
+            return v
+        reserved = sorted(k for k in v if k in RESERVED_TEMPLATE_KEYS or not k.isidentifier())
+        if reserved:
+            raise ValueError(
+                f"keys {[k[:40] for k in reserved[:3]]} are not template variables a request may set "
+                f"(apply_chat_template's own parameters; add_generation_prompt and "
+                f"continue_final_message are fields of their own)"
+            )
+        if len(json.dumps(v)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def num_top(self) -> int:
+        return self.top_logprobs or 0
+
+    def prompt_logprobs_k(self) -> int | None:
+        return None
+
     @model_validator(mode="after")
     def _one_max_tokens(self):
         a, b = self.max_tokens, self.max_completion_tokens
@@ -292,3 +393,44 @@ class ChatCompletionRequest(_Sampling):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered as chat completions does."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    prompt: StrictStr | None = None
+    messages: (
+        Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)] | None
+    ) = Field(None, validate_default=True)
+    # unset: true for a prompt, false for messages (the template writes them), as vLLM
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool = False
+
+    _check_kwargs = field_validator("chat_template_kwargs")(
+        classmethod(lambda cls, v: ChatCompletionRequest._template_kwargs(v))
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, v, info):
+        if (v is None) == (info.data.get("prompt") is None):
+            raise ValueError("send either prompt or messages (one of them)")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v, info):
+        if v and info.data.get("messages") is None:
+            raise ValueError("continue_final_message applies to messages only")
+        return ChatCompletionRequest._continue_consistent(v, info)
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]

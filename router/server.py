@@ -326,6 +326,7 @@ class Router:
                 port=cfg.http_port,
                 model_id=options.model_id,
                 tokenizer=self.servicer.tokenizer,
+                encoder=self.servicer.encoder,
                 keys=ClientKeys(tuple(cfg.api_keys)),
                 # the gRPC client port's TLS (_bind): router.tls, else the cluster's mutual TLS
                 tls=cfg.client_tls if cfg.client_tls is not None else cfg.security.tls,

@@ -2,10 +2,14 @@
 
 The decode worker streams token ids; the router turns them into text the same way the engine
 does (IncrementalDetokenizer, stop strings cut the text), so a client sees the engine's text.
+A chat is rendered with the model's chat template and vLLM's template fields (ChatMessages'
+add_generation_prompt, continue_final_message and chat_template_kwargs_json: template_options);
+the HTTP front's /tokenize uses the same encoder, so it counts what Generate would run.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent import futures
 
 import grpc
@@ -23,6 +27,13 @@ class BadRequest(Exception):
 
 
 MAX_CHAT_MESSAGES = 4096
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs as JSON
+# apply_chat_template's own parameters and the variables it sets: not for chat_template_kwargs
+RESERVED_TEMPLATE_KEYS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt "
+    "continue_final_message tokenize padding truncation max_length return_tensors return_dict "
+    "return_assistant_tokens_mask tokenizer_kwargs sanitize_control_tokens".split()
+)
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -58,7 +69,7 @@ class PromptEncoder:
             self._check_size([request.text], "text")
             ids = self._run(self._encode, request.text, True) if request.text else []
         elif kind == "chat":
-            ids = self._encode_chat(request.chat.messages)
+            ids = self._encode_chat(request.chat)
         else:
             ids = []
         if not ids:
@@ -102,10 +113,20 @@ class PromptEncoder:
         except RuntimeError as e:  # shut down: the router is stopping
             raise BadRequest(grpc.StatusCode.UNAVAILABLE, f"the router is stopping: {e}") from None
 
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's ids (POST /tokenize): bounded as a prompt, not checked against the context."""
+        self._check_size([text], "prompt")
+        return self._run(self._encode, text, add_special_tokens) if text else []
+
+    def tokenize_chat(self, chat, add_special_tokens: bool = False) -> list[int]:
+        """A pdserve.v1.ChatMessages' ids as Generate renders them (POST /tokenize)."""
+        return self._encode_chat(chat, add_special_tokens)
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _encode_chat(self, messages) -> list[int]:
+    def _encode_chat(self, chat, add_special_tokens: bool = False) -> list[int]:
+        messages = chat.messages
         if not messages:
             return []
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -119,20 +140,62 @@ class PromptEncoder:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "this model's tokenizer has no chat template: send text or token_ids instead",
             )
+        options = template_options(chat)
         conversation = [{"role": m.role, "content": m.content} for m in messages]
-        return self._run(self._render_and_encode, conversation)
+        return self._run(self._render_and_encode, conversation, options, add_special_tokens)
 
-    def _render_and_encode(self, conversation) -> list[int]:
+    def _render_and_encode(self, conversation, options: dict, add_special_tokens: bool):
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
+            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except Exception as e:  # jinja errors: a role or shape the template rejects
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chat messages do not fit the model's chat template: {e}",
             ) from e
-        return self._encode(rendered, add_special_tokens=False)
+        return self._encode(rendered, add_special_tokens=add_special_tokens)
+
+
+def template_options(chat) -> dict:
+    """apply_chat_template's keyword arguments from a pdserve.v1.ChatMessages (vLLM's fields:
+    add_generation_prompt, default true unless continue_final_message; chat_template_kwargs as
+    more template variables); raises BadRequest naming the field."""
+    cont = chat.continue_final_message
+    gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+    if gen and cont:
+        raise BadRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat.continue_final_message=true continues the last message: set "
+            "chat.add_generation_prompt=false with it (or leave it unset)",
+        )
+    if cont and chat.messages[-1].role != "assistant":
+        raise BadRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chat.continue_final_message=true continues the last message, which must be the "
+            "assistant's",
+        )
+    options = dict(add_generation_prompt=gen, continue_final_message=cont)
+    raw = chat.chat_template_kwargs_json
+    if not raw:
+        return options
+    bad = None
+    if len(raw) > MAX_TEMPLATE_KWARGS_BYTES:
+        bad = f"has {len(raw)} bytes; at most {MAX_TEMPLATE_KWARGS_BYTES} are allowed"
+    else:
+        try:
+            extra = json.loads(raw)
+        except ValueError as e:
+            extra, bad = None, f"is not valid JSON: {e}"
+        if bad is None and not isinstance(extra, dict):
+            bad = "must be a JSON object (template variable -> value)"
+        elif bad is None:
+            reserved = sorted(
+                k for k in extra if k in RESERVED_TEMPLATE_KEYS or not k.isidentifier()
+            )
+            if reserved:
+                bad = f"sets {[k[:40] for k in reserved[:3]]}, which are not template variables it may set"
+    if bad is not None:
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"chat.chat_template_kwargs_json {bad}")
+    return {**extra, **options}
 
 
 class TextStream:

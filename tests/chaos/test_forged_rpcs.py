@@ -325,15 +325,21 @@ def test_a_stranger_calling_in_a_loop_does_not_flood_the_log(cluster, caplog):
     assert SECURITY.secret not in caplog.text
 
 
-def test_prompt_logprobs_are_refused_on_the_wire_until_served(cluster):
-    sampling = pdserve_pb2.SamplingParams(max_tokens=4, prompt_logprobs=2)
-    with pytest.raises(grpc.RpcError) as err:
-        generate_prompt(cluster, sampling)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "engine.SamplingParams(prompt_logprobs=k)" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:  # nor does a worker take it from a router
-        cluster.d.Reserve(
-            worker_pb2.ReserveRequest(request_id="plp", prompt_token_ids=PROMPT, sampling=sampling),
-            timeout=RPC_TIMEOUT,
-        )
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_logprob_counts_past_the_bound_are_refused_on_the_wire(cluster):
+    for sampling, field in (
+        (pdserve_pb2.SamplingParams(max_tokens=4, prompt_logprobs=21), "prompt_logprobs"),
+        (pdserve_pb2.SamplingParams(max_tokens=4, logprobs=True, top_logprobs=21), "top_logprobs"),
+        (pdserve_pb2.SamplingParams(max_tokens=4, top_logprobs=2), "top_logprobs"),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            generate_prompt(cluster, sampling)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sampling.{field}" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # nor does a worker take it from a router
+            cluster.d.Reserve(
+                worker_pb2.ReserveRequest(
+                    request_id="plp", prompt_token_ids=PROMPT, sampling=sampling
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -44,7 +44,7 @@ BAD = [
     ("max-tokens-float", C, {**GOOD, "max_tokens": 1.5}, 400, "max_tokens"),
     ("n-bool", C, {**GOOD, "n": True}, 400, "n"),
     ("prompt-number", C, {**GOOD, "prompt": 5}, 400, "prompt"),
-    ("model-missing", C, {"prompt": "t5"}, 400, "model"),
+    ("model-empty", C, {"prompt": "t5", "model": ""}, 400, "model"),
     ("unknown-field", C, {**GOOD, "frobnicate": 1}, 400, "frobnicate"),
     ("unsupported-vllm-field", C, {**GOOD, "use_beam_search": True}, 400, "use_beam_search"),
     ("temperature-too-high", C, {**GOOD, "temperature": 3.0}, 400, "temperature"),
@@ -53,7 +53,7 @@ BAD = [
     ("top-p-above-one", C, {**GOOD, "top_p": 1.5}, 400, "top_p"),
     ("presence-penalty", C, {**GOOD, "presence_penalty": 5}, 400, "presence_penalty"),
     ("repetition-penalty-zero", C, {**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("max-tokens-zero", C, {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-zero-without-echo", C, {**GOOD, "max_tokens": 0}, 400, "echo"),
     ("max-tokens-negative", C, {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
     ("max-tokens-over-model-len", C, {**GOOD, "max_tokens": 100_000}, 400, None),
     ("min-tokens-over-max", C, {**GOOD, "min_tokens": 5}, 400, None),
@@ -81,8 +81,16 @@ BAD = [
     ),
     ("65-sequences", C, {**GOOD, "prompt": ["t5"] * 13, "n": 5}, 400, None),
     ("65-prompts", C, {**GOOD, "prompt": [[5]] * 65}, 400, "prompt"),
-    ("logprobs-alternatives", C, {**GOOD, "logprobs": 5}, 400, "logprobs"),
-    ("echo", C, {**GOOD, "echo": True}, 400, "echo"),
+    ("logprobs-past-the-bound", C, {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("echo-not-bool", C, {**GOOD, "echo": 1}, 400, "echo"),
+    (
+        "echo-logprobs-streamed",
+        C,
+        {**GOOD, "echo": True, "logprobs": 1, "stream": True},
+        400,
+        "echo",
+    ),
+    ("prompt-logprobs-past-the-bound", C, {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("stream-options-without-stream", C, {**GOOD, "stream_options": {}}, 400, None),
     (
         "continuous-usage",
@@ -122,13 +130,40 @@ BAD = [
         400,
         "messages[0].content",
     ),
+    ("chat-top-logprobs-alone", CHAT, {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     (
-        "chat-top-logprobs",
+        "chat-top-logprobs-past-the-bound",
         CHAT,
-        {**GOOD_CHAT, "logprobs": True, "top_logprobs": 2},
+        {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21},
         400,
         "top_logprobs",
     ),
+    (
+        "chat-continue-with-generation-prompt",
+        CHAT,
+        {**GOOD_CHAT, "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    (
+        "chat-template-kwargs-reserved",
+        CHAT,
+        {**GOOD_CHAT, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "chat-template-kwargs-list",
+        CHAT,
+        {**GOOD_CHAT, "chat_template_kwargs": [1]},
+        400,
+        "chat_template_kwargs",
+    ),
+    ("tokenize-neither", "/tokenize", {"model": MODEL}, 400, "messages"),
+    ("tokenize-unknown-model", "/tokenize", {"model": "nope", "prompt": "t5"}, 404, "model"),
+    ("tokenize-too-long", "/tokenize", {"prompt": "t5 " * 5000}, 400, "prompt"),
+    ("detokenize-past-vocab", "/detokenize", {"tokens": [5, 256]}, 400, "tokens"),
+    ("detokenize-not-ids", "/detokenize", {"tokens": "t5"}, 400, "tokens"),
     ("chat-tools", CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         "chat-json-mode",
@@ -360,12 +395,12 @@ def test_stream_is_openai_sse_and_matches_the_whole_response(router, idle, chat)
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event_then_done(router, idle, monkeypatch):
-    from pdserve.router import http_api
+    from pdserve.router import http_stream
 
     def fail(finish):
-        raise http_api.ApiError(500, "injected", "server_error")
+        raise http_stream.ApiError(500, "injected", "server_error")
 
-    monkeypatch.setattr(http_api, "finish_reason", fail)
+    monkeypatch.setattr(http_stream, "finish_reason", fail)
     status, _, body = post(router, C, {**GOOD, "stream": True})
     assert status == 200
     events = sse_events(body)

@@ -1,0 +1,125 @@
+"""OpenAI's whole (non-streaming) responses for the HTTP front (router/http_api.py), as a pure
+function of the router's gRPC messages: the choices of every sequence, with completions' echo
+(the prompt before the completion; max_tokens 0: the prompt alone, its generated token
+dropped, as vLLM), the logprobs of router/openai_logprobs.py, the usage and the `pdserve`
+extension (router/openai_format.py). The streamed form is router/http_stream.py's. No server
+state lives here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai_format import ApiError, extension, finish_reason, usage
+from pdserve.router.openai_logprobs import (
+    chat_logprobs,
+    check_logprobs,
+    check_prompt,
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    prompt_logprobs_field,
+)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list = field(default_factory=list)  # pdserve_pb2.TopLogprobs, one per token
+    finish: pdserve_pb2.Finish | None = None
+
+
+def collect_choices(responses) -> dict[int, Choice]:
+    choices: dict[int, Choice] = {}
+    for r in responses:
+        if r.HasField("delta"):
+            d = r.delta
+            c = choices.setdefault(d.index, Choice(d.index))
+            c.text.append(d.text)
+            c.token_ids.extend(d.token_ids)
+            c.logprobs.extend(d.logprobs)
+            c.tops.extend(d.top_logprobs)
+        elif r.HasField("finish"):
+            c = choices.setdefault(r.finish.index, Choice(r.finish.index))
+            c.finish = r.finish
+    return choices
+
+
+def echo_text(body, index: int, text_of) -> str:
+    """Choice `index`'s prompt as text (a token id prompt decoded), for echo."""
+    prompt = body.prompts()[index // body.n]
+    return prompt if isinstance(prompt, str) else text_of.text(prompt)
+
+
+def request_usage(finishes, body) -> dict:
+    """usage(); with max_tokens 0 (echo alone) the one token generated per sequence is dropped."""
+    out = usage(finishes, body.n)
+    if getattr(body, "max_tokens", None) == 0:
+        out["completion_tokens"] = 0
+        out["total_tokens"] = out["prompt_tokens"]
+    return out
+
+
+def _completion_choice(c: Choice, body, text_of) -> dict:
+    echo_only = body.max_tokens == 0
+    head = echo_text(body, c.index, text_of) if body.echo else ""
+    text = head + ("" if echo_only else "".join(c.text))
+    lp = None
+    if body.wants_logprobs:
+        k = body.num_top()
+        parts = []
+        if body.echo:
+            check_prompt(c.finish)
+            parts.append(echo_logprobs(c.finish, text_of, k))
+        if not echo_only:
+            check_logprobs(c.token_ids, c.logprobs, c.tops, k)
+            parts.append(
+                completion_logprobs(c.token_ids, c.logprobs, text_of, len(head), c.tops, k)
+            )
+        lp = parts[0] if len(parts) == 1 else joined(*parts)
+    out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason(c.finish)}
+    if body.prompt_logprobs is not None:
+        check_prompt(c.finish)
+        out["prompt_logprobs"] = prompt_logprobs_field(c.finish, text_of, body.prompt_logprobs)
+    return out
+
+
+def _chat_choice(c: Choice, body, text_of) -> dict:
+    reason = finish_reason(c.finish)
+    lp = None
+    if body.logprobs:
+        check_logprobs(c.token_ids, c.logprobs, c.tops, body.num_top())
+        lp = chat_logprobs(c.token_ids, c.logprobs, text_of, c.tops, body.num_top())
+    return {
+        "index": c.index,
+        "message": {"role": "assistant", "content": "".join(c.text)},
+        "logprobs": lp,
+        "finish_reason": reason,
+    }
+
+
+def whole_response(responses, body, chat: bool, model_id: str, request_id: str, text_of) -> dict:
+    """The non-streaming response body."""
+    choices = collect_choices(responses)
+    finishes = [c.finish for c in choices.values() if c.finish is not None]
+    missing = [i for i, c in choices.items() if c.finish is None]
+    if missing or not finishes:
+        raise ApiError(500, f"sequences {missing} ended without a Finish", "server_error")
+    make = _chat_choice if chat else _completion_choice
+    out = [make(choices[i], body, text_of) for i in sorted(choices)]
+    suffix = request_id.removeprefix("http-")
+    return {
+        "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_id,
+        "choices": out,
+        "usage": request_usage(finishes, body),
+        "system_fingerprint": None,
+        "pdserve": extension(finishes, request_id),
+    }

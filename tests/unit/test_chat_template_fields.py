@@ -1,0 +1,93 @@
+"""vLLM's chat template fields as the router renders a chat (router/text.py's PromptEncoder, which
+Generate and POST /tokenize share): add_generation_prompt, continue_final_message and
+chat_template_kwargs change the rendered prompt as vLLM's do, and bad values are refused with
+INVALID_ARGUMENT naming the field (the HTTP front's 400s: tests/unit/test_http_logprobs.py)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.text import BadRequest, PromptEncoder
+
+# word-level test tokenizer: "tN" is token N; t9 only with the template variable `flag`
+TEMPLATE = (
+    "{% for m in messages %}t3 {{ m.content }} t4 {% endfor %}{% if flag %}t9 {% endif %}"
+    "{% if add_generation_prompt %}t7{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_models):
+    model_dir, _ = tiny_models("llama-gqa")
+    tok = load_tokenizer(model_dir)
+    tok.chat_template = TEMPLATE
+    enc = PromptEncoder(tok, 256)
+    yield enc
+    enc.close()
+
+
+def _chat(*contents, roles=("user", "assistant"), **fields) -> pdserve_pb2.ChatMessages:
+    chat = pdserve_pb2.ChatMessages(**fields)
+    for i, c in enumerate(contents):
+        chat.messages.add(role=roles[i % 2], content=c)
+    return chat
+
+
+def _generate(chat) -> pdserve_pb2.GenerateRequest:
+    req = pdserve_pb2.GenerateRequest()
+    req.chat.CopyFrom(chat)
+    return req
+
+
+def test_defaults_add_the_generation_prompt(encoder):
+    assert encoder.encode(_generate(_chat("t5"))) == [3, 5, 4, 7]
+    assert encoder.tokenize_chat(_chat("t5")) == [3, 5, 4, 7]
+
+
+def test_add_generation_prompt_false_leaves_it_out(encoder):
+    assert encoder.encode(_generate(_chat("t5", add_generation_prompt=False))) == [3, 5, 4]
+
+
+def test_continue_final_message_leaves_the_last_message_open(encoder):
+    chat = _chat("t5", "t6 t8", continue_final_message=True)
+    # rendered up to the end of the assistant's content: no closing t4, no generation prompt
+    assert encoder.encode(_generate(chat)) == [3, 5, 4, 3, 6, 8]
+
+
+def test_chat_template_kwargs_reach_the_template(encoder):
+    chat = _chat("t5", chat_template_kwargs_json='{"flag": true}')
+    assert encoder.encode(_generate(chat)) == [3, 5, 4, 9, 7]
+    chat = _chat("t5", chat_template_kwargs_json='{"flag": false}')
+    assert encoder.encode(_generate(chat)) == [3, 5, 4, 7]
+
+
+@pytest.mark.parametrize(
+    "chat, field",
+    [
+        (_chat("t5", continue_final_message=True), "chat.continue_final_message"),
+        (
+            _chat("t5", "t6", continue_final_message=True, add_generation_prompt=True),
+            "chat.continue_final_message",
+        ),
+        (_chat("t5", chat_template_kwargs_json='"x"'), "chat.chat_template_kwargs_json"),
+        (
+            _chat("t5", chat_template_kwargs_json='{"tokenize": true}'),
+            "chat.chat_template_kwargs_json",
+        ),
+    ],
+)
+def test_bad_fields_are_invalid_argument(encoder, chat, field):
+    with pytest.raises(BadRequest) as e:
+        encoder.encode(_generate(chat))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.message
+    assert encoder.encode(_generate(_chat("t5"))) == [3, 5, 4, 7]  # it keeps serving
+
+
+def test_tokenize_text_counts_without_the_context_check(encoder):
+    assert encoder.tokenize_text("t5 t6", False) == [5, 6]
+    assert encoder.tokenize_text("", True) == []
+    with pytest.raises(BadRequest):  # bounded like a prompt all the same
+        encoder.tokenize_text("t5 " * 5000)
