@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -47,7 +46,6 @@ from pdserve.router.http_extra import (
     add_extra_routes,
     chat_messages,
     document_bodies,
-    model_card,
 )
 from pdserve.router.http_stream import rest, stream
 from pdserve.router.metrics import exposition
@@ -223,21 +221,6 @@ def build_app(front: HttpFront) -> FastAPI:
             authorize(request)
         data = exposition(s.metrics_registry) if s.metrics_registry is not None else b""
         return Response(data, media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        metadata = authorize(request)
-        try:
-            reply = await front.stub.ListModels(
-                pdserve_pb2.ListModelsRequest(), metadata=metadata, timeout=30
-            )
-        except grpc.RpcError as e:
-            raise ApiError.from_grpc(e) from None
-        created = int(time.time())
-        return {
-            "object": "list",
-            "data": [model_card(m, created) for m in reply.models],
-        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -118,8 +118,8 @@ def add_extra_routes(app: FastAPI, front: HttpFront, authorize, parse) -> None:
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str):
+    async def served(request: Request) -> list:
+        """The router's models (gRPC ListModels), for a caller whose key checks out."""
         metadata = authorize(request)
         try:
             reply = await front.stub.ListModels(
@@ -127,7 +127,16 @@ def add_extra_routes(app: FastAPI, front: HttpFront, authorize, parse) -> None:
             )
         except grpc.RpcError as e:
             raise ApiError.from_grpc(e) from None
-        for m in reply.models:
+        return list(reply.models)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        created = int(time.time())
+        return {"object": "list", "data": [model_card(m, created) for m in await served(request)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        for m in await served(request):
             if m.id == model_id:
                 return model_card(m, int(time.time()))
         raise ApiError(
