@@ -8,17 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "llama",
-}
+from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
+
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # the HF name, a key of engine/models ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,8 +35,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
         archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-        arch = SUPPORTED_ARCHITECTURES.get(archs[0])
-        if arch is None:
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"model architecture {archs[0]!r} is not supported; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
@@ -66,7 +63,7 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf_config, "attention_bias", arch == "qwen2")),
+            attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             hf_config=hf_config,
         )

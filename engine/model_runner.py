@@ -13,7 +13,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models import model_class
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.kvpool import create_pool_file
@@ -70,13 +70,10 @@ class ModelRunner:
                 rotary = RotaryEmbedding(
                     inv_freq.to(self.device), attn_factor, config.max_model_len
                 )
-                self.model = LlamaForCausalLM(model_config, rotary)
+                self.model = model_class(model_config.architecture)(model_config, rotary)
         finally:
             torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
-            dummy_weights(self.model, config.seed)
-        else:
-            self.model.load_weights(iter_safetensors(model_dir))
+        self._load_weights(model_dir)
         self.model.eval()
         # with decode graphs, one block more than the scheduler is told of: padded rows write there
         use_graphs = graphs_apply(self.device, tp_size(), config.cuda_graphs)
@@ -91,6 +88,12 @@ class ModelRunner:
             if use_graphs
             else None
         )
+
+    def _load_weights(self, model_dir: str) -> None:
+        if self.config.load_format == "dummy":
+            dummy_weights(self.model, self.config.seed)
+        else:
+            self.model.load_weights(iter_safetensors(model_dir))
 
     def _prepare_weights(self, model_dir: str) -> tuple[str | None, str]:
         wanted = self.config.quantization

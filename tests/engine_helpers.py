@@ -75,3 +75,11 @@ needs_x86_int8 = pytest.mark.skipif(
     not any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "onednn")),
     reason="torch has no x86 quantized engine here",
 )
+
+
+def prompt_logprob_diff(ref, llm, p) -> float:
+    """The largest gap between `ref`'s and `llm`'s logprob of one of prompt p's own tokens."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+    b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
+    return max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p)))

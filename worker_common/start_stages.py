@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 STAGE_POINTS = (
     ("pdserve.engine.engine_core", "resolve_model", "model files"),
     ("pdserve.engine.kernels", "_build", "kernel build"),
-    ("pdserve.engine.models.llama", "LlamaForCausalLM.load_weights", "weights"),
+    ("pdserve.engine.model_runner", "ModelRunner._load_weights", "weights"),
     ("pdserve.engine.model_runner", "ModelRunner._allocate_kv_cache", "KV capacity"),
     ("pdserve.engine.model_runner", "ModelRunner._prepare_weights", "precision probe"),
     ("pdserve.engine.engine_core", "LLMEngine.warm_up", "warm-up"),

@@ -1,1 +1,26 @@
-"""Model families the engine serves."""
+"""Model families the engine serves, by the `architectures` name in a checkpoint's config.json.
+
+ARCHITECTURES maps each HF architecture name to the module and class that implement it (imported
+only when a model of that family is built). Every class takes `(ModelConfig, RotaryEmbedding)`,
+and has `forward(input_ids, positions)`, `compute_logits(hidden)`, `load_weights(iterable of
+(checkpoint name, tensor))` and `prepare_linears(quantization, release_dense)`; the model runner
+(engine/model_runner.py) knows nothing else about a family. A family's class is checked
+token-for-token against HF transformers' own by tests/unit/test_architectures.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# HF architecture name -> (module under pdserve.engine.models, class name)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+def model_class(architecture: str):
+    """The class that implements `architecture` (a key of ARCHITECTURES)."""
+    module, name = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(f"pdserve.engine.models.{module}"), name)

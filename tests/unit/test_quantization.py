@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_no_leaks
-from engine_helpers import needs_x86_int8
+from engine_helpers import needs_x86_int8, prompt_logprob_diff
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import cpu_fused
@@ -157,14 +157,6 @@ def test_dtype_auto_on_cpu_means_quantization_auto(tiny_models):
     assert (cfg.dtype, cfg.quantization) == ("float32", "auto")
     cfg = EngineConfig(model=model_dir, device="cpu", dtype="float32").resolve(mc)
     assert (cfg.dtype, cfg.quantization) == ("float32", None)
-
-
-def prompt_logprob_diff(ref, llm, p) -> float:
-    """The largest gap between `ref`'s and `llm`'s logprob of one of prompt p's own tokens."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-    b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-    return max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p)))
 
 
 def assert_greedy_runs_without_leaks(llm, prompts) -> None:

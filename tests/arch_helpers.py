@@ -1,0 +1,79 @@
+"""Tiny random models of every architecture the engine serves, and their HF greedy references
+(tests/unit/test_architectures.py, tests/integration/test_architectures_tp.py).
+
+ARCH_KINDS names each kind with its HF `model_type` and the config keys that make it that kind
+(a sliding window shorter than the longer prompts, soft-capping, experts). `build_arch_model`
+saves a random model of a kind with the word-level tokenizer of tests/conftest.py, and draws every
+norm weight and bias at random too, so a norm read with the wrong offset, or a bias left out,
+changes the tokens. `arch_refs` gives the prompts (mixed lengths, three sharing a 48-token prefix)
+and HF's own greedy continuations of ARCH_NEW tokens.
+
+Not a test module: imported as `from arch_helpers import ...` (pytest puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import SHARED_PREFIX, TINY_CONFIG, hf_greedy, random_prompts
+
+ARCH_NEW = 64  # greedy tokens compared with HF's
+ARCH_LENGTHS = (1, 7, 33, 100, 150)  # (longer than the sliding windows below)
+
+# kind: (HF model_type, config keys over TINY_CONFIG's); 4 query heads of 16, 2 key/value heads
+ARCH_KINDS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+}
+
+
+def build_arch_model(path, kind: str, seed: int = 0):
+    """Save a random model of `kind` and the tiny word-level tokenizer to `path`; returns the HF
+    model (float32, eval mode)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    model_type, extra = ARCH_KINDS[kind]
+    keys = dict(
+        TINY_CONFIG,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        eos_token_id=1,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+    keys.update(extra)
+    config = AutoConfig.for_model(model_type, **keys)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name and p.dim() == 1:
+                p.copy_(p + torch.randn_like(p) * 0.3)
+    model.eval().save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
+        path
+    )
+    return model
+
+
+def arch_prompts() -> list[list[int]]:
+    prompts = random_prompts(ARCH_LENGTHS, seed=31)
+    prefix = random_prompts([SHARED_PREFIX], seed=32)[0]
+    return prompts + [prefix + tail for tail in random_prompts([3, 20, 41], seed=33)]
+
+
+def arch_refs(tmp_path_factory, cache: dict, kind: str):
+    """(model_dir, hf_model, prompts, HF greedy continuations of ARCH_NEW tokens) for `kind`,
+    built once per `cache`."""
+    if kind not in cache:
+        path = tmp_path_factory.mktemp(f"arch-{kind}")
+        hf = build_arch_model(path, kind)
+        prompts = arch_prompts()
+        cache[kind] = (str(path), hf, prompts, [hf_greedy(hf, p, ARCH_NEW) for p in prompts])
+    return cache[kind]

@@ -1,0 +1,38 @@
+"""Every architecture of tests/arch_helpers.py under tensor parallelism: two ranks (gloo, one
+process each) give HF transformers' greedy tokens, where the kind's shapes divide by two."""
+
+from __future__ import annotations
+
+import pytest
+
+from arch_helpers import ARCH_KINDS, ARCH_NEW, arch_refs
+from conftest import assert_no_leaks
+from engine_helpers import KV, greedy
+from pdserve.engine import LLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    cache: dict = {}
+    return lambda kind: arch_refs(tmp_path_factory, cache, kind)
+
+
+@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+def test_tp2_matches_hf(refs, kind):
+    model_dir, _, prompts, want = refs(kind)
+    picks = [0, 3, 4, 7]
+    llm = LLM(
+        model_dir,
+        tensor_parallel_size=2,
+        kv_cache_memory=KV,
+        block_size=16,
+        max_num_batched_tokens=64,
+    )
+    try:
+        outs = llm.generate([prompts[i] for i in picks], greedy(ARCH_NEW), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [want[i] for i in picks]
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()

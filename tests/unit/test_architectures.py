@@ -1,0 +1,89 @@
+"""Every architecture the engine serves, token for token against HF transformers on a tiny random
+model of that architecture (tests/arch_helpers.py ARCH_KINDS): ARCH_NEW greedy tokens for a batch
+of mixed lengths with chunked prefill and the prefix cache on, the same prompts again served from
+the prefix cache, and a prefill/decode hand-off from a prefill-only engine into another engine's
+reserved blocks. Tensor parallelism is in tests/integration/test_architectures_tp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from arch_helpers import ARCH_KINDS, ARCH_NEW, arch_refs
+from conftest import SHARED_PREFIX, assert_no_leaks
+from engine_helpers import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
+from pdserve.engine import LLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    cache: dict = {}
+    return lambda kind: arch_refs(tmp_path_factory, cache, kind)
+
+
+@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+def test_batch_matches_hf_with_chunks_and_prefix_cache(refs, kind):
+    model_dir, _, prompts, want = refs(kind)
+    llm = LLM(
+        model_dir,
+        kv_cache_memory=KV,
+        block_size=4,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=32,
+    )
+    try:
+        outs = llm.generate(prompts, greedy(ARCH_NEW), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        # again, one at a time: every prompt's full blocks come from the cache
+        for prompt, expected in zip(prompts, want):
+            again = llm.generate(prompt, greedy(ARCH_NEW), use_tqdm=False)[0]
+            assert again.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+            assert again.num_cached_tokens == (len(prompt) - 1) // 4 * 4
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+def test_handoff_matches_hf(refs, kind):
+    """The prompt runs on a prefill-only engine (chunked, 4-token blocks); its KV, layer by layer,
+    lands in a decode engine's reservation (16-token blocks), which decodes the rest."""
+    model_dir, _, prompts, want = refs(kind)
+    a = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=32).engine
+    b = LLM(model_dir, kv_cache_memory=KV, block_size=16).engine
+    num_layers = a.model_config.num_layers
+    for i in (0, 3, 4, 5, 7):  # 1, 100 and 150 tokens, then two sharing a prefix
+        prompt, rid = prompts[i], f"h{i}"
+        res = b.reserve(rid, prompt, greedy(ARCH_NEW))
+        if i == 7:
+            assert res.num_cached_tokens == SHARED_PREFIX
+        sink = CopySink(b, res, num_layers)
+        a.add_request(rid, prompt, greedy(ARCH_NEW), prefill_only=True, kv_sink=sink)
+        outs = run_until_done(a)
+        first = outs[-1].outputs[0].token_ids
+        assert outs[-1].finished and len(first) == 1
+        b.commit(rid, first[0])
+        final = [o for o in run_until_done(b) if o.finished]
+        assert final[0].outputs[0].token_ids == want[i], f"prompt of {len(prompt)} tokens"
+        assert_no_leaks(a)
+        assert_no_leaks(b)
+
+
+@needs_x86_int8
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("kind", list(ARCH_KINDS))
+def test_quantized_modes_stay_near_float32(refs, kind, mode):
+    """int8 and int4 weights: each prompt token's logprob within the bound the llama tests hold
+    (a random tiny model's tokens are near-ties, so quality is read from logprobs, not text)."""
+    model_dir, _, prompts, _ = refs(kind)
+    ref = LLM(model_dir, dtype="float32", kv_cache_memory=KV)
+    llm = LLM(model_dir, quantization=mode, kv_cache_memory=KV)
+    try:
+        assert llm.engine.config.quantization == mode
+        for p in prompts[2:5]:
+            diff = prompt_logprob_diff(ref, llm, p)
+            assert diff < (0.05 if mode == "int8" else 0.25), (p, diff)
+    finally:
+        ref.shutdown()
+        llm.shutdown()
