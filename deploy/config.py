@@ -308,7 +308,10 @@ class PlannerSettings(_Frozen):
 
 
 class DeployConfig(_Frozen):
+    # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
     model: Annotated[str, Field(min_length=1)] = "smollm2"
+    # the id clients name the model by (OpenAI's `model`, ListModels); see served_model_id
+    served_model_name: Annotated[str, Field(min_length=1)] | None = None
     dtype: Literal[DTYPES] = "auto"
     # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
     # means quantization "auto"
@@ -329,6 +332,19 @@ class DeployConfig(_Frozen):
                 "split to move"
             )
         return self
+
+    def served_model_id(self) -> str | None:
+        """served_model_name; else, for a Hub id with no local path of that name, its ORG/NAME
+        (as vLLM serves it; without the @REVISION); else None: the router's default, the model
+        directory's or file's name."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        from pdserve.engine.loader.hub import parse_hub_id
+
+        if pathlib.Path(self.model).expanduser().exists():
+            return None
+        hub_id = parse_hub_id(self.model)
+        return hub_id[0] if hub_id else None
 
     def worker_pools(self) -> list[tuple[str, Pool]]:
         """(key under `pools`, Pool) in start order: decode before prefill, so prefill has
@@ -433,6 +449,12 @@ def load_config(path: str | pathlib.Path | None) -> DeployConfig:
     one decode worker, tp 1, a local Ray)."""
     if path is None:
         return DeployConfig()
+    return validate_config(read_config_data(path), str(path), pathlib.Path(path).parent)
+
+
+def read_config_data(path: str | pathlib.Path) -> dict:
+    """The YAML file at `path` as plain data, not yet validated (`pdserve up`'s flags go over it
+    first: pdserve/up_flags.py); a ConfigError naming the file when it is not a YAML mapping."""
     name = str(path)
     text = read_text(path, ConfigError)
     try:
@@ -449,4 +471,4 @@ def load_config(path: str | pathlib.Path | None) -> DeployConfig:
             f"{name}: the top level must be a mapping of keys "
             f"(model, pools, router, ...), got {type(data).__name__}"
         )
-    return validate_config(data, name, pathlib.Path(path).parent)
+    return data

@@ -300,6 +300,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     lens = [p.max_model_len for _, p in config.worker_pools() if p.max_model_len]
     router_config = RouterConfig(
         model=config.model,
+        model_id=config.served_model_id(),
         host=config.router.host,
         colocated=config.pools.colocated is not None,
         port=config.router.port,

