@@ -176,6 +176,7 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
     config = cluster.config
     common = dict(
         model=config.model,
+        model_id=config.served_model_id(),
         engine_kwargs=config.engine_kwargs(pool),
         host=host,
         port=0,

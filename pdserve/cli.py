@@ -5,9 +5,12 @@
 
     pdserve up [CONFIG] [--address ADDR]      launch the deployment on Ray, serve until Ctrl-C
                   [--http-port PORT|off]      (gRPC and OpenAI-compatible HTTP, default :8000)
-    pdserve up CONFIG --check                 validate the config as `up` would; start nothing
+                  [--model M] [--tp N] ...    flags over the YAML's keys (`pdserve up --help`)
+    pdserve up [CONFIG] --check               validate the config as `up` would; start nothing
     pdserve generate TEXT [--router H:P]      complete a prompt through the router
     pdserve chat MESSAGE [--router H:P]       one chat turn through the router
+    pdserve chat [--system S]                 a conversation: one message a line of stdin
+                  [--api-key KEY]             clients: the deployment's key (or PDSERVE_API_KEY)
     pdserve generate TEXT --local             run the engine in this process instead
     pdserve bench --trace NAME [--rate R]     open-loop load test: latency table, SLO goodput
     pdserve profile --model M --tp 1[,3] --out profile.json [--quick]   measure step latencies
@@ -25,7 +28,9 @@ import logging
 import sys
 import time
 
-from pdserve.deploy.config import DTYPES, ConfigError, DeployConfig, load_config
+from pdserve import client
+from pdserve.deploy.config import DTYPES, ConfigError, DeployConfig
+from pdserve.up_flags import Overrides, add_up_flags, up_config
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -90,52 +95,9 @@ def _client_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache"
     )
     _mode_args(p, "--local only: ")
-    _tls_args(p)
+    client.add_api_key_arg(p)
+    client.add_tls_args(p)
     _sampling_args(p)
-
-
-def _tls_args(p: argparse.ArgumentParser) -> None:
-    tls = p.add_argument_group(
-        "TLS, for a router with router.tls (the client API needs no secret; with API keys "
-        "configured, put one in the environment: PDSERVE_API_KEY)"
-    )
-    tls.add_argument("--tls-ca", metavar="PEM", help="trust the router's certificate from this CA")
-    tls.add_argument(
-        "--tls-cert", metavar="PEM", help="client certificate (router.tls.ca_file set)"
-    )
-    tls.add_argument("--tls-key", metavar="PEM", help="its private key")
-    tls.add_argument(
-        "--tls-server-name",
-        metavar="NAME",
-        help="the name in the router's certificate, when not the --router host",
-    )
-
-
-def _channel(args):
-    """A channel to the router: plaintext, or TLS when any --tls-* option is given."""
-    import grpc
-
-    if not (args.tls_ca or args.tls_cert or args.tls_key):
-        return grpc.insecure_channel(args.router)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-
-    def read(path):
-        if not path:
-            return None
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-
-    credentials = grpc.ssl_channel_credentials(
-        read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
-    )
-    options = (
-        [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    )
-    return grpc.secure_channel(args.router, credentials, options=options)
 
 
 def _run_local(args) -> int:
@@ -156,6 +118,13 @@ def _run_local(args) -> int:
             **_mode_overrides(args),
         )
         t_load = time.perf_counter() - t0
+        if args.cmd == "chat" and args.message is None:
+            from pdserve import chat_session
+
+            try:
+                return chat_session.run_local(args, llm, params)
+            finally:
+                llm.shutdown()
         t0 = time.perf_counter()
         if args.cmd == "generate":
             out = llm.generate(args.prompt, params, use_tqdm=False)[0]
@@ -182,107 +151,35 @@ def _run_local(args) -> int:
     return 0
 
 
-def _request(args):
-    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
-
-    sampling = pb.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
-    )
-    if args.seed is not None:
-        sampling.seed = args.seed
-    req = pb.GenerateRequest(model=args.model or "", sampling=sampling)
-    if args.cmd == "generate":
-        req.text = args.prompt
-    else:
-        messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
-        messages.append(pb.ChatMessage(role="user", content=args.message))
-        req.chat.CopyFrom(pb.ChatMessages(messages=messages))
-    return req
-
-
-def _run_remote(args) -> int:
-    """Streams the router's reply to stdout as it arrives; timings go to stderr."""
-    import grpc
-
-    from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
-    from pdserve.protos.security import client_key_metadata
-
-    num_tokens, finish, t_first, ends_line = 0, None, None, True
-    t0 = time.perf_counter()
-    try:
-        channel = _channel(args)
-    except ValueError as e:
-        print(f"pdserve: {e}", file=sys.stderr)
-        return 2
-    try:
-        with channel:
-            stub = pdserve_pb2_grpc.PDServeStub(channel)
-            for resp in stub.Generate(
-                _request(args), metadata=client_key_metadata(), wait_for_ready=False
-            ):
-                if resp.HasField("delta"):
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                    num_tokens += len(resp.delta.token_ids)
-                    sys.stdout.write(resp.delta.text)
-                    sys.stdout.flush()
-                    ends_line = resp.delta.text.endswith("\n") if resp.delta.text else ends_line
-                elif resp.HasField("finish"):
-                    finish = resp.finish
-    except grpc.RpcError as e:
-        hint = (
-            " (is `pdserve up` running there? pass its address with --router)"
-            if e.code() == grpc.StatusCode.UNAVAILABLE
-            else ""
-        )
-        print(
-            f"\npdserve: router {args.router}: {e.code().name}: {e.details()}{hint}",
-            file=sys.stderr,
-        )
-        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
-    elapsed = time.perf_counter() - t0
-    # the text ends its line whatever stopped it (a `length` stop ends mid-line), and reaches
-    # stdout before the summary reaches stderr, even when both go to one file
-    print("" if ends_line else "\n", end="", flush=True)
-    reason = finish.finish_reason if finish is not None else "?"
-    ttft = f"{(t_first - t0) * 1e3:.0f} ms" if t_first is not None else "-"
-    decode_s = elapsed - (t_first - t0) if t_first is not None else 0.0
-    rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
-    prompt = f"{finish.usage.prompt_tokens} prompt tokens, " if finish is not None else ""
-    print(
-        f"[{prompt}{num_tokens} generated, finish={reason}; TTFT {ttft}, total {elapsed:.2f}s, "
-        f"{rate:.1f} tok/s]",
-        file=sys.stderr,
-    )
-    if finish is not None and finish.finish_reason == "error":
-        print(f"pdserve: {finish.message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _refused(args, e: Exception) -> int:
+def _refused(args, e: Exception, flags: Overrides) -> int:
     """A refusal before anything started, printed alike by `up` and `up --check`: one line per
-    problem, each naming the config (a ConfigError: its keys) or what to change; exit code 2."""
+    problem, each naming the flag that gave the value, else the config (a ConfigError: its keys)
+    or what to change; exit code 2."""
     prefix = f"{args.config or 'default config'}: " if isinstance(e, ConfigError) else ""
+    printed = set()
     for line in str(e).splitlines() or [type(e).__name__]:
-        print(f"pdserve: {prefix}{line}", file=sys.stderr)
+        line, from_flag = flags.name(line)
+        line = f"pdserve: {'' if from_flag else prefix}{line}"
+        if line not in printed:  # a flag for every pool: one line, not one per pool
+            printed.add(line)
+            print(line, file=sys.stderr)
     return 2
 
 
-def _preflight(args, config: DeployConfig) -> list[str] | int:
+def _preflight(args, config: DeployConfig, flags: Overrides) -> list[str] | int:
     """deploy/prechecks.preflight: the notes on what it could not check, or 2 once refused."""
     from pdserve.deploy.prechecks import DeployError, preflight
 
     try:
         return preflight(config, args.address)
     except (ConfigError, DeployError) as e:
-        return _refused(args, e)
+        return _refused(args, e, flags)
 
 
-def _check_up(args, config: DeployConfig) -> int:
+def _check_up(args, config: DeployConfig, flags: Overrides) -> int:
     """`pdserve up --check`: the checks `up` runs before Ray starts, the same ones in the same
     order (deploy/prechecks.preflight); 0 when `up` would go on, 2 with its first refusal."""
-    notes = _preflight(args, config)
+    notes = _preflight(args, config, flags)
     if isinstance(notes, int):
         return notes
     for note in notes:
@@ -292,35 +189,19 @@ def _check_up(args, config: DeployConfig) -> int:
     return 0
 
 
-def _with_http_port(config: DeployConfig, value: str) -> DeployConfig:
-    """--http-port over the YAML's router.http_port ('off': no HTTP front), checked as that key
-    is (a port, not router.port)."""
-    from pdserve.deploy.config import validate_config
-
-    try:
-        port = None if value == "off" else int(value)
-    except ValueError:
-        raise ConfigError(f"--http-port: {value!r} is not a port number or 'off'") from None
-    router = {"host": config.router.host, "port": config.router.port, "http_port": port}
-    validate_config({"router": router}, "--http-port")
-    return config.model_copy(
-        update={"router": config.router.model_copy(update={"http_port": port})}
-    )
-
-
 def _run_up(args) -> int:
     """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
     change; no traceback), 130 interrupted while starting."""
     try:
-        config = load_config(args.config).model_copy(update=_mode_overrides(args))
-        if args.http_port is not None:
-            config = _with_http_port(config, args.http_port)
+        config, flags = up_config(args)
+        config = config.model_copy(update=_mode_overrides(args))
     except ConfigError as e:
-        print(f"pdserve: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"pdserve: {line}", file=sys.stderr)
         return 2
     if args.check:
-        return _check_up(args, config)
-    notes = _preflight(args, config)  # as --check: the same refusals, in the same order
+        return _check_up(args, config, flags)
+    notes = _preflight(args, config, flags)  # as --check: the same refusals, in the same order
     if isinstance(notes, int):
         return notes
     # the deployment's own lines (deaths, replacements, the secret's source: never the secret)
@@ -331,7 +212,7 @@ def _run_up(args) -> int:
     try:
         cluster = up(config, address=args.address, block=False)
     except (ConfigError, DeployError) as e:  # Ray's resources, a worker that failed to start
-        return _refused(args, e)
+        return _refused(args, e, flags)
     except KeyboardInterrupt:
         return 130
     print(f"router on {cluster.router_address}", flush=True)  # gRPC: pdserve.v1.PDServe
@@ -354,7 +235,7 @@ def _documented_command(sub, name: str, module, summary: str) -> argparse.Argume
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve import __version__
+    from pdserve import __version__, chat_session
 
     parser = argparse.ArgumentParser(
         prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -381,19 +262,19 @@ def main(argv: list[str] | None = None) -> int:
         "would have, the pools against the model), say what only a start can tell, and exit: "
         "0 ok, 2 refused with `up`'s first line",
     )
-    upp.add_argument(
-        "--http-port",
-        default=None,
-        metavar="PORT",
-        help="the OpenAI-compatible HTTP front's port (0: a free one; 'off': none); overrides "
-        "router.http_port (default 8000)",
-    )
+    add_up_flags(upp)
     _mode_args(upp, "overrides the YAML's ")
     gen = sub.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
     _client_args(gen)
-    chat = sub.add_parser("chat", help="one chat turn (the model's chat template is applied)")
-    chat.add_argument("message")
+    chat = sub.add_parser(
+        "chat",
+        help="one chat turn, or without MESSAGE a conversation read from stdin (the model's chat "
+        "template is applied)",
+        description=chat_session.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument("message", nargs="?", default=None, help="one turn; none: a conversation")
     chat.add_argument("--system", default=None)
     _client_args(chat)
     from pdserve.tuning import bench as bench_cmd
@@ -402,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         sub, "bench", bench_cmd, "open-loop load test of a router: latency, SLO attainment, goodput"
     )
     bench_cmd.add_args(bench, DeployConfig().router.address)
+    client.add_api_key_arg(bench)
     from pdserve.tuning import profiler as profile_cmd, tune_cmd
 
     for name, module, summary in (
@@ -428,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         default=DeployConfig().router.address,
         help="the router's host:port (default: %(default)s)",
     )
-    _tls_args(ctlp)
+    client.add_tls_args(ctlp)
     ctl.add_args(ctlp)
     args = parser.parse_args(argv)
 
@@ -439,17 +321,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "tune":
         return tune_cmd.run(args)
     if args.cmd == "bench":
+        client.use_api_key(args)
         return bench_cmd.run(args)
     if args.cmd == "shift-trace":
         return shift_trace.run(args)
     if args.cmd == "ctl":
         try:
-            channel = _channel(args)
+            channel = client.channel(args)
         except ValueError as e:
             print(f"pdserve ctl: {e}", file=sys.stderr)
             return 2
         return ctl.run(args, channel)
-    return _run_local(args) if args.local else _run_remote(args)
+    if args.local:
+        return _run_local(args)
+    client.use_api_key(args)
+    if args.cmd == "chat" and args.message is None:
+        return chat_session.run_remote(args)
+    messages = None
+    if args.cmd == "chat":
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.message})
+    return client.run_remote(args, messages)
 
 
 if __name__ == "__main__":

@@ -68,15 +68,16 @@ def model_card(address: str, model: str = "", timeout_s: float = 10.0) -> pb.Mod
             )
     except grpc.RpcError as e:
         down = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        details = e.details()
         if down:
-            hint = " (is `pdserve up` running there? pass its address with --router)"
+            details += " (is `pdserve up` running there? pass its address with --router)"
         elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
-            hint = " (it has API keys: put one in the environment, PDSERVE_API_KEY)"
-        else:
-            hint = ""
+            details = (
+                "the deployment needs one of its client API keys: pass it with --api-key or set "
+                "PDSERVE_API_KEY"
+            )
         raise LoadgenError(
-            f"router {address} {'unreachable' if down else 'refused'}: "
-            f"{e.code().name}: {e.details()}{hint}"
+            f"router {address} {'unreachable' if down else 'refused'}: {e.code().name}: {details}"
         ) from None
     if not cards:
         raise LoadgenError(f"router {address} serves no model")

@@ -61,6 +61,9 @@ class WorkerConfig:
 
     model: str
     engine_kwargs: dict = field(default_factory=dict)  # LLM(model, **engine_kwargs)
+    # the id it registers under, which must be the router's (deploy: served_model_id); None:
+    # the model string's base name, as the router's default
+    model_id: str | None = None
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
     worker_id: str = "worker-0"
@@ -220,6 +223,7 @@ class WorkerProcess:
                 self.stats,
                 security=cfg.security,
                 deployment_id=cfg.deployment_id,
+                model_id=cfg.model_id,
             )
 
     def _register_as(self, role: str) -> None:

@@ -192,12 +192,14 @@ def register_worker(
     *,
     security: ClusterSecurity = INSECURE,
     deployment_id: str = "",
+    model_id: str | None = None,
 ) -> Registration:
-    """Starts the membership of a worker serving `model` (the deployment's model string, whose base
-    name is the router's model id) at `address`, for deployment `deployment_id`."""
+    """Starts the membership of a worker serving `model` (the deployment's model string) at
+    `address`, for deployment `deployment_id`, under `model_id`, the router's model id (None: the
+    model string's base name, the router's default)."""
     from pdserve.protos.pdserve.v1 import pdserve_pb2
 
-    card = pdserve_pb2.ModelCard(id=os.path.basename(model.rstrip("/")))
+    card = pdserve_pb2.ModelCard(id=model_id or os.path.basename(model.rstrip("/")))
     return Registration(
         registry_address,
         worker_pb2.RegisterRequest(

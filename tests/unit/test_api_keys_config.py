@@ -4,14 +4,15 @@ wins), refusals that name the key without showing it, and the interceptor's key 
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
 
-from pdserve.cli import _with_http_port
 from pdserve.deploy.config import ConfigError, DeployConfig, load_config, validate_config
 from pdserve.deploy.launcher import client_keys
 from pdserve.protos.security import ClientKeys, bearer_token
+from pdserve.up_flags import add_up_flags, up_config
 
 KEY, KEY2 = "sk-config-key-0001", "sk-config-key-0002"
 
@@ -35,14 +36,21 @@ def test_http_port_default_off_free_and_refusals():
         assert named in str(e.value)
 
 
+def _with_http_port(value: str) -> DeployConfig:
+    """The default deployment with `pdserve up --http-port value` (pdserve/up_flags.py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?")
+    add_up_flags(parser)
+    return up_config(parser.parse_args(["--http-port", value]))[0]
+
+
 def test_http_port_flag_overrides_the_yaml_and_is_checked_like_it():
-    config = DeployConfig()
-    assert _with_http_port(config, "9001").router.http_port == 9001
-    assert _with_http_port(config, "off").router.http_port is None
-    assert _with_http_port(config, "0").router.http_port == 0
+    assert _with_http_port("9001").router.http_port == 9001
+    assert _with_http_port("off").router.http_port is None
+    assert _with_http_port("0").router.http_port == 0
     for bad in ("http", "70000", "50051"):
         with pytest.raises(ConfigError) as e:
-            _with_http_port(config, bad)
+            _with_http_port(bad)
         assert "--http-port" in str(e.value)
 
 

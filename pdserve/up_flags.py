@@ -1,0 +1,199 @@
+"""`pdserve up`'s flags for the deployment YAML's common keys, and how they meet the YAML.
+
+    pdserve up --model HuggingFaceTB/SmolLM2-135M-Instruct --decode-replicas 2 --port 50052
+    pdserve up deploy.yaml --tp 2 --api-key "$KEY" --http-port off
+
+Precedence, key by key: a flag, else the YAML's key, else the schema's default (deploy/config.py);
+with no YAML at all, the flags go over the defaults. A pool flag (`--prefill-tp`) wins over the
+flag for every pool (`--tp`). The flags are applied to the YAML's data before it is validated, so a
+value is checked as the key would be (the same schema, then the same checks before the start), and
+every refusal of a value a flag gave names the flag instead of the key (`--decode-tp: Input should
+be greater than or equal to 1 (got 0)`). Nothing here keeps state: `up_config` reads the command
+line and the file once, at the start of `pdserve up`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+from dataclasses import dataclass, field
+
+from pdserve.deploy.config import ConfigError, DeployConfig, read_config_data, validate_config
+
+POOLS = ("prefill", "decode", "colocated")
+
+
+def _integer(flag: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag}: must be an integer, got {value!r}") from None
+
+
+def _port_or_off(flag: str, value: str) -> int | None:
+    if value == "off":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{flag}: {value!r} is not a port number or 'off'") from None
+
+
+def _text(flag: str, value: str) -> str:
+    return value
+
+
+# (flag, the key it sets, its parser, its help); a key under `pools.*` is set on each pool the
+# deployment has ("*": prefill and decode, or colocated), a key under `pools.<pool>` on that one.
+_FLAGS = (
+    (
+        "--model",
+        "model",
+        _text,
+        "'smollm2', a .gguf file, an HF directory, or a Hugging Face Hub "
+        "id ORG/NAME[@REVISION] (from the hub cache; downloaded unless HF_HUB_OFFLINE=1)",
+    ),
+    (
+        "--served-model-name",
+        "served_model_name",
+        _text,
+        "the id clients name the model by "
+        "(default: a Hub id's ORG/NAME, else the model's directory or file name)",
+    ),
+    ("--tp", "pools.*.tp", _integer, "tensor-parallel degree of every pool"),
+    ("--max-model-len", "pools.*.max_model_len", _integer, "longest sequence, every pool"),
+    *(
+        (f"--{pool}-{name.replace('_', '-')}", f"pools.{pool}.{name}", _integer, f"{what}")
+        for pool in POOLS
+        for name, what in (
+            ("replicas", f"{pool} workers"),
+            ("tp", f"{pool} workers' tensor-parallel degree (over --tp)"),
+        )
+    ),
+    ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
+    ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),
+    (
+        "--http-port",
+        "router.http_port",
+        _port_or_off,
+        "the OpenAI-compatible HTTP front's port "
+        "(0: a free one; 'off': none; default 8000, or a free one with --port 0)",
+    ),
+)
+_API_KEY = ("--api-key", "router.api_keys")
+
+
+def add_up_flags(p: argparse.ArgumentParser) -> None:
+    """The flags, each overriding its YAML key (named in its help); all default to unset."""
+    group = p.add_argument_group(
+        "overrides of the YAML's keys (a flag, else the YAML, else the default)"
+    )
+    for flag, key, parse, what in _FLAGS:
+        metavar = {_integer: "N", _port_or_off: "PORT"}.get(parse)
+        group.add_argument(flag, default=None, metavar=metavar, help=f"{what} (YAML: {key})")
+    group.add_argument(
+        _API_KEY[0],
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="a client API key (repeat for more); replaces router.api_keys and .api_keys_file, "
+        "and wins over PDSERVE_API_KEYS",
+    )
+
+
+@dataclass
+class Overrides:
+    """What the flags set: each key (as the YAML spells it) and the flag that set it."""
+
+    by_key: dict[str, str] = field(default_factory=dict)
+
+    def name(self, line: str) -> tuple[str, bool]:
+        """`line` (a refusal) with every key a flag set spelled as that flag, and whether the line
+        is about such a key (then it needs no config file's name in front)."""
+        own = False
+        for key, flag in sorted(self.by_key.items(), key=lambda kv: -len(kv[0])):
+            head = re.match(rf"(?:[^:]*: )?{re.escape(key)}(?:\.\d+)?: ", line)
+            if head:  # "source: pools.decode.tp: ..." or "pools.decode.tp: ..."
+                line, own = f"{flag}: {line[head.end() :]}", True
+            if key != "model":  # "model" is also a word; the others are spelled like no word
+                line = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", flag, line)
+        return line, own
+
+    def refusal(self, error: ConfigError, source: str) -> ConfigError:
+        """`error` from validating the YAML and the flags, each line naming the flag that gave
+        the value it refuses; a line about a key that holds a flag's value says so."""
+        lines = []
+        for line in str(error).splitlines():
+            named, own = self.name(line)
+            if not own:
+                key = line.removeprefix(f"{source}: ").split(": ", 1)[0]
+                flags = sorted({f for k, f in self.by_key.items() if k.startswith(f"{key}.")})
+                if flags:
+                    named += f" (given by {', '.join(flags)})"
+            if named not in lines:  # a flag for every pool: one line, not one per pool
+                lines.append(named)
+        return ConfigError("\n".join(lines))
+
+
+def _pools_of(data: dict) -> tuple[str, ...]:
+    """The pools the deployment will have: colocated, or prefill and decode."""
+    pools = data.get("pools")
+    colocated = isinstance(pools, dict) and "colocated" in pools
+    return ("colocated",) if colocated else ("prefill", "decode")
+
+
+def _set(data: dict, key: str, value) -> bool:
+    """data[a][b][c] = value for key "a.b.c", making the mappings on the way; False (nothing set)
+    where the YAML has something else than a mapping there, which validation then refuses."""
+    *parents, last = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            return False
+    node[last] = value
+    return True
+
+
+def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
+    """Sets each flag given in `data` (the YAML's, changed in place): the flags for every pool
+    first, so that one pool's own flag wins over them."""
+    done = Overrides()
+    given = [(flag, key, parse) for flag, key, parse, _ in _FLAGS]
+    given = [g for g in given if getattr(args, _dest(g[0])) is not None]
+    for flag, key, parse in sorted(given, key=lambda g: "*" not in g[1]):
+        value = parse(flag, getattr(args, _dest(flag)))
+        if key.startswith("pools.*."):
+            if any(f.startswith("--colocated-") for f, _, _ in given):
+                data.setdefault("pools", {}).setdefault("colocated", {})
+            keys = [key.replace("*", pool) for pool in _pools_of(data)]
+        else:
+            keys = [key]
+        for k in keys:
+            if _set(data, k, value):
+                done.by_key[k] = flag
+    if args.api_key is not None:
+        router = data.setdefault("router", {})
+        if isinstance(router, dict):
+            router.pop("api_keys_file", None)
+            router["api_keys"] = list(args.api_key)
+            done.by_key[_API_KEY[1]] = _API_KEY[0]
+    return done
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def up_config(args: argparse.Namespace) -> tuple[DeployConfig, Overrides]:
+    """The deployment `pdserve up` starts: args.config's YAML (or nothing: the defaults) with the
+    flags over it, validated as one; a ConfigError whose lines name the flag or the file's key."""
+    source = args.config or "default config"
+    data = read_config_data(args.config) if args.config is not None else {}
+    base_dir = pathlib.Path(args.config).parent if args.config is not None else pathlib.Path(".")
+    overrides = apply_flags(args, data)
+    try:
+        return validate_config(data, source, base_dir), overrides
+    except ConfigError as e:
+        raise overrides.refusal(e, source) from None
