@@ -4,6 +4,12 @@ Decodes are batched. On CPU in float32 a compiled kernel (engine/kernels) reads 
 place; otherwise their blocks are gathered with one index op per layer and attended with one SDPA
 call. A prompt chunk with no cached context attends its own fresh K/V with a causal kernel
 and skips the gather entirely; a chunk after a cached prefix gathers its context once.
+
+A layer may have its own scale, a sliding window (a query sees itself and the window - 1 tokens
+before it; older positions are masked, and the compiled decode kernel reads no block wholly before
+the window, so such blocks may be handed to other sequences) and logit soft-capping
+(Gemma 2: scores become cap * tanh(score / cap); SDPA cannot do that, so such a layer's prefill
+and torch-path decode attend with explicit matmuls).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_context import get_forward_context
-from pdserve.engine.kernels import cpu_paged_decode
+from pdserve.engine.kernels import cpu_paged_decode, cpu_paged_decode_ex
 
 
 def decode_kernel(
@@ -28,13 +34,30 @@ def decode_kernel(
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.window = int(window) if window else None
+        self.softcap = float(softcap) if softcap else None
+
+    @property
+    def plain(self) -> bool:
+        """No window, no soft-capping, the default scale: what the fused decode stack runs."""
+        return self.window is None and self.softcap is None and self.scale == self.head_dim**-0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
@@ -57,43 +80,82 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q, cache, meta):
         if meta.decode_mask is None:
-            kernel = decode_kernel(q.device, q.dtype, self.head_dim, cache.dtype)
             with torch.profiler.record_function("pdserve::paged_decode"):
-                return kernel(
+                if self.window is None and self.softcap is None:
+                    kernel = decode_kernel(q.device, q.dtype, self.head_dim, cache.dtype)
+                    return kernel(
+                        q.contiguous(),
+                        cache,
+                        meta.decode_block_tables,
+                        meta.decode_context_lens,
+                        self.scale,
+                    )
+                return cpu_paged_decode_ex()(
                     q.contiguous(),
                     cache,
                     meta.decode_block_tables,
                     meta.decode_context_lens,
                     self.scale,
+                    self.window or 0,
+                    self.softcap or 0.0,
                 )
         n = q.shape[0]
         kv = cache[:, meta.decode_block_tables]  # [2, n, max_blocks, block_size, H, D]
         kv = kv.view(2, n, -1, self.num_kv_heads, self.head_dim).transpose(2, 3).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            kv[0],
-            kv[1],
-            attn_mask=meta.decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        mask = meta.decode_mask
+        if self.window is not None:  # [n, 1, 1, S]: also nothing before the window
+            start = (meta.decode_context_lens - self.window)[:, None, None, None]
+            mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= start)
+        o = self._attend(q.unsqueeze(2), kv[0], kv[1], mask, False)
         return o.squeeze(2)
 
     def _prefill(self, q, k, v, cache, span):
         if span.causal_mask is None:  # no cached context: attend the fresh K/V directly
             keys, values, mask, causal = k, v, None, True
+            if self.window is not None:
+                pos = torch.arange(span.q_len, device=q.device)
+                mask = _window_mask(pos, pos, self.window)
+                causal = False
         else:
             kv = cache[:, span.block_ids].view(2, -1, self.num_kv_heads, self.head_dim)
             keys, values = kv[0, : span.context_len], kv[1, : span.context_len]
             keys, values = keys.to(q.dtype), values.to(q.dtype)
             mask, causal = span.causal_mask, False
-        o = F.scaled_dot_product_attention(
+            if self.window is not None:
+                q_pos = torch.arange(
+                    span.context_len - span.q_len, span.context_len, device=q.device
+                )
+                k_pos = torch.arange(span.context_len, device=q.device)
+                mask = mask & _window_mask(q_pos, k_pos, self.window)
+        o = self._attend(
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=True,
+            mask,
+            causal,
         )
         return o.squeeze(0).transpose(0, 1)
+
+    def _attend(self, q, k, v, mask, causal):
+        """q [B, Hq, Tq, D], k and v [B, Hkv, Tk, D], mask broadcastable to [B, Hq, Tq, Tk]."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            )
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            tq, tk = scores.shape[-2:]
+            mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)]: causal and within the window (k > q - window)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    return (diff >= 0) & (diff < window)

@@ -45,6 +45,8 @@ class ModelConfig:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         rope = getattr(hf_config, "rope_parameters", None) or {}
+        if isinstance(rope.get("full_attention"), dict):  # one per layer type (Gemma 3)
+            rope = rope["full_attention"]  # (the model builds the sliding layers' own)
         if not rope:  # transformers < 5 keeps these as two attributes
             rope = dict(getattr(hf_config, "rope_scaling", None) or {})
             rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))

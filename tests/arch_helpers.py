@@ -24,12 +24,67 @@ ARCH_LENGTHS = (1, 7, 33, 100, 150)  # (longer than the sliding windows below)
 ARCH_KINDS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "qwen2": ("qwen2", {}),
+    "mistral-sw": ("mistral", {"sliding_window": 32}),
+    "qwen2-sw": (
+        "qwen2",
+        {
+            "num_hidden_layers": 3,
+            "use_sliding_window": True,
+            "sliding_window": 32,
+            "max_window_layers": 1,  # layer 0 full, layers 1 and 2 slide
+        },
+    ),
+    "qwen3": ("qwen3", {}),
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": 32,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+    ),
+    "phi3": ("phi3", {}),
+    "phi3-partial": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 32}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "mlp_only_layers": [1],  # layer 0 sparse, layer 1 dense
+        },
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,  # layer 0 dense, layer 1 sparse
+        },
+    ),
 }
 
 
-def build_arch_model(path, kind: str, seed: int = 0):
-    """Save a random model of `kind` and the tiny word-level tokenizer to `path`; returns the HF
-    model (float32, eval mode)."""
+def build_arch_model(path, kind: str, seed: int = 0, **overrides):
+    """Save a random model of `kind` (config keys in `overrides` over the kind's) and the tiny
+    word-level tokenizer to `path`; returns the HF model (float32, eval mode)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -44,6 +99,7 @@ def build_arch_model(path, kind: str, seed: int = 0):
         pad_token_id=0,
     )
     keys.update(extra)
+    keys.update(overrides)
     config = AutoConfig.for_model(model_type, **keys)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)

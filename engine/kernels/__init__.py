@@ -80,6 +80,14 @@ def cpu_paged_decode():
 
 
 @functools.cache
+def cpu_paged_decode_ex():
+    """The compiled `paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, window,
+    softcap)` (window 0: the whole context; softcap 0: none), or None."""
+    module = _cpu_paged_decode_module()
+    return None if module is None else module.paged_decode_ex
+
+
+@functools.cache
 def _cpu_paged_decode_module():
     return _build("paged_decode", _SRC, [])
 

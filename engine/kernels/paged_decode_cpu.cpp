@@ -5,7 +5,8 @@
 // KV, writes a copy and reads that again, and on a 2-core machine those copies took most of a
 // decode step. This kernel follows the block table in place and reads each K and V row once.
 // One task per (sequence, kv head) keeps the G query heads of a GQA group together, so every
-// K/V row that is loaded serves all of them.
+// K/V row that is loaded serves all of them. paged_decode_ex adds a sliding window (no block
+// wholly before it is read) and Gemma 2's logit soft-capping.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -13,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -138,6 +140,16 @@ inline float exp_shifted(float* s, int64_t L) {
   return sum;
 }
 
+// Scores of `rows` heads over L tokens: Gemma 2's soft-capping (cap > 0: s = cap * tanh(s / cap)),
+// then the first `skip` tokens (the part of a sliding window's first block before the window)
+// masked out. Kept out of the score loops, which run unchanged for every model.
+inline void cap_and_skip(float* s, int64_t rows, int64_t L, int64_t skip, float cap) {
+  if (cap > 0.f)
+    for (int64_t i = 0; i < rows * L; ++i) s[i] = cap * std::tanh(s[i] / cap);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t t = 0; t < skip; ++t) s[j * L + t] = -std::numeric_limits<float>::infinity();
+}
+
 template <typename KV>
 inline void prefetch_span(const KV* p, int64_t n, int hint) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -160,7 +172,8 @@ constexpr int64_t PF = 8;   // tokens ahead that K rows are prefetched (4 to 32 
 template <typename KV, int DV, int G>
 void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                  const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h,
-                 float sc, float* __restrict scores, float* __restrict out) {
+                 float sc, int64_t skip, float cap, float* __restrict scores,
+                 float* __restrict out) {
   constexpr int64_t D = DV * 16;
   auto at = [&](const KV* base, int64_t t) { return base + ((row[t / bs] * bs + t % bs) * Hkv + h) * D; };
   v16 qr[G][DV];
@@ -196,10 +209,11 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
       scores[g * L + t] = hsum(a) * sc;
     }
   }
+  cap_and_skip(scores, G, L, skip, cap);
   float inv[G];   // the softmax's 1 / sum, applied once to the output
   for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_shifted(scores + g * L, L);
   v16 acc[G][DV] = {};
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = skip; t < L; ++t) {   // (skipped tokens' V rows are not read)
     const KV* v = at(vp, t);
     v16 vv[DV];
     for (int i = 0; i < DV; ++i) vv[i] = load16(v + i * 16);
@@ -220,8 +234,8 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
 template <typename KV>
 void attend(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
             const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h0,
-            int64_t h1, int64_t G, int64_t D, float sc, float* __restrict scores,
-            float* __restrict acc, float* __restrict out) {
+            int64_t h1, int64_t G, int64_t D, float sc, int64_t skip, float cap,
+            float* __restrict scores, float* __restrict acc, float* __restrict out) {
   const int64_t nh = (h1 - h0) * G;   // query heads in this task; q and out start at head h0 * G
   int64_t t = 0;
   // four tokens at a time: their partial sums are reduced together (hsum4), a quarter of the
@@ -247,13 +261,14 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
     const KV* k = kp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) scores[j * L + t] = dot(q + j * D, k + (j / G) * D, D) * sc;
   }
+  cap_and_skip(scores, nh, L, skip, cap);
   for (int64_t j = 0; j < nh; ++j) {
     float* s = scores + j * L;
     const float inv = 1.f / exp_shifted(s, L);
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
   std::fill(acc, acc + nh * D, 0.f);
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = skip; t < L; ++t) {   // (skipped tokens' V rows are not read)
     const KV* v = vp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) axpy(acc + j * D, scores[j * L + t], v + (j / G) * D, D);
   }
@@ -262,7 +277,7 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
 
 template <typename KV>
 using HeadFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
-                        int64_t, int64_t, float, float*, float*);
+                        int64_t, int64_t, float, int64_t, float, float*, float*);
 
 // The (head_dim, group) shapes with a register-resident kernel; others take attend().
 template <typename KV, int DV>
@@ -291,12 +306,12 @@ HeadFn<KV> fast_kernel(int64_t D, int64_t G) {
 template <typename KV>
 void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor& block_tables,
          const int64_t* cl, torch::Tensor& out, int64_t N, int64_t Hq, int64_t D, int64_t bs,
-         int64_t Hkv, double scale) {
+         int64_t Hkv, double scale, int64_t window, double cap) {
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), fcap = static_cast<float>(cap);
   const int64_t max_len = max_blocks * bs;
   const HeadFn<KV> fast = fast_kernel<KV>(D, G);
 
@@ -307,20 +322,30 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
     std::vector<float> scores(hpt * G * max_len), acc(hpt * G * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / split, h0 = (task % split) * hpt;
+      // A sliding window: the query (position cl - 1) sees positions cl - window .. cl - 1
+      // only. Blocks wholly before the window are never read (they may already hold another
+      // sequence's KV); the window's first block is read from its start, its positions before
+      // the window masked out (`skip`).
+      const int64_t t0 = window > 0 ? std::max<int64_t>(0, cl[n] - window) : 0;
+      const int64_t first = t0 / bs, skip = t0 - first * bs, len = cl[n] - first * bs;
+      const int64_t* row = bt + n * max_blocks + first;
       if (fast != nullptr) {
         for (int64_t h = h0; h < h0 + hpt; ++h)
-          fast(qp + (n * Hq + h * G) * D, kp, vp, bt + n * max_blocks, cl[n], bs, Hkv, h, sc,
+          fast(qp + (n * Hq + h * G) * D, kp, vp, row, len, bs, Hkv, h, sc, skip, fcap,
                scores.data(), op + (n * Hq + h * G) * D);
       } else {
-        attend(qp + (n * Hq + h0 * G) * D, kp, vp, bt + n * max_blocks, cl[n], bs, Hkv, h0,
-               h0 + hpt, G, D, sc, scores.data(), acc.data(), op + (n * Hq + h0 * G) * D);
+        attend(qp + (n * Hq + h0 * G) * D, kp, vp, row, len, bs, Hkv, h0, h0 + hpt, G, D, sc,
+               skip, fcap, scores.data(), acc.data(), op + (n * Hq + h0 * G) * D);
       }
     }
   });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
+// window > 0: each query attends its last `window` positions only; softcap > 0: scores become
+// softcap * tanh(score / softcap) before the softmax (Gemma 2)
+torch::Tensor paged_decode_ex(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
+                              torch::Tensor context_lens, double scale, int64_t window,
+                              double logit_cap) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (layer_kv.scalar_type() == torch::kFloat32 ||
                                                      layer_kv.scalar_type() == torch::kBFloat16),
               "paged_decode: q must be float32 and the KV cache float32 or bfloat16");
@@ -341,18 +366,27 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tenso
   auto out = torch::empty_like(q);
   if (layer_kv.scalar_type() == torch::kBFloat16) {
     const at::BFloat16* kp = layer_kv.data_ptr<at::BFloat16>();
-    run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale);
+    run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale,
+        window, logit_cap);
   } else {
     const float* kp = layer_kv.data_ptr<float>();
-    run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale);
+    run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale,
+        window, logit_cap);
   }
   return out;
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale) {
+  return paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, 0, 0.0);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");
+  m.def("paged_decode_ex", &paged_decode_ex,
+        "paged_decode with a sliding window (0: none) and logit soft-capping (0: none)");
   // the same function for C++ callers in other modules (fused_cpu.cpp's DecodeStack), which call
   // it without the GIL; the capsule's name is the signature they cast it to
   m.attr("paged_decode_capsule") = py::capsule(

@@ -3,7 +3,10 @@
 Scaled variants (linear, llama3, yarn) take their inverse frequencies from transformers' own
 `ROPE_INIT_FUNCTIONS`, so they match the reference implementation by construction. Types whose
 frequencies change with the live sequence length (dynamic, longrope) do not fit a fixed cache over
-paged KV and are refused.
+paged KV and are refused. A partial rotary factor (Phi-3/Phi-4's `partial_rotary_factor`) rotates
+the first head_dim * factor dimensions of each head and passes the rest through; a config whose
+rope parameters are a dict per layer type (Gemma 3: sliding and full layers have their own base)
+is read for the `layer_type` asked.
 """
 
 from __future__ import annotations
@@ -16,19 +19,37 @@ from pdserve.engine.kernels import fused_for
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_inv_freq(hf_config, rope_type: str, rope_theta: float, head_dim: int):
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
+    """The rope parameters of `hf_config` (of `layer_type`'s layers where they differ by type)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        return rope[layer_type]
+    if isinstance(rope.get("full_attention"), dict):
+        return rope["full_attention"]
+    return rope
+
+
+def rope_inv_freq(
+    hf_config, rope_type: str, rope_theta: float, head_dim: int, layer_type: str | None = None
+):
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}"
         )
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is None and isinstance(rope.get("full_attention"), dict):
+        layer_type = "full_attention"  # a rope per layer type: the full layers' is the default
     if rope_type == "default":
-        inv_freq = 1.0 / (
-            rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
-        )
+        factor = rope_parameters(hf_config, layer_type).get("partial_rotary_factor", 1.0)
+        dim = int(head_dim * factor)
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](
+        hf_config, torch.device("cpu"), **kwargs
+    )
     return inv_freq.float(), float(attention_factor)
 
 
@@ -51,10 +72,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The compiled path rotates
         q and k in place (they are views of the step's fresh qkv projection)."""
+        rot = self.cos.shape[-1]
+        if rot != q.shape[-1]:  # partial rotary: the first `rot` dims turn, the rest pass through
+            q_rot, k_rot = self._rotate(positions, q[..., :rot], k[..., :rot])
+            return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
         fused = fused_for(q)
         if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             fused.rope_(q, k, positions, self.cos, self.sin)
             return q, k
+        return self._rotate(positions, q, k)
+
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # one module serves every layer: look the step's positions up once, not once per layer
         if positions is not self._step_positions:
             self._step_positions = positions

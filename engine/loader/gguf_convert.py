@@ -1,7 +1,15 @@
 """GGUF -> HF-format directory (config.json, tokenizer files, model.safetensors).
 
-Only llama and qwen2 GGUFs are supported. Quantized tensors are dequantized to float32, so the
-result is a plain HF checkpoint that the engine (or transformers) loads like any other.
+Supported: llama (and mistral), qwen2, qwen3, phi3, gemma2 and gemma3 GGUFs, the dense families
+transformers' own GGUF loader maps. Quantized tensors are dequantized to float32, so the result is a
+plain HF checkpoint that the engine (or transformers) loads like any other.
+
+Family details undone here as transformers does: llama.cpp stores Gemma's norm weights as 1 + w
+(so 1 is subtracted), Phi-3's fused qkv and gate/up tensors keep their HF names (attn_qkv,
+ffn_up), and Gemma's four norms per layer have their own names. What transformers' GGUF config
+mapping leaves out is read here: Gemma 2's soft-capping and its query scale (llama.cpp derives the
+scale from the model size; so does this, for Gemma 3 too), Gemma 3's linear rope scaling. A longrope Phi-3 (rope
+factor tensors) is refused, as the engine refuses longrope.
 """
 
 from __future__ import annotations
@@ -13,14 +21,14 @@ import re
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 # Bump whenever the output of a conversion changes, so stale cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
 # adjacent dims, HF pairs dims half a head apart); qwen2 is written unpermuted.
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -35,6 +43,11 @@ _ARCHITECTURE_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _LAYER_MODULES = {
     "attn_norm": "input_layernorm",
@@ -46,21 +59,37 @@ _LAYER_MODULES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
+    "attn_k_norm": "self_attn.k_norm",
 }
+# per architecture, the layer names that differ from the llama ones above
+_ARCH_LAYER_MODULES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_ARCH_LAYER_MODULES["gemma3"] = _ARCH_LAYER_MODULES["gemma2"]
+# llama.cpp's Gemma converters write every norm weight as 1 + w
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Llama-3 GGUFs carry precomputed rope frequencies; HF recomputes them from config.rope_parameters.
 _IGNORED = frozenset({"rope_freqs.weight"})
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    modules = {**_LAYER_MODULES, **_ARCH_LAYER_MODULES.get(arch, {})}
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_MODULES:
+    if m and m.group(2) in modules:
         layer, module, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_MODULES[module]}.{kind}"
+        return f"model.layers.{layer}.{modules[module]}.{kind}"
     raise ValueError(
-        f"GGUF tensor {name!r} has no known HF name (supported: llama/qwen2 dense models)"
+        f"GGUF tensor {name!r} has no known HF name for a {arch} GGUF "
+        f"(supported: the dense models of {', '.join(SUPPORTED_ARCHITECTURES)})"
     )
 
 
@@ -133,8 +162,15 @@ def convert_gguf_weights(
     ):
         if t.name in _IGNORED:
             continue
-        hf_name = gguf_to_hf_name(t.name)
+        if t.name.startswith("rope_factors_"):
+            raise ValueError(
+                f"GGUF tensor {t.name!r}: a longrope model, which is not supported (its rope "
+                "frequencies change with the sequence length)"
+            )
+        hf_name = gguf_to_hf_name(t.name, arch)
         arr = _to_float32(t)
+        if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
+            arr = arr - np.float32(1.0)
         if arch in _PERMUTED_ARCHITECTURES:
             if ".attn_q." in t.name:
                 arr = reverse_permute(arr, n_head, n_head)
@@ -162,6 +198,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     if arch_class and not getattr(config, "architectures", None):
         # GGUF configs come back without it; engines dispatch on it as they do for HF checkpoints.
         config.architectures = [arch_class]
+    _complete_config(reader, read_architecture(reader), config)
     # The weights below are float32; without this, consumers would guess the dtype.
     config.dtype = torch.float32
     config.save_pretrained(out_dir)
@@ -188,3 +225,43 @@ def _force_float32_in_saved_config(path: pathlib.Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def _field(reader: GGUFReader, key: str):
+    """A scalar GGUF metadata value, or None."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    part = field.parts[field.data[0]]
+    if field.types and field.types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]
+
+
+def _complete_config(reader: GGUFReader, arch: str, config) -> None:
+    """Sets what transformers' GGUF config mapping leaves at its defaults for these families."""
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None and arch in ("qwen3", "phi3", "gemma2", "gemma3"):
+        config.head_dim = int(key_length)  # (Qwen3's is not hidden_size / heads)
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = _field(reader, f"gemma2.{key}")
+            if value is not None:
+                setattr(config, key, float(value))
+    if arch in ("gemma2", "gemma3"):
+        # not in the GGUF: llama.cpp takes hidden_size / heads for the 27B models (46 layers of
+        # Gemma 2, 62 of Gemma 3), else head_dim, as their HF checkpoints set it
+        heads, layers_27b = config.num_attention_heads, {"gemma2": 46, "gemma3": 62}[arch]
+        config.query_pre_attn_scalar = (
+            config.hidden_size // heads
+            if config.num_hidden_layers == layers_27b
+            else config.head_dim
+        )
+    if arch == "gemma3":
+        kind = _field(reader, "gemma3.rope.scaling.type")
+        factor = _field(reader, "gemma3.rope.scaling.factor")
+        rope = getattr(config, "rope_parameters", None)
+        if kind == "linear" and factor and isinstance(rope, dict) and "full_attention" in rope:
+            rope["full_attention"] = dict(
+                rope["full_attention"], rope_type="linear", factor=float(factor)
+            )

@@ -17,6 +17,13 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "MoeForCausalLM"),
 }
 
 

@@ -1,8 +1,16 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2 with q/k/v bias)."""
+"""Llama-family decoders: Llama 2/3, SmolLM, Mistral (with or without a sliding window), Qwen2
+(q/k/v bias, sliding layers with use_sliding_window), Qwen3 (RMSNorm of each query and key head
+before RoPE) and Phi-3/Phi-4 (fused qkv_proj and gate_up_proj in the checkpoint, split here into
+their q/k/v and gate/up shards so tensor parallelism shards them like Llama's; partial rotary).
+
+Each layer's sliding window comes from ModelConfig.layer_windows. LlamaAttention and LlamaMLP are
+shared with other families (engine/models/gemma.py, the MoE models), which pass their own norms,
+scales and soft-capping as keyword arguments.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +34,19 @@ from pdserve.engine.parallel import tp_size
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        *,
+        qk_norm: Callable[[int, float], nn.Module] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ):
+        """qk_norm: a norm class (dim, eps) applied to each query and key head before RoPE
+        (Qwen3, Gemma 3); scale: the attention scale (default head_dim ** -0.5); softcap:
+        attention logit soft-capping (Gemma 2). The window is the layer's in cfg.layer_windows."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, bias=cfg.attention_bias
@@ -36,7 +56,20 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary = rotary
-        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
+        windows = cfg.layer_windows
+        self.attn = PagedAttention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+            scale=scale,
+            window=windows[layer_idx] if windows else None,
+            softcap=softcap,
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -45,25 +78,32 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over each head's head_dim, as rows of a 2-d tensor
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
+                -1, self.num_kv_heads, self.head_dim
+            )
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
+        """act: the gate's activation (Gemma: gelu with the tanh approximation)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm=qk_norm)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -76,11 +116,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -91,7 +131,8 @@ class LlamaModel(nn.Module):
         """Decode-only steps run every layer in one compiled call (fused_cpu.cpp DecodeStack: the
         same ops, without a Python call per op) where that call applies: float32 activations on
         CPU, one TP rank, the compiled kernels built, every linear prepared (oneDNN float32,
-        int8 or int4). Else the layers run one by one in forward."""
+        int8 or int4), plain Llama layers (no q/k norm, sliding window, soft-capping, custom
+        scale or partial rotary). Else the layers run one by one in forward."""
         self._stack = None
         layers = list(self.layers)
         attn = layers[0].self_attn
@@ -99,7 +140,15 @@ class LlamaModel(nn.Module):
             tp_size() != 1
             or self.rotary.cos.dtype != torch.float32
             or self.rotary.cos.device.type != "cpu"
+            or self.rotary.cos.shape[-1] != attn.head_dim
             or attn.head_dim % 16
+            or any(
+                type(layer) is not LlamaDecoderLayer
+                or layer.self_attn.q_norm is not None
+                or not layer.self_attn.attn.plain
+                or layer.self_attn.rotary is not self.rotary
+                for layer in layers
+            )
         ):
             return
         fused, attend = cpu_fused(), cpu_paged_decode_capsule()
@@ -183,10 +232,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    qk_norm = None  # Qwen3's per-head RMSNorm of queries and keys (a norm class)
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, rotary)
+        self.model = LlamaModel(cfg, rotary, self.qk_norm)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -240,3 +291,31 @@ class LlamaForCausalLM(nn.Module):
                     release_dense=release_dense and not shared,
                 )
         self.model.prepare_decode_stack()
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = RMSNorm
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3/Phi-4: Llama with qkv_proj and gate_up_proj fused in the checkpoint. Each fused
+    tensor is split into its q/k/v (gate/up) parts here, and each part loaded as Llama's shard,
+    so every rank takes its own heads of each part under tensor parallelism."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights):
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                parts = tensor.split([q, kv, kv], dim=0)
+                for part, ckpt in zip(parts, ("q_proj", "k_proj", "v_proj")):
+                    yield name.replace(".qkv_proj.", f".{ckpt}."), part
+            elif ".gate_up_proj." in name:
+                gate, up = tensor.chunk(2, dim=0)
+                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+                yield name.replace(".gate_up_proj.", ".up_proj."), up
+            else:
+                yield name, tensor

@@ -1,0 +1,271 @@
+"""Mixture-of-experts decode throughput, engine vs HF transformers (issue #29, must-show b).
+
+  python -m benchmarks.moe_decode              # ~3-4 min on 2 cores
+  python -m benchmarks.moe_decode --quick      # smoke run: 8 requests, 16 new tokens
+  python -m benchmarks.moe_decode --wait-idle 300   # first wait for a quiet CPU, each side
+
+The model: `build_moe_model(path)` saves a random-weight Mixtral (MixtralForCausalLM; HF's own
+initialization, seed 0) of a realistic-but-CPU-sized shape, MOE_SHAPE below (hidden 512, 8
+layers, 8 experts of intermediate 1792 with top-2 routing, GQA 8/4 heads of 64, vocab 32000,
+untied head: ~0.9 GB float32), with a word-level tokenizer over its vocabulary, so the directory
+serves as it is (`pdserve up --model DIR`). Both sides load that directory in float32 and
+decode greedily, torch at --threads threads, in this one process (engine first, then HF).
+
+(1) The engine: LLM(DIR) (float32, block 16, prefix cache on), N requests of P prompt tokens
+added at once (deterministic random ids, distinct prompts), `step()` until done, each step
+timestamped. Decode tok/s = tokens made after the step at which every request has its first
+token / the time of those steps (engine_bench.py's measure).
+(2) HF: `model.generate` on the N prompts batched (equal lengths, no padding), greedy,
+max_new_tokens = min_new_tokens = M. Decode tok/s = N * (M - 1) / (t_total - t_prefill), with
+t_prefill the median time of the same call with max_new_tokens=1 (engine_bench.py's measure);
+the per-step timestamps of a logits processor give a median-step figure too. HF's experts run
+as transformers picks by default (recorded: `experts_implementation`).
+(3) Tokens: both sides' M tokens for the first --compare prompts, compared position by position
+(random-weight logits are near-ties: a float32 rounding can flip one late; the first mismatch
+index is recorded).
+
+Writes benchmarks/results/moe_decode.json: the header (command, date, commit, CPU model, count
+and ISA flags), the shape, each side's numbers, per-step times and the token comparison.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from benchmarks.bench_common import (
+    SEED_DECODE,
+    SEED_WARMUP,
+    CpuMonitor,
+    add_out_arg,
+    add_wait_idle_arg,
+    log,
+    machine_info,
+    median,
+    run_header,
+    script_parser,
+    wait_for_idle_machine,
+    write_result,
+)
+
+MOE_SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1792,  # each expert's (3.5x hidden, as Mixtral 8x7B)
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def build_moe_model(path, seed: int = 0, **overrides):
+    """Save the benchmark's random-weight Mixtral (MOE_SHAPE, keys in `overrides` over it) and a
+    word-level tokenizer ("t0" .. "tN" for its N ids, t0 BOS, t1 EOS) to `path`; returns the
+    config's keys."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+
+    keys = dict(MOE_SHAPE, bos_token_id=0, eos_token_id=1, pad_token_id=0, **overrides)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**keys)).eval()
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(keys["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
+        path
+    )
+    return keys
+
+
+def vocab_prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    """Deterministic random prompts over the model's ids (2 .. vocab - 1: no BOS or EOS)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, MOE_SHAPE["vocab_size"], (n, length), generator=g).tolist()
+
+
+def run_engine(model_dir: str, prompts: list[list[int]], new: int) -> dict:
+    from pdserve.engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, dtype="float32", block_size=16, enable_prefix_caching=True)
+    load_s = time.perf_counter() - t0
+    eng = llm.engine
+    try:
+        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate(vocab_prompts(SEED_WARMUP, 2, 16), warm, use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        n = len(prompts)
+        rids = [f"moe-{i}" for i in range(n)]
+        made = dict.fromkeys(rids, 0)
+        final: dict = {}
+        steps = []  # (end time from start, duration, tokens made, every request has a token)
+        mon = CpuMonitor()
+        t_start = time.perf_counter()
+        for rid, p in zip(rids, prompts):
+            eng.add_request(rid, p, params)
+        t_prev = t_start
+        while len(final) < n:
+            outs = eng.step()
+            t_now = time.perf_counter()
+            produced = 0
+            for o in outs:
+                k = len(o.outputs[0].token_ids)
+                produced += k - made[o.request_id]
+                made[o.request_id] = k
+                if o.finished:
+                    final[o.request_id] = o
+            steps.append((t_now - t_start, t_now - t_prev, produced, min(made.values()) > 0))
+            t_prev = t_now
+        total = time.perf_counter() - t_start
+        cpu = mon.stop()
+        k = next(i for i, s in enumerate(steps) if s[3])
+        decode_tokens = sum(s[2] for s in steps[k + 1 :])
+        decode_time = steps[-1][0] - steps[k][0]
+        full = [s[1] for s in steps[k + 1 :] if s[2] == n]
+        return {
+            "load_s": load_s,
+            "t_total_s": total,
+            "t_all_first_token_s": steps[k][0],
+            "decode_tokens": decode_tokens,
+            "decode_time_s": decode_time,
+            "decode_tok_s": decode_tokens / decode_time,
+            "median_step_s": median(full) if full else None,
+            "decode_tok_s_median_step": n / median(full) if full else None,
+            "e2e_tok_s": n * new / total,
+            "step_durations_s": [round(s[1], 6) for s in steps],
+            "cpu": cpu,
+            "output_token_ids": [final[r].outputs[0].token_ids for r in rids],
+        }
+    finally:
+        llm.shutdown()
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], new: int, prefill_repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor(prompts)
+    n, p = ids.shape
+
+    def generate(max_new: int, clock=None):
+        t = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock] if clock else []),
+        )
+        return out, time.perf_counter() - t
+
+    times: list[float] = []
+
+    def clock(_ids, scores):
+        times.append(time.perf_counter())
+        return scores
+
+    warm = torch.tensor(vocab_prompts(SEED_WARMUP, 2, 16))
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False)
+    prefill = [generate(1)[1] for _ in range(prefill_repeats)]
+    mon = CpuMonitor()
+    out, total = generate(new, clock)
+    cpu = mon.stop()
+    steps = [b - a for a, b in zip(times, times[1:])]
+    t_prefill = median(prefill)
+    return {
+        "load_s": load_s,
+        "experts_implementation": model.get_experts_implementation(),
+        "t_prefill_s": t_prefill,
+        "t_prefill_runs_s": prefill,
+        "t_total_s": total,
+        "decode_tok_s": n * (new - 1) / (total - t_prefill),
+        "median_step_s": median(steps),
+        "decode_tok_s_median_step": n / median(steps),
+        "e2e_tok_s": n * new / total,
+        "step_durations_s": [round(s, 6) for s in steps],
+        "cpu": cpu,
+        "output_token_ids": out[:, p:].tolist(),
+    }
+
+
+def compare(engine: list[list[int]], hf: list[list[int]]) -> list[dict]:
+    rows = []
+    for i, (a, b) in enumerate(zip(engine, hf)):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        rows.append({"prompt": i, "identical": a == b, "first_mismatch": first})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    import torch
+
+    ap = script_parser(__doc__)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", type=int, default=4, help="prompts whose tokens are compared")
+    ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens")
+    add_out_arg(ap, "moe_decode.json")
+    add_wait_idle_arg(ap, "each side")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.new_tokens = 8, 16
+    torch.set_num_threads(args.threads)
+    report = run_header("benchmarks.moe_decode", argv)
+    report["machine"] = machine_info(args.threads)
+    n, p, m = args.requests, args.prompt_len, args.new_tokens
+    report["setup"] = {"requests": n, "prompt_len": p, "new_tokens": m, "dtype": "float32"}
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as model_dir:
+        t = time.perf_counter()
+        report["model"] = build_moe_model(model_dir)
+        report["model"]["architecture"] = "MixtralForCausalLM"
+        report["model"]["build_s"] = time.perf_counter() - t
+        prompts = vocab_prompts(SEED_DECODE, n, p)
+        idle = report["wait_idle"] = {}
+        if args.wait_idle > 0:
+            idle["engine"] = wait_for_idle_machine(args.wait_idle)
+        log(f"engine: {n} requests x {p} prompt tokens, {m} new ...")
+        report["engine"] = run_engine(model_dir, prompts, m)
+        gc.collect()
+        if args.wait_idle > 0:
+            idle["hf"] = wait_for_idle_machine(args.wait_idle)
+        log(f"hf: {n} sequences batched in generate ...")
+        torch.set_num_threads(args.threads)
+        report["hf"] = run_hf(model_dir, prompts, m, args.prefill_repeats)
+    e, h = report["engine"], report["hf"]
+    k = min(args.compare, n)
+    report["tokens"] = compare(e["output_token_ids"][:k], h["output_token_ids"][:k])
+    report["speedup_decode"] = e["decode_tok_s"] / h["decode_tok_s"]
+    write_result(args.out, report)
+    same = sum(r["identical"] for r in report["tokens"])
+    busy = {s: report[s]["cpu"].get("foreign_cores_avg") for s in ("engine", "hf")}
+    print(f"other processes' CPU use while measured (cores): {busy}")
+    print(
+        f"decode tok/s: engine {e['decode_tok_s']:.1f} (median step {e['median_step_s']:.4f} s), "
+        f"HF {h['decode_tok_s']:.1f} (median step {h['median_step_s']:.4f} s, experts "
+        f"{h['experts_implementation']}): {report['speedup_decode']:.2f}x; tokens identical "
+        f"for {same}/{k} prompts; written to {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

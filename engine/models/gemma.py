@@ -1,0 +1,159 @@
+"""Gemma 2 and Gemma 3 (text) decoders.
+
+Both differ from Llama in: the embedding scaled by sqrt(hidden_size) (in the activation dtype);
+RMSNorm computing x * (1 + w) (the checkpoint's w is stored as 1 + w when it loads, so the shared
+RMSNorm and its fused kernel run it); a gelu (tanh approximation) MLP; four norms per layer (before
+and after attention, before and after the MLP); the attention scale query_pre_attn_scalar ** -0.5;
+sliding and full layers alternating per config.layer_types. Gemma 2 soft-caps the attention
+logits and the final logits. Gemma 3 normalizes each query and key head (x * (1 + w)) before RoPE,
+and its sliding layers rotate with their own base (rope_parameters["sliding_attention"], formerly
+rope_local_base_freq). Layers run one by one (no fused decode stack).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.forward_context import get_forward_context
+from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x * (1 + w): loads the checkpoint's w as 1 + w."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._load
+
+    @staticmethod
+    def _load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.float() + 1.0)
+
+
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def _activation(hf):
+    name = getattr(hf, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"Gemma hidden_activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+        )
+    return _ACTIVATIONS[name]
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm):
+        super().__init__()
+        hf = cfg.hf_config
+        self.self_attn = LlamaAttention(
+            cfg,
+            layer_idx,
+            rotary,
+            qk_norm=qk_norm,
+            scale=float(hf.query_pre_attn_scalar) ** -0.5,
+            softcap=getattr(hf, "attn_logit_softcapping", None),
+        )
+        self.mlp = LlamaMLP(cfg, act=_activation(hf))
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, positions, hidden, residual):
+        """(hidden, residual) in and out: the residual stream is their sum (or hidden alone)."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))[0]
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden))[0], residual
+
+
+class GemmaModel(LlamaModel):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm=None):
+        nn.Module.__init__(self)
+        hf = cfg.hf_config
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ValueError("Gemma with use_bidirectional_attention is not supported")
+        types = getattr(hf, "layer_types", None) or ["full_attention"] * cfg.num_layers
+        local = _sliding_rotary(cfg, rotary)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, i, local if types[i] == "sliding_attention" else rotary, qk_norm)
+            for i in range(cfg.num_layers)
+        )
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.eps = cfg.rms_norm_eps
+        self.normalizer = cfg.hidden_size**0.5
+        self._stack = None
+
+    def prepare_decode_stack(self) -> None:
+        self._stack = None  # Gemma layers are not the fused stack's
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.normalizer, dtype=hidden.dtype, device=hidden.device)
+        residual = None
+        on_layer_done = get_forward_context().on_layer_done
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual)
+            if on_layer_done is not None:  # this layer's KV is final: it may leave now
+                on_layer_done(i)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+def _sliding_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
+    """Gemma 3's sliding layers' rotary embedding (their own base), over the same positions;
+    `rotary` itself where the config has one rope for every layer (Gemma 2)."""
+    hf = cfg.hf_config
+    rope = getattr(hf, "rope_parameters", None) or {}
+    params = rope.get("sliding_attention")
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", "default")
+        theta = float(params.get("rope_theta", 10000.0))
+        layer_type = "sliding_attention"
+    elif getattr(hf, "rope_local_base_freq", None):  # an older config: the local base beside
+        rope_type, layer_type = "default", None
+        theta = float(hf.rope_local_base_freq)
+    else:
+        return rotary
+    inv_freq, factor = rope_inv_freq(hf, rope_type, theta, cfg.head_dim, layer_type=layer_type)
+    device = rotary.cos.device
+    return RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    qk_norm = None
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = GemmaModel(cfg, rotary, self.qk_norm)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        cap = getattr(cfg.hf_config, "final_logit_softcapping", None)
+        self.final_softcap = float(cap) if cap else None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        if logits is not None and self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = GemmaRMSNorm

@@ -1,0 +1,170 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B), Qwen3-MoE.
+
+Llama's attention (with Qwen3's per-head q/k RMSNorm for Qwen3-MoE), norms, embeddings, LM head
+and loading (engine/models/llama.py) with a sparse MLP (engine/layers/moe.py FusedMoE) in the
+layers the family's config makes sparse; the others keep Llama's dense MLP (Qwen2/3-MoE's
+`mlp_only_layers`, `decoder_sparse_step`). Qwen2-MoE adds a shared expert behind a sigmoid gate.
+
+Checkpoints come in two layouts, both loaded: per-expert tensors, as on the hub and as
+transformers 5 still writes them (`block_sparse_moe.experts.N.w1/w2/w3` for Mixtral,
+`mlp.experts.N.gate_proj/up_proj/down_proj` for Qwen), and transformers 5's in-memory fused
+layout (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which
+`_per_expert` splits into the per-expert names on the way in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.forward_context import get_forward_context
+from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.engine.layers.moe import FusedMoE
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+# Mixtral's per-expert names -> Qwen's (which LlamaForCausalLM.packed then merges)
+_MIXTRAL_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """The sparse MLP of one family, read from its HF config."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool
+    shared_intermediate_size: int
+    sparse_layers: frozenset[int]
+
+    @classmethod
+    def from_hf(cls, cfg: ModelConfig) -> MoeSpec:
+        hf = cfg.hf_config
+        n = cfg.num_layers
+        if cfg.architecture == "MixtralForCausalLM":
+            return cls(
+                num_experts=hf.num_local_experts,
+                top_k=hf.num_experts_per_tok,
+                intermediate_size=cfg.intermediate_size,
+                renormalize=True,
+                shared_intermediate_size=0,
+                sparse_layers=frozenset(range(n)),
+            )
+        # Qwen2-MoE, Qwen3-MoE
+        only_dense = set(getattr(hf, "mlp_only_layers", None) or ())
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        sparse = {
+            i
+            for i in range(n)
+            if i not in only_dense and hf.num_experts > 0 and (i + 1) % step == 0
+        }
+        return cls(
+            num_experts=hf.num_experts,
+            top_k=hf.num_experts_per_tok,
+            intermediate_size=hf.moe_intermediate_size,
+            renormalize=bool(getattr(hf, "norm_topk_prob", False)),
+            shared_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+            sparse_layers=frozenset(sparse),
+        )
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary: RotaryEmbedding, qk_norm
+    ):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm=qk_norm)
+        if layer_idx in spec.sparse_layers:
+            self.mlp = FusedMoE(
+                cfg.hidden_size,
+                spec.num_experts,
+                spec.top_k,
+                spec.intermediate_size,
+                spec.renormalize,
+                spec.shared_intermediate_size,
+            )
+        else:
+            self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: MoeSpec, rotary: RotaryEmbedding, qk_norm=None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            MoeDecoderLayer(cfg, spec, i, rotary, qk_norm) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def prepare_decode_stack(self) -> None:
+        """(Llama's one-call decode stack has no sparse MLP: the layers run one by one.)"""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        on_layer_done = get_forward_context().on_layer_done
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual)
+            if on_layer_done is not None:  # this layer's KV is final: it may leave now
+                on_layer_done(i)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama's forward, logits, loading and prepare_linears over MoeModel."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        nn.Module.__init__(self)
+        if cfg.architecture == "Qwen2MoeForCausalLM":  # q/k/v bias (its config says qkv_bias)
+            cfg = dataclasses.replace(
+                cfg, attention_bias=bool(getattr(cfg.hf_config, "qkv_bias", True))
+            )
+        self.config = cfg
+        self.moe = MoeSpec.from_hf(cfg)
+        # Qwen3-MoE: Qwen3's RMSNorm of each query and key head (LlamaAttention's qk_norm)
+        qk_norm = RMSNorm if cfg.architecture == "Qwen3MoeForCausalLM" else None
+        self.model = MoeModel(cfg, self.moe, rotary, qk_norm)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._per_expert(weights))
+
+    def _per_expert(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint names in the per-expert Qwen layout, fused 3-D expert tensors split."""
+        for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            if ".experts." in name:
+                for old, new in _MIXTRAL_NAMES.items():
+                    name = name.replace(old, new)
+            fused = _FUSED.match(name)
+            if fused is None or tensor.dim() != 3:
+                yield name, tensor
+                continue
+            prefix, which = fused.group(1), fused.group(2)
+            for e in range(tensor.shape[0]):
+                if which == "gate_up_proj":
+                    gate, up = tensor[e].chunk(2, dim=0)
+                    yield f"{prefix}.{e}.gate_proj.weight", gate
+                    yield f"{prefix}.{e}.up_proj.weight", up
+                else:
+                    yield f"{prefix}.{e}.{which}.weight", tensor[e]
