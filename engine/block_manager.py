@@ -6,6 +6,11 @@ the allocator hands it out again, at which point its hash is dropped. Hashes cha
 previous block's hash (128-bit BLAKE2b: a crafted prompt must not be able to collide with another
 user's prefix and read its KV), every hit is confirmed by comparing the block's tokens and parent
 hash, and a chain is not extended past a block whose hash is held by other tokens.
+
+A sequence of a sliding-window model gives back the blocks its window has left
+(engine/kv_window.py) and puts `null_block` in their table entries: an index the model runner keeps
+outside the pool, which `take` and `free` pass over. A chain whose early blocks were given back
+and then reused no longer matches past the first missing block.
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        null_block: int | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
@@ -48,6 +59,10 @@ class BlockManager:
         # insertion order = eviction order; OrderedDict gives O(1) removal on a cache hit
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # hash -> block_id
+        # The table entry of a released block (sliding windows): a valid index outside the pool.
+        if null_block is not None and 0 <= null_block < num_blocks:
+            raise ValueError(f"null_block {null_block} lies inside the pool of {num_blocks}")
+        self.null_block = null_block
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,16 +104,21 @@ class BlockManager:
         num_full = min(num_computed_tokens, len(token_ids)) // bs
         if num_full <= num_hashed:
             return num_hashed
-        parent = self.blocks[block_ids[num_hashed - 1]].hash if num_hashed else None
+        last = block_ids[num_hashed - 1] if num_hashed else None
+        parent = None if last is None or last == self.null_block else self.blocks[last].hash
         if num_hashed and parent is None:
-            # that block duplicated an already-cached one and was never registered itself:
-            # rebuild the chain from the tokens instead of restarting it at the root
+            # that block duplicated an already-cached one and was never registered itself, or
+            # its window left it and it was given back: rebuild the chain from the tokens
+            # instead of restarting it at the root
             for i in range(num_hashed):
                 parent = block_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
         for i in range(num_hashed, num_full):
-            block = self.blocks[block_ids[i]]
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
+            if block_ids[i] == self.null_block:  # no block to register: the chain goes on
+                parent = h
+                continue
+            block = self.blocks[block_ids[i]]
             holder = self._cached.get(h)
             if holder is not None and holder != block.block_id:
                 other = self.blocks[holder]
@@ -114,6 +134,8 @@ class BlockManager:
     def take(self, block_ids: Seq[int]) -> None:
         """Add a reference to existing blocks (prefix-cache hits, forked sequences)."""
         for block_id in block_ids:
+            if block_id == self.null_block:
+                continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
@@ -139,6 +161,8 @@ class BlockManager:
     def free(self, block_ids: Seq[int]) -> None:
         # reversed: a sequence's tail blocks are the least likely to be shared, so evict them first
         for block_id in reversed(block_ids):
+            if block_id == self.null_block:
+                continue
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {block_id}")

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
@@ -94,16 +93,10 @@ class LLMEngine:
         self.mode_note = self.runner.mode_note
         log.info("%s", self.mode_note)
 
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        self.scheduler = Scheduler.for_engine(
+            self.config, self.model_config, self.runner.num_blocks, self.runner.null_block
         )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.config.max_model_len,
-            eos_token_ids=self.model_config.eos_token_ids,
-        )
+        self.block_manager = self.scheduler.bm
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
         # requests that finished outside step() (commit): the next step() reports them

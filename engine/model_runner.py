@@ -11,6 +11,7 @@ from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
+from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.models import model_class
@@ -78,7 +79,12 @@ class ModelRunner:
         # with decode graphs, one block more than the scheduler is told of: padded rows write there
         use_graphs = graphs_apply(self.device, tp_size(), config.cuda_graphs)
         self._spare_blocks = 1 if use_graphs else 0
+        # A model whose every layer slides puts this block, kept out of the pool and never
+        # written by a sequence, in the table entries of blocks its window has left (kv_window.py).
+        window = model_config.kv_window
+        self._spare_blocks += window is not None
         self.kv_cache = self._allocate_kv_cache()
+        self.null_block = self.kv_cache.shape[2] - 1 if window is not None else None
         self.sampler = Sampler() if tp_rank() == 0 else None
         self.graphs: DecodeGraphs | None = None  # (the weight probes below run eagerly)
         # the quantization the linears run in (None: config.dtype), and why
@@ -219,6 +225,11 @@ class ModelRunner:
         )
         num_blocks = self.config.kv_cache_memory // per_block - self._spare_blocks
         min_blocks = -(-self.config.max_model_len // self.block_size)
+        if mc.kv_window is not None:  # a sequence holds its window and one chunk at most
+            held = max_blocks_held(
+                mc.kv_window, self.block_size, self.config.max_num_batched_tokens
+            )
+            min_blocks = min(min_blocks, held)
         if num_blocks < min_blocks:
             raise ValueError(
                 f"kv_cache_memory={self.config.kv_cache_memory!r} gives {num_blocks} blocks of "

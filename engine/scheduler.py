@@ -12,16 +12,27 @@ Request lifecycle in one engine:
   any -> FINISHED (stop, length, abort, prefill_done): blocks freed (full ones stay cached)
 n>1: the first sequence prefills; the other n-1 wait in FORK_PENDING, sample from the same logits
 and take the prompt's blocks by reference, with the partial last block copied (copy-on-write).
+Sliding windows (kv_window: every layer slides): after each step a sequence gives back the blocks
+its window has left (engine/kv_window.py), and a prompt is admitted with the blocks of its first
+chunk only, its later chunks taking theirs as they run, so a sequence holds about a window's
+worth of blocks however long it grows. A reservation holds every prompt block the other engine
+writes (all but prefix-cache hits that lie before the window) and gives back what lies before the
+window at its commit.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
+from pdserve.engine.kv_window import release_skipped, skipped_blocks
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from pdserve.engine.sampler import SamplingRow
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig, ModelConfig
 
 
 @dataclass
@@ -71,8 +82,13 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        kv_window: int | None = None,
     ):
         self.bm = block_manager
+        # The attention window of a model whose every layer slides, else None.
+        self.kv_window = kv_window
+        if kv_window is not None and block_manager.null_block is None:
+            raise ValueError("a sliding-window scheduler needs a block manager with a null block")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -87,6 +103,32 @@ class Scheduler:
         self.num_preemptions = 0
         # keep a sliver free so admissions do not immediately force decodes into preemption
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
+
+    @classmethod
+    def for_engine(
+        cls,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        num_blocks: int,
+        null_block: int | None,
+    ) -> Scheduler:
+        """The scheduler of an engine (config: its resolved EngineConfig) over a pool of
+        `num_blocks` blocks; null_block: the runner's index outside the pool (sliding windows)."""
+        window = model_config.kv_window
+        bm = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            null_block=null_block if window is not None else None,
+        )
+        return cls(
+            bm,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            eos_token_ids=model_config.eos_token_ids,
+            kv_window=window,
+        )
 
     # ---- intake ---------------------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -133,6 +175,7 @@ class Scheduler:
         seq.num_hashed_blocks = self.bm.register_full_blocks(
             seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
         )
+        release_skipped(self.bm, seq, self.kv_window)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         children = list(self.fork_children.get(seq.seq_id, []))
@@ -199,8 +242,11 @@ class Scheduler:
                 if seq.params.prompt_logprobs is not None
                 else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
             )
+            # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
+            first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
+            upto = seq.num_tokens if self.kv_window is None else first
             try:
-                self._admit_blocks(seq, cached, seq.num_tokens, watermark=self.watermark_blocks)
+                self._admit_blocks(seq, cached, upto, watermark=self.watermark_blocks)
             except NoFreeBlocks:
                 break
             self.waiting.popleft()
@@ -231,12 +277,16 @@ class Scheduler:
         return plan
 
     def _admit_blocks(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int):
-        revived = sum(1 for b in cached if self.bm.ref_count(b) == 0)
+        """Blocks for the first `num_tokens` tokens: the prefix-cache hits `cached` and new ones.
+        Hits that lie wholly before a sliding window are not taken: the null block stands in."""
+        skip = skipped_blocks(len(cached) * self.bm.block_size, self.kv_window, self.bm.block_size)
+        live = cached[skip:]
+        revived = sum(1 for b in live if self.bm.ref_count(b) == 0)
         need = self.bm.blocks_needed(num_tokens) - len(cached)
         if need + revived + watermark > self.bm.num_free_blocks:
             raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
-        self.bm.take(cached)
-        seq.block_ids = cached + self.bm.allocate(need)
+        self.bm.take(live)
+        seq.block_ids = [self.bm.null_block] * skip + live + self.bm.allocate(need)
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
 
@@ -261,6 +311,7 @@ class Scheduler:
             seq.num_hashed_blocks = self.bm.register_full_blocks(
                 seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
             )
+            release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token
         # cannot take its not-yet-forked children down with it
         parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}

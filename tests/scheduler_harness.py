@@ -9,6 +9,10 @@ each full block's KV was computed for, and every check asserts that each block i
 is registered under exactly that text's chained hash (so a lookup can only ever serve it to that
 text).
 
+With `window` (a model whose every layer slides), a chunk must find the right KV only at the
+window - 1 positions before it; the blocks before those are given back, their table entries are
+the null block (index num_blocks), and every check also bounds the blocks a sequence holds.
+
 Not a test module: the test_scheduler*.py modules import it as `from scheduler_harness import ...`
 (it lives in tests/, next to conftest.py, which pytest's default "prepend" import mode puts on
 sys.path for every test).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import pdserve.engine.block_manager as block_manager_mod
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_window import max_blocks_held, skipped_blocks
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
@@ -49,15 +54,19 @@ class Harness:
         max_num_seqs=8,
         max_model_len=10_000,
         token_fn=default_token,
+        window=None,
     ):
-        self.bm = BlockManager(num_blocks, block_size, caching)
+        null = num_blocks if window is not None else None
+        self.bm = BlockManager(num_blocks, block_size, caching, null_block=null)
         self.sched = Scheduler(
             self.bm,
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             eos_token_ids=(EOS,),
+            kv_window=window,
         )
+        self.window = window
         self.bs = block_size
         self.token_fn = token_fn
         self.kv: dict[tuple[int, int], int] = {}
@@ -86,7 +95,9 @@ class Harness:
         return seq.block_ids[pos // self.bs], pos % self.bs
 
     def _verify_reads(self, seq, upto, keys):
-        for p in range(upto):
+        lo = 0 if self.window is None else max(0, upto - self.window + 1)
+        for p in range(lo, upto):
+            assert seq.block_ids[p // self.bs] != self.bm.null_block, f"position {p} released"
             assert self.kv.get(self._slot(seq, p)) == keys[p], (
                 f"seq {seq.seq_id} position {p}: wrong KV in block {seq.block_ids[p // self.bs]}"
             )
@@ -186,9 +197,15 @@ class Harness:
             ), f"block {block.block_id} cached under another text"
         refs = [0] * bm.num_blocks
         for seq in self.seqs:
-            assert len(set(seq.block_ids)) == len(seq.block_ids)
-            for b in seq.block_ids:
+            held = [b for b in seq.block_ids if b != bm.null_block]
+            assert len(set(held)) == len(held)
+            for b in held:
                 refs[b] += 1
+            if self.window is not None and seq.status == SeqStatus.RUNNING:
+                most = max_blocks_held(self.window, self.bs, sched.max_num_batched_tokens)
+                assert len(held) <= most, f"seq {seq.seq_id} holds {len(held)} blocks"
+                skip = skipped_blocks(seq.num_computed_tokens, self.window, self.bs)
+                assert seq.block_ids[:skip] == [bm.null_block] * skip
             if seq.status == SeqStatus.FINISHED:
                 assert seq.block_ids == []
             if seq.status in (SeqStatus.WAITING, SeqStatus.FORK_PENDING):
@@ -204,9 +221,9 @@ class Harness:
         for b in held:
             refs[b] += 1
         assert refs == [b.ref_count for b in bm.blocks]
-        assert sum(len(s.block_ids) for s in self.seqs) + len(held) == sum(
-            b.ref_count for b in bm.blocks
-        )
+        assert sum(len(s.block_ids) - s.block_ids.count(bm.null_block) for s in self.seqs) + len(
+            held
+        ) == sum(b.ref_count for b in bm.blocks)
         assert set(sched.reserved_copies) <= set(sched.reserved)
         running = [s.seq_id for s in self.seqs if s.status == SeqStatus.RUNNING]
         waiting = [s.seq_id for s in self.seqs if s.status == SeqStatus.WAITING]

@@ -41,7 +41,7 @@ def _random_params(rng, n=1):
     return kw
 
 
-def _property_run(seed, num_ops=1000, caching=True):
+def _property_run(seed, num_ops=1000, caching=True, window=None):
     rng = random.Random(seed)
 
     def token_fn(seq):
@@ -55,6 +55,7 @@ def _property_run(seed, num_ops=1000, caching=True):
         max_num_seqs=rng.choice((4, 6, 8)),
         max_model_len=92,
         token_fn=token_fn,
+        window=window,
     )
     requests: dict[str, list[Sequence]] = {}
     stats = dict(steps=0, aborts=0, finishes=0, reserves=0, commits=0, forks=0, hits=0)
@@ -126,9 +127,14 @@ def _property_run(seed, num_ops=1000, caching=True):
     return h, requests, stats
 
 
-@pytest.mark.parametrize("seed, caching", [(0, True), (1, True), (2, True), (3, False)])
-def test_property_random_operations_never_leak(seed, caching):
-    h, requests, stats = _property_run(seed, caching=caching)
+@pytest.mark.parametrize(
+    "seed, caching, window",
+    [(0, True, None), (1, True, None), (2, True, None), (3, False, None), (4, True, 10)],
+)
+def test_property_random_operations_never_leak(seed, caching, window):
+    """window: every layer slides over 10 tokens (blocks of 4): sequences give back what their
+    window has left, and the harness checks reads within the window and the blocks held."""
+    h, requests, stats = _property_run(seed, caching=caching, window=window)
     assert h.sched.num_preemptions > 0, stats
     assert stats["aborts"] > 0 and stats["commits"] > 0 and stats["forks"] > 0, stats
     if caching:
@@ -138,10 +144,11 @@ def test_property_random_operations_never_leak(seed, caching):
     h.assert_no_leaks()
 
 
-def test_property_random_operations_drain_to_completion():
+@pytest.mark.parametrize("window", [None, 7])
+def test_property_random_operations_drain_to_completion(window):
     """Same mix, but at the end every reservation is committed and the rest runs to completion:
     nothing is stuck in waiting, every sequence finishes for a reason of its own."""
-    h, requests, stats = _property_run(seed=10, num_ops=600)
+    h, requests, stats = _property_run(seed=10, num_ops=600, window=window)
     for seq in list(h.sched.reserved.values()):
         h.commit(seq, 2)
     h.run(max_steps=5000)
@@ -155,9 +162,13 @@ def test_property_random_operations_drain_to_completion():
 
 
 @settings(derandomize=True, database=None, max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), caching=st.booleans())
-def test_property_hypothesis_chosen_runs(seed, caching):
-    h, requests, _ = _property_run(seed, num_ops=300, caching=caching)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    caching=st.booleans(),
+    window=st.sampled_from([None, None, 3, 8, 13]),
+)
+def test_property_hypothesis_chosen_runs(seed, caching, window):
+    h, requests, _ = _property_run(seed, num_ops=300, caching=caching, window=window)
     for fam in requests.values():
         abort_request(h, fam)
     h.assert_no_leaks()
