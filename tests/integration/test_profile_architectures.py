@@ -13,7 +13,7 @@ import pytest
 
 from arch_helpers import build_arch_model
 
-KINDS = ["llama"]
+KINDS = ["mistral-sw", "gemma2", "qwen2-moe"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

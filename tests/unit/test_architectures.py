@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from arch_helpers import ARCH_KINDS, ARCH_NEW, arch_refs
+from arch_helpers import ARCH_KINDS, ARCH_NEW, QUANT_SCALE, arch_refs
 from conftest import SHARED_PREFIX, assert_no_leaks
 from engine_helpers import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
 from pdserve.engine import LLM
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
     cache: dict = {}
-    return lambda kind: arch_refs(tmp_path_factory, cache, kind)
+    return lambda kind, **kw: arch_refs(tmp_path_factory, cache, kind, **kw)
 
 
 @pytest.mark.parametrize("kind", list(ARCH_KINDS))
@@ -76,7 +76,7 @@ def test_handoff_matches_hf(refs, kind):
 def test_quantized_modes_stay_near_float32(refs, kind, mode):
     """int8 and int4 weights: each prompt token's logprob within the bound the llama tests hold
     (a random tiny model's tokens are near-ties, so quality is read from logprobs, not text)."""
-    model_dir, _, prompts, _ = refs(kind)
+    model_dir, _, prompts, _ = refs(kind, scale=QUANT_SCALE)
     ref = LLM(model_dir, dtype="float32", kv_cache_memory=KV)
     llm = LLM(model_dir, quantization=mode, kv_cache_memory=KV)
     try:
