@@ -1,8 +1,9 @@
 """Mixture-of-experts decode throughput, engine vs HF transformers (issue #29, must-show b).
 
-  python -m benchmarks.moe_decode              # ~3-4 min on 2 cores
-  python -m benchmarks.moe_decode --quick      # smoke run: 8 requests, 16 new tokens
+  python -m benchmarks.moe_decode              # ~5-6 min on 2 cores
+  python -m benchmarks.moe_decode --quick --out /tmp/moe_quick.json   # smoke run: 8 x 16 tokens
   python -m benchmarks.moe_decode --wait-idle 300   # first wait for a quiet CPU, each side
+  python -m benchmarks.moe_decode --no-served       # engine and HF only
 
 The model: `build_moe_model(path)` saves a random-weight Mixtral (MixtralForCausalLM; HF's own
 initialization, seed 0) of a realistic-but-CPU-sized shape, MOE_SHAPE below (hidden 512, 8
@@ -20,12 +21,21 @@ max_new_tokens = min_new_tokens = M. Decode tok/s = N * (M - 1) / (t_total - t_p
 t_prefill the median time of the same call with max_new_tokens=1 (engine_bench.py's measure);
 the per-step timestamps of a logits processor give a median-step figure too. HF's experts run
 as transformers picks by default (recorded: `experts_implementation`).
-(3) Tokens: both sides' M tokens for the first --compare prompts, compared position by position
-(random-weight logits are near-ties: a float32 rounding can flip one late; the first mismatch
-index is recorded).
+(3) Served (benchmarks/moe_served.py, unless --no-served): `pdserve up --model DIR` with one
+prefill and one decode worker, each on 1 reserved core with --worker-threads torch threads (1),
+the N prompts sent at once over gRPC, one stream each. Decode tok/s = tokens received after every
+request has its first token / the time from that moment to the last token (the engine's measure,
+as seen by a client). Since the workers run 1 thread each while (1) and (2) run --threads, the
+engine runs again in this process at --worker-threads ("engine_worker_threads"): served vs that
+compares one decode thread with one; served vs HF is the must-show's ratio (HF at --threads).
+(4) Tokens: the engine's and HF's M tokens for the first --compare prompts, compared position by
+position (random-weight logits are near-ties: a float32 rounding can flip one late; the first
+mismatch index is recorded); and every served request's M tokens against the engine's (both
+engine runs) for the same prompt.
 
-Writes benchmarks/results/moe_decode.json: the header (command, date, commit, CPU model, count
-and ISA flags), the shape, each side's numbers, per-step times and the token comparison.
+Writes benchmarks/results/moe_decode.json (--out): the header (command, date, commit, CPU model,
+count and ISA flags), the shape, each side's numbers, per-step times, the token comparisons, the
+deployment's settings, and the summary ("summary": tok/s of each side, the ratios, agreement).
 """
 
 from __future__ import annotations
@@ -210,6 +220,49 @@ def compare(engine: list[list[int]], hf: list[list[int]]) -> list[dict]:
     return rows
 
 
+def agreement(reference: list[list[int]], served: list[list[int]]) -> dict:
+    """How many of `served`'s sequences equal `reference`'s, and where the others first differ."""
+    rows = compare(reference, served)
+    return {
+        "identical": sum(r["identical"] for r in rows),
+        "of": len(rows),
+        "first_mismatch": {r["prompt"]: r["first_mismatch"] for r in rows if not r["identical"]},
+    }
+
+
+def summarize(report: dict) -> dict:
+    """The headline numbers: each side's decode tok/s, the ratios, the token agreement."""
+    e, h = report["engine"], report["hf"]
+    out = {
+        "engine_tok_s": e["decode_tok_s"],
+        "hf_tok_s": h["decode_tok_s"],
+        "engine_over_hf": e["decode_tok_s"] / h["decode_tok_s"],
+        "threads": report["setup"]["threads"],
+    }
+    s, e1 = report.get("served"), report.get("engine_worker_threads")
+    if s:
+        out.update(
+            served_tok_s=s["decode_tok_s"],
+            served_over_hf=s["decode_tok_s"] / h["decode_tok_s"],
+            served_over_engine=s["decode_tok_s"] / e["decode_tok_s"],
+            worker_threads=s["settings"]["worker_threads"],
+            served_tokens_vs_engine=report["served_tokens"]["engine"],
+        )
+    if e1:
+        out.update(
+            engine_worker_threads_tok_s=e1["decode_tok_s"],
+            served_over_engine_worker_threads=s["decode_tok_s"] / e1["decode_tok_s"],
+            served_tokens_vs_engine_worker_threads=report["served_tokens"]["engine_worker_threads"],
+        )
+    out["like_with_like"] = (
+        "engine vs HF: both in-process at `threads` torch threads. served vs "
+        "engine_worker_threads: one decode worker of `worker_threads` threads vs the engine alone "
+        "at as many. served vs HF (the must-show's ratio): the deployment (2 workers of "
+        "`worker_threads` threads, 1 core each) vs HF at `threads` threads on the same 2 cores."
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
@@ -220,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker-threads", type=int, default=1, help="each served worker's threads")
     ap.add_argument("--compare", type=int, default=4, help="prompts whose tokens are compared")
     ap.add_argument("--prefill-repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8 requests, 16 new tokens")
+    ap.add_argument("--no-served", action="store_true", help="skip `pdserve up` (and its engine)")
     add_out_arg(ap, "moe_decode.json")
     add_wait_idle_arg(ap, "each side")
     args = ap.parse_args(argv)
@@ -232,38 +287,82 @@ def main(argv: list[str] | None = None) -> int:
     report = run_header("benchmarks.moe_decode", argv)
     report["machine"] = machine_info(args.threads)
     n, p, m = args.requests, args.prompt_len, args.new_tokens
-    report["setup"] = {"requests": n, "prompt_len": p, "new_tokens": m, "dtype": "float32"}
+    report["setup"] = {
+        "requests": n, "prompt_len": p, "new_tokens": m, "dtype": "float32",
+        "threads": args.threads, "served": not args.no_served,
+    }  # fmt: skip
+    idle = report["wait_idle"] = {}
+
+    def wait(side: str) -> None:
+        if args.wait_idle > 0:
+            idle[side] = wait_for_idle_machine(args.wait_idle)
+
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as model_dir:
         t = time.perf_counter()
         report["model"] = build_moe_model(model_dir)
         report["model"]["architecture"] = "MixtralForCausalLM"
         report["model"]["build_s"] = time.perf_counter() - t
         prompts = vocab_prompts(SEED_DECODE, n, p)
-        idle = report["wait_idle"] = {}
-        if args.wait_idle > 0:
-            idle["engine"] = wait_for_idle_machine(args.wait_idle)
-        log(f"engine: {n} requests x {p} prompt tokens, {m} new ...")
+        wait("engine")
+        log(f"engine: {n} requests x {p} prompt tokens, {m} new, {args.threads} threads ...")
         report["engine"] = run_engine(model_dir, prompts, m)
         gc.collect()
-        if args.wait_idle > 0:
-            idle["hf"] = wait_for_idle_machine(args.wait_idle)
-        log(f"hf: {n} sequences batched in generate ...")
+        if not args.no_served:
+            from benchmarks.moe_served import run_served
+
+            if args.worker_threads != args.threads:
+                wait("engine_worker_threads")
+                log(f"engine again at the workers' {args.worker_threads} thread(s) ...")
+                torch.set_num_threads(args.worker_threads)
+                report["engine_worker_threads"] = run_engine(model_dir, prompts, m)
+                report["engine_worker_threads"]["threads"] = args.worker_threads
+                torch.set_num_threads(args.threads)
+                gc.collect()
+            wait("served")
+            log(f"served: `pdserve up --model DIR`, 1 prefill + 1 decode, {n} streams ...")
+            report["served"] = run_served(
+                model_dir, report["model"], prompts, m, args.worker_threads
+            )
+            got = report["served"]["output_token_ids"]
+            report["served_tokens"] = {
+                side: agreement(report[side]["output_token_ids"], got)
+                for side in ("engine", "engine_worker_threads")
+                if side in report
+            }
+        wait("hf")
+        log(f"hf: {n} sequences batched in generate, {args.threads} threads ...")
         torch.set_num_threads(args.threads)
         report["hf"] = run_hf(model_dir, prompts, m, args.prefill_repeats)
     e, h = report["engine"], report["hf"]
     k = min(args.compare, n)
     report["tokens"] = compare(e["output_token_ids"][:k], h["output_token_ids"][:k])
     report["speedup_decode"] = e["decode_tok_s"] / h["decode_tok_s"]
+    report["summary"] = summary = summarize(report)
     write_result(args.out, report)
     same = sum(r["identical"] for r in report["tokens"])
-    busy = {s: report[s]["cpu"].get("foreign_cores_avg") for s in ("engine", "hf")}
+    sides = [x for x in ("engine", "engine_worker_threads", "served", "hf") if x in report]
+    busy = {x: report[x]["cpu"].get("foreign_cores_avg") for x in sides}
     print(f"other processes' CPU use while measured (cores): {busy}")
     print(
         f"decode tok/s: engine {e['decode_tok_s']:.1f} (median step {e['median_step_s']:.4f} s), "
         f"HF {h['decode_tok_s']:.1f} (median step {h['median_step_s']:.4f} s, experts "
         f"{h['experts_implementation']}): {report['speedup_decode']:.2f}x; tokens identical "
-        f"for {same}/{k} prompts; written to {args.out}"
+        f"for {same}/{k} prompts"
     )
+    if "served" in report:
+        ag = summary["served_tokens_vs_engine"]
+        line = (
+            f"served (1P+1D, {args.worker_threads} thread(s) each): {summary['served_tok_s']:.1f} "
+            f"tok/s = {summary['served_over_hf']:.2f}x HF; tokens identical to the engine's for "
+            f"{ag['identical']}/{ag['of']} requests"
+        )
+        if "engine_worker_threads_tok_s" in summary:
+            line += (
+                f"; engine alone at {args.worker_threads} thread(s): "
+                f"{summary['engine_worker_threads_tok_s']:.1f} tok/s"
+            )
+        print(line)
+    print(f"written to {args.out}")
     return 0
 
 

@@ -7,29 +7,20 @@ the key given by --api-key is the one the router asks for. Nothing is downloaded
 from __future__ import annotations
 
 import os
-import pathlib
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 
 import grpc
 import pytest
-import yaml
 
 from hub_helpers import add_to_hub_cache
 from smollm2_prompts import PROMPTS
+from up_helpers import greedy_tokens, pdserve_up, small_pools_yaml
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).parents[2]
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 KEY = "sk-e2e-hub-0123456789"
 MAX_TOKENS = 8
 KV_BYTES = 64 << 20
-START_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -46,56 +37,17 @@ def reference():
     return prompts, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _router_address(proc: subprocess.Popen, timeout_s: float) -> str:
-    """Reads `proc`'s stdout on a thread of its own until `ready`; the router's address it printed."""
-    seen, address = threading.Event(), []
-
-    def read():
-        for line in proc.stdout:
-            found = re.fullmatch(r"router on (\S+)", line.strip())
-            if found:
-                address.append(found[1])
-            if line.strip() == "ready":
-                seen.set()
-                return
-
-    threading.Thread(target=read, daemon=True).start()
-    if not seen.wait(timeout_s):
-        state = f"exited {proc.poll()}" if proc.poll() is not None else "still starting"
-        raise AssertionError(f"`pdserve up` printed no 'ready' within {timeout_s:.0f}s ({state})")
-    return address[0]
-
-
 def test_up_serves_a_hub_id_from_the_cache_as_smollm2(reference, tmp_path):
     from pdserve.engine.loader import resolve_model
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
     add_to_hub_cache(tmp_path / "hf" / "hub", REPO, resolve_model("smollm2"))
-    ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
-    pool = {"replicas": 1, "resources": {"num_cpus": 1}, "num_threads": 1,
-            "kv_cache_memory": KV_BYTES}  # fmt: skip
-    config = tmp_path / "small.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": "smollm2",
-                "pools": {"prefill": pool, "decode": pool},
-                "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
-            }
-        )
-    )
+    config = small_pools_yaml(tmp_path / "small.yaml", KV_BYTES, model="smollm2")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PDSERVE_API_KEY"))}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    err_path = tmp_path / "up.err"
-    with open(err_path, "w") as err:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", str(config), "--model", REPO, "--port", "0",
-             "--http-port", "off", "--max-model-len", "1024", "--dtype", "float32",
-             "--api-key", KEY],
-            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env,
-        )  # fmt: skip
-    try:
-        address = _router_address(up, START_TIMEOUT_S)
+    args = [str(config), "--model", REPO, "--port", "0", "--http-port", "off",
+            "--max-model-len", "1024", "--dtype", "float32", "--api-key", KEY]  # fmt: skip
+    with pdserve_up(args, tmp_path / "up.err", env) as address:
         metadata = (("authorization", f"Bearer {KEY}"),)
         prompts, want = reference
         with grpc.insecure_channel(address) as channel:
@@ -105,28 +57,5 @@ def test_up_serves_a_hub_id_from_the_cache_as_smollm2(reference, tmp_path):
             with pytest.raises(grpc.RpcError) as refused:  # --api-key: the router has a key
                 stub.ListModels(pb.ListModelsRequest(), timeout=30)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            got = []
-            for ids in prompts:
-                request = pb.GenerateRequest(
-                    model=REPO,
-                    token_ids=pb.TokenIds(ids=ids),
-                    sampling=pb.SamplingParams(
-                        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
-                    ),
-                )
-                tokens = []
-                for resp in stub.Generate(request, metadata=metadata, timeout=120):
-                    if resp.HasField("delta"):
-                        tokens += list(resp.delta.token_ids)
-                got.append(tokens)
+            got = [greedy_tokens(stub, pb, ids, MAX_TOKENS, REPO, metadata) for ids in prompts]
         assert got == want
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)  # `up` stops its deployment and its local Ray
-            try:
-                up.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        if up.returncode not in (0, None):
-            print(err_path.read_text()[-4000:])

@@ -1,0 +1,99 @@
+"""`pdserve up` as a child process, for the e2e tests that serve through it (tests/e2e/test_hub_up.py,
+tests/e2e/test_moe_up.py): start it with a small YAML, read the router's gRPC address from its
+stdout, stream greedy tokens from the router, stop it with SIGTERM as Ctrl-C would.
+
+Not a test module: imported as `from up_helpers import ...` (pytest puts tests/ on sys.path).
+benchmarks/moe_served.py has its own copy of the start and stop (benchmarks do not import tests/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import yaml
+
+ROOT = pathlib.Path(__file__).parents[1]
+START_TIMEOUT_S = 300.0
+
+
+def small_pools_yaml(path: pathlib.Path, kv_cache_memory: int, **top) -> pathlib.Path:
+    """A deployment YAML for a 2-core machine: prefill and decode pools of 1 replica on 1 CPU and 1
+    thread each, `kv_cache_memory` bytes of KV each, a local Ray of 2 CPUs under a short temp dir
+    (Ray's socket paths live under it); `top`: more top-level keys (`model`, ...)."""
+    pool = {"replicas": 1, "resources": {"num_cpus": 1}, "num_threads": 1,
+            "kv_cache_memory": kv_cache_memory}  # fmt: skip
+    ray_tmp = tempfile.mkdtemp(prefix="pdray")
+    data = {**top, "pools": {"prefill": pool, "decode": pool},
+            "ray": {"num_cpus": 2, "temp_dir": ray_tmp}}  # fmt: skip
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def router_address(proc: subprocess.Popen, timeout_s: float) -> str:
+    """Reads `proc`'s stdout on a thread of its own until `ready`; the router's address it printed."""
+    seen, address = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            found = re.fullmatch(r"router on (\S+)", line.strip())
+            if found:
+                address.append(found[1])
+            if line.strip() == "ready":
+                seen.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    if not seen.wait(timeout_s):
+        state = f"exited {proc.poll()}" if proc.poll() is not None else "still starting"
+        raise AssertionError(f"`pdserve up` printed no 'ready' within {timeout_s:.0f}s ({state})")
+    return address[0]
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    """SIGTERM (`up` stops its deployment and its local Ray); a kill after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def pdserve_up(args: list[str], err_path: pathlib.Path, env: dict | None = None):
+    """Runs `python -m pdserve up ARGS` from the repository root and yields the router's address
+    once it printed `ready`; stops it on the way out, printing the tail of its stderr (kept in
+    `err_path`) when it failed."""
+    with open(err_path, "w") as err:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", *args],
+            stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, env=env,
+        )  # fmt: skip
+    try:
+        yield router_address(up, START_TIMEOUT_S)
+    finally:
+        stop_up(up)
+        if up.returncode not in (0, None):
+            print(err_path.read_text()[-4000:])
+
+
+def greedy_tokens(stub, pb, ids: list[int], max_tokens: int, model: str = "", metadata=()):
+    """The token ids one greedy Generate stream (ignore_eos) returns for the prompt `ids`."""
+    request = pb.GenerateRequest(
+        model=model,
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    tokens = []
+    for resp in stub.Generate(request, metadata=metadata, timeout=120):
+        if resp.HasField("delta"):
+            tokens += list(resp.delta.token_ids)
+    return tokens
