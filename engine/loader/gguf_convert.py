@@ -1,8 +1,10 @@
 """GGUF -> HF-format directory (config.json, tokenizer files, model.safetensors).
 
 Supported: llama (and mistral), qwen2, qwen3, phi3, gemma2 and gemma3 GGUFs, the dense families
-transformers' own GGUF loader maps. Quantized tensors are dequantized to float32, so the result is a
-plain HF checkpoint that the engine (or transformers) loads like any other.
+transformers' own GGUF loader maps, and the mixtures of experts qwen2moe, qwen3moe and Mixtral (a
+llama GGUF with experts), whose details are in engine/loader/gguf_moe.py. Quantized tensors are
+dequantized to float32, so the result is a plain HF checkpoint that the engine (or transformers)
+loads like any other.
 
 Family details undone here as transformers does: llama.cpp stores Gemma's norm weights as 1 + w
 (so 1 is subtracted), Phi-3's fused qkv and gate/up tensors keep their HF names (attn_qkv,
@@ -25,12 +27,24 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-# Bump whenever the output of a conversion changes, so stale cache entries are not reused.
-CONVERTER_VERSION = 2
+from . import gguf_moe
+from .gguf_moe import MOE_ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# Bump whenever the output of a conversion changes, so stale cache entries are not reused.
+CONVERTER_VERSION = 3
+
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    *MOE_ARCHITECTURES,
+)
 # llama.cpp's convert_hf_to_gguf.py permutes q/k rows for "llama" only (its rotary kernel pairs
-# adjacent dims, HF pairs dims half a head apart); qwen2 is written unpermuted.
+# adjacent dims, HF pairs dims half a head apart; Mixtral too, as a llama); the qwen families are
+# written unpermuted.
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 _GLOBAL_NAMES = {
@@ -48,6 +62,8 @@ _ARCHITECTURE_CLASSES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _LAYER_MODULES = {
     "attn_norm": "input_layernorm",
@@ -79,17 +95,21 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _IGNORED = frozenset({"rope_freqs.weight"})
 
 
-def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama", mixtral: bool = False) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    modules = {**_LAYER_MODULES, **_ARCH_LAYER_MODULES.get(arch, {})}
+    modules = {
+        **_LAYER_MODULES,
+        **_ARCH_LAYER_MODULES.get(arch, {}),
+        **gguf_moe.layer_modules(arch, mixtral),
+    }
     m = _LAYER_RE.match(name)
     if m and m.group(2) in modules:
         layer, module, kind = m.groups()
         return f"model.layers.{layer}.{modules[module]}.{kind}"
     raise ValueError(
         f"GGUF tensor {name!r} has no known HF name for a {arch} GGUF "
-        f"(supported: the dense models of {', '.join(SUPPORTED_ARCHITECTURES)})"
+        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and Mixtral as llama)"
     )
 
 
@@ -145,6 +165,7 @@ def convert_gguf_weights(
         reader_or_path if isinstance(reader_or_path, GGUFReader) else GGUFReader(reader_or_path)
     )
     arch = supported_architecture(reader)
+    mixtral = gguf_moe.is_mixtral(reader, arch)
     n_head = int(config_dict["num_attention_heads"])
     n_head_kv = int(config_dict.get("num_key_value_heads") or n_head)
 
@@ -167,8 +188,12 @@ def convert_gguf_weights(
                 f"GGUF tensor {t.name!r}: a longrope model, which is not supported (its rope "
                 "frequencies change with the sequence length)"
             )
-        hf_name = gguf_to_hf_name(t.name, arch)
-        arr = _to_float32(t)
+        if gguf_moe.is_expert_tensor(t.name) and (mixtral or arch in MOE_ARCHITECTURES):
+            for name, arr in gguf_moe.expert_tensors(t.name, _to_float32(t), mixtral):
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(arr))
+            continue
+        hf_name = gguf_to_hf_name(t.name, arch, mixtral)
+        arr = gguf_moe.reshape_moe(t.name, _to_float32(t))
         if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             arr = arr - np.float32(1.0)
         if arch in _PERMUTED_ARCHITECTURES:
@@ -194,6 +219,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     supported_architecture(reader)
 
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if gguf_moe.is_mixtral(reader, read_architecture(reader)):
+        # transformers reads it as a dense llama (or mistral)
+        config = gguf_moe.mixtral_config(reader, config)
     arch_class = _ARCHITECTURE_CLASSES.get(config.model_type)
     if arch_class and not getattr(config, "architectures", None):
         # GGUF configs come back without it; engines dispatch on it as they do for HF checkpoints.
@@ -241,8 +269,10 @@ def _field(reader: GGUFReader, key: str):
 def _complete_config(reader: GGUFReader, arch: str, config) -> None:
     """Sets what transformers' GGUF config mapping leaves at its defaults for these families."""
     key_length = _field(reader, f"{arch}.attention.key_length")
-    if key_length is not None and arch in ("qwen3", "phi3", "gemma2", "gemma3"):
+    if key_length is not None and arch in ("qwen3", *MOE_ARCHITECTURES, "phi3", "gemma2", "gemma3"):
         config.head_dim = int(key_length)  # (Qwen3's is not hidden_size / heads)
+    if arch in MOE_ARCHITECTURES:
+        gguf_moe.complete_qwen_moe(reader, arch, config)
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = _field(reader, f"gemma2.{key}")
