@@ -34,7 +34,11 @@ from pdserve.engine.request import RequestOutput
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common.errors import abort_for_engine_error, build_params
+from pdserve.worker_common.errors import (
+    abort_for_engine_error,
+    build_params,
+    grammar_stats as _grammar_stats,
+)
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.role import RoleGate
 
@@ -104,7 +108,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
         if refusal:
             refusal.abort(context)
-        params = build_params(request.sampling, context)
+        params = build_params(
+            request.sampling, context, getattr(self.loop.engine, "grammars", None)
+        )
         stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs)
         with self._lock:
             if rid in self._streams:
@@ -324,6 +330,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prefix_cache_queries=h.prefix_cache_queries + self._colocated_queries,
             prefix_cache_hits=h.prefix_cache_hits + self._colocated_hits,
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
+            **_grammar_stats(self.loop.engine),
             kv_transfers=h.num_committed,
             kv_transfer_failures=h.num_failed,
             kv_transfer_bytes=h.bytes_received,

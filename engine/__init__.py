@@ -5,6 +5,7 @@ from pdserve.engine.engine_core import LLMEngine
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_spec import StructuredSpec
 
 __all__ = [
     "LLM",
@@ -12,6 +13,7 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "SamplingParams",
+    "StructuredSpec",
     "RequestOutput",
     "CompletionOutput",
     "Reservation",

@@ -42,6 +42,7 @@ from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
 from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
+from pdserve.engine.structured import GrammarCache
 from pdserve.engine.tokenizer import (
     IncrementalDetokenizer,
     find_stop_string,
@@ -98,6 +99,9 @@ class LLMEngine:
         )
         self.block_manager = self.scheduler.bm
         self._requests: dict[str, _Request] = {}
+        self.grammars = GrammarCache(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self._seq_counter = itertools.count()
         # requests that finished outside step() (commit): the next step() reports them
         self._undelivered: list[RequestOutput] = []
@@ -165,6 +169,7 @@ class LLMEngine:
             seqs.append(
                 Sequence(seq_id, request_id, i, ids, params, gen, prefill_only=prefill_only)
             )
+        self.grammars.attach(seqs)  # structured output: compiled once per spec, a matcher each
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs
         ]

@@ -48,6 +48,7 @@ class Sequence:
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    grammar: object | None = None  # params.structured's matcher (engine/structured.py SeqGrammar)
 
     def __post_init__(self):
         if not self.token_ids:

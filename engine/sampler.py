@@ -7,8 +7,9 @@ Greedy rows take the argmax after the penalty/masking stage, as in vLLM.
 Only penalties (which need each sequence's own token history) and the
 per-generator noise draws loop over rows in Python; every other stage works on
 the whole batch with per-row parameter tensors, because this runs on every
-decode step. Logprobs are the raw distribution's (before any processing); a row
-with top_logprobs gets a TokenLogprob carrying its k most likely tokens.
+decode step. Logprobs are the raw distribution's (before any processing but a structured-output
+grammar's mask, as vLLM: engine/structured.py); a row with top_logprobs gets a TokenLogprob
+carrying its k most likely tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from pdserve.engine.kernels import fused_for
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import mask_logits
 
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -33,6 +35,7 @@ class SamplingRow:
     # carry a seed but which has no generator samples from the shared stream.
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
+    grammar: object | None = None  # the sequence's SeqGrammar (engine/structured.py)
 
 
 @dataclass
@@ -142,7 +145,11 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             )
         masked = [t for t in masked if 0 <= t < vocab]
         if masked:
-            x[torch.as_tensor(masked, dtype=torch.long, device=device)] = float("-inf")
+            idx = torch.as_tensor(masked, dtype=torch.long, device=device)
+            kept = x[idx].clone()
+            x[idx] = float("-inf")
+            if row.grammar is not None and not torch.isfinite(x).any():
+                x[idx] = kept  # the grammar allows only a stop token here: min_tokens yields
     return logits if out is None else out
 
 
@@ -255,6 +262,8 @@ class Sampler:
             )
         if logits.dtype != torch.float32:
             logits = logits.float()
+        # grammar rows first: everything after, logprobs included, sees the masked logits
+        logits = mask_logits(logits, rows)
 
         processed = process_logits(logits, rows)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

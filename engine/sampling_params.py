@@ -12,6 +12,7 @@ import numbers
 from dataclasses import dataclass
 
 from pdserve.engine.errors import BadSamplingParams
+from pdserve.engine.structured_spec import StructuredSpec, spec_from_wire
 
 # Dividing float32 logits by a temperature this small overflows to inf (and
 # softmax then yields NaN), so such temperatures are treated as greedy, as
@@ -109,6 +110,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output (engine/structured.py): the output follows a JSON schema, is a JSON
+    # object, matches a regex or is one of some strings; a dict of one of those is taken too
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalized values (float(0) -> 0.0, list -> tuple) must go
@@ -178,6 +182,8 @@ class SamplingParams:
 
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
+        if self.structured is not None:
+            put("structured", spec_from_wire(self.structured))
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "

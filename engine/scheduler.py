@@ -270,6 +270,7 @@ class Scheduler:
                         member.output_token_ids,
                         member.generator,
                         self.eos_token_ids,
+                        member.grammar,
                     )
                 )
                 plan.row_seqs.append(member)
@@ -365,6 +366,12 @@ class Scheduler:
         num_out = seq.num_output_tokens
         if seq.prefill_only:
             self.finish(seq, FinishReason.PREFILL_DONE)
+        elif seq.grammar is not None and seq.grammar.accept(token_id):  # complete (or broken)
+            self.finish(
+                seq,
+                FinishReason.STOP,
+                "grammar rejected the token" if seq.grammar.rejected else None,
+            )
         elif num_out >= p.min_tokens and not p.ignore_eos and token_id in self.eos_token_ids:
             self.finish(seq, FinishReason.STOP)
         elif num_out >= p.min_tokens and token_id in p.stop_token_ids:

@@ -46,7 +46,11 @@ from pdserve.protos.limits import (
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
-from pdserve.worker_common.errors import abort_for_engine_error, build_params
+from pdserve.worker_common.errors import (
+    abort_for_engine_error,
+    build_params,
+    grammar_stats as _grammar_stats,
+)
 from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.role import RoleGate
 
@@ -112,7 +116,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         refusal = self._check_fields(request)
         if refusal:
             refusal.abort(context)
-        params = build_params(request.sampling, context)
+        params = build_params(
+            request.sampling, context, getattr(self.loop.engine, "grammars", None)
+        )
         if not request.HasField("reservation"):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -334,6 +340,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **self.loop.load(),
             **counts,
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
+            **_grammar_stats(self.loop.engine),
         )
         return self.gate.stamp(stats) if self.gate else stats
 

@@ -40,7 +40,36 @@ def sampling_kwargs(msg) -> dict:
         values = list(getattr(msg, name))
         if values:
             kwargs[name] = values
+    if msg.HasField("structured"):
+        kwargs["structured"] = structured_dict(msg.structured)
     return kwargs
+
+
+def structured_dict(msg) -> dict:
+    """The set fields of a pdserve.v1.StructuredOutput as the engine's StructuredSpec keywords."""
+    out: dict = {}
+    for name in ("json_schema", "regex"):
+        if getattr(msg, name):
+            out[name] = getattr(msg, name)
+    if msg.json_object:
+        out["json_object"] = True
+    if len(msg.choice):
+        out["choice"] = list(msg.choice)
+    return out
+
+
+def structured_message(msg, spec: dict) -> None:
+    """Fills pdserve.v1.StructuredOutput `msg` from StructuredSpec keywords (json_schema a dict or
+    JSON text), the inverse of structured_dict."""
+    import json
+
+    for name, value in spec.items():
+        if name == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if name == "choice":
+            msg.choice.extend(value)
+        else:
+            setattr(msg, name, value)
 
 
 def unix_ns() -> int:

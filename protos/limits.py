@@ -18,6 +18,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64  # sequences per prompt
+# structured output (as engine/structured_spec.py, which the engine checks again)
+MAX_SCHEMA_CHARS = 64 * 1024
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (vLLM's max_logprobs)
 _FLOAT_FIELDS = (
     "temperature",
@@ -114,6 +119,52 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
         return invalid(
             f"sampling.stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}"
         )
+    if sampling.HasField("structured"):
+        return check_structured(sampling.structured)
+    return None
+
+
+def check_structured(s) -> Refusal | None:
+    """A pdserve.v1.StructuredOutput: one kind set, within the size bounds (whether a schema or
+    regex compiles is the engine's check, with the same INVALID_ARGUMENT)."""
+    kinds = [
+        k
+        for k, on in (
+            ("json_schema", bool(s.json_schema)),
+            ("json_object", s.json_object),
+            ("regex", bool(s.regex)),
+            ("choice", bool(len(s.choice))),
+        )
+        if on
+    ]
+    if len(kinds) != 1:
+        return invalid(
+            f"sampling.structured must set exactly one of json_schema, json_object, regex, "
+            f"choice; got {', '.join(kinds) or 'none'}"
+        )
+    if len(s.json_schema) > 4 * MAX_SCHEMA_CHARS:
+        return invalid(
+            f"sampling.structured.json_schema has {len(s.json_schema)} characters; at most "
+            f"{MAX_SCHEMA_CHARS} (as compact JSON) are allowed"
+        )
+    if len(s.regex) > MAX_REGEX_CHARS:
+        return invalid(
+            f"sampling.structured.regex has {len(s.regex)} characters; at most "
+            f"{MAX_REGEX_CHARS} are allowed"
+        )
+    if len(s.choice) > MAX_CHOICES:
+        return invalid(
+            f"sampling.structured.choice has {len(s.choice)} entries; at most {MAX_CHOICES} "
+            f"are allowed"
+        )
+    longest = max(map(len, s.choice), default=0)
+    if longest > MAX_CHOICE_CHARS:
+        return invalid(
+            f"a sampling.structured.choice entry has {longest} characters; at most "
+            f"{MAX_CHOICE_CHARS} are allowed"
+        )
+    if any(not c for c in s.choice):
+        return invalid("sampling.structured.choice must hold only non-empty strings")
     return None
 
 

@@ -63,6 +63,7 @@ from pdserve.router.openai_schema import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pdserve.router.openai_structured import name_field
 
 if TYPE_CHECKING:
     from pdserve.router.http_server import HttpFront
@@ -264,7 +265,11 @@ def build_app(front: HttpFront) -> FastAPI:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
         streaming = False  # once true, the stream's response owns the call
         try:
-            first = await _from_router(call.read(), watcher)
+            try:
+                first = await _from_router(call.read(), watcher)
+            except ApiError as e:  # a structured spec the workers refused: name the body's field
+                name_field(e, body)
+                raise
             if first is grpc.aio.EOF:
                 raise ApiError(500, "the router ended the call without a response", "server_error")
             if body.stream:

@@ -15,7 +15,7 @@ import grpc
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from pdserve.protos.convert import OPTIONAL_FIELDS
+from pdserve.protos.convert import OPTIONAL_FIELDS, structured_message
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai_schema import (
     ChatCompletionRequest,
@@ -100,7 +100,7 @@ def _field_names(*annotations) -> set[str]:
     for a in annotations:
         fields = getattr(a, "model_fields", None)
         if isinstance(a, type) and fields:
-            names |= set(fields)
+            names |= {f.alias or name for name, f in fields.items()}
             names |= _field_names(*(f.annotation for f in fields.values()))
         else:
             names |= _field_names(*typing.get_args(a))
@@ -178,6 +178,9 @@ def sampling_params(body, max_tokens: int | None) -> pdserve_pb2.SamplingParams:
     k = body.prompt_logprobs_k()
     if k is not None:
         s.prompt_logprobs = k
+    found = body.structured_spec()
+    if found is not None:
+        structured_message(s.structured, found[0])
     return s
 
 

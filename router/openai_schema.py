@@ -4,13 +4,15 @@ every field typed and bounded before any work, unknown fields refused (400 namin
 What is accepted beyond OpenAI's own fields: the sampling fields vLLM accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output), vLLM's prompt_logprobs (completions) and its chat template fields
-(chat_template_kwargs, add_generation_prompt, continue_final_message). `model` may be left out
+(chat_template_kwargs, add_generation_prompt, continue_final_message), structured outputs
+(OpenAI's response_format, vLLM's structured_outputs and guided_*: router/openai_structured.py).
+`model` may be left out
 (the served model). Logprobs: completions' `logprobs` N and chat's `top_logprobs` N up to
 MAX_LOGPROBS most likely tokens per position; completions' `echo` (with max_tokens 0: the
 prompt alone, its logprobs with `logprobs`, as vLLM; lm-evaluation-harness's log-likelihood
 requests). OpenAI fields that change nothing here are accepted and ignored (`user`, `metadata`,
 `store`, `service_tier`, ...); OpenAI fields whose meaning pdserve does not serve (tools,
-response formats, logit_bias, suffix, ...) are accepted only at their neutral value, and
+logit_bias, suffix, ...) are accepted only at their neutral value, and
 anything else is refused with a message saying so.
 
 The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
@@ -43,6 +45,7 @@ from pdserve.protos.limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from pdserve.router.openai_structured import StructuredFields
 from pdserve.router.text import (
     MAX_CHAT_MESSAGES,
     MAX_TEMPLATE_KWARGS_BYTES,
@@ -99,8 +102,8 @@ class StreamOptions(_Strict):
     )
 
 
-class _Sampling(_Strict):
-    """Fields both endpoints share."""
+class _Sampling(_Strict, StructuredFields):
+    """Fields both endpoints share (the structured-output ones: router/openai_structured.py)."""
 
     # unset: the served model (vLLM's default)
     model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
@@ -291,7 +294,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[Literal["text"]] | None = None
     prediction: Any = None
@@ -380,12 +382,6 @@ class ChatCompletionRequest(_Sampling):
                 f"max_tokens={a} and max_completion_tokens={b} disagree: send one of them"
             )
         return self
-
-    _text_format = _neutral_only(
-        "response_format",
-        message="only response_format {'type': 'text'} is supported (no JSON mode or schemas)",
-        neutral=lambda v: v is None or v == {"type": "text"},
-    )
 
     def max_new_tokens(self) -> int | None:
         return (

@@ -40,13 +40,24 @@ def abort_for_engine_error(context, err: BaseException) -> None:
         context.abort(*status)
 
 
-def build_params(sampling, context) -> SamplingParams:
+def build_params(sampling, context, grammars=None) -> SamplingParams:
     """The engine's SamplingParams from a pdserve.v1.SamplingParams, or the call aborted with
-    INVALID_ARGUMENT saying which field is wrong."""
+    INVALID_ARGUMENT saying which field is wrong. With `grammars` (the engine's GrammarCache) a
+    structured-output grammar is compiled here, on the handler's thread, so the engine's step
+    thread finds it cached at admission."""
     try:
-        return SamplingParams(**sampling_kwargs(sampling))
+        params = SamplingParams(**sampling_kwargs(sampling))
+        if grammars is not None and params.structured is not None:
+            grammars.compile(params.structured)
+        return params
     except BadSamplingParams as e:
         abort_for_engine_error(context, e)
         raise
     except (ValueError, TypeError) as e:  # a field the engine does not know, say
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+
+
+def grammar_stats(engine) -> dict[str, int]:
+    """The engine's structured-output counters for WorkerStats (none for an engine without)."""
+    grammars = getattr(engine, "grammars", None)
+    return grammars.stats() if grammars is not None else {}

@@ -1,0 +1,89 @@
+"""Structured-output test helpers: a copy of a tiny model with a byte-level tokenizer (the tiny
+models' word-level "t0".."t255" cannot spell JSON), schemas and checks of outputs against them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+                "required": ["id", "tag"],
+                "additionalProperties": False,
+            },
+            "n": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        },
+        "required": ["user", "n"],
+        "additionalProperties": False,
+    },
+]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (the ByteLevel pre-tokenizer's alphabet)."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def byte_level_model(tiny_dir: str, dest) -> str:
+    """`tiny_dir`'s model with a 256-token byte-level tokenizer: ids 0 and 1 the bos and eos
+    tokens, 2..255 the bytes 2..255 (one token per byte, no merges). Returns the new model dir."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    dest = str(dest)
+    shutil.copytree(tiny_dir, dest, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.rmtree(f"{dest}/{name}", ignore_errors=True)
+    b2u = _bytes_to_unicode()
+    vocab = {"<s>": 0, "</s>": 1, **{b2u[b]: b for b in range(2, 256)}}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(dest)
+    return dest
+
+
+def check_output(spec: dict, text: str) -> None:
+    """Raises AssertionError unless `text` satisfies the StructuredSpec keywords `spec`."""
+    import jsonschema
+
+    if "json_schema" in spec:
+        jsonschema.validate(json.loads(text), spec["json_schema"])
+    elif "json_object" in spec:
+        assert isinstance(json.loads(text), dict), text
+    elif "regex" in spec:
+        assert re.fullmatch(spec["regex"], text), (spec["regex"], text)
+    else:
+        assert text in spec["choice"], (spec["choice"], text)
