@@ -101,10 +101,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        qk_norm=None,
+        mlp: nn.Module | None = None,  # None: the dense MLP (a mixture of experts passes its own)
+    ):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm=qk_norm)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -144,6 +151,7 @@ class LlamaModel(nn.Module):
             or attn.head_dim % 16
             or any(
                 type(layer) is not LlamaDecoderLayer
+                or type(layer.mlp) is not LlamaMLP
                 or layer.self_attn.q_norm is not None
                 or not layer.self_attn.attn.plain
                 or layer.self_attn.rotary is not self.rotary

@@ -27,7 +27,7 @@ from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pdserve.engine.layers.moe import FusedMoE
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # Mixtral's per-expert names -> Qwen's (which LlamaForCausalLM.packed then merges)
 _MIXTRAL_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
@@ -76,31 +76,21 @@ class MoeSpec:
         )
 
 
-class MoeDecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary: RotaryEmbedding, qk_norm
-    ):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm=qk_norm)
-        if layer_idx in spec.sparse_layers:
-            self.mlp = FusedMoE(
-                cfg.hidden_size,
-                spec.num_experts,
-                spec.top_k,
-                spec.intermediate_size,
-                spec.renormalize,
-                spec.shared_intermediate_size,
-            )
-        else:
-            self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, hidden, residual):
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+def moe_decoder_layer(
+    cfg: ModelConfig, spec: MoeSpec, layer_idx: int, rotary: RotaryEmbedding, qk_norm
+) -> LlamaDecoderLayer:
+    """Llama's layer, with a sparse MLP where the family's config makes this layer sparse."""
+    mlp = None
+    if layer_idx in spec.sparse_layers:
+        mlp = FusedMoE(
+            cfg.hidden_size,
+            spec.num_experts,
+            spec.top_k,
+            spec.intermediate_size,
+            spec.renormalize,
+            spec.shared_intermediate_size,
+        )
+    return LlamaDecoderLayer(cfg, layer_idx, rotary, qk_norm, mlp=mlp)
 
 
 class MoeModel(nn.Module):
@@ -108,7 +98,7 @@ class MoeModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            MoeDecoderLayer(cfg, spec, i, rotary, qk_norm) for i in range(cfg.num_layers)
+            moe_decoder_layer(cfg, spec, i, rotary, qk_norm) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
