@@ -106,6 +106,8 @@ def build_app(front: HttpFront) -> FastAPI:
         openapi_url="/openapi.json",
     )
     text_of = TokenText(s.tokenizer)
+    # a tokenizer whose <tool_call> is a special token (vLLM's Hermes parser keeps them too)
+    tags_special = "<tool_call>" in (getattr(s.tokenizer, "all_special_tokens", None) or ())
 
     def answer(e: ApiError):
         s.on_error(e.status)
@@ -195,7 +197,9 @@ def build_app(front: HttpFront) -> FastAPI:
         metadata = authorize(request)
         body = await read_body(request)
         try:
-            return model.model_validate_json(body), metadata
+            # off the event loop: a body's checks may compile up to MAX_TOOLS tool schemas
+            # (router/openai_tools.py), which must not stall every other connection
+            return await asyncio.to_thread(model.model_validate_json, body), metadata
         except ValidationError as e:
             raise validation_error(e, KNOWN_FIELDS) from None
 
@@ -249,6 +253,8 @@ def build_app(front: HttpFront) -> FastAPI:
         gen = pdserve_pb2.GenerateRequest(
             model=body.model or "", sampling=sampling_params(body, most)
         )
+        if body.tool_mode() == "auto" and body.skip_special_tokens is None and tags_special:
+            gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser
         gen.chat.CopyFrom(chat_messages(body))
         return await run(request, [gen], metadata, body, chat=True)
 

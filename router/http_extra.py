@@ -31,6 +31,7 @@ from pdserve import __version__
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai_format import ApiError
 from pdserve.router.openai_schema import DetokenizeRequest, TokenizeRequest
+from pdserve.router.openai_tools import tool_calls_json, tools_json
 from pdserve.router.text import BadRequest, PromptEncoder
 
 if TYPE_CHECKING:
@@ -54,9 +55,14 @@ def chat_messages(body) -> pdserve_pb2.ChatMessages:
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
     )
-    chat.messages.extend(
-        pdserve_pb2.ChatMessage(role=m.template_role(), content=m.text()) for m in body.messages
-    )
+    for m in body.messages:
+        msg = chat.messages.add(role=m.template_role(), content=m.text())
+        if m.tool_calls:
+            msg.tool_calls_json = tool_calls_json(m.tool_calls)
+        if m.tool_call_id is not None:
+            msg.tool_call_id = m.tool_call_id
+    if getattr(body, "tools", None):
+        chat.tools_json = tools_json(body.tools)
     if body.chat_template_kwargs:
         chat.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
     return chat

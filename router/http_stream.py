@@ -4,7 +4,9 @@ with their alternatives, in router/openai_logprobs.py's shapes), one with the fi
 sequence, with include_usage a last chunk with empty choices and the usage, then `data: [DONE]`.
 Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
 logprobs are not streamed: router/openai_schema.py refuses them with stream=true). A failure
-after the stream started is one error event, then [DONE]. The generator cancels the call however
+after the stream started is one error event, then [DONE]. A chat with tools has its text read by
+router/tool_parser.py: content deltas, and each call as a `tool_calls` delta when it is
+complete. The generator cancels the call however
 it ends, so a client gone mid-stream aborts the request on both pools.
 """
 
@@ -20,6 +22,12 @@ from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai_format import ApiError, extension, finish_reason, sse
 from pdserve.router.openai_logprobs import chat_logprobs, check_logprobs, completion_logprobs
 from pdserve.router.openai_response import echo_text, request_usage
+from pdserve.router.tool_parser import ToolCallParser, delta_of
+
+
+def _with(choice: dict, delta: dict) -> dict:
+    choice["delta"].update(delta)
+    return choice
 
 
 async def rest(call) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -52,6 +60,8 @@ async def stream(call, first, body, chat: bool, model_id: str, request_id: str, 
     want_logprobs, num_top = body.wants_logprobs, body.num_top()
     echo = not chat and body.echo
     echo_only = echo and body.max_tokens == 0
+    mode = body.tool_mode() if chat else "none"
+    parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's (router/tool_parser.py)
     finishes: list[pdserve_pb2.Finish] = []
     offsets: dict[int, int] = {}
     held: dict | None = None  # the latest finish chunk: the extension goes on the last one
@@ -96,17 +106,30 @@ async def stream(call, first, body, chat: bool, model_id: str, request_id: str, 
                         at = offsets.get(d.index, 0)
                         lp = completion_logprobs(ids, lps, text_of, at, tops, num_top)
                         offsets[d.index] = at + sum(len(t) for t in lp["tokens"])
-                out = chunk([choice(d.index, d.text, lp, None)])
                 if held is not None:
                     yield sse(held)
                     held = None
-                yield sse(out)
+                if mode == "none":
+                    yield sse(chunk([choice(d.index, d.text, lp, None)]))
+                    continue
+                p = parsers.setdefault(d.index, ToolCallParser(forced=mode == "forced"))
+                deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp else [])
+                for k, delta in enumerate(deltas):
+                    yield sse(
+                        chunk([_with(choice(d.index, None, lp if k == 0 else None, None), delta)])
+                    )
             elif r.HasField("finish"):
                 f = r.finish
                 reason = finish_reason(f)
                 finishes.append(f)
                 if held is not None:
                     yield sse(held)
+                if mode != "none":
+                    p = parsers.setdefault(f.index, ToolCallParser(forced=mode == "forced"))
+                    for e in p.finish():
+                        yield sse(chunk([_with(choice(f.index, None, None, None), delta_of(e))]))
+                    if p.num_calls and reason == "stop":
+                        reason = "tool_calls"
                 held = chunk([choice(f.index, None if chat else "", None, reason)])
         if include_usage:
             if held is not None:

@@ -22,6 +22,7 @@ from pdserve.router.openai_logprobs import (
     joined,
     prompt_logprobs_field,
 )
+from pdserve.router.tool_parser import ToolCallParser, join_events
 
 
 @dataclass
@@ -95,12 +96,15 @@ def _chat_choice(c: Choice, body, text_of) -> dict:
     if body.logprobs:
         check_logprobs(c.token_ids, c.logprobs, c.tops, body.num_top())
         lp = chat_logprobs(c.token_ids, c.logprobs, text_of, c.tops, body.num_top())
-    return {
-        "index": c.index,
-        "message": {"role": "assistant", "content": "".join(c.text)},
-        "logprobs": lp,
-        "finish_reason": reason,
-    }
+    message: dict = {"role": "assistant", "content": "".join(c.text)}
+    mode = body.tool_mode()
+    if mode != "none":  # tools: the calls parsed out of the text (router/tool_parser.py)
+        parser = ToolCallParser(forced=mode == "forced")
+        content, calls = join_events(parser.feed(message["content"]) + parser.finish())
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        if calls and reason == "stop":
+            reason = "tool_calls"
+    return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason}
 
 
 def whole_response(responses, body, chat: bool, model_id: str, request_id: str, text_of) -> dict:

@@ -11,9 +11,9 @@ include_stop_str_in_output), vLLM's prompt_logprobs (completions) and its chat t
 MAX_LOGPROBS most likely tokens per position; completions' `echo` (with max_tokens 0: the
 prompt alone, its logprobs with `logprobs`, as vLLM; lm-evaluation-harness's log-likelihood
 requests). OpenAI fields that change nothing here are accepted and ignored (`user`, `metadata`,
-`store`, `service_tier`, ...); OpenAI fields whose meaning pdserve does not serve (tools,
-logit_bias, suffix, ...) are accepted only at their neutral value, and
-anything else is refused with a message saying so.
+`store`, `service_tier`, ...); tools and tool_choice are router/openai_tools.py's; OpenAI
+fields whose meaning pdserve does not serve (functions, logit_bias, suffix, ...) are accepted
+only at their neutral value, and anything else is refused with a message saying so.
 
 The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
 ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's
@@ -46,6 +46,15 @@ from pdserve.protos.limits import (
     MAX_STOP_TOKEN_IDS,
 )
 from pdserve.router.openai_structured import StructuredFields
+from pdserve.router.openai_tools import (
+    ToolChoice,
+    ToolMessageFields,
+    Tools,
+    check_tool_choice,
+    check_tools,
+    forced,
+    forced_spec,
+)
 from pdserve.router.text import (
     MAX_CHAT_MESSAGES,
     MAX_TEMPLATE_KWARGS_BYTES,
@@ -248,10 +257,11 @@ class TextPart(_Strict):
     text: StrictStr
 
 
-class ChatMessage(_Strict):
-    # developer: OpenAI's newer name for system
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)]
+class ChatMessage(_Strict, ToolMessageFields):
+    # developer: OpenAI's newer name for system; tool: a call's result (tool_call_id)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only in an assistant message with tool_calls
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)] | None
     name: ShortStr | None = None  # accepted and ignored (most chat templates have no place for it)
     refusal: None = None  # OpenAI clients replay assistant messages with "refusal": null
 
@@ -268,7 +278,19 @@ class ChatMessage(_Strict):
                     )
         return v
 
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers), and only it")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -289,9 +311,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # tools (router/openai_tools.py): rendered by the chat template, calls parsed from the output
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
     # OpenAI fields accepted only at their neutral value
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -307,15 +330,30 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_key: ShortStr | None = None
     safety_identifier: ShortStr | None = None
 
-    _no_tools = _neutral_only(
-        "tools", "functions", message="tool and function calling is not supported; leave it unset"
+    _no_functions = _neutral_only(
+        "functions", message="functions is OpenAI's older form: send tools instead"
     )
-    _no_tool_choice = _neutral_only(
-        "tool_choice",
+    _no_function_call = _neutral_only(
         "function_call",
-        message="tool and function calling is not supported; leave it unset",
+        message="function_call is OpenAI's older form: send tool_choice instead",
         neutral=lambda v: v in (None, "none"),
     )
+    _check_tools = field_validator("tools")(classmethod(lambda cls, v: check_tools(v)))
+    _check_tool_choice = field_validator("tool_choice")(
+        classmethod(lambda cls, v, info: check_tool_choice(v, info.data))
+    )
+
+    def tool_mode(self) -> str:
+        """How the output is read: none (no tools, or tool_choice none), auto or forced."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "forced" if forced(self.tool_choice) else "auto"
+
+    def structured_spec(self) -> tuple[dict, str] | None:
+        if self.tool_mode() == "forced":
+            return forced_spec(self.tools, self.tool_choice)
+        return super().structured_spec()
+
     _unset_only = _neutral_only(
         "audio",
         "prediction",

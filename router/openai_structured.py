@@ -10,7 +10,8 @@ inherits StructuredFields), for chat and completions alike:
 At most one of them per request. Each is checked here (types, sizes: protos/limits.py's bounds)
 and becomes the gRPC SamplingParams.structured (`structured_spec`); whether a schema or regex
 compiles is the workers' check (engine/structured.py), whose INVALID_ARGUMENT `name_field`
-rewrites to the field the client sent. Pure pydantic: no grammar library in the router.
+rewrites to the field the client sent. Pure pydantic: the schemas are compiled by the workers
+(tools' parameter schemas alone are checked in the router, router/openai_tools.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The decode worker streams token ids; the router turns them into text the same way the engine
 does (IncrementalDetokenizer, stop strings cut the text), so a client sees the engine's text.
 A chat is rendered with the model's chat template and vLLM's template fields (ChatMessages'
-add_generation_prompt, continue_final_message and chat_template_kwargs_json: template_options);
+add_generation_prompt, continue_final_message and chat_template_kwargs_json: template_options),
+and its tools, tool calls and tool results as router/chat_tools.py says;
 the HTTP front's /tokenize uses the same encoder, so it counts what Generate would run.
 """
 
@@ -15,6 +16,7 @@ from concurrent import futures
 import grpc
 
 from pdserve.engine.tokenizer import IncrementalDetokenizer, find_stop_string
+from pdserve.router.chat_tools import chat_conversation
 
 
 class BadRequest(Exception):
@@ -140,8 +142,10 @@ class PromptEncoder:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "this model's tokenizer has no chat template: send text or token_ids instead",
             )
+        self._check_size([chat.tools_json] + [m.tool_calls_json for m in messages], "chat tools")
         options = template_options(chat)
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        conversation, extra = chat_conversation(chat, self.tokenizer.chat_template, BadRequest)
+        options.update(extra)
         return self._run(self._render_and_encode, conversation, options, add_special_tokens)
 
     def _render_and_encode(self, conversation, options: dict, add_special_tokens: bool):

@@ -51,9 +51,9 @@ def chat_model(tiny_models, tmp_path_factory) -> str:
 
 
 class Workers:
-    def __init__(self, model_dir):
-        engine = dict(max_model_len=MAX_MODEL_LEN)
-        self.model_dir = model_dir
+    def __init__(self, model_dir, max_model_len: int = MAX_MODEL_LEN):
+        engine = dict(max_model_len=max_model_len)
+        self.model_dir, self.max_model_len = model_dir, max_model_len
         self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
         self.prefill = start_prefill(model_dir, engine=engine)
         self.channels = [
@@ -69,7 +69,7 @@ class Workers:
             model_id=MODEL,
             prefill_addresses=() if colocated else (self.prefill.address,),
             decode_addresses=(self.decode.address,),
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.max_model_len,
             max_inflight=16,
             http_port=0,
         )

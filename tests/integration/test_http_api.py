@@ -104,7 +104,7 @@ BAD = [
     (
         "chat-bad-role",
         CHAT,
-        {**GOOD_CHAT, "messages": [{"role": "tool", "content": "x"}]},
+        {**GOOD_CHAT, "messages": [{"role": "function", "content": "x"}]},
         400,
         "messages[0].role",
     ),
@@ -164,7 +164,7 @@ BAD = [
     ("tokenize-too-long", "/tokenize", {"prompt": "t5 " * 5000}, 400, "prompt"),
     ("detokenize-past-vocab", "/detokenize", {"tokens": [5, 256]}, 400, "tokens"),
     ("detokenize-not-ids", "/detokenize", {"tokens": "t5"}, 400, "tokens"),
-    ("chat-tools", CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat-tools", CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     (  # structured output itself: tests/integration/test_structured_output_served.py
         "chat-response-format-unknown-type",
         CHAT,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\rB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xba\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xd0\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0f\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\rH\x10\x88\x01\x01\x12\x35\n\nstructured\x18\x14 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputH\x11\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x0f\n\r_top_logprobsB\r\n\x0b_structured\"[\n\x10StructuredOutput\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"~\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x12$\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x12.pdserve.v1.FinishH\x00\x42\x07\n\x05\x65vent\"}\n\nTokenDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"\xa9\x02\n\x06\x46inish\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\x08stop_str\x18\x03 \x01(\tH\x00\x12\x14\n\nstop_token\x18\x04 \x01(\rH\x00\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x17.pdserve.v1.TopLogprobsB\r\n\x0bstop_reason\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x04\"\xf8\x02\n\x07Timings\x12\x16\n\x0equeued_unix_ns\x18\x01 \x01(\x04\x12\x18\n\x10reserved_unix_ns\x18\t \x01(\x04\x12 \n\x18prefill_dispatch_unix_ns\x18\n \x01(\x04\x12\x1f\n\x17prefill_arrival_unix_ns\x18\x0b \x01(\x04\x12\x1d\n\x15prefill_start_unix_ns\x18\x02 \x01(\x04\x12\x1e\n\x16transfer_start_unix_ns\x18\x0c \x01(\x04\x12\x1b\n\x13prefill_end_unix_ns\x18\x03 \x01(\x04\x12\x1c\n\x14transfer_end_unix_ns\x18\x04 \x01(\x04\x12\x16\n\x0e\x63ommit_unix_ns\x18\r \x01(\x04\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x05 \x01(\x04\x12\x1a\n\x12last_token_unix_ns\x18\x06 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t2\xdd\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x07 \x01(\rB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"[\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xce\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\t\x12\x12\n\ntools_json\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"\xd0\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0f\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\rH\x10\x88\x01\x01\x12\x35\n\nstructured\x18\x14 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputH\x11\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsB\x0f\n\r_top_logprobsB\r\n\x0b_structured\"[\n\x10StructuredOutput\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"~\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x12$\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x12.pdserve.v1.FinishH\x00\x42\x07\n\x05\x65vent\"}\n\nTokenDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"\xa9\x02\n\x06\x46inish\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x12\n\x08stop_str\x18\x03 \x01(\tH\x00\x12\x14\n\nstop_token\x18\x04 \x01(\rH\x00\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x17.pdserve.v1.TopLogprobsB\r\n\x0bstop_reason\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x04\"\xf8\x02\n\x07Timings\x12\x16\n\x0equeued_unix_ns\x18\x01 \x01(\x04\x12\x18\n\x10reserved_unix_ns\x18\t \x01(\x04\x12 \n\x18prefill_dispatch_unix_ns\x18\n \x01(\x04\x12\x1f\n\x17prefill_arrival_unix_ns\x18\x0b \x01(\x04\x12\x1d\n\x15prefill_start_unix_ns\x18\x02 \x01(\x04\x12\x1e\n\x16transfer_start_unix_ns\x18\x0c \x01(\x04\x12\x1b\n\x13prefill_end_unix_ns\x18\x03 \x01(\x04\x12\x1c\n\x14transfer_end_unix_ns\x18\x04 \x01(\x04\x12\x16\n\x0e\x63ommit_unix_ns\x18\r \x01(\x04\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x05 \x01(\x04\x12\x1a\n\x12last_token_unix_ns\x18\x06 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t2\xdd\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=272
   _globals['_TOKENIDS']._serialized_end=295
   _globals['_CHATMESSAGE']._serialized_start=297
-  _globals['_CHATMESSAGE']._serialized_end=341
-  _globals['_CHATMESSAGES']._serialized_start=344
-  _globals['_CHATMESSAGES']._serialized_end=530
-  _globals['_SAMPLINGPARAMS']._serialized_start=533
-  _globals['_SAMPLINGPARAMS']._serialized_end=1381
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1383
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1474
-  _globals['_TOPLOGPROBS']._serialized_start=1476
-  _globals['_TOPLOGPROBS']._serialized_end=1526
-  _globals['_GENERATERESPONSE']._serialized_start=1528
-  _globals['_GENERATERESPONSE']._serialized_end=1654
-  _globals['_TOKENDELTA']._serialized_start=1656
-  _globals['_TOKENDELTA']._serialized_end=1781
-  _globals['_FINISH']._serialized_start=1784
-  _globals['_FINISH']._serialized_end=2081
-  _globals['_USAGE']._serialized_start=2083
-  _globals['_USAGE']._serialized_end=2197
-  _globals['_TIMINGS']._serialized_start=2200
-  _globals['_TIMINGS']._serialized_end=2576
-  _globals['_ABORTREQUEST']._serialized_start=2578
-  _globals['_ABORTREQUEST']._serialized_end=2612
-  _globals['_ABORTRESPONSE']._serialized_start=2614
-  _globals['_ABORTRESPONSE']._serialized_end=2644
-  _globals['_LISTMODELSREQUEST']._serialized_start=2646
-  _globals['_LISTMODELSREQUEST']._serialized_end=2665
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2667
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2726
-  _globals['_MODELCARD']._serialized_start=2728
-  _globals['_MODELCARD']._serialized_end=2809
-  _globals['_PDSERVE']._serialized_start=2812
-  _globals['_PDSERVE']._serialized_end=3033
+  _globals['_CHATMESSAGE']._serialized_end=388
+  _globals['_CHATMESSAGES']._serialized_start=391
+  _globals['_CHATMESSAGES']._serialized_end=597
+  _globals['_SAMPLINGPARAMS']._serialized_start=600
+  _globals['_SAMPLINGPARAMS']._serialized_end=1448
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1450
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1541
+  _globals['_TOPLOGPROBS']._serialized_start=1543
+  _globals['_TOPLOGPROBS']._serialized_end=1593
+  _globals['_GENERATERESPONSE']._serialized_start=1595
+  _globals['_GENERATERESPONSE']._serialized_end=1721
+  _globals['_TOKENDELTA']._serialized_start=1723
+  _globals['_TOKENDELTA']._serialized_end=1848
+  _globals['_FINISH']._serialized_start=1851
+  _globals['_FINISH']._serialized_end=2148
+  _globals['_USAGE']._serialized_start=2150
+  _globals['_USAGE']._serialized_end=2264
+  _globals['_TIMINGS']._serialized_start=2267
+  _globals['_TIMINGS']._serialized_end=2643
+  _globals['_ABORTREQUEST']._serialized_start=2645
+  _globals['_ABORTREQUEST']._serialized_end=2679
+  _globals['_ABORTRESPONSE']._serialized_start=2681
+  _globals['_ABORTRESPONSE']._serialized_end=2711
+  _globals['_LISTMODELSREQUEST']._serialized_start=2713
+  _globals['_LISTMODELSREQUEST']._serialized_end=2732
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2734
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2793
+  _globals['_MODELCARD']._serialized_start=2795
+  _globals['_MODELCARD']._serialized_end=2876
+  _globals['_PDSERVE']._serialized_start=2879
+  _globals['_PDSERVE']._serialized_end=3100
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,153 @@
+"""Tool calls parsed out of a chat output (router/openai_tools.py says when), as the text comes:
+`feed` a sequence's text deltas, `finish` at its end; each returns events, dicts in the shape of
+a chat delta's pieces: {"content": text} or {"index": k, "id", "name", "arguments": chunk} (id
+and name on a call's first event only). A whole response joins the same events, so a stream and
+a whole response say the same.
+
+    auto    Hermes' <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's); the
+            text outside them is content. Text that may be the start of "<tool_call>" is held
+            until it is clearly not one; a block is given when it closes (or at the end, unclosed).
+            A block whose JSON is not a call stays content, as it was written.
+    forced  the whole output is one {"arguments", "name"} object (the grammar's; its keys come
+            sorted, as the engine canonicalizes a schema): the call is given when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _as_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call's JSON, None when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+class ToolCallParser:
+    def __init__(self, forced: bool):
+        self.forced = forced
+        self.buf = ""
+        self.in_call = False
+        self.num_calls = 0
+        self.pending_space = ""  # trailing whitespace of the content so far: held
+
+    # ---- events
+    def _content(self, text: str) -> list[dict]:
+        """Content, less trailing whitespace, which waits for more content (dropped at the end,
+        so the space around and between calls is not content)."""
+        text = self.pending_space + text
+        body = text.rstrip()
+        self.pending_space = text[len(body) :]
+        return [{"content": body}] if body else []
+
+    def _call(self, name: str, arguments: str) -> list[dict]:
+        self.num_calls += 1
+        return [
+            {"index": self.num_calls - 1, "id": call_id(), "name": name, "arguments": arguments}
+        ]
+
+    # ---- feeding
+    def feed(self, text: str) -> list[dict]:
+        self.buf += text
+        return self._forced_feed() if self.forced else self._auto_feed()
+
+    def finish(self) -> list[dict]:
+        return self._forced_finish() if self.forced else self._auto_finish()
+
+    def _auto_feed(self) -> list[dict]:
+        out: list[dict] = []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(OPEN)
+                if i < 0:
+                    keep = _partial_suffix(self.buf, OPEN)
+                    out += self._content(self.buf[: len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    return out
+                out += self._content(self.buf[:i])
+                self.buf, self.in_call = self.buf[i + len(OPEN) :], True
+            j = self.buf.find(CLOSE)
+            if j < 0:
+                return out
+            out += self._block(self.buf[:j], closed=True)
+            self.buf, self.in_call = self.buf[j + len(CLOSE) :], False
+
+    def _block(self, body: str, closed: bool) -> list[dict]:
+        call = _as_call(body.strip())
+        if call is None:
+            return self._content(OPEN + body + (CLOSE if closed else ""))
+        return self._call(*call)
+
+    def _auto_finish(self) -> list[dict]:
+        rest, self.buf = self.buf, ""
+        if self.in_call:
+            self.in_call = False
+            return self._block(rest, closed=False)
+        return self._content(rest)
+
+    def _forced_feed(self) -> list[dict]:
+        return []  # the grammar's object is read whole at the end
+
+    def _forced_finish(self) -> list[dict]:
+        call = _as_call(self.buf.strip())
+        if call is None:  # cut off (max_tokens): the text as it is
+            return self._content(self.buf)
+        return self._call(*call)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def join_events(events: list[dict]) -> tuple[str | None, list[dict]]:
+    """(content or None, OpenAI's tool_calls) of a sequence's events."""
+    content = "".join(e["content"] for e in events if "content" in e)
+    calls: dict[int, dict] = {}
+    for e in events:
+        if "index" not in e:
+            continue
+        c = calls.setdefault(
+            e["index"],
+            {"id": None, "type": "function", "function": {"name": None, "arguments": ""}},
+        )
+        if "id" in e:
+            c["id"], c["function"]["name"] = e["id"], e["name"]
+        c["function"]["arguments"] += e["arguments"]
+    return (content or None), [calls[i] for i in sorted(calls)]
+
+
+def delta_of(event: dict) -> dict:
+    """A chat chunk's delta for one event."""
+    if "content" in event:
+        return {"content": event["content"]}
+    call: dict = {"index": event["index"]}
+    if "id" in event:
+        call.update(id=event["id"], type="function")
+        call["function"] = {"name": event["name"], "arguments": event["arguments"]}
+    else:
+        call["function"] = {"arguments": event["arguments"]}
+    return {"tool_calls": [call]}

@@ -1,0 +1,301 @@
+"""Tool calls without sockets: the parser of calls in an output (router/tool_parser.py), whole and
+in chunks of every size (a forced call's object read whole); the tools' fields of a chat body (router/openai_tools.py) and their 400s
+naming the field; the forced call's grammar (its arguments validate against the tool's schema,
+local $refs moved along); and the chat's tools rendered (router/chat_tools.py): a template that
+takes tools gets them, one that does not gets Hermes' system message, calls and results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.chat_tools import chat_conversation
+from pdserve.router.http_extra import chat_messages
+from pdserve.router.openai_format import KNOWN_FIELDS, sampling_params, validation_error
+from pdserve.router.openai_schema import ChatCompletionRequest
+from pdserve.router.openai_tools import _compile_error
+from pdserve.router.text import BadRequest
+from pdserve.router.tool_parser import ToolCallParser, delta_of, join_events
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
+    {"type": "function", "function": {"name": "now"}},
+]
+USER = {"role": "user", "content": "hi"}
+
+
+def _parse(text: str, forced: bool, step: int) -> tuple[str | None, list[dict], list[dict]]:
+    p = ToolCallParser(forced)
+    events = []
+    for i in range(0, len(text), step):
+        events += p.feed(text[i : i + step])
+    events += p.finish()
+    content, calls = join_events(events)
+    assert p.num_calls == len(calls)
+    return content, calls, events
+
+
+def _call(name, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+STEPS = [1, 2, 3, 7, 1000]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_auto_parses_several_calls_and_keeps_the_text(step):
+    text = (
+        "Let me check.\n"
+        + _call("get_weather", {"city": "Paris"})
+        + "\n"
+        + _call("now", {})
+        + "\n<tool_call>{not json}</tool_call> done <tool"
+    )
+    content, calls, events = _parse(text, False, step)
+    assert content == "Let me check.\n\n\n<tool_call>{not json}</tool_call> done <tool"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {}]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # each call is one event; its stream delta carries index, id, type and the name
+    deltas = [delta_of(e) for e in events if "index" in e]
+    assert [d["tool_calls"][0]["index"] for d in deltas] == [0, 1]
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_auto_plain_text_and_unclosed_blocks(step):
+    assert _parse("no calls here < > <tool", False, step)[:2] == ("no calls here < > <tool", [])
+    # an unclosed block at the end: a call if its JSON is one, else text
+    _, calls, _ = _parse(_call("now", {})[: -len("</tool_call>")], False, step)
+    assert [c["function"]["name"] for c in calls] == ["now"]
+    assert _parse('<tool_call>{"name": ', False, step)[:2] == ('<tool_call>{"name":', [])
+    # JSON that is not a call (no name, arguments not an object) stays text
+    bad = '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "f", "arguments": 3}</tool_call>'
+    assert _parse(bad, False, step)[:2] == (bad, [])
+    # only whitespace around the calls: no content
+    assert _parse("\n " + _call("now", {}) + "\n", False, step)[0] is None
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_forced_reads_the_object_whole(step):
+    # the grammar's order (keys sorted) and the other one; the call comes at the end, one event
+    for text in (
+        '{"arguments":{"city":"Paris","days":{"a":[1,{}]}},"name":"get_weather"}',
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": {"a": [1, {}]}}}',
+    ):
+        content, calls, events = _parse(text, True, step)
+        assert content is None and len(calls) == len(events) == 1
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert json.loads(calls[0]["function"]["arguments"]) == {
+            "city": "Paris",
+            "days": {"a": [1, {}]},
+        }
+    # cut off by max_tokens: the text as it is
+    assert _parse('{"arguments":{"ci', True, step)[:2] == ('{"arguments":{"ci', [])
+
+
+def _body(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate_json(
+        json.dumps({"messages": [USER], "max_tokens": 8, **fields})
+    )
+
+
+def test_modes_and_the_forced_grammar():
+    assert _body().tool_mode() == "none"
+    assert _body(tools=TOOLS).tool_mode() == "auto"
+    assert _body(tools=TOOLS, tool_choice="none").tool_mode() == "none"
+    assert _body(tools=TOOLS).structured_spec() is None
+    named = _body(
+        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    spec, param = named.structured_spec()
+    assert param == "tools[0].function.parameters"
+    schema = spec["json_schema"]
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "x"}}, schema)
+    for bad in ({"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    # the gRPC request carries it as the structured spec
+    s = sampling_params(named, 8)
+    assert json.loads(s.structured.json_schema) == schema
+    spec, param = _body(tools=TOOLS, tool_choice="required").structured_spec()
+    assert param == "tools" and len(spec["json_schema"]["anyOf"]) == 2
+    jsonschema.validate({"name": "now", "arguments": {}}, spec["json_schema"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "now", "arguments": {"x": 1}}, spec["json_schema"])
+
+
+def test_local_refs_move_with_the_arguments():
+    params = {
+        "type": "object",
+        "$defs": {"c": {"enum": ["a", "b"]}},
+        "properties": {"x": {"$ref": "#/$defs/c"}},
+        "required": ["x"],
+    }
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in "fg"]
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        schema = _body(tools=tools, tool_choice=choice).structured_spec()[0]["json_schema"]
+        assert _compile_error(json.dumps(schema)) == ""
+        jsonschema.validate({"name": "g", "arguments": {"x": "a"}}, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "g", "arguments": {"x": "z"}}, schema)
+
+
+NAMED = {"type": "function", "function": {"name": "nope"}}
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+            "64",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
+                ]
+            },
+            "tools[0].function.parameters",
+            "compile",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{"}}]},
+            "tools[0].function.parameters",
+            "an object",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "x": 1}}]},
+            "tools[0].function.x",
+            "unknown",
+        ),
+        ({"tools": []}, "tools", "at least 1"),
+        ({"tools": TOOLS * 65}, "tools", "130"),
+        ({"tools": TOOLS + TOOLS}, "tools", "unique"),
+        ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", "required"),
+        ({"tools": TOOLS, "tool_choice": NAMED}, "tool_choice", "nope"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "response_format",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions", "tools"),
+        ({"messages": [USER, {"role": "tool", "content": "r"}]}, "messages[1]", "tool_call_id"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+            "messages[0]",
+            "tool_call_id",
+        ),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "null"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            "messages[0]",
+            "assistant",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": {}},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+            "string",
+        ),
+    ],
+)
+def test_bad_values_name_the_field(fields, param, words):
+    with pytest.raises(ValidationError) as e:
+        _body(**fields)
+    err = validation_error(e.value, KNOWN_FIELDS)
+    assert err.status == 400 and err.param == param, err.message
+    assert words in err.message, err.message
+
+
+def _chat(body: ChatCompletionRequest) -> pdserve_pb2.ChatMessages:
+    return chat_messages(body)
+
+
+ROUND_TRIP = [
+    {"role": "system", "content": "Be brief."},
+    USER,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+]
+
+
+def test_a_template_without_tools_gets_hermes_text():
+    chat = _chat(_body(tools=TOOLS, messages=ROUND_TRIP))
+    conv, extra = chat_conversation(chat, "{{ messages }}", BadRequest)
+    assert extra == {}
+    assert [m["role"] for m in conv] == ["system", "user", "assistant", "user"]
+    system = conv[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and "<tools>\n" in system
+    assert json.dumps(json.loads(chat.tools_json)[0]) in system and "<tool_call>" in system
+    assert conv[2]["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
+    assert conv[3]["content"] == (
+        "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"
+    )
+    # no system message: one of its own
+    conv, _ = chat_conversation(_chat(_body(tools=TOOLS)), "{{ messages }}", BadRequest)
+    assert conv[0]["role"] == "system" and conv[0]["content"].startswith("# Tools")
+
+
+def test_a_template_with_tools_gets_them_its_way():
+    chat = _chat(_body(tools=TOOLS, messages=ROUND_TRIP))
+    conv, extra = chat_conversation(chat, "{{ tools }} {{ m.tool_calls }}", BadRequest)
+    assert extra["tools"] == json.loads(chat.tools_json)
+    assert conv[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # a dict
+    assert conv[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    # no tools anywhere: the conversation as it was
+    conv, extra = chat_conversation(_chat(_body()), "{{ tools }}", BadRequest)
+    assert (conv, extra) == ([USER], {})
+
+
+def test_grpc_tools_json_is_checked():
+    chat = pdserve_pb2.ChatMessages(tools_json="[1]")
+    chat.messages.add(role="user", content="hi")
+    with pytest.raises(BadRequest, match="chat.tools_json must be a JSON list of objects"):
+        chat_conversation(chat, "", BadRequest)
+    chat = pdserve_pb2.ChatMessages()
+    chat.messages.add(role="assistant", content="", tool_calls_json="{")
+    with pytest.raises(BadRequest, match=r"chat.messages\[0\].tool_calls_json is not JSON"):
+        chat_conversation(chat, "", BadRequest)
