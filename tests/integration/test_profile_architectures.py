@@ -1,7 +1,8 @@
-"""`pdserve profile` and `pdserve tune` on models of the families beyond Llama (a sliding-window
-model, a soft-capped one with mixed windows, two mixtures of experts; tests/arch_helpers.py): the
-quick profile measures each, and the tuner places a workload from that profile. Nothing in either
-command may assume the Llama family."""
+"""`pdserve profile` and `pdserve tune` on models of the families beyond Llama
+(tests/arch_helpers.py): the commands end to end on a mixture of experts (the quick profile, then
+the tuner places a workload from it), and the profile's engine half (tuning/profile_engine.py) on a
+sliding-window model and a soft-capped one with mixed windows, in this process on a smaller grid.
+Nothing in either may assume the Llama family."""
 
 from __future__ import annotations
 
@@ -13,10 +14,29 @@ import pytest
 
 from arch_helpers import build_arch_model
 
-KINDS = ["mistral-sw", "gemma2", "qwen2-moe"]
+SMALL_GRID = {
+    "prefill": [[32], [100], [16] * 4],
+    "prefill_reps": 1,
+    "batches": (1, 4),
+    "contexts": (32, 64),
+    "decode_steps": 2,
+}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["mistral-sw", "gemma2"])
+def test_profile_engine_half(tmp_path, kind):
+    from types import SimpleNamespace
+
+    from pdserve.tuning.profile_engine import profile_tp
+
+    build_arch_model(tmp_path, kind)
+    args = SimpleNamespace(threads_per_rank=1, dtype="float32", kv_cache_memory=1 << 22)
+    entry, info = profile_tp(str(tmp_path), 1, SMALL_GRID, args)
+    assert info["num_layers"] >= 2 and info["kv_bytes_per_token"] > 0
+    assert entry  # the fitted step models of this TP degree
+
+
+@pytest.mark.parametrize("kind", ["qwen2-moe"])
 def test_profile_then_tune(tmp_path, kind):
     model = tmp_path / "model"
     # the quick grid's longest prompt is 1024 tokens
