@@ -53,9 +53,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def byte_level_model(tiny_dir: str, dest) -> str:
+def byte_level_model(tiny_dir: str, dest, chat_template: str | None = None) -> str:
     """`tiny_dir`'s model with a 256-token byte-level tokenizer: ids 0 and 1 the bos and eos
-    tokens, 2..255 the bytes 2..255 (one token per byte, no merges). Returns the new model dir."""
+    tokens, 2..255 the bytes 2..255 (one token per byte, no merges), and `chat_template` in its
+    tokenizer config where given. Returns the new model dir."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,6 +73,13 @@ def byte_level_model(tiny_dir: str, dest) -> str:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
     ).save_pretrained(dest)
+    if chat_template is not None:
+        path = f"{dest}/tokenizer_config.json"
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["chat_template"] = chat_template
+        with open(path, "w") as f:
+            json.dump(cfg, f)
     return dest
 
 

@@ -29,13 +29,7 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def workers(tiny_models, tmp_path_factory, one_thread):
     src, _ = tiny_models("llama-gqa")
-    model_dir = byte_level_model(src, tmp_path_factory.mktemp("byte-chat"))
-    path = f"{model_dir}/tokenizer_config.json"
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["chat_template"] = TEMPLATE
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    model_dir = byte_level_model(src, tmp_path_factory.mktemp("byte-chat"), TEMPLATE)
     w = Workers(model_dir)
     yield w
     w.stop()

@@ -59,13 +59,7 @@ ANSWER = "It is sunny."
 @pytest.fixture(scope="module")
 def router(tiny_models, tmp_path_factory, one_thread):
     src, _ = tiny_models("llama-gqa")
-    model_dir = byte_level_model(src, tmp_path_factory.mktemp("byte-tools"))
-    path = f"{model_dir}/tokenizer_config.json"
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["chat_template"] = TEMPLATE
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    model_dir = byte_level_model(src, tmp_path_factory.mktemp("byte-tools"), TEMPLATE)
     w = Workers(model_dir, max_model_len=512)
     r = w.router()
     yield r
