@@ -38,6 +38,7 @@ from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
     grammar_stats as _grammar_stats,
+    spec_stats as _spec_stats,
 )
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.role import RoleGate
@@ -331,6 +332,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prefix_cache_hits=h.prefix_cache_hits + self._colocated_hits,
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
             **_grammar_stats(self.loop.engine),
+            **_spec_stats(self.loop.engine),
             kv_transfers=h.num_committed,
             kv_transfer_failures=h.num_failed,
             kv_transfer_bytes=h.bytes_received,

@@ -49,6 +49,7 @@ from pdserve.deploy.config_files import (  # noqa: F401 (re-exported: deploy.con
     _Frozen,
     parse_api_keys,
 )
+from pdserve.deploy.config_planning import LocalPrefillSettings, PlannerSettings
 from pdserve.deploy.config_ray import custom_resource_problem, label_selector_problem
 from pdserve.deploy.files import read_text
 from pdserve.protos.security import check_api_key
@@ -110,6 +111,21 @@ class Pool(_Frozen):
     # Ray node labels every replica's node must match (Ray's label selectors: `{zone: us-a}`,
     # `{gpu: "!a10"}`, `{zone: "in(a,b)"}`); nodes get labels from `ray start --labels k=v`
     label_selector: dict[str, str] | None = None
+    # speculative decoding, vLLM's mapping (engine/spec_config.py): {method: ngram,
+    # num_speculative_tokens: 4}; decode and colocated pools only. Unset: off
+    speculative_config: dict | None = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, v):
+        # The engine's own check, before any model loads; the key in front names the mapping.
+        from pdserve.engine.spec_config import SpeculativeConfig
+
+        try:
+            return None if v is None else SpeculativeConfig.parse(v).to_dict()
+        except ValueError as e:
+            msg = str(e).removeprefix("speculative_config.").removeprefix("speculative_config ")
+            raise ValueError(msg) from None
 
     @field_validator("label_selector")
     @classmethod
@@ -147,6 +163,16 @@ class Pools(_Frozen):
     # continuous batching) behind the same router, instead of the prefill and decode pools
     colocated: Pool | None = None
 
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_never_speculates(cls, v):
+        if v.speculative_config is not None:
+            raise ValueError(
+                "speculative_config: prefill workers never decode, so they never speculate; "
+                "set it on pools.decode (or pools.colocated)"
+            )
+        return v
+
     @model_validator(mode="after")
     def _one_shape(self):
         if self.colocated is not None and self.model_fields_set & {"prefill", "decode"}:
@@ -155,16 +181,6 @@ class Pools(_Frozen):
                 "prefill and decode themselves)"
             )
         return self
-
-
-class LocalPrefillSettings(_Frozen):
-    """router.local_prefill (router/local_prefill.py): prompts of at most max_prompt_tokens run on
-    their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
-    + hop_tokens. 0: never (the default)."""
-
-    max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
-    cost: Annotated[float, Field(gt=0)] = 2.0
-    hop_tokens: Annotated[int, Field(ge=0)] = 64
 
 
 class RouterSettings(_Frozen):
@@ -288,25 +304,6 @@ class RaySettings(_Frozen):
         return self
 
 
-class PlannerSettings(_Frozen):
-    """`planner:` (router/planner.py): moves the prefill:decode split while traffic shifts, by
-    role flips and local prefill, to keep the SLO (p90 TTFT and TPOT). Off unless enabled."""
-
-    enabled: bool = False
-    ttft_s: Annotated[float, Field(gt=0)] = 1.0
-    tpot_s: Annotated[float, Field(gt=0)] = 0.1
-    interval_s: Annotated[float, Field(gt=0)] = 5.0
-    window_s: Annotated[float, Field(gt=0)] = 15.0
-    margin: Annotated[float, Field(ge=0, lt=1)] = 0.2
-    sustain: Annotated[int, Field(ge=1)] = 2
-    cooldown_s: Annotated[float, Field(ge=0)] = 30.0
-    max_flips_per_min: Annotated[int, Field(ge=0)] = 8
-    kv_high: Annotated[float, Field(gt=0, le=1)] = 0.9
-    local_step: Annotated[int, Field(ge=0)] = 64
-    local_cap: Annotated[int, Field(ge=0)] = 1024  # 0: the planner never prefills locally
-    prefill_use: Annotated[float, Field(gt=0, le=1)] = 0.95  # sizes a batch of flips
-
-
 class DeployConfig(_Frozen):
     # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
     model: Annotated[str, Field(min_length=1)] = "smollm2"
@@ -316,7 +313,9 @@ class DeployConfig(_Frozen):
     # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
     # means quantization "auto"
     quantization: Literal[QUANTIZATIONS] = None
-    kv_cache_dtype: Literal[DTYPES] = "auto"  # "auto": the activations' dtype (engine/config.py)
+    # "auto": the activations' dtype, or bfloat16 where dtype "auto" on a CPU passes the probe
+    # with it (engine/kv_dtype.py)
+    kv_cache_dtype: Literal[DTYPES] = "auto"
     pools: Pools = Pools()
     router: RouterSettings = RouterSettings()
     kvtransfer: KVTransferSettings = KVTransferSettings()
@@ -369,6 +368,8 @@ class DeployConfig(_Frozen):
             kwargs["kv_cache_memory"] = pool.kv_cache_memory
         if pool.max_model_len is not None:
             kwargs["max_model_len"] = pool.max_model_len
+        if pool.speculative_config is not None:
+            kwargs["speculative_config"] = dict(pool.speculative_config)
         return kwargs
 
 

@@ -82,7 +82,9 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
         if kv is None or not max_len:
             continue
         # the KV cache's dtype: the activations' unless set; "auto" activations are bfloat16 on
-        # a GPU, float32 on a CPU (engine/config.py)
+        # a GPU, float32 on a CPU (engine/config.py). Under dtype "auto" a CPU worker may choose
+        # a bfloat16 cache at start (engine/kv_dtype.py), which holds twice the blocks: float32,
+        # the fewer blocks, is what is checked
         kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         fp32 = kv_dtype in ("float32", "fp32") or (kv_dtype == "auto" and not gpu)
         itemsize = 4 if fp32 else 2

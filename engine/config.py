@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from pdserve.engine.spec_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -122,8 +123,10 @@ class EngineConfig:
     # int4 in groups of 32, bf16 activations) or "auto": the fastest that passes a quality probe
     # (engine/quality.py). dtype="auto" on CPU means float32 activations with quantization="auto".
     quantization: str | None = None
-    # the KV cache's dtype: "auto" follows the activations (dtype); "bfloat16" halves the cache
-    # (and the bytes decode attention reads) under float32 activations (vLLM's kv_cache_dtype)
+    # the KV cache's dtype: "auto" follows the activations (dtype), except under quantization
+    # "auto" on a CPU (dtype="auto" there), where the same probe may choose bfloat16
+    # (engine/kv_dtype.py); "bfloat16" halves the cache (and the bytes decode attention reads)
+    # under float32 activations (vLLM's kv_cache_dtype)
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -144,6 +147,9 @@ class EngineConfig:
     # "auto": read the checkpoint's weights; "dummy": small random weights of the checkpoint's
     # shape (config.json alone is enough), for timing a model without its weights
     load_format: str = "auto"
+    # speculative decoding (engine/spec_config.py): vLLM's mapping, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4}; held as a SpeculativeConfig once checked. None: off
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         def check(ok: bool, name: str, rule: str):
@@ -169,6 +175,9 @@ class EngineConfig:
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs", "True or False")
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+        )
         check(
             _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size",
@@ -216,6 +225,8 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
+        """Under "auto", the activations' dtype until an engine starts: a started engine's config
+        names its cache's dtype (engine/kv_dtype.py may choose bfloat16)."""
         return _DTYPES[self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype]
 
     def resolve(self, model_config: ModelConfig) -> EngineConfig:

@@ -28,9 +28,9 @@ from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
+from pdserve.engine.outputs import emit_tokens, request_output
 from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
 from pdserve.engine.request import (
-    CompletionOutput,
     FinishReason,
     KVSink,
     RequestOutput,
@@ -41,14 +41,11 @@ from pdserve.engine.request import (
 from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
+from pdserve.engine.spec_decode import Speculator
+from pdserve.engine.spec_draft import plan_draft
 from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
 from pdserve.engine.structured import GrammarCache
-from pdserve.engine.tokenizer import (
-    IncrementalDetokenizer,
-    find_stop_string,
-    load_tokenizer,
-    prompt_token_ids,
-)
+from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, prompt_token_ids
 from pdserve.kvpool import map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
@@ -79,6 +76,10 @@ class LLMEngine:
         self.model_id = model_dir.name
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
         self.config = config.resolve(self.model_config)
+        # a draft model (speculative decoding) takes its share of the KV budget before any load
+        self.config, self.draft_dir, self.draft_model_config = plan_draft(
+            self.config, self.model_config, str(model_dir)
+        )
         if self.config.device == "cpu":
             log_cpu_once()
         self.tokenizer = load_tokenizer(model_dir)
@@ -89,8 +90,9 @@ class LLMEngine:
         self.tp_state = TPState()  # what this engine's steps run under (see engine.parallel)
         with tp_scope(self.tp_state):  # whatever TPGroup.start sets stays inside this block
             self._start_ranks(model_dir)
-        # the serving mode as chosen (quantization="auto" resolved) and why
-        self.config = dataclasses.replace(self.config, quantization=self.runner.quantization)
+        # the serving mode as chosen (quantization and kv_cache_dtype "auto" resolved) and why
+        q, kv = self.runner.quantization, str(self.runner.kv_dtype).removeprefix("torch.")
+        self.config = dataclasses.replace(self.config, quantization=q, kv_cache_dtype=kv)
         self.mode_note = self.runner.mode_note
         log.info("%s", self.mode_note)
 
@@ -98,6 +100,9 @@ class LLMEngine:
             self.config, self.model_config, self.runner.num_blocks, self.runner.null_block
         )
         self.block_manager = self.scheduler.bm
+        self.spec = Speculator(self) if self.config.speculative_config is not None else None
+        if self.spec is not None:
+            log.info("%s", self.spec.mode_note)
         self._requests: dict[str, _Request] = {}
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
@@ -366,17 +371,22 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         done, self._undelivered = self._undelivered, []
+        if self.spec is not None:
+            self.spec.before_schedule(self.scheduler.running)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return done + self._collect([])
+        if self.spec is not None:
+            self.spec.after_schedule(plan, self.scheduler)
         inp = ModelInput(
             [
                 SeqInput(
-                    s.seq.token_ids[s.start : s.end],
+                    s.token_ids,
                     s.start,
                     list(s.seq.block_ids),
                     s.samples,
                     *self._prompt_targets(s),
+                    num_logits=s.num_spec + 1,
                 )
                 for s in plan.scheduled
             ],
@@ -399,6 +409,8 @@ class LLMEngine:
             if req is not None and req.kv_sink is not None:
                 req.published = item.end
         touched = self.scheduler.update(plan, StepResult(token_ids, logprobs))
+        if self.spec is not None:
+            self.spec.after_update(plan)
         return done + self._collect(touched)
 
     @staticmethod
@@ -428,31 +440,22 @@ class LLMEngine:
 
         return on_layer_done
 
-    def _emit_text(self, req: _Request, index: int) -> None:
-        seq, detok = req.seqs[index], req.detoks[index]
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        delta = detok.add(seq.token_ids[-1])
-        stops = req.params.stop
-        if not delta or not stops:
-            return
-        hit = find_stop_string(detok.text, len(delta), stops)
-        if hit is not None:
-            i, stop = hit
-            detok.text = (
-                detok.text[: i + len(stop)]
-                if req.params.include_stop_str_in_output
-                else detok.text[:i]
-            )
-            self.scheduler.finish(seq, FinishReason.STOP, stop)
+    def _emit_text(self, req: _Request, index: int, count: int = 1) -> None:
+        emit_tokens(self.scheduler, req.seqs[index], req.detoks[index], req.params, count)
 
     def _collect(self, touched: list[Sequence]) -> list[RequestOutput]:
+        """Text for the tokens each touched sequence received (it appears once per token), and one
+        RequestOutput per request touched; finished requests are forgotten."""
+        counts: dict[int, int] = {}
+        for seq in touched:
+            counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
         seen: dict[str, _Request] = {}
         for seq in touched:
+            count = counts.pop(seq.seq_id, 0)
             req = self._requests.get(seq.request_id)
-            if req is None:
+            if req is None or not count:
                 continue
-            self._emit_text(req, seq.index)
+            self._emit_text(req, seq.index, count)
             seen[req.request_id] = req
         outputs = []
         for req in seen.values():
@@ -462,30 +465,19 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: _Request) -> RequestOutput:
-        first = req.seqs[0]
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=d.text,
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason.value if s.finish_reason else None,
-                stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if req.params.logprobs else None,
+        return request_output(req)
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding's counters (engine/spec_decode.py); zeros when it is off."""
+        if self.spec is None:
+            return dict(
+                spec_drafts=0,
+                spec_draft_tokens=0,
+                spec_accepted_tokens=0,
+                spec_accepted_per_pos=[],
+                spec_draft_prefill_tokens=0,
             )
-            for s, d in zip(req.seqs, req.detoks)
-        ]
-        if first.first_token_time is not None:
-            req.metrics.setdefault("first_token", first.first_token_time)
-        return RequestOutput(
-            req.request_id,
-            req.prompt,
-            first.prompt_token_ids,
-            completions,
-            req.finished,
-            first.num_cached_tokens,
-            dict(req.metrics),
-            list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-        )
+        return self.spec.stats()
 
     def shutdown(self) -> None:
         try:

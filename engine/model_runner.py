@@ -11,6 +11,7 @@ from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
+from pdserve.engine.kv_dtype import auto_kv_dtype_applies, choose_kv_dtype
 from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
@@ -33,6 +34,9 @@ class SeqInput:
     # prompt logprobs wanted: the prompt token that follows each of the first len() computed tokens
     prompt_targets: list[int] = field(default_factory=list)
     prompt_topk: int = 0  # and this many most likely tokens at each of those positions
+    # positions sampled at, the last ones (speculative decoding checks a guess at each); a
+    # sequence that samples at every token it computes after a context runs them as decode rows
+    num_logits: int = 1
 
 
 @dataclass
@@ -151,6 +155,7 @@ class ModelRunner:
 
         note = ""
         chosen: str | None = None
+        judged: float | None = None  # float32's probe perplexity where it can judge a mode
         if not ids:
             note = (
                 f"float32: no probe text (the probe needs 64 tokens of English; max_model_len "
@@ -166,6 +171,7 @@ class ModelRunner:
                     f"{base if base is not None else float('nan'):.1f}), so no mode's quality "
                     "can be judged"
                 )
+            judged = None if note else base
             for mode in auto_candidates() if not note else ():
                 self.model.prepare_linears(mode, release_dense=False)
                 ppl = self._probe_perplexity(ids)
@@ -183,7 +189,10 @@ class ModelRunner:
                 "float32: no quantization mode passed" if chosen is None else ""
             )
         self.model.prepare_linears(chosen)  # the final mode, and the dense weights released
-        return chosen, f"quantization=auto chose {chosen or 'none'} ({self.config.dtype}): {note}"
+        note = f"quantization=auto chose {chosen or 'none'} ({self.config.dtype}): {note}"
+        if auto_kv_dtype_applies(self.config):  # the KV cache's dtype by the same probe
+            note += "; " + choose_kv_dtype(self, ids, judged, chosen)
+        return chosen, note
 
     @staticmethod
     def _agree(flag_on_rank0: bool) -> bool:
@@ -207,6 +216,16 @@ class ModelRunner:
         )
         _, _, rows = self.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
         return perplexity(rows[0], ids) if tp_rank() == 0 else None
+
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Reallocates the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request
+        holds a block): the old cache is released first, so the memory is never held twice, and
+        the blocks follow kv_cache_memory in bytes."""
+        self.kv_cache = None
+        self.kv_dtype = dtype
+        self.kv_cache = self._allocate_kv_cache()
+        if self.null_block is not None:
+            self.null_block = self.kv_cache.shape[2] - 1
 
     @property
     def num_blocks(self) -> int:
@@ -334,8 +353,9 @@ class ModelRunner:
 
     def _prepare(self, inp: ModelInput):
         bs = self.block_size
-        # decodes (one new token) first, so attention can batch them with a single gather
-        order = sorted(range(len(inp.seqs)), key=lambda i: len(inp.seqs[i].token_ids) != 1)
+        # decodes (one new token, or guesses checked after a context: one decode row per token)
+        # first, so attention can batch them with a single gather
+        order = sorted(range(len(inp.seqs)), key=lambda i: not _decodes(inp.seqs[i]))
         ids, pos, slots, last_idx = [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         q_starts = {}
@@ -349,9 +369,10 @@ class ModelRunner:
             slots += [s.block_ids[p // bs] * bs + p % bs for p in positions]
             context_len = s.start + n
             num_blocks = -(-context_len // bs)
-            if n == 1:
-                decode_tables.append(s.block_ids[:num_blocks])
-                decode_lens.append(context_len)
+            if _decodes(s):  # row j sees the context and the tokens up to its own
+                for j in range(n):
+                    decode_tables.append(s.block_ids[: -(-(s.start + j + 1) // bs)])
+                    decode_lens.append(s.start + j + 1)
             else:
                 mask = None
                 if s.start > 0:
@@ -363,7 +384,7 @@ class ModelRunner:
                     )
                 )
             if s.samples:
-                last_idx.append((i, q_start + n - 1))
+                last_idx += [(i, q_start + n - s.num_logits + j) for j in range(s.num_logits)]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
@@ -400,6 +421,13 @@ class ModelRunner:
             sample_rows,
             q_starts,
         )
+
+
+def _decodes(s: SeqInput) -> bool:
+    """Whether a sequence's tokens run as decode rows: one token, or, when it samples at every
+    token it computes after a context (checking guesses), one row per token."""
+    n = len(s.token_ids)
+    return n == 1 or (s.samples and s.num_logits == n and s.start > 0)
 
 
 @torch.no_grad()

@@ -113,6 +113,9 @@ class SamplingParams:
     # structured output (engine/structured.py): the output follows a JSON schema, is a JSON
     # object, matches a regex or is one of some strings; a dict of one of those is taken too
     structured: StructuredSpec | None = None
+    # False: this request is never speculated on, whatever the engine's speculative_config
+    # (engine/spec_config.py); its tokens are the same either way, only its speed differs
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Frozen: normalized values (float(0) -> 0.0, list -> tuple) must go
@@ -180,7 +183,13 @@ class SamplingParams:
         put("stop", _str_tuple("stop", self.stop))
         put("stop_token_ids", _id_tuple("stop_token_ids", self.stop_token_ids))
 
-        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "logprobs",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "speculative",
+        ):
             _bool(name, getattr(self, name))
         if self.structured is not None:
             put("structured", spec_from_wire(self.structured))

@@ -39,7 +39,12 @@ if TYPE_CHECKING:
 class ScheduledSeq:
     seq: Sequence
     start: int
-    num_new_tokens: int
+    num_new_tokens: int  # guesses included
+    # speculative decoding: the step also computes this many guessed tokens after the sequence's
+    # last one (spec_token_ids, filled in before the step runs), and samples at each of them
+    num_spec: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    accepted: int = 0  # guesses the step's samples agreed with (set by update)
 
     @property
     def end(self) -> int:
@@ -47,7 +52,19 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        return self.end == self.seq.num_tokens
+        return self.end - self.num_spec == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: the sequence's, then the guesses."""
+        own = self.seq.token_ids[self.start : self.end - self.num_spec]
+        return own + self.spec_token_ids if self.num_spec else own
+
+    def drop_guesses(self, keep: int) -> None:
+        """Checks only the first `keep` guesses (fewer were made, or none is wanted)."""
+        self.num_new_tokens -= self.num_spec - keep
+        self.num_spec = keep
+        del self.spec_token_ids[keep:]
 
 
 @dataclass
@@ -71,6 +88,15 @@ class StepPlan:
 class StepResult:
     token_ids: list[int]
     logprobs: list[float] | None
+
+
+def accepted_prefix(samples: list[int], guesses: list[int]) -> int:
+    """How many leading guesses a checking sequence keeps: those equal to the target's sample at
+    their position, up to the first that is not (engine/spec_decode.py: why this is lossless)."""
+    a = 0
+    while a < len(guesses) and samples[a] == guesses[a]:
+        a += 1
+    return a
 
 
 class Scheduler:
@@ -219,7 +245,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
+            # a decode may also check guesses (speculative decoding), if blocks and budget allow
+            spec = min(seq.spec_budget, budget - n) if n == 1 else 0
+            need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
+            if spec and need > self.bm.num_free_blocks:
+                spec = 0  # guesses never preempt anyone
+                need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
             while need > self.bm.num_free_blocks and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
                 preempted = True
@@ -229,8 +260,8 @@ class Scheduler:
                 break
             if need > 0:
                 seq.block_ids += self.bm.allocate(need)
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec))
+            budget -= n + spec
             i += 1
         while (
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
@@ -257,8 +288,35 @@ class Scheduler:
             budget -= n
         plan = StepPlan(scheduled, block_copies=self._pending_copies)
         self._pending_copies = []
-        for idx, item in enumerate(s for s in scheduled if s.samples):
+        self.build_rows(plan)
+        return plan
+
+    def build_rows(self, plan: StepPlan) -> None:
+        """The plan's sampling rows: one per sampling sequence (and per n>1 child taking its first
+        token), or, for a sequence checking guesses, one per position it samples at, each seeing
+        the guesses before it as output so far (penalties and min_tokens then apply as they would
+        without speculation). Rows of one sequence are consecutive, so a seeded generator draws
+        its positions' noise in order."""
+        plan.rows, plan.row_seqs, plan.row_logits = [], [], []
+        logits_row = 0
+        for item in plan.scheduled:
+            if not item.samples:
+                continue
             seq = item.seq
+            if item.num_spec:
+                out, p = seq.output_token_ids, seq.params
+                history = p.has_penalties or p.min_tokens > 0
+                for j in range(item.num_spec + 1):
+                    seen = out + item.spec_token_ids[:j] if history and j else out
+                    plan.rows.append(
+                        SamplingRow(
+                            p, seq.prompt_token_ids, seen, seq.generator, self.eos_token_ids
+                        )
+                    )
+                    plan.row_seqs.append(seq)
+                    plan.row_logits.append(logits_row)
+                    logits_row += 1
+                continue
             family = [seq]
             if seq.num_output_tokens == 0:
                 family += self.fork_children.get(seq.seq_id, [])
@@ -274,8 +332,8 @@ class Scheduler:
                     )
                 )
                 plan.row_seqs.append(member)
-                plan.row_logits.append(idx)
-        return plan
+                plan.row_logits.append(logits_row)
+            logits_row += 1
 
     def _admit_blocks(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int):
         """Blocks for the first `num_tokens` tokens: the prefix-cache hits `cached` and new ones.
@@ -296,19 +354,39 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_ids)
         seq.block_ids = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     # ---- applying a step's results --------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish what stops; returns touched seqs."""
+        """Advance computed counts, append sampled tokens, finish what stops; returns each touched
+        sequence once per token it received, in order.
+
+        A sequence that checked guesses keeps the longest prefix of them its samples agree with
+        and the sample after it (at least one token, as without speculation); the KV computed for
+        the guesses after that is dropped: the computed count covers the kept tokens only, and
+        blocks that hold nothing else go back to the pool."""
+        first_row: dict[int, int] = {}
+        for row, seq in enumerate(plan.row_seqs):
+            first_row.setdefault(seq.seq_id, row)
+        # seq_id -> (token, row of its logprob) to append, in order: the kept guesses, then the
+        # sample at the first position not kept
+        emitted: dict[int, list[tuple[int, int]]] = {}
         for item in plan.scheduled:
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = item.end
+            end = item.end
+            if item.num_spec:
+                row = first_row[seq.seq_id]
+                samples = result.token_ids[row : row + item.num_spec + 1]
+                a = item.accepted = accepted_prefix(samples, item.spec_token_ids)
+                tokens = item.spec_token_ids[:a] + [samples[a]]
+                emitted[seq.seq_id] = list(zip(tokens, range(row, row + a + 1)))
+                end = item.end - item.num_spec + a
+            seq.num_computed_tokens = end
             seq.num_hashed_blocks = self.bm.register_full_blocks(
                 seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
             )
@@ -322,7 +400,21 @@ class Scheduler:
                 receives[row] = self._fork(parents[seq.request_id], seq)
         touched = []
         for row, seq in enumerate(plan.row_seqs):
-            if receives[row]:
+            kept = emitted.get(seq.seq_id)
+            if kept is not None:  # a sequence that checked guesses: all its tokens at its first row
+                if row != kept[0][1]:
+                    continue
+                for token, r in kept:
+                    if seq.status != SeqStatus.RUNNING:
+                        break  # a stop: what follows it is not output
+                    logprob = result.logprobs[r] if result.logprobs is not None else None
+                    self._append_token(seq, token, logprob)
+                    touched.append(seq)
+                keep = self.bm.blocks_needed(seq.num_tokens)
+                if seq.status == SeqStatus.RUNNING and len(seq.block_ids) > keep:
+                    self.bm.free(seq.block_ids[keep:])  # they held only rejected guesses
+                    del seq.block_ids[keep:]
+            elif receives[row]:
                 logprob = result.logprobs[row] if result.logprobs is not None else None
                 self._append_token(seq, result.token_ids[row], logprob)
                 touched.append(seq)

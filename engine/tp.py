@@ -69,7 +69,15 @@ def _encode(inp: ModelInput | None) -> bytes:
     return msgpack.packb(
         [
             [
-                [s.token_ids, s.start, s.block_ids, s.samples, s.prompt_targets, s.prompt_topk]
+                [
+                    s.token_ids,
+                    s.start,
+                    s.block_ids,
+                    s.samples,
+                    s.prompt_targets,
+                    s.prompt_topk,
+                    s.num_logits,
+                ]
                 for s in inp.seqs
             ],
             inp.block_copies,

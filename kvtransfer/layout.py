@@ -46,7 +46,8 @@ class KVLayout:
                 f"KV layout of the {what} ({other_fingerprint}) differs from this one "
                 f"({self.fingerprint}: model={self.model}, dtype={self.dtype}, layers={self.num_layers}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}): both sides must serve the "
-                f"same model in the same dtype"
+                f"same model in the same dtype (dtype='auto' chooses the KV cache's dtype on each "
+                f"machine's CPU: set kv_cache_dtype explicitly, the same for both pools)"
             )
 
 

@@ -30,7 +30,7 @@ import time
 
 from pdserve import client
 from pdserve.deploy.config import DTYPES, ConfigError, DeployConfig
-from pdserve.up_flags import Overrides, add_up_flags, up_config
+from pdserve.up_flags import Overrides, add_up_flags, json_flag, up_config
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,15 +95,52 @@ def _client_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=int, default=None, help="--local only: bytes of KV cache"
     )
     _mode_args(p, "--local only: ")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="--local only: speculative decoding, vLLM's JSON "
+        '(\'{"method": "ngram", "num_speculative_tokens": 4}\', or \'{"model": "self", '
+        '"quantization": "int4", "num_speculative_tokens": 4}\'); a deployment sets it in its '
+        "YAML (pools.decode.speculative_config) or with `pdserve up --speculative-config`",
+    )
     client.add_api_key_arg(p)
     client.add_tls_args(p)
     _sampling_args(p)
+
+
+def speculative_config(args):
+    """--speculative-config's JSON checked as the engine checks it (engine/spec_config.py), before
+    any model loads: a SpeculativeConfig, None when not given, or a one-line ConfigError that
+    names the flag."""
+    if args.speculative_config is None:
+        return None
+    value = json_flag("--speculative-config", args.speculative_config)
+    from pdserve.engine.spec_config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(value)
+    except ValueError as e:
+        why = str(e).removeprefix("speculative_config.").removeprefix("speculative_config ")
+        raise ConfigError(f"--speculative-config: {why}") from None
+
+
+def _spec_note(engine) -> str:
+    """The guesses speculative decoding checked and accepted, for the summary line; "" when the
+    engine speculated on nothing (or cannot say)."""
+    read = getattr(engine, "spec_stats", None)
+    stats = read() if callable(read) else {}
+    checked = stats.get("spec_draft_tokens", 0)
+    if not checked:
+        return ""
+    return f"; speculative: {stats.get('spec_accepted_tokens', 0)}/{checked} guesses accepted"
 
 
 def _run_local(args) -> int:
     from pdserve.engine import LLM, SamplingParams
 
     try:
+        speculative = speculative_config(args)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -116,6 +153,7 @@ def _run_local(args) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             kv_cache_memory=args.kv_cache_memory,
             **_mode_overrides(args),
+            **({"speculative_config": speculative} if speculative is not None else {}),
         )
         t_load = time.perf_counter() - t0
         if args.cmd == "chat" and args.message is None:
@@ -144,7 +182,7 @@ def _run_local(args) -> int:
         f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
         f"finish={c.finish_reason}; load {t_load:.1f}s, TTFT {ttft * 1e3:.0f} ms, "
         f"total {elapsed:.2f}s, {len(c.token_ids) / max(elapsed, 1e-9):.1f} tok/s; "
-        f"{llm.engine.mode_note}]",
+        f"{llm.engine.mode_note}{_spec_note(llm.engine)}]",
         file=sys.stderr,
     )
     llm.shutdown()
@@ -334,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         return ctl.run(args, channel)
     if args.local:
         return _run_local(args)
+    if args.speculative_config is not None:
+        print(
+            "pdserve: --speculative-config is for --local; a deployment speculates on its decode "
+            "workers (YAML pools.decode.speculative_config, or `pdserve up --speculative-config`)",
+            file=sys.stderr,
+        )
+        return 2
     client.use_api_key(args)
     if args.cmd == "chat" and args.message is None:
         return chat_session.run_remote(args)

@@ -15,6 +15,7 @@ line and the file once, at the start of `pdserve up`.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import re
 from dataclasses import dataclass, field
@@ -44,8 +45,20 @@ def _text(flag: str, value: str) -> str:
     return value
 
 
+def json_flag(flag: str, value: str):
+    """`value` read as JSON (`null` included), or a one-line ConfigError naming `flag`."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{flag}: not valid JSON ({e.msg} at character {e.pos}): {value!r}; e.g. "
+            f'\'{{"method": "ngram", "num_speculative_tokens": 4}}\''
+        ) from None
+
+
 # (flag, the key it sets, its parser, its help); a key under `pools.*` is set on each pool the
-# deployment has ("*": prefill and decode, or colocated), a key under `pools.<pool>` on that one.
+# deployment has ("*": prefill and decode, or colocated), one under `pools.+` on each pool that
+# decodes (decode, or colocated), a key under `pools.<pool>` on that one.
 _FLAGS = (
     (
         "--model",
@@ -71,6 +84,14 @@ _FLAGS = (
             ("tp", f"{pool} workers' tensor-parallel degree (over --tp)"),
         )
     ),
+    (
+        "--speculative-config",
+        "pools.+.speculative_config",
+        json_flag,
+        "speculative decoding on the decode (or colocated) workers, vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"model": "self", '
+        '"quantization": "int4", "num_speculative_tokens": 4}\'; null: off',
+    ),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
     ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),
     (
@@ -90,7 +111,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "overrides of the YAML's keys (a flag, else the YAML, else the default)"
     )
     for flag, key, parse, what in _FLAGS:
-        metavar = {_integer: "N", _port_or_off: "PORT"}.get(parse)
+        metavar = {_integer: "N", _port_or_off: "PORT", json_flag: "JSON"}.get(parse)
+        key = key.replace("+", "decode|colocated")
         group.add_argument(flag, default=None, metavar=metavar, help=f"{what} (YAML: {key})")
     group.add_argument(
         _API_KEY[0],
@@ -136,11 +158,14 @@ class Overrides:
         return ConfigError("\n".join(lines))
 
 
-def _pools_of(data: dict) -> tuple[str, ...]:
-    """The pools the deployment will have: colocated, or prefill and decode."""
+def _pools_of(data: dict, which: str = "*") -> tuple[str, ...]:
+    """The pools the deployment will have: colocated, or prefill and decode; with which="+",
+    those that decode (colocated, or decode)."""
     pools = data.get("pools")
     colocated = isinstance(pools, dict) and "colocated" in pools
-    return ("colocated",) if colocated else ("prefill", "decode")
+    if colocated:
+        return ("colocated",)
+    return ("decode",) if which == "+" else ("prefill", "decode")
 
 
 def _set(data: dict, key: str, value) -> bool:
@@ -162,12 +187,13 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
     done = Overrides()
     given = [(flag, key, parse) for flag, key, parse, _ in _FLAGS]
     given = [g for g in given if getattr(args, _dest(g[0])) is not None]
-    for flag, key, parse in sorted(given, key=lambda g: "*" not in g[1]):
+    for flag, key, parse in sorted(given, key=lambda g: g[1][:7] not in ("pools.*", "pools.+")):
         value = parse(flag, getattr(args, _dest(flag)))
-        if key.startswith("pools.*."):
+        which = key.split(".")[1] if key.startswith("pools.") else ""
+        if which in ("*", "+"):
             if any(f.startswith("--colocated-") for f, _, _ in given):
                 data.setdefault("pools", {}).setdefault("colocated", {})
-            keys = [key.replace("*", pool) for pool in _pools_of(data)]
+            keys = [key.replace(which, pool, 1) for pool in _pools_of(data, which)]
         else:
             keys = [key]
         for k in keys:

@@ -50,6 +50,7 @@ from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
     grammar_stats as _grammar_stats,
+    spec_stats as _spec_stats,
 )
 from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.role import RoleGate
@@ -135,7 +136,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 f"the decode worker's KV layout ({endpoint.layout_fingerprint or 'unset'}) "
                 f"differs from this prefill worker's ({self.layout.fingerprint}: "
                 f"model={self.layout.model}, dtype={self.layout.dtype}): both sides must "
-                f"serve the same model in the same dtype",
+                f"serve the same model in the same dtype (dtype='auto' chooses the KV cache's "
+                f"dtype on each machine's CPU: set kv_cache_dtype explicitly, the same for both "
+                f"pools)",
             )
         if endpoint.rank_addresses:
             context.abort(
@@ -341,6 +344,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **counts,
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
             **_grammar_stats(self.loop.engine),
+            **_spec_stats(self.loop.engine),
         )
         return self.gate.stamp(stats) if self.gate else stats
 

@@ -26,6 +26,7 @@ OPTIONAL_FIELDS = (
     "skip_special_tokens",
     "prompt_logprobs",
     "top_logprobs",
+    "speculative",
 )
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
 

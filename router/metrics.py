@@ -9,7 +9,8 @@ wait on a slow worker. Worker counters restart at 0 with the worker process, whi
 rate() and increase() allow. Names, types and bucket layouts follow vLLM's
 (vllm/v1/metrics/loggers.py), with model_name on every series. As vLLM does, no `*_created`
 series: the module turns prometheus_client's off as it is imported, and `exposition`, which
-renders GET /metrics, leaves out any a collector still yields. deploy/grafana/pdserve.json is a
+renders GET /metrics, leaves out any a collector still yields. The per-worker families are
+router/worker_metrics.py's. deploy/grafana/pdserve.json is a
 dashboard over these names (tests/unit/test_grafana_dashboard.py keeps the two in step).
 """
 
@@ -25,12 +26,16 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.protos.convert import unix_ns
 from pdserve.router.recent import RecentRequests
 from pdserve.router.stage_timings import STAGES, stage_durations
+from pdserve.router.worker_metrics import (  # noqa: F401 (re-exported: the metrics' one module)
+    WORKER_COUNTERS,
+    WORKER_STATES,
+    WorkerCollector,
+)
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # process-wide: one `_created` per series doubles a scrape's lines
@@ -378,116 +383,3 @@ class RouterMetrics:
             self.transfer_s.observe(total)
             if exposed is not None and total > 0:
                 self.exposed_ratio.observe(min(1.0, exposed / total))
-
-
-# (name, documentation, WorkerStats field) of the per-worker counters, each exposed as NAME_total
-WORKER_COUNTERS = (
-    (
-        "vllm:prefix_cache_queries",
-        "Prefix cache queries, in prompt tokens looked up.",
-        "prefix_cache_queries",
-    ),
-    (
-        "vllm:prefix_cache_hits",
-        "Prefix cache hits, in prompt tokens found.",
-        "prefix_cache_hits",
-    ),
-    (
-        "vllm:num_preemptions",
-        "Cumulative number of preemptions from the engine.",
-        "num_preemptions",
-    ),
-    (
-        "pdserve:kv_transfers",
-        "KV hand-offs completed (prefill: pushed and flushed; decode: committed).",
-        "kv_transfers",
-    ),
-    (
-        "pdserve:kv_transfer_failures",
-        "KV hand-offs that failed (prefill: channel or flush; decode: a bad frame or a refused "
-        "commit).",
-        "kv_transfer_failures",
-    ),
-    (
-        "pdserve:kv_transfer_bytes",
-        "KV bytes pushed (prefill workers) or received (decode workers).",
-        "kv_transfer_bytes",
-    ),
-    (
-        "pdserve:leases_expired",
-        "Reservations freed because their lease ran out before the commit (decode workers).",
-        "leases_expired",
-    ),
-)
-
-
-WORKER_STATES = ("serving", "draining", "switching")
-
-
-class WorkerCollector(Collector):
-    """Every worker's last WorkerStats as gauges and counters, read at scrape time from the pool
-    (WorkerPool.snapshot: no RPC). A worker that has not answered a Stats call yet shows only in
-    pdserve:worker_up; one marked down keeps its last figures and worker_up 0."""
-
-    LABELS = ["model_name", "role", "worker"]
-
-    def __init__(self, pool, model_name: str, colocated: bool = False):
-        self.pool = pool
-        self.model_name = model_name
-        self.colocated = colocated
-
-    def describe(self):
-        return list(self._families().values())
-
-    def _families(self) -> dict:
-        gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=self.LABELS)  # noqa: E731
-        fams = {
-            "running": gauge(
-                "vllm:num_requests_running", "Number of requests in model execution batches."
-            ),
-            "waiting": gauge(
-                "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-            ),
-            "kv": gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
-            "reserved": gauge(
-                "pdserve:num_requests_reserved",
-                "Decode reservations waiting for their KV and commit.",
-            ),
-            "queued": gauge(
-                "pdserve:queued_prompt_tokens", "Prompt tokens waiting to be computed."
-            ),
-            "up": gauge(
-                "pdserve:worker_up",
-                "1 when the worker's last Stats call answered, 0 when it is marked down.",
-            ),
-        }
-        fams["state"] = GaugeMetricFamily(
-            "pdserve:worker_state",
-            "1 for the worker's state in its role: serving, or a role flip's draining or "
-            "switching (router/flips.py); the role label is the role it serves.",
-            labels=self.LABELS + ["state"],
-        )
-        for name, doc, field in WORKER_COUNTERS:
-            fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
-        return fams
-
-    def collect(self):
-        fams = self._families()
-        for role, name, stats, down, state in self.pool.snapshot():
-            if self.colocated and role == "decode":
-                role = "colocated"
-            labels = [self.model_name, role, name]
-            fams["up"].add_metric(labels, 0.0 if down else 1.0)
-            for one in WORKER_STATES:
-                fams["state"].add_metric(labels + [one], 1.0 if state == one else 0.0)
-            if stats is None:
-                continue
-            fams["running"].add_metric(labels, stats.num_running)
-            fams["waiting"].add_metric(labels, stats.num_waiting)
-            total = stats.num_total_blocks
-            fams["kv"].add_metric(labels, (total - stats.num_free_blocks) / total if total else 0.0)
-            fams["reserved"].add_metric(labels, stats.num_reserved)
-            fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
-            for _, _, field in WORKER_COUNTERS:
-                fams[field].add_metric(labels, getattr(stats, field))
-        return list(fams.values())

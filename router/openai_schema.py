@@ -3,7 +3,8 @@ every field typed and bounded before any work, unknown fields refused (400 namin
 
 What is accepted beyond OpenAI's own fields: the sampling fields vLLM accepts (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output), vLLM's prompt_logprobs (completions) and its chat template fields
+include_stop_str_in_output), pdserve's `speculative` (false: this request opts out of the decode
+pool's speculative decoding), vLLM's prompt_logprobs (completions) and its chat template fields
 (chat_template_kwargs, add_generation_prompt, continue_final_message), structured outputs
 (OpenAI's response_format, vLLM's structured_outputs and guided_*: router/openai_structured.py).
 `model` may be left out
@@ -132,6 +133,8 @@ class _Sampling(_Strict, StructuredFields):
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
+    # pdserve's: false opts this request out of speculative decoding (same tokens, its own pace)
+    speculative: StrictBool | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None

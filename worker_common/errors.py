@@ -61,3 +61,22 @@ def grammar_stats(engine) -> dict[str, int]:
     """The engine's structured-output counters for WorkerStats (none for an engine without)."""
     grammars = getattr(engine, "grammars", None)
     return grammars.stats() if grammars is not None else {}
+
+
+# LLMEngine.spec_stats()'s keys, each a WorkerStats field of the same name
+SPEC_STATS_FIELDS = (
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_accepted_per_pos",
+    "spec_draft_prefill_tokens",
+)
+
+
+def spec_stats(engine) -> dict:
+    """The engine's speculative-decoding counters for WorkerStats (none for an engine without
+    them): only the fields WorkerStats has, so a counter the engine adds later cannot break a
+    Stats call."""
+    read = getattr(engine, "spec_stats", None)
+    stats = read() if callable(read) else {}
+    return {k: stats[k] for k in SPEC_STATS_FIELDS if k in stats}

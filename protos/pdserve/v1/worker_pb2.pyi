@@ -136,7 +136,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,11 @@ class WorkerStats(_message.Message):
     STRUCTURED_MASK_NS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_COMPILES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_COMPILE_NS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -181,7 +186,12 @@ class WorkerStats(_message.Message):
     structured_mask_ns: int
     grammar_compiles: int
     grammar_compile_ns: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ...) -> None: ...
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    spec_draft_prefill_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)

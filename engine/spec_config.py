@@ -1,0 +1,144 @@
+"""`speculative_config`: what an engine speculates with, under vLLM's names and keys.
+
+A deployment YAML (a decode pool's `engine:`), `pdserve up --speculative-config JSON`,
+`pdserve generate --local --speculative-config JSON` and `LLM(..., speculative_config={...})` all
+hand the same mapping to `EngineConfig`, which turns it into a SpeculativeConfig here once, so a
+wrong key or value is refused before any model loads. Two methods:
+
+  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+      guesses by prompt lookup (engine/spec_ngram.py): the tokens that followed the latest earlier
+      occurrence of the sequence's last n tokens, over the prompt and the output so far.
+  {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 4}
+      guesses with a smaller model (engine/spec_draft.py); "self" is the target's own checkpoint,
+      so "quantization": "int4" makes the target's int4 copy its draft. "method" may be left out
+      when "model" is given, as in vLLM.
+
+`num_speculative_tokens` is the most a step guesses; engine/spec_gate.py picks how many (or none)
+each step from the batch size and the acceptance measured so far. A request opts out with
+SamplingParams(speculative=False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + k positions per sequence
+_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "dtype",
+    "quantization",
+    "disable_by_batch_size",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram: the longest and shortest suffix looked up (vLLM's defaults when neither is set)
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # draft_model: a checkpoint (a path, a Hub id, "smollm2") or "self" (the target's own)
+    model: str | None = None
+    dtype: str = "auto"  # the draft's activations ("auto": as the target's)
+    quantization: str | None = None  # the draft's linears: None (as dtype), "int8" or "int4"
+    # never speculate in a step that decodes more sequences than this (None: the gate decides)
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A mapping (or a SpeculativeConfig, or None) checked key by key; ValueError names the key
+        and what it takes."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a mapping such as "
+                f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {type(value).__name__}'
+            )
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown}; known: {sorted(_KEYS)}"
+            )
+        method = value.get("method")
+        if method is None:
+            method = "draft_model" if value.get("model") is not None else None
+        if method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {list(METHODS)} (or leave it out and "
+                f"give a draft 'model'), got {value.get('method')!r}"
+            )
+        k = value.get("num_speculative_tokens")
+        _check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
+        out = dict(method=method, num_speculative_tokens=k)
+        if method == "ngram":
+            for key in ("model", "dtype", "quantization"):
+                if value.get(key) is not None:
+                    raise ValueError(
+                        f"speculative_config.{key} is for method 'draft_model', not 'ngram'"
+                    )
+            lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo, hi = 2, 4
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            _check_int("prompt_lookup_min", lo, 1, 64)
+            _check_int("prompt_lookup_max", hi, 1, 64)
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min ({lo}) must be <= "
+                    f"prompt_lookup_max ({hi})"
+                )
+            out.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
+        else:
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if value.get(key) is not None:
+                    raise ValueError(f"speculative_config.{key} is for method 'ngram'")
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(
+                    "speculative_config.model must name the draft: a path, a Hub id, 'smollm2', "
+                    "or 'self' for the target's own checkpoint (with a 'quantization' of its own)"
+                )
+            dtype = value.get("dtype", "auto")
+            if dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
+                raise ValueError(
+                    f"speculative_config.dtype must be 'auto' or a float dtype, got {dtype!r}"
+                )
+            quant = value.get("quantization")
+            if quant not in (None, "int8", "int4"):
+                raise ValueError(
+                    f"speculative_config.quantization must be null, 'int8' or 'int4', got {quant!r}"
+                )
+            out.update(model=model, dtype=dtype, quantization=quant)
+        limit = value.get("disable_by_batch_size")
+        if limit is not None:
+            _check_int("disable_by_batch_size", limit, 1, 1 << 20)
+        out["disable_by_batch_size"] = limit
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        """The mapping `parse` takes back (for logs, the YAML echo and worker processes)."""
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.method == "ngram":
+            out.update(
+                prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max
+            )
+        else:
+            out.update(model=self.model, dtype=self.dtype, quantization=self.quantization)
+        if self.disable_by_batch_size is not None:
+            out["disable_by_batch_size"] = self.disable_by_batch_size
+        return out
+
+
+def _check_int(key: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(
+            f"speculative_config.{key} must be an integer in [{lo}, {hi}], got {value!r}"
+        )

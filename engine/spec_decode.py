@@ -1,0 +1,188 @@
+"""Speculative decoding in the engine: guess, check the guesses in one target step, keep what
+agrees.
+
+An LLMEngine with a speculative_config owns one Speculator and calls it three times a step:
+`before_schedule` (the gate picks how many guesses each decoding sequence may check; prompt lookup
+makes its guesses here, since they cost nothing), `after_schedule` (a draft model makes its
+guesses now that the scheduler has given the sequences blocks for them; seeded generators are
+noted) and `after_update` (counts, the draft's KV position, the generators, the gate's timings).
+The scheduler plans a checking sequence as 1 + k tokens and samples at each of its positions;
+`Scheduler.update` keeps the guesses up to the first disagreement plus the sample there, and
+drops the KV of the rest.
+
+Losslessness. Position j's token is sampled from the target's logits there exactly as without
+speculation: the same processing (penalties and min_tokens see the guesses before j as output),
+and, at temperature > 0, the same noise, because a seeded sequence's generator draws one noise
+vector per position in order and is wound back to just after the positions it kept. A guess is
+kept when it equals that sample. So every output token is the target's own sample, greedy or not,
+and a seeded request gives the same tokens whether the gate speculated at a step or not. For a
+prompt-lookup guess g this is the standard rule (keep g with probability p(g), else a sample of p
+without g); a draft model samples its guesses with the same noise, so it agrees with the target
+wherever the two distributions put that noise's winner on the same token. Sequences without a
+seed get a private generator here, so their draft and target share noise too.
+
+Not speculated: prefill-only requests, structured output (the grammar would have to follow the
+guesses), requests with speculative=False, and sequences within a token of max_tokens or
+max_model_len.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pdserve.engine.request import SeqStatus, Sequence
+from pdserve.engine.sampler import make_generator, skip_sample_draw
+from pdserve.engine.scheduler import StepPlan
+from pdserve.engine.spec_gate import Offer, SpecGate
+from pdserve.engine.spec_ngram import History
+
+
+class _SeqSpec:
+    """What the speculator keeps per sequence (Sequence.spec_state)."""
+
+    __slots__ = ("history", "accepted", "rejected")
+
+    def __init__(self) -> None:
+        self.history = History()
+        self.accepted = 0
+        self.rejected = 0
+
+
+class Speculator:
+    def __init__(self, engine):
+        self.cfg = engine.config.speculative_config
+        self.max_k = self.cfg.num_speculative_tokens
+        self.vocab = engine.model_config.vocab_size
+        self.eos = engine.model_config.eos_token_ids
+        self.max_model_len = engine.config.max_model_len
+        self.draft = None
+        if self.cfg.method == "draft_model":
+            from pdserve.engine.spec_draft import DraftModel
+
+            self.draft = DraftModel(
+                engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
+            )
+        prior = 0.7 if self.draft is not None else 0.5
+        self.gate = SpecGate(self.max_k, prior, self.cfg.disable_by_batch_size)
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.max_k
+        self._states: dict[int, tuple[torch.Generator, object]] = {}
+        self._t0 = 0.0
+        self._draft_s = 0.0
+
+    @property
+    def mode_note(self) -> str:
+        note = f"speculative decoding: {self.cfg.to_dict()}"
+        if self.draft is not None:
+            note += f"; draft {self.draft.mode_note}"
+        return note
+
+    def stats(self) -> dict:
+        return dict(
+            spec_drafts=self.drafts,
+            spec_draft_tokens=self.draft_tokens,
+            spec_accepted_tokens=self.accepted_tokens,
+            spec_accepted_per_pos=list(self.accepted_per_pos),
+            spec_draft_prefill_tokens=self.draft.prefill_tokens if self.draft else 0,
+        )
+
+    def _limit(self, seq: Sequence) -> int:
+        """The most guesses `seq` may check next step (0: it may not speculate)."""
+        p = seq.params
+        if (
+            seq.status != SeqStatus.RUNNING
+            or seq.num_tokens - seq.num_computed_tokens != 1
+            or seq.num_output_tokens == 0
+            or not p.speculative
+            or seq.grammar is not None
+            or seq.prefill_only
+        ):
+            return 0
+        # the step appends up to k + 1 tokens: stay within max_tokens and max_model_len
+        room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.max_k, room))
+
+    def before_schedule(self, running: list[Sequence]) -> None:
+        self._t0 = time.perf_counter()
+        self._draft_s = 0.0
+        offers, seqs = [], []
+        for seq in running:
+            seq.spec_budget = 0
+            seq.spec_token_ids = []
+            limit = self._limit(seq)
+            if not limit:
+                continue
+            st = seq.spec_state
+            if st is None:
+                st = seq.spec_state = _SeqSpec()
+            if self.draft is None:
+                st.history.sync(seq.token_ids)
+                guesses = st.history.propose(
+                    limit, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+                )
+                seq.spec_token_ids = guesses
+                limit = len(guesses)
+            offers.append(Offer(limit, st.accepted, st.rejected))
+            seqs.append(seq)
+        if not seqs:
+            return
+        ks = self.gate.choose(len(running), offers, self.draft is not None)
+        for seq, k in zip(seqs, ks):
+            seq.spec_budget = k
+            del seq.spec_token_ids[k:]
+            if k and seq.generator is None and not seq.params.greedy:
+                # a private stream, so the draft and the target sample each position alike
+                seed = int(torch.randint(0, 2**62, (1,)).item())
+                seq.generator = make_generator(seed)
+
+    def after_schedule(self, plan: StepPlan, scheduler) -> None:
+        items = [i for i in plan.scheduled if i.num_spec]
+        if not items:
+            return
+        if self.draft is None:
+            for item in items:
+                item.spec_token_ids = list(item.seq.spec_token_ids[: item.num_spec])
+                item.drop_guesses(len(item.spec_token_ids))
+        else:
+            t0 = time.perf_counter()
+            self.draft.propose(items, self.eos, self.gate.draft)
+            self._draft_s = time.perf_counter() - t0
+        self._states = {}
+        for item in plan.scheduled:
+            seq = item.seq
+            if item.num_spec and seq.generator is not None and not seq.params.greedy:
+                self._states[seq.seq_id] = seq.generator.get_state()
+        scheduler.build_rows(plan)
+
+    def after_update(self, plan: StepPlan) -> None:
+        spec_rows = 0
+        for item in plan.scheduled:
+            k = item.num_spec
+            if not k:
+                continue
+            seq, a = item.seq, item.accepted
+            spec_rows += k
+            self.drafts += 1
+            self.draft_tokens += k
+            self.accepted_tokens += a
+            for j in range(a):
+                self.accepted_per_pos[j] += 1
+            st = seq.spec_state
+            rejected = int(a < k)
+            st.accepted += a
+            st.rejected += rejected
+            self.gate.record(a, rejected)
+            if self.draft is not None:
+                # its KV holds the guesses it was fed (all but the last) up to the first rejected
+                seq.draft_computed = item.start + 1 + min(a, k - 1)
+            state = self._states.get(seq.seq_id)
+            if state is not None and a < k and seq.status == SeqStatus.RUNNING:
+                # wind the stream back to just after the positions kept (a guesses + 1)
+                seq.generator.set_state(state)
+                for _ in range(a + 1):
+                    skip_sample_draw(seq.generator, self.vocab)
+        self._states = {}
+        elapsed = time.perf_counter() - self._t0 - self._draft_s
+        self.gate.target.observe(plan.num_tokens, elapsed)

@@ -1,0 +1,154 @@
+"""The per-worker Prometheus families (router/metrics.py registers them on the router's registry):
+gauges of each worker's load and KV cache, its role state, and its counters (prefix cache,
+preemptions, KV hand-offs, expired leases, speculative decoding), all read at scrape time by
+WorkerCollector from the last WorkerStats the router's WorkerPool keeps, so a scrape never makes
+an RPC. Names follow vLLM's where vLLM has the figure (vllm/v1/metrics/loggers.py,
+vllm/v1/spec_decode/metrics.py), with labels model_name, role and worker on every series. A
+worker's counters restart at 0 with its process, which rate() and increase() allow.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# (name, documentation, WorkerStats field) of the per-worker counters, each exposed as NAME_total
+WORKER_COUNTERS = (
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in prompt tokens looked up.",
+        "prefix_cache_queries",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in prompt tokens found.",
+        "prefix_cache_hits",
+    ),
+    (
+        "vllm:num_preemptions",
+        "Cumulative number of preemptions from the engine.",
+        "num_preemptions",
+    ),
+    (
+        "pdserve:kv_transfers",
+        "KV hand-offs completed (prefill: pushed and flushed; decode: committed).",
+        "kv_transfers",
+    ),
+    (
+        "pdserve:kv_transfer_failures",
+        "KV hand-offs that failed (prefill: channel or flush; decode: a bad frame or a refused "
+        "commit).",
+        "kv_transfer_failures",
+    ),
+    (
+        "pdserve:kv_transfer_bytes",
+        "KV bytes pushed (prefill workers) or received (decode workers).",
+        "kv_transfer_bytes",
+    ),
+    (
+        "pdserve:leases_expired",
+        "Reservations freed because their lease ran out before the commit (decode workers).",
+        "leases_expired",
+    ),
+    # speculative decoding (engine/spec_config.py); 0 on a worker that does not speculate
+    (
+        "vllm:spec_decode_num_drafts",
+        "Number of spec decoding drafts (a sequence's step that verified guessed tokens).",
+        "spec_drafts",
+    ),
+    (
+        "vllm:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+        "spec_draft_tokens",
+    ),
+    (
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+        "spec_accepted_tokens",
+    ),
+    (
+        "pdserve:spec_decode_draft_prefill_tokens",
+        "Prompt tokens the draft model computed on the worker to catch up with its sequences "
+        "(0 for ngram).",
+        "spec_draft_prefill_tokens",
+    ),
+)
+
+
+WORKER_STATES = ("serving", "draining", "switching")
+
+
+class WorkerCollector(Collector):
+    """Every worker's last WorkerStats as gauges and counters, read at scrape time from the pool
+    (WorkerPool.snapshot: no RPC). A worker that has not answered a Stats call yet shows only in
+    pdserve:worker_up; one marked down keeps its last figures and worker_up 0."""
+
+    LABELS = ["model_name", "role", "worker"]
+
+    def __init__(self, pool, model_name: str, colocated: bool = False):
+        self.pool = pool
+        self.model_name = model_name
+        self.colocated = colocated
+
+    def describe(self):
+        return list(self._families().values())
+
+    def _families(self) -> dict:
+        gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=self.LABELS)  # noqa: E731
+        fams = {
+            "running": gauge(
+                "vllm:num_requests_running", "Number of requests in model execution batches."
+            ),
+            "waiting": gauge(
+                "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+            ),
+            "kv": gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            "reserved": gauge(
+                "pdserve:num_requests_reserved",
+                "Decode reservations waiting for their KV and commit.",
+            ),
+            "queued": gauge(
+                "pdserve:queued_prompt_tokens", "Prompt tokens waiting to be computed."
+            ),
+            "up": gauge(
+                "pdserve:worker_up",
+                "1 when the worker's last Stats call answered, 0 when it is marked down.",
+            ),
+        }
+        fams["state"] = GaugeMetricFamily(
+            "pdserve:worker_state",
+            "1 for the worker's state in its role: serving, or a role flip's draining or "
+            "switching (router/flips.py); the role label is the role it serves.",
+            labels=self.LABELS + ["state"],
+        )
+        for name, doc, field in WORKER_COUNTERS:
+            fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
+        fams["spec_per_pos"] = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position (0: the first guessed token).",
+            labels=self.LABELS + ["position"],
+        )
+        return fams
+
+    def collect(self):
+        fams = self._families()
+        for role, name, stats, down, state in self.pool.snapshot():
+            if self.colocated and role == "decode":
+                role = "colocated"
+            labels = [self.model_name, role, name]
+            fams["up"].add_metric(labels, 0.0 if down else 1.0)
+            for one in WORKER_STATES:
+                fams["state"].add_metric(labels + [one], 1.0 if state == one else 0.0)
+            if stats is None:
+                continue
+            fams["running"].add_metric(labels, stats.num_running)
+            fams["waiting"].add_metric(labels, stats.num_waiting)
+            total = stats.num_total_blocks
+            fams["kv"].add_metric(labels, (total - stats.num_free_blocks) / total if total else 0.0)
+            fams["reserved"].add_metric(labels, stats.num_reserved)
+            fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
+            for _, _, field in WORKER_COUNTERS:
+                fams[field].add_metric(labels, getattr(stats, field))
+            for position, accepted in enumerate(stats.spec_accepted_per_pos):
+                fams["spec_per_pos"].add_metric(labels + [str(position)], accepted)
+        return list(fams.values())
