@@ -112,8 +112,9 @@ class Pool(_Frozen):
     # `{gpu: "!a10"}`, `{zone: "in(a,b)"}`); nodes get labels from `ray start --labels k=v`
     label_selector: dict[str, str] | None = None
     # speculative decoding, vLLM's mapping (engine/spec_config.py): {method: ngram,
-    # num_speculative_tokens: 4}; decode and colocated pools only. Unset: off
-    speculative_config: dict | None = None
+    # num_speculative_tokens: 4}; decode and colocated pools only. "auto" (unset): the engine's
+    # default (prompt lookup in the default mode on a CPU); null: off
+    speculative_config: dict | Literal["auto"] | None = "auto"
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -122,7 +123,7 @@ class Pool(_Frozen):
         from pdserve.engine.spec_config import SpeculativeConfig
 
         try:
-            return None if v is None else SpeculativeConfig.parse(v).to_dict()
+            return v if v in (None, "auto") else SpeculativeConfig.parse(v).to_dict()
         except ValueError as e:
             msg = str(e).removeprefix("speculative_config.").removeprefix("speculative_config ")
             raise ValueError(msg) from None
@@ -166,7 +167,7 @@ class Pools(_Frozen):
     @field_validator("prefill")
     @classmethod
     def _prefill_never_speculates(cls, v):
-        if v.speculative_config is not None:
+        if v.speculative_config not in (None, "auto"):
             raise ValueError(
                 "speculative_config: prefill workers never decode, so they never speculate; "
                 "set it on pools.decode (or pools.colocated)"
@@ -368,8 +369,8 @@ class DeployConfig(_Frozen):
             kwargs["kv_cache_memory"] = pool.kv_cache_memory
         if pool.max_model_len is not None:
             kwargs["max_model_len"] = pool.max_model_len
-        if pool.speculative_config is not None:
-            kwargs["speculative_config"] = dict(pool.speculative_config)
+        spec = pool.speculative_config
+        kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
         return kwargs
 
 

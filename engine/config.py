@@ -12,6 +12,9 @@ from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from pdserve.engine.spec_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+# what speculative_config "auto" turns on in the default mode (benchmarks/spec_decode.py measures
+# it against none: BENCHMARKS.md, "Speculative decoding")
+AUTO_SPECULATION = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,10 @@ class EngineConfig:
     # shape (config.json alone is enough), for timing a model without its weights
     load_format: str = "auto"
     # speculative decoding (engine/spec_config.py): vLLM's mapping, e.g. {"method": "ngram",
-    # "num_speculative_tokens": 4}; held as a SpeculativeConfig once checked. None: off
-    speculative_config: SpeculativeConfig | dict | None = None
+    # "num_speculative_tokens": 4}, held as a SpeculativeConfig once checked; None: off; "auto":
+    # prompt lookup where the default mode runs (dtype "auto" on a CPU: its gate speculates only
+    # when it measures a gain, engine/spec_gate.py), else off
+    speculative_config: SpeculativeConfig | dict | str | None = "auto"
 
     def __post_init__(self):
         def check(ok: bool, name: str, rule: str):
@@ -175,9 +180,10 @@ class EngineConfig:
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs", "True or False")
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
-        object.__setattr__(
-            self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
-        )
+        if self.speculative_config != "auto":
+            object.__setattr__(
+                self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+            )
         check(
             _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size",
@@ -246,6 +252,9 @@ class EngineConfig:
                     "dtype='bfloat16' or 'float16'"
                 )
             quantization = None
+        spec = self.speculative_config
+        if spec == "auto":
+            spec = AUTO_SPECULATION if device == "cpu" and self.dtype == "auto" else None
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -265,6 +274,7 @@ class EngineConfig:
             quantization=quantization,
             max_model_len=max_len,
             kv_cache_memory=kv,
+            speculative_config=spec,
         )
 
 

@@ -58,9 +58,9 @@ class StepCosts:
     def predict(self, rows: float, upto: float | None = None) -> float:
         """Seconds for a step of `rows` rows; upto: forget what was measured above that many rows
         (the gate explores now and then, so a bucket measured once in a bad moment is retried)."""
-        points = sorted(
-            (r, t) for _, r, t in self._buckets.values() if upto is None or r <= upto * 1.2
-        )
+        points = sorted((r, t) for _, r, t in self._buckets.values())
+        if upto is not None:  # (the smallest measure stays: something must anchor the guess)
+            points = points[:1] + [p for p in points[1:] if p[0] <= upto * 1.2]
         if not points:
             return 0.0
         lo = None
@@ -139,6 +139,8 @@ class SpecGate:
                 cost = self.target.predict(rows + ki, upto)
                 if uses_draft:
                     cost += k * self._draft_step(n)
+                if cost <= 0:
+                    break
                 rate = (tokens + gain) / cost
                 if rate <= rate_k and rate_k > 0:
                     break  # the rest accept less: they would not pay either

@@ -48,7 +48,9 @@ MODES = {
 def test_greedy_matches_hf(refs, kind, mode):
     model_dir, _, prompts, expected = refs(kind)
     kwargs, sequential = MODES[mode]
-    llm = LLM(model_dir, kv_cache_memory=KV, **kwargs)
+    # the sequential modes count steps (one token a step): no speculative decoding there
+    spec = None if sequential else "auto"
+    llm = LLM(model_dir, kv_cache_memory=KV, speculative_config=spec, **kwargs)
     engine = llm.engine
     budget = kwargs["max_num_batched_tokens"]
     if sequential:

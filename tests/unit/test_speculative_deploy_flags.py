@@ -57,8 +57,11 @@ def test_a_decode_pool_speculates_and_its_engine_gets_the_checked_mapping():
     config = validate_config({"pools": {"decode": {"speculative_config": NGRAM}}})
     assert config.pools.decode.speculative_config == NGRAM_FULL  # vLLM's defaults filled in
     assert config.engine_kwargs(config.pools.decode)["speculative_config"] == NGRAM_FULL
-    assert "speculative_config" not in config.engine_kwargs(config.pools.prefill)
-    assert "speculative_config" not in DeployConfig().engine_kwargs(DeployConfig().pools.decode)
+    # unset: the engine's default ("auto": prompt lookup in the default mode on a CPU)
+    assert config.engine_kwargs(config.pools.prefill)["speculative_config"] == "auto"
+    assert DeployConfig().engine_kwargs(DeployConfig().pools.decode)["speculative_config"] == "auto"
+    off = validate_config({"pools": {"decode": {"speculative_config": None}}})
+    assert off.engine_kwargs(off.pools.decode)["speculative_config"] is None
 
 
 def test_a_colocated_pool_speculates_with_a_draft_model():
@@ -109,7 +112,7 @@ def test_the_annotated_example_shows_the_key():
 def test_the_up_flag_sets_the_decode_pool_only(tmp_path):
     config = _up(tmp_path, None, FLAG, NGRAM_JSON)
     assert config.pools.decode.speculative_config == NGRAM_FULL
-    assert config.pools.prefill.speculative_config is None
+    assert config.pools.prefill.speculative_config == "auto"  # left as it was
 
 
 def test_the_up_flag_sets_a_colocated_pool(tmp_path):
