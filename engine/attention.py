@@ -65,8 +65,15 @@ class PagedAttention(nn.Module):
         cache = meta.kv_cache[self.layer_idx]  # [2, num_blocks, block_size, H, D]
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
         narrow = flat.dtype != k.dtype  # a KV cache kept narrower than the activations
-        flat[0].index_copy_(0, meta.slot_mapping, k.to(flat.dtype) if narrow else k)
-        flat[1].index_copy_(0, meta.slot_mapping, v.to(flat.dtype) if narrow else v)
+        if narrow:
+            # A prompt chunk attends its own K/V as the cache will hold them (rounded), as later
+            # chunks and decodes read them: else where a prompt is cut into chunks (the step's
+            # budget, what else runs in the step) would change its logits.
+            k, v = k.to(flat.dtype), v.to(flat.dtype)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+        if narrow:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # a decode-only step: no output buffer to assemble
             return self._decode(q, cache, meta).reshape(nd, -1)

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from conftest import assert_no_leaks, random_prompts
-from engine_helpers import KV, greedy
+from engine_helpers import KV, greedy, needs_x86_int8
 from pdserve.engine import LLM, SamplingParams, spec_gate, spec_ngram
 from pdserve.engine.spec_config import SpeculativeConfig
 from pdserve.engine.spec_gate import Offer, SpecGate, StepCosts
@@ -104,18 +104,22 @@ def test_config_refuses_bad_keys_by_name():
     assert cfg.method == "draft_model" and SpeculativeConfig.parse(cfg.to_dict()) == cfg
 
 
+MODES = {"float32": {"dtype": "float32"}, "int8": {"quantization": "int8"}}
+
+
 @pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("spec", ["ngram", "bad-ngram", "draft-int8"])
+@pytest.mark.parametrize("mode", [pytest.param("int8", marks=needs_x86_int8), "float32"])
 def test_greedy_tokens_equal_without_speculation(
-    tiny_models, always_speculate, request, batch, spec
+    tiny_models, always_speculate, request, batch, spec, mode
 ):
     model_dir, _ = tiny_models()
     prompts = _prompts(batch)
-    want, _ = _run(model_dir, prompts, greedy(40))
+    want, _ = _run(model_dir, prompts, greedy(40), None, **MODES[mode])
     if spec == "bad-ngram":
         request.getfixturevalue("bad_guesses")
     config = DRAFT_INT8 if spec == "draft-int8" else NGRAM
-    got, stats = _run(model_dir, prompts, greedy(40), config)
+    got, stats = _run(model_dir, prompts, greedy(40), config, **MODES[mode])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert stats["spec_drafts"] > 0
     assert stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
