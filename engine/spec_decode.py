@@ -124,7 +124,11 @@ class Speculator:
                 )
                 seq.spec_token_ids = guesses
                 limit = len(guesses)
-            offers.append(Offer(limit, st.accepted, st.rejected))
+            catch_up = 0
+            if self.draft is not None:
+                catch_up = max(0, seq.num_tokens - seq.draft_computed - 2)
+            left = seq.params.max_tokens - seq.num_output_tokens
+            offers.append(Offer(limit, st.accepted, st.rejected, catch_up, left))
             seqs.append(seq)
         if not seqs:
             return

@@ -4,8 +4,10 @@ A DraftModel is a second ModelRunner in the engine's process: its own weights (a
 checkpoint, or the target's own with quantization "int8"/"int4", loaded again and quantized),
 and its own KV cache with exactly as many blocks as the target's, indexed by the same block ids.
 So the target's block manager holds the draft's KV too: a sequence's blocks carry both models'
-KV for the same positions, preemption and finishing free both at once, and the kv_cache_memory
-budget is split between the two in proportion to their bytes per block (`target_share`).
+KV for the same positions, and preemption and finishing free both at once. kv_cache_memory is the
+target's: the draft's cache comes on top of it (in bfloat16 on a CPU, where the compiled decode
+kernel reads it, so a self draft adds half the target's float32 cache), so turning a draft on
+never shrinks how many tokens the engine holds.
 
 A sequence's `draft_computed` counts the leading tokens whose draft KV is in place. It starts at
 0 wherever the target's KV came from somewhere else (a prefill worker's hand-off, the prefix
@@ -21,7 +23,6 @@ position with (engine/spec_decode.py says why that keeps outputs unchanged and a
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -29,8 +30,10 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
 from pdserve.engine.sampler import SamplingRow
+from pdserve.engine.sampling_params import SamplingParams
 
 CATCH_UP_TOKENS = 256  # draft prompt tokens computed per step, across sequences
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str):
@@ -64,14 +67,13 @@ def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str
 
 
 def plan_draft(config: EngineConfig, target: ModelConfig, target_dir: str):
-    """(config, draft_dir, draft ModelConfig): for a draft_model speculative_config, the target's
-    config with its share of the KV budget and the draft's checked place and shape; else the
-    config unchanged and two Nones."""
+    """(config, draft_dir, draft ModelConfig): for a draft_model speculative_config, the draft's
+    checked place and shape; else two Nones. The config comes back unchanged."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return config, None, None
     draft_dir, mc = load_draft_config(config, target, target_dir)
-    return target_share(config, target, mc), draft_dir, mc
+    return config, draft_dir, mc
 
 
 def _block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -81,14 +83,6 @@ def _block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
 def draft_dtype(config: EngineConfig) -> str:
     spec = config.speculative_config
     return config.dtype if spec.dtype == "auto" else spec.dtype
-
-
-def target_share(config: EngineConfig, target: ModelConfig, draft: ModelConfig) -> EngineConfig:
-    """The resolved target config with kv_cache_memory cut to the target's share, so both caches
-    fit the configured budget with equal block counts."""
-    t = _block_bytes(target, config.block_size, config.kv_torch_dtype)
-    d = _block_bytes(draft, config.block_size, _dtype(draft_dtype(config)))
-    return dataclasses.replace(config, kv_cache_memory=config.kv_cache_memory * t // (t + d))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -101,12 +95,15 @@ class DraftModel:
     def __init__(self, config: EngineConfig, draft_dir: str, mc: ModelConfig, num_blocks: int):
         spec = config.speculative_config
         dtype = draft_dtype(config)
+        # guesses need no more: half the bytes where the decode kernel reads bf16 (a CPU)
+        kv_dtype = "bfloat16" if config.device == "cpu" and dtype == "float32" else dtype
         self.config = EngineConfig(
             model=draft_dir,
             dtype=dtype,
             quantization=spec.quantization,
             device=config.device,
-            kv_cache_memory=num_blocks * _block_bytes(mc, config.block_size, _dtype(dtype)),
+            kv_cache_dtype=kv_dtype,
+            kv_cache_memory=num_blocks * _block_bytes(mc, config.block_size, _dtype(kv_dtype)),
             block_size=config.block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -155,14 +152,26 @@ class DraftModel:
         for item in active:
             item.spec_token_ids.clear()
         # the first step: what each sequence lacks, and a guess after it
-        inputs, rows = [], []
+        inputs, rows, take = [], [], []
         for item, seq, start, n in first:
+            # a few tokens after a context (the last guess and the token after it, when every
+            # guess was kept) run as decode rows, much faster than a prompt chunk; only the last
+            # row's sample is the guess, the others sample greedily and are dropped
+            rows_n = n if item is not None and 1 < n <= 4 and start > 0 else 1
             inputs.append(
-                SeqInput(seq.token_ids[start : start + n], start, seq.block_ids, item is not None)
+                SeqInput(
+                    seq.token_ids[start : start + n],
+                    start,
+                    seq.block_ids,
+                    item is not None,
+                    num_logits=rows_n,
+                )
             )
             if item is not None:
+                rows += [SamplingRow(_GREEDY, (), (), None)] * (rows_n - 1)
                 rows.append(self._row(seq, item, gens[id(item)], eos_token_ids))
-        self._step(inputs, rows, active, costs)
+                take.append(len(rows) - 1)
+        self._step(inputs, rows, active, costs, take)
         for item, seq, start, n in first:
             if item is not None:
                 seq.draft_computed = start + n
@@ -176,12 +185,13 @@ class DraftModel:
             rows = [self._row(i.seq, i, gens[id(i)], eos_token_ids) for i in more]
             self._step(inputs, rows, more, costs)
 
-    def _step(self, inputs, rows, items, costs) -> None:
+    def _step(self, inputs, rows, items, costs, take=None) -> None:
+        """One draft forward; the sample of row take[i] (default: row i) is items[i]'s guess."""
         t0 = time.perf_counter()
         tokens, _, _ = self.runner.execute(ModelInput(inputs, []), rows, list(range(len(rows))))
         costs.observe(sum(len(i.token_ids) for i in inputs), time.perf_counter() - t0)
-        for item, token in zip(items, tokens):
-            item.spec_token_ids.append(token)
+        for item, row in zip(items, take if take is not None else range(len(items))):
+            item.spec_token_ids.append(tokens[row])
 
     @staticmethod
     def _row(seq, item, generator, eos_token_ids) -> SamplingRow:

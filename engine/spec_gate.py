@@ -40,11 +40,13 @@ class StepCosts:
 
     def __init__(self) -> None:
         self._buckets: dict[int, list[float]] = {}  # bucket -> [steps seen, mean rows, seconds]
+        self._points: list[tuple[float, float]] | None = None  # (rows, seconds) sorted, cached
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows < 1 or seconds <= 0:
             return
         key = round(2 * math.log2(rows))
+        self._points = None
         b = self._buckets.setdefault(key, [0, 0.0, 0.0])
         b[0] += 1
         w = 1.0 if b[0] <= 2 else max(1.0 / (b[0] - 1), 1 - DECAY)
@@ -58,7 +60,9 @@ class StepCosts:
     def predict(self, rows: float, upto: float | None = None) -> float:
         """Seconds for a step of `rows` rows; upto: forget what was measured above that many rows
         (the gate explores now and then, so a bucket measured once in a bad moment is retried)."""
-        points = sorted((r, t) for _, r, t in self._buckets.values())
+        if self._points is None:
+            self._points = sorted((r, t) for _, r, t in self._buckets.values())
+        points = self._points
         if upto is not None:  # (the smallest measure stays: something must anchor the guess)
             points = points[:1] + [p for p in points[1:] if p[0] <= upto * 1.2]
         if not points:
@@ -82,11 +86,15 @@ class StepCosts:
 @dataclass
 class Offer:
     """A decoding sequence's chance to speculate: at most `limit` guesses (0: none on offer),
-    with acceptance counts so far."""
+    with acceptance counts so far; with a draft model, the prompt tokens its draft must compute
+    before its first guess (`catch_up`) and the tokens it may still make (`remaining`), over
+    which that one-time cost is spread."""
 
     limit: int
     accepted: int
     rejected: int
+    catch_up: int = 0
+    remaining: int = 1 << 30
 
 
 class SpecGate:
@@ -129,7 +137,7 @@ class SpecGate:
         alphas = [self.seq_acceptance(o) for o in offers]
         order = sorted((i for i, o in enumerate(offers) if o.limit > 0), key=lambda i: -alphas[i])
         for k in range(1, self.max_k + 1):
-            tokens, rows, chosen = float(base_rows), base_rows, none[:]
+            tokens, rows, chosen, extra = float(base_rows), base_rows, none[:], 0.0
             rate_k = 0.0
             for i in order:
                 ki = min(k, offers[i].limit)
@@ -138,7 +146,8 @@ class SpecGate:
                 n = sum(1 for c in chosen if c) + 1
                 cost = self.target.predict(rows + ki, upto)
                 if uses_draft:
-                    cost += k * self._draft_step(n)
+                    cost += k * self._draft_step(n) + extra + self._catch_up(offers[i], gain)
+                    extra += self._catch_up(offers[i], gain)
                 if cost <= 0:
                     break
                 rate = (tokens + gain) / cost
@@ -149,6 +158,13 @@ class SpecGate:
             if rate_k > best_rate * (1 + MARGIN) and rate_k > best_rate:
                 best_rate, best = rate_k, chosen
         return best
+
+    def _catch_up(self, offer: Offer, gain: float) -> float:
+        """A sequence's draft catch-up, in seconds per step of its remaining life."""
+        if not offer.catch_up:
+            return 0.0
+        steps_left = max(1.0, offer.remaining / (1 + gain))
+        return self._draft_step(offer.catch_up) / steps_left
 
     def _draft_step(self, seqs: int) -> float:
         if self.draft.known:

@@ -225,3 +225,14 @@ def test_gate_explores_now_and_then(monkeypatch):
         gate.target.observe(5, 50.0)  # one bad spell at 5 rows
     picks = [gate.choose(1, [Offer(4, 40, 10)], False) for _ in range(3)]
     assert [4] in picks and picks.count([4]) < 3
+
+
+def test_gate_spreads_a_drafts_catch_up_over_what_is_left():
+    gate = _gate(0.01)
+    for _ in range(3):
+        gate.draft.observe(1, 0.1)
+        gate.draft.observe(512, 200.0)  # a draft's catch-up on a long prompt is dear
+    short = Offer(4, 40, 10, catch_up=500, remaining=8)
+    long = Offer(4, 40, 10, catch_up=500, remaining=100_000)
+    assert gate.choose(1, [short], uses_draft=True) == [0]
+    assert gate.choose(1, [long], uses_draft=True) == [4]
