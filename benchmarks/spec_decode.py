@@ -41,7 +41,7 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
-from benchmarks.spec_tasks import copy_tasks
+from benchmarks.spec_tasks import compare_tokens, copy_tasks
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 DRAFT = {
@@ -142,16 +142,6 @@ def _side(kwargs: dict, spec: dict | None, prompts1, prompts32, args) -> dict:
         gc.collect()
 
 
-def _compare(a: list[list[int]], b: list[list[int]]) -> dict:
-    first = []
-    for x, y in zip(a, b):
-        mismatch = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
-        if mismatch is None and len(x) != len(y):
-            mismatch = min(len(x), len(y))
-        first.append(mismatch)
-    return {"equal": sum(m is None for m in first), "of": len(first), "first_mismatch": first}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = script_parser(__doc__)
     ap.add_argument("--threads", type=int, default=2)
@@ -190,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         s = {
             "one_stream_off_tok_s": off["one_stream"]["decode_tok_s"],
             "one_stream_on_tok_s": on["one_stream"]["decode_tok_s"],
-            "one_stream_tokens": _compare(off["one_stream"]["tokens"], on["one_stream"]["tokens"]),
+            "one_stream_tokens": compare_tokens(
+                off["one_stream"]["tokens"], on["one_stream"]["tokens"]
+            ),
             "one_stream_acceptance": on["one_stream"]["spec"]["acceptance"],
         }
         s["one_stream_ratio"] = s["one_stream_on_tok_s"] / s["one_stream_off_tok_s"]
@@ -198,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
             s.update(
                 streams32_off_tok_s=off["streams32"]["decode_tok_s"],
                 streams32_on_tok_s=on["streams32"]["decode_tok_s"],
-                streams32_tokens=_compare(off["streams32"]["tokens"], on["streams32"]["tokens"]),
+                streams32_tokens=compare_tokens(
+                    off["streams32"]["tokens"], on["streams32"]["tokens"]
+                ),
                 streams32_acceptance=on["streams32"]["spec"]["acceptance"],
                 streams32_drafts=on["streams32"]["spec"]["spec_drafts"],
             )

@@ -77,7 +77,7 @@ from benchmarks.bench_common import (
 )
 from benchmarks.moe_served import START_TIMEOUT_S, decode_rate, stop_up
 from benchmarks.spec_decode import DRAFT, NGRAM
-from benchmarks.spec_tasks import copy_tasks
+from benchmarks.spec_tasks import compare_tokens, copy_tasks
 
 METHODS = {"off": None, "ngram": NGRAM, "draft": DRAFT}
 DECODE_KV_BYTES = 2 << 30  # 32 sequences of ~600 prompt + 128 new tokens fit twice in float32
@@ -352,16 +352,6 @@ def deployment(method: str, spec: dict | None, tasks1, tasks32, warm, args) -> d
         shutil.rmtree(work, ignore_errors=True)
 
 
-def compare(a: list[list[int]], b: list[list[int]]) -> dict:
-    first = []
-    for x, y in zip(a, b):
-        mismatch = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
-        if mismatch is None and len(x) != len(y):
-            mismatch = min(len(x), len(y))
-        first.append(mismatch)
-    return {"equal": sum(m is None for m in first), "of": len(first), "first_mismatch": first}
-
-
 def ratios(base: dict, on: dict) -> dict:
     """on / base decode tok/s: over all prompts (or streams), per prompt and its median."""
     out = {"ratio": on["decode_tok_s"] / base["decode_tok_s"]}
@@ -384,7 +374,7 @@ def summarize(off: dict, on: dict) -> dict:
             "off_tok_s": o["decode_tok_s"],
             "on_tok_s": n["decode_tok_s"],
             **ratios(o, n),
-            "tokens": compare(o["tokens"], n["tokens"]),
+            "tokens": compare_tokens(o["tokens"], n["tokens"]),
             "acceptance": n["spec"]["acceptance"],
             "drafts": n["spec"]["drafts"],
             "draft_tokens": n["spec"]["draft_tokens"],
@@ -396,8 +386,8 @@ def summarize(off: dict, on: dict) -> dict:
             s[part]["paired"] = {
                 "optout_tok_s": x["decode_tok_s"],
                 **ratios(x, n),
-                "optout_tokens": compare(o["tokens"], x["tokens"]),
-                "on_vs_optout_tokens": compare(x["tokens"], n["tokens"]),
+                "optout_tokens": compare_tokens(o["tokens"], x["tokens"]),
+                "on_vs_optout_tokens": compare_tokens(x["tokens"], n["tokens"]),
                 "optout_drafts": x["spec"]["drafts"],
             }
     s["off_deployment_drafts"] = off.get("metrics_total", {}).get("drafts")  # 0: it was off
@@ -449,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     report["summary"] = summary = {m: summarize(off, report["deployments"][m]) for m in methods[1:]}
     report["summary_off_repeat"] = {  # the "off" deployment against itself: the noise floor
         part: {**ratios(off[part + "_repeat"], off[part]),
-               "tokens": compare(off[part + "_repeat"]["tokens"], off[part]["tokens"])}
+               "tokens": compare_tokens(off[part + "_repeat"]["tokens"], off[part]["tokens"])}
         for part in ("one_stream", "streams32")
     }  # fmt: skip
     write_result(args.out, report)

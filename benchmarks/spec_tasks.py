@@ -57,3 +57,15 @@ def copy_tasks(n: int) -> list[tuple[str, list[dict]]]:
             instruction = instruction.format(name="propose" if i % 2 == 0 else "sync")
         out.append((kind, [{"role": "user", "content": f"{instruction}\n\n{text}"}]))
     return out
+
+
+def compare_tokens(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Two runs' token lists, request by request: how many are equal, and where each differs
+    first (None: equal)."""
+    first = []
+    for x, y in zip(a, b):
+        mismatch = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
+        if mismatch is None and len(x) != len(y):
+            mismatch = min(len(x), len(y))
+        first.append(mismatch)
+    return {"equal": sum(m is None for m in first), "of": len(first), "first_mismatch": first}
