@@ -20,8 +20,9 @@ The rule: the cache is bfloat16 when both hold, else float32.
 2. The probe text scored in M with a bf16 cache stays within M's bound against float32's
    perplexity (`QUALITY_BOUNDS[M]`, the bound M itself passed; float32 weights: bfloat16's
    bound). The probe is prefilled in chunks of KV_PROBE_CHUNK tokens, so every chunk after the
-   first reads its whole context back from the cache (a prompt prefilled in one chunk attends its
-   fresh float32 K/V and never sees the cache's dtype). It runs in a small bf16 cache of its own:
+   first reads its context back from the cache, as served prompts and decodes do (a chunk attends
+   its own K/V rounded as the cache holds them, engine/attention.py, so how the probe is cut does
+   not change its score). It runs in a small bf16 cache of its own:
    the engine's cache is reallocated only once the answer is bfloat16, after the float32 one is
    released (the memory is never held twice, and the same kv_cache_memory bytes hold twice the
    blocks).

@@ -68,7 +68,7 @@ class Speculator:
         self.gate = SpecGate(self.max_k, prior, self.cfg.disable_by_batch_size)
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
         self.accepted_per_pos = [0] * self.max_k
-        self._states: dict[int, tuple[torch.Generator, object]] = {}
+        self._states: dict[int, torch.Tensor] = {}  # seq_id -> its generator state before a check
         self._t0 = 0.0
         self._draft_s = 0.0
 
