@@ -97,3 +97,21 @@ def greedy_tokens(stub, pb, ids: list[int], max_tokens: int, model: str = "", me
         if resp.HasField("delta"):
             tokens += list(resp.delta.token_ids)
     return tokens
+
+
+def flags_config(tmp_path, yaml_data: dict | None, *flags: str):
+    """The DeployConfig `pdserve up [YAML] FLAGS` would start (None: no YAML), without starting
+    it (the unit tests of `up`'s flags)."""
+    import argparse
+
+    from pdserve.up_flags import add_up_flags, up_config
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?")
+    add_up_flags(parser)
+    argv = list(flags)
+    if yaml_data is not None:
+        path = tmp_path / "deploy.yaml"
+        path.write_text(yaml.safe_dump(yaml_data))
+        argv.insert(0, str(path))
+    return up_config(parser.parse_args(argv))[0]

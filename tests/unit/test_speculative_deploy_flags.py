@@ -7,7 +7,6 @@ checked before any model loads. No socket and no model: nothing here starts a wo
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -18,7 +17,7 @@ from deploy_config_helpers import EXAMPLES
 from pdserve.cli import main
 from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
 from pdserve.engine.spec_config import SpeculativeConfig
-from pdserve.up_flags import add_up_flags, up_config
+from up_helpers import flags_config as _up
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 NGRAM_FULL = {**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -31,19 +30,6 @@ def _refusal(data: dict) -> str:
     with pytest.raises(ConfigError) as e:
         validate_config(data, "d.yaml")
     return str(e.value)
-
-
-def _up(tmp_path, yaml_data: dict | None, *flags: str) -> DeployConfig:
-    """The config `pdserve up [YAML] FLAGS` would start (None: no YAML)."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("config", nargs="?")
-    add_up_flags(parser)
-    argv = list(flags)
-    if yaml_data is not None:
-        path = tmp_path / "deploy.yaml"
-        path.write_text(yaml.safe_dump(yaml_data))
-        argv.insert(0, str(path))
-    return up_config(parser.parse_args(argv))[0]
 
 
 def _up_refusal(tmp_path, yaml_data: dict | None, *flags: str) -> str:

@@ -14,21 +14,9 @@ from pdserve.cli import main
 from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
 from pdserve.deploy.config_checks import fit_problems
 from pdserve.up_flags import add_up_flags, up_config
+from up_helpers import flags_config as _up
 
 KEY = "sk-flag-key-00000001"
-
-
-def _up(tmp_path, yaml_data: dict | None, *flags: str) -> DeployConfig:
-    """The config `pdserve up [YAML] FLAGS` would start (None: no YAML)."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("config", nargs="?")
-    add_up_flags(parser)
-    argv = list(flags)
-    if yaml_data is not None:
-        path = tmp_path / "deploy.yaml"
-        path.write_text(yaml.safe_dump(yaml_data))
-        argv.insert(0, str(path))
-    return up_config(parser.parse_args(argv))[0]
 
 
 YAML = {
