@@ -57,6 +57,15 @@ def served_yaml(kv_cache_memory: int, threads: int, ray_tmp: str) -> dict:
     }
 
 
+def popen_up(command: list[str], err) -> subprocess.Popen:
+    """`pdserve up` as a child of this checkout, stdout piped (its start table and "ready"),
+    stderr to the open file `err`, no API key inherited from the caller's environment."""
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_API_KEY")},
+    )  # fmt: skip
+
+
 def router_address(proc: subprocess.Popen, timeout_s: float) -> str:
     """Reads `proc`'s stdout on a thread of its own until `ready`; the router address it printed.
     The thread keeps draining stdout afterwards (the start table), so the child never blocks."""
@@ -156,10 +165,7 @@ def run_served(
     err_path = os.path.join(work, "up.err")
     t0 = time.perf_counter()
     with open(err_path, "w") as err:
-        up = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT,
-            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_API_KEY")},
-        )  # fmt: skip
+        up = popen_up(command, err)
     try:
         address = router_address(up, START_TIMEOUT_S)
         start_s = time.perf_counter() - t0

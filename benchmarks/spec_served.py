@@ -64,7 +64,6 @@ import time
 import urllib.request
 
 from benchmarks.bench_common import (
-    REPO_ROOT,
     TreeCpuMonitor,
     add_out_arg,
     add_wait_idle_arg,
@@ -75,7 +74,7 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
-from benchmarks.moe_served import START_TIMEOUT_S, decode_rate, stop_up
+from benchmarks.moe_served import START_TIMEOUT_S, decode_rate, popen_up, stop_up
 from benchmarks.spec_decode import DRAFT, NGRAM
 from benchmarks.spec_tasks import compare_tokens, copy_tasks
 
@@ -307,10 +306,7 @@ def deployment(method: str, spec: dict | None, tasks1, tasks32, warm, args) -> d
     err_path = os.path.join(work, "up.err")
     t0 = time.perf_counter()
     with open(err_path, "w") as err:
-        up = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT,
-            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_API_KEY")},
-        )  # fmt: skip
+        up = popen_up(command, err)
     try:
         found = read_stdout(up, START_TIMEOUT_S)
         report["start_s"] = time.perf_counter() - t0
