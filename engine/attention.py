@@ -1,9 +1,12 @@
 """Attention over the paged KV cache (torch implementation; runs on CPU and CUDA).
 
-Decodes are batched. On CPU in float32 a compiled kernel (engine/kernels) reads their blocks in
-place; otherwise their blocks are gathered with one index op per layer and attended with one SDPA
-call. A prompt chunk with no cached context attends its own fresh K/V with a causal kernel
-and skips the gather entirely; a chunk after a cached prefix gathers its context once.
+Decode rows are batched. On CPU in float32 a compiled kernel (engine/kernels) reads their blocks
+in place, and there every token of a step is such a row, prompt chunks included
+(ModelRunner._prepare): a row's result depends on its position and context only, never on how
+its prompt was cut into chunks or what else shared the step. Otherwise decode rows' blocks are
+gathered with one index op per layer and attended with one SDPA call, a prompt chunk with no
+cached context attends its own fresh K/V with a causal kernel and skips the gather, and a chunk
+after a cached prefix gathers its context once.
 
 A layer may have its own scale, a sliding window (a query sees itself and the window - 1 tokens
 before it; older positions are masked, and the compiled decode kernel reads no block wholly before

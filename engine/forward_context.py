@@ -28,7 +28,7 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
-    num_decode_tokens: int = 0  # decodes come first in the batch, one token each
+    num_decode_tokens: int = 0  # rows of the decode kernel, first in the batch (one per token)
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]

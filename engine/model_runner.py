@@ -353,11 +353,17 @@ class ModelRunner:
 
     def _prepare(self, inp: ModelInput):
         bs = self.block_size
+        # Where the compiled kernel attends, every token is a row of it, prompt chunks included: a
+        # row's result then depends on its position and context only, not on how its prompt was
+        # cut into chunks or what else ran in the step (an SDPA call's shape changes its last
+        # bits, and int8's per-row activation scaling turns those into whole quantization steps)
+        kernel = decode_kernel(self.device, self.dtype, self.model_config.head_dim, self.kv_dtype)
+        rows_all = kernel is not None
         # decodes (one new token, or guesses checked after a context: one decode row per token)
         # first, so attention can batch them with a single gather
         order = sorted(range(len(inp.seqs)), key=lambda i: not _decodes(inp.seqs[i]))
         ids, pos, slots, last_idx = [], [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
+        row_seqs, prefills = [], []  # (first position, rows, blocks) per sequence run as rows
         q_starts = {}
         for i in order:
             s = inp.seqs[i]
@@ -369,10 +375,8 @@ class ModelRunner:
             slots += [s.block_ids[p // bs] * bs + p % bs for p in positions]
             context_len = s.start + n
             num_blocks = -(-context_len // bs)
-            if _decodes(s):  # row j sees the context and the tokens up to its own
-                for j in range(n):
-                    decode_tables.append(s.block_ids[: -(-(s.start + j + 1) // bs)])
-                    decode_lens.append(s.start + j + 1)
+            if rows_all or _decodes(s):  # row j sees the context and the tokens up to its own
+                row_seqs.append((s.start, n, s.block_ids[:num_blocks]))
             else:
                 mask = None
                 if s.start > 0:
@@ -386,23 +390,25 @@ class ModelRunner:
             if s.samples:
                 last_idx += [(i, q_start + n - s.num_logits + j) for j in range(s.num_logits)]
         dev = self.device
+        num_rows = sum(n for _, n, _ in row_seqs)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
-            num_decode_tokens=len(decode_tables),
+            num_decode_tokens=num_rows,
             kv_cache=self.kv_cache,
         )
-        if decode_tables:
-            width = max(map(len, decode_tables))
-            table = torch.zeros(len(decode_tables), width, dtype=torch.long)
-            for r, t in enumerate(decode_tables):
-                table[r, : len(t)] = torch.tensor(t)
-            lens = torch.tensor(decode_lens)
+        if row_seqs:
+            # a sequence's rows share its block list; each reads only as far as its own length
+            width = max(len(b) for _, _, b in row_seqs)
+            table = torch.zeros(num_rows, width, dtype=torch.long)
+            lens = torch.empty(num_rows, dtype=torch.long)
+            r = 0
+            for start, n, blocks in row_seqs:
+                table[r : r + n, : len(blocks)] = torch.tensor(blocks)
+                torch.arange(start + 1, start + n + 1, out=lens[r : r + n])
+                r += n
             meta.decode_block_tables = table.to(dev)
             meta.decode_context_lens = lens.to(dev)
-            if (
-                decode_kernel(self.device, self.dtype, self.model_config.head_dim, self.kv_dtype)
-                is None
-            ):
+            if not rows_all:
                 meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[
                     :, None, None, :
                 ].to(dev)
