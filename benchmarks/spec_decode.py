@@ -1,14 +1,15 @@
 """Speculative decoding in the engine, with and without, on copy-heavy prompts (issue #31,
 must-shows a, c and d; the served figures are benchmarks/spec_served.py's).
 
-  python -m benchmarks.spec_decode                  # ~10 min on 2 cores
+  python -m benchmarks.spec_decode                  # ~15 min on 2 cores
   python -m benchmarks.spec_decode --wait-idle 300  # first wait for a quiet CPU, each pair
   python -m benchmarks.spec_decode --quick --out /tmp/spec_quick.json
 
 The model is the embedded default (SmolLM2-135M-Instruct), the prompts benchmarks/spec_tasks.py's
 (edit a given piece of code, quote a given text, summarize a given text) in its chat template,
-greedy. Each pair builds the engine without speculation and then with it, in this one process,
-torch at --threads threads, and runs the same workload on both:
+greedy. Each pair builds two engines side by side in this one process, without speculation and
+with it, torch at --threads threads, and runs the same workloads on both, alternating between
+them so that the machine's drift over minutes (several percent here) falls on both alike:
 
   ngram:  dtype "auto" (the default mode: quantization picked by its probe) with and without
           {"method": "ngram", "num_speculative_tokens": 4};
@@ -17,8 +18,10 @@ torch at --threads threads, and runs the same workload on both:
 
 Workloads: (1) one stream: each of --prompts copy tasks alone, max_tokens --new; decode tok/s =
 (tokens - 1) / (time of the last token - time of the first), per prompt and over all of them;
-(2) 32 concurrent streams (copy_tasks(32), max_tokens --new32) added at once; decode tok/s =
-tokens made after the step at which every request had its first token / the time of those steps.
+(2) 32 concurrent streams (copy_tasks(32), max_tokens --new32) added at once, --rounds times on
+each engine (off, on, off, on, ...); decode tok/s = tokens made after the step at which every
+request had its first token / the time of those steps; the ratio is the median round's, with
+every round's kept.
 Before each, two throwaway requests warm the engine and let the gate (engine/spec_gate.py)
 measure its step costs. Tokens of every request are compared with the run without speculation;
 acceptance is the engine's spec_stats over the measured part.
@@ -30,6 +33,7 @@ and flags), per pair and workload the figures, the ratios and the token comparis
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 from benchmarks.bench_common import (
@@ -107,38 +111,69 @@ def _run(engine, prompts: list[list[int]], new: int) -> dict:
     }
 
 
-def _one_stream(engine, prompts, new) -> dict:
-    runs = [_run(engine, [p], new) for p in prompts]
-    tokens = [r["tokens"][0] for r in runs]
-    rates = [r["per_request_tok_s"][0] for r in runs]
-    total_tokens = sum(len(t) - 1 for t in tokens)
-    total_time = sum((len(t) - 1) / r for t, r in zip(tokens, rates) if r)
-    return {"tokens": tokens, "per_prompt_tok_s": rates, "decode_tok_s": total_tokens / total_time}
-
-
-def _side(kwargs: dict, spec: dict | None, prompts1, prompts32, args) -> dict:
+def _engines(kwargs: dict, spec: dict, pair_name: str):
+    """The pair's two engines, built side by side in this process: off (no speculation), on."""
     from pdserve.engine import LLM
 
-    llm = LLM("smollm2", speculative_config=spec, **kwargs)
-    engine = llm.engine
+    log(f"{pair_name}: building the engines without and with {spec}")
+    return LLM("smollm2", speculative_config=None, **kwargs), LLM(
+        "smollm2", speculative_config=spec, **kwargs
+    )
+
+
+def _pair(kwargs: dict, spec: dict, name: str, prompts1, prompts32, args) -> dict:
+    """Each workload on both engines, alternating between them (the machine's speed drifts by
+    several percent over minutes: one engine's run after the other's would carry that drift into
+    the ratio). One stream: prompt by prompt, off then on; 32 streams: --rounds rounds, each off
+    then on; per round the ratio, and the summary's the median round."""
+    llms = _engines(kwargs, spec, name)
+    engines = {"off": llms[0].engine, "on": llms[1].engine}
     try:
         out = {
-            "mode_note": engine.mode_note,
-            "spec_note": engine.spec.mode_note if engine.spec else None,
+            side: {
+                "mode_note": e.mode_note,
+                "spec_note": e.spec.mode_note if e.spec else None,
+                "one_stream": {"tokens": [], "per_prompt_tok_s": []},
+            }
+            for side, e in engines.items()
         }
-        _run(engine, prompts1[:2], 32)  # warm-up: shapes built, step costs measured
-        before = engine.spec_stats()
-        out["one_stream"] = _one_stream(engine, prompts1, args.new)
-        out["one_stream"]["spec"] = _spec_delta(engine, before)
+        for e in engines.values():
+            _run(e, prompts1[:2], 32)  # warm-up: shapes built, step costs measured
+        before = engines["on"].spec_stats()
+        for p in prompts1:
+            for side, e in engines.items():
+                r = _run(e, [p], args.new)
+                out[side]["one_stream"]["tokens"].append(r["tokens"][0])
+                out[side]["one_stream"]["per_prompt_tok_s"].append(r["per_request_tok_s"][0])
+        out["on"]["one_stream"]["spec"] = _spec_delta(engines["on"], before)
+        for side in engines:
+            o = out[side]["one_stream"]
+            made = sum(len(t) - 1 for t in o["tokens"])
+            took = sum((len(t) - 1) / r for t, r in zip(o["tokens"], o["per_prompt_tok_s"]) if r)
+            o["decode_tok_s"] = made / took
         if prompts32:
-            _run(engine, prompts32[:8], 16)
-            before = engine.spec_stats()
-            out["streams32"] = _run(engine, prompts32, args.new32)
-            out["streams32"]["spec"] = _spec_delta(engine, before)
+            for e in engines.values():
+                _run(e, prompts32[:8], 16)
+            before = engines["on"].spec_stats()
+            rounds = {"off": [], "on": []}
+            for _ in range(args.rounds):
+                for side, e in engines.items():
+                    rounds[side].append(_run(e, prompts32, args.new32))
+            for side in engines:
+                out[side]["streams32"] = {
+                    "rounds_tok_s": [r["decode_tok_s"] for r in rounds[side]],
+                    "tokens": rounds[side][0]["tokens"],
+                }
+            out["on"]["streams32"]["spec"] = _spec_delta(engines["on"], before)
+            out["streams32_round_tokens"] = [
+                compare_tokens(a["tokens"], b["tokens"])
+                for a, b in zip(rounds["off"], rounds["on"])
+            ]
         return out
     finally:
-        llm.shutdown()
-        del llm, engine
+        for llm in llms:
+            llm.shutdown()
+        del llms, engines
         gc.collect()
 
 
@@ -148,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=3, help="one-stream prompts (default 3)")
     ap.add_argument("--new", type=int, default=256, help="one-stream max_tokens (default 256)")
     ap.add_argument("--new32", type=int, default=128, help="32-stream max_tokens (default 128)")
+    ap.add_argument("--rounds", type=int, default=5, help="32-stream rounds per engine (default 5)")
     ap.add_argument("--pairs", default="ngram,draft")
     ap.add_argument("--no-32", action="store_true", help="one stream only")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 prompt x 32 tokens")
@@ -155,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     add_wait_idle_arg(ap, "each pair")
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.new, args.new32 = 1, 32, 16
+        args.prompts, args.new, args.new32, args.rounds = 1, 32, 16, 1
     import torch
 
     from pdserve.engine.loader import resolve_model
@@ -166,17 +202,16 @@ def main(argv: list[str] | None = None) -> None:
     prompts1 = _prompts(tok, args.prompts)
     prompts32 = [] if args.no_32 else _prompts(tok, 8 if args.quick else 32)
     report = run_header("benchmarks.spec_decode", argv)
-    report.update(threads=args.threads, new=args.new, new32=args.new32, pairs={})
+    report.update(threads=args.threads, new=args.new, new32=args.new32, rounds=args.rounds)
+    report["pairs"] = {}
     summary = {}
     for name in args.pairs.split(","):
         kwargs, spec = PAIRS[name]
         if args.wait_idle:
             report.setdefault("idle_waits", {})[name] = wait_for_idle_machine(args.wait_idle)
-        log(f"{name}: without speculation")
-        off = _side(kwargs, None, prompts1, prompts32, args)
-        log(f"{name}: with {spec}")
-        on = _side(kwargs, spec, prompts1, prompts32, args)
-        pair = {"engine_kwargs": kwargs, "speculative_config": spec, "off": off, "on": on}
+        pair = _pair(kwargs, spec, name, prompts1, prompts32, args)
+        off, on = pair["off"], pair["on"]
+        pair.update(engine_kwargs=kwargs, speculative_config=spec)
         s = {
             "one_stream_off_tok_s": off["one_stream"]["decode_tok_s"],
             "one_stream_on_tok_s": on["one_stream"]["decode_tok_s"],
@@ -187,16 +222,23 @@ def main(argv: list[str] | None = None) -> None:
         }
         s["one_stream_ratio"] = s["one_stream_on_tok_s"] / s["one_stream_off_tok_s"]
         if prompts32:
+            offs, ons = off["streams32"]["rounds_tok_s"], on["streams32"]["rounds_tok_s"]
+            ratios = [b / a for a, b in zip(offs, ons)]
+            same = pair["streams32_round_tokens"]
             s.update(
-                streams32_off_tok_s=off["streams32"]["decode_tok_s"],
-                streams32_on_tok_s=on["streams32"]["decode_tok_s"],
-                streams32_tokens=compare_tokens(
-                    off["streams32"]["tokens"], on["streams32"]["tokens"]
-                ),
+                streams32_off_tok_s=statistics.median(offs),
+                streams32_on_tok_s=statistics.median(ons),
+                streams32_round_ratios=ratios,
+                streams32_ratio=statistics.median(ratios),
+                streams32_tokens={
+                    "equal": min(c["equal"] for c in same),
+                    "of": same[0]["of"],
+                    "rounds": len(same),
+                    "first_mismatch": [c["first_mismatch"] for c in same],
+                },
                 streams32_acceptance=on["streams32"]["spec"]["acceptance"],
                 streams32_drafts=on["streams32"]["spec"]["spec_drafts"],
             )
-            s["streams32_ratio"] = s["streams32_on_tok_s"] / s["streams32_off_tok_s"]
         pair["summary"] = summary[name] = s
         report["pairs"][name] = pair
         log(f"{name}: {s}")
