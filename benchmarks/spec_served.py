@@ -15,11 +15,10 @@ mode), "ngram" (`--speculative-config '{"method": "ngram",
 "quantization": "int4", "num_speculative_tokens": 4}'`: the target's own int4 copy). It reads the
 router's gRPC address and HTTP URL from the child's stdout and, per deployment:
 
-(0) warm-up: every prompt once, alone, for one token, so each measured request finds the same
-    prefix cached on the prefill worker (in the default mode a prompt's outputs depend on how its
-    prefill was cut into chunks, which concurrent arrivals would change); then two copy prompts
-    one after the other (64 tokens each), so the gate (engine/spec_gate.py) has measured one
-    stream's step costs; before (2), the 32 at once for 16 tokens;
+(0) warm-up: two copy prompts one after the other (64 tokens each), so the gate
+    (engine/spec_gate.py) has measured one stream's step costs; before (2), the 32 at once for 16
+    tokens. (No prompt is prefilled alone first: how a prompt's prefill is cut into chunks, which
+    concurrent arrivals change, no longer changes its outputs, and the comparison shows it.)
 (1) one stream at a time over --prompts copy tasks (benchmarks/spec_tasks.py: edit code, quote
     text, summarize text), greedy, max_tokens --new, as gRPC `Generate` with chat messages (the
     router applies the model's chat template; every delta carries token ids, timestamped on
@@ -316,12 +315,6 @@ def deployment(method: str, spec: dict | None, tasks1, tasks32, warm, args) -> d
         http = found["http"]
         with grpc.insecure_channel(found["grpc"]) as channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
-            # every prompt prefilled alone once, so each measured request finds the same prefix
-            # cached (the default mode's outputs depend on how a prompt's prefill was chunked)
-            t = time.perf_counter()
-            for _, msgs in {id(x): x for x in tasks32 + tasks1 + warm}.values():
-                stream(stub, request(pb, msgs, 1))
-            report["prefix_warm_s"] = time.perf_counter() - t
             for _, msgs in warm:  # warm-up, one stream at a time
                 stream(stub, request(pb, msgs, args.warm_tokens))
             # speculating: the part with every request opted out first (the paired ratio); off:
