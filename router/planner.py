@@ -20,8 +20,9 @@ A side is pressed from 1 - margin/2 on and has room under 1 - margin. One side p
 other has room, for `sustain` decisions in a row, flips workers from the relaxed pool to the
 pressed one (never its last worker), as many as the prefill demand asks for: the prompt tokens
 arriving per second plus the queue, over one prefill worker's speed at `prefill_use`, against
-the prefill workers serving. The same estimate holds a flip that would starve the pool it takes
-from, and it decides when one side is pressed and the other has no room: a demand for fewer
+the prefill workers serving. No decode worker goes to prefill when the decode pool left would be
+more pressed than prefill is now (TPOT pressure scaled by the workers left). The same estimate
+holds a flip that would starve the pool it takes from, and it decides when one side is pressed and the other has no room: a demand for fewer
 prefill workers than serve flips toward decode, one for more toward prefill, each only toward
 the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if
 TPOT is under half its room; TPOT with no room: local prefill stops. With neither side pressed,
@@ -155,8 +156,10 @@ class Planner:
         want, why = NONE, "within the SLO's margins"
         nudge = False  # a flip ahead of pressure: one worker, whatever the demand would move
         if ttft is not None and ttft > hi and tpot_room:
-            if s.decode_workers > 1:
+            if s.decode_workers > 1 and self._decode_can_give(s, ttft, tpot, 1):
                 want, why = TO_PREFILL, "TTFT over its SLO while TPOT has room"
+            elif s.decode_workers > 1:
+                why = "TTFT over its SLO, but one decode worker fewer would be more pressed"
             elif s.local_max < c.local_cap and (tpot is None or tpot < lo / 2):
                 # only onto a decode pool that is clearly idle: a local prompt stalls every
                 # stream of its worker for its whole prefill, and finished requests show the
@@ -190,8 +193,13 @@ class Planner:
             if demand is not None and demand <= (p - 1) * lo and t_out > max(lo, t_in):
                 want, why = TO_DECODE, f"both near or over their SLOs; prefill needs {need}P"
             elif demand is not None and demand >= p + c.margin and t_in > max(lo, t_out):
-                if s.decode_workers > 1:
+                if s.decode_workers > 1 and self._decode_can_give(s, ttft, tpot, 1):
                     want, why = TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
+                elif s.decode_workers > 1:
+                    why = (
+                        f"both near or over their SLOs; prefill needs {need}P, but one decode "
+                        "worker fewer would be more pressed"
+                    )
         elif self._spare_prefill(s, ttft, tpot):
             # Neither side pressed, but the prefill pool has a worker to spare while decode has
             # used over half its room: one goes before TPOT is pressed. Live, a shift to long
@@ -223,6 +231,8 @@ class Planner:
                         NONE, f"{why}, but {s.prefill_workers}P cover the prefill demand ({say})"
                     )
                 count = min(need - s.prefill_workers, s.decode_workers - 1, room)
+                while count > 1 and not self._decode_can_give(s, ttft, tpot, count):
+                    count -= 1
             elif need is not None:
                 if need >= s.prefill_workers:
                     why = f"{why}, but the prefill demand needs {need}P"
@@ -246,6 +256,18 @@ class Planner:
             self._last_flip, self.flipping = s.now, True
         self._streak[want] = 0
         return Decision(want, f"{why} ({say})", count)
+
+    @staticmethod
+    def _decode_can_give(s: Signals, ttft: float | None, tpot: float | None, n: int) -> bool:
+        """Whether n decode workers can go to prefill: the decode pool left, carrying the same
+        streams (TPOT pressure x d / (d - n)), would be less pressed than prefill is now. Live,
+        TTFT at 1.1-1.9 x SLO in a phase of long answers on 1P:2D read as a need for 2P; the
+        flip took TPOT from 1.0-1.3 x to 1.8-2.0 x SLO and the phase's attainment from 92% to
+        53-81%."""
+        if tpot is None:
+            return True
+        d = s.decode_workers
+        return n < d and tpot * d / (d - n) < (ttft or 0.0)
 
     def _spare_prefill(self, s: Signals, ttft: float | None, tpot: float | None) -> bool:
         """TTFT under half its room, TPOT over half its own, and the prefill workers but one

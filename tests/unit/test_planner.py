@@ -183,7 +183,11 @@ def test_both_sides_pressed_the_prefill_demand_decides_when_it_is_clear():
     p.flip_done(2)
     # 2.42: more than 2 by the margin, but TPOT (2 x) is the more pressed: no flip to prefill
     assert p.decide(sig(3, **both, rate=2300.0)).action == NONE
+    # TTFT the more pressed (2.5 x), but 1 decode worker left would carry 4 x: no flip either
     d = p.decide(sig(3, **dict(both, ttft=2.5), rate=2300.0))
+    assert d.action == NONE and "one decode worker fewer would be more pressed" in d.reason
+    # of 4 decode workers, the 3 left would carry 2.67 x, under TTFT's 3 x: one goes
+    d = p.decide(sig(3, **dict(both, ttft=3.0, d=4), rate=2300.0))
     assert d.action == TO_PREFILL and d.count == 1
     p.flip_done(3)
     # unclear, with local prefill on: it stops, as TPOT is over its SLO
@@ -249,3 +253,21 @@ def test_a_batch_back_the_other_way_soon_after_moves_half_as_many():
     p.flip_done(125)
     d = p.decide(sig(300, ttft=3.0, tpot=0.05, p=7, d=9, speed=1000.0, rate=11000.0))
     assert (d.action, d.count) == (TO_PREFILL, 4)
+
+
+def test_no_decode_worker_goes_to_prefill_when_the_decode_pool_left_would_be_more_pressed():
+    """TPOT pressure scales by the decode workers left (the same streams on fewer workers); a
+    flip toward prefill must leave that under the TTFT pressure it relieves."""
+    p = Planner(PlannerConfig(ttft_s=1, tpot_s=0.1, sustain=1, cooldown_s=0, max_flips_per_min=9))
+    # live, long answers on 1P:2D: TTFT 1.13 x, TPOT 1.01 x, the demand reading 2P
+    d = p.decide(sig(0, ttft=1.13, tpot=0.101, p=1, d=2, speed=1000.0, rate=1500.0))
+    assert d.action == NONE and "one decode worker fewer would be more pressed" in d.reason
+    # TTFT pressed while TPOT has room (0.7 x), but 1 decode worker would carry 1.4 x
+    d = p.decide(sig(1, ttft=1.0, tpot=0.07, p=1, d=2))
+    assert d.action == NONE and "one decode worker fewer would be more pressed" in d.reason
+    assert p.decide(sig(2, ttft=1.5, tpot=0.07, p=1, d=2)).action == TO_PREFILL  # 1.4 < 1.5
+    p.flip_done(2)
+    # a batch stops where the decode workers left would pass TTFT's pressure: the demand asks
+    # for 6P on 1P:5D (4 could go), but 1 or 2 left would carry 3.5 x or 1.75 x, over 1.5 x
+    d = p.decide(sig(3, ttft=1.5, tpot=0.07, p=1, d=5, speed=1000.0, rate=5500.0))
+    assert (d.action, d.count) == (TO_PREFILL, 2), d.reason
