@@ -13,7 +13,7 @@ DASHBOARD = pathlib.Path(__file__).parents[1] / "deploy" / "grafana" / "pdserve.
 # the PromQL functions and aggregations a dashboard query may call
 FUNCTIONS = {
     "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
-    "label_values", "topk", "clamp_min", "delta",
+    "label_values", "topk", "clamp_min", "delta", "scalar",
 }  # fmt: skip
 GROUPING = re.compile(r"\b(by|without|on|ignoring)\s*\([^)]*\)")
 IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")

@@ -54,7 +54,7 @@ def test_the_dashboard_has_the_panels_operators_need():
     titles = {p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]}
     for title in (
         "Requests", "TTFT", "TPOT", "Queues", "KV cache usage", "Worker roles", "Role flips",
-        "Local prefills", "Planner decisions",
+        "Local prefills", "Planner decisions", "Speculative decoding",
     ):  # fmt: skip
         assert title in titles
 
