@@ -37,17 +37,27 @@ CALL_DEADLINE_S = BOUND_S + 30
 
 
 @pytest.fixture
-def worker_process():
-    """(the child's Popen, its address): a ServiceHost in a child process, killed after."""
-    child = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+def worker_processes():
+    """Two (child Popen, address) pairs: a ServiceHost in each of two child processes, killed
+    after. Both checks below wait out keepalive timers; they run side by side on the two."""
+    children = []
     try:
-        address = child.stdout.readline().strip()
-        assert address, "the server did not start"
-        yield child, address
+        for _ in range(2):
+            child = subprocess.Popen(
+                [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True
+            )
+            children.append(child)
+        pairs = []
+        for child in children:
+            address = child.stdout.readline().strip()
+            assert address, "the server did not start"
+            pairs.append((child, address))
+        yield pairs
     finally:
-        os.kill(child.pid, signal.SIGCONT)
-        child.kill()
-        child.wait(10)
+        for child in children:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait(10)
 
 
 def open_watch(address, options):
@@ -61,11 +71,21 @@ def open_watch(address, options):
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
-def test_a_call_on_a_stopped_worker_fails_unavailable_within_the_keepalive_bound(worker_process):
-    child, address = worker_process
-    channel, watch = open_watch(address, WORKER_CHANNEL_OPTIONS)
+def test_a_stopped_worker_fails_unavailable_and_a_quiet_call_survives_pings(worker_processes):
+    """A call open on a stopped worker fails UNAVAILABLE within the keepalive bound; meanwhile a
+    call with no data on the other worker, pinged every MIN_PING_INTERVAL_MS (the most the server
+    permits), stays open for 3.5 intervals: three such pings would be enough for a default server
+    to hang up."""
+    (stopped_child, stopped_address), (_, quiet_address) = worker_processes
+    fast_pings = [
+        (key, MIN_PING_INTERVAL_MS if key == "grpc.keepalive_time_ms" else value)
+        for key, value in WORKER_CHANNEL_OPTIONS
+    ]
+    quiet_channel, quiet_watch = open_watch(quiet_address, fast_pings)
+    quiet_since = time.monotonic()
+    channel, watch = open_watch(stopped_address, WORKER_CHANNEL_OPTIONS)
     try:
-        os.kill(child.pid, signal.SIGSTOP)
+        os.kill(stopped_child.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             for _ in watch:
@@ -73,22 +93,12 @@ def test_a_call_on_a_stopped_worker_fails_unavailable_within_the_keepalive_bound
         waited = time.monotonic() - stopped
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert waited < BOUND_S, f"the stopped worker was noticed after {waited:.0f} s"
+        left = 3.5 * MIN_PING_INTERVAL_MS / 1000 - (time.monotonic() - quiet_since)
+        time.sleep(max(0.0, left))
+        assert not quiet_watch.done(), (
+            f"the server hung up: {quiet_watch.code()} {quiet_watch.details()}"
+        )
     finally:
-        channel.close()
-
-
-def test_a_worker_server_accepts_keepalive_pings_on_a_quiet_call(worker_process):
-    """Pings every MIN_PING_INTERVAL_MS (the most the server permits) on a call with no data:
-    three of them would be enough for a default server to hang up."""
-    _, address = worker_process
-    options = [
-        (key, MIN_PING_INTERVAL_MS if key == "grpc.keepalive_time_ms" else value)
-        for key, value in WORKER_CHANNEL_OPTIONS
-    ]
-    channel, watch = open_watch(address, options)
-    try:
-        time.sleep(3.5 * MIN_PING_INTERVAL_MS / 1000)
-        assert not watch.done(), f"the server hung up: {watch.code()} {watch.details()}"
-    finally:
-        watch.cancel()
+        quiet_watch.cancel()
+        quiet_channel.close()
         channel.close()
