@@ -20,16 +20,17 @@ A side is pressed from 1 - margin/2 on and has room under 1 - margin. One side p
 other has room, for `sustain` decisions in a row, flips workers from the relaxed pool to the
 pressed one (never its last worker), as many as the prefill demand asks for: the prompt tokens
 arriving per second plus the queue, over one prefill worker's speed at `prefill_use`, against
-the prefill workers serving. No decode worker goes to prefill when the decode pool left would be
-more pressed than prefill is now (TPOT pressure scaled by the workers left). The same estimate
-holds a flip that would starve the pool it takes from, and it decides when one side is pressed and the other has no room: a demand for fewer
+the prefill workers serving. The same estimate holds a flip that would starve the pool it takes
+from, and it decides when one side is pressed and the other has no room: a demand for fewer
 prefill workers than serve flips toward decode, one for more toward prefill, each only toward
-the more pressed side. TTFT pressed and no decode worker to spare: prefill more locally, if
-TPOT is under half its room; TPOT with no room: local prefill stops. With neither side pressed,
-a prefill worker the demand leaves spare goes to decode once TPOT is past half its room and
-TTFT under half of its own. After a batch of flips nothing moves for
-`cooldown_s`, and at most `max_flips_per_min` flips happen in any minute; a batch back the other
-way within 3 cooldowns of the last moves at most half as many workers as that one did.
+the more pressed side. No decode worker goes to prefill when the decode pool left would be more
+pressed than prefill is now (TPOT pressure scaled by the workers left). TTFT pressed and no
+decode worker to spare: prefill more locally, if TPOT is under half its room; TPOT with no
+room: local prefill stops. With neither side pressed, a prefill worker the demand leaves spare
+goes to decode once TPOT is past half its room and TTFT under half of its own. After a batch of
+flips nothing moves for `cooldown_s`, and at most `max_flips_per_min` flips happen in any
+minute; a batch back the other way within 3 cooldowns of the last moves at most half as many
+workers as that one did.
 """
 
 from __future__ import annotations
