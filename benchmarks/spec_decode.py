@@ -1,7 +1,7 @@
 """Speculative decoding in the engine, with and without, on copy-heavy prompts (issue #31,
 must-shows a, c and d; the served figures are benchmarks/spec_served.py's).
 
-  python -m benchmarks.spec_decode                  # ~15 min on 2 cores
+  python -m benchmarks.spec_decode                  # ~6 min on 2 cores
   python -m benchmarks.spec_decode --wait-idle 300  # first wait for a quiet CPU, each pair
   python -m benchmarks.spec_decode --quick --out /tmp/spec_quick.json
 
