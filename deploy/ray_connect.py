@@ -9,6 +9,10 @@ joined by address is first asked whether it wants a token, and this process give
 clients would find (deploy/ray_join.py). A Ray the caller already started (a notebook, a test) is
 used as it is. Either way a failure is a DeployError whose one line names the key to change; the
 Cluster that `up` returns shuts down, on stop, the Ray this module reports it started.
+
+A local Ray's start survives a slow machine (`start_local_ray`): Ray gives its GCS 30 s to bind
+a port and the raylet 30 s to register, which a 2-core machine under load has missed; the GCS
+gets 120 s here, and a start that still times out is killed and tried once more.
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ def init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reape
         kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=str(temp_dir))
     elif config.ray.temp_dir:
         kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
-    local = address is None and sys.platform == "linux"  # the watchdog reads /proc
-    before = ray_reaper.children_of(os.getpid()) if local else {}
     try:
-        context = ray.init(address=address, **kwargs)
+        if address is None:
+            context, started = start_local_ray(**kwargs)
+        else:
+            context, started = ray.init(address=address, **kwargs), {}
     except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as e:
         where = (
             f"join the Ray cluster at {address} (ray.address, --address)"
@@ -78,9 +83,44 @@ def init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reape
         raise DeployError(f"cannot {where}: {ray_error_reason(e)}") from None
     if kwargs["include_dashboard"]:
         log.info("Ray dashboard on http://%s", getattr(context, "dashboard_url", "?"))
-    if not local:
-        return True, None
-    # the processes ray.init started here: Ray's head (GCS, raylet, monitor, ...)
-    now = ray_reaper.children_of(os.getpid())
-    started = {pid: start for pid, start in now.items() if before.get(pid) != start}
-    return True, ray_reaper.watch(started)
+    return True, ray_reaper.watch(started) if started else None
+
+
+STARTUP_TRIES = 2
+GCS_PORT_WAIT_S = 120  # Ray's own default is 30 s (RAY_gcs_server_port_wait_time_s)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether ray.init failed because a process it started was slow: the GCS did not write its
+    port file, or the raylet did not register, in time."""
+    return "timed out" in str(error).lower()
+
+
+def start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
+    """ray.init(**kwargs) starting a local Ray, made to survive a slow start. Returns Ray's context
+    and, on Linux, the processes it started here (pid -> start time: the GCS, the raylet, ...) for
+    the watchdog. A start that times out has what it started killed and is tried once more (Ray
+    leaves those processes running, and they would hold the CPU the second try needs); a second
+    timeout, like any other failure, is raised as a RuntimeError saying how long was waited."""
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
+    local = sys.platform == "linux"  # the process table is read from /proc
+    for attempt in range(1, STARTUP_TRIES + 1):
+        before = ray_reaper.children_of(os.getpid()) if local else {}
+        try:
+            context = ray.init(**kwargs)
+        except Exception as e:  # the raylet's timeout is a bare Exception
+            if local:
+                now = ray_reaper.children_of(os.getpid())
+                ray_reaper.kill_recorded(
+                    {pid: start for pid, start in now.items() if before.get(pid) != start}
+                )
+            ray.shutdown()
+            if not _timed_out(e):
+                raise
+            if attempt == STARTUP_TRIES:
+                raise RuntimeError(f"it timed out {STARTUP_TRIES} times: {e}") from e
+            log.warning("the local Ray did not start in time (%s); trying once more", e)
+            continue
+        now = ray_reaper.children_of(os.getpid()) if local else {}
+        return context, {pid: start for pid, start in now.items() if before.get(pid) != start}
+    raise AssertionError("unreachable")

@@ -133,7 +133,7 @@ def _alive(pid: int, start: int, table) -> bool:
     return info is not None and info[1] == start
 
 
-def _kill_recorded(seen: dict[int, int]) -> list[str]:
+def kill_recorded(seen: dict[int, int]) -> list[str]:
     """Kills the recorded processes still alive (and any they spawned meanwhile); their names."""
     names: dict[int, str] = {}
     for _ in range(KILL_ROUNDS):
@@ -173,7 +173,7 @@ def main(argv: list[str]) -> int:
             orderly = line.startswith(b"stop")
             if orderly or not line:
                 break
-    killed = _kill_recorded(seen)
+    killed = kill_recorded(seen)
     if killed and not orderly:
         counts: dict[str, int] = {}
         for name in killed:

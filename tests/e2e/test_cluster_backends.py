@@ -33,8 +33,10 @@ KV_BYTES = 128 << 20  # decode holds all 32 streams at once
 def ray_session():
     import ray
 
+    from pdserve.deploy.ray_connect import start_local_ray
+
     tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
     yield
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)

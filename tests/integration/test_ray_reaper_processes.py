@@ -4,6 +4,7 @@ signal) and that starts an "agent" that does not (as the raylet's agents do not)
 SIGKILL, the driver leaves the agent behind; its watchdog kills it and says so in one line, and
 leaves alone what does not descend from the head. Stopped in order, the watchdog kills leftovers
 quietly and exits. With Ray, after a kill -9 of `pdserve up`: tests/e2e/test_deploy_ray_orphans.py.
+A local Ray start that timed out has what it started killed before it is tried again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import sys
 import textwrap
 
 import pytest
+import ray
 
+from pdserve.deploy import ray_connect
 from process_helpers import alive, start_time, still_alive_after
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
@@ -111,3 +114,28 @@ def test_stopped_in_order_it_kills_what_is_left_quietly_and_exits(driver):
     assert alive(*procs["bystander"])
     proc.kill()
     assert proc.stderr.read() == ""
+
+
+def test_what_a_timed_out_try_started_is_killed(monkeypatch):
+    """The processes a timed-out ray.init left behind (here a sleeping child standing for the GCS)
+    are killed before the second try; a child the second try starts is returned for the
+    watchdog."""
+    children = []
+
+    def fake_init(**kwargs):
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        if len(children) == 1:
+            raise Exception("The current node timed out during startup.")
+        return "context"
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    try:
+        _, started = ray_connect.start_local_ray()
+        assert children[0].wait(timeout=5) == -9  # SIGKILL
+        assert list(started) == [children[1].pid]
+        assert children[1].poll() is None
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()

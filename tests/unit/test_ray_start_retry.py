@@ -1,0 +1,65 @@
+"""A local Ray that starts too slowly is killed and started once more (deploy/ray_connect.py):
+on a loaded 2-core machine Ray's own 30 s waits for the GCS port and the raylet have run out.
+ray.init is replaced here; no Ray starts. That a timed-out try's processes are killed:
+tests/integration/test_ray_reaper_processes.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+
+from pdserve.deploy import ray_connect
+
+RAYLET_TIMEOUT = (
+    "The current node timed out during startup. This could happen because some of the raylet "
+    "failed to startup or the GCS has become overloaded."
+)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Each ray.init call's kwargs; ray.init raises the queued errors in turn, then succeeds."""
+    record = {"kwargs": [], "errors": [], "killed": []}
+
+    def fake_init(**kwargs):
+        record["kwargs"].append(kwargs)
+        if record["errors"]:
+            raise record["errors"].pop(0)
+        return "context"
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_connect.ray_reaper, "kill_recorded", record["killed"].append)
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    return record
+
+
+def test_a_timed_out_start_is_tried_once_more(calls):
+    calls["errors"].append(Exception(RAYLET_TIMEOUT))
+    context, _ = ray_connect.start_local_ray(num_cpus=2)
+    assert context == "context"
+    assert calls["kwargs"] == [{"num_cpus": 2}, {"num_cpus": 2}]
+    assert len(calls["killed"]) == 1  # what the first try started was killed before the second
+    assert os.environ["RAY_gcs_server_port_wait_time_s"] == str(ray_connect.GCS_PORT_WAIT_S)
+
+
+def test_two_timeouts_give_up_saying_so(calls):
+    calls["errors"] += [RuntimeError("Timed out waiting for file /tmp/x/gcs_server_port")] * 2
+    with pytest.raises(RuntimeError, match="timed out 2 times: Timed out waiting for file"):
+        ray_connect.start_local_ray()
+    assert len(calls["kwargs"]) == 2
+
+
+def test_other_failures_are_not_retried(calls):
+    calls["errors"].append(ValueError("num_cpus must be positive"))
+    with pytest.raises(ValueError, match="num_cpus"):
+        ray_connect.start_local_ray(num_cpus=-1)
+    assert len(calls["kwargs"]) == 1
+
+
+def test_an_operator_s_gcs_wait_is_kept(calls, monkeypatch):
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "600")
+    ray_connect.start_local_ray()
+    assert os.environ["RAY_gcs_server_port_wait_time_s"] == "600"
