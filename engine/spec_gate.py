@@ -102,7 +102,7 @@ class SpecGate:
         self.max_k = max_k
         self.disable_by_batch_size = disable_by_batch_size
         self.target = StepCosts()  # a target step (no draft work), by rows computed
-        self.draft = StepCosts()  # one draft step, by sequences in it
+        self.draft = StepCosts()  # one draft step, by rows computed
         self._accepted = prior_acceptance * 10.0  # engine-wide counts, decayed
         self._rejected = (1 - prior_acceptance) * 10.0
         self._chooses = 0
@@ -138,7 +138,7 @@ class SpecGate:
         order = sorted((i for i, o in enumerate(offers) if o.limit > 0), key=lambda i: -alphas[i])
         for k in range(1, self.max_k + 1):
             tokens, rows, chosen, extra = float(base_rows), base_rows, none[:], 0.0
-            rate_k = 0.0
+            rate_k, lagging = 0.0, 0.0
             for i in order:
                 ki = min(k, offers[i].limit)
                 a = alphas[i]
@@ -146,8 +146,13 @@ class SpecGate:
                 n = sum(1 for c in chosen if c) + 1
                 cost = self.target.predict(rows + ki, upto)
                 if uses_draft:
-                    cost += k * self._draft_step(n) + extra + self._catch_up(offers[i], gain)
-                    extra += self._catch_up(offers[i], gain)
+                    # the draft's first step computes what each sequence lacks: one token, or
+                    # two after a step that kept every guess (chance a^k), then k - 1 steps of
+                    # one row each
+                    first = n + lagging + a**ki
+                    catch_up = self._catch_up(offers[i], gain)
+                    cost += self._draft_step(first) + (k - 1) * self._draft_step(n)
+                    cost += extra + catch_up
                 if cost <= 0:
                     break
                 rate = (tokens + gain) / cost
@@ -155,6 +160,9 @@ class SpecGate:
                     break  # the rest accept less: they would not pay either
                 tokens, rows, rate_k = tokens + gain, rows + ki, rate
                 chosen[i] = ki
+                if uses_draft:
+                    extra += catch_up
+                    lagging += a**ki
             if rate_k > best_rate * (1 + MARGIN) and rate_k > best_rate:
                 best_rate, best = rate_k, chosen
         return best
@@ -166,8 +174,9 @@ class SpecGate:
         steps_left = max(1.0, offer.remaining / (1 + gain))
         return self._draft_step(offer.catch_up) / steps_left
 
-    def _draft_step(self, seqs: int) -> float:
+    def _draft_step(self, rows: float) -> float:
+        """One draft step of `rows` rows (the draft's steps are measured by rows computed)."""
         if self.draft.known:
-            return self.draft.predict(seqs)
+            return self.draft.predict(rows)
         # no draft step measured yet: assume it costs a tenth of a target step
-        return 0.1 * self.target.predict(seqs)
+        return 0.1 * self.target.predict(rows)

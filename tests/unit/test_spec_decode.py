@@ -236,3 +236,20 @@ def test_gate_spreads_a_drafts_catch_up_over_what_is_left():
     long = Offer(4, 40, 10, catch_up=500, remaining=100_000)
     assert gate.choose(1, [short], uses_draft=True) == [0]
     assert gate.choose(1, [long], uses_draft=True) == [4]
+
+
+def test_gate_charges_the_drafts_second_row_after_a_kept_guess():
+    """After a step that kept every guess the draft lacks two tokens, so its next first step
+    computes two rows: where the draft's second row is dear (int4 at one thread: 9.9 ms for one
+    row, 12 ms for two, against the int8 target's 9.3 ms), a sequence that keeps nearly every
+    guess must not be speculated on at the price of one row."""
+    sure = [Offer(1, 99, 1)]  # keeps nearly every guess
+    dear = _gate(0.01)
+    cheap = _gate(0.01)
+    for _ in range(3):
+        dear.draft.observe(1, 0.3)
+        dear.draft.observe(2, 1.5)
+        cheap.draft.observe(1, 0.3)
+        cheap.draft.observe(2, 0.4)
+    assert dear.choose(1, sure, uses_draft=True) == [0]
+    assert cheap.choose(1, sure, uses_draft=True) == [1]
