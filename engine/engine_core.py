@@ -296,8 +296,9 @@ class LLMEngine:
         the one-time work happens now: building or loading the compiled decode kernel (tens of
         seconds on a CPU it was never built for), oneDNN's primitives, the allocator's first
         pages. Workers call it before they register, so "ready" means the first request runs at
-        full speed. Its blocks go back to the free queue; the step trace forgets it. Returns
-        the seconds it took."""
+        full speed. Its blocks go back to the free queue; the step trace and the speculative
+        decoding counters forget it (the gate keeps the step costs it measured). Returns the
+        seconds it took."""
         if self._requests or self._undelivered:
             raise RuntimeError("warm_up runs before any request")
         t0 = time.monotonic()
@@ -313,6 +314,8 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.step_trace.clear()
+        if self.spec is not None:
+            self.spec.reset_counters()
         return time.monotonic() - t0
 
     def kv_layout_spec(self) -> dict:

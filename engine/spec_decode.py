@@ -79,6 +79,14 @@ class Speculator:
             note += f"; draft {self.draft.mode_note}"
         return note
 
+    def reset_counters(self) -> None:
+        """Forgets what was counted (the engine's warm-up request is no user's); what the gate
+        measured stays, which is what warming up is for."""
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.max_k
+        if self.draft is not None:
+            self.draft.prefill_tokens = 0
+
     def stats(self) -> dict:
         return dict(
             spec_drafts=self.drafts,

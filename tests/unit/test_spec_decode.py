@@ -253,3 +253,26 @@ def test_gate_charges_the_drafts_second_row_after_a_kept_guess():
         cheap.draft.observe(2, 0.4)
     assert dear.choose(1, sure, uses_draft=True) == [0]
     assert cheap.choose(1, sure, uses_draft=True) == [1]
+
+
+@pytest.mark.parametrize("spec", ["bad-ngram", "draft-int8"])
+def test_warm_up_counts_no_speculation(tiny_models, always_speculate, request, spec):
+    """The worker's warm-up request is no user's: the counters read zero after it (a prefill
+    worker, which never decodes a user's request, reported two drafts from it), while the gate
+    keeps the step costs it measured."""
+    if spec == "bad-ngram":
+        request.getfixturevalue("bad_guesses")
+    model_dir, _ = tiny_models()
+    config = DRAFT_INT8 if spec == "draft-int8" else NGRAM
+    llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, speculative_config=config)
+    try:
+        engine = llm.engine
+        engine.warm_up(max_tokens=12)
+        stats = engine.spec_stats()
+        assert engine.spec.gate.target.known  # what warming up is for
+        assert stats["spec_drafts"] == stats["spec_draft_tokens"] == 0
+        assert stats["spec_draft_prefill_tokens"] == 0 and not any(stats["spec_accepted_per_pos"])
+        llm.generate(_prompts(1), greedy(12), use_tqdm=False)
+        assert engine.spec_stats()["spec_drafts"] > 0
+    finally:
+        llm.shutdown()
