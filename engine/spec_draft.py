@@ -33,8 +33,8 @@ from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 
 # draft prompt tokens computed per step, across sequences: a catch-up step stalls every stream on
-# the worker, and its cost grows with its tokens alone (the int4 self draft of SmolLM2 at one
-# thread: ~3 ms a token at 32 to 256 tokens a step), so small chunks bound the stall for free
+# the worker, and its cost grows with its tokens about linearly (BENCHMARKS.md, "Speculative
+# decoding, served"), so small chunks bound the stall at no cost in total
 CATCH_UP_TOKENS = 64
 _GREEDY = SamplingParams(temperature=0.0)
 
