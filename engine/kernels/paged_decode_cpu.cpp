@@ -321,7 +321,11 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
   at::parallel_for(0, N * split, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> scores(hpt * G * max_len), acc(hpt * G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / split, h0 = (task % split) * hpt;
+      // rows from both ends in turn: a prompt chunk's rows attend to ever longer contexts, and
+      // parallel_for hands each thread a contiguous range of tasks, so in row order the last
+      // thread would get the longest rows; row i and row N-1-i together cost the same for every i
+      const int64_t t = task / split;
+      const int64_t n = (t % 2 == 0) ? t / 2 : N - 1 - t / 2, h0 = (task % split) * hpt;
       // A sliding window: the query (position cl - 1) sees positions cl - window .. cl - 1
       // only. Blocks wholly before the window are never read (they may already hold another
       // sequence's KV); the window's first block is read from its start, its positions before
