@@ -12,7 +12,8 @@ Cluster that `up` returns shuts down, on stop, the Ray this module reports it st
 
 A local Ray's start survives a slow machine (`start_local_ray`): Ray gives its GCS 30 s to bind
 a port and the raylet 30 s to register, which a 2-core machine under load has missed; the GCS
-gets 120 s here, and a start that still times out is killed and tried once more.
+gets 120 s here, and a start that still times out is killed and tried once more. Its workers run
+at niceness 0, not Ray's 15 (deploy/workers.py, `at_normal_priority`, says why).
 """
 
 from __future__ import annotations
@@ -97,12 +98,14 @@ def _timed_out(error: BaseException) -> bool:
 
 
 def start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
-    """ray.init(**kwargs) starting a local Ray, made to survive a slow start. Returns Ray's context
-    and, on Linux, the processes it started here (pid -> start time: the GCS, the raylet, ...) for
-    the watchdog. A start that times out has what it started killed and is tried once more (Ray
+    """ray.init(**kwargs) starting a local Ray whose workers run at niceness 0, made to survive a
+    slow start. Returns Ray's context and, on Linux, the processes it started here (pid -> start
+    time: the GCS, the raylet, ...) for the watchdog. A start that times out has what it started killed and is tried once more (Ray
     leaves those processes running, and they would hold the CPU the second try needs); a second
     timeout, like any other failure, is raised as a RuntimeError saying how long was waited."""
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
+    if "RAY_worker_niceness" not in os.environ:  # an operator's choice stands
+        kwargs["_system_config"] = {"worker_niceness": 0, **(kwargs.get("_system_config") or {})}
     local = sys.platform == "linux"  # the process table is read from /proc
     for attempt in range(1, STARTUP_TRIES + 1):
         before = ray_reaper.children_of(os.getpid()) if local else {}

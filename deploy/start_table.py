@@ -38,9 +38,12 @@ def _cores(info: dict) -> str:
     cores = info.get("cores")
     if not cores:
         return "?"
-    if info.get("pinned"):
-        return f"{core_ranges(cores)} (pinned)"
-    return f"any of {core_ranges(cores)}"
+    text = (
+        f"{core_ranges(cores)} (pinned)" if info.get("pinned") else f"any of {core_ranges(cores)}"
+    )
+    if info.get("niceness"):  # Ray niced the process and it could not undo it (deploy/workers.py)
+        text += f", nice {info['niceness']}"
+    return text
 
 
 def _node(info: dict) -> str:

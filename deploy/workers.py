@@ -63,6 +63,26 @@ def pin_to(cpus: list[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def at_normal_priority() -> int:
+    """Brings the calling thread, and the threads it starts, back to niceness 0, and returns the
+    niceness it runs at. Ray starts its worker processes niced (worker_niceness, 15 unless the
+    cluster's raylet was started with RAY_worker_niceness=0) so that its own processes stay
+    responsive; but a pdserve worker is the serving path, and at 15 it gets about a thirtieth of
+    a core beside any ordinary busy process. Lowering niceness needs privilege (root,
+    CAP_SYS_NICE or RLIMIT_NICE); without it the value stays and the start table shows it."""
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux: the calling thread's
+    except (AttributeError, OSError):  # no such call here
+        return 0
+    if current > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+            return 0
+        except OSError:
+            pass
+    return current
+
+
 class WorkerActor:
     """One worker replica inside a Ray actor process."""
 
@@ -76,6 +96,7 @@ class WorkerActor:
     ):
         self.cpus = cpus
         pin_to(cpus)
+        self.niceness = at_normal_priority()
         import torch  # the heavy imports, here: actors are created (and import) concurrently
 
         import pdserve.decode_worker.server  # noqa: F401
@@ -95,6 +116,7 @@ class WorkerActor:
         """Loads the model, starts serving; returns the worker's gRPC address and its engine's
         serving mode (dtype, quantization and why)."""
         pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
+        self.niceness = at_normal_priority()  # and this
         cfg = self.worker_config
         if not cfg.host:  # listen on, and advertise, this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
@@ -131,6 +153,7 @@ class WorkerActor:
             hostname=socket.gethostname(),
             pinned=bool(self.cpus),
             cores=list(cores),
+            niceness=self.niceness,
             pid=os.getpid(),
             log_file=log_file(),
             device=cfg.device,

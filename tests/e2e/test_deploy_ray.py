@@ -76,6 +76,8 @@ def test_up_generate_stop(tiny_models, shape):
         want_workers = (1, 1) if shape == "disaggregated" else (2, 0)
         assert (len(cluster.addresses("decode")), len(cluster.addresses("prefill"))) == want_workers
         assert cluster.router_address
+        # Ray would run them at niceness 15: a thirtieth of a core beside any busy process
+        assert [r.info["niceness"] for r in cluster.replicas] == [0, 0]
         request = pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=prompt_ids),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),

@@ -1,5 +1,7 @@
 """A local Ray that starts too slowly is killed and started once more (deploy/ray_connect.py):
 on a loaded 2-core machine Ray's own 30 s waits for the GCS port and the raylet have run out.
+Its workers run at niceness 0, and a worker process Ray niced brings itself back where it may
+(deploy/workers.py).
 ray.init is replaced here; no Ray starts. That a timed-out try's processes are killed:
 tests/integration/test_ray_reaper_processes.py."""
 
@@ -33,6 +35,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(ray_connect.ray_reaper, "kill_recorded", record["killed"].append)
     monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
     return record
 
 
@@ -40,7 +43,8 @@ def test_a_timed_out_start_is_tried_once_more(calls):
     calls["errors"].append(Exception(RAYLET_TIMEOUT))
     context, _ = ray_connect.start_local_ray(num_cpus=2)
     assert context == "context"
-    assert calls["kwargs"] == [{"num_cpus": 2}, {"num_cpus": 2}]
+    normal = {"worker_niceness": 0}
+    assert calls["kwargs"] == [{"num_cpus": 2, "_system_config": normal}] * 2
     assert len(calls["killed"]) == 1  # what the first try started was killed before the second
     assert os.environ["RAY_gcs_server_port_wait_time_s"] == str(ray_connect.GCS_PORT_WAIT_S)
 
@@ -57,6 +61,42 @@ def test_other_failures_are_not_retried(calls):
     with pytest.raises(ValueError, match="num_cpus"):
         ray_connect.start_local_ray(num_cpus=-1)
     assert len(calls["kwargs"]) == 1
+
+
+def test_workers_run_at_niceness_0_unless_the_operator_chose(calls, monkeypatch):
+    ray_connect.start_local_ray(_system_config={"object_timeout_milliseconds": 5})
+    assert calls["kwargs"][-1]["_system_config"] == {
+        "worker_niceness": 0,
+        "object_timeout_milliseconds": 5,
+    }
+    ray_connect.start_local_ray(_system_config={"worker_niceness": 5})
+    assert calls["kwargs"][-1]["_system_config"] == {"worker_niceness": 5}
+    monkeypatch.setenv("RAY_worker_niceness", "10")
+    ray_connect.start_local_ray()
+    assert "_system_config" not in calls["kwargs"][-1]
+
+
+def test_a_niced_worker_thread_comes_back_to_0_where_it_may():
+    """Raising one's niceness is always allowed, lowering it needs privilege: a thread niced to 5
+    comes back to 0 as root and, without the privilege, stays at 5 and says so. On Linux niceness is per thread,
+    so a thread of its own keeps the test process untouched."""
+    import threading
+
+    from pdserve.deploy.workers import at_normal_priority
+
+    seen = {}
+
+    def run():
+        os.setpriority(os.PRIO_PROCESS, 0, 5)
+        seen["returned"] = at_normal_priority()
+        seen["now"] = os.getpriority(os.PRIO_PROCESS, 0)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen["returned"] == seen["now"] and seen["now"] in (0, 5)
+    if os.geteuid() == 0:
+        assert seen["now"] == 0
 
 
 def test_an_operator_s_gcs_wait_is_kept(calls, monkeypatch):

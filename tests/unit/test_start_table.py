@@ -49,6 +49,9 @@ def test_a_row_says_where_and_how_the_worker_serves():
     assert row(gpu)[4] == "bfloat16 on cuda, tp 2"
     unpinned = {**DECODE, "pinned": False, "cores": [0, 1, 2, 3]}
     assert row(unpinned)[3] == "any of 0-3"
+    # a worker Ray niced and that could not undo it says so; at 0 nothing is added
+    assert row({**DECODE, "niceness": 15})[3] == "2-3 (pinned), nice 15"
+    assert row({**DECODE, "niceness": 0})[3] == "2-3 (pinned)"
     assert row(DECODE, kv_backend="none (colocated)")[5] == "none (colocated)"
 
 
