@@ -100,9 +100,10 @@ def _timed_out(error: BaseException) -> bool:
 def start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
     """ray.init(**kwargs) starting a local Ray whose workers run at niceness 0, made to survive a
     slow start. Returns Ray's context and, on Linux, the processes it started here (pid -> start
-    time: the GCS, the raylet, ...) for the watchdog. A start that times out has what it started killed and is tried once more (Ray
-    leaves those processes running, and they would hold the CPU the second try needs); a second
-    timeout, like any other failure, is raised as a RuntimeError saying how long was waited."""
+    time: the GCS, the raylet, ...) for the watchdog. A start that times out has what it started
+    killed (Ray leaves those processes running, and they would hold the CPU the second try needs)
+    and is tried once more; a second timeout is raised as a RuntimeError that says so, any other
+    failure as it came."""
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
     if "RAY_worker_niceness" not in os.environ:  # an operator's choice stands
         kwargs["_system_config"] = {"worker_niceness": 0, **(kwargs.get("_system_config") or {})}
