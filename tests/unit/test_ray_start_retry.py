@@ -1,8 +1,7 @@
 """A local Ray that starts too slowly is killed and started once more (deploy/ray_connect.py):
 on a loaded 2-core machine Ray's own 30 s waits for the GCS port and the raylet have run out.
 Its workers run at niceness 0, and a worker process Ray niced brings itself back where it may
-(deploy/workers.py).
-ray.init is replaced here; no Ray starts. That a timed-out try's processes are killed:
+(deploy/workers.py). ray.init is replaced here; no Ray starts. That a timed-out try's processes are killed:
 tests/integration/test_ray_reaper_processes.py."""
 
 from __future__ import annotations
@@ -78,8 +77,8 @@ def test_workers_run_at_niceness_0_unless_the_operator_chose(calls, monkeypatch)
 
 def test_a_niced_worker_thread_comes_back_to_0_where_it_may():
     """Raising one's niceness is always allowed, lowering it needs privilege: a thread niced to 5
-    comes back to 0 as root and, without the privilege, stays at 5 and says so. On Linux niceness is per thread,
-    so a thread of its own keeps the test process untouched."""
+    comes back to 0 as root and, without the privilege, stays at 5 and says so. On Linux
+    niceness is per thread, so a thread of its own keeps the test process untouched."""
     import threading
 
     from pdserve.deploy.workers import at_normal_priority
