@@ -114,10 +114,7 @@ def start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
             context = ray.init(**kwargs)
         except Exception as e:  # the raylet's timeout is a bare Exception
             if local:
-                now = ray_reaper.children_of(os.getpid())
-                ray_reaper.kill_recorded(
-                    {pid: start for pid, start in now.items() if before.get(pid) != start}
-                )
+                ray_reaper.kill_recorded(_started_since(before))
             ray.shutdown()
             if not _timed_out(e):
                 raise
@@ -125,6 +122,11 @@ def start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
                 raise RuntimeError(f"it timed out {STARTUP_TRIES} times: {e}") from e
             log.warning("the local Ray did not start in time (%s); trying once more", e)
             continue
-        now = ray_reaper.children_of(os.getpid()) if local else {}
-        return context, {pid: start for pid, start in now.items() if before.get(pid) != start}
+        return context, _started_since(before) if local else {}
     raise AssertionError("unreachable")
+
+
+def _started_since(before: dict[int, int]) -> dict[int, int]:
+    """This process's children (pid -> start time) that `before` did not list."""
+    now = ray_reaper.children_of(os.getpid())
+    return {pid: start for pid, start in now.items() if before.get(pid) != start}
