@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from chaos_helpers import RPC_TIMEOUT, SecureCluster, stream
+from helpers.chaos import RPC_TIMEOUT, SecureCluster, stream
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 SAMPLING = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

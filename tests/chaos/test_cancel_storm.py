@@ -13,8 +13,8 @@ from concurrent import futures
 
 import pytest
 
-from chaos_helpers import HealthProbe, SecureCluster, stream, wait_until
-from conftest import random_prompts
+from helpers.chaos import HealthProbe, SecureCluster, stream, wait_until
+from helpers.models import random_prompts
 from pdserve.prefill_worker.service import PrefillWorkerServicer
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from chaos_helpers import RPC_TIMEOUT, SECURITY, SecureCluster, stream, wait_until
+from helpers.chaos import RPC_TIMEOUT, SECURITY, SecureCluster, stream, wait_until
 from pdserve.kvtransfer.backends import connect
 from pdserve.kvtransfer.backends.grpc_backend import FLUSH_METHOD, PUSH_METHOD, frame_pieces
 from pdserve.kvtransfer.transport import Destination

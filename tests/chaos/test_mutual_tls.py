@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from chaos_helpers import RPC_TIMEOUT, SECRET, SECURITY, SecureCluster, stream
-from conftest import tls_files
+from helpers.chaos import RPC_TIMEOUT, SECRET, SECURITY, SecureCluster, stream
+from helpers.tls import tls_files
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import ClusterSecurity, TLSConfig
 

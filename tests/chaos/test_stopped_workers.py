@@ -22,23 +22,11 @@ import time
 import grpc
 import pytest
 
-from conftest import random_prompts, wait_until
-from hang_helpers import (
-    DECODE_STEP_S,
-    Streams,
-    greedy,
-    start_decode,
-    start_prefill,
-    stop_workers,
-)
+from helpers.hang import DECODE_STEP_S, Streams, greedy, start_decode, start_prefill, stop_workers
+from helpers.models import random_prompts
+from helpers.router import MAX_MODEL_LEN, RPC_TIMEOUT, start_router, stop_router
+from helpers.threads import wait_until
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router_helpers import (
-    MAX_MODEL_LEN,
-    RPC_TIMEOUT,
-    fixture_model_dir,  # noqa: F401
-    start_router,
-    stop_router,
-)
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
 

@@ -12,34 +12,19 @@ model, is tests/integration/test_worker_backends_tp.py's; a case here costs ~35 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 
 import grpc
 import pytest
 
-from smollm2_prompts import PROMPTS
+from helpers.ray_cluster import KV_BYTES, all_free, pool_spec
+from helpers.smollm2_prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 NUM_CONCURRENT = 32
-KV_BYTES = 128 << 20  # decode holds all 32 streams at once
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from pdserve.deploy.ray_connect import start_local_ray
-
-    tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
-    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
-    yield
-    ray.shutdown()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +51,6 @@ def reference():
     return get
 
 
-def _pool(tp: int) -> dict:
-    # 2 CPUs for the whole deployment: a TP group's bundles share them; threads are set explicitly
-    return {
-        "replicas": 1,
-        "tp": tp,
-        "resources": {"num_cpus": 0.25},
-        "num_threads": 1,
-        "kv_cache_memory": KV_BYTES,
-        "max_model_len": 1024,
-    }
-
-
 def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
 
@@ -94,22 +67,6 @@ def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
     return tokens, finish
 
 
-def _all_free(cluster) -> bool:
-    from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-    for role, stub_cls in (
-        ("decode", worker_pb2_grpc.DecodeWorkerStub),
-        ("prefill", worker_pb2_grpc.PrefillWorkerStub),
-    ):
-        for address in cluster.addresses(role):
-            with cluster.security.channel(address) as ch:
-                s = stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
-            # prefill pools keep finished prompts as evictable prefix-cache blocks: free counts them
-            if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_reserved:
-                return False
-    return True
-
-
 def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
@@ -124,7 +81,7 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
         assert next(call).HasField("delta")
         call.cancel()
         cancelled = time.monotonic()
-        while not _all_free(cluster):
+        while not all_free(cluster):
             assert time.monotonic() - cancelled < 1.0, "a cancelled stream still holds KV after 1 s"
             time.sleep(0.02)
 
@@ -150,7 +107,7 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(
             "model": "smollm2",
             "dtype": dtype,
             "kvtransfer": {"backend": backend},
-            "pools": {"prefill": _pool(prefill_tp), "decode": _pool(decode_tp)},
+            "pools": {"prefill": pool_spec(prefill_tp), "decode": pool_spec(decode_tp)},
             "router": {"port": 0},
         }
     )
@@ -193,7 +150,7 @@ def test_cluster_matches_engine_and_serves_concurrent_streams(
             assert not bad, bad
 
         deadline = time.monotonic() + 10
-        while not _all_free(cluster):
+        while not all_free(cluster):
             assert time.monotonic() < deadline, "KV blocks still held after every stream finished"
             time.sleep(0.1)
         _cancel_mid_stream_frees_both_sides(cluster, prompts[-1])

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import wait_until
+from helpers.threads import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,7 +35,7 @@ KV_BYTES = 4 << 20
 def test_up_generate_stop(tiny_models, shape):
     import grpc
 
-    from conftest import random_prompts
+    from helpers.models import random_prompts
     from pdserve.deploy.config import validate_config
     from pdserve.deploy.launcher import up
     from pdserve.engine import LLM, SamplingParams
@@ -140,7 +140,7 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
     import grpc
     import ray
 
-    from conftest import random_prompts
+    from helpers.models import random_prompts
     from pdserve.deploy.config import validate_config
     from pdserve.deploy.launcher import RestartPolicy, up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc

@@ -18,7 +18,7 @@ import threading
 import pytest
 import yaml
 
-from process_helpers import alive, command_of, still_alive_after, tree
+from helpers.process import alive, command_of, still_alive_after, tree
 
 pytestmark = [
     pytest.mark.slow,

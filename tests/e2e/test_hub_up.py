@@ -1,5 +1,5 @@
 """`pdserve up --model HuggingFaceTB/SmolLM2-135M-Instruct`, run as a command with HF_HUB_OFFLINE=1
-and HF_HOME pointing to a hub cache the test builds (tests/hub_helpers.py) from the converted
+and HF_HOME pointing to a hub cache the test builds (tests/helpers/hub.py) from the converted
 embedded SmolLM2, serves the same greedy tokens as the engine on `smollm2`, under the Hub id as its
 model id; the flags go over a YAML of small settings (its `model: smollm2` loses to --model), and
 the key given by --api-key is the one the router asks for. Nothing is downloaded."""
@@ -11,9 +11,9 @@ import os
 import grpc
 import pytest
 
-from hub_helpers import add_to_hub_cache
-from smollm2_prompts import PROMPTS
-from up_helpers import greedy_tokens, pdserve_up, small_pools_yaml
+from helpers.hub import add_to_hub_cache
+from helpers.smollm2_prompts import PROMPTS
+from helpers.up import greedy_tokens, pdserve_up, small_pools_yaml
 
 pytestmark = pytest.mark.slow
 

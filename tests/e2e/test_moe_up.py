@@ -1,4 +1,4 @@
-"""A random-weight mixture-of-experts model (tests/arch_helpers.py's tiny Mixtral: 4 experts, top-2)
+"""A random-weight mixture-of-experts model (tests/helpers/arch.py's tiny Mixtral: 4 experts, top-2)
 served by `pdserve up --model DIR` with one prefill and one decode worker: 4 prompts of mixed
 lengths, sent at once over gRPC, get the same 16 greedy tokens as the engine alone on DIR
 (`LLM(DIR, dtype="float32")` in this process). The model goes by the flag: the YAML holds only the
@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from arch_helpers import build_arch_model
-from conftest import random_prompts
-from up_helpers import greedy_tokens, pdserve_up, small_pools_yaml
+from helpers.arch import build_arch_model
+from helpers.models import random_prompts
+from helpers.up import greedy_tokens, pdserve_up, small_pools_yaml
 
 pytestmark = pytest.mark.slow
 

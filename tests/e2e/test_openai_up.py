@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from test_cluster_backends import _all_free, _pool, ray_session  # noqa: F401 - a fixture
+from helpers.ray_cluster import all_free, pool_spec
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -45,7 +45,7 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_session, reference):  # noqa: F811 - the imported fixture
+def deployment(ray_session, reference):
     from pdserve.deploy.config import validate_config
     from pdserve.deploy.launcher import up
 
@@ -53,7 +53,7 @@ def deployment(ray_session, reference):  # noqa: F811 - the imported fixture
         {
             "model": "smollm2",
             "dtype": "float32",
-            "pools": {"prefill": _pool(1), "decode": _pool(1)},
+            "pools": {"prefill": pool_spec(1), "decode": pool_spec(1)},
             "router": {"port": 0, "http_port": 0},
         }
     )
@@ -182,9 +182,9 @@ def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_within_1s(d
             more = s.recv(4096)
             assert more, got
             got += more
-        assert not _all_free(deployment)  # the stream holds KV now
+        assert not all_free(deployment)  # the stream holds KV now
     left = time.monotonic()
-    while not _all_free(deployment):
+    while not all_free(deployment):
         assert time.monotonic() - left < 1.0, "a disconnected stream still holds KV after 1 s"
         time.sleep(0.02)
 

@@ -234,7 +234,7 @@ def _served_tokens(router: str, prompt_ids: list[int]) -> list[int]:
 
 
 def test_up_joins_a_token_cluster_and_pins_decode_to_the_second_node(tiny_models, tmp_path):
-    from conftest import random_prompts
+    from helpers.models import random_prompts
 
     t0 = time.perf_counter()
     model_dir, _ = tiny_models("llama-gqa")

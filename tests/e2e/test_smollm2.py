@@ -14,7 +14,8 @@ import json.decoder
 import pytest
 import torch
 
-from conftest import assert_no_leaks, hf_greedy
+from helpers.models import hf_greedy
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

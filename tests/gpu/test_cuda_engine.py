@@ -10,8 +10,9 @@ import copy
 import pytest
 import torch
 
-from conftest import assert_no_leaks, random_prompts
-from engine_helpers import greedy
+from helpers.engine import greedy
+from helpers.models import random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.gpu

@@ -9,16 +9,16 @@ import multiprocessing as mp
 import grpc
 import pytest
 
-from conftest import random_prompts
-from engine_helpers import greedy
+from helpers.engine import greedy
+from helpers.models import random_prompts
+from helpers.worker import MAX_MODEL_LEN, Cluster, start_decode, start_prefill
 from pdserve.engine import LLM
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
-from worker_helpers import MAX_MODEL_LEN, Cluster, start_decode, start_prefill
 
 pytestmark = pytest.mark.gpu
 
 ENGINE = dict(device="cuda", dtype="float32", kv_cache_memory=1 << 24, max_model_len=MAX_MODEL_LEN)
-NEW = 8  # worker_helpers.GREEDY's max_tokens
+NEW = 8  # helpers.worker.GREEDY's max_tokens
 
 
 def _decode_process(model_dir: str, conn) -> None:

@@ -1,13 +1,13 @@
-"""Every architecture of tests/arch_helpers.py under tensor parallelism: two ranks (gloo, one
+"""Every architecture of tests/helpers/arch.py under tensor parallelism: two ranks (gloo, one
 process each) give HF transformers' greedy tokens, where the kind's shapes divide by two."""
 
 from __future__ import annotations
 
 import pytest
 
-from arch_helpers import ARCH_KINDS, ARCH_NEW, arch_refs
-from conftest import assert_no_leaks
-from engine_helpers import KV, greedy
+from helpers.arch import ARCH_KINDS, ARCH_NEW, arch_refs
+from helpers.engine import KV, greedy
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

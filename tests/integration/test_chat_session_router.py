@@ -2,7 +2,7 @@
 no message it is a conversation driven from a piped stdin, each reply streamed and equal to the
 engine's for the same history, the key given by --api-key; without a key, the refusal names
 --api-key and PDSERVE_API_KEY, for `chat` and for `bench`. The tiny chat model and its workers are
-http_helpers.py's."""
+helpers/http.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from http_helpers import KEY, fixture_idle, fixture_llm, fixture_workers  # noqa: F401 (fixtures)
+from helpers.http import KEY, fixture_idle, fixture_llm, fixture_workers  # noqa: F401
 from pdserve.cli import main
 from pdserve.engine import SamplingParams
 

@@ -2,7 +2,7 @@
 refused over gRPC (OUT_OF_RANGE) and HTTP (400, context_length_exceeded) with vLLM's message
 and before any worker work; what fits exactly, an unset max_tokens near the end of the context
 and a chat without max_tokens still run; and each worker refuses such a request itself. The
-rules alone: tests/unit/test_context_length.py. The cluster is http_helpers.py's
+rules alone: tests/unit/test_context_length.py. The cluster is helpers/http.py's
 (MAX_MODEL_LEN 256)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import grpc
 import pytest
 
-from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported here)
+from helpers.http import (  # noqa: F401
     CHAT,
     MAX_MODEL_LEN,
     MODEL,
@@ -28,7 +28,7 @@ from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported 
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 
 PROMPT = [5 + i % 5 for i in range(200)]  # 200 tokens: 56 left in the context
-# 200 tokens too, once the chat template adds its three ("t3 ... t4 t7", http_helpers.py)
+# 200 tokens too, once the chat template adds its three ("t3 ... t4 t7", helpers/http.py)
 MESSAGES = [{"role": "user", "content": " ".join(f"t{t}" for t in PROMPT[:197])}]
 
 

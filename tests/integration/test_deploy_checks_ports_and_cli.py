@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import tls_files
+from helpers.tls import tls_files
 from pdserve.cli import main
 from pdserve.deploy import launcher
 from pdserve.deploy.launcher import DeployError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy_config_helpers import EXAMPLES, on_gpus, write
+from helpers.deploy_config import EXAMPLES, on_gpus, write
 from pdserve.cli import main
 from pdserve.deploy.config import load_config
 

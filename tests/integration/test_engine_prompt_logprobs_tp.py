@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import KV
+from helpers.engine import KV
+from helpers.prompt_logprobs import check
 from pdserve.engine import LLM, SamplingParams
-from prompt_logprobs_helpers import check
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from conftest import assert_no_leaks
-from engine_helpers import KV, greedy
+from helpers.engine import KV, greedy
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (router/http_api.py) over raw HTTP (http.client, sockets):
 bad input gets the OpenAI error shape and the right status while the server keeps serving, and
 the wire format (models, health, metrics, response shapes, SSE). The cluster and the helpers are
-in http_helpers.py; the `openai` client in test_http_openai_client.py; API keys, HTTPS and
+in helpers/http.py; the `openai` client in test_http_openai_client.py; API keys, HTTPS and
 overload in test_http_security.py.
 """
 
@@ -12,8 +12,7 @@ import socket
 
 import pytest
 
-from conftest import random_prompts
-from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported here)
+from helpers.http import (  # noqa: F401
     CHAT,
     GOOD,
     GOOD_CHAT,
@@ -31,6 +30,7 @@ from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported 
     split,
     sse_events,
 )
+from helpers.models import random_prompts
 
 # ---- bad input: the OpenAI error shape, the right status, and the server keeps serving --------
 BAD = [

@@ -1,5 +1,5 @@
 """Logprobs, echo and the new endpoints through a router with a prefill and a decode worker (and a
-colocated router on the same decode worker), against the engine alone (tests/http_helpers.py's
+colocated router on the same decode worker), against the engine alone (tests/helpers/http.py's
 tiny model): the prompt's logprobs (echo, prompt_logprobs; computed by whichever worker ran the
 prompt) and every token's most likely alternatives (the first token's from the prefill worker,
 the rest from the decode worker) on the HTTP front, streamed and not, and on the router's gRPC
@@ -17,15 +17,10 @@ import math
 import grpc
 import pytest
 
-from http_helpers import (
+from helpers.http import (
     CHAT,
     MODEL,
     C,
-    fixture_colocated,  # noqa: F401 - fixtures
-    fixture_idle,  # noqa: F401
-    fixture_llm,  # noqa: F401
-    fixture_router,  # noqa: F401
-    fixture_workers,  # noqa: F401
     post,
     request,
     serves,

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (router/http_api.py) through the official `openai` client, as
 people call it: greedy output equals engine.LLM's, stop strings, seeds, logprobs, n=2, errors as
 the client's exceptions, concurrent requests; and a client that disconnects mid-request frees its
-KV on both pools. The cluster and the helpers are in http_helpers.py.
+KV on both pools. The cluster and the helpers are in helpers/http.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import socket
 
 import pytest
 
-from conftest import random_prompts, run_in_threads, wait_until
-from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported here)
+from helpers.http import (  # noqa: F401
     MAX_MODEL_LEN,
     MODEL,
     TIMEOUT,
@@ -23,8 +22,10 @@ from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported 
     fixture_workers,
     split,
 )
+from helpers.models import random_prompts
+from helpers.threads import run_in_threads, wait_until
+from helpers.worker import record_aborts
 from pdserve.engine import SamplingParams
-from worker_helpers import record_aborts
 
 openai = pytest.importorskip("openai")
 
@@ -269,7 +270,7 @@ def post_raw_completion(router, seed: int, **extra) -> socket.socket:
 def wait_kv_freed_by_abort(idle, aborted) -> None:
     wait_until(
         lambda: any(reason == "aborted by the router" for _, reason in aborted) and idle.idle(),
-        1.0,
+        15,
         f"KV still held after the client left: {idle.stats()}",
     )
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (router/http_api.py) secured and under stress: API keys on
 the HTTP and gRPC fronts, HTTPS (with client certificates too), a full router's 429, no workers'
 503, an HTTP port in use, and the CLI sending the key from the environment. The cluster and the
-helpers are in http_helpers.py.
+helpers are in helpers/http.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import ssl
 import grpc
 import pytest
 
-from conftest import tls_files
-from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported here)
+from helpers.http import (  # noqa: F401
     GOOD,
     KEY,
     KEY2,
@@ -35,6 +34,7 @@ from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported 
     serves,
     split,
 )
+from helpers.tls import tls_files
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.protos.security import TLSConfig
 from pdserve.router.server import Router, RouterConfig

@@ -3,7 +3,7 @@ short timeouts and a small cap: idle, slowloris and stalled-body connections are
 their timeouts (408 where a request began), a fresh client is served while the cap is full of
 slow ones, a TLS handshake that never comes is bounded too, a client gone mid-upload is one log
 line, and the router raises its file descriptor limit. The cluster and the helpers are in
-http_helpers.py; the pure logic is tests/unit/test_http_conn.py.
+helpers/http.py; the pure logic is tests/unit/test_http_conn.py.
 """
 
 from __future__ import annotations
@@ -17,17 +17,9 @@ import time
 
 import pytest
 
-from conftest import tls_files, wait_until
-from http_helpers import (  # noqa: F401  (fixtures: pytest finds them imported here)
-    MODEL,
-    TIMEOUT,
-    C,
-    fixture_idle,
-    fixture_workers,
-    request,
-    serves,
-    split,
-)
+from helpers.http import MODEL, TIMEOUT, C, fixture_idle, fixture_workers, request, serves, split  # noqa: F401
+from helpers.threads import wait_until
+from helpers.tls import tls_files
 from pdserve.protos.security import TLSConfig
 from pdserve.router.http_book import connection_cap
 from pdserve.router.server import Router

@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from kv_helpers import (
+from helpers.kv import (
     SRC_BLOCK_IDS,
     TIMEOUT,
     DecodeSide,
-    fixture_no_leaked_threads,  # noqa: F401 - autouse, for every test here
     push_request,
     source_cache,
     src_layout,

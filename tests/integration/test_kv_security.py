@@ -17,13 +17,12 @@ import msgpack
 import pytest
 import torch.distributed as dist
 
-from kv_helpers import (
+from helpers.kv import (
     LAYOUT_KW,
     NUM_TOKENS,
     SRC_BLOCK_IDS,
     TIMEOUT,
     DecodeSide,
-    fixture_no_leaked_threads_of_refusals,  # noqa: F401 - autouse, every test
     push_request,
     source_cache,
     src_layout,
@@ -357,7 +356,9 @@ def test_a_channel_closed_while_idle_reopens_at_the_next_send(sides):
     try:
         push_good(side, tx, "before", seed=5)
         wait_until(lambda: side.server.num_channels == 0, "the idle channel was not closed")
-        time.sleep(0.5)  # the sender hears of it
+        # the sender hears of it: its Push call ends (an event, not a sleep long enough on a quiet
+        # machine)
+        wait_until(lambda: tx._stream.ended.is_set(), "the sender never saw its channel close", 30)
         push_good(side, tx, "after", seed=6)
     finally:
         tx.close()

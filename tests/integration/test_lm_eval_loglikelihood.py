@@ -5,7 +5,7 @@ log-likelihood it computed equals the engine's own prompt_logprobs for the same 
 lm_eval is not a project dependency: the test is skipped where it is not installed. To run it,
 install it beside the project (e.g. a virtual environment made with --system-site-packages, then
 `pip install lm-eval`) and run pytest with that environment's python. The cluster is
-tests/http_helpers.py's (a prefill and a decode worker behind a router, the tiny model with its
+tests/helpers/http.py's (a prefill and a decode worker behind a router, the tiny model with its
 word-level tokenizer); the token ids it sent are its own tokenizer's (`_encode_pair`).
 """
 
@@ -17,13 +17,7 @@ import math
 
 import pytest
 
-from http_helpers import (
-    MODEL,
-    fixture_idle,  # noqa: F401 - fixtures
-    fixture_llm,  # noqa: F401
-    fixture_router,  # noqa: F401
-    fixture_workers,  # noqa: F401
-)
+from helpers.http import MODEL
 from pdserve.engine import SamplingParams
 
 pytestmark = pytest.mark.skipif(

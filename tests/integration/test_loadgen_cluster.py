@@ -11,11 +11,11 @@ import socket
 
 import pytest
 
+from helpers.worker import start_decode, start_prefill, start_router
 from pdserve.cli import main
 from pdserve.tuning.loadgen import run_load
 from pdserve.tuning.metrics import summarize
 from pdserve.tuning.workload import RequestSpec, build_prompts
-from worker_helpers import start_decode, start_prefill, start_router
 
 MAX_MODEL_LEN = 256
 

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import leaves_no_threads, random_prompts
+from helpers.models import random_prompts
+from helpers.router_cluster import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster
+from helpers.threads import leaves_no_threads
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import worker_pb2
 from pdserve.router.local_prefill import LocalPrefill
-from router_cluster_helpers import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster
 
 
 class LocalCluster(Cluster):
-    """router_cluster_helpers.Cluster with local prefill for prompts of up to 16 tokens."""
+    """helpers.router_cluster.Cluster with local prefill for prompts of up to 16 tokens."""
 
     ROUTER_CONFIG = dict(local_prefill=LocalPrefill(max_prompt_tokens=16))
 

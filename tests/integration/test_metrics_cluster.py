@@ -14,10 +14,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import random_prompts, wait_until
+from helpers.models import random_prompts
+from helpers.router_cluster import RPC_TIMEOUT, Cluster, pool_idle
+from helpers.threads import wait_until
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.router.stage_timings import STAGES, stage_durations
-from router_cluster_helpers import RPC_TIMEOUT, Cluster, pool_idle
 
 MODEL = "model_name"
 ROUTER_METRICS = {  # name -> type

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from grafana_helpers import dashboard_queries, metric_names
-from http_helpers import request
+from helpers.grafana import dashboard_queries, metric_names
+from helpers.http import request
 from pdserve.router.planner import PlannerConfig
 from pdserve.router.server import Router, RouterConfig
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from arch_helpers import arch_prompts, build_arch_model
-from engine_helpers import KV, needs_x86_int8, prompt_logprob_diff
+from helpers.arch import arch_prompts, build_arch_model
+from helpers.engine import KV, needs_x86_int8, prompt_logprob_diff
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

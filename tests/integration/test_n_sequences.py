@@ -14,13 +14,14 @@ import time
 import grpc
 import pytest
 
-from conftest import random_prompts, run_in_threads, wait_until
-from engine_helpers import KV
-from n_sequences_helpers import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
+from helpers.engine import KV
+from helpers.models import random_prompts
+from helpers.n_sequences import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
+from helpers.threads import run_in_threads, wait_until
+from helpers.worker import BackendCluster, start_decode, start_prefill, start_router, stop_all
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_helpers import BackendCluster, start_decode, start_prefill, start_router, stop_all
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
 """`pdserve profile` and `pdserve tune` on models of the families beyond Llama
-(tests/arch_helpers.py): the commands end to end on a mixture of experts (the quick profile, then
+(tests/helpers/arch.py): the commands end to end on a mixture of experts (the quick profile, then
 the tuner places a workload from it), and the profile's engine half (tuning/profile_engine.py) on a
 sliding-window model and a soft-capped one with mixed windows, in this process on a smaller grid.
 Nothing in either may assume the Llama family."""
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from arch_helpers import build_arch_model
+from helpers.arch import build_arch_model
 
 SMALL_GRID = {
     "prefill": [[32], [100], [16] * 4],

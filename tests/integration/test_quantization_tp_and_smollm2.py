@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import needs_x86_int8
+from helpers.engine import needs_x86_int8
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.quality import QUALITY_BOUNDS, probe_ids
 

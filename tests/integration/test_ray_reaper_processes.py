@@ -19,8 +19,8 @@ import textwrap
 import pytest
 import ray
 
+from helpers.process import alive, start_time, still_alive_after
 from pdserve.deploy import ray_connect
-from process_helpers import alive, start_time, still_alive_after
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
 

@@ -16,7 +16,9 @@ import time
 import grpc
 import pytest
 
-from conftest import random_prompts, wait_until
+from helpers.models import random_prompts
+from helpers.router import MAX_MODEL_LEN, RPC_TIMEOUT, fixture_model_dir  # noqa: F401
+from helpers.threads import wait_until
 from pdserve import cli
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.deploy.workers import build_worker
@@ -27,7 +29,6 @@ from pdserve.protos.security import ClusterSecurity
 from pdserve.router.planner import PlannerConfig
 from pdserve.router.planner_loop import PlannerLoop
 from pdserve.router.server import Router, RouterConfig
-from router_helpers import MAX_MODEL_LEN, RPC_TIMEOUT, fixture_model_dir  # noqa: F401
 
 SECRET = "flip-test-secret-0123456789"
 SECURITY = ClusterSecurity(SECRET)

@@ -15,22 +15,22 @@ import time
 import grpc
 import pytest
 
-from conftest import random_prompts, wait_until
+from helpers.models import random_prompts
+from helpers.router import (
+    LONG_GREEDY,
+    MAX_MODEL_LEN,
+    RPC_TIMEOUT,
+    generate_call,
+    start_router,
+    stop_router,
+)
+from helpers.threads import wait_until
 from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.worker_common.registration import Registration
-from router_helpers import (
-    LONG_GREEDY,
-    MAX_MODEL_LEN,
-    RPC_TIMEOUT,
-    fixture_model_dir,  # noqa: F401
-    generate_call,
-    start_router,
-    stop_router,
-)
 
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
 STEP_DELAY_S = 0.02  # decode steps slowed so a test can stop the worker mid-stream

@@ -18,20 +18,10 @@ import threading
 import grpc
 import pytest
 
-from conftest import random_prompts, wait_until
-from hang_helpers import (
-    Streams,
-    blocks_free,
-    greedy,
-    start_decode,
-    start_prefill,
-    stop_workers,
-)
-from router_helpers import (
-    fixture_model_dir,  # noqa: F401
-    start_router,
-    stop_router,
-)
+from helpers.hang import Streams, blocks_free, greedy, start_decode, start_prefill, stop_workers
+from helpers.models import random_prompts
+from helpers.router import start_router, stop_router
+from helpers.threads import wait_until
 
 HANG_WAIT_S = 30.0  # a hung worker's threads wait at most this long for the test to release them
 # Stats answer within 0.3 s or fail; two failures in a row mark a worker down (about a second)

@@ -18,19 +18,18 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import wait_until
-from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.router.affinity import CHUNK
-from pdserve.router.pool import WorkerPool
-from pdserve.worker_common.registration import Registration
-from router_helpers import (
+from helpers.router import (
     LONG_GREEDY,
     RPC_TIMEOUT,
-    fixture_model_dir,  # noqa: F401
     generate_call,
     start_router,
     stop_router,
 )
+from helpers.threads import wait_until
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.router.affinity import CHUNK
+from pdserve.router.pool import WorkerPool
+from pdserve.worker_common.registration import Registration
 
 
 # ---- fake workers: Stats only -------------------------------------------------------------------
@@ -177,7 +176,7 @@ def test_static_workers_never_drop_out_and_registering_them_adds_no_duplicate(fa
         pool.register("prefill", "d-joined", joined.address, ttl_s=0.1)  # same id, new role: moves
         assert [w.address for w in pool.decode] == [static.address]
         assert [w.address for w in pool.prefill] == [joined.address]
-        wait_until(lambda: not pool.prefill, 3, "the registered worker dropped out")
+        wait_until(lambda: not pool.prefill, 15, "the registered worker dropped out")
         assert [w.address for w in pool.decode] == [static.address]  # no heartbeat needed
         assert pool.heartbeat("d-static", ttl_s=0.1) and not pool.heartbeat("d-joined", ttl_s=0.1)
     finally:
@@ -257,7 +256,7 @@ def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, c
         assert [w.address for w in router.pool.decode] == [moved.address]
 
         with caplog.at_level(logging.WARNING, logger="pdserve.router.pool"):
-            wait_until(lambda: router.pool.num_workers("decode") == 0, 3, "d-fake dropped out")
+            wait_until(lambda: router.pool.num_workers("decode") == 0, 15, "d-fake dropped out")
         assert time.monotonic() - last_beat >= 0.3  # heartbeats stopped: out after 3 x heartbeat_ms
         assert any(
             "d-fake" in r.getMessage() and "dropped out" in r.getMessage() for r in caplog.records
@@ -294,18 +293,18 @@ def test_registration_client_registers_again_after_drop_out_and_router_restart(m
         assert [w.worker_id for w in router.pool.decode] == ["d-fake"]
         slow.set()
         wait_until(
-            lambda: router.pool.num_workers("decode") == 0, 3, "the stalled worker dropped out"
+            lambda: router.pool.num_workers("decode") == 0, 15, "the stalled worker dropped out"
         )
         # the next Heartbeat answers known=false and the client registers again
         wait_until(
             lambda: registration.num_registrations == 2 and router.pool.num_workers("decode") == 1,
-            3,
+            15,
             "registered again after known=false",
         )
 
         port = router.address.rsplit(":", 1)[1]
         stop_router(router)
-        wait_until(lambda: not registration.registered, 3, "heartbeats to the stopped router fail")
+        wait_until(lambda: not registration.registered, 15, "heartbeats to the stopped router fail")
         router = start_router(model_dir, heartbeat_ms=100, port=int(port))
         # the router counts the worker inside Register, the client once Register returned
         wait_until(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arch_helpers import build_arch_model
+from helpers.arch import build_arch_model
 from pdserve.engine import (
     LLM,
     SamplingParams,

@@ -13,11 +13,11 @@ import json
 import grpc
 import pytest
 
-from conftest import wait_until
-from http_helpers import CHAT, C, Workers, assert_error, post, sse_events
+from helpers.http import CHAT, C, Workers, assert_error, post, sse_events
+from helpers.structured import SCHEMAS, byte_level_model, check_output
+from helpers.threads import wait_until
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from structured_helpers import SCHEMAS, byte_level_model, check_output
 
 MODEL = "tiny"
 TEMPLATE = (

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from http_helpers import CHAT, Workers, assert_error, post, serves
-from structured_helpers import byte_level_model
+from helpers.http import CHAT, Workers, assert_error, post, serves
+from helpers.structured import byte_level_model
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")

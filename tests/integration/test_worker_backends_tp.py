@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_prompts, wait_until
+from helpers.models import random_prompts
+from helpers.threads import wait_until
+from helpers.worker import GREEDY, BackendCluster, generate_concurrently
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
-from worker_helpers import GREEDY, BackendCluster, generate_concurrently
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,9 @@ import time
 import grpc
 import pytest
 
-from conftest import leaves_no_threads, random_prompts, wait_until
-from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
-from pdserve.engine import LLM, SamplingParams
-from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from worker_helpers import (
+from helpers.models import random_prompts
+from helpers.threads import leaves_no_threads, wait_until
+from helpers.worker import (
     GREEDY,
     MAX_MODEL_LEN,
     RPC_TIMEOUT,
@@ -25,6 +22,10 @@ from worker_helpers import (
     generate_concurrently,
     record_aborts,
 )
+from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def test_unknown_stream_abort_and_cancelled_stream(idle, monkeypatch):
     first = next(call)
     assert first.token_ids and not first.HasField("finish_reason")
     call.cancel()
-    wait_until(lambda: aborted, 1.0, "the decode side did not abort the cancelled stream's request")
+    wait_until(lambda: aborted, 15, "the decode side did not abort the cancelled stream's request")
     assert aborted[0] == ("cancel-me", "the stream client went away")
     s = idle.stats()
     assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
@@ -147,7 +148,7 @@ def test_lease_expiry_frees_a_reservation_never_prefilled(idle):
     assert len(reply.block_ids) == 3 and reply.block_size == 16
     assert 0 < reply.lease_deadline_unix_ns - time.time_ns() <= 300_000_000
     assert idle.stats().num_reserved == 1
-    wait_until(lambda: idle.stats().num_reserved == 0, 2.0, "the lease never expired")
+    wait_until(lambda: idle.stats().num_reserved == 0, 15, "the lease never expired")
     s = idle.stats()
     assert s.num_free_blocks == s.num_total_blocks
     last = idle.stream("lease")[-1]

@@ -1,5 +1,5 @@
 """Every architecture the engine serves, token for token against HF transformers on a tiny random
-model of that architecture (tests/arch_helpers.py ARCH_KINDS): ARCH_NEW greedy tokens for a batch
+model of that architecture (tests/helpers/arch.py ARCH_KINDS): ARCH_NEW greedy tokens for a batch
 of mixed lengths with chunked prefill and the prefix cache on, the same prompts again served from
 the prefix cache, and a prefill/decode hand-off from a prefill-only engine into another engine's
 reserved blocks. Tensor parallelism is in tests/integration/test_architectures_tp.py."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from arch_helpers import ARCH_KINDS, ARCH_NEW, QUANT_SCALE, arch_refs
-from conftest import SHARED_PREFIX, assert_no_leaks
-from engine_helpers import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
+from helpers.arch import ARCH_KINDS, ARCH_NEW, QUANT_SCALE, arch_refs
+from helpers.engine import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
+from helpers.models import SHARED_PREFIX
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -177,3 +177,28 @@ def test_benchmarks_and_experiments_import_the_package_without_editing_sys_path(
     assert not bad, "run these as `python -m <folder>.<name>` from the root instead:\n" + "\n".join(
         bad
     )
+
+
+def test_no_test_module_imports_conftest_or_another_test_module():
+    """Plain helpers are the package tests/helpers/ and fixtures live in conftest.py files, which
+    pytest loads itself: importing conftest (or a test module) as a module runs it a second time
+    under another name, as pytest's documentation warns."""
+    bad = [
+        f"{f.relative_to(ROOT)} imports {name}"
+        for f in python_files("tests")
+        for name in imported_modules(f)
+        if name.split(".")[0] == "conftest" or name.split(".")[0].startswith("test_")
+    ]
+    assert not bad, "import shared code from tests/helpers/ instead:\n" + "\n".join(bad)
+
+
+def test_test_helpers_live_in_the_helpers_package():
+    """Every module under tests/ is a test module, a conftest.py, or part of tests/helpers/."""
+    stray = [
+        str(f.relative_to(ROOT))
+        for f in python_files("tests")
+        if not f.name.startswith("test_")
+        and f.name != "conftest.py"
+        and f.parent != ROOT / "tests" / "helpers"
+    ]
+    assert not stray, "move these into tests/helpers/:\n" + "\n".join(stray)

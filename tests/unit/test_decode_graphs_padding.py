@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks
-from engine_helpers import KV, greedy
+from helpers.engine import KV, greedy
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, model_runner
 from pdserve.engine.cuda_graphs import BATCH_BUCKETS, batch_bucket
 

@@ -10,7 +10,7 @@ import sys
 import pydantic
 import pytest
 
-from deploy_config_helpers import EXAMPLES, error_of, on_gpus, write
+from helpers.deploy_config import EXAMPLES, error_of, on_gpus, write
 from pdserve.cli import main
 from pdserve.deploy.config import DeployConfig, load_config, validate_config
 

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from deploy_config_helpers import error_of, write
+from helpers.deploy_config import error_of, write
 from pdserve.deploy.config import DeployConfig, load_config
 
 SECRET = "s3cret-value-that-is-long-enough"

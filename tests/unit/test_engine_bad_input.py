@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks, hf_greedy, random_prompts
-from engine_helpers import KV, greedy, run_until_done
+from helpers.engine import KV, greedy, run_until_done
+from helpers.models import hf_greedy, random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import (
     BadSamplingParams,

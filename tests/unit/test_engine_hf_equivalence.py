@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import NEW, SHARED_PREFIX, assert_no_leaks
-from engine_helpers import KV, greedy
+from helpers.engine import KV, greedy
+from helpers.models import NEW, SHARED_PREFIX
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SHARED_PREFIX, assert_no_leaks, random_prompts
-from engine_helpers import KV, CopySink, greedy, run_until_done
+from helpers.engine import KV, CopySink, greedy, run_until_done
+from helpers.models import SHARED_PREFIX, random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks
-from engine_helpers import KV
+from helpers.engine import KV
+from helpers.prompt_logprobs import check
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
-from prompt_logprobs_helpers import check
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

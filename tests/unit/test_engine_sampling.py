@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from conftest import assert_no_leaks, hf_greedy, random_prompts
-from engine_helpers import KV, greedy
+from helpers.engine import KV, greedy
+from helpers.models import hf_greedy, random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")

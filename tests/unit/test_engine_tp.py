@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from engine_helpers import KV, greedy
+from helpers.engine import KV, greedy
 from pdserve.engine import LLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

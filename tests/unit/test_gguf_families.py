@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from arch_helpers import ARCH_SCALE, build_arch_model
-from conftest import hf_greedy
-from engine_helpers import KV, greedy
+from helpers.arch import ARCH_SCALE, build_arch_model
+from helpers.engine import KV, greedy
+from helpers.models import hf_greedy
 from pdserve.engine import LLM
 from pdserve.engine.loader import load_hf_config, resolve_model
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # The MoE weights at ARCH_SCALE: at HF's default scale a mixed-up expert or a dropped shared
 # expert still gave HF's greedy tokens (the logits are compared either way).
 _MOE = {"initializer_range": ARCH_SCALE}
-# kind of tests/arch_helpers.py, GGUF architecture, config keys over the kind's: what a GGUF
+# kind of tests/helpers/arch.py, GGUF architecture, config keys over the kind's: what a GGUF
 # carries (transformers fills the rest with its defaults: Gemma 3's layer pattern of 6, ...)
 CASES = {
     "qwen3": ("qwen3", {}),

@@ -12,7 +12,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from grafana_helpers import DASHBOARD, dashboard_queries, metric_names
+from helpers.grafana import DASHBOARD, dashboard_queries, metric_names
 from pdserve.router.flips import Flips
 from pdserve.router.metrics import RouterMetrics, exposition, served_names
 from pdserve.router.planner import PlannerConfig

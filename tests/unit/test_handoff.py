@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import random_prompts
+from helpers.models import random_prompts
 from pdserve.decode_worker.handoff import DecodeHandoff
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.engine_loop import EngineLoop

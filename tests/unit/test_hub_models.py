@@ -1,5 +1,5 @@
 """Models named by Hugging Face Hub id (engine/loader/hub.py, resolve.py), offline, against a hub
-cache each test builds in the library's own layout (tests/hub_helpers.py) under tmp_path: `ORG/NAME`
+cache each test builds in the library's own layout (tests/helpers/hub.py) under tmp_path: `ORG/NAME`
 and `ORG/NAME@REVISION` resolve to the cache's snapshot and the engine serves it as it serves the
 directory it came from; an id not in the cache, a revision not in it, and a snapshot with only GGUF
 files are refused in one line that says what to do; a local directory spelled like an id wins over
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from hub_helpers import COMMIT, add_to_hub_cache
+from helpers.hub import COMMIT, add_to_hub_cache
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.loader.hub import parse_hub_id
 

@@ -14,12 +14,7 @@ import time
 import pytest
 import torch
 
-from kv_helpers import (
-    SRC_BLOCK_IDS,
-    fixture_no_leaked_threads,  # noqa: F401 - autouse, for every test here
-    source_cache,
-    src_layout,
-)
+from helpers.kv import SRC_BLOCK_IDS, source_cache, src_layout
 from pdserve.kvtransfer import ChunkHeader, KVLayout, LayoutMismatch
 from pdserve.kvtransfer.backends import (
     connect,

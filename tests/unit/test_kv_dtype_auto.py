@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks
-from engine_helpers import needs_x86_int8
+from helpers.engine import needs_x86_int8
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams, kv_dtype
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import cpu_paged_decode

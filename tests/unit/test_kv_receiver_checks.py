@@ -9,11 +9,7 @@ import dataclasses
 
 import torch
 
-from kv_helpers import (
-    NUM_TOKENS,
-    fixture_no_leaked_threads_of_refusals,  # noqa: F401 - autouse, every test
-    src_layout,
-)
+from helpers.kv import NUM_TOKENS, src_layout
 from pdserve.kvtransfer import ChunkHeader, TransferState
 from pdserve.kvtransfer.receiver import KVReceiver
 

@@ -8,7 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from conftest import assert_no_leaks, random_prompts
+from helpers.models import random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.kvtransfer import (
     ChunkHeader,
     KVLayout,

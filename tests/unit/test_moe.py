@@ -2,7 +2,7 @@
 harness: the routed computation against a plain per-token loop, and both checkpoint layouts
 (per-expert tensors as on the hub and as transformers writes them, and transformers 5's fused
 3-D expert tensors) on models whose experts move the logits enough that a wrong routing weight
-or shared-expert gate changes the greedy tokens (tests/arch_helpers.py's kinds use HF's default
+or shared-expert gate changes the greedy tokens (tests/helpers/arch.py's kinds use HF's default
 0.02 weight scale, at which the MLPs move the logits by ~0.01)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from arch_helpers import arch_prompts, build_arch_model
-from conftest import hf_greedy
-from engine_helpers import KV, greedy
+from helpers.arch import arch_prompts, build_arch_model
+from helpers.engine import KV, greedy
+from helpers.models import hf_greedy
 from pdserve.engine import LLM
 from pdserve.engine.layers.moe import FusedMoE
 

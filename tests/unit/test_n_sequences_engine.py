@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks, random_prompts
-from engine_helpers import KV, CopySink, run_until_done
-from n_sequences_helpers import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
+from helpers.engine import KV, CopySink, run_until_done
+from helpers.models import random_prompts
+from helpers.n_sequences import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import InvalidRequest, NoFreeBlocks
 from pdserve.protos.convert import sampling_kwargs

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts
-from engine_helpers import KV
+from helpers.engine import KV
+from helpers.models import random_prompts
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import decode_kernel
 

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from conftest import assert_no_leaks
-from engine_helpers import needs_x86_int8, prompt_logprob_diff
+from helpers.engine import needs_x86_int8, prompt_logprob_diff
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import cpu_fused

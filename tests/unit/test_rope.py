@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from conftest import TINY_CONFIG
+from helpers.models import TINY_CONFIG
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.scheduler_harness import EOS, Harness, sched_view
 from pdserve.engine.request import FinishReason, SeqStatus
-from scheduler_harness import EOS, Harness, sched_view
 
 # ---- chunked prefill -------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.scheduler_harness import EOS, Harness, abort_request, sched_view
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.request import FinishReason, SeqStatus
-from scheduler_harness import EOS, Harness, abort_request, sched_view
 
 # ---- n > 1 --------------------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ sequence recomputes with and without the prefix cache."""
 
 from __future__ import annotations
 
+from helpers.scheduler_harness import Harness, sched_view
 from pdserve.engine.request import FinishReason, SeqStatus
-from scheduler_harness import Harness, sched_view
 
 # ---- preemption by recompute -----------------------------------------------------------------
 

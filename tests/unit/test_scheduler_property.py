@@ -9,9 +9,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from helpers.scheduler_harness import EOS, Harness, abort_request
 from pdserve.engine.block_manager import NoFreeBlocks
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
-from scheduler_harness import EOS, Harness, abort_request
 
 # ---- property test ------------------------------------------------------------------------------
 

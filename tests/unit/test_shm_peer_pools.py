@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import wait_until
+from helpers.threads import wait_until
 from pdserve.kvpool import create_pool_file
 from pdserve.kvtransfer import ChunkHeader
 from pdserve.kvtransfer.backends import shm_backend

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from helpers.tuning import DERIVED, make_profile
 from pdserve.router.planner import LOCAL_MORE, TO_DECODE, TO_PREFILL, PlannerConfig
 from pdserve.tuning.perf_model import load_profile
 from pdserve.tuning.shift_goodput import ShiftGoodput, bisect_rate, laid_end_to_end, scaled_phases
@@ -18,7 +19,6 @@ from pdserve.tuning.sim_planner import PlannerSimulator
 from pdserve.tuning.simulator import Placement, PoolSpec, Simulator
 from pdserve.tuning.slo import SLO
 from pdserve.tuning.workload import RequestSpec, arrivals, load_trace, retime
-from tuning_helpers import DERIVED, make_profile
 
 # 1000 prompt tokens/s per prefill worker; a decode step of 20 ms + 1 ms per sequence
 TOY = make_profile(bandwidth=1e9)

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from helpers.tuning import make_profile, one, toy_tune_argv
 from pdserve import cli
 from pdserve.tuning.perf_model import ProfileError, profile_from_dict
 from pdserve.tuning.simulator import Placement, PoolSpec, Simulator, simulate
 from pdserve.tuning.slo import SLO
 from pdserve.tuning.tuner import Search
 from pdserve.tuning.workload import synthetic
-from tuning_helpers import make_profile, one, toy_tune_argv
 
 
 def test_seeded_goodput_band_spreads_with_step_noise_and_collapses_without(tmp_path, capsys):

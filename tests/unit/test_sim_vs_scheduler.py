@@ -1,6 +1,6 @@
 """The simulator's worker (tuning/sim_worker.py, "engine/scheduler.py's policy over token
 counts") against the real thing: the same request trace through engine/scheduler.py's Scheduler
-with a BlockManager (driven by tests/scheduler_harness.py's fake runner, no model) and
+with a BlockManager (driven by tests/helpers/scheduler_harness.py's fake runner, no model) and
 through sim_worker.Worker, step by step; every step must schedule the same requests with the same
 number of tokens each, in the same order.
 
@@ -24,9 +24,9 @@ from dataclasses import replace
 
 import pytest
 
+from helpers.scheduler_harness import Harness
 from pdserve.tuning.sim_worker import Seq, Worker
 from pdserve.tuning.workload import RequestSpec, build_prompts, load_trace
-from scheduler_harness import Harness
 
 STEP_S = 0.05  # seconds of arrivals per step
 

@@ -1,5 +1,5 @@
 """Sliding-window models keep their KV bounded by the window (engine/kv_window.py): a tiny Mistral
-whose every layer slides over 32 tokens (tests/arch_helpers.py "mistral-sw"), token for token
+whose every layer slides over 32 tokens (tests/helpers/arch.py "mistral-sw"), token for token
 against HF greedy, while the blocks a sequence holds stay within the window's bound: a long
 generation, a KV pool too small for a full-length sequence, the prefix cache and preemption
 around released blocks, n>1 forks, and a hand-off into another engine's reservation."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from arch_helpers import build_arch_model
-from conftest import assert_no_leaks, hf_greedy, random_prompts
-from engine_helpers import KV, CopySink, greedy
+from helpers.arch import build_arch_model
+from helpers.engine import KV, CopySink, greedy
+from helpers.models import hf_greedy, random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_window import max_blocks_held, release_skipped

@@ -16,8 +16,8 @@ from experiments.calibration import (
     speed_traces,
     step_model_check,
 )
+from helpers.tuning import toy_engine_profile_dict
 from pdserve.tuning.perf_model import StepModel, profile_from_dict
-from tuning_helpers import toy_engine_profile_dict
 
 ENGINE = profile_from_dict(toy_engine_profile_dict())
 TRUE = StepModel((0.03, 0.0012, 1e-6), (0.025, 0.0015, 7e-6), 100_000)

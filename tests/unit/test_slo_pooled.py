@@ -11,7 +11,7 @@ import json
 import pytest
 
 from experiments.pooled import find_runs, merge_serving, pooled_profile, scaled
-from tuning_helpers import toy_engine_profile_dict
+from helpers.tuning import toy_engine_profile_dict
 
 CONFIG = {
     "model": "smollm2",

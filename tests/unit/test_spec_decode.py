@@ -14,8 +14,9 @@ import random
 
 import pytest
 
-from conftest import assert_no_leaks, random_prompts
-from engine_helpers import KV, greedy, needs_x86_int8
+from helpers.engine import KV, greedy, needs_x86_int8
+from helpers.models import random_prompts
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams, spec_gate, spec_ngram
 from pdserve.engine.spec_config import SpeculativeConfig
 from pdserve.engine.spec_gate import Offer, SpecGate, StepCosts

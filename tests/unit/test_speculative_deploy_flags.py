@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 import pdserve.engine
-from deploy_config_helpers import EXAMPLES
+from helpers.deploy_config import EXAMPLES
+from helpers.up import flags_config as _up
 from pdserve.cli import main
 from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
 from pdserve.engine.spec_config import SpeculativeConfig
-from up_helpers import flags_config as _up
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 NGRAM_FULL = {**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

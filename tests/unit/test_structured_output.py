@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks
-from engine_helpers import KV, CopySink, run_until_done
+from helpers.engine import KV, CopySink, run_until_done
+from helpers.structured import SCHEMAS, byte_level_model, check_output
+from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import BadSamplingParams
 from pdserve.engine.structured import apply_bitmask
 from pdserve.engine.structured_spec import StructuredSpec
-from structured_helpers import SCHEMAS, byte_level_model, check_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

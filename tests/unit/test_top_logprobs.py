@@ -12,14 +12,14 @@ import pickle
 import pytest
 import torch
 
-from engine_helpers import KV
+from helpers.engine import KV
+from helpers.prompt_logprobs import hf_prompt_logprobs
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import BadSamplingParams
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprob
 from pdserve.protos.limits import check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
-from prompt_logprobs_helpers import hf_prompt_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

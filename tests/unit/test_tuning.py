@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from helpers.tuning import DERIVED, make_profile, one
 from pdserve.tuning.perf_model import (
     ProfileError,
     fit_nonnegative,
@@ -19,7 +20,6 @@ from pdserve.tuning.simulator import Placement, PoolSpec, Simulator, simulate
 from pdserve.tuning.slo import SLO, TuneError, parse_slo
 from pdserve.tuning.tuner import Search, enumerate_placements
 from pdserve.tuning.workload import retime, synthetic
-from tuning_helpers import DERIVED, make_profile, one
 
 
 # ---- fitting ------------------------------------------------------------------------------------

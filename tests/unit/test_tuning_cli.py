@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from helpers.tuning import DERIVED, make_profile, toy_tune_argv, tune_argv
 from pdserve import cli
 from pdserve.deploy.config import load_config, validate_config
 from pdserve.deploy.config_checks import fit_problems
@@ -18,7 +19,6 @@ from pdserve.tuning.deploy_yaml import deploy_yaml, hf_config
 from pdserve.tuning.perf_model import ProfileError, load_profile, profile_from_dict
 from pdserve.tuning.simulator import Placement, PoolSpec
 from pdserve.tuning.tuner import Candidate
-from tuning_helpers import DERIVED, make_profile, toy_tune_argv, tune_argv
 
 
 # ---- YAML ---------------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import argparse
 import pytest
 import yaml
 
+from helpers.up import flags_config as _up
 from pdserve.cli import main
 from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
 from pdserve.deploy.config_checks import fit_problems
 from pdserve.up_flags import add_up_flags, up_config
-from up_helpers import flags_config as _up
 
 KEY = "sk-flag-key-00000001"
 

@@ -2,8 +2,7 @@
 `pdserve up` (tests/integration/test_ray_reaper_processes.py, tests/e2e/test_deploy_ray_orphans.py).
 Read here independently of deploy/ray_reaper.py, which those tests check.
 
-Not a test module: imported as `from process_helpers import ...` (it lives in tests/, next to
-conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test).
+Not a test module: imported as `from helpers.process import ...` (tests/helpers/ is a package on pytest's sys.path).
 """
 
 from __future__ import annotations

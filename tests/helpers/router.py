@@ -3,8 +3,7 @@ changes at run time (tests/integration/test_router_membership.py) and requests t
 decode worker (tests/integration/test_router_failover_workers.py and, without a worker,
 tests/unit/test_router_failover.py).
 
-Not a test module: imported as `from router_helpers import ...` (it lives in tests/, next to
-conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+Not a test module: imported as `from helpers.router import ...` (tests/helpers/ is a package on pytest's sys.path). The
 fixture is a `fixture_<name>` function registered as `<name>` (`model_dir`, module-scoped), so that
 a test module imports it and its tests' parameters do not shadow the import.
 """

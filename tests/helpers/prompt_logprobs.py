@@ -2,8 +2,7 @@
 tests/unit/test_engine_prompt_logprobs.py and, across TP ranks,
 tests/integration/test_engine_prompt_logprobs_tp.py.
 
-Not a test module: imported as `from prompt_logprobs_helpers import ...` (it lives in tests/, next
-to conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test).
+Not a test module: imported as `from helpers.prompt_logprobs import ...` (tests/helpers/ is a package on pytest's sys.path).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import wait_until  # noqa: F401  (the chaos tests import it from here)
+from helpers.threads import wait_until  # noqa: F401
 from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc

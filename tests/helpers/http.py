@@ -1,8 +1,7 @@
 """The cluster and the raw HTTP helpers shared by the tests of the OpenAI-compatible HTTP front
 (router/http_api.py): tests/integration/test_http_*.py.
 
-Not a test module: imported as `from http_helpers import ...` (it lives in tests/, next to
-conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+Not a test module: imported as `from helpers.http import ...` (tests/helpers/ is a package on pytest's sys.path). The
 fixtures are `fixture_<name>` functions registered as `<name>` (`workers`, `router`, `colocated`,
 `secured`, `llm`, `idle`), so that a test module imports the ones it uses and its tests' parameters
 do not shadow the imports; the module-scoped ones then start once per test module: a DecodeWorker,
@@ -20,12 +19,13 @@ import ssl
 import grpc
 import pytest
 
-from conftest import tls_files, wait_until
+from helpers.threads import wait_until
+from helpers.tls import tls_files
+from helpers.worker import start_decode, start_prefill, stop_all
 from pdserve.engine import LLM
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import TLSConfig
 from pdserve.router.server import Router, RouterConfig
-from worker_helpers import start_decode, start_prefill, stop_all
 
 MAX_MODEL_LEN = 256
 MODEL = "tiny"

@@ -3,8 +3,7 @@ tests/integration/test_engine_*.py for those that need processes): greedy sampli
 engine to the end, `CopySink` (the kv_sink that the disaggregation hooks' tests hand a
 prefill-only engine) and `needs_x86_int8` (the skip mark of the int8 tests).
 
-Not a test module: imported as `from engine_helpers import ...` (it lives in tests/, next to
-conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+Not a test module: imported as `from helpers.engine import ...` (tests/helpers/ is a package on pytest's sys.path). The
 fixtures those tests share (`refs`, the HF greedy reference continuations, and `one_thread`) are in
 tests/conftest.py, with the reference set's constants.
 """
@@ -14,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEW
+from helpers.models import NEW
 from pdserve.engine import SamplingParams
 
 KV = 1 << 22

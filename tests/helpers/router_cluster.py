@@ -2,16 +2,15 @@
 drive through the client API: one DecodeWorker, one PrefillWorker and the Router in front
 (tests/integration/test_router.py, tests/integration/test_metrics_cluster.py).
 
-Not a test module: imported as `from router_cluster_helpers import ...` (it lives in tests/, next
-to conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test).
+Not a test module: imported as `from helpers.router_cluster import ...` (tests/helpers/ is a package on pytest's sys.path).
 """
 
 from __future__ import annotations
 
 import grpc
 
+from helpers.worker import start_decode, start_prefill, start_router, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_helpers import start_decode, start_prefill, start_router, stop_all
 
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 256

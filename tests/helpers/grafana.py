@@ -9,7 +9,7 @@ import json
 import pathlib
 import re
 
-DASHBOARD = pathlib.Path(__file__).parents[1] / "deploy" / "grafana" / "pdserve.json"
+DASHBOARD = pathlib.Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
 # the PromQL functions and aggregations a dashboard query may call
 FUNCTIONS = {
     "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",

@@ -3,19 +3,19 @@
 
 ARCH_KINDS names each kind with its HF `model_type` and the config keys that make it that kind
 (a sliding window shorter than the longer prompts, soft-capping, experts). `build_arch_model`
-saves a random model of a kind with the word-level tokenizer of tests/conftest.py, and draws every
+saves a random model of a kind with the word-level tokenizer of tests/helpers/models.py, and draws every
 norm weight and bias at random too, so a norm read with the wrong offset, or a bias left out,
 changes the tokens. `arch_refs` gives the prompts (mixed lengths, three sharing a 48-token prefix)
 and HF's own greedy continuations of ARCH_NEW tokens.
 
-Not a test module: imported as `from arch_helpers import ...` (pytest puts tests/ on sys.path).
+Not a test module: imported as `from helpers.arch import ...` (pytest puts tests/ on sys.path).
 """
 
 from __future__ import annotations
 
 import torch
 
-from conftest import SHARED_PREFIX, TINY_CONFIG, hf_greedy, random_prompts
+from helpers.models import SHARED_PREFIX, TINY_CONFIG, hf_greedy, random_prompts
 
 ARCH_NEW = 64  # greedy tokens compared with HF's
 # The weights' scale (HF's initializer_range) of the models whose tokens are compared: at HF's

@@ -3,8 +3,8 @@ test_router_hung_workers.py, tests/chaos/test_stopped_workers.py): a decode work
 slowed so that streams are mid-way when something happens, a prefill worker, the engine's own
 greedy output to compare with, and Generate calls running on threads.
 
-Not a test module: imported as `from hang_helpers import ...` (tests/ is on sys.path, as for
-router_helpers.py).
+Not a test module: imported as `from helpers.hang import ...` (tests/helpers/ is a package on pytest's sys.path, as
+helpers/router.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 
 import grpc
 
+from helpers.router import LONG_GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, generate_call
 from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router_helpers import LONG_GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, generate_call
 
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
 DECODE_STEP_S = 0.05  # decode steps slowed so that the streams are mid-way when a worker hangs

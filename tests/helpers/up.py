@@ -2,7 +2,7 @@
 tests/e2e/test_moe_up.py): start it with a small YAML, read the router's gRPC address from its
 stdout, stream greedy tokens from the router, stop it with SIGTERM as Ctrl-C would.
 
-Not a test module: imported as `from up_helpers import ...` (pytest puts tests/ on sys.path).
+Not a test module: imported as `from helpers.up import ...` (pytest puts tests/ on sys.path).
 benchmarks/moe_served.py has its own copy of the start and stop (benchmarks do not import tests/).
 """
 
@@ -19,7 +19,7 @@ import threading
 
 import yaml
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 START_TIMEOUT_S = 300.0
 
 

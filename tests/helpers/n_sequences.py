@@ -2,8 +2,7 @@
 seeded, and the model length; tests/unit/test_n_sequences_engine.py (the engines and the commit
 frame) and tests/integration/test_n_sequences.py (through the workers and the Router).
 
-Not a test module: imported as `from n_sequences_helpers import ...` (it lives in tests/, next to
-conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test).
+Not a test module: imported as `from helpers.n_sequences import ...` (tests/helpers/ is a package on pytest's sys.path).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def error_of(path: str) -> str:
     return str(e.value)
 
 
-EXAMPLES = sorted((pathlib.Path(__file__).parents[1] / "deploy" / "examples").glob("*.yaml"))
+EXAMPLES = sorted((pathlib.Path(__file__).parents[2] / "deploy" / "examples").glob("*.yaml"))
 
 
 def on_gpus(path) -> bool:

@@ -13,9 +13,8 @@ With `window` (a model whose every layer slides), a chunk must find the right KV
 window - 1 positions before it; the blocks before those are given back, their table entries are
 the null block (index num_blocks), and every check also bounds the blocks a sequence holds.
 
-Not a test module: the test_scheduler*.py modules import it as `from scheduler_harness import ...`
-(it lives in tests/, next to conftest.py, which pytest's default "prepend" import mode puts on
-sys.path for every test).
+Not a test module: the test_scheduler*.py modules import it as `from helpers.scheduler_harness import ...`
+(tests/helpers/ is a package on pytest's sys.path).
 """
 
 from __future__ import annotations

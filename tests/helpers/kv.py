@@ -5,8 +5,7 @@ tests/unit/test_kv_receiver_checks.py): engine-shaped KV chunks of a prefill sid
 a decode side (blocks of 16) with a server feeding one KVReceiver per reserved request, and the
 thread-leak checks of both.
 
-Not a test module: imported as `from kv_helpers import ...` (it lives in tests/, next to
-conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The
+Not a test module: imported as `from helpers.kv import ...` (tests/helpers/ is a package on pytest's sys.path). The
 fixtures are `fixture_<name>` functions registered as `<name>` (`no_leaked_threads`, autouse), so
 that a test module imports the one it uses and it applies to all of that module's tests.
 """
@@ -18,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import threads_joined
+from helpers.threads import threads_joined
 from pdserve.kvtransfer import ChunkHeader, KVLayout, TransferState
 from pdserve.kvtransfer.backends import create_shared_kv_cache, remove_shared_kv_cache, serve
 from pdserve.kvtransfer.receiver import KVReceiver

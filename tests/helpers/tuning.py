@@ -9,7 +9,7 @@ from pdserve.tuning.workload import RequestSpec
 
 # the derived GPU profile that ships with the tuner (Llama-3-8B on H100s)
 DERIVED = (
-    pathlib.Path(__file__).resolve().parents[1] / "tuning" / "profiles" / "h100_llama3_8b.json"
+    pathlib.Path(__file__).resolve().parents[2] / "tuning" / "profiles" / "h100_llama3_8b.json"
 )
 # the toy model's shape: 10 layers of 6 query and 3 KV heads of 64, hidden size 384
 SHAPE = dict(num_layers=10, num_heads=6, num_kv_heads=3, head_dim=64, hidden_size=384)

@@ -1,0 +1,116 @@
+"""Tiny random models for the engine tests: a 2-layer, 64-wide model of a named shape (Llama or
+Qwen2, GQA or MQA, tied or not, plain, llama3 or yarn RoPE) saved as a Hugging Face directory with
+a word-level tokenizer ("t0".."t255"), random prompts over that vocabulary, and HF's own greedy
+continuation as the reference the engine must match. The session fixture that builds each shape
+once (`tiny_models`) and the module fixture of reference continuations (`refs`) stay in
+tests/conftest.py; this module holds the plain functions and constants they and the tests share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the tiny models' shape: 2 layers, 64 wide, a 256-token vocabulary
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+# name: (architecture, num_key_value_heads, tie_word_embeddings, rope_parameters); 4 query heads
+_SHAPES = {
+    "llama-gqa": ("llama", 2, False, None),
+    "llama-mqa-tied": ("llama", 1, True, None),
+    "llama3-rope": ("llama", 2, False, LLAMA3_ROPE),
+    "qwen2-bias": ("qwen2", 2, True, None),
+    "qwen2-yarn": ("qwen2", 2, False, YARN_ROPE),
+}
+TINY_SHAPES = {  # name: (architecture, extra config)
+    name: (
+        arch,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            tie_word_embeddings=tied,
+            **({} if rope is None else {"rope_parameters": rope}),
+        ),
+    )
+    for name, (arch, kv_heads, tied, rope) in _SHAPES.items()
+}
+
+
+def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0):
+    """Save a random tiny model + a word-level tokenizer ("t0".."t255") to `path`; returns the HF model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    arch, extra = TINY_SHAPES[kind]
+    common = dict(**TINY_CONFIG, eos_token_id=1, bos_token_id=0, **extra)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():  # random biases, so a dropped bias cannot go unnoticed
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    model.eval().save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1").save_pretrained(
+        path
+    )
+    return model
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
+    """Plain argmax decoding with HF's own model and KV cache.
+
+    Not `generate(min_new_tokens=...)`: that masks EOS, while `ignore_eos` (here and in vLLM) only
+    means "do not stop at EOS", so EOS can still be the greedy token.
+    """
+    ids, past, out = torch.tensor([prompt_ids]), None, []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            step = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out
+
+
+# ---- engine tests on the tiny models (tests/*/test_engine_*.py) -----------------------------
+LENGTHS = (1, 5, 16, 17, 40, 100, 200)  # the reference prompts' lengths
+NEW = 24  # new tokens of each HF greedy reference continuation
+SHARED_PREFIX = 48  # the shared prefix of the last three reference prompts
