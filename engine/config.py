@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
-from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.spec.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 # what speculative_config "auto" turns on in the default mode (benchmarks/spec_decode.py measures
@@ -150,10 +150,10 @@ class EngineConfig:
     # "auto": read the checkpoint's weights; "dummy": small random weights of the checkpoint's
     # shape (config.json alone is enough), for timing a model without its weights
     load_format: str = "auto"
-    # speculative decoding (engine/spec_config.py): vLLM's mapping, e.g. {"method": "ngram",
+    # speculative decoding (engine/spec/config.py): vLLM's mapping, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}, held as a SpeculativeConfig once checked; None: off; "auto":
     # prompt lookup where the default mode runs (dtype "auto" on a CPU: its gate speculates only
-    # when it measures a gain, engine/spec_gate.py), else off
+    # when it measures a gain, engine/spec/gate.py), else off
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
 
     def __post_init__(self):

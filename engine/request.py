@@ -48,10 +48,12 @@ class Sequence:
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    grammar: object | None = None  # params.structured's matcher (engine/structured.py SeqGrammar)
-    # speculative decoding (engine/spec_decode.py): how many guesses the next step may check,
+    grammar: object | None = (
+        None  # params.structured's matcher (engine/structured/grammar.py SeqGrammar)
+    )
+    # speculative decoding (engine/spec/speculator.py): how many guesses the next step may check,
     # the guesses already made (prompt lookup makes them before the step is planned), the tokens
-    # whose KV the draft model holds, and the speculator's own record (engine/spec_decode.py)
+    # whose KV the draft model holds, and the speculator's own record (engine/spec/speculator.py)
     spec_budget: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     draft_computed: int = 0

@@ -12,7 +12,7 @@ import numbers
 from dataclasses import dataclass
 
 from pdserve.engine.errors import BadSamplingParams
-from pdserve.engine.structured_spec import StructuredSpec, spec_from_wire
+from pdserve.engine.structured.spec import StructuredSpec, spec_from_wire
 
 # Dividing float32 logits by a temperature this small overflows to inf (and
 # softmax then yields NaN), so such temperatures are treated as greedy, as
@@ -110,11 +110,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # structured output (engine/structured.py): the output follows a JSON schema, is a JSON
+    # structured output (engine/structured/grammar.py): the output follows a JSON schema, is a JSON
     # object, matches a regex or is one of some strings; a dict of one of those is taken too
     structured: StructuredSpec | None = None
     # False: this request is never speculated on, whatever the engine's speculative_config
-    # (engine/spec_config.py); its tokens are the same either way, only its speed differs
+    # (engine/spec/config.py); its tokens are the same either way, only its speed differs
     speculative: bool = True
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ import pdserve.engine
 from deploy_config_helpers import EXAMPLES
 from pdserve.cli import main
 from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
-from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.spec.config import SpeculativeConfig
 from up_helpers import flags_config as _up
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}

@@ -1,4 +1,4 @@
-"""Structured output in the engine (engine/structured.py) on a tiny random model with a byte-level
+"""Structured output in the engine (engine/structured/grammar.py) on a tiny random model with a byte-level
 tokenizer: outputs follow JSON schemas, any JSON object, regexes and choices under random and
 greedy sampling with n>1; logprobs are the masked distribution's; preemption and the
 prefill/decode hand-off (prefill_only -> reserve/commit) keep each matcher with its tokens; bad
@@ -13,8 +13,8 @@ from conftest import assert_no_leaks
 from engine_helpers import KV, CopySink, run_until_done
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import BadSamplingParams
-from pdserve.engine.structured import apply_bitmask
-from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.engine.structured.grammar import apply_bitmask
+from pdserve.engine.structured.spec import StructuredSpec
 from structured_helpers import SCHEMAS, byte_level_model, check_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")
