@@ -248,11 +248,11 @@ class LLMEngine:
     def commit(
         self,
         request_id: str,
-        first_token_ids: int | list[int],
+        first_token_ids: list[int],
         logprobs: list[float] | None = None,
     ) -> None:
         """Continues a reserved request from its first token(s), once its KV is in place.
-        first_token_ids: the first token (n=1), or one per sequence in index order; logprobs:
+        first_token_ids: one per sequence, in index order (one for n=1); logprobs:
         theirs as the engine that sampled them computed them (kept for outputs with logprobs).
         n>1 forks the other sequences on copy-on-write blocks (the scheduler's fork), and each
         seeded generator skips the draw its first token took on the other engine, so the n
@@ -260,11 +260,12 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
-        tokens = (
-            [first_token_ids]
-            if not isinstance(first_token_ids, list | tuple)
-            else list(first_token_ids)
-        )
+        if not isinstance(first_token_ids, list | tuple):
+            raise InvalidRequest(
+                f"commit of {request_id!r}: first_token_ids must be a list (one per sequence), "
+                f"got {type(first_token_ids).__name__}"
+            )
+        tokens = list(first_token_ids)
         if len(tokens) != len(req.seqs):
             raise InvalidRequest(
                 f"commit of {request_id!r} has {len(tokens)} first tokens for "

@@ -191,11 +191,11 @@ class Scheduler:
             self.reserved_copies[seq.seq_id] = held
 
     def commit(
-        self, seq: Sequence, first_token_ids: int | list[int], logprobs: list[float] | None = None
+        self, seq: Sequence, first_token_ids: list[int], logprobs: list[float] | None = None
     ) -> None:
-        """The reserved prompt's KV is in place: continue decoding from the first token (n>1: one
-        per sequence, in index order; the children fork from `seq` on copy-on-write blocks)."""
-        tokens = [first_token_ids] if isinstance(first_token_ids, int) else list(first_token_ids)
+        """The reserved prompt's KV is in place: continue decoding from the first tokens (one per
+        sequence, in index order; n>1: the children fork from `seq` on copy-on-write blocks)."""
+        tokens = list(first_token_ids)
         del self.reserved[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         seq.num_hashed_blocks = self.bm.register_full_blocks(

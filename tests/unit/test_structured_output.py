@@ -131,7 +131,7 @@ def test_a_first_token_the_grammar_rejects_ends_the_sequence(llm):
     b = llm.engine
     prompt = b.tokenizer.encode("abc")
     b.reserve("bad-first", prompt, SamplingParams(max_tokens=10, structured={"choice": ["yes"]}))
-    b.commit("bad-first", b.tokenizer.encode("n")[0])
+    b.commit("bad-first", b.tokenizer.encode("n")[:1])
     out = [o for o in run_until_done(b) if o.finished][-1].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "grammar rejected the token"
 
