@@ -118,11 +118,18 @@ class SamplingParams:
     speculative: bool = True
 
     def __post_init__(self) -> None:
+        """Checks every field, in declaration order, normalizing as it goes."""
+        self._check_sampling()
+        self._check_lengths_and_outputs()
+
+    def _put(self, name: str, value: object) -> None:
         # Frozen: normalized values (float(0) -> 0.0, list -> tuple) must go
         # through object.__setattr__.
-        def put(name: str, value: object) -> None:
-            object.__setattr__(self, name, value)
+        object.__setattr__(self, name, value)
 
+    def _check_sampling(self) -> None:
+        """n, the distribution's shaping (temperature, top_p/top_k/min_p), seed, penalties."""
+        put = self._put
         put("n", _int("n", self.n))
         if self.n < 1:
             raise BadSamplingParams(f"n must be >= 1, got {self.n}")
@@ -156,6 +163,9 @@ class SamplingParams:
                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
             )
 
+    def _check_lengths_and_outputs(self) -> None:
+        """max/min_tokens, logprobs wanted, stops, flags and structured output."""
+        put = self._put
         put("max_tokens", _int("max_tokens", self.max_tokens))
         if self.max_tokens < 1:
             raise BadSamplingParams(f"max_tokens must be >= 1, got {self.max_tokens}")
