@@ -12,8 +12,8 @@ from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from pdserve.engine.spec.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
-# what speculative_config "auto" turns on in the default mode (benchmarks/spec_decode.py measures
-# it against none: BENCHMARKS.md, "Speculative decoding")
+# what speculative_config "auto" turns on in the default mode: prompt lookup costs no model, and
+# the gate (engine/spec/gate.py) turns it off at steps where it would not pay
 AUTO_SPECULATION = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
 
 

@@ -11,10 +11,9 @@ The rule: the cache is bfloat16 when both hold, else float32.
 1. Decode attention reads a bf16 cache faster on this CPU: the compiled paged decode kernel
    (`engine.attention.decode_kernel`) reads it in place, loading half the bytes and widening each
    value to float32 with a vector shift (a bf16 is a float32's upper half: no bf16 unit is
-   needed, so `cpu_features().bf16_units` is not asked; AVX2 is, for the vector widening). At 32
-   sequences decode attention streams the whole cache every step and is memory-bound: int8 with a
-   bf16 cache decoded 1.6x faster than int8 alone on the AVX-512 EPYC (BENCHMARKS.md, "Engine
-   serving modes vs HF and llama.cpp"). Without the kernel the torch path gathers the blocks and
+   needed, so `cpu_features().bf16_units` is not asked; AVX2 is, for the vector widening). With
+   many sequences decode attention streams the whole cache every step and is memory-bound, so
+   half the bytes is a faster decode. Without the kernel the torch path gathers the blocks and
    converts them on every read, so float32 is kept.
 2. The probe text scored in M with a bf16 cache stays within M's bound against float32's
    perplexity (`QUALITY_BOUNDS[M]`, the bound M itself passed; float32 weights: bfloat16's

@@ -95,7 +95,7 @@ class PushSink:
     on the CPU and the compute threads take every core this process may use. Overlap hides the
     transfer only where it has a core to run on: when the prefill takes every core, the per-layer
     sends (and the decode side's receiving) preempt the compute, whose OpenMP barriers then wait
-    on them, and the prefill slows by more than the transfer takes (see BENCHMARKS.md).
+    on them, and the prefill slows by more than the transfer takes.
     """
 
     def __init__(

@@ -34,8 +34,8 @@ from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 
 # draft prompt tokens computed per step, across sequences: a catch-up step stalls every stream on
-# the worker, and its cost grows with its tokens about linearly (BENCHMARKS.md, "Speculative
-# decoding, served"), so small chunks bound the stall at no cost in total
+# the worker, and its cost grows with its tokens about linearly, so small chunks bound the stall
+# at no cost in total
 CATCH_UP_TOKENS = 64
 _GREEDY = SamplingParams(temperature=0.0)
 
