@@ -1,4 +1,16 @@
-"""Frozen, validated configuration of a model and of an engine."""
+"""Frozen, validated configuration of a model (ModelConfig) and of an engine (EngineConfig).
+
+ModelConfig is read once from a checkpoint's Hugging Face config (`from_hf`): the shapes the
+model classes, the KV cache and the transfer layout are built from, and the attention windows
+of the layers. EngineConfig is what `LLM(...)`, the CLI and a deployment YAML hand the engine.
+It is checked field by field when built, so a wrong value is refused before any model loads,
+and holds "auto" where the engine may choose. `resolve(model_config)` turns the device, dtype,
+speculative_config, max_model_len and kv_cache_memory "auto"s into values, once, before the
+engine starts: a started engine's config has no "auto" left but the precision's, which
+engine/precision.py and engine/kv_dtype.py choose with the model loaded and which the engine
+writes back into its config. Everything here is plain data: it is pickled to tensor-parallel
+ranks and worker processes as it is.
+"""
 
 from __future__ import annotations
 
