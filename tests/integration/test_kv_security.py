@@ -218,7 +218,7 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
     messages = [
         raw_frame({**fields, "layer": "0"}, payload),  # names its request: fails it
         raw_frame({**fields, "request_id": "x" * 300}, payload),  # names none: dropped
-        raw_frame({**fields, "request_id": "bad-token", "kind": "commit", "first_token": "7"})
+        raw_frame({**fields, "request_id": "bad-token", "kind": "commit", "first_tokens": ["7"]})
         + frame(
             dataclasses.replace(header, request_id="bad-dim", head_dim=4),
             payload[: len(payload) // 2],
@@ -234,7 +234,7 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
     messages.append(frame(ChunkHeader("good", fp, kind="commit", first_tokens=(9,))))
     raw_push(side.server.address, messages)
     assert "layer" in finished(side, "bad-layer").error
-    assert "first_token" in finished(side, "bad-token").error
+    assert "first_tokens" in finished(side, "bad-token").error
     assert "head_dim" in finished(side, "bad-dim").error
     side.assert_received("good", 9)  # the channel that carried the bad frames went on
     assert good.block_ids == [5, 6, 7]
