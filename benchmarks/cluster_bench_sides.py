@@ -199,7 +199,7 @@ class _Pipeline:
     def _commit(self, rid: str, sink, first: int) -> float:
         """Commits the hand-off, waits for it to land and checks it did; returns the time it had
         landed (time.perf_counter)."""
-        sink.commit(first)
+        sink.commit([first])
         self.transport.flush(30.0)
         t2 = time.perf_counter()
         self._check_committed(rid, first)

@@ -117,7 +117,7 @@ def runner_for(model_dir: str, graphs: bool, dummy: bool, max_len: int = 4096):
     from transformers import AutoConfig
 
     from pdserve.engine.config import EngineConfig, ModelConfig
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.precision import start_runner
 
     mc = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     config = EngineConfig(
@@ -130,7 +130,7 @@ def runner_for(model_dir: str, graphs: bool, dummy: bool, max_len: int = 4096):
         cuda_graphs=graphs,
         load_format="dummy" if dummy else "auto",
     ).resolve(mc)
-    return ModelRunner(config, mc, model_dir), mc
+    return start_runner(config, mc, model_dir), mc
 
 
 def batch1_ms(runner, prompt_len: int = 128, steps: int = 64) -> float:
@@ -145,15 +145,15 @@ def batch1_ms(runner, prompt_len: int = 128, steps: int = 64) -> float:
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     ids = torch.randint(0, 1000, (prompt_len,)).tolist()
     row = SamplingRow(params, ids, [], None)
-    tok, _, _ = runner.execute(ModelInput([SeqInput(ids, 0, blocks, True)], []), [row], [0])
+    tok = runner.execute(ModelInput([SeqInput(ids, 0, blocks, True)], []), [row], [0]).token_ids
     pos, token = prompt_len, tok[0]
     times = []
     for _ in range(steps):
         sync()
         t = time.perf_counter()
-        tok, _, _ = runner.execute(
+        tok = runner.execute(
             ModelInput([SeqInput([token], pos, blocks, True)], []), [row], [0]
-        )
+        ).token_ids
         times.append(time.perf_counter() - t)  # (the token's .tolist() synchronized already)
         pos, token = pos + 1, tok[0]
     return statistics.median(times[4:]) * 1e3

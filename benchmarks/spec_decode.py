@@ -22,7 +22,7 @@ Workloads: (1) one stream: each of --prompts copy tasks alone, max_tokens --new;
 each engine (off, on, off, on, ...); decode tok/s = tokens made after the step at which every
 request had its first token / the time of those steps; the ratio is the median round's, with
 every round's kept.
-Before each, two throwaway requests warm the engine and let the gate (engine/spec_gate.py)
+Before each, two throwaway requests warm the engine and let the gate (engine/spec/gate.py)
 measure its step costs. Tokens of every request are compared with the run without speculation;
 acceptance is the engine's spec_stats over the measured part.
 

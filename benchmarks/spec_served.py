@@ -16,7 +16,7 @@ mode), "ngram" (`--speculative-config '{"method": "ngram",
 router's gRPC address and HTTP URL from the child's stdout and, per deployment:
 
 (0) warm-up: two copy prompts one after the other (64 tokens each), so the gate
-    (engine/spec_gate.py) has measured one stream's step costs; before (2), the 32 at once for 16
+    (engine/spec/gate.py) has measured one stream's step costs; before (2), the 32 at once for 16
     tokens. (No prompt is prefilled alone first: how a prompt's prefill is cut into chunks, which
     concurrent arrivals change, no longer changes its outputs, and the comparison shows it.)
 (1) one stream at a time over --prompts copy tasks (benchmarks/spec_tasks.py: edit code, quote

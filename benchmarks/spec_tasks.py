@@ -17,7 +17,7 @@ _KINDS = (
         "edit code",
         "Here is a Python module. Rename the function `{name}` to `{name}_v2` everywhere and "
         "return the whole module, changing nothing else:",
-        "engine/spec_ngram.py",
+        "engine/spec/ngram.py",
         1800,
     ),
     (

@@ -111,7 +111,7 @@ class Pool(_Frozen):
     # Ray node labels every replica's node must match (Ray's label selectors: `{zone: us-a}`,
     # `{gpu: "!a10"}`, `{zone: "in(a,b)"}`); nodes get labels from `ray start --labels k=v`
     label_selector: dict[str, str] | None = None
-    # speculative decoding, vLLM's mapping (engine/spec_config.py): {method: ngram,
+    # speculative decoding, vLLM's mapping (engine/spec/config.py): {method: ngram,
     # num_speculative_tokens: 4}; decode and colocated pools only. "auto" (unset): the engine's
     # default (prompt lookup in the default mode on a CPU); null: off
     speculative_config: dict | Literal["auto"] | None = "auto"
@@ -120,7 +120,7 @@ class Pool(_Frozen):
     @classmethod
     def _speculative(cls, v):
         # The engine's own check, before any model loads; the key in front names the mapping.
-        from pdserve.engine.spec_config import SpeculativeConfig
+        from pdserve.engine.spec.config import SpeculativeConfig
 
         try:
             return v if v in (None, "auto") else SpeculativeConfig.parse(v).to_dict()

@@ -5,7 +5,7 @@ from pdserve.engine.engine_core import LLMEngine
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.engine.structured.spec import StructuredSpec
 
 __all__ = [
     "LLM",

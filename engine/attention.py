@@ -2,7 +2,7 @@
 
 Decode rows are batched. On CPU in float32 a compiled kernel (engine/kernels) reads their blocks
 in place, and there every token of a step is such a row, prompt chunks included
-(ModelRunner._prepare): a row's result depends on its position and context only, never on how
+(ModelRunner._attention_inputs): a row's result depends on its position and context only, never on how
 its prompt was cut into chunks or what else shared the step. Otherwise decode rows' blocks are
 gathered with one index op per layer and attended with one SDPA call, a prompt chunk with no
 cached context attends its own fresh K/V with a causal kernel and skips the gather, and a chunk
@@ -75,6 +75,8 @@ class PagedAttention(nn.Module):
             k, v = k.to(flat.dtype), v.to(flat.dtype)
         flat[0].index_copy_(0, meta.slot_mapping, k)
         flat[1].index_copy_(0, meta.slot_mapping, v)
+        if meta.on_layer_done is not None:  # this layer's KV is final: it may leave now
+            meta.on_layer_done(self.layer_idx)
         if narrow:
             k, v = k.to(q.dtype), v.to(q.dtype)
         nd = meta.num_decode_tokens

@@ -1,4 +1,16 @@
-"""Frozen, validated configuration of a model and of an engine."""
+"""Frozen, validated configuration of a model (ModelConfig) and of an engine (EngineConfig).
+
+ModelConfig is read once from a checkpoint's Hugging Face config (`from_hf`): the shapes the
+model classes, the KV cache and the transfer layout are built from, and the attention windows
+of the layers. EngineConfig is what `LLM(...)`, the CLI and a deployment YAML hand the engine.
+It is checked field by field when built, so a wrong value is refused before any model loads,
+and holds "auto" where the engine may choose. `resolve(model_config)` turns the device, dtype,
+speculative_config, max_model_len and kv_cache_memory "auto"s into values, once, before the
+engine starts: a started engine's config has no "auto" left but the precision's, which
+engine/precision.py and engine/kv_dtype.py choose with the model loaded and which the engine
+writes back into its config. Everything here is plain data: it is pickled to tensor-parallel
+ranks and worker processes as it is.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
-from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.spec.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
-# what speculative_config "auto" turns on in the default mode (benchmarks/spec_decode.py measures
-# it against none: BENCHMARKS.md, "Speculative decoding")
+# what speculative_config "auto" turns on in the default mode: prompt lookup costs no model, and
+# the gate (engine/spec/gate.py) turns it off at steps where it would not pay
 AUTO_SPECULATION = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
 
 
@@ -150,10 +162,10 @@ class EngineConfig:
     # "auto": read the checkpoint's weights; "dummy": small random weights of the checkpoint's
     # shape (config.json alone is enough), for timing a model without its weights
     load_format: str = "auto"
-    # speculative decoding (engine/spec_config.py): vLLM's mapping, e.g. {"method": "ngram",
+    # speculative decoding (engine/spec/config.py): vLLM's mapping, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4}, held as a SpeculativeConfig once checked; None: off; "auto":
     # prompt lookup where the default mode runs (dtype "auto" on a CPU: its gate speculates only
-    # when it measures a gain, engine/spec_gate.py), else off
+    # when it measures a gain, engine/spec/gate.py), else off
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
 
     def __post_init__(self):

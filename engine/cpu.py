@@ -42,8 +42,7 @@ class CPUFeatures:
     @property
     def bf16_units(self) -> bool:
         """Native bf16 matrix math (AMX-BF16 or AVX512-BF16): without them oneDNN emulates bf16,
-        slower than float32 (measured on the AVX2 EPYC: BENCHMARKS.md, "Quality per serving
-        mode")."""
+        which is slower than float32."""
         return self.has("amx_bf16") or self.has("avx512_bf16")
 
     @property

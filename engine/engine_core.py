@@ -1,11 +1,14 @@
 """LLMEngine: one model replica behind add_request / step / abort, plus the disaggregation hooks.
 
 An LLM (engine/llm.py), or a worker through its EngineLoop, builds one LLMEngine and steps it
-from one thread until `shutdown`. A step is plan -> execute -> apply: `scheduler.schedule()`
-makes a StepPlan, the model runner executes it (on every tensor-parallel rank),
-`scheduler.update()` applies the sampled tokens, and the output side here detokenizes, checks
-stop strings and builds RequestOutputs. The disaggregation hooks are prefill-only requests
-(`add_request(..., prefill_only=True, kv_sink=sink)`, whose KV leaves layer by layer) and
+from one thread until `shutdown`. A step (`_step`) is plan -> propose -> prepare -> execute ->
+update -> observe -> collect: `scheduler.schedule()` makes a StepPlan, the speculator (engine/
+spec) writes its guesses into it, the model runner turns it into a ModelInput and executes it
+on every tensor-parallel rank (with the step's structured-output mask and the KV sinks' layer
+hook) into one StepOutput, `scheduler.update()` applies the sampled tokens, the speculator
+learns from the result, and the output side here detokenizes, checks stop strings and builds
+RequestOutputs. The disaggregation hooks are prefill-only requests (`add_request(...,
+prefill_only=True, kv_sink=sink)`, whose KV leaves layer by layer: engine/kv_publish.py) and
 external KV (`reserve` sets blocks aside for KV that another engine writes, and `commit`
 continues decoding from there); their docstrings say how each one works.
 """
@@ -26,10 +29,12 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
+from pdserve.engine.kv_publish import layer_publisher
 from pdserve.engine.loader import resolve_model
-from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
+from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.outputs import emit_tokens, request_output
 from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
+from pdserve.engine.precision import start_runner
 from pdserve.engine.request import (
     FinishReason,
     KVSink,
@@ -40,11 +45,11 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
-from pdserve.engine.spec_decode import Speculator
-from pdserve.engine.spec_draft import plan_draft
+from pdserve.engine.scheduler import Scheduler, StepOutput, StepPlan
+from pdserve.engine.spec.draft import plan_draft
+from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
-from pdserve.engine.structured import GrammarCache
+from pdserve.engine.structured.grammar import GrammarCache
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, prompt_token_ids
 from pdserve.kvpool import map_pool_file, new_pool_paths
 
@@ -102,6 +107,7 @@ class LLMEngine:
         self.block_manager = self.scheduler.bm
         self.spec = Speculator(self) if self.config.speculative_config is not None else None
         if self.spec is not None:
+            self.scheduler.speculator = self.spec  # it sets the guess budgets as a plan starts
             log.info("%s", self.spec.mode_note)
         self._requests: dict[str, _Request] = {}
         self.grammars = GrammarCache(
@@ -131,7 +137,7 @@ class LLMEngine:
                 self.config, self.model_config, str(model_dir), self.kv_cache_paths or [None] * tp
             )
         try:
-            self.runner = ModelRunner(
+            self.runner = start_runner(
                 self.config,
                 self.model_config,
                 str(model_dir),
@@ -242,11 +248,11 @@ class LLMEngine:
     def commit(
         self,
         request_id: str,
-        first_token_ids: int | list[int],
+        first_token_ids: list[int],
         logprobs: list[float] | None = None,
     ) -> None:
         """Continues a reserved request from its first token(s), once its KV is in place.
-        first_token_ids: the first token (n=1), or one per sequence in index order; logprobs:
+        first_token_ids: one per sequence, in index order (one for n=1); logprobs:
         theirs as the engine that sampled them computed them (kept for outputs with logprobs).
         n>1 forks the other sequences on copy-on-write blocks (the scheduler's fork), and each
         seeded generator skips the draw its first token took on the other engine, so the n
@@ -254,11 +260,12 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or req.seqs[0].status != SeqStatus.RESERVED:
             raise KeyError(f"no reservation for request {request_id!r}")
-        tokens = (
-            [first_token_ids]
-            if not isinstance(first_token_ids, list | tuple)
-            else list(first_token_ids)
-        )
+        if not isinstance(first_token_ids, list | tuple):
+            raise InvalidRequest(
+                f"commit of {request_id!r}: first_token_ids must be a list (one per sequence), "
+                f"got {type(first_token_ids).__name__}"
+            )
+        tokens = list(first_token_ids)
         if len(tokens) != len(req.seqs):
             raise InvalidRequest(
                 f"commit of {request_id!r} has {len(tokens)} first tokens for "
@@ -374,81 +381,51 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         done, self._undelivered = self._undelivered, []
-        if self.spec is not None:
-            self.spec.before_schedule(self.scheduler.running)
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # (the speculator sets the guess budgets first)
         if plan.is_empty:
             return done + self._collect([])
         if self.spec is not None:
-            self.spec.after_schedule(plan, self.scheduler)
-        inp = ModelInput(
-            [
-                SeqInput(
-                    s.token_ids,
-                    s.start,
-                    list(s.seq.block_ids),
-                    s.samples,
-                    *self._prompt_targets(s),
-                    num_logits=s.num_spec + 1,
-                )
-                for s in plan.scheduled
-            ],
-            plan.block_copies,
-        )
+            self.spec.propose(plan)
+        inp = self.runner.prepare_input(plan)
         start = time.monotonic()
+        out = self._execute(plan, inp)
+        self.step_trace.append(step_record(plan, start, time.monotonic()))
+        touched = self.scheduler.update(plan, out)
+        if self.spec is not None:
+            self.spec.observe(plan)
+        return done + self._collect(touched, plan, out)
+
+    def _execute(self, plan: StepPlan, inp: ModelInput) -> StepOutput:
+        """Every rank runs `inp`; this one also masks the grammar rows (one mask per step) and
+        hands each layer's KV to the prefill-only requests' sinks as it is written."""
         if self.tp is not None:
             self.tp.broadcast(inp)
-        token_ids, logprobs, prompt_lps = self.runner.execute(
-            inp, plan.rows, plan.row_logits, self._layer_hook(plan)
-        )
-        for i, rows in prompt_lps.items():
+        lag = self.tp is not None  # (engine/kv_publish.py: why it lags a layer under TP)
+        sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag)
+        mask = self.grammars.step_mask(plan.row_seqs)
+        out = self.runner.execute(inp, plan.rows, plan.row_logits, sinks, mask)
+        if sinks is not None:
+            sinks.finish()
+        return out
+
+    def _keep_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
+        for i, rows in out.prompt_logprobs.items():
             item = plan.scheduled[i]
             req = self._requests.get(item.seq.request_id)
             if req is not None:  # position p's numbers are about prompt token p + 1
                 req.prompt_logprobs[item.start + 1 : item.start + 1 + len(rows)] = rows
-        self.step_trace.append(step_record(plan, start, time.monotonic()))
-        for item in plan.scheduled:
-            req = self._requests.get(item.seq.request_id)
-            if req is not None and req.kv_sink is not None:
-                req.published = item.end
-        touched = self.scheduler.update(plan, StepResult(token_ids, logprobs))
-        if self.spec is not None:
-            self.spec.after_update(plan)
-        return done + self._collect(touched)
-
-    @staticmethod
-    def _prompt_targets(item) -> tuple[list[int], int]:
-        """For a request with prompt_logprobs (its first sample only), the prompt tokens that follow
-        the positions this step computes, and how many alternatives to report."""
-        seq = item.seq
-        k = seq.params.prompt_logprobs
-        if k is None or seq.index != 0:
-            return [], 0
-        end = min(item.end, seq.num_prompt_tokens - 1)
-        return list(seq.prompt_token_ids[item.start + 1 : end + 1]), k
-
-    def _layer_hook(self, plan: StepPlan):
-        pubs = []
-        for item in plan.scheduled:
-            req = self._requests.get(item.seq.request_id)
-            if req is not None and req.kv_sink is not None:
-                pubs.append((req, item.seq.block_ids, item.end))
-        if not pubs:
-            return None
-        kv = self.runner.kv_cache
-
-        def on_layer_done(layer: int) -> None:
-            for req, block_ids, end in pubs:
-                req.kv_sink.on_layer(layer, kv[layer], block_ids, req.published, end)
-
-        return on_layer_done
 
     def _emit_text(self, req: _Request, index: int, count: int = 1) -> None:
         emit_tokens(self.scheduler, req.seqs[index], req.detoks[index], req.params, count)
 
-    def _collect(self, touched: list[Sequence]) -> list[RequestOutput]:
+    def _collect(
+        self, touched: list[Sequence], plan: StepPlan | None = None, out: StepOutput | None = None
+    ) -> list[RequestOutput]:
         """Text for the tokens each touched sequence received (it appears once per token), and one
-        RequestOutput per request touched; finished requests are forgotten."""
+        RequestOutput per request touched; finished requests are forgotten. The step's prompt
+        logprobs are kept first."""
+        if out is not None:
+            self._keep_prompt_logprobs(plan, out)
         counts: dict[int, int] = {}
         for seq in touched:
             counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
@@ -471,7 +448,7 @@ class LLMEngine:
         return request_output(req)
 
     def spec_stats(self) -> dict:
-        """Speculative decoding's counters (engine/spec_decode.py); zeros when it is off."""
+        """Speculative decoding's counters (engine/spec/speculator.py); zeros when it is off."""
         if self.spec is None:
             return dict(
                 spec_drafts=0,

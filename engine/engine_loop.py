@@ -55,9 +55,8 @@ class EngineLoop:
         """Start a loop whose engine `factory()` builds on the loop thread itself; returns once it
         is built, or raises what the factory raised. torch's OpenMP keeps a pool of worker threads
         for every thread that ever ran a parallel op, and once the pools together outnumber the
-        cores every barrier sleeps after a short spin instead of spinning: an engine built on
-        another thread ran prefill slower than one built on the thread that steps it (BENCHMARKS.md,
-        "TTFT through the cluster vs the engine alone")."""
+        cores every barrier sleeps after a short spin instead of spinning, so an engine built on
+        another thread than the one that steps it runs its prefills slower."""
         loop = cls(None, name=name)
         built: Future = Future()
 

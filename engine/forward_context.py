@@ -37,6 +37,8 @@ class AttentionMetadata:
     kv_cache: torch.Tensor | None = (
         None  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
     )
+    # called by each attention layer with its index once it has written its KV (engine_core's
+    # KV sinks: a prefill whose KV leaves layer by layer)
     on_layer_done: Callable[[int], None] | None = None
 
 

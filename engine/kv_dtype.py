@@ -3,19 +3,17 @@
 This module owns one decision: whether an engine serving float32 activations on a CPU with
 quantization="auto" (what dtype="auto" means there) keeps its KV cache in bfloat16 or float32.
 Everywhere else "auto" follows the activations (EngineConfig.kv_torch_dtype), and an explicit
-kv_cache_dtype is kept as given. The runner calls `choose_kv_dtype` once `_choose_quantization`
-has chosen the weights' mode M (engine/model_runner.py), and reallocates its cache when the
-answer is bfloat16.
+kv_cache_dtype is kept as given. engine/precision.py calls `choose_kv_dtype` once it has chosen
+the weights' mode M, and the runner reallocates its cache when the answer is bfloat16.
 
 The rule: the cache is bfloat16 when both hold, else float32.
 
 1. Decode attention reads a bf16 cache faster on this CPU: the compiled paged decode kernel
    (`engine.attention.decode_kernel`) reads it in place, loading half the bytes and widening each
    value to float32 with a vector shift (a bf16 is a float32's upper half: no bf16 unit is
-   needed, so `cpu_features().bf16_units` is not asked; AVX2 is, for the vector widening). At 32
-   sequences decode attention streams the whole cache every step and is memory-bound: int8 with a
-   bf16 cache decoded 1.6x faster than int8 alone on the AVX-512 EPYC (BENCHMARKS.md, "Engine
-   serving modes vs HF and llama.cpp"). Without the kernel the torch path gathers the blocks and
+   needed, so `cpu_features().bf16_units` is not asked; AVX2 is, for the vector widening). With
+   many sequences decode attention streams the whole cache every step and is memory-bound, so
+   half the bytes is a faster decode. Without the kernel the torch path gathers the blocks and
    converts them on every read, so float32 is kept.
 2. The probe text scored in M with a bf16 cache stays within M's bound against float32's
    perplexity (`QUALITY_BOUNDS[M]`, the bound M itself passed; float32 weights: bfloat16's
@@ -39,7 +37,7 @@ import torch
 
 from pdserve.engine.attention import decode_kernel
 from pdserve.engine.cpu import cpu_features
-from pdserve.engine.parallel import tp_rank
+from pdserve.engine.parallel import agree, tp_rank
 
 KV_PROBE_CHUNK = 64  # tokens a step when the probe is scored through a bf16 cache
 
@@ -80,7 +78,7 @@ def choose_kv_dtype(runner, ids: list[int], base: float | None, mode: str | None
     why_not = why_bf16_is_not_faster(runner)
     if why_not is not None:
         return f"kv_cache_dtype=auto kept float32: {why_not}"
-    if not runner._agree(base is not None and bool(ids)):
+    if not agree(base is not None and bool(ids)):
         return "kv_cache_dtype=auto kept float32: no probe to judge a bf16 cache by"
     bound = QUALITY_BOUNDS[mode or "bfloat16"]
     ppl = probe_with_bf16_cache(runner, ids)
@@ -92,7 +90,7 @@ def choose_kv_dtype(runner, ids: list[int], base: float | None, mode: str | None
             f"{base:.3f} ({ppl / base - 1:+.2%}, bound +{bound:.0%}; prefilled "
             f"{KV_PROBE_CHUNK} tokens a step)"
         )
-    if runner._agree(ok):
+    if agree(ok):
         runner.set_kv_dtype(torch.bfloat16)
         return (
             f"kv_cache_dtype=auto chose bfloat16 ({words}; decode attention reads half the "
@@ -123,8 +121,8 @@ def probe_with_bf16_cache(runner, ids: list[int]) -> float | None:
                 samples=False,
                 prompt_targets=ids[a + 1 : b + 1],
             )
-            _, _, lps = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
-            rows += lps.get(0, [])
+            out = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
+            rows += out.prompt_logprobs.get(0, [])
     finally:
         runner.kv_cache, runner.kv_dtype = full, full_dtype
     return perplexity(rows, ids) if tp_rank() == 0 else None

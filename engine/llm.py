@@ -1,4 +1,13 @@
-"""The offline API in the shape vLLM users know: LLM(...).generate(...) and .chat(...)."""
+"""The offline API in the shape vLLM users know: LLM(...).generate(...) and .chat(...).
+
+An LLM owns one LLMEngine, built from its keyword arguments (EngineConfig's fields) when the LLM
+is, and steps it on the caller's thread: `generate` adds every prompt as a request, steps the
+engine until all have finished and returns their final RequestOutputs in prompt order; `chat`
+applies the tokenizer's chat template first. Nothing runs between calls, so an LLM is for
+scripts, tests and benchmarks; the workers drive an engine through engine_loop.EngineLoop
+instead. `shutdown` stops the engine's tensor-parallel ranks and removes its shared KV files;
+it also runs when the LLM is garbage-collected.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,22 @@
-"""Executes a step plan on one tensor-parallel rank: build inputs, run the model, sample (rank 0)."""
+"""The model runner: one tensor-parallel rank's model, KV cache and sampler, stepping a plan.
+
+A runner is built once per rank (engine/precision.py's `start_runner`: the model and its
+weights, the KV cache sized from kv_cache_memory, the precision chosen, decode graphs
+captured) and lives as long as its engine. Each step, rank 0 turns the scheduler's plan into a
+ModelInput (`prepare_input`: plain data, broadcast to the other ranks as is), and every rank
+calls `execute`: block copies (copy-on-write forks) first, then the attention metadata and the
+model's forward pass inside a forward_context, the prompt logprobs asked for, and on rank 0 the
+logits of the sampling rows, the step's structured-output mask applied and one token drawn per
+row. Its result is one StepOutput record. A layer hook, when given, is called by each attention
+layer once its KV is written (a prefill pushing its KV to another engine). Decode-only steps
+replay a captured CUDA graph where one applies; everything else runs eagerly.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,14 +24,18 @@ from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
-from pdserve.engine.kv_dtype import auto_kv_dtype_applies, choose_kv_dtype
 from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.models import model_class
-from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
+from pdserve.engine.parallel import divide, tp_rank, tp_size
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.scheduler import StepOutput
 from pdserve.kvpool import create_pool_file
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import ScheduledSeq, StepPlan
+    from pdserve.engine.structured.grammar import GrammarMask
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are held at once
 
@@ -90,132 +107,22 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self.null_block = self.kv_cache.shape[2] - 1 if window is not None else None
         self.sampler = Sampler() if tp_rank() == 0 else None
-        self.graphs: DecodeGraphs | None = None  # (the weight probes below run eagerly)
-        # the quantization the linears run in (None: config.dtype), and why
-        self.quantization, self.mode_note = self._prepare_weights(model_dir)
-        self.graphs = (
-            DecodeGraphs(self, config.max_num_seqs, spare_block=self.num_blocks)
-            if use_graphs
-            else None
-        )
+        self._use_graphs = use_graphs
+        self.graphs: DecodeGraphs | None = None  # (precision probes run eagerly, before)
+        # the quantization the linears run in (None: config.dtype), and why: engine/precision.py
+        self.quantization: str | None = None
+        self.mode_note = ""
+
+    def capture_graphs(self) -> None:
+        """The decode graphs, once the precision is final (a graph records its kernels)."""
+        if self._use_graphs:
+            self.graphs = DecodeGraphs(self, self.config.max_num_seqs, spare_block=self.num_blocks)
 
     def _load_weights(self, model_dir: str) -> None:
         if self.config.load_format == "dummy":
             dummy_weights(self.model, self.config.seed)
         else:
             self.model.load_weights(iter_safetensors(model_dir))
-
-    def _prepare_weights(self, model_dir: str) -> tuple[str | None, str]:
-        wanted = self.config.quantization
-        if wanted is None:
-            self.model.prepare_linears(None)
-            return None, f"quantization=none ({self.config.dtype}), as configured"
-        from pdserve.engine.quality import PROBE_TOKENS, probe_ids
-        from pdserve.engine.tokenizer import load_tokenizer
-
-        # calibration text and probe text: disjoint stretches of the same corpus
-        length = min(PROBE_TOKENS, self.config.max_model_len, self.num_blocks * self.block_size)
-        ids = probe_ids(load_tokenizer(model_dir), length, skip=length) if length >= 64 else []
-        calibration, probe = ids[:length], ids[length:]
-        self.model.prepare_linears(None, release_dense=False)
-        if calibration:
-            self._calibrate(calibration)
-        if wanted != "auto":
-            self.model.prepare_linears(wanted)
-            return wanted, f"quantization={wanted} ({self.config.dtype}), as configured"
-        return self._choose_quantization(probe, length)
-
-    def _calibrate(self, ids: list[int]) -> None:
-        """Records, for every linear, the largest |input| per channel over `ids` (int8 smooths
-        its activations by it; see engine/layers/quant.py)."""
-        from pdserve.engine.layers.linear import LinearBase
-
-        def record(module, args, _out):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
-            seen = module.act_absmax
-            module.act_absmax = x if seen is None else torch.maximum(seen, x)
-
-        hooks = [
-            m.register_forward_hook(record)
-            for m in self.model.modules()
-            if isinstance(m, LinearBase)
-        ]
-        try:
-            self._probe_perplexity(ids)
-        finally:
-            for h in hooks:
-                h.remove()
-
-    def _choose_quantization(self, ids: list[int], length: int) -> tuple[str | None, str]:
-        """quantization="auto": score a probe text in float32, then with each mode in order of
-        speed on this CPU, and keep the first whose perplexity is within its bound. Every rank
-        runs the same probes (their collectives pair up); rank 0 judges and tells the rest."""
-        from pdserve.engine.layers.quant import auto_candidates
-        from pdserve.engine.quality import QUALITY_BOUNDS, informative
-
-        note = ""
-        chosen: str | None = None
-        judged: float | None = None  # float32's probe perplexity where it can judge a mode
-        if not ids:
-            note = (
-                f"float32: no probe text (the probe needs 64 tokens of English; max_model_len "
-                f"and the KV cache allow {length}, or the tokenizer cannot spell it)"
-            )
-        else:
-            base = self._probe_perplexity(ids)
-            if not self._agree(
-                base is not None and informative(base, self.model_config.vocab_size)
-            ):
-                note = (
-                    f"float32: the model does not predict the probe text (perplexity "
-                    f"{base if base is not None else float('nan'):.1f}), so no mode's quality "
-                    "can be judged"
-                )
-            judged = None if note else base
-            for mode in auto_candidates() if not note else ():
-                self.model.prepare_linears(mode, release_dense=False)
-                ppl = self._probe_perplexity(ids)
-                ok = ppl is not None and ppl <= base * (1 + QUALITY_BOUNDS[mode])
-                if tp_rank() == 0:
-                    note += (
-                        f"{mode}: probe perplexity {ppl:.3f} vs float32 {base:.3f} "
-                        f"({ppl / base - 1:+.2%}, bound +{QUALITY_BOUNDS[mode]:.0%}); "
-                    )
-                if self._agree(ok):
-                    chosen = mode
-                    break
-            # (only rank 0 words the probes; the others know the verdict)
-            note = note.rstrip("; ") or (
-                "float32: no quantization mode passed" if chosen is None else ""
-            )
-        self.model.prepare_linears(chosen)  # the final mode, and the dense weights released
-        note = f"quantization=auto chose {chosen or 'none'} ({self.config.dtype}): {note}"
-        if auto_kv_dtype_applies(self.config):  # the KV cache's dtype by the same probe
-            note += "; " + choose_kv_dtype(self, ids, judged, chosen)
-        return chosen, note
-
-    @staticmethod
-    def _agree(flag_on_rank0: bool) -> bool:
-        """Rank 0's verdict, on every rank."""
-        if tp_size() == 1:
-            return bool(flag_on_rank0)
-        t = torch.tensor([1.0 if (flag_on_rank0 and tp_rank() == 0) else 0.0])
-        return bool(all_reduce(t).item() > 0)
-
-    def _probe_perplexity(self, ids: list[int]) -> float | None:
-        """The perplexity of `ids` on rank 0 (None on the others), through the KV cache's first
-        blocks (no request holds any yet)."""
-        from pdserve.engine.quality import perplexity
-
-        seq = SeqInput(
-            token_ids=ids,
-            start=0,
-            block_ids=list(range(-(-len(ids) // self.block_size))),
-            samples=False,
-            prompt_targets=ids[1:],
-        )
-        _, _, rows = self.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
-        return perplexity(rows[0], ids) if tp_rank() == 0 else None
 
     def set_kv_dtype(self, dtype: torch.dtype) -> None:
         """Reallocates the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request
@@ -269,6 +176,11 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     # ---- one step -------------------------------------------------------------------------------
+    @staticmethod
+    def prepare_input(plan: StepPlan) -> ModelInput:
+        """The plan as every rank needs it: plain data, broadcast to the other ranks as is."""
+        return ModelInput([_seq_input(s) for s in plan.scheduled], plan.block_copies)
+
     @torch.inference_mode()
     def execute(
         self,
@@ -276,37 +188,41 @@ class ModelRunner:
         rows: list[SamplingRow] | None = None,
         row_logits: list[int] | None = None,
         on_layer_done: Callable[[int], None] | None = None,
-    ):
-        """Runs the model; on rank 0 with rows given, returns (token_ids, logprobs or None)."""
+        mask: GrammarMask | None = None,
+    ) -> StepOutput:
+        """Runs the model. On rank 0 with rows given, samples each row from logits row
+        row_logits[i] (after `mask`); on_layer_done(layer) runs as each layer's KV is written."""
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:
-            return [], None, {}
+            return StepOutput()
         key = self._graph_key(inp, on_layer_done)
         if key is not None:  # a decode-only step, replayed from its CUDA graph
             logits = self.graphs.run(inp.seqs, key)
-            if rows is None:
-                return [], None, {}
-            if row_logits != list(range(logits.shape[0])):
-                logits = logits[row_logits]
-            out = self.sampler(logits.float(), rows)
-            return out.token_ids, out.logprobs, {}
-        meta, input_ids, positions, last_idx, q_starts = self._prepare(inp)
+            return self._sample(logits, rows, row_logits, mask, StepOutput())
+        meta, input_ids, positions, last_idx, q_starts = self._attention_inputs(inp)
         meta.on_layer_done = on_layer_done
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
-        prompt_lps = self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
+        out = StepOutput(
+            prompt_logprobs=self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
+        )
         n = last_idx.numel()
         # a decode-only step samples every row in order: no copies of hidden states or logits
         every_row = n == hidden.shape[0] and meta.num_decode_tokens == n
         last = hidden if every_row else hidden[last_idx]
         logits = self.model.compute_logits(last) if n else None
+        return self._sample(logits, rows, row_logits, mask, out)
+
+    def _sample(self, logits, rows, row_logits, mask, out: StepOutput) -> StepOutput:
+        """`out` with the sampled tokens (rank 0 with rows and logits; else as it is)."""
         if logits is None or rows is None:
-            return [], None, prompt_lps
+            return out
         if row_logits != list(range(logits.shape[0])):
             logits = logits[row_logits]
-        out = self.sampler(logits.float(), rows)
-        return out.token_ids, out.logprobs, prompt_lps
+        sampled = self.sampler(logits.float(), rows, mask)
+        out.token_ids, out.logprobs = sampled.token_ids, sampled.logprobs
+        return out
 
     def _graph_key(self, inp: ModelInput, on_layer_done) -> tuple[int, int] | None:
         """The decode graph bucket for this step, or None to run it eagerly: graphs take steps
@@ -351,7 +267,7 @@ class ModelRunner:
                 out[i] = rows
         return out
 
-    def _prepare(self, inp: ModelInput):
+    def _attention_inputs(self, inp: ModelInput):
         bs = self.block_size
         # Where the compiled kernel attends, every token is a row of it, prompt chunks included: a
         # row's result then depends on its position and context only, not on how its prompt was
@@ -427,6 +343,28 @@ class ModelRunner:
             sample_rows,
             q_starts,
         )
+
+
+def _seq_input(item: ScheduledSeq) -> SeqInput:
+    """One scheduled sequence as plain data; prompt logprobs go with its first sample only."""
+    seq = item.seq
+    targets, k = [], 0
+    if seq.params.prompt_logprobs is not None and seq.index == 0:
+        # the prompt tokens that follow the positions this step computes
+        end = min(item.end, seq.num_prompt_tokens - 1)
+        targets, k = (
+            list(seq.prompt_token_ids[item.start + 1 : end + 1]),
+            seq.params.prompt_logprobs,
+        )
+    return SeqInput(
+        item.token_ids,
+        item.start,
+        list(seq.block_ids),
+        item.samples,
+        targets,
+        k,
+        num_logits=item.num_spec + 1,
+    )
 
 
 def _decodes(s: SeqInput) -> bool:

@@ -56,6 +56,14 @@ def tp_size() -> int:
     return current_tp_state().size
 
 
+def agree(flag_on_rank0: bool) -> bool:
+    """Rank 0's verdict, on every rank (a start-up choice that rank 0 judges)."""
+    if tp_size() == 1:
+        return bool(flag_on_rank0)
+    t = torch.tensor([1.0 if (flag_on_rank0 and tp_rank() == 0) else 0.0])
+    return bool(all_reduce(t).item() > 0)
+
+
 def _through_host(x: torch.Tensor, group) -> bool:
     """A CUDA tensor on a gloo group (PDSERVE_TP_BACKEND=gloo, engine/tp.py): its collective
     runs on a host copy, since gloo's CUDA support does not cover every collective."""

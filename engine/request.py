@@ -1,5 +1,15 @@
 """Sequences (one sampled continuation each), the outputs handed to callers, and what the
-disaggregation hooks take and give (KVSink, Reservation: engine/engine_core.py)."""
+disaggregation hooks take and give (KVSink, Reservation: engine/engine_core.py).
+
+A Sequence is made when its request is added (n of them for n>1) and lives until the request is
+forgotten: the scheduler moves it through SeqStatus (waiting, running, reserved, waiting for its
+fork, finished) and owns its blocks and computed counts, the sampler reads its tokens and
+generator, and the speculator and the grammar keep their per-sequence state on it. What leaves
+the engine is plain data: a RequestOutput per request touched by a step, with one
+CompletionOutput per sequence, cumulative (every output carries all tokens so far). KVSink is
+the protocol a prefill-only request's KV leaves through, layer by layer; Reservation is what
+`LLMEngine.reserve` holds for KV that another engine writes.
+"""
 
 from __future__ import annotations
 
@@ -48,10 +58,12 @@ class Sequence:
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    grammar: object | None = None  # params.structured's matcher (engine/structured.py SeqGrammar)
-    # speculative decoding (engine/spec_decode.py): how many guesses the next step may check,
+    grammar: object | None = (
+        None  # params.structured's matcher (engine/structured/grammar.py SeqGrammar)
+    )
+    # speculative decoding (engine/spec/speculator.py): how many guesses the next step may check,
     # the guesses already made (prompt lookup makes them before the step is planned), the tokens
-    # whose KV the draft model holds, and the speculator's own record (engine/spec_decode.py)
+    # whose KV the draft model holds, and the speculator's own record (engine/spec/speculator.py)
     spec_budget: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     draft_computed: int = 0

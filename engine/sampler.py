@@ -8,20 +8,23 @@ Only penalties (which need each sequence's own token history) and the
 per-generator noise draws loop over rows in Python; every other stage works on
 the whole batch with per-row parameter tensors, because this runs on every
 decode step. Logprobs are the raw distribution's (before any processing but a structured-output
-grammar's mask, as vLLM: engine/structured.py); a row with top_logprobs gets a TokenLogprob
+grammar's mask, as vLLM: engine/structured/grammar.py); a row with top_logprobs gets a TokenLogprob
 carrying its k most likely tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.kernels import fused_for
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import mask_logits
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured.grammar import GrammarMask
 
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -35,7 +38,6 @@ class SamplingRow:
     # carry a seed but which has no generator samples from the shared stream.
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
-    grammar: object | None = None  # the sequence's SeqGrammar (engine/structured.py)
 
 
 @dataclass
@@ -114,8 +116,10 @@ def _counts(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tenso
     return torch.bincount(t, minlength=vocab)[:vocab]
 
 
-def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Penalties then min_tokens masking.
+def process_logits(
+    logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: Collection[int] = ()
+) -> torch.Tensor:
+    """Penalties then min_tokens masking (grammar_rows: the rows a grammar masked).
 
     Returns `logits` itself (no copy) when no row needs either, so the
     all-greedy decode step stays a single argmax; otherwise a modified copy.
@@ -148,7 +152,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             idx = torch.as_tensor(masked, dtype=torch.long, device=device)
             kept = x[idx].clone()
             x[idx] = float("-inf")
-            if row.grammar is not None and not torch.isfinite(x).any():
+            if i in grammar_rows and not torch.isfinite(x).any():
                 x[idx] = kept  # the grammar allows only a stop token here: min_tokens yields
     return logits if out is None else out
 
@@ -255,7 +259,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], mask: GrammarMask | None = None
+    ) -> SampleOutput:
+        """One token per row (and logprobs where asked); mask: the step's structured-output
+        mask (engine/structured/grammar.py), applied before anything else."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
@@ -263,9 +271,10 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         # grammar rows first: everything after, logprobs included, sees the masked logits
-        logits = mask_logits(logits, rows)
-
-        processed = process_logits(logits, rows)
+        grammar_rows = ()
+        if mask is not None:
+            logits, grammar_rows = mask.apply(logits), frozenset(mask.rows)
+        processed = process_logits(logits, rows, grammar_rows)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             tokens = argmax(processed)

@@ -12,7 +12,7 @@ import numbers
 from dataclasses import dataclass
 
 from pdserve.engine.errors import BadSamplingParams
-from pdserve.engine.structured_spec import StructuredSpec, spec_from_wire
+from pdserve.engine.structured.spec import StructuredSpec, spec_from_wire
 
 # Dividing float32 logits by a temperature this small overflows to inf (and
 # softmax then yields NaN), so such temperatures are treated as greedy, as
@@ -110,19 +110,26 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # structured output (engine/structured.py): the output follows a JSON schema, is a JSON
+    # structured output (engine/structured/grammar.py): the output follows a JSON schema, is a JSON
     # object, matches a regex or is one of some strings; a dict of one of those is taken too
     structured: StructuredSpec | None = None
     # False: this request is never speculated on, whatever the engine's speculative_config
-    # (engine/spec_config.py); its tokens are the same either way, only its speed differs
+    # (engine/spec/config.py); its tokens are the same either way, only its speed differs
     speculative: bool = True
 
     def __post_init__(self) -> None:
+        """Checks every field, in declaration order, normalizing as it goes."""
+        self._check_sampling()
+        self._check_lengths_and_outputs()
+
+    def _put(self, name: str, value: object) -> None:
         # Frozen: normalized values (float(0) -> 0.0, list -> tuple) must go
         # through object.__setattr__.
-        def put(name: str, value: object) -> None:
-            object.__setattr__(self, name, value)
+        object.__setattr__(self, name, value)
 
+    def _check_sampling(self) -> None:
+        """n, the distribution's shaping (temperature, top_p/top_k/min_p), seed, penalties."""
+        put = self._put
         put("n", _int("n", self.n))
         if self.n < 1:
             raise BadSamplingParams(f"n must be >= 1, got {self.n}")
@@ -156,6 +163,9 @@ class SamplingParams:
                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
             )
 
+    def _check_lengths_and_outputs(self) -> None:
+        """max/min_tokens, logprobs wanted, stops, flags and structured output."""
+        put = self._put
         put("max_tokens", _int("max_tokens", self.max_tokens))
         if self.max_tokens < 1:
             raise BadSamplingParams(f"max_tokens must be >= 1, got {self.max_tokens}")

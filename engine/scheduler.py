@@ -30,6 +30,7 @@ from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.kv_window import release_skipped, skipped_blocks
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from pdserve.engine.sampler import SamplingRow
+from pdserve.engine.spec.verify import check_rows, kept_tokens
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig, ModelConfig
@@ -85,18 +86,14 @@ class StepPlan:
 
 
 @dataclass
-class StepResult:
-    token_ids: list[int]
-    logprobs: list[float] | None
+class StepOutput:
+    """What executing a plan gives back: the one record of a step's results (ModelRunner.execute
+    fills it on rank 0; other ranks get an empty one)."""
 
-
-def accepted_prefix(samples: list[int], guesses: list[int]) -> int:
-    """How many leading guesses a checking sequence keeps: those equal to the target's sample at
-    their position, up to the first that is not (engine/spec_decode.py: why this is lossless)."""
-    a = 0
-    while a < len(guesses) and samples[a] == guesses[a]:
-        a += 1
-    return a
+    token_ids: list[int] = field(default_factory=list)  # one per sampling row
+    logprobs: list[float] | None = None  # the sampled tokens' (rows asking for logprobs)
+    # index in plan.scheduled -> per computed position with a prompt target, {token id: logprob}
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -127,6 +124,9 @@ class Scheduler:
         self.reserved_copies: dict[int, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        # speculative decoding (engine/spec): sets each running sequence's guess budget
+        # (Sequence.spec_budget) as a plan starts; None: this engine does not speculate
+        self.speculator = None
         # keep a sliver free so admissions do not immediately force decodes into preemption
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -191,11 +191,11 @@ class Scheduler:
             self.reserved_copies[seq.seq_id] = held
 
     def commit(
-        self, seq: Sequence, first_token_ids: int | list[int], logprobs: list[float] | None = None
+        self, seq: Sequence, first_token_ids: list[int], logprobs: list[float] | None = None
     ) -> None:
-        """The reserved prompt's KV is in place: continue decoding from the first token (n>1: one
-        per sequence, in index order; the children fork from `seq` on copy-on-write blocks)."""
-        tokens = [first_token_ids] if isinstance(first_token_ids, int) else list(first_token_ids)
+        """The reserved prompt's KV is in place: continue decoding from the first tokens (one per
+        sequence, in index order; n>1: the children fork from `seq` on copy-on-write blocks)."""
+        tokens = list(first_token_ids)
         del self.reserved[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         seq.num_hashed_blocks = self.bm.register_full_blocks(
@@ -238,6 +238,8 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        if self.speculator is not None:
+            self.speculator.set_budgets(self.running)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
@@ -293,10 +295,8 @@ class Scheduler:
 
     def build_rows(self, plan: StepPlan) -> None:
         """The plan's sampling rows: one per sampling sequence (and per n>1 child taking its first
-        token), or, for a sequence checking guesses, one per position it samples at, each seeing
-        the guesses before it as output so far (penalties and min_tokens then apply as they would
-        without speculation). Rows of one sequence are consecutive, so a seeded generator draws
-        its positions' noise in order."""
+        token), or, for a sequence checking guesses, one per position it samples at
+        (engine/spec/verify.py)."""
         plan.rows, plan.row_seqs, plan.row_logits = [], [], []
         logits_row = 0
         for item in plan.scheduled:
@@ -304,18 +304,11 @@ class Scheduler:
                 continue
             seq = item.seq
             if item.num_spec:
-                out, p = seq.output_token_ids, seq.params
-                history = p.has_penalties or p.min_tokens > 0
-                for j in range(item.num_spec + 1):
-                    seen = out + item.spec_token_ids[:j] if history and j else out
-                    plan.rows.append(
-                        SamplingRow(
-                            p, seq.prompt_token_ids, seen, seq.generator, self.eos_token_ids
-                        )
-                    )
-                    plan.row_seqs.append(seq)
-                    plan.row_logits.append(logits_row)
-                    logits_row += 1
+                rows = check_rows(item, self.eos_token_ids)
+                plan.rows += rows
+                plan.row_seqs += [seq] * len(rows)
+                plan.row_logits += range(logits_row, logits_row + len(rows))
+                logits_row += len(rows)
                 continue
             family = [seq]
             if seq.num_output_tokens == 0:
@@ -328,7 +321,6 @@ class Scheduler:
                         member.output_token_ids,
                         member.generator,
                         self.eos_token_ids,
-                        member.grammar,
                     )
                 )
                 plan.row_seqs.append(member)
@@ -360,14 +352,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- applying a step's results --------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+    def update(self, plan: StepPlan, result: StepOutput) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish what stops; returns each touched
         sequence once per token it received, in order.
 
         A sequence that checked guesses keeps the longest prefix of them its samples agree with
         and the sample after it (at least one token, as without speculation); the KV computed for
         the guesses after that is dropped: the computed count covers the kept tokens only, and
-        blocks that hold nothing else go back to the pool."""
+        blocks that hold nothing else go back to the pool (engine/spec/verify.py: the rule)."""
         first_row: dict[int, int] = {}
         for row, seq in enumerate(plan.row_seqs):
             first_row.setdefault(seq.seq_id, row)
@@ -380,12 +372,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             end = item.end
             if item.num_spec:
-                row = first_row[seq.seq_id]
-                samples = result.token_ids[row : row + item.num_spec + 1]
-                a = item.accepted = accepted_prefix(samples, item.spec_token_ids)
-                tokens = item.spec_token_ids[:a] + [samples[a]]
-                emitted[seq.seq_id] = list(zip(tokens, range(row, row + a + 1)))
-                end = item.end - item.num_spec + a
+                emitted[seq.seq_id] = kept_tokens(item, result.token_ids, first_row[seq.seq_id])
+                end = item.end - item.num_spec + item.accepted
             seq.num_computed_tokens = end
             seq.num_hashed_blocks = self.bm.register_full_blocks(
                 seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens

@@ -113,10 +113,10 @@ def _follower_main(
     port: int,
     kv_cache_path: str | None,
 ) -> None:
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.precision import start_runner
 
     group = _init(config, rank, port)
-    runner = ModelRunner(config, model_config, model_dir, kv_cache_path)
+    runner = start_runner(config, model_config, model_dir, kv_cache_path)
     dist.barrier(group=group)  # see TPGroup.ready
     while True:
         inp = _decode(_broadcast_bytes(None, group))

@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks.bench_common import REPO_ROOT, log, machine_info, run_header, write_result
-from pdserve.engine.structured import apply_bitmask
+from pdserve.engine.structured.grammar import apply_bitmask
 
 VOCAB = 49152
 
@@ -100,7 +100,7 @@ def _stats(xs: list[float]) -> dict:
 
 def _walk(new_matcher, fill, apply, accept, ids: list[int], logits: torch.Tensor, bitmask) -> dict:
     """Times fill/apply/accept per token of `ids` on a fresh matcher, and the engine's own apply
-    (pdserve.engine.structured.apply_bitmask) of the same bitmask."""
+    (pdserve.engine.structured.grammar.apply_bitmask) of the same bitmask."""
     m = new_matcher()
     t_fill, t_apply, t_accept, t_own = [], [], [], []
     for t in ids:
@@ -194,7 +194,7 @@ def measure_llguidance(tok, hf_dir) -> dict:
         s = json.dumps(schema)
         # "compile": the grammar text, checked, and a first matcher (llguidance builds its lexer
         # lazily as matchers advance); "cached": what the engine does per sequence once the spec
-        # is compiled, a deep_copy of that matcher (engine/structured.py)
+        # is compiled, a deep_copy of that matcher (engine/structured/grammar.py)
         t0 = time.perf_counter()
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             s, defaults={"whitespace_flexible": False}
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": "smollm2",
         "vocab": VOCAB,
         "note": "per token, one logits row, one thread; apply_to_logits = the library's CPU bitmask "
-        "apply, engine_apply_to_logits = pdserve.engine.structured.apply_bitmask; JSON without free "
+        "apply, engine_apply_to_logits = pdserve.engine.structured.grammar.apply_bitmask; JSON without free "
         "whitespace, as the engine compiles it",
         "libraries": {},
     }

@@ -1,4 +1,14 @@
-"""What both ends of a transfer must agree on, and how heads are split across TP ranks."""
+"""What both ends of a transfer must agree on, and how heads are split across TP ranks.
+
+Every worker builds one KVLayout from its engine's kv_layout_spec when it starts, and a
+reservation carries the decode side's fingerprint to the prefill side: the model, the dtype and
+the head shapes hash into it, so two sides whose bytes would mean different things refuse each
+other (LayoutMismatch names what differs and how to fix it) instead of reinterpreting KV. The
+block size and the tensor-parallel split are not part of the fingerprint: data moves per token,
+and each frame names the global heads it carries, so a sender and a receiver may block and
+shard differently (`head_range`, `overlapping_ranks`; kvtransfer/reshard.py writes what
+overlaps).
+"""
 
 from __future__ import annotations
 

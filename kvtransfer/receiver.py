@@ -40,8 +40,7 @@ class KVReceiver:
         self.num_cached_tokens = num_cached_tokens  # already held (prefix cache): no KV comes
         self.num_prompt_tokens = num_prompt_tokens
         self.state = TransferState.PENDING
-        self.first_token: int | None = None
-        self.first_tokens: tuple[int, ...] = ()  # n>1: every sequence's, in index order
+        self.first_tokens: tuple[int, ...] = ()  # every sequence's, in index order (at commit)
         self.first_logprobs: tuple[float, ...] = ()  # theirs, when the request wants logprobs
         self.error: str | None = None
         self.bytes_received = 0
@@ -68,8 +67,7 @@ class KVReceiver:
                     raise IncompleteTransfer(
                         f"commit before all KV arrived ({missing} values missing)"
                     )
-                self.first_token = header.first_token
-                self.first_tokens = header.first_tokens or (header.first_token,)
+                self.first_tokens = header.first_tokens
                 self.first_logprobs = header.first_logprobs
                 self.state = TransferState.DONE
             else:
@@ -145,10 +143,6 @@ class WorkerReceiver:
 
     def on_frame(self, header: ChunkHeader, payload) -> TransferState:
         return TransferState.combine([r.on_frame(header, payload) for r in self.ranks])
-
-    @property
-    def first_token(self) -> int | None:
-        return self.ranks[0].first_token
 
     @property
     def first_tokens(self) -> tuple[int, ...]:

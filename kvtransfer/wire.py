@@ -1,8 +1,8 @@
 """Frames on the wire: a msgpack header (versioned, with the layout fingerprint) + raw KV bytes.
 
 Frame = u32 little-endian header length | msgpack header | payload. Three kinds travel on one
-channel, in order: "kv" chunks, then one "commit" (carrying the first token; n>1: also every
-sequence's first token in first_tokens; with logprobs, theirs in first_logprobs) or one "abort".
+channel, in order: "kv" chunks, then one "commit" (carrying every sequence's first token in
+first_tokens, one for n=1; with logprobs, theirs in first_logprobs) or one "abort".
 The payload of a "kv" chunk is one layer's K and V for tokens [start, end) and kv heads
 [head_start, head_end), contiguous, in the header's dtype: shape
 [2, end - start, head_end - head_start, head_dim]. Never pickle.
@@ -23,7 +23,7 @@ import msgpack
 
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_N
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: a commit's first tokens are one list (first_tokens), whatever n
 _LEN = struct.Struct("<I")
 MAX_REQUEST_ID_CHARS = MAX_ID_CHARS  # what the router accepts as a request_id
 MAX_FINGERPRINT_CHARS = 64
@@ -62,13 +62,11 @@ class ChunkHeader:
     head_dim: int = 0
     dtype: str = ""
     kind: str = "kv"
-    first_token: int = -1  # "commit" only
     version: int = WIRE_VERSION
     in_place: bool = (
         False  # "kv" only: the sender already wrote the KV into the receiver's cache (shm)
     )
-    # "commit" of an n>1 request only: each sequence's first token in index order (first_tokens[0]
-    # is first_token); empty for n=1
+    # "commit" only: each sequence's first token, in index order (one for n=1)
     first_tokens: tuple[int, ...] = ()
     # "commit" only, when the request asked for logprobs: the first tokens' logprobs, in order
     first_logprobs: tuple[float, ...] = ()
@@ -101,10 +99,6 @@ class ChunkHeader:
             raise WireError(
                 f"frame ranges must not run backwards: tokens [{self.start}, {self.end}), "
                 f"heads [{self.head_start}, {self.head_end})"
-            )
-        if not _is_int(self.first_token) or not -_INT64 <= self.first_token < _INT64:
-            raise WireError(
-                f"frame first_token must be a 64-bit int, got {_describe(self.first_token)}"
             )
         tokens = self.first_tokens
         if (

@@ -110,13 +110,13 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(args):
-    """--speculative-config's JSON checked as the engine checks it (engine/spec_config.py), before
+    """--speculative-config's JSON checked as the engine checks it (engine/spec/config.py), before
     any model loads: a SpeculativeConfig, None when not given, or a one-line ConfigError that
     names the flag."""
     if args.speculative_config is None:
         return None
     value = json_flag("--speculative-config", args.speculative_config)
-    from pdserve.engine.spec_config import SpeculativeConfig
+    from pdserve.engine.spec.config import SpeculativeConfig
 
     try:
         return SpeculativeConfig.parse(value)

@@ -95,7 +95,7 @@ class PushSink:
     on the CPU and the compute threads take every core this process may use. Overlap hides the
     transfer only where it has a core to run on: when the prefill takes every core, the per-layer
     sends (and the decode side's receiving) preempt the compute, whose OpenMP barriers then wait
-    on them, and the prefill slows by more than the transfer takes (see BENCHMARKS.md).
+    on them, and the prefill slows by more than the transfer takes.
     """
 
     def __init__(
@@ -163,17 +163,15 @@ class PushSink:
         self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 
-    def commit(self, first_token: int | list[int], logprobs: list[float] | None = None) -> None:
-        """first_token: the first token, or every sequence's in index order (n>1); logprobs:
+    def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """first_tokens: every sequence's first token in index order (one for n=1); logprobs:
         theirs, when the request asked for logprobs (the decode side streams them)."""
-        tokens = [first_token] if isinstance(first_token, int) else list(first_token)
         self.transport.send(
             ChunkHeader(
                 self.request_id,
                 self.layout.fingerprint,
                 kind="commit",
-                first_token=tokens[0],
-                first_tokens=tuple(tokens) if len(tokens) > 1 else (),
+                first_tokens=tuple(first_tokens),
                 first_logprobs=tuple(logprobs or ()),
             ),
             None,
@@ -210,10 +208,10 @@ class GuardedSink:
             if not t.transfer_start_unix_ns and self.sink.bytes_sent > sent:
                 t.transfer_start_unix_ns = now
 
-    def commit(self, first_token: int | list[int], logprobs: list[float] | None = None) -> None:
+    def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
         if self.error is None:
             try:
-                self.sink.commit(first_token, logprobs)
+                self.sink.commit(first_tokens, logprobs)
             except Exception as e:
                 self.error = e
 

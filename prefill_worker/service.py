@@ -114,6 +114,33 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _prefill(self, request, context):
         timings = HandoffTimings(unix_ns(), self.layout.num_layers)
         rid = request.request_id
+        params = self._checked_params(request, context)
+        endpoint = request.reservation.endpoint
+        transport = self._open_channel(endpoint, context)
+        sink = self._sink(request, transport, timings)
+        waiter = Waiter(sink)
+        try:
+            self.loop.add_request(
+                rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
+            )
+        except Exception as e:
+            sink.abort()
+            abort_for_engine_error(context, e)
+            raise
+        deadline = time.monotonic() + self._budget(context)
+        self._wait(rid, waiter, sink, deadline, context)
+        self._count(
+            prefix_cache_queries=len(request.prompt_token_ids),
+            prefix_cache_hits=waiter.output.num_cached_tokens,
+        )
+        self._flush(rid, endpoint, transport, sink, deadline, context)
+        timings.transfer_end_unix_ns = unix_ns()
+        self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
+        return self._reply(request, params, waiter, sink, timings, context)
+
+    def _checked_params(self, request, context):
+        """The call's SamplingParams, once its fields, its reservation and the decode worker's
+        KV layout are known good; otherwise the call is aborted with what is wrong."""
         refusal = self._check_fields(request)
         if refusal:
             refusal.abort(context)
@@ -148,34 +175,38 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
         if res.block_size < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.block_size must be >= 1")
+        return params
+
+    def _open_channel(self, endpoint, context) -> Transport:
         try:
-            transport = self._transport(endpoint.backend, endpoint.address)
+            return self._transport(endpoint.backend, endpoint.address)
         except (ConnectionError, OSError, ValueError) as e:
             self._count(kv_transfer_failures=1)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
 
+    def _sink(self, request, transport: Transport, timings: HandoffTimings) -> GuardedSink:
+        """The KV sink that pushes the prompt's KV into the reservation, layer by layer."""
+        res = request.reservation
         # the receiver's layout: its block size and TP split (head ranges travel in each frame)
         dest = Destination(
             list(res.block_ids),
             dataclasses.replace(
-                self.layout, block_size=res.block_size, tp_size=max(1, endpoint.tp_size)
+                self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)
             ),
         )
-        sink = GuardedSink(
-            PushSink(rid, self.layout, transport, dest, res.num_cached_tokens, self.rank_caches),
-            timings,
+        push = PushSink(
+            request.request_id,
+            self.layout,
+            transport,
+            dest,
+            res.num_cached_tokens,
+            self.rank_caches,
         )
-        waiter = Waiter(sink)
-        try:
-            self.loop.add_request(
-                rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
-            )
-        except Exception as e:
-            sink.abort()
-            abort_for_engine_error(context, e)
-            raise
+        return GuardedSink(push, timings)
 
-        deadline = time.monotonic() + self._budget(context)
+    def _wait(self, rid: str, waiter: Waiter, sink: GuardedSink, deadline: float, context):
+        """Until the prefill-only request finished; aborts the call on its deadline, when the
+        client is gone, or when the request ended otherwise than with its first tokens."""
         while not waiter.done.wait(self.options.poll_s):
             if time.monotonic() > deadline or not context.is_active():
                 self.loop.abort(rid, "prefill deadline exceeded")
@@ -191,10 +222,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 grpc.StatusCode.ABORTED,
                 f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}",
             )
-        self._count(
-            prefix_cache_queries=len(request.prompt_token_ids),
-            prefix_cache_hits=waiter.output.num_cached_tokens,
-        )
+
+    def _flush(self, rid, endpoint, transport, sink: GuardedSink, deadline: float, context):
+        """Every frame of the hand-off (its commit included) handed to the decode side."""
         if sink.error is not None:
             self._fail_transport(endpoint, transport, sink, context, sink.error)
         try:
@@ -209,23 +239,23 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
         except Exception as e:
             self._fail_transport(endpoint, transport, sink, context, e)
-        timings.transfer_end_unix_ns = unix_ns()
-        self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
+
+    def _reply(self, request, params, waiter: Waiter, sink: GuardedSink, timings, context):
+        """The PrefillResponse: every sequence's first token (and what the sampling asked of
+        logprobs), the prefix-cache hit and the hand-off's timings."""
         comps = sorted(waiter.output.outputs, key=lambda c: c.index)
         try:
             prompt_lps = prompt_fields(
                 request.prompt_token_ids, waiter.output.prompt_logprobs, params.prompt_logprobs or 0
             )
         except ValueError as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs of {rid!r}: {e}")
+            context.abort(
+                grpc.StatusCode.INTERNAL, f"prompt logprobs of {request.request_id!r}: {e}"
+            )
         return worker_pb2.PrefillResponse(
-            request_id=rid,
-            first_token=comp.token_ids[0],
-            first_token_logprob=comp.logprobs[0] if comp.logprobs else 0.0,
-            first_tokens=[c.token_ids[0] for c in comps] if len(comps) > 1 else [],
-            first_token_logprobs=(
-                [c.logprobs[0] for c in comps] if len(comps) > 1 and comp.logprobs else []
-            ),
+            request_id=request.request_id,
+            first_tokens=[c.token_ids[0] for c in comps],
+            first_token_logprobs=[c.logprobs[0] for c in comps] if comps[0].logprobs else [],
             num_cached_tokens=waiter.output.num_cached_tokens,
             bytes_sent=sink.sink.bytes_sent,
             timings=timings.to_proto(),

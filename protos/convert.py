@@ -1,5 +1,13 @@
 """Protobuf <-> plain Python values for the worker services. Pure protobuf: no engine import,
-so the router can use it too."""
+so the router can use it too.
+
+The workers turn a call's pdserve.v1.SamplingParams into the engine's keyword arguments
+(`sampling_kwargs`: only the fields the client set, so the engine's defaults and its checks
+apply to the rest) and its structured-output oneof into the mapping the engine's StructuredSpec
+takes (`structured_dict`); the router fills the message from an OpenAI body the other way
+(`structured_message`). The stamps every service puts in Timings are `unix_ns`. Nothing here
+keeps state.
+"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 64  # sequences per prompt
-# structured output (as engine/structured_spec.py, which the engine checks again)
+# structured output (as engine/structured/spec.py, which the engine checks again)
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 256

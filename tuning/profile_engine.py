@@ -68,7 +68,7 @@ def _measure_decode(engine, batches, contexts, steps: int, rng) -> list[dict]:
             rids = [f"d{ctx}-{batch}-{i}" for i in range(batch)]
             for rid in rids:
                 engine.reserve(rid, _prompt(rng, ctx, vocab), params)
-                engine.commit(rid, 1000 % vocab)
+                engine.commit(rid, [1000 % vocab])
             engine.step()  # the first step after the commits: allocations, not steady state
             runs = []
             for _ in range(steps):

@@ -191,7 +191,9 @@ def send_request(transport, frames, rid: str, dest, layout) -> None:
 
     for header, data in frames:
         transport.send(ChunkHeader(**{**vars(header), "request_id": rid}), data, dest)
-    transport.send(ChunkHeader(rid, layout.fingerprint, kind="commit", first_token=1), None, dest)
+    transport.send(
+        ChunkHeader(rid, layout.fingerprint, kind="commit", first_tokens=(1,)), None, dest
+    )
 
 
 def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:

@@ -1,4 +1,13 @@
-"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab.
+
+Under tensor parallelism each rank loads only its slice of the embedding table and of the LM
+head (`weight_loader` narrows the checkpoint's tensor). The embedding looks up the ids its slice
+holds, zeros the rest and sums the ranks' results (an all-reduce), so every rank ends with the
+full hidden states. The LM head computes its slice's logits and gathers them on rank 0, the only
+rank that samples: the others get None. A tied head shares the embedding's weight. The head is a
+linear like any other, so it is quantized with the model (engine/layers/quant.py decides its
+mode). With one rank both are plain lookups and matmuls.
+"""
 
 from __future__ import annotations
 

@@ -1,3 +1,13 @@
+"""RMSNorm, the normalization of every supported model family, with its residual add fused.
+
+A Llama decoder layer holds two (a Gemma one four, as GemmaRMSNorm), the model one more. A layer
+passes the residual stream alongside the hidden states: `forward(x, residual)` adds it (when
+there is one), keeps the sum as the next residual and normalizes it, in one call of the compiled
+CPU kernel where it applies (float32 rows), else in torch. The arithmetic is float32 whatever
+the activations' dtype, as Hugging Face's Llama computes it, so outputs match the reference
+model.
+"""
+
 from __future__ import annotations
 
 import torch

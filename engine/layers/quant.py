@@ -10,8 +10,8 @@
   full 0..15 range, min/max give back the same scale and offset.
 
 Only the weight bytes shrink: at batch 1 a decode step streams every weight from memory once, so
-its time falls with them. Which mode is fastest, and by how much, depends on the CPU: see
-BENCHMARKS.md and `benchmarks/quality.py` for the quality each costs.
+its time falls with them. Which mode is fastest, and by how much, depends on the CPU;
+`benchmarks/quality.py` measures the quality each costs.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ SMOOTH_ALPHA = 0.5
 
 
 def auto_candidates() -> list[str]:
-    """The modes quantization="auto" tries, fastest first for serving (many rows per step): on
-    the AVX-512 EPYC with bf16 and VNNI, int8 beat float32 and bf16 at 1, 32 and 512 rows, and
-    int4 won at one row only (BENCHMARKS.md, "Engine serving modes vs HF and llama.cpp"). int4's
-    activations are bf16: offered only where the CPU computes bf16 natively."""
+    """The modes quantization="auto" tries, fastest first for serving (many rows per step): a
+    step of one row is bound by the weight bytes it streams, where int4's half-size weights
+    lead, but a serving step has many rows and is bound by compute, where int8's integer
+    kernels lead. int4's activations are bf16: offered only where the CPU computes bf16
+    natively."""
     return ["int8", "int4"] if cpu_features().bf16_units else ["int8"]
 
 
@@ -94,8 +95,8 @@ class Int8Weight:
             )
         x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
         # The kernel quantizes the whole matrix with one range, its min and max, but a few tokens
-        # (the first, delimiters) carry activations orders of magnitude larger than the others'
-        # (BENCHMARKS.md, "Quality per serving mode"). So every row is scaled to
+        # (the first, delimiters) carry activations orders of magnitude larger than the others',
+        # which would crush every other row into a few levels. So every row is scaled to
         # [-1, 1] first (and the output row back), and one extra row spanning exactly [-1, 1]
         # pins the range: each row's quantization, hence its result, no longer depends on which
         # other rows share the step (batch-invariant, like float32 here).
@@ -133,9 +134,9 @@ class Int4Weight:
 
 
 def head_quantization(mode: str | None) -> str | None:
-    """The LM head's mode under `mode`: int4 there cost several times the perplexity that int8
-    did (BENCHMARKS.md, "Quality per serving mode"; the head is the tied embedding, stored as
-    Q8_0 in the GGUF), so it stays int8."""
+    """The LM head's mode under `mode`: every logit goes through the head, so int4's coarser
+    steps there cost far more perplexity than int8's (the head is the tied embedding, stored as
+    Q8_0 in the GGUF), and it stays int8."""
     return "int8" if mode == "int4" else mode
 
 

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.forward_context import get_forward_context
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -106,11 +105,8 @@ class GemmaModel(LlamaModel):
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * torch.tensor(self.normalizer, dtype=hidden.dtype, device=hidden.device)
         residual = None
-        on_layer_done = get_forward_context().on_layer_done
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-            if on_layer_done is not None:  # this layer's KV is final: it may leave now
-                on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -197,10 +197,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         meta = get_forward_context()
-        on_layer_done = meta.on_layer_done
         if (
             self._stack is not None
-            and on_layer_done is None
+            and meta.on_layer_done is None  # the stack's attention calls no layer hook
             and meta.num_decode_tokens == input_ids.shape[0]
             and meta.decode_mask is None
             and hidden.dtype == torch.float32
@@ -208,10 +207,8 @@ class LlamaModel(nn.Module):
             hidden, residual = self._decode_stack(hidden, positions, meta)
             hidden, _ = self.norm(hidden, residual)
             return hidden
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-            if on_layer_done is not None:  # this layer's KV is final: it may leave now
-                on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.forward_context import get_forward_context
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.moe import FusedMoE
 from pdserve.engine.layers.norm import RMSNorm
@@ -107,11 +106,8 @@ class MoeModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        on_layer_done = get_forward_context().on_layer_done
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-            if on_layer_done is not None:  # this layer's KV is final: it may leave now
-                on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

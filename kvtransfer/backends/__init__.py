@@ -38,7 +38,7 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20)
     Every frame allocates a buffer of a layer's KV (half a megabyte for SmolLM2 at a few hundred
     tokens): above glibc's default mmap threshold each one is a fresh mmap, faulted in page by page
     and unmapped when freed. Serving buffers below `mmap_threshold` from the heap, and keeping up to
-    `trim_threshold` of freed heap, removes that churn (BENCHMARKS.md, KV transfer per backend).
+    `trim_threshold` of freed heap, removes that churn.
     It changes the whole process's allocator, hence opt-in. Returns False where it is not glibc.
     """
     try:

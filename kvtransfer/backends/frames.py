@@ -36,8 +36,7 @@ _HEADER_LENGTH = struct.Struct("<I")  # the wire frame's length prefix
 
 def encode_header(header: ChunkHeader) -> bytes:
     """The msgpack header of `encode_frame`, byte for byte, without dataclasses.asdict's deep
-    copy: that copy cost as much as the rest of the send path (measured in
-    docs/experiments/design-measurements.md)."""
+    copy, a large share of the send path's cost."""
     return msgpack.packb({name: getattr(header, name) for name in _HEADER_FIELDS})
 
 

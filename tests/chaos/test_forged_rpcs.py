@@ -127,7 +127,7 @@ def test_every_control_plane_door_refuses_a_stranger(cluster, fake_decode, secre
                                 held,
                                 reservation.endpoint.layout_fingerprint,
                                 kind="commit",
-                                first_token=5,
+                                first_tokens=(5,),
                             )
                         )
                     )
@@ -206,7 +206,7 @@ def test_commit_of_an_out_of_vocabulary_token_frees_the_reservation(cluster):
                 dest,
             )
         transport.send(
-            ChunkHeader("oov", layout.fingerprint, kind="commit", first_token=10**9), None, dest
+            ChunkHeader("oov", layout.fingerprint, kind="commit", first_tokens=(10**9,)), None, dest
         )
         transport.flush(10)
     finally:

@@ -61,7 +61,7 @@ def push_request(
             )
             tx.send(header, data, dest)
             sent.append(header)
-    commit = ChunkHeader(request_id, layout.fingerprint, kind="commit", first_token=seed)
+    commit = ChunkHeader(request_id, layout.fingerprint, kind="commit", first_tokens=(seed,))
     tx.send(commit, None, dest)
     return sent + [commit]
 
@@ -105,7 +105,7 @@ class DecodeSide:
     def assert_received(self, request_id: str, seed: int) -> None:
         rx = self.wait_finished(request_id)
         assert rx.state == TransferState.DONE, rx.error
-        assert rx.first_token == seed
+        assert rx.first_tokens == (seed,)
         got = token_view(self.cache, rx.block_ids, DST_BLOCK_SIZE)
         assert torch.equal(got, token_view(source_cache(seed), SRC_BLOCK_IDS, SRC_BLOCK_SIZE))
 

@@ -24,7 +24,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_window import max_blocks_held, skipped_blocks
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, StepPlan, StepResult
+from pdserve.engine.scheduler import Scheduler, StepOutput, StepPlan
 
 EOS = 1
 
@@ -112,7 +112,7 @@ class Harness:
             else:
                 self.kv_text.pop(b, None)
 
-    def execute(self, plan: StepPlan, tokens=None) -> StepResult:
+    def execute(self, plan: StepPlan, tokens=None) -> StepOutput:
         for src, dst in plan.block_copies:
             for off in range(self.bs):
                 if (src, off) in self.kv:
@@ -137,7 +137,7 @@ class Harness:
             tokens = [self.token_fn(s) for s in plan.row_seqs]
         elif callable(tokens):
             tokens = [tokens(s) for s in plan.row_seqs]
-        return StepResult(token_ids=list(tokens), logprobs=None)
+        return StepOutput(token_ids=list(tokens), logprobs=None)
 
     def step(self, tokens=None) -> StepPlan:
         plan = self.sched.schedule()

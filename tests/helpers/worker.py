@@ -121,7 +121,7 @@ class Cluster:
         first = self.prefill_req(rid, prompt, reservation, sampling)
         events = self.stream(rid)
         tokens = [t for e in events for t in e.token_ids]
-        assert tokens[0] == first.first_token
+        assert tokens[0] == first.first_tokens[0]
         assert events[-1].HasField("finish_reason") and events[-1].finish_reason == "length"
         assert all(not e.HasField("finish_reason") for e in events[:-1])
         assert first.bytes_sent > 0

@@ -166,7 +166,7 @@ def test_a_bad_frame_fails_only_its_request(decode):
     tx = connect(decode.backend, decode.server.address, timeout=TIMEOUT)
     try:
         # a frame for a request this rank never reserved: the handler raises, the channel goes on
-        ghost = ChunkHeader("ghost", src_layout().fingerprint, kind="commit", first_token=0)
+        ghost = ChunkHeader("ghost", src_layout().fingerprint, kind="commit", first_tokens=(0,))
         tx.send(ghost, None, bad)
         if (
             decode.backend == "shm"

@@ -217,7 +217,7 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
     messages = [
         raw_frame({**fields, "layer": "0"}, payload),  # names its request: fails it
         raw_frame({**fields, "request_id": "x" * 300}, payload),  # names none: dropped
-        raw_frame({**fields, "request_id": "bad-token", "kind": "commit", "first_token": "7"})
+        raw_frame({**fields, "request_id": "bad-token", "kind": "commit", "first_tokens": ["7"]})
         + frame(
             dataclasses.replace(header, request_id="bad-dim", head_dim=4),
             payload[: len(payload) // 2],
@@ -230,10 +230,10 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
                 source_cache(9)[layer], layout, "good", layer, SRC_BLOCK_IDS, start, end
             )
             messages.append(frame(h, d.numpy().tobytes()))
-    messages.append(frame(ChunkHeader("good", fp, kind="commit", first_token=9)))
+    messages.append(frame(ChunkHeader("good", fp, kind="commit", first_tokens=(9,))))
     raw_push(side.server.address, messages)
     assert "layer" in finished(side, "bad-layer").error
-    assert "first_token" in finished(side, "bad-token").error
+    assert "first_tokens" in finished(side, "bad-token").error
     assert "head_dim" in finished(side, "bad-dim").error
     side.assert_received("good", 9)  # the channel that carried the bad frames went on
     assert good.block_ids == [5, 6, 7]
@@ -252,14 +252,14 @@ def test_in_place_frames_off_the_shm_backend_fail_their_request(sides, backend):
             )
             tx.send(dataclasses.replace(header, in_place=True), None, dest)
         tx.send(
-            ChunkHeader("claims", src_layout().fingerprint, kind="commit", first_token=1),
+            ChunkHeader("claims", src_layout().fingerprint, kind="commit", first_tokens=(1,)),
             None,
             dest,
         )
         tx.flush(TIMEOUT)
         rx = finished(side, "claims")
         assert rx.state == TransferState.FAILED and "only valid on the shm backend" in rx.error
-        assert rx.bytes_received == 0 and rx.first_token is None
+        assert rx.bytes_received == 0 and rx.first_tokens == ()
         push_good(side, tx)
     finally:
         tx.close()

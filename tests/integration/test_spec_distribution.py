@@ -17,14 +17,9 @@ import pytest
 import torch
 
 from helpers.arch import build_arch_model
-from pdserve.engine import (
-    LLM,
-    SamplingParams,
-    scheduler as scheduler_module,
-    spec_draft,
-    spec_ngram,
-)
-from pdserve.engine.spec_gate import SpecGate
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.spec import draft as spec_draft, ngram as spec_ngram, verify
+from pdserve.engine.spec.gate import SpecGate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +102,7 @@ def _spec(method: str, models, monkeypatch) -> dict:
     return {"method": "ngram", "num_speculative_tokens": 2}
 
 
-_RIGHT = scheduler_module.accepted_prefix
+_RIGHT = verify.accepted_prefix
 RULES = {
     "every guess": lambda samples, guesses: len(guesses),
     "first guess always": lambda samples, guesses: max(1, _RIGHT(samples, guesses)),
@@ -134,7 +129,7 @@ def test_the_test_fails_with_a_wrong_acceptance_rule(
     models, plain, forced, monkeypatch, method, rule
 ):
     spec = _spec(method, models, monkeypatch)
-    monkeypatch.setattr(scheduler_module, "accepted_prefix", RULES[rule])
+    monkeypatch.setattr(verify, "accepted_prefix", RULES[rule])
     got = _samples(models["target"], spec, seed0=10**6)
     p = homogeneity_p([s[0] for s in plain], [s[0] for s in got])
     assert p < 1e-6, f"a wrong rule ({rule}) went unnoticed: p = {p:.2e}"

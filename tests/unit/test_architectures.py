@@ -64,7 +64,7 @@ def test_handoff_matches_hf(refs, kind):
         outs = run_until_done(a)
         first = outs[-1].outputs[0].token_ids
         assert outs[-1].finished and len(first) == 1
-        b.commit(rid, first[0])
+        b.commit(rid, first[:1])
         final = [o for o in run_until_done(b) if o.finished]
         assert final[0].outputs[0].token_ids == want[i], f"prompt of {len(prompt)} tokens"
         assert_no_leaks(a)

@@ -77,7 +77,7 @@ def test_engine_level_bad_input(small_llm):
         engine.reserve("bad", list(range(2, 66)), greedy())
     with pytest.raises(InvalidRequest, match="first tokens"):  # n=2 commits two (test_n_sequences)
         engine.reserve("n2", prompt, SamplingParams(n=2))
-        engine.commit("n2", 5)
+        engine.commit("n2", [5])
     engine.abort("n2")
     with pytest.raises(BadSamplingParams, match="top_p"):
         SamplingParams(top_p=0)

@@ -78,7 +78,7 @@ def test_prefill_only_to_reserved_blocks(refs, disagg_reference, a_kw, b_kw):
         assert sink.step == max(1, -(-uncached // budget))
         assert_no_leaks(a)
 
-        b.commit(rid, first.outputs[0].token_ids[0])
+        b.commit(rid, [first.outputs[0].token_ids[0]])
         final = [o for o in run_until_done(b) if o.finished]
         assert len(final) == 1 and final[0].request_id == rid
         tokens = final[0].outputs[0].token_ids
@@ -94,14 +94,14 @@ def test_commit_that_finishes_at_once_is_reported(refs):
     b = LLM(model_dir, kv_cache_memory=KV).engine
     prompt = random_prompts([20], seed=5)[0]
     b.reserve("one", prompt, greedy(1))
-    b.commit("one", 42)
+    b.commit("one", [42])
     outs = run_until_done(b)
     assert [
         (o.request_id, o.finished, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs
     ] == [("one", True, [42], "length")]
     assert_no_leaks(b)
     with pytest.raises(KeyError):
-        b.commit("one", 42)
+        b.commit("one", [42])
 
 
 def test_commit_refuses_a_bad_first_token(refs):
@@ -111,9 +111,9 @@ def test_commit_refuses_a_bad_first_token(refs):
     b.reserve("r", random_prompts([20], seed=23)[0], greedy(12))
     for bad in (256, -1, True, 3.0):
         with pytest.raises(ValueError, match="first_token_id"):
-            b.commit("r", bad)
+            b.commit("r", [bad])
     assert not b.step()  # still only reserved: nothing ran
-    b.commit("r", 7)
+    b.commit("r", [7])
     final = [o for o in run_until_done(b) if o.finished]
     assert len(final[0].outputs[0].token_ids) == 12 and final[0].outputs[0].token_ids[0] == 7
     assert_no_leaks(b)

@@ -105,7 +105,7 @@ def start_prefill(prefill, handoff, layouts, rid, prompt, reserved, transport):
 
     def on_output(out):
         if out.finished and out.outputs[0].finish_reason == "prefill_done":
-            sink.commit(out.outputs[0].token_ids[0])
+            sink.commit(out.outputs[0].token_ids[:1])
 
     prefill.add_request(rid, prompt, PARAMS, on_output, prefill_only=True, kv_sink=sink)
     return sink
@@ -161,7 +161,7 @@ def test_abort_at_every_stage(pair):
         "a3",
         prompt,
         params,
-        lambda o: o.finished and sink.commit(o.outputs[0].token_ids[0]),
+        lambda o: o.finished and sink.commit(o.outputs[0].token_ids[:1]),
         prefill_only=True,
         kv_sink=sink,
     )
@@ -216,7 +216,7 @@ def test_commit_before_all_kv_arrived_is_refused(pair):
     c = Collector()
     handoff.reserve("early", prompt, PARAMS, c)
     handoff.on_frame(
-        ChunkHeader("early", layouts[16].fingerprint, kind="commit", first_token=5), None
+        ChunkHeader("early", layouts[16].fingerprint, kind="commit", first_tokens=(5,)), None
     )
     out = c.final(timeout=5)
     assert out.finish_reason == "abort" and "before all KV arrived" in out.stop_reason

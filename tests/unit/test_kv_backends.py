@@ -84,7 +84,7 @@ def test_fast_header_encoding_is_the_wire_format():
     payload = data.numpy().tobytes()
     for h, p in [
         (header, payload),
-        (ChunkHeader("r", "fp", kind="commit", first_token=42), b""),
+        (ChunkHeader("r", "fp", kind="commit", first_tokens=(42,)), b""),
         (dataclasses.replace(header, in_place=True), b""),
     ]:
         assert b"".join(bytes(x) for x in frame_pieces(h, p)) == b"".join(
@@ -95,7 +95,7 @@ def test_fast_header_encoding_is_the_wire_format():
 def test_header_only_frames_share_a_message_and_split_back():
     layout = src_layout()
     kv, data = read_chunk(source_cache(1)[0], layout, "a", 0, SRC_BLOCK_IDS, 0, 5)
-    commit = ChunkHeader("a", layout.fingerprint, kind="commit", first_token=3)
+    commit = ChunkHeader("a", layout.fingerprint, kind="commit", first_tokens=(3,))
     abort = ChunkHeader("b", layout.fingerprint, kind="abort")
     in_place = dataclasses.replace(kv, in_place=True)
     message = b"".join(

@@ -13,6 +13,7 @@ from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams, kv_dtype
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import cpu_paged_decode
+from pdserve.engine.precision import probe_perplexity
 from pdserve.engine.quality import QUALITY_BOUNDS
 
 pytestmark = [
@@ -145,7 +146,7 @@ def test_the_bf16_probe_reads_its_context_from_a_bf16_cache(tiny_models):
         runner = llm.engine.runner
         cache = runner.kv_cache
         ids = [(7 * i) % 200 + 3 for i in range(300)]
-        want = runner._probe_perplexity(ids)
+        want = probe_perplexity(runner, ids)
         got = kv_dtype.probe_with_bf16_cache(runner, ids)
         assert got != want and abs(got / want - 1) < 0.02, (got, want)
         assert runner.kv_cache is cache and runner.kv_dtype == torch.float32

@@ -48,7 +48,7 @@ def deliver(cache: torch.Tensor, chunks: list, dtype: str, requests: int, as_byt
         for header, data in chunks:
             payload = bytes(payload_view(data)) if as_bytes else host_copy(data)
             rx.on_frame(ChunkHeader(**{**vars(header), "request_id": rid}), payload)
-        commit = ChunkHeader(rid, make_layout(dtype).fingerprint, kind="commit", first_token=1)
+        commit = ChunkHeader(rid, make_layout(dtype).fingerprint, kind="commit", first_tokens=(1,))
         assert rx.on_frame(commit, None) == TransferState.DONE, rx.error
 
 

@@ -116,7 +116,7 @@ def test_receiver_coverage_commit_and_failures():
     rx = KVReceiver(
         "r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=4, num_prompt_tokens=10
     )
-    commit = ChunkHeader("r", layout.fingerprint, kind="commit", first_token=7)
+    commit = ChunkHeader("r", layout.fingerprint, kind="commit", first_tokens=(7,))
     header, data = read_chunk(src[0], layout, "r", 0, [0, 1, 2], 4, 10)
     assert rx.on_frame(header, data) == TransferState.TRANSFERRING
     assert rx.on_frame(commit, b"") == TransferState.FAILED  # layer 1 never arrived
@@ -127,7 +127,7 @@ def test_receiver_coverage_commit_and_failures():
     )
     for layer in range(2):
         rx.on_frame(*read_chunk(src[layer], layout, "r", layer, [0, 1, 2], 4, 10))
-    assert rx.on_frame(commit, b"") == TransferState.DONE and rx.first_token == 7
+    assert rx.on_frame(commit, b"") == TransferState.DONE and rx.first_tokens == (7,)
 
     rx = KVReceiver(
         "r", cache, layout, block_ids=[0, 1, 2], num_cached_tokens=0, num_prompt_tokens=10
@@ -186,9 +186,9 @@ def test_engine_to_engine_through_frames(tiny_models):
         while prefill.has_unfinished_requests():
             for out in prefill.step():
                 first = out.outputs[0].token_ids[0]
-        commit = ChunkHeader(rid, layout(4).fingerprint, kind="commit", first_token=first)
+        commit = ChunkHeader(rid, layout(4).fingerprint, kind="commit", first_tokens=(first,))
         assert rx.on_frame(commit, b"") == TransferState.DONE, rx.error
-        decode.commit(rid, rx.first_token)
+        decode.commit(rid, list(rx.first_tokens))
         got = None
         while decode.has_unfinished_requests():
             for out in decode.step():

@@ -118,7 +118,7 @@ def test_the_commit_frame_carries_every_first_token_and_refuses_bad_ones():
     from pdserve.kvtransfer.wire import ChunkHeader, WireError, decode_frame, encode_frame
 
     header = ChunkHeader(
-        "r", "fp", kind="commit", first_token=5, first_tokens=(5, 6, 7), first_logprobs=(-1.5,) * 3
+        "r", "fp", kind="commit", first_tokens=(5, 6, 7), first_logprobs=(-1.5,) * 3
     )
     pieces = encode_frame(header)
     assert pieces[1] == encode_header(header)

@@ -143,7 +143,7 @@ def test_reserve_commit():
     assert seq.block_ids == [0, 1, 2] and h.bm.num_free_blocks == 13
     assert h.sched.num_unfinished == 1
     assert h.step().is_empty  # held, not scheduled
-    h.commit(seq, 42)
+    h.commit(seq, [42])
     assert seq.status == SeqStatus.RUNNING and h.sched.reserved == {}
     assert seq.num_computed_tokens == 10 and seq.output_token_ids == [42]
     assert seq.num_hashed_blocks == 2  # the committed full blocks are now cached
@@ -165,8 +165,8 @@ def test_commit_with_eos_or_max_tokens_finishes_at_once():
     a, b = h.new(range(10, 20), max_tokens=5), h.new(range(30, 40), max_tokens=1)
     h.reserve(a)
     h.reserve(b)
-    h.commit(a, EOS)
-    h.commit(b, 5)
+    h.commit(a, [EOS])
+    h.commit(b, [5])
     assert (a.finish_reason, b.finish_reason) == (FinishReason.STOP, FinishReason.LENGTH)
     h.assert_no_leaks()
 
@@ -213,7 +213,7 @@ def test_reserve_never_hands_out_blocks_a_pending_fork_copy_still_reads():
         pass
     else:
         assert not set(r.block_ids) & set(copy)
-        h.commit(r, 5)
+        h.commit(r, [5])
     h.run()  # the fake runner checks the child reads its prompt's KV from the copied block
     assert child.num_output_tokens == 3
     h.assert_no_leaks()

@@ -119,7 +119,7 @@ def _property_run(seed, num_ops=1000, caching=True, window=None):
         elif op == "commit":
             if h.sched.reserved:
                 seq = rng.choice(list(h.sched.reserved.values()))
-                h.commit(seq, rng.choice((EOS, 2, 3, 4)))
+                h.commit(seq, [rng.choice((EOS, 2, 3, 4))])
                 stats["commits"] += 1
         for s in h.seqs:
             if s.status != SeqStatus.FINISHED:
@@ -150,7 +150,7 @@ def test_property_random_operations_drain_to_completion(window):
     nothing is stuck in waiting, every sequence finishes for a reason of its own."""
     h, requests, stats = _property_run(seed=10, num_ops=600, window=window)
     for seq in list(h.sched.reserved.values()):
-        h.commit(seq, 2)
+        h.commit(seq, [2])
     h.run(max_steps=5000)
     assert h.sched.num_preemptions > 0
     for fam in requests.values():

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (engine/spec_decode.py): the same tokens as without it.
+"""Speculative decoding in the engine (engine/spec/speculator.py): the same tokens as without it.
 
 Tiny random models rarely repeat themselves, so most tests force the gate to speculate whenever a
 guess is on offer (`always_speculate`), and one feeds deliberately bad guesses, so the paths that
@@ -17,9 +17,10 @@ import pytest
 from helpers.engine import KV, greedy, needs_x86_int8
 from helpers.models import random_prompts
 from helpers.threads import assert_no_leaks
-from pdserve.engine import LLM, SamplingParams, spec_gate, spec_ngram
-from pdserve.engine.spec_config import SpeculativeConfig
-from pdserve.engine.spec_gate import Offer, SpecGate, StepCosts
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.spec import gate as spec_gate, ngram as spec_ngram
+from pdserve.engine.spec.config import SpeculativeConfig
+from pdserve.engine.spec.gate import Offer, SpecGate, StepCosts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

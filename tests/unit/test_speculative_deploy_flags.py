@@ -17,7 +17,7 @@ from helpers.deploy_config import EXAMPLES
 from helpers.up import flags_config as _up
 from pdserve.cli import main
 from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
-from pdserve.engine.spec_config import SpeculativeConfig
+from pdserve.engine.spec.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 NGRAM_FULL = {**NGRAM, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

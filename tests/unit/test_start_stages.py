@@ -48,19 +48,19 @@ def test_kv_capacity_counts_whole_sequences_of_max_model_len():
 
 
 def test_an_engine_built_under_traced_reports_its_stages_in_order(tiny_models, caplog):
-    from pdserve.engine import LLM
+    from pdserve.engine import LLM, precision
     from pdserve.engine.engine_core import LLMEngine
     from pdserve.engine.model_runner import ModelRunner
 
     model_dir, _ = tiny_models("llama-gqa")
-    originals = (LLMEngine.warm_up, ModelRunner._prepare_weights, ModelRunner._allocate_kv_cache)
+    originals = (LLMEngine.warm_up, precision.choose_precision, ModelRunner._allocate_kv_cache)
     stages = StageLog("decode-0")
     caplog.set_level("INFO", "pdserve.worker_common.start_stages")
     with traced(stages):
         llm = LLM(model_dir, dtype="float32", kv_cache_memory=4 << 20, max_model_len=256)
         llm.engine.warm_up()
     llm.shutdown()
-    assert (LLMEngine.warm_up, ModelRunner._prepare_weights, ModelRunner._allocate_kv_cache) == (
+    assert (LLMEngine.warm_up, precision.choose_precision, ModelRunner._allocate_kv_cache) == (
         originals
     )
     seen = [(s.name, s.text) for s in stages.since(0) if s.name != "kernel build"]

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.engine import SamplingParams
-from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.engine.structured.spec import StructuredSpec
 from pdserve.protos.convert import sampling_kwargs, structured_dict, structured_message
 from pdserve.protos.limits import MAX_CHOICES, MAX_REGEX_CHARS, check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2

@@ -1,4 +1,4 @@
-"""Structured output in the engine (engine/structured.py) on a tiny random model with a byte-level
+"""Structured output in the engine (engine/structured/grammar.py) on a tiny random model with a byte-level
 tokenizer: outputs follow JSON schemas, any JSON object, regexes and choices under random and
 greedy sampling with n>1; logprobs are the masked distribution's; preemption and the
 prefill/decode hand-off (prefill_only -> reserve/commit) keep each matcher with its tokens; bad
@@ -14,8 +14,8 @@ from helpers.structured import SCHEMAS, byte_level_model, check_output
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import BadSamplingParams
-from pdserve.engine.structured import apply_bitmask
-from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.engine.structured.grammar import apply_bitmask
+from pdserve.engine.structured.spec import StructuredSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,7 +131,7 @@ def test_a_first_token_the_grammar_rejects_ends_the_sequence(llm):
     b = llm.engine
     prompt = b.tokenizer.encode("abc")
     b.reserve("bad-first", prompt, SamplingParams(max_tokens=10, structured={"choice": ["yes"]}))
-    b.commit("bad-first", b.tokenizer.encode("n")[0])
+    b.commit("bad-first", b.tokenizer.encode("n")[:1])
     out = [o for o in run_until_done(b) if o.finished][-1].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "grammar rejected the token"
 

@@ -6,14 +6,14 @@ hand the same mapping to `EngineConfig`, which turns it into a SpeculativeConfig
 wrong key or value is refused before any model loads. Two methods:
 
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-      guesses by prompt lookup (engine/spec_ngram.py): the tokens that followed the latest earlier
+      guesses by prompt lookup (engine/spec/ngram.py): the tokens that followed the latest earlier
       occurrence of the sequence's last n tokens, over the prompt and the output so far.
   {"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 4}
-      guesses with a smaller model (engine/spec_draft.py); "self" is the target's own checkpoint,
+      guesses with a smaller model (engine/spec/draft.py); "self" is the target's own checkpoint,
       so "quantization": "int4" makes the target's int4 copy its draft. "method" may be left out
       when "model" is given, as in vLLM.
 
-`num_speculative_tokens` is the most a step guesses; engine/spec_gate.py picks how many (or none)
+`num_speculative_tokens` is the most a step guesses; engine/spec/gate.py picks how many (or none)
 each step from the batch size and the acceptance measured so far. A request opts out with
 SamplingParams(speculative=False).
 """

@@ -1,14 +1,14 @@
-"""Speculative decoding in the engine: guess, check the guesses in one target step, keep what
-agrees.
+"""The Speculator: how many guesses each sequence checks, the guesses, and what a check taught.
 
-An LLMEngine with a speculative_config owns one Speculator and calls it three times a step:
-`before_schedule` (the gate picks how many guesses each decoding sequence may check; prompt lookup
-makes its guesses here, since they cost nothing), `after_schedule` (a draft model makes its
-guesses now that the scheduler has given the sequences blocks for them; seeded generators are
-noted) and `after_update` (counts, the draft's KV position, the generators, the gate's timings).
-The scheduler plans a checking sequence as 1 + k tokens and samples at each of its positions;
-`Scheduler.update` keeps the guesses up to the first disagreement plus the sample there, and
-drops the KV of the rest.
+An LLMEngine with a speculative_config owns one Speculator. Its scheduler calls `set_budgets`
+as a plan starts (the gate picks how many guesses each decoding sequence may check; prompt
+lookup makes its guesses here, since they cost nothing); the engine step calls `propose` before
+the step executes (a draft model makes its guesses now that the scheduler has given the
+sequences blocks for them; seeded generators are noted; the sampling rows are rebuilt) and
+`observe` after the scheduler applied the results (counts, the draft's KV position, the
+generators, the gate's timings). The scheduler plans a checking sequence as 1 + k tokens and
+samples at each of its positions; `Scheduler.update` keeps the guesses up to the first
+disagreement plus the sample there (verify.py), and drops the KV of the rest.
 
 Losslessness. Position j's token is sampled from the target's logits there exactly as without
 speculation: the same processing (penalties and min_tokens see the guesses before j as output),
@@ -35,8 +35,8 @@ import torch
 from pdserve.engine.request import SeqStatus, Sequence
 from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.scheduler import StepPlan
-from pdserve.engine.spec_gate import Offer, SpecGate
-from pdserve.engine.spec_ngram import History
+from pdserve.engine.spec.gate import Offer, SpecGate
+from pdserve.engine.spec.ngram import History
 
 
 class _SeqSpec:
@@ -52,6 +52,7 @@ class _SeqSpec:
 
 class Speculator:
     def __init__(self, engine):
+        self.scheduler = engine.scheduler  # rebuilds a plan's sampling rows once it has guesses
         self.cfg = engine.config.speculative_config
         self.max_k = self.cfg.num_speculative_tokens
         self.vocab = engine.model_config.vocab_size
@@ -59,7 +60,7 @@ class Speculator:
         self.max_model_len = engine.config.max_model_len
         self.draft = None
         if self.cfg.method == "draft_model":
-            from pdserve.engine.spec_draft import DraftModel
+            from pdserve.engine.spec.draft import DraftModel
 
             self.draft = DraftModel(
                 engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
@@ -112,7 +113,9 @@ class Speculator:
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.max_k, room))
 
-    def before_schedule(self, running: list[Sequence]) -> None:
+    def set_budgets(self, running: list[Sequence]) -> None:
+        """Each running sequence's spec_budget for the plan being made (and prompt lookup's
+        guesses); called by the scheduler as the plan starts, so the gate sees its batch."""
         self._t0 = time.perf_counter()
         self._draft_s = 0.0
         offers, seqs = [], []
@@ -149,7 +152,8 @@ class Speculator:
                 seed = int(torch.randint(0, 2**62, (1,)).item())
                 seq.generator = make_generator(seed)
 
-    def after_schedule(self, plan: StepPlan, scheduler) -> None:
+    def propose(self, plan: StepPlan) -> None:
+        """The guesses of every checking sequence in `plan`, before the step executes."""
         items = [i for i in plan.scheduled if i.num_spec]
         if not items:
             return
@@ -166,9 +170,11 @@ class Speculator:
             seq = item.seq
             if item.num_spec and seq.generator is not None and not seq.params.greedy:
                 self._states[seq.seq_id] = seq.generator.get_state()
-        scheduler.build_rows(plan)
+        self.scheduler.build_rows(plan)
 
-    def after_update(self, plan: StepPlan) -> None:
+    def observe(self, plan: StepPlan) -> None:
+        """What the executed and applied step taught: counters, the draft's KV position, each
+        seeded generator wound back to just after the kept positions, the gate's timing."""
         spec_rows = 0
         for item in plan.scheduled:
             k = item.num_spec

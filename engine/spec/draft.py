@@ -18,7 +18,7 @@ push draft KV from the prefill worker: docs/architecture.md, "Speculative decodi
 
 Guesses are sampled from the draft with the sequence's own sampling parameters and a copy of its
 random generator, so the draft's noise for each position is the one the target will sample that
-position with (engine/spec_decode.py says why that keeps outputs unchanged and acceptance high).
+position with (engine/spec/speculator.py says why that keeps outputs unchanged and acceptance high).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
+from pdserve.engine.model_runner import ModelInput, SeqInput
+from pdserve.engine.precision import start_runner
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 
 # draft prompt tokens computed per step, across sequences: a catch-up step stalls every stream on
-# the worker, and its cost grows with its tokens about linearly (BENCHMARKS.md, "Speculative
-# decoding, served"), so small chunks bound the stall at no cost in total
+# the worker, and its cost grows with its tokens about linearly, so small chunks bound the stall
+# at no cost in total
 CATCH_UP_TOKENS = 64
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -119,7 +120,7 @@ class DraftModel:
                 f"the draft model reaches {mc.max_position_embeddings} positions, fewer than "
                 f"max_model_len={config.max_model_len}: lower max_model_len or pick another draft"
             )
-        self.runner = ModelRunner(self.config, mc, draft_dir)
+        self.runner = start_runner(self.config, mc, draft_dir)
         if self.runner.num_blocks != num_blocks:  # the same block ids must index both caches
             raise RuntimeError(
                 f"draft KV cache has {self.runner.num_blocks} blocks, the target {num_blocks}"
@@ -191,7 +192,7 @@ class DraftModel:
     def _step(self, inputs, rows, items, costs, take=None) -> None:
         """One draft forward; the sample of row take[i] (default: row i) is items[i]'s guess."""
         t0 = time.perf_counter()
-        tokens, _, _ = self.runner.execute(ModelInput(inputs, []), rows, list(range(len(rows))))
+        tokens = self.runner.execute(ModelInput(inputs, []), rows, list(range(len(rows)))).token_ids
         costs.observe(sum(len(i.token_ids) for i in inputs), time.perf_counter() - t0)
         for item, row in zip(items, take if take is not None else range(len(items))):
             item.spec_token_ids.append(tokens[row])

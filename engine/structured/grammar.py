@@ -1,13 +1,14 @@
-"""Structured output in the engine: compiled grammars, one matcher per sequence, the logits mask.
+"""Structured output in the engine: compiled grammars, one matcher per sequence, the step's mask.
 
 An LLMEngine holds one GrammarCache (built with the engine, its tokenizer info made on first
 use). At admission (`_new_request`, reserve included) `attach` compiles the request's
-StructuredSpec (engine/structured_spec.py) once per canonical spec (a bounded LRU; a compile
+StructuredSpec (engine/structured/spec.py) once per canonical spec (a bounded LRU; a compile
 error becomes the request's BadSamplingParams naming the field) and gives each of its n
-sequences a SeqGrammar of its own. The sampler, on the one step thread, fills every grammar
-row's next-token bitmask and sets the logits of disallowed tokens to -inf before anything else
-(`mask_logits`), so logprobs are those of the masked distribution, as in vLLM, and greedy and
-random sampling both pick an allowed token. The scheduler's `_append_token` then advances the
+sequences a SeqGrammar of its own. Once per step, on the one step thread, the engine asks for
+the step's GrammarMask (`step_mask`: every grammar row's next-token bitmask), and the sampler
+sets the logits of disallowed tokens to -inf before anything else (`GrammarMask.apply`), so
+logprobs are those of the masked distribution, as in vLLM, and greedy and random sampling both
+pick an allowed token. The scheduler's `_append_token` then advances the
 sequence's matcher by the token (`SeqGrammar.accept`), wherever the token came from: a step,
 or a commit of the first token another engine sampled with the same grammar; once the grammar
 is complete (the stop token accepted) the sequence finishes. A preempted sequence keeps its
@@ -21,12 +22,13 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdserve.engine.errors import BadSamplingParams
-from pdserve.engine.structured_spec import StructuredSpec
+from pdserve.engine.structured.spec import StructuredSpec
 
 MAX_CACHED_GRAMMARS = 256
 _NEG_INF = torch.tensor(float("-inf"))
@@ -137,6 +139,20 @@ class GrammarCache:
             "grammar_compile_ns": int(self.compile_s * 1e9),
         }
 
+    def step_mask(self, row_seqs) -> GrammarMask | None:
+        """The step's mask: the next-token bitmask of each sampling row (row_seqs: the sequence
+        each row samples for) whose sequence has a grammar; None when none has."""
+        want = [i for i, seq in enumerate(row_seqs) if seq.grammar is not None]
+        if not want:
+            return None
+        t0 = time.perf_counter()
+        bitmask = torch.full((len(want), (self._vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for j, i in enumerate(want):
+            row_seqs[i].grammar.fill(bitmask, j)
+        self.mask_s += time.perf_counter() - t0
+        self.mask_rows += len(want)
+        return GrammarMask(bitmask, want, self)
+
     def attach(self, seqs) -> None:
         """Each sequence of a request with params.structured gets its own matcher."""
         spec = seqs[0].params.structured if seqs else None
@@ -183,20 +199,20 @@ def _compile(lltok, spec: StructuredSpec):
     return matcher
 
 
-def mask_logits(logits: torch.Tensor, rows) -> torch.Tensor:
-    """`logits` with each grammar row's disallowed tokens at -inf (a copy; `logits` itself when no
-    row has a grammar). Rows are SamplingRows; their `grammar` is a SeqGrammar or None."""
-    want = [i for i, r in enumerate(rows) if r.grammar is not None]
-    if not want:
-        return logits
-    t0 = time.perf_counter()
-    bitmask = torch.full((len(want), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-    for j, i in enumerate(want):
-        rows[i].grammar.fill(bitmask, j)
-    out = logits.clone()
-    apply_bitmask(out, bitmask, want)
-    owner = rows[want[0]].grammar.owner
-    if owner is not None:
-        owner.mask_s += time.perf_counter() - t0
-        owner.mask_rows += len(want)
-    return out
+@dataclass
+class GrammarMask:
+    """One step's structured-output mask: bit t of bitmask[j] allows token t at sampling row
+    rows[j] (apply_bitmask's layout); rows not listed have no grammar."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    owner: GrammarCache | None = None  # counts the time spent masking
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with each listed row's disallowed tokens at -inf (a copy)."""
+        t0 = time.perf_counter()
+        out = logits.clone()
+        apply_bitmask(out, self.bitmask, self.rows)
+        if self.owner is not None:
+            self.owner.mask_s += time.perf_counter() - t0
+        return out
