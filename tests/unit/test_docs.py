@@ -1,7 +1,8 @@
-"""The documents hold what they promise. Every repository path the README, the docs pages and the
-benchmark and experiment READMEs mention (a folder ending in `/`, or a file with an extension) is
-checked against the tree, so a rename cannot leave a page pointing at nothing; every relative link
-in README.md, BENCHMARKS.md and docs/ resolves to a file; the site's nav lists every page.
+"""The documents hold what they promise. Every repository path the README, BENCHMARKS.md, the
+docs pages and the benchmark and experiment READMEs mention (a folder ending in `/`, or a file with
+an extension) is checked against the tree, so a rename cannot leave a page pointing at nothing;
+every relative link in README.md, BENCHMARKS.md and docs/ resolves to a file; the site's nav lists
+every page.
 
 Every shell command in README.md's code blocks is either run here (cheap ones: `pdserve --help`,
 in this process) or named in RUN_BY with the files that run that exact command line, and each of
@@ -30,6 +31,7 @@ PAGES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.
 # paths of their day (scripts since deleted, bench/ before it became benchmarks/)
 DOCS = [
     "README.md",
+    "BENCHMARKS.md",
     "benchmarks/README.md",
     "experiments/README.md",
     *(p for p in PAGES if not p.startswith("docs/experiments/")),
