@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from up_helpers import START_TIMEOUT_S, router_address, stop_up
+from helpers.up import START_TIMEOUT_S, router_address, stop_up
 
 pytestmark = pytest.mark.slow
 
