@@ -38,7 +38,7 @@ from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
 
 if TYPE_CHECKING:
-    from pdserve.router.http_server import HttpFront
+    from pdserve.router.openai.server import HttpFront
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
@@ -82,12 +82,12 @@ class RouterConfig:
     deployment_id: str = ""  # set: workers registering for another deployment are refused
     # TLS on the client-facing port (cert_pem/key_pem; with ca_pem, clients must present a cert)
     client_tls: TLSConfig | None = None
-    # the OpenAI-compatible HTTP front (router/http_api.py) on host:http_port, with the client
+    # the OpenAI-compatible HTTP front (router/openai/app.py) on host:http_port, with the client
     # port's TLS (client_tls, else security.tls) as HTTPS; 0: a free port; None: no HTTP front
     http_port: int | None = None
-    http_max_body_bytes: int | None = None  # None: the largest valid request (http_server.py)
-    # the HTTP front's bounds on a client (router/http_conn.py): seconds to send the request
-    # headers and between two body pieces; open connections (0: derived from the fd limit)
+    http_max_body_bytes: int | None = None  # None: the largest valid request (openai/server.py)
+    # the HTTP front's bounds on a client (router/openai/connections.py): seconds to send the
+    # request headers and between two body pieces; open connections (0: derived from the fd limit)
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_max_connections: int = 0
@@ -196,7 +196,7 @@ class Router:
         self.metrics: RouterMetrics | None = None  # router/metrics.py, on metrics_registry
 
     def start(self) -> Router:
-        from pdserve.router.http_book import raise_fd_limit
+        from pdserve.router.openai.connections import raise_fd_limit
 
         cfg = self.config
         raise_fd_limit()  # soft RLIMIT_NOFILE to the hard limit: HTTP and gRPC clients, workers
@@ -317,7 +317,11 @@ class Router:
         return self
 
     def _http_front(self, options: ServiceOptions):
-        from pdserve.router.http_server import HttpFront, HttpSettings, default_max_body_bytes
+        from pdserve.router.openai.server import (
+            HttpFront,
+            HttpSettings,
+            default_max_body_bytes,
+        )
 
         cfg = self.config
         return HttpFront(

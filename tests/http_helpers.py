@@ -1,5 +1,5 @@
 """The cluster and the raw HTTP helpers shared by the tests of the OpenAI-compatible HTTP front
-(router/http_api.py): tests/integration/test_http_*.py.
+(router/openai/app.py): tests/integration/test_http_*.py.
 
 Not a test module: imported as `from http_helpers import ...` (it lives in tests/, next to
 conftest.py, which pytest's default "prepend" import mode puts on sys.path for every test). The

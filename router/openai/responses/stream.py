@@ -1,13 +1,13 @@
-"""The HTTP front's server-sent events (router/http_api.py starts them): one gRPC Generate call's
-responses as OpenAI's chunks, for chat and completions. One chunk per TokenDelta (its logprobs,
-with their alternatives, in router/openai_logprobs.py's shapes), one with the finish_reason per
+"""The HTTP front's server-sent events (router/openai/generate.py starts them): one gRPC Generate
+call's responses as OpenAI's chunks, for chat and completions. One chunk per TokenDelta (its
+logprobs, with their alternatives, in logprobs.py's shapes), one with the finish_reason per
 sequence, with include_usage a last chunk with empty choices and the usage, then `data: [DONE]`.
 Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
-logprobs are not streamed: router/openai_schema.py refuses them with stream=true). A failure
+logprobs are not streamed: router/openai/protocol.py refuses them with stream=true). A failure
 after the stream started is one error event, then [DONE]. A chat with tools has its text read by
-router/tool_parser.py: content deltas, and each call as a `tool_calls` delta when it is
-complete. The generator cancels the call however
-it ends, so a client gone mid-stream aborts the request on both pools.
+tool_calls.py: content deltas, and each call as a `tool_calls` delta when it is complete. The
+generator cancels the call however it ends, so a client gone mid-stream aborts the request on
+both pools.
 """
 
 from __future__ import annotations
@@ -19,10 +19,15 @@ import grpc
 import grpc.aio
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai_format import ApiError, extension, finish_reason, sse
-from pdserve.router.openai_logprobs import chat_logprobs, check_logprobs, completion_logprobs
-from pdserve.router.openai_response import echo_text, request_usage
-from pdserve.router.tool_parser import ToolCallParser, delta_of
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.responses.logprobs import (
+    chat_logprobs,
+    check_logprobs,
+    completion_logprobs,
+)
+from pdserve.router.openai.responses.parts import extension, finish_reason, sse
+from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of
+from pdserve.router.openai.responses.whole import echo_text, request_usage
 
 
 def _with(choice: dict, delta: dict) -> dict:
@@ -61,7 +66,7 @@ async def stream(call, first, body, chat: bool, model_id: str, request_id: str, 
     echo = not chat and body.echo
     echo_only = echo and body.max_tokens == 0
     mode = body.tool_mode() if chat else "none"
-    parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's (router/tool_parser.py)
+    parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's
     finishes: list[pdserve_pb2.Finish] = []
     offsets: dict[int, int] = {}
     held: dict | None = None  # the latest finish chunk: the extension goes on the last one
