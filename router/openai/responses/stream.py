@@ -50,35 +50,37 @@ async def _prepend(first, call):
         yield r
 
 
-async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
-    """The SSE bytes of `call`, whose first response is `first`. The `pdserve` extension rides on
-    the last chunk before [DONE]."""
-    suffix = request_id.removeprefix("http-")
-    base = {
-        "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model_id,
-    }
-    opts = body.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    want_logprobs, num_top = body.wants_logprobs, body.num_top()
-    echo = not chat and body.echo
-    echo_only = echo and body.max_tokens == 0
-    mode = body.tool_mode() if chat else "none"
-    parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's
-    finishes: list[pdserve_pb2.Finish] = []
-    offsets: dict[int, int] = {}
-    held: dict | None = None  # the latest finish chunk: the extension goes on the last one
+class _Chunks:
+    """The chunks of one stream: their common fields, each choice's shape, and what a delta or a
+    finish of the call becomes (a chat with tools reads its text through a ToolCallParser per
+    sequence)."""
 
-    def chunk(choices: list[dict]) -> dict:
-        out = {**base, "choices": choices}
-        if include_usage:
+    def __init__(self, body, chat: bool, model_id: str, request_id: str, text_of):
+        suffix = request_id.removeprefix("http-")
+        self.base = {
+            "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_id,
+        }
+        self.body, self.chat, self.text_of = body, chat, text_of
+        opts = body.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.want_logprobs, self.num_top = body.wants_logprobs, body.num_top()
+        self.echo = not chat and body.echo
+        self.echo_only = self.echo and body.max_tokens == 0
+        self.mode = body.tool_mode() if chat else "none"
+        self.parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's
+        self.offsets: dict[int, int] = {}  # completions: each choice's text offset so far
+
+    def chunk(self, choices: list[dict]) -> dict:
+        out = {**self.base, "choices": choices}
+        if self.include_usage:
             out["usage"] = None
         return out
 
-    def choice(index: int, text: str | None, lp, reason: str | None, role: bool = False) -> dict:
-        if chat:
+    def choice(self, index: int, text: str | None, lp, reason: str | None, role=False) -> dict:
+        if self.chat:
             delta = {}
             if role:
                 delta["role"] = "assistant"
@@ -87,70 +89,103 @@ async def stream(call, first, body, chat: bool, model_id: str, request_id: str, 
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
+    def opening(self) -> list[dict]:
+        """A chat's assistant role, one chunk per sequence; completions' echo, each choice's
+        prompt (its logprobs are not streamed: the schema's check)."""
+        out = []
+        if self.chat:
+            out += [
+                self.chunk([self.choice(i, "", None, None, role=True)]) for i in range(self.body.n)
+            ]
+        if self.echo:
+            for i in range(len(self.body.prompts()) * self.body.n):
+                head = echo_text(self.body, i, self.text_of)
+                self.offsets[i] = len(head)
+                out.append(self.chunk([self.choice(i, head, None, None)]))
+        return out
+
+    def sent(self, d: pdserve_pb2.TokenDelta) -> bool:
+        """Whether the delta is sent at all (echo alone sends the prompt only)."""
+        return not (self.echo_only or not d.text and not (self.want_logprobs and d.token_ids))
+
+    def logprobs(self, d: pdserve_pb2.TokenDelta) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        ids, lps, tops = list(d.token_ids), list(d.logprobs), list(d.top_logprobs)
+        check_logprobs(ids, lps, tops, self.num_top)
+        if self.chat:
+            return chat_logprobs(ids, lps, self.text_of, tops, self.num_top)
+        at = self.offsets.get(d.index, 0)
+        lp = completion_logprobs(ids, lps, self.text_of, at, tops, self.num_top)
+        self.offsets[d.index] = at + sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def of_delta(self, d: pdserve_pb2.TokenDelta, lp) -> list[dict]:
+        if self.mode == "none":
+            return [self.chunk([self.choice(d.index, d.text, lp, None)])]
+        p = self._parser(d.index)
+        deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp else [])
+        return [
+            self.chunk([_with(self.choice(d.index, None, lp if k == 0 else None, None), delta)])
+            for k, delta in enumerate(deltas)
+        ]
+
+    def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
+        """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""
+        calls = []
+        if self.mode != "none":
+            p = self._parser(f.index)
+            for e in p.finish():
+                calls.append(
+                    self.chunk([_with(self.choice(f.index, None, None, None), delta_of(e))])
+                )
+            if p.num_calls and reason == "stop":
+                reason = "tool_calls"
+        return calls, self.chunk([self.choice(f.index, None if self.chat else "", None, reason)])
+
+    def _parser(self, index: int) -> ToolCallParser:
+        return self.parsers.setdefault(index, ToolCallParser(forced=self.mode == "forced"))
+
+
+async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
+    """The SSE bytes of `call`, whose first response is `first`. The `pdserve` extension rides on
+    the last chunk before [DONE]; each finish chunk is held until the next chunk goes out, so
+    the last one can take it."""
+    c = _Chunks(body, chat, model_id, request_id, text_of)
+    finishes: list[pdserve_pb2.Finish] = []
+    held: dict | None = None  # the latest finish chunk: the extension goes on the last one
     try:
-        if chat:  # the assistant role first, one chunk per sequence
-            for i in range(body.n):
-                yield sse(chunk([choice(i, "", None, None, role=True)]))
-        if echo:  # each choice's prompt first (its logprobs are not streamed: the schema's check)
-            for i in range(len(body.prompts()) * body.n):
-                head = echo_text(body, i, text_of)
-                offsets[i] = len(head)
-                yield sse(chunk([choice(i, head, None, None)]))
+        for out in c.opening():
+            yield sse(out)
         async for r in _prepend(first, call):
             if r.HasField("delta"):
-                d = r.delta
-                if echo_only or not d.text and not (want_logprobs and d.token_ids):
+                if not c.sent(r.delta):
                     continue
-                lp = None
-                if want_logprobs:
-                    ids, lps, tops = list(d.token_ids), list(d.logprobs), list(d.top_logprobs)
-                    check_logprobs(ids, lps, tops, num_top)
-                    if chat:
-                        lp = chat_logprobs(ids, lps, text_of, tops, num_top)
-                    else:
-                        at = offsets.get(d.index, 0)
-                        lp = completion_logprobs(ids, lps, text_of, at, tops, num_top)
-                        offsets[d.index] = at + sum(len(t) for t in lp["tokens"])
+                lp = c.logprobs(r.delta)
                 if held is not None:
                     yield sse(held)
                     held = None
-                if mode == "none":
-                    yield sse(chunk([choice(d.index, d.text, lp, None)]))
-                    continue
-                p = parsers.setdefault(d.index, ToolCallParser(forced=mode == "forced"))
-                deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp else [])
-                for k, delta in enumerate(deltas):
-                    yield sse(
-                        chunk([_with(choice(d.index, None, lp if k == 0 else None, None), delta)])
-                    )
+                for out in c.of_delta(r.delta, lp):
+                    yield sse(out)
             elif r.HasField("finish"):
-                f = r.finish
-                reason = finish_reason(f)
-                finishes.append(f)
+                reason = finish_reason(r.finish)
+                finishes.append(r.finish)
                 if held is not None:
                     yield sse(held)
-                if mode != "none":
-                    p = parsers.setdefault(f.index, ToolCallParser(forced=mode == "forced"))
-                    for e in p.finish():
-                        yield sse(chunk([_with(choice(f.index, None, None, None), delta_of(e))]))
-                    if p.num_calls and reason == "stop":
-                        reason = "tool_calls"
-                held = chunk([choice(f.index, None if chat else "", None, reason)])
-        if include_usage:
+                calls, held = c.of_finish(r.finish, reason)
+                for out in calls:
+                    yield sse(out)
+        if c.include_usage:
             if held is not None:
                 yield sse(held)
-            held = {**base, "choices": [], "usage": request_usage(finishes, body)}
+            held = {**c.base, "choices": [], "usage": request_usage(finishes, body)}
         if held is not None:
             held["pdserve"] = extension(finishes, request_id)
             yield sse(held)
-    except grpc.RpcError as e:
+    except (grpc.RpcError, ApiError) as e:
         if held is not None:
             yield sse(held)
-        yield sse(ApiError.from_grpc(e).body())
-    except ApiError as e:
-        if held is not None:
-            yield sse(held)
-        yield sse(e.body())
+        yield sse((ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body())
     finally:
         call.cancel()  # a client gone mid-stream cancels here: the router aborts both legs
     yield sse("[DONE]")
