@@ -139,7 +139,7 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
     max_model_len ids (varints of at most 5 bytes) or max_prompt_bytes of text or chat, twice over,
     and a MiB for the sampling lists at their caps and the framing. A larger message is refused by
     gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or parsed, so a
-    huge prompt costs the router almost nothing (BENCHMARKS.md, "Chaos", part c)."""
+    huge prompt costs the router almost nothing."""
     return max(4 << 20, 2 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
 
 
@@ -204,51 +204,8 @@ class Router:
             model_dir = resolve_model(cfg.model)
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
-            self.pool = WorkerPool(
-                list(cfg.prefill_addresses),
-                list(cfg.decode_addresses),
-                stats_ttl_s=cfg.stats_interval_s,
-                stats_timeout_s=cfg.stats_timeout_s,
-                down_after=cfg.down_after,
-                security=cfg.security,
-                stall_after_s=cfg.worker_stall_s,
-            ).start()
-            self._prefill_executor = futures.ThreadPoolExecutor(
-                cfg.max_inflight, thread_name_prefix="router-prefill"
-            )
-            self.metrics = RouterMetrics(
-                self.metrics_registry,
-                self.pool,
-                options.model_id,
-                options.max_model_len,
-                colocated=cfg.colocated,
-            )
-            self.servicer = PDServeServicer(
-                self.pool, tokenizer, options, self._prefill_executor, metrics=self.metrics
-            )
-            self.metrics.track_router(
-                self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
-            )
-            self._executor = futures.ThreadPoolExecutor(
-                cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
-            )
-            # the client API (given API keys: with one of them) and reflection need no secret;
-            # the Registry does
-            guard = cfg.security.server_interceptors(
-                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."),
-                client_keys=ClientKeys(tuple(cfg.api_keys)),
-                keyed_prefixes=(f"/{SERVICE_NAME}/",),
-            )
-            limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
-            self._server = grpc.server(
-                self._executor,
-                interceptors=guard,
-                options=[
-                    *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
-                    ("grpc.max_receive_message_length", limit),
-                    *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
-                ],
-            )
+            self._start_service(options, tokenizer)
+            self._server = self._grpc_server(options)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             self.flips = Flips(
                 self.pool,
@@ -268,21 +225,7 @@ class Router:
                     registry=self.metrics_registry,
                     model_name=options.model_id,
                 )
-            worker_pb2_grpc.add_RegistryServicer_to_server(
-                RegistryServicer(
-                    self.pool,
-                    options.model_id,
-                    heartbeat_ms=cfg.heartbeat_ms,
-                    deployment_id=cfg.deployment_id,
-                ),
-                self._server,
-            )
-            self._health = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                self._server,
-            )
+            self._add_registry_and_health(options)
             port = self._bind(f"{cfg.host}:{cfg.port}")
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
@@ -300,10 +243,10 @@ class Router:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.planner is not None:
             self.planner.start()
-        # The startup heap (imports, tokenizer, templates: ~380k objects) lives as long as the
-        # process; frozen, the cyclic GC stops walking it. Each full collection of it held the GIL
-        # for up to a second under a flood of connections, a stall of every thread (BENCHMARKS.md,
-        # slowloris). stop() unfreezes it, for a process that runs several routers (tests).
+        # The startup heap (imports, tokenizer, templates) lives as long as the process; frozen,
+        # the cyclic GC stops walking it, so a full collection under a flood of connections does
+        # not hold the GIL over it and stall every thread. stop() unfreezes it, for a process
+        # that runs several routers (tests).
         gc.collect()
         gc.freeze()
         log.info(
@@ -315,6 +258,79 @@ class Router:
             list(cfg.decode_addresses),
         )
         return self
+
+    def _start_service(self, options: ServiceOptions, tokenizer) -> None:
+        """The worker pool (started), the metrics on the router's registry, and the PDServe
+        service with the thread pool its prefill legs run on."""
+        cfg = self.config
+        self.pool = WorkerPool(
+            list(cfg.prefill_addresses),
+            list(cfg.decode_addresses),
+            stats_ttl_s=cfg.stats_interval_s,
+            stats_timeout_s=cfg.stats_timeout_s,
+            down_after=cfg.down_after,
+            security=cfg.security,
+            stall_after_s=cfg.worker_stall_s,
+        ).start()
+        self._prefill_executor = futures.ThreadPoolExecutor(
+            cfg.max_inflight, thread_name_prefix="router-prefill"
+        )
+        self.metrics = RouterMetrics(
+            self.metrics_registry,
+            self.pool,
+            options.model_id,
+            options.max_model_len,
+            colocated=cfg.colocated,
+        )
+        self.servicer = PDServeServicer(
+            self.pool, tokenizer, options, self._prefill_executor, metrics=self.metrics
+        )
+        self.metrics.track_router(
+            self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
+        )
+
+    def _grpc_server(self, options: ServiceOptions) -> grpc.Server:
+        """The gRPC server (not yet bound or started) with its thread pool and interceptors."""
+        cfg = self.config
+        self._executor = futures.ThreadPoolExecutor(
+            cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
+        )
+        # the client API (given API keys: with one of them) and reflection need no secret;
+        # the Registry does
+        guard = cfg.security.server_interceptors(
+            open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."),
+            client_keys=ClientKeys(tuple(cfg.api_keys)),
+            keyed_prefixes=(f"/{SERVICE_NAME}/",),
+        )
+        limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
+        return grpc.server(
+            self._executor,
+            interceptors=guard,
+            options=[
+                *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
+                ("grpc.max_receive_message_length", limit),
+                *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
+            ],
+        )
+
+    def _add_registry_and_health(self, options: ServiceOptions) -> None:
+        """The workers' Registry, gRPC health and reflection, on the server."""
+        cfg = self.config
+        worker_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(
+                self.pool,
+                options.model_id,
+                heartbeat_ms=cfg.heartbeat_ms,
+                deployment_id=cfg.deployment_id,
+            ),
+            self._server,
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self._server,
+        )
 
     def _http_front(self, options: ServiceOptions):
         from pdserve.router.openai.server import (
