@@ -15,7 +15,7 @@ import time
 
 # proto3 `optional` scalars of pdserve.v1.SamplingParams; names equal the engine's keywords (and,
 # but for n, max_tokens, logprobs, prompt_logprobs and top_logprobs, the OpenAI body's fields:
-# router/openai_format.py)
+# router/openai/protocol.py)
 OPTIONAL_FIELDS = (
     "n",
     "temperature",

@@ -23,8 +23,7 @@ from concurrent import futures
 import grpc
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
-from pdserve.router.inflight import Inflight, Leg, LegFailed, RouterStatus
-from pdserve.router.legs import Legs
+from pdserve.router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus
 from pdserve.router.text import TextStream
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ in HF's shape (a call's arguments as a dict). A template that does not (SmolLM2'
 gets them in Hermes' style (Qwen2.5's words), so the model still sees them: the tools' JSON in
 <tools></tools> and the <tool_call>{"name", "arguments"}</tool_call> output format in the system
 message, each call as a <tool_call> block in its assistant message, and tool results as user
-messages of <tool_response> blocks (consecutive ones joined). router/openai_tools.py parses the
-calls back out of the output.
+messages of <tool_response> blocks (consecutive ones joined). The HTTP front parses the calls
+back out of the output (router/openai/responses/tool_calls.py).
 """
 
 from __future__ import annotations

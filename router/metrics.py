@@ -64,6 +64,99 @@ STAGE_BUCKETS = [
 BYTES_BUCKETS = [float(1 << k) for k in range(10, 35, 2)]  # 1 KiB .. 16 GiB, x4
 RATIO_BUCKETS = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 
+# (attribute, name, documentation, buckets: None for the token-count ones) of the per-request
+# histograms labelled by model_name alone, in the order a scrape lists them
+_REQUEST_HISTOGRAMS = (
+    (
+        "ttft",
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        TTFT_BUCKETS,
+    ),
+    (
+        "itl",
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        ITL_BUCKETS,
+    ),
+    (
+        "e2e",
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "queue",
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent waiting (router and prefill queues) for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "prefill",
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase (compute start to first token, KV "
+        "hand-off included) for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "decode",
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "inference",
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase (prefill and decode) for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    ("prompt_hist", "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+    (
+        "generation_hist",
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        None,
+    ),
+)
+# the same for the KV hand-off's, registered after the stage histogram
+_TRANSFER_HISTOGRAMS = (
+    (
+        "transfer_s",
+        "pdserve:request_kv_transfer_seconds",
+        "KV hand-off per request: the first layer handed to the transport -> the last "
+        "KV frame and the commit landed on the decode worker.",
+        STAGE_BUCKETS,
+    ),
+    (
+        "transfer_bytes",
+        "pdserve:request_kv_transfer_bytes",
+        "KV bytes the prefill worker pushed into the decode worker's reservation, per "
+        "request (prefix-cache hits on the decode worker are not sent).",
+        BYTES_BUCKETS,
+    ),
+    (
+        "exposed_s",
+        "pdserve:request_kv_transfer_exposed_seconds",
+        "KV transfer not hidden behind the prefill compute: prefill end -> the last KV "
+        "frame landed.",
+        STAGE_BUCKETS,
+    ),
+    (
+        "exposed_ratio",
+        "pdserve:request_kv_transfer_exposed_ratio",
+        "The exposed share of each request's KV transfer time (0: all hidden behind the "
+        "compute, 1: all after it).",
+        RATIO_BUCKETS,
+    ),
+    (
+        "reservation_wait",
+        "pdserve:request_reservation_wait_seconds",
+        "Reserve on a decode worker until it succeeded, waits in the router's decode "
+        "queue (every decode worker's KV full) included.",
+        STAGE_BUCKETS,
+    ),
+)
+
 
 class _NoCreated(Collector):
     """`registry`'s families without their `*_created` samples."""
@@ -137,161 +230,65 @@ class RouterMetrics:
     ):
         self.model_name = model_name
         self.recent = RecentRequests()  # the planner's window (router/planner_loop.py)
-        labels = ["model_name"]
-
-        def hist(name, doc, buckets, extra=()):
-            return Histogram(name, doc, labels + list(extra), buckets=buckets, registry=registry)
-
-        def one(metric):
-            return metric.labels(model_name)
-
-        self.ttft = one(
-            hist(
-                "vllm:time_to_first_token_seconds",
-                "Histogram of time to first token in seconds.",
-                TTFT_BUCKETS,
-            )
-        )
-        self.itl = one(
-            hist(
-                "vllm:inter_token_latency_seconds",
-                "Histogram of inter-token latency in seconds.",
-                ITL_BUCKETS,
-            )
-        )
-        self.e2e = one(
-            hist(
-                "vllm:e2e_request_latency_seconds",
-                "Histogram of e2e request latency in seconds.",
-                REQUEST_LATENCY_BUCKETS,
-            )
-        )
-        self.queue = one(
-            hist(
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent waiting (router and prefill queues) for request.",
-                REQUEST_LATENCY_BUCKETS,
-            )
-        )
-        self.prefill = one(
-            hist(
-                "vllm:request_prefill_time_seconds",
-                "Histogram of time spent in PREFILL phase (compute start to first token, KV "
-                "hand-off included) for request.",
-                REQUEST_LATENCY_BUCKETS,
-            )
-        )
-        self.decode = one(
-            hist(
-                "vllm:request_decode_time_seconds",
-                "Histogram of time spent in DECODE phase for request.",
-                REQUEST_LATENCY_BUCKETS,
-            )
-        )
-        self.inference = one(
-            hist(
-                "vllm:request_inference_time_seconds",
-                "Histogram of time spent in RUNNING phase (prefill and decode) for request.",
-                REQUEST_LATENCY_BUCKETS,
-            )
-        )
+        self._registry = registry
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.prompt_hist = one(
-            hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
-        )
-        self.generation_hist = one(
-            hist(
-                "vllm:request_generation_tokens",
-                "Number of generation tokens processed.",
-                token_buckets,
-            )
-        )
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=registry
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            labels,
-            registry=registry,
-        ).labels(model_name)
-        self.success = Counter(
-            "vllm:request_success",
-            "Count of processed requests, by finish reason.",
-            labels + ["finished_reason"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "pdserve:request_errors",
-            "Generate calls that ended with an error status, by gRPC status code (refusals "
-            "before admission included; an HTTP request the front refused itself is not one).",
-            labels + ["code"],
-            registry=registry,
-        )
-        self.http_errors = Counter(
-            "pdserve:http_errors",
-            "Error responses of the OpenAI HTTP front, by HTTP status (its own refusals and the "
-            "failed Generate calls it relays).",
-            labels + ["status"],
-            registry=registry,
-        )
-        self.local_prefills = Counter(
-            "pdserve:local_prefills",
-            "Disaggregated requests whose prompt their decode worker ran itself, with no prefill "
-            "leg and no KV transfer (router/local_prefill.py).",
-            labels,
-            registry=registry,
-        ).labels(model_name)
-        self.stage = hist(
+        for attr, name, doc, buckets in _REQUEST_HISTOGRAMS:
+            metric = self._histogram(name, doc, buckets or token_buckets)
+            setattr(self, attr, metric.labels(model_name))
+        self._add_counters()
+        self.stage = self._histogram(
             "pdserve:request_stage_seconds",
             "Where each request's time went, by stage (router/stage_timings.py).",
             STAGE_BUCKETS,
             ["stage"],
         )
         self.stages = {s: self.stage.labels(model_name, s) for s in STAGES}
-        self.transfer_s = one(
-            hist(
-                "pdserve:request_kv_transfer_seconds",
-                "KV hand-off per request: the first layer handed to the transport -> the last "
-                "KV frame and the commit landed on the decode worker.",
-                STAGE_BUCKETS,
-            )
-        )
-        self.transfer_bytes = one(
-            hist(
-                "pdserve:request_kv_transfer_bytes",
-                "KV bytes the prefill worker pushed into the decode worker's reservation, per "
-                "request (prefix-cache hits on the decode worker are not sent).",
-                BYTES_BUCKETS,
-            )
-        )
-        self.exposed_s = one(
-            hist(
-                "pdserve:request_kv_transfer_exposed_seconds",
-                "KV transfer not hidden behind the prefill compute: prefill end -> the last KV "
-                "frame landed.",
-                STAGE_BUCKETS,
-            )
-        )
-        self.exposed_ratio = one(
-            hist(
-                "pdserve:request_kv_transfer_exposed_ratio",
-                "The exposed share of each request's KV transfer time (0: all hidden behind the "
-                "compute, 1: all after it).",
-                RATIO_BUCKETS,
-            )
-        )
-        self.reservation_wait = one(
-            hist(
-                "pdserve:request_reservation_wait_seconds",
-                "Reserve on a decode worker until it succeeded, waits in the router's decode "
-                "queue (every decode worker's KV full) included.",
-                STAGE_BUCKETS,
-            )
-        )
+        for attr, name, doc, buckets in _TRANSFER_HISTOGRAMS:
+            setattr(self, attr, self._histogram(name, doc, buckets).labels(model_name))
         self.workers = WorkerCollector(pool, model_name, colocated)
         registry.register(self.workers)
-        self._registry = registry
+
+    def _histogram(self, name: str, doc: str, buckets, extra=()) -> Histogram:
+        labels = ["model_name", *extra]
+        return Histogram(name, doc, labels, buckets=buckets, registry=self._registry)
+
+    def _add_counters(self) -> None:
+        """The token and request counters (registered after the request histograms: a scrape
+        lists the families in the order they were registered)."""
+        labels, r, model = ["model_name"], self._registry, self.model_name
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
+        ).labels(model)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        ).labels(model)
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of processed requests, by finish reason.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "pdserve:request_errors",
+            "Generate calls that ended with an error status, by gRPC status code (refusals "
+            "before admission included; an HTTP request the front refused itself is not one).",
+            labels + ["code"],
+            registry=r,
+        )
+        self.http_errors = Counter(
+            "pdserve:http_errors",
+            "Error responses of the OpenAI HTTP front, by HTTP status (its own refusals and the "
+            "failed Generate calls it relays).",
+            labels + ["status"],
+            registry=r,
+        )
+        self.local_prefills = Counter(
+            "pdserve:local_prefills",
+            "Disaggregated requests whose prompt their decode worker ran itself, with no prefill "
+            "leg and no KV transfer (router/local_prefill.py).",
+            labels,
+            registry=r,
+        ).labels(model)
 
     def track_router(self, inflight, decode_queue_waiting) -> None:
         """Router gauges read at scrape time: callables giving the Generate calls in flight and

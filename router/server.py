@@ -38,7 +38,7 @@ from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
 
 if TYPE_CHECKING:
-    from pdserve.router.http_server import HttpFront
+    from pdserve.router.openai.server import HttpFront
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
@@ -82,12 +82,12 @@ class RouterConfig:
     deployment_id: str = ""  # set: workers registering for another deployment are refused
     # TLS on the client-facing port (cert_pem/key_pem; with ca_pem, clients must present a cert)
     client_tls: TLSConfig | None = None
-    # the OpenAI-compatible HTTP front (router/http_api.py) on host:http_port, with the client
+    # the OpenAI-compatible HTTP front (router/openai/app.py) on host:http_port, with the client
     # port's TLS (client_tls, else security.tls) as HTTPS; 0: a free port; None: no HTTP front
     http_port: int | None = None
-    http_max_body_bytes: int | None = None  # None: the largest valid request (http_server.py)
-    # the HTTP front's bounds on a client (router/http_conn.py): seconds to send the request
-    # headers and between two body pieces; open connections (0: derived from the fd limit)
+    http_max_body_bytes: int | None = None  # None: the largest valid request (openai/server.py)
+    # the HTTP front's bounds on a client (router/openai/connections.py): seconds to send the
+    # request headers and between two body pieces; open connections (0: derived from the fd limit)
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_max_connections: int = 0
@@ -139,7 +139,7 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
     max_model_len ids (varints of at most 5 bytes) or max_prompt_bytes of text or chat, twice over,
     and a MiB for the sampling lists at their caps and the framing. A larger message is refused by
     gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or parsed, so a
-    huge prompt costs the router almost nothing (BENCHMARKS.md, "Chaos", part c)."""
+    huge prompt costs the router almost nothing."""
     return max(4 << 20, 2 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
 
 
@@ -196,7 +196,7 @@ class Router:
         self.metrics: RouterMetrics | None = None  # router/metrics.py, on metrics_registry
 
     def start(self) -> Router:
-        from pdserve.router.http_book import raise_fd_limit
+        from pdserve.router.openai.connections import raise_fd_limit
 
         cfg = self.config
         raise_fd_limit()  # soft RLIMIT_NOFILE to the hard limit: HTTP and gRPC clients, workers
@@ -204,51 +204,8 @@ class Router:
             model_dir = resolve_model(cfg.model)
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
-            self.pool = WorkerPool(
-                list(cfg.prefill_addresses),
-                list(cfg.decode_addresses),
-                stats_ttl_s=cfg.stats_interval_s,
-                stats_timeout_s=cfg.stats_timeout_s,
-                down_after=cfg.down_after,
-                security=cfg.security,
-                stall_after_s=cfg.worker_stall_s,
-            ).start()
-            self._prefill_executor = futures.ThreadPoolExecutor(
-                cfg.max_inflight, thread_name_prefix="router-prefill"
-            )
-            self.metrics = RouterMetrics(
-                self.metrics_registry,
-                self.pool,
-                options.model_id,
-                options.max_model_len,
-                colocated=cfg.colocated,
-            )
-            self.servicer = PDServeServicer(
-                self.pool, tokenizer, options, self._prefill_executor, metrics=self.metrics
-            )
-            self.metrics.track_router(
-                self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
-            )
-            self._executor = futures.ThreadPoolExecutor(
-                cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
-            )
-            # the client API (given API keys: with one of them) and reflection need no secret;
-            # the Registry does
-            guard = cfg.security.server_interceptors(
-                open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."),
-                client_keys=ClientKeys(tuple(cfg.api_keys)),
-                keyed_prefixes=(f"/{SERVICE_NAME}/",),
-            )
-            limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
-            self._server = grpc.server(
-                self._executor,
-                interceptors=guard,
-                options=[
-                    *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
-                    ("grpc.max_receive_message_length", limit),
-                    *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
-                ],
-            )
+            self._start_service(options, tokenizer)
+            self._server = self._grpc_server(options)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             self.flips = Flips(
                 self.pool,
@@ -268,21 +225,7 @@ class Router:
                     registry=self.metrics_registry,
                     model_name=options.model_id,
                 )
-            worker_pb2_grpc.add_RegistryServicer_to_server(
-                RegistryServicer(
-                    self.pool,
-                    options.model_id,
-                    heartbeat_ms=cfg.heartbeat_ms,
-                    deployment_id=cfg.deployment_id,
-                ),
-                self._server,
-            )
-            self._health = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                self._server,
-            )
+            self._add_registry_and_health(options)
             port = self._bind(f"{cfg.host}:{cfg.port}")
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: set port to a free one")
@@ -300,10 +243,10 @@ class Router:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.planner is not None:
             self.planner.start()
-        # The startup heap (imports, tokenizer, templates: ~380k objects) lives as long as the
-        # process; frozen, the cyclic GC stops walking it. Each full collection of it held the GIL
-        # for up to a second under a flood of connections, a stall of every thread (BENCHMARKS.md,
-        # slowloris). stop() unfreezes it, for a process that runs several routers (tests).
+        # The startup heap (imports, tokenizer, templates) lives as long as the process; frozen,
+        # the cyclic GC stops walking it, so a full collection under a flood of connections does
+        # not hold the GIL over it and stall every thread. stop() unfreezes it, for a process
+        # that runs several routers (tests).
         gc.collect()
         gc.freeze()
         log.info(
@@ -316,8 +259,85 @@ class Router:
         )
         return self
 
+    def _start_service(self, options: ServiceOptions, tokenizer) -> None:
+        """The worker pool (started), the metrics on the router's registry, and the PDServe
+        service with the thread pool its prefill legs run on."""
+        cfg = self.config
+        self.pool = WorkerPool(
+            list(cfg.prefill_addresses),
+            list(cfg.decode_addresses),
+            stats_ttl_s=cfg.stats_interval_s,
+            stats_timeout_s=cfg.stats_timeout_s,
+            down_after=cfg.down_after,
+            security=cfg.security,
+            stall_after_s=cfg.worker_stall_s,
+        ).start()
+        self._prefill_executor = futures.ThreadPoolExecutor(
+            cfg.max_inflight, thread_name_prefix="router-prefill"
+        )
+        self.metrics = RouterMetrics(
+            self.metrics_registry,
+            self.pool,
+            options.model_id,
+            options.max_model_len,
+            colocated=cfg.colocated,
+        )
+        self.servicer = PDServeServicer(
+            self.pool, tokenizer, options, self._prefill_executor, metrics=self.metrics
+        )
+        self.metrics.track_router(
+            self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
+        )
+
+    def _grpc_server(self, options: ServiceOptions) -> grpc.Server:
+        """The gRPC server (not yet bound or started) with its thread pool and interceptors."""
+        cfg = self.config
+        self._executor = futures.ThreadPoolExecutor(
+            cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
+        )
+        # the client API (given API keys: with one of them) and reflection need no secret;
+        # the Registry does
+        guard = cfg.security.server_interceptors(
+            open_prefixes=(f"/{SERVICE_NAME}/", "/grpc.reflection."),
+            client_keys=ClientKeys(tuple(cfg.api_keys)),
+            keyed_prefixes=(f"/{SERVICE_NAME}/",),
+        )
+        limit = max_request_bytes(options.max_model_len, self.servicer.encoder.max_prompt_bytes)
+        return grpc.server(
+            self._executor,
+            interceptors=guard,
+            options=[
+                *[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
+                ("grpc.max_receive_message_length", limit),
+                *keepalive.SERVER_OPTIONS,  # the workers' registration channels ping
+            ],
+        )
+
+    def _add_registry_and_health(self, options: ServiceOptions) -> None:
+        """The workers' Registry, gRPC health and reflection, on the server."""
+        cfg = self.config
+        worker_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(
+                self.pool,
+                options.model_id,
+                heartbeat_ms=cfg.heartbeat_ms,
+                deployment_id=cfg.deployment_id,
+            ),
+            self._server,
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, REGISTRY_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self._server,
+        )
+
     def _http_front(self, options: ServiceOptions):
-        from pdserve.router.http_server import HttpFront, HttpSettings, default_max_body_bytes
+        from pdserve.router.openai.server import (
+            HttpFront,
+            HttpSettings,
+            default_max_body_bytes,
+        )
 
         cfg = self.config
         return HttpFront(

@@ -1,5 +1,5 @@
 """The cluster and the raw HTTP helpers shared by the tests of the OpenAI-compatible HTTP front
-(router/http_api.py): tests/integration/test_http_*.py.
+(router/openai/app.py): tests/integration/test_http_*.py.
 
 Not a test module: imported as `from helpers.http import ...` (tests/helpers/ is a package on pytest's sys.path). The
 fixtures are `fixture_<name>` functions registered as `<name>` (`workers`, `router`, `colocated`,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front (router/http_api.py) over raw HTTP (http.client, sockets):
+"""The OpenAI-compatible HTTP front (router/openai/app.py) over raw HTTP (http.client, sockets):
 bad input gets the OpenAI error shape and the right status while the server keeps serving, and
 the wire format (models, health, metrics, response shapes, SSE). The cluster and the helpers are
 in helpers/http.py; the `openai` client in test_http_openai_client.py; API keys, HTTPS and
@@ -395,12 +395,12 @@ def test_stream_is_openai_sse_and_matches_the_whole_response(router, idle, chat)
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event_then_done(router, idle, monkeypatch):
-    from pdserve.router import http_stream
+    from pdserve.router.openai.responses import stream
 
     def fail(finish):
-        raise http_stream.ApiError(500, "injected", "server_error")
+        raise stream.ApiError(500, "injected", "server_error")
 
-    monkeypatch.setattr(http_stream, "finish_reason", fail)
+    monkeypatch.setattr(stream, "finish_reason", fail)
     status, _, body = post(router, C, {**GOOD, "stream": True})
     assert status == 200
     events = sse_events(body)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front (router/http_api.py) through the official `openai` client, as
+"""The OpenAI-compatible HTTP front (router/openai/app.py) through the official `openai` client, as
 people call it: greedy output equals engine.LLM's, stop strings, seeds, logprobs, n=2, errors as
 the client's exceptions, concurrent requests; and a client that disconnects mid-request frees its
 KV on both pools. The cluster and the helpers are in helpers/http.py.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front (router/http_api.py) secured and under stress: API keys on
+"""The OpenAI-compatible HTTP front (router/openai/app.py) secured and under stress: API keys on
 the HTTP and gRPC fronts, HTTPS (with client certificates too), a full router's 429, no workers'
 503, an HTTP port in use, and the CLI sending the key from the environment. The cluster and the
 helpers are in helpers/http.py.

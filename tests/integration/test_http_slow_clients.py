@@ -1,10 +1,9 @@
-"""The HTTP front's bounded connections (router/http_conn.py) over real sockets, on a router with
-short timeouts and a small cap: idle, slowloris and stalled-body connections are closed within
-their timeouts (408 where a request began), a fresh client is served while the cap is full of
-slow ones, a TLS handshake that never comes is bounded too, a client gone mid-upload is one log
-line, and the router raises its file descriptor limit. The cluster and the helpers are in
-helpers/http.py; the pure logic is tests/unit/test_http_conn.py.
-"""
+"""The HTTP front's bounded connections (router/openai/connections.py) over real sockets, on a
+router with short timeouts and a small cap: idle, slowloris and stalled-body connections are
+closed within their timeouts (408 where a request began), a fresh client is served while the cap
+is full of slow ones, a TLS handshake that never comes is bounded too, a client gone mid-upload
+is one log line, and the router raises its file descriptor limit. The cluster and the helpers are
+in helpers/http.py; the pure logic is tests/unit/test_http_conn.py."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from helpers.http import MODEL, TIMEOUT, C, fixture_idle, fixture_workers, reque
 from helpers.threads import wait_until
 from helpers.tls import tls_files
 from pdserve.protos.security import TLSConfig
-from pdserve.router.http_book import connection_cap
+from pdserve.router.openai.connections import connection_cap
 from pdserve.router.server import Router
 
 HEADER_S, BODY_S, CAP = 1.0, 1.5, 12
@@ -151,15 +150,15 @@ def drop_mid_upload(router_, caplog, length: int, sent: bytes) -> tuple[str, str
 
 
 def test_a_client_gone_mid_upload_is_one_log_line(slow_router, idle, caplog):
-    # a small body waits at the gate (router/http_conn.py): the app never sees it
+    # a small body waits at the gate (router/openai/connections.py): the app never sees it
     sent = b'{"model": "' + MODEL.encode()
     name, line = drop_mid_upload(slow_router, caplog, 1000, sent)
-    assert name == "pdserve.router.http_conn"
+    assert name == "pdserve.router.openai.connections"
     assert line == f"HTTP POST {C}: the client disconnected after 15 of 1000 body bytes"
-    # a large one streams to the handler, which logs the drop (router/http_api.py)
+    # a large one streams to the handler, which logs the drop (router/openai/app.py)
     sent = b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"t5 " * 30_000
     name, line = drop_mid_upload(slow_router, caplog, 200_000, sent)
-    assert name == "pdserve.router.http_api"
+    assert name == "pdserve.router.openai.app"
     assert line.startswith(f"HTTP POST {C}: the client disconnected after ")
     assert line.endswith(" of 200000 body bytes")
     serves(slow_router)

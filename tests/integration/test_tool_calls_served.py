@@ -1,12 +1,12 @@
-"""Tool calls served (router/openai_tools.py, router/tool_parser.py): a router in front of a
-prefill and a decode worker on a tiny random model with a byte-level tokenizer and a short chat
-template that takes tools (the Hermes fallback for templates that do not is
+"""Tool calls served (router/openai/protocol.py, router/openai/responses/tool_calls.py): a router in
+front of a prefill and a decode worker on a tiny random model with a byte-level tokenizer and a
+short chat template that takes tools (the Hermes fallback for templates that do not is
 tests/unit/test_tool_calls.py's, and SmolLM2's in tests/e2e/test_openai_up.py). Through the
 official `openai` client, streamed and not: a forced call (a named function, or "required" over
 two tools) gives arguments that validate against the function's schema, and the round trip goes
 on with the tool's result to a final answer; in "auto" mode a <tool_call> block the model writes
-(a guided_regex makes this model write one) comes back as tool_calls. Bad values get a 400
-naming the field, and the router keeps serving."""
+(a guided_regex makes this model write one) comes back as tool_calls. Bad values get a 400 naming
+the field, and the router keeps serving."""
 
 from __future__ import annotations
 

@@ -202,3 +202,22 @@ def test_test_helpers_live_in_the_helpers_package():
         and f.parent != ROOT / "tests" / "helpers"
     ]
     assert not stray, "move these into tests/helpers/:\n" + "\n".join(stray)
+
+
+# the router's modules that may start the OpenAI HTTP front: the rest of the router (the call on
+# the workers, the pool, membership, metrics) serves gRPC alone and never reaches into it
+HTTP_FRONT = "pdserve.router.openai"
+STARTS_THE_HTTP_FRONT = {"router/server.py"}
+
+
+def test_the_router_reaches_its_http_front_only_where_it_starts_it():
+    front = ROOT / "router" / "openai"
+    assert (front / "__init__.py").is_file(), "router/openai/ is the HTTP front's package"
+    bad = []
+    for f in sorted((ROOT / "router").rglob("*.py")):
+        if f.is_relative_to(front) or str(f.relative_to(ROOT)) in STARTS_THE_HTTP_FRONT:
+            continue
+        names = imported_modules(f)
+        if any(n == HTTP_FRONT or n.startswith(HTTP_FRONT + ".") for n in names):
+            bad.append(str(f.relative_to(ROOT)))
+    assert not bad, f"modules of the router that import its HTTP front: {bad}"

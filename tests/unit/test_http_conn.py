@@ -1,8 +1,7 @@
-"""The HTTP front's connection bounds (router/http_conn.py) without a socket: the book's count and
-eviction order, the log filter's rate, the cap derived from the fd limit, and the protocol's
-timers driven through a fake transport on an event loop. Over real sockets, with a router:
-tests/integration/test_http_slow_clients.py.
-"""
+"""The HTTP front's connection bounds (router/openai/connections.py) without a socket: the book's
+count and eviction order, the log filter's rate, the cap derived from the fd limit, and the
+protocol's timers driven through a fake transport on an event loop. Over real sockets, with a
+router: tests/integration/test_http_slow_clients.py."""
 
 from __future__ import annotations
 
@@ -12,19 +11,22 @@ import logging
 import pytest
 import uvicorn
 
-from pdserve.router.http_book import (
+from pdserve.router.openai.connections import (
     BODY,
     BUSY,
+    CLOSED_BY,
     HEAD,
+    BoundedH11Protocol,
     ConnectionBook,
+    Gate,
     Limits,
     RateLimitFilter,
     accept_batch,
     connection_cap,
+    protocol_class,
     raise_fd_limit,
     sweep,
 )
-from pdserve.router.http_conn import CLOSED_BY, BoundedH11Protocol, Gate, protocol_class
 
 
 class Clock:
@@ -304,7 +306,9 @@ def test_a_small_body_waits_at_the_gate_until_it_is_complete(caplog):
         await asyncio.sleep(0.01)
 
     run_front(scenario)
-    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.router.http_conn"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "pdserve.router.openai.connections"
+    ]
     assert lines == [
         "HTTP POST /v1/x: its body stalled: closed (408) after 4 of 10 body bytes",
         "HTTP POST /v1/y: the client disconnected after 3 of 10 body bytes",
@@ -411,5 +415,7 @@ def test_the_caps_evictions_are_one_log_line_per_interval(caplog):
         assert book.counts["evicted"] == 7
 
     run_front(scenario, cap=1, header_s=1, body_s=1, log_s=60)
-    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.router.http_conn"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "pdserve.router.openai.connections"
+    ]
     assert len(lines) == 1 and "4 waiting for their client closed for new ones" in lines[0]

@@ -1,4 +1,4 @@
-"""The HTTP front's endpoints beyond generation (router/http_extra.py) in-process, on FastAPI's
+"""The HTTP front's endpoints beyond generation (router/openai/tokenize.py) in-process, on FastAPI's
 test client (no socket): /version, /v1/models/{id} (404 for another id), /detokenize and the
 refusals of /tokenize and /detokenize (400 or 404 naming the field), the OpenAPI document with
 every route and its request bodies, and the /docs page. Served through a router, with the
@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 
 from pdserve import __version__
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.http_api import build_app
-from pdserve.router.http_server import HttpSettings
+from pdserve.router.openai.app import build_app
+from pdserve.router.openai.server import HttpSettings
 
 
 class _Words:

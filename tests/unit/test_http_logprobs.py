@@ -1,9 +1,9 @@
-"""The HTTP front's logprob and echo shapes (router/openai_logprobs.py, router/openai_response.py)
-from the router's gRPC messages, the bodies router/openai_schema.py refuses for the new fields
-(each a 400 naming the field), the SamplingParams they become, and the chat template fields on
-the gRPC side (router/text.py's template_options: INVALID_ARGUMENT naming the field). The served
-path is tests/integration/test_http_logprobs_served.py's.
-"""
+"""The HTTP front's logprob and echo shapes (router/openai/responses/logprobs.py,
+router/openai/responses/whole.py) from the router's gRPC messages, the bodies
+router/openai/protocol.py refuses for the new fields (each a 400 naming the field), the
+SamplingParams they become, and the chat template fields on the gRPC side (router/text.py's
+template_options: INVALID_ARGUMENT naming the field). The served path is
+tests/integration/test_http_logprobs_served.py's."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai_format import KNOWN_FIELDS, ApiError, sampling_params, validation_error
-from pdserve.router.openai_logprobs import TokenText
-from pdserve.router.openai_response import whole_response
-from pdserve.router.openai_schema import (
+from pdserve.router.openai.errors import ApiError, validation_error
+from pdserve.router.openai.protocol import (
+    KNOWN_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    sampling_params,
 )
+from pdserve.router.openai.responses.logprobs import TokenText
+from pdserve.router.openai.responses.whole import whole_response
 from pdserve.router.text import BadRequest, template_options
 
 

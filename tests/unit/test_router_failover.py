@@ -11,8 +11,7 @@ from helpers.router import fixture_model_dir  # noqa: F401
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.call import resume_sampling
-from pdserve.router.inflight import Inflight, Leg
-from pdserve.router.legs import Legs
+from pdserve.router.legs import Inflight, Leg, Legs
 from pdserve.router.text import TextStream
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding on the wire and in the metrics (issue 31): a request's opt-out, the HTTP
-body's `speculative` (router/openai_schema.py) carried in pdserve.v1.SamplingParams.speculative
-(router/openai_format.py) and built into the engine's SamplingParams on the worker
+body's `speculative` (router/openai/protocol.py) carried in pdserve.v1.SamplingParams.speculative
+(router/openai/protocol.py) and built into the engine's SamplingParams on the worker
 (worker_common/errors.py build_params); and each worker's counters, read from the engine's
 spec_stats() into WorkerStats and exposed by the router under vLLM's names
 (router/worker_metrics.py). No socket: the collector reads a stand-in pool."""
@@ -17,8 +17,13 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.metrics import exposition
-from pdserve.router.openai_format import KNOWN_FIELDS, sampling_params, validation_error
-from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.errors import validation_error
+from pdserve.router.openai.protocol import (
+    KNOWN_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    sampling_params,
+)
 from pdserve.router.worker_metrics import WorkerCollector
 from pdserve.worker_common.errors import build_params, spec_stats
 

@@ -1,6 +1,6 @@
 """The structured-output fields at the edges, without sockets: the gRPC bounds
 (protos/limits.py check_structured), the proto <-> engine conversion (protos/convert.py), and the
-HTTP bodies' fields (router/openai_structured.py): what each becomes, and the 400 naming the field
+HTTP bodies' fields (router/openai/protocol.py): what each becomes, and the 400 naming the field
 for bad values, including a workers' compile refusal renamed to the body's field."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from pdserve.engine.structured.spec import StructuredSpec
 from pdserve.protos.convert import sampling_kwargs, structured_dict, structured_message
 from pdserve.protos.limits import MAX_CHOICES, MAX_REGEX_CHARS, check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai_format import (
+from pdserve.router.openai.errors import ApiError, validation_error
+from pdserve.router.openai.protocol import (
     KNOWN_FIELDS,
-    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    name_field,
     sampling_params,
-    validation_error,
 )
-from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
-from pdserve.router.openai_structured import name_field
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,5 +1,6 @@
-"""Tool calls without sockets: the parser of calls in an output (router/tool_parser.py), whole and
-in chunks of every size (a forced call's object read whole); the tools' fields of a chat body (router/openai_tools.py) and their 400s
+"""Tool calls without sockets: the parser of calls in an output
+(router/openai/responses/tool_calls.py), whole and in chunks of every size (a forced call's
+object read whole); the tools' fields of a chat body (router/openai/protocol.py) and their 400s
 naming the field; the forced call's grammar (its arguments validate against the tool's schema,
 local $refs moved along); and the chat's tools rendered (router/chat_tools.py): a template that
 takes tools gets them, one that does not gets Hermes' system message, calls and results."""
@@ -13,12 +14,16 @@ from pydantic import ValidationError
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.chat_tools import chat_conversation
-from pdserve.router.http_extra import chat_messages
-from pdserve.router.openai_format import KNOWN_FIELDS, sampling_params, validation_error
-from pdserve.router.openai_schema import ChatCompletionRequest
-from pdserve.router.openai_tools import _compile_error
+from pdserve.router.openai.errors import validation_error
+from pdserve.router.openai.protocol import (
+    KNOWN_FIELDS,
+    ChatCompletionRequest,
+    _compile_error,
+    chat_messages,
+    sampling_params,
+)
+from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of, join_events
 from pdserve.router.text import BadRequest
-from pdserve.router.tool_parser import ToolCallParser, delta_of, join_events
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -1,8 +1,8 @@
-"""Tool calls parsed out of a chat output (router/openai_tools.py says when), as the text comes:
-`feed` a sequence's text deltas, `finish` at its end; each returns events, dicts in the shape of
-a chat delta's pieces: {"content": text} or {"index": k, "id", "name", "arguments": chunk} (id
-and name on a call's first event only). A whole response joins the same events, so a stream and
-a whole response say the same.
+"""Tool calls parsed out of a chat output (router/openai/protocol.py says when), as the text
+comes: `feed` a sequence's text deltas, `finish` at its end; each returns events, dicts in the
+shape of a chat delta's pieces: {"content": text} or {"index": k, "id", "name", "arguments":
+chunk} (id and name on a call's first event only). A whole response joins the same events, so
+a stream and a whole response say the same.
 
     auto    Hermes' <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's); the
             text outside them is content. Text that may be the start of "<tool_call>" is held

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front's server (the app is router/http_api.py's build_app): its
+"""The OpenAI-compatible HTTP front's server (the app is router/openai/app.py's build_app): its
 settings, the listening socket, and uvicorn on a thread of its own with its own event loop, so no
 gRPC thread ever waits on HTTP; Router.stop() stops it first (open streams are cancelled after
 the grace period).
@@ -9,7 +9,7 @@ path needs neither the client port's TLS nor a client certificate, and no TCP po
 it. With TLS, the certificate files uvicorn reads are written to that directory and deleted as
 soon as they are loaded.
 
-Every connection is bounded (router/http_conn.py): `header_timeout_s` to send its request
+Every connection is bounded (router/openai/connections.py): `header_timeout_s` to send its request
 headers, `body_timeout_s` between two pieces of its body, and at most `max_connections` open at
 once (0: derived from the process's file descriptor limit, leaving the rest to gRPC and the
 workers' channels); the error lines of a flood of bad clients are rate-limited while it serves.
@@ -37,8 +37,8 @@ import uvicorn
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 from pdserve.protos.security import NO_KEYS, ClientKeys, TLSConfig
-from pdserve.router.http_api import build_app
-from pdserve.router.http_book import (
+from pdserve.router.openai.app import build_app
+from pdserve.router.openai.connections import (
     LISTEN_BACKLOG,
     ConnectionBook,
     Limits,
@@ -47,10 +47,10 @@ from pdserve.router.http_book import (
     connection_cap,
     fd_limit,
     install_filter,
+    protocol_class,
     remove_filter,
     sweep,
 )
-from pdserve.router.http_conn import protocol_class
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,38 @@ class HttpFront:
         grpc_server.add_insecure_port(self.grpc_target)
 
     def start(self, timeout_s: float = 30.0) -> HttpFront:
-        s = self.settings
+        """Binds the socket, starts uvicorn on its thread and waits until it serves; raises
+        OSError (the front stopped again) if it does not within `timeout_s`."""
         limit = fd_limit()
         derived = connection_cap(limit)
+        self._bound_connections(limit, derived)
+        sock = _bind(self.settings.host, self.settings.port)
+        try:
+            config = self._config(accept_batch(limit, derived))
+            config.load()  # reads the TLS files now; they are deleted right after
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            self._remove_tls_files()
+        self._server = uvicorn.Server(config)
+        self._log_filter = RateLimitFilter(self.settings.log_interval_s)
+        install_filter(self._log_filter)
+        port = sock.getsockname()[1]
+        host = self.settings.host
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._thread = threading.Thread(
+            target=self._run, args=(sock,), name="router-http", daemon=True
+        )
+        self._thread.start()
+        self._wait_started(timeout_s)
+        sock.listen(LISTEN_BACKLOG)  # asyncio listened with its accept batch (accept_batch)
+        return self
+
+    def _bound_connections(self, limit: int, derived: int) -> None:
+        """The connection cap (the settings' or the one derived from the fd `limit`), the
+        connections' time limits and their book."""
+        s = self.settings
         cap = s.max_connections or derived
         if cap > derived:
             log.warning(
@@ -149,37 +178,23 @@ class HttpFront:
             max_body_bytes=s.max_body_bytes,
         )
         self.book = ConnectionBook(cap, self._limits.handshake_timeout_s)
-        sock = _bind(s.host, s.port)
-        try:
-            config = uvicorn.Config(
-                build_app(self),
-                log_config=None,  # the process's logging stays as it is
-                access_log=False,
-                http=protocol_class(self.book, self._limits),
-                backlog=accept_batch(limit, derived),
-                ws="none",
-                lifespan="off",
-                loop="asyncio",
-                server_header=False,
-                timeout_graceful_shutdown=max(1, math.ceil(s.grace_s)),
-                **self._ssl_options(),
-            )
-            config.load()  # reads the TLS files now; they are deleted right after
-        except BaseException:
-            sock.close()
-            raise
-        finally:
-            self._remove_tls_files()
-        self._server = uvicorn.Server(config)
-        self._log_filter = RateLimitFilter(s.log_interval_s)
-        install_filter(self._log_filter)
-        port = sock.getsockname()[1]
-        host = f"[{s.host}]" if ":" in s.host else s.host
-        self.address = f"{host}:{port}"
-        self._thread = threading.Thread(
-            target=self._run, args=(sock,), name="router-http", daemon=True
+
+    def _config(self, backlog: int) -> uvicorn.Config:
+        return uvicorn.Config(
+            build_app(self),
+            log_config=None,  # the process's logging stays as it is
+            access_log=False,
+            http=protocol_class(self.book, self._limits),
+            backlog=backlog,
+            ws="none",
+            lifespan="off",
+            loop="asyncio",
+            server_header=False,
+            timeout_graceful_shutdown=max(1, math.ceil(self.settings.grace_s)),
+            **self._ssl_options(),
         )
-        self._thread.start()
+
+    def _wait_started(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
@@ -188,8 +203,6 @@ class HttpFront:
                     f"the HTTP front did not start on {self.address}: {self._error or 'timeout'}"
                 )
             time.sleep(0.01)
-        sock.listen(LISTEN_BACKLOG)  # asyncio listened with its accept batch (accept_batch)
-        return self
 
     def _ssl_options(self) -> dict:
         tls = self.settings.tls

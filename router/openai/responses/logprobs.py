@@ -1,8 +1,8 @@
 """OpenAI's (and vLLM's) logprob shapes for the HTTP front, as pure functions of the router's gRPC
 messages: the sampled tokens' logprobs with their most likely alternatives (TokenDelta's
 logprobs and top_logprobs), and the prompt's (Finish's prompt_* fields) for completions' echo
-and vLLM's prompt_logprobs. router/openai_response.py builds whole responses with them and
-router/http_stream.py the streamed chunks. No server state lives here.
+and vLLM's prompt_logprobs. whole.py builds whole responses with them and stream.py the
+streamed chunks. No server state lives here.
 
     completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}; with echo the
                  prompt's tokens come first, the first of them with None (nothing precedes it);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.router.openai_format import ApiError
+from pdserve.router.openai.errors import ApiError
 
 LOGPROB_FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM does the same)
 

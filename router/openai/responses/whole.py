@@ -1,9 +1,8 @@
-"""OpenAI's whole (non-streaming) responses for the HTTP front (router/http_api.py), as a pure
-function of the router's gRPC messages: the choices of every sequence, with completions' echo
-(the prompt before the completion; max_tokens 0: the prompt alone, its generated token
-dropped, as vLLM), the logprobs of router/openai_logprobs.py, the usage and the `pdserve`
-extension (router/openai_format.py). The streamed form is router/http_stream.py's. No server
-state lives here.
+"""OpenAI's whole (non-streaming) responses for the HTTP front, as a pure function of the
+router's gRPC messages: the choices of every sequence, with completions' echo (the prompt before
+the completion; max_tokens 0: the prompt alone, its generated token dropped, as vLLM), the
+logprobs of logprobs.py, a chat's tool calls (tool_calls.py), the usage and the `pdserve`
+extension (parts.py). The streamed form is stream.py's. No server state lives here.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai_format import ApiError, extension, finish_reason, usage
-from pdserve.router.openai_logprobs import (
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.responses.logprobs import (
     chat_logprobs,
     check_logprobs,
     check_prompt,
@@ -22,7 +21,8 @@ from pdserve.router.openai_logprobs import (
     joined,
     prompt_logprobs_field,
 )
-from pdserve.router.tool_parser import ToolCallParser, join_events
+from pdserve.router.openai.responses.parts import extension, finish_reason, usage
+from pdserve.router.openai.responses.tool_calls import ToolCallParser, join_events
 
 
 @dataclass
@@ -98,7 +98,7 @@ def _chat_choice(c: Choice, body, text_of) -> dict:
         lp = chat_logprobs(c.token_ids, c.logprobs, text_of, c.tops, body.num_top())
     message: dict = {"role": "assistant", "content": "".join(c.text)}
     mode = body.tool_mode()
-    if mode != "none":  # tools: the calls parsed out of the text (router/tool_parser.py)
+    if mode != "none":  # tools: the calls parsed out of the text (tool_calls.py)
         parser = ToolCallParser(forced=mode == "forced")
         content, calls = join_events(parser.feed(message["content"]) + parser.finish())
         message = {"role": "assistant", "content": content, "tool_calls": calls}

@@ -1,0 +1,115 @@
+"""The OpenAI-compatible HTTP front of the router: the FastAPI app (`build_app`), its error
+handlers and its OpenAPI document. The router's HttpFront (router/openai/server.py) builds the
+app once and serves it with uvicorn inside the router process, next to gRPC, until the router
+stops (docs/architecture.md section 1).
+
+    GET  /v1/models, /v1/models/{id}, /version      router/openai/models.py
+    POST /v1/completions                            router/openai/completions.py
+    POST /v1/chat/completions                       router/openai/chat.py
+    POST /tokenize, /detokenize                     router/openai/tokenize.py
+    GET  /health, /metrics                          router/openai/status.py
+    GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
+
+Every request takes one path: its handler checks the key, reads and validates the body
+(router/openai/state.py, protocol.py) and calls the router's own gRPC API, so admission,
+routing, retries and aborts are the gRPC path's. Errors use OpenAI's error object
+(router/openai/errors.py) with the HTTP status of the failure, each counted by the settings'
+on_error; a client gone mid-request is one INFO line and a 499 nobody reads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve import __version__
+from pdserve.router.openai import chat, completions, models, status, tokenize
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pdserve.router.openai.state import ClientGone, FrontState
+
+log = logging.getLogger(__name__)
+
+# the request body of each POST path, for the OpenAPI document
+_BODIES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def build_app(front) -> FastAPI:
+    """The app that `front` (an HttpFront, or anything with its `settings` and `stub`) serves."""
+    app = FastAPI(
+        title="pdserve",
+        version=__version__,
+        description="pdserve's OpenAI-compatible API (router/openai/)",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    app.state.front = FrontState(front)
+    _add_error_handlers(app, app.state.front)
+    for group in (status, completions, chat, models, tokenize):
+        app.include_router(group.router)
+    document_bodies(app, _BODIES)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, front: FrontState) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return front.answer(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = f"{request.method} {request.url.path[:200]}: {e.detail}"
+        return front.answer(ApiError(e.status_code, message, code=code))
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, e: ClientGone):
+        log.info("HTTP %s %s: %s", request.method, request.url.path[:200], e)
+        return Response(status_code=499)  # nobody reads it: the client left
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("HTTP %s %s failed", request.method, request.url.path[:200])
+        return front.answer(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+
+def document_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
+    """The OpenAPI document (GET /openapi.json, FastAPI's) with the request body of each POST
+    path in `bodies` described by its pydantic model: the handlers read raw requests (to bound
+    them before parsing), so FastAPI cannot see them itself."""
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref}},
+            }
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi

@@ -1,0 +1,36 @@
+"""POST /v1/chat/completions: messages, rendered by the model's chat template on the router
+(router/text.py), to the router's gRPC Generate (router/openai/generate.py runs the call and
+writes the response).
+
+The body is router/openai/protocol.py's ChatCompletionRequest; messages longer than
+max_model_len tokens can hold are refused here. Unset max_tokens means until the sequence fills
+the context (OpenAI's and vLLM's chat default). With tools in "auto" mode and a tokenizer whose
+<tool_call> is a special token, special tokens are kept so the tags reach the tool-call parser.
+The route is declared on `router`, which build_app (router/openai/app.py) includes; it keeps no
+state of its own.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.generate import generate
+from pdserve.router.openai.protocol import ChatCompletionRequest, chat_messages, sampling_params
+from pdserve.router.openai.state import state_of
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, ChatCompletionRequest)
+    front.check_prompt_size([t for m in body.messages for t in (m.role, m.text())], "messages")
+    # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
+    most = body.max_new_tokens() or front.settings.max_model_len or None
+    gen = pdserve_pb2.GenerateRequest(model=body.model or "", sampling=sampling_params(body, most))
+    if body.tool_mode() == "auto" and body.skip_special_tokens is None and front.tags_special:
+        gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser
+    gen.chat.CopyFrom(chat_messages(body))
+    return await generate(request, [gen], metadata, body, chat=True)

@@ -1,0 +1,118 @@
+"""The HTTP front's errors: OpenAI's error object with its HTTP status (ApiError), the HTTP
+status each gRPC status maps to, and the 400 a request body's validation errors become.
+
+Every failure a handler meets ends as an ApiError: the app's exception handlers
+(router/openai/app.py) answer it as {"error": {"message", "type", "param", "code"}} with its
+status and headers (Retry-After on 429 and 503, WWW-Authenticate on 401), and a stream that
+already started sends its body as one event (router/openai/responses/stream.py). A gRPC error
+of the router's own API becomes one through `ApiError.from_grpc`, so both fronts refuse a
+request for the same reason. No state lives here: pure functions and one exception class.
+"""
+
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
+GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+    # CANCELLED, ABORTED, INTERNAL, UNKNOWN, DATA_LOSS: the server's failure
+}
+_SERVER_ERROR = (500, "server_error", None)
+_RETRY_AFTER = {429, 503}  # statuses a client may retry: they get a Retry-After header
+
+
+class ApiError(Exception):
+    """An OpenAI error object with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in _RETRY_AFTER else {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    @classmethod
+    def from_grpc(cls, error: grpc.RpcError) -> ApiError:
+        code = error.code()
+        status, type_, err_code = GRPC_TO_HTTP.get(code, _SERVER_ERROR)
+        details = error.details() or code.name
+        if code == grpc.StatusCode.OUT_OF_RANGE and "max_model_len" in details:
+            err_code = "context_length_exceeded"  # OpenAI's code for it
+        if status == 500:
+            details = f"{code.name}: {details}"
+        return cls(status, details, type_, None, err_code)
+
+
+# ---- request validation -------------------------------------------------------------------
+def _param(loc: tuple, known: set[str], extra: bool = False) -> str | None:
+    """The field a pydantic error location names, as `messages[0].role`; union members and
+    validator names in the location are left out. `extra`: the last part is an unknown field."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in known or (extra and i == len(loc) - 1):
+            out += f".{str(part)[:64]}" if out else str(part)[:64]
+    return out or None
+
+
+def validation_error(e: ValidationError, known: set[str]) -> ApiError:
+    """One 400 from pydantic's errors: the first field at fault and what is wrong with it (a
+    union field lists what each form expects). The input is never echoed."""
+    errors = e.errors(include_input=False, include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
+        return ApiError(400, "the body must be a JSON object", code="invalid_body")
+    param = _param(first["loc"], known, first["type"] == "extra_forbidden")
+    msgs = []
+    for err in errors:
+        if _param(err["loc"], known, err["type"] == "extra_forbidden") != param:
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (not an OpenAI or vLLM sampling field pdserve accepts)"
+        if msg not in msgs:
+            msgs.append(msg)
+    where = f"{param}: " if param else ""
+    return ApiError(400, where + "; or ".join(msgs[:3]), param=param, code="invalid_value")

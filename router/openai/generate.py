@@ -1,0 +1,161 @@
+"""One generation request of the HTTP front, from its gRPC requests to its HTTP response: the
+completions and chat endpoints build the gRPC GenerateRequests of a body, and `generate` runs
+them on the router's own gRPC API (through the front's in-process channel), so admission,
+routing, retries and aborts are the gRPC path's.
+
+`generate` starts the call (a batch of prompts: one call per prompt, read as one by _BatchCall),
+watches the client while it waits for the first response, then either hands the call to a
+streamed response (router/openai/responses/stream.py), which owns it from then on, or collects
+it into a whole one (responses/whole.py). A client that disconnects cancels the gRPC call, which
+the router turns into aborts on both pools; however the request ends, its calls are cancelled
+(a no-op for those already finished). Errors use OpenAI's error object with the HTTP status of
+the failure; a failure after a stream started is sent as one such event, then `data: [DONE]`.
+The usage and the `pdserve` extension (router/stage_timings.py) are in every response, and in a
+stream on its last chunk. Nothing outlives the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.protocol import name_field
+from pdserve.router.openai.responses.stream import rest, stream
+from pdserve.router.openai.responses.whole import whole_response
+from pdserve.router.openai.state import ClientGone, state_of
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def generate(request: Request, gens: list, metadata, body, chat: bool):
+    """The HTTP response of running `gens` (one per prompt) for `body` with the key's
+    `metadata`: a stream when the body asks for one, else one JSON response."""
+    front = state_of(request)
+    request_id = f"http-{uuid.uuid4().hex}"
+    call = _start(front.stub, gens, metadata, body.n, request_id)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, call))
+    streaming = False  # once true, the stream's response owns the call
+    try:
+        try:
+            first = await _from_router(call.read(), watcher)
+        except ApiError as e:  # a structured spec the workers refused: name the body's field
+            name_field(e, body)
+            raise
+        if first is grpc.aio.EOF:
+            raise ApiError(500, "the router ended the call without a response", "server_error")
+        model_id = front.settings.model_id
+        if body.stream:
+            watcher.cancel()  # Starlette's StreamingResponse watches from here on
+            streaming = True
+            return _CallStream(
+                call,
+                stream(call, first, body, chat, model_id, request_id, front.text_of),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
+        responses = [first] + await _from_router(_all(rest(call)), watcher)
+        return JSONResponse(
+            whole_response(responses, body, chat, model_id, request_id, front.text_of)
+        )
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it: the client left
+    finally:
+        watcher.cancel()
+        if not streaming:
+            call.cancel()  # no-op once finished; a batch's other calls stop here
+
+
+def _start(stub, gens: list, metadata, n: int, request_id: str):
+    """The gRPC call of `gens`: the one call of one prompt, or a batch's calls read as one."""
+    if len(gens) == 1:
+        gens[0].request_id = request_id
+        return stub.Generate(gens[0], metadata=metadata)
+    for i, gen in enumerate(gens):  # a batch: one call per prompt, their responses one stream
+        gen.request_id = f"{request_id}-{i}"
+    return _BatchCall([stub.Generate(gen, metadata=metadata) for gen in gens], n)
+
+
+class _BatchCall:
+    """The gRPC calls of a batch of prompts read as one call: `read` gives the next response of
+    any of them (first come, first given) with its sequence index moved to prompt i's range
+    (i * n + j), EOF once all ended; the first error ends the batch (the caller cancels it)."""
+
+    def __init__(self, calls: list, n: int):
+        self._calls, self._n = calls, n
+        # one pending read per call still open -> the call's prompt index
+        self._reads = {asyncio.ensure_future(c.read()): i for i, c in enumerate(calls)}
+        self._ready: list = []
+
+    async def read(self):
+        while not self._ready and self._reads:
+            done, _ = await asyncio.wait(self._reads, return_when=asyncio.FIRST_COMPLETED)
+            if any(task.cancelled() for task in done):  # cancel() ran: the client is gone
+                raise asyncio.CancelledError()
+            errors = [task.exception() for task in done if task.exception() is not None]
+            if errors:
+                raise errors[0]
+            for task in done:
+                i = self._reads.pop(task)
+                msg = task.result()
+                if msg is grpc.aio.EOF:
+                    continue
+                event = msg.delta if msg.HasField("delta") else msg.finish
+                event.index += i * self._n
+                self._ready.append(msg)
+                self._reads[asyncio.ensure_future(self._calls[i].read())] = i
+        return self._ready.pop(0) if self._ready else grpc.aio.EOF
+
+    def cancel(self) -> None:
+        for task in self._reads:
+            task.cancel()
+        for call in self._calls:
+            call.cancel()
+
+
+class _CallStream(StreamingResponse):
+    """The SSE response of one gRPC call, which it cancels however the response ends: finished,
+    the client gone (Starlette cancels the body), or never started at all."""
+
+    def __init__(self, call, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.cancel()  # no-op once the call finished
+
+
+async def _from_router(awaitable, watcher: asyncio.Task):
+    """What `awaitable` (a read of the router's call) gives; the call's gRPC error as the HTTP
+    error, and a cancellation by _cancel_on_disconnect (`watcher` done) as ClientGone."""
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if watcher.done():
+            raise ClientGone() from None
+        raise
+    except grpc.RpcError as e:
+        raise ApiError.from_grpc(e) from None
+
+
+async def _all(responses: AsyncIterator) -> list:
+    return [r async for r in responses]
+
+
+async def _cancel_on_disconnect(request: Request, call) -> None:
+    """Waits for the client to disconnect, then cancels its gRPC call (the router aborts the
+    request on both pools)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            call.cancel()
+            return

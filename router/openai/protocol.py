@@ -1,0 +1,939 @@
+"""The OpenAI request bodies the HTTP front accepts, as strict pydantic models, and what each
+becomes on the gRPC wire (`sampling_params`, `chat_messages`). Every field is typed and bounded
+before any work; an unknown field is refused with a 400 naming it (KNOWN_FIELDS).
+
+Beyond OpenAI's own fields it accepts vLLM's sampling fields (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output),
+pdserve's `speculative` (false: this request opts out of the decode pool's speculative
+decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
+sections below say more). `model` may be left out (the served model). OpenAI fields that change
+nothing here are accepted and ignored (`user`, `metadata`, ...); those whose meaning pdserve does
+not serve (functions, logit_bias, suffix, ...) are accepted only at their neutral value.
+
+The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
+ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's
+(protos/limits.py, router/text.py), so a request refused by one front is refused by the other.
+The models hold no state: the handlers (router/openai/) validate a body once, off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+import typing
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from pdserve.protos.convert import OPTIONAL_FIELDS, structured_message
+from pdserve.protos.limits import (
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_ID_CHARS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REGEX_CHARS,
+    MAX_SCHEMA_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.text import (
+    MAX_CHAT_MESSAGES,
+    MAX_TEMPLATE_KWARGS_BYTES,
+    RESERVED_TEMPLATE_KEYS,
+)
+
+# ---- structured output -------------------------------------------------------------------
+# _Sampling inherits StructuredFields, for chat and completions alike:
+#
+#     response_format     OpenAI's: {"type": "text"} | {"type": "json_object"} |
+#                         {"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}
+#     structured_outputs  vLLM's: {"json": schema} | {"regex": str} | {"choice": [str]} |
+#                         {"json_object": true}
+#     guided_json, guided_regex, guided_choice   vLLM's older names for the same
+#
+# At most one of them per request. Each is checked here (types, sizes: protos/limits.py's bounds)
+# and becomes the gRPC SamplingParams.structured (`structured_spec`); whether a schema or regex
+# compiles is the workers' check (engine/structured.py), whose INVALID_ARGUMENT `name_field`
+# rewrites to the field the client sent. Only the tools' parameter schemas are compiled here.
+_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+Regex = Annotated[StrictStr, Field(min_length=1, max_length=MAX_REGEX_CHARS)]
+Choices = Annotated[
+    list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+    Field(min_length=1, max_length=MAX_CHOICES),
+]
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _schema(v: Any) -> dict:
+    """A JSON schema given as an object or as its JSON text: an object, at most MAX_SCHEMA_CHARS
+    as compact JSON."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"a JSON schema must be a JSON object, got {type(v).__name__}")
+    size = len(json.dumps(v, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_SCHEMA_CHARS:
+        raise ValueError(
+            f"the schema has {size} characters as compact JSON; at most {MAX_SCHEMA_CHARS}"
+        )
+    return v
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _CONFIG
+    name: StrictStr
+    description: StrictStr | None = None
+    # OpenAI's field is `schema`; pydantic reserves that name on models
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None  # the output always follows the schema here
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not _NAME.match(v):
+            raise ValueError("1 to 64 characters of a-z, A-Z, 0-9, _ and -")
+        return v
+
+    _check_schema = field_validator("schema_")(classmethod(lambda cls, v: _schema(v)))
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(
+                "json_schema is required with type 'json_schema', and only allowed with it"
+            )
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (one of json, regex, choice, json_object)."""
+
+    model_config = _CONFIG
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: Regex | None = None
+    choice: Choices | None = None
+    json_object: StrictBool | None = None
+    grammar: StrictStr | None = None
+    # vLLM's switches that change nothing here: one backend, never free whitespace
+    disable_fallback: StrictBool | None = None
+    disable_any_whitespace: StrictBool | None = None
+    disable_additional_properties: StrictBool | None = None
+
+    _check_json = field_validator("json_")(
+        classmethod(lambda cls, v: v if v is None else _schema(v))
+    )
+
+    @field_validator("grammar")
+    @classmethod
+    def _no_grammar(cls, v):
+        if v is not None:
+            raise ValueError("grammar (EBNF/Lark) is not supported: use json, regex or choice")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = [k for k in ("json_", "regex", "choice") if getattr(self, k) is not None] + (
+            ["json_object"] if self.json_object else []
+        )
+        if len(given) != 1:
+            raise ValueError(
+                "set exactly one of json, regex, choice, json_object; got "
+                + (", ".join(g.rstrip("_") for g in given) or "none")
+            )
+        return self
+
+
+class StructuredFields(BaseModel):
+    """The structured-output fields both endpoints take."""
+
+    model_config = _CONFIG
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+
+    _check_guided_json = field_validator("guided_json")(
+        classmethod(lambda cls, v: v if v is None else _schema(v))
+    )
+
+    @model_validator(mode="after")
+    def _at_most_one(self):
+        given = [
+            k
+            for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+            if getattr(self, k) is not None
+        ]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} both shape the output: send one of them")
+        return self
+
+    def structured_spec(self) -> tuple[dict, str] | None:
+        """(the engine's StructuredSpec keywords, the field the client set), None for free text."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return {"json_object": True}, "response_format"
+        if rf is not None and rf.type == "json_schema":
+            return {"json_schema": rf.json_schema.schema_}, "response_format.json_schema.schema"
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                return {"json_schema": _schema(so.json_)}, "structured_outputs.json"
+            if so.regex is not None:
+                return {"regex": so.regex}, "structured_outputs.regex"
+            if so.choice is not None:
+                return {"choice": list(so.choice)}, "structured_outputs.choice"
+            return {"json_object": True}, "structured_outputs.json_object"
+        if self.guided_json is not None:
+            return {"json_schema": _schema(self.guided_json)}, "guided_json"
+        if self.guided_regex is not None:
+            return {"regex": self.guided_regex}, "guided_regex"
+        if self.guided_choice is not None:
+            return {"choice": list(self.guided_choice)}, "guided_choice"
+        return None
+
+
+_WORKER_FIELD = re.compile(r"^(?:sampling: )?(?:sampling\.)?structured\.\w+:?\s*")
+
+
+def name_field(error, body) -> None:
+    """A workers' refusal of the structured spec (an ApiError whose message starts "sampling:
+    structured.<kind>") renamed in place to the field the client sent, as `param` and in the
+    message; any other error is left as it is."""
+    found = body.structured_spec() if hasattr(body, "structured_spec") else None
+    if found is None or error.status != 400 or not _WORKER_FIELD.match(error.message):
+        return
+    param = found[1]
+    error.message = f"{param}: {_WORKER_FIELD.sub('', error.message, count=1)}"
+    error.param = param
+
+
+# ---- tools -----------------------------------------------------------------------------------
+# Tool calling in chat completions: OpenAI's `tools`, `tool_choice`, assistant messages'
+# `tool_calls` and "tool" messages, and the grammar of a forced call.
+#
+#     tools        [{"type": "function", "function": {"name", "description"?, "parameters"?,
+#                  "strict"?}}], at most MAX_TOOLS, names unique (^[a-zA-Z0-9_-]{1,64}$),
+#                  parameters a JSON schema object (unset: no parameters)
+#     tool_choice  "none" | "auto" (the default with tools) | "required" |
+#                  {"type": "function", "function": {"name": one of the tools}}; needs tools
+#
+# The chat template renders the tools (router/chat_tools.py). "auto" samples freely and
+# router/openai/responses/tool_calls.py parses <tool_call>{...}</tool_call> blocks out of the
+# output; "none" parses nothing. "required" and a named function force one call: the output is
+# constrained (the same grammar path as response_format) to the JSON object {"name": <a tool's
+# name>, "arguments": <that tool's parameters>} (an anyOf over the tools for "required"), so its
+# arguments always validate against the schema. Each parameters schema is compiled by llguidance
+# when the request is read (a schema it cannot compile is a 400 naming
+# tools[i].function.parameters).
+MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 512 * 1024  # all the tools, as compact JSON
+MAX_DESCRIPTION_CHARS = 16 * 1024
+MAX_ARGUMENTS_CHARS = 256 * 1024
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _name(v: str) -> str:
+    if not _NAME.match(v):
+        raise ValueError("a function name is 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
+    return v
+
+
+@lru_cache(maxsize=256)
+def _compile_error(text: str) -> str:
+    """llguidance's complaint about a JSON schema ("" when it compiles; "" without llguidance,
+    and the workers then say it)."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:  # pragma: no cover - a router without the workers' library
+        return ""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        error = LLMatcher.validate_grammar(grammar, None)
+    except Exception as e:  # the library's own error types
+        error = str(e) or type(e).__name__
+    lines = [x.strip() for x in str(error or "").splitlines() if x.strip()]
+    return " ".join(lines[:3])[:300]
+
+
+class FunctionDef(BaseModel):
+    model_config = _CONFIG
+    name: StrictStr
+    description: Annotated[StrictStr, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # a forced call always follows the schema here
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v):
+        if v is None:
+            return v
+        v = _schema(v)
+        error = _compile_error(json.dumps(v, sort_keys=True, separators=(",", ":")))
+        if error:
+            raise ValueError(f"not a JSON schema the grammar library can compile: {error}")
+        return v
+
+    def schema(self) -> dict:
+        return self.parameters if self.parameters is not None else NO_PARAMETERS
+
+
+class Tool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = _CONFIG
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = _CONFIG
+    name: StrictStr
+    arguments: Annotated[StrictStr, Field(max_length=MAX_ARGUMENTS_CHARS)]
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
+
+
+class ToolCall(BaseModel):
+    """An assistant message's call, as a client replays it."""
+
+    model_config = _CONFIG
+    id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: CalledFunction
+
+
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def check_tools(tools: list[Tool] | None) -> list[Tool] | None:
+    if tools is None:
+        return tools
+    names = [t.function.name for t in tools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"function names must be unique; {dup[:3]} appear more than once")
+    size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools], separators=(",", ":")))
+    if size > MAX_TOOLS_CHARS:
+        raise ValueError(
+            f"the tools have {size} characters as compact JSON; at most {MAX_TOOLS_CHARS}"
+        )
+    return tools
+
+
+def check_tool_choice(v, data: dict):
+    """tool_choice against the fields before it (tools, the structured-output ones)."""
+    if v is None:
+        return v
+    tools = data.get("tools")
+    if not tools:
+        if "tools" not in data:  # tools itself was refused: that is the error to report
+            return v
+        raise ValueError("tool_choice needs tools: send the functions the model may call")
+    if isinstance(v, NamedToolChoice):
+        names = [t.function.name for t in tools]
+        if v.function.name not in names:
+            raise ValueError(
+                f"function {v.function.name[:64]!r} is not one of the tools: {names[:8]}"
+            )
+    if forced(v):
+        shaped = [
+            k
+            for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+            if data.get(k) is not None
+        ]
+        rf = data.get("response_format")
+        if rf is not None and rf.type != "text":
+            shaped.insert(0, "response_format")
+        if shaped:
+            raise ValueError(
+                f"a forced tool call and {shaped[0]} both shape the output: send one of them"
+            )
+    return v
+
+
+def forced(tool_choice) -> bool:
+    return tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
+
+
+def _rebase(schema, pointer: str):
+    """`schema` with its local $refs ("#/$defs/x", "#") moved under `pointer`."""
+    if isinstance(schema, dict):
+        return {
+            k: (
+                pointer + v[1:]
+                if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rebase(v, pointer)
+            )
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebase(v, pointer) for v in schema]
+    return schema
+
+
+def _call_schema(tool: Tool, pointer: str) -> dict:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": tool.function.name},
+            "arguments": _rebase(tool.function.schema(), pointer + "/properties/arguments"),
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def forced_spec(tools: list[Tool], tool_choice) -> tuple[dict, str] | None:
+    """(the StructuredSpec keywords, the field a compile error names) of a forced call, None
+    when the call is not forced."""
+    if not forced(tool_choice):
+        return None
+    if isinstance(tool_choice, NamedToolChoice):
+        i = next(i for i, t in enumerate(tools) if t.function.name == tool_choice.function.name)
+        return {"json_schema": _call_schema(tools[i], "#")}, f"tools[{i}].function.parameters"
+    if len(tools) == 1:
+        return {"json_schema": _call_schema(tools[0], "#")}, "tools[0].function.parameters"
+    alternatives = [_call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(tools)]
+    return {"json_schema": {"anyOf": alternatives}}, "tools"
+
+
+def tools_json(tools: list[Tool]) -> str:
+    return json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False)
+
+
+def tool_calls_json(calls: list[ToolCall]) -> str:
+    return json.dumps([c.model_dump() for c in calls], ensure_ascii=False)
+
+
+class ToolMessageFields(BaseModel):
+    """What a chat message adds for tools (ChatMessage below)."""
+
+    model_config = _CONFIG
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
+
+
+# ---- the request bodies ------------------------------------------------------------------
+INT64 = 1 << 63
+UINT32 = 1 << 32
+MAX_TOKENS_FIELD = (1 << 31) - 1  # beyond any max_model_len; the router says which is the limit
+MAX_PROMPT_IDS = 1 << 20  # more than any max_model_len; the router refuses past max_model_len
+MAX_NAME_CHARS = 256
+MAX_METADATA_ITEMS = 16
+
+
+class _Strict(BaseModel):
+    # strict: "2" for an integer or 1 for a bool is a mistake worth a 400; NaN and infinities are
+    # refused for every float; unknown fields are refused (OpenAI's harmless ones are declared)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
+ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
+
+
+def _neutral_only(*fields: str, message: str, neutral: Callable[[Any], bool] = operator.not_):
+    """A validator for OpenAI fields pdserve accepts only at their neutral value: any value of
+    `fields` that neutral(value) (default: falsy) does not accept is refused with `message`, where
+    {field} names the field."""
+
+    def check(cls, v, info):
+        if not neutral(v):
+            raise ValueError(message.replace("{field}", info.field_name))
+        return v
+
+    return field_validator(*fields)(classmethod(check))
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+    # vLLM's usage on every chunk: the prompt's token count reaches the HTTP front only with the
+    # Finish, so only false is accepted (benchmark clients send it when asked to)
+    continuous_usage_stats: StrictBool | None = None
+
+    _final_usage_only = _neutral_only(
+        "continuous_usage_stats",
+        message="continuous_usage_stats is not supported: usage comes on the last chunk "
+        "(include_usage)",
+    )
+
+
+class _Sampling(_Strict, StructuredFields):
+    """Fields both endpoints share (the structured-output ones: StructuredFields)."""
+
+    # unset: the served model (vLLM's default)
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    max_tokens: TokenCount | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    # pdserve's: false opts this request out of speculative decoding (same tokens, its own pace)
+    speculative: StrictBool | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None
+    # accepted and ignored: they change nothing about the result
+    user: ShortStr | None = None
+
+    _no_logit_bias = _neutral_only(
+        "logit_bias", message="logit_bias is not supported; leave it unset or empty"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        most = self.max_new_tokens()
+        if self.min_tokens is not None and most is not None and self.min_tokens > most:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={most}")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    # one prompt (text, or token ids) or a batch of them (a list of texts or of token id lists):
+    # choice i * n + j is prompt i's sequence j, as OpenAI's and vLLM's
+    prompt: (
+        StrictStr
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_N)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]],
+            Field(min_length=1, max_length=MAX_N),
+        ]
+    )
+    # 0 to 2**31 - 1: 0 only with echo (the prompt alone, nothing generated: vLLM's)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
+    # each token's logprob and the `logprobs` most likely tokens at its position
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # the prompt before the completion (with logprobs: the prompt's logprobs too)
+    echo: StrictBool = Field(False, validate_default=True)  # checked with max_tokens=0 too
+    # vLLM's: the prompt's logprobs and the k most likely tokens at each position, in each choice
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI fields accepted only at their neutral value
+    suffix: StrictStr | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+    _no_suffix = _neutral_only("suffix", message="suffix is not supported")
+    _no_best_of = _neutral_only(
+        "best_of", message="best_of > 1 is not supported; use n", neutral=lambda v: v in (None, 1)
+    )
+
+    # cross-field checks on the later field, so that the error names a field (info.data holds
+    # the fields declared before it that validated)
+    @field_validator("echo")
+    @classmethod
+    def _echo_consistent(cls, v, info):
+        if info.data.get("max_tokens") == 0 and not v:
+            raise ValueError(
+                "max_tokens=0 generates nothing: it is allowed only with echo=true (the prompt "
+                "alone, with its logprobs when logprobs is set)"
+            )
+        if v and info.data.get("stream") and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo with logprobs is not streamed (the prompt's logprobs come with the "
+                "response's end): send stream=false, or leave logprobs unset"
+            )
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, v, info):
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not streamed: send stream=false")
+        return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def num_top(self) -> int:
+        return self.logprobs or 0
+
+    def prompt_logprobs_k(self) -> int | None:
+        """The prompt logprobs the workers compute: echo with logprobs needs the prompt's (vLLM's
+        echo), prompt_logprobs asks for them; None: neither."""
+        ks = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(ks) if ks else None
+
+    def max_new_tokens(self) -> int | None:
+        # echo with max_tokens=0: one token is generated and dropped (vLLM does the same)
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    @model_validator(mode="after")
+    def _sequences_bounded(self):
+        num_prompts = len(self.prompts())
+        if num_prompts * self.n > MAX_N:
+            raise ValueError(
+                f"{num_prompts} prompts x n={self.n} asks for {num_prompts * self.n} sequences, "
+                f"at most {MAX_N} per request: send fewer prompts or a lower n"
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
+        p = self.prompt
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict, ToolMessageFields):
+    # developer: OpenAI's newer name for system; tool: a call's result (tool_call_id)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only in an assistant message with tool_calls
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)] | None
+    name: ShortStr | None = None  # accepted and ignored (most chat templates have no place for it)
+    refusal: None = None  # OpenAI clients replay assistant messages with "refusal": null
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content parts of type {str(kind)[:40]!r} are not supported: this model "
+                        f"reads text only (parts of type 'text')"
+                    )
+        return v
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers), and only it")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    max_completion_tokens: TokenCount | None = None
+    logprobs: StrictBool = False
+    # the most likely tokens at each position, besides each token's logprob: needs logprobs=true
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's chat template fields: rendered with the model's template (router/text.py)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # tools (the tools section above): rendered by the chat template, calls parsed from the output
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    # OpenAI fields accepted only at their neutral value
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    # accepted and ignored: they change nothing about the result
+    parallel_tool_calls: StrictBool | None = None
+    metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
+    store: StrictBool | None = None
+    service_tier: ShortStr | None = None
+    prompt_cache_key: ShortStr | None = None
+    safety_identifier: ShortStr | None = None
+
+    _no_functions = _neutral_only(
+        "functions", message="functions is OpenAI's older form: send tools instead"
+    )
+    _no_function_call = _neutral_only(
+        "function_call",
+        message="function_call is OpenAI's older form: send tool_choice instead",
+        neutral=lambda v: v in (None, "none"),
+    )
+    _check_tools = field_validator("tools")(classmethod(lambda cls, v: check_tools(v)))
+    _check_tool_choice = field_validator("tool_choice")(
+        classmethod(lambda cls, v, info: check_tool_choice(v, info.data))
+    )
+
+    def tool_mode(self) -> str:
+        """How the output is read: none (no tools, or tool_choice none), auto or forced."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "forced" if forced(self.tool_choice) else "auto"
+
+    def structured_spec(self) -> tuple[dict, str] | None:
+        if self.tool_mode() == "forced":
+            return forced_spec(self.tools, self.tool_choice)
+        return super().structured_spec()
+
+    _unset_only = _neutral_only(
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "web_search_options",
+        message="{field} is not supported; leave it unset",
+        neutral=lambda v: v is None,
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs={v} needs logprobs=true")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_consistent(cls, v, info):
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError(
+                "continue_final_message=true continues the last message: set "
+                "add_generation_prompt=false with it"
+            )
+        messages = info.data.get("messages")
+        if v and messages and messages[-1].role != "assistant":
+            raise ValueError(
+                "continue_final_message=true continues the last message, which must be the "
+                "assistant's"
+            )
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        if v is None:
+            return v
+        reserved = sorted(k for k in v if k in RESERVED_TEMPLATE_KEYS or not k.isidentifier())
+        if reserved:
+            raise ValueError(
+                f"keys {[k[:40] for k in reserved[:3]]} are not template variables a request may set "
+                f"(apply_chat_template's own parameters; add_generation_prompt and "
+                f"continue_final_message are fields of their own)"
+            )
+        if len(json.dumps(v)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def num_top(self) -> int:
+        return self.top_logprobs or 0
+
+    def prompt_logprobs_k(self) -> int | None:
+        return None
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self):
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(
+                f"max_tokens={a} and max_completion_tokens={b} disagree: send one of them"
+            )
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered as chat completions does."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    prompt: StrictStr | None = None
+    messages: (
+        Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)] | None
+    ) = Field(None, validate_default=True)
+    # unset: true for a prompt, false for messages (the template writes them), as vLLM
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool = False
+
+    _check_kwargs = field_validator("chat_template_kwargs")(
+        classmethod(lambda cls, v: ChatCompletionRequest._template_kwargs(v))
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, v, info):
+        if (v is None) == (info.data.get("prompt") is None):
+            raise ValueError("send either prompt or messages (one of them)")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v, info):
+        if v and info.data.get("messages") is None:
+            raise ValueError("continue_final_message applies to messages only")
+        return ChatCompletionRequest._continue_consistent(v, info)
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]
+
+
+# ---- the field names, for naming the one at fault --------------------------------------------
+def _field_names(*annotations) -> set[str]:
+    """Every field name of the models in `annotations`, nested ones included (through lists,
+    unions and Annotated)."""
+    names: set[str] = set()
+    for a in annotations:
+        fields = getattr(a, "model_fields", None)
+        if isinstance(a, type) and fields:
+            names |= {f.alias or name for name, f in fields.items()}
+            names |= _field_names(*(f.annotation for f in fields.values()))
+        else:
+            names |= _field_names(*typing.get_args(a))
+    return names
+
+
+KNOWN_FIELDS = _field_names(
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest
+)
+
+
+# ---- what a body becomes on the gRPC wire ----------------------------------------------------
+# SamplingParams' optional scalars an OpenAI body carries as they are (the others are translated
+# in sampling_params)
+_TRANSLATED = ("n", "max_tokens", "logprobs", "prompt_logprobs", "top_logprobs")
+_PASSED_THROUGH = tuple(f for f in OPTIONAL_FIELDS if f not in _TRANSLATED)
+
+
+def sampling_params(body, max_tokens: int | None) -> pdserve_pb2.SamplingParams:
+    """The gRPC SamplingParams of an OpenAI body: only what the client set (the engine's defaults
+    are OpenAI's: temperature 1, top_p 1, max_tokens 16 for completions). Logprobs: the sampled
+    tokens' when the body wants them, with its number of alternatives (top_logprobs); the
+    prompt's when echo or prompt_logprobs needs them."""
+    s = pdserve_pb2.SamplingParams()
+    if body.n != 1:
+        s.n = body.n
+    for name in _PASSED_THROUGH:
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    s.stop.extend(body.stops())
+    if body.stop_token_ids:
+        s.stop_token_ids.extend(body.stop_token_ids)
+    if body.wants_logprobs:
+        s.logprobs = True
+        if body.num_top():
+            s.top_logprobs = body.num_top()
+    k = body.prompt_logprobs_k()
+    if k is not None:
+        s.prompt_logprobs = k
+    found = body.structured_spec()
+    if found is not None:
+        structured_message(s.structured, found[0])
+    return s
+
+
+def chat_messages(body) -> pdserve_pb2.ChatMessages:
+    """The gRPC chat of an OpenAI chat body (or a /tokenize one): messages and template fields."""
+    chat = pdserve_pb2.ChatMessages(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+    )
+    for m in body.messages:
+        msg = chat.messages.add(role=m.template_role(), content=m.text())
+        if m.tool_calls:
+            msg.tool_calls_json = tool_calls_json(m.tool_calls)
+        if m.tool_call_id is not None:
+            msg.tool_call_id = m.tool_call_id
+    if getattr(body, "tools", None):
+        chat.tools_json = tools_json(body.tools)
+    if body.chat_template_kwargs:
+        chat.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+    return chat

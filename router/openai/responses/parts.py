@@ -1,0 +1,61 @@
+"""The pieces every OpenAI response of the HTTP front shares, as pure functions of the router's
+gRPC messages: the finish_reason of a sequence's Finish (a failed one raises its ApiError), the
+usage of a request, the `pdserve` extension (per-stage timings from router/stage_timings.py and
+the workers that served it) and server-sent event framing.
+
+Whole responses (router/openai/responses/whole.py) and streams (stream.py beside it) build on
+these; neither keeps state past the request it formats.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.stage_timings import stage_durations
+
+
+def finish_reason(finish: pdserve_pb2.Finish) -> str:
+    """OpenAI's finish_reason; a Finish that is a failure raises it as an ApiError."""
+    reason = finish.finish_reason
+    if reason in ("stop", "length"):
+        return reason
+    why = finish.message or "no reason given"
+    if reason == "abort":
+        raise ApiError(503, f"the request was aborted: {why}", "server_error", code="aborted")
+    raise ApiError(500, f"the request failed ({reason}): {why}", "server_error")
+
+
+def usage(finishes: list[pdserve_pb2.Finish], n: int = 1) -> dict:
+    """The request's usage from its sequences' Finishes (index i * n + j: prompt i's sequence j):
+    each prompt's tokens once (every Finish of a prompt repeats them), every sequence's output."""
+    per_prompt: dict[int, pdserve_pb2.Usage] = {}
+    for f in finishes:
+        per_prompt.setdefault(f.index // n, f.usage)
+    prompt = sum(u.prompt_tokens for u in per_prompt.values())
+    completion = sum(f.usage.completion_tokens for f in finishes)
+    cached = sum(u.cached_prompt_tokens for u in per_prompt.values())
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def extension(finishes: list[pdserve_pb2.Finish], request_id: str) -> dict:
+    """The `pdserve` field: where the request's time went (the last sequence to finish)."""
+    last = finishes[-1] if finishes else pdserve_pb2.Finish()
+    t = last.timings
+    return {
+        "request_id": request_id,
+        "timings": stage_durations(t),
+        "prefill_worker": t.prefill_worker or None,
+        "decode_worker": t.decode_worker or None,
+    }
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()

@@ -1,0 +1,191 @@
+"""The HTTP front's server-sent events (router/openai/generate.py starts them): one gRPC Generate
+call's responses as OpenAI's chunks, for chat and completions. One chunk per TokenDelta (its
+logprobs, with their alternatives, in logprobs.py's shapes), one with the finish_reason per
+sequence, with include_usage a last chunk with empty choices and the usage, then `data: [DONE]`.
+Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
+logprobs are not streamed: router/openai/protocol.py refuses them with stream=true). A failure
+after the stream started is one error event, then [DONE]. A chat with tools has its text read by
+tool_calls.py: content deltas, and each call as a `tool_calls` delta when it is complete. The
+generator cancels the call however it ends, so a client gone mid-stream aborts the request on
+both pools.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.responses.logprobs import (
+    chat_logprobs,
+    check_logprobs,
+    completion_logprobs,
+)
+from pdserve.router.openai.responses.parts import extension, finish_reason, sse
+from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of
+from pdserve.router.openai.responses.whole import echo_text, request_usage
+
+
+def _with(choice: dict, delta: dict) -> dict:
+    choice["delta"].update(delta)
+    return choice
+
+
+async def rest(call) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """The call's responses until it ends."""
+    while True:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            return
+        yield msg
+
+
+async def _prepend(first, call):
+    yield first
+    async for r in rest(call):
+        yield r
+
+
+class _Chunks:
+    """The chunks of one stream: their common fields, each choice's shape, and what a delta or a
+    finish of the call becomes (a chat with tools reads its text through a ToolCallParser per
+    sequence)."""
+
+    def __init__(self, body, chat: bool, model_id: str, request_id: str, text_of):
+        suffix = request_id.removeprefix("http-")
+        self.base = {
+            "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_id,
+        }
+        self.body, self.chat, self.text_of = body, chat, text_of
+        opts = body.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.want_logprobs, self.num_top = body.wants_logprobs, body.num_top()
+        self.echo = not chat and body.echo
+        self.echo_only = self.echo and body.max_tokens == 0
+        self.mode = body.tool_mode() if chat else "none"
+        self.parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's
+        self.offsets: dict[int, int] = {}  # completions: each choice's text offset so far
+
+    def chunk(self, choices: list[dict]) -> dict:
+        out = {**self.base, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def choice(self, index: int, text: str | None, lp, reason: str | None, role=False) -> dict:
+        if self.chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
+
+    def opening(self) -> list[dict]:
+        """A chat's assistant role, one chunk per sequence; completions' echo, each choice's
+        prompt (its logprobs are not streamed: the schema's check)."""
+        out = []
+        if self.chat:
+            out += [
+                self.chunk([self.choice(i, "", None, None, role=True)]) for i in range(self.body.n)
+            ]
+        if self.echo:
+            for i in range(len(self.body.prompts()) * self.body.n):
+                head = echo_text(self.body, i, self.text_of)
+                self.offsets[i] = len(head)
+                out.append(self.chunk([self.choice(i, head, None, None)]))
+        return out
+
+    def sent(self, d: pdserve_pb2.TokenDelta) -> bool:
+        """Whether the delta is sent at all (echo alone sends the prompt only)."""
+        return not (self.echo_only or not d.text and not (self.want_logprobs and d.token_ids))
+
+    def logprobs(self, d: pdserve_pb2.TokenDelta) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        ids, lps, tops = list(d.token_ids), list(d.logprobs), list(d.top_logprobs)
+        check_logprobs(ids, lps, tops, self.num_top)
+        if self.chat:
+            return chat_logprobs(ids, lps, self.text_of, tops, self.num_top)
+        at = self.offsets.get(d.index, 0)
+        lp = completion_logprobs(ids, lps, self.text_of, at, tops, self.num_top)
+        self.offsets[d.index] = at + sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def of_delta(self, d: pdserve_pb2.TokenDelta, lp) -> list[dict]:
+        if self.mode == "none":
+            return [self.chunk([self.choice(d.index, d.text, lp, None)])]
+        p = self._parser(d.index)
+        deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp else [])
+        return [
+            self.chunk([_with(self.choice(d.index, None, lp if k == 0 else None, None), delta)])
+            for k, delta in enumerate(deltas)
+        ]
+
+    def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
+        """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""
+        calls = []
+        if self.mode != "none":
+            p = self._parser(f.index)
+            for e in p.finish():
+                calls.append(
+                    self.chunk([_with(self.choice(f.index, None, None, None), delta_of(e))])
+                )
+            if p.num_calls and reason == "stop":
+                reason = "tool_calls"
+        return calls, self.chunk([self.choice(f.index, None if self.chat else "", None, reason)])
+
+    def _parser(self, index: int) -> ToolCallParser:
+        return self.parsers.setdefault(index, ToolCallParser(forced=self.mode == "forced"))
+
+
+async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
+    """The SSE bytes of `call`, whose first response is `first`. The `pdserve` extension rides on
+    the last chunk before [DONE]; each finish chunk is held until the next chunk goes out, so
+    the last one can take it."""
+    c = _Chunks(body, chat, model_id, request_id, text_of)
+    finishes: list[pdserve_pb2.Finish] = []
+    held: dict | None = None  # the latest finish chunk: the extension goes on the last one
+    try:
+        for out in c.opening():
+            yield sse(out)
+        async for r in _prepend(first, call):
+            if r.HasField("delta"):
+                if not c.sent(r.delta):
+                    continue
+                lp = c.logprobs(r.delta)
+                if held is not None:
+                    yield sse(held)
+                    held = None
+                for out in c.of_delta(r.delta, lp):
+                    yield sse(out)
+            elif r.HasField("finish"):
+                reason = finish_reason(r.finish)
+                finishes.append(r.finish)
+                if held is not None:
+                    yield sse(held)
+                calls, held = c.of_finish(r.finish, reason)
+                for out in calls:
+                    yield sse(out)
+        if c.include_usage:
+            if held is not None:
+                yield sse(held)
+            held = {**c.base, "choices": [], "usage": request_usage(finishes, body)}
+        if held is not None:
+            held["pdserve"] = extension(finishes, request_id)
+            yield sse(held)
+    except (grpc.RpcError, ApiError) as e:
+        if held is not None:
+            yield sse(held)
+        yield sse((ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body())
+    finally:
+        call.cancel()  # a client gone mid-stream cancels here: the router aborts both legs
+    yield sse("[DONE]")

@@ -1,0 +1,161 @@
+"""What every handler of the HTTP front shares: the front's settings, its gRPC stub, the token
+texts of logprobs, the prompt encoder of /tokenize, and the checks each request goes through
+before any work (its key, its body's size, its parsing, its prompt's size, its model).
+
+build_app (router/openai/app.py) makes one FrontState per app and keeps it as
+`app.state.front`; a handler reaches it with `state_of(request)`. It lives as long as the app,
+and holds nothing per request: the stub is read from the front at each call, since the front
+opens its channel only once its own event loop runs.
+
+The client's key is forwarded in the `authorization` metadata, so the gRPC interceptor
+(protos/security.py) checks it exactly as for a gRPC client; the front checks it first only to
+refuse a stranger before it reads the body. The body is bounded by its Content-Length and by the
+bytes actually read; a client gone while it is read (or closed by the front's body timeout,
+router/openai/connections.py) raises ClientGone, which the app logs as one INFO line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+
+from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
+from pdserve.router.openai.connections import CLOSED_BY
+from pdserve.router.openai.errors import ApiError, validation_error
+from pdserve.router.openai.protocol import KNOWN_FIELDS
+from pdserve.router.openai.responses.logprobs import TokenText
+from pdserve.router.text import BadRequest, PromptEncoder
+
+# why the front closed a connection whose body it was reading (router/openai/connections.py)
+_CLOSED_BY = {
+    "body_timeout": "its body stalled: closed (408)",
+    "evicted": "its body stalled: closed for a new connection at the connection cap",
+}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected (its gRPC call, if any, was cancelled)."""
+
+
+class FrontState:
+    """The front's shared state and the checks of a request (the module's docstring)."""
+
+    def __init__(self, front):
+        s = self.settings = front.settings
+        self._front = front
+        self.text_of = TokenText(s.tokenizer)
+        # a tokenizer whose <tool_call> is a special token (vLLM's Hermes parser keeps them too)
+        self.tags_special = "<tool_call>" in (
+            getattr(s.tokenizer, "all_special_tokens", None) or ()
+        )
+        self.encoder = s.encoder
+        if self.encoder is None:  # a front built without the router's (tests): one of its own
+            self.encoder = PromptEncoder(s.tokenizer, s.max_model_len or (1 << 20))
+
+    @property
+    def stub(self):
+        return self._front.stub
+
+    def answer(self, e: ApiError):
+        """The error's response, counted (router.metrics: the HTTP errors by status)."""
+        self.settings.on_error(e.status)
+        return e.response()
+
+    def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
+        """The metadata the gRPC call carries: the client's key, checked here first."""
+        header = request.headers.get("authorization")
+        if not self.settings.keys:
+            return ()
+        if not self.settings.keys.accepts_header(header):
+            raise ApiError(
+                401,
+                "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+                if header is None
+                else "the API key is not valid (expected 'Authorization: Bearer <key>')",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        return ((API_KEY_METADATA_KEY, f"Bearer {bearer_token(header)}"),)
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit() or len(length) > 19:
+                raise ApiError(400, "Content-Length is not a number", code="invalid_body")
+            if int(length) > limit:
+                raise ApiError(
+                    413,
+                    f"the body has {length} bytes; at most {limit} are accepted",
+                    code="body_too_large",
+                )
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(
+                        413,
+                        f"the body has more than {limit} bytes, the most accepted",
+                        code="body_too_large",
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect:  # one line (the app's handler), not a server error's traceback
+            why = _CLOSED_BY.get(request.scope.get(CLOSED_BY), "the client disconnected")
+            of = f" of {length}" if length is not None else ""
+            raise ClientGone(f"{why} after {size}{of} body bytes") from None
+        return b"".join(chunks)
+
+    async def parse(self, request: Request, model):
+        """The request's body validated as `model`, and the gRPC metadata of its key."""
+        metadata = self.authorize(request)
+        body = await self.read_body(request)
+        try:
+            # off the event loop: a body's checks may compile up to MAX_TOOLS tool schemas
+            # (router/openai/protocol.py), which must not stall every other connection
+            return await asyncio.to_thread(model.model_validate_json, body), metadata
+        except ValidationError as e:
+            raise validation_error(e, KNOWN_FIELDS) from None
+
+    def check_prompt_size(self, texts: list[str], param: str) -> None:
+        s = self.settings
+        limit = s.max_prompt_bytes
+        chars = sum(len(t) for t in texts)
+        if not limit or chars * 4 <= limit:
+            return
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > limit:
+            raise ApiError(
+                400,
+                f"{param} has {size} bytes, more than max_model_len={s.max_model_len} tokens can "
+                f"hold (at most {limit} bytes): shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_model(self, model: str | None) -> None:
+        """A body's `model`, when set, must be the served one."""
+        served = self.settings.model_id
+        if model is not None and model != served:
+            raise ApiError(
+                404,
+                f"model {model[:200]!r} is not served here: use {served!r} (or leave model unset)",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def encode(self, param: str, fn, *args) -> list[int]:
+        """fn(*args) of the prompt encoder, on its own thread: not on the event loop."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except BadRequest as e:
+            status = 400 if e.code != grpc.StatusCode.UNAVAILABLE else 503
+            raise ApiError(status, f"{param}: {e.message}", param=param) from None
+
+
+def state_of(request: Request) -> FrontState:
+    return request.app.state.front
