@@ -74,3 +74,9 @@ def refs(tiny_models):
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models, one_thread):
+    """The tiny Llama (GQA) model's directory, for the router tests that start workers on it."""
+    return tiny_models("llama-gqa")[0]

@@ -17,14 +17,9 @@ import shutil
 import ssl
 
 import grpc
-import pytest
 
-from helpers.threads import wait_until
-from helpers.tls import tls_files
 from helpers.worker import start_decode, start_prefill, stop_all
-from pdserve.engine import LLM
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.protos.security import TLSConfig
 from pdserve.router.server import Router, RouterConfig
 
 MAX_MODEL_LEN = 256
@@ -92,54 +87,6 @@ class Workers:
 
     def stop(self):
         stop_all(self.channels, self.prefill, self.decode)
-
-
-@pytest.fixture(scope="module", name="workers")
-def fixture_workers(tiny_models, tmp_path_factory, one_thread):
-    w = Workers(chat_model(tiny_models, tmp_path_factory))
-    yield w
-    w.stop()
-
-
-@pytest.fixture(scope="module", name="router")
-def fixture_router(workers):
-    r = workers.router()
-    yield r
-    r.stop()
-
-
-@pytest.fixture(scope="module", name="colocated")
-def fixture_colocated(workers):
-    """A colocated router on the same decode worker: it prefills there too, so every token's
-    logprob comes from one engine."""
-    r = workers.router(colocated=True)
-    yield r
-    r.stop()
-
-
-@pytest.fixture(scope="module", name="secured")
-def fixture_secured(workers, tmp_path_factory):
-    """A router with two API keys and TLS on both fronts (the same certificate)."""
-    files = tls_files(tmp_path_factory.mktemp("tls"))
-    tls = TLSConfig(b"", files["cert"].read_bytes(), files["key"].read_bytes())
-    r = workers.router(api_keys=(KEY, KEY2), client_tls=tls)
-    r.ca_file = str(files["ca"])
-    r.ca_pem = files["ca"].read_bytes()
-    yield r
-    r.stop()
-
-
-@pytest.fixture(name="idle")
-def fixture_idle(workers):
-    yield workers
-    wait_until(workers.idle, 5, f"the pools are not idle: {workers.stats()}")
-
-
-@pytest.fixture(scope="module", name="llm")
-def fixture_llm(workers):
-    engine = LLM(workers.model_dir, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
-    yield engine
-    engine.shutdown()
 
 
 # ---- raw HTTP helpers --------------------------------------------------------------------------

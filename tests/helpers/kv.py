@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
-from helpers.threads import threads_joined
 from pdserve.kvtransfer import ChunkHeader, KVLayout, TransferState
 from pdserve.kvtransfer.backends import create_shared_kv_cache, remove_shared_kv_cache, serve
 from pdserve.kvtransfer.receiver import KVReceiver
@@ -112,18 +110,3 @@ class DecodeSide:
     def close(self) -> None:
         self.server.stop()
         remove_shared_kv_cache(self.path)
-
-
-# ---- each test module imports one of these two as its autouse `no_leaked_threads` --------------
-@pytest.fixture(name="no_leaked_threads", autouse=True)
-def fixture_no_leaked_threads():
-    """close() and stop() join their threads (gRPC's own consumer thread may take a moment)."""
-    with threads_joined(1.0):
-        yield
-
-
-@pytest.fixture(name="no_leaked_threads", autouse=True)
-def fixture_no_leaked_threads_of_refusals():
-    """Refused streams and handshakes hold no thread once the server stopped."""
-    with threads_joined(2.0):
-        yield

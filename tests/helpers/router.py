@@ -11,7 +11,6 @@ a test module imports it and its tests' parameters do not shadow the import.
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2_grpc
 from pdserve.router.server import Router, RouterConfig
@@ -19,11 +18,6 @@ from pdserve.router.server import Router, RouterConfig
 RPC_TIMEOUT = 20.0
 MAX_MODEL_LEN = 256
 LONG_GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-
-
-@pytest.fixture(name="model_dir", scope="module")
-def fixture_model_dir(tiny_models, one_thread):
-    return tiny_models("llama-gqa")[0]
 
 
 def start_router(model_dir, prefill_addresses=(), decode_addresses=(), **kwargs) -> Router:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers.http import KEY, fixture_idle, fixture_llm, fixture_workers  # noqa: F401
+from helpers.http import KEY
 from pdserve.cli import main
 from pdserve.engine import SamplingParams
 

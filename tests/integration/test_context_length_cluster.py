@@ -12,16 +12,13 @@ import json
 import grpc
 import pytest
 
-from helpers.http import (  # noqa: F401
+from helpers.http import (
     CHAT,
     MAX_MODEL_LEN,
     MODEL,
     TIMEOUT,
     C,
     assert_error,
-    fixture_idle,
-    fixture_router,
-    fixture_workers,
     post,
     serves,
 )

@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from helpers.http import (  # noqa: F401
+from helpers.http import (
     CHAT,
     GOOD,
     GOOD_CHAT,
@@ -21,9 +21,6 @@ from helpers.http import (  # noqa: F401
     TIMEOUT,
     C,
     assert_error,
-    fixture_idle,
-    fixture_router,
-    fixture_workers,
     post,
     request,
     serves,

@@ -11,15 +11,10 @@ import socket
 
 import pytest
 
-from helpers.http import (  # noqa: F401
+from helpers.http import (
     MAX_MODEL_LEN,
     MODEL,
     TIMEOUT,
-    fixture_colocated,
-    fixture_idle,
-    fixture_llm,
-    fixture_router,
-    fixture_workers,
     split,
 )
 from helpers.models import random_prompts

@@ -15,7 +15,7 @@ import ssl
 import grpc
 import pytest
 
-from helpers.http import (  # noqa: F401
+from helpers.http import (
     GOOD,
     KEY,
     KEY2,
@@ -25,10 +25,6 @@ from helpers.http import (  # noqa: F401
     WRONG,
     C,
     assert_error,
-    fixture_idle,
-    fixture_router,
-    fixture_secured,
-    fixture_workers,
     post,
     request,
     serves,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers.http import MODEL, TIMEOUT, C, fixture_idle, fixture_workers, request, serves, split  # noqa: F401
+from helpers.http import MODEL, TIMEOUT, C, request, serves, split
 from helpers.threads import wait_until
 from helpers.tls import tls_files
 from pdserve.protos.security import TLSConfig

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from helpers.models import random_prompts
-from helpers.router import MAX_MODEL_LEN, RPC_TIMEOUT, fixture_model_dir  # noqa: F401
+from helpers.router import MAX_MODEL_LEN, RPC_TIMEOUT
 from helpers.threads import wait_until
 from pdserve import cli
 from pdserve.decode_worker.server import DecodeWorkerConfig

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.router import fixture_model_dir  # noqa: F401
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.call import resume_sampling
