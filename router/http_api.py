@@ -95,7 +95,7 @@ def build_app(front: HttpFront) -> FastAPI:
     use OpenAI's error object, {"error": {"message", "type", "param", "code"}}, with the HTTP
     status of the failure; a failure after a stream started is sent as one such event, then
     `data: [DONE]`. The usage and the `pdserve` extension (per-stage timings:
-    router/stage_timings.py) are in every response, and in a stream on its last chunk."""
+    protos/timings.py) are in every response, and in a stream on its last chunk."""
     s = front.settings
     app = FastAPI(
         title="pdserve",

@@ -1,7 +1,7 @@
 """OpenAI's error shapes and the pieces of its responses for the HTTP front (router/http_api.py),
 as pure functions of the router's gRPC messages: the error object and the gRPC status each maps
 to, request validation errors, the sampling fields passed through, finish reasons, usage, the
-`pdserve` extension (stage timings from router/stage_timings.py) and server-sent event framing.
+`pdserve` extension (stage timings from protos/timings.py) and server-sent event framing.
 Whole responses are router/openai_response.py's, logprobs router/openai_logprobs.py's. No server
 state lives here.
 """
@@ -17,13 +17,13 @@ from pydantic import ValidationError
 
 from pdserve.protos.convert import OPTIONAL_FIELDS, structured_message
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.timings import stage_durations
 from pdserve.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pdserve.router.stage_timings import stage_durations
 
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code)
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {

@@ -245,10 +245,10 @@ def summarize(
 
 
 def server_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
-    """Mean and p90 (ms) of each server stage (router/stage_timings.py, the one definition), from
+    """Mean and p90 (ms) of each server stage (protos/timings.py, the one definition), from
     the Finish timings of the requests that reached it."""
     from pdserve.protos.pdserve.v1 import pdserve_pb2
-    from pdserve.router.stage_timings import STAGES, stage_durations
+    from pdserve.protos.timings import STAGES, stage_durations
 
     fields = set(pdserve_pb2.Timings.DESCRIPTOR.fields_by_name)
     stages = [

@@ -1,6 +1,6 @@
 """The planner in the simulator: a disaggregated placement whose prefill:decode split and local
 prefill bound move while a trace plays, decided by the same policy code a running router uses
-(router/planner.py), so that a policy can be judged on any trace, at any scale, before it is
+(planner/policy.py), so that a policy can be judged on any trace, at any scale, before it is
 deployed.
 
     sim = PlannerSimulator(profile, placement, PlannerConfig(ttft_s=1.0, tpot_s=0.05))
@@ -20,8 +20,8 @@ import heapq
 import random
 from collections import deque
 
-from pdserve.router.local_prefill import LocalPrefill
-from pdserve.router.planner import (
+from pdserve.planner.local_prefill import LocalPrefill
+from pdserve.planner.policy import (
     LOCAL_LESS,
     LOCAL_MORE,
     NONE,

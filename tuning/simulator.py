@@ -11,7 +11,7 @@ scheduler's policy over token counts), plays every event to the end, and returns
 Nothing is kept between runs and nothing touches the disk; without a seed, the same inputs always
 give the same answer. What the simulation models, and what it leaves out, is in the Simulator
 docstring. The placement here is static; tuning/sim_planner.py runs the same model with the
-planner (router/planner.py) moving workers between the pools as a trace plays
+planner (planner/policy.py) moving workers between the pools as a trace plays
 (`simulate(..., planner=PlannerConfig(...))`).
 """
 

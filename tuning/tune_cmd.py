@@ -122,7 +122,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--planner",
         action="store_true",
         help="after the search, simulate the best disaggregated pick with the planner in the "
-        "loop (router/planner.py, default settings at the SLO) on the workload with its own "
+        "loop (planner/policy.py, default settings at the SLO) on the workload with its own "
         "phases kept (a shift trace's phases, each at a multiple of its own rate), and report "
         "its goodput against the same placement static",
     )

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (router/metrics.py) and stage timings (router/stage_timings.py)
+"""The router's Prometheus metrics (router/metrics.py) and stage timings (protos/timings.py)
 through a real router with an in-process prefill and decode worker on a tiny model: every name
 with its type and labels, counts and sums that match what the requests did, worker counters from
 WorkerStats, and stages that are non-negative and add up to the end-to-end time.
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import random_prompts, wait_until
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.router.stage_timings import STAGES, stage_durations
+from pdserve.protos.timings import STAGES, stage_durations
 from router_cluster_helpers import RPC_TIMEOUT, Cluster, pool_idle
 
 MODEL = "model_name"

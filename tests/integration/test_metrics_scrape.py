@@ -12,7 +12,7 @@ import pytest
 
 from grafana_helpers import dashboard_queries, metric_names
 from http_helpers import request
-from pdserve.router.planner import PlannerConfig
+from pdserve.planner.policy import PlannerConfig
 from pdserve.router.server import Router, RouterConfig
 
 CLIENT_KEY, METRICS_KEY = "sk-client-key-0001", "sk-metrics-key-0001"

@@ -15,7 +15,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # what sits above the engine and kvtransfer: the workers, the router, the launcher
-ABOVE = {"prefill_worker", "decode_worker", "worker_common", "router", "deploy", "tuning"}
+ABOVE = {
+    "prefill_worker",
+    "decode_worker",
+    "worker_common",
+    "router",
+    "deploy",
+    "tuning",
+    "planner",
+}
 FORBIDDEN = {
     "engine": {"kvtransfer", *ABOVE},
     "kvtransfer": {"engine", *ABOVE},
@@ -37,6 +45,11 @@ FORBIDDEN = {
         "deploy",
         "tuning",
     },
+    # the tuner reaches the planner's policy through pdserve.planner, never through the router
+    "tuning": {"router"},
+    # the policy and its loops: the router and the tuner import it, it imports neither
+    # pure policy over numbers: nothing of the project below or beside it either
+    "planner": {"engine", "kvtransfer", *ABOVE} - {"planner"},
     # the launcher runs what the tuner wrote; it never needs the tuner
     "deploy": {"tuning"},
     # wire definitions only: the processes' code lives in the folders above

@@ -1,7 +1,7 @@
 """The planner's policy: from a deployment's live signals, decide whether to flip a worker between
 the prefill and the decode pool, change how much the decode workers prefill locally, or do
 nothing. Pure logic with no clock, thread or RPC of its own, so that the same code decides in a
-running router (router/planner_loop.py) and inside the simulator (tuning/), where a policy can be
+running router (planner/live.py) and inside the simulator (tuning/), where a policy can be
 judged on any trace before it is deployed.
 
 Every `interval_s` its owner gathers Signals over the last `window_s` and calls `Planner.decide`,
@@ -39,6 +39,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+PREFILL, DECODE = "prefill", "decode"  # the two pools
 NONE, TO_PREFILL, TO_DECODE = "none", "flip_to_prefill", "flip_to_decode"
 LOCAL_MORE, LOCAL_LESS = "local_more", "local_less"
 ACTIONS = (NONE, TO_PREFILL, TO_DECODE, LOCAL_MORE, LOCAL_LESS)
@@ -83,7 +84,7 @@ class Signals:
     prefill_queued_tokens: int  # prompt tokens waiting or computing in the prefill pool
     prefill_tokens_per_s: float  # what one prefill worker computes (0: unknown)
     decode_kv_use: float  # mean over the decode pool, 0..1
-    local_max: int = 0  # the local prefill bound now (router/local_prefill.py)
+    local_max: int = 0  # the local prefill bound now (planner/local_prefill.py)
     decode_wait_s: float = 0.0  # the longest wait in the router for decode KV blocks, now
     prompt_tokens_per_s: float = 0.0  # prompt tokens arriving for the prefill pool (0: unknown)
     itl_p50_s: float | None = None  # median gap between tokens of the streams now, in flight too
