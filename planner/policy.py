@@ -1,12 +1,14 @@
 """The planner's policy: from a deployment's live signals, decide whether to flip a worker between
 the prefill and the decode pool, change how much the decode workers prefill locally, or do
 nothing. Pure logic with no clock, thread or RPC of its own, so that the same code decides in a
-running router (planner/live.py) and inside the simulator (tuning/), where a policy can be
-judged on any trace before it is deployed.
+running router (planner/live.py) and inside the simulator (planner/simulated.py), where a
+policy can be judged on any trace before it is deployed. tests/unit/test_planner_scenarios.py
+holds the runs, live and simulated, that shaped its rules.
 
 Every `interval_s` its owner gathers Signals over the last `window_s` and calls `Planner.decide`,
-which returns a Decision (an action and the reason, in words). The owner carries the action out
-and reports a flip's end with `flip_done`. The policy compares each side with its SLO:
+which returns a Decision (an action and the reason, in words). The owner carries the action
+out (planner/actuator.py carry_out) and reports a flip's end with `flip_done`. The policy
+compares each side with its SLO:
 
     ttft pressure = TTFT p90 / ttft_s (or, before any first token, the prefill pool's queued
                     prompt tokens against what it computes in ttft_s)
