@@ -117,6 +117,14 @@ def test_engine_modules_lent_out_import_nothing_of_the_engine(module):
     assert not names & ({"engine"} | set(FORBIDDEN)), f"{module} imports {sorted(names)}"
 
 
+@pytest.mark.parametrize("package", ["router", "tuning"])
+def test_the_router_and_the_tuner_reach_the_planner_through_its_own_package(package):
+    """Both run the same policy (the live loop's actuator is in router/, the simulated one's in
+    tuning/); neither imports the other (FORBIDDEN)."""
+    users = [f for f in sorted((ROOT / package).rglob("*.py")) if "planner" in imported_packages(f)]
+    assert users, f"{package}/ no longer imports pdserve.planner"
+
+
 # The repository's folders that install as pdserve.<folder>, and those that never install.
 INSTALLED = {"pdserve", *FORBIDDEN, *ABOVE, "kvpool"}
 NOT_INSTALLED = {"benchmarks", "experiments", "tests"}
