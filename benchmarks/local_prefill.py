@@ -67,7 +67,7 @@ def local_count(router) -> float:
 
 
 def run(args) -> dict:
-    from pdserve.router.local_prefill import LocalPrefill
+    from pdserve.planner.local_prefill import LocalPrefill
 
     policy = LocalPrefill(args.max_prompt_tokens, args.cost, args.hop_tokens)
     rows: list[dict] = []

@@ -118,7 +118,7 @@ def planner_settings(args) -> dict:
 
 
 class PlannerLog(logging.Handler):
-    """The planner's acting decisions (INFO lines of router/planner_loop.py), timed."""
+    """The planner's acting decisions (INFO lines of planner/live.py), timed."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -205,11 +205,16 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     plan_log = PlannerLog()
-    logger = logging.getLogger("pdserve.router.planner_loop")
-    logger.addHandler(plan_log)
+    # the loop's decisions, and the router actuator's flips and bound changes
+    loggers = [
+        logging.getLogger(f"pdserve.{m}") for m in ("planner.live", "router.planner_actuator")
+    ]
+    for logger in loggers:
+        logger.addHandler(plan_log)
     # --planner-debug: every decision with its signals, "nothing to do" included
     level = logging.DEBUG if args.planner_debug else logging.INFO
-    logger.setLevel(level)
+    for logger in loggers:
+        logger.setLevel(level)
     plan_log.setLevel(level)
     try:
         with deployment(deploy_config(args, mode)) as (cluster, _):
@@ -229,7 +234,8 @@ def run_once(args, mode: str, trace: str, n: int, bounds, tmp: str) -> dict:
             took = time.monotonic() - t0
             flips = flips_done(cluster.router)
     finally:
-        logger.removeHandler(plan_log)
+        for logger in loggers:
+            logger.removeHandler(plan_log)
     recs = result["requests"]
     rows = [(r["arrival_s"], r["ttft_s"], r["tpot_s"], not r["error"]) for r in recs]
     row = {"mode": mode, "started": started, **attainment(rows, bounds, args.ttft_s, args.tpot_s)}
@@ -259,7 +265,7 @@ def measure_profile(path: str) -> dict:
 
 def simulate(args, profile_dict: dict, reqs, bounds) -> dict:
     """Each mode's predicted attainment on the same requests (the module docstring)."""
-    from pdserve.router.planner import PlannerConfig
+    from pdserve.planner.policy import PlannerConfig
     from pdserve.tuning.perf_model import profile_from_dict
     from pdserve.tuning.sim_planner import PlannerSimulator
     from pdserve.tuning.simulator import Placement, PoolSpec

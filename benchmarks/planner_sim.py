@@ -15,7 +15,7 @@ for 8 and 16 GPUs, DistServe's goodput at the SLO of:
   (iii) the per-phase oracle: each phase simulated alone on its own best split (switching for
         free), its goodput the rate at which the whole trace still meets the attainment when each
         phase gets the split that serves the most of its requests within the SLO;
-  (iv)  the planner (router/planner.py's policy, its default PlannerConfig with the SLO's TTFT and
+  (iv)  the planner (planner/policy.py's policy, its default PlannerConfig with the SLO's TTFT and
         TPOT, in the loop of tuning/sim_planner.py: flips drain with the router's 5 s bound and
         switch in 0.05 s, local prefill per request with LocalPrefill's default cost), starting
         from the split of (i) (--planner-start best: what an operator deploys after `pdserve tune`,
@@ -261,7 +261,7 @@ def planner_config(slo, text: str):
     """PlannerConfig at the SLO with `text`'s overrides, e.g. "margin=0,sustain=1"."""
     import dataclasses
 
-    from pdserve.router.planner import PlannerConfig
+    from pdserve.planner.policy import PlannerConfig
 
     fields = {f.name: f.type for f in dataclasses.fields(PlannerConfig)}
     kw = {}

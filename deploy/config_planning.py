@@ -14,7 +14,7 @@ from pdserve.deploy.config_files import _Frozen
 
 
 class LocalPrefillSettings(_Frozen):
-    """router.local_prefill (router/local_prefill.py): prompts of at most max_prompt_tokens run on
+    """router.local_prefill (planner/local_prefill.py): prompts of at most max_prompt_tokens run on
     their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
     + hop_tokens. 0: never (the default)."""
 
@@ -24,7 +24,7 @@ class LocalPrefillSettings(_Frozen):
 
 
 class PlannerSettings(_Frozen):
-    """`planner:` (router/planner.py): moves the prefill:decode split while traffic shifts, by
+    """`planner:` (planner/policy.py): moves the prefill:decode split while traffic shifts, by
     role flips and local prefill, to keep the SLO (p90 TTFT and TPOT). Off unless enabled."""
 
     enabled: bool = False

@@ -290,8 +290,8 @@ def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
 
 def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
-    from pdserve.router.local_prefill import LocalPrefill  # imported late, as the router
-    from pdserve.router.planner import PlannerConfig
+    from pdserve.planner.local_prefill import LocalPrefill  # imported late, as the router
+    from pdserve.planner.policy import PlannerConfig
     from pdserve.router.server import (  # imported late: the router is optional to the rest
         Router,
         RouterConfig,

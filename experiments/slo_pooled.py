@@ -68,9 +68,9 @@ def predict(profile, cfg: dict, placement: str, wl: str, seeds: int) -> list[dic
 
 
 def _slo(cfg: dict) -> dict:
-    from pdserve.tuning.metrics import parse_slo
+    from pdserve.tuning.slo import latency_slos
 
-    return parse_slo(cfg["slo"])
+    return latency_slos(cfg["slo"])
 
 
 def compare(pred: list[dict], measurements: list[dict], cfg: dict, wl: str) -> list[dict]:

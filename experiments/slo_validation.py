@@ -46,6 +46,7 @@ from experiments.slo_simulate import (
 )
 from experiments.slo_tune import run_tuner, slice_csv
 from pdserve.tuning import metrics
+from pdserve.tuning.slo import latency_slos
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def main() -> int:
     p.add_argument("--conv-rates", default="1.5,3,4.5")
     p.add_argument("--code-rates", default="1.5,3,4.5")
     p.add_argument(
-        "--slo", default="ttft=1.5s,tpot=100ms", help="the joint SLO (metrics.parse_slo syntax)"
+        "--slo", default="ttft=1.5s,tpot=100ms", help="the joint SLO (tuning/slo.py's grammar)"
     )
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -239,7 +240,7 @@ def main() -> int:
             "config": {
                 k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()
             },
-            "slo_s": metrics.parse_slo(args.slo),
+            "slo_s": latency_slos(args.slo),
             "measured": {},
         }
         if args.reprofile:
@@ -275,7 +276,7 @@ def main() -> int:
         for placement in [x for x in args.placements.split(",") if x]:
             measure(args, placement, results)
             args.out.write_text(json.dumps(results, indent=1))
-    results["slo_s"] = metrics.parse_slo(args.slo_text)
+    results["slo_s"] = latency_slos(args.slo_text)
     profiles = {"engine": args.profile}
     serving = serving_profile(args, results)
     sims = dict(profiles)

@@ -81,7 +81,7 @@ class PrefixAffinity:
         """Bounds the view by the prompt tokens the prefill workers' KV caches hold together
         (blocks times block size): a hash per `chunk` of them, at least MIN_ENTRIES. A looser
         bound keeps hashes of prefixes the workers evicted, and a stale match makes a prompt look
-        cheaper on the prefill pool than it is (router/local_prefill.py then keeps it off its
+        cheaper on the prefill pool than it is (planner/local_prefill.py then keeps it off its
         decode worker). Nothing known (0): the bound stays."""
         if num_tokens > 0:
             self.set_max_entries(max(MIN_ENTRIES, num_tokens // self.chunk))

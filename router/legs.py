@@ -3,7 +3,7 @@ prefill that fills it and the token stream it produces. A call (router/call.py) 
 more when it resumes; the resume rules: router/call.py.
 
 A leg's lifecycle: Reserve (the decode worker with the fewest blocks in use; colocated, or a prompt the
-decode worker prefills itself (router/local_prefill.py), the fewest prompt tokens charged to it
+decode worker prefills itself (planner/local_prefill.py), the fewest prompt tokens charged to it
 until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), first come first served, until
 blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
@@ -34,10 +34,10 @@ from concurrent import futures
 
 import grpc
 
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
-from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.pool import NoWorker, WorkerPool
 from pdserve.router.text import TextStream
@@ -134,14 +134,14 @@ class Legs:
         self.decode_queue = DecodeQueue()
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         self.on_local = None  # a leg prefilled on its decode worker: router/metrics.py
-        # which prompts go local (router/local_prefill.py); the planner may replace it
+        # which prompts go local (planner/local_prefill.py); the planner may replace it
         self.local_prefill = getattr(options, "local_prefill", LocalPrefill())
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
         self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
 
     def _prefill_here(self, prompt) -> bool:
-        """Whether the decode worker runs this prompt itself (router/local_prefill.py)."""
+        """Whether the decode worker runs this prompt itself (planner/local_prefill.py)."""
         policy = self.local_prefill
         if not policy.enabled:
             return False

@@ -29,8 +29,8 @@ from prometheus_client import (
 from prometheus_client.registry import Collector
 
 from pdserve.protos.convert import unix_ns
+from pdserve.protos.timings import STAGES, stage_durations
 from pdserve.router.recent import RecentRequests
-from pdserve.router.stage_timings import STAGES, stage_durations
 from pdserve.router.worker_metrics import (  # noqa: F401 (re-exported: the metrics' one module)
     WORKER_COUNTERS,
     WORKER_STATES,
@@ -229,7 +229,7 @@ class RouterMetrics:
         colocated: bool = False,
     ):
         self.model_name = model_name
-        self.recent = RecentRequests()  # the planner's window (router/planner_loop.py)
+        self.recent = RecentRequests()  # the planner's window (planner/live.py)
         self._registry = registry
         token_buckets = build_1_2_5_buckets(max_model_len)
         for attr, name, doc, buckets in _REQUEST_HISTOGRAMS:
@@ -238,7 +238,7 @@ class RouterMetrics:
         self._add_counters()
         self.stage = self._histogram(
             "pdserve:request_stage_seconds",
-            "Where each request's time went, by stage (router/stage_timings.py).",
+            "Where each request's time went, by stage (protos/timings.py).",
             STAGE_BUCKETS,
             ["stage"],
         )
@@ -285,7 +285,7 @@ class RouterMetrics:
         self.local_prefills = Counter(
             "pdserve:local_prefills",
             "Disaggregated requests whose prompt their decode worker ran itself, with no prefill "
-            "leg and no KV transfer (router/local_prefill.py).",
+            "leg and no KV transfer (planner/local_prefill.py).",
             labels,
             registry=r,
         ).labels(model)

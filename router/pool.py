@@ -217,7 +217,7 @@ class WorkerPool:
     def prefill_backlog(self, prompt: list[int]) -> int | None:
         """The prompt tokens the least loaded prefill worker would compute before `prompt`'s
         first token, this prompt's uncached ones included (as pick_prefill counts, without
-        charging); None when no prefill worker serves (router/local_prefill.py)."""
+        charging); None when no prefill worker serves (planner/local_prefill.py)."""
         hashes = prefix_hashes(list(prompt))
         with self._lock:
             try:

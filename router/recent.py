@@ -1,4 +1,4 @@
-"""The router's window of recent requests, for the planner (router/planner_loop.py): what the last
+"""The router's window of recent requests, for the planner (planner/live.py): what the last
 `keep` finished requests' TTFT, TPOT and prefill were, and the latest gaps between the tokens of
 the streams, in flight too.
 
@@ -21,7 +21,7 @@ class RecentRequests:
     """The last `keep` finished requests' TTFT, TPOT and prefill (which worker, when its compute
     ran, the prompt tokens it computed), with when each ended (time.monotonic()), and the latest
     gaps between the tokens of the streams (in flight too), for the planner's sliding window
-    (router/planner_loop.py)."""
+    (planner/live.py)."""
 
     def __init__(self, keep: int = 4096):
         # (ended, ttft_s, tpot_s, (prefill worker, start ns, end ns, tokens computed) or None)

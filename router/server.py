@@ -25,14 +25,15 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.loader import load_hf_config, resolve_model
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.planner.live import PlannerLoop
+from pdserve.planner.local_prefill import LocalPrefill
+from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.flips import AdminServicer, Flips
-from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.planner import PlannerConfig
-from pdserve.router.planner_loop import PlannerLoop
+from pdserve.router.planner_actuator import RouterActuator
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
@@ -72,9 +73,9 @@ class RouterConfig:
     flip_drain_s: float = 5.0
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
-    # disaggregated: prompts their decode worker runs itself (router/local_prefill.py); off
+    # disaggregated: prompts their decode worker runs itself (planner/local_prefill.py); off
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)
-    # moves the split while traffic shifts (router/planner_loop.py); None: the static split
+    # moves the split while traffic shifts (planner/live.py); None: the static split
     planner: PlannerConfig | None = None
     # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
     # it (the client API stays open); INSECURE: no check (in-process setups, tests)
@@ -218,10 +219,7 @@ class Router:
             if cfg.planner is not None and not cfg.colocated:
                 self.planner = PlannerLoop(
                     cfg.planner,
-                    self.pool,
-                    self.flips,
-                    self.servicer.legs,
-                    self.metrics.recent,
+                    RouterActuator(self.pool, self.flips, self.servicer.legs, self.metrics.recent),
                     registry=self.metrics_registry,
                     model_name=options.model_id,
                 )

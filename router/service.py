@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.legs import Legs, RouterStatus
-from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder
 
@@ -61,7 +61,7 @@ class ServiceOptions:
     max_resumes: int = 2  # new decode workers one request may move to
     decode_queue_timeout_s: float = 120.0  # disaggregated: longest wait for decode KV blocks
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
-    # disaggregated: which prompts their decode worker runs itself (router/local_prefill.py)
+    # disaggregated: which prompts their decode worker runs itself (planner/local_prefill.py)
     local_prefill: LocalPrefill = LocalPrefill()
 
 

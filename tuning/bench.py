@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from pdserve.tuning import metrics, workload
+from pdserve.tuning.slo import latency_slos
 
 
 def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
@@ -135,7 +136,7 @@ def _plan(args) -> Plan:
     """Every check that can fail before a request is sent: arguments, trace, router, model."""
     from pdserve.tuning import loadgen
 
-    slo = metrics.parse_slo(args.slo) if args.slo else None
+    slo = latency_slos(args.slo) if args.slo else None
     rates = (
         metrics.parse_positive_list(args.sweep_rates, "--sweep-rates") if args.sweep_rates else None
     )

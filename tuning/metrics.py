@@ -13,15 +13,9 @@ cannot raise attainment.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-
-SLO_METRICS = ("ttft", "tpot", "e2e")
-_SLO_ITEM = re.compile(
-    r"^\s*([a-z0-9_]+)\s*=\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)?\s*$", re.I
-)
 
 
 @dataclass
@@ -75,35 +69,6 @@ def attribute_itl(times: list[float], counts: list[int]) -> list[float]:
     for prev, now, n in zip(times, times[1:], counts[1:]):
         gaps += [(now - prev) / n] * n
     return gaps
-
-
-def parse_slo(text: str) -> dict[str, float]:
-    """ "ttft=500ms,tpot=0.1s" -> {"ttft": 0.5, "tpot": 0.1} (seconds). A unit is required."""
-    slo: dict[str, float] = {}
-    for item in filter(str.strip, text.split(",")):
-        m = _SLO_ITEM.match(item)
-        if not m:
-            raise ValueError(
-                f"SLO {item.strip()!r}: expected NAME=VALUE with a unit, e.g. ttft=500ms,tpot=100ms"
-            )
-        name, value, unit = m.group(1).lower(), float(m.group(2)), m.group(3)
-        if name not in SLO_METRICS:
-            raise ValueError(
-                f"SLO {item.strip()!r}: unknown metric {name!r}; use {', '.join(SLO_METRICS)}"
-            )
-        if unit is None:
-            raise ValueError(
-                f"SLO {item.strip()!r} has no unit: write {name}={m.group(2)}ms or "
-                f"{name}={m.group(2)}s"
-            )
-        if name in slo:
-            raise ValueError(f"SLO {name} given twice in {text!r}")
-        if not value > 0:
-            raise ValueError(f"SLO {item.strip()!r} must be > 0")
-        slo[name] = value / 1000.0 if unit.lower() == "ms" else value
-    if not slo:
-        raise ValueError(f"no SLO in {text!r}: expected e.g. ttft=500ms,tpot=100ms")
-    return slo
 
 
 def parse_positive_list(text: str, what: str) -> list[float]:
@@ -245,10 +210,10 @@ def summarize(
 
 
 def server_breakdown(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
-    """Mean and p90 (ms) of each server stage (router/stage_timings.py, the one definition), from
+    """Mean and p90 (ms) of each server stage (protos/timings.py, the one definition), from
     the Finish timings of the requests that reached it."""
     from pdserve.protos.pdserve.v1 import pdserve_pb2
-    from pdserve.router.stage_timings import STAGES, stage_durations
+    from pdserve.protos.timings import STAGES, stage_durations
 
     fields = set(pdserve_pb2.Timings.DESCRIPTOR.fields_by_name)
     stages = [

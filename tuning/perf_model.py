@@ -240,106 +240,9 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
         raise ProfileError(f"{source}: tp: no TP degree was profiled")
     num_heads = _get(model, "num_heads", source, int, "model")
     num_kv_heads = _get(model, "num_kv_heads", source, int, "model")
-    steps = {}
-    for key, entry in tps.items():
-        where = f"tp.{key}"
-        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
-            raise ProfileError(f'{source}: {where}: TP degrees are keys like "1", got {key!r}')
-        if num_heads % int(key) or num_kv_heads % int(key):
-            raise ProfileError(
-                f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
-                f"and {num_kv_heads} KV heads"
-            )
-        capacity = _get(entry, "kv_capacity_tokens", source, int, where)
-        if capacity < 1:
-            raise ProfileError(
-                f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}"
-            )
-        steps[int(key)] = StepModel(
-            _coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),
-            _coef(_get(entry, "decode", source, dict, where), source, f"{where}.decode"),
-            capacity,
-        )
-    transfer = {}
-    for backend, entry in _get(data, "kv_transfer", source, dict).items():
-        where = f"kv_transfer.{backend}"
-        bw = _get(entry, "bandwidth_bytes_per_s", source, (int, float), where)
-        lat = _get(entry, "latency_s", source, (int, float), where) if "latency_s" in entry else 0.0
-        if bw <= 0 or lat < 0:
-            raise ProfileError(f"{source}: {where}: bandwidth must be > 0 and latency >= 0")
-        transfer[backend] = TransferModel(float(bw), float(lat))
-    if not transfer:
-        raise ProfileError(f"{source}: kv_transfer: no backend was measured")
-    serving: dict[str, dict[int, StepModel]] = {}
-    interference: dict[str, float] = {}
-    for kind, per_tp in (data.get("serving") or {}).items():
-        if kind == "source":
-            continue
-        if kind == "interference":
-            for key, value in (per_tp or {}).items():
-                if (
-                    key not in INTERFERENCE_KEYS
-                    or isinstance(value, bool)
-                    or not isinstance(value, (int, float))
-                    or not (math.isfinite(value) and value >= 0)
-                ):
-                    raise ProfileError(
-                        f"{source}: serving.interference.{key}: expected one of "
-                        f"{INTERFERENCE_KEYS} with a number >= 0, got {value!r}"
-                    )
-                interference[key] = float(value)
-            continue
-        if kind not in SERVING_KINDS or not isinstance(per_tp, dict):
-            raise ProfileError(
-                f"{source}: serving.{kind}: expected one of {SERVING_KINDS} mapping "
-                f"TP degrees to {{prefill: {{coef}}, decode: {{coef}}}}"
-            )
-        for key, entry in per_tp.items():
-            where = f"serving.{kind}.{key}"
-            if not (isinstance(key, str) and key.isdigit() and int(key) in steps):
-                raise ProfileError(
-                    f"{source}: {where}: not a TP degree of this profile ({sorted(steps)})"
-                )
-            if not isinstance(entry, dict):
-                raise ProfileError(
-                    f"{source}: {where}: expected {{prefill: {{coef}}, decode: {{coef}}}}"
-                )
-            base = steps[int(key)]
-            pf = (
-                _coef(entry["prefill"], source, f"{where}.prefill")
-                if "prefill" in entry
-                else base.prefill
-            )
-            dc = (
-                _coef(entry["decode"], source, f"{where}.decode")
-                if "decode" in entry
-                else base.decode
-            )
-            latency = entry.get("first_token_latency_s", 0.0)
-            if (
-                isinstance(latency, bool)
-                or not isinstance(latency, (int, float))
-                or not (math.isfinite(latency) and latency >= 0)
-            ):
-                raise ProfileError(
-                    f"{source}: {where}.first_token_latency_s: expected seconds >= 0, "
-                    f"got {latency!r}"
-                )
-            noise = {
-                k: _multipliers(entry.get(k, []), source, f"{where}.{k}")
-                for k in ("step_noise", "prompt_step_noise")
-            }
-            window, traces = _step_speed(entry.get("step_speed"), source, f"{where}.step_speed")
-            serving.setdefault(kind, {})[int(key)] = StepModel(
-                pf,
-                dc,
-                base.kv_capacity_tokens,
-                float(latency),
-                noise["step_noise"],
-                noise["prompt_step_noise"],
-                window,
-                traces,
-            )
+    steps = _tp_steps(tps, num_heads, num_kv_heads, source)
+    transfer = _transfers(data, source)
+    serving, interference = _serving(data.get("serving") or {}, steps, source)
     kv_bytes = _get(data, "kv_bytes_per_token", source, int)
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:
@@ -360,6 +263,125 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
         raw=data,
         serving=serving,
         interference=interference,
+    )
+
+
+def _tp_steps(tps: dict, num_heads: int, num_kv_heads: int, source: str) -> dict[int, StepModel]:
+    """tp: the engine's step models and KV capacity per TP degree."""
+    steps = {}
+    for key, entry in tps.items():
+        where = f"tp.{key}"
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+            raise ProfileError(f'{source}: {where}: TP degrees are keys like "1", got {key!r}')
+        if num_heads % int(key) or num_kv_heads % int(key):
+            raise ProfileError(
+                f"{source}: {where}: {key} does not divide the model's {num_heads} heads "
+                f"and {num_kv_heads} KV heads"
+            )
+        capacity = _get(entry, "kv_capacity_tokens", source, int, where)
+        if capacity < 1:
+            raise ProfileError(
+                f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}"
+            )
+        steps[int(key)] = StepModel(
+            _coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),
+            _coef(_get(entry, "decode", source, dict, where), source, f"{where}.decode"),
+            capacity,
+        )
+    return steps
+
+
+def _transfers(data: dict, source: str) -> dict[str, TransferModel]:
+    """kv_transfer: each backend's bandwidth and per-message latency."""
+    transfer = {}
+    for backend, entry in _get(data, "kv_transfer", source, dict).items():
+        where = f"kv_transfer.{backend}"
+        bw = _get(entry, "bandwidth_bytes_per_s", source, (int, float), where)
+        lat = _get(entry, "latency_s", source, (int, float), where) if "latency_s" in entry else 0.0
+        if bw <= 0 or lat < 0:
+            raise ProfileError(f"{source}: {where}: bandwidth must be > 0 and latency >= 0")
+        transfer[backend] = TransferModel(float(bw), float(lat))
+    if not transfer:
+        raise ProfileError(f"{source}: kv_transfer: no backend was measured")
+    return transfer
+
+
+def _serving(
+    section: dict, steps: dict[int, StepModel], source: str
+) -> tuple[dict[str, dict[int, StepModel]], dict[str, float]]:
+    """serving: the step models measured through the serving path, per worker kind and TP
+    degree, and the interference factors."""
+    serving: dict[str, dict[int, StepModel]] = {}
+    interference: dict[str, float] = {}
+    for kind, per_tp in section.items():
+        if kind == "source":
+            continue
+        if kind == "interference":
+            interference.update(_interference(per_tp or {}, source))
+            continue
+        if kind not in SERVING_KINDS or not isinstance(per_tp, dict):
+            raise ProfileError(
+                f"{source}: serving.{kind}: expected one of {SERVING_KINDS} mapping "
+                f"TP degrees to {{prefill: {{coef}}, decode: {{coef}}}}"
+            )
+        for key, entry in per_tp.items():
+            where = f"serving.{kind}.{key}"
+            if not (isinstance(key, str) and key.isdigit() and int(key) in steps):
+                raise ProfileError(
+                    f"{source}: {where}: not a TP degree of this profile ({sorted(steps)})"
+                )
+            serving.setdefault(kind, {})[int(key)] = _serving_step(
+                entry, steps[int(key)], source, where
+            )
+    return serving, interference
+
+
+def _interference(section: dict, source: str) -> dict[str, float]:
+    interference = {}
+    for key, value in section.items():
+        if (
+            key not in INTERFERENCE_KEYS
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ProfileError(
+                f"{source}: serving.interference.{key}: expected one of "
+                f"{INTERFERENCE_KEYS} with a number >= 0, got {value!r}"
+            )
+        interference[key] = float(value)
+    return interference
+
+
+def _serving_step(entry, base: StepModel, source: str, where: str) -> StepModel:
+    """One serving-path step model; what it does not give is the engine's (`base`)."""
+    if not isinstance(entry, dict):
+        raise ProfileError(f"{source}: {where}: expected {{prefill: {{coef}}, decode: {{coef}}}}")
+    pf = _coef(entry["prefill"], source, f"{where}.prefill") if "prefill" in entry else base.prefill
+    dc = _coef(entry["decode"], source, f"{where}.decode") if "decode" in entry else base.decode
+    latency = entry.get("first_token_latency_s", 0.0)
+    if (
+        isinstance(latency, bool)
+        or not isinstance(latency, (int, float))
+        or not (math.isfinite(latency) and latency >= 0)
+    ):
+        raise ProfileError(
+            f"{source}: {where}.first_token_latency_s: expected seconds >= 0, got {latency!r}"
+        )
+    noise = {
+        k: _multipliers(entry.get(k, []), source, f"{where}.{k}")
+        for k in ("step_noise", "prompt_step_noise")
+    }
+    window, traces = _step_speed(entry.get("step_speed"), source, f"{where}.step_speed")
+    return StepModel(
+        pf,
+        dc,
+        base.kv_capacity_tokens,
+        float(latency),
+        noise["step_noise"],
+        noise["prompt_step_noise"],
+        window,
+        traces,
     )
 
 

@@ -197,18 +197,18 @@ def send_request(transport, frames, rid: str, dest, layout) -> None:
 
 
 def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
+    """Each backend's bandwidth and latency into a receiver process that holds a paged KV cache
+    as a decode worker does (a child started here, stopped before this returns)."""
     import torch
 
-    from pdserve.kvtransfer.backends import connect, tune_malloc
+    from pdserve.kvtransfer.backends import tune_malloc
     from pdserve.kvtransfer.reshard import read_chunk
-    from pdserve.kvtransfer.transport import Destination
 
     tune_malloc()
     dtype = getattr(torch, info["dtype"])
     big = max(
         TRANSFER_BLOCK_SIZE, int(grids["transfer_mib"] * (1 << 20)) // info["kv_bytes_per_token"]
     )
-    small = TRANSFER_BLOCK_SIZE
     slots = grids["transfer_requests"]
     layout = _layout(info)
     src = torch.randn(_pool_shape(info, big, 1), generator=torch.Generator().manual_seed(0)).to(
@@ -229,56 +229,9 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
     out = {}
     try:
         for backend in backends:
-            parent.send({"backend": backend})
-            transport = connect(backend, _recv(parent, proc)["address"], timeout=60.0)
-            counter = iter(range(10**9))
-            try:
-
-                def send_batch(n: int, count: int, frames) -> list[tuple[float, float]]:
-                    starts = {}
-                    for i in range(count):
-                        rid = f"{i % slots}-{n}-{next(counter)}"  # what the receiver parses
-                        starts[rid] = time.perf_counter()
-                        dest = Destination(_block_ids(i % slots, n), layout)
-                        send_request(transport, frames, rid, dest, layout)
-                    transport.flush(120.0)
-                    parent.send({"count": count})
-                    done = _recv(parent, proc)
-                    bad = [f"{r}: {e}" for r, (_, e) in done.items() if e]
-                    if bad or len(done) < count:
-                        raise RuntimeError(
-                            f"{backend}: {len(done)} of {count} transfers done; {bad[:1]}"
-                        )
-                    return [(starts[r], t) for r, (t, _) in done.items()]
-
-                small_frames, big_frames = chunks(small), chunks(big)
-                send_batch(small, 1, small_frames)  # warm-up
-                send_batch(big, 2, big_frames)
-                pings = []
-                for _ in range(grids["pings"]):
-                    ((s, t),) = send_batch(small, 1, small_frames)
-                    pings.append(t - s)
-                per_request = small * info["kv_bytes_per_token"]
-                latency = max(0.0, statistics.median(pings))
-                times = send_batch(big, slots, big_frames)
-                elapsed = max(t for _, t in times) - min(s for s, _ in times)
-                nbytes = slots * big * info["kv_bytes_per_token"]
-                bw = nbytes / max(elapsed - latency, 1e-9)
-            finally:
-                transport.close()
-                parent.send("end")
-            out[backend] = {
-                "bandwidth_bytes_per_s": bw,
-                "latency_s": latency,
-                "samples": {
-                    "ping_s": pings,
-                    "ping_bytes": per_request,
-                    "bulk_bytes": nbytes,
-                    "bulk_requests": slots,
-                    "bulk_s": elapsed,
-                },
-                "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker",
-            }
+            link = _Link(backend, parent, proc, layout, slots)
+            out[backend] = _measure_backend(link, info, grids, chunks, big)
+            bw, latency = out[backend]["bandwidth_bytes_per_s"], out[backend]["latency_s"]
             log(f"transfer {backend}: {bw / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
     finally:
         try:
@@ -289,6 +242,80 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
         if proc.is_alive():
             proc.kill()
     return out
+
+
+class _Link:
+    """One backend's connection to the receiver process, and its batches of transfers."""
+
+    def __init__(self, backend: str, parent, proc, layout, slots: int):
+        self.backend, self.parent, self.proc = backend, parent, proc
+        self.layout, self.slots = layout, slots
+        self.counter = iter(range(10**9))
+        self.transport = None
+
+    def connect(self) -> None:
+        from pdserve.kvtransfer.backends import connect
+
+        self.parent.send({"backend": self.backend})
+        address = _recv(self.parent, self.proc)["address"]
+        self.transport = connect(self.backend, address, timeout=60.0)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.parent.send("end")
+
+    def send_batch(self, n: int, count: int, frames) -> list[tuple[float, float]]:
+        """`count` requests of n tokens' frames at once; (sent, landed) per request."""
+        from pdserve.kvtransfer.transport import Destination
+
+        starts = {}
+        for i in range(count):
+            rid = f"{i % self.slots}-{n}-{next(self.counter)}"  # what the receiver parses
+            starts[rid] = time.perf_counter()
+            dest = Destination(_block_ids(i % self.slots, n), self.layout)
+            send_request(self.transport, frames, rid, dest, self.layout)
+        self.transport.flush(120.0)
+        self.parent.send({"count": count})
+        done = _recv(self.parent, self.proc)
+        bad = [f"{r}: {e}" for r, (_, e) in done.items() if e]
+        if bad or len(done) < count:
+            raise RuntimeError(f"{self.backend}: {len(done)} of {count} transfers done; {bad[:1]}")
+        return [(starts[r], t) for r, (t, _) in done.items()]
+
+
+def _measure_backend(link: _Link, info: dict, grids: dict, chunks, big: int) -> dict:
+    """Latency: the median of one-block pings; bandwidth: `slots` big requests at once, their
+    span less that latency."""
+    small, slots = TRANSFER_BLOCK_SIZE, link.slots
+    link.connect()
+    try:
+        small_frames, big_frames = chunks(small), chunks(big)
+        link.send_batch(small, 1, small_frames)  # warm-up
+        link.send_batch(big, 2, big_frames)
+        pings = []
+        for _ in range(grids["pings"]):
+            ((s, t),) = link.send_batch(small, 1, small_frames)
+            pings.append(t - s)
+        per_request = small * info["kv_bytes_per_token"]
+        latency = max(0.0, statistics.median(pings))
+        times = link.send_batch(big, slots, big_frames)
+        elapsed = max(t for _, t in times) - min(s for s, _ in times)
+        nbytes = slots * big * info["kv_bytes_per_token"]
+        bw = nbytes / max(elapsed - latency, 1e-9)
+    finally:
+        link.close()
+    return {
+        "bandwidth_bytes_per_s": bw,
+        "latency_s": latency,
+        "samples": {
+            "ping_s": pings,
+            "ping_bytes": per_request,
+            "bulk_bytes": nbytes,
+            "bulk_requests": slots,
+            "bulk_s": elapsed,
+        },
+        "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker",
+    }
 
 
 # ---- the command --------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import dataclasses
 import math
 import time
 
-from pdserve.router.local_prefill import LocalPrefill
-from pdserve.router.planner import PlannerConfig
+from pdserve.planner.local_prefill import LocalPrefill
+from pdserve.planner.policy import PlannerConfig
 from pdserve.tuning.perf_model import Profile
 from pdserve.tuning.sim_planner import DRAIN_S, SWITCH_DELAY_S, PlannerSimulator
 from pdserve.tuning.simulator import INF, Placement
@@ -282,7 +282,7 @@ def planner_report(args, profile: Profile, workload: list[RequestSpec], slo: SLO
     """--planner: the best disaggregated pick's goodput with and without the planner in the loop
     (tuning/sim_planner.py), on the workload with its phases kept (scaled_phases: each phase at k
     times its own rate for --planner-phase-s seconds), bisected on k as the search bisects."""
-    from pdserve.router.planner import PlannerConfig
+    from pdserve.planner.policy import PlannerConfig
     from pdserve.tuning.tuner import BISECT_RATIO
 
     pick = next(
@@ -326,7 +326,7 @@ def planner_report(args, profile: Profile, workload: list[RequestSpec], slo: SLO
     names = ", ".join(name for name, _, _ in bounds)
     spans = f"{args.planner_phase_s:g} s each" if args.planner_phase_s else "their whole spans"
     print(
-        f"\nplanner (router/planner.py in the simulator, default settings at the SLO) from "
+        f"\nplanner (planner/policy.py in the simulator, default settings at the SLO) from "
         f"{pl.label()}, on {args.workload} with its {len(bounds)} phase(s) kept ({names}; "
         f"{spans}, rates scaled together): "
         f"{k_plan * rate:.3g} req/s with the planner ({len(flips)} flips at that rate) vs "

@@ -7,12 +7,13 @@ RequestSpecs and a hardware profile (tuning/perf_model.py).
 
 The tuner (tuning/tuner.py) and the SLO experiments create one Simulator per placement and call
 `run` once per workload and rate. A run builds its workers (tuning/sim_worker.py: the engine
-scheduler's policy over token counts), plays every event to the end, and returns a SimResult.
-Nothing is kept between runs and nothing touches the disk; without a seed, the same inputs always
-give the same answer. What the simulation models, and what it leaves out, is in the Simulator
-docstring. The placement here is static; tuning/sim_planner.py runs the same model with the
-planner (router/planner.py) moving workers between the pools as a trace plays
-(`simulate(..., planner=PlannerConfig(...))`).
+scheduler's policy over token counts), plays every event to the end, one method per kind of event
+(an arrival, a commit on a decode worker, a step's end), and returns a SimResult. The state of a
+run lives on the Simulator until the next run replaces it; nothing touches the disk, and without
+a seed the same inputs always give the same answer. What the simulation models, and what it
+leaves out, is in the Simulator docstring. The placement here is static; tuning/sim_planner.py
+extends this event loop with the planner (planner/simulated.py) moving workers between the pools
+as a trace plays (`simulate(..., planner=PlannerConfig(...))`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.tuning.perf_model import Profile
 from pdserve.tuning.sim_worker import Seq, Worker, least_used
 
-_ARRIVE, _STEP_DONE, _COMMIT = 0, 1, 2
+_ARRIVE, _STEP_DONE, _COMMIT = 0, 1, 2  # the static simulator's events (sim_planner adds more)
+PREFILL, DECODE = "prefill", "decode"
 INF = math.inf
 ROUTER_STATS_S = 0.5  # router.server.RouterConfig.stats_interval_s
 
@@ -85,48 +87,22 @@ class SimResult:
         return good / len(self.requests)
 
 
-@dataclass
-class FlipRecord:
-    worker: int  # the worker's slot (0.. in the starting placement's order: prefill, then decode)
-    from_role: str
-    to_role: str
-    start_s: float
-    drained_s: float | None = None
-    done_s: float | None = None
-    moved_streams: int = 0  # decode legs moved at the drain bound
-    moved_prompts: int = 0  # prompts moved off a prefill worker at the drain bound
+class Req:
+    """One request as a run sees it; a planner run also moves its legs (sim_planner)."""
 
-
-@dataclass
-class PlannerSimResult(SimResult):
-    flips: list[FlipRecord] = field(default_factory=list)
-    decisions: list[tuple[float, str, str]] = field(default_factory=list)  # acting ones
-    # one row per decision: (now, prefill workers, decode workers, local_max, ttft and tpot
-    # pressure as the planner computed them, action)
-    timeline: list[tuple] = field(default_factory=list)
-    num_local: int = 0  # legs prefilled on their decode worker
-
-
-class _Req:
-    __slots__ = (
-        "arrival",
-        "prompt",
-        "output",
-        "dest",
-        "reserved",
-        "first_at",
-        "done_at",
-        "num_out",
-        "missed",
+    __slots__ = tuple(
+        "arrival prompt output dest reserved first_at done_at num_out missed leg_prompt local "
+        "charged moved".split()
     )
 
     def __init__(self, arrival: float, prompt: int, output: int):
         self.arrival, self.prompt, self.output = arrival, prompt, output
-        self.dest = None
-        self.reserved = 0
+        self.dest, self.reserved = None, 0
         self.first_at = self.done_at = INF
-        self.num_out = 0
-        self.missed = False
+        self.num_out, self.missed = 0, False
+        self.leg_prompt = prompt  # this leg's prompt: the prompt, plus the tokens before a move
+        self.local, self.moved = False, 0
+        self.charged = 0  # prompt tokens charged to its decode worker until its local prefill ends
 
 
 class Simulator:
@@ -136,8 +112,8 @@ class Simulator:
     * Router, disaggregated: a request reserves its prompt's blocks on the decode worker with the
       fewest blocks in use (then the most free), then goes to the prefill worker with the fewest
       queued prompt tokens (ties rotate). With no room on any decode worker it waits in arrival
-      order, where the real router answers RESOURCE_EXHAUSTED and the client retries. A decode worker takes the Reserve
-      and the commit between its steps.
+      order, where the real router answers RESOURCE_EXHAUSTED and the client retries. A decode
+      worker takes the Reserve and the commit between its steps.
     * Router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
       blocks as the router saw them at its last Stats sweep (`router_stats_s`; 0: an exact view).
     * Workers: the engine scheduler's policy (tuning/sim_worker.py), with step times from the
@@ -202,223 +178,90 @@ class Simulator:
         """
         if phase not in ("both", "prefill", "decode"):
             raise ValueError(f"phase must be both, prefill or decode, got {phase!r}")
-        prof, pl = self.profile, self.placement
-        if pl.colocated and phase != "both":
+        if self.placement.colocated and phase != "both":
             raise ValueError("a colocated placement has no separate prefill or decode phase")
-        bs = prof.block_size
+        self.phase, self.ttft_s, self.tpot_s = phase, ttft_s, tpot_s
+        self._start(requests)
+        handlers = self._handlers()
+        events, pop = self.events, heapq.heappop
+        stopped = False
+        while events and not stopped:
+            now, _, kind, obj = pop(events)
+            handlers[kind](now, obj)
+            if (max_missed is not None and self.missed > max_missed) or self.num_steps >= max_steps:
+                stopped = True
+        return self._result(stopped)
 
-        def worker(pool: PoolSpec, is_prefill: bool) -> Worker:
-            kind = "prefill" if is_prefill else "colocated" if pl.colocated else "decode"
-            model = prof.step_model(pool.tp, kind)
-            return Worker(
-                model,
-                bs,
-                pool.kv_capacity_tokens or model.kv_capacity_tokens,
-                pool.max_num_batched_tokens,
-                pool.max_num_seqs,
-                is_prefill,
-                self.fast,
-            )
-
-        decode = [worker(pl.decode, False) for _ in range(pl.decode.replicas)]
-        prefill = (
-            [] if pl.colocated else [worker(pl.prefill, True) for _ in range(pl.prefill.replicas)]
+    # ---- a run's state ---------------------------------------------------------------------
+    def _start(self, requests) -> None:
+        """A run's workers, requests and first events."""
+        prof, pl = self.profile, self.placement
+        self.decode = [self._make_worker(DECODE, pl.decode.tp) for _ in range(pl.decode.replicas)]
+        self.prefill = (
+            []
+            if pl.colocated
+            else [self._make_worker(PREFILL, pl.prefill.tp) for _ in range(pl.prefill.replicas)]
         )
-        rng = random.Random(self.seed) if self.seed is not None else None
-        if rng is not None:
-            for w in prefill + decode:  # each worker replays a speed trace from a random window
-                if w.model.speed_traces:
-                    trace = w.model.speed_traces[rng.randrange(len(w.model.speed_traces))]
-                    w.speed = (trace, rng.randrange(len(trace)))
-        transfer = None if pl.colocated else prof.transfer[self.backend]
-        kv_bytes, num_layers = prof.kv_bytes_per_token, prof.num_layers
-        reqs = [_Req(r.arrival_s, r.prompt_len, r.output_len) for r in requests]
+        self.rng = random.Random(self.seed) if self.seed is not None else None
+        for w in self.prefill + self.decode:
+            self._draw_speed(w)
+        self.transfer = None if pl.colocated else prof.transfer[self.backend]
+        self.reqs = [Req(r.arrival_s, r.prompt_len, r.output_len) for r in requests]
         # serving profiles: a request's trip outside the steps (the router, its RPCs to the
         # workers) delays when it reaches a worker; its TTFT still counts from its arrival
         hops = (
-            decode[0] if pl.colocated or not prefill else prefill[0]
+            self.decode[0] if pl.colocated or not self.prefill else self.prefill[0]
         ).model.first_token_latency_s
-        events = [(r.arrival + hops, i, _ARRIVE, i) for i, r in enumerate(reqs)]
-        heapq.heapify(events)
-        counter = len(events)
-        held: deque[_Req] = deque()  # disaggregated: waiting for decode blocks
-        stats_s, next_sweep = self.router_stats_s, 0.0
-        rr = [0, 0]
-        missed = 0
-        num_steps = 0
-        stopped = False
+        self.events = [(r.arrival + hops, i, _ARRIVE, i) for i, r in enumerate(self.reqs)]
+        heapq.heapify(self.events)
+        self.counter = len(self.events)
+        self.held: deque[Req] = deque()  # disaggregated: waiting for decode blocks
+        self.next_sweep = 0.0
+        self.rr = [0, 0]
+        self.missed = self.num_steps = 0
+        self.f_decode = prof.interference.get("decode_while_prefill", 0.0)
+        self.f_prefill = prof.interference.get("prefill_while_decode", 0.0)
+        self.f_colocated = prof.interference.get("colocated_while_busy", 0.0)
+        self._first: list[Req] = []
+        self._done: list[Req] = []
+        self._prefilled: list[Req] = []
 
-        def pick(workers, key, which):
-            # the best by key; ties go to the next in rotation, as the router's pickers do
-            n = len(workers)
-            start = rr[which] % n
-            rr[which] += 1
-            best, best_key = None, None
-            for k in range(n):
-                w = workers[(start + k) % n]
-                kv = key(w)
-                if best is None or kv > best_key:
-                    best, best_key = w, kv
-            return best
+    def _serving(self, role: str) -> list[Worker]:
+        """The workers of `role` the router may pick (all of them: the placement is static)."""
+        return self.prefill if role == PREFILL else self.decode
 
-        f_decode = prof.interference.get("decode_while_prefill", 0.0)
-        f_prefill = prof.interference.get("prefill_while_decode", 0.0)
-        f_colocated = prof.interference.get("colocated_while_busy", 0.0)
+    def _make_worker(self, role: str, tp: int) -> Worker:
+        pl = self.placement
+        spec = pl.prefill if role == PREFILL else pl.decode
+        model = self.profile.step_model(tp, "colocated" if pl.colocated else role)
+        capacity = spec.kv_capacity_tokens if spec.tp == tp else None
+        limits = (spec.max_num_batched_tokens, spec.max_num_seqs)
+        w = Worker(
+            model,
+            self.profile.block_size,
+            capacity or model.kv_capacity_tokens,
+            *limits,
+            role == PREFILL,
+            self.fast,
+        )
+        w.role, w.tp = role, tp
+        return w
 
-        def start_step(w: Worker, now: float) -> None:
-            nonlocal counter, num_steps
-            dur = w.schedule()
-            if not w.has_plan:
-                w.busy = False
-                return
-            # A seeded run multiplies each step by one value drawn from the kind's step_noise
-            # (prompt_step_noise for steps with prompt tokens), and by the worker's speed trace
-            # at this time, so that a slow spell lasts as long as it did during calibration.
-            if rng is not None:
-                noise = (w.step_has_prompt and w.model.prompt_step_noise) or w.model.step_noise
-                if noise:
-                    dur *= noise[rng.randrange(len(noise))]
-            if w.speed is not None:
-                trace, first = w.speed
-                dur *= trace[(first + int(now / w.model.speed_window_s)) % len(trace)]
-            # another worker busy on the same host when this step starts: it runs slower
-            if w.is_prefill:
-                if f_prefill and any(d.busy for d in decode):
-                    dur *= 1.0 + f_prefill
-            elif pl.colocated:
-                if f_colocated and any(o.busy for o in decode if o is not w):
-                    dur *= 1.0 + f_colocated
-            elif f_decode and any(p.busy for p in prefill):
-                dur *= 1.0 + f_decode
-            w.busy = True
-            w.step_start = now
-            num_steps += 1
-            heapq.heappush(events, (now + dur, counter, _STEP_DONE, w))
-            counter += 1
+    def _draw_speed(self, w: Worker) -> None:
+        """A seeded run: each worker replays a speed trace from a random window."""
+        if self.rng is not None and w.model.speed_traces:
+            trace = w.model.speed_traces[self.rng.randrange(len(w.model.speed_traces))]
+            w.speed = (trace, self.rng.randrange(len(trace)))
 
-        def note_first(r: _Req, now: float) -> None:
-            nonlocal missed
-            r.first_at = now
-            if now - r.arrival > ttft_s:
-                r.missed = True
-                missed += 1
+    def _result(self, stopped: bool) -> SimResult:
+        return SimResult(self._request_results(), stopped, self.num_steps, self._num_preemptions())
 
-        def note_done(r: _Req, now: float) -> None:
-            nonlocal missed
-            r.done_at = now
-            if not r.missed and r.output > 1 and (now - r.first_at) / (r.output - 1) > tpot_s:
-                r.missed = True
-                missed += 1
+    def _num_preemptions(self) -> int:
+        return sum(w.num_preemptions for w in self.decode + self.prefill)
 
-        def dispatch(now: float) -> None:
-            nonlocal counter
-            while held:
-                r = held[0]
-                if phase != "prefill":
-                    need = (r.prompt + bs - 1) // bs
-                    d = pick(decode, least_used, 0)
-                    if d.free < need:
-                        return
-                    d.free -= need
-                    r.dest, r.reserved = d, need
-                held.popleft()
-                if phase == "decode":
-                    heapq.heappush(events, (now, counter, _COMMIT, r))
-                    counter += 1
-                elif phase == "both" and r.dest.busy:
-                    r.dest.calls.append((to_prefill, r))  # Reserve runs between decode steps
-                else:
-                    to_prefill(r, now)
-
-        def to_prefill(r: _Req, now: float) -> None:
-            p = pick(prefill, lambda w: -w.queued_tokens, 1)
-            p.enqueue(Seq(r, r.prompt, 0, 0, True))
-            if not p.busy:
-                start_step(p, now)
-
-        def commit(r: _Req, now: float) -> None:
-            note_first(r, now)
-            r.num_out = 1
-            if phase == "prefill":
-                note_done(r, now)
-            elif r.output <= 1:
-                r.dest.free += r.reserved
-                note_done(r, now)
-                if held:
-                    dispatch(now)
-            else:
-                d = r.dest
-                d.join(Seq(r, r.prompt + 1, r.prompt, r.reserved, False))
-                if not d.busy:
-                    start_step(d, now)
-
-        first: list[_Req] = []
-        done: list[_Req] = []
-        prefilled: list[_Req] = []
-        while events and not stopped:
-            now, _, kind, obj = heapq.heappop(events)
-            if kind == _ARRIVE:
-                r = reqs[obj]
-                if pl.colocated:
-                    if stats_s > 0:
-                        if now >= next_sweep:  # the router's view: free blocks at its last sweep
-                            for d in decode:
-                                d.router_view = d.free
-                            next_sweep = (math.floor(now / stats_s) + 1) * stats_s
-                        w = pick(decode, lambda w: (-w.router_tokens, w.router_view), 0)
-                        w.router_view -= (r.prompt + bs - 1) // bs  # charged until the next sweep
-                    else:
-                        w = pick(decode, lambda w: (-w.router_tokens, w.free - w.pending_blocks), 0)
-                    w.router_tokens += r.prompt  # until its first token
-                    w.enqueue(Seq(r, r.prompt, 0, 0, False))
-                    if not w.busy:
-                        start_step(w, now)
-                else:
-                    held.append(r)
-                    dispatch(now)
-            elif kind == _COMMIT:
-                r = obj
-                if phase != "prefill" and r.dest.busy:
-                    r.dest.calls.append((commit, r))  # runs between the decode worker's steps
-                else:
-                    commit(r, now)
-            else:
-                w = obj
-                first.clear()
-                done.clear()
-                prefilled.clear()
-                step_tokens = w.complete(first, done, prefilled)
-                for r in first:
-                    note_first(r, now)
-                    if pl.colocated:
-                        w.router_tokens -= r.prompt
-                for r in done:
-                    note_done(r, now)
-                if w.is_prefill and step_tokens:
-                    # The step's KV moves layer by layer behind its compute: it starts once the
-                    # first layer is done (or when the link frees) at the backend's bandwidth and
-                    # cannot end before the last layer's share has moved after the compute ends.
-                    # Alone on the link, the time it adds after the compute is therefore
-                    # max(x, L*x - (L-1)*c) for per-layer transfer x and per-layer compute c.
-                    dur = now - w.step_start
-                    x_total = step_tokens * kv_bytes / transfer.bandwidth_bytes_per_s
-                    begin = max(w.step_start + dur / num_layers, w.link_free)
-                    sent = max(begin + x_total, now + x_total / num_layers)
-                    w.link_free = sent
-                    for r in prefilled:
-                        heapq.heappush(events, (sent + transfer.latency_s, counter, _COMMIT, r))
-                        counter += 1
-                if done and held:
-                    dispatch(now)
-                if w.calls:  # Reserve and commit calls that waited for this step, in order
-                    calls, w.calls = w.calls, []
-                    for call, r in calls:
-                        call(r, now)
-                start_step(w, now)
-            if (max_missed is not None and missed > max_missed) or num_steps >= max_steps:
-                stopped = True
+    def _request_results(self) -> list[RequestResult]:
         results = []
-        for r in reqs:
+        for r in self.reqs:
             ttft = r.first_at - r.arrival
             e2e = r.done_at - r.arrival
             if r.output > 1:
@@ -426,13 +269,199 @@ class Simulator:
             else:
                 tpot = 0.0 if e2e < INF else INF
             results.append(RequestResult(ttft, tpot, e2e))
-        return SimResult(
-            results, stopped, num_steps, sum(w.num_preemptions for w in decode + prefill)
-        )
+        return results
+
+    # ---- events ----------------------------------------------------------------------------
+    def _handlers(self) -> dict:
+        return {_ARRIVE: self._on_arrive, _COMMIT: self._on_commit, _STEP_DONE: self._on_step_done}
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        heapq.heappush(self.events, (t, self.counter, kind, obj))
+        self.counter += 1
+
+    def _on_arrive(self, now: float, i: int) -> None:
+        r = self.reqs[i]
+        if not self.placement.colocated:
+            self.held.append(r)
+            self._dispatch(now)
+            return
+        bs, decode, stats_s = self.profile.block_size, self.decode, self.router_stats_s
+        if stats_s > 0:
+            if now >= self.next_sweep:  # the router's view: free blocks at its last sweep
+                for d in decode:
+                    d.router_view = d.free
+                self.next_sweep = (math.floor(now / stats_s) + 1) * stats_s
+            w = self._pick(decode, lambda w: (-w.router_tokens, w.router_view), 0)
+            w.router_view -= (r.prompt + bs - 1) // bs  # charged until the next sweep
+        else:
+            w = self._pick(decode, lambda w: (-w.router_tokens, w.free - w.pending_blocks), 0)
+        w.router_tokens += r.prompt  # until its first token
+        w.enqueue(Seq(r, r.prompt, 0, 0, False))
+        if not w.busy:
+            self._start_step(w, now)
+
+    def _on_commit(self, now: float, r: Req) -> None:
+        if self.phase != "prefill" and r.dest.busy:
+            r.dest.calls.append((self._commit, r))  # runs between the decode worker's steps
+        else:
+            self._commit(r, now)
+
+    def _on_step_done(self, now: float, w: Worker) -> None:
+        first, done, prefilled = self._first, self._done, self._prefilled
+        first.clear()
+        done.clear()
+        prefilled.clear()
+        step_tokens = w.complete(first, done, prefilled)
+        for r in first:
+            self._note_first(r, now)
+            if self.placement.colocated:
+                w.router_tokens -= r.prompt
+        for r in done:
+            self._note_done(r, now)
+        self._stepped(w, now)
+        if w.is_prefill and step_tokens:
+            self._send_kv(w, now, step_tokens, prefilled)
+        if done and self.held:
+            self._dispatch(now)
+        if w.calls:  # Reserve and commit calls that waited for this step, in order
+            calls, w.calls = w.calls, []
+            for call, r in calls:
+                call(r, now)
+        self._next_step(w, now)
+
+    def _stepped(self, w: Worker, now: float) -> None:
+        """A step's requests are noted; what a subclass observes of the step comes here."""
+
+    def _next_step(self, w: Worker, now: float) -> None:
+        self._start_step(w, now)
+
+    # ---- the router and the workers ----------------------------------------------------------
+    def _pick(self, workers, key, which):
+        """The best by key; ties go to the next in rotation, as the router's pickers do."""
+        n = len(workers)
+        start = self.rr[which] % n
+        self.rr[which] += 1
+        best, best_key = None, None
+        for k in range(n):
+            w = workers[(start + k) % n]
+            kv = key(w)
+            if best is None or kv > best_key:
+                best, best_key = w, kv
+        return best
+
+    def _start_step(self, w: Worker, now: float) -> None:
+        dur = w.schedule()
+        if not w.has_plan:
+            w.busy = False
+            return
+        # A seeded run multiplies each step by one value drawn from the kind's step_noise
+        # (prompt_step_noise for steps with prompt tokens), and by the worker's speed trace at
+        # this time, so that a slow spell lasts as long as it did during calibration.
+        if self.rng is not None:
+            noise = (w.step_has_prompt and w.model.prompt_step_noise) or w.model.step_noise
+            if noise:
+                dur *= noise[self.rng.randrange(len(noise))]
+        if w.speed is not None:
+            trace, first = w.speed
+            dur *= trace[(first + int(now / w.model.speed_window_s)) % len(trace)]
+        dur *= self._interference(w)
+        w.busy = True
+        w.step_start = now
+        self.num_steps += 1
+        self._push(now + dur, _STEP_DONE, w)
+
+    def _interference(self, w: Worker) -> float:
+        """Another worker busy on the same host when this step starts: it runs slower."""
+        if w.is_prefill:
+            if self.f_prefill and any(d.busy for d in self.decode):
+                return 1.0 + self.f_prefill
+        elif self.placement.colocated:
+            if self.f_colocated and any(o.busy for o in self.decode if o is not w):
+                return 1.0 + self.f_colocated
+        elif self.f_decode and any(p.busy for p in self.prefill):
+            return 1.0 + self.f_decode
+        return 1.0
+
+    def _note_first(self, r: Req, now: float) -> None:
+        r.first_at = now
+        if now - r.arrival > self.ttft_s:
+            r.missed = True
+            self.missed += 1
+
+    def _note_done(self, r: Req, now: float) -> None:
+        r.done_at = now
+        if not r.missed and r.output > 1 and (now - r.first_at) / (r.output - 1) > self.tpot_s:
+            r.missed = True
+            self.missed += 1
+
+    def _dispatch(self, now: float) -> None:
+        """The held requests, in arrival order, while the first of them finds room."""
+        held = self.held
+        while held and self._dispatch_one(held[0], now):
+            pass
+
+    def _dispatch_one(self, r: Req, now: float) -> bool:
+        """The first held request: reserve its blocks on a decode worker and send it to prefill
+        (phase "prefill": no reservation; "decode": its commit at once). False: no room."""
+        if self.phase != "prefill":
+            need = (r.leg_prompt + self.profile.block_size - 1) // self.profile.block_size
+            d = self._pick(self._serving(DECODE), least_used, 0)
+            if d.free < need:
+                return False
+            d.free -= need
+            r.dest, r.reserved = d, need
+        self.held.popleft()
+        if self.phase == "decode":
+            self._push(now, _COMMIT, r)
+        elif self.phase == "both" and r.dest.busy:
+            r.dest.calls.append((self._to_prefill, r))  # Reserve runs between decode steps
+        else:
+            self._to_prefill(r, now)
+        return True
+
+    def _to_prefill(self, r: Req, now: float) -> None:
+        p = self._pick(self._serving(PREFILL), lambda w: -w.queued_tokens, 1)
+        p.enqueue(Seq(r, r.leg_prompt, 0, 0, True))
+        if not p.busy:
+            self._start_step(p, now)
+
+    def _commit(self, r: Req, now: float) -> None:
+        """The leg's KV landed on its decode worker: its first token (of this leg), then it
+        decodes there."""
+        r.num_out += 1
+        if r.num_out == 1:
+            self._note_first(r, now)
+        if self.phase == "prefill":
+            self._note_done(r, now)
+        elif r.num_out >= r.output:
+            r.dest.free += r.reserved
+            self._note_done(r, now)
+            if self.held:
+                self._dispatch(now)
+        else:
+            d = r.dest
+            d.join(Seq(r, r.leg_prompt + 1, r.leg_prompt, r.reserved, False))
+            if not d.busy:
+                self._start_step(d, now)
+
+    def _send_kv(self, w: Worker, now: float, step_tokens: int, prefilled: list[Req]) -> None:
+        """The step's KV moves layer by layer behind its compute: it starts once the first layer
+        is done (or when the link frees) at the backend's bandwidth and cannot end before the
+        last layer's share has moved after the compute ends. Alone on the link, the time it adds
+        after the compute is therefore max(x, L*x - (L-1)*c) for per-layer transfer x and
+        per-layer compute c."""
+        num_layers, transfer = self.profile.num_layers, self.transfer
+        dur = now - w.step_start
+        x_total = step_tokens * self.profile.kv_bytes_per_token / transfer.bandwidth_bytes_per_s
+        begin = max(w.step_start + dur / num_layers, w.link_free)
+        sent = max(begin + x_total, now + x_total / num_layers)
+        w.link_free = sent
+        for r in prefilled:
+            self._push(sent + transfer.latency_s, _COMMIT, r)
 
 
 def simulate(requests, profile: Profile, placement: Placement, planner=None, **kwargs) -> SimResult:
-    """One run; with `planner` (a router.planner.PlannerConfig), a disaggregated placement whose
+    """One run; with `planner` (a planner.policy.PlannerConfig), a disaggregated placement whose
     split the planner moves as the run goes (tuning/sim_planner.py)."""
     if planner is not None:
         from pdserve.tuning.sim_planner import PlannerSimulator

@@ -21,6 +21,7 @@ import argparse
 import pathlib
 import sys
 import time
+from dataclasses import dataclass
 
 from pdserve.tuning.deploy_yaml import deploy_yaml, launcher_problems, write_yaml
 from pdserve.tuning.perf_model import Profile, ProfileError, load_profile
@@ -31,6 +32,16 @@ from pdserve.tuning.workload import RequestSpec, load_trace, synthetic
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    _workload_args(p)
+    _placing_args(p)
+    _search_args(p)
+    _planner_args(p)
+    _output_args(p)
+    _yaml_args(p)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload simulated and how it is sampled."""
     wl = p.add_argument_group("workload")
     wl.add_argument(
         "--workload",
@@ -46,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     wl.add_argument("--seed", type=int, default=0)
 
+
+def _placing_args(p: argparse.ArgumentParser) -> None:
+    """The profile, the SLO and the placements considered."""
     placing = p.add_argument_group("profile, SLO and placements")
     placing.add_argument(
         "--profile", required=True, help="profile JSON from `pdserve profile` (or a derived one)"
@@ -76,6 +90,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     placing.add_argument("--max-num-batched-tokens", type=int, default=2048)
     placing.add_argument("--max-num-seqs", type=int, default=128)
 
+
+def _search_args(p: argparse.ArgumentParser) -> None:
+    """How much the search simulates."""
     search = p.add_argument_group("search")
     search.add_argument(
         "--num-requests",
@@ -117,12 +134,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "calibration) and print their goodput's p10/p50/p90 (default 0: off)",
     )
 
+
+def _planner_args(p: argparse.ArgumentParser) -> None:
+    """--planner: the planner simulated on the best pick."""
     planning = p.add_argument_group("planner")
     planning.add_argument(
         "--planner",
         action="store_true",
         help="after the search, simulate the best disaggregated pick with the planner in the "
-        "loop (router/planner.py, default settings at the SLO) on the workload with its own "
+        "loop (planner/policy.py, default settings at the SLO) on the workload with its own "
         "phases kept (a shift trace's phases, each at a multiple of its own rate), and report "
         "its goodput against the same placement static",
     )
@@ -134,11 +154,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "span)",
     )
 
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    """The table, the plot and the YAML."""
     output = p.add_argument_group("output")
     output.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     output.add_argument("--plot", help="write a PNG of the candidates here")
     output.add_argument("--out", help="write the best placement as a deploy YAML here")
 
+
+def _yaml_args(p: argparse.ArgumentParser) -> None:
+    """The settings of the YAML --out writes."""
     yaml_out = p.add_argument_group("the deploy YAML that --out writes")
     yaml_out.add_argument(
         "--model",
@@ -302,67 +328,145 @@ def run(args) -> int:
     except TuneError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
-    unit = "GPU" if profile.device == "gpu" else "core"
-    backend = args.backend or profile.best_backend()
-    model = args.model or profile.model_name
-    yaml_args = dict(
-        router_host=args.router_host, router_port=args.router_port, ray_address=args.ray_address
-    )
-    # placements `pdserve up` refuses today (e.g. tp > 1 prefill/decode workers on GPUs) are no
-    # candidates: shown here, never simulated or written
-    refused: dict[str, list[str]] = {}
-    runnable = []
-    for pl in placements:
-        why = launcher_problems(
-            deploy_yaml(Candidate(pl), profile, model, backend, **yaml_args), profile
-        )
-        if why:
-            refused[pl.label()] = why
-        else:
-            runnable.append(pl)
-    if not runnable:
+    ctx = _Context(args, profile, workload, slo)
+    placements, refused = _runnable(ctx, placements)
+    if not placements:
         print(
-            f"pdserve tune: the launcher refuses every placement on {args.devices} {unit}s, e.g. "
-            f"{next(iter(refused))}: {next(iter(refused.values()))[0]}",
+            f"pdserve tune: the launcher refuses every placement on {args.devices} {ctx.unit}s, "
+            f"e.g. {next(iter(refused))}: {next(iter(refused.values()))[0]}",
             file=sys.stderr,
         )
         return 2
-    placements = runnable
     search = Search(profile, workload, slo, **{name: getattr(args, name) for name in SEARCH_ARGS})
     cands = search.run(
         placements, verify_top=args.verify_top, deadline_s=args.time_limit, prune=not args.seeds
     )  # a band needs every finalist's full goodput
-    seeded_note = None
+    seeded_note = _seeded_bands(args, profile, search, cands)
+    elapsed = time.perf_counter() - t0
+    _print_inputs(ctx, search, len(placements), refused, elapsed)
+    _print_ranking(ctx, search, cands, seeded_note)
+    best = (
+        cands[0]
+        if cands and cands[0].status not in ("no-rate", "dropped") and cands[0].score > 0
+        else None
+    )
+    if best is None:
+        print(
+            f"\nno placement meets the SLO at any rate tried: loosen the SLO or add {ctx.unit}s",
+            file=sys.stderr,
+        )
+        return 1
+    unit = ctx.unit
+    print(
+        f"\nbest: {best.placement.label()}: {best.score:.3g} req/s on "
+        f"{best.placement.num_devices} {unit}s = {best.per_device:.3g} req/s per {unit} "
+        f"(predicted, {best.status})"
+    )
+    if args.planner:
+        from pdserve.tuning.shift_goodput import planner_report
+
+        planner_report(args, profile, workload, slo, cands, unit)
+    try:
+        if args.out:
+            _write_yaml(ctx, best)
+    except TuneError as e:
+        print(f"pdserve tune: {e}", file=sys.stderr)
+        return 1
+    if args.plot:
+        title = f"{profile.model_id}, {args.devices} {unit}s, {slo.describe()}"
+        plot(args.plot, cands, unit, title, slo.attainment, args.objective)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What one `pdserve tune` run decided from its arguments, for the steps that follow."""
+
+    args: argparse.Namespace
+    profile: Profile
+    workload: list[RequestSpec]
+    slo: SLO
+
+    @property
+    def unit(self) -> str:
+        return "GPU" if self.profile.device == "gpu" else "core"
+
+    @property
+    def backend(self) -> str:
+        return self.args.backend or self.profile.best_backend()
+
+    @property
+    def model(self) -> str:
+        return self.args.model or self.profile.model_name
+
+    def yaml(self, cand: Candidate) -> dict:
+        """The deploy YAML of `cand` as --out would write it."""
+        a = self.args
+        return deploy_yaml(
+            cand,
+            self.profile,
+            self.model,
+            self.backend,
+            router_host=a.router_host,
+            router_port=a.router_port,
+            ray_address=a.ray_address,
+        )
+
+
+def _runnable(ctx: _Context, placements: list) -> tuple[list, dict[str, list[str]]]:
+    """The placements `pdserve up` runs today, and those it refuses (e.g. tp > 1 prefill or
+    decode workers on GPUs) with why: shown, never simulated or written."""
+    refused: dict[str, list[str]] = {}
+    runnable = []
+    for pl in placements:
+        why = launcher_problems(ctx.yaml(Candidate(pl)), ctx.profile)
+        if why:
+            refused[pl.label()] = why
+        else:
+            runnable.append(pl)
+    return runnable, refused
+
+
+def _seeded_bands(args, profile: Profile, search: Search, cands: list) -> str | None:
+    """--seeds: each finalist bisected again once per seed with the profile's step-time
+    variation; the note to print about it, if any."""
     if args.seeds and not profile.has_step_variation:
-        seeded_note = (
+        return (
             f"note: --seeds {args.seeds} skipped: the profile has no step-time variation "
             f"(serving step_noise / step_speed: experiments/calibration.fit_load, run by "
             f"experiments/slo_validation.py, or pooled by experiments/slo_pooled.py)"
         )
-    elif args.seeds:
-        for cand in [c for c in cands if c.status.startswith("simulated")][: args.verify_top]:
-            search.band(cand, args.seeds)
-        banded = [c for c in cands if c.seeded]
-        if (
-            len(banded) >= 2
-            and seeded_percentiles(banded[1].seeded)[2] >= seeded_percentiles(banded[0].seeded)[0]
-        ):
-            seeded_note = (
-                f"note: with the profile's step-time variation ({args.seeds} seeds) the goodput "
-                f"bands of {banded[0].placement.label()} and {banded[1].placement.label()} "
-                f"overlap: on this hardware either may measure best in one run"
-            )
-    elapsed = time.perf_counter() - t0
+    if not args.seeds:
+        return None
+    for cand in [c for c in cands if c.status.startswith("simulated")][: args.verify_top]:
+        search.band(cand, args.seeds)
+    banded = [c for c in cands if c.seeded]
+    if (
+        len(banded) >= 2
+        and seeded_percentiles(banded[1].seeded)[2] >= seeded_percentiles(banded[0].seeded)[0]
+    ):
+        return (
+            f"note: with the profile's step-time variation ({args.seeds} seeds) the goodput "
+            f"bands of {banded[0].placement.label()} and {banded[1].placement.label()} "
+            f"overlap: on this hardware either may measure best in one run"
+        )
+    return None
+
+
+def _print_inputs(ctx: _Context, search: Search, num: int, refused: dict, elapsed: float) -> None:
+    """The profile, the workload, the SLO and what was searched."""
+    args, profile, workload, unit = ctx.args, ctx.profile, ctx.workload, ctx.unit
     reqs = search.base
     mean_p = sum(r.prompt_len for r in reqs) / len(reqs)
     mean_o = sum(r.output_len for r in reqs) / len(reqs)
     print(
         f"profile {args.profile}: {profile.model_id} on {profile.device}"
-        f"{' (DERIVED, not measured)' if profile.derived else ''}; KV backend {backend}"
+        f"{' (DERIVED, not measured)' if profile.derived else ''}; KV backend {ctx.backend}"
     )
     print(
         f"workload {args.workload}: mean prompt {mean_p:.0f}, mean output {mean_o:.0f} tokens "
-        f"(sample of {len(reqs)}); SLO {slo.describe()}"
+        f"(sample of {len(reqs)}); SLO {ctx.slo.describe()}"
     )
     shared = sum(1 for r in workload if r.block_ids)
     if shared:
@@ -372,7 +476,7 @@ def run(args) -> int:
             f"goodput is a lower bound where the engine's prefix cache would hit"
         )
     print(
-        f"{len(placements)} placements on {args.devices} {unit}s, ranked by "
+        f"{num} placements on {args.devices} {unit}s, ranked by "
         f"{'total goodput' if args.objective == 'total' else 'goodput per ' + unit} "
         f"(--objective {args.objective}); {search.num_sims} simulations "
         f"in {elapsed:.1f} s; steady-state horizon {search.horizon_s:.0f} s of arrivals"
@@ -384,6 +488,11 @@ def run(args) -> int:
             f"{', '.join(list(refused)[:4])}{', ...' if len(refused) > 4 else ''} ({first})"
         )
     print()
+
+
+def _print_ranking(ctx: _Context, search: Search, cands: list, seeded_note: str | None) -> None:
+    """One worker of each kind alone, the ranked table and what its columns mean."""
+    args, unit = ctx.args, ctx.unit
     print(
         "one worker alone (prefill: ideal decode side; decode: ideal prefill), req/s; '>=': "
         f"passed at {search.max_rate:.3g} req/s, the most that --max-requests {args.max_requests} "
@@ -410,51 +519,19 @@ def run(args) -> int:
             f"'estimate' were not simulated whole",
             file=sys.stderr,
         )
-    best = (
-        cands[0]
-        if cands and cands[0].status not in ("no-rate", "dropped") and cands[0].score > 0
-        else None
-    )
-    if best is None:
-        print(
-            f"\nno placement meets the SLO at any rate tried: loosen the SLO or add {unit}s",
-            file=sys.stderr,
-        )
-        return 1
-    print(
-        f"\nbest: {best.placement.label()}: {best.score:.3g} req/s on "
-        f"{best.placement.num_devices} {unit}s = {best.per_device:.3g} req/s per {unit} "
-        f"(predicted, {best.status})"
-    )
-    if args.planner:
-        from pdserve.tuning.shift_goodput import planner_report
 
-        planner_report(args, profile, workload, slo, cands, unit)
-    try:
-        if args.out:
-            data = deploy_yaml(best, profile, model, backend, **yaml_args)
-            header = [
-                f"pdserve tune: {best.placement.label()}, predicted goodput {best.score:.3g} req/s "
-                f"({best.per_device:.3g} per {unit}, {best.status})",
-                f"SLO {slo.describe()}; workload {args.workload} (scale {args.scale}, "
-                f"max prompt {args.max_prompt}, max output {args.max_output})",
-                f"profile {args.profile}" + (" (DERIVED, not measured)" if profile.derived else ""),
-                f"ranked by --objective {args.objective} on {args.devices} {unit}s; checked "
-                f"against the launcher's refusals (`pdserve up --check` re-checks on the machine)",
-            ]
-            write_yaml(args.out, data, header, profile)
-            print(f"wrote {args.out}")
-    except TuneError as e:
-        print(f"pdserve tune: {e}", file=sys.stderr)
-        return 1
-    if args.plot:
-        plot(
-            args.plot,
-            cands,
-            unit,
-            f"{profile.model_id}, {args.devices} {unit}s, {slo.describe()}",
-            slo.attainment,
-            args.objective,
-        )
-        print(f"wrote {args.plot}")
-    return 0
+
+def _write_yaml(ctx: _Context, best: Candidate) -> None:
+    """--out: the best placement as a deploy YAML, its header saying where it came from."""
+    args, profile, unit = ctx.args, ctx.profile, ctx.unit
+    header = [
+        f"pdserve tune: {best.placement.label()}, predicted goodput {best.score:.3g} req/s "
+        f"({best.per_device:.3g} per {unit}, {best.status})",
+        f"SLO {ctx.slo.describe()}; workload {args.workload} (scale {args.scale}, "
+        f"max prompt {args.max_prompt}, max output {args.max_output})",
+        f"profile {args.profile}" + (" (DERIVED, not measured)" if profile.derived else ""),
+        f"ranked by --objective {args.objective} on {args.devices} {unit}s; checked "
+        f"against the launcher's refusals (`pdserve up --check` re-checks on the machine)",
+    ]
+    write_yaml(args.out, ctx.yaml(best), header, profile)
+    print(f"wrote {args.out}")

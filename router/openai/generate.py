@@ -10,7 +10,7 @@ it into a whole one (responses/whole.py). A client that disconnects cancels the 
 the router turns into aborts on both pools; however the request ends, its calls are cancelled
 (a no-op for those already finished). Errors use OpenAI's error object with the HTTP status of
 the failure; a failure after a stream started is sent as one such event, then `data: [DONE]`.
-The usage and the `pdserve` extension (router/stage_timings.py) are in every response, and in a
+The usage and the `pdserve` extension (protos/timings.py) are in every response, and in a
 stream on its last chunk. Nothing outlives the request.
 """
 

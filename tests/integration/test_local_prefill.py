@@ -1,4 +1,4 @@
-"""Local prefill per request (router/local_prefill.py) in a disaggregated deployment: a short
+"""Local prefill per request (planner/local_prefill.py) in a disaggregated deployment: a short
 prompt runs on its decode worker (no Prefill call, no KV transfer) and streams the engine's own
 greedy tokens; a prompt past max_prompt_tokens still goes through the prefill pool.
 
@@ -12,9 +12,9 @@ from helpers.models import random_prompts
 from helpers.router_cluster import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster
 from helpers.threads import leaves_no_threads
 from pdserve.engine import LLM, SamplingParams
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import worker_pb2
-from pdserve.router.local_prefill import LocalPrefill
 
 
 class LocalCluster(Cluster):

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (router/metrics.py) and stage timings (router/stage_timings.py)
+"""The router's Prometheus metrics (router/metrics.py) and stage timings (protos/timings.py)
 through a real router with an in-process prefill and decode worker on a tiny model: every name
 with its type and labels, counts and sums that match what the requests did, worker counters from
 WorkerStats, and stages that are non-negative and add up to the end-to-end time.
@@ -18,7 +18,7 @@ from helpers.models import random_prompts
 from helpers.router_cluster import RPC_TIMEOUT, Cluster, pool_idle
 from helpers.threads import wait_until
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.router.stage_timings import STAGES, stage_durations
+from pdserve.protos.timings import STAGES, stage_durations
 
 MODEL = "model_name"
 ROUTER_METRICS = {  # name -> type

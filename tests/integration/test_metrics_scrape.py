@@ -12,7 +12,7 @@ import pytest
 
 from helpers.grafana import dashboard_queries, metric_names
 from helpers.http import request
-from pdserve.router.planner import PlannerConfig
+from pdserve.planner.policy import PlannerConfig
 from pdserve.router.server import Router, RouterConfig
 
 CLIENT_KEY, METRICS_KEY = "sk-client-key-0001", "sk-metrics-key-0001"

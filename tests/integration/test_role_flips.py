@@ -23,11 +23,12 @@ from pdserve import cli
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.deploy.workers import build_worker
 from pdserve.engine import LLM, SamplingParams
+from pdserve.planner.live import PlannerLoop
+from pdserve.planner.policy import PlannerConfig
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import ClusterSecurity
-from pdserve.router.planner import PlannerConfig
-from pdserve.router.planner_loop import PlannerLoop
+from pdserve.router.planner_actuator import RouterActuator
 from pdserve.router.server import Router, RouterConfig
 
 SECRET = "flip-test-secret-0123456789"
@@ -238,15 +239,12 @@ def test_pdserve_ctl_lists_roles_flips_and_refuses(deployment, tmp_path, capsys)
 def test_the_planner_loop_flips_the_least_loaded_worker_and_counts_its_decisions(
     deployment, monkeypatch
 ):
-    """PlannerLoop (router/planner_loop.py) over the live deployment, its signals forced: TTFT
+    """PlannerLoop (planner/live.py, router/planner_actuator.py) over the live deployment, its signals forced: TTFT
     pressed while TPOT has room twice in a row flips a decode worker to prefill, through Flips."""
     r = deployment.router
     loop = PlannerLoop(
         PlannerConfig(ttft_s=1.0, tpot_s=0.1, sustain=2, cooldown_s=0),
-        r.pool,
-        r.flips,
-        r.servicer.legs,
-        r.metrics.recent,
+        RouterActuator(r.pool, r.flips, r.servicer.legs, r.metrics.recent),
     )
     live = loop.signals()
     assert (live.prefill_workers, live.decode_workers) == (1, 2)

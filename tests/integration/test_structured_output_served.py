@@ -44,7 +44,7 @@ def router(workers):
 
 @pytest.fixture(scope="module")
 def colocated(workers):
-    """A router that prefills on the decode worker too (router/local_prefill.py)."""
+    """A router that prefills on the decode worker too (planner/local_prefill.py)."""
     r = workers.router(colocated=True)
     yield r
     r.stop()

@@ -15,7 +15,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # what sits above the engine and kvtransfer: the workers, the router, the launcher
-ABOVE = {"prefill_worker", "decode_worker", "worker_common", "router", "deploy", "tuning"}
+ABOVE = {
+    "prefill_worker",
+    "decode_worker",
+    "worker_common",
+    "router",
+    "deploy",
+    "tuning",
+    "planner",
+}
 FORBIDDEN = {
     "engine": {"kvtransfer", *ABOVE},
     "kvtransfer": {"engine", *ABOVE},
@@ -37,6 +45,11 @@ FORBIDDEN = {
         "deploy",
         "tuning",
     },
+    # the tuner reaches the planner's policy through pdserve.planner, never through the router
+    "tuning": {"router"},
+    # the policy and its loops: the router and the tuner import it, it imports neither
+    # pure policy over numbers: nothing of the project below or beside it either
+    "planner": {"engine", "kvtransfer", *ABOVE} - {"planner"},
     # the launcher runs what the tuner wrote; it never needs the tuner
     "deploy": {"tuning"},
     # wire definitions only: the processes' code lives in the folders above
@@ -102,6 +115,14 @@ def test_engine_modules_lent_out_import_nothing_of_the_engine(module):
     not pull in the rest of the project."""
     names = imported_packages(ROOT / LEAF_MODULES[module])
     assert not names & ({"engine"} | set(FORBIDDEN)), f"{module} imports {sorted(names)}"
+
+
+@pytest.mark.parametrize("package", ["router", "tuning"])
+def test_the_router_and_the_tuner_reach_the_planner_through_its_own_package(package):
+    """Both run the same policy (the live loop's actuator is in router/, the simulated one's in
+    tuning/); neither imports the other (FORBIDDEN)."""
+    users = [f for f in sorted((ROOT / package).rglob("*.py")) if "planner" in imported_packages(f)]
+    assert users, f"{package}/ no longer imports pdserve.planner"
 
 
 # The repository's folders that install as pdserve.<folder>, and those that never install.

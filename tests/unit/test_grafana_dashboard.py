@@ -13,10 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from helpers.grafana import DASHBOARD, dashboard_queries, metric_names
+from pdserve.planner.live import PlannerLoop
+from pdserve.planner.policy import PlannerConfig
 from pdserve.router.flips import Flips
 from pdserve.router.metrics import RouterMetrics, exposition, served_names
-from pdserve.router.planner import PlannerConfig
-from pdserve.router.planner_loop import PlannerLoop
+from pdserve.router.planner_actuator import RouterActuator
 
 
 class _Pool:
@@ -35,7 +36,8 @@ def router_registry(with_metrics: bool = False):
     metrics = RouterMetrics(registry, pool, "m", 2048)
     metrics.track_router(lambda: 0, lambda: 0)
     flips = Flips(pool, None, registry=registry, model_name="m")
-    PlannerLoop(PlannerConfig(1.0, 0.1), pool, flips, None, metrics.recent, registry, "m")
+    actuator = RouterActuator(pool, flips, None, metrics.recent)
+    PlannerLoop(PlannerConfig(1.0, 0.1), actuator, registry, "m")
     return (registry, metrics) if with_metrics else registry
 
 

@@ -13,10 +13,10 @@ from pdserve.tuning.metrics import (
     goodput_rate,
     meets_slo,
     parse_positive_list,
-    parse_slo,
     slo_scale_goodput,
     summarize,
 )
+from pdserve.tuning.slo import latency_slos as parse_slo
 
 
 # ---- goodput interpolation ---------------------------------------------------------------------

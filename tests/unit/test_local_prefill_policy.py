@@ -1,10 +1,10 @@
-"""LocalPrefill (router/local_prefill.py): which prompts run on their decode worker."""
+"""LocalPrefill (planner/local_prefill.py): which prompts run on their decode worker."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.router.local_prefill import LocalPrefill
+from pdserve.planner.local_prefill import LocalPrefill
 
 
 def test_off_by_default_and_past_the_length_bound():

@@ -1,5 +1,5 @@
 """The router's metrics without a router: the stage durations of a request's timings
-(router/stage_timings.py), for a colocated request and for stages it never reached, and the 1-2-5
+(protos/timings.py), for a colocated request and for stages it never reached, and the 1-2-5
 histogram buckets (router/metrics.py). Through a real router:
 tests/integration/test_metrics_cluster.py."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.timings import STAGES, stage_durations
 from pdserve.router.metrics import build_1_2_5_buckets
-from pdserve.router.stage_timings import STAGES, stage_durations
 
 
 def test_stage_durations_of_a_colocated_request_and_of_stages_not_reached():

@@ -1,10 +1,10 @@
-"""The planner's policy (router/planner.py): when it flips, prefills locally or waits."""
+"""The planner's policy (planner/policy.py): when it flips, prefills locally or waits."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.router.planner import (
+from pdserve.planner.policy import (
     LOCAL_LESS,
     LOCAL_MORE,
     NONE,

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from helpers.tuning import DERIVED, make_profile
-from pdserve.router.planner import LOCAL_MORE, TO_DECODE, TO_PREFILL, PlannerConfig
+from pdserve.planner.policy import LOCAL_MORE, TO_DECODE, TO_PREFILL, PlannerConfig
 from pdserve.tuning.perf_model import load_profile
 from pdserve.tuning.shift_goodput import ShiftGoodput, bisect_rate, laid_end_to_end, scaled_phases
 from pdserve.tuning.sim_planner import PlannerSimulator
@@ -223,7 +223,7 @@ def test_tune_reports_the_planner_against_its_static_pick(tmp_path, capsys):
     argv += ["--num-requests", "100", "--max-requests", "600", "--max-verify-requests", "1000"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith("planner (router/planner.py"))
+    line = next(x for x in out.splitlines() if x.startswith("planner (planner/policy.py"))
     assert "2 phase(s) kept (prompts, decodes" in line, line
     with_planner, static = (float(x) for x in re.findall(r"([\d.]+) req/s (?:with|static)", line))
     assert with_planner > 0 and static > 0

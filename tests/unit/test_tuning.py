@@ -17,7 +17,7 @@ from pdserve.tuning.perf_model import (
     profile_from_dict,
 )
 from pdserve.tuning.simulator import Placement, PoolSpec, Simulator, simulate
-from pdserve.tuning.slo import SLO, TuneError, parse_slo
+from pdserve.tuning.slo import SLO, TuneError, latency_slos, parse_slo, parse_slo_items
 from pdserve.tuning.tuner import Search, enumerate_placements
 from pdserve.tuning.workload import retime, synthetic
 
@@ -312,6 +312,19 @@ def test_parse_slo():
     for bad in ("ttft=200,tpot=50ms", "ttft=200ms", "ttft=1s,tpot=1s,attainment=2", "foo=1s"):
         with pytest.raises(TuneError):
             parse_slo(bad)
+
+
+def test_tune_and_bench_read_one_slo_grammar():
+    """What either command accepted before, both read alike now; each takes what it uses."""
+    for text in ("ttft=200ms,tpot=0.05s", "tpot=50ms, ttft=1s", " TTFT = 2s , tpot=1.5e3ms"):
+        slo = parse_slo(text)
+        assert latency_slos(text) == {"ttft": slo.ttft_s, "tpot": slo.tpot_s}
+    assert parse_slo_items("e2e=1.5e3MS,attainment=90%") == {"e2e": 1.5, "attainment": 0.9}
+    assert parse_slo("ttft=9ms,tpot=1e-1s").ttft_s == 0.009  # ms: a division, exact to the ulp
+    with pytest.raises(TuneError, match="takes no e2e"):
+        parse_slo("ttft=1s,tpot=50ms,e2e=10s")
+    with pytest.raises(TuneError, match="--attainment"):
+        latency_slos("ttft=1s,attainment=0.9")
 
 
 @pytest.mark.parametrize("objective, winner", [("total", "8 devices"), ("per-device", "7 devices")])

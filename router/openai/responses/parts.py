@@ -1,6 +1,6 @@
 """The pieces every OpenAI response of the HTTP front shares, as pure functions of the router's
 gRPC messages: the finish_reason of a sequence's Finish (a failed one raises its ApiError), the
-usage of a request, the `pdserve` extension (per-stage timings from router/stage_timings.py and
+usage of a request, the `pdserve` extension (per-stage timings from protos/timings.py and
 the workers that served it) and server-sent event framing.
 
 Whole responses (router/openai/responses/whole.py) and streams (stream.py beside it) build on
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.protos.timings import stage_durations
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.stage_timings import stage_durations
 
 
 def finish_reason(finish: pdserve_pb2.Finish) -> str:

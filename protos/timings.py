@@ -3,9 +3,11 @@
 This is the one definition for every place that reports it: the gRPC Finish carries the raw
 timestamps, and the HTTP response's `pdserve.timings` extension and the per-stage histograms
 (router/metrics.py) use the durations that `stage_durations` computes from them. The module holds
-no state; the router calls it as each request ends. A disaggregated request's stages (STAGES)
-follow each other, so they add up to its end-to-end time; `stage_durations` says what each one
-spans. Stamps come from the router, the prefill and the decode worker: on several machines their
+no state; the router calls it as each request ends, and `pdserve bench` (tuning/metrics.py) on
+the Finish timings its client received. It reads one wire message and nothing else, so it lives
+with the wire definitions, where both may import it without importing each other. A
+disaggregated request's stages (STAGES) follow each other, so they add up to its end-to-end time;
+`stage_durations` says what each one spans. Stamps come from the router, the prefill and the decode worker: on several machines their
 clocks' offsets shift the stages at each change of machine.
 """
 

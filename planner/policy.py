@@ -1,12 +1,14 @@
 """The planner's policy: from a deployment's live signals, decide whether to flip a worker between
 the prefill and the decode pool, change how much the decode workers prefill locally, or do
 nothing. Pure logic with no clock, thread or RPC of its own, so that the same code decides in a
-running router (router/planner_loop.py) and inside the simulator (tuning/), where a policy can be
-judged on any trace before it is deployed.
+running router (planner/live.py) and inside the simulator (planner/simulated.py), where a
+policy can be judged on any trace before it is deployed. tests/unit/test_planner_scenarios.py
+holds the runs, live and simulated, that shaped its rules.
 
 Every `interval_s` its owner gathers Signals over the last `window_s` and calls `Planner.decide`,
-which returns a Decision (an action and the reason, in words). The owner carries the action out
-and reports a flip's end with `flip_done`. The policy compares each side with its SLO:
+which returns a Decision (an action and the reason, in words). The owner carries the action
+out (planner/actuator.py carry_out) and reports a flip's end with `flip_done`. The policy
+compares each side with its SLO:
 
     ttft pressure = TTFT p90 / ttft_s (or, before any first token, the prefill pool's queued
                     prompt tokens against what it computes in ttft_s)
@@ -35,10 +37,12 @@ workers as that one did.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
+PREFILL, DECODE = "prefill", "decode"  # the two pools
 NONE, TO_PREFILL, TO_DECODE = "none", "flip_to_prefill", "flip_to_decode"
 LOCAL_MORE, LOCAL_LESS = "local_more", "local_less"
 ACTIONS = (NONE, TO_PREFILL, TO_DECODE, LOCAL_MORE, LOCAL_LESS)
@@ -83,7 +87,7 @@ class Signals:
     prefill_queued_tokens: int  # prompt tokens waiting or computing in the prefill pool
     prefill_tokens_per_s: float  # what one prefill worker computes (0: unknown)
     decode_kv_use: float  # mean over the decode pool, 0..1
-    local_max: int = 0  # the local prefill bound now (router/local_prefill.py)
+    local_max: int = 0  # the local prefill bound now (planner/local_prefill.py)
     decode_wait_s: float = 0.0  # the longest wait in the router for decode KV blocks, now
     prompt_tokens_per_s: float = 0.0  # prompt tokens arriving for the prefill pool (0: unknown)
     itl_p50_s: float | None = None  # median gap between tokens of the streams now, in flight too
@@ -117,14 +121,11 @@ class Planner:
         if s.decode_wait_s > hi * c.ttft_s:
             # A request has waited for decode KV blocks nearly the whole TTFT SLO: the decode
             # pool is short, and TTFT holds that wait, which more prefill workers would not
-            # shorten; the prefill pool's own share is what its queue takes to drain. (Read from
-            # TTFT alone, a 7P:1D split whose one decode worker was full looked prefill-pressed
-            # and never gave a worker back.)
+            # shorten; the prefill pool's own share is what its queue takes to drain.
             ttft = _queue_pressure(s, c)
             tpot = max(tpot or 0.0, 1 + c.margin)
         # KV use over kv_high with TPOT near its SLO: preemptions are near, so it counts as
-        # pressed. Not with TPOT well inside it: in simulation that flipped back and forth at 16
-        # GPUs (a full KV pool with TPOT at 0.72 x SLO) and cost 7% goodput
+        # pressed. Not with TPOT well inside it: a full KV pool alone is no reason to flip.
         if s.decode_kv_use > c.kv_high and tpot is not None and tpot > 1 - c.margin:
             tpot = max(tpot, hi + s.decode_kv_use - c.kv_high)
         return ttft, tpot
@@ -145,72 +146,16 @@ class Planner:
         return None if demand is None else max(1, math.ceil(demand))
 
     def decide(self, s: Signals) -> Decision:
+        """What to do now (the module docstring); a flip it returns is under way until
+        flip_done."""
         c = self.config
         need = self.prefill_need(s)
         ttft, tpot = self.pressures(s)
-        hi, lo = 1 - c.margin / 2, 1 - c.margin
         say = f"ttft {_fmt(ttft)} x SLO, tpot {_fmt(tpot)} x SLO, {s.prefill_workers}P:{s.decode_workers}D"
         if need is not None:
             say += f", demand needs {need}P"
-        ttft_room = ttft is None or ttft < lo
-        tpot_room = tpot is None or tpot < lo
-        want, why = NONE, "within the SLO's margins"
-        nudge = False  # a flip ahead of pressure: one worker, whatever the demand would move
-        if ttft is not None and ttft > hi and tpot_room:
-            if s.decode_workers > 1 and self._decode_can_give(s, ttft, tpot, 1):
-                want, why = TO_PREFILL, "TTFT over its SLO while TPOT has room"
-            elif s.decode_workers > 1:
-                why = "TTFT over its SLO, but one decode worker fewer would be more pressed"
-            elif s.local_max < c.local_cap and (tpot is None or tpot < lo / 2):
-                # only onto a decode pool that is clearly idle: a local prompt stalls every
-                # stream of its worker for its whole prefill, and finished requests show the
-                # TPOT that costs late (live, a bound raised at TPOT 0.5-0.7 x SLO reached 832
-                # tokens and took TPOT to 2 x SLO)
-                want, why = (
-                    LOCAL_MORE,
-                    "TTFT over its SLO, TPOT well under it, no decode worker to spare",
-                )
-        elif tpot is not None and tpot > hi and ttft_room:
-            # a flip to decode also stops local prefill (the owner sets the bound to 0)
-            if s.prefill_workers > 1:
-                want, why = TO_DECODE, "TPOT over its SLO while TTFT has room"
-            elif s.local_max > 0:
-                want, why = LOCAL_LESS, "TPOT over its SLO: prefill less on the decode workers"
-            else:
-                why = "TPOT over its SLO, but no prefill worker to spare and no local prefill"
-        elif (ttft or 0) > hi or (tpot or 0) > hi:
-            # Pressed, and the other side has no room either. The prefill demand says which
-            # pool is short: TTFT also holds the wait for a full decode pool, so both rise
-            # together when decode is short. (Live, a shift to long answers on 2P:1D sat 14 s
-            # with both over their SLOs before TTFT fell and it flipped; the demand then was 1P.)
-            # Only a clear verdict counts, or the flips swing back and forth: the workers
-            # left after the flip cover the demand with the margin to spare, or the demand
-            # exceeds the pool by the margin; and the side flipped toward is the more pressed
-            # (live, a queue that built behind a full decode pool read as prefill demand and
-            # flipped a worker back to prefill with TPOT at 2.6 x SLO).
-            want, why = NONE, "both near or over their SLOs, and no clear prefill demand"
-            demand = self.prefill_demand(s)
-            p, t_in, t_out = s.prefill_workers, ttft or 0.0, tpot or 0.0
-            if demand is not None and demand <= (p - 1) * lo and t_out > max(lo, t_in):
-                want, why = TO_DECODE, f"both near or over their SLOs; prefill needs {need}P"
-            elif demand is not None and demand >= p + c.margin and t_in > max(lo, t_out):
-                if s.decode_workers > 1 and self._decode_can_give(s, ttft, tpot, 1):
-                    want, why = TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
-                elif s.decode_workers > 1:
-                    why = (
-                        f"both near or over their SLOs; prefill needs {need}P, but one decode "
-                        "worker fewer would be more pressed"
-                    )
-        elif self._spare_prefill(s, ttft, tpot):
-            # Neither side pressed, but the prefill pool has a worker to spare while decode has
-            # used over half its room: one goes before TPOT is pressed. Live, a shift to long
-            # answers on 2P:1D held TPOT at 0.5-0.7 x SLO for 15 s while the one decode worker's
-            # batch grew, then crossed the SLO within 4 s: the flip came 20 s into the phase,
-            # and the streams that worker had taken missed the SLO.
-            want, why = TO_DECODE, "prefill has a worker to spare and TPOT is past half its room"
-            nudge = True
-
-        if want == NONE and (tpot or 0) > lo and s.local_max > 0:
+        want, why, nudge = self._want(s, ttft, tpot, need)
+        if want == NONE and (tpot or 0) > 1 - c.margin and s.local_max > 0:
             want, why = LOCAL_LESS, "TPOT has no room: local prefills cost it"
         for action in ACTIONS:
             self._streak[action] = self._streak.get(action, 0) + 1 if action == want else 0
@@ -220,51 +165,128 @@ class Planner:
             return Decision(NONE, f"{why}, {self._streak[want]} of {c.sustain} in a row ({say})")
         count = 1
         if want in (TO_PREFILL, TO_DECODE):
-            blocked = self._flip_blocked(s.now)
-            if blocked:
-                return Decision(NONE, f"{why}, but {blocked} ({say})")
-            # a batch sized by the prefill demand, so one decision makes a big shift; within
-            # the flips a minute allows, never a pool's last worker
-            room = c.max_flips_per_min - len(self._flips)
-            if need is not None and want == TO_PREFILL:
-                if need <= s.prefill_workers:  # TTFT holds a backlog or decode waits
-                    return Decision(
-                        NONE, f"{why}, but {s.prefill_workers}P cover the prefill demand ({say})"
-                    )
-                count = min(need - s.prefill_workers, s.decode_workers - 1, room)
-                while count > 1 and not self._decode_can_give(s, ttft, tpot, count):
-                    count -= 1
-            elif need is not None:
-                if need >= s.prefill_workers:
-                    why = f"{why}, but the prefill demand needs {need}P"
-                    if s.local_max > 0:
-                        return Decision(LOCAL_LESS, f"{why}: no local prefill ({say})")
-                    return Decision(NONE, f"{why} ({say})")
-                count = 1 if nudge else min(s.prefill_workers - need, s.prefill_workers - 1, room)
-            count = max(1, count)
-            last_way, last_count = self._last_batch
-            if last_way not in (want, NONE) and s.now - self._last_flip < 3 * c.cooldown_s:
-                # Back the other way soon after a batch: that batch overshot, so this one moves
-                # at most half as many, and a split between the two is tried before either
-                # again. (In simulation at 16 GPUs, the demand read 9P on 11P:5D and 11P on
-                # 9P:7D, and the planner swung between the two by 2 every 40 s, never trying
-                # the 10P:6D that served the phase: 1% of its requests in the SLO.)
-                if count > max(1, last_count // 2):
-                    count = max(1, last_count // 2)
-                    why = f"{why}, {count} after a batch of {last_count} the other way"
-            self._last_batch = (want, count)
-            self._flips.extend([s.now] * count)
-            self._last_flip, self.flipping = s.now, True
+            sized = self._batch(s, want, why, need, ttft, tpot, nudge)
+            if isinstance(sized, Decision):
+                return dataclasses.replace(sized, reason=f"{sized.reason} ({say})")
+            count, why = sized
         self._streak[want] = 0
         return Decision(want, f"{why} ({say})", count)
+
+    def _want(
+        self, s: Signals, ttft: float | None, tpot: float | None, need: int | None
+    ) -> tuple[str, str, bool]:
+        """The action the pressures ask for, why, and whether it is a nudge (a flip ahead of
+        pressure: one worker, whatever the demand would move)."""
+        lo, hi = 1 - self.config.margin, 1 - self.config.margin / 2
+        if ttft is not None and ttft > hi and (tpot is None or tpot < lo):
+            return (*self._ttft_pressed(s, ttft, tpot), False)
+        if tpot is not None and tpot > hi and (ttft is None or ttft < lo):
+            return (*self._tpot_pressed(s), False)
+        if (ttft or 0) > hi or (tpot or 0) > hi:
+            return (*self._both_pressed(s, ttft, tpot, need), False)
+        if self._spare_prefill(s, ttft, tpot):
+            # a worker moves before TPOT is pressed: once it is, the streams that decode worker
+            # has already taken miss the SLO
+            return TO_DECODE, "prefill has a worker to spare and TPOT is past half its room", True
+        return NONE, "within the SLO's margins", False
+
+    def _ttft_pressed(self, s: Signals, ttft: float, tpot: float | None) -> tuple[str, str]:
+        """TTFT pressed while TPOT has room: a decode worker to prefill, else prefill locally."""
+        c = self.config
+        if s.decode_workers > 1 and self._decode_can_give(s, ttft, tpot, 1):
+            return TO_PREFILL, "TTFT over its SLO while TPOT has room"
+        if s.decode_workers > 1:
+            return NONE, "TTFT over its SLO, but one decode worker fewer would be more pressed"
+        if s.local_max < c.local_cap and (tpot is None or tpot < (1 - c.margin) / 2):
+            # only onto a decode pool that is clearly idle: a local prompt stalls every stream
+            # of its worker for its whole prefill, and finished requests show that cost late
+            return LOCAL_MORE, "TTFT over its SLO, TPOT well under it, no decode worker to spare"
+        return NONE, "within the SLO's margins"
+
+    @staticmethod
+    def _tpot_pressed(s: Signals) -> tuple[str, str]:
+        """TPOT pressed while TTFT has room: a prefill worker to decode (which also stops local
+        prefill: the owner sets the bound to 0), else less local prefill."""
+        if s.prefill_workers > 1:
+            return TO_DECODE, "TPOT over its SLO while TTFT has room"
+        if s.local_max > 0:
+            return LOCAL_LESS, "TPOT over its SLO: prefill less on the decode workers"
+        return NONE, "TPOT over its SLO, but no prefill worker to spare and no local prefill"
+
+    def _both_pressed(
+        self, s: Signals, ttft: float | None, tpot: float | None, need: int | None
+    ) -> tuple[str, str]:
+        """Pressed, and the other side has no room either. TTFT also holds the wait for a full
+        decode pool, so both rise together when decode is short: the prefill demand says which
+        pool is short. Only a clear verdict counts, or the flips swing back and forth: the
+        workers left after the flip cover the demand with the margin to spare, or the demand
+        exceeds the pool by the margin; and the side flipped toward is the more pressed (a queue
+        behind a full decode pool reads as prefill demand too)."""
+        lo, margin = 1 - self.config.margin, self.config.margin
+        demand = self.prefill_demand(s)
+        p, t_in, t_out = s.prefill_workers, ttft or 0.0, tpot or 0.0
+        if demand is not None and demand <= (p - 1) * lo and t_out > max(lo, t_in):
+            return TO_DECODE, f"both near or over their SLOs; prefill needs {need}P"
+        if demand is not None and demand >= p + margin and t_in > max(lo, t_out):
+            if s.decode_workers > 1 and self._decode_can_give(s, ttft, tpot, 1):
+                return TO_PREFILL, f"both near or over their SLOs; prefill needs {need}P"
+            if s.decode_workers > 1:
+                return NONE, (
+                    f"both near or over their SLOs; prefill needs {need}P, but one decode "
+                    "worker fewer would be more pressed"
+                )
+        return NONE, "both near or over their SLOs, and no clear prefill demand"
+
+    def _batch(
+        self,
+        s: Signals,
+        want: str,
+        why: str,
+        need: int | None,
+        ttft: float | None,
+        tpot: float | None,
+        nudge: bool,
+    ) -> tuple[int, str] | Decision:
+        """How many workers a wanted flip moves (and its reason), recorded as begun; or the
+        Decision (its reason without the signals) when it must not happen now."""
+        c = self.config
+        blocked = self._flip_blocked(s.now)
+        if blocked:
+            return Decision(NONE, f"{why}, but {blocked}")
+        # a batch sized by the prefill demand, so one decision makes a big shift; within the
+        # flips a minute allows, never a pool's last worker
+        room = c.max_flips_per_min - len(self._flips)
+        count = 1
+        if need is not None and want == TO_PREFILL:
+            if need <= s.prefill_workers:  # TTFT holds a backlog or decode waits
+                return Decision(NONE, f"{why}, but {s.prefill_workers}P cover the prefill demand")
+            count = min(need - s.prefill_workers, s.decode_workers - 1, room)
+            while count > 1 and not self._decode_can_give(s, ttft, tpot, count):
+                count -= 1
+        elif need is not None:
+            if need >= s.prefill_workers:
+                why = f"{why}, but the prefill demand needs {need}P"
+                if s.local_max > 0:
+                    return Decision(LOCAL_LESS, f"{why}: no local prefill")
+                return Decision(NONE, why)
+            count = 1 if nudge else min(s.prefill_workers - need, s.prefill_workers - 1, room)
+        count = max(1, count)
+        last_way, last_count = self._last_batch
+        if last_way not in (want, NONE) and s.now - self._last_flip < 3 * c.cooldown_s:
+            # back the other way soon after a batch: that batch overshot, so this one moves at
+            # most half as many, and a split between the two is tried before either again
+            if count > max(1, last_count // 2):
+                count = max(1, last_count // 2)
+                why = f"{why}, {count} after a batch of {last_count} the other way"
+        self._last_batch = (want, count)
+        self._flips.extend([s.now] * count)
+        self._last_flip, self.flipping = s.now, True
+        return count, why
 
     @staticmethod
     def _decode_can_give(s: Signals, ttft: float | None, tpot: float | None, n: int) -> bool:
         """Whether n decode workers can go to prefill: the decode pool left, carrying the same
-        streams (TPOT pressure x d / (d - n)), would be less pressed than prefill is now. Live,
-        TTFT at 1.1-1.9 x SLO in a phase of long answers on 1P:2D read as a need for 2P; the
-        flip took TPOT from 1.0-1.3 x to 1.8-2.0 x SLO and the phase's attainment from 92% to
-        53-81%."""
+        streams (TPOT pressure x d / (d - n)), would be less pressed than prefill is now."""
         if tpot is None:
             return True
         d = s.decode_workers

@@ -2,7 +2,9 @@
 may run a request's prompt on the decode worker that will decode it, with no prefill leg and no
 KV transfer, when that is predicted to reach the first token sooner than the prefill pool.
 
-Legs.start asks `LocalPrefill.choose` once per leg, with what the pool already knows and no RPC:
+A pure rule, part of the planner because the planner moves its bound (max_prompt_tokens) and
+the simulator applies it too (tuning/sim_planner.py). The router's Legs.start asks
+`LocalPrefill.choose` once per leg, with what the pool already knows and no RPC:
 the prefill pool's backlog for this prompt (the least loaded prefill worker's prompt tokens in
 flight, plus this prompt's tokens it probably does not cache: router/affinity.py) and the decode
 pool's (the prompt tokens its least loaded worker is prefilling locally). The prompt goes local
