@@ -242,3 +242,24 @@ def test_the_router_reaches_its_http_front_only_where_it_starts_it():
         if any(n == HTTP_FRONT or n.startswith(HTTP_FRONT + ".") for n in names):
             bad.append(str(f.relative_to(ROOT)))
     assert not bad, f"modules of the router that import its HTTP front: {bad}"
+
+
+# Product code: every folder that installs (tests, benchmarks and experiments are not product).
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_product_function_is_longer_than_80_lines():
+    """A module may be as long as its one concept needs; a function may not: past a screen it is
+    several steps that want names. Counted from `def` to its last line, nested functions included
+    in their parent (and also counted alone)."""
+    long = [
+        f"{f.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+        for f in python_files(*INSTALLED)
+        if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, (
+        f"break these up by what they do (<= {MAX_FUNCTION_LINES} lines):\n" + "\n".join(long)
+    )
