@@ -69,7 +69,7 @@ class DropCounter(logging.Handler):
 
 @contextlib.contextmanager
 def deployment(data: dict, **up_kwargs):
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
 
     drops = DropCounter()

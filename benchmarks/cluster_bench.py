@@ -200,7 +200,7 @@ def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
     engine-alone numbers."""
     import grpc
 
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     import ray
 
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
 
     command = shlex.join(["python", "-m", "benchmarks.cluster_bench", *sys.argv[1:]])
     config = validate_config(deploy_dict(args, args.backends[0]))

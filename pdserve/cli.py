@@ -29,7 +29,8 @@ import sys
 import time
 
 from pdserve import client
-from pdserve.deploy.config import DTYPES, ConfigError, DeployConfig
+from pdserve.deploy.config.load import ConfigError
+from pdserve.deploy.config.schema import DTYPES, DeployConfig
 from pdserve.up_flags import Overrides, add_up_flags, json_flag, up_config
 
 

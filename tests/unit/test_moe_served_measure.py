@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.moe_decode import MOE_SHAPE, agreement
 from benchmarks.moe_served import decode_rate, kv_bytes, served_yaml
-from pdserve.deploy.config import validate_config
+from pdserve.deploy.config.load import validate_config
 
 
 def test_decode_rate_counts_the_tokens_after_every_request_has_its_first():

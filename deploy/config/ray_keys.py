@@ -1,7 +1,7 @@
-"""Validators of the deployment YAML's Ray placement keys (deploy/config.py calls them while it
+"""Validators of the deployment YAML's Ray placement keys (schema.py calls them while it
 validates a config): a pool's custom Ray resources (`pools.<pool>.resources` besides num_cpus and
 num_gpus) and its node label selector (`pools.<pool>.label_selector`). Each returns None for a
-valid value, else the message that config.py's ConfigError shows under the key; they keep no
+valid value, else the message that load.py's ConfigError shows under the key; they keep no
 state and start nothing (a label selector is judged by Ray's own validator, imported when one is
 set).
 """

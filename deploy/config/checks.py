@@ -1,10 +1,11 @@
 """Offline checks of a deployment config, run before anything starts: the pool shapes the workers
 refuse whatever the model (placement_problems) and what would keep a pool's workers from starting
-with a given model (fit_problems), both found without loading weights."""
+with a given model (fit_problems), both found without loading weights. `pdserve up` runs them
+before it starts Ray, and `pdserve tune` on the placement it writes; they keep no state and import the engine's defaults only when called."""
 
 from __future__ import annotations
 
-from pdserve.deploy.config import DeployConfig
+from pdserve.deploy.config.schema import DeployConfig
 
 
 def _mib(n: int) -> str:

@@ -1,6 +1,8 @@
-"""The deployment YAML: a frozen, validated schema (DeployConfig) and `load_config`, which names the
-file and the key in every error it raises. `pdserve up` loads one file at its start; the launcher
-and the pre-start checks then read the frozen result.
+"""The deployment YAML's keys as one frozen, validated schema (DeployConfig and its sections). The
+schema is built once, when `pdserve up` loads a file (load.py), and is then only read: by the
+launcher, the pre-start checks and the router it starts. Validators turn every mistake into a
+message under its key; files the YAML names are read here (files.py) so workers get bytes, not
+paths.
 
     model: smollm2
     pools:
@@ -9,11 +11,13 @@ and the pre-start checks then read the frozen result.
       # resources also take Ray custom resources ({num_cpus: 1, node2: 1}); label_selector: the
       # Ray node labels a pool's nodes must have ({kind: big-memory}); docs/ray-cluster.md
     router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file),
-                                             # metrics_keys_file (the /metrics scrape's own keys)
+                                             # metrics_keys_file (the /metrics scrape's own keys),
+                                             # local_prefill
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
                                   # (dashboard: true turns on a local Ray's dashboard)
     security: {cluster_secret_file: null, tls: null}   # between the deployment's own processes
+    planner: {enabled: false}     # role flips and local prefill moved while traffic shifts
 
 SecuritySettings.secret says where the cluster secret comes from, RouterSettings.client_keys the
 client API keys.
@@ -23,9 +27,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,33 +36,31 @@ from pydantic import (
     SecretStr,
     StrictFloat,
     StrictInt,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from pdserve.deploy.config_files import (  # noqa: F401 (re-exported: deploy.config is the schema)
+from pdserve.deploy.config.files import (
     API_KEYS_ENV,
     MAX_API_KEYS,
     SECRET_ENV,
+    CertFile,
+    KeyFile,
     KeysFile,
-    LoadedFile,
-    RouterTLS,
-    SecuritySettings,
-    _Frozen,
+    SecretFile,
+    check_secret,
     parse_api_keys,
 )
-from pdserve.deploy.config_planning import LocalPrefillSettings, PlannerSettings
-from pdserve.deploy.config_ray import custom_resource_problem, label_selector_problem
-from pdserve.deploy.files import read_text
-from pdserve.protos.security import check_api_key
+from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
+from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
 QUANTIZATIONS = (None, "int8", "int4", "auto")
 
 
-class ConfigError(ValueError):
-    """A deployment config that cannot be used; the message names the file and the key."""
+class _Frozen(BaseModel):
+    # strict: YAML gives real types, so "2" for an integer is a mistake worth reporting
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Resources(_Frozen):
@@ -184,6 +185,97 @@ class Pools(_Frozen):
         return self
 
 
+class LocalPrefillSettings(_Frozen):
+    """router.local_prefill (router/local_prefill.py): prompts of at most max_prompt_tokens run on
+    their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
+    + hop_tokens. 0: never (the default)."""
+
+    max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
+    cost: Annotated[float, Field(gt=0)] = 2.0
+    hop_tokens: Annotated[int, Field(ge=0)] = 64
+
+
+class ClusterTLS(_Frozen):
+    """Mutual TLS between the deployment's processes: every certificate signed by ca_file."""
+
+    ca_file: CertFile
+    cert_file: CertFile
+    key_file: KeyFile
+    server_name: str = ""  # the name in the certificates, when it is not the host dialled
+
+    def tls_config(self) -> TLSConfig:
+        return TLSConfig(
+            self.ca_file.data, self.cert_file.data, self.key_file.data, self.server_name
+        )
+
+
+class RouterTLS(_Frozen):
+    """TLS on the client-facing port; with ca_file, clients must show a certificate it signed.
+    It needs security.tls too, because the workers register through that port."""
+
+    cert_file: CertFile
+    key_file: KeyFile
+    ca_file: CertFile | None = None
+
+    def tls_config(self) -> TLSConfig:
+        return TLSConfig(
+            self.ca_file.data if self.ca_file else b"", self.cert_file.data, self.key_file.data
+        )
+
+
+class SecuritySettings(_Frozen):
+    """Security between the deployment's own processes. Secret and PEM files are read when the
+    config is loaded, relative to the YAML file's folder."""
+
+    cluster_secret: SecretStr | None = None  # SecretStr: a repr or log line shows ******
+    cluster_secret_file: SecretFile | None = None
+    tls: ClusterTLS | None = None
+
+    @field_validator("cluster_secret")
+    @classmethod
+    def _secret_length(cls, v):
+        if v is not None:
+            check_secret(v.get_secret_value(), "")
+        return v
+
+    @field_validator("cluster_secret_file")
+    @classmethod
+    def _file_secret(cls, v):
+        if v is None:
+            return v
+        try:
+            text = v.data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{v.path} must hold the secret as UTF-8 text") from None
+        check_secret(text, f"the secret in {v.path} ")
+        return v
+
+    @model_validator(mode="after")
+    def _one_secret(self):
+        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+            raise ValueError("set cluster_secret or cluster_secret_file, not both")
+        return self
+
+    def secret(self, environ=os.environ) -> tuple[str | None, str]:
+        """(the cluster secret, which setting gave it); (None, "") when none did, and then
+        `pdserve up` makes a fresh one. The first found wins: cluster_secret_file, cluster_secret,
+        then the environment's PDSERVE_CLUSTER_SECRET. The file wins over the environment because
+        it is the reviewed description of the deployment; the environment is for a secret that
+        should be in no file. Every worker gets the secret from `up` with its config."""
+        if self.cluster_secret_file is not None:
+            return (
+                self.cluster_secret_file.data.decode().strip(),
+                f"security.cluster_secret_file ({self.cluster_secret_file.path})",
+            )
+        if self.cluster_secret is not None:
+            return self.cluster_secret.get_secret_value(), "security.cluster_secret"
+        value = environ.get(SECRET_ENV, "").strip()
+        return (value, SECRET_ENV) if value else (None, "")
+
+    def cluster_security(self, secret: str) -> ClusterSecurity:
+        return ClusterSecurity(secret, self.tls.tls_config() if self.tls else None)
+
+
 class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
@@ -305,6 +397,25 @@ class RaySettings(_Frozen):
         return self
 
 
+class PlannerSettings(_Frozen):
+    """`planner:` (router/planner.py): moves the prefill:decode split while traffic shifts, by
+    role flips and local prefill, to keep the SLO (p90 TTFT and TPOT). Off unless enabled."""
+
+    enabled: bool = False
+    ttft_s: Annotated[float, Field(gt=0)] = 1.0
+    tpot_s: Annotated[float, Field(gt=0)] = 0.1
+    interval_s: Annotated[float, Field(gt=0)] = 5.0
+    window_s: Annotated[float, Field(gt=0)] = 15.0
+    margin: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    sustain: Annotated[int, Field(ge=1)] = 2
+    cooldown_s: Annotated[float, Field(ge=0)] = 30.0
+    max_flips_per_min: Annotated[int, Field(ge=0)] = 8
+    kv_high: Annotated[float, Field(gt=0, le=1)] = 0.9
+    local_step: Annotated[int, Field(ge=0)] = 64
+    local_cap: Annotated[int, Field(ge=0)] = 1024  # 0: the planner never prefills locally
+    prefill_use: Annotated[float, Field(gt=0, le=1)] = 0.95  # sizes a batch of flips
+
+
 class DeployConfig(_Frozen):
     # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
     model: Annotated[str, Field(min_length=1)] = "smollm2"
@@ -372,105 +483,3 @@ class DeployConfig(_Frozen):
         spec = pool.speculative_config
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
         return kwargs
-
-
-def _key(loc: tuple) -> str:
-    # pydantic appends the union member it tried ("int", "float") to the location: not a key
-    parts = [str(p) for p in loc if p not in ("int", "float", "none", "str")]
-    return ".".join(parts) or "(top level)"
-
-
-def _message(err: dict) -> str:
-    if err["type"] == "extra_forbidden":
-        return "unknown key"
-    msg = err["msg"]
-    for prefix in ("Value error, ", "Assertion failed, "):
-        msg = msg.removeprefix(prefix)
-    given = err.get("input")
-    if {"cluster_secret", "api_keys"} & set(err["loc"]):  # never echo a secret, not a wrong one
-        return msg
-    if err["type"] not in ("missing",) and not isinstance(given, (dict, list)):
-        msg += f" (got {given!r})"
-    return msg
-
-
-def _allowed_keys(loc: tuple) -> list[str]:
-    """The keys that are valid where an unknown key `loc` was found."""
-    model: type[BaseModel] = DeployConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        # X | None: the model inside
-        options = (
-            [
-                a
-                for a in (get_args(field.annotation) or (field.annotation,))
-                if field and isinstance(a, type) and issubclass(a, BaseModel)
-            ]
-            if field
-            else []
-        )
-        if not options:
-            return []
-        model = options[0]
-    return sorted(model.model_fields)
-
-
-def validate_config(
-    data: dict, source: str = "<config>", base_dir: str | pathlib.Path = "."
-) -> DeployConfig:
-    """A DeployConfig from plain data, or a ConfigError naming `source` and each bad key; files
-    the config names are read relative to `base_dir`."""
-    try:
-        config = DeployConfig.model_validate(data, context={"base_dir": str(base_dir)})
-    except ValidationError as e:
-        lines, seen = [], set()
-        for err in e.errors():
-            key = _key(err["loc"])
-            if key in seen:  # a Union reports once per member: the first says enough
-                continue
-            seen.add(key)
-            line = f"{source}: {key}: {_message(err)}"
-            if err["type"] == "extra_forbidden":
-                allowed = _allowed_keys(err["loc"])
-                if allowed:
-                    line += f"; allowed here: {', '.join(allowed)}"
-            lines.append(line)
-        raise ConfigError("\n".join(lines)) from None
-    if config.router.tls is not None and config.security.tls is None:
-        # workers register on the router's one port: plaintext would not get through its TLS
-        raise ConfigError(
-            f"{source}: router.tls: the workers register through the router's "
-            f"TLS port, so set security.tls too, its ca_file being the CA that "
-            f"signed router.tls.cert_file"
-        )
-    return config
-
-
-def load_config(path: str | pathlib.Path | None) -> DeployConfig:
-    """The deployment in the YAML file at `path`; None gives the defaults (SmolLM2, one prefill and
-    one decode worker, tp 1, a local Ray)."""
-    if path is None:
-        return DeployConfig()
-    return validate_config(read_config_data(path), str(path), pathlib.Path(path).parent)
-
-
-def read_config_data(path: str | pathlib.Path) -> dict:
-    """The YAML file at `path` as plain data, not yet validated (`pdserve up`'s flags go over it
-    first: pdserve/up_flags.py); a ConfigError naming the file when it is not a YAML mapping."""
-    name = str(path)
-    text = read_text(path, ConfigError)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{name}: {where}YAML syntax error: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{name}: the top level must be a mapping of keys "
-            f"(model, pools, router, ...), got {type(data).__name__}"
-        )
-    return data
