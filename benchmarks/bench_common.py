@@ -1,4 +1,4 @@
-"""Helpers shared by the two sides of benchmarks/engine_bench.py and its orchestrating parent process:
+"""Helpers shared by the two sides of benchmarks/engine/bench.py and its orchestrating parent process:
 the deterministic random-token prompts and their seeds, memory snapshots, machine info, and the CPU
 contention monitor that records how much CPU other processes used while a section was measured;
 and what the bench scripts share: their result header and file, their parser and common options.
@@ -126,7 +126,7 @@ def machine_info(threads: int) -> dict:
 
 
 def side_result(side: str, threads: int) -> dict:
-    """The opening fields of one side's result (engine_bench_hf.py, engine_bench_pdserve.py),
+    """The opening fields of one side's result (engine/bench.py's run_hf and run_pdserve),
     taken once torch's threads are set and the side's imports are done."""
     return {"side": side, "machine": machine_info(threads), "memory_start": memory_snapshot()}
 

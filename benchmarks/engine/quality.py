@@ -1,7 +1,7 @@
 """Quality per serving mode: perplexity on real text and greedy agreement with float32.
 
-  python -m benchmarks.quality                          # float32, bfloat16, int8, int4: ~10 min on 2 cores
-  python -m benchmarks.quality --modes float32 --tokens 4096
+  python -m benchmarks.engine.quality                          # float32, bfloat16, int8, int4: ~10 min on 2 cores
+  python -m benchmarks.engine.quality --modes float32 --tokens 4096
 
 Corpus: the Python Language Reference topics that every CPython ships for `help()`
 (`pydoc_data.topics.topics`: English technical prose, offline on every machine, and the same for
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         r["bound"] = bound
         r["pass"] = None if bound is None else r["perplexity_vs_float32"] <= bound
     report = {
-        **run_header("benchmarks.quality", argv),
+        **run_header("benchmarks.engine.quality", argv),
         "threads": args.threads,
         "corpus": f"pydoc_data.topics of Python {platform.python_version()}, sorted topics, "
         f"first {args.tokens} tokens, windows of {args.window} prefilled {args.chunk} tokens per step",

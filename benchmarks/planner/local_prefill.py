@@ -2,8 +2,8 @@
 near saturation on the azure_conv trace, with the router sending some prompts to their decode
 worker (router.local_prefill) against always disaggregated, and TPOT P90 against the SLO.
 
-  python -m benchmarks.local_prefill                         # 3 runs per mode, ~12 minutes
-  python -m benchmarks.local_prefill --runs 1 --num-requests 60
+  python -m benchmarks.planner.local_prefill                         # 3 runs per mode, ~12 minutes
+  python -m benchmarks.planner.local_prefill --runs 1 --num-requests 60
 
 One deployment of the embedded SmolLM2 (the README's example: one prefill and one decode worker,
 one core each, `deploy.launcher.up()`); the router runs in this process, so the mode changes
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     args = Args(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)})
     t0 = time.perf_counter()
-    out = {**run_header("benchmarks.local_prefill", argv), **run(args)}
+    out = {**run_header("benchmarks.planner.local_prefill", argv), **run(args)}
     out["took_s"] = round(time.perf_counter() - t0, 1)
     write_result(ns.out, out)
     log(f"wrote {ns.out}")

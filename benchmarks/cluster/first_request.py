@@ -1,7 +1,7 @@
 """The first request after `ready` against the ones after it, through the default deployment.
 
-  python -m benchmarks.first_request                 # 2 deployments on the cache, 2 on an empty one
-  python -m benchmarks.first_request --deployments 1 --later 3 --caches warm
+  python -m benchmarks.cluster.first_request                 # 2 deployments on the cache, 2 on an empty one
+  python -m benchmarks.cluster.first_request --deployments 1 --later 3 --caches warm
 
 Each deployment is `deploy/examples/local-cpu.yaml` started with `deploy.launcher.up()` (what
 `pdserve up` runs; it returns once every worker has registered, which is when `pdserve up` prints
@@ -107,7 +107,7 @@ def hf_one_stream(args) -> dict:
     import subprocess
 
     code = (
-        "import json; from benchmarks.engine_bench_hf import one_stream_tok_s; "
+        "import json; from benchmarks.engine.bench import one_stream_tok_s; "
         f"print(json.dumps(one_stream_tok_s('smollm2', 2, {args.prompt_len:d}, {args.max_tokens:d})))"
     )
     out = subprocess.run(
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     hf = hf_one_stream(args) if args.hf else None
     report = {
-        **bc.run_header("benchmarks.first_request", argv),
+        **bc.run_header("benchmarks.cluster.first_request", argv),
         "hf_one_stream": hf,
         "deployments": [
             run_deployment(args, i, cache)

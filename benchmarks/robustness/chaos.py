@@ -1,8 +1,8 @@
 """Chaos runs against a real deployment: `deploy.launcher.up()` (what `pdserve up` runs) of the
 embedded SmolLM2 on this machine, with clients, probes and abusers in processes of their own.
 
-  python -m benchmarks.chaos                       # every part, ~20 min on 2 cores
-  python -m benchmarks.chaos --parts a,c --requests 100
+  python -m benchmarks.robustness.chaos                       # every part, ~20 min on 2 cores
+  python -m benchmarks.robustness.chaos --parts a,c --requests 100
 
 Parts (issue #14's must-show; tests/chaos/ runs the same at CI scale on a tiny model), each
 described in its function:
@@ -11,9 +11,9 @@ described in its function:
   d  a second `pdserve up` on the same port, then kill -9 of the only decode worker
   e  kill -9 of a decode and of a prefill worker while a survivor of each serves
   h  SIGSTOP of a decode worker (1P+2D) and of a prefill worker (2P+1D) for 120 s under 32
-     streams (benchmarks/chaos_hangs.py)
+     streams (benchmarks/robustness/chaos_hangs.py)
   s  kill -9 of a decode worker 5 times with the shm backend: pools in /dev/shm and the prefill
-     worker's maps (benchmarks/chaos_shm.py)
+     worker's maps (benchmarks/robustness/chaos_shm.py)
 Writes benchmarks/results/chaos.json (machine, commit, command, every figure).
 """
 
@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 
-from benchmarks import chaos_hangs, chaos_shm
 from benchmarks.bench_common import (
     REPO_ROOT,
     add_out_arg,
@@ -58,6 +57,7 @@ from benchmarks.chaos_harness import (
     wait_kv_free,
     wait_replaced,
 )
+from benchmarks.robustness import chaos_hangs, chaos_shm
 
 
 # ---- a: cancellation storm ----------------------------------------------------------------------
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
     )
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     report = {
-        **run_header("benchmarks.chaos", argv),
+        **run_header("benchmarks.robustness.chaos", argv),
         "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml",
     }
     if os.path.exists(args.out):  # parts not run this time keep their last figures

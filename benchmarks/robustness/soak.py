@@ -1,8 +1,8 @@
 """A long run at a steady rate against a real deployment: does the memory of the router and of the
 workers stay flat? (issue #26: the router's RSS rose about 1.5 MB per 1,000 requests.)
 
-  python -m benchmarks.soak --minutes 60 --rate 1.5                 # the must-show run
-  python -m benchmarks.soak --minutes 13 --tracemalloc 3,12.5 --out /tmp/soak_tm.json   # what grows
+  python -m benchmarks.robustness.soak --minutes 60 --rate 1.5                 # the must-show run
+  python -m benchmarks.robustness.soak --minutes 13 --tracemalloc 3,12.5 --out /tmp/soak_tm.json   # what grows
 
 It starts `deploy/examples/local-cpu.yaml` with `deploy.launcher.up()` (what `pdserve up` runs) on
 the embedded SmolLM2, one prefill and one decode worker; the router runs in this process, so its
@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     )
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     report = {
-        **run_header("benchmarks.soak", argv),
+        **run_header("benchmarks.robustness.soak", argv),
         "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml",
         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

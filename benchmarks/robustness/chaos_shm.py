@@ -1,4 +1,4 @@
-"""Part s of the chaos benchmark (benchmarks/chaos.py): the shm KV backend's pools across decode
+"""Part s of the chaos benchmark (benchmarks/robustness/chaos.py): the shm KV backend's pools across decode
 worker deaths.
 
 With `kvtransfer.backend: shm`, a decode worker's KV pool is a file under /dev/shm that the
@@ -9,7 +9,7 @@ supervisor replaces it. Counted before the first kill and after each replacement
 under /dev/shm and their bytes, /dev/shm's used bytes, and the distinct pool files the prefill
 worker maps (/proc/PID/maps). The must-show: all back to their start after the last kill.
 
-  python -m benchmarks.chaos --parts s
+  python -m benchmarks.robustness.chaos --parts s
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The engine on a CUDA GPU against HF transformers on the same GPU, and against the HBM floor.
 
-    python -m benchmarks.gpu_bench --out gpu.json                       # every section
-    python -m benchmarks.gpu_bench --sections ceilings,floor8b --out x.json
-    python -m benchmarks.gpu_bench --gguf PATH --sections smollm2 ...   # SmolLM2 from a GGUF
+    python -m benchmarks.engine.gpu --out gpu.json                       # every section
+    python -m benchmarks.engine.gpu --sections ceilings,floor8b --out x.json
+    python -m benchmarks.engine.gpu --gguf PATH --sections smollm2 ...   # SmolLM2 from a GGUF
 
 Sections (each writes its results into the JSON as it finishes; an error is recorded and the next
 section still runs):

@@ -1,10 +1,10 @@
 """Speculative decoding through `pdserve up` (issue #31, must-show e and the served part of a; the
-engine-level figures are benchmarks/spec_decode.py's).
+engine-level figures are benchmarks/engine/spec_decode.py's).
 
-  python -m benchmarks.spec_served                   # ~7 min on 2 cores
-  python -m benchmarks.spec_served --wait-idle 120   # first wait for a quiet CPU, each deployment
-  python -m benchmarks.spec_served --methods ngram   # no speculation and ngram only
-  python -m benchmarks.spec_served --quick --out /tmp/spec_served_quick.json   # smoke run
+  python -m benchmarks.engine.spec_served                   # ~7 min on 2 cores
+  python -m benchmarks.engine.spec_served --wait-idle 120   # first wait for a quiet CPU, each deployment
+  python -m benchmarks.engine.spec_served --methods ngram   # no speculation and ngram only
+  python -m benchmarks.engine.spec_served --quick --out /tmp/spec_served_quick.json   # smoke run
 
 Starts `pdserve up` three times on the embedded default model (smollm2, dtype "auto": the default
 mode), each as a child process with one prefill and one decode worker of one reserved core and one
@@ -19,13 +19,13 @@ router's gRPC address and HTTP URL from the child's stdout and, per deployment:
     (engine/spec_gate.py) has measured one stream's step costs; before (2), the 32 at once for 16
     tokens. (No prompt is prefilled alone first: how a prompt's prefill is cut into chunks, which
     concurrent arrivals change, no longer changes its outputs, and the comparison shows it.)
-(1) one stream at a time over --prompts copy tasks (benchmarks/spec_tasks.py: edit code, quote
+(1) one stream at a time over --prompts copy tasks (benchmarks/engine/spec_tasks.py: edit code, quote
     text, summarize text), greedy, max_tokens --new, as gRPC `Generate` with chat messages (the
     router applies the model's chat template; every delta carries token ids, timestamped on
     arrival). Decode tok/s per prompt = tokens after the first delta / (last delta's arrival -
     first's); over all prompts, the sums of both;
 (2) 32 concurrent streams (copy_tasks(32), greedy, max_tokens --new32), one client thread each,
-    released together; decode tok/s as benchmarks/moe_served.decode_rate: tokens received after
+    released together; decode tok/s as chaos_harness.decode_rate: tokens received after
     the last request's first token / the time from then to the last token;
 (3) on a speculating deployment, (1) and (2) run twice: first with every request opted out
     (SamplingParams.speculative = false), then speculating; the "paired" ratio compares the two
@@ -73,9 +73,9 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
-from benchmarks.moe_served import START_TIMEOUT_S, decode_rate, popen_up, stop_up
-from benchmarks.spec_decode import DRAFT, NGRAM
-from benchmarks.spec_tasks import compare_tokens, copy_tasks
+from benchmarks.chaos_harness import START_TIMEOUT_S, decode_rate, popen_up, stop_up
+from benchmarks.engine.spec_decode import DRAFT, NGRAM
+from benchmarks.engine.spec_tasks import compare_tokens, copy_tasks
 
 METHODS = {"off": None, "ngram": NGRAM, "draft": DRAFT}
 DECODE_KV_BYTES = 2 << 30  # 32 sequences of ~600 prompt + 128 new tokens fit twice in float32
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     tasks = copy_tasks(max(args.streams, args.prompts + 2))
     tasks1, warm = tasks[: args.prompts], tasks[args.prompts : args.prompts + 2]
     tasks32 = tasks[: args.streams]
-    report = run_header("benchmarks.spec_served", argv)
+    report = run_header("benchmarks.engine.spec_served", argv)
     report.update(
         prompts=args.prompts, new=args.new, new32=args.new32, streams=args.streams,
         model="smollm2", dtype=args.dtype, deployments={}, idle_waits={},

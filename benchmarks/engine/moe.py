@@ -1,9 +1,9 @@
 """Mixture-of-experts decode throughput, engine vs HF transformers (issue #29, must-show b).
 
-  python -m benchmarks.moe_decode              # ~5-6 min on 2 cores
-  python -m benchmarks.moe_decode --quick --out /tmp/moe_quick.json   # smoke run: 8 x 16 tokens
-  python -m benchmarks.moe_decode --wait-idle 300   # first wait for a quiet CPU, each side
-  python -m benchmarks.moe_decode --no-served       # engine and HF only
+  python -m benchmarks.engine.moe              # ~5-6 min on 2 cores
+  python -m benchmarks.engine.moe --quick --out /tmp/moe_quick.json   # smoke run: 8 x 16 tokens
+  python -m benchmarks.engine.moe --wait-idle 300   # first wait for a quiet CPU, each side
+  python -m benchmarks.engine.moe --no-served       # engine and HF only
 
 The model: `build_moe_model(path)` saves a random-weight Mixtral (MixtralForCausalLM; HF's own
 initialization, seed 0) of a realistic-but-CPU-sized shape, MOE_SHAPE below (hidden 512, 8
@@ -15,13 +15,13 @@ decode greedily, torch at --threads threads, in this one process (engine first, 
 (1) The engine: LLM(DIR) (float32, block 16, prefix cache on), N requests of P prompt tokens
 added at once (deterministic random ids, distinct prompts), `step()` until done, each step
 timestamped. Decode tok/s = tokens made after the step at which every request has its first
-token / the time of those steps (engine_bench.py's measure).
+token / the time of those steps (engine/bench.py's measure).
 (2) HF: `model.generate` on the N prompts batched (equal lengths, no padding), greedy,
 max_new_tokens = min_new_tokens = M. Decode tok/s = N * (M - 1) / (t_total - t_prefill), with
-t_prefill the median time of the same call with max_new_tokens=1 (engine_bench.py's measure);
+t_prefill the median time of the same call with max_new_tokens=1 (engine/bench.py's measure);
 the per-step timestamps of a logits processor give a median-step figure too. HF's experts run
 as transformers picks by default (recorded: `experts_implementation`).
-(3) Served (benchmarks/moe_served.py, unless --no-served): `pdserve up --model DIR` with one
+(3) Served (run_served, unless --no-served): `pdserve up --model DIR` with one
 prefill and one decode worker, each on 1 reserved core with --worker-threads torch threads (1),
 the N prompts sent at once over gRPC, one stream each. Decode tok/s = tokens received after every
 request has its first token / the time from that moment to the last token (the engine's measure,
@@ -41,12 +41,18 @@ deployment's settings, and the summary ("summary": tok/s of each side, the ratio
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import sys
+import tempfile
+import threading
 import time
 
 from benchmarks.bench_common import (
     SEED_DECODE,
     SEED_WARMUP,
     CpuMonitor,
+    TreeCpuMonitor,
     add_out_arg,
     add_wait_idle_arg,
     log,
@@ -57,6 +63,7 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
+from benchmarks.chaos_harness import START_TIMEOUT_S, decode_rate, popen_up, router_address, stop_up
 
 MOE_SHAPE = dict(
     hidden_size=512,
@@ -263,6 +270,137 @@ def summarize(report: dict) -> dict:
     return out
 
 
+# ---- served: the MoE model behind `pdserve up --model DIR` ----------------------------------
+def kv_bytes(model_keys: dict, tokens: int, dtype_bytes: int = 4) -> int:
+    """KV-cache bytes for `tokens` tokens of a model with these config keys."""
+    head_dim = model_keys.get("head_dim") or (
+        model_keys["hidden_size"] // model_keys["num_attention_heads"]
+    )
+    per_token = 2 * model_keys["num_hidden_layers"] * model_keys["num_key_value_heads"] * head_dim
+    return per_token * dtype_bytes * tokens
+
+
+def served_yaml(kv_cache_memory: int, threads: int, ray_tmp: str) -> dict:
+    """The deployment YAML's keys that have no `pdserve up` flag (the model goes by --model)."""
+    pool = {
+        "resources": {"num_cpus": 1},
+        "num_threads": threads,
+        "kv_cache_memory": kv_cache_memory,
+    }
+    return {
+        "pools": {"prefill": dict(pool), "decode": dict(pool)},
+        "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+    }
+
+
+def stream(stub, pb, ids: list[int], new: int, start: threading.Barrier | None = None):
+    """One greedy Generate stream: [(arrival time, token ids)] per delta."""
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True),
+    )
+    if start is not None:
+        start.wait()
+    deltas = []
+    for resp in stub.Generate(request, timeout=600):
+        if resp.HasField("delta"):
+            deltas.append((time.perf_counter(), list(resp.delta.token_ids)))
+    return deltas
+
+
+def run_served(
+    model_dir: str, model_keys: dict, prompts: list[list[int]], new: int, threads: int = 1
+) -> dict:
+    """The served side: starts `pdserve up --model DIR --prefill-replicas 1 --decode-replicas 1
+    --port 0 --http-port off --dtype float32 --max-model-len P+M` as a child process
+    (chaos_harness.popen_up), with a small YAML for what has no flag (served_yaml: each pool's
+    num_threads, resources and kv_cache_memory, sized for N sequences of P + M tokens plus a block
+    each; a local Ray of 2 CPUs under a short temp dir). It reads the router's address from the
+    child's stdout, warms the deployment with two short requests, sends the N prompts at once
+    (one thread and one greedy Generate stream each, every delta timestamped), and stops the child
+    with SIGTERM. Decode tok/s: chaos_harness.decode_rate."""
+    import grpc
+    import yaml
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+
+    n, p = len(prompts), max(len(x) for x in prompts)
+    block = 16
+    tokens = n * (-(-(p + new) // block) + 1) * block  # each sequence's blocks, plus one
+    kv = kv_bytes(model_keys, tokens)
+    ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
+    work = tempfile.mkdtemp(prefix="moe-served-")
+    config = served_yaml(kv, threads, ray_tmp)
+    config_path = os.path.join(work, "served.yaml")
+    with open(config_path, "w") as f:
+        yaml.safe_dump(config, f)
+    command = [
+        sys.executable, "-m", "pdserve", "up", config_path, "--model", model_dir,
+        "--prefill-replicas", "1", "--decode-replicas", "1", "--port", "0",
+        "--http-port", "off", "--dtype", "float32", "--max-model-len", str(p + new),
+    ]  # fmt: skip
+    settings = {
+        "command": " ".join(["pdserve", *command[3:]]),
+        "yaml": config,
+        "kv_cache_tokens_per_pool": tokens,
+        "worker_threads": threads,
+        "note": "prefill and decode workers: 1 reserved core and `worker_threads` torch threads "
+        "each; the router runs in the `pdserve up` process, the client threads in this one",
+    }
+    err_path = os.path.join(work, "up.err")
+    t0 = time.perf_counter()
+    with open(err_path, "w") as err:
+        up = popen_up(command, err)
+    try:
+        address = router_address(up, START_TIMEOUT_S)
+        start_s = time.perf_counter() - t0
+        log(f"served: `pdserve up` ready on {address} after {start_s:.0f} s")
+        with grpc.insecure_channel(address) as channel:
+            stub = pdserve_pb2_grpc.PDServeStub(channel)
+            for ids in vocab_prompts(SEED_WARMUP, 2, 16):  # warm-up, as the engine side's
+                stream(stub, pb, ids, 4)
+            barrier = threading.Barrier(n + 1)
+            results: list = [None] * n
+
+            def client(i: int) -> None:
+                try:
+                    results[i] = stream(stub, pb, prompts[i], new, barrier)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    results[i] = e
+
+            workers = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+            for w in workers:
+                w.start()
+            mon = TreeCpuMonitor()
+            barrier.wait()
+            t_start = time.perf_counter()
+            for w in workers:
+                w.join()
+            cpu = mon.stop()
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise RuntimeError(f"{len(failed)}/{n} served requests failed: {failed[0]!r}")
+        out = {
+            "settings": settings,
+            "start_s": start_s,
+            **decode_rate(results, t_start),
+            "deltas_per_request": [len(r) for r in results],
+            "cpu": cpu,
+            "output_token_ids": [[t for _, toks in r for t in toks] for r in results],
+        }
+        out["e2e_tok_s"] = sum(len(x) for x in out["output_token_ids"]) / out["t_total_s"]
+        return out
+    except BaseException:
+        stop_up(up)
+        with open(err_path) as f:
+            log(f"served: `pdserve up` stderr (tail):\n{f.read()[-4000:]}")
+        raise
+    finally:
+        stop_up(up)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
@@ -284,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.requests, args.new_tokens = 8, 16
     torch.set_num_threads(args.threads)
-    report = run_header("benchmarks.moe_decode", argv)
+    report = run_header("benchmarks.engine.moe", argv)
     report["machine"] = machine_info(args.threads)
     n, p, m = args.requests, args.prompt_len, args.new_tokens
     report["setup"] = {
@@ -308,8 +446,6 @@ def main(argv: list[str] | None = None) -> int:
         report["engine"] = run_engine(model_dir, prompts, m)
         gc.collect()
         if not args.no_served:
-            from benchmarks.moe_served import run_served
-
             if args.worker_threads != args.threads:
                 wait("engine_worker_threads")
                 log(f"engine again at the workers' {args.worker_threads} thread(s) ...")

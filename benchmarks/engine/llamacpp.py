@@ -1,4 +1,4 @@
-"""The llama.cpp side of benchmarks/engine_bench.py (`--side llamacpp`): one stream on the same GGUF
+"""The llama.cpp side of benchmarks/engine/bench.py (`--side llamacpp`): one stream on the same GGUF
 file with the same threads, through llama-cpp-python.
 
 When llama-cpp-python is absent, `ensure_llama_cpp()` builds it from its sdist (a few minutes on 2

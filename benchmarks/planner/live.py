@@ -1,10 +1,10 @@
 """The planner live on this machine against each static split, and the simulator's prediction of
 the same runs (issue #27, must-shows c and d).
 
-  python -m benchmarks.planner_live                     # 3 runs of 3 modes, ~45 min on 2 cores
-  python -m benchmarks.planner_live --sim-only --k 0.2,0.3,0.4   # pick a rate: the simulator only
-  python -m benchmarks.planner_live --runs 1 --phase-s 40        # a quick look
-  python -m benchmarks.planner_live --modes planner --keep-runs old.json   # rerun one mode
+  python -m benchmarks.planner.live                     # 3 runs of 3 modes, ~45 min on 2 cores
+  python -m benchmarks.planner.live --sim-only --k 0.2,0.3,0.4   # pick a rate: the simulator only
+  python -m benchmarks.planner.live --runs 1 --phase-s 40        # a quick look
+  python -m benchmarks.planner.live --modes planner --keep-runs old.json   # rerun one mode
 
 Workload: a workload-shift trace (--trace, default the shipped shift_code_conv_reason: code
 completion, then conversation, then short prompts with long answers), each phase retimed to
@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     add_out_arg(p, "planner_live.json")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    out = run_header("benchmarks.planner_live", argv)
+    out = run_header("benchmarks.planner.live", argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.profile:
             with open(args.profile) as f:

@@ -1,4 +1,4 @@
-"""The report of benchmarks/engine_bench.py: the two sides' results combined into one JSON report with
+"""The report of benchmarks/engine/bench.py: the two sides' results combined into one JSON report with
 its summary against the targets (combine, modes_summary), and that report rendered as the markdown
 tables the script prints (render, render_modes)."""
 

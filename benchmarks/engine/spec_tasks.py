@@ -1,5 +1,5 @@
-"""Copy-heavy prompts for the speculative decoding benchmarks (benchmarks/spec_decode.py,
-benchmarks/spec_served.py): edit a given piece of code, quote a given text, summarize a given
+"""Copy-heavy prompts for the speculative decoding benchmarks (benchmarks/engine/spec_decode.py,
+benchmarks/engine/spec_served.py): edit a given piece of code, quote a given text, summarize a given
 text. Their material is this repository's own files (so nothing is downloaded and every run sees
 the same text), cut at line boundaries; `copy_tasks(n)` returns n chat messages, cycling over the
 three kinds with different stretches of text, ready for the tokenizer's chat template.

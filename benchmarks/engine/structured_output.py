@@ -1,7 +1,7 @@
 """Must-show b of issue #30 item 2: structured output through `pdserve up`.
 
-    python -m benchmarks.structured_output [--requests 200] [--concurrency 8] [--max-tokens 600]
-    python -m benchmarks.structured_output --router HOST:PORT --http http://HOST:PORT   # running
+    python -m benchmarks.engine.structured_output [--requests 200] [--concurrency 8] [--max-tokens 600]
+    python -m benchmarks.engine.structured_output --router HOST:PORT --http http://HOST:PORT   # running
 
 Starts the cluster `pdserve up` starts (experiments/http_cluster.py, --cluster up: a local Ray,
 one prefill and one decode worker of the embedded smollm2), then:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     add_out_arg(ap, "structured_output.json")
     http_cluster.add_args(ap)
     args = ap.parse_args(argv)
-    report = {**run_header("benchmarks.structured_output", argv), "machine": machine_info(1)}
+    report = {**run_header("benchmarks.engine.structured_output", argv), "machine": machine_info(1)}
     cluster, _, http, how = http_cluster.open_cluster(args)
     report["cluster"] = how
     router = cluster.router if cluster is not None else None

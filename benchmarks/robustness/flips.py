@@ -5,8 +5,8 @@ operators' command (`pdserve ctl flip`, a process of its own, with the cluster s
 file). A cycle of four flips moves decode-1 to prefill, prefill-0 to decode, then both back, so
 both kinds of worker drain and switch; the pools never hold fewer than one worker each.
 
-  python -m benchmarks.flips                       # 20 flips, about 4 minutes on 2 cores
-  python -m benchmarks.flips --flips 4 --pause-s 2
+  python -m benchmarks.robustness.flips                       # 20 flips, about 4 minutes on 2 cores
+  python -m benchmarks.robustness.flips --flips 4 --pause-s 2
 
 First a clean run: every prompt once, no flips, for the tokens each stream must have. Then the
 flip run. What it records: each flip's drain and switch time as the router measured them (the
@@ -35,7 +35,6 @@ from benchmarks.bench_common import (
     script_parser,
     write_result,
 )
-from benchmarks.chaos_hangs import timed_loop
 from benchmarks.chaos_harness import (
     Child,
     deployment,
@@ -45,6 +44,7 @@ from benchmarks.chaos_harness import (
     run_streams,
     wait_kv_free,
 )
+from benchmarks.robustness.chaos_hangs import timed_loop
 
 CONCURRENCY = 32
 CYCLE = (("decode-1", "prefill"), ("prefill-0", "decode"), ("prefill-0", "prefill"))
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     add_out_arg(p, "flips.json")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    out = {**run_header("benchmarks.flips", argv), **run(args)}
+    out = {**run_header("benchmarks.robustness.flips", argv), **run(args)}
     out["took_s"] = round(time.perf_counter() - t0, 1)
     write_result(args.out, out)
     log(f"wrote {args.out}")

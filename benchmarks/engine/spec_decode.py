@@ -1,11 +1,11 @@
 """Speculative decoding in the engine, with and without, on copy-heavy prompts (issue #31,
-must-shows a, c and d; the served figures are benchmarks/spec_served.py's).
+must-shows a, c and d; the served figures are benchmarks/engine/spec_served.py's).
 
-  python -m benchmarks.spec_decode                  # ~6 min on 2 cores
-  python -m benchmarks.spec_decode --wait-idle 300  # first wait for a quiet CPU, each pair
-  python -m benchmarks.spec_decode --quick --out /tmp/spec_quick.json
+  python -m benchmarks.engine.spec_decode                  # ~6 min on 2 cores
+  python -m benchmarks.engine.spec_decode --wait-idle 300  # first wait for a quiet CPU, each pair
+  python -m benchmarks.engine.spec_decode --quick --out /tmp/spec_quick.json
 
-The model is the embedded default (SmolLM2-135M-Instruct), the prompts benchmarks/spec_tasks.py's
+The model is the embedded default (SmolLM2-135M-Instruct), the prompts benchmarks/engine/spec_tasks.py's
 (edit a given piece of code, quote a given text, summarize a given text) in its chat template,
 greedy. Each pair builds two engines side by side in this one process, without speculation and
 with it, torch at --threads threads, and runs the same workloads on both, alternating between
@@ -45,7 +45,7 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
-from benchmarks.spec_tasks import compare_tokens, copy_tasks
+from benchmarks.engine.spec_tasks import compare_tokens, copy_tasks
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 DRAFT = {
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_tokenizer(resolve_model("smollm2"))
     prompts1 = _prompts(tok, args.prompts)
     prompts32 = [] if args.no_32 else _prompts(tok, 8 if args.quick else 32)
-    report = run_header("benchmarks.spec_decode", argv)
+    report = run_header("benchmarks.engine.spec_decode", argv)
     report.update(threads=args.threads, new=args.new, new32=args.new32, rounds=args.rounds)
     report["pairs"] = {}
     summary = {}

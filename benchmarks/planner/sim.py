@@ -35,9 +35,9 @@ rate and lengths: the planner's time constants (5 s decisions, 30 s window and c
 stay as they are and every phase still lasts several cooldowns, while a simulation holds a third of
 the requests. --phase-s 0 simulates the phases at their full length.
 
-  python -m benchmarks.planner_sim                          # 8 and 16 GPUs, about 15 min on 2 cores
-  python -m benchmarks.planner_sim --gpus 8 --phase-s 600   # one size, the whole trace
-  python -m benchmarks.planner_sim --tp 1,2 --planner-start half
+  python -m benchmarks.planner.sim                          # 8 and 16 GPUs, about 15 min on 2 cores
+  python -m benchmarks.planner.sim --gpus 8 --phase-s 600   # one size, the whole trace
+  python -m benchmarks.planner.sim --tp 1,2 --planner-start half
 
 Options: --gpus (comma list), --profile, --trace, --slo, --tp (TP degrees of the static search;
 default 1, the only one `pdserve tune` deploys for disaggregated GPU workers today), --phase-s,
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     requests = load_trace(args.trace)
     boundaries = trace_phases(args.trace, requests)
     out = {
-        **run_header("benchmarks.planner_sim", argv),
+        **run_header("benchmarks.planner.sim", argv),
         "profile": args.profile,
         "profile_derived": profile.derived,
         "trace": args.trace,

@@ -1,4 +1,4 @@
-"""Part h of the chaos benchmark (benchmarks/chaos.py): workers that hang rather than die.
+"""Part h of the chaos benchmark (benchmarks/robustness/chaos.py): workers that hang rather than die.
 
 A stopped process (SIGSTOP: what a hung GPU, a swapped-out host or a half-open connection looks
 like from outside) keeps its sockets open and answers nothing. Two runs on the embedded SmolLM2,
@@ -13,8 +13,8 @@ longest time to first token of a stream started while the worker was stopped; er
 token-identical to the clean run (greedy); streams in flight at the SIGCONT that changed; when
 the stopped worker rejoined; whether every KV block was free at the end.
 
-  python -m benchmarks.chaos --parts h                 # both runs, about 9 minutes on 2 cores
-  python -m benchmarks.chaos --parts h --stop-s 30     # shorter stops
+  python -m benchmarks.robustness.chaos --parts h                 # both runs, about 9 minutes on 2 cores
+  python -m benchmarks.robustness.chaos --parts h --stop-s 30     # shorter stops
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def part_h(args) -> dict:
 
 
 def add_args(p) -> None:
-    """part h's options, also on benchmarks/chaos.py's command line."""
+    """part h's options, also on benchmarks/robustness/chaos.py's command line."""
     p.add_argument("--h-roles", default="decode,prefill", help="part h: which workers to stop")
     p.add_argument("--stop-s", type=float, default=120.0, help="part h: how long a worker stops")
     p.add_argument("--after-s", type=float, default=20.0, help="part h: watched after SIGCONT")
