@@ -71,19 +71,27 @@ class DropCounter(logging.Handler):
 
 
 @contextlib.contextmanager
-def deployment(data: dict, **up_kwargs):
+def deployment(data: dict, source: str = "bench/chaos", times: dict | None = None, **up_kwargs):
+    """The deployment of the YAML data `data` (validated as `source`), started in this process with
+    deploy.launcher.up(), as `pdserve up` starts it: yields (cluster, the router's DropCounter) and
+    stops it on the way out. `times`, when given, gets how long the start and the stop took
+    (up_s, stop_s)."""
     from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
 
+    times = {} if times is None else times
     drops = DropCounter()
     logging.getLogger("router").addHandler(drops)
     t0 = time.perf_counter()
-    cluster = up(validate_config(data, "bench/chaos"), block=False, **up_kwargs)
-    log(f"deployment up in {time.perf_counter() - t0:.1f} s on {cluster.router_address}")
+    cluster = up(validate_config(data, source), block=False, **up_kwargs)
+    times["up_s"] = time.perf_counter() - t0
+    log(f"deployment up in {times['up_s']:.1f} s on {cluster.router_address}")
     try:
         yield cluster, drops
     finally:
+        t1 = time.perf_counter()
         cluster.stop()
+        times["stop_s"] = time.perf_counter() - t1
         logging.getLogger("router").removeHandler(drops)
 
 

@@ -25,7 +25,6 @@ times.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -49,7 +48,9 @@ from benchmarks.bench_common import (
     random_prompts,
     script_parser,
     wait_for_idle_machine,
+    write_result,
 )
+from benchmarks.chaos_harness import deployment
 from pdserve.tuning.loadgen import PATH_STAMPS
 
 
@@ -555,7 +556,7 @@ def generate(stub, prompt: list[int], max_tokens: int) -> dict:
 
 
 def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
-    """up(validate_config({...}), block=False) on one local Ray (num_cpus 2) -> 2 warm-up requests
+    """chaos_harness.deployment({...}) (up(), block=False) on one local Ray (num_cpus 2) -> 2 warm-up requests
     -> --requests rounds of [one fresh 512-token prompt on the engine alone, then one through the
     cluster] (max_tokens 2, greedy, one request at a time) -> cluster.stop(). Alternating request
     by request pairs the two sides in time: this VM's speed drifts by tens of percent between
@@ -564,17 +565,14 @@ def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
     engine-alone numbers."""
     import grpc
 
-    from pdserve.deploy.config.load import validate_config
-    from pdserve.deploy.launcher import up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 
     config_dict = deploy_dict(args, backend)
     out = {"config": config_dict}
     b = BACKENDS.index(backend)
-    t0 = time.perf_counter()
-    cluster = up(validate_config(config_dict, "cluster_bench"), block=False)
-    out["up_s"] = time.perf_counter() - t0
-    try:
+    times: dict = {}
+    with deployment(config_dict, "cluster_bench", times) as (cluster, _):
+        out["up_s"] = times["up_s"]
         with grpc.insecure_channel(cluster.router_address) as channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
             prompts = random_prompts(
@@ -588,10 +586,7 @@ def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
                 engine.append(alone.measure(SEED_ENGINE + 100 * b + i, 1))
                 rows.append(generate(stub, p, args.max_tokens))
             out["cpu"] = mon.stop()
-    finally:
-        t1 = time.perf_counter()
-        cluster.stop()
-        out["stop_s"] = time.perf_counter() - t1
+    out["stop_s"] = times["stop_s"]
     out["requests"] = rows
     out["engine_alone_ttft_s"] = [e["ttft_s"][0] for e in engine]
     out["engine_alone_cached_tokens"] = [e["cached_tokens"][0] for e in engine]
@@ -850,9 +845,7 @@ def main(argv=None) -> int:
     table = render(report)
     report["table_markdown"] = table
     out = args.out or os.path.join(REPO_ROOT, DEFAULT_OUT)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    write_result(out, report, "benchmarks.cluster.ttft", argv)
     print(table)
     print(f"\nwall {report['wall_s']:.0f} s; results written to {out}")
     failed = [b for b in args.backends if "ttft" not in report["cluster"].get(b, {})]

@@ -41,6 +41,7 @@ from benchmarks.bench_common import (
     section,
     side_result,
     wait_for_idle_machine,
+    write_result,
 )
 from benchmarks.engine.bench_report import (
     combine,
@@ -608,9 +609,7 @@ def main(argv=None) -> int:
         table += "\n\n" + render_modes(report["modes"], args)
     report["table_markdown"] = table
     out = args.out or os.path.join(REPO_ROOT, DEFAULT_OUT)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(out, report, "benchmarks.engine.bench", argv)
     print(table)
     print(f"\nresults written to {out}")
     failed = [k for k in ("decode", "ttft512", "prefix") if report["summary"][k]["pass"] is None]

@@ -30,6 +30,8 @@ import traceback
 
 import torch
 
+from benchmarks.bench_common import write_result
+
 os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 DEVICE = (
@@ -435,8 +437,7 @@ def main(argv=None) -> int:
     copy_GBps = None
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        write_result(args.out, result, "benchmarks.engine.gpu", argv)
 
     for name in args.sections.split(","):
         t = time.perf_counter()

@@ -47,6 +47,7 @@ from benchmarks.bench_common import (
     cpu_model,
     machine_busy_cpu_s as busy_cpu_s,
     stop_children,
+    write_result,
 )
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
@@ -856,9 +857,7 @@ def main(argv=None) -> int:
         add_d2d(rows, results["trials"])
     results["table"] = rows
     print_table(rows, args, cfg, machine_info, checked_slots)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_result(args.out, results, "benchmarks.transfer.kv_transfer", argv)
     print(f"\nwrote {args.out}")
     return status
 
