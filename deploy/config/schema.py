@@ -381,7 +381,7 @@ class RaySettings(_Frozen):
     num_cpus: Annotated[int, Field(ge=1)] | None = None  # local Ray only; None: all cores
     temp_dir: str | None = None  # local Ray only; None: <pdserve cache dir>/ray
     # local Ray only: Ray's dashboard (http://127.0.0.1:<dashboard_port>; None: Ray's 8265, or
-    # the next free one). Off by default: it costs a process and about 100 MB
+    # the next free one). Off by default: it costs a process and its memory
     dashboard: bool = False
     dashboard_port: Annotated[int, Field(ge=1, le=65535)] | None = None
 
