@@ -51,71 +51,89 @@ from benchmarks.engine.bench_report import (
 )
 
 
-def run_hf(args) -> dict:
-    import torch
+class StepClock:
+    """A logits processor that only timestamps: generate calls it once per step, so the gaps
+    between calls are HF's decode step times (robust to bursts of VM slowness, unlike the
+    wall time of the whole generate)."""
 
-    torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
+    def __init__(self):
+        self.times = []
 
-    from pdserve.engine.loader import resolve_model
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
 
-    res = bc.side_result("hf", args.threads)
-    t0 = time.perf_counter()
-    model_dir = resolve_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    res["load_s"] = time.perf_counter() - t0
-    res["model_dir"] = str(model_dir)
-    res["memory_after_load"] = bc.memory_snapshot()
-    gc = model.generation_config
-    pad = (
-        gc.pad_token_id
-        if gc.pad_token_id is not None
-        else (gc.eos_token_id[0] if isinstance(gc.eos_token_id, (list, tuple)) else gc.eos_token_id)
-    )
-    N, P, M = args.num_requests, args.prompt_len, args.new_tokens
 
-    class StepClock:
-        """A logits processor that only timestamps: generate calls it once per step, so the gaps
-        between calls are HF's decode step times (robust to bursts of VM slowness, unlike the
-        wall time of the whole generate)."""
+class HFSide:
+    """The HF transformers side (`--side hf`): the model loaded in float32, then one method per
+    measured section, each returning its section of the result."""
 
-        def __init__(self):
-            self.times = []
+    def __init__(self, args):
+        import torch
 
-        def __call__(self, input_ids, scores):
-            self.times.append(time.perf_counter())
-            return scores
+        torch.set_num_threads(args.threads)
+        from transformers import AutoModelForCausalLM
 
-    def generate(ids: torch.Tensor, new: int, clock=None) -> tuple[torch.Tensor, float]:
+        from pdserve.engine.loader import resolve_model
+
+        self.args = args
+        self.res = bc.side_result("hf", args.threads)
+        t0 = time.perf_counter()
+        model_dir = resolve_model(args.model)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        ).eval()
+        self.res["load_s"] = time.perf_counter() - t0
+        self.res["model_dir"] = str(model_dir)
+        self.res["memory_after_load"] = bc.memory_snapshot()
+        gc = self.model.generation_config
+        self.pad = (
+            gc.pad_token_id
+            if gc.pad_token_id is not None
+            else (
+                gc.eos_token_id[0]
+                if isinstance(gc.eos_token_id, (list, tuple))
+                else gc.eos_token_id
+            )
+        )
+
+    def generate(self, ids, new: int, clock=None):
+        """(model.generate's output, its seconds) for exactly `new` greedy tokens per row."""
+        import torch
         from transformers import LogitsProcessorList
 
         t = time.perf_counter()
-        out = model.generate(
+        out = self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
-            pad_token_id=pad,
+            pad_token_id=self.pad,
             logits_processor=LogitsProcessorList([clock] if clock else []),
         )
         return out, time.perf_counter() - t
 
-    def warmup():
+    def warmup(self):
+        import torch
+
         ids = torch.tensor(bc.random_prompts(bc.SEED_WARMUP, 2, 16))
-        _, t = generate(ids, 4)
+        _, t = self.generate(ids, 4)
         with torch.inference_mode():
-            model(ids)
+            self.model(ids)
         return {"s": t}
 
-    def decode():
+    def decode(self):
+        import torch
+
+        N, P, M = self.args.num_requests, self.args.prompt_len, self.args.new_tokens
         ids = torch.tensor(bc.random_prompts(bc.SEED_DECODE, N, P))
         prefill = []
-        for _ in range(args.prefill_repeats):
-            _, t = generate(ids, 1)
+        for _ in range(self.args.prefill_repeats):
+            _, t = self.generate(ids, 1)
             prefill.append(t)
         clock = StepClock()
-        out, total = generate(ids, M, clock)
+        out, total = self.generate(ids, M, clock)
         steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
         new = out[:, P:]
         assert new.shape == (N, M), f"HF produced {tuple(new.shape)} new tokens, wanted {(N, M)}"
@@ -132,29 +150,35 @@ def run_hf(args) -> dict:
             "output_token_ids": new.tolist(),
         }
 
-    def one_stream():
+    def one_stream(self):
         """One sequence alone: P prompt tokens, then M new; decode tok/s over the tokens after the
         first, from the per-step timestamps."""
+        import torch
+
+        P, M = self.args.prompt_len, self.args.new_tokens
         ids = torch.tensor(bc.random_prompts(bc.SEED_ONE_STREAM, 1, P))
         runs = []
         for _ in range(2):  # the first run warms this shape
             clock = StepClock()
-            generate(ids, M, clock)
+            self.generate(ids, M, clock)
             runs.append((M - 1) / (clock.times[-1] - clock.times[0]))
         return {"decode_tok_s": runs[-1], "runs_tok_s": runs}
 
-    def ttft512():
-        ids = torch.tensor(bc.random_prompts(bc.SEED_TTFT, 1, args.ttft_len))
+    def ttft512(self):
+        import torch
+
+        model, repeats = self.model, self.args.repeats
+        ids = torch.tensor(bc.random_prompts(bc.SEED_TTFT, 1, self.args.ttft_len))
         times, times_keep1 = [], []
         with torch.inference_mode():
             model(ids)  # warm-up
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 t = time.perf_counter()
                 model(ids)
                 times.append(time.perf_counter() - t)
             # informational: HF without the lm_head over all 512 positions
             model(ids, logits_to_keep=1)
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 t = time.perf_counter()
                 model(ids, logits_to_keep=1)
                 times_keep1.append(time.perf_counter() - t)
@@ -166,12 +190,15 @@ def run_hf(args) -> dict:
             "logits_to_keep1_median_s": bc.median(times_keep1),
         }
 
-    bc.section(res, "warmup", warmup)
-    bc.section(res, "decode", decode)
-    bc.section(res, "one_stream", one_stream)
-    bc.section(res, "ttft512", ttft512)
-    res["memory_peak"] = bc.memory_snapshot()
-    return res
+    def run(self) -> dict:
+        for name in ("warmup", "decode", "one_stream", "ttft512"):
+            bc.section(self.res, name, getattr(self, name))
+        self.res["memory_peak"] = bc.memory_snapshot()
+        return self.res
+
+
+def run_hf(args) -> dict:
+    return HFSide(args).run()
 
 
 def one_stream_tok_s(
@@ -209,55 +236,65 @@ def one_stream_tok_s(
     return runs
 
 
-def run_pdserve(args) -> dict:
-    import torch
+class PdserveSide:
+    """The pdserve side (`--side pdserve`): the engine built as the serving mode asks, then one
+    method per measured section, each returning its section of the result."""
 
-    torch.set_num_threads(args.threads)
-    from pdserve.engine import LLM, SamplingParams
+    def __init__(self, args):
+        import torch
 
-    res = side_result("pdserve", args.threads)
-    t0 = time.perf_counter()
-    quant = None if args.quantization == "none" else args.quantization
-    llm = LLM(
-        model=args.model,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=16,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=2048,
-        max_num_seqs=128,
-        dtype=args.dtype,
-        quantization=quant,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
-    res["load_s"] = time.perf_counter() - t0
-    torch.set_num_threads(args.threads)  # in case engine construction touched it
-    eng = llm.engine
-    res["mode"] = {
-        "dtype": eng.config.dtype,
-        "quantization": eng.config.quantization,
-        "note": eng.mode_note,
-    }
-    kv = eng.kv_cache
-    res["kv_cache"] = {
-        "bytes": kv.numel() * kv.element_size(),
-        "num_blocks": eng.block_manager.num_blocks,
-        "block_size": eng.config.block_size,
-        "shape": list(kv.shape),
-        "dtype": str(kv.dtype),
-        "kv_cache_memory_config": eng.config.kv_cache_memory,
-        "max_model_len": eng.config.max_model_len,
-        "max_num_batched_tokens": eng.config.max_num_batched_tokens,
-    }
-    res["memory_after_load"] = memory_snapshot()
-    N, P, M = args.num_requests, args.prompt_len, args.new_tokens
-    counter = iter(range(10**9))
+        torch.set_num_threads(args.threads)
+        from pdserve.engine import LLM
 
-    def ttft(prompt: list[int]) -> tuple[float, int]:
+        self.args = args
+        self.res = side_result("pdserve", args.threads)
+        t0 = time.perf_counter()
+        quant = None if args.quantization == "none" else args.quantization
+        self.llm = LLM(
+            model=args.model,
+            kv_cache_memory=args.kv_cache_memory,
+            block_size=16,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=2048,
+            max_num_seqs=128,
+            dtype=args.dtype,
+            quantization=quant,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        self.res["load_s"] = time.perf_counter() - t0
+        torch.set_num_threads(args.threads)  # in case engine construction touched it
+        self.eng = eng = self.llm.engine
+        self.res["mode"] = {
+            "dtype": eng.config.dtype,
+            "quantization": eng.config.quantization,
+            "note": eng.mode_note,
+        }
+        kv = eng.kv_cache
+        self.res["kv_cache"] = {
+            "bytes": kv.numel() * kv.element_size(),
+            "num_blocks": eng.block_manager.num_blocks,
+            "block_size": eng.config.block_size,
+            "shape": list(kv.shape),
+            "dtype": str(kv.dtype),
+            "kv_cache_memory_config": eng.config.kv_cache_memory,
+            "max_model_len": eng.config.max_model_len,
+            "max_num_batched_tokens": eng.config.max_num_batched_tokens,
+        }
+        self.res["memory_after_load"] = memory_snapshot()
+        self.counter = iter(range(10**9))
+
+    @staticmethod
+    def greedy(max_tokens: int):
+        from pdserve.engine import SamplingParams
+
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def ttft(self, prompt: list[int]) -> tuple[float, int]:
         """add_request -> first output token, for one request run alone; (seconds, cached tokens)."""
-        rid = f"ttft-{next(counter)}"
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        eng = self.eng
+        rid = f"ttft-{next(self.counter)}"
         t = time.perf_counter()
-        eng.add_request(rid, prompt, params)
+        eng.add_request(rid, prompt, self.greedy(1))
         first = None
         cached = None
         while True:
@@ -273,22 +310,20 @@ def run_pdserve(args) -> dict:
             if not eng.has_unfinished_requests():
                 raise RuntimeError(f"{rid} finished without producing a token")
 
-    def warmup():
+    def warmup(self):
         t = time.perf_counter()
-        llm.generate(
-            random_prompts(SEED_WARMUP, 2, 16),
-            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-            use_tqdm=False,
-        )
+        self.llm.generate(random_prompts(SEED_WARMUP, 2, 16), self.greedy(4), use_tqdm=False)
         return {"s": time.perf_counter() - t}
 
-    def decode():
-        prompts = random_prompts(SEED_DECODE, N, P)
-        params = SamplingParams(temperature=0, max_tokens=M, ignore_eos=True)
-        rids = [f"decode-{i}" for i in range(N)]
+    def decode_steps(self, rids: list[str], prompts: list[list[int]], M: int):
+        """Runs the requests together; (their final outputs, the start, and per step: its end
+        relative to the start, its duration, the tokens it produced, whether every request then
+        had its first token)."""
+        eng, N = self.eng, len(rids)
         num_out = dict.fromkeys(rids, 0)
         final: dict = {}
-        steps = []  # (t_end relative to start, step duration, tokens produced, all_have_first)
+        steps = []
+        params = self.greedy(M)
         t_start = time.perf_counter()
         for rid, p in zip(rids, prompts):
             eng.add_request(rid, p, params)
@@ -311,6 +346,12 @@ def run_pdserve(args) -> dict:
             t_prev = t_now
             if not outs and not eng.has_unfinished_requests() and len(final) < N:
                 raise RuntimeError("engine went idle before all decode requests finished")
+        return final, t_start, steps
+
+    def decode(self):
+        N, P, M = self.args.num_requests, self.args.prompt_len, self.args.new_tokens
+        rids = [f"decode-{i}" for i in range(N)]
+        final, t_start, steps = self.decode_steps(rids, random_prompts(SEED_DECODE, N, P), M)
         total = time.perf_counter() - t_start
         # first step after which every request has its first token
         k = next(i for i, s in enumerate(steps) if s[3])
@@ -333,32 +374,33 @@ def run_pdserve(args) -> dict:
             "median_step_s": median_step,
             "decode_tok_s_median_step": N / median_step if median_step else None,
             "num_cached_tokens": [final[r].num_cached_tokens for r in rids],
-            "num_preemptions": eng.scheduler.num_preemptions,
+            "num_preemptions": self.eng.scheduler.num_preemptions,
             "step_durations_s": [round(s[1], 6) for s in steps],
             "step_tokens": [s[2] for s in steps],
             "output_token_ids": outputs,
         }
 
-    def one_stream():
+    def one_stream(self):
         """One request alone: P prompt tokens, then M new; decode tok/s over the tokens after
         the first, from the step timestamps."""
+        P, M = self.args.prompt_len, self.args.new_tokens
         prompt = random_prompts(SEED_ONE_STREAM, 1, P)[0]
-        params = SamplingParams(temperature=0, max_tokens=M, ignore_eos=True)
-        runs = []
+        params, runs = self.greedy(M), []
         for i in range(2):  # the first run warms this shape
-            eng.add_request(f"one-{i}", prompt, params)
+            self.eng.add_request(f"one-{i}", prompt, params)
             times = []
-            while eng.has_unfinished_requests():
-                eng.step()
+            while self.eng.has_unfinished_requests():
+                self.eng.step()
                 times.append(time.perf_counter())
             runs.append((M - 1) / (times[-1] - times[0]))
         return {"decode_tok_s": runs[-1], "runs_tok_s": runs}
 
-    def ttft512():
-        ttft(random_prompts(SEED_TTFT + 99, 1, args.ttft_len)[0])  # warm-up, its own prompt
+    def ttft512(self):
+        n = self.args.ttft_len
+        self.ttft(random_prompts(SEED_TTFT + 99, 1, n)[0])  # warm-up, its own prompt
         runs, cached = [], []
-        for i in range(args.repeats):
-            t, c = ttft(random_prompts(SEED_TTFT + i, 1, args.ttft_len)[0])
+        for i in range(self.args.repeats):
+            t, c = self.ttft(random_prompts(SEED_TTFT + i, 1, n)[0])
             runs.append(t)
             cached.append(c)
         return {
@@ -368,18 +410,18 @@ def run_pdserve(args) -> dict:
             "num_cached_tokens": cached,
         }
 
-    def prefix():
-        L, S = args.prefix_len, args.suffix_len
+    def prefix(self):
+        L, S = self.args.prefix_len, self.args.suffix_len
         cold, cold_cached = [], []
-        for i in range(args.repeats):
-            t, c = ttft(random_prompts(SEED_COLD + i, 1, L + S)[0])
+        for i in range(self.args.repeats):
+            t, c = self.ttft(random_prompts(SEED_COLD + i, 1, L + S)[0])
             cold.append(t)
             cold_cached.append(c)
         shared = random_prompts(SEED_PREFIX, 1, L)[0]
-        warm_t, warm_c = ttft(shared + random_prompts(SEED_SUFFIX + 99, 1, S)[0])
+        warm_t, warm_c = self.ttft(shared + random_prompts(SEED_SUFFIX + 99, 1, S)[0])
         hot, hot_cached = [], []
-        for i in range(args.repeats):
-            t, c = ttft(shared + random_prompts(SEED_SUFFIX + i, 1, S)[0])
+        for i in range(self.args.repeats):
+            t, c = self.ttft(shared + random_prompts(SEED_SUFFIX + i, 1, S)[0])
             hot.append(t)
             hot_cached.append(c)
         return {
@@ -396,18 +438,20 @@ def run_pdserve(args) -> dict:
             "speedup": median(cold) / median(hot),
         }
 
-    section(res, "warmup", warmup)
-    section(res, "decode", decode)
-    section(res, "one_stream", one_stream)
-    section(res, "ttft512", ttft512)
-    section(res, "prefix", prefix)
-    res["memory_peak"] = memory_snapshot()
-    res["block_manager"] = {
-        "num_free_blocks": eng.block_manager.num_free_blocks,
-        "num_blocks": eng.block_manager.num_blocks,
-    }
-    llm.shutdown()
-    return res
+    def run(self) -> dict:
+        for name in ("warmup", "decode", "one_stream", "ttft512", "prefix"):
+            section(self.res, name, getattr(self, name))
+        self.res["memory_peak"] = memory_snapshot()
+        self.res["block_manager"] = {
+            "num_free_blocks": self.eng.block_manager.num_free_blocks,
+            "num_blocks": self.eng.block_manager.num_blocks,
+        }
+        self.llm.shutdown()
+        return self.res
+
+
+def run_pdserve(args) -> dict:
+    return PdserveSide(args).run()
 
 
 RESULT_PREFIX = "@@ENGINE_BENCH_RESULT "
