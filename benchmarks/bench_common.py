@@ -1,7 +1,8 @@
-"""Helpers shared by the two sides of benchmarks/engine_bench.py and its orchestrating parent process:
-the deterministic random-token prompts and their seeds, memory snapshots, machine info, and the CPU
-contention monitor that records how much CPU other processes used while a section was measured;
-and what the bench scripts share: their result header and file, their parser and common options.
+"""What every benchmark shares: the deterministic random-token prompts and their seeds, memory
+snapshots, machine info, the CPU contention monitors that record how much CPU other processes used
+while a section was measured, the scripts' parser and common options, and the one way a result is
+written (write_result, led by run_header's command, date, commit and CPU model and flags). A
+benchmark imports it in its parent process and in the sides it spawns; it keeps no state.
 
 No torch import at module level: the parent process, which imports this module too, must stay small.
 """
@@ -99,12 +100,21 @@ def run_header(module: str, argv: list[str] | None) -> dict:
     }
 
 
-def write_result(path: str, report: dict) -> None:
-    """The benchmark's one current result file (indented JSON)."""
+def write_result(
+    path: str, report: dict, module: str | None = None, argv: list[str] | None = None
+) -> None:
+    """The benchmark's one current result file (indented JSON; its folder made when missing).
+    With `module`, run_header(module, argv)'s fields (the command, date, commit, CPU model and
+    flags) lead the report, each unless the report sets it itself; without it the report already
+    starts with run_header's fields (a report that is written more than once as it grows)."""
     import json
 
+    if module is not None:
+        header = run_header(module, argv)
+        report = {**{k: v for k, v in header.items() if k not in report}, **report}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(report, f, indent=1, default=str)
 
 
 def machine_info(threads: int) -> dict:
@@ -126,7 +136,7 @@ def machine_info(threads: int) -> dict:
 
 
 def side_result(side: str, threads: int) -> dict:
-    """The opening fields of one side's result (engine_bench_hf.py, engine_bench_pdserve.py),
+    """The opening fields of one side's result (engine/bench.py's run_hf and run_pdserve),
     taken once torch's threads are set and the side's imports are done."""
     return {"side": side, "machine": machine_info(threads), "memory_start": memory_snapshot()}
 

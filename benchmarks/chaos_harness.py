@@ -1,4 +1,4 @@
-"""The deployment and client side of benchmarks/chaos.py (and benchmarks/first_request.py): the README's
+"""The deployment and client side of benchmarks/robustness/chaos.py (and benchmarks/cluster/first_request.py): the README's
 example deployment started with `deploy.launcher.up()`, what the bench reads of it (Stats through
 the cluster secret, worker replacements, the router's drop-outs), and the client bodies that run
 in spawned processes of their own (streams that cancel themselves, a looping load, a health
@@ -10,7 +10,10 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import re
+import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -68,19 +71,27 @@ class DropCounter(logging.Handler):
 
 
 @contextlib.contextmanager
-def deployment(data: dict, **up_kwargs):
-    from pdserve.deploy.config import validate_config
+def deployment(data: dict, source: str = "bench/chaos", times: dict | None = None, **up_kwargs):
+    """The deployment of the YAML data `data` (validated as `source`), started in this process with
+    deploy.launcher.up(), as `pdserve up` starts it: yields (cluster, the router's DropCounter) and
+    stops it on the way out. `times`, when given, gets how long the start and the stop took
+    (up_s, stop_s)."""
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
 
+    times = {} if times is None else times
     drops = DropCounter()
     logging.getLogger("router").addHandler(drops)
     t0 = time.perf_counter()
-    cluster = up(validate_config(data, "bench/chaos"), block=False, **up_kwargs)
-    log(f"deployment up in {time.perf_counter() - t0:.1f} s on {cluster.router_address}")
+    cluster = up(validate_config(data, source), block=False, **up_kwargs)
+    times["up_s"] = time.perf_counter() - t0
+    log(f"deployment up in {times['up_s']:.1f} s on {cluster.router_address}")
     try:
         yield cluster, drops
     finally:
+        t1 = time.perf_counter()
         cluster.stop()
+        times["stop_s"] = time.perf_counter() - t1
         logging.getLogger("router").removeHandler(drops)
 
 
@@ -279,3 +290,70 @@ def jobs_for(prompts, max_tokens: int, cancel: dict[int, dict] | None = None) ->
         {"i": i, "prompt": p, "max_tokens": max_tokens, **(cancel or {}).get(i, {})}
         for i, p in enumerate(prompts)
     ]
+
+
+# ---- `pdserve up` as a child process: the CLI's own start and stop ---------------------------
+START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
+
+
+def popen_up(command: list[str], err) -> subprocess.Popen:
+    """`pdserve up` as a child of this checkout, stdout piped (its start table and "ready"),
+    stderr to the open file `err`, no API key inherited from the caller's environment."""
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_API_KEY")},
+    )  # fmt: skip
+
+
+def router_address(proc: subprocess.Popen, timeout_s: float) -> str:
+    """Reads `proc`'s stdout on a thread of its own until `ready`; the router address it printed.
+    The thread keeps draining stdout afterwards (the start table), so the child never blocks."""
+    seen, address = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            found = re.fullmatch(r"router on (\S+)", line.strip())
+            if found:
+                address.append(found[1])
+            if line.strip() == "ready":
+                seen.set()
+        seen.set()  # stdout closed: the child exited
+
+    threading.Thread(target=read, daemon=True).start()
+    seen.wait(timeout_s)
+    if not address or proc.poll() is not None:
+        state = f"exited {proc.poll()}" if proc.poll() is not None else "still starting"
+        raise RuntimeError(f"`pdserve up` printed no 'ready' within {timeout_s:.0f}s ({state})")
+    return address[0]
+
+
+def stop_up(proc: subprocess.Popen) -> int | None:
+    """SIGTERM (`up` stops its deployment and its local Ray), then a kill past STOP_TIMEOUT_S."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def decode_rate(deltas: list[list[tuple[float, list[int]]]], t_start: float) -> dict:
+    """The client's decode measure over every request's deltas ([(arrival time, token ids)] per
+    streamed delta), as close to an engine's measure as a client gets: t_all = the moment the
+    last request received its first token (every request then has one); decode tok/s = the tokens
+    received after t_all / (the last token's arrival - t_all). It includes the router, the KV
+    hand-off, gRPC streaming and the client's threads, so it is a served figure."""
+    t_all = max(d[0][0] for d in deltas)
+    t_last = max(d[-1][0] for d in deltas)
+    after = sum(len(toks) for d in deltas for t, toks in d if t > t_all)
+    return {
+        "t_all_first_token_s": t_all - t_start,
+        "t_total_s": t_last - t_start,
+        "ttft_s": sorted(d[0][0] - t_start for d in deltas),
+        "decode_tokens": after,
+        "decode_time_s": t_last - t_all,
+        "decode_tok_s": after / (t_last - t_all) if t_last > t_all else None,
+    }

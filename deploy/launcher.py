@@ -33,7 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.deploy import ray_reaper, start_table, workers
-from pdserve.deploy.config import DeployConfig, Pool
+from pdserve.deploy.config.schema import DeployConfig, Pool
 from pdserve.deploy.placement import check_custom_resources, check_labels, pg_options
 from pdserve.deploy.prechecks import (  # noqa: F401
     DeployError,
@@ -275,7 +275,7 @@ def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
 def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
     """The client API keys (router.api_keys_file, router.api_keys, PDSERVE_API_KEYS: first found
     wins); logs where they came from and how many, never the keys."""
-    from pdserve.deploy.config import ConfigError
+    from pdserve.deploy.config.load import ConfigError
 
     try:
         keys, source = config.router.client_keys(environ)

@@ -2,7 +2,7 @@
 custom resources and node labels, and the check, made once `up` has joined or started Ray, that
 some live node matches each pool's label selector.
 
-A pool's `resources` (deploy/config.py: num_cpus, num_gpus and any custom resources by name) make
+A pool's `resources` (deploy/config/schema.py: num_cpus, num_gpus and any custom resources by name) make
 each bundle of its placement group, so a replica lands only on a node that has them (a node
 started with `ray start --resources '{"node2": 1}'`). Its `label_selector` applies to every bundle
 (Ray's bundle_label_selector): every rank lands on a node whose labels match (`ray start --labels
@@ -14,7 +14,7 @@ checks the CPUs and GPUs). Nothing here keeps state.
 
 from __future__ import annotations
 
-from pdserve.deploy.config import DeployConfig, Pool
+from pdserve.deploy.config.schema import DeployConfig, Pool
 from pdserve.deploy.prechecks import DeployError
 
 

@@ -22,8 +22,10 @@ import pathlib
 import secrets
 import socket
 
-from pdserve.deploy.config import SECRET_ENV, ConfigError, DeployConfig
-from pdserve.deploy.config_checks import fit_problems, placement_problems
+from pdserve.deploy.config.checks import fit_problems, placement_problems
+from pdserve.deploy.config.files import SECRET_ENV
+from pdserve.deploy.config.load import ConfigError
+from pdserve.deploy.config.schema import DeployConfig
 from pdserve.protos.security import ClusterSecurity
 
 log = logging.getLogger("pdserve.deploy.launcher")
@@ -109,7 +111,7 @@ def check_writable_dirs(config: DeployConfig, on_this_machine: bool, local_ray: 
 
 def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
     """Refuses, before anything starts, pools whose workers would refuse the model
-    (config_checks.fit_problems); else every replica of the pool would fail the same way inside
+    (config/checks.py fit_problems); else every replica of the pool would fail the same way inside
     its actor. A model that needs converting into a cache this process cannot write is refused
     as DeployError (the router, in this process, reads its tokenizer from there too)."""
     from pdserve.engine.config import available_memory_bytes

@@ -25,7 +25,7 @@ import sys
 import ray
 
 from pdserve.deploy import ray_join, ray_reaper
-from pdserve.deploy.config import DeployConfig
+from pdserve.deploy.config.schema import DeployConfig
 from pdserve.deploy.prechecks import DeployError, local_ray_temp_dir
 from pdserve.deploy.supervisor import ray_error_reason
 

@@ -4,7 +4,7 @@ ray.init() starting a local Ray makes the driver the parent of Ray's head proces
 monitor, dashboard, log monitor), and Ray has each die with its parent (a parent-death signal).
 The raylet's own children are not tied to it that way: the dashboard agent and the runtime env
 agent see the raylet die (their stdin pipe closes), then spend a minute or more trying to tell
-the GCS, which is dead too, before they exit; about 185 MB stay behind meanwhile.
+the GCS, which is dead too, before they exit, holding their memory meanwhile.
 
 `watch()` starts a watchdog: this file run by the same Python, standard library only, in a session
 of its own (a terminal's signals and a kill of the driver's process group miss it). Every

@@ -95,7 +95,7 @@ def _worker_main(role: str, worker_config, threads: int, cpus, conn) -> None:
 class LocalCluster:
     def __init__(self, args, start_timeout_s: float = 600.0):
         from pdserve.decode_worker.server import DecodeWorkerConfig
-        from pdserve.deploy.config import validate_config
+        from pdserve.deploy.config.load import validate_config
         from pdserve.deploy.launcher import core_plan
         from pdserve.prefill_worker.server import PrefillWorkerConfig
         from pdserve.router.server import Router, RouterConfig
@@ -164,7 +164,7 @@ class UpCluster:
     """deploy.launcher.up() of deploy_dict(args), as `pdserve up` starts it, on a local Ray."""
 
     def __init__(self, args):
-        from pdserve.deploy.config import validate_config
+        from pdserve.deploy.config.load import validate_config
         from pdserve.deploy.launcher import up
 
         self.cluster = up(validate_config(deploy_dict(args), "http_cluster"), block=False)

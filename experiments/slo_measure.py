@@ -170,7 +170,7 @@ def measure(
     """Up, warm-up, calibration, one sweep per workload, down. A sweep during which processes
     outside this run used more than DISTURBED_CORES on average is kept aside (renamed
     *_disturbed<k>) and run again after waiting for a quiet machine, up to --retries times."""
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
 
     entry = results["measured"].setdefault(placement, {})

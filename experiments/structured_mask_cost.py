@@ -57,7 +57,7 @@ SCHEMAS = {
         "required": ["user", "active", "score"],
     },
     "any_object": {"type": "object"},
-    # bounded strings and numeric ranges (benchmarks/structured_output.py's schemas have them)
+    # bounded strings and numeric ranges (benchmarks/engine/structured_output.py's schemas have them)
     "bounded": {
         "type": "object",
         "properties": {

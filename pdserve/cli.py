@@ -29,7 +29,8 @@ import sys
 import time
 
 from pdserve import client
-from pdserve.deploy.config import DTYPES, ConfigError, DeployConfig
+from pdserve.deploy.config.load import ConfigError
+from pdserve.deploy.config.schema import DTYPES, DeployConfig
 from pdserve.up_flags import Overrides, add_up_flags, json_flag, up_config
 
 
@@ -272,14 +273,8 @@ def _documented_command(sub, name: str, module, summary: str) -> argparse.Argume
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pdserve import __version__, chat_session
-
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _add_up_command(sub) -> None:
+    """`pdserve up`: the deployment YAML, the Ray address, --check, and the flags over the keys."""
     upp = sub.add_parser("up", help="launch the deployment on Ray and serve until Ctrl-C")
     upp.add_argument(
         "config",
@@ -302,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_up_flags(upp)
     _mode_args(upp, "overrides the YAML's ")
+
+
+def _add_client_commands(sub) -> None:
+    """`pdserve generate` and `pdserve chat`: a prompt or a conversation through the router."""
+    from pdserve import chat_session
+
     gen = sub.add_parser("generate", help="complete a prompt")
     gen.add_argument("prompt")
     _client_args(gen)
@@ -315,15 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("message", nargs="?", default=None, help="one turn; none: a conversation")
     chat.add_argument("--system", default=None)
     _client_args(chat)
-    from pdserve.tuning import bench as bench_cmd
+
+
+def _add_tool_commands(sub) -> None:
+    """The commands whose --help is their module's docstring: bench, profile, tune, shift-trace
+    and ctl."""
+    from pdserve import ctl
+    from pdserve.tuning import bench as bench_cmd, profiler as profile_cmd, shift_trace, tune_cmd
 
     bench = _documented_command(
         sub, "bench", bench_cmd, "open-loop load test of a router: latency, SLO attainment, goodput"
     )
     bench_cmd.add_args(bench, DeployConfig().router.address)
     client.add_api_key_arg(bench)
-    from pdserve.tuning import profiler as profile_cmd, tune_cmd
-
     for name, module, summary in (
         (
             "profile",
@@ -333,15 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         ("tune", tune_cmd, "search placements for the best goodput (simulated)"),
     ):
         module.add_args(_documented_command(sub, name, module, summary))
-    from pdserve.tuning import shift_trace
-
     shift_trace.add_arguments(
         _documented_command(
             sub, "shift-trace", shift_trace, "build a workload-shift trace from traces' phases"
         )
     )
-    from pdserve import ctl
-
     ctlp = _documented_command(sub, "ctl", ctl, "operate a running deployment: roles, flips")
     ctlp.add_argument(
         "--router",
@@ -350,10 +351,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     client.add_tls_args(ctlp)
     ctl.add_args(ctlp)
-    args = parser.parse_args(argv)
 
-    if args.cmd == "up":
-        return _run_up(args)
+
+def _parser() -> argparse.ArgumentParser:
+    """`pdserve`'s parser: every subcommand, in the order `pdserve --help` lists them."""
+    from pdserve import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_up_command(sub)
+    _add_client_commands(sub)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _run_tool(args) -> int:
+    """Runs bench, profile, tune, shift-trace or ctl; returns the exit code."""
+    from pdserve import ctl
+    from pdserve.tuning import bench as bench_cmd, profiler as profile_cmd, shift_trace, tune_cmd
+
     if args.cmd == "profile":
         return profile_cmd.run(args)
     if args.cmd == "tune":
@@ -363,13 +382,18 @@ def main(argv: list[str] | None = None) -> int:
         return bench_cmd.run(args)
     if args.cmd == "shift-trace":
         return shift_trace.run(args)
-    if args.cmd == "ctl":
-        try:
-            channel = client.channel(args)
-        except ValueError as e:
-            print(f"pdserve ctl: {e}", file=sys.stderr)
-            return 2
-        return ctl.run(args, channel)
+    try:
+        channel = client.channel(args)
+    except ValueError as e:
+        print(f"pdserve ctl: {e}", file=sys.stderr)
+        return 2
+    return ctl.run(args, channel)
+
+
+def _run_client(args) -> int:
+    """Runs generate or chat, in this process (--local) or through the router."""
+    from pdserve import chat_session
+
     if args.local:
         return _run_local(args)
     if args.speculative_config is not None:
@@ -387,6 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.message})
     return client.run_remote(args, messages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "up":
+        return _run_up(args)
+    if args.cmd in ("generate", "chat"):
+        return _run_client(args)
+    return _run_tool(args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from pdserve.deploy.config import SECRET_ENV
+from pdserve.deploy.config.files import SECRET_ENV
 
 MAX_SECRET_FILE_BYTES = 4096
 CONNECT_TIMEOUT_S = 5.0

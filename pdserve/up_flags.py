@@ -3,7 +3,7 @@
     pdserve up --model HuggingFaceTB/SmolLM2-135M-Instruct --decode-replicas 2 --port 50052
     pdserve up deploy.yaml --tp 2 --api-key "$KEY" --http-port off
 
-Precedence, key by key: a flag, else the YAML's key, else the schema's default (deploy/config.py);
+Precedence, key by key: a flag, else the YAML's key, else the schema's default (deploy/config/schema.py);
 with no YAML at all, the flags go over the defaults. A pool flag (`--prefill-tp`) wins over the
 flag for every pool (`--tp`). The flags are applied to the YAML's data before it is validated, so a
 value is checked as the key would be (the same schema, then the same checks before the start), and
@@ -20,7 +20,8 @@ import pathlib
 import re
 from dataclasses import dataclass, field
 
-from pdserve.deploy.config import ConfigError, DeployConfig, read_config_data, validate_config
+from pdserve.deploy.config.load import ConfigError, read_config_data, validate_config
+from pdserve.deploy.config.schema import DeployConfig
 
 POOLS = ("prefill", "decode", "colocated")
 

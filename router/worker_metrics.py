@@ -50,7 +50,7 @@ WORKER_COUNTERS = (
         "Reservations freed because their lease ran out before the commit (decode workers).",
         "leases_expired",
     ),
-    # speculative decoding (engine/spec_config.py); 0 on a worker that does not speculate
+    # speculative decoding (engine/spec/config.py); 0 on a worker that does not speculate
     (
         "vllm:spec_decode_num_drafts",
         "Number of spec decoding drafts (a sequence's step that verified guessed tokens).",

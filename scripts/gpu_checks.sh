@@ -32,10 +32,10 @@ step() {  # name, seconds, command...
   tail -4 "$out/$name.log"
 }
 has tests && step tests 240 bash scripts/test.sh -m gpu tests/gpu -rs
-has bench && step bench 150 python3 -m benchmarks.gpu_bench --sections ceilings,floor8b \
+has bench && step bench 150 python3 -m benchmarks.engine.gpu --sections ceilings,floor8b \
   --out "$out/gpu_bench_floor.json"
-has kv && step kv 150 python3 -m benchmarks.kv_transfer_bench --device cuda --dtype bfloat16 \
+has kv && step kv 150 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
   --requests 12 --rounds 3 --out "$out/kv_transfer_cuda.json"
-has smollm2 && step smollm2 420 python3 -m benchmarks.gpu_bench --sections ceilings,smollm2 \
+has smollm2 && step smollm2 420 python3 -m benchmarks.engine.gpu --sections ceilings,smollm2 \
   ${gguf:+--gguf "$gguf"} --out "$out/gpu_bench_smollm2.json"
 exit 0

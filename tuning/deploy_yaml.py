@@ -88,8 +88,8 @@ def launcher_problems(data: dict, profile: Profile) -> list[str]:
     """Why `pdserve up` would refuse this YAML data before starting Ray, [] when it would not:
     the schema (validate_config) and the pools against the model (fit_problems, with the model's
     shape from the profile: the launcher's own check once the model is on the machine)."""
-    from pdserve.deploy.config import ConfigError, validate_config
-    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.config.checks import fit_problems
+    from pdserve.deploy.config.load import ConfigError, validate_config
 
     try:
         cfg = validate_config(data)

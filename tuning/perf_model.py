@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.deploy.files import read_text
+from pdserve.deploy.config.files import read_text
 
 SCHEMA = "pdserve-profile/1"
 PREFILL_FORM = "a + b*T + c*A; T = tokens in the step, A = sum over prompts of n*(start+n)"

@@ -1,7 +1,7 @@
 """What a request's structured output asks for (SamplingParams.structured): a JSON schema, any JSON
 object, a regular expression, or one of a list of strings. Plain data, checked when built, with
 a canonical key: the engine compiles each distinct key once (engine/structured/grammar.py); the router and
-the workers build it from their fields (router/openai_structured.py, protos/convert.py). No
+the workers build it from their fields (router/openai/protocol.py, protos/convert.py). No
 grammar library here, so it imports anywhere.
 """
 

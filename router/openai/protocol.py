@@ -67,7 +67,7 @@ from pdserve.router.text import (
 #
 # At most one of them per request. Each is checked here (types, sizes: protos/limits.py's bounds)
 # and becomes the gRPC SamplingParams.structured (`structured_spec`); whether a schema or regex
-# compiles is the workers' check (engine/structured.py), whose INVALID_ARGUMENT `name_field`
+# compiles is the workers' check (engine/structured/grammar.py), whose INVALID_ARGUMENT `name_field`
 # rewrites to the field the client sent. Only the tools' parameter schemas are compiled here.
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 Regex = Annotated[StrictStr, Field(min_length=1, max_length=MAX_REGEX_CHARS)]

@@ -1,4 +1,4 @@
-"""Must-show (c) at CI scale (benchmarks/chaos.py measures the router's CPU and the other client's
+"""Must-show (c) at CI scale (benchmarks/robustness/chaos.py measures the router's CPU and the other client's
 TTFT): a prompt far past what max_model_len can hold and a huge stop list are refused before the
 router tokenizes or scans anything, with statuses that say what to change, while another client
 keeps being served."""

@@ -1,4 +1,4 @@
-"""Must-show (a) at CI scale (benchmarks/chaos.py runs the full 500 x 32): streams cancelled by their
+"""Must-show (a) at CI scale (benchmarks/robustness/chaos.py runs the full 500 x 32): streams cancelled by their
 clients at random points while a health probe runs every 100 ms. The prefill worker answers Abort
 slowly (0.3 s, as a busy worker does), which is what stalled the router when its cancel callback
 called Abort on gRPC's polling thread. Afterwards: no worker dropped out or had to register

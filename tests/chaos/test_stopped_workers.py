@@ -1,5 +1,5 @@
 """Workers stopped with SIGSTOP, the CI-sized twin of the chaos benchmark's part h
-(benchmarks/chaos_hangs.py): a stopped process keeps its sockets open and answers nothing.
+(benchmarks/robustness/chaos_hangs.py): a stopped process keeps its sockets open and answers nothing.
 
 The router and the surviving workers run in this process; the worker that is stopped runs in a
 child process (the same worker code, registered with the router through the Registry, as a

@@ -93,7 +93,7 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
 def test_cluster_matches_engine_and_serves_concurrent_streams(
     ray_session, reference, backend, prefill_tp, decode_tp
 ):
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc
 

@@ -36,7 +36,7 @@ def test_up_generate_stop(tiny_models, shape):
     import grpc
 
     from helpers.models import random_prompts
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
     from pdserve.engine import LLM, SamplingParams
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
@@ -141,7 +141,7 @@ def test_a_killed_decode_worker_is_replaced_and_serves_again(tiny_models, caplog
     import ray
 
     from helpers.models import random_prompts
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import RestartPolicy, up
     from pdserve.protos.pdserve.v1 import pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 

@@ -2,7 +2,7 @@
 served by `pdserve up --model DIR` with one prefill and one decode worker: 4 prompts of mixed
 lengths, sent at once over gRPC, get the same 16 greedy tokens as the engine alone on DIR
 (`LLM(DIR, dtype="float32")` in this process). The model goes by the flag: the YAML holds only the
-small pools and the local Ray (issue #29, must-show b's e2e half; benchmarks/moe_decode.py measures
+small pools and the local Ray (issue #29, must-show b's e2e half; benchmarks/engine/moe.py measures
 it)."""
 
 from __future__ import annotations

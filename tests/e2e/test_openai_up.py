@@ -46,7 +46,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def deployment(ray_session, reference):
-    from pdserve.deploy.config import validate_config
+    from pdserve.deploy.config.load import validate_config
     from pdserve.deploy.launcher import up
 
     config = validate_config(

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from pdserve.deploy.config import ConfigError, load_config
+from pdserve.deploy.config.load import ConfigError, load_config
 
 
 def write(tmp_path, text: str, name: str = "deploy.yaml") -> str:

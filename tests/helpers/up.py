@@ -3,7 +3,7 @@ tests/e2e/test_moe_up.py): start it with a small YAML, read the router's gRPC ad
 stdout, stream greedy tokens from the router, stop it with SIGTERM as Ctrl-C would.
 
 Not a test module: imported as `from helpers.up import ...` (pytest puts tests/ on sys.path).
-benchmarks/moe_served.py has its own copy of the start and stop (benchmarks do not import tests/).
+benchmarks/chaos_harness.py has its own copy of the start and stop (benchmarks do not import tests/).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.deploy_config import EXAMPLES, on_gpus, write
 from pdserve.cli import main
-from pdserve.deploy.config import load_config
+from pdserve.deploy.config.load import load_config
 
 
 # ---- the shipped examples fit the model and the machine they are for ------------------------------
@@ -19,7 +19,7 @@ def test_example_fits_its_model_and_machine(path):
     """The CPU examples, against the real SmolLM2: every KV check, fractions against a 24 GiB
     machine, and the 2-core machine they are for holds every pool. The GPU examples:
     tests/unit/test_deploy_config.py."""
-    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.config.checks import fit_problems
     from pdserve.deploy.launcher import check_resources
     from pdserve.engine.loader import load_hf_config, resolve_model
 

@@ -1,4 +1,4 @@
-"""The deployment YAML's HTTP front and client API keys (deploy/config.py, deploy/launcher.py,
+"""The deployment YAML's HTTP front and client API keys (deploy/config/schema.py, deploy/launcher.py,
 pdserve/cli.py): router.http_port, router.api_keys / api_keys_file / PDSERVE_API_KEYS (first found
 wins), refusals that name the key without showing it, and the interceptor's key check itself."""
 
@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from pdserve.deploy.config import ConfigError, DeployConfig, load_config, validate_config
+from pdserve.deploy.config.load import ConfigError, load_config, validate_config
+from pdserve.deploy.config.schema import DeployConfig
 from pdserve.deploy.launcher import client_keys
 from pdserve.protos.security import ClientKeys, bearer_token
 from pdserve.up_flags import add_up_flags, up_config

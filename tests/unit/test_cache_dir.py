@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from pdserve.cli import main
-from pdserve.deploy.config import validate_config
+from pdserve.deploy.config.load import validate_config
 from pdserve.deploy.prechecks import DeployError, check_writable_dirs
 from pdserve.engine.loader import CacheDirError, resolve_model, writable_dir
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.deploy.config import ConfigError, validate_config
+from pdserve.deploy.config.load import ConfigError, validate_config
 
 
 def test_yaml_colocated_pool():

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.deploy import launcher
-from pdserve.deploy.config import validate_config
+from pdserve.deploy.config.load import validate_config
 from pdserve.deploy.launcher import DeployError, Replica, RestartPolicy, Supervisor
 
 SECRET = "s3cret-value-that-is-long-enough"

@@ -12,7 +12,8 @@ import pytest
 
 from helpers.deploy_config import EXAMPLES, error_of, on_gpus, write
 from pdserve.cli import main
-from pdserve.deploy.config import DeployConfig, load_config, validate_config
+from pdserve.deploy.config.load import load_config, validate_config
+from pdserve.deploy.config.schema import DeployConfig
 
 
 def test_defaults():
@@ -214,7 +215,7 @@ def test_example_fits_its_model_and_machine(path):
     """The GPU examples, against the config.json of the models they name: heads, max_model_len, and
     fixed KV bytes (a fraction of GPU memory needs the GPU). The CPU examples, against the real
     SmolLM2 and the machine they are for: tests/integration/test_deploy_config_fit.py."""
-    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.config.checks import fit_problems
 
     cfg = load_config(str(path))
     assert fit_problems(cfg, ABSENT_MODELS[cfg.model], cpu_memory_bytes=None) == []
@@ -225,7 +226,7 @@ def test_fit_check_matches_what_the_engine_refuses(tiny_models):
     the bytes the message asks for, the engine refuses to start; exactly those, it starts."""
     import re
 
-    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.config.checks import fit_problems
     from pdserve.engine import LLM
     from pdserve.engine.loader import load_hf_config
 
@@ -254,7 +255,7 @@ def test_fit_check_matches_what_the_engine_refuses(tiny_models):
 
 
 def test_fit_check_suggests_what_to_change():
-    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.config.checks import fit_problems
 
     hf = {
         "num_attention_heads": 9,

@@ -8,7 +8,8 @@ import pathlib
 import pytest
 
 from helpers.deploy_config import error_of, write
-from pdserve.deploy.config import DeployConfig, load_config
+from pdserve.deploy.config.load import load_config
+from pdserve.deploy.config.schema import DeployConfig
 
 SECRET = "s3cret-value-that-is-long-enough"
 

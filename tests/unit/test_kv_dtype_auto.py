@@ -158,8 +158,8 @@ def test_the_bf16_probe_reads_its_context_from_a_bf16_cache(tiny_models):
 def test_the_fit_check_counts_float32_blocks_under_auto():
     """The launcher cannot run the probe: under dtype "auto" on a CPU it checks the fewer blocks
     of a float32 cache (a bf16 one holds twice as many)."""
-    from pdserve.deploy.config import validate_config
-    from pdserve.deploy.config_checks import fit_problems
+    from pdserve.deploy.config.checks import fit_problems
+    from pdserve.deploy.config.load import validate_config
 
     hf = {
         "num_attention_heads": 9,

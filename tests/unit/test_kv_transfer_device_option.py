@@ -2,7 +2,7 @@
 host copy a transport makes of a chunk (a CPU tensor as before, a CUDA tensor through pinned
 memory), the check that the decode pool holds the sent KV byte for byte, and the command line's
 defaults and refusals. The CUDA tests run only where torch sees a GPU; the benchmark's own
-two-process runs (`python -m benchmarks.kv_transfer_bench --quick`) are not run here: the fast
+two-process runs (`python -m benchmarks.transfer.kv_transfer --quick`) are not run here: the fast
 lane starts no process."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import kv_transfer_bench as bench
-from benchmarks.kv_transfer_sides import (
+from benchmarks.transfer import kv_transfer as bench
+from benchmarks.transfer.kv_transfer import (
     DTYPES,
     POOL_SLOTS,
     DeviceCopy,

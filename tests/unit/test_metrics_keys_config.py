@@ -1,4 +1,4 @@
-"""router.metrics_keys_file (deploy/config.py): the metrics scrape's own keys, read at load, refused
+"""router.metrics_keys_file (deploy/config/schema.py): the metrics scrape's own keys, read at load, refused
 when empty, malformed or shared with the client API keys, never shown in an error. What GET
 /metrics does with them: tests/integration/test_metrics_scrape.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.deploy.config import ConfigError, load_config
+from pdserve.deploy.config.load import ConfigError, load_config
 
 
 def write(tmp_path, name: str, text: str):

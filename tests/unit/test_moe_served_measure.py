@@ -1,13 +1,13 @@
-"""benchmarks/moe_served.py's client-side measure and sizing, and moe_decode.py's token
-agreement, on made-up numbers (the served run itself is benchmarks/moe_decode.py's)."""
+"""benchmarks/engine/moe.py's client-side measure and sizing, and moe_decode.py's token
+agreement, on made-up numbers (the served run itself is benchmarks/engine/moe.py's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.moe_decode import MOE_SHAPE, agreement
-from benchmarks.moe_served import decode_rate, kv_bytes, served_yaml
-from pdserve.deploy.config import validate_config
+from benchmarks.chaos_harness import decode_rate
+from benchmarks.engine.moe import MOE_SHAPE, agreement, kv_bytes, served_yaml
+from pdserve.deploy.config.load import validate_config
 
 
 def test_decode_rate_counts_the_tokens_after_every_request_has_its_first():

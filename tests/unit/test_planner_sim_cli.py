@@ -1,10 +1,10 @@
-"""benchmarks/planner_sim.py's command line: sizes it cannot compare are refused up front."""
+"""benchmarks/planner/sim.py's command line: sizes it cannot compare are refused up front."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import planner_sim
+from benchmarks.planner import sim as planner_sim
 
 
 @pytest.mark.parametrize("gpus, tp", [("2", "1"), ("8,4", "2")])

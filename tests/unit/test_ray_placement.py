@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.deploy import ray_join
-from pdserve.deploy.config import ConfigError, validate_config
+from pdserve.deploy.config.load import ConfigError, validate_config
 from pdserve.deploy.placement import (
     check_custom_resources,
     check_labels,

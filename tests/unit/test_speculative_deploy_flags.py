@@ -1,5 +1,5 @@
 """Where a deployment turns speculative decoding on (issue 31): the YAML's
-`pools.<pool>.speculative_config` (deploy/config.py), accepted on decode and colocated pools,
+`pools.<pool>.speculative_config` (deploy/config/schema.py), accepted on decode and colocated pools,
 refused on a prefill pool, checked key by key with errors that name the key, and handed to the
 pool's engine; `pdserve up --speculative-config JSON` over it (pdserve/up_flags.py), set on the
 pools that decode; and `pdserve generate --local --speculative-config JSON` (pdserve/cli.py),
@@ -16,7 +16,8 @@ import pdserve.engine
 from helpers.deploy_config import EXAMPLES
 from helpers.up import flags_config as _up
 from pdserve.cli import main
-from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
+from pdserve.deploy.config.load import ConfigError, validate_config
+from pdserve.deploy.config.schema import DeployConfig
 from pdserve.engine.spec.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}

@@ -12,8 +12,8 @@ import pytest
 
 from helpers.tuning import DERIVED, make_profile, toy_tune_argv, tune_argv
 from pdserve import cli
-from pdserve.deploy.config import load_config, validate_config
-from pdserve.deploy.config_checks import fit_problems
+from pdserve.deploy.config.checks import fit_problems
+from pdserve.deploy.config.load import load_config, validate_config
 from pdserve.deploy.prechecks import check_resources
 from pdserve.tuning.deploy_yaml import deploy_yaml, hf_config
 from pdserve.tuning.perf_model import ProfileError, load_profile, profile_from_dict

@@ -12,8 +12,9 @@ import yaml
 
 from helpers.up import flags_config as _up
 from pdserve.cli import main
-from pdserve.deploy.config import ConfigError, DeployConfig, validate_config
-from pdserve.deploy.config_checks import fit_problems
+from pdserve.deploy.config.checks import fit_problems
+from pdserve.deploy.config.load import ConfigError, validate_config
+from pdserve.deploy.config.schema import DeployConfig
 from pdserve.up_flags import add_up_flags, up_config
 
 KEY = "sk-flag-key-00000001"
@@ -126,7 +127,7 @@ def test_a_bad_value_with_a_yaml_names_the_flag_not_the_file(tmp_path, capsys):
 
 
 def test_checks_after_validation_name_the_flag_that_gave_the_value(tmp_path, tiny_models):
-    """The checks before the start (here the pools against the model: deploy/config_checks.py)
+    """The checks before the start (here the pools against the model: deploy/config/checks.py)
     name the flag in place of the key it set."""
     from pdserve.engine.loader import load_hf_config
 

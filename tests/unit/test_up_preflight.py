@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.cli import main
 from pdserve.deploy import prechecks
-from pdserve.deploy.config import validate_config
+from pdserve.deploy.config.load import validate_config
 from pdserve.deploy.prechecks import DeployError, preflight
 
 

@@ -1,0 +1,485 @@
+"""The deployment YAML's keys as one frozen, validated schema (DeployConfig and its sections). The
+schema is built once, when `pdserve up` loads a file (load.py), and is then only read: by the
+launcher, the pre-start checks and the router it starts. Validators turn every mistake into a
+message under its key; files the YAML names are read here (files.py) so workers get bytes, not
+paths.
+
+    model: smollm2
+    pools:
+      prefill: {replicas: 1, tp: 1, resources: {num_cpus: 1}}
+      decode:  {replicas: 1, tp: 1, resources: {num_cpus: 1}}   # or instead: colocated: {...}
+      # resources also take Ray custom resources ({num_cpus: 1, node2: 1}); label_selector: the
+      # Ray node labels a pool's nodes must have ({kind: big-memory}); docs/ray-cluster.md
+    router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file),
+                                             # metrics_keys_file (the /metrics scrape's own keys),
+                                             # local_prefill
+    kvtransfer: {backend: grpc}
+    ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
+                                  # (dashboard: true turns on a local Ray's dashboard)
+    security: {cluster_secret_file: null, tls: null}   # between the deployment's own processes
+    planner: {enabled: false}     # role flips and local prefill moved while traffic shifts
+
+SecuritySettings.secret says where the cluster secret comes from, RouterSettings.client_keys the
+client API keys.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+
+from pdserve.deploy.config.files import (
+    API_KEYS_ENV,
+    MAX_API_KEYS,
+    SECRET_ENV,
+    CertFile,
+    KeyFile,
+    KeysFile,
+    SecretFile,
+    check_secret,
+    parse_api_keys,
+)
+from pdserve.deploy.config.ray_keys import custom_resource_problem, label_selector_problem
+from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
+
+DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
+QUANTIZATIONS = (None, "int8", "int4", "auto")
+
+
+class _Frozen(BaseModel):
+    # strict: YAML gives real types, so "2" for an integer is a mistake worth reporting
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Resources(_Frozen):
+    """What one TP rank of a replica reserves (one placement-group bundle): CPUs, GPUs, and any
+    Ray custom resources by name (`{num_cpus: 1, node2: 1}`: only nodes started with
+    `ray start --resources '{"node2": N}'` can hold it), so a pool lands on the nodes chosen."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+    num_cpus: Annotated[float, Field(ge=0)] = 1
+    num_gpus: Annotated[float, Field(ge=0)] = 0
+
+    @model_validator(mode="after")
+    def _not_empty(self):
+        if self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError(
+                "num_cpus and num_gpus cannot both be 0 (a worker needs somewhere to run)"
+            )
+        for name, amount in self.custom().items():
+            problem = custom_resource_problem(name, amount)
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    def custom(self) -> dict[str, float]:
+        """The Ray custom resources asked for, by name."""
+        return dict(self.model_extra or {})
+
+    def bundle(self) -> dict[str, float]:
+        """A Ray placement-group bundle; zero amounts are left out (Ray rejects empty resources)."""
+        base = {k: v for k, v in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if v > 0}
+        return {**base, **{k: float(v) for k, v in self.custom().items()}}
+
+
+class Pool(_Frozen):
+    replicas: Annotated[int, Field(ge=1)] = 1
+    tp: Annotated[int, Field(ge=1)] = 1
+    resources: Resources = Resources()
+    # bytes (an integer) or a fraction of free memory in (0, 1]; unset: the engine's default
+    kv_cache_memory: StrictInt | StrictFloat | None = None
+    block_size: Annotated[int, Field(ge=1)] = 16
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
+    max_num_seqs: Annotated[int, Field(ge=1)] = 128
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    enable_prefix_caching: bool = True
+    # torch compute threads of each worker process; None: resources.num_cpus (at least 1). More
+    # threads than reserved CPUs suit a pool that is idle while the other computes (prefill on a
+    # small machine), at the price of contention when both are busy
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+    # Ray node labels every replica's node must match (Ray's label selectors: `{zone: us-a}`,
+    # `{gpu: "!a10"}`, `{zone: "in(a,b)"}`); nodes get labels from `ray start --labels k=v`
+    label_selector: dict[str, str] | None = None
+    # speculative decoding, vLLM's mapping (engine/spec/config.py): {method: ngram,
+    # num_speculative_tokens: 4}; decode and colocated pools only. "auto" (unset): the engine's
+    # default (prompt lookup in the default mode on a CPU); null: off
+    speculative_config: dict | Literal["auto"] | None = "auto"
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, v):
+        # The engine's own check, before any model loads; the key in front names the mapping.
+        from pdserve.engine.spec.config import SpeculativeConfig
+
+        try:
+            return v if v in (None, "auto") else SpeculativeConfig.parse(v).to_dict()
+        except ValueError as e:
+            msg = str(e).removeprefix("speculative_config.").removeprefix("speculative_config ")
+            raise ValueError(msg) from None
+
+    @field_validator("label_selector")
+    @classmethod
+    def _labels(cls, v):
+        if v:
+            problem = label_selector_problem(v)
+            if problem:
+                raise ValueError(problem)
+        return v
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or max(1, int(self.resources.num_cpus))
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _kv_memory(cls, v):
+        # before the Union runs, so a bad value gets one message instead of one per member
+        if v is None or (type(v) is int and v > 0) or (type(v) is float and 0 < v <= 1):
+            return v
+        raise ValueError("must be bytes (an integer > 0) or a fraction of free memory in (0, 1]")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v):
+        if v & (v - 1):
+            raise ValueError("must be a power of two")
+        return v
+
+
+class Pools(_Frozen):
+    prefill: Pool = Pool()
+    decode: Pool = Pool()
+    # colocated serving: workers that prefill and decode together (chunked prefill inside
+    # continuous batching) behind the same router, instead of the prefill and decode pools
+    colocated: Pool | None = None
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill_never_speculates(cls, v):
+        if v.speculative_config not in (None, "auto"):
+            raise ValueError(
+                "speculative_config: prefill workers never decode, so they never speculate; "
+                "set it on pools.decode (or pools.colocated)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _one_shape(self):
+        if self.colocated is not None and self.model_fields_set & {"prefill", "decode"}:
+            raise ValueError(
+                "set either colocated or prefill/decode, not both (colocated workers "
+                "prefill and decode themselves)"
+            )
+        return self
+
+
+class LocalPrefillSettings(_Frozen):
+    """router.local_prefill (router/local_prefill.py): prompts of at most max_prompt_tokens run on
+    their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
+    + hop_tokens. 0: never (the default)."""
+
+    max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
+    cost: Annotated[float, Field(gt=0)] = 2.0
+    hop_tokens: Annotated[int, Field(ge=0)] = 64
+
+
+class ClusterTLS(_Frozen):
+    """Mutual TLS between the deployment's processes: every certificate signed by ca_file."""
+
+    ca_file: CertFile
+    cert_file: CertFile
+    key_file: KeyFile
+    server_name: str = ""  # the name in the certificates, when it is not the host dialled
+
+    def tls_config(self) -> TLSConfig:
+        return TLSConfig(
+            self.ca_file.data, self.cert_file.data, self.key_file.data, self.server_name
+        )
+
+
+class RouterTLS(_Frozen):
+    """TLS on the client-facing port; with ca_file, clients must show a certificate it signed.
+    It needs security.tls too, because the workers register through that port."""
+
+    cert_file: CertFile
+    key_file: KeyFile
+    ca_file: CertFile | None = None
+
+    def tls_config(self) -> TLSConfig:
+        return TLSConfig(
+            self.ca_file.data if self.ca_file else b"", self.cert_file.data, self.key_file.data
+        )
+
+
+class SecuritySettings(_Frozen):
+    """Security between the deployment's own processes. Secret and PEM files are read when the
+    config is loaded, relative to the YAML file's folder."""
+
+    cluster_secret: SecretStr | None = None  # SecretStr: a repr or log line shows ******
+    cluster_secret_file: SecretFile | None = None
+    tls: ClusterTLS | None = None
+
+    @field_validator("cluster_secret")
+    @classmethod
+    def _secret_length(cls, v):
+        if v is not None:
+            check_secret(v.get_secret_value(), "")
+        return v
+
+    @field_validator("cluster_secret_file")
+    @classmethod
+    def _file_secret(cls, v):
+        if v is None:
+            return v
+        try:
+            text = v.data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{v.path} must hold the secret as UTF-8 text") from None
+        check_secret(text, f"the secret in {v.path} ")
+        return v
+
+    @model_validator(mode="after")
+    def _one_secret(self):
+        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+            raise ValueError("set cluster_secret or cluster_secret_file, not both")
+        return self
+
+    def secret(self, environ=os.environ) -> tuple[str | None, str]:
+        """(the cluster secret, which setting gave it); (None, "") when none did, and then
+        `pdserve up` makes a fresh one. The first found wins: cluster_secret_file, cluster_secret,
+        then the environment's PDSERVE_CLUSTER_SECRET. The file wins over the environment because
+        it is the reviewed description of the deployment; the environment is for a secret that
+        should be in no file. Every worker gets the secret from `up` with its config."""
+        if self.cluster_secret_file is not None:
+            return (
+                self.cluster_secret_file.data.decode().strip(),
+                f"security.cluster_secret_file ({self.cluster_secret_file.path})",
+            )
+        if self.cluster_secret is not None:
+            return self.cluster_secret.get_secret_value(), "security.cluster_secret"
+        value = environ.get(SECRET_ENV, "").strip()
+        return (value, SECRET_ENV) if value else (None, "")
+
+    def cluster_security(self, secret: str) -> ClusterSecurity:
+        return ClusterSecurity(secret, self.tls.tls_config() if self.tls else None)
+
+
+class RouterSettings(_Frozen):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
+    max_inflight: Annotated[int, Field(ge=1)] = 64
+    # disaggregated: how long a request may wait in the router for decode KV blocks when every
+    # decode worker is full, before it fails with RESOURCE_EXHAUSTED
+    decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    # bounds (README): a prefill's before its retry, a stuck engine's, a role flip's drain
+    prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
+    flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
+    local_prefill: LocalPrefillSettings = LocalPrefillSettings()
+    tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
+    # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
+    # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0
+    http_port: Annotated[int, Field(ge=0, le=65535)] | None = 8000
+    # the HTTP front's bounds on a client (headers, then between body pieces; 0: derived cap)
+    http_header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    http_body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    http_max_connections: Annotated[int, Field(ge=0)] = 0
+    # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
+    api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
+    api_keys_file: KeysFile | None = None
+    # the metrics scrape's keys (a file, one a line): with it, GET /metrics takes one of these and
+    # no client key, so a Prometheus scrape config never carries a client API key
+    metrics_keys_file: KeysFile | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _free_http_port_with_a_free_port(cls, data):
+        # a free gRPC port asked for (tests, side-by-side deployments): a free HTTP port too,
+        # not the fixed default that a second such deployment would collide on
+        if isinstance(data, dict) and data.get("port") == 0 and "http_port" not in data:
+            data = {**data, "http_port": 0}
+        return data
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v):
+        for i, key in enumerate(v or ()):
+            check_api_key(key.get_secret_value(), f"API key #{i + 1}")
+        return v
+
+    @field_validator("api_keys_file", "metrics_keys_file")
+    @classmethod
+    def _keys_file(cls, v):
+        if v is not None:
+            try:
+                parse_api_keys(v.data.decode("utf-8"), v.path)
+            except UnicodeDecodeError:
+                raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
+        return v
+
+    @model_validator(mode="after")
+    def _ports(self):
+        if self.api_keys is not None and self.api_keys_file is not None:
+            raise ValueError("set api_keys or api_keys_file, not both")
+        both = set(self.metrics_keys()) & set(self.client_keys({})[0])
+        if both:
+            raise ValueError(
+                f"metrics_keys_file: {len(both)} of its keys are client API keys too; give the "
+                f"metrics scrape keys of their own"
+            )
+        if self.http_port is not None and self.http_port and self.http_port == self.port:
+            raise ValueError(
+                f"http_port and port are both {self.port}: the HTTP and gRPC fronts need a port "
+                f"each"
+            )
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def metrics_keys(self) -> tuple[str, ...]:
+        """The keys GET /metrics takes instead of the client keys (metrics_keys_file); () when
+        unset, and then /metrics takes what the client API takes. Never logged."""
+        f = self.metrics_keys_file
+        return parse_api_keys(f.data.decode(), f.path) if f is not None else ()
+
+    def client_keys(self, environ=os.environ) -> tuple[tuple[str, ...], str]:
+        """(the client API keys, which setting gave them); ((), "") when none did, and then the
+        client API is open. The first found wins, as for the secret: api_keys_file (one key per
+        line), api_keys, then the environment's PDSERVE_API_KEYS (comma-separated). Keys are never
+        shown in an error, a dump or a log line."""
+        if self.api_keys_file is not None:
+            f = self.api_keys_file
+            return parse_api_keys(f.data.decode(), f.path), f"router.api_keys_file ({f.path})"
+        if self.api_keys is not None:
+            return tuple(k.get_secret_value() for k in self.api_keys), "router.api_keys"
+        value = environ.get(API_KEYS_ENV, "").strip()
+        if value:
+            return parse_api_keys(value, API_KEYS_ENV), API_KEYS_ENV
+        return (), ""
+
+
+class KVTransferSettings(_Frozen):
+    backend: Literal["grpc", "shm", "torch"] = "grpc"
+
+
+class RaySettings(_Frozen):
+    address: str | None = None  # None: start a local Ray for this deployment
+    num_cpus: Annotated[int, Field(ge=1)] | None = None  # local Ray only; None: all cores
+    temp_dir: str | None = None  # local Ray only; None: <pdserve cache dir>/ray
+    # local Ray only: Ray's dashboard (http://127.0.0.1:<dashboard_port>; None: Ray's 8265, or
+    # the next free one). Off by default: it costs a process and its memory
+    dashboard: bool = False
+    dashboard_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+
+    @model_validator(mode="after")
+    def _dashboard_local_only(self):
+        if self.dashboard and self.address is not None:
+            raise ValueError(
+                "dashboard: only for the local Ray pdserve starts; a cluster joined by "
+                "ray.address has its own (`ray start --head` starts it, port 8265)"
+            )
+        if self.dashboard_port is not None and not self.dashboard:
+            raise ValueError("dashboard_port: set dashboard: true too, or remove dashboard_port")
+        return self
+
+
+class PlannerSettings(_Frozen):
+    """`planner:` (router/planner.py): moves the prefill:decode split while traffic shifts, by
+    role flips and local prefill, to keep the SLO (p90 TTFT and TPOT). Off unless enabled."""
+
+    enabled: bool = False
+    ttft_s: Annotated[float, Field(gt=0)] = 1.0
+    tpot_s: Annotated[float, Field(gt=0)] = 0.1
+    interval_s: Annotated[float, Field(gt=0)] = 5.0
+    window_s: Annotated[float, Field(gt=0)] = 15.0
+    margin: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    sustain: Annotated[int, Field(ge=1)] = 2
+    cooldown_s: Annotated[float, Field(ge=0)] = 30.0
+    max_flips_per_min: Annotated[int, Field(ge=0)] = 8
+    kv_high: Annotated[float, Field(gt=0, le=1)] = 0.9
+    local_step: Annotated[int, Field(ge=0)] = 64
+    local_cap: Annotated[int, Field(ge=0)] = 1024  # 0: the planner never prefills locally
+    prefill_use: Annotated[float, Field(gt=0, le=1)] = 0.95  # sizes a batch of flips
+
+
+class DeployConfig(_Frozen):
+    # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
+    model: Annotated[str, Field(min_length=1)] = "smollm2"
+    # the id clients name the model by (OpenAI's `model`, ListModels); see served_model_id
+    served_model_name: Annotated[str, Field(min_length=1)] | None = None
+    dtype: Literal[DTYPES] = "auto"
+    # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
+    # means quantization "auto"
+    quantization: Literal[QUANTIZATIONS] = None
+    # "auto": the activations' dtype, or bfloat16 where dtype "auto" on a CPU passes the probe
+    # with it (engine/kv_dtype.py)
+    kv_cache_dtype: Literal[DTYPES] = "auto"
+    pools: Pools = Pools()
+    router: RouterSettings = RouterSettings()
+    kvtransfer: KVTransferSettings = KVTransferSettings()
+    ray: RaySettings = RaySettings()
+    security: SecuritySettings = SecuritySettings()
+    planner: PlannerSettings = PlannerSettings()
+
+    @model_validator(mode="after")
+    def _planner_needs_two_pools(self):
+        if self.planner.enabled and self.pools.colocated is not None:
+            raise ValueError(
+                "planner.enabled needs prefill and decode pools: a colocated deployment has no "
+                "split to move"
+            )
+        return self
+
+    def served_model_id(self) -> str | None:
+        """served_model_name; else, for a Hub id with no local path of that name, its ORG/NAME
+        (as vLLM serves it; without the @REVISION); else None: the router's default, the model
+        directory's or file's name."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        from pdserve.engine.loader.hub import parse_hub_id
+
+        if pathlib.Path(self.model).expanduser().exists():
+            return None
+        hub_id = parse_hub_id(self.model)
+        return hub_id[0] if hub_id else None
+
+    def worker_pools(self) -> list[tuple[str, Pool]]:
+        """(key under `pools`, Pool) in start order: decode before prefill, so prefill has
+        somewhere to push KV; a colocated deployment has its one pool."""
+        if self.pools.colocated is not None:
+            return [("colocated", self.pools.colocated)]
+        return [("decode", self.pools.decode), ("prefill", self.pools.prefill)]
+
+    def engine_kwargs(self, pool: Pool) -> dict:
+        """`LLM(model, **kwargs)` for one worker of `pool`."""
+        kwargs = dict(
+            dtype=self.dtype,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            tensor_parallel_size=pool.tp,
+            block_size=pool.block_size,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            enable_prefix_caching=pool.enable_prefix_caching,
+        )
+        if pool.kv_cache_memory is not None:
+            kwargs["kv_cache_memory"] = pool.kv_cache_memory
+        if pool.max_model_len is not None:
+            kwargs["max_model_len"] = pool.max_model_len
+        spec = pool.speculative_config
+        kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
+        return kwargs
