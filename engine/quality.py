@@ -1,7 +1,7 @@
 """Perplexity on real text that every CPython carries, to measure a serving mode and to choose one.
 
 The text is the Python Language Reference topics behind `help()` (`pydoc_data.topics`): English
-technical prose, offline on every machine. `benchmarks/quality.py` scores the first 20,480 tokens of it
+technical prose, offline on every machine. `benchmarks/engine/quality.py` scores the first 20,480 tokens of it
 per mode; `dtype="auto"` scores a short probe from its end (tokens the benchmark never reads) with
 float32 and with each quantization mode, and serves the first mode, in order of speed, whose
 perplexity stays within its bound of float32's.

@@ -24,7 +24,7 @@ from pdserve.protos.security import client_key_metadata
 from pdserve.tuning.metrics import RequestRecord, attribute_itl
 from pdserve.tuning.workload import RequestSpec, retime
 
-# Finish.timings' stamps along a request's path, in order (benchmarks/cluster_bench.py reads these)
+# Finish.timings' stamps along a request's path, in order (benchmarks/cluster/ttft.py reads these)
 PATH_STAMPS = (
     "queued_unix_ns",
     "prefill_start_unix_ns",

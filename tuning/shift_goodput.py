@@ -2,7 +2,7 @@
 search over that scale, and the comparisons issue #27 asks for (the best static placement, a
 fixed split, the per-phase oracle, the planner in the loop of tuning/sim_planner.py).
 
-`pdserve tune --planner` (tuning/tune_cmd.py) and benchmarks/planner_sim.py use it: each phase of
+`pdserve tune --planner` (tuning/tune_cmd.py) and benchmarks/planner/sim.py use it: each phase of
 the trace gets Poisson arrivals at k times its own rate over its own length (`scaled_phases`),
 the phases are laid end to end, and `bisect_rate` finds the largest k at which the SLO's
 attainment holds. Scaling the whole trace at once, as the tuner's retime does, would mix the

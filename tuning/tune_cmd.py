@@ -305,7 +305,7 @@ def check_args(args) -> tuple[Profile, list[RequestSpec], SLO]:
 
 def run(args) -> int:
     """Runs `pdserve tune`; returns the exit code. Placements the launcher refuses
-    (deploy/config_checks.placement_problems: tp > 1 prefill or decode workers on GPUs, the shm
+    (deploy/config/checks.placement_problems: tp > 1 prefill or decode workers on GPUs, the shm
     backend with GPU decode) are left out and listed. The YAML written is checked against the
     launcher's offline checks (validate_config, fit_problems with the profile's model shape) and
     carries the router's and Ray's settings (--router-host/--router-port, --ray-address, else a

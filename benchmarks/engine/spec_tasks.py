@@ -1,42 +1,44 @@
 """Copy-heavy prompts for the speculative decoding benchmarks (benchmarks/engine/spec_decode.py,
 benchmarks/engine/spec_served.py): edit a given piece of code, quote a given text, summarize a given
-text. Their material is this repository's own files (so nothing is downloaded and every run sees
-the same text), cut at line boundaries; `copy_tasks(n)` returns n chat messages, cycling over the
-three kinds with different stretches of text, ready for the tokenizer's chat template.
+text. Their material is three of this repository's files as they were at commit c6af161, where
+the recorded speculation figures were measured, kept in benchmarks/engine/spec_material/ (so
+nothing is downloaded, and a later edit of the README or the code does not change the prompts);
+cut at line boundaries, `copy_tasks(n)` returns n chat messages, cycling over the three kinds with
+different stretches of text, ready for the tokenizer's chat template.
 """
 
 from __future__ import annotations
 
 import os
 
-from benchmarks.bench_common import REPO_ROOT
+MATERIAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spec_material")
 
-# (kind, instruction, source file, characters of it)
+# (kind, instruction, material file in spec_material/, characters of it)
 _KINDS = (
     (
         "edit code",
         "Here is a Python module. Rename the function `{name}` to `{name}_v2` everywhere and "
         "return the whole module, changing nothing else:",
-        "engine/spec/ngram.py",
+        "ngram_py.txt",
         1800,
     ),
     (
         "quote text",
         "Repeat the following text exactly, word for word:",
-        "README.md",
+        "readme_md.txt",
         1500,
     ),
     (
         "summarize text",
         "Summarize the following text, quoting its key sentences verbatim:",
-        "docs/architecture.md",
+        "architecture_md.txt",
         1500,
     ),
 )
 
 
 def _excerpt(path: str, start_line: int, chars: int) -> str:
-    with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as f:
+    with open(os.path.join(MATERIAL, path), encoding="utf-8") as f:
         lines = f.read().splitlines()[start_line:]
     out, size = [], 0
     for line in lines:

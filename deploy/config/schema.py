@@ -186,7 +186,7 @@ class Pools(_Frozen):
 
 
 class LocalPrefillSettings(_Frozen):
-    """router.local_prefill (router/local_prefill.py): prompts of at most max_prompt_tokens run on
+    """router.local_prefill (planner/local_prefill.py): prompts of at most max_prompt_tokens run on
     their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
     + hop_tokens. 0: never (the default)."""
 
@@ -398,7 +398,7 @@ class RaySettings(_Frozen):
 
 
 class PlannerSettings(_Frozen):
-    """`planner:` (router/planner.py): moves the prefill:decode split while traffic shifts, by
+    """`planner:` (planner/policy.py): moves the prefill:decode split while traffic shifts, by
     role flips and local prefill, to keep the SLO (p90 TTFT and TPOT). Off unless enabled."""
 
     enabled: bool = False

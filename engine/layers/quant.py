@@ -11,7 +11,7 @@
 
 Only the weight bytes shrink: at batch 1 a decode step streams every weight from memory once, so
 its time falls with them. Which mode is fastest, and by how much, depends on the CPU;
-`benchmarks/quality.py` measures the quality each costs.
+`benchmarks/engine/quality.py` measures the quality each costs.
 """
 
 from __future__ import annotations
