@@ -470,16 +470,13 @@ def part_b(args) -> dict:
             "body_timeout_s": front.settings.body_timeout_s,
         }
         model = router.servicer.options.model_id
-        warm = Child(
-            normal_client,
-            grpc_address,
-            http_address,
-            model,
-            prompts,
-            args.max_tokens,
-            0.0,
-            stop=Child.ctx.Event(),
-        )
+
+        def normal(pause_s: float, stop) -> Child:
+            """A normal client on this deployment, `pause_s` between its requests."""
+            fixed = (grpc_address, http_address, model, prompts, args.max_tokens, pause_s)
+            return Child(normal_client, *fixed, stop=stop)
+
+        warm = normal(0.0, Child.ctx.Event())
         time.sleep(8)
         warm.result()
         stop, go, stop_attack = Child.ctx.Event(), Child.ctx.Event(), Child.ctx.Event()
@@ -496,16 +493,7 @@ def part_b(args) -> dict:
             Child(attacker, k, per[k], host, int(port), opts, held, go, stop=stop_attack)
             for k in range(args.attackers)
         ]
-        client = Child(
-            normal_client,
-            grpc_address,
-            http_address,
-            model,
-            prompts,
-            args.max_tokens,
-            args.pause_s,
-            stop=stop,
-        )
+        client = normal(args.pause_s, stop)
         probe = Child(prober, grpc_address, http_address, 0.5, stop=stop)
         time.sleep(3)  # the children import and connect
         # from here on fd 2 (the router's log: `pdserve up` logs to stderr) goes to a file
