@@ -1,7 +1,8 @@
 """What every benchmark shares: the deterministic random-token prompts and their seeds, memory
 snapshots, machine info, the CPU contention monitors that record how much CPU other processes used
 while a section was measured, the scripts' parser and common options, and the one way a result is
-written (write_result, led by run_header's command, date, commit and CPU model and flags). A
+written (write_result, led by run_header's command, date, commit and CPU model and flags;
+write_timed and run_and_write add the run's took_s). A
 benchmark imports it in its parent process and in the sides it spawns; it keeps no state.
 
 No torch import at module level: the parent process, which imports this module too, must stay small.
@@ -115,6 +116,23 @@ def write_result(
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
+
+
+def write_timed(path: str, report: dict, t0: float) -> None:
+    """write_result(path, report) with report["took_s"] set to the seconds since perf_counter t0
+    (a report written as it grows is stamped again at each write)."""
+    report["took_s"] = round(time.perf_counter() - t0, 1)
+    write_result(path, report)
+
+
+def run_and_write(module: str, argv: list[str] | None, path: str, run) -> int:
+    """A benchmark's main once its flags are read: run_header(module, argv)'s fields, then what
+    `run()` returns, then took_s, written to `path`; main's exit status (0)."""
+    t0 = time.perf_counter()
+    report = {**run_header(module, argv), **run()}
+    write_timed(path, report, t0)
+    log(f"wrote {path}")
+    return 0
 
 
 def machine_info(threads: int) -> dict:

@@ -2,7 +2,10 @@
 example deployment started with `deploy.launcher.up()`, what the bench reads of it (Stats through
 the cluster secret, worker replacements, the router's drop-outs), and the client bodies that run
 in spawned processes of their own (streams that cancel themselves, a looping load, a health
-probe)."""
+probe). The cluster benchmarks (benchmarks/robustness/*, benchmarks/engine/moe.py and
+spec_served.py) share from here the report's opening (cluster_report), one health check
+(serving), the counts that open an analysis of streamed tokens (stream_counts) and the start and
+failed-run cleanup of a `pdserve up` child (start_up, fail_up, stop_up). It keeps no state."""
 
 from __future__ import annotations
 
@@ -18,10 +21,20 @@ import tempfile
 import threading
 import time
 
-from benchmarks.bench_common import REPO_ROOT, log
+from benchmarks.bench_common import REPO_ROOT, log, run_header
 
 EXAMPLE = os.path.join(REPO_ROOT, "deploy", "examples", "local-cpu.yaml")
 RPC_TIMEOUT = 120.0
+MODEL = "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml"
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def cluster_report(module: str, argv: list[str] | None, log_format: str = LOG_FORMAT) -> dict:
+    """Readies this process for a run on the example deployment (WARNING logs in `log_format`, no
+    download progress bars) and returns the report's opening fields: run_header's and the model."""
+    logging.basicConfig(level=logging.WARNING, format=log_format)
+    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    return {**run_header(module, argv), "model": MODEL}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -240,23 +253,30 @@ def loop_streams(address: str, jobs: list[dict], concurrency: int, stop, conn) -
     conn.send(rows)
 
 
+def serving(stub) -> bool:
+    """One grpc.health.v1 Check on `stub` (a HealthStub) with a 2 s deadline: True where the
+    server answers SERVING, False on any other status or an RPC error."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    try:
+        status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
+    except grpc.RpcError:
+        return False
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
 def probe_health(address: str, interval_s: float, stop, conn) -> None:
     """Process body: grpc.health.v1 Check every interval_s; sends back (latency ms | None) each."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2_grpc
 
     out = []
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while not stop.is_set():
             t = time.perf_counter()
-            try:
-                ok = (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                )
-            except grpc.RpcError:
-                ok = False
+            ok = serving(stub)
             took = (time.perf_counter() - t) * 1000
             out.append(round(took, 2) if ok else None)
             time.sleep(max(0.0, interval_s - took / 1000))
@@ -285,6 +305,19 @@ class Child:
         return got
 
 
+def stream_counts(rows: list[dict], want: list[list[int]]) -> tuple[list[dict], dict]:
+    """The streams (rows of timed loops: i, tokens, error) that finished with tokens other than
+    `want[i]`, and the counts every analysis of such rows opens with."""
+    errors = [r["error"] for r in rows if r["error"]]
+    changed = [r for r in rows if not r["error"] and r["tokens"] != want[r["i"]]]
+    return changed, {
+        "streams": len(rows),
+        "errors": len(errors),
+        "first_errors": errors[:5],
+        "token_identical": len(rows) - len(errors) - len(changed),
+    }
+
+
 def jobs_for(prompts, max_tokens: int, cancel: dict[int, dict] | None = None) -> list[dict]:
     return [
         {"i": i, "prompt": p, "max_tokens": max_tokens, **(cancel or {}).get(i, {})}
@@ -304,6 +337,20 @@ def popen_up(command: list[str], err) -> subprocess.Popen:
         command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO_ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_API_KEY")},
     )  # fmt: skip
+
+
+def start_up(command: list[str], work: str) -> tuple[subprocess.Popen, str]:
+    """popen_up(command) with its stderr in `work`/up.err; the process and that file's path."""
+    err_path = os.path.join(work, "up.err")
+    with open(err_path, "w") as err:
+        return popen_up(command, err), err_path
+
+
+def fail_up(proc: subprocess.Popen, err_path: str, label: str) -> None:
+    """On a failed run: stops `proc` and logs the tail of its stderr file, led by `label`."""
+    stop_up(proc)
+    with open(err_path) as f:
+        log(f"{label}: `pdserve up` stderr (tail):\n{f.read()[-4000:]}")
 
 
 def router_address(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -63,7 +63,14 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
-from benchmarks.chaos_harness import START_TIMEOUT_S, decode_rate, popen_up, router_address, stop_up
+from benchmarks.chaos_harness import (
+    START_TIMEOUT_S,
+    decode_rate,
+    fail_up,
+    router_address,
+    start_up,
+    stop_up,
+)
 
 MOE_SHAPE = dict(
     hidden_size=512,
@@ -347,10 +354,8 @@ def run_served(
         "note": "prefill and decode workers: 1 reserved core and `worker_threads` torch threads "
         "each; the router runs in the `pdserve up` process, the client threads in this one",
     }
-    err_path = os.path.join(work, "up.err")
     t0 = time.perf_counter()
-    with open(err_path, "w") as err:
-        up = popen_up(command, err)
+    up, err_path = start_up(command, work)
     try:
         address = router_address(up, START_TIMEOUT_S)
         start_s = time.perf_counter() - t0
@@ -391,9 +396,7 @@ def run_served(
         out["e2e_tok_s"] = sum(len(x) for x in out["output_token_ids"]) / out["t_total_s"]
         return out
     except BaseException:
-        stop_up(up)
-        with open(err_path) as f:
-            log(f"served: `pdserve up` stderr (tail):\n{f.read()[-4000:]}")
+        fail_up(up, err_path, "served")
         raise
     finally:
         stop_up(up)

@@ -73,7 +73,7 @@ from benchmarks.bench_common import (
     wait_for_idle_machine,
     write_result,
 )
-from benchmarks.chaos_harness import START_TIMEOUT_S, decode_rate, popen_up, stop_up
+from benchmarks.chaos_harness import START_TIMEOUT_S, decode_rate, fail_up, start_up, stop_up
 from benchmarks.engine.spec_decode import DRAFT, NGRAM
 from benchmarks.engine.spec_tasks import compare_tokens, copy_tasks
 
@@ -302,10 +302,8 @@ def deployment(method: str, spec: dict | None, tasks1, tasks32, warm, args) -> d
         "yaml": config,
         "speculative_config": spec,
     }
-    err_path = os.path.join(work, "up.err")
     t0 = time.perf_counter()
-    with open(err_path, "w") as err:
-        up = popen_up(command, err)
+    up, err_path = start_up(command, work)
     try:
         found = read_stdout(up, START_TIMEOUT_S)
         report["start_s"] = time.perf_counter() - t0
@@ -331,9 +329,7 @@ def deployment(method: str, spec: dict | None, tasks1, tasks32, warm, args) -> d
         report["spec_log_lines"] = spec_log_lines([err_path, *found["lines"]])
         return report
     except BaseException:
-        stop_up(up)
-        with open(err_path) as f:
-            log(f"{method}: `pdserve up` stderr (tail):\n{f.read()[-4000:]}")
+        fail_up(up, err_path, method)
         raise
     finally:
         report["stop_returncode"] = stop_up(up)

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
+from benchmarks.bench_common import add_out_arg, log, run_and_write, script_parser
 from benchmarks.chaos_harness import deployment, example_config
 
 
@@ -157,12 +157,7 @@ def main(argv=None) -> int:
     add_out_arg(p, "local_prefill.json")
     ns = p.parse_args(argv)
     args = Args(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)})
-    t0 = time.perf_counter()
-    out = {**run_header("benchmarks.planner.local_prefill", argv), **run(args)}
-    out["took_s"] = round(time.perf_counter() - t0, 1)
-    write_result(ns.out, out)
-    log(f"wrote {ns.out}")
-    return 0
+    return run_and_write("benchmarks.planner.local_prefill", argv, ns.out, lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from __future__ import annotations
 import sys
 import time
 
-from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_result
+from benchmarks.bench_common import add_out_arg, log, run_header, script_parser, write_timed
 from pdserve.tuning.perf_model import load_profile
 from pdserve.tuning.shift_goodput import ShiftGoodput, trace_phases
 from pdserve.tuning.simulator import Placement, PoolSpec
@@ -325,10 +325,8 @@ def main(argv=None) -> int:
     else:
         for gpus in sizes:
             out["sizes"].append(one_size(args, profile, requests, boundaries, slo, gpus))
-            out["took_s"] = round(time.perf_counter() - t0, 1)
-            write_result(args.out, out)  # what is done so far survives an interrupted run
-    out["took_s"] = round(time.perf_counter() - t0, 1)
-    write_result(args.out, out)
+            write_timed(args.out, out, t0)  # what is done so far survives an interrupted run
+    write_timed(args.out, out, t0)
     log(f"wrote {args.out} ({out['took_s']} s)")
     return 0
 

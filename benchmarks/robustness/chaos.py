@@ -20,7 +20,6 @@ Writes benchmarks/results/chaos.json (machine, commit, command, every figure).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import re
@@ -38,13 +37,13 @@ from benchmarks.bench_common import (
     add_out_arg,
     log,
     random_prompts,
-    run_header,
     script_parser,
     write_result,
 )
 from benchmarks.chaos_harness import (
     RPC_TIMEOUT,
     Child,
+    cluster_report,
     deployment,
     example_config,
     free_port,
@@ -451,14 +450,7 @@ def main(argv=None) -> int:
     chaos_shm.add_args(p)
     add_out_arg(p, "chaos.json")
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
-    report = {
-        **run_header("benchmarks.robustness.chaos", argv),
-        "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml",
-    }
+    report = cluster_report("benchmarks.robustness.chaos", argv)
     if os.path.exists(args.out):  # parts not run this time keep their last figures
         with open(args.out) as f:
             old = json.load(f)

@@ -33,6 +33,7 @@ from benchmarks.chaos_harness import (
     kv_state,
     pct,
     run_streams,
+    stream_counts,
     wait_kv_free,
 )
 
@@ -111,15 +112,11 @@ def analyse(rows: list[dict], want: list[list[int]], t_stop: float, t_cont: floa
     during = [r for r in rows if t_stop <= r["start"] < t_cont]
     at_cont = [r for r in rows if r["start"] < t_cont < r["end"]]
     ttfts = [next_token_after(r, r["start"]) for r in during]
-    errors = [r["error"] for r in rows if r["error"]]
-    changed = [r for r in rows if not r["error"] and r["tokens"] != want[r["i"]]]
+    changed, counts = stream_counts(rows, want)
     resumable = [r for r in changed if r["start"] < t_stop < r["end"]]  # in flight at the stop
     gaps = [b - a for r in rows for a, b in zip(r["events"], r["events"][1:])]
     return {
-        "streams": len(rows),
-        "errors": len(errors),
-        "first_errors": errors[:5],
-        "token_identical": len(rows) - len(errors) - len(changed),
+        **counts,
         # a resumed stream may differ after its resume point (docs/architecture.md: a prefill
         # recomputes the streamed tokens' KV, whose rounding can flip a near-tie); every other
         # stream must be identical

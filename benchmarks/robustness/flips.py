@@ -31,9 +31,8 @@ from benchmarks.bench_common import (
     add_out_arg,
     log,
     random_prompts,
-    run_header,
+    run_and_write,
     script_parser,
-    write_result,
 )
 from benchmarks.chaos_harness import (
     Child,
@@ -42,6 +41,7 @@ from benchmarks.chaos_harness import (
     jobs_for,
     pct,
     run_streams,
+    stream_counts,
     wait_kv_free,
 )
 from benchmarks.robustness.chaos_hangs import timed_loop
@@ -71,14 +71,10 @@ def moved_at(rows: list[dict], moves: list[float]) -> list[dict]:
 
 
 def analyse(rows: list[dict], want: list[list[int]], moves: list[float]) -> dict:
-    errors = [r["error"] for r in rows if r["error"]]
-    changed = [r for r in rows if not r["error"] and r["tokens"] != want[r["i"]]]
+    changed, counts = stream_counts(rows, want)
     exposed = moved_at(changed, moves)
     return {
-        "streams": len(rows),
-        "errors": len(errors),
-        "first_errors": errors[:5],
-        "token_identical": len(rows) - len(errors) - len(changed),
+        **counts,
         "changed_in_flight_at_a_move": len(exposed),
         "changed_others": len(changed) - len(exposed),
         "in_flight_at_a_move": len(moved_at(rows, moves)),
@@ -178,12 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     add_out_arg(p, "flips.json")
     args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    out = {**run_header("benchmarks.robustness.flips", argv), **run(args)}
-    out["took_s"] = round(time.perf_counter() - t0, 1)
-    write_result(args.out, out)
-    log(f"wrote {args.out}")
-    return 0
+    return run_and_write("benchmarks.robustness.flips", argv, args.out, lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,16 @@ import tempfile
 import threading
 import time
 
-from benchmarks.bench_common import add_out_arg, run_header, script_parser, write_result
-from benchmarks.chaos_harness import Child, deployment, example_config, one_stream, pct
+from benchmarks.bench_common import add_out_arg, script_parser, write_result
+from benchmarks.chaos_harness import (
+    Child,
+    cluster_report,
+    deployment,
+    example_config,
+    one_stream,
+    pct,
+    serving,
+)
 
 IDLE, SLOW, BODY = "idle", "slowloris", "body"
 KINDS = (IDLE, SLOW, BODY)
@@ -203,6 +211,15 @@ def attacker(index: int, count: int, host: str, port: int, opts: dict, held, go,
 
 
 # ---- the normal client and the probes ----------------------------------------------------------
+def run_together(*bodies) -> None:
+    """Runs each of `bodies` on a thread of its own and returns once all have returned."""
+    threads = [threading.Thread(target=f) for f in bodies]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def normal_client(grpc_address, http_address, model, prompts, max_tokens, pause_s, stop, conn):
     """Process body: one thread sends gRPC Generate, one HTTP /v1/completions (a fresh connection
     each), one request at a time each, `pause_s` apart; sends back (protocol, start, seconds,
@@ -264,11 +281,7 @@ def normal_client(grpc_address, http_address, model, prompts, max_tokens, pause_
             n += 1
             stop.wait(pause_s)
 
-    threads = [threading.Thread(target=f) for f in (grpc_loop, http_loop)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_together(grpc_loop, http_loop)
     conn.send(rows)
 
 
@@ -279,7 +292,7 @@ def prober(grpc_address, http_address, interval_s, stop, conn):
     import http.client
 
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2_grpc
 
     rows = []
     host, _, port = http_address.rpartition(":")
@@ -309,22 +322,12 @@ def prober(grpc_address, http_address, interval_s, stop, conn):
             stub = health_pb2_grpc.HealthStub(channel)
             while not stop.is_set():
                 t = time.monotonic()
-                try:
-                    ok = (
-                        stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
-                        == health_pb2.HealthCheckResponse.SERVING
-                    )
-                except grpc.RpcError:
-                    ok = False
+                ok = serving(stub)
                 took = time.monotonic() - t
                 rows.append(("grpc_health", t, took if ok else None))
                 stop.wait(max(0.0, interval_s - took))
 
-    threads = [threading.Thread(target=f) for f in (http_probe, grpc_probe)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_together(http_probe, grpc_probe)
     conn.send(rows)
 
 
@@ -467,16 +470,13 @@ def part_b(args) -> dict:
             "body_timeout_s": front.settings.body_timeout_s,
         }
         model = router.servicer.options.model_id
-        warm = Child(
-            normal_client,
-            grpc_address,
-            http_address,
-            model,
-            prompts,
-            args.max_tokens,
-            0.0,
-            stop=Child.ctx.Event(),
-        )
+
+        def normal(pause_s: float, stop) -> Child:
+            """A normal client on this deployment, `pause_s` between its requests."""
+            fixed = (grpc_address, http_address, model, prompts, args.max_tokens, pause_s)
+            return Child(normal_client, *fixed, stop=stop)
+
+        warm = normal(0.0, Child.ctx.Event())
         time.sleep(8)
         warm.result()
         stop, go, stop_attack = Child.ctx.Event(), Child.ctx.Event(), Child.ctx.Event()
@@ -493,16 +493,7 @@ def part_b(args) -> dict:
             Child(attacker, k, per[k], host, int(port), opts, held, go, stop=stop_attack)
             for k in range(args.attackers)
         ]
-        client = Child(
-            normal_client,
-            grpc_address,
-            http_address,
-            model,
-            prompts,
-            args.max_tokens,
-            args.pause_s,
-            stop=stop,
-        )
+        client = normal(args.pause_s, stop)
         probe = Child(prober, grpc_address, http_address, 0.5, stop=stop)
         time.sleep(3)  # the children import and connect
         # from here on fd 2 (the router's log: `pdserve up` logs to stderr) goes to a file
@@ -655,13 +646,9 @@ def main(argv=None) -> int:
     add_args(p)
     add_out_arg(p, "chaos_slowloris.json")
     args = p.parse_args(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # pdserve up's
+    up_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # pdserve up's
+    report = cluster_report("benchmarks.robustness.slowloris", argv, up_format)
     logging.getLogger("pdserve.deploy").setLevel(logging.INFO)
-    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
-    report = {
-        **run_header("benchmarks.robustness.slowloris", argv),
-        "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml",
-    }
     t0 = time.perf_counter()
     report["part_b"] = part_b(args)
     report["part_b"]["took_s"] = round(time.perf_counter() - t0, 1)

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import logging
 import os
 import random
 import sys
 import threading
 import time
 
-from benchmarks.bench_common import REPO_ROOT, log, run_header, script_parser, write_result
-from benchmarks.chaos_harness import Child, deployment, example_config
+from benchmarks.bench_common import REPO_ROOT, log, script_parser, write_result, write_timed
+from benchmarks.chaos_harness import Child, cluster_report, deployment, example_config
 
 KINDS = (  # (kind, weight)
     ("grpc", 0.4),
@@ -478,20 +477,14 @@ def main(argv=None) -> int:
         help="JSON results path (default benchmarks/results/soak.json)",
     )
     args = p.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     report = {
-        **run_header("benchmarks.robustness.soak", argv),
-        "model": "SmolLM2-135M-Instruct (embedded GGUF), deploy/examples/local-cpu.yaml",
+        **cluster_report("benchmarks.robustness.soak", argv),
         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }
     t0 = time.perf_counter()
     run(args, report)
-    report["took_s"] = round(time.perf_counter() - t0, 1)
-    write_result(args.out, report)
+    write_timed(args.out, report, t0)
     log(f"wrote {args.out}")
     return 0
 

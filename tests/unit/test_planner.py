@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.planner import sig
 from pdserve.planner.policy import (
     LOCAL_LESS,
     LOCAL_MORE,
@@ -12,28 +13,10 @@ from pdserve.planner.policy import (
     TO_PREFILL,
     Planner,
     PlannerConfig,
-    Signals,
 )
 from pdserve.router.recent import prefill_speed
 
 CONFIG = PlannerConfig(ttft_s=1.0, tpot_s=0.1, sustain=2, cooldown_s=30, max_flips_per_min=2)
-
-
-def sig(
-    now,
-    ttft=None,
-    tpot=None,
-    p=1,
-    d=2,
-    kv=0.2,
-    local=0,
-    queued=0,
-    speed=0.0,
-    wait=0.0,
-    rate=0.0,
-    itl=None,
-):
-    return Signals(now, p, d, ttft, tpot, queued, speed, kv, local, wait, rate, itl)
 
 
 def actions(planner, signals):

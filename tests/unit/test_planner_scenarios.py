@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.planner import sig as signals
 from pdserve.planner.policy import (
     LOCAL_MORE,
     NONE,
@@ -25,18 +26,18 @@ PER_WORKER = SPEED * CONFIG.prefill_use  # the prompt tokens per second one work
 def sig(now, p, d, ttft, tpot, *, kv=0.2, local=0, wait=0.0, demand=0.0, queued=0):
     """Signals at pressures `ttft` and `tpot` (x SLO) with `demand` prefill workers' worth of
     prompt tokens arriving (0: unknown)."""
-    return Signals(
-        now=now,
-        prefill_workers=p,
-        decode_workers=d,
-        ttft_p90_s=ttft * TTFT_S,
-        tpot_p90_s=tpot * TPOT_S,
-        prefill_queued_tokens=queued,
-        prefill_tokens_per_s=SPEED,
-        decode_kv_use=kv,
-        local_max=local,
-        decode_wait_s=wait,
-        prompt_tokens_per_s=demand * PER_WORKER,
+    return signals(
+        now,
+        ttft * TTFT_S,
+        tpot * TPOT_S,
+        p=p,
+        d=d,
+        kv=kv,
+        local=local,
+        queued=queued,
+        speed=SPEED,
+        wait=wait,
+        rate=demand * PER_WORKER,
     )
 
 
