@@ -81,6 +81,7 @@ class SigStop:
     worker: str
     for_s: float
     at_s: float = 0.0
+    after: str = ""  # a trigger (TRIGGERS) at_s then waits for, on its worker
     kills_worker = True  # its role has no survivor in it while it is stopped
 
 
@@ -93,6 +94,7 @@ class Kill9:
     worker: str
     restart: bool = True
     at_s: float = 0.0
+    after: str = ""  # a trigger (TRIGGERS) at_s then waits for, on its worker
     kills_worker = True
 
 
@@ -130,6 +132,7 @@ class Flip:
     worker: str
     role: str
     at_s: float = 0.0
+    after: str = ""  # a trigger (TRIGGERS) at_s then waits for, on its worker
     drain_s: float = 0.0
     back_after_s: float | None = None  # then flipped back to its role before, after this
     kills_worker = False
@@ -143,10 +146,16 @@ class EngineHang:
     worker: str
     for_s: float
     at_s: float = 0.0
+    after: str = ""  # a trigger (TRIGGERS) at_s then waits for, on its worker
     kills_worker = True
 
 
 Fault = SigStop | Kill9 | CpuHog | AbortStorm | Flip | EngineHang
+# A worker fault's `after`: once at_s has passed, it waits (at most TRIGGER_TIMEOUT_S) until its
+# worker runs a sequence ("busy") or reports the role state "draining" (a flip reached it); a
+# trigger never met fails the scenario, which then did not test what it declares.
+TRIGGERS = ("", "busy", "draining")
+TRIGGER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,7 @@ class Scenario:
     topology: Topology
     load: Load
     faults: tuple = ()
+    tail_s: float = 1.0  # the load goes on this long after the last fault ended
     known_failure: str | None = None
     needs: str | None = None
     # how long after the faults end the workers have to serve again, and KV to be free
@@ -368,22 +378,50 @@ def worker_cores(target: Target) -> list[int]:
     return sorted(cores) or sorted(os.sched_getaffinity(0))
 
 
+def wait_trigger(target: Target, worker: str, after: str) -> float | None:
+    """Seconds until `worker` meets the trigger `after` (TRIGGERS), or None past the timeout."""
+    if after not in TRIGGERS:
+        raise ValueError(f"after must be one of {TRIGGERS}, got {after!r}")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < TRIGGER_TIMEOUT_S:
+        s = target.stats(worker)
+        if s is not None and (
+            (after == "busy" and s.num_running > 0)
+            or (after == "draining" and s.role_state == "draining")
+        ):
+            return time.monotonic() - t0
+        time.sleep(0.005)
+    return None
+
+
+def held(target: Target, worker: str) -> dict | None:
+    """What `worker` holds now (its Stats' KV figures), or None when it does not answer."""
+    s = target.stats(worker)
+    return kv_state(s) if s is not None else None
+
+
 def inject(fault, target: Target, rec: Recorder, load_jobs: list[dict]) -> None:
     """Runs `fault` from its at_s to its end (on a thread of the runner)."""
     time.sleep(max(0.0, rec.t0 + fault.at_s - time.monotonic()))
+    after = getattr(fault, "after", "")
+    if after:
+        waited = wait_trigger(target, fault.worker, after)
+        if waited is None:
+            raise RuntimeError(f"{fault.worker} was never {after} within {TRIGGER_TIMEOUT_S:.0f} s")
+        rec.note(fault, f"{fault.worker} {after}", waited_s=round(waited, 3))
     if isinstance(fault, SigStop):
-        pid = target.pid(fault.worker)
+        pid, holds = target.pid(fault.worker), held(target, fault.worker)
         os.kill(pid, signal.SIGSTOP)
-        rec.note(fault, "SIGSTOP", worker=fault.worker, pid=pid)
+        rec.note(fault, "SIGSTOP", worker=fault.worker, pid=pid, held=holds)
         try:
             time.sleep(fault.for_s)
         finally:
             os.kill(pid, signal.SIGCONT)
             rec.note(fault, "SIGCONT", worker=fault.worker, pid=pid)
     elif isinstance(fault, Kill9):
-        pid = target.pid(fault.worker)
+        pid, holds = target.pid(fault.worker), held(target, fault.worker)
         os.kill(pid, signal.SIGKILL)
-        rec.note(fault, "SIGKILL", worker=fault.worker, pid=pid)
+        rec.note(fault, "SIGKILL", worker=fault.worker, pid=pid, held=holds)
         target.killed(fault.worker, fault.restart)
         rec.note(fault, "restarted" if fault.restart else "gone", worker=fault.worker)
     elif isinstance(fault, CpuHog):
@@ -430,8 +468,9 @@ def inject(fault, target: Target, rec: Recorder, load_jobs: list[dict]) -> None:
                 time.sleep(fault.back_after_s)
             flip(target, rec, fault, role)
     elif isinstance(fault, EngineHang):
+        holds = held(target, fault.worker)
         target.set_hang(fault.worker, True)
-        rec.note(fault, "engine hung", worker=fault.worker)
+        rec.note(fault, "engine hung", worker=fault.worker, held=holds)
         try:
             time.sleep(fault.for_s)
         finally:
@@ -660,6 +699,7 @@ def run_scenario(scenario: Scenario, target: Target, want: list[list[int]]) -> d
     for t in threads:
         t.join(CHILD_TIMEOUT_S)
     faults_s = time.monotonic() - rec.t0
+    time.sleep(scenario.tail_s)
     rows = client.result(CHILD_TIMEOUT_S)  # sets stop: each client ends its current stream
     gone = {f.worker for f in scenario.faults if isinstance(f, Kill9) and not f.restart}
     run = Run(scenario, target, want, rows, rec, gone)

@@ -28,6 +28,7 @@ the environment, which the workers of one `up()` share. Writes benchmarks/result
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -69,20 +70,22 @@ class Size:
     hang_s: float  # a hung engine: longer than the router's bound, so its streams must move
     storm: int  # streams of an abort storm
     flip_back_s: float  # between a flip and the flip back
+    flip_stop_s: float  # a SIGSTOP in a flip's drain: past its Drain call and undo (5 s each)
     at_s: float  # a fault's start after the load is under way
-    during_drain_s: float  # a fault's start after its worker's flip began: inside the drain
+    tail_s: float  # the load after the last fault
 
 
 SIZES = {
     "ci": Size(
-        load=Load(streams=8, concurrency=8, prompt_len=16, max_tokens=24),
+        load=Load(streams=8, concurrency=8, prompt_len=16, max_tokens=32),
         stop_s=3.0,
         hog_s=4.0,
         hang_s=12.0,
         storm=32,
         flip_back_s=1.0,
+        flip_stop_s=12.0,
         at_s=0.3,
-        during_drain_s=0.2,
+        tail_s=1.0,
     ),
     "full": Size(
         load=Load(streams=64, concurrency=32, prompt_len=32, max_tokens=64),
@@ -91,8 +94,9 @@ SIZES = {
         hang_s=20.0,
         storm=200,
         flip_back_s=5.0,
+        flip_stop_s=30.0,
         at_s=3.0,
-        during_drain_s=0.5,
+        tail_s=10.0,
     ),
 }
 
@@ -101,39 +105,39 @@ def suite(size: str) -> tuple[Scenario, ...]:
     """Every scenario, at `size` ("ci" or "full")."""
     z = SIZES[size]
     one_one, one_two, two_one = Topology(1, 1), Topology(1, 2), Topology(2, 1)
-    flip = Flip("decode-1", "prefill", at_s=z.at_s)
-    inside = z.at_s + z.during_drain_s
+    flip = Flip("decode-1", "prefill", at_s=z.at_s, after="busy")
+    scenario = functools.partial(Scenario, tail_s=z.tail_s)
     return (
-        Scenario("clean", one_one, z.load, describe="no fault: the checks' own baseline"),
-        Scenario(
+        scenario("clean", one_one, z.load, describe="no fault: the checks' own baseline"),
+        scenario(
             "sigstop_decode",
             one_two,
             z.load,
-            (SigStop("decode-1", z.stop_s, at_s=z.at_s),),
+            (SigStop("decode-1", z.stop_s, at_s=z.at_s, after="busy"),),
             describe="a decode worker stopped mid-stream; its streams resume on the other",
         ),
-        Scenario(
+        scenario(
             "sigstop_prefill",
             two_one,
             z.load,
             (SigStop("prefill-1", z.stop_s, at_s=z.at_s),),
             describe="a prefill worker stopped; its prefills are retried on the other",
         ),
-        Scenario(
+        scenario(
             "kill9_decode",
             one_two,
             z.load,
-            (Kill9("decode-1", restart=True, at_s=z.at_s),),
+            (Kill9("decode-1", restart=True, at_s=z.at_s, after="busy"),),
             describe="kill -9 of a decode worker mid-stream, then its restart",
         ),
-        Scenario(
+        scenario(
             "kill9_prefill_gone",
             two_one,
             z.load,
             (Kill9("prefill-1", restart=False, at_s=z.at_s),),
             describe="kill -9 of a prefill worker that stays dead (CI size; full size restarts)",
         ),
-        Scenario(
+        scenario(
             "cpu_hog",
             one_one,
             z.load,
@@ -141,36 +145,36 @@ def suite(size: str) -> tuple[Scenario, ...]:
             known_failure=BUSY_IS_NOT_DEAD,
             describe="two busy processes on the workers' cores: slower, never an error",
         ),
-        Scenario(
+        scenario(
             "abort_storm",
             one_one,
             z.load,
             (AbortStorm(z.storm, at_s=z.at_s),),
             describe="streams cancelled by their clients at random points beside the load",
         ),
-        Scenario(
+        scenario(
             "flip",
             one_two,
             z.load,
             (dataclasses.replace(flip, back_after_s=z.flip_back_s),),
             describe="a decode worker flipped to prefill and back under load",
         ),
-        Scenario(
+        scenario(
             "flip_under_sigstop",
             one_two,
             z.load,
-            (flip, SigStop("decode-1", z.stop_s, at_s=inside)),
+            (flip, SigStop("decode-1", z.flip_stop_s, at_s=z.at_s, after="draining")),
             known_failure=UNDO_LEAVES_DRAINING,
             describe="a flip whose worker is stopped during its drain",
         ),
-        Scenario(
+        scenario(
             "flip_under_kill9",
             one_two,
             z.load,
-            (flip, Kill9("decode-1", restart=True, at_s=inside)),
+            (flip, Kill9("decode-1", restart=True, at_s=z.at_s, after="draining")),
             describe="a flip whose worker is killed during its drain and restarted",
         ),
-        Scenario(
+        scenario(
             "flip_under_hog",
             one_two,
             z.load,
@@ -178,11 +182,11 @@ def suite(size: str) -> tuple[Scenario, ...]:
             known_failure=BUSY_IS_NOT_DEAD,
             describe="a flip there and back while two busy processes hog the workers' cores",
         ),
-        Scenario(
+        scenario(
             "engine_hang",
             one_two,
             z.load,
-            (EngineHang("decode-1", z.hang_s, at_s=z.at_s),),
+            (EngineHang("decode-1", z.hang_s, at_s=z.at_s, after="busy"),),
             needs=HANG_HOOK,
             settle_s=20.0,
             describe="a decode worker's engine thread blocked while its server answers",

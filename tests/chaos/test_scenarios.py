@@ -6,8 +6,9 @@ run, KV all free, every worker serving the role the router holds it in, the rout
 
 The router runs in this process and every worker in a child process of its own
 (tests/helpers/scenario_cluster.py), so a scenario can stop, kill or starve one. Scenarios of the
-same topology share a deployment while they pass (the checks leave it as a fresh one); after one
-fails, or kills a worker for good, the next gets a fresh deployment. Scenarios expected to fail
+same topology share a deployment while it is as launched (every worker serving its launch role);
+after a scenario that fails, kills a worker for good or leaves a flip in place, the next gets a
+fresh deployment. Scenarios expected to fail
 today (`known_failure`: an open item of issue #47) are xfail(strict=False); one that needs a
 hook this checkout lacks is skipped with the reason.
 """
@@ -44,6 +45,8 @@ class Clusters:
         self.wants: dict = {}
 
     def get(self, topology) -> LocalTarget:
+        if topology in self.targets and not self.targets[topology].as_launched():
+            self.discard(topology)  # a flip that held, or a restart in another role
         if topology not in self.targets:
             self.targets[topology] = LocalTarget(self.model_dir, topology.prefill, topology.decode)
         return self.targets[topology]

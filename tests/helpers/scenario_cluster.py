@@ -124,6 +124,21 @@ class LocalTarget:
             time.sleep(0.05)
         raise RuntimeError(f"workers {sorted(names)} did not all register in {timeout_s:.0f} s")
 
+    def as_launched(self) -> bool:
+        """Every worker alive and serving, in the router and by its own word, the role it was
+        launched with: what a fresh deployment is."""
+        if any(proc.poll() is not None for proc in self.procs.values()):
+            return False
+        reply = self._admin.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=30)
+        view = {w.worker_id: (w.role, w.state) for w in reply.workers}
+        for name, role in self.roles.items():
+            own = self.stats(name)
+            if view.get(name) != (role, "serving") or own is None:
+                return False
+            if own.role and (own.role, own.role_state) != (role, "serving"):
+                return False
+        return True
+
     def hang_file(self, name: str) -> str:
         return os.path.join(self.hang_dir, f"{name}.hang")
 
