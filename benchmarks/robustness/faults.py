@@ -202,7 +202,7 @@ def engine_hang_hook_present() -> bool:
     import pdserve
 
     root = os.path.dirname(os.path.dirname(pdserve.__file__))
-    for folder in ("engine", "worker_common"):
+    for folder in ("engine", "worker_common", "prefill_worker", "decode_worker"):
         for dirpath, _, files in os.walk(os.path.join(root, folder)):
             for name in files:
                 if name.endswith(".py"):
