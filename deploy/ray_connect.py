@@ -19,8 +19,8 @@ are off (ray_constants.ENABLE_RAY_CLUSTER, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: 
 mode, the default on macOS and Windows). `_loopback_node` turns that mode on for the start: the
 environment variable for the processes Ray starts, the constant for this one; the dashboard, when
 on, gets dashboard_host 127.0.0.1 too. With ray.bind `all` Ray chooses as it always did.
-Ray writes ~/.ray/auth_token readable by everyone; ray_join.protect_token_file makes it 0600
-before and after the start.
+Ray writes ~/.ray/auth_token with the default mode (0644 under the usual umask);
+ray_join.protect_token_file makes it 0600 before and after the start.
 
 A local Ray's start survives a slow machine (`start_local_ray`): Ray gives its GCS 30 s to bind
 a port and the raylet 30 s to register, which a 2-core machine under load has missed; the GCS
