@@ -15,7 +15,8 @@ paths.
                                              # local_prefill
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
-                                  # (dashboard: true turns on a local Ray's dashboard)
+                                  # (dashboard: true turns on a local Ray's dashboard; bind:
+                                  # loopback keeps a local Ray's ports on 127.0.0.1, the default)
     security: {cluster_secret_file: null, tls: null}   # between the deployment's own processes
     planner: {enabled: false}     # role flips and local prefill moved while traffic shifts
 
@@ -384,9 +385,21 @@ class RaySettings(_Frozen):
     # the next free one). Off by default: it costs a process and its memory
     dashboard: bool = False
     dashboard_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    # local Ray only: where its ports (GCS, raylet, object manager, workers, agents, metrics,
+    # autoscaler metrics, dashboard) and the workers' own listen. loopback: 127.0.0.1 only, so
+    # nothing of the deployment but the router's ports (router.host) can be reached from another
+    # machine; all: Ray's own choice, the machine's address on every interface, for a cluster
+    # that other nodes join (`ray start --address`). A cluster joined by ray.address listens
+    # where its `ray start` put it (a node of a multi-node cluster cannot be loopback-only).
+    bind: Literal["loopback", "all"] = "loopback"
 
     @model_validator(mode="after")
     def _dashboard_local_only(self):
+        if self.bind == "all" and self.address is not None:
+            raise ValueError(
+                "bind: only for the local Ray pdserve starts; the nodes of a cluster joined by "
+                "ray.address listen where their `ray start --node-ip-address` put them"
+            )
         if self.dashboard and self.address is not None:
             raise ValueError(
                 "dashboard: only for the local Ray pdserve starts; a cluster joined by "
