@@ -176,19 +176,20 @@ class WorkerPool:
         `charge_tokens` before the lock is let go, so that concurrent arrivals see each other
         (the caller moves the charge with charge_queued when it settles elsewhere, and releases
         it at the first token). Blocks alone are read every health sweep and a colocated Reserve
-        holds no blocks yet: a burst went to one worker."""
+        holds no blocks yet: a burst went to one worker. Workers that are down come last, after
+        every worker that is up (down is a soft signal: a late Stats, not a death)."""
         with self._lock:
-            workers = self._candidates("decode", exclude)
+            workers = self._candidates("decode", exclude, fallback=True)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
 
             def load(w: _Worker) -> tuple:
                 room = 0 if w.num_free_blocks > 0 else 1 if w.num_free_blocks == 0 else 2
-                return room, w.num_used_blocks, -w.num_free_blocks
+                return w.down, room, w.num_used_blocks, -w.num_free_blocks
 
             if charge_tokens is None:  # stable sorts: ties keep the rotation
                 return sorted(rotated, key=load)
-            ordered = sorted(rotated, key=lambda w: (w.queued_tokens, *load(w)))
+            ordered = sorted(rotated, key=lambda w: (w.down, w.queued_tokens, *load(w)))
             ordered[0].queued_tokens += charge_tokens
             return ordered
 
@@ -267,11 +268,16 @@ class WorkerPool:
             worker.num_inflight -= 1
             worker.queued_tokens -= charge
 
-    def _candidates(self, role: str, exclude) -> list[_Worker]:
+    def _candidates(self, role: str, exclude, fallback: bool = False) -> list[_Worker]:
+        """The serving workers of `role` but `exclude` that are up (all of them when none is);
+        fallback: those that are down but not dead as well, after them."""
         workers = [w for w in self._workers[role] if w not in exclude and w.state == "serving"]
         if not workers:
             raise NoWorker(role)
-        return [w for w in workers if not w.down] or workers
+        up = [w for w in workers if not w.down]
+        if not up:
+            return workers
+        return up + [w for w in workers if w.down and not w.dead] if fallback else up
 
     def is_member(self, worker: _Worker) -> bool:
         """False once `worker` left the pool (its heartbeats stopped, or it re-registered)."""

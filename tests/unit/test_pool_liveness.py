@@ -148,7 +148,7 @@ def test_late_stats_make_a_worker_down_but_keep_its_calls(setup):
     open_legs.add(w0, leg)
     tick(clock, pool, 3, answer=(d1,))  # d0's poll stays unanswered for 3 s
     assert w0.down and not w0.dead
-    assert [w.worker_id for w in pool.decode_order()] == ["d1"]
+    assert [w.worker_id for w in pool.decode_order()] == ["d1", "d0"]  # d0 only as a fallback
     assert not leg.stream_call.cancelled and open_legs.count(w0) == 1
     assert d0.outstanding() == 1  # one poll at a time, however late
     d0.answer()  # one answer clears it
@@ -234,7 +234,7 @@ def test_an_engine_stuck_past_its_bound_kills_a_worker_that_answers(setup):
         assert clock.now - stuck_at < 7
     assert w0.dead == "stalled" and w0.down and pool.deaths["stalled"] == 1
     assert "no progress" in leg.lost_why
-    assert [w.worker_id for w in pool.decode_order()] == ["d1"]
+    assert [w.worker_id for w in pool.decode_order()] == ["d1"]  # dead: not even a fallback
     tick(clock, pool, 1, answer=(d0, d1))  # the turn ended: alive again
     assert not w0.dead and not w0.down
 
@@ -275,3 +275,17 @@ def test_bad_bounds_are_refused():
         WorkerPool(down_s=5.0, silence_s=4.0)
     with pytest.raises(ValueError, match="stall_factor"):
         WorkerPool(stall_factor=0.5)
+
+
+def test_deaths_are_counted_by_cause_on_the_metrics(setup):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.router.metrics import DeathCollector
+
+    clock, fakes, pool, _ = setup
+    registry = CollectorRegistry()
+    registry.register(DeathCollector(pool, "m"))
+    tick(clock, pool, 5, answer=(fakes["d1"],))  # d0 silent past worker_silence_s
+    text = generate_latest(registry).decode()
+    assert 'pdserve:worker_deaths_total{cause="silent",model_name="m"} 1.0' in text
+    assert 'pdserve:worker_deaths_total{cause="stalled",model_name="m"} 0.0' in text
