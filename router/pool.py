@@ -94,6 +94,7 @@ class _Worker:
     down: bool = False  # skipped for new work (module docstring)
     dead: str = ""  # why it is dead ("silent" or "stalled"), "" while alive
     poll: object = None  # the Stats call outstanding, if any (one at most)
+    stuck_since: float = 0.0  # dead "stalled": the pool's clock when its stuck turn began
     # "serving", or a role flip's "draining" | "switching" (router/flips.py): no new work then
     state: str = "serving"
     stats: object = None  # the last WorkerStats (a sweep's or a heartbeat's): router/metrics.py
@@ -493,21 +494,29 @@ class WorkerPool:
         its calls silent since the turn began are dropped, as for a worker that stopped."""
         stalled_s = stats.engine_stalled_ms / 1000
         bound = self.stall_bound_s(stats)
+        now = self._clock()
         if stalled_s < bound:
-            return False
+            # an older report of the same stuck turn (a heartbeat's figures can arrive after a
+            # later poll's) does not bring it back: only a turn that ended does
+            return (
+                worker.dead == "stalled"
+                and stalled_s > 0
+                and abs(now - stalled_s - worker.stuck_since) < 1.0
+            )
         why = f"{worker.role} worker {self.name(worker)} is dead: its engine made no progress "
         why += f"for {stalled_s:.1f} s (stall bound {bound:.1f} s: worker_stall_s="
         why += f"{self.stall_s:g}, longest recent turn {stats.engine_turn_ms_max} ms)"
         with self._lock:
             died = worker.dead != "stalled"
             worker.dead, worker.down = "stalled", True
+            worker.stuck_since = now - stalled_s
             worker.num_free_blocks = -1
             worker.stats = stats
             if died:
                 self.deaths["stalled"] += 1
         if died:
             log.warning("%s", why)
-        self._dropped(worker, why, self._clock() - stalled_s)
+        self._dropped(worker, why, now - stalled_s)
         return True
 
     def _note_failure(self, worker: _Worker, error: grpc.RpcError) -> None:

@@ -262,10 +262,13 @@ def test_a_heartbeat_without_figures_does_not_clear_a_stall(setup):
     clock, fakes, pool, open_legs = setup
     w0 = pool.decode[0]
     pool._registered["d0"] = w0
-    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=6000))
+    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=5100))
     assert w0.dead == "stalled"
     assert pool.heartbeat("d0", None)
     assert w0.dead == "stalled" and w0.down
+    clock.now += 0.3  # a report of the same stuck turn, taken 0.5 s earlier, arrives late
+    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=4900))
+    assert w0.dead == "stalled" and pool.deaths["stalled"] == 1
     assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=0))
     assert not w0.dead and not w0.down
 
