@@ -201,7 +201,8 @@ def part_d(args) -> dict:
         os.environ.pop("PDSERVE_TEST_ENGINE_HANG_FILE", None)
     changed, counts = stream_counts(rows, want)
     in_flight = [r for r in rows if r["start"] < t_stop < r["end"] and r["events"]]
-    resumes = sorted(resumed_after(r, t_stop) for r in in_flight)
+    every = sorted(resumed_after(r, t_stop) for r in in_flight)
+    resumes = [g for g in every if g != float("inf")]
     stalled = [r for r in in_flight if resumed_after(r, t_stop) >= 1.0]
     out = {
         "workers": "1P+2D",
@@ -225,6 +226,9 @@ def part_d(args) -> dict:
             "p50": round(pct(resumes, 50), 2),
             "over_10s": sum(g >= 10.0 for g in resumes),
             "all": [round(g, 2) for g in resumes],
+            # in flight at the hang but no token after it: every token had come (the checks
+            # above say whether it was the right one), only the finish was to come
+            "no_token_after_hang": len(every) - len(resumes),
         },
         "health": health,
         "kv_all_free": free,
