@@ -336,7 +336,10 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         max_inflight=config.router.max_inflight,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
         prefill_timeout_s=config.router.prefill_timeout_s,
+        worker_down_s=config.router.worker_down_s,
+        worker_silence_s=config.router.worker_silence_s,
         worker_stall_s=config.router.worker_stall_s,
+        worker_stall_factor=config.router.worker_stall_factor,
         flip_drain_s=config.router.flip_drain_s,
         local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
         planner=PlannerConfig(**config.planner.model_dump(exclude={"enabled"}))

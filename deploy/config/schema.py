@@ -277,6 +277,18 @@ class SecuritySettings(_Frozen):
         return ClusterSecurity(secret, self.tls.tls_config() if self.tls else None)
 
 
+RETIRED_ROUTER_KEYS = {
+    "stats_timeout_s": (
+        "a late Stats call no longer decides anything; set worker_down_s (silent this long: no "
+        "new work) and worker_silence_s (silent this long: dead, its calls resume elsewhere)"
+    ),
+    "down_after": (
+        "failed Stats calls are no longer counted; set worker_down_s and worker_silence_s "
+        "(seconds without any answer) instead"
+    ),
+}
+
+
 class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
@@ -284,9 +296,15 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # bounds (README): a prefill's before its retry, a stuck engine's, a role flip's drain
+    # bounds (docs/deploying.md): a prefill's before its retry, a role flip's drain, and a
+    # worker's health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, no
+    # new work; silent worker_silence_s, dead (its calls resume elsewhere); an engine stuck in
+    # one turn for max(worker_stall_s, worker_stall_factor x its longest recent turn), dead
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
+    worker_down_s: Annotated[float, Field(gt=0)] = 2.0
+    worker_silence_s: Annotated[float, Field(ge=2)] = 4.0  # twice the 1 s heartbeat at least
+    worker_stall_s: Annotated[float, Field(gt=0)] = 5.0
+    worker_stall_factor: Annotated[float, Field(ge=1)] = 4.0
     flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
     local_prefill: LocalPrefillSettings = LocalPrefillSettings()
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
@@ -303,6 +321,15 @@ class RouterSettings(_Frozen):
     # the metrics scrape's keys (a file, one a line): with it, GET /metrics takes one of these and
     # no client key, so a Prometheus scrape config never carries a client API key
     metrics_keys_file: KeysFile | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data):
+        # the health keys before worker_silence_s: refused by name, so an old file says what to set
+        for old, new in RETIRED_ROUTER_KEYS.items():
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"{old} is retired: {new}")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -329,6 +356,16 @@ class RouterSettings(_Frozen):
             except UnicodeDecodeError:
                 raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
         return v
+
+    @model_validator(mode="after")
+    def _health_bounds(self):
+        if self.worker_down_s > self.worker_silence_s:
+            raise ValueError(
+                f"worker_down_s ({self.worker_down_s:g}) must not exceed worker_silence_s "
+                f"({self.worker_silence_s:g}): a worker is skipped for new work before it is "
+                f"declared dead"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports(self):
