@@ -161,8 +161,7 @@ TRIGGER_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Scenario:
     """One declared scenario. `known_failure`: why it is expected to fail today (an open item of
-    an issue), so the CI lane marks it xfail(strict=False) and the full run records it; `needs`:
-    what it needs that a checkout may lack (a skip reason when `needs_met` is false)."""
+    an issue), so the CI lane marks it xfail(strict=False) and the full run records it."""
 
     name: str
     topology: Topology
@@ -170,7 +169,6 @@ class Scenario:
     faults: tuple = ()
     tail_s: float = 1.0  # the load goes on this long after the last fault ended
     known_failure: str | None = None
-    needs: str | None = None
     # how long after the faults end the workers have to serve again, and KV to be free
     settle_s: float = 10.0
     kv_free_s: float = 20.0
@@ -194,26 +192,6 @@ class Scenario:
             "faults": [{"kind": type(f).__name__, **dataclasses.asdict(f)} for f in self.faults],
             "known_failure": self.known_failure,
         }
-
-
-def engine_hang_hook_present() -> bool:
-    """Whether this checkout's engine reads PDSERVE_TEST_ENGINE_HANG_FILE (issue #47 item 3 adds
-    it): the engine_hang scenarios need it, and hang nothing without it."""
-    import pdserve
-
-    root = os.path.dirname(os.path.dirname(pdserve.__file__))
-    for folder in ("engine", "worker_common", "prefill_worker", "decode_worker"):
-        for dirpath, _, files in os.walk(os.path.join(root, folder)):
-            for name in files:
-                if name.endswith(".py"):
-                    with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                        if "PDSERVE_TEST_ENGINE_HANG_FILE" in f.read():
-                            return True
-    return False
-
-
-HANG_HOOK = "PDSERVE_TEST_ENGINE_HANG_FILE"
-NEEDS = {HANG_HOOK: engine_hang_hook_present}
 
 
 # ---- the deployment a scenario runs on ----------------------------------------------------------

@@ -20,8 +20,9 @@ free on every worker, every worker serving the role the router holds it in (its 
 role_state) within the scenario's settle_s, and the router still serving a fresh pass.
 
 At full size a kill -9 is always followed by the supervisor's restart (restart=False only changes
-which workers the checks read), and engine_hang is skipped: the hook is set per process through
-the environment, which the workers of one `up()` share. Writes benchmarks/results/scenarios.json
+which workers the checks read); engine_hang hangs one worker through the engine's test hook
+(engine/engine_loop.py): `up()` runs with PDSERVE_TEST_ENGINE_HANG_FILE set, which its workers
+inherit, and the file `<that path>.<worker>-engine` hangs that worker's engine while it exists. Writes benchmarks/results/scenarios.json
 (machine, commit, command, each scenario's record); scenarios not run keep their last record.
 """
 
@@ -31,12 +32,12 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 from benchmarks.robustness.faults import (
-    HANG_HOOK,
-    NEEDS,
     AbortStorm,
     CpuHog,
     EngineHang,
@@ -50,10 +51,8 @@ from benchmarks.robustness.faults import (
     failures,
     run_scenario,
 )
+from pdserve.engine.engine_loop import HANG_FILE_ENV
 
-BUSY_IS_NOT_DEAD = (
-    "issue #47 item 1: a worker busy on a loaded machine misses Stats polls and is declared down"
-)
 UNDO_LEAVES_DRAINING = (
     "issue #47 item 4: a flip given up while its worker is stopped leaves it draining for good"
 )
@@ -142,7 +141,6 @@ def suite(size: str) -> tuple[Scenario, ...]:
             one_one,
             z.load,
             (CpuHog(2, z.hog_s, at_s=z.at_s),),
-            known_failure=BUSY_IS_NOT_DEAD,
             describe="two busy processes on the workers' cores: slower, never an error",
         ),
         scenario(
@@ -179,7 +177,6 @@ def suite(size: str) -> tuple[Scenario, ...]:
             one_two,
             z.load,
             (dataclasses.replace(flip, back_after_s=z.flip_back_s), CpuHog(2, z.hog_s)),
-            known_failure=BUSY_IS_NOT_DEAD,
             describe="a flip there and back while two busy processes hog the workers' cores",
         ),
         scenario(
@@ -187,15 +184,10 @@ def suite(size: str) -> tuple[Scenario, ...]:
             one_two,
             z.load,
             (EngineHang("decode-1", z.hang_s, at_s=z.at_s, after="busy"),),
-            needs=HANG_HOOK,
             settle_s=20.0,
             describe="a decode worker's engine thread blocked while its server answers",
         ),
     )
-
-
-def needs_met(scenario: Scenario) -> bool:
-    return scenario.needs is None or NEEDS[scenario.needs]()
 
 
 # ---- full size: deploy.launcher.up() ------------------------------------------------------------
@@ -260,18 +252,35 @@ class UpTarget:
         wait_replaced(self.cluster, r, old, r.role, members)
 
     def set_hang(self, worker: str, on: bool) -> None:
-        raise NotImplementedError("the full size does not hang one worker's engine")
+        flag = f"{os.environ[HANG_FILE_ENV]}.{worker}-engine"  # run_full set the variable
+        if on:
+            open(flag, "w").close()
+        elif os.path.exists(flag):
+            os.remove(flag)
 
     def close(self) -> None:
         self.channel.close()
 
 
 def run_full(scenario: Scenario, want_cache: dict) -> dict:
-    from benchmarks.chaos_harness import deployment, example_config
-    from pdserve.deploy.launcher import RestartPolicy
+    from benchmarks.chaos_harness import example_config
 
     t = scenario.topology
     config = example_config(prefill=t.prefill, decode=t.decode, prefix_caching=False)
+    # the workers inherit the hook's variable; nothing hangs until set_hang makes a worker's file
+    hang_dir = tempfile.mkdtemp(prefix="pdserve-scenario-hang-")
+    os.environ[HANG_FILE_ENV] = os.path.join(hang_dir, "hang")
+    try:
+        return _run_up(scenario, config, want_cache)
+    finally:
+        os.environ.pop(HANG_FILE_ENV, None)
+        shutil.rmtree(hang_dir, ignore_errors=True)
+
+
+def _run_up(scenario: Scenario, config, want_cache: dict) -> dict:
+    from benchmarks.chaos_harness import deployment
+    from pdserve.deploy.launcher import RestartPolicy
+
     with deployment(config, restart=RestartPolicy(poll_s=0.5, backoff_s=0.5)) as (cluster, drops):
         target = UpTarget(cluster)
         try:
@@ -312,9 +321,6 @@ def main(argv=None) -> int:
     report.setdefault("scenarios", {})
     want_cache: dict = {}
     for scenario in chosen:
-        if scenario.needs == HANG_HOOK or not needs_met(scenario):
-            log(f"{scenario.name}: skipped (needs {scenario.needs} at full size)")
-            continue
         t0 = time.perf_counter()
         try:
             result = run_full(scenario, want_cache)

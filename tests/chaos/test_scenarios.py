@@ -9,8 +9,7 @@ The router runs in this process and every worker in a child process of its own
 same topology share a deployment while it is as launched (every worker serving its launch role);
 after a scenario that fails, kills a worker for good or leaves a flip in place, the next gets a
 fresh deployment. Scenarios expected to fail
-today (`known_failure`: an open item of issue #47) are xfail(strict=False); one that needs a
-hook this checkout lacks is skipped with the reason.
+today (`known_failure`: an open item of issue #47) are xfail(strict=False).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import signal
 import pytest
 
 from benchmarks.robustness.faults import Kill9, clean_run, failures, run_scenario
-from benchmarks.robustness.scenarios import needs_met, suite
+from benchmarks.robustness.scenarios import suite
 from helpers.scenario_cluster import LocalTarget
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
@@ -76,8 +75,6 @@ def clusters(tiny_models):
 
 @pytest.mark.parametrize("scenario", params())
 def test_scenario(scenario, clusters):
-    if not needs_met(scenario):
-        pytest.skip(f"needs {scenario.needs}, which this checkout's engine does not read")
     target = clusters.get(scenario.topology)
     try:
         result = run_scenario(scenario, target, clusters.want(target, scenario.load))
