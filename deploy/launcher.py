@@ -310,6 +310,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         prefill_timeout_s=config.router.prefill_timeout_s,
         worker_stall_s=config.router.worker_stall_s,
         flip_drain_s=config.router.flip_drain_s,
+        reconcile_bound_s=config.router.reconcile_bound_s,
         local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
         planner=PlannerConfig(**config.planner.model_dump(exclude={"enabled"}))
         if config.planner.enabled
