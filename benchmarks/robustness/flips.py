@@ -412,6 +412,7 @@ def run_interrupts(args) -> dict:
     rng = random.Random(args.seed)
     prompts = random_prompts(4700, 64, args.prompt_len)
     config = example_config(prefill=1, decode=2, prefix_caching=False)
+    config["router"]["http_port"] = 0  # a free port: the gRPC port is all it uses
     out: dict = {"workers": "1P+2D", "trials_asked": args.interrupt, "seed": args.seed}
     with deployment(config) as (cluster, _):
         router = cluster.router
