@@ -141,4 +141,5 @@ def _row(w) -> str:
         age = f" {w.reported_age_ms / 1000:.1f}s ago" if w.reported_age_ms >= 0 else ""
         reports = f"reports={w.reported_role}/{w.reported_state}{age}"
     match = "STUCK" if w.stuck else "MISMATCH" if w.mismatch else "ok"
-    return f"{w.worker_id}\t{w.role}\t{w.state}\t{intent}\t{reports}\t{match}\t{load}\t{w.address}"
+    columns = (w.worker_id, w.role, w.state, intent, reports, match, load, w.address)
+    return "\t".join(columns)

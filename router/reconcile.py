@@ -197,9 +197,12 @@ class Reconciler:
             self._wake.set()
 
     def _note_member(self, track: _Track, worker, now: float) -> None:
+        """A new pool entry (a registration) starts without a report, and its bound afresh."""
         if track.member is not worker:
             track.member, track.member_seq = worker, next(_ORDER)
             track.report, track.remaining = None, None
+            track.diverged_at, track.stuck, track.waiting = None, False, ""
+            track.drain_began, track.moved = None, False
 
     def begin_flip(self, name: str, role: str) -> str | None:
         """A flip of `name` out of `role` begins: from now on the flip drives it. Returns why not
@@ -359,13 +362,17 @@ class Reconciler:
         intent, report = track.intent, track.report
         if track.diverged_at is None:
             track.diverged_at = now
+            said = "nothing yet"
+            if report is not None:
+                said = f"{report.role} {report.state}"
+                said += "" if report.seq > intent.seq else ", before the router's intent changed"
             log.warning(
                 "%s worker %s is not where the router wants it (%s %s; it reports %s): reconciling",
                 worker.role,
                 name,
                 intent.role,
                 intent.state,
-                f"{report.role} {report.state}" if report else "nothing yet",
+                said,
             )
         fresh = report is not None and report.seq > intent.seq
         # serving the other role, as the pool believes: it waits for the pool to let it go

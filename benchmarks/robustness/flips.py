@@ -22,9 +22,10 @@ benchmarks/results/flips.json.
 The interrupt part (issue #47, must-show c): --interrupt flips, each interrupted by SIGSTOP (for
 a random 1-8 s, then SIGCONT) or kill -9 of the flipped worker's process (the supervisor starts it
 again in its launch role), at one of five points: before the drain reaches it, during the drain
-(0.3 s into it, 4 streams running), between the drain and the switch (the router marks it
-switching), during the switch (the router has registered it in the new pool, the worker has not
-had the answer) and right after the flip returned; stop and kill alternate, the points go round.
+(its first Drain(true) answered, 4 streams running), between the drain and the switch (the
+router marks it switching), during the switch (the router has registered it in the new pool, the
+worker has not had the answer) and right after the flip returned; stop and kill alternate, the
+points go round.
 The flip runs in the router of this process (`cluster.router.flips`), hooked at those points. Per
 trial: the flip's outcome; the seconds from SIGCONT (or from the restarted worker's registration)
 until every worker's own report, received after that moment, matches what the router intends for
@@ -201,13 +202,7 @@ class Hooks:
         self.fired_state = ""
         self.registered: dict[str, list[float]] = {}
         pool = self.pool
-        begin_drain, set_state, register = pool.begin_drain, pool.set_state, pool.register
-
-        def hooked_begin_drain(worker):
-            why = begin_drain(worker)
-            if why is None and self._armed(worker, "during_drain"):
-                threading.Timer(0.3, self._fire_now).start()
-            return why
+        set_state, register = pool.set_state, pool.register
 
         def hooked_set_state(worker, state):
             set_state(worker, state)
@@ -223,22 +218,26 @@ class Hooks:
                 self._fire_now("registered, unanswered")
             return worker
 
-        pool.begin_drain, pool.set_state, pool.register = (
-            hooked_begin_drain,
-            hooked_set_state,
-            hooked_register,
-        )
+        pool.set_state, pool.register = hooked_set_state, hooked_register
+        call = router.flips._call
+
+        def hooked_call(method, request):
+            reply = call(method, request)
+            if getattr(request, "draining", False) and self._armed_name("during_drain"):
+                self._fire_now("draining (its first Drain answered)")
+            return reply
+
+        router.flips._call = hooked_call
 
     def arm(self, target: str, point: str, fire) -> None:
         self.target, self.point, self.fire, self.fired_at = target, point, fire, None
 
     def _armed(self, worker, point: str) -> bool:
-        return (
-            self.point == point
-            and self.fired_at is None
-            and self.fire is not None
-            and self.pool.name(worker) == self.target
-        )
+        return self._armed_name(point) and self.pool.name(worker) == self.target
+
+    def _armed_name(self, point: str) -> bool:
+        """`point` is armed (the flip under way is the target's: one at a time)."""
+        return self.point == point and self.fired_at is None and self.fire is not None
 
     def _fire_now(self, state: str | None = None) -> None:
         """Fires once; state: where the flip was (None: the pool's state for the worker now)."""
@@ -349,7 +348,6 @@ def interrupt_trial(cluster, hooks, rng, k: int, args, jobs) -> dict:
 
     load = Child(loop_streams, cluster.router_address, jobs, 4, stop=Child.ctx.Event())
     time.sleep(2.0)  # streams on every worker, so that a drain has something to wait for
-    registered_before = len(hooks.registered.get(worker, []))
     hooks.arm(worker, point, fire)
     outcome = {}
 
@@ -377,7 +375,11 @@ def interrupt_trial(cluster, hooks, rng, k: int, args, jobs) -> dict:
         wait_for(lambda: "at" in cont, stop_s + 30)
         t_ref, ref = cont["at"], "sigcont"
     else:
-        wait_for(lambda: len(hooks.registered.get(worker, [])) > registered_before, 300)
+
+        def restarted():
+            return any(t > hooks.fired_at for t in hooks.registered.get(worker, []))
+
+        wait_for(restarted, 300)
         t_ref, ref = hooks.registered[worker][-1], "registered_after_restart"
         row["restart_s"] = round(t_ref - hooks.fired_at, 2)
     row["from"] = ref
@@ -388,8 +390,15 @@ def interrupt_trial(cluster, hooks, rng, k: int, args, jobs) -> dict:
     row["within_bound"] = converged and row["converge_s"] <= CONVERGE_BOUND_S
     bg = load.result()
     row["background_streams"], row["background_errors"] = len(bg), sum(1 for r in bg if r["error"])
+    row["pool_before_load"] = {
+        router.pool.name(w): f"{w.role} {w.state} down={w.down} used={w.num_used_blocks} "
+        f"free={w.num_free_blocks}"
+        for w in router.pool.members()
+    }
     before = handoffs(cluster)
-    spread = Child(run_streams, cluster.router_address, jobs[:16], 16).result()
+    # fresh prompts: the router's prefix affinity would send replayed ones where they went before
+    fresh = jobs_for(random_prompts(9000 + k, 16, args.prompt_len), args.max_tokens)
+    spread = Child(run_streams, cluster.router_address, fresh, 16).result()
     after = handoffs(cluster)
     row["load_errors"] = sum(1 for r in spread if r["error"])
     row["load_per_worker"] = {n: after[n] - before[n] for n in names}
