@@ -15,6 +15,14 @@ UNAVAILABLE from the router. The router lives in the driver because it is the on
 port: it should listen on the host the operator launched from and die with `pdserve up`, and it
 holds no model, so it needs no Ray resources of its own. A local Ray that `up` starts dies with
 it too, even when it is killed without a chance to stop it (deploy/ray_reaper.py).
+
+Nothing of a default deployment listens beyond loopback: a local Ray binds to 127.0.0.1 unless
+ray.bind is `all` (deploy/ray_connect.py), its workers and their KV servers listen on 127.0.0.1
+(with ray.bind `all`, or on a cluster joined by address, on their node's address), and the router
+on router.host (127.0.0.1 unless set). The secrets stay out of every environment: `up` takes
+PDSERVE_CLUSTER_SECRET and PDSERVE_API_KEYS out of os.environ before Ray starts and gives them back
+at stop; workers on this machine read the cluster secret from a 0600 file that lives as long as
+the deployment (deploy/secret_files.py).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.deploy import ray_reaper, start_table, workers
+from pdserve.deploy import ray_reaper, secret_files, start_table, workers
 from pdserve.deploy.config.schema import DeployConfig, Pool
 from pdserve.deploy.placement import check_custom_resources, check_labels, pg_options
 from pdserve.deploy.prechecks import (  # noqa: F401
@@ -107,6 +115,9 @@ class Cluster:
     deployment_id: str = ""
     supervisor: Supervisor | None = None
     reaper: ray_reaper.Watchdog | None = None  # kills the local Ray we started if we die first
+    # the cluster secret's 0600 file for the workers on this machine (None: in their config)
+    secret_dir: secret_files.SecretDir | None = None
+    withheld: secret_files.Withheld | None = None  # the secrets taken out of os.environ
     _stopped: bool = False
 
     def addresses(self, role: str) -> list[str]:
@@ -169,11 +180,20 @@ class Cluster:
         if self.reaper is not None:
             self.reaper.stop()
             self.reaper = None
+        if self.secret_dir is not None:
+            self.secret_dir.remove()
+            self.secret_dir = None
+        if self.withheld is not None:
+            self.withheld.restore()
+            self.withheld = None
 
 
 # ---- starting ------------------------------------------------------------------------------------
 def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str):
     config = cluster.config
+    security = cluster.security
+    if cluster.secret_dir is not None:  # the worker reads the secret from its file instead
+        security = ClusterSecurity(None, security.tls)
     common = dict(
         model=config.model,
         model_id=config.served_model_id(),
@@ -182,7 +202,7 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         port=0,
         worker_id=f"{key}-{index}",
         registry_address=cluster.registry_address,
-        security=cluster.security,
+        security=security,
         deployment_id=cluster.deployment_id,
     )
     return workers.worker_config(
@@ -196,7 +216,12 @@ def _flippable(config: DeployConfig) -> bool:
 
 
 def _spawner(
-    r: Replica, pool: Pool, worker_config, cpus: list[int] | None, flippable: bool
+    r: Replica,
+    pool: Pool,
+    worker_config,
+    cpus: list[int] | None,
+    flippable: bool,
+    secret_file: str | None = None,
 ) -> Callable[[], object]:
     def spawn():
         return RemoteWorker.options(
@@ -206,7 +231,7 @@ def _spawner(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=r.pg, placement_group_bundle_index=0
             ),
-        ).remote(r.role, worker_config, pool.threads, cpus, flippable)
+        ).remote(r.role, worker_config, pool.threads, cpus, flippable, secret_file)
 
     return spawn
 
@@ -240,7 +265,10 @@ def _place_pool(
                 f"it, or lower pools.{key}.replicas or resources"
             ) from None
         cfg = _worker_config(cluster, key, pool, r.index, host)
-        r.spawn = _spawner(r, pool, cfg, cores.get((key, r.index)), _flippable(cluster.config))
+        secret_file = cluster.secret_dir.secret_file if cluster.secret_dir else None
+        r.spawn = _spawner(
+            r, pool, cfg, cores.get((key, r.index)), _flippable(cluster.config), secret_file
+        )
         r.actor = _first_spawn(r)
 
 
@@ -308,7 +336,10 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         max_inflight=config.router.max_inflight,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
         prefill_timeout_s=config.router.prefill_timeout_s,
+        worker_down_s=config.router.worker_down_s,
+        worker_silence_s=config.router.worker_silence_s,
         worker_stall_s=config.router.worker_stall_s,
+        worker_stall_factor=config.router.worker_stall_factor,
         flip_drain_s=config.router.flip_drain_s,
         reconcile_bound_s=config.router.reconcile_bound_s,
         local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
@@ -337,6 +368,13 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     cluster.registry_address = f"{host}:{port}"
 
 
+def on_one_machine(nodes: list[dict]) -> bool:
+    """Whether every live Ray node is on this process's machine (has this node's IP, as Ray's
+    nodes started on one host do), so that a file written here is there for every worker."""
+    here = ray.util.get_node_ip_address()
+    return bool(nodes) and all(n.get("NodeManagerAddress") == here for n in nodes)
+
+
 def _wait_registered(cluster: Cluster, timeout_s: float) -> None:
     pool = cluster.router.pool
     deadline = time.monotonic() + timeout_s
@@ -350,6 +388,25 @@ def _wait_registered(cluster: Cluster, timeout_s: float) -> None:
                     f"workers reach {cluster.registry_address}? (router.host)"
                 )
             time.sleep(0.05)
+
+
+def _connect(config: DeployConfig, address: str | None, security: ClusterSecurity) -> Cluster:
+    """Ray, connected to (or started) with the secrets out of os.environ (they would be inherited
+    by Ray's processes: deploy/secret_files.py), and the Cluster that undoes both at stop."""
+    withheld = secret_files.withhold_from_environment()
+    try:
+        started, reaper = init_ray(config, address)
+    except BaseException:
+        withheld.restore()
+        raise
+    return Cluster(
+        config,
+        started,
+        security=security,
+        deployment_id=uuid.uuid4().hex,
+        reaper=reaper,
+        withheld=withheld,
+    )
 
 
 def up(
@@ -396,16 +453,17 @@ def up(
 
         log.info("this machine's CPU: %s", cpu_features().describe())
     t0 = time.perf_counter()
-    started, reaper = init_ray(config, address)
-    cluster = Cluster(
-        config, started, security=security, deployment_id=uuid.uuid4().hex, reaper=reaper
-    )
+    cluster = _connect(config, address, security)
     # a local Ray runs everything on this machine: loopback is reachable and opens no ports
-    local = started and on_this_machine
-    host = "127.0.0.1" if local else ""
+    # (ray.bind all: the workers listen on the node's address, as on a joined cluster)
+    local = cluster.started_ray and on_this_machine
+    host = "127.0.0.1" if local and config.ray.bind == "loopback" else ""
     try:
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if security.secret and on_one_machine(alive):  # workers here read the secret's file
+            cluster.secret_dir = secret_files.SecretDir(security.secret)
+        nodes = [n["Resources"] for n in alive]
         check_custom_resources(config, ray.cluster_resources(), local)
         check_resources(config, ray.cluster_resources(), nodes, local)
         check_labels(config, ray.nodes())

@@ -10,6 +10,18 @@ clients would find (deploy/ray_join.py). A Ray the caller already started (a not
 used as it is. Either way a failure is a DeployError whose one line names the key to change; the
 Cluster that `up` returns shuts down, on stop, the Ray this module reports it started.
 
+A local Ray listens on loopback only unless ray.bind is `all` (`start_local_ray(loopback=True)`).
+Ray binds its servers (GCS, raylet and object manager, the workers' and the driver's gRPC servers,
+the dashboard agent and its metrics export port, the runtime env agent, the autoscaler's metrics)
+to 127.0.0.1 exactly when the node's IP is a loopback address, and everywhere otherwise; and
+ray.init turns a `_node_ip_address` of 127.0.0.1 into the machine's address unless Ray clusters
+are off (ray_constants.ENABLE_RAY_CLUSTER, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray's local-only
+mode, the default on macOS and Windows). `_loopback_node` turns that mode on for the start: the
+environment variable for the processes Ray starts, the constant for this one; the dashboard, when
+on, gets dashboard_host 127.0.0.1 too. With ray.bind `all` Ray chooses as it always did.
+Ray writes ~/.ray/auth_token with the default mode (0644 under the usual umask);
+ray_join.protect_token_file makes it 0600 before and after the start.
+
 A local Ray's start survives a slow machine (`start_local_ray`): Ray gives its GCS 30 s to bind
 a port and the raylet 30 s to register, which a 2-core machine under load has missed; the GCS
 gets 120 s here, and a start that still times out is killed and tried once more. Its workers run
@@ -18,6 +30,7 @@ at niceness 0, not Ray's 15 (deploy/workers.py, `at_normal_priority`, says why).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -55,11 +68,20 @@ def init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reape
         return False, None
     address = address or config.ray.address
     kwargs = dict(include_dashboard=False, log_to_driver=False)
+    loopback = config.ray.bind == "loopback"
     if address is None and config.ray.dashboard:
         check_dashboard()
-        kwargs.update(include_dashboard=True, dashboard_port=config.ray.dashboard_port)
+        kwargs.update(
+            include_dashboard=True,
+            dashboard_port=config.ray.dashboard_port,
+            dashboard_host="127.0.0.1" if loopback else "0.0.0.0",
+        )
     elif config.ray.dashboard:
         log.warning("ray.dashboard is for a local Ray; the cluster at %s has its own", address)
+    if address is not None and not loopback:
+        log.warning(
+            "ray.bind is for a local Ray; the cluster at %s listens where it was started", address
+        )
     if address is not None:  # the cluster's token, found as Ray's own clients find it
         log.info("joining the Ray cluster at %s: %s", address, ray_join.prepare_join(address))
     if address is None:
@@ -72,7 +94,7 @@ def init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reape
         kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
     try:
         if address is None:
-            context, started = start_local_ray(**kwargs)
+            context, started = start_local_ray(loopback=loopback, **kwargs)
         else:
             context, started = ray.init(address=address, **kwargs), {}
     except (ConnectionError, RuntimeError, ValueError, ray.exceptions.AuthenticationError) as e:
@@ -97,13 +119,47 @@ def _timed_out(error: BaseException) -> bool:
     return "timed out" in str(error).lower()
 
 
-def start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
-    """ray.init(**kwargs) starting a local Ray whose workers run at niceness 0, made to survive a
-    slow start. Returns Ray's context and, on Linux, the processes it started here (pid -> start
-    time: the GCS, the raylet, ...) for the watchdog. A start that times out has what it started
-    killed (Ray leaves those processes running, and they would hold the CPU the second try needs)
-    and is tried once more; a second timeout is raised as a RuntimeError that says so, any other
-    failure as it came."""
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's nodes use loopback addresses
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """Ray's local-only mode while a local Ray starts (see the module docstring): node IP
+    127.0.0.1, so that every server Ray starts binds to loopback. Restored afterwards; the
+    processes started meanwhile keep it (they got the variable and the node IP at their start)."""
+    from ray._private import ray_constants
+
+    before_env, before_const = os.environ.get(LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_const
+        if before_env is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = before_env
+
+
+def start_local_ray(loopback: bool = True, **kwargs) -> tuple[object, dict[int, int]]:
+    """ray.init(**kwargs) starting a local Ray whose workers run at niceness 0, listening on
+    loopback only unless `loopback` is False, made to survive a slow start. Returns Ray's context
+    and, on Linux, the processes it started here (pid -> start time: the GCS, the raylet, ...) for
+    the watchdog. A start that times out has what it started killed (Ray leaves those processes
+    running, and they would hold the CPU the second try needs) and is tried once more; a second
+    timeout is raised as a RuntimeError that says so, any other failure as it came."""
+    with _loopback_node() if loopback else contextlib.nullcontext():
+        if loopback:
+            kwargs.setdefault("_node_ip_address", "127.0.0.1")
+        ray_join.protect_token_file()  # a token Ray would find or write: 0600 before the start
+        try:
+            return _start_local_ray(**kwargs)
+        finally:
+            ray_join.protect_token_file()  # and one Ray wrote (it writes it 0644)
+
+
+def _start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
     if "RAY_worker_niceness" not in os.environ:  # an operator's choice stands
         kwargs["_system_config"] = {"worker_niceness": 0, **(kwargs.get("_system_config") or {})}

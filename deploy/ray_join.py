@@ -12,17 +12,28 @@ where Ray's clients look for it (RAY_AUTH_TOKEN, then the file RAY_AUTH_TOKEN_PA
 CLI does for a token it finds (RAY_AUTH_MODE=token, before ray.init reads it). When it cannot, it
 raises a DeployError whose one line says what to set. Nothing here keeps state; the process's
 RAY_AUTH_MODE stays set for its lifetime (ray.init reads it, and so do Ray's own clients).
+
+A local Ray that `pdserve up` starts turns token mode on by itself and, when no token exists yet,
+writes a fresh one to ~/.ray/auth_token with the default mode (0644 under the usual umask: every
+user of the machine could read the token that lets anyone run code in the cluster).
+`protect_token_file` runs before and after that start (deploy/ray_connect.py): before, it writes
+the missing token itself, 0600 in a 0700 ~/.ray, so Ray finds it and writes none; after, it makes
+the file 0600 should it be readable by others (a token an older start, or Ray, left so). It logs
+what it changed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
+import stat
 
 from pdserve.deploy.prechecks import DeployError
 
 MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 PROBE_TIMEOUT_S = 5.0
+log = logging.getLogger("pdserve.deploy.launcher")
 WHAT_TO_SET = (
     "put the head's token (`ray get-auth-token` on the head node prints it) in ~/.ray/auth_token, "
     f"or set {TOKEN_ENV} to it, or {TOKEN_PATH_ENV} to a file holding it"
@@ -60,6 +71,67 @@ def find_token(environ=os.environ) -> tuple[str | None, str]:
     except OSError:
         return None, ""
     return (token, str(default)) if token else (None, "")
+
+
+def protect_token_file(path: pathlib.Path | None = None, environ=os.environ) -> str:
+    """Ray's default token file (~/.ray/auth_token) readable by its owner only; returns what it
+    did, in words ("" when nothing). A missing one is written here, 0600 in a 0700 folder, when
+    a local Ray would make one (RAY_AUTH_MODE unset or token, and no RAY_AUTH_TOKEN or
+    RAY_AUTH_TOKEN_PATH to take it from); an existing one that others can read is made 0600, if
+    this user owns it. Never raises for the file's sake: the start goes on, with a warning."""
+    path = path or default_token_path()
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        mode = environ.get(MODE_ENV)
+        if (
+            (mode is not None and mode.lower() != "token")
+            or environ.get(TOKEN_ENV)
+            or (environ.get(TOKEN_PATH_ENV))
+        ):
+            return ""
+        return _write_token(path)
+    except OSError as e:
+        log.warning("cannot check the Ray token file %s: %s", path, e.strerror or e)
+        return ""
+    if not stat.S_ISREG(info.st_mode) or not info.st_mode & 0o077:
+        return ""
+    if info.st_uid != os.getuid():
+        log.warning(
+            "the Ray token file %s is readable by others and not this user's to change", path
+        )
+        return ""
+    try:
+        os.chmod(path, 0o600)
+    except OSError as e:
+        log.warning("cannot make the Ray token file %s 0600: %s", path, e.strerror or e)
+        return ""
+    done = f"made the Ray token file {path} 0600 (it was {stat.filemode(info.st_mode)})"
+    log.info("%s", done)
+    return done
+
+
+def _write_token(path: pathlib.Path) -> str:
+    """A fresh token in `path`, as Ray would make it but 0600 (in a 0700 folder, if it makes one)."""
+    try:
+        from ray._private.authentication.authentication_token_generator import (
+            generate_new_authentication_token,
+        )
+    except ImportError:  # a Ray without token authentication makes no file either
+        return ""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:  # another start wrote one meanwhile: checked after the start
+        return ""
+    except OSError as e:
+        log.warning("cannot write a Ray token file %s: %s", path, e.strerror or e)
+        return ""
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_new_authentication_token())
+    done = f"wrote a new Ray token file {path}, 0600"
+    log.info("%s", done)
+    return done
 
 
 def probe(address: str, token: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> str:

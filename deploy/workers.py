@@ -11,7 +11,9 @@ group, builds and starts the worker in its own process, and stops it when told. 
 the actor records the start's stages (worker_common/start_stages.py) and `stages` hands them to the
 launcher as they come (the actor runs its calls on a few threads, so `stages` answers while
 `start` is still busy); once started, `info` says where and how it serves (deploy/start_table.py
-prints it).
+prints it). On this machine the worker's config carries no cluster secret: the actor is given the
+path of the file holding it (deploy/secret_files.py) and reads it once, when `start` begins, so the
+secret is in no process's environment and not in Ray's copy of the actor's arguments.
 """
 
 from __future__ import annotations
@@ -93,8 +95,10 @@ class WorkerActor:
         num_threads: int,
         cpus: list[int] | None = None,
         flippable: bool = False,
+        secret_file: str | None = None,
     ):
         self.cpus = cpus
+        self.secret_file = secret_file  # the cluster secret's file, read at start
         pin_to(cpus)
         self.niceness = at_normal_priority()
         import torch  # the heavy imports, here: actors are created (and import) concurrently
@@ -118,6 +122,11 @@ class WorkerActor:
         pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         self.niceness = at_normal_priority()  # and this
         cfg = self.worker_config
+        if self.secret_file is not None:  # the secret, from its 0600 file (not the config)
+            from pdserve.deploy.secret_files import read_secret_file
+
+            security = dataclasses.replace(cfg.security, secret=read_secret_file(self.secret_file))
+            cfg = dataclasses.replace(cfg, security=security)
         if not cfg.host:  # listen on, and advertise, this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         if hasattr(cfg, "kv_options"):  # its decode part's KV server listens there too

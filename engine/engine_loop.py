@@ -9,11 +9,23 @@ through per-request callbacks, which must be cheap (put into a queue). Each turn
 the queued calls, then the periodic ticks (lease expiry), then one engine step if any work can
 run, and dispatches the outputs. It sleeps until new work when idle, including when the only
 unfinished requests are reservations waiting for their KV.
+
+Liveness, read by the worker's Stats and heartbeats without waiting on the loop (`load()`): how
+long the running turn has lasted (engine_stalled_ms) and the longest turn that finished in about
+the last 30 s (engine_turn_ms_max); the router tells a hung engine from a busy one by the two
+(router/pool.py).
+
+A test hook for a hung engine whose server still answers: when the process's environment has
+PDSERVE_TEST_ENGINE_HANG_FILE=PATH as the loop is made, the loop thread blocks at the start of a
+turn (its turn clock running, so engine_stalled_ms grows) while the file PATH, or PATH.NAME for
+the loop named NAME (a worker's is `<worker_id>-engine`), exists. Unset, it costs one attribute
+check per turn; nothing on the network can set it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -24,6 +36,8 @@ from pdserve.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+HANG_FILE_ENV = "PDSERVE_TEST_ENGINE_HANG_FILE"  # the test hook (module docstring)
+TURN_WINDOW_S = 15.0  # engine_turn_ms_max covers the last one to two of these windows
 
 
 class EngineLoopStopped(RuntimeError):
@@ -41,6 +55,12 @@ class EngineLoop:
         self._ticks: list[tuple[float, Callable[[], None], list[float]]] = []
         self._stop = threading.Event()
         self._turn_since = 0.0  # time.monotonic() when the running turn began; 0.0: waiting
+        # the longest finished turn (s) in the current window and in the one before it, and when
+        # the current window began: written by the loop thread only, read by load()
+        self._turn_max = [0.0, 0.0]
+        self._window_start = time.monotonic()
+        hang = os.environ.get(HANG_FILE_ENV)
+        self._hang_files = (hang, f"{hang}.{name}") if hang else None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_steps = 0
 
@@ -146,6 +166,7 @@ class EngineLoop:
             "num_waiting": len(waiting),
             "queued_prompt_tokens": max(queued, 0),
             "engine_stalled_ms": self.stalled_ms(),
+            "engine_turn_ms_max": self.turn_ms_max(),
         }
 
     def stalled_ms(self) -> int:
@@ -154,6 +175,17 @@ class EngineLoop:
         which the router tells from a slow one by this figure (WorkerStats.engine_stalled_ms)."""
         since = self._turn_since
         return int((time.monotonic() - since) * 1000) if since else 0
+
+    def turn_ms_max(self) -> int:
+        """The longest turn of the loop that finished in about the last 30 s (between one and two
+        TURN_WINDOW_S windows), in ms; 0 when none did. How long the engine's work takes under its
+        load now: the router scales its hang bound by it (WorkerStats.engine_turn_ms_max)."""
+        cur, prev = self._turn_max
+        age = time.monotonic() - self._window_start
+        if age >= 2 * TURN_WINDOW_S:  # no turn ended for two windows: both are stale
+            return 0
+        longest = max(cur, prev) if age < TURN_WINDOW_S else cur
+        return int(longest * 1000)
 
     def take_step_trace(self, timeout: float | None = 30.0) -> list:
         """The engine's StepRecords since the last take (engine.step_trace.StepRecord), taken on the loop
@@ -174,7 +206,10 @@ class EngineLoop:
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._end_turn()
             self._turn_since = time.monotonic()
+            if self._hang_files is not None:
+                self._hang_while_file()
             self._wake.clear()  # before taking calls: a submit after this sets it again
             self._run_calls()
             self._run_ticks()
@@ -224,8 +259,28 @@ class EngineLoop:
                 except Exception:
                     log.exception("engine loop tick failed")
 
-    def _wait_for_work(self) -> None:
+    def _end_turn(self) -> None:
+        """Records the turn that just finished, if one ran, for turn_ms_max (loop thread only)."""
+        since = self._turn_since
+        if not since:
+            return
+        now = time.monotonic()
         self._turn_since = 0.0
+        if now - self._window_start >= TURN_WINDOW_S:  # a new window; the old one is kept
+            stale = now - self._window_start >= 2 * TURN_WINDOW_S
+            self._turn_max = [0.0, 0.0 if stale else self._turn_max[0]]
+            self._window_start = now
+        took = now - since
+        if took > self._turn_max[0]:
+            self._turn_max[0] = took
+
+    def _hang_while_file(self) -> None:
+        """The test hook (module docstring): blocks while a hang file exists."""
+        while not self._stop.is_set() and any(os.path.exists(f) for f in self._hang_files):
+            self._stop.wait(0.05)
+
+    def _wait_for_work(self) -> None:
+        self._end_turn()
         deadline = min((due[0] for _, _, due in self._ticks), default=time.monotonic() + 0.5)
         self._wake.wait(max(0.0, deadline - time.monotonic()))
 

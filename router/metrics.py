@@ -26,6 +26,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.protos.convert import unix_ns
@@ -247,6 +248,7 @@ class RouterMetrics:
             setattr(self, attr, self._histogram(name, doc, buckets).labels(model_name))
         self.workers = WorkerCollector(pool, model_name, colocated)
         registry.register(self.workers)
+        registry.register(DeathCollector(pool, model_name))
 
     def _histogram(self, name: str, doc: str, buckets, extra=()) -> Histogram:
         labels = ["model_name", *extra]
@@ -380,3 +382,24 @@ class RouterMetrics:
             self.transfer_s.observe(total)
             if exposed is not None and total > 0:
                 self.exposed_ratio.observe(min(1.0, exposed / total))
+
+
+class DeathCollector(Collector):
+    """pdserve:worker_deaths_total{cause}: the workers the pool declared dead since the router
+    started, read at scrape time from WorkerPool.deaths (router/pool.py): `silent` (no Stats
+    answer and no heartbeat for router.worker_silence_s) or `stalled` (its engine stuck in one
+    turn past its stall bound). A worker merely down (skipped for new work) is not counted: that
+    is pdserve:worker_up 0."""
+
+    def __init__(self, pool, model_name: str):
+        self.pool, self.model_name = pool, model_name
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "pdserve:worker_deaths",
+            "Workers declared dead (their calls resumed elsewhere), by cause: silent or stalled.",
+            labels=["model_name", "cause"],
+        )
+        for cause, count in sorted(getattr(self.pool, "deaths", {}).items()):
+            family.add_metric([self.model_name, cause], count)
+        yield family

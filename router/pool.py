@@ -2,19 +2,32 @@
 gets the next request.
 
 The router creates one WorkerPool as it starts and keeps it until it stops. A background thread
-refreshes every worker's Stats every `stats_ttl_s`, and requests never wait on a Stats call:
-they read what the last sweep left. Decode picks prefer the fewest KV blocks in use (a Reserve
-raises the cached count at once, so a burst between refreshes spreads out); prefill picks prefer
-the worker that finishes the prompt soonest, counting the prefix it probably caches
-(router/affinity.py). Ties go round-robin. `down_after` failed Stats in a row mark a worker down
-and the pickers skip it, unless every worker of its role is down (then they try them all: a
-wrong guess costs one failed RPC, refusing costs the request). Workers from the config are
-static; workers that Register (router/registry.py) drop out when their heartbeats stop for
-`ttl_s`. A worker dropped either way is passed to every `on_drop` listener with the reason
-(router/open_legs.py ends the calls still open on it): once when its heartbeats stop, after each
-failed Stats while it is down, with the time that Stats was sent, and while its Stats say its
-engine has been stuck for `stall_after_s` (a hung GPU or deadlock: the server answers, the
-engine computes nothing), with the time it stopped.
+sweeps every `stats_ttl_s`: it polls each worker's Stats (never more than one poll outstanding
+per worker, each with the silence bound as its deadline) and judges each worker's health;
+requests never wait on a Stats call: they read what the last sweep left. Decode picks prefer the
+fewest KV blocks in use (a Reserve raises the cached count at once, so a burst between refreshes
+spreads out); prefill picks prefer the worker that finishes the prompt soonest, counting the
+prefix it probably caches (router/affinity.py). Ties go round-robin.
+
+Health has two levels, and only the second costs a request anything:
+  down  the pickers skip it for new work (unless every worker of its role is down: then they try
+        them all, since a wrong guess costs one failed RPC and refusing costs the request). A
+        cheap, soft signal: set when the worker has been silent for `down_s`, when a Stats
+        call fails outright (nothing listens), or while it is dead; one answer clears it.
+  dead  its open calls are dropped and resume elsewhere (router/open_legs.py, through every
+        `on_drop` listener). A worker is dead when it has been silent -- no Stats answer and no
+        heartbeat, the last answer of either kind counting -- for `silence_s`, or when its Stats
+        say its engine has been inside one loop turn for its stall bound,
+        max(`stall_s`, `stall_factor` x the longest turn it reported finishing recently
+        (WorkerStats.engine_turn_ms_max)): a hung GPU or a deadlock, where the server answers
+        and the engine computes nothing. The bound scales with what the worker reports about
+        its own load, so a worker that is slow because the machine is busy is not dead. A late
+        or failed poll alone never drops a call.
+Silence is measured on the sweep's clock (an answer counts when the sweep sees it, within one
+`stats_ttl_s`) and on heartbeats as they arrive. Workers from the config are static: a dead one
+stays a member and is dropped again each sweep while it stays dead (calls not heard from for
+`silence_s`). Workers that Register (router/registry.py) leave the pool when they die of
+silence (every call open on them is dropped); they come back by registering again.
 """
 
 from __future__ import annotations
@@ -71,13 +84,17 @@ class _Worker:
     stub: object
     worker_id: str = ""
     static: bool = True
-    expires_at: float = float("inf")  # registered workers: the heartbeat deadline
+    heard_at: float = 0.0  # the pool's clock at its last answer (a Stats reply or a heartbeat)
     num_free_blocks: int = -1  # -1: unknown or unreachable, ranks last
     num_used_blocks: int = 0  # the decode worker's KV in use: its load (decode_order)
     num_inflight: int = 0  # prefills this router has running there
     queued_tokens: int = 0  # their prompt tokens not expected in that worker's cache
     num_failures: int = 0  # Stats failures in a row
-    down: bool = False
+    failed: bool = False  # its last Stats call failed outright (not late): down until one answers
+    down: bool = False  # skipped for new work (module docstring)
+    dead: str = ""  # why it is dead ("silent" or "stalled"), "" while alive
+    poll: object = None  # the Stats call outstanding, if any (one at most)
+    stuck_since: float = 0.0  # dead "stalled": the pool's clock when its stuck turn began
     # "serving", or a role flip's "draining" | "switching" (router/flips.py): no new work then
     state: str = "serving"
     stats: object = None  # the last WorkerStats (a sweep's or a heartbeat's): router/metrics.py
@@ -89,20 +106,25 @@ class WorkerPool:
         prefill_addresses=(),
         decode_addresses=(),
         stats_ttl_s: float = 0.5,
-        stats_timeout_s: float = 1.0,
-        down_after: int = 2,
+        down_s: float = 2.0,
+        silence_s: float = 4.0,
         security: ClusterSecurity = INSECURE,
-        stall_after_s: float = 30.0,
+        stall_s: float = 5.0,
+        stall_factor: float = 4.0,
+        clock=time.monotonic,
     ):
-        if down_after < 1:
-            raise ValueError(f"down_after must be >= 1, got {down_after}")
-        if stall_after_s <= 0:
-            raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
-        self.stall_after_s = stall_after_s
+        if not 0 < down_s <= silence_s:
+            raise ValueError(f"need 0 < down_s <= silence_s, got {down_s} and {silence_s}")
+        if stall_s <= 0:
+            raise ValueError(f"stall_s must be > 0, got {stall_s}")
+        if stall_factor < 1:
+            raise ValueError(f"stall_factor must be >= 1, got {stall_factor}")
         self.stats_ttl_s = stats_ttl_s
-        self.stats_timeout_s = stats_timeout_s
-        self.down_after = down_after
+        self.down_s, self.silence_s = down_s, silence_s
+        self.stall_s, self.stall_factor = stall_s, stall_factor
+        self._clock = clock  # time.monotonic; tests pass a fake one
         self.security = security
+        self.deaths = {"silent": 0, "stalled": 0}  # workers that died, by cause, ever
         self._workers = {
             "prefill": [self._connect("prefill", a) for a in prefill_addresses],
             "decode": [self._connect("decode", a) for a in decode_addresses],
@@ -120,6 +142,7 @@ class WorkerPool:
 
     def _connect(self, role: str, address: str, **fields) -> _Worker:
         channel = self.security.channel(address, WORKER_CHANNEL_OPTIONS)
+        fields.setdefault("heard_at", self._clock())  # silence counts from its arrival
         return _Worker(role, address, channel, _STUBS[role](channel), **fields)
 
     def start(self) -> WorkerPool:
@@ -155,19 +178,20 @@ class WorkerPool:
         `charge_tokens` before the lock is let go, so that concurrent arrivals see each other
         (the caller moves the charge with charge_queued when it settles elsewhere, and releases
         it at the first token). Blocks alone are read every health sweep and a colocated Reserve
-        holds no blocks yet: a burst went to one worker."""
+        holds no blocks yet: a burst went to one worker. Workers that are down come last, after
+        every worker that is up (down is a soft signal: a late Stats, not a death)."""
         with self._lock:
-            workers = self._candidates("decode", exclude)
+            workers = self._candidates("decode", exclude, fallback=True)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
 
             def load(w: _Worker) -> tuple:
                 room = 0 if w.num_free_blocks > 0 else 1 if w.num_free_blocks == 0 else 2
-                return room, w.num_used_blocks, -w.num_free_blocks
+                return w.down, room, w.num_used_blocks, -w.num_free_blocks
 
             if charge_tokens is None:  # stable sorts: ties keep the rotation
                 return sorted(rotated, key=load)
-            ordered = sorted(rotated, key=lambda w: (w.queued_tokens, *load(w)))
+            ordered = sorted(rotated, key=lambda w: (w.down, w.queued_tokens, *load(w)))
             ordered[0].queued_tokens += charge_tokens
             return ordered
 
@@ -246,11 +270,16 @@ class WorkerPool:
             worker.num_inflight -= 1
             worker.queued_tokens -= charge
 
-    def _candidates(self, role: str, exclude) -> list[_Worker]:
+    def _candidates(self, role: str, exclude, fallback: bool = False) -> list[_Worker]:
+        """The serving workers of `role` but `exclude` that are up (all of them when none is);
+        fallback: those that are down but not dead as well, after them."""
         workers = [w for w in self._workers[role] if w not in exclude and w.state == "serving"]
         if not workers:
             raise NoWorker(role)
-        return [w for w in workers if not w.down] or workers
+        up = [w for w in workers if not w.down]
+        if not up:
+            return workers
+        return up + [w for w in workers if w.down and not w.dead] if fallback else up
 
     def is_member(self, worker: _Worker) -> bool:
         """False once `worker` left the pool (its heartbeats stopped, or it re-registered)."""
@@ -258,10 +287,11 @@ class WorkerPool:
             return worker in self._workers[worker.role]
 
     def on_drop(self, listener) -> None:
-        """Calls `listener(worker, why, silent_since)` when a worker's heartbeats stop
-        (silent_since None: it left the pool) and after each Stats it fails while marked down
-        (silent_since: time.monotonic() when that Stats was sent, unanswered since). It runs on
-        the health thread and must return at once (no worker calls)."""
+        """Calls `listener(worker, why, silent_since)` when a worker is dead (module docstring):
+        silent_since None when it left the pool (every call on it is lost), else the pool's
+        clock (time.monotonic()) since which a call not heard from is lost: `silence_s` ago for a
+        silent worker, the start of the stuck turn for a stalled engine. It runs on the health
+        thread (or a heartbeat's) and must return at once (no worker calls)."""
         self._drop_listeners.append(listener)
 
     def on_report(self, listener) -> None:
@@ -333,12 +363,13 @@ class WorkerPool:
             worker.state = state
 
     # ---- membership -----------------------------------------------------------------------------
-    def register(self, role: str, worker_id: str, address: str, ttl_s: float) -> _Worker:
-        """Adds a worker, or refreshes it; a new address or role replaces the old entry."""
+    def register(self, role: str, worker_id: str, address: str) -> _Worker:
+        """Adds a worker, or refreshes it; a new address or role replaces the old entry. A
+        Register is an answer: the worker is not silent."""
         with self._lock:
             old = self._registered.get(worker_id)
             if old is not None and not old.static and (old.role, old.address) == (role, address):
-                old.expires_at = time.monotonic() + ttl_s
+                old.heard_at = self._clock()
                 return old
             if old is not None and not old.static:
                 # not closed here: streams still on its channel end on their own, and gRPC frees
@@ -349,17 +380,12 @@ class WorkerPool:
             static = next(
                 (w for w in self._workers[role] if w.static and w.address == address), None
             )
-            if static is not None:  # already configured: learn its id, never expire it
+            if static is not None:  # already configured: learn its id; it stays a member
                 static.worker_id = worker_id
+                static.heard_at = self._clock()
                 self._registered[worker_id] = static
                 return static
-            worker = self._connect(
-                role,
-                address,
-                worker_id=worker_id,
-                static=False,
-                expires_at=time.monotonic() + ttl_s,
-            )
+            worker = self._connect(role, address, worker_id=worker_id, static=False)
             self._workers[role].append(worker)
             self._registered[worker_id] = worker
         log.info(
@@ -371,67 +397,55 @@ class WorkerPool:
         )
         return worker
 
-    def heartbeat(self, worker_id: str, ttl_s: float, stats=None) -> bool:
-        """False when `worker_id` is not a member (never registered, or dropped out)."""
+    def heartbeat(self, worker_id: str, stats=None) -> bool:
+        """A registered worker's heartbeat, with its WorkerStats when it could read them: an
+        answer, so the worker is not silent. False when `worker_id` is not a member (never
+        registered, or dropped out): it must Register again."""
         with self._lock:
             worker = self._registered.get(worker_id)
             if worker is None:
                 return False
-            if not worker.static:
-                worker.expires_at = time.monotonic() + ttl_s
+            worker.heard_at = max(worker.heard_at, self._clock())
             if stats is not None and stats.worker_id:
                 worker.stats = stats
-            if stats is not None and worker.role == "decode" and not worker.down:
-                _note_blocks(worker, stats)
         if stats is not None and stats.worker_id:
             self._reported(worker, stats)
-        if stats is not None:
-            self._check_stall(worker, stats)
+        if stats is None or not self._check_stall(worker, stats):
+            self._alive(worker, stats, blocks=worker.role == "decode")
         return True
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            late = [w for w in self._registered.values() if not w.static and now > w.expires_at]
-            for worker in late:
-                self._workers[worker.role].remove(worker)
-                del self._registered[worker.worker_id]
-                self._affinity.forget(worker)
-        for worker in late:
-            log.warning(
-                "%s worker %s at %s dropped out: no heartbeat",
-                worker.role,
-                worker.worker_id,
-                worker.address,
-            )
-            self._dropped(worker, f"{worker.role} worker {worker.worker_id} missed its heartbeats")
 
     # ---- health ---------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._expire()
                 self.sweep()
             except Exception:  # a dead health thread would freeze every worker's state
                 log.exception("worker health sweep failed")
             self._stop.wait(self.stats_ttl_s)
 
-    def sweep(self) -> None:
-        """One health check of every worker (the thread runs one every stats_ttl_s). Stats go out
-        to all at once, so a hung worker costs each sweep stats_timeout_s, not that times the
-        number of workers. One successful Stats brings a worker marked down back."""
+    def sweep(self, wait_s: float = 0.0) -> None:
+        """One health check of every worker (the thread runs one every stats_ttl_s): takes the
+        answers to the Stats polls that came back, sends a new poll to each worker with none
+        outstanding (its deadline the silence bound: a late answer is still an answer), then
+        judges each worker's silence. wait_s: first wait up to that long for the polls
+        outstanding (tests that want one sweep to see the answers)."""
         with self._lock:
             workers = self._workers["prefill"] + self._workers["decode"]
-        sent = time.monotonic()
-        calls = [
-            (w, w.stub.Stats.future(worker_pb2.StatsRequest(), timeout=self.stats_timeout_s))
-            for w in workers
-        ]
-        for worker, call in calls:
-            try:
-                self._note_stats(worker, call.result())
-            except grpc.RpcError as e:
-                self._note_failure(worker, e, sent)
+        self._take_answers(workers)
+        for worker in workers:
+            if worker.poll is None:
+                worker.poll = worker.stub.Stats.future(
+                    worker_pb2.StatsRequest(), timeout=self.silence_s
+                )
+        if wait_s > 0:
+            deadline = time.monotonic() + wait_s
+            for worker in workers:
+                try:
+                    worker.poll.result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - taken below, or still outstanding
+                    pass
+            self._take_answers(workers)
+        self._expire()
         with self._lock:  # the affinity view holds no more than the prefill caches can
             self._affinity.fit_to_tokens(
                 sum(
@@ -442,67 +456,158 @@ class WorkerPool:
             )
         self.num_sweeps += 1
 
+    def _take_answers(self, workers: list[_Worker]) -> None:
+        """Notes each poll of `workers` that has ended (health thread only)."""
+        for worker in workers:
+            poll = worker.poll
+            if poll is None or not poll.done():
+                continue
+            worker.poll = None
+            try:
+                stats = poll.result()
+            except grpc.RpcError as e:
+                self._note_failure(worker, e)
+            except Exception as e:  # noqa: BLE001 - a cancelled poll (the pool is closing)
+                log.debug("Stats poll of %s ended: %r", self.name(worker), e)
+            else:
+                self._note_stats(worker, stats)
+
     def _note_stats(self, worker: _Worker, stats) -> None:
-        if self._check_stall(worker, stats):
-            return
+        """A Stats answer: the worker is not silent, its last call did not fail, and unless its
+        engine is stuck (_check_stall) it is alive and up, with these figures."""
         with self._lock:
-            came_back = worker.down
-            worker.num_failures, worker.down = 0, False
-            _note_blocks(worker, stats)
+            worker.heard_at = max(worker.heard_at, self._clock())
+            worker.num_failures, worker.failed = 0, False
             worker.worker_id = worker.worker_id or stats.worker_id
             worker.stats = stats
         self._reported(worker, stats)
-        if came_back:
+        if not self._check_stall(worker, stats):
+            self._alive(worker, stats)
+
+    def _alive(self, worker: _Worker, stats, blocks: bool = True) -> None:
+        """`worker` answered, with `stats` that show no stuck engine (None: a heartbeat without
+        figures, which clears silence but cannot clear a stall): no longer dead of that, and up
+        unless its last Stats call failed outright (only a Stats answer clears that). blocks:
+        take its KV blocks from `stats`."""
+        with self._lock:
+            was = worker.down
+            if stats is not None or worker.dead == "silent":
+                worker.dead = ""
+            worker.down = worker.failed or bool(worker.dead)
+            if stats is not None and blocks and not worker.down:
+                _note_blocks(worker, stats)
+            back = was and not worker.down
+        if back:
             log.info("%s worker %s is back up", worker.role, self.name(worker))
 
+    def stall_bound_s(self, stats) -> float:
+        """How long one turn of the worker's engine may last before it is dead: stall_s, or
+        stall_factor times the longest turn it reported finishing recently if that is more."""
+        return max(self.stall_s, self.stall_factor * stats.engine_turn_ms_max / 1000)
+
     def _check_stall(self, worker: _Worker, stats) -> bool:
-        """True when `stats` says the worker's engine has been stuck in one turn for stall_after_s
-        or more: it answers, but computes nothing. It is marked down (no new requests), and
+        """True when `stats` says the worker's engine has been inside one turn for its stall
+        bound or more: it answers, but computes nothing. It is dead: down (no new requests), and
         its calls silent since the turn began are dropped, as for a worker that stopped."""
         stalled_s = stats.engine_stalled_ms / 1000
-        if stalled_s < self.stall_after_s:
-            return False
+        bound = self.stall_bound_s(stats)
+        now = self._clock()
+        if stalled_s < bound:
+            # an older report of the same stuck turn (a heartbeat's figures can arrive after a
+            # later poll's) does not bring it back: only a turn that ended does
+            return (
+                worker.dead == "stalled"
+                and stalled_s > 0
+                and abs(now - stalled_s - worker.stuck_since) < 1.0
+            )
+        why = f"{worker.role} worker {self.name(worker)} is dead: its engine made no progress "
+        why += f"for {stalled_s:.1f} s (stall bound {bound:.1f} s: worker_stall_s="
+        why += f"{self.stall_s:g}, longest recent turn {stats.engine_turn_ms_max} ms)"
         with self._lock:
-            went_down, worker.down = not worker.down, True
+            died = worker.dead != "stalled"
+            worker.dead, worker.down = "stalled", True
+            worker.stuck_since = now - stalled_s
             worker.num_free_blocks = -1
             worker.stats = stats
-        why = f"{worker.role} worker {self.name(worker)} is hung: its engine made no progress for "
-        why += f"{stalled_s:.0f} s (stall_after_s={self.stall_after_s:g})"
-        if went_down:
+            if died:
+                self.deaths["stalled"] += 1
+        if died:
             log.warning("%s", why)
-        self._dropped(worker, why, time.monotonic() - stalled_s)
+        self._dropped(worker, why, now - stalled_s)
         return True
 
-    def _note_failure(self, worker: _Worker, error: grpc.RpcError, sent: float) -> None:
+    def _note_failure(self, worker: _Worker, error: grpc.RpcError) -> None:
+        """A Stats poll that ended without an answer. Past its deadline (the silence bound) it
+        only says what the silence says already; any other failure (nothing listens, the call
+        was refused) marks the worker down until a Stats answers. Neither drops a call."""
+        late = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         with self._lock:
             worker.num_failures += 1
             worker.num_free_blocks = -1
-            went_down = not worker.down and worker.num_failures >= self.down_after
-            worker.down = worker.down or went_down
+            worker.failed = worker.failed or not late
+            went_down = worker.failed and not worker.down
+            worker.down = worker.down or worker.failed
         if went_down:
             log.warning(
-                "%s worker %s is down: %d Stats calls failed in a row (last: %s %s)",
+                "%s worker %s is down (skipped for new work): its Stats call failed (%s %s)",
                 worker.role,
                 self.name(worker),
-                worker.num_failures,
                 error.code(),
                 error.details(),
             )
-        if worker.down:
-            self._dropped(
-                worker,
-                f"{worker.role} worker {self.name(worker)} is down: {worker.num_failures} "
-                f"Stats calls failed in a row",
-                sent,
+
+    def _expire(self) -> None:
+        """Judges every worker's silence (on the health thread): silent for down_s, down; for
+        silence_s, dead: a registered worker leaves the pool, a static one stays, marked dead,
+        and each sweep drops its calls not heard from for silence_s."""
+        now = self._clock()
+        went_down, died, left, silent = [], [], [], []
+        with self._lock:
+            for worker in self._workers["prefill"] + self._workers["decode"]:
+                quiet = now - worker.heard_at
+                if quiet >= self.down_s and not worker.down:
+                    worker.down = True
+                    went_down.append((worker, quiet))
+                if quiet < self.silence_s:
+                    continue
+                worker.num_free_blocks = -1
+                if worker.dead != "silent":
+                    worker.dead = "silent"
+                    self.deaths["silent"] += 1
+                    died.append(worker)
+                if worker.static:
+                    silent.append((worker, quiet))
+                else:
+                    left.append((worker, quiet))
+            for worker, _ in left:
+                self._workers[worker.role].remove(worker)
+                del self._registered[worker.worker_id]
+                self._affinity.forget(worker)
+        for worker, quiet in went_down:
+            log.warning(
+                "%s worker %s is down (skipped for new work): silent for %.1f s",
+                worker.role,
+                self.name(worker),
+                quiet,
             )
+        for worker, quiet in silent + left:
+            why = (
+                f"{worker.role} worker {self.name(worker)} is dead: silent (no Stats answer, no "
+                f"heartbeat) for {quiet:.1f} s (worker_silence_s={self.silence_s:g})"
+            )
+            if worker in died:
+                log.warning("%s%s", why, "" if worker.static else "; it left the pool")
+            self._dropped(worker, why, None if not worker.static else now - self.silence_s)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(self.stats_timeout_s + 1)
+            self._thread.join(self.stats_ttl_s + 5)
         with self._lock:
             workers = self._workers["prefill"] + self._workers["decode"]
         for worker in workers:
+            if worker.poll is not None:
+                worker.poll.cancel()
             worker.channel.close()
 
 

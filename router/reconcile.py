@@ -458,7 +458,6 @@ class Reconciler:
         """The worker serves its intended role but the pool holds it in the other one (its
         switch's registration went through, the switch itself did not): the pool moves it."""
         role = track.intent.role
-        ttl_s = max(worker.expires_at - time.monotonic(), 1.0)
         log.warning(
             "%s worker %s serves %s: the router moves it to the %s pool",
             worker.role,
@@ -466,7 +465,7 @@ class Reconciler:
             role,
             role,
         )
-        moved = self.pool.register(role, name, worker.address, ttl_s)
+        moved = self.pool.register(role, name, worker.address)
         with self._lock:  # the new pool entry: what the worker reported still holds for it
             if track.member is worker:
                 track.member, track.member_seq = moved, next(_ORDER)

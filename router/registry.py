@@ -5,10 +5,12 @@ heartbeat.
       served model, its deployment; the cluster secret was checked before, by protos/security.py)
       -> added to the role's pool (or refreshed; a new address or role replaces the old entry)
       -> RegisterResponse(heartbeat_ms)
-  Heartbeat(worker_id, stats) -> known=true and the membership extended by `missed_beats` beats;
+  Heartbeat(worker_id, stats) -> known=true, and the worker is not silent (router/pool.py);
       known=false for an id the pool does not hold (the router restarted, or the worker dropped
       out), which tells the worker to Register again
-  no Heartbeat for missed_beats x heartbeat_ms -> the pool's health thread drops the worker
+  silent (no Heartbeat and no Stats answer) for the pool's silence bound -> the pool's health
+      thread drops the worker (router/pool.py: a late heartbeat alone does not, while its Stats
+      answer)
 """
 
 from __future__ import annotations
@@ -27,18 +29,14 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         model_id: str,
         *,
         heartbeat_ms: int = 1000,
-        missed_beats: int = 3,
         deployment_id: str = "",
     ):
-        if heartbeat_ms < 1 or missed_beats < 1:
-            raise ValueError(
-                f"heartbeat_ms and missed_beats must be >= 1, got {heartbeat_ms}, {missed_beats}"
-            )
+        if heartbeat_ms < 1:
+            raise ValueError(f"heartbeat_ms must be >= 1, got {heartbeat_ms}")
         self.pool = pool
         self.model_id = model_id
         self.heartbeat_ms = heartbeat_ms
         self.deployment_id = deployment_id
-        self.ttl_s = missed_beats * heartbeat_ms / 1000
 
     def Register(self, request, context):
         refusal = check_id("worker_id", request.worker_id)
@@ -72,7 +70,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 f"worker {request.worker_id} serves model {request.model.id[:200]!r} but this "
                 f"router serves {self.model_id!r}: register it with the router of its model",
             )
-        self.pool.register(request.role, request.worker_id, request.address, self.ttl_s)
+        self.pool.register(request.role, request.worker_id, request.address)
         return worker_pb2.RegisterResponse(heartbeat_ms=self.heartbeat_ms)
 
     def Heartbeat(self, request, context):
@@ -80,6 +78,4 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         if refusal:
             refusal.abort(context)
         stats = request.stats if request.HasField("stats") else None
-        return worker_pb2.HeartbeatResponse(
-            known=self.pool.heartbeat(request.worker_id, self.ttl_s, stats)
-        )
+        return worker_pb2.HeartbeatResponse(known=self.pool.heartbeat(request.worker_id, stats))

@@ -63,12 +63,15 @@ class RouterConfig:
     model_id: str | None = None  # ModelCard.id; None: the model's directory or file name
     dtype: str | None = None  # ModelCard.dtype; None: config.json's torch_dtype
     stop_grace_s: float = 1.0
-    stats_interval_s: float = 0.5  # how often every worker's Stats is refreshed
-    stats_timeout_s: float = 1.0
-    down_after: int = 2  # failed Stats in a row before a worker is skipped
-    # a worker whose engine is stuck in one step this long (its Stats still answer) is treated
-    # as down and its streams resume elsewhere (router/pool.py)
-    worker_stall_s: float = 30.0
+    stats_interval_s: float = 0.5  # how often every worker's Stats is polled
+    # worker health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, it
+    # gets no new work (down) until it answers; silent worker_silence_s, it is dead and its calls
+    # resume elsewhere. An engine stuck in one loop turn for max(worker_stall_s,
+    # worker_stall_factor x its longest recent turn) is dead too, though its server answers.
+    worker_down_s: float = 2.0
+    worker_silence_s: float = 4.0
+    worker_stall_s: float = 5.0
+    worker_stall_factor: float = 4.0
     heartbeat_ms: int = 1000  # registered workers heartbeat this often, drop out after 3 missed
     max_resumes: int = 2  # decode workers one request may move to when its worker dies
     # a role flip's drain bound: the flipped worker's calls still open then move (router/flips.py)
@@ -106,7 +109,7 @@ class RouterConfig:
     def __post_init__(self):
         for name in (
             "stats_interval_s",
-            "stats_timeout_s",
+            "worker_down_s",
             "decode_queue_timeout_s",
             "prefill_timeout_s",
             "worker_stall_s",
@@ -115,9 +118,25 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("down_after", "heartbeat_ms"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.heartbeat_ms < 1:
+            raise ValueError(f"RouterConfig.heartbeat_ms must be >= 1, got {self.heartbeat_ms}")
+        if self.worker_down_s > self.worker_silence_s:
+            raise ValueError(
+                f"RouterConfig.worker_down_s ({self.worker_down_s:g}) must not exceed "
+                f"worker_silence_s ({self.worker_silence_s:g}): a worker is skipped for new work "
+                f"before it is declared dead"
+            )
+        beat_s = max(self.heartbeat_ms / 1000, self.stats_interval_s)
+        if self.worker_silence_s < 2 * beat_s:
+            raise ValueError(
+                f"RouterConfig.worker_silence_s ({self.worker_silence_s:g}) must be at least "
+                f"twice the heartbeat period and the Stats interval ({beat_s:g} s): a worker "
+                f"that answers on time would look silent"
+            )
+        if self.worker_stall_factor < 1:
+            raise ValueError(
+                f"RouterConfig.worker_stall_factor must be >= 1, got {self.worker_stall_factor}"
+            )
         if self.max_resumes < 0:
             raise ValueError(f"RouterConfig.max_resumes must be >= 0, got {self.max_resumes}")
         if self.max_inflight < 1:
@@ -282,10 +301,11 @@ class Router:
             list(cfg.prefill_addresses),
             list(cfg.decode_addresses),
             stats_ttl_s=cfg.stats_interval_s,
-            stats_timeout_s=cfg.stats_timeout_s,
-            down_after=cfg.down_after,
+            down_s=cfg.worker_down_s,
+            silence_s=cfg.worker_silence_s,
             security=cfg.security,
-            stall_after_s=cfg.worker_stall_s,
+            stall_s=cfg.worker_stall_s,
+            stall_factor=cfg.worker_stall_factor,
         ).start()
         self._prefill_executor = futures.ThreadPoolExecutor(
             cfg.max_inflight, thread_name_prefix="router-prefill"

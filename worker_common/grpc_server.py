@@ -4,6 +4,12 @@ health service, SERVING for "" and the given service names once started. Every s
 needs the cluster secret, and requests protobuf cannot parse get INVALID_ARGUMENT
 (protos/security.py). It accepts HTTP/2 keepalive pings (protos/keepalive.py), by which the
 router notices a worker that stopped answering while calls are open on it.
+
+Stats shares the handler pool with the streams, which hold a thread each for their whole life;
+a pool full of them would queue a Stats call. That makes the worker late, which the router takes
+as down (no new work), never as dead: its heartbeats go out from the registration thread over a
+client channel (worker_common/registration.py), and both read EngineLoop.load() without waiting
+on the engine thread (router/pool.py says how down and dead differ).
 """
 
 from __future__ import annotations

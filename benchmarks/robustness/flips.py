@@ -209,9 +209,9 @@ class Hooks:
             if state == "switching" and self._armed(worker, "drain_to_switch"):
                 self._fire_now("drained")
 
-        def hooked_register(role, worker_id, address, ttl_s):
+        def hooked_register(role, worker_id, address, *rest):
             old = pool.registered(worker_id)
-            worker = register(role, worker_id, address, ttl_s)
+            worker = register(role, worker_id, address, *rest)
             if old is None or (old.role, old.address) != (role, address):  # a new pool entry
                 self.registered.setdefault(worker_id, []).append(time.monotonic())
             if old is not None and old.role != role and self._armed(old, "during_switch"):

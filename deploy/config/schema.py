@@ -15,7 +15,8 @@ paths.
                                              # local_prefill
     kvtransfer: {backend: grpc}
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
-                                  # (dashboard: true turns on a local Ray's dashboard)
+                                  # (dashboard: true turns on a local Ray's dashboard; bind:
+                                  # loopback keeps a local Ray's ports on 127.0.0.1, the default)
     security: {cluster_secret_file: null, tls: null}   # between the deployment's own processes
     planner: {enabled: false}     # role flips and local prefill moved while traffic shifts
 
@@ -276,6 +277,18 @@ class SecuritySettings(_Frozen):
         return ClusterSecurity(secret, self.tls.tls_config() if self.tls else None)
 
 
+RETIRED_ROUTER_KEYS = {
+    "stats_timeout_s": (
+        "a late Stats call no longer decides anything; set worker_down_s (silent this long: no "
+        "new work) and worker_silence_s (silent this long: dead, its calls resume elsewhere)"
+    ),
+    "down_after": (
+        "failed Stats calls are no longer counted; set worker_down_s and worker_silence_s "
+        "(seconds without any answer) instead"
+    ),
+}
+
+
 class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
@@ -283,9 +296,15 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # bounds (README): a prefill's before its retry, a stuck engine's, a role flip's drain
+    # bounds (docs/deploying.md): a prefill's before its retry, a role flip's drain, and a
+    # worker's health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, no
+    # new work; silent worker_silence_s, dead (its calls resume elsewhere); an engine stuck in
+    # one turn for max(worker_stall_s, worker_stall_factor x its longest recent turn), dead
     prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
-    worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
+    worker_down_s: Annotated[float, Field(gt=0)] = 2.0
+    worker_silence_s: Annotated[float, Field(ge=2)] = 4.0  # twice the 1 s heartbeat at least
+    worker_stall_s: Annotated[float, Field(gt=0)] = 5.0
+    worker_stall_factor: Annotated[float, Field(ge=1)] = 4.0
     flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
     # a worker the router cannot bring to its intended role and state (router/reconcile.py)
     # within this long is skipped for new work, as a down worker is, and logged as an error
@@ -305,6 +324,15 @@ class RouterSettings(_Frozen):
     # the metrics scrape's keys (a file, one a line): with it, GET /metrics takes one of these and
     # no client key, so a Prometheus scrape config never carries a client API key
     metrics_keys_file: KeysFile | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data):
+        # the health keys before worker_silence_s: refused by name, so an old file says what to set
+        for old, new in RETIRED_ROUTER_KEYS.items():
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"{old} is retired: {new}")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -331,6 +359,16 @@ class RouterSettings(_Frozen):
             except UnicodeDecodeError:
                 raise ValueError(f"{v.path} must hold the keys as UTF-8 text") from None
         return v
+
+    @model_validator(mode="after")
+    def _health_bounds(self):
+        if self.worker_down_s > self.worker_silence_s:
+            raise ValueError(
+                f"worker_down_s ({self.worker_down_s:g}) must not exceed worker_silence_s "
+                f"({self.worker_silence_s:g}): a worker is skipped for new work before it is "
+                f"declared dead"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports(self):
@@ -387,9 +425,21 @@ class RaySettings(_Frozen):
     # the next free one). Off by default: it costs a process and its memory
     dashboard: bool = False
     dashboard_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    # local Ray only: where its ports (GCS, raylet, object manager, workers, agents, metrics,
+    # autoscaler metrics, dashboard) and the workers' own listen. loopback: 127.0.0.1 only, so
+    # nothing of the deployment but the router's ports (router.host) can be reached from another
+    # machine; all: Ray's own choice, the machine's address on every interface, for a cluster
+    # that other nodes join (`ray start --address`). A cluster joined by ray.address listens
+    # where its `ray start` put it (a node of a multi-node cluster cannot be loopback-only).
+    bind: Literal["loopback", "all"] = "loopback"
 
     @model_validator(mode="after")
     def _dashboard_local_only(self):
+        if self.bind == "all" and self.address is not None:
+            raise ValueError(
+                "bind: only for the local Ray pdserve starts; the nodes of a cluster joined by "
+                "ray.address listen where their `ray start --node-ip-address` put them"
+            )
         if self.dashboard and self.address is not None:
             raise ValueError(
                 "dashboard: only for the local Ray pdserve starts; a cluster joined by "

@@ -129,7 +129,7 @@ def next_token_after(times: list[float], t: float) -> float | None:
 def cluster(model_dir, stopped_role: str):
     """(router, the child worker to stop, the in-process worker of its role, the other role's):
     the child is worker 0 of its role, joined as a deployment's workers join; all torn down after."""
-    router = start_router(model_dir, stats_timeout_s=0.5, heartbeat_ms=300)
+    router = start_router(model_dir, heartbeat_ms=300)  # the default health bounds
     workers, child = [], None
     try:
         if stopped_role == "decode":

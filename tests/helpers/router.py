@@ -21,13 +21,13 @@ LONG_GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=48, ignore_eo
 
 
 def start_router(model_dir, prefill_addresses=(), decode_addresses=(), **kwargs) -> Router:
+    kwargs.setdefault("stats_interval_s", 0.05)
     router = Router(
         RouterConfig(
             model=model_dir,
             prefill_addresses=tuple(prefill_addresses),
             decode_addresses=tuple(decode_addresses),
             max_model_len=MAX_MODEL_LEN,
-            stats_interval_s=0.05,
             **kwargs,
         )
     ).start()

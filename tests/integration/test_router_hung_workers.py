@@ -24,8 +24,8 @@ from helpers.router import start_router, stop_router
 from helpers.threads import wait_until
 
 HANG_WAIT_S = 30.0  # a hung worker's threads wait at most this long for the test to release them
-# Stats answer within 0.3 s or fail; two failures in a row mark a worker down (about a second)
-FAST_HEALTH = dict(stats_timeout_s=0.3, down_after=2)
+# silent (no Stats answer, no heartbeat) 0.5 s: down; 1.2 s: dead, its calls resume elsewhere
+FAST_HEALTH = dict(worker_down_s=0.5, worker_silence_s=1.2, heartbeat_ms=200)
 
 
 class Hang:
@@ -94,16 +94,16 @@ def want(model_dir, prompts):
 
 
 def two_decode_workers(model_dir, prefill, how: str):
-    """(router, [d0, d1]). swept: static workers, marked down by the health sweep's failed Stats;
-    heartbeats: registered workers, dropped by their missed heartbeats long before a sweep would
-    mark them down; stalled: static workers whose Stats still answer, marked down because they
-    report their engine stuck in one step for worker_stall_s."""
+    """(router, [d0, d1]). swept: static workers, dead when their Stats polls go unanswered
+    for worker_silence_s; heartbeats: registered workers, dropped when neither their heartbeats
+    nor their Stats answer for that long; stalled: static workers whose Stats still answer, dead
+    because they report their engine stuck in one step for worker_stall_s."""
     if how in ("swept", "stalled"):
         decodes = [start_decode(model_dir, "d0"), start_decode(model_dir, "d1")]
         addresses = [d.address for d in decodes]
         config = dict(FAST_HEALTH, worker_stall_s=1.0) if how == "stalled" else FAST_HEALTH
         return start_router(model_dir, [prefill.address], addresses, **config), decodes
-    router = start_router(model_dir, [prefill.address], stats_timeout_s=5.0, heartbeat_ms=200)
+    router = start_router(model_dir, [prefill.address], **FAST_HEALTH)
     decodes = [start_decode(model_dir, f"d{i}", router.address) for i in range(2)]
     wait_until(lambda: router.pool.num_workers("decode") == 2, 10, "both decode workers joined")
     return router, decodes

@@ -78,32 +78,28 @@ def fakes():
         fake.stop()
 
 
-def test_worker_failing_stats_is_skipped_after_down_after_failures_and_comes_back(fakes, caplog):
+def test_worker_failing_stats_is_skipped_and_comes_back_after_one_answer(fakes, caplog):
     a, b = fakes("a", num_free_blocks=5), fakes("b", num_free_blocks=9)
     p, q = fakes("p"), fakes("q")
-    pool = WorkerPool(
-        [p.address, q.address], [a.address, b.address], stats_timeout_s=2.0, down_after=2
-    )
+    pool = WorkerPool([p.address, q.address], [a.address, b.address], silence_s=30.0)
     try:
-        pool.sweep()
+        pool.sweep(wait_s=5)
         assert [w.worker_id for w in pool.decode_order()] == ["b", "a"]  # most free blocks first
         b.mode = q.mode = "fail"
         with caplog.at_level(logging.INFO, logger="pdserve.router.pool"):
-            pool.sweep()  # one failure: still used, ranked last (unknown load)
-            assert [w.worker_id for w in pool.decode_order()] == ["a", "b"]
-            for _ in range(3):
-                pool.sweep()
-                assert [w.worker_id for w in pool.decode_order()] == ["a"]
+            for _ in range(3):  # a failed Stats: down (no new work) at once, not dead
+                pool.sweep(wait_s=5)
+                assert [w.worker_id for w in pool.decode_order()] == ["a", "b"]  # b: fallback
                 picked, charge = pool.pick_prefill()
                 pool.end_prefill(picked, charge)
                 assert picked.worker_id == "p"
+            assert not any(w.dead for w in pool.members())
             a.mode = p.mode = "fail"
-            pool.sweep()
-            pool.sweep()  # every worker of each role down: try them all rather than none
+            pool.sweep(wait_s=5)  # every worker of each role down: try them all rather than none
             assert {w.worker_id for w in pool.decode_order()} == {"a", "b"}
             b.mode = q.mode = "ok"
-            pool.sweep()  # one success brings a worker back
-            assert [w.worker_id for w in pool.decode_order()] == ["b"]
+            pool.sweep(wait_s=5)  # one answer brings a worker back
+            assert [w.worker_id for w in pool.decode_order()] == ["b", "a"]
             assert all(pool.pick_prefill(exclude=None)[0].worker_id == "q" for _ in range(3))
         messages = [r.getMessage() for r in caplog.records]
         assert sum("b is down" in m for m in messages) == 1  # each transition logged once
@@ -121,7 +117,7 @@ def test_decode_workers_rank_by_blocks_in_use_not_free_blocks(fakes):
     full = fakes("full", num_free_blocks=0, num_total_blocks=16)
     pool = WorkerPool([], [big.address, small.address, full.address])
     try:
-        pool.sweep()
+        pool.sweep(wait_s=5)
         for _ in range(3):  # whatever the rotation
             assert [w.worker_id for w in pool.decode_order()] == ["small", "big", "full"]
         first = pool.decode_order()[0]
@@ -138,7 +134,7 @@ def test_the_affinity_view_holds_what_the_prefill_caches_hold(fakes):
     one, two = fakes("p1", num_total_blocks=1000), fakes("p2", num_total_blocks=600)
     pool = WorkerPool([one.address, two.address], [])
     try:
-        pool.sweep()
+        pool.sweep(wait_s=5)
         assert pool._affinity.max_entries == (1000 + 600) * 16 // CHUNK
     finally:
         pool.close()
@@ -151,16 +147,16 @@ def test_picking_never_waits_on_a_hung_stats_call(fakes):
         [fine.address],
         [hung.address, fine.address],
         stats_ttl_s=0.01,
-        stats_timeout_s=1.0,
-        down_after=1,
+        down_s=0.05,
     ).start()
     try:
         wait_until(lambda: pool.num_sweeps >= 1, 5, "one health sweep")
-        for _ in range(20):  # sweeps are in flight all along, each waiting on the hung worker
+        wait_until(lambda: pool.decode[0].down, 5, "the hung worker marked down")
+        for _ in range(20):  # its Stats poll is outstanding all along
             t0 = time.monotonic()
             order = pool.decode_order()
-            assert time.monotonic() - t0 < 0.25  # a sweep waits 1 s on the hung worker
-            assert [w.address for w in order] == [fine.address]
+            assert time.monotonic() - t0 < 0.25  # the hung poll takes up to 4 s
+            assert [w.address for w in order] == [fine.address, hung.address]  # down: last
             time.sleep(0.01)
     finally:
         hung.release.set()
@@ -169,22 +165,24 @@ def test_picking_never_waits_on_a_hung_stats_call(fakes):
 
 def test_static_workers_never_drop_out_and_registering_them_adds_no_duplicate(fakes):
     static, joined = fakes("d-static"), fakes("d-joined")
-    pool = WorkerPool([], [static.address], stats_ttl_s=0.02).start()
+    pool = WorkerPool([], [static.address], stats_ttl_s=0.02, down_s=0.1, silence_s=0.2).start()
     try:
-        assert pool.register("decode", "d-static", static.address, ttl_s=0.1) in pool.decode
-        pool.register("decode", "d-joined", joined.address, ttl_s=0.1)
-        pool.register("prefill", "d-joined", joined.address, ttl_s=0.1)  # same id, new role: moves
+        joined.mode = "fail"  # a registered worker that never answers: silent
+        assert pool.register("decode", "d-static", static.address) in pool.decode
+        pool.register("decode", "d-joined", joined.address)
+        pool.register("prefill", "d-joined", joined.address)  # same id, new role: moves
         assert [w.address for w in pool.decode] == [static.address]
         assert [w.address for w in pool.prefill] == [joined.address]
         wait_until(lambda: not pool.prefill, 15, "the registered worker dropped out")
         assert [w.address for w in pool.decode] == [static.address]  # no heartbeat needed
-        assert pool.heartbeat("d-static", ttl_s=0.1) and not pool.heartbeat("d-joined", ttl_s=0.1)
+        assert pool.heartbeat("d-static") and not pool.heartbeat("d-joined")
     finally:
         pool.close()
 
 
 def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, caplog):
-    router = start_router(model_dir, heartbeat_ms=100)  # no static workers: waits for them
+    # no static workers: waits for them; silent (no heartbeat, no Stats answer) 0.3 s: dropped
+    router = start_router(model_dir, heartbeat_ms=100, worker_down_s=0.2, worker_silence_s=0.3)
     fake = fakes("d-fake")
     try:
         with pytest.raises(grpc.RpcError) as err:
@@ -248,6 +246,7 @@ def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, c
         assert router.pool.num_workers("decode") == 1
 
         moved = fakes("d-fake")  # re-registering under the same id replaces the old address
+        moved.mode = "hang"  # and it answers nothing: silent once its heartbeats stop
         last_beat = time.monotonic()
         router.registry.Register(
             worker_pb2.RegisterRequest(worker_id="d-fake", role="decode", address=moved.address),
@@ -257,9 +256,9 @@ def test_registry_register_heartbeat_drop_out_and_bad_inputs(model_dir, fakes, c
 
         with caplog.at_level(logging.WARNING, logger="pdserve.router.pool"):
             wait_until(lambda: router.pool.num_workers("decode") == 0, 15, "d-fake dropped out")
-        assert time.monotonic() - last_beat >= 0.3  # heartbeats stopped: out after 3 x heartbeat_ms
+        assert time.monotonic() - last_beat >= 0.3  # silent for worker_silence_s: out
         assert any(
-            "d-fake" in r.getMessage() and "dropped out" in r.getMessage() for r in caplog.records
+            "d-fake" in r.getMessage() and "left the pool" in r.getMessage() for r in caplog.records
         )
         assert not router.registry.Heartbeat(beat, timeout=RPC_TIMEOUT).known
     finally:
@@ -272,13 +271,15 @@ def fake_stats():
 
 def test_registration_client_registers_again_after_drop_out_and_router_restart(model_dir, fakes):
     fake = fakes("d-fake")
-    router = start_router(model_dir, heartbeat_ms=100)
+    router = start_router(model_dir, heartbeat_ms=100, worker_down_s=0.2, worker_silence_s=0.3)
     slow = threading.Event()
 
-    def stats_fn():  # a heartbeat stalled past 3 x heartbeat_ms: the router drops the worker
+    def stats_fn():  # heartbeats and Stats stalled past worker_silence_s: the router drops it
         if slow.is_set():
             slow.clear()
+            fake.mode = "hang"
             time.sleep(0.6)
+            fake.mode = "ok"
         return fake_stats()
 
     registration = Registration(
@@ -305,7 +306,9 @@ def test_registration_client_registers_again_after_drop_out_and_router_restart(m
         port = router.address.rsplit(":", 1)[1]
         stop_router(router)
         wait_until(lambda: not registration.registered, 15, "heartbeats to the stopped router fail")
-        router = start_router(model_dir, heartbeat_ms=100, port=int(port))
+        router = start_router(
+            model_dir, heartbeat_ms=100, worker_down_s=0.2, worker_silence_s=0.3, port=int(port)
+        )
         # the router counts the worker inside Register, the client once Register returned
         wait_until(
             lambda: router.pool.num_workers("decode") == 1 and registration.num_registrations == 3,

@@ -135,7 +135,8 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
         "allowed here: api_keys, api_keys_file, decode_queue_timeout_s, flip_drain_s, host, "
         "http_body_timeout_s, http_header_timeout_s, http_max_connections, http_port, "
         "local_prefill, max_inflight, metrics_keys_file, port, prefill_timeout_s, "
-        "reconcile_bound_s, tls, worker_stall_s" in msg
+        "reconcile_bound_s, tls, worker_down_s, worker_silence_s, worker_stall_factor, "
+        "worker_stall_s" in msg
     )
 
 
@@ -299,3 +300,14 @@ def test_fit_check_suggests_what_to_change():
     assert fit_problems(frac, hf, cpu_memory_bytes=600 << 20)[0].startswith(
         "pools.prefill: kv_cache_memory of 314572800 bytes (300 MiB)"
     )
+
+
+@pytest.mark.parametrize("old", ["stats_timeout_s", "down_after"])
+def test_retired_health_keys_name_their_successors(tmp_path, old):
+    msg = error_of(write(tmp_path, f"router:\n  {old}: 2\n"))
+    assert f"{old} is retired" in msg and "worker_silence_s" in msg
+
+
+def test_worker_down_s_must_not_exceed_worker_silence_s(tmp_path):
+    msg = error_of(write(tmp_path, "router:\n  worker_down_s: 5.0\n  worker_silence_s: 4.0\n"))
+    assert "worker_down_s (5) must not exceed worker_silence_s (4)" in msg

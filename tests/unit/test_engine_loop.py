@@ -34,6 +34,7 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
         assert loop.call(threading.current_thread) is loop.engine.built_on
         load = loop.load()
         assert load.pop("engine_stalled_ms") < 1000  # 0 once the loop waits for work
+        assert load.pop("engine_turn_ms_max") < 1000  # its turns so far were short
         assert load == {
             "num_free_blocks": 8,
             "num_total_blocks": 8,
@@ -63,6 +64,62 @@ def test_a_turn_that_never_ends_shows_as_a_growing_stall_and_idle_as_none():
         assert loop.stalled_ms() == 0
     finally:
         gate.set()
+        loop.stop()
+
+
+def test_the_longest_finished_turn_is_reported_and_a_running_one_is_not():
+    """engine_turn_ms_max: a long turn that ended raises it (the router's hang bound scales by
+    it); a turn still running does not (a hung turn must not raise its own bound)."""
+    loop = EngineLoop.build(FakeEngine, name="t-turns", timeout=10)
+    gate = threading.Event()
+    try:
+        loop.call(time.sleep, 0.4)
+        time.sleep(0.05)  # the turn that ran the call ends as the loop waits again
+        assert 400 <= loop.turn_ms_max() < 5000
+        loop.submit(gate.wait, 30)
+        time.sleep(0.8)
+        assert loop.stalled_ms() >= 700
+        assert loop.turn_ms_max() < 700  # still the 0.4 s turn
+    finally:
+        gate.set()
+        loop.stop()
+
+
+def test_the_longest_turn_ages_out_after_two_windows(monkeypatch):
+    from pdserve.engine import engine_loop
+
+    monkeypatch.setattr(engine_loop, "TURN_WINDOW_S", 0.2)
+    loop = EngineLoop.build(FakeEngine, name="t-age", timeout=10)
+    try:
+        loop.call(time.sleep, 0.1)
+        time.sleep(0.02)
+        assert loop.turn_ms_max() >= 100
+        time.sleep(0.5)  # two windows with only short turns (idle waits end turns too)
+        loop.call(lambda: None)
+        time.sleep(0.02)
+        assert loop.turn_ms_max() < 100
+    finally:
+        loop.stop()
+
+
+def test_the_hang_hook_blocks_a_turn_while_its_file_exists(monkeypatch, tmp_path):
+    """PDSERVE_TEST_ENGINE_HANG_FILE: the loop named NAME hangs while PATH.NAME exists, its
+    stall growing as a hung engine's would, and carries on once the file is gone; another
+    loop's file does not stop it."""
+    path = tmp_path / "hang"
+    monkeypatch.setenv("PDSERVE_TEST_ENGINE_HANG_FILE", str(path))
+    loop = EngineLoop.build(FakeEngine, name="t-hook", timeout=10)
+    try:
+        (tmp_path / "hang.other-engine").touch()
+        assert loop.call(lambda: 7, timeout=10) == 7
+        (tmp_path / "hang.t-hook").touch()
+        time.sleep(0.7)  # the idle wait ends within 0.5 s; the next turn then blocks
+        fut = loop.submit(lambda: 8)
+        time.sleep(0.5)
+        assert not fut.done() and loop.stalled_ms() >= 400
+        (tmp_path / "hang.t-hook").unlink()
+        assert fut.result(10) == 8
+    finally:
         loop.stop()
 
 

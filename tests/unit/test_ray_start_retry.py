@@ -20,12 +20,22 @@ RAYLET_TIMEOUT = (
 
 
 @pytest.fixture
-def calls(monkeypatch):
-    """Each ray.init call's kwargs; ray.init raises the queued errors in turn, then succeeds."""
-    record = {"kwargs": [], "errors": [], "killed": []}
+def calls(monkeypatch, tmp_path):
+    """Each ray.init call's kwargs; ray.init raises the queued errors in turn, then succeeds.
+    HOME is a temp dir (the start writes a Ray token there); `during` records, per call, Ray's
+    local-only switch as ray.init saw it (the constant, and the variable its processes inherit)."""
+    from ray._private import ray_constants
+
+    record = {"kwargs": [], "errors": [], "killed": [], "during": []}
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
 
     def fake_init(**kwargs):
         record["kwargs"].append(kwargs)
+        record["during"].append(
+            (ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(ray_connect.LOCAL_ONLY_ENV))
+        )
         if record["errors"]:
             raise record["errors"].pop(0)
         return "context"
@@ -43,7 +53,8 @@ def test_a_timed_out_start_is_tried_once_more(calls):
     context, _ = ray_connect.start_local_ray(num_cpus=2)
     assert context == "context"
     normal = {"worker_niceness": 0}
-    assert calls["kwargs"] == [{"num_cpus": 2, "_system_config": normal}] * 2
+    loopback = {"_node_ip_address": "127.0.0.1"}
+    assert calls["kwargs"] == [{"num_cpus": 2, "_system_config": normal, **loopback}] * 2
     assert len(calls["killed"]) == 1  # what the first try started was killed before the second
     assert os.environ["RAY_gcs_server_port_wait_time_s"] == str(ray_connect.GCS_PORT_WAIT_S)
 
@@ -102,3 +113,27 @@ def test_an_operator_s_gcs_wait_is_kept(calls, monkeypatch):
     monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "600")
     ray_connect.start_local_ray()
     assert os.environ["RAY_gcs_server_port_wait_time_s"] == "600"
+
+
+def test_a_local_ray_starts_on_loopback_unless_asked_otherwise(calls, tmp_path):
+    """Ray's local-only mode is on while ray.init runs (node IP 127.0.0.1: Ray binds every server
+    there) and off again after; with loopback=False Ray's own choice stands."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_connect.start_local_ray()
+    assert calls["during"][-1] == (False, "0")
+    assert calls["kwargs"][-1]["_node_ip_address"] == "127.0.0.1"
+    assert ray_constants.ENABLE_RAY_CLUSTER == before
+    assert ray_connect.LOCAL_ONLY_ENV not in os.environ
+    ray_connect.start_local_ray(loopback=False)
+    assert calls["during"][-1] == (before, None)
+    assert "_node_ip_address" not in calls["kwargs"][-1]
+
+
+def test_the_token_a_local_start_would_make_is_written_0600(calls, tmp_path):
+    ray_connect.start_local_ray()
+    token = tmp_path / ".ray" / "auth_token"
+    assert len(token.read_text().strip()) >= 32
+    assert oct(token.stat().st_mode & 0o777) == oct(0o600)
+    assert oct(token.parent.stat().st_mode & 0o777) == oct(0o700)

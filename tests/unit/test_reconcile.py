@@ -91,7 +91,7 @@ class Process:
         self.address = f"addr-{worker_id}"
 
     def _register(self, role):
-        self.pool.register(role, self.worker_id, self.address, 3.0)
+        self.pool.register(role, self.worker_id, self.address)
 
     def stats(self, request=None, context=None):
         return self.gate.stamp(worker_pb2.WorkerStats(worker_id=self.worker_id))
@@ -133,7 +133,7 @@ class Worker:
     def __init__(self, role, process):
         self.role, self.process = role, process
         self.address, self.worker_id = process.address, process.worker_id
-        self.static, self.expires_at, self.state, self.down = False, 1e9, SERVING, False
+        self.static, self.state, self.down = False, SERVING, False
         self.channel = process
         self.stub = type("Stub", (), {"Stats": Method(process, process.stats)})()
 
@@ -149,10 +149,10 @@ class Pool:
     def start(self, worker_id, role) -> Process:
         """A worker process starts (or restarts) in `role` and registers."""
         process = self.processes[worker_id] = Process(self, worker_id, role)
-        self.register(role, worker_id, process.address, 3.0)
+        self.register(role, worker_id, process.address)
         return process
 
-    def register(self, role, worker_id, address, ttl_s):
+    def register(self, role, worker_id, address):
         old = self.workers.get(worker_id)
         if old is not None and old.role == role:
             return old
