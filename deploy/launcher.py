@@ -341,6 +341,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         worker_stall_s=config.router.worker_stall_s,
         worker_stall_factor=config.router.worker_stall_factor,
         flip_drain_s=config.router.flip_drain_s,
+        reconcile_bound_s=config.router.reconcile_bound_s,
         local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
         planner=PlannerConfig(**config.planner.model_dump(exclude={"enabled"}))
         if config.planner.enabled

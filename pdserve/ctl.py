@@ -5,8 +5,12 @@
 
 Every call carries the deployment's cluster secret: the file given by --secret-file (the one
 the deployment's security.cluster_secret_file names), else PDSERVE_CLUSTER_SECRET. `roles` prints
-one line per worker, starting with its id: its role, its state (serving, draining, switching,
-down), its running and waiting sequences, its KV use and its address. `flip` moves a worker to
+one line per worker, tab-separated, starting with its id: the pool the router holds it in, the
+router's state for it (serving, draining, switching, reconciling, stuck, down), what the router
+intends for it (`intent=ROLE/STATE`), what the worker itself last reported (`reports=ROLE/STATE`
+and how long ago; `reports=?` before its first report), `ok` or `MISMATCH` (the two differ
+outside a flip: the router is driving the worker to its intent; `STUCK` past
+router.reconcile_bound_s), its running and waiting sequences, its KV use and its address. `flip` moves a worker to
 the other pool and returns once it serves there (exit 0, with how long the drain and the switch
 took), or is refused with the router's reason (exit 1): the last worker of a pool, an unknown
 worker, a flip under way, a wrong secret. Its decode streams still open after --drain-s seconds
@@ -131,4 +135,11 @@ def _row(w) -> str:
         total = s.num_total_blocks
         used = f"{100 * (total - s.num_free_blocks) / total:.0f}%" if total else "?"
         load = f"running={s.num_running} waiting={s.num_waiting} kv={used}"
-    return f"{w.worker_id}\t{w.role}\t{w.state}\t{load}\t{w.address}"
+    intent = f"intent={w.intended_role or '?'}/{w.intended_state or '?'}"
+    reports = "reports=?"
+    if w.reported_role:
+        age = f" {w.reported_age_ms / 1000:.1f}s ago" if w.reported_age_ms >= 0 else ""
+        reports = f"reports={w.reported_role}/{w.reported_state}{age}"
+    match = "STUCK" if w.stuck else "MISMATCH" if w.mismatch else "ok"
+    columns = (w.worker_id, w.role, w.state, intent, reports, match, load, w.address)
+    return "\t".join(columns)

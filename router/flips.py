@@ -17,9 +17,14 @@ The router creates one Flips as it starts; it runs one flip at a time. Flip(work
  3. Switching: WorkerControl.SwitchRole. The worker registers under the new role before it
     answers, so the pool holds it there, serving, when the call returns; the flip checks that.
 
-A failure after step 1 gives the flip up: the worker serves its old role again. Each transition
-is logged; the states show in `pdserve ctl roles` and pdserve:worker_state, and the flips, their
-drain and switch times and the streams they moved are counted (pdserve:role_flips, ...).
+The router's intent for the worker (router/reconcile.py) follows the flip: a flip is refused
+while the reconciler is still bringing the worker to its intent; while it runs the flip alone
+drives the worker; a flip done leaves the intent at the new role, serving. A failure after step 1
+gives the flip up: the intent goes back to the old role, serving, and the reconciler drives the
+worker there, retrying until the worker answers (a worker stopped or restarted in the middle of
+the flip included), so that no worker stays draining or half-switched. Each transition is logged;
+the states show in `pdserve ctl roles` and pdserve:worker_state, and the flips, their drain and
+switch times and the streams they moved are counted (pdserve:role_flips, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pdserve.protos.limits import check_id
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.router.metrics import STAGE_BUCKETS
 from pdserve.router.pool import ROLES, WorkerPool
+from pdserve.router.reconcile import SWITCHING, Reconciler
 
 log = logging.getLogger(__name__)
 MAX_DRAIN_S = 3600.0  # the longest drain bound a FlipRequest may ask for
@@ -60,7 +66,9 @@ class FlipResult:
 
 
 class Flips:
-    """The flips of `pool`'s workers (the module docstring); open_legs: the router's OpenLegs."""
+    """The flips of `pool`'s workers (the module docstring); open_legs: the router's OpenLegs;
+    reconciler: the router's Reconciler (None: one of its own, with its defaults, not started:
+    the caller starts and stops `self.reconciler`)."""
 
     POLL_S = 0.05
 
@@ -74,8 +82,12 @@ class Flips:
         rpc_timeout_s: float = 5.0,
         registry=None,
         model_name: str = "",
+        reconciler: Reconciler | None = None,
     ):
         self.pool = pool
+        self.reconciler = reconciler or Reconciler(
+            pool, open_legs, drain_s=drain_s, registry=registry, model_name=model_name
+        )
         self.open_legs = open_legs
         self.drain_s = drain_s
         self.settle_s = settle_s  # after the move, the longest wait for the rest to end
@@ -167,13 +179,17 @@ class Flips:
             )
 
     def _flip(self, worker, worker_id: str, role: str, drain_s: float) -> FlipResult:
-        why = self.pool.begin_drain(worker)
+        old, name = worker.role, self.pool.name(worker)
+        why = self.reconciler.begin_flip(name, old)
+        if why is None:
+            why = self.pool.begin_drain(worker)
+            if why is not None:
+                self.reconciler.end_flip(name, old, began=False)
         if why is not None:
             self._flips.labels(self._model, worker.role, role, "refused").inc()
             raise FlipRefused(
                 grpc.StatusCode.FAILED_PRECONDITION, f"cannot flip worker {worker_id}: {why}"
             )
-        old = worker.role
         control = worker_pb2_grpc.WorkerControlStub(worker.channel)
         t0 = time.monotonic()
         log.info(
@@ -187,7 +203,8 @@ class Flips:
         try:
             moved = self._drain(worker, worker_id, role, control, t0 + drain_s)
             t1 = time.monotonic()
-            self.pool.set_state(worker, "switching")
+            self.pool.set_state(worker, SWITCHING)
+            self.reconciler.flip_state(name, role, SWITCHING)
             log.info(
                 "flip %s %s -> %s: drained in %.2f s, switching", worker_id, old, role, t1 - t0
             )
@@ -200,8 +217,9 @@ class Flips:
                     f"holds it as {now.role if now else 'nothing'}: see `pdserve ctl roles`",
                 )
         except BaseException as e:
-            self._give_up(worker, worker_id, old, role, control, e)
+            self._give_up(worker_id, old, role, e)
             raise
+        self.reconciler.end_flip(name, role, status)
         t2 = time.monotonic()
         log.info(
             "flip %s %s -> %s: done (drain %.2f s, switch %.2f s, %d streams moved)",
@@ -254,16 +272,19 @@ class Flips:
                 e.code(), f"the worker answered {e.code().name}: {e.details()}"
             ) from None
 
-    def _give_up(self, worker, worker_id: str, old: str, role: str, control, error) -> None:
-        """Undoes a flip that began draining: the worker serves `old` again."""
+    def _give_up(self, worker_id: str, old: str, role: str, error) -> None:
+        """Gives up a flip that began draining: the router's intent for the worker goes back to
+        `old`, serving, and the reconciler (router/reconcile.py) drives it there, retrying until
+        the worker answers; the pool picks it again once it reports serving `old`."""
         self._flips.labels(self._model, old, role, "failed").inc()
-        try:
-            control.Drain(worker_pb2.DrainRequest(draining=False), timeout=self.rpc_timeout_s)
-        except grpc.RpcError as e:
-            log.warning("flip %s: undoing its drain failed: %s", worker_id, e.code().name)
-        self.pool.set_state(worker, "serving")
+        self.reconciler.end_flip(worker_id, old)
         log.warning(
-            "flip %s %s -> %s given up (%s); it serves %s", worker_id, old, role, error, old
+            "flip %s %s -> %s given up (%s); the router brings it back to %s",
+            worker_id,
+            old,
+            role,
+            error,
+            old,
         )
 
 
@@ -278,11 +299,21 @@ class AdminServicer(worker_pb2_grpc.AdminServicer):
         pool = self.flips.pool
         rows = []
         for w in pool.members():
+            view = self.flips.reconciler.view(w)
             info = worker_pb2.WorkerInfo(
                 worker_id=pool.name(w),
                 role=w.role,
                 state="down" if w.down else w.state,
                 address=w.address,
+                intended_role=view.intended_role,
+                intended_state=view.intended_state,
+                reported_role=view.reported_role,
+                reported_state=view.reported_state,
+                reported_age_ms=-1
+                if view.reported_age_s is None
+                else min(int(view.reported_age_s * 1000), 2**31 - 1),
+                mismatch=view.mismatch,
+                stuck=view.stuck,
             )
             if w.stats is not None:
                 info.stats.CopyFrom(w.stats)

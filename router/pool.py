@@ -136,6 +136,7 @@ class WorkerPool:
         self._rr = {role: itertools.count() for role in ROLES}
         self._stop = threading.Event()
         self._drop_listeners: list = []  # (worker, why, silent_since): on the health thread
+        self._report_listeners: list = []  # (worker, stats): router/reconcile.py
         self.num_sweeps = 0
         self._thread = threading.Thread(target=self._run, name="router-health", daemon=True)
 
@@ -293,6 +294,19 @@ class WorkerPool:
         thread (or a heartbeat's) and must return at once (no worker calls)."""
         self._drop_listeners.append(listener)
 
+    def on_report(self, listener) -> None:
+        """Calls `listener(worker, stats)` after a heartbeat's or a health sweep's WorkerStats of
+        `worker` are stored (router/reconcile.py compares the role and state they report). It
+        runs on the health thread or a Registry handler thread and must return at once."""
+        self._report_listeners.append(listener)
+
+    def _reported(self, worker: _Worker, stats) -> None:
+        for listener in list(self._report_listeners):
+            try:
+                listener(worker, stats)
+            except Exception:  # one listener's bug must not stop the health sweeps
+                log.exception("report listener failed for %s", self.name(worker))
+
     def _dropped(self, worker: _Worker, why: str, silent_since: float | None = None) -> None:
         for listener in list(self._drop_listeners):
             try:
@@ -394,6 +408,8 @@ class WorkerPool:
             worker.heard_at = max(worker.heard_at, self._clock())
             if stats is not None and stats.worker_id:
                 worker.stats = stats
+        if stats is not None and stats.worker_id:
+            self._reported(worker, stats)
         if stats is None or not self._check_stall(worker, stats):
             self._alive(worker, stats, blocks=worker.role == "decode")
         return True
@@ -464,6 +480,7 @@ class WorkerPool:
             worker.num_failures, worker.failed = 0, False
             worker.worker_id = worker.worker_id or stats.worker_id
             worker.stats = stats
+        self._reported(worker, stats)
         if not self._check_stall(worker, stats):
             self._alive(worker, stats)
 

@@ -1,5 +1,6 @@
-"""The router process: worker pool + PDServe service + Registry + health + reflection on one
-gRPC server.
+"""The router process: worker pool + PDServe service + Registry + Admin (role flips, and the
+reconciler that holds every worker to its intended role: router/reconcile.py) + health +
+reflection on one gRPC server.
 
     router = Router(RouterConfig(model=model_dir, prefill_addresses=[p.address],
                                  decode_addresses=[d.address])).start()
@@ -35,6 +36,7 @@ from pdserve.router.flips import AdminServicer, Flips
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner_actuator import RouterActuator
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
+from pdserve.router.reconcile import Reconciler
 from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
 
@@ -74,6 +76,9 @@ class RouterConfig:
     max_resumes: int = 2  # decode workers one request may move to when its worker dies
     # a role flip's drain bound: the flipped worker's calls still open then move (router/flips.py)
     flip_drain_s: float = 5.0
+    # a worker not brought to its intended role and state within this long is skipped for new
+    # work and logged as an error; the router keeps driving it (router/reconcile.py)
+    reconcile_bound_s: float = 10.0
     decode_queue_timeout_s: float = 120.0  # longest wait for decode KV blocks when all are full
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # disaggregated: prompts their decode worker runs itself (planner/local_prefill.py); off
@@ -109,6 +114,7 @@ class RouterConfig:
             "prefill_timeout_s",
             "worker_stall_s",
             "flip_drain_s",
+            "reconcile_bound_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -203,6 +209,8 @@ class Router:
         self.pool: WorkerPool | None = None
         self.servicer: PDServeServicer | None = None
         self.flips: Flips | None = None  # role flips (router/flips.py), once started
+        # each worker's intended role and state, and the thread that drives it there
+        self.reconciler: Reconciler | None = None
         self.planner: PlannerLoop | None = None  # when config.planner is set
         self._server: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
@@ -227,12 +235,21 @@ class Router:
             self._start_service(options, tokenizer)
             self._server = self._grpc_server(options)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
+            self.reconciler = Reconciler(
+                self.pool,
+                self.servicer.legs.open,
+                bound_s=cfg.reconcile_bound_s,
+                drain_s=cfg.flip_drain_s,
+                registry=self.metrics_registry,
+                model_name=options.model_id,
+            ).start()
             self.flips = Flips(
                 self.pool,
                 self.servicer.legs.open,
                 drain_s=cfg.flip_drain_s,
                 registry=self.metrics_registry,
                 model_name=options.model_id,
+                reconciler=self.reconciler,
             )
             worker_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.flips), self._server)
             if cfg.planner is not None and not cfg.colocated:
@@ -430,6 +447,9 @@ class Router:
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
                 setattr(self, name, None)
+        if self.reconciler is not None:  # before the pool: it calls the pool's workers
+            self.reconciler.stop()
+            self.reconciler = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

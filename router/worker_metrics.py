@@ -75,7 +75,7 @@ WORKER_COUNTERS = (
 )
 
 
-WORKER_STATES = ("serving", "draining", "switching")
+WORKER_STATES = ("serving", "draining", "switching", "reconciling", "stuck")
 
 
 class WorkerCollector(Collector):
@@ -117,8 +117,9 @@ class WorkerCollector(Collector):
         }
         fams["state"] = GaugeMetricFamily(
             "pdserve:worker_state",
-            "1 for the worker's state in its role: serving, or a role flip's draining or "
-            "switching (router/flips.py); the role label is the role it serves.",
+            "1 for the worker's state in its role: serving, a role flip's draining or "
+            "switching (router/flips.py), or reconciling or stuck while the router drives it to "
+            "its intended role (router/reconcile.py); the role label is its pool.",
             labels=self.LABELS + ["state"],
         )
         for name, doc, field in WORKER_COUNTERS:

@@ -14,7 +14,9 @@ the router tries another worker; what was admitted goes on. SwitchRole checks th
 old role remains (`remaining`, from the parts), changes the role, and registers again under it
 before it answers, so the router holds the worker in the new pool once the call returns. The
 engine, its weights and its KV pool (prefix cache included) are the same before and after. Every
-transition is logged; WorkerStats carry the role and state.
+transition is logged; every WorkerStats (a Stats answer, a heartbeat) carries the role and state,
+and the router drives a worker whose report differs from its intent back to it
+(router/reconcile.py): a Drain(false) or SwitchRole may come at any time, not only in a flip.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ class RoleGate:
         return None
 
     def stamp(self, stats: worker_pb2.WorkerStats) -> worker_pb2.WorkerStats:
-        """`stats` with this worker's role and state, when it can change role."""
-        if len(self.roles) > 1:
+        """`stats` with this worker's role and state (a single-role worker's too: always its role,
+        serving). The router compares them with what it intends (router/reconcile.py); every
+        Stats answer and heartbeat carries them."""
+        with self._lock:
             stats.role, stats.role_state = self.role, self.state
         return stats
 

@@ -306,6 +306,9 @@ class RouterSettings(_Frozen):
     worker_stall_s: Annotated[float, Field(gt=0)] = 5.0
     worker_stall_factor: Annotated[float, Field(ge=1)] = 4.0
     flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
+    # a worker the router cannot bring to its intended role and state (router/reconcile.py)
+    # within this long is skipped for new work, as a down worker is, and logged as an error
+    reconcile_bound_s: Annotated[float, Field(gt=0)] = 10.0
     local_prefill: LocalPrefillSettings = LocalPrefillSettings()
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;

@@ -28,6 +28,12 @@ class _Pool:
     def snapshot(self):
         return []
 
+    def members(self):
+        return []
+
+    def on_report(self, listener):  # the reconciler listens (router/reconcile.py)
+        pass
+
 
 def router_registry(with_metrics: bool = False):
     """The router's registry as Router.start fills it (router/server.py), without a socket (and

@@ -90,7 +90,8 @@ def test_bad_roles_and_single_role_workers():
     with pytest.raises(RoleError, match="already serves decode"):
         gate.switch("decode", lambda: "", lambda role: None)
     single = RoleGate("w", "prefill", roles=("prefill",))
-    assert single.stamp(worker_pb2.WorkerStats()).role == ""  # cannot flip: no role shown
+    stamped = single.stamp(worker_pb2.WorkerStats())  # cannot flip, but says what it serves
+    assert (stamped.role, stamped.role_state) == ("prefill", SERVING)
     assert gate.stamp(worker_pb2.WorkerStats()).role_state == DRAINING
     with pytest.raises(ValueError, match="role must be one of"):
         RoleGate("w", "colocated")

@@ -222,18 +222,32 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "state", "address", "stats")
+    __slots__ = ("worker_id", "role", "state", "address", "stats", "intended_role", "intended_state", "reported_role", "reported_state", "reported_age_ms", "mismatch", "stuck")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    INTENDED_ROLE_FIELD_NUMBER: _ClassVar[int]
+    INTENDED_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    STUCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     state: str
     address: str
     stats: WorkerStats
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., address: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+    intended_role: str
+    intended_state: str
+    reported_role: str
+    reported_state: str
+    reported_age_ms: int
+    mismatch: bool
+    stuck: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., address: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., intended_role: _Optional[str] = ..., intended_state: _Optional[str] = ..., reported_role: _Optional[str] = ..., reported_state: _Optional[str] = ..., reported_age_ms: _Optional[int] = ..., mismatch: _Optional[bool] = ..., stuck: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
