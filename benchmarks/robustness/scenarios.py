@@ -53,9 +53,6 @@ from benchmarks.robustness.faults import (
 )
 from pdserve.engine.engine_loop import HANG_FILE_ENV
 
-UNDO_LEAVES_DRAINING = (
-    "issue #47 item 4: a flip given up while its worker is stopped leaves it draining for good"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +159,6 @@ def suite(size: str) -> tuple[Scenario, ...]:
             one_two,
             z.load,
             (flip, SigStop("decode-1", z.flip_stop_s, at_s=z.at_s, after="draining")),
-            known_failure=UNDO_LEAVES_DRAINING,
             describe="a flip whose worker is stopped during its drain",
         ),
         scenario(
