@@ -102,6 +102,10 @@ class Pool(_Frozen):
     kv_cache_memory: StrictInt | StrictFloat | None = None
     block_size: Annotated[int, Field(ge=1)] = 16
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
+    # a prompt longer than max_num_batched_tokens runs in chunks of about this many seconds (sized
+    # from the measured step time), and short prompts arriving meanwhile go first
+    # (engine/scheduler.py); 0: off, every chunk takes the whole token budget
+    prefill_step_target_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     enable_prefix_caching: bool = True
@@ -283,8 +287,7 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # bounds (README): a prefill's before its retry, a stuck engine's, a role flip's drain
-    prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    # bounds (README): a stuck engine's, a role flip's drain
     worker_stall_s: Annotated[float, Field(gt=0)] = 30.0
     flip_drain_s: Annotated[float, Field(gt=0)] = 5.0
     local_prefill: LocalPrefillSettings = LocalPrefillSettings()
@@ -302,6 +305,18 @@ class RouterSettings(_Frozen):
     # the metrics scrape's keys (a file, one a line): with it, GET /metrics takes one of these and
     # no client key, so a Prometheus scrape config never carries a client API key
     metrics_keys_file: KeysFile | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data):
+        if isinstance(data, dict) and "prefill_timeout_s" in data:
+            raise ValueError(
+                "prefill_timeout_s was removed: a fixed bound cut long legitimate prefills. A "
+                "prefill now ends when it answers, when the client's deadline passes or it "
+                "cancels, or when its prefill worker is declared down (by worker_stall_s and the "
+                "health checks), then it is retried on another one; delete the key"
+            )
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -473,6 +488,7 @@ class DeployConfig(_Frozen):
             tensor_parallel_size=pool.tp,
             block_size=pool.block_size,
             max_num_batched_tokens=pool.max_num_batched_tokens,
+            prefill_step_target_s=pool.prefill_step_target_s,
             max_num_seqs=pool.max_num_seqs,
             enable_prefix_caching=pool.enable_prefix_caching,
         )
