@@ -152,7 +152,7 @@ class EngineConfig:
     # a long prefill (more tokens left than this many seconds of steps compute, measured) runs
     # in chunks of about this many seconds, and short prompts that arrive meanwhile go first
     # (engine/scheduler.py's module docstring); 0: off, a prompt takes the whole token budget
-    prefill_step_target_s: float = 1.0
+    prefill_step_target_s: float = 0.5
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0

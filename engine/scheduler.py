@@ -24,14 +24,19 @@ step's time grows with its tokens and, at long contexts, with the context each o
 to, so a 7,000-token prompt cut into budget-sized chunks makes steps of many seconds on a CPU,
 and a short prompt that arrives meanwhile waits for the whole prompt. With a target, the
 scheduler sizes the chunk of a long prefill from the step times it measures (`observe_step`:
-seconds per token of the last step that computed a prompt chunk; `long_chunk` = the target's
-worth of tokens, in whole blocks, between one block and the token budget). A prefill is long
+seconds per token of the steps that computed a prompt chunk, each step weighing half, so one
+slow step on a busy machine does not halve the next chunk; `long_chunk` = the target's worth of
+tokens, in whole blocks, between one block and the token budget, and at most twice the last
+long chunk, the first one at most LONG_START_BLOCKS blocks: a rate measured on short prompts
+underestimates a chunk's cost deeper into a long one, and growing from a small first chunk keeps
+the first steps within the target while the rate is learnt). A prefill is long
 when its sequence is longer than the token budget (it takes several steps anyway) and it has
-more tokens left than that chunk; a prompt that fits the budget runs whole, as before. Each step then plans: running sequences that are not long
-prefills (decodes first, as before, and short partial prefills), then waiting prompts first come
-first served (a long one is admitted only while no other long prefill runs, and short prompts
-behind it pass it), then the long prefills, one chunk between them. A step that admits a new
-short prompt gives the long prefills no tokens, so the newcomer's first token waits at most for
+more tokens left than that chunk; a prompt that fits the budget runs whole, as before. Each
+step then plans: running sequences that are not long prefills (decodes first, as before, and
+short partial prefills), then waiting prompts first come first served (a long one is admitted
+only while no other long prefill runs, and short prompts behind it pass it), then the long
+prefills, one chunk between them. A step that admits a new short prompt gives the long
+prefills that were already running no tokens, so the newcomer's first token waits at most for
 the step already running; never two steps in a row, so a stream of short prompts cannot starve
 a long one. vLLM V1 caps a long prefill's chunk at long_prefill_token_threshold and vLLM V0
 limits concurrent long partial prefills (max_long_partial_prefills); this policy does both, in
@@ -53,6 +58,11 @@ from pdserve.engine.spec.verify import check_rows, kept_tokens
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig, ModelConfig
+
+
+# the first chunk of a long prefill, in blocks, before the measured rate lets it grow (module
+# docstring: the long-prefill policy)
+LONG_START_BLOCKS = 4
 
 
 @dataclass
@@ -133,6 +143,7 @@ class Scheduler:
         self.prefill_step_target_s = prefill_step_target_s
         self.sec_per_token: float | None = None
         self._long_yielded = False  # the long prefills gave the last step to a newcomer
+        self._long_grant: int | None = None  # tokens the long prefills got at their last step
         # The attention window of a model whose every layer slides, else None.
         self.kv_window = kv_window
         if kv_window is not None and block_manager.null_block is None:
@@ -271,18 +282,22 @@ class Scheduler:
         if not self.prefill_step_target_s or tokens < self.bm.block_size or seconds <= 0:
             return
         if any(s.num_new_tokens - s.num_spec > 1 for s in plan.scheduled):
-            self.sec_per_token = seconds / tokens
+            rate = seconds / tokens
+            old = self.sec_per_token
+            self.sec_per_token = rate if old is None else (old + rate) / 2
 
     def long_chunk(self) -> int:
-        """The tokens a long prefill computes in one step: prefill_step_target_s worth at the last
-        measured rate, in whole blocks, between one block and the token budget (the budget while
-        the policy is off or nothing was measured yet)."""
+        """The tokens a long prefill computes in one step: prefill_step_target_s worth at the
+        measured rate, in whole blocks, between one block and the token budget, at most twice
+        the last long chunk (LONG_START_BLOCKS blocks for the first); the budget while the policy
+        is off or nothing was measured yet."""
         budget = self.max_num_batched_tokens
         if not self.prefill_step_target_s or self.sec_per_token is None:
             return budget
         bs = self.bm.block_size
         n = int(self.prefill_step_target_s / self.sec_per_token) // bs * bs
-        return max(min(bs, budget), min(budget, n))
+        grown = LONG_START_BLOCKS * bs if self._long_grant is None else 2 * self._long_grant
+        return max(min(bs, budget), min(budget, n, grown))
 
     def schedule(self) -> StepPlan:
         if self.speculator is not None:
@@ -408,6 +423,7 @@ class Scheduler:
         yielded = admitted_short and bool(running_longs) and not self._long_yielded
         self._long_yielded = yielded
         allowance = 0 if yielded or preempted else min(chunk, budget)
+        granted = 0
         for seq in longs:
             if allowance <= 0:
                 break
@@ -416,6 +432,11 @@ class Scheduler:
                 continue  # no block for its next chunk now (sliding window): it waits a step
             scheduled.append(item)
             allowance -= item.num_new_tokens
+            granted += item.num_new_tokens
+        if not longs:
+            self._long_grant = None  # the next long prefill starts small again
+        elif granted:
+            self._long_grant = granted
         return self._finish_plan(scheduled)
 
     def _is_long(self, seq: Sequence, left: int, chunk: int) -> bool:

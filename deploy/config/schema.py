@@ -105,7 +105,7 @@ class Pool(_Frozen):
     # a prompt longer than max_num_batched_tokens runs in chunks of about this many seconds (sized
     # from the measured step time), and short prompts arriving meanwhile go first
     # (engine/scheduler.py); 0: off, every chunk takes the whole token budget
-    prefill_step_target_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    prefill_step_target_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.5
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     enable_prefix_caching: bool = True

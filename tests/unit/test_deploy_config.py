@@ -48,7 +48,7 @@ def test_engine_kwargs_pass_pool_settings():
     )
     kwargs = cfg.engine_kwargs(cfg.pools.decode)
     assert kwargs["dtype"] == "float32" and kwargs["kv_cache_memory"] == 0.5
-    assert kwargs["prefill_step_target_s"] == 1.0  # the documented default
+    assert kwargs["prefill_step_target_s"] == 0.5  # the documented default
     assert kwargs["block_size"] == 32 and kwargs["max_model_len"] == 256
     assert "kv_cache_memory" not in cfg.engine_kwargs(cfg.pools.prefill)
     # and the engine accepts exactly these keywords

@@ -81,17 +81,30 @@ def test_off_and_unmeasured_keep_the_whole_budget():
     assert _tokens(h.step()) == {long.seq_id: 64}
 
 
-def test_the_chunk_follows_the_measured_step_time():
+def test_the_first_long_chunk_is_small_and_grows_to_the_measured_rate():
+    h = _harness(64)  # the measured rate allows the whole budget in one step
+    (long,) = h.add(list(range(2, 202)), max_tokens=1)
+    # four blocks first, then at most twice the last chunk, up to the budget
+    assert [_tokens(h.step())[long.seq_id] for _ in range(4)] == [16, 32, 64, 64]
+    h.run()
+    (again,) = h.add(list(range(3, 203)), max_tokens=1)
+    assert _tokens(h.step()) == {again.seq_id: 16}  # a new long prefill starts small again
+
+
+def test_one_slow_step_moves_the_rate_halfway():
     h = _harness(8)
     sched = h.sched
     (long,) = h.add(list(range(2, 202)), max_tokens=1)
-    plan = h.step()
-    sched.observe_step(plan, seconds=0.25)  # 8 tokens in 0.25 s: 32 tokens a second
-    assert sched.long_chunk() == 32
-    sched.observe_step(plan, seconds=100.0)  # slower than a block per target: one block
-    assert sched.long_chunk() == 4
-    sched.observe_step(plan, seconds=1e-6)  # fast: the token budget
-    assert sched.long_chunk() == 64
+    plan = h.step()  # 8 tokens of the prompt
+    sched.observe_step(plan, seconds=3.0)  # 3/8 s a token, after 1/8: 1/4 on average
+    assert sched.sec_per_token == pytest.approx(0.25)
+    assert sched.long_chunk() == 4  # a block: a second's worth at 4 tokens a second
+    sched.observe_step(plan, seconds=0.0)  # no time measured: ignored
+    h.sched.sec_per_token = 0.25
+    h.add([5] * 3, max_tokens=1)
+    short_plan = h.step()  # the 3-token prompt alone (the long one yields): under a block
+    sched.observe_step(short_plan, seconds=100.0)
+    assert sched.sec_per_token == pytest.approx(0.25)
 
 
 def test_sliding_window_long_prefill_keeps_its_window():
