@@ -156,12 +156,15 @@ def long_with_shorts(url: str, kind: str, prompt, shorts, args, model: str) -> d
 def run(args) -> dict:
     data = example_config(port=0)
     data["router"]["http_port"] = 0  # a free port: another deployment may hold 8000
+    if args.prefill_step_target_s is not None:  # the engine's long-prefill policy, to compare
+        data["pools"]["prefill"]["prefill_step_target_s"] = args.prefill_step_target_s
     model = "smollm2"
     prompt = random_prompts(7, 1, args.prompt_tokens)[0]
     shorts = random_prompts(8, args.alone + 2 * args.shorts, args.short_tokens)
     report: dict = {
         "prompt_tokens": args.prompt_tokens,
         "short_tokens": args.short_tokens,
+        "prefill_step_target_s": data["pools"]["prefill"].get("prefill_step_target_s", "default"),
         "deployment": "deploy/examples/local-cpu.yaml, 1 prefill + 1 decode, router and HTTP ports free ones",
     }
     times: dict = {}
@@ -208,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-every-s", type=float, default=15.0)
     ap.add_argument("--ttft-slack-s", type=float, default=2.0)
     ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument(
+        "--prefill-step-target-s",
+        type=float,
+        default=None,
+        help="the prefill pool's prefill_step_target_s (0: the policy off); default: the YAML's",
+    )
     add_out_arg(ap, "loglikelihood.json")
     args = ap.parse_args(argv)
     return run_and_write(MODULE, argv, args.out, lambda: run(args))
