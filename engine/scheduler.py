@@ -402,7 +402,10 @@ class Scheduler:
             if long and longs:  # one long prefill at a time: the short ones behind it pass it
                 w += 1
                 continue
-            first = min(seq.num_tokens, len(cached) * self.bm.block_size + min(budget, chunk))
+            # a sliding window admits the blocks of the first piece this prompt computes: a
+            # short one's whole prompt within the budget, a long one's first chunk
+            piece = min(budget, chunk) if long else budget
+            first = min(seq.num_tokens, len(cached) * self.bm.block_size + piece)
             upto = seq.num_tokens if self.kv_window is None else first
             try:
                 self._admit_blocks(seq, cached, upto, watermark=self.watermark_blocks)

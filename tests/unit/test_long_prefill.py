@@ -111,8 +111,11 @@ def test_sliding_window_long_prefill_keeps_its_window():
     h = _harness(8, window=16)
     (long,) = h.add(list(range(2, 202)), max_tokens=2)
     (short,) = h.add([9] * 6, max_tokens=2)
+    h.step()
+    # a short prompt longer than a long chunk: admitted with the blocks of its whole prompt
+    (wider,) = h.add(list(range(40, 60)), max_tokens=2)
     h.run()
-    assert long.is_finished and short.is_finished
+    assert long.is_finished and short.is_finished and wider.is_finished
 
 
 @pytest.mark.parametrize("budget", [32, 64])
