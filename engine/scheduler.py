@@ -384,13 +384,39 @@ class Scheduler:
             i += 1
         running_longs = list(longs)
         admitted_short = False
+        if not preempted:
+            budget, admitted_short = self._admit_waiting(chunk, budget, scheduled, longs)
+        # a newcomer's first step runs without the chunk of a long prefill that was already
+        # running (one admitted with it runs after it), but never two steps in a row
+        yielded = admitted_short and bool(running_longs) and not self._long_yielded
+        self._long_yielded = yielded
+        allowance = 0 if yielded or preempted else min(chunk, budget)
+        granted = 0
+        for seq in longs:
+            if allowance <= 0:
+                break
+            item = self._plan_running(seq, allowance, allowance, may_preempt=False)
+            if item is None:
+                continue  # no block for its next chunk now (sliding window): it waits a step
+            scheduled.append(item)
+            allowance -= item.num_new_tokens
+            granted += item.num_new_tokens
+        if not longs:
+            self._long_grant = None  # the next long prefill starts small again
+        elif granted:
+            self._long_grant = granted
+        return self._finish_plan(scheduled)
+
+    def _admit_waiting(
+        self, chunk: int, budget: int, scheduled: list[ScheduledSeq], longs: list[Sequence]
+    ) -> tuple[int, bool]:
+        """The waiting prompts admitted this step, first come first served within `budget`: a
+        short one is scheduled into `scheduled`, a long one joins `longs` (only while no other
+        long prefill runs; the short ones behind it pass it). Returns the budget left and
+        whether a short prompt was admitted."""
+        admitted_short = False
         w = 0
-        while (
-            not preempted
-            and w < len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
             cached = (
                 []
@@ -421,26 +447,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
             admitted_short = True
-        # a newcomer's first step runs without the chunk of a long prefill that was already
-        # running (one admitted with it runs after it), but never two steps in a row
-        yielded = admitted_short and bool(running_longs) and not self._long_yielded
-        self._long_yielded = yielded
-        allowance = 0 if yielded or preempted else min(chunk, budget)
-        granted = 0
-        for seq in longs:
-            if allowance <= 0:
-                break
-            item = self._plan_running(seq, allowance, allowance, may_preempt=False)
-            if item is None:
-                continue  # no block for its next chunk now (sliding window): it waits a step
-            scheduled.append(item)
-            allowance -= item.num_new_tokens
-            granted += item.num_new_tokens
-        if not longs:
-            self._long_grant = None  # the next long prefill starts small again
-        elif granted:
-            self._long_grant = granted
-        return self._finish_plan(scheduled)
+        return budget, admitted_short
 
     def _is_long(self, seq: Sequence, left: int, chunk: int) -> bool:
         """Whether `seq`, with `left` tokens to compute, is a long prefill: longer than the token

@@ -43,7 +43,8 @@ def disagg_reference(refs):
 )
 def test_prefill_only_to_reserved_blocks(refs, disagg_reference, a_kw, b_kw):
     model_dir, *_ = refs("qwen2-bias")
-    a = LLM(model_dir, kv_cache_memory=KV, **a_kw).engine
+    # the plain chunking: the step counts below are those of budget-sized chunks
+    a = LLM(model_dir, kv_cache_memory=KV, prefill_step_target_s=0, **a_kw).engine
     b = LLM(model_dir, kv_cache_memory=KV, **b_kw).engine
     num_layers = a.model_config.num_layers
     assert b.kv_cache.shape[:2] == (num_layers, 2)
