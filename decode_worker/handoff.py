@@ -3,12 +3,15 @@
 DecodeHandoff owns each reservation from Reserve until it runs in the engine or is freed; the
 service (service.py) owns the gRPC calls and the token streams. Lifecycle of one request:
   reserve (router)      -> RESERVED: the engine's Reservation, a KVReceiver, a lease deadline
-  "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread)
+  "kv" frames (channel) -> the receiver writes them into the reserved blocks (transport thread);
+                           each renews the lease (its full length from that frame on), so a
+                           long prefill that keeps pushing KV never loses its reservation
   "commit" frame        -> receiver DONE -> engine.commit(first tokens): RUNNING in the batch (n>1:
                            forked on copy-on-write blocks); the callback gets a CommitOutput (the
                            first tokens, HandoffTimings) at once, then the engine's outputs. A
                            commit the engine refuses frees the blocks like an abort
-  "abort" frame, abort(), a bad frame, or the lease running out before the commit
+  "abort" frame, abort(), a bad frame, or the lease running out before the commit (the prefill
+                           side silent for the lease's length, or a router that died)
                         -> engine abort: blocks freed, the callback gets a finished "abort" output
 Every path ends either running in the engine or freed. Writes and aborts of one reservation take
 its lock, so blocks are never freed (and handed to someone else) mid-write.
@@ -38,7 +41,8 @@ log = logging.getLogger(__name__)
 class _Entry:
     receiver: WorkerReceiver
     on_output: OutputCallback
-    deadline: float
+    deadline: float  # time.monotonic(): the lease's end, pushed on by each KV frame
+    lease_s: float = 0.0  # the lease's length
     logprobs: bool = False  # the request asked for logprobs (its outputs carry a list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False  # committed or aborted: no more writes into its blocks
@@ -132,7 +136,11 @@ class DecodeHandoff:
             self.prefix_cache_hits += res.num_cached_tokens
             with self._entries_lock:
                 self._entries[request_id] = _Entry(
-                    receiver, on_output, deadline, logprobs=bool(getattr(params, "logprobs", False))
+                    receiver,
+                    on_output,
+                    deadline,
+                    lease,
+                    logprobs=bool(getattr(params, "logprobs", False)),
                 )
             return res
 
@@ -158,6 +166,9 @@ class DecodeHandoff:
             if entry.closed:
                 return
             state = entry.receiver.on_frame(header, payload)
+            if header.kind == "kv" and state != TransferState.FAILED:
+                # progress: the prefill side is alive, however long its prompt takes
+                entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_s)
         if header.kind == "kv" and state != TransferState.FAILED:
             with self._counts_lock:
                 self.bytes_received += frame_bytes(header)

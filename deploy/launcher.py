@@ -335,7 +335,6 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         port=config.router.port,
         max_inflight=config.router.max_inflight,
         decode_queue_timeout_s=config.router.decode_queue_timeout_s,
-        prefill_timeout_s=config.router.prefill_timeout_s,
         worker_down_s=config.router.worker_down_s,
         worker_silence_s=config.router.worker_silence_s,
         worker_stall_s=config.router.worker_stall_s,

@@ -149,6 +149,10 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
+    # a long prefill (more tokens left than this many seconds of steps compute, measured) runs
+    # in chunks of about this many seconds, and short prompts that arrive meanwhile go first
+    # (engine/scheduler.py's module docstring); 0: off, a prompt takes the whole token budget
+    prefill_step_target_s: float = 0.5
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0
@@ -221,6 +225,13 @@ class EngineConfig:
         )
         check(
             _is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1"
+        )
+        check(
+            isinstance(self.prefill_step_target_s, int | float)
+            and not isinstance(self.prefill_step_target_s, bool)
+            and 0 <= self.prefill_step_target_s < float("inf"),
+            "prefill_step_target_s",
+            "a number of seconds >= 0 (0: off)",
         )
         check(
             self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),

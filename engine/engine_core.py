@@ -389,7 +389,9 @@ class LLMEngine:
         inp = self.runner.prepare_input(plan)
         start = time.monotonic()
         out = self._execute(plan, inp)
-        self.step_trace.append(step_record(plan, start, time.monotonic()))
+        end = time.monotonic()
+        self.step_trace.append(step_record(plan, start, end))
+        self.scheduler.observe_step(plan, end - start)  # sizes the next long prefill chunk
         touched = self.scheduler.update(plan, out)
         if self.spec is not None:
             self.spec.observe(plan)

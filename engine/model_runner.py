@@ -241,7 +241,8 @@ class ModelRunner:
         """seq index -> for each position with a prompt target, {token id: logprob} of the target
         and the seq's prompt_topk most likely tokens. Every rank computes the logits (the LM head
         may gather across ranks); rank 0 keeps the numbers. At most PROMPT_LOGITS_ROWS rows of
-        vocabulary-wide logits exist at a time."""
+        vocabulary-wide logits exist at a time, and only for the positions this step computes: a
+        long prompt's logprobs come chunk by chunk with its prefill (engine/scheduler.py)."""
         out: dict[int, list[dict[int, float]]] = {}
         for i, s in enumerate(inp.seqs):
             n, k = len(s.prompt_targets), s.prompt_topk
@@ -251,16 +252,19 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[q_starts[i] + a : q_starts[i] + b])
                 if logits is None or not rank0:
                     continue
-                lp = torch.log_softmax(logits.float(), dim=-1)
-                targets = torch.tensor(s.prompt_targets[a:b], dtype=torch.long, device=lp.device)
-                picked = lp.gather(1, targets[:, None])[:, 0].tolist()
-                top = lp.topk(k, dim=-1) if k else None
-                for r, (t, v) in enumerate(zip(s.prompt_targets[a:b], picked)):
-                    entry = (
-                        dict(zip(top.indices[r].tolist(), top.values[r].tolist()))
-                        if top is not None
-                        else {}
-                    )
+                # log_softmax's values at the few tokens kept, without a second vocabulary-wide
+                # tensor: logit - logsumexp of its row
+                logits = logits.float()
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                targets = torch.tensor(s.prompt_targets[a:b], dtype=torch.long, device=lse.device)
+                picked = (logits.gather(1, targets[:, None]) - lse)[:, 0].tolist()
+                if not k:
+                    rows += [{t: v} for t, v in zip(s.prompt_targets[a:b], picked)]
+                    continue
+                top_v, top_i = logits.topk(k, dim=-1)
+                top_v = (top_v - lse).tolist()
+                for t, v, ti, tv in zip(s.prompt_targets[a:b], picked, top_i.tolist(), top_v):
+                    entry = dict(zip(ti, tv))
                     entry[t] = v
                     rows.append(entry)
             if rows:

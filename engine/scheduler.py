@@ -18,6 +18,30 @@ chunk only, its later chunks taking theirs as they run, so a sequence holds abou
 worth of blocks however long it grows. A reservation holds every prompt block the other engine
 writes (all but prefix-cache hits that lie before the window) and gives back what lies before the
 window at its commit.
+
+Long prefills (prefill_step_target_s > 0, EngineConfig's; 0 keeps the plain policy below): a
+step's time grows with its tokens and, at long contexts, with the context each of them attends
+to, so a 7,000-token prompt cut into budget-sized chunks makes steps of many seconds on a CPU,
+and a short prompt that arrives meanwhile waits for the whole prompt. With a target, the
+scheduler sizes the chunk of a long prefill from the step times it measures (`observe_step`:
+seconds per token of the steps that computed a prompt chunk, each step weighing half, so one
+slow step on a busy machine does not halve the next chunk; `long_chunk` = the target's worth of
+tokens, in whole blocks, between one block and the token budget, and at most twice the last
+long chunk, the first one at most LONG_START_BLOCKS blocks: a rate measured on short prompts
+underestimates a chunk's cost deeper into a long one, and growing from a small first chunk keeps
+the first steps within the target while the rate is learnt). A prefill is long
+when its sequence is longer than the token budget (it takes several steps anyway) and it has
+more tokens left than that chunk; a prompt that fits the budget runs whole, as before. Each
+step then plans: running sequences that are not long prefills (decodes first, as before, and
+short partial prefills), then waiting prompts first come first served (a long one is admitted
+only while no other long prefill runs, and short prompts behind it pass it), then the long
+prefills, one chunk between them. A step that admits a new short prompt gives the long
+prefills that were already running no tokens, so the newcomer's first token waits at most for
+the step already running; never two steps in a row, so a stream of short prompts cannot starve
+a long one. vLLM V1 caps a long prefill's chunk at long_prefill_token_threshold and vLLM V0
+limits concurrent long partial prefills (max_long_partial_prefills); this policy does both, in
+seconds rather than tokens, because here a chunk's cost at 6,000 tokens of context is several
+times its cost at the start of the prompt.
 """
 
 from __future__ import annotations
@@ -34,6 +58,11 @@ from pdserve.engine.spec.verify import check_rows, kept_tokens
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig, ModelConfig
+
+
+# the first chunk of a long prefill, in blocks, before the measured rate lets it grow (module
+# docstring: the long-prefill policy)
+LONG_START_BLOCKS = 4
 
 
 @dataclass
@@ -106,8 +135,15 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         kv_window: int | None = None,
+        prefill_step_target_s: float = 0.0,
     ):
         self.bm = block_manager
+        # the long-prefill policy (module docstring): seconds a long prefill's step should take;
+        # 0: off. sec_per_token: what the last step that computed a prompt chunk took per token
+        self.prefill_step_target_s = prefill_step_target_s
+        self.sec_per_token: float | None = None
+        self._long_yielded = False  # the long prefills gave the last step to a newcomer
+        self._long_grant: int | None = None  # tokens the long prefills got at their last step
         # The attention window of a model whose every layer slides, else None.
         self.kv_window = kv_window
         if kv_window is not None and block_manager.null_block is None:
@@ -154,6 +190,7 @@ class Scheduler:
             max_model_len=config.max_model_len,
             eos_token_ids=model_config.eos_token_ids,
             kv_window=window,
+            prefill_step_target_s=config.prefill_step_target_s,
         )
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -237,9 +274,36 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.reserved)
 
     # ---- planning -------------------------------------------------------------------------------
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """The engine ran `plan` in `seconds`: a step that computed a prompt chunk (and at least a
+        block of tokens, so a step's fixed cost does not dominate) sets the seconds per token the
+        next long chunk is sized from."""
+        tokens = plan.num_tokens
+        if not self.prefill_step_target_s or tokens < self.bm.block_size or seconds <= 0:
+            return
+        if any(s.num_new_tokens - s.num_spec > 1 for s in plan.scheduled):
+            rate = seconds / tokens
+            old = self.sec_per_token
+            self.sec_per_token = rate if old is None else (old + rate) / 2
+
+    def long_chunk(self) -> int:
+        """The tokens a long prefill computes in one step: prefill_step_target_s worth at the
+        measured rate, in whole blocks, between one block and the token budget, at most twice
+        the last long chunk (LONG_START_BLOCKS blocks for the first); the budget while the policy
+        is off or nothing was measured yet."""
+        budget = self.max_num_batched_tokens
+        if not self.prefill_step_target_s or self.sec_per_token is None:
+            return budget
+        bs = self.bm.block_size
+        n = int(self.prefill_step_target_s / self.sec_per_token) // bs * bs
+        grown = LONG_START_BLOCKS * bs if self._long_grant is None else 2 * self._long_grant
+        return max(min(bs, budget), min(budget, n, grown))
+
     def schedule(self) -> StepPlan:
         if self.speculator is not None:
             self.speculator.set_budgets(self.running)
+        if self.prefill_step_target_s:
+            return self._schedule_long_aware()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
@@ -288,10 +352,132 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
+        return self._finish_plan(scheduled)
+
+    def _finish_plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
         plan = StepPlan(scheduled, block_copies=self._pending_copies)
         self._pending_copies = []
         self.build_rows(plan)
         return plan
+
+    def _schedule_long_aware(self) -> StepPlan:
+        """schedule() under the long-prefill policy (module docstring)."""
+        chunk = self.long_chunk()
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        longs: list[Sequence] = []  # running long prefills, planned last
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self._is_long(seq, seq.num_tokens - seq.num_computed_tokens, chunk):
+                longs.append(seq)
+                i += 1
+                continue
+            before = self.num_preemptions
+            item = self._plan_running(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            preempted |= self.num_preemptions > before  # (only sequences after this one)
+            if item is None:
+                break
+            scheduled.append(item)
+            budget -= item.num_new_tokens
+            i += 1
+        running_longs = list(longs)
+        admitted_short = False
+        if not preempted:
+            budget, admitted_short = self._admit_waiting(chunk, budget, scheduled, longs)
+        # a newcomer's first step runs without the chunk of a long prefill that was already
+        # running (one admitted with it runs after it), but never two steps in a row
+        yielded = admitted_short and bool(running_longs) and not self._long_yielded
+        self._long_yielded = yielded
+        allowance = 0 if yielded or preempted else min(chunk, budget)
+        granted = 0
+        for seq in longs:
+            if allowance <= 0:
+                break
+            item = self._plan_running(seq, allowance, allowance, may_preempt=False)
+            if item is None:
+                continue  # no block for its next chunk now (sliding window): it waits a step
+            scheduled.append(item)
+            allowance -= item.num_new_tokens
+            granted += item.num_new_tokens
+        if not longs:
+            self._long_grant = None  # the next long prefill starts small again
+        elif granted:
+            self._long_grant = granted
+        return self._finish_plan(scheduled)
+
+    def _admit_waiting(
+        self, chunk: int, budget: int, scheduled: list[ScheduledSeq], longs: list[Sequence]
+    ) -> tuple[int, bool]:
+        """The waiting prompts admitted this step, first come first served within `budget`: a
+        short one is scheduled into `scheduled`, a long one joins `longs` (only while no other
+        long prefill runs; the short ones behind it pass it). Returns the budget left and
+        whether a short prompt was admitted."""
+        admitted_short = False
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[w]
+            cached = (
+                []
+                if seq.params.prompt_logprobs is not None
+                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+            )
+            left = seq.num_tokens - len(cached) * self.bm.block_size
+            long = self._is_long(seq, left, chunk)
+            if long and longs:  # one long prefill at a time: the short ones behind it pass it
+                w += 1
+                continue
+            # a sliding window admits the blocks of the first piece this prompt computes: a
+            # short one's whole prompt within the budget, a long one's first chunk
+            piece = min(budget, chunk) if long else budget
+            first = min(seq.num_tokens, len(cached) * self.bm.block_size + piece)
+            upto = seq.num_tokens if self.kv_window is None else first
+            try:
+                self._admit_blocks(seq, cached, upto, watermark=self.watermark_blocks)
+            except NoFreeBlocks:
+                break
+            del self.waiting[w]
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if long:
+                longs.append(seq)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+            admitted_short = True
+        return budget, admitted_short
+
+    def _is_long(self, seq: Sequence, left: int, chunk: int) -> bool:
+        """Whether `seq`, with `left` tokens to compute, is a long prefill: longer than the token
+        budget (it takes several steps anyway) and more left than one long chunk. A prompt that
+        fits the budget runs whole, as without the policy."""
+        return seq.num_tokens > self.max_num_batched_tokens and left > chunk
+
+    def _plan_running(
+        self, seq: Sequence, limit: int, budget: int, may_preempt: bool = True
+    ) -> ScheduledSeq | None:
+        """The next piece of running `seq` (at most `limit` tokens of its own, plus guesses
+        within `budget`), its blocks allocated; preempts sequences after it in `running` (and
+        then itself) when the blocks run out, returning None once it is preempted itself. With
+        may_preempt=False nobody is preempted: None when the blocks are not there."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, limit, budget)
+        spec = min(seq.spec_budget, budget - n) if n == 1 else 0
+        need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
+        if spec and need > self.bm.num_free_blocks:
+            spec = 0  # guesses never preempt anyone
+            need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
+        if need > self.bm.num_free_blocks and not may_preempt:
+            return None
+        while need > self.bm.num_free_blocks and self.running[-1] is not seq:
+            self._preempt(self.running[-1])
+        if need > self.bm.num_free_blocks:
+            self._preempt(seq)
+            return None
+        if need > 0:
+            seq.block_ids += self.bm.allocate(need)
+        return ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec)
 
     def build_rows(self, plan: StepPlan) -> None:
         """The plan's sampling rows: one per sampling sequence (and per n>1 child taking its first

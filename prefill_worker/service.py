@@ -63,7 +63,9 @@ TRANSPORT_IDLE_S = 300.0
 @dataclass(frozen=True)
 class PrefillServiceOptions:
     worker_id: str = "prefill"
-    prefill_timeout_s: float = 60.0  # when the client gives no deadline (and at most this)
+    # a Prefill call's bound when its caller gives no deadline; a deadline given is kept whole, so
+    # a long prompt is never cut by a fixed bound here (the router passes its client's deadline)
+    prefill_timeout_s: float = 60.0
     flush_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     poll_s: float = 0.1
@@ -319,7 +321,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         remaining = context.time_remaining()
         if remaining is None:
             return self.options.prefill_timeout_s
-        return max(0.0, min(remaining - 0.05, self.options.prefill_timeout_s))
+        return max(0.0, remaining - 0.05)
 
     def _transport(self, backend: str, address: str) -> Transport:
         """One long-lived channel per decode endpoint, shared by all requests going there. One

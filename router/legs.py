@@ -7,9 +7,11 @@ decode worker prefills itself (planner/local_prefill.py), the fewest prompt toke
 until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), first come first served, until
 blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
-executor thread (UNAVAILABLE, a prefill worker the pool dropped or one past prefill_timeout_s
-retries once on another prefill worker into the same reservation; any other failure aborts the
-reservation, which ends the stream) -> token events into the call's text streams until every
+executor thread, which ends when the prefill worker answers, when the client's deadline passes or
+it cancels, or when the pool drops the worker (router/open_legs.py cancels the call: UNAVAILABLE,
+retried once on another prefill worker into the same reservation); no fixed bound cuts a long
+prefill that is making progress, since the pool judges the worker by its progress. Any other
+failure aborts the reservation, which ends the stream -> token events into the call's text streams until every
 sequence's final event, or the stream fails (or is cancelled because the pool dropped its
 worker: router/open_legs.py). A leg the call lets go of gets its Abort calls from the router's
 abort threads, never from gRPC's polling thread.
@@ -373,12 +375,13 @@ class Legs:
                 RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker"
             ) from None
         error, full = None, False
-        # the reservation must outlive the longest the router waits for its prefill (queued
-        # behind other prompts on a busy pool): a failed prefill is aborted explicitly, and the
-        # lease only frees what a router that died itself left behind
-        prefill_wait = min(self.options.prefill_timeout_s, left(deadline))
-        # (twice: a prefill past its timeout is retried once on another worker)
-        lease_ms = max(self.options.lease_ms, int(2 * prefill_wait * 1000) + 1000)
+        # the reservation must outlive the wait for its prefill's first KV (queued behind other
+        # prompts on a busy pool, however long the client lets it): asked for until the client's
+        # deadline (the decode worker cuts it to its max_lease_ms), and renewed by every KV frame
+        # (decode_worker/handoff.py), so it runs out only after the prefill side has been silent
+        # for its length. A failed prefill is aborted explicitly; the lease frees what a router
+        # that died itself, or a prefill worker that went silent, left behind
+        lease_ms = max(self.options.lease_ms, int(left(deadline) * 1000))
         if charge:
             leg.decode, leg.charged_tokens = workers[0], charge
         for worker in workers:
@@ -485,8 +488,8 @@ class Legs:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
                 break
             if worker is excluded and isinstance(error, RouterStatus):
-                # the only one, and it did not fail the call itself (dropped, or past the
-                # prefill timeout): it may still run this id, and a second copy would be refused
+                # the only one, and it did not fail the call itself (dropped by the pool): it
+                # may still run this id, and a second copy would be refused
                 self.pool.end_prefill(worker, charge)
                 break
             with req.lock:
@@ -527,9 +530,10 @@ class Legs:
         return None
 
     def _prefill_on(self, worker, leg: Leg, prompt, sampling, deadline: float):
-        """One Prefill call on `worker`, cancelled when the pool drops it (router/open_legs.py).
-        A dropped worker, or a prefill past options.prefill_timeout_s while the client's
-        deadline has not passed, raises UNAVAILABLE (the caller retries elsewhere)."""
+        """One Prefill call on `worker`, bounded by the client's deadline alone and cancelled
+        when the pool drops the worker (router/open_legs.py): a dropped worker raises
+        UNAVAILABLE (the caller retries elsewhere). However long the prompt, a prefill worker
+        that makes progress is never cut: the pool judges it by its progress."""
         leg.prefill_lost, leg.prefill_sent = "", time.monotonic()
         leg.prefill_call = worker.stub.Prefill.future(
             worker_pb2.PrefillRequest(
@@ -538,18 +542,13 @@ class Legs:
                 sampling=sampling,
                 reservation=leg.reservation,
             ),
-            timeout=min(self.options.prefill_timeout_s, left(deadline)),
+            timeout=left(deadline),
         )
         self.open.add(worker, leg)
         try:
             return leg.prefill_call.result()
         except (grpc.RpcError, grpc.FutureCancelledError) as e:
             why = leg.prefill_lost or ("" if isinstance(e, grpc.RpcError) else "cancelled")
-            timed_out = isinstance(e, grpc.RpcError) and (
-                e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline
-            )
-            if timed_out:
-                why = f"no reply within prefill_timeout_s={self.options.prefill_timeout_s:g}"
             if not why:
                 raise
             # it may still hold the request when it comes back: best effort, not waited on

@@ -58,8 +58,9 @@ class RouterConfig:
     port: int = 0  # 0: pick a free port
     max_inflight: int = 64  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    lease_ms: int = 10_000  # a reservation's lease; raised to cover the prefill timeout
-    prefill_timeout_s: float = 60.0
+    # a reservation's shortest lease: each is asked for until its client's deadline (cut to the
+    # decode worker's max_lease_ms) and renewed by every KV frame (decode_worker/handoff.py)
+    lease_ms: int = 10_000
     model_id: str | None = None  # ModelCard.id; None: the model's directory or file name
     dtype: str | None = None  # ModelCard.dtype; None: config.json's torch_dtype
     stop_grace_s: float = 1.0
@@ -111,7 +112,6 @@ class RouterConfig:
             "stats_interval_s",
             "worker_down_s",
             "decode_queue_timeout_s",
-            "prefill_timeout_s",
             "worker_stall_s",
             "flip_drain_s",
             "reconcile_bound_s",
@@ -173,7 +173,6 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
 PASSED_TO_SERVICE = (
     "max_inflight",
     "lease_ms",
-    "prefill_timeout_s",
     "max_resumes",
     "decode_queue_timeout_s",
     "colocated",

@@ -53,7 +53,6 @@ class ServiceOptions:
     dtype: str
     max_inflight: int = 64
     lease_ms: int = 10_000
-    prefill_timeout_s: float = 60.0
     rpc_timeout_s: float = 10.0  # Reserve
     abort_timeout_s: float = 0.5  # best-effort Abort calls
     request_timeout_s: float = 3600.0  # the whole stream when the client sets no deadline_ms

@@ -103,6 +103,10 @@ class Pool(_Frozen):
     kv_cache_memory: StrictInt | StrictFloat | None = None
     block_size: Annotated[int, Field(ge=1)] = 16
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
+    # a prompt longer than max_num_batched_tokens runs in chunks of about this many seconds (sized
+    # from the measured step time), and short prompts arriving meanwhile go first
+    # (engine/scheduler.py); 0: off, every chunk takes the whole token budget
+    prefill_step_target_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.5
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     enable_prefix_caching: bool = True
@@ -278,6 +282,11 @@ class SecuritySettings(_Frozen):
 
 
 RETIRED_ROUTER_KEYS = {
+    "prefill_timeout_s": (
+        "a fixed bound cut long legitimate prefills. A prefill now ends when it answers, when the "
+        "client's deadline passes or it cancels, or when its prefill worker is declared dead "
+        "(worker_silence_s, worker_stall_s), then it is retried on another one; delete the key"
+    ),
     "stats_timeout_s": (
         "a late Stats call no longer decides anything; set worker_down_s (silent this long: no "
         "new work) and worker_silence_s (silent this long: dead, its calls resume elsewhere)"
@@ -296,11 +305,10 @@ class RouterSettings(_Frozen):
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    # bounds (docs/deploying.md): a prefill's before its retry, a role flip's drain, and a
-    # worker's health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, no
-    # new work; silent worker_silence_s, dead (its calls resume elsewhere); an engine stuck in
-    # one turn for max(worker_stall_s, worker_stall_factor x its longest recent turn), dead
-    prefill_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    # bounds (docs/deploying.md): a role flip's drain, and a worker's health (router/pool.py):
+    # silent (no Stats answer, no heartbeat) worker_down_s, no new work; silent worker_silence_s,
+    # dead (its calls resume elsewhere); an engine stuck in one turn for max(worker_stall_s,
+    # worker_stall_factor x its longest recent turn), dead
     worker_down_s: Annotated[float, Field(gt=0)] = 2.0
     worker_silence_s: Annotated[float, Field(ge=2)] = 4.0  # twice the 1 s heartbeat at least
     worker_stall_s: Annotated[float, Field(gt=0)] = 5.0
@@ -526,6 +534,7 @@ class DeployConfig(_Frozen):
             tensor_parallel_size=pool.tp,
             block_size=pool.block_size,
             max_num_batched_tokens=pool.max_num_batched_tokens,
+            prefill_step_target_s=pool.prefill_step_target_s,
             max_num_seqs=pool.max_num_seqs,
             enable_prefix_caching=pool.enable_prefix_caching,
         )

@@ -48,6 +48,7 @@ def test_engine_kwargs_pass_pool_settings():
     )
     kwargs = cfg.engine_kwargs(cfg.pools.decode)
     assert kwargs["dtype"] == "float32" and kwargs["kv_cache_memory"] == 0.5
+    assert kwargs["prefill_step_target_s"] == 0.5  # the documented default
     assert kwargs["block_size"] == 32 and kwargs["max_model_len"] == 256
     assert "kv_cache_memory" not in cfg.engine_kwargs(cfg.pools.prefill)
     # and the engine accepts exactly these keywords
@@ -112,6 +113,13 @@ def test_example_contents():
             "both be 0",
         ),
         ("pools:\n  decode: 3\n", "pools.decode", "valid dictionary"),
+        (
+            "pools:\n  prefill:\n    prefill_step_target_s: -1\n",
+            "pools.prefill.prefill_step_target_s",
+            "greater than or equal to 0",
+        ),
+        # retired: the message says what replaced it
+        ("router:\n  prefill_timeout_s: 60\n", "router", "client's deadline"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key, words):
@@ -134,7 +142,7 @@ def test_unknown_key_lists_the_allowed_ones(tmp_path):
     assert (
         "allowed here: api_keys, api_keys_file, decode_queue_timeout_s, flip_drain_s, host, "
         "http_body_timeout_s, http_header_timeout_s, http_max_connections, http_port, "
-        "local_prefill, max_inflight, metrics_keys_file, port, prefill_timeout_s, "
+        "local_prefill, max_inflight, metrics_keys_file, port, "
         "reconcile_bound_s, tls, worker_down_s, worker_silence_s, worker_stall_factor, "
         "worker_stall_s" in msg
     )

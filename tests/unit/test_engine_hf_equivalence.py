@@ -49,9 +49,12 @@ MODES = {
 def test_greedy_matches_hf(refs, kind, mode):
     model_dir, _, prompts, expected = refs(kind)
     kwargs, sequential = MODES[mode]
-    # the sequential modes count steps (one token a step): no speculative decoding there
+    # the sequential modes count steps (one token a step, a prompt in budget-sized chunks): no
+    # speculative decoding and the plain chunking there (the long-prefill policy sizes chunks
+    # by time: tests/unit/test_long_prefill.py)
     spec = None if sequential else "auto"
-    llm = LLM(model_dir, kv_cache_memory=KV, speculative_config=spec, **kwargs)
+    plain = dict(prefill_step_target_s=0) if sequential else {}
+    llm = LLM(model_dir, kv_cache_memory=KV, speculative_config=spec, **kwargs, **plain)
     engine = llm.engine
     budget = kwargs["max_num_batched_tokens"]
     if sequential:

@@ -43,7 +43,8 @@ def disagg_reference(refs):
 )
 def test_prefill_only_to_reserved_blocks(refs, disagg_reference, a_kw, b_kw):
     model_dir, *_ = refs("qwen2-bias")
-    a = LLM(model_dir, kv_cache_memory=KV, **a_kw).engine
+    # the plain chunking: the step counts below are those of budget-sized chunks
+    a = LLM(model_dir, kv_cache_memory=KV, prefill_step_target_s=0, **a_kw).engine
     b = LLM(model_dir, kv_cache_memory=KV, **b_kw).engine
     num_layers = a.model_config.num_layers
     assert b.kv_cache.shape[:2] == (num_layers, 2)
@@ -150,7 +151,11 @@ def test_step_trace_records_each_step_shape(refs):
     """Two prompts in 16-token chunks, then decode: every step that computed is in step_trace with
     the shape the latency models use (tokens, n*(start+n) pairs per chunk, decode rows, context)."""
     model_dir, _, prompts, _ = refs("llama-gqa")
-    engine = LLM(model_dir, kv_cache_memory=KV, max_num_batched_tokens=16).engine
+    # the plain policy: under the long-prefill one (tests/unit/test_long_prefill.py), b's short
+    # prompt would take the budget before a's chunk
+    engine = LLM(
+        model_dir, kv_cache_memory=KV, max_num_batched_tokens=16, prefill_step_target_s=0
+    ).engine
     engine.add_request("a", prompts[3], greedy(3))  # 17 tokens: chunks of 16 and 1
     engine.add_request("b", prompts[1], greedy(3))  # 5 tokens
     run_until_done(engine)

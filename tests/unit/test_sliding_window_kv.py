@@ -136,7 +136,9 @@ def test_prefix_cache_preemption_and_forks(model, reference):
     """A small pool, four long sequences at once (preempted and recomputed), an n=2 request
     forked after its window has left the prompt's first blocks, then the prompts again: hits
     where the chain survived, recompute where it did not, the same tokens every time."""
-    eng = engine(model[0], kv_cache_memory=40 * PER_BLOCK)
+    # the plain policy, so that all four prompts are admitted at once and crowd the small pool
+    # (the long-prefill policy runs one long prompt at a time: tests/unit/test_long_prefill.py)
+    eng = engine(model[0], kv_cache_memory=40 * PER_BLOCK, prefill_step_target_s=0)
     prompts = random_prompts([60, 45, 90, 33], seed=7)
     for i, p in enumerate(prompts):
         eng.add_request(f"p{i}", p, greedy(150))
