@@ -54,7 +54,6 @@ from benchmarks.robustness.faults import (
 from pdserve.engine.engine_loop import HANG_FILE_ENV
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Size:
     """The numbers that differ between CI's chaos lane and a full run; the scenarios are the
