@@ -86,7 +86,7 @@ class _Worker:
     worker_id: str = ""
     static: bool = True
     heard_at: float = 0.0  # the pool's clock at its last answer (a Stats reply or a heartbeat)
-    num_free_blocks: int = -1  # -1: unknown or unreachable, ranks last
+    num_free_blocks: int = -1  # -1: unknown (new, unreachable, its last poll late)
     num_used_blocks: int = 0  # the decode worker's KV in use: its load (decode_order)
     # prompt tokens of the Reserves this router sent it that have not ended (decode_order charges
     # them, end_reserve releases them): their blocks count as in use until the worker's own count
@@ -177,7 +177,12 @@ class WorkerPool:
 
         Preferred: the fewest KV blocks in use, which is the work of its decode steps (the
         sequences and the context they attend over); then the most free blocks. A full worker
-        or one whose Stats are unknown ranks last. In use, not free: the workers' caches differ
+        ranks last. One whose blocks are unknown while it is up (just registered, a new entry
+        after a role change, until its first Stats answer; or its last poll was late) ranks by
+        its last count in use (0 when new), after a known worker with as many: ranked last, a
+        worker that re-registered as it resumed got none of a burst sent as it converged, every
+        pick made before its first Stats answer (tests/chaos/test_interrupted_flips.py); one
+        unreachable is down. In use, not free: the workers' caches differ
         in size (a worker flipped from the prefill pool keeps that pool's smaller cache), and
         ranking by free blocks kept the bigger cache's worker that many blocks busier, its TPOT
         over the SLO while the other idled. With charge_tokens (colocated workers, which prefill
@@ -198,7 +203,7 @@ class WorkerPool:
             rotated = workers[start:] + workers[:start]
 
             def load(w: _Worker) -> tuple:
-                room = 0 if w.num_free_blocks > 0 else 1 if w.num_free_blocks == 0 else 2
+                room = 1 if w.num_free_blocks == 0 else 0  # -1, unknown: -free ranks it after
                 return w.down, room, w.num_used_blocks + _reserving_blocks(w), -w.num_free_blocks
 
             if charge_tokens is None:  # stable sorts: ties keep the rotation

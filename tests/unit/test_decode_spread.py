@@ -95,14 +95,18 @@ class FakePool(WorkerPool):
         pass
 
 
-def burst_over(used: dict[str, int]) -> tuple[dict[str, int], WorkerPool]:
+def burst_over(used: dict[str, int], registers: str = "") -> tuple[dict[str, int], WorkerPool]:
     """BURST disaggregated Reserves at once on decode workers whose last Stats showed `used`
-    blocks in use: the Reserves each worker got, and the pool."""
+    blocks in use, and on `registers`, a worker that registers after that Stats sweep (its
+    blocks unknown): the Reserves each worker got, and the pool."""
     burst = Burst(BURST)
     FakePool.fakes = {name: FakeDecode(name, n, burst) for name, n in used.items()}
     pool = FakePool([], list(used), clock=lambda: 1000.0)
     pool.sweep(wait_s=1.0)  # the view the burst picks on
     assert {w.address: w.num_used_blocks for w in pool.decode} == used
+    if registers:
+        FakePool.fakes[registers] = FakeDecode(registers, 0, burst)
+        assert pool.register("decode", registers, registers).num_free_blocks == -1
     legs = Legs(pool, executor=None, options=ServiceOptions("m", 256, 256, "float32"))
     sampling = pdserve_pb2.SamplingParams(max_tokens=8)
     picked, errors = [], []
@@ -139,6 +143,15 @@ def test_a_burst_spreads_over_a_worker_whose_view_still_counts_ended_streams():
         "d0": 6 + 2 * got["d0"],
         "d1": 2 * got["d1"],
     }
+
+
+def test_a_burst_reaches_a_worker_that_registered_before_its_first_stats_answer():
+    """A worker that resumes after a given-up flip registers again in its role, a new pool
+    entry whose blocks are unknown until its first Stats answer; a burst sent then (as the
+    chaos test sends it, once the worker converged) ranked it after every known worker."""
+    got, _ = burst_over({"d0": 0}, registers="d1")
+    assert got["d0"] > 0 and got["d1"] > 0, got
+    assert abs(got["d0"] - got["d1"]) <= 1, got
 
 
 def test_a_burst_over_equal_workers_splits_evenly():
