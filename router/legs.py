@@ -361,8 +361,13 @@ class Legs:
         # colocated: the worker prefills the prompt itself, its load until the first token; charged
         # to the first choice at the pick (concurrent arrivals must see it), moved on a fallback
         charge = len(prompt) if leg.local else None
+        # disaggregated: the prompt's blocks, charged to the first choice until its Reserve ends,
+        # so that a burst of picks made before any Reserve answers spreads out
+        reserving = 0 if leg.local else len(prompt)
         try:
-            workers = self.pool.decode_order(exclude=req.dead_decodes, charge_tokens=charge)
+            workers = self.pool.decode_order(
+                exclude=req.dead_decodes, charge_tokens=charge, reserve_tokens=reserving
+            )
         except NoWorker as e:
             message = str(e)
             if req.dead_decodes:
@@ -374,7 +379,6 @@ class Legs:
             raise LegFailed(
                 RouterStatus(grpc.StatusCode.UNAVAILABLE, message), "decode worker"
             ) from None
-        error, full = None, False
         # the reservation must outlive the wait for its prefill's first KV (queued behind other
         # prompts on a busy pool, however long the client lets it): asked for until the client's
         # deadline (the decode worker cuts it to its max_lease_ms), and renewed by every KV frame
@@ -384,6 +388,15 @@ class Legs:
         lease_ms = max(self.options.lease_ms, int(left(deadline) * 1000))
         if charge:
             leg.decode, leg.charged_tokens = workers[0], charge
+        try:
+            return self._reserve_pass(workers, leg, prompt, sampling, deadline, lease_ms, charge)
+        finally:
+            if reserving:
+                self.pool.end_reserve(workers[0], reserving)
+
+    def _reserve_pass(self, workers, leg: Leg, prompt, sampling, deadline, lease_ms, charge):
+        """_reserve_once's Reserve calls, `workers` in order."""
+        error, full = None, False
         for worker in workers:
             if charge and worker is not leg.decode:
                 self.release_charge(leg)

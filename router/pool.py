@@ -5,8 +5,9 @@ The router creates one WorkerPool as it starts and keeps it until it stops. A ba
 sweeps every `stats_ttl_s`: it polls each worker's Stats (never more than one poll outstanding
 per worker, each with the silence bound as its deadline) and judges each worker's health;
 requests never wait on a Stats call: they read what the last sweep left. Decode picks prefer the
-fewest KV blocks in use (a Reserve raises the cached count at once, so a burst between refreshes
-spreads out); prefill picks prefer the worker that finishes the prompt soonest, counting the
+fewest KV blocks in use, counting the blocks of the Reserves sent there and not yet answered (the
+pick charges them at once, under the pool's lock, so a burst of picks made before any Reserve
+answers spreads out, even from a view a sweep old); prefill picks prefer the worker that finishes the prompt soonest, counting the
 prefix it probably caches (router/affinity.py). Ties go round-robin.
 
 Health has two levels, and only the second costs a request anything:
@@ -85,8 +86,12 @@ class _Worker:
     worker_id: str = ""
     static: bool = True
     heard_at: float = 0.0  # the pool's clock at its last answer (a Stats reply or a heartbeat)
-    num_free_blocks: int = -1  # -1: unknown or unreachable, ranks last
+    num_free_blocks: int = -1  # -1: unknown (new, unreachable, its last poll late)
     num_used_blocks: int = 0  # the decode worker's KV in use: its load (decode_order)
+    # prompt tokens of the Reserves this router sent it that have not ended (decode_order charges
+    # them, end_reserve releases them): their blocks count as in use until the worker's own count
+    # has them; no sweep overwrites this
+    reserving_tokens: int = 0
     num_inflight: int = 0  # prefills this router has running there
     queued_tokens: int = 0  # their prompt tokens not expected in that worker's cache
     num_failures: int = 0  # Stats failures in a row
@@ -164,13 +169,20 @@ class WorkerPool:
             return list(self._workers["decode"])
 
     # ---- picking --------------------------------------------------------------------------------
-    def decode_order(self, exclude=(), charge_tokens: int | None = None) -> list[_Worker]:
+    def decode_order(
+        self, exclude=(), charge_tokens: int | None = None, reserve_tokens: int = 0
+    ) -> list[_Worker]:
         """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
         for a full pool. Raises NoWorker when there is none.
 
         Preferred: the fewest KV blocks in use, which is the work of its decode steps (the
         sequences and the context they attend over); then the most free blocks. A full worker
-        or one whose Stats are unknown ranks last. In use, not free: the workers' caches differ
+        ranks last. One whose blocks are unknown while it is up (just registered, a new entry
+        after a role change, until its first Stats answer; or its last poll was late) ranks by
+        its last count in use (0 when new), after a known worker with as many: ranked last, a
+        worker that re-registered as it resumed got none of a burst sent as it converged, every
+        pick made before its first Stats answer (tests/chaos/test_interrupted_flips.py); one
+        unreachable is down. In use, not free: the workers' caches differ
         in size (a worker flipped from the prefill pool keeps that pool's smaller cache), and
         ranking by free blocks kept the bigger cache's worker that many blocks busier, its TPOT
         over the SLO while the other idled. With charge_tokens (colocated workers, which prefill
@@ -178,19 +190,26 @@ class WorkerPool:
         `charge_tokens` before the lock is let go, so that concurrent arrivals see each other
         (the caller moves the charge with charge_queued when it settles elsewhere, and releases
         it at the first token). Blocks alone are read every health sweep and a colocated Reserve
-        holds no blocks yet: a burst went to one worker. Workers that are down come last, after
-        every worker that is up (down is a soft signal: a late Stats, not a death)."""
+        holds no blocks yet: a burst went to one worker. With reserve_tokens (a disaggregated
+        Reserve of a prompt that long), the first is charged that prompt's blocks before the
+        lock is let go, until the caller's end_reserve: blocks in use were raised only when a
+        Reserve answered (note_reserved), after a burst of 16 concurrent picks had all been made
+        on the view of the last sweep, and a view taken while earlier streams still ran (its
+        blocks freed since) sent the whole burst to the other worker. Workers that are down come
+        last, after every worker that is up (down is a soft signal: a late Stats, not a death)."""
         with self._lock:
             workers = self._candidates("decode", exclude, fallback=True)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
 
             def load(w: _Worker) -> tuple:
-                room = 0 if w.num_free_blocks > 0 else 1 if w.num_free_blocks == 0 else 2
-                return w.down, room, w.num_used_blocks, -w.num_free_blocks
+                room = 1 if w.num_free_blocks == 0 else 0  # -1, unknown: -free ranks it after
+                return w.down, room, w.num_used_blocks + _reserving_blocks(w), -w.num_free_blocks
 
             if charge_tokens is None:  # stable sorts: ties keep the rotation
-                return sorted(rotated, key=load)
+                ordered = sorted(rotated, key=load)
+                ordered[0].reserving_tokens += max(0, reserve_tokens)
+                return ordered
             ordered = sorted(rotated, key=lambda w: (w.down, w.queued_tokens, *load(w)))
             ordered[0].queued_tokens += charge_tokens
             return ordered
@@ -205,7 +224,16 @@ class WorkerPool:
         with self._lock:
             worker.queued_tokens += num_tokens
 
+    def end_reserve(self, worker: _Worker, reserve_tokens: int) -> None:
+        """The Reserve that decode_order charged `reserve_tokens` to `worker` ended (answered,
+        failed, or settled on another worker): release the charge. Called after note_reserved
+        when it succeeded, so that the blocks are never counted as free in between."""
+        with self._lock:
+            worker.reserving_tokens = max(0, worker.reserving_tokens - reserve_tokens)
+
     def note_reserved(self, worker: _Worker, num_blocks: int) -> None:
+        """A Reserve on `worker` holds `num_blocks`: counted in use until a sweep or heartbeat
+        brings the worker's own count (which then has them)."""
         with self._lock:
             if worker.num_free_blocks >= 0:
                 worker.num_free_blocks = max(0, worker.num_free_blocks - num_blocks)
@@ -609,6 +637,15 @@ class WorkerPool:
             if worker.poll is not None:
                 worker.poll.cancel()
             worker.channel.close()
+
+
+def _reserving_blocks(worker: _Worker) -> float:
+    """The blocks its unanswered Reserves will take (under the pool's lock): their prompt tokens
+    over the worker's block size (16 until its Stats tell), a ranking figure."""
+    if not worker.reserving_tokens:
+        return 0
+    block_size = worker.stats.block_size if worker.stats and worker.stats.block_size else 16
+    return worker.reserving_tokens / block_size
 
 
 def _note_blocks(worker: _Worker, stats) -> None:
