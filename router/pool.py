@@ -2,13 +2,13 @@
 gets the next request.
 
 The router creates one WorkerPool as it starts and keeps it until it stops. A background thread
-sweeps every `stats_ttl_s`: it polls each worker's Stats (never more than one poll outstanding
-per worker, each with the silence bound as its deadline) and judges each worker's health;
-requests never wait on a Stats call: they read what the last sweep left. Decode picks prefer the
-fewest KV blocks in use, counting the blocks of the Reserves sent there and not yet answered (the
-pick charges them at once, under the pool's lock, so a burst of picks made before any Reserve
-answers spreads out, even from a view a sweep old); prefill picks prefer the worker that finishes the prompt soonest, counting the
-prefix it probably caches (router/affinity.py). Ties go round-robin.
+sweeps every `stats_ttl_s`: it polls each worker's Stats (never more than one poll outstanding per
+worker, each with the silence bound as its deadline) and judges each worker's health; requests
+never wait on a Stats call: they read what the last sweep left. Decode picks prefer the fewest KV
+blocks in use, counting the blocks of the Reserves sent there and not yet answered (the pick
+charges them at once, under the pool's lock, so a burst of picks made before any Reserve answers
+spreads out, even from a view a sweep old); prefill picks prefer the worker that finishes the
+prompt soonest, counting the prefix it probably caches (router/affinity.py). Ties go round-robin.
 
 Health has two levels, and only the second costs a request anything:
   down  the pickers skip it for new work (unless every worker of its role is down: then they try

@@ -22,8 +22,9 @@ role_state) within the scenario's settle_s, and the router still serving a fresh
 At full size a kill -9 is always followed by the supervisor's restart (restart=False only changes
 which workers the checks read); engine_hang hangs one worker through the engine's test hook
 (engine/engine_loop.py): `up()` runs with PDSERVE_TEST_ENGINE_HANG_FILE set, which its workers
-inherit, and the file `<that path>.<worker>-engine` hangs that worker's engine while it exists. Writes benchmarks/results/scenarios.json
-(machine, commit, command, each scenario's record); scenarios not run keep their last record.
+inherit, and the file `<that path>.<worker>-engine` hangs that worker's engine while it exists.
+Writes benchmarks/results/scenarios.json (machine, commit, command, each scenario's record);
+scenarios not run keep their last record.
 """
 
 from __future__ import annotations
