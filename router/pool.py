@@ -446,7 +446,10 @@ class WorkerPool:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.sweep()
+                # the answers of workers that answer at once are used by the sweep that asked
+                # (a request right after the start finds each static worker named and its blocks
+                # known); a late one is taken by a later sweep
+                self.sweep(wait_s=self.stats_ttl_s)
             except Exception:  # a dead health thread would freeze every worker's state
                 log.exception("worker health sweep failed")
             self._stop.wait(self.stats_ttl_s)

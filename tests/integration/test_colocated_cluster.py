@@ -112,7 +112,16 @@ def test_colocated_router_spreads_prompts_by_queued_tokens(tiny_models):
     workers = [
         start_decode(model_dir, f"c{i}", engine=dict(max_num_batched_tokens=32)) for i in range(2)
     ]
-    router = start_router(model_dir, workers, colocated=True, stats_interval_s=60)
+    # one sweep at the start and none after (a silence bound to match: no answer for a minute is
+    # expected here, not a death)
+    router = start_router(
+        model_dir,
+        workers,
+        colocated=True,
+        stats_interval_s=60,
+        worker_down_s=150,
+        worker_silence_s=150,
+    )
     channel = grpc.insecure_channel(router.address)
     try:
         api = pdserve_pb2_grpc.PDServeStub(channel)

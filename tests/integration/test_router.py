@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.models import random_prompts
 from helpers.router_cluster import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster, pool_idle
 from helpers.threads import leaves_no_threads, run_in_threads, wait_until
-from helpers.worker import record_aborts
+from helpers.worker import record_aborts, start_prefill
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -216,16 +216,28 @@ def test_deadline_exceeded(idle):
 
 
 def test_unreachable_prefill_worker_is_retried_on_another(idle, expected, caplog):
-    """Requests that first pick the dead prefill worker get UNAVAILABLE, then succeed on the live
-    one into the same reservation; a dead decode worker ranks last (its Stats fail)."""
+    """Requests that first pick a prefill worker that stopped since the pool last heard from it get
+    UNAVAILABLE, then succeed on the live one into the same reservation; a dead decode worker
+    ranks last (its Stats fail). The pool sweeps once, at the start (a sweep would mark the
+    stopped worker down, and the pickers would skip it)."""
+    gone = start_prefill(
+        idle.router.config.model, "p-gone", engine=dict(max_model_len=MAX_MODEL_LEN)
+    )
     router = Router(
         RouterConfig(
             model=idle.router.config.model,
-            prefill_addresses=(dead_address(), idle.prefill.address),
+            prefill_addresses=(gone.address, idle.prefill.address),
             decode_addresses=(dead_address(), idle.decode.address),
             max_model_len=MAX_MODEL_LEN,
+            stats_interval_s=3600,
+            worker_down_s=7200,
+            worker_silence_s=7200,
         )
     ).start()
+    try:
+        wait_until(lambda: all(w.stats for w in router.pool.prefill), 15, "the first sweep")
+    finally:
+        gone.stop()
     prompts, want = expected
     try:
         with grpc.insecure_channel(router.address) as channel:
