@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -250,7 +251,11 @@ class Reconciler:
             track.before_flip = None
             if status is not None and status.role and member is not None:
                 self._note_member(track, member, now)
-                track.report = Report(status.role, status.state or SERVING, now)
+                # the switch's answer fulfils the intent just set: it counts as newer than it
+                # (_converged), else the worker would look diverged until its next heartbeat
+                track.report = Report(
+                    status.role, status.state or SERVING, math.nextafter(now, math.inf)
+                )
         self._wake.set()
 
     def view(self, worker) -> View:
