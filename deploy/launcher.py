@@ -146,7 +146,10 @@ class Cluster:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            t0 = time.perf_counter()
+            log.info("stopping (%s)", "Ctrl-C" if reason == "interrupted" else reason)
             self.stop()
+            log.info("stopped in %.1fs", time.perf_counter() - t0)
         return reason
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -24,7 +24,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 import time
 
@@ -246,6 +248,8 @@ def _run_up(args) -> int:
     # the deployment's own lines (deaths, replacements, the secret's source: never the secret)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pdserve.deploy").setLevel(logging.INFO)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a stuck `up` is waiting on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from pdserve.deploy.launcher import DeployError, up
 
     try:

@@ -325,18 +325,24 @@ def test_up_joins_a_token_cluster_and_pins_decode_to_the_second_node(tiny_models
             ), (stage, console[-3000:])
         assert "decode-0 start:" in pathlib.Path(log_file).read_text()  # the worker's own log
     finally:
+        stop = "exited before the test stopped it"
         if up is not None and up.poll() is None:
             up.send_signal(signal.SIGINT)  # Ctrl-C: stops its actors and leaves the cluster
+            t_stop = time.perf_counter()
             try:
                 up.wait(240)  # returns when `up` exits; stopping took over 60 s on a loaded machine
+                stop = f"exited {time.perf_counter() - t_stop:.1f}s after SIGINT"
             except subprocess.TimeoutExpired:
+                stop = "still running 240s after SIGINT; its threads' stacks follow, then a kill"
+                up.send_signal(signal.SIGUSR1)  # `up` writes every thread's stack to stderr
+                time.sleep(3)
                 up.kill()
                 up.wait()
         cluster.kill()
         import shutil
 
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert up.returncode == 0, err.read_text()[-3000:]
+    assert up.returncode == 0, f"exit status {up.returncode}, {stop}\n{err.read_text()[-8000:]}"
     assert cluster.processes() == []
     print(
         f"ray start x2: {t_ray:.1f}s; up to served: {t_up:.1f}s; all {time.perf_counter() - t0:.1f}s"
