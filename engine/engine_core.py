@@ -462,6 +462,8 @@ class LLMEngine:
         return self.spec.stats()
 
     def shutdown(self) -> None:
+        if self.runner.thread_fit is not None:
+            self.runner.thread_fit.restore()
         try:
             if self.tp is not None:
                 self.tp.shutdown()

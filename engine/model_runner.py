@@ -31,6 +31,7 @@ from pdserve.engine.models import model_class
 from pdserve.engine.parallel import divide, tp_rank, tp_size
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.scheduler import StepOutput
+from pdserve.engine.threads import ThreadFit
 from pdserve.kvpool import create_pool_file
 
 if TYPE_CHECKING:
@@ -108,6 +109,8 @@ class ModelRunner:
         self.null_block = self.kv_cache.shape[2] - 1 if window is not None else None
         self.sampler = Sampler() if tp_rank() == 0 else None
         self._use_graphs = use_graphs
+        # the cores a step uses, fitted to those free now (engine/threads.py)
+        self.thread_fit = ThreadFit() if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None  # (precision probes run eagerly, before)
         # the quantization the linears run in (None: config.dtype), and why: engine/precision.py
         self.quantization: str | None = None
@@ -196,6 +199,8 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:
             return StepOutput()
+        if self.thread_fit is not None:
+            self.thread_fit.fit()
         key = self._graph_key(inp, on_layer_done)
         if key is not None:  # a decode-only step, replayed from its CUDA graph
             logits = self.graphs.run(inp.seqs, key)
