@@ -15,9 +15,10 @@ The rule: the cache is bfloat16 when both hold, else float32.
    many sequences decode attention streams the whole cache every step and is memory-bound, so
    half the bytes is a faster decode. Without the kernel the torch path gathers the blocks and
    converts them on every read, so float32 is kept.
-2. The probe text scored in M with a bf16 cache stays within M's bound against float32's
-   perplexity (`QUALITY_BOUNDS[M]`, the bound M itself passed; float32 weights: bfloat16's
-   bound). The probe is prefilled in chunks of KV_PROBE_CHUNK tokens, so every chunk after the
+2. The probe scored in M with a bf16 cache passes engine/quality.judge against float32's: its
+   perplexity within M's bound (`QUALITY_BOUNDS[M]`, the bound M itself passed; float32
+   weights: bfloat16's bound), its top-1 agreement with float32 at least AGREEMENT_BOUND, and the
+   chat prompts answered as float32 answers them. The probe is prefilled in chunks of KV_PROBE_CHUNK tokens, so every chunk after the
    first reads its context back from the cache, as served prompts and decodes do (a chunk attends
    its own K/V rounded as the cache holds them, engine/attention.py, so how the probe is cut does
    not change its score). It runs in a small bf16 cache of its own:
@@ -68,12 +69,15 @@ def why_bf16_is_not_faster(runner) -> str | None:
     return None
 
 
-def choose_kv_dtype(runner, ids: list[int], base: float | None, mode: str | None) -> str:
+def choose_kv_dtype(
+    runner, ids: list[int], base, mode: str | None, chat: list[list[int]] = ()
+) -> str:
     """Applies the rule to `runner` (whose weights already run in `mode`) and returns the words
-    for its mode note. `ids`: the probe text; `base`: its float32 perplexity on rank 0, or None
-    when the probe could not judge quality (no probe text, or a model that does not predict it).
-    Every rank runs the same probe steps (their collectives pair up); rank 0 judges."""
-    from pdserve.engine.quality import QUALITY_BOUNDS
+    for its mode note. `ids`: the probe text; `base`: float32's quality.ProbeScore on rank 0, or
+    None when the probe could not judge quality (no probe text, or a model that does not predict
+    it); `chat`: the chat prompts' ids ([]: no chat check). Every rank runs the same probe steps
+    (their collectives pair up); rank 0 judges."""
+    from pdserve.engine.quality import QUALITY_BOUNDS, judge
 
     why_not = why_bf16_is_not_faster(runner)
     if why_not is not None:
@@ -81,13 +85,13 @@ def choose_kv_dtype(runner, ids: list[int], base: float | None, mode: str | None
     if not agree(base is not None and bool(ids)):
         return "kv_cache_dtype=auto kept float32: no probe to judge a bf16 cache by"
     bound = QUALITY_BOUNDS[mode or "bfloat16"]
-    ppl = probe_with_bf16_cache(runner, ids)
-    ok = ppl is not None and ppl <= base * (1 + bound)
-    words = ""
+    score = probe_with_bf16_cache(runner, ids, chat)
+    ok, words = False, ""
     if tp_rank() == 0:
+        eos = tuple(runner.model_config.eos_token_ids or ())
+        ok, verdict = judge(score, base, bound, eos)
         words = (
-            f"{mode or 'float32'} with a bf16 KV cache: probe perplexity {ppl:.3f} vs float32 "
-            f"{base:.3f} ({ppl / base - 1:+.2%}, bound +{bound:.0%}; prefilled "
+            f"{mode or 'float32'} with a bf16 KV cache: {verdict} (prefilled "
             f"{KV_PROBE_CHUNK} tokens a step)"
         )
     if agree(ok):
@@ -99,14 +103,16 @@ def choose_kv_dtype(runner, ids: list[int], base: float | None, mode: str | None
     return f"kv_cache_dtype=auto kept float32 ({words})"
 
 
-def probe_with_bf16_cache(runner, ids: list[int]) -> float | None:
-    """The perplexity of `ids` on rank 0 (None on the others), prefilled KV_PROBE_CHUNK tokens a
-    step through a bf16 cache of its own, just large enough; the runner's cache is put back."""
+def probe_with_bf16_cache(runner, ids: list[int], chat: list[list[int]] = ()):
+    """The probe's quality.ProbeScore on rank 0 (None on the others): `ids` prefilled
+    KV_PROBE_CHUNK tokens a step, then the greedy answers to `chat`, through a bf16 cache of its
+    own, just large enough; the runner's cache is put back."""
     from pdserve.engine.model_runner import ModelInput, SeqInput
-    from pdserve.engine.quality import perplexity
+    from pdserve.engine.precision import chat_blocks, greedy_chat
+    from pdserve.engine.quality import ProbeScore, perplexity, top1
 
     full, full_dtype = runner.kv_cache, runner.kv_dtype
-    num_blocks = -(-len(ids) // runner.block_size)
+    num_blocks = max(-(-len(ids) // runner.block_size), chat_blocks(runner, list(chat)))
     shape = (full.shape[0], full.shape[1], num_blocks, *full.shape[3:])
     runner.kv_cache = torch.zeros(shape, dtype=torch.bfloat16, device=full.device)
     runner.kv_dtype = torch.bfloat16
@@ -120,9 +126,13 @@ def probe_with_bf16_cache(runner, ids: list[int]) -> float | None:
                 block_ids=list(range(num_blocks)),
                 samples=False,
                 prompt_targets=ids[a + 1 : b + 1],
+                prompt_topk=1,
             )
             out = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
             rows += out.prompt_logprobs.get(0, [])
+        answers = greedy_chat(runner, list(chat))
     finally:
         runner.kv_cache, runner.kv_dtype = full, full_dtype
-    return perplexity(rows, ids) if tp_rank() == 0 else None
+    if tp_rank() != 0:
+        return None
+    return ProbeScore(perplexity(rows, ids), top1(rows), answers)

@@ -8,10 +8,14 @@ rank does, so their collectives pair up) and only then captures the runner's dec
 since a graph records the kernels of the final mode. `choose_precision`: quantization None
 keeps the dense weights; a named mode is calibrated (int8 smooths its activations by each
 channel's largest input on a calibration text) and kept; "auto" scores a probe text in float32,
-then with each mode in order of speed on this CPU, and keeps the first whose perplexity stays
-within its bound (engine/quality.py), then lets kv_dtype.py choose the cache's dtype by the same
-probe. Rank 0 judges and tells the rest (parallel.agree). The calibration and probe texts are
-disjoint stretches of the same corpus. Nothing here runs after the runner has started.
+then with each mode in order of speed on this CPU, and keeps the first that passes
+engine/quality.judge: perplexity within its bound, teacher-forced top-1 agreement with float32,
+and the same greedy answers to a few chat prompts (one prefill pass per mode gives the perplexity
+and the top-1 tokens; the chat answers decode through the runner's own steps, all prompts in one
+batch); then lets kv_dtype.py choose the cache's dtype by the same checks. Rank 0 judges and tells
+the rest (parallel.agree); the chat tokens rank 0 samples reach the other ranks by an all-reduce,
+so every rank runs the same steps. The calibration and probe texts are disjoint stretches of the
+same corpus. Nothing here runs after the runner has started.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import torch
 
 from pdserve.engine.kv_dtype import auto_kv_dtype_applies, choose_kv_dtype
 from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
-from pdserve.engine.parallel import agree, tp_rank
+from pdserve.engine.parallel import agree, all_reduce, tp_rank, tp_size
+from pdserve.engine.quality import ProbeScore
+from pdserve.engine.sampler import SamplingRow
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def start_runner(config, model_config, model_dir: str, kv_cache_path: str | None = None):
@@ -50,7 +57,20 @@ def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, s
     if wanted != "auto":
         runner.model.prepare_linears(wanted)
         return wanted, f"quantization={wanted} ({config.dtype}), as configured"
-    return _choose_quantization(runner, probe, length)
+    return _choose_quantization(runner, probe, length, chat_ids(runner, model_dir))
+
+
+def chat_ids(runner: ModelRunner, model_dir: str) -> list[list[int]]:
+    """The chat prompts of engine/quality.py as token ids, [] when the KV cache or max_model_len
+    cannot hold them with their answers (the chat check is then left out, and the note says so)."""
+    from pdserve.engine.quality import CHAT_PROBE_TOKENS, chat_prompt_ids
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    prompts = chat_prompt_ids(load_tokenizer(model_dir))
+    longest = max(len(p) for p in prompts) + CHAT_PROBE_TOKENS
+    if longest > runner.config.max_model_len or chat_blocks(runner, prompts) > runner.num_blocks:
+        return []
+    return prompts
 
 
 def calibrate(runner: ModelRunner, ids: list[int]) -> None:
@@ -73,7 +93,7 @@ def calibrate(runner: ModelRunner, ids: list[int]) -> None:
             h.remove()
 
 
-def _choose_quantization(runner: ModelRunner, ids: list[int], length: int):
+def _choose_quantization(runner: ModelRunner, ids: list[int], length: int, chat: list[list[int]]):
     """quantization="auto": the first mode, in order of speed, within its bound of float32's
     probe perplexity; then the KV cache's dtype (kv_dtype.py)."""
     chosen: str | None = None
@@ -84,44 +104,130 @@ def _choose_quantization(runner: ModelRunner, ids: list[int], length: int):
             f"and the KV cache allow {length}, or the tokenizer cannot spell it)"
         )
     else:
-        chosen, judged, note = _probe_modes(runner, ids)
+        chosen, judged, note = _probe_modes(runner, ids, chat)
     runner.model.prepare_linears(chosen)  # the final mode, and the dense weights released
     note = f"quantization=auto chose {chosen or 'none'} ({runner.config.dtype}): {note}"
     if auto_kv_dtype_applies(runner.config):  # the KV cache's dtype by the same probe
-        note += "; " + choose_kv_dtype(runner, ids, judged, chosen)
+        note += "; " + choose_kv_dtype(runner, ids, judged, chosen, chat)
     return chosen, note
 
 
-def _probe_modes(runner: ModelRunner, ids: list[int]):
-    """(the chosen mode or None, float32's perplexity if it can judge, the words on rank 0)."""
+def _probe_modes(runner: ModelRunner, ids: list[int], chat: list[list[int]]):
+    """(the chosen mode or None, float32's ProbeScore if it can judge, the words on rank 0)."""
     from pdserve.engine.layers.quant import auto_candidates
-    from pdserve.engine.quality import QUALITY_BOUNDS, informative
+    from pdserve.engine.quality import QUALITY_BOUNDS, informative, judge
 
     note = ""
     chosen = None
-    base = probe_perplexity(runner, ids)
-    if not agree(base is not None and informative(base, runner.model_config.vocab_size)):
+    base = probe_score(runner, ids, chat)
+    ppl = base.perplexity if base is not None else None
+    if not agree(ppl is not None and informative(ppl, runner.model_config.vocab_size)):
         note = (
             f"float32: the model does not predict the probe text (perplexity "
-            f"{base if base is not None else float('nan'):.1f}), so no mode's quality "
+            f"{ppl if ppl is not None else float('nan'):.1f}), so no mode's quality "
             "can be judged"
         )
     judged = None if note else base
-    for mode in auto_candidates() if not note else ():
+    if not note and not chat and tp_rank() == 0:
+        note = "no chat check (the KV cache or max_model_len cannot hold the chat prompts); "
+    for mode in auto_candidates() if not note.startswith("float32") else ():
         runner.model.prepare_linears(mode, release_dense=False)
-        ppl = probe_perplexity(runner, ids)
-        ok = ppl is not None and ppl <= base * (1 + QUALITY_BOUNDS[mode])
+        score = probe_score(runner, ids, chat)
+        ok = False
         if tp_rank() == 0:
-            note += (
-                f"{mode}: probe perplexity {ppl:.3f} vs float32 {base:.3f} "
-                f"({ppl / base - 1:+.2%}, bound +{QUALITY_BOUNDS[mode]:.0%}); "
-            )
+            ok, words = judge(score, base, QUALITY_BOUNDS[mode], _eos(runner))
+            note += f"{mode}: {words}; "
         if agree(ok):
             chosen = mode
             break
     # (only rank 0 words the probes; the others know the verdict)
     note = note.rstrip("; ") or ("float32: no quantization mode passed" if chosen is None else "")
+    if chosen is None and judged is not None and tp_rank() == 0:
+        note += "; float32 kept"
     return chosen, judged, note
+
+
+def _eos(runner: ModelRunner) -> tuple[int, ...]:
+    return tuple(runner.model_config.eos_token_ids or ())
+
+
+def probe_score(runner: ModelRunner, ids: list[int], chat: list[list[int]]) -> ProbeScore | None:
+    """The probe in the runner's current mode, on rank 0 (None on the others): one prefill pass
+    of `ids` gives its perplexity and the top-1 token at each position (prompt_topk=1), then the
+    greedy answers to `chat` (every rank runs the same steps)."""
+    from pdserve.engine.quality import perplexity, top1
+
+    rows = probe_rows(runner, ids)
+    answers = greedy_chat(runner, chat)
+    if tp_rank() != 0:
+        return None
+    return ProbeScore(perplexity(rows, ids), top1(rows), answers)
+
+
+def probe_rows(runner: ModelRunner, ids: list[int]) -> list[dict[int, float]]:
+    """Rank 0: per position p, {top-1 token: logprob, ids[p + 1]: logprob}; [] elsewhere."""
+    seq = SeqInput(
+        token_ids=ids,
+        start=0,
+        block_ids=list(range(-(-len(ids) // runner.block_size))),
+        samples=False,
+        prompt_targets=ids[1:],
+        prompt_topk=1,
+    )
+    out = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
+    return out.prompt_logprobs.get(0, []) if tp_rank() == 0 else []
+
+
+def chat_blocks(runner: ModelRunner, prompts: list[list[int]]) -> int:
+    """KV blocks the chat prompts and their CHAT_PROBE_TOKENS answers hold, side by side."""
+    from pdserve.engine.quality import CHAT_PROBE_TOKENS
+
+    bs = runner.block_size
+    return sum(-(-(len(p) + CHAT_PROBE_TOKENS) // bs) for p in prompts)
+
+
+def greedy_chat(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's first CHAT_PROBE_TOKENS greedy tokens, all prompts in one batch through the
+    runner's own steps (a prefill step, then one decode step a token), in the KV cache's first
+    blocks (no request holds any yet); on rank 0 ([] elsewhere). The tokens rank 0 samples reach
+    the other ranks by an all-reduce, so every rank feeds the next step the same tokens."""
+    from pdserve.engine.quality import CHAT_PROBE_TOKENS
+
+    if not prompts:
+        return []
+    bs, first = runner.block_size, 0
+    blocks = []
+    for p in prompts:
+        n = -(-(len(p) + CHAT_PROBE_TOKENS) // bs)
+        blocks.append(list(range(first, first + n)))
+        first += n
+    params = SamplingParams(temperature=0, max_tokens=CHAT_PROBE_TOKENS, ignore_eos=True)
+    answers: list[list[int]] = [[] for _ in prompts]
+    rows = [SamplingRow(params, p, a, None) for p, a in zip(prompts, answers)]
+    seqs = [SeqInput(p, 0, b, samples=True) for p, b in zip(prompts, blocks)]
+    for _ in range(CHAT_PROBE_TOKENS):
+        out = runner.execute(
+            ModelInput(seqs, []),
+            rows=rows if tp_rank() == 0 else None,
+            row_logits=list(range(len(prompts))),
+        )
+        tokens = _from_rank0(out.token_ids if tp_rank() == 0 else [0] * len(prompts))
+        for a, t in zip(answers, tokens):
+            a.append(t)
+        seqs = [
+            SeqInput([a[-1]], len(p) + len(a) - 1, b, samples=True)
+            for p, a, b in zip(prompts, answers, blocks)
+        ]
+    return answers if tp_rank() == 0 else []
+
+
+def _from_rank0(tokens: list[int]) -> list[int]:
+    """Rank 0's tokens on every rank (the others contribute zeros to a sum, in float32 as agree()
+    does: token ids below 2**24 are exact)."""
+    if tp_size() == 1:
+        return list(tokens)
+    t = torch.tensor(tokens if tp_rank() == 0 else [0] * len(tokens), dtype=torch.float32)
+    return [int(v) for v in all_reduce(t).tolist()]
 
 
 def probe_perplexity(runner: ModelRunner, ids: list[int]) -> float | None:
@@ -129,12 +235,5 @@ def probe_perplexity(runner: ModelRunner, ids: list[int]) -> float | None:
     blocks (no request holds any yet)."""
     from pdserve.engine.quality import perplexity
 
-    seq = SeqInput(
-        token_ids=ids,
-        start=0,
-        block_ids=list(range(-(-len(ids) // runner.block_size))),
-        samples=False,
-        prompt_targets=ids[1:],
-    )
-    out = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
-    return perplexity(out.prompt_logprobs[0], ids) if tp_rank() == 0 else None
+    rows = probe_rows(runner, ids)
+    return perplexity(rows, ids) if tp_rank() == 0 else None

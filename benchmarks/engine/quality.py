@@ -2,6 +2,14 @@
 
   python -m benchmarks.engine.quality                          # float32, bfloat16, int8, int4: ~10 min on 2 cores
   python -m benchmarks.engine.quality --modes float32 --tokens 4096
+  python -m benchmarks.engine.quality --modes float32,default,int8 --tokens 2048 --window 2048   # issue #48 c, d
+
+Mode "default" is what `LLM("smollm2")` serves: quantization="auto" and kv_cache_dtype="auto"
+(its mode note says what the probe chose). Per mode, besides the corpus perplexity: the
+teacher-forced top-1 agreement with float32 over the scored tokens (the share of positions whose
+most likely next token is float32's, `prompt_logprobs=1`), the perplexity of the probe text
+that quantization="auto" judges modes on (engine/quality.py; bound: QUALITY_BOUNDS), and the
+greedy answer to the README's `pdserve chat` example through the chat template.
 
 Corpus: the Python Language Reference topics that every CPython ships for `help()`
 (`pydoc_data.topics.topics`: English technical prose, offline on every machine, and the same for
@@ -32,6 +40,7 @@ from benchmarks.bench_common import (
 
 MODES = {
     "float32": dict(dtype="float32"),
+    "default": dict(),
     "bfloat16": dict(dtype="bfloat16"),
     "int8": dict(dtype="float32", quantization="int8"),
     "int8-kvbf16": dict(dtype="float32", quantization="int8", kv_cache_dtype="bfloat16"),
@@ -83,6 +92,14 @@ def windows(ids: list[int], size: int, bos: int | None) -> list[list[int]]:
     return out
 
 
+def chat_ids(tokenizer, question: str) -> list[int]:
+    """`question` as one user turn through the chat template (as `pdserve chat` sends it)."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=True, add_generation_prompt=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def prompts_for(tokenizer) -> list[list[int]]:
     """The greedy-agreement prompts: plain text and a code start, then chat-templated questions
     when the model has a chat template."""
@@ -97,7 +114,16 @@ def prompts_for(tokenizer) -> list[list[int]]:
     return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in out]
 
 
-def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) -> dict:
+README_QUESTION = "What is the capital of France?"
+
+
+def perplexity(rows, ids):
+    from pdserve.engine.quality import perplexity as ppl
+
+    return ppl(rows, ids)
+
+
+def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]], extra) -> dict:
     from pdserve.engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -113,12 +139,14 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
     mode_note = llm.engine.mode_note
     try:
         t0 = time.perf_counter()
-        outs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        nll, n = 0.0, 0
+        outs = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        nll, n, top1 = 0.0, 0, []
         for out, ids in zip(outs, texts):
             # the BOS's successor is scored too: it is a corpus token
             for p in range(1, len(ids)):
-                nll -= out.prompt_logprobs[p][ids[p]]
+                row = out.prompt_logprobs[p]
+                nll -= row[ids[p]]
+                top1.append(max(row, key=row.__getitem__))
                 n += 1
         ppl_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -129,6 +157,12 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
         )
         greedy = [list(o.outputs[0].token_ids) for o in gen]
         greedy_s = time.perf_counter() - t0
+        probe, readme = extra
+        out = llm.generate([probe], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        probe_ppl = perplexity(out[0].prompt_logprobs[1:], probe)
+        readme_out = llm.generate(
+            [readme], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
+        )[0].outputs[0]
     finally:
         llm.shutdown()
     result = {
@@ -137,6 +171,10 @@ def run_mode(args, name: str, texts: list[list[int]], prompts: list[list[int]]) 
         "windows": len(texts),
         "mode_note": mode_note,
         "greedy": greedy,
+        "top1": top1,
+        "probe_perplexity": probe_ppl,
+        "readme_answer": readme_out.text,
+        "readme_tokens": list(readme_out.token_ids),
         "load_s": round(load_s, 1),
         "perplexity_s": round(ppl_s, 1),
         "greedy_s": round(greedy_s, 1),
@@ -170,17 +208,25 @@ def main(argv=None) -> int:
     import torch
 
     from pdserve.engine.loader import resolve_model
-    from pdserve.engine.quality import QUALITY_BOUNDS
+    from pdserve.engine.quality import PROBE_TOKENS, QUALITY_BOUNDS, probe_ids
     from pdserve.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(resolve_model(args.model))
     texts = windows(corpus_ids(tokenizer, args.tokens), args.window, tokenizer.bos_token_id)
     prompts = prompts_for(tokenizer)
-    results = {m: run_mode(args, m, texts, prompts) for m in modes}
+    probe = probe_ids(tokenizer, PROBE_TOKENS)
+    readme = chat_ids(tokenizer, README_QUESTION)
+    results = {m: run_mode(args, m, texts, prompts, (probe, readme)) for m in modes}
     ref_ppl, ref = results["float32"]["perplexity"], results["float32"]["greedy"]
+    f32 = results["float32"]
+    ref_top1 = f32["top1"]
     for m, r in results.items():
         r["perplexity_vs_float32"] = r["perplexity"] / ref_ppl - 1
+        r["top1_agreement"] = sum(a == b for a, b in zip(r["top1"], ref_top1)) / len(ref_top1)
+        r["probe_perplexity_vs_float32"] = r["probe_perplexity"] / f32["probe_perplexity"] - 1
+        r["readme_as_float32"] = r["readme_tokens"] == f32["readme_tokens"]
+        del r["top1"]
         same = [a == b for a, b in zip(r["greedy"], ref)]
         prefix = [
             next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) / len(b)
@@ -188,7 +234,8 @@ def main(argv=None) -> int:
         ]
         r["greedy_identical"] = f"{sum(same)}/{len(same)}"
         r["greedy_prefix_share"] = statistics.mean(prefix)
-        bound = QUALITY_BOUNDS.get(m.split("-")[0])  # a KV variant keeps its weights' bound
+        # a KV variant keeps its weights' bound; the default's is the mode it chose
+        bound = QUALITY_BOUNDS.get(m.split("-")[0])
         r["bound"] = bound
         r["pass"] = None if bound is None else r["perplexity_vs_float32"] <= bound
     report = {
@@ -201,17 +248,22 @@ def main(argv=None) -> int:
     write_result(args.out, report)
     print(
         "| mode | perplexity | vs float32 | bound | greedy identical to float32 "
-        "| mean share before first divergence |"
+        "| mean share before first divergence | top-1 agreement | probe text vs float32 "
+        "| README answer as float32's |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m, r in results.items():
         bound = (
             "-" if r["bound"] is None else f"<= +{r['bound']:.0%} {'PASS' if r['pass'] else 'FAIL'}"
         )
         print(
             f"| {m} | {r['perplexity']:.4f} | {r['perplexity_vs_float32']:+.2%} | {bound} "
-            f"| {r['greedy_identical']} | {r['greedy_prefix_share']:.0%} |"
+            f"| {r['greedy_identical']} | {r['greedy_prefix_share']:.0%} "
+            f"| {r['top1_agreement']:.2%} | {r['probe_perplexity_vs_float32']:+.2%} "
+            f"| {'yes' if r['readme_as_float32'] else 'no'} |"
         )
+    for m, r in results.items():
+        print(f"{m}: {r['mode_note']}\n  README answer: {r['readme_answer']!r}")
     log(f"wrote {args.out}")
     return 0
 

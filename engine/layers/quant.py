@@ -1,13 +1,24 @@
 """Low-precision weights for the linear layers, on torch's own CPU kernels.
 
 - "int8": weights int8 per output channel (symmetric), activations quantized per row at run time
-  (dynamic quantization) by torch's x86 quantized engine (fbgemm/oneDNN, VNNI where the CPU has
-  it). Input and output stay in floating point.
+  (dynamic quantization) by torch's x86 quantized engine (fbgemm for linears on every x86 CPU,
+  VNNI where the CPU has it). Input and output stay in floating point.
 - "int4": weights int4 in groups of 32 input features with a scale and a zero point per group
   (asymmetric, the layout of GGUF's Q4_1), activations bf16 (`_weight_int4pack_mm_for_cpu`);
   the LM head stays int8 (`head_quantization`).
   Re-quantizing a weight that came from a Q4_1 GGUF recovers its blocks: where a block spans its
   full 0..15 range, min/max give back the same scale and offset.
+
+What int8 computes does not depend on the CPU where the kernel can be exact: every row is scaled
+to [-1, 1] and a span row pins the quantization range to exactly [-1, 1], so the activations'
+scale (2/255) and zero point are the same everywhere, fbgemm rounds half to even on every x86 CPU,
+and the u8 x s8 products are summed exactly in int32. One thing can differ: fbgemm's kernel
+without VNNI (AVX2, AVX-512 without VNNI) sums pairs of products in int16 and saturates with 8-bit
+activations, and there `int8_kernel_saturates` (a measured check, not a CPU flag) makes the
+activations 7-bit (reduce_range), which costs SmolLM2 +11% probe perplexity instead of +0.9%
+(2026-11-30, AMD EPYC): quantization="auto" then finds int8 outside its bound. The float32
+rounding of the dequantization (fused multiply-add or not) may differ in the last bit.
+tests/unit/test_int8_reference.py pins all of it against a reference without int8 kernels.
 
 Only the weight bytes shrink: at batch 1 a decode step streams every weight from memory once, so
 its time falls with them. Which mode is fastest, and by how much, depends on the CPU;
@@ -16,6 +27,7 @@ its time falls with them. Which mode is fastest, and by how much, depends on the
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -35,6 +47,33 @@ def auto_candidates() -> list[str]:
     kernels lead. int4's activations are bf16: offered only where the CPU computes bf16
     natively."""
     return ["int8", "int4"] if cpu_features().bf16_units else ["int8"]
+
+
+@functools.cache
+def int8_kernel_saturates() -> bool:
+    """Whether this CPU's int8 kernel saturates with 8-bit activations, measured once: a row of
+    ones (u8 255) times weights of one value (s8 127) makes pairs of products of 64,770, above
+    an int16's 32,767, which fbgemm's path without VNNI sums in int16. The exact answer is known,
+    so a saturating kernel shows by being off; what cpu_features() says is not trusted for it
+    (the kernel fbgemm picks is its own decision)."""
+    _use_x86_engine()
+    k = 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(
+            torch.full((8, k), 0.5),
+            torch.full((8,), 0.5 / 127, dtype=torch.double),
+            torch.zeros(8, dtype=torch.long),
+            0,
+            torch.qint8,
+        )
+        packed = torch.ops.quantized.linear_prepack(qw, None)
+    x = torch.ones(3, k)
+    x[2, 1::2] = -1.0  # the span row: the range is exactly [-1, 1]
+    y = torch.ops.quantized.linear_dynamic(x, packed, False)[:2]
+    # 1.0 quantizes to 255 - 128 = 127 steps of 2/255 (0.996): 2% off is rounding, a saturated
+    # sum is off by about half
+    return not torch.allclose(y, torch.full_like(y, 0.5 * k), rtol=0.02)
 
 
 def _use_x86_engine() -> None:
@@ -79,9 +118,9 @@ class Int8Weight:
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
-        # without VNNI, fbgemm's AVX2 path sums u8*s8 pairs in int16 and can saturate: it asks
-        # for 7-bit activations then
-        self.reduce_range = not cpu_features().int8_units
+        # fbgemm's path without VNNI sums u8*s8 pairs in int16 and can saturate: it needs 7-bit
+        # activations then (see the module docstring)
+        self.reduce_range = int8_kernel_saturates()
         self.span_row = torch.ones(1, w.shape[1])
         self.span_row[0, 1::2] = -1.0
         self.out_features = w.shape[0]

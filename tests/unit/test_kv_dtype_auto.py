@@ -27,8 +27,11 @@ KV_BYTES = 1 << 22
 @pytest.fixture
 def judged(monkeypatch):
     """The tiny model's probe counts as informative, and every mode's bound is wide enough that
-    the weights' modes pass: what the KV cache's probe then scores decides alone."""
+    the weights' modes pass (no agreement bound, no chat check: a random model's greedy answers
+    sit on near ties): what the KV cache's probe then scores decides alone."""
     monkeypatch.setattr("pdserve.engine.quality.informative", lambda ppl, vocab: True)
+    monkeypatch.setattr("pdserve.engine.quality.AGREEMENT_BOUND", 0.0)
+    monkeypatch.setattr("pdserve.engine.precision.chat_ids", lambda runner, model_dir: [])
     for mode in ("bfloat16", "int8", "int4"):
         monkeypatch.setitem(QUALITY_BOUNDS, mode, 1.0)
 
@@ -70,8 +73,14 @@ def test_auto_chooses_a_bf16_cache_within_the_bound(tiny_models, judged):
 
 def test_auto_keeps_float32_when_the_bf16_probe_fails(tiny_models, judged, monkeypatch):
     real = kv_dtype.probe_with_bf16_cache
+
+    def worse(score):
+        score.perplexity *= 10.0
+        return score
+
     monkeypatch.setattr(
-        "pdserve.engine.kv_dtype.probe_with_bf16_cache", lambda r, ids: real(r, ids) * 10.0
+        "pdserve.engine.kv_dtype.probe_with_bf16_cache",
+        lambda r, ids, chat: worse(real(r, ids, chat)),
     )
     model_dir, _ = tiny_models("llama-gqa")
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
@@ -147,7 +156,7 @@ def test_the_bf16_probe_reads_its_context_from_a_bf16_cache(tiny_models):
         cache = runner.kv_cache
         ids = [(7 * i) % 200 + 3 for i in range(300)]
         want = probe_perplexity(runner, ids)
-        got = kv_dtype.probe_with_bf16_cache(runner, ids)
+        got = kv_dtype.probe_with_bf16_cache(runner, ids).perplexity
         assert got != want and abs(got / want - 1) < 0.02, (got, want)
         assert runner.kv_cache is cache and runner.kv_dtype == torch.float32
         greedy_runs_without_leaks(llm)
