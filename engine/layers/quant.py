@@ -16,7 +16,7 @@ and the u8 x s8 products are summed exactly in int32. One thing can differ: fbge
 without VNNI (AVX2, AVX-512 without VNNI) sums pairs of products in int16 and saturates with 8-bit
 activations, and there `int8_kernel_saturates` (a measured check, not a CPU flag) makes the
 activations 7-bit (reduce_range), which costs SmolLM2 +11% probe perplexity instead of +0.9%
-(2026-11-30, AMD EPYC): quantization="auto" then finds int8 outside its bound. The float32
+(AMD EPYC, 2026-11-29): quantization="auto" then finds int8 outside its bound. The float32
 rounding of the dequantization (fused multiply-add or not) may differ in the last bit.
 tests/unit/test_int8_reference.py pins all of it against a reference without int8 kernels.
 
