@@ -249,7 +249,9 @@ def _run_up(args) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("pdserve.deploy").setLevel(logging.INFO)
     # `kill -USR1 <pid>` writes every thread's stack to stderr: what a stuck `up` is waiting on
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # (the process's own stderr: a caller that swapped sys.stderr, as a test does, has no fd)
+    if sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     from pdserve.deploy.launcher import DeployError, up
 
     try:
