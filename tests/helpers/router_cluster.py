@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from helpers.threads import wait_until
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -37,6 +38,14 @@ class Cluster:
         ]
         self.api = pdserve_pb2_grpc.PDServeStub(self.channels[0])
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[1])
+        # a worker's id reaches the router with its first Stats answer; until then the router
+        # names it by its address (in a request's timings too), which a loaded machine can delay
+        pool = self.router.pool
+        wait_until(
+            lambda: all(w.worker_id for w in pool.members()),
+            60,
+            f"the router has not heard from every worker: {pool.snapshot()}",
+        )
 
     def stop(self):
         stop_all(self.channels, self.router, self.prefill, self.decode)
