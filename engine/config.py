@@ -117,7 +117,7 @@ def _layer_windows(hf_config) -> tuple[int | None, ...]:
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
-_QUANTIZATIONS = (None, "int8", "int4", "auto")
+_QUANTIZATIONS = (None, "int8", "int4", "bf16", "auto")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 # the most a mode's perplexity may exceed float32's, relative, for its quality to pass
-QUALITY_BOUNDS = {"bfloat16": 0.01, "int8": 0.03, "int4": 0.06}
+QUALITY_BOUNDS = {"bfloat16": 0.01, "int8": 0.03, "int4": 0.06, "bf16": 0.01}
 PROBE_TOKENS = 512
 # The share of the probe's positions at which a mode's most likely next token must be float32's.
 # Issue #48's goal for the served default is 99% over 2,000 tokens; the probe has ~511 positions,

@@ -53,9 +53,10 @@ def _mode_args(p: argparse.ArgumentParser, where: str = "") -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["none", "int8", "int4", "auto"],
+        choices=["none", "int8", "int4", "bf16", "auto"],
         default=None,
-        help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, or auto",
+        help=f"{where}quantization (CPU): int8 weights and activations, int4 weights, bf16 "
+        "linears with a float32-exact head top, or auto",
     )
     p.add_argument(
         "--kv-cache-dtype",

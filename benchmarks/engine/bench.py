@@ -537,6 +537,8 @@ MODES = {
     "int8": ("float32", "int8", "auto"),
     "int8-kvbf16": ("float32", "int8", "bfloat16"),  # int8 weights, a bf16 KV cache
     "int4": ("float32", "int4", "auto"),
+    "bf16": ("float32", "bf16", "auto"),  # bf16 decoder linears, a screened int8 head
+    "bf16-kvbf16": ("float32", "bf16", "bfloat16"),
     "auto": ("auto", "none", "auto"),
 }
 
@@ -554,7 +556,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8", "int4", "auto"],
+        choices=["none", "int8", "int4", "bf16", "auto"],
         help="pdserve side: the engine's quantization",
     )
     ap.add_argument(
@@ -567,7 +569,8 @@ def parse_args(argv=None):
         "--modes",
         default="float32",
         help="comma-separated pdserve modes to run against the one HF run, each in its "
-        "own process: float32, bfloat16, int8, int8-kvbf16, int4, auto (dtype auto); more than "
+        "own process: float32, bfloat16, int8, int8-kvbf16, int4, bf16, bf16-kvbf16, auto "
+        "(dtype auto); more than "
         "float32 adds the modes table and llama.cpp's one stream",
     )
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 32 new tokens")

@@ -55,7 +55,7 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
     problems = placement_problems(config)
     for key, pool in config.worker_pools():
         tp, bs, gpu = pool.tp, pool.block_size, pool.resources.num_gpus > 0
-        if gpu and config.quantization in ("int8", "int4"):
+        if gpu and config.quantization in ("int8", "int4", "bf16"):
             problems.append(
                 f"pools.{key}: quantization {config.quantization!r} runs on CPU only, and "
                 f"this pool has GPUs; remove quantization or use dtype bfloat16"

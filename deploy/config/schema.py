@@ -56,7 +56,7 @@ from pdserve.deploy.config.ray_keys import custom_resource_problem, label_select
 from pdserve.protos.security import ClusterSecurity, TLSConfig, check_api_key
 
 DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")  # engine/config.py
-QUANTIZATIONS = (None, "int8", "int4", "auto")
+QUANTIZATIONS = (None, "int8", "int4", "bf16", "auto")
 
 
 class _Frozen(BaseModel):

@@ -200,11 +200,12 @@ namespace {
 // One linear layer of the stack, prepared as engine/layers/linear.py and quant.py prepare it, and
 // multiplied with the same torch ops their matmul runs (so the same bits come out):
 //   dense: oneDNN's packed float32 weight (mkldnn::_linear_pointwise)
+//   bf16:  the same on bf16 activations and oneDNN's packed bf16 weight, the result as float32
 //   int8:  int8_rows, then quantized::linear_dynamic on the prepacked weight, the span row
 //          dropped and each row scaled back
 //   int4:  _weight_int4pack_mm_for_cpu on bf16 activations
 struct Linear {
-  enum Kind { kDense, kInt8, kInt4 } kind = kDense;
+  enum Kind { kDense, kBf16, kInt8, kInt4 } kind = kDense;
   torch::Tensor weight, aux, span_row, bias;   // aux: int4 scales/zeros or int8 inv_smooth
   c10::IValue packed;                          // int8: the prepacked weight object
   bool reduce_range = false;
@@ -218,7 +219,13 @@ struct Linear {
       op.callBoxed(&st);
       return st[0].toTensor();
     }
-    if (kind == kInt8) {
+    if (kind == kBf16) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+      torch::jit::Stack st{x.to(torch::kBFloat16), weight, c10::IValue(), std::string("none"),
+                           c10::List<std::optional<at::Scalar>>(), std::string("")};
+      op.callBoxed(&st);
+      y = st[0].toTensor().to(torch::kFloat32);
+    } else if (kind == kInt8) {
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
       auto rows = int8_rows(x, aux.defined() ? c10::optional<torch::Tensor>(aux) : c10::nullopt, span_row);
       torch::jit::Stack st{rows[0], packed, reduce_range};
@@ -265,7 +272,8 @@ class DecodeStack {
     layers_.push_back(Layer{input_norm, post_norm});
   }
 
-  // which: "qkv" | "o" | "gate_up" | "down" of the last layer added; kind: "dense" | "int8" | "int4"
+  // which: "qkv" | "o" | "gate_up" | "down" of the last layer added;
+  // kind: "dense" | "bf16" | "int8" | "int4"
   void set_linear(const std::string& which, const std::string& kind, py::object weight,
                   c10::optional<torch::Tensor> aux, c10::optional<torch::Tensor> span_row,
                   c10::optional<torch::Tensor> bias, bool reduce_range) {
@@ -281,10 +289,10 @@ class DecodeStack {
       TORCH_CHECK(span_row.has_value(), "DecodeStack: int8 needs its span row");
       lin->span_row = *span_row;
     } else {
-      TORCH_CHECK(kind == "dense" || kind == "int4", "DecodeStack: unknown kind ", kind);
-      lin->kind = kind == "dense" ? Linear::kDense : Linear::kInt4;
+      TORCH_CHECK(kind == "dense" || kind == "bf16" || kind == "int4", "DecodeStack: unknown kind ", kind);
+      lin->kind = kind == "dense" ? Linear::kDense : kind == "bf16" ? Linear::kBf16 : Linear::kInt4;
       lin->weight = weight.cast<torch::Tensor>();
-      TORCH_CHECK(kind == "dense" || aux.has_value(), "DecodeStack: int4 needs its scales");
+      TORCH_CHECK(kind != "int4" || aux.has_value(), "DecodeStack: int4 needs its scales");
     }
     if (aux.has_value()) lin->aux = *aux;
     if (bias.has_value()) lin->bias = *bias;

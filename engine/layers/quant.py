@@ -8,6 +8,14 @@
   the LM head stays int8 (`head_quantization`).
   Re-quantizing a weight that came from a Q4_1 GGUF recovers its blocks: where a block spans its
   full 0..15 range, min/max give back the same scale and offset.
+- "bf16": the decoder's linears take bf16 weights and bf16 inputs with float32 sums (oneDNN,
+  `Bf16Weight`); everything else stays float32. The LM head screens every logit with int8 and
+  rescores each row's HEAD_RESCORE best candidates exactly in float32 (`ScreenedHead`): the head's
+  bf16 *output* (logits near 20 rounded to steps of 0.125) is what would flip tokens, and the
+  screen keeps float32's top tokens at about int8's cost. It exists because int8 in any one kind
+  of SmolLM2's linears, even with finer scales, flips greedy tokens near ties and changes chat
+  answers (issue #48; docs/experiments/int8-agreement.md), where bf16 linears keep float32's.
+  Fast only on native bf16 units (AVX512-BF16, AMX): quantization="auto" offers it only there.
 
 What int8 computes does not depend on the CPU where the kernel can be exact: every row is scaled
 to [-1, 1] and a span row pins the quantization range to exactly [-1, 1], so the activations'
@@ -18,7 +26,8 @@ activations, and there `int8_kernel_saturates` (a measured check, not a CPU flag
 activations 7-bit (reduce_range), which costs SmolLM2 +11% probe perplexity instead of +0.9%
 (AMD EPYC, 2026-11-29): quantization="auto" then finds int8 outside its bound. The float32
 rounding of the dequantization (fused multiply-add or not) may differ in the last bit.
-tests/unit/test_int8_reference.py pins all of it against a reference without int8 kernels.
+bf16 rounds to nearest even on every CPU and sums in float32, so only the sums' order may differ.
+tests/unit/test_int8_reference.py pins all of it against references without int8 or bf16 kernels.
 
 Only the weight bytes shrink: at batch 1 a decode step streams every weight from memory once, so
 its time falls with them. Which mode is fastest, and by how much, depends on the CPU;
@@ -35,18 +44,24 @@ import torch
 from pdserve.engine.cpu import cpu_features
 from pdserve.engine.kernels import fused_for
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "bf16")
 INT4_GROUP = 32
 SMOOTH_ALPHA = 0.5
+# Candidates per row the screened head rescores: the int8 screen's logit errors are small next to
+# the gap between a row's top token and its HEAD_RESCORE-th, so float32's top token is among them
+# (4, 8 and 16 gave SmolLM2 the same agreement); every rescored logit is float32's.
+HEAD_RESCORE = 8
 
 
 def auto_candidates() -> list[str]:
     """The modes quantization="auto" tries, fastest first for serving (many rows per step): a
     step of one row is bound by the weight bytes it streams, where int4's half-size weights
     lead, but a serving step has many rows and is bound by compute, where int8's integer
-    kernels lead. int4's activations are bf16: offered only where the CPU computes bf16
-    natively."""
-    return ["int8", "int4"] if cpu_features().bf16_units else ["int8"]
+    kernels lead, then bf16's. int4's and bf16's activations are bf16: offered only where the
+    CPU computes bf16 natively (and oneDNN is there for bf16)."""
+    if not cpu_features().bf16_units:
+        return ["int8"]
+    return ["int8", "int4", "bf16"] if torch.backends.mkldnn.is_available() else ["int8", "int4"]
 
 
 @functools.cache
@@ -172,16 +187,62 @@ class Int4Weight:
         ).to(x2d.dtype)
 
 
+class Bf16Weight:
+    """A weight [out, in] in bf16, packed for oneDNN: inputs rounded to bf16, products summed in
+    float32, the result rounded to bf16 (oneDNN's output) and handed back as float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().to(torch.bfloat16), 32
+        )
+        self.out_features = weight.shape[0]
+
+    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(
+            x2d.to(torch.bfloat16), self.packed, None, "none", [], ""
+        )
+        return y.to(x2d.dtype)
+
+
+class ScreenedHead:
+    """The LM head as an int8 screen of every logit, then each row's HEAD_RESCORE best candidates
+    rescored exactly in float32 from the dense weight (which the tied embedding keeps anyway; an
+    untied head keeps its own). A row's top token, the greedy choice and the top-k logprobs are
+    float32's; the other logits keep int8's small error."""
+
+    def __init__(self, weight: torch.Tensor, act_absmax: torch.Tensor | None = None):
+        self.screen = Int8Weight(weight, act_absmax)
+        self.weight = weight.detach().float()
+        self.out_features = self.screen.out_features
+
+    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        y = self.screen.matmul(x2d).float()
+        k = min(HEAD_RESCORE, y.shape[1])
+        if y.shape[0] and k:
+            top = y.topk(k, dim=1, sorted=False).indices
+            exact = torch.einsum("rk,rmk->rm", x2d.float(), self.weight[top])
+            y.scatter_(1, top, exact)
+        return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
+
+
 def head_quantization(mode: str | None) -> str | None:
-    """The LM head's mode under `mode`: every logit goes through the head, so int4's coarser
-    steps there cost far more perplexity than int8's (the head is the tied embedding, stored as
-    Q8_0 in the GGUF), and it stays int8."""
-    return "int8" if mode == "int4" else mode
+    """The LM head's mode under `mode`: every logit goes through the head. Under int4, int4's
+    coarser steps there cost far more perplexity than int8's (the head is the tied embedding,
+    stored as Q8_0 in the GGUF), and it stays int8; under bf16 it is the screened head
+    ("screened": int8, its best candidates rescored in float32)."""
+    if mode == "int4":
+        return "int8"
+    return "screened" if mode == "bf16" else mode
 
 
 def quantize_weight(mode: str, weight: torch.Tensor, act_absmax: torch.Tensor | None = None):
+    """The prepared weight for `mode`: one of QUANTIZATIONS, or the head's own "screened"."""
     if mode == "int8":
         return Int8Weight(weight, act_absmax)
     if mode == "int4":
         return Int4Weight(weight)
+    if mode == "bf16":
+        return Bf16Weight(weight)
+    if mode == "screened":
+        return ScreenedHead(weight, act_absmax)
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")

@@ -28,7 +28,7 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.quant import Int4Weight, Int8Weight, head_quantization
+from pdserve.engine.layers.quant import Bf16Weight, Int4Weight, Int8Weight, head_quantization
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.parallel import tp_size
 
@@ -222,6 +222,8 @@ def _stack_linear(linear: LinearBase):
         return "int4", q.packed, q.scales_zeros, None, bias, False
     if isinstance(q, Int8Weight):
         return "int8", q.packed, q.inv_smooth, q.span_row, bias, q.reduce_range
+    if isinstance(q, Bf16Weight):
+        return "bf16", q.packed, None, None, bias, False
     if q is None and linear._packed is not None and linear._packed.dtype == torch.float32:
         return "dense", linear._packed, None, None, bias, False
     return None

@@ -112,9 +112,10 @@ class SpeculativeConfig:
                     f"speculative_config.dtype must be 'auto' or a float dtype, got {dtype!r}"
                 )
             quant = value.get("quantization")
-            if quant not in (None, "int8", "int4"):
+            if quant not in (None, "int8", "int4", "bf16"):
                 raise ValueError(
-                    f"speculative_config.quantization must be null, 'int8' or 'int4', got {quant!r}"
+                    "speculative_config.quantization must be null, 'int8', 'int4' or 'bf16', "
+                    f"got {quant!r}"
                 )
             out.update(model=model, dtype=dtype, quantization=quant)
         limit = value.get("disable_by_batch_size")

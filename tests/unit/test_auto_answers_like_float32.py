@@ -68,7 +68,7 @@ def test_auto_refuses_a_mode_below_the_agreement_bound(tiny_models, monkeypatch)
     """A tiny random model whose perplexity bounds are wide open: with an agreement bound no mode
     can meet, auto keeps float32 and the note says each mode's agreement and chat verdict."""
     monkeypatch.setattr("pdserve.engine.quality.informative", lambda ppl, vocab: True)
-    for mode in ("bfloat16", "int8", "int4"):
+    for mode in ("bfloat16", "int8", "int4", "bf16"):
         monkeypatch.setitem(QUALITY_BOUNDS, mode, 1.0)
     monkeypatch.setattr("pdserve.engine.quality.AGREEMENT_BOUND", 1.01)
     model_dir, _ = tiny_models("llama-gqa")

@@ -8,9 +8,12 @@ ChooseQuantizationParams over [-1, 1], round half to even of x / scale + zero po
 per output channel, an exact integer accumulate (float64 holds every sum exactly) and the
 dequantization. A CPU whose kernel rounds differently, takes a narrower activation range
 (reduce_range: 7 bits instead of 8) or saturates its accumulate in int16 (fbgemm's path without
-VNNI) fails these tests. The engine's prompt logprobs on a tiny random llama are then compared to
-the same model run with the reference in place of every int8 linear (the compiled decode stack,
-which calls the kernel from C++, is switched off for the reference run only).
+VNNI) fails these tests. Mode bf16 runs the decoder's linears as `Bf16Weight` and the head as
+`ScreenedHead` (an int8 screen, its best candidates rescored in float32); their references are
+plain float64 sums of bf16-rounded operands, and the int8 reference above with an exact rescore.
+The engine's prompt logprobs on a tiny random llama, in modes int8 and bf16, are then compared to
+the same model run with the references in place of every linear (the compiled decode stack,
+which calls the kernels from C++, is switched off for the reference run only).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from helpers.engine import needs_x86_int8
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers import quant
-from pdserve.engine.layers.quant import Int8Weight
+from pdserve.engine.layers.quant import Bf16Weight, Int8Weight, ScreenedHead
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_x86_int8]
 
@@ -57,6 +60,35 @@ def reference_matmul(q: Int8Weight, x2d: torch.Tensor, reduce_range: bool = Fals
     acc = (xq - a_zp) @ w_int.T  # exact: every partial sum is an integer below 2**53
     y = acc.float() * (a_scale * w_scale.double()).float()
     return (y * rmax).to(x2d.dtype)
+
+
+@pytest.fixture(autouse=True)
+def bf16_weights_kept(monkeypatch):
+    """Bf16Weight keeps only oneDNN's packed (opaque) weight: here each also keeps its bf16
+    weight, for reference_bf16."""
+    init = Bf16Weight.__init__
+
+    def keeping(self, weight):
+        init(self, weight)
+        self.weight_bf16 = weight.detach().to(torch.bfloat16)
+
+    monkeypatch.setattr(Bf16Weight, "__init__", keeping)
+
+
+def reference_bf16(q: Bf16Weight, x2d: torch.Tensor) -> torch.Tensor:
+    """What Bf16Weight.matmul computes, without a bf16 kernel: both operands rounded to bf16
+    (nearest even), the products summed in float64, the sum rounded to bf16 (oneDNN's output)."""
+    y = x2d.to(torch.bfloat16).double() @ q.weight_bf16.double().T
+    return y.to(torch.bfloat16).to(x2d.dtype)
+
+
+def reference_head(q: ScreenedHead, x2d: torch.Tensor, reduce_range: bool = False):
+    """What ScreenedHead.matmul computes: the int8 screen's reference, then each row's
+    HEAD_RESCORE best candidates replaced by their float64 logits (rounded to float32)."""
+    y = reference_matmul(q.screen, x2d, reduce_range).float()
+    top = y.topk(min(quant.HEAD_RESCORE, y.shape[1]), dim=1).indices
+    exact = (x2d.double() @ q.weight.double().T).float()
+    return y.scatter(1, top, exact.gather(1, top)).to(x2d.dtype)
 
 
 def weight_input(rows: int, n: int = 96, k: int = 256, seed: int = 0):
@@ -106,6 +138,39 @@ def test_int8_matmul_matches_the_reference(rows, smooth, monkeypatch):
     assert rel_gap(reference_matmul(q, x, reduce_range=True), want) > 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_bf16_matmul_matches_the_reference(rows):
+    """oneDNN's bf16 product is the bf16 rounding of the exact sum of bf16 operands: off only by
+    the float32 summation order, which moves an output by at most one bf16 step (2**-8 of it)."""
+    w, x = weight_input(rows)
+    x[0] /= 300.0  # bf16 has an exponent per value: outliers need no evening out
+    q = Bf16Weight(w)
+    got, want = q.matmul(x), reference_bf16(q, x)
+    step = want.abs() * 2.0**-7 + 1e-30
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean().item() > 0.95
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_screened_head_rescores_the_screens_best_exactly(rows):
+    """Each row's HEAD_RESCORE best candidates of the int8 screen carry float32's logits (so the
+    row's top token is float32's), and the other logits are the int8 screen's."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(500, 256, generator=g) * 0.05
+    x = torch.randn(rows, 256, generator=g)
+    q = ScreenedHead(w)
+    got, want = q.matmul(x), reference_head(q, x)
+    exact = x @ w.T
+    assert rel_gap(got, want) < 1e-5
+    assert torch.equal(got.argmax(dim=1), exact.argmax(dim=1))
+    top = exact.topk(3, dim=1).indices
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-5)
+    screen = q.screen.matmul(x)
+    others = ~torch.isclose(got, exact, rtol=0, atol=1e-5)
+    assert others.sum(dim=1).min().item() >= 500 - quant.HEAD_RESCORE - 5
+    assert torch.equal(got[others], screen[others])
+
+
 def test_the_kernel_accumulates_exactly_on_this_cpu():
     """The pairs fbgemm's kernel without VNNI sums in int16 (255 * 127 * 2 > 32767): where the
     kernel saturates, Int8Weight takes 7-bit activations (reduce_range) and says so; where it
@@ -124,27 +189,40 @@ def prompt_logprobs(llm, prompts) -> list[list[float]]:
     return [[o.prompt_logprobs[i][p[i]] for i in range(1, len(p))] for o, p in zip(outs, prompts)]
 
 
-def test_int8_prompt_logprobs_match_the_reference(tiny_models, monkeypatch):
-    """The served int8 model (decode stack and all, prompt chunks of 16 tokens) against the same
-    weights with the reference in every int8 linear: equal within 2e-4 nats per token, where
-    7-bit activations (what reduce_range would serve) are far outside it."""
+# The largest prompt-logprob gap to the reference allowed, per mode: int8's sums are exact, and
+# only the dequantization's float32 rounding differs; bf16's outputs may differ by one bf16 step
+# where the float32 sums' order puts them on either side of a rounding boundary.
+TOL = {"int8": 2e-4, "bf16": 2e-3}
+# The prepared weights each mode serves: its decoder's linears and its head.
+KINDS = {"int8": {Int8Weight}, "bf16": {Bf16Weight, ScreenedHead}}
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_prompt_logprobs_match_the_reference(tiny_models, monkeypatch, mode):
+    """The served model (decode stack and all, prompt chunks of 16 tokens) against the same
+    weights with the references in every linear: equal within TOL[mode] nats per token, where
+    7-bit activations in the int8 kernels (what reduce_range would serve) are far outside it."""
     model_dir, _ = tiny_models("llama-gqa")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 250, (n,), generator=g).tolist() for n in (40, 23, 64)]
-    kw = dict(dtype="float32", quantization="int8", enable_prefix_caching=False)
+    kw = dict(dtype="float32", quantization=mode, enable_prefix_caching=False)
     llm = LLM(model_dir, max_num_batched_tokens=16, **kw)
     try:
-        got = prompt_logprobs(llm, prompts)
         model = llm.engine.runner.model
+        kinds = {type(m._quant) for m in model.modules() if getattr(m, "_quant", None)}
+        assert kinds == KINDS[mode], kinds
+        got = prompt_logprobs(llm, prompts)
         monkeypatch.setattr(model.model, "_stack", None)
         gaps = {}
         for rr in (False, True):
             with monkeypatch.context() as m:
                 m.setattr(Int8Weight, "matmul", lambda q, x, rr=rr: reference_matmul(q, x, rr))
+                m.setattr(Bf16Weight, "matmul", reference_bf16)
+                m.setattr(ScreenedHead, "matmul", lambda q, x, rr=rr: reference_head(q, x, rr))
                 want = prompt_logprobs(llm, prompts)
             gaps[rr] = max(abs(a - b) for ga, wa in zip(got, want) for a, b in zip(ga, wa))
     finally:
         llm.shutdown()
-    print(f"\nlargest prompt-logprob gap to the reference: {gaps}")
-    assert gaps[False] < 2e-4, gaps
-    assert gaps[True] > 10 * 2e-4, gaps
+    print(f"\nlargest prompt-logprob gap to the reference ({mode}): {gaps}")
+    assert gaps[False] < TOL[mode], gaps
+    assert gaps[True] > 10 * TOL[mode], gaps

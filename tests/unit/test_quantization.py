@@ -15,8 +15,17 @@ from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import cpu_fused
+from pdserve.engine.layers import quant
 from pdserve.engine.layers.linear import ReplicatedLinear
-from pdserve.engine.layers.quant import INT4_GROUP, Int4Weight, Int8Weight, head_quantization
+from pdserve.engine.layers.quant import (
+    INT4_GROUP,
+    Bf16Weight,
+    Int4Weight,
+    Int8Weight,
+    ScreenedHead,
+    head_quantization,
+    quantize_weight,
+)
 from pdserve.engine.quality import informative, perplexity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,7 +113,7 @@ def test_int4_refuses_a_width_it_cannot_group():
 
 
 @needs_x86_int8
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_linear_layer_modes_and_bias(mode):
     layer = ReplicatedLinear(128, 96, bias=True)
     w, x = weight_and_input(5)
@@ -119,9 +128,25 @@ def test_linear_layer_modes_and_bias(mode):
         layer.finalize(mode)
 
 
-def test_head_stays_int8_under_int4():
+def test_head_stays_int8_under_int4_and_is_screened_under_bf16():
     assert head_quantization("int4") == "int8"
     assert head_quantization("int8") == "int8" and head_quantization(None) is None
+    assert head_quantization("bf16") == "screened"
+    w = torch.randn(64, 32)
+    assert type(quantize_weight("bf16", w)) is Bf16Weight
+    assert type(quantize_weight("screened", w)) is ScreenedHead
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantize_weight("int3", w)
+
+
+def test_bf16_is_offered_only_with_bf16_units(monkeypatch):
+    from pdserve.engine import cpu
+
+    for units in (False, True):
+        monkeypatch.setattr(cpu.CPUFeatures, "bf16_units", property(lambda self, u=units: u))
+        assert ("bf16" in quant.auto_candidates()) == (
+            units and torch.backends.mkldnn.is_available()
+        )
 
 
 def test_config_checks_quantization():
@@ -168,7 +193,7 @@ def assert_greedy_runs_without_leaks(llm, prompts) -> None:
 
 
 @needs_x86_int8
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
 def test_engine_serves_in_each_mode(refs, mode):
     """Greedy decoding runs, and prompt logprobs stay near float32's (a random tiny model's
     tokens are near-ties, so tokens are compared through logprobs, not text)."""
@@ -236,7 +261,7 @@ def test_kv_cache_dtype_is_checked():
 @needs_x86_int8
 @pytest.mark.skipif(cpu_fused() is None, reason="no C++ toolchain: layers run one by one")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+@pytest.mark.parametrize("mode", [None, "int8", "int4", "bf16"])
 def test_decode_stack_gives_the_layer_by_layer_bits(refs, mode, kv_cache_dtype):
     """Decode-only steps run every layer in one compiled call; it must compute exactly what the
     layers do one by one (same tokens, same logprobs, bit for bit), batched with sequences of

@@ -77,7 +77,7 @@ def test_a_prefill_pool_is_refused_a_speculative_config():
         ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
         ({**NGRAM, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min (5)"),
         ({**NGRAM, "model": "self"}, "model is for method 'draft_model'"),
-        ({**DRAFT, "quantization": "int3"}, "quantization must be null, 'int8' or 'int4'"),
+        ({**DRAFT, "quantization": "int3"}, "quantization must be null, 'int8', 'int4' or 'bf16'"),
         ({**NGRAM, "lookahead": 2}, "has unknown key(s) ['lookahead']"),
         ("ngram", "must be a mapping"),
     ],
