@@ -228,6 +228,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         continue
                     first_token_ns = first_token_ns or now
                     if event.HasField("finish_reason") and stream.colocated:
+                        event.num_cached_tokens = out.num_cached_tokens
                         self._add_prompt_logprobs(event, out, stream, context)
                     if event.HasField("finish_reason"):
                         event.timings.CopyFrom(

@@ -321,7 +321,6 @@ def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
 
 def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     """The router with empty pools: workers join through its Registry service as they start."""
-    from pdserve.planner.local_prefill import LocalPrefill  # imported late, as the router
     from pdserve.planner.policy import PlannerConfig
     from pdserve.router.server import (  # imported late: the router is optional to the rest
         Router,
@@ -344,7 +343,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         worker_stall_factor=config.router.worker_stall_factor,
         flip_drain_s=config.router.flip_drain_s,
         reconcile_bound_s=config.router.reconcile_bound_s,
-        local_prefill=LocalPrefill(**config.router.local_prefill.model_dump()),
+        local_prefill=_local_prefill(config),
         planner=PlannerConfig(**config.planner.model_dump(exclude={"enabled"}))
         if config.planner.enabled
         else None,
@@ -368,6 +367,18 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     if host in ("0.0.0.0", "", "[::]"):  # listening everywhere: workers reach it at this node's IP
         host = ray.util.get_node_ip_address()
     cluster.registry_address = f"{host}:{port}"
+
+
+def _local_prefill(config):
+    """The router's LocalPrefill rule; a conversation's turns are routed back to the decode
+    worker that holds them only where the decode workers keep a prefix cache (reuse needs it)."""
+    from pdserve.planner.local_prefill import LocalPrefill  # imported late, as the router
+
+    settings = config.router.local_prefill.model_dump()
+    decode = [p for k, p in config.worker_pools() if k in ("decode", "colocated")]
+    if not all(p.enable_prefix_caching for p in decode):
+        settings["reuse_max_new_tokens"] = 0
+    return LocalPrefill(**settings)
 
 
 def on_one_machine(nodes: list[dict]) -> bool:

@@ -160,6 +160,10 @@ class ClientCall(Inflight):
         if final is None:
             return None
         self.finished = True
+        if self.n == 1 and final.finish_reason in ("stop", "length"):
+            # the decode worker keeps the KV of the prompt and the answer (all but the last
+            # token's): a conversation's next turn may go back there (router/legs.py)
+            self.transport.remember(self.legs[-1], self.prompt + self.sent[0])
         return self._finish(final)
 
     def _run_legs(self, seqs: list[int] | None):
@@ -341,8 +345,8 @@ class ClientCall(Inflight):
         usage = pdserve_pb2.Usage(
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.sent[final.index]),
-            cached_prompt_tokens=first.reservation.num_cached_tokens,
         )
+        self._cache_hits(first, final, usage)
         finish = pdserve_pb2.Finish(
             index=final.index, finish_reason=final.finish_reason, usage=usage
         )
@@ -380,6 +384,21 @@ class ClientCall(Inflight):
             timings.decode_worker = self.transport.pool.name(last.decode)
         self._prompt_logprobs(final, finish)
         return finish
+
+    @staticmethod
+    def _cache_hits(first: Leg, final, usage: pdserve_pb2.Usage) -> None:
+        """Usage's cached tokens, from the leg that ran the prompt: a decode worker that ran it
+        itself says on the final event what its prefix cache held (then nothing ran elsewhere);
+        else the prefill worker's hits were not computed and the decode worker's (its
+        reservation's) not transferred."""
+        hits = usage.cache_hits
+        if first.local:
+            hits.decode_worker = usage.cached_prompt_tokens = final.num_cached_tokens
+            return
+        hits.decode_worker = first.reservation.num_cached_tokens
+        reply = first.prefill_reply()
+        if reply is not None:
+            hits.prefill_worker = usage.cached_prompt_tokens = reply.num_cached_tokens
 
 
 def resume_sampling(sampling: pdserve_pb2.SamplingParams, num_sent: int):

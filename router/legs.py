@@ -111,11 +111,18 @@ class Leg:
         self.lost_why = self.prefill_lost = ""  # the pool dropped the decode / prefill worker
         self.moved = False  # its worker was flipped to another role (router/flips.py): no death
         self.local = False  # its decode worker prefills it too (colocated, or local_prefill.py)
+        # decode worker -> the leading prompt tokens it probably holds (router/pool.py)
+        self.held: dict = {}
         # time.monotonic(): the decode stream's last event (or opening), the last Prefill sent
         self.heard = self.prefill_sent = 0.0
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
         self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
+
+    def unheld(self, worker, num_tokens: int) -> int:
+        """Of a prompt's `num_tokens`, those `worker` probably does not hold (the charges:
+        router/pool.py's decode_order)."""
+        return max(0, num_tokens - self.held.get(worker, 0))
 
     def prefill_reply(self):
         """The PrefillResponse if the prefill already succeeded, without waiting."""
@@ -142,17 +149,34 @@ class Legs:
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
         self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
 
-    def _prefill_here(self, prompt) -> bool:
-        """Whether the decode worker runs this prompt itself (planner/local_prefill.py)."""
+    @property
+    def reuse(self) -> bool:
+        """Whether a conversation's turns go back to the decode worker holding the earlier ones
+        (off where the decode workers keep no prefix cache: deploy/launcher.py)."""
+        return self.local_prefill.reuse_max_new_tokens > 0
+
+    def _prefill_here(self, prompt, held: dict) -> bool:
+        """Whether the decode worker runs this prompt itself (planner/local_prefill.py): the
+        least loaded one, or the one that holds most of it (held: router/pool.py)."""
         policy = self.local_prefill
-        if not policy.enabled:
+        holder = max(held, key=held.get) if held else None
+        if not policy.enabled and holder is None:
             return False
-        local = policy.choose(
-            len(prompt), self.pool.prefill_backlog(prompt), self.pool.decode_backlog()
-        )
+        backlog = self.pool.prefill_backlog(prompt)
+        local = policy.choose(len(prompt), backlog, self.pool.decode_backlog())
+        if not local and holder is not None:
+            local = policy.choose(
+                len(prompt), backlog, self.pool.decode_backlog(holder), held[holder]
+            )
         if local and self.on_local is not None:
             self.on_local()
         return local
+
+    def remember(self, leg: Leg, tokens: list[int]) -> None:
+        """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
+        and answer) in its prefix cache: the next turn of the conversation may go back there."""
+        if self.reuse and leg.decode is not None:
+            self.pool.remember_decoded(leg.decode, tokens)
 
     def _run_later(self, fn) -> None:
         try:
@@ -181,11 +205,13 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
-        leg.local = self.options.colocated or self._prefill_here(prompt)
+        leg.held = self.pool.decode_matches(prompt) if self.reuse else {}
+        leg.local = self.options.colocated or self._prefill_here(prompt, leg.held)
         self.pool.note_started(0 if leg.local else len(prompt))  # the planner's demand
         leg.reserve_start_ns = unix_ns()
         leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
         leg.reserved_ns = unix_ns()
+        self.remember(leg, prompt)  # held there once its KV is in (or prefilled there)
         leg.stream_call = leg.decode.stub.Stream(
             worker_pb2.StreamRequest(request_id=leg.request_id), timeout=left(deadline)
         )
@@ -366,7 +392,10 @@ class Legs:
         reserving = 0 if leg.local else len(prompt)
         try:
             workers = self.pool.decode_order(
-                exclude=req.dead_decodes, charge_tokens=charge, reserve_tokens=reserving
+                exclude=req.dead_decodes,
+                charge_tokens=charge,
+                reserve_tokens=reserving,
+                matched=leg.held,
             )
         except NoWorker as e:
             message = str(e)
@@ -387,12 +416,12 @@ class Legs:
         # that died itself, or a prefill worker that went silent, left behind
         lease_ms = max(self.options.lease_ms, int(left(deadline) * 1000))
         if charge:
-            leg.decode, leg.charged_tokens = workers[0], charge
+            leg.decode, leg.charged_tokens = workers[0], leg.unheld(workers[0], charge)
         try:
             return self._reserve_pass(workers, leg, prompt, sampling, deadline, lease_ms, charge)
         finally:
             if reserving:
-                self.pool.end_reserve(workers[0], reserving)
+                self.pool.end_reserve(workers[0], leg.unheld(workers[0], reserving))
 
     def _reserve_pass(self, workers, leg: Leg, prompt, sampling, deadline, lease_ms, charge):
         """_reserve_once's Reserve calls, `workers` in order."""
@@ -400,8 +429,8 @@ class Legs:
         for worker in workers:
             if charge and worker is not leg.decode:
                 self.release_charge(leg)
-                self.pool.charge_queued(worker, charge)
-                leg.decode, leg.charged_tokens = worker, charge
+                self.pool.charge_queued(worker, leg.unheld(worker, charge))
+                leg.decode, leg.charged_tokens = worker, leg.unheld(worker, charge)
             try:
                 reservation = self._reserve_on(
                     worker,

@@ -291,6 +291,15 @@ class RouterMetrics:
             labels,
             registry=r,
         ).labels(model)
+        self.cache_hits = Counter(
+            "pdserve:prompt_cache_hit_tokens",
+            "Prompt tokens served from a prefix cache, by where (Usage.cache_hits): "
+            "prefill_worker (not computed), decode_worker (a conversation's earlier turns the "
+            "decode worker kept: not computed when it ran the prompt itself, else not "
+            "transferred).",
+            labels + ["source"],
+            registry=r,
+        )
 
     def track_router(self, inflight, decode_queue_waiting) -> None:
         """Router gauges read at scrape time: callables giving the Generate calls in flight and
@@ -350,6 +359,8 @@ class RouterMetrics:
         self.generation_tokens.inc(usage.completion_tokens)
         self.prompt_hist.observe(usage.prompt_tokens)
         self.generation_hist.observe(usage.completion_tokens)
+        for source in ("prefill_worker", "decode_worker"):
+            self.cache_hits.labels(self.model_name, source).inc(getattr(usage.cache_hits, source))
         stages = stage_durations(t)
         for name in STAGES:
             value = stages[f"{name}_s"]

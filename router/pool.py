@@ -9,6 +9,10 @@ blocks in use, counting the blocks of the Reserves sent there and not yet answer
 charges them at once, under the pool's lock, so a burst of picks made before any Reserve answers
 spreads out, even from a view a sweep old); prefill picks prefer the worker that finishes the
 prompt soonest, counting the prefix it probably caches (router/affinity.py). Ties go round-robin.
+A second affinity view says what each decode worker probably holds: a conversation's earlier
+turns, prompt and answer, which a decode worker keeps in its prefix cache after the request ends
+(`remember_decoded`, from router/legs.py); decode picks count a worker's match as blocks it need
+not take (`decode_matches`), and router/legs.py may let that worker prefill the rest itself.
 
 Health has two levels, and only the second costs a request anything:
   down  the pickers skip it for new work (unless every worker of its role is down: then they try
@@ -135,7 +139,8 @@ class WorkerPool:
             "decode": [self._connect("decode", a) for a in decode_addresses],
         }
         self._registered: dict[str, _Worker] = {}  # worker_id -> worker, for heartbeats
-        self._affinity = PrefixAffinity()
+        self._affinity = PrefixAffinity()  # prefill workers' prefix caches
+        self._decode_affinity = PrefixAffinity()  # decode workers': earlier turns, answers too
         self._lock = threading.Lock()
         self.prefill_tokens_started = 0  # of the legs started for the prefill pool, ever
         self._rr = {role: itertools.count() for role in ROLES}
@@ -170,7 +175,11 @@ class WorkerPool:
 
     # ---- picking --------------------------------------------------------------------------------
     def decode_order(
-        self, exclude=(), charge_tokens: int | None = None, reserve_tokens: int = 0
+        self,
+        exclude=(),
+        charge_tokens: int | None = None,
+        reserve_tokens: int = 0,
+        matched: dict | None = None,
     ) -> list[_Worker]:
         """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
         for a full pool. Raises NoWorker when there is none.
@@ -196,23 +205,46 @@ class WorkerPool:
         Reserve answered (note_reserved), after a burst of 16 concurrent picks had all been made
         on the view of the last sweep, and a view taken while earlier streams still ran (its
         blocks freed since) sent the whole burst to the other worker. Workers that are down come
-        last, after every worker that is up (down is a soft signal: a late Stats, not a death)."""
+        last, after every worker that is up (down is a soft signal: a late Stats, not a death).
+        matched (decode_matches): the prompt tokens each worker probably holds already; its
+        blocks count as not needed there, and the charges shrink by them (the caller charged
+        with the whole prompt's figures), so a conversation's next turn goes back to the
+        worker that has its earlier turns unless that worker is busier than the match saves."""
+        matched = matched or {}
         with self._lock:
             workers = self._candidates("decode", exclude, fallback=True)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
 
+            def held(w: _Worker) -> int:
+                return matched.get(w, 0)
+
             def load(w: _Worker) -> tuple:
                 room = 1 if w.num_free_blocks == 0 else 0  # -1, unknown: -free ranks it after
-                return w.down, room, w.num_used_blocks + _reserving_blocks(w), -w.num_free_blocks
+                in_use = w.num_used_blocks + _reserving_blocks(w) - held(w) / _block_size(w)
+                return w.down, room, in_use, -w.num_free_blocks
 
             if charge_tokens is None:  # stable sorts: ties keep the rotation
                 ordered = sorted(rotated, key=load)
-                ordered[0].reserving_tokens += max(0, reserve_tokens)
+                ordered[0].reserving_tokens += max(0, reserve_tokens - held(ordered[0]))
                 return ordered
-            ordered = sorted(rotated, key=lambda w: (w.down, w.queued_tokens, *load(w)))
-            ordered[0].queued_tokens += charge_tokens
+            ordered = sorted(rotated, key=lambda w: (w.down, w.queued_tokens - held(w), *load(w)))
+            ordered[0].queued_tokens += max(0, charge_tokens - held(ordered[0]))
             return ordered
+
+    def decode_matches(self, prompt: list[int]) -> dict:
+        """Decode worker -> the leading prompt tokens it probably holds (remember_decoded)."""
+        hashes = prefix_hashes(list(prompt))
+        with self._lock:
+            return self._decode_affinity.matched_tokens(hashes)
+
+    def remember_decoded(self, worker: _Worker, tokens: list[int]) -> None:
+        """`worker` computed the KV of `tokens` (a prompt, or a prompt and its answer) and keeps
+        it in its prefix cache once the request ends, until evicted."""
+        hashes = prefix_hashes(list(tokens))
+        with self._lock:
+            if worker in self._workers["decode"]:
+                self._decode_affinity.record(hashes, worker)
 
     def note_started(self, prompt_tokens: int) -> None:
         """A leg for the prefill pool started (router/legs.py): the planner's prefill demand."""
@@ -285,9 +317,11 @@ class WorkerPool:
         with self._lock:
             return sum(w.queued_tokens for w in self._workers[role] if w.state == "serving")
 
-    def decode_backlog(self) -> int:
-        """The prompt tokens the least loaded decode worker is prefilling itself."""
+    def decode_backlog(self, worker: _Worker | None = None) -> int:
+        """The prompt tokens the least loaded decode worker (or `worker`) is prefilling itself."""
         with self._lock:
+            if worker is not None:
+                return worker.queued_tokens
             try:
                 return min(w.queued_tokens for w in self._candidates("decode", ()))
             except NoWorker:
@@ -336,6 +370,9 @@ class WorkerPool:
                 log.exception("report listener failed for %s", self.name(worker))
 
     def _dropped(self, worker: _Worker, why: str, silent_since: float | None = None) -> None:
+        # a dead worker's cache may be gone (a restart keeps the address): its matches with it
+        with self._lock:
+            self._forget(worker)
         for listener in list(self._drop_listeners):
             try:
                 listener(worker, why, silent_since)
@@ -344,6 +381,12 @@ class WorkerPool:
 
     def name(self, worker: _Worker) -> str:
         return worker.worker_id or worker.address
+
+    def _forget(self, worker: _Worker) -> None:
+        """`worker` left, died or changed role: what the affinity views say it holds goes (under
+        the pool's lock)."""
+        self._affinity.forget(worker)
+        self._decode_affinity.forget(worker)
 
     def snapshot(self) -> list[tuple[str, str, object, bool, str]]:
         """(role, name, last WorkerStats or None, down, state) of every member, without waiting
@@ -404,7 +447,7 @@ class WorkerPool:
                 # the channel with its last reference
                 self._workers[old.role].remove(old)
                 del self._registered[worker_id]
-                self._affinity.forget(old)
+                self._forget(old)
             static = next(
                 (w for w in self._workers[role] if w.static and w.address == address), None
             )
@@ -477,14 +520,15 @@ class WorkerPool:
                     pass
             self._take_answers(workers)
         self._expire()
-        with self._lock:  # the affinity view holds no more than the prefill caches can
-            self._affinity.fit_to_tokens(
-                sum(
-                    w.stats.num_total_blocks * w.stats.block_size
-                    for w in self._workers["prefill"]
-                    if w.stats
+        with self._lock:  # each affinity view holds no more than its role's caches can
+            for view, role in ((self._affinity, "prefill"), (self._decode_affinity, "decode")):
+                view.fit_to_tokens(
+                    sum(
+                        w.stats.num_total_blocks * w.stats.block_size
+                        for w in self._workers[role]
+                        if w.stats
+                    )
                 )
-            )
         self.num_sweeps += 1
 
     def _take_answers(self, workers: list[_Worker]) -> None:
@@ -613,7 +657,7 @@ class WorkerPool:
             for worker, _ in left:
                 self._workers[worker.role].remove(worker)
                 del self._registered[worker.worker_id]
-                self._affinity.forget(worker)
+                self._forget(worker)
         for worker, quiet in went_down:
             log.warning(
                 "%s worker %s is down (skipped for new work): silent for %.1f s",
@@ -640,6 +684,11 @@ class WorkerPool:
             if worker.poll is not None:
                 worker.poll.cancel()
             worker.channel.close()
+
+
+def _block_size(worker: _Worker) -> int:
+    """The worker's tokens per KV block (16 until its Stats tell; under the pool's lock)."""
+    return worker.stats.block_size if worker.stats and worker.stats.block_size else 16
 
 
 def _reserving_blocks(worker: _Worker) -> float:

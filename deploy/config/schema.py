@@ -193,11 +193,14 @@ class Pools(_Frozen):
 class LocalPrefillSettings(_Frozen):
     """router.local_prefill (planner/local_prefill.py): prompts of at most max_prompt_tokens run on
     their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
-    + hop_tokens. 0: never (the default)."""
+    + hop_tokens. 0: never (the default). A conversation's next turn whose decode worker holds
+    all but at most reuse_max_new_tokens of it is asked the same of those new tokens only
+    (0: never)."""
 
     max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
     cost: Annotated[float, Field(gt=0)] = 2.0
     hop_tokens: Annotated[int, Field(ge=0)] = 64
+    reuse_max_new_tokens: Annotated[int, Field(ge=0)] = 512
 
 
 class ClusterTLS(_Frozen):

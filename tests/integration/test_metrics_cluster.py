@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers.models import random_prompts
 from helpers.router_cluster import RPC_TIMEOUT, Cluster, pool_idle
 from helpers.threads import wait_until
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.protos.timings import STAGES, stage_durations
 
@@ -212,10 +213,10 @@ def test_counts_and_sums_match_the_requests(idle):
     per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 4  # float32
     assert layout.dtype == "float32"
     expected = sum(
-        (len(p) - f.usage.cached_prompt_tokens) * per_token for p, f in zip(prompts, finishes)
+        (len(p) - f.usage.cache_hits.decode_worker) * per_token for p, f in zip(prompts, finishes)
     )
     assert [f.usage.kv_transfer_bytes for f in finishes] == [
-        (len(p) - f.usage.cached_prompt_tokens) * per_token for p, f in zip(prompts, finishes)
+        (len(p) - f.usage.cache_hits.decode_worker) * per_token for p, f in zip(prompts, finishes)
     ]
     assert delta["pdserve:request_kv_transfer_bytes_sum"] == expected > 0
     stats = worker_stats(idle)
@@ -226,7 +227,7 @@ def test_counts_and_sums_match_the_requests(idle):
         assert got.kv_transfer_failures == was.kv_transfer_failures, role
         assert got.prefix_cache_queries - was.prefix_cache_queries == sum(lengths), role
     decode_hits = stats["decode"].prefix_cache_hits - stats_before["decode"].prefix_cache_hits
-    assert decode_hits == sum(f.usage.cached_prompt_tokens for f in finishes)
+    assert decode_hits == sum(f.usage.cache_hits.decode_worker for f in finishes)
 
     # what the router exports per worker is that worker's WorkerStats, one health sweep later
     prefill, decode = stats["prefill"], stats["decode"]
@@ -266,15 +267,36 @@ def test_stage_durations_are_non_negative_and_add_up(idle):
         assert t.prefill_worker == "p0" and t.decode_worker == "d0"
 
 
-def test_prefix_cache_hits_on_a_repeated_prompt(idle):
+def test_prefix_cache_hits_on_a_repeated_prompt(idle, monkeypatch):
+    """A repeated prompt goes back to the decode worker that holds it and runs there from its
+    prefix cache (router/legs.py); with that reuse off, the prefill worker's cache serves it.
+    Each worker counts its own hits, and the router counts them by source."""
     prompt = random_prompts([40], seed=4)[0]
+    model = idle.router.servicer.options.model_id
+
+    def router_hits(source):
+        return idle.router.metrics_registry.get_sample_value(
+            "pdserve:prompt_cache_hit_tokens_total", {"model_name": model, "source": source}
+        )
+
     run(idle, [prompt], 2)
-    before = worker_stats(idle)["prefill"]
+    before, hits_before = worker_stats(idle), router_hits("decode_worker")
+    run(idle, [prompt], 2)
+    after = worker_stats(idle)
+    assert after["prefill"].prefix_cache_queries == before["prefill"].prefix_cache_queries
+    assert after["decode"].prefix_cache_queries - before["decode"].prefix_cache_queries == 40
+    hits = after["decode"].prefix_cache_hits - before["decode"].prefix_cache_hits
+    assert 0 < hits < 40  # the last prompt token is always computed
+    assert router_hits("decode_worker") - hits_before == hits
+    legs = idle.router.servicer.legs
+    monkeypatch.setattr(legs, "local_prefill", LocalPrefill(reuse_max_new_tokens=0))
+    before, hits_before = after["prefill"], router_hits("prefill_worker")
     run(idle, [prompt], 2)
     after = worker_stats(idle)["prefill"]
     assert after.prefix_cache_queries - before.prefix_cache_queries == 40
     hits = after.prefix_cache_hits - before.prefix_cache_hits
-    assert 0 < hits < 40  # the last prompt token is always computed
+    assert 0 < hits < 40
+    assert router_hits("prefill_worker") - hits_before == hits
 
 
 def test_expired_leases_and_failed_transfers_are_counted_and_exported(idle):

@@ -20,6 +20,7 @@ from helpers.n_sequences import GREEDY, MAX_MODEL_LEN, SEEDED, proto_sampling
 from helpers.threads import run_in_threads, wait_until
 from helpers.worker import BackendCluster, start_decode, start_prefill, start_router, stop_all
 from pdserve.engine import LLM, SamplingParams
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -33,6 +34,9 @@ class Cluster:
     """A decode worker (KV over `backend`), a prefill worker and the Router in front."""
 
     def __init__(self, model_dir, backend: str, decode_blocks: int | None = None, **router):
+        # these tests follow the KV hand-off: a repeated prompt must not go back to its decode
+        # worker to run there from its prefix cache (router/legs.py's reuse)
+        router.setdefault("local_prefill", LocalPrefill(reuse_max_new_tokens=0))
         engine = dict(max_model_len=MAX_MODEL_LEN)
         decode_kv = 1 << 20
         if decode_blocks is not None:
@@ -160,7 +164,7 @@ def test_n_outputs_equal_the_engines(idle, llm, params, prompt_len):
         assert f.usage.prompt_tokens == prompt_len
         assert f.usage.completion_tokens == len(want[i][0]) == params["max_tokens"]
         # the KV was sent once (the same figure in each), unless the decode side had it cached
-        assert (f.usage.kv_transfer_bytes > 0) == (f.usage.cached_prompt_tokens < prompt_len)
+        assert (f.usage.kv_transfer_bytes > 0) == (f.usage.cache_hits.decode_worker < prompt_len)
         assert f.timings.decode_worker == "d0" and f.timings.prefill_worker == "p0"
         assert 0 < f.timings.first_token_unix_ns <= f.timings.last_token_unix_ns
     assert len({f.usage.kv_transfer_bytes for f in finish.values()}) == 1

@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DecodeFull
 from pdserve.router.legs import Inflight, Leg, Legs
@@ -193,3 +194,74 @@ def test_a_refused_reserve_releases_its_charge():
     legs.close()
     assert len(refused) == 2
     assert all(w.reserving_tokens == 0 and w.num_used_blocks == 0 for w in pool.decode)
+
+
+def two_workers(used: dict[str, int]) -> tuple[WorkerPool, Legs]:
+    burst = Burst(1)
+    FakePool.fakes = {name: FakeDecode(name, n, burst) for name, n in used.items()}
+    pool = FakePool([], list(used), clock=lambda: 1000.0)
+    pool.sweep(wait_s=1.0)
+    return pool, Legs(pool, executor=None, options=ServiceOptions("m", 256, 256, "float32"))
+
+
+def test_a_conversation_goes_back_to_the_decode_worker_that_holds_it():
+    """A turn that extends what a decode worker holds (its earlier prompt and answer) goes there
+    even when that worker has more blocks in use than the held blocks save elsewhere... but not
+    when it is busier than that; every charge is released when the Reserve ends."""
+    pool, legs = two_workers({"d0": 0, "d1": 4})
+    d0, d1 = sorted(pool.decode, key=lambda w: w.address)
+    earlier = list(range(100, 196))  # 96 tokens: 6 blocks of 16
+    turn = earlier + list(range(300, 340))
+    assert pool.decode_matches(turn) == {}
+    pool.remember_decoded(d1, earlier)
+    assert pool.decode_matches(turn) == {d1: 96}
+    sampling = pdserve_pb2.SamplingParams(max_tokens=8)
+    leg = Leg(1)
+    leg.held = pool.decode_matches(turn)
+    worker, _ = legs._reserve_once(Inflight("r"), leg, turn, sampling, time.monotonic() + 30)
+    assert worker is d1  # 4 in use - 6 held < 0 in use on d0
+    assert d1.reserving_tokens == 0 and d0.reserving_tokens == 0
+    d1.num_used_blocks = 20  # now far busier than the 6 held blocks save
+    leg = Leg(2)
+    leg.held = pool.decode_matches(turn)
+    worker, _ = legs._reserve_once(Inflight("r2"), leg, turn, sampling, time.monotonic() + 30)
+    assert worker is d0
+    legs.close()
+
+
+def test_a_local_turn_charges_only_its_new_tokens_to_the_holder():
+    pool, legs = two_workers({"d0": 0, "d1": 0})
+    d0, d1 = sorted(pool.decode, key=lambda w: w.address)
+    earlier = list(range(100, 164))  # 64 tokens
+    turn = earlier + list(range(300, 310))
+    pool.remember_decoded(d1, earlier)
+    leg = Leg(1)
+    leg.held, leg.local = pool.decode_matches(turn), True
+    worker, _ = legs._reserve_once(
+        Inflight("r"), leg, turn, pdserve_pb2.SamplingParams(), time.monotonic() + 30
+    )
+    assert worker is d1 and leg.charged_tokens == 10 == d1.queued_tokens
+    assert pool.decode_backlog(d1) == 10 and d0.queued_tokens == 0
+    legs.release_charge(leg)
+    assert d1.queued_tokens == 0
+    legs.close()
+
+
+def test_what_a_decode_worker_holds_is_forgotten_when_it_dies_or_reregisters():
+    pool, legs = two_workers({"d0": 0, "d1": 0})
+    d0, d1 = sorted(pool.decode, key=lambda w: w.address)
+    earlier = list(range(100, 164))
+    pool.remember_decoded(d0, earlier)
+    pool.remember_decoded(d1, earlier)
+    assert pool.decode_matches(earlier) == {d0: 64, d1: 64}
+    pool._dropped(d1, "silent")  # a restart behind the same address loses its cache
+    assert pool.decode_matches(earlier) == {d0: 64}
+    # Legs.remember records only where reuse is on (the decode pools keep a prefix cache)
+    leg = Leg(1)
+    leg.decode = d1
+    legs.remember(leg, earlier)
+    assert pool.decode_matches(earlier) == {d0: 64, d1: 64}
+    legs.local_prefill = LocalPrefill(reuse_max_new_tokens=0)
+    legs.remember(leg, earlier + list(range(400, 432)))
+    assert pool.decode_matches(earlier + list(range(400, 432))) == {d0: 64, d1: 64}
+    legs.close()

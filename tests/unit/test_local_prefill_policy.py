@@ -33,3 +33,25 @@ def test_bad_settings():
     for kwargs in ({"max_prompt_tokens": -1}, {"cost": 0}, {"hop_tokens": -5}):
         with pytest.raises(ValueError, match="local prefill"):
             LocalPrefill(**kwargs)
+
+
+def test_a_held_conversation_goes_local_for_its_new_tokens_only():
+    """A turn whose decode worker holds all but a few of its tokens runs there even with local
+    prefill off for fresh prompts: the inequality is asked of the new tokens."""
+    policy = LocalPrefill()  # max_prompt_tokens 0, reuse_max_new_tokens 512
+    # a 2,000-token turn, 1,900 held on the decode worker; the prefill pool would recompute at
+    # least the answer: 2 x (0 + 100) < 400 + 64
+    assert policy.choose(2000, prefill_backlog=400, decode_backlog=0, held=1900)
+    # everything held: one token to compute, still local
+    assert policy.choose(2000, prefill_backlog=64, decode_backlog=0, held=2000)
+    # too many new tokens for the decode worker to take on beside its streams
+    assert not policy.choose(2000, prefill_backlog=10_000, decode_backlog=0, held=1000)
+    # the decode worker is busy prefilling others: 2 x (300 + 100) > 400 + 64
+    assert not policy.choose(2000, prefill_backlog=400, decode_backlog=300, held=1900)
+    # nothing held: the fresh-prompt rule, off here
+    assert not policy.choose(100, prefill_backlog=10_000, decode_backlog=0, held=0)
+    # reuse off
+    off = LocalPrefill(reuse_max_new_tokens=0)
+    assert not off.choose(2000, prefill_backlog=400, decode_backlog=0, held=1990)
+    with pytest.raises(ValueError, match="reuse_max_new_tokens"):
+        LocalPrefill(reuse_max_new_tokens=-1)

@@ -171,16 +171,26 @@ class Finish(_message.Message):
     def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "kv_transfer_bytes")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "kv_transfer_bytes", "cache_hits")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     kv_transfer_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    cache_hits: CacheHits
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., cache_hits: _Optional[_Union[CacheHits, _Mapping]] = ...) -> None: ...
+
+class CacheHits(_message.Message):
+    __slots__ = ("prefill_worker", "decode_worker")
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker: int
+    decode_worker: int
+    def __init__(self, prefill_worker: _Optional[int] = ..., decode_worker: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queued_unix_ns", "reserved_unix_ns", "prefill_dispatch_unix_ns", "prefill_arrival_unix_ns", "prefill_start_unix_ns", "transfer_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "commit_unix_ns", "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker")
