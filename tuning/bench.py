@@ -114,6 +114,17 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         default="0.5,1,2,4",
         help="sweep: goodput with the SLOs multiplied by each (default %(default)s)",
     )
+    _add_session_args(p)
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write every request and the summary here (JSON); "
+        "a sweep also writes PNG plots beside it",
+    )
+
+
+def _add_session_args(p: argparse.ArgumentParser) -> None:
+    """The closed-loop chat sessions' options (tuning/sessions.py)."""
     ses = p.add_argument_group(
         "closed-loop chat sessions (instead of --trace/--prompt-len and the load and SLO options)"
     )
@@ -172,12 +183,6 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         default=None,
         metavar="R",
         help="start a session every 1/R s (default: all at once, as --concurrency allows)",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="write every request and the summary here (JSON); "
-        "a sweep also writes PNG plots beside it",
     )
 
 
