@@ -440,3 +440,41 @@ def test_bench_sessions_writes_the_per_turn_table(tmp_path, monkeypatch, capsys)
     card.max_model_len = 80
     assert bench.run(bench_args(*argv)) == 2
     assert "turn 3 would need 96" in capsys.readouterr().err and server.calls == 6
+
+
+def test_sessions_start_at_the_session_rate():
+    server = FakeServer()
+    records, _ = run(server, shapes(n=3, turns=1), session_rate=20.0)
+    starts = sorted(r.send_s for r in records)
+    assert all(s >= i / 20.0 for i, s in enumerate(starts))  # never before its slot
+
+
+def test_bench_sessions_from_a_trace_cuts_what_does_not_fit(tmp_path, monkeypatch, capsys):
+    rows = [
+        {"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 150, "output_length": 10, "hash_ids": [1, 3]},
+        {"timestamp": 2, "input_length": 400, "output_length": 10, "hash_ids": [1, 3, 4]},
+        {"timestamp": 3, "input_length": 60, "output_length": 5, "hash_ids": [8, 9]},
+        {"timestamp": 4, "input_length": 80, "output_length": 5, "hash_ids": [8, 7]},
+    ]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    server = FakeServer()
+    card = pb.ModelCard(id="fake", max_model_len=200, vocab_size=VOCAB, dtype="float32")
+    monkeypatch.setattr(loadgen, "model_card", lambda address, model="": card)
+    monkeypatch.setattr(
+        sessions, "run_sessions", lambda address, ss, p, **kw: sessions.drive(server, ss, p, **kw)
+    )
+    out = tmp_path / "s.json"
+    argv = ["--sessions-from", trace, "--think-time", "0", "--out", str(out)]
+    assert bench.run(bench_args(*argv)) == 0
+    # session 0: 100 (+10), 150 (+10), 400: its third turn does not fit 200 and is cut
+    assert "1 turns do not fit max_model_len 200" in capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert [s["prompt_lens"] for s in result["sessions"]] == [[100, 150], [60, 80]]
+    assert [(r["session"], r["turn"]) for r in result["requests"]] == [
+        (0, 1),
+        (0, 2),
+        (1, 1),
+        (1, 2),
+    ]
+    assert server.calls == 4
