@@ -13,6 +13,7 @@
                   [--api-key KEY]             clients: the deployment's key (or PDSERVE_API_KEY)
     pdserve generate TEXT --local             run the engine in this process instead
     pdserve bench --trace NAME [--rate R]     open-loop load test: latency table, SLO goodput
+    pdserve bench --sessions N --turns T ...  closed-loop chat sessions: per-turn TTFT, cache hits
     pdserve profile --model M --tp 1[,3] --out profile.json [--quick]   measure step latencies
     pdserve tune --profile P --workload W --slo ttft=..,tpot=.. --devices N   best placement
     pdserve shift-trace --phase NAME=SOURCE:SECONDS[:RATE] ... --out F   a workload-shift trace
@@ -332,7 +333,10 @@ def _add_tool_commands(sub) -> None:
     from pdserve.tuning import bench as bench_cmd, profiler as profile_cmd, shift_trace, tune_cmd
 
     bench = _documented_command(
-        sub, "bench", bench_cmd, "open-loop load test of a router: latency, SLO attainment, goodput"
+        sub,
+        "bench",
+        bench_cmd,
+        "load test of a router: open-loop latency, SLO attainment, goodput; or chat sessions",
     )
     bench_cmd.add_args(bench, DeployConfig().router.address)
     client.add_api_key_arg(bench)

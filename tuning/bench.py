@@ -1,13 +1,30 @@
 """`pdserve bench`: an open-loop load test of a running router, `vllm bench serve` style, and a
-rate sweep that finds the DistServe goodput.
+rate sweep that finds the DistServe goodput; or closed-loop multi-turn chat sessions, whose turns
+send the answers the model gave, to measure prefix reuse.
 
     pdserve bench --trace azure_conv --scale 0.1 --max-prompt 512 --num-requests 200 --slo ttft=500ms,tpot=100ms
     pdserve bench --trace azure_code --rate 2 --burstiness 0.5 --out result.json
     pdserve bench --prompt-len 256 --output-len 32 --rate 1 --num-requests 50
     pdserve bench --trace azure_conv --scale 0.1 --sweep-rates 0.5,1,2,4 --slo ttft=1s,tpot=100ms --out sweep.json
+    pdserve bench --sessions 6 --turns 5 --message-len 256 --answer-len 128 --concurrency 1
+    pdserve bench --sessions 8 --turns 4 --message-len 64 --answer-len 64 --doc-len 2048 --shared-doc
+    pdserve bench --sessions-from mooncake --scale 0.05 --sessions 20 --concurrency 4 --out s.json
 
 Arrivals: the trace's own times, or re-timed to --rate (gamma gaps, --burstiness 1 = Poisson;
 `inf` sends everything at once). Synthetic requests without --rate are sent all at once.
+
+Sessions (--sessions N or --sessions-from, instead of the open-loop options): each session is
+--turns turns; turn 1 sends [a --doc-len document, one for all sessions with --shared-doc] and a
+--message-len user message, each later turn the previous turn's prompt, the answer the model
+returned (exactly --answer-len tokens: greedy, ignore_eos) and a new message, all random token
+ids from --seed. A session sends a turn once the previous one ended and --think-time passed;
+sessions start at once or one every 1/--session-rate s, at most --concurrency in flight
+(1: one after another). --sessions-from mooncake takes the shapes from the Mooncake trace's
+hash-id chains (lengths x --scale, capped by --max-message/--max-answer, at most --turns turns;
+tuning/sessions.py says how). Prompts that would not fit the model's context are refused up front
+(trace shapes: the turns that do not fit are cut). The table is per turn index: TTFT and ITL
+P50/P90 and the share of reusable prompt tokens (the previous turn's prompt and answer) that the
+server reported as cached; --out writes every turn's record.
 """
 
 from __future__ import annotations
@@ -97,12 +114,103 @@ def add_args(p: argparse.ArgumentParser, default_router: str) -> None:
         default="0.5,1,2,4",
         help="sweep: goodput with the SLOs multiplied by each (default %(default)s)",
     )
+    _add_session_args(p)
     p.add_argument(
         "--out",
         default=None,
         help="write every request and the summary here (JSON); "
         "a sweep also writes PNG plots beside it",
     )
+
+
+def _add_session_args(p: argparse.ArgumentParser) -> None:
+    """The closed-loop chat sessions' options (tuning/sessions.py)."""
+    ses = p.add_argument_group(
+        "closed-loop chat sessions (instead of --trace/--prompt-len and the load and SLO options)"
+    )
+    ses.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N chat sessions (with --sessions-from: the trace's first N, default all)",
+    )
+    ses.add_argument(
+        "--sessions-from",
+        default=None,
+        metavar="mooncake|PATH",
+        help="session shapes from a Mooncake-format trace's hash_ids chains (x --scale)",
+    )
+    ses.add_argument(
+        "--turns", type=int, default=None, help="turns per session (--sessions-from: at most)"
+    )
+    ses.add_argument("--message-len", type=int, default=None, help="tokens per user message")
+    ses.add_argument("--answer-len", type=int, default=None, help="tokens per answer")
+    ses.add_argument(
+        "--doc-len", type=int, default=0, help="document tokens before turn 1's message (default 0)"
+    )
+    ses.add_argument(
+        "--shared-doc", action="store_true", help="one document for all sessions (else one each)"
+    )
+    ses.add_argument(
+        "--max-message", type=int, default=None, help="--sessions-from: cap a turn's new tokens"
+    )
+    ses.add_argument(
+        "--max-answer", type=int, default=None, help="--sessions-from: cap an answer's tokens"
+    )
+    ses.add_argument(
+        "--think-time",
+        type=float,
+        default=0.1,
+        metavar="SECONDS",
+        help="between a turn's end and the next turn's send (default %(default)s)",
+    )
+    ses.add_argument(
+        "--think-dist",
+        choices=("fixed", "exponential"),
+        default="fixed",
+        help="think times: --think-time each, or exponential with that mean (default fixed)",
+    )
+    ses.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="sessions in flight at most (default all; 1: one after another)",
+    )
+    ses.add_argument(
+        "--session-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="start a session every 1/R s (default: all at once, as --concurrency allows)",
+    )
+
+
+# the options of each kind of run, by dest: an option of the other kind is refused
+OPEN_LOOP_ONLY = (
+    "trace", "trace_start", "max_prompt", "max_output", "prompt_len", "output_len",
+    "num_requests", "rate", "burstiness", "slo", "sweep_rates", "attainment", "slo_scales",
+)  # fmt: skip
+SESSIONS_ONLY = (
+    "turns", "message_len", "answer_len", "doc_len", "shared_doc", "max_message", "max_answer",
+    "think_time", "think_dist", "concurrency", "session_rate",
+)  # fmt: skip
+OPTION_SHAPES_ONLY = ("message_len", "answer_len", "doc_len", "shared_doc")  # not with a trace
+TRACE_SHAPES_ONLY = ("max_message", "max_answer", "scale")  # not with --sessions shapes
+
+
+def _defaults() -> dict:
+    p = argparse.ArgumentParser()
+    add_args(p, "")
+    return vars(p.parse_args([]))
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(args, dests, defaults) -> list[str]:
+    return [_flag(d) for d in dests if getattr(args, d) != defaults[d]]
 
 
 class BenchError(Exception):
@@ -121,21 +229,34 @@ class Plan:
 def run(args) -> int:
     from pdserve.tuning import loadgen  # grpc and friends: only once the arguments are parsed
 
+    sessions = args.sessions is not None or args.sessions_from is not None
     try:
-        plan = _plan(args)
+        plan = _plan_sessions(args) if sessions else _plan(args)
     except (ValueError, BenchError, loadgen.LoadgenError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
     try:
-        return _execute(args, plan)
+        return _execute_sessions(args, plan) if sessions else _execute(args, plan)
     except KeyboardInterrupt:
         return 130
+
+
+@dataclass
+class SessionPlan:
+    sessions: list  # tuning.sessions.Session
+    card: object
+    fit: dict  # fit_sessions' counts: turns cut, sessions dropped
 
 
 def _plan(args) -> Plan:
     """Every check that can fail before a request is sent: arguments, trace, router, model."""
     from pdserve.tuning import loadgen
 
+    given = _given(args, SESSIONS_ONLY, _defaults())
+    if given:
+        raise BenchError(
+            f"{', '.join(given)} shape chat sessions: give --sessions N or --sessions-from too"
+        )
     slo = latency_slos(args.slo) if args.slo else None
     rates = (
         metrics.parse_positive_list(args.sweep_rates, "--sweep-rates") if args.sweep_rates else None
@@ -233,6 +354,117 @@ def _execute(args, plan: Plan) -> int:
             file=sys.stderr,
         )
     return 0 if done else 1
+
+
+def _plan_sessions(args) -> SessionPlan:
+    """The sessions' checks before a turn is sent: options, trace, router, model, context."""
+    from pdserve.tuning import loadgen, sessions
+
+    defaults = _defaults()
+    given = _given(args, OPEN_LOOP_ONLY, defaults)
+    if given:
+        raise BenchError(
+            f"{', '.join(given)} {'is an open-loop option' if len(given) == 1 else 'are open-loop options'}: "
+            f"not with --sessions/--sessions-from (sessions are a closed loop; see --concurrency, "
+            f"--session-rate, --think-time)"
+        )
+    if args.sessions_from is not None:
+        given = _given(args, OPTION_SHAPES_ONLY, defaults)
+        if given:
+            raise BenchError(
+                f"{', '.join(given)}: --sessions-from takes the shapes from the trace; cap them "
+                f"with --max-message, --max-answer and --turns"
+            )
+        shapes = sessions.from_trace(
+            args.sessions_from,
+            scale=args.scale,
+            max_message=args.max_message,
+            max_answer=args.max_answer,
+            max_turns=args.turns,
+            max_sessions=args.sessions,
+        )
+    else:
+        given = _given(args, TRACE_SHAPES_ONLY, defaults)
+        if given:
+            raise BenchError(
+                f"{', '.join(given)} shape(s) a trace's sessions: give --sessions-from"
+            )
+        missing = [
+            _flag(d) for d in ("turns", "message_len", "answer_len") if getattr(args, d) is None
+        ]
+        if missing:
+            raise BenchError(f"--sessions N needs {', '.join(missing)} too")
+        shapes = sessions.option_sessions(
+            args.sessions, args.turns, args.message_len, args.answer_len, args.doc_len,
+            args.shared_doc,
+        )  # fmt: skip
+    if args.concurrency is not None and args.concurrency < 1:
+        raise BenchError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.session_rate is not None and not args.session_rate > 0:
+        raise BenchError(f"--session-rate must be > 0 sessions/s, got {args.session_rate}")
+    if not args.think_time >= 0:
+        raise BenchError(f"--think-time must be >= 0 s, got {args.think_time}")
+    if args.out and not pathlib.Path(args.out).resolve().parent.is_dir():
+        raise BenchError(
+            f"--out {args.out}: folder {pathlib.Path(args.out).resolve().parent} does not exist"
+        )
+    card = loadgen.model_card(args.router, args.model)
+    shapes, fit = sessions.fit_sessions(
+        shapes, card.max_model_len, cap=args.sessions_from is not None
+    )
+    return SessionPlan(shapes, card, fit)
+
+
+def _execute_sessions(args, plan: SessionPlan) -> int:
+    from pdserve.tuning import report, sessions
+
+    card = plan.card
+    seed = args.seed if args.prompt_seed is None else args.prompt_seed
+    if plan.fit["turns_cut"]:
+        print(
+            f"pdserve bench: {plan.fit['turns_cut']} turns do not fit max_model_len "
+            f"{card.max_model_len} and are not sent ({plan.fit['sessions_dropped']} sessions "
+            f"dropped whole)",
+            file=sys.stderr,
+        )
+    prompts = sessions.build_session_prompts(plan.sessions, card.vocab_size, seed)
+    records, duration_s = sessions.run_sessions(
+        args.router,
+        plan.sessions,
+        prompts,
+        concurrency=args.concurrency,
+        session_rate=args.session_rate,
+        think_time_s=args.think_time,
+        think_dist=args.think_dist,
+        seed=args.seed,
+        model=args.model,
+        request_timeout_s=args.request_timeout,
+        progress=os.environ.get("PDSERVE_NO_PROGRESS", "") in ("", "0"),
+    )
+    summary = metrics.summarize(records, duration_s)
+    turns = metrics.summarize_turns(records, sessions.planned_turns(plan.sessions))
+    load = report.describe_sessions(args, len(plan.sessions))
+    print(report.format_summary(summary, load=load))
+    print(report.format_turns(turns))
+    if args.out:
+        result = dict(
+            kind="sessions",
+            config={k: v for k, v in vars(args).items() if k != "cmd"},
+            model=dict(
+                id=card.id,
+                max_model_len=card.max_model_len,
+                vocab_size=card.vocab_size,
+                dtype=card.dtype,
+            ),
+            fit=plan.fit,
+            summary=summary,
+            turns=turns,
+            sessions=sessions.shapes_json(plan.sessions),
+            requests=[r.to_json() for r in records],
+        )
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0 if summary["completed"] else 1
 
 
 def _requests(args) -> list[workload.RequestSpec]:

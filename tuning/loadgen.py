@@ -7,7 +7,8 @@ Each request is sent at its `arrival_s` from the run's start on its own thread, 
 earlier ones are doing (open loop: a slow server makes requests overlap, never arrive later), as
 GenerateRequest(token_ids, greedy, max_tokens=output_len, ignore_eos) so it produces exactly
 output_len tokens. A refused request (RESOURCE_EXHAUSTED when the router is full) or any other
-failure is recorded with its status code and the run goes on.
+failure is recorded with its status code and the run goes on. The closed-loop chat sessions of
+tuning/sessions.py send their turns with the same make_request and _send.
 """
 
 from __future__ import annotations
@@ -158,8 +159,16 @@ def run_load(
 
 
 def _send(
-    stub, msg: pb.GenerateRequest, rec: RequestRecord, t0: float, timeout_s: float | None, done
-) -> None:
+    stub,
+    msg: pb.GenerateRequest,
+    rec: RequestRecord,
+    t0: float,
+    timeout_s: float | None,
+    done,
+    answer: list[int] | None = None,
+):
+    """Streams one request into `rec`; returns its Finish (None when none came). `answer`, when
+    given, gets the token ids the stream returned (tuning/sessions.py sends them back)."""
     times: list[float] = []
     counts: list[int] = []
     finish = None
@@ -171,6 +180,8 @@ def _send(
                 if resp.delta.token_ids:
                     times.append(time.perf_counter())
                     counts.append(len(resp.delta.token_ids))
+                    if answer is not None:
+                        answer.extend(resp.delta.token_ids)
             elif resp.HasField("finish"):
                 finish = resp.finish
         rec.e2e_s = time.perf_counter() - start
@@ -192,6 +203,7 @@ def _send(
     elif not rec.error:
         rec.error, rec.error_message = "NO_FINISH", "the stream ended without a Finish"
     done()
+    return finish
 
 
 def run_sweep(

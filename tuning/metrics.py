@@ -8,6 +8,10 @@ Two goodputs, named apart:
                    requests meet both the TTFT and the TPOT SLO, interpolated over a rate sweep.
 Failed requests (RESOURCE_EXHAUSTED, deadline, ...) count as missing every SLO, so shedding load
 cannot raise attainment.
+
+Closed-loop chat sessions (tuning/sessions.py) record each turn as a SessionRecord; summarize_turns
+gives their table per turn index (latency, the share of reusable prompt tokens served from a cache)
+and compare_runs sets a run with prefix reuse against one without, turn by turn.
 """
 
 from __future__ import annotations
@@ -54,6 +58,134 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         return dict(asdict(self), tpot_s=self.tpot_s)
+
+
+@dataclass
+class SessionRecord(RequestRecord):
+    """One turn of a closed-loop chat session: the request's record plus its place in the session,
+    the prompt tokens a cache could hold for it (the previous turn's prompt and answer; 0 on turn
+    1) and the cache hits the server reported. `cache_hits` is Finish.usage.cache_hits by source
+    (prefill_worker, decode_worker, peer, host_tier, ...), None when the server does not report
+    them. `prompt_ids` stays out of to_json (the prompts are rebuilt from the seed and the
+    answers); `answer_ids` is kept, so two runs' answers can be compared."""
+
+    session: int = 0
+    turn: int = 1  # 1-based
+    reusable_prompt_tokens: int = 0
+    cache_hits: dict[str, int] | None = None
+    answer_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        del out["prompt_ids"]
+        return out
+
+
+def summarize_turns(
+    records: list[SessionRecord], planned: dict[int, int] | None = None
+) -> list[dict]:
+    """One row per turn index (ascending): requests sent, completed, errors by code, turns planned
+    but not sent because an earlier turn of their session failed (`planned`: turn -> sessions that
+    have it), TTFT and ITL distributions (ms, the `distribution` keys; median = P50), prompt
+    tokens, and the hit share: cached prompt tokens over reusable prompt tokens, summed over the
+    completed requests (None on a turn with nothing reusable, e.g. turn 1; a shared document can
+    still give turn 1 cached tokens). Cache hits by source are summed where the server reports
+    them."""
+    turns = sorted({r.turn for r in records} | set(planned or ()))
+    rows = []
+    for k in turns:
+        sent = [r for r in records if r.turn == k]
+        done = [r for r in sent if r.ok]
+        errors: dict[str, int] = {}
+        for r in sent:
+            if not r.ok:
+                errors[r.error] = errors.get(r.error, 0) + 1
+        reusable = sum(r.reusable_prompt_tokens for r in done)
+        cached = sum(r.cached_prompt_tokens for r in done)
+        reported = [r.cache_hits for r in done if r.cache_hits is not None]
+        by_source: dict[str, int] | None = None
+        if reported:
+            by_source = {}
+            for hits in reported:
+                for source, n in hits.items():
+                    by_source[source] = by_source.get(source, 0) + n
+        ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+        row = dict(
+            turn=k,
+            requests=len(sent),
+            completed=len(done),
+            failed=len(sent) - len(done),
+            errors=errors,
+            skipped=max(0, (planned or {}).get(k, len(sent)) - len(sent)),
+            mean_prompt_tokens=(sum(r.prompt_len for r in sent) / len(sent)) if sent else None,
+            reusable_prompt_tokens=reusable,
+            cached_prompt_tokens=cached,
+            hit_share=cached / reusable if reusable else None,
+            cache_hits=by_source,
+            sum_ttft_s=sum(ttfts),
+            output_tokens=sum(r.output_tokens for r in done),
+        )
+        row.update(distribution(ttfts, "ttft"))
+        row.update(distribution([g for r in done for g in r.itl_s], "itl"))
+        rows.append(row)
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare_runs(on: dict, off: dict) -> dict:
+    """Reuse on against reuse off, for two runs of the same sessions; each run is
+    {"summary": summarize(...), "turns": summarize_turns(...)}. Per turn index in both: TTFT
+    P50 and P90 ratios and the ITL P90 ratio (on / off: below 1 is faster with reuse), the mean
+    TTFT saved per request (ms, off - on) and the TTFT saved over the turn's completed requests
+    (s, sum off - sum on; comparable when both completed the same number). Overall: the same
+    ratios over every request, throughput ratios and the wall time saved (s, off - on)."""
+    off_by_turn = {t["turn"]: t for t in off["turns"]}
+    turns = []
+    for a in on["turns"]:
+        b = off_by_turn.get(a["turn"])
+        if b is None:
+            continue
+        saved = (
+            b["mean_ttft_ms"] - a["mean_ttft_ms"]
+            if a["mean_ttft_ms"] is not None and b["mean_ttft_ms"] is not None
+            else None
+        )
+        turns.append(
+            dict(
+                turn=a["turn"],
+                completed=(a["completed"], b["completed"]),
+                ttft_p50_ratio=_ratio(a["median_ttft_ms"], b["median_ttft_ms"]),
+                ttft_p90_ratio=_ratio(a["p90_ttft_ms"], b["p90_ttft_ms"]),
+                itl_p90_ratio=_ratio(a["p90_itl_ms"], b["p90_itl_ms"]),
+                ttft_saved_ms_mean=saved,
+                ttft_saved_s=b["sum_ttft_s"] - a["sum_ttft_s"],
+                hit_share=(a["hit_share"], b["hit_share"]),
+            )
+        )
+    s, t = on["summary"], off["summary"]
+    overall = dict(
+        completed=(s["completed"], t["completed"]),
+        ttft_p50_ratio=_ratio(s["median_ttft_ms"], t["median_ttft_ms"]),
+        ttft_p90_ratio=_ratio(s["p90_ttft_ms"], t["p90_ttft_ms"]),
+        itl_p90_ratio=_ratio(s["p90_itl_ms"], t["p90_itl_ms"]),
+        request_throughput_ratio=_ratio(s["request_throughput"], t["request_throughput"]),
+        output_throughput_ratio=_ratio(s["output_throughput"], t["output_throughput"]),
+        time_saved_s=t["duration"] - s["duration"],
+    )
+    return dict(turns=turns, overall=overall)
+
+
+def same_answers(a: list[SessionRecord], b: list[SessionRecord]) -> dict:
+    """How many turns completed in both runs returned the same token ids (greedy decoding with
+    reuse on and off must agree), and which (session, turn) pairs differed (at most 10)."""
+    theirs = {(r.session, r.turn): r.answer_ids for r in b if r.ok}
+    both = [(r.session, r.turn, r.answer_ids) for r in a if r.ok and (r.session, r.turn) in theirs]
+    differ = [(s, k) for s, k, ids in both if ids != theirs[(s, k)]]
+    return dict(compared=len(both), identical=len(both) - len(differ), differ=differ[:10])
 
 
 def attribute_itl(times: list[float], counts: list[int]) -> list[float]:

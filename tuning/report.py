@@ -1,5 +1,7 @@
 """What `pdserve bench` prints and writes: the `vllm bench serve` style table of a run, the sweep's
-attainment and goodput lines, and the sweep's plots (attainment vs rate, TTFT and TPOT CDFs)."""
+attainment and goodput lines, and the sweep's plots (attainment vs rate, TTFT and TPOT CDFs); for
+chat sessions, the per-turn table (metrics.summarize_turns) and the reuse on/off comparison
+(metrics.compare_runs)."""
 
 from __future__ import annotations
 
@@ -204,3 +206,94 @@ def _save(fig, out: pathlib.Path, name: str) -> str:
     path = out.with_name(f"{out.stem}_{name}.png")
     fig.savefig(path, dpi=100)
     return str(path)
+
+
+def describe_sessions(args, n_sessions: int) -> tuple[str, str]:
+    """(the sessions, how they start) of a `pdserve bench --sessions` run, as describe_load."""
+    if args.sessions_from:
+        caps = [f"x{args.scale:g}"] if args.scale != 1 else []
+        caps += [f"message <= {args.max_message}"] if args.max_message else []
+        caps += [f"answer <= {args.max_answer}"] if args.max_answer else []
+        caps += [f"<= {args.turns} turns"] if args.turns else []
+        what = f"{n_sessions} sessions from {args.sessions_from}" + (
+            f" ({', '.join(caps)})" if caps else ""
+        )
+    else:
+        doc = ""
+        if args.doc_len:
+            doc = f", {'shared ' if args.shared_doc else ''}document {args.doc_len}"
+        what = (
+            f"{n_sessions} sessions x {args.turns} turns, message {args.message_len}, "
+            f"answer {args.answer_len}{doc}"
+        )
+    start = "all at once" if args.session_rate is None else f"{args.session_rate:g} sessions/s"
+    think = f"think {args.think_time:g} s" + (
+        " (exponential)" if args.think_dist == "exponential" else ""
+    )
+    inflight = f"at most {args.concurrency} in flight" if args.concurrency else "all in flight"
+    return what, f"closed loop: {start}, {inflight}, {think}"
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def format_turns(turns: list[dict], title: str = "Per turn") -> str:
+    """One line per turn index: requests (and failed, skipped), mean prompt tokens, TTFT and ITL
+    P50/P90 (ms), cached / reusable prompt tokens and their share; cache hits by source below
+    when the server reported them."""
+    width = WIDTH + 40
+    lines = [
+        f" {title} ".center(width, "="),
+        f"{'turn':>4} {'reqs':>5} {'fail':>4} {'skip':>4} {'prompt':>7} {'TTFT p50':>9} "
+        f"{'p90':>8} {'ITL p50':>8} {'p90':>7} {'cached/reusable':>17} {'hit %':>6}",
+    ]
+    for t in turns:
+        share = "-" if t["hit_share"] is None else f"{t['hit_share'] * 100:.1f}"
+        prompt = "-" if t["mean_prompt_tokens"] is None else f"{t['mean_prompt_tokens']:.0f}"
+        cached = f"{t['cached_prompt_tokens']}/{t['reusable_prompt_tokens']}"
+        lines.append(
+            f"{t['turn']:>4} {t['requests']:>5} {t['failed']:>4} {t['skipped']:>4} {prompt:>7} "
+            f"{_ms(t['median_ttft_ms']):>9} {_ms(t['p90_ttft_ms']):>8} "
+            f"{_ms(t['median_itl_ms']):>8} {_ms(t['p90_itl_ms']):>7} {cached:>17} {share:>6}"
+        )
+    for t in turns:
+        if t["cache_hits"]:
+            hits = ", ".join(f"{k} {v}" for k, v in t["cache_hits"].items())
+            lines.append(f"  turn {t['turn']} cache hits by source: {hits}")
+        if t["errors"]:
+            lines.append(f"  turn {t['turn']} errors: {t['errors']}")
+    lines.append("(TTFT and ITL in ms; hit %: cached over reusable prompt tokens, the previous")
+    lines.append(" turn's prompt and answer, over the turn's completed requests)")
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def format_comparison(cmp: dict, title: str = "Reuse on / reuse off") -> str:
+    """metrics.compare_runs as a table: per turn the on/off ratios and the TTFT saved."""
+    width = WIDTH + 30
+    lines = [
+        f" {title} ".center(width, "="),
+        f"{'turn':>4} {'TTFT p50':>9} {'TTFT p90':>9} {'ITL p90':>8} {'saved/req':>10} "
+        f"{'saved':>8} {'hit % on':>9}",
+        f"{'':>4} {'x':>9} {'x':>9} {'x':>8} {'ms':>10} {'s':>8} {'':>9}",
+    ]
+    for t in cmp["turns"]:
+        on = t["hit_share"][0]
+        lines.append(
+            f"{t['turn']:>4} {_x(t['ttft_p50_ratio']):>9} {_x(t['ttft_p90_ratio']):>9} "
+            f"{_x(t['itl_p90_ratio']):>8} {_ms(t['ttft_saved_ms_mean']):>10} "
+            f"{t['ttft_saved_s']:>8.2f} {'-' if on is None else f'{on * 100:.1f}':>9}"
+        )
+    o = cmp["overall"]
+    lines += [
+        f"all: TTFT p50 x{_x(o['ttft_p50_ratio'])}, p90 x{_x(o['ttft_p90_ratio'])}, ITL p90 "
+        f"x{_x(o['itl_p90_ratio'])}, output tok/s x{_x(o['output_throughput_ratio'])}, wall "
+        f"time saved {o['time_saved_s']:.2f} s",
+        "=" * width,
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,278 @@
+"""Multi-turn chat sessions through `pdserve up`, prefix reuse on against off (issue 49, must-show
+a, b and the document-Q&A shape of c).
+
+    python -m benchmarks.cluster.multiturn                   # 1P+1D and 2P+2D, shapes a-d
+    python -m benchmarks.cluster.multiturn --quick           # smoke run: 1P+1D, small shapes
+    python -m benchmarks.cluster.multiturn --topologies 1x1 --shapes a,d --wait-idle 60
+
+For each topology, `pdserve up` (a child process) serves deploy/examples/local-cpu.yaml, the
+embedded SmolLM2, with that many prefill and decode replicas and the router on free ports: first
+as it is (prefix reuse on, the YAML's default), then with `enable_prefix_caching: false` on every
+pool (reuse off). Each deployment is warmed up with one short request, then runs every shape
+with tuning/sessions.py, the same sessions and seeds on both, so each shape's turns compare one
+to one: metrics.compare_runs per turn index (TTFT P50/P90 and ITL P90 on / off, TTFT saved) and
+metrics.same_answers (greedy answers must not change with reuse). A turn's reuse-off TTFT is the
+TTFT of a cold prompt of the same length. The shapes (full size; --quick shrinks them):
+
+  a  sessions one after another (concurrency 1): 3 sessions x 6 turns, turn 1 = a 768-token
+     document of the session's own + a 256-token message, then 256-token messages, 128-token
+     answers: prompts grow 1024 -> 2944 tokens
+  b  many sessions at once: 6 sessions x 4 turns, all in flight (384 + 128, 128, answers 64)
+  c  no reuse: 12 one-turn sessions of distinct random 512-token prompts, 6 in flight, answers 64
+     (throughput and TTFT, on against off)
+  d  document Q&A: one 2048-token document shared by 4 sessions x 4 turns, 2 in flight, 64-token
+     questions and answers
+
+The goals the issue sets are evaluated from the measured figures (`goals`). Each run records the
+CPU other processes used meanwhile (the machine is shared). Writes benchmarks/results/multiturn.json.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from benchmarks import bench_common as bc
+from benchmarks.chaos_harness import (
+    START_TIMEOUT_S,
+    example_config,
+    fail_up,
+    router_address,
+    start_up,
+    stop_up,
+)
+
+# name -> sessions, turns, message_len, answer_len, doc_len, shared_doc, concurrency, seed
+FULL = {
+    "a_sequential": dict(sessions=3, turns=6, message=256, answer=128, doc=768, shared=False,
+                         concurrency=1, seed=101),
+    "b_concurrent": dict(sessions=6, turns=4, message=128, answer=64, doc=384, shared=False,
+                         concurrency=None, seed=102),
+    "c_no_reuse": dict(sessions=12, turns=1, message=512, answer=64, doc=0, shared=False,
+                       concurrency=6, seed=103),
+    "d_doc_qa": dict(sessions=4, turns=4, message=64, answer=64, doc=2048, shared=True,
+                     concurrency=2, seed=104),
+}  # fmt: skip
+QUICK = {
+    "a_sequential": dict(sessions=1, turns=3, message=64, answer=16, doc=128, shared=False,
+                         concurrency=1, seed=101),
+    "b_concurrent": dict(sessions=3, turns=2, message=32, answer=16, doc=64, shared=False,
+                         concurrency=None, seed=102),
+    "c_no_reuse": dict(sessions=4, turns=1, message=128, answer=16, doc=0, shared=False,
+                       concurrency=4, seed=103),
+    "d_doc_qa": dict(sessions=2, turns=2, message=32, answer=16, doc=256, shared=True,
+                     concurrency=2, seed=104),
+}  # fmt: skip
+THINK_S = 0.1
+
+
+def run_shape(address: str, shape: dict, card) -> dict:
+    """One shape's sessions against the router at `address`: the summary, the per-turn table,
+    compact per-turn records, the records themselves (under "_records", not written) and the
+    CPU others used meanwhile."""
+    from pdserve.tuning import metrics, sessions
+
+    ss = sessions.option_sessions(
+        shape["sessions"], shape["turns"], shape["message"], shape["answer"], shape["doc"],
+        shape["shared"],
+    )  # fmt: skip
+    ss, _ = sessions.fit_sessions(ss, card.max_model_len)
+    prompts = sessions.build_session_prompts(ss, card.vocab_size, shape["seed"])
+    mon = bc.CpuMonitor()
+    records, duration_s = sessions.run_sessions(
+        address, ss, prompts, concurrency=shape["concurrency"], think_time_s=THINK_S,
+        seed=shape["seed"],
+    )  # fmt: skip
+    cpu = mon.stop()
+    summary = metrics.summarize(records, duration_s)
+    turns = metrics.summarize_turns(records, sessions.planned_turns(ss))
+    bc.log(
+        f"  {len(records)} turns in {duration_s:.1f} s, {summary['failed']} failed; TTFT p50 per "
+        f"turn (ms): {[round(t['median_ttft_ms'] or 0) for t in turns]}; hit % per turn: "
+        f"{[None if t['hit_share'] is None else round(t['hit_share'] * 100, 1) for t in turns]}"
+    )
+    return dict(
+        prompt_lens=ss[0].prompt_lens(),
+        duration_s=duration_s,
+        summary={k: v for k, v in summary.items() if k != "server_ms"},
+        server_ms=summary["server_ms"],
+        turns=turns,
+        requests=[
+            dict(
+                session=r.session,
+                turn=r.turn,
+                prompt_len=r.prompt_len,
+                ttft_ms=None if r.ttft_s is None else round(r.ttft_s * 1e3, 2),
+                reusable=r.reusable_prompt_tokens,
+                cached=r.cached_prompt_tokens,
+                cache_hits=r.cache_hits,
+                error=r.error,
+            )
+            for r in records
+        ],  # fmt: skip
+        cpu=cpu,
+        _records=records,
+    )
+
+
+def run_deployment(prefill: int, decode: int, reuse: bool, shapes: dict, wait_idle: float) -> dict:
+    """`pdserve up` of the example YAML with `prefill`+`decode` replicas, reuse on or off; every
+    shape in turn."""
+    import grpc
+    import yaml
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
+    from pdserve.tuning import loadgen
+
+    work = tempfile.mkdtemp(prefix="multiturn-")
+    config = example_config(0, prefill, decode, prefix_caching=reuse)
+    config["router"]["http_port"] = None  # gRPC only: no fixed HTTP port on a shared machine
+    path = os.path.join(work, "deploy.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    label = f"{prefill}P+{decode}D reuse {'on' if reuse else 'off'}"
+    out: dict = {"reuse": reuse, "yaml_pools": config["pools"]}
+    t0 = time.perf_counter()
+    up, err_path = start_up([sys.executable, "-m", "pdserve", "up", path], work)
+    try:
+        address = router_address(up, START_TIMEOUT_S)
+        out["up_s"] = round(time.perf_counter() - t0, 1)
+        bc.log(f"{label}: `pdserve up` ready on {address} after {out['up_s']} s")
+        card = loadgen.model_card(address)
+        with grpc.insecure_channel(address) as channel:  # warm-up: one short request
+            warm = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=bc.random_prompts(999, 1, 64)[0]),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            )
+            for _ in pdserve_pb2_grpc.PDServeStub(channel).Generate(warm, timeout=600):
+                pass
+        for name, shape in shapes.items():
+            if wait_idle:
+                out.setdefault("wait_idle", {})[name] = bc.wait_for_idle_machine(wait_idle)
+            bc.log(f"{label}: shape {name} {shape}")
+            out[name] = run_shape(address, shape, card)
+        return out
+    except BaseException:
+        fail_up(up, err_path, label)
+        raise
+    finally:
+        out["stop_returncode"] = stop_up(up)
+        shutil.rmtree(config["ray"]["temp_dir"], ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def compare(on: dict, off: dict, shapes: dict) -> dict:
+    from pdserve.tuning import metrics
+
+    out = {}
+    for name in shapes:
+        a, b = on[name], off[name]
+        out[name] = dict(
+            **metrics.compare_runs(a, b),
+            answers=metrics.same_answers(a["_records"], b["_records"]),
+        )
+    return out
+
+
+def goals(on: dict, cmp: dict) -> dict:
+    """The issue's goals, each with the figure it is judged on and whether it is met."""
+
+    def entry(value, ok):
+        return dict(value=value, met=None if value is None else bool(ok(value)))
+
+    out = {}
+    hits = [
+        t["hit_share"]
+        for name in ("a_sequential", "b_concurrent", "d_doc_qa")
+        if name in on
+        for t in on[name]["turns"]
+        if t["turn"] >= 2 and t["hit_share"] is not None
+    ]
+    out["hit_share_from_turn_2_min"] = entry(min(hits, default=None), lambda v: v >= 0.9)
+    if "a_sequential" in cmp:
+        later = [t["ttft_p50_ratio"] for t in cmp["a_sequential"]["turns"] if t["turn"] >= 2]
+        later = [v for v in later if v is not None]
+        out["a_later_turn_ttft_over_cold_max"] = entry(
+            max(later, default=None), lambda v: v <= 0.05
+        )
+    if "b_concurrent" in cmp:
+        o = cmp["b_concurrent"]["overall"]
+        out["b_ttft_p50_on_over_off"] = entry(o["ttft_p50_ratio"], lambda v: v <= 1 / 3)
+        out["b_itl_p90_on_over_off"] = entry(o["itl_p90_ratio"], lambda v: v <= 1.1)
+    if "c_no_reuse" in cmp:
+        o = cmp["c_no_reuse"]["overall"]
+        out["c_output_throughput_on_over_off"] = entry(
+            o["output_throughput_ratio"], lambda v: abs(v - 1) <= 0.03
+        )
+        out["c_ttft_p50_on_over_off"] = entry(o["ttft_p50_ratio"], lambda v: abs(v - 1) <= 0.03)
+    answers = [c["answers"] for c in cmp.values()]
+    out["answers_identical"] = dict(
+        compared=sum(a["compared"] for a in answers),
+        identical=sum(a["identical"] for a in answers),
+    )
+    return out
+
+
+def strip(run: dict) -> dict:
+    return {
+        k: ({x: y for x, y in v.items() if x != "_records"} if isinstance(v, dict) else v)
+        for k, v in run.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bc.script_parser(__doc__)
+    p.add_argument("--quick", action="store_true", help="smoke run: 1P+1D, small shapes")
+    p.add_argument(
+        "--topologies",
+        default=None,
+        help="PxD,... (default 1x1,2x2; --quick: 1x1)",
+    )
+    p.add_argument("--shapes", default="a,b,c,d", help="which shapes (default a,b,c,d)")
+    bc.add_out_arg(p, "multiturn.json")
+    bc.add_wait_idle_arg(p, "each shape")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    table = QUICK if args.quick else FULL
+    wanted = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    shapes = {name: table[name] for name in table if name[0] in wanted}
+    if not shapes or len(shapes) != len(wanted):
+        p.error(f"--shapes {args.shapes!r}: choose from a, b, c, d")
+    topo_text = args.topologies or ("1x1" if args.quick else "1x1,2x2")
+    try:
+        topologies = [tuple(int(n) for n in t.split("x")) for t in topo_text.split(",")]
+        assert all(len(t) == 2 and min(t) >= 1 for t in topologies)
+    except (ValueError, AssertionError):
+        p.error(f"--topologies {topo_text!r}: expected PxD,... e.g. 1x1,2x2")
+    t0 = time.perf_counter()
+    report: dict = {
+        **bc.run_header("benchmarks.cluster.multiturn", argv),
+        "quick": args.quick,
+        "think_time_s": THINK_S,
+        "shapes": shapes,
+        "topologies": {},
+    }
+    for prefill, decode in topologies:
+        name = f"{prefill}P+{decode}D"
+        on = run_deployment(prefill, decode, True, shapes, args.wait_idle)
+        off = run_deployment(prefill, decode, False, shapes, args.wait_idle)
+        cmp = compare(on, off, shapes)
+        report["topologies"][name] = dict(
+            on=strip(on), off=strip(off), compare=cmp, goals=goals(on, cmp)
+        )
+        bc.write_timed(args.out, report, t0)
+        for shape, c in cmp.items():
+            bc.log(
+                f"{name} {shape}: TTFT p50 on/off per turn "
+                f"{[None if t['ttft_p50_ratio'] is None else round(t['ttft_p50_ratio'], 3) for t in c['turns']]}, "
+                f"answers identical {c['answers']['identical']}/{c['answers']['compared']}"
+            )
+    bc.log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
