@@ -65,7 +65,7 @@ class SessionRecord(RequestRecord):
     """One turn of a closed-loop chat session: the request's record plus its place in the session,
     the prompt tokens a cache could hold for it (the previous turn's prompt and answer; 0 on turn
     1) and the cache hits the server reported. `cache_hits` is Finish.usage.cache_hits by source
-    (prefill_worker, decode_worker, peer, host_tier, ...), None when the server does not report
+    (prefill_worker, decode_worker), None when the server does not report
     them. `prompt_ids` stays out of to_json (the prompts are rebuilt from the seed and the
     answers); `answer_ids` is kept, so two runs' answers can be compared."""
 

@@ -288,12 +288,11 @@ def build_session_prompts(
 
 
 def cache_hits(finish) -> dict[str, int] | None:
-    """Finish.usage.cache_hits as {source: tokens}, or None when the protos in use have no such
-    field or the server did not set it (so this runs before and after the field exists)."""
+    """Finish.usage.cache_hits as {source: tokens}, or None when the server did not set it."""
     if finish is None:
         return None
     usage = finish.usage
-    if "cache_hits" not in usage.DESCRIPTOR.fields_by_name or not usage.HasField("cache_hits"):
+    if not usage.HasField("cache_hits"):
         return None
     hits = usage.cache_hits
     return {f.name: int(getattr(hits, f.name)) for f in hits.DESCRIPTOR.fields}

@@ -12,7 +12,6 @@ import json
 import threading
 
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.tuning import bench, loadgen, metrics, report, sessions
@@ -20,7 +19,6 @@ from pdserve.tuning.metrics import SessionRecord
 
 VOCAB = 5000
 BLOCK = 16
-HAS_CACHE_HITS = "cache_hits" in pb.Usage.DESCRIPTOR.fields_by_name
 
 
 class FakeServer:
@@ -58,8 +56,7 @@ class FakeServer:
                 yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=answer[i : i + 2]))
             cached = min(common, len(prompt) - 1) // BLOCK * BLOCK
             usage = pb.Usage(prompt_tokens=len(prompt), cached_prompt_tokens=cached)
-            if HAS_CACHE_HITS:
-                usage.cache_hits.decode_worker = cached
+            usage.cache_hits.decode_worker = cached
             failed = any(prompt[0] == p and turn(prompt) == k for p, k in self.fail)
             yield pb.GenerateResponse(
                 finish=pb.Finish(finish_reason="error" if failed else "length", usage=usage)
@@ -160,11 +157,7 @@ def test_each_turn_sends_the_previous_prompt_the_answer_it_got_and_a_new_message
         assert r.ok and r.finish_reason == "length" and r.output_tokens == r.output_len == 8
         assert r.prompt_len == len(r.prompt_ids) == ss[0].prompt_lens()[r.turn - 1]
         assert r.ttft_s > 0 and r.e2e_s >= r.ttft_s and len(r.itl_s) == 7
-        if HAS_CACHE_HITS:  # the protos with Usage.cache_hits: every source, as the fake set it
-            want = {"prefill_worker": 0, "decode_worker": r.cached_prompt_tokens, "peer": 0}
-            assert {**r.cache_hits, **want} == r.cache_hits and r.cache_hits["host_tier"] == 0
-        else:
-            assert r.cache_hits is None
+        assert r.cache_hits == {"prefill_worker": 0, "decode_worker": r.cached_prompt_tokens}
         out = r.to_json()
         assert "prompt_ids" not in out and out["answer_ids"] == r.answer_ids
         assert json.loads(json.dumps(out))["turn"] == r.turn
@@ -340,40 +333,12 @@ def test_answers_of_two_runs_compared():
     assert metrics.same_answers(a, b) == dict(compared=2, identical=1, differ=[(0, 2)])
 
 
-def _usage_classes(with_hits: bool):
-    """A Finish -> Usage [-> CacheHits] message family built at run time: the protos before and
-    after the lead adds Usage.cache_hits."""
-    f = descriptor_pb2.FileDescriptorProto(
-        name=f"fake_{with_hits}.proto", package=f"fake{with_hits}"
-    )
-    U32, MSG = (
-        descriptor_pb2.FieldDescriptorProto.TYPE_UINT32,
-        descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
-    )
-    hits = f.message_type.add(name="CacheHits")
-    for i, name in enumerate(("prefill_worker", "decode_worker", "peer", "host_tier"), start=1):
-        hits.field.add(name=name, number=i, type=U32, label=1)
-    usage = f.message_type.add(name="Usage")
-    usage.field.add(name="cached_prompt_tokens", number=3, type=U32, label=1)
-    if with_hits:
-        usage.field.add(name="cache_hits", number=5, type=MSG, label=1,
-                        type_name=f".fake{with_hits}.CacheHits")  # fmt: skip
-    finish = f.message_type.add(name="Finish")
-    finish.field.add(name="usage", number=5, type=MSG, label=1, type_name=f".fake{with_hits}.Usage")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"fake{with_hits}.Finish"))
-
-
-def test_cache_hits_are_read_before_and_after_the_field_exists():
-    before, after = _usage_classes(False), _usage_classes(True)
+def test_cache_hits_read_from_the_finish():
     assert sessions.cache_hits(None) is None
-    assert sessions.cache_hits(before()) is None
-    assert sessions.cache_hits(after()) is None  # the server did not set it
-    f = after()
-    f.usage.cache_hits.decode_worker, f.usage.cache_hits.host_tier = 96, 32
-    assert sessions.cache_hits(f) == dict(prefill_worker=0, decode_worker=96, peer=0, host_tier=32)
-    assert sessions.cache_hits(pb.Finish()) is None  # the protos in this checkout, unset
+    assert sessions.cache_hits(pb.Finish()) is None  # the server did not set it
+    f = pb.Finish()
+    f.usage.cache_hits.decode_worker = 96
+    assert sessions.cache_hits(f) == dict(prefill_worker=0, decode_worker=96)
 
 
 # ---- `pdserve bench --sessions` -----------------------------------------------------------------
