@@ -14,10 +14,10 @@ to one: metrics.compare_runs per turn index (TTFT P50/P90 and ITL P90 on / off, 
 metrics.same_answers (greedy answers must not change with reuse). A turn's reuse-off TTFT is the
 TTFT of a cold prompt of the same length. The shapes (full size; --quick shrinks them):
 
-  a  sessions one after another (concurrency 1): 3 sessions x 6 turns, turn 1 = a 768-token
-     document of the session's own + a 256-token message, then 256-token messages, 128-token
-     answers: prompts grow 1024 -> 2944 tokens
-  b  many sessions at once: 6 sessions x 4 turns, all in flight (384 + 128, 128, answers 64)
+  a  sessions one after another (concurrency 1): 3 sessions x 6 turns, turn 1 = a 1536-token
+     document of the session's own + a 96-token message, then 96-token messages, 128-token
+     answers: prompts grow 1632 -> 2752 tokens
+  b  many sessions at once: 6 sessions x 4 turns, all in flight (768 + 64, 64, answers 64)
   c  no reuse: 12 one-turn sessions of distinct random 512-token prompts, 6 in flight, answers 64
      (throughput and TTFT, on against off)
   d  document Q&A: one 2048-token document shared by 4 sessions x 4 turns, 2 in flight, 64-token
@@ -47,9 +47,9 @@ from benchmarks.chaos_harness import (
 
 # name -> sessions, turns, message_len, answer_len, doc_len, shared_doc, concurrency, seed
 FULL = {
-    "a_sequential": dict(sessions=3, turns=6, message=256, answer=128, doc=768, shared=False,
+    "a_sequential": dict(sessions=3, turns=6, message=96, answer=128, doc=1536, shared=False,
                          concurrency=1, seed=101),
-    "b_concurrent": dict(sessions=6, turns=4, message=128, answer=64, doc=384, shared=False,
+    "b_concurrent": dict(sessions=6, turns=4, message=64, answer=64, doc=768, shared=False,
                          concurrency=None, seed=102),
     "c_no_reuse": dict(sessions=12, turns=1, message=512, answer=64, doc=0, shared=False,
                        concurrency=6, seed=103),
