@@ -26,7 +26,9 @@ PROBE_TOKENS = 512
 # where one position is 0.2% and a mode that truly agrees 99% of the time scores below 98% with
 # about 1% chance (2.3 standard deviations), so 98% passes such a mode and refuses the ones seen
 # failing the README's question: SmolLM2 on the AVX-512 EPYC scored int8 87.1%, int4 94.7%,
-# int8 with a bf16 KV cache 88.7%, and float32 weights with a bf16 KV cache 99.4% (2026-11-29).
+# int8 with a bf16 KV cache 88.7%, float32 weights with a bf16 KV cache 99.4%, and bf16 (bf16
+# decoder linears, a screened int8 head: engine/layers/quant.py) 99.6%, 98.6% with a bf16 KV cache
+# (2026-11-29).
 AGREEMENT_BOUND = 0.98
 # Short chat turns a mode must answer as float32 does, greedily, the README's first; through the
 # model's chat template when it has one (as `pdserve chat` sends them), else as plain text.
