@@ -23,23 +23,10 @@ one after another. A turn that fails ends its session (the next turn would need 
 turns left are counted as skipped. Each turn is a metrics.SessionRecord: the request's record plus
 the session, the turn index, the reusable prompt tokens (the previous turn's prompt and answer:
 what a cache could hold) and the cached-token counters of Finish.usage (`cached_prompt_tokens`,
-and `cache_hits` by source where the server's protos have it).
+and `cache_hits` by source).
 
-Shapes from a Mooncake trace (`from_trace`, `pdserve bench --sessions-from mooncake`): its
-`hash_ids` name 512-token prefix blocks in hash chains, so equal leading ids are a shared prefix.
-Reading the requests in time order, a request continues an earlier one's conversation when the
-earlier request's ids, all but its last, lead its own ids and its prompt holds at least the
-earlier prompt and answer (input_length >= the earlier input_length + output_length). The last
-block is left out because it is a partial block: once the answer is appended its tokens, and so
-its hash, change; no request of the shipped trace extends another one's ids in full. A request
-continues at most one conversation, the one with the longest such prefix, then the latest; each
-conversation is a chain. Chains of two requests or more are the sessions, in the order of their
-first request: turn 1 is the first request (its prompt built from its blocks, so sessions that
-share a document share its tokens), turn k+1's new message is the growth input_length(k+1) -
-input_length(k) - output_length(k), each answer that request's output_length; lengths are
-multiplied by `scale` (blocks become round(512 * scale) tokens), then capped by max_message and
-max_answer, at least 1 token each. The trace gives shapes only: start times and think times come
-from the options (the trace's gaps between turns are minutes).
+Shapes come from options (option_sessions) or from a Mooncake trace's hash-id chains
+(from_trace, `pdserve bench --sessions-from mooncake`; its docstring says how turns are found).
 
 Every prompt must fit the model's max_model_len with its answer: fit_sessions refuses a run that
 does not (options: a clear error naming the turn and what to lower), or cuts each session before
@@ -168,7 +155,23 @@ def from_trace(
     max_sessions: int | None = None,
 ) -> list[Session]:
     """Session shapes from a Mooncake trace's hash-id chains ("mooncake" is the shipped
-    mooncake_synthetic), as the module docstring says."""
+    mooncake_synthetic).
+
+    A Mooncake trace's `hash_ids` name 512-token prefix blocks in hash chains, so equal leading ids
+    are a shared prefix. Reading the requests in time order, a request continues an earlier one's
+    conversation when the earlier request's ids, all but its last, lead its own ids and its prompt
+    holds at least the earlier prompt and answer (input_length >= the earlier input_length +
+    output_length). The last block is left out because it is a partial block: once the answer is
+    appended its tokens, and so its hash, change; no request of the shipped trace extends another
+    one's ids in full. A request continues at most one conversation, the one with the longest such
+    prefix, then the latest; each conversation is a chain. Chains of two requests or more are the
+    sessions, in the order of their first request: turn 1 is the first request (its prompt built
+    from its blocks, so sessions that share a document share its tokens), turn k+1's new message is
+    the growth input_length(k+1) - input_length(k) - output_length(k), each answer that request's
+    output_length; lengths are multiplied by `scale` (blocks become round(512 * scale) tokens),
+    then capped by max_message and max_answer, at least 1 token each. The trace gives shapes only:
+    start times and think times come from the options (the trace's gaps between turns are minutes).
+    """
     if not scale > 0:
         raise SessionsError(f"--scale must be > 0, got {scale}")
     for name, cap in (
