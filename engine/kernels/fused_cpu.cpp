@@ -210,21 +210,25 @@ struct Linear {
   c10::IValue packed;                          // int8: the prepacked weight object
   bool reduce_range = false;
 
+  // oneDNN's product, one row run as two as engine/layers/linear.py's onednn_linear does (the
+  // same bits for a row alone as in a batch)
+  static torch::Tensor onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::IValue& b) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    const bool one = x.size(0) == 1;
+    torch::jit::Stack st{one ? x.expand({2, x.size(1)}).contiguous() : x, w, b, std::string("none"),
+                         c10::List<std::optional<at::Scalar>>(), std::string("")};
+    op.callBoxed(&st);
+    const auto y = st[0].toTensor();
+    return one ? y.slice(0, 0, 1) : y;
+  }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
     if (kind == kDense) {
-      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      torch::jit::Stack st{x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
-                           c10::List<std::optional<at::Scalar>>(), std::string("")};
-      op.callBoxed(&st);
-      return st[0].toTensor();
+      return onednn(x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue());
     }
     if (kind == kBf16) {
-      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      torch::jit::Stack st{x.to(torch::kBFloat16), weight, c10::IValue(), std::string("none"),
-                           c10::List<std::optional<at::Scalar>>(), std::string("")};
-      op.callBoxed(&st);
-      y = st[0].toTensor().to(torch::kFloat32);
+      y = onednn(x.to(torch::kBFloat16), weight, c10::IValue()).to(torch::kFloat32);
     } else if (kind == kInt8) {
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
       auto rows = int8_rows(x, aux.defined() ? c10::optional<torch::Tensor>(aux) : c10::nullopt, span_row);

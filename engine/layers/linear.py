@@ -20,6 +20,23 @@ from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 _BATCH_HINT = 32  # rows the reordered layout is tuned for; any row count is accepted
 
 
+def onednn_linear(x2d: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """x2d @ packed.T (+ bias) by oneDNN, the same bits for a row alone as inside any batch.
+    oneDNN takes another kernel for one row than for two or more at some shapes, and it sums in
+    another order there: SmolLM2's down projection (1536 -> 576, float32) on an AVX-512 EPYC gave
+    one row alone a result a few 1e-6 off the same row's in any batch of two or more. A decode
+    step of one sequence is one row, so the KV it wrote differed from what a prefill of the same
+    tokens writes, and a conversation's next turn, which reuses that KV, could flip a greedy
+    token at a near-tie. One row runs as two, which costs nothing measurable: a one-row step is
+    bound by the weight's bytes."""
+    if x2d.shape[0] == 1:
+        y = torch.ops.mkldnn._linear_pointwise(
+            x2d.expand(2, -1).contiguous(), packed, bias, "none", [], ""
+        )
+        return y[:1]
+    return torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
+
+
 def _onednn_usable(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
@@ -70,9 +87,7 @@ class LinearBase(nn.Module):
                 y = y + bias
             return y.view(*x.shape[:-1], y.shape[-1])
         if self._packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(
-                x.reshape(-1, x.shape[-1]), self._packed, bias, "none", [], ""
-            )
+            y = onednn_linear(x.reshape(-1, x.shape[-1]), self._packed, bias)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, bias)
 

@@ -198,10 +198,9 @@ class Bf16Weight:
         self.out_features = weight.shape[0]
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(
-            x2d.to(torch.bfloat16), self.packed, None, "none", [], ""
-        )
-        return y.to(x2d.dtype)
+        from pdserve.engine.layers.linear import onednn_linear  # (linear imports this module)
+
+        return onednn_linear(x2d.to(torch.bfloat16), self.packed, None).to(x2d.dtype)
 
 
 class ScreenedHead:
