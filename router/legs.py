@@ -2,9 +2,10 @@
 prefill that fills it and the token stream it produces. A call (router/call.py) runs one leg, or
 more when it resumes; the resume rules: router/call.py.
 
-A leg's lifecycle: Reserve (the decode worker with the fewest blocks in use; colocated, or a prompt the
-decode worker prefills itself (planner/local_prefill.py), the fewest prompt tokens charged to it
-until their first token; the next one when full; when every one is full, a
+A leg's lifecycle: Reserve (the decode worker with the fewest blocks in use, less the blocks of the
+prompt it probably holds already: a conversation's earlier turns, router/pool.py; colocated, or a
+prompt the decode worker prefills itself (planner/local_prefill.py), the fewest prompt tokens
+charged to it until their first token; the next one when full; when every one is full, a
 wait in the router's decode queue (router/decode_queue.py), first come first served, until
 blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
 executor thread, which ends when the prefill worker answers, when the client's deadline passes or
