@@ -145,6 +145,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
+    # the decoder's layers in this many stages, each run by tensor_parallel_size ranks, one after
+    # another (engine/parallel.py; vLLM's name); 1: one stage
+    pipeline_parallel_size: int = 1
     kv_cache_memory: int | float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -203,6 +206,11 @@ class EngineConfig:
         check(
             _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
             "tensor_parallel_size",
+            "an integer >= 1",
+        )
+        check(
+            _is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1,
+            "pipeline_parallel_size",
             "an integer >= 1",
         )
         check(
@@ -278,6 +286,8 @@ class EngineConfig:
         spec = self.speculative_config
         if spec == "auto":
             spec = AUTO_SPECULATION if device == "cpu" and self.dtype == "auto" else None
+        if self.pipeline_parallel_size > 1:
+            _check_pipeline(self, model_config, spec)
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -298,6 +308,33 @@ class EngineConfig:
             max_model_len=max_len,
             kv_cache_memory=kv,
             speculative_config=spec,
+        )
+
+
+def _check_pipeline(config: EngineConfig, model_config: ModelConfig, spec) -> None:
+    """What pipeline_parallel_size > 1 does not run yet, refused before any rank starts."""
+    pp = config.pipeline_parallel_size
+    if pp > model_config.num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} exceeds the model's {model_config.num_layers} decoder "
+            f"layers: every stage runs at least one"
+        )
+    from pdserve.engine.models import model_class
+
+    if not getattr(model_class(model_config.architecture), "supports_pp", False):
+        raise ValueError(
+            f"pipeline_parallel_size={pp}: {model_config.architecture} runs in one stage only "
+            f"for now (Llama-family architectures split into stages); use pipeline_parallel_size=1"
+        )
+    if config.kv_cache_shared_dir is not None:
+        raise ValueError(
+            "pipeline_parallel_size > 1 keeps each stage's KV private: the KV hand-off between "
+            "workers from a pipelined engine is not built yet; leave kv_cache_shared_dir unset"
+        )
+    if spec is not None and getattr(spec, "method", None) == "draft_model":
+        raise ValueError(
+            "speculative_config method 'draft_model' runs with pipeline_parallel_size 1 only; "
+            "use method 'ngram'"
         )
 
 

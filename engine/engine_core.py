@@ -120,11 +120,13 @@ class LLMEngine:
         self.step_trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
 
     def _start_ranks(self, model_dir) -> None:
-        """The TP followers (if any), then this rank's runner; under this engine's tp_scope."""
-        if self.config.tensor_parallel_size > 1:
+        """The followers (TP and pipeline ranks, if any), then this rank's runner; under this
+        engine's tp_scope."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if tp * pp > 1:
             from pdserve.engine.tp import TPGroup
 
-            mc, tp = self.model_config, self.config.tensor_parallel_size
+            mc = self.model_config
             # refuse before spawning ranks that would all fail the same way
             for n, what in (
                 (mc.num_heads, "the attention heads"),
@@ -134,7 +136,10 @@ class LLMEngine:
             ):
                 divide(n, tp, what)
             self.tp = TPGroup.start(
-                self.config, self.model_config, str(model_dir), self.kv_cache_paths or [None] * tp
+                self.config,
+                self.model_config,
+                str(model_dir),
+                self.kv_cache_paths or [None] * (tp * pp),
             )
         try:
             self.runner = start_runner(
@@ -328,6 +333,12 @@ class LLMEngine:
     def kv_layout_spec(self) -> dict:
         """What identifies this engine's KV contents, as plain data (kvtransfer.KVLayout's fields):
         every worker builds its transfer layout from this one definition."""
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1: the KV hand-off between workers from a pipelined "
+                "engine (each stage pushing its own layers) is not built yet; serve it as one "
+                "engine (LLM, pdserve generate --local) or use pipeline_parallel_size=1"
+            )
         mc = self.model_config
         return dict(
             model=self.model_id,

@@ -38,7 +38,7 @@ import torch
 
 from pdserve.engine.attention import decode_kernel
 from pdserve.engine.cpu import cpu_features
-from pdserve.engine.parallel import agree, tp_rank
+from pdserve.engine.parallel import agree, is_first_rank
 
 KV_PROBE_CHUNK = 64  # tokens a step when the probe is scored through a bf16 cache
 
@@ -87,7 +87,7 @@ def choose_kv_dtype(
     bound = QUALITY_BOUNDS[mode or "bfloat16"]
     score = probe_with_bf16_cache(runner, ids, chat)
     ok, words = False, ""
-    if tp_rank() == 0:
+    if is_first_rank():
         eos = tuple(runner.model_config.eos_token_ids or ())
         ok, verdict = judge(score, base, bound, eos)
         words = (
@@ -128,11 +128,11 @@ def probe_with_bf16_cache(runner, ids: list[int], chat: list[list[int]] = ()):
                 prompt_targets=ids[a + 1 : b + 1],
                 prompt_topk=1,
             )
-            out = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
+            out = runner.execute(ModelInput([seq], []), rows=[] if is_first_rank() else None)
             rows += out.prompt_logprobs.get(0, [])
         answers = greedy_chat(runner, list(chat))
     finally:
         runner.kv_cache, runner.kv_dtype = full, full_dtype
-    if tp_rank() != 0:
+    if not is_first_rank():
         return None
     return ProbeScore(perplexity(rows, ids), top1(rows), answers)

@@ -28,7 +28,17 @@ from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.models import model_class
-from pdserve.engine.parallel import divide, tp_rank, tp_size
+from pdserve.engine.parallel import (
+    divide,
+    is_first_rank,
+    max_stage_layers,
+    pp_rank,
+    pp_recv,
+    pp_send,
+    pp_size,
+    stage_layers,
+    tp_size,
+)
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.threads import ThreadFit
@@ -99,7 +109,7 @@ class ModelRunner:
         self._load_weights(model_dir)
         self.model.eval()
         # with decode graphs, one block more than the scheduler is told of: padded rows write there
-        use_graphs = graphs_apply(self.device, tp_size(), config.cuda_graphs)
+        use_graphs = pp_size() == 1 and graphs_apply(self.device, tp_size(), config.cuda_graphs)
         self._spare_blocks = 1 if use_graphs else 0
         # A model whose every layer slides puts this block, kept out of the pool and never
         # written by a sequence, in the table entries of blocks its window has left (kv_window.py).
@@ -107,7 +117,7 @@ class ModelRunner:
         self._spare_blocks += window is not None
         self.kv_cache = self._allocate_kv_cache()
         self.null_block = self.kv_cache.shape[2] - 1 if window is not None else None
-        self.sampler = Sampler() if tp_rank() == 0 else None
+        self.sampler = Sampler() if is_first_rank() else None
         self._use_graphs = use_graphs
         # the cores a step uses, fitted to those free now (engine/threads.py)
         self.thread_fit = ThreadFit() if self.device.type == "cpu" else None
@@ -144,9 +154,10 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         mc = self.model_config
+        # every rank sizes its blocks by the largest stage's layers, so all have the same count
         per_block = (
             2
-            * mc.num_layers
+            * max_stage_layers(mc.num_layers)
             * self.block_size
             * self.num_kv_heads
             * mc.head_dim
@@ -165,8 +176,9 @@ class ModelRunner:
                 f"{self.block_size} tokens; one sequence of max_model_len={self.config.max_model_len} "
                 f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len"
             )
+        first, end = stage_layers(mc.num_layers)
         shape = (
-            mc.num_layers,
+            end - first,  # this pipeline stage's layers (all of them with one stage)
             2,
             num_blocks + self._spare_blocks,
             self.block_size,
@@ -208,7 +220,13 @@ class ModelRunner:
         meta, input_ids, positions, last_idx, q_starts = self._attention_inputs(inp)
         meta.on_layer_done = on_layer_done
         with forward_context(meta):
-            hidden = self.model(input_ids, positions)
+            hidden = (
+                self._forward(input_ids, positions)
+                if pp_size() > 1
+                else self.model(input_ids, positions)
+            )
+        if hidden is None:  # a later pipeline stage: its part is done
+            return StepOutput()
         out = StepOutput(
             prompt_logprobs=self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
         )
@@ -218,6 +236,28 @@ class ModelRunner:
         last = hidden if every_row else hidden[last_idx]
         logits = self.model.compute_logits(last) if n else None
         return self._sample(logits, rows, row_logits, mask, out)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """One step's forward pass through the pipeline stages (engine/parallel.py). The first
+        stage embeds and runs its layers; each stage hands the hidden states and the residual
+        stream to the next; the last one normalizes and hands the final hidden states back to
+        the first, which computes the logits (its LM head) and samples. Returns those hidden
+        states on the first stage, None on the others. The same additions in the same order as
+        in one stage, so the tokens do not depend on the split."""
+        stage, stages = pp_rank(), pp_size()
+        shape = (input_ids.shape[0], self.model_config.hidden_size)
+        dtype = self.dtype  # the activations'
+        if stage == 0:
+            hidden, residual = self.model(input_ids, positions)
+            pp_send([hidden, residual], 1)
+            return pp_recv([shape], dtype, self.device, stages - 1)[0]
+        carried = tuple(pp_recv([shape, shape], dtype, self.device, stage - 1))
+        out = self.model(input_ids, positions, carried)
+        if stage == stages - 1:
+            pp_send([out], 0)
+        else:
+            pp_send(list(out), stage + 1)
+        return None
 
     def _sample(self, logits, rows, row_logits, mask, out: StepOutput) -> StepOutput:
         """`out` with the sampled tokens (rank 0 with rows and logits; else as it is)."""

@@ -24,7 +24,7 @@ import torch
 
 from pdserve.engine.kv_dtype import auto_kv_dtype_applies, choose_kv_dtype
 from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
-from pdserve.engine.parallel import agree, all_reduce, tp_rank, tp_size
+from pdserve.engine.parallel import agree, from_rank0, is_first_rank
 from pdserve.engine.quality import ProbeScore
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
@@ -128,13 +128,13 @@ def _probe_modes(runner: ModelRunner, ids: list[int], chat: list[list[int]]):
             "can be judged"
         )
     judged = None if note else base
-    if not note and not chat and tp_rank() == 0:
+    if not note and not chat and is_first_rank():
         note = "no chat check (the KV cache or max_model_len cannot hold the chat prompts); "
     for mode in auto_candidates() if not note.startswith("float32") else ():
         runner.model.prepare_linears(mode, release_dense=False)
         score = probe_score(runner, ids, chat)
         ok = False
-        if tp_rank() == 0:
+        if is_first_rank():
             ok, words = judge(score, base, QUALITY_BOUNDS[mode], _eos(runner))
             note += f"{mode}: {words}; "
         if agree(ok):
@@ -142,7 +142,7 @@ def _probe_modes(runner: ModelRunner, ids: list[int], chat: list[list[int]]):
             break
     # (only rank 0 words the probes; the others know the verdict)
     note = note.rstrip("; ") or ("float32: no quantization mode passed" if chosen is None else "")
-    if chosen is None and judged is not None and tp_rank() == 0:
+    if chosen is None and judged is not None and is_first_rank():
         note += "; float32 kept"
     return chosen, judged, note
 
@@ -159,7 +159,7 @@ def probe_score(runner: ModelRunner, ids: list[int], chat: list[list[int]]) -> P
 
     rows = probe_rows(runner, ids)
     answers = greedy_chat(runner, chat)
-    if tp_rank() != 0:
+    if not is_first_rank():
         return None
     return ProbeScore(perplexity(rows, ids), top1(rows), answers)
 
@@ -174,8 +174,8 @@ def probe_rows(runner: ModelRunner, ids: list[int]) -> list[dict[int, float]]:
         prompt_targets=ids[1:],
         prompt_topk=1,
     )
-    out = runner.execute(ModelInput([seq], []), rows=[] if tp_rank() == 0 else None)
-    return out.prompt_logprobs.get(0, []) if tp_rank() == 0 else []
+    out = runner.execute(ModelInput([seq], []), rows=[] if is_first_rank() else None)
+    return out.prompt_logprobs.get(0, []) if is_first_rank() else []
 
 
 def chat_blocks(runner: ModelRunner, prompts: list[list[int]]) -> int:
@@ -208,26 +208,17 @@ def greedy_chat(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]
     for _ in range(CHAT_PROBE_TOKENS):
         out = runner.execute(
             ModelInput(seqs, []),
-            rows=rows if tp_rank() == 0 else None,
+            rows=rows if is_first_rank() else None,
             row_logits=list(range(len(prompts))),
         )
-        tokens = _from_rank0(out.token_ids if tp_rank() == 0 else [0] * len(prompts))
+        tokens = from_rank0(out.token_ids if is_first_rank() else [0] * len(prompts))
         for a, t in zip(answers, tokens):
             a.append(t)
         seqs = [
             SeqInput([a[-1]], len(p) + len(a) - 1, b, samples=True)
             for p, a, b in zip(prompts, answers, blocks)
         ]
-    return answers if tp_rank() == 0 else []
-
-
-def _from_rank0(tokens: list[int]) -> list[int]:
-    """Rank 0's tokens on every rank (the others contribute zeros to a sum, in float32 as agree()
-    does: token ids below 2**24 are exact)."""
-    if tp_size() == 1:
-        return list(tokens)
-    t = torch.tensor(tokens if tp_rank() == 0 else [0] * len(tokens), dtype=torch.float32)
-    return [int(v) for v in all_reduce(t).tolist()]
+    return answers if is_first_rank() else []
 
 
 def probe_perplexity(runner: ModelRunner, ids: list[int]) -> float | None:
@@ -236,4 +227,4 @@ def probe_perplexity(runner: ModelRunner, ids: list[int]) -> float | None:
     from pdserve.engine.quality import perplexity
 
     rows = probe_rows(runner, ids)
-    return perplexity(rows, ids) if tp_rank() == 0 else None
+    return perplexity(rows, ids) if is_first_rank() else None

@@ -1,8 +1,11 @@
-"""Tensor-parallel process group of one engine: rank 0 schedules, ranks 1..N-1 follow.
+"""The process group of one engine's ranks: rank 0 schedules, ranks 1..N-1 follow.
 
-Rank 0 (the caller's process) broadcasts each step's ModelInput as msgpack bytes over a gloo group
-(plain data, no pickle); every rank then runs the same step on its shard of the weights and KV.
-Only rank 0 samples: the vocab-parallel LM head gathers logits there.
+An engine runs tensor_parallel_size x pipeline_parallel_size ranks (N), rank = stage * tp + TP
+index (engine/parallel.py). Rank 0 (the caller's process) broadcasts each step's ModelInput as
+msgpack bytes over a gloo group (plain data, no pickle) to every rank; each rank then runs the
+step on its shard of its stage's layers and KV, the stages one after another, each handing its
+activations to the next (model_runner.py). Only rank 0 samples: the vocab-parallel LM head, on
+the first stage, gathers logits there.
 
 On CUDA the weights' collectives run over NCCL, one GPU per rank. NCCL cannot put two ranks on
 one GPU, so a machine with a single GPU can still run the TP code on CUDA tensors with
@@ -45,22 +48,36 @@ def _backend(config: EngineConfig) -> str:
     return wanted or "nccl"
 
 
+def world_size(config: EngineConfig) -> int:
+    return config.tensor_parallel_size * config.pipeline_parallel_size
+
+
 def _init(config: EngineConfig, rank: int, port: int):
     backend = _backend(config)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=config.tensor_parallel_size,
+        world_size=tp * pp,
         timeout=_TIMEOUT,
     )
-    set_tp_state(rank, config.tensor_parallel_size, dist.group.WORLD)
     if config.device == "cpu":  # share the cores instead of oversubscribing them N times
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * pp)))
     # control messages stay on the CPU even when the weights talk over NCCL
-    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    if pp == 1:
+        set_tp_state(rank, tp, dist.group.WORLD)
+        return control
+    stage_groups = [  # every rank creates every group, in the same order
+        dist.new_group(ranks=list(range(s * tp, (s + 1) * tp))) if tp > 1 else None
+        for s in range(pp)
+    ]
+    stage = rank // tp
+    set_tp_state(rank % tp, tp, stage_groups[stage], pp_rank=stage, pp_size=pp, world=control)
+    return control
 
 
 def _encode(inp: ModelInput | None) -> bytes:
@@ -139,15 +156,17 @@ class TPGroup:
         model_dir: str,
         kv_cache_paths: list[str | None],
     ) -> TPGroup:
-        """kv_cache_paths[r]: rank r's shared KV pool file, or None for private memory."""
+        """kv_cache_paths[r]: rank r's shared KV pool file, or None for private memory (one per
+        rank of the engine)."""
         if (
             config.device == "cuda"
             and _backend(config) == "nccl"
-            and torch.cuda.device_count() < config.tensor_parallel_size
+            and torch.cuda.device_count() < world_size(config)
         ):
             raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs that many "
-                f"GPUs, {torch.cuda.device_count()} visible"
+                f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
+                f"{config.pipeline_parallel_size} needs {world_size(config)} GPUs, "
+                f"{torch.cuda.device_count()} visible"
             )
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -158,7 +177,7 @@ class TPGroup:
                 name=f"pdserve-tp{rank}",
                 args=(config, model_config, model_dir, rank, port, kv_cache_paths[rank]),
             )
-            for rank in range(1, config.tensor_parallel_size)
+            for rank in range(1, world_size(config))
         ]
         for p in procs:
             p.start()
@@ -181,4 +200,4 @@ class TPGroup:
                 if p.is_alive():
                     p.kill()
             dist.destroy_process_group()
-            set_tp_state(0, 1, None)
+            set_tp_state(0, 1, None)  # (pipeline state too)

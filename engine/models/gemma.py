@@ -132,6 +132,8 @@ def _sliding_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbeddin
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
+    supports_pp = False  # one stage only (its model's forward is its own)
+
     qk_norm = None
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):

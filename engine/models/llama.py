@@ -10,6 +10,7 @@ scales and soft-capping as keyword arguments.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,7 +31,7 @@ from pdserve.engine.layers.linear import (
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.quant import Bf16Weight, Int4Weight, Int8Weight, head_quantization
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.parallel import tp_size
+from pdserve.engine.parallel import stage_layers, tp_size
 
 
 class LlamaAttention(nn.Module):
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
         windows = cfg.layer_windows
         self.attn = PagedAttention(
-            layer_idx,
+            layer_idx - stage_layers(cfg.num_layers)[0],  # its place in this stage's KV cache
             self.num_heads,
             self.num_kv_heads,
             cfg.head_dim,
@@ -125,11 +126,18 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(cfg.num_layers)
+        # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
+        # the last the final norm; with one stage, all of them
+        self.first_layer, end = stage_layers(cfg.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            if self.first_layer == 0
+            else None
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(self.first_layer, end)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps
         self._stack = None  # see prepare_decode_stack
@@ -194,21 +202,30 @@ class LlamaModel(nn.Module):
             meta.decode_context_lens,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
+        """The final (normalized) hidden states; in a pipeline stage before the last, the
+        (hidden states, residual) pair the next stage continues from, which it passes as
+        `carried` (the first stage embeds input_ids instead)."""
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carried
         meta = get_forward_context()
         if (
             self._stack is not None
             and meta.on_layer_done is None  # the stack's attention calls no layer hook
-            and meta.num_decode_tokens == input_ids.shape[0]
+            and meta.num_decode_tokens == hidden.shape[0]
             and meta.decode_mask is None
             and hidden.dtype == torch.float32
         ):
+            if residual is not None:  # the sum the stage's first norm forms, formed here
+                hidden, residual = hidden + residual, None
             hidden, residual = self._decode_stack(hidden, positions, meta)
-            hidden, _ = self.norm(hidden, residual)
-            return hidden
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -229,7 +246,11 @@ def _stack_linear(linear: LinearBase):
     return None
 
 
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+
 class LlamaForCausalLM(nn.Module):
+    supports_pp = True  # its layers split into pipeline stages (engine/parallel.py)
     # checkpoint name fragment -> (our parameter fragment, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),
@@ -245,12 +266,17 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, rotary, self.qk_norm)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        # the LM head sits on the first pipeline stage, beside the embedding it may be tied to
+        self.lm_head = None
+        if self.model.embed_tokens is not None:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
+        if carried is None:  # (one stage, or the first: every family's model takes this)
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, carried)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
@@ -262,6 +288,9 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name = self._stage_name(name)
+            if name is None:  # another pipeline stage's
                 continue
             shard_id = None
             for ckpt, (ours, sid) in self.packed.items():
@@ -286,6 +315,25 @@ class LlamaForCausalLM(nn.Module):
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this pipeline stage's modules (layers numbered from the
+        stage's first), or None when another stage holds it."""
+        if not self.supports_pp:  # one stage: every name as it is
+            return name
+        m = _LAYER_NAME.match(name)
+        if m is not None:
+            layer = int(m.group(1)) - self.model.first_layer
+            if not 0 <= layer < len(self.model.layers):
+                return None
+            return f"model.layers.{layer}.{m.group(2)}"
+        if name.startswith("model.embed_tokens.") and self.model.embed_tokens is None:
+            return None
+        if name.startswith("model.norm.") and self.model.norm is None:
+            return None
+        if name.startswith("lm_head.") and self.lm_head is None:
+            return None
+        return name
 
     def prepare_linears(self, quantization: str | None, release_dense: bool = True) -> None:
         """Packs (or quantizes) every linear's loaded weight for its matmul; see LinearBase."""

@@ -115,6 +115,8 @@ class MoeModel(nn.Module):
 class MoeForCausalLM(LlamaForCausalLM):
     """Llama's forward, logits, loading and prepare_linears over MoeModel."""
 
+    supports_pp = False  # one stage only (its model's forward is its own)
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         nn.Module.__init__(self)
         if cfg.architecture == "Qwen2MoeForCausalLM":  # q/k/v bias (its config says qkv_bias)

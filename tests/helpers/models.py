@@ -54,8 +54,9 @@ TINY_SHAPES = {  # name: (architecture, extra config)
 }
 
 
-def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0):
-    """Save a random tiny model + a word-level tokenizer ("t0".."t255") to `path`; returns the HF model."""
+def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0, num_hidden_layers: int = 2):
+    """Save a random tiny model + a word-level tokenizer ("t0".."t255") to `path`; returns the HF
+    model. num_hidden_layers: more than the usual 2 (pipeline stages need a layer each)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         LlamaConfig,
@@ -66,7 +67,9 @@ def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0):
     )
 
     arch, extra = TINY_SHAPES[kind]
-    common = dict(**TINY_CONFIG, eos_token_id=1, bos_token_id=0, **extra)
+    common = dict(
+        TINY_CONFIG, eos_token_id=1, bos_token_id=0, num_hidden_layers=num_hidden_layers, **extra
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -1,0 +1,86 @@
+"""Pipeline parallelism with its stage processes: the tokens and prompt logprobs of PP=1 for
+PP=2 and PP=3 (a 5-layer tiny Llama, and SmolLM2's 30 layers), TP=2 inside PP=2 stages, and
+each stage's KV cache holding its own layers only. (Refusals and the layer split:
+tests/unit/test_engine_pp.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.engine import KV, greedy
+from helpers.models import hf_greedy, make_tiny_model, random_prompts
+from helpers.threads import assert_no_leaks
+from pdserve.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KW = dict(kv_cache_memory=KV, block_size=16, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory):
+    """A 5-layer tiny Llama (GQA), its prompts (the last two share a 40-token prefix) and PP=1's
+    greedy tokens and prompt logprobs, which equal HF's greedy tokens."""
+    path = str(tmp_path_factory.mktemp("tiny5"))
+    hf = make_tiny_model(path, "llama-gqa", seed=5, num_hidden_layers=5)
+    prompts = random_prompts([1, 17, 100, 63], seed=21)
+    prefix = random_prompts([40], seed=22)[0]
+    prompts += [prefix + tail for tail in random_prompts([5, 30], seed=23)]
+    one = LLM(path, **KW)
+    tokens = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(), use_tqdm=False)]
+    assert tokens == [hf_greedy(hf, p, len(t)) for p, t in zip(prompts, tokens)]
+    logprobs = _prompt_logprobs(one, prompts[2])
+    one.shutdown()
+    return path, prompts, tokens, logprobs
+
+
+def _prompt_logprobs(llm, prompt):
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    return out[0].prompt_logprobs
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (3, 1), (2, 2)])
+def test_stages_give_one_stages_tokens(five_layers, pp, tp):
+    path, prompts, tokens, logprobs = five_layers
+    llm = LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, **KW)
+    try:
+        got = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == tokens
+        # a later, smaller batch over the same ranks: decodes and prefix hits across steps
+        again = llm.generate(prompts[-2:], greedy(6), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [t[:6] for t in tokens[-2:]]
+        got_lp = _prompt_logprobs(llm, prompts[2])
+        if tp == 1:  # the same additions in the same order: the same numbers, not close ones
+            assert got_lp == logprobs
+        else:  # TP sums each row-parallel product's shards in another order
+            assert [None if r is None else sorted(r) for r in got_lp] == [
+                None if r is None else sorted(r) for r in logprobs
+            ]
+            for a, b in zip(got_lp[1:], logprobs[1:]):
+                assert all(abs(a[t] - b[t]) < 1e-4 for t in b)
+        # rank 0 (the first stage) holds the KV of its layers only: 2 of 5 with 2 stages
+        assert llm.engine.kv_cache.shape[0] == 5 // pp
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+    assert llm.engine.tp is None
+
+
+def test_smollm2_in_two_and_three_stages():
+    """SmolLM2's 30 layers in 2 and 3 stages answer as one stage does, token for token."""
+    chats = [
+        [{"role": "user", "content": q}]
+        for q in ("What is the capital of France?", "Name three primary colors.")
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    kw = dict(dtype="float32", quantization=None, speculative_config=None)
+    one = LLM("smollm2", **kw)
+    want = [o.outputs[0].token_ids for o in one.chat(chats, params, use_tqdm=False)]
+    one.shutdown()
+    for pp in (2, 3):
+        llm = LLM("smollm2", pipeline_parallel_size=pp, **kw)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+            assert got == want, pp
+        finally:
+            llm.shutdown()
