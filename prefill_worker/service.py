@@ -52,6 +52,7 @@ from pdserve.worker_common.errors import (
     grammar_stats as _grammar_stats,
     spec_stats as _spec_stats,
 )
+from pdserve.worker_common.kv_events import kv_events
 from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.role import RoleGate
 
@@ -378,6 +379,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **_grammar_stats(self.loop.engine),
             **_spec_stats(self.loop.engine),
         )
+        events = kv_events(self.loop.engine.block_manager, request)
+        if events is not None:  # the router's block index (router/kv_index.py)
+            stats.kv_events.CopyFrom(events)
         return self.gate.stamp(stats) if self.gate else stats
 
     def close(self) -> None:
