@@ -2,7 +2,9 @@
 
 Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
 an ordinary engine request instead, and the rest is the same from Stream on):
-  Reserve  -> engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
+  Reserve  -> (run_prefill with min_cached_tokens: refused FAILED_PRECONDITION, before any work,
+              when the prefix cache holds fewer of the prompt's leading tokens: a stale hint)
+              engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
               receives the engine's outputs (the hand-off's on_output callback puts into it)
   KV frames + commit arrive on the kvtransfer channel (not here) -> the request decodes
   Stream   -> drains the queue, sending only the tokens that are new since the last event, and
@@ -14,7 +16,8 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               sequence's final event
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
               gets a final "abort" output
-A finished request nobody streams is forgotten after `finished_ttl_s`.
+A finished request nobody streams is forgotten after `finished_ttl_s`. Stats answers the prefix
+cache's KV events when asked (worker_common/kv_events.py: the router's block index).
 """
 
 from __future__ import annotations

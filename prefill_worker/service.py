@@ -2,7 +2,8 @@
 
 It checks every field of a call and the reservation's numbers before any work, refuses a decode
 worker whose KV layout differs, keeps one long-lived KV channel per decode endpoint, bounds each
-call by its deadline, and counts what WorkerStats reports. The hand-off itself (the KV sink, the
+call by its deadline, and counts what WorkerStats reports (with the prefix cache's KV events when
+a Stats call asks for them: worker_common/kv_events.py). The hand-off itself (the KV sink, the
 commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill call:
   checks -> open or reuse the KV channel to the reservation's endpoint -> prefill-only engine
   request with the hand-off's sink -> wait for the finished output (the hand-off sends the commit)

@@ -16,6 +16,9 @@ failure aborts the reservation, which ends the stream -> token events into the c
 sequence's final event, or the stream fails (or is cancelled because the pool dropped its
 worker: router/open_legs.py). A leg the call lets go of gets its Abort calls from the router's
 abort threads, never from gRPC's polling thread.
+A leg sent to its decode worker for the conversation it holds says how many leading tokens the
+router expects held there (ReserveRequest.min_cached_tokens); a worker that evicted them refuses
+before any work (StaleHint), and the same leg reserves again for the prefill pool.
 Each leg has its own worker-side request id, minted here: the client's request_id never reaches
 a worker, so no client can name another's request to one.
 

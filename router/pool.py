@@ -9,10 +9,14 @@ blocks in use, counting the blocks of the Reserves sent there and not yet answer
 charges them at once, under the pool's lock, so a burst of picks made before any Reserve answers
 spreads out, even from a view a sweep old); prefill picks prefer the worker that finishes the
 prompt soonest, counting the prefix it probably caches (router/affinity.py). Ties go round-robin.
-A second affinity view says what each decode worker probably holds: a conversation's earlier
-turns, prompt and answer, which a decode worker keeps in its prefix cache after the request ends
-(`remember_decoded`, from router/legs.py); decode picks count a worker's match as blocks it need
-not take (`decode_matches`), and router/legs.py may let that worker prefill the rest itself.
+What each decode worker holds (a conversation's earlier turns, prompt and answer, which it keeps
+in its prefix cache after the request ends) is read from a block index (router/kv_index.py) that
+the sweep feeds: each decode worker's Stats poll asks for the KV events after the index's place
+in that worker's stream, and the answer is applied before anything else of it. What the router
+sends a worker (`remember_decoded`, from router/legs.py) is expected there until a later poll
+answers, and recorded in a second affinity view that stands in for the index until the worker's
+events are synced. Decode picks count a worker's match as blocks it need not take
+(`decode_matches`), and router/legs.py may let that worker prefill the rest itself.
 
 Health has two levels, and only the second costs a request anything:
   down  the pickers skip it for new work (unless every worker of its role is down: then they try
