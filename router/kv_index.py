@@ -64,7 +64,7 @@ class _Stream:
         self.epoch = self.last_seq = 0
         self.synced = False  # an answer was applied since the worker was last forgotten
         self.held: set[bytes] = set()
-        self.expected: list[tuple[int, list[bytes]]] = []  # (poll number, hashes): `expect`
+        self.expected: dict[bytes, int] = {}  # hash -> the poll number it waits past: `expect`
 
 
 class KVIndex:
@@ -103,7 +103,8 @@ class KVIndex:
                 stream = self._streams[worker] = _Stream()
             if stream is None or (stream.epoch, stream.last_seq) != tuple(asked):
                 return "stale"
-            stream.expected = [(p, hashes) for p, hashes in stream.expected if p >= poll]
+            if stream.expected:
+                stream.expected = {h: p for h, p in stream.expected.items() if p >= poll}
             if events.reset:
                 self._drop(worker, stream)
                 for h in split_hashes(events.snapshot):
@@ -139,7 +140,7 @@ class KVIndex:
         with self._lock:
             stream = self._streams.get(worker)
             if stream is not None and stream.synced:
-                stream.expected.append((poll, hashes))
+                stream.expected.update(dict.fromkeys(hashes, poll))
 
     def forget(self, worker) -> None:
         """`worker` left, died, re-registered or changed role: its entries and its place go."""
@@ -162,17 +163,12 @@ class KVIndex:
                 streams = {
                     w: s for w in workers if (s := self._streams.get(w)) is not None and s.synced
                 }
-                expected = {
-                    w: set().union(*(hashes for _, hashes in s.expected))
-                    for w, s in streams.items()
-                    if s.expected
-                }
-                for worker in streams:
+                for worker, stream in streams.items():
                     n = 0
                     for h in chain:
                         holders = self._holders.get(h, ())
                         if not any(w is worker for w, tier in holders if tier == DEVICE) and (
-                            h not in expected.get(worker, ())
+                            h not in stream.expected
                         ):
                             break
                         n += 1
@@ -213,7 +209,7 @@ class KVIndex:
     def _drop(self, worker, stream: _Stream) -> None:
         for h in list(stream.held):
             self._remove(h, worker, stream)
-        stream.expected = []
+        stream.expected = {}
         stream.synced = False
 
     def _evict(self) -> None:
