@@ -226,7 +226,7 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
-        leg.held = self.pool.decode_matches(prompt) if self.reuse else {}
+        leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
         leg.local = self.options.colocated or self._prefill_here(prompt, leg)
         self.pool.note_started(0 if leg.local else len(prompt))  # the planner's demand
         leg.reserve_start_ns = unix_ns()

@@ -259,6 +259,16 @@ class WorkerPool:
         out.update((w, n) for w, n in indexed.items() if n)
         return out
 
+    def decode_usable(self, prompt: list[int]) -> dict:
+        """decode_matches, but only what a worker's engine would take from its cache: the whole
+        blocks before the prompt's last token, which it always computes (a prompt of exactly its
+        cached blocks would count as all held, with nothing of it usable)."""
+        held = self.decode_matches(prompt)
+        usable = max(0, len(prompt) - 1)
+        with self._lock:
+            out = {w: min(n, usable - usable % _block_size(w)) for w, n in held.items()}
+        return {w: n for w, n in out.items() if n}
+
     def remember_decoded(self, worker: _Worker, tokens: list[int]) -> None:
         """`worker` computed the KV of `tokens` (a prompt, or a prompt and its answer) and keeps
         it in its prefix cache once the request ends, until evicted: recorded, and expected in

@@ -292,3 +292,15 @@ def test_prefill_workers_are_not_asked_for_events():
     fake.future = lambda request, timeout=None: asked.append(request) or real(request)
     Pool(["p0"], []).sweep(wait_s=0.01)
     assert asked and not asked[0].want_kv_events
+
+
+def test_pool_counts_only_the_blocks_before_the_prompts_last_token_as_usable(pool):
+    d0, _ = pool.decode
+    pool.sweep(wait_s=0.01)
+    fill(pool.fakes["d0"].bm, list(range(8)))  # two blocks of 4
+    pool.sweep(wait_s=0.01)
+    assert pool.decode_matches(list(range(8)))[d0] == 8
+    # the engine computes the last token: of a prompt of exactly those blocks it takes one
+    assert pool.decode_usable(list(range(8))) == {d0: 4}
+    assert pool.decode_usable(list(range(9))) == {d0: 8}
+    assert pool.decode_usable(list(range(4))) == {}
