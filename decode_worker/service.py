@@ -2,7 +2,9 @@
 
 Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
 an ordinary engine request instead, and the rest is the same from Stream on):
-  Reserve  -> engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
+  Reserve  -> (run_prefill with min_cached_tokens: refused FAILED_PRECONDITION, before any work,
+              when the prefix cache holds fewer of the prompt's leading tokens: a stale hint)
+              engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
               receives the engine's outputs (the hand-off's on_output callback puts into it)
   KV frames + commit arrive on the kvtransfer channel (not here) -> the request decodes
   Stream   -> drains the queue, sending only the tokens that are new since the last event, and
@@ -14,7 +16,8 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               sequence's final event
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
               gets a final "abort" output
-A finished request nobody streams is forgotten after `finished_ttl_s`.
+A finished request nobody streams is forgotten after `finished_ttl_s`. Stats answers the prefix
+cache's KV events when asked (worker_common/kv_events.py: the router's block index).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from pdserve.worker_common.errors import (
     grammar_stats as _grammar_stats,
     spec_stats as _spec_stats,
 )
+from pdserve.worker_common.kv_events import kv_events
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.role import RoleGate
 
@@ -86,6 +90,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._colocated_queries = self._colocated_hits = 0  # prefix cache, colocated requests
+        # run_prefill Reserves refused for holding fewer cached tokens than min_cached_tokens
+        self.stale_hints = 0
         loop.every(1.0, self._forget_finished)
 
     # ---- Reserve --------------------------------------------------------------------------------
@@ -153,16 +159,32 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _run_here(self, rid: str, request, params, stream: _Stream, context):
         """Colocated serving: the engine runs the prompt and the decode (chunked prefill inside
-        continuous batching); the Stream call carries every token."""
+        continuous batching); the Stream call carries every token. With min_cached_tokens (the
+        router sent the prompt here for the KV this worker holds), refused FAILED_PRECONDITION,
+        before any work, when its prefix cache holds fewer of the prompt's leading tokens."""
+        prompt, on_output = list(request.prompt_token_ids), self._on_output(stream)
         try:
-            self.loop.add_request(
-                rid, list(request.prompt_token_ids), params, self._on_output(stream)
-            )
+            if request.min_cached_tokens:
+                held = self.loop.call(
+                    self._add_if_held, rid, prompt, params, on_output, request.min_cached_tokens
+                )
+            else:
+                held = None
+                self.loop.add_request(rid, prompt, params, on_output)
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
             abort_for_engine_error(context, e)
             raise
+        if held is not None:
+            with self._lock:
+                self._streams.pop(rid, None)
+                self.stale_hints += 1
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stale cache hint: this worker holds {held[0]} of the {held[1]} leading prompt "
+                f"tokens the router expected (evicted since); nothing was computed",
+            )
         stream.colocated = True
         with self._lock:
             self._colocated_queries += len(request.prompt_token_ids)
@@ -171,6 +193,22 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.ReserveResponse(
             request_id=rid, block_size=self.loop.engine.block_manager.block_size
         )
+
+    def _add_if_held(self, rid: str, prompt: list[int], params, on_output, want: int):
+        """On the loop thread, so that no step evicts between the look and the add: adds the
+        request when the prefix cache holds at least `want` of its leading tokens (at most what
+        the engine would take from it: all but the last prompt token, in whole blocks), else
+        returns (held, wanted) and adds nothing."""
+        engine = self.loop.engine
+        bm = engine.block_manager
+        usable = len(prompt) - 1
+        wanted = min(want, usable - usable % bm.block_size)
+        held = len(bm.find_cached_prefix(prompt, usable)) * bm.block_size
+        if held < wanted:
+            return held, wanted
+        engine.add_request(rid, prompt, params)
+        self.loop.watch(rid, on_output)
+        return None
 
     @staticmethod
     def _on_output(stream: _Stream):
@@ -339,6 +377,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_transfer_bytes=h.bytes_received,
             leases_expired=h.num_expired,
         )
+        events = kv_events(self.loop.engine.block_manager, request)
+        if events is not None:  # the router's block index (router/kv_index.py)
+            stats.kv_events.CopyFrom(events)
         return self.gate.stamp(stats) if self.gate else stats
 
     def _forget_finished(self) -> None:

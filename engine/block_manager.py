@@ -11,14 +11,28 @@ A sequence of a sliding-window model gives back the blocks its window has left
 (engine/kv_window.py) and puts `null_block` in their table entries: an index the model runner keeps
 outside the pool, which `take` and `free` pass over. A chain whose early blocks were given back
 and then reused no longer matches past the first missing block.
+
+KV events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, read by pull instead of pushed):
+every change of the prefix cache is recorded in a bounded ring with a sequence number, "stored"
+when a full block's hash becomes cached, "removed" when a cached block is evicted (the allocator
+hands it out again), "cleared" when every hash is dropped (`reset_prefix_cache`). A reader (the
+worker's Stats, for the router's block index: router/kv_index.py) asks for the events after the
+last sequence it applied, in this manager's epoch (random, new with each manager: a restarted
+worker's numbers start over); when those fell out of the ring or the epoch differs it gets a
+reset with a snapshot of the cached hashes instead (`kv_events`). The engine thread writes, any
+thread reads: the ring is under its own lock, and the snapshot copies the hash map in one C call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import secrets
+import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 from pdserve.engine.errors import NoFreeBlocks  # noqa: F401 - raised here; engine.block_manager.NoFreeBlocks stays importable
 
@@ -29,6 +43,27 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     h.update(b"" if parent_hash is None else parent_hash.to_bytes(16, "little"))
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
+
+
+# KV event kinds (the strings on the wire: protos/pdserve/v1/worker.proto, KVEventRun)
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+# the ring holds this many events per block of the pool, within these bounds
+EVENTS_PER_BLOCK, MIN_EVENTS, MAX_EVENTS = 4, 4096, 1 << 20
+
+
+@dataclass
+class KVEvents:
+    """What a reader gets from `BlockManager.kv_events`: the events after its sequence `after` up
+    to `last_seq` as (kind, hash) in order, or (reset) a snapshot of the hashes cached as of
+    `last_seq`, at most the bound asked for (the most recently registered; `truncated` when some
+    were left out). The reader's next ask is after `last_seq`, in `epoch`."""
+
+    epoch: int
+    last_seq: int
+    reset: bool = False
+    events: list = field(default_factory=list)  # (kind, block hash or None for "cleared")
+    snapshot: list = field(default_factory=list)  # block hashes
+    truncated: bool = False
 
 
 class Block:
@@ -63,6 +98,14 @@ class BlockManager:
         if null_block is not None and 0 <= null_block < num_blocks:
             raise ValueError(f"null_block {null_block} lies inside the pool of {num_blocks}")
         self.null_block = null_block
+        # KV events (module docstring): (kind, hash) of sequence numbers
+        # _next_seq - len(_events) .. _next_seq - 1
+        self.epoch = secrets.randbits(63) or 1  # never 0: a reader that never read asks with 0
+        self._events: deque = deque(
+            maxlen=min(MAX_EVENTS, max(MIN_EVENTS, EVENTS_PER_BLOCK * num_blocks))
+        )
+        self._next_seq = 1
+        self._events_lock = threading.Lock()
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +155,7 @@ class BlockManager:
             # instead of restarting it at the root
             for i in range(num_hashed):
                 parent = block_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+        stored = []
         for i in range(num_hashed, num_full):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, chunk)
@@ -127,7 +171,10 @@ class BlockManager:
             elif block.hash is None:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self._cached[h] = block.block_id
+                stored.append(h)
             parent = h
+        if stored:
+            self._record(STORED, stored)
         return max(num_hashed, num_full)
 
     # ---- allocation ---------------------------------------------------------------------------
@@ -144,7 +191,7 @@ class BlockManager:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
             raise NoFreeBlocks(f"need {num_blocks} KV blocks, {len(self._free)} free")
-        out = []
+        out, removed = [], []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -153,9 +200,12 @@ class BlockManager:
             ):  # evict: the block's old contents are about to be overwritten
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
+                    removed.append(block.hash)
                 block.hash, block.parent_hash, block.token_ids = None, None, ()
             block.ref_count = 1
             out.append(block_id)
+        if removed:
+            self._record(REMOVED, removed)
         return out
 
     def free(self, block_ids: Seq[int]) -> None:
@@ -169,6 +219,45 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached hash (a "cleared" event) when no block is in use; False, and
+        nothing changed, while a sequence holds blocks (as vLLM's reset_prefix_cache)."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self._cached.clear()
+        self._record(CLEARED, [None])
+        return True
+
+    # ---- KV events ------------------------------------------------------------------------------
+    def _record(self, kind: str, hashes: list) -> None:
+        with self._events_lock:
+            self._events.extend((kind, h) for h in hashes)
+            self._next_seq += len(hashes)
+
+    def kv_events(self, after: int, epoch: int, max_events: int, max_snapshot: int) -> KVEvents:
+        """The events after sequence `after` of `epoch`, at most `max_events` of them; a reset
+        with a snapshot of at most `max_snapshot` cached hashes when `epoch` is not this
+        manager's, or when `after` is not a sequence it can continue from (fell out of the ring,
+        or ahead of it). Any thread."""
+        with self._events_lock:
+            last = self._next_seq - 1
+            oldest = self._next_seq - len(self._events)  # the first sequence still in the ring
+            if epoch == self.epoch and oldest - 1 <= after <= last:
+                start = after - oldest + 1
+                take = min(max_events, last - after)
+                events = list(itertools.islice(self._events, start, start + take))
+                return KVEvents(self.epoch, after + take, events=events)
+            # a reset: the snapshot as of `last`; a hash cached before its "stored" event is
+            # recorded shows twice (here and as an event after `last`), which a reader applies
+            # as a set, so it is harmless
+            cached = list(self._cached)  # one C call: the engine thread may add meanwhile
+        keep = cached[-max_snapshot:] if max_snapshot > 0 else []
+        return KVEvents(
+            self.epoch, last, reset=True, snapshot=keep, truncated=len(keep) < len(cached)
+        )
 
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count

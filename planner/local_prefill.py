@@ -29,7 +29,8 @@ tokens need computing there, where the prefill pool would recompute the answer a
     cost x (decode backlog + prompt tokens - held)  <  prefill backlog + hop_tokens
 
 whatever max_prompt_tokens says (reuse_max_new_tokens 0 turns it off; on by default). The view is
-a hint: a worker that evicted the turns prefills the whole prompt, correctly, only slower.
+a hint: a worker that evicted the turns refuses (router/legs.py sends the prompt to the prefill
+pool then), and a worker picked in its stead prefills the whole prompt, correctly, only slower.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 It checks every field of a call and the reservation's numbers before any work, refuses a decode
 worker whose KV layout differs, keeps one long-lived KV channel per decode endpoint, bounds each
-call by its deadline, and counts what WorkerStats reports. The hand-off itself (the KV sink, the
+call by its deadline, and counts what WorkerStats reports (with the prefix cache's KV events when
+a Stats call asks for them: worker_common/kv_events.py). The hand-off itself (the KV sink, the
 commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill call:
   checks -> open or reuse the KV channel to the reservation's endpoint -> prefill-only engine
   request with the hand-off's sink -> wait for the finished output (the hand-off sends the commit)
@@ -52,6 +53,7 @@ from pdserve.worker_common.errors import (
     grammar_stats as _grammar_stats,
     spec_stats as _spec_stats,
 )
+from pdserve.worker_common.kv_events import kv_events
 from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.role import RoleGate
 
@@ -378,6 +380,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **_grammar_stats(self.loop.engine),
             **_spec_stats(self.loop.engine),
         )
+        events = kv_events(self.loop.engine.block_manager, request)
+        if events is not None:  # the router's block index (router/kv_index.py)
+            stats.kv_events.CopyFrom(events)
         return self.gate.stamp(stats) if self.gate else stats
 
     def close(self) -> None:

@@ -162,8 +162,9 @@ class ClientCall(Inflight):
         self.finished = True
         if self.n == 1 and final.finish_reason in ("stop", "length"):
             # the decode worker keeps the KV of the prompt and the answer (all but the last
-            # token's): a conversation's next turn may go back there (router/legs.py)
-            self.transport.remember(self.legs[-1], self.prompt + self.sent[0])
+            # token's, never computed): a conversation's next turn may go back there
+            # (router/legs.py); a block with that token in it is not expected there
+            self.transport.remember(self.legs[-1], self.prompt + self.sent[0][:-1])
         return self._finish(final)
 
     def _run_legs(self, seqs: list[int] | None):

@@ -16,6 +16,9 @@ failure aborts the reservation, which ends the stream -> token events into the c
 sequence's final event, or the stream fails (or is cancelled because the pool dropped its
 worker: router/open_legs.py). A leg the call lets go of gets its Abort calls from the router's
 abort threads, never from gRPC's polling thread.
+A leg sent to its decode worker for the conversation it holds says how many leading tokens the
+router expects held there (ReserveRequest.min_cached_tokens); a worker that evicted them refuses
+before any work (StaleHint), and the same leg reserves again for the prefill pool.
 Each leg has its own worker-side request id, minted here: the client's request_id never reaches
 a worker, so no client can name another's request to one.
 
@@ -76,6 +79,15 @@ class LegFailed(Exception):
         self.error, self.who = error, who
 
 
+class StaleHint(Exception):
+    """A decode worker refused a Reserve to prefill a prompt itself because it holds fewer of the
+    prompt's leading tokens than the router expected (min_cached_tokens): evicted since."""
+
+    def __init__(self, worker, error: grpc.RpcError):
+        super().__init__(error.details())
+        self.worker, self.error = worker, error
+
+
 class Inflight:
     """What a call shares with its legs' threads and the cancel callback (router/call.py's
     ClientCall is the call itself); fields shared across threads go under `lock`."""
@@ -114,6 +126,9 @@ class Leg:
         self.local = False  # its decode worker prefills it too (colocated, or local_prefill.py)
         # decode worker -> the leading prompt tokens it probably holds (router/pool.py)
         self.held: dict = {}
+        # local because this decode worker holds `expected` leading tokens (not colocated): its
+        # Reserve says so (min_cached_tokens), and a worker holding fewer refuses (StaleHint)
+        self.expect_worker, self.expected = None, 0
         # time.monotonic(): the decode stream's last event (or opening), the last Prefill sent
         self.heard = self.prefill_sent = 0.0
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
@@ -144,6 +159,8 @@ class Legs:
         self.decode_queue = DecodeQueue()
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         self.on_local = None  # a leg prefilled on its decode worker: router/metrics.py
+        # a decode worker refused a local prefill for a stale cache hint: router/metrics.py
+        self.on_stale_hint = None
         # which prompts go local (planner/local_prefill.py); the planner may replace it
         self.local_prefill = getattr(options, "local_prefill", LocalPrefill())
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
@@ -156,10 +173,11 @@ class Legs:
         (off where the decode workers keep no prefix cache: deploy/launcher.py)."""
         return self.local_prefill.reuse_max_new_tokens > 0
 
-    def _prefill_here(self, prompt, held: dict) -> bool:
+    def _prefill_here(self, prompt, leg: Leg) -> bool:
         """Whether the decode worker runs this prompt itself (planner/local_prefill.py): the
-        least loaded one, or the one that holds most of it (held: router/pool.py)."""
-        policy = self.local_prefill
+        least loaded one, or the one that holds most of it (leg.held: router/pool.py); for the
+        latter, leg.expect_worker and leg.expected say so."""
+        policy, held = self.local_prefill, leg.held
         holder = max(held, key=held.get) if held else None
         if not policy.enabled and holder is None:
             return False
@@ -169,6 +187,8 @@ class Legs:
             local = policy.choose(
                 len(prompt), backlog, self.pool.decode_backlog(holder), held[holder]
             )
+            if local:
+                leg.expect_worker, leg.expected = holder, held[holder]
         if local and self.on_local is not None:
             self.on_local()
         return local
@@ -206,11 +226,29 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
-        leg.held = self.pool.decode_matches(prompt) if self.reuse else {}
-        leg.local = self.options.colocated or self._prefill_here(prompt, leg.held)
+        leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
+        leg.local = self.options.colocated or self._prefill_here(prompt, leg)
         self.pool.note_started(0 if leg.local else len(prompt))  # the planner's demand
         leg.reserve_start_ns = unix_ns()
-        leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
+        try:
+            leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
+        except StaleHint as stale:
+            # the holder evicted the blocks it was chosen for: the prompt goes to the prefill
+            # pool as any other, and what the router believed of that worker goes
+            log.info(
+                "decode worker %s no longer holds the prompt's cached prefix (%s): request %s "
+                "goes to the prefill pool",
+                self.pool.name(stale.worker),
+                stale.error.details(),
+                req.request_id,
+            )
+            if self.on_stale_hint is not None:
+                self.on_stale_hint()
+            self.pool.forget_decoded(stale.worker)
+            leg.held.pop(stale.worker, None)
+            leg.local, leg.expect_worker, leg.expected = False, None, 0
+            self.pool.note_started(len(prompt))
+            leg.decode, leg.reservation = self._reserve(req, leg, prompt, sampling, deadline)
         leg.reserved_ns = unix_ns()
         self.remember(leg, prompt)  # held there once its KV is in (or prefilled there)
         leg.stream_call = leg.decode.stub.Stream(
@@ -442,6 +480,7 @@ class Legs:
                         sampling=sampling,
                         lease_ms=lease_ms,
                         run_prefill=leg.local,
+                        min_cached_tokens=leg.expected if worker is leg.expect_worker else 0,
                     ),
                     deadline,
                 )
@@ -462,6 +501,14 @@ class Legs:
                     break
                 full |= e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         self.release_charge(leg)
+        if (
+            error is not None
+            and error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and leg.local
+            and leg.expected
+            and worker is leg.expect_worker
+        ):
+            raise StaleHint(worker, error)
         if (
             full
             and error.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)

@@ -291,6 +291,14 @@ class RouterMetrics:
             labels,
             registry=r,
         ).labels(model)
+        self.stale_cache_hints = Counter(
+            "pdserve:stale_cache_hints",
+            "Requests sent to a decode worker to prefill there for the cached prefix it was "
+            "believed to hold, which it had evicted: refused before any work and sent to the "
+            "prefill pool instead (docs/architecture.md section 11).",
+            labels,
+            registry=r,
+        ).labels(model)
         self.cache_hits = Counter(
             "pdserve:prompt_cache_hit_tokens",
             "Prompt tokens served from a prefix cache, by where (Usage.cache_hits): "

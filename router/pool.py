@@ -9,10 +9,14 @@ blocks in use, counting the blocks of the Reserves sent there and not yet answer
 charges them at once, under the pool's lock, so a burst of picks made before any Reserve answers
 spreads out, even from a view a sweep old); prefill picks prefer the worker that finishes the
 prompt soonest, counting the prefix it probably caches (router/affinity.py). Ties go round-robin.
-A second affinity view says what each decode worker probably holds: a conversation's earlier
-turns, prompt and answer, which a decode worker keeps in its prefix cache after the request ends
-(`remember_decoded`, from router/legs.py); decode picks count a worker's match as blocks it need
-not take (`decode_matches`), and router/legs.py may let that worker prefill the rest itself.
+What each decode worker holds (a conversation's earlier turns, prompt and answer, which it keeps
+in its prefix cache after the request ends) is read from a block index (router/kv_index.py) that
+the sweep feeds: each decode worker's Stats poll asks for the KV events after the index's place
+in that worker's stream, and the answer is applied before anything else of it. What the router
+sends a worker (`remember_decoded`, from router/legs.py) is expected there until a later poll
+answers, and recorded in a second affinity view that stands in for the index until the worker's
+events are synced. Decode picks count a worker's match as blocks it need not take
+(`decode_matches`), and router/legs.py may let that worker prefill the rest itself.
 
 Health has two levels, and only the second costs a request anything:
   down  the pickers skip it for new work (unless every worker of its role is down: then they try
@@ -49,6 +53,7 @@ from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
 from pdserve.router.affinity import PrefixAffinity, prefix_hashes
+from pdserve.router.kv_index import KVIndex, chain_hashes
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
@@ -107,6 +112,10 @@ class _Worker:
     # "serving", or a role flip's "draining" | "switching" (router/flips.py): no new work then
     state: str = "serving"
     stats: object = None  # the last WorkerStats (a sweep's or a heartbeat's): router/metrics.py
+    # KV events (router/kv_index.py): Stats polls sent, and the outstanding one's number and
+    # the place in the worker's event stream it asked from
+    kv_polls: int = 0
+    kv_asked: tuple = (0, 0, 0)
 
 
 class WorkerPool:
@@ -140,7 +149,11 @@ class WorkerPool:
         }
         self._registered: dict[str, _Worker] = {}  # worker_id -> worker, for heartbeats
         self._affinity = PrefixAffinity()  # prefill workers' prefix caches
-        self._decode_affinity = PrefixAffinity()  # decode workers': earlier turns, answers too
+        # decode workers': earlier turns, answers too, as this router sent them; what a decode
+        # worker holds is read from kv_index once its KV events are synced, and from this
+        # record only until then (or for a worker that reports no events)
+        self._decode_affinity = PrefixAffinity()
+        self.kv_index = KVIndex()  # block hash -> decode workers holding it, from their events
         self._lock = threading.Lock()
         self.prefill_tokens_started = 0  # of the legs started for the prefill pool, ever
         self._rr = {role: itertools.count() for role in ROLES}
@@ -233,18 +246,48 @@ class WorkerPool:
             return ordered
 
     def decode_matches(self, prompt: list[int]) -> dict:
-        """Decode worker -> the leading prompt tokens it probably holds (remember_decoded)."""
+        """Decode worker -> the leading prompt tokens it holds: from the block index (its KV
+        events, and what this router sent it since its last poll: router/kv_index.py) once that
+        is synced for the worker; before (or for a worker that reports no events) from this
+        router's own record of what it sent there (remember_decoded), a guess."""
         hashes = prefix_hashes(list(prompt))
         with self._lock:
-            return self._decode_affinity.matched_tokens(hashes)
+            sizes = {w: _block_size(w) for w in self._workers["decode"]}
+            record = self._decode_affinity.matched_tokens(hashes)
+        indexed = self.kv_index.matched_tokens(prompt, sizes)
+        out = {w: n for w, n in record.items() if w not in indexed}
+        out.update((w, n) for w, n in indexed.items() if n)
+        return out
+
+    def decode_usable(self, prompt: list[int]) -> dict:
+        """decode_matches, but only what a worker's engine would take from its cache: the whole
+        blocks before the prompt's last token, which it always computes (a prompt of exactly its
+        cached blocks would count as all held, with nothing of it usable)."""
+        held = self.decode_matches(prompt)
+        usable = max(0, len(prompt) - 1)
+        with self._lock:
+            out = {w: min(n, usable - usable % _block_size(w)) for w, n in held.items()}
+        return {w: n for w, n in out.items() if n}
 
     def remember_decoded(self, worker: _Worker, tokens: list[int]) -> None:
         """`worker` computed the KV of `tokens` (a prompt, or a prompt and its answer) and keeps
-        it in its prefix cache once the request ends, until evicted."""
+        it in its prefix cache once the request ends, until evicted: recorded, and expected in
+        the block index until the worker's next poll says what it stored."""
         hashes = prefix_hashes(list(tokens))
         with self._lock:
-            if worker in self._workers["decode"]:
-                self._decode_affinity.record(hashes, worker)
+            if worker not in self._workers["decode"]:
+                return
+            self._decode_affinity.record(hashes, worker)
+            size, poll = _block_size(worker), worker.kv_polls
+        self.kv_index.expect(worker, chain_hashes(list(tokens), size), poll)
+
+    def forget_decoded(self, worker: _Worker) -> None:
+        """`worker` refused a Reserve for holding less than the router expected (router/legs.py):
+        what the router believed it holds was stale. Its block index entries are dropped and
+        resynced from a snapshot at its next poll, and its record goes."""
+        with self._lock:
+            self._decode_affinity.forget(worker)
+        self.kv_index.forget(worker)
 
     def note_started(self, prompt_tokens: int) -> None:
         """A leg for the prefill pool started (router/legs.py): the planner's prefill demand."""
@@ -387,6 +430,7 @@ class WorkerPool:
         the pool's lock)."""
         self._affinity.forget(worker)
         self._decode_affinity.forget(worker)
+        self.kv_index.forget(worker)
 
     def snapshot(self) -> list[tuple[str, str, object, bool, str]]:
         """(role, name, last WorkerStats or None, down, state) of every member, without waiting
@@ -509,7 +553,7 @@ class WorkerPool:
         for worker in workers:
             if worker.poll is None:
                 worker.poll = worker.stub.Stats.future(
-                    worker_pb2.StatsRequest(), timeout=self.silence_s
+                    self._stats_request(worker), timeout=self.silence_s
                 )
         if wait_s > 0:
             deadline = time.monotonic() + wait_s
@@ -520,6 +564,11 @@ class WorkerPool:
                     pass
             self._take_answers(workers)
         self._expire()
+        with self._lock:
+            decode_blocks = sum(
+                w.stats.num_total_blocks for w in self._workers["decode"] if w.stats
+            )
+        self.kv_index.fit_to_blocks(decode_blocks)
         with self._lock:  # each affinity view holds no more than its role's caches can
             for view, role in ((self._affinity, "prefill"), (self._decode_affinity, "decode")):
                 view.fit_to_tokens(
@@ -530,6 +579,40 @@ class WorkerPool:
                     )
                 )
         self.num_sweeps += 1
+
+    def _stats_request(self, worker: _Worker):
+        """A Stats poll of `worker` (health thread only); a decode worker's asks for its KV
+        events from the index's place in its stream (router/kv_index.py)."""
+        if worker.role != "decode":
+            return worker_pb2.StatsRequest()
+        epoch, after = self.kv_index.position(worker)
+        worker.kv_polls += 1
+        worker.kv_asked = (epoch, after, worker.kv_polls)
+        return worker_pb2.StatsRequest(
+            want_kv_events=True, kv_events_epoch=epoch, kv_events_after=after
+        )
+
+    def _take_kv_events(self, worker: _Worker, stats) -> None:
+        """Applies a Stats answer's KV events to the index (health thread), and takes them off
+        the stats the pool keeps (the metrics and ListWorkers read those)."""
+        if not stats.HasField("kv_events"):
+            return
+        events = stats.kv_events
+        stats.ClearField("kv_events")
+        if worker.role != "decode" or not self.is_member(worker):
+            return
+        epoch, after, poll = worker.kv_asked
+        done = self.kv_index.apply(worker, (epoch, after), events, poll)
+        if done == "broken":
+            log.warning(
+                "decode worker %s: its KV event stream broke (asked after %d of epoch %d, got "
+                "up to %d of epoch %d): its blocks are dropped from the index until it resyncs",
+                self.name(worker),
+                after,
+                epoch,
+                events.last_seq,
+                events.epoch,
+            )
 
     def _take_answers(self, workers: list[_Worker]) -> None:
         """Notes each poll of `workers` that has ended (health thread only)."""
@@ -550,6 +633,7 @@ class WorkerPool:
     def _note_stats(self, worker: _Worker, stats) -> None:
         """A Stats answer: the worker is not silent, its last call did not fail, and unless its
         engine is stuck (_check_stall) it is alive and up, with these figures."""
+        self._take_kv_events(worker, stats)
         with self._lock:
             worker.heard_at = max(worker.heard_at, self._clock())
             worker.num_failures, worker.failed = 0, False

@@ -139,6 +139,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         if metrics is not None:
             self.legs.on_tokens = metrics.on_tokens
             self.legs.on_local = metrics.local_prefills.inc
+            self.legs.on_stale_hint = metrics.stale_cache_hints.inc
         self._inflight: dict[tuple[str, str], ClientCall] = {}  # (client peer, request_id) ->
         self._lock = threading.Lock()
 
