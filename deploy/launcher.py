@@ -358,6 +358,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         http_max_connections=config.router.http_max_connections,
         api_keys=api_keys,
         metrics_keys=config.router.metrics_keys(),
+        console_stats_interval_s=config.observability.stats_interval_s,
     )
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address

@@ -1,5 +1,5 @@
 """The table `pdserve up` prints once every worker is ready: one row per worker with its role, the
-Ray node it runs on, its cores, the precision it serves in, its KV transfer backend, its KV
+Ray node it runs on, its process id (for `kill -USR1`: its stacks in its log), its cores, the precision it serves in, its KV transfer backend, its KV
 capacity (blocks, tokens, and how many sequences of max_model_len fit at once) and its log file.
 
 The launcher collects each started worker's WorkerActor.info() (plain data, deploy/workers.py)
@@ -14,6 +14,7 @@ COLUMNS = (
     "worker",
     "role",
     "node",
+    "pid",
     "cores",
     "precision",
     "KV backend",
@@ -85,6 +86,7 @@ def row(info: dict, kv_backend: str | None = None) -> tuple[str, ...]:
         info.get("worker_id") or "?",
         info.get("role") or "?",
         _node(info),
+        str(info["pid"]) if info.get("pid") else "?",
         _cores(info),
         _precision(info),
         kv_backend or info.get("kv_backend") or "?",

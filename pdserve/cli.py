@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import logging
 import signal
 import sys
 import time
@@ -34,6 +33,7 @@ import time
 from pdserve import client
 from pdserve.deploy.config.load import ConfigError
 from pdserve.deploy.config.schema import DTYPES, DeployConfig
+from pdserve.logs import configure_console
 from pdserve.up_flags import Overrides, add_up_flags, json_flag, up_config
 
 
@@ -247,9 +247,9 @@ def _run_up(args) -> int:
     notes = _preflight(args, config, flags)  # as --check: the same refusals, in the same order
     if isinstance(notes, int):
         return notes
-    # the deployment's own lines (deaths, replacements, the secret's source: never the secret)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pdserve.deploy").setLevel(logging.INFO)
+    # the deployment's own lines (deaths, replacements, the secret's source: never the secret),
+    # the router's console line, planner decisions, flips (pdserve/logs.py)
+    configure_console(config.observability)
     # `kill -USR1 <pid>` writes every thread's stack to stderr: what a stuck `up` is waiting on
     # (the process's own stderr: a caller that swapped sys.stderr, as a test does, has no fd)
     if sys.__stderr__ is not None:

@@ -46,6 +46,13 @@ def _text(flag: str, value: str) -> str:
     return value
 
 
+def _number(flag: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{flag}: must be a number, got {value!r}") from None
+
+
 def json_flag(flag: str, value: str):
     """`value` read as JSON (`null` included), or a one-line ConfigError naming `flag`."""
     try:
@@ -93,6 +100,20 @@ _FLAGS = (
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"model": "self", '
         '"quantization": "int4", "num_speculative_tokens": 4}\'; null: off',
     ),
+    (
+        "--log-level",
+        "observability.log_level",
+        _text,
+        "debug, info, warning or error: the pdserve lines on the console (default: "
+        "PDSERVE_LOG_LEVEL, else info)",
+    ),
+    ("--log-format", "observability.log_format", _text, "text, or json: one object a line"),
+    (
+        "--stats-interval",
+        "observability.stats_interval_s",
+        _number,
+        "seconds between the router's console lines per pool (0: none; default 10)",
+    ),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
     ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),
     (
@@ -112,7 +133,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "overrides of the YAML's keys (a flag, else the YAML, else the default)"
     )
     for flag, key, parse, what in _FLAGS:
-        metavar = {_integer: "N", _port_or_off: "PORT", json_flag: "JSON"}.get(parse)
+        metavar = {_integer: "N", _number: "S", _port_or_off: "PORT", json_flag: "JSON"}.get(parse)
         key = key.replace("+", "decode|colocated")
         group.add_argument(flag, default=None, metavar=metavar, help=f"{what} (YAML: {key})")
     group.add_argument(

@@ -32,6 +32,7 @@ from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
+from pdserve.router.console import ConsoleStats
 from pdserve.router.flips import AdminServicer, Flips
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner_actuator import RouterActuator
@@ -65,6 +66,8 @@ class RouterConfig:
     dtype: str | None = None  # ModelCard.dtype; None: config.json's torch_dtype
     stop_grace_s: float = 1.0
     stats_interval_s: float = 0.5  # how often every worker's Stats is polled
+    # a console line per pool every this many seconds (router/console.py); 0: none
+    console_stats_interval_s: float = 0.0
     # worker health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, it
     # gets no new work (down) until it answers; silent worker_silence_s, it is dead and its calls
     # resume elsewhere. An engine stuck in one loop turn for max(worker_stall_s,
@@ -118,6 +121,11 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.console_stats_interval_s < float("inf"):
+            raise ValueError(
+                f"RouterConfig.console_stats_interval_s must be >= 0 (0: no console line), got "
+                f"{self.console_stats_interval_s}"
+            )
         if self.heartbeat_ms < 1:
             raise ValueError(f"RouterConfig.heartbeat_ms must be >= 1, got {self.heartbeat_ms}")
         if self.worker_down_s > self.worker_silence_s:
@@ -221,6 +229,7 @@ class Router:
         # every Prometheus figure of the cluster: GET /metrics on the HTTP front renders it
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self.metrics: RouterMetrics | None = None  # router/metrics.py, on metrics_registry
+        self.console: ConsoleStats | None = None  # router/console.py
 
     def start(self) -> Router:
         from pdserve.router.openai.connections import raise_fd_limit
@@ -276,6 +285,10 @@ class Router:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.planner is not None:
             self.planner.start()
+        if cfg.console_stats_interval_s > 0:
+            self.console = ConsoleStats(
+                self.pool, self.metrics_registry, options.model_id, cfg.console_stats_interval_s
+            ).start()
         # The startup heap (imports, tokenizer, templates) lives as long as the process; frozen,
         # the cyclic GC stops walking it, so a full collection under a flood of connections does
         # not hold the GIL over it and stall every thread. stop() unfreezes it, for a process
@@ -428,6 +441,9 @@ class Router:
         closes the worker channels. The HTTP front goes first: its open streams are cancelled,
         which cancels their gRPC calls."""
         gc.unfreeze()
+        if self.console is not None:
+            self.console.stop()
+            self.console = None
         if self.planner is not None:  # no flip may start while the rest stops
             self.planner.stop()
             self.planner = None

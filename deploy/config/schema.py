@@ -480,6 +480,17 @@ class PlannerSettings(_Frozen):
     prefill_use: Annotated[float, Field(gt=0, le=1)] = 0.95  # sizes a batch of flips
 
 
+class ObservabilitySettings(_Frozen):
+    """`observability:` what `pdserve up` shows its operator. log_level: the pdserve loggers'
+    level on the console (unset: PDSERVE_LOG_LEVEL, else info); log_format: text lines, or one
+    JSON object a line for log shippers; stats_interval_s: the router's lines per pool every this
+    many seconds (router/console.py; 0: none)."""
+
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+    log_format: Literal["text", "json"] = "text"
+    stats_interval_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
+
+
 class DeployConfig(_Frozen):
     # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
     model: Annotated[str, Field(min_length=1)] = "smollm2"
@@ -498,6 +509,7 @@ class DeployConfig(_Frozen):
     ray: RaySettings = RaySettings()
     security: SecuritySettings = SecuritySettings()
     planner: PlannerSettings = PlannerSettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @model_validator(mode="after")
     def _planner_needs_two_pools(self):

@@ -1,5 +1,5 @@
 """The table `pdserve up` prints after `ready` (deploy/start_table.py): one aligned row per worker
-with its node, cores, precision, KV backend and capacity and log file, "?" for what a worker did
+with its node, process id, cores, precision, KV backend and capacity and log file, "?" for what a worker did
 not report. The real workers' rows: tests/e2e/test_ray_cluster_join.py."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ DECODE = dict(
     max_model_len=2048,
     max_seqs_at_max_len=4,
     log_file="/tmp/ray/session_x/logs/worker-ab-01-123.err",
+    pid=4242,
 )
 
 
@@ -38,6 +39,7 @@ def test_a_row_says_where_and_how_the_worker_serves():
         "decode-0",
         "decode",
         "10.0.0.2 (10c5ef9d)",
+        "4242",
         "2-3 (pinned)",
         "float32+int8",
         "grpc",
@@ -46,13 +48,13 @@ def test_a_row_says_where_and_how_the_worker_serves():
         "/tmp/ray/session_x/logs/worker-ab-01-123.err",
     )
     gpu = {**DECODE, "device": "cuda", "quantization": None, "dtype": "bfloat16", "tp": 2}
-    assert row(gpu)[4] == "bfloat16 on cuda, tp 2"
+    assert row(gpu)[5] == "bfloat16 on cuda, tp 2"
     unpinned = {**DECODE, "pinned": False, "cores": [0, 1, 2, 3]}
-    assert row(unpinned)[3] == "any of 0-3"
+    assert row(unpinned)[4] == "any of 0-3"
     # a worker Ray niced and that could not undo it says so; at 0 nothing is added
-    assert row({**DECODE, "niceness": 15})[3] == "2-3 (pinned), nice 15"
-    assert row({**DECODE, "niceness": 0})[3] == "2-3 (pinned)"
-    assert row(DECODE, kv_backend="none (colocated)")[5] == "none (colocated)"
+    assert row({**DECODE, "niceness": 15})[4] == "2-3 (pinned), nice 15"
+    assert row({**DECODE, "niceness": 0})[4] == "2-3 (pinned)"
+    assert row(DECODE, kv_backend="none (colocated)")[6] == "none (colocated)"
 
 
 def test_what_a_worker_did_not_report_shows_as_a_question_mark():
@@ -69,6 +71,7 @@ def test_the_table_has_a_header_and_aligned_columns():
         "worker",
         "role",
         "node",
+        "pid",
         "cores",
         "precision",
         "KV",
@@ -80,10 +83,10 @@ def test_the_table_has_a_header_and_aligned_columns():
         "log",
     ]
     # every column starts where its header does
-    for name in ("role", "node", "cores", "precision", "KV backend", "KV blocks", "log"):
+    for name in ("role", "node", "pid", "cores", "precision", "KV backend", "KV blocks", "log"):
         at = lines[0].index(name)
         assert lines[1][at - 2 : at] == "  " and lines[1][at] != " ", (name, lines)
         assert lines[2][at - 2 : at] == "  " and lines[2][at] != " ", (name, lines)
-    assert lines[2].startswith("prefill-10  prefill  10.0.0.2 (10c5ef9d)")
+    assert lines[2].startswith("prefill-10  prefill  10.0.0.2 (10c5ef9d)  4242")
     assert "float32 " in lines[2] and "float32+int8" in lines[1]
     assert not any(line.endswith(" ") for line in lines)
