@@ -359,6 +359,8 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         api_keys=api_keys,
         metrics_keys=config.router.metrics_keys(),
         console_stats_interval_s=config.observability.stats_interval_s,
+        capture_trace=config.observability.capture_trace,
+        capture_max_bytes=config.observability.capture_max_mb << 20,
     )
     cluster.router = Router(router_config).start()
     cluster.router_address = cluster.router.address

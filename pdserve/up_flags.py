@@ -114,6 +114,13 @@ _FLAGS = (
         _number,
         "seconds between the router's console lines per pool (0: none; default 10)",
     ),
+    (
+        "--capture-trace",
+        "observability.capture_trace",
+        _text,
+        "append every finished request to FILE as a Mooncake-format trace line "
+        "(pdserve bench --trace FILE replays it)",
+    ),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
     ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),
     (

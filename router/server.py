@@ -32,6 +32,7 @@ from pdserve.planner.policy import PlannerConfig
 from pdserve.protos import keepalive
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
+from pdserve.router.capture import TraceCapture
 from pdserve.router.console import ConsoleStats
 from pdserve.router.flips import AdminServicer, Flips
 from pdserve.router.metrics import RouterMetrics
@@ -68,6 +69,10 @@ class RouterConfig:
     stats_interval_s: float = 0.5  # how often every worker's Stats is polled
     # a console line per pool every this many seconds (router/console.py); 0: none
     console_stats_interval_s: float = 0.0
+    # every finished request appended to this file as a line of a replayable trace
+    # (router/capture.py), rotated past capture_max_bytes; None: no capture
+    capture_trace: str | None = None
+    capture_max_bytes: int = 256 << 20
     # worker health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, it
     # gets no new work (down) until it answers; silent worker_silence_s, it is dead and its calls
     # resume elsewhere. An engine stuck in one loop turn for max(worker_stall_s,
@@ -125,6 +130,10 @@ class RouterConfig:
             raise ValueError(
                 f"RouterConfig.console_stats_interval_s must be >= 0 (0: no console line), got "
                 f"{self.console_stats_interval_s}"
+            )
+        if self.capture_max_bytes < 1:
+            raise ValueError(
+                f"RouterConfig.capture_max_bytes must be >= 1, got {self.capture_max_bytes}"
             )
         if self.heartbeat_ms < 1:
             raise ValueError(f"RouterConfig.heartbeat_ms must be >= 1, got {self.heartbeat_ms}")
@@ -241,6 +250,8 @@ class Router:
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
             self._start_service(options, tokenizer)
+            if cfg.capture_trace is not None:  # before the first request can finish
+                self.servicer.capture = TraceCapture(cfg.capture_trace, cfg.capture_max_bytes)
             self._server = self._grpc_server(options)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             self.reconciler = Reconciler(
@@ -457,6 +468,9 @@ class Router:
             self._server = None
         if self.servicer is not None:
             self.servicer.close()
+            if self.servicer.capture is not None:  # what finished before the stop is written
+                self.servicer.capture.close()
+                self.servicer.capture = None
         for name in ("_executor", "_prefill_executor"):  # grpc does not own them
             executor = getattr(self, name)
             if executor is not None:

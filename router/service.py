@@ -136,6 +136,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
         self.legs = Legs(pool, executor, options)
         self.metrics = metrics  # router/metrics.py RouterMetrics: every request's figures
+        self.capture = None  # router/capture.py TraceCapture, when the deployment records traffic
         if metrics is not None:
             self.legs.on_tokens = metrics.on_tokens
             self.legs.on_local = metrics.local_prefills.inc
@@ -230,9 +231,11 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self._fail(call, failure, context)
         if finish is None:  # the client left
             return
+        total = request_finish(finish, call.finishes)
         if self.metrics is not None:
-            total = request_finish(finish, call.finishes)
             self.metrics.observe_finish(total, call, call.legs[0], unix_ns())
+        if self.capture is not None:  # router/capture.py: a line of the replayable trace
+            self.capture.record(call.queued_ns, call.prompt, total.usage.completion_tokens)
         yield pdserve_pb2.GenerateResponse(request_id=call.request_id, finish=finish)
 
     def _fail(self, call: ClientCall, failure: CallFailed, context):

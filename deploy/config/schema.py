@@ -484,11 +484,17 @@ class ObservabilitySettings(_Frozen):
     """`observability:` what `pdserve up` shows its operator. log_level: the pdserve loggers'
     level on the console (unset: PDSERVE_LOG_LEVEL, else info); log_format: text lines, or one
     JSON object a line for log shippers; stats_interval_s: the router's lines per pool every this
-    many seconds (router/console.py; 0: none)."""
+    many seconds (router/console.py; 0: none); capture_trace: live traffic recorded as a
+    replayable trace (router/capture.py)."""
 
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     log_format: Literal["text", "json"] = "text"
     stats_interval_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
+    # every finished request appended to this file as a Mooncake-format trace line
+    # (router/capture.py), replayable by `pdserve bench --trace` and `pdserve tune --workload`;
+    # rotated to FILE.1 past capture_max_mb
+    capture_trace: str | None = None
+    capture_max_mb: Annotated[int, Field(ge=1)] = 256
 
 
 class DeployConfig(_Frozen):

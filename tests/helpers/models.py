@@ -54,9 +54,10 @@ TINY_SHAPES = {  # name: (architecture, extra config)
 }
 
 
-def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0, num_hidden_layers: int = 2):
+def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0, **overrides):
     """Save a random tiny model + a word-level tokenizer ("t0".."t255") to `path`; returns the HF
-    model. num_hidden_layers: more than the usual 2 (pipeline stages need a layer each)."""
+    model. overrides: config fields over TINY_CONFIG (more layers for pipeline stages, a longer
+    max_position_embeddings for long prompts)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         LlamaConfig,
@@ -67,9 +68,7 @@ def make_tiny_model(path, kind: str = "llama-gqa", seed: int = 0, num_hidden_lay
     )
 
     arch, extra = TINY_SHAPES[kind]
-    common = dict(
-        TINY_CONFIG, eos_token_id=1, bos_token_id=0, num_hidden_layers=num_hidden_layers, **extra
-    )
+    common = {**TINY_CONFIG, "eos_token_id": 1, "bos_token_id": 0, **extra, **overrides}
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
