@@ -18,6 +18,7 @@ from helpers.router_cluster import GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, Cluster, 
 from helpers.threads import leaves_no_threads, run_in_threads, wait_until
 from helpers.worker import record_aborts, start_prefill
 from pdserve.engine import LLM, SamplingParams
+from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.server import Router, RouterConfig
@@ -232,6 +233,9 @@ def test_unreachable_prefill_worker_is_retried_on_another(idle, expected, caplog
             stats_interval_s=3600,
             worker_down_s=7200,
             worker_silence_s=7200,
+            # the shared decode worker holds these prompts from earlier tests: its KV events
+            # would send them to it as conversation turns, and this test is the prefill pool's
+            local_prefill=LocalPrefill(reuse_max_new_tokens=0),
         )
     ).start()
     try:
