@@ -11,6 +11,7 @@ from pdserve.decode_worker.handoff import DecodeHandoff
 from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
 from pdserve.kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
 from pdserve.kvtransfer.layout import KVLayout
+from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from pdserve.worker_common.process import WorkerConfig, WorkerProcess
 
@@ -94,6 +95,13 @@ class DecodePart:
             ),
             gate=worker.gate,
         )
+        self.servicer.tracing = tracing.setup(
+            "pdserve-decode",
+            cfg.otlp_traces_endpoint,
+            cfg.trace_sample_ratio,
+            worker_id=cfg.worker_id,
+            exporter=cfg.trace_exporter,
+        )
 
     @property
     def kv_address(self) -> str | None:
@@ -114,6 +122,9 @@ class DecodePart:
         if self._kv_server is not None:
             self._kv_server.stop()
             self._kv_server = None
+        if self.servicer is not None and self.servicer.tracing is not None:
+            self.servicer.tracing.close()  # the spans of the streams that ended go out
+            self.servicer.tracing = None
 
 
 class DecodeWorker(WorkerProcess):

@@ -34,6 +34,7 @@ import grpc
 from pdserve.decode_worker.handoff import CommitOutput, DecodeHandoff, HandoffTimings
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
+from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -60,6 +61,8 @@ class _Stream:
     colocated: bool = False  # this worker runs the prompt too (Reserve with run_prefill)
     n: int = 1  # sequences of the request (sampling.n)
     prompt_logprobs: int | None = None  # sampling.prompt_logprobs (colocated: this worker's)
+    reserved_ns: int = 0  # unix ns of its Reserve (the start of its KV receipt)
+    trace: object | None = None  # the router's trace context for it (protos/tracing.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._colocated_queries = self._colocated_hits = 0  # prefix cache, colocated requests
         # run_prefill Reserves refused for holding fewer cached tokens than min_cached_tokens
         self.stale_hints = 0
+        self.tracing = None  # protos/tracing.py Tracing: this worker's spans (None: off)
         loop.every(1.0, self._forget_finished)
 
     # ---- Reserve --------------------------------------------------------------------------------
@@ -118,7 +122,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = build_params(
             request.sampling, context, getattr(self.loop.engine, "grammars", None)
         )
-        stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs)
+        stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs, reserved_ns=unix_ns())
+        if self.tracing is not None:
+            stream.trace = tracing.extract(context.invocation_metadata())
         with self._lock:
             if rid in self._streams:
                 context.abort(
@@ -277,12 +283,44 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
+            if self.tracing is not None and stream.trace is not None:
+                self._trace(rid, stream, handoff_timings, first_token_ns, sent, finished)
             if not finished:  # the client went away: free the request now, not at its end
                 log.info("stream of %s ended early; aborting it", rid)
                 try:
                     self.handoff.abort(rid, "the stream client went away")
                 except Exception:
                     log.exception("abort of %s after its stream ended failed", rid)
+
+    def _trace(self, rid, stream: _Stream, timings, first_token_ns, sent, finished) -> None:
+        """This worker's spans of the request, from its stamps, under the router's span: the
+        decode (commit, or the stream's first token, to now) and, for a hand-off, the KV
+        receipt (Reserve to the last frame)."""
+        t, now = self.tracing, unix_ns()
+        colocated = stream.colocated
+        start = (
+            stream.reserved_ns if colocated else (timings.commit_unix_ns or first_token_ns or now)
+        )
+        span = t.emit(
+            "decode (local prefill)" if colocated else "decode",
+            stream.trace,
+            start,
+            now,
+            {
+                "pdserve.request_id": rid,
+                "pdserve.decode_worker": self.options.worker_id,
+                "gen_ai.usage.completion_tokens": sum(sent.values()),
+                "pdserve.finished": finished,
+            },
+        )
+        if span is not None and timings.transfer_end_unix_ns:
+            t.emit(
+                "kv.receive",
+                stream.trace,
+                stream.reserved_ns,
+                timings.transfer_end_unix_ns,
+                {"pdserve.kv_backend": self.options.kv_backend},
+            )
 
     @staticmethod
     def _add_prompt_logprobs(event, out: RequestOutput, stream: _Stream, context) -> None:

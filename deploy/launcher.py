@@ -207,10 +207,21 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         registry_address=cluster.registry_address,
         security=security,
         deployment_id=cluster.deployment_id,
+        otlp_traces_endpoint=_traces_endpoint(config),
+        trace_sample_ratio=config.observability.trace_sample_ratio,
     )
     return workers.worker_config(
         common, role_of(key), config.kvtransfer.backend, _flippable(config)
     )
+
+
+def _traces_endpoint(config: DeployConfig) -> str | None:
+    """The OTLP endpoint every process exports its spans to (protos/tracing.py): the flag's or
+    the key's, else this environment's OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (workers on other
+    nodes do not share `up`'s environment, so it travels in their config)."""
+    from pdserve.protos.tracing import ENDPOINT_ENV
+
+    return config.observability.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None
 
 
 def _flippable(config: DeployConfig) -> bool:
@@ -360,6 +371,8 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         metrics_keys=config.router.metrics_keys(),
         console_stats_interval_s=config.observability.stats_interval_s,
         capture_trace=config.observability.capture_trace,
+        otlp_traces_endpoint=_traces_endpoint(config),
+        trace_sample_ratio=config.observability.trace_sample_ratio,
         capture_max_bytes=config.observability.capture_max_mb << 20,
     )
     cluster.router = Router(router_config).start()

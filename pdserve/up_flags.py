@@ -115,6 +115,13 @@ _FLAGS = (
         "seconds between the router's console lines per pool (0: none; default 10)",
     ),
     (
+        "--otlp-traces-endpoint",
+        "observability.otlp_traces_endpoint",
+        _text,
+        "OpenTelemetry: every process's spans to this OTLP endpoint, e.g. http://localhost:4317 "
+        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)",
+    ),
+    (
         "--capture-trace",
         "observability.capture_trace",
         _text,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pdserve.kvtransfer.backends import default_shared_dir, tune_malloc
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
+from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from pdserve.worker_common.process import WorkerConfig, WorkerProcess
 
@@ -61,6 +62,13 @@ class PrefillPart:
             engine.rank_kv_caches() if worker.tp_size > 1 else None,
             gate=worker.gate,
         )
+        self.servicer.tracing = tracing.setup(
+            "pdserve-prefill",
+            cfg.otlp_traces_endpoint,
+            cfg.trace_sample_ratio,
+            worker_id=cfg.worker_id,
+            exporter=cfg.trace_exporter,
+        )
 
     def add_to(self, server) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, server)
@@ -74,6 +82,8 @@ class PrefillPart:
     def close(self) -> None:
         """The KV channels, after the gRPC server."""
         if self.servicer is not None:
+            if self.servicer.tracing is not None:  # the spans of the prefills that ended go out
+                self.servicer.tracing.close()
             self.servicer.close()
             self.servicer = None
 

@@ -35,6 +35,7 @@ from pdserve.prefill_worker.handoff import (
     Waiter,
     prefill_done,
 )
+from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import (
     MAX_ADDRESS_CHARS,
@@ -92,6 +93,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.layout = layout
         self.rank_caches = rank_caches
         self.options = options
+        self.tracing = None  # protos/tracing.py Tracing: this worker's spans (None: off)
         self._transports: dict[tuple[str, str], Transport] = {}
         self._transport_used: dict[tuple[str, str], float] = {}  # key -> time.monotonic()
         self._transports_lock = threading.Lock()
@@ -140,7 +142,43 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._flush(rid, endpoint, transport, sink, deadline, context)
         timings.transfer_end_unix_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
+        if self.tracing is not None:
+            self._trace(request, endpoint, waiter, sink, timings, context)
         return self._reply(request, params, waiter, sink, timings, context)
+
+    def _trace(self, request, endpoint, waiter, sink, timings, context) -> None:
+        """This worker's spans of the request, from its stamps, under the router's span: the
+        prefill call, its queue, its compute and its KV push (protos/tracing.py)."""
+        parent = tracing.extract(context.invocation_metadata())
+        if parent is None:
+            return
+        t = self.tracing
+        start = timings.compute_start_unix_ns()
+        span = t.emit(
+            "prefill",
+            parent,
+            timings.arrival_unix_ns,
+            timings.transfer_end_unix_ns,
+            {
+                "pdserve.request_id": request.request_id,
+                "pdserve.prefill_worker": self.options.worker_id,
+                "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
+                "pdserve.cached_prompt_tokens": waiter.output.num_cached_tokens,
+            },
+        )
+        t.emit("prefill.queue", span, timings.arrival_unix_ns, start)
+        t.emit("prefill.compute", span, start, timings.prefill_end_unix_ns)
+        t.emit(
+            "kv.push",
+            span,
+            timings.transfer_start_unix_ns,
+            timings.transfer_end_unix_ns,
+            {
+                "pdserve.kv_backend": endpoint.backend,
+                "pdserve.kv_bytes": sink.sink.bytes_sent,
+                "pdserve.kv_layers": self.layout.num_layers,
+            },
+        )
 
     def _checked_params(self, request, context):
         """The call's SamplingParams, once its fields, its reservation and the decode worker's

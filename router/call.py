@@ -22,6 +22,7 @@ from concurrent import futures
 
 import grpc
 
+from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.legs import Inflight, Leg, LegFailed, Legs, RouterStatus
 from pdserve.router.text import TextStream
@@ -217,6 +218,19 @@ class ClientCall(Inflight):
                 self.num_moves += 1
             else:
                 self.num_resumes += 1
+            if self.span is not None:  # the request's trace says where, after how many tokens
+                why = leg.lost_why or (
+                    error.details() if hasattr(error, "details") else str(error or "ended")
+                )
+                tracing.event(
+                    self.span,
+                    "move" if leg.moved else "resume",
+                    {
+                        "pdserve.decode_worker": self.transport.pool.name(leg.decode),
+                        "pdserve.tokens_sent": sum(map(len, self.sent)),
+                        "pdserve.why": str(why),
+                    },
+                )
             self._resume_or_fail(leg, error)
             if seqs is None and self.n > 1 and any(self.sent):
                 return _REOPEN

@@ -41,6 +41,7 @@ from concurrent import futures
 import grpc
 
 from pdserve.planner.local_prefill import LocalPrefill
+from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
@@ -102,6 +103,7 @@ class Inflight:
         self.finished = False  # ended normally or already cleaned up
         self.first_token_ns = 0  # when the router got the first token
         self.token_clock: dict[int, int] = {}  # sequence index -> unix ns of its last tokens
+        self.span = None  # the request's trace span, open until it ends (protos/tracing.py)
 
 
 class Leg:
@@ -129,6 +131,8 @@ class Leg:
         # local because this decode worker holds `expected` leading tokens (not colocated): its
         # Reserve says so (min_cached_tokens), and a worker holding fewer refuses (StaleHint)
         self.expect_worker, self.expected = None, 0
+        # the request's trace context for its calls to workers: {"metadata": ...}, {} when off
+        self.trace: dict = {}
         # time.monotonic(): the decode stream's last event (or opening), the last Prefill sent
         self.heard = self.prefill_sent = 0.0
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
@@ -226,6 +230,8 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
+        trace = tracing.metadata(getattr(req, "span", None))  # its trace, on every worker call
+        leg.trace = {"metadata": trace} if trace else {}
         leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
         leg.local = self.options.colocated or self._prefill_here(prompt, leg)
         self.pool.note_started(0 if leg.local else len(prompt))  # the planner's demand
@@ -252,7 +258,9 @@ class Legs:
         leg.reserved_ns = unix_ns()
         self.remember(leg, prompt)  # held there once its KV is in (or prefilled there)
         leg.stream_call = leg.decode.stub.Stream(
-            worker_pb2.StreamRequest(request_id=leg.request_id), timeout=left(deadline)
+            worker_pb2.StreamRequest(request_id=leg.request_id),
+            timeout=left(deadline),
+            **leg.trace,
         )
         with req.lock:
             req.leg = leg
@@ -524,7 +532,7 @@ class Legs:
         have reserved anyway, so the reservation is aborted until the worker answers."""
         leg.reserving = worker
         leg.reserve_call = worker.stub.Reserve.future(
-            request, timeout=min(self.options.rpc_timeout_s, left(deadline))
+            request, timeout=min(self.options.rpc_timeout_s, left(deadline)), **leg.trace
         )
         self.open.add(worker, leg)
         try:
@@ -633,6 +641,7 @@ class Legs:
                 reservation=leg.reservation,
             ),
             timeout=left(deadline),
+            **leg.trace,
         )
         self.open.add(worker, leg)
         try:

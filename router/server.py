@@ -29,7 +29,7 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.planner.live import PlannerLoop
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.planner.policy import PlannerConfig
-from pdserve.protos import keepalive
+from pdserve.protos import keepalive, tracing
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSConfig
 from pdserve.router.capture import TraceCapture
@@ -73,6 +73,12 @@ class RouterConfig:
     # (router/capture.py), rotated past capture_max_bytes; None: no capture
     capture_trace: str | None = None
     capture_max_bytes: int = 256 << 20
+    # OpenTelemetry: spans to this OTLP endpoint (else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; None
+    # and unset: off), sampled at this ratio of new traces (protos/tracing.py); trace_exporter:
+    # an OpenTelemetry SpanExporter instead of the endpoint (tests)
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
+    trace_exporter: object | None = field(default=None, repr=False)
     # worker health (router/pool.py): silent (no Stats answer, no heartbeat) worker_down_s, it
     # gets no new work (down) until it answers; silent worker_silence_s, it is dead and its calls
     # resume elsewhere. An engine stuck in one loop turn for max(worker_stall_s,
@@ -130,6 +136,11 @@ class RouterConfig:
             raise ValueError(
                 f"RouterConfig.console_stats_interval_s must be >= 0 (0: no console line), got "
                 f"{self.console_stats_interval_s}"
+            )
+        if not 0 <= self.trace_sample_ratio <= 1:
+            raise ValueError(
+                f"RouterConfig.trace_sample_ratio must be within [0, 1], got "
+                f"{self.trace_sample_ratio}"
             )
         if self.capture_max_bytes < 1:
             raise ValueError(
@@ -239,6 +250,7 @@ class Router:
         self.metrics_registry = CollectorRegistry(auto_describe=True)
         self.metrics: RouterMetrics | None = None  # router/metrics.py, on metrics_registry
         self.console: ConsoleStats | None = None  # router/console.py
+        self.tracing = None  # protos/tracing.py Tracing (None: off)
 
     def start(self) -> Router:
         from pdserve.router.openai.connections import raise_fd_limit
@@ -250,8 +262,7 @@ class Router:
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
             self._start_service(options, tokenizer)
-            if cfg.capture_trace is not None:  # before the first request can finish
-                self.servicer.capture = TraceCapture(cfg.capture_trace, cfg.capture_max_bytes)
+            self._start_recording()
             self._server = self._grpc_server(options)
             pdserve_pb2_grpc.add_PDServeServicer_to_server(self.servicer, self._server)
             self.reconciler = Reconciler(
@@ -315,6 +326,19 @@ class Router:
             list(cfg.decode_addresses),
         )
         return self
+
+    def _start_recording(self) -> None:
+        """The request spans (protos/tracing.py) and the traffic capture (router/capture.py),
+        before the first request can arrive; each off unless configured."""
+        cfg = self.config
+        self.servicer.tracing = self.tracing = tracing.setup(
+            "pdserve-router",
+            cfg.otlp_traces_endpoint,
+            cfg.trace_sample_ratio,
+            exporter=cfg.trace_exporter,
+        )
+        if cfg.capture_trace is not None:
+            self.servicer.capture = TraceCapture(cfg.capture_trace, cfg.capture_max_bytes)
 
     def _start_service(self, options: ServiceOptions, tokenizer) -> None:
         """The worker pool (started), the metrics on the router's registry, and the PDServe
@@ -471,6 +495,9 @@ class Router:
             if self.servicer.capture is not None:  # what finished before the stop is written
                 self.servicer.capture.close()
                 self.servicer.capture = None
+        if self.tracing is not None:  # the spans of the calls that ended go out
+            self.tracing.close()
+            self.tracing = None
         for name in ("_executor", "_prefill_executor"):  # grpc does not own them
             executor = getattr(self, name)
             if executor is not None:

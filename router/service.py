@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.planner.local_prefill import LocalPrefill
+from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -137,6 +138,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.legs = Legs(pool, executor, options)
         self.metrics = metrics  # router/metrics.py RouterMetrics: every request's figures
         self.capture = None  # router/capture.py TraceCapture, when the deployment records traffic
+        self.tracing = None  # protos/tracing.py Tracing: the router's spans (None: off)
         if metrics is not None:
             self.legs.on_tokens = metrics.on_tokens
             self.legs.on_local = metrics.local_prefills.inc
@@ -198,6 +200,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         key = (context.peer(), rid)
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
         self._admit(key, call, context)
+        if self.tracing is not None:
+            call.span = self._start_span(call, context)
         context.add_callback(lambda: self._on_rpc_end(call))
         try:
             yield from self._run(call, context)
@@ -205,6 +209,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             with self._lock:
                 if self._inflight.get(key) is call:
                     del self._inflight[key]
+            if call.span is not None:  # not ended by a finish or a failure: the client left
+                self._end_span(call, error="the client cancelled or went away")
 
     def _admit(self, key: tuple[str, str], call: ClientCall, context) -> None:
         rid = key[1]
@@ -232,17 +238,66 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         if finish is None:  # the client left
             return
         total = request_finish(finish, call.finishes)
+        if call.span is not None:
+            self._end_span(call, total)
         if self.metrics is not None:
             self.metrics.observe_finish(total, call, call.legs[0], unix_ns())
         if self.capture is not None:  # router/capture.py: a line of the replayable trace
             self.capture.record(call.queued_ns, call.prompt, total.usage.completion_tokens)
         yield pdserve_pb2.GenerateResponse(request_id=call.request_id, finish=finish)
 
+    def _start_span(self, call: ClientCall, context):
+        """The request's span (vLLM's `llm_request`, gen_ai.* attributes), continuing the
+        client's trace when its metadata carries a valid traceparent (protos/tracing.py)."""
+        s = call.sampling
+        return self.tracing.start(
+            "llm_request",
+            tracing.extract(context.invocation_metadata()),
+            call.queued_ns,
+            {
+                "gen_ai.request.id": call.request_id,
+                "gen_ai.response.model": self.options.model_id,
+                "gen_ai.request.max_tokens": s.max_tokens,
+                "gen_ai.request.temperature": s.temperature,
+                "gen_ai.request.top_p": s.top_p,
+                "gen_ai.request.n": call.n,
+                "gen_ai.usage.prompt_tokens": len(call.prompt),
+            },
+            server=True,
+        )
+
+    def _end_span(self, call: ClientCall, finish=None, error: str | None = None) -> None:
+        """Ends the request's span with what its Finish says: the true TTFT and end-to-end time
+        (seen by the router, the one process that sees every hop), the workers, the tokens."""
+        span, call.span = call.span, None
+        attrs = {}
+        if finish is not None:
+            t, now = finish.timings, unix_ns()
+            first = t.first_token_unix_ns or call.first_token_ns
+            attrs = {
+                "gen_ai.usage.completion_tokens": finish.usage.completion_tokens,
+                "gen_ai.usage.cached_prompt_tokens": finish.usage.cached_prompt_tokens,
+                "gen_ai.latency.time_to_first_token": (first - call.queued_ns) / 1e9
+                if first
+                else None,
+                "gen_ai.latency.e2e": (now - call.queued_ns) / 1e9,
+                "gen_ai.latency.time_in_queue": (t.reserved_unix_ns - call.queued_ns) / 1e9
+                if t.reserved_unix_ns
+                else None,
+                "pdserve.finish_reason": finish.finish_reason,
+                "pdserve.prefill_worker": t.prefill_worker,
+                "pdserve.decode_worker": t.decode_worker,
+                "pdserve.resumes": call.num_resumes,
+            }
+        tracing.end(span, attributes=attrs, error=error)
+
     def _fail(self, call: ClientCall, failure: CallFailed, context):
         """Ends the call with the status its failure maps to (the call let go of its workers)."""
         if self.metrics is not None:
             self.metrics.observe_unfinished("error")
         error, who = failure.error, failure.who
+        if call.span is not None:
+            self._end_span(call, error=f"the {who} failed: {getattr(error, 'details', str)()}")
         if error is None:
             context.abort(grpc.StatusCode.INTERNAL, f"the {who} stream ended without a final event")
         if isinstance(error, RouterStatus):  # already says what happened

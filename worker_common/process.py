@@ -75,6 +75,12 @@ class WorkerConfig:
     # router's Registry too. INSECURE: no check (in-process setups and tests)
     security: ClusterSecurity = field(default=INSECURE)
     deployment_id: str = ""  # sent with Register; the router refuses another deployment's workers
+    # OpenTelemetry (protos/tracing.py): this worker's spans to this OTLP endpoint (else
+    # $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; None and unset: off); trace_exporter: a SpanExporter
+    # instead (tests)
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
+    trace_exporter: object | None = field(default=None, repr=False)
 
 
 class Part(Protocol):

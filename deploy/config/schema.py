@@ -485,7 +485,8 @@ class ObservabilitySettings(_Frozen):
     level on the console (unset: PDSERVE_LOG_LEVEL, else info); log_format: text lines, or one
     JSON object a line for log shippers; stats_interval_s: the router's lines per pool every this
     many seconds (router/console.py; 0: none); capture_trace: live traffic recorded as a
-    replayable trace (router/capture.py)."""
+    replayable trace (router/capture.py); otlp_traces_endpoint: one OpenTelemetry trace per
+    request across every process (protos/tracing.py)."""
 
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     log_format: Literal["text", "json"] = "text"
@@ -495,6 +496,11 @@ class ObservabilitySettings(_Frozen):
     # rotated to FILE.1 past capture_max_mb
     capture_trace: str | None = None
     capture_max_mb: Annotated[int, Field(ge=1)] = 256
+    # OpenTelemetry (protos/tracing.py; the otel extra): every process's spans to this OTLP
+    # endpoint (unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off), new traces sampled at
+    # trace_sample_ratio (a client's traceparent decides for its own)
+    otlp_traces_endpoint: Annotated[str, Field(min_length=1)] | None = None
+    trace_sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
 
 
 class DeployConfig(_Frozen):

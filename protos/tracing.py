@@ -1,0 +1,190 @@
+"""One OpenTelemetry trace per request across the deployment's processes (optional: the
+`otel` extra; without it, or without an endpoint, every call here is a no-op).
+
+Each component (the router, each prefill and decode worker) calls `setup` once at its start with
+its service name and the OTLP endpoint (`--otlp-traces-endpoint`, else
+`observability.otlp_traces_endpoint`, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; the protocol from
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc by default), and gets a Tracing of its own: a TracerProvider (resource:
+service.name, service.instance.id, pdserve.worker_id) with a batching exporter, so spans leave
+the process on the exporter's thread, never on a request's, and `close` flushes it as the
+component stops. Nothing is set globally: a router and its workers in one test process keep
+their own services apart.
+
+The context travels as W3C `traceparent`/`tracestate` in gRPC metadata: a client's on the
+router's Generate call (continued; a malformed one is ignored and a new trace starts, as the
+W3C spec says), the router's on every call it makes to a worker for the request (`metadata`).
+The router holds the request's span open from arrival to its end; the workers emit theirs after
+the fact, from the stamps they take anyway (the Timings fields), with those times, under the
+router's span (`emit`). So a span costs nothing on the engine's thread, and a worker that dies
+mid-request leaves the router's span to say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+log = logging.getLogger(__name__)
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+
+def available() -> bool:
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Tracing:
+    """One process component's spans (the router's, a worker's): its TracerProvider, whose
+    resource names the service; `close` flushes and stops its exporter."""
+
+    def __init__(self, provider, scope: str):
+        self.provider = provider
+        self.tracer = provider.get_tracer(scope)
+
+    def close(self) -> None:
+        self.provider.shutdown()
+
+    def flush(self, timeout_ms: int = 5000) -> None:
+        self.provider.force_flush(timeout_ms)
+
+    def start(self, name: str, parent=None, start_ns: int | None = None, attributes=None,
+              server: bool = False):  # fmt: skip
+        """An open span (end it with `end`). parent: a context from `extract`, or a span."""
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        if parent is not None and hasattr(parent, "get_span_context"):
+            parent = set_span_in_context(parent)
+        return self.tracer.start_span(
+            name,
+            context=parent,
+            kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
+            start_time=start_ns or None,
+            attributes=attributes,
+        )
+
+    def emit(self, name: str, parent, start_ns: int, end_ns: int, attributes=None):
+        """A span that already happened (start_ns..end_ns, unix ns), under `parent`; returns it
+        (a parent for more), or None when a stamp is missing."""
+        if not start_ns or not end_ns:
+            return None
+        span = self.start(name, parent, start_ns, attributes)
+        end(span, max(end_ns, start_ns))
+        return span
+
+
+def setup(
+    service: str,
+    endpoint: str | None = None,
+    sample_ratio: float = 1.0,
+    worker_id: str = "",
+    exporter=None,
+) -> Tracing | None:
+    """Tracing for `service` ("pdserve-router", "pdserve-prefill", "pdserve-decode"), exporting to
+    `endpoint` (else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); `exporter`: a SpanExporter instead
+    (tests). None (and one warning line when an endpoint was asked for) when tracing stays off."""
+    endpoint = endpoint or os.environ.get(ENDPOINT_ENV) or None
+    if endpoint is None and exporter is None:
+        return None
+    if not available():
+        log.warning(
+            "OTLP traces endpoint %s is set but OpenTelemetry's SDK is not installed "
+            "(pip install 'pdserve[otel]'): tracing is off",
+            endpoint,
+        )
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    if exporter is None:
+        exporter = _exporter(endpoint)
+        if exporter is None:
+            return None
+    resource = Resource.create(
+        {
+            "service.name": service,
+            "service.instance.id": uuid.uuid4().hex,
+            **({"pdserve.worker_id": worker_id} if worker_id else {}),
+        }
+    )
+    provider = TracerProvider(
+        resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+    )
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    log.info("tracing: %s exports spans to %s", service, endpoint or type(exporter).__name__)
+    return Tracing(provider, "pdserve." + service.removeprefix("pdserve-").replace("-", "_"))
+
+
+def _exporter(endpoint: str):
+    protocol = os.environ.get(PROTOCOL_ENV, "grpc").strip().lower()
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            insecure = endpoint.startswith("http://") or "://" not in endpoint
+            return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+        if protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            return OTLPSpanExporter(endpoint=endpoint)
+    except ImportError as e:
+        log.warning("OTLP %s exporter not installed (%s): tracing is off", protocol, e)
+        return None
+    log.warning("%s=%r is not grpc or http/protobuf: tracing is off", PROTOCOL_ENV, protocol)
+    return None
+
+
+# ---- the context on the wire ---------------------------------------------------------------------
+def extract(metadata) -> object | None:
+    """The trace context a call's metadata carries (grpc invocation_metadata(), (key, value)
+    pairs, or an HTTP header mapping), or None (none, malformed, or OpenTelemetry missing)."""
+    if metadata is None or not available():
+        return None
+    from opentelemetry.trace import get_current_span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    items = metadata.items() if hasattr(metadata, "items") else metadata
+    carrier = {k.lower(): v for k, v in items if k.lower() in TRACE_HEADERS}
+    if "traceparent" not in carrier:
+        return None
+    ctx = TraceContextTextMapPropagator().extract(carrier)
+    return ctx if get_current_span(ctx).get_span_context().is_valid else None
+
+
+def metadata(span) -> tuple[tuple[str, str], ...]:
+    """`span`'s context as gRPC metadata pairs for a call made on the request's behalf (() for
+    None)."""
+    if span is None:
+        return ()
+    from opentelemetry.trace import set_span_in_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(span))
+    return tuple(carrier.items())
+
+
+def end(span, end_ns: int | None = None, attributes=None, error: str | None = None) -> None:
+    """Ends `span` (None: nothing), with more attributes and an error status when given."""
+    if span is None:
+        return
+    if attributes:
+        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    if error:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end(end_time=end_ns or None)
+
+
+def event(span, name: str, attributes=None) -> None:
+    if span is not None:
+        span.add_event(name, attributes=attributes or {})
