@@ -197,6 +197,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             dataclasses.replace(
                 self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)
             ),
+            grant=res.endpoint.write_grant,
         )
         push = PushSink(
             request.request_id,
