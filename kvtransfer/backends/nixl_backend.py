@@ -290,10 +290,29 @@ def _mem_type(tensor: torch.Tensor) -> str:
     return "VRAM" if tensor.is_cuda else "DRAM"
 
 
-def _agent_config(nixl):
-    # no listener thread: NIXL's own metadata exchange is never opened; metadata travels only
-    # over the authenticated control server
-    return nixl.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False)
+UCX_ERROR_MODES = ("peer", "none")
+
+
+def _make_agent(nixl, name: str, ucx_error_handling: str = "none", progress: bool = False):
+    """A NIXL agent with the UCX backend. No listener thread: NIXL's own metadata exchange is
+    never opened, metadata travels only over the authenticated control server.
+
+    ucx_error_handling "none" (this backend's default) lets UCX use the same host's CMA
+    (process_vm_writev: one copy, no CPU on the receiving side) and RDMA between hosts, both
+    passive on the target, so neither agent runs a progress thread (NIXL's spins on a core); a dead
+    peer is left to this backend's own bounds (xfer_timeout_s). "peer" (NIXL's default) has UCX
+    detect a failed peer, which only its network transports can: between two hosts without RDMA,
+    where a WRITE over TCP needs the receiver to progress, both agents then run the thread."""
+    if ucx_error_handling not in UCX_ERROR_MODES:
+        raise ValueError(
+            f"ucx_error_handling must be one of {UCX_ERROR_MODES}, got {ucx_error_handling!r}"
+        )
+    config = nixl.nixl_agent_config(
+        enable_prog_thread=progress, enable_listen_thread=False, backends=[]
+    )
+    agent = nixl.nixl_agent(name, config)
+    agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})
+    return agent
 
 
 # ---- the receiving side ---------------------------------------------------------------------------
@@ -362,6 +381,7 @@ class NixlServer(TransportServer):
         handler: FrameHandler,
         kv_caches: list[torch.Tensor] | torch.Tensor,
         grants: Grants | None = None,
+        ucx_error_handling: str = "none",
         *,
         security: ClusterSecurity = INSECURE,
         **grpc_opts,
@@ -384,7 +404,9 @@ class NixlServer(TransportServer):
         self.grants = grants or Grants()
         self.kv_caches = caches
         self.agent_name = f"pdserve-kv-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._agent = nixl.nixl_agent(self.agent_name, _agent_config(nixl))
+        self._agent = _make_agent(
+            nixl, self.agent_name, ucx_error_handling, progress=ucx_error_handling == "peer"
+        )
         self._regs = [self._agent.register_memory([c]) for c in caches]
         self.metadata = msgpack.packb(
             {
@@ -395,6 +417,7 @@ class NixlServer(TransportServer):
                 "mem": _mem_type(caches[0]),
                 "devices": [c.device.index or 0 for c in caches],
                 "xfer_timeout_s": self.grants.xfer_timeout_s,
+                "ucx_error_handling": ucx_error_handling,
             }
         )
         try:
@@ -438,33 +461,38 @@ class NixlServer(TransportServer):
 # ---- the sending side -----------------------------------------------------------------------------
 
 _local = threading.Lock()
-_agent = None  # this process's sending agent, made at the first transport
-_remotes: dict[str, int] = {}  # remote agent name -> transports using it
+_agents: dict[str, object] = {}  # this process's sending agents, by UCX error mode
+_remotes: dict[tuple[int, str], int] = {}  # (sending agent, remote agent name) -> its transports
 
 
-def _sending_agent(nixl):
-    global _agent
+def _sending_agent(nixl, ucx_error_handling: str):
+    """This process's sending agent for that UCX error mode (made at its first transport)."""
     with _local:
-        if _agent is None:
+        agent = _agents.get(ucx_error_handling)
+        if agent is None:
             name = f"pdserve-send-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            _agent = nixl.nixl_agent(name, _agent_config(nixl))
-        return _agent
+            agent = _agents[ucx_error_handling] = _make_agent(
+                nixl, name, ucx_error_handling, progress=ucx_error_handling == "peer"
+            )
+        return agent
 
 
 def _add_remote(agent, name: str, metadata: bytes) -> None:
+    key = (id(agent), name)
     with _local:
-        if _remotes.get(name, 0) == 0:
+        if _remotes.get(key, 0) == 0:
             agent.add_remote_agent(metadata)
-        _remotes[name] = _remotes.get(name, 0) + 1
+        _remotes[key] = _remotes.get(key, 0) + 1
 
 
 def _drop_remote(agent, name: str) -> None:
+    key = (id(agent), name)
     with _local:
-        left = _remotes.get(name, 0) - 1
+        left = _remotes.get(key, 0) - 1
         if left > 0:
-            _remotes[name] = left
+            _remotes[key] = left
             return
-        _remotes.pop(name, None)
+        _remotes.pop(key, None)
         try:
             agent.remove_remote_agent(name)
         except Exception as e:  # already gone
@@ -499,7 +527,8 @@ class NixlTransport(Transport):
 
     One sending NIXL agent per process is shared by its transports. `send` of a "kv" chunk claims
     the request's reservation at its first chunk (one control call), then posts the chunk's WRITE
-    and returns; the WRITE runs meanwhile (the UCX progress thread). Its in-place header is sent
+    and returns; checking a WRITE's state progresses it (each send checks the earlier ones; with
+    ucx_error_handling "peer", UCX's progress thread runs them too). Its in-place header is sent
     after it is DONE, with the request's commit or abort (which wait for all of its WRITEs, at most
     xfer_timeout_s) or at `flush`. max_inflight_bytes bounds the chunk bytes of posted WRITEs
     (`send` waits for the oldest beyond it).
@@ -523,7 +552,8 @@ class NixlTransport(Transport):
         self._control = GrpcTransport(control, timeout=timeout, security=security, **grpc_opts)
         try:
             meta = self._fetch_metadata()
-            self._agent = _sending_agent(nixl)
+            # the receiver's UCX error mode: both ends of an endpoint must agree on it
+            self._agent = _sending_agent(nixl, meta.get("ucx_error_handling", "peer"))
             _add_remote(self._agent, self.remote_name, meta["agent"])
         except BaseException:
             self._control.close()
@@ -549,6 +579,8 @@ class NixlTransport(Transport):
                 raise ValueError("shape, pools or dtype")
             if not isinstance(meta["agent"], bytes) or meta["mem"] not in ("DRAM", "VRAM"):
                 raise ValueError("agent or mem")
+            if meta.get("ucx_error_handling", "peer") not in UCX_ERROR_MODES:
+                raise ValueError("ucx_error_handling")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConnectionError(f"the nixl KV server sent bad metadata ({e})") from None
         self.shape, self.dtype, self.pools, self.mem = shape, dtype, pools, meta["mem"]
@@ -622,6 +654,9 @@ class NixlTransport(Transport):
                 out.error = f"the write window of request {header.request_id}'s claim ended"
                 raise TimeoutError(out.error)
             try:
+                self._settle(out, wait=False)  # checking a WRITE progresses the ones in flight
+                if out.error is not None:
+                    raise ConnectionError(out.error)
                 self._post(header, data, dest, out)
             except Exception as e:
                 out.error = f"a KV write of request {header.request_id} failed: {e}"
@@ -716,11 +751,13 @@ class NixlTransport(Transport):
         while out.writes and (upto is None or done < upto):
             write = out.writes[0]
             state = self._agent.check_xfer_state(write.handle)
+            polls = 0
             while wait and state == "PROC":
                 if time.monotonic() - write.posted > self._xfer_timeout:
                     state = "TIMEOUT"
                     break
-                time.sleep(0.0002)
+                polls += 1  # each check progresses UCX; past the first ones, yield the core
+                time.sleep(0 if polls < 100 else 0.0002)
                 state = self._agent.check_xfer_state(write.handle)
             if state == "PROC":
                 return
@@ -821,9 +858,22 @@ def _descriptors(
         slot = ((layer * 2 + kv) * num_blocks + blocks) * bs + (t0 - idx * bs)
         dst = dst_base + slot * tok + head_offset * head_dim * itemsize
         src = src_base + (kv * ntok + (t0 - start)) * part
-        local.append(np.stack([src, lens, np.zeros_like(lens)], axis=1))
-        remote.append(np.stack([dst, lens, np.full_like(lens, device)], axis=1))
+        src, dst, run = _merge_runs(src, dst, lens)
+        local.append(np.stack([src, run, np.zeros_like(run)], axis=1))
+        remote.append(np.stack([dst, run, np.full_like(run, device)], axis=1))
     return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
+
+
+def _merge_runs(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
+    """Adjacent descriptors that continue each other on both sides become one (consecutive
+    block ids make one long copy; on one host each descriptor is a system call)."""
+    if len(lens) < 2:
+        return src, dst, lens
+    joins = (src[:-1] + lens[:-1] == src[1:]) & (dst[:-1] + lens[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    ends = np.concatenate((starts[1:], [len(lens)]))
+    total = np.concatenate(([0], np.cumsum(lens)))
+    return src[starts], dst[starts], total[ends] - total[starts]
 
 
 __all__ = [

@@ -150,12 +150,12 @@ def apply(descs_local, descs_remote, src: bytes, dst: bytearray) -> None:
     "start,end,head_lo,head_hi,tp",
     [(0, 13, 0, 4, 1), (5, 11, 0, 4, 1), (3, 9, 0, 4, 2), (2, 14, 1, 3, 2), (0, 4, 2, 4, 1)],
 )
-def test_descriptors_move_what_write_chunk_writes(start, end, head_lo, head_hi, tp):
+@pytest.mark.parametrize("block_ids", [[7, 2, 5, 0], [2, 3, 4, 8]])  # scattered; a run of three
+def test_descriptors_move_what_write_chunk_writes(start, end, head_lo, head_hi, tp, block_ids):
     """The descriptors of a chunk into each receiving rank's pool, applied as copies, give the
     pool write_chunk gives: the same blocks, tokens and heads, nothing else touched."""
     layers, heads, dim, bs, blocks = 2, 4, 3, 4, 9
     layout = KVLayout("m", "float32", layers, heads, dim, bs)
-    block_ids = [7, 2, 5, 0]
     data = torch.randn(2, end - start, head_hi - head_lo, dim)
     header = ChunkHeader("r", layout.fingerprint, 1, start, end, head_lo, head_hi, dim, "float32")
     hpr = heads // tp
@@ -176,10 +176,14 @@ def test_descriptors_move_what_write_chunk_writes(start, end, head_lo, head_hi, 
         assert torch.equal(got_t, want)
 
 
-def test_whole_rank_chunks_move_one_descriptor_per_block():
-    local, remote = _descriptors(0, 0, 0, (3, 1, 2), 2, 10, (1, 2, 4, 4, 2, 3), 4)
+def test_whole_rank_chunks_move_one_descriptor_per_block_run():
+    """One descriptor per (K or V, block), and one per run of consecutive blocks."""
+    shape = (1, 2, 8, 4, 2, 3)
+    local, remote = _descriptors(0, 0, 0, (3, 0, 6), 2, 10, shape, 4)
     assert local.shape == remote.shape == (2 * 3, 3)  # K and V of 3 blocks
     assert np.array_equal(local[:, 1], remote[:, 1])
+    local, remote = _descriptors(0, 0, 0, (4, 5, 6), 2, 10, shape, 4)
+    assert local.shape == (2, 3) and list(local[:, 1]) == [8 * 2 * 3 * 4] * 2
 
 
 def test_config_check_names_the_extra_without_nixl(tmp_path, monkeypatch):
