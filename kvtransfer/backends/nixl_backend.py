@@ -128,7 +128,8 @@ class _Grant:
     token: str
     block_ids: tuple[int, ...]
     live: bool = True  # the reservation holds (not committed, aborted or expired)
-    claimed_at: float | None = None  # time.monotonic() of the claim: a transfer may write
+    claimed_at: float | None = None  # time.monotonic() of the last claim: a transfer may write
+    claimants: set[str] = field(default_factory=set)  # the sending agents that claimed it
     over: bool = False  # the sender's commit or abort arrived: no write of it is left
     on_over: Callable[[], None] | None = None  # the reservation ended while its claim may write
     refused: int = 0
@@ -173,8 +174,13 @@ class Grants:
         self.num_refused += 1
         return GrantRefused(why)
 
-    def claim(self, request_id: str, token: str, block_ids) -> float:
-        """The write window in seconds; GrantRefused says what does not match."""
+    def claim(self, request_id: str, token: str, block_ids, agent: str = "") -> float:
+        """The write window in seconds; GrantRefused says what does not match.
+
+        `agent`: the sending NIXL agent. A second claim by the same agent is a replay; one by
+        another agent is the router retrying the prefill on another worker into the same
+        reservation, and is taken: the first worker may still be writing, so from then on only
+        the bound of the latest claim (not a sender's last frame) ends a hold."""
         with self._lock:
             grant = self._grants.get(request_id)
             if grant is None or not _same(grant.token, token):
@@ -186,7 +192,7 @@ class Grants:
                 raise self._refuse(
                     f"the reservation of request {request_id[:64]!r} has ended (replayed grant)"
                 )
-            if grant.claimed_at is not None:
+            if agent in grant.claimants or (grant.claimed_at is not None and not agent):
                 raise self._refuse(
                     f"the write grant of request {request_id[:64]!r} was claimed already "
                     f"(replayed grant)"
@@ -198,6 +204,7 @@ class Grants:
                     f"claim's block ids differ"
                 )
             grant.claimed_at = time.monotonic()
+            grant.claimants.add(agent)
             return self.window_s
 
     def check(self, header: ChunkHeader) -> str | None:
@@ -214,7 +221,8 @@ class Grants:
             if header.kind == "kv" and header.in_place and grant.claimed_at is None:
                 self.num_refused += 1
                 return "an in-place KV frame for a reservation no sender claimed"
-            if header.kind in ("commit", "abort"):
+            if header.kind in ("commit", "abort") and len(grant.claimants) <= 1:
+                # with two claimants, whose last word this is cannot be told: the bound decides
                 grant.over = True
                 if not grant.live:
                     del self._grants[header.request_id]
@@ -336,18 +344,18 @@ class NixlControlServer(GrpcServer):
 
     def _claim(self, request: bytes, context) -> bytes:
         try:
-            request_id, token, block_ids = parse_claim(request)
+            request_id, token, block_ids, agent = parse_claim(request)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlClaim: {e}")
         try:
-            window_s = self._owner.grants.claim(request_id, token, block_ids)
+            window_s = self._owner.grants.claim(request_id, token, block_ids, agent)
         except GrantRefused as e:
             log.warning("refused a KV write claim: %s", e)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return msgpack.packb({"window_s": window_s})
 
 
-def parse_claim(request: bytes) -> tuple[str, str, list[int]]:
+def parse_claim(request: bytes) -> tuple[str, str, list[int], str]:
     if len(request) > MAX_CLAIM_BYTES:
         raise ValueError(f"a claim has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
     try:
@@ -357,6 +365,9 @@ def parse_claim(request: bytes) -> tuple[str, str, list[int]]:
     if not isinstance(ask, dict):
         raise ValueError('send a msgpack map {"request_id": str, "grant": str, "block_ids": [int]}')
     rid, token, blocks = ask.get("request_id"), ask.get("grant"), ask.get("block_ids")
+    agent = ask.get("agent", "")
+    if not isinstance(agent, str) or len(agent) > 256:
+        raise ValueError('"agent" must be the sending NIXL agent\'s name, at most 256 characters')
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
         raise ValueError(f'"request_id" must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters')
     if not isinstance(token, str) or not 0 < len(token) <= 64:
@@ -367,7 +378,7 @@ def parse_claim(request: bytes) -> tuple[str, str, list[int]]:
         or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
     ):
         raise ValueError(f'"block_ids" must be a list of at most {MAX_BLOCKS} ints >= 0')
-    return rid, token, blocks
+    return rid, token, blocks, agent
 
 
 class NixlServer(TransportServer):
@@ -614,6 +625,7 @@ class NixlTransport(Transport):
                 "request_id": header.request_id,
                 "grant": dest.grant,
                 "block_ids": [int(b) for b in dest.block_ids],
+                "agent": self._agent.name,
             }
         )
         try:

@@ -47,6 +47,24 @@ def test_a_claim_must_match_a_live_reservation():
     assert grants.num_refused == 4
 
 
+def test_a_retry_from_another_sender_is_taken_and_held_to_the_bound():
+    """The router retries a prefill on another worker into the same reservation: that claim is
+    taken (the same agent's second claim is a replay), and since the first worker may still be
+    writing, a sender's last frame no longer ends a hold: only the bound does."""
+    grants = Grants()
+    token = grants.issue("r1", [1])
+    grants.claim("r1", token, [1], agent="prefill-a")
+    with pytest.raises(GrantRefused, match="claimed already"):
+        grants.claim("r1", token, [1], agent="prefill-a")
+    grants.claim("r1", token, [1], agent="prefill-b")
+    released = []
+    assert not grants.close("r1", lambda: released.append(1))
+    grants.check(ChunkHeader("r1", "f", kind="abort", grant=token))
+    assert not released
+    grants.release_bound_s = 0.0
+    assert grants.due() == 1 and released == [1]
+
+
 def test_a_grant_of_an_ended_reservation_is_refused():
     grants = Grants()
     token = grants.issue("r1", [1])
