@@ -177,10 +177,12 @@ class Grants:
     def claim(self, request_id: str, token: str, block_ids, agent: str = "") -> float:
         """The write window in seconds; GrantRefused says what does not match.
 
-        `agent`: the sending NIXL agent. A second claim by the same agent is a replay; one by
-        another agent is the router retrying the prefill on another worker into the same
-        reservation, and is taken: the first worker may still be writing, so from then on only
-        the bound of the latest claim (not a sender's last frame) ends a hold."""
+        `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
+        router retries a failed prefill once into the same reservation. From the same agent,
+        that agent's earlier WRITEs are over (NixlTransport claims a request again only after
+        its earlier WRITEs ended); from another agent, the first may still be writing, so from
+        then on only the bound of the latest claim (not a sender's last frame) ends a hold. A
+        grant whose reservation ended is refused: the replay that matters."""
         with self._lock:
             grant = self._grants.get(request_id)
             if grant is None or not _same(grant.token, token):
@@ -191,11 +193,6 @@ class Grants:
             if not grant.live:
                 raise self._refuse(
                     f"the reservation of request {request_id[:64]!r} has ended (replayed grant)"
-                )
-            if agent in grant.claimants or (grant.claimed_at is not None and not agent):
-                raise self._refuse(
-                    f"the write grant of request {request_id[:64]!r} was claimed already "
-                    f"(replayed grant)"
                 )
             if tuple(block_ids) != grant.block_ids:
                 raise self._refuse(
@@ -747,13 +744,19 @@ class NixlTransport(Transport):
             self._settle(oldest, wait=True, upto=1)
 
     def _end(self, write: _Write) -> None:
+        """Release a WRITE (one still in progress is cancelled) and its source registrations;
+        a failure here is logged, never raised: the request has failed or ended already."""
         try:
-            write.handle.release()  # one still in progress is cancelled
-        finally:
-            for reg in write.regs:
+            write.handle.release()
+        except Exception as e:
+            log.warning("releasing a NIXL WRITE to %s: %r", self.remote_name, e)
+        for reg in write.regs:
+            try:
                 self._agent.deregister_memory(reg)
-            self._inflight -= sum(s.numel() * s.element_size() for s in write.sources)
-            self._inflight = max(0, self._inflight)
+            except Exception as e:
+                log.warning("deregistering a KV chunk: %r", e)
+        self._inflight -= sum(src.numel() * src.element_size() for src in write.sources)
+        self._inflight = max(0, self._inflight)
 
     def _settle(self, out: _Outgoing, wait: bool, upto: int | None = None) -> None:
         """Retire the request's WRITEs in order while they are DONE (waiting for each, up to

@@ -133,21 +133,25 @@ def test_a_claim_outside_the_reservation_is_refused(receiver):
 
 
 def test_a_replayed_grant_is_refused(receiver):
+    """A grant whose reservation ended (here committed) is refused to any sender, and a held one
+    (ended while a claim may write) too: nothing more is written."""
     dest = receiver.reserve("r1", [3, 5], 7)
     first = connect("nixl", receiver.server.address, security=SECURITY)
     second = connect("nixl", receiver.server.address, security=SECURITY)
     try:
         first.send(*chunk("r1", 0, 0, 7), dest)
-        before = receiver.pool.clone()
-        # the same grant claimed again while the first claim holds it
-        with pytest.raises(PermissionError, match="claimed already"):
-            second.send(*chunk("r1", 0, 0, 7), dest)
         first.send(commit("r1"), None, dest)
         first.flush(10)
         assert receiver.grants.close("r1", lambda: None)  # the hand-off does so at the commit
-        # and once the reservation is over
+        before = receiver.pool.clone()
         with pytest.raises(PermissionError, match="forged, or its reservation is gone"):
             second.send(*chunk("r1", 1, 0, 7), dest)
+        held = receiver.reserve("r2", [7, 8], 7)
+        first.send(*chunk("r2", 0, 0, 7), held)
+        assert not receiver.grants.close("r2", lambda: None)  # aborted mid-claim: held
+        before = receiver.pool.clone()
+        with pytest.raises(PermissionError, match="has ended"):
+            second.send(*chunk("r2", 1, 0, 7), held)
         assert torch.equal(receiver.pool, before)
     finally:
         first.close()
