@@ -655,8 +655,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--backends",
         default=None,
-        help="comma-separated (default grpc,shm,torch, and nixl where NIXL is installed; with "
-        "--device cuda, grpc,torch)",
+        help="comma-separated, of grpc,shm,torch,nixl (default grpc,shm,torch; with --device "
+        "cuda, grpc,torch)",
     )
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
     ap.add_argument(
@@ -701,15 +701,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--modes: {m!r} is not one of {sorted(MODES)}")
     args.skipped = {}
     if args.backends is None:
-        from pdserve.deploy.config.schema import nixl_installed
-
-        args.backends = ["grpc", "shm", "torch"] + (["nixl"] if nixl_installed() else [])
+        args.backends = ["grpc", "shm", "torch"]
         if args.device == "cuda":
             args.backends.remove("shm")
             args.skipped["shm"] = SHM_ON_CUDA
-            if "nixl" in args.backends:  # its CUDA-pool path is the GPU issue's (issue 50, item 4)
-                args.backends.remove("nixl")
-                args.skipped["nixl"] = "this benchmark runs nixl between host pools only"
     else:
         args.backends = [b for b in args.backends.split(",") if b]
         for b in args.backends:
@@ -720,6 +715,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
                 if not nixl_installed():
                     ap.error("--backends nixl: NIXL is not installed (pip install 'pdserve[nixl]')")
+            if args.device == "cuda" and b == "nixl":
+                ap.error(
+                    "--backends nixl with --device cuda: this benchmark runs nixl between host "
+                    "pools only (its CUDA path is issue 50's item 4); leave it out"
+                )
             if args.device == "cuda" and b not in DEVICE_KINDS:
                 ap.error(f"--backends {b} with --device cuda: {SHM_ON_CUDA}; leave it out")
     if args.device == "cuda":
