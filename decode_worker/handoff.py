@@ -15,6 +15,13 @@ service (service.py) owns the gRPC calls and the token streams. Lifecycle of one
                         -> engine abort: blocks freed, the callback gets a finished "abort" output
 Every path ends either running in the engine or freed. Writes and aborts of one reservation take
 its lock, so blocks are never freed (and handed to someone else) mid-write.
+
+On the nixl backend the prefill worker writes into the blocks itself (one-sided WRITEs), so the
+hand-off also keeps the reservations' write grants (kvtransfer/backends/nixl_backend.py, Grants):
+Reserve issues one (the KVEndpoint carries it, `grant_for`), and a reservation that ends while a
+sender's claim may still write is held back: its blocks stay the engine's reservation, never
+handed to another request, until the sender's commit or abort arrives or the claim's bound
+passes; only then does the engine free them (`_release_held`).
 """
 
 from __future__ import annotations
@@ -86,9 +93,13 @@ class DecodeHandoff:
         *,
         lease_s: float = 10.0,  # a reservation's life without its commit (default for reserve)
         sweep_s: float = 0.1,  # how often the engine loop frees the expired ones
+        grants=None,
     ):
-        """rank_caches: every TP rank's KV pool (engine.rank_kv_caches()); None: tp=1."""
+        """rank_caches: every TP rank's KV pool (engine.rank_kv_caches()); None: tp=1. grants:
+        the nixl backend's write grants (its server shares them), None on the other backends."""
         self.loop = loop
+        self.grants = grants
+        self._held: set[str] = set()  # ended reservations whose blocks a WRITE may still reach
         self.layout = layout
         self.rank_caches = rank_caches
         self.lease_s = lease_s
@@ -123,6 +134,12 @@ class DecodeHandoff:
 
         def reserve():
             res = self.loop.engine.reserve(request_id, prompt_token_ids, params)
+            if self.grants is not None:
+                try:
+                    self.grants.issue(request_id, res.block_ids)
+                except ValueError:
+                    self.loop.engine.abort(request_id)
+                    raise
             receiver = WorkerReceiver(
                 request_id,
                 self.rank_caches or [self.loop.engine.kv_cache],
@@ -152,9 +169,18 @@ class DecodeHandoff:
             return True
         return self.loop.abort(request_id, reason)
 
+    def grant_for(self, request_id: str) -> str:
+        """The reservation's write grant for its KVEndpoint ("" off the nixl backend)."""
+        return self.grants.token(request_id) if self.grants is not None else ""
+
     @property
     def num_reserved(self) -> int:
-        return len(self._entries)
+        """Reservations held: waiting for their KV, or ended and held back (nixl)."""
+        return len(self._entries) + len(self._held)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     # ---- data plane (transport threads) ---------------------------------------------------------
     def on_frame(self, header, payload) -> None:
@@ -186,6 +212,8 @@ class DecodeHandoff:
             return
         with entry.lock:
             entry.closed = True
+        if self.grants is not None:  # the commit was the sender's last word: nothing is held
+            self.grants.close(request_id, lambda: None)
         first_tokens = list(entry.receiver.first_tokens)
         logprobs = list(entry.receiver.first_logprobs) if entry.logprobs else []
         try:
@@ -232,12 +260,31 @@ class DecodeHandoff:
         with entry.lock:  # waits out a write in progress
             entry.closed = True
         self.num_expired += expired  # before the callback: whoever it wakes sees the count
-        self.loop.engine.abort(request_id)
-        log.info("reservation %s freed: %s", request_id, reason)
+        if self.grants is None or self.grants.close(
+            request_id, lambda: self.loop.submit(self._release_held, request_id)
+        ):
+            self.loop.engine.abort(request_id)
+            log.info("reservation %s freed: %s", request_id, reason)
+        else:
+            self._held.add(request_id)
+            log.info(
+                "reservation %s ended (%s); its blocks are held until its KV writes are over",
+                request_id,
+                reason,
+            )
         entry.on_output(RequestOutput.aborted(request_id, reason))
         return True
 
+    def _release_held(self, request_id: str) -> None:
+        """The held reservation's writes are over: the engine frees its blocks (loop thread)."""
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self.loop.engine.abort(request_id)
+            log.info("held reservation %s freed: its KV writes are over", request_id)
+
     def _expire(self) -> None:
+        if self.grants is not None:
+            self.grants.due()
         now = time.monotonic()
         late = [rid for rid, e in list(self._entries.items()) if now > e.deadline]
         for rid in late:

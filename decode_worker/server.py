@@ -69,14 +69,21 @@ class DecodePart:
         cfg = self.cfg
         self.layout = KVLayout(**engine.kv_layout_spec())
         rank_caches = engine.rank_kv_caches()
+        kv_options = dict(cfg.kv_options)
+        grants = None
+        if cfg.kv_backend == "nixl":  # the hand-off and the server share the write grants
+            from pdserve.kvtransfer.backends.nixl_backend import Grants
+
+            grants = Grants(**kv_options.pop("grants", {}))
+            kv_options.update(kv_caches=rank_caches, grants=grants)
         self.handoff = DecodeHandoff(
             worker.loop,
             self.layout,
             lease_s=cfg.lease_ms / 1000,
             sweep_s=cfg.lease_sweep_s,
             rank_caches=rank_caches,
+            grants=grants,
         )
-        kv_options = dict(cfg.kv_options)
         if cfg.kv_backend == "shm":
             kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
         self._kv_server = serve(

@@ -153,6 +153,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             address=self.options.kv_address,
             layout_fingerprint=self.handoff.layout.fingerprint,
             tp_size=self.options.tp_size,
+            write_grant=self.handoff.grant_for(rid),
         )
         return worker_pb2.ReserveResponse(
             request_id=rid,

@@ -6,6 +6,7 @@ the order they were sent, so a request's "commit" always follows its KV. Backend
   shm    same host: KV is written straight into the decode worker's KV pool, which lives in shared
          memory; only the headers travel
   torch  torch.distributed send/recv over a process group of the two ranks (gloo on CPU, nccl on GPU)
+  nixl   one-sided NIXL WRITEs into the decode worker's registered KV pool, the headers on gRPC
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def refusal(request_id: str, reason: str) -> tuple[ChunkHeader, RefusedFrame]:
 
 @dataclass(frozen=True)
 class Destination:
-    """Where a request's KV goes on one decode rank (from its reservation)."""
+    """Where a request's KV goes on one decode rank (from its reservation). grant: the
+    reservation's write grant (KVEndpoint.write_grant; nixl only): what the receiver checks every
+    write and frame of the request against."""
 
     block_ids: list[int]
     layout: KVLayout
+    grant: str = ""
 
 
 class Transport(ABC):

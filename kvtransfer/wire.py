@@ -28,6 +28,7 @@ _LEN = struct.Struct("<I")
 MAX_REQUEST_ID_CHARS = MAX_ID_CHARS  # what the router accepts as a request_id
 MAX_FINGERPRINT_CHARS = 64
 MAX_DTYPE_CHARS = 32
+MAX_GRANT_CHARS = 64
 MAX_HEADER_BYTES = 4096  # a legal header is well under 2 KiB
 MAX_INDEX = 1 << 31  # layers, tokens, heads, head_dim
 _INT64 = 1 << 63
@@ -70,6 +71,9 @@ class ChunkHeader:
     first_tokens: tuple[int, ...] = ()
     # "commit" only, when the request asked for logprobs: the first tokens' logprobs, in order
     first_logprobs: tuple[float, ...] = ()
+    # nixl only: the write grant of the reservation (its KVEndpoint.write_grant), on every frame;
+    # empty elsewhere, and then left out of the encoded header
+    grant: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -82,7 +86,11 @@ class ChunkHeader:
                 f"frame request_id must be a string of 1 to {MAX_REQUEST_ID_CHARS} "
                 f"characters, got {_describe(self.request_id)}"
             )
-        for name, limit in (("fingerprint", MAX_FINGERPRINT_CHARS), ("dtype", MAX_DTYPE_CHARS)):
+        for name, limit in (
+            ("fingerprint", MAX_FINGERPRINT_CHARS),
+            ("dtype", MAX_DTYPE_CHARS),
+            ("grant", MAX_GRANT_CHARS),
+        ):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > limit:
                 raise WireError(
@@ -143,7 +151,10 @@ def encode_frame(
     header: ChunkHeader, payload: bytes | memoryview = b""
 ) -> list[bytes | memoryview]:
     """Pieces to write in order (no copy of the payload)."""
-    head = msgpack.packb(asdict(header))
+    fields = asdict(header)
+    if not fields["grant"]:  # only nixl frames carry one; the others' headers stay as they were
+        del fields["grant"]
+    head = msgpack.packb(fields)
     return [_LEN.pack(len(head)), head, payload]
 
 

@@ -235,6 +235,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             dataclasses.replace(
                 self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)
             ),
+            grant=res.endpoint.write_grant,
         )
         push = PushSink(
             request.request_id,
@@ -391,6 +392,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _fail_transport(self, endpoint, transport, sink: GuardedSink, context, err: Exception):
         self._count(kv_transfer_failures=1)
         sink.abort()
+        if isinstance(err, PermissionError):
+            # the decode worker refused this request's write (nixl: its reservation is gone, or
+            # the grant is not its): the channel and the other requests on it are fine
+            context.abort(grpc.StatusCode.ABORTED, f"KV transfer to {endpoint.address}: {err}")
         with self._transports_lock:  # the next request to this endpoint opens a fresh channel
             if self._transports.get((endpoint.backend, endpoint.address)) is transport:
                 del self._transports[(endpoint.backend, endpoint.address)]

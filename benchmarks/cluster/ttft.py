@@ -195,6 +195,7 @@ class _Pipeline:
             dataclasses.replace(
                 self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)
             ),
+            grant=res.endpoint.write_grant,  # nixl's; empty on the other backends
         )
         return rid, res, dest
 

@@ -10,8 +10,14 @@ prefill engine sends it, and --requests requests go back to back. Each backend r
 transport (the decode handler drops the frames) and kvreceiver (a KVReceiver writes each chunk
 into the decode paged cache, as a decode worker does; the decode side then checks the cache
 against the sent KV byte for byte, and a difference fails the trial). The ceilings are a plain
-TCP socket (for grpc and torch) and a copy into shared memory (for shm); the targets are 50% of
-the ceiling in transport mode. `main` says how rounds are run and timed; the result is in
+TCP socket (for grpc and torch) and a copy into shared memory (for shm and nixl: both write into
+the decode pool from the prefill process); the targets are 50% of the ceiling in transport mode.
+--tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50 runs), and
+each row's median request latency is one prompt's whole hand-off, from its first layer sent to
+its commit handled: the TTFT a hand-off adds when no layer of it overlaps the prefill.
+
+nixl: the decode process issues a write grant per reservation (as a decode worker's Reserve
+does) and hands the grants to the prefill process through the parent with its "ready". `main` says how rounds are run and timed; the result is in
 BENCHMARKS.md, "KV transfer per backend".
 
 A pair is two processes started with the spawn context (decode_main, prefill_main): the decode
@@ -52,7 +58,8 @@ from benchmarks.bench_common import (
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 POOL_SLOTS = 4  # requests' worth of blocks in the decode pool, used in turn
-BACKENDS = ("grpc", "shm", "torch")  # the kinds that run a transport backend (the rest: ceilings)
+# the kinds that run a transport backend (the rest: ceilings); nixl runs where NIXL is installed
+BACKENDS = ("grpc", "shm", "torch", "nixl")
 DTYPES = {"float32": 4, "bfloat16": 2}  # the KV dtypes the benchmark runs, and their sizes
 DEVICE_KINDS = ("grpc", "torch")  # the kinds whose caches live on cfg["device"]
 SHM_ON_CUDA = (
@@ -281,8 +288,15 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
             if rx.on_frame(header, payload) in (TransferState.DONE, TransferState.FAILED):
                 finished(header.request_id)
 
+        grants = None
+        if kind == "nixl":  # a decode worker's grants: one per reservation, issued per trial
+            from pdserve.kvtransfer.backends.nixl_backend import Grants
+
+            grants = Grants()
         if kind in BACKENDS:
             opts = dict(kv_cache=cache, kv_path=path) if kind == "shm" else {}
+            if grants is not None:
+                opts = dict(kv_caches=[cache], grants=grants)
             server = serve(kind, handler, **opts, **cfg["server_opts"].get(kind, {}))
             conn.send({"address": server.address})
         elif kind == "tcp":
@@ -304,18 +318,17 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
             done_times.clear()
             all_done.clear()
             trial["null"] = msg["mode"] == "transport"
+            issued = {}
             for i in range(n):
                 rid = f"t{msg['trial']}-r{i}"
+                block_ids = slot_block_ids(i % POOL_SLOTS, blocks_per_request)
                 receivers[rid] = KVReceiver(
-                    rid,
-                    cache,
-                    make_layout(dtype_str),
-                    slot_block_ids(i % POOL_SLOTS, blocks_per_request),
-                    0,
-                    tokens,
+                    rid, cache, make_layout(dtype_str), block_ids, 0, tokens
                 )
+                if grants is not None:
+                    issued[rid] = grants.issue(rid, block_ids)
             cpu0, faults0 = time.process_time(), minor_faults()
-            conn.send("ready")
+            conn.send({"ready": True, "grants": issued} if grants is not None else "ready")
             if kind == "tcp":  # each request's bytes land in its pool slot, contiguous
                 for i in range(n):
                     base = (i % POOL_SLOTS) * request_bytes
@@ -344,6 +357,8 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
                     if rx.state != TransferState.DONE
                 ]
             )
+            for rid in issued:  # every reservation ended with its commit: nothing is held
+                grants.close(rid, lambda: None)
             conn.send(
                 {
                     "done_times": list(done_times.values()),
@@ -393,7 +408,7 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     chunks = source_chunks(tokens, dtype_str, kv_device(kind, cfg))
     address = conn.recv()
     transport = sock = shared = None
-    if kind in ("grpc", "shm", "torch"):
+    if kind in BACKENDS:
         transport = connect(kind, address, timeout=60.0, **cfg["connect_opts"].get(kind, {}))
     elif kind == "tcp":
         host, _, port = address.rpartition(":")
@@ -416,7 +431,11 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                 rid = f"t{msg['trial']}-r{i}"
                 starts.append(time.perf_counter())
                 if transport is not None:
-                    dest = Destination(slot_block_ids(i % POOL_SLOTS, blocks_per_request), layout)
+                    dest = Destination(
+                        slot_block_ids(i % POOL_SLOTS, blocks_per_request),
+                        layout,
+                        grant=msg.get("grants", {}).get(rid, ""),
+                    )
                     # the headers read_chunk would build for this request
                     send_request(transport, chunks, rid, dest, layout)
                 elif sock is not None:
@@ -440,7 +459,7 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
 
 
 TARGET_RATIO = 0.5
-CEILING_OF = {"grpc": "tcp", "torch": "tcp", "shm": "memcpy"}
+CEILING_OF = {"grpc": "tcp", "torch": "tcp", "shm": "memcpy", "nixl": "memcpy"}
 MODES = {
     "transport": "the decode handler drops the frames (shm: the KV is already in the paged pool)",
     "kvreceiver": "a KVReceiver writes the KV into the decode paged cache and takes the commit",
@@ -522,9 +541,11 @@ class Pair:
 
     def _trial(self, trial: int, mode: str | None) -> dict:
         self.rx.send({"trial": trial, "mode": mode})
-        assert _recv(self.rx, f"{self.kind} decode") == "ready"
+        ready = _recv(self.rx, f"{self.kind} decode")
+        assert ready == "ready" or ready["ready"], ready
+        grants = ready["grants"] if isinstance(ready, dict) else {}  # nixl: the write grants
         busy0, own0, t0 = busy_cpu_s(), os.times(), time.perf_counter()
-        self.tx.send({"trial": trial})
+        self.tx.send({"trial": trial, "grants": grants})
         sent = _recv(self.tx, f"{self.kind} prefill")
         got = _recv(self.rx, f"{self.kind} decode")
         wall = time.perf_counter() - t0
@@ -629,9 +650,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds (after 1 warm-up round)")
     ap.add_argument("--mib", type=float, default=16.0, help="MiB of KV per request")
     ap.add_argument(
+        "--tokens", type=int, default=None, help="prompt tokens per request (instead of --mib)"
+    )
+    ap.add_argument(
         "--backends",
         default=None,
-        help="comma-separated (default grpc,shm,torch; with --device cuda, grpc,torch)",
+        help="comma-separated, of grpc,shm,torch,nixl (default grpc,shm,torch; with --device "
+        "cuda, grpc,torch)",
     )
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
     ap.add_argument(
@@ -685,6 +710,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         for b in args.backends:
             if b not in CEILING_OF:
                 ap.error(f"--backends: {b!r} is not one of {sorted(CEILING_OF)}")
+            if b == "nixl":
+                from pdserve.deploy.config.schema import nixl_installed
+
+                if not nixl_installed():
+                    ap.error("--backends nixl: NIXL is not installed (pip install 'pdserve[nixl]')")
+            if args.device == "cuda" and b == "nixl":
+                ap.error(
+                    "--backends nixl with --device cuda: this benchmark runs nixl between host "
+                    "pools only (its CUDA path is issue 50's item 4); leave it out"
+                )
             if args.device == "cuda" and b not in DEVICE_KINDS:
                 ap.error(f"--backends {b} with --device cuda: {SHM_ON_CUDA}; leave it out")
     if args.device == "cuda":
@@ -770,7 +805,7 @@ def main(argv=None) -> int:
     cuda, backends = args.device == "cuda", args.backends
     for b, why in args.skipped.items():
         log(f"{b} skipped with --device {args.device}: {why}")
-    tokens = int(args.mib * (1 << 20)) // token_bytes(args.dtype)
+    tokens = args.tokens or int(args.mib * (1 << 20)) // token_bytes(args.dtype)
     cfg = {
         "tokens": tokens,
         "requests": args.requests,

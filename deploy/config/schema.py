@@ -13,7 +13,7 @@ paths.
     router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file),
                                              # metrics_keys_file (the /metrics scrape's own keys),
                                              # local_prefill
-    kvtransfer: {backend: grpc}
+    kvtransfer: {backend: grpc}   # or shm, torch, nixl (the `nixl` extra)
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
                                   # (dashboard: true turns on a local Ray's dashboard; bind:
                                   # loopback keeps a local Ray's ports on 127.0.0.1, the default)
@@ -424,8 +424,31 @@ class RouterSettings(_Frozen):
         return (), ""
 
 
+# the modules NIXL's PyPI packages install (nixl picks nixl-cu12 or nixl-cu13)
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL Python package is importable here (found, not imported: cheap)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in NIXL_MODULES)
+
+
 class KVTransferSettings(_Frozen):
-    backend: Literal["grpc", "shm", "torch"] = "grpc"
+    # nixl: one-sided NIXL WRITEs into the decode worker's KV pool (the `nixl` extra)
+    backend: Literal["grpc", "shm", "torch", "nixl"] = "grpc"
+
+    @field_validator("backend")
+    @classmethod
+    def _nixl_installed(cls, value: str) -> str:
+        if value == "nixl" and not nixl_installed():
+            raise ValueError(
+                "kvtransfer.backend 'nixl' needs NIXL, which is not installed: install the "
+                "extra (pip install 'pdserve[nixl]', or pip install nixl-cu12) on every "
+                "machine of the deployment, or choose grpc, shm or torch"
+            )
+        return value
 
 
 class RaySettings(_Frozen):

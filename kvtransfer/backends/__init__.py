@@ -7,6 +7,8 @@
     shm    same host; serve("shm", handler, kv_cache=..., kv_path=...) with the pool made by
            create_shared_kv_cache; the sender writes KV straight into it, headers ride gRPC
     torch  torch.distributed gloo point-to-point in a private group per sender (no default group)
+    nixl   one-sided NIXL WRITEs into the decode worker's registered pool; serve("nixl", handler,
+           kv_caches=[...]) with every TP rank's pool; needs the `nixl` extra (NIXL installed)
 
 security (protos.security.ClusterSecurity): the deployment's cluster secret; a server built with
 one refuses senders without it (grpc, shm: UNAUTHENTICATED before any handler runs; torch: an
@@ -29,7 +31,7 @@ from pdserve.kvtransfer.backends.shm_backend import (
 from pdserve.kvtransfer.transport import FrameHandler, Transport, TransportServer
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
-BACKENDS = ("grpc", "shm", "torch")
+BACKENDS = ("grpc", "shm", "torch", "nixl")
 
 
 def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
@@ -71,6 +73,7 @@ _CLASSES = {
     "grpc": ("grpc_backend", "GrpcServer", "GrpcTransport"),
     "shm": ("shm_backend", "ShmServer", "ShmTransport"),
     "torch": ("torch_backend", "TorchServer", "TorchTransport"),
+    "nixl": ("nixl_backend", "NixlServer", "NixlTransport"),
 }
 
 

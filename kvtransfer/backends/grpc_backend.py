@@ -109,7 +109,13 @@ class GrpcServer(TransportServer):
     anyone).
     """
 
-    accepts_in_place = False  # the shm backend's control server says True
+    accepts_in_place = False  # the shm and nixl backends' control servers say True
+
+    def extra_methods(self) -> dict:
+        """More unary methods of the service, name -> handler(request bytes, context) -> bytes,
+        with the identity (de)serializers and behind the same cluster-secret check (the nixl
+        backend's control server adds its own)."""
+        return {}
 
     def __init__(
         self,
@@ -142,6 +148,10 @@ class GrpcServer(TransportServer):
             {
                 "Push": grpc.stream_unary_rpc_method_handler(self._push),
                 "Flush": grpc.unary_unary_rpc_method_handler(self._flush),
+                **{
+                    name: grpc.unary_unary_rpc_method_handler(method)
+                    for name, method in self.extra_methods().items()
+                },
             },
         )
         self._server = grpc.server(

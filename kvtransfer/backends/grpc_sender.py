@@ -369,6 +369,11 @@ class GrpcTransport(Transport):
         with self._lock:  # frames are handled in order: the first `handled` are done
             stream.confirmed = max(stream.confirmed, min(handled, stream.sent))
 
+    def call(self, method: str, request: bytes, timeout: float) -> bytes:
+        """One unary call of another method of the server's service (`method` its full path) on
+        this transport's channel, carrying the cluster secret. grpc.RpcError as raised."""
+        return self._channel.unary_unary(method)(request, timeout=timeout)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

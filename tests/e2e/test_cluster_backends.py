@@ -5,8 +5,8 @@ fully free afterwards, and a client that cancels mid-stream has its KV freed on 
 1 s.
 
 SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1, shm
-1 -> 3 (both in float32: a quantized weight is split differently at another TP degree) and torch
-1 -> 1 in the default dtype. Each backend with a bf16 cache at equal and unequal TP, on a tiny
+1 -> 3 (both in float32: a quantized weight is split differently at another TP degree), nixl
+3 -> 1 where NIXL is installed, and torch 1 -> 1 in the default dtype. Each backend with a bf16 cache at equal and unequal TP, on a tiny
 model, is tests/integration/test_worker_backends_tp.py's; a case here costs ~35 s of CI.
 """
 
@@ -20,6 +20,7 @@ import pytest
 
 from helpers.ray_cluster import KV_BYTES, all_free, pool_spec
 from helpers.smollm2_prompts import PROMPTS
+from pdserve.deploy.config.schema import nixl_installed
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +89,19 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
 
 @pytest.mark.parametrize(
     "backend,prefill_tp,decode_tp",
-    [("torch", 1, 1), ("grpc", 3, 1), ("shm", 1, 3)],
+    [
+        ("torch", 1, 1),
+        ("grpc", 3, 1),
+        ("shm", 1, 3),
+        pytest.param(
+            "nixl",
+            3,
+            1,
+            marks=pytest.mark.skipif(
+                not nixl_installed(), reason="NIXL is not installed: pip install 'pdserve[nixl]'"
+            ),
+        ),
+    ],
 )
 def test_cluster_matches_engine_and_serves_concurrent_streams(
     ray_session, reference, backend, prefill_tp, decode_tp

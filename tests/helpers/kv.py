@@ -76,6 +76,12 @@ class DecodeSide:
         self.receivers: dict[str, KVReceiver] = {}
         self.frames: list[ChunkHeader] = []
         opts = dict(kv_cache=self.cache, kv_path=self.path) if backend == "shm" else {}
+        self.grants = None
+        if backend == "nixl":  # the writes need a grant per reservation, as a decode worker's
+            from pdserve.kvtransfer.backends.nixl_backend import Grants
+
+            self.grants = Grants()
+            opts = dict(kv_caches=[self.cache], grants=self.grants)
         if backend == "torch":
             opts["timeout"] = TIMEOUT
         self.server = serve(backend, self.on_frame, **opts, **server_opts)
@@ -84,7 +90,8 @@ class DecodeSide:
         self.receivers[request_id] = KVReceiver(
             request_id, self.cache, self.layout, block_ids, 0, NUM_TOKENS
         )
-        return Destination(block_ids, self.layout)
+        grant = self.grants.issue(request_id, block_ids) if self.grants is not None else ""
+        return Destination(block_ids, self.layout, grant=grant)
 
     def on_frame(self, header: ChunkHeader, payload) -> None:
         self.frames.append(header)

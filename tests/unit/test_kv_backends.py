@@ -37,7 +37,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def test_unknown_backend_names_the_field():
     with pytest.raises(
-        ValueError, match=r"backend 'rdma' is not one of \('grpc', 'shm', 'torch'\)"
+        ValueError, match=r"backend 'rdma' is not one of \('grpc', 'shm', 'torch', 'nixl'\)"
     ):
         serve("rdma", lambda header, payload: None)
     with pytest.raises(ValueError, match="backend"):

@@ -1,0 +1,903 @@
+"""NIXL backend: the sender WRITEs KV one-sidedly into the decode worker's registered KV pool.
+
+The decode worker's NixlServer makes one NIXL agent (UCX backend, no listener thread: NIXL's own
+metadata exchange is never opened), registers every TP rank's KV pool with it, and serves a gRPC
+control server (the gRPC backend's, taking in-place frames) whose address the reservation carries:
+
+    nixl://pdserve-kv-3f2a...?control=127.0.0.1:40123&tp=2
+
+Everything the sender learns travels on that control server, behind the cluster secret:
+  NixlMetadata  -> the agent's metadata (its UCX address and the pools' remote keys), the pools'
+                   base addresses, shape and dtype: fetched once per channel
+  NixlClaim     -> {request_id, grant, block_ids}: the sender asks to write one reservation. The
+                   decode side checks it against the reservation (Grants): the grant is the one
+                   Reserve handed out for that request id (KVEndpoint.write_grant), the reservation
+                   still holds (not committed, aborted or past its lease), the block ids are exactly
+                   the reserved ones, and no one claimed it before; otherwise PERMISSION_DENIED
+                   with the reason, and nothing is written. A yes carries the claim's write window.
+The sender (NixlTransport) then, per "kv" chunk: copies this rank's heads of the chunk into a
+contiguous buffer per receiving rank, registers it, builds one descriptor per (K or V, block) it
+touches into exactly the claimed blocks, and posts one WRITE. NIXL's UCX backend flushes the
+endpoint inside each transfer, so a transfer reported DONE is in the receiver's memory. The
+chunk's header (in place, with the grant) follows on the ordered gRPC control channel only once
+its WRITE is DONE, and a request's "commit" or "abort" only once every WRITE of it ended: the
+decode side counts a layer only when its bytes are there, and commits as the other backends do.
+
+Lifecycle and bounds: a WRITE that is not DONE within xfer_timeout_s is released (cancelled) and
+fails its request; no WRITE of a claim is posted after its write window (window_s) ends. So every
+WRITE of a claim is over by the claim's start + window_s + xfer_timeout_s, and the decode side
+holds back the blocks of a reservation that ends (abort, lease, failure) while its claim may still
+write: until the sender's "commit" or "abort" for it arrives (the sender's last word, sent after
+its last WRITE ended), or that bound (plus a margin) passes. Only then are they freed
+(decode_worker/handoff.py). A sender whose claim is refused, or whose WRITE fails, fails the
+request; the prefill worker then sends "abort".
+
+Trust: NIXL's one-sided WRITEs are not checked by the receiver's CPU: a process holding the
+agent's metadata can write anywhere in the registered pool. What keeps writes inside a
+reservation is that the metadata and every grant travel only over the authenticated control
+plane (cluster secret, mTLS when configured), that this sender writes only into blocks the
+decode side confirmed for that request, and that the decode side holds those blocks until the
+claim is known over. A peer with the cluster secret is trusted as much as with the shm backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import importlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import grpc
+import msgpack
+import numpy as np
+import torch
+
+from pdserve.kvtransfer.backends.frames import host_copy
+from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
+from pdserve.kvtransfer.backends.grpc_sender import SERVICE
+from pdserve.kvtransfer.reshard import dtype_name
+from pdserve.kvtransfer.transport import (
+    Destination,
+    FrameHandler,
+    Transport,
+    TransportServer,
+    refusal,
+)
+from pdserve.kvtransfer.wire import MAX_REQUEST_ID_CHARS, ChunkHeader
+from pdserve.protos.security import INSECURE, ClusterSecurity
+
+log = logging.getLogger(__name__)
+
+SCHEME = "nixl"
+METADATA_METHOD = f"/{SERVICE}/NixlMetadata"
+CLAIM_METHOD = f"/{SERVICE}/NixlClaim"
+MAX_CLAIM_BYTES = 1 << 20  # a claim is a request id, a grant and at most a few 10k block ids
+MAX_BLOCKS = 1 << 20
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+EXTRA_HINT = "install the extra: pip install 'pdserve[nixl]' (or pip install nixl-cu12)"
+RELEASE_MARGIN_S = 5.0  # the decode side's bound on a claim: window + xfer timeout + this
+
+
+def nixl_module():
+    """NIXL's Python API module (nixl_cu12, nixl_cu13 or nixl, the first found); None when none is
+    installed."""
+    for name in NIXL_MODULES:
+        try:
+            module = importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+    return None
+
+
+def require_nixl():
+    module = nixl_module()
+    if module is None:
+        raise RuntimeError(f"the nixl KV backend needs NIXL, which is not installed: {EXTRA_HINT}")
+    return module
+
+
+def nixl_available() -> bool:
+    return nixl_module() is not None
+
+
+# ---- the decode side's grants ---------------------------------------------------------------------
+
+
+def _same(token: str, given: str) -> bool:
+    """Constant-time comparison of a grant with what a peer sent (any string)."""
+    return hmac.compare_digest(token.encode(), given.encode("utf-8", "replace"))
+
+
+class GrantRefused(Exception):
+    """A claim or frame that does not match a live reservation; the message says why."""
+
+
+@dataclass
+class _Grant:
+    token: str
+    block_ids: tuple[int, ...]
+    live: bool = True  # the reservation holds (not committed, aborted or expired)
+    claimed_at: float | None = None  # time.monotonic() of the last claim: a transfer may write
+    claimants: set[str] = field(default_factory=set)  # the sending agents that claimed it
+    over: bool = False  # the sender's commit or abort arrived: no write of it is left
+    on_over: Callable[[], None] | None = None  # the reservation ended while its claim may write
+    refused: int = 0
+
+
+class Grants:
+    """One write grant per reservation of a decode worker on the nixl backend, from Reserve until
+    the transfer is known over (the class docstring of the module says what that means).
+
+    issue() at Reserve; claim() from the control server; check() for every frame before the
+    handler sees it; close() when the reservation ends: it returns True when the blocks may be
+    freed now, else it calls `on_over` once the claim is over (the sender's commit or abort, or
+    `release_bound_s` after the claim: `due()`, polled by the hand-off's sweep).
+    """
+
+    def __init__(self, window_s: float = 60.0, xfer_timeout_s: float = 30.0):
+        if not window_s > 0 or not xfer_timeout_s > 0:
+            raise ValueError(
+                f"window_s and xfer_timeout_s must be > 0, got {window_s} and {xfer_timeout_s}"
+            )
+        self.window_s, self.xfer_timeout_s = window_s, xfer_timeout_s
+        self.release_bound_s = window_s + xfer_timeout_s + RELEASE_MARGIN_S
+        self._grants: dict[str, _Grant] = {}
+        self._lock = threading.Lock()
+        self.num_refused = 0  # claims and frames refused
+        self.num_released_by_bound = 0  # held blocks freed by the bound, not by the sender's word
+
+    def issue(self, request_id: str, block_ids) -> str:
+        token = secrets.token_hex(16)
+        with self._lock:
+            if request_id in self._grants:
+                raise ValueError(f"request_id {request_id!r} already holds a write grant")
+            self._grants[request_id] = _Grant(token, tuple(int(b) for b in block_ids))
+        return token
+
+    def token(self, request_id: str) -> str:
+        with self._lock:
+            grant = self._grants.get(request_id)
+            return grant.token if grant is not None else ""
+
+    def _refuse(self, why: str) -> GrantRefused:
+        self.num_refused += 1
+        return GrantRefused(why)
+
+    def claim(self, request_id: str, token: str, block_ids, agent: str = "") -> float:
+        """The write window in seconds; GrantRefused says what does not match.
+
+        `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
+        router retries a failed prefill once into the same reservation. From the same agent,
+        that agent's earlier WRITEs are over (NixlTransport claims a request again only after
+        its earlier WRITEs ended); from another agent, the first may still be writing, so from
+        then on only the bound of the latest claim (not a sender's last frame) ends a hold. A
+        grant whose reservation ended is refused: the replay that matters."""
+        with self._lock:
+            grant = self._grants.get(request_id)
+            if grant is None or not _same(grant.token, token):
+                raise self._refuse(
+                    f"no reservation of request {request_id[:64]!r} holds this write grant "
+                    f"(forged, or its reservation is gone)"
+                )
+            if not grant.live:
+                raise self._refuse(
+                    f"the reservation of request {request_id[:64]!r} has ended (replayed grant)"
+                )
+            if tuple(block_ids) != grant.block_ids:
+                raise self._refuse(
+                    f"the claim names blocks outside the reservation of request "
+                    f"{request_id[:64]!r}: {len(grant.block_ids)} blocks were reserved, the "
+                    f"claim's block ids differ"
+                )
+            grant.claimed_at = time.monotonic()
+            grant.claimants.add(agent)
+            return self.window_s
+
+    def check(self, header: ChunkHeader) -> str | None:
+        """Why a frame must be refused (None: hand it on). A "commit" or "abort" with the right
+        grant is the sender's last word for its request: the claim is over."""
+        on_over = None
+        with self._lock:
+            grant = self._grants.get(header.request_id)
+            if grant is None:
+                return None  # not (or no longer) reserved here: the hand-off drops it
+            if not _same(grant.token, header.grant):
+                self.num_refused += 1
+                return "a KV frame without the reservation's write grant (forged or replayed)"
+            if header.kind == "kv" and header.in_place and grant.claimed_at is None:
+                self.num_refused += 1
+                return "an in-place KV frame for a reservation no sender claimed"
+            if header.kind in ("commit", "abort") and len(grant.claimants) <= 1:
+                # with two claimants, whose last word this is cannot be told: the bound decides
+                grant.over = True
+                if not grant.live:
+                    del self._grants[header.request_id]
+                    on_over, grant.on_over = grant.on_over, None
+        if on_over is not None:
+            on_over()
+        return None
+
+    def close(self, request_id: str, on_over: Callable[[], None]) -> bool:
+        """The reservation ended. True: no write of it can land any more, its blocks may go now;
+        False: held, `on_over` is called once the claim is over."""
+        with self._lock:
+            grant = self._grants.get(request_id)
+            if grant is None:
+                return True
+            grant.live = False
+            if grant.claimed_at is None or grant.over:
+                del self._grants[request_id]
+                return True
+            grant.on_over = on_over
+            return False
+
+    def due(self) -> int:
+        """Release the held reservations whose claim is past its bound; returns how many."""
+        now = time.monotonic()
+        calls = []
+        with self._lock:
+            for rid, grant in list(self._grants.items()):
+                if (
+                    not grant.live
+                    and grant.on_over is not None
+                    and now - grant.claimed_at > self.release_bound_s
+                ):
+                    del self._grants[rid]
+                    calls.append(grant.on_over)
+            self.num_released_by_bound += len(calls)
+        for call in calls:
+            call()
+        return len(calls)
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return sum(1 for g in self._grants.values() if not g.live)
+
+
+# ---- addresses ------------------------------------------------------------------------------------
+
+
+def format_address(agent_name: str, control: str, tp: int) -> str:
+    return f"{SCHEME}://{agent_name}?{urlencode({'control': control, 'tp': int(tp)})}"
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """-> (agent name, control address, the receiver's TP size)"""
+    parts = urlsplit(address)
+    query = parse_qs(parts.query)
+    try:
+        if parts.scheme != SCHEME:
+            raise ValueError(f"scheme {parts.scheme!r}")
+        control = query["control"][0]
+        tp = int(query["tp"][0])
+        if not parts.netloc or not control or not 1 <= tp <= 1024:
+            raise ValueError("an empty agent name or control address, or a bad tp")
+    except (KeyError, ValueError, IndexError) as e:
+        raise ValueError(
+            f"{address!r} is not a nixl KV address ({e}); expected nixl://AGENT?control=HOST:PORT&tp=N"
+        ) from None
+    return parts.netloc, control, tp
+
+
+def _mem_type(tensor: torch.Tensor) -> str:
+    return "VRAM" if tensor.is_cuda else "DRAM"
+
+
+UCX_ERROR_MODES = ("peer", "none")
+
+
+def _make_agent(nixl, name: str, ucx_error_handling: str = "none", progress: bool = False):
+    """A NIXL agent with the UCX backend. No listener thread: NIXL's own metadata exchange is
+    never opened, metadata travels only over the authenticated control server.
+
+    ucx_error_handling "none" (this backend's default) lets UCX use the same host's CMA
+    (process_vm_writev: one copy, no CPU on the receiving side) and RDMA between hosts, both
+    passive on the target, so neither agent runs a progress thread (NIXL's spins on a core); a dead
+    peer is left to this backend's own bounds (xfer_timeout_s). "peer" (NIXL's default) has UCX
+    detect a failed peer, which only its network transports can: between two hosts without RDMA,
+    where a WRITE over TCP needs the receiver to progress, both agents then run the thread."""
+    if ucx_error_handling not in UCX_ERROR_MODES:
+        raise ValueError(
+            f"ucx_error_handling must be one of {UCX_ERROR_MODES}, got {ucx_error_handling!r}"
+        )
+    config = nixl.nixl_agent_config(
+        enable_prog_thread=progress, enable_listen_thread=False, backends=[]
+    )
+    agent = nixl.nixl_agent(name, config)
+    agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})
+    return agent
+
+
+# ---- the receiving side ---------------------------------------------------------------------------
+
+
+class NixlControlServer(GrpcServer):
+    """The gRPC server of the headers (in-place frames are valid here: the sender WROTE their KV)
+    with the two NIXL calls; every frame passes the grants first."""
+
+    accepts_in_place = True
+
+    def __init__(self, handler: FrameHandler, owner: NixlServer, **opts):
+        self._owner = owner
+        super().__init__(handler, **opts)
+
+    def extra_methods(self) -> dict:
+        return {"NixlMetadata": self._metadata, "NixlClaim": self._claim}
+
+    def _metadata(self, request: bytes, context) -> bytes:
+        return self._owner.metadata
+
+    def _claim(self, request: bytes, context) -> bytes:
+        try:
+            request_id, token, block_ids, agent = parse_claim(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlClaim: {e}")
+        try:
+            window_s = self._owner.grants.claim(request_id, token, block_ids, agent)
+        except GrantRefused as e:
+            log.warning("refused a KV write claim: %s", e)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        return msgpack.packb({"window_s": window_s})
+
+
+def parse_claim(request: bytes) -> tuple[str, str, list[int], str]:
+    if len(request) > MAX_CLAIM_BYTES:
+        raise ValueError(f"a claim has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
+    try:
+        ask = msgpack.unpackb(request)
+    except Exception as e:
+        raise ValueError(f"not msgpack ({e})") from None
+    if not isinstance(ask, dict):
+        raise ValueError('send a msgpack map {"request_id": str, "grant": str, "block_ids": [int]}')
+    rid, token, blocks = ask.get("request_id"), ask.get("grant"), ask.get("block_ids")
+    agent = ask.get("agent", "")
+    if not isinstance(agent, str) or len(agent) > 256:
+        raise ValueError('"agent" must be the sending NIXL agent\'s name, at most 256 characters')
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
+        raise ValueError(f'"request_id" must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters')
+    if not isinstance(token, str) or not 0 < len(token) <= 64:
+        raise ValueError('"grant" must be the reservation\'s write grant, 1 to 64 characters')
+    if (
+        not isinstance(blocks, list)
+        or len(blocks) > MAX_BLOCKS
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
+    ):
+        raise ValueError(f'"block_ids" must be a list of at most {MAX_BLOCKS} ints >= 0')
+    return rid, token, blocks, agent
+
+
+class NixlServer(TransportServer):
+    """Receiver side: every TP rank's pool (`kv_caches`, rank order, each one contiguous tensor)
+    registered with one NIXL agent; frames arrive on a gRPC control server (options pass through
+    to GrpcServer) and reach `handler` only past `grants` (made here when not given: the hand-off
+    shares its own, decode_worker/handoff.py)."""
+
+    def __init__(
+        self,
+        handler: FrameHandler,
+        kv_caches: list[torch.Tensor] | torch.Tensor,
+        grants: Grants | None = None,
+        ucx_error_handling: str = "none",
+        *,
+        security: ClusterSecurity = INSECURE,
+        **grpc_opts,
+    ):
+        nixl = require_nixl()
+        caches = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+        if not caches or any(
+            not c.is_contiguous() or c.shape != caches[0].shape or c.dtype != caches[0].dtype
+            for c in caches
+        ):
+            raise ValueError(
+                "the nixl backend needs kv_caches: every TP rank's KV pool, contiguous tensors "
+                "of one shape and dtype"
+            )
+        if caches[0].dim() != 6:
+            raise ValueError(
+                f"a KV pool is [layers, 2, blocks, block_size, heads, head_dim], got shape "
+                f"{tuple(caches[0].shape)}"
+            )
+        self.grants = grants or Grants()
+        self.kv_caches = caches
+        self.agent_name = f"pdserve-kv-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._agent = _make_agent(
+            nixl, self.agent_name, ucx_error_handling, progress=ucx_error_handling == "peer"
+        )
+        self._regs = [self._agent.register_memory([c]) for c in caches]
+        self.metadata = msgpack.packb(
+            {
+                "agent": self._agent.get_agent_metadata(),
+                "pools": [[c.data_ptr(), c.numel() * c.element_size()] for c in caches],
+                "shape": list(caches[0].shape),
+                "dtype": dtype_name(caches[0].dtype),
+                "mem": _mem_type(caches[0]),
+                "devices": [c.device.index or 0 for c in caches],
+                "xfer_timeout_s": self.grants.xfer_timeout_s,
+                "ucx_error_handling": ucx_error_handling,
+            }
+        )
+        try:
+            self._control = NixlControlServer(
+                self._screened(handler), self, security=security, **grpc_opts
+            )
+        except BaseException:
+            self._deregister()
+            raise
+        self.address = format_address(self.agent_name, self._control.address, len(caches))
+
+    def _screened(self, handler: FrameHandler) -> FrameHandler:
+        grants = self.grants
+
+        def screened(header: ChunkHeader, payload) -> None:
+            why = grants.check(header)
+            if why is not None:
+                log.warning("refused a KV frame of %s: %s", header.request_id, why)
+                header, payload = refusal(header.request_id, why)
+            handler(header, payload)
+
+        return screened
+
+    @property
+    def num_channels(self) -> int:
+        return self._control.num_channels
+
+    def _deregister(self) -> None:
+        regs, self._regs = self._regs, []
+        for reg in regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as e:  # stopping anyway
+                log.debug("deregistering a KV pool: %r", e)
+
+    def stop(self) -> None:
+        self._control.stop()
+        self._deregister()
+
+
+# ---- the sending side -----------------------------------------------------------------------------
+
+_local = threading.Lock()
+_agents: dict[str, object] = {}  # this process's sending agents, by UCX error mode
+_remotes: dict[tuple[int, str], int] = {}  # (sending agent, remote agent name) -> its transports
+
+
+def _sending_agent(nixl, ucx_error_handling: str):
+    """This process's sending agent for that UCX error mode (made at its first transport)."""
+    with _local:
+        agent = _agents.get(ucx_error_handling)
+        if agent is None:
+            name = f"pdserve-send-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            agent = _agents[ucx_error_handling] = _make_agent(
+                nixl, name, ucx_error_handling, progress=ucx_error_handling == "peer"
+            )
+        return agent
+
+
+def _add_remote(agent, name: str, metadata: bytes) -> None:
+    key = (id(agent), name)
+    with _local:
+        if _remotes.get(key, 0) == 0:
+            agent.add_remote_agent(metadata)
+        _remotes[key] = _remotes.get(key, 0) + 1
+
+
+def _drop_remote(agent, name: str) -> None:
+    key = (id(agent), name)
+    with _local:
+        left = _remotes.get(key, 0) - 1
+        if left > 0:
+            _remotes[key] = left
+            return
+        _remotes.pop(key, None)
+        try:
+            agent.remove_remote_agent(name)
+        except Exception as e:  # already gone
+            log.debug("removing NIXL agent %s: %r", name, e)
+
+
+@dataclass
+class _Write:
+    """One posted WRITE: its handle, the registered source buffers it reads, when it was posted."""
+
+    handle: object
+    regs: list
+    sources: list
+    posted: float
+
+
+@dataclass
+class _Outgoing:
+    """One request's claim on this channel: its blocks, its window, its WRITEs not yet ended and
+    the in-place headers that follow them."""
+
+    block_ids: tuple[int, ...]
+    grant: str
+    window_end: float
+    writes: list[_Write] = field(default_factory=list)
+    headers: list[ChunkHeader] = field(default_factory=list)
+    error: str | None = None
+
+
+class NixlTransport(Transport):
+    """Sender side: the receiver's pools by NIXL WRITE, the headers on the gRPC control channel.
+
+    One sending NIXL agent per process is shared by its transports. `send` of a "kv" chunk claims
+    the request's reservation at its first chunk (one control call), then posts the chunk's WRITE
+    and returns; checking a WRITE's state progresses it (each send checks the earlier ones; with
+    ucx_error_handling "peer", UCX's progress thread runs them too). Its in-place header is sent
+    after it is DONE, with the request's commit or abort (which wait for all of its WRITEs, at most
+    xfer_timeout_s) or at `flush`. max_inflight_bytes bounds the chunk bytes of posted WRITEs
+    (`send` waits for the oldest beyond it).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 10.0,
+        xfer_timeout_s: float | None = None,
+        max_inflight_bytes: int = 512 << 20,
+        *,
+        security: ClusterSecurity = INSECURE,
+        **grpc_opts,
+    ):
+        nixl = require_nixl()
+        self.remote_name, control, self.tp = parse_address(address)
+        self._timeout = timeout
+        self._max_inflight = max(1, max_inflight_bytes)
+        self._inflight = 0
+        self._control = GrpcTransport(control, timeout=timeout, security=security, **grpc_opts)
+        try:
+            meta = self._fetch_metadata()
+            # the receiver's UCX error mode: both ends of an endpoint must agree on it
+            self._agent = _sending_agent(nixl, meta.get("ucx_error_handling", "peer"))
+            _add_remote(self._agent, self.remote_name, meta["agent"])
+        except BaseException:
+            self._control.close()
+            raise
+        self._xfer_timeout = float(xfer_timeout_s or meta["xfer_timeout_s"])
+        self._requests: dict[str, _Outgoing] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    def _fetch_metadata(self) -> dict:
+        try:
+            meta = msgpack.unpackb(self._control.call(METADATA_METHOD, b"", self._timeout))
+        except grpc.RpcError as e:
+            raise ConnectionError(
+                f"the nixl KV server at {self.remote_name} gave no metadata: "
+                f"{e.code().name}: {e.details()}"
+            ) from None
+        try:
+            shape = tuple(int(n) for n in meta["shape"])
+            dtype = getattr(torch, meta["dtype"])
+            pools = [(int(a), int(n)) for a, n in meta["pools"]]
+            if len(shape) != 6 or len(pools) != self.tp or not isinstance(dtype, torch.dtype):
+                raise ValueError("shape, pools or dtype")
+            if not isinstance(meta["agent"], bytes) or meta["mem"] not in ("DRAM", "VRAM"):
+                raise ValueError("agent or mem")
+            if meta.get("ucx_error_handling", "peer") not in UCX_ERROR_MODES:
+                raise ValueError("ucx_error_handling")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConnectionError(f"the nixl KV server sent bad metadata ({e})") from None
+        self.shape, self.dtype, self.pools, self.mem = shape, dtype, pools, meta["mem"]
+        self.devices = [int(d) for d in meta.get("devices", [0] * len(pools))]
+        self._itemsize = torch.empty(0, dtype=dtype).element_size()
+        return meta
+
+    # ---- claims ---------------------------------------------------------------------------------
+    def _claim(self, header: ChunkHeader, dest: Destination) -> _Outgoing:
+        """The request's claim on this channel, made at its first chunk."""
+        out = self._requests.get(header.request_id)
+        if out is not None:
+            if tuple(dest.block_ids) != out.block_ids or dest.grant != out.grant:
+                raise ValueError(
+                    f"request {header.request_id} changed its destination after its claim"
+                )
+            return out
+        if not dest.grant:
+            raise ValueError(
+                f"request {header.request_id} has no write grant: the nixl backend writes only "
+                f"into a reservation whose KVEndpoint carries one"
+            )
+        num_blocks = self.shape[2]
+        if any(not 0 <= b < num_blocks for b in dest.block_ids):
+            raise ValueError(
+                f"request {header.request_id} names blocks outside the receiver's pool of "
+                f"{num_blocks} blocks"
+            )
+        ask = msgpack.packb(
+            {
+                "request_id": header.request_id,
+                "grant": dest.grant,
+                "block_ids": [int(b) for b in dest.block_ids],
+                "agent": self._agent.name,
+            }
+        )
+        try:
+            reply = msgpack.unpackb(self._control.call(CLAIM_METHOD, ask, self._timeout))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionError(
+                    f"the decode worker refused the KV write: {e.details()}"
+                ) from None
+            raise ConnectionError(
+                f"claiming the reservation of {header.request_id} failed: "
+                f"{e.code().name}: {e.details()}"
+            ) from None
+        out = _Outgoing(
+            tuple(dest.block_ids), dest.grant, time.monotonic() + float(reply["window_s"])
+        )
+        self._requests[header.request_id] = out
+        return out
+
+    # ---- sending --------------------------------------------------------------------------------
+    def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
+        if self._closed:
+            raise RuntimeError("this KV transport is closed")
+        if header.kind != "kv":
+            if data is not None and data.numel():
+                raise ValueError(
+                    f"a {header.kind} frame carries no payload (request {header.request_id})"
+                )
+            self._finish(header, dest)
+            return
+        if data is None:
+            raise ValueError(f"a kv frame for request {header.request_id} needs its data")
+        with self._lock:
+            out = self._claim(header, dest)
+            if out.error is not None:
+                raise ConnectionError(out.error)
+            if time.monotonic() > out.window_end:
+                out.error = f"the write window of request {header.request_id}'s claim ended"
+                raise TimeoutError(out.error)
+            try:
+                self._settle(out, wait=False)  # checking a WRITE progresses the ones in flight
+                if out.error is not None:
+                    raise ConnectionError(out.error)
+                self._post(header, data, dest, out)
+            except Exception as e:
+                out.error = f"a KV write of request {header.request_id} failed: {e}"
+                raise
+
+    def _post(self, header: ChunkHeader, data: torch.Tensor, dest: Destination, out) -> None:
+        layers, _, num_blocks, bs, hpr, head_dim = self.shape
+        if dest.layout.block_size != bs or dest.layout.tp_size != self.tp:
+            raise ValueError(
+                f"the reservation's block size {dest.layout.block_size} and tp "
+                f"{dest.layout.tp_size} differ from the receiver's pool ({bs}, {self.tp})"
+            )
+        start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
+        if not 0 <= header.layer < layers or header.head_dim != head_dim:
+            raise ValueError(f"chunk layer {header.layer} or head_dim does not fit the pool")
+        if end > len(out.block_ids) * bs:
+            raise ValueError(
+                f"chunk tokens [{start}, {end}) do not fit the {len(out.block_ids)} claimed "
+                f"blocks of {bs} tokens"
+            )
+        data = host_copy(data)
+        if data.dtype != self.dtype or data.numel() != 2 * (end - start) * (h1 - h0) * head_dim:
+            raise ValueError(f"chunk payload does not match its header {header.shape}")
+        data = data.view(2, end - start, h1 - h0, head_dim)
+        if end == start:
+            out.headers.append(dataclasses.replace(header, in_place=True, grant=out.grant))
+            return
+        local, remote, sources = [], [], []
+        for rank, (base, _) in enumerate(self.pools):
+            lo, hi = max(h0, rank * hpr), min(h1, (rank + 1) * hpr)
+            if lo >= hi:
+                continue
+            src = data if (lo, hi) == (h0, h1) else data[:, :, lo - h0 : hi - h0].contiguous()
+            sources.append(src)
+            loc, rem = _descriptors(
+                src.data_ptr(), base, header.layer, out.block_ids, start, end, self.shape,
+                self._itemsize, lo - rank * hpr, hi - lo, self.devices[rank],
+            )  # fmt: skip
+            local.append(loc)
+            remote.append(rem)
+        nbytes = sum(s.numel() * s.element_size() for s in sources)
+        self._wait_room(nbytes)
+        agent = self._agent
+        regs = [agent.register_memory([s]) for s in sources]
+        try:
+            handle = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(np.concatenate(local), "DRAM"),
+                agent.get_xfer_descs(np.concatenate(remote), self.mem),
+                self.remote_name,
+            )
+            state = agent.transfer(handle)
+        except Exception:
+            for reg in regs:
+                agent.deregister_memory(reg)
+            raise
+        write = _Write(handle, regs, sources, time.monotonic())
+        if state == "ERR":
+            self._end(write)
+            raise ConnectionError(f"NIXL refused the WRITE to {self.remote_name}")
+        out.writes.append(write)
+        self._inflight += nbytes
+        out.headers.append(dataclasses.replace(header, in_place=True, grant=out.grant))
+
+    def _wait_room(self, nbytes: int) -> None:
+        """Until the posted WRITEs hold at most max_inflight_bytes with this one (or none is left)."""
+        while self._inflight and self._inflight + nbytes > self._max_inflight:
+            oldest = min(
+                (o for o in self._requests.values() if o.writes),
+                key=lambda o: o.writes[0].posted,
+                default=None,
+            )
+            if oldest is None:
+                self._inflight = 0
+                return
+            self._settle(oldest, wait=True, upto=1)
+
+    def _end(self, write: _Write) -> None:
+        """Release a WRITE (one still in progress is cancelled) and its source registrations;
+        a failure here is logged, never raised: the request has failed or ended already."""
+        try:
+            write.handle.release()
+        except Exception as e:
+            log.warning("releasing a NIXL WRITE to %s: %r", self.remote_name, e)
+        for reg in write.regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as e:
+                log.warning("deregistering a KV chunk: %r", e)
+        self._inflight -= sum(src.numel() * src.element_size() for src in write.sources)
+        self._inflight = max(0, self._inflight)
+
+    def _settle(self, out: _Outgoing, wait: bool, upto: int | None = None) -> None:
+        """Retire the request's WRITEs in order while they are DONE (waiting for each, up to
+        xfer_timeout_s, when `wait`); one that failed or timed out fails the request, and its
+        WRITEs still posted are released. `upto`: at most that many."""
+        done = 0
+        while out.writes and (upto is None or done < upto):
+            write = out.writes[0]
+            state = self._agent.check_xfer_state(write.handle)
+            polls = 0
+            while wait and state == "PROC":
+                if time.monotonic() - write.posted > self._xfer_timeout:
+                    state = "TIMEOUT"
+                    break
+                polls += 1  # each check progresses UCX; past the first ones, yield the core
+                time.sleep(0 if polls < 100 else 0.0002)
+                state = self._agent.check_xfer_state(write.handle)
+            if state == "PROC":
+                return
+            if state != "DONE":
+                out.error = out.error or (
+                    f"a KV write to {self.remote_name} "
+                    f"{'took longer than ' + str(self._xfer_timeout) + 's' if state == 'TIMEOUT' else 'failed'}"
+                )
+                for w in out.writes:
+                    self._end(w)
+                out.writes.clear()
+                return
+            out.writes.pop(0)
+            self._end(write)
+            done += 1
+
+    def _finish(self, header: ChunkHeader, dest: Destination) -> None:
+        """A commit or abort: after every WRITE of its request ended, with its in-place headers."""
+        with self._lock:
+            out = self._requests.pop(header.request_id, None)
+            if out is not None:
+                self._settle(out, wait=True)
+            grant = out.grant if out is not None else dest.grant
+            if out is not None and out.error is not None and header.kind == "commit":
+                # a WRITE failed: the receiver must not take a commit for KV that did not land
+                self._control.send_headers(
+                    [dataclasses.replace(header, kind="abort", first_tokens=(), grant=grant)]
+                )
+                raise ConnectionError(out.error)
+            headers = out.headers if out is not None and out.error is None else []
+            self._control.send_headers(headers + [dataclasses.replace(header, grant=grant)])
+
+    def flush(self, timeout: float) -> None:
+        if self._closed:
+            raise RuntimeError("this KV transport is closed")
+        with self._lock:
+            headers = []
+            for out in self._requests.values():
+                self._settle(out, wait=True)
+                if out.error is None:
+                    headers += out.headers
+                    out.headers = []
+            self._control.send_headers(headers)
+        self._control.flush(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for out in self._requests.values():
+                self._settle(out, wait=True)
+                for w in out.writes:
+                    self._end(w)
+            self._requests.clear()
+        self._control.close()
+        _drop_remote(self._agent, self.remote_name)
+
+
+def _descriptors(
+    src_base: int,
+    dst_base: int,
+    layer: int,
+    block_ids: tuple[int, ...],
+    start: int,
+    end: int,
+    shape: tuple[int, ...],
+    itemsize: int,
+    head_offset: int = 0,
+    num_heads: int | None = None,
+    device: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 (address, length, device) descriptors, local and remote, that move tokens [start, end)
+    of heads [head_offset, head_offset + num_heads) of one receiving rank: the source is
+    [2, end - start, num_heads, head_dim] contiguous at src_base, the destination that rank's pool
+    [layers, 2, blocks, block_size, heads, head_dim] at dst_base. A chunk with all of the rank's
+    heads moves as one descriptor per (K or V, block touched); a part of its heads (a sender
+    whose TP split cuts through the rank's) as one per (K or V, token)."""
+    _, _, num_blocks, bs, heads, head_dim = shape
+    num_heads = heads if num_heads is None else num_heads
+    tok = heads * head_dim * itemsize  # one token of the rank in the pool
+    part = num_heads * head_dim * itemsize  # one token of the source
+    ntok = end - start
+    if num_heads == heads:
+        first, last = start // bs, (end - 1) // bs
+        idx = np.arange(first, last + 1, dtype=np.int64)
+        t0 = np.maximum(idx * bs, start)
+        t1 = np.minimum((idx + 1) * bs, end)
+        blocks = np.asarray(block_ids[first : last + 1], dtype=np.int64)
+        lens = (t1 - t0) * tok
+    else:
+        t0 = np.arange(start, end, dtype=np.int64)
+        idx = t0 // bs
+        blocks = np.asarray(block_ids, dtype=np.int64)[idx]
+        lens = np.full_like(t0, part)
+    local, remote = [], []
+    for kv in (0, 1):
+        slot = ((layer * 2 + kv) * num_blocks + blocks) * bs + (t0 - idx * bs)
+        dst = dst_base + slot * tok + head_offset * head_dim * itemsize
+        src = src_base + (kv * ntok + (t0 - start)) * part
+        src, dst, run = _merge_runs(src, dst, lens)
+        local.append(np.stack([src, run, np.zeros_like(run)], axis=1))
+        remote.append(np.stack([dst, run, np.full_like(run, device)], axis=1))
+    return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
+
+
+def _merge_runs(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
+    """Adjacent descriptors that continue each other on both sides become one (consecutive
+    block ids make one long copy; on one host each descriptor is a system call)."""
+    if len(lens) < 2:
+        return src, dst, lens
+    joins = (src[:-1] + lens[:-1] == src[1:]) & (dst[:-1] + lens[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    ends = np.concatenate((starts[1:], [len(lens)]))
+    total = np.concatenate(([0], np.cumsum(lens)))
+    return src[starts], dst[starts], total[ends] - total[starts]
+
+
+__all__ = [
+    "NixlServer",
+    "NixlTransport",
+    "Grants",
+    "GrantRefused",
+    "nixl_available",
+    "require_nixl",
+    "format_address",
+    "parse_address",
+]
