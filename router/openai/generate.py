@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import name_field
-from pdserve.router.openai.responses.stream import rest, stream
+from pdserve.router.openai.responses.stream import prompt_tokens_of, rest, stream
 from pdserve.router.openai.responses.whole import whole_response
 from pdserve.router.openai.state import ClientGone, state_of
 
@@ -111,6 +111,10 @@ class _BatchCall:
                 self._ready.append(msg)
                 self._reads[asyncio.ensure_future(self._calls[i].read())] = i
         return self._ready.pop(0) if self._ready else grpc.aio.EOF
+
+    async def prompt_counts(self) -> list[int]:
+        """Each prompt's token count (the router's initial metadata of each call)."""
+        return [prompt_tokens_of(await c.initial_metadata()) for c in self._calls]
 
     def cancel(self) -> None:
         for task in self._reads:
