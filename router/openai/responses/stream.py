@@ -183,9 +183,17 @@ class _Chunks:
 
 
 async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
-    """The SSE bytes of `call`, whose first response is `first`. The `pdserve` extension rides on
-    the last chunk before [DONE]; each finish chunk is held until the next chunk goes out, so
-    the last one can take it."""
+    """The SSE bytes of `call`, whose first response is `first`: `chunks` as server-sent
+    events."""
+    async for out in chunks(call, first, body, chat, model_id, request_id, text_of):
+        yield sse(out)
+
+
+async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
+    """The chunks of `call` (dicts; an error as OpenAI's error object; "[DONE]" last), whose
+    first response is `first`. The `pdserve` extension rides on the last chunk before [DONE];
+    each finish chunk is held until the next chunk goes out, so the last one can take it.
+    /v1/responses (router/openai/responses_api.py) reads a chat's chunks as its own events."""
     c = _Chunks(body, chat, model_id, request_id, text_of)
     finishes: list[pdserve_pb2.Finish] = []
     held: dict | None = None  # the latest finish chunk: the extension goes on the last one
@@ -193,7 +201,7 @@ async def stream(call, first, body, chat: bool, model_id: str, request_id: str, 
         if c.continuous:
             c.prompt_tokens = await prompt_token_counts(call)
         for out in c.opening():
-            yield sse(out)
+            yield out
         async for r in _prepend(first, call):
             if r.HasField("delta"):
                 c.count(r.delta)
@@ -201,29 +209,29 @@ async def stream(call, first, body, chat: bool, model_id: str, request_id: str, 
                     continue
                 lp = c.logprobs(r.delta)
                 if held is not None:
-                    yield sse(held)
+                    yield held
                     held = None
                 for out in c.of_delta(r.delta, lp):
-                    yield sse(out)
+                    yield out
             elif r.HasField("finish"):
                 reason = finish_reason(r.finish)
                 finishes.append(r.finish)
                 if held is not None:
-                    yield sse(held)
+                    yield held
                 calls, held = c.of_finish(r.finish, reason)
                 for out in calls:
-                    yield sse(out)
+                    yield out
         if c.include_usage:
             if held is not None:
-                yield sse(held)
+                yield held
             held = {**c.base, "choices": [], "usage": request_usage(finishes, body)}
         if held is not None:
             held["pdserve"] = extension(finishes, request_id)
-            yield sse(held)
+            yield held
     except (grpc.RpcError, ApiError) as e:
         if held is not None:
-            yield sse(held)
-        yield sse((ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body())
+            yield held
+        yield (ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body()
     finally:
         call.cancel()  # a client gone mid-stream cancels here: the router aborts both legs
-    yield sse("[DONE]")
+    yield "[DONE]"
