@@ -37,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.protos.limits import MAX_ID_CHARS
+from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate
@@ -46,11 +46,14 @@ from pdserve.router.openai.protocol import (
     MAX_ARGUMENTS_CHARS,
     MAX_DESCRIPTION_CHARS,
     MAX_METADATA_ITEMS,
+    MAX_TOKENS_FIELD,
     MAX_TOOLS,
     ChatCompletionRequest,
     FunctionDef,
     JsonSchemaFormat,
+    RepetitionPenalty,
     ShortStr,
+    StopString,
     Temperature,
     TokenCount,
     TopP,
@@ -246,6 +249,14 @@ class ResponsesRequest(_Strict):
     # is refused with a 400 instead, so both give the same answer whenever there is one
     truncation: Literal["auto", "disabled"] | None = None
     request_id: ShortStr | None = None  # vLLM's label: the answer is unchanged
+    # vLLM's sampling fields (benchmark clients send stop and ignore_eos): as in chat
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: StrictBool | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
     # accepted only at their neutral value
     background: StrictBool | None = None
     include: list[Any] | None = None
@@ -338,6 +349,13 @@ class ResponsesRequest(_Strict):
             ("max_completion_tokens", self.max_output_tokens),
             ("temperature", self.temperature),
             ("top_p", self.top_p),
+            ("stop", self.stop),
+            ("ignore_eos", self.ignore_eos),
+            ("seed", self.seed),
+            ("top_k", self.top_k),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
+            ("min_tokens", self.min_tokens),
         ):
             if value is not None:
                 body[key] = value
