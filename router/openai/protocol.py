@@ -8,7 +8,11 @@ pdserve's `speculative` (false: this request opts out of the decode pool's specu
 decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
 sections below say more). `model` may be left out (the served model). OpenAI fields that change
 nothing here are accepted and ignored (`user`, `metadata`, ...); those whose meaning pdserve does
-not serve (functions, logit_bias, suffix, ...) are accepted only at their neutral value.
+not serve (functions, logit_bias, suffix, ...) are accepted only at their neutral value. vLLM's
+other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
+written for vLLM runs unchanged or gets a 400 naming the field it would have to drop; vLLM's
+stream_options (StreamOptions: include_usage true once stream_options is sent, and
+continuous_usage_stats) are served.
 
 The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
 ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's

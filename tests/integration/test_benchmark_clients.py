@@ -9,8 +9,13 @@ The cluster is a router (max_inflight=4, so guidellm's throughput stage, 512 req
 waits in the admission queue) in front of a prefill and a decode worker on a tiny random model
 with a byte-level tokenizer (any text tokenizes), which both clients also load as their
 tokenizer. The clients are not project dependencies: each test is skipped, saying so, where its
-client is not installed (CI installs them as docs/contributing.md says). Each client runs as a
-subprocess with short stages (a few seconds each)."""
+client is not installed. Each client runs as a subprocess with short stages (a few seconds each).
+
+Installing them (pyproject.toml's `clients` extra): `pip install -e '.[dev,clients]'`. On Python
+3.11, inference-perf (which declares Python >= 3.12 and pins transformers==5.13.0, but runs on 3.11
+and on the project's transformers) goes in by hand: `pip install --no-deps
+--ignore-requires-python inference-perf==0.7.0` then `pip install aiohttp av tiktoken
+google-cloud-storage` (what it imports; datasets, aiofiles and uvloop come with guidellm)."""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ RUN_TIMEOUT_S = 900  # a bound for a loaded machine, never a speed claim
 def _needs(module: str, pin: str):
     return pytest.mark.skipif(
         importlib.util.find_spec(module) is None,
-        reason=f"{pin} is not installed (pip install '{pin}': see docs/contributing.md)",
+        reason=f"{pin} is not installed (pyproject.toml's clients extra; this module's docstring)",
     )
 
 
