@@ -1,20 +1,21 @@
 """The public PDServe gRPC service: Generate, Abort, ListModels.
 
-Generate checks every field before any work (protos/limits.py, router/text.py:
-sizes, counts, and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt
-plus max_tokens past max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no
-worker, admits it (router/admission.py: at most max_inflight run at once, more wait in a bounded
-queue, max_queued of them for at most max_queue_wait_s; a request_id not already in flight on the
-same connection), sends the prompt's token count in its initial metadata (PROMPT_TOKENS_KEY: the
-HTTP front's continuous usage) and hands it to a ClientCall (router/call.py), which runs it on the workers, resumes it
-when a decode worker dies (the resume rules: router/call.py) and yields its responses. The
-servicer maps how the call ended to the client's gRPC status and the router's metrics. The
+Generate checks every field before any work (protos/limits.py, router/text.py: sizes, counts,
+and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt plus max_tokens past
+max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no worker, admits it
+(router/admission.py: at most max_inflight run at once, more wait in a bounded queue, max_queued
+of them for at most max_queue_wait_s; a request_id not already in flight on the same connection),
+sends the prompt's token count in its initial metadata (PROMPT_TOKENS_KEY: the HTTP front's
+continuous usage) and hands it to a ClientCall (router/call.py), which runs it on the workers,
+resumes it when a decode worker dies (the resume rules: router/call.py) and yields its responses.
+The servicer maps how the call ended to the client's gRPC status and the router's metrics. The
 client leaving (gRPC's callback) and PDServe.Abort only mark the call: the worker Abort calls run
 on the router's abort threads, never on gRPC's polling thread, which must never wait on a worker
 (it would stall every call, health checks and heartbeats included).
 
 Ids: the client's request_id is only a label for its own responses and its own Abort calls, which
-find requests started on the same connection only (another client cannot abort them). The workers
+find requests started on the same connection only (another client cannot abort them), and
+only once admitted (a queued call leaves the queue when its RPC is cancelled). The workers
 see ids the router mints (router/legs.py), so nothing a client chooses reaches a worker.
 """
 

@@ -308,7 +308,7 @@ class RouterSettings(_Frozen):
     # past max_inflight, requests wait in the router's FIFO admission queue (router/admission.py):
     # at most max_queued of them (more: 429 / RESOURCE_EXHAUSTED), each at most
     # max_queue_wait_s (then 503 / UNAVAILABLE); 0 queued: refused at once past max_inflight
-    max_queued: Annotated[int, Field(ge=0, le=65536)] = 1024
+    max_queued: Annotated[int, Field(ge=0, le=8192)] = 1024  # each waiting one holds a thread
     max_queue_wait_s: Annotated[float, Field(gt=0)] = 60.0
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED

@@ -9,6 +9,8 @@ import threading
 
 import pytest
 
+from helpers.deploy_config import error_of, write
+from pdserve.deploy.config.load import load_config
 from pdserve.router.admission import (
     ADMITTED,
     CANCELLED,
@@ -17,6 +19,7 @@ from pdserve.router.admission import (
     Admission,
     QueueFull,
 )
+from pdserve.router.server import PASSED_TO_SERVICE, RouterConfig
 
 WALL_S = 30.0  # a bound on how long a thread may take to see its outcome; never a speed claim
 
@@ -136,3 +139,31 @@ def test_zero_queue_refuses_past_max_inflight_and_bad_bounds_are_refused():
     for bad in ((0, 1, 1.0), (1, -1, 1.0), (1, 1, 0.0)):
         with pytest.raises(ValueError, match="Admission needs"):
             Admission(*bad)
+
+
+# ---- the YAML keys and the router's config -------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("router:\n  max_queued: -1\n", "router.max_queued"),
+        ("router:\n  max_queued: 9000\n", "router.max_queued"),
+        ("router:\n  max_queued: many\n", "router.max_queued"),
+        ("router:\n  max_queue_wait_s: 0\n", "router.max_queue_wait_s"),
+    ],
+)
+def test_bad_queue_keys_name_the_key(tmp_path, text, key):
+    path = write(tmp_path, "model: smollm2\n" + text)
+    assert error_of(path).startswith(f"{path}: {key}: ")
+
+
+def test_queue_keys_default_and_reach_the_router(tmp_path):
+    cfg = load_config(write(tmp_path, "model: smollm2\n"))
+    assert (cfg.router.max_queued, cfg.router.max_queue_wait_s) == (1024, 60.0)
+    cfg = load_config(
+        write(tmp_path, "model: smollm2\nrouter:\n  max_queued: 0\n  max_queue_wait_s: 2.5\n")
+    )
+    assert (cfg.router.max_queued, cfg.router.max_queue_wait_s) == (0, 2.5)
+    assert "max_queued" in PASSED_TO_SERVICE and "max_queue_wait_s" in PASSED_TO_SERVICE
+    for bad in (dict(max_queued=-1), dict(max_queue_wait_s=0.0)):
+        with pytest.raises(ValueError, match="RouterConfig.max_queue"):
+            RouterConfig(model="smollm2", **bad)
