@@ -72,7 +72,7 @@ _TEXT_PARTS = ("input_text", "output_text")
 
 
 # ---- the request -----------------------------------------------------------------------------
-class TextPart(_Strict):
+class ItemTextPart(_Strict):
     """A message's text part: input_text (any role) or output_text (an assistant's, replayed)."""
 
     type: Literal["input_text", "output_text"]
@@ -84,7 +84,7 @@ class TextPart(_Strict):
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)]
+    content: StrictStr | Annotated[list[ItemTextPart], Field(min_length=1, max_length=1024)]
     id: ShortStr | None = None  # a replayed output item's: ignored
     status: ShortStr | None = None
 

@@ -235,3 +235,16 @@ def test_a_failure_mid_stream_is_one_error_event():
     events = _events(asyncio.run(_collect(Shape(body(), "tiny"), chunks)))
     assert events[-1].type == "error" and events[-1].message == "the request was aborted"
     assert not any(e.type == "response.completed" for e in events)
+
+
+def test_openapi_schema_names_do_not_collide_across_bodies():
+    """The OpenAPI document merges every body's nested models by name (app.document_bodies): two
+    different models of one name would leave one body described wrongly."""
+    from pdserve.router.openai.app import _BODIES
+
+    seen: dict[str, dict] = {}
+    for model in _BODIES.values():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.get("$defs", {}).items():
+            assert seen.setdefault(name, sub) == sub, name
+    assert "ResponsesRequest" in {m.__name__ for m in _BODIES.values()}
