@@ -544,6 +544,11 @@ class VllmFields(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's label for its own logs and the response id: a label here too, the answer unchanged
     request_id: ShortStr | None = None
+    # newer vLLM's: token ids in the response; its repetition detection (0: off)
+    return_token_ids: StrictBool | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
 
     _no_beam = _neutral_only("use_beam_search", message="use_beam_search is not supported")
     _spaces = _neutral_only(
@@ -562,6 +567,10 @@ class VllmFields(BaseModel):
         "vllm_xargs",
         "guided_whitespace_pattern",
         "structural_tag",
+        "return_token_ids",
+        "max_repetition_pattern_size",
+        "min_repetition_pattern_size",
+        "repetition_min_count",
         message="{field} is not supported; leave it unset",
     )
     _no_priority = _neutral_only(
@@ -809,13 +818,14 @@ class ChatCompletionRequest(_Sampling):
     chat_template: StrictStr | None = None
     # vLLM's: no reasoning parser here, so there is no reasoning to include or leave out
     include_reasoning: StrictBool = True
+    # vLLM's: a chat template variable (templates of reasoning models read it), as vLLM passes it
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # OpenAI fields accepted only at their neutral value
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
     modalities: list[Literal["text"]] | None = None
     prediction: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
     # accepted and ignored: they change nothing about the result
     parallel_tool_calls: StrictBool | None = None
@@ -859,7 +869,6 @@ class ChatCompletionRequest(_Sampling):
     _unset_only = _neutral_only(
         "audio",
         "prediction",
-        "reasoning_effort",
         "web_search_options",
         message="{field} is not supported; leave it unset",
         neutral=lambda v: v is None,
@@ -1043,6 +1052,10 @@ def chat_messages(body) -> pdserve_pb2.ChatMessages:
             msg.tool_call_id = m.tool_call_id
     if getattr(body, "tools", None):
         chat.tools_json = tools_json(body.tools)
-    if body.chat_template_kwargs:
-        chat.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:  # vLLM passes it to the template beside the request's own kwargs
+        kwargs.setdefault("reasoning_effort", effort)
+    if kwargs:
+        chat.chat_template_kwargs_json = json.dumps(kwargs)
     return chat

@@ -48,6 +48,10 @@ ACCEPTED = {
     "mm_processor_kwargs": {},
     "vllm_xargs": {},
     "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "max_repetition_pattern_size": 0,
+    "min_repetition_pattern_size": 0,
+    "repetition_min_count": 0,
 }
 
 
@@ -77,6 +81,10 @@ REFUSED = [
     ("guided_whitespace_pattern", " "),
     ("structural_tag", "{}"),
     ("length_penalty", "long"),
+    ("return_token_ids", True),
+    ("max_repetition_pattern_size", 4),
+    ("min_repetition_pattern_size", 2),
+    ("repetition_min_count", 3),
 ]
 
 
@@ -104,6 +112,20 @@ def test_endpoint_specific_vllm_fields_are_refused_off_their_defaults(make, fiel
     with pytest.raises(ValidationError) as e:
         make(**{field: value})
     assert validation_error(e.value, KNOWN_FIELDS).param == field
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
+    wire = chat_messages(chat(reasoning_effort="low"))
+    assert json.loads(wire.chat_template_kwargs_json) == {"reasoning_effort": "low"}
+    own = chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high", "x": 1})
+    assert json.loads(chat_messages(own).chat_template_kwargs_json) == {
+        "reasoning_effort": "high",
+        "x": 1,
+    }
+    assert not chat_messages(chat()).chat_template_kwargs_json
+    with pytest.raises(ValidationError) as e:
+        chat(reasoning_effort="extreme")
+    assert validation_error(e.value, KNOWN_FIELDS).param == "reasoning_effort"
 
 
 @pytest.mark.parametrize(
