@@ -236,8 +236,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
         if not ticket.granted:
-            # the client leaving (gRPC's polling thread) only wakes the waiting handler
-            context.add_callback(lambda: self.admission.cancel(ticket))
+            # the client leaving (gRPC's polling thread) only wakes the waiting handler; an RPC
+            # that already ended takes no callback, and leaves at once
+            if not context.add_callback(lambda: self.admission.cancel(ticket)):
+                self.admission.cancel(ticket)
             outcome = self.admission.wait(ticket, deadline)
             if outcome != ADMITTED:
                 self._not_admitted(outcome, context)

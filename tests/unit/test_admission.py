@@ -167,3 +167,83 @@ def test_queue_keys_default_and_reach_the_router(tmp_path):
     for bad in (dict(max_queued=-1), dict(max_queue_wait_s=0.0)):
         with pytest.raises(ValueError, match="RouterConfig.max_queue"):
             RouterConfig(model="smollm2", **bad)
+
+
+# ---- the servicer's admission (router/service.py) with a fake gRPC context ---------------------
+class _Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """What PDServeServicer._admit uses of a grpc.ServicerContext; `ended`: the RPC had already
+    ended, so add_callback takes no callback (gRPC's rule)."""
+
+    def __init__(self, ended: bool = False):
+        self.ended, self.callbacks, self.status = ended, [], None
+
+    def add_callback(self, fn) -> bool:
+        if self.ended:
+            return False
+        self.callbacks.append(fn)
+        return True
+
+    def abort(self, code, details):
+        self.status = (code, details)
+        raise _Aborted(details)
+
+
+def _servicer(max_wait_s: float = 600.0):
+    from pdserve.router.service import PDServeServicer, ServiceOptions
+
+    servicer = object.__new__(PDServeServicer)  # only what _admit uses: no pool, no workers
+    servicer.options = ServiceOptions(
+        model_id="m", max_model_len=16, vocab_size=8, dtype="float32", max_queue_wait_s=max_wait_s
+    )
+    servicer._inflight, servicer._lock = {}, threading.Lock()
+    servicer.admission = Admission(1, 4, max_wait_s)
+    return servicer
+
+
+def test_a_queued_call_whose_rpc_already_ended_leaves_at_once():
+    import grpc
+
+    servicer = _servicer()
+    servicer.admission.enter()  # the one slot is taken
+    context, out = FakeContext(ended=True), []
+
+    def admit():
+        try:
+            servicer._admit(("peer", "r1"), object(), context, deadline=None)
+        except _Aborted:
+            out.append(context.status[0])
+
+    t = threading.Thread(target=admit, daemon=True)
+    t.start()
+    t.join(WALL_S)  # it would otherwise wait max_wait_s (600 s) holding a queue place
+    assert out == [grpc.StatusCode.CANCELLED] and servicer.admission.queued() == 0
+
+
+def test_the_servicer_maps_each_outcome_to_its_status():
+    import grpc
+
+    servicer = _servicer(max_wait_s=0.05)
+    servicer.admission.enter()
+    context = FakeContext()
+    with pytest.raises(_Aborted):
+        servicer._admit(("peer", "r1"), object(), context, deadline=None)
+    assert context.status[0] == grpc.StatusCode.UNAVAILABLE
+    assert "max_queue_wait_s=0.05" in context.status[1] and context.callbacks
+    servicer.admission = Admission(1, 0, 600.0)
+    servicer.admission.enter()
+    with pytest.raises(_Aborted):
+        servicer._admit(("peer", "r2"), object(), context, deadline=None)
+    assert context.status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queued=0" in context.status[1]
+    servicer.admission.leave()
+    servicer._admit(("peer", "r3"), "call", context, deadline=None)  # a free slot: admitted
+    assert servicer._inflight == {("peer", "r3"): "call"}
+    servicer.admission = Admission(2, 0, 600.0)
+    with pytest.raises(_Aborted):  # the same request_id twice on one connection
+        servicer._admit(("peer", "r3"), "again", context, deadline=None)
+    assert context.status[0] == grpc.StatusCode.ALREADY_EXISTS
+    assert servicer.admission.running() == 0  # the refused call gave its slot back
