@@ -246,6 +246,12 @@ class RouterMetrics:
         self.stages = {s: self.stage.labels(model_name, s) for s in STAGES}
         for attr, name, doc, buckets in _TRANSFER_HISTOGRAMS:
             setattr(self, attr, self._histogram(name, doc, buckets).labels(model_name))
+        self.admission_wait = self._histogram(
+            "pdserve:router_admission_wait_seconds",
+            "Time each admitted Generate call waited in the router's admission queue (0 when a "
+            "slot was free: router/admission.py).",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(model_name)
         self.workers = WorkerCollector(pool, model_name, colocated)
         registry.register(self.workers)
         registry.register(DeathCollector(pool, model_name))

@@ -48,7 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name
 REGISTRY_NAME = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
-_EXTRA_THREADS = 8  # Abort, ListModels and health checks still get a thread when Generate is full
+# Abort, ListModels and health checks still get a thread when Generate calls take every other
+# one: max_inflight running and max_queued waiting (router/admission.py), each on its own thread
+_EXTRA_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,12 @@ class RouterConfig:
     decode_addresses: tuple = ()
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
-    max_inflight: int = 64  # concurrent Generate calls; more get RESOURCE_EXHAUSTED
+    max_inflight: int = 64  # concurrent Generate calls; more wait to be admitted
+    # past max_inflight, calls wait in a FIFO queue (router/admission.py): at most max_queued of
+    # them (more get RESOURCE_EXHAUSTED, HTTP 429), each for at most max_queue_wait_s (then
+    # UNAVAILABLE, HTTP 503)
+    max_queued: int = 1024
+    max_queue_wait_s: float = 60.0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # a reservation's shortest lease: each is asked for until its client's deadline (cut to the
     # decode worker's max_lease_ms) and renewed by every KV frame (decode_worker/handoff.py)
@@ -129,6 +136,7 @@ class RouterConfig:
             "worker_stall_s",
             "flip_drain_s",
             "reconcile_bound_s",
+            "max_queue_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -169,6 +177,8 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_resumes must be >= 0, got {self.max_resumes}")
         if self.max_inflight < 1:
             raise ValueError(f"RouterConfig.max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_queued < 0:
+            raise ValueError(f"RouterConfig.max_queued must be >= 0, got {self.max_queued}")
         if self.lease_ms <= 0:
             raise ValueError(f"RouterConfig.lease_ms must be > 0, got {self.lease_ms}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -200,6 +210,8 @@ def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
 # RouterConfig's fields that ServiceOptions takes as they are
 PASSED_TO_SERVICE = (
     "max_inflight",
+    "max_queued",
+    "max_queue_wait_s",
     "lease_ms",
     "max_resumes",
     "decode_queue_timeout_s",
@@ -375,7 +387,7 @@ class Router:
         """The gRPC server (not yet bound or started) with its thread pool and interceptors."""
         cfg = self.config
         self._executor = futures.ThreadPoolExecutor(
-            cfg.max_inflight + _EXTRA_THREADS, thread_name_prefix="router-grpc"
+            cfg.max_inflight + cfg.max_queued + _EXTRA_THREADS, thread_name_prefix="router-grpc"
         )
         # the client API (given API keys: with one of them) and reflection need no secret;
         # the Registry does

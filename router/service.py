@@ -1,18 +1,21 @@
 """The public PDServe gRPC service: Generate, Abort, ListModels.
 
-Generate admits a request (at most max_inflight in flight; a request_id not already in flight on
-the same connection), checks every field before any work (protos/limits.py, router/text.py:
-sizes, counts, and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt
-plus max_tokens past max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no
-worker, and hands it to a ClientCall (router/call.py), which runs it on the workers, resumes it
-when a decode worker dies (the resume rules: router/call.py) and yields its responses. The
-servicer maps how the call ended to the client's gRPC status and the router's metrics. The
+Generate checks every field before any work (protos/limits.py, router/text.py: sizes, counts,
+and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt plus max_tokens past
+max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no worker, admits it
+(router/admission.py: at most max_inflight run at once, more wait in a bounded queue, max_queued
+of them for at most max_queue_wait_s; a request_id not already in flight on the same connection),
+sends the prompt's token count in its initial metadata (PROMPT_TOKENS_KEY: the HTTP front's
+continuous usage) and hands it to a ClientCall (router/call.py), which runs it on the workers,
+resumes it when a decode worker dies (the resume rules: router/call.py) and yields its responses.
+The servicer maps how the call ended to the client's gRPC status and the router's metrics. The
 client leaving (gRPC's callback) and PDServe.Abort only mark the call: the worker Abort calls run
 on the router's abort threads, never on gRPC's polling thread, which must never wait on a worker
 (it would stall every call, health checks and heartbeats included).
 
 Ids: the client's request_id is only a label for its own responses and its own Abort calls, which
-find requests started on the same connection only (another client cannot abort them). The workers
+find requests started on the same connection only (another client cannot abort them), and
+only once admitted (a queued call leaves the queue when its RPC is cancelled). The workers
 see ids the router mints (router/legs.py), so nothing a client chooses reaches a worker.
 """
 
@@ -31,6 +34,13 @@ from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.admission import (
+    ADMITTED,
+    CANCELLED,
+    DEADLINE,
+    Admission,
+    QueueFull,
+)
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.legs import Legs, RouterStatus
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
@@ -46,6 +56,10 @@ _CLIENT_CODES = {
 }
 
 
+# the initial metadata key of the prompt's token count (the HTTP front's continuous usage)
+PROMPT_TOKENS_KEY = "pdserve-prompt-tokens"
+
+
 @dataclass(frozen=True)
 class ServiceOptions:
     model_id: str
@@ -53,6 +67,8 @@ class ServiceOptions:
     vocab_size: int
     dtype: str
     max_inflight: int = 64
+    max_queued: int = 1024  # past max_inflight: calls that wait to be admitted, at most
+    max_queue_wait_s: float = 60.0  # the longest a call waits to be admitted
     lease_ms: int = 10_000
     rpc_timeout_s: float = 10.0  # Reserve
     abort_timeout_s: float = 0.5  # best-effort Abort calls
@@ -145,6 +161,12 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self.legs.on_stale_hint = metrics.stale_cache_hints.inc
         self._inflight: dict[tuple[str, str], ClientCall] = {}  # (client peer, request_id) ->
         self._lock = threading.Lock()
+        self.admission = Admission(
+            options.max_inflight,
+            options.max_queued,
+            options.max_queue_wait_s,
+            on_admit=metrics.admission_wait.observe if metrics is not None else lambda s: None,
+        )
 
     def close(self) -> None:
         self.encoder.close()
@@ -199,35 +221,60 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         deadline = start + budget_s
         key = (context.peer(), rid)
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
-        self._admit(key, call, context)
-        if self.tracing is not None:
+        self._admit(key, call, context, deadline)
+        if self.tracing is not None:  # from its arrival: the admission queue's wait included
             call.span = self._start_span(call, context)
-        context.add_callback(lambda: self._on_rpc_end(call))
         try:
+            context.add_callback(lambda: self._on_rpc_end(call))
+            context.send_initial_metadata(((PROMPT_TOKENS_KEY, str(len(prompt))),))
             yield from self._run(call, context)
         finally:
             with self._lock:
                 if self._inflight.get(key) is call:
                     del self._inflight[key]
+            self.admission.leave()
             if call.span is not None:  # not ended by a finish or a failure: the client left
                 self._end_span(call, error="the client cancelled or went away")
 
-    def _admit(self, key: tuple[str, str], call: ClientCall, context) -> None:
-        rid = key[1]
+    def _admit(self, key: tuple[str, str], call: ClientCall, context, deadline: float) -> None:
+        """A slot for the call (waiting in the admission queue when every slot is taken), and
+        the call registered under `key`; else the call ends with the status that says why."""
+        try:
+            ticket = self.admission.enter()
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
+        if not ticket.granted:
+            # the client leaving (gRPC's polling thread) only wakes the waiting handler; an RPC
+            # that already ended takes no callback, and leaves at once
+            if not context.add_callback(lambda: self.admission.cancel(ticket)):
+                self.admission.cancel(ticket)
+            outcome = self.admission.wait(ticket, deadline)
+            if outcome != ADMITTED:
+                self._not_admitted(outcome, context)
         with self._lock:
-            num = len(self._inflight)
-            full, taken = num >= self.options.max_inflight, key in self._inflight
-            if not full and not taken:
+            taken = key in self._inflight
+            if not taken:
                 self._inflight[key] = call
-        if full:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"router queue full ({num} in flight), retry later",
-            )
         if taken:
+            self.admission.leave()
             context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {key[1]!r} is already in flight"
             )
+
+    def _not_admitted(self, outcome: str, context) -> None:
+        waited = self.options.max_queue_wait_s
+        if outcome == CANCELLED:
+            context.abort(grpc.StatusCode.CANCELLED, "the client left while the call was queued")
+        if outcome == DEADLINE:
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the request's deadline passed while it waited to be admitted",
+            )
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the router is overloaded: the request waited max_queue_wait_s={waited:g} s to be "
+            f"admitted; retry later",
+        )
 
     def _run(self, call: ClientCall, context):
         """The call's responses; its last Finish after the metrics have it."""

@@ -305,6 +305,11 @@ class RouterSettings(_Frozen):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051  # 0: pick a free port
     max_inflight: Annotated[int, Field(ge=1)] = 64
+    # past max_inflight, requests wait in the router's FIFO admission queue (router/admission.py):
+    # at most max_queued of them (more: 429 / RESOURCE_EXHAUSTED), each at most
+    # max_queue_wait_s (then 503 / UNAVAILABLE); 0 queued: refused at once past max_inflight
+    max_queued: Annotated[int, Field(ge=0, le=8192)] = 1024  # each waiting one holds a thread
+    max_queue_wait_s: Annotated[float, Field(gt=0)] = 60.0
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0

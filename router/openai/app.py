@@ -6,6 +6,7 @@ stops (docs/architecture.md section 1).
     GET  /v1/models, /v1/models/{id}, /version      router/openai/models.py
     POST /v1/completions                            router/openai/completions.py
     POST /v1/chat/completions                       router/openai/chat.py
+    POST /v1/responses                              router/openai/responses_api.py
     POST /tokenize, /detokenize                     router/openai/tokenize.py
     GET  /health, /metrics                          router/openai/status.py
     GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
@@ -27,7 +28,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
-from pdserve.router.openai import chat, completions, models, status, tokenize
+from pdserve.router.openai import chat, completions, models, responses_api, status, tokenize
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from pdserve.router.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pdserve.router.openai.responses_api import ResponsesRequest
 from pdserve.router.openai.state import ClientGone, FrontState
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 _BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -60,7 +63,7 @@ def build_app(front) -> FastAPI:
     )
     app.state.front = FrontState(front)
     _add_error_handlers(app, app.state.front)
-    for group in (status, completions, chat, models, tokenize):
+    for group in (status, completions, chat, responses_api, models, tokenize):
         app.include_router(group.router)
     document_bodies(app, _BODIES)
     return app

@@ -26,11 +26,17 @@ router = APIRouter()
 async def chat_completions(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, ChatCompletionRequest)
-    front.check_prompt_size([t for m in body.messages for t in (m.role, m.text())], "messages")
+    return await generate(request, [chat_request(front, body)], metadata, body, chat=True)
+
+
+def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
+    """The gRPC GenerateRequest of a chat body (also /v1/responses' input, read as a chat);
+    messages longer than max_model_len tokens can hold are refused, naming `param`."""
+    front.check_prompt_size([t for m in body.messages for t in (m.role, m.text())], param)
     # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
     most = body.max_new_tokens() or front.settings.max_model_len or None
     gen = pdserve_pb2.GenerateRequest(model=body.model or "", sampling=sampling_params(body, most))
     if body.tool_mode() == "auto" and body.skip_special_tokens is None and front.tags_special:
         gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser
     gen.chat.CopyFrom(chat_messages(body))
-    return await generate(request, [gen], metadata, body, chat=True)
+    return gen

@@ -27,16 +27,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import name_field
-from pdserve.router.openai.responses.stream import rest, stream
+from pdserve.router.openai.responses.stream import chunks, prompt_tokens_of, rest, stream
 from pdserve.router.openai.responses.whole import whole_response
 from pdserve.router.openai.state import ClientGone, state_of
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def generate(request: Request, gens: list, metadata, body, chat: bool):
+async def generate(request: Request, gens: list, metadata, body, chat: bool, shape=None):
     """The HTTP response of running `gens` (one per prompt) for `body` with the key's
-    `metadata`: a stream when the body asks for one, else one JSON response."""
+    `metadata`: a stream when the body asks for one, else one JSON response. `shape` (None:
+    OpenAI's completion and chat shapes) rewrites a chat's response as another API's:
+    `shape.whole(chat_completion)` a JSON response, `shape.events(chunks)` a stream's bytes
+    (router/openai/responses_api.py's /v1/responses)."""
     front = state_of(request)
     request_id = f"http-{uuid.uuid4().hex}"
     call = _start(front.stub, gens, metadata, body.n, request_id)
@@ -54,16 +57,16 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool):
         if body.stream:
             watcher.cancel()  # Starlette's StreamingResponse watches from here on
             streaming = True
+            args = (call, first, body, chat, model_id, request_id, front.text_of)
             return _CallStream(
                 call,
-                stream(call, first, body, chat, model_id, request_id, front.text_of),
+                stream(*args) if shape is None else shape.events(chunks(*args)),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
         responses = [first] + await _from_router(_all(rest(call)), watcher)
-        return JSONResponse(
-            whole_response(responses, body, chat, model_id, request_id, front.text_of)
-        )
+        out = whole_response(responses, body, chat, model_id, request_id, front.text_of)
+        return JSONResponse(out if shape is None else shape.whole(out))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it: the client left
     finally:
@@ -111,6 +114,10 @@ class _BatchCall:
                 self._ready.append(msg)
                 self._reads[asyncio.ensure_future(self._calls[i].read())] = i
         return self._ready.pop(0) if self._ready else grpc.aio.EOF
+
+    async def prompt_counts(self) -> list[int]:
+        """Each prompt's token count (the router's initial metadata of each call)."""
+        return [prompt_tokens_of(await c.initial_metadata()) for c in self._calls]
 
     def cancel(self) -> None:
         for task in self._reads:

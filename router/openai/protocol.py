@@ -8,7 +8,11 @@ pdserve's `speculative` (false: this request opts out of the decode pool's specu
 decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
 sections below say more). `model` may be left out (the served model). OpenAI fields that change
 nothing here are accepted and ignored (`user`, `metadata`, ...); those whose meaning pdserve does
-not serve (functions, logit_bias, suffix, ...) are accepted only at their neutral value.
+not serve (functions, logit_bias, suffix, ...) are accepted only at their neutral value. vLLM's
+other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
+written for vLLM runs unchanged or gets a 400 naming the field it would have to drop; vLLM's
+stream_options (StreamOptions: include_usage true once stream_options is sent, and
+continuous_usage_stats) are served.
 
 The numeric ranges are the engine's (engine/sampling_params.py) narrowed to OpenAI's documented
 ones where OpenAI is stricter (temperature <= 2); the size bounds are the gRPC API's
@@ -490,19 +494,94 @@ def _neutral_only(*fields: str, message: str, neutral: Callable[[Any], bool] = o
 
 
 class StreamOptions(_Strict):
+    # unset: true, as vLLM (a stream_options object asks for usage unless it says otherwise)
     include_usage: StrictBool | None = None
-    # vLLM's usage on every chunk: the prompt's token count reaches the HTTP front only with the
-    # Finish, so only false is accepted (benchmark clients send it when asked to)
+    # vLLM's: usage (the prompt's tokens and the choice's completion tokens so far) on every
+    # chunk too; needs include_usage (vLLM's rule)
     continuous_usage_stats: StrictBool | None = None
 
-    _final_usage_only = _neutral_only(
-        "continuous_usage_stats",
-        message="continuous_usage_stats is not supported: usage comes on the last chunk "
-        "(include_usage)",
+    def usage(self) -> bool:
+        return self.include_usage is not False
+
+    def continuous(self) -> bool:
+        return self.usage() and bool(self.continuous_usage_stats)
+
+
+def _no_grammar(field: str):
+    def check(cls, v):
+        if v is not None:
+            raise ValueError(f"{field} (EBNF/Lark) is not supported: use json, regex or choice")
+        return v
+
+    return field_validator(field)(classmethod(check))
+
+
+class VllmFields(BaseModel):
+    """vLLM's request fields that both endpoints take and pdserve serves at their neutral value
+    only (a value that would change the answer is refused with a 400 naming the field, never
+    ignored), or accepts and ignores where they change nothing about the answer here."""
+
+    model_config = _CONFIG
+    use_beam_search: StrictBool = False
+    # beam search's alone (refused above): no effect on sampling, as in vLLM
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: StrictBool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[Any] | None = None
+    bad_words: list[Any] | None = None
+    # vLLM's priority scheduling is not enabled here: the default alone
+    priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    cache_salt: ShortStr | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+    structural_tag: StrictStr | None = None
+    # accepted and ignored: one structured-output backend; a text-only model
+    guided_decoding_backend: ShortStr | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's label for its own logs and the response id: a label here too, the answer unchanged
+    request_id: ShortStr | None = None
+    # newer vLLM's: token ids in the response; its repetition detection (0: off)
+    return_token_ids: StrictBool | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
+
+    _no_beam = _neutral_only("use_beam_search", message="use_beam_search is not supported")
+    _spaces = _neutral_only(
+        "spaces_between_special_tokens",
+        message="spaces_between_special_tokens=false is not supported",
+        neutral=lambda v: v is True,
     )
+    _unset = _neutral_only(
+        "truncate_prompt_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "logits_processors",
+        "return_tokens_as_token_ids",
+        "cache_salt",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "guided_whitespace_pattern",
+        "structural_tag",
+        "return_token_ids",
+        "max_repetition_pattern_size",
+        "min_repetition_pattern_size",
+        "repetition_min_count",
+        message="{field} is not supported; leave it unset",
+    )
+    _no_priority = _neutral_only(
+        "priority",
+        message="priority scheduling is not enabled: leave priority unset or 0",
+        neutral=lambda v: v == 0,
+    )
+    _no_guided_grammar = _no_grammar("guided_grammar")
 
 
-class _Sampling(_Strict, StructuredFields):
+class _Sampling(_Strict, StructuredFields, VllmFields):
     """Fields both endpoints share (the structured-output ones: StructuredFields)."""
 
     # unset: the served model (vLLM's default)
@@ -578,6 +657,18 @@ class CompletionRequest(_Sampling):
     # OpenAI fields accepted only at their neutral value
     suffix: StrictStr | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    # vLLM's completion fields accepted only at their neutral value
+    add_special_tokens: StrictBool = True
+    prompt_embeds: Any = None
+
+    _completion_vllm = _neutral_only(
+        "prompt_embeds", message="prompt_embeds is not supported; send prompt"
+    )
+    _special = _neutral_only(
+        "add_special_tokens",
+        message="add_special_tokens=false is not supported for completions",
+        neutral=lambda v: v is True,
+    )
 
     _no_suffix = _neutral_only("suffix", message="suffix is not supported")
     _no_best_of = _neutral_only(
@@ -653,10 +744,13 @@ class TextPart(_Strict):
 class ChatMessage(_Strict, ToolMessageFields):
     # developer: OpenAI's newer name for system; tool: a call's result (tool_call_id)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # null only in an assistant message with tool_calls
-    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)] | None
+    # null or left out only in an assistant message with tool_calls (OpenAI's spec and vLLM)
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)] | None = (
+        Field(None, validate_default=True)
+    )
     name: ShortStr | None = None  # accepted and ignored (most chat templates have no place for it)
     refusal: None = None  # OpenAI clients replay assistant messages with "refusal": null
+    audio: None = None  # and "audio": null
 
     @field_validator("content", mode="before")
     @classmethod
@@ -671,10 +765,20 @@ class ChatMessage(_Strict, ToolMessageFields):
                     )
         return v
 
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, v, info):
+        # tool_calls (ToolMessageFields) and role are declared before content: info.data has them
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            if "role" in info.data:  # else the role itself was refused: that is the error
+                raise ValueError(
+                    "Field required (it may be null or left out only in an assistant message "
+                    "with tool_calls)"
+                )
+        return v
+
     @model_validator(mode="after")
     def _tool_fields(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content may be null only in an assistant message with tool_calls")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls is only allowed in assistant messages")
         if (self.tool_call_id is not None) != (self.role == "tool"):
@@ -707,13 +811,21 @@ class ChatCompletionRequest(_Sampling):
     # tools (the tools section above): rendered by the chat template, calls parsed from the output
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
+    # vLLM's chat fields accepted only at their neutral value
+    echo: StrictBool = False
+    add_special_tokens: StrictBool = False
+    documents: list[Any] | None = None
+    chat_template: StrictStr | None = None
+    # vLLM's: no reasoning parser here, so there is no reasoning to include or leave out
+    include_reasoning: StrictBool = True
+    # vLLM's: a chat template variable (templates of reasoning models read it), as vLLM passes it
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # OpenAI fields accepted only at their neutral value
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
     modalities: list[Literal["text"]] | None = None
     prediction: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
     # accepted and ignored: they change nothing about the result
     parallel_tool_calls: StrictBool | None = None
@@ -747,10 +859,16 @@ class ChatCompletionRequest(_Sampling):
             return forced_spec(self.tools, self.tool_choice)
         return super().structured_spec()
 
+    _chat_vllm = _neutral_only(
+        "echo",
+        "add_special_tokens",
+        "documents",
+        "chat_template",
+        message="{field} is not supported; leave it unset",
+    )
     _unset_only = _neutral_only(
         "audio",
         "prediction",
-        "reasoning_effort",
         "web_search_options",
         message="{field} is not supported; leave it unset",
         neutral=lambda v: v is None,
@@ -934,6 +1052,10 @@ def chat_messages(body) -> pdserve_pb2.ChatMessages:
             msg.tool_call_id = m.tool_call_id
     if getattr(body, "tools", None):
         chat.tools_json = tools_json(body.tools)
-    if body.chat_template_kwargs:
-        chat.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:  # vLLM passes it to the template beside the request's own kwargs
+        kwargs.setdefault("reasoning_effort", effort)
+    if kwargs:
+        chat.chat_template_kwargs_json = json.dumps(kwargs)
     return chat

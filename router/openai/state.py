@@ -110,8 +110,9 @@ class FrontState:
             raise ClientGone(f"{why} after {size}{of} body bytes") from None
         return b"".join(chunks)
 
-    async def parse(self, request: Request, model):
-        """The request's body validated as `model`, and the gRPC metadata of its key."""
+    async def parse(self, request: Request, model, known: set[str] = KNOWN_FIELDS):
+        """The request's body validated as `model`, and the gRPC metadata of its key; a 400
+        names the field at fault, one of `known` (the body's field names)."""
         metadata = self.authorize(request)
         body = await self.read_body(request)
         try:
@@ -119,7 +120,7 @@ class FrontState:
             # (router/openai/protocol.py), which must not stall every other connection
             return await asyncio.to_thread(model.model_validate_json, body), metadata
         except ValidationError as e:
-            raise validation_error(e, KNOWN_FIELDS) from None
+            raise validation_error(e, known) from None
 
     def check_prompt_size(self, texts: list[str], param: str) -> None:
         s = self.settings

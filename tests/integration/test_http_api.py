@@ -89,13 +89,8 @@ BAD = [
     ),
     ("prompt-logprobs-past-the-bound", C, {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("stream-options-without-stream", C, {**GOOD, "stream_options": {}}, 400, None),
-    (
-        "continuous-usage",
-        C,
-        {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-        400,
-        "stream_options.continuous_usage_stats",
-    ),
+    ("priority-not-enabled", C, {**GOOD, "priority": 5}, 400, "priority"),
+    ("chat-echo", CHAT, {**GOOD_CHAT, "echo": True}, 400, "echo"),
     ("unknown-model", C, {**GOOD, "model": "gpt-5"}, 404, None),
     ("chat-unknown-model", CHAT, {**GOOD_CHAT, "model": "nope"}, 404, None),
     (

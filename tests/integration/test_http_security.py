@@ -147,7 +147,7 @@ def test_openai_client_over_https_with_a_key(secured, idle):
 
 # ---- overload and no workers: 429 and 503 ------------------------------------------------------
 def test_a_full_router_answers_429_with_retry_after(workers, idle):
-    full = workers.router(max_inflight=1)
+    full = workers.router(max_inflight=1, max_queued=0)  # no admission queue: refused at once
     host, port = split(full.http_address)
     body = json.dumps(
         {**GOOD, "max_tokens": MAX_MODEL_LEN - 10, "ignore_eos": True, "stream": True}

@@ -28,13 +28,14 @@ class TinyCluster:
         self.prefill = start_prefill(model_dir, engine=engine)
         self.routers = []
 
-    def router(self, max_inflight=16) -> str:
+    def router(self, max_inflight=16, max_queued=1024) -> str:
         r = start_router(
             self.decode.config.model,
             self.decode,
             self.prefill,
             max_model_len=MAX_MODEL_LEN,
             max_inflight=max_inflight,
+            max_queued=max_queued,
         )
         self.routers.append(r)
         return r.address
@@ -147,7 +148,7 @@ def test_sweep_writes_goodput_and_plots(cluster, tmp_path):
 
 
 def test_a_full_router_refuses_and_the_run_goes_on(cluster):
-    address = cluster.router(max_inflight=2)
+    address = cluster.router(max_inflight=2, max_queued=0)  # no admission queue: refused at once
     requests = [RequestSpec(0.0, 16, 100)] * 8  # all at once: more than the router admits
     records, duration_s = run_load(address, requests, build_prompts(requests, 256, seed=1))
     s = summarize(records, duration_s)

@@ -188,7 +188,7 @@ NAMED = {"type": "function", "function": {"name": "nope"}}
         ({"tools": TOOLS, "tool_choice": NAMED}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
         ({"messages": [USER, {"role": "tool", "content": "x"}]}, "messages[1]"),
-        ({"messages": [USER, {"role": "assistant", "content": None}]}, "messages[1]"),
+        ({"messages": [USER, {"role": "assistant", "content": None}]}, "messages[1].content"),
         (
             {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
             "messages[1].tool_calls[0].type",

@@ -205,7 +205,7 @@ NAMED = {"type": "function", "function": {"name": "nope"}}
             "messages[0]",
             "tool_call_id",
         ),
-        ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "null"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "null"),
         (
             {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
             "messages[0]",

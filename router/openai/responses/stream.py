@@ -1,7 +1,9 @@
 """The HTTP front's server-sent events (router/openai/generate.py starts them): one gRPC Generate
 call's responses as OpenAI's chunks, for chat and completions. One chunk per TokenDelta (its
 logprobs, with their alternatives, in logprobs.py's shapes), one with the finish_reason per
-sequence, with include_usage a last chunk with empty choices and the usage, then `data: [DONE]`.
+sequence, with include_usage a last chunk with empty choices and the usage, then `data: [DONE]`;
+with vLLM's continuous_usage_stats every chunk carries its choice's usage so far too (the prompt's
+token count comes in the call's initial metadata, PROMPT_TOKENS_KEY, before any token).
 Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
 logprobs are not streamed: router/openai/protocol.py refuses them with stream=true). A failure
 after the stream started is one error event, then [DONE]. A chat with tools has its text read by
@@ -28,11 +30,27 @@ from pdserve.router.openai.responses.logprobs import (
 from pdserve.router.openai.responses.parts import extension, finish_reason, sse
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of
 from pdserve.router.openai.responses.whole import echo_text, request_usage
+from pdserve.router.service import PROMPT_TOKENS_KEY  # the router's Generate sends it
 
 
 def _with(choice: dict, delta: dict) -> dict:
     choice["delta"].update(delta)
     return choice
+
+
+def prompt_tokens_of(metadata) -> int:
+    """The prompt's token count in a Generate call's initial metadata (0 when absent)."""
+    for key, value in metadata or ():
+        if key == PROMPT_TOKENS_KEY:
+            return int(value) if str(value).isdigit() else 0
+    return 0
+
+
+async def prompt_token_counts(call) -> list[int]:
+    """Each prompt's token count: the one call's, or each of a batch's calls' (prompt_counts)."""
+    if hasattr(call, "prompt_counts"):
+        return await call.prompt_counts()
+    return [prompt_tokens_of(await call.initial_metadata())]
 
 
 async def rest(call) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -65,7 +83,10 @@ class _Chunks:
         }
         self.body, self.chat, self.text_of = body, chat, text_of
         opts = body.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
+        self.include_usage = bool(opts and opts.usage())
+        self.continuous = bool(opts and opts.continuous())
+        self.prompt_tokens: list[int] = []  # continuous: each prompt's, set by `stream`
+        self.generated: dict[int, int] = {}  # continuous: each choice's tokens so far
         self.want_logprobs, self.num_top = body.wants_logprobs, body.num_top()
         self.echo = not chat and body.echo
         self.echo_only = self.echo and body.max_tokens == 0
@@ -75,9 +96,23 @@ class _Chunks:
 
     def chunk(self, choices: list[dict]) -> dict:
         out = {**self.base, "choices": choices}
-        if self.include_usage:
+        if self.continuous and choices:  # vLLM's: the choice's usage so far
+            index = choices[0]["index"]
+            counts = self.prompt_tokens
+            prompt = counts[min(index // self.body.n, len(counts) - 1)] if counts else 0
+            done = self.generated.get(index, 0)
+            out["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": done,
+                "total_tokens": prompt + done,
+            }
+        elif self.include_usage:
             out["usage"] = None
         return out
+
+    def count(self, d: pdserve_pb2.TokenDelta) -> None:
+        if not self.echo_only:
+            self.generated[d.index] = self.generated.get(d.index, 0) + len(d.token_ids)
 
     def choice(self, index: int, text: str | None, lp, reason: str | None, role=False) -> dict:
         if self.chat:
@@ -148,44 +183,55 @@ class _Chunks:
 
 
 async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
-    """The SSE bytes of `call`, whose first response is `first`. The `pdserve` extension rides on
-    the last chunk before [DONE]; each finish chunk is held until the next chunk goes out, so
-    the last one can take it."""
+    """The SSE bytes of `call`, whose first response is `first`: `chunks` as server-sent
+    events."""
+    async for out in chunks(call, first, body, chat, model_id, request_id, text_of):
+        yield sse(out)
+
+
+async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
+    """The chunks of `call` (dicts; an error as OpenAI's error object; "[DONE]" last), whose
+    first response is `first`. The `pdserve` extension rides on the last chunk before [DONE];
+    each finish chunk is held until the next chunk goes out, so the last one can take it.
+    /v1/responses (router/openai/responses_api.py) reads a chat's chunks as its own events."""
     c = _Chunks(body, chat, model_id, request_id, text_of)
     finishes: list[pdserve_pb2.Finish] = []
     held: dict | None = None  # the latest finish chunk: the extension goes on the last one
     try:
+        if c.continuous:
+            c.prompt_tokens = await prompt_token_counts(call)
         for out in c.opening():
-            yield sse(out)
+            yield out
         async for r in _prepend(first, call):
             if r.HasField("delta"):
+                c.count(r.delta)
                 if not c.sent(r.delta):
                     continue
                 lp = c.logprobs(r.delta)
                 if held is not None:
-                    yield sse(held)
+                    yield held
                     held = None
                 for out in c.of_delta(r.delta, lp):
-                    yield sse(out)
+                    yield out
             elif r.HasField("finish"):
                 reason = finish_reason(r.finish)
                 finishes.append(r.finish)
                 if held is not None:
-                    yield sse(held)
+                    yield held
                 calls, held = c.of_finish(r.finish, reason)
                 for out in calls:
-                    yield sse(out)
+                    yield out
         if c.include_usage:
             if held is not None:
-                yield sse(held)
+                yield held
             held = {**c.base, "choices": [], "usage": request_usage(finishes, body)}
         if held is not None:
             held["pdserve"] = extension(finishes, request_id)
-            yield sse(held)
+            yield held
     except (grpc.RpcError, ApiError) as e:
         if held is not None:
-            yield sse(held)
-        yield sse((ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body())
+            yield held
+        yield (ApiError.from_grpc(e) if isinstance(e, grpc.RpcError) else e).body()
     finally:
         call.cancel()  # a client gone mid-stream cancels here: the router aborts both legs
-    yield sse("[DONE]")
+    yield "[DONE]"

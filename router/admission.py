@@ -1,0 +1,142 @@
+"""The router's admission: at most `max_inflight` Generate calls run at once; past that a call
+waits in a bounded FIFO queue instead of being refused at once (vLLM queues the same way).
+
+    admission = Admission(max_inflight=64, max_queued=1024, max_wait_s=60.0)
+    ticket = admission.enter()        # raises QueueFull when max_queued calls already wait
+    outcome = admission.wait(ticket, deadline)   # ADMITTED, TIMED_OUT, DEADLINE or CANCELLED
+    ...                               # ADMITTED: run the call, then
+    admission.leave()                 # its slot goes to the queue's head, else is freed
+
+A call is admitted at once while a slot is free and nobody waits; otherwise it queues, and a
+slot that frees goes straight to the queue's head (no later arrival overtakes it). A queued call
+leaves the queue when it has waited `max_wait_s` (TIMED_OUT: the service answers UNAVAILABLE, an
+HTTP 503 with Retry-After), when its own deadline passes first (DEADLINE), or when its client
+goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event, never waits).
+`max_queued` bounds the waiting calls (QueueFull: RESOURCE_EXHAUSTED, an HTTP 429 with
+Retry-After). PDServeServicer (router/service.py) owns one for the router's lifetime; the HTTP
+front reaches it through the router's own gRPC API, so both fronts share it. Every admission's
+wait is reported to `on_admit` (the router's pdserve:router_admission_wait_seconds histogram).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+ADMITTED, TIMED_OUT, DEADLINE, CANCELLED = "admitted", "timed_out", "deadline", "cancelled"
+
+
+class QueueFull(Exception):
+    """max_queued calls already wait."""
+
+
+class Ticket:
+    """One call's place: granted at once, or queued until `wait` says how it ended."""
+
+    __slots__ = ("granted", "cancelled", "event", "since")
+
+    def __init__(self, since: float, granted: bool):
+        self.granted, self.cancelled, self.since = granted, False, since
+        self.event = threading.Event()
+
+
+class Admission:
+    def __init__(
+        self,
+        max_inflight: int,
+        max_queued: int,
+        max_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_admit: Callable[[float], None] = lambda wait_s: None,
+    ):
+        if max_inflight < 1 or max_queued < 0 or not max_wait_s > 0:
+            raise ValueError(
+                f"Admission needs max_inflight >= 1, max_queued >= 0 and max_wait_s > 0; got "
+                f"{max_inflight}, {max_queued}, {max_wait_s}"
+            )
+        self.max_inflight, self.max_queued, self.max_wait_s = max_inflight, max_queued, max_wait_s
+        self._clock, self._on_admit = clock, on_admit
+        self._lock = threading.Lock()
+        self._running = 0
+        self._queue: deque[Ticket] = deque()
+
+    def running(self) -> int:
+        with self._lock:
+            return self._running
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def enter(self) -> Ticket:
+        """The call's ticket: granted when a slot is free and nobody waits, else queued; raises
+        QueueFull when max_queued calls already wait."""
+        now = self._clock()
+        with self._lock:
+            if self._running < self.max_inflight and not self._queue:
+                self._running += 1
+                ticket = Ticket(now, granted=True)
+            elif len(self._queue) >= self.max_queued:
+                raise QueueFull(
+                    f"the router is at max_inflight={self.max_inflight} with max_queued="
+                    f"{self.max_queued} requests already waiting"
+                )
+            else:
+                ticket = Ticket(now, granted=False)
+                self._queue.append(ticket)
+        if ticket.granted:
+            self._on_admit(0.0)
+        return ticket
+
+    def wait(self, ticket: Ticket, deadline: float | None = None) -> str:
+        """Blocks the calling (gRPC handler) thread until the ticket is granted (ADMITTED: the
+        caller must `leave` once the call ends), it waited max_wait_s (TIMED_OUT), `deadline`
+        (on the admission clock) passed first (DEADLINE), or `cancel` ran (CANCELLED)."""
+        limit = ticket.since + self.max_wait_s
+        until = limit if deadline is None else min(limit, deadline)
+        while True:
+            with self._lock:
+                if ticket.granted and not ticket.cancelled:
+                    break
+                if ticket.granted:  # granted and cancelled at once: hand the slot on
+                    self._release_locked()
+                    return CANCELLED
+                if ticket.cancelled:
+                    self._drop_locked(ticket)
+                    return CANCELLED
+                left = until - self._clock()
+                if left <= 0:
+                    self._drop_locked(ticket)
+                    return DEADLINE if until < limit else TIMED_OUT
+            ticket.event.wait(left)
+        self._on_admit(max(0.0, self._clock() - ticket.since))
+        return ADMITTED
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The call's client went away while it waited: its `wait` returns CANCELLED. Never
+        blocks past a short lock (gRPC's callback thread calls it)."""
+        ticket.cancelled = True
+        ticket.event.set()
+
+    def leave(self) -> None:
+        """An admitted call ended: its slot goes to the queue's head, else is freed."""
+        with self._lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        while self._queue:
+            head = self._queue.popleft()
+            if head.cancelled:
+                continue
+            head.granted = True  # the slot passes on: _running stays
+            head.event.set()
+            return
+        self._running -= 1
+
+    def _drop_locked(self, ticket: Ticket) -> None:
+        try:
+            self._queue.remove(ticket)
+        except ValueError:
+            pass

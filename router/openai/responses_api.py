@@ -1,0 +1,676 @@
+"""POST /v1/responses: OpenAI's Responses API, served as a chat completion. The body
+(ResponsesRequest) is read as the chat it describes (`as_chat`: `instructions` a system message
+first, `input` a text (one user message) or items: messages, `function_call` items (an
+assistant's tool calls) and `function_call_output` items (tool results)), run through the chat
+path (chat.py's `chat_request`, generate.py), and its answer rewritten (`Shape`) as a Response:
+`output` holds a `message` item with the text (when there is any) and one `function_call` item
+per tool call; a stream sends the events the openai SDK reads (response.created,
+response.in_progress, response.output_item.added, response.content_part.added,
+response.output_text.delta, response.output_text.done, response.content_part.done,
+response.function_call_arguments.delta/.done, response.output_item.done, then
+response.completed, or response.incomplete when max_output_tokens cut it).
+
+Nothing is stored, whatever `store` says: a Response cannot be fetched again, and
+`previous_response_id` (which would continue a stored one) is refused with a 400 that says to
+send the conversation as input items. Function tools go through the chat path's tools
+(protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a grammar when forced);
+other tool types, images and files, reasoning items, `background` and `include` are refused with
+a 400 naming the field. The route is declared on `router`, which build_app (router/openai/app.py)
+includes; it keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
+from pdserve.router.openai.chat import chat_request
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.generate import generate
+from pdserve.router.openai.protocol import (
+    INT64,
+    MAX_ARGUMENTS_CHARS,
+    MAX_DESCRIPTION_CHARS,
+    MAX_METADATA_ITEMS,
+    MAX_TOKENS_FIELD,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    FunctionDef,
+    JsonSchemaFormat,
+    RepetitionPenalty,
+    ShortStr,
+    StopString,
+    Temperature,
+    TokenCount,
+    TopP,
+    _field_names,
+    _name,
+    _neutral_only,
+    _Strict,
+)
+from pdserve.router.openai.state import state_of
+from pdserve.router.text import MAX_CHAT_MESSAGES
+
+router = APIRouter()
+
+MAX_INPUT_ITEMS = MAX_CHAT_MESSAGES
+_TEXT_PARTS = ("input_text", "output_text")
+
+
+# ---- the request -----------------------------------------------------------------------------
+class ItemTextPart(_Strict):
+    """A message's text part: input_text (any role) or output_text (an assistant's, replayed)."""
+
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+    annotations: list[Any] | None = None  # an output_text's, as the SDK replays it: ignored
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | Annotated[list[ItemTextPart], Field(min_length=1, max_length=1024)]
+    id: ShortStr | None = None  # a replayed output item's: ignored
+    status: ShortStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+CallId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class FunctionCallItem(_Strict):
+    """An assistant's call, replayed from an earlier response's output."""
+
+    type: Literal["function_call"]
+    call_id: CallId
+    name: StrictStr
+    arguments: Annotated[StrictStr, Field(max_length=MAX_ARGUMENTS_CHARS)]
+    id: ShortStr | None = None
+    status: ShortStr | None = None
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
+
+
+class FunctionCallOutputItem(_Strict):
+    """A tool's result for the call `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: CallId
+    output: StrictStr
+    id: ShortStr | None = None
+    status: ShortStr | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+_ITEM_KINDS = {"message", "function_call", "function_call_output"}
+
+
+def _check_items(v):
+    """Each item's kind, before the union reads it: a clear 400 for kinds not served."""
+    if not isinstance(v, list):
+        return v
+    for i, item in enumerate(v):
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind not in _ITEM_KINDS:
+            raise ValueError(
+                f"input[{i}]: items of type {str(kind)[:40]!r} are not supported: send messages, "
+                f"function_call and function_call_output items"
+            )
+        parts = item.get("content")
+        if kind == "message" and isinstance(parts, list):
+            for part in parts:
+                t = part.get("type") if isinstance(part, dict) else None
+                if t not in _TEXT_PARTS:
+                    raise ValueError(
+                        f"input[{i}].content: parts of type {str(t)[:40]!r} are not supported: "
+                        f"this model reads text only (input_text, output_text)"
+                    )
+    return v
+
+
+class ResponsesTool(_Strict):
+    """A function tool, in the Responses API's flat form."""
+
+    type: Literal["function"]
+    name: StrictStr
+    description: Annotated[StrictStr, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
+    _check_parameters = field_validator("parameters")(
+        classmethod(lambda cls, v: FunctionDef._parameters(v))
+    )
+
+    def as_chat(self) -> dict:
+        function = {"name": self.name}
+        for key in ("description", "parameters", "strict"):
+            if getattr(self, key) is not None:
+                function[key] = getattr(self, key)
+        return {"type": "function", "function": function}
+
+
+def _function_tools_only(v):
+    if isinstance(v, list):
+        for i, tool in enumerate(v):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(
+                    f"tools[{i}]: only function tools are served here, not {str(kind)[:40]!r}"
+                )
+    return v
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(_Strict):
+    """`text.format`: text, json_object, or json_schema (flat: name, schema, description,
+    strict), as chat's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if (self.type == "json_schema") != (self.name is not None and self.schema_ is not None):
+            raise ValueError(
+                "name and schema are required with type 'json_schema', and only with it"
+            )
+        return self
+
+    def response_format(self) -> dict | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        schema = {"name": self.name, "schema": self.schema_}
+        if self.description is not None:
+            schema["description"] = self.description
+        return {"type": "json_schema", "json_schema": schema}
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: None = None
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    input: StrictStr | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    instructions: StrictStr | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    stream: StrictBool = False
+    # nothing is stored either way (the module's docstring)
+    store: StrictBool | None = None
+    previous_response_id: ShortStr | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    text: TextConfig | None = None
+    # accepted and ignored: they change nothing about the answer
+    parallel_tool_calls: StrictBool | None = None
+    metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
+    user: ShortStr | None = None
+    service_tier: ShortStr | None = None
+    prompt_cache_key: ShortStr | None = None
+    safety_identifier: ShortStr | None = None
+    stream_options: dict[str, StrictBool] | None = None
+    # "auto" would drop the conversation's start to fit the context; a prompt that does not fit
+    # is refused with a 400 instead, so both give the same answer whenever there is one
+    truncation: Literal["auto", "disabled"] | None = None
+    request_id: ShortStr | None = None  # vLLM's label: the answer is unchanged
+    # vLLM's sampling fields (benchmark clients send stop and ignore_eos): as in chat
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: StrictBool | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
+    # accepted only at their neutral value
+    background: StrictBool | None = None
+    include: list[Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: Any = None
+    priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
+    cache_salt: ShortStr | None = None
+
+    _items = field_validator("input", mode="before")(classmethod(lambda cls, v: _check_items(v)))
+    _tool_kinds = field_validator("tools", mode="before")(
+        classmethod(lambda cls, v: _function_tools_only(v))
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v):
+        names = [t.name for t in v or ()]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"function names must be unique; {dup[:3]} appear more than once")
+        return v
+
+    _unset = _neutral_only(
+        "background",
+        "include",
+        "top_logprobs",
+        "max_tool_calls",
+        "prompt",
+        "conversation",
+        "cache_salt",
+        message="{field} is not supported; leave it unset",
+    )
+    _no_reasoning = _neutral_only(
+        "reasoning",
+        message="reasoning is not supported: this model has no reasoning mode; leave it unset",
+    )
+    _no_priority = _neutral_only(
+        "priority",
+        message="priority scheduling is not enabled: leave priority unset or 0",
+        neutral=lambda v: v == 0,
+    )
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _not_stored(cls, v):
+        if v is not None:
+            raise ValueError(
+                "responses are not stored here (store is always false), so there is no earlier "
+                "response to continue: send the whole conversation as input items (messages, "
+                "function_call and function_call_output)"
+            )
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info):
+        tools = info.data.get("tools")
+        if v is None or v == "none":
+            return v
+        if not tools:
+            if "tools" not in info.data:  # tools itself was refused: that is the error
+                return v
+            raise ValueError("tool_choice needs tools: send the functions the model may call")
+        if isinstance(v, NamedFunction) and v.name not in [t.name for t in tools]:
+            raise ValueError(f"function {v.name[:64]!r} is not one of the tools")
+        return v
+
+    @field_validator("text")
+    @classmethod
+    def _one_shape(cls, v, info):
+        choice = info.data.get("tool_choice")
+        forced = choice == "required" or isinstance(choice, NamedFunction)
+        if forced and v is not None and v.format is not None and v.format.type != "text":
+            raise ValueError(
+                "a forced tool call (tool_choice) and text.format both shape the output: send "
+                "one of them"
+            )
+        return v
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion this body asks for (raises ApiError when it is not one)."""
+        body: dict[str, Any] = {"messages": chat_messages(self), "stream": self.stream}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        for key, value in (
+            ("model", self.model),
+            ("max_completion_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("stop", self.stop),
+            ("ignore_eos", self.ignore_eos),
+            ("seed", self.seed),
+            ("top_k", self.top_k),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
+            ("min_tokens", self.min_tokens),
+        ):
+            if value is not None:
+                body[key] = value
+        if self.tools:
+            body["tools"] = [t.as_chat() for t in self.tools]
+            choice = self.tool_choice
+            if isinstance(choice, NamedFunction):
+                body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            elif choice is not None:
+                body["tool_choice"] = choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.response_format() is not None:
+            body["response_format"] = fmt.response_format()
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors(include_input=False, include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(
+                400,
+                f"the request is not one this server can run as a chat ({where}: {first['msg']})",
+                code="invalid_value",
+            ) from None
+
+
+RESPONSES_FIELDS = _field_names(ResponsesRequest, JsonSchemaFormat)
+
+
+def chat_messages(body: ResponsesRequest) -> list[dict]:
+    """The chat messages of a Responses body: instructions first (as a system message), then
+    each input item; an assistant's text and the function calls right after it are one
+    assistant message, as chat completions write them."""
+    out: list[dict] = []
+    if body.instructions is not None:
+        out.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        out.append({"role": "user", "content": body.input})
+        return out
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return out
+
+
+# ---- the response ----------------------------------------------------------------------------
+def _usage(chat_usage: dict | None) -> dict | None:
+    if chat_usage is None:
+        return None
+    details = chat_usage.get("prompt_tokens_details") or {}
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {
+            "cached_tokens": details.get("cached_tokens", 0),
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def _message(item_id: str, text: str, status: str) -> dict:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)],
+    }
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _function_call(call: dict, status: str) -> dict:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call['id']}",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
+
+
+class Shape:
+    """A chat's answer as a Response (generate.py's `shape`): `whole` for a chat completion,
+    `events` for a chat's stream of chunks."""
+
+    def __init__(self, body: ResponsesRequest, model_id: str):
+        self.body, self.model_id = body, model_id
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+
+    def response(
+        self, status: str, output: list[dict], usage=None, reason: str | None = None
+    ) -> dict:
+        b = self.body
+        choice = b.tool_choice if b.tool_choice is not None else "auto"
+        fmt = b.text.format if b.text is not None and b.text.format is not None else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": reason} if reason else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.model_id,
+            "output": output,
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "text": {
+                "format": fmt.model_dump(by_alias=True, exclude_none=True)
+                if fmt
+                else {"type": "text"}
+            },
+            "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice,
+            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "truncation": b.truncation or "disabled",
+            "usage": usage,
+            "user": b.user,
+            "metadata": dict(b.metadata or {}),
+        }
+
+    def _ending(self, finish_reason: str | None) -> tuple[str, str | None]:
+        if finish_reason == "length":
+            return "incomplete", "max_output_tokens"
+        return "completed", None
+
+    def whole(self, chat: dict) -> dict:
+        choice = chat["choices"][0]
+        message = choice["message"]
+        output = []
+        if message.get("content"):
+            output.append(_message(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
+        for call in message.get("tool_calls") or []:
+            output.append(_function_call(call, "completed"))
+        status, reason = self._ending(choice["finish_reason"])
+        out = self.response(status, output, _usage(chat.get("usage")), reason)
+        out["pdserve"] = chat.get("pdserve")
+        return out
+
+    async def events(self, chunks: AsyncIterator) -> AsyncIterator[bytes]:
+        writer = _EventWriter(self)
+        async for chunk in chunks:
+            for event in writer.feed(chunk):
+                yield event
+            if writer.failed:
+                return
+
+
+class _EventWriter:
+    """The Response events of a chat's chunks, one chunk at a time."""
+
+    def __init__(self, shape: Shape):
+        self.shape = shape
+        self.seq = 0
+        self.output: list[dict] = []  # the items opened so far, in their output order
+        self.message: dict | None = None  # the open message item
+        self.text: list[str] = []
+        self.calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.extension: dict | None = None
+        self.failed = False
+
+    def _event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        payload = json.dumps(data, separators=(",", ":"))
+        return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+    def feed(self, chunk) -> list[bytes]:
+        if chunk == "[DONE]":
+            return self._done()
+        if "error" in chunk:
+            self.failed = True
+            e = chunk["error"]
+            return [self._event("error", code=e.get("code"), message=e["message"], param=None)]
+        out: list[bytes] = []
+        if self.seq == 0:
+            start = self.shape.response("in_progress", [])
+            out += [
+                self._event("response.created", response=start),
+                self._event("response.in_progress", response=start),
+            ]
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            self.usage = chunk["usage"]
+        if chunk.get("pdserve") is not None:
+            self.extension = chunk["pdserve"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def _text(self, piece: str) -> list[bytes]:
+        out = []
+        if self.message is None:
+            self.message = _message(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+            self.message["content"] = []
+            self.output.append(self.message)
+            index = len(self.output) - 1
+            out.append(
+                self._event("response.output_item.added", output_index=index, item=self.message)
+            )
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=self.message["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=_text_part(""),
+                )
+            )
+        self.text.append(piece)
+        out.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self.message["id"],
+                output_index=self.output.index(self.message),
+                content_index=0,
+                delta=piece,
+                logprobs=[],
+            )
+        )
+        return out
+
+    def _call(self, call: dict) -> list[bytes]:
+        out = []
+        item = self.calls.get(call["index"])
+        arguments = call.get("function", {}).get("arguments", "")
+        if item is None:
+            fn = call["function"]
+            chat_call = {"id": call["id"], "function": {"name": fn["name"], "arguments": ""}}
+            item = _function_call(chat_call, "in_progress")
+            self.calls[call["index"]] = item
+            self.output.append(item)
+            out.append(
+                self._event(
+                    "response.output_item.added", output_index=len(self.output) - 1, item=item
+                )
+            )
+        if arguments:
+            item["arguments"] += arguments
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.output.index(item),
+                    delta=arguments,
+                )
+            )
+        return out
+
+    def _done(self) -> list[bytes]:
+        out = []
+        for index, item in enumerate(self.output):
+            if item is self.message:
+                text = "".join(self.text)
+                ids = dict(item_id=item["id"], output_index=index, content_index=0)
+                out.append(self._event("response.output_text.done", **ids, text=text, logprobs=[]))
+                out.append(self._event("response.content_part.done", **ids, part=_text_part(text)))
+                item["content"] = [_text_part(text)]
+            else:
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
+            item["status"] = "completed"
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        status, reason = self.shape._ending(self.finish_reason)
+        final = self.shape.response(status, self.output, _usage(self.usage), reason)
+        final["pdserve"] = self.extension
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        out.append(self._event(kind, response=final))
+        return out
+
+
+# ---- the route -------------------------------------------------------------------------------
+@router.post("/v1/responses")
+async def responses(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, ResponsesRequest, RESPONSES_FIELDS)
+    front.check_model(body.model)
+    chat = body.as_chat()
+    gen = chat_request(front, chat, param="input")
+    shape = Shape(body, front.settings.model_id)
+    return await generate(request, [gen], metadata, chat, chat=True, shape=shape)

@@ -1,0 +1,109 @@
+"""Running the benchmark clients vLLM users point at a server, guidellm and inference-perf, as
+subprocesses against a pdserve HTTP front, and reading their JSON reports: what
+tests/integration/test_benchmark_clients.py (an in-process cluster) and
+tests/e2e/test_benchmark_clients_up.py (`pdserve up`) share.
+
+Not a test module: imported as `from helpers.bench_clients import ...`. The clients are not
+project dependencies (pyproject.toml's `clients` extra; `needs` skips a test, saying so, where
+one is missing). Installing them: `pip install -e '.[dev,clients]'`; on Python 3.11, inference-perf
+(which declares Python >= 3.12 and pins transformers==5.13.0, but runs on 3.11 and on the project's
+transformers) goes in by hand: `pip install --no-deps --ignore-requires-python
+inference-perf==0.7.0`, then `pip install aiohttp av tiktoken google-cloud-storage` (what it
+imports; datasets, aiofiles and uvloop come with guidellm)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+RUN_TIMEOUT_S = 900  # a bound for a loaded machine, never a speed claim
+
+
+def needs(module: str, pin: str):
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None,
+        reason=f"{pin} is not installed (pyproject.toml's clients extra; helpers/bench_clients.py)",
+    )
+
+
+def run(args: list[str], what: str) -> str:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def guidellm(
+    url: str,
+    model: str,
+    tokenizer_dir,
+    out,
+    profile: str,
+    request_format: str | None = None,
+    seconds: float = 4,
+    data: str = "kind=synthetic_text,prompt_tokens=64,output_tokens=32",
+) -> list[tuple[str, dict]]:
+    """guidellm's run of `profile` against `url` (http://host:port): each benchmark's strategy and
+    its request counts (successful, errored, incomplete, total)."""
+    backend = f"kind=openai_http,target={url},model={model}"
+    if request_format:
+        backend += f",request_format={request_format}"
+    args = [sys.executable, "-m", "guidellm", "run", "--backend", backend]
+    args += ["--tokenizer", f"kind=hf_auto,model={tokenizer_dir}", "--profile", profile]
+    args += ["--data", data, "--constraint", f"kind=max_duration,seconds={seconds}"]
+    args += ["--output", f"kind=json,path={out}", "--disable-console"]
+    run(args, f"guidellm ({profile}, {request_format or 'chat'})")
+    return [
+        (b["config"]["strategy"]["type_"], b["scheduler_metrics"]["requests_made"])
+        for b in json.loads(out.read_text())["benchmarks"]
+    ]
+
+
+def inference_perf(
+    url: str, model: str, tokenizer_dir, tmp_path, api: str, data: str, load: str
+) -> list[tuple[str, int, int]]:
+    """inference-perf's run with this api, data and load (YAML flow mappings): each stage's and the
+    summary's (report name, successes, failures)."""
+    config = tmp_path / "config.yaml"
+    out = tmp_path / "reports"
+    config.write_text(
+        f"api: {{type: {api}, streaming: true}}\n"
+        f"data: {data}\n"
+        f"load: {load}\n"
+        f"server: {{type: vllm, model_name: {model}, base_url: '{url}', "
+        f"ignore_eos: {'true' if api == 'completion' else 'false'}}}\n"
+        f"tokenizer: {{pretrained_model_name_or_path: '{tokenizer_dir}'}}\n"
+        f"storage: {{local_storage: {{path: '{out}'}}}}\n"
+    )
+    code = "import sys; from inference_perf import main_cli; sys.exit(main_cli())"
+    run([sys.executable, "-c", code, "--config_file", str(config)], f"inference-perf ({api})")
+    stages = sorted(out.glob("stage_*_lifecycle_metrics.json"))
+    assert stages, sorted(p.name for p in out.iterdir())
+    counts = []
+    for path in [*stages, out / "summary_lifecycle_metrics.json"]:
+        report = json.loads(path.read_text())
+        counts.append((path.name, report["successes"]["count"], report["failures"]["count"]))
+    return counts
+
+
+# inference-perf's loads and data for the two runs both lanes make
+RANDOM_LENGTHS = (
+    "{type: random, input_distribution: {min: 16, max: 64, mean: 32, std_dev: 8}, "
+    "output_distribution: {min: 4, max: 16, mean: 8, std_dev: 2}}"
+)
+MOCK_CHAT = "{type: mock}"  # its random and synthetic data do not serve chat
+
+
+def constant_stages(rates: tuple, duration: int) -> str:
+    stages = ", ".join(f"{{rate: {r}, duration: {duration}}}" for r in rates)
+    return f"{{type: constant, stages: [{stages}], num_workers: 2}}"
+
+
+def sweep(num_requests: int, stage_duration: int) -> str:
+    return (
+        f"{{type: constant, num_workers: 2, sweep: {{type: linear, num_requests: {num_requests}, "
+        f"timeout: 60, num_stages: 2, stage_duration: {stage_duration}}}}}"
+    )

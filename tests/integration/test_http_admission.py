@@ -1,0 +1,169 @@
+"""Overload and the clients that probe it, served (router/admission.py, router/service.py,
+router/openai/responses/stream.py) on the integration lane's tiny chat model: 70 concurrent
+requests all served by a router with max_inflight=2 (they wait in its admission queue, which
+pdserve:router_admission_wait_seconds shows); past max_queued a 429 and past max_queue_wait_s a
+503, each with Retry-After; a client that disconnects while queued leaves the queue; vLLM's
+continuous_usage_stats puts each choice's usage on every chunk; an assistant message with
+tool_calls and no content is read. The slot the bound tests need taken is taken through the
+router's own Admission (a call the test holds), so they do not depend on how fast a request
+runs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+
+from helpers.http import (
+    CHAT,
+    GOOD,
+    GOOD_CHAT,
+    TIMEOUT,
+    C,
+    assert_error,
+    post,
+    split,
+    sse_events,
+)
+from helpers.threads import run_in_threads, wait_until
+
+
+@pytest.fixture(scope="module", name="small")
+def fixture_small(workers):
+    """A router that serves 2 requests at once and queues the rest."""
+    r = workers.router(max_inflight=2, max_queued=256, max_queue_wait_s=120.0)
+    yield r
+    r.stop()
+
+
+def _admission_waits(router_) -> tuple[float, float]:
+    """(count, sum) of pdserve:router_admission_wait_seconds."""
+    hist = router_.metrics.admission_wait
+    samples = {s.name: s.value for m in hist.collect() for s in m.samples}
+    return samples["pdserve:router_admission_wait_seconds_count"], samples[
+        "pdserve:router_admission_wait_seconds_sum"
+    ]
+
+
+def test_70_concurrent_requests_are_all_served_with_max_inflight_2(small, idle):
+    before, _ = _admission_waits(small)
+
+    def one(i):
+        body = {**GOOD, "prompt": [5 + i % 7, 6, 7], "max_tokens": 4, "ignore_eos": True}
+        status, _, raw = post(small, C, body)
+        return status, json.loads(raw)
+
+    results = run_in_threads(one, 70, timeout=600)
+    assert sorted(s for s, _ in results.values()) == [200] * 70, [
+        r for s, r in results.values() if s != 200
+    ][:3]
+    assert all(doc["usage"]["completion_tokens"] == 4 for _, doc in results.values())
+    count, waited = _admission_waits(small)
+    assert count - before == 70 and waited > 0  # 68 of them could not start at once
+    assert small.servicer.admission.queued() == 0
+
+
+def test_past_max_queued_is_429_and_past_max_wait_is_503_with_retry_after(workers):
+    r = workers.router(max_inflight=1, max_queued=1, max_queue_wait_s=0.5)
+    admission = r.servicer.admission
+    held = admission.enter()  # the test holds the one slot
+    try:
+        assert held.granted
+        status, headers, raw = post(r, C, GOOD)  # queued, then waits max_queue_wait_s
+        err = assert_error(status, raw, 503)
+        assert "max_queue_wait_s=0.5" in err["message"]
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+
+    finally:
+        admission.leave()
+        r.stop()
+    r = workers.router(max_inflight=1, max_queued=1, max_queue_wait_s=120.0)
+    admission = r.servicer.admission
+    held = admission.enter()
+    try:
+        assert held.granted
+        queued = {}
+        waiter = threading.Thread(target=lambda: queued.update(out=post(r, C, GOOD)))
+        waiter.start()
+        wait_until(lambda: admission.queued() == 1, TIMEOUT, "the first request is queued")
+        status, headers, raw = post(r, C, GOOD)  # the queue is full: refused at once
+        err = assert_error(status, raw, 429)
+        assert "max_queued=1" in err["message"]
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+        admission.leave()  # the held slot goes to the queued request, which is served
+        held = None
+        waiter.join(TIMEOUT)
+        assert queued["out"][0] == 200, queued
+    finally:
+        if held is not None:
+            admission.leave()
+        r.stop()
+
+
+def test_a_client_gone_while_queued_leaves_the_queue(workers):
+    r = workers.router(max_inflight=1, max_queued=4, max_queue_wait_s=600.0)
+    admission = r.servicer.admission
+    held = admission.enter()
+    try:
+        assert held.granted
+        host, port = split(r.http_address)
+        body = json.dumps(GOOD).encode()
+        sock = socket.create_connection((host, port), timeout=TIMEOUT)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: admission.queued() == 1, TIMEOUT, "the request is queued")
+        sock.close()
+        wait_until(lambda: admission.queued() == 0, TIMEOUT, "the gone client left the queue")
+    finally:
+        admission.leave()
+    try:
+        status, _, raw = post(r, C, GOOD)  # the slot is free again: served at once
+        assert status == 200, raw
+        assert admission.running() == 0
+    finally:
+        r.stop()
+
+
+@pytest.mark.parametrize("path", [C, CHAT], ids=["completions", "chat"])
+def test_continuous_usage_is_on_every_chunk(router, idle, path):
+    base = GOOD if path == C else GOOD_CHAT
+    body = {
+        **base,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    status, _, raw = post(router, path, body)
+    assert status == 200, raw
+    *chunks, last = sse_events(raw)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    prompt = last["usage"]["prompt_tokens"]
+    assert prompt > 0
+    counts = []
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt
+        assert usage["total_tokens"] == prompt + usage["completion_tokens"]
+        counts.append(usage["completion_tokens"])
+    assert counts == sorted(counts) and counts[-1] == 5  # the finish chunk: the choice's all
+
+
+def test_assistant_tool_calls_without_content_are_read(router, idle):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for assistant in (
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ):
+        messages = [
+            {"role": "user", "content": "t5"},
+            assistant,
+            {"role": "tool", "tool_call_id": "c1", "content": "t6"},
+        ]
+        status, _, raw = post(router, CHAT, {**GOOD_CHAT, "messages": messages})
+        assert status == 200, raw
