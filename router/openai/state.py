@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
+from pdserve.protos.tracing import TRACE_HEADERS
 from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
@@ -66,10 +67,19 @@ class FrontState:
         return e.response()
 
     def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
-        """The metadata the gRPC call carries: the client's key, checked here first."""
+        """The metadata the gRPC call carries: the client's key, checked here first, and its W3C
+        trace context (traceparent, tracestate: protos/tracing.py; one that is too long or not
+        printable is left out, and the router ignores a malformed one)."""
+        trace = tuple(
+            (name, value)
+            for name in TRACE_HEADERS
+            if (value := request.headers.get(name)) is not None
+            and len(value) <= 512
+            and value.isprintable()
+        )
         header = request.headers.get("authorization")
         if not self.settings.keys:
-            return ()
+            return trace
         if not self.settings.keys.accepts_header(header):
             raise ApiError(
                 401,
@@ -79,7 +89,7 @@ class FrontState:
                 "authentication_error",
                 code="invalid_api_key",
             )
-        return ((API_KEY_METADATA_KEY, f"Bearer {bearer_token(header)}"),)
+        return ((API_KEY_METADATA_KEY, f"Bearer {bearer_token(header)}"), *trace)
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes

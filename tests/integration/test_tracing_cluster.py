@@ -7,8 +7,10 @@ a trace of its own; a malformed one is ignored."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
 from concurrent import futures
 
 import grpc
@@ -67,7 +69,7 @@ def traced(model_dir):
     traced_endpoints[endpoint] = None
     decode = start_decode(model_dir, otlp_traces_endpoint=endpoint)
     prefill = start_prefill(model_dir, otlp_traces_endpoint=endpoint)
-    router = start_router(model_dir, decode, prefill, otlp_traces_endpoint=endpoint)
+    router = start_router(model_dir, decode, prefill, otlp_traces_endpoint=endpoint, http_port=0)
     try:
         tracings = [
             router.tracing,
@@ -197,3 +199,23 @@ def test_a_resume_after_a_decode_worker_dies_is_in_the_same_trace(model_dir, tra
     attrs = {a.key: a.value for a in root.attributes}
     assert [e.name for e in root.events] == ["resume"], (root.events, attrs)
     assert {a.key: a.value for a in root.attributes}["pdserve.resumes"].int_value == 1
+
+
+def test_an_http_request_continues_the_clients_trace(traced):
+    collector, router, tracings = traced
+    base = f"http://{router.http_address}"
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    trace = "6bf92f3577b34da6a3ce929d0e0e4736"
+    body = json.dumps({"model": model, "prompt": "t5 t6 t7", "max_tokens": 4, "temperature": 0})
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=body.encode(),
+        headers={"content-type": "application/json", "traceparent": f"00-{trace}-{CLIENT_SPAN}-01"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.status == 200
+    spans = _spans(collector, tracings, trace, 5)
+    roots = [s for _, s in spans if s.parent_span_id.hex() == CLIENT_SPAN]
+    assert [s.name for s in roots] == ["llm_request"]
+    assert {svc for svc, _ in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
