@@ -1,4 +1,4 @@
-"""The model runner: one tensor-parallel rank's model, KV cache and sampler, stepping a plan.
+"""The model runner: one rank's model, KV cache and sampler, stepping a plan.
 
 A runner is built once per rank (engine/precision.py's `start_runner`: the model and its
 weights, the KV cache sized from kv_cache_memory, the precision chosen, decode graphs
@@ -9,7 +9,9 @@ model's forward pass inside a forward_context, the prompt logprobs asked for, an
 logits of the sampling rows, the step's structured-output mask applied and one token drawn per
 row. Its result is one StepOutput record. A layer hook, when given, is called by each attention
 layer once its KV is written (a prefill pushing its KV to another engine). Decode-only steps
-replay a captured CUDA graph where one applies; everything else runs eagerly.
+replay a captured CUDA graph where one applies; everything else runs eagerly. Under pipeline
+parallelism a rank holds its stage's layers and their KV only, and the forward pass runs the
+stages in turn (`_forward`); a later stage's part of a step ends there.
 """
 
 from __future__ import annotations
