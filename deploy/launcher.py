@@ -59,6 +59,7 @@ from pdserve.deploy.ray_connect import check_dashboard, init_ray  # noqa: F401
 from pdserve.deploy.start_watch import start_and_watch
 from pdserve.deploy.supervisor import Replica, RestartPolicy, Supervisor, ray_error_reason, role_of  # noqa: F401
 from pdserve.deploy.workers import WorkerActor
+from pdserve.logs import console_level
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,8 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         deployment_id=cluster.deployment_id,
         otlp_traces_endpoint=_traces_endpoint(config),
         trace_sample_ratio=config.observability.trace_sample_ratio,
+        log_level=console_level(config.observability)[0],
+        log_format=config.observability.log_format,
     )
     return workers.worker_config(
         common, role_of(key), config.kvtransfer.backend, _flippable(config)

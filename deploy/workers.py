@@ -114,6 +114,15 @@ class WorkerActor:
         from pdserve.worker_common.start_stages import StageLog, log_to_stderr
 
         log_to_stderr()  # this process's log file: Ray points stderr at it
+        # and every pdserve logger's lines there, refusals and failures of requests included
+        from pdserve.deploy.config.schema import ObservabilitySettings
+        from pdserve.logs import configure_console
+
+        configure_console(
+            ObservabilitySettings(
+                log_level=worker_config.log_level, log_format=worker_config.log_format
+            )
+        )
         self.start_stages = StageLog(worker_config.worker_id)
 
     def start(self) -> tuple[str, str]:

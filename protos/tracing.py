@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def setup(
         exporter = _exporter(endpoint)
         if exporter is None:
             return None
+        _quiet_exporter_logs()
     resource = Resource.create(
         {
             "service.name": service,
@@ -121,6 +123,38 @@ def setup(
     provider.add_span_processor(BatchSpanProcessor(exporter))
     log.info("tracing: %s exports spans to %s", service, endpoint or type(exporter).__name__)
     return Tracing(provider, "pdserve." + service.removeprefix("pdserve-").replace("-", "_"))
+
+
+class _OneLineEvery(logging.Filter):
+    """On the OTLP exporters' loggers: an endpoint that does not answer is one error line every
+    REPEAT_S seconds, not two lines a batch (their retry warnings are dropped); spans are
+    dropped meanwhile and serving goes on, as the OpenTelemetry spec has exporters do."""
+
+    REPEAT_S = 300.0
+
+    def __init__(self):
+        super().__init__()
+        self._last = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return False
+        now = time.monotonic()
+        if now - self._last < self.REPEAT_S:
+            return False
+        self._last = now
+        record.msg = f"tracing: {record.msg} (spans are dropped until it answers; serving goes on)"
+        return True
+
+
+def _quiet_exporter_logs() -> None:
+    for name in (
+        "opentelemetry.exporter.otlp.proto.grpc.exporter",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    ):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineEvery) for f in logger.filters):
+            logger.addFilter(_OneLineEvery())
 
 
 def _exporter(endpoint: str):

@@ -234,6 +234,12 @@ class Legs:
         leg.trace = {"metadata": trace} if trace else {}
         leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
         leg.local = self.options.colocated or self._prefill_here(prompt, leg)
+        if leg.local and not self.options.colocated:  # the request's trace says where it ran
+            tracing.event(
+                getattr(req, "span", None),
+                "local_prefill",
+                {"pdserve.held_tokens": leg.expected, "pdserve.prompt_tokens": len(prompt)},
+            )
         self.pool.note_started(0 if leg.local else len(prompt))  # the planner's demand
         leg.reserve_start_ns = unix_ns()
         try:

@@ -224,6 +224,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self._admit(key, call, context, deadline)
         if self.tracing is not None:  # from its arrival: the admission queue's wait included
             call.span = self._start_span(call, context)
+            call.admitted_ns = unix_ns()
         try:
             context.add_callback(lambda: self._on_rpc_end(call))
             context.send_initial_metadata(((PROMPT_TOKENS_KEY, str(len(prompt))),))
@@ -336,7 +337,21 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 "pdserve.decode_worker": t.decode_worker,
                 "pdserve.resumes": call.num_resumes,
             }
+        self._leg_spans(call, span)
         tracing.end(span, attributes=attrs, error=error)
+
+    def _leg_spans(self, call: ClientCall, span) -> None:
+        """The router's own child spans, from its stamps: the admission queue's wait, and each
+        leg's Reserve and its decode stream (from its reservation to the next leg or the end)."""
+        t, now = self.tracing, unix_ns()
+        t.emit("admission", span, call.queued_ns, getattr(call, "admitted_ns", 0))
+        legs = list(call.legs)
+        # a leg's stream ends where the next leg (a resume) starts, the last one now
+        ends = [nxt.reserve_start_ns or now for nxt in legs[1:]] + [now]
+        for leg, end in zip(legs, ends):
+            attrs = {"pdserve.leg": leg.number, "pdserve.local_prefill": leg.local}
+            t.emit("reserve", span, leg.reserve_start_ns, leg.reserved_ns, attrs)
+            t.emit("decode stream", span, leg.reserved_ns, end, attrs)
 
     def _fail(self, call: ClientCall, failure: CallFailed, context):
         """Ends the call with the status its failure maps to (the call let go of its workers)."""

@@ -10,11 +10,15 @@ client is told when the engine refuses its request (engine/errors.py has the kin
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from pdserve.engine.errors import BadSamplingParams, DuplicateRequestId, NoFreeBlocks, PromptTooLong
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos.convert import sampling_kwargs
+
+log = logging.getLogger(__name__)
 
 
 def engine_error_status(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -37,6 +41,9 @@ def abort_for_engine_error(context, err: BaseException) -> None:
     """Ends the call with `err`'s status if it is an engine refusal; returns otherwise."""
     status = engine_error_status(err)
     if status is not None:
+        # the worker's log file (a full pool is flow control, not news: debug)
+        level = logging.DEBUG if status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.INFO
+        log.log(level, "a request refused %s: %s", status[0].name, status[1])
         context.abort(*status)
 
 

@@ -78,6 +78,10 @@ class WorkerConfig:
     # OpenTelemetry (protos/tracing.py): this worker's spans to this OTLP endpoint (else
     # $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; None and unset: off); trace_exporter: a SpanExporter
     # instead (tests)
+    # this process's own log lines (its log file, where Ray points its stderr): the pdserve
+    # loggers' level and format (pdserve/logs.py; the deployment's observability keys)
+    log_level: str = "info"
+    log_format: str = "text"
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
     trace_exporter: object | None = field(default=None, repr=False)
