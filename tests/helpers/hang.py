@@ -14,12 +14,12 @@ import time
 
 import grpc
 
-from helpers.router import LONG_GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT, generate_call
+from helpers.router import LONG_GREEDY, MAX_MODEL_LEN, RPC_TIMEOUT
 from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
 from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
 
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 20)
 DECODE_STEP_S = 0.05  # decode steps slowed so that the streams are mid-way when a worker hangs
@@ -77,6 +77,9 @@ def greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in outs]
 
 
+STREAM_DEADLINE_S = 90.0
+
+
 class Streams:
     """Generate calls running on threads: each one's token ids, token arrival times
     (time.monotonic()), last response and error."""
@@ -95,7 +98,12 @@ class Streams:
 
     def _run(self, router, i, prompt):
         try:
-            for response in generate_call(router, prompt, LONG_GREEDY):
+            # the client's deadline is not what these tests judge (they bound each stream's gap
+            # after a hang): long enough for a loaded machine's whole stream and its resume
+            request = pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=LONG_GREEDY
+            )
+            for response in router.api.Generate(request, timeout=STREAM_DEADLINE_S):
                 self.last[i] = response
                 if response.HasField("delta") and response.delta.token_ids:
                     self.ids[i] += response.delta.token_ids
