@@ -7,6 +7,25 @@ import json
 import re
 import shutil
 
+# a chat template that takes tools its own way, short (a byte a token): the tools' names, each
+# call's name and arguments, each result (the served tool-call and Responses API tests)
+TOOL_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %} call {{ c.function.name }} {{ c.function.arguments | tojson }}"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+# the tool-call tests' function: a city and a unit
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
 SCHEMAS = [
     {
         "type": "object",

@@ -14,27 +14,12 @@ import json
 import pytest
 
 from helpers.http import Workers, assert_error, post, serves
-from helpers.structured import byte_level_model
+from helpers.structured import TOOL_TEMPLATE as TEMPLATE, WEATHER, byte_level_model
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
-TEMPLATE = (
-    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
-    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
-    "{% for c in m.tool_calls or [] %} call {{ c.function.name }} {{ c.function.arguments | tojson }}"
-    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOL = {
     "type": "function",
     "name": "get_weather",
