@@ -168,7 +168,13 @@ class WorkerPool:
         fields.setdefault("heard_at", self._clock())  # silence counts from its arrival
         return _Worker(role, address, channel, _STUBS[role](channel), **fields)
 
-    def start(self) -> WorkerPool:
+    def start(self, first_wait_s: float = 2.0) -> WorkerPool:
+        """Runs the first sweep here, waiting up to min(first_wait_s, silence_s) for the static
+        workers' answers, so that a request right after the start finds each one named (a
+        Finish's timings carry the names) and its blocks known even on a loaded machine; then
+        starts the health thread. A worker that refuses the connection answers at once; only a
+        hung one costs the wait."""
+        self.sweep(wait_s=min(first_wait_s, self.silence_s))
         self._thread.start()
         return self
 
@@ -531,15 +537,13 @@ class WorkerPool:
 
     # ---- health ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.stats_ttl_s):  # start() ran the first sweep
             try:
-                # the answers of workers that answer at once are used by the sweep that asked
-                # (a request right after the start finds each static worker named and its blocks
-                # known); a late one is taken by a later sweep
+                # the answers of workers that answer at once are used by the sweep that asked; a
+                # late one is taken by a later sweep
                 self.sweep(wait_s=self.stats_ttl_s)
             except Exception:  # a dead health thread would freeze every worker's state
                 log.exception("worker health sweep failed")
-            self._stop.wait(self.stats_ttl_s)
 
     def sweep(self, wait_s: float = 0.0) -> None:
         """One health check of every worker (the thread runs one every stats_ttl_s): takes the

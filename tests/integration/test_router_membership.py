@@ -34,13 +34,15 @@ from pdserve.worker_common.registration import Registration
 
 # ---- fake workers: Stats only -------------------------------------------------------------------
 class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWorkerServicer):
-    """Answers Stats ("ok"), fails it ("fail") or does not answer in time ("hang")."""
+    """Answers Stats ("ok"), fails it ("fail"), does not answer in time ("hang") or answers
+    after `slow_s` ("slow")."""
 
     def __init__(self, worker_id: str, num_free_blocks: int = 10, num_total_blocks=None):
         self.worker_id = worker_id
         self.num_free_blocks = num_free_blocks
         self.num_total_blocks = num_free_blocks if num_total_blocks is None else num_total_blocks
         self.mode = "ok"
+        self.slow_s = 0.0
         self.release = threading.Event()  # ends hung calls
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, self.server)
@@ -53,6 +55,8 @@ class FakeWorker(worker_pb2_grpc.DecodeWorkerServicer, worker_pb2_grpc.PrefillWo
             context.abort(grpc.StatusCode.UNAVAILABLE, "fake outage")
         if self.mode == "hang":
             self.release.wait(5)
+        if self.mode == "slow":
+            self.release.wait(self.slow_s)
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id,
             num_free_blocks=self.num_free_blocks,
@@ -148,7 +152,7 @@ def test_picking_never_waits_on_a_hung_stats_call(fakes):
         [hung.address, fine.address],
         stats_ttl_s=0.01,
         down_s=0.05,
-    ).start()
+    ).start(first_wait_s=0)  # the hung worker would hold the start up to that bound
     try:
         wait_until(lambda: pool.num_sweeps >= 1, 5, "one health sweep")
         wait_until(lambda: pool.decode[0].down, 5, "the hung worker marked down")
@@ -160,6 +164,20 @@ def test_picking_never_waits_on_a_hung_stats_call(fakes):
             time.sleep(0.01)
     finally:
         hung.release.set()
+        pool.close()
+
+
+def test_a_static_worker_slow_to_answer_is_named_when_the_start_returns(fakes):
+    """A loaded machine answers the first Stats late (here 1 s, two sweep periods): start()
+    waits for it, so a request right after the start reports the worker by its id, not its
+    address (CI once saw the prefill worker's address in a Finish's timings)."""
+    slow, fine = fakes("p-slow"), fakes("d-fine")
+    slow.mode, slow.slow_s = "slow", 1.0
+    pool = WorkerPool([slow.address], [fine.address], stats_ttl_s=0.5).start()
+    try:
+        assert [pool.name(w) for w in pool.members()] == ["p-slow", "d-fine"]
+        assert pool.decode[0].stats.num_total_blocks == 10  # and its blocks known
+    finally:
         pool.close()
 
 
