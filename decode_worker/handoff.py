@@ -51,6 +51,7 @@ class _Entry:
     deadline: float  # time.monotonic(): the lease's end, pushed on by each KV frame
     lease_s: float = 0.0  # the lease's length
     logprobs: bool = False  # the request asked for logprobs (its outputs carry a list)
+    sender_traceparent: str = ""  # the first frame's trace context (the prefill span), if any
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False  # committed or aborted: no more writes into its blocks
 
@@ -63,6 +64,9 @@ class HandoffTimings:
 
     transfer_end_unix_ns: int = 0  # the last KV frame and the commit landed
     commit_unix_ns: int = 0  # the engine took the commit: the request is in the running batch
+    # not a stamp: the sender's prefill span as its frames named it (kvtransfer/wire.py), for the
+    # kv.receive span's link ("" when the request was not traced)
+    sender_traceparent: str = ""
 
     def to_proto(
         self, decode_worker: str, first_token_unix_ns: int, last_token_unix_ns: int
@@ -192,6 +196,8 @@ class DecodeHandoff:
             if entry.closed:
                 return
             state = entry.receiver.on_frame(header, payload)
+            if header.traceparent and not entry.sender_traceparent:
+                entry.sender_traceparent = header.traceparent
             if header.kind == "kv" and state != TransferState.FAILED:
                 # progress: the prefill side is alive, however long its prompt takes
                 entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_s)
@@ -249,7 +255,9 @@ class DecodeHandoff:
                     for i, token in enumerate(first_tokens)
                 ],
                 finished=False,
-                timings=HandoffTimings(received_ns, time.time_ns()),
+                timings=HandoffTimings(
+                    received_ns, time.time_ns(), sender_traceparent=entry.sender_traceparent
+                ),
             )
         )
 

@@ -295,8 +295,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _trace(self, rid, stream: _Stream, timings, first_token_ns, sent, finished) -> None:
         """This worker's spans of the request, from its stamps, under the router's span: the
-        decode (commit, or the stream's first token, to now) and, for a hand-off, the KV
-        receipt (Reserve to the last frame)."""
+        decode (commit, or the stream's first token, to now, with the commit as an event)
+        and, for a hand-off, the KV receipt (Reserve to the last frame), linked to the prefill
+        span its frames named."""
         t, now = self.tracing, unix_ns()
         colocated = stream.colocated
         start = (
@@ -313,6 +314,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 "gen_ai.usage.completion_tokens": sum(sent.values()),
                 "pdserve.finished": finished,
             },
+            # the engine took the first tokens: the request runs in the batch from there
+            events=(("commit", timings.commit_unix_ns),),
         )
         if span is not None and timings.transfer_end_unix_ns:
             t.emit(
@@ -321,6 +324,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 stream.reserved_ns,
                 timings.transfer_end_unix_ns,
                 {"pdserve.kv_backend": self.options.kv_backend},
+                links=(tracing.context_of(timings.sender_traceparent),),
             )
 
     @staticmethod

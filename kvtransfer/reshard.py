@@ -41,8 +41,10 @@ def read_chunk(
     block_ids: list[int],
     start: int,
     end: int,
+    traceparent: str = "",
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """This rank's heads of tokens [start, end): header + contiguous [2, n, heads, head_dim].
+    traceparent: the sender's trace context for the header ("" when the request is not traced).
 
     layer_kv: [2, num_blocks, block_size, heads_per_rank, head_dim] (block_size the layout's).
     Whole blocks are gathered (one row of block_size tokens each) and the partial ends trimmed:
@@ -69,6 +71,7 @@ def read_chunk(
         h1,
         layout.head_dim,
         dtype_name(layer_kv.dtype),
+        traceparent=traceparent,
     )
     return header, data
 

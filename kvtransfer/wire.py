@@ -29,6 +29,10 @@ MAX_REQUEST_ID_CHARS = MAX_ID_CHARS  # what the router accepts as a request_id
 MAX_FINGERPRINT_CHARS = 64
 MAX_DTYPE_CHARS = 32
 MAX_GRANT_CHARS = 64
+MAX_TRACEPARENT_CHARS = 64  # W3C traceparent version 00 is 55 characters
+# fields left out of an encoded header when empty: the frames of backends and requests that do
+# not use them stay as they were
+OMIT_WHEN_EMPTY = ("grant", "traceparent")
 MAX_HEADER_BYTES = 4096  # a legal header is well under 2 KiB
 MAX_INDEX = 1 << 31  # layers, tokens, heads, head_dim
 _INT64 = 1 << 63
@@ -74,6 +78,10 @@ class ChunkHeader:
     # nixl only: the write grant of the reservation (its KVEndpoint.write_grant), on every frame;
     # empty elsewhere, and then left out of the encoded header
     grant: str = ""
+    # the sender's W3C trace context (its prefill span) when the request is traced, on every
+    # frame; empty otherwise, and then left out of the encoded header. The receiver only reads
+    # it (a link on its kv.receive span); a malformed one is ignored there, never an error
+    traceparent: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -90,6 +98,7 @@ class ChunkHeader:
             ("fingerprint", MAX_FINGERPRINT_CHARS),
             ("dtype", MAX_DTYPE_CHARS),
             ("grant", MAX_GRANT_CHARS),
+            ("traceparent", MAX_TRACEPARENT_CHARS),
         ):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > limit:
@@ -152,8 +161,9 @@ def encode_frame(
 ) -> list[bytes | memoryview]:
     """Pieces to write in order (no copy of the payload)."""
     fields = asdict(header)
-    if not fields["grant"]:  # only nixl frames carry one; the others' headers stay as they were
-        del fields["grant"]
+    for name in OMIT_WHEN_EMPTY:
+        if not fields[name]:
+            del fields[name]
     head = msgpack.packb(fields)
     return [_LEN.pack(len(head)), head, payload]
 

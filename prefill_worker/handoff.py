@@ -90,6 +90,9 @@ class PushSink:
     so each rank's heads are read from its own pool and joined into one frame of all the heads
     (one frame per layer whatever the TP size; each decode rank takes the heads it holds).
 
+    traceparent: the request's prefill span (W3C), carried on every frame so the receiver can link
+    its spans to the sender's ("" when the request is not traced).
+
     overlap: push each layer as it finishes, while the next computes (True), or push a step's
     layers after its last one (False). None decides at the first layer: overlap unless the KV is
     on the CPU and the compute threads take every core this process may use. Overlap hides the
@@ -107,8 +110,10 @@ class PushSink:
         num_cached_on_decode: int,
         rank_caches: list[torch.Tensor] | None = None,
         overlap: bool | None = None,
+        traceparent: str = "",
     ):
         self.request_id = request_id
+        self.traceparent = traceparent  # every frame's, when the request is traced
         self.layout = layout
         tp = len(rank_caches) if rank_caches else 1
         self.sources = (
@@ -150,11 +155,27 @@ class PushSink:
     ) -> None:
         if self.sources is None:
             header, data = read_chunk(
-                layer_kv, self.layout, self.request_id, layer, block_ids, start, end
+                layer_kv,
+                self.layout,
+                self.request_id,
+                layer,
+                block_ids,
+                start,
+                end,
+                self.traceparent,
             )
         else:
             parts = [
-                read_chunk(cache[layer], layout, self.request_id, layer, block_ids, start, end)
+                read_chunk(
+                    cache[layer],
+                    layout,
+                    self.request_id,
+                    layer,
+                    block_ids,
+                    start,
+                    end,
+                    self.traceparent,
+                )
                 for layout, cache in self.sources
             ]
             header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
@@ -173,6 +194,7 @@ class PushSink:
                 kind="commit",
                 first_tokens=tuple(first_tokens),
                 first_logprobs=tuple(logprobs or ()),
+                traceparent=self.traceparent,
             ),
             None,
             self.dest,
@@ -180,7 +202,14 @@ class PushSink:
 
     def abort(self) -> None:
         self.transport.send(
-            ChunkHeader(self.request_id, self.layout.fingerprint, kind="abort"), None, self.dest
+            ChunkHeader(
+                self.request_id,
+                self.layout.fingerprint,
+                kind="abort",
+                traceparent=self.traceparent,
+            ),
+            None,
+            self.dest,
         )
 
 

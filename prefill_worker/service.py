@@ -119,11 +119,19 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _prefill(self, request, context):
         timings = HandoffTimings(unix_ns(), self.layout.num_layers)
+        span = self._open_span(request, timings, context)
+        try:
+            return self._run(request, timings, span, context)
+        except BaseException as e:  # refused, timed out or failed: the span says so
+            tracing.end(span, unix_ns(), error=_failure(e, context))
+            raise
+
+    def _run(self, request, timings: HandoffTimings, span, context):
         rid = request.request_id
         params = self._checked_params(request, context)
         endpoint = request.reservation.endpoint
         transport = self._open_channel(endpoint, context)
-        sink = self._sink(request, transport, timings)
+        sink = self._sink(request, transport, timings, tracing.traceparent(span))
         waiter = Waiter(sink)
         try:
             self.loop.add_request(
@@ -142,30 +150,36 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._flush(rid, endpoint, transport, sink, deadline, context)
         timings.transfer_end_unix_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
-        if self.tracing is not None:
-            self._trace(request, endpoint, waiter, sink, timings, context)
+        if span is not None:
+            self._trace(span, endpoint, waiter, sink, timings)
         return self._reply(request, params, waiter, sink, timings, context)
 
-    def _trace(self, request, endpoint, waiter, sink, timings, context) -> None:
-        """This worker's spans of the request, from its stamps, under the router's span: the
-        prefill call, its queue, its compute and its KV push (protos/tracing.py)."""
+    def _open_span(self, request, timings: HandoffTimings, context):
+        """The call's prefill span, open from its arrival under the router's span (None when
+        tracing is off or the call carries no trace context). It is open while the KV moves, so
+        every frame can carry its context (PushSink.traceparent) and the decode worker can link
+        its kv.receive span to it."""
+        if self.tracing is None:
+            return None
         parent = tracing.extract(context.invocation_metadata())
         if parent is None:
-            return
-        t = self.tracing
-        start = timings.compute_start_unix_ns()
-        span = t.emit(
+            return None
+        return self.tracing.start(
             "prefill",
             parent,
             timings.arrival_unix_ns,
-            timings.transfer_end_unix_ns,
             {
                 "pdserve.request_id": request.request_id,
                 "pdserve.prefill_worker": self.options.worker_id,
                 "gen_ai.usage.prompt_tokens": len(request.prompt_token_ids),
-                "pdserve.cached_prompt_tokens": waiter.output.num_cached_tokens,
             },
         )
+
+    def _trace(self, span, endpoint, waiter, sink, timings) -> None:
+        """This worker's spans of a served call, from its stamps, under its prefill span (which
+        this ends): its queue, its compute and its KV push (protos/tracing.py)."""
+        t = self.tracing
+        start = timings.compute_start_unix_ns()
         t.emit("prefill.queue", span, timings.arrival_unix_ns, start)
         t.emit("prefill.compute", span, start, timings.prefill_end_unix_ns)
         t.emit(
@@ -178,6 +192,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 "pdserve.kv_bytes": sink.sink.bytes_sent,
                 "pdserve.kv_layers": self.layout.num_layers,
             },
+        )
+        tracing.end(
+            span,
+            timings.transfer_end_unix_ns,
+            {"pdserve.cached_prompt_tokens": waiter.output.num_cached_tokens},
         )
 
     def _checked_params(self, request, context):
@@ -226,8 +245,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self._count(kv_transfer_failures=1)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
 
-    def _sink(self, request, transport: Transport, timings: HandoffTimings) -> GuardedSink:
-        """The KV sink that pushes the prompt's KV into the reservation, layer by layer."""
+    def _sink(
+        self, request, transport: Transport, timings: HandoffTimings, traceparent: str
+    ) -> GuardedSink:
+        """The KV sink that pushes the prompt's KV into the reservation, layer by layer, each
+        frame with the call's trace context (traceparent; "" when it is not traced)."""
         res = request.reservation
         # the receiver's layout: its block size and TP split (head ranges travel in each frame)
         dest = Destination(
@@ -244,6 +266,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             dest,
             res.num_cached_tokens,
             self.rank_caches,
+            traceparent=traceparent,
         )
         return GuardedSink(push, timings)
 
@@ -433,3 +456,15 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transports, self._transports = list(self._transports.values()), {}
         for transport in transports:
             transport.close()
+
+
+def _failure(error: BaseException, context) -> str:
+    """What ended a failed Prefill call, for its span: the status the call was aborted with
+    (context.abort raises a bare Exception), else the error itself."""
+    code = context.code() if hasattr(context, "code") else None
+    if code is None:
+        return repr(error)
+    details = context.details() if hasattr(context, "details") else b""
+    if isinstance(details, bytes):
+        details = details.decode("utf-8", "replace")
+    return f"{code.name}: {details}" if details else code.name

@@ -15,7 +15,9 @@ router's Generate call (continued; a malformed one is ignored and a new trace st
 W3C spec says), the router's on every call it makes to a worker for the request (`metadata`).
 The router holds the request's span open from arrival to its end; the workers emit theirs after
 the fact, from the stamps they take anyway (the Timings fields), with those times, under the
-router's span (`emit`). So a span costs nothing on the engine's thread, and a worker that dies
+router's span (`emit`); only a prefill worker's prefill span is opened at the call's arrival, so
+that the KV frames it sends can carry its context (`traceparent`), and the decode worker's
+kv.receive span links to it (`context_of`). So a span costs nothing on the engine's thread, and a worker that dies
 mid-request leaves the router's span to say so.
 """
 
@@ -56,9 +58,10 @@ class Tracing:
         self.provider.force_flush(timeout_ms)
 
     def start(self, name: str, parent=None, start_ns: int | None = None, attributes=None,
-              server: bool = False):  # fmt: skip
-        """An open span (end it with `end`). parent: a context from `extract`, or a span."""
-        from opentelemetry.trace import SpanKind, set_span_in_context
+              server: bool = False, links=()):  # fmt: skip
+        """An open span (end it with `end`). parent: a context from `extract`, or a span.
+        links: span contexts (`context_of`) this span follows from in another process."""
+        from opentelemetry.trace import Link, SpanKind, set_span_in_context
 
         if parent is not None and hasattr(parent, "get_span_context"):
             parent = set_span_in_context(parent)
@@ -68,14 +71,20 @@ class Tracing:
             kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
             start_time=start_ns or None,
             attributes=attributes,
+            links=[Link(c) for c in links if c is not None],
         )
 
-    def emit(self, name: str, parent, start_ns: int, end_ns: int, attributes=None):
-        """A span that already happened (start_ns..end_ns, unix ns), under `parent`; returns it
-        (a parent for more), or None when a stamp is missing."""
+    def emit(self, name: str, parent, start_ns: int, end_ns: int, attributes=None, links=(),
+             events=()):  # fmt: skip
+        """A span that already happened (start_ns..end_ns, unix ns), under `parent`, with its
+        `events` ((name, unix ns) pairs; a 0 time leaves that one out); returns it (a parent for
+        more), or None when a stamp is missing."""
         if not start_ns or not end_ns:
             return None
-        span = self.start(name, parent, start_ns, attributes)
+        span = self.start(name, parent, start_ns, attributes, links=links)
+        for event_name, at_ns in events:
+            if at_ns:
+                span.add_event(event_name, timestamp=at_ns)
         end(span, max(end_ns, start_ns))
         return span
 
@@ -204,6 +213,25 @@ def metadata(span) -> tuple[tuple[str, str], ...]:
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(span))
     return tuple(carrier.items())
+
+
+def traceparent(span) -> str:
+    """`span`'s W3C traceparent, for a channel that has no metadata of its own (the KV frames:
+    kvtransfer/wire.py); "" for None."""
+    return dict(metadata(span)).get("traceparent", "")
+
+
+def context_of(traceparent: str):
+    """The span context a traceparent names, for a link (None: empty, malformed, or
+    OpenTelemetry missing)."""
+    if not traceparent:
+        return None
+    ctx = extract((("traceparent", traceparent),))
+    if ctx is None:
+        return None
+    from opentelemetry.trace import get_current_span
+
+    return get_current_span(ctx).get_span_context()
 
 
 def end(span, end_ns: int | None = None, attributes=None, error: str | None = None) -> None:

@@ -160,6 +160,7 @@ class Legs:
         self.pool = pool
         self.executor = executor  # Prefill calls
         self.options = options
+        self.tracing = None  # protos/tracing.py Tracing: the router's spans (None: off)
         self.decode_queue = DecodeQueue()
         self.on_tokens = None  # (req, sequence index, number of tokens): router/metrics.py
         self.on_local = None  # a leg prefilled on its decode worker: router/metrics.py
@@ -599,9 +600,14 @@ class Legs:
             with req.lock:
                 leg.prefill = worker
             leg.prefill_dispatch_ns = unix_ns()
+            span = self._prefill_span(req, worker)
+            failure = "the call ended without an answer"  # its span's status, unless answered
             try:
-                return self._prefill_on(worker, leg, prompt, sampling, deadline)
+                reply = self._prefill_on(worker, leg, prompt, sampling, deadline, span)
+                failure = None
+                return reply
             except grpc.RpcError as e:
+                failure = f"{e.code().name}: {e.details()}"
                 error, excluded = e, worker
                 ours = req.cancelled or req.abort_requested or leg.ended.is_set()  # we aborted it
                 log.log(
@@ -615,6 +621,7 @@ class Legs:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
             finally:
+                tracing.end(span, error=failure)
                 self.pool.end_prefill(worker, charge)
         if req.cancelled or req.abort_requested or leg.ended.is_set():  # the abort's failure
             return None
@@ -633,12 +640,24 @@ class Legs:
             leg.stream_call.cancel()  # decode unreachable or the request already gone
         return None
 
-    def _prefill_on(self, worker, leg: Leg, prompt, sampling, deadline: float):
+    def _prefill_span(self, req: Inflight, worker):
+        """The router's span of one Prefill call (from its dispatch to its answer), under the
+        request's; the worker's prefill span goes under it. None when the request is untraced."""
+        parent = getattr(req, "span", None)
+        if self.tracing is None or parent is None:
+            return None
+        return self.tracing.start(
+            "prefill call", parent, attributes={"pdserve.prefill_worker": self.pool.name(worker)}
+        )
+
+    def _prefill_on(self, worker, leg: Leg, prompt, sampling, deadline: float, span=None):
         """One Prefill call on `worker`, bounded by the client's deadline alone and cancelled
         when the pool drops the worker (router/open_legs.py): a dropped worker raises
         UNAVAILABLE (the caller retries elsewhere). However long the prompt, a prefill worker
-        that makes progress is never cut: the pool judges it by its progress."""
+        that makes progress is never cut: the pool judges it by its progress. span: the call's
+        own (`_prefill_span`), whose context the call carries instead of the request's."""
         leg.prefill_lost, leg.prefill_sent = "", time.monotonic()
+        trace = {"metadata": tracing.metadata(span)} if span is not None else leg.trace
         leg.prefill_call = worker.stub.Prefill.future(
             worker_pb2.PrefillRequest(
                 request_id=leg.request_id,
@@ -647,7 +666,7 @@ class Legs:
                 reservation=leg.reservation,
             ),
             timeout=left(deadline),
-            **leg.trace,
+            **trace,
         )
         self.open.add(worker, leg)
         try:

@@ -349,6 +349,7 @@ class Router:
             cfg.trace_sample_ratio,
             exporter=cfg.trace_exporter,
         )
+        self.servicer.legs.tracing = self.tracing  # each Prefill call's span
         if cfg.capture_trace is not None:
             self.servicer.capture = TraceCapture(cfg.capture_trace, cfg.capture_max_bytes)
 

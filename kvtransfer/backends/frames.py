@@ -20,7 +20,13 @@ import msgpack
 import torch
 
 from pdserve.kvtransfer.transport import FrameHandler, refusal
-from pdserve.kvtransfer.wire import ChunkHeader, WireError, header_from_fields, split_frame
+from pdserve.kvtransfer.wire import (
+    OMIT_WHEN_EMPTY,
+    ChunkHeader,
+    WireError,
+    header_from_fields,
+    split_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +42,12 @@ _HEADER_LENGTH = struct.Struct("<I")  # the wire frame's length prefix
 
 def encode_header(header: ChunkHeader) -> bytes:
     """The msgpack header of `encode_frame`, byte for byte, without dataclasses.asdict's deep
-    copy, a large share of the send path's cost. An empty grant is left out, as encode_frame does."""
+    copy, a large share of the send path's cost. Empty optional fields are left out, as
+    encode_frame does."""
     fields = {name: getattr(header, name) for name in _HEADER_FIELDS}
-    if not fields["grant"]:
-        del fields["grant"]
+    for name in OMIT_WHEN_EMPTY:
+        if not fields[name]:
+            del fields[name]
     return msgpack.packb(fields)
 
 

@@ -24,7 +24,12 @@ from opentelemetry.proto.collector.trace.v1 import (  # noqa: E402
 )
 
 from helpers.worker import start_decode, start_prefill, start_router, stop_all  # noqa: E402
-from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc  # noqa: E402
+from pdserve.protos.pdserve.v1 import (  # noqa: E402
+    pdserve_pb2,
+    pdserve_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,6 +82,7 @@ def traced(model_dir):
             decode.parts["decode"].servicer.tracing,
         ]
         assert all(t is not None for t in tracings)
+        collector.prefill_address = prefill.address  # for a call straight to the worker
         yield collector, router, tracings
     finally:
         stop_all([], router, prefill, decode)
@@ -109,9 +115,9 @@ def test_one_trace_across_router_prefill_and_decode(traced):
         router, list(range(3, 40)), metadata=(("traceparent", f"00-{TRACE}-{CLIENT_SPAN}-01"),)
     )
     assert responses[-1].HasField("finish")
-    # llm_request (+ admission, reserve, decode stream), prefill (+ queue, compute, kv.push),
-    # decode, kv.receive
-    spans = _spans(collector, tracings, TRACE, 10)
+    # llm_request (+ admission, reserve, decode stream, prefill call), prefill (+ queue,
+    # compute, kv.push), decode, kv.receive
+    spans = _spans(collector, tracings, TRACE, 11)
     by_name = {s.name: (svc, s) for svc, s in spans}
     assert {svc for svc, _ in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
     for name, service in (
@@ -119,6 +125,7 @@ def test_one_trace_across_router_prefill_and_decode(traced):
         ("admission", "pdserve-router"),
         ("reserve", "pdserve-router"),
         ("decode stream", "pdserve-router"),
+        ("prefill call", "pdserve-router"),
         ("prefill", "pdserve-prefill"),
         ("prefill.compute", "pdserve-prefill"),
         ("kv.push", "pdserve-prefill"),
@@ -136,9 +143,36 @@ def test_one_trace_across_router_prefill_and_decode(traced):
     assert attrs["gen_ai.latency.time_to_first_token"].double_value > 0
     push = {a.key: a.value for a in by_name["kv.push"][1].attributes}
     assert push["pdserve.kv_bytes"].int_value > 0
+    # the worker's prefill span sits under the router's span of its call
+    prefill_span = by_name["prefill"][1]
+    assert prefill_span.parent_span_id == by_name["prefill call"][1].span_id
+    assert [e.name for e in by_name["decode"][1].events] == ["commit"]
+    # the KV frames carried the prefill span's context: kv.receive links to it
+    links = [(link.trace_id.hex(), link.span_id) for link in by_name["kv.receive"][1].links]
+    assert links == [(TRACE, prefill_span.span_id)]
     # the workers' spans sit inside the request's time
     for _, s in spans:
         assert root.start_time_unix_nano <= s.start_time_unix_nano <= root.end_time_unix_nano
+
+
+def test_a_refused_prefill_call_ends_its_span_with_the_status(traced):
+    """A Prefill call the worker refuses (no reservation) still leaves its span, in error, with
+    the status it was refused with."""
+    collector, _, tracings = traced
+    trace = "5" * 32
+    with grpc.insecure_channel(collector.prefill_address) as channel:
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Prefill(
+                worker_pb2.PrefillRequest(request_id="no-reservation", prompt_token_ids=[3, 4]),
+                metadata=(("traceparent", f"00-{trace}-{CLIENT_SPAN}-01"),),
+                timeout=30,
+            )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [(service, span)] = _spans(collector, tracings, trace, 1)
+    assert (service, span.name) == ("pdserve-prefill", "prefill")
+    assert span.status.code == span.status.STATUS_CODE_ERROR
+    assert span.status.message.startswith("INVALID_ARGUMENT: reservation must be set")
 
 
 def test_no_traceparent_starts_a_trace_and_a_bad_one_is_ignored(traced):

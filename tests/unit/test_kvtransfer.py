@@ -43,6 +43,21 @@ def test_frame_round_trip_and_refusals():
         ChunkHeader("r", "fp", kind="teleport")
 
 
+def test_a_traced_frame_carries_its_traceparent_and_an_untraced_one_leaves_it_out():
+    from pdserve.kvtransfer.backends.frames import encode_header
+
+    parent = "00-" + "4b" * 16 + "-" + "00f067aa0ba902b7" + "-01"
+    plain = ChunkHeader("r1", "abc", kind="commit", first_tokens=(7,))
+    traced = ChunkHeader("r1", "abc", kind="commit", first_tokens=(7,), traceparent=parent)
+    got, _ = decode_frame(frame_bytes(traced))
+    assert got.traceparent == parent
+    for header in (plain, traced):  # the fast encoder writes the same bytes
+        assert encode_header(header) == bytes(encode_frame(header)[1])
+    assert "traceparent" not in msgpack.unpackb(encode_header(plain))  # as before the field
+    with pytest.raises(WireError, match="traceparent must be a string of at most 64"):
+        ChunkHeader("r1", "abc", traceparent="0" * 65)
+
+
 def test_layout_mismatch_is_refused_with_a_clear_message():
     a = KVLayout("smollm2", "float32", 30, 3, 64, 16)
     b = KVLayout("smollm2", "bfloat16", 30, 3, 64, 16)

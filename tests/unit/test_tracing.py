@@ -76,3 +76,23 @@ def test_spans_after_the_fact_nest_under_their_parent():
     assert spans["prefill.compute"].parent.span_id == spans["prefill"].context.span_id
     assert (spans["prefill.compute"].start_time, spans["prefill.compute"].end_time) == (200, 800)
     assert spans["prefill"].resource.attributes["pdserve.worker_id"] == "prefill-0"
+
+
+def test_a_frames_traceparent_becomes_a_link_and_a_bad_one_is_dropped():
+    exporter = InMemorySpanExporter()
+    t = tracing.setup("pdserve-decode", exporter=exporter)
+    try:
+        sender = t.start("prefill", tracing.extract((("traceparent", f"00-{TRACE}-{PARENT}-01"),)))
+        carried = tracing.traceparent(sender)
+        assert carried.split("-")[1] == TRACE and tracing.traceparent(None) == ""
+        for bad in ("", "00-zz-nonsense-01", "x" * 55):
+            assert tracing.context_of(bad) is None
+        t.emit("kv.receive", None, 1_000, 2_000, links=(tracing.context_of(carried), None))
+        tracing.end(sender)
+        t.flush()
+    finally:
+        t.close()
+    receive = next(s for s in exporter.get_finished_spans() if s.name == "kv.receive")
+    [link] = receive.links
+    assert link.context.span_id == sender.get_span_context().span_id
+    assert f"{link.context.trace_id:032x}" == TRACE
