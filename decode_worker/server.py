@@ -5,20 +5,30 @@ worker_common/process.py."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.decode_worker.handoff import DecodeHandoff
 from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
+from pdserve.engine.config import DEFAULT_CPU_KV_BYTES, available_memory_bytes
 from pdserve.kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
+from pdserve.kvtransfer.backends.shm_backend import locality
+from pdserve.kvtransfer.choose import AUTO, RANKING
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from pdserve.worker_common.process import WorkerConfig, WorkerProcess
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DecodeWorkerConfig(WorkerConfig):
-    """WorkerConfig's fields, plus the KV backend and the leases. max_workers: each open Stream
+    """WorkerConfig's fields, plus the KV backend (one of BACKENDS, or "auto": grpc and, where the
+    KV pool can be a shared file, shm, kvtransfer/choose.py) and the leases. max_workers: each open Stream
     holds a handler thread for its whole life, so the pool must cover every sequence the engine
     may run plus those waiting for their KV, with room for Reserve, Abort and Stats (16 threads
     made the 17th concurrent stream, and the router's health checks, wait for a stream to end)."""
@@ -31,8 +41,10 @@ class DecodeWorkerConfig(WorkerConfig):
     lease_sweep_s: float = 0.05
 
     def __post_init__(self):
-        if self.kv_backend not in BACKENDS:
-            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
+        if self.kv_backend not in BACKENDS + (AUTO,):
+            raise ValueError(
+                f"kv_backend must be one of {BACKENDS + (AUTO,)}, got {self.kv_backend!r}"
+            )
         if not 0 < self.lease_ms <= self.max_lease_ms:
             raise ValueError(
                 f"lease_ms must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}"
@@ -52,6 +64,7 @@ class DecodePart:
         self.handoff: DecodeHandoff | None = None
         self.servicer: DecodeWorkerServicer | None = None
         self._kv_server = None
+        self._kv_servers: dict = {}  # backend -> its server; more than one on "auto"
 
     @classmethod
     def from_config(cls, cfg) -> DecodePart:
@@ -62,8 +75,40 @@ class DecodePart:
 
     def shared_dir(self, tp_size: int) -> str | None:
         # the hand-off writes every rank's pool from rank 0, and shm senders write into it
-        shared = tp_size > 1 or self.cfg.kv_backend == "shm"
-        return default_shared_dir() if shared else None
+        if tp_size > 1 or self.cfg.kv_backend == "shm":
+            return default_shared_dir()
+        if self.cfg.kv_backend == AUTO and self._room_for_shm():
+            return default_shared_dir()
+        return None
+
+    def _room_for_shm(self) -> bool:
+        """On "auto": whether the KV pool can live in a shared file, so that shm can be offered:
+        it is in CPU memory, and the shared folder has room for it (a container's /dev/shm is
+        often 64 MiB). Otherwise the worker offers grpc alone, and says why."""
+        engine = self.cfg.engine_kwargs
+        device = engine.get("device", "auto")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device != "cpu":
+            return False
+        kv = engine.get("kv_cache_memory")
+        if kv is None:
+            kv = DEFAULT_CPU_KV_BYTES
+        elif isinstance(kv, float):
+            kv = int(kv * available_memory_bytes("cpu"))
+        directory = default_shared_dir()
+        free = shutil.disk_usage(directory).free
+        if free < kv:
+            log.info(
+                "%s: kvtransfer auto offers grpc only: %s has %.0f MiB free and the KV pool "
+                "needs %.0f MiB (make it larger, e.g. docker run --shm-size, to offer shm)",
+                self.cfg.worker_id,
+                directory,
+                free / 2**20,
+                kv / 2**20,
+            )
+            return False
+        return True
 
     def start(self, worker: WorkerProcess, engine) -> None:
         cfg = self.cfg
@@ -84,18 +129,22 @@ class DecodePart:
             rank_caches=rank_caches,
             grants=grants,
         )
-        if cfg.kv_backend == "shm":
-            kv_options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
-        self._kv_server = serve(
-            cfg.kv_backend, self.handoff.on_frame, security=cfg.security, **kv_options
-        )
+        for backend in self._backends(engine):
+            options = dict(kv_options)
+            if backend == "shm":
+                options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
+            self._kv_servers[backend] = serve(
+                backend, self.handoff.on_frame, security=cfg.security, **options
+            )
+        self._kv_server = self._kv_servers["grpc" if cfg.kv_backend == AUTO else cfg.kv_backend]
         self.servicer = DecodeWorkerServicer(
             worker.loop,
             self.handoff,
             DecodeServiceOptions(
                 worker_id=cfg.worker_id,
-                kv_backend=cfg.kv_backend,
+                kv_backend="grpc" if cfg.kv_backend == AUTO else cfg.kv_backend,
                 kv_address=self._kv_server.address,
+                kv_offers=self._offers(),
                 default_lease_ms=cfg.lease_ms,
                 max_lease_ms=cfg.max_lease_ms,
                 tp_size=worker.tp_size,
@@ -109,6 +158,33 @@ class DecodePart:
             worker_id=cfg.worker_id,
             exporter=cfg.trace_exporter,
         )
+
+    def _backends(self, engine) -> tuple[str, ...]:
+        """The backends this worker serves: its one, or on "auto" grpc and, when its KV pool is
+        in host memory (shared files), shm (kvtransfer/choose.py)."""
+        if self.cfg.kv_backend != AUTO:
+            return (self.cfg.kv_backend,)
+        on_host = engine.kv_cache_paths is not None and all(
+            c.device.type == "cpu" for c in engine.rank_kv_caches()
+        )
+        return tuple(b for b in RANKING if b == "grpc" or (b == "shm" and on_host))
+
+    def _offers(self) -> tuple[tuple[str, str, str], ...]:
+        """(backend, address, locality) of each backend served on "auto", best first; () else."""
+        if self.cfg.kv_backend != AUTO:
+            return ()
+        return tuple(
+            (b, server.address, locality(server.address) if b == "shm" else "")
+            for b, server in self._kv_servers.items()
+        )
+
+    @property
+    def kv_backends(self) -> str:
+        """What the start table says of this worker's KV channel: its backend, or on "auto" what
+        it offers, best first ("auto: shm, grpc")."""
+        if self.cfg.kv_backend != AUTO:
+            return self.cfg.kv_backend
+        return "auto: " + ", ".join(self._kv_servers) if self._kv_servers else AUTO
 
     @property
     def kv_address(self) -> str | None:
@@ -126,9 +202,9 @@ class DecodePart:
 
     def close(self) -> None:
         """The KV channel, after the gRPC server (open streams have ended)."""
-        if self._kv_server is not None:
-            self._kv_server.stop()
-            self._kv_server = None
+        for server in self._kv_servers.values():
+            server.stop()
+        self._kv_servers, self._kv_server = {}, None
         if self.servicer is not None and self.servicer.tracing is not None:
             self.servicer.tracing.close()  # the spans of the streams that ended go out
             self.servicer.tracing = None

@@ -70,6 +70,9 @@ class DecodeServiceOptions:
     worker_id: str = "decode"
     kv_backend: str = "grpc"
     kv_address: str = ""
+    # kvtransfer.backend "auto": (backend, address, locality) of each backend served, best first;
+    # every reservation offers them all (KVEndpoint.offers), () on one named backend
+    kv_offers: tuple = ()
     default_lease_ms: int = 10_000
     max_lease_ms: int = 120_000  # a Reserve's lease_ms is cut to this
     tp_size: int = 1
@@ -155,6 +158,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             tp_size=self.options.tp_size,
             write_grant=self.handoff.grant_for(rid),
         )
+        for backend, address, where in self.options.kv_offers:
+            endpoint.offers.add(
+                backend=backend,
+                address=address,
+                layout_fingerprint=endpoint.layout_fingerprint,
+                tp_size=endpoint.tp_size,
+                locality=where,
+            )
         return worker_pb2.ReserveResponse(
             request_id=rid,
             block_ids=reserved.block_ids,

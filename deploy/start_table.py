@@ -96,9 +96,28 @@ def row(info: dict, kv_backend: str | None = None) -> tuple[str, ...]:
     )
 
 
+def auto_pick(info: dict, infos: list[dict]) -> str | None:
+    """On kvtransfer.backend "auto", what a prefill worker pushes over to the decode workers of
+    `infos` (kvtransfer/choose.py): shm to a decode worker on its node that offers it, grpc to
+    the others, e.g. "auto -> shm" or "auto -> shm (2), grpc (1)". None for any other row."""
+    decodes = [d for d in infos if d.get("role") == "decode"]
+    if info.get("role") != "prefill" or not any(
+        str(d.get("kv_backend") or "").startswith("auto") for d in decodes
+    ):
+        return None
+    picks: dict[str, int] = {}
+    for d in decodes:
+        same_node = d.get("node_id") and d.get("node_id") == info.get("node_id")
+        pick = "shm" if same_node and "shm" in str(d.get("kv_backend")) else "grpc"
+        picks[pick] = picks.get(pick, 0) + 1
+    if len(picks) == 1:
+        return f"auto -> {next(iter(picks))}"
+    return "auto -> " + ", ".join(f"{b} ({n})" for b, n in sorted(picks.items(), reverse=True))
+
+
 def format_table(infos: list[dict], kv_backend: str | None = None) -> str:
     """The table of `infos` (one WorkerActor.info() each), its columns aligned, a header first."""
-    rows = [COLUMNS] + [row(i, kv_backend) for i in infos]
+    rows = [COLUMNS] + [row(i, kv_backend or auto_pick(i, infos)) for i in infos]
     widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)

@@ -178,12 +178,20 @@ class WorkerActor:
             dtype=cfg.dtype,
             quantization=cfg.quantization,
             kv_dtype=str(engine.runner.kv_cache.dtype).removeprefix("torch."),
-            kv_backend=getattr(self.worker_config, "kv_backend", None),
+            kv_backend=self._kv_backend(),
             tp=cfg.tensor_parallel_size,
             **kv_capacity(
                 engine.runner.num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs
             ),
         )
+
+    def _kv_backend(self) -> str | None:
+        """The start table's KV cell: the backend its decode part serves ("auto: shm, grpc" on
+        auto), None for a worker without one."""
+        decode = self.worker.parts.get("decode")
+        if decode is not None and decode.kv_address is not None:
+            return decode.kv_backends
+        return getattr(self.worker_config, "kv_backend", None)
 
     def ping(self) -> bool:
         return self.worker is not None

@@ -26,6 +26,7 @@ import grpc
 
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer.backends import BACKENDS, connect
+from pdserve.kvtransfer.choose import MAX_LOCALITY_CHARS, MAX_OFFERS, choices
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.transport import Destination, Transport
 from pdserve.prefill_worker.handoff import (
@@ -129,9 +130,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _run(self, request, timings: HandoffTimings, span, context):
         rid = request.request_id
         params = self._checked_params(request, context)
-        endpoint = request.reservation.endpoint
-        transport = self._open_channel(endpoint, context)
-        sink = self._sink(request, transport, timings, tracing.traceparent(span))
+        endpoint, transport = self._open_channel(request.reservation.endpoint, context)
+        sink = self._sink(request, endpoint, transport, timings, tracing.traceparent(span))
         waiter = Waiter(sink)
         try:
             self.loop.add_request(
@@ -238,26 +238,43 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reservation.block_size must be >= 1")
         return params
 
-    def _open_channel(self, endpoint, context) -> Transport:
-        try:
-            return self._transport(endpoint.backend, endpoint.address)
-        except (ConnectionError, OSError, ValueError) as e:
+    def _open_channel(self, endpoint, context) -> tuple[object, Transport]:
+        """The endpoint this hand-off uses and its channel: the reservation's own, or of its
+        offers (kvtransfer.backend "auto") the best one this worker can open
+        (kvtransfer/choose.py), trying the next when one cannot be opened."""
+        tried = choices(endpoint)
+        if not tried:
             self._count(kv_transfer_failures=1)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {e}")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "no KV channel of the reservation's offers "
+                f"({', '.join(o.backend for o in endpoint.offers)}) can be used from this worker",
+            )
+        errors = []
+        for one in tried:
+            try:
+                return one, self._transport(one.backend, one.address)
+            except (ConnectionError, OSError, ValueError) as e:
+                errors.append(f"{one.backend}: {e}")
+        self._count(kv_transfer_failures=1)
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"cannot open the KV channel: {'; '.join(errors)}"
+        )
 
     def _sink(
-        self, request, transport: Transport, timings: HandoffTimings, traceparent: str
+        self, request, endpoint, transport: Transport, timings: HandoffTimings, traceparent: str
     ) -> GuardedSink:
-        """The KV sink that pushes the prompt's KV into the reservation, layer by layer, each
-        frame with the call's trace context (traceparent; "" when it is not traced)."""
+        """The KV sink that pushes the prompt's KV into the reservation over `endpoint` (the one
+        chosen), layer by layer, each frame with the call's trace context (traceparent; "" when
+        it is not traced)."""
         res = request.reservation
         # the receiver's layout: its block size and TP split (head ranges travel in each frame)
         dest = Destination(
             list(res.block_ids),
             dataclasses.replace(
-                self.layout, block_size=res.block_size, tp_size=max(1, res.endpoint.tp_size)
+                self.layout, block_size=res.block_size, tp_size=max(1, endpoint.tp_size)
             ),
-            grant=res.endpoint.write_grant,
+            grant=endpoint.write_grant,
         )
         push = PushSink(
             request.request_id,
@@ -365,20 +382,34 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 f"prompt's {len(prompt)} tokens"
             )
         endpoint = res.endpoint
+        if len(endpoint.offers) > MAX_OFFERS:
+            return invalid(
+                f"reservation.endpoint.offers has {len(endpoint.offers)} entries; at most "
+                f"{MAX_OFFERS}"
+            )
+        for name, one in [("reservation.endpoint", endpoint)] + [
+            (f"reservation.endpoint.offers[{i}]", offer) for i, offer in enumerate(endpoint.offers)
+        ]:
+            refusal = self._check_endpoint(name, one)
+            if refusal:
+                return refusal
+        return None
+
+    def _check_endpoint(self, name: str, endpoint) -> Refusal | None:
         if endpoint.backend not in BACKENDS:
             return invalid(
-                f"reservation.endpoint.backend must be one of {BACKENDS}, got "
-                f"{endpoint.backend[:40]!r}"
+                f"{name}.backend must be one of {BACKENDS}, got {endpoint.backend[:40]!r}"
             )
         if not endpoint.address or len(endpoint.address) > MAX_ADDRESS_CHARS:
+            return invalid(f"{name}.address must have 1 to {MAX_ADDRESS_CHARS} characters")
+        if endpoint.tp_size > self.options.max_tp_size:
             return invalid(
-                f"reservation.endpoint.address must have 1 to {MAX_ADDRESS_CHARS} characters"
+                f"{name}.tp_size must be at most {self.options.max_tp_size}, got {endpoint.tp_size}"
             )
-        if endpoint.tp_size > opts.max_tp_size:
-            return invalid(
-                f"reservation.endpoint.tp_size must be at most {opts.max_tp_size}, got "
-                f"{endpoint.tp_size}"
-            )
+        if len(endpoint.locality) > MAX_LOCALITY_CHARS:
+            return invalid(f"{name}.locality must have at most {MAX_LOCALITY_CHARS} characters")
+        if name != "reservation.endpoint" and endpoint.offers:
+            return invalid(f"{name}.offers must be empty (offers do not nest)")
         return None
 
     def _budget(self, context) -> float:

@@ -13,7 +13,7 @@ paths.
     router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file),
                                              # metrics_keys_file (the /metrics scrape's own keys),
                                              # local_prefill
-    kvtransfer: {backend: grpc}   # or shm, torch, nixl (the `nixl` extra)
+    kvtransfer: {backend: auto}   # shm on one machine, grpc between; or grpc, shm, torch, nixl
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
                                   # (dashboard: true turns on a local Ray's dashboard; bind:
                                   # loopback keeps a local Ray's ports on 127.0.0.1, the default)
@@ -441,8 +441,11 @@ def nixl_installed() -> bool:
 
 
 class KVTransferSettings(_Frozen):
-    # nixl: one-sided NIXL WRITEs into the decode worker's KV pool (the `nixl` extra)
-    backend: Literal["grpc", "shm", "torch", "nixl"] = "grpc"
+    # auto: each decode worker serves grpc and, when its KV pool is in host memory, shm; each
+    # prefill worker pushes over shm to a decode worker on its machine, grpc to the others
+    # (kvtransfer/choose.py). nixl: one-sided NIXL WRITEs into the decode worker's KV pool (the
+    # `nixl` extra)
+    backend: Literal["auto", "grpc", "shm", "torch", "nixl"] = "auto"
 
     @field_validator("backend")
     @classmethod

@@ -292,6 +292,27 @@ def _file_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _boot_id() -> str:
+    """This kernel's boot id: the same for every process (and container) on one machine, new at
+    each boot ("" where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def locality(address: str) -> str:
+    """What a sender compares to tell that it can map the pool at `address` (a ShmServer's): the
+    machine's boot id and the first pool file's identity. Equal only on the same machine and
+    the same shared-memory mount (two containers with /dev/shm each of their own differ); ""
+    when the file cannot be seen from here."""
+    file_id = _file_id(parse_address(address)[0][0])
+    if file_id is None:
+        return ""
+    return f"{_boot_id()}:{file_id[0]}:{file_id[1]}"
+
+
 def release_gone_pools() -> int:
     """Unmap, in every ShmTransport of this process, the pools whose file was unlinked or replaced
     (their receiver is gone); returns how many transports let go. Runs every WATCH_S seconds on a

@@ -77,6 +77,11 @@ def test_console_shows_pools_flips_and_a_worker_back(tiny_models, tmp_path):
         pids = {line.split()[0]: int(line.split()[4]) for line in out_lines if "-" in line[:12]
                 and line.split()[0] in ("prefill-0", "prefill-1", "decode-0")}  # fmt: skip
         assert set(pids) == {"prefill-0", "prefill-1", "decode-0"}, out_lines
+        # kvtransfer.backend auto (the default): one machine, so the prefill workers take shm
+        rows = {line.split()[0]: line for line in out_lines if line.split()[:1] == ["decode-0"]
+                or line.split()[:1] in (["prefill-0"], ["prefill-1"])}  # fmt: skip
+        assert "auto: shm, grpc" in rows["decode-0"], rows
+        assert all("auto -> shm" in rows[p] for p in ("prefill-0", "prefill-1")), rows
 
         mark = len(err_path.read_text())
         with grpc.insecure_channel(address) as channel:

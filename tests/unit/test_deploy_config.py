@@ -25,7 +25,7 @@ def test_defaults():
         assert (pool.resources.num_cpus, pool.resources.num_gpus) == (1, 0)
         assert pool.kv_cache_memory is None and pool.max_model_len is None
     assert (cfg.router.host, cfg.router.port, cfg.router.max_inflight) == ("127.0.0.1", 50051, 64)
-    assert cfg.kvtransfer.backend == "grpc"
+    assert cfg.kvtransfer.backend == "auto"
     assert cfg.ray.address is None and cfg.ray.num_cpus is None
 
 

@@ -90,3 +90,19 @@ def test_the_table_has_a_header_and_aligned_columns():
     assert lines[2].startswith("prefill-10  prefill  10.0.0.2 (10c5ef9d)  4242")
     assert "float32 " in lines[2] and "float32+int8" in lines[1]
     assert not any(line.endswith(" ") for line in lines)
+
+
+def test_on_auto_a_prefill_row_says_what_it_pushes_over():
+    from pdserve.deploy.start_table import auto_pick
+
+    decode = {**DECODE, "kv_backend": "auto: shm, grpc"}
+    far = {**decode, "worker_id": "decode-1", "node_id": "ffff0000"}
+    prefill = {**DECODE, "worker_id": "prefill-0", "role": "prefill", "kv_backend": None}
+    assert auto_pick(prefill, [decode, prefill]) == "auto -> shm"
+    assert auto_pick(prefill, [decode, far, prefill]) == "auto -> shm (1), grpc (1)"
+    gpu = {**decode, "kv_backend": "auto: grpc"}  # a KV pool off the host: no shm offered
+    assert auto_pick(prefill, [gpu, prefill]) == "auto -> grpc"
+    assert auto_pick(decode, [decode, prefill]) is None  # decode rows say what they offer
+    assert auto_pick(prefill, [DECODE, prefill]) is None  # a named backend: no pick
+    table = format_table([decode, prefill])
+    assert "auto: shm, grpc" in table and "auto -> shm" in table

@@ -24,20 +24,24 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
-    __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant")
+    __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     WRITE_GRANT_FIELD_NUMBER: _ClassVar[int]
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
+    LOCALITY_FIELD_NUMBER: _ClassVar[int]
     backend: str
     address: str
     layout_fingerprint: str
     tp_size: int
     rank_addresses: _containers.RepeatedScalarFieldContainer[str]
     write_grant: str
-    def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., write_grant: _Optional[str] = ...) -> None: ...
+    offers: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
+    locality: str
+    def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., write_grant: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., locality: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "block_ids", "block_size", "num_cached_tokens", "endpoint", "lease_deadline_unix_ns")
