@@ -45,6 +45,12 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError(
                 f"kv_backend must be one of {BACKENDS + (AUTO,)}, got {self.kv_backend!r}"
             )
+        if self.engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+            raise ValueError(
+                "a decode worker runs in one pipeline stage: set pipeline_parallel_size to 1 "
+                "for the decode pool (prefill pools may use stages; decode would pay every "
+                "stage per token)"
+            )
         if not 0 < self.lease_ms <= self.max_lease_ms:
             raise ValueError(
                 f"lease_ms must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}"
@@ -73,9 +79,9 @@ class DecodePart:
     def prepare(self) -> None:
         tune_malloc()  # frame-sized receive buffers: see its docstring
 
-    def shared_dir(self, tp_size: int) -> str | None:
+    def shared_dir(self, num_ranks: int) -> str | None:
         # the hand-off writes every rank's pool from rank 0, and shm senders write into it
-        if tp_size > 1 or self.cfg.kv_backend == "shm":
+        if num_ranks > 1 or self.cfg.kv_backend == "shm":
             return default_shared_dir()
         if self.cfg.kv_backend == AUTO and self._room_for_shm():
             return default_shared_dir()

@@ -326,11 +326,6 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig, spec) -> No
             f"pipeline_parallel_size={pp}: {model_config.architecture} runs in one stage only "
             f"for now (Llama-family architectures split into stages); use pipeline_parallel_size=1"
         )
-    if config.kv_cache_shared_dir is not None:
-        raise ValueError(
-            "pipeline_parallel_size > 1 keeps each stage's KV private: the KV hand-off between "
-            "workers from a pipelined engine is not built yet; leave kv_cache_shared_dir unset"
-        )
     if spec is not None and getattr(spec, "method", None) == "draft_model":
         raise ValueError(
             "speculative_config method 'draft_model' runs with pipeline_parallel_size 1 only; "

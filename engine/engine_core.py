@@ -29,11 +29,11 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
-from pdserve.engine.kv_publish import layer_publisher
+from pdserve.engine.kv_publish import StageCaches, layer_publisher
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.outputs import emit_tokens, request_output
-from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
+from pdserve.engine.parallel import TPState, current_tp_state, divide, stage_layers, tp_scope
 from pdserve.engine.precision import start_runner
 from pdserve.engine.request import (
     FinishReason,
@@ -333,12 +333,6 @@ class LLMEngine:
     def kv_layout_spec(self) -> dict:
         """What identifies this engine's KV contents, as plain data (kvtransfer.KVLayout's fields):
         every worker builds its transfer layout from this one definition."""
-        if self.config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "pipeline_parallel_size > 1: the KV hand-off between workers from a pipelined "
-                "engine (each stage pushing its own layers) is not built yet; serve it as one "
-                "engine (LLM, pdserve generate --local) or use pipeline_parallel_size=1"
-            )
         mc = self.model_config
         return dict(
             model=self.model_id,
@@ -355,22 +349,44 @@ class LLMEngine:
         """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of this rank."""
         return self.runner.kv_cache
 
-    def rank_kv_caches(self) -> list[torch.Tensor]:
+    def rank_kv_caches(self) -> list:
         """Every tensor-parallel rank's KV pool in rank order (each holds its share of the kv
-        heads). Ranks other than 0 need kv_cache_shared_dir: their pools are mapped from their files."""
-        if self.config.tensor_parallel_size == 1:
+        heads), indexed by global layer. Ranks other than 0 need kv_cache_shared_dir: their pools
+        are mapped from their files. With pipeline stages, each entry is a StageCaches: the
+        pools of that TP index in every stage, one layer range each."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if tp * pp == 1:
             return [self.kv_cache]
         if not self.kv_cache_paths:
             raise ValueError(
-                "the KV pools of tensor-parallel ranks > 0 are private to their "
-                "processes: set kv_cache_shared_dir to reach them from rank 0"
+                "the KV pools of ranks > 0 (tensor-parallel ranks, pipeline stages) are private "
+                "to their processes: set kv_cache_shared_dir to reach them from rank 0"
             )
         if self._rank_kv_caches is None:
             own = self.kv_cache
-            self._rank_kv_caches = [own] + [
-                map_pool_file(p, tuple(own.shape), own.dtype) for p in self.kv_cache_paths[1:]
+            pools = [own] + [
+                map_pool_file(p, (self._stage_layers(r // tp), *own.shape[1:]), own.dtype)
+                for r, p in enumerate(self.kv_cache_paths[1:], start=1)
             ]
+            self._rank_kv_caches = (
+                pools
+                if pp == 1
+                else [StageCaches([pools[s * tp + r] for s in range(pp)]) for r in range(tp)]
+            )
         return self._rank_kv_caches
+
+    def _stage_layers(self, stage: int) -> int:
+        first, end = stage_layers(
+            self.model_config.num_layers, stage, self.config.pipeline_parallel_size
+        )
+        return end - first
+
+    def _layer_kv(self, layer: int) -> torch.Tensor:
+        """Global `layer`'s KV on TP rank 0 of the stage that holds it (rank 0's own pool for the
+        first stage's layers; a later stage's through its shared file)."""
+        if self.config.pipeline_parallel_size == 1:
+            return self.runner.kv_cache[layer]
+        return self.rank_kv_caches()[0][layer]
 
     def _kv_cache_paths(self) -> list[str]:
         """One file per rank under kv_cache_shared_dir (empty: private pools)."""
@@ -383,7 +399,9 @@ class LLMEngine:
                 f"leave it unset (workers set it for tensor parallelism and the shm backend, whose "
                 f"KV hand-off is CPU-only for now: use tp=1 workers with the grpc or torch backend)"
             )
-        return new_pool_paths(directory, self.config.tensor_parallel_size)
+        return new_pool_paths(
+            directory, self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+        )
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -414,7 +432,14 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.broadcast(inp)
         lag = self.tp is not None  # (engine/kv_publish.py: why it lags a layer under TP)
-        sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag)
+        sinks = layer_publisher(
+            plan,
+            self._requests,
+            self._layer_kv,
+            self.runner.kv_cache.shape[0],
+            self.model_config.num_layers,
+            lag,
+        )
         mask = self.grammars.step_mask(plan.row_seqs)
         out = self.runner.execute(inp, plan.rows, plan.row_logits, sinks, mask)
         if sinks is not None:

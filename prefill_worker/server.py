@@ -44,8 +44,9 @@ class PrefillPart:
     def prepare(self) -> None:
         tune_malloc()  # frame-sized send buffers: see its docstring
 
-    def shared_dir(self, tp_size: int) -> str | None:
-        return default_shared_dir() if tp_size > 1 else None  # rank 0 sends all
+    def shared_dir(self, num_ranks: int) -> str | None:
+        # rank 0 sends every rank's KV, the later pipeline stages' too
+        return default_shared_dir() if num_ranks > 1 else None
 
     def start(self, worker: WorkerProcess, engine) -> None:
         cfg = worker.config

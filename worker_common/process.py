@@ -96,7 +96,8 @@ class Part(Protocol):
     service_name: str  # its gRPC service, marked SERVING in the health service
 
     def prepare(self) -> None: ...
-    def shared_dir(self, tp_size: int) -> str | None: ...  # a shared-file KV pool's folder
+    # a shared-file KV pool's folder, given the engine's ranks (TP x PP), or None
+    def shared_dir(self, num_ranks: int) -> str | None: ...
     def start(self, worker: WorkerProcess, engine: LLMEngine) -> None: ...
     def add_to(self, server: grpc.Server) -> None: ...
     def stats(self) -> worker_pb2.WorkerStats: ...
@@ -137,13 +138,18 @@ class WorkerProcess:
     def tp_size(self) -> int:
         return self.config.engine_kwargs.get("tensor_parallel_size", 1)
 
+    @property
+    def num_ranks(self) -> int:
+        """The engine's ranks: tensor-parallel ranks times pipeline stages."""
+        return self.tp_size * self.config.engine_kwargs.get("pipeline_parallel_size", 1)
+
     def start(self) -> Self:
         """Builds and serves the worker; on any failure stops what had started, then raises."""
         try:
             parts = list(self.parts.values())
             for part in parts:
                 part.prepare()
-            shared = [d for d in (p.shared_dir(self.tp_size) for p in parts) if d]
+            shared = [d for d in (p.shared_dir(self.num_ranks) for p in parts) if d]
             engine = self._build_engine(shared[0] if shared else None)
             for part in parts:
                 part.start(self, engine)

@@ -44,15 +44,8 @@ def test_bad_pipeline_size_is_refused(value):
         EngineConfig(model="x", pipeline_parallel_size=value)
 
 
-def test_layouts_not_built_yet_are_refused(refs, tmp_path):
+def test_layouts_not_built_yet_are_refused(refs):
     model_dir, *_ = refs("llama-gqa")
-    with pytest.raises(ValueError, match="kv_cache_shared_dir"):
-        LLM(
-            model_dir,
-            kv_cache_memory=KV,
-            pipeline_parallel_size=2,
-            kv_cache_shared_dir=str(tmp_path),
-        )
     with pytest.raises(ValueError, match="draft_model"):
         LLM(
             model_dir,
