@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
     """Cores of their own for each replica of a local deployment: (pool key, replica index) ->
-    its num_threads x tp cores, when all of them fit in this process's cores; else {} (no pinning).
+    its num_threads x tp x pp cores, when all of them fit in this process's cores; else {} (no pinning).
 
     Left free to move, the compute threads of a prefill and a decode worker on 2 cores shared a
     core often enough to make the same sweep's SLO attainment vary widely from run to run, and
@@ -83,7 +83,7 @@ def core_plan(pools, local: bool) -> dict[tuple[str, int], list[int]]:
         if pool.resources.num_gpus:
             return {}
         for i in range(pool.replicas):
-            need = pool.threads * pool.tp
+            need = pool.threads * pool.ranks
             plan[(key, i)] = cores[used : used + need]
             used += need
     if used > len(cores):
@@ -214,7 +214,7 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         log_format=config.observability.log_format,
     )
     return workers.worker_config(
-        common, role_of(key), config.kvtransfer.backend, _flippable(config)
+        common, role_of(key), config.kvtransfer.backend, _flippable(config, pool)
     )
 
 
@@ -227,9 +227,10 @@ def _traces_endpoint(config: DeployConfig) -> str | None:
     return config.observability.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None
 
 
-def _flippable(config: DeployConfig) -> bool:
-    """Whether the workers carry both roles (deploy/workers.py): all but colocated ones."""
-    return config.pools.colocated is None
+def _flippable(config: DeployConfig, pool: Pool) -> bool:
+    """Whether `pool`'s workers carry both roles (deploy/workers.py): all but colocated ones and
+    those that run in pipeline stages (a decode worker runs in one)."""
+    return config.pools.colocated is None and pool.pp == 1
 
 
 def _spawner(
@@ -275,7 +276,7 @@ def _place_pool(
             ray.get(r.pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:  # it fits the cluster (check_resources): busy
             raise DeployError(
-                f"pools.{key}: replica {r.index} could not reserve {pool.tp} x {amounts(bundle)} "
+                f"pools.{key}: replica {r.index} could not reserve {pool.ranks} x {amounts(bundle)} "
                 f"within {ready_timeout_s:.0f}s; the Ray cluster has "
                 f"{amounts(_of(bundle, ray.available_resources()))} free of "
                 f"{amounts(_of(bundle, ray.cluster_resources()))}, the rest held by others: free "
@@ -284,7 +285,7 @@ def _place_pool(
         cfg = _worker_config(cluster, key, pool, r.index, host)
         secret_file = cluster.secret_dir.secret_file if cluster.secret_dir else None
         r.spawn = _spawner(
-            r, pool, cfg, cores.get((key, r.index)), _flippable(cluster.config), secret_file
+            r, pool, cfg, cores.get((key, r.index)), _flippable(cluster.config, pool), secret_file
         )
         r.actor = _first_spawn(r)
 
@@ -476,7 +477,7 @@ def up(
         on_this_machine and not ray.is_initialized()
     ):  # a local Ray's CPUs are known before it starts
         cpus = float(config.ray.num_cpus or os.cpu_count() or 1)
-        gpus = sum(p.replicas * p.tp * p.resources.num_gpus for _, p in config.worker_pools())
+        gpus = sum(p.replicas * p.ranks * p.resources.num_gpus for _, p in config.worker_pools())
         # GPUs: as many as asked (Ray finds the real number: checked again once it runs)
         check_resources(
             config, {"CPU": cpus, "GPU": gpus}, [{"CPU": cpus, "GPU": gpus}], local=True

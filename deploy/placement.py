@@ -19,9 +19,9 @@ from pdserve.deploy.prechecks import DeployError
 
 
 def pg_options(pool: Pool) -> dict:
-    """placement_group() arguments for one replica of `pool`: tp bundles of its resources, and
-    the label selector on each when it has one."""
-    bundles = [dict(pool.resources.bundle()) for _ in range(pool.tp)]
+    """placement_group() arguments for one replica of `pool`: one bundle of its resources per
+    rank (tp x pp), and the label selector on each when it has one."""
+    bundles = [dict(pool.resources.bundle()) for _ in range(pool.ranks)]
     options: dict = {"bundles": bundles, "strategy": "STRICT_PACK"}
     if pool.label_selector:
         options["bundle_label_selector"] = [dict(pool.label_selector) for _ in bundles]
@@ -35,7 +35,7 @@ def check_custom_resources(config: DeployConfig, total: dict, local: bool) -> No
     first: dict[str, str] = {}
     for key, pool in config.worker_pools():
         for name, amount in pool.resources.custom().items():
-            need[name] = need.get(name, 0) + amount * pool.tp * pool.replicas
+            need[name] = need.get(name, 0) + amount * pool.ranks * pool.replicas
             first.setdefault(name, key)
     for name, amount in need.items():
         if amount <= total.get(name, 0) + 1e-9:

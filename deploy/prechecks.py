@@ -152,8 +152,9 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
         for k, v in bundle.items():
-            need[k] = need.get(k, 0) + v * pool.tp * pool.replicas
-        asks.append(f"{key} {pool.replicas} x tp {pool.tp} x {amounts(bundle)}")
+            need[k] = need.get(k, 0) + v * pool.ranks * pool.replicas
+        stages = f" x pp {pool.pp}" if pool.pp > 1 else ""
+        asks.append(f"{key} {pool.replicas} x tp {pool.tp}{stages} x {amounts(bundle)}")
     short = [k for k, v in sorted(need.items()) if v > total.get(k, 0) + 1e-9]
     if short:
         more = "raise ray.num_cpus" if local and "CPU" in short else "add Ray nodes"
@@ -166,12 +167,13 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
         )
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
-        group = {k: v * pool.tp for k, v in bundle.items()}
+        group = {k: v * pool.ranks for k, v in bundle.items()}
         if nodes and not any(all(n.get(k, 0) >= v for k, v in group.items()) for n in nodes):
             biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
             raise DeployError(
                 f"pools.{key}: one replica needs {amounts(group)} on one node (tp "
-                f"{pool.tp} x {amounts(bundle)}); the largest Ray node has "
+                f"{pool.tp}{' x pp ' + str(pool.pp) if pool.pp > 1 else ''} x "
+                f"{amounts(bundle)}); the largest Ray node has "
                 f"{amounts(cpus_gpus(biggest))}: lower pools.{key}.tp or "
                 f"pools.{key}.resources"
             )

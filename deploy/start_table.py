@@ -64,6 +64,8 @@ def _precision(info: dict) -> str:
         text += f" on {device}"
     if (info.get("tp") or 1) > 1:
         text += f", tp {info['tp']}"
+    if (info.get("pp") or 1) > 1:
+        text += f", pp {info['pp']}"
     return text
 
 

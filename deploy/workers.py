@@ -180,6 +180,7 @@ class WorkerActor:
             kv_dtype=str(engine.runner.kv_cache.dtype).removeprefix("torch."),
             kv_backend=self._kv_backend(),
             tp=cfg.tensor_parallel_size,
+            pp=cfg.pipeline_parallel_size,
             **kv_capacity(
                 engine.runner.num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs
             ),

@@ -90,6 +90,7 @@ _FLAGS = (
         for name, what in (
             ("replicas", f"{pool} workers"),
             ("tp", f"{pool} workers' tensor-parallel degree (over --tp)"),
+            ("pp", f"{pool} workers' pipeline stages (prefill only)"),
         )
     ),
     (

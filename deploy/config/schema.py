@@ -98,6 +98,9 @@ class Resources(_Frozen):
 class Pool(_Frozen):
     replicas: Annotated[int, Field(ge=1)] = 1
     tp: Annotated[int, Field(ge=1)] = 1
+    # pipeline stages of each worker (vLLM's pipeline_parallel_size), tp ranks each: prefill pools
+    # only (a decode step would pay every stage per token); such workers do not flip roles
+    pp: Annotated[int, Field(ge=1)] = 1
     resources: Resources = Resources()
     # bytes (an integer) or a fraction of free memory in (0, 1]; unset: the engine's default
     kv_cache_memory: StrictInt | StrictFloat | None = None
@@ -147,6 +150,11 @@ class Pool(_Frozen):
     def threads(self) -> int:
         return self.num_threads or max(1, int(self.resources.num_cpus))
 
+    @property
+    def ranks(self) -> int:
+        """Processes of one worker: tp ranks in each of pp stages (a resources bundle each)."""
+        return self.tp * self.pp
+
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _kv_memory(cls, v):
@@ -179,6 +187,17 @@ class Pools(_Frozen):
                 "set it on pools.decode (or pools.colocated)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _stages_prefill_only(self):
+        for key in ("decode", "colocated"):
+            pool = getattr(self, key)
+            if pool is not None and pool.pp > 1:
+                raise ValueError(
+                    f"{key}.pp must be 1: {key} workers decode, and a decode step in stages "
+                    f"pays every stage per token (pipeline stages are for pools.prefill)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _one_shape(self):
@@ -590,6 +609,7 @@ class DeployConfig(_Frozen):
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
             tensor_parallel_size=pool.tp,
+            pipeline_parallel_size=pool.pp,
             block_size=pool.block_size,
             max_num_batched_tokens=pool.max_num_batched_tokens,
             prefill_step_target_s=pool.prefill_step_target_s,

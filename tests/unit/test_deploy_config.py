@@ -12,7 +12,7 @@ import pytest
 
 from helpers.deploy_config import EXAMPLES, error_of, on_gpus, write
 from pdserve.cli import main
-from pdserve.deploy.config.load import load_config, validate_config
+from pdserve.deploy.config.load import ConfigError, load_config, validate_config
 from pdserve.deploy.config.schema import DeployConfig
 
 
@@ -319,3 +319,27 @@ def test_retired_health_keys_name_their_successors(tmp_path, old):
 def test_worker_down_s_must_not_exceed_worker_silence_s(tmp_path):
     msg = error_of(write(tmp_path, "router:\n  worker_down_s: 5.0\n  worker_silence_s: 4.0\n"))
     assert "worker_down_s (5) must not exceed worker_silence_s (4)" in msg
+
+
+def test_a_prefill_pool_in_stages(monkeypatch):
+    """pools.prefill.pp: the engine's pipeline_parallel_size, one resources bundle and one core
+    per rank (tp x pp), prefill-only workers (they do not flip to decode); decode and colocated
+    pools stay in one stage, the refusal naming the key."""
+    from pdserve.deploy import launcher
+    from pdserve.deploy.placement import pg_options
+    from pdserve.deploy.start_table import row
+
+    cfg = validate_config({"pools": {"prefill": {"tp": 2, "pp": 2, "resources": {"num_cpus": 1}}}})
+    pool = cfg.pools.prefill
+    assert pool.ranks == 4 and cfg.engine_kwargs(pool)["pipeline_parallel_size"] == 2
+    assert cfg.engine_kwargs(cfg.pools.decode)["pipeline_parallel_size"] == 1
+    assert len(pg_options(pool)["bundles"]) == 4
+    assert not launcher._flippable(cfg, pool) and launcher._flippable(cfg, cfg.pools.decode)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(5)))
+    plan = launcher.core_plan(cfg.worker_pools(), local=True)
+    assert plan == {("decode", 0): [0], ("prefill", 0): [1, 2, 3, 4]}
+    info = {"dtype": "float32", "tp": 2, "pp": 2}
+    assert row(info)[5] == "float32, tp 2, pp 2"
+    for key in ("decode", "colocated"):
+        with pytest.raises(ConfigError, match=f"pools: {key}.pp must be 1: {key} workers decode"):
+            validate_config({"pools": {key: {"pp": 2}}})

@@ -178,3 +178,8 @@ def test_the_workers_register_under_the_routers_model_id():
         cluster = Cluster(config, started_ray=False, registry_address="127.0.0.1:1")
         for key, pool in config.worker_pools():
             assert _worker_config(cluster, key, pool, 0, "127.0.0.1").model_id == want
+
+
+def test_pipeline_stage_flags(tmp_path):
+    c = _up(tmp_path, None, "--prefill-pp", "3", "--prefill-tp", "2")
+    assert (c.pools.prefill.pp, c.pools.prefill.tp, c.pools.decode.pp) == (3, 2, 1)
