@@ -128,6 +128,7 @@ class PushSink:
         self.dest = dest
         self.skip = num_cached_on_decode
         self.bytes_sent = 0
+        self.send_s = 0.0  # time spent handing frames to the transport (the flush's is not in)
         self.last_send_time: float | None = None
         self.overlap = overlap
         self._deferred: list[tuple] = []
@@ -180,7 +181,9 @@ class PushSink:
             ]
             header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
             data = torch.cat([d for _, d in parts], dim=2)  # [2, tokens, heads, head_dim]
+        sent = time.perf_counter()
         self.transport.send(header, data, self.dest)
+        self.send_s += time.perf_counter() - sent
         self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
 

@@ -106,11 +106,21 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             kv_transfer_failures=0,
             kv_transfer_bytes=0,
         )
+        # per backend (kvtransfer.backend "auto" mixes them): bytes pushed, seconds pushing
+        self.push_bytes: dict[str, int] = {}
+        self.push_seconds: dict[str, float] = {}
 
     def _count(self, **deltas) -> None:
         with self._counts_lock:
             for name, delta in deltas.items():
                 self.counts[name] += delta
+
+    def _count_push(self, backend: str, push: PushSink, flush_s: float) -> None:
+        """A hand-off's bytes over `backend`, and the time its frames took: handing each to the
+        transport, and the flush."""
+        with self._counts_lock:
+            self.push_bytes[backend] = self.push_bytes.get(backend, 0) + push.bytes_sent
+            self.push_seconds[backend] = self.push_seconds.get(backend, 0.0) + push.send_s + flush_s
 
     def Prefill(self, request, context):
         """Refused UNAVAILABLE while this worker does not serve prefill (a role flip)."""
@@ -147,9 +157,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prefix_cache_queries=len(request.prompt_token_ids),
             prefix_cache_hits=waiter.output.num_cached_tokens,
         )
+        flushed = time.perf_counter()
         self._flush(rid, endpoint, transport, sink, deadline, context)
         timings.transfer_end_unix_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
+        self._count_push(endpoint.backend, sink.sink, time.perf_counter() - flushed)
         if span is not None:
             self._trace(span, endpoint, waiter, sink, timings)
         return self._reply(request, params, waiter, sink, timings, context)
@@ -469,10 +481,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def Stats(self, request, context):
         with self._counts_lock:
             counts = dict(self.counts)
+            push_bytes, push_seconds = dict(self.push_bytes), dict(self.push_seconds)
         stats = worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,
             **self.loop.load(),
             **counts,
+            kv_push_bytes_by_backend=push_bytes,
+            kv_push_seconds_by_backend=push_seconds,
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
             **_grammar_stats(self.loop.engine),
             **_spec_stats(self.loop.engine),

@@ -129,6 +129,18 @@ class WorkerCollector(Collector):
             "Accepted tokens per draft position (0: the first guessed token).",
             labels=self.LABELS + ["position"],
         )
+        fams["push_bytes"] = CounterMetricFamily(
+            "pdserve:kv_push_bytes",
+            "KV bytes a prefill worker pushed, per KV backend (kvtransfer.backend auto mixes "
+            "them); over pdserve:kv_push_seconds, the backend's bandwidth as served.",
+            labels=self.LABELS + ["backend"],
+        )
+        fams["push_seconds"] = CounterMetricFamily(
+            "pdserve:kv_push_seconds",
+            "Seconds a prefill worker spent pushing KV, per KV backend: handing each frame to "
+            "the transport, then the flush.",
+            labels=self.LABELS + ["backend"],
+        )
         return fams
 
     def collect(self):
@@ -152,4 +164,8 @@ class WorkerCollector(Collector):
                 fams[field].add_metric(labels, getattr(stats, field))
             for position, accepted in enumerate(stats.spec_accepted_per_pos):
                 fams["spec_per_pos"].add_metric(labels + [str(position)], accepted)
+            for backend, pushed in sorted(stats.kv_push_bytes_by_backend.items()):
+                fams["push_bytes"].add_metric(labels + [backend], pushed)
+            for backend, seconds in sorted(stats.kv_push_seconds_by_backend.items()):
+                fams["push_seconds"].add_metric(labels + [backend], seconds)
         return list(fams.values())

@@ -228,6 +228,12 @@ def test_counts_and_sums_match_the_requests(idle):
         assert got.prefix_cache_queries - was.prefix_cache_queries == sum(lengths), role
     decode_hits = stats["decode"].prefix_cache_hits - stats_before["decode"].prefix_cache_hits
     assert decode_hits == sum(f.usage.cache_hits.decode_worker for f in finishes)
+    # per backend (this cluster's decode worker serves grpc alone): the same bytes, and time
+    pushed = stats["prefill"].kv_push_bytes_by_backend
+    assert set(pushed) == {"grpc"}
+    assert pushed["grpc"] - stats_before["prefill"].kv_push_bytes_by_backend["grpc"] == expected
+    seconds = stats["prefill"].kv_push_seconds_by_backend
+    assert seconds["grpc"] > stats_before["prefill"].kv_push_seconds_by_backend["grpc"]
 
     # what the router exports per worker is that worker's WorkerStats, one health sweep later
     prefill, decode = stats["prefill"], stats["decode"]
@@ -238,6 +244,18 @@ def test_counts_and_sums_match_the_requests(idle):
             ("decode", "d0", "vllm:prefix_cache_queries_total"): decode.prefix_cache_queries,
         },
     )
+    by_backend = {MODEL: _model(idle), "role": "prefill", "worker": "p0", "backend": "grpc"}
+    wait_until(
+        lambda: (
+            idle.router.metrics_registry.get_sample_value("pdserve:kv_push_bytes_total", by_backend)
+            == prefill.kv_push_bytes_by_backend["grpc"]
+        ),
+        5,
+        "the router's copy of the prefill worker's bytes per backend",
+    )
+    assert idle.router.metrics_registry.get_sample_value(
+        "pdserve:kv_push_seconds_total", by_backend
+    ) == pytest.approx(prefill.kv_push_seconds_by_backend["grpc"])
 
 
 def test_stage_durations_are_non_negative_and_add_up(idle):

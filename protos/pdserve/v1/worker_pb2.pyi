@@ -174,7 +174,21 @@ class KVEvents(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "kv_events")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "kv_events", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend")
+    class KvPushBytesByBackendEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class KvPushSecondsByBackendEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +218,8 @@ class WorkerStats(_message.Message):
     SPEC_DRAFT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TURN_MS_MAX_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_BYTES_BY_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_SECONDS_BY_BACKEND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -233,7 +249,9 @@ class WorkerStats(_message.Message):
     spec_draft_prefill_tokens: int
     engine_turn_ms_max: int
     kv_events: KVEvents
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
+    kv_push_bytes_by_backend: _containers.ScalarMap[str, int]
+    kv_push_seconds_by_backend: _containers.ScalarMap[str, float]
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)
