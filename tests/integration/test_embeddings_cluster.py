@@ -206,3 +206,48 @@ def test_fcfs_router_refuses_a_priority_naming_it(qwen3):
         assert status == 200, raw
     finally:
         stop_all([channel], router, prefill, decode)
+
+
+def test_priority_travels_to_both_workers_engines(cluster, monkeypatch):
+    router, prefill, decode, stub = cluster
+    seen = []
+    p_engine = prefill.parts["prefill"].servicer.loop.engine
+    d_engine = decode.parts["decode"].servicer.loop.engine
+    real_add, real_reserve = p_engine.add_request, d_engine.reserve
+
+    def add(rid, prompt, params=None, **kw):
+        seen.append(("prefill", kw.get("priority")))
+        return real_add(rid, prompt, params, **kw)
+
+    def reserve(rid, prompt, params=None, priority=0):
+        seen.append(("decode", priority))
+        return real_reserve(rid, prompt, params, priority)
+
+    monkeypatch.setattr(p_engine, "add_request", add)
+    monkeypatch.setattr(d_engine, "reserve", reserve)
+    req = pdserve_pb2.GenerateRequest(
+        token_ids=pdserve_pb2.TokenIds(ids=[9, 8, 7, 6]),
+        sampling=pdserve_pb2.SamplingParams(max_tokens=2, temperature=0),
+        priority=42,
+    )
+    list(stub.Generate(req, timeout=60))
+    stub.Embed(
+        pdserve_pb2.EmbedRequest(inputs=[pdserve_pb2.EmbedInput(text="t3 t4")], priority=-9),
+        timeout=60,
+    )
+    assert seen == [("decode", 42), ("prefill", 42), ("prefill", -9)], seen
+
+
+def test_colocated_embeddings_run_on_the_colocated_worker(qwen3):
+    model_dir, hf = qwen3
+    worker = start_decode(model_dir, worker_id="c0", engine=ENGINE)
+    router = start_router(model_dir, worker, colocated=True, http_port=0, max_model_len=128)
+    try:
+        status, _, body = post(router, "/v1/embeddings", {"input": [[5, 6, 7], [8, 9]]})
+        assert status == 200, body
+        for one, d in zip([[5, 6, 7], [8, 9]], json.loads(body)["data"]):
+            want = hf_embedding(hf, one)
+            assert (torch.tensor(d["embedding"]) - want).abs().max().item() < TOL
+        assert worker.parts["decode"].servicer.embed_calls == 1
+    finally:
+        stop_all([], router, worker)
