@@ -251,3 +251,24 @@ def test_colocated_embeddings_run_on_the_colocated_worker(qwen3):
         assert worker.parts["decode"].servicer.embed_calls == 1
     finally:
         stop_all([], router, worker)
+
+
+def test_the_openai_client_reads_the_embeddings(qwen3, cluster):
+    openai = pytest.importorskip("openai")
+    _, hf = qwen3
+    router = cluster[0]
+    client = openai.OpenAI(
+        base_url=f"http://{router.http_address}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    ids = [[21, 22, 23], [24, 25, 26, 27]]
+    model = client.models.list().data[0].id
+    # unset: the client asks for base64 and decodes it itself
+    for fmt in ({}, {"encoding_format": "float"}):
+        got = client.embeddings.create(model=model, input=ids, **fmt)
+        assert got.usage.prompt_tokens == 7
+        for one, d in zip(ids, got.data):
+            want = hf_embedding(hf, one)
+            assert (torch.tensor(d.embedding) - want).abs().max().item() < TOL
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=model, input="t5", dimensions=8)
+    assert e.value.body["param"] == "dimensions"
