@@ -503,7 +503,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         )
         for p in prompts:
             call.prompts.add().ids.extend(p)
-        flat = [t for p in prompts for t in p]
+        rest = sum(len(p) for p in prompts[1:])  # charged too; the first prompt picks (affinity)
         tried = None
         error = None
         for _ in range(2):
@@ -512,7 +512,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                     order = self.pool.decode_order(exclude=(tried,) if tried else ())
                     worker, charge = order[0], 0
                 else:
-                    worker, charge = self.pool.pick_prefill(flat, exclude=tried)
+                    worker, charge = self.pool.pick_prefill(prompts[0], exclude=tried)
+                    self.pool.charge_queued(worker, rest)
+                    charge += rest
             except NoWorker as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             if worker is tried:  # the only one, and it failed already
@@ -520,7 +522,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                     self.pool.end_prefill(worker, charge)
                 break
             try:
-                return worker.stub.Embed(call, timeout=left(deadline))
+                pending = worker.stub.Embed.future(call, timeout=left(deadline))
+                # the client leaving cancels the worker's call (which aborts its prompts there);
+                # cancel() never blocks gRPC's callback thread
+                if not context.add_callback(pending.cancel):
+                    pending.cancel()
+                return pending.result()
+            except grpc.FutureCancelledError:
+                context.abort(grpc.StatusCode.CANCELLED, "the client left")
             except grpc.RpcError as e:
                 error, tried = e, worker
                 if e.code() != grpc.StatusCode.UNAVAILABLE:

@@ -5,7 +5,8 @@ nothing is sampled, no KV leaves the worker, and each prompt's blocks are freed 
 ones stay in the prefix cache, so a repeated prompt is mostly cached).
 
 Lifecycle of one call: checks (id, prompts, pooling) -> one engine request per prompt, named
-`<request_id>/<index>`, at the call's priority -> wait for all of them -> the vectors in prompt
+`<request_id>/<index>`, at the call's priority, all added in one call on the engine's loop
+thread (all or none) -> wait for all of them -> the vectors in prompt
 order. The deadline, the client leaving or an engine refusal aborts every prompt still in the
 engine before the call ends with its status. No state outlives the call.
 """
@@ -74,18 +75,26 @@ def run_embed(loop, request, context, budget_s: float, poll_s: float = 0.1):
         return cb
 
     rids = [f"{request.request_id}/{i}" for i in range(n)]
+
+    def add_all() -> None:
+        """On the loop thread, so no step runs between the adds: every prompt, or none."""
+        engine = loop.engine
+        for i, prompt in enumerate(request.prompts):
+            try:
+                engine.add_request(
+                    rids[i], list(prompt.ids), params, pooling=pooling, priority=request.priority
+                )
+            except Exception:
+                for rid in rids[:i]:
+                    engine.abort(rid)
+                raise
+        for i in range(n):
+            loop.watch(rids[i], on_output(i))
+
     added = 0
     try:
-        for i, prompt in enumerate(request.prompts):
-            loop.add_request(
-                rids[i],
-                list(prompt.ids),
-                params,
-                on_output(i),
-                pooling=pooling,
-                priority=request.priority,
-            )
-            added += 1
+        loop.call(add_all)
+        added = n
         deadline = time.monotonic() + budget_s
         while not done.wait(poll_s):
             if time.monotonic() > deadline or not context.is_active():

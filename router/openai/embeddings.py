@@ -18,18 +18,19 @@ build_app (router/openai/app.py) includes; it keeps no state of its own.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 import time
 import uuid
 from typing import Annotated, Literal
 
-import grpc
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
 from pdserve.router.openai.protocol import Priority, ShortStr, _field_names, _Strict
 from pdserve.router.openai.state import state_of
 from pdserve.router.service import MAX_EMBED_INPUTS
@@ -97,15 +98,20 @@ async def embeddings(request: Request):
         priority=body.priority,
     )
     call.inputs.extend(inputs)
+    rpc = front.stub.Embed(call, metadata=metadata)
+    # a client that disconnects cancels the call: the router cancels the worker's, which aborts
+    # the inputs still in its engine
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, rpc))
     try:
-        reply = await front.stub.Embed(call, metadata=metadata)
-    except grpc.RpcError as e:
-        err = ApiError.from_grpc(e)
+        reply = await _from_router(rpc, watcher)
+    except ApiError as err:
         if err.status == 400 and err.message.startswith("inputs"):
             err.message, err.param = "input" + err.message[len("inputs") :], "input"
         elif err.status == 400 and err.message.startswith("priority="):
             err.param = "priority"
-        raise err from None
+        raise
+    finally:
+        watcher.cancel()
     return {
         "id": f"embd-{uuid.uuid4().hex}",
         "object": "list",

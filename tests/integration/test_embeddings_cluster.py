@@ -18,6 +18,7 @@ import torch
 
 from helpers.http import assert_error, post
 from helpers.models import TINY_CONFIG
+from helpers.threads import wait_until
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -272,3 +273,27 @@ def test_the_openai_client_reads_the_embeddings(qwen3, cluster):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=model, input="t5", dimensions=8)
     assert e.value.body["param"] == "dimensions"
+
+
+def test_a_client_that_leaves_frees_its_inputs_on_the_prefill_worker(cluster, monkeypatch):
+    router, prefill, _, stub = cluster
+    loop = prefill.parts["prefill"].servicer.loop
+    aborted = []
+    real_abort = loop.abort
+    monkeypatch.setattr(
+        loop, "abort", lambda rid, *a, **kw: aborted.append(rid) or real_abort(rid, *a, **kw)
+    )
+    # the most inputs a call takes, each near max_model_len: seconds of work on the prefill worker
+    many = pdserve_pb2.EmbedRequest(
+        inputs=[
+            pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=[i % 250 + 2] * 120))
+            for i in range(2048)
+        ]
+    )
+    pending = stub.Embed.future(many, timeout=120)
+    wait_until(lambda: loop.engine.scheduler.num_unfinished > 0, 60, "the inputs reach the engine")
+    pending.cancel()
+    wait_until(lambda: loop.engine.scheduler.num_unfinished == 0, 60, "the inputs aborted")
+    assert aborted, "no input was still running when the client left: make the call bigger"
+    status, _, raw = post(router, "/v1/embeddings", {"input": "t5 t6"})
+    assert status == 200, raw
