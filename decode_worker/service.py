@@ -1,4 +1,4 @@
-"""The DecodeWorker gRPC service: Reserve, Stream, Abort, Stats.
+"""The DecodeWorker gRPC service: Reserve, Stream, Embed, Abort, Stats.
 
 Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
 an ordinary engine request instead, and the rest is the same from Stream on):
@@ -16,7 +16,11 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               sequence's final event
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
               gets a final "abort" output
-A finished request nobody streams is forgotten after `finished_ttl_s`. Stats answers the prefix
+The request's priority (ReserveRequest.priority) is its engine request's: the order of the
+engine's waiting queue and of its preemptions (engine/scheduler.py). Embed serves colocated
+deployments' embeddings on this worker's engine (worker_common/embed.py; the router sends it
+only where there is no prefill pool). A finished request nobody streams is forgotten after
+`finished_ttl_s`. Stats answers the prefix
 cache's KV events when asked (worker_common/kv_events.py: the router's block index).
 """
 
@@ -38,6 +42,7 @@ from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
@@ -98,6 +103,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._colocated_queries = self._colocated_hits = 0  # prefix cache, colocated requests
         # run_prefill Reserves refused for holding fewer cached tokens than min_cached_tokens
         self.stale_hints = 0
+        self.embed_calls = 0  # Embed calls served (colocated embeddings)
         self.tracing = None  # protos/tracing.py Tracing: this worker's spans (None: off)
         loop.every(1.0, self._forget_finished)
 
@@ -145,6 +151,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 self._on_output(stream),
                 lease_s=lease_ms / 1000,
+                priority=request.priority,
             )
         except BaseException as e:
             with self._lock:
@@ -184,11 +191,17 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             if request.min_cached_tokens:
                 held = self.loop.call(
-                    self._add_if_held, rid, prompt, params, on_output, request.min_cached_tokens
+                    self._add_if_held,
+                    rid,
+                    prompt,
+                    params,
+                    on_output,
+                    request.min_cached_tokens,
+                    request.priority,
                 )
             else:
                 held = None
-                self.loop.add_request(rid, prompt, params, on_output)
+                self.loop.add_request(rid, prompt, params, on_output, priority=request.priority)
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -212,7 +225,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             request_id=rid, block_size=self.loop.engine.block_manager.block_size
         )
 
-    def _add_if_held(self, rid: str, prompt: list[int], params, on_output, want: int):
+    def _add_if_held(
+        self, rid: str, prompt: list[int], params, on_output, want: int, priority: int = 0
+    ):
         """On the loop thread, so that no step evicts between the look and the add: adds the
         request when the prefix cache holds at least `want` of its leading tokens (at most what
         the engine would take from it: all but the last prompt token, in whole blocks), else
@@ -224,7 +239,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         held = len(bm.find_cached_prefix(prompt, usable)) * bm.block_size
         if held < wanted:
             return held, wanted
-        engine.add_request(rid, prompt, params)
+        engine.add_request(rid, prompt, params, priority=priority)
         self.loop.watch(rid, on_output)
         return None
 
@@ -407,6 +422,20 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return events
 
     # ---- Abort, Stats ---------------------------------------------------------------------------
+    # ---- Embed (colocated) ----------------------------------------------------------------------
+    def Embed(self, request, context):
+        """Refused UNAVAILABLE while this worker does not serve decode (a role flip)."""
+        gate = self.gate
+        with gate.admitted("decode", context) if gate else contextlib.nullcontext():
+            remaining = context.time_remaining()
+            budget = 60.0 if remaining is None else max(0.0, remaining - 0.05)
+            reply = run_embed(self.loop, request, context, budget)
+        with self._lock:
+            self.embed_calls += 1
+            self._colocated_queries += sum(len(p.ids) for p in request.prompts)
+            self._colocated_hits += reply.num_cached_tokens
+        return reply
+
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
         if refusal:

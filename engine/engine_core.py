@@ -38,6 +38,7 @@ from pdserve.engine.precision import start_runner
 from pdserve.engine.request import (
     FinishReason,
     KVSink,
+    PoolingParams,
     RequestOutput,
     Reservation,
     SeqStatus,
@@ -162,13 +163,23 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def _new_request(
-        self, request_id: str, prompt, params: SamplingParams | None, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None,
+        prefill_only: bool = False,
+        priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> _Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest(f"priority must be an int, got {type(priority).__name__}")
+        if pooling is not None and (params.n != 1 or prefill_only):
+            raise InvalidRequest("a pooling request has n=1 and is not prefill-only")
         if request_id in self._requests:
             raise DuplicateRequestId(f"request_id {request_id!r} is already in use")
         ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
@@ -183,7 +194,17 @@ class LLMEngine:
             gen = make_generator(params.seed, i) if params.seed is not None else None
             seq_id = next(self._seq_counter)
             seqs.append(
-                Sequence(seq_id, request_id, i, ids, params, gen, prefill_only=prefill_only)
+                Sequence(
+                    seq_id,
+                    request_id,
+                    i,
+                    ids,
+                    params,
+                    gen,
+                    prefill_only=prefill_only,
+                    priority=priority,
+                    pooling=pooling,
+                )
             )
         self.grammars.attach(seqs)  # structured output: compiled once per spec, a matcher each
         detoks = [
@@ -205,6 +226,8 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         kv_sink: KVSink | None = None,
+        priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Validates fully before touching any state, so a bad request never disturbs others.
 
@@ -212,8 +235,12 @@ class LLMEngine:
         start, end)` as each layer's KV becomes final (so a transfer can overlap the next layer),
         samples the first token and finishes ("prefill_done"). n>1: every sequence samples its
         first token from the prompt's last logits with its own generator, as an ordinary n>1
-        request does; only the first sequence holds KV."""
-        req = self._new_request(request_id, prompt, params, prefill_only)
+        request does; only the first sequence holds KV.
+
+        priority: lower runs first (engine/scheduler.py). pooling: an embeddings request: the
+        prompt runs, nothing is sampled, and its one output carries `pooled` (finish reason
+        "pooled"); its blocks are freed then."""
+        req = self._new_request(request_id, prompt, params, prefill_only, priority, pooling)
         req.kv_sink = kv_sink
         self._requests[request_id] = req
         self.scheduler.add(req.seqs)
@@ -227,12 +254,16 @@ class LLMEngine:
         return True
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> Reservation:
         """Blocks for a prompt whose KV another engine will write into `kv_cache[:, :, block_ids]`
         (n>1: plus one block per extra sequence for its copy of a partial last block). Raises
         NoFreeBlocks when full, and InvalidRequest when the whole KV cache could never hold them."""
-        req = self._new_request(request_id, prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, priority=priority)
         seq, children = req.seqs[0], req.seqs[1:]
         bm = self.block_manager
         need = bm.blocks_needed(seq.num_tokens) + (
@@ -473,7 +504,8 @@ class LLMEngine:
             req = self._requests.get(seq.request_id)
             if req is None or not count:
                 continue
-            self._emit_text(req, seq.index, count)
+            if seq.pooling is None:  # (a pooling request has no text)
+                self._emit_text(req, seq.index, count)
             seen[req.request_id] = req
         outputs = []
         for req in seen.values():

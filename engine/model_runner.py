@@ -5,7 +5,8 @@ weights, the KV cache sized from kv_cache_memory, the precision chosen, decode g
 captured) and lives as long as its engine. Each step, rank 0 turns the scheduler's plan into a
 ModelInput (`prepare_input`: plain data, broadcast to the other ranks as is), and every rank
 calls `execute`: block copies (copy-on-write forks) first, then the attention metadata and the
-model's forward pass inside a forward_context, the prompt logprobs asked for, and on rank 0 the
+model's forward pass inside a forward_context, the prompt logprobs asked for, on rank 0 the
+pooling requests' hidden states (embeddings: `_pooled`, never on the decode path) and the
 logits of the sampling rows, the step's structured-output mask applied and one token drawn per
 row. Its result is one StepOutput record. A layer hook, when given, is called by each attention
 layer once its KV is written (a prefill pushing its KV to another engine). Decode-only steps
@@ -67,6 +68,10 @@ class SeqInput:
     # positions sampled at, the last ones (speculative decoding checks a guess at each); a
     # sequence that samples at every token it computes after a context runs them as decode rows
     num_logits: int = 1
+    # a pooling request (embeddings; it never samples): "last" or "mean", and whether this step
+    # computes its last prompt token
+    pooling: str = ""
+    pool_end: bool = False
 
 
 @dataclass
@@ -232,6 +237,8 @@ class ModelRunner:
         out = StepOutput(
             prompt_logprobs=self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
         )
+        if rows is not None and any(s.pooling for s in inp.seqs):
+            out.pooled = _pooled(inp, hidden, q_starts)
         n = last_idx.numel()
         # a decode-only step samples every row in order: no copies of hidden states or logits
         every_row = n == hidden.shape[0] and meta.num_decode_tokens == n
@@ -407,15 +414,33 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
             list(seq.prompt_token_ids[item.start + 1 : end + 1]),
             seq.params.prompt_logprobs,
         )
+    pooling = seq.pooling.pooling if seq.pooling is not None else ""
     return SeqInput(
         item.token_ids,
         item.start,
         list(seq.block_ids),
-        item.samples,
+        item.samples and not pooling,  # a pooling request takes no logits
         targets,
         k,
         num_logits=item.num_spec + 1,
+        pooling=pooling,
+        pool_end=item.samples,
     )
+
+
+def _pooled(inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int]) -> dict:
+    """The pooling requests' part of a step (StepOutput.pooled), from the final hidden states
+    (after the model's final norm: what the LM head reads), in float32 on the CPU."""
+    out = {}
+    for i, s in enumerate(inp.seqs):
+        if not s.pooling:
+            continue
+        rows = hidden[q_starts[i] : q_starts[i] + len(s.token_ids)]
+        if s.pooling == "mean":
+            out[i] = rows.float().sum(0).cpu()
+        elif s.pool_end:
+            out[i] = rows[-1].float().cpu()
+    return out
 
 
 def _decodes(s: SeqInput) -> bool:

@@ -67,4 +67,5 @@ def request_output(req) -> RequestOutput:
         first.num_cached_tokens,
         dict(req.metrics),
         list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        first.pooled if first.pooling is not None and first.is_finished else None,
     )

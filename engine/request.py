@@ -36,6 +36,25 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
     PREFILL_DONE = "prefill_done"  # prefill-only request: first token sampled, KV handed out
+    POOLED = "pooled"  # pooling request: the prompt ran, its pooled hidden state is the output
+
+
+POOLING_KINDS = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """A pooling request's (embeddings): the prompt runs once, nothing is sampled, and the output
+    is the final hidden state (after the model's final norm) of its last token ("last", vLLM's
+    default for decoder embedding models) or the mean over its tokens ("mean"), L2-normalised
+    when `normalize`."""
+
+    pooling: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {POOLING_KINDS}, got {self.pooling!r}")
 
 
 @dataclass
@@ -57,6 +76,14 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     prefill_only: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    # lower runs first (vLLM's priority scheduling): the waiting queue is kept in this order, first
+    # come first served within equal values, and the running sequence with the highest value (the
+    # latest admitted among them) is the first preempted (engine/scheduler.py)
+    priority: int = 0
+    # a pooling request (embeddings): nothing is sampled; `pooled` accumulates its hidden states
+    # (the sum for "mean") and holds the finished vector once it ends with FinishReason.POOLED
+    pooling: PoolingParams | None = None
+    pooled: torch.Tensor | None = None
     first_token_time: float | None = None
     grammar: object | None = (
         None  # params.structured's matcher (engine/structured/grammar.py SeqGrammar)
@@ -116,6 +143,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), else {token id: logprob} holding the prompt token and the k most likely
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # a pooling request's vector (float32, on the CPU) once it finished; None otherwise
+    pooled: torch.Tensor | None = None
 
     @classmethod
     def aborted(cls, request_id: str, reason: str) -> RequestOutput:

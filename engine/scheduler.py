@@ -9,7 +9,17 @@ Request lifecycle in one engine:
            n>1: the reservation also holds one block per child for the copy of the prompt's
            partial last block; commit(n first tokens) forks the children as below and appends
            each its own first token (they were sampled by the engine that ran the prompt)
-  any -> FINISHED (stop, length, abort, prefill_done): blocks freed (full ones stay cached)
+  any -> FINISHED (stop, length, abort, prefill_done, pooled): blocks freed (full ones stay cached)
+Priority (vLLM's priority scheduling; Sequence.priority, lower first): the waiting queue is kept
+in priority order, first come first served within equal values (a new or forked sequence goes
+behind those of its value, a preempted one in front of them); each step plans the running
+sequences in priority order (a stable sort: admission order within equal values), so the last of
+them, the one preempted first when blocks run out, has the highest value and was admitted last.
+With every priority equal (the router's fcfs policy sends 0 alone) this is plain FCFS, as before.
+Pooling requests (Sequence.pooling: embeddings) run their prompt as a prefill does, get no
+sampling row, and finish (pooled) at the step that computes their last token; their blocks are
+freed then (full ones stay in the prefix cache). "mean" pooling needs every prompt position's
+hidden state, so it takes no prefix-cache hit, as prompt logprobs do.
 n>1: the first sequence prefills; the other n-1 wait in FORK_PENDING, sample from the same logits
 and take the prompt's blocks by reference, with the partial last block copied (copy-on-write).
 Sliding windows (kv_window: every layer slides): after each step a sequence gives back the blocks
@@ -49,6 +59,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.kv_window import release_skipped, skipped_blocks
@@ -123,6 +135,9 @@ class StepOutput:
     logprobs: list[float] | None = None  # the sampled tokens' (rows asking for logprobs)
     # index in plan.scheduled -> per computed position with a prompt target, {token id: logprob}
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    # index in plan.scheduled -> a pooling request's part of this step (float32, CPU): its last
+    # token's final hidden state ("last", at its last chunk only) or its chunk's sum ("mean")
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -200,7 +215,21 @@ class Scheduler:
             for child in children:
                 child.status = SeqStatus.FORK_PENDING
             self.fork_children[parent.seq_id] = children
-        self.waiting.append(parent)
+        self._enqueue(parent)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """`seq` joins the waiting queue behind every sequence of its priority or a lower value."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority > seq.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """A preempted `seq` goes back in front of the waiting sequences of its priority."""
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].priority < seq.priority:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def reserve(self, seq: Sequence, children: list[Sequence] = ()) -> None:
         """Hold blocks for a prompt whose KV another engine will write; raises NoFreeBlocks.
@@ -300,6 +329,9 @@ class Scheduler:
         return max(min(bs, budget), min(budget, n, grown))
 
     def schedule(self) -> StepPlan:
+        # priority order (a stable sort: admission order within equal values); the last one is
+        # the first preempted (module docstring)
+        self.running.sort(key=_priority)
         if self.speculator is not None:
             self.speculator.set_budgets(self.running)
         if self.prefill_step_target_s:
@@ -312,7 +344,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # a decode may also check guesses (speculative decoding), if blocks and budget allow
-            spec = min(seq.spec_budget, budget - n) if n == 1 else 0
+            spec = min(seq.spec_budget, budget - n) if n == 1 and seq.pooling is None else 0
             need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
             if spec and need > self.bm.num_free_blocks:
                 spec = 0  # guesses never preempt anyone
@@ -336,7 +368,7 @@ class Scheduler:
             # prompt logprobs need every prompt position computed: no prefix-cache hit for them
             cached = (
                 []
-                if seq.params.prompt_logprobs is not None
+                if _every_position(seq)
                 else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
             )
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
@@ -420,7 +452,7 @@ class Scheduler:
             seq = self.waiting[w]
             cached = (
                 []
-                if seq.params.prompt_logprobs is not None
+                if _every_position(seq)
                 else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
             )
             left = seq.num_tokens - len(cached) * self.bm.block_size
@@ -463,7 +495,7 @@ class Scheduler:
         then itself) when the blocks run out, returning None once it is preempted itself. With
         may_preempt=False nobody is preempted: None when the blocks are not there."""
         n = min(seq.num_tokens - seq.num_computed_tokens, limit, budget)
-        spec = min(seq.spec_budget, budget - n) if n == 1 else 0
+        spec = min(seq.spec_budget, budget - n) if n == 1 and seq.pooling is None else 0
         need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
         if spec and need > self.bm.num_free_blocks:
             spec = 0  # guesses never preempt anyone
@@ -486,8 +518,8 @@ class Scheduler:
         plan.rows, plan.row_seqs, plan.row_logits = [], [], []
         logits_row = 0
         for item in plan.scheduled:
-            if not item.samples:
-                continue
+            if not item.samples or item.seq.pooling is not None:
+                continue  # (a pooling request samples nothing)
             seq = item.seq
             if item.num_spec:
                 rows = check_rows(item, self.eos_token_ids)
@@ -534,7 +566,8 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        seq.pooled = None  # a "mean" sum starts over with the recomputation
+        self._requeue(seq)
         self.num_preemptions += 1
 
     # ---- applying a step's results --------------------------------------------------------------
@@ -552,10 +585,14 @@ class Scheduler:
         # seq_id -> (token, row of its logprob) to append, in order: the kept guesses, then the
         # sample at the first position not kept
         emitted: dict[int, list[tuple[int, int]]] = {}
-        for item in plan.scheduled:
+        pooled: list[Sequence] = []  # pooling requests this step finished
+        for i, item in enumerate(plan.scheduled):
             seq = item.seq
             if seq.status != SeqStatus.RUNNING:
                 continue  # aborted while the step ran
+            if seq.pooling is not None and self._pool(item, result.pooled.get(i)):
+                pooled.append(seq)
+                continue
             end = item.end
             if item.num_spec:
                 emitted[seq.seq_id] = kept_tokens(item, result.token_ids, first_row[seq.seq_id])
@@ -592,7 +629,29 @@ class Scheduler:
                 logprob = result.logprobs[row] if result.logprobs is not None else None
                 self._append_token(seq, result.token_ids[row], logprob)
                 touched.append(seq)
-        return touched
+        return touched + pooled
+
+    def _pool(self, item: ScheduledSeq, vector) -> bool:
+        """A pooling request's step: adds this chunk's hidden states (`vector`: the runner's, the
+        last token's or the chunk's sum); at its last token it finishes with the pooled vector
+        (normalised when asked). Returns whether it finished."""
+        seq = item.seq
+        if vector is not None:
+            seq.pooled = vector if seq.pooled is None else seq.pooled + vector
+        if not item.samples:
+            return False  # a chunk before the last: computed counts as any prefill's
+        seq.num_computed_tokens = item.end
+        seq.num_hashed_blocks = self.bm.register_full_blocks(
+            seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
+        )
+        out = seq.pooled
+        if out is not None and seq.pooling.pooling == "mean":
+            out = out / seq.num_prompt_tokens
+        if out is not None and seq.pooling.normalize:
+            out = torch.nn.functional.normalize(out, dim=-1)
+        seq.pooled = out
+        self.finish(seq, FinishReason.POOLED)
+        return True
 
     def _fork(self, parent: Sequence, child: Sequence) -> bool:
         self.fork_children.get(parent.seq_id, []).remove(child)
@@ -618,7 +677,7 @@ class Scheduler:
         else:  # no block for the copy: recompute the child later instead
             child.num_computed_tokens = child.num_hashed_blocks = 0
             child.status = SeqStatus.WAITING
-            self.waiting.append(child)
+            self._enqueue(child)
             return True
         child.status = SeqStatus.RUNNING
         self.running.append(child)
@@ -644,3 +703,15 @@ class Scheduler:
             self.finish(seq, FinishReason.STOP, token_id)
         elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, FinishReason.LENGTH)
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority
+
+
+def _every_position(seq: Sequence) -> bool:
+    """Whether `seq` needs every prompt position computed (no prefix-cache hit): prompt logprobs,
+    or mean pooling."""
+    return seq.params.prompt_logprobs is not None or (
+        seq.pooling is not None and seq.pooling.pooling == "mean"
+    )

@@ -129,6 +129,12 @@ _FLAGS = (
         "append every finished request to FILE as a Mooncake-format trace line "
         "(pdserve bench --trace FILE replays it)",
     ),
+    (
+        "--scheduling-policy",
+        "router.scheduling_policy",
+        _text,
+        "fcfs (a request's priority must be 0) or priority (vLLM's: lower first; default fcfs)",
+    ),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
     ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),
     (

@@ -1,4 +1,4 @@
-"""The PrefillWorker gRPC service: Prefill, Abort, Stats.
+"""The PrefillWorker gRPC service: Prefill, Embed, Abort, Stats.
 
 It checks every field of a call and the reservation's numbers before any work, refuses a decode
 worker whose KV layout differs, keeps one long-lived KV channel per decode endpoint, bounds each
@@ -12,6 +12,9 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   alternatives when the sampling asks for them: worker_common/logprobs.py).
   Timeout, Abort, client gone or a transport error -> the engine request is aborted and an
   "abort" frame sent, so the decode side frees the reservation at once, not at lease expiry.
+The call's priority (PrefillRequest.priority) is its engine request's: the engine's waiting
+queue is this worker's queue. Embed (embeddings: pooled hidden states, no KV hand-off) is
+worker_common/embed.py's, counted in the prefix-cache counters as a prefill is.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pdserve.protos.limits import (
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
@@ -145,7 +149,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         waiter = Waiter(sink)
         try:
             self.loop.add_request(
-                rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                waiter,
+                prefill_only=True,
+                kv_sink=sink,
+                priority=request.priority,
             )
         except Exception as e:
             sink.abort()
@@ -210,6 +220,17 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             timings.transfer_end_unix_ns,
             {"pdserve.cached_prompt_tokens": waiter.output.num_cached_tokens},
         )
+
+    def Embed(self, request, context):
+        """Refused UNAVAILABLE while this worker does not serve prefill (a role flip)."""
+        gate = self.gate
+        with gate.admitted("prefill", context) if gate else contextlib.nullcontext():
+            reply = run_embed(self.loop, request, context, self._budget(context))
+        self._count(
+            prefix_cache_queries=sum(len(p.ids) for p in request.prompts),
+            prefix_cache_hits=reply.num_cached_tokens,
+        )
+        return reply
 
     def _checked_params(self, request, context):
         """The call's SamplingParams, once its fields, its reservation and the decode worker's

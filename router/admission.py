@@ -1,14 +1,16 @@
 """The router's admission: at most `max_inflight` Generate calls run at once; past that a call
-waits in a bounded FIFO queue instead of being refused at once (vLLM queues the same way).
+waits in a bounded queue instead of being refused at once (vLLM queues the same way).
 
     admission = Admission(max_inflight=64, max_queued=1024, max_wait_s=60.0)
-    ticket = admission.enter()        # raises QueueFull when max_queued calls already wait
+    ticket = admission.enter(priority)  # raises QueueFull when max_queued calls already wait
     outcome = admission.wait(ticket, deadline)   # ADMITTED, TIMED_OUT, DEADLINE or CANCELLED
     ...                               # ADMITTED: run the call, then
     admission.leave()                 # its slot goes to the queue's head, else is freed
 
 A call is admitted at once while a slot is free and nobody waits; otherwise it queues, and a
-slot that frees goes straight to the queue's head (no later arrival overtakes it). A queued call
+slot that frees goes straight to the queue's head. The queue is in priority order (vLLM's: the
+lower value first), first come first served within equal values: with every priority 0 (the
+router's fcfs policy) no later arrival overtakes an earlier one. A queued call
 leaves the queue when it has waited `max_wait_s` (TIMED_OUT: the service answers UNAVAILABLE, an
 HTTP 503 with Retry-After), when its own deadline passes first (DEADLINE), or when its client
 goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event, never waits).
@@ -35,10 +37,11 @@ class QueueFull(Exception):
 class Ticket:
     """One call's place: granted at once, or queued until `wait` says how it ended."""
 
-    __slots__ = ("granted", "cancelled", "event", "since")
+    __slots__ = ("granted", "cancelled", "event", "since", "priority")
 
-    def __init__(self, since: float, granted: bool):
+    def __init__(self, since: float, granted: bool, priority: int = 0):
         self.granted, self.cancelled, self.since = granted, False, since
+        self.priority = priority
         self.event = threading.Event()
 
 
@@ -70,9 +73,10 @@ class Admission:
         with self._lock:
             return len(self._queue)
 
-    def enter(self) -> Ticket:
-        """The call's ticket: granted when a slot is free and nobody waits, else queued; raises
-        QueueFull when max_queued calls already wait."""
+    def enter(self, priority: int = 0) -> Ticket:
+        """The call's ticket: granted when a slot is free and nobody waits, else queued behind
+        every waiting call of its priority or a lower value; raises QueueFull when max_queued
+        calls already wait."""
         now = self._clock()
         with self._lock:
             if self._running < self.max_inflight and not self._queue:
@@ -84,8 +88,11 @@ class Admission:
                     f"{self.max_queued} requests already waiting"
                 )
             else:
-                ticket = Ticket(now, granted=False)
-                self._queue.append(ticket)
+                ticket = Ticket(now, granted=False, priority=priority)
+                i = len(self._queue)
+                while i > 0 and self._queue[i - 1].priority > priority:
+                    i -= 1
+                self._queue.insert(i, ticket)
         if ticket.granted:
             self._on_admit(0.0)
         return ticket

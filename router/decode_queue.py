@@ -1,5 +1,6 @@
 """The router's wait queue for decode KV blocks (router/legs.py): when every decode worker's KV is
-full, a disaggregated request waits here, first come first served, until blocks free.
+full, a disaggregated request waits here until blocks free, in priority order (the lower value
+first, vLLM's), first come first served within equal values.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ class DecodeFull(Exception):
 
 
 class DecodeQueue:
-    """Requests waiting for decode KV blocks, first come first served: only the head retries
-    its Reserve; the others wait their turn. Stream ends call freed() to wake the head at once."""
+    """Requests waiting for decode KV blocks, in priority order, first come first served within
+    equal priorities: only the head retries its Reserve; the others wait their turn. Stream ends
+    call freed() to wake the head at once."""
 
     def __init__(self):
         self._cv = threading.Condition()
@@ -34,14 +36,22 @@ class DecodeQueue:
         with self._cv:
             return time.monotonic() - min(t[0] for t in self._tickets) if self._tickets else 0.0
 
-    def join(self, first: bool = False):
-        """A ticket at the back (first: at the front, for a request that was already trying)."""
-        ticket = [time.monotonic()]  # a list: each ticket is its own object
+    def join(self, first: bool = False, priority: int = 0):
+        """A ticket behind every waiting one of its priority or a lower value (first: in front of
+        those of its priority, for a request that was already trying)."""
+        ticket = [time.monotonic(), priority]  # a list: each ticket is its own object
         with self._cv:
+            t = self._tickets
             if first:
-                self._tickets.appendleft(ticket)
+                i = 0
+                while i < len(t) and t[i][1] < priority:
+                    i += 1
             else:
-                self._tickets.append(ticket)
+                i = len(t)
+                while i > 0 and t[i - 1][1] > priority:
+                    i -= 1
+            t.insert(i, ticket)
+            self._cv.notify_all()  # a new head waits no longer than its poll
         return ticket
 
     def leave(self, ticket) -> None:

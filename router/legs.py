@@ -6,8 +6,8 @@ A leg's lifecycle: Reserve (the decode worker with the fewest blocks in use, les
 prompt it probably holds already: a conversation's earlier turns, router/pool.py; colocated, or a
 prompt the decode worker prefills itself (planner/local_prefill.py), the fewest prompt tokens
 charged to it until their first token; the next one when full; when every one is full, a
-wait in the router's decode queue (router/decode_queue.py), first come first served, until
-blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
+wait in the router's decode queue (router/decode_queue.py), in priority order, first come first
+served within equal priorities, until blocks free) -> Stream opened (the worker queues tokens from the Reserve on) -> Prefill on an
 executor thread, which ends when the prefill worker answers, when the client's deadline passes or
 it cancels, or when the pool drops the worker (router/open_legs.py cancels the call: UNAVAILABLE,
 retried once on another prefill worker into the same reservation); no fixed bound cuts a long
@@ -95,6 +95,7 @@ class Inflight:
 
     def __init__(self, request_id: str):
         self.request_id = request_id
+        self.priority = 0  # the client's (GenerateRequest.priority): every queue's order
         self.lock = threading.Lock()
         self.leg: Leg | None = None  # the reservation and streams now running
         self.dead_decodes: list = []  # decode workers that failed this request: not again
@@ -112,6 +113,7 @@ class Leg:
     def __init__(self, number: int):
         self.number = number
         self.request_id = uuid.uuid4().hex  # what the workers know this leg by
+        self.priority = 0  # its call's (Inflight.priority), sent with Reserve and Prefill
         self.decode = None  # pool worker holding the reservation
         self.reservation = None
         self.stream_call = self.prefill_call = None  # the calls open on the workers
@@ -231,6 +233,7 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
+        leg.priority = req.priority
         trace = tracing.metadata(getattr(req, "span", None))  # its trace, on every worker call
         leg.trace = {"metadata": trace} if trace else {}
         leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
@@ -373,11 +376,12 @@ class Legs:
 
     def _reserve(self, req: Inflight, leg: Leg, prompt, sampling, deadline: float):
         """(decode worker, ReserveResponse). Disaggregated, when every decode worker's KV is full
-        the request waits for blocks in the router's first-come-first-served decode queue, as
-        an engine's waiting queue would hold it, until its deadline or the queue timeout; a
+        the request waits for blocks in the router's decode queue (priority order, then first
+        come), as an engine's waiting queue would hold it, until its deadline or the queue timeout; a
         request that arrives while others wait queues behind them."""
         queue = self.decode_queue
-        ticket = queue.join() if queue.waiting() and not leg.local else None
+        priority = req.priority
+        ticket = queue.join(priority=priority) if queue.waiting() and not leg.local else None
         since = time.monotonic()
         try:
             while True:
@@ -387,7 +391,7 @@ class Legs:
                     return self._reserve_once(req, leg, prompt, sampling, deadline)
                 except DecodeFull:
                     if ticket is None:
-                        ticket = queue.join(first=True)
+                        ticket = queue.join(first=True, priority=priority)
                     # blocks free as streams end (freed() wakes the head) or by a lease running out
                     queue.wait_for_blocks(min(DECODE_QUEUE_POLL_S, left(deadline)))
         finally:
@@ -496,6 +500,7 @@ class Legs:
                         lease_ms=lease_ms,
                         run_prefill=leg.local,
                         min_cached_tokens=leg.expected if worker is leg.expect_worker else 0,
+                        priority=leg.priority,
                     ),
                     deadline,
                 )
@@ -664,6 +669,7 @@ class Legs:
                 prompt_token_ids=prompt,
                 sampling=sampling,
                 reservation=leg.reservation,
+                priority=leg.priority,
             ),
             timeout=left(deadline),
             **trace,

@@ -66,6 +66,11 @@ class RouterConfig:
     # UNAVAILABLE, HTTP 503)
     max_queued: int = 1024
     max_queue_wait_s: float = 60.0
+    # "fcfs" (a request's priority must be 0) or "priority" (vLLM's: lower first in every queue
+    # of its path); embeddings' pooling ("last" or "mean") and L2 normalisation
+    scheduling_policy: str = "fcfs"
+    embedding_pooling: str = "last"
+    embedding_normalize: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # a reservation's shortest lease: each is asked for until its client's deadline (cut to the
     # decode worker's max_lease_ms) and renewed by every KV frame (decode_worker/handoff.py)
@@ -179,6 +184,16 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:
             raise ValueError(f"RouterConfig.max_queued must be >= 0, got {self.max_queued}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"RouterConfig.scheduling_policy must be 'fcfs' or 'priority', got "
+                f"{self.scheduling_policy!r}"
+            )
+        if self.embedding_pooling not in ("last", "mean"):
+            raise ValueError(
+                f"RouterConfig.embedding_pooling must be 'last' or 'mean', got "
+                f"{self.embedding_pooling!r}"
+            )
         if self.lease_ms <= 0:
             raise ValueError(f"RouterConfig.lease_ms must be > 0, got {self.lease_ms}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -212,6 +227,9 @@ PASSED_TO_SERVICE = (
     "max_inflight",
     "max_queued",
     "max_queue_wait_s",
+    "scheduling_policy",
+    "embedding_pooling",
+    "embedding_normalize",
     "lease_ms",
     "max_resumes",
     "decode_queue_timeout_s",

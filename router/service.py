@@ -1,4 +1,4 @@
-"""The public PDServe gRPC service: Generate, Abort, ListModels.
+"""The public PDServe gRPC service: Generate, Embed, Abort, ListModels.
 
 Generate checks every field before any work (protos/limits.py, router/text.py: sizes, counts,
 and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt plus max_tokens past
@@ -12,6 +12,14 @@ The servicer maps how the call ended to the client's gRPC status and the router'
 client leaving (gRPC's callback) and PDServe.Abort only mark the call: the worker Abort calls run
 on the router's abort threads, never on gRPC's polling thread, which must never wait on a worker
 (it would stall every call, health checks and heartbeats included).
+
+Priority (GenerateRequest.priority, vLLM's): refused unless the router's scheduling_policy is
+"priority" (`check_priority`); then the call's place in the admission queue, and it travels with
+the call to the decode queue and both workers' engines (router/legs.py).
+
+Embed (embeddings): the same checks and admission as Generate, then one PrefillWorker.Embed call
+with every input (DecodeWorker.Embed on a colocated deployment's worker), retried once on another
+worker when the first is unavailable; no reservation, no decode worker in a disaggregated one.
 
 Ids: the client's request_id is only a label for its own responses and its own Abort calls, which
 find requests started on the same connection only (another client cannot abort them), and
@@ -32,8 +40,8 @@ import grpc
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
-from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling
-from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.protos.limits import Refusal, check_context, check_id, check_sampling, invalid
+from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc, worker_pb2
 from pdserve.router.admission import (
     ADMITTED,
     CANCELLED,
@@ -42,9 +50,24 @@ from pdserve.router.admission import (
     QueueFull,
 )
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
-from pdserve.router.legs import Legs, RouterStatus
+from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+POOLING_KINDS = ("last", "mean")  # engine/request.py's (the router may not import the engine)
+MAX_EMBED_INPUTS = 2048  # inputs of one Embed call (OpenAI's limit; worker_common/embed.py's)
+
+
+def check_priority(priority: int, policy: str) -> Refusal | None:
+    """A request's priority under the router's scheduling policy: only 0 unless "priority"."""
+    if priority and policy != "priority":
+        return invalid(
+            f"priority={priority} needs the router's scheduling_policy 'priority' (this one's is "
+            f"{policy!r}): leave priority unset or 0"
+        )
+    return None
+
 
 # worker statuses that describe the client's request: passed on unchanged
 _CLIENT_CODES = {
@@ -79,6 +102,12 @@ class ServiceOptions:
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
     # disaggregated: which prompts their decode worker runs itself (planner/local_prefill.py)
     local_prefill: LocalPrefill = LocalPrefill()
+    # "fcfs": a request's priority must be 0; "priority": honoured, lower first (vLLM's
+    # --scheduling-policy), in the admission queue, the decode queue and both workers' engines
+    scheduling_policy: str = "fcfs"
+    # embeddings (Embed, /v1/embeddings): "last" token or "mean" pooling, L2-normalised or not
+    embedding_pooling: str = "last"
+    embedding_normalize: bool = True
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -190,8 +219,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         queued_ns, start = unix_ns(), time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         opts = self.options
-        refusal = check_id("request_id", rid) or check_sampling(
-            request.sampling, opts.max_model_len, opts.vocab_size
+        refusal = (
+            check_id("request_id", rid)
+            or check_sampling(request.sampling, opts.max_model_len, opts.vocab_size)
+            or check_priority(request.priority, opts.scheduling_policy)
         )
         if refusal:
             refusal.abort(context)
@@ -221,7 +252,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         deadline = start + budget_s
         key = (context.peer(), rid)
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
-        self._admit(key, call, context, deadline)
+        call.priority = request.priority
+        self._admit(key, call, context, deadline, request.priority)
         if self.tracing is not None:  # from its arrival: the admission queue's wait included
             call.span = self._start_span(call, context)
             call.admitted_ns = unix_ns()
@@ -237,11 +269,13 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             if call.span is not None:  # not ended by a finish or a failure: the client left
                 self._end_span(call, error="the client cancelled or went away")
 
-    def _admit(self, key: tuple[str, str], call: ClientCall, context, deadline: float) -> None:
+    def _admit(
+        self, key: tuple[str, str], call: ClientCall, context, deadline: float, priority: int = 0
+    ) -> None:
         """A slot for the call (waiting in the admission queue when every slot is taken), and
         the call registered under `key`; else the call ends with the status that says why."""
         try:
-            ticket = self.admission.enter()
+            ticket = self.admission.enter(priority)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
         if not ticket.granted:
@@ -383,6 +417,136 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         unfinished one needs work, and the call sends that work to the abort threads."""
         if call.cancel() and self.metrics is not None:
             self.metrics.observe_unfinished("abort")
+
+    # ---- Embed ----------------------------------------------------------------------------------
+    def Embed(self, request, context):
+        start = time.monotonic()
+        opts = self.options
+        rid = request.request_id or uuid.uuid4().hex
+        refusal = check_id("request_id", rid) or check_priority(
+            request.priority, opts.scheduling_policy
+        )
+        if refusal:
+            refusal.abort(context)
+        if request.model and request.model != opts.model_id:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.model[:200]} is not served; served: {opts.model_id}",
+            )
+        prompts = self._embed_prompts(request, context)
+        role = "decode" if opts.colocated else "prefill"
+        if not self.pool.num_workers(role):
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(NoWorker(role)))
+        budget_s = min(
+            request.deadline_ms / 1000 if request.deadline_ms else opts.request_timeout_s,
+            opts.request_timeout_s,
+        )
+        deadline = start + budget_s
+        self._admit_embed(request.priority, context, deadline)
+        try:
+            reply = self._embed_on_workers(rid, prompts, request.priority, deadline, context)
+        finally:
+            self.admission.leave()
+        out = pdserve_pb2.EmbedResponse(
+            request_id=rid,
+            prompt_tokens=sum(len(p) for p in prompts),
+            cached_prompt_tokens=reply.num_cached_tokens,
+        )
+        out.embeddings.extend(reply.embeddings)
+        return out
+
+    def _embed_prompts(self, request, context) -> list[list[int]]:
+        """Each input's token ids, checked as a Generate prompt is (naming the input)."""
+        if not request.inputs:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "inputs is empty: send at least one")
+        if len(request.inputs) > MAX_EMBED_INPUTS:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"inputs has {len(request.inputs)} entries; at most {MAX_EMBED_INPUTS}",
+            )
+        prompts = []
+        for i, one in enumerate(request.inputs):
+            as_generate = pdserve_pb2.GenerateRequest()
+            kind = one.WhichOneof("input")
+            if kind == "text":
+                as_generate.text = one.text
+            elif kind == "token_ids":
+                as_generate.token_ids.CopyFrom(one.token_ids)
+            try:
+                prompts.append(self.encoder.encode(as_generate))
+            except BadRequest as e:
+                context.abort(e.code, f"inputs[{i}]: {e.message}")
+        return prompts
+
+    def _admit_embed(self, priority: int, context, deadline: float) -> None:
+        """A slot in the admission queue, as a Generate call takes one (the caller leaves it)."""
+        try:
+            ticket = self.admission.enter(priority)
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
+        if not ticket.granted:
+            if not context.add_callback(lambda: self.admission.cancel(ticket)):
+                self.admission.cancel(ticket)
+            outcome = self.admission.wait(ticket, deadline)
+            if outcome != ADMITTED:
+                self._not_admitted(outcome, context)
+
+    def _embed_on_workers(self, rid: str, prompts, priority: int, deadline: float, context):
+        """The WorkerEmbedResponse from a prefill worker (colocated: a decode worker), the least
+        loaded first; one more worker is tried when the first is unavailable."""
+        opts = self.options
+        call = worker_pb2.WorkerEmbedRequest(
+            request_id=uuid.uuid4().hex,  # the workers never see the client's id
+            priority=priority,
+            pooling=opts.embedding_pooling,
+            normalize=opts.embedding_normalize,
+        )
+        for p in prompts:
+            call.prompts.add().ids.extend(p)
+        rest = sum(len(p) for p in prompts[1:])  # charged too; the first prompt picks (affinity)
+        tried = None
+        error = None
+        for _ in range(2):
+            try:
+                if opts.colocated:
+                    order = self.pool.decode_order(exclude=(tried,) if tried else ())
+                    worker, charge = order[0], 0
+                else:
+                    worker, charge = self.pool.pick_prefill(prompts[0], exclude=tried)
+                    self.pool.charge_queued(worker, rest)
+                    charge += rest
+            except NoWorker as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            if worker is tried:  # the only one, and it failed already
+                if not opts.colocated:
+                    self.pool.end_prefill(worker, charge)
+                break
+            try:
+                pending = worker.stub.Embed.future(call, timeout=left(deadline))
+                # the client leaving cancels the worker's call (which aborts its prompts there);
+                # cancel() never blocks gRPC's callback thread
+                if not context.add_callback(pending.cancel):
+                    pending.cancel()
+                return pending.result()
+            except grpc.FutureCancelledError:
+                context.abort(grpc.StatusCode.CANCELLED, "the client left")
+            except grpc.RpcError as e:
+                error, tried = e, worker
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+            finally:
+                if not opts.colocated:
+                    self.pool.end_prefill(worker, charge)
+        code = error.code() if error is not None else grpc.StatusCode.UNAVAILABLE
+        details = error.details() if error is not None else "no other worker to try"
+        if code in _CLIENT_CODES:
+            context.abort(code, details)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            context.abort(code, f"request {rid!r} did not finish within its deadline")
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{'decode' if opts.colocated else 'prefill'} worker failed: {details}",
+        )
 
     # ---- Abort, ListModels ----------------------------------------------------------------------
     def Abort(self, request, context):

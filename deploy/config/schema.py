@@ -329,6 +329,15 @@ class RouterSettings(_Frozen):
     # max_queue_wait_s (then 503 / UNAVAILABLE); 0 queued: refused at once past max_inflight
     max_queued: Annotated[int, Field(ge=0, le=8192)] = 1024  # each waiting one holds a thread
     max_queue_wait_s: Annotated[float, Field(gt=0)] = 60.0
+    # vLLM's --scheduling-policy: "fcfs" refuses a request whose priority is not 0 (400 /
+    # INVALID_ARGUMENT); "priority" runs the lower value first (first come first served within
+    # equal values) in the admission and decode queues and in both workers' engines
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # /v1/embeddings and PDServe.Embed, on the prefill pool: the final hidden state of the last
+    # token ("last", vLLM's default for decoder embedding models) or the mean over the prompt's
+    # tokens ("mean"), L2-normalised unless embedding_normalize is false
+    embedding_pooling: Literal["last", "mean"] = "last"
+    embedding_normalize: bool = True
     # disaggregated: how long a request may wait in the router for decode KV blocks when every
     # decode worker is full, before it fails with RESOURCE_EXHAUSTED
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0

@@ -7,6 +7,7 @@ stops (docs/architecture.md section 1).
     POST /v1/completions                            router/openai/completions.py
     POST /v1/chat/completions                       router/openai/chat.py
     POST /v1/responses                              router/openai/responses_api.py
+    POST /v1/embeddings                             router/openai/embeddings.py
     POST /tokenize, /detokenize                     router/openai/tokenize.py
     GET  /health, /metrics                          router/openai/status.py
     GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
@@ -28,7 +29,16 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__
-from pdserve.router.openai import chat, completions, models, responses_api, status, tokenize
+from pdserve.router.openai import (
+    chat,
+    completions,
+    embeddings,
+    models,
+    responses_api,
+    status,
+    tokenize,
+)
+from pdserve.router.openai.embeddings import EmbeddingRequest
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
@@ -46,6 +56,7 @@ _BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -63,7 +74,7 @@ def build_app(front) -> FastAPI:
     )
     app.state.front = FrontState(front)
     _add_error_handlers(app, app.state.front)
-    for group in (status, completions, chat, responses_api, models, tokenize):
+    for group in (status, completions, chat, responses_api, embeddings, models, tokenize):
         app.include_router(group.router)
     document_bodies(app, _BODIES)
     return app

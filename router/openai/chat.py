@@ -35,7 +35,9 @@ def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
     front.check_prompt_size([t for m in body.messages for t in (m.role, m.text())], param)
     # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
     most = body.max_new_tokens() or front.settings.max_model_len or None
-    gen = pdserve_pb2.GenerateRequest(model=body.model or "", sampling=sampling_params(body, most))
+    gen = pdserve_pb2.GenerateRequest(
+        model=body.model or "", sampling=sampling_params(body, most), priority=body.priority
+    )
     if body.tool_mode() == "auto" and body.skip_special_tokens is None and front.tags_special:
         gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser
     gen.chat.CopyFrom(chat_messages(body))

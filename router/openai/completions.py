@@ -29,7 +29,9 @@ async def completions(request: Request):
     sampling = sampling_params(body, body.max_new_tokens())
     gens = []
     for prompt in prompts:
-        gen = pdserve_pb2.GenerateRequest(model=body.model or "", sampling=sampling)
+        gen = pdserve_pb2.GenerateRequest(
+            model=body.model or "", sampling=sampling, priority=body.priority
+        )
         if isinstance(prompt, str):
             gen.text = prompt
         else:

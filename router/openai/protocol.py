@@ -228,7 +228,11 @@ _WORKER_FIELD = re.compile(r"^(?:sampling: )?(?:sampling\.)?structured\.\w+:?\s*
 def name_field(error, body) -> None:
     """A workers' refusal of the structured spec (an ApiError whose message starts "sampling:
     structured.<kind>") renamed in place to the field the client sent, as `param` and in the
-    message; any other error is left as it is."""
+    message; the router's refusal of a priority names `priority`; any other error is left as
+    it is."""
+    if error.status == 400 and error.message.startswith("priority="):
+        error.param = "priority"  # the router's scheduling policy refused it (router/service.py)
+        return
     found = body.structured_spec() if hasattr(body, "structured_spec") else None
     if found is None or error.status != 400 or not _WORKER_FIELD.match(error.message):
         return
@@ -480,6 +484,10 @@ TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
 ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 
 
+# GenerateRequest.priority is an int32 (vLLM takes any int; past these bounds: 400 naming it)
+Priority = Annotated[int, Field(strict=True, ge=-(1 << 31), lt=1 << 31)]
+
+
 def _neutral_only(*fields: str, message: str, neutral: Callable[[Any], bool] = operator.not_):
     """A validator for OpenAI fields pdserve accepts only at their neutral value: any value of
     `fields` that neutral(value) (default: falsy) does not accept is refused with `message`, where
@@ -529,8 +537,9 @@ class VllmFields(BaseModel):
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[Any] | None = None
     bad_words: list[Any] | None = None
-    # vLLM's priority scheduling is not enabled here: the default alone
-    priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
+    # vLLM's priority scheduling: lower first; not 0 needs the router's scheduling_policy
+    # "priority" (the router refuses it otherwise, 400 naming the field)
+    priority: Priority = 0
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     cache_salt: ShortStr | None = None
@@ -572,11 +581,6 @@ class VllmFields(BaseModel):
         "min_repetition_pattern_size",
         "repetition_min_count",
         message="{field} is not supported; leave it unset",
-    )
-    _no_priority = _neutral_only(
-        "priority",
-        message="priority scheduling is not enabled: leave priority unset or 0",
-        neutral=lambda v: v == 0,
     )
     _no_guided_grammar = _no_grammar("guided_grammar")
 

@@ -51,6 +51,7 @@ from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     FunctionDef,
     JsonSchemaFormat,
+    Priority,
     RepetitionPenalty,
     ShortStr,
     StopString,
@@ -265,7 +266,7 @@ class ResponsesRequest(_Strict):
     max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
     prompt: dict[str, Any] | None = None
     conversation: Any = None
-    priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
+    priority: Priority = 0  # as chat's (protocol.py)
     cache_salt: ShortStr | None = None
 
     _items = field_validator("input", mode="before")(classmethod(lambda cls, v: _check_items(v)))
@@ -295,11 +296,6 @@ class ResponsesRequest(_Strict):
     _no_reasoning = _neutral_only(
         "reasoning",
         message="reasoning is not supported: this model has no reasoning mode; leave it unset",
-    )
-    _no_priority = _neutral_only(
-        "priority",
-        message="priority scheduling is not enabled: leave priority unset or 0",
-        neutral=lambda v: v == 0,
     )
 
     @field_validator("previous_response_id")
@@ -356,6 +352,7 @@ class ResponsesRequest(_Strict):
             ("min_p", self.min_p),
             ("repetition_penalty", self.repetition_penalty),
             ("min_tokens", self.min_tokens),
+            ("priority", self.priority or None),
         ):
             if value is not None:
                 body[key] = value

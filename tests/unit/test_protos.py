@@ -176,10 +176,16 @@ def test_worker_services_shape():
     assert methods("DecodeWorker") == {
         "Reserve": unary,
         "Stream": (False, True),
+        "Embed": unary,
         "Abort": unary,
         "Stats": unary,
     }
-    assert methods("PrefillWorker") == {"Prefill": unary, "Abort": unary, "Stats": unary}
+    assert methods("PrefillWorker") == {
+        "Prefill": unary,
+        "Embed": unary,
+        "Abort": unary,
+        "Stats": unary,
+    }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (
         "DecodeWorkerServicer",

@@ -59,7 +59,7 @@ def body(**fields) -> ResponsesRequest:
         ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning"),
         ({"top_logprobs": 2}, "top_logprobs", "not supported"),
-        ({"priority": 1}, "priority", "priority scheduling"),
+        ({"priority": -(1 << 31) - 1}, "priority", None),
         ({"stream": "yes"}, "stream", None),
         ({"frobnicate": 1}, "frobnicate", "unknown field"),
         ({"tools": [TOOL], "text": {"verbosity": "low"}}, "text.verbosity", None),

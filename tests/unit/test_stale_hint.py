@@ -40,7 +40,7 @@ class FakeLoop:
     def __init__(self, bm: BlockManager):
         self.added, self.watched = [], []
         self.engine = SimpleNamespace(
-            block_manager=bm, add_request=lambda rid, prompt, params: self.added.append(rid)
+            block_manager=bm, add_request=lambda rid, prompt, params, **kw: self.added.append(rid)
         )
 
     def every(self, period, fn):
@@ -52,7 +52,7 @@ class FakeLoop:
     def watch(self, rid, on_output):
         self.watched.append(rid)
 
-    def add_request(self, rid, prompt, params, on_output, timeout=None):
+    def add_request(self, rid, prompt, params, on_output, timeout=None, **kw):
         self.added.append(rid)
 
 

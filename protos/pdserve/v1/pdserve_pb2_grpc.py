@@ -49,6 +49,11 @@ class PDServeStub:
                 request_serializer=pdserve_dot_v1_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.PDServe/Embed',
+                request_serializer=pdserve_dot_v1_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PDServeServicer:
@@ -80,6 +85,16 @@ class PDServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of each input (vLLM's pooling runner: the final hidden state of the last token,
+        L2-normalised, unless the deployment says otherwise), computed on the prefill pool (the
+        colocated workers in a colocated deployment); no decode worker sees the request. Bad inputs
+        fail with INVALID_ARGUMENT naming the field, a full cluster with RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PDServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +112,11 @@ def add_PDServeServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.ListModelsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_pdserve__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +200,33 @@ class PDServe:
             '/pdserve.v1.PDServe/ListModels',
             pdserve_dot_v1_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
             pdserve_dot_v1_dot_pdserve__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PDServe/Embed',
+            pdserve_dot_v1_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+            pdserve_dot_v1_dot_pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

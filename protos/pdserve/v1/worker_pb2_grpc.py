@@ -44,6 +44,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/Embed',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.worker.v1.DecodeWorker/Abort',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
@@ -78,6 +83,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Colocated deployments (no prefill pool): PrefillWorker.Embed's, on this worker's engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -102,6 +114,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StreamRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.TokenEvent.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -168,6 +185,33 @@ class DecodeWorker:
             '/pdserve.worker.v1.DecodeWorker/Stream',
             pdserve_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/Embed',
+            pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -247,6 +291,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/Embed',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.worker.v1.PrefillWorker/Abort',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
@@ -265,6 +314,14 @@ class PrefillWorkerServicer:
     def Prefill(self, request, context):
         """Runs the prompt, pushes its KV into `reservation` and returns once the first token is
         committed to the decode worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Runs each prompt through the model and returns its pooled final hidden state (embeddings);
+        no KV is pushed anywhere and the prompts' blocks are freed when they end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -289,6 +346,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerEmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -328,6 +390,33 @@ class PrefillWorker:
             '/pdserve.worker.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/Embed',
+            pdserve_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

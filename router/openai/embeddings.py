@@ -1,0 +1,129 @@
+"""POST /v1/embeddings (OpenAI's and vLLM's shapes): each input's embedding, through the router's
+gRPC Embed (router/service.py), which runs them on the prefill pool (the colocated workers in a
+colocated deployment) with the deployment's pooling (router.embedding_pooling: the final hidden
+state of the last token by default, L2-normalised unless router.embedding_normalize is false).
+
+    {"input": "text" | ["text", ...] | [1, 2, 3] | [[1, 2], [3]],   at most MAX_EMBED_INPUTS,
+     "model"?, "encoding_format"?: "float" | "base64", "dimensions"?, "user"?, "priority"?}
+    -> {"id", "object": "list", "created", "model",
+        "data": [{"object": "embedding", "index", "embedding": [floats] | base64}],
+        "usage": {"prompt_tokens", "total_tokens"}}
+
+base64 is the float32 vector's little-endian bytes (what the openai client decodes). `dimensions`
+is refused with a 400 naming it: the served models are not Matryoshka models (vLLM refuses it
+the same way). `user` is accepted as a label. A bad input is a 400 naming `input`; every input
+must fit max_model_len - 1 tokens, as a prompt must. The route is declared on `router`, which
+build_app (router/openai/app.py) includes; it keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field, StrictInt, StrictStr, field_validator
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
+from pdserve.router.openai.protocol import Priority, ShortStr, _field_names, _Strict
+from pdserve.router.openai.state import state_of
+from pdserve.router.service import MAX_EMBED_INPUTS
+
+router = APIRouter()
+
+TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 32)]
+Texts = Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
+IdLists = Annotated[list[Ids], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+
+
+class EmbeddingRequest(_Strict):
+    input: StrictStr | Texts | Ids | IdLists
+    model: ShortStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: ShortStr | None = None
+    priority: Priority = 0  # as chat's (router/openai/protocol.py)
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, v):
+        if v is not None:
+            raise ValueError(
+                "dimensions is not supported: the served model is not a Matryoshka model; "
+                "leave it unset"
+            )
+        return v
+
+    def inputs(self) -> list[pdserve_pb2.EmbedInput]:
+        """The inputs as the gRPC API takes them, in order."""
+        one = self.input
+        if isinstance(one, str):
+            return [pdserve_pb2.EmbedInput(text=one)]
+        if all(isinstance(x, int) for x in one):
+            return [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=one))]
+        if all(isinstance(x, str) for x in one):
+            return [pdserve_pb2.EmbedInput(text=t) for t in one]
+        return [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=ids)) for ids in one]
+
+
+EMBEDDING_FIELDS = _field_names(EmbeddingRequest)
+
+
+def encode(values, encoding_format: str):
+    """One vector as the response carries it: floats, or base64 of float32 little-endian."""
+    if encoding_format == "float":
+        return list(values)
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, EmbeddingRequest, EMBEDDING_FIELDS)
+    front.check_model(body.model)
+    inputs = body.inputs()
+    for i, one in enumerate(inputs):
+        if one.HasField("text"):
+            front.check_prompt_size([one.text], f"input[{i}]" if len(inputs) > 1 else "input")
+    call = pdserve_pb2.EmbedRequest(
+        request_id=f"http-{uuid.uuid4().hex}",
+        model=body.model or "",
+        priority=body.priority,
+    )
+    call.inputs.extend(inputs)
+    rpc = front.stub.Embed(call, metadata=metadata)
+    # a client that disconnects cancels the call: the router cancels the worker's, which aborts
+    # the inputs still in its engine
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, rpc))
+    try:
+        reply = await _from_router(rpc, watcher)
+    except ApiError as err:
+        if err.status == 400 and err.message.startswith("inputs"):
+            err.message, err.param = "input" + err.message[len("inputs") :], "input"
+        elif err.status == 400 and err.message.startswith("priority="):
+            err.param = "priority"
+        raise
+    finally:
+        watcher.cancel()
+    return {
+        "id": f"embd-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": front.settings.model_id,
+        "data": [
+            {
+                "object": "embedding",
+                "index": e.index,
+                "embedding": encode(e.values, body.encoding_format),
+            }
+            for e in reply.embeddings
+        ],
+        "usage": {"prompt_tokens": reply.prompt_tokens, "total_tokens": reply.prompt_tokens},
+    }
