@@ -31,6 +31,7 @@ from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
 from pdserve.engine.kv_publish import layer_publisher
 from pdserve.engine.loader import resolve_model
+from pdserve.engine.lora import AdapterInfo, LoRAError, LoRARegistry, LoRARequest
 from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.outputs import emit_tokens, request_output
 from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
@@ -110,6 +111,14 @@ class LLMEngine:
             self.scheduler.speculator = self.spec  # it sets the guess budgets as a plan starts
             log.info("%s", self.spec.mode_note)
         self._requests: dict[str, _Request] = {}
+        # LoRA adapters by name (engine/lora.py); None unless enable_lora
+        self.loras: LoRARegistry | None = None
+        if self.config.enable_lora:
+            self.loras = LoRARegistry(
+                self.model_config, self.config.max_lora_rank, self.config.max_loras
+            )
+            for name, path in self.config.lora_modules:
+                self.loras.add(name, path)
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
@@ -162,9 +171,15 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def _new_request(
-        self, request_id: str, prompt, params: SamplingParams | None, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None,
+        prefill_only: bool = False,
+        lora_request=None,
     ) -> _Request:
         params = params or SamplingParams()
+        lora = self._resolve_lora(lora_request)
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
@@ -183,7 +198,9 @@ class LLMEngine:
             gen = make_generator(params.seed, i) if params.seed is not None else None
             seq_id = next(self._seq_counter)
             seqs.append(
-                Sequence(seq_id, request_id, i, ids, params, gen, prefill_only=prefill_only)
+                Sequence(
+                    seq_id, request_id, i, ids, params, gen, prefill_only=prefill_only, lora=lora
+                )
             )
         self.grammars.attach(seqs)  # structured output: compiled once per spec, a matcher each
         detoks = [
@@ -205,6 +222,7 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         kv_sink: KVSink | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
         """Validates fully before touching any state, so a bad request never disturbs others.
 
@@ -212,11 +230,36 @@ class LLMEngine:
         start, end)` as each layer's KV becomes final (so a transfer can overlap the next layer),
         samples the first token and finishes ("prefill_done"). n>1: every sequence samples its
         first token from the prompt's last logits with its own generator, as an ordinary n>1
-        request does; only the first sequence holds KV."""
-        req = self._new_request(request_id, prompt, params, prefill_only)
+        request does; only the first sequence holds KV.
+
+        lora_request: the LoRA adapter the request runs under (a LoRARequest, registered if
+        new, or a registered adapter's name; None: the base model)."""
+        req = self._new_request(request_id, prompt, params, prefill_only, lora_request)
         req.kv_sink = kv_sink
         self._requests[request_id] = req
         self.scheduler.add(req.seqs)
+
+    # ---- LoRA adapters (engine/lora.py) ---------------------------------------------------------
+    def _resolve_lora(self, lora_request):
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora")
+        return self.loras.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> AdapterInfo:
+        """Registers (or replaces) an adapter by its name; raises LoRAError when it cannot be
+        served. Its weights are read by each rank when a step first runs it."""
+        if self.loras is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora")
+        return self.loras.add(lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forgets an adapter by name (requests running under it finish under it)."""
+        return self.loras is not None and self.loras.remove(name)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return [] if self.loras is None else self.loras.list()
 
     def abort(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
@@ -227,12 +270,16 @@ class LLMEngine:
         return True
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> Reservation:
         """Blocks for a prompt whose KV another engine will write into `kv_cache[:, :, block_ids]`
         (n>1: plus one block per extra sequence for its copy of a partial last block). Raises
         NoFreeBlocks when full, and InvalidRequest when the whole KV cache could never hold them."""
-        req = self._new_request(request_id, prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, lora_request=lora_request)
         seq, children = req.seqs[0], req.seqs[1:]
         bm = self.block_manager
         need = bm.blocks_needed(seq.num_tokens) + (

@@ -94,10 +94,12 @@ def _encode(inp: ModelInput | None) -> bytes:
                     s.prompt_targets,
                     s.prompt_topk,
                     s.num_logits,
+                    s.lora_id,
                 ]
                 for s in inp.seqs
             ],
             inp.block_copies,
+            [[k, v] for k, v in inp.loras.items()],
         ]
     )
 
@@ -106,8 +108,10 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies = obj
-    return ModelInput([SeqInput(*s) for s in seqs], [tuple(c) for c in copies])
+    seqs, copies, loras = obj
+    return ModelInput(
+        [SeqInput(*s) for s in seqs], [tuple(c) for c in copies], {k: v for k, v in loras}
+    )
 
 
 def _broadcast_bytes(data: bytes | None, group) -> bytes:
