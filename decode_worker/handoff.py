@@ -127,13 +127,16 @@ class DecodeHandoff:
         params,
         on_output: OutputCallback,
         lease_s: float | None = None,
+        lora_request=None,
     ) -> Reservation:
         """The engine's reservation, held until its commit, an abort or the lease's end. Raises the
         engine's ValueError (bad request) or NoFreeBlocks (pool full)."""
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
-            res = self.loop.engine.reserve(request_id, prompt_token_ids, params)
+            res = self.loop.engine.reserve(
+                request_id, prompt_token_ids, params, lora_request=lora_request
+            )
             if self.grants is not None:
                 try:
                     self.grants.issue(request_id, res.block_ids)

@@ -336,6 +336,8 @@ class LoRARegistry:
         (registered now if its name is new or its path differs)."""
         if lora_request is None:
             return None
+        if isinstance(lora_request, AdapterInfo):  # a worker's, looked up when its call came
+            return lora_request
         if isinstance(lora_request, str):
             info = self.get(lora_request)
             if info is None:

@@ -48,6 +48,7 @@ from pdserve.protos.limits import (
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common import lora as worker_lora
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
@@ -56,6 +57,7 @@ from pdserve.worker_common.errors import (
 )
 from pdserve.worker_common.kv_events import kv_events
 from pdserve.worker_common.logprobs import prompt_fields, top_of
+from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
 
 # a KV channel (or mapped decode pool) unused this long is closed; far above any prefill's budget,
@@ -121,13 +123,27 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         timings = HandoffTimings(unix_ns(), self.layout.num_layers)
         rid = request.request_id
         params = self._checked_params(request, context)
+        lora = adapter_of(self.loop.engine, request.lora_name, context)
+        have = b"" if lora is None else lora.content_hash
+        if have != request.reservation.lora_hash:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lora_name {request.lora_name!r}: this worker's adapter is not the one the decode "
+                f"worker reserved for (their weights differ): load the same adapter on both",
+            )
         endpoint = request.reservation.endpoint
         transport = self._open_channel(endpoint, context)
         sink = self._sink(request, transport, timings)
         waiter = Waiter(sink)
         try:
             self.loop.add_request(
-                rid, list(request.prompt_token_ids), params, waiter, prefill_only=True, kv_sink=sink
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                waiter,
+                prefill_only=True,
+                kv_sink=sink,
+                lora_request=lora,
             )
         except Exception as e:
             sink.abort()
@@ -404,6 +420,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         context.abort(
             grpc.StatusCode.UNAVAILABLE, f"KV transfer to {endpoint.address} failed: {err}"
         )
+
+    def LoadLoRA(self, request, context):
+        return worker_lora.load(self.loop.engine, request, context)
+
+    def UnloadLoRA(self, request, context):
+        return worker_lora.unload(self.loop.engine, request, context)
 
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
