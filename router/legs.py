@@ -104,6 +104,7 @@ class Inflight:
         self.first_token_ns = 0  # when the router got the first token
         self.token_clock: dict[int, int] = {}  # sequence index -> unix ns of its last tokens
         self.span = None  # the request's trace span, open until it ends (protos/tracing.py)
+        self.lora = ""  # the LoRA adapter it runs under (router/lora.py); "": the base model
 
 
 class Leg:
@@ -138,6 +139,7 @@ class Leg:
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
         self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
+        self.lora = ""  # the call's LoRA adapter (Inflight.lora), on both legs' worker calls
 
     def unheld(self, worker, num_tokens: int) -> int:
         """Of a prompt's `num_tokens`, those `worker` probably does not hold (the charges:
@@ -185,7 +187,7 @@ class Legs:
         holder = max(held, key=held.get) if held else None
         if not policy.enabled and holder is None:
             return False
-        backlog = self.pool.prefill_backlog(prompt)
+        backlog = self.pool.prefill_backlog(prompt, leg.lora)
         local = policy.choose(len(prompt), backlog, self.pool.decode_backlog())
         if not local and holder is not None:
             local = policy.choose(
@@ -201,7 +203,7 @@ class Legs:
         """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
         and answer) in its prefix cache: the next turn of the conversation may go back there."""
         if self.reuse and leg.decode is not None:
-            self.pool.remember_decoded(leg.decode, tokens)
+            self.pool.remember_decoded(leg.decode, tokens, leg.lora)
 
     def _run_later(self, fn) -> None:
         try:
@@ -230,9 +232,10 @@ class Legs:
         """Reserve, open the decode stream, start the prefill; None when the client already left.
         Raises LegFailed."""
         leg = Leg(number)
+        leg.lora = getattr(req, "lora", "")
         trace = tracing.metadata(getattr(req, "span", None))  # its trace, on every worker call
         leg.trace = {"metadata": trace} if trace else {}
-        leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
+        leg.held = self.pool.decode_usable(prompt, leg.lora) if self.reuse else {}
         leg.local = self.options.colocated or self._prefill_here(prompt, leg)
         if leg.local and not self.options.colocated:  # the request's trace says where it ran
             tracing.event(
@@ -495,6 +498,7 @@ class Legs:
                         lease_ms=lease_ms,
                         run_prefill=leg.local,
                         min_cached_tokens=leg.expected if worker is leg.expect_worker else 0,
+                        lora_name=leg.lora,
                     ),
                     deadline,
                 )
@@ -587,7 +591,7 @@ class Legs:
             if req.cancelled or req.abort_requested or leg.ended.is_set():
                 return None
             try:
-                worker, charge = self.pool.pick_prefill(prompt, exclude=excluded)
+                worker, charge = self.pool.pick_prefill(prompt, exclude=excluded, adapter=leg.lora)
             except NoWorker as e:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
                 break
@@ -645,6 +649,7 @@ class Legs:
                 prompt_token_ids=prompt,
                 sampling=sampling,
                 reservation=leg.reservation,
+                lora_name=leg.lora,
             ),
             timeout=left(deadline),
             **leg.trace,
