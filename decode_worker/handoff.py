@@ -134,9 +134,8 @@ class DecodeHandoff:
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
-            res = self.loop.engine.reserve(
-                request_id, prompt_token_ids, params, lora_request=lora_request
-            )
+            more = {} if lora_request is None else {"lora_request": lora_request}
+            res = self.loop.engine.reserve(request_id, prompt_token_ids, params, **more)
             if self.grants is not None:
                 try:
                     self.grants.issue(request_id, res.block_ids)

@@ -145,7 +145,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 self._on_output(stream),
                 lease_s=lease_ms / 1000,
-                lora_request=lora,
+                **({} if lora is None else {"lora_request": lora}),
             )
         except BaseException as e:
             with self._lock:
@@ -188,7 +188,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 )
             else:
                 held = None
-                self.loop.add_request(rid, prompt, params, on_output, lora_request=lora)
+                # (the adapter only when there is one: the engine's add_request takes it)
+                more = {} if lora is None else {"lora_request": lora}
+                self.loop.add_request(rid, prompt, params, on_output, **more)
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -225,7 +227,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         held = len(bm.find_cached_prefix(prompt, usable, root)) * bm.block_size
         if held < wanted:
             return held, wanted
-        engine.add_request(rid, prompt, params, lora_request=lora)
+        engine.add_request(rid, prompt, params, **({} if lora is None else {"lora_request": lora}))
         self.loop.watch(rid, on_output)
         return None
 

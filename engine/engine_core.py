@@ -10,7 +10,10 @@ learns from the result, and the output side here detokenizes, checks stop string
 RequestOutputs. The disaggregation hooks are prefill-only requests (`add_request(...,
 prefill_only=True, kv_sink=sink)`, whose KV leaves layer by layer: engine/kv_publish.py) and
 external KV (`reserve` sets blocks aside for KV that another engine writes, and `commit`
-continues decoding from there); their docstrings say how each one works.
+continues decoding from there); their docstrings say how each one works. A request may run
+under a LoRA adapter (`lora_request`; the engine's registry, engine/lora.py, when enable_lora):
+its sequences carry the adapter, which roots their prefix-cache chains and groups their rows in
+each step.
 """
 
 from __future__ import annotations

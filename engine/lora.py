@@ -75,8 +75,11 @@ class LoRAError(InvalidRequest):
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """The adapter a request runs under (vLLM's LoRARequest): `lora_int_id` >= 1 is its id in
-    this engine (0 is the base model), `lora_path` the directory PEFT saved it to."""
+    """The adapter a request runs under (vLLM's LoRARequest): its name, an id >= 1 (checked and
+    kept for vLLM's shape; the engine numbers the adapters it registers itself, a new number for
+    each registration, so a replaced adapter never reuses the old one's weights or KV), and
+    `lora_path`, the directory PEFT saved it to. A name already registered with the same path is
+    that adapter; with another path, the adapter is replaced."""
 
     lora_name: str
     lora_int_id: int
@@ -175,10 +178,25 @@ def read_adapter(
 ) -> AdapterWeights:
     """Reads and checks the adapter at `path` (module docstring); raises LoRAError naming what
     is wrong."""
-    from safetensors.torch import load as load_safetensors
-
     check_name(name)
     check_path(path)
+    cfg_bytes, w_bytes = _read_files(name, path)
+    r, alpha, scale = _read_config(name, cfg_bytes, max_lora_rank)
+    tensors = _read_tensors(name, w_bytes, r, model_config)
+    if model_config.architecture in (
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
+        _check_dense_layers(name, model_config, {layer for layer, m in tensors if m in MLP_MODULES})
+    digest = hashlib.blake2b(cfg_bytes + b"\x00" + w_bytes, digest_size=16).digest()
+    modules = tuple(sorted({m for _, m in tensors}))
+    info = AdapterInfo(name, lora_id, path, r, float(alpha), digest, modules)
+    return AdapterWeights(info, scale, tensors)
+
+
+def _read_files(name: str, path: str) -> tuple[bytes, bytes]:
+    """The adapter's config and weights files' bytes (bounded in size)."""
     cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     if not os.path.isdir(path):
         raise LoRAError(f"adapter {name!r}: lora_path {path!r} is not a directory")
@@ -194,6 +212,11 @@ def read_adapter(
         cfg_bytes = fh.read(1 << 20)
     with open(w_path, "rb") as fh:
         w_bytes = fh.read()
+    return cfg_bytes, w_bytes
+
+
+def _read_config(name: str, cfg_bytes: bytes, max_lora_rank: int) -> tuple[int, float, float]:
+    """(r, lora_alpha, scale) from adapter_config.json, what is not served refused."""
     try:
         cfg = json.loads(cfg_bytes)
     except ValueError as e:
@@ -226,6 +249,13 @@ def read_adapter(
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise LoRAError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return r, alpha, scale
+
+
+def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
+    """(layer, module) -> (A, B) in float32, every name and shape checked."""
+    from safetensors.torch import load as load_safetensors
+
     try:
         raw = load_safetensors(w_bytes)
     except Exception as e:  # safetensors raises its own errors on a bad header
@@ -269,16 +299,7 @@ def read_adapter(
                 f"{(want_out, r)} (an adapter of another base model?)"
             )
         tensors[(layer, module)] = (a.float(), b.float())
-    if model_config.architecture in (
-        "MixtralForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3MoeForCausalLM",
-    ):
-        _check_dense_layers(name, model_config, {layer for layer, m in tensors if m in MLP_MODULES})
-    digest = hashlib.blake2b(cfg_bytes + b"\x00" + w_bytes, digest_size=16).digest()
-    modules = tuple(sorted({m for _, m in tensors}))
-    info = AdapterInfo(name, lora_id, path, r, float(alpha), digest, modules)
-    return AdapterWeights(info, scale, tensors)
+    return tensors
 
 
 def _check_dense_layers(name: str, mc, mlp_layers: set[int]) -> None:

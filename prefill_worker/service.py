@@ -143,7 +143,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 waiter,
                 prefill_only=True,
                 kv_sink=sink,
-                lora_request=lora,
+                **({} if lora is None else {"lora_request": lora}),
             )
         except Exception as e:
             sink.abort()

@@ -23,14 +23,41 @@ Thread-safe: gRPC handler threads resolve names while the HTTP front loads.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import grpc
 
-from pdserve.engine.lora import LoRAError, check_name, check_path
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 
 WORKER_CALL_TIMEOUT_S = 60.0  # one worker's LoadLoRA (it reads the adapter from its disk)
+# the names and paths engine/lora.py accepts (the router reaches workers over gRPC only, so it
+# checks them itself, before any worker is called)
+MAX_NAME_LEN, MAX_PATH_LEN = 256, 4096
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+
+
+class LoRAError(ValueError):
+    pass
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        raise LoRAError(
+            f"lora_name must be a non-empty string of at most {MAX_NAME_LEN} characters"
+        )
+    if not _NAME_RE.match(name):
+        raise LoRAError(
+            f"lora_name {name!r} may hold only letters, digits and . _ : / @ + - "
+            f"(and not start with a punctuation mark)"
+        )
+    return name
+
+
+def check_path(path: object) -> str:
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_LEN or "\x00" in path:
+        raise LoRAError(f"lora_path must be a non-empty path of at most {MAX_PATH_LEN} characters")
+    return path
 
 
 class AdapterCallError(Exception):

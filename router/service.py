@@ -1,7 +1,8 @@
 """The public PDServe gRPC service: Generate, Abort, ListModels.
 
 Generate checks every field before any work (protos/limits.py, router/text.py: sizes, counts,
-and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt plus max_tokens past
+and numbers a wrapped -1 would make enormous), maps its `model` to the base model or a LoRA
+adapter (router/lora.py; another name is NOT_FOUND), tokenizes it, refuses a prompt plus max_tokens past
 max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no worker, admits it
 (router/admission.py: at most max_inflight run at once, more wait in a bounded queue, max_queued
 of them for at most max_queue_wait_s; a request_id not already in flight on the same connection),

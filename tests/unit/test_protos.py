@@ -178,8 +178,16 @@ def test_worker_services_shape():
         "Stream": (False, True),
         "Abort": unary,
         "Stats": unary,
+        "LoadLoRA": unary,
+        "UnloadLoRA": unary,
     }
-    assert methods("PrefillWorker") == {"Prefill": unary, "Abort": unary, "Stats": unary}
+    assert methods("PrefillWorker") == {
+        "Prefill": unary,
+        "Abort": unary,
+        "Stats": unary,
+        "LoadLoRA": unary,
+        "UnloadLoRA": unary,
+    }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (
         "DecodeWorkerServicer",
