@@ -132,6 +132,7 @@ class DecodeHandoff:
         on_output: OutputCallback,
         lease_s: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> Reservation:
         """The engine's reservation, held until its commit, an abort or the lease's end. Raises the
         engine's ValueError (bad request) or NoFreeBlocks (pool full). priority: the request's,
@@ -139,7 +140,10 @@ class DecodeHandoff:
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
-            res = self.loop.engine.reserve(request_id, prompt_token_ids, params, priority)
+            more = {} if lora_request is None else {"lora_request": lora_request}
+            res = self.loop.engine.reserve(
+                request_id, prompt_token_ids, params, priority=priority, **more
+            )
             if self.grants is not None:
                 try:
                     self.grants.issue(request_id, res.block_ids)

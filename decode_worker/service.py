@@ -42,6 +42,7 @@ from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.worker_common import lora as worker_lora
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
@@ -51,6 +52,7 @@ from pdserve.worker_common.errors import (
 )
 from pdserve.worker_common.kv_events import kv_events
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
+from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = build_params(
             request.sampling, context, getattr(self.loop.engine, "grammars", None)
         )
+        lora = adapter_of(self.loop.engine, request.lora_name, context)
         stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs, reserved_ns=unix_ns())
         if self.tracing is not None:
             stream.trace = tracing.extract(context.invocation_metadata())
@@ -141,7 +144,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 )
             self._streams[rid] = stream
         if request.run_prefill:
-            return self._run_here(rid, request, params, stream, context)
+            return self._run_here(rid, request, params, stream, context, lora)
         # capped: a stranger's (or a bug's) 49-day lease would hold blocks that long
         lease_ms = min(request.lease_ms or self.options.default_lease_ms, self.options.max_lease_ms)
         try:
@@ -152,6 +155,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self._on_output(stream),
                 lease_s=lease_ms / 1000,
                 priority=request.priority,
+                **({} if lora is None else {"lora_request": lora}),
             )
         except BaseException as e:
             with self._lock:
@@ -180,9 +184,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_tokens=reserved.num_cached_tokens,
             endpoint=endpoint,
             lease_deadline_unix_ns=unix_ns() + lease_ms * 1_000_000,
+            lora_hash=lora.content_hash if lora is not None else b"",
         )
 
-    def _run_here(self, rid: str, request, params, stream: _Stream, context):
+    def _run_here(self, rid: str, request, params, stream: _Stream, context, lora=None):
         """Colocated serving: the engine runs the prompt and the decode (chunked prefill inside
         continuous batching); the Stream call carries every token. With min_cached_tokens (the
         router sent the prompt here for the KV this worker holds), refused FAILED_PRECONDITION,
@@ -198,10 +203,15 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     on_output,
                     request.min_cached_tokens,
                     request.priority,
+                    lora,
                 )
             else:
                 held = None
-                self.loop.add_request(rid, prompt, params, on_output, priority=request.priority)
+                # (the adapter only when there is one: the engine's add_request takes it)
+                more = {} if lora is None else {"lora_request": lora}
+                self.loop.add_request(
+                    rid, prompt, params, on_output, priority=request.priority, **more
+                )
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -226,7 +236,14 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
     def _add_if_held(
-        self, rid: str, prompt: list[int], params, on_output, want: int, priority: int = 0
+        self,
+        rid: str,
+        prompt: list[int],
+        params,
+        on_output,
+        want: int,
+        priority: int = 0,
+        lora=None,
     ):
         """On the loop thread, so that no step evicts between the look and the add: adds the
         request when the prefix cache holds at least `want` of its leading tokens (at most what
@@ -236,10 +253,17 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         bm = engine.block_manager
         usable = len(prompt) - 1
         wanted = min(want, usable - usable % bm.block_size)
-        held = len(bm.find_cached_prefix(prompt, usable)) * bm.block_size
+        root = None if lora is None else lora.cache_root
+        held = len(bm.find_cached_prefix(prompt, usable, root)) * bm.block_size
         if held < wanted:
             return held, wanted
-        engine.add_request(rid, prompt, params, priority=priority)
+        engine.add_request(
+            rid,
+            prompt,
+            params,
+            priority=priority,
+            **({} if lora is None else {"lora_request": lora}),
+        )
         self.loop.watch(rid, on_output)
         return None
 
@@ -435,6 +459,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._colocated_queries += sum(len(p.ids) for p in request.prompts)
             self._colocated_hits += reply.num_cached_tokens
         return reply
+
+    # ---- LoRA adapters at run time (worker_common/lora.py) ---------------------------------------
+    def LoadLoRA(self, request, context):
+        return worker_lora.load(self.loop.engine, request, context)
+
+    def UnloadLoRA(self, request, context):
+        return worker_lora.unload(self.loop.engine, request, context)
 
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)

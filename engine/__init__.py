@@ -3,6 +3,7 @@
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine_core import LLMEngine
 from pdserve.engine.llm import LLM
+from pdserve.engine.lora import LoRARequest
 from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.spec import StructuredSpec
@@ -10,6 +11,7 @@ from pdserve.engine.structured.spec import StructuredSpec
 __all__ = [
     "LLM",
     "LLMEngine",
+    "LoRARequest",
     "EngineConfig",
     "ModelConfig",
     "SamplingParams",

@@ -6,6 +6,9 @@ the allocator hands it out again, at which point its hash is dropped. Hashes cha
 previous block's hash (128-bit BLAKE2b: a crafted prompt must not be able to collide with another
 user's prefix and read its KV), every hit is confirmed by comparing the block's tokens and parent
 hash, and a chain is not extended past a block whose hash is held by other tokens.
+A sequence under a LoRA adapter roots its chain at the adapter's hash (engine/lora.py
+`cache_root`: its name and a hash of its weights) instead of None, so no block is shared across
+adapters or with the base model.
 
 A sequence of a sliding-window model gives back the blocks its window has left
 (engine/kv_window.py) and puts `null_block` in their table entries: an index the model runner keeps
@@ -119,11 +122,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Seq[int], max_tokens: int) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens."""
+    def find_cached_prefix(
+        self, token_ids: Seq[int], max_tokens: int, root: int | None = None
+    ) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens.
+        root: the chain's root (a LoRA adapter's, engine/lora.py cache_root; None: the base
+        model's), so no block computed under one adapter is found under another."""
         if not self.enable_prefix_caching:
             return []
-        found, parent = [], None
+        found, parent = [], root
         for i in range(max_tokens // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, chunk)
@@ -138,9 +145,15 @@ class BlockManager:
         return found
 
     def register_full_blocks(
-        self, block_ids: Seq[int], token_ids: Seq[int], num_hashed: int, num_computed_tokens: int
+        self,
+        block_ids: Seq[int],
+        token_ids: Seq[int],
+        num_hashed: int,
+        num_computed_tokens: int,
+        root: int | None = None,
     ) -> int:
-        """Hash the full, computed blocks after the first `num_hashed`; returns the new count."""
+        """Hash the full, computed blocks after the first `num_hashed`; returns the new count.
+        root: the chain's root, as find_cached_prefix takes it."""
         if not self.enable_prefix_caching:
             return num_hashed
         bs = self.block_size
@@ -148,11 +161,14 @@ class BlockManager:
         if num_full <= num_hashed:
             return num_hashed
         last = block_ids[num_hashed - 1] if num_hashed else None
-        parent = None if last is None or last == self.null_block else self.blocks[last].hash
+        parent = (
+            root if last is None else None if last == self.null_block else self.blocks[last].hash
+        )
         if num_hashed and parent is None:
             # that block duplicated an already-cached one and was never registered itself, or
             # its window left it and it was given back: rebuild the chain from the tokens
             # instead of restarting it at the root
+            parent = root
             for i in range(num_hashed):
                 parent = block_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
         stored = []

@@ -174,6 +174,14 @@ class EngineConfig:
     # prompt lookup where the default mode runs (dtype "auto" on a CPU: its gate speculates only
     # when it measures a gain, engine/spec/gate.py), else off
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
+    # LoRA adapters (engine/lora.py; vLLM's names): enable_lora turns them on; lora_modules are
+    # the adapters registered at start, {name: PEFT directory} (held as (name, path) pairs);
+    # max_loras bounds the adapters whose weights are resident at once (least recently used
+    # evicted, read from disk again when needed), max_lora_rank the rank an adapter may have
+    enable_lora: bool = False
+    lora_modules: dict | tuple = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         def check(ok: bool, name: str, rule: str):
@@ -197,7 +205,7 @@ class EngineConfig:
             f"'auto' or one of {sorted(_DTYPES)}",
         )
         check(self.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'")
-        check(isinstance(self.cuda_graphs, bool), "cuda_graphs", "True or False")
+        self._check_graphs_and_lora(check)
         check(self.load_format in ("auto", "dummy"), "load_format", "'auto' or 'dummy'")
         if self.speculative_config != "auto":
             object.__setattr__(
@@ -255,6 +263,34 @@ class EngineConfig:
             "kv_cache_shared_dir",
             "None or an existing directory",
         )
+
+    def _check_graphs_and_lora(self, check) -> None:
+        """cuda_graphs, enable_lora, max_loras, max_lora_rank and lora_modules (normalized to
+        (name, path) pairs)."""
+        check(isinstance(self.cuda_graphs, bool), "cuda_graphs", "True or False")
+        check(isinstance(self.enable_lora, bool), "enable_lora", "True or False")
+        check(_is_int(self.max_loras) and self.max_loras >= 1, "max_loras", "an integer >= 1")
+        check(
+            _is_int(self.max_lora_rank) and 1 <= self.max_lora_rank <= 1024,
+            "max_lora_rank",
+            "an integer in [1, 1024]",
+        )
+        modules = self.lora_modules
+        pairs = tuple(modules.items()) if isinstance(modules, dict) else modules
+        check(
+            isinstance(pairs, tuple | list)
+            and all(
+                isinstance(p, tuple | list)
+                and len(p) == 2
+                and all(isinstance(v, str) and v for v in p)
+                for p in pairs
+            ),
+            "lora_modules",
+            "a mapping of adapter names to PEFT directories",
+        )
+        object.__setattr__(self, "lora_modules", tuple((n, p) for n, p in pairs))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,7 +10,10 @@ learns from the result, and the output side here detokenizes, checks stop string
 RequestOutputs. The disaggregation hooks are prefill-only requests (`add_request(...,
 prefill_only=True, kv_sink=sink)`, whose KV leaves layer by layer: engine/kv_publish.py) and
 external KV (`reserve` sets blocks aside for KV that another engine writes, and `commit`
-continues decoding from there); their docstrings say how each one works.
+continues decoding from there); their docstrings say how each one works. A request may run
+under a LoRA adapter (`lora_request`; the engine's registry, engine/lora.py, when enable_lora):
+its sequences carry the adapter, which roots their prefix-cache chains and groups their rows in
+each step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
 from pdserve.engine.kv_publish import StageCaches, layer_publisher
 from pdserve.engine.loader import resolve_model
+from pdserve.engine.lora import AdapterInfo, LoRAError, LoRARegistry, LoRARequest
 from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.outputs import emit_tokens, request_output
 from pdserve.engine.parallel import TPState, current_tp_state, divide, stage_layers, tp_scope
@@ -111,6 +115,14 @@ class LLMEngine:
             self.scheduler.speculator = self.spec  # it sets the guess budgets as a plan starts
             log.info("%s", self.spec.mode_note)
         self._requests: dict[str, _Request] = {}
+        # LoRA adapters by name (engine/lora.py); None unless enable_lora
+        self.loras: LoRARegistry | None = None
+        if self.config.enable_lora:
+            self.loras = LoRARegistry(
+                self.model_config, self.config.max_lora_rank, self.config.max_loras
+            )
+            for name, path in self.config.lora_modules:
+                self.loras.add(name, path)
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
@@ -170,8 +182,10 @@ class LLMEngine:
         prefill_only: bool = False,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        lora_request=None,
     ) -> _Request:
         params = params or SamplingParams()
+        lora = self._resolve_lora(lora_request)
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
@@ -204,6 +218,7 @@ class LLMEngine:
                     prefill_only=prefill_only,
                     priority=priority,
                     pooling=pooling,
+                    lora=lora,
                 )
             )
         self.grammars.attach(seqs)  # structured output: compiled once per spec, a matcher each
@@ -228,6 +243,7 @@ class LLMEngine:
         kv_sink: KVSink | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
         """Validates fully before touching any state, so a bad request never disturbs others.
 
@@ -239,11 +255,37 @@ class LLMEngine:
 
         priority: lower runs first (engine/scheduler.py). pooling: an embeddings request: the
         prompt runs, nothing is sampled, and its one output carries `pooled` (finish reason
-        "pooled"); its blocks are freed then."""
-        req = self._new_request(request_id, prompt, params, prefill_only, priority, pooling)
+        "pooled"); its blocks are freed then. lora_request: the LoRA adapter the request runs
+        under (a LoRARequest, registered if new, or a registered adapter's name; None: the base
+        model)."""
+        req = self._new_request(
+            request_id, prompt, params, prefill_only, priority, pooling, lora_request
+        )
         req.kv_sink = kv_sink
         self._requests[request_id] = req
         self.scheduler.add(req.seqs)
+
+    # ---- LoRA adapters (engine/lora.py) ---------------------------------------------------------
+    def _resolve_lora(self, lora_request):
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora")
+        return self.loras.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> AdapterInfo:
+        """Registers (or replaces) an adapter by its name; raises LoRAError when it cannot be
+        served. Its weights are read by each rank when a step first runs it."""
+        if self.loras is None:
+            raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora")
+        return self.loras.add(lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forgets an adapter by name (requests running under it finish under it)."""
+        return self.loras is not None and self.loras.remove(name)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return [] if self.loras is None else self.loras.list()
 
     def abort(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
@@ -259,11 +301,14 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | str | None = None,
     ) -> Reservation:
         """Blocks for a prompt whose KV another engine will write into `kv_cache[:, :, block_ids]`
         (n>1: plus one block per extra sequence for its copy of a partial last block). Raises
         NoFreeBlocks when full, and InvalidRequest when the whole KV cache could never hold them."""
-        req = self._new_request(request_id, prompt_token_ids, params, priority=priority)
+        req = self._new_request(
+            request_id, prompt_token_ids, params, priority=priority, lora_request=lora_request
+        )
         seq, children = req.seqs[0], req.seqs[1:]
         bm = self.block_manager
         need = bm.blocks_needed(seq.num_tokens) + (

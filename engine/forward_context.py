@@ -40,6 +40,8 @@ class AttentionMetadata:
     # called by each attention layer with its index once it has written its KV (engine_core's
     # KV sinks: a prefill whose KV leaves layer by layer)
     on_layer_done: Callable[[int], None] | None = None
+    # the step's rows grouped by LoRA adapter (engine/lora.py LoRABatch); None: all the base's
+    lora: object | None = None
 
 
 # per thread: two engines in one process (a test, or a colocated pair) each step on their own thread
@@ -55,6 +57,11 @@ def forward_context(meta: AttentionMetadata):
         yield meta
     finally:
         _local.meta = None
+
+
+def current_forward_context() -> AttentionMetadata | None:
+    """The running step's metadata, or None outside a step (a layer called on its own)."""
+    return getattr(_local, "meta", None)
 
 
 def get_forward_context() -> AttentionMetadata:

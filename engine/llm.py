@@ -4,7 +4,8 @@ An LLM owns one LLMEngine, built from its keyword arguments (EngineConfig's fiel
 is, and steps it on the caller's thread: `generate` adds every prompt as a request, steps the
 engine until all have finished and returns their final RequestOutputs in prompt order; `chat`
 applies the tokenizer's chat template first. Nothing runs between calls, so an LLM is for
-scripts, tests and benchmarks; the workers drive an engine through engine_loop.EngineLoop
+scripts, tests and benchmarks; `generate(..., lora_request=...)` runs prompts under LoRA adapters
+(engine/lora.py) as vLLM's does; the workers drive an engine through engine_loop.EngineLoop
 instead. `shutdown` stops the engine's tensor-parallel ranks and removes its shared KV files;
 it also runs when the LLM is garbage-collected.
 """
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import LLMEngine
+from pdserve.engine.lora import LoRARequest
 from pdserve.engine.request import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -38,7 +40,10 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request (vLLM's keyword): the LoRA adapter every prompt runs under, or one per
+        prompt (None: the base model); needs enable_lora=True."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -49,11 +54,18 @@ class LLM:
                 f"sampling_params has {len(sampling_params)} entries for "
                 f"{len(prompts)} prompts; give one, or one per prompt"
             )
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(
+                f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts; "
+                f"give one, or one per prompt"
+            )
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for rid, prompt, params in zip(ids, prompts, sampling_params):
-                self.engine.add_request(rid, prompt, params)
+            for rid, prompt, params, lora in zip(ids, prompts, sampling_params, lora_request):
+                self.engine.add_request(rid, prompt, params, lora_request=lora)
                 added.append(rid)
         except Exception:
             for rid in added:

@@ -12,7 +12,9 @@ row. Its result is one StepOutput record. A layer hook, when given, is called by
 layer once its KV is written (a prefill pushing its KV to another engine). Decode-only steps
 replay a captured CUDA graph where one applies; everything else runs eagerly. Under pipeline
 parallelism a rank holds its stage's layers and their KV only, and the forward pass runs the
-stages in turn (`_forward`); a later stage's part of a step ends there.
+stages in turn (`_forward`); a later stage's part of a step ends there. A step whose sequences
+run LoRA adapters groups its rows by adapter into the forward context (engine/lora.py), and
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forwa
 from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import iter_safetensors
+from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
 from pdserve.engine.parallel import (
     divide,
@@ -72,12 +75,16 @@ class SeqInput:
     # computes its last prompt token
     pooling: str = ""
     pool_end: bool = False
+    lora_id: int = 0  # the LoRA adapter it runs under (engine/lora.py); 0: the base model
 
 
 @dataclass
 class ModelInput:
     seqs: list[SeqInput]
     block_copies: list[tuple[int, int]]
+    # the step's LoRA adapters, {id: [name, path, content hash]}: each rank reads one that is not
+    # resident from the path (engine/lora.py LoRACache)
+    loras: dict[int, list] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -132,6 +139,19 @@ class ModelRunner:
         # the quantization the linears run in (None: config.dtype), and why: engine/precision.py
         self.quantization: str | None = None
         self.mode_note = ""
+        # this rank's resident LoRA adapters (engine/lora.py); None unless enable_lora
+        self.lora_cache = (
+            LoRACache(
+                self.model,
+                model_config,
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
+            if config.enable_lora
+            else None
+        )
 
     def capture_graphs(self) -> None:
         """The decode graphs, once the precision is final (a graph records its kernels)."""
@@ -201,7 +221,12 @@ class ModelRunner:
     @staticmethod
     def prepare_input(plan: StepPlan) -> ModelInput:
         """The plan as every rank needs it: plain data, broadcast to the other ranks as is."""
-        return ModelInput([_seq_input(s) for s in plan.scheduled], plan.block_copies)
+        loras = {}
+        for item in plan.scheduled:
+            info = item.seq.lora
+            if info is not None:
+                loras[info.lora_id] = [info.name, info.path, info.content_hash]
+        return ModelInput([_seq_input(s) for s in plan.scheduled], plan.block_copies, loras)
 
     @torch.inference_mode()
     def execute(
@@ -220,12 +245,18 @@ class ModelRunner:
             return StepOutput()
         if self.thread_fit is not None:
             self.thread_fit.fit()
-        key = self._graph_key(inp, on_layer_done)
+        key = None if inp.loras else self._graph_key(inp, on_layer_done)
         if key is not None:  # a decode-only step, replayed from its CUDA graph
             logits = self.graphs.run(inp.seqs, key)
             return self._sample(logits, rows, row_logits, mask, StepOutput())
         meta, input_ids, positions, last_idx, q_starts = self._attention_inputs(inp)
         meta.on_layer_done = on_layer_done
+        meta.lora = batch_for(
+            self.lora_cache,
+            [(inp.seqs[i].lora_id, q_starts[i], len(inp.seqs[i].token_ids)) for i in q_starts],
+            inp.loras,
+            self.device,
+        )
         with forward_context(meta):
             hidden = (
                 self._forward(input_ids, positions)
@@ -425,6 +456,7 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
         num_logits=item.num_spec + 1,
         pooling=pooling,
         pool_end=item.samples,
+        lora_id=seq.lora_id,
     )
 
 

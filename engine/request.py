@@ -95,6 +95,17 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_computed: int = 0
     spec_state: object | None = None
+    # the LoRA adapter it runs under (engine/lora.py AdapterInfo; None: the base model), and
+    # the root of its prefix-cache chain (the adapter's, engine/block_manager.py)
+    lora: object | None = None
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.lora is None else self.lora.lora_id
+
+    @property
+    def cache_root(self) -> int | None:
+        return None if self.lora is None else self.lora.cache_root
 
     def __post_init__(self):
         if not self.token_ids:

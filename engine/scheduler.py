@@ -242,7 +242,7 @@ class Scheduler:
         self.bm.take(pinned)
         copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
-            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
+            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens, seq.cache_root)
             # the copies count as a watermark: all of the family's blocks are free, or none is taken
             self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies)
             held = self.bm.allocate(copies)
@@ -265,7 +265,11 @@ class Scheduler:
         del self.reserved[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         seq.num_hashed_blocks = self.bm.register_full_blocks(
-            seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
+            seq.block_ids,
+            seq.token_ids,
+            seq.num_hashed_blocks,
+            seq.num_computed_tokens,
+            seq.cache_root,
         )
         release_skipped(self.bm, seq, self.kv_window)
         seq.status = SeqStatus.RUNNING
@@ -369,7 +373,7 @@ class Scheduler:
             cached = (
                 []
                 if _every_position(seq)
-                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1, seq.cache_root)
             )
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
             first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
@@ -453,7 +457,7 @@ class Scheduler:
             cached = (
                 []
                 if _every_position(seq)
-                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1, seq.cache_root)
             )
             left = seq.num_tokens - len(cached) * self.bm.block_size
             long = self._is_long(seq, left, chunk)
@@ -599,7 +603,11 @@ class Scheduler:
                 end = item.end - item.num_spec + item.accepted
             seq.num_computed_tokens = end
             seq.num_hashed_blocks = self.bm.register_full_blocks(
-                seq.block_ids, seq.token_ids, seq.num_hashed_blocks, seq.num_computed_tokens
+                seq.block_ids,
+                seq.token_ids,
+                seq.num_hashed_blocks,
+                seq.num_computed_tokens,
+                seq.cache_root,
             )
             release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token

@@ -15,6 +15,7 @@ through host memory (engine/parallel.py). That setting is for proving the code, 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -80,24 +81,18 @@ def _init(config: EngineConfig, rank: int, port: int):
     return control
 
 
+# SeqInput's fields in its order: every one travels, so a field added there reaches the ranks
+_SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(SeqInput))
+
+
 def _encode(inp: ModelInput | None) -> bytes:
     if inp is None:
         return msgpack.packb(None)
     return msgpack.packb(
         [
-            [
-                [
-                    s.token_ids,
-                    s.start,
-                    s.block_ids,
-                    s.samples,
-                    s.prompt_targets,
-                    s.prompt_topk,
-                    s.num_logits,
-                ]
-                for s in inp.seqs
-            ],
+            [[getattr(s, name) for name in _SEQ_FIELDS] for s in inp.seqs],
             inp.block_copies,
+            [[k, v] for k, v in inp.loras.items()],
         ]
     )
 
@@ -106,8 +101,10 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies = obj
-    return ModelInput([SeqInput(*s) for s in seqs], [tuple(c) for c in copies])
+    seqs, copies, loras = obj
+    return ModelInput(
+        [SeqInput(*s) for s in seqs], [tuple(c) for c in copies], {k: v for k, v in loras}
+    )
 
 
 def _broadcast_bytes(data: bytes | None, group) -> bytes:

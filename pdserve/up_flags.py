@@ -135,6 +135,8 @@ _FLAGS = (
         _text,
         "fcfs (a request's priority must be 0) or priority (vLLM's: lower first; default fcfs)",
     ),
+    ("--max-loras", "lora.max_loras", _integer, "LoRA adapters resident on a worker at once"),
+    ("--max-lora-rank", "lora.max_lora_rank", _integer, "the largest LoRA rank r served"),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
     ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),
     (
@@ -146,6 +148,25 @@ _FLAGS = (
     ),
 )
 _API_KEY = ("--api-key", "router.api_keys")
+_ENABLE_LORA = ("--enable-lora", "lora.enabled")
+_LORA_MODULES = ("--lora-modules", "lora.modules")
+
+
+def lora_modules(flag: str, values: list[str]) -> dict[str, str]:
+    """vLLM's --lora-modules: each `name=path`, or a JSON object {"name": ..., "path": ...}."""
+    out = {}
+    for value in values:
+        if value.startswith("{"):
+            obj = json_flag(flag, value)
+            if not isinstance(obj, dict) or not {"name", "path"} <= set(obj):
+                raise ConfigError(f'{flag}: a JSON module needs "name" and "path", got {value!r}')
+            name, path = obj["name"], obj["path"]
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"{flag}: expected name=path, got {value!r}")
+        out[str(name)] = str(path)
+    return out
 
 
 def add_up_flags(p: argparse.ArgumentParser) -> None:
@@ -164,6 +185,20 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="a client API key (repeat for more); replaces router.api_keys and .api_keys_file, "
         "and wins over PDSERVE_API_KEYS",
+    )
+    group.add_argument(
+        _ENABLE_LORA[0],
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (YAML: lora.enabled)",
+    )
+    group.add_argument(
+        _LORA_MODULES[0],
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters every worker loads at start, each name=path (PEFT's directory) or "
+        "a JSON object with name and path; replaces the YAML's (YAML: lora.modules)",
     )
 
 
@@ -242,6 +277,17 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
         for k in keys:
             if _set(data, k, value):
                 done.by_key[k] = flag
+    lora = None
+    if getattr(args, "enable_lora", None):
+        lora = data.setdefault("lora", {})
+        if isinstance(lora, dict):
+            lora["enabled"] = True
+            done.by_key[_ENABLE_LORA[1]] = _ENABLE_LORA[0]
+    if getattr(args, "lora_modules", None) is not None:
+        lora = data.setdefault("lora", {})
+        if isinstance(lora, dict):
+            lora["modules"] = lora_modules(_LORA_MODULES[0], args.lora_modules)
+            done.by_key[_LORA_MODULES[1]] = _LORA_MODULES[0]
     if args.api_key is not None:
         router = data.setdefault("router", {})
         if isinstance(router, dict):

@@ -52,6 +52,7 @@ from pdserve.protos.limits import (
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common import lora as worker_lora
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
@@ -61,6 +62,7 @@ from pdserve.worker_common.errors import (
 )
 from pdserve.worker_common.kv_events import kv_events
 from pdserve.worker_common.logprobs import prompt_fields, top_of
+from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
 
 # a KV channel (or mapped decode pool) unused this long is closed; far above any prefill's budget,
@@ -144,6 +146,14 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _run(self, request, timings: HandoffTimings, span, context):
         rid = request.request_id
         params = self._checked_params(request, context)
+        lora = adapter_of(self.loop.engine, request.lora_name, context)
+        have = b"" if lora is None else lora.content_hash
+        if have != request.reservation.lora_hash:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lora_name {request.lora_name!r}: this worker's adapter is not the one the decode "
+                f"worker reserved for (their weights differ): load the same adapter on both",
+            )
         endpoint, transport = self._open_channel(request.reservation.endpoint, context)
         sink = self._sink(request, endpoint, transport, timings, tracing.traceparent(span))
         waiter = Waiter(sink)
@@ -156,6 +166,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 prefill_only=True,
                 kv_sink=sink,
                 priority=request.priority,
+                **({} if lora is None else {"lora_request": lora}),
             )
         except Exception as e:
             sink.abort()
@@ -491,6 +502,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         context.abort(
             grpc.StatusCode.UNAVAILABLE, f"KV transfer to {endpoint.address} failed: {err}"
         )
+
+    def LoadLoRA(self, request, context):
+        return worker_lora.load(self.loop.engine, request, context)
+
+    def UnloadLoRA(self, request, context):
+        return worker_lora.unload(self.loop.engine, request, context)
 
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)

@@ -9,7 +9,9 @@ request with a fresh prompt adds a hash per CHUNK tokens, so the map grows with 
 served until it reaches the bound (about 200 bytes a hash), and stays there. The pool may lower
 the bound to what its prefill workers' caches can hold (`fit_to_tokens`, from their Stats): a
 hash beyond that names a prefix every worker has evicted long ago. A worker that leaves is
-forgotten, and the hashes no worker holds any more are dropped with it.
+forgotten, and the hashes no worker holds any more are dropped with it. A prompt under a LoRA
+adapter hashes from the adapter's name (`prefix_hashes(..., adapter=name)`), so its affinity is
+its own.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ DEFAULT_MAX_ENTRIES = 65_536
 MIN_ENTRIES = 256
 
 
-def prefix_hashes(prompt: list[int], chunk: int = CHUNK) -> list[bytes]:
-    hashes, h = [], b""
+def prefix_hashes(prompt: list[int], chunk: int = CHUNK, adapter: str = "") -> list[bytes]:
+    """The chained hashes of the prompt's whole chunks; under a LoRA adapter (its name) the
+    chain starts from the adapter's hash, so a prompt never matches what ran under another
+    adapter or the base model (whose KV the workers never share either: engine/lora.py)."""
+    hashes = []
+    h = hashlib.blake2b(b"lora:" + adapter.encode(), digest_size=16).digest() if adapter else b""
     for i in range(0, len(prompt) - len(prompt) % chunk, chunk):
         piece = ",".join(map(str, prompt[i : i + chunk])).encode()
         h = hashlib.blake2b(h + piece, digest_size=16).digest()

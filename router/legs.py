@@ -105,6 +105,7 @@ class Inflight:
         self.first_token_ns = 0  # when the router got the first token
         self.token_clock: dict[int, int] = {}  # sequence index -> unix ns of its last tokens
         self.span = None  # the request's trace span, open until it ends (protos/tracing.py)
+        self.lora = ""  # the LoRA adapter it runs under (router/lora.py); "": the base model
 
 
 class Leg:
@@ -140,6 +141,7 @@ class Leg:
         # unix ns: Reserve started and succeeded, the (last) Prefill call sent (Timings)
         self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
+        self.lora = ""  # the call's LoRA adapter (Inflight.lora), on both legs' worker calls
 
     def unheld(self, worker, num_tokens: int) -> int:
         """Of a prompt's `num_tokens`, those `worker` probably does not hold (the charges:
@@ -188,7 +190,7 @@ class Legs:
         holder = max(held, key=held.get) if held else None
         if not policy.enabled and holder is None:
             return False
-        backlog = self.pool.prefill_backlog(prompt)
+        backlog = self.pool.prefill_backlog(prompt, leg.lora)
         local = policy.choose(len(prompt), backlog, self.pool.decode_backlog())
         if not local and holder is not None:
             local = policy.choose(
@@ -204,7 +206,7 @@ class Legs:
         """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
         and answer) in its prefix cache: the next turn of the conversation may go back there."""
         if self.reuse and leg.decode is not None:
-            self.pool.remember_decoded(leg.decode, tokens)
+            self.pool.remember_decoded(leg.decode, tokens, leg.lora)
 
     def _run_later(self, fn) -> None:
         try:
@@ -234,9 +236,10 @@ class Legs:
         Raises LegFailed."""
         leg = Leg(number)
         leg.priority = req.priority
+        leg.lora = getattr(req, "lora", "")
         trace = tracing.metadata(getattr(req, "span", None))  # its trace, on every worker call
         leg.trace = {"metadata": trace} if trace else {}
-        leg.held = self.pool.decode_usable(prompt) if self.reuse else {}
+        leg.held = self.pool.decode_usable(prompt, leg.lora) if self.reuse else {}
         leg.local = self.options.colocated or self._prefill_here(prompt, leg)
         if leg.local and not self.options.colocated:  # the request's trace says where it ran
             tracing.event(
@@ -501,6 +504,7 @@ class Legs:
                         run_prefill=leg.local,
                         min_cached_tokens=leg.expected if worker is leg.expect_worker else 0,
                         priority=leg.priority,
+                        lora_name=leg.lora,
                     ),
                     deadline,
                 )
@@ -593,7 +597,7 @@ class Legs:
             if req.cancelled or req.abort_requested or leg.ended.is_set():
                 return None
             try:
-                worker, charge = self.pool.pick_prefill(prompt, exclude=excluded)
+                worker, charge = self.pool.pick_prefill(prompt, exclude=excluded, adapter=leg.lora)
             except NoWorker as e:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
                 break
@@ -670,6 +674,7 @@ class Legs:
                 sampling=sampling,
                 reservation=leg.reservation,
                 priority=leg.priority,
+                lora_name=leg.lora,
             ),
             timeout=left(deadline),
             **trace,

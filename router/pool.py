@@ -251,41 +251,43 @@ class WorkerPool:
             ordered[0].queued_tokens += max(0, charge_tokens - held(ordered[0]))
             return ordered
 
-    def decode_matches(self, prompt: list[int]) -> dict:
+    def decode_matches(self, prompt: list[int], adapter: str = "") -> dict:
         """Decode worker -> the leading prompt tokens it holds: from the block index (its KV
         events, and what this router sent it since its last poll: router/kv_index.py) once that
         is synced for the worker; before (or for a worker that reports no events) from this
-        router's own record of what it sent there (remember_decoded), a guess."""
-        hashes = prefix_hashes(list(prompt))
+        router's own record of what it sent there (remember_decoded), a guess. Under a LoRA
+        adapter only the record counts: the block index holds the base model's chains."""
+        hashes = prefix_hashes(list(prompt), adapter=adapter)
         with self._lock:
             sizes = {w: _block_size(w) for w in self._workers["decode"]}
             record = self._decode_affinity.matched_tokens(hashes)
-        indexed = self.kv_index.matched_tokens(prompt, sizes)
+        indexed = {} if adapter else self.kv_index.matched_tokens(prompt, sizes)
         out = {w: n for w, n in record.items() if w not in indexed}
         out.update((w, n) for w, n in indexed.items() if n)
         return out
 
-    def decode_usable(self, prompt: list[int]) -> dict:
+    def decode_usable(self, prompt: list[int], adapter: str = "") -> dict:
         """decode_matches, but only what a worker's engine would take from its cache: the whole
         blocks before the prompt's last token, which it always computes (a prompt of exactly its
         cached blocks would count as all held, with nothing of it usable)."""
-        held = self.decode_matches(prompt)
+        held = self.decode_matches(prompt, adapter)
         usable = max(0, len(prompt) - 1)
         with self._lock:
             out = {w: min(n, usable - usable % _block_size(w)) for w, n in held.items()}
         return {w: n for w, n in out.items() if n}
 
-    def remember_decoded(self, worker: _Worker, tokens: list[int]) -> None:
+    def remember_decoded(self, worker: _Worker, tokens: list[int], adapter: str = "") -> None:
         """`worker` computed the KV of `tokens` (a prompt, or a prompt and its answer) and keeps
         it in its prefix cache once the request ends, until evicted: recorded, and expected in
         the block index until the worker's next poll says what it stored."""
-        hashes = prefix_hashes(list(tokens))
+        hashes = prefix_hashes(list(tokens), adapter=adapter)
         with self._lock:
             if worker not in self._workers["decode"]:
                 return
             self._decode_affinity.record(hashes, worker)
             size, poll = _block_size(worker), worker.kv_polls
-        self.kv_index.expect(worker, chain_hashes(list(tokens), size), poll)
+        if not adapter:  # (the block index holds the base model's chains only)
+            self.kv_index.expect(worker, chain_hashes(list(tokens), size), poll)
 
     def forget_decoded(self, worker: _Worker) -> None:
         """`worker` refused a Reserve for holding less than the router expected (router/legs.py):
@@ -321,15 +323,16 @@ class WorkerPool:
                 worker.num_used_blocks += num_blocks
 
     def pick_prefill(
-        self, prompt: list[int] = (), exclude: _Worker | None = None
+        self, prompt: list[int] = (), exclude: _Worker | None = None, adapter: str = ""
     ) -> tuple[_Worker, int]:
         """The prefill worker other than `exclude` (or `exclude` when it is the only one) that
         finishes `prompt` soonest, and the tokens charged to it until end_prefill(worker, charge).
         Raises NoWorker when there is none. A worker's work before this prompt is done, in
         tokens: the prompt tokens this router has in flight there, plus this prompt's tokens that
         it probably does not hold in its prefix cache, so a shared prefix goes back to the worker
-        that has it unless that worker is busier than the cache hit saves."""
-        hashes = prefix_hashes(list(prompt))
+        that has it unless that worker is busier than the cache hit saves. `adapter`: the LoRA
+        adapter the prompt runs under (its own affinity)."""
+        hashes = prefix_hashes(list(prompt), adapter=adapter)
         with self._lock:
             try:
                 workers = self._candidates("prefill", (exclude,))
@@ -348,11 +351,11 @@ class WorkerPool:
             self._affinity.record(hashes, worker)
             return worker, charge
 
-    def prefill_backlog(self, prompt: list[int]) -> int | None:
+    def prefill_backlog(self, prompt: list[int], adapter: str = "") -> int | None:
         """The prompt tokens the least loaded prefill worker would compute before `prompt`'s
         first token, this prompt's uncached ones included (as pick_prefill counts, without
         charging); None when no prefill worker serves (planner/local_prefill.py)."""
-        hashes = prefix_hashes(list(prompt))
+        hashes = prefix_hashes(list(prompt), adapter=adapter)
         with self._lock:
             try:
                 workers = self._candidates("prefill", ())

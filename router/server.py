@@ -35,6 +35,7 @@ from pdserve.protos.security import INSECURE, ClientKeys, ClusterSecurity, TLSCo
 from pdserve.router.capture import TraceCapture
 from pdserve.router.console import ConsoleStats
 from pdserve.router.flips import AdminServicer, Flips
+from pdserve.router.lora import RouterAdapters
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.planner_actuator import RouterActuator
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
@@ -132,6 +133,11 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # the metrics scrape's own keys: when any, GET /metrics takes one of them and no client key
     metrics_keys: tuple[str, ...] = field(default=(), repr=False)
+    # LoRA adapters (router/lora.py): on or off, the deployment's {name: path} (held as pairs:
+    # the workers load them from their own config), and the run-time load/unload endpoints
+    lora_enabled: bool = False
+    lora_modules: tuple = ()
+    lora_allow_runtime_updates: bool = False
 
     def __post_init__(self):
         for name in (
@@ -398,6 +404,13 @@ class Router:
         self.servicer = PDServeServicer(
             self.pool, tokenizer, options, self._prefill_executor, metrics=self.metrics
         )
+        self.servicer.loras = RouterAdapters(
+            options.model_id,
+            cfg.lora_enabled,
+            cfg.lora_modules,
+            cfg.lora_allow_runtime_updates,
+            pool=self.pool,
+        )
         self.metrics.track_router(
             self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
         )
@@ -474,6 +487,7 @@ class Router:
                 max_connections=cfg.http_max_connections,
                 metrics_registry=self.metrics_registry,
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
+                loras=self.servicer.loras,
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

@@ -1,7 +1,8 @@
 """The public PDServe gRPC service: Generate, Embed, Abort, ListModels.
 
 Generate checks every field before any work (protos/limits.py, router/text.py: sizes, counts,
-and numbers a wrapped -1 would make enormous), tokenizes it, refuses a prompt plus max_tokens past
+and numbers a wrapped -1 would make enormous), maps its `model` to the base model or a LoRA
+adapter (router/lora.py; another name is NOT_FOUND), tokenizes it, refuses a prompt plus max_tokens past
 max_model_len (`fit_to_context`), refuses it UNAVAILABLE when a role has no worker, admits it
 (router/admission.py: at most max_inflight run at once, more wait in a bounded queue, max_queued
 of them for at most max_queue_wait_s; a request_id not already in flight on the same connection),
@@ -51,6 +52,7 @@ from pdserve.router.admission import (
 )
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.legs import Legs, RouterStatus, left
+from pdserve.router.lora import RouterAdapters
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder
 
@@ -188,6 +190,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self.legs.on_tokens = metrics.on_tokens
             self.legs.on_local = metrics.local_prefills.inc
             self.legs.on_stale_hint = metrics.stale_cache_hints.inc
+        # the LoRA adapters served (router/lora.py); the router sets the deployment's
+        self.loras = RouterAdapters(options.model_id)
         self._inflight: dict[tuple[str, str], ClientCall] = {}  # (client peer, request_id) ->
         self._lock = threading.Lock()
         self.admission = Admission(
@@ -226,10 +230,12 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         )
         if refusal:
             refusal.abort(context)
-        if request.model and request.model != opts.model_id:
+        lora = self.loras.adapter_for(request.model)
+        if lora is None:
+            served = ", ".join([opts.model_id, *self.loras.names()])
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {request.model[:200]} is not served; served: {opts.model_id}",
+                f"model {request.model[:200]} is not served; served: {served[:2000]}",
             )
         try:
             prompt = self.encoder.encode(request)
@@ -253,6 +259,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         key = (context.peer(), rid)
         call = ClientCall(self.legs, self.tokenizer, request, rid, prompt, deadline, queued_ns)
         call.priority = request.priority
+        call.lora = lora  # the adapter both legs run under (router/lora.py; "": the base)
         self._admit(key, call, context, deadline, request.priority)
         if self.tracing is not None:  # from its arrival: the admission queue's wait included
             call.span = self._start_span(call, context)
@@ -562,13 +569,10 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
 
     def ListModels(self, request, context):
         opts = self.options
-        return pdserve_pb2.ListModelsResponse(
-            models=[
-                pdserve_pb2.ModelCard(
-                    id=opts.model_id,
-                    max_model_len=opts.max_model_len,
-                    vocab_size=opts.vocab_size,
-                    dtype=opts.dtype,
-                )
-            ]
+        base = pdserve_pb2.ModelCard(
+            id=opts.model_id,
+            max_model_len=opts.max_model_len,
+            vocab_size=opts.vocab_size,
+            dtype=opts.dtype,
         )
+        return pdserve_pb2.ListModelsResponse(models=self.loras.cards(base))

@@ -539,6 +539,43 @@ class PlannerSettings(_Frozen):
     prefill_use: Annotated[float, Field(gt=0, le=1)] = 0.95  # sizes a batch of flips
 
 
+class LoRASettings(_Frozen):
+    """`lora:` LoRA adapters in PEFT's format (engine/lora.py; vLLM's --enable-lora,
+    --lora-modules, --max-loras, --max-lora-rank). Every worker of both pools loads `modules`
+    ({name: adapter directory}, on every worker's host) at start; a request names an adapter
+    as its `model`. max_loras: adapters whose weights a worker holds at once (the least
+    recently used evicted, read again from disk when needed); max_lora_rank: the largest rank
+    r an adapter may have (a larger one is refused at load). allow_runtime_updates: the
+    router's /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 404)."""
+
+    enabled: bool = False
+    modules: dict[str, Annotated[str, Field(min_length=1, max_length=4096)]] = {}
+    max_loras: Annotated[int, Field(ge=1, le=1024)] = 1
+    max_lora_rank: Annotated[int, Field(ge=1, le=1024)] = 16
+    allow_runtime_updates: bool = False
+
+    @field_validator("modules")
+    @classmethod
+    def _names(cls, v):
+        from pdserve.engine.lora import LoRAError, check_name
+
+        for name in v:
+            try:
+                check_name(name)
+            except LoRAError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _needs_enabled(self):
+        if not self.enabled and (self.modules or self.allow_runtime_updates):
+            raise ValueError(
+                "lora.modules and lora.allow_runtime_updates need lora.enabled: true "
+                "(--enable-lora)"
+            )
+        return self
+
+
 class ObservabilitySettings(_Frozen):
     """`observability:` what `pdserve up` shows its operator. log_level: the pdserve loggers'
     level on the console (unset: PDSERVE_LOG_LEVEL, else info); log_format: text lines, or one
@@ -581,6 +618,7 @@ class DeployConfig(_Frozen):
     security: SecuritySettings = SecuritySettings()
     planner: PlannerSettings = PlannerSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    lora: LoRASettings = LoRASettings()
 
     @model_validator(mode="after")
     def _planner_needs_two_pools(self):
@@ -631,4 +669,11 @@ class DeployConfig(_Frozen):
             kwargs["max_model_len"] = pool.max_model_len
         spec = pool.speculative_config
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
+        if self.lora.enabled:  # every worker of every pool: the adapters come from its config
+            kwargs.update(
+                enable_lora=True,
+                lora_modules=dict(self.lora.modules),
+                max_loras=self.lora.max_loras,
+                max_lora_rank=self.lora.max_lora_rank,
+            )
         return kwargs

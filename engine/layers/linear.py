@@ -5,7 +5,9 @@ checkpoint loader streams full tensors in without knowing about TP. After loadin
 prepares the weight for the matmul that will use it: on CPU in float32 or bfloat16 it is reordered
 into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (dense in, dense out,
 as torch inductor does), which beats `F.linear` at the row counts of decoding; with a quantization
-mode it becomes an int8 or int4 weight (engine/layers/quant.py).
+mode it becomes an int8 or int4 weight (engine/layers/quant.py). A linear that an engine's LoRA
+adapters target (`has_lora`, set by engine/lora.py) adds the running step's adapter deltas to its
+output (the forward context's LoRABatch), before a row-parallel layer's all-reduce.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.forward_context import current_forward_context
 from pdserve.engine.layers.quant import quantize_weight
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 
@@ -45,7 +48,17 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
     )
 
 
+def _with_lora(linear: LinearBase, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y plus the step's LoRA deltas for x's rows (engine/lora.py), if any adapter runs."""
+    meta = current_forward_context()
+    if meta is None or meta.lora is None:
+        return y
+    return meta.lora.apply(linear, x, y)
+
+
 class LinearBase(nn.Module):
+    has_lora = False  # a LoRA adapter targets this linear (engine/lora.py shard_adapter)
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -92,7 +105,8 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return _with_lora(self, x, y) if self.has_lora else y
 
 
 class ReplicatedLinear(LinearBase):
@@ -159,6 +173,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return self.matmul(x, self.bias)
-        y = all_reduce(self.matmul(x, None))
+            y = self.matmul(x, self.bias)
+            return _with_lora(self, x, y) if self.has_lora else y
+        y = self.matmul(x, None)
+        if self.has_lora:  # the partial delta of this rank's columns of A, reduced with y
+            y = _with_lora(self, x, y)
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -216,6 +216,7 @@ class LlamaModel(nn.Module):
             and meta.on_layer_done is None  # the stack's attention calls no layer hook
             and meta.num_decode_tokens == hidden.shape[0]
             and meta.decode_mask is None
+            and meta.lora is None  # the stack's linears add no LoRA deltas
             and hidden.dtype == torch.float32
         ):
             if residual is not None:  # the sum the stage's first norm forms, formed here

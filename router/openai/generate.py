@@ -53,7 +53,9 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
             raise
         if first is grpc.aio.EOF:
             raise ApiError(500, "the router ended the call without a response", "server_error")
-        model_id = front.settings.model_id
+        # the model the body named (the router served it: the base or a LoRA adapter), as vLLM
+        # echoes it
+        model_id = getattr(body, "model", None) or front.settings.model_id
         if body.stream:
             watcher.cancel()  # Starlette's StreamingResponse watches from here on
             streaming = True

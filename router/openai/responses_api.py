@@ -669,5 +669,5 @@ async def responses(request: Request):
     front.check_model(body.model)
     chat = body.as_chat()
     gen = chat_request(front, chat, param="input")
-    shape = Shape(body, front.settings.model_id)
+    shape = Shape(body, body.model or front.settings.model_id)  # (an adapter's name as asked)
     return await generate(request, [gen], metadata, chat, chat=True, shape=shape)

@@ -80,6 +80,9 @@ class HttpSettings:
     encoder: object = None
     metrics_registry: object = None
     metrics_keys: ClientKeys = NO_KEYS  # any: GET /metrics takes one of these, no client key
+    # the router's LoRA adapters (router/lora.py RouterAdapters): `model` names and the run-time
+    # load/unload endpoints; None: none (a front built without the router's)
+    loras: object = None
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0

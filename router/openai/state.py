@@ -149,8 +149,11 @@ class FrontState:
             )
 
     def check_model(self, model: str | None) -> None:
-        """A body's `model`, when set, must be the served one."""
+        """A body's `model`, when set, must be the served one or one of its LoRA adapters."""
         served = self.settings.model_id
+        loras = self.settings.loras
+        if model is not None and loras is not None and loras.adapter_for(model) is not None:
+            return
         if model is not None and model != served:
             raise ApiError(
                 404,

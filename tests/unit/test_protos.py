@@ -179,12 +179,16 @@ def test_worker_services_shape():
         "Embed": unary,
         "Abort": unary,
         "Stats": unary,
+        "LoadLoRA": unary,
+        "UnloadLoRA": unary,
     }
     assert methods("PrefillWorker") == {
         "Prefill": unary,
         "Embed": unary,
         "Abort": unary,
         "Stats": unary,
+        "LoadLoRA": unary,
+        "UnloadLoRA": unary,
     }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_ms", "run_prefill", "min_cached_tokens", "priority", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ReserveRequest(_message.Message):
     RUN_PREFILL_FIELD_NUMBER: _ClassVar[int]
     MIN_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -23,7 +24,8 @@ class ReserveRequest(_message.Message):
     run_prefill: bool
     min_cached_tokens: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
     __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality")
@@ -46,20 +48,22 @@ class KVEndpoint(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., write_grant: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., locality: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("request_id", "block_ids", "block_size", "num_cached_tokens", "endpoint", "lease_deadline_unix_ns")
+    __slots__ = ("request_id", "block_ids", "block_size", "num_cached_tokens", "endpoint", "lease_deadline_unix_ns", "lora_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    LORA_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     num_cached_tokens: int
     endpoint: KVEndpoint
     lease_deadline_unix_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., lease_deadline_unix_ns: _Optional[int] = ...) -> None: ...
+    lora_hash: bytes
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., lease_deadline_unix_ns: _Optional[int] = ..., lora_hash: _Optional[bytes] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -94,18 +98,20 @@ class TokenEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., index: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     reservation: ReserveResponse
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class WorkerEmbedRequest(_message.Message):
     __slots__ = ("request_id", "prompts", "priority", "pooling", "normalize")
@@ -404,3 +410,37 @@ class HeartbeatResponse(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapters(_message.Message):
+    __slots__ = ("adapters", "found")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    found: bool
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "content_hash")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    content_hash: bytes
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., content_hash: _Optional[bytes] = ...) -> None: ...

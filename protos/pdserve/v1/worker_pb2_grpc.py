@@ -59,6 +59,16 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/LoadLoRA',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/UnloadLoRA',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -102,6 +112,21 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """LoRA adapters at run time (the router's /v1/load_lora_adapter and /v1/unload_lora_adapter):
+        INVALID_ARGUMENT for a bad name or path or an adapter this worker cannot serve,
+        FAILED_PRECONDITION where LoRA is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +154,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -276,6 +311,60 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/LoadLoRA',
+            pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/UnloadLoRA',
+            pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -305,6 +394,16 @@ class PrefillWorkerStub:
                 '/pdserve.worker.v1.PrefillWorker/Stats',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/LoadLoRA',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/UnloadLoRA',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
                 _registered_method=True)
 
 
@@ -339,6 +438,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """As DecodeWorker's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +473,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -471,6 +593,60 @@ class PrefillWorker:
             '/pdserve.worker.v1.PrefillWorker/Stats',
             pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/LoadLoRA',
+            pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/UnloadLoRA',
+            pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,540 @@
+"""LoRA adapters in PEFT's format, applied per request on top of the base model's linears.
+
+What this module owns, in the order a request meets it:
+
+- `LoRARequest` (vLLM's shape: a name, an int id, a path) names the adapter a request runs under.
+- `read_adapter` reads and checks one adapter directory as PEFT's `save_pretrained` writes it
+  (`adapter_config.json` and `adapter_model.safetensors`, tensors named
+  `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`): LoRA only (no DoRA, no
+  biases, no `modules_to_save`, no per-module rank or alpha patterns), a rank within
+  `max_lora_rank`, target modules among the attention projections (q, k, v, o) and the dense
+  MLP's (gate, up, down) of the model's layers, every shape checked against the model's config.
+  Experts of a mixture of experts, embeddings and the LM head are refused with an error naming
+  the tensor. Its content hash (BLAKE2b of the config and the weights' bytes) goes into the
+  prefix cache's chain root (`cache_root`), so KV computed under one adapter is never reused
+  under another, under the base, or under a replaced adapter of the same name.
+- `LoRARegistry` (the engine's rank 0) maps names to adapters the engine serves: registered
+  from the config's modules at start, at run time by `add_lora`, or by a request's LoRARequest;
+  each is read and checked once when registered, so a bad adapter is refused before any step.
+- `LoRACache` (every rank's model runner) holds at most `max_loras` adapters' weights, each rank
+  its shard of them, in least-recently-used order, and reads an evicted adapter from disk again
+  when a step needs it. A step's ModelInput names the adapter (id and path) of each sequence,
+  so tensor-parallel followers load what rank 0 registered without another message.
+- `LoRABatch` is one step's grouping of the batch's rows by adapter, set in the forward context;
+  every LinearBase with adapter weights adds, for each group of rows, x @ A^T @ B^T * scale
+  (scale = lora_alpha / r, or / sqrt(r) with use_rslora) to its output (LinearBase.forward), in
+  the activations' dtype, before a row-parallel layer's all-reduce.
+
+Tensor parallelism shards A and B as the base weight is: a column-parallel layer (q, k, v, gate,
+up) keeps A whole and its own rows of B (its heads, its slice of the intermediate size); a
+row-parallel layer (o, down) keeps its columns of A and the whole B, and its partial delta is
+summed with the base output's partial sums by the layer's all-reduce (the delta is linear in
+x @ A^T, so the sum of the ranks' partial deltas is the whole delta).
+
+On CPU the groups are a loop over the adapters present in the step, each an index_select of its
+rows, two small matmuls and an index_add; the fused decode stack and CUDA graphs are skipped in a
+step that runs an adapter. A GPU path that serves many adapters at once needs grouped kernels
+over all rows of a step (punica's BGMV/SGMV, as vLLM's `add_lora`), with the adapters' weights
+stacked in device buffers of `max_loras` slots: not built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.errors import InvalidRequest
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# the PEFT module names (the last part of the path) an adapter may target, and where they land
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+MAX_NAME_LEN = 256
+MAX_PATH_LEN = 4096
+MAX_ADAPTER_BYTES = 4 << 30  # an adapter's weights file larger than this is refused
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+_KEY_RE = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$"
+)
+
+
+class LoRAError(InvalidRequest):
+    """An adapter that cannot be served: a bad name, path, config, tensor or rank."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The adapter a request runs under (vLLM's LoRARequest): its name, an id >= 1 (checked and
+    kept for vLLM's shape; the engine numbers the adapters it registers itself, a new number for
+    each registration, so a replaced adapter never reuses the old one's weights or KV), and
+    `lora_path`, the directory PEFT saved it to. A name already registered with the same path is
+    that adapter; with another path, the adapter is replaced."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        check_name(self.lora_name)
+        if (
+            isinstance(self.lora_int_id, bool)
+            or not isinstance(self.lora_int_id, int)
+            or self.lora_int_id < 1
+        ):
+            raise LoRAError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        check_path(self.lora_path)
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        raise LoRAError(
+            f"lora_name must be a non-empty string of at most {MAX_NAME_LEN} characters, "
+            f"got {name!r:.80}"
+        )
+    if not _NAME_RE.match(name):
+        raise LoRAError(
+            f"lora_name {name!r} may hold only letters, digits and . _ : / @ + - "
+            f"(and not start with a punctuation mark)"
+        )
+    return name
+
+
+def check_path(path: object) -> str:
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_LEN or "\x00" in path:
+        raise LoRAError(
+            f"lora_path must be a non-empty path of at most {MAX_PATH_LEN} characters, "
+            f"got {path!r:.80}"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the registry knows of a registered adapter (the weights stay on disk)."""
+
+    name: str
+    lora_id: int
+    path: str
+    rank: int
+    alpha: float
+    content_hash: bytes  # 16 bytes
+    target_modules: tuple[str, ...]
+
+    @functools.cached_property
+    def cache_root(self) -> int:
+        return cache_root(self.name, self.content_hash)
+
+
+def cache_root(name: str, content_hash: bytes) -> int:
+    """The parent hash of a sequence's first KV block under this adapter (the base model's is
+    None): engine/block_manager.py chains every block hash from it."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"pdserve-lora\x00" + name.encode() + b"\x00" + content_hash)
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter read from disk: (layer, PEFT module) -> (A [r, in], B [out, r]), and its scale."""
+
+    info: AdapterInfo
+    scale: float
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _expected_shapes(model_config, module: str) -> tuple[int, int]:
+    """(in, out) of a PEFT target module in the full (unsharded) model."""
+    mc = model_config
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    inter = _dense_intermediate(mc)
+    return {
+        "q_proj": (mc.hidden_size, q),
+        "k_proj": (mc.hidden_size, kv),
+        "v_proj": (mc.hidden_size, kv),
+        "o_proj": (q, mc.hidden_size),
+        "gate_proj": (mc.hidden_size, inter),
+        "up_proj": (mc.hidden_size, inter),
+        "down_proj": (inter, mc.hidden_size),
+    }[module]
+
+
+def _dense_intermediate(mc) -> int:
+    return mc.intermediate_size
+
+
+def read_adapter(
+    name: str, path: str, lora_id: int, model_config, max_lora_rank: int
+) -> AdapterWeights:
+    """Reads and checks the adapter at `path` (module docstring); raises LoRAError naming what
+    is wrong."""
+    check_name(name)
+    check_path(path)
+    cfg_bytes, w_bytes = _read_files(name, path)
+    r, alpha, scale = _read_config(name, cfg_bytes, max_lora_rank)
+    tensors = _read_tensors(name, w_bytes, r, model_config)
+    if model_config.architecture in (
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
+        _check_dense_layers(name, model_config, {layer for layer, m in tensors if m in MLP_MODULES})
+    digest = hashlib.blake2b(cfg_bytes + b"\x00" + w_bytes, digest_size=16).digest()
+    modules = tuple(sorted({m for _, m in tensors}))
+    info = AdapterInfo(name, lora_id, path, r, float(alpha), digest, modules)
+    return AdapterWeights(info, scale, tensors)
+
+
+def _read_files(name: str, path: str) -> tuple[bytes, bytes]:
+    """The adapter's config and weights files' bytes (bounded in size)."""
+    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isdir(path):
+        raise LoRAError(f"adapter {name!r}: lora_path {path!r} is not a directory")
+    for f in (cfg_path, w_path):
+        if not os.path.isfile(f):
+            raise LoRAError(
+                f"adapter {name!r}: {f!r} is missing (PEFT's save_pretrained writes "
+                f"{CONFIG_FILE} and {WEIGHTS_FILE})"
+            )
+    if os.path.getsize(w_path) > MAX_ADAPTER_BYTES:
+        raise LoRAError(f"adapter {name!r}: {w_path!r} is larger than {MAX_ADAPTER_BYTES} bytes")
+    with open(cfg_path, "rb") as fh:
+        cfg_bytes = fh.read(1 << 20)
+    with open(w_path, "rb") as fh:
+        w_bytes = fh.read()
+    return cfg_bytes, w_bytes
+
+
+def _read_config(name: str, cfg_bytes: bytes, max_lora_rank: int) -> tuple[int, float, float]:
+    """(r, lora_alpha, scale) from adapter_config.json, what is not served refused."""
+    try:
+        cfg = json.loads(cfg_bytes)
+    except ValueError as e:
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} must hold an object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"adapter {name!r}: peft_type must be LORA, got {cfg.get('peft_type')!r}")
+    for key, ok in (
+        ("use_dora", lambda v: not v),
+        ("bias", lambda v: v in (None, "none")),
+        ("modules_to_save", lambda v: not v),
+        ("rank_pattern", lambda v: not v),
+        ("alpha_pattern", lambda v: not v),
+        ("layers_to_transform", lambda v: v is None),
+    ):
+        if not ok(cfg.get(key)):
+            raise LoRAError(
+                f"adapter {name!r}: {CONFIG_FILE} sets {key}={cfg.get(key)!r}, which this "
+                f"server does not support"
+            )
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise LoRAError(f"adapter {name!r}: r must be an integer >= 1, got {r!r}")
+    if r > max_lora_rank:
+        raise LoRAError(
+            f"adapter {name!r} has rank r={r}, above max_lora_rank={max_lora_rank}: raise "
+            f"max_lora_rank (--max-lora-rank) to serve it"
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoRAError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return r, alpha, scale
+
+
+def _read_tensors(name: str, w_bytes: bytes, r: int, model_config) -> dict:
+    """(layer, module) -> (A, B) in float32, every name and shape checked."""
+    from safetensors.torch import load as load_safetensors
+
+    try:
+        raw = load_safetensors(w_bytes)
+    except Exception as e:  # safetensors raises its own errors on a bad header
+        raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} is not safetensors: {e}") from None
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in raw.items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            raise LoRAError(
+                f"adapter {name!r}: tensor {key!r} targets a module this server cannot adapt "
+                f"(LoRA on the attention (q, k, v, o) and dense MLP (gate, up, down) projections "
+                f"of the decoder layers only; not experts, embeddings or the LM head)"
+            )
+        layer, block, module, which = int(m[1]), m[2], m[3], m[4]
+        allowed = ATTN_MODULES if block == "self_attn" else MLP_MODULES
+        if module not in allowed:
+            raise LoRAError(f"adapter {name!r}: tensor {key!r} targets an unknown module")
+        if not 0 <= layer < model_config.num_layers:
+            raise LoRAError(
+                f"adapter {name!r}: tensor {key!r} names layer {layer}; the model has "
+                f"{model_config.num_layers}"
+            )
+        if t.dim() != 2 or not t.is_floating_point():
+            raise LoRAError(f"adapter {name!r}: tensor {key!r} must be a 2-d float tensor")
+        parts.setdefault((layer, module), {})[which] = t
+    if not parts:
+        raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors")
+    tensors = {}
+    for (layer, module), ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(
+                f"adapter {name!r}: layer {layer} {module} has lora_{next(iter(ab))} "
+                f"without its pair"
+            )
+        a, b = ab["A"], ab["B"]
+        want_in, want_out = _expected_shapes(model_config, module)
+        if tuple(a.shape) != (r, want_in) or tuple(b.shape) != (want_out, r):
+            raise LoRAError(
+                f"adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and "
+                f"lora_B {tuple(b.shape)}; this model with r={r} needs {(r, want_in)} and "
+                f"{(want_out, r)} (an adapter of another base model?)"
+            )
+        tensors[(layer, module)] = (a.float(), b.float())
+    return tensors
+
+
+def _check_dense_layers(name: str, mc, mlp_layers: set[int]) -> None:
+    """A mixture of experts' sparse layers have no dense gate/up/down: an adapter of those is an
+    adapter of the experts, which is refused."""
+    from pdserve.engine.models.moe import MoeSpec
+
+    spec = MoeSpec.from_hf(mc)
+    for layer in sorted(mlp_layers):
+        if layer in spec.sparse_layers:
+            raise LoRAError(
+                f"adapter {name!r}: layer {layer} is a mixture-of-experts layer; LoRA on the "
+                f"experts is not supported (adapt the attention projections, or the dense layers)"
+            )
+
+
+class LoRARegistry:
+    """Rank 0's adapters by name (module docstring). Thread-safe: a worker's gRPC threads
+    register and remove while the engine thread looks up."""
+
+    def __init__(self, model_config, max_lora_rank: int, max_loras: int):
+        self.model_config = model_config
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
+        self._by_name: dict[str, AdapterInfo] = {}
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def add(self, name: str, path: str, lora_id: int | None = None) -> AdapterInfo:
+        """Reads and checks the adapter; replaces one of the same name (a new id: the old one's
+        cached KV is never reused, its content hash differing or not)."""
+        with self._lock:
+            if lora_id is None:
+                lora_id = self._next_id
+            self._next_id = max(self._next_id, lora_id) + 1
+        weights = read_adapter(name, path, lora_id, self.model_config, self.max_lora_rank)
+        with self._lock:
+            self._by_name[name] = weights.info
+        return weights.info
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            return self._by_name.pop(name, None) is not None
+
+    def get(self, name: str) -> AdapterInfo | None:
+        with self._lock:
+            return self._by_name.get(name)
+
+    def list(self) -> list[AdapterInfo]:
+        with self._lock:
+            return sorted(self._by_name.values(), key=lambda a: a.lora_id)
+
+    def resolve(self, lora_request) -> AdapterInfo | None:
+        """The adapter a request names: None (the base), a registered name, or a LoRARequest
+        (registered now if its name is new or its path differs)."""
+        if lora_request is None:
+            return None
+        if isinstance(lora_request, AdapterInfo):  # a worker's, looked up when its call came
+            return lora_request
+        if isinstance(lora_request, str):
+            info = self.get(lora_request)
+            if info is None:
+                raise LoRAError(f"no LoRA adapter named {lora_request!r} is loaded")
+            return info
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAError(
+                f"lora_request must be a LoRARequest or an adapter's name, got "
+                f"{type(lora_request).__name__}"
+            )
+        info = self.get(lora_request.lora_name)
+        if info is not None and info.path == lora_request.lora_path:
+            return info
+        return self.add(lora_request.lora_name, lora_request.lora_path)
+
+
+@dataclass
+class RankAdapter:
+    """One adapter's weights on one rank: linear module -> [(A, B, scale, output offset)]."""
+
+    info: AdapterInfo
+    linears: dict[int, list[tuple[torch.Tensor, torch.Tensor, float, int]]]
+
+
+def _layer_targets(model) -> dict[tuple[int, str], tuple[object, object]]:
+    """(global layer index, PEFT module) -> (linear module, shard) for this rank's stage."""
+    inner = model.model
+    first = getattr(inner, "first_layer", 0)
+    out = {}
+    for j, layer in enumerate(inner.layers):
+        i = first + j
+        attn = layer.self_attn
+        for m in ("q", "k", "v"):
+            out[(i, f"{m}_proj")] = (attn.qkv_proj, m)
+        out[(i, "o_proj")] = (attn.o_proj, "row")
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+            out[(i, "gate_proj")] = (mlp.gate_up_proj, 0)
+            out[(i, "up_proj")] = (mlp.gate_up_proj, 1)
+            out[(i, "down_proj")] = (mlp.down_proj, "row")
+    return out
+
+
+def shard_adapter(
+    weights: AdapterWeights, model, dtype: torch.dtype, device: torch.device
+) -> RankAdapter:
+    """This rank's shard of an adapter, placed on the model's linears (module docstring)."""
+    from pdserve.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from pdserve.engine.parallel import tp_rank, tp_size
+
+    rank, n = tp_rank(), tp_size()
+    targets = _layer_targets(model)
+    linears: dict[int, list] = {}
+    for (layer, module), (a, b) in weights.tensors.items():
+        target = targets.get((layer, module))
+        if target is None:
+            if any(key[0] == layer for key in targets):
+                raise LoRAError(
+                    f"adapter {weights.info.name!r}: layer {layer} {module} has no dense "
+                    f"linear in this model to adapt"
+                )
+            continue  # another pipeline stage's layer
+        linear, shard = target
+        if shard == "row":
+            size = a.shape[1] // n
+            a, offset = a.narrow(1, rank * size, size), 0
+        elif isinstance(linear, QKVParallelLinear):
+            q = linear.num_heads * linear.head_dim
+            kv = linear.num_kv_heads * linear.head_dim
+            offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+            b = b.narrow(0, rank * size, size)
+        elif isinstance(linear, MergedColumnParallelLinear):
+            size = linear.output_sizes[shard] // n
+            offset = sum(linear.output_sizes[:shard]) // n
+            b = b.narrow(0, rank * size, size)
+        else:  # pragma: no cover - every target above is one of those
+            raise LoRAError(f"no LoRA placement for {type(linear).__name__}")
+        entry = (
+            a.to(device=device, dtype=dtype).contiguous(),
+            b.to(device=device, dtype=dtype).contiguous(),
+            weights.scale,
+            offset,
+        )
+        linear.has_lora = True
+        linears.setdefault(id(linear), []).append(entry)
+    return RankAdapter(weights.info, linears)
+
+
+class LoRACache:
+    """Every rank's resident adapters, at most `max_loras`, least recently used evicted first;
+    an evicted adapter is read from disk again when a step needs it (module docstring)."""
+
+    def __init__(self, model, model_config, max_loras: int, max_lora_rank: int, dtype, device):
+        self.model = model
+        self.model_config = model_config
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype, self.device = dtype, device
+        self._resident: OrderedDict[int, RankAdapter] = OrderedDict()
+        self.loads = 0  # adapters read from disk (a test reads the LRU's reloads from it)
+
+    def resident(self) -> list[int]:
+        return list(self._resident)
+
+    def get(self, lora_id: int, name: str, path: str, digest: bytes | None = None) -> RankAdapter:
+        adapter = self._resident.get(lora_id)
+        if adapter is not None:
+            self._resident.move_to_end(lora_id)
+            return adapter
+        weights = read_adapter(name, path, lora_id, self.model_config, self.max_lora_rank)
+        if digest is not None and weights.info.content_hash != digest:
+            raise LoRAError(
+                f"adapter {name!r} at {path!r} changed on disk since it was loaded: load it "
+                f"again under its name"
+            )
+        adapter = shard_adapter(weights, self.model, self.dtype, self.device)
+        self.loads += 1
+        self._resident[lora_id] = adapter
+        return adapter
+
+    def evict_to(self, keep: set[int]) -> None:
+        """Drops the least recently used adapters past max_loras, never one in `keep` (this
+        step's): a step that runs more adapters than max_loras holds them all while it runs."""
+        for lora_id in list(self._resident):
+            if len(self._resident) <= self.max_loras:
+                break
+            if lora_id not in keep:
+                del self._resident[lora_id]
+
+
+@dataclass
+class LoRABatch:
+    """One step's rows grouped by adapter: (adapter, row indices or None for every row)."""
+
+    groups: list[tuple[RankAdapter, torch.Tensor | None]] = dataclasses.field(default_factory=list)
+
+    def apply(self, linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the linear's output for x) plus each group's delta on its rows."""
+        key = id(linear)
+        x2d = x.reshape(-1, x.shape[-1])
+        y2d = y.view(-1, y.shape[-1])
+        for adapter, rows in self.groups:
+            entries = adapter.linears.get(key)
+            if not entries:
+                continue
+            xs = x2d if rows is None else x2d.index_select(0, rows)
+            for a, b, scale, offset in entries:
+                d = (xs.to(a.dtype) @ a.t()) @ b.t()
+                d = (d * scale).to(y.dtype)
+                out = y2d[:, offset : offset + b.shape[0]]
+                if rows is None:
+                    out += d
+                else:
+                    out.index_add_(0, rows, d)
+        return y
+
+
+def batch_for(
+    cache: LoRACache | None, seq_rows: list[tuple[int, int, int]], loras: dict, device
+) -> LoRABatch | None:
+    """The step's LoRABatch from (lora id, first row, rows) per sequence and the step's adapters
+    {id: [name, path, digest]}; None when every row runs the base model."""
+    if not any(lora_id for lora_id, _, _ in seq_rows):
+        return None
+    if cache is None:
+        raise LoRAError("a step runs a LoRA adapter on an engine without enable_lora")
+    total = sum(n for _, _, n in seq_rows)
+    rows: dict[int, list[int]] = {}
+    for lora_id, start, n in seq_rows:
+        if lora_id:
+            rows.setdefault(lora_id, []).extend(range(start, start + n))
+    batch = LoRABatch()
+    for lora_id, idx in rows.items():
+        name, path, digest = loras[lora_id]
+        adapter = cache.get(lora_id, name, path, bytes(digest) if digest else None)
+        index = None if len(idx) == total else torch.tensor(idx, dtype=torch.long, device=device)
+        batch.groups.append((adapter, index))
+    cache.evict_to(set(rows))
+    return batch

@@ -1,0 +1,68 @@
+"""Tiny random models with random LoRA adapters written by PEFT itself (never by hand), and HF +
+PEFT's greedy continuations under each adapter: the references the engine's LoRA path
+(engine/lora.py) must match (tests/unit/test_lora.py, tests/integration/test_lora_cluster.py).
+
+`lora_family(path, kind)` saves a base model of an ARCH_KINDS kind (tests/helpers/arch.py) and two
+adapters of rank 8 with random A and B (`init_lora_weights=False`: PEFT's default makes B zero,
+an adapter that changes nothing), on the attention and dense MLP projections (attention only for
+a mixture of experts, whose MLPs are experts), and returns the paths and the PEFT models.
+
+Not a test module: imported as `from helpers.lora import ...`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from helpers.arch import ARCH_SCALE, build_arch_model
+from helpers.models import hf_greedy, random_prompts
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+ADAPTERS = ("sql", "poem")  # the two adapters' names
+LORA_NEW = 16  # greedy tokens compared per prompt
+MOE_KINDS = ("mixtral", "qwen2-moe", "qwen3-moe")
+
+
+def make_adapter(base_dir: str, kind: str, out_dir: str, seed: int, targets=None, r: int = 8):
+    """A random PEFT LoRA adapter of the model at base_dir, saved to out_dir; returns the PEFT
+    model (float32, eval) for references."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if targets is None:
+        targets = ATTN if kind in MOE_KINDS else ATTN + MLP
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False
+    )
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # larger than PEFT's random init, so each adapter changes the tokens
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(out_dir)
+    return peft_model.eval()
+
+
+def lora_family(path, kind: str = "llama"):
+    """(base dir, {adapter name: dir}, {adapter name or "base": HF/PEFT model}) under `path`."""
+    base = os.path.join(path, "base")
+    hf = build_arch_model(base, kind, initializer_range=ARCH_SCALE)
+    dirs, models = {}, {"base": hf}
+    for i, name in enumerate(ADAPTERS):
+        dirs[name] = os.path.join(path, name)
+        models[name] = make_adapter(base, kind, dirs[name], seed=100 + i)
+    return base, dirs, models
+
+
+def lora_prompts() -> list[list[int]]:
+    return random_prompts([5, 33, 70], seed=41)
+
+
+def lora_refs(models: dict, prompts) -> dict:
+    """{adapter name or "base": [HF + PEFT greedy continuation of each prompt]}."""
+    return {k: [hf_greedy(m, p, LORA_NEW) for p in prompts] for k, m in models.items()}

@@ -1,0 +1,170 @@
+"""LoRA adapters in the engine (engine/lora.py): greedy tokens under each of two random PEFT
+adapters, and under the base, mixed in one batch, equal HF + PEFT's for a Llama, a Gemma 2 and a
+mixture of experts (float32; and the default mode for the Llama); the prefix cache never shares
+blocks across adapters or with a replaced adapter of the same name; max_loras evicts the least
+recently used adapter and reads it back from disk; bad adapters are refused at load, naming
+what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from helpers.engine import KV, greedy
+from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs, make_adapter
+from pdserve.engine import LLM, LoRARequest
+from pdserve.engine.lora import LoRAError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    cache: dict = {}
+
+    def get(kind):
+        if kind not in cache:
+            base, dirs, models = lora_family(tmp_path_factory.mktemp(f"lora-{kind}"), kind)
+            prompts = lora_prompts()
+            cache[kind] = (base, dirs, prompts, lora_refs(models, prompts))
+        return cache[kind]
+
+    return get
+
+
+def _llm(base, **kw):
+    kw = {
+        "kv_cache_memory": KV,
+        "block_size": 4,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "speculative_config": None,
+        **kw,
+    }
+    return LLM(base, **kw)
+
+
+def _mixed(llm, dirs, prompts):
+    """Every prompt under the base and under each adapter, all in one generate (one batch)."""
+    keys, all_prompts, loras = [], [], []
+    for k in ("base", *ADAPTERS):
+        req = None if k == "base" else LoRARequest(k, ADAPTERS.index(k) + 1, dirs[k])
+        for i, p in enumerate(prompts):
+            keys.append((k, i))
+            all_prompts.append(p)
+            loras.append(req)
+    outs = llm.generate(all_prompts, greedy(LORA_NEW), use_tqdm=False, lora_request=loras)
+    got: dict = {}
+    for (k, _), o in zip(keys, outs):
+        got.setdefault(k, []).append(o.outputs[0].token_ids)
+    return got
+
+
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [("llama", "float32"), ("llama", "auto"), ("gemma2", "float32"), ("qwen2-moe", "float32")],
+)
+def test_mixed_batch_matches_hf_peft(family, kind, dtype):
+    base, dirs, prompts, want = family(kind)
+    assert want["sql"] != want["base"] and want["poem"] != want["base"]  # the adapters matter
+    llm = _llm(base, dtype=dtype, max_loras=2)
+    try:
+        assert _mixed(llm, dirs, prompts) == want
+    finally:
+        llm.shutdown()
+
+
+def test_prefix_cache_not_shared_across_adapters(family, tmp_path):
+    base, dirs, prompts, want = family("llama")
+    prompt = prompts[2]  # 70 tokens: 17 full blocks
+    llm = _llm(base, max_loras=2)
+    try:
+        first = llm.generate(prompt, greedy(4), use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0
+        again = llm.generate(prompt, greedy(4), use_tqdm=False)[0]
+        assert again.num_cached_tokens == 68  # the base's own blocks
+        sql = LoRARequest("sql", 1, dirs["sql"])
+        out = llm.generate(prompt, greedy(LORA_NEW), use_tqdm=False, lora_request=sql)[0]
+        assert out.num_cached_tokens == 0  # nothing of the base's
+        assert out.outputs[0].token_ids == want["sql"][2]
+        out = llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=sql)[0]
+        assert out.num_cached_tokens == 68  # its own
+        poem = LoRARequest("poem", 2, dirs["poem"])
+        out = llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=poem)[0]
+        assert out.num_cached_tokens == 0
+        # "sql" replaced by other weights under the same name: none of the old KV is reused
+        other = tmp_path / "sql-v2"
+        shutil.copytree(dirs["poem"], other)
+        llm.engine.add_lora(LoRARequest("sql", 3, str(other)))
+        out = llm.generate(prompt, greedy(LORA_NEW), use_tqdm=False, lora_request="sql")[0]
+        assert out.num_cached_tokens == 0
+        assert out.outputs[0].token_ids == want["poem"][2]
+    finally:
+        llm.shutdown()
+
+
+def test_max_loras_evicts_lru_and_reloads(family):
+    base, dirs, prompts, want = family("llama")
+    llm = _llm(base, max_loras=1, enable_prefix_caching=False)
+    try:
+        cache = llm.engine.runner.lora_cache
+        for name in ("sql", "poem", "sql"):
+            req = LoRARequest(name, ADAPTERS.index(name) + 1, dirs[name])
+            out = llm.generate(prompts[0], greedy(LORA_NEW), use_tqdm=False, lora_request=req)
+            assert out[0].outputs[0].token_ids == want[name][0]
+            assert len(cache.resident()) == 1
+        assert cache.loads == 3  # "sql" read again after "poem" evicted it
+        names = [a.name for a in llm.engine.list_loras()]
+        assert names == ["sql", "poem"]
+        assert llm.engine.remove_lora("poem") and not llm.engine.remove_lora("poem")
+        with pytest.raises(LoRAError, match="no LoRA adapter named 'poem'"):
+            llm.generate(prompts[0], greedy(2), use_tqdm=False, lora_request="poem")
+    finally:
+        llm.shutdown()
+
+
+def test_lora_modules_at_start_and_refusals(family, tmp_path):
+    base, dirs, prompts, want = family("llama")
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        LLM(base, lora_modules={"sql": dirs["sql"]})
+    with pytest.raises(LoRAError, match="rank r=8, above max_lora_rank=4"):
+        _llm(base, max_lora_rank=4, lora_modules={"sql": dirs["sql"]})
+    llm = _llm(base, lora_modules={"sql": dirs["sql"]})
+    try:
+        out = llm.generate(prompts[1], greedy(LORA_NEW), use_tqdm=False, lora_request="sql")
+        assert out[0].outputs[0].token_ids == want["sql"][1]
+        with pytest.raises(LoRAError, match="is not a directory"):
+            llm.engine.add_lora(LoRARequest("x", 5, str(tmp_path / "missing")))
+        bad = tmp_path / "dora"
+        shutil.copytree(dirs["sql"], bad)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+        with pytest.raises(LoRAError, match="use_dora"):
+            llm.engine.add_lora(LoRARequest("dora", 6, str(bad)))
+        with pytest.raises(LoRAError, match="lora_name"):
+            LoRARequest("", 1, dirs["sql"])
+        with pytest.raises(LoRAError, match="lora_int_id"):
+            LoRARequest("a", 0, dirs["sql"])
+    finally:
+        llm.shutdown()
+    plain = LLM(base, kv_cache_memory=KV, speculative_config=None)
+    try:
+        with pytest.raises(LoRAError, match="enable_lora"):
+            plain.generate(prompts[0], greedy(2), use_tqdm=False, lora_request="sql")
+    finally:
+        plain.shutdown()
+
+
+def test_adapter_of_experts_refused(family, tmp_path):
+    """qwen2-moe's layer 0 is sparse: its gate_proj is a shared expert's, refused by name."""
+    base, _, _, _ = family("qwen2-moe")
+    experts = str(tmp_path / "experts")
+    make_adapter(base, "qwen2-moe", experts, seed=7, targets=["gate_proj"])
+    llm = _llm(base)
+    try:
+        with pytest.raises(LoRAError, match="not experts"):
+            llm.engine.add_lora(LoRARequest("experts", 1, experts))
+    finally:
+        llm.shutdown()

@@ -1,0 +1,83 @@
+"""LoRA adapters on a worker, for both worker services: the adapter a Reserve or Prefill call
+names, and the run-time LoadLoRA and UnloadLoRA calls (the router's /v1/load_lora_adapter and
+/v1/unload_lora_adapter, told to every worker).
+
+A worker's adapters live in its engine's registry (engine/lora.py LoRARegistry): those of its
+config's `lora_modules` from the start (so a worker that joins later, or flips role, has them),
+plus what LoadLoRA added since. A call naming an adapter the worker does not have is refused
+FAILED_PRECONDITION before any work; a prefill whose adapter's content hash differs from the
+decode worker's (ReserveResponse.lora_hash) too, so KV computed under one adapter never lands in a
+reservation made for another. LoadLoRA reads and checks the adapter on the handler's thread (a
+few MB at most for the ranks served; never on gRPC's polling thread), bounded by
+engine/lora.py's limits on names, paths and sizes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.engine.lora import LoRAError, LoRARequest, check_name, check_path
+from pdserve.protos.pdserve.v1 import worker_pb2
+
+
+def adapter_of(engine, name: str, context):
+    """The engine's AdapterInfo for a call's `lora_name` (None for ""), or the call aborted."""
+    if not name:
+        return None
+    try:
+        check_name(name)
+    except LoRAError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {e}")
+    registry = getattr(engine, "loras", None)
+    if registry is None:
+        context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"lora_name {name!r}: this worker serves no LoRA adapters (lora.enabled is off)",
+        )
+    info = registry.get(name)
+    if info is None:
+        context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"lora_name {name!r}: this worker has no adapter of that name loaded",
+        )
+    return info
+
+
+def adapters(engine, found: bool = False) -> worker_pb2.LoRAAdapters:
+    return worker_pb2.LoRAAdapters(
+        adapters=[
+            worker_pb2.LoRAAdapter(
+                name=a.name, path=a.path, rank=a.rank, content_hash=a.content_hash
+            )
+            for a in engine.list_loras()
+        ],
+        found=found,
+    )
+
+
+def load(engine, request, context) -> worker_pb2.LoRAAdapters:
+    if getattr(engine, "loras", None) is None:
+        context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this worker serves no LoRA adapters (lora.enabled is off)",
+        )
+    try:
+        check_name(request.lora_name)
+        check_path(request.lora_path)
+        engine.add_lora(LoRARequest(request.lora_name, 1, request.lora_path))
+    except LoRAError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    return adapters(engine)
+
+
+def unload(engine, request, context) -> worker_pb2.LoRAAdapters:
+    if getattr(engine, "loras", None) is None:
+        context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this worker serves no LoRA adapters (lora.enabled is off)",
+        )
+    try:
+        check_name(request.lora_name)
+    except LoRAError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    return adapters(engine, found=engine.remove_lora(request.lora_name))
