@@ -151,6 +151,10 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # bytes of host memory for evicted prefix-cache blocks (engine/kv_host_tier.py), restored
+    # when a later prompt needs them; 0: off. Needs the prefix cache, one pipeline stage, and
+    # with tensor parallelism kv_cache_shared_dir (rank 0 copies every rank's shard)
+    kv_host_tier_bytes: int = 0
     max_num_batched_tokens: int = 2048
     # a long prefill (more tokens left than this many seconds of steps compute, measured) runs
     # in chunks of about this many seconds, and short prompts that arrive meanwhile go first
@@ -226,6 +230,28 @@ class EngineConfig:
             "kv_cache_memory",
             "bytes (an integer > 0) or a fraction of free memory in (0, 1]",
         )
+        check(
+            _is_int(self.kv_host_tier_bytes) and self.kv_host_tier_bytes >= 0,
+            "kv_host_tier_bytes",
+            "bytes, an integer >= 0 (0: off)",
+        )
+        if self.kv_host_tier_bytes:
+            check(
+                self.enable_prefix_caching,
+                "kv_host_tier_bytes",
+                "0 while enable_prefix_caching is off (the tier holds prefix-cache blocks)",
+            )
+            check(
+                self.pipeline_parallel_size == 1,
+                "kv_host_tier_bytes",
+                "0 with pipeline_parallel_size > 1 (not built for pipelined engines)",
+            )
+            check(
+                self.tensor_parallel_size == 1 or self.kv_cache_shared_dir is not None,
+                "kv_host_tier_bytes",
+                "0 with tensor_parallel_size > 1 unless kv_cache_shared_dir is set (rank 0 "
+                "copies every rank's shard)",
+            )
         check(
             _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",

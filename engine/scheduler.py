@@ -523,6 +523,7 @@ class Scheduler:
         if need + revived + watermark > self.bm.num_free_blocks:
             raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
         self.bm.take(live)
+        self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
         seq.block_ids = [self.bm.null_block] * skip + live + self.bm.allocate(need)
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
