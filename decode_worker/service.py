@@ -44,7 +44,7 @@ from pdserve.worker_common.errors import (
     grammar_stats as _grammar_stats,
     spec_stats as _spec_stats,
 )
-from pdserve.worker_common.kv_events import kv_events
+from pdserve.worker_common.kv_events import kv_events, tier_stats
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.role import RoleGate
 
@@ -415,6 +415,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_transfer_failures=h.num_failed,
             kv_transfer_bytes=h.bytes_received,
             leases_expired=h.num_expired,
+            **tier_stats(self.loop.engine.block_manager),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

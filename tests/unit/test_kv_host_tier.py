@@ -288,3 +288,53 @@ def test_attach_needs_the_prefix_cache():
         bm.attach_tier(HostTier(1024, lambda: [pool(2)], FP))
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostTier(0, lambda: [pool(2)], FP)
+
+
+def test_the_yaml_key_reaches_the_engine_and_is_validated():
+    from pdserve.deploy.config.load import validate_config
+    from pdserve.engine.config import EngineConfig
+
+    cfg = validate_config({"pools": {"decode": {"kv_host_tier_bytes": 1 << 30}}})
+    assert cfg.pools.prefill.kv_host_tier_bytes == 0  # the documented default: off
+    kwargs = cfg.engine_kwargs(cfg.pools.decode)
+    assert kwargs["kv_host_tier_bytes"] == 1 << 30
+    assert "kv_host_tier_bytes" not in cfg.engine_kwargs(cfg.pools.prefill)
+    assert EngineConfig(model="m", **kwargs).kv_host_tier_bytes == 1 << 30
+    for bad in (-1, 1.5, "1G"):
+        with pytest.raises(ValueError, match="kv_host_tier_bytes"):
+            validate_config({"pools": {"decode": {"kv_host_tier_bytes": bad}}})
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        validate_config(
+            {"pools": {"decode": {"kv_host_tier_bytes": 1024, "enable_prefix_caching": False}}}
+        )
+
+
+def test_the_router_exports_the_tier_per_worker():
+    from pdserve.router.worker_metrics import WorkerCollector
+
+    stats = worker_pb2.WorkerStats(
+        kv_host_tier_bytes=3000,
+        kv_host_tier_capacity_bytes=4096,
+        kv_host_tier_stored=7,
+        kv_host_tier_restored=5,
+        kv_host_tier_evicted=2,
+        prefix_hit_tokens_device=64,
+        prefix_hit_tokens_host=32,
+    )
+
+    class Pool:
+        def snapshot(self):
+            return [("decode", "d0", stats, False, "serving")]
+
+    got = {}
+    for fam in WorkerCollector(Pool(), "m").collect():
+        for sample in fam.samples:
+            got[(sample.name, sample.labels.get("source"))] = sample.value
+    assert got[("pdserve:kv_host_tier_bytes", None)] == 3000
+    assert got[("pdserve:kv_host_tier_capacity_bytes", None)] == 4096
+    assert got[("pdserve:kv_host_tier_stored_blocks_total", None)] == 7
+    assert got[("pdserve:kv_host_tier_restored_blocks_total", None)] == 5
+    assert got[("pdserve:kv_host_tier_evicted_blocks_total", None)] == 2
+    assert got[("vllm:external_prefix_cache_hits_total", None)] == 32
+    assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "device")] == 64
+    assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "host")] == 32
