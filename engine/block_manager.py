@@ -149,7 +149,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         found, parent = [], None
-        pinned: list[int] = []  # blocks held while restoring, so a restore cannot evict them
+        pinned: list[int] | None = None  # held while restoring, so a restore cannot evict them
         try:
             for i in range(max_tokens // self.block_size):
                 chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -158,7 +158,7 @@ class BlockManager:
                 if block_id is None:
                     if self.tier is None or not self.tier.contains(h):
                         break
-                    if not pinned:
+                    if pinned is None:  # the first restore: the prefix found so far is pinned
                         self.take(found)
                         pinned = list(found)
                     block_id = self._restore(h, parent, chunk)
@@ -274,10 +274,10 @@ class BlockManager:
                     del self._cached[block.hash]
                     removed.append(block.hash)
                     if self.tier is not None:  # its bytes move to the host tier first
-                        moved.append(
-                            self.tier.save(block.hash, block.parent_hash, block.token_ids, block_id)
+                        stored, dropped = self.tier.save(
+                            block.hash, block.parent_hash, block.token_ids, block_id
                         )
-                        moved[-1] = (block.hash, *moved[-1])
+                        moved.append((block.hash, stored, dropped))
                 block.hash, block.parent_hash, block.token_ids = None, None, ()
                 block.restored = False
             block.ref_count = 1

@@ -338,3 +338,31 @@ def test_the_router_exports_the_tier_per_worker():
     assert got[("vllm:external_prefix_cache_hits_total", None)] == 32
     assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "device")] == 64
     assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "host")] == 32
+
+
+def test_a_decode_pick_prices_host_blocks_a_little_dearer_than_device_ones():
+    from test_kv_index import EngineWorker, Pool
+
+    from pdserve.router.pool import HOST_HIT_WEIGHT
+
+    bm, tier, _ = tiered(16, cap_blocks=16)
+    Pool.fakes = {"d0": EngineWorker("d0", bm), "d1": EngineWorker("d1", BlockManager(16, BS))}
+    pool = Pool([], ["d0", "d1"], stats_ttl_s=0.5)
+    d0, d1 = pool.decode
+    turn = list(range(300, 340))  # ten blocks
+    fill(bm, turn)
+    fill(pool.fakes["d1"].bm, turn)
+    pool.sweep(wait_s=0.01)
+    assert pool.decode_matches(turn) == {d0: 40, d1: 40}
+    bm.free(bm.allocate(12))  # 6 never used, then d0's last six blocks: to its host tier
+    pool.sweep(wait_s=0.01)
+    held = pool.decode_matches(turn)
+    assert held[d1] == 40 and held[d0] == 40 - int((1 - HOST_HIT_WEIGHT) * 24)
+    assert 0 < HOST_HIT_WEIGHT < 1 and 16 < held[d0] < 40  # above its device blocks alone
+    # the pick: the device holder first, the host holder before a worker holding nothing
+    assert pool.decode_order(matched=held)[0] is d1
+    pool.fakes["d1"].bm.free(pool.fakes["d1"].bm.allocate(16))  # d1 evicts all (no tier)
+    pool.sweep(wait_s=0.01)
+    held = pool.decode_matches(turn)
+    assert d1 not in held and pool.decode_order(matched=held)[0] is d0
+    pool.close()
