@@ -203,14 +203,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _add_if_held(self, rid: str, prompt: list[int], params, on_output, want: int):
         """On the loop thread, so that no step evicts between the look and the add: adds the
-        request when the prefix cache holds at least `want` of its leading tokens (at most what
-        the engine would take from it: all but the last prompt token, in whole blocks), else
-        returns (held, wanted) and adds nothing."""
+        request when the prefix cache (or its host tier) holds at least `want` of its leading
+        tokens (at most what the engine would take from it: all but the last prompt token, in
+        whole blocks), else returns (held, wanted) and adds nothing."""
         engine = self.loop.engine
         bm = engine.block_manager
         usable = len(prompt) - 1
         wanted = min(want, usable - usable % bm.block_size)
-        held = len(bm.find_cached_prefix(prompt, usable)) * bm.block_size
+        # in the cache or its host tier: a tier block is restored at the admission, which may
+        # have to wait for a free block (engine/kv_host_tier.py)
+        held = bm.held_prefix_tokens(prompt, usable)
         if held < wanted:
             return held, wanted
         engine.add_request(rid, prompt, params)

@@ -176,6 +176,27 @@ class BlockManager:
                 self.free(pinned)
         return found
 
+    def held_prefix_tokens(self, token_ids: Seq[int], max_tokens: int) -> int:
+        """The leading tokens (whole blocks, within `max_tokens`) this engine holds, in its cache
+        or its host tier, without restoring anything: what an admission would find, as long as
+        nothing is pushed out meanwhile (a restore needs a free block; this look does not)."""
+        if not self.enable_prefix_caching:
+            return 0
+        parent, n = None, 0
+        for i in range(max_tokens // self.block_size):
+            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = block_hash(parent, chunk)
+            block_id = self._cached.get(h)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.token_ids != chunk or block.parent_hash != parent:
+                    break
+            elif self.tier is None or not self.tier.contains(h):
+                break
+            n += 1
+            parent = h
+        return n * self.block_size
+
     def _restore(self, h: int, parent, chunk: tuple) -> int | None:
         """A fresh block holding the host tier's copy of block `h`, registered as cached (and
         free: the caller takes it), or None when no block is free or the tier refused it."""

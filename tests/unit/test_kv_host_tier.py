@@ -366,3 +366,18 @@ def test_a_decode_pick_prices_host_blocks_a_little_dearer_than_device_ones():
     held = pool.decode_matches(turn)
     assert d1 not in held and pool.decode_order(matched=held)[0] is d0
     pool.close()
+
+
+def test_what_is_held_counts_the_tier_without_restoring_even_when_no_block_is_free():
+    bm, tier, _ = tiered(4, cap_blocks=8)
+    tokens = list(range(16))
+    fill(bm, tokens)
+    evict_all(bm)
+    busy = bm.allocate(4)  # every block in use: a restore has nowhere to go now
+    assert bm.held_prefix_tokens(tokens, 15) == 12  # whole blocks within 15 tokens
+    assert bm.find_cached_prefix(tokens, 15) == [] and tier.restored == 0
+    bm.free(busy)
+    # a block freed since: the admission restores what the look counted
+    assert len(bm.find_cached_prefix(tokens, 15)) == 3 and tier.restored == 3
+    assert bm.held_prefix_tokens(list(range(100, 116)), 16) == 0
+    bm.check_consistency()
