@@ -202,10 +202,12 @@ class BlockManager:
         free: the caller takes it), or None when no block is free or the tier refused it."""
         if not self._free:
             return None
+        self.tier.touch(h)  # used last: the allocation's own eviction cannot push it out
         (block_id,) = self.allocate(1)
+        refused = self.tier.refused
         if not self.tier.load(h, parent, chunk, block_id):
             self.free([block_id])
-            if not self.tier.contains(h):  # refused and dropped
+            if self.tier.refused > refused:  # it did not match, and the tier dropped it
                 self._record(REMOVED, [h], HOST)
             return None
         block = self.blocks[block_id]

@@ -103,6 +103,12 @@ class HostTier:
     def contains(self, h: int) -> bool:
         return (self.fingerprint, h) in self._entries
 
+    def touch(self, h: int) -> None:
+        """Marks the entry of `h` (if held) used last."""
+        key = (self.fingerprint, h)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
     def hashes(self) -> list[int]:
         """The hashes held under this engine's fingerprint, least recently used first."""
         return [h for fp, h in list(self._entries) if fp == self.fingerprint]

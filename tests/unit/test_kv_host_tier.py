@@ -381,3 +381,18 @@ def test_what_is_held_counts_the_tier_without_restoring_even_when_no_block_is_fr
     assert len(bm.find_cached_prefix(tokens, 15)) == 3 and tier.restored == 3
     assert bm.held_prefix_tokens(list(range(100, 116)), 16) == 0
     bm.check_consistency()
+
+
+def test_a_restore_whose_own_eviction_pushes_the_entry_out_records_one_removal():
+    bm, tier, _ = tiered(1, cap_blocks=1)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    fill(bm, a)
+    evict_all(bm)  # a in the tier
+    fill(bm, b)  # b cached in the one block
+    # restoring a takes the one block: b is evicted into the one-block tier, pushing a out
+    assert bm.find_cached_prefix(a, 4) == []
+    ha, hb = chain(a)[0], chain(b)[0]
+    assert tier.contains(hb) and not tier.contains(ha) and tier.refused == 0
+    events = bm.kv_events(0, bm.epoch, 100, 100).events
+    assert events.count((REMOVED, ha, HOST)) == 1
+    bm.check_consistency()
