@@ -29,8 +29,11 @@ CPU other processes used meanwhile (the machine is shared). Writes benchmarks/re
     python -m benchmarks.cluster.multiturn --host-tier       # must-show c: eviction pressure
 
 `--host-tier` runs instead the host-memory tier's comparison (engine/kv_host_tier.py, issue 49
-must-show c): 1P+1D with the decode worker's KV cache cut to TIER_POOL["decode_blocks"] blocks
-(the pools' max_model_len 2048, the KV cache in bfloat16 so that a block's bytes are known),
+must-show c): 1P+1D with the decode worker's KV cache cut to TIER_POOL's blocks and the prefill
+worker's prefix cache off (else its cache, bigger than the sessions, serves the later turns
+without any tier; a prefill cache cut as small as the decode one made 5 of 15 turns fail
+UNAVAILABLE without the tier on a loaded machine, which is another matter; the pools'
+max_model_len 2048, the KV cache in bfloat16 so that a block's bytes are known),
 prefix reuse on in both runs, first with `kv_host_tier_bytes` on the decode pool (a cap the
 sessions overflow too), then without it. Shapes:
 
@@ -102,6 +105,9 @@ TIER_COUNTERS = {
     "pdserve:kv_host_tier_restored_blocks_total": None,
     "pdserve:kv_host_tier_evicted_blocks_total": None,
     "vllm:prefix_cache_hits_total": None,
+    # the router's own: turns prefilled on their decode worker, and the refusals of a stale hint
+    "pdserve:local_prefills_total": None,
+    "pdserve:stale_cache_hints_total": None,
 }
 
 
@@ -164,7 +170,8 @@ def free_port() -> int:
 
 def scrape(http_port: int) -> dict:
     """The router's /metrics as {(name, the decode pool's label of interest or None): value},
-    summed over the decode workers; {} when it does not answer."""
+    summed over the decode workers (and the router's own TIER_COUNTERS); {} when it does not
+    answer."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -177,7 +184,7 @@ def scrape(http_port: int) -> dict:
     out: dict = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
-            if sample.labels.get("role") != "decode":
+            if sample.labels.get("role") != "decode" and sample.name not in TIER_COUNTERS:
                 continue
             key = (sample.name, sample.labels.get("source"))
             out[key] = out.get(key, 0.0) + sample.value
@@ -248,6 +255,7 @@ def run_deployment(
             pool["max_model_len"] = TIER_POOL["max_model_len"]
         dec = config["pools"]["decode"]
         dec["kv_cache_memory"] = TIER_POOL["decode_blocks"] * BF16_BLOCK_BYTES
+        config["pools"]["prefill"]["enable_prefix_caching"] = False
         if host_tier:
             dec["kv_host_tier_bytes"] = TIER_POOL["tier_blocks"] * BF16_BLOCK_BYTES
     path = os.path.join(work, "deploy.yaml")
