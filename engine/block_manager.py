@@ -144,8 +144,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Seq[int], max_tokens: int) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens."""
+    def find_cached_prefix(
+        self,
+        token_ids: Seq[int],
+        max_tokens: int,
+        admit_tokens: int | None = None,
+        watermark: int = 0,
+    ) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens,
+        blocks restored from the host tier included. admit_tokens: the lookup is for admitting
+        that many tokens with `watermark` blocks left free; blocks are then restored only when
+        that admission will fit (else the same lookup would restore them again at every step
+        while the prompt waits, each time evicting blocks to make room)."""
         if not self.enable_prefix_caching:
             return []
         found, parent = [], None
@@ -159,6 +169,11 @@ class BlockManager:
                     if self.tier is None or not self.tier.contains(h):
                         break
                     if pinned is None:  # the first restore: the prefix found so far is pinned
+                        if admit_tokens is not None:
+                            in_use = sum(1 for b in found if self.blocks[b].ref_count)
+                            fits = self.blocks_needed(admit_tokens) - in_use + watermark
+                            if len(self._free) < fits:
+                                break
                         self.take(found)
                         pinned = list(found)
                     block_id = self._restore(h, parent, chunk)

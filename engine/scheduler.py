@@ -213,7 +213,9 @@ class Scheduler:
         self.bm.take(pinned)
         copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
-            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens)
+            cached = self.bm.find_cached_prefix(
+                seq.token_ids, seq.num_tokens, seq.num_tokens, watermark=copies
+            )
             # the copies count as a watermark: all of the family's blocks are free, or none is taken
             self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies)
             held = self.bm.allocate(copies)
@@ -337,7 +339,9 @@ class Scheduler:
             cached = (
                 []
                 if seq.params.prompt_logprobs is not None
-                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+                else self.bm.find_cached_prefix(
+                    seq.token_ids, seq.num_tokens - 1, seq.num_tokens, self.watermark_blocks
+                )
             )
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
             first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
@@ -421,7 +425,9 @@ class Scheduler:
             cached = (
                 []
                 if seq.params.prompt_logprobs is not None
-                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1)
+                else self.bm.find_cached_prefix(
+                    seq.token_ids, seq.num_tokens - 1, seq.num_tokens, self.watermark_blocks
+                )
             )
             left = seq.num_tokens - len(cached) * self.bm.block_size
             long = self._is_long(seq, left, chunk)

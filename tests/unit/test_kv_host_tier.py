@@ -396,3 +396,17 @@ def test_a_restore_whose_own_eviction_pushes_the_entry_out_records_one_removal()
     events = bm.kv_events(0, bm.epoch, 100, 100).events
     assert events.count((REMOVED, ha, HOST)) == 1
     bm.check_consistency()
+
+
+def test_a_lookup_for_an_admission_that_cannot_fit_restores_nothing():
+    bm, tier, _ = tiered(8, cap_blocks=8)
+    tokens = list(range(16))  # four blocks
+    fill(bm, tokens)
+    evict_all(bm)
+    busy = bm.allocate(5)  # three blocks free: a 17-token admission needs five
+    assert bm.find_cached_prefix(tokens, 16, admit_tokens=17) == [] and tier.restored == 0
+    bm.free(busy[:2])  # five free: it fits now (the restored blocks count among them)
+    assert len(bm.find_cached_prefix(tokens, 16, admit_tokens=17)) == 4
+    assert tier.restored == 4
+    bm.free(busy[2:])
+    bm.check_consistency()
