@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         help="must-show c: 1P+1D under eviction pressure, the decode pool's host tier on vs off "
         "(shapes e and d; writes multiturn_host_tier.json unless --out)",
     )
+    p.add_argument(
+        "--off-first", action="store_true", help="--host-tier: run the tier off first, then on"
+    )
     bc.add_out_arg(p, "multiturn.json")
     bc.add_wait_idle_arg(p, "each shape")
     args = p.parse_args(argv)
@@ -461,8 +464,13 @@ def main_host_tier(args, argv) -> int:
             tier_cap_bytes=TIER_POOL["tier_blocks"] * BF16_BLOCK_BYTES,
         ),
     }
-    on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
-    off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
+    report["order"] = "off, on" if args.off_first else "on, off"
+    if args.off_first:  # the other order: a drift of the machine's load then favours the other
+        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
+        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
+    else:
+        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
+        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
     cmp = compare(on, off, TIER_SHAPES)
     report.update(tier_on=strip(on), tier_off=strip(off), compare=cmp)
     bc.write_timed(out, report, t0)
