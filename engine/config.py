@@ -128,6 +128,16 @@ _DTYPES = {
 }
 
 
+def _checker(config):
+    """check(ok, name, rule): raises ValueError naming `config`'s field `name` unless ok."""
+
+    def check(ok: bool, name: str, rule: str):
+        if not ok:
+            raise ValueError(f"{name} must be {rule}, got {getattr(config, name)!r}")
+
+    return check
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` accepts. "auto" values are resolved by `resolve()` into a new config."""
@@ -180,10 +190,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
 
     def __post_init__(self):
-        def check(ok: bool, name: str, rule: str):
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
+        check = _checker(self)
         check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty string")
         check(
             self.dtype == "auto" or self.dtype in _DTYPES,
@@ -230,28 +237,7 @@ class EngineConfig:
             "kv_cache_memory",
             "bytes (an integer > 0) or a fraction of free memory in (0, 1]",
         )
-        check(
-            _is_int(self.kv_host_tier_bytes) and self.kv_host_tier_bytes >= 0,
-            "kv_host_tier_bytes",
-            "bytes, an integer >= 0 (0: off)",
-        )
-        if self.kv_host_tier_bytes:
-            check(
-                self.enable_prefix_caching,
-                "kv_host_tier_bytes",
-                "0 while enable_prefix_caching is off (the tier holds prefix-cache blocks)",
-            )
-            check(
-                self.pipeline_parallel_size == 1,
-                "kv_host_tier_bytes",
-                "0 with pipeline_parallel_size > 1 (not built for pipelined engines)",
-            )
-            check(
-                self.tensor_parallel_size == 1 or self.kv_cache_shared_dir is not None,
-                "kv_host_tier_bytes",
-                "0 with tensor_parallel_size > 1 unless kv_cache_shared_dir is set (rank 0 "
-                "copies every rank's shard)",
-            )
+        self._check_host_tier(check)
         check(
             _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
@@ -280,6 +266,32 @@ class EngineConfig:
             ),
             "kv_cache_shared_dir",
             "None or an existing directory",
+        )
+
+    def _check_host_tier(self, check) -> None:
+        """kv_host_tier_bytes: bytes >= 0, and with a tier, what it needs."""
+        check(
+            _is_int(self.kv_host_tier_bytes) and self.kv_host_tier_bytes >= 0,
+            "kv_host_tier_bytes",
+            "bytes, an integer >= 0 (0: off)",
+        )
+        if not self.kv_host_tier_bytes:
+            return
+        check(
+            self.enable_prefix_caching,
+            "kv_host_tier_bytes",
+            "0 while enable_prefix_caching is off (the tier holds prefix-cache blocks)",
+        )
+        check(
+            self.pipeline_parallel_size == 1,
+            "kv_host_tier_bytes",
+            "0 with pipeline_parallel_size > 1 (not built for pipelined engines)",
+        )
+        check(
+            self.tensor_parallel_size == 1 or self.kv_cache_shared_dir is not None,
+            "kv_host_tier_bytes",
+            "0 with tensor_parallel_size > 1 unless kv_cache_shared_dir is set (rank 0 copies "
+            "every rank's shard)",
         )
 
     @property

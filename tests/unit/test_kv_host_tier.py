@@ -340,18 +340,66 @@ def test_the_router_exports_the_tier_per_worker():
     assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "host")] == 32
 
 
-def test_a_decode_pick_prices_host_blocks_a_little_dearer_than_device_ones():
-    from test_kv_index import EngineWorker, Pool
+class _Answered:
+    """A Stats future already answered."""
 
+    def __init__(self, stats):
+        self.stats = stats
+
+    def done(self):
+        return True
+
+    def result(self, timeout=None):
+        return self.stats
+
+    def cancel(self):
+        pass
+
+
+class _EngineWorker:
+    """A decode worker's Stats, answered at once from a real block manager (and its tier)."""
+
+    def __init__(self, worker_id, bm):
+        self.worker_id, self.bm, self.Stats = worker_id, bm, self
+
+    def future(self, request, timeout=None):
+        stats = worker_pb2.WorkerStats(
+            worker_id=self.worker_id,
+            num_free_blocks=self.bm.num_free_blocks,
+            num_total_blocks=self.bm.num_blocks,
+            block_size=self.bm.block_size,
+            **wire.tier_stats(self.bm),
+        )
+        events = wire.kv_events(self.bm, request)
+        if events is not None:
+            stats.kv_events.CopyFrom(events)
+        return _Answered(stats)
+
+
+def _pool(fakes: dict):
+    from pdserve.router.pool import WorkerPool, _Worker
+
+    class Pool(WorkerPool):
+        def _connect(self, role, address, **fields):
+            fields.setdefault("heard_at", self._clock())
+            return _Worker(role, address, None, fakes[address], **fields)
+
+        def close(self):
+            pass
+
+    return Pool([], list(fakes), stats_ttl_s=0.5)
+
+
+def test_a_decode_pick_prices_host_blocks_a_little_dearer_than_device_ones():
     from pdserve.router.pool import HOST_HIT_WEIGHT
 
     bm, tier, _ = tiered(16, cap_blocks=16)
-    Pool.fakes = {"d0": EngineWorker("d0", bm), "d1": EngineWorker("d1", BlockManager(16, BS))}
-    pool = Pool([], ["d0", "d1"], stats_ttl_s=0.5)
+    fakes = {"d0": _EngineWorker("d0", bm), "d1": _EngineWorker("d1", BlockManager(16, BS))}
+    pool = _pool(fakes)
     d0, d1 = pool.decode
     turn = list(range(300, 340))  # ten blocks
     fill(bm, turn)
-    fill(pool.fakes["d1"].bm, turn)
+    fill(fakes["d1"].bm, turn)
     pool.sweep(wait_s=0.01)
     assert pool.decode_matches(turn) == {d0: 40, d1: 40}
     bm.free(bm.allocate(12))  # 6 never used, then d0's last six blocks: to its host tier
@@ -361,7 +409,7 @@ def test_a_decode_pick_prices_host_blocks_a_little_dearer_than_device_ones():
     assert 0 < HOST_HIT_WEIGHT < 1 and 16 < held[d0] < 40  # above its device blocks alone
     # the pick: the device holder first, the host holder before a worker holding nothing
     assert pool.decode_order(matched=held)[0] is d1
-    pool.fakes["d1"].bm.free(pool.fakes["d1"].bm.allocate(16))  # d1 evicts all (no tier)
+    fakes["d1"].bm.free(fakes["d1"].bm.allocate(16))  # d1 evicts all (no tier)
     pool.sweep(wait_s=0.01)
     held = pool.decode_matches(turn)
     assert d1 not in held and pool.decode_order(matched=held)[0] is d0
