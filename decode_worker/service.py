@@ -50,7 +50,7 @@ from pdserve.worker_common.errors import (
     grammar_stats as _grammar_stats,
     spec_stats as _spec_stats,
 )
-from pdserve.worker_common.kv_events import kv_events
+from pdserve.worker_common.kv_events import kv_events, tier_stats
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
@@ -246,15 +246,17 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         lora=None,
     ):
         """On the loop thread, so that no step evicts between the look and the add: adds the
-        request when the prefix cache holds at least `want` of its leading tokens (at most what
-        the engine would take from it: all but the last prompt token, in whole blocks), else
-        returns (held, wanted) and adds nothing."""
+        request when the prefix cache (or its host tier) holds at least `want` of its leading
+        tokens (at most what the engine would take from it: all but the last prompt token, in
+        whole blocks), else returns (held, wanted) and adds nothing."""
         engine = self.loop.engine
         bm = engine.block_manager
         usable = len(prompt) - 1
         wanted = min(want, usable - usable % bm.block_size)
+        # in the cache or its host tier: a tier block is restored at the admission, which may
+        # have to wait for a free block (engine/kv_host_tier.py)
         root = None if lora is None else lora.cache_root
-        held = len(bm.find_cached_prefix(prompt, usable, root)) * bm.block_size
+        held = bm.held_prefix_tokens(prompt, usable, root)
         if held < wanted:
             return held, wanted
         engine.add_request(
@@ -490,6 +492,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_transfer_failures=h.num_failed,
             kv_transfer_bytes=h.bytes_received,
             leases_expired=h.num_expired,
+            **tier_stats(self.loop.engine.block_manager),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

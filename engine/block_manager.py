@@ -24,6 +24,16 @@ last sequence it applied, in this manager's epoch (random, new with each manager
 worker's numbers start over); when those fell out of the ring or the epoch differs it gets a
 reset with a snapshot of the cached hashes instead (`kv_events`). The engine thread writes, any
 thread reads: the ring is under its own lock, and the snapshot copies the hash map in one C call.
+
+A host-memory tier (engine/kv_host_tier.py, `attach_tier`; none by default): a cached block the
+allocator evicts is first copied into the tier under its hash (a "removed" event for the device,
+then a "stored" one for the host tier; entries the tier pushes out to make room are "removed" from
+the host tier), and a prefix lookup that misses the cache at a block the tier holds takes a fresh
+block, copies the bytes back and registers it as cached ("stored" for the device; the tier keeps
+its copy), before the prefill computes the rest. Device events are (kind, hash), host ones
+(kind, hash, "host"); "cleared" covers both tiers. The prefix hits of each admission are counted
+by where their blocks came from (`count_hits`: a block restored from the tier counts as a host
+hit at the first admission that takes it).
 """
 
 from __future__ import annotations
@@ -50,6 +60,8 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 # KV event kinds (the strings on the wire: protos/pdserve/v1/worker.proto, KVEventRun)
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+# the tiers a block can be in (KVEventRun.tier on the wire)
+DEVICE, HOST = "device", "host"
 # the ring holds this many events per block of the pool, within these bounds
 EVENTS_PER_BLOCK, MIN_EVENTS, MAX_EVENTS = 4, 4096, 1 << 20
 
@@ -64,13 +76,16 @@ class KVEvents:
     epoch: int
     last_seq: int
     reset: bool = False
-    events: list = field(default_factory=list)  # (kind, block hash or None for "cleared")
+    # (kind, block hash or None for "cleared") for the device tier, (kind, hash, "host") for
+    # the host tier
+    events: list = field(default_factory=list)
     snapshot: list = field(default_factory=list)  # block hashes
+    host_snapshot: list = field(default_factory=list)  # the host tier's hashes, on a reset
     truncated: bool = False
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids", "restored")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -78,6 +93,7 @@ class Block:
         self.hash: int | None = None
         self.parent_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.restored = False  # copied back from the host tier, not yet counted as a hit
 
 
 class BlockManager:
@@ -109,6 +125,15 @@ class BlockManager:
         )
         self._next_seq = 1
         self._events_lock = threading.Lock()
+        self.tier = None  # the host-memory tier (engine/kv_host_tier.py): attach_tier
+        self.hit_tokens_device = self.hit_tokens_host = 0  # prefix hits by source: count_hits
+
+    def attach_tier(self, tier) -> None:
+        """Evicted cached blocks go to `tier` (a kv_host_tier.HostTier) and lookups restore from
+        it (module docstring). Only with the prefix cache on."""
+        if tier is not None and not self.enable_prefix_caching:
+            raise ValueError("a host KV tier needs enable_prefix_caching")
+        self.tier = tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,26 +148,114 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
     def find_cached_prefix(
-        self, token_ids: Seq[int], max_tokens: int, root: int | None = None
+        self,
+        token_ids: Seq[int],
+        max_tokens: int,
+        admit_tokens: int | None = None,
+        watermark: int = 0,
+        *,
+        root: int | None = None,
     ) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens.
-        root: the chain's root (a LoRA adapter's, engine/lora.py cache_root; None: the base
-        model's), so no block computed under one adapter is found under another."""
+        """Block ids of the longest cached prefix of full blocks within `max_tokens` tokens,
+        blocks restored from the host tier included. admit_tokens: the lookup is for admitting
+        that many tokens with `watermark` blocks left free; blocks are then restored only when
+        that admission will fit (else the same lookup would restore them again at every step
+        while the prompt waits, each time evicting blocks to make room). root: the chain's root
+        (a LoRA adapter's, engine/lora.py cache_root; None: the base model's), so no block
+        computed under one adapter is found under another, in the cache or the tier."""
         if not self.enable_prefix_caching:
             return []
         found, parent = [], root
+        pinned: list[int] | None = None  # held while restoring, so a restore cannot evict them
+        try:
+            for i in range(max_tokens // self.block_size):
+                chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+                h = block_hash(parent, chunk)
+                block_id = self._cached.get(h)
+                if block_id is None:
+                    if self.tier is None or not self.tier.contains(h):
+                        break
+                    if pinned is None:  # the first restore: the prefix found so far is pinned
+                        if admit_tokens is not None:
+                            in_use = sum(1 for b in found if self.blocks[b].ref_count)
+                            fits = self.blocks_needed(admit_tokens) - in_use + watermark
+                            if len(self._free) < fits:
+                                break
+                        self.take(found)
+                        pinned = list(found)
+                    block_id = self._restore(h, parent, chunk)
+                    if block_id is None:
+                        break
+                    self.take([block_id])
+                    pinned.append(block_id)
+                block = self.blocks[block_id]
+                if block.token_ids != chunk or block.parent_hash != parent:
+                    break
+                found.append(block_id)
+                parent = h
+        finally:
+            if pinned:
+                self.free(pinned)
+        return found
+
+    def held_prefix_tokens(
+        self, token_ids: Seq[int], max_tokens: int, root: int | None = None
+    ) -> int:
+        """The leading tokens (whole blocks, within `max_tokens`) this engine holds, in its cache
+        or its host tier, without restoring anything: what an admission would find, as long as
+        nothing is pushed out meanwhile (a restore needs a free block; this look does not).
+        root: as find_cached_prefix takes it."""
+        if not self.enable_prefix_caching:
+            return 0
+        parent, n = root, 0
         for i in range(max_tokens // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, chunk)
             block_id = self._cached.get(h)
-            if block_id is None:
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.token_ids != chunk or block.parent_hash != parent:
+                    break
+            elif self.tier is None or not self.tier.contains(h):
                 break
-            block = self.blocks[block_id]
-            if block.token_ids != chunk or block.parent_hash != parent:
-                break
-            found.append(block_id)
+            n += 1
             parent = h
-        return found
+        return n * self.block_size
+
+    def _restore(self, h: int, parent, chunk: tuple) -> int | None:
+        """A fresh block holding the host tier's copy of block `h`, registered as cached (and
+        free: the caller takes it), or None when no block is free or the tier refused it."""
+        if not self._free:
+            return None
+        self.tier.touch(h)  # used last: the allocation's own eviction cannot push it out
+        (block_id,) = self.allocate(1)
+        refused = self.tier.refused
+        if not self.tier.load(h, parent, chunk, block_id):
+            self.free([block_id])
+            if self.tier.refused > refused:  # it did not match, and the tier dropped it
+                self._record(REMOVED, [h], HOST)
+            return None
+        block = self.blocks[block_id]
+        block.hash, block.parent_hash, block.token_ids = h, parent, chunk
+        block.restored = True
+        self._cached[h] = block_id
+        self._record(STORED, [h])
+        self.free([block_id])
+        return block_id
+
+    def count_hits(self, block_ids: Seq[int]) -> None:
+        """An admission took the prefix-cache hits `block_ids`: counts their tokens by source,
+        host for blocks restored from the tier that no admission took before, else device."""
+        host = 0
+        for block_id in block_ids:
+            if block_id == self.null_block:
+                continue
+            block = self.blocks[block_id]
+            if block.restored:
+                block.restored = False
+                host += 1
+        self.hit_tokens_host += host * self.block_size
+        self.hit_tokens_device += (len(block_ids) - host) * self.block_size
 
     def register_full_blocks(
         self,
@@ -207,7 +320,7 @@ class BlockManager:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
             raise NoFreeBlocks(f"need {num_blocks} KV blocks, {len(self._free)} free")
-        out, removed = [], []
+        out, removed, moved = [], [], []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
@@ -217,11 +330,22 @@ class BlockManager:
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
                     removed.append(block.hash)
+                    if self.tier is not None:  # its bytes move to the host tier first
+                        stored, dropped = self.tier.save(
+                            block.hash, block.parent_hash, block.token_ids, block_id
+                        )
+                        moved.append((block.hash, stored, dropped))
                 block.hash, block.parent_hash, block.token_ids = None, None, ()
+                block.restored = False
             block.ref_count = 1
             out.append(block_id)
         if removed:
             self._record(REMOVED, removed)
+        for h, stored, dropped in moved:
+            if dropped:
+                self._record(REMOVED, dropped, HOST)
+            if stored:
+                self._record(STORED, [h], HOST)
         return out
 
     def free(self, block_ids: Seq[int]) -> None:
@@ -243,14 +367,20 @@ class BlockManager:
             return False
         for block in self.blocks:
             block.hash, block.parent_hash, block.token_ids = None, None, ()
+            block.restored = False
         self._cached.clear()
+        if self.tier is not None:
+            self.tier.clear()
         self._record(CLEARED, [None])
         return True
 
     # ---- KV events ------------------------------------------------------------------------------
-    def _record(self, kind: str, hashes: list) -> None:
+    def _record(self, kind: str, hashes: list, tier: str = DEVICE) -> None:
         with self._events_lock:
-            self._events.extend((kind, h) for h in hashes)
+            if tier == DEVICE:
+                self._events.extend((kind, h) for h in hashes)
+            else:
+                self._events.extend((kind, h, tier) for h in hashes)
             self._next_seq += len(hashes)
 
     def kv_events(self, after: int, epoch: int, max_events: int, max_snapshot: int) -> KVEvents:
@@ -270,9 +400,17 @@ class BlockManager:
             # recorded shows twice (here and as an event after `last`), which a reader applies
             # as a set, so it is harmless
             cached = list(self._cached)  # one C call: the engine thread may add meanwhile
+            host = self.tier.hashes() if self.tier is not None else []
         keep = cached[-max_snapshot:] if max_snapshot > 0 else []
+        room = max(0, max_snapshot - len(keep))
+        keep_host = host[-room:] if room else []
         return KVEvents(
-            self.epoch, last, reset=True, snapshot=keep, truncated=len(keep) < len(cached)
+            self.epoch,
+            last,
+            reset=True,
+            snapshot=keep,
+            host_snapshot=keep_host,
+            truncated=len(keep) < len(cached) or len(keep_host) < len(host),
         )
 
     def ref_count(self, block_id: int) -> int:

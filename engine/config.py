@@ -128,6 +128,16 @@ _DTYPES = {
 }
 
 
+def _checker(config):
+    """check(ok, name, rule): raises ValueError naming `config`'s field `name` unless ok."""
+
+    def check(ok: bool, name: str, rule: str):
+        if not ok:
+            raise ValueError(f"{name} must be {rule}, got {getattr(config, name)!r}")
+
+    return check
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` accepts. "auto" values are resolved by `resolve()` into a new config."""
@@ -151,6 +161,10 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # bytes of host memory for evicted prefix-cache blocks (engine/kv_host_tier.py), restored
+    # when a later prompt needs them; 0: off. Needs the prefix cache, one pipeline stage, and
+    # with tensor parallelism kv_cache_shared_dir (rank 0 copies every rank's shard)
+    kv_host_tier_bytes: int = 0
     max_num_batched_tokens: int = 2048
     # a long prefill (more tokens left than this many seconds of steps compute, measured) runs
     # in chunks of about this many seconds, and short prompts that arrive meanwhile go first
@@ -184,10 +198,7 @@ class EngineConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self):
-        def check(ok: bool, name: str, rule: str):
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
+        check = _checker(self)
         check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty string")
         check(
             self.dtype == "auto" or self.dtype in _DTYPES,
@@ -234,6 +245,7 @@ class EngineConfig:
             "kv_cache_memory",
             "bytes (an integer > 0) or a fraction of free memory in (0, 1]",
         )
+        self._check_host_tier(check)
         check(
             _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
@@ -291,6 +303,32 @@ class EngineConfig:
         object.__setattr__(self, "lora_modules", tuple((n, p) for n, p in pairs))
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
+
+    def _check_host_tier(self, check) -> None:
+        """kv_host_tier_bytes: bytes >= 0, and with a tier, what it needs."""
+        check(
+            _is_int(self.kv_host_tier_bytes) and self.kv_host_tier_bytes >= 0,
+            "kv_host_tier_bytes",
+            "bytes, an integer >= 0 (0: off)",
+        )
+        if not self.kv_host_tier_bytes:
+            return
+        check(
+            self.enable_prefix_caching,
+            "kv_host_tier_bytes",
+            "0 while enable_prefix_caching is off (the tier holds prefix-cache blocks)",
+        )
+        check(
+            self.pipeline_parallel_size == 1,
+            "kv_host_tier_bytes",
+            "0 with pipeline_parallel_size > 1 (not built for pipelined engines)",
+        )
+        check(
+            self.tensor_parallel_size == 1 or self.kv_cache_shared_dir is not None,
+            "kv_host_tier_bytes",
+            "0 with tensor_parallel_size > 1 unless kv_cache_shared_dir is set (rank 0 copies "
+            "every rank's shard)",
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

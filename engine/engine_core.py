@@ -32,6 +32,7 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
+from pdserve.engine.kv_host_tier import HostTier, fingerprint as kv_fingerprint
 from pdserve.engine.kv_publish import StageCaches, layer_publisher
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.lora import AdapterInfo, LoRAError, LoRARegistry, LoRARequest
@@ -110,6 +111,15 @@ class LLMEngine:
             self.config, self.model_config, self.runner.num_blocks, self.runner.null_block
         )
         self.block_manager = self.scheduler.bm
+        if self.config.kv_host_tier_bytes:  # evicted prefix blocks go there (kv_host_tier.py)
+            tp = self.config.tensor_parallel_size
+            self.block_manager.attach_tier(
+                HostTier(
+                    self.config.kv_host_tier_bytes,
+                    self.rank_kv_caches,
+                    kv_fingerprint(self.kv_layout_spec(), tp),
+                )
+            )
         self.spec = Speculator(self) if self.config.speculative_config is not None else None
         if self.spec is not None:
             self.scheduler.speculator = self.spec  # it sets the guess budgets as a plan starts

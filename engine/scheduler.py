@@ -242,7 +242,9 @@ class Scheduler:
         self.bm.take(pinned)
         copies = len(children) if seq.num_tokens % self.bm.block_size else 0
         try:
-            cached = self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens, seq.cache_root)
+            cached = self.bm.find_cached_prefix(
+                seq.token_ids, seq.num_tokens, seq.num_tokens, watermark=copies, root=seq.cache_root
+            )
             # the copies count as a watermark: all of the family's blocks are free, or none is taken
             self._admit_blocks(seq, cached, seq.num_tokens, watermark=copies)
             held = self.bm.allocate(copies)
@@ -373,7 +375,13 @@ class Scheduler:
             cached = (
                 []
                 if _every_position(seq)
-                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1, seq.cache_root)
+                else self.bm.find_cached_prefix(
+                    seq.token_ids,
+                    seq.num_tokens - 1,
+                    seq.num_tokens,
+                    self.watermark_blocks,
+                    root=seq.cache_root,
+                )
             )
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
             first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
@@ -457,7 +465,13 @@ class Scheduler:
             cached = (
                 []
                 if _every_position(seq)
-                else self.bm.find_cached_prefix(seq.token_ids, seq.num_tokens - 1, seq.cache_root)
+                else self.bm.find_cached_prefix(
+                    seq.token_ids,
+                    seq.num_tokens - 1,
+                    seq.num_tokens,
+                    self.watermark_blocks,
+                    root=seq.cache_root,
+                )
             )
             left = seq.num_tokens - len(cached) * self.bm.block_size
             long = self._is_long(seq, left, chunk)
@@ -559,6 +573,7 @@ class Scheduler:
         if need + revived + watermark > self.bm.num_free_blocks:
             raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
         self.bm.take(live)
+        self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
         seq.block_ids = [self.bm.null_block] * skip + live + self.bm.allocate(need)
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size

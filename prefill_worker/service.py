@@ -60,7 +60,7 @@ from pdserve.worker_common.errors import (
     grammar_stats as _grammar_stats,
     spec_stats as _spec_stats,
 )
-from pdserve.worker_common.kv_events import kv_events
+from pdserve.worker_common.kv_events import kv_events, tier_stats
 from pdserve.worker_common.logprobs import prompt_fields, top_of
 from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
@@ -529,6 +529,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_preemptions=getattr(self.loop.engine.scheduler, "num_preemptions", 0),
             **_grammar_stats(self.loop.engine),
             **_spec_stats(self.loop.engine),
+            **tier_stats(self.loop.engine.block_manager),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

@@ -1,5 +1,6 @@
 """The router's index of which worker holds which KV block: block hash -> the workers (and the
-tier, "device" for a worker's own KV cache) that hold it, built from the KV events the workers
+tier: "device" for a worker's own KV cache, "host" for its host-memory tier,
+engine/kv_host_tier.py) that hold it, built from the KV events the workers
 report (engine/block_manager.py records them, worker_common/kv_events.py answers them in
 WorkerStats.kv_events, router/pool.py asks for them with each Stats poll and applies the answer
 here). The hashes are the engine's own (`chain_hashes` computes them as
@@ -14,6 +15,14 @@ it was asked from (a gap in the sequence numbers, another epoch without a reset)
 stream: the worker's entries are dropped and the next poll asks from nowhere (epoch 0), which
 gets a reset. A worker that leaves, dies, re-registers or changes role is forgotten the same way
 (`forget`). Dropping is always safe: a missing entry costs a recompute, never a wrong token.
+
+Tiers: an entry is (worker, tier), and a worker may hold a block in both tiers at once (a block
+restored from its host tier stays there too). Events name their tier: a block the cache evicts
+into the host tier arrives as "removed" (device) then "stored" (host); one the tier pushes out as
+"removed" (host); "cleared" drops both. A reset brings both snapshots. A match counts a block
+held in either tier (the worker restores a host block before its prefill), and says how many of
+the matched tokens are only in the host tier (`matched_by_tier`), which the pool prices a little
+dearer than device hits (router/pool.py).
 
 Between polls the index lags the workers by up to a poll period. What the router itself just
 sent to a worker (a reservation's prompt, a finished turn's prompt and answer: router/legs.py)
@@ -32,7 +41,7 @@ import threading
 from array import array
 from collections import OrderedDict
 
-DEVICE = "device"
+DEVICE, HOST = "device", "host"
 HASH_BYTES = 16
 DEFAULT_MAX_ENTRIES = 1 << 18  # 16M tokens of 64-token blocks; the pool sets the real bound
 MIN_ENTRIES = 1024
@@ -63,7 +72,7 @@ class _Stream:
     def __init__(self):
         self.epoch = self.last_seq = 0
         self.synced = False  # an answer was applied since the worker was last forgotten
-        self.held: set[bytes] = set()
+        self.held: set[tuple[bytes, str]] = set()  # (hash, tier)
         self.expected: dict[bytes, int] = {}  # hash -> the poll number it waits past: `expect`
 
 
@@ -109,6 +118,8 @@ class KVIndex:
                 self._drop(worker, stream)
                 for h in split_hashes(events.snapshot):
                     self._add(h, worker, DEVICE, stream)
+                for h in split_hashes(events.host_snapshot):
+                    self._add(h, worker, HOST, stream)
                 stream.epoch, stream.last_seq, stream.synced = events.epoch, events.last_seq, True
                 self.resets += 1
                 self._evict()
@@ -125,7 +136,7 @@ class KVIndex:
                         self._add(h, worker, run.tier or DEVICE, stream)
                 elif run.kind == "removed":
                     for h in split_hashes(run.block_hashes):
-                        self._remove(h, worker, stream)
+                        self._remove(h, worker, run.tier or DEVICE, stream)
                 elif run.kind == "cleared":
                     self._drop(worker, stream)
             stream.last_seq, stream.synced = events.last_seq, True
@@ -152,7 +163,13 @@ class KVIndex:
     # ---- matching -----------------------------------------------------------------------------
     def matched_tokens(self, prompt, block_sizes: dict) -> dict:
         """worker -> the leading tokens of `prompt` it holds (whole blocks, contiguous from the
-        start), for the synced workers among `block_sizes` (worker -> its block size)."""
+        start, in either tier), for the synced workers among `block_sizes` (worker -> its block
+        size)."""
+        return {w: n for w, (n, _) in self.matched_by_tier(prompt, block_sizes).items()}
+
+    def matched_by_tier(self, prompt, block_sizes: dict) -> dict:
+        """worker -> (the leading tokens of `prompt` it holds, in either tier; how many of those
+        are in its host tier only), as matched_tokens."""
         by_size: dict[int, list] = {}
         for worker, size in block_sizes.items():
             by_size.setdefault(size, []).append(worker)
@@ -164,15 +181,15 @@ class KVIndex:
                     w: s for w in workers if (s := self._streams.get(w)) is not None and s.synced
                 }
                 for worker, stream in streams.items():
-                    n = 0
+                    n = host = 0
                     for h in chain:
-                        holders = self._holders.get(h, ())
-                        if not any(w is worker for w, tier in holders if tier == DEVICE) and (
-                            h not in stream.expected
-                        ):
-                            break
+                        tiers = {t for w, t in self._holders.get(h, ()) if w is worker}
+                        if DEVICE not in tiers and h not in stream.expected:
+                            if HOST not in tiers:
+                                break
+                            host += 1
                         n += 1
-                    matched[worker] = n * size
+                    matched[worker] = (n * size, host * size)
         return matched
 
     # ---- bounds -------------------------------------------------------------------------------
@@ -191,31 +208,31 @@ class KVIndex:
             self._holders[h] = ((worker, tier),)
         else:
             self._holders.move_to_end(h)
-            if not any(w is worker for w, _ in holders):
+            if not any(w is worker and t == tier for w, t in holders):
                 self._holders[h] = holders + ((worker, tier),)
-        stream.held.add(h)
+        stream.held.add((h, tier))
 
-    def _remove(self, h: bytes, worker, stream: _Stream) -> None:
-        stream.held.discard(h)
+    def _remove(self, h: bytes, worker, tier: str, stream: _Stream) -> None:
+        stream.held.discard((h, tier))
         holders = self._holders.get(h)
         if holders is None:
             return
-        rest = tuple(p for p in holders if p[0] is not worker)
+        rest = tuple(p for p in holders if not (p[0] is worker and p[1] == tier))
         if rest:
             self._holders[h] = rest
         else:
             del self._holders[h]
 
     def _drop(self, worker, stream: _Stream) -> None:
-        for h in list(stream.held):
-            self._remove(h, worker, stream)
+        for h, tier in list(stream.held):
+            self._remove(h, worker, tier, stream)
         stream.expected = {}
         stream.synced = False
 
     def _evict(self) -> None:
         while len(self._holders) > self.max_entries:
             h, holders = self._holders.popitem(last=False)
-            for worker, _ in holders:
+            for worker, tier in holders:
                 stream = self._streams.get(worker)
                 if stream is not None:
-                    stream.held.discard(h)
+                    stream.held.discard((h, tier))

@@ -72,6 +72,10 @@ WORKER_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     *keepalive.CLIENT_OPTIONS,
 ]
 ROLES = ("prefill", "decode")
+# a prompt token a decode worker holds only in its host tier (engine/kv_host_tier.py) counts this
+# much of one held in its KV cache in the decode picks and the local-prefill rule: restoring it is
+# a copy of its block, cheaper than recomputing it and dearer than a device hit (decode_matches)
+HOST_HIT_WEIGHT = 0.9
 _STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
 
 
@@ -256,12 +260,23 @@ class WorkerPool:
         events, and what this router sent it since its last poll: router/kv_index.py) once that
         is synced for the worker; before (or for a worker that reports no events) from this
         router's own record of what it sent there (remember_decoded), a guess. Under a LoRA
-        adapter only the record counts: the block index holds the base model's chains."""
+        adapter only the record counts: the block index holds the base model's chains. A token
+        held only in a worker's host tier counts HOST_HIT_WEIGHT of one in its KV cache (its
+        restore is a copy: cheaper than recomputing, dearer than a device hit), in the picks and
+        in the local-prefill rule alike; the Reserve's min_cached_tokens is then a little lower
+        than what the worker holds, which it always satisfies."""
         hashes = prefix_hashes(list(prompt), adapter=adapter)
         with self._lock:
             sizes = {w: _block_size(w) for w in self._workers["decode"]}
             record = self._decode_affinity.matched_tokens(hashes)
-        indexed = {} if adapter else self.kv_index.matched_tokens(prompt, sizes)
+        indexed = (
+            {}
+            if adapter
+            else {
+                w: n - int((1.0 - HOST_HIT_WEIGHT) * host)
+                for w, (n, host) in self.kv_index.matched_by_tier(prompt, sizes).items()
+            }
+        )
         out = {w: n for w, n in record.items() if w not in indexed}
         out.update((w, n) for w, n in indexed.items() if n)
         return out
@@ -572,8 +587,10 @@ class WorkerPool:
             self._take_answers(workers)
         self._expire()
         with self._lock:
-            decode_blocks = sum(
-                w.stats.num_total_blocks for w in self._workers["decode"] if w.stats
+            decode_blocks = sum(  # the host tiers' blocks too (engine/kv_host_tier.py)
+                w.stats.num_total_blocks + w.stats.kv_host_tier_capacity_blocks
+                for w in self._workers["decode"]
+                if w.stats
             )
         self.kv_index.fit_to_blocks(decode_blocks)
         with self._lock:  # each affinity view holds no more than its role's caches can

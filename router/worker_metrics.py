@@ -5,6 +5,12 @@ WorkerCollector from the last WorkerStats the router's WorkerPool keeps, so a sc
 an RPC. Names follow vLLM's where vLLM has the figure (vllm/v1/metrics/loggers.py,
 vllm/v1/spec_decode/metrics.py), with labels model_name, role and worker on every series. A
 worker's counters restart at 0 with its process, which rate() and increase() allow.
+
+The host-memory tier below a worker's KV cache (engine/kv_host_tier.py): its bytes and cap as
+gauges, the blocks copied into it, restored from it and pushed out of it as counters, and the
+prefix-hit tokens by source ("device": found in the KV cache; "host": restored from the tier);
+the host ones also as vLLM's vllm:external_prefix_cache_hits (its name for hits served from
+below the KV cache, an offloading connector's).
 """
 
 from __future__ import annotations
@@ -23,6 +29,26 @@ WORKER_COUNTERS = (
         "vllm:prefix_cache_hits",
         "Prefix cache hits, in prompt tokens found.",
         "prefix_cache_hits",
+    ),
+    (
+        "vllm:external_prefix_cache_hits",
+        "Prefix cache hits served from below the KV cache (the host tier), in prompt tokens.",
+        "prefix_hit_tokens_host",
+    ),
+    (
+        "pdserve:kv_host_tier_stored_blocks",
+        "KV blocks copied into the host tier as the KV cache evicted them.",
+        "kv_host_tier_stored",
+    ),
+    (
+        "pdserve:kv_host_tier_restored_blocks",
+        "KV blocks copied back from the host tier into the KV cache for a prompt.",
+        "kv_host_tier_restored",
+    ),
+    (
+        "pdserve:kv_host_tier_evicted_blocks",
+        "KV blocks pushed out of the host tier to keep it within its cap.",
+        "kv_host_tier_evicted",
     ),
     (
         "vllm:num_preemptions",
@@ -110,6 +136,12 @@ class WorkerCollector(Collector):
             "queued": gauge(
                 "pdserve:queued_prompt_tokens", "Prompt tokens waiting to be computed."
             ),
+            "tier_bytes": gauge(
+                "pdserve:kv_host_tier_bytes", "Bytes of KV blocks held in the host tier."
+            ),
+            "tier_cap": gauge(
+                "pdserve:kv_host_tier_capacity_bytes", "The host tier's cap in bytes (0: off)."
+            ),
             "up": gauge(
                 "pdserve:worker_up",
                 "1 when the worker's last Stats call answered, 0 when it is marked down.",
@@ -124,6 +156,12 @@ class WorkerCollector(Collector):
         )
         for name, doc, field in WORKER_COUNTERS:
             fams[field] = CounterMetricFamily(name, doc, labels=self.LABELS)
+        fams["hits_by_source"] = CounterMetricFamily(
+            "pdserve:prefix_cache_hit_tokens_by_source",
+            "Prefix cache hits in prompt tokens, by where their blocks were found: device (the "
+            "KV cache) or host (restored from the host tier).",
+            labels=self.LABELS + ["source"],
+        )
         fams["spec_per_pos"] = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position (0: the first guessed token).",
@@ -160,6 +198,10 @@ class WorkerCollector(Collector):
             fams["kv"].add_metric(labels, (total - stats.num_free_blocks) / total if total else 0.0)
             fams["reserved"].add_metric(labels, stats.num_reserved)
             fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
+            fams["tier_bytes"].add_metric(labels, stats.kv_host_tier_bytes)
+            fams["tier_cap"].add_metric(labels, stats.kv_host_tier_capacity_bytes)
+            fams["hits_by_source"].add_metric(labels + ["device"], stats.prefix_hit_tokens_device)
+            fams["hits_by_source"].add_metric(labels + ["host"], stats.prefix_hit_tokens_host)
             for _, _, field in WORKER_COUNTERS:
                 fams[field].add_metric(labels, getattr(stats, field))
             for position, accepted in enumerate(stats.spec_accepted_per_pos):

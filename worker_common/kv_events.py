@@ -2,12 +2,18 @@
 index, router/kv_index.py) gets from the engine's block manager (engine/block_manager.py), as
 WorkerStats.kv_events. Stateless: the reader says where it is in the stream, and each answer is
 read from the manager's ring (or, on a reset, its snapshot) on the gRPC thread, never waiting for
-the engine loop. Both worker services call it from their Stats.
+the engine loop. Both worker services call it from their Stats, and `tier_stats` for the host
+tier's figures (engine/kv_host_tier.py) and the prefix hits by source.
+
+Each event carries the tier its block is in: "device" (the worker's KV cache) or "host" (its
+host-memory tier); a block moving from the cache to the tier is a "removed" (device) then a
+"stored" (host), one pushed out of the tier a "removed" (host). A reset brings the host tier's
+hashes in `host_snapshot`.
 """
 
 from __future__ import annotations
 
-from pdserve.engine.block_manager import CLEARED
+from pdserve.engine.block_manager import CLEARED, DEVICE
 from pdserve.protos.pdserve.v1 import worker_pb2
 
 # at most this many events in one answer (16 bytes a hash: 256 KiB); a reader further behind gets
@@ -15,7 +21,7 @@ from pdserve.protos.pdserve.v1 import worker_pb2
 MAX_EVENTS_PER_ANSWER = 16_384
 # at most this many hashes in a reset's snapshot (1 MiB): the most recently registered ones
 MAX_SNAPSHOT = 65_536
-TIER = "device"  # where this worker's blocks are: its KV cache
+TIER = DEVICE  # the tier of an event that names none: the worker's KV cache
 
 
 def hash_bytes(h: int) -> bytes:
@@ -37,13 +43,42 @@ def kv_events(block_manager, request) -> worker_pb2.KVEvents | None:
     )
     if got.reset:
         out.snapshot = b"".join(map(hash_bytes, got.snapshot))
+        out.host_snapshot = b"".join(map(hash_bytes, got.host_snapshot))
         return out
-    run_kind, run = None, []
-    for kind, h in got.events + [(None, None)]:  # the sentinel closes the last run
-        if kind != run_kind or kind == CLEARED:
+    run_kind, run_tier, run = None, None, []
+    for event in got.events + [(None, None)]:  # the sentinel closes the last run
+        kind, h = event[0], event[1]
+        tier = event[2] if len(event) > 2 else TIER
+        if kind != run_kind or tier != run_tier or kind == CLEARED:
             if run_kind is not None:
-                out.runs.add(kind=run_kind, tier=TIER, block_hashes=b"".join(run))
-            run_kind, run = kind, []
+                out.runs.add(kind=run_kind, tier=run_tier, block_hashes=b"".join(run))
+            run_kind, run_tier, run = kind, tier, []
         if h is not None:
             run.append(hash_bytes(h))
+    return out
+
+
+def tier_stats(block_manager) -> dict:
+    """WorkerStats fields of the host tier (zeros when there is none) and the prefix-hit tokens
+    by source; read on the gRPC thread (plain counters the engine thread writes)."""
+    from pdserve.engine.kv_host_tier import HostTier
+
+    tier = getattr(block_manager, "tier", None)
+    out = {}
+    for field, name in (
+        ("prefix_hit_tokens_device", "hit_tokens_device"),
+        ("prefix_hit_tokens_host", "hit_tokens_host"),
+    ):
+        value = getattr(block_manager, name, 0)
+        if isinstance(value, int):  # (a test's stand-in engine may have none)
+            out[field] = value
+    if isinstance(tier, HostTier):
+        out.update(
+            kv_host_tier_bytes=tier.bytes,
+            kv_host_tier_capacity_bytes=tier.capacity_bytes,
+            kv_host_tier_capacity_blocks=tier.capacity_blocks,
+            kv_host_tier_stored=tier.stored,
+            kv_host_tier_restored=tier.restored,
+            kv_host_tier_evicted=tier.evicted,
+        )
     return out

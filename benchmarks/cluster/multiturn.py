@@ -25,6 +25,28 @@ TTFT of a cold prompt of the same length. The shapes (full size; --quick shrinks
 
 The goals the issue sets are evaluated from the measured figures (`goals`). Each run records the
 CPU other processes used meanwhile (the machine is shared). Writes benchmarks/results/multiturn.json.
+
+    python -m benchmarks.cluster.multiturn --host-tier       # must-show c: eviction pressure
+
+`--host-tier` runs instead the host-memory tier's comparison (engine/kv_host_tier.py, issue 49
+must-show c): 1P+1D with the decode worker's KV cache cut to TIER_POOL's blocks and the prefill
+worker's prefix cache off (else its cache, bigger than the sessions, serves the later turns
+without any tier; a prefill cache cut as small as the decode one made 5 of 15 turns fail
+UNAVAILABLE without the tier on a loaded machine, which is another matter; the pools'
+max_model_len 2048, the KV cache in bfloat16 so that a block's bytes are known),
+prefix reuse on in both runs, first with `kv_host_tier_bytes` on the decode pool (a cap the
+sessions overflow too), then without it. Shapes:
+
+  e  eviction pressure: 6 sessions x 3 turns, all in flight, each with a 768-token document of
+     its own, 64-token messages, 48-token answers: the sessions' KV is about 3x the decode cache,
+     so a session's earlier turns are evicted before its next one
+  d  document Q&A: one 1024-token document shared by 4 sessions x 3 turns, 2 in flight
+
+During each shape the router's /metrics (its HTTP port) is read every TIER_SAMPLE_S: the decode
+worker's tier bytes (their peak against the cap) and, per shape, the prefix-hit tokens by source
+(device, host) and the tier's blocks stored, restored and pushed out. After the last shape the
+run waits for the decode worker to be idle and records that no block is in use. Writes
+benchmarks/results/multiturn_host_tier.json.
 """
 
 from __future__ import annotations
@@ -67,6 +89,26 @@ QUICK = {
                      concurrency=2, seed=104),
 }  # fmt: skip
 THINK_S = 0.1
+# --host-tier (must-show c)
+TIER_SHAPES = {
+    "e_pressure": dict(sessions=6, turns=3, message=64, answer=48, doc=768, shared=False,
+                       concurrency=None, seed=105),
+    "d_doc_qa": dict(sessions=4, turns=3, message=64, answer=48, doc=1024, shared=True,
+                     concurrency=2, seed=104),
+}  # fmt: skip
+BF16_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2-135M: layers, K+V, tokens, kv heads, dim
+TIER_POOL = dict(decode_blocks=144, tier_blocks=256, max_model_len=2048)
+TIER_SAMPLE_S = 0.5
+TIER_COUNTERS = {
+    "pdserve:prefix_cache_hit_tokens_by_source_total": "source",
+    "pdserve:kv_host_tier_stored_blocks_total": None,
+    "pdserve:kv_host_tier_restored_blocks_total": None,
+    "pdserve:kv_host_tier_evicted_blocks_total": None,
+    "vllm:prefix_cache_hits_total": None,
+    # the router's own: turns prefilled on their decode worker, and the refusals of a stale hint
+    "pdserve:local_prefills_total": None,
+    "pdserve:stale_cache_hints_total": None,
+}
 
 
 def run_shape(address: str, shape: dict, card) -> dict:
@@ -118,9 +160,84 @@ def run_shape(address: str, shape: dict, card) -> dict:
     )
 
 
-def run_deployment(prefill: int, decode: int, reuse: bool, shapes: dict, wait_idle: float) -> dict:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(http_port: int) -> dict:
+    """The router's /metrics as {(name, the decode pool's label of interest or None): value},
+    summed over the decode workers (and the router's own TIER_COUNTERS); {} when it does not
+    answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.labels.get("role") != "decode" and sample.name not in TIER_COUNTERS:
+                continue
+            key = (sample.name, sample.labels.get("source"))
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+class TierSampler:
+    """Reads the router's /metrics every TIER_SAMPLE_S on a thread: the decode pool's tier bytes
+    (peak) and cap."""
+
+    def __init__(self, http_port: int):
+        import threading
+
+        self.port, self.peak, self.cap, self.samples = http_port, 0.0, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(TIER_SAMPLE_S):
+            got = scrape(self.port)
+            if got:
+                self.samples += 1
+                self.peak = max(self.peak, got.get(("pdserve:kv_host_tier_bytes", None), 0.0))
+                self.cap = got.get(("pdserve:kv_host_tier_capacity_bytes", None), self.cap)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(10)
+        return dict(peak_tier_bytes=self.peak, tier_cap_bytes=self.cap, samples=self.samples)
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    out = {}
+    for name, label in TIER_COUNTERS.items():
+        for key in after:
+            if key[0] == name and (label is None) == (key[1] is None):
+                short = name.removesuffix("_total") + (f"{{{key[1]}}}" if key[1] else "")
+                out[short] = after[key] - before.get(key, 0.0)
+    return out
+
+
+def run_deployment(
+    prefill: int,
+    decode: int,
+    reuse: bool,
+    shapes: dict,
+    wait_idle: float,
+    host_tier: bool | None = None,
+) -> dict:
     """`pdserve up` of the example YAML with `prefill`+`decode` replicas, reuse on or off; every
-    shape in turn."""
+    shape in turn. host_tier (not None: the --host-tier comparison): the decode pool cut to
+    TIER_POOL's size, with (True) or without (False) a host tier; /metrics sampled per shape."""
     import grpc
     import yaml
 
@@ -130,10 +247,23 @@ def run_deployment(prefill: int, decode: int, reuse: bool, shapes: dict, wait_id
     work = tempfile.mkdtemp(prefix="multiturn-")
     config = example_config(0, prefill, decode, prefix_caching=reuse)
     config["router"]["http_port"] = None  # gRPC only: no fixed HTTP port on a shared machine
+    if host_tier is not None:
+        http_port = free_port()
+        config["router"]["http_port"] = http_port  # for /metrics
+        config["kv_cache_dtype"] = "bfloat16"  # a block's bytes known: BF16_BLOCK_BYTES
+        for pool in config["pools"].values():
+            pool["max_model_len"] = TIER_POOL["max_model_len"]
+        dec = config["pools"]["decode"]
+        dec["kv_cache_memory"] = TIER_POOL["decode_blocks"] * BF16_BLOCK_BYTES
+        config["pools"]["prefill"]["enable_prefix_caching"] = False
+        if host_tier:
+            dec["kv_host_tier_bytes"] = TIER_POOL["tier_blocks"] * BF16_BLOCK_BYTES
     path = os.path.join(work, "deploy.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     label = f"{prefill}P+{decode}D reuse {'on' if reuse else 'off'}"
+    if host_tier is not None:
+        label += f", host tier {'on' if host_tier else 'off'}"
     out: dict = {"reuse": reuse, "yaml_pools": config["pools"]}
     t0 = time.perf_counter()
     up, err_path = start_up([sys.executable, "-m", "pdserve", "up", path], work)
@@ -153,7 +283,15 @@ def run_deployment(prefill: int, decode: int, reuse: bool, shapes: dict, wait_id
             if wait_idle:
                 out.setdefault("wait_idle", {})[name] = bc.wait_for_idle_machine(wait_idle)
             bc.log(f"{label}: shape {name} {shape}")
+            if host_tier is None:
+                out[name] = run_shape(address, shape, card)
+                continue
+            before, sampler = scrape(http_port), TierSampler(http_port)
             out[name] = run_shape(address, shape, card)
+            out[name]["tier"] = dict(sampler.stop(), **counters_delta(before, scrape(http_port)))
+            bc.log(f"  {label} {name}: {out[name]['tier']}")
+        if host_tier is not None:
+            out["idle"] = wait_decode_idle(http_port)
         return out
     except BaseException:
         fail_up(up, err_path, label)
@@ -162,6 +300,30 @@ def run_deployment(prefill: int, decode: int, reuse: bool, shapes: dict, wait_id
         out["stop_returncode"] = stop_up(up)
         shutil.rmtree(config["ray"]["temp_dir"], ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def wait_decode_idle(http_port: int, timeout_s: float = 60.0) -> dict:
+    """Waits until the decode pool holds no block in use, nothing running or waiting (all its
+    KV free: cached blocks are free blocks); what it saw last."""
+    deadline = time.monotonic() + timeout_s
+    got: dict = {}
+    while time.monotonic() < deadline:
+        got = scrape(http_port)
+        usage = got.get(("vllm:kv_cache_usage_perc", None))
+        busy = got.get(("vllm:num_requests_running", None), 1) + got.get(
+            ("vllm:num_requests_waiting", None), 1
+        )
+        if usage == 0 and busy == 0:
+            break
+        time.sleep(0.5)
+    return dict(
+        kv_cache_usage_perc=got.get(("vllm:kv_cache_usage_perc", None)),
+        running=got.get(("vllm:num_requests_running", None)),
+        waiting=got.get(("vllm:num_requests_waiting", None)),
+        reserved=got.get(("pdserve:num_requests_reserved", None)),
+        tier_bytes=got.get(("pdserve:kv_host_tier_bytes", None)),
+        tier_cap_bytes=got.get(("pdserve:kv_host_tier_capacity_bytes", None)),
+    )
 
 
 def compare(on: dict, off: dict, shapes: dict) -> dict:
@@ -232,10 +394,21 @@ def main(argv: list[str] | None = None) -> int:
         help="PxD,... (default 1x1,2x2; --quick: 1x1)",
     )
     p.add_argument("--shapes", default="a,b,c,d", help="which shapes (default a,b,c,d)")
+    p.add_argument(
+        "--host-tier",
+        action="store_true",
+        help="must-show c: 1P+1D under eviction pressure, the decode pool's host tier on vs off "
+        "(shapes e and d; writes multiturn_host_tier.json unless --out)",
+    )
+    p.add_argument(
+        "--off-first", action="store_true", help="--host-tier: run the tier off first, then on"
+    )
     bc.add_out_arg(p, "multiturn.json")
     bc.add_wait_idle_arg(p, "each shape")
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    if args.host_tier:
+        return main_host_tier(args, argv)
     table = QUICK if args.quick else FULL
     wanted = [s.strip() for s in args.shapes.split(",") if s.strip()]
     shapes = {name: table[name] for name in table if name[0] in wanted}
@@ -271,6 +444,44 @@ def main(argv: list[str] | None = None) -> int:
                 f"answers identical {c['answers']['identical']}/{c['answers']['compared']}"
             )
     bc.log(f"wrote {args.out}")
+    return 0
+
+
+def main_host_tier(args, argv) -> int:
+    """The --host-tier comparison (module docstring): tier on, then off, same sessions."""
+    out = args.out
+    if os.path.basename(out) == "multiturn.json":
+        out = os.path.join(os.path.dirname(out), "multiturn_host_tier.json")
+    t0 = time.perf_counter()
+    report: dict = {
+        **bc.run_header("benchmarks.cluster.multiturn", argv),
+        "think_time_s": THINK_S,
+        "shapes": TIER_SHAPES,
+        "pool": dict(
+            TIER_POOL,
+            block_bytes=BF16_BLOCK_BYTES,
+            decode_kv_bytes=TIER_POOL["decode_blocks"] * BF16_BLOCK_BYTES,
+            tier_cap_bytes=TIER_POOL["tier_blocks"] * BF16_BLOCK_BYTES,
+        ),
+    }
+    report["order"] = "off, on" if args.off_first else "on, off"
+    if args.off_first:  # the other order: a drift of the machine's load then favours the other
+        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
+        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
+    else:
+        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
+        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
+    cmp = compare(on, off, TIER_SHAPES)
+    report.update(tier_on=strip(on), tier_off=strip(off), compare=cmp)
+    bc.write_timed(out, report, t0)
+    for shape, c in cmp.items():
+        bc.log(
+            f"{shape}: TTFT p50 tier on/off per turn "
+            f"{[None if t['ttft_p50_ratio'] is None else round(t['ttft_p50_ratio'], 3) for t in c['turns']]}, "
+            f"p90 {[None if t['ttft_p90_ratio'] is None else round(t['ttft_p90_ratio'], 3) for t in c['turns']]}, "
+            f"answers identical {c['answers']['identical']}/{c['answers']['compared']}"
+        )
+    bc.log(f"wrote {out}")
     return 0
 
 

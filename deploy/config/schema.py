@@ -113,6 +113,10 @@ class Pool(_Frozen):
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
     max_model_len: Annotated[int, Field(ge=1)] | None = None
     enable_prefix_caching: bool = True
+    # bytes of host memory each worker keeps evicted prefix-cache blocks in (a host tier below
+    # its KV cache, engine/kv_host_tier.py), restored when a later prompt needs them; 0: off.
+    # Pays on decode pools, where a conversation's blocks live; needs enable_prefix_caching
+    kv_host_tier_bytes: Annotated[int, Field(ge=0, strict=True)] = 0
     # torch compute threads of each worker process; None: resources.num_cpus (at least 1). More
     # threads than reserved CPUs suit a pool that is idle while the other computes (prefill on a
     # small machine), at the price of contention when both are busy
@@ -162,6 +166,15 @@ class Pool(_Frozen):
         if v is None or (type(v) is int and v > 0) or (type(v) is float and 0 < v <= 1):
             return v
         raise ValueError("must be bytes (an integer > 0) or a fraction of free memory in (0, 1]")
+
+    @model_validator(mode="after")
+    def _host_tier_needs_prefix_cache(self):
+        if self.kv_host_tier_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_host_tier_bytes needs enable_prefix_caching: the host tier holds evicted "
+                "prefix-cache blocks (set kv_host_tier_bytes: 0 or enable_prefix_caching: true)"
+            )
+        return self
 
     @field_validator("block_size")
     @classmethod
@@ -665,6 +678,8 @@ class DeployConfig(_Frozen):
         )
         if pool.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = pool.kv_cache_memory
+        if pool.kv_host_tier_bytes:
+            kwargs["kv_host_tier_bytes"] = pool.kv_host_tier_bytes
         if pool.max_model_len is not None:
             kwargs["max_model_len"] = pool.max_model_len
         spec = pool.speculative_config

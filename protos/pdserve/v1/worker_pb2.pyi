@@ -190,23 +190,25 @@ class KVEventRun(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., tier: _Optional[str] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class KVEvents(_message.Message):
-    __slots__ = ("epoch", "last_seq", "reset", "runs", "snapshot", "truncated")
+    __slots__ = ("epoch", "last_seq", "reset", "runs", "snapshot", "truncated", "host_snapshot")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    HOST_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     last_seq: int
     reset: bool
     runs: _containers.RepeatedCompositeFieldContainer[KVEventRun]
     snapshot: bytes
     truncated: bool
-    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    host_snapshot: bytes
+    def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., host_snapshot: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "kv_events", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend")
     class KvPushBytesByBackendEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,14 @@ class WorkerStats(_message.Message):
     SPEC_DRAFT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TURN_MS_MAX_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_TIER_STORED_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_TIER_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_TIER_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_BYTES_BY_BACKEND_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_SECONDS_BY_BACKEND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -281,9 +291,17 @@ class WorkerStats(_message.Message):
     spec_draft_prefill_tokens: int
     engine_turn_ms_max: int
     kv_events: KVEvents
+    kv_host_tier_bytes: int
+    kv_host_tier_capacity_bytes: int
+    kv_host_tier_stored: int
+    kv_host_tier_restored: int
+    kv_host_tier_evicted: int
+    prefix_hit_tokens_device: int
+    prefix_hit_tokens_host: int
+    kv_host_tier_capacity_blocks: int
     kv_push_bytes_by_backend: _containers.ScalarMap[str, int]
     kv_push_seconds_by_backend: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)

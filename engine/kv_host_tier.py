@@ -1,0 +1,203 @@
+"""The host-memory tier below an engine's KV cache: evicted prefix-cache blocks kept in host
+memory, bounded in bytes, and copied back when a later prompt needs them.
+
+Who owns a block when. A full, hashed block of the KV cache that no sequence references waits in
+the block manager's free queue (engine/block_manager.py); when the allocator hands it out again
+its contents are about to be overwritten, and, with a tier, the block manager first calls `save`:
+the block's bytes (every layer, K and V, of every tensor-parallel rank's pool: each rank's shard
+is kept as its own tensor) are copied into a new host entry under the block's hash, with its
+parent hash and tokens. From then on the tier owns that copy, until it is pushed out (LRU) or
+cleared. When a prompt's prefix lookup misses the KV cache at a block whose hash the tier holds,
+the block manager takes a fresh block, calls `load` to copy the bytes back into it, and registers
+it as cached again, before the prefill computes the rest; the tier keeps its copy (a block
+evicted again later costs no second copy, only a touch).
+
+Keyed by what. An entry is keyed by (the engine's KV layout fingerprint, the block hash). The
+hash chains the block's tokens through its parent's hash (and whatever else the block manager
+puts in the chain); the fingerprint covers the model, the cache dtype, the layout (layers, kv
+heads per rank, head dim, block size) and the tensor-parallel size (`fingerprint`). A lookup
+under another fingerprint misses, so a block stored for another model, dtype, TP layout or
+adapter is unreachable; `load` also checks the chain (the hash of parent and tokens is the key,
+and both equal the ones asked for) and each shard's shape and dtype against the destination,
+and refuses a block that does not match (the caller then recomputes it).
+
+Bounded: the entries' bytes never exceed `capacity_bytes`. A save that would pass the cap first
+pushes out least recently used entries until the bytes are at most `watermark` x the cap less the
+new entry (a high/low watermark, so a stream of evictions does not push out one entry per save);
+an entry larger than the cap is not kept. `clear` drops everything (the prefix cache's reset).
+
+Where it pays, and what it costs here. On a CPU the "device" KV cache is DRAM too: the tier is
+a second, bigger, cheaper store in the same memory (plain tensors, no paging), and a save or a
+load is one memcpy of the block's bytes on the engine thread, synchronous, between steps (the
+block manager runs it while the scheduler plans or a reservation allocates; the pools are not
+being written then). On a GPU the same code copies device -> host synchronously, which works
+but puts the copy on the step's path; doing it well needs pinned host buffers
+(`torch.empty(..., pin_memory=True)`), copies on a side CUDA stream with an event the next
+write of the evicted block waits on, and a restore stream the prefill waits on. That is not
+written: nothing here was measured on a GPU.
+
+Counters (read by the worker's Stats, any thread; written on the engine thread): bytes held,
+blocks stored, restored and pushed out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+# after a save would pass the cap, entries are pushed out until the bytes are at most this share
+# of it (with the new entry)
+WATERMARK = 0.9
+
+
+def fingerprint(layout: dict, tp_size: int) -> bytes:
+    """What identifies an engine's KV contents: its kv_layout_spec fields (model, cache dtype,
+    layers, kv heads, head dim, block size) and the tensor-parallel size, as 16 bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(layout):
+        h.update(f"{key}={layout[key]!r};".encode())
+    h.update(f"tp={tp_size}".encode())
+    return h.digest()
+
+
+class _Entry:
+    __slots__ = ("parent_hash", "token_ids", "shards", "nbytes")
+
+    def __init__(self, parent_hash, token_ids, shards):
+        self.parent_hash = parent_hash
+        self.token_ids = token_ids
+        self.shards = shards
+        self.nbytes = sum(s.numel() * s.element_size() for s in shards)
+
+
+class HostTier:
+    """caches: returns every rank's KV pool ([layers, 2, blocks, block_size, heads, dim] each,
+    rank order); fp: the engine's layout fingerprint (`fingerprint`)."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        caches: Callable[[], list[torch.Tensor]],
+        fp: bytes,
+        watermark: float = WATERMARK,
+    ):
+        if capacity_bytes <= 0:
+            raise ValueError(f"a host tier needs capacity_bytes > 0, got {capacity_bytes}")
+        if not 0.0 < watermark <= 1.0:
+            raise ValueError(f"watermark must be in (0, 1], got {watermark}")
+        self.capacity_bytes = int(capacity_bytes)
+        self.watermark = watermark
+        self.fingerprint = fp
+        self._caches = caches
+        self._entries: OrderedDict[tuple[bytes, int], _Entry] = OrderedDict()
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.stored = self.restored = self.evicted = self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def contains(self, h: int) -> bool:
+        return (self.fingerprint, h) in self._entries
+
+    def touch(self, h: int) -> None:
+        """Marks the entry of `h` (if held) used last."""
+        key = (self.fingerprint, h)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def hashes(self) -> list[int]:
+        """The hashes held under this engine's fingerprint, least recently used first."""
+        return [h for fp, h in list(self._entries) if fp == self.fingerprint]
+
+    def save(self, h: int, parent_hash, token_ids: tuple, block_id: int) -> tuple[bool, list]:
+        """Copies block `block_id` of every rank's pool into the tier under `h`, unless it is
+        held already (then it is only touched). Returns (whether a new entry was stored, the
+        hashes pushed out to make room)."""
+        key = (self.fingerprint, h)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return False, []
+        shards = []
+        for cache in self._caches():
+            src = cache[:, :, block_id]
+            dst = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            dst.copy_(src)
+            shards.append(dst)
+        entry = _Entry(parent_hash, tuple(token_ids), shards)
+        if entry.nbytes > self.capacity_bytes:
+            return False, []
+        dropped = []
+        if self.bytes + entry.nbytes > self.capacity_bytes:
+            low = max(0, int(self.capacity_bytes * self.watermark) - entry.nbytes)
+            while self._entries and self.bytes > low:
+                (fp, old), gone = self._entries.popitem(last=False)
+                self.bytes -= gone.nbytes
+                self.evicted += 1
+                if fp == self.fingerprint:
+                    dropped.append(old)
+        self._entries[key] = entry
+        self.bytes += entry.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self.stored += 1
+        return True, dropped
+
+    def load(self, h: int, parent_hash, token_ids: tuple, block_id: int) -> bool:
+        """Copies the entry of `h` into block `block_id` of every rank's pool, after checking it
+        against the chain (`parent_hash`, `token_ids`) and the pools' layout; False, and nothing
+        written, when it is not there or does not match (a refused entry is dropped)."""
+        key = (self.fingerprint, h)
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        caches = self._caches()
+        ok = (
+            entry.parent_hash == parent_hash
+            and entry.token_ids == tuple(token_ids)
+            and len(entry.shards) == len(caches)
+            and all(
+                s.shape == c[:, :, block_id].shape and s.dtype == c.dtype
+                for s, c in zip(entry.shards, caches)
+            )
+        )
+        if not ok:
+            del self._entries[key]
+            self.bytes -= entry.nbytes
+            self.refused += 1
+            return False
+        for shard, cache in zip(entry.shards, caches):
+            cache[:, :, block_id].copy_(shard)
+        self._entries.move_to_end(key)
+        self.restored += 1
+        return True
+
+    def clear(self) -> list[int]:
+        """Drops every entry; returns the hashes that were held under this fingerprint."""
+        gone = self.hashes()
+        self._entries.clear()
+        self.bytes = 0
+        return gone
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's bytes in the tier: every rank's shard of it."""
+        return sum(c[:, :, 0].numel() * c.element_size() for c in self._caches())
+
+    @property
+    def capacity_blocks(self) -> int:
+        """How many blocks the cap holds."""
+        return self.capacity_bytes // max(1, self.block_bytes)
+
+    def stats(self) -> dict:
+        return dict(
+            kv_host_tier_capacity_blocks=self.capacity_blocks,
+            kv_host_tier_bytes=self.bytes,
+            kv_host_tier_capacity_bytes=self.capacity_bytes,
+            kv_host_tier_blocks=len(self._entries),
+            kv_host_tier_stored=self.stored,
+            kv_host_tier_restored=self.restored,
+            kv_host_tier_evicted=self.evicted,
+        )
