@@ -220,9 +220,9 @@ class EngineLoop:
                 idle = not self._has_runnable()
                 try:
                     outputs = self.engine.step()
-                except Exception:  # a failed step must not kill the server silently
+                except Exception as e:  # a failed step must not kill the server silently
                     log.exception("engine step failed; aborting its requests")
-                    self._fail_all()
+                    self._fail_all(e)
                     continue
                 self.num_steps += 1
                 self._dispatch(outputs)
@@ -295,10 +295,21 @@ class EngineLoop:
                 except Exception:
                     log.exception("output callback of %s failed", out.request_id)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, error: BaseException) -> None:
+        """A step failed: every request it may have held is aborted, and each caller hears it
+        now (a finished "abort" output naming the error), not at its own deadline."""
+        reason = f"engine step failed: {error}"[:500]
         for request_id in list(self._callbacks):
-            self.engine.abort(request_id)
-            self._callbacks.pop(request_id, None)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine is in a bad way: the caller must still hear
+                log.exception("abort of %s after a failed step failed", request_id)
+            cb = self._callbacks.pop(request_id, None)
+            if cb is not None:
+                try:
+                    cb(RequestOutput.aborted(request_id, reason))
+                except Exception:
+                    log.exception("output callback of %s failed", request_id)
 
     def _fail_pending_calls(self) -> None:
         with self._lock:

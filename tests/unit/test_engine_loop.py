@@ -143,3 +143,48 @@ def test_take_step_trace_returns_the_records_once():
         assert loop.take_step_trace() == []
     finally:
         loop.stop()
+
+
+class BrokenEngine(FakeEngine):
+    """Its steps fail, as when a tensor-parallel or pipeline rank died (gloo: "Connection closed
+    by peer")."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests, self.aborted = set(), []
+
+    def add_request(self, request_id, *args, **kwargs):
+        self.requests.add(request_id)
+        self.scheduler.waiting.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        raise RuntimeError("Connection closed by peer")
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        self.requests.discard(request_id)
+        self.scheduler.waiting.remove(request_id)
+        return True
+
+
+def test_a_failed_step_ends_each_request_at_once_with_the_error():
+    loop = EngineLoop.build(BrokenEngine, name="t-broken", timeout=10)
+    try:
+        got = []
+        done = threading.Event()
+
+        def on_output(out):
+            got.append(out)
+            done.set()
+
+        loop.add_request("r1", [1, 2, 3], None, on_output)
+        assert done.wait(5), "the caller never heard of the failed step"
+        [out] = got
+        assert out.finished and out.outputs[0].finish_reason == "abort"
+        assert out.outputs[0].stop_reason == "engine step failed: Connection closed by peer"
+        assert loop.call(lambda: loop.engine.aborted) == ["r1"]
+    finally:
+        loop.stop()
