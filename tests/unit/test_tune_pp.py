@@ -10,10 +10,11 @@ import json
 import math
 
 import pytest
+import yaml
 
 from helpers.tuning import DERIVED, MODEL, make_profile
 from pdserve import cli
-from pdserve.deploy.config.load import validate_config
+from pdserve.deploy.config.load import load_config, validate_config
 from pdserve.tuning import derive_profile
 from pdserve.tuning.deploy_yaml import deploy_yaml, launcher_problems
 from pdserve.tuning.perf_model import (
@@ -80,7 +81,7 @@ def test_bad_placing_keys_are_named(where, value, words):
 
 
 # ---- the step and KV model of tp x pp ranks --------------------------------------------------------
-def _nodes_profile(link_bw: float, link_lat: float = 20e-6, **kw):
+def _nodes_profile(link_bw: float, link_lat: float = 20e-6, device="gpu", as_dict=False):
     """A 16-KV-head model of 80 layers (hidden 4096, bf16) on nodes of 8 devices of 10 GB for
     weights and KV each, 100 GB of weights: one stage of tp 8 holds no KV (8 x 10 < 100), two
     do, as does one of tp 16; `link_bw`: the inter-node link."""
@@ -105,12 +106,11 @@ def _nodes_profile(link_bw: float, link_lat: float = 20e-6, **kw):
         model=model,
         kv_bytes_per_token=kvb,
         hardware={
-            "device": "gpu",
+            "device": device,
             "devices_per_node": 8,
             "usable_memory_bytes_per_device": usable,
             "inter_node": {"bandwidth_bytes_per_s": link_bw, "latency_s": link_lat},
             "intra_node": {"bandwidth_bytes_per_s": 300e9, "latency_s": 10e-6},
-            **kw,
         },
         tp={
             t: {
@@ -122,7 +122,7 @@ def _nodes_profile(link_bw: float, link_lat: float = 20e-6, **kw):
         },
         kv_transfer={"torch": {"bandwidth_bytes_per_s": 50e9, "latency_s": 50e-6}},
     )
-    return profile_from_dict(data)
+    return data if as_dict else profile_from_dict(data)
 
 
 def test_a_tp_group_across_nodes_pays_its_all_reduces_over_the_link():
@@ -270,6 +270,45 @@ def test_tune_cli_prints_why_on_the_h100_profile(capsys):
     assert "prefill pp (8 GPUs a node" in out
     assert "not chosen: the best runs prefill tp 1 in one stage, which stays on one node" in out
     assert "tp 1: not searched in stages: one stage holds 450911 KV tokens" in out
+
+
+def test_tune_writes_the_stages_it_chose_into_the_yaml(tmp_path, capsys):
+    """The same slow-link case as a CPU profile (which `pdserve up` runs in stages), through
+    `pdserve tune --out`: the YAML's prefill pool is tp 8 x pp 2, and the launcher's offline
+    checks take it."""
+    path, out = tmp_path / "big.json", tmp_path / "best.yaml"
+    path.write_text(json.dumps(_nodes_profile(10e9, 50e-6, device="cpu", as_dict=True)))
+    argv = [
+        "tune", "--profile", str(path), "--workload", "synthetic:2048:8", "--slo",
+        "ttft=2s,tpot=300ms", "--devices", "32", "--num-requests", "200", "--max-requests",
+        "1500", "--max-verify-requests", "3000", "--verify-top", "2", "--model", "/models/big",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "best: 1P tp8 pp2 + 1D tp16" in text and "prefill pp 2 x tp 8 chosen" in text, text
+    cfg = load_config(out)
+    assert (cfg.pools.prefill.tp, cfg.pools.prefill.pp) == (8, 2)
+    assert (cfg.pools.decode.tp, cfg.pools.decode.pp) == (16, 1)
+    assert cfg.ray.num_cpus == 32
+    assert launcher_problems(yaml.safe_load(out.read_text()), load_profile(path)) == []
+
+
+def test_a_refused_best_is_ranked_with_include_refused_but_never_written(tmp_path, capsys):
+    out = tmp_path / "best.yaml"
+    argv = [
+        "tune", "--profile", str(SEVENTY), "--workload", "synthetic:1024:64", "--slo",
+        "ttft=2s,tpot=100ms", "--devices", "8", "--num-requests", "100", "--max-requests",
+        "600", "--max-verify-requests", "1200", "--verify-top", "1", "--include-refused",
+        "--model", "/models/Meta-Llama-3-70B", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "ranked anyway (--include-refused; never written)" in captured.out
+    assert "refuses" in captured.err and "--out writes none" in captured.err
+    assert not out.exists()
+    assert cli.main(argv[:-5] + ["--no-pp"]) == 2  # without: every placement is refused
+    assert "--include-refused ranks them anyway" in capsys.readouterr().err
 
 
 # ---- the YAML --------------------------------------------------------------------------------------
