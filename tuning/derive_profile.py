@@ -174,8 +174,9 @@ def tp_entry(m: Shape, tp: int) -> dict:
     }
 
 
-def build(m: Shape) -> dict:
-    source = {
+def _source(m: Shape) -> dict:
+    """Where the figures come from and what was assumed (for people; the tuner ignores it)."""
+    return {
         "summary": "DERIVED, not measured: step times computed from hardware datasheet figures, the "
         "model's shape and assumed efficiencies; use a measured profile where there is one",
         "derivation": "python -m pdserve.tuning.derive_profile (tuning/derive_profile.py): the "
@@ -214,6 +215,10 @@ def build(m: Shape) -> dict:
             "BENCHMARKS.md)",
         },
     }
+
+
+def build(m: Shape) -> dict:
+    """The profile of `m` on H100 nodes, in the schema `pdserve profile` writes."""
     transfer = {
         "torch": {
             "bandwidth_bytes_per_s": NVLINK_BYTES_PER_S * NCCL_EFFICIENCY,
@@ -257,7 +262,7 @@ def build(m: Shape) -> dict:
         tp={t: tp_entry(m, t) for t in TP_DEGREES},
         kv_transfer=transfer,
         derived=True,
-        source=source,
+        source=_source(m),
     )
 
 

@@ -11,7 +11,10 @@ whole deployment through the simulator) or estimated (sized from one worker of e
 Placements that `pdserve up` refuses today are left out and listed, and the YAML written passes
 the launcher's offline checks. --planner then simulates the best disaggregated pick with the
 planner in the loop (tuning/sim_planner.py) on the workload with its phases kept, and says
-whether it beats the same placement static (goodput both ways). Prefix caching is not
+whether it beats the same placement static (goodput both ways). The prefill pool may run in
+pipeline stages where one stage of a TP degree cannot hold a prompt (--no-pp: never); after the
+best placement, the report says whether it does and why (tune_report.pp_notes).
+--include-refused ranks the placements `pdserve up` refuses today too, and writes none of them. Prefix caching is not
 simulated: a trace with Mooncake hash_ids gets a note saying so. Bad arguments exit with code 2 and a message.
 """
 
@@ -336,23 +339,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         profile, workload, slo = check_args(args)
-        placements = enumerate_placements(
-            profile,
-            args.devices,
-            colocated=args.colocated,
-            tp_degrees=_tp_degrees(args, profile),
-            backend=args.backend,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            pipeline=args.pp,
-            min_kv_tokens=_longest_prompt(workload),
-        )
-        if not placements:
-            raise TuneError(
-                f"--devices {args.devices}: no placement fits: every worker shape of the "
-                f"profile's TP degrees {profile.tp_degrees} (and prefill stages) on that many "
-                f"devices leaves its weights no room for KV"
-            )
+        placements = _placements(args, profile, workload)
     except TuneError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
@@ -394,16 +381,7 @@ def run(args) -> int:
         f"{best.placement.num_devices} {unit}s = {best.per_device:.3g} req/s per {unit} "
         f"(predicted, {best.status})"
     )
-    for line in pp_notes(
-        profile,
-        cands,
-        best,
-        tokens=min(args.max_num_batched_tokens, _longest_prompt(workload)),
-        num_devices=args.devices,
-        min_kv_tokens=_longest_prompt(workload),
-        unit=unit,
-    ):
-        print(line)
+    _print_stages(ctx, cands, best)
     if best.placement.label() in refused:
         print(
             f"note: `pdserve up` refuses {best.placement.label()} today "
@@ -461,6 +439,44 @@ class _Context:
             router_port=a.router_port,
             ray_address=a.ray_address,
         )
+
+
+def _placements(args, profile: Profile, workload: list[RequestSpec]) -> list:
+    """The candidates (tuner.enumerate_placements) for the arguments; TuneError if none fits."""
+    placements = enumerate_placements(
+        profile,
+        args.devices,
+        colocated=args.colocated,
+        tp_degrees=_tp_degrees(args, profile),
+        backend=args.backend,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        pipeline=args.pp,
+        min_kv_tokens=_longest_prompt(workload),
+    )
+    if not placements:
+        raise TuneError(
+            f"--devices {args.devices}: no placement fits: every worker shape of the "
+            f"profile's TP degrees {profile.tp_degrees} (and prefill stages) on that many "
+            f"devices leaves its weights no room for KV"
+        )
+    return placements
+
+
+def _print_stages(ctx: _Context, cands: list, best: Candidate) -> None:
+    """Whether the best runs its prefill pool in pipeline stages, and why (tune_report.pp_notes),
+    for a full step: max_num_batched_tokens, or the longest prompt if shorter."""
+    longest = _longest_prompt(ctx.workload)
+    for line in pp_notes(
+        ctx.profile,
+        cands,
+        best,
+        tokens=min(ctx.args.max_num_batched_tokens, longest),
+        num_devices=ctx.args.devices,
+        min_kv_tokens=longest,
+        unit=ctx.unit,
+    ):
+        print(line)
 
 
 def _longest_prompt(workload: list[RequestSpec]) -> int:

@@ -146,8 +146,6 @@ def pp_notes(
     not), priced for one step of a `tokens`-token prompt: the stages take turns (no
     micro-batching), so stages pay off only where one stage's weights leave no room for KV and a
     TP group over as many devices would pay its all-reduces across nodes."""
-    from pdserve.tuning.tuner import pp_degrees, pp_dominated
-
     pl = best.placement
     if pl.colocated:
         return [
@@ -162,30 +160,50 @@ def pp_notes(
     )
     notes = [f"prefill pp ({nodes}; a {tokens}-token prompt's prefill step, no micro-batching):"]
     if pp > 1:
-        staged, one = _step_ms(profile, tp, pp, tokens), profile.kv_capacity(tp, 1)
-        c = profile.pp_costs(tp, pp)
-        why = [
-            f"  prefill pp {pp} x tp {tp} chosen: {pp} stages of tp {tp} cost {staged:.1f} ms a "
-            f"step ({c.handoff_s(tokens) * 1e3:.2f} ms of it hand-offs, {c.node_crossings} of "
-            f"{pp - 1} between nodes) and hold {profile.kv_capacity(tp, pp)} KV tokens, where "
-            f"tp {tp} in one stage holds {one}"
-            + (f" (the longest prompt is {min_kv_tokens})" if one < min_kv_tokens else "")
-        ]
-        wide = tp * pp
-        if wide in profile.tp:
-            ar = profile.pp_costs(wide, 1).allreduce_s(tokens) * 1e3
-            why.append(
-                f"  a tp {wide} group {_nodes(profile, wide, unit)}"
-                + (
-                    f"; its all-reduces over the inter-node link cost {ar:.1f} ms a step"
-                    if ar
-                    else ""
-                )
-                + f": its step costs {_step_ms(profile, wide, 1, tokens):.1f} ms"
-            )
-        else:
-            why.append(f"  the profile has no tp {wide} (TP must divide the model's KV heads)")
-        return notes + why
+        return notes + _staged(profile, tp, pp, tokens, min_kv_tokens, unit)
+    return notes + _one_stage(profile, cands, tp, tokens, num_devices, min_kv_tokens, unit)
+
+
+def _staged(
+    profile: Profile, tp: int, pp: int, tokens: int, min_kv_tokens: int, unit: str
+) -> list[str]:
+    """Why the best runs its prefill workers in pp stages of tp: what they cost and hold, and
+    what one TP group over as many devices would cost."""
+    staged, one = _step_ms(profile, tp, pp, tokens), profile.kv_capacity(tp, 1)
+    c = profile.pp_costs(tp, pp)
+    why = [
+        f"  prefill pp {pp} x tp {tp} chosen: {pp} stages of tp {tp} cost {staged:.1f} ms a "
+        f"step ({c.handoff_s(tokens) * 1e3:.2f} ms of it hand-offs, {c.node_crossings} of "
+        f"{pp - 1} between nodes) and hold {profile.kv_capacity(tp, pp)} KV tokens, where "
+        f"tp {tp} in one stage holds {one}"
+        + (f" (the longest prompt is {min_kv_tokens})" if one < min_kv_tokens else "")
+    ]
+    wide = tp * pp
+    if wide in profile.tp:
+        ar = profile.pp_costs(wide, 1).allreduce_s(tokens) * 1e3
+        why.append(
+            f"  a tp {wide} group {_nodes(profile, wide, unit)}"
+            + (f"; its all-reduces over the inter-node link cost {ar:.1f} ms a step" if ar else "")
+            + f": its step costs {_step_ms(profile, wide, 1, tokens):.1f} ms"
+        )
+    else:
+        why.append(f"  the profile has no tp {wide} (TP must divide the model's KV heads)")
+    return why
+
+
+def _one_stage(
+    profile: Profile,
+    cands: list[Candidate],
+    tp: int,
+    tokens: int,
+    num_devices: int,
+    min_kv_tokens: int,
+    unit: str,
+) -> list[str]:
+    """Why the best runs its prefill workers of tp in one stage: for each TP degree searched,
+    whether stages were searched and what they would cost."""
+    from pdserve.tuning.tuner import pp_degrees, pp_dominated
+
     rows = []
     for t in sorted({tp} | {c.placement.prefill.tp for c in cands if c.placement.prefill}):
         for k in pp_degrees(profile, t, num_devices)[1:2]:  # pp 2 says it for all
@@ -220,4 +238,4 @@ def pp_notes(
         + (f" (its all-reduces over the inter-node link cost {ar:.1f} ms a step)" if ar else "")
         + f": its step costs {_step_ms(profile, tp, 1, tokens):.1f} ms"
     )
-    return notes + [chosen] + rows
+    return [chosen] + rows
