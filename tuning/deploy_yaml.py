@@ -1,7 +1,8 @@
 """The deploy YAML `pdserve tune` writes for its best placement (deploy.config's schema, with the
 router's and Ray's settings) and the launcher's offline checks on it (validate_config, and
-fit_problems with the model's shape from the profile): the tuner leaves out the placements
-`pdserve up` would refuse, and never writes one."""
+fit_problems with the model's shape from the profile, and the engine's refusal of a GPU prefill
+pool in stages): the tuner leaves out the placements `pdserve up` would refuse, and never writes
+one. A prefill pool in stages is written with its `pp`."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def deploy_yaml(
         out = {
             "replicas": spec.replicas,
             "tp": spec.tp,
+            **({"pp": spec.pp} if spec.pp > 1 else {}),
             "resources": {"num_cpus": 1, "num_gpus": 1} if gpu else {"num_cpus": 1},
             "max_num_batched_tokens": spec.max_num_batched_tokens,
             "max_num_seqs": spec.max_num_seqs,
@@ -68,7 +70,7 @@ def deploy_yaml(
         data["ray"] = {"address": ray_address}
     else:
         specs = [pl.decode] if pl.colocated else [pl.prefill, pl.decode]
-        data["ray"] = {"address": None, "num_cpus": sum(s.replicas * s.tp for s in specs)}
+        data["ray"] = {"address": None, "num_cpus": sum(s.replicas * s.devices for s in specs)}
     return data
 
 
@@ -95,7 +97,21 @@ def launcher_problems(data: dict, profile: Profile) -> list[str]:
         cfg = validate_config(data)
     except ConfigError as e:
         return str(e).splitlines()
-    return fit_problems(cfg, hf_config(profile))
+    return fit_problems(cfg, hf_config(profile)) + _stage_problems(cfg)
+
+
+def _stage_problems(cfg) -> list[str]:
+    """A prefill pool in stages on GPUs: the engine refuses it at start (its stages' KV pools
+    are files under kv_cache_shared_dir, which needs KV in CPU memory: engine/engine_core.py),
+    though deploy/config/checks.py does not say so before Ray starts."""
+    pool = cfg.pools.prefill if cfg.pools.colocated is None else None
+    if pool is not None and pool.pp > 1 and pool.resources.num_gpus > 0:
+        return [
+            f"pools.prefill.pp: {pool.pp} on GPUs is refused today (a prefill worker in stages "
+            f"hands its later stages' KV off through CPU shared memory, which GPU KV pools "
+            f"cannot use): set pools.prefill.pp to 1"
+        ]
+    return []
 
 
 def write_yaml(path: str, data: dict, header: list[str], profile: Profile) -> None:

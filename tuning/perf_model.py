@@ -8,6 +8,12 @@ serving-path step models per worker kind ("serving"), fitted through a running d
 SLO experiments; they include the costs of serving that a bare engine step lacks, and the
 simulator uses them wherever they are given. StepModel says what the models compute, and
 `profile_from_dict` lists the keys of the JSON that are read.
+
+The profile also carries what pipeline stages and nodes cost (`Profile.placed_step_model`): how
+many devices a node holds, the link between nodes (which a tensor-parallel group spanning nodes
+pays per all-reduce, and a stage hand-off between nodes pays once), and the memory figures that
+say how much KV a worker of tp x pp ranks holds (`Profile.kv_capacity`). Old profiles without
+these keys load with the documented defaults: every device on one node, so nothing changes.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -80,6 +86,42 @@ class TransferModel:
         return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
 
 
+# the link between nodes when a profile does not give one (hardware.inter_node): 100 Gb/s
+# Ethernet's 12.5 GB/s and 20 us a call, a plain data-centre network
+DEFAULT_INTER_NODE = TransferModel(12.5e9, 20e-6)
+ACTIVATION_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class PlacedCosts:
+    """What a worker's placement adds to each step of the profiled tp model, in seconds:
+    all-reduces over the inter-node link (2 a layer, when the TP group spans nodes; a ring moves
+    2 (tp-1)/tp of each token's activations) and stage hand-offs (pp - 1 hand-offs of the hidden
+    states and the residual, then the final hidden states back to the first stage, each over
+    the inter-node link when the two stages sit on different nodes, else the intra-node one).
+    `node_crossings`: hand-offs from one stage to the next that cross nodes."""
+
+    allreduce_fixed_s: float = 0.0
+    allreduce_per_token_s: float = 0.0
+    handoff_fixed_s: float = 0.0
+    handoff_per_token_s: float = 0.0
+    node_crossings: int = 0
+
+    @property
+    def fixed_s(self) -> float:
+        return self.allreduce_fixed_s + self.handoff_fixed_s
+
+    @property
+    def per_token_s(self) -> float:
+        return self.allreduce_per_token_s + self.handoff_per_token_s
+
+    def allreduce_s(self, tokens: int) -> float:
+        return self.allreduce_fixed_s + tokens * self.allreduce_per_token_s
+
+    def handoff_s(self, tokens: int) -> float:
+        return self.handoff_fixed_s + tokens * self.handoff_per_token_s
+
+
 @dataclass(frozen=True)
 class Profile:
     model_id: str
@@ -107,11 +149,104 @@ class Profile:
     # On a CPU host the workers share cores and memory bandwidth, and a prefill worker's KV
     # pushes land in the decode worker's process while it decodes.
     interference: dict[str, float] = field(default_factory=dict)
+    # the model's hidden size (model.hidden_size; absent: num_heads x head_dim, the head size
+    # from kv_bytes_per_token) and its activations' bytes per element: a stage hand-off moves
+    # tokens x hidden_size x this many bytes per tensor
+    hidden_size: int = 0
+    activation_bytes: int = 2
+    # devices one node holds (hardware.devices_per_node; None: every device is on one node, so no
+    # TP group and no stage hand-off ever crosses a node)
+    devices_per_node: int | None = None
+    # the link between nodes (hardware.inter_node): the bandwidth one all-reduce ring across nodes
+    # gets (its bus bandwidth) and its latency per call, also what a stage hand-off between two
+    # nodes gets; the link between the stages on one node (hardware.intra_node; absent: the
+    # fastest KV transfer backend, a copy between two processes of one host)
+    inter_node: TransferModel = field(default_factory=lambda: DEFAULT_INTER_NODE)
+    intra_node: TransferModel | None = None
+    # model.weight_bytes and hardware.usable_memory_bytes_per_device (what one device holds for
+    # weights and KV): with both, a worker of tp x pp ranks holds (tp*pp*usable - weights) /
+    # kv_bytes_per_token tokens of KV; without, pp times the tp entry's kv_capacity_tokens (each
+    # stage rank keeps a rank's KV budget for 1/pp of the layers)
+    weight_bytes: float = 0.0
+    usable_memory_bytes_per_device: float | None = None
 
     def step_model(self, tp: int, kind: str | None = None) -> StepModel:
         """The step model a worker of `kind` ("prefill", "decode", "colocated"; None: the bare
         engine) runs with at this TP degree: the serving-path one when the profile has it."""
         return self.serving.get(kind or "", {}).get(tp, self.tp[tp])
+
+    # ---- pipeline stages and nodes -------------------------------------------------------------
+    def kv_capacity(self, tp: int, pp: int = 1) -> int:
+        """Tokens of KV one worker of tp x pp ranks holds (0: its weights leave no room). Each
+        rank holds 1/pp of the layers' weights and KV, so stages make room that one stage lacks."""
+        if pp == 1:
+            return self.tp[tp].kv_capacity_tokens
+        if self.weight_bytes > 0 and self.usable_memory_bytes_per_device:
+            free = tp * pp * self.usable_memory_bytes_per_device - self.weight_bytes
+            return max(0, int(free // self.kv_bytes_per_token))
+        return pp * self.tp[tp].kv_capacity_tokens
+
+    def nodes_spanned(self, ranks: int) -> int:
+        """Nodes that `ranks` devices packed from a node's first device take."""
+        per = self.devices_per_node
+        return 1 if per is None else max(1, -(-ranks // per))
+
+    def stage_layers(self, pp: int) -> list[int]:
+        """Layers of each stage, as the engine splits them (engine/parallel.py stage_layers: even
+        ranges, the later stages taking one more layer each when pp does not divide them)."""
+        base, extra = divmod(self.num_layers, pp)
+        return [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+
+    def _link(self, crosses: bool) -> TransferModel:
+        if crosses:
+            return self.inter_node
+        return self.intra_node or self.transfer[self.best_backend()]
+
+    def pp_costs(self, tp: int, pp: int) -> PlacedCosts:
+        """What stages and nodes add to the tp step model, per step: fixed seconds and seconds per
+        token (see PlacedCosts)."""
+        h_bytes = self.hidden_size * self.activation_bytes  # one token's activations, one tensor
+        ar_fixed = ar_per_token = 0.0
+        if self.nodes_spanned(tp) > 1:  # the TP group's all-reduces cross nodes: 2 a layer
+            n = 2 * self.num_layers
+            ar_fixed = n * self.inter_node.latency_s
+            ar_per_token = n * 2 * (tp - 1) / tp * h_bytes / self.inter_node.bandwidth_bytes_per_s
+        ho_fixed = ho_per_token = 0.0
+        crossings = 0
+        if pp > 1:
+            per = self.devices_per_node
+            node = (lambda s: 0) if per is None else (lambda s: s * tp // per)  # noqa: E731
+            # stage s hands the hidden states and the residual (2 tensors) to stage s + 1
+            for s in range(pp - 1):
+                link = self._link(node(s) != node(s + 1))
+                crossings += node(s) != node(s + 1)
+                ho_fixed += link.latency_s
+                ho_per_token += 2 * h_bytes / link.bandwidth_bytes_per_s
+            # the last stage hands the final hidden states (1 tensor) back to the first
+            link = self._link(node(pp - 1) != node(0))
+            ho_fixed += link.latency_s
+            ho_per_token += h_bytes / link.bandwidth_bytes_per_s
+        return PlacedCosts(ar_fixed, ar_per_token, ho_fixed, ho_per_token, crossings)
+
+    def placed_step_model(self, tp: int, pp: int = 1, kind: str | None = None) -> StepModel:
+        """The step model of a worker of tp x pp ranks packed on nodes: the profiled tp model
+        (its own all-reduces as profiled, on one node), plus the all-reduces over the inter-node
+        link when the TP group spans nodes, plus the stage hand-offs. The stages take turns (the
+        engine has no micro-batching), so the compute is all the layers' at that tp, one stage
+        after another. The KV it holds: kv_capacity(tp, pp)."""
+        base = self.step_model(tp, kind)
+        c = self.pp_costs(tp, pp)
+        if not (c.fixed_s or c.per_token_s) and pp == 1:
+            return base
+        pa, pb, pc = base.prefill
+        da, db, dc = base.decode
+        return replace(
+            base,
+            # a decode step's B tokens are all-reduced as a prefill step's T tokens are
+            prefill=(pa + c.fixed_s, pb + c.per_token_s, pc),
+            decode=(da + c.fixed_s, db + c.per_token_s, dc),
+            kv_capacity_tokens=self.kv_capacity(tp, pp),
+        )
 
     @property
     def has_step_variation(self) -> bool:
@@ -212,17 +347,22 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
     """The Profile in `data`, a parsed profile JSON (schema "pdserve-profile/1"); a ProfileError
     names `source` and the key of anything missing or malformed. The keys it reads:
 
-      model: {id, name, num_layers, num_heads, num_kv_heads, dtype}
+      model: {id, name, num_layers, num_heads, num_kv_heads, dtype, hidden_size (optional),
+          head_dim (optional), weight_bytes (optional)}
       kv_bytes_per_token, block_size, hardware: {device: "cpu"|"gpu"}, derived
+      hardware (optional keys): devices_per_node, inter_node: {bandwidth_bytes_per_s,
+          latency_s}, intra_node: {the same}, usable_memory_bytes_per_device
       tp: {"<degree>": {prefill: {coef: [a, b, c]}, decode: {coef: [a, b, c]}, kv_capacity_tokens}}
+          (kv_capacity_tokens 0: the weights leave no room for KV in one stage at this degree)
       kv_transfer: {"<backend>": {bandwidth_bytes_per_s, latency_s}}
       serving (optional): {"prefill"|"decode"|"colocated": {"<degree>": {prefill: {coef},
           decode: {coef}, first_token_latency_s, step_noise, prompt_step_noise,
           step_speed: {window_s, traces}}}, interference: {decode_while_prefill,
           prefill_while_decode, colocated_while_busy}}
 
-    StepModel's fields say what the serving keys mean. The rest of the file (samples, fit errors,
-    source) is for people and is kept untouched in Profile.raw."""
+    StepModel's fields say what the serving keys mean, Profile's what the optional model and
+    hardware keys mean and their defaults. The rest of the file (samples, fit errors, source) is
+    for people and is kept untouched in Profile.raw."""
     if not isinstance(data, dict):
         raise ProfileError(
             f"{source}: the top level must be a JSON object, got {type(data).__name__}"
@@ -247,13 +387,18 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
     block_size = _get(data, "block_size", source, int)
     if kv_bytes < 1 or block_size < 1:
         raise ProfileError(f"{source}: kv_bytes_per_token and block_size must be >= 1")
+    num_layers = _get(model, "num_layers", source, int, "model")
+    if num_layers < 1:
+        raise ProfileError(f"{source}: model.num_layers: must be >= 1, got {num_layers}")
+    dtype = str(model.get("dtype", "auto"))
+    act_bytes = ACTIVATION_BYTES.get(dtype, 2 if device == "gpu" else 4)  # "auto": as the engine
     return Profile(
         model_id=_get(model, "id", source, str, "model"),
         model_name=str(model.get("name") or model["id"]),
-        num_layers=_get(model, "num_layers", source, int, "model"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        dtype=str(model.get("dtype", "auto")),
+        dtype=dtype,
         kv_bytes_per_token=kv_bytes,
         block_size=block_size,
         device=device,
@@ -263,7 +408,76 @@ def profile_from_dict(data, source: str = "<profile>") -> Profile:
         raw=data,
         serving=serving,
         interference=interference,
+        hidden_size=_hidden_size(model, num_layers, num_kv_heads, kv_bytes, act_bytes, source),
+        activation_bytes=act_bytes,
+        **_placing(hw, model, source),
     )
+
+
+def _positive(section: dict, key: str, source: str, where: str, kind=(int, float)):
+    """section[key] if it is there (None if not), a finite number > 0 of `kind`."""
+    value = section.get(key)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        what = "an integer" if kind is int else "a number"
+        raise ProfileError(f"{source}: {where}.{key}: expected {what} > 0, got {value!r}")
+    return value
+
+
+def _hidden_size(
+    model: dict, num_layers: int, num_kv_heads: int, kv_bytes: int, act_bytes: int, source: str
+) -> int:
+    """model.hidden_size, else num_heads x head_dim (model.head_dim, else the head size that
+    kv_bytes_per_token implies: K and V of every layer's KV heads, at the activations' bytes)."""
+    hidden = _positive(model, "hidden_size", source, "model", int)
+    if hidden:
+        return hidden
+    head_dim = _positive(model, "head_dim", source, "model", int) or max(
+        1, kv_bytes // (2 * num_layers * num_kv_heads * act_bytes)
+    )
+    return model["num_heads"] * head_dim
+
+
+def _placing(hw: dict, model: dict, source: str) -> dict:
+    """The optional keys that price pipeline stages and nodes (Profile's fields say what they
+    mean and what their absence means)."""
+    out: dict = {}
+    per_node = _positive(hw, "devices_per_node", source, "hardware", int)
+    if per_node:
+        out["devices_per_node"] = per_node
+    for key in ("inter_node", "intra_node"):
+        entry = hw.get(key)
+        if entry is None:
+            continue
+        where = f"hardware.{key}"
+        if not isinstance(entry, dict):
+            raise ProfileError(
+                f"{source}: {where}: expected {{bandwidth_bytes_per_s, latency_s}}, got {entry!r}"
+            )
+        bw = _positive(entry, "bandwidth_bytes_per_s", source, where)
+        lat = entry.get("latency_s", 0.0)
+        if (
+            bw is None
+            or isinstance(lat, bool)
+            or not isinstance(lat, (int, float))
+            or not (math.isfinite(lat) and lat >= 0)
+        ):
+            raise ProfileError(
+                f"{source}: {where}: bandwidth_bytes_per_s must be > 0 and latency_s >= 0"
+            )
+        out[key] = TransferModel(float(bw), float(lat))
+    weights = _positive(model, "weight_bytes", source, "model")
+    usable = _positive(hw, "usable_memory_bytes_per_device", source, "hardware")
+    if weights:
+        out["weight_bytes"] = float(weights)
+    if usable:
+        out["usable_memory_bytes_per_device"] = float(usable)
+    return out
 
 
 def _tp_steps(tps: dict, num_heads: int, num_kv_heads: int, source: str) -> dict[int, StepModel]:
@@ -279,9 +493,10 @@ def _tp_steps(tps: dict, num_heads: int, num_kv_heads: int, source: str) -> dict
                 f"and {num_kv_heads} KV heads"
             )
         capacity = _get(entry, "kv_capacity_tokens", source, int, where)
-        if capacity < 1:
+        if capacity < 0:
             raise ProfileError(
-                f"{source}: {where}.kv_capacity_tokens: must be >= 1, got {capacity}"
+                f"{source}: {where}.kv_capacity_tokens: must be >= 0 (0: the weights leave no "
+                f"room for KV at this degree in one stage), got {capacity}"
             )
         steps[int(key)] = StepModel(
             _coef(_get(entry, "prefill", source, dict, where), source, f"{where}.prefill"),

@@ -342,6 +342,8 @@ def _hardware(info: dict, args) -> dict:
         "name": torch.cuda.get_device_name(0) if gpu else cpu,
         "cpu": cpu,
         "num_cpus": os.cpu_count(),
+        # a device is threads_per_rank cores: this machine is one node of that many devices
+        "devices_per_node": max(1, (os.cpu_count() or 1) // args.threads_per_rank),
         "memory_bytes": memory,
         "threads_per_rank": args.threads_per_rank,
         "kv_cache_memory": args.kv_cache_memory,

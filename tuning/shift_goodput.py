@@ -289,12 +289,18 @@ def planner_report(args, profile: Profile, workload: list[RequestSpec], slo: SLO
         (
             c
             for c in cands
-            if not c.placement.colocated and c.status not in ("no-rate", "dropped") and c.score > 0
+            if not c.placement.colocated
+            and c.placement.prefill.pp == 1  # workers in stages never flip roles
+            and c.status not in ("no-rate", "dropped")
+            and c.score > 0
         ),
         None,
     )
     if pick is None:
-        print("\nplanner: no disaggregated placement meets the SLO to start it from")
+        print(
+            "\nplanner: no disaggregated placement with one-stage workers (those in stages "
+            "never flip roles) meets the SLO to start it from"
+        )
         return
     t0 = time.perf_counter()
     bounds = trace_phases(args.workload, workload)

@@ -84,6 +84,11 @@ class PlannerSimulator(Simulator):
         """planner_cls: the policy's class (Planner, or a variant of it to try in simulation)."""
         if placement.colocated:
             raise ValueError("the planner moves workers between a prefill and a decode pool")
+        if planner is not None and placement.prefill.pp > 1:
+            raise ValueError(
+                "the planner flips one-stage workers only: a prefill worker in pipeline stages "
+                "never flips roles (deploy/config/schema.py Pool.pp)"
+            )
         if not drain_s >= 0 or not switch_delay_s >= 0:
             raise ValueError("drain_s and switch_delay_s must be >= 0")
         super().__init__(profile, placement, fast, seed=seed)

@@ -39,7 +39,18 @@ class PoolSpec:
     tp: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    kv_capacity_tokens: int | None = None  # per replica; None: the profile's for this tp
+    kv_capacity_tokens: int | None = None  # per replica; None: the profile's for this tp and pp
+    # pipeline stages of each replica, tp ranks each (prefill pools only: a decode step in stages
+    # pays every stage per token, and the deployment refuses it)
+    pp: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Devices of one replica: tp ranks in each of pp stages."""
+        return self.tp * self.pp
+
+    def shape(self) -> str:
+        return f"tp{self.tp}" + (f" pp{self.pp}" if self.pp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -57,13 +68,13 @@ class Placement:
     @property
     def num_devices(self) -> int:
         pools = [self.decode] if self.prefill is None else [self.prefill, self.decode]
-        return sum(p.replicas * p.tp for p in pools)
+        return sum(p.replicas * p.devices for p in pools)
 
     def label(self) -> str:
         if self.prefill is None:
-            return f"colocated {self.decode.replicas}x tp{self.decode.tp}"
+            return f"colocated {self.decode.replicas}x {self.decode.shape()}"
         p, d = self.prefill, self.decode
-        return f"{p.replicas}P tp{p.tp} + {d.replicas}D tp{d.tp}"
+        return f"{p.replicas}P {p.shape()} + {d.replicas}D {d.shape()}"
 
 
 @dataclass(frozen=True)
@@ -117,9 +128,14 @@ class Simulator:
     * Router, colocated: the worker with the fewest prompt tokens charged to it, then the most free
       blocks as the router saw them at its last Stats sweep (`router_stats_s`; 0: an exact view).
     * Workers: the engine scheduler's policy (tuning/sim_worker.py), with step times from the
-      profile's model for the pool's TP degree and worker kind (serving-path models where given).
+      profile's model for the pool's TP degree and worker kind (serving-path models where given),
+      placed on the profile's nodes (Profile.placed_step_model): a TP group that spans nodes pays
+      its all-reduces over the inter-node link, and a prefill worker in pipeline stages runs them
+      one after another (no micro-batching) with the activation hand-offs between them, and
+      holds the KV of tp x pp ranks (Profile.kv_capacity).
     * KV transfer: layer by layer behind the prefill compute, one link per prefill worker, then
-      the backend's per-message latency.
+      the backend's per-message latency. A worker in stages pushes its first stage's layers as
+      they finish and the later stages' once the step is done, as the engine does.
     * Timings: TTFT ends at the commit on the decode worker (colocated: at the step that finishes
       the prompt). TPOT is (E2E - TTFT) / (output_len - 1), and 0 for one-token outputs. A request
       that never finishes gets an infinite TTFT and E2E.
@@ -148,6 +164,16 @@ class Simulator:
         for pool in filter(None, (placement.prefill, placement.decode)):
             if pool.tp not in profile.tp:
                 raise ValueError(f"the profile has no tp={pool.tp} (it has {profile.tp_degrees})")
+            if not 1 <= pool.pp <= profile.num_layers:
+                raise ValueError(
+                    f"pp={pool.pp}: a worker has 1 to {profile.num_layers} stages (the model's "
+                    f"layers)"
+                )
+        if placement.decode.pp != 1:
+            raise ValueError(
+                "decode and colocated pools run in one stage (pp=1): a decode step in stages "
+                "pays every stage per token"
+            )
         self.backend = placement.backend or profile.best_backend()
         if not placement.colocated and self.backend not in profile.transfer:
             raise ValueError(
@@ -233,7 +259,8 @@ class Simulator:
     def _make_worker(self, role: str, tp: int) -> Worker:
         pl = self.placement
         spec = pl.prefill if role == PREFILL else pl.decode
-        model = self.profile.step_model(tp, "colocated" if pl.colocated else role)
+        pp = spec.pp if spec.tp == tp else 1  # a worker flipped in from the other pool: 1 stage
+        model = self.profile.placed_step_model(tp, pp, "colocated" if pl.colocated else role)
         capacity = spec.kv_capacity_tokens if spec.tp == tp else None
         limits = (spec.max_num_batched_tokens, spec.max_num_seqs)
         w = Worker(
@@ -244,7 +271,7 @@ class Simulator:
             role == PREFILL,
             self.fast,
         )
-        w.role, w.tp = role, tp
+        w.role, w.tp, w.pp = role, tp, pp
         return w
 
     def _draw_speed(self, w: Worker) -> None:
@@ -449,12 +476,17 @@ class Simulator:
         is done (or when the link frees) at the backend's bandwidth and cannot end before the
         last layer's share has moved after the compute ends. Alone on the link, the time it adds
         after the compute is therefore max(x, L*x - (L-1)*c) for per-layer transfer x and
-        per-layer compute c."""
+        per-layer compute c. A worker in pp stages pushes only its first stage's layers behind
+        the compute; the later stages' wait for the step's end (prefill_worker/handoff.py)."""
         num_layers, transfer = self.profile.num_layers, self.transfer
         dur = now - w.step_start
         x_total = step_tokens * self.profile.kv_bytes_per_token / transfer.bandwidth_bytes_per_s
         begin = max(w.step_start + dur / num_layers, w.link_free)
-        sent = max(begin + x_total, now + x_total / num_layers)
+        if w.pp > 1:
+            first = self.profile.stage_layers(w.pp)[0] / num_layers  # the first stage's share
+            sent = max(begin + x_total * first, now) + x_total * (1 - first)
+        else:
+            sent = max(begin + x_total, now + x_total / num_layers)
         w.link_free = sent
         for r in prefilled:
             self._push(sent + transfer.latency_s, _COMMIT, r)

@@ -11,7 +11,10 @@ whole deployment through the simulator) or estimated (sized from one worker of e
 Placements that `pdserve up` refuses today are left out and listed, and the YAML written passes
 the launcher's offline checks. --planner then simulates the best disaggregated pick with the
 planner in the loop (tuning/sim_planner.py) on the workload with its phases kept, and says
-whether it beats the same placement static (goodput both ways). Prefix caching is not
+whether it beats the same placement static (goodput both ways). The prefill pool may run in
+pipeline stages where one stage of a TP degree cannot hold a prompt (--no-pp: never); after the
+best placement, the report says whether it does and why (tune_report.pp_notes).
+--include-refused ranks the placements `pdserve up` refuses today too, and writes none of them. Prefix caching is not
 simulated: a trace with Mooncake hash_ids gets a note saying so. Bad arguments exit with code 2 and a message.
 """
 
@@ -26,7 +29,14 @@ from dataclasses import dataclass
 from pdserve.tuning.deploy_yaml import deploy_yaml, launcher_problems, write_yaml
 from pdserve.tuning.perf_model import Profile, ProfileError, load_profile
 from pdserve.tuning.slo import SLO, TuneError, parse_slo
-from pdserve.tuning.tune_report import BASIS_NOTE, instances_table, plot, seeded_percentiles, table
+from pdserve.tuning.tune_report import (
+    BASIS_NOTE,
+    instances_table,
+    plot,
+    pp_notes,
+    seeded_percentiles,
+    table,
+)
 from pdserve.tuning.tuner import OBJECTIVES, Candidate, Search, enumerate_placements
 from pdserve.tuning.workload import RequestSpec, load_trace, synthetic
 
@@ -84,6 +94,19 @@ def _placing_args(p: argparse.ArgumentParser) -> None:
         default="total",
         help="the ranking for the --devices budget: the placement's total goodput (default; "
         "fewer devices on a tie) or its goodput per device",
+    )
+    placing.add_argument(
+        "--no-pp",
+        dest="pp",
+        action="store_false",
+        help="run every prefill worker in one stage (default: prefill pools may take pipeline "
+        "stages where one stage's weights leave no room for a prompt's KV)",
+    )
+    placing.add_argument(
+        "--include-refused",
+        action="store_true",
+        help="also rank the placements `pdserve up` refuses today (e.g. tensor-parallel or "
+        "pipelined workers on GPUs), to plan hardware; --out still writes only one it runs",
     )
     placing.add_argument("--backend", help="KV transfer backend (default: the profile's fastest)")
     placing.add_argument("--tp", help="TP degrees to consider, e.g. 1,2 (default: the profile's)")
@@ -316,24 +339,20 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         profile, workload, slo = check_args(args)
-        placements = enumerate_placements(
-            profile,
-            args.devices,
-            colocated=args.colocated,
-            tp_degrees=_tp_degrees(args, profile),
-            backend=args.backend,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-        )
+        placements = _placements(args, profile, workload)
     except TuneError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
     ctx = _Context(args, profile, workload, slo)
+    every = placements
     placements, refused = _runnable(ctx, placements)
+    if args.include_refused:  # ranked too, never written
+        placements = every
     if not placements:
         print(
             f"pdserve tune: the launcher refuses every placement on {args.devices} {ctx.unit}s, "
-            f"e.g. {next(iter(refused))}: {next(iter(refused.values()))[0]}",
+            f"e.g. {next(iter(refused))}: {next(iter(refused.values()))[0]} "
+            f"(--include-refused ranks them anyway, to plan hardware)",
             file=sys.stderr,
         )
         return 2
@@ -362,6 +381,14 @@ def run(args) -> int:
         f"{best.placement.num_devices} {unit}s = {best.per_device:.3g} req/s per {unit} "
         f"(predicted, {best.status})"
     )
+    _print_stages(ctx, cands, best)
+    if best.placement.label() in refused:
+        print(
+            f"note: `pdserve up` refuses {best.placement.label()} today "
+            f"({refused[best.placement.label()][0]}): --out writes none",
+            file=sys.stderr,
+        )
+        return 1 if args.out else 0
     if args.planner:
         from pdserve.tuning.shift_goodput import planner_report
 
@@ -412,6 +439,49 @@ class _Context:
             router_port=a.router_port,
             ray_address=a.ray_address,
         )
+
+
+def _placements(args, profile: Profile, workload: list[RequestSpec]) -> list:
+    """The candidates (tuner.enumerate_placements) for the arguments; TuneError if none fits."""
+    placements = enumerate_placements(
+        profile,
+        args.devices,
+        colocated=args.colocated,
+        tp_degrees=_tp_degrees(args, profile),
+        backend=args.backend,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        pipeline=args.pp,
+        min_kv_tokens=_longest_prompt(workload),
+    )
+    if not placements:
+        raise TuneError(
+            f"--devices {args.devices}: no placement fits: every worker shape of the "
+            f"profile's TP degrees {profile.tp_degrees} (and prefill stages) on that many "
+            f"devices leaves its weights no room for KV"
+        )
+    return placements
+
+
+def _print_stages(ctx: _Context, cands: list, best: Candidate) -> None:
+    """Whether the best runs its prefill pool in pipeline stages, and why (tune_report.pp_notes),
+    for a full step: max_num_batched_tokens, or the longest prompt if shorter."""
+    longest = _longest_prompt(ctx.workload)
+    for line in pp_notes(
+        ctx.profile,
+        cands,
+        best,
+        tokens=min(ctx.args.max_num_batched_tokens, longest),
+        num_devices=ctx.args.devices,
+        min_kv_tokens=longest,
+        unit=ctx.unit,
+    ):
+        print(line)
+
+
+def _longest_prompt(workload: list[RequestSpec]) -> int:
+    """The KV one prefill worker must hold at least: the longest prompt of the workload."""
+    return max((r.prompt_len for r in workload), default=1)
 
 
 def _runnable(ctx: _Context, placements: list) -> tuple[list, dict[str, list[str]]]:
@@ -481,7 +551,14 @@ def _print_inputs(ctx: _Context, search: Search, num: int, refused: dict, elapse
         f"(--objective {args.objective}); {search.num_sims} simulations "
         f"in {elapsed:.1f} s; steady-state horizon {search.horizon_s:.0f} s of arrivals"
     )
-    if refused:
+    if refused and args.include_refused:
+        first = next(iter(refused.values()))[0]
+        print(
+            f"{len(refused)} of them `pdserve up` refuses today, ranked anyway "
+            f"(--include-refused; never written): {', '.join(list(refused)[:4])}"
+            f"{', ...' if len(refused) > 4 else ''} ({first})"
+        )
+    elif refused:
         first = next(iter(refused.values()))[0]
         print(
             f"{len(refused)} more placements left out, refused by `pdserve up` today: "

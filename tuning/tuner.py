@@ -8,8 +8,9 @@ meet both the TTFT and the TPOT SLO.
 
 `pdserve tune` (tuning/tune_cmd.py) creates one Search per run and calls `run`, which returns the
 ranked candidates; nothing outlives the run. `enumerate_placements` says which layouts are
-candidates, and Search how they are sized and checked. A device is a GPU when the profile says
-gpu, else a CPU core.
+candidates (TP x PP for the prefill pool, as DistServe searches each phase's parallelism; TP only
+for decode and colocated pools), and Search how they are sized and checked. A device is a GPU
+when the profile says gpu, else a CPU core.
 """
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ def sample_requests(requests: list[RequestSpec], n: int, seed: int = 0) -> list[
 
 
 # ---- candidates ---------------------------------------------------------------------------------
+def pp_degrees(profile: Profile, tp: int, num_devices: int) -> list[int]:
+    """The stage counts a prefill worker of `tp` ranks a stage may take: 1, 2, 4, ... while
+    every stage keeps a layer and tp x pp devices are there."""
+    out, pp = [], 1
+    while pp <= profile.num_layers and tp * pp <= num_devices:
+        out.append(pp)
+        pp *= 2
+    return out
+
+
+def pp_dominated(profile: Profile, tp: int, pp: int, min_kv_tokens: int = 1) -> bool:
+    """Whether a prefill worker of tp x pp (pp > 1) can never beat pp workers of tp in one stage
+    on the same devices: those hold at least min_kv_tokens of KV each, and the stages take turns
+    (no micro-batching), so the pipelined worker computes the same layers at the same TP degree
+    with hand-offs added, while pp one-stage workers serve pp prompts at a time."""
+    return pp > 1 and profile.kv_capacity(tp, 1) >= max(1, min_kv_tokens)
+
+
 def enumerate_placements(
     profile: Profile,
     num_devices: int,
@@ -53,20 +72,33 @@ def enumerate_placements(
     backend: str | None = None,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 128,
+    pipeline: bool = True,
+    min_kv_tokens: int = 1,
 ) -> list[Placement]:
     """Every prefill/decode split with as many decode replicas as the rest of the devices allow
-    (so every n:m ratio per pair of TP degrees), and with colocated, N // tp workers per degree."""
+    (so every n:m ratio per pair of worker shapes), and with colocated, N // tp workers per
+    degree. A prefill worker's shape is tp x pp (pipeline: pp in pp_degrees, except where
+    pp_dominated says one stage of that tp, holding min_kv_tokens, always does as well); decode
+    and colocated workers run one stage. A shape whose weights leave no room for KV
+    (Profile.kv_capacity 0) is no candidate."""
     tps = [t for t in (tp_degrees or profile.tp_degrees) if t in profile.tp]
-    pool = lambda n, t: PoolSpec(n, t, max_num_batched_tokens, max_num_seqs)  # noqa: E731
+    pool = lambda n, t, pp=1: PoolSpec(n, t, max_num_batched_tokens, max_num_seqs, pp=pp)  # noqa: E731
+    prefill_shapes = [
+        (t, pp)
+        for t in tps
+        for pp in (pp_degrees(profile, t, num_devices) if pipeline else [1])
+        if profile.kv_capacity(t, pp) > 0 and not pp_dominated(profile, t, pp, min_kv_tokens)
+    ]
+    decode_tps = [t for t in tps if profile.kv_capacity(t) > 0]
     out = []
-    for tp_p in tps:
-        for tp_d in tps:
-            for n_p in range(1, num_devices // tp_p + 1):
-                n_d = (num_devices - n_p * tp_p) // tp_d
+    for tp_p, pp_p in prefill_shapes:
+        for tp_d in decode_tps:
+            for n_p in range(1, num_devices // (tp_p * pp_p) + 1):
+                n_d = (num_devices - n_p * tp_p * pp_p) // tp_d
                 if n_d >= 1:
-                    out.append(Placement(pool(n_p, tp_p), pool(n_d, tp_d), backend))
+                    out.append(Placement(pool(n_p, tp_p, pp_p), pool(n_d, tp_d), backend))
     if colocated:
-        for t in tps:
+        for t in decode_tps:
             if num_devices // t >= 1:
                 out.append(Placement(None, pool(num_devices // t, t)))
     return out
@@ -77,7 +109,8 @@ def instance_capacity(
 ) -> float:
     """Requests/s one worker could sustain at best (no queueing): prefill work per request, and
     the decode batch that the TPOT SLO and the KV capacity allow. Brackets the bisections."""
-    m = profile.step_model(pool.tp, kind)  # the serving-path model of this kind, when profiled
+    # the serving-path model of this kind, when profiled, placed on the profile's nodes
+    m = profile.placed_step_model(pool.tp, pool.pp, kind)
     mean_out = statistics.fmean(max(0, r.output_len - 1) for r in requests) or 1e-9
     ctx = statistics.fmean(r.prompt_len + r.output_len / 2 for r in requests)
     held = statistics.fmean(r.prompt_len + r.output_len for r in requests)
@@ -140,6 +173,7 @@ class Instance:
     tpot_p90_s: float | None
     num_requests: int
     capped: bool = False  # passed at the highest rate simulated: at least this
+    pp: int = 1  # pipeline stages (prefill only)
 
 
 def _p90(values: list[float]) -> float:
@@ -199,7 +233,7 @@ class Search:
         self.last_capped = False
         self._sized: dict[int, list[RequestSpec]] = {}
         self._timed: dict[tuple[int, float], list[RequestSpec]] = {}
-        self.instances: dict[tuple[str, int], Instance] = {}
+        self.instances: dict[tuple[str, int, int], Instance] = {}  # (kind, tp, pp)
         self.num_sims = 0
         self.timed_out = False
 
@@ -296,25 +330,27 @@ class Search:
         self.last_capped = state["capped"]
         return state["good"], state["trials"], state["p90"], state["n"]
 
-    def instance(self, kind: str, tp: int) -> Instance:
-        key = (kind, tp)
+    def instance(self, kind: str, tp: int, pp: int = 1) -> Instance:
+        key = (kind, tp, pp)
         if key not in self.instances:
-            pool = PoolSpec(1, tp, *self.pool_args)
+            pool = PoolSpec(1, tp, *self.pool_args, pp=pp)
             if kind == "colocated":
                 placement, phase = Placement(None, pool), "both"
             elif kind == "prefill":
                 placement, phase = Placement(pool, pool, self.backend), "prefill"
             else:
                 placement, phase = Placement(pool, pool, self.backend), "decode"
+            if pp > 1:  # the ideal other side of a pipelined prefill worker: one stage
+                placement = replace(placement, decode=replace(pool, pp=1))
             est = instance_capacity(kind, pool, self.profile, self.base, self.slo)
             if est <= 0:
-                self.instances[key] = Instance(kind, tp, 0.0, [], None, None, 0)
+                self.instances[key] = Instance(kind, tp, 0.0, [], None, None, 0, pp=pp)
             else:
                 good, trials, (ttft, tpot), n = self._bisect(
                     Simulator(self.profile, placement), est * 0.7, self.max_requests, phase=phase
                 )
                 self.instances[key] = Instance(
-                    kind, tp, good, trials, ttft, tpot, n, self.last_capped
+                    kind, tp, good, trials, ttft, tpot, n, self.last_capped, pp
                 )
         return self.instances[key]
 
@@ -342,7 +378,7 @@ class Search:
             if inst.goodput > 0:
                 cand.horizon_s = inst.num_requests / inst.goodput
             return
-        p = self.instance("prefill", pl.prefill.tp)
+        p = self.instance("prefill", pl.prefill.tp, pl.prefill.pp)
         d = self.instance("decode", pl.decode.tp)
         cand.estimate = min(pl.prefill.replicas * p.goodput, pl.decode.replicas * d.goodput)
         if cand.estimate <= 0:
