@@ -48,6 +48,7 @@ from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
     grammar_stats as _grammar_stats,
+    refuse_if_broken,
     spec_stats as _spec_stats,
 )
 from pdserve.worker_common.kv_events import kv_events, tier_stats
@@ -478,6 +479,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
     def Stats(self, request, context):
+        refuse_if_broken(self.loop, context)  # the router takes it down; work goes elsewhere
         h = self.handoff
         stats = worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,

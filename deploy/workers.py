@@ -1,7 +1,8 @@
 """The launcher's workers: the settings each replica gets, the worker it builds, and WorkerActor,
 the Ray actor it runs in.
 
-Every worker of a disaggregated deployment carries both roles (worker_common/process.py: a
+Every worker of a disaggregated deployment (but one whose engine runs in pipeline stages, which
+only prefills) carries both roles (worker_common/process.py: a
 prefill part and a decode part around one engine) and starts serving its pool's role, so the
 router can flip it to the other pool while it runs (router/flips.py, worker_common/role.py). A
 colocated deployment's workers decode only:
@@ -11,7 +12,8 @@ group, builds and starts the worker in its own process, and stops it when told. 
 the actor records the start's stages (worker_common/start_stages.py) and `stages` hands them to the
 launcher as they come (the actor runs its calls on a few threads, so `stages` answers while
 `start` is still busy); once started, `info` says where and how it serves (deploy/start_table.py
-prints it). On this machine the worker's config carries no cluster secret: the actor is given the
+prints it). A started worker whose engine broke (a tensor-parallel or pipeline rank died) exits,
+so the supervisor replaces it as after any death. On this machine the worker's config carries no cluster secret: the actor is given the
 path of the file holding it (deploy/secret_files.py) and reads it once, when `start` begins, so the
 secret is in no process's environment and not in Ray's copy of the actor's arguments.
 """
@@ -21,8 +23,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
+import time
 
 import ray
+
+BROKEN_POLL_S = 1.0  # how often a started worker looks whether its engine broke
 
 
 def worker_config(common: dict, role: str, kv_backend: str, flippable: bool):
@@ -146,7 +152,23 @@ class WorkerActor:
         with traced(self.start_stages):
             self.worker = build_worker(self.role, cfg, self.flippable).start()
         self.start_stages.add("serving", f"{self.role} on {self.worker.address}")
+        threading.Thread(target=self._exit_when_broken, name="broken-watch", daemon=True).start()
         return self.worker.address, self.worker.loop.engine.mode_note
+
+    def _exit_when_broken(self) -> None:
+        """A worker whose engine broke (one of its ranks died: engine/engine_loop.py) cannot
+        serve again; its process exits, and the supervisor starts a fresh one as after any
+        death (deploy/supervisor.py)."""
+        import logging
+
+        while self.worker is not None:
+            loop = self.worker.loop
+            if loop is not None and loop.broken:
+                logging.getLogger(__name__).error(
+                    "%s exits to be restarted: %s", self.worker_config.worker_id, loop.broken
+                )
+                os._exit(70)
+            time.sleep(BROKEN_POLL_S)
 
     def stages(self, since: int = 0) -> list[tuple[float, str, str]]:
         """The start's stages after the first `since`: (seconds into the start, stage, text)."""

@@ -461,6 +461,11 @@ class LLMEngine:
             )
         return self._rank_kv_caches
 
+    def ranks_alive(self) -> bool:
+        """Whether every follower rank's process (tensor-parallel ranks, pipeline stages) is
+        still running: a dead one makes every later step fail (engine/engine_loop.py)."""
+        return self.tp is None or all(p.is_alive() for p in self.tp.procs)
+
     def _stage_layers(self, stage: int) -> int:
         first, end = stage_layers(
             self.model_config.num_layers, stage, self.config.pipeline_parallel_size

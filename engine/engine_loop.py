@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from pdserve.engine.errors import EngineBroken
 from pdserve.engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}
         self._ticks: list[tuple[float, Callable[[], None], list[float]]] = []
         self._stop = threading.Event()
+        # why the engine cannot step any more (a rank died: _check_ranks); "" while it can
+        self.broken = ""
         self._turn_since = 0.0  # time.monotonic() when the running turn began; 0.0: waiting
         # the longest finished turn (s) in the current window and in the one before it, and when
         # the current window began: written by the loop thread only, read by load()
@@ -102,8 +105,12 @@ class EngineLoop:
 
     # ---- from other threads -------------------------------------------------------------------
     def submit(self, fn: Callable, *args) -> Future:
-        """Run fn(*args) on the loop thread; the Future holds its result or exception."""
+        """Run fn(*args) on the loop thread; the Future holds its result or exception (EngineBroken
+        at once once the loop is broken)."""
         fut: Future = Future()
+        if self.broken:
+            fut.set_exception(EngineBroken(self.broken))
+            return fut
         with self._lock:
             if self._closed:
                 fut.set_exception(EngineLoopStopped("the engine loop is stopped"))
@@ -222,6 +229,7 @@ class EngineLoop:
                     outputs = self.engine.step()
                 except Exception as e:  # a failed step must not kill the server silently
                     log.exception("engine step failed; aborting its requests")
+                    self._check_ranks(e)
                     self._fail_all(e)
                     continue
                 self.num_steps += 1
@@ -294,6 +302,19 @@ class EngineLoop:
                     cb(out)
                 except Exception:
                     log.exception("output callback of %s failed", out.request_id)
+
+    def _check_ranks(self, error: BaseException) -> None:
+        """After a failed step: when one of the engine's ranks has died, every later step would
+        fail as this one did, so the loop is broken from now on (before the callers hear of the
+        failure, so that they can tell)."""
+        alive = getattr(self.engine, "ranks_alive", None)
+        if alive is not None and not alive():
+            self.broken = f"a rank of its engine died: {error}"[:500]
+            log.error(
+                "engine loop %s is broken: %s; it takes no more work",
+                self._thread.name,
+                self.broken,
+            )
 
     def _fail_all(self, error: BaseException) -> None:
         """A step failed: every request it may have held is aborted, and each caller hears it

@@ -7,6 +7,8 @@
         PromptTooLong                the prompt leaves no room for output under max_model_len
         DuplicateRequestId           request_id names a request the engine already holds
       NoFreeBlocks (RuntimeError)    not enough free KV blocks now: the same request may fit later
+      EngineBroken (RuntimeError)    the engine cannot step any more (one of its ranks died): the
+                                     request belongs on another worker, this one on a restart
 
 Each stays a subclass of what the engine raised before (ValueError, RuntimeError), so callers
 that catch those keep working.
@@ -37,3 +39,8 @@ class DuplicateRequestId(InvalidRequest):
 
 class NoFreeBlocks(EngineError, RuntimeError):
     """Not enough free KV blocks for the request now (reserve); it may fit once others finish."""
+
+
+class EngineBroken(EngineError, RuntimeError):
+    """The engine cannot step any more: a tensor-parallel or pipeline rank died, so every step
+    would fail as the last one did. The worker refuses work until it is restarted."""

@@ -191,6 +191,11 @@ class TPGroup:
     def shutdown(self) -> None:
         try:
             _broadcast_bytes(_encode(None), self.group)
+        except RuntimeError:
+            if all(p.is_alive() for p in self.procs):
+                raise
+            # a rank died (the engine loop is broken: engine_loop.py); the others are killed
+            # below, and the stop goes on
         finally:
             for p in self.procs:
                 p.join(timeout=30)

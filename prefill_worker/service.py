@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import EngineBroken
 from pdserve.kvtransfer.backends import BACKENDS, connect
 from pdserve.kvtransfer.choose import MAX_LOCALITY_CHARS, MAX_OFFERS, choices
 from pdserve.kvtransfer.layout import KVLayout
@@ -58,6 +59,7 @@ from pdserve.worker_common.errors import (
     abort_for_engine_error,
     build_params,
     grammar_stats as _grammar_stats,
+    refuse_if_broken,
     spec_stats as _spec_stats,
 )
 from pdserve.worker_common.kv_events import kv_events, tier_stats
@@ -169,7 +171,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 **({} if lora is None else {"lora_request": lora}),
             )
         except Exception as e:
-            sink.abort()
+            if not isinstance(e, EngineBroken):  # (broken: the reservation stays, as above)
+                sink.abort()
             abort_for_engine_error(context, e)
             raise
         deadline = time.monotonic() + self._budget(context)
@@ -344,11 +347,14 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 )
         comp = waiter.output.outputs[0]
         if not prefill_done(waiter.output):
+            why = f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}"
+            if self.loop.broken:
+                # a rank died: as from a dead worker, no abort frame, so the reservation stays
+                # and the router prefills the prompt on another worker into it (its frames
+                # cover every layer again; coverage is per token)
+                context.abort(grpc.StatusCode.UNAVAILABLE, why)
             sink.abort()
-            context.abort(
-                grpc.StatusCode.ABORTED,
-                f"prefill of {rid!r} ended: {comp.stop_reason or comp.finish_reason}",
-            )
+            context.abort(grpc.StatusCode.ABORTED, why)
 
     def _flush(self, rid, endpoint, transport, sink: GuardedSink, deadline: float, context):
         """Every frame of the hand-off (its commit included) handed to the decode side."""
@@ -517,6 +523,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=found)
 
     def Stats(self, request, context):
+        refuse_if_broken(self.loop, context)  # the router takes it down; work goes elsewhere
         with self._counts_lock:
             counts = dict(self.counts)
             push_bytes, push_seconds = dict(self.push_bytes), dict(self.push_seconds)

@@ -14,7 +14,13 @@ import logging
 
 import grpc
 
-from pdserve.engine.errors import BadSamplingParams, DuplicateRequestId, NoFreeBlocks, PromptTooLong
+from pdserve.engine.errors import (
+    BadSamplingParams,
+    DuplicateRequestId,
+    EngineBroken,
+    NoFreeBlocks,
+    PromptTooLong,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 
@@ -24,6 +30,11 @@ log = logging.getLogger(__name__)
 def engine_error_status(err: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status and message for an error the engine raised about a request; None for anything
     else. Any other ValueError from the engine is a bad request too (INVALID_ARGUMENT)."""
+    if isinstance(err, EngineBroken):
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"this worker's engine is broken ({err}): send the request elsewhere",
+        )
     if isinstance(err, NoFreeBlocks):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode pool full, retry later ({err})"
     if isinstance(err, PromptTooLong):
@@ -45,6 +56,17 @@ def abort_for_engine_error(context, err: BaseException) -> None:
         level = logging.DEBUG if status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED else logging.INFO
         log.log(level, "a request refused %s: %s", status[0].name, status[1])
         context.abort(*status)
+
+
+def refuse_if_broken(loop, context) -> None:
+    """A Stats call on a worker whose engine broke (a rank died: engine/engine_loop.py) fails
+    UNAVAILABLE with the reason, so the router marks the worker down and sends work elsewhere.
+    (context None: the worker's own heartbeat, which reports nothing then.)"""
+    if loop.broken and context is not None:
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"this worker's engine is broken ({loop.broken}): it must be restarted",
+        )
 
 
 def build_params(sampling, context, grammars=None) -> SamplingParams:
