@@ -371,18 +371,7 @@ class Scheduler:
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            # prompt logprobs need every prompt position computed: no prefix-cache hit for them
-            cached = (
-                []
-                if _every_position(seq)
-                else self.bm.find_cached_prefix(
-                    seq.token_ids,
-                    seq.num_tokens - 1,
-                    seq.num_tokens,
-                    self.watermark_blocks,
-                    root=seq.cache_root,
-                )
-            )
+            cached = self._cached_for_admission(seq)
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
             first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
             upto = seq.num_tokens if self.kv_window is None else first
@@ -462,17 +451,7 @@ class Scheduler:
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
-            cached = (
-                []
-                if _every_position(seq)
-                else self.bm.find_cached_prefix(
-                    seq.token_ids,
-                    seq.num_tokens - 1,
-                    seq.num_tokens,
-                    self.watermark_blocks,
-                    root=seq.cache_root,
-                )
-            )
+            cached = self._cached_for_admission(seq)
             left = seq.num_tokens - len(cached) * self.bm.block_size
             long = self._is_long(seq, left, chunk)
             if long and longs:  # one long prefill at a time: the short ones behind it pass it
@@ -498,6 +477,20 @@ class Scheduler:
             budget -= n
             admitted_short = True
         return budget, admitted_short
+
+    def _cached_for_admission(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting `seq` would start from if admitted now (restored from the
+        host tier only when the admission fits, watermark kept), under its adapter's chain root;
+        none where every prompt position must be computed (prompt logprobs, mean pooling)."""
+        if _every_position(seq):
+            return []
+        return self.bm.find_cached_prefix(
+            seq.token_ids,
+            seq.num_tokens - 1,
+            seq.num_tokens,
+            self.watermark_blocks,
+            root=seq.cache_root,
+        )
 
     def _is_long(self, seq: Sequence, left: int, chunk: int) -> bool:
         """Whether `seq`, with `left` tokens to compute, is a long prefill: longer than the token

@@ -154,31 +154,15 @@ class PushSink:
     def _push(
         self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
     ) -> None:
-        if self.sources is None:
-            header, data = read_chunk(
-                layer_kv,
-                self.layout,
-                self.request_id,
-                layer,
-                block_ids,
-                start,
-                end,
-                self.traceparent,
+        def read(kv: torch.Tensor, layout: KVLayout):
+            return read_chunk(
+                kv, layout, self.request_id, layer, block_ids, start, end, self.traceparent
             )
+
+        if self.sources is None:
+            header, data = read(layer_kv, self.layout)
         else:
-            parts = [
-                read_chunk(
-                    cache[layer],
-                    layout,
-                    self.request_id,
-                    layer,
-                    block_ids,
-                    start,
-                    end,
-                    self.traceparent,
-                )
-                for layout, cache in self.sources
-            ]
+            parts = [read(cache[layer], layout) for layout, cache in self.sources]
             header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
             data = torch.cat([d for _, d in parts], dim=2)  # [2, tokens, heads, head_dim]
         sent = time.perf_counter()

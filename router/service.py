@@ -281,18 +281,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
     ) -> None:
         """A slot for the call (waiting in the admission queue when every slot is taken), and
         the call registered under `key`; else the call ends with the status that says why."""
-        try:
-            ticket = self.admission.enter(priority)
-        except QueueFull as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
-        if not ticket.granted:
-            # the client leaving (gRPC's polling thread) only wakes the waiting handler; an RPC
-            # that already ended takes no callback, and leaves at once
-            if not context.add_callback(lambda: self.admission.cancel(ticket)):
-                self.admission.cancel(ticket)
-            outcome = self.admission.wait(ticket, deadline)
-            if outcome != ADMITTED:
-                self._not_admitted(outcome, context)
+        self._admission_slot(priority, context, deadline)
         with self._lock:
             taken = key in self._inflight
             if not taken:
@@ -449,7 +438,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             opts.request_timeout_s,
         )
         deadline = start + budget_s
-        self._admit_embed(request.priority, context, deadline)
+        self._admission_slot(request.priority, context, deadline)
         try:
             reply = self._embed_on_workers(rid, prompts, request.priority, deadline, context)
         finally:
@@ -485,13 +474,16 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 context.abort(e.code, f"inputs[{i}]: {e.message}")
         return prompts
 
-    def _admit_embed(self, priority: int, context, deadline: float) -> None:
-        """A slot in the admission queue, as a Generate call takes one (the caller leaves it)."""
+    def _admission_slot(self, priority: int, context, deadline: float) -> None:
+        """A slot in the admission queue (Generate and Embed calls alike; the caller leaves it),
+        or the call ends with the status that says why."""
         try:
             ticket = self.admission.enter(priority)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry later")
         if not ticket.granted:
+            # the client leaving (gRPC's polling thread) only wakes the waiting handler; an RPC
+            # that already ended takes no callback, and leaves at once
             if not context.add_callback(lambda: self.admission.cancel(ticket)):
                 self.admission.cancel(ticket)
             outcome = self.admission.wait(ticket, deadline)

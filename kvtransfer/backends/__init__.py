@@ -10,6 +10,10 @@
     nixl   one-sided NIXL WRITEs into the decode worker's registered pool; serve("nixl", handler,
            kv_caches=[...]) with every TP rank's pool; needs the `nixl` extra (NIXL installed)
 
+A deployment's default, `kvtransfer.backend: auto`, is not a backend of its own: a decode worker
+serves grpc and shm side by side and each prefill worker picks one per reservation
+(kvtransfer/choose.py).
+
 security (protos.security.ClusterSecurity): the deployment's cluster secret; a server built with
 one refuses senders without it (grpc, shm: UNAUTHENTICATED before any handler runs; torch: an
 HMAC handshake before the gloo group forms), and a transport presents it. INSECURE: no check.
