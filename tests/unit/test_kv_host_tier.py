@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.stats_workers import EngineWorker
 from pdserve.engine.block_manager import (
     HOST,
     REMOVED,
@@ -340,42 +341,6 @@ def test_the_router_exports_the_tier_per_worker():
     assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "host")] == 32
 
 
-class _Answered:
-    """A Stats future already answered."""
-
-    def __init__(self, stats):
-        self.stats = stats
-
-    def done(self):
-        return True
-
-    def result(self, timeout=None):
-        return self.stats
-
-    def cancel(self):
-        pass
-
-
-class _EngineWorker:
-    """A decode worker's Stats, answered at once from a real block manager (and its tier)."""
-
-    def __init__(self, worker_id, bm):
-        self.worker_id, self.bm, self.Stats = worker_id, bm, self
-
-    def future(self, request, timeout=None):
-        stats = worker_pb2.WorkerStats(
-            worker_id=self.worker_id,
-            num_free_blocks=self.bm.num_free_blocks,
-            num_total_blocks=self.bm.num_blocks,
-            block_size=self.bm.block_size,
-            **wire.tier_stats(self.bm),
-        )
-        events = wire.kv_events(self.bm, request)
-        if events is not None:
-            stats.kv_events.CopyFrom(events)
-        return _Answered(stats)
-
-
 def _pool(fakes: dict):
     from pdserve.router.pool import WorkerPool, _Worker
 
@@ -394,7 +359,7 @@ def test_a_decode_pick_prices_host_blocks_a_little_dearer_than_device_ones():
     from pdserve.router.pool import HOST_HIT_WEIGHT
 
     bm, tier, _ = tiered(16, cap_blocks=16)
-    fakes = {"d0": _EngineWorker("d0", bm), "d1": _EngineWorker("d1", BlockManager(16, BS))}
+    fakes = {"d0": EngineWorker("d0", bm), "d1": EngineWorker("d1", BlockManager(16, BS))}
     pool = _pool(fakes)
     d0, d1 = pool.decode
     turn = list(range(300, 340))  # ten blocks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.stats_workers import EngineWorker
 from pdserve.engine.block_manager import BlockManager, block_hash
 from pdserve.protos.pdserve.v1 import worker_pb2
 from pdserve.router.kv_index import KVIndex, chain_hashes
@@ -187,39 +188,6 @@ def test_the_index_is_bounded_by_the_blocks_the_workers_hold():
 
 
 # ---- the pool ---------------------------------------------------------------------------------
-class Answered:
-    def __init__(self, stats):
-        self.stats = stats
-
-    def done(self):
-        return True
-
-    def result(self, timeout=None):
-        return self.stats
-
-    def cancel(self):
-        pass
-
-
-class EngineWorker:
-    """A decode worker's Stats, answered at once from a real block manager."""
-
-    def __init__(self, worker_id, bm):
-        self.worker_id, self.bm, self.Stats = worker_id, bm, self
-
-    def future(self, request, timeout=None):
-        stats = worker_pb2.WorkerStats(
-            worker_id=self.worker_id,
-            num_free_blocks=self.bm.num_free_blocks,
-            num_total_blocks=self.bm.num_blocks,
-            block_size=self.bm.block_size,
-        )
-        events = wire.kv_events(self.bm, request)
-        if events is not None:
-            stats.kv_events.CopyFrom(events)
-        return Answered(stats)
-
-
 class Pool(WorkerPool):
     fakes: dict = {}
 
