@@ -101,7 +101,7 @@ def cpu_paged_decode_capsule():
 
 @functools.cache
 def cpu_fused():
-    """The compiled fused float32 ops (fused_cpu.cpp: add_rms_norm, rope_, int8_rows),
+    """The compiled fused float32 ops (fused_cpu.cpp: add_rms_norm, rope_, int8_rows, q4_linear),
     or None. The layers use them for float32 CPU tensors and fall back to torch otherwise."""
     return _build("fused", _FUSED_SRC, ["-ffp-contract=off"])
 

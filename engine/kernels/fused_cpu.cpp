@@ -7,10 +7,18 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -195,6 +203,231 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+
+// ---- 4-bit weight blocks computed in float32 (engine/layers/quant.py, Q4Blocks) ----
+//
+// A weight that a GGUF file stored as Q4_0 or Q4_1 is, once dequantized, exactly d * q + m per
+// block of 32 input features (q in 0..15, d and m float16 values). q4_linear keeps it in that
+// form, 20 bytes a block (d, m as float16, then 16 bytes of nibbles: byte j holds element j in
+// its low nibble and element j + 16 in its high one, GGUF's order), rebuilds each block's 32
+// float32 weights in registers (d * q is exact, so they are bit for bit the dense float32
+// weights) and multiplies them with float32 activations. A step of few rows reads 0.625 bytes a
+// weight instead of bf16's 2 or float32's 4, and computes what float32 computes. A row's result
+// depends only on that row: the sum over the inputs runs in one fixed order (per vector lane,
+// the lanes added at the end), whatever the number of rows or threads.
+namespace {
+
+constexpr int64_t kBlock = 32;       // input features a block covers
+constexpr int64_t kBlockBytes = 20;  // d, m (float16 each), 16 bytes of nibbles
+constexpr int kMaxRows = 8;          // rows one pass over a weight row serves
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+#if defined(__AVX512F__)
+template <int R>
+void rows_pass(const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1,
+               float* y, int64_t ys) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* blk = w + n * nb * kBlockBytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += kBlockBytes) {
+      const __m512 d = _mm512_set1_ps(half_at(blk));
+      const __m512 m = _mm512_set1_ps(half_at(blk + 2));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m128i q0 = _mm_and_si128(q, low);
+      const __m128i q1 = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+      const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), d), m);
+      const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), d), m);
+      const float* xb = x + b * kBlock;
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * xs), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * xs + 16), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ys + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
+  return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8)), d), m);
+}
+
+template <int R>
+void rows_pass(const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1,
+               float* y, int64_t ys) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* blk = w + n * nb * kBlockBytes;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += kBlockBytes) {
+      const __m256 d = _mm256_set1_ps(half_at(blk));
+      const __m256 m = _mm256_set1_ps(half_at(blk + 2));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m128i q0 = _mm_and_si128(q, low);
+      const __m128i q1 = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+      const __m256 w0 = dequant8(q0, d, m);
+      const __m256 w1 = dequant8(_mm_srli_si128(q0, 8), d, m);
+      const __m256 w2 = dequant8(q1, d, m);
+      const __m256 w3 = dequant8(_mm_srli_si128(q1, 8), d, m);
+      const float* xb = x + b * kBlock;
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xb + r * xs;
+        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
+        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
+        acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);
+        acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ys + n] = hsum256(acc[r]);
+  }
+}
+#else
+template <int R>
+void rows_pass(const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1,
+               float* y, int64_t ys) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* blk = w + n * nb * kBlockBytes;
+    float acc[R] = {};
+    for (int64_t b = 0; b < nb; ++b, blk += kBlockBytes) {
+      const float d = half_at(blk), m = half_at(blk + 2);
+      float wf[kBlock];
+      for (int j = 0; j < 16; ++j) {
+        wf[j] = static_cast<float>(blk[4 + j] & 0x0F) * d + m;
+        wf[j + 16] = static_cast<float>(blk[4 + j] >> 4) * d + m;
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * xs + b * kBlock;
+        for (int j = 0; j < kBlock; ++j) acc[r] += wf[j] * xr[j];
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ys + n] = acc[r];
+  }
+}
+#endif
+
+void rows_any(int rows, const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0,
+              int64_t n1, float* y, int64_t ys) {
+  switch (rows) {
+    case 1: return rows_pass<1>(x, xs, w, nb, n0, n1, y, ys);
+    case 2: return rows_pass<2>(x, xs, w, nb, n0, n1, y, ys);
+    case 3: return rows_pass<3>(x, xs, w, nb, n0, n1, y, ys);
+    case 4: return rows_pass<4>(x, xs, w, nb, n0, n1, y, ys);
+    case 5: return rows_pass<5>(x, xs, w, nb, n0, n1, y, ys);
+    case 6: return rows_pass<6>(x, xs, w, nb, n0, n1, y, ys);
+    case 7: return rows_pass<7>(x, xs, w, nb, n0, n1, y, ys);
+    default: return rows_pass<8>(x, xs, w, nb, n0, n1, y, ys);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// One block in the form d * q + m (d, m float16 values, q in 0..15) that rebuilds its 32 weights
+// bit for bit, written as 20 bytes; false if this (d, m) does not.
+bool try_block(const float* v, float d, float m, uint8_t* out) {
+  const c10::Half dh(d), mh(m);
+  const float df = static_cast<float>(dh), mf = static_cast<float>(mh);
+  if (mf != m) return false;
+  // (v - m) / d by its reciprocal, with no early exit, so the loop vectorizes: a q off by the
+  // reciprocal's rounding fails the exact check like any other
+  const float inv = df != 0.0f ? 1.0f / df : 0.0f;
+  float q[kBlock];
+  bool exact = true;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    q[j] = std::min(15.0f, std::max(0.0f, std::nearbyint((v[j] - mf) * inv)));
+    exact &= q[j] * df + mf == v[j];  // d * q is exact
+  }
+  if (!exact) return false;
+  std::memcpy(out, &dh.x, 2);
+  std::memcpy(out + 2, &mh.x, 2);
+  for (int j = 0; j < 16; ++j) {
+    out[4 + j] = static_cast<uint8_t>(static_cast<int>(q[j]) | (static_cast<int>(q[j + 16]) << 4));
+  }
+  return true;
+}
+
+}  // namespace
+
+// The 4-bit blocks of a float32 weight [out, in] (in a multiple of 32), or None if one block is
+// not exactly d * q + m. Q4_1 stores m as the block's minimum and d as its span over 15; Q4_0
+// stores d * (q - 8) with q = 0 at the block's largest magnitude, the same form with m that
+// value and d = -m / 8. Each block is kept in the first form that rebuilds it.
+c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
+                  w.is_contiguous() && w.size(1) % kBlock == 0,
+              "w: contiguous CPU float32 [out, in] with in a multiple of 32 expected");
+  const int64_t out = w.size(0), nb = w.size(1) / kBlock;
+  auto blocks = torch::empty({out, nb * kBlockBytes}, w.options().dtype(torch::kUInt8));
+  const float* wp = w.data_ptr<float>();
+  uint8_t* bp = blocks.data_ptr<uint8_t>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, out * nb, 256, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b && exact.load(std::memory_order_relaxed); ++i) {
+      const float* v = wp + i * kBlock;
+      float lo = v[0], hi = v[0], ext = v[0];
+      for (int64_t j = 1; j < kBlock; ++j) {
+        lo = std::min(lo, v[j]);
+        hi = std::max(hi, v[j]);
+        if (std::fabs(v[j]) > std::fabs(ext)) ext = v[j];
+      }
+      if (!(std::isfinite(lo) && std::isfinite(hi))) {
+        exact = false;
+        break;
+      }
+      uint8_t* o = bp + i * kBlockBytes;
+      if (!try_block(v, (hi - lo) / 15.0f, lo, o) && !try_block(v, -ext / 8.0f, ext, o)) {
+        exact = false;
+      }
+    }
+  });
+  if (!exact) return c10::nullopt;
+  return blocks;
+}
+
+// x [rows, in] float32 times the blocks of a weight [out, in / 32 * 20] (uint8): [rows, out].
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "x: CPU float32 [rows, in] with unit last stride expected");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 &&
+                  blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [out, in / 32 * 20] expected");
+  const int64_t rows = x.size(0), in = x.size(1), out = blocks.size(0);
+  TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kBlockBytes,
+              "blocks: ", in / kBlock * kBlockBytes, " bytes a row expected for ", in, " inputs");
+  auto y = torch::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0), nb = in / kBlock;
+  // Each thread takes a range of output features; every row chunk of kMaxRows reuses the
+  // weight row while it is in cache.
+  at::parallel_for(0, out, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int r = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      rows_any(r, xp + r0 * xs, xs, wp, nb, n0, n1, yp + r0 * out, out);
+    }
+  });
+  return y;
+}
+
+
 namespace {
 
 // One linear layer of the stack, prepared as engine/layers/linear.py and quant.py prepare it, and
@@ -204,11 +437,15 @@ namespace {
 //   int8:  int8_rows, then quantized::linear_dynamic on the prepacked weight, the span row
 //          dropped and each row scaled back
 //   int4:  _weight_int4pack_mm_for_cpu on bf16 activations
+// and, where the layer also holds its weight as 4-bit blocks (quant.py Q4Blocks), q4_linear for a
+// step of at most q4_rows rows.
 struct Linear {
   enum Kind { kDense, kBf16, kInt8, kInt4 } kind = kDense;
   torch::Tensor weight, aux, span_row, bias;   // aux: int4 scales/zeros or int8 inv_smooth
   c10::IValue packed;                          // int8: the prepacked weight object
   bool reduce_range = false;
+  torch::Tensor q4;                            // the 4-bit blocks, or undefined
+  int64_t q4_rows = 0;
 
   // oneDNN's product, one row run as two as engine/layers/linear.py's onednn_linear does (the
   // same bits for a row alone as in a batch)
@@ -224,6 +461,10 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
+    if (q4.defined() && x.size(0) <= q4_rows) {
+      y = q4_linear(x, q4);
+      return bias.defined() ? y + bias : y;
+    }
     if (kind == kDense) {
       return onednn(x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue());
     }
@@ -303,6 +544,18 @@ class DecodeStack {
     lin->reduce_range = reduce_range;
   }
 
+  // The 4-bit blocks of a linear of the last layer added (which: as set_linear), used for steps
+  // of at most `rows` rows.
+  void set_q4(const std::string& which, torch::Tensor blocks, int64_t rows) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
+    Layer& l = layers_.back();
+    Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
+                : which == "down" ? &l.down : nullptr;
+    TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
+    lin->q4 = blocks;
+    lin->q4_rows = rows;
+  }
+
   // Returns (hidden, residual) of the last layer, before the final norm.
   std::vector<torch::Tensor> run(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos,
                                  torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slot_mapping,
@@ -349,9 +602,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_);
   m.def("int8_rows", &int8_rows);
   m.def("argmax_rows", &argmax_rows);
+  m.def("q4_linear", &q4_linear);
+  m.def("q4_blocks", &q4_blocks);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, py::capsule>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
+      .def("set_q4", &DecodeStack::set_q4)
       .def("run", &DecodeStack::run);
 }

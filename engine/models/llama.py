@@ -29,7 +29,13 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.quant import Bf16Weight, Int4Weight, Int8Weight, head_quantization
+from pdserve.engine.layers.quant import (
+    Q4_ROWS,
+    Bf16Weight,
+    Int4Weight,
+    Int8Weight,
+    head_quantization,
+)
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.parallel import stage_layers, tp_size
 
@@ -188,6 +194,9 @@ class LlamaModel(nn.Module):
                 if spec is None:
                     return
                 stack.set_linear(which, *spec)
+                q = linear._quant
+                if isinstance(q, Bf16Weight) and q.q4 is not None:
+                    stack.set_q4(which, q.q4.blocks, Q4_ROWS)
         self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):
