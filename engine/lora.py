@@ -18,7 +18,9 @@ What this module owns, in the order a request meets it:
   each is read and checked once when registered, so a bad adapter is refused before any step.
 - `LoRACache` (every rank's model runner) holds at most `max_loras` adapters' weights, each rank
   its shard of them, in least-recently-used order, and reads an evicted adapter from disk again
-  when a step needs it. A step's ModelInput names the adapter (id and path) of each sequence,
+  when a step needs it. The scheduler never plans a step of more than `max_loras` adapters
+  (engine/scheduler.py: a further adapter's requests wait for a later step, first come first
+  served), so a step's adapters are always resident together. A step's ModelInput names the adapter (id and path) of each sequence,
   so tensor-parallel followers load what rank 0 registered without another message.
 - `LoRABatch` is one step's grouping of the batch's rows by adapter, set in the forward context;
   every LinearBase with adapter weights adds, for each group of rows, x @ A^T @ B^T * scale
@@ -481,7 +483,7 @@ class LoRACache:
 
     def evict_to(self, keep: set[int]) -> None:
         """Drops the least recently used adapters past max_loras, never one in `keep` (this
-        step's): a step that runs more adapters than max_loras holds them all while it runs."""
+        step's, at most max_loras of them: engine/scheduler.py)."""
         for lora_id in list(self._resident):
             if len(self._resident) <= self.max_loras:
                 break
