@@ -461,14 +461,24 @@ class LoRACache:
         self.dtype, self.device = dtype, device
         self._resident: OrderedDict[int, RankAdapter] = OrderedDict()
         self.loads = 0  # adapters read from disk (a test reads the LRU's reloads from it)
+        self.evictions = 0  # adapters dropped from the resident set to make room
+        # the resident adapters' names, least recently used first: replaced whole after every
+        # change, so another thread (a worker's Stats) reads it without a lock
+        self.resident_names: tuple[str, ...] = ()
 
     def resident(self) -> list[int]:
         return list(self._resident)
+
+    def _note_resident(self) -> None:
+        names = tuple(a.info.name for a in self._resident.values())
+        if names != self.resident_names:
+            self.resident_names = names
 
     def get(self, lora_id: int, name: str, path: str, digest: bytes | None = None) -> RankAdapter:
         adapter = self._resident.get(lora_id)
         if adapter is not None:
             self._resident.move_to_end(lora_id)
+            self._note_resident()
             return adapter
         weights = read_adapter(name, path, lora_id, self.model_config, self.max_lora_rank)
         if digest is not None and weights.info.content_hash != digest:
@@ -479,6 +489,7 @@ class LoRACache:
         adapter = shard_adapter(weights, self.model, self.dtype, self.device)
         self.loads += 1
         self._resident[lora_id] = adapter
+        self._note_resident()
         return adapter
 
     def evict_to(self, keep: set[int]) -> None:
@@ -489,6 +500,8 @@ class LoRACache:
                 break
             if lora_id not in keep:
                 del self._resident[lora_id]
+                self.evictions += 1
+        self._note_resident()
 
 
 @dataclass
