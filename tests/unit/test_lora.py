@@ -16,6 +16,7 @@ from helpers.engine import KV, greedy
 from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs, make_adapter
 from pdserve.engine import LLM, LoRARequest
 from pdserve.engine.lora import LoRAError
+from pdserve.worker_common import lora as worker_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,8 +117,16 @@ def test_max_loras_evicts_lru_and_reloads(family):
             assert out[0].outputs[0].token_ids == want[name][0]
             assert len(cache.resident()) == 1
         assert cache.loads == 3  # "sql" read again after "poem" evicted it
+        assert cache.evictions == 2 and cache.resident_names == ("sql",)
         names = [a.name for a in llm.engine.list_loras()]
         assert names == ["sql", "poem"]
+        assert worker_lora.stats(llm.engine) == {  # what a worker's Stats report
+            "lora_adapters": ["sql", "poem"],
+            "lora_adapters_count": 2,
+            "lora_resident": ["sql"],
+            "lora_loads": 3,
+            "lora_evictions": 2,
+        }
         assert llm.engine.remove_lora("poem") and not llm.engine.remove_lora("poem")
         with pytest.raises(LoRAError, match="no LoRA adapter named 'poem'"):
             llm.generate(prompts[0], greedy(2), use_tqdm=False, lora_request="poem")

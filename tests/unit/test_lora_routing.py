@@ -3,7 +3,8 @@ workers and no sockets: the pool's picks (router/pool.py) send a LoRA adapter's 
 the workers whose Stats list it, preferring those where it is resident unless they are that much
 busier, and leave the base model's alone; the router's adapters (router/lora.py) load on a
 worker what its reports show it lacks (if_absent) and unload what was unloaded at run time,
-once per change, and try a failed one again later."""
+once per change, and try a failed one again later; the per-worker metrics show the adapters
+served and resident, and the loads and evictions."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pdserve.protos.pdserve.v1 import worker_pb2
 from pdserve.router import lora as router_lora
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.pool import RESIDENT_PREFILL_BONUS, WorkerPool, _Worker
+from pdserve.router.worker_metrics import WorkerCollector
 
 
 class FakeWorker:
@@ -40,6 +42,8 @@ class FakeWorker:
                 lora_adapters=adapters,
                 lora_adapters_count=len(adapters),
                 lora_resident=list(self.resident),
+                lora_loads=7,
+                lora_evictions=5,
             )
         )
 
@@ -184,3 +188,19 @@ def test_catch_up_that_fails_is_tried_again_later(monkeypatch):
     pool.sweep(wait_s=1.0)
     _wait(lambda: adapters.catch_ups == 1, "the retried catch-up")
     assert bad.adapters == ["sql", "verse"]
+
+
+def test_worker_metrics_show_adapters():
+    pool = _pool([FakeWorker("d0", ["sql", "poem"], resident=["sql"])])
+    samples = {
+        s.name: s.value
+        for family in WorkerCollector(pool, "m").collect()
+        for s in family.samples
+        if "lora" in s.name
+    }
+    assert samples == {
+        "pdserve:lora_adapters_served": 2,
+        "pdserve:lora_adapters_resident": 1,
+        "pdserve:lora_adapter_loads_total": 7,
+        "pdserve:lora_adapter_evictions_total": 5,
+    }
