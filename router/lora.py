@@ -15,7 +15,9 @@ other name is NOT_FOUND (404), as vLLM answers.
 unless `allow_runtime_updates`) call LoadLoRA or UnloadLoRA on every worker of both pools, one
 after another with a bounded timeout each, and change the router's names only once every
 worker took the change: a worker's refusal (a bad path, a rank above max_lora_rank) is the
-client's answer, and the workers that had already loaded a new adapter unload it again.
+client's answer, and the workers that had already loaded a new adapter unload it again. A worker
+the pool holds dead (silent, or its engine stalled) is not called: the catch-up below brings it
+up to date when it answers again.
 
 A worker that registers after a run-time change (or comes back after a crash with its config's
 adapters only) is brought up to date from its reports (`on_report`, a WorkerPool report
@@ -158,7 +160,7 @@ class RouterAdapters:
             with self._lock:
                 existed = name in self._paths
             done = []
-            for worker in pool.members():
+            for worker in _live(pool):
                 try:
                     worker.stub.LoadLoRA(
                         worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path),
@@ -189,7 +191,7 @@ class RouterAdapters:
             with self._lock:  # no new request takes it from now on
                 del self._paths[name]
                 self._removed.add(name)
-            for worker in pool.members():
+            for worker in _live(pool):
                 try:
                     worker.stub.UnloadLoRA(
                         worker_pb2.UnloadLoRARequest(lora_name=name),
@@ -284,6 +286,12 @@ class RouterAdapters:
                 )
             except grpc.RpcError:
                 pass  # best effort: the router never sends requests for it there
+
+
+def _live(pool) -> list:
+    """The workers a load or unload calls: every member but the dead ones (silent, or a stalled
+    engine), which the catch-up brings up to date once their reports come back."""
+    return [w for w in pool.members() if not getattr(w, "dead", "")]
 
 
 def _worker_error(e: grpc.RpcError, worker: str, param: str) -> AdapterCallError:

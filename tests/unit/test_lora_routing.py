@@ -204,3 +204,16 @@ def test_worker_metrics_show_adapters():
         "pdserve:lora_adapter_loads_total": 7,
         "pdserve:lora_adapter_evictions_total": 5,
     }
+
+
+def test_a_dead_worker_is_skipped_by_a_load_and_caught_up_when_back():
+    d0, d1 = FakeWorker("d0", ["sql"]), FakeWorker("d1", ["sql"])
+    pool = _pool([d0, d1])
+    adapters = RouterAdapters("base", True, {"sql": "/a/sql"}, True, pool=pool)
+    dead = next(w for w in pool.decode if w.address == "d1")
+    dead.dead = "silent"  # as the pool marks a static worker that stopped answering
+    adapters.load("verse", "/a/verse")  # not refused for want of d1
+    assert d0.calls == [("load", "verse", "/a/verse", False)] and d1.calls == []
+    pool.sweep(wait_s=1.0)  # d1 answers again: its report lacks verse
+    _wait(lambda: adapters.catch_ups == 1, "d1's catch-up")
+    assert d1.calls == [("load", "verse", "/a/verse", True)]
