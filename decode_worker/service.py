@@ -495,6 +495,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_transfer_bytes=h.bytes_received,
             leases_expired=h.num_expired,
             **tier_stats(self.loop.engine.block_manager),
+            **worker_lora.stats(self.loop.engine),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

@@ -190,8 +190,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
     # LoRA adapters (engine/lora.py; vLLM's names): enable_lora turns them on; lora_modules are
     # the adapters registered at start, {name: PEFT directory} (held as (name, path) pairs);
-    # max_loras bounds the adapters whose weights are resident at once (least recently used
-    # evicted, read from disk again when needed), max_lora_rank the rank an adapter may have
+    # max_loras bounds the adapters one step runs (engine/scheduler.py) and those whose weights
+    # are resident at once (least recently used evicted, read from disk again when needed),
+    # max_lora_rank the rank an adapter may have
     enable_lora: bool = False
     lora_modules: dict | tuple = ()
     max_loras: int = 1

@@ -18,7 +18,9 @@ What this module owns, in the order a request meets it:
   each is read and checked once when registered, so a bad adapter is refused before any step.
 - `LoRACache` (every rank's model runner) holds at most `max_loras` adapters' weights, each rank
   its shard of them, in least-recently-used order, and reads an evicted adapter from disk again
-  when a step needs it. A step's ModelInput names the adapter (id and path) of each sequence,
+  when a step needs it. The scheduler never plans a step of more than `max_loras` adapters
+  (engine/scheduler.py: a further adapter's requests wait for a later step, first come first
+  served), so a step's adapters are always resident together. A step's ModelInput names the adapter (id and path) of each sequence,
   so tensor-parallel followers load what rank 0 registered without another message.
 - `LoRABatch` is one step's grouping of the batch's rows by adapter, set in the forward context;
   every LinearBase with adapter weights adds, for each group of rows, x @ A^T @ B^T * scale
@@ -459,14 +461,24 @@ class LoRACache:
         self.dtype, self.device = dtype, device
         self._resident: OrderedDict[int, RankAdapter] = OrderedDict()
         self.loads = 0  # adapters read from disk (a test reads the LRU's reloads from it)
+        self.evictions = 0  # adapters dropped from the resident set to make room
+        # the resident adapters' names, least recently used first: replaced whole after every
+        # change, so another thread (a worker's Stats) reads it without a lock
+        self.resident_names: tuple[str, ...] = ()
 
     def resident(self) -> list[int]:
         return list(self._resident)
+
+    def _note_resident(self) -> None:
+        names = tuple(a.info.name for a in self._resident.values())
+        if names != self.resident_names:
+            self.resident_names = names
 
     def get(self, lora_id: int, name: str, path: str, digest: bytes | None = None) -> RankAdapter:
         adapter = self._resident.get(lora_id)
         if adapter is not None:
             self._resident.move_to_end(lora_id)
+            self._note_resident()
             return adapter
         weights = read_adapter(name, path, lora_id, self.model_config, self.max_lora_rank)
         if digest is not None and weights.info.content_hash != digest:
@@ -477,16 +489,19 @@ class LoRACache:
         adapter = shard_adapter(weights, self.model, self.dtype, self.device)
         self.loads += 1
         self._resident[lora_id] = adapter
+        self._note_resident()
         return adapter
 
     def evict_to(self, keep: set[int]) -> None:
         """Drops the least recently used adapters past max_loras, never one in `keep` (this
-        step's): a step that runs more adapters than max_loras holds them all while it runs."""
+        step's, at most max_loras of them: engine/scheduler.py)."""
         for lora_id in list(self._resident):
             if len(self._resident) <= self.max_loras:
                 break
             if lora_id not in keep:
                 del self._resident[lora_id]
+                self.evictions += 1
+        self._note_resident()
 
 
 @dataclass

@@ -52,6 +52,14 @@ a long one. vLLM V1 caps a long prefill's chunk at long_prefill_token_threshold 
 limits concurrent long partial prefills (max_long_partial_prefills); this policy does both, in
 seconds rather than tokens, because here a chunk's cost at 6,000 tokens of context is several
 times its cost at the start of the prompt.
+
+LoRA adapters (max_loras, vLLM's meaning: the adapters one batch may run): a step runs sequences
+of at most `max_loras` distinct adapters (the base model counts for none), planned in the order
+above. A running or waiting sequence of a further adapter is deferred (a running one keeps its
+blocks and runs no tokens this step), and so is every adapter sequence after it in that order, so
+a later request of an adapter already in the step cannot keep it there for ever: the deferred
+adapter's sequences run once those planned before them leave, first come first served. The base
+model's sequences are never deferred. An engine without enable_lora has no such bound.
 """
 
 from __future__ import annotations
@@ -151,8 +159,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         kv_window: int | None = None,
         prefill_step_target_s: float = 0.0,
+        max_loras: int | None = None,
     ):
         self.bm = block_manager
+        # distinct LoRA adapters a step may run (module docstring); None: no bound
+        self.max_loras = max_loras
         # the long-prefill policy (module docstring): seconds a long prefill's step should take;
         # 0: off. sec_per_token: what the last step that computed a prompt chunk took per token
         self.prefill_step_target_s = prefill_step_target_s
@@ -206,6 +217,7 @@ class Scheduler:
             eos_token_ids=model_config.eos_token_ids,
             kv_window=window,
             prefill_step_target_s=config.prefill_step_target_s,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -345,9 +357,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        gate = _AdapterGate(self.max_loras)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not gate.admits(seq):
+                i += 1  # another adapter's turn first: it keeps its blocks (module docstring)
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # a decode may also check guesses (speculative decoding), if blocks and budget allow
             spec = min(seq.spec_budget, budget - n) if n == 1 and seq.pooling is None else 0
@@ -365,12 +381,20 @@ class Scheduler:
             if need > 0:
                 seq.block_ids += self.bm.allocate(need)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec))
+            gate.take(seq)
             budget -= n + spec
             i += 1
+        w = 0
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+            not preempted
+            and w < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[w]
+            if not gate.admits(seq):
+                w += 1  # deferred: the base model's prompts behind it may pass it
+                continue
             cached = self._cached_for_admission(seq)
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
             first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
@@ -379,7 +403,8 @@ class Scheduler:
                 self._admit_blocks(seq, cached, upto, watermark=self.watermark_blocks)
             except NoFreeBlocks:
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            gate.take(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -400,9 +425,14 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         longs: list[Sequence] = []  # running long prefills, planned last
         preempted = False
+        gate = _AdapterGate(self.max_loras)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not gate.admits(seq):
+                i += 1  # another adapter's turn first (module docstring)
+                continue
+            gate.take(seq)  # (a long prefill planned last holds its adapter's place too)
             if self._is_long(seq, seq.num_tokens - seq.num_computed_tokens, chunk):
                 longs.append(seq)
                 i += 1
@@ -418,7 +448,7 @@ class Scheduler:
         running_longs = list(longs)
         admitted_short = False
         if not preempted:
-            budget, admitted_short = self._admit_waiting(chunk, budget, scheduled, longs)
+            budget, admitted_short = self._admit_waiting(chunk, budget, scheduled, longs, gate)
         # a newcomer's first step runs without the chunk of a long prefill that was already
         # running (one admitted with it runs after it), but never two steps in a row
         yielded = admitted_short and bool(running_longs) and not self._long_yielded
@@ -441,7 +471,12 @@ class Scheduler:
         return self._finish_plan(scheduled)
 
     def _admit_waiting(
-        self, chunk: int, budget: int, scheduled: list[ScheduledSeq], longs: list[Sequence]
+        self,
+        chunk: int,
+        budget: int,
+        scheduled: list[ScheduledSeq],
+        longs: list[Sequence],
+        gate: _AdapterGate,
     ) -> tuple[int, bool]:
         """The waiting prompts admitted this step, first come first served within `budget`: a
         short one is scheduled into `scheduled`, a long one joins `longs` (only while no other
@@ -451,6 +486,9 @@ class Scheduler:
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[w]
+            if not gate.admits(seq):
+                w += 1  # deferred (module docstring)
+                continue
             cached = self._cached_for_admission(seq)
             left = seq.num_tokens - len(cached) * self.bm.block_size
             long = self._is_long(seq, left, chunk)
@@ -467,6 +505,7 @@ class Scheduler:
             except NoFreeBlocks:
                 break
             del self.waiting[w]
+            gate.take(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             if long:
@@ -719,6 +758,31 @@ class Scheduler:
             self.finish(seq, FinishReason.STOP, token_id)
         elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, FinishReason.LENGTH)
+
+
+class _AdapterGate:
+    """One step's LoRA adapters, at most `max_loras` distinct ones (module docstring; None: no
+    bound). `admits` says whether a sequence may run in the step, in planning order; once it
+    refuses one, it refuses every adapter sequence after it (first come first served); `take`
+    records the adapter of a sequence planned into the step."""
+
+    def __init__(self, max_loras: int | None):
+        self.max_loras = max_loras
+        self.ids: set[int] = set()
+        self.deferred = False
+
+    def admits(self, seq: Sequence) -> bool:
+        lora_id = seq.lora_id
+        if not lora_id or self.max_loras is None:
+            return True
+        if not self.deferred and (lora_id in self.ids or len(self.ids) < self.max_loras):
+            return True
+        self.deferred = True
+        return False
+
+    def take(self, seq: Sequence) -> None:
+        if seq.lora_id and self.max_loras is not None:
+            self.ids.add(seq.lora_id)
 
 
 def _priority(seq: Sequence) -> int:

@@ -135,7 +135,7 @@ _FLAGS = (
         _text,
         "fcfs (a request's priority must be 0) or priority (vLLM's: lower first; default fcfs)",
     ),
-    ("--max-loras", "lora.max_loras", _integer, "LoRA adapters resident on a worker at once"),
+    ("--max-loras", "lora.max_loras", _integer, "LoRA adapters a step runs, resident at once"),
     ("--max-lora-rank", "lora.max_lora_rank", _integer, "the largest LoRA rank r served"),
     ("--host", "router.host", _text, "the router's address for clients (gRPC and HTTP)"),
     ("--port", "router.port", _integer, "the router's gRPC port (0: a free one)"),

@@ -537,6 +537,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **_grammar_stats(self.loop.engine),
             **_spec_stats(self.loop.engine),
             **tier_stats(self.loop.engine.block_manager),
+            **worker_lora.stats(self.loop.engine),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

@@ -457,6 +457,7 @@ class Legs:
                 charge_tokens=charge,
                 reserve_tokens=reserving,
                 matched=leg.held,
+                adapter=leg.lora,
             )
         except NoWorker as e:
             message = str(e)

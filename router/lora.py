@@ -16,21 +16,35 @@ unless `allow_runtime_updates`) call LoadLoRA or UnloadLoRA on every worker of b
 after another with a bounded timeout each, and change the router's names only once every
 worker took the change: a worker's refusal (a bad path, a rank above max_lora_rank) is the
 client's answer, and the workers that had already loaded a new adapter unload it again. A worker
-that registers after a run-time load does not have that adapter until it is loaded again (it
-has its config's); a request for it there is refused FAILED_PRECONDITION, before any work.
+the pool holds dead (silent, or its engine stalled) is not called: the catch-up below brings it
+up to date when it answers again.
+
+A worker that registers after a run-time change (or comes back after a crash with its config's
+adapters only) is brought up to date from its reports (`on_report`, a WorkerPool report
+listener): when its WorkerStats lack an adapter the router serves, or list one the router
+unloaded at run time, a catch-up thread (one per worker at a time, never the health thread)
+calls LoadLoRA (`if_absent`, so a second push of a stale report changes nothing) or UnloadLoRA
+on it, under the same lock as the endpoints (a failed one is tried again CATCH_UP_RETRY_S
+later, at its next report after that). Until its Stats list an adapter, the pool's picks
+send that adapter's requests to the other workers (router/pool.py), so none reaches a worker
+that would refuse it; `catch_ups` and `catch_up_failures` count the calls.
 Thread-safe: gRPC handler threads resolve names while the HTTP front loads.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import time
 
 import grpc
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 
+log = logging.getLogger(__name__)
 WORKER_CALL_TIMEOUT_S = 60.0  # one worker's LoadLoRA (it reads the adapter from its disk)
+CATCH_UP_RETRY_S = 10.0  # a worker's catch-up that failed is tried again after this long
 # the names and paths engine/lora.py accepts (the router reaches workers over gRPC only, so it
 # checks them itself, before any worker is called)
 MAX_NAME_LEN, MAX_PATH_LEN = 256, 4096
@@ -83,8 +97,16 @@ class RouterAdapters:
         self.allow_runtime_updates = allow_runtime_updates
         pairs = modules.items() if isinstance(modules, dict) else modules
         self._paths: dict[str, str] = dict(pairs)
+        # names unloaded at run time (a worker whose config has them gets them unloaded too)
+        self._removed: set[str] = set()
         self._lock = threading.Lock()
-        self._admin = threading.Lock()  # one load or unload at a time
+        self._admin = threading.Lock()  # one load, unload or catch-up call at a time
+        self._catching_up: set[int] = set()  # id() of the workers a catch-up thread serves
+        self._retry_at: dict[int, float] = {}  # id() of a worker -> when to try a failed one again
+        self.catch_ups = 0  # LoadLoRA and UnloadLoRA calls of catch-ups that took
+        self.catch_up_failures = 0
+        if enabled and pool is not None and hasattr(pool, "on_report"):
+            pool.on_report(self.on_report)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -138,7 +160,7 @@ class RouterAdapters:
             with self._lock:
                 existed = name in self._paths
             done = []
-            for worker in pool.members():
+            for worker in _live(pool):
                 try:
                     worker.stub.LoadLoRA(
                         worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path),
@@ -151,6 +173,7 @@ class RouterAdapters:
                     raise _worker_error(e, pool.name(worker), "lora_path") from None
             with self._lock:
                 self._paths[name] = path
+                self._removed.discard(name)
 
     def unload(self, name: object) -> None:
         self._check_allowed()
@@ -167,7 +190,8 @@ class RouterAdapters:
                     )
             with self._lock:  # no new request takes it from now on
                 del self._paths[name]
-            for worker in pool.members():
+                self._removed.add(name)
+            for worker in _live(pool):
                 try:
                     worker.stub.UnloadLoRA(
                         worker_pb2.UnloadLoRARequest(lora_name=name),
@@ -175,6 +199,83 @@ class RouterAdapters:
                     )
                 except grpc.RpcError as e:
                     raise _worker_error(e, pool.name(worker), "lora_name") from None
+
+    # ---- catch-up of workers that missed a run-time change (module docstring) -------------------
+    def _changes_for(self, stats) -> tuple[dict[str, str], list[str]]:
+        """({name: path} to load, [names] to unload) to bring a worker whose last report is
+        `stats` up to date."""
+        listed = set(stats.lora_adapters)
+        cut = stats.lora_adapters_count > len(stats.lora_adapters)
+        with self._lock:
+            load = {} if cut else {n: p for n, p in self._paths.items() if n not in listed}
+            unload = sorted(listed & self._removed)
+        return load, unload
+
+    def on_report(self, worker, stats) -> None:
+        """A WorkerPool report listener (on the health thread or a heartbeat's: returns at once):
+        starts a catch-up thread for a worker that lacks an adapter or has an unloaded one."""
+        if not self.enabled or not stats.worker_id:
+            return
+        load, unload = self._changes_for(stats)
+        if not load and not unload:
+            return
+        with self._lock:
+            if id(worker) in self._catching_up or time.monotonic() < self._retry_at.get(
+                id(worker), 0.0
+            ):
+                return
+            self._catching_up.add(id(worker))
+        threading.Thread(
+            target=self._catch_up, args=(worker,), name="router-lora-catch-up", daemon=True
+        ).start()
+
+    def _catch_up(self, worker) -> None:
+        pool = self.pool
+        try:
+            with self._admin:  # after a load or unload under way: its outcome is what we push
+                stats = worker.stats
+                if stats is None or not pool.is_member(worker):
+                    return
+                load, unload = self._changes_for(stats)
+                for name, path in load.items():
+                    self._catch_up_call(
+                        worker,
+                        "LoadLoRA",
+                        worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path, if_absent=True),
+                    )
+                for name in unload:
+                    self._catch_up_call(
+                        worker, "UnloadLoRA", worker_pb2.UnloadLoRARequest(lora_name=name)
+                    )
+        finally:
+            with self._lock:
+                self._catching_up.discard(id(worker))
+
+    def _catch_up_call(self, worker, method: str, request) -> None:
+        try:
+            getattr(worker.stub, method)(request, timeout=WORKER_CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
+            self.catch_up_failures += 1
+            with self._lock:
+                self._retry_at[id(worker)] = time.monotonic() + CATCH_UP_RETRY_S
+            log.warning(
+                "LoRA catch-up of worker %s: %s %s failed: %s %s",
+                self.pool.name(worker),
+                method,
+                request.lora_name,
+                e.code().name,
+                e.details(),
+            )
+        else:
+            self.catch_ups += 1
+            with self._lock:
+                self._retry_at.pop(id(worker), None)
+            log.info(
+                "LoRA catch-up of worker %s: %s %s",
+                self.pool.name(worker),
+                method,
+                request.lora_name,
+            )
 
     @staticmethod
     def _unload_on(workers, name: str) -> None:
@@ -185,6 +286,12 @@ class RouterAdapters:
                 )
             except grpc.RpcError:
                 pass  # best effort: the router never sends requests for it there
+
+
+def _live(pool) -> list:
+    """The workers a load or unload calls: every member but the dead ones (silent, or a stalled
+    engine), which the catch-up brings up to date once their reports come back."""
+    return [w for w in pool.members() if not getattr(w, "dead", "")]
 
 
 def _worker_error(e: grpc.RpcError, worker: str, param: str) -> AdapterCallError:

@@ -18,6 +18,16 @@ answers, and recorded in a second affinity view that stands in for the index unt
 events are synced. Decode picks count a worker's match as blocks it need not take
 (`decode_matches`), and router/legs.py may let that worker prefill the rest itself.
 
+LoRA adapters (as llm-d's LoRA-aware scorer): a request under an adapter goes only to the
+workers whose last WorkerStats list it (lora_adapters), unless none does (then to any, which
+refuses it if it lacks it too: router/lora.py loads what a worker lacks as its reports show it),
+so a worker that joined after a run-time load gets none of its requests before it has it; among
+those, a worker where the adapter's weights are resident (lora_resident) counts as less loaded
+by RESIDENT_DECODE_BONUS of its KV blocks (decode picks) or RESIDENT_PREFILL_BONUS prompt tokens
+(prefill picks): an adapter's requests stay where it is loaded until that worker is that much
+busier, then spread, and the next worker loads it too. Its prefix affinity keys on the adapter
+(router/affinity.py), so its cached blocks draw its requests as the base model's do.
+
 Health has two levels, and only the second costs a request anything:
   down  the pickers skip it for new work (unless every worker of its role is down: then they try
         them all, since a wrong guess costs one failed RPC and refusing costs the request). A
@@ -76,6 +86,11 @@ ROLES = ("prefill", "decode")
 # much of one held in its KV cache in the decode picks and the local-prefill rule: restoring it is
 # a copy of its block, cheaper than recomputing it and dearer than a device hit (decode_matches)
 HOST_HIT_WEIGHT = 0.9
+# a worker where a request's LoRA adapter is resident counts as less loaded by this fraction of
+# its KV blocks (decode picks), or by this many prompt tokens (prefill picks): the disk read and
+# the eviction of another adapter that a pick elsewhere costs (module docstring)
+RESIDENT_DECODE_BONUS = 0.1
+RESIDENT_PREFILL_BONUS = 256
 _STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
 
 
@@ -203,6 +218,7 @@ class WorkerPool:
         charge_tokens: int | None = None,
         reserve_tokens: int = 0,
         matched: dict | None = None,
+        adapter: str = "",
     ) -> list[_Worker]:
         """Decode workers other than `exclude`, the preferred one first; the rest are fallbacks
         for a full pool. Raises NoWorker when there is none.
@@ -232,10 +248,12 @@ class WorkerPool:
         matched (decode_matches): the prompt tokens each worker probably holds already; its
         blocks count as not needed there, and the charges shrink by them (the caller charged
         with the whole prompt's figures), so a conversation's next turn goes back to the
-        worker that has its earlier turns unless that worker is busier than the match saves."""
+        worker that has its earlier turns unless that worker is busier than the match saves.
+        adapter: the request's LoRA adapter (module docstring: only the workers that have it,
+        those where it is resident first unless busier)."""
         matched = matched or {}
         with self._lock:
-            workers = self._candidates("decode", exclude, fallback=True)
+            workers = _with_adapter(self._candidates("decode", exclude, fallback=True), adapter)
             start = next(self._rr["decode"]) % len(workers)
             rotated = workers[start:] + workers[:start]
 
@@ -245,6 +263,8 @@ class WorkerPool:
             def load(w: _Worker) -> tuple:
                 room = 1 if w.num_free_blocks == 0 else 0  # -1, unknown: -free ranks it after
                 in_use = w.num_used_blocks + _reserving_blocks(w) - held(w) / _block_size(w)
+                if _resident(w, adapter):
+                    in_use -= RESIDENT_DECODE_BONUS * w.stats.num_total_blocks
                 return w.down, room, in_use, -w.num_free_blocks
 
             if charge_tokens is None:  # stable sorts: ties keep the rotation
@@ -346,7 +366,8 @@ class WorkerPool:
         tokens: the prompt tokens this router has in flight there, plus this prompt's tokens that
         it probably does not hold in its prefix cache, so a shared prefix goes back to the worker
         that has it unless that worker is busier than the cache hit saves. `adapter`: the LoRA
-        adapter the prompt runs under (its own affinity)."""
+        adapter the prompt runs under (its own affinity; only the workers that have it, those
+        where it is resident first unless busier: module docstring)."""
         hashes = prefix_hashes(list(prompt), adapter=adapter)
         with self._lock:
             try:
@@ -355,11 +376,17 @@ class WorkerPool:
                 if exclude is None or exclude not in self._workers["prefill"]:
                     raise
                 workers = [exclude]
+            workers = _with_adapter(workers, adapter)
             start = next(self._rr["prefill"]) % len(workers)
             rotated = workers[start:] + workers[:start]
             matched = self._affinity.matched_tokens(hashes)
             charges = {id(w): len(prompt) - matched.get(w, 0) for w in rotated}
-            worker = min(rotated, key=lambda w: (w.queued_tokens + charges[id(w)], w.num_inflight))
+
+            def work(w: _Worker) -> tuple:
+                bonus = RESIDENT_PREFILL_BONUS if _resident(w, adapter) else 0
+                return w.queued_tokens + charges[id(w)] - bonus, w.num_inflight
+
+            worker = min(rotated, key=work)
             charge = charges[id(worker)]
             worker.num_inflight += 1
             worker.queued_tokens += charge
@@ -792,6 +819,29 @@ class WorkerPool:
             if worker.poll is not None:
                 worker.poll.cancel()
             worker.channel.close()
+
+
+def has_adapter(worker: _Worker, adapter: str) -> bool:
+    """Whether `worker`'s last WorkerStats say it serves LoRA adapter `adapter` (a cut list
+    counts as maybe: true); false before its first Stats."""
+    stats = worker.stats
+    if stats is None:
+        return False
+    return adapter in stats.lora_adapters or stats.lora_adapters_count > len(stats.lora_adapters)
+
+
+def _with_adapter(workers: list[_Worker], adapter: str) -> list[_Worker]:
+    """The workers that have `adapter` (all of them for the base model, or when none has it),
+    in their order (under the pool's lock)."""
+    if not adapter:
+        return workers
+    having = [w for w in workers if has_adapter(w, adapter)]
+    return having or workers
+
+
+def _resident(worker: _Worker, adapter: str) -> bool:
+    """Whether `adapter`'s weights are resident on `worker` by its last Stats."""
+    return bool(adapter) and worker.stats is not None and adapter in worker.stats.lora_resident
 
 
 def _block_size(worker: _Worker) -> int:

@@ -11,6 +11,9 @@ gauges, the blocks copied into it, restored from it and pushed out of it as coun
 prefix-hit tokens by source ("device": found in the KV cache; "host": restored from the tier);
 the host ones also as vLLM's vllm:external_prefix_cache_hits (its name for hits served from
 below the KV cache, an offloading connector's).
+
+LoRA adapters (engine/lora.py): how many a worker serves and how many are resident as gauges,
+the adapters read from disk into its resident set and evicted from it as counters.
 """
 
 from __future__ import annotations
@@ -98,6 +101,17 @@ WORKER_COUNTERS = (
         "(0 for ngram).",
         "spec_draft_prefill_tokens",
     ),
+    # LoRA adapters (engine/lora.py); 0 where LoRA is off
+    (
+        "pdserve:lora_adapter_loads",
+        "LoRA adapters read from disk into the worker's resident set (max_loras).",
+        "lora_loads",
+    ),
+    (
+        "pdserve:lora_adapter_evictions",
+        "LoRA adapters evicted from the worker's resident set (least recently used first).",
+        "lora_evictions",
+    ),
 )
 
 
@@ -141,6 +155,14 @@ class WorkerCollector(Collector):
             ),
             "tier_cap": gauge(
                 "pdserve:kv_host_tier_capacity_bytes", "The host tier's cap in bytes (0: off)."
+            ),
+            "lora_served": gauge(
+                "pdserve:lora_adapters_served",
+                "LoRA adapters the worker serves (its config's and those loaded at run time).",
+            ),
+            "lora_resident": gauge(
+                "pdserve:lora_adapters_resident",
+                "LoRA adapters whose weights are resident on the worker now (at most max_loras).",
             ),
             "up": gauge(
                 "pdserve:worker_up",
@@ -200,6 +222,8 @@ class WorkerCollector(Collector):
             fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
             fams["tier_bytes"].add_metric(labels, stats.kv_host_tier_bytes)
             fams["tier_cap"].add_metric(labels, stats.kv_host_tier_capacity_bytes)
+            fams["lora_served"].add_metric(labels, stats.lora_adapters_count)
+            fams["lora_resident"].add_metric(labels, len(stats.lora_resident))
             fams["hits_by_source"].add_metric(labels + ["device"], stats.prefix_hit_tokens_device)
             fams["hits_by_source"].add_metric(labels + ["host"], stats.prefix_hit_tokens_host)
             for _, _, field in WORKER_COUNTERS:

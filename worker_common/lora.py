@@ -9,7 +9,10 @@ FAILED_PRECONDITION before any work; a prefill whose adapter's content hash diff
 decode worker's (ReserveResponse.lora_hash) too, so KV computed under one adapter never lands in a
 reservation made for another. LoadLoRA reads and checks the adapter on the handler's thread (a
 few MB at most for the ranks served; never on gRPC's polling thread), bounded by
-engine/lora.py's limits on names, paths and sizes.
+engine/lora.py's limits on names, paths and sizes; with `if_absent` (the router's catch-up of a
+worker that joined after a run-time load) it changes nothing where the worker has that name from
+that path already. `stats` gives both services' WorkerStats their adapter fields: the adapters
+served and those resident, which the router routes by (router/pool.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import grpc
 
 from pdserve.engine.lora import LoRAError, LoRARequest, check_name, check_path
 from pdserve.protos.pdserve.v1 import worker_pb2
+
+MAX_STATS_NAMES = 256  # adapter names a WorkerStats lists at most (it says how many there are)
 
 
 def adapter_of(engine, name: str, context):
@@ -55,6 +60,26 @@ def adapters(engine, found: bool = False) -> worker_pb2.LoRAAdapters:
     )
 
 
+def stats(engine) -> dict:
+    """The WorkerStats fields of the worker's adapters (worker.proto: lora_adapters, ...), read
+    from any thread without waiting for the engine: the registry under its lock, the resident
+    names and the counters as one atomic read each. Empty where LoRA is off."""
+    registry = getattr(engine, "loras", None)
+    if registry is None:
+        return {}
+    names = [a.name for a in registry.list()]
+    cache = getattr(getattr(engine, "runner", None), "lora_cache", None)
+    out = {
+        "lora_adapters": names[:MAX_STATS_NAMES],
+        "lora_adapters_count": len(names),
+    }
+    if cache is not None:
+        out["lora_resident"] = list(cache.resident_names[-MAX_STATS_NAMES:])
+        out["lora_loads"] = cache.loads
+        out["lora_evictions"] = cache.evictions
+    return out
+
+
 def load(engine, request, context) -> worker_pb2.LoRAAdapters:
     if getattr(engine, "loras", None) is None:
         context.abort(
@@ -64,7 +89,9 @@ def load(engine, request, context) -> worker_pb2.LoRAAdapters:
     try:
         check_name(request.lora_name)
         check_path(request.lora_path)
-        engine.add_lora(LoRARequest(request.lora_name, 1, request.lora_path))
+        held = engine.loras.get(request.lora_name)
+        if not (request.if_absent and held is not None and held.path == request.lora_path):
+            engine.add_lora(LoRARequest(request.lora_name, 1, request.lora_path))
     except LoRAError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     return adapters(engine)

@@ -556,8 +556,9 @@ class LoRASettings(_Frozen):
     """`lora:` LoRA adapters in PEFT's format (engine/lora.py; vLLM's --enable-lora,
     --lora-modules, --max-loras, --max-lora-rank). Every worker of both pools loads `modules`
     ({name: adapter directory}, on every worker's host) at start; a request names an adapter
-    as its `model`. max_loras: adapters whose weights a worker holds at once (the least
-    recently used evicted, read again from disk when needed); max_lora_rank: the largest rank
+    as its `model`. max_loras: adapters one engine step runs (engine/scheduler.py: a further
+    adapter's requests wait, first come first served) and whose weights a worker holds at once
+    (the least recently used evicted, read again from disk when needed); max_lora_rank: the largest rank
     r an adapter may have (a larger one is refused at load). allow_runtime_updates: the
     router's /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 404)."""
 

@@ -16,6 +16,7 @@ from helpers.engine import KV, greedy
 from helpers.lora import ADAPTERS, LORA_NEW, lora_family, lora_prompts, lora_refs, make_adapter
 from pdserve.engine import LLM, LoRARequest
 from pdserve.engine.lora import LoRAError
+from pdserve.worker_common import lora as worker_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,8 +117,16 @@ def test_max_loras_evicts_lru_and_reloads(family):
             assert out[0].outputs[0].token_ids == want[name][0]
             assert len(cache.resident()) == 1
         assert cache.loads == 3  # "sql" read again after "poem" evicted it
+        assert cache.evictions == 2 and cache.resident_names == ("sql",)
         names = [a.name for a in llm.engine.list_loras()]
         assert names == ["sql", "poem"]
+        assert worker_lora.stats(llm.engine) == {  # what a worker's Stats report
+            "lora_adapters": ["sql", "poem"],
+            "lora_adapters_count": 2,
+            "lora_resident": ["sql"],
+            "lora_loads": 3,
+            "lora_evictions": 2,
+        }
         assert llm.engine.remove_lora("poem") and not llm.engine.remove_lora("poem")
         with pytest.raises(LoRAError, match="no LoRA adapter named 'poem'"):
             llm.generate(prompts[0], greedy(2), use_tqdm=False, lora_request="poem")
@@ -166,5 +175,40 @@ def test_adapter_of_experts_refused(family, tmp_path):
     try:
         with pytest.raises(LoRAError, match="not experts"):
             llm.engine.add_lora(LoRARequest("experts", 1, experts))
+    finally:
+        llm.shutdown()
+
+
+def test_max_loras_bounds_the_adapters_of_a_step(family):
+    """max_loras=1 with both adapters' requests interleaved (and the base's) in one generate:
+    every request is served, with the tokens it gets alone (HF + PEFT's), and no step runs two
+    adapters (engine/scheduler.py: a further adapter's requests wait for the running one's)."""
+    base, dirs, prompts, want = family("llama")
+    llm = _llm(base, max_loras=1)
+    sched = llm.engine.scheduler
+    plan_step, per_step = sched.schedule, []
+
+    def schedule():
+        plan = plan_step()
+        per_step.append({item.seq.lora_id for item in plan.scheduled})
+        return plan
+
+    sched.schedule = schedule
+    try:
+        reqs = {k: LoRARequest(k, ADAPTERS.index(k) + 1, dirs[k]) for k in ADAPTERS}
+        keys = [(k, i) for i in range(len(prompts)) for k in ("sql", "poem", "base")]
+        outs = llm.generate(
+            [prompts[i] for _, i in keys],
+            greedy(LORA_NEW),
+            use_tqdm=False,
+            lora_request=[reqs.get(k) for k, _ in keys],
+        )
+        for (k, i), out in zip(keys, outs):
+            assert out.outputs[0].token_ids == want[k][i], (k, i)
+        adapters = [ids - {0} for ids in per_step]
+        assert all(len(ids) <= 1 for ids in adapters), per_step
+        seen = {i for ids in adapters for i in ids}
+        assert len(seen) == 2  # both adapters ran, one at a time
+        assert len(llm.engine.runner.lora_cache.resident()) == 1
     finally:
         llm.shutdown()

@@ -208,7 +208,7 @@ class KVEvents(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., host_snapshot: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend", "lora_adapters", "lora_adapters_count", "lora_resident", "lora_loads", "lora_evictions")
     class KvPushBytesByBackendEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,11 @@ class WorkerStats(_message.Message):
     KV_HOST_TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_BYTES_BY_BACKEND_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_SECONDS_BY_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -301,7 +306,12 @@ class WorkerStats(_message.Message):
     kv_host_tier_capacity_blocks: int
     kv_push_bytes_by_backend: _containers.ScalarMap[str, int]
     kv_push_seconds_by_backend: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    lora_adapters_count: int
+    lora_resident: _containers.RepeatedScalarFieldContainer[str]
+    lora_loads: int
+    lora_evictions: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapters_count: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)
@@ -430,12 +440,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
-    __slots__ = ("lora_name", "lora_path")
+    __slots__ = ("lora_name", "lora_path", "if_absent")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    IF_ABSENT_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    if_absent: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., if_absent: _Optional[bool] = ...) -> None: ...
 
 class UnloadLoRARequest(_message.Message):
     __slots__ = ("lora_name",)
