@@ -184,6 +184,30 @@ def test_an_entry_whose_chain_or_layout_does_not_match_is_refused_and_dropped():
     bm.check_consistency()
 
 
+def test_an_entry_whose_bytes_changed_after_saving_is_refused_and_recomputed():
+    bm, tier, (cache,) = tiered(2, cap_blocks=4)
+    tokens = [1, 2, 3, 4]
+    ids = fill(bm, tokens)
+    want = cache[:, :, ids[0]].clone()
+    evict_all(bm)
+    h = chain(tokens)[0]
+    shard = tier._entries[(tier.fingerprint, h)].shards[0]
+    shard.view(-1)[5] += 1.0  # one value of one layer changed, under the right hash
+    before = cache.clone()
+    assert bm.find_cached_prefix(tokens, 4) == []  # a miss: the prefill computes it again
+    assert tier.refused == 1 and not tier.contains(h) and tier.bytes == 0
+    assert torch.equal(cache, before)  # nothing written
+    # an intact entry of the same block restores its bytes
+    ids = fill(bm, tokens)
+    cache[:, :, ids[0]] = want
+    bm.free(bm.allocate(bm.num_free_blocks))  # evicted again, saved with these bytes
+    cache.zero_()
+    found = bm.find_cached_prefix(tokens, 4)
+    assert len(found) == 1 and torch.equal(cache[:, :, found[0]], want)
+    bm.take(found)
+    bm.check_consistency()
+
+
 def test_reset_frees_the_tier():
     bm, tier, _ = tiered(4, cap_blocks=8)
     fill(bm, list(range(16)))
