@@ -141,6 +141,10 @@ class LLMEngine:
         self._undelivered: list[RequestOutput] = []
         # the last STEP_TRACE_LEN steps that computed something (read and cleared by their reader)
         self.step_trace: deque[StepRecord] = deque(maxlen=STEP_TRACE_LEN)
+        # the tokens of the step running now (0 between steps) and (tokens, seconds) of the last
+        # step: how long a step of its size takes here (engine/engine_loop.py's stall figures)
+        self.running_step_tokens = 0
+        self.last_step: tuple[int, float] = (0, 0.0)
 
     def _start_ranks(self, model_dir) -> None:
         """The followers (TP and pipeline ranks, if any), then this rank's runner; under this
@@ -507,9 +511,14 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(plan)
         inp = self.runner.prepare_input(plan)
+        self.running_step_tokens = plan.num_tokens  # (read by EngineLoop.load from any thread)
         start = time.monotonic()
-        out = self._execute(plan, inp)
+        try:
+            out = self._execute(plan, inp)
+        finally:
+            self.running_step_tokens = 0
         end = time.monotonic()
+        self.last_step = (plan.num_tokens, end - start)
         self.step_trace.append(step_record(plan, start, end))
         self.scheduler.observe_step(plan, end - start)  # sizes the next long prefill chunk
         touched = self.scheduler.update(plan, out)

@@ -11,9 +11,13 @@ run, and dispatches the outputs. It sleeps until new work when idle, including w
 unfinished requests are reservations waiting for their KV.
 
 Liveness, read by the worker's Stats and heartbeats without waiting on the loop (`load()`): how
-long the running turn has lasted (engine_stalled_ms) and the longest turn that finished in about
-the last 30 s (engine_turn_ms_max); the router tells a hung engine from a busy one by the two
-(router/pool.py).
+long the running turn has lasted (engine_stalled_ms), the longest turn that finished in about
+the last 30 s (engine_turn_ms_max), and what the step running now should take: its tokens
+(engine_turn_tokens) and the slowest time per token of the steps of at least a block of tokens
+in about the last 10 minutes (engine_us_per_token_max; PRIOR_US_PER_TOKEN until one ran, so
+the first large step after a start is not taken for a hang). The router tells a hung engine from
+a busy one by them (router/pool.py): a step of 2,048 prompt tokens on a busy 2-core machine
+takes seconds, with nothing recent to compare it with after an idle spell.
 
 A test hook for a hung engine whose server still answers: when the process's environment has
 PDSERVE_TEST_ENGINE_HANG_FILE=PATH as the loop is made, the loop thread blocks at the start of a
@@ -39,6 +43,11 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 HANG_FILE_ENV = "PDSERVE_TEST_ENGINE_HANG_FILE"  # the test hook (module docstring)
 TURN_WINDOW_S = 15.0  # engine_turn_ms_max covers the last one to two of these windows
+RATE_WINDOW_S = 300.0  # engine_us_per_token_max covers the last one to two of these windows
+RATE_MIN_TOKENS = 16  # steps of fewer tokens are mostly fixed cost: not a rate
+# us per token assumed before any step of RATE_MIN_TOKENS ran: slower than a 2-core CPU prefills
+# SmolLM2 under load (about 0.75 ms quiet), so it only lengthens the first large step's bound
+PRIOR_US_PER_TOKEN = 3000
 
 
 class EngineLoopStopped(RuntimeError):
@@ -62,6 +71,10 @@ class EngineLoop:
         # the current window began: written by the loop thread only, read by load()
         self._turn_max = [0.0, 0.0]
         self._window_start = time.monotonic()
+        # the slowest seconds per token of a step in the current rate window and the one before
+        # it, and when the current one began (loop thread writes, load() reads)
+        self._rate_max = [0.0, 0.0]
+        self._rate_start = time.monotonic()
         hang = os.environ.get(HANG_FILE_ENV)
         self._hang_files = (hang, f"{hang}.{name}") if hang else None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -174,6 +187,8 @@ class EngineLoop:
             "queued_prompt_tokens": max(queued, 0),
             "engine_stalled_ms": self.stalled_ms(),
             "engine_turn_ms_max": self.turn_ms_max(),
+            "engine_turn_tokens": int(getattr(engine, "running_step_tokens", 0) or 0),
+            "engine_us_per_token_max": self.us_per_token_max(),
         }
 
     def stalled_ms(self) -> int:
@@ -193,6 +208,27 @@ class EngineLoop:
             return 0
         longest = max(cur, prev) if age < TURN_WINDOW_S else cur
         return int(longest * 1000)
+
+    def us_per_token_max(self) -> int:
+        """The slowest microseconds per token of a step of at least RATE_MIN_TOKENS tokens in
+        about the last 10 minutes (one to two RATE_WINDOW_S windows); PRIOR_US_PER_TOKEN when
+        none ran there."""
+        cur, prev = self._rate_max
+        age = time.monotonic() - self._rate_start
+        longest = 0.0 if age >= 2 * RATE_WINDOW_S else max(cur, prev)
+        return int(longest * 1e6) if longest else PRIOR_US_PER_TOKEN
+
+    def _note_step_rate(self) -> None:
+        """Records the step that just ran for us_per_token_max (loop thread only)."""
+        tokens, seconds = getattr(self.engine, "last_step", (0, 0.0))
+        if tokens < RATE_MIN_TOKENS or seconds <= 0:
+            return
+        now = time.monotonic()
+        if now - self._rate_start >= RATE_WINDOW_S:
+            stale = now - self._rate_start >= 2 * RATE_WINDOW_S
+            self._rate_max = [0.0, 0.0 if stale else self._rate_max[0]]
+            self._rate_start = now
+        self._rate_max[0] = max(self._rate_max[0], seconds / tokens)
 
     def take_step_trace(self, timeout: float | None = 30.0) -> list:
         """The engine's StepRecords since the last take (engine.step_trace.StepRecord), taken on the loop
@@ -233,6 +269,7 @@ class EngineLoop:
                     self._fail_all(e)
                     continue
                 self.num_steps += 1
+                self._note_step_rate()
                 self._dispatch(outputs)
                 if idle and not outputs:  # nothing ran and nothing was pending delivery
                     self._wait_for_work()

@@ -38,7 +38,9 @@ Health has two levels, and only the second costs a request anything:
         heartbeat, the last answer of either kind counting -- for `silence_s`, or when its Stats
         say its engine has been inside one loop turn for its stall bound,
         max(`stall_s`, `stall_factor` x the longest turn it reported finishing recently
-        (WorkerStats.engine_turn_ms_max)): a hung GPU or a deadlock, where the server answers
+        (WorkerStats.engine_turn_ms_max), `stall_factor` x what the step running now should
+        take at its slowest recent time per token (engine_turn_tokens x
+        engine_us_per_token_max)): a hung GPU or a deadlock, where the server answers
         and the engine computes nothing. The bound scales with what the worker reports about
         its own load, so a worker that is slow because the machine is busy is not dead. A late
         or failed poll alone never drops a call.
@@ -712,8 +714,15 @@ class WorkerPool:
 
     def stall_bound_s(self, stats) -> float:
         """How long one turn of the worker's engine may last before it is dead: stall_s, or
-        stall_factor times the longest turn it reported finishing recently if that is more."""
-        return max(self.stall_s, self.stall_factor * stats.engine_turn_ms_max / 1000)
+        stall_factor times the longest turn it reported finishing recently, or stall_factor
+        times what its running step should take (its tokens at the slowest recent time per
+        token), whichever is more."""
+        expected = stats.engine_turn_tokens * stats.engine_us_per_token_max / 1e6
+        return max(
+            self.stall_s,
+            self.stall_factor * stats.engine_turn_ms_max / 1000,
+            self.stall_factor * expected,
+        )
 
     def _check_stall(self, worker: _Worker, stats) -> bool:
         """True when `stats` says the worker's engine has been inside one turn for its stall
@@ -732,7 +741,9 @@ class WorkerPool:
             )
         why = f"{worker.role} worker {self.name(worker)} is dead: its engine made no progress "
         why += f"for {stalled_s:.1f} s (stall bound {bound:.1f} s: worker_stall_s="
-        why += f"{self.stall_s:g}, longest recent turn {stats.engine_turn_ms_max} ms)"
+        why += f"{self.stall_s:g}, longest recent turn {stats.engine_turn_ms_max} ms, "
+        why += f"a step of {stats.engine_turn_tokens} tokens at up to "
+        why += f"{stats.engine_us_per_token_max} us each)"
         with self._lock:
             died = worker.dead != "stalled"
             worker.dead, worker.down = "stalled", True

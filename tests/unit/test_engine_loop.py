@@ -6,6 +6,7 @@ from collections import deque
 
 import pytest
 
+from pdserve.engine import engine_loop
 from pdserve.engine.engine_loop import EngineLoop
 
 
@@ -35,6 +36,8 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
         load = loop.load()
         assert load.pop("engine_stalled_ms") < 1000  # 0 once the loop waits for work
         assert load.pop("engine_turn_ms_max") < 1000  # its turns so far were short
+        assert load.pop("engine_turn_tokens") == 0  # no step running
+        assert load.pop("engine_us_per_token_max") == engine_loop.PRIOR_US_PER_TOKEN
         assert load == {
             "num_free_blocks": 8,
             "num_total_blocks": 8,
@@ -82,6 +85,61 @@ def test_the_longest_finished_turn_is_reported_and_a_running_one_is_not():
         assert loop.turn_ms_max() < 700  # still the 0.4 s turn
     finally:
         gate.set()
+        loop.stop()
+
+
+class SteppingEngine(FakeEngine):
+    """Steps of `tokens` tokens taking `seconds`, reported as LLMEngine reports them."""
+
+    def __init__(self):
+        super().__init__()
+        self.work: list[tuple[int, float]] = []
+        self.running_step_tokens = 0
+        self.last_step = (0, 0.0)
+        self.seen_running: list[int] = []
+
+    def has_unfinished_requests(self):
+        return bool(self.work)
+
+    def step(self):
+        tokens, seconds = self.work.pop(0)
+        self.running_step_tokens = tokens
+        time.sleep(seconds)
+        self.running_step_tokens = 0
+        self.last_step = (tokens, seconds)
+        return []
+
+
+def test_a_running_step_reports_its_tokens_and_steps_their_slowest_rate(monkeypatch):
+    """engine_turn_tokens and engine_us_per_token_max: what the router scales a large step's
+    hang bound by; steps of fewer than RATE_MIN_TOKENS tokens are no rate; the rate ages out
+    after two windows, back to the prior."""
+    monkeypatch.setattr(engine_loop, "RATE_WINDOW_S", 1.0)
+    loop = EngineLoop.build(SteppingEngine, name="t-rate", timeout=10)
+    try:
+        engine = loop.engine
+
+        def run(tokens, seconds):
+            loop.call(lambda: engine.work.append((tokens, seconds)))
+            while loop.call(lambda: bool(engine.work)):
+                time.sleep(0.01)
+
+        run(4, 0.2)  # a decode-sized step: not a rate
+        assert loop.us_per_token_max() == engine_loop.PRIOR_US_PER_TOKEN
+        loop.call(lambda: engine.work.append((64, 0.4)))
+        deadline = time.monotonic() + 5
+        while loop.load()["engine_turn_tokens"] != 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.load()["engine_turn_tokens"] == 64  # read while the step runs
+        while loop.call(lambda: bool(engine.work)):
+            time.sleep(0.01)
+        assert loop.load()["engine_turn_tokens"] == 0
+        assert loop.us_per_token_max() == pytest.approx(0.4 / 64 * 1e6, rel=0.01)
+        run(32, 0.05)  # faster per token: the slowest stays
+        assert loop.us_per_token_max() == pytest.approx(0.4 / 64 * 1e6, rel=0.01)
+        time.sleep(2.1)  # two windows with no rate
+        assert loop.us_per_token_max() == engine_loop.PRIOR_US_PER_TOKEN
+    finally:
         loop.stop()
 
 

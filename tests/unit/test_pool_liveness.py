@@ -69,7 +69,7 @@ class FakeWorker:
         self.calls.append(Call())
         return self.calls[-1]
 
-    def stats(self, stalled_ms=0, turn_ms_max=0):
+    def stats(self, stalled_ms=0, turn_ms_max=0, turn_tokens=0, us_per_token=0):
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id,
             num_free_blocks=8,
@@ -77,6 +77,8 @@ class FakeWorker:
             block_size=16,
             engine_stalled_ms=stalled_ms,
             engine_turn_ms_max=turn_ms_max,
+            engine_turn_tokens=turn_tokens,
+            engine_us_per_token_max=us_per_token,
         )
 
     def answer(self, **kw):
@@ -254,6 +256,28 @@ def test_a_big_reported_turn_raises_the_stall_bound(setup):
         tick(clock, pool, 0.5)
     assert not w0.dead and not w0.down and not leg.stream_call.cancelled
     d0.answer(stalled_ms=12500, turn_ms_max=3000)
+    tick(clock, pool, 0.5)
+    assert w0.dead == "stalled" and leg.stream_call.cancelled
+
+
+def test_a_large_step_after_an_idle_spell_is_not_taken_for_a_hang(setup):
+    """A step of 2,048 prompt tokens on a busy machine takes seconds, and after an idle spell no
+    recent turn says so: its tokens at the slowest recent time per token do. (guidellm's
+    saturation stage saw a live prefill worker declared dead at default settings.)"""
+    clock, (d0, d1), pool, open_legs = setup[0], setup[1].values(), setup[2], setup[3]
+    big = dict(turn_tokens=2048, us_per_token=3000)  # 6.1 s expected, 24.6 s bound
+    assert pool.stall_bound_s(d0.stats(**big)) == pytest.approx(4 * 2048 * 3e-3)
+    assert pool.stall_bound_s(d0.stats(turn_tokens=1, us_per_token=3000)) == 5.0  # a decode
+    tick(clock, pool, 1, answer=(d0, d1))
+    w0 = pool.decode[0]
+    leg = stream_leg(w0, clock.now - 30)
+    open_legs.add(w0, leg)
+    for stalled_ms in (6000, 12000, 20000):
+        d1.answer()
+        d0.answer(stalled_ms=stalled_ms, **big)
+        tick(clock, pool, 0.5)
+    assert not w0.dead and not w0.down and not leg.stream_call.cancelled
+    d0.answer(stalled_ms=25000, **big)  # four times what it should take: hung
     tick(clock, pool, 0.5)
     assert w0.dead == "stalled" and leg.stream_call.cancelled
 
