@@ -38,6 +38,8 @@ from pdserve.engine.parallel import (
     divide,
     is_first_rank,
     max_stage_layers,
+    pp_irecv,
+    pp_isend,
     pp_rank,
     pp_recv,
     pp_send,
@@ -55,6 +57,10 @@ if TYPE_CHECKING:
     from pdserve.engine.structured.grammar import GrammarMask
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are held at once
+
+
+# a pipelined prefill step is cut into micro-batches of at least this many tokens (_micro_batches)
+PP_MICRO_MIN_TOKENS = 128
 
 
 @dataclass
@@ -257,12 +263,16 @@ class ModelRunner:
             inp.loras,
             self.device,
         )
-        with forward_context(meta):
-            hidden = (
-                self._forward(input_ids, positions)
-                if pp_size() > 1
-                else self.model(input_ids, positions)
-            )
+        parts = self._micro_batches(inp)
+        if parts:
+            hidden = self._forward_micro(parts, on_layer_done)
+        else:
+            with forward_context(meta):
+                hidden = (
+                    self._forward(input_ids, positions)
+                    if pp_size() > 1
+                    else self.model(input_ids, positions)
+                )
         if hidden is None:  # a later pipeline stage: its part is done
             return StepOutput()
         out = StepOutput(
@@ -276,6 +286,70 @@ class ModelRunner:
         last = hidden if every_row else hidden[last_idx]
         logits = self.model.compute_logits(last) if n else None
         return self._sample(logits, rows, row_logits, mask, out)
+
+    def _micro_batches(self, inp: ModelInput) -> list[ModelInput]:
+        """A pipelined step's micro-batches, or [] when it runs whole: under pipeline stages, a
+        step that prefills one sequence's chunk of at least 2 x PP_MICRO_MIN_TOKENS tokens (no
+        LoRA adapter) runs as up to 2 x stages consecutive pieces of it, so the first stage
+        computes piece j + 1 while the next computes piece j (`_forward_micro`). Each piece is
+        the chunked prefill of its tokens: it attends to the pieces before it, whose KV its
+        stage has written, and on a CPU with the compiled attention kernel a token's result does
+        not depend on how its prompt is cut (every token a row of the kernel). Every rank cuts
+        the same way from the same ModelInput."""
+        stages = pp_size()
+        if stages == 1 or len(inp.seqs) != 1 or inp.loras:
+            return []
+        s = inp.seqs[0]
+        n = len(s.token_ids)
+        count = min(2 * stages, n // PP_MICRO_MIN_TOKENS)
+        if count < 2 or _decodes(s):
+            return []
+        size = -(-n // count)
+        return [
+            ModelInput(
+                [SeqInput(s.token_ids[a : a + size], s.start + a, s.block_ids, samples=False)],
+                [],
+            )
+            for a in range(0, n, size)
+        ]
+
+    def _forward_micro(self, parts: list[ModelInput], on_layer_done) -> torch.Tensor | None:
+        """`_forward` over micro-batches: each stage runs the pieces in order and hands each on
+        without waiting for it to be taken (pp_isend), the first stage having posted the
+        receives of every piece's final hidden states from the last one up front. Returns them
+        in order, concatenated, on the first stage (None on the others). A layer's KV is final
+        once the last piece has passed it: on_layer_done runs during the last piece only."""
+        stage, stages = pp_rank(), pp_size()
+        size, dtype = self.model_config.hidden_size, self.dtype
+        inputs = [self._attention_inputs(p)[:3] for p in parts]
+        sends = []
+        back = (
+            [
+                pp_irecv([(len(p.seqs[0].token_ids), size)], dtype, self.device, stages - 1)
+                for p in parts
+            ]
+            if stage == 0
+            else []
+        )
+        for j, (meta, ids, pos) in enumerate(inputs):
+            meta.on_layer_done = on_layer_done if j == len(inputs) - 1 else None
+            shape = (ids.shape[0], size)
+            carried = (
+                None
+                if stage == 0
+                else tuple(pp_recv([shape, shape], dtype, self.device, stage - 1))
+            )
+            with forward_context(meta):
+                out = self.model(ids, pos) if stage == 0 else self.model(ids, pos, carried)
+            if stage == stages - 1:
+                sends.append(pp_isend([out], 0))
+            else:
+                sends.append(pp_isend(list(out), stage + 1))
+        for pending in sends:
+            pending.wait()
+        if stage != 0:
+            return None
+        return torch.cat([r.wait()[0] for r in back])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """One step's forward pass through the pipeline stages (engine/parallel.py). The first

@@ -168,6 +168,57 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype, device, stage: int) -> list[to
     return out
 
 
+class PendingSend:
+    """pp_isend's handle: `wait` returns once the tensors have gone (they stay referenced until
+    then, so their memory is not reused under the transfer)."""
+
+    def __init__(self, works: list, keep: list[torch.Tensor]):
+        self._works, self._keep = works, keep
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works, self._keep = [], []
+
+
+class PendingRecv:
+    """pp_irecv's handle: `wait` returns the tensors, on the device asked for."""
+
+    def __init__(self, works: list, bufs: list[torch.Tensor], device):
+        self._works, self._bufs, self._device = works, bufs, device
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self._works:
+            w.wait()
+        return [b.to(self._device) for b in self._bufs]
+
+
+def pp_isend(tensors: list[torch.Tensor], stage: int) -> PendingSend:
+    """pp_send without waiting: the caller computes on while the tensors travel (micro-batches
+    in a pipeline, engine/model_runner.py), and waits on the handle before it returns."""
+    dst, group = _peer(stage), dist.group.WORLD
+    works, keep = [], []
+    for t in tensors:
+        t = t.contiguous()
+        if _through_host(t, group):
+            t = t.cpu()
+        keep.append(t)
+        works.append(dist.isend(t, dst=dst, group=group))
+    return PendingSend(works, keep)
+
+
+def pp_irecv(shapes: list[tuple[int, ...]], dtype, device, stage: int) -> PendingRecv:
+    """pp_recv posted ahead: messages from one stage arrive in the order they were sent."""
+    src, group = _peer(stage), dist.group.WORLD
+    works, bufs = [], []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        buf = t.cpu() if _through_host(t, group) else t
+        bufs.append(buf)
+        works.append(dist.irecv(buf, src=src, group=group))
+    return PendingRecv(works, bufs, device)
+
+
 def _through_host(x: torch.Tensor, group) -> bool:
     """A CUDA tensor on a gloo group (PDSERVE_TP_BACKEND=gloo, engine/tp.py): its collective
     runs on a host copy, since gloo's CUDA support does not cover every collective."""

@@ -66,6 +66,55 @@ def test_stages_give_one_stages_tokens(five_layers, pp, tp):
     assert llm.engine.tp is None
 
 
+@pytest.mark.parametrize("pp", [2, 3])
+def test_a_long_prefill_runs_in_micro_batches_with_one_stages_numbers(five_layers, pp, monkeypatch):
+    """A step that prefills one long chunk runs in micro-batches through the stages
+    (ModelRunner._micro_batches), after a prefix hit too, and gives PP=1's tokens and prompt
+    logprobs exactly."""
+    from pdserve.engine.model_runner import ModelRunner
+
+    path = five_layers[0]
+    first = random_prompts([450], seed=31)[0]
+    second = first[:200] + random_prompts([300], seed=32)[0]  # 192 tokens from the cache
+    kw = dict(kv_cache_memory=KV, block_size=16)
+
+    def run(llm):
+        out = []
+        for prompt, logprobs in ((first, 2), (second, None)):  # (prompt logprobs skip the cache)
+            params = SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=logprobs
+            )
+            o = llm.generate(prompt, params, use_tqdm=False)[0]
+            out.append((o.outputs[0].token_ids, o.prompt_logprobs, o.num_cached_tokens))
+        return out
+
+    one = LLM(path, **kw)
+    want = run(one)
+    one.shutdown()
+    assert [c for _, _, c in want] == [0, 192]
+    pieces = []
+    forward_micro = ModelRunner._forward_micro
+
+    def counted(self, parts, on_layer_done):
+        pieces.append([(p.seqs[0].start, len(p.seqs[0].token_ids)) for p in parts])
+        return forward_micro(self, parts, on_layer_done)
+
+    monkeypatch.setattr(ModelRunner, "_forward_micro", counted)
+    llm = LLM(path, pipeline_parallel_size=pp, **kw)
+    try:
+        assert run(llm) == want
+        # every pipelined step ran in consecutive pieces; the first prompt's from position 0,
+        # the second's from its 192 cached tokens
+        assert pieces and all(len(step) >= 2 for step in pieces)
+        for step in pieces:
+            assert all(a + n == b for (a, n), (b, _) in zip(step, step[1:]))
+        assert [step[0][0] for step in pieces].count(0) >= 1
+        assert any(step[0][0] == 192 for step in pieces)
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
 def test_smollm2_in_two_and_three_stages():
     """SmolLM2's 30 layers in 2 and 3 stages answer as one stage does, token for token."""
     chats = [

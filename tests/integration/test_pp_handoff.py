@@ -12,21 +12,23 @@ import pytest
 
 from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, MAX_MODEL_LEN, Cluster, start_decode, start_prefill
+from helpers.worker import GREEDY, Cluster, start_decode, start_prefill
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_MODEL_LEN = 320  # room for the long prompt
 
 
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory):
-    """A 5-layer tiny Llama (GQA: 2 kv heads) and one stage's greedy tokens for its prompts."""
+    """A 5-layer tiny Llama (GQA: 2 kv heads) and one stage's greedy tokens for its prompts (the
+    last one long enough for its prefill step to run in micro-batches through the stages)."""
     path = str(tmp_path_factory.mktemp("tiny5-handoff"))
     make_tiny_model(path, "llama-gqa", seed=5, num_hidden_layers=5)
-    prompts = random_prompts([30, 7, 45], seed=31)
+    prompts = random_prompts([30, 7, 45, 300], seed=31)
     llm = LLM(path, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
     outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)
     llm.shutdown()
@@ -37,7 +39,7 @@ class StagedCluster(Cluster):
     """A prefill worker of `pp` stages x `tp` ranks and a decode worker of one rank."""
 
     def __init__(self, model_dir, backend: str, pp: int, tp: int, chunk: int | None = None):
-        engine = dict(kv_cache_memory=1 << 17, max_model_len=MAX_MODEL_LEN)
+        engine = dict(kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
         staged = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp)
         if chunk is not None:  # a prompt longer than this is prefilled in several steps
             staged.update(max_num_batched_tokens=chunk, max_num_seqs=4)
