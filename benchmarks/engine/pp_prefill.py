@@ -1,0 +1,120 @@
+"""Prefill under pipeline parallelism at equal cores (issue #53, must-show d).
+
+  python -m benchmarks.engine.pp_prefill                       # 2k and 8k tokens (~4 min)
+  python -m benchmarks.engine.pp_prefill --lengths 2048,4096,8192 --layouts pp1,pp2,tp2
+
+For each layout (pp1: one rank with every core; pp2: two pipeline stages; tp2: two tensor-parallel
+ranks; each rank of a layout gets the cores divided by its ranks, as engine/tp.py sets them), in a
+fresh process, one engine (LLM("smollm2", dtype float32, no quantization, no speculation, no
+prefix cache) answers one warm-up prompt, then for each length one fresh random prompt with
+max_tokens=1: its time to first token, and prompt tokens per second. A prefill step of one
+sequence runs in micro-batches through the stages (engine/model_runner.py `_micro_batches`), so
+PP=2's stages overlap except for the pipeline's fill and drain, the bubble this reports against
+PP=1: `pp2 / pp1` TTFT. Each step of a long prompt holds at most max_num_batched_tokens (2048).
+
+Writes benchmarks/results/pp_prefill.json (--out): the header (command, date, commit, CPU model,
+count and ISA flags) and one entry per layout and length.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+from benchmarks.bench_common import (
+    add_out_arg,
+    add_wait_idle_arg,
+    log,
+    random_prompts,
+    run_and_write,
+    script_parser,
+    wait_for_idle_machine,
+)
+
+LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}  # name: (pipeline, tensor) sizes
+SEED = 53
+
+
+def measure(pp: int, tp: int, lengths: list[int]) -> dict:
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(
+        "smollm2",
+        dtype="float32",
+        quantization=None,
+        speculative_config=None,
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        enable_prefix_caching=False,
+        max_model_len=max(lengths) + 8,
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate([random_prompts(SEED - 1, 1, 256)[0]], params, use_tqdm=False)  # warm-up
+        runs = []
+        for n in lengths:
+            prompt = random_prompts(SEED, 1, n)[0]
+            t0 = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            ttft = time.perf_counter() - t0
+            runs.append({"prompt_tokens": n, "ttft_s": round(ttft, 3), "tok_s": round(n / ttft, 1)})
+        return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp, "runs": runs}
+    finally:
+        llm.shutdown()
+
+
+def _child(conn, pp: int, tp: int, lengths: list[int]) -> None:
+    try:
+        conn.send(measure(pp, tp, lengths))
+    except BaseException as e:  # the parent reports it
+        conn.send({"error": repr(e)})
+
+
+def measure_in_process(pp: int, tp: int, lengths: list[int]) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(child, pp, tp, lengths))
+    p.start()
+    out = parent.recv()
+    p.join(timeout=60)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = script_parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="2048,8192", help="prompt lengths, comma-separated")
+    ap.add_argument("--layouts", default="pp1,pp2,tp2", help=f"of {', '.join(LAYOUTS)}")
+    add_wait_idle_arg(ap, "each layout")
+    add_out_arg(ap, "pp_prefill.json")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    layouts = args.layouts.split(",")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
+
+    def run() -> dict:
+        results = {}
+        for name in layouts:
+            if args.wait_idle:
+                wait_for_idle_machine(args.wait_idle)
+            log(f"{name}")
+            r = measure_in_process(*LAYOUTS[name], lengths)
+            if "error" in r:
+                raise RuntimeError(f"{name}: {r['error']}")
+            log(f"  {r}")
+            results[name] = r
+        ratios = {}
+        if "pp1" in results:
+            for name, r in results.items():
+                ratios[f"{name}/pp1 ttft"] = [
+                    round(a["ttft_s"] / b["ttft_s"], 3)
+                    for a, b in zip(r["runs"], results["pp1"]["runs"])
+                ]
+        return {"lengths": lengths, "layouts": results, "ratios": ratios}
+
+    return run_and_write("benchmarks.engine.pp_prefill", argv, args.out, run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
