@@ -399,7 +399,7 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig, spec) -> No
     if not getattr(model_class(model_config.architecture), "supports_pp", False):
         raise ValueError(
             f"pipeline_parallel_size={pp}: {model_config.architecture} runs in one stage only "
-            f"for now (Llama-family architectures split into stages); use pipeline_parallel_size=1"
+            f"for now; use pipeline_parallel_size=1"
         )
     if spec is not None and getattr(spec, "method", None) == "draft_model":
         raise ValueError(

@@ -23,6 +23,7 @@ from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from pdserve.engine.parallel import stage_layers
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -87,12 +88,21 @@ class GemmaModel(LlamaModel):
             raise ValueError("Gemma with use_bidirectional_attention is not supported")
         types = getattr(hf, "layer_types", None) or ["full_attention"] * cfg.num_layers
         local = _sliding_rotary(cfg, rotary)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # a pipeline stage holds its layers; the first also the embedding, the last the final
+        # norm (as LlamaModel)
+        self.first_layer, end = stage_layers(cfg.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            if self.first_layer == 0
+            else None
+        )
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, i, local if types[i] == "sliding_attention" else rotary, qk_norm)
-            for i in range(cfg.num_layers)
+            for i in range(self.first_layer, end)
         )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = (
+            GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
+        )
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps
         self.normalizer = cfg.hidden_size**0.5
@@ -101,12 +111,21 @@ class GemmaModel(LlamaModel):
     def prepare_decode_stack(self) -> None:
         self._stack = None  # Gemma layers are not the fused stack's
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.normalizer, dtype=hidden.dtype, device=hidden.device)
-        residual = None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
+        """As LlamaModel.forward: the final hidden states, or in a stage before the last the
+        (hidden, residual) pair the next stage continues from."""
+        if carried is None:
+            hidden = self.embed_tokens(input_ids)
+            hidden = hidden * torch.tensor(
+                self.normalizer, dtype=hidden.dtype, device=hidden.device
+            )
+            residual = None
+        else:
+            hidden, residual = carried
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -132,17 +151,17 @@ def _sliding_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbeddin
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    supports_pp = False  # one stage only (its model's forward is its own)
-
     qk_norm = None
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         nn.Module.__init__(self)
         self.config = cfg
         self.model = GemmaModel(cfg, rotary, self.qk_norm)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = None  # on the first pipeline stage, beside the embedding
+        if self.model.embed_tokens is not None:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
         cap = getattr(cfg.hf_config, "final_logit_softcapping", None)
         self.final_softcap = float(cap) if cap else None
 

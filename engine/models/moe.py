@@ -27,6 +27,7 @@ from pdserve.engine.layers.moe import FusedMoE
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pdserve.engine.parallel import stage_layers
 
 # Mixtral's per-expert names -> Qwen's (which LlamaForCausalLM.packed then merges)
 _MIXTRAL_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
@@ -95,27 +96,39 @@ def moe_decoder_layer(
 class MoeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: MoeSpec, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            moe_decoder_layer(cfg, spec, i, rotary, qk_norm) for i in range(cfg.num_layers)
+        # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
+        # the last the final norm (as LlamaModel)
+        self.first_layer, end = stage_layers(cfg.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            if self.first_layer == 0
+            else None
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            moe_decoder_layer(cfg, spec, i, rotary, qk_norm) for i in range(self.first_layer, end)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
 
     def prepare_decode_stack(self) -> None:
         """(Llama's one-call decode stack has no sparse MLP: the layers run one by one.)"""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
+        """As LlamaModel.forward: the final hidden states, or in a stage before the last the
+        (hidden, residual) pair the next stage continues from."""
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carried
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """Llama's forward, logits, loading and prepare_linears over MoeModel."""
-
-    supports_pp = False  # one stage only (its model's forward is its own)
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         nn.Module.__init__(self)
@@ -128,9 +141,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         # Qwen3-MoE: Qwen3's RMSNorm of each query and key head (LlamaAttention's qk_norm)
         qk_norm = RMSNorm if cfg.architecture == "Qwen3MoeForCausalLM" else None
         self.model = MoeModel(cfg, self.moe, rotary, qk_norm)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = None  # on the first pipeline stage, beside the embedding
+        if self.model.embed_tokens is not None:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._per_expert(weights))

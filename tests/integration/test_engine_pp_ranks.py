@@ -115,6 +115,32 @@ def test_a_long_prefill_runs_in_micro_batches_with_one_stages_numbers(five_layer
         llm.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "qwen2-moe", "mixtral"])
+def test_gemma_and_moe_families_in_two_stages(tmp_path, kind):
+    """Gemma (its embedding scale, four norms a layer, sliding layers) and mixtures of experts
+    split into stages as Llama does: PP=1's greedy tokens and prompt logprobs exactly."""
+    from helpers.arch import arch_prompts, build_arch_model
+
+    build_arch_model(tmp_path, kind)
+    prompts = arch_prompts()[:4]
+    kw = dict(dtype="float32", kv_cache_memory=KV)
+
+    def run(llm):
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+        return tokens, _prompt_logprobs(llm, prompts[-1])
+
+    one = LLM(str(tmp_path), **kw)
+    want = run(one)
+    one.shutdown()
+    llm = LLM(str(tmp_path), pipeline_parallel_size=2, **kw)
+    try:
+        assert run(llm) == want
+        assert llm.engine.kv_cache.shape[0] < llm.engine.model_config.num_layers
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
 def test_smollm2_in_two_and_three_stages():
     """SmolLM2's 30 layers in 2 and 3 stages answer as one stage does, token for token."""
     chats = [
