@@ -8,6 +8,7 @@ blocks go and the worker is healthy again. Skipped where NIXL is not installed."
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -124,7 +125,6 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
             ),
             timeout=10,
         )  # fmt: skip
-        import dataclasses
 
         layout = dataclasses.replace(decode.layout, block_size=res.block_size)
         ctx = multiprocessing.get_context("spawn")
@@ -170,3 +170,48 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
         die.set()
         channel.close()
         decode.stop()
+
+
+# ---- the chaos scenario suite's faults on the nixl backend ----------------------------------------
+
+# the abort storm's size: CI's (32 streams); PDSERVE_NIXL_STORM=300 runs hundreds by hand
+STORM = int(os.environ.get("PDSERVE_NIXL_STORM", "0") or 0)
+NIXL_SCENARIOS = ("kill9_prefill_gone", "kill9_decode", "abort_storm")
+
+
+def nixl_scenarios():
+    from benchmarks.robustness.faults import AbortStorm
+    from benchmarks.robustness.scenarios import suite
+
+    for s in suite("ci"):
+        if s.name not in NIXL_SCENARIOS:
+            continue
+        if STORM and s.name == "abort_storm":
+            faults = tuple(
+                dataclasses.replace(f, n=STORM) if isinstance(f, AbortStorm) else f
+                for f in s.faults
+            )
+            s = dataclasses.replace(s, faults=faults)
+        yield pytest.param(s, id=s.name)
+
+
+@pytest.mark.parametrize("scenario", nixl_scenarios())
+def test_chaos_scenario_over_nixl(scenario, tiny_models):
+    """A prefill worker killed mid-write (its held blocks go once its process is proven gone,
+    not at the bound), a decode worker killed mid-receive, an abort storm: the suite's checks
+    (survivors token-identical to a clean run, every block and reservation free, every worker
+    serving: a stuck hold would fail its Stats) with every worker on the nixl backend."""
+    import json
+
+    from benchmarks.robustness.faults import clean_run, failures, run_scenario
+    from helpers.scenario_cluster import LocalTarget
+
+    model_dir, _ = tiny_models("llama-gqa")
+    topology = scenario.topology
+    target = LocalTarget(model_dir, topology.prefill, topology.decode, kv_backend="nixl")
+    try:
+        result = run_scenario(scenario, target, clean_run(target, scenario.load))
+    finally:
+        target.stop()
+    print(json.dumps(result, default=str))  # pytest shows it with the failure, or with -s
+    assert result["passed"], "\n".join(failures(result))
