@@ -116,6 +116,8 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
     def stats():
         return stub.Stats(worker_pb2.StatsRequest(), timeout=10)
 
+    ctx = multiprocessing.get_context("spawn")
+    ready, die = ctx.Event(), ctx.Event()
     try:
         total = stats().num_total_blocks
         res = stub.Reserve(
@@ -127,8 +129,6 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
         )  # fmt: skip
 
         layout = dataclasses.replace(decode.layout, block_size=res.block_size)
-        ctx = multiprocessing.get_context("spawn")
-        ready, die = ctx.Event(), ctx.Event()
         proc = ctx.Process(
             target=dying_sender,
             args=(
