@@ -20,8 +20,10 @@ On the nixl backend the prefill worker writes into the blocks itself (one-sided 
 hand-off also keeps the reservations' write grants (kvtransfer/backends/nixl_backend.py, Grants):
 Reserve issues one (the KVEndpoint carries it, `grant_for`), and a reservation that ends while a
 sender's claim may still write is held back: its blocks stay the engine's reservation, never
-handed to another request, until the sender's commit or abort arrives or the claim's bound
-passes; only then does the engine free them (`_release_held`).
+handed to another request, until the sender's commit or abort arrives or its process is proven
+gone; only then does the engine free them (`_release_held`). A hold past the claim's bound is
+stuck: the blocks stay held and `unhealthy` says why (the service's Stats fails with it, so the
+router takes the worker down) until the claim ends after all.
 """
 
 from __future__ import annotations
@@ -192,6 +194,12 @@ class DecodeHandoff:
     def num_held(self) -> int:
         return len(self._held)
 
+    @property
+    def unhealthy(self) -> str:
+        """Why this worker must not be trusted with work (held blocks that a KV write may still
+        reach past its bound: nixl), "" when healthy."""
+        return self.grants.stuck() if self.grants is not None else ""
+
     # ---- data plane (transport threads) ---------------------------------------------------------
     def on_frame(self, header, payload) -> None:
         entry = self._entries.get(header.request_id)
@@ -224,8 +232,8 @@ class DecodeHandoff:
             return
         with entry.lock:
             entry.closed = True
-        if self.grants is not None:  # the commit was the sender's last word: nothing is held
-            self.grants.close(request_id, lambda: None)
+        if self.grants is not None:  # the blocks run in the engine now: nothing is held
+            self.grants.close(request_id, None)
         first_tokens = list(entry.receiver.first_tokens)
         logprobs = list(entry.receiver.first_logprobs) if entry.logprobs else []
         try:

@@ -481,6 +481,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def Stats(self, request, context):
         refuse_if_broken(self.loop, context)  # the router takes it down; work goes elsewhere
         h = self.handoff
+        unhealthy = h.unhealthy
+        if unhealthy and context is not None:  # the same, while a KV write may land past its bound
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"this worker is unhealthy: {unhealthy}")
         stats = worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,
             **self.loop.load(),

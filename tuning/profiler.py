@@ -9,9 +9,11 @@ Per TP degree, the engine runs in this process (LLMEngine, ignore_eos requests, 
   decode   B = 1..64 sequences of 32..1024 context tokens each (as far as the KV pool holds them),
            their KV put in place by reserve + commit, then steps that each decode B tokens
 The step models of tuning/perf_model.py are fitted to these by non-negative least squares.
-KV transfer per backend (grpc, shm, torch): a receiver process writes the KV into a paged cache
-as a decode worker does, while this process sends requests layer by layer: latency from one
-small request at a time, bandwidth from large ones back to back.
+KV transfer per backend (grpc, shm, torch; nixl when named in --backends): a receiver process
+writes the KV into a paged cache as a decode worker does, while this process sends requests layer
+by layer: latency from one small request at a time, bandwidth from large ones back to back. On
+nixl the receiver issues each request a write grant, as a decode worker's Reserve does, and the
+sender WRITEs into the granted blocks.
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="bytes of KV pool per rank while profiling; the profile's KV capacity and "
         "the tuner's YAML use it (default 1 GiB, the engine's CPU default)",
     )
-    p.add_argument("--backends", default="grpc,shm,torch", help="KV transfer backends to measure")
+    p.add_argument(
+        "--backends",
+        default="grpc,shm,torch",
+        help="KV transfer backends to measure, of grpc,shm,torch,nixl (nixl needs the nixl extra)",
+    )
     p.add_argument("--dtype", default="auto")
 
 
@@ -138,6 +144,11 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
                 if msg == "stop":
                     break
                 receivers, done, lock = {}, {}, threading.Lock()
+                grants = None
+                if msg["backend"] == "nixl":  # a decode worker's write grants, one per request
+                    from pdserve.kvtransfer.backends.nixl_backend import Grants
+
+                    grants = Grants()
 
                 def handler(header, payload):
                     with lock:
@@ -154,11 +165,18 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
                             )
                     if rx.on_frame(header, payload) in (TransferState.DONE, TransferState.FAILED):
                         done[header.request_id] = (time.perf_counter(), rx.error)
+                        if grants is not None:  # the reservation ends: commit or failure
+                            grants.close(header.request_id, None)
 
                 opts = {"kv_cache": cache, "kv_path": path} if msg["backend"] == "shm" else {}
+                if grants is not None:
+                    opts = {"kv_caches": cache, "grants": grants}
                 server = serve(msg["backend"], handler, **opts)
                 conn.send({"address": server.address})
                 while (cmd := conn.recv()) != "end":
+                    if "grants" in cmd:  # nixl: a grant per request id, as Reserve issues them
+                        conn.send({rid: grants.issue(rid, ids) for rid, ids in cmd["grants"]})
+                        continue
                     deadline = time.monotonic() + 120
                     while len(done) < cmd["count"] and time.monotonic() < deadline:
                         time.sleep(0.0005)
@@ -269,10 +287,17 @@ class _Link:
         from pdserve.kvtransfer.transport import Destination
 
         starts = {}
-        for i in range(count):
-            rid = f"{i % self.slots}-{n}-{next(self.counter)}"  # what the receiver parses
+        # what the receiver parses: "<slot>-<tokens>-<serial>"
+        rids = [
+            (f"{i % self.slots}-{n}-{next(self.counter)}", i % self.slots) for i in range(count)
+        ]
+        tokens = {}
+        if self.backend == "nixl":  # write grants first, as Reserve hands them out
+            self.parent.send({"grants": [(rid, _block_ids(slot, n)) for rid, slot in rids]})
+            tokens = _recv(self.parent, self.proc)
+        for rid, slot in rids:
             starts[rid] = time.perf_counter()
-            dest = Destination(_block_ids(i % self.slots, n), self.layout)
+            dest = Destination(_block_ids(slot, n), self.layout, grant=tokens.get(rid, ""))
             send_request(self.transport, frames, rid, dest, self.layout)
         self.transport.flush(120.0)
         self.parent.send({"count": count})

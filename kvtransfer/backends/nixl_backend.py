@@ -28,9 +28,14 @@ fails its request; no WRITE of a claim is posted after its write window (window_
 WRITE of a claim is over by the claim's start + window_s + xfer_timeout_s, and the decode side
 holds back the blocks of a reservation that ends (abort, lease, failure) while its claim may still
 write: until the sender's "commit" or "abort" for it arrives (the sender's last word, sent after
-its last WRITE ended), or that bound (plus a margin) passes. Only then are they freed
-(decode_worker/handoff.py). A sender whose claim is refused, or whose WRITE fails, fails the
-request; the prefill worker then sends "abort".
+its last WRITE ended), or until every sending process of the claim is proven gone (a claim names
+its process: boot id, pid namespace, pid and start time; on a DRAM pool a dead process on this
+host writes no more). Only then are they freed (decode_worker/handoff.py). Past that bound (plus
+a margin) with neither, the claim's sender broke its own bounds (stopped or hung, a WRITE that
+would not cancel, or a dead sender on another host, which cannot be proven gone): its blocks stay
+held and the worker reports itself unhealthy (`Grants.stuck`, which fails the decode worker's
+Stats) until the claim ends after all. A sender whose claim is refused, or whose WRITE fails,
+fails the request; the prefill worker then sends "abort".
 
 Trust: NIXL's one-sided WRITEs are not checked by the receiver's CPU: a process holding the
 agent's metadata can write anywhere in the registered pool. What keeps writes inside a
@@ -114,6 +119,67 @@ def nixl_available() -> bool:
 # ---- the decode side's grants ---------------------------------------------------------------------
 
 
+_PROC = "/proc"
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _start_time(pid: int, proc: str = _PROC) -> int | None:
+    """The process's start time (clock ticks after boot, /proc/PID/stat field 22); None when no
+    process has that pid or it is a zombie (its memory is gone). Other errors raise OSError."""
+    try:
+        stat = _read(f"{proc}/{pid}/stat")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # fields 3 onwards: the name may hold spaces
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+_identity: tuple[int, dict] | None = None
+
+
+def process_identity() -> dict:
+    """This process, as a claim names it: the kernel's boot id, its pid namespace, its pid and
+    start time. A receiver on the same kernel and in the same pid namespace can tell from them
+    whether this process is still alive ({} where /proc cannot say)."""
+    global _identity
+    pid = os.getpid()
+    if _identity is None or _identity[0] != pid:
+        try:
+            ident = {
+                "boot": _read(f"{_PROC}/sys/kernel/random/boot_id"),
+                "pidns": os.readlink(f"{_PROC}/self/ns/pid"),
+                "pid": pid,
+                "start": _start_time(pid),
+            }
+        except (OSError, ValueError, IndexError):
+            ident = {}
+        _identity = (pid, ident if ident.get("start") is not None else {})
+    return dict(_identity[1])
+
+
+def process_gone(identity: dict | None, proc: str = _PROC) -> bool:
+    """True only when the process `identity` names is proven over: it ran on this kernel (the
+    same boot id) in this pid namespace, and its pid is now free, a zombie, or another process
+    (another start time). Anything else, another host or namespace, no identity or an
+    unreadable /proc included, is not proof: False."""
+    if not identity:
+        return False
+    try:
+        if identity.get("boot") != _read(f"{proc}/sys/kernel/random/boot_id"):
+            return False
+        if identity.get("pidns") != os.readlink(f"{proc}/self/ns/pid"):
+            return False
+        return _start_time(int(identity["pid"]), proc) != identity.get("start")
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
 def _same(token: str, given: str) -> bool:
     """Constant-time comparison of a grant with what a peer sent (any string)."""
     return hmac.compare_digest(token.encode(), given.encode("utf-8", "replace"))
@@ -129,9 +195,11 @@ class _Grant:
     block_ids: tuple[int, ...]
     live: bool = True  # the reservation holds (not committed, aborted or expired)
     claimed_at: float | None = None  # time.monotonic() of the last claim: a transfer may write
-    claimants: set[str] = field(default_factory=set)  # the sending agents that claimed it
+    # the sending agents that claimed it, each with its process (process_identity(), {}: unknown)
+    claimants: dict[str, dict] = field(default_factory=dict)
     over: bool = False  # the sender's commit or abort arrived: no write of it is left
     on_over: Callable[[], None] | None = None  # the reservation ended while its claim may write
+    stuck: bool = False  # held past its bound: the worker reports itself unhealthy
     refused: int = 0
 
 
@@ -141,11 +209,17 @@ class Grants:
 
     issue() at Reserve; claim() from the control server; check() for every frame before the
     handler sees it; close() when the reservation ends: it returns True when the blocks may be
-    freed now, else it calls `on_over` once the claim is over (the sender's commit or abort, or
-    `release_bound_s` after the claim: `due()`, polled by the hand-off's sweep).
+    freed now, else it calls `on_over` once the claim is over: the sender's commit or abort, or
+    (`due()`, polled by the hand-off's sweep) every claiming process proven gone. A held claim
+    past `release_bound_s` with neither is stuck: still held, and `stuck()` says why the worker
+    is unhealthy until it ends after all.
+
+    `pid_proof`: a dead sending process on this host ends its claim's writes (true of a DRAM
+    pool, which only the sender's CPU writes; NixlServer turns it off for a VRAM pool, whose
+    copies a GPU runs).
     """
 
-    def __init__(self, window_s: float = 60.0, xfer_timeout_s: float = 30.0):
+    def __init__(self, window_s: float = 60.0, xfer_timeout_s: float = 30.0, pid_proof=True):
         if not window_s > 0 or not xfer_timeout_s > 0:
             raise ValueError(
                 f"window_s and xfer_timeout_s must be > 0, got {window_s} and {xfer_timeout_s}"
@@ -154,8 +228,10 @@ class Grants:
         self.release_bound_s = window_s + xfer_timeout_s + RELEASE_MARGIN_S
         self._grants: dict[str, _Grant] = {}
         self._lock = threading.Lock()
+        self.pid_proof = bool(pid_proof)
         self.num_refused = 0  # claims and frames refused
-        self.num_released_by_bound = 0  # held blocks freed by the bound, not by the sender's word
+        self.num_released_sender_gone = 0  # held blocks freed as their senders were proven gone
+        self.num_stuck_total = 0  # held claims that went past their bound (each counted once)
 
     def issue(self, request_id: str, block_ids) -> str:
         token = secrets.token_hex(16)
@@ -174,14 +250,19 @@ class Grants:
         self.num_refused += 1
         return GrantRefused(why)
 
-    def claim(self, request_id: str, token: str, block_ids, agent: str = "") -> float:
+    def claim(
+        self, request_id: str, token: str, block_ids, agent: str = "", process: dict | None = None
+    ) -> float:
         """The write window in seconds; GrantRefused says what does not match.
 
-        `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
+        `process`: the sending process (process_identity()), which lets a dead sender's claim end
+        before its bound. `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
         router retries a failed prefill once into the same reservation. From the same agent,
         that agent's earlier WRITEs are over (NixlTransport claims a request again only after
         its earlier WRITEs ended); from another agent, the first may still be writing, so from
-        then on only the bound of the latest claim (not a sender's last frame) ends a hold. A
+        then on a sender's last frame no longer ends a hold (whose it is cannot be told): only
+        both senders' processes proven gone do, and past the bound of the latest claim the hold
+        is stuck (the worker reports itself unhealthy until they are). A
         grant whose reservation ended is refused: the replay that matters."""
         with self._lock:
             grant = self._grants.get(request_id)
@@ -201,7 +282,7 @@ class Grants:
                     f"claim's block ids differ"
                 )
             grant.claimed_at = time.monotonic()
-            grant.claimants.add(agent)
+            grant.claimants[agent] = dict(process or {})
             return self.window_s
 
     def check(self, header: ChunkHeader) -> str | None:
@@ -219,7 +300,8 @@ class Grants:
                 self.num_refused += 1
                 return "an in-place KV frame for a reservation no sender claimed"
             if header.kind in ("commit", "abort") and len(grant.claimants) <= 1:
-                # with two claimants, whose last word this is cannot be told: the bound decides
+                # with two claimants, whose last word this is cannot be told: only their
+                # processes' end releases the hold (due()), or the worker reports it stuck
                 grant.over = True
                 if not grant.live:
                     del self._grants[header.request_id]
@@ -228,9 +310,11 @@ class Grants:
             on_over()
         return None
 
-    def close(self, request_id: str, on_over: Callable[[], None]) -> bool:
+    def close(self, request_id: str, on_over: Callable[[], None] | None) -> bool:
         """The reservation ended. True: no write of it can land any more, its blocks may go now;
-        False: held, `on_over` is called once the claim is over."""
+        False: held, `on_over` is called once the claim is over. `on_over` None: nothing is held
+        (a commit: the blocks run in the engine); the grant is kept to its bound only to refuse a
+        replayed claim."""
         with self._lock:
             grant = self._grants.get(request_id)
             if grant is None:
@@ -243,27 +327,63 @@ class Grants:
             return False
 
     def due(self) -> int:
-        """Release the held reservations whose claim is past its bound; returns how many."""
+        """Release the held reservations whose claiming processes are all proven gone, mark the
+        ones past their bound stuck (logged once each), and drop the replay guards past theirs;
+        returns how many held reservations were released."""
         now = time.monotonic()
-        calls = []
         with self._lock:
-            for rid, grant in list(self._grants.items()):
-                if (
-                    not grant.live
-                    and grant.on_over is not None
-                    and now - grant.claimed_at > self.release_bound_s
-                ):
+            ended = [(rid, g) for rid, g in self._grants.items() if not g.live]
+        gone = set()
+        if self.pid_proof:  # reading /proc outside the lock
+            for rid, grant in ended:
+                if grant.on_over is not None and grant.claimants:
+                    if all(process_gone(p) for p in grant.claimants.values()):
+                        gone.add(rid)
+        calls, newly_stuck = [], []
+        with self._lock:
+            for rid, grant in ended:
+                if self._grants.get(rid) is not grant:
+                    continue  # its sender's last word came meanwhile
+                past = now - grant.claimed_at > self.release_bound_s
+                if grant.on_over is None:  # nothing held: a replay guard, kept to the bound
+                    if past:
+                        del self._grants[rid]
+                elif rid in gone:
                     del self._grants[rid]
                     calls.append(grant.on_over)
-            self.num_released_by_bound += len(calls)
+                elif past and not grant.stuck:
+                    grant.stuck = True
+                    newly_stuck.append(rid)
+            self.num_released_sender_gone += len(calls)
+            self.num_stuck_total += len(newly_stuck)
+        for rid in newly_stuck:
+            log.error(
+                "the KV writes of held reservation %s are past their bound of %.0f s and not known "
+                "over: its blocks stay held and this worker reports itself unhealthy",
+                rid[:64],
+                self.release_bound_s,
+            )
         for call in calls:
             call()
         return len(calls)
 
+    def stuck(self) -> str:
+        """Why the worker is unhealthy: held reservations that a WRITE may still reach past their
+        bound ("" when none)."""
+        with self._lock:
+            stuck = [(rid, len(g.block_ids)) for rid, g in self._grants.items() if g.stuck]
+        if not stuck:
+            return ""
+        return (
+            f"{len(stuck)} reservation(s) ({sum(n for _, n in stuck)} KV blocks) held past the "
+            f"nixl write bound of {self.release_bound_s:.0f} s: a sender may still write into "
+            f"them (first: {stuck[0][0][:64]!r}); end that sender or restart this worker"
+        )
+
     @property
     def num_held(self) -> int:
         with self._lock:
-            return sum(1 for g in self._grants.values() if not g.live)
+            return sum(1 for g in self._grants.values() if not g.live and g.on_over is not None)
 
 
 # ---- addresses ------------------------------------------------------------------------------------
@@ -341,18 +461,18 @@ class NixlControlServer(GrpcServer):
 
     def _claim(self, request: bytes, context) -> bytes:
         try:
-            request_id, token, block_ids, agent = parse_claim(request)
+            request_id, token, block_ids, agent, process = parse_claim(request)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlClaim: {e}")
         try:
-            window_s = self._owner.grants.claim(request_id, token, block_ids, agent)
+            window_s = self._owner.grants.claim(request_id, token, block_ids, agent, process)
         except GrantRefused as e:
             log.warning("refused a KV write claim: %s", e)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return msgpack.packb({"window_s": window_s})
 
 
-def parse_claim(request: bytes) -> tuple[str, str, list[int], str]:
+def parse_claim(request: bytes) -> tuple[str, str, list[int], str, dict]:
     if len(request) > MAX_CLAIM_BYTES:
         raise ValueError(f"a claim has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
     try:
@@ -362,7 +482,12 @@ def parse_claim(request: bytes) -> tuple[str, str, list[int], str]:
     if not isinstance(ask, dict):
         raise ValueError('send a msgpack map {"request_id": str, "grant": str, "block_ids": [int]}')
     rid, token, blocks = ask.get("request_id"), ask.get("grant"), ask.get("block_ids")
-    agent = ask.get("agent", "")
+    agent, process = ask.get("agent", ""), ask.get("process", {})
+    if not isinstance(process, dict) or (process and not _an_identity(process)):
+        raise ValueError(
+            '"process" must be the sender\'s {"boot": str, "pidns": str, "pid": int, '
+            '"start": int}, or {}'
+        )
     if not isinstance(agent, str) or len(agent) > 256:
         raise ValueError('"agent" must be the sending NIXL agent\'s name, at most 256 characters')
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
@@ -375,7 +500,19 @@ def parse_claim(request: bytes) -> tuple[str, str, list[int], str]:
         or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
     ):
         raise ValueError(f'"block_ids" must be a list of at most {MAX_BLOCKS} ints >= 0')
-    return rid, token, blocks, agent
+    return rid, token, blocks, agent, process
+
+
+def _an_identity(process: dict) -> bool:
+    """A process_identity() as a claim carries it."""
+    return (
+        set(process) == {"boot", "pidns", "pid", "start"}
+        and all(isinstance(process[k], str) and len(process[k]) <= 64 for k in ("boot", "pidns"))
+        and all(
+            isinstance(process[k], int) and not isinstance(process[k], bool) and process[k] >= 0
+            for k in ("pid", "start")
+        )
+    )
 
 
 class NixlServer(TransportServer):
@@ -410,6 +547,8 @@ class NixlServer(TransportServer):
                 f"{tuple(caches[0].shape)}"
             )
         self.grants = grants or Grants()
+        # only a DRAM pool's writes end with the sending process (a GPU may still run its copies)
+        self.grants.pid_proof = self.grants.pid_proof and not caches[0].is_cuda
         self.kv_caches = caches
         self.agent_name = f"pdserve-kv-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._agent = _make_agent(
@@ -623,6 +762,7 @@ class NixlTransport(Transport):
                 "grant": dest.grant,
                 "block_ids": [int(b) for b in dest.block_ids],
                 "agent": self._agent.name,
+                "process": process_identity(),
             }
         )
         try:
@@ -897,6 +1037,8 @@ __all__ = [
     "Grants",
     "GrantRefused",
     "nixl_available",
+    "process_gone",
+    "process_identity",
     "require_nixl",
     "format_address",
     "parse_address",

@@ -42,15 +42,16 @@ torch.set_num_threads(1)
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.deploy.workers import build_worker
 from pdserve.protos.security import ClusterSecurity
-role, model, registry, worker_id, step_s, max_model_len, deployment_id = sys.argv[1:8]
+role, model, registry, worker_id, step_s, max_model_len, deployment_id, kv = sys.argv[1:9]
 secret = sys.stdin.readline().strip()
 cfg = DecodeWorkerConfig(model=model, worker_id=worker_id, lease_ms=5000, stop_grace_s=0,
     engine_kwargs=dict(max_model_len=int(max_model_len), kv_cache_memory=1 << 20, block_size=16),
-    registry_address=registry, security=ClusterSecurity(secret), deployment_id=deployment_id)
+    registry_address=registry, security=ClusterSecurity(secret), deployment_id=deployment_id,
+    kv_backend=kv)
 worker = build_worker(role, cfg, flippable=True).start()
 step = worker.loop.engine.step
 worker.loop.engine.step = lambda: (time.sleep(float(step_s)), step())[1]
-print(worker.address, flush=True)
+print("ADDRESS", worker.address, flush=True)
 sys.stdin.read()
 worker.stop()
 """
@@ -59,12 +60,18 @@ worker.stop()
 class LocalTarget:
     """A Target (benchmarks/robustness/faults.py) of `prefill` + `decode` child workers behind a
     router in this process; `stop()` ends them all. Router settings: its defaults, but for
-    `router_kwargs`."""
+    `router_kwargs`. `kv_backend`: every worker's (DecodeWorkerConfig.kv_backend)."""
 
     def __init__(
-        self, model_dir: str, prefill: int, decode: int, step_s: float = 0.02, **router_kwargs
+        self,
+        model_dir: str,
+        prefill: int,
+        decode: int,
+        step_s: float = 0.02,
+        kv_backend: str = "grpc",
+        **router_kwargs,
     ):
-        self.model_dir, self.step_s = model_dir, step_s
+        self.model_dir, self.step_s, self.kv_backend = model_dir, step_s, kv_backend
         self.security = ClusterSecurity(SECRET)
         self.router = Router(
             RouterConfig(
@@ -95,9 +102,12 @@ class LocalTarget:
 
     # -- the children --
     def _spawn(self, name: str) -> subprocess.Popen:
-        env = dict(os.environ, PDSERVE_TEST_ENGINE_HANG_FILE=self.hang_file(name))
+        # NIXL logs INFO lines to stdout, where the child prints its address: WARN and up only
+        env = dict(
+            os.environ, PDSERVE_TEST_ENGINE_HANG_FILE=self.hang_file(name), NIXL_LOG_LEVEL="WARN"
+        )
         args = [self.roles[name], self.model_dir, self.address, name, str(self.step_s)]
-        args += [str(MAX_MODEL_LEN), DEPLOYMENT_ID]
+        args += [str(MAX_MODEL_LEN), DEPLOYMENT_ID, self.kv_backend]
         proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, *args],
             stdin=subprocess.PIPE,
@@ -110,7 +120,11 @@ class LocalTarget:
         return proc
 
     def _read_address(self, name: str) -> None:
-        address = self.procs[name].stdout.readline().strip()
+        address = ""
+        for line in self.procs[name].stdout:  # past anything a library printed first
+            if line.startswith("ADDRESS "):
+                address = line.split(None, 1)[1].strip()
+                break
         if not address:
             raise RuntimeError(f"worker {name} did not start (exit {self.procs[name].poll()})")
         self.addresses[name] = address

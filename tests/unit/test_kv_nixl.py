@@ -45,10 +45,11 @@ def test_a_claim_must_match_a_live_reservation():
     assert grants.num_refused == 3
 
 
-def test_a_retry_from_another_sender_is_taken_and_held_to_the_bound():
+def test_a_retry_from_another_sender_is_held_until_both_senders_are_gone(monkeypatch):
     """The router retries a prefill into the same reservation. Again from the same agent (whose
     earlier WRITEs are over) a claim changes nothing; from another agent, the first may still be
-    writing, so a sender's last frame no longer ends a hold: only the bound does."""
+    writing, so a sender's last frame no longer ends a hold: both senders' processes gone do,
+    and past the bound without that the hold is stuck (reported, not freed)."""
     grants = Grants()
     token = grants.issue("r1", [1])
     grants.claim("r1", token, [1], agent="prefill-a")
@@ -56,14 +57,19 @@ def test_a_retry_from_another_sender_is_taken_and_held_to_the_bound():
     grants.check(ChunkHeader("r1", "f", kind="abort", grant=token))
     assert grants.close("r1", lambda: pytest.fail("not held"))  # one claimant: its word ends it
     token = grants.issue("r1", [1])
-    grants.claim("r1", token, [1], agent="prefill-a")
-    grants.claim("r1", token, [1], agent="prefill-b")
+    grants.claim("r1", token, [1], agent="prefill-a", process={"pid": 1})
+    grants.claim("r1", token, [1], agent="prefill-b", process={"pid": 2})
     released = []
     assert not grants.close("r1", lambda: released.append(1))
     grants.check(ChunkHeader("r1", "f", kind="abort", grant=token))
     assert not released
+    dead = {1}
+    monkeypatch.setattr(nixl_backend, "process_gone", lambda p: p.get("pid") in dead)
     grants.release_bound_s = 0.0
-    assert grants.due() == 1 and released == [1]
+    assert grants.due() == 0 and not released and "held past" in grants.stuck()
+    dead.add(2)
+    assert grants.due() == 1 and released == [1] and grants.stuck() == ""
+    assert grants.num_released_sender_gone == 1 and grants.num_stuck_total == 1
 
 
 def test_a_grant_of_an_ended_reservation_is_refused():
@@ -106,16 +112,85 @@ def test_the_senders_last_frame_before_the_end_frees_at_once():
     assert grants.close("r1", lambda: pytest.fail("not held"))
 
 
-def test_a_held_reservation_is_released_by_its_bound():
+def test_a_held_reservation_past_its_bound_is_stuck_not_freed():
+    """A fake stuck transfer: the sender claimed, the reservation ended, and neither its last
+    word nor proof of its end comes. Past the bound its blocks stay held and the grants say why
+    the worker is unhealthy, once; the sender's last word, late, frees them and clears it."""
     grants = Grants(window_s=1.0, xfer_timeout_s=1.0)
     assert grants.release_bound_s == 1.0 + 1.0 + nixl_backend.RELEASE_MARGIN_S
-    token = grants.issue("r1", [1])
-    grants.claim("r1", token, [1])
+    token = grants.issue("r1", [1, 2, 3])
+    grants.claim("r1", token, [1, 2, 3], agent="a", process={})  # a process that cannot be proven
     released = []
     assert not grants.close("r1", lambda: released.append(1))
-    assert grants.due() == 0 and not released
+    assert grants.due() == 0 and not released and grants.stuck() == ""
     grants.release_bound_s = 0.0  # the bound passed
-    assert grants.due() == 1 and released == [1] and grants.num_released_by_bound == 1
+    assert grants.due() == 0 and not released and grants.num_held == 1
+    why = grants.stuck()
+    assert "1 reservation(s) (3 KV blocks) held past the nixl write bound" in why and "'r1'" in why
+    assert grants.due() == 0 and grants.num_stuck_total == 1  # counted once
+    grants.check(ChunkHeader("r1", "f", kind="abort", grant=token))  # the sender's word, late
+    assert released == [1] and grants.stuck() == "" and grants.num_held == 0
+
+
+def test_a_dead_senders_hold_ends_before_its_bound(monkeypatch):
+    """A sending process proven gone writes no more: its held blocks go at the next sweep, the
+    bound not reached; an alive one's stay. With pid_proof off (a VRAM pool) nothing is proof."""
+    alive = {7}
+    monkeypatch.setattr(nixl_backend, "process_gone", lambda p: p.get("pid") not in alive)
+    for pid_proof, pid, freed in ((True, 8, True), (True, 7, False), (False, 8, False)):
+        grants = Grants(pid_proof=pid_proof)
+        token = grants.issue("r1", [1])
+        grants.claim("r1", token, [1], agent="a", process={"pid": pid})
+        released = []
+        assert not grants.close("r1", lambda: released.append(1))
+        assert grants.due() == int(freed) and released == ([1] if freed else [])
+        assert grants.num_held == int(not freed) and grants.stuck() == ""
+
+
+def test_a_committed_claim_holds_nothing_and_is_dropped_at_its_bound():
+    grants = Grants()
+    token = grants.issue("r1", [1])
+    grants.claim("r1", token, [1], agent="a")
+    grants.claim("r1", token, [1], agent="b")  # a commit cannot end a two-sender claim
+    assert not grants.close("r1", None)
+    assert grants.num_held == 0
+    with pytest.raises(GrantRefused, match="replayed"):
+        grants.claim("r1", token, [1], agent="c")
+    grants.release_bound_s = 0.0
+    assert grants.due() == 0 and grants.stuck() == "" and grants.token("r1") == ""
+
+
+def fake_proc(root, boot="b-1", pidns="pid:[1]", procs=None):
+    """A /proc with a boot id, this process's pid namespace and {pid: (state, start)}."""
+    (root / "sys/kernel/random").mkdir(parents=True)
+    (root / "sys/kernel/random/boot_id").write_text(boot + "\n")
+    (root / "self/ns").mkdir(parents=True)
+    (root / "self/ns/pid").symlink_to(pidns)
+    for pid, (state, start) in (procs or {}).items():
+        (root / str(pid)).mkdir()
+        rest = " ".join(["0"] * 18 + [str(start)] + ["0"] * 10)  # start: field 22
+        (root / str(pid) / "stat").write_text(f"{pid} (a name) x) {state} {rest}\n")
+    return str(root)
+
+
+def test_process_gone_needs_proof(tmp_path):
+    proc = fake_proc(tmp_path, procs={10: ("S", 500), 11: ("Z", 600), 12: ("S", 999)})
+    me = {"boot": "b-1", "pidns": "pid:[1]", "start": 500}
+    gone = nixl_backend.process_gone
+    assert not gone(dict(me, pid=10), proc)  # alive
+    assert gone(dict(me, pid=11, start=600), proc)  # a zombie writes nothing
+    assert gone(dict(me, pid=12), proc)  # the pid names another process now
+    assert gone(dict(me, pid=13), proc)  # no such pid
+    assert not gone(dict(me, pid=13, boot="b-2"), proc)  # another kernel: no proof
+    assert not gone(dict(me, pid=13, pidns="pid:[2]"), proc)  # another namespace: no proof
+    assert not gone({}, proc) and not gone(None, proc)
+
+
+def test_this_process_is_alive_by_its_own_identity():
+    me = nixl_backend.process_identity()
+    assert set(me) == {"boot", "pidns", "pid", "start"}
+    assert not nixl_backend.process_gone(me)
+    assert nixl_backend.process_gone(dict(me, start=me["start"] + 1))
 
 
 @pytest.mark.parametrize("window_s,xfer_timeout_s", [(0, 1), (1, 0), (-1, 1)])
@@ -135,6 +210,16 @@ def test_grant_bounds_must_be_positive(window_s, xfer_timeout_s):
         (msgpack.packb({"request_id": "r", "grant": "g", "block_ids": [True]}), "block_ids"),
         (msgpack.packb({"request_id": "r", "grant": "g", "block_ids": "1"}), "block_ids"),
         (b"x" * (nixl_backend.MAX_CLAIM_BYTES + 1), "at most"),
+        (
+            msgpack.packb({"request_id": "r", "grant": "g", "block_ids": [], "process": 1}),
+            "process",
+        ),
+        (
+            msgpack.packb(
+                {"request_id": "r", "grant": "g", "block_ids": [], "process": {"pid": 1}}
+            ),
+            "process",
+        ),
     ],
 )
 def test_bad_claims_say_what_to_fix(claim, words):
