@@ -68,6 +68,7 @@ def tier_stats(block_manager) -> dict:
     for field, name in (
         ("prefix_hit_tokens_device", "hit_tokens_device"),
         ("prefix_hit_tokens_host", "hit_tokens_host"),
+        ("prefix_hit_tokens_peer", "hit_tokens_peer"),
     ):
         value = getattr(block_manager, name, 0)
         if isinstance(value, int):  # (a test's stand-in engine may have none)
