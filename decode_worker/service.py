@@ -38,7 +38,7 @@ import grpc
 from pdserve.decode_worker.handoff import CommitOutput, DecodeHandoff, HandoffTimings
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
-from pdserve.kvtransfer.peer import digest, engine_fingerprint, fetch_supported, hash_bytes
+from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
@@ -52,7 +52,12 @@ from pdserve.worker_common.errors import (
     refuse_if_broken,
     spec_stats as _spec_stats,
 )
-from pdserve.worker_common.kv_events import kv_events, tier_stats
+from pdserve.worker_common.kv_events import (
+    engine_fingerprint,
+    fetch_supported,
+    kv_events,
+    tier_stats,
+)
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate

@@ -37,15 +37,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kvtransfer.peer import (
-    block_nbytes,
-    check_block,
-    engine_fingerprint,
-    fetch_supported,
-    write_block,
-)
+from pdserve.kvtransfer.peer import block_nbytes, check_block, write_block
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
+from pdserve.worker_common.kv_events import engine_fingerprint, fetch_supported
 
 log = logging.getLogger(__name__)
 CHANNEL_IDLE_S = 300.0
@@ -159,6 +154,26 @@ class PeerFetcher:
             ),
             timeout=timeout,
         )
+        good = self._receive(stream, request, ours, want, hashes, nbytes, out)
+        if not good:
+            return
+        caches = self.caches
+
+        def install():
+            return bm.install_fetched(
+                prompt,
+                ours,
+                hashes[: len(good)],
+                lambda i, block_id: write_block(caches, block_id, good[i]),
+                root=root,
+            )
+
+        out.tokens = self.loop.call(install) * bs
+
+    def _receive(self, stream, request, ours, want, hashes, nbytes, out) -> list[bytes]:
+        """The checked blocks' bytes, in order, until the first refused one, a failure of the
+        stream or `want` of them."""
+        address = request.peer_fetch.address
         good: list[bytes] = []
         try:
             for block in stream:
@@ -175,7 +190,7 @@ class PeerFetcher:
                         "peer fetch for %s: block %d from %s refused (%s); computing it instead",
                         request.request_id,
                         block.index,
-                        spec.address,
+                        address,
                         why,
                     )
                     stream.cancel()
@@ -188,24 +203,11 @@ class PeerFetcher:
             log.info(
                 "peer fetch for %s from %s ended after %d blocks: %s; computing the rest",
                 request.request_id,
-                spec.address,
+                address,
                 len(good),
                 out.failed,
             )
-        if not good:
-            return
-        caches = self.caches
-
-        def install():
-            return bm.install_fetched(
-                prompt,
-                ours,
-                hashes[: len(good)],
-                lambda i, block_id: write_block(caches, block_id, good[i]),
-                root=root,
-            )
-
-        out.tokens = self.loop.call(install) * bs
+        return good
 
     def close(self) -> None:
         with self._lock:

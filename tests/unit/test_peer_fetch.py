@@ -21,13 +21,13 @@ from pdserve.kvtransfer.peer import (
     block_nbytes,
     check_block,
     digest,
-    engine_fingerprint,
     hash_bytes,
     read_block,
 )
 from pdserve.prefill_worker.peer_fetch import PeerFetcher, check_spec
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.peer_fetch import PeerFetch, PeerFetchCost
+from pdserve.worker_common.kv_events import engine_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BS = 16
