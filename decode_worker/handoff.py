@@ -200,7 +200,7 @@ class DecodeHandoff:
         entry = self._entries.get(request_id)
         if entry is None or entry.closed:
             return None
-        return entry.receiver.num_cached_tokens // self.loop.engine.config.block_size
+        return entry.receiver.ranks[0].num_cached_tokens // self.loop.engine.config.block_size
 
     def read_cached(self, request_id: str, first: int, count: int) -> list | None:
         """The bytes of blocks `first`..`first + count - 1` of a live reservation's cached prefix,
@@ -213,7 +213,7 @@ class DecodeHandoff:
             entry = self._entries.get(request_id)
             if entry is None or entry.closed:
                 return None
-            receiver, bm = entry.receiver, self.loop.engine.block_manager
+            receiver, bm = entry.receiver.ranks[0], self.loop.engine.block_manager
             held = receiver.num_cached_tokens // bm.block_size
             out = []
             for i in range(first, min(first + count, held)):

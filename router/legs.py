@@ -234,8 +234,8 @@ class Legs:
         fetch, why = self.peer_fetch.choose(
             len(prompt), res, prefill_held, self.pool.handoff_bandwidth()
         )
-        if why["pdserve.peer_fetch_gain_tokens"] == 0:
-            return None  # nothing to pull: the prefill worker holds as much already
+        if why["pdserve.decode_held_tokens"] == 0:
+            return None  # not a whole block to pull
         tracing.event(getattr(req, "span", None), "peer_fetch" if fetch else "recompute", why)
         if not fetch:
             if self.on_reuse_path is not None:
@@ -658,7 +658,9 @@ class Legs:
                 failure = None
                 self.peer_fetch.observe(len(prompt), leg.reservation, reply)
                 if fetch is not None and self.on_reuse_path is not None:
-                    self.on_reuse_path("peer_fetch", reply)
+                    # pulled, or the prefill worker held it all already
+                    path = "peer_fetch" if reply.peer_fetched_tokens else "prefill_cache"
+                    self.on_reuse_path(path, reply)
                 return reply
             except grpc.RpcError as e:
                 failure = f"{e.code().name}: {e.details()}"

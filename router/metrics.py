@@ -317,15 +317,16 @@ class RouterMetrics:
         )
         self.reuse_paths = Counter(
             "pdserve:reuse_paths",
-            "Turns whose decode worker held a cached prefix the prefill worker did not, by the "
+            "Turns through the prefill pool whose decode worker held a cached prefix, by the "
             "path chosen by estimated cost (router/peer_fetch.py): peer_fetch (the prefill "
-            "worker pulled it) or recompute; a turn run on its decode worker counts in "
+            "worker pulled it), prefill_cache (a fetch was allowed, and the prefill worker "
+            "held it all already) or recompute; a turn run on its decode worker counts in "
             "pdserve:local_prefills.",
             labels + ["path"],
             registry=r,
         )
         self.peer_fetch_seconds = self._histogram(
-            "pdserve:peer_fetch_seconds",
+            "pdserve:peer_fetch_duration_seconds",
             "Time a prefill worker spent pulling a turn's cached prefix from its decode worker "
             "(PrefillResponse.peer_fetch_seconds).",
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),

@@ -7,7 +7,7 @@ The decode worker's reservation says how many leading prompt tokens it holds
 (ReserveResponse.num_cached_tokens); the prefill worker probably holds what the router's
 affinity view says (router/affinity.py, the charge of pick_prefill). The gain is the blocks the
 decode worker holds beyond that (whole blocks before the prompt's last token). A fetch is asked
-for when the gain is at least `min_tokens` and
+for when the decode worker holds at least `min_tokens` and (the gain taken as at least that)
 
     gain x bytes per token / fetch bandwidth + overhead_s  <  gain / prefill tokens per second
 
@@ -16,7 +16,8 @@ bytes per token is the KV pushed per token pushed; the fetch bandwidth is the fe
 per second once one was measured, before that the prefill workers' hand-off bandwidth (their
 WorkerStats push bytes over push seconds); prefill speed is the tokens a prefill worker computed
 per second of its compute. Until both sides are measured a fetch is asked for (it is bounded, and
-its reply measures it). The same estimate prices the prefill path in the local-prefill rule
+its reply measures it). The affinity view is a guess; the prefill worker looks at its own cache
+and pulls only the blocks it lacks (none: no call to the decode worker at all). The same estimate prices the prefill path in the local-prefill rule
 (router/legs.py): with a fetch, the prefill pool computes only the new tokens plus the fetch's
 time in prefill tokens, so a turn stays on the prefill pool, off the decode worker's running
 batch, whenever that is about as fast.
@@ -109,11 +110,15 @@ class PeerFetchCost:
         s = self.settings
         bs = max(1, reservation.block_size)
         theirs = min(reservation.num_cached_tokens, max(0, prompt_tokens - 1))
-        gain = max(0, theirs - theirs % bs - prefill_held)
-        why = {"pdserve.peer_fetch_gain_tokens": gain}
-        if not s.enabled or gain < max(s.min_tokens, bs):
+        theirs -= theirs % bs
+        gain = max(0, theirs - prefill_held)
+        why = {"pdserve.peer_fetch_gain_tokens": gain, "pdserve.decode_held_tokens": theirs}
+        if not s.enabled or theirs < max(s.min_tokens, bs):
             return False, why
-        est = self.estimate(gain, handoff_bytes_per_s)
+        # the affinity view's `prefill_held` is a guess (the worker may have evicted it): the
+        # prefill worker looks at its own cache and pulls only what it lacks, so a fetch is asked
+        # for whenever it pays per token; the estimate prices at least min_tokens
+        est = self.estimate(max(gain, s.min_tokens, bs), handoff_bytes_per_s)
         if est is None:  # not measured yet: a bounded fetch measures it
             return True, why
         fetch_s, recompute_s = est
