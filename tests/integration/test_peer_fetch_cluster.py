@@ -224,3 +224,22 @@ def test_fetch_kv_gives_nothing_without_the_secret_and_checks_its_fields(cluster
             list(stub.FetchKV(request, timeout=RPC_TIMEOUT))
         assert refused.value.code().name == code
     channel.close()
+
+
+def test_a_prefill_with_a_bad_peer_fetch_is_refused_before_any_work(cluster):
+    _, _, prefill, _, _ = cluster
+    channel = SECURITY.channel(prefill.address)
+    stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+    for bad in (
+        worker_pb2.PeerFetch(address="", max_blocks=1, max_bytes=1, timeout_ms=1),
+        worker_pb2.PeerFetch(address="h:1", max_blocks=0, max_bytes=1, timeout_ms=1),
+        worker_pb2.PeerFetch(address="h:1", max_blocks=1, max_bytes=1, timeout_ms=10**9),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Prefill(
+                worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[5, 6], peer_fetch=bad),
+                timeout=RPC_TIMEOUT,
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "peer_fetch" in refused.value.details()
+    channel.close()
