@@ -1,4 +1,4 @@
-"""The DecodeWorker gRPC service: Reserve, Stream, Embed, Abort, Stats.
+"""The DecodeWorker gRPC service: Reserve, Stream, Embed, Abort, Stats, FetchKV.
 
 Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
 an ordinary engine request instead, and the rest is the same from Stream on):
@@ -21,7 +21,10 @@ engine's waiting queue and of its preemptions (engine/scheduler.py). Embed serve
 deployments' embeddings on this worker's engine (worker_common/embed.py; the router sends it
 only where there is no prefill pool). A finished request nobody streams is forgotten after
 `finished_ttl_s`. Stats answers the prefix
-cache's KV events when asked (worker_common/kv_events.py: the router's block index).
+cache's KV events when asked (worker_common/kv_events.py: the router's block index). FetchKV
+serves the cached prefix blocks a live reservation holds to the prefill worker that fills it
+(peer fetch: kvtransfer/peer.py, prefill_worker/peer_fetch.py), read on the engine loop a few
+blocks at a time.
 """
 
 from __future__ import annotations

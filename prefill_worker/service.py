@@ -230,6 +230,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self.fetcher = PeerFetcher(self.loop, caches, self.options.security)
         deadline = time.monotonic() + self._budget(context)
         result = self.fetcher.fetch(request, lora, deadline)
+        if not context.is_active():  # the router gave up on the call meanwhile: add nothing
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended during its peer fetch")
         if not result.skipped:
             self._count(
                 peer_fetches=1,

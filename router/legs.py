@@ -18,7 +18,10 @@ worker: router/open_legs.py). A leg the call lets go of gets its Abort calls fro
 abort threads, never from gRPC's polling thread.
 A leg sent to its decode worker for the conversation it holds says how many leading tokens the
 router expects held there (ReserveRequest.min_cached_tokens); a worker that evicted them refuses
-before any work (StaleHint), and the same leg reserves again for the prefill pool.
+before any work (StaleHint), and the same leg reserves again for the prefill pool. A leg whose
+prefill goes to the prefill pool while its decode worker holds a cached prefix asks the prefill
+worker to pull it from there when that is estimated faster than recomputing it (peer fetch:
+router/peer_fetch.py, PrefillRequest.peer_fetch); the trace says which.
 Each leg has its own worker-side request id, minted here: the client's request_id never reaches
 a worker, so no client can name another's request to one.
 
