@@ -10,14 +10,17 @@ reservation already says how many leading prompt tokens the decode worker holds
 cannot be evicted while they are read. One fetch, on the Prefill call's own thread, before the
 engine request is added:
 
-  this worker's own cached prefix (held_prefix_tokens, on the engine loop) -> the blocks after it
+  this worker's own cached prefix (held_prefix_tokens, read from this thread: a hint, since the
+  engine thread may change the cache meanwhile; the install checks again) -> the blocks after it
   that the decode worker holds, capped by the call's max_blocks and max_bytes and this worker's
   own caps -> DecodeWorker.FetchKV over the control plane (the cluster secret on the channel,
   bounded by the call's timeout and the client's deadline) -> each block checked
   (kvtransfer/peer.py: layout fingerprint, chain hash computed here from the prompt, size,
   digest); the first bad one is refused and ends the fetch -> the good ones installed on the
-  engine loop (engine/block_manager.py install_fetched) -> the prefill's admission finds them as
-  prefix hits (counted by source "peer").
+  engine loop (engine/block_manager.py install_fetched), submitted without waiting, so the install
+  and the engine request that follows it run in the same turn of the loop, in that order, and
+  the call waits on the loop once -> the prefill's admission finds them as prefix hits (counted
+  by source "peer").
 
 Any failure (the decode worker gone or slow, its reservation ended, a refused block) ends the
 fetch where it is: what was checked is installed, the rest is computed, and the Prefill call goes
@@ -53,12 +56,24 @@ MAX_ADDRESS_CHARS = 512
 
 @dataclass
 class FetchResult:
-    tokens: int = 0  # prompt tokens installed from the peer (or found cached meanwhile)
+    tokens: int = 0  # prompt tokens installed from the peer (or found cached): after settle()
     bytes: int = 0  # KV bytes received
     seconds: float = 0.0  # the fetch, from the call to the install's end
     refused: int = 0  # blocks that failed a check
     failed: str = ""  # why the stream ended early (the peer gone, slow, its reservation over)
     skipped: str = ""  # why nothing was asked of the peer
+    block_size: int = 0
+    install: object = None  # the install's Future on the engine loop, until settle()
+
+    def settle(self, timeout: float = 30.0) -> FetchResult:
+        """Waits for the install (submitted to the engine loop) and counts its tokens."""
+        fut, self.install = self.install, None
+        if fut is not None:
+            try:
+                self.tokens = fut.result(timeout) * self.block_size
+            except Exception as e:  # the engine stopped or broke: nothing was installed
+                self.failed = self.failed or f"install: {e!r}"
+        return self
 
 
 def check_spec(spec) -> str:
@@ -131,7 +146,9 @@ class PeerFetcher:
             return
         root = None if lora is None else lora.cache_root
         theirs = min(res.num_cached_tokens, len(prompt) - 1) // bs
-        ours = self.loop.call(bm.held_prefix_tokens, prompt, theirs * bs, root) // bs
+        # read from this thread, without waiting for the engine loop's turn: a hint (the module
+        # docstring); the install pins and checks the chain on the loop
+        ours = bm.held_prefix_tokens(prompt, theirs * bs, root) // bs
         nbytes = block_nbytes(self.caches)
         want = min(
             theirs - ours, spec.max_blocks, MAX_FETCH_BLOCKS, spec.max_bytes // max(1, nbytes)
@@ -168,7 +185,8 @@ class PeerFetcher:
                 root=root,
             )
 
-        out.tokens = self.loop.call(install) * bs
+        out.block_size = bs
+        out.install = self.loop.submit(install)  # runs before the engine request added next
 
     def _receive(self, stream, request, ours, want, hashes, nbytes, out) -> list[bytes]:
         """The checked blocks' bytes, in order, until the first refused one, a failure of the

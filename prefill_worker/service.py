@@ -184,6 +184,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 sink.abort()
             abort_for_engine_error(context, e)
             raise
+        if fetched is not None:
+            fetched.settle()  # installed in the loop turn that added the request, before it
         deadline = time.monotonic() + self._budget(context)
         self._wait(rid, waiter, sink, deadline, context)
         self._count(

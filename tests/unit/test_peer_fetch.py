@@ -10,6 +10,8 @@ rest computed, the prompt served all the same."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import grpc
 import pytest
 
@@ -109,6 +111,11 @@ class InlineLoop:
     def call(self, fn, *args, timeout=None):
         return fn(*args)
 
+    def submit(self, fn, *args):
+        done = Future()
+        done.set_result(fn(*args))
+        return done
+
 
 class Stream:
     def __init__(self, blocks):
@@ -195,7 +202,7 @@ def fetch_then_generate(turn, **stub):
             address="d:1", max_blocks=64, max_bytes=1 << 30, timeout_ms=5000
         ),
     )
-    result = fetcher.fetch(request, None, deadline=float("inf"))
+    result = fetcher.fetch(request, None, deadline=float("inf")).settle()
     (out,) = llm.generate([prompt], greedy(8), use_tqdm=False)
     return result, out, engine.block_manager, fake
 
@@ -268,7 +275,7 @@ def test_nothing_is_fetched_that_the_prefill_engine_holds(turn):
             address="d:1", max_blocks=2, max_bytes=1 << 30, timeout_ms=9
         ),
     )
-    result = fetcher.fetch(request, None, deadline=float("inf"))
+    result = fetcher.fetch(request, None, deadline=float("inf")).settle()
     assert fake.calls[0].first_block == 2 and fake.calls[0].num_blocks == 2  # max_blocks
     assert result.tokens == 2 * BS
     (out,) = llm.generate([prompt], greedy(8), use_tqdm=False)
@@ -293,8 +300,13 @@ def test_the_router_fetches_when_cheaper_and_recomputes_when_not():
     cost = PeerFetchCost(PeerFetch(min_tokens=32))
     # not measured yet: fetch (bounded, and its reply measures it)
     assert cost.choose(600, res, 0)[0]
-    # too little to gain
-    assert not cost.choose(600, res, 500)[0]
+    # the decode worker holds too little to be worth asking
+    small = worker_pb2.ReserveResponse(block_size=16, num_cached_tokens=16)
+    assert not cost.choose(600, small, 0)[0]
+    # the affinity view says the prefill worker holds it: asked all the same (a guess; the
+    # prefill worker pulls only what it lacks)
+    fetch, why = cost.choose(600, res, 500)
+    assert fetch and why["pdserve.peer_fetch_gain_tokens"] == 12
     # 1 kB a token, 1000 tokens/s: 512 tokens recompute in 0.5 s
     cost.observe(1000, worker_pb2.ReserveResponse(), reply(1000, 0, 1_000_000, 1.0))
     assert cost.choose(600, res, 0, handoff_bytes_per_s=1e9)[0]  # 0.5 ms to fetch
