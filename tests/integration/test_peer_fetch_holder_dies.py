@@ -81,16 +81,22 @@ def test_the_holder_going_away_mid_fetch_is_served_by_recompute(cluster):
     read = holder.handoff.read_cached
     gone = threading.Event()
 
+    def stop():
+        try:
+            holder.stop()
+        finally:
+            gone.set()
+
     def dies_mid_fetch(request_id, first_block, count):
         if first_block == 0:
             return read(request_id, first_block, count)
-        threading.Thread(target=lambda: (holder.stop(), gone.set()), daemon=True).start()
+        threading.Thread(target=stop, daemon=True).start()
         raise ConnectionError("the decode worker went away")
 
     holder.handoff.read_cached = dies_mid_fetch
     before = prefill.stats()
     tokens, finish = generate(api, prompt, 8)
-    assert gone.wait(30)
+    assert gone.wait(120)
     after = prefill.stats()
     assert after.peer_fetch_failures == before.peer_fetch_failures + 1
     llm = LLM(model_dir, kv_cache_memory=4 << 20, max_model_len=MAX_LEN, block_size=BS)
