@@ -212,14 +212,10 @@ def test_greedy_tokens_are_identical_with_the_fetch(turn):
     result, out, bm, fake = fetch_then_generate(turn)
     held = res.num_cached_tokens // BS * BS
     assert result.tokens == held and not result.refused and not result.failed
-    assert result.bytes == held // BS * block_nbytes([bm_cache(turn)])
+    assert result.bytes == held // BS * block_nbytes([turn[1].engine.kv_cache])
     assert out.outputs[0].token_ids == want
     assert out.num_cached_tokens == held  # nothing of the fetched prefix recomputed
     assert bm.hit_tokens_peer == held and bm.hit_tokens_device == 0
-
-
-def bm_cache(turn):
-    return turn[1].engine.kv_cache
 
 
 def test_a_corrupted_block_is_refused_and_computed(turn):
