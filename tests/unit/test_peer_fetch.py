@@ -314,3 +314,19 @@ def test_the_router_fetches_when_cheaper_and_recomputes_when_not():
     assert not PeerFetchCost(PeerFetch(enabled=False)).choose(600, res, 0)[0]
     with pytest.raises(ValueError, match="max_blocks"):
         PeerFetch(max_blocks=0)
+
+
+# ---- the deployment's key ----------------------------------------------------------------------
+def test_the_yaml_key_reaches_the_router_and_needs_both_prefix_caches(tmp_path):
+    from helpers.deploy_config import error_of, write
+    from pdserve.deploy.config.load import load_config
+    from pdserve.deploy.launcher import _peer_fetch
+
+    on = load_config(write(tmp_path, "router:\n  peer_fetch: {max_blocks: 64, timeout_s: 2}\n"))
+    assert _peer_fetch(on) == PeerFetch(max_blocks=64, timeout_s=2.0)
+    off = load_config(
+        write(tmp_path, "pools:\n  prefill:\n    enable_prefix_caching: false\n", "off.yaml")
+    )
+    assert not _peer_fetch(off).enabled
+    bad = error_of(write(tmp_path, "router:\n  peer_fetch: {max_blocks: 0}\n", "bad.yaml"))
+    assert "router.peer_fetch.max_blocks" in bad
