@@ -330,3 +330,51 @@ def test_the_yaml_key_reaches_the_router_and_needs_both_prefix_caches(tmp_path):
     assert not _peer_fetch(off).enabled
     bad = error_of(write(tmp_path, "router:\n  peer_fetch: {max_blocks: 0}\n", "bad.yaml"))
     assert "router.peer_fetch.max_blocks" in bad
+
+
+# ---- the legs: which path, in the trace --------------------------------------------------------
+class FakePool:
+    def handoff_bandwidth(self):
+        return 0.0
+
+    def on_drop(self, listener):
+        pass
+
+
+class FakeSpan:
+    def __init__(self):
+        self.events = []
+
+    def add_event(self, name, attributes=None):
+        self.events.append((name, dict(attributes or {})))
+
+
+class FakeWorker:
+    address = "10.0.0.7:5000"
+
+
+def test_a_leg_asks_for_a_fetch_says_so_and_counts_the_path():
+    from pdserve.router.legs import Inflight, Leg, Legs
+
+    legs = Legs(pool=FakePool(), executor=None, options=None)
+    paths = []
+    legs.on_reuse_path = lambda path, reply: paths.append(path)
+    req, leg = Inflight("r"), Leg(1)
+    req.span = FakeSpan()
+    leg.decode = FakeWorker()
+    prompt = list(range(300))
+    # the decode worker holds nothing: no fetch, nothing said
+    leg.reservation = worker_pb2.ReserveResponse(block_size=16, num_cached_tokens=0)
+    assert legs._fetch_for(req, leg, prompt, 0) is None and not req.span.events
+    # it holds 256 tokens: a fetch from its address, within the settings' bounds
+    leg.reservation = worker_pb2.ReserveResponse(block_size=16, num_cached_tokens=256)
+    fetch = legs._fetch_for(req, leg, prompt, 64)
+    assert fetch.address == FakeWorker.address and fetch.max_blocks == PeerFetch().max_blocks
+    assert req.span.events[-1][0] == "peer_fetch"
+    assert req.span.events[-1][1]["pdserve.peer_fetch_gain_tokens"] == 192
+    # measured slower than recomputing: recompute, said and counted
+    legs.peer_fetch.observe(1000, worker_pb2.ReserveResponse(), reply(1000, 0, 10**6, 1.0))
+    legs.peer_fetch.fetch_bytes_per_s = 1e4  # 1 kB a token at 10 kB/s: far slower
+    assert legs._fetch_for(req, leg, prompt, 64) is None
+    assert req.span.events[-1][0] == "recompute" and paths == ["recompute"]
+    legs.close()
