@@ -109,6 +109,10 @@ def test_greedy_tokens_are_identical_with_the_fetch_on_and_off(cluster):
         # the first pass turn 2's prompt too
         assert hits.decode_worker >= (80 + ANSWER - 1) // BS * BS
         held = min(hits.decode_worker, len(prompt) - 1) // BS * BS
+        # the push sends the decode worker only what it does not hold
+        cache = prefill.loop.engine.kv_cache
+        per_token = cache[:, :, 0].numel() * cache.element_size() // BS
+        assert finish.usage.kv_transfer_bytes == (len(prompt) - hits.decode_worker) * per_token
         if on:
             assert hits.peer == held and hits.prefill_worker == held
             assert after.peer_fetches == before.peer_fetches + 1
