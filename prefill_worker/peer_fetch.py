@@ -58,7 +58,7 @@ MAX_ADDRESS_CHARS = 512
 class FetchResult:
     tokens: int = 0  # prompt tokens installed from the peer (or found cached): after settle()
     bytes: int = 0  # KV bytes received
-    seconds: float = 0.0  # the fetch, from the call to the install's end
+    seconds: float = 0.0  # the fetch, from the call to the install submitted (not waited on)
     refused: int = 0  # blocks that failed a check
     failed: str = ""  # why the stream ended early (the peer gone, slow, its reservation over)
     skipped: str = ""  # why nothing was asked of the peer
