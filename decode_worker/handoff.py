@@ -39,6 +39,7 @@ from pdserve.engine.engine_loop import EngineLoop, OutputCallback
 from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
 from pdserve.kvtransfer.backends import populate
 from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.peer import read_block
 from pdserve.kvtransfer.receiver import WorkerReceiver
 from pdserve.kvtransfer.state import TransferState
 from pdserve.protos.pdserve.v1 import pdserve_pb2
@@ -199,6 +200,39 @@ class DecodeHandoff:
         """Why this worker must not be trusted with work (held blocks that a KV write may still
         reach past its bound: nixl), "" when healthy."""
         return self.grants.stuck() if self.grants is not None else ""
+
+    # ---- peer fetch (decode_worker/service.py FetchKV) ------------------------------------------
+    def cached_prefix_blocks(self, request_id: str) -> int | None:
+        """How many full cached blocks lead a live reservation (what a peer fetch may read);
+        None when there is no such reservation. Any thread."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.closed:
+            return None
+        return entry.receiver.ranks[0].num_cached_tokens // self.loop.engine.config.block_size
+
+    def read_cached(self, request_id: str, first: int, count: int) -> list | None:
+        """The bytes of blocks `first`..`first + count - 1` of a live reservation's cached prefix,
+        as (index, block hash, bytes), read on the engine loop (between steps; the reservation
+        holds those blocks, so nothing frees or writes them meanwhile); None when the
+        reservation ended. Stops early at a block without a hash (never, for cached blocks)."""
+        caches = self.rank_caches or [self.loop.engine.kv_cache]
+
+        def read():
+            entry = self._entries.get(request_id)
+            if entry is None or entry.closed:
+                return None
+            receiver, bm = entry.receiver.ranks[0], self.loop.engine.block_manager
+            held = receiver.num_cached_tokens // bm.block_size
+            out = []
+            for i in range(first, min(first + count, held)):
+                block_id = receiver.block_ids[i]
+                h = bm.blocks[block_id].hash
+                if h is None:
+                    break
+                out.append((i, h, read_block(caches, block_id)))
+            return out
+
+        return self.loop.call(read)
 
     # ---- data plane (transport threads) ---------------------------------------------------------
     def on_frame(self, header, payload) -> None:

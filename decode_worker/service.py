@@ -1,4 +1,4 @@
-"""The DecodeWorker gRPC service: Reserve, Stream, Embed, Abort, Stats.
+"""The DecodeWorker gRPC service: Reserve, Stream, Embed, Abort, Stats, FetchKV.
 
 Lifecycle of one request as this service sees it (colocated serving: Reserve with run_prefill adds
 an ordinary engine request instead, and the rest is the same from Stream on):
@@ -21,7 +21,10 @@ engine's waiting queue and of its preemptions (engine/scheduler.py). Embed serve
 deployments' embeddings on this worker's engine (worker_common/embed.py; the router sends it
 only where there is no prefill pool). A finished request nobody streams is forgotten after
 `finished_ttl_s`. Stats answers the prefix
-cache's KV events when asked (worker_common/kv_events.py: the router's block index).
+cache's KV events when asked (worker_common/kv_events.py: the router's block index). FetchKV
+serves the cached prefix blocks a live reservation holds to the prefill worker that fills it
+(peer fetch: kvtransfer/peer.py, prefill_worker/peer_fetch.py), read on the engine loop a few
+blocks at a time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import grpc
 from pdserve.decode_worker.handoff import CommitOutput, DecodeHandoff, HandoffTimings
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
+from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
@@ -51,12 +55,20 @@ from pdserve.worker_common.errors import (
     refuse_if_broken,
     spec_stats as _spec_stats,
 )
-from pdserve.worker_common.kv_events import kv_events, tier_stats
+from pdserve.worker_common.kv_events import (
+    engine_fingerprint,
+    fetch_supported,
+    kv_events,
+    tier_stats,
+)
 from pdserve.worker_common.logprobs import prompt_fields, top_of, wants_top
 from pdserve.worker_common.lora import adapter_of
 from pdserve.worker_common.role import RoleGate
 
 log = logging.getLogger(__name__)
+# FetchKV: at most this many blocks a call, read this many at a time on the engine loop (one
+# loop call copies them; the stream sends them while the engine steps on)
+MAX_FETCH_BLOCKS, FETCH_BATCH = 65536, 8
 
 
 @dataclass
@@ -107,6 +119,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # run_prefill Reserves refused for holding fewer cached tokens than min_cached_tokens
         self.stale_hints = 0
         self.embed_calls = 0  # Embed calls served (colocated embeddings)
+        self.fetch_served_blocks = self.fetch_served_bytes = 0  # FetchKV: what it served
+        self._fingerprint: str | None = None  # kvtransfer/peer.py engine_fingerprint, once
         self.tracing = None  # protos/tracing.py Tracing: this worker's spans (None: off)
         loop.every(1.0, self._forget_finished)
 
@@ -478,6 +492,67 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             found=self.handoff.abort(request.request_id, "aborted by the router")
         )
 
+    # ---- peer fetch ---------------------------------------------------------------------------
+    def FetchKV(self, request, context):
+        """The KV of a live reservation's cached prefix blocks, for the prefill worker that fills
+        it (kvtransfer/peer.py). Every field is checked before any work; the reservation must
+        still be live and the range inside its cached prefix. Blocks are read FETCH_BATCH at a
+        time on the engine loop, and the stream stops before passing max_bytes."""
+        refuse_if_broken(self.loop, context)
+        rid = request.request_id
+        refusal = check_id("request_id", rid)
+        if refusal:
+            refusal.abort(context)
+        if not fetch_supported(self.loop.engine):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "peer fetch is not served by a worker with pipeline stages",
+            )
+        if not 1 <= request.num_blocks <= MAX_FETCH_BLOCKS:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_blocks must be in [1, {MAX_FETCH_BLOCKS}], got {request.num_blocks}",
+            )
+        if request.max_bytes < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_bytes must be >= 1")
+        held = self.handoff.cached_prefix_blocks(rid)
+        if held is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no live reservation {rid!r} here (committed, aborted or expired)",
+            )
+        if request.first_block + request.num_blocks > held:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"blocks {request.first_block}..{request.first_block + request.num_blocks - 1} "
+                f"are not all in reservation {rid!r}'s cached prefix of {held} blocks",
+            )
+        fp = self._fingerprint
+        if fp is None:
+            fp = self._fingerprint = engine_fingerprint(self.loop.engine)
+        sent, end = 0, request.first_block + request.num_blocks
+        for first in range(request.first_block, end, FETCH_BATCH):
+            blocks = self.handoff.read_cached(rid, first, min(FETCH_BATCH, end - first))
+            if blocks is None:  # the reservation ended meanwhile: the receiver computes the rest
+                context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {rid!r} ended")
+            for index, h, data in blocks:
+                if sent + len(data) > request.max_bytes or not context.is_active():
+                    return
+                key = hash_bytes(h)
+                sent += len(data)
+                with self._lock:
+                    self.fetch_served_blocks += 1
+                    self.fetch_served_bytes += len(data)
+                yield worker_pb2.FetchKVBlock(
+                    index=index,
+                    block_hash=key,
+                    data=data,
+                    digest=digest(key, data),
+                    layout_fingerprint=fp,
+                )
+            if len(blocks) < min(FETCH_BATCH, end - first):
+                return
+
     def Stats(self, request, context):
         refuse_if_broken(self.loop, context)  # the router takes it down; work goes elsewhere
         h = self.handoff
@@ -499,6 +574,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             leases_expired=h.num_expired,
             **tier_stats(self.loop.engine.block_manager),
             **worker_lora.stats(self.loop.engine),
+            peer_fetch_served_blocks=self.fetch_served_blocks,
+            peer_fetch_served_bytes=self.fetch_served_bytes,
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

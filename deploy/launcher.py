@@ -367,6 +367,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         flip_drain_s=config.router.flip_drain_s,
         reconcile_bound_s=config.router.reconcile_bound_s,
         local_prefill=_local_prefill(config),
+        peer_fetch=_peer_fetch(config),
         planner=PlannerConfig(**config.planner.model_dump(exclude={"enabled"}))
         if config.planner.enabled
         else None,
@@ -395,6 +396,18 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     if host in ("0.0.0.0", "", "[::]"):  # listening everywhere: workers reach it at this node's IP
         host = ray.util.get_node_ip_address()
     cluster.registry_address = f"{host}:{port}"
+
+
+def _peer_fetch(config):
+    """The router's peer-fetch settings (router/peer_fetch.py); off where a pool keeps no prefix
+    cache (the decode side has none to serve, or the prefill side none to install into)."""
+    from pdserve.router.peer_fetch import PeerFetch  # imported late, as the router
+
+    settings = config.router.peer_fetch.model_dump()
+    pools = [p for k, p in config.worker_pools() if k in ("decode", "prefill")]
+    if not all(p.enable_prefix_caching for p in pools):
+        settings["enabled"] = False
+    return PeerFetch(**settings)
 
 
 def _local_prefill(config):

@@ -34,6 +34,12 @@ its copy), before the prefill computes the rest. Device events are (kind, hash),
 (kind, hash, "host"); "cleared" covers both tiers. The prefix hits of each admission are counted
 by where their blocks came from (`count_hits`: a block restored from the tier counts as a host
 hit at the first admission that takes it).
+
+Peer fetch (kvtransfer/peer.py, prefill_worker/peer_fetch.py): a prefill worker may install
+blocks pulled from a decode worker that holds a conversation's earlier turns (`install_fetched`):
+each goes into a fresh block, checked against the chain the manager computes itself from the
+prompt, registered as cached and freed at once, like a block restored from the tier, so the
+prompt's admission finds it as a prefix hit; its first admission counts it as a peer hit.
 """
 
 from __future__ import annotations
@@ -85,7 +91,15 @@ class KVEvents:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids", "restored")
+    __slots__ = (
+        "block_id",
+        "ref_count",
+        "hash",
+        "parent_hash",
+        "token_ids",
+        "restored",
+        "fetched",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -94,6 +108,7 @@ class Block:
         self.parent_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
         self.restored = False  # copied back from the host tier, not yet counted as a hit
+        self.fetched = False  # installed from a peer's fetch, not yet counted as a hit
 
 
 class BlockManager:
@@ -127,6 +142,7 @@ class BlockManager:
         self._events_lock = threading.Lock()
         self.tier = None  # the host-memory tier (engine/kv_host_tier.py): attach_tier
         self.hit_tokens_device = self.hit_tokens_host = 0  # prefix hits by source: count_hits
+        self.hit_tokens_peer = 0
 
     def attach_tier(self, tier) -> None:
         """Evicted cached blocks go to `tier` (a kv_host_tier.HostTier) and lookups restore from
@@ -246,7 +262,7 @@ class BlockManager:
     def count_hits(self, block_ids: Seq[int]) -> None:
         """An admission took the prefix-cache hits `block_ids`: counts their tokens by source,
         host for blocks restored from the tier that no admission took before, else device."""
-        host = 0
+        host = peer = 0
         for block_id in block_ids:
             if block_id == self.null_block:
                 continue
@@ -254,8 +270,78 @@ class BlockManager:
             if block.restored:
                 block.restored = False
                 host += 1
+            elif block.fetched:
+                block.fetched = False
+                peer += 1
         self.hit_tokens_host += host * self.block_size
-        self.hit_tokens_device += (len(block_ids) - host) * self.block_size
+        self.hit_tokens_peer += peer * self.block_size
+        self.hit_tokens_device += (len(block_ids) - host - peer) * self.block_size
+
+    def chain(self, token_ids: Seq[int], num_blocks: int, root: int | None = None) -> list[int]:
+        """The hashes of the first `num_blocks` full blocks of `token_ids`, chained from `root`
+        (as find_cached_prefix computes them)."""
+        out, parent = [], root
+        for i in range(min(num_blocks, len(token_ids) // self.block_size)):
+            parent = block_hash(
+                parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            )
+            out.append(parent)
+        return out
+
+    def install_fetched(
+        self,
+        token_ids: Seq[int],
+        first_block: int,
+        hashes: Seq[int],
+        write,
+        root: int | None = None,
+    ) -> int:
+        """Installs blocks fetched from a peer (module docstring): block `first_block + i` of
+        `token_ids` (whose chain hash the caller checked the fetched block against: `hashes[i]`)
+        gets a fresh block that `write(i, block_id)` fills, registered as cached and left free
+        for the admission to take. The chain before `first_block` must be cached here (it is
+        pinned meanwhile, so the allocations cannot evict it); installing stops at the first
+        block that no free block is left for, or whose hash is held by other tokens. Returns the
+        blocks installed or found cached already. Engine thread."""
+        if not self.enable_prefix_caching or not hashes:
+            return 0
+        bs = self.block_size
+        pinned = self.find_cached_prefix(token_ids, first_block * bs, root=root)
+        if len(pinned) < first_block:  # the chain before the fetched blocks is gone
+            return 0
+        self.take(pinned)
+        done, stored = 0, []
+        parent = self.blocks[pinned[-1]].hash if pinned else root
+        try:
+            for i, h in enumerate(hashes):
+                chunk = tuple(token_ids[(first_block + i) * bs : (first_block + i + 1) * bs])
+                if len(chunk) < bs or block_hash(parent, chunk) != h:
+                    break
+                holder = self._cached.get(h)
+                if holder is not None:
+                    other = self.blocks[holder]
+                    if other.token_ids != chunk or other.parent_hash != parent:
+                        break
+                    self.take([holder])  # cached already: pinned, nothing to write
+                    pinned.append(holder)
+                else:
+                    if not self._free:
+                        break
+                    (block_id,) = self.allocate(1)
+                    pinned.append(block_id)
+                    write(i, block_id)
+                    block = self.blocks[block_id]
+                    block.hash, block.parent_hash, block.token_ids = h, parent, chunk
+                    block.fetched = True
+                    self._cached[h] = block_id
+                    stored.append(h)
+                done += 1
+                parent = h
+        finally:
+            if stored:
+                self._record(STORED, stored)
+            self.free(pinned)
+        return done
 
     def register_full_blocks(
         self,
@@ -336,7 +422,7 @@ class BlockManager:
                         )
                         moved.append((block.hash, stored, dropped))
                 block.hash, block.parent_hash, block.token_ids = None, None, ()
-                block.restored = False
+                block.restored = block.fetched = False
             block.ref_count = 1
             out.append(block_id)
         if removed:
@@ -367,7 +453,7 @@ class BlockManager:
             return False
         for block in self.blocks:
             block.hash, block.parent_hash, block.token_ids = None, None, ()
-            block.restored = False
+            block.restored = block.fetched = False
         self._cached.clear()
         if self.tier is not None:
             self.tier.clear()

@@ -5,7 +5,8 @@ worker whose KV layout differs, keeps one long-lived KV channel per decode endpo
 call by its deadline, and counts what WorkerStats reports (with the prefix cache's KV events when
 a Stats call asks for them: worker_common/kv_events.py). The hand-off itself (the KV sink, the
 commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill call:
-  checks -> open or reuse the KV channel to the reservation's endpoint -> prefill-only engine
+  checks -> open or reuse the KV channel to the reservation's endpoint -> (PrefillRequest.peer_fetch:
+  pull the reservation's cached prefix from its decode worker, peer_fetch.py) -> prefill-only engine
   request with the hand-off's sink -> wait for the finished output (the hand-off sends the commit)
   -> flush the channel (every frame handed to the decode side) -> reply with the first tokens and
   the hand-off's timings (with the prompt's logprobs and the first tokens' most likely
@@ -40,6 +41,7 @@ from pdserve.prefill_worker.handoff import (
     Waiter,
     prefill_done,
 )
+from pdserve.prefill_worker.peer_fetch import FetchResult, PeerFetcher, check_spec
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import (
@@ -113,7 +115,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             kv_transfers=0,
             kv_transfer_failures=0,
             kv_transfer_bytes=0,
+            peer_fetches=0,
+            peer_fetch_bytes=0,
+            peer_fetch_refused_blocks=0,
+            peer_fetch_failures=0,
         )
+        self.fetch_seconds = 0.0  # peer fetches' (WorkerStats.peer_fetch_seconds)
+        self.fetcher: PeerFetcher | None = None  # peer fetch (peer_fetch.py), made at first use
         # per backend (kvtransfer.backend "auto" mixes them): bytes pushed, seconds pushing
         self.push_bytes: dict[str, int] = {}
         self.push_seconds: dict[str, float] = {}
@@ -157,6 +165,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 f"worker reserved for (their weights differ): load the same adapter on both",
             )
         endpoint, transport = self._open_channel(request.reservation.endpoint, context)
+        fetched = self._peer_fetch(request, lora, context)
         sink = self._sink(request, endpoint, transport, timings, tracing.traceparent(span))
         waiter = Waiter(sink)
         try:
@@ -175,12 +184,26 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 sink.abort()
             abort_for_engine_error(context, e)
             raise
+        if fetched is not None:
+            fetched.settle()  # installed in the loop turn that added the request, before it
         deadline = time.monotonic() + self._budget(context)
         self._wait(rid, waiter, sink, deadline, context)
         self._count(
             prefix_cache_queries=len(request.prompt_token_ids),
             prefix_cache_hits=waiter.output.num_cached_tokens,
         )
+        if fetched is not None:
+            tracing.event(
+                span,
+                "peer_fetch",
+                {
+                    "pdserve.peer_fetched_tokens": fetched.tokens,
+                    "pdserve.peer_fetch_bytes": fetched.bytes,
+                    "pdserve.peer_fetch_refused_blocks": fetched.refused,
+                    "pdserve.peer_fetch_failed": fetched.failed,
+                    "pdserve.peer_fetch_skipped": fetched.skipped,
+                },
+            )
         flushed = time.perf_counter()
         self._flush(rid, endpoint, transport, sink, deadline, context)
         timings.transfer_end_unix_ns = unix_ns()
@@ -188,7 +211,39 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._count_push(endpoint.backend, sink.sink, time.perf_counter() - flushed)
         if span is not None:
             self._trace(span, endpoint, waiter, sink, timings)
-        return self._reply(request, params, waiter, sink, timings, context)
+        reply = self._reply(request, params, waiter, sink, timings, context)
+        if fetched is not None:
+            reply.peer_fetched_tokens = fetched.tokens
+            reply.peer_fetch_bytes = fetched.bytes
+            reply.peer_fetch_seconds = fetched.seconds
+            reply.peer_fetch_refused_blocks = fetched.refused
+            reply.peer_fetch_skipped = fetched.skipped or fetched.failed
+        return reply
+
+    def _peer_fetch(self, request, lora, context) -> FetchResult | None:
+        """Pulls the reservation's cached prefix from its decode worker when the call asks
+        (prefill_worker/peer_fetch.py); None when it does not. Never fails the call."""
+        if not request.HasField("peer_fetch"):
+            return None
+        with self._counts_lock:
+            if self.fetcher is None:
+                engine = self.loop.engine
+                caches = self.rank_caches or [engine.kv_cache]
+                self.fetcher = PeerFetcher(self.loop, caches, self.options.security)
+        deadline = time.monotonic() + self._budget(context)
+        result = self.fetcher.fetch(request, lora, deadline)
+        if not context.is_active():  # the router gave up on the call meanwhile: add nothing
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended during its peer fetch")
+        if not result.skipped:
+            self._count(
+                peer_fetches=1,
+                peer_fetch_bytes=result.bytes,
+                peer_fetch_refused_blocks=result.refused,
+                peer_fetch_failures=1 if result.failed else 0,
+            )
+            with self._counts_lock:
+                self.fetch_seconds += result.seconds
+        return result
 
     def _open_span(self, request, timings: HandoffTimings, context):
         """The call's prefill span, open from its arrival under the router's span (None when
@@ -402,8 +457,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """What is wrong with a PrefillRequest's id, prompt or sampling sizes, before any work."""
         config = self.loop.engine.config
         vocab = self.loop.engine.model_config.vocab_size
+        fetch = check_spec(request.peer_fetch) if request.HasField("peer_fetch") else ""
         return (
-            check_id("request_id", request.request_id)
+            (invalid(fetch) if fetch else None)
+            or check_id("request_id", request.request_id)
             or check_token_ids(
                 "prompt_token_ids", request.prompt_token_ids, config.max_model_len, vocab
             )
@@ -526,6 +583,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         refuse_if_broken(self.loop, context)  # the router takes it down; work goes elsewhere
         with self._counts_lock:
             counts = dict(self.counts)
+            counts["peer_fetch_seconds"] = self.fetch_seconds
             push_bytes, push_seconds = dict(self.push_bytes), dict(self.push_seconds)
         stats = worker_pb2.WorkerStats(
             worker_id=self.options.worker_id,
@@ -545,6 +603,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.gate.stamp(stats) if self.gate else stats
 
     def close(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.close()
         with self._transports_lock:
             transports, self._transports = list(self._transports.values()), {}
         for transport in transports:

@@ -414,6 +414,7 @@ class ClientCall(Inflight):
         reply = first.prefill_reply()
         if reply is not None:
             hits.prefill_worker = usage.cached_prompt_tokens = reply.num_cached_tokens
+            hits.peer = min(reply.peer_fetched_tokens, reply.num_cached_tokens)
 
 
 def resume_sampling(sampling: pdserve_pb2.SamplingParams, num_sent: int):

@@ -18,7 +18,10 @@ worker: router/open_legs.py). A leg the call lets go of gets its Abort calls fro
 abort threads, never from gRPC's polling thread.
 A leg sent to its decode worker for the conversation it holds says how many leading tokens the
 router expects held there (ReserveRequest.min_cached_tokens); a worker that evicted them refuses
-before any work (StaleHint), and the same leg reserves again for the prefill pool.
+before any work (StaleHint), and the same leg reserves again for the prefill pool. A leg whose
+prefill goes to the prefill pool while its decode worker holds a cached prefix asks the prefill
+worker to pull it from there when that is estimated faster than recomputing it (peer fetch:
+router/peer_fetch.py, PrefillRequest.peer_fetch); the trace says which.
 Each leg has its own worker-side request id, minted here: the client's request_id never reaches
 a worker, so no client can name another's request to one.
 
@@ -46,6 +49,7 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
 from pdserve.router.open_legs import OpenLegs
+from pdserve.router.peer_fetch import PeerFetch, PeerFetchCost
 from pdserve.router.pool import NoWorker, WorkerPool
 from pdserve.router.text import TextStream
 
@@ -172,6 +176,11 @@ class Legs:
         self.on_stale_hint = None
         # which prompts go local (planner/local_prefill.py); the planner may replace it
         self.local_prefill = getattr(options, "local_prefill", LocalPrefill())
+        # whether a turn's prefill worker pulls the decode worker's cached prefix (peer fetch),
+        # by estimated cost (router/peer_fetch.py)
+        self.peer_fetch = PeerFetchCost(getattr(options, "peer_fetch", None) or PeerFetch())
+        # (path "peer_fetch" | "recompute", the PrefillResponse or None): router/metrics.py
+        self.on_reuse_path = None
         # worker Abort calls that must not wait on the thread that asks for them (gRPC callbacks)
         self._aborter = futures.ThreadPoolExecutor(ABORT_THREADS, thread_name_prefix="router-abort")
         self.open = OpenLegs(pool, self._run_later)  # cancels the calls on a dropped worker
@@ -194,13 +203,48 @@ class Legs:
         local = policy.choose(len(prompt), backlog, self.pool.decode_backlog())
         if not local and holder is not None:
             local = policy.choose(
-                len(prompt), backlog, self.pool.decode_backlog(holder), held[holder]
+                len(prompt),
+                self._backlog_with_fetch(prompt, leg, held[holder], backlog),
+                self.pool.decode_backlog(holder),
+                held[holder],
             )
             if local:
                 leg.expect_worker, leg.expected = holder, held[holder]
         if local and self.on_local is not None:
             self.on_local()
         return local
+
+    def _backlog_with_fetch(self, prompt, leg: Leg, held: int, backlog: int | None):
+        """The prefill pool's backlog for a turn whose decode worker holds `held` leading tokens,
+        when its prefill worker may pull them instead of computing them (router/peer_fetch.py):
+        the new tokens, plus the fetch's estimated time in prefill tokens; `backlog` (without a
+        fetch) when that is lower, peer fetch is off, or nothing is measured yet."""
+        if backlog is None or not self.peer_fetch.settings.enabled:
+            return backlog
+        cost = self.peer_fetch.fetch_cost_tokens(held, self.pool.handoff_bandwidth())
+        if cost is None:
+            return backlog
+        fetched = self.pool.prefill_backlog(prompt, leg.lora, held=held)
+        return backlog if fetched is None else min(backlog, fetched + int(cost))
+
+    def _fetch_for(self, req: Inflight, leg: Leg, prompt, prefill_held: int):
+        """The Prefill call's PeerFetch when its prefill worker (probably holding `prefill_held`
+        leading tokens) should pull the reservation's cached prefix from the decode worker, by
+        estimated cost (router/peer_fetch.py); None to recompute. Says which in the trace."""
+        res = leg.reservation
+        if res is None or leg.decode is None or res.num_cached_tokens == 0:
+            return None
+        fetch, why = self.peer_fetch.choose(
+            len(prompt), res, prefill_held, self.pool.handoff_bandwidth()
+        )
+        if why["pdserve.decode_held_tokens"] == 0:
+            return None  # not a whole block to pull
+        tracing.event(getattr(req, "span", None), "peer_fetch" if fetch else "recompute", why)
+        if not fetch:
+            if self.on_reuse_path is not None:
+                self.on_reuse_path("recompute", None)
+            return None
+        return self.peer_fetch.request(leg.decode.address)
 
     def remember(self, leg: Leg, tokens: list[int]) -> None:
         """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
@@ -612,9 +656,15 @@ class Legs:
             leg.prefill_dispatch_ns = unix_ns()
             span = self._prefill_span(req, worker)
             failure = "the call ended without an answer"  # its span's status, unless answered
+            fetch = self._fetch_for(req, leg, prompt, len(prompt) - charge)
             try:
-                reply = self._prefill_on(worker, leg, prompt, sampling, deadline, span)
+                reply = self._prefill_on(worker, leg, prompt, sampling, deadline, span, fetch)
                 failure = None
+                self.peer_fetch.observe(len(prompt), leg.reservation, reply)
+                if fetch is not None and self.on_reuse_path is not None:
+                    # pulled, or the prefill worker held it all already
+                    path = "peer_fetch" if reply.peer_fetched_tokens else "prefill_cache"
+                    self.on_reuse_path(path, reply)
                 return reply
             except grpc.RpcError as e:
                 failure = f"{e.code().name}: {e.details()}"
@@ -660,12 +710,15 @@ class Legs:
             "prefill call", parent, attributes={"pdserve.prefill_worker": self.pool.name(worker)}
         )
 
-    def _prefill_on(self, worker, leg: Leg, prompt, sampling, deadline: float, span=None):
+    def _prefill_on(
+        self, worker, leg: Leg, prompt, sampling, deadline: float, span=None, fetch=None
+    ):
         """One Prefill call on `worker`, bounded by the client's deadline alone and cancelled
         when the pool drops the worker (router/open_legs.py): a dropped worker raises
         UNAVAILABLE (the caller retries elsewhere). However long the prompt, a prefill worker
         that makes progress is never cut: the pool judges it by its progress. span: the call's
-        own (`_prefill_span`), whose context the call carries instead of the request's."""
+        own (`_prefill_span`), whose context the call carries instead of the request's. fetch:
+        the call's PeerFetch (`_fetch_for`), None for none."""
         leg.prefill_lost, leg.prefill_sent = "", time.monotonic()
         trace = {"metadata": tracing.metadata(span)} if span is not None else leg.trace
         leg.prefill_call = worker.stub.Prefill.future(
@@ -676,6 +729,7 @@ class Legs:
                 reservation=leg.reservation,
                 priority=leg.priority,
                 lora_name=leg.lora,
+                peer_fetch=fetch,
             ),
             timeout=left(deadline),
             **trace,

@@ -310,10 +310,34 @@ class RouterMetrics:
             "Prompt tokens served from a prefix cache, by where (Usage.cache_hits): "
             "prefill_worker (not computed), decode_worker (a conversation's earlier turns the "
             "decode worker kept: not computed when it ran the prompt itself, else not "
-            "transferred).",
+            "transferred), peer (of prefill_worker, those the prefill worker pulled from the "
+            "decode worker: peer fetch).",
             labels + ["source"],
             registry=r,
         )
+        self.reuse_paths = Counter(
+            "pdserve:reuse_paths",
+            "Turns through the prefill pool whose decode worker held a cached prefix, by the "
+            "path chosen by estimated cost (router/peer_fetch.py): peer_fetch (the prefill "
+            "worker pulled it), prefill_cache (a fetch was allowed, and the prefill worker "
+            "held it all already) or recompute; a turn run on its decode worker counts in "
+            "pdserve:local_prefills.",
+            labels + ["path"],
+            registry=r,
+        )
+        self.peer_fetch_seconds = self._histogram(
+            "pdserve:peer_fetch_duration_seconds",
+            "Time a prefill worker spent pulling a turn's cached prefix from its decode worker "
+            "(PrefillResponse.peer_fetch_seconds).",
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        ).labels(model)
+
+    def on_reuse_path(self, path: str, reply) -> None:
+        """A turn's reuse path (router/legs.py `on_reuse_path`): its count, and the fetch's
+        seconds when the prefill worker pulled."""
+        self.reuse_paths.labels(self.model_name, path).inc()
+        if reply is not None and reply.peer_fetch_seconds > 0:
+            self.peer_fetch_seconds.observe(reply.peer_fetch_seconds)
 
     def track_router(self, inflight, decode_queue_waiting) -> None:
         """Router gauges read at scrape time: callables giving the Generate calls in flight and
@@ -373,7 +397,7 @@ class RouterMetrics:
         self.generation_tokens.inc(usage.completion_tokens)
         self.prompt_hist.observe(usage.prompt_tokens)
         self.generation_hist.observe(usage.completion_tokens)
-        for source in ("prefill_worker", "decode_worker"):
+        for source in ("prefill_worker", "decode_worker", "peer"):
             self.cache_hits.labels(self.model_name, source).inc(getattr(usage.cache_hits, source))
         stages = stage_durations(t)
         for name in STAGES:

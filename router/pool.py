@@ -395,10 +395,11 @@ class WorkerPool:
             self._affinity.record(hashes, worker)
             return worker, charge
 
-    def prefill_backlog(self, prompt: list[int], adapter: str = "") -> int | None:
+    def prefill_backlog(self, prompt: list[int], adapter: str = "", held: int = 0) -> int | None:
         """The prompt tokens the least loaded prefill worker would compute before `prompt`'s
         first token, this prompt's uncached ones included (as pick_prefill counts, without
-        charging); None when no prefill worker serves (planner/local_prefill.py)."""
+        charging); None when no prefill worker serves (planner/local_prefill.py). held: leading
+        tokens any prefill worker would have without computing them (a peer fetch's)."""
         hashes = prefix_hashes(list(prompt), adapter=adapter)
         with self._lock:
             try:
@@ -406,7 +407,18 @@ class WorkerPool:
             except NoWorker:
                 return None
             matched = self._affinity.matched_tokens(hashes)
-            return min(w.queued_tokens + len(prompt) - matched.get(w, 0) for w in workers)
+            return min(
+                w.queued_tokens + len(prompt) - max(held, matched.get(w, 0)) for w in workers
+            )
+
+    def handoff_bandwidth(self) -> float:
+        """The prefill workers' KV hand-off bandwidth as they served it, bytes per second over
+        every backend (their WorkerStats push bytes over push seconds); 0.0 before any push."""
+        with self._lock:
+            stats = [w.stats for w in self._workers["prefill"] if w.stats is not None]
+        sent = sum(sum(s.kv_push_bytes_by_backend.values()) for s in stats)
+        seconds = sum(sum(s.kv_push_seconds_by_backend.values()) for s in stats)
+        return sent / seconds if seconds > 0 else 0.0
 
     def queued_tokens(self, role: str) -> int:
         """The prompt tokens this router has in flight on the serving workers of `role`."""

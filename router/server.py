@@ -37,6 +37,7 @@ from pdserve.router.console import ConsoleStats
 from pdserve.router.flips import AdminServicer, Flips
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.peer_fetch import PeerFetch
 from pdserve.router.planner_actuator import RouterActuator
 from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.reconcile import Reconciler
@@ -111,6 +112,9 @@ class RouterConfig:
     colocated: bool = False  # decode workers prefill too: no prefill pool, no hand-off
     # disaggregated: prompts their decode worker runs itself (planner/local_prefill.py); off
     local_prefill: LocalPrefill = field(default_factory=LocalPrefill)
+    # disaggregated: a turn's prefill worker pulls the cached prefix its decode worker holds,
+    # when estimated faster than recomputing it (router/peer_fetch.py)
+    peer_fetch: PeerFetch = field(default_factory=PeerFetch)
     # moves the split while traffic shifts (planner/live.py); None: the static split
     planner: PlannerConfig | None = None
     # the deployment's cluster secret and mutual TLS: the Registry and every call to a worker use
@@ -241,6 +245,7 @@ PASSED_TO_SERVICE = (
     "decode_queue_timeout_s",
     "colocated",
     "local_prefill",
+    "peer_fetch",
 )
 
 

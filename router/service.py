@@ -53,6 +53,7 @@ from pdserve.router.admission import (
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
+from pdserve.router.peer_fetch import PeerFetch
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder
 
@@ -104,6 +105,8 @@ class ServiceOptions:
     colocated: bool = False  # workers prefill and decode themselves (no prefill pool)
     # disaggregated: which prompts their decode worker runs itself (planner/local_prefill.py)
     local_prefill: LocalPrefill = LocalPrefill()
+    # disaggregated: when a turn's prefill worker pulls its decode worker's cached prefix
+    peer_fetch: PeerFetch = PeerFetch()
     # "fcfs": a request's priority must be 0; "priority": honoured, lower first (vLLM's
     # --scheduling-policy), in the admission queue, the decode queue and both workers' engines
     scheduling_policy: str = "fcfs"
@@ -190,6 +193,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self.legs.on_tokens = metrics.on_tokens
             self.legs.on_local = metrics.local_prefills.inc
             self.legs.on_stale_hint = metrics.stale_cache_hints.inc
+            self.legs.on_reuse_path = metrics.on_reuse_path
         # the LoRA adapters served (router/lora.py); the router sets the deployment's
         self.loras = RouterAdapters(options.model_id)
         self._inflight: dict[tuple[str, str], ClientCall] = {}  # (client peer, request_id) ->

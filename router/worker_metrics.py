@@ -54,6 +54,38 @@ WORKER_COUNTERS = (
         "kv_host_tier_evicted",
     ),
     (
+        "pdserve:peer_fetches",
+        "Prefill workers: prompts whose cached prefix was pulled from a decode worker.",
+        "peer_fetches",
+    ),
+    (
+        "pdserve:peer_fetch_bytes",
+        "Prefill workers: KV bytes pulled from decode workers (peer fetch).",
+        "peer_fetch_bytes",
+    ),
+    (
+        "pdserve:peer_fetch_seconds",
+        "Prefill workers: seconds spent pulling KV from decode workers (peer fetch).",
+        "peer_fetch_seconds",
+    ),
+    (
+        "pdserve:peer_fetch_refused_blocks",
+        "Prefill workers: fetched KV blocks refused (hash, digest, layout or size did not "
+        "match) and recomputed instead.",
+        "peer_fetch_refused_blocks",
+    ),
+    (
+        "pdserve:peer_fetch_failures",
+        "Prefill workers: peer fetches cut short (the decode worker gone, slow or its "
+        "reservation ended); the rest was recomputed.",
+        "peer_fetch_failures",
+    ),
+    (
+        "pdserve:peer_fetch_served_blocks",
+        "Decode workers: cached KV blocks served to prefill workers' peer fetches.",
+        "peer_fetch_served_blocks",
+    ),
+    (
         "vllm:num_preemptions",
         "Cumulative number of preemptions from the engine.",
         "num_preemptions",
@@ -181,7 +213,8 @@ class WorkerCollector(Collector):
         fams["hits_by_source"] = CounterMetricFamily(
             "pdserve:prefix_cache_hit_tokens_by_source",
             "Prefix cache hits in prompt tokens, by where their blocks were found: device (the "
-            "KV cache) or host (restored from the host tier).",
+            "KV cache), host (restored from the host tier) or peer (pulled from a decode "
+            "worker that held them: peer fetch).",
             labels=self.LABELS + ["source"],
         )
         fams["spec_per_pos"] = CounterMetricFamily(
@@ -226,6 +259,7 @@ class WorkerCollector(Collector):
             fams["lora_resident"].add_metric(labels, len(stats.lora_resident))
             fams["hits_by_source"].add_metric(labels + ["device"], stats.prefix_hit_tokens_device)
             fams["hits_by_source"].add_metric(labels + ["host"], stats.prefix_hit_tokens_host)
+            fams["hits_by_source"].add_metric(labels + ["peer"], stats.prefix_hit_tokens_peer)
             for _, _, field in WORKER_COUNTERS:
                 fams[field].add_metric(labels, getattr(stats, field))
             for position, accepted in enumerate(stats.spec_accepted_per_pos):

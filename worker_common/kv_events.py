@@ -68,6 +68,7 @@ def tier_stats(block_manager) -> dict:
     for field, name in (
         ("prefix_hit_tokens_device", "hit_tokens_device"),
         ("prefix_hit_tokens_host", "hit_tokens_host"),
+        ("prefix_hit_tokens_peer", "hit_tokens_peer"),
     ):
         value = getattr(block_manager, name, 0)
         if isinstance(value, int):  # (a test's stand-in engine may have none)
@@ -82,3 +83,18 @@ def tier_stats(block_manager) -> dict:
             kv_host_tier_evicted=tier.evicted,
         )
     return out
+
+
+def engine_fingerprint(engine) -> str:
+    """Peer fetch (kvtransfer/peer.py): the fingerprint every fetched block is checked against,
+    the engine's KV layout and its tensor-parallel size (engine/kv_host_tier.py `fingerprint`),
+    in hex."""
+    from pdserve.engine.kv_host_tier import fingerprint
+
+    return fingerprint(engine.kv_layout_spec(), engine.config.tensor_parallel_size).hex()
+
+
+def fetch_supported(engine) -> bool:
+    """Whether this engine's pools can be read and written a block at a time here: not with
+    pipeline stages (their pools are split by layer range across processes)."""
+    return getattr(engine.config, "pipeline_parallel_size", 1) == 1

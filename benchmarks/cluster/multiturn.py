@@ -47,6 +47,16 @@ worker's tier bytes (their peak against the cap) and, per shape, the prefix-hit 
 (device, host) and the tier's blocks stored, restored and pushed out. After the last shape the
 run waits for the decode worker to be idle and records that no block is in use. Writes
 benchmarks/results/multiturn_host_tier.json.
+
+    python -m benchmarks.cluster.multiturn --peer-fetch      # which reuse path, 1P+1D
+
+`--peer-fetch` runs instead the reuse paths' comparison (issue 49 item 4): 1P+1D, the same
+sessions (PEER_SHAPES: one after another, and all at once) under four router settings (PEER_RUNS):
+the local-prefill path alone (peer fetch off: the router before it), the defaults (both paths, by
+estimated cost), the peer fetch alone (turns never run on their decode worker) and the recompute
+alone (neither). Per run and turn: TTFT and ITL, hit share, and from the router's /metrics the
+turns' paths, the prompt-cache hits by source and the fetches' seconds. Writes
+benchmarks/results/multiturn_peer_fetch.json.
 """
 
 from __future__ import annotations
@@ -99,6 +109,33 @@ TIER_SHAPES = {
 BF16_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2-135M: layers, K+V, tokens, kv heads, dim
 TIER_POOL = dict(decode_blocks=144, tier_blocks=256, max_model_len=2048)
 TIER_SAMPLE_S = 0.5
+# --peer-fetch (issue 49 item 4): the shapes, and the router settings compared
+PEER_SHAPES = {
+    "a_sequential": dict(sessions=2, turns=4, message=64, answer=64, doc=1024, shared=False,
+                         concurrency=1, seed=101),
+    "b_concurrent": dict(sessions=4, turns=3, message=64, answer=64, doc=512, shared=False,
+                         concurrency=None, seed=102),
+}  # fmt: skip
+PEER_RUNS = {
+    "local_only": {"peer_fetch": {"enabled": False}},
+    "defaults": {},
+    "fetch_only": {"local_prefill": {"reuse_max_new_tokens": 0}},
+    "recompute_only": {
+        "local_prefill": {"reuse_max_new_tokens": 0},
+        "peer_fetch": {"enabled": False},
+    },
+}
+# the router's series read around each --peer-fetch shape: name -> the label kept (None: none)
+PEER_COUNTERS = {
+    "pdserve:reuse_paths_total": "path",
+    "pdserve:local_prefills_total": None,
+    "pdserve:prompt_cache_hit_tokens_total": "source",
+    "pdserve:peer_fetch_duration_seconds_sum": None,
+    "pdserve:peer_fetch_duration_seconds_count": None,
+    "pdserve:peer_fetch_bytes_total": None,
+    "pdserve:peer_fetch_failures_total": None,
+    "pdserve:peer_fetch_refused_blocks_total": None,
+}
 TIER_COUNTERS = {
     "pdserve:prefix_cache_hit_tokens_by_source_total": "source",
     "pdserve:kv_host_tier_stored_blocks_total": None,
@@ -217,6 +254,32 @@ class TierSampler:
         return dict(peak_tier_bytes=self.peak, tier_cap_bytes=self.cap, samples=self.samples)
 
 
+def scrape_router(http_port: int) -> dict:
+    """PEER_COUNTERS from the router's /metrics, {"name{label}": value}, summed over workers."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            label = PEER_COUNTERS.get(sample.name, False)
+            if label is False:
+                continue
+            key = sample.name + (f"{{{sample.labels.get(label)}}}" if label else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in sorted(after.items())}
+
+
 def counters_delta(before: dict, after: dict) -> dict:
     out = {}
     for name, label in TIER_COUNTERS.items():
@@ -234,10 +297,13 @@ def run_deployment(
     shapes: dict,
     wait_idle: float,
     host_tier: bool | None = None,
+    router: dict | None = None,
 ) -> dict:
     """`pdserve up` of the example YAML with `prefill`+`decode` replicas, reuse on or off; every
     shape in turn. host_tier (not None: the --host-tier comparison): the decode pool cut to
-    TIER_POOL's size, with (True) or without (False) a host tier; /metrics sampled per shape."""
+    TIER_POOL's size, with (True) or without (False) a host tier; /metrics sampled per shape.
+    router: more router keys (the --peer-fetch comparison); the router's PEER_COUNTERS are then
+    read from its /metrics before and after each shape."""
     import grpc
     import yaml
 
@@ -247,6 +313,10 @@ def run_deployment(
     work = tempfile.mkdtemp(prefix="multiturn-")
     config = example_config(0, prefill, decode, prefix_caching=reuse)
     config["router"]["http_port"] = None  # gRPC only: no fixed HTTP port on a shared machine
+    if router is not None:
+        config["router"].update(router)
+        http_port = free_port()
+        config["router"]["http_port"] = http_port
     if host_tier is not None:
         http_port = free_port()
         config["router"]["http_port"] = http_port  # for /metrics
@@ -283,6 +353,12 @@ def run_deployment(
             if wait_idle:
                 out.setdefault("wait_idle", {})[name] = bc.wait_for_idle_machine(wait_idle)
             bc.log(f"{label}: shape {name} {shape}")
+            if router is not None:
+                before = scrape_router(http_port)
+                out[name] = run_shape(address, shape, card)
+                out[name]["router"] = delta(before, scrape_router(http_port))
+                bc.log(f"  {label} {name}: {out[name]['router']}")
+                continue
             if host_tier is None:
                 out[name] = run_shape(address, shape, card)
                 continue
@@ -385,6 +461,40 @@ def strip(run: dict) -> dict:
     }
 
 
+def main_peer_fetch(args, argv) -> int:
+    """The --peer-fetch comparison (module docstring): four router settings, same sessions."""
+    out = args.out
+    if os.path.basename(out) == "multiturn.json":
+        out = os.path.join(os.path.dirname(out), "multiturn_peer_fetch.json")
+    t0 = time.perf_counter()
+    report: dict = {
+        **bc.run_header("benchmarks.cluster.multiturn", argv),
+        "think_time_s": THINK_S,
+        "shapes": PEER_SHAPES,
+        "runs": {k: v for k, v in PEER_RUNS.items()},
+    }
+    runs = {}
+    for name, router in PEER_RUNS.items():
+        runs[name] = run_deployment(1, 1, True, PEER_SHAPES, args.wait_idle, router=router)
+        report[name] = strip(runs[name])
+        bc.write_timed(out, report, t0)
+    report["compare"] = {
+        f"{a} / {b}": compare(runs[a], runs[b], PEER_SHAPES)
+        for a, b in (("defaults", "local_only"), ("fetch_only", "recompute_only"))
+    }
+    bc.write_timed(out, report, t0)
+    for pair, cmp in report["compare"].items():
+        for shape, c in cmp.items():
+            bc.log(
+                f"{pair} {shape}: TTFT p50 per turn "
+                f"{[None if t['ttft_p50_ratio'] is None else round(t['ttft_p50_ratio'], 3) for t in c['turns']]}, "
+                f"ITL p90 {c['overall']['itl_p90_ratio']}, "
+                f"answers identical {c['answers']['identical']}/{c['answers']['compared']}"
+            )
+    bc.log(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = bc.script_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="smoke run: 1P+1D, small shapes")
@@ -403,12 +513,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--off-first", action="store_true", help="--host-tier: run the tier off first, then on"
     )
+    p.add_argument(
+        "--peer-fetch",
+        action="store_true",
+        help="issue 49 item 4: 1P+1D, local prefill / peer fetch / both / neither "
+        "(writes multiturn_peer_fetch.json unless --out)",
+    )
     bc.add_out_arg(p, "multiturn.json")
     bc.add_wait_idle_arg(p, "each shape")
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
     if args.host_tier:
         return main_host_tier(args, argv)
+    if args.peer_fetch:
+        return main_peer_fetch(args, argv)
     table = QUICK if args.quick else FULL
     wanted = [s.strip() for s in args.shapes.split(",") if s.strip()]
     shapes = {name: table[name] for name in table if name[0] in wanted}

@@ -12,7 +12,7 @@ paths.
       # Ray node labels a pool's nodes must have ({kind: big-memory}); docs/ray-cluster.md
     router: {host: 127.0.0.1, port: 50051}   # also tls, http_port (null: off), api_keys(_file),
                                              # metrics_keys_file (the /metrics scrape's own keys),
-                                             # local_prefill
+                                             # local_prefill, peer_fetch
     kvtransfer: {backend: auto}   # shm on one machine, grpc between; or grpc, shm, torch, nixl
     ray: {address: null}          # null: start a local Ray; "auto" or "host:port": join a cluster
                                   # (dashboard: true turns on a local Ray's dashboard; bind:
@@ -235,6 +235,20 @@ class LocalPrefillSettings(_Frozen):
     reuse_max_new_tokens: Annotated[int, Field(ge=0)] = 512
 
 
+class PeerFetchSettings(_Frozen):
+    """router.peer_fetch (router/peer_fetch.py): a conversation's turn that goes through the
+    prefill pool has its prefill worker pull the cached prefix its decode worker holds (instead
+    of recomputing it) when estimated faster, from the measured hand-off bandwidth and prefill
+    speed; at most max_blocks blocks, max_bytes bytes and timeout_s seconds per fetch (what
+    arrived by then is used, the rest computed); a smaller gain than min_tokens is recomputed."""
+
+    enabled: bool = True
+    max_blocks: Annotated[int, Field(ge=1, le=65536)] = 4096
+    max_bytes: Annotated[int, Field(ge=1)] = 1 << 30
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0
+    min_tokens: Annotated[int, Field(ge=0)] = 32
+
+
 class ClusterTLS(_Frozen):
     """Mutual TLS between the deployment's processes: every certificate signed by ca_file."""
 
@@ -367,6 +381,7 @@ class RouterSettings(_Frozen):
     # within this long is skipped for new work, as a down worker is, and logged as an error
     reconcile_bound_s: Annotated[float, Field(gt=0)] = 10.0
     local_prefill: LocalPrefillSettings = LocalPrefillSettings()
+    peer_fetch: PeerFetchSettings = PeerFetchSettings()
     tls: RouterTLS | None = None  # None: plaintext for clients (the client API needs no secret)
     # the OpenAI-compatible HTTP front on host:http_port (HTTPS with tls); 0: a free port;
     # null: no HTTP front. Unset: 8000, or 0 (a free port) when port is 0

@@ -179,6 +179,7 @@ def test_worker_services_shape():
         "Embed": unary,
         "Abort": unary,
         "Stats": unary,
+        "FetchKV": (False, True),
         "LoadLoRA": unary,
         "UnloadLoRA": unary,
     }

@@ -157,7 +157,11 @@ def test_each_turn_sends_the_previous_prompt_the_answer_it_got_and_a_new_message
         assert r.ok and r.finish_reason == "length" and r.output_tokens == r.output_len == 8
         assert r.prompt_len == len(r.prompt_ids) == ss[0].prompt_lens()[r.turn - 1]
         assert r.ttft_s > 0 and r.e2e_s >= r.ttft_s and len(r.itl_s) == 7
-        assert r.cache_hits == {"prefill_worker": 0, "decode_worker": r.cached_prompt_tokens}
+        assert r.cache_hits == {
+            "prefill_worker": 0,
+            "decode_worker": r.cached_prompt_tokens,
+            "peer": 0,
+        }
         out = r.to_json()
         assert "prompt_ids" not in out and out["answer_ids"] == r.answer_ids
         assert json.loads(json.dumps(out))["turn"] == r.turn
@@ -338,7 +342,7 @@ def test_cache_hits_read_from_the_finish():
     assert sessions.cache_hits(pb.Finish()) is None  # the server did not set it
     f = pb.Finish()
     f.usage.cache_hits.decode_worker = 96
-    assert sessions.cache_hits(f) == dict(prefill_worker=0, decode_worker=96)
+    assert sessions.cache_hits(f) == dict(prefill_worker=0, decode_worker=96, peer=0)
 
 
 # ---- `pdserve bench --sessions` -----------------------------------------------------------------

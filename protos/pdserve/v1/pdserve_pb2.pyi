@@ -231,12 +231,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., cache_hits: _Optional[_Union[CacheHits, _Mapping]] = ...) -> None: ...
 
 class CacheHits(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker")
+    __slots__ = ("prefill_worker", "decode_worker", "peer")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: int
     decode_worker: int
-    def __init__(self, prefill_worker: _Optional[int] = ..., decode_worker: _Optional[int] = ...) -> None: ...
+    peer: int
+    def __init__(self, prefill_worker: _Optional[int] = ..., decode_worker: _Optional[int] = ..., peer: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queued_unix_ns", "reserved_unix_ns", "prefill_dispatch_unix_ns", "prefill_arrival_unix_ns", "prefill_start_unix_ns", "transfer_start_unix_ns", "prefill_end_unix_ns", "transfer_end_unix_ns", "commit_unix_ns", "first_token_unix_ns", "last_token_unix_ns", "prefill_worker", "decode_worker")

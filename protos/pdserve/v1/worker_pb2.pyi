@@ -98,20 +98,60 @@ class TokenEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., index: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reservation", "priority", "lora_name", "peer_fetch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     reservation: ReserveResponse
     priority: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    peer_fetch: PeerFetch
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., reservation: _Optional[_Union[ReserveResponse, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ..., peer_fetch: _Optional[_Union[PeerFetch, _Mapping]] = ...) -> None: ...
+
+class PeerFetch(_message.Message):
+    __slots__ = ("address", "max_blocks", "max_bytes", "timeout_ms")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    max_blocks: int
+    max_bytes: int
+    timeout_ms: int
+    def __init__(self, address: _Optional[str] = ..., max_blocks: _Optional[int] = ..., max_bytes: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("request_id", "first_block", "num_blocks", "max_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_block: int
+    num_blocks: int
+    max_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchKVBlock(_message.Message):
+    __slots__ = ("index", "block_hash", "data", "digest", "layout_fingerprint")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    block_hash: bytes
+    data: bytes
+    digest: bytes
+    layout_fingerprint: str
+    def __init__(self, index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerEmbedRequest(_message.Message):
     __slots__ = ("request_id", "prompts", "priority", "pooling", "normalize")
@@ -136,7 +176,7 @@ class WorkerEmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[_pdserve_pb2.Embedding, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "num_cached_tokens", "bytes_sent", "timings", "first_tokens", "first_token_logprobs", "first_token_top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("request_id", "num_cached_tokens", "bytes_sent", "timings", "first_tokens", "first_token_logprobs", "first_token_top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "peer_fetched_tokens", "peer_fetch_bytes", "peer_fetch_seconds", "peer_fetch_refused_blocks", "peer_fetch_skipped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +186,11 @@ class PrefillResponse(_message.Message):
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_REFUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_cached_tokens: int
     bytes_sent: int
@@ -155,7 +200,12 @@ class PrefillResponse(_message.Message):
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[float]] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    peer_fetched_tokens: int
+    peer_fetch_bytes: int
+    peer_fetch_seconds: float
+    peer_fetch_refused_blocks: int
+    peer_fetch_skipped: str
+    def __init__(self, request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., timings: _Optional[_Union[_pdserve_pb2.Timings, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[float]] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TopLogprobs, _Mapping]]] = ..., peer_fetched_tokens: _Optional[int] = ..., peer_fetch_bytes: _Optional[int] = ..., peer_fetch_seconds: _Optional[float] = ..., peer_fetch_refused_blocks: _Optional[int] = ..., peer_fetch_skipped: _Optional[str] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -208,7 +258,7 @@ class KVEvents(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., host_snapshot: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "engine_turn_tokens", "engine_us_per_token_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend", "lora_adapters", "lora_adapters_count", "lora_resident", "lora_loads", "lora_evictions")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "role", "role_state", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "engine_turn_tokens", "engine_us_per_token_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend", "lora_adapters", "lora_adapters_count", "lora_resident", "lora_loads", "lora_evictions", "prefix_hit_tokens_peer", "peer_fetches", "peer_fetch_bytes", "peer_fetch_seconds", "peer_fetch_refused_blocks", "peer_fetch_failures", "peer_fetch_served_blocks", "peer_fetch_served_bytes")
     class KvPushBytesByBackendEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +319,14 @@ class WorkerStats(_message.Message):
     LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_PEER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_REFUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -315,7 +373,15 @@ class WorkerStats(_message.Message):
     lora_resident: _containers.RepeatedScalarFieldContainer[str]
     lora_loads: int
     lora_evictions: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., engine_turn_tokens: _Optional[int] = ..., engine_us_per_token_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapters_count: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ...) -> None: ...
+    prefix_hit_tokens_peer: int
+    peer_fetches: int
+    peer_fetch_bytes: int
+    peer_fetch_seconds: float
+    peer_fetch_refused_blocks: int
+    peer_fetch_failures: int
+    peer_fetch_served_blocks: int
+    peer_fetch_served_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., engine_turn_tokens: _Optional[int] = ..., engine_us_per_token_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapters_count: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., prefix_hit_tokens_peer: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., peer_fetch_bytes: _Optional[int] = ..., peer_fetch_seconds: _Optional[float] = ..., peer_fetch_refused_blocks: _Optional[int] = ..., peer_fetch_failures: _Optional[int] = ..., peer_fetch_served_blocks: _Optional[int] = ..., peer_fetch_served_bytes: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)

@@ -59,6 +59,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.FetchKV = channel.unary_stream(
+                '/pdserve.worker.v1.DecodeWorker/FetchKV',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.FetchKVBlock.FromString,
+                _registered_method=True)
         self.LoadLoRA = channel.unary_unary(
                 '/pdserve.worker.v1.DecodeWorker/LoadLoRA',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
@@ -112,6 +117,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKV(self, request, context):
+        """Peer fetch (docs/architecture.md section 11): the KV of the cached prefix blocks a live
+        reservation holds (its first num_cached_tokens), one block per message, for the prefill
+        worker that fills the reservation, so it need not recompute them. The only call that
+        carries KV bytes on the control plane; bounded by the request's blocks and bytes. NOT_FOUND
+        when the reservation is gone (committed, aborted, expired), INVALID_ARGUMENT for a range
+        outside its cached prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadLoRA(self, request, context):
         """LoRA adapters at run time (the router's /v1/load_lora_adapter and /v1/unload_lora_adapter):
         INVALID_ARGUMENT for a bad name or path or an adapter this worker cannot serve,
@@ -154,6 +171,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'FetchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.FetchKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.FetchKVBlock.SerializeToString,
             ),
             'LoadLoRA': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRA,
@@ -301,6 +323,33 @@ class DecodeWorker:
             '/pdserve.worker.v1.DecodeWorker/Stats',
             pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/FetchKV',
+            pdserve_dot_v1_dot_worker__pb2.FetchKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.FetchKVBlock.FromString,
             options,
             channel_credentials,
             insecure,
