@@ -147,7 +147,9 @@ def cpus_gpus(resources: dict) -> dict:
 def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local: bool) -> None:
     """Refuses at once pools the Ray cluster could not hold even when idle, rather than waiting for
     placement groups that can never be placed: every replica together against the cluster's
-    `total`, then each TP group (STRICT_PACK: one node) against the largest of `nodes`."""
+    `total`, then each replica against `nodes`: a worker of one stage on one node (STRICT_PACK),
+    a pipelined one's ranks on as many nodes as hold them (PACK), or one node each (stage_placement
+    spread, STRICT_SPREAD: deploy/placement.py)."""
     need, asks = {}, []
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
@@ -168,6 +170,9 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
         group = {k: v * pool.ranks for k, v in bundle.items()}
+        if pool.pp > 1 and nodes:
+            _check_stages_fit(key, pool, bundle, nodes)
+            continue
         if nodes and not any(all(n.get(k, 0) >= v for k, v in group.items()) for n in nodes):
             biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
             raise DeployError(
@@ -177,6 +182,33 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
                 f"{amounts(cpus_gpus(biggest))}: lower pools.{key}.tp or "
                 f"pools.{key}.resources"
             )
+
+
+def bundles_fitting(node: dict, bundle: dict) -> int:
+    """How many copies of `bundle` an idle `node` (Ray resources) holds."""
+    counts = [int(node.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0]
+    return min(counts) if counts else 0
+
+
+def _check_stages_fit(key: str, pool, bundle: dict, nodes: list[dict]) -> None:
+    """One replica of a pipelined pool against the idle `nodes`: under PACK its ranks' bundles
+    may fill several nodes; under STRICT_SPREAD each needs a node of its own."""
+    shape = f"tp {pool.tp} x pp {pool.pp} ranks of {amounts(bundle)}"
+    if pool.stage_placement == "spread":
+        room = sum(1 for n in nodes if bundles_fitting(n, bundle) >= 1)
+        if room < pool.ranks:
+            raise DeployError(
+                f"pools.{key}: stage_placement 'spread' needs {pool.ranks} nodes that each hold "
+                f"{amounts(bundle)} ({shape}, one per node); the Ray cluster has {room}: add "
+                f"nodes, set pools.{key}.stage_placement to 'pack', or lower pools.{key}.pp"
+            )
+        return
+    room = sum(bundles_fitting(n, bundle) for n in nodes)
+    if room < pool.ranks:
+        raise DeployError(
+            f"pools.{key}: one replica needs {shape}; the Ray nodes hold {room} such bundles "
+            f"between them: lower pools.{key}.tp, .pp or .resources, or add nodes"
+        )
 
 
 def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurity:
