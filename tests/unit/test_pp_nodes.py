@@ -169,3 +169,41 @@ def test_a_launcher_whose_check_fails_leaves_no_follower(monkeypatch):
         tp.use_launcher(None)
     assert all(h.killed for h in handles)
     assert isinstance(tp.current_launcher(), tp.LocalRanks)
+
+
+def test_each_stage_holds_its_share_of_the_weights():
+    """SmolLM2-135M's 134.5M parameters: 3,540,096 a decoder layer, 28,312,128 in the tied
+    embedding and LM head and the final norm, which the first stage holds."""
+    from pdserve.deploy.prechecks import stage_weight_bytes
+
+    hf = {**SMOL, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+    whole = stage_weight_bytes(hf, tp=1, pp=1, itemsize=1)
+    assert whole == [30 * 3_540_096 + 28_312_128] == [134_515_008]
+    halves = stage_weight_bytes(hf, tp=1, pp=2, itemsize=4)
+    assert halves == [4 * (15 * 3_540_096 + 28_312_128), 4 * 15 * 3_540_096]
+    assert sum(halves) == 4 * whole[0]
+    assert stage_weight_bytes(hf, tp=2, pp=2, itemsize=4) == [h // 2 for h in halves]
+
+
+def test_workers_that_need_more_memory_than_is_free_are_refused():
+    from pdserve.deploy.prechecks import memory_problems
+
+    hf = {**SMOL, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+    kv = 64 << 20
+    cfg = validate_config(
+        {
+            "dtype": "float32",
+            "pools": {
+                "prefill": {"pp": 2, "kv_cache_memory": kv},
+                "decode": {"kv_cache_memory": kv},
+            },
+        }
+    )
+    need = 2 * 4 * 134_515_008 + 3 * kv  # the weights twice (both pools), three KV caches
+    assert memory_problems(cfg, hf, need) == []
+    (problem,) = memory_problems(cfg, hf, need - 1)
+    assert problem.startswith(
+        "pools: the workers' weights and KV caches need at least 1.19 GiB (decode 1 x tp 1 x "
+        "0.56 GiB; prefill 1 x tp 1 x (stage 0: 0.37 GiB, stage 1: 0.26 GiB a rank); each rank "
+        "holds its stage's layers"
+    ), problem
