@@ -470,10 +470,8 @@ def up(
     KV cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each
     refusal is a ConfigError or DeployError naming the key to change; so is a worker that fails
     to start. Then: the router, with empty pools, a fresh deployment_id and the cluster secret;
-    for each replica one placement group (`tp x pp` bundles of the pool's resources, STRICT_PACK
-    so that a TP group shares a node, PACK or STRICT_SPREAD for pipeline stages: placement.py;
-    rank 0 runs in the actor, which starts the other ranks as Ray actors in their bundles:
-    rank_actors.py); decode actors, then prefill actors, each started and registered with
+    for each replica one placement group (`tp x pp` bundles, one node for a TP group, stages
+    may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors: rank_actors.py); decode actors, then prefill actors, each started and registered with
     the router under the same secret and deployment_id."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 WHERE_TIMEOUT_S = 300.0  # a rank actor's process start and imports, on a loaded machine
 NAME_RETRY_S = 30.0  # a dead worker's rank actors' names are freed a moment after it dies
+DEATH_NOTICE_S = 2.0  # how long a rank on another host gets for Ray to report its death
 
 
 class RankActor:
@@ -71,6 +72,22 @@ class RankActor:
 RemoteRank = ray.remote(max_restarts=0, max_concurrency=2)(RankActor)
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        try:
+            os.kill(pid, 0)  # no /proc here: ask the kernel
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return data[data.rfind(b")") + 2 :].split()[:1] != [b"Z"]
+
+
 class RankHandle:
     """A rank actor as engine/tp.py's TPGroup sees a follower process."""
 
@@ -85,9 +102,16 @@ class RankHandle:
         return self.where.get("pid")
 
     def is_alive(self) -> bool:
-        """Whether its follower loop still runs (a dead actor ends the loop's task with an
-        error)."""
+        """Whether its follower loop still runs. Asked right after a step failed, when Ray may not
+        have heard of a death yet (a dead actor ends the loop's task with an error a moment
+        later): a rank on this host is looked up by its pid, one on another host gets
+        DEATH_NOTICE_S for Ray to report it."""
         ready, _ = ray.wait([self.run_ref], timeout=0)
+        if ready:
+            return False
+        if self.pid and self.where.get("hostname") == socket.gethostname():
+            return _pid_alive(self.pid)
+        ready, _ = ray.wait([self.run_ref], timeout=DEATH_NOTICE_S)
         return not ready
 
     def join(self, timeout: float | None = None) -> None:
