@@ -266,8 +266,9 @@ def _place_pool(
     bundle = pool.resources.bundle()
     new = []
     for i in range(pool.replicas):
-        # one placement group per TP group: all of its ranks' bundles land on one node together,
-        # a node with the pool's custom resources and labels (deploy/placement.py)
+        # one placement group per replica, a bundle per rank: a one-stage worker's ranks on one
+        # node together, a pipelined one's on as few nodes as hold them, nodes with the pool's
+        # custom resources and labels (deploy/placement.py)
         pg = placement_group(**pg_options(pool), name=f"pdserve-{key}-{i}")
         new.append(Replica(key, i, pg))
         cluster.replicas.append(new[-1])
@@ -482,9 +483,8 @@ def up(
     KV cache); right after connecting to Ray: pools the cluster's resources cannot hold. Each
     refusal is a ConfigError or DeployError naming the key to change; so is a worker that fails
     to start. Then: the router, with empty pools, a fresh deployment_id and the cluster secret;
-    for each replica one placement group per TP group (`tp` bundles of the pool's resources,
-    STRICT_PACK so that a TP group shares a node; rank 0 runs in the actor and spawns the other
-    ranks in its bundles); decode actors, then prefill actors, each started and registered with
+    for each replica one placement group (`tp x pp` bundles, one node for a TP group, stages
+    may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors: rank_actors.py); decode actors, then prefill actors, each started and registered with
     the router under the same secret and deployment_id."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)

@@ -3,7 +3,8 @@ custom resources and node labels, and the check, made once `up` has joined or st
 some live node matches each pool's label selector.
 
 A pool's `resources` (deploy/config/schema.py: num_cpus, num_gpus and any custom resources by name) make
-each bundle of its placement group, so a replica lands only on a node that has them (a node
+each bundle of its placement group, one per rank (`strategy` says how they may spread: a worker of
+one stage on one node, a pipelined one's stages on one node or several), so a replica lands only on a node that has them (a node
 started with `ray start --resources '{"node2": 1}'`). Its `label_selector` applies to every bundle
 (Ray's bundle_label_selector): every rank lands on a node whose labels match (`ray start --labels
 zone=us-a`). Ray would wait forever for a placement no node can give, so `check_labels` refuses
@@ -18,11 +19,22 @@ from pdserve.deploy.config.schema import DeployConfig, Pool
 from pdserve.deploy.prechecks import DeployError
 
 
+def strategy(pool: Pool) -> str:
+    """The placement strategy of one replica of `pool`: its ranks share a node (STRICT_PACK)
+    unless it runs in pipeline stages; then PACK (one node when one holds them all, else as few
+    as do: a stage may sit on another node than the one before it) or, with stage_placement
+    "spread", STRICT_SPREAD (one node per rank, so per stage: tp is 1)."""
+    if pool.pp == 1:
+        return "STRICT_PACK"
+    return "STRICT_SPREAD" if pool.stage_placement == "spread" else "PACK"
+
+
 def pg_options(pool: Pool) -> dict:
     """placement_group() arguments for one replica of `pool`: one bundle of its resources per
-    rank (tp x pp), and the label selector on each when it has one."""
+    rank (tp x pp, rank order: bundle r holds rank r, deploy/rank_actors.py), its strategy, and
+    the label selector on each bundle when it has one."""
     bundles = [dict(pool.resources.bundle()) for _ in range(pool.ranks)]
-    options: dict = {"bundles": bundles, "strategy": "STRICT_PACK"}
+    options: dict = {"bundles": bundles, "strategy": strategy(pool)}
     if pool.label_selector:
         options["bundle_label_selector"] = [dict(pool.label_selector) for _ in bundles]
     return options

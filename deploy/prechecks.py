@@ -111,8 +111,9 @@ def check_writable_dirs(config: DeployConfig, on_this_machine: bool, local_ray: 
 
 def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
     """Refuses, before anything starts, pools whose workers would refuse the model
-    (config/checks.py fit_problems); else every replica of the pool would fail the same way inside
-    its actor. A model that needs converting into a cache this process cannot write is refused
+    (config/checks.py fit_problems), and on this machine workers whose weights and KV caches need
+    more memory than is free (memory_problems); else every replica of the pool would fail the
+    same way inside its actor. A model that needs converting into a cache this process cannot write is refused
     as DeployError (the router, in this process, reads its tokenizer from there too)."""
     from pdserve.engine.config import available_memory_bytes
     from pdserve.engine.loader import CacheDirError, load_hf_config, resolve_model
@@ -131,9 +132,82 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
             raise ConfigError("\n".join(placement_problems(config))) from None
         return
     memory = available_memory_bytes("cpu") if on_this_machine else None
-    problems = fit_problems(config, load_hf_config(model_dir), memory)
+    hf = load_hf_config(model_dir)
+    problems = fit_problems(config, hf, memory)
+    if not problems and memory is not None:
+        problems = memory_problems(config, hf, memory)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _weight_itemsize(config: DeployConfig) -> float:
+    """A lower bound on the bytes per weight the workers hold: 1 under int8, 0.5 under int4 or
+    "auto" (the probe may choose 4-bit blocks), 4 under float32, else 2."""
+    if config.quantization in ("int4", "auto"):
+        return 0.5
+    if config.quantization == "int8":
+        return 1
+    return 4 if config.dtype in ("float32", "fp32") and config.quantization is None else 2
+
+
+def stage_weight_bytes(hf: dict, tp: int, pp: int, itemsize: float) -> list[int]:
+    """The weights one rank of each pipeline stage holds, stage order, estimated from the model's
+    config.json: its stage's decoder layers (engine/parallel.py stage_layers) split over tp ranks,
+    and on the first stage the embedding, the final norm and the LM head (engine/tp.py)."""
+    from pdserve.engine.parallel import stage_layers
+
+    hf = hf.get("text_config", hf)
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or h // heads
+    inter = hf.get("intermediate_size") or 4 * h
+    vocab = hf.get("vocab_size") or 0
+    per_layer = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter + 2 * h
+    head = vocab * h * (1 if hf.get("tie_word_embeddings") else 2) + h
+    sizes = []
+    for stage in range(pp):
+        first, end = stage_layers(layers, stage, pp)
+        params = per_layer * (end - first) + (head if stage == 0 else 0)
+        sizes.append(int(params * itemsize / tp))
+    return sizes
+
+
+def memory_problems(config: DeployConfig, hf: dict, memory: int) -> list[str]:
+    """Refuses deployments whose workers on this machine (a local Ray: every rank of every pool
+    here) need more memory than `memory` (free bytes) for their weights and KV caches: each rank
+    holds its stage's share of the weights (stage_weight_bytes, a lower bound) and a KV cache of
+    kv_cache_memory bytes (a fraction of free memory is not counted: the engine takes it of
+    what is free when it starts). GPU pools are not counted."""
+    total, shares = 0, []
+    for key, pool in config.worker_pools():
+        if pool.resources.num_gpus:
+            continue
+        weights = stage_weight_bytes(hf, pool.tp, pool.pp, _weight_itemsize(config))
+        kv = pool.kv_cache_memory if isinstance(pool.kv_cache_memory, int) else 0
+        if pool.kv_cache_memory is None:
+            from pdserve.engine.config import DEFAULT_CPU_KV_BYTES
+
+            kv = DEFAULT_CPU_KV_BYTES
+        total += pool.replicas * pool.tp * sum(w + kv for w in weights)
+        per = ", ".join(f"stage {s}: {_gib(w + kv)}" for s, w in enumerate(weights))
+        shares.append(
+            f"{key} {pool.replicas} x tp {pool.tp} x ({per} a rank)"
+            if pool.pp > 1
+            else f"{key} {pool.replicas} x tp {pool.tp} x {_gib(weights[0] + kv)}"
+        )
+    if total <= memory:
+        return []
+    return [
+        f"pools: the workers' weights and KV caches need at least {_gib(total)} ({'; '.join(shares)}"
+        f"; each rank holds its stage's layers and a KV cache of kv_cache_memory) but this "
+        f"machine has {_gib(memory)} free: lower pools.<pool>.kv_cache_memory or .replicas, raise "
+        f".pp to split the weights, or join a Ray cluster with more memory (--address)"
+    ]
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
 
 
 def amounts(resources: dict) -> str:
@@ -147,7 +221,9 @@ def cpus_gpus(resources: dict) -> dict:
 def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local: bool) -> None:
     """Refuses at once pools the Ray cluster could not hold even when idle, rather than waiting for
     placement groups that can never be placed: every replica together against the cluster's
-    `total`, then each TP group (STRICT_PACK: one node) against the largest of `nodes`."""
+    `total`, then each replica against `nodes`: a worker of one stage on one node (STRICT_PACK),
+    a pipelined one's ranks on as many nodes as hold them (PACK), or one node each (stage_placement
+    spread, STRICT_SPREAD: deploy/placement.py)."""
     need, asks = {}, []
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
@@ -168,6 +244,9 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
     for key, pool in config.worker_pools():
         bundle = pool.resources.bundle()
         group = {k: v * pool.ranks for k, v in bundle.items()}
+        if pool.pp > 1 and nodes:
+            _check_stages_fit(key, pool, bundle, nodes)
+            continue
         if nodes and not any(all(n.get(k, 0) >= v for k, v in group.items()) for n in nodes):
             biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
             raise DeployError(
@@ -177,6 +256,33 @@ def check_resources(config: DeployConfig, total: dict, nodes: list[dict], local:
                 f"{amounts(cpus_gpus(biggest))}: lower pools.{key}.tp or "
                 f"pools.{key}.resources"
             )
+
+
+def bundles_fitting(node: dict, bundle: dict) -> int:
+    """How many copies of `bundle` an idle `node` (Ray resources) holds."""
+    counts = [int(node.get(k, 0) / v + 1e-9) for k, v in bundle.items() if v > 0]
+    return min(counts) if counts else 0
+
+
+def _check_stages_fit(key: str, pool, bundle: dict, nodes: list[dict]) -> None:
+    """One replica of a pipelined pool against the idle `nodes`: under PACK its ranks' bundles
+    may fill several nodes; under STRICT_SPREAD each needs a node of its own."""
+    shape = f"tp {pool.tp} x pp {pool.pp} ranks of {amounts(bundle)}"
+    if pool.stage_placement == "spread":
+        room = sum(1 for n in nodes if bundles_fitting(n, bundle) >= 1)
+        if room < pool.ranks:
+            raise DeployError(
+                f"pools.{key}: stage_placement 'spread' needs {pool.ranks} nodes that each hold "
+                f"{amounts(bundle)} ({shape}, one per node); the Ray cluster has {room}: add "
+                f"nodes, set pools.{key}.stage_placement to 'pack', or lower pools.{key}.pp"
+            )
+        return
+    room = sum(bundles_fitting(n, bundle) for n in nodes)
+    if room < pool.ranks:
+        raise DeployError(
+            f"pools.{key}: one replica needs {shape}; the Ray nodes hold {room} such bundles "
+            f"between them: lower pools.{key}.tp, .pp or .resources, or add nodes"
+        )
 
 
 def cluster_security(config: DeployConfig, environ=os.environ) -> ClusterSecurity:
@@ -279,7 +385,9 @@ def preflight(config: DeployConfig, address: str | None = None, environ=os.envir
          and the GPUs Ray finds here (local_gpus), not the YAML's counts, and no custom
          resource; then ray.dashboard against the Ray installed;
       6. the pools against the model (check_model_fit: TP divides the heads, one max_model_len
-         sequence fits each KV cache; a GGUF is converted into the cache first).
+         sequence fits each rank's KV cache, sized by its pipeline stage's layers; on a local Ray,
+         every rank's weights of its stage and KV cache fit the free memory: memory_problems; a
+         GGUF is converted into the cache first).
 
     `address` overrides ray.address. Returns notes on what was not checked: a cluster joined by
     address is checked against its resources only once `up` has joined it."""

@@ -1,5 +1,5 @@
 """The table `pdserve up` prints once every worker is ready: one row per worker with its role, the
-Ray node it runs on, its process id (for `kill -USR1`: its stacks in its log), its cores, the precision it serves in, its KV transfer backend, its KV
+Ray node it runs on (and the nodes of its later pipeline stages where they differ), its process id (for `kill -USR1`: its stacks in its log), its cores, the precision it serves in, its KV transfer backend, its KV
 capacity (blocks, tokens, and how many sequences of max_model_len fit at once) and its log file.
 
 The launcher collects each started worker's WorkerActor.info() (plain data, deploy/workers.py)
@@ -47,11 +47,26 @@ def _cores(info: dict) -> str:
     return text
 
 
+def _where(ip: str | None, node_id: str | None) -> str:
+    return f"{ip or '?'} ({node_id[:8] if node_id else '?'})"
+
+
 def _node(info: dict) -> str:
+    """Rank 0's node; when a pipelined worker's later stages run on other nodes (info["ranks"]:
+    one entry per rank, deploy/rank_actors.py), each such stage's too: "... stage 1: ip (id)"."""
     ip, node_id = info.get("node_ip"), info.get("node_id")
     if not ip and not node_id:
         return "?"
-    return f"{ip or '?'} ({node_id[:8] if node_id else '?'})"
+    text = _where(ip, node_id)
+    stages: dict[int, set[str]] = {}
+    for r in info.get("ranks") or []:
+        if r.get("node_id") != node_id:
+            stages.setdefault(r.get("stage", 0), set()).add(
+                _where(r.get("node_ip"), r.get("node_id"))
+            )
+    for stage, nodes in sorted(stages.items()):
+        text += f", stage {stage}: {' + '.join(sorted(nodes))}"
+    return text
 
 
 def _precision(info: dict) -> str:

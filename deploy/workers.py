@@ -13,7 +13,9 @@ the actor records the start's stages (worker_common/start_stages.py) and `stages
 launcher as they come (the actor runs its calls on a few threads, so `stages` answers while
 `start` is still busy); once started, `info` says where and how it serves (deploy/start_table.py
 prints it). A started worker whose engine broke (a tensor-parallel or pipeline rank died) exits,
-so the supervisor replaces it as after any death. On this machine the worker's config carries no cluster secret: the actor is given the
+so the supervisor replaces it as after any death. A worker of several ranks (tp x pp) starts
+ranks 1..N-1 as Ray actors on its placement group's other bundles, which may sit on other nodes
+(deploy/rank_actors.py); they die with the actor's process. On this machine the worker's config carries no cluster secret: the actor is given the
 path of the file holding it (deploy/secret_files.py) and reads it once, when `start` begins, so the
 secret is in no process's environment and not in Ray's copy of the actor's arguments.
 """
@@ -146,6 +148,7 @@ class WorkerActor:
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
         if hasattr(cfg, "kv_options"):  # its decode part's KV server listens there too
             cfg = dataclasses.replace(cfg, kv_options={"host": cfg.host, **cfg.kv_options})
+        self._rank_actors(cfg)
         from pdserve.worker_common.start_stages import traced
 
         self.start_stages.begin()
@@ -154,6 +157,18 @@ class WorkerActor:
         self.start_stages.add("serving", f"{self.role} on {self.worker.address}")
         threading.Thread(target=self._exit_when_broken, name="broken-watch", daemon=True).start()
         return self.worker.address, self.worker.loop.engine.mode_note
+
+    def _rank_actors(self, cfg) -> None:
+        """An engine of several ranks starts ranks 1..N-1 as Ray actors on the other bundles of
+        this actor's placement group, where Ray placed them (deploy/rank_actors.py), not as child
+        processes of this one."""
+        kwargs = cfg.engine_kwargs
+        ranks = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+        if ranks > 1 and ray.util.get_current_placement_group() is not None:
+            from pdserve.deploy.rank_actors import RayRanks
+            from pdserve.engine.tp import use_launcher
+
+            use_launcher(RayRanks(cfg.worker_id, self.cpus))
 
     def _exit_when_broken(self) -> None:
         """A worker whose engine broke (one of its ranks died: engine/engine_loop.py) cannot
@@ -177,6 +192,7 @@ class WorkerActor:
     def info(self) -> dict:
         """Where and how this started worker serves, as plain data (deploy/start_table.py's
         row): its node, cores, process and log file, its precision and its KV capacity."""
+        from pdserve.deploy.rank_actors import rank_nodes
         from pdserve.worker_common.start_stages import kv_capacity
 
         engine = self.worker.loop.engine
@@ -203,6 +219,7 @@ class WorkerActor:
             kv_backend=self._kv_backend(),
             tp=cfg.tensor_parallel_size,
             pp=cfg.pipeline_parallel_size,
+            ranks=rank_nodes(engine),  # each rank's node, when they run as Ray actors
             **kv_capacity(
                 engine.runner.num_blocks, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs
             ),

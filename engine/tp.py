@@ -11,6 +11,15 @@ On CUDA the weights' collectives run over NCCL, one GPU per rank. NCCL cannot pu
 one GPU, so a machine with a single GPU can still run the TP code on CUDA tensors with
 PDSERVE_TP_BACKEND=gloo: the ranks then share the GPUs round robin and the collectives pass
 through host memory (engine/parallel.py). That setting is for proving the code, not for speed.
+
+Who starts ranks 1..N-1 is a RankLauncher. By default (LLM(...) in a plain process, the tests) it is
+LocalRanks: spawned child processes of rank 0 (torch.multiprocessing), the rendezvous on
+127.0.0.1. A process may install another with `use_launcher` before its engine starts; under
+`pdserve up` the worker's Ray actor installs deploy/rank_actors.py's, which runs each follower as a
+Ray actor in its own bundle of the worker's placement group (so pipeline stages may sit on
+different Ray nodes) and rendezvouses on rank 0's node address. Either way a follower runs
+`follower_main`, and TPGroup holds one handle per follower (is_alive, join, kill, pid, node), so the
+engine notices a dead rank (engine_core.ranks_alive) and stops the others the same way.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from pdserve.engine.parallel import set_tp_state
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "600")))
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for the rendezvous (rank 0's TCP store listens on it)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -53,14 +63,14 @@ def world_size(config: EngineConfig) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
-def _init(config: EngineConfig, rank: int, port: int):
+def _init(config: EngineConfig, rank: int, host: str, port: int):
     backend = _backend(config)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{host}:{port}",
         rank=rank,
         world_size=tp * pp,
         timeout=_TIMEOUT,
@@ -119,17 +129,21 @@ def _broadcast_bytes(data: bytes | None, group) -> bytes:
     return buf.numpy().tobytes()
 
 
-def _follower_main(
+def follower_main(
     config: EngineConfig,
     model_config: ModelConfig,
     model_dir: str,
     rank: int,
+    host: str,
     port: int,
     kv_cache_path: str | None,
 ) -> None:
+    """Rank `rank`'s whole life: joins the group at host:port, builds its runner, runs every step
+    rank 0 broadcasts until the stop (None), then leaves the group. A launcher runs it in the
+    follower's process."""
     from pdserve.engine.precision import start_runner
 
-    group = _init(config, rank, port)
+    group = _init(config, rank, host, port)
     runner = start_runner(config, model_config, model_dir, kv_cache_path)
     dist.barrier(group=group)  # see TPGroup.ready
     while True:
@@ -140,9 +154,71 @@ def _follower_main(
     dist.destroy_process_group()
 
 
+class LocalRanks:
+    """The default RankLauncher: ranks 1..N-1 as spawned child processes of this one, which
+    rendezvous with it on 127.0.0.1 (daemonic: they die with rank 0's process)."""
+
+    def rendezvous_host(self) -> str:
+        return "127.0.0.1"
+
+    def launch(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: str,
+        kv_cache_paths: list[str | None],
+        host: str,
+        port: int,
+    ) -> list:
+        """Starts follower_main for ranks 1..N-1; returns their handles (multiprocessing
+        Processes: is_alive, join, kill, pid) in rank order. NCCL wants a GPU per rank, all
+        visible to this process."""
+        if (
+            config.device == "cuda"
+            and _backend(config) == "nccl"
+            and torch.cuda.device_count() < world_size(config)
+        ):
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
+                f"{config.pipeline_parallel_size} needs {world_size(config)} GPUs, "
+                f"{torch.cuda.device_count()} visible"
+            )
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(
+                target=follower_main,
+                daemon=True,
+                name=f"pdserve-tp{rank}",
+                args=(config, model_config, model_dir, rank, host, port, kv_cache_paths[rank]),
+            )
+            for rank in range(1, world_size(config))
+        ]
+        for p in procs:
+            p.start()
+        return procs
+
+    def check(self, procs: list, kv_cache_paths: list[str | None]) -> None:
+        """Nothing to check: every local rank shares this host."""
+
+
+_launcher = None  # the RankLauncher this process's engines use; None: LocalRanks
+
+
+def use_launcher(launcher) -> None:
+    """Makes engines started later in this process start their followers with `launcher`
+    (rendezvous_host(), launch(...) as LocalRanks's, and check(handles, kv_cache_paths), which
+    may refuse a placement once the ranks run); None restores LocalRanks."""
+    global _launcher
+    _launcher = launcher
+
+
+def current_launcher():
+    return _launcher if _launcher is not None else LocalRanks()
+
+
 class TPGroup:
     def __init__(self, procs, group):
-        self.procs = procs
+        self.procs = procs  # one handle per follower, rank order (is_alive, join, kill, pid)
         self.group = group
 
     @classmethod
@@ -154,31 +230,18 @@ class TPGroup:
         kv_cache_paths: list[str | None],
     ) -> TPGroup:
         """kv_cache_paths[r]: rank r's shared KV pool file, or None for private memory (one per
-        rank of the engine)."""
-        if (
-            config.device == "cuda"
-            and _backend(config) == "nccl"
-            and torch.cuda.device_count() < world_size(config)
-        ):
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
-                f"{config.pipeline_parallel_size} needs {world_size(config)} GPUs, "
-                f"{torch.cuda.device_count()} visible"
-            )
-        port = _free_port()
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(
-                target=_follower_main,
-                daemon=True,
-                name=f"pdserve-tp{rank}",
-                args=(config, model_config, model_dir, rank, port, kv_cache_paths[rank]),
-            )
-            for rank in range(1, world_size(config))
-        ]
-        for p in procs:
-            p.start()
-        return cls(procs, _init(config, 0, port))
+        rank of the engine). The followers start with this process's launcher (use_launcher)."""
+        launcher = current_launcher()
+        host = launcher.rendezvous_host()
+        port = free_port(host)
+        procs = launcher.launch(config, model_config, model_dir, kv_cache_paths, host, port)
+        try:
+            launcher.check(procs, kv_cache_paths)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        return cls(procs, _init(config, 0, host, port))
 
     def ready(self) -> None:
         """Returns once every follower built its runner (weights loaded, KV pool allocated), so

@@ -24,7 +24,13 @@ def placement_problems(config: DeployConfig) -> list[str]:
     for key, pool in config.worker_pools():
         if pool.resources.num_gpus <= 0:
             continue
-        if pool.tp > 1:
+        if pool.pp > 1:
+            problems.append(
+                f"pools.{key}.pp: {pool.pp} on GPUs is refused today (pipeline stages have run "
+                f"only on CPUs, over gloo; their CUDA/NCCL path has never run on a GPU): set "
+                f"pools.{key}.pp to 1, or run the pool on CPUs (resources.num_gpus: 0)"
+            )
+        elif pool.tp > 1:
             problems.append(
                 f"pools.{key}.tp: {pool.tp} on GPUs is refused today (a tensor-parallel "
                 f"{key} worker hands its KV off through CPU shared memory, which GPU KV pools "
@@ -89,13 +95,17 @@ def fit_problems(config: DeployConfig, hf: dict, cpu_memory_bytes: int | None = 
         kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         fp32 = kv_dtype in ("float32", "fp32") or (kv_dtype == "auto" and not gpu)
         itemsize = 4 if fp32 else 2
-        per_block = 2 * hf["num_hidden_layers"] * bs * (kv_heads // tp) * head_dim * itemsize
+        # each rank holds the KV of its stage's layers, sized by the largest stage as
+        # engine/model_runner.py sizes it (every stage then has the same number of blocks)
+        layers = -(-hf["num_hidden_layers"] // pool.pp)
+        per_block = 2 * layers * bs * (kv_heads // tp) * head_dim * itemsize
         blocks, need = kv // per_block, -(-max_len // bs)
         if blocks < need:
             shorter = f" or pools.{key}.max_model_len to at most {blocks * bs}" if blocks else ""
+            per_stage = f" (each rank: {layers} layers of a stage)" if pool.pp > 1 else ""
             problems.append(
                 f"pools.{key}: kv_cache_memory of {kv} bytes ({_mib(kv)}) holds {blocks} KV blocks "
-                f"of {bs} tokens, but one sequence of max_model_len {max_len} needs {need}: set "
+                f"of {bs} tokens{per_stage}, but one sequence of max_model_len {max_len} needs {need}: set "
                 f"pools.{key}.kv_cache_memory to at least {need * per_block} "
                 f"({_mib(need * per_block)}){shorter}"
             )

@@ -101,6 +101,10 @@ class Pool(_Frozen):
     # pipeline stages of each worker (vLLM's pipeline_parallel_size), tp ranks each: prefill pools
     # only (a decode step would pay every stage per token); such workers do not flip roles
     pp: Annotated[int, Field(ge=1)] = 1
+    # how Ray may place a pipelined worker's stages (deploy/placement.py): "pack" keeps its ranks
+    # on as few nodes as hold them (Ray's PACK: one node when one can, else they spread);
+    # "spread" puts every stage on a node of its own (STRICT_SPREAD; needs tp 1 and pp nodes)
+    stage_placement: Literal["pack", "spread"] = "pack"
     resources: Resources = Resources()
     # bytes (an integer) or a fraction of free memory in (0, 1]; unset: the engine's default
     kv_cache_memory: StrictInt | StrictFloat | None = None
@@ -166,6 +170,15 @@ class Pool(_Frozen):
         if v is None or (type(v) is int and v > 0) or (type(v) is float and 0 < v <= 1):
             return v
         raise ValueError("must be bytes (an integer > 0) or a fraction of free memory in (0, 1]")
+
+    @model_validator(mode="after")
+    def _spread_stages(self):
+        if self.stage_placement == "spread" and self.tp > 1:
+            raise ValueError(
+                f"stage_placement 'spread' puts every rank on a node of its own, which would "
+                f"split each stage's tp {self.tp} ranks across nodes: use 'pack', or tp 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _host_tier_needs_prefix_cache(self):

@@ -18,18 +18,17 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 
 import pytest
 import yaml
+
+from helpers.ray_nodes import RayNodes, ask_ray, free_port, read_until_table, up_command
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,166 +38,6 @@ pytestmark = [
 MAX_TOKENS = 16
 KV_BYTES = 4 << 20
 START_TIMEOUT_S = 240.0
-RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-# ---- a Ray cluster of this test's own --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_range(n: int) -> tuple[int, int]:
-    """n consecutive ports free now, for a node's workers."""
-    for _ in range(50):
-        base = random.randrange(20000, 30000 - n)
-        try:
-            socks = []
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base, base + n - 1
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-def _session_and_start(pid: int) -> tuple[int, int] | None:
-    """(session id, start time in clock ticks since boot) of a live process, or None."""
-    try:
-        data = pathlib.Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2 :].split()  # state, ppid, pgrp, session, ...
-    if fields[0] == b"Z":
-        return None
-    return int(fields[3]), int(fields[19])
-
-
-class RayNodes:
-    """The processes of the `ray start` commands this test ran: each ran in a session of its own,
-    whose id is its pid, and every Ray process it starts stays in that session (Ray's workers
-    change their process group, not their session). A process is this test's when it is in one of
-    those sessions and started no earlier than the `ray start` that made the session: the kernel
-    does not hand out a pid that is still some live process's session id."""
-
-    def __init__(self, temp_dir: str, token_path: pathlib.Path):
-        self.temp_dir = temp_dir
-        self.env = {
-            **os.environ,
-            "RAY_AUTH_MODE": "token",  # as Ray's token-auth docs set up a cluster
-            "RAY_AUTH_TOKEN_PATH": str(token_path),
-            "RAY_USAGE_STATS_ENABLED": "0",
-        }
-        self.sessions: dict[int, int] = {}  # session id -> its `ray start`'s start time
-
-    def start(self, *args: str) -> None:
-        first, last = _free_range(40)
-        ports = {
-            "--node-manager-port": _free_port(),
-            "--object-manager-port": _free_port(),
-            "--dashboard-agent-grpc-port": _free_port(),
-            "--dashboard-agent-listen-port": _free_port(),
-            "--metrics-export-port": _free_port(),
-            "--runtime-env-agent-port": _free_port(),
-            "--min-worker-port": first,
-            "--max-worker-port": last,
-        }
-        command = [*RAY, "start", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", *args]
-        command += [x for k, v in ports.items() for x in (k, str(v))]
-        proc = subprocess.Popen(
-            command,
-            env=self.env,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        own = _session_and_start(proc.pid)
-        assert own is not None and own[0] == proc.pid  # start_new_session: it leads its own
-        self.sessions[proc.pid] = own[1]
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out[-3000:]
-
-    def processes(self) -> list[int]:
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != os.getpid():
-                info = _session_and_start(int(entry))
-                if info and info[0] in self.sessions and info[1] >= self.sessions[info[0]]:
-                    found.append(int(entry))
-        return found
-
-    def kill(self) -> None:
-        assert all(s > 1 for s in self.sessions)
-        for _ in range(5):
-            left = self.processes()
-            if not left:
-                return
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.5)
-
-
-def _ask_ray(cluster: RayNodes, address: str) -> dict:
-    """Ray's own view, from a process of its own: the actors (GCS actor table) and the nodes."""
-    script = (
-        "import json, ray\n"
-        "from ray._private.state import actors\n"
-        f"ray.init(address={address!r}, log_to_driver=False)\n"
-        "out = dict(actors=[dict(name=a.get('Name'), state=a.get('State'), "
-        "node=a.get('Address', {}).get('NodeID')) for a in actors().values()], "
-        "nodes=[dict(node=n['NodeID'], resources=n['Resources']) for n in ray.nodes() "
-        "if n['Alive']])\n"
-        "print('STATE ' + json.dumps(out))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    line = [x for x in done.stdout.splitlines() if x.startswith("STATE ")]
-    assert line, done.stdout[-2000:] + done.stderr[-2000:]
-    return json.loads(line[0][len("STATE ") :])
-
-
-# ---- `pdserve up` as a command ---------------------------------------------------------------------
-def _up(config: pathlib.Path, address: str, env: dict, err: pathlib.Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", str(config), "--address", address],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=err.open("w"),
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _read_until_table(proc: subprocess.Popen, timeout_s: float) -> list[str]:
-    """`up`'s stdout up to the start table after "ready" (its header and one row per worker)."""
-    lines, done = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "ready" in lines and len(lines) >= lines.index("ready") + 4:
-                break
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    done.wait(timeout_s)
-    return lines
 
 
 def _engine_tokens(model_dir: str, prompt_ids: list[int]) -> list[int]:
@@ -265,9 +104,9 @@ def test_up_joins_a_token_cluster_and_pins_decode_to_the_second_node(tiny_models
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     up = None
     try:
-        head_port = _free_port()
+        head_port = free_port()
         head_args = ["--head", "--port", str(head_port), "--temp-dir", ray_tmp]
-        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(_free_port())]
+        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(free_port())]
         cluster.start(*head_args)
         address = f"127.0.0.1:{head_port}"
         cluster.start("--address", address, "--resources", json.dumps({"node2": 1}))
@@ -294,14 +133,14 @@ def test_up_joins_a_token_cluster_and_pins_decode_to_the_second_node(tiny_models
         assert "InvalidAuthToken" not in refused.stderr
 
         err = tmp_path / "up.err"
-        up = _up(config, address, {**env, "RAY_AUTH_TOKEN_PATH": str(token)}, err)
-        out = _read_until_table(up, START_TIMEOUT_S)
+        up = up_command(config, address, {**env, "RAY_AUTH_TOKEN_PATH": str(token)}, err)
+        out = read_until_table(up, START_TIMEOUT_S)
         assert "ready" in out, f"{out}\n{err.read_text()[-3000:]}"
         t_up = time.perf_counter() - t0 - t_ray
         router = next(x.split()[-1] for x in out if x.startswith("router on "))
         assert _served_tokens(router, prompt_ids) == want
 
-        state = _ask_ray(cluster, address)
+        state = ask_ray(cluster, address)
         node2 = [n["node"] for n in state["nodes"] if n["resources"].get("node2")]
         head = [n["node"] for n in state["nodes"] if not n["resources"].get("node2")]
         assert len(node2) == 1 and len(head) == 1, state["nodes"]
