@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test suite (or the lanes, files or tests named in the arguments, which go to pytest).
 # Two test files at a time with pytest-xdist (the dev extra installs it): most tests wait on
-# sockets, subprocess starts and timeouts, so a second file fills the idle core. Tests marked
-# `serial` run while no other test does (tests/helpers/lanes.py). PDSERVE_TEST_JOBS sets the
+# sockets, subprocess starts and timeouts, so a second file fills the idle core. The files go out
+# in the order tests/helpers/lanes.py gives them (longest first, so the run does not end on one
+# long file); tests marked `serial` run while no other test does. PDSERVE_TEST_JOBS sets the
 # number of test processes (1: one process, as plain pytest runs); an `-n`/`--numprocesses` or
 # `-p no:xdist` in the arguments is left to pytest. pytest's "no tests collected" (exit 5) is a
 # failure here, not a pass.
@@ -26,7 +27,7 @@ if [ "$JOBS" -gt 1 ]; then
   if [ "$chosen" -eq 1 ]; then
     :
   elif "$PY" -c "import xdist" 2>/dev/null; then
-    parallel=(-n "$JOBS" --dist loadfile)
+    parallel=(-n "$JOBS" --dist loadfile --no-loadscope-reorder)
   else
     echo "pytest-xdist is not installed (the dev extra has it): running the tests in one process" >&2
   fi

@@ -114,10 +114,37 @@ def _exclusive_names(item) -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Refuses a misspelt `exclusive` and a test marked both `serial` and `exclusive`."""
+    """Refuses a misspelt `exclusive` and a test marked both `serial` and `exclusive`; in an xdist
+    worker, orders the files longest first (see `file_order`)."""
     for item in items:
         if _exclusive_names(item) and item.get_closest_marker("serial") is not None:
             raise pytest.UsageError(f"{item.nodeid}: a test is `serial` or `exclusive`, not both")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = file_order(items)
+
+
+LANE_RANK = {"e2e": 0, "chaos": 1, "gpu": 2, "integration": 3, "unit": 4}
+
+
+def file_order(items):
+    """The items with their files in the order the xdist controller hands files out (scripts/
+    test.sh passes --no-loadscope-reorder, so it keeps this order): the files likely to take
+    longest first, so that the run does not end with one worker on a minute-long file while the
+    other idles. Likely length: the lane (an e2e file runs `pdserve up` for a minute, a unit
+    file seconds), then whether the file loads the real SmolLM2 (a `slow` test). Each file's
+    tests keep their order, and the order is the same in every worker (xdist requires it)."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def key(entry):
+        index, (path, its) = entry
+        lane = path.parent.name
+        slow = any(i.get_closest_marker("slow") is not None for i in its)
+        return (LANE_RANK.get(lane, len(LANE_RANK)), not slow, index)
+
+    ordered = sorted(enumerate(files.items()), key=key)
+    return [item for _, (_, its) in ordered for item in its]
 
 
 def _take_names(item) -> None:

@@ -5,6 +5,7 @@ the worker processes."""
 from __future__ import annotations
 
 import os
+import pathlib
 import threading
 import time
 
@@ -170,3 +171,28 @@ def test_each_worker_gets_its_share_of_the_cores(monkeypatch, cores, workers, th
     else:
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
     assert lanes.torch_threads() == threads
+
+
+class Collected:
+    """The parts of a collected test that file_order reads."""
+
+    def __init__(self, path: str, slow: bool = False):
+        self.path = pathlib.Path(path)
+        self.slow = slow
+
+    def get_closest_marker(self, name):
+        return pytest.mark.slow.mark if name == "slow" and self.slow else None
+
+
+def test_files_go_out_longest_first_and_keep_their_tests_order():
+    unit_a = [Collected("tests/unit/test_a.py") for _ in range(3)]
+    integ = Collected("tests/integration/test_b.py")
+    integ_slow = [
+        Collected("tests/integration/test_c.py"),
+        Collected("tests/integration/test_c.py", True),
+    ]
+    e2e = Collected("tests/e2e/test_d.py", True)
+    chaos = Collected("tests/chaos/test_e.py")
+    items = [chaos, e2e, integ, *integ_slow, *unit_a]
+    assert lanes.file_order(items) == [e2e, chaos, *integ_slow, integ, *unit_a]
+    assert lanes.file_order(list(reversed(items)))[:2] == [e2e, chaos]  # the lane first
