@@ -1,9 +1,38 @@
 #!/usr/bin/env bash
-# Runs the test suite. pytest's "no tests collected" (exit 5) is a failure here, not a pass.
+# Runs the test suite (or the lanes, files or tests named in the arguments, which go to pytest).
+# Two test files at a time with pytest-xdist (the dev extra installs it): most tests wait on
+# sockets, subprocess starts and timeouts, so a second file fills the idle core. The files go out
+# in the order tests/helpers/lanes.py gives them (longest first, so the run does not end on one
+# long file); tests marked `serial` run while no other test does. PDSERVE_TEST_JOBS sets the
+# number of test processes (1: one process, as plain pytest runs); an `-n`/`--numprocesses` or
+# `-p no:xdist` in the arguments is left to pytest. pytest's "no tests collected" (exit 5) is a
+# failure here, not a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PDSERVE_NO_PROGRESS=1
-python3 -m pytest -q -p no:cacheprovider "$@"
+PY=${PYTHON:-python3}
+JOBS=${PDSERVE_TEST_JOBS:-2}
+if ! [[ "$JOBS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "PDSERVE_TEST_JOBS must be a whole number of processes, 1 or more (got '$JOBS')" >&2
+  exit 2
+fi
+parallel=()
+if [ "$JOBS" -gt 1 ]; then
+  chosen=0
+  for arg in "$@"; do
+    case "$arg" in
+      -n | -n* | --numprocesses | --numprocesses=* | no:xdist | -pno:xdist) chosen=1 ;;
+    esac
+  done
+  if [ "$chosen" -eq 1 ]; then
+    :
+  elif "$PY" -c "import xdist" 2>/dev/null; then
+    parallel=(-n "$JOBS" --dist loadfile --no-loadscope-reorder)
+  else
+    echo "pytest-xdist is not installed (the dev extra has it): running the tests in one process" >&2
+  fi
+fi
+"$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2

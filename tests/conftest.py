@@ -1,7 +1,8 @@
 """The suite's fixtures and hooks: tiny random models built once per session, their HF greedy
-references per module, one-thread torch for the engine tests, the GPU marker's skip, and the fast
-lane's guard. Plain helpers live in tests/helpers/ (a package: `from helpers.models import ...`);
-no test module imports this file."""
+references per module, one-thread torch for the engine tests, the GPU marker's skip, the fast
+lane's guard, and what a parallel run's processes share (tests/helpers/lanes.py: the `serial`
+marker's lock and each process's torch threads). Plain helpers live in tests/helpers/ (a package:
+`from helpers.models import ...`); no test module imports this file."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 
 import pytest
 import torch
+
+from helpers import lanes
 
 # the fast lane's guard (tests/helpers/fast_lane.py): pytest finds hooks and fixtures by their
 # names here
@@ -22,6 +25,14 @@ from helpers.models import LENGTHS, NEW, SHARED_PREFIX, hf_greedy, make_tiny_mod
 os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 
 
+def pytest_configure(config):
+    """The `serial` and `exclusive` markers and their locks under pytest-xdist
+    (tests/helpers/lanes.py)."""
+    for marker in lanes.MARKERS:
+        config.addinivalue_line("markers", marker)
+    config.pluginmanager.register(lanes, "pdserve-lanes")
+
+
 def pytest_runtest_setup(item):
     """Tests marked `gpu` (tests/gpu) need CUDA: skipped where torch sees no GPU."""
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
@@ -30,7 +41,7 @@ def pytest_runtest_setup(item):
         )
 
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(lanes.torch_threads())
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,8 @@ class HealthWatch:
         self._thread.join(5)
 
 
+# It loads the machine itself: another test beside it (pytest-xdist) would double that load.
+@pytest.mark.serial
 def test_busy_machine_marks_no_worker_down_and_every_stream_completes(model_dir, prompts, want):
     router = start_router(model_dir)  # the default health bounds and heartbeat
     workers = [

@@ -19,7 +19,7 @@ import signal
 
 import pytest
 
-from benchmarks.robustness.faults import Kill9, clean_run, failures, run_scenario
+from benchmarks.robustness.faults import CpuHog, Kill9, clean_run, failures, run_scenario
 from benchmarks.robustness.scenarios import suite
 from helpers.scenario_cluster import LocalTarget
 
@@ -31,6 +31,8 @@ SCENARIOS = suite("ci")
 def params():
     for s in SCENARIOS:
         marks = [pytest.mark.xfail(reason=s.known_failure, strict=False)] if s.known_failure else []
+        if any(isinstance(f, CpuHog) for f in s.faults):
+            marks.append(pytest.mark.serial)  # it loads the machine itself: no test beside it
         yield pytest.param(s, id=s.name, marks=marks)
 
 

@@ -21,7 +21,9 @@ import pytest
 
 from helpers.up import START_TIMEOUT_S, router_address, stop_up
 
-pytestmark = pytest.mark.slow
+# `pdserve up` with no argument listens on the default ports, and the YAML's --check checks they
+# are free: no other test that uses them runs meanwhile (tests/helpers/lanes.py).
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive("default-ports")]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECK = "pdserve up deploy/examples/local-cpu.yaml --check"

@@ -47,6 +47,7 @@ def test_cli_up_rejects_a_tp_the_heads_cannot_split_before_ray(
 
 
 # ---- pdserve up --check -------------------------------------------------------------------------
+@pytest.mark.exclusive("default-ports")  # local-cpu.yaml's --check checks 50051 and 8000 are free
 def test_up_check_validates_without_starting_ray(tmp_path, capsys, monkeypatch):
     import ray
 

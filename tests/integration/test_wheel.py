@@ -187,6 +187,7 @@ def test_generate_from_the_venv(venv):
     assert out.strip()
 
 
+@pytest.mark.exclusive("default-ports")  # the examples' --check checks 50051 and 8000 are free
 def test_tune_then_up_check_from_the_venv(venv):
     py, bin_dir, work, _ = venv
     pkg = _run(
