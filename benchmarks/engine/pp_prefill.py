@@ -1,7 +1,7 @@
 """Prefill under pipeline parallelism at equal cores (issue #53, must-show d).
 
-  python -m benchmarks.engine.pp_prefill                       # 2k and 8k tokens (~4 min)
-  python -m benchmarks.engine.pp_prefill --lengths 2048,4096,8192 --layouts pp1,pp2,tp2
+  python -m benchmarks.engine.pp_prefill                       # 2,048 and 8,000 tokens (~4 min)
+  python -m benchmarks.engine.pp_prefill --lengths 2048,4096,8000 --layouts pp1,pp2,tp2
 
 For each layout (pp1: one rank with every core; pp2: two pipeline stages; tp2: two tensor-parallel
 ranks; each rank of a layout gets the cores divided by its ranks, as engine/tp.py sets them), in a
@@ -46,7 +46,7 @@ def measure(pp: int, tp: int, lengths: list[int]) -> dict:
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         enable_prefix_caching=False,
-        max_model_len=max(lengths) + 8,
+        max_model_len=max(lengths) + 1,  # (one token to answer)
     )
     try:
         params = SamplingParams(temperature=0, max_tokens=1)
@@ -82,7 +82,7 @@ def measure_in_process(pp: int, tp: int, lengths: list[int]) -> dict:
 
 def main(argv=None) -> int:
     ap = script_parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default="2048,8192", help="prompt lengths, comma-separated")
+    ap.add_argument("--lengths", default="2048,8000", help="prompt lengths, comma-separated")
     ap.add_argument("--layouts", default="pp1,pp2,tp2", help=f"of {', '.join(LAYOUTS)}")
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
@@ -100,13 +100,13 @@ def main(argv=None) -> int:
                 wait_for_idle_machine(args.wait_idle)
             log(f"{name}")
             r = measure_in_process(*LAYOUTS[name], lengths)
-            if "error" in r:
-                raise RuntimeError(f"{name}: {r['error']}")
-            log(f"  {r}")
+            log(f"  {r}")  # a layout the model refuses (TP=2 of SmolLM2's 9 heads) says why
             results[name] = r
         ratios = {}
         if "pp1" in results:
             for name, r in results.items():
+                if "error" in r:
+                    continue
                 ratios[f"{name}/pp1 ttft"] = [
                     round(a["ttft_s"] / b["ttft_s"], 3)
                     for a, b in zip(r["runs"], results["pp1"]["runs"])
