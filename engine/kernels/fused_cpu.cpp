@@ -35,7 +35,79 @@ void norm_row(const float* in, const float* w, float* out, int64_t n, double eps
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (in[i] * r);
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even as torch's .to(torch.bfloat16) rounds a
+// finite value (a NaN becomes a quiet NaN)
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (f != f) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void to_bf16(const float* in, uint16_t* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, in + i, 4);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    out[i] = in[i] != in[i] ? 0x7FC0 : static_cast<uint16_t>(r);
+  }
+}
+
 }  // namespace
+
+// add_rms_norm for the decode stack's bf16 chain: x may be bfloat16 (a bf16 linear's output, read
+// exactly as its float32 conversion) and the normalized rows come out as bfloat16 when out_bf16
+// (rounded as .to(torch.bfloat16) rounds them). The same values as add_rms_norm followed and
+// preceded by those conversions, without the separate conversion passes.
+std::vector<torch::Tensor> add_rms_norm_ex(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                           const torch::Tensor& weight, double eps, bool out_bf16) {
+  const bool xb = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (xb || x.scalar_type() == torch::kFloat32) && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "x: CPU float32 or bfloat16 [rows, width] with unit last stride expected");
+  if (xb && !residual.has_value()) x = x.to(torch::kFloat32);  // it becomes the residual
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  torch::Tensor src = residual.has_value() ? residual.value() : x;
+  check_rows(src, "residual");
+  TORCH_CHECK(src.sizes() == x.sizes(), "residual: shape of x expected");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == n,
+              "weight: contiguous float32 of the row width expected");
+  const int64_t xs = x.stride(0), ss = src.stride(0);
+  const bool add = residual.has_value();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = src.data_ptr<float>();
+  const void* xv = x.data_ptr();
+  void* ov = out.data_ptr();
+  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> tmp(out_bf16 ? n : 0);
+    for (int64_t r = a; r < b; ++r) {
+      float* s = sp + r * ss;
+      if (add && xb) {
+        const uint16_t* xr = static_cast<const uint16_t*>(xv) + r * xs;
+        for (int64_t i = 0; i < n; ++i) s[i] = bf16_value(xr[i]) + s[i];
+      } else if (add) {
+        const float* xr = static_cast<const float*>(xv) + r * xs;
+        for (int64_t i = 0; i < n; ++i) s[i] = xr[i] + s[i];
+      }
+      if (out_bf16) {
+        norm_row(s, wp, tmp.data(), n, eps);
+        to_bf16(tmp.data(), static_cast<uint16_t*>(ov) + r * n, n);
+      } else {
+        norm_row(s, wp, static_cast<float*>(ov) + r * n, n, eps);
+      }
+    }
+  });
+  return {out, src};
+}
 
 // RMSNorm of x's rows; with a residual, residual += x first (in place) and the sum is normalized.
 // Returns (normalized, residual or x).
@@ -459,6 +531,23 @@ struct Linear {
     return one ? y.slice(0, 0, 1) : y;
   }
 
+  // Whether a step of `rows` rows multiplies in bf16 through oneDNN: then it takes bf16 input
+  // and gives bf16 output (raw()), and the stack keeps its activations in bf16 between them.
+  bool bf16_at(int64_t rows) const {
+    return kind == kBf16 && !(q4.defined() && rows <= q4_rows);
+  }
+
+  // The product as operator() computes it, but on the bf16 path without the conversions around
+  // oneDNN: x may already be bf16 (else it is converted here) and the result stays bf16 (its
+  // float32 conversion is what operator() returns). Other paths return operator()'s result.
+  torch::Tensor raw(const torch::Tensor& x) const {
+    if (!bf16_at(x.size(0)) || bias.defined()) {
+      return (*this)(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32));
+    }
+    return onednn(x.scalar_type() == torch::kBFloat16 ? x : x.to(torch::kBFloat16), weight,
+                  c10::IValue());
+  }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
     if (q4.defined() && x.size(0) <= q4_rows) {
@@ -568,25 +657,34 @@ class DecodeStack {
                 "DecodeStack: kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim] expected");
     const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
     c10::optional<torch::Tensor> residual;
+    // On the bf16 path activations stay bf16 between a linear and the op after it (the norms
+    // read and write bf16, the v rows go to a bf16 cache as they are): the values of the
+    // float32 round trips the layers make one by one, without the conversion passes.
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
-      auto normed = add_rms_norm(hidden, residual, l.input_norm, eps_);
+      auto normed = add_rms_norm_ex(hidden, residual, l.input_norm, eps_, l.qkv.bf16_at(T));
       residual = normed[1];
-      auto parts = l.qkv(normed[0]).split_with_sizes({q_size, kv_size, kv_size}, -1);
+      const auto qkv = l.qkv.raw(normed[0]);
+      const auto qkv32 = qkv.scalar_type() == torch::kFloat32 ? qkv : qkv.to(torch::kFloat32);
+      auto parts = qkv32.split_with_sizes({q_size, kv_size, kv_size}, -1);
       auto q = parts[0].view({-1, H_, D_});
       auto k = parts[1].reshape({-1, Hkv_, D_});
-      auto v = parts[2].reshape({-1, Hkv_, D_});
-      rope_(q, k, positions, cos, sin);
       auto flat = kv_cache[i].view({2, -1, Hkv_, D_});
-      const bool narrow = flat.scalar_type() != k.scalar_type();
-      flat[0].index_copy_(0, slot_mapping, narrow ? k.to(flat.scalar_type()) : k);
-      flat[1].index_copy_(0, slot_mapping, narrow ? v.to(flat.scalar_type()) : v);
+      auto v = (qkv.scalar_type() == flat.scalar_type() ? qkv : qkv32)
+                   .narrow(-1, q_size + kv_size, kv_size)
+                   .reshape({-1, Hkv_, D_});
+      rope_(q, k, positions, cos, sin);
+      flat[0].index_copy_(0, slot_mapping, k.scalar_type() != flat.scalar_type() ? k.to(flat.scalar_type()) : k);
+      flat[1].index_copy_(0, slot_mapping, v.scalar_type() != flat.scalar_type() ? v.to(flat.scalar_type()) : v);
       auto o = attend_(q.contiguous(), kv_cache[i], block_tables, context_lens, scale_).reshape({T, -1});
-      normed = add_rms_norm(l.o(o), residual, l.post_norm, eps_);
+      normed = add_rms_norm_ex(l.o.raw(o), residual, l.post_norm, eps_, l.gate_up.bf16_at(T));
       residual = normed[1];
-      auto gu = l.gate_up(normed[0]).chunk(2, -1);
-      hidden = l.down(at::silu(gu[0]) * gu[1]);
+      auto gu = l.gate_up.raw(normed[0]);
+      if (gu.scalar_type() != torch::kFloat32) gu = gu.to(torch::kFloat32);
+      auto halves = gu.chunk(2, -1);
+      hidden = l.down.raw(at::silu(halves[0]) * halves[1]);
     }
+    if (hidden.scalar_type() != torch::kFloat32) hidden = hidden.to(torch::kFloat32);
     return {hidden, residual.value()};
   }
 
