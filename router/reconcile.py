@@ -17,7 +17,10 @@ worker id, or its address where it is configured by address) it keeps:
   report  the role and role_state of the worker's last WorkerStats (a heartbeat's or a health
           sweep's: WorkerPool.on_report, or this thread's own Stats probe) or the RoleStatus of a
           control call the thread made, with when it came. A report belongs to one pool entry: a
-          worker that registers again (a restart, a re-registration) starts without one.
+          worker that registers again (a restart, a re-registration) starts without one. A
+          report whose role_version (the worker's count of its role changes) is below one
+          already heard from that entry left the worker before a change the router knows of
+          (a Stats answer overtaken by the switch's own answer): it is ignored.
 
 A worker has converged when a report newer than its intent says it serves the intended role, and
 the pool holds it in that role's pool. Outside a flip, the thread (router-reconcile) wakes on
@@ -85,6 +88,7 @@ class Report:
     role: str
     state: str
     at: float  # time.monotonic() when it came
+    version: int = 0  # the worker's role_version (0: not reported)
     seq: int = field(default_factory=lambda: next(_ORDER))
 
 
@@ -96,6 +100,7 @@ class _Track:
     report: Report | None = None
     member: object = None  # the pool entry the report belongs to
     member_seq: int = -1
+    version: int = 0  # the highest role_version heard from the member
     flipping: bool = False
     before_flip: Intent | None = None
     diverged_at: float | None = None  # when it was first found not converged, outside a flip
@@ -192,6 +197,8 @@ class Reconciler:
         with self._lock:
             track = self._track(name, worker.role)
             self._note_member(track, worker, time.monotonic())
+            if not self._fresh(track, stats.role_version):
+                return  # sent before a change already heard of: it would undo what it knows
             track.report = Report(stats.role, stats.role_state or SERVING, time.monotonic())
             wake = not track.flipping and not self._converged(track, worker)
         if wake:
@@ -201,9 +208,19 @@ class Reconciler:
         """A new pool entry (a registration) starts without a report, and its bound afresh."""
         if track.member is not worker:
             track.member, track.member_seq = worker, next(_ORDER)
-            track.report, track.remaining = None, None
+            track.report, track.remaining, track.version = None, None, 0
             track.diverged_at, track.stuck, track.waiting = None, False, ""
             track.drain_began, track.moved = None, False
+
+    @staticmethod
+    def _fresh(track: _Track, version: int) -> bool:
+        """Whether a report of the member's `version` is not older than one already heard (a
+        Stats answer or heartbeat that left the worker before a switch, arriving after the switch's
+        own answer); notes it as heard. Unversioned reports (0) always count."""
+        if version and version < track.version:
+            return False
+        track.version = max(track.version, version)
+        return True
 
     def begin_flip(self, name: str, role: str) -> str | None:
         """A flip of `name` out of `role` begins: from now on the flip drives it. Returns why not
@@ -251,11 +268,13 @@ class Reconciler:
             track.before_flip = None
             if status is not None and status.role and member is not None:
                 self._note_member(track, member, now)
-                # the switch's answer fulfils the intent just set: it counts as newer than it
-                # (_converged), else the worker would look diverged until its next heartbeat
-                track.report = Report(
-                    status.role, status.state or SERVING, math.nextafter(now, math.inf)
-                )
+                if self._fresh(track, status.role_version):
+                    # the switch's answer fulfils the intent just set: it counts as newer than
+                    # it (_converged), else the worker would look diverged until its next
+                    # heartbeat
+                    track.report = Report(
+                        status.role, status.state or SERVING, math.nextafter(now, math.inf)
+                    )
         self._wake.set()
 
     def view(self, worker) -> View:
@@ -521,7 +540,7 @@ class Reconciler:
                 if track.member is member:
                     role = reply.role
                     state = reply.role_state if action == "probe" else reply.state
-                    if role:
+                    if role and self._fresh(track, reply.role_version):
                         track.report = Report(role, state or SERVING, now)
                     if action == "drain":
                         track.remaining = reply.remaining

@@ -14,8 +14,9 @@ the router tries another worker; what was admitted goes on. SwitchRole checks th
 old role remains (`remaining`, from the parts), changes the role, and registers again under it
 before it answers, so the router holds the worker in the new pool once the call returns. The
 engine, its weights and its KV pool (prefix cache included) are the same before and after. Every
-transition is logged; every WorkerStats (a Stats answer, a heartbeat) carries the role and state,
-and the router drives a worker whose report differs from its intent back to it
+transition is logged; every WorkerStats (a Stats answer, a heartbeat) and RoleStatus carries the
+role and state and a count of their changes (`version`), by which the router tells a report sent
+before a change it already heard of from a newer one; the router drives a worker whose report differs from its intent back to it
 (router/reconcile.py): a Drain(false) or SwitchRole may come at any time, not only in a flip.
 """
 
@@ -47,6 +48,7 @@ class RoleGate:
         self.roles = roles
         self.role = role
         self.state = SERVING
+        self.version = 0  # counts changes of (role, state): WorkerStats.role_version
         self.num_switches = 0
         self._held = 0  # calls inside admitted()
         self._lock = threading.Lock()
@@ -64,7 +66,13 @@ class RoleGate:
         Stats answer and heartbeat carries them."""
         with self._lock:
             stats.role, stats.role_state = self.role, self.state
+            stats.role_version = self.version
         return stats
+
+    def status(self) -> tuple[str, str, int]:
+        """(role, state, version), read together."""
+        with self._lock:
+            return self.role, self.state, self.version
 
     @contextlib.contextmanager
     def admitted(self, role: str, context):
@@ -89,6 +97,8 @@ class RoleGate:
             if self.state == SWITCHING:
                 raise RoleError(f"worker {self.worker_id} is switching roles")
             before, self.state = self.state, DRAINING if draining else SERVING
+            if before != self.state:
+                self.version += 1
         if before != self.state:
             log.info("worker %s (%s): %s -> %s", self.worker_id, self.role, before, self.state)
 
@@ -108,18 +118,22 @@ class RoleGate:
             if left:
                 raise RoleError(f"worker {self.worker_id} still has {left}")
             old, self.state = self.role, SWITCHING
+            self.version += 1
         log.info("worker %s: switching %s -> %s", self.worker_id, old, role)
         try:
             with self._lock:
                 self.role = role
+                self.version += 1
             register(role)
         except BaseException:
             with self._lock:
                 self.role, self.state = old, DRAINING
+                self.version += 1
             log.exception("worker %s: switch to %s failed; still %s", self.worker_id, role, old)
             raise
         with self._lock:
             self.state = SERVING
+            self.version += 1
             self.num_switches += 1
         log.info("worker %s: serving %s (was %s)", self.worker_id, role, old)
 
@@ -148,13 +162,14 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
         self._register = register
 
     def _status(self, switch_ms: int = 0) -> worker_pb2.RoleStatus:
-        gate = self.gate
+        role, state, version = self.gate.status()
         return worker_pb2.RoleStatus(
-            worker_id=gate.worker_id,
-            role=gate.role,
-            state=gate.state,
-            remaining=self._remaining(gate.role),
+            worker_id=self.gate.worker_id,
+            role=role,
+            state=state,
+            remaining=self._remaining(role),
             switch_ms=switch_ms,
+            role_version=version,
         )
 
     def Drain(self, request, context):

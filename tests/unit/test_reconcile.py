@@ -302,6 +302,32 @@ def test_a_worker_restarted_in_its_launch_role_is_switched_to_the_intended_one(c
     assert names.index("Drain") < names.index("SwitchRole")
 
 
+@pytest.mark.parametrize("versioned", [True, False])
+def test_a_report_sent_before_a_finished_flip_does_not_undo_it(clock, versioned):
+    """A Stats answer (or heartbeat) stamped while the worker still drained in its old role and
+    delivered after the switch's own answer: with role versions it is recognised as older and
+    ignored; without them (a worker that does not send them) it looks like a worker gone back to
+    the old role, which the reconciler would then drive (the race this guards against)."""
+    pool, rec = make(clock, {"p0": "prefill", "d0": "decode", "d1": "decode"})
+    d1 = pool.processes["d1"]
+    assert rec.begin_flip("d1", "decode") is None
+    d1.gate.drain(True)
+    stale = d1.stats()  # leaves the worker now, arrives late
+    d1.gate.switch("prefill", lambda: "", d1._register)
+    rec.end_flip("d1", "prefill", d1.control._status())
+    assert converged(rec, pool, "d1")
+    if not versioned:
+        stale.role_version = 0
+    calls = len(d1.calls)
+    for listener in pool.listeners:
+        listener(pool.workers["d1"], stale)
+    assert rec.view(pool.workers["d1"]).mismatch is not versioned
+    if versioned:
+        run(rec, clock, 2.0)
+        assert converged(rec, pool, "d1") and len(d1.calls) == calls  # nothing to drive
+        assert d1.gate.role == "prefill" and d1.gate.state == SERVING
+
+
 def test_a_switch_waits_while_the_worker_is_the_last_of_its_role(clock):
     pool, rec = make(clock, {"d0": "decode", "p0": "prefill", "p1": "prefill"})
     rec._tracks["p1"].intent = reconcile.Intent("decode", SERVING, clock.now)
