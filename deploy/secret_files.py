@@ -16,7 +16,9 @@ deployment stops (deploy/launcher.py); the worker reads it once, at its start (d
 A worker on another host cannot read a file here, so a deployment on a multi-node cluster still
 hands its workers the secret with their config, through Ray (its object store and actor table,
 which the cluster's token authentication guards), never through an environment. A `pdserve up`
-killed with -9 leaves the directory behind (owner-only, under the user's runtime or temp dir).
+killed with -9 leaves the directory behind (owner-only, under the user's runtime or temp dir);
+its name carries the launcher's process id, and the next `pdserve up` on the machine removes each
+such directory whose launcher is gone (`remove_stale`) before it makes its own.
 """
 
 from __future__ import annotations
@@ -123,13 +125,57 @@ def _runtime_parent() -> str | None:
     return None
 
 
+PREFIX = "pdserve-secrets-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
+
+
+def remove_stale(parent: str | None = None) -> list[str]:
+    """Removes the secret directories under `parent` (default: where SecretDir makes them) that
+    this user owns and whose launcher process is gone (a `pdserve up` killed with -9); returns
+    their paths. A directory whose process id is alive stays (if another process took the id,
+    the directory waits for the next sweep after that one ends)."""
+    base = pathlib.Path(parent or _runtime_parent() or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        pid_text = entry.name[len(PREFIX) :].split("-", 1)[0]
+        if not entry.name.startswith(PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if not entry.is_dir() or entry.is_symlink() or st.st_uid != os.getuid():
+            continue
+        if not _alive(int(pid_text)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
+    if removed:
+        log.info("removed %d secret dir(s) of pdserve up runs that ended uncleanly", len(removed))
+    return removed
+
+
 class SecretDir:
     """A 0700 directory holding the cluster secret in a 0600 file, for the workers on this
-    machine (see the module docstring). `remove` deletes it; safe to call twice."""
+    machine (see the module docstring), named after this process's id. `remove` deletes it;
+    safe to call twice."""
 
     def __init__(self, secret: str, parent: str | None = None):
+        remove_stale(parent)
         self.path = pathlib.Path(
-            tempfile.mkdtemp(prefix="pdserve-secrets-", dir=parent or _runtime_parent())
+            tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent or _runtime_parent())
         )  # mkdtemp makes it 0700
         self.secret_file = str(self.path / SECRET_FILE)
         try:

@@ -33,6 +33,34 @@ def test_the_secret_folder_is_the_owners_only_and_removed(tmp_path):
         secret_files.read_secret_file(d.secret_file)
 
 
+def _a_dead_pid() -> int:
+    """A process id no process has now (the highest free one below the kernel's limit)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid = int(f.read()) - 1
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+def test_a_killed_launchers_secret_folder_is_removed_by_the_next_one(tmp_path):
+    """`pdserve up` killed with -9 leaves its folder; the next SecretDir on the machine removes
+    it, and leaves a live launcher's folder and anything not named as a secret folder alone."""
+    dead = tmp_path / f"pdserve-secrets-{_a_dead_pid()}-abc"
+    live = tmp_path / f"pdserve-secrets-{os.getpid()}-def"
+    other = tmp_path / "pdserve-secrets-notapid"
+    for d in (dead, live, other):
+        d.mkdir(mode=0o700)
+        (d / "cluster_secret").write_text(SECRET)
+    d = secret_files.SecretDir(SECRET, parent=str(tmp_path))
+    try:
+        assert not dead.exists() and live.exists() and other.exists()
+        assert d.path.name.startswith(f"pdserve-secrets-{os.getpid()}-")
+        assert secret_files.remove_stale(str(tmp_path)) == []  # its own folder stays too
+        assert d.path.exists()
+    finally:
+        d.remove()
+
+
 def test_the_secrets_leave_os_environ_and_come_back(monkeypatch):
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", SECRET)
     monkeypatch.setenv("PDSERVE_API_KEYS", "sk-key-0001")
