@@ -27,6 +27,7 @@ the deployment (deploy/secret_files.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -196,8 +197,9 @@ class Cluster:
 def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str):
     config = cluster.config
     security = cluster.security
-    if cluster.secret_dir is not None:  # the worker reads the secret from its file instead
-        security = ClusterSecurity(None, security.tls)
+    if cluster.secret_dir is not None:  # the worker reads the secret (and TLS key) from files
+        tls = security.tls and dataclasses.replace(security.tls, key_pem=b"")
+        security = ClusterSecurity(None, tls)
     common = dict(
         model=config.model,
         model_id=config.served_model_id(),
@@ -516,7 +518,8 @@ def up(
         log.info("ray ready in %.1fs", time.perf_counter() - t0)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         if security.secret and on_one_machine(alive):  # workers here read the secret's file
-            cluster.secret_dir = secret_files.SecretDir(security.secret)
+            tls_key = security.tls.key_pem if security.tls else None
+            cluster.secret_dir = secret_files.SecretDir(security.secret, tls_key=tls_key)
         nodes = [n["Resources"] for n in alive]
         check_custom_resources(config, ray.cluster_resources(), local)
         check_resources(config, ray.cluster_resources(), nodes, local)

@@ -11,10 +11,12 @@ deployment stops, for a caller (a notebook) that goes on. The API keys stay in t
 router, in that process, is the only one that reads them.
 
 A worker on this machine gets the cluster secret by path: `SecretDir` is a directory of its own,
-0700, with the secret in a 0600 file, made before the first worker starts and removed when the
-deployment stops (deploy/launcher.py); the worker reads it once, at its start (deploy/workers.py).
-A worker on another host cannot read a file here, so a deployment on a multi-node cluster still
-hands its workers the secret with their config, through Ray (its object store and actor table,
+0700, with the secret in a 0600 file (and, with TLS between the processes, their private key in
+another), made before the first worker starts and removed when the deployment stops
+(deploy/launcher.py); the worker reads them once, at its start (deploy/workers.py), so neither is
+in its start arguments, which Ray keeps in its actor table. A worker on another host cannot read a
+file here, so a deployment on a multi-node cluster still hands its workers the secret and the key
+with their config, through Ray (its object store and actor table,
 which the cluster's token authentication guards), never through an environment. A `pdserve up`
 killed with -9 leaves the directory behind (owner-only, under the user's runtime or temp dir);
 its name carries the launcher's process id, and the next `pdserve up` on the machine removes each
@@ -37,6 +39,7 @@ from pdserve.deploy.config.files import API_KEYS_ENV, SECRET_ENV
 log = logging.getLogger("pdserve.deploy.launcher")
 SECRET_NAMES = (SECRET_ENV, API_KEYS_ENV)
 SECRET_FILE = "cluster_secret"
+TLS_KEY_FILE = "tls_key.pem"  # beside it: the processes' TLS private key, when TLS is on
 
 
 @dataclass
@@ -172,22 +175,41 @@ class SecretDir:
     machine (see the module docstring), named after this process's id. `remove` deletes it;
     safe to call twice."""
 
-    def __init__(self, secret: str, parent: str | None = None):
+    def __init__(self, secret: str, parent: str | None = None, tls_key: bytes | None = None):
         remove_stale(parent)
         self.path = pathlib.Path(
             tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent or _runtime_parent())
         )  # mkdtemp makes it 0700
         self.secret_file = str(self.path / SECRET_FILE)
         try:
-            fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secret)
+            _write_private(self.secret_file, secret.encode())
+            if tls_key:  # (read by the workers from beside the secret: tls_key_beside)
+                _write_private(str(self.path / TLS_KEY_FILE), tls_key)
         except BaseException:
             self.remove()
             raise
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _write_private(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def tls_key_beside(secret_file: str) -> bytes:
+    """The TLS private key SecretDir wrote beside the secret file `secret_file`; RuntimeError
+    naming the file when it cannot be read."""
+    path = pathlib.Path(secret_file).with_name(TLS_KEY_FILE)
+    try:
+        key = path.read_bytes()
+    except OSError as e:
+        raise RuntimeError(f"cannot read the TLS key file {path}: {e.strerror or e}") from None
+    if not key.strip():
+        raise RuntimeError(f"the TLS key file {path} is empty")
+    return key
 
 
 def read_secret_file(path: str) -> str:

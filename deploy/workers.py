@@ -139,10 +139,13 @@ class WorkerActor:
         pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         self.niceness = at_normal_priority()  # and this
         cfg = self.worker_config
-        if self.secret_file is not None:  # the secret, from its 0600 file (not the config)
-            from pdserve.deploy.secret_files import read_secret_file
+        if self.secret_file is not None:  # the secret and TLS key from 0600 files (not the config)
+            from pdserve.deploy.secret_files import read_secret_file, tls_key_beside
 
             security = dataclasses.replace(cfg.security, secret=read_secret_file(self.secret_file))
+            if security.tls is not None and not security.tls.key_pem:
+                tls = dataclasses.replace(security.tls, key_pem=tls_key_beside(self.secret_file))
+                security = dataclasses.replace(security, tls=tls)
             cfg = dataclasses.replace(cfg, security=security)
         if not cfg.host:  # listen on, and advertise, this node's address
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())

@@ -32,7 +32,7 @@ KV_BYTES = 4 << 20
 
 
 @pytest.mark.parametrize("shape", ["disaggregated", "colocated"])
-def test_up_generate_stop(tiny_models, shape):
+def test_up_generate_stop(tiny_models, shape, tmp_path):
     import grpc
 
     from helpers.models import random_prompts
@@ -61,12 +61,25 @@ def test_up_generate_stop(tiny_models, shape):
         if shape == "disaggregated"
         else {"colocated": {**pool, "replicas": 2}}
     )
+    # colocated: with mutual TLS between the deployment's processes, whose private key the
+    # workers read from an owner-only file, never from their start arguments
+    security = {}
+    if shape == "colocated":
+        from helpers.tls import tls_files
+
+        files = tls_files(tmp_path)
+        security = {
+            "security": {
+                "tls": {k + "_file": str(files[k]) for k in ("ca", "cert", "key")},
+            }
+        }
     config = validate_config(
         {
             "model": model_dir,
             "pools": pools,
             "router": {"port": 0},
             "ray": {"num_cpus": 2, "temp_dir": ray_tmp},
+            **security,
         }
     )
     t0 = time.perf_counter()
@@ -83,7 +96,9 @@ def test_up_generate_stop(tiny_models, shape):
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         )
         got, finish = [], None
-        with grpc.insecure_channel(cluster.router_address) as channel:
+        tls = shape == "colocated"  # the router's port then takes TLS clients only
+        open_channel = cluster.security.channel if tls else grpc.insecure_channel
+        with open_channel(cluster.router_address) as channel:
             stub = pdserve_pb2_grpc.PDServeStub(channel)
             for resp in stub.Generate(request, timeout=60):
                 if resp.HasField("delta"):

@@ -134,6 +134,39 @@ def test_worker_config_gets_the_deployments_secret_and_id():
     assert SECRET not in repr(cluster)
 
 
+def test_a_local_workers_config_carries_neither_the_secret_nor_the_tls_key(tmp_path):
+    """With workers on this machine (a SecretDir), the secret and the TLS private key go to them
+    as 0600 files, not in their start arguments (which Ray keeps in its actor table)."""
+    import dataclasses
+    import os
+    import stat
+
+    from pdserve.deploy import secret_files
+    from pdserve.protos.security import ClusterSecurity, TLSConfig
+
+    cfg = validate_config({})
+    tls = TLSConfig(b"CA PEM", b"CERT PEM", b"PRIVATE KEY PEM")
+    security = ClusterSecurity(SECRET, tls)
+    cluster = launcher.Cluster(
+        cfg, False, registry_address="127.0.0.1:1", security=security, deployment_id="0123abcd"
+    )
+    cluster.secret_dir = secret_files.SecretDir(SECRET, parent=str(tmp_path), tls_key=tls.key_pem)
+    try:
+        for key, pool in cfg.worker_pools():
+            wc = launcher._worker_config(cluster, key, pool, 0, "127.0.0.1")
+            assert wc.security.secret is None
+            assert wc.security.tls == dataclasses.replace(tls, key_pem=b"")
+        key_file = cluster.secret_dir.path / secret_files.TLS_KEY_FILE
+        assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+        secret_file = cluster.secret_dir.secret_file
+        assert secret_files.tls_key_beside(secret_file) == b"PRIVATE KEY PEM"
+        assert secret_files.read_secret_file(secret_file) == SECRET
+    finally:
+        cluster.secret_dir.remove()
+    with pytest.raises(RuntimeError, match="cannot read the TLS key file"):
+        secret_files.tls_key_beside(secret_file)
+
+
 # ---- Ray errors --------------------------------------------------------------------------------------
 def test_ray_errors_are_reduced_to_their_cause():
     from ray.exceptions import RayActorError, RayTaskError
