@@ -16,9 +16,25 @@ batch); then lets kv_dtype.py choose the cache's dtype by the same checks. Rank 
 the rest (parallel.agree); the chat tokens rank 0 samples reach the other ranks by an all-reduce,
 so every rank runs the same steps. The calibration and probe texts are disjoint stretches of the
 same corpus. Nothing here runs after the runner has started.
+
+The verdict of "auto" is kept on disk (`VerdictCache`, the pdserve cache's precision/ folder), keyed
+by everything it depends on: the model's files, the engine's settings, the probe and chat token
+ids, the quality bounds, the CPU's flags, torch's version and the engine's own source; a one-rank
+runner that finds its key applies the kept verdict (the same linears, the same cache dtype, the
+note saying where it came from) instead of probing again, so only a machine's first start of a
+model pays the probe. Runners of several ranks always probe (every rank must take part).
+PDSERVE_PRECISION_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
 
 import torch
 
@@ -28,6 +44,8 @@ from pdserve.engine.parallel import agree, from_rank0, is_first_rank
 from pdserve.engine.quality import ProbeScore
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def start_runner(config, model_config, model_dir: str, kv_cache_path: str | None = None):
@@ -51,13 +69,119 @@ def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, s
     length = min(PROBE_TOKENS, config.max_model_len, runner.num_blocks * runner.block_size)
     ids = probe_ids(load_tokenizer(model_dir), length, skip=length) if length >= 64 else []
     calibration, probe = ids[:length], ids[length:]
+    chat = chat_ids(runner, model_dir) if wanted == "auto" else []
+    cache = VerdictCache.of(runner, model_dir, ids, chat) if wanted == "auto" else None
+    kept = cache.load() if cache is not None else None
+    if kept is not None and kept[0] != "int8":  # (int8 smooths by the calibration below)
+        return cache.apply(runner, *kept)
     runner.model.prepare_linears(None, release_dense=False)
     if calibration:
         calibrate(runner, calibration)
+    if kept is not None:
+        return cache.apply(runner, *kept)
     if wanted != "auto":
         runner.model.prepare_linears(wanted)
         return wanted, f"quantization={wanted} ({config.dtype}), as configured"
-    return _choose_quantization(runner, probe, length, chat_ids(runner, model_dir))
+    chosen, note = _choose_quantization(runner, probe, length, chat)
+    if cache is not None:
+        kv_chosen = auto_kv_dtype_applies(config) and runner.kv_dtype == torch.bfloat16
+        cache.store(chosen, kv_chosen, note)
+    return chosen, note
+
+
+class VerdictCache:
+    """quantization="auto"'s verdict for one runner's key, kept as a small JSON file (the module
+    docstring). `of` gives None where it does not apply (several ranks, turned off, no cache
+    folder); load and store never fail a start: an unreadable entry is a miss, an unwritable
+    folder a warning."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+
+    @classmethod
+    def of(cls, runner: ModelRunner, model_dir: str, ids: list[int], chat: list[list[int]]):
+        from pdserve.engine.kv_dtype import why_bf16_is_not_faster
+        from pdserve.engine.layers.quant import auto_candidates
+        from pdserve.engine.loader.resolve import default_cache_dir
+        from pdserve.engine.quality import AGREEMENT_BOUND, QUALITY_BOUNDS
+
+        config = runner.config
+        if os.environ.get("PDSERVE_PRECISION_CACHE", "1") == "0":
+            return None
+        if config.tensor_parallel_size * config.pipeline_parallel_size != 1:
+            return None
+        try:
+            files = sorted(
+                (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                for p in pathlib.Path(model_dir).iterdir()
+                if p.is_file()
+            )
+        except OSError:
+            return None
+        from pdserve.engine.cpu import cpu_features
+
+        material = {
+            "model": [str(pathlib.Path(model_dir).resolve()), files],
+            "config": [
+                str(config.dtype),
+                str(config.device),
+                str(config.kv_cache_dtype),
+                config.max_model_len,
+                config.block_size,
+                runner.num_blocks,
+                str(config.load_format),
+                config.seed,
+            ],
+            "ids": hashlib.sha256(json.dumps([ids, chat]).encode()).hexdigest(),
+            "bounds": [repr(sorted(QUALITY_BOUNDS.items())), AGREEMENT_BOUND],
+            "kv_rule": why_bf16_is_not_faster(runner) if runner.device.type == "cpu" else "",
+            "candidates": list(auto_candidates()),
+            "cpu": sorted(cpu_features().flags),
+            "torch": torch.__version__,
+            "source": _engine_source_hash(),
+        }
+        key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+        return cls(default_cache_dir() / "precision" / f"{key}.json")
+
+    def load(self) -> tuple[str | None, bool, str] | None:
+        try:
+            entry = json.loads(self.path.read_text())
+            return entry["quantization"], bool(entry["kv_bfloat16"]), str(entry["note"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def store(self, quantization: str | None, kv_bfloat16: bool, note: str) -> None:
+        entry = {
+            "quantization": quantization,
+            "kv_bfloat16": kv_bfloat16,
+            "note": note,
+            "probed_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entry))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("precision verdict not kept (%s): the next start probes again", e)
+
+    def apply(self, runner: ModelRunner, quantization: str | None, kv_bfloat16: bool, note: str):
+        runner.model.prepare_linears(quantization)
+        if kv_bfloat16:
+            runner.set_kv_dtype(torch.bfloat16)
+        return quantization, f"{note} [kept from this machine's earlier probe: {self.path.name}]"
+
+
+@functools.cache
+def _engine_source_hash() -> str:
+    """The engine package's Python and C++ sources, hashed: another engine version, another key."""
+    root = pathlib.Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cpp") and path.is_file():
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def chat_ids(runner: ModelRunner, model_dir: str) -> list[list[int]]:

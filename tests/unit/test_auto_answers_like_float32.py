@@ -24,6 +24,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), needs_x86_int8]
 KV_BYTES = 1 << 22
 
 
+@pytest.fixture(autouse=True)
+def probe_every_start(monkeypatch):
+    """These tests change what the probe judges by (monkeypatched bounds and checks): a verdict
+    kept from an earlier start of the same model must not stand in for their probe."""
+    monkeypatch.setenv("PDSERVE_PRECISION_CACHE", "0")
+
+
 def test_top1_and_agreement():
     assert top1([{5: -0.1, 7: -3.0}, {2: -1.0}]) == [5, 2]
     assert agreement([1, 2, 3, 4], [1, 2, 0, 4]) == 0.75

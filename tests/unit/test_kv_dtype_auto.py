@@ -24,6 +24,13 @@ pytestmark = [
 KV_BYTES = 1 << 22
 
 
+@pytest.fixture(autouse=True)
+def probe_every_start(monkeypatch):
+    """These tests change what the probe judges by (monkeypatched bounds and checks): a verdict
+    kept from an earlier start of the same model must not stand in for their probe."""
+    monkeypatch.setenv("PDSERVE_PRECISION_CACHE", "0")
+
+
 @pytest.fixture
 def judged(monkeypatch):
     """The tiny model's probe counts as informative, and every mode's bound is wide enough that

@@ -1,0 +1,78 @@
+"""quantization="auto"'s verdict kept on disk (engine/precision.py VerdictCache): a second start of
+the same model on the same machine applies the first start's verdict without probing (same mode,
+same KV cache dtype, same tokens, the note saying so); anything the verdict depends on (here the
+quality bounds) gives another key, so that start probes again; PDSERVE_PRECISION_CACHE=0 probes
+every time. A tiny random model predicts no text, so the probe is declared informative and the
+bounds widened: the verdict is then a quantized mode with a bf16 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.engine import needs_x86_int8
+from helpers.threads import assert_no_leaks
+from pdserve.engine import LLM, SamplingParams, precision
+from pdserve.engine.kernels import cpu_paged_decode
+from pdserve.engine.quality import QUALITY_BOUNDS
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    needs_x86_int8,
+    pytest.mark.skipif(cpu_paged_decode() is None, reason="no compiled paged decode kernel"),
+]
+KV_BYTES = 1 << 22
+
+
+@pytest.fixture
+def probes(monkeypatch, tmp_path):
+    """A cache folder of the test's own, wide bounds, and a count of the probes run."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PDSERVE_PRECISION_CACHE", raising=False)
+    monkeypatch.setattr("pdserve.engine.quality.informative", lambda ppl, vocab: True)
+    monkeypatch.setattr("pdserve.engine.quality.AGREEMENT_BOUND", 0.0)
+    monkeypatch.setattr("pdserve.engine.precision.chat_ids", lambda runner, model_dir: [])
+    for mode in ("bfloat16", "int8", "int4", "bf16"):
+        monkeypatch.setitem(QUALITY_BOUNDS, mode, 1.0)
+    count = []
+    real = precision._probe_modes
+    monkeypatch.setattr(precision, "_probe_modes", lambda *a: count.append(1) or real(*a))
+    return count
+
+
+def start(model_dir):
+    llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7] * 30, [9] * 40], params, use_tqdm=False)
+    eng = llm.engine
+    seen = (
+        eng.config.quantization,
+        eng.kv_cache.dtype,
+        [list(o.outputs[0].token_ids) for o in outs],
+        eng.mode_note,
+    )
+    assert_no_leaks(eng)
+    llm.shutdown()
+    return seen
+
+
+def test_a_second_start_applies_the_kept_verdict_without_probing(tiny_models, probes):
+    model_dir, _ = tiny_models("llama-gqa")
+    mode, kv, tokens, note = start(model_dir)
+    assert len(probes) == 1 and "kept from" not in note
+    assert mode is not None and kv == torch.bfloat16, note  # what the wide bounds let through
+    again = start(model_dir)
+    assert len(probes) == 1, "the second start probed again"
+    assert again[:3] == (mode, kv, tokens)
+    assert again[3].startswith(note) and "kept from this machine's earlier probe" in again[3]
+
+
+def test_another_bound_or_the_switch_off_probes_again(tiny_models, probes, monkeypatch):
+    model_dir, _ = tiny_models("llama-gqa")
+    start(model_dir)
+    monkeypatch.setitem(QUALITY_BOUNDS, "int8", 0.9)  # another bound: another key
+    start(model_dir)
+    assert len(probes) == 2
+    monkeypatch.setenv("PDSERVE_PRECISION_CACHE", "0")
+    start(model_dir)
+    assert len(probes) == 3
