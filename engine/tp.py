@@ -5,7 +5,9 @@ index (engine/parallel.py). Rank 0 (the caller's process) broadcasts each step's
 msgpack bytes over a gloo group (plain data, no pickle) to every rank; each rank then runs the
 step on its shard of its stage's layers and KV, the stages one after another, each handing its
 activations to the next (model_runner.py). Only rank 0 samples: the vocab-parallel LM head, on
-the first stage, gathers logits there.
+the first stage, gathers logits there. A step that hands prefill KV off under pipeline stages
+(ModelInput.kv_pushes) ends with one more collective: every rank's push report gathered on rank 0
+(`TPGroup.push_reports`; the later stages' ranks push their own layers, engine/kv_publish.py).
 
 On CUDA the weights' collectives run over NCCL, one GPU per rank. NCCL cannot put two ranks on
 one GPU, so a machine with a single GPU can still run the TP code on CUDA tensors with
