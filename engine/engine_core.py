@@ -61,6 +61,9 @@ from pdserve.kvpool import map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
 
+# how long ranks_alive looks for a follower that died with the step that just failed
+RANK_DEATH_GRACE_S = 2.0
+
 
 @dataclass
 class _Request:
@@ -476,10 +479,21 @@ class LLMEngine:
             ]
         return self._rank_kv_caches
 
-    def ranks_alive(self) -> bool:
+    def ranks_alive(self, grace_s: float = RANK_DEATH_GRACE_S) -> bool:
         """Whether every follower rank's process (tensor-parallel ranks, pipeline stages) is
-        still running: a dead one makes every later step fail (engine/engine_loop.py)."""
-        return self.tp is None or all(p.is_alive() for p in self.tp.procs)
+        still running: a dead one makes every later step fail (engine/engine_loop.py asks after a
+        failed step). A rank killed a moment ago fails the step through its closed sockets
+        before its process can be seen gone (a pipeline stage killed mid-push, while rank 0
+        waits on its activations), so an engine whose ranks all look alive looks again for up to
+        `grace_s` seconds before it says so."""
+        if self.tp is None:
+            return True
+        deadline = time.monotonic() + grace_s
+        while all(p.is_alive() for p in self.tp.procs):
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
+        return False
 
     def _kv_cache_paths(self) -> list[str | None]:
         """One file per rank of the first pipeline stage under kv_cache_shared_dir, rank 0's

@@ -3,8 +3,9 @@ must-show b): each stage pushes its own layers (engine/kv_publish.py), so a late
 can die while its frames are on their way. Then the Prefill call fails UNAVAILABLE without an
 abort frame, the decode side keeps the reservation only until the router's retry fills it (a
 prefill on another worker covers every layer again) or its lease runs out, and it holds nothing
-afterwards. A cancel (Abort) mid-push frees the request on both sides, and the worker serves the
-next request as before.
+afterwards; through a router, the client gets the same tokens from the other prefill worker. A
+cancel (Abort) mid-push frees the request on both sides, and the worker serves the next request
+as before.
 
 The hook: the decode worker runs in this process, so the test wraps WorkerReceiver.on_frame and
 acts when the first frame of a later stage's layer arrives: that stage is then surely still in
@@ -21,6 +22,7 @@ import grpc
 import pytest
 
 from helpers.models import make_tiny_model, random_prompts
+from helpers.router import generate_call, start_router, stop_router
 from helpers.threads import wait_until
 from helpers.worker import GREEDY, Cluster, start_decode, start_prefill
 from pdserve.engine import LLM, SamplingParams
@@ -30,7 +32,7 @@ from pdserve.protos.convert import sampling_kwargs
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 64  # the test router's (helpers/router.py)
 LAYERS = 5
 STAGE1_FIRST = stage_layers(LAYERS, 1, 2)[0]  # the first layer the second of 2 stages runs
 
@@ -173,4 +175,27 @@ def test_a_cancel_mid_push_leaks_nothing_on_either_side(five_layers, monkeypatch
         assert cluster.generate("c1", prompts[1]) == want[1]
         wait_until(cluster.idle, 10, f"decode pool not back to idle: {cluster.stats()}")
     finally:
+        cluster.stop()
+
+
+def test_through_the_router_a_stage_killed_mid_push_is_retried_elsewhere(five_layers, monkeypatch):
+    path, prompts, want = five_layers
+    cluster = TwoPrefills(path, lease_ms=60_000)
+    router = start_router(
+        path, [cluster.prefill.address, cluster.plain.address], [cluster.decode.address]
+    )
+    try:
+        fired = on_first_stage1_frame(monkeypatch, kill_stage1(cluster))
+        for prompt, tokens in zip(prompts, want):  # round-robin: one of them goes to p-staged
+            got, served_by = [], None
+            for r in generate_call(router, prompt, GREEDY):
+                if r.HasField("delta"):
+                    got += r.delta.token_ids
+                else:
+                    served_by = r.finish.timings.prefill_worker
+            assert got == tokens and served_by == "p-plain"
+        assert fired.is_set() and "a rank of its engine died" in cluster.prefill.loop.broken
+        wait_until(cluster.idle, 10, f"decode pool not back to idle: {cluster.stats()}")
+    finally:
+        stop_router(router)
         cluster.stop()
