@@ -17,10 +17,12 @@ the worker's process then exits and the supervisor replaces it). The RankActors 
 WorkerActor's process, which owns them: if it dies, Ray kills them with it, and removing the
 placement group at stop kills whatever is left in its bundles.
 
-Hosts. The prefill hand-off reads every rank's KV pool from a file that rank 0 maps
-(kv_cache_shared_dir), which works only where every rank shares rank 0's host. RayRanks.check
-refuses, in one message, ranks whose node address differs from rank 0's while the engine has such
-files; two Ray nodes started on one machine share it, as the tests' second `ray start` does.
+Hosts. Each pipeline stage pushes its own layers' KV to the decode side (engine/kv_publish.py),
+so the later stages may sit on any host. Rank 0 reads the pools of its own stage's other
+tensor-parallel ranks from files it maps (kv_cache_shared_dir), which works only where those
+ranks share its host: RayRanks.check refuses, in one message, such a rank whose node address
+differs from rank 0's; two Ray nodes started on one machine share it, as the tests' second `ray
+start` does.
 """
 
 from __future__ import annotations
@@ -183,19 +185,24 @@ class RayRanks:
                 time.sleep(0.2)
 
     def check(self, handles: list[RankHandle], kv_cache_paths) -> None:
-        """Refuses ranks on another host than rank 0's while rank 0 maps their KV pools' files
-        (see the module docstring)."""
+        """Refuses ranks on another host than rank 0's whose KV pool rank 0 maps from a file
+        (the first pipeline stage's tensor-parallel ranks; the later stages push their own KV,
+        engine/kv_publish.py): see the module docstring."""
         here = ray.util.get_node_ip_address()
-        away = [h for h in handles if h.where.get("node_ip") not in (None, here)]
-        if away and any(p is not None for p in kv_cache_paths):
+        away = [
+            h
+            for h in handles
+            if h.where.get("node_ip") not in (None, here) and kv_cache_paths[h.rank] is not None
+        ]
+        if away:
             shown = ", ".join(f"rank {h.rank} on {h.where['node_ip']}" for h in away)
             raise RuntimeError(
                 f"{self.worker_id}: its ranks landed on other hosts than rank 0's ({here}: "
-                f"{shown}), but rank 0 maps every rank's KV pool from a file under "
-                f"kv_cache_shared_dir, which only ranks on its host share; pipeline stages on "
-                f"several hosts need each stage to push its own KV (not built yet). Give the "
-                f"pool's Ray nodes one host, or a node that holds every rank (pools.<pool>."
-                f"resources)"
+                f"{shown}), but rank 0 maps the KV pools of its own stage's tensor-parallel "
+                f"ranks from files under kv_cache_shared_dir, which only ranks on its host "
+                f"share. Give each pipeline stage's ranks one host (the later stages may sit "
+                f"elsewhere: they push their own KV), or a node that holds every rank "
+                f"(pools.<pool>.resources)"
             )
 
 

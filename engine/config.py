@@ -177,6 +177,11 @@ class EngineConfig:
     # on this host can map it (the KV hand-off writes into a decode worker's pool in place, and
     # rank 0 of a tensor-parallel worker reads and writes every rank's pool); None: private memory
     kv_cache_shared_dir: str | None = None
+    # not a setting: a prefill worker sets it when its engine runs in pipeline stages. A picklable
+    # object whose channels() the ranks of the later stages use to push their own layers' KV
+    # into the decode side's reservation (engine/kv_publish.py; prefill_worker/stage_push.py);
+    # None: those ranks push nothing, and a prefill-only request with a kv_sink is refused
+    kv_stage_sender: object | None = None
     # record decode-only steps as CUDA graphs (engine/cuda_graphs.py); used on CUDA with one TP
     # rank, ignored elsewhere
     cuda_graphs: bool = True
@@ -275,6 +280,15 @@ class EngineConfig:
             ),
             "kv_cache_shared_dir",
             "None or an existing directory",
+        )
+        self._check_stage_sender(check)
+
+    def _check_stage_sender(self, check) -> None:
+        sender = self.kv_stage_sender
+        check(
+            sender is None or callable(getattr(sender, "channels", None)),
+            "kv_stage_sender",
+            "None or an object with a channels() method (prefill_worker/stage_push.py)",
         )
 
     def _check_graphs_and_lora(self, check) -> None:

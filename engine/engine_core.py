@@ -33,12 +33,12 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
 from pdserve.engine.kv_host_tier import HostTier, fingerprint as kv_fingerprint
-from pdserve.engine.kv_publish import StageCaches, layer_publisher
+from pdserve.engine.kv_publish import layer_publisher
 from pdserve.engine.loader import resolve_model
 from pdserve.engine.lora import AdapterInfo, LoRAError, LoRARegistry, LoRARequest
 from pdserve.engine.model_runner import ModelInput
 from pdserve.engine.outputs import emit_tokens, request_output
-from pdserve.engine.parallel import TPState, current_tp_state, divide, stage_layers, tp_scope
+from pdserve.engine.parallel import TPState, current_tp_state, divide, tp_scope
 from pdserve.engine.precision import start_runner
 from pdserve.engine.request import (
     FinishReason,
@@ -60,6 +60,9 @@ from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, pro
 from pdserve.kvpool import map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
+
+# how long ranks_alive looks for a follower that died with the step that just failed
+RANK_DEATH_GRACE_S = 2.0
 
 
 @dataclass
@@ -272,12 +275,29 @@ class LLMEngine:
         "pooled"); its blocks are freed then. lora_request: the LoRA adapter the request runs
         under (a LoRARequest, registered if new, or a registered adapter's name; None: the base
         model)."""
+        if kv_sink is not None and self.config.pipeline_parallel_size > 1:
+            self._check_stage_sink(kv_sink)
         req = self._new_request(
             request_id, prompt, params, prefill_only, priority, pooling, lora_request
         )
         req.kv_sink = kv_sink
         self._requests[request_id] = req
         self.scheduler.add(req.seqs)
+
+    def _check_stage_sink(self, kv_sink) -> None:
+        """Under pipeline stages each stage pushes its own layers (engine/kv_publish.py): the
+        engine needs a stage sender and the sink must describe itself to the later stages."""
+        if self.config.kv_stage_sender is None:
+            raise InvalidRequest(
+                "a kv_sink under pipeline_parallel_size > 1 needs kv_stage_sender (set by a "
+                "prefill worker): each stage pushes its own layers' KV"
+            )
+        for name in ("stage_spec", "on_stage_report"):
+            if not callable(getattr(kv_sink, name, None)):
+                raise InvalidRequest(
+                    f"a kv_sink under pipeline_parallel_size > 1 needs a {name} method "
+                    f"(engine/kv_publish.py): each stage pushes its own layers' KV"
+                )
 
     # ---- LoRA adapters (engine/lora.py) ---------------------------------------------------------
     def _resolve_lora(self, lora_request):
@@ -439,52 +459,46 @@ class LLMEngine:
         """[num_layers, 2, num_blocks, block_size, kv_heads, head_dim] of this rank."""
         return self.runner.kv_cache
 
-    def rank_kv_caches(self) -> list:
+    def rank_kv_caches(self) -> list[torch.Tensor]:
         """Every tensor-parallel rank's KV pool in rank order (each holds its share of the kv
-        heads), indexed by global layer. Ranks other than 0 need kv_cache_shared_dir: their pools
-        are mapped from their files. With pipeline stages, each entry is a StageCaches: the
-        pools of that TP index in every stage, one layer range each."""
-        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
-        if tp * pp == 1:
+        heads); under pipeline stages, those of the first stage (rank 0's), whose layers rank 0
+        pushes (the later stages push their own: engine/kv_publish.py). Ranks other than 0 need
+        kv_cache_shared_dir: their pools are mapped from their files."""
+        if self.config.tensor_parallel_size == 1:
             return [self.kv_cache]
         if not self.kv_cache_paths:
             raise ValueError(
-                "the KV pools of ranks > 0 (tensor-parallel ranks, pipeline stages) are private "
-                "to their processes: set kv_cache_shared_dir to reach them from rank 0"
+                "the KV pools of tensor-parallel ranks > 0 are private to their "
+                "processes: set kv_cache_shared_dir to reach them from rank 0"
             )
         if self._rank_kv_caches is None:
             own = self.kv_cache
-            pools = [own] + [
-                map_pool_file(p, (self._stage_layers(r // tp), *own.shape[1:]), own.dtype)
-                for r, p in enumerate(self.kv_cache_paths[1:], start=1)
+            self._rank_kv_caches = [own] + [
+                map_pool_file(p, tuple(own.shape), own.dtype)
+                for p in self.kv_cache_paths[1 : self.config.tensor_parallel_size]
             ]
-            self._rank_kv_caches = (
-                pools
-                if pp == 1
-                else [StageCaches([pools[s * tp + r] for s in range(pp)]) for r in range(tp)]
-            )
         return self._rank_kv_caches
 
-    def ranks_alive(self) -> bool:
+    def ranks_alive(self, grace_s: float = RANK_DEATH_GRACE_S) -> bool:
         """Whether every follower rank's process (tensor-parallel ranks, pipeline stages) is
-        still running: a dead one makes every later step fail (engine/engine_loop.py)."""
-        return self.tp is None or all(p.is_alive() for p in self.tp.procs)
+        still running: a dead one makes every later step fail (engine/engine_loop.py asks after a
+        failed step). A rank killed a moment ago fails the step through its closed sockets
+        before its process can be seen gone (a pipeline stage killed mid-push, while rank 0
+        waits on its activations), so an engine whose ranks all look alive looks again for up to
+        `grace_s` seconds before it says so."""
+        if self.tp is None:
+            return True
+        deadline = time.monotonic() + grace_s
+        while all(p.is_alive() for p in self.tp.procs):
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
+        return False
 
-    def _stage_layers(self, stage: int) -> int:
-        first, end = stage_layers(
-            self.model_config.num_layers, stage, self.config.pipeline_parallel_size
-        )
-        return end - first
-
-    def _layer_kv(self, layer: int) -> torch.Tensor:
-        """Global `layer`'s KV on TP rank 0 of the stage that holds it (rank 0's own pool for the
-        first stage's layers; a later stage's through its shared file)."""
-        if self.config.pipeline_parallel_size == 1:
-            return self.runner.kv_cache[layer]
-        return self.rank_kv_caches()[0][layer]
-
-    def _kv_cache_paths(self) -> list[str]:
-        """One file per rank under kv_cache_shared_dir (empty: private pools)."""
+    def _kv_cache_paths(self) -> list[str | None]:
+        """One file per rank of the first pipeline stage under kv_cache_shared_dir, rank 0's
+        first (empty: private pools); the later stages' ranks get None (private pools: they push
+        their own KV, and may run on other hosts)."""
         directory = self.config.kv_cache_shared_dir
         if directory is None:
             return []
@@ -494,9 +508,8 @@ class LLMEngine:
                 f"leave it unset (workers set it for tensor parallelism and the shm backend, whose "
                 f"KV hand-off is CPU-only for now: use tp=1 workers with the grpc or torch backend)"
             )
-        return new_pool_paths(
-            directory, self.config.tensor_parallel_size * self.config.pipeline_parallel_size
-        )
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        return new_pool_paths(directory, tp) + [None] * (tp * (pp - 1))
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -528,22 +541,23 @@ class LLMEngine:
 
     def _execute(self, plan: StepPlan, inp: ModelInput) -> StepOutput:
         """Every rank runs `inp`; this one also masks the grammar rows (one mask per step) and
-        hands each layer's KV to the prefill-only requests' sinks as it is written."""
+        hands each layer's KV to the prefill-only requests' sinks as it is written. Under
+        pipeline stages the later stages' ranks push their own layers (inp.kv_pushes says
+        what) and report to the sinks once the step is over (engine/kv_publish.py)."""
+        lag = self.config.tensor_parallel_size > 1  # (engine/kv_publish.py: why it lags a layer)
+        sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag)
+        staged = sinks is not None and self.config.pipeline_parallel_size > 1
+        if staged:
+            inp.kv_pushes = sinks.stage_pushes()
         if self.tp is not None:
             self.tp.broadcast(inp)
-        lag = self.tp is not None  # (engine/kv_publish.py: why it lags a layer under TP)
-        sinks = layer_publisher(
-            plan,
-            self._requests,
-            self._layer_kv,
-            self.runner.kv_cache.shape[0],
-            self.model_config.num_layers,
-            lag,
-        )
         mask = self.grammars.step_mask(plan.row_seqs)
         out = self.runner.execute(inp, plan.rows, plan.row_logits, sinks, mask)
         if sinks is not None:
             sinks.finish()
+        if staged:
+            reports = self.tp.push_reports(len(inp.kv_pushes))
+            sinks.stage_reports(reports, self.tp.stage_of_rank(self.config))
         return out
 
     def _keep_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:
@@ -606,6 +620,6 @@ class LLMEngine:
                 self.tp.shutdown()
                 self.tp = None
         finally:  # the mappings stay valid for whoever still holds them; the names go
-            for path in self.kv_cache_paths:
+            for path in filter(None, self.kv_cache_paths):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)

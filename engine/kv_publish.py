@@ -11,52 +11,38 @@ all-reduce, so there the publisher hands layer i - 1 on when layer i reports, an
 when the forward pass is over (`finish`). `finish` also records how far each request's KV has
 been published, so the next chunk of a long prompt starts where this one ended.
 
-Under pipeline parallelism rank 0 runs the first stage only: its layers leave as above, and the
-later stages' layers leave in `finish`, once the forward pass came back through the last stage
-(each stage wrote its KV before handing its activations on), read from the stages' pools through
-their shared files (StageCaches).
+Under pipeline parallelism each stage pushes its own layers, wherever its ranks run (another
+host included): rank 0 runs the first stage, whose layers leave through the request's sink as
+above (with its stage's TP ranks' pools, as under tensor parallelism), and every rank of a later
+stage pushes its own heads of its own layers as each finishes (`StagePusher`, on that rank).
+What those ranks need travels with the step's ModelInput (`stage_pushes`: each request's
+`kv_sink.stage_spec()`, plain data naming the decode side's reservation, and the token range);
+the sender itself comes from the engine's `kv_stage_sender` (a prefill worker's, picklable, so
+it reaches ranks on other hosts), whose `channels()` opens, caches and closes the ranks' own KV
+channels. After the step each pushing rank flushes its frames (handed to the decode side) and
+reports what it sent, or that it failed, to rank 0 (`report_rows`, gathered by engine/tp.py);
+rank 0 hands the reports to the sinks (`kv_sink.on_stage_report`), so the request's commit
+follows every stage's KV, and a stage that could not push fails its request. No rank reads
+another stage's pool.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
+import logging
 
 import torch
 
+log = logging.getLogger(__name__)
 
-class StageCaches:
-    """The KV pools of one TP index in every pipeline stage, indexed by global layer: stage s's
-    pool holds its contiguous range of layers (engine/parallel.py's stage_layers)."""
-
-    def __init__(self, pools: list[torch.Tensor]):
-        self.pools = pools
-        self.starts = [0]
-        for pool in pools[:-1]:
-            self.starts.append(self.starts[-1] + pool.shape[0])
-        self.num_layers = self.starts[-1] + pools[-1].shape[0]
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} outside the model's {self.num_layers}")
-        stage = bisect.bisect_right(self.starts, layer) - 1
-        return self.pools[stage][layer - self.starts[stage]]
+# a push report's status (one row per request, per rank: [bytes sent, status])
+NOT_PUSHED, PUSHED, PUSH_FAILED = 0, 1, 2
 
 
 class LayerPublisher:
     """The kv_sinks of one step: (request, its block ids, the end of what this step computes)."""
 
-    def __init__(
-        self,
-        layer_kv: Callable[[int], torch.Tensor],
-        num_local: int,
-        num_layers: int,
-        pubs: list[tuple],
-        lag: bool,
-    ):
-        self.layer_kv = layer_kv  # global layer -> its KV on TP rank 0 of its stage
-        self.num_local = num_local  # the layers this rank's stage runs (the first ones)
-        self.num_layers = num_layers  # the model's
+    def __init__(self, kv_cache: torch.Tensor, pubs: list[tuple], lag: bool):
+        self.kv = kv_cache  # this rank's pool: the first stage's layers, global layer = local
         self.pubs = pubs
         self.lag = lag  # tensor parallelism: publish a layer once the next one is reached
 
@@ -68,33 +54,127 @@ class LayerPublisher:
             self._publish(layer - 1)
 
     def finish(self) -> None:
-        """The forward pass is over: the layer still held back leaves, and every request's
-        published position moves to the end of this step's tokens."""
+        """The forward pass is over: the layer still held back leaves, each sink ends its step
+        (what it deferred leaves), and every request's published position moves to the end of
+        this step's tokens."""
         if self.lag:
-            self._publish(self.num_local - 1)
-        for layer in range(self.num_local, self.num_layers):  # the later pipeline stages'
-            self._publish(layer)
+            self._publish(self.kv.shape[0] - 1)
+        for req, _, _ in self.pubs:
+            end_step = getattr(req.kv_sink, "end_step", None)
+            if end_step is not None:
+                end_step()
         for req, _, end in self.pubs:
             req.published = end
 
     def _publish(self, layer: int) -> None:
-        kv = self.layer_kv(layer)
         for req, block_ids, end in self.pubs:
-            req.kv_sink.on_layer(layer, kv, block_ids, req.published, end)
+            req.kv_sink.on_layer(layer, self.kv[layer], block_ids, req.published, end)
+
+    def stage_pushes(self) -> list:
+        """What the later stages' ranks push of this step (ModelInput.kv_pushes): per request,
+        [request id, its block ids, first token, end token, its sink's stage_spec()]. Called
+        before the step runs, so the first token is where the published KV ends."""
+        return [
+            [req.request_id, list(block_ids), req.published, end, req.kv_sink.stage_spec()]
+            for req, block_ids, end in self.pubs
+        ]
+
+    def stage_reports(self, reports: torch.Tensor, stage_of_rank: list[int]) -> None:
+        """reports: [ranks, requests, 2] (bytes, status) as each rank reported them; each sink
+        hears, per later stage, the bytes its ranks sent and whether any of them failed or did
+        not push at all."""
+        for i, (req, _, _) in enumerate(self.pubs):
+            stages: dict[int, list] = {}
+            for rank, stage in enumerate(stage_of_rank):
+                if stage == 0:
+                    continue
+                sent, status = (int(v) for v in reports[rank, i])
+                entry = stages.setdefault(stage, [0, True])
+                entry[0] += sent
+                entry[1] = entry[1] and status == PUSHED
+            for stage, (sent, ok) in sorted(stages.items()):
+                req.kv_sink.on_stage_report(stage, sent, ok)
 
 
-def layer_publisher(
-    plan,
-    requests: dict,
-    layer_kv: Callable[[int], torch.Tensor],
-    num_local: int,
-    num_layers: int,
-    lag: bool,
-):
+def layer_publisher(plan, requests: dict, kv_cache: torch.Tensor, lag: bool):
     """The step's LayerPublisher, or None when no scheduled request has a kv_sink."""
     pubs = []
     for item in plan.scheduled:
         req = requests.get(item.seq.request_id)
         if req is not None and req.kv_sink is not None:
             pubs.append((req, item.seq.block_ids, item.end))
-    return LayerPublisher(layer_kv, num_local, num_layers, pubs, lag) if pubs else None
+    return LayerPublisher(kv_cache, pubs, lag) if pubs else None
+
+
+class StagePusher:
+    """On a rank of a later pipeline stage: pushes this rank's heads of its stage's layers of
+    each step's prefill-only requests (ModelInput.kv_pushes) through the engine's
+    kv_stage_sender's channels. One per rank, for the rank's life (`close` ends its channels)."""
+
+    def __init__(self, sender, first_layer: int, tp_size: int, tp_rank: int):
+        self.channels = sender.channels()
+        self.first_layer = first_layer  # the global index of this stage's first layer
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+
+    def step(self, pushes: list, kv_cache: torch.Tensor) -> StageStep:
+        return StageStep(self, pushes, kv_cache)
+
+    def close(self) -> None:
+        self.channels.close()
+
+
+class StageStep:
+    """One step's pushes on a later stage's rank: the layer hook, then `finish`, which returns
+    this rank's report rows. A request whose push fails stops pushing; the others go on."""
+
+    def __init__(self, pusher: StagePusher, pushes: list, kv_cache: torch.Tensor):
+        self.pusher = pusher
+        self.kv = kv_cache
+        self.items = []  # [sink or None, block ids, start, end, failed]
+        for rid, block_ids, start, end, spec in pushes:
+            try:
+                sink = pusher.channels.open(rid, spec, pusher.tp_size, pusher.tp_rank)
+            except Exception as e:
+                log.warning("stage KV push of %s: no channel: %r", rid, e)
+                self.items.append([None, block_ids, start, end, True])
+            else:
+                self.items.append([sink, block_ids, start, end, False])
+
+    def __call__(self, layer: int) -> None:
+        """Local layer `layer` has written its KV on this rank (its own pool: no lag)."""
+        kv = self.kv[layer]
+        for item in self.items:
+            sink, block_ids, start, end, failed = item
+            if failed:
+                continue
+            try:
+                sink.on_layer(self.pusher.first_layer + layer, kv, block_ids, start, end)
+            except Exception as e:
+                log.warning("stage KV push of %s failed: %r", sink.request_id, e)
+                item[4] = True
+
+    def finish(self) -> list[list[int]]:
+        """What was deferred leaves, every channel used is flushed (its frames handed to the
+        decode side), and one [bytes sent, status] row per request comes back."""
+        rows = []
+        for item in self.items:
+            sink, _, _, _, failed = item
+            if not failed:
+                try:
+                    sink.end_step()
+                    self.pusher.channels.flush(sink)
+                except Exception as e:
+                    log.warning("stage KV push of %s failed: %r", sink.request_id, e)
+                    failed = True
+            if failed and sink is not None:
+                self.pusher.channels.failed(sink)
+            sent = sink.bytes_sent if sink is not None else 0
+            rows.append([sent, PUSH_FAILED if failed else PUSHED])
+        return rows
+
+
+def report_rows(num_pushes: int, step: StageStep | None) -> torch.Tensor:
+    """This rank's report of a step with `num_pushes` pushes, as the int64 tensor rank 0
+    gathers: its StageStep's rows, or NOT_PUSHED rows from a rank that pushes nothing."""
+    rows = step.finish() if step is not None else [[0, NOT_PUSHED]] * num_pushes
+    return torch.tensor(rows, dtype=torch.int64).reshape(num_pushes, 2)

@@ -91,6 +91,9 @@ class ModelInput:
     # the step's LoRA adapters, {id: [name, path, content hash]}: each rank reads one that is not
     # resident from the path (engine/lora.py LoRACache)
     loras: dict[int, list] = field(default_factory=dict)
+    # a pipelined prefill's hand-off: what the ranks of the later stages push of this step's
+    # prefill-only requests (engine/kv_publish.py stage_pushes; plain data)
+    kv_pushes: list = field(default_factory=list)
 
 
 class ModelRunner:

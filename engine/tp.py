@@ -5,7 +5,9 @@ index (engine/parallel.py). Rank 0 (the caller's process) broadcasts each step's
 msgpack bytes over a gloo group (plain data, no pickle) to every rank; each rank then runs the
 step on its shard of its stage's layers and KV, the stages one after another, each handing its
 activations to the next (model_runner.py). Only rank 0 samples: the vocab-parallel LM head, on
-the first stage, gathers logits there.
+the first stage, gathers logits there. A step that hands prefill KV off under pipeline stages
+(ModelInput.kv_pushes) ends with one more collective: every rank's push report gathered on rank 0
+(`TPGroup.push_reports`; the later stages' ranks push their own layers, engine/kv_publish.py).
 
 On CUDA the weights' collectives run over NCCL, one GPU per rank. NCCL cannot put two ranks on
 one GPU, so a machine with a single GPU can still run the TP code on CUDA tensors with
@@ -35,8 +37,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.kv_publish import StagePusher, report_rows
 from pdserve.engine.model_runner import ModelInput, SeqInput
-from pdserve.engine.parallel import set_tp_state
+from pdserve.engine.parallel import current_tp_state, set_tp_state, stage_layers
 
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "600")))
 
@@ -103,6 +106,7 @@ def _encode(inp: ModelInput | None) -> bytes:
             [[getattr(s, name) for name in _SEQ_FIELDS] for s in inp.seqs],
             inp.block_copies,
             [[k, v] for k, v in inp.loras.items()],
+            inp.kv_pushes,
         ]
     )
 
@@ -111,9 +115,12 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies, loras = obj
+    seqs, copies, loras, pushes = obj
     return ModelInput(
-        [SeqInput(*s) for s in seqs], [tuple(c) for c in copies], {k: v for k, v in loras}
+        [SeqInput(*s) for s in seqs],
+        [tuple(c) for c in copies],
+        {k: v for k, v in loras},
+        pushes,
     )
 
 
@@ -146,12 +153,33 @@ def follower_main(
     group = _init(config, rank, host, port)
     runner = start_runner(config, model_config, model_dir, kv_cache_path)
     dist.barrier(group=group)  # see TPGroup.ready
-    while True:
-        inp = _decode(_broadcast_bytes(None, group))
-        if inp is None:
-            break
-        runner.execute(inp)
+    pusher = _stage_pusher(config, model_config)
+    try:
+        while True:
+            inp = _decode(_broadcast_bytes(None, group))
+            if inp is None:
+                break
+            if not inp.kv_pushes:
+                runner.execute(inp)
+                continue
+            # a pipelined prefill's hand-off: this rank pushes its own layers (kv_publish.py)
+            step = pusher.step(inp.kv_pushes, runner.kv_cache) if pusher is not None else None
+            runner.execute(inp, on_layer_done=step)
+            dist.gather(report_rows(len(inp.kv_pushes), step), None, dst=0, group=group)
+    finally:
+        if pusher is not None:
+            pusher.close()
     dist.destroy_process_group()
+
+
+def _stage_pusher(config: EngineConfig, model_config: ModelConfig) -> StagePusher | None:
+    """This rank's KV pusher when it runs a later pipeline stage of an engine that hands off
+    (kv_stage_sender set); None otherwise (the first stage's ranks: rank 0 pushes theirs)."""
+    state = current_tp_state()
+    if state.pp_rank == 0 or config.kv_stage_sender is None:
+        return None
+    first, _ = stage_layers(model_config.num_layers)
+    return StagePusher(config.kv_stage_sender, first, state.size, state.rank)
 
 
 class LocalRanks:
@@ -250,6 +278,19 @@ class TPGroup:
 
     def broadcast(self, inp: ModelInput) -> None:
         _broadcast_bytes(_encode(inp), self.group)
+
+    def push_reports(self, num_pushes: int) -> torch.Tensor:
+        """After a step with `num_pushes` stage pushes (ModelInput.kv_pushes): every rank's
+        report rows, [ranks, num_pushes, 2] (engine/kv_publish.py report_rows; rank 0's own
+        are NOT_PUSHED: its layers leave through the sinks)."""
+        parts = [torch.empty(num_pushes, 2, dtype=torch.int64) for _ in self.procs]
+        mine = report_rows(num_pushes, None)
+        dist.gather(mine, [mine.clone()] + parts, dst=0, group=self.group)
+        return torch.stack([mine] + parts)
+
+    def stage_of_rank(self, config: EngineConfig) -> list[int]:
+        """Each rank's pipeline stage, rank order."""
+        return [r // config.tensor_parallel_size for r in range(world_size(config))]
 
     def shutdown(self) -> None:
         try:

@@ -2,7 +2,11 @@
 
 Coverage is kept per (layer, token, kv head) of this rank, so chunks may arrive in any order and
 split any way (chunked prefill, several prefill TP ranks): a commit is accepted only once every
-layer holds every prompt token past the tokens the decode side already had cached.
+layer holds every prompt token past the tokens the decode side already had cached. A commit that
+comes before then fails the transfer, unless it is marked await_kv (the KV of a pipelined prefill
+worker comes over one channel per stage, so another stage's frames may land after the commit):
+then it is held, and the chunk that completes the coverage completes the transfer (the
+reservation's lease bounds the wait).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class KVReceiver:
         self.first_tokens: tuple[int, ...] = ()  # every sequence's, in index order (at commit)
         self.first_logprobs: tuple[float, ...] = ()  # theirs, when the request wants logprobs
         self.error: str | None = None
+        self.committed = False  # the commit arrived (held while KV is missing: await_kv)
         self.bytes_received = 0
         self._covered = torch.zeros(
             layout.num_layers, num_prompt_tokens, layout.heads_per_rank, dtype=torch.bool
@@ -62,16 +67,21 @@ class KVReceiver:
             elif header.kind == "abort":
                 self._fail("the sender aborted the transfer")
             elif header.kind == "commit":
-                if not self.complete:
+                if self.committed:
+                    raise ValueError("a second commit for the same request")
+                if not self.complete and not header.await_kv:
                     missing = int((~self._covered).sum())
                     raise IncompleteTransfer(
                         f"commit before all KV arrived ({missing} values missing)"
                     )
                 self.first_tokens = header.first_tokens
                 self.first_logprobs = header.first_logprobs
-                self.state = TransferState.DONE
+                self.committed = True
+                self.state = TransferState.DONE if self.complete else TransferState.TRANSFERRING
             else:
                 self._write(header, payload)
+                if self.committed and self.complete:  # the commit was waiting for this chunk
+                    self.state = TransferState.DONE
         except Exception as e:  # a bad chunk fails this request, never the worker
             self._fail(str(e))
         return self.state

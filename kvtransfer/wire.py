@@ -2,7 +2,9 @@
 
 Frame = u32 little-endian header length | msgpack header | payload. Three kinds travel on one
 channel, in order: "kv" chunks, then one "commit" (carrying every sequence's first token in
-first_tokens, one for n=1; with logprobs, theirs in first_logprobs) or one "abort".
+first_tokens, one for n=1; with logprobs, theirs in first_logprobs) or one "abort". A request
+whose KV comes over several channels (a pipelined prefill worker: each stage pushes its own
+layers) marks its commit await_kv, since the other channels' frames may land after it.
 The payload of a "kv" chunk is one layer's K and V for tokens [start, end) and kv heads
 [head_start, head_end), contiguous, in the header's dtype: shape
 [2, end - start, head_end - head_start, head_dim]. Never pickle.
@@ -32,7 +34,7 @@ MAX_GRANT_CHARS = 64
 MAX_TRACEPARENT_CHARS = 64  # W3C traceparent version 00 is 55 characters
 # fields left out of an encoded header when empty: the frames of backends and requests that do
 # not use them stay as they were
-OMIT_WHEN_EMPTY = ("grant", "traceparent")
+OMIT_WHEN_EMPTY = ("grant", "traceparent", "await_kv")
 MAX_HEADER_BYTES = 4096  # a legal header is well under 2 KiB
 MAX_INDEX = 1 << 31  # layers, tokens, heads, head_dim
 _INT64 = 1 << 63
@@ -82,6 +84,11 @@ class ChunkHeader:
     # frame; empty otherwise, and then left out of the encoded header. The receiver only reads
     # it (a link on its kv.receive span); a malformed one is ignored there, never an error
     traceparent: str = ""
+    # "commit" only: other senders (the later stages of a pipelined prefill worker, each on its
+    # own channel) push part of this request's KV, so it may land after this commit; the
+    # receiver holds the commit until every layer has arrived (the reservation's lease bounds
+    # the wait) instead of failing it. False is left out of the encoded header
+    await_kv: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -139,8 +146,10 @@ class ChunkHeader:
             )
         if isinstance(lps, list):
             object.__setattr__(self, "first_logprobs", tuple(float(x) for x in lps))
-        if not isinstance(self.in_place, bool):
-            raise WireError(f"frame in_place must be true or false, got {_describe(self.in_place)}")
+        for name in ("in_place", "await_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise WireError(f"frame {name} must be true or false, got {_describe(value)}")
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -11,6 +11,12 @@ flushes it and replies. The lifecycle of one request:
   first token sampled -> "commit" frame on the same channel, so it follows all the KV; n>1: the
     frame carries every sequence's first token, and the KV goes once
   failure or abort -> "abort" frame, and the decode side frees the reservation at once
+Under pipeline stages the sink pushes the first stage's layers, and the later stages' ranks push
+their own on their own channels (engine/kv_publish.py, stage_push.py) from the sink's
+`stage_spec`; after each step they report to it (`on_stage_report`): the bytes they sent, or a
+failure, which fails the request (StagePushError) before its commit. The commit is sent once
+every stage has flushed its frames, and marked await_kv, since another channel's last frames
+may still be in the decode side's hands.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 log = logging.getLogger(__name__)
+
+
+class StagePushError(RuntimeError):
+    """A later pipeline stage could not push its layers' KV of a request (its rank's log says
+    why): the request fails, and the decode side frees its reservation."""
 
 
 @dataclass
@@ -111,8 +122,14 @@ class PushSink:
         rank_caches: list[torch.Tensor] | None = None,
         overlap: bool | None = None,
         traceparent: str = "",
+        endpoint: bytes = b"",
     ):
         self.request_id = request_id
+        # the reservation's KVEndpoint (serialized, its offers included): where the later
+        # pipeline stages' ranks push their layers, each choosing what it can use (stage_spec)
+        self.endpoint = endpoint
+        self.staged = False  # later pipeline stages push too: the commit says await_kv
+        self.stage_bytes: dict[int, int] = {}  # what each later stage's ranks reported sent
         self.traceparent = traceparent  # every frame's, when the request is traced
         self.layout = layout
         tp = len(rank_caches) if rank_caches else 1
@@ -147,9 +164,37 @@ class PushSink:
         # layer_kv is a view of the cache: these tokens' KV stays put until the request ends
         self._deferred.append((layer, layer_kv, list(block_ids), start, end))
         if layer == self.layout.num_layers - 1:
-            deferred, self._deferred = self._deferred, []
-            for args in deferred:
-                self._push(*args)
+            self.end_step()
+
+    def end_step(self) -> None:
+        """The step's forward pass is over on this rank: the layers deferred leave (a pipeline
+        stage's last layer is not the model's)."""
+        deferred, self._deferred = self._deferred, []
+        for args in deferred:
+            self._push(*args)
+
+    def stage_spec(self) -> dict:
+        """What a later pipeline stage's rank needs to push its layers of this request (plain
+        data: it travels to the ranks with the step; stage_push.py StageChannels.open)."""
+        self.staged = True
+        return dict(
+            layout=dataclasses.asdict(self.layout),
+            endpoint=self.endpoint,
+            blocks=list(self.dest.block_ids),
+            block_size=self.dest.layout.block_size,
+            skip=self.skip,
+            traceparent=self.traceparent,
+        )
+
+    def on_stage_report(self, stage: int, sent: int, ok: bool) -> None:
+        """A later stage's ranks pushed `sent` bytes of this step's KV; not ok: one failed."""
+        self.stage_bytes[stage] = self.stage_bytes.get(stage, 0) + sent
+        self.bytes_sent += sent
+        if not ok:
+            raise StagePushError(
+                f"pipeline stage {stage} could not push its layers' KV of {self.request_id!r} "
+                f"(its rank's log says why)"
+            )
 
     def _push(
         self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
@@ -182,6 +227,7 @@ class PushSink:
                 first_tokens=tuple(first_tokens),
                 first_logprobs=tuple(logprobs or ()),
                 traceparent=self.traceparent,
+                await_kv=self.staged,
             ),
             None,
             self.dest,
@@ -223,6 +269,23 @@ class GuardedSink:
                 self.error = e
             if not t.transfer_start_unix_ns and self.sink.bytes_sent > sent:
                 t.transfer_start_unix_ns = now
+
+    def end_step(self) -> None:
+        if self.error is None:
+            try:
+                self.sink.end_step()
+            except Exception as e:
+                self.error = e
+
+    def stage_spec(self) -> dict:
+        return self.sink.stage_spec()
+
+    def on_stage_report(self, stage: int, sent: int, ok: bool) -> None:
+        try:
+            self.sink.on_stage_report(stage, sent, ok)
+        except StagePushError as e:
+            if self.error is None:
+                self.error = e
 
     def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
         if self.error is None:

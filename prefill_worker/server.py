@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pdserve.kvtransfer.backends import default_shared_dir, tune_malloc
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.prefill_worker.service import PrefillServiceOptions, PrefillWorkerServicer
+from pdserve.prefill_worker.stage_push import StageSender
 from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
 from pdserve.worker_common.process import WorkerConfig, WorkerProcess
@@ -27,7 +28,8 @@ class PrefillWorkerConfig(WorkerConfig):
 
 class PrefillPart:
     """The prefill role: the PrefillWorker service and its KV channels to decode workers. Under
-    TP, rank 0 sends every rank's KV (from a shared-file pool)."""
+    TP, rank 0 sends every rank's KV (from a shared-file pool); under pipeline stages, the first
+    stage's, and each later stage's ranks push their own (stage_push.py)."""
 
     role, service_name = "prefill", "pdserve.worker.v1.PrefillWorker"
 
@@ -44,9 +46,19 @@ class PrefillPart:
     def prepare(self) -> None:
         tune_malloc()  # frame-sized send buffers: see its docstring
 
-    def shared_dir(self, num_ranks: int) -> str | None:
-        # rank 0 sends every rank's KV, the later pipeline stages' too
-        return default_shared_dir() if num_ranks > 1 else None
+    def shared_dir(self, tp_size: int) -> str | None:
+        # rank 0 sends its stage's tensor-parallel ranks' KV (the later stages push their own)
+        return default_shared_dir() if tp_size > 1 else None
+
+    def engine_extras(self, worker: WorkerProcess) -> dict:
+        """Under pipeline stages, the sender the later stages' ranks push their layers with."""
+        if worker.config.engine_kwargs.get("pipeline_parallel_size", 1) == 1:
+            return {}
+        return dict(
+            kv_stage_sender=StageSender(
+                worker.config.security, flush_timeout_s=self.flush_timeout_s
+            )
+        )
 
     def start(self, worker: WorkerProcess, engine) -> None:
         cfg = worker.config

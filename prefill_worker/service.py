@@ -13,6 +13,12 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   alternatives when the sampling asks for them: worker_common/logprobs.py).
   Timeout, Abort, client gone or a transport error -> the engine request is aborted and an
   "abort" frame sent, so the decode side frees the reservation at once, not at lease expiry.
+  A later pipeline stage that could not push (handoff.py StagePushError) or a rank that died ->
+  UNAVAILABLE with no abort frame: the reservation stays, and the router prefills the prompt
+  on another worker into it (its frames cover every layer again), or aborts it; its lease
+  bounds it either way.
+Under pipeline stages (stage_push.py) the first stage's layers leave through this call's sink and
+each later stage's ranks push their own; `stage_bytes` counts what each stage sent.
 The call's priority (PrefillRequest.priority) is its engine request's: the engine's waiting
 queue is this worker's queue. Embed (embeddings: pooled hidden states, no KV hand-off) is
 worker_common/embed.py's, counted in the prefix-cache counters as a prefill is.
@@ -38,6 +44,7 @@ from pdserve.prefill_worker.handoff import (
     GuardedSink,
     HandoffTimings,
     PushSink,
+    StagePushError,
     Waiter,
     prefill_done,
 )
@@ -125,6 +132,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # per backend (kvtransfer.backend "auto" mixes them): bytes pushed, seconds pushing
         self.push_bytes: dict[str, int] = {}
         self.push_seconds: dict[str, float] = {}
+        # pipeline stages: KV bytes each stage's ranks pushed (stage 0: this process's sink)
+        self.stage_bytes: dict[int, int] = {}
+        engine = loop.engine
+        self.staged = engine.config.pipeline_parallel_size > 1
+        # the layers this process's hook sees (the first stage's under pipeline stages)
+        self.local_layers = engine.kv_cache.shape[0] if self.staged else layout.num_layers
 
     def _count(self, **deltas) -> None:
         with self._counts_lock:
@@ -145,7 +158,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return self._prefill(request, context)
 
     def _prefill(self, request, context):
-        timings = HandoffTimings(unix_ns(), self.layout.num_layers)
+        timings = HandoffTimings(unix_ns(), self.local_layers)
         span = self._open_span(request, timings, context)
         try:
             return self._run(request, timings, span, context)
@@ -209,6 +222,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         timings.transfer_end_unix_ns = unix_ns()
         self._count(kv_transfers=1, kv_transfer_bytes=sink.sink.bytes_sent)
         self._count_push(endpoint.backend, sink.sink, time.perf_counter() - flushed)
+        if self.staged:
+            with self._counts_lock:
+                later = sum(sink.sink.stage_bytes.values())
+                self.stage_bytes[0] = self.stage_bytes.get(0, 0) + sink.sink.bytes_sent - later
+                for stage, sent in sink.sink.stage_bytes.items():
+                    self.stage_bytes[stage] = self.stage_bytes.get(stage, 0) + sent
         if span is not None:
             self._trace(span, endpoint, waiter, sink, timings)
         reply = self._reply(request, params, waiter, sink, timings, context)
@@ -352,6 +371,14 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 "no KV channel of the reservation's offers "
                 f"({', '.join(o.backend for o in endpoint.offers)}) can be used from this worker",
             )
+        if self.staged and any(o.backend == "nixl" for o in tried):
+            tried = [o for o in tried if o.backend != "nixl"]
+            if not tried:
+                context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    "a pipelined prefill worker pushes over grpc, shm or torch (each stage on "
+                    "its own channel), not nixl: choose another kvtransfer.backend",
+                )
         errors = []
         for one in tried:
             try:
@@ -386,6 +413,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             res.num_cached_tokens,
             self.rank_caches,
             traceparent=traceparent,
+            # the later stages choose their own channel from the reservation's endpoint
+            endpoint=res.endpoint.SerializeToString() if self.staged else b"",
         )
         return GuardedSink(push, timings)
 
@@ -413,6 +442,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _flush(self, rid, endpoint, transport, sink: GuardedSink, deadline: float, context):
         """Every frame of the hand-off (its commit included) handed to the decode side."""
+        if isinstance(sink.error, StagePushError):
+            # as for a dead rank: no abort frame, the reservation stays for the router's retry
+            # on another worker (or its abort); this process's channel is not at fault
+            self._count(kv_transfer_failures=1)
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(sink.error))
         if sink.error is not None:
             self._fail_transport(endpoint, transport, sink, context, sink.error)
         try:

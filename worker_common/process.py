@@ -96,8 +96,11 @@ class Part(Protocol):
     service_name: str  # its gRPC service, marked SERVING in the health service
 
     def prepare(self) -> None: ...
-    # a shared-file KV pool's folder, given the engine's ranks (TP x PP), or None
-    def shared_dir(self, num_ranks: int) -> str | None: ...
+    # a shared-file KV pool's folder, given the engine's tensor-parallel size (under pipeline
+    # stages only the first stage's ranks use it: the later stages push their own KV), or None
+    def shared_dir(self, tp_size: int) -> str | None: ...
+    # optional: engine settings the part adds (PrefillPart: the pipeline stages' KV sender)
+    # engine_extras(self, worker: WorkerProcess) -> dict
     def start(self, worker: WorkerProcess, engine: LLMEngine) -> None: ...
     def add_to(self, server: grpc.Server) -> None: ...
     def stats(self) -> worker_pb2.WorkerStats: ...
@@ -138,18 +141,13 @@ class WorkerProcess:
     def tp_size(self) -> int:
         return self.config.engine_kwargs.get("tensor_parallel_size", 1)
 
-    @property
-    def num_ranks(self) -> int:
-        """The engine's ranks: tensor-parallel ranks times pipeline stages."""
-        return self.tp_size * self.config.engine_kwargs.get("pipeline_parallel_size", 1)
-
     def start(self) -> Self:
         """Builds and serves the worker; on any failure stops what had started, then raises."""
         try:
             parts = list(self.parts.values())
             for part in parts:
                 part.prepare()
-            shared = [d for d in (p.shared_dir(self.num_ranks) for p in parts) if d]
+            shared = [d for d in (p.shared_dir(self.tp_size) for p in parts) if d]
             engine = self._build_engine(shared[0] if shared else None)
             for part in parts:
                 part.start(self, engine)
@@ -201,6 +199,10 @@ class WorkerProcess:
         engine_kwargs = dict(cfg.engine_kwargs)
         if shared_dir and not engine_kwargs.get("kv_cache_shared_dir"):
             engine_kwargs["kv_cache_shared_dir"] = shared_dir
+        for part in self.parts.values():
+            extras = getattr(part, "engine_extras", None)
+            if extras is not None:
+                engine_kwargs.update(extras(self))
         self.loop = EngineLoop.build(
             lambda: warmed(
                 LLMEngine(EngineConfig(model=cfg.model, **engine_kwargs)), cfg.worker_id

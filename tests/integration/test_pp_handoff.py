@@ -1,9 +1,10 @@
 """The KV hand-off from a pipelined prefill worker (issue #53, must-show b): a prefill worker
 whose engine runs in 2 pipeline stages (and TP 2 inside 2 stages) hands off to a decode worker
 of one stage, over grpc, shm and torch: the greedy tokens are PP=1's, and every decode block is
-free afterwards. Rank 0 runs the first stage and pushes its layers as they finish; the later
-stages' layers leave once the forward pass has come back, read from their shared pool files
-(engine/kv_publish.py). A decode worker with stages is refused."""
+free afterwards on both sides. Each stage pushes its own layers as they finish, every rank of a
+later stage its own heads over its own channel (engine/kv_publish.py, prefill_worker/
+stage_push.py): each stage's bytes are exactly its layers' share, and rank 0 maps no later
+stage's pool (those ranks have no shared file at all). A decode worker with stages is refused."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from helpers.threads import wait_until
 from helpers.worker import GREEDY, Cluster, start_decode, start_prefill
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.parallel import stage_layers
 from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_MODEL_LEN = 320  # room for the long prompt
@@ -65,14 +67,35 @@ def test_a_pipelined_prefill_hands_off_one_stages_tokens(five_layers, backend, p
     cluster = StagedCluster(path, backend, pp, tp, chunk)
     try:
         assert [cluster.generate(f"pp-{i}", p) for i, p in enumerate(prompts)] == want
+        each_stage_pushed_its_own_layers(cluster, pp, tp)
 
         def idle():
             s = cluster.stats()
             return s.num_free_blocks == s.num_total_blocks and s.num_reserved == 0
 
         wait_until(idle, 5, f"decode pool not back to idle: {cluster.stats()}")
+        p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
+        assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
     finally:
         cluster.stop()
+
+
+def each_stage_pushed_its_own_layers(cluster, pp: int, tp: int) -> None:
+    """Every stage sent exactly its layers' share of the KV (the same tokens and heads for every
+    layer), and rank 0 maps no later stage's pool: only its own stage's TP ranks have files."""
+    engine = cluster.prefill.loop.engine
+    sent = cluster.prefill.servicer.stage_bytes
+    layers = [end - first for first, end in (stage_layers(5, s, pp) for s in range(pp))]
+    assert sorted(sent) == list(range(pp)) and all(sent[s] > 0 for s in range(pp)), sent
+    for s in range(1, pp):
+        assert sent[s] * layers[0] == sent[0] * layers[s], (sent, layers)
+    if tp == 1:  # no shared file at all
+        assert engine.kv_cache_paths == []
+    else:  # the first stage's TP ranks' files only, which rank 0 reads as under TP alone
+        assert all(engine.kv_cache_paths[:tp]) and engine.kv_cache_paths[tp:] == [None] * (
+            tp * (pp - 1)
+        )
+    assert len(engine.rank_kv_caches()) == tp
 
 
 def test_a_decode_worker_with_stages_is_refused():

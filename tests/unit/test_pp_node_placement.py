@@ -133,11 +133,13 @@ def test_ranks_on_another_host_are_refused_while_rank_0_maps_their_kv(monkeypatc
     here, away = _Handle(1, "10.0.0.1"), _Handle(1, "10.0.0.2")
     ranks.check([here], [None, "/dev/shm/a"])  # one host: the files are shared
     ranks.check([away], [None, None])  # no files to map: any host
+    # a later pipeline stage (no file: it pushes its own KV) may sit elsewhere
+    ranks.check([away], ["/dev/shm/a", None])
     with pytest.raises(RuntimeError) as e:
         ranks.check([away], ["/dev/shm/a", "/dev/shm/b"])
     assert str(e.value).startswith(
         "prefill-0: its ranks landed on other hosts than rank 0's (10.0.0.1: rank 1 on "
-        "10.0.0.2), but rank 0 maps every rank's KV pool from a file under kv_cache_shared_dir"
+        "10.0.0.2), but rank 0 maps the KV pools of its own stage's tensor-parallel ranks"
     )
 
 
