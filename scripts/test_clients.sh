@@ -7,11 +7,13 @@
 # The clients are not project dependencies: they go into a venv of their own (PDSERVE_CLIENTS_VENV,
 # default .venv-clients/ in the checkout, ignored by git and kept between runs) that sees the
 # project's install ($PYTHON's site-packages, in $PYTHON's order, so `pdserve` imports from the
-# same place it does there) and installs nothing of it again: pip runs with $PYTHON's installed
-# versions as constraints, so torch, transformers and the rest stay as the project has them.
+# same place it does there) and installs nothing of it again: pip runs with pdserve's own
+# dependencies, at the versions $PYTHON has, as constraints, so torch, transformers and the rest
+# stay as the project has them.
 # inference-perf declares Python >= 3.12 and pins transformers==5.13.0, but runs on 3.11 and on the
-# project's transformers: on an older Python it goes in without its declared dependencies, then
-# what it imports (tests/helpers/bench_clients.py's docstring).
+# project's transformers: it goes in without its declared dependencies (on any Python: its
+# transformers pin conflicts with the project's), then what it imports
+# (tests/helpers/bench_clients.py's docstring).
 #
 # In this lane a missing client fails its tests instead of skipping them
 # (PDSERVE_REQUIRE_CLIENTS=1, read by tests/helpers/bench_clients.py).
@@ -22,7 +24,7 @@ VENV=${PDSERVE_CLIENTS_VENV:-.venv-clients}
 GUIDELLM_PIN="guidellm==0.8.1"
 INFERENCE_PERF_PIN="inference-perf==0.7.0"
 # What inference-perf imports beyond guidellm's dependencies (datasets, aiofiles, uvloop come
-# with guidellm), installed by hand where its requirements cannot be used.
+# with guidellm), installed by hand since its declared requirements cannot be used.
 INFERENCE_PERF_IMPORTS=(aiohttp av tiktoken google-cloud-storage)
 start=$SECONDS
 
@@ -72,12 +74,8 @@ if ! installed guidellm "${GUIDELLM_PIN#*==}"; then
   pipi "$GUIDELLM_PIN"
 fi
 if ! installed inference-perf "${INFERENCE_PERF_PIN#*==}"; then
-  if "$CPY" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-    pipi "$INFERENCE_PERF_PIN"
-  else
-    pipi "${INFERENCE_PERF_IMPORTS[@]}"
-    pipi --no-deps --ignore-requires-python "$INFERENCE_PERF_PIN"
-  fi
+  pipi "${INFERENCE_PERF_IMPORTS[@]}"
+  pipi --no-deps --ignore-requires-python "$INFERENCE_PERF_PIN"
 fi
 "$CPY" -c 'import guidellm, inference_perf'
 echo "clients installed in $VENV: $((SECONDS - start)) s"

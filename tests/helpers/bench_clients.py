@@ -7,11 +7,12 @@ Not a test module: imported as `from helpers.bench_clients import ...`. The clie
 project dependencies (pyproject.toml's `clients` extra; `needs` skips a test, saying so, where
 one is missing, except in the clients' lane, scripts/test_clients.sh, which CI runs: it sets
 PDSERVE_REQUIRE_CLIENTS=1 and a missing client fails there). That script installs them in a venv
-of its own; by hand: `pip install -e '.[dev,clients]'`; on Python 3.11, inference-perf
-(which declares Python >= 3.12 and pins transformers==5.13.0, but runs on 3.11 and on the project's
-transformers) goes in by hand: `pip install --no-deps --ignore-requires-python
+of its own; by hand: `pip install guidellm==0.8.1`, then inference-perf (which declares
+Python >= 3.12 and pins transformers==5.13.0, but runs on 3.11 and on the project's transformers)
+without its declared dependencies: `pip install --no-deps --ignore-requires-python
 inference-perf==0.7.0`, then `pip install aiohttp av tiktoken google-cloud-storage` (what it
-imports; datasets, aiofiles and uvloop come with guidellm)."""
+imports; datasets, aiofiles and uvloop come with guidellm). pyproject.toml's `clients` extra
+installs inference-perf with its dependencies on Python >= 3.12, and so its transformers pin."""
 
 from __future__ import annotations
 
