@@ -261,9 +261,15 @@ def test_an_http_request_continues_the_clients_trace(traced):
     assert {svc for svc, _ in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
 
 
-def test_an_unreachable_endpoint_is_one_line_and_serving_goes_on(model_dir, caplog):
+def test_an_unreachable_endpoint_is_one_line_and_serving_goes_on(model_dir, caplog, monkeypatch):
     import logging
     import socket
+
+    # The exporter's own deadline per batch, retries included (OpenTelemetry's knob, 10 s by
+    # default): each failed export gives up sooner, so more of them fail within the test's
+    # window, and the test waits less for each flush and shutdown.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "2")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2")
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
