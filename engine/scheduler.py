@@ -40,8 +40,10 @@ tokens, in whole blocks, between one block and the token budget, and at most twi
 long chunk, the first one at most LONG_START_BLOCKS blocks: a rate measured on short prompts
 underestimates a chunk's cost deeper into a long one, and growing from a small first chunk keeps
 the first steps within the target while the rate is learnt). A prefill is long
-when its sequence is longer than the token budget (it takes several steps anyway) and it has
-more tokens left than that chunk; a prompt that fits the budget runs whole, as before. Each
+when what it computes (its sequence less the prefix-cache hits of its admission) is longer than
+the token budget (it takes several steps anyway) and it has more tokens left than that chunk; a
+prompt whose uncached part fits the budget runs whole, as before (a conversation's next turn
+over its cached earlier turns too, however long the conversation). Each
 step then plans: running sequences that are not long prefills (decodes first, as before, and
 short partial prefills), then waiting prompts first come first served (a long one is admitted
 only while no other long prefill runs, and short prompts behind it pass it), then the long
@@ -513,11 +515,11 @@ class Scheduler:
                 i += 1  # another adapter's turn first (module docstring)
                 continue
             gate.take(seq)  # (a long prefill planned last holds its adapter's place too)
-            if self._is_long(seq, seq.num_tokens - seq.num_computed_tokens, chunk):
+            left = seq.num_tokens - seq.num_computed_tokens
+            if self._is_long(seq, left, chunk, seq.num_cached_tokens):
                 longs.append(seq)
                 i += 1
                 continue
-            left = seq.num_tokens - seq.num_computed_tokens
             prefill = not _decoding(seq)
             if prefill:
                 left = min(left, cap.room(budget))
@@ -586,7 +588,7 @@ class Scheduler:
             room = cap.room(budget)
             cached = self._cached_for_admission(seq)
             left = seq.num_tokens - len(cached) * self.bm.block_size
-            long = self._is_long(seq, left, chunk)
+            long = self._is_long(seq, left, chunk, len(cached) * self.bm.block_size)
             if long and longs:  # one long prefill at a time: the short ones behind it pass it
                 w += 1
                 continue
@@ -627,11 +629,13 @@ class Scheduler:
             root=seq.cache_root,
         )
 
-    def _is_long(self, seq: Sequence, left: int, chunk: int) -> bool:
-        """Whether `seq`, with `left` tokens to compute, is a long prefill: longer than the token
-        budget (it takes several steps anyway) and more left than one long chunk. A prompt that
-        fits the budget runs whole, as without the policy."""
-        return seq.num_tokens > self.max_num_batched_tokens and left > chunk
+    def _is_long(self, seq: Sequence, left: int, chunk: int, cached: int) -> bool:
+        """Whether `seq`, with `left` tokens to compute and `cached` leading ones served from the
+        prefix cache at its admission, is a long prefill: what it computes is longer than the
+        token budget (it takes several steps anyway) and more is left than one long chunk. A
+        prompt whose uncached part fits the budget runs whole, as without the policy (a
+        conversation's next turn over its cached earlier turns among them)."""
+        return seq.num_tokens - cached > self.max_num_batched_tokens and left > chunk
 
     def _plan_running(
         self, seq: Sequence, limit: int, budget: int, may_preempt: bool = True

@@ -94,6 +94,26 @@ def test_a_turn_alone_is_not_split():
     assert turn.num_output_tokens == 1
 
 
+def test_a_long_conversations_next_turn_over_its_cached_turns_is_not_a_long_prefill():
+    """Under the long-prefill policy a prompt longer than the token budget runs in long chunks;
+    a turn whose earlier turns the prefix cache holds computes only its new tokens, and those
+    fit the budget: it runs whole in one step, not in long chunks."""
+    h = Harness(num_blocks=512, budget=64)
+    h.sched.prefill_step_target_s = 1.0
+    h.sched.sec_per_token = 1.0 / 8  # a long chunk: 8 tokens
+    (first,) = h.add(list(range(2, 202)), max_tokens=4, ignore_eos=True)  # 200 tokens: long
+    pieces = []
+    while not first.num_output_tokens:
+        pieces += [s.num_new_tokens for s in h.step().scheduled]
+    assert max(pieces) < 64 and len(pieces) > 3  # (in long chunks)
+    h.run()
+    turn_prompt = first.token_ids + list(range(300, 330))  # 204 held, 30 new
+    (turn,) = h.add(turn_prompt, max_tokens=1)
+    plan = h.step()
+    assert [s.num_new_tokens for s in plan.scheduled] == [len(turn_prompt) - 200]
+    assert turn.num_cached_tokens == 200 and turn.is_finished
+
+
 def test_off_keeps_the_whole_budget_beside_streams():
     h = Harness(num_blocks=512, budget=256)  # max_step_slowdown 0: the default
     _streams(h)
