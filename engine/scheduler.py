@@ -55,18 +55,19 @@ limits concurrent long partial prefills (max_long_partial_prefills); this policy
 seconds rather than tokens, because here a chunk's cost at 6,000 tokens of context is several
 times its cost at the start of the prompt.
 
-Prefill beside running streams (max_step_slowdown > 0, EngineConfig's; 0 keeps the policies
-above): on a decode worker a prompt, or a conversation's new turn whose earlier turns it holds
+Prefill beside running streams (max_step_slowdown > 0, EngineConfig's; 0 keeps the policies above):
+on a decode worker a prompt, or a conversation's new turn whose earlier turns it holds
 (planner/local_prefill.py), is computed in the steps that also decode the running streams, and
 every one of those streams waits for the whole step. With a slowdown x, a step that decodes at
-least one stream computes at most `stream_prefill_cap` prompt tokens in all, its prefill pieces
-and admissions sharing them in planning order: x times a plain decode step's seconds over the
-seconds a prompt token adds to a step, both measured (`observe_step`: steps that only decode set
-the first, steps that decode and prefill set the second from what they took beyond it, each
-step weighing half; a prefill alone bounds it from above until then), so such a step takes
-about (1 + x) plain decode steps. The cap is at least one token, at most twice the larger of a
-block and what the last capped step was given, within the token budget; one block until a
-decode step and a prompt token's cost are measured. A step with no stream to decode is not capped: a turn alone runs at full speed.
+least one stream computes at most `stream_prefill_cap` prompt tokens in all, its prefill pieces and
+admissions sharing them in planning order: x times a plain decode step's seconds over the seconds a
+prompt token adds to a step, both measured (`observe_step`: steps that only decode set the first,
+steps that decode and prefill set the second, the average of what they took beyond it over the
+average of their prompt tokens, each step weighing half; a prefill alone bounds it from above until
+then), so such a step takes about (1 + x) plain decode steps. The cap is at least one token, at
+most twice the larger of a block and what the last capped step was given, within the token budget;
+one block until a decode step and a prompt token's cost are measured. A step with no stream to
+decode is not capped: a turn alone runs at full speed.
 
 LoRA adapters (max_loras, vLLM's meaning: the adapters one batch may run): a step runs sequences
 of at most `max_loras` distinct adapters (the base model counts for none), planned in the order
@@ -195,6 +196,8 @@ class Scheduler:
         self.stream_token_s: float | None = None
         self.alone_token_s: float | None = None
         self._stream_grant: int | None = None
+        self._extra_s: float | None = None  # (averages stream_token_s is the ratio of)
+        self._extra_tokens: float | None = None
         # The attention window of a model whose every layer slides, else None.
         self.kv_window = kv_window
         if kv_window is not None and block_manager.null_block is None:
@@ -374,8 +377,12 @@ class Scheduler:
         elif not prefill:
             self.decode_step_s = _halfway(self.decode_step_s, seconds)
         elif self.decode_step_s is not None:
-            extra = max(seconds - self.decode_step_s, 0.0) / prefill
-            self.stream_token_s = _halfway(self.stream_token_s, extra)
+            # the seconds beyond a plain decode step over the prompt tokens, each averaged on
+            # its own (not their ratio step by step: a step's noise over the one or two tokens
+            # of a small chunk would swamp it, and only upwards once cut at zero)
+            self._extra_s = _halfway(self._extra_s, seconds - self.decode_step_s)
+            self._extra_tokens = _halfway(self._extra_tokens, float(prefill))
+            self.stream_token_s = max(self._extra_s, 0.0) / self._extra_tokens
 
     def stream_prefill_cap(self) -> int:
         """The prompt tokens a step that decodes running streams may compute besides (module

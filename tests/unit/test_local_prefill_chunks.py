@@ -134,12 +134,17 @@ def test_the_cap_starts_at_a_block_and_grows_at_most_twofold():
     sched.decode_step_s, sched.stream_token_s = 0.020, 0.0001  # would allow 100 tokens
     got = [_prefill_tokens(h.step()) for _ in range(5)]
     assert got == [8, 16, 32, 64, 100]
-    # a step that took far longer than the decode step shrinks the next chunk at once
+    # steps that took longer than the decode step shrink the next chunk at once
     plan = h.step()
     assert _prefill_tokens(plan) == 100
-    sched.observe_step(plan, 0.020 + 100 * 0.0019)  # 1.9 ms a token: avg 1 ms -> 10 tokens
-    assert sched.stream_token_s == pytest.approx(0.001)
-    assert _prefill_tokens(h.step()) == 10
+    sched.observe_step(plan, 0.020 + 100 * 0.002)  # 2 ms a token
+    assert sched.stream_token_s == pytest.approx(0.002)
+    assert _prefill_tokens(h.step()) == 5  # 0.5 x 20 ms / 2 ms
+    plan = h.step()
+    sched.observe_step(plan, 0.020 - 0.005)  # 5 tokens in 5 ms under a plain step (noise)
+    # the averages of the extra seconds and of the tokens: (0.2 - 0.005) / 2 over (100 + 5) / 2
+    assert sched.stream_token_s == pytest.approx(0.195 / 105)
+    assert _prefill_tokens(h.step()) == int(0.5 * 0.020 / (0.195 / 105))
     h.run()
     assert turn.is_finished
 
