@@ -250,7 +250,7 @@ class LocalPrefillSettings(_Frozen):
     hop_tokens: Annotated[int, Field(ge=0)] = 64
     reuse_max_new_tokens: Annotated[int, Field(ge=0)] = 512
     # (planner/local_prefill.py MAX_STEP_SLOWDOWN, the rule's own default)
-    max_step_slowdown: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.25
+    max_step_slowdown: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.1
 
 
 class PeerFetchSettings(_Frozen):
