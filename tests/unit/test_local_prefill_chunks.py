@@ -282,3 +282,47 @@ def test_the_setting_defaults_alike_and_reaches_the_decode_pool_only():
     assert "max_step_slowdown" not in colocated.engine_kwargs(colocated.pools.colocated)
     with pytest.raises(ConfigError, match="max_step_slowdown"):
         validate_config({"router": {"local_prefill": {"max_step_slowdown": -1}}})
+
+
+def test_the_router_prices_a_turn_by_the_streams_open_on_its_holder():
+    """Legs._prefill_here: a conversation's turn runs on the decode worker holding it while no
+    leg of this router has a call open there, and goes to the prefill pool at the chunked price
+    while one does (a stream it would run beside)."""
+    from pdserve.router.legs import Leg, Legs
+
+    holder = object()
+
+    class Pool:  # what _prefill_here asks of the router's WorkerPool
+        decode = [holder]
+
+        def on_drop(self, listener):
+            pass
+
+        def is_member(self, worker):
+            return True
+
+        def prefill_backlog(self, prompt, adapter="", held=0):
+            return 300  # the turn's tokens the prefill pool does not cache
+
+        def decode_backlog(self, worker=None):
+            return 0
+
+        def handoff_bandwidth(self):
+            return 0.0  # nothing measured: no peer fetch priced
+
+    legs = Legs(pool=Pool(), executor=None, options=None)
+    legs.local_prefill = LocalPrefill(cost=2.0, hop_tokens=64, max_step_slowdown=0.1)
+    prompt = list(range(2000))
+
+    def local() -> bool:
+        leg = Leg(1)
+        leg.held = {holder: 1900}
+        return legs._prefill_here(prompt, leg) and leg.expect_worker is holder
+
+    assert local()  # alone: 2 x 100 < 300 + 64
+    stream = Leg(2)
+    legs.open.add(holder, stream)
+    assert not local()  # beside a stream: 2 x 11 x 100 > 364
+    legs.open.remove(holder, stream)
+    assert local()
+    legs.close()
