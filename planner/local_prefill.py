@@ -20,18 +20,19 @@ idle, and longer ones too while the prefill pool is queued. max_prompt_tokens 0 
 (the default).
 
 Beside running streams a decode worker does not compute a prompt at full speed: with
-max_step_slowdown x (> 0; its decode pool's engines get the same value, deploy/config/schema.py),
-a step that decodes streams computes prompt tokens for at most about x of a plain decode step
-(engine/scheduler.py), so the streams' steps take about (1 + x) times as long and the prompt
-runs in chunks, one a step. A prompt token then costs its full-speed time stretched by
-(1 + x) / x (a step of (1 + x) plain steps buys x of them of prompt), and while the decode
-worker has streams running (`streams`) the inequality prices it so:
+max_step_slowdown s (> 0; its decode pool's engines get the same value, deploy/config/schema.py),
+a step that decodes streams computes prompt tokens for at most about s of a plain decode step
+(engine/scheduler.py), so the streams' steps take about (1 + s) times as long and the prompt
+runs in chunks, one a step. A prompt token then takes its full-speed time stretched by
+(1 + s) / s (a step as long as 1 + s plain ones computes s of them of prompt), and while the
+decode worker has streams running (`streams`) the inequality prices it so:
 
-    cost x (1 + x) / x x (decode backlog + prompt tokens)  <  prefill backlog + hop_tokens
+    cost x (1 + s) / s x (decode backlog + prompt tokens)  <  prefill backlog + hop_tokens
 
-A worker with no stream running computes the prompt alone, at full speed, priced `cost`. x 0
+A worker with no stream running computes the prompt alone, at full speed, priced `cost`. s 0
 bounds nothing (the running streams wait for whole prompts, within the decode pool's
-max_num_batched_tokens), priced `cost` as before.
+max_num_batched_tokens), priced `cost` as before. The simulator asks without `streams`: its
+local prefills are priced at full speed.
 
 A conversation's next turn is the other case: its decode worker probably still holds the earlier
 turns, prompt and answer, in its prefix cache (router/pool.py's decode view), so only the new
@@ -111,6 +112,6 @@ class LocalPrefill:
 
     def price(self, streams: bool) -> float:
         """A prompt token computed on a decode worker, in prefill-pool tokens: `cost`, stretched
-        by (1 + x) / x while streams run there and max_step_slowdown x bounds their steps."""
-        x = self.max_step_slowdown
-        return self.cost * (1 + x) / x if streams and x > 0 else self.cost
+        by (1 + s) / s while streams run there and max_step_slowdown s bounds their steps."""
+        s = self.max_step_slowdown
+        return self.cost * (1 + s) / s if streams and s > 0 else self.cost
