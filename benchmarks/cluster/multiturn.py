@@ -24,7 +24,10 @@ TTFT of a cold prompt of the same length. The shapes (full size; --quick shrinks
      questions and answers
 
 The goals the issue sets are evaluated from the measured figures (`goals`). Each run records the
-CPU other processes used meanwhile (the machine is shared). Writes benchmarks/results/multiturn.json.
+CPU other processes used meanwhile (the machine is shared). A turn its decode worker prefilled
+itself also gets where its TTFT went (`ttft_parts_ms`, logged per turn: the client to the router,
+the router's pick and Reserve, the decode worker's engine to the first token, the relay back),
+from the Finish timings. Writes benchmarks/results/multiturn.json.
 
     python -m benchmarks.cluster.multiturn --host-tier       # must-show c: eviction pressure
 
