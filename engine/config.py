@@ -170,6 +170,11 @@ class EngineConfig:
     # in chunks of about this many seconds, and short prompts that arrive meanwhile go first
     # (engine/scheduler.py's module docstring); 0: off, a prompt takes the whole token budget
     prefill_step_target_s: float = 0.5
+    # a step that decodes running streams computes at most about this fraction of a plain decode
+    # step's time in prompt tokens besides (their chunk sized from measured step costs:
+    # engine/scheduler.py's module docstring), so a prefill beside them (a decode worker's local
+    # prefill) slows their steps to about (1 + this); 0: off, prompts take the whole token budget
+    max_step_slowdown: float = 0.0
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0
@@ -266,6 +271,13 @@ class EngineConfig:
             and 0 <= self.prefill_step_target_s < float("inf"),
             "prefill_step_target_s",
             "a number of seconds >= 0 (0: off)",
+        )
+        check(
+            isinstance(self.max_step_slowdown, int | float)
+            and not isinstance(self.max_step_slowdown, bool)
+            and 0 <= self.max_step_slowdown < float("inf"),
+            "max_step_slowdown",
+            "a number >= 0 (0: off)",
         )
         check(
             self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),

@@ -40,8 +40,10 @@ tokens, in whole blocks, between one block and the token budget, and at most twi
 long chunk, the first one at most LONG_START_BLOCKS blocks: a rate measured on short prompts
 underestimates a chunk's cost deeper into a long one, and growing from a small first chunk keeps
 the first steps within the target while the rate is learnt). A prefill is long
-when its sequence is longer than the token budget (it takes several steps anyway) and it has
-more tokens left than that chunk; a prompt that fits the budget runs whole, as before. Each
+when what it computes (its sequence less the prefix-cache hits of its admission) is longer than
+the token budget (it takes several steps anyway) and it has more tokens left than that chunk; a
+prompt whose uncached part fits the budget runs whole, as before (a conversation's next turn
+over its cached earlier turns too, however long the conversation). Each
 step then plans: running sequences that are not long prefills (decodes first, as before, and
 short partial prefills), then waiting prompts first come first served (a long one is admitted
 only while no other long prefill runs, and short prompts behind it pass it), then the long
@@ -52,6 +54,20 @@ a long one. vLLM V1 caps a long prefill's chunk at long_prefill_token_threshold 
 limits concurrent long partial prefills (max_long_partial_prefills); this policy does both, in
 seconds rather than tokens, because here a chunk's cost at 6,000 tokens of context is several
 times its cost at the start of the prompt.
+
+Prefill beside running streams (max_step_slowdown > 0, EngineConfig's; 0 keeps the policies above):
+on a decode worker a prompt, or a conversation's new turn whose earlier turns it holds
+(planner/local_prefill.py), is computed in the steps that also decode the running streams, and
+every one of those streams waits for the whole step. With a slowdown x, a step that decodes at
+least one stream computes at most `stream_prefill_cap` prompt tokens in all, its prefill pieces and
+admissions sharing them in planning order: x times a plain decode step's seconds over the seconds a
+prompt token adds to a step, both measured (`observe_step`: steps that only decode set the first,
+steps that decode and prefill set the second, the average of what they took beyond it over the
+average of their prompt tokens, each step weighing half; a prefill alone bounds it from above until
+then), so such a step takes about (1 + x) plain decode steps. The cap is at least one token, at
+most twice the larger of a block and what the last capped step was given, within the token budget;
+one block until a decode step and a prompt token's cost are measured. A step with no stream to
+decode is not capped: a turn alone runs at full speed.
 
 LoRA adapters (max_loras, vLLM's meaning: the adapters one batch may run): a step runs sequences
 of at most `max_loras` distinct adapters (the base model counts for none), planned in the order
@@ -160,6 +176,7 @@ class Scheduler:
         kv_window: int | None = None,
         prefill_step_target_s: float = 0.0,
         max_loras: int | None = None,
+        max_step_slowdown: float = 0.0,
     ):
         self.bm = block_manager
         # distinct LoRA adapters a step may run (module docstring); None: no bound
@@ -170,6 +187,17 @@ class Scheduler:
         self.sec_per_token: float | None = None
         self._long_yielded = False  # the long prefills gave the last step to a newcomer
         self._long_grant: int | None = None  # tokens the long prefills got at their last step
+        # prefill beside running streams (module docstring): the slowdown x (0: off), a plain
+        # decode step's seconds, the seconds a prompt token adds beside decodes (and, until that
+        # is measured, a prompt token's seconds in a step that decodes nothing), and the prompt
+        # tokens the last capped step was given
+        self.max_step_slowdown = max_step_slowdown
+        self.decode_step_s: float | None = None
+        self.stream_token_s: float | None = None
+        self.alone_token_s: float | None = None
+        self._stream_grant: int | None = None
+        self._extra_s: float | None = None  # (averages stream_token_s is the ratio of)
+        self._extra_tokens: float | None = None
         # The attention window of a model whose every layer slides, else None.
         self.kv_window = kv_window
         if kv_window is not None and block_manager.null_block is None:
@@ -218,6 +246,7 @@ class Scheduler:
             kv_window=window,
             prefill_step_target_s=config.prefill_step_target_s,
             max_loras=config.max_loras if config.enable_lora else None,
+            max_step_slowdown=config.max_step_slowdown,
         )
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -324,14 +353,56 @@ class Scheduler:
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """The engine ran `plan` in `seconds`: a step that computed a prompt chunk (and at least a
         block of tokens, so a step's fixed cost does not dominate) sets the seconds per token the
-        next long chunk is sized from."""
+        next long chunk is sized from; steps that decode set what a prefill beside running
+        streams may compute (module docstring)."""
+        if seconds <= 0:
+            return
+        if self.max_step_slowdown:
+            self._observe_streams(plan, seconds)
         tokens = plan.num_tokens
-        if not self.prefill_step_target_s or tokens < self.bm.block_size or seconds <= 0:
+        if not self.prefill_step_target_s or tokens < self.bm.block_size:
             return
         if any(s.num_new_tokens - s.num_spec > 1 for s in plan.scheduled):
             rate = seconds / tokens
             old = self.sec_per_token
             self.sec_per_token = rate if old is None else (old + rate) / 2
+
+    def _observe_streams(self, plan: StepPlan, seconds: float) -> None:
+        """The step costs the stream cap is sized from (module docstring)."""
+        prefill = sum(s.num_new_tokens for s in plan.scheduled if not _decodes(s))
+        decodes = len(plan.scheduled) - sum(1 for s in plan.scheduled if not _decodes(s))
+        if not decodes:
+            if prefill:
+                self.alone_token_s = _halfway(self.alone_token_s, seconds / prefill)
+        elif not prefill:
+            self.decode_step_s = _halfway(self.decode_step_s, seconds)
+        elif self.decode_step_s is not None:
+            # the seconds beyond a plain decode step over the prompt tokens, each averaged on
+            # its own (not their ratio step by step: a step's noise over the one or two tokens
+            # of a small chunk would swamp it, and only upwards once cut at zero)
+            self._extra_s = _halfway(self._extra_s, seconds - self.decode_step_s)
+            self._extra_tokens = _halfway(self._extra_tokens, float(prefill))
+            self.stream_token_s = max(self._extra_s, 0.0) / self._extra_tokens
+
+    def stream_prefill_cap(self) -> int:
+        """The prompt tokens a step that decodes running streams may compute besides (module
+        docstring): max_step_slowdown times a plain decode step over a prompt token's measured
+        cost, at least one, at most twice the larger of a block and the last capped step's grant,
+        and the token budget; one block until a decode step and a prompt token's cost are measured."""
+        bs, budget = self.bm.block_size, self.max_num_batched_tokens
+        per_token = self.stream_token_s if self.stream_token_s is not None else self.alone_token_s
+        if self.decode_step_s is None or per_token is None:
+            return max(1, min(bs, budget))
+        want = budget if per_token <= 0 else self.max_step_slowdown * self.decode_step_s / per_token
+        grown = 2 * max(self._stream_grant or 0, bs)
+        return max(1, min(int(want), grown, budget))
+
+    def _stream_cap(self) -> _Cap:
+        """This step's bound on prompt tokens: stream_prefill_cap while a running sequence
+        decodes and the policy is on, else none."""
+        if not self.max_step_slowdown or not any(_decoding(s) for s in self.running):
+            return _Cap(None)
+        return _Cap(self.stream_prefill_cap())
 
     def long_chunk(self) -> int:
         """The tokens a long prefill computes in one step: prefill_step_target_s worth at the
@@ -352,8 +423,9 @@ class Scheduler:
         self.running.sort(key=_priority)
         if self.speculator is not None:
             self.speculator.set_budgets(self.running)
+        cap = self._stream_cap()
         if self.prefill_step_target_s:
-            return self._schedule_long_aware()
+            return self._schedule_long_aware(cap)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
@@ -364,9 +436,15 @@ class Scheduler:
             if not gate.admits(seq):
                 i += 1  # another adapter's turn first: it keeps its blocks (module docstring)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            if not _decoding(seq):
+                left = min(left, cap.room(budget))
+                if left <= 0:
+                    i += 1  # the streams' step is full: it keeps its blocks, waits a step
+                    continue
+            n = min(left, budget)
             # a decode may also check guesses (speculative decoding), if blocks and budget allow
-            spec = min(seq.spec_budget, budget - n) if n == 1 and seq.pooling is None else 0
+            spec = min(seq.spec_budget, budget - n) if _spec_may(seq, n) else 0
             need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
             if spec and need > self.bm.num_free_blocks:
                 spec = 0  # guesses never preempt anyone
@@ -383,21 +461,24 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec))
             gate.take(seq)
             budget -= n + spec
+            if not _decoding(seq):
+                cap.take(n)
             i += 1
         w = 0
         while (
             not preempted
             and w < len(self.waiting)
-            and budget > 0
+            and cap.room(budget) > 0
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[w]
             if not gate.admits(seq):
                 w += 1  # deferred: the base model's prompts behind it may pass it
                 continue
+            room = cap.room(budget)
             cached = self._cached_for_admission(seq)
             # A sliding window admits the first chunk's blocks; the rest come as the chunks run.
-            first = min(seq.num_tokens, len(cached) * self.bm.block_size + budget)
+            first = min(seq.num_tokens, len(cached) * self.bm.block_size + room)
             upto = seq.num_tokens if self.kv_window is None else first
             try:
                 self._admit_blocks(seq, cached, upto, watermark=self.watermark_blocks)
@@ -407,10 +488,17 @@ class Scheduler:
             gate.take(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, room)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
+            cap.take(n)
+        self._note_grant(cap)
         return self._finish_plan(scheduled)
+
+    def _note_grant(self, cap: _Cap) -> None:
+        """Remembers what a capped step gave the prompts (stream_prefill_cap grows from it)."""
+        if cap.limit is not None and cap.used:
+            self._stream_grant = cap.used
 
     def _finish_plan(self, scheduled: list[ScheduledSeq]) -> StepPlan:
         plan = StepPlan(scheduled, block_copies=self._pending_copies)
@@ -418,8 +506,9 @@ class Scheduler:
         self.build_rows(plan)
         return plan
 
-    def _schedule_long_aware(self) -> StepPlan:
-        """schedule() under the long-prefill policy (module docstring)."""
+    def _schedule_long_aware(self, cap: _Cap) -> StepPlan:
+        """schedule() under the long-prefill policy (module docstring); `cap`: the bound on
+        this step's prompt tokens (prefill beside running streams)."""
         chunk = self.long_chunk()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -433,27 +522,36 @@ class Scheduler:
                 i += 1  # another adapter's turn first (module docstring)
                 continue
             gate.take(seq)  # (a long prefill planned last holds its adapter's place too)
-            if self._is_long(seq, seq.num_tokens - seq.num_computed_tokens, chunk):
+            left = seq.num_tokens - seq.num_computed_tokens
+            if self._is_long(seq, left, chunk, seq.num_cached_tokens):
                 longs.append(seq)
                 i += 1
                 continue
+            prefill = not _decoding(seq)
+            if prefill:
+                left = min(left, cap.room(budget))
+                if left <= 0:
+                    i += 1  # the streams' step is full: it keeps its blocks, waits a step
+                    continue
             before = self.num_preemptions
-            item = self._plan_running(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            item = self._plan_running(seq, left, budget)
             preempted |= self.num_preemptions > before  # (only sequences after this one)
             if item is None:
                 break
             scheduled.append(item)
             budget -= item.num_new_tokens
+            if prefill:
+                cap.take(item.num_new_tokens)
             i += 1
         running_longs = list(longs)
         admitted_short = False
         if not preempted:
-            budget, admitted_short = self._admit_waiting(chunk, budget, scheduled, longs, gate)
+            budget, admitted_short = self._admit_waiting(chunk, budget, scheduled, longs, gate, cap)
         # a newcomer's first step runs without the chunk of a long prefill that was already
         # running (one admitted with it runs after it), but never two steps in a row
         yielded = admitted_short and bool(running_longs) and not self._long_yielded
         self._long_yielded = yielded
-        allowance = 0 if yielded or preempted else min(chunk, budget)
+        allowance = 0 if yielded or preempted else min(chunk, cap.room(budget))
         granted = 0
         for seq in longs:
             if allowance <= 0:
@@ -464,10 +562,12 @@ class Scheduler:
             scheduled.append(item)
             allowance -= item.num_new_tokens
             granted += item.num_new_tokens
+            cap.take(item.num_new_tokens)
         if not longs:
             self._long_grant = None  # the next long prefill starts small again
         elif granted:
             self._long_grant = granted
+        self._note_grant(cap)
         return self._finish_plan(scheduled)
 
     def _admit_waiting(
@@ -477,27 +577,31 @@ class Scheduler:
         scheduled: list[ScheduledSeq],
         longs: list[Sequence],
         gate: _AdapterGate,
+        cap: _Cap,
     ) -> tuple[int, bool]:
-        """The waiting prompts admitted this step, first come first served within `budget`: a
-        short one is scheduled into `scheduled`, a long one joins `longs` (only while no other
-        long prefill runs; the short ones behind it pass it). Returns the budget left and
-        whether a short prompt was admitted."""
+        """The waiting prompts admitted this step, first come first served within `budget` (and
+        `cap`): a short one is scheduled into `scheduled`, a long one joins `longs` (only while
+        no other long prefill runs; the short ones behind it pass it). Returns the budget left
+        and whether a short prompt was admitted."""
         admitted_short = False
         w = 0
-        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            w < len(self.waiting) and cap.room(budget) > 0 and len(self.running) < self.max_num_seqs
+        ):
             seq = self.waiting[w]
             if not gate.admits(seq):
                 w += 1  # deferred (module docstring)
                 continue
+            room = cap.room(budget)
             cached = self._cached_for_admission(seq)
             left = seq.num_tokens - len(cached) * self.bm.block_size
-            long = self._is_long(seq, left, chunk)
+            long = self._is_long(seq, left, chunk, len(cached) * self.bm.block_size)
             if long and longs:  # one long prefill at a time: the short ones behind it pass it
                 w += 1
                 continue
             # a sliding window admits the blocks of the first piece this prompt computes: a
             # short one's whole prompt within the budget, a long one's first chunk
-            piece = min(budget, chunk) if long else budget
+            piece = min(room, chunk) if long else room
             first = min(seq.num_tokens, len(cached) * self.bm.block_size + piece)
             upto = seq.num_tokens if self.kv_window is None else first
             try:
@@ -511,9 +615,10 @@ class Scheduler:
             if long:
                 longs.append(seq)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, room)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
+            cap.take(n)
             admitted_short = True
         return budget, admitted_short
 
@@ -531,11 +636,13 @@ class Scheduler:
             root=seq.cache_root,
         )
 
-    def _is_long(self, seq: Sequence, left: int, chunk: int) -> bool:
-        """Whether `seq`, with `left` tokens to compute, is a long prefill: longer than the token
-        budget (it takes several steps anyway) and more left than one long chunk. A prompt that
-        fits the budget runs whole, as without the policy."""
-        return seq.num_tokens > self.max_num_batched_tokens and left > chunk
+    def _is_long(self, seq: Sequence, left: int, chunk: int, cached: int) -> bool:
+        """Whether `seq`, with `left` tokens to compute and `cached` leading ones served from the
+        prefix cache at its admission, is a long prefill: what it computes is longer than the
+        token budget (it takes several steps anyway) and more is left than one long chunk. A
+        prompt whose uncached part fits the budget runs whole, as without the policy (a
+        conversation's next turn over its cached earlier turns among them)."""
+        return seq.num_tokens - cached > self.max_num_batched_tokens and left > chunk
 
     def _plan_running(
         self, seq: Sequence, limit: int, budget: int, may_preempt: bool = True
@@ -545,7 +652,7 @@ class Scheduler:
         then itself) when the blocks run out, returning None once it is preempted itself. With
         may_preempt=False nobody is preempted: None when the blocks are not there."""
         n = min(seq.num_tokens - seq.num_computed_tokens, limit, budget)
-        spec = min(seq.spec_budget, budget - n) if n == 1 and seq.pooling is None else 0
+        spec = min(seq.spec_budget, budget - n) if _spec_may(seq, n) else 0
         need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
         if spec and need > self.bm.num_free_blocks:
             spec = 0  # guesses never preempt anyone
@@ -785,8 +892,45 @@ class _AdapterGate:
             self.ids.add(seq.lora_id)
 
 
+class _Cap:
+    """One step's bound on the prompt tokens it computes beside running streams (module
+    docstring: prefill beside running streams); limit None: no bound but the token budget."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.used = 0
+
+    def room(self, budget: int) -> int:
+        """The prompt tokens the step may still take, with `budget` tokens left in it."""
+        return budget if self.limit is None else min(budget, self.limit - self.used)
+
+    def take(self, n: int) -> None:
+        self.used += n
+
+
 def _priority(seq: Sequence) -> int:
     return seq.priority
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Whether running `seq` decodes: its prompt (and any recomputation) done, one token of its
+    own left to compute (guesses aside)."""
+    return seq.num_output_tokens > 0 and seq.num_tokens - seq.num_computed_tokens == 1
+
+
+def _decodes(item: ScheduledSeq) -> bool:
+    """Whether a planned piece is a decode (as _decoding, seen from the plan before update)."""
+    return item.num_new_tokens - item.num_spec == 1 and _decoding(item.seq)
+
+
+def _spec_may(seq: Sequence, n: int) -> bool:
+    """Whether a piece of `n` tokens of `seq` may check guesses: its last token, not pooling."""
+    return n == 1 == seq.num_tokens - seq.num_computed_tokens and seq.pooling is None
+
+
+def _halfway(old: float | None, new: float) -> float:
+    """An average in which each new measurement weighs half."""
+    return new if old is None else (old + new) / 2
 
 
 def _every_position(seq: Sequence) -> bool:

@@ -200,19 +200,33 @@ class Legs:
         if not policy.enabled and holder is None:
             return False
         backlog = self.pool.prefill_backlog(prompt, leg.lora)
-        local = policy.choose(len(prompt), backlog, self.pool.decode_backlog())
+        local = policy.choose(
+            len(prompt),
+            backlog,
+            self.pool.decode_backlog(),
+            streams=all(self._streams_on(w) for w in self.pool.decode),
+        )
         if not local and holder is not None:
             local = policy.choose(
                 len(prompt),
                 self._backlog_with_fetch(prompt, leg, held[holder], backlog),
                 self.pool.decode_backlog(holder),
                 held[holder],
+                streams=self._streams_on(holder),
             )
             if local:
                 leg.expect_worker, leg.expected = holder, held[holder]
         if local and self.on_local is not None:
             self.on_local()
         return local
+
+    def _streams_on(self, worker) -> bool:
+        """Whether decode worker `worker` has streams running that a prompt prefilled there would
+        run beside, in chunks (planner/local_prefill.py): a leg of this router has a call open on
+        it. (Not its WorkerStats' running count: up to a sweep old, it would still count the
+        previous turn of a conversation that sends its next one at once. Another router's
+        streams are not seen.)"""
+        return self.open.count(worker) > 0
 
     def _backlog_with_fetch(self, prompt, leg: Leg, held: int, backlog: int | None):
         """The prefill pool's backlog for a turn whose decode worker holds `held` leading tokens,

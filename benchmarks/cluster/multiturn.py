@@ -24,7 +24,10 @@ TTFT of a cold prompt of the same length. The shapes (full size; --quick shrinks
      questions and answers
 
 The goals the issue sets are evaluated from the measured figures (`goals`). Each run records the
-CPU other processes used meanwhile (the machine is shared). Writes benchmarks/results/multiturn.json.
+CPU other processes used meanwhile (the machine is shared). A turn its decode worker prefilled
+itself also gets where its TTFT went (`ttft_parts_ms`, logged per turn: the client to the router,
+the router's pick and Reserve, the decode worker's engine to the first token, the relay back),
+from the Finish timings. Writes benchmarks/results/multiturn.json.
 
     python -m benchmarks.cluster.multiturn --host-tier       # must-show c: eviction pressure
 
@@ -168,6 +171,9 @@ def run_shape(address: str, shape: dict, card) -> dict:
     cpu = mon.stop()
     summary = metrics.summarize(records, duration_s)
     turns = metrics.summarize_turns(records, sessions.planned_turns(ss))
+    parts = turn_parts(records)
+    if parts:
+        bc.log(f"  TTFT parts, p50 per turn (ms), turns run on their decode worker: {parts}")
     bc.log(
         f"  {len(records)} turns in {duration_s:.1f} s, {summary['failed']} failed; TTFT p50 per "
         f"turn (ms): {[round(t['median_ttft_ms'] or 0) for t in turns]}; hit % per turn: "
@@ -189,12 +195,51 @@ def run_shape(address: str, shape: dict, card) -> dict:
                 cached=r.cached_prompt_tokens,
                 cache_hits=r.cache_hits,
                 error=r.error,
+                ttft_parts_ms=ttft_parts(r),
             )
             for r in records
         ],  # fmt: skip
         cpu=cpu,
         _records=records,
     )
+
+
+def ttft_parts(record) -> dict | None:
+    """Where a turn's TTFT went, in ms, for a turn its decode worker prefilled itself (no
+    prefill worker stamps; None otherwise): the client's send to the router's arrival (the
+    request's bytes on the way, its checks), the router's arrival to the Reserve's success (the
+    pick, the Reserve call; the decode worker adds the request to its engine inside it), then to
+    the first token leaving the decode worker (the engine's queue, the prompt's compute, the
+    sampling, the stream's send), then to the client's receipt (the router's relay)."""
+    t = record.timings or {}
+    if record.ttft_s is None or t.get("prefill_start_unix_ns") or not t.get("first_token_unix_ns"):
+        return None
+    send, queued = record.send_unix_ns, t.get("queued_unix_ns", 0)
+    reserved, first = t.get("reserved_unix_ns", 0), t["first_token_unix_ns"]
+    if not (send and queued and reserved):
+        return None
+    got = send + record.ttft_s * 1e9
+    return dict(
+        to_router=round((queued - send) / 1e6, 2),
+        router_reserve=round((reserved - queued) / 1e6, 2),
+        engine_first_token=round((first - reserved) / 1e6, 2),
+        to_client=round((got - first) / 1e6, 2),
+    )
+
+
+def turn_parts(records) -> dict:
+    """The median of each ttft_parts part per turn index, over the turns that have them."""
+    import statistics
+
+    by_turn: dict[int, list[dict]] = {}
+    for r in records:
+        parts = ttft_parts(r)
+        if parts is not None:
+            by_turn.setdefault(r.turn, []).append(parts)
+    return {
+        turn: {k: round(statistics.median(p[k] for p in ps), 1) for k in ps[0]}
+        for turn, ps in sorted(by_turn.items())
+    }
 
 
 def free_port() -> int:

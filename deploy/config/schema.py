@@ -240,12 +240,17 @@ class LocalPrefillSettings(_Frozen):
     their decode worker when cost x (its local backlog + the prompt) < the prefill pool's backlog
     + hop_tokens. 0: never (the default). A conversation's next turn whose decode worker holds
     all but at most reuse_max_new_tokens of it is asked the same of those new tokens only
-    (0: never)."""
+    (0: never). max_step_slowdown x: beside running streams the decode pool's steps compute at
+    most about x of a plain decode step in prompt tokens (its engines get it: a prompt runs in
+    chunks there and the streams' steps take about 1 + x times as long), and the rule prices
+    such a prompt's tokens (1 + x) / x times higher; 0: no bound."""
 
     max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
     cost: Annotated[float, Field(gt=0)] = 2.0
     hop_tokens: Annotated[int, Field(ge=0)] = 64
     reuse_max_new_tokens: Annotated[int, Field(ge=0)] = 512
+    # (planner/local_prefill.py MAX_STEP_SLOWDOWN, the rule's own default)
+    max_step_slowdown: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.1
 
 
 class PeerFetchSettings(_Frozen):
@@ -709,6 +714,9 @@ class DeployConfig(_Frozen):
             kwargs["kv_cache_memory"] = pool.kv_cache_memory
         if pool.kv_host_tier_bytes:
             kwargs["kv_host_tier_bytes"] = pool.kv_host_tier_bytes
+        if pool is self.pools.decode and self.pools.colocated is None:
+            # a local prefill beside running streams runs in chunks (planner/local_prefill.py)
+            kwargs["max_step_slowdown"] = self.router.local_prefill.max_step_slowdown
         if pool.max_model_len is not None:
             kwargs["max_model_len"] = pool.max_model_len
         spec = pool.speculative_config
