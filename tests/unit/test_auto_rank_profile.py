@@ -174,3 +174,17 @@ def test_the_start_table_says_the_order_and_where_it_came_from():
     built_in = format_table([dict(here, kv_backend="auto: shm, grpc"), PREFILL], ranking=DEFAULT)
     assert "auto -> shm" in built_in
     assert built_in.splitlines()[-1].endswith("other hosts grpc (built-in default)")
+
+
+def test_pdserve_profile_measures_every_installed_backend_by_default(monkeypatch, capsys):
+    import argparse
+
+    from pdserve.tuning import profiler
+
+    parser = argparse.ArgumentParser()
+    profiler.add_args(parser)
+    assert parser.parse_args(["--out", "p.json"]).backends is None  # installed() at run time
+    monkeypatch.setattr(choose, "installed", lambda: NO_NIXL)
+    args = parser.parse_args(["--out", "p.json", "--backends", "grpc,nixl"])
+    assert profiler.run(args) == 2  # before any model is loaded
+    assert "nixl, which is not installed here" in capsys.readouterr().err
