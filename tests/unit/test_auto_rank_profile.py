@@ -188,3 +188,20 @@ def test_pdserve_profile_measures_every_installed_backend_by_default(monkeypatch
     args = parser.parse_args(["--out", "p.json", "--backends", "grpc,nixl"])
     assert profiler.run(args) == 2  # before any model is loaded
     assert "nixl, which is not installed here" in capsys.readouterr().err
+
+
+def test_the_launcher_hands_the_ranking_to_decode_workers_and_prints_it(tmp_path):
+    from pdserve.deploy import workers
+    from pdserve.deploy.launcher import Cluster
+
+    (tmp_path / "p.json").write_text(json.dumps(profile({"grpc": 1.5, "shm": 2.0, "nixl": 9.0})))
+    cfg = validate_config({"kvtransfer": {"profile": "p.json"}}, base_dir=tmp_path)
+    ranking = cfg.kvtransfer.ranking()
+    decode = workers.worker_config(dict(model="m"), "decode", "auto", True, ranking.to_dict())
+    assert Ranking.from_dict(decode.kv_ranking) == ranking
+    table = Cluster(config=cfg, started_ray=False).start_table()
+    assert table.splitlines()[-1].startswith(
+        "KV transfer auto, fastest first: same host nixl > shm > grpc; other hosts grpc (profile "
+    )
+    named = validate_config({"kvtransfer": {"backend": "grpc"}})
+    assert "KV transfer auto" not in Cluster(config=named, started_ray=False).start_table()
