@@ -387,17 +387,9 @@ def _hardware(info: dict, args) -> dict:
     }
 
 
-def run(args) -> int:
-    try:
-        tps = sorted({int(x) for x in str(args.tp).split(",") if x.strip()})
-        if not tps or min(tps) < 1:
-            raise ValueError
-    except ValueError:
-        print(
-            f"pdserve profile: --tp {args.tp!r}: a comma-separated list of integers >= 1, e.g. 1,3",
-            file=sys.stderr,
-        )
-        return 2
+def _backends(args) -> list[str] | None:
+    """The KV backends to measure (--backends, default every one installed here); None, after
+    saying why on stderr, when the arguments are wrong."""
     from pdserve.kvtransfer.backends import BACKENDS
     from pdserve.kvtransfer.choose import installed
 
@@ -411,8 +403,7 @@ def run(args) -> int:
             "pip install 'pdserve[nixl]'",
             file=sys.stderr,
         )
-        return 2
-
+        return None
     bad = [b for b in backends if b not in BACKENDS]
     if bad or args.threads_per_rank < 1 or args.kv_cache_memory < 1:
         print(
@@ -420,6 +411,32 @@ def run(args) -> int:
             f"--kv-cache-memory >= 1",
             file=sys.stderr,
         )
+        return None
+    return backends
+
+
+def _say_ranking(data: dict, path: str) -> None:
+    """The order kvtransfer.backend auto would follow with this profile (kvtransfer/choose.py)."""
+    from pdserve.kvtransfer.backends import BACKENDS
+    from pdserve.kvtransfer.choose import ranking_from_profile
+
+    ranking = ranking_from_profile(data, path, BACKENDS)
+    print(f"kvtransfer.backend auto with kvtransfer.profile: {path}: {ranking.describe()}")
+
+
+def run(args) -> int:
+    try:
+        tps = sorted({int(x) for x in str(args.tp).split(",") if x.strip()})
+        if not tps or min(tps) < 1:
+            raise ValueError
+    except ValueError:
+        print(
+            f"pdserve profile: --tp {args.tp!r}: a comma-separated list of integers >= 1, e.g. 1,3",
+            file=sys.stderr,
+        )
+        return 2
+    backends = _backends(args)
+    if backends is None:
         return 2
     grids = QUICK if args.quick else FULL
     cores = os.cpu_count() or 1
@@ -472,8 +489,5 @@ def run(args) -> int:
         f.write("\n")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
     if transfer:
-        from pdserve.kvtransfer.choose import ranking_from_profile
-
-        ranking = ranking_from_profile(data, args.out, BACKENDS)
-        print(f"kvtransfer.backend auto with kvtransfer.profile: {args.out}: {ranking.describe()}")
+        _say_ranking(data, args.out)
     return 0
