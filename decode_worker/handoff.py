@@ -20,9 +20,10 @@ On the nixl backend the prefill worker writes into the blocks itself (one-sided 
 hand-off also keeps the reservations' write grants (kvtransfer/backends/nixl_backend.py, Grants):
 Reserve issues one (the KVEndpoint carries it, `grant_for`), and a reservation that ends while a
 sender's claim may still write is held back: its blocks stay the engine's reservation, never
-handed to another request, until the sender's commit or abort arrives or its process is proven
-gone; only then does the engine free them (`_release_held`). A hold past the claim's bound is
-stuck: the blocks stay held and `unhealthy` says why (the service's Stats fails with it, so the
+handed to another request, until the sender's commit or abort arrives, its process is proven
+gone, or, past the claim's bound, its control connection was closed from its side (a sender on
+another host that died); only then does the engine free them (`_release_held`). Any other hold
+past the claim's bound is stuck: the blocks stay held and `unhealthy` says why (the service's Stats fails with it, so the
 router takes the worker down) until the claim ends after all.
 """
 

@@ -16,7 +16,7 @@ from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServ
 from pdserve.engine.config import DEFAULT_CPU_KV_BYTES, available_memory_bytes
 from pdserve.kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
 from pdserve.kvtransfer.backends.shm_backend import locality
-from pdserve.kvtransfer.choose import AUTO, RANKING
+from pdserve.kvtransfer.choose import AUTO, Ranking, host_id
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.protos import tracing
 from pdserve.protos.pdserve.v1 import worker_pb2_grpc
@@ -35,6 +35,9 @@ class DecodeWorkerConfig(WorkerConfig):
 
     worker_id: str = "decode-0"
     kv_backend: str = "grpc"
+    # on "auto": the ranking it serves and offers by (kvtransfer/choose.py Ranking.to_dict(), the
+    # launcher's from kvtransfer.profile); None: the built-in one
+    kv_ranking: dict | None = None
     kv_options: dict = field(default_factory=dict)  # serve(kv_backend, handler, **kv_options)
     lease_ms: int = 10_000  # default reservation lease when a Reserve gives none
     max_lease_ms: int = 120_000  # longer leases asked by a Reserve are cut to this
@@ -45,6 +48,7 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError(
                 f"kv_backend must be one of {BACKENDS + (AUTO,)}, got {self.kv_backend!r}"
             )
+        Ranking.from_dict(self.kv_ranking)  # raises ValueError on a malformed one
         if self.engine_kwargs.get("pipeline_parallel_size", 1) > 1:
             raise ValueError(
                 "a decode worker runs in one pipeline stage: set pipeline_parallel_size to 1 "
@@ -122,7 +126,8 @@ class DecodePart:
         rank_caches = engine.rank_kv_caches()
         kv_options = dict(cfg.kv_options)
         grants = None
-        if cfg.kv_backend == "nixl":  # the hand-off and the server share the write grants
+        backends = self._backends(engine)
+        if "nixl" in backends:  # the hand-off and the server share the write grants
             from pdserve.kvtransfer.backends.nixl_backend import Grants
 
             grants = Grants(**kv_options.pop("grants", {}))
@@ -135,8 +140,11 @@ class DecodePart:
             rank_caches=rank_caches,
             grants=grants,
         )
-        for backend in self._backends(engine):
+        for backend in backends:
             options = dict(kv_options)
+            if cfg.kv_backend == AUTO and backend != "nixl":
+                options.pop("kv_caches", None)
+                options.pop("grants", None)
             if backend == "shm":
                 options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
             self._kv_servers[backend] = serve(
@@ -166,21 +174,31 @@ class DecodePart:
         )
 
     def _backends(self, engine) -> tuple[str, ...]:
-        """The backends this worker serves: its one, or on "auto" grpc and, when its KV pool is
-        in host memory (shared files), shm (kvtransfer/choose.py)."""
+        """The backends this worker serves: its one, or on "auto" grpc, shm when its KV pool is
+        in host memory (shared files), and nixl or torch where installed and the ranking puts
+        them first for a sender here or elsewhere (kvtransfer/choose.py Ranking.served), in the
+        ranking's same-host order."""
         if self.cfg.kv_backend != AUTO:
             return (self.cfg.kv_backend,)
         on_host = engine.kv_cache_paths is not None and all(
             c.device.type == "cpu" for c in engine.rank_kv_caches()
         )
-        return tuple(b for b in RANKING if b == "grpc" or (b == "shm" and on_host))
+        return Ranking.from_dict(self.cfg.kv_ranking).served(on_host)
 
-    def _offers(self) -> tuple[tuple[str, str, str], ...]:
-        """(backend, address, locality) of each backend served on "auto", best first; () else."""
+    def _offers(self) -> tuple[tuple[str, str, str, str, int], ...]:
+        """(backend, address, locality, host, cross-host rank) of each backend served on
+        "auto", in the same-host order (kvtransfer/choose.py); () else."""
         if self.cfg.kv_backend != AUTO:
             return ()
+        cross = Ranking.from_dict(self.cfg.kv_ranking).cross_host
         return tuple(
-            (b, server.address, locality(server.address) if b == "shm" else "")
+            (
+                b,
+                server.address,
+                locality(server.address) if b == "shm" else "",
+                host_id(),
+                cross.index(b) + 1 if b in cross else 0,
+            )
             for b, server in self._kv_servers.items()
         )
 

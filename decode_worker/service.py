@@ -90,7 +90,8 @@ class DecodeServiceOptions:
     worker_id: str = "decode"
     kv_backend: str = "grpc"
     kv_address: str = ""
-    # kvtransfer.backend "auto": (backend, address, locality) of each backend served, best first;
+    # kvtransfer.backend "auto": (backend, address, locality, host, cross-host rank) of each
+    # backend served, in the same-host order (kvtransfer/choose.py);
     # every reservation offers them all (KVEndpoint.offers), () on one named backend
     kv_offers: tuple = ()
     default_lease_ms: int = 10_000
@@ -184,13 +185,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             tp_size=self.options.tp_size,
             write_grant=self.handoff.grant_for(rid),
         )
-        for backend, address, where in self.options.kv_offers:
+        for backend, address, where, host, cross_host_rank in self.options.kv_offers:
             endpoint.offers.add(
                 backend=backend,
                 address=address,
                 layout_fingerprint=endpoint.layout_fingerprint,
                 tp_size=endpoint.tp_size,
                 locality=where,
+                host=host,
+                cross_host_rank=cross_host_rank,
+                write_grant=endpoint.write_grant if backend == "nixl" else "",
             )
         return worker_pb2.ReserveResponse(
             request_id=rid,

@@ -130,7 +130,12 @@ class Cluster:
         (deploy/start_table.py)."""
         colocated = self.config.pools.colocated is not None
         infos = [r.info or {"worker_id": r.name, "role": r.role} for r in self.replicas]
-        return start_table.format_table(infos, "none (colocated)" if colocated else None)
+        if colocated:
+            return start_table.format_table(infos, "none (colocated)")
+        ranking = None
+        if self.config.kvtransfer.backend == "auto":
+            ranking = self.config.kvtransfer.ranking()
+        return start_table.format_table(infos, ranking=ranking)
 
     def wait(self, poll_s: float = 1.0) -> str:
         """Serves until Ctrl-C or SIGTERM, then stops the deployment; returns why. Dead workers
@@ -215,8 +220,11 @@ def _worker_config(cluster: Cluster, key: str, pool: Pool, index: int, host: str
         log_level=console_level(config.observability)[0],
         log_format=config.observability.log_format,
     )
+    ranking = None
+    if config.kvtransfer.backend == "auto":
+        ranking = config.kvtransfer.ranking().to_dict()
     return workers.worker_config(
-        common, role_of(key), config.kvtransfer.backend, _flippable(config, pool)
+        common, role_of(key), config.kvtransfer.backend, _flippable(config, pool), ranking
     )
 
 

@@ -1,6 +1,9 @@
 """The table `pdserve up` prints once every worker is ready: one row per worker with its role, the
 Ray node it runs on (and the nodes of its later pipeline stages where they differ), its process id (for `kill -USR1`: its stacks in its log), its cores, the precision it serves in, its KV transfer backend, its KV
 capacity (blocks, tokens, and how many sequences of max_model_len fit at once) and its log file.
+On `kvtransfer.backend: auto` a decode row says what it offers ("auto: shm, grpc"), a prefill row
+what it picks ("auto -> shm"), and a line under the table the order auto follows and where it came
+from: the deployment's `kvtransfer.profile` (file, date, machine) or the built-in default.
 
 The launcher collects each started worker's WorkerActor.info() (plain data, deploy/workers.py)
 into Cluster.workers; `format_table` turns those into the text, and nothing here talks to Ray or a
@@ -113,10 +116,22 @@ def row(info: dict, kv_backend: str | None = None) -> tuple[str, ...]:
     )
 
 
-def auto_pick(info: dict, infos: list[dict]) -> str | None:
+def _offered(decode: dict) -> list[str]:
+    """The backends a decode row on "auto" offers ("auto: shm, grpc" -> ["shm", "grpc"])."""
+    text = str(decode.get("kv_backend") or "")
+    if not text.startswith("auto:"):
+        return ["grpc"]
+    return [b.strip() for b in text.removeprefix("auto:").split(",") if b.strip()]
+
+
+def auto_pick(info: dict, infos: list[dict], ranking=None) -> str | None:
     """On kvtransfer.backend "auto", what a prefill worker pushes over to the decode workers of
-    `infos` (kvtransfer/choose.py): shm to a decode worker on its node that offers it, grpc to
-    the others, e.g. "auto -> shm" or "auto -> shm (2), grpc (1)". None for any other row."""
+    `infos` (kvtransfer/choose.py): the first of `ranking`'s same-host order (None: the built-in
+    one) that a decode worker on its node offers, the first of its cross-host order to the
+    others, e.g. "auto -> shm" or "auto -> shm (2), grpc (1)". None for any other row."""
+    from pdserve.kvtransfer.choose import DEFAULT
+
+    ranking = ranking or DEFAULT
     decodes = [d for d in infos if d.get("role") == "decode"]
     if info.get("role") != "prefill" or not any(
         str(d.get("kv_backend") or "").startswith("auto") for d in decodes
@@ -124,17 +139,21 @@ def auto_pick(info: dict, infos: list[dict]) -> str | None:
         return None
     picks: dict[str, int] = {}
     for d in decodes:
-        same_node = d.get("node_id") and d.get("node_id") == info.get("node_id")
-        pick = "shm" if same_node and "shm" in str(d.get("kv_backend")) else "grpc"
+        same_node = bool(d.get("node_id")) and d.get("node_id") == info.get("node_id")
+        pick = ranking.pick(_offered(d), same_node) or "grpc"
         picks[pick] = picks.get(pick, 0) + 1
     if len(picks) == 1:
         return f"auto -> {next(iter(picks))}"
     return "auto -> " + ", ".join(f"{b} ({n})" for b, n in sorted(picks.items(), reverse=True))
 
 
-def format_table(infos: list[dict], kv_backend: str | None = None) -> str:
-    """The table of `infos` (one WorkerActor.info() each), its columns aligned, a header first."""
-    rows = [COLUMNS] + [row(i, kv_backend or auto_pick(i, infos)) for i in infos]
+def format_table(infos: list[dict], kv_backend: str | None = None, ranking=None) -> str:
+    """The table of `infos` (one WorkerActor.info() each), its columns aligned, a header first.
+    `ranking` (kvtransfer/choose.py Ranking): on kvtransfer.backend "auto", the order the picks
+    follow, said on a line under the table with where it came from."""
+    rows = [COLUMNS] + [row(i, kv_backend or auto_pick(i, infos, ranking)) for i in infos]
     widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    if ranking is not None:
+        lines.append(f"KV transfer auto, fastest first: {ranking.describe()}")
     return "\n".join(lines)

@@ -33,13 +33,17 @@ import ray
 BROKEN_POLL_S = 1.0  # how often a started worker looks whether its engine broke
 
 
-def worker_config(common: dict, role: str, kv_backend: str, flippable: bool):
+def worker_config(
+    common: dict, role: str, kv_backend: str, flippable: bool, kv_ranking: dict | None = None
+):
     """The settings of one replica: `common` (WorkerConfig's fields) plus its role's own; a
-    flippable worker's are DecodeWorkerConfig's (its prefill part keeps PrefillPart's defaults)."""
+    flippable worker's are DecodeWorkerConfig's (its prefill part keeps PrefillPart's defaults).
+    kv_ranking: on kvtransfer.backend "auto", the ranking its decode part serves and offers by
+    (kvtransfer/choose.py Ranking.to_dict()); None: the built-in one."""
     if flippable or role == "decode":
         from pdserve.decode_worker.server import DecodeWorkerConfig
 
-        return DecodeWorkerConfig(kv_backend=kv_backend, **common)
+        return DecodeWorkerConfig(kv_backend=kv_backend, kv_ranking=kv_ranking, **common)
     from pdserve.prefill_worker.server import PrefillWorkerConfig
 
     return PrefillWorkerConfig(**common)

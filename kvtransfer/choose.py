@@ -1,28 +1,224 @@
-"""`kvtransfer.backend: auto`: which backend a prefill worker pushes a request's KV over.
+"""`kvtransfer.backend: auto`: which backends a decode worker serves, and which one a prefill
+worker pushes a request's KV over.
 
-A decode worker started with backend "auto" serves more than one backend at once and offers them
-all in each reservation (KVEndpoint.offers): grpc always, shm when its KV pool is in host memory
-(the pool's files are then shared, so a sender on the same machine can write into them). Each
-offer is a complete KVEndpoint; an shm offer also carries `locality`, the decode host's boot id
-and pool-file identity (shm_backend.locality). The prefill worker takes, for each reservation, the
-first backend in RANKING whose offer applies from where it runs: shm only when its own view of
-the pool file gives the same locality (same machine, same shared-memory mount), grpc anywhere.
-A sender that cannot open the channel it picked tries the next one that applies.
+The ranking (`Ranking`) is two orders of backends, fastest first: one for a sender on the decode
+worker's own host ("same_host") and one for a sender on another host ("cross_host"). It comes from
+the deployment's `kvtransfer.profile` (a `pdserve profile` JSON, read once by the launcher in
+`pdserve up`, `ranking_from_profile`) when one is set, else the built-in DEFAULT below. On a
+profile, the same-host order is its `kv_transfer` figures (two processes on the machine it ran on)
+and the cross-host order its optional `kv_transfer_cross_host` figures (two hosts; grpc alone when
+it has none), each ordered by the time it takes to hand off a REFERENCE_TOKENS prompt's KV
+(latency + bytes / bandwidth); grpc is in every order (last where it was not measured: it always
+applies), shm, where it was not measured, after what was, and never in the cross-host order. A
+backend that is not installed (nixl without its extra) is left out.
 
-The ranking is measured (BENCHMARKS.md, "KV hand-off"): into the paged cache, two processes on one
-CPU host, an 8k-token prompt: shm 9.40 GB/s, nixl 2.60, grpc 1.55. nixl and torch are not offered
-by auto: on one host shm beats them, and between hosts nothing here measured them against grpc;
-choose them by name (`backend: nixl` / `torch`) where they win.
+The decode worker (decode_worker/server.py) serves grpc always, shm when its KV pool is in host
+memory, and nixl or torch only when it is installed and would be the pick for one of the two
+localities (first of that order among what the worker can serve); it offers each in every
+reservation (KVEndpoint.offers), listed in the same-host order, each offer carrying the decode
+host's id (`host`: its boot id) and its place in the cross-host order (`cross_host_rank`, 1 = first;
+0: not for another host). The prefill worker (`choices`) takes, for each reservation, the offers
+that apply from where it runs, in the same-host order when its own host id equals the offer's, else
+in cross-host order; shm applies only when its own view of the pool file gives the same locality
+(same machine, same shared-memory mount), nixl only where NIXL is installed. A sender that cannot
+open the channel it picked tries the next one. Offers without a host id (a decode worker from
+before the ranking) are taken in LEGACY order.
+
+The built-in order is measured (BENCHMARKS.md, "KV hand-off"): into the paged cache, two processes
+on one CPU host, an 8k-token prompt: shm 9.40 GB/s, nixl 2.60, grpc 1.55; between hosts nothing
+here measured nixl or torch against grpc, so grpc alone.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+from dataclasses import dataclass
+
 from pdserve.kvtransfer.backends.shm_backend import locality
 
 AUTO = "auto"
-RANKING = ("shm", "grpc")  # fastest first, of the backends auto offers
+LEGACY = ("shm", "grpc")  # the order of offers that carry no ranking
 MAX_OFFERS = 4
 MAX_LOCALITY_CHARS = 128
+REFERENCE_TOKENS = 2048  # the prompt whose hand-off time orders the backends
+SAME_HOST, CROSS_HOST = "same_host", "cross_host"
+_SECTIONS = {SAME_HOST: "kv_transfer", CROSS_HOST: "kv_transfer_cross_host"}
+
+
+class ProfileRankingError(ValueError):
+    """A kvtransfer.profile that cannot give a ranking; the message says why."""
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Backends fastest first, for a sender on the decode worker's host and on another one, and
+    where that came from (shown in the start table)."""
+
+    same_host: tuple[str, ...]
+    cross_host: tuple[str, ...]
+    source: str
+
+    def to_dict(self) -> dict:
+        return {
+            "same_host": list(self.same_host),
+            "cross_host": list(self.cross_host),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> Ranking:
+        """The Ranking in a worker's config (to_dict's), DEFAULT for None."""
+        if data is None:
+            return DEFAULT
+        same, cross = tuple(data["same_host"]), tuple(data["cross_host"])
+        unknown = sorted(set(same + cross) - set(_backends()))
+        if unknown or "grpc" not in same or "grpc" not in cross or "shm" in cross:
+            raise ValueError(
+                f"a KV ranking names backends of {_backends()}, grpc in both orders and shm "
+                f"only in the same-host one; got {data!r}"
+            )
+        return cls(same, cross, str(data.get("source", "")))
+
+    def describe(self) -> str:
+        """E.g. "same host shm > grpc; other hosts grpc (built-in default)"."""
+        return (
+            f"same host {' > '.join(self.same_host)}; other hosts {' > '.join(self.cross_host)} "
+            f"({self.source})"
+        )
+
+    def served(self, on_host: bool, available: tuple[str, ...] | None = None) -> tuple[str, ...]:
+        """The backends a decode worker on "auto" serves, in the same-host order (then those only
+        the cross-host order names): grpc; shm when
+        its KV pool is in host memory (`on_host`); nixl or torch when `available` (installed
+        here) and the first of one order among what this worker can serve."""
+        available = installed() if available is None else available
+        listed = self.same_host + tuple(b for b in self.cross_host if b not in self.same_host)
+        can = [
+            b
+            for b in listed
+            if b == "grpc"
+            or (b == "shm" and on_host)
+            or (b in ("nixl", "torch") and b in available)
+        ]
+        firsts = {next((b for b in order if b in can), "grpc") for order in self._orders()}
+        return tuple(b for b in can if b in ("grpc", "shm") or b in firsts)
+
+    def _orders(self):
+        return (self.same_host, self.cross_host)
+
+    def pick(self, offered: list[str], same_host: bool) -> str | None:
+        """What a sender takes of a decode worker's `offered` backends (the start table's
+        guess: it cannot see whether shm's pool file is shared)."""
+        order = self.same_host if same_host else self.cross_host
+        return next((b for b in order if b in offered), None)
+
+
+DEFAULT = Ranking(("shm", "grpc"), ("grpc",), "built-in default")
+
+
+def _backends() -> tuple[str, ...]:
+    from pdserve.kvtransfer.backends import BACKENDS
+
+    return BACKENDS
+
+
+@functools.cache
+def installed() -> tuple[str, ...]:
+    """The backends this process can serve or send over: grpc, shm and torch always; nixl where
+    its extra is installed."""
+    from pdserve.kvtransfer.backends.nixl_backend import nixl_available
+
+    return tuple(b for b in _backends() if b != "nixl" or nixl_available())
+
+
+def _handoff_s(entry, kv_bytes_per_token: int | None, where: str) -> float:
+    if not isinstance(entry, dict):
+        raise ProfileRankingError(f"{where}: expected an object, got {type(entry).__name__}")
+    bw, lat = entry.get("bandwidth_bytes_per_s"), entry.get("latency_s", 0.0)
+    if (
+        not isinstance(bw, (int, float))
+        or not isinstance(lat, (int, float))
+        or not math.isfinite(bw)
+        or not math.isfinite(lat)
+        or bw <= 0
+        or lat < 0
+    ):
+        raise ProfileRankingError(
+            f"{where}: bandwidth_bytes_per_s must be a number > 0 and latency_s >= 0"
+        )
+    if not kv_bytes_per_token:
+        return 1.0 / bw  # bandwidth alone
+    return lat + REFERENCE_TOKENS * kv_bytes_per_token / bw
+
+
+def ranking_from_profile(
+    data: dict, source: str, available: tuple[str, ...] | None = None
+) -> Ranking:
+    """The ranking a `pdserve profile` JSON (`data`, read from `source`) gives; backends not in
+    `available` (default: installed()) are left out. ProfileRankingError names what is wrong."""
+    available = installed() if available is None else available
+    if not isinstance(data, dict):
+        raise ProfileRankingError(f"{source}: a profile is a JSON object")
+    kv_bytes = data.get("kv_bytes_per_token")
+    if not isinstance(kv_bytes, int) or kv_bytes < 1:
+        kv_bytes = None
+    orders = {}
+    for locality_, section in _SECTIONS.items():
+        figures = data.get(section) or {}
+        if not isinstance(figures, dict):
+            raise ProfileRankingError(f"{source}: {section}: expected an object of backends")
+        if locality_ == SAME_HOST and not figures:
+            raise ProfileRankingError(
+                f"{source}: kv_transfer: no backend was measured (run `pdserve profile` with "
+                f"--backends)"
+            )
+        timed = []
+        for backend, entry in figures.items():
+            if backend not in _backends():
+                raise ProfileRankingError(
+                    f"{source}: {section}.{backend}: not a KV backend ({', '.join(_backends())})"
+                )
+            seconds = _handoff_s(entry, kv_bytes, f"{source}: {section}.{backend}")
+            if backend in available and not (locality_ == CROSS_HOST and backend == "shm"):
+                timed.append((seconds, backend))
+        order = [b for _, b in sorted(timed)]
+        if locality_ == SAME_HOST and "shm" not in figures and "shm" in available:
+            order.append("shm")  # not measured: after what was
+        if "grpc" not in order:  # not measured: the last resort, which always applies
+            order.append("grpc")
+        orders[locality_] = tuple(order)
+    date = str((data.get("source") or {}).get("date") or "undated")[:10]
+    machine = str((data.get("hardware") or {}).get("name") or "an unnamed machine")[:60]
+    return Ranking(
+        orders[SAME_HOST], orders[CROSS_HOST], f"profile {source}, {date}, measured on {machine}"
+    )
+
+
+def load_ranking(path: str | None) -> Ranking:
+    """The ranking of the profile file at `path` (kvtransfer.profile); DEFAULT for None."""
+    if not path:
+        return DEFAULT
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ProfileRankingError(f"kvtransfer.profile {path}: cannot be read: {e}") from None
+    except ValueError as e:
+        raise ProfileRankingError(f"kvtransfer.profile {path}: not JSON: {e}") from None
+    return ranking_from_profile(data, path)
+
+
+# ---- the sender's side -----------------------------------------------------------------------
+@functools.cache
+def host_id() -> str:
+    """This machine's id as offers carry it: the kernel's boot id ("" where it cannot be read)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def applies(offer) -> bool:
@@ -33,14 +229,22 @@ def applies(offer) -> bool:
         except (ValueError, IndexError):  # an address that does not parse: not for us
             return False
         return bool(here) and here == offer.locality
-    return offer.backend == "grpc"
+    return offer.backend in ("grpc", "torch", "nixl") and offer.backend in installed()
 
 
 def choices(endpoint) -> list:
     """The KVEndpoints to try for a reservation's `endpoint`, best first: its offers that apply,
-    in RANKING's order, when it has offers; else the endpoint itself (one backend, named)."""
-    if not endpoint.offers:
+    in the decode worker's order for where this process runs (its host or another one), when it
+    has offers; else the endpoint itself (one backend, named)."""
+    offers = list(endpoint.offers)
+    if not offers:
         return [endpoint]
-    rank = {backend: i for i, backend in enumerate(RANKING)}
-    usable = [o for o in endpoint.offers if o.backend in rank and applies(o)]
-    return sorted(usable, key=lambda o: rank[o.backend])
+    host = next((o.host for o in offers if o.host), "")
+    if not host:  # a decode worker that sends no ranking
+        rank = {backend: i for i, backend in enumerate(LEGACY)}
+        usable = [o for o in offers if o.backend in rank and applies(o)]
+        return sorted(usable, key=lambda o: rank[o.backend])
+    if host == host_id():
+        return [o for o in offers if applies(o)]  # listed in the same-host order
+    usable = [o for o in offers if o.cross_host_rank > 0 and o.backend != "shm" and applies(o)]
+    return sorted(usable, key=lambda o: o.cross_host_rank)

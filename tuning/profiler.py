@@ -9,11 +9,16 @@ Per TP degree, the engine runs in this process (LLMEngine, ignore_eos requests, 
   decode   B = 1..64 sequences of 32..1024 context tokens each (as far as the KV pool holds them),
            their KV put in place by reserve + commit, then steps that each decode B tokens
 The step models of tuning/perf_model.py are fitted to these by non-negative least squares.
-KV transfer per backend (grpc, shm, torch; nixl when named in --backends): a receiver process
-writes the KV into a paged cache as a decode worker does, while this process sends requests layer
-by layer: latency from one small request at a time, bandwidth from large ones back to back. On
+KV transfer per backend (grpc, shm, torch, and nixl where its extra is installed; --backends picks
+some): a receiver process writes the KV into a paged cache as a decode worker does, while this
+process sends requests layer by layer: latency from one small request at a time, bandwidth from
+large ones back to back (transfer_mib x transfer_requests below: a few seconds a backend). On
 nixl the receiver issues each request a write grant, as a decode worker's Reserve does, and the
-sender WRITEs into the granted blocks.
+sender WRITEs into the granted blocks. These are same-host figures (two processes on this machine,
+the profile's `hardware`): a deployment whose `kvtransfer.profile` names this file ranks the
+backends of `kvtransfer.backend: auto` by them (kvtransfer/choose.py); figures between two hosts
+may be added by hand as `kv_transfer_cross_host` (the same keys), which this command cannot
+measure on one machine.
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--backends",
-        default="grpc,shm,torch",
-        help="KV transfer backends to measure, of grpc,shm,torch,nixl (nixl needs the nixl extra)",
+        default=None,
+        help="KV transfer backends to measure, of grpc,shm,torch,nixl (default: all of them that "
+        "are installed here; nixl needs the nixl extra); '' measures none",
     )
     p.add_argument("--dtype", default="auto")
 
@@ -340,6 +346,9 @@ def _measure_backend(link: _Link, info: dict, grids: dict, chunks, big: int) -> 
             "bulk_s": elapsed,
         },
         "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker",
+        # two processes on this machine (hardware says which): what kvtransfer.backend auto's
+        # same-host order is ranked by (kvtransfer/choose.py)
+        "locality": "same_host",
     }
 
 
@@ -378,6 +387,43 @@ def _hardware(info: dict, args) -> dict:
     }
 
 
+def _backends(args) -> list[str] | None:
+    """The KV backends to measure (--backends, default every one installed here); None, after
+    saying why on stderr, when the arguments are wrong."""
+    from pdserve.kvtransfer.backends import BACKENDS
+    from pdserve.kvtransfer.choose import installed
+
+    if args.backends is None:
+        backends = list(installed())
+    else:
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "nixl" in backends and "nixl" not in installed():
+        print(
+            "pdserve profile: --backends names nixl, which is not installed here: "
+            "pip install 'pdserve[nixl]'",
+            file=sys.stderr,
+        )
+        return None
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or args.threads_per_rank < 1 or args.kv_cache_memory < 1:
+        print(
+            f"pdserve profile: --backends must be of {BACKENDS}, --threads-per-rank and "
+            f"--kv-cache-memory >= 1",
+            file=sys.stderr,
+        )
+        return None
+    return backends
+
+
+def _say_ranking(data: dict, path: str) -> None:
+    """The order kvtransfer.backend auto would follow with this profile (kvtransfer/choose.py)."""
+    from pdserve.kvtransfer.backends import BACKENDS
+    from pdserve.kvtransfer.choose import ranking_from_profile
+
+    ranking = ranking_from_profile(data, path, BACKENDS)
+    print(f"kvtransfer.backend auto with kvtransfer.profile: {path}: {ranking.describe()}")
+
+
 def run(args) -> int:
     try:
         tps = sorted({int(x) for x in str(args.tp).split(",") if x.strip()})
@@ -389,16 +435,8 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
-    backends = [b for b in args.backends.split(",") if b]
-    from pdserve.kvtransfer.backends import BACKENDS
-
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad or args.threads_per_rank < 1 or args.kv_cache_memory < 1:
-        print(
-            f"pdserve profile: --backends must be of {BACKENDS}, --threads-per-rank and "
-            f"--kv-cache-memory >= 1",
-            file=sys.stderr,
-        )
+    backends = _backends(args)
+    if backends is None:
         return 2
     grids = QUICK if args.quick else FULL
     cores = os.cpu_count() or 1
@@ -450,4 +488,6 @@ def run(args) -> int:
         json.dump(data, f, indent=1)
         f.write("\n")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    if transfer:
+        _say_ranking(data, args.out)
     return 0

@@ -58,6 +58,7 @@ CertFile = Annotated[
 KeyFile = Annotated[LoadedFile, _read_file("a PEM private key", b"PRIVATE KEY-----"), _AS_PATH]
 SecretFile = Annotated[LoadedFile, _read_file("a file holding the cluster secret"), _AS_PATH]
 KeysFile = Annotated[LoadedFile, _read_file("a file holding API keys"), _AS_PATH]
+ProfileFile = Annotated[LoadedFile, _read_file("a `pdserve profile` JSON"), _AS_PATH]
 
 
 def parse_api_keys(text: str, where: str) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ client API keys.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from typing import Annotated, Literal
@@ -48,6 +49,7 @@ from pdserve.deploy.config.files import (
     CertFile,
     KeyFile,
     KeysFile,
+    ProfileFile,
     SecretFile,
     check_secret,
     parse_api_keys,
@@ -515,11 +517,50 @@ def nixl_installed() -> bool:
 
 
 class KVTransferSettings(_Frozen):
-    # auto: each decode worker serves grpc and, when its KV pool is in host memory, shm; each
-    # prefill worker pushes over shm to a decode worker on its machine, grpc to the others
-    # (kvtransfer/choose.py). nixl: one-sided NIXL WRITEs into the decode worker's KV pool (the
-    # `nixl` extra)
+    # auto: each decode worker serves grpc and, when its KV pool is in host memory, shm (and nixl
+    # or torch where installed and `profile` ranks them first); each prefill worker pushes over
+    # the fastest that applies: by default shm to a decode worker on its machine, grpc to the
+    # others (kvtransfer/choose.py). nixl: one-sided NIXL WRITEs into the decode worker's KV pool
+    # (the `nixl` extra)
     backend: Literal["auto", "grpc", "shm", "torch", "nixl"] = "auto"
+    # auto only: a `pdserve profile` JSON whose measured hand-off figures rank the backends (read
+    # once, here, when the config is loaded; relative to the YAML's folder); null: the built-in
+    # ranking (shm on one machine, grpc between)
+    profile: ProfileFile | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_ranks(cls, value):
+        if value is not None:
+            from pdserve.kvtransfer.backends import BACKENDS
+            from pdserve.kvtransfer.choose import ranking_from_profile
+
+            try:
+                ranking_from_profile(json.loads(value.data), value.path, BACKENDS)
+            except ValueError as e:  # JSON or ranking
+                raise ValueError(
+                    f"{value.path}: not a profile that ranks KV backends: {e}"
+                ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _profile_on_auto(self):
+        if self.profile is not None and self.backend != "auto":
+            raise ValueError(
+                f"profile ranks the backends of backend: auto; with backend: {self.backend} "
+                f"remove it (or set backend: auto)"
+            )
+        return self
+
+    def ranking(self):
+        """The ranking auto serves and offers by (kvtransfer/choose.py Ranking), of every backend:
+        each decode worker leaves out those not installed on its machine."""
+        from pdserve.kvtransfer.backends import BACKENDS
+        from pdserve.kvtransfer.choose import DEFAULT, ranking_from_profile
+
+        if self.profile is None:
+            return DEFAULT
+        return ranking_from_profile(json.loads(self.profile.data), self.profile.path, BACKENDS)
 
     @field_validator("backend")
     @classmethod

@@ -198,6 +198,8 @@ class GrpcServer(TransportServer):
         worker = FrameWorker(
             handle, f"pdserve-kv-grpc-handler-{channel_id[:8]}", self._max_backlog_bytes
         )
+        self._stream_opened(context)
+        ended_here = False  # this server ends the stream (bad framing)
         try:
             for message in request_iterator:
                 try:
@@ -208,6 +210,7 @@ class GrpcServer(TransportServer):
                             0 if payload is None else len(payload),
                         )
                 except WireError as e:  # framing lost: frame counts (Flush) cannot agree any more
+                    ended_here = True
                     context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"bad KV frame on channel {channel_id}: {e}; the channel is closed",
@@ -217,8 +220,18 @@ class GrpcServer(TransportServer):
         finally:
             # frames that arrived are handled (a sender's close returns after them), unless stopping
             worker.close(drain=not self._stopped)
+            # before release: `closed` still says whether this server closed it (evicted, idle)
+            self._stream_ended(context, by_server=ended_here or channel.closed or self._stopped)
             self._channels.release(channel)
         return b""
+
+    def _stream_opened(self, context) -> None:
+        """A Push stream was admitted (a hook: the nixl backend's control server tracks its
+        senders' connections)."""
+
+    def _stream_ended(self, context, by_server: bool) -> None:
+        """A Push stream ended: closed by this server (evicted, idle, stopping) when `by_server`,
+        else by its sender (its transport closed, its process or connection gone)."""
 
     def _flush(self, request: bytes, context) -> bytes:
         try:

@@ -31,10 +31,14 @@ write: until the sender's "commit" or "abort" for it arrives (the sender's last 
 its last WRITE ended), or until every sending process of the claim is proven gone (a claim names
 its process: boot id, pid namespace, pid and start time; on a DRAM pool a dead process on this
 host writes no more). Only then are they freed (decode_worker/handoff.py). Past that bound (plus
-a margin) with neither, the claim's sender broke its own bounds (stopped or hung, a WRITE that
-would not cancel, or a dead sender on another host, which cannot be proven gone): its blocks stay
-held and the worker reports itself unhealthy (`Grants.stuck`, which fails the decode worker's
-Stats) until the claim ends after all. A sender whose claim is refused, or whose WRITE fails,
+a margin), a claim whose every sender is proven gone or ended its control connection itself (its
+last Push stream closed from its side: a process on another host that died, whose kernel closed
+the connection or whose keepalive failed, or a transport closed after its WRITEs) is over too: a
+gone sender posts no WRITE, and the bound covers those it had posted (Grants.peer_gone; a stream
+this server closed, idle or evicted, proves nothing). Past the bound with none of these, the
+claim's sender broke its own bounds (stopped or hung, a WRITE that would not cancel): its blocks
+stay held and the worker reports itself unhealthy (`Grants.stuck`, which fails the decode worker's
+Stats) until the claim ends after all, its sender's connection closing included. A sender whose claim is refused, or whose WRITE fails,
 fails the request; the prefill worker then sends "abort".
 
 Trust: NIXL's one-sided WRITEs are not checked by the receiver's CPU: a process holding the
@@ -197,6 +201,11 @@ class _Grant:
     claimed_at: float | None = None  # time.monotonic() of the last claim: a transfer may write
     # the sending agents that claimed it, each with its process (process_identity(), {}: unknown)
     claimants: dict[str, dict] = field(default_factory=dict)
+    # each claiming agent's control connection (the claim call's gRPC peer, "" unknown), and the
+    # agents whose connection its sender ended since (its process or host gone, or its transport
+    # closed after its WRITEs): past the bound, such a claim is over (Grants.due)
+    peers: dict[str, str] = field(default_factory=dict)
+    disconnected: set[str] = field(default_factory=set)
     over: bool = False  # the sender's commit or abort arrived: no write of it is left
     on_over: Callable[[], None] | None = None  # the reservation ended while its claim may write
     stuck: bool = False  # held past its bound: the worker reports itself unhealthy
@@ -231,6 +240,7 @@ class Grants:
         self.pid_proof = bool(pid_proof)
         self.num_refused = 0  # claims and frames refused
         self.num_released_sender_gone = 0  # held blocks freed as their senders were proven gone
+        self.num_released_peer_gone = 0  # held blocks freed past the bound, senders disconnected
         self.num_stuck_total = 0  # held claims that went past their bound (each counted once)
 
     def issue(self, request_id: str, block_ids) -> str:
@@ -251,12 +261,19 @@ class Grants:
         return GrantRefused(why)
 
     def claim(
-        self, request_id: str, token: str, block_ids, agent: str = "", process: dict | None = None
+        self,
+        request_id: str,
+        token: str,
+        block_ids,
+        agent: str = "",
+        process: dict | None = None,
+        peer: str = "",
     ) -> float:
         """The write window in seconds; GrantRefused says what does not match.
 
         `process`: the sending process (process_identity()), which lets a dead sender's claim end
-        before its bound. `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
+        before its bound. `peer`: the claim's control connection (the gRPC peer), whose end by
+        its sender (`peer_gone`) ends the claim once past its bound. `agent`: the sending NIXL agent. A claim while the reservation holds is taken again: the
         router retries a failed prefill once into the same reservation. From the same agent,
         that agent's earlier WRITEs are over (NixlTransport claims a request again only after
         its earlier WRITEs ended); from another agent, the first may still be writing, so from
@@ -283,7 +300,26 @@ class Grants:
                 )
             grant.claimed_at = time.monotonic()
             grant.claimants[agent] = dict(process or {})
+            grant.peers[agent] = peer
+            grant.disconnected.discard(agent)
             return self.window_s
+
+    def peer_gone(self, peer: str) -> int:
+        """The sender at the control connection `peer` ended it (its last stream there closed
+        from its side: its process or host gone, or its transport closed once its WRITEs
+        ended). Its claims' holds end at their bound (`due`) rather than staying stuck: a
+        sender that is gone posts no WRITE, and the bound covers those it had posted. Returns
+        how many claims it had."""
+        if not peer:
+            return 0
+        with self._lock:
+            hit = 0
+            for grant in self._grants.values():
+                for agent, where in grant.peers.items():
+                    if where == peer:
+                        grant.disconnected.add(agent)
+                        hit += 1
+            return hit
 
     def check(self, header: ChunkHeader) -> str | None:
         """Why a frame must be refused (None: hand it on). A "commit" or "abort" with the right
@@ -327,34 +363,42 @@ class Grants:
             return False
 
     def due(self) -> int:
-        """Release the held reservations whose claiming processes are all proven gone, mark the
-        ones past their bound stuck (logged once each), and drop the replay guards past theirs;
-        returns how many held reservations were released."""
+        """Release the held reservations whose claiming processes are all proven gone, or, past
+        their bound, each proven gone or disconnected (`peer_gone`); mark the other ones past
+        their bound stuck (logged once each), and drop the replay guards past theirs; returns
+        how many held reservations were released."""
         now = time.monotonic()
         with self._lock:
-            ended = [(rid, g) for rid, g in self._grants.items() if not g.live]
-        gone = set()
+            ended = [(rid, g, dict(g.claimants)) for rid, g in self._grants.items() if not g.live]
+        proven: dict[str, set[str]] = {}
         if self.pid_proof:  # reading /proc outside the lock
-            for rid, grant in ended:
-                if grant.on_over is not None and grant.claimants:
-                    if all(process_gone(p) for p in grant.claimants.values()):
-                        gone.add(rid)
-        calls, newly_stuck = [], []
+            for rid, grant, claimants in ended:
+                if grant.on_over is not None and claimants:
+                    proven[rid] = {a for a, p in claimants.items() if process_gone(p)}
+        calls, newly_stuck, freed_stuck = [], [], []
         with self._lock:
-            for rid, grant in ended:
+            for rid, grant, _ in ended:
                 if self._grants.get(rid) is not grant:
                     continue  # its sender's last word came meanwhile
                 past = now - grant.claimed_at > self.release_bound_s
+                agents = set(grant.claimants)
+                gone = proven.get(rid, set())
                 if grant.on_over is None:  # nothing held: a replay guard, kept to the bound
                     if past:
                         del self._grants[rid]
-                elif rid in gone:
+                elif agents and agents <= gone:
                     del self._grants[rid]
                     calls.append(grant.on_over)
+                    self.num_released_sender_gone += 1
+                elif past and agents and agents <= gone | grant.disconnected:
+                    del self._grants[rid]
+                    calls.append(grant.on_over)
+                    self.num_released_peer_gone += 1
+                    if grant.stuck:
+                        freed_stuck.append(rid)
                 elif past and not grant.stuck:
                     grant.stuck = True
                     newly_stuck.append(rid)
-            self.num_released_sender_gone += len(calls)
             self.num_stuck_total += len(newly_stuck)
         for rid in newly_stuck:
             log.error(
@@ -362,6 +406,11 @@ class Grants:
                 "over: its blocks stay held and this worker reports itself unhealthy",
                 rid[:64],
                 self.release_bound_s,
+            )
+        for rid in freed_stuck:
+            log.warning(
+                "held reservation %s freed: its senders' connections closed and its bound passed",
+                rid[:64],
             )
         for call in calls:
             call()
@@ -451,7 +500,27 @@ class NixlControlServer(GrpcServer):
 
     def __init__(self, handler: FrameHandler, owner: NixlServer, **opts):
         self._owner = owner
+        self._peers_lock = threading.Lock()
+        self._open_streams: dict[str, int] = {}  # gRPC peer -> its open Push streams
         super().__init__(handler, **opts)
+
+    def _stream_opened(self, context) -> None:
+        with self._peers_lock:
+            peer = context.peer()
+            self._open_streams[peer] = self._open_streams.get(peer, 0) + 1
+
+    def _stream_ended(self, context, by_server: bool) -> None:
+        """A sender's connection whose last stream it ended itself is gone (Grants.peer_gone);
+        one this server closed (evicted, idle, stopping) proves nothing of its sender."""
+        peer = context.peer()
+        with self._peers_lock:
+            left = self._open_streams.get(peer, 1) - 1
+            if left > 0:
+                self._open_streams[peer] = left
+            else:
+                self._open_streams.pop(peer, None)
+        if not by_server and left <= 0:
+            self._owner.grants.peer_gone(peer)
 
     def extra_methods(self) -> dict:
         return {"NixlMetadata": self._metadata, "NixlClaim": self._claim}
@@ -465,7 +534,9 @@ class NixlControlServer(GrpcServer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlClaim: {e}")
         try:
-            window_s = self._owner.grants.claim(request_id, token, block_ids, agent, process)
+            window_s = self._owner.grants.claim(
+                request_id, token, block_ids, agent, process, peer=context.peer()
+            )
         except GrantRefused as e:
             log.warning("refused a KV write claim: %s", e)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))

@@ -109,6 +109,7 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
         engine=dict(kv_cache_memory=1 << 17, max_model_len=64),
         kv_backend="nixl",
         kv_options={"grants": {"window_s": 0.5, "xfer_timeout_s": 0.5}},  # a bound of 6 s
+        lease_ms=60_000,  # the sender process may take a while to start on a loaded machine
     )
     channel = grpc.insecure_channel(decode.address)
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)

@@ -23,3 +23,4 @@ def test_profile_measures_nixl_into_granted_blocks():
     nixl = out["nixl"]
     assert nixl["bandwidth_bytes_per_s"] > 0 and nixl["latency_s"] >= 0
     assert nixl["samples"]["bulk_requests"] == 2 and len(nixl["samples"]["ping_s"]) == 2
+    assert nixl["locality"] == "same_host"  # what auto's same-host order is ranked by

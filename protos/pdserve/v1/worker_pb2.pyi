@@ -28,7 +28,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., lease_ms: _Optional[int] = ..., run_prefill: _Optional[bool] = ..., min_cached_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KVEndpoint(_message.Message):
-    __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality")
+    __slots__ = ("backend", "address", "layout_fingerprint", "tp_size", "rank_addresses", "write_grant", "offers", "locality", "host", "cross_host_rank")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class KVEndpoint(_message.Message):
     WRITE_GRANT_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     LOCALITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    CROSS_HOST_RANK_FIELD_NUMBER: _ClassVar[int]
     backend: str
     address: str
     layout_fingerprint: str
@@ -45,7 +47,9 @@ class KVEndpoint(_message.Message):
     write_grant: str
     offers: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     locality: str
-    def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., write_grant: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., locality: _Optional[str] = ...) -> None: ...
+    host: str
+    cross_host_rank: int
+    def __init__(self, backend: _Optional[str] = ..., address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., write_grant: _Optional[str] = ..., offers: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., locality: _Optional[str] = ..., host: _Optional[str] = ..., cross_host_rank: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "block_ids", "block_size", "num_cached_tokens", "endpoint", "lease_deadline_unix_ns", "lora_hash")
