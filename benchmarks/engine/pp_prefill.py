@@ -12,6 +12,12 @@ sequence runs in micro-batches through the stages (engine/model_runner.py `_micr
 PP=2's stages overlap except for the pipeline's fill and drain, the bubble this reports against
 PP=1: `pp2 / pp1` TTFT. Each step of a long prompt holds at most max_num_batched_tokens (2048).
 
+SmolLM2's 9 heads of 64 (3 KV heads) cannot be split between two tensor-parallel ranks, so
+`--model twelve-heads` runs every layout on a random-weight model of SmolLM2's shape with its
+attention cut into 12 heads of 48 (4 KV heads): the same hidden size, projections, layers and
+vocabulary, so the same weights' bytes and the same FLOPs per token, and TP=2 splits it. A
+prefill's time does not depend on the weights' values.
+
 Writes benchmarks/results/pp_prefill.json (--out): the header (command, date, commit, CPU model,
 count and ISA flags) and one entry per layout and length.
 """
@@ -35,11 +41,40 @@ LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}  # name: (pipeline, tens
 SEED = 53
 
 
-def measure(pp: int, tp: int, lengths: list[int]) -> dict:
+def twelve_heads_model() -> str:
+    """SmolLM2's shape with 12 attention heads of 48 and 4 KV heads, random weights, written once
+    into the pdserve cache (with SmolLM2's tokenizer files); its folder."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.loader.resolve import default_cache_dir
+
+    out = default_cache_dir() / "bench-models" / "smollm2-shape-12-heads"
+    if (out / "config.json").exists():
+        return str(out)
+    src = resolve_model("smollm2")
+    config = AutoConfig.from_pretrained(src)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 4, 48
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return str(out)
+
+
+def measure(pp: int, tp: int, lengths: list[int], model: str = "smollm2") -> dict:
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(
-        "smollm2",
+        model,
         dtype="float32",
         quantization=None,
         speculative_config=None,
@@ -63,17 +98,17 @@ def measure(pp: int, tp: int, lengths: list[int]) -> dict:
         llm.shutdown()
 
 
-def _child(conn, pp: int, tp: int, lengths: list[int]) -> None:
+def _child(conn, pp: int, tp: int, lengths: list[int], model: str) -> None:
     try:
-        conn.send(measure(pp, tp, lengths))
+        conn.send(measure(pp, tp, lengths, model))
     except BaseException as e:  # the parent reports it
         conn.send({"error": repr(e)})
 
 
-def measure_in_process(pp: int, tp: int, lengths: list[int]) -> dict:
+def measure_in_process(pp: int, tp: int, lengths: list[int], model: str = "smollm2") -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(child, pp, tp, lengths))
+    p = ctx.Process(target=_child, args=(child, pp, tp, lengths, model))
     p.start()
     out = parent.recv()
     p.join(timeout=60)
@@ -84,6 +119,12 @@ def main(argv=None) -> int:
     ap = script_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="2048,8000", help="prompt lengths, comma-separated")
     ap.add_argument("--layouts", default="pp1,pp2,tp2", help=f"of {', '.join(LAYOUTS)}")
+    ap.add_argument(
+        "--model",
+        default="smollm2",
+        choices=("smollm2", "twelve-heads"),
+        help="twelve-heads: SmolLM2's shape in 12 heads of 48, which TP=2 can split",
+    )
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
     args = ap.parse_args(argv)
@@ -93,13 +134,15 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
 
+    model = twelve_heads_model() if args.model == "twelve-heads" else "smollm2"
+
     def run() -> dict:
         results = {}
         for name in layouts:
             if args.wait_idle:
                 wait_for_idle_machine(args.wait_idle)
             log(f"{name}")
-            r = measure_in_process(*LAYOUTS[name], lengths)
+            r = measure_in_process(*LAYOUTS[name], lengths, model)
             log(f"  {r}")  # a layout the model refuses (TP=2 of SmolLM2's 9 heads) says why
             results[name] = r
         ratios = {}
@@ -111,7 +154,7 @@ def main(argv=None) -> int:
                     round(a["ttft_s"] / b["ttft_s"], 3)
                     for a, b in zip(r["runs"], results["pp1"]["runs"])
                 ]
-        return {"lengths": lengths, "layouts": results, "ratios": ratios}
+        return {"model": args.model, "lengths": lengths, "layouts": results, "ratios": ratios}
 
     return run_and_write("benchmarks.engine.pp_prefill", argv, args.out, run)
 
