@@ -257,6 +257,25 @@ class EngineConfig:
             "bytes (an integer > 0) or a fraction of free memory in (0, 1]",
         )
         self._check_host_tier(check)
+        self._check_step_sizes(check)
+        check(
+            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
+            "max_model_len",
+            "None or an integer >= 1",
+        )
+        check(
+            self.kv_cache_shared_dir is None
+            or (
+                isinstance(self.kv_cache_shared_dir, str)
+                and os.path.isdir(self.kv_cache_shared_dir)
+            ),
+            "kv_cache_shared_dir",
+            "None or an existing directory",
+        )
+        self._check_stage_sender(check)
+
+    def _check_step_sizes(self, check) -> None:
+        """What one scheduler step may hold and how long it may take."""
         check(
             _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
@@ -279,21 +298,6 @@ class EngineConfig:
             "max_step_slowdown",
             "a number >= 0 (0: off)",
         )
-        check(
-            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
-            "max_model_len",
-            "None or an integer >= 1",
-        )
-        check(
-            self.kv_cache_shared_dir is None
-            or (
-                isinstance(self.kv_cache_shared_dir, str)
-                and os.path.isdir(self.kv_cache_shared_dir)
-            ),
-            "kv_cache_shared_dir",
-            "None or an existing directory",
-        )
-        self._check_stage_sender(check)
 
     def _check_stage_sender(self, check) -> None:
         sender = self.kv_stage_sender

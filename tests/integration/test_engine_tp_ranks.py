@@ -52,12 +52,16 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
         caches = llm.engine.rank_kv_caches()
         assert caches[0] is llm.engine.kv_cache
         num_blocks = -(-len(prompt) // 16)
+
+        def prompt_slots(kv):  # [layers, 2, prompt tokens, heads, head_dim]; past them a block
+            # may hold what a step's rejected guesses (timed speculation) wrote, which differs
+            flat = kv[:, :, :num_blocks].flatten(2, 3)
+            return flat[:, :, : len(prompt)]
+
         # both engines allocate the same first blocks to their first request
-        whole = torch.cat([c[:, :, :num_blocks] for c in caches], dim=4)
-        assert torch.count_nonzero(caches[1][:, :, :num_blocks]) > 0
-        torch.testing.assert_close(
-            whole, tp1.engine.kv_cache[:, :, :num_blocks], rtol=1e-4, atol=1e-5
-        )
+        whole = torch.cat([prompt_slots(c) for c in caches], dim=3)
+        assert torch.count_nonzero(prompt_slots(caches[1])) > 0
+        torch.testing.assert_close(whole, prompt_slots(tp1.engine.kv_cache), rtol=1e-4, atol=1e-5)
     finally:
         llm.shutdown()
     assert not any(os.path.exists(p) for p in paths)
