@@ -1,7 +1,8 @@
 """A prefill pool in pipeline stages through `pdserve up` (issue #53, must-show a's cluster half):
 a random 5-layer tiny Llama, its prefill worker TP 2 x PP 2 (four rank processes), its decode
-worker one rank; prompts of mixed lengths sent at once get the engine's greedy tokens in one
-process. The hand-off itself, per backend and stage layout:
+worker TP 2 (each prefill stage's ranks push their heads of their layers into both decode ranks);
+prompts of mixed lengths sent at once get the engine's greedy tokens in one process. The hand-off
+itself, per backend and stage layout, into a decode worker of one rank:
 tests/integration/test_pp_handoff.py."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ KV_BYTES = 4 << 20
 MAX_MODEL_LEN = 256
 
 
-def test_up_serves_a_tp2_pp2_prefill_pool_as_the_engine_does(tmp_path):
+def test_up_serves_a_tp2_pp2_prefill_pool_into_tp2_decode_as_the_engine_does(tmp_path):
     from pdserve.engine import LLM, SamplingParams
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
@@ -42,9 +43,9 @@ def test_up_serves_a_tp2_pp2_prefill_pool_as_the_engine_does(tmp_path):
         yaml.safe_dump(
             {
                 "pools": {
-                    # four ranks' bundles on one CPU between them
+                    # four ranks' bundles on one CPU between them, two on the other
                     "prefill": {**small, "tp": 2, "resources": {"num_cpus": 0.25}},
-                    "decode": {**small, "resources": {"num_cpus": 1}},
+                    "decode": {**small, "tp": 2, "resources": {"num_cpus": 0.5}},
                 },
                 "ray": {"num_cpus": 2, "temp_dir": tempfile.mkdtemp(prefix="pdray")},
             }
