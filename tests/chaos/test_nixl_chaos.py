@@ -4,7 +4,9 @@ during their hand-offs) leaves every stream that was not cancelled token-identic
 run, all KV free, and no hold left stuck; a prefill process that wrote and went silent keeps its
 aborted reservation held (never handed to another request), past the claim's bound with the
 worker reporting itself unhealthy (Stats fails UNAVAILABLE), and once that process is killed the
-blocks go and the worker is healthy again. Skipped where NIXL is not installed."""
+blocks go and the worker is healthy again; the same for a sender whose claim names no process
+(one on another host), freed once its control connection closes from its side. Skipped where
+NIXL is not installed."""
 
 from __future__ import annotations
 
@@ -84,13 +86,17 @@ def test_abort_storm_over_nixl(tiny_models):
         cluster.stop()
 
 
-def dying_sender(address: str, grant: str, block_ids: list, layout, ready, die) -> None:
+def dying_sender(address: str, grant: str, block_ids: list, layout, ready, die, remote) -> None:
     """A prefill process that claims the reservation, writes two layers, goes silent (no commit
-    or abort: a stuck transfer, as far as the decode side can tell) and dies when told."""
-    from pdserve.kvtransfer.backends import connect
+    or abort: a stuck transfer, as far as the decode side can tell) and dies when told. remote:
+    its claim names no process (as a claim from another host: nothing the decode side can prove
+    about it)."""
+    from pdserve.kvtransfer.backends import connect, nixl_backend
     from pdserve.kvtransfer.transport import Destination
     from pdserve.kvtransfer.wire import ChunkHeader
 
+    if remote:
+        nixl_backend.process_identity = dict  # {}
     tx = connect("nixl", address)
     dest = Destination(block_ids, layout, grant=grant)
     heads, dim = layout.num_kv_heads, layout.head_dim
@@ -102,7 +108,16 @@ def dying_sender(address: str, grant: str, block_ids: list, layout, ready, die) 
     os._exit(3)
 
 
-def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies(tiny_models):
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies(
+    tiny_models, remote
+):
+    """A local sender's death is proven by its process id; a remote one's (its claim names no
+    process: issue 50's follow-up) by its control connection closing from its side. Either way
+    the aborted reservation stays held (never handed to another request) past the claim's bound,
+    the worker reports itself unhealthy, and once the sender is gone the blocks are freed and the
+    worker is healthy again without a restart. The Grants logic alone:
+    tests/unit/test_nixl_peer_gone.py."""
     model_dir, _ = tiny_models("llama-gqa")
     decode = start_decode(
         model_dir,
@@ -117,6 +132,14 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
     def stats():
         return stub.Stats(worker_pb2.StatsRequest(), timeout=10)
 
+    def unhealthy() -> str:
+        try:
+            stats()
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            return e.details()
+        return ""
+
     ctx = multiprocessing.get_context("spawn")
     ready, die = ctx.Event(), ctx.Event()
     try:
@@ -130,43 +153,36 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
         )  # fmt: skip
 
         layout = dataclasses.replace(decode.layout, block_size=res.block_size)
-        proc = ctx.Process(
-            target=dying_sender,
-            args=(
-                res.endpoint.address,
-                res.endpoint.write_grant,
-                list(res.block_ids),
-                layout,
-                ready,
-                die,
-            ),
+        args = (
+            res.endpoint.address,
+            res.endpoint.write_grant,
+            list(res.block_ids),
+            layout,
+            ready,
+            die,
+            remote,
         )
+        proc = ctx.Process(target=dying_sender, args=args)
         proc.start()
         assert ready.wait(60), "the sender never wrote"
         assert stub.Abort(worker_pb2.WorkerAbortRequest(request_id="doomed"), timeout=10).found
         s = stats()
         assert s.num_reserved == 1 and s.num_free_blocks < total  # held, not handed out
         grants = decode.handoff.grants
-
-        def unhealthy() -> str:
-            try:
-                stats()
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
-                return e.details()
-            return ""
-
         wait_until(unhealthy, 60, "the worker never reported the stuck hold")
         assert "held past the nixl write bound" in unhealthy() and "'doomed'" in unhealthy()
         assert decode.handoff.num_held == 1 and grants.num_stuck_total == 1  # still held
         assert decode.handoff.loop.load()["num_free_blocks"] < total
-        die.set()  # the sender's process ends: its writes are over, proven by its pid
+        die.set()  # the sender's process ends (and its kernel closes its connections)
         proc.join(30)
         assert proc.exitcode == 3
-        wait_until(lambda: not unhealthy(), 30, "the worker stayed unhealthy")
+        wait_until(lambda: not unhealthy(), 60, "the worker stayed unhealthy")
         s = stats()
         assert s.num_reserved == 0 and s.num_free_blocks == total
-        assert grants.num_released_sender_gone == 1
+        if remote:  # freed by its closed connection, not by a proof about its process
+            assert grants.num_released_peer_gone == 1 and grants.num_released_sender_gone == 0
+        else:
+            assert grants.num_released_sender_gone == 1
     finally:
         die.set()
         channel.close()

@@ -2,7 +2,7 @@
 process cannot be proven gone from here, but once its control connection was closed from its
 side (`peer_gone`) and the claim's bound passed, the held blocks are freed and the worker is
 healthy again; before the bound, or with the connection still open, they stay held. The same with
-real processes and sockets: tests/chaos/test_nixl_remote_sender_gone.py."""
+real processes and sockets: tests/chaos/test_nixl_chaos.py (its remote case)."""
 
 from __future__ import annotations
 
