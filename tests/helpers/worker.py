@@ -174,3 +174,26 @@ class BackendCluster(Cluster):
         self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
         self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
+
+
+# ---- the prefill worker's KV channels in a Cluster (tests/integration/test_kv_auto.py,
+# tests/integration/test_auto_rank_nixl_cluster.py)
+def used_backends(cluster) -> set[str]:
+    """The backends the prefill worker holds channels of."""
+    return {backend for backend, _ in cluster.prefill.parts["prefill"].servicer._transports}
+
+
+def forget_channels(cluster) -> None:
+    """Closes and forgets the prefill worker's channels: the next hand-off picks afresh."""
+    servicer = cluster.prefill.parts["prefill"].servicer
+    with servicer._transports_lock:
+        for transport in servicer._transports.values():
+            transport.close()
+        servicer._transports.clear()
+        servicer._transport_used.clear()
+
+
+def idle(cluster) -> bool:
+    """The decode worker holds nothing: every block free, nothing reserved or running."""
+    s = cluster.stats()
+    return s.num_free_blocks == s.num_total_blocks and s.num_reserved == s.num_running == 0

@@ -12,7 +12,16 @@ import pytest
 
 from helpers.models import random_prompts
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, MAX_MODEL_LEN, Cluster, start_decode, start_prefill
+from helpers.worker import (
+    GREEDY,
+    MAX_MODEL_LEN,
+    Cluster,
+    forget_channels,
+    idle,
+    start_decode,
+    start_prefill,
+    used_backends,
+)
 from pdserve.engine import LLM, SamplingParams
 from pdserve.kvtransfer.backends import BACKENDS
 from pdserve.kvtransfer.backends.nixl_backend import nixl_available
@@ -74,24 +83,6 @@ def cluster(tiny_models):
     c = RankedCluster(tiny_models("llama-gqa")[0], ranking.to_dict())
     yield c
     c.stop()
-
-
-def used_backends(cluster) -> set[str]:
-    return {backend for backend, _ in cluster.prefill.parts["prefill"].servicer._transports}
-
-
-def forget_channels(cluster) -> None:
-    servicer = cluster.prefill.parts["prefill"].servicer
-    with servicer._transports_lock:
-        for transport in servicer._transports.values():
-            transport.close()
-        servicer._transports.clear()
-        servicer._transport_used.clear()
-
-
-def idle(cluster) -> bool:
-    s = cluster.stats()
-    return s.num_free_blocks == s.num_total_blocks and s.num_reserved == s.num_running == 0
 
 
 def test_a_profile_naming_nixl_first_hands_off_over_nixl(cluster, expected):

@@ -11,7 +11,7 @@ import pytest
 
 from helpers.models import random_prompts
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, BackendCluster
+from helpers.worker import GREEDY, BackendCluster, forget_channels, idle, used_backends
 from pdserve.engine import LLM, SamplingParams
 from pdserve.kvtransfer import choose
 from pdserve.protos.convert import sampling_kwargs
@@ -33,25 +33,6 @@ def cluster(tiny_models):
     c = BackendCluster(tiny_models("llama-gqa")[0], "auto", 1, 1)
     yield c
     c.stop()
-
-
-def used_backends(cluster) -> set[str]:
-    """The backends the prefill worker holds channels of."""
-    return {backend for backend, _ in cluster.prefill.parts["prefill"].servicer._transports}
-
-
-def forget_channels(cluster) -> None:
-    servicer = cluster.prefill.parts["prefill"].servicer
-    with servicer._transports_lock:
-        for transport in servicer._transports.values():
-            transport.close()
-        servicer._transports.clear()
-        servicer._transport_used.clear()
-
-
-def idle(cluster) -> bool:
-    s = cluster.stats()
-    return s.num_free_blocks == s.num_total_blocks and s.num_reserved == s.num_running == 0
 
 
 def test_a_reservation_offers_shm_then_grpc_and_the_same_host_takes_shm(cluster, expected):
