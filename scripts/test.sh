@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the test suite (or the lanes, files or tests named in the arguments, which go to pytest).
-# Two test files at a time with pytest-xdist (the dev extra installs it): most tests wait on
-# sockets, subprocess starts and timeouts, so a second file fills the idle core. The files go out
+# Three test files at a time with pytest-xdist (the dev extra installs it): most tests wait on
+# sockets, subprocess starts and timeouts, so more files than cores keep the cores busy (the
+# times with 2 and 3: docs/contributing.md). The files go out
 # in the order tests/helpers/lanes.py gives them (longest first, so the run does not end on one
 # long file); tests marked `serial` run while no other test does. PDSERVE_TEST_JOBS sets the
 # number of test processes (1: one process, as plain pytest runs); an `-n`/`--numprocesses` or
@@ -11,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PDSERVE_NO_PROGRESS=1
 PY=${PYTHON:-python3}
-JOBS=${PDSERVE_TEST_JOBS:-2}
+JOBS=${PDSERVE_TEST_JOBS:-3}
 if ! [[ "$JOBS" =~ ^[1-9][0-9]*$ ]]; then
   echo "PDSERVE_TEST_JOBS must be a whole number of processes, 1 or more (got '$JOBS')" >&2
   exit 2

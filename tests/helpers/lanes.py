@@ -2,9 +2,9 @@
 marker's lock and torch's share of the cores. tests/conftest.py registers this module as a
 plugin.
 
-scripts/test.sh runs the suite with pytest-xdist, two test files at a time (`-n 2 --dist
+scripts/test.sh runs the suite with pytest-xdist, three test files at a time (`-n 3 --dist
 loadfile`): most of the suite waits on sockets, subprocess starts and timeouts rather than
-computing, so a second file beside it fills the idle core. `--dist loadfile` keeps a file's tests
+computing, so files beside it fill the idle cores. `--dist loadfile` keeps a file's tests
 on one xdist worker, so a module-scoped cluster or local Ray is started once, not once per worker.
 
 A test marked `serial` needs the machine to itself: it loads the machine on purpose (busy
