@@ -12,7 +12,7 @@ Python >= 3.12 and pins transformers==5.13.0, but runs on 3.11 and on the projec
 without its declared dependencies: `pip install --no-deps --ignore-requires-python
 inference-perf==0.7.0`, then `pip install aiohttp av tiktoken google-cloud-storage` (what it
 imports; datasets, aiofiles and uvloop come with guidellm). pyproject.toml's `clients` extra
-installs inference-perf with its dependencies on Python >= 3.12, and so its transformers pin."""
+holds guidellm only, for that reason."""
 
 from __future__ import annotations
 
