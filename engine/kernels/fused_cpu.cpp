@@ -276,22 +276,27 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 
-// ---- 4-bit weight blocks computed in float32 (engine/layers/quant.py, Q4Blocks) ----
+// ---- 4-bit weight blocks in oneDNN's bf16 arithmetic (engine/layers/quant.py, Q4Blocks) ----
 //
 // A weight that a GGUF file stored as Q4_0 or Q4_1 is, once dequantized, exactly d * q + m per
-// block of 32 input features (q in 0..15, d and m float16 values). q4_linear keeps it in that
-// form, 20 bytes a block (d, m as float16, then 16 bytes of nibbles: byte j holds element j in
-// its low nibble and element j + 16 in its high one, GGUF's order), rebuilds each block's 32
-// float32 weights in registers (d * q is exact, so they are bit for bit the dense float32
-// weights) and multiplies them with float32 activations. A step of few rows reads 0.625 bytes a
-// weight instead of bf16's 2 or float32's 4, and computes what float32 computes. A row's result
-// depends only on that row: the sum over the inputs runs in one fixed order (per vector lane,
-// the lanes added at the end), whatever the number of rows or threads.
+// block of 32 input features (q in 0..15, d and m float16 values). q4_blocks finds those blocks
+// again and keeps them for 16 output features at a time: per block of 32 inputs, the 16 outputs'
+// d (float16), then their m, then for each pair of inputs (2p, 2p + 1) 16 bytes, byte j holding
+// output j's q of input 2p in its low nibble and of input 2p + 1 in its high one: 320 bytes for
+// 512 weights. q4_linear rebuilds the weights in registers and computes what the bf16 mode's
+// oneDNN product computes, bit for bit: weights and activations rounded to bf16 (nearest even),
+// each output's products summed in float32 pair after pair in input order (the odd input's
+// product first, as AVX512-BF16's dot-product instruction adds them) in parts of `part` inputs,
+// each part from zero (oneDNN's blocks of the inputs), the parts added in order, the sum rounded
+// to bf16. engine/layers/quant.py measures `part` on oneDNN and checks the bits before use. A
+// step of few rows reads 0.625 bytes a weight instead of bf16's 2; a row's result depends only
+// on that row, whatever the number of rows or threads.
 namespace {
 
-constexpr int64_t kBlock = 32;       // input features a block covers
-constexpr int64_t kBlockBytes = 20;  // d, m (float16 each), 16 bytes of nibbles
-constexpr int kMaxRows = 8;          // rows one pass over a weight row serves
+constexpr int64_t kBlock = 32;         // input features a block covers
+constexpr int64_t kGroup = 16;         // output features kept together
+constexpr int64_t kGroupBytes = 320;   // 16 d, 16 m (float16), 16 pairs x 16 bytes of nibbles
+constexpr int kMaxRows = 8;            // rows one pass over a group's weights serves
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -299,119 +304,106 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// x: the rows' activations as bf16 bits [R, K]; w: the groups' blocks; part_b: the blocks a part
+// of the sum covers. y: bf16 bits [R, out], ys apart.
 template <int R>
-void rows_pass(const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1,
-               float* y, int64_t ys) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* blk = w + n * nb * kBlockBytes;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, blk += kBlockBytes) {
-      const __m512 d = _mm512_set1_ps(half_at(blk));
-      const __m512 m = _mm512_set1_ps(half_at(blk + 2));
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m128i q0 = _mm_and_si128(q, low);
-      const __m128i q1 = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-      const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), d), m);
-      const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), d), m);
-      const float* xb = x + b * kBlock;
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + r * xs), acc[r]);
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + r * xs + 16), acc[r]);
+void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
+                 int64_t g0, int64_t g1, uint16_t* y, int64_t ys) {
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  // words [even 0..15, odd 0..15] of cvtne2ps to [even 0, odd 0, even 1, odd 1, ...]
+  alignas(64) static const int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i inter = _mm512_load_si512(kInterleave);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gw = w + g * nb * kGroupBytes;
+    __m512 acc[R], total[R];
+    for (int r = 0; r < R; ++r) acc[r] = total[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (b > 0 && b % part_b == 0) {  // a part ends: added to the parts before it
+        for (int r = 0; r < R; ++r) {
+          total[r] = b == part_b ? acc[r] : _mm512_add_ps(total[r], acc[r]);
+          acc[r] = _mm512_setzero_ps();
+        }
+      }
+      const uint8_t* blk = gw + b * kGroupBytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      const uint16_t* xb = x + b * kBlock;
+      for (int p = 0; p < kBlock / 2; ++p) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + p * 16)));
+        const __m512 we = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d), m);
+        const __m512 wo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m);
+        const __m512bh wp = (__m512bh)_mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(wo, we));
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xb + r * K + 2 * p, 4);
+          acc[r] = _mm512_dpbf16_ps(acc[r], wp, (__m512bh)_mm512_set1_epi32(pair));
+        }
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ys + n] = _mm512_reduce_add_ps(acc[r]);
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
-  return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8)), d), m);
-}
-
-template <int R>
-void rows_pass(const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1,
-               float* y, int64_t ys) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* blk = w + n * nb * kBlockBytes;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, blk += kBlockBytes) {
-      const __m256 d = _mm256_set1_ps(half_at(blk));
-      const __m256 m = _mm256_set1_ps(half_at(blk + 2));
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m128i q0 = _mm_and_si128(q, low);
-      const __m128i q1 = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-      const __m256 w0 = dequant8(q0, d, m);
-      const __m256 w1 = dequant8(_mm_srli_si128(q0, 8), d, m);
-      const __m256 w2 = dequant8(q1, d, m);
-      const __m256 w3 = dequant8(_mm_srli_si128(q1, 8), d, m);
-      const float* xb = x + b * kBlock;
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xb + r * xs;
-        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r]);
-      }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = nb > part_b ? _mm512_add_ps(total[r], acc[r]) : acc[r];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + g * kGroup),
+                          (__m256i)_mm512_cvtneps_pbh(sum));
     }
-    for (int r = 0; r < R; ++r) y[r * ys + n] = hsum256(acc[r]);
   }
 }
 #else
+// The same arithmetic one value at a time (CPUs without AVX512-BF16, where quantization="auto"
+// does not offer the bf16 mode; builds without AVX-512 in tests).
 template <int R>
-void rows_pass(const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1,
-               float* y, int64_t ys) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* blk = w + n * nb * kBlockBytes;
-    float acc[R] = {};
-    for (int64_t b = 0; b < nb; ++b, blk += kBlockBytes) {
-      const float d = half_at(blk), m = half_at(blk + 2);
-      float wf[kBlock];
-      for (int j = 0; j < 16; ++j) {
-        wf[j] = static_cast<float>(blk[4 + j] & 0x0F) * d + m;
-        wf[j + 16] = static_cast<float>(blk[4 + j] >> 4) * d + m;
+void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
+                 int64_t g0, int64_t g1, uint16_t* y, int64_t ys) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gw = w + g * nb * kGroupBytes;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      float acc[R] = {}, total[R] = {};
+      for (int64_t b = 0; b < nb; ++b) {
+        if (b > 0 && b % part_b == 0) {
+          for (int r = 0; r < R; ++r) {
+            total[r] = b == part_b ? acc[r] : total[r] + acc[r];
+            acc[r] = 0.0f;
+          }
+        }
+        const uint8_t* blk = gw + b * kGroupBytes;
+        const float d = half_at(blk + 2 * j), m = half_at(blk + 32 + 2 * j);
+        for (int p = 0; p < kBlock / 2; ++p) {
+          const uint8_t q = blk[64 + p * 16 + j];
+          const float we = bf16_value(bf16_bits(static_cast<float>(q & 0x0F) * d + m));
+          const float wo = bf16_value(bf16_bits(static_cast<float>(q >> 4) * d + m));
+          for (int r = 0; r < R; ++r) {
+            const uint16_t* xr = x + r * K + b * kBlock + 2 * p;
+            acc[r] += wo * bf16_value(xr[1]);  // exact products: one rounding each sum
+            acc[r] += we * bf16_value(xr[0]);
+          }
+        }
       }
       for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * xs + b * kBlock;
-        for (int j = 0; j < kBlock; ++j) acc[r] += wf[j] * xr[j];
+        y[r * ys + g * kGroup + j] = bf16_bits(nb > part_b ? total[r] + acc[r] : acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ys + n] = acc[r];
   }
 }
 #endif
 
-void rows_any(int rows, const float* x, int64_t xs, const uint8_t* w, int64_t nb, int64_t n0,
-              int64_t n1, float* y, int64_t ys) {
+void groups_any(int rows, const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb,
+                int64_t part_b, int64_t g0, int64_t g1, uint16_t* y, int64_t ys) {
   switch (rows) {
-    case 1: return rows_pass<1>(x, xs, w, nb, n0, n1, y, ys);
-    case 2: return rows_pass<2>(x, xs, w, nb, n0, n1, y, ys);
-    case 3: return rows_pass<3>(x, xs, w, nb, n0, n1, y, ys);
-    case 4: return rows_pass<4>(x, xs, w, nb, n0, n1, y, ys);
-    case 5: return rows_pass<5>(x, xs, w, nb, n0, n1, y, ys);
-    case 6: return rows_pass<6>(x, xs, w, nb, n0, n1, y, ys);
-    case 7: return rows_pass<7>(x, xs, w, nb, n0, n1, y, ys);
-    default: return rows_pass<8>(x, xs, w, nb, n0, n1, y, ys);
+    case 1: return groups_pass<1>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 2: return groups_pass<2>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 3: return groups_pass<3>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 4: return groups_pass<4>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 5: return groups_pass<5>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 6: return groups_pass<6>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 7: return groups_pass<7>(x, K, w, nb, part_b, g0, g1, y, ys);
+    default: return groups_pass<8>(x, K, w, nb, part_b, g0, g1, y, ys);
   }
 }
 
-}  // namespace
-
-namespace {
-
 // One block in the form d * q + m (d, m float16 values, q in 0..15) that rebuilds its 32 weights
-// bit for bit, written as 20 bytes; false if this (d, m) does not.
-bool try_block(const float* v, float d, float m, uint8_t* out) {
+// bit for bit: its d, m and q; false if this (d, m) does not.
+bool try_block(const float* v, float d, float m, c10::Half* dm, uint8_t* qs) {
   const c10::Half dh(d), mh(m);
   const float df = static_cast<float>(dh), mf = static_cast<float>(mh);
   if (mf != m) return false;
@@ -425,31 +417,30 @@ bool try_block(const float* v, float d, float m, uint8_t* out) {
     exact &= q[j] * df + mf == v[j];  // d * q is exact
   }
   if (!exact) return false;
-  std::memcpy(out, &dh.x, 2);
-  std::memcpy(out + 2, &mh.x, 2);
-  for (int j = 0; j < 16; ++j) {
-    out[4 + j] = static_cast<uint8_t>(static_cast<int>(q[j]) | (static_cast<int>(q[j + 16]) << 4));
-  }
+  dm[0] = dh;
+  dm[1] = mh;
+  for (int64_t j = 0; j < kBlock; ++j) qs[j] = static_cast<uint8_t>(q[j]);
   return true;
 }
 
 }  // namespace
 
-// The 4-bit blocks of a float32 weight [out, in] (in a multiple of 32), or None if one block is
-// not exactly d * q + m. Q4_1 stores m as the block's minimum and d as its span over 15; Q4_0
-// stores d * (q - 8) with q = 0 at the block's largest magnitude, the same form with m that
-// value and d = -m / 8. Each block is kept in the first form that rebuilds it.
+// The 4-bit blocks of a float32 weight [out, in] (out a multiple of 16, in of 32) in the layout
+// above, or None if one block is not exactly d * q + m. Q4_1 stores m as the block's minimum and
+// d as its span over 15; Q4_0 stores d * (q - 8) with q = 0 at the block's largest magnitude, the
+// same form with m that value and d = -m / 8. Each block is kept in the first form that rebuilds it.
 c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
-                  w.is_contiguous() && w.size(1) % kBlock == 0,
-              "w: contiguous CPU float32 [out, in] with in a multiple of 32 expected");
+                  w.is_contiguous() && w.size(1) % kBlock == 0 && w.size(0) % kGroup == 0,
+              "w: contiguous CPU float32 [out, in] with out a multiple of 16, in of 32 expected");
   const int64_t out = w.size(0), nb = w.size(1) / kBlock;
-  auto blocks = torch::empty({out, nb * kBlockBytes}, w.options().dtype(torch::kUInt8));
+  auto blocks = torch::empty({out / kGroup, nb * kGroupBytes}, w.options().dtype(torch::kUInt8));
   const float* wp = w.data_ptr<float>();
   uint8_t* bp = blocks.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, out * nb, 256, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b && exact.load(std::memory_order_relaxed); ++i) {
+      const int64_t n = i / nb, blk = i % nb;
       const float* v = wp + i * kBlock;
       float lo = v[0], hi = v[0], ext = v[0];
       for (int64_t j = 1; j < kBlock; ++j) {
@@ -461,9 +452,18 @@ c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
         exact = false;
         break;
       }
-      uint8_t* o = bp + i * kBlockBytes;
-      if (!try_block(v, (hi - lo) / 15.0f, lo, o) && !try_block(v, -ext / 8.0f, ext, o)) {
+      c10::Half dm[2];
+      uint8_t qs[kBlock];
+      if (!try_block(v, (hi - lo) / 15.0f, lo, dm, qs) && !try_block(v, -ext / 8.0f, ext, dm, qs)) {
         exact = false;
+        break;
+      }
+      uint8_t* o = bp + ((n / kGroup) * nb + blk) * kGroupBytes;
+      const int64_t j = n % kGroup;
+      std::memcpy(o + 2 * j, &dm[0].x, 2);
+      std::memcpy(o + 32 + 2 * j, &dm[1].x, 2);
+      for (int64_t p = 0; p < kBlock / 2; ++p) {
+        o[64 + p * 16 + j] = static_cast<uint8_t>(qs[2 * p] | (qs[2 * p + 1] << 4));
       }
     }
   });
@@ -471,29 +471,40 @@ c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
   return blocks;
 }
 
-// x [rows, in] float32 times the blocks of a weight [out, in / 32 * 20] (uint8): [rows, out].
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "x: CPU float32 [rows, in] with unit last stride expected");
+// x [rows, in] (float32 or bfloat16) times the blocks of a weight [out / 16, in / 32 * 320]
+// (uint8) in oneDNN's bf16 arithmetic (above), in parts of `part` inputs (a multiple of 32):
+// [rows, out] bfloat16.
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x: CPU float32 or bfloat16 [rows, in] expected");
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 &&
                   blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks: contiguous uint8 [out, in / 32 * 20] expected");
-  const int64_t rows = x.size(0), in = x.size(1), out = blocks.size(0);
-  TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kBlockBytes,
-              "blocks: ", in / kBlock * kBlockBytes, " bytes a row expected for ", in, " inputs");
-  auto y = torch::empty({rows, out}, x.options());
+              "blocks: contiguous uint8 [out / 16, in / 32 * 320] expected");
+  const int64_t rows = x.size(0), in = x.size(1), groups = blocks.size(0), out = groups * kGroup;
+  TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kGroupBytes,
+              "blocks: ", in / kBlock * kGroupBytes, " bytes a group expected for ", in, " inputs");
+  TORCH_CHECK(part > 0 && part % kBlock == 0, "part: a positive multiple of 32 expected");
+  auto y = torch::empty({rows, out}, x.options().dtype(torch::kBFloat16));
   if (rows == 0 || out == 0) return y;
-  const float* xp = x.data_ptr<float>();
+  // the activations as bf16, rounded as .to(torch.bfloat16) rounds them
+  std::vector<uint16_t> xr(static_cast<size_t>(rows * in));
+  const auto xc = x.contiguous();
+  if (xc.scalar_type() == torch::kFloat32) {
+    to_bf16(xc.data_ptr<float>(), xr.data(), rows * in);
+  } else {
+    std::memcpy(xr.data(), xc.data_ptr<at::BFloat16>(), static_cast<size_t>(rows * in) * 2);
+  }
+  const uint16_t* xp = xr.data();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t xs = x.stride(0), nb = in / kBlock;
-  // Each thread takes a range of output features; every row chunk of kMaxRows reuses the
-  // weight row while it is in cache.
-  at::parallel_for(0, out, 16, [&](int64_t n0, int64_t n1) {
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t nb = in / kBlock, part_b = part / kBlock;
+  // Each thread takes a range of output groups; every row chunk of kMaxRows reuses the group's
+  // weights while they are in cache.
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int r = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-      rows_any(r, xp + r0 * xs, xs, wp, nb, n0, n1, yp + r0 * out, out);
+      groups_any(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
     }
   });
   return y;
@@ -517,6 +528,7 @@ struct Linear {
   c10::IValue packed;                          // int8: the prepacked weight object
   bool reduce_range = false;
   torch::Tensor q4;                            // the 4-bit blocks, or undefined
+  int64_t q4_part = 0;                         // q4_linear's part
   int64_t q4_rows = 0;
 
   // oneDNN's product, one row run as two as engine/layers/linear.py's onednn_linear does (the
@@ -531,27 +543,29 @@ struct Linear {
     return one ? y.slice(0, 0, 1) : y;
   }
 
-  // Whether a step of `rows` rows multiplies in bf16 through oneDNN: then it takes bf16 input
-  // and gives bf16 output (raw()), and the stack keeps its activations in bf16 between them.
-  bool bf16_at(int64_t rows) const {
-    return kind == kBf16 && !(q4.defined() && rows <= q4_rows);
-  }
+  // Whether the layer multiplies in bf16 (oneDNN, or q4_linear's 4-bit blocks in the
+  // same arithmetic): then it takes bf16 input and gives bf16 output (raw()), and the stack keeps
+  // its activations in bf16 between them.
+  bool bf16() const { return kind == kBf16; }
+
+  bool q4_at(int64_t rows) const { return q4.defined() && rows <= q4_rows; }
 
   // The product as operator() computes it, but on the bf16 path without the conversions around
-  // oneDNN: x may already be bf16 (else it is converted here) and the result stays bf16 (its
-  // float32 conversion is what operator() returns). Other paths return operator()'s result.
+  // it: x may already be bf16 (else it is converted here) and the result stays bf16 (its float32
+  // conversion is what operator() returns). Other paths return operator()'s result.
   torch::Tensor raw(const torch::Tensor& x) const {
-    if (!bf16_at(x.size(0)) || bias.defined()) {
+    if (!bf16() || bias.defined()) {
       return (*this)(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32));
     }
+    if (q4_at(x.size(0))) return q4_linear(x, q4, q4_part);
     return onednn(x.scalar_type() == torch::kBFloat16 ? x : x.to(torch::kBFloat16), weight,
                   c10::IValue());
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
-    if (q4.defined() && x.size(0) <= q4_rows) {
-      y = q4_linear(x, q4);
+    if (q4_at(x.size(0))) {
+      y = q4_linear(x, q4, q4_part).to(torch::kFloat32);
       return bias.defined() ? y + bias : y;
     }
     if (kind == kDense) {
@@ -633,15 +647,16 @@ class DecodeStack {
     lin->reduce_range = reduce_range;
   }
 
-  // The 4-bit blocks of a linear of the last layer added (which: as set_linear), used for steps
-  // of at most `rows` rows.
-  void set_q4(const std::string& which, torch::Tensor blocks, int64_t rows) {
+  // The 4-bit blocks of a linear of the last layer added (which: as set_linear) and their part
+  // (q4_linear), used for steps of at most `rows` rows.
+  void set_q4(const std::string& which, torch::Tensor blocks, int64_t part, int64_t rows) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
     Layer& l = layers_.back();
     Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
                 : which == "down" ? &l.down : nullptr;
     TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
     lin->q4 = blocks;
+    lin->q4_part = part;
     lin->q4_rows = rows;
   }
 
@@ -662,7 +677,7 @@ class DecodeStack {
     // float32 round trips the layers make one by one, without the conversion passes.
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
-      auto normed = add_rms_norm_ex(hidden, residual, l.input_norm, eps_, l.qkv.bf16_at(T));
+      auto normed = add_rms_norm_ex(hidden, residual, l.input_norm, eps_, l.qkv.bf16());
       residual = normed[1];
       const auto qkv = l.qkv.raw(normed[0]);
       const auto qkv32 = qkv.scalar_type() == torch::kFloat32 ? qkv : qkv.to(torch::kFloat32);
@@ -677,7 +692,7 @@ class DecodeStack {
       flat[0].index_copy_(0, slot_mapping, k.scalar_type() != flat.scalar_type() ? k.to(flat.scalar_type()) : k);
       flat[1].index_copy_(0, slot_mapping, v.scalar_type() != flat.scalar_type() ? v.to(flat.scalar_type()) : v);
       auto o = attend_(q.contiguous(), kv_cache[i], block_tables, context_lens, scale_).reshape({T, -1});
-      normed = add_rms_norm_ex(l.o.raw(o), residual, l.post_norm, eps_, l.gate_up.bf16_at(T));
+      normed = add_rms_norm_ex(l.o.raw(o), residual, l.post_norm, eps_, l.gate_up.bf16());
       residual = normed[1];
       auto gu = l.gate_up.raw(normed[0]);
       if (gu.scalar_type() != torch::kFloat32) gu = gu.to(torch::kFloat32);

@@ -16,6 +16,8 @@
   of SmolLM2's linears, even with finer scales, flips greedy tokens near ties and changes chat
   answers (issue #48; docs/experiments/int8-agreement.md), where bf16 linears keep float32's.
   Fast only on native bf16 units (AVX512-BF16, AMX): quantization="auto" offers it only there.
+  Where the weights are exactly a GGUF's 4-bit blocks, steps of few rows read those instead and
+  compute oneDNN's bits (Q4Blocks): the mode stays batch-invariant.
 
 What int8 computes does not depend on the CPU where the kernel can be exact: every row is scaled
 to [-1, 1] and a span row pins the quantization range to exactly [-1, 1], so the activations'
@@ -52,11 +54,10 @@ SMOOTH_ALPHA = 0.5
 # (4, 8 and 16 gave SmolLM2 the same agreement); every rescored logit is float32's.
 HEAD_RESCORE = 8
 # The most rows a step may have for a bf16-mode linear to multiply its 4-bit blocks (Q4Blocks)
-# rather than its bf16 weight. Up to here a step is bound by the bytes it reads; past it, by
-# float32 arithmetic. SmolLM2's 120 decoder linears, one pass from memory (AMD EPYC AVX-512
-# BF16, 2 threads, 2026-11-29): 4-bit over bf16 3.0x faster at 1 row, 1.5x at 4, 1.08x at 8,
-# 0.82x at 9. A constant, not measured at start: a measurement on a busy machine would move it,
-# and with it which arithmetic a step of 5-8 rows runs in.
+# rather than its bf16 weight through oneDNN (the same bits either way). Up to here a step is bound
+# by the bytes it reads; past it, by arithmetic, where oneDNN's blocking leads. SmolLM2's 120
+# decoder linears, one pass from memory (AMD EPYC AVX-512 BF16, 2 threads, 2026-11-30, beside a
+# helper's work): 4-bit over bf16 2.5x faster at 1 row, 1.4x at 4, 1.26x at 8, 0.87x at 9.
 Q4_ROWS = 8
 
 
@@ -195,50 +196,128 @@ class Int4Weight:
 
 
 class Q4Blocks:
-    """A float32 weight [out, in] that is exactly 4-bit blocks, kept as such for steps of few rows.
+    """A float32 weight [out, in] that is exactly 4-bit blocks, kept as such for the bf16 mode's
+    steps of few rows, multiplied to the bit as Bf16Weight's oneDNN product.
 
     A weight that a GGUF file stored as Q4_0 or Q4_1 (the embedded SmolLM2 is Q4_1) dequantizes
     to exactly d * q + m in every block of 32 input features, q in 0..15 and d, m float16 values.
     `of` finds those blocks again (fused_cpu.cpp q4_blocks: Q4_1's m is each block's minimum and
     its span over 15 rounds to d as a float16; Q4_0's m = -8 d is its largest magnitude) and
-    keeps them only if every rebuilt weight equals the dense one bit for bit; the compiled
-    q4_linear rebuilds them in registers and multiplies in float32. So its products are
-    float32's up to the order of the sums, at 0.625 bytes a weight: a step of one to a few rows,
-    which streams every weight once and is bound by those bytes, runs up to 3x faster than on
-    bf16 weights; past a few rows it is bound by float32 arithmetic, where bf16's units lead
-    (Q4_ROWS)."""
+    keeps them only if every rebuilt weight equals the dense one bit for bit. The compiled
+    q4_linear rebuilds them in registers and computes what oneDNN's bf16 kernel computes: weight
+    and activations rounded to bf16, products summed in float32 pair after pair in input order,
+    in parts whose sums are added in order (onednn_bf16_part measures the parts), a bf16 result.
+    So a row's logits, and the KV a decode step writes, are the same bits whether its step had
+    one row or a hundred, and the same as a prefill of the same tokens writes: greedy tokens do
+    not depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625 bytes a
+    weight, a step of one to a few rows, which streams every weight once and is bound by those
+    bytes, runs up to 3x faster than on the bf16 weight (Q4_ROWS)."""
 
-    def __init__(self, blocks: torch.Tensor):
+    def __init__(self, blocks: torch.Tensor, part: int):
         self.blocks = blocks
+        self.part = part
 
     @staticmethod
     def of(weight: torch.Tensor) -> Q4Blocks | None:
-        """The weight's 4-bit blocks, or None: not float32 on the CPU, in_features not a multiple
-        of 32, a block not exactly d * q + m, or no compiled kernels."""
+        """The weight's 4-bit blocks, or None: not float32 on the CPU, out_features not a
+        multiple of 16 or in_features of 32, a block not exactly d * q + m, oneDNN's order of
+        sums not one q4_linear reproduces, or no compiled kernels."""
         if (
             weight.device.type != "cpu"
             or weight.dtype != torch.float32
             or weight.dim() != 2
+            or weight.shape[0] % 16
             or weight.shape[1] % INT4_GROUP
             or weight.numel() == 0
             or cpu_fused() is None
+            or not torch.backends.mkldnn.is_available()
         ):
             return None
+        part = onednn_bf16_part(weight.shape[1], weight.shape[0])
+        if part is None:
+            return None
         blocks = cpu_fused().q4_blocks(weight.detach().contiguous())
-        return None if blocks is None else Q4Blocks(blocks)
+        return None if blocks is None else Q4Blocks(blocks, part)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = cpu_fused().q4_linear(x2d.float().contiguous(), self.blocks)
-        return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
+        """x2d [rows, in] (float32 or bf16) times the weight: oneDNN's bf16 result, handed back
+        in x2d's dtype as Bf16Weight.dense_matmul hands it back."""
+        return cpu_fused().q4_linear(x2d, self.blocks, self.part).to(x2d.dtype)
+
+
+# Random rows of the check that a weight's 4-bit product gives oneDNN's bits (Bf16Weight), after
+# the rows built to expose the order of the sums (q4_gives_onednn_bits).
+Q4_CHECK_ROWS = 16
+
+
+def cancelling_rows(in_features: int) -> torch.Tensor:
+    """Rows whose sums, on a weight of ones, show how the sums run. For each block boundary c,
+    row 2i has +2^24 just before input c, 1 just after and -2^24 after that: summed in one
+    running order the 1 vanishes into 2^24 (whose float32 step is 2) before -2^24 cancels it
+    (result 0); if a part of the sum starts at c, the 1 meets -2^24 first, exactly (2^24 - 1 is
+    a float32), and survives (result 1). Row 2i + 1 puts +2^24 on the first input, 1 after c and
+    -2^24 on the last: with the parts added in order the 1 survives only in the last part."""
+    big = 2.0**24
+    starts = range(INT4_GROUP, in_features, INT4_GROUP)
+    x = torch.zeros(max(2 * len(starts), 2 * Q4_ROWS), in_features)
+    for i, c in enumerate(starts):
+        # the pairs are (2j, 2j + 1), the odd input's product added first
+        x[2 * i, c - 2], x[2 * i, c + 1], x[2 * i, c + 3] = big, 1.0, -big
+        x[2 * i + 1, 0], x[2 * i + 1, c + 1], x[2 * i + 1, -1] = big, 1.0, -big
+    return x
+
+
+def _onednn_on_ones(in_features: int, out_features: int, x: torch.Tensor) -> torch.Tensor:
+    from pdserve.engine.layers.linear import onednn_linear  # (linear imports this module)
+
+    ones = torch.ones(out_features, in_features, dtype=torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(ones, 32)
+    return onednn_linear(x.to(torch.bfloat16), packed, None)
+
+
+@functools.cache
+def onednn_bf16_part(in_features: int, out_features: int = 16) -> int | None:
+    """How oneDNN's bf16 linear of this shape sums a row's products, measured on oneDNN with
+    cancelling_rows: pair after pair in input order, in parts of P inputs (its blocks of the
+    inputs: on the AVX-512 EPYC 512 up to 1,024 inputs and 1024 past that; measured, not
+    assumed), each part from zero, the parts added in order. Returns P (in_features: one part),
+    or None if what it does is not that (then no 4-bit product gives its bits)."""
+    k = in_features
+    if k % INT4_GROUP:
+        return None
+    starts = list(range(INT4_GROUP, k, INT4_GROUP))
+    if not starts:
+        return k
+    got = _onednn_on_ones(k, out_features, cancelling_rows(k))[: 2 * len(starts), 0]
+    got = got.float().tolist()
+    if any(v not in (0.0, 1.0) for v in got):
+        return None
+    bounds = [c for c, v in zip(starts, got[0::2]) if v == 1.0]
+    part = bounds[0] if bounds else k
+    if bounds != list(range(part, k, part)):
+        return None
+    last = (k - 1) // part * part  # the last part's first input (0: one part, +2^24's too)
+    in_order = [1.0 if 0 < last <= c + 1 else 0.0 for c in starts]
+    return part if got[1::2] == in_order else None
+
+
+@functools.cache
+def q4_gives_onednn_bits(in_features: int, out_features: int, part: int) -> bool:
+    """Whether q4_linear in parts of `part` gives oneDNN's bits for this shape on
+    cancelling_rows, whose results change with any other order of the sums."""
+    ones = torch.ones(out_features, in_features)
+    blocks = cpu_fused().q4_blocks(ones)
+    x = cancelling_rows(in_features)
+    q4 = torch.cat([cpu_fused().q4_linear(c, blocks, part) for c in x.split(Q4_ROWS)])
+    return torch.equal(q4, _onednn_on_ones(in_features, out_features, x))
 
 
 class Bf16Weight:
     """A weight [out, in] in bf16, packed for oneDNN: inputs rounded to bf16, products summed in
     float32, the result rounded to bf16 (oneDNN's output) and handed back as float32. Where the
-    weight is exactly 4-bit blocks (Q4Blocks), a step of at most Q4_ROWS rows multiplies those in
-    float32 instead: a row's result then depends on how many rows share its step, float32's
-    product in a small step and bf16's in a large one (docs/engine.md says what that means for
-    reusing a decode step's KV)."""
+    weight is exactly 4-bit blocks (Q4Blocks) and their product gives oneDNN's bits on this CPU
+    (checked here, on random rows), a step of at most Q4_ROWS rows multiplies those instead: the
+    same bits, fewer bytes read."""
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(
@@ -246,6 +325,24 @@ class Bf16Weight:
         )
         self.out_features = weight.shape[0]
         self.q4 = Q4Blocks.of(weight)
+        if self.q4 is not None and not self._q4_exact():
+            warnings.warn(
+                "the 4-bit product does not give oneDNN's bf16 bits on this CPU: steps of few "
+                "rows multiply the bf16 weight (slower, the same tokens)",
+                stacklevel=2,
+            )
+            self.q4 = None
+
+    def _q4_exact(self) -> bool:
+        """Whether the 4-bit product gives oneDNN's bits: on rows that expose the order of the
+        sums (once per shape), then on Q4_CHECK_ROWS random rows of this weight, in steps of
+        Q4_ROWS rows as a decode step runs it."""
+        k = self.q4.blocks.shape[1] // 320 * INT4_GROUP
+        if not q4_gives_onednn_bits(k, self.out_features, self.q4.part):
+            return False
+        x = torch.randn(Q4_CHECK_ROWS, k, generator=torch.Generator().manual_seed(0))
+        small = torch.cat([self.q4.matmul(c) for c in x.split(Q4_ROWS)])
+        return torch.equal(small, self.dense_matmul(x))
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and x2d.shape[0] <= Q4_ROWS:

@@ -196,7 +196,7 @@ class LlamaModel(nn.Module):
                 stack.set_linear(which, *spec)
                 q = linear._quant
                 if isinstance(q, Bf16Weight) and q.q4 is not None:
-                    stack.set_q4(which, q.q4.blocks, Q4_ROWS)
+                    stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
         self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):
