@@ -227,3 +227,31 @@ def test_a_sequence_alone_decodes_the_bits_it_decodes_in_a_batch(q4_model):
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
+
+
+def test_a_next_turn_reusing_decode_written_kv_gives_the_recomputed_bits(q4_model):
+    """A conversation's second turn whose cached prefix includes the first turn's answer (its KV
+    written by one-row decode steps on the 4-bit blocks) gives the tokens and logprobs of the
+    same turn prefilled from scratch (oneDNN's bf16 weight)."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+    first, new = random_prompts([40, 9], seed=8)
+
+    def second_turn(reuse: bool):
+        llm = LLM(
+            q4_model,
+            dtype="float32",
+            quantization="bf16",
+            kv_cache_memory=1 << 22,
+            enable_prefix_caching=reuse,
+            speculative_config=None,
+        )
+        try:
+            answer = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+            out = llm.generate([first + list(answer) + new], params, use_tqdm=False)[0]
+            return out.num_cached_tokens, out.outputs[0].token_ids, out.outputs[0].logprobs
+        finally:
+            llm.shutdown()
+
+    cached, tokens, logprobs = second_turn(reuse=True)
+    assert cached >= 48  # the prompt and the answer's full blocks
+    assert second_turn(reuse=False) == (0, tokens, logprobs)
