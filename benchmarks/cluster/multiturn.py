@@ -1,7 +1,7 @@
 """Multi-turn chat sessions through `pdserve up`, prefix reuse on against off (issue 49, must-show
 a, b and the document-Q&A shape of c).
 
-    python -m benchmarks.cluster.multiturn                   # 1P+1D and 2P+2D, shapes a-d
+    python -m benchmarks.cluster.multiturn                   # 1P+1D and 2P+2D, shapes a-e
     python -m benchmarks.cluster.multiturn --quick           # smoke run: 1P+1D, small shapes
     python -m benchmarks.cluster.multiturn --topologies 1x1 --shapes a,d --wait-idle 60
 
@@ -22,6 +22,11 @@ TTFT of a cold prompt of the same length. The shapes (full size; --quick shrinks
      (throughput and TTFT, on against off)
   d  document Q&A: one 2048-token document shared by 4 sessions x 4 turns, 2 in flight, 64-token
      questions and answers
+  e  long sessions one after another: 2 sessions x 4 turns, turn 1 = a 3200-token document +
+     a 96-token message, then 96-token messages, 128-token answers: prompts grow 3296 -> 3968.
+     A later turn computes its new message and the answer's last partial block (~112 tokens),
+     so its TTFT over a cold prompt's has a floor of about 112 / prompt length: 0.06 at a's
+     turn 2 (1856 tokens), above the issue's 0.05; 0.028-0.034 here
 
 The goals the issue sets are evaluated from the measured figures (`goals`). Each run records the
 CPU other processes used meanwhile (the machine is shared). A turn its decode worker prefilled
@@ -90,6 +95,8 @@ FULL = {
                        concurrency=6, seed=103),
     "d_doc_qa": dict(sessions=4, turns=4, message=64, answer=64, doc=2048, shared=True,
                      concurrency=2, seed=104),
+    "e_long_sequential": dict(sessions=2, turns=4, message=96, answer=128, doc=3200,
+                              shared=False, concurrency=1, seed=105),
 }  # fmt: skip
 QUICK = {
     "a_sequential": dict(sessions=1, turns=3, message=64, answer=16, doc=128, shared=False,
@@ -100,6 +107,8 @@ QUICK = {
                        concurrency=4, seed=103),
     "d_doc_qa": dict(sessions=2, turns=2, message=32, answer=16, doc=256, shared=True,
                      concurrency=2, seed=104),
+    "e_long_sequential": dict(sessions=1, turns=2, message=32, answer=16, doc=384,
+                              shared=False, concurrency=1, seed=105),
 }  # fmt: skip
 THINK_S = 0.1
 # --host-tier (must-show c)
@@ -475,12 +484,13 @@ def goals(on: dict, cmp: dict) -> dict:
         if t["turn"] >= 2 and t["hit_share"] is not None
     ]
     out["hit_share_from_turn_2_min"] = entry(min(hits, default=None), lambda v: v >= 0.9)
-    if "a_sequential" in cmp:
-        later = [t["ttft_p50_ratio"] for t in cmp["a_sequential"]["turns"] if t["turn"] >= 2]
-        later = [v for v in later if v is not None]
-        out["a_later_turn_ttft_over_cold_max"] = entry(
-            max(later, default=None), lambda v: v <= 0.05
-        )
+    for name, key in (("a_sequential", "a"), ("e_long_sequential", "e")):
+        if name in cmp:
+            later = [t["ttft_p50_ratio"] for t in cmp[name]["turns"] if t["turn"] >= 2]
+            later = [v for v in later if v is not None]
+            out[f"{key}_later_turn_ttft_over_cold_max"] = entry(
+                max(later, default=None), lambda v: v <= 0.05
+            )
     if "b_concurrent" in cmp:
         o = cmp["b_concurrent"]["overall"]
         out["b_ttft_p50_on_over_off"] = entry(o["ttft_p50_ratio"], lambda v: v <= 1 / 3)
@@ -548,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="PxD,... (default 1x1,2x2; --quick: 1x1)",
     )
-    p.add_argument("--shapes", default="a,b,c,d", help="which shapes (default a,b,c,d)")
+    p.add_argument("--shapes", default="a,b,c,d,e", help="which shapes (default a,b,c,d,e)")
     p.add_argument(
         "--host-tier",
         action="store_true",
@@ -576,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s.strip() for s in args.shapes.split(",") if s.strip()]
     shapes = {name: table[name] for name in table if name[0] in wanted}
     if not shapes or len(shapes) != len(wanted):
-        p.error(f"--shapes {args.shapes!r}: choose from a, b, c, d")
+        p.error(f"--shapes {args.shapes!r}: choose from a, b, c, d, e")
     topo_text = args.topologies or ("1x1" if args.quick else "1x1,2x2")
     try:
         topologies = [tuple(int(n) for n in t.split("x")) for t in topo_text.split(",")]
