@@ -109,6 +109,58 @@ std::vector<torch::Tensor> add_rms_norm_ex(torch::Tensor x, c10::optional<torch:
   return {out, src};
 }
 
+#ifdef __AVX512F__
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec (linked with -lmvec)
+#endif
+
+// The bf16 mode's MLP between its two linears in one pass: gu [rows, 2I] (bf16 or float32; the
+// gate's I columns, then the up projection's, as the merged gate_up linear gives them) to
+// silu(gate) * up [rows, I] as bf16, the down projection's input, rounded to nearest even as
+// .to(torch.bfloat16) rounds. silu(g) = g / (1 + exp(-g)) in float32 with glibc's expf (16 lanes
+// a call where the CPU has AVX-512; the same function serves the decode stack and the layers
+// one by one, so both give the same bits). Replaces a conversion of gu to float32, torch's silu,
+// the product and the product's conversion to bf16: four passes over the widest activations.
+torch::Tensor silu_mul_bf16(torch::Tensor gu) {
+  const bool gb = gu.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(gu.device().is_cpu() && (gb || gu.scalar_type() == torch::kFloat32) && gu.dim() == 2 &&
+                  gu.size(1) % 2 == 0,
+              "gu: CPU float32 or bfloat16 [rows, 2 * intermediate] expected");
+  const auto gc = gu.contiguous();
+  const int64_t rows = gc.size(0), I = gc.size(1) / 2;
+  auto out = torch::empty({rows, I}, gc.options().dtype(torch::kBFloat16));
+  const void* gp = gc.data_ptr();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, 4, [&](int64_t a, int64_t b) {
+    std::vector<float> g(I), u(I);
+    for (int64_t r = a; r < b; ++r) {
+      if (gb) {
+        const uint16_t* row = static_cast<const uint16_t*>(gp) + r * 2 * I;
+        for (int64_t i = 0; i < I; ++i) {
+          g[i] = bf16_value(row[i]);
+          u[i] = bf16_value(row[I + i]);
+        }
+      } else {
+        const float* row = static_cast<const float*>(gp) + r * 2 * I;
+        std::memcpy(g.data(), row, I * sizeof(float));
+        std::memcpy(u.data(), row + I, I * sizeof(float));
+      }
+      int64_t i = 0;
+#ifdef __AVX512F__
+      const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+      for (; i + 16 <= I; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g.data() + i);
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(zero, gv));
+        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(g.data() + i, _mm512_mul_ps(sv, _mm512_loadu_ps(u.data() + i)));
+      }
+#endif
+      for (; i < I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      to_bf16(g.data(), op + r * I, I);
+    }
+  });
+  return out;
+}
+
 // RMSNorm of x's rows; with a residual, residual += x first (in place) and the sum is normalized.
 // Returns (normalized, residual or x).
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
@@ -695,6 +747,10 @@ class DecodeStack {
       normed = add_rms_norm_ex(l.o.raw(o), residual, l.post_norm, eps_, l.gate_up.bf16());
       residual = normed[1];
       auto gu = l.gate_up.raw(normed[0]);
+      if (l.gate_up.bf16() && l.down.bf16() && !l.gate_up.bias.defined()) {
+        hidden = l.down.raw(silu_mul_bf16(gu));  // as LlamaMLP's bf16 path (engine/models/llama.py)
+        continue;
+      }
       if (gu.scalar_type() != torch::kFloat32) gu = gu.to(torch::kFloat32);
       auto halves = gu.chunk(2, -1);
       hidden = l.down.raw(at::silu(halves[0]) * halves[1]);
@@ -716,6 +772,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows);
   m.def("argmax_rows", &argmax_rows);
   m.def("q4_linear", &q4_linear);
+  m.def("silu_mul_bf16", &silu_mul_bf16);
   m.def("q4_blocks", &q4_blocks);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, py::capsule>())

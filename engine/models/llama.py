@@ -103,8 +103,34 @@ class LlamaMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self._bf16_fused()
+        if fused is not None:
+            # The bf16 mode: gate_up's product stays bf16 (its linear gives bf16 for bf16 input)
+            # and silu(gate) * up is one pass to the down projection's bf16 input
+            # (fused_cpu.cpp silu_mul_bf16, which the decode stack runs too). Four passes over
+            # the widest activations fewer; a tensor-parallel down projection gets float32 (the
+            # same values) so that its partial sums are reduced in float32.
+            gu = self.gate_up_proj(x.to(torch.bfloat16))
+            h = fused.silu_mul_bf16(gu.reshape(-1, gu.shape[-1]))
+            return self.down_proj(h if tp_size() == 1 else h.float()).float()
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def _bf16_fused(self):
+        """The compiled kernels where this MLP runs the bf16 mode's fused path: silu, both
+        linears bf16-mode weights (quant.py Bf16Weight), no bias, no LoRA; else None."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (
+            self.act is not F.silu
+            or not isinstance(gate_up._quant, Bf16Weight)
+            or not isinstance(down._quant, Bf16Weight)
+            or gate_up.bias is not None
+            or down.bias is not None
+            or gate_up.has_lora
+            or down.has_lora
+        ):
+            return None
+        return cpu_fused()
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -112,3 +112,23 @@ def test_argmax_rows_is_torch_argmax(width):
     assert torch.equal(fused.argmax_rows(x), x.argmax(dim=-1))
     strided = torch.randn(4, width + 7, generator=g)[:, :width]  # rows not packed together
     assert torch.equal(fused.argmax_rows(strided), strided.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_silu_mul_bf16_is_torchs_silu_times_up_in_bf16(rows):
+    """silu(gate) * up rounded to bf16, as torch computes it in float32 and rounds: the same
+    bits but where glibc's expf and torch's differ in the last bit, which moves a bf16 result by
+    at most one step; bf16 and float32 inputs of the same values give the same bits."""
+    g = torch.Generator().manual_seed(rows)
+    gu = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
+    out = fused.silu_mul_bf16(gu)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 1536)
+    assert torch.equal(out, fused.silu_mul_bf16(gu.float()))
+    gate, up = gu.float().chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+    same = (out == ref).float().mean().item()
+    assert same > 0.99, same
+    steps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert steps.max().item() <= 1
+    with pytest.raises(RuntimeError, match="gu"):
+        fused.silu_mul_bf16(torch.zeros(2, 3))
