@@ -298,3 +298,38 @@ def test_bfloat16_round_trip(tmp_path):
         assert got.token_ids == (5, 6, 7, 8) and got.parent_hash is None
     finally:
         disk.close()
+
+
+def test_the_worker_reports_the_disk_tier_and_the_router_exports_it(tmp_path):
+    from pdserve.protos.pdserve.v1 import worker_pb2
+    from pdserve.router.worker_metrics import WorkerCollector
+    from pdserve.worker_common import kv_events as wire
+
+    bm, host, disk, caches, a, want = push_to_disk(tmp_path)
+    found = bm.find_cached_prefix(a, len(a))
+    bm.take(found)
+    bm.count_hits(found)
+    bm.free(found)
+    fields = wire.tier_stats(bm)
+    assert fields["kv_disk_tier_bytes"] == disk.bytes > 0
+    assert fields["kv_disk_tier_capacity_bytes"] == disk.capacity_bytes
+    assert fields["kv_disk_tier_stored"] == disk.stored > 0
+    assert fields["kv_disk_tier_restored"] == disk.restored > 0
+    assert fields["prefix_hit_tokens_disk"] == bm.hit_tokens_disk > 0
+    stats = worker_pb2.WorkerStats(**fields)
+    host.close()
+
+    class Pool:
+        def snapshot(self):
+            return [("decode", "d0", stats, False, "serving")]
+
+    got = {}
+    for fam in WorkerCollector(Pool(), "m").collect():
+        for sample in fam.samples:
+            got[(sample.name, sample.labels.get("source"))] = sample.value
+    assert got[("pdserve:kv_disk_tier_bytes", None)] == fields["kv_disk_tier_bytes"]
+    assert got[("pdserve:kv_disk_tier_capacity_bytes", None)] == disk.capacity_bytes
+    assert got[("pdserve:kv_disk_tier_stored_blocks_total", None)] == disk.stored
+    assert got[("pdserve:kv_disk_tier_restored_blocks_total", None)] == disk.restored
+    assert got[("pdserve:kv_disk_tier_evicted_blocks_total", None)] == disk.evicted
+    assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "disk")] == bm.hit_tokens_disk
