@@ -17,8 +17,11 @@ the entry for the writer thread; until the file is written the entry is served f
 "pending" entry), after that from its file. The writer thread owns the files: it writes each
 queued entry to its file and unlinks the files of entries pushed out, in the order the engine
 thread asked, so the bytes on disk never exceed the cap (an unlink asked before a write runs
-before it). A put that finds the writer's queue full (`queue_blocks` pending writes) is dropped:
-the block is then recomputed when needed, which is what it would cost without this tier.
+before it). The entries waiting for the writer are host memory beyond the host tier's cap, so
+they are bounded too (`queue_bytes`, 64 MiB by default: 182 SmolLM2 bf16 blocks): a put that
+would pass that bound is dropped (counted), and the block is recomputed when needed, which is
+what it would cost without this tier. A burst (a long prefill evicting a hundred blocks in one
+step) can fill it faster than the writer drains it on a loaded machine.
 
 One file per block, named by the block hash: a push-out is one unlink (no log to compact), a
 torn or corrupt file loses one block, and the page cache keeps whatever files it can. A file is
@@ -56,8 +59,9 @@ import torch
 # after a put would pass the cap, entries are pushed out until the bytes are at most this share
 # of it (with the new entry)
 WATERMARK = 0.9
-# pending writes at most; a put beyond them is dropped
-QUEUE_BLOCKS = 64
+# the bytes of the entries waiting for the writer, at most; a put beyond them is dropped (one
+# entry is always let in when none waits)
+QUEUE_BYTES = 64 << 20
 MAGIC = b"PDKVDSK1"
 _PREFIX = struct.Struct("<8sII")  # magic, header length, header CRC-32
 SUBDIR = "kv-disk-tier"
@@ -165,17 +169,17 @@ class DiskTier:
         directory: str | None,
         fp: bytes,
         watermark: float = WATERMARK,
-        queue_blocks: int = QUEUE_BLOCKS,
+        queue_bytes: int = QUEUE_BYTES,
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"a disk tier needs capacity_bytes > 0, got {capacity_bytes}")
         if not 0.0 < watermark <= 1.0:
             raise ValueError(f"watermark must be in (0, 1], got {watermark}")
-        if queue_blocks < 1:
-            raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
+        if queue_bytes < 1:
+            raise ValueError(f"queue_bytes must be >= 1, got {queue_bytes}")
         self.capacity_bytes = int(capacity_bytes)
         self.watermark = watermark
-        self.queue_blocks = queue_blocks
+        self.queue_bytes = queue_bytes
         self.fingerprint = fp
         self.base = os.path.abspath(os.path.expanduser(directory or default_dir()))
         try:
@@ -191,7 +195,7 @@ class DiskTier:
         # (fp, hash) -> [file bytes, _Pending or None once written]; least recently used first
         self._index: OrderedDict[tuple[bytes, int], list] = OrderedDict()
         self._ops: deque = deque()  # ("write", key, header, entry) | ("unlink", key)
-        self._pending = 0  # writes queued or in progress
+        self._pending = 0  # the bytes of the writes queued or in progress
         self._cond = threading.Condition()
         self._closed = False
         self.bytes = 0  # the files' bytes, written or queued
@@ -235,7 +239,7 @@ class DiskTier:
             size = _file_bytes(header, entry)
             if size > self.capacity_bytes:
                 return False, []
-            if self._pending >= self.queue_blocks:
+            if self._pending and self._pending + entry.nbytes > self.queue_bytes:
                 self.dropped += 1
                 return False, []
             dropped = []
@@ -250,7 +254,7 @@ class DiskTier:
             self._index[key] = [size, entry]
             self.bytes += size
             self.peak_bytes = max(self.peak_bytes, self.bytes)
-            self._pending += 1
+            self._pending += entry.nbytes
             self._ops.append(("write", key, header, entry))
             self._cond.notify()
             self.stored += 1
@@ -409,7 +413,7 @@ class DiskTier:
             _, key, header, entry = op
             ok = entry.cancelled or self._write(key, header, entry)
             with self._cond:
-                self._pending -= 1
+                self._pending -= entry.nbytes
                 item = self._index.get(key)
                 if item is not None and item[1] is entry:
                     if ok:

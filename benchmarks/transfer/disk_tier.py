@@ -15,6 +15,12 @@ prefix length L: the TTFT of a cold prompt of L + S tokens against the TTFT of t
 cached, followed by S fresh tokens (S = --suffix); the difference is what a prefix hit of L tokens
 saves, and divided by L / 16 it is the recompute cost per block. Medians over --repeats.
 
+Served from disk (the same engine, with the tiers on: a KV cache of POOL_BLOCKS, a host tier of
+HOST_BLOCKS and a disk tier below it, engine/kv_disk_tier.py): after the cached measurement, two
+filler prompts push the prefix out of the cache and the host tier onto disk; the disk tier's
+files are then dropped from the page cache (fsync, posix_fadvise DONTNEED) and the TTFT of the
+prefix with S fresh tokens is timed: a cold disk's restore of L / 16 blocks plus S tokens' prefill.
+
 Disk (the tier side): --blocks blocks of the engine's block bytes (random data, each file a
 64-byte header and the payload, one file per block) under each directory of --dirs (default: the
 temp dir and the pdserve cache dir). Per block, medians and means:
@@ -47,6 +53,8 @@ import zlib
 from benchmarks import bench_common as bc
 
 HEADER = 64
+# the engine side's tiers: a cache that holds one 2112-token prompt, a small host tier, a roomy disk
+POOL_BLOCKS, HOST_BLOCKS, DISK_BLOCKS = 160, 16, 1024
 ALIGN = 4096
 
 
@@ -183,17 +191,25 @@ def engine_side(args) -> dict:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    bb = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2's bf16 block; checked against the pool below
+    disk_dir = tempfile.mkdtemp(prefix="disk-tier-bench-engine-")
     llm = LLM(
         args.model,
         kv_cache_dtype="bfloat16",
         speculative_config=None,
         max_model_len=max(args.lengths) + args.suffix + 16,
-        kv_cache_memory=256 << 20,
+        kv_cache_memory=POOL_BLOCKS * bb,
+        kv_host_tier_bytes=HOST_BLOCKS * bb,
+        kv_disk_tier_bytes=DISK_BLOCKS * (bb + 4096),
+        kv_disk_tier_dir=disk_dir,
     )
     torch.set_num_threads(args.threads)
     eng = llm.engine
     kv = eng.kv_cache
     block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    assert block_bytes == bb, (block_bytes, bb)
+    bm = eng.block_manager
+    disk = bm.tier.disk
     res: dict = dict(
         model=args.model,
         load_s=round(time.perf_counter() - t0, 1),
@@ -217,8 +233,19 @@ def engine_side(args) -> dict:
 
     ttft(bc.random_prompts(1, 1, 64)[0])  # warm-up
     rows = []
+
+    def drop_disk_pages() -> None:
+        assert disk.flush(120)
+        for name in os.listdir(disk.dir):
+            fd = os.open(os.path.join(disk.dir, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     for L in args.lengths:
-        cold, warm, cached = [], [], []
+        cold, warm, cached, from_disk, disk_cached, disk_blocks = [], [], [], [], [], []
         for r in range(args.repeats):
             prefix = bc.random_prompts(100 + 7 * L + r, 1, L)[0]
             t, _ = ttft(prefix + bc.random_prompts(200 + 7 * L + r, 1, args.suffix)[0])
@@ -226,7 +253,15 @@ def engine_side(args) -> dict:
             t, c = ttft(prefix + bc.random_prompts(300 + 7 * L + r, 1, args.suffix)[0])
             warm.append(t)
             cached.append(c)
-            eng.block_manager.reset_prefix_cache()
+            for f in range(2):  # push the prefix out of the cache and the host tier
+                ttft(bc.random_prompts(900 + 7 * L + 2 * r + f, 1, max(args.lengths))[0])
+            drop_disk_pages()
+            restored = disk.restored
+            t, c = ttft(prefix + bc.random_prompts(400 + 7 * L + r, 1, args.suffix)[0])
+            from_disk.append(t)
+            disk_cached.append(c)
+            disk_blocks.append(disk.restored - restored)
+            bm.reset_prefix_cache()
         saved = statistics.median(cold) - statistics.median(warm)
         rows.append(
             dict(
@@ -237,10 +272,16 @@ def engine_side(args) -> dict:
                 saved_ms=round(saved * 1e3, 1),
                 recompute_ms_per_block=round(saved * 1e3 / (L / eng.config.block_size), 3),
                 prefill_tokens_per_s=round((L + args.suffix) / statistics.median(cold), 1),
+                disk_ttft_ms=round(statistics.median(from_disk) * 1e3, 1),
+                disk_cached_tokens=disk_cached,
+                disk_restored_blocks=disk_blocks,
             )
         )
         bc.log(f"L={L}: {rows[-1]}")
     res["lengths"] = rows
+    res["disk_tier"] = disk.stats()
+    llm.shutdown()
+    os.rmdir(disk_dir)  # the worker's own directory went at shutdown
     return res
 
 

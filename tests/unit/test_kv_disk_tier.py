@@ -261,7 +261,8 @@ def test_a_chain_mismatch_is_refused(tmp_path):
 
 def test_a_full_writer_queue_drops_the_entry(tmp_path):
     caches = [pool(8)]
-    disk = DiskTier(1 << 30, str(tmp_path), FP, queue_blocks=1)
+    one = block_bytes(caches[0])
+    disk = DiskTier(1 << 30, str(tmp_path), FP, queue_bytes=one + one // 2)  # one entry fits
     try:
         with disk._cond:  # the writer cannot take anything while this is held
             taken = [
