@@ -4,9 +4,10 @@ a directory of this worker's, bounded in bytes, and read back when a later promp
 Why it exists, and where it pays. Reading a block back must cost less than computing its tokens
 again (issue 49 item 5). On the development machine (an AMD EPYC VM, 2 cores, ext4 on a virtio
 disk) `python -m benchmarks.transfer.disk_tier` measured a 368,640-byte block (SmolLM2, bf16 KV,
-16 tokens) read back in about 0.5-0.6 ms with the page cache dropped or bypassed (O_DIRECT), and
-about 0.13 ms from the page cache, against 10-15 ms of prefill to recompute it; architecture.md
-section 11 has the figures. On a GPU the same read lands in host memory first (the host tier's
+16 tokens) read back in about 0.4-0.7 ms with the page cache dropped or bypassed (O_DIRECT), and
+about 0.13 ms from the page cache, against 23-58 ms of prefill to recompute it (one thread, the
+machine shared); served through the engine, a restore from a cold disk cost about 2 ms a block.
+architecture.md section 11 has the figures. On a GPU the same read lands in host memory first (the host tier's
 own GPU caveat applies: nothing here was measured on a GPU).
 
 Who owns what when. The host tier (engine/kv_host_tier.py) hands over an entry it pushes out
@@ -38,8 +39,10 @@ kv-disk-tier/), in a subdirectory of this worker's own, w<pid>-<random>, created
 too when this creates it). At start the subdirectories of dead workers (their pid no longer runs)
 are removed; `close` stops the writer and removes this worker's subdirectory, files and all.
 
-Threads: the engine thread calls put, contains, touch, load, hashes and clear; the writer thread
-runs `_write_loop`; the worker's Stats reads the counters. One lock guards the index and the queue.
+Threads: the engine thread calls put, contains, touch, load, discard and clear; the writer thread
+runs `_write_loop`; the worker's Stats reads the counters and `hashes` (KV events). One lock guards
+the index and the queue; a file is read without it (only the engine thread removes an entry whose
+file is written, so nothing unlinks a file while it reads it).
 """
 
 from __future__ import annotations
