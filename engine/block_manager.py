@@ -33,7 +33,8 @@ block, copies the bytes back and registers it as cached ("stored" for the device
 its copy), before the prefill computes the rest. Device events are (kind, hash), host ones
 (kind, hash, "host"); "cleared" covers both tiers. The prefix hits of each admission are counted
 by where their blocks came from (`count_hits`: a block restored from the tier counts as a host
-hit at the first admission that takes it).
+hit at the first admission that takes it, or a disk hit when the tier's disk level held it,
+engine/kv_disk_tier.py).
 
 Peer fetch (kvtransfer/peer.py, prefill_worker/peer_fetch.py): a prefill worker may install
 blocks pulled from a decode worker that holds a conversation's earlier turns (`install_fetched`):
@@ -68,6 +69,9 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 # the tiers a block can be in (KVEventRun.tier on the wire)
 DEVICE, HOST = "device", "host"
+# where a restored block came from, for the hit counters (not a tier on the wire: the host tier's
+# disk level is part of "host" there, engine/kv_host_tier.py)
+DISK = "disk"
 # the ring holds this many events per block of the pool, within these bounds
 EVENTS_PER_BLOCK, MIN_EVENTS, MAX_EVENTS = 4, 4096, 1 << 20
 
@@ -107,7 +111,9 @@ class Block:
         self.hash: int | None = None
         self.parent_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
-        self.restored = False  # copied back from the host tier, not yet counted as a hit
+        # copied back from the host tier, not yet counted as a hit: False, or where from ("host",
+        # or "disk": the tier's disk level)
+        self.restored: bool | str = False
         self.fetched = False  # installed from a peer's fetch, not yet counted as a hit
 
 
@@ -142,7 +148,7 @@ class BlockManager:
         self._events_lock = threading.Lock()
         self.tier = None  # the host-memory tier (engine/kv_host_tier.py): attach_tier
         self.hit_tokens_device = self.hit_tokens_host = 0  # prefix hits by source: count_hits
-        self.hit_tokens_peer = 0
+        self.hit_tokens_peer = self.hit_tokens_disk = 0
 
     def attach_tier(self, tier) -> None:
         """Evicted cached blocks go to `tier` (a kv_host_tier.HostTier) and lookups restore from
@@ -246,14 +252,15 @@ class BlockManager:
         self.tier.touch(h)  # used last: the allocation's own eviction cannot push it out
         (block_id,) = self.allocate(1)
         refused = self.tier.refused
-        if not self.tier.load(h, parent, chunk, block_id):
+        source = self.tier.load(h, parent, chunk, block_id)
+        if not source:
             self.free([block_id])
             if self.tier.refused > refused:  # it did not match, and the tier dropped it
                 self._record(REMOVED, [h], HOST)
             return None
         block = self.blocks[block_id]
         block.hash, block.parent_hash, block.token_ids = h, parent, chunk
-        block.restored = True
+        block.restored = source if isinstance(source, str) else HOST
         self._cached[h] = block_id
         self._record(STORED, [h])
         self.free([block_id])
@@ -261,13 +268,17 @@ class BlockManager:
 
     def count_hits(self, block_ids: Seq[int]) -> None:
         """An admission took the prefix-cache hits `block_ids`: counts their tokens by source,
-        host for blocks restored from the tier that no admission took before, else device."""
-        host = peer = 0
+        host (or disk: the tier's disk level) for blocks restored from the tier that no admission
+        took before, peer for blocks a peer's fetch installed, else device."""
+        host = peer = disk = 0
         for block_id in block_ids:
             if block_id == self.null_block:
                 continue
             block = self.blocks[block_id]
-            if block.restored:
+            if block.restored == DISK:
+                block.restored = False
+                disk += 1
+            elif block.restored:
                 block.restored = False
                 host += 1
             elif block.fetched:
@@ -275,7 +286,8 @@ class BlockManager:
                 peer += 1
         self.hit_tokens_host += host * self.block_size
         self.hit_tokens_peer += peer * self.block_size
-        self.hit_tokens_device += (len(block_ids) - host - peer) * self.block_size
+        self.hit_tokens_disk += disk * self.block_size
+        self.hit_tokens_device += (len(block_ids) - host - peer - disk) * self.block_size
 
     def chain(self, token_ids: Seq[int], num_blocks: int, root: int | None = None) -> list[int]:
         """The hashes of the first `num_blocks` full blocks of `token_ids`, chained from `root`

@@ -165,6 +165,12 @@ class EngineConfig:
     # when a later prompt needs them; 0: off. Needs the prefix cache, one pipeline stage, and
     # with tensor parallelism kv_cache_shared_dir (rank 0 copies every rank's shard)
     kv_host_tier_bytes: int = 0
+    # bytes of files for the blocks the host tier pushes out (engine/kv_disk_tier.py), read back
+    # when a later prompt needs them; 0: off. Needs kv_host_tier_bytes > 0. kv_disk_tier_dir:
+    # where each worker makes its own directory of them; None: the pdserve cache dir's
+    # kv-disk-tier/
+    kv_disk_tier_bytes: int = 0
+    kv_disk_tier_dir: str | None = None
     max_num_batched_tokens: int = 2048
     # a long prefill (more tokens left than this many seconds of steps compute, measured) runs
     # in chunks of about this many seconds, and short prompts that arrive meanwhile go first
@@ -257,6 +263,7 @@ class EngineConfig:
             "bytes (an integer > 0) or a fraction of free memory in (0, 1]",
         )
         self._check_host_tier(check)
+        self._check_disk_tier(check)
         self._check_step_sizes(check)
         check(
             self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
@@ -360,6 +367,27 @@ class EngineConfig:
             "0 with tensor_parallel_size > 1 unless kv_cache_shared_dir is set (rank 0 copies "
             "every rank's shard)",
         )
+
+    def _check_disk_tier(self, check) -> None:
+        """kv_disk_tier_bytes: bytes >= 0, only below a host tier; kv_disk_tier_dir: a path."""
+        check(
+            _is_int(self.kv_disk_tier_bytes) and self.kv_disk_tier_bytes >= 0,
+            "kv_disk_tier_bytes",
+            "bytes, an integer >= 0 (0: off)",
+        )
+        check(
+            self.kv_disk_tier_dir is None
+            or (isinstance(self.kv_disk_tier_dir, str) and bool(self.kv_disk_tier_dir)),
+            "kv_disk_tier_dir",
+            "a directory path (a non-empty string) or None (the pdserve cache dir)",
+        )
+        if self.kv_disk_tier_bytes:
+            check(
+                bool(self.kv_host_tier_bytes),
+                "kv_disk_tier_bytes",
+                "0 while kv_host_tier_bytes is 0 (the disk tier holds what the host tier pushes "
+                "out)",
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,6 +32,7 @@ import torch
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
 from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
+from pdserve.engine.kv_disk_tier import DiskTier
 from pdserve.engine.kv_host_tier import HostTier, fingerprint as kv_fingerprint
 from pdserve.engine.kv_publish import layer_publisher
 from pdserve.engine.loader import resolve_model
@@ -116,12 +117,12 @@ class LLMEngine:
         self.block_manager = self.scheduler.bm
         if self.config.kv_host_tier_bytes:  # evicted prefix blocks go there (kv_host_tier.py)
             tp = self.config.tensor_parallel_size
+            fp = kv_fingerprint(self.kv_layout_spec(), tp)
+            disk = None  # and what it pushes out to disk (kv_disk_tier.py), when set
+            if self.config.kv_disk_tier_bytes:
+                disk = DiskTier(self.config.kv_disk_tier_bytes, self.config.kv_disk_tier_dir, fp)
             self.block_manager.attach_tier(
-                HostTier(
-                    self.config.kv_host_tier_bytes,
-                    self.rank_kv_caches,
-                    kv_fingerprint(self.kv_layout_spec(), tp),
-                )
+                HostTier(self.config.kv_host_tier_bytes, self.rank_kv_caches, fp, disk=disk)
             )
         self.spec = Speculator(self) if self.config.speculative_config is not None else None
         if self.spec is not None:
@@ -613,6 +614,9 @@ class LLMEngine:
         return self.spec.stats()
 
     def shutdown(self) -> None:
+        tier = getattr(getattr(self, "block_manager", None), "tier", None)
+        if tier is not None:  # the disk tier's writer and files (kv_disk_tier.py)
+            tier.close()
         if self.runner.thread_fit is not None:
             self.runner.thread_fit.restore()
         try:

@@ -38,6 +38,16 @@ but puts the copy on the step's path; doing it well needs pinned host buffers
 write of the evicted block waits on, and a restore stream the prefill waits on. That is not
 written: nothing here was measured on a GPU.
 
+A disk level below (engine/kv_disk_tier.py, `disk`; none by default): an entry this tier pushes
+out is handed to it (`DiskTier.put`) instead of dropped, and `contains`, `touch`, `load`,
+`hashes` and `clear` cover both levels. A block restored from disk goes straight into the pool,
+through the same checks as a host entry (chain, shapes, CRC), without a host copy (it gets one
+when the pool evicts it again); `load` returns where the block came from ("host" or "disk"), for
+the hit counters by source. For the KV events and the router's index the disk level is part of
+this tier ("host": held below the device on this worker, restored before the prefill): a hash
+pushed out of host memory into the disk is not "removed", one pushed out of both is, and
+`capacity_blocks` counts both levels' blocks.
+
 Counters (read by the worker's Stats, any thread; written on the engine thread): bytes held,
 blocks stored, restored and pushed out.
 """
@@ -95,6 +105,7 @@ class HostTier:
         caches: Callable[[], list[torch.Tensor]],
         fp: bytes,
         watermark: float = WATERMARK,
+        disk=None,
     ):
         if capacity_bytes <= 0:
             raise ValueError(f"a host tier needs capacity_bytes > 0, got {capacity_bytes}")
@@ -108,22 +119,34 @@ class HostTier:
         self.bytes = 0
         self.peak_bytes = 0
         self.stored = self.restored = self.evicted = self.refused = 0
+        self.disk = disk  # a kv_disk_tier.DiskTier below this one, or None
+        self.last_source = None  # where the last successful load came from
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def contains(self, h: int) -> bool:
-        return (self.fingerprint, h) in self._entries
+        """Whether `h` is held here or on the disk level below."""
+        return (self.fingerprint, h) in self._entries or (
+            self.disk is not None and self.disk.contains(h)
+        )
 
     def touch(self, h: int) -> None:
-        """Marks the entry of `h` (if held) used last."""
+        """Marks the entry of `h` (if held, here or on disk) used last."""
         key = (self.fingerprint, h)
         if key in self._entries:
             self._entries.move_to_end(key)
+        elif self.disk is not None:
+            self.disk.touch(h)
 
     def hashes(self) -> list[int]:
-        """The hashes held under this engine's fingerprint, least recently used first."""
-        return [h for fp, h in list(self._entries) if fp == self.fingerprint]
+        """The hashes held under this engine's fingerprint, least recently used first (the
+        disk level's first, then host memory's)."""
+        mine = [h for fp, h in list(self._entries) if fp == self.fingerprint]
+        if self.disk is None:
+            return mine
+        held = set(mine)
+        return [h for h in self.disk.hashes() if h not in held] + mine
 
     def save(self, h: int, parent_hash, token_ids: tuple, block_id: int) -> tuple[bool, list]:
         """Copies block `block_id` of every rank's pool into the tier under `h`, unless it is
@@ -149,6 +172,15 @@ class HostTier:
                 (fp, old), gone = self._entries.popitem(last=False)
                 self.bytes -= gone.nbytes
                 self.evicted += 1
+                if self.disk is not None and fp == self.fingerprint:
+                    # the disk takes it (or holds it already); what it pushes out is gone
+                    # from both levels unless host memory holds it
+                    _, pushed = self.disk.put(
+                        old, gone.parent_hash, gone.token_ids, gone.shards, gone.crc
+                    )
+                    dropped += [p for p in pushed if (self.fingerprint, p) not in self._entries]
+                    if self.disk.contains(old):
+                        continue
                 if fp == self.fingerprint:
                     dropped.append(old)
         self._entries[key] = entry
@@ -157,15 +189,24 @@ class HostTier:
         self.stored += 1
         return True, dropped
 
-    def load(self, h: int, parent_hash, token_ids: tuple, block_id: int) -> bool:
-        """Copies the entry of `h` into block `block_id` of every rank's pool, after checking it
-        against the chain (`parent_hash`, `token_ids`), the pools' layout and its saved CRC;
-        False, and nothing written, when it is not there or does not match (a refused entry is
-        dropped)."""
+    def load(self, h: int, parent_hash, token_ids: tuple, block_id: int) -> str | bool:
+        """Copies the entry of `h` (from host memory, else from the disk level) into block
+        `block_id` of every rank's pool, after checking it against the chain (`parent_hash`,
+        `token_ids`), the pools' layout and its saved CRC; returns where it came from ("host" or
+        "disk"), or False, and nothing written, when it is not there or does not match (a
+        refused entry is dropped)."""
         key = (self.fingerprint, h)
         entry = self._entries.get(key)
+        source = "host"
         if entry is None:
-            return False
+            if self.disk is None:
+                return False
+            refused = self.disk.refused
+            entry = self.disk.load(h)
+            if entry is None:
+                self.refused += self.disk.refused - refused
+                return False
+            source = "disk"
         caches = self._caches()
         ok = (
             entry.parent_hash == parent_hash
@@ -178,22 +219,37 @@ class HostTier:
             and _crc(entry.shards) == entry.crc
         )
         if not ok:
-            del self._entries[key]
-            self.bytes -= entry.nbytes
+            if source == "disk":
+                self.disk.discard(h)
+            else:
+                del self._entries[key]
+                self.bytes -= entry.nbytes
             self.refused += 1
             return False
         for shard, cache in zip(entry.shards, caches):
             cache[:, :, block_id].copy_(shard)
-        self._entries.move_to_end(key)
-        self.restored += 1
-        return True
+        if source == "disk":
+            self.disk.restored += 1
+        else:
+            self._entries.move_to_end(key)
+            self.restored += 1
+        self.last_source = source
+        return source
 
     def clear(self) -> list[int]:
-        """Drops every entry; returns the hashes that were held under this fingerprint."""
+        """Drops every entry, on disk too; returns the hashes that were held under this
+        fingerprint."""
         gone = self.hashes()
         self._entries.clear()
         self.bytes = 0
+        if self.disk is not None:
+            self.disk.clear()
         return gone
+
+    def close(self) -> None:
+        """Closes the disk level (its writer, its files); host memory needs nothing."""
+        if self.disk is not None:
+            self.disk.close()
 
     @property
     def block_bytes(self) -> int:
@@ -202,8 +258,11 @@ class HostTier:
 
     @property
     def capacity_blocks(self) -> int:
-        """How many blocks the cap holds."""
-        return self.capacity_bytes // max(1, self.block_bytes)
+        """How many blocks the cap holds (the disk level's cap included)."""
+        blocks = self.capacity_bytes // max(1, self.block_bytes)
+        if self.disk is not None:
+            blocks += self.disk.capacity_bytes // max(1, self.block_bytes)
+        return blocks
 
     def stats(self) -> dict:
         return dict(

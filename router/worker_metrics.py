@@ -10,7 +10,9 @@ The host-memory tier below a worker's KV cache (engine/kv_host_tier.py): its byt
 gauges, the blocks copied into it, restored from it and pushed out of it as counters, and the
 prefix-hit tokens by source ("device": found in the KV cache; "host": restored from the tier);
 the host ones also as vLLM's vllm:external_prefix_cache_hits (its name for hits served from
-below the KV cache, an offloading connector's).
+below the KV cache, an offloading connector's). The tier's disk level (engine/kv_disk_tier.py):
+its files' bytes and cap as gauges, blocks written, restored and pushed out as counters, and its
+hits as source "disk" (not in the external hits, which stay the host memory's).
 
 LoRA adapters (engine/lora.py): how many a worker serves and how many are resident as gauges,
 the adapters read from disk into its resident set and evicted from it as counters.
@@ -52,6 +54,21 @@ WORKER_COUNTERS = (
         "pdserve:kv_host_tier_evicted_blocks",
         "KV blocks pushed out of the host tier to keep it within its cap.",
         "kv_host_tier_evicted",
+    ),
+    (
+        "pdserve:kv_disk_tier_stored_blocks",
+        "KV blocks written to the disk tier as the host tier pushed them out.",
+        "kv_disk_tier_stored",
+    ),
+    (
+        "pdserve:kv_disk_tier_restored_blocks",
+        "KV blocks read back from the disk tier into the KV cache for a prompt.",
+        "kv_disk_tier_restored",
+    ),
+    (
+        "pdserve:kv_disk_tier_evicted_blocks",
+        "KV blocks pushed out of the disk tier (their files deleted) to keep it within its cap.",
+        "kv_disk_tier_evicted",
     ),
     (
         "pdserve:peer_fetches",
@@ -188,6 +205,13 @@ class WorkerCollector(Collector):
             "tier_cap": gauge(
                 "pdserve:kv_host_tier_capacity_bytes", "The host tier's cap in bytes (0: off)."
             ),
+            "disk_bytes": gauge(
+                "pdserve:kv_disk_tier_bytes",
+                "Bytes of KV block files held in the disk tier (written or queued).",
+            ),
+            "disk_cap": gauge(
+                "pdserve:kv_disk_tier_capacity_bytes", "The disk tier's cap in bytes (0: off)."
+            ),
             "lora_served": gauge(
                 "pdserve:lora_adapters_served",
                 "LoRA adapters the worker serves (its config's and those loaded at run time).",
@@ -213,8 +237,8 @@ class WorkerCollector(Collector):
         fams["hits_by_source"] = CounterMetricFamily(
             "pdserve:prefix_cache_hit_tokens_by_source",
             "Prefix cache hits in prompt tokens, by where their blocks were found: device (the "
-            "KV cache), host (restored from the host tier) or peer (pulled from a decode "
-            "worker that held them: peer fetch).",
+            "KV cache), host (restored from the host tier's memory), disk (restored from its "
+            "disk level) or peer (pulled from a decode worker that held them: peer fetch).",
             labels=self.LABELS + ["source"],
         )
         fams["spec_per_pos"] = CounterMetricFamily(
@@ -255,11 +279,14 @@ class WorkerCollector(Collector):
             fams["queued"].add_metric(labels, stats.queued_prompt_tokens)
             fams["tier_bytes"].add_metric(labels, stats.kv_host_tier_bytes)
             fams["tier_cap"].add_metric(labels, stats.kv_host_tier_capacity_bytes)
+            fams["disk_bytes"].add_metric(labels, stats.kv_disk_tier_bytes)
+            fams["disk_cap"].add_metric(labels, stats.kv_disk_tier_capacity_bytes)
             fams["lora_served"].add_metric(labels, stats.lora_adapters_count)
             fams["lora_resident"].add_metric(labels, len(stats.lora_resident))
             fams["hits_by_source"].add_metric(labels + ["device"], stats.prefix_hit_tokens_device)
             fams["hits_by_source"].add_metric(labels + ["host"], stats.prefix_hit_tokens_host)
             fams["hits_by_source"].add_metric(labels + ["peer"], stats.prefix_hit_tokens_peer)
+            fams["hits_by_source"].add_metric(labels + ["disk"], stats.prefix_hit_tokens_disk)
             for _, _, field in WORKER_COUNTERS:
                 fams[field].add_metric(labels, getattr(stats, field))
             for position, accepted in enumerate(stats.spec_accepted_per_pos):

@@ -59,8 +59,9 @@ def kv_events(block_manager, request) -> worker_pb2.KVEvents | None:
 
 
 def tier_stats(block_manager) -> dict:
-    """WorkerStats fields of the host tier (zeros when there is none) and the prefix-hit tokens
-    by source; read on the gRPC thread (plain counters the engine thread writes)."""
+    """WorkerStats fields of the host tier and its disk level (zeros when there is none) and the
+    prefix-hit tokens by source; read on the gRPC thread (plain counters the engine thread
+    writes)."""
     from pdserve.engine.kv_host_tier import HostTier
 
     tier = getattr(block_manager, "tier", None)
@@ -69,6 +70,7 @@ def tier_stats(block_manager) -> dict:
         ("prefix_hit_tokens_device", "hit_tokens_device"),
         ("prefix_hit_tokens_host", "hit_tokens_host"),
         ("prefix_hit_tokens_peer", "hit_tokens_peer"),
+        ("prefix_hit_tokens_disk", "hit_tokens_disk"),
     ):
         value = getattr(block_manager, name, 0)
         if isinstance(value, int):  # (a test's stand-in engine may have none)
@@ -82,6 +84,15 @@ def tier_stats(block_manager) -> dict:
             kv_host_tier_restored=tier.restored,
             kv_host_tier_evicted=tier.evicted,
         )
+        disk = tier.disk  # its disk level (engine/kv_disk_tier.py), when on
+        if disk is not None:
+            out.update(
+                kv_disk_tier_bytes=disk.bytes,
+                kv_disk_tier_capacity_bytes=disk.capacity_bytes,
+                kv_disk_tier_stored=disk.stored,
+                kv_disk_tier_restored=disk.restored,
+                kv_disk_tier_evicted=disk.evicted,
+            )
     return out
 
 

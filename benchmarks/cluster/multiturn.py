@@ -56,6 +56,14 @@ worker's tier bytes (their peak against the cap) and, per shape, the prefix-hit 
 run waits for the decode worker to be idle and records that no block is in use. Writes
 benchmarks/results/multiturn_host_tier.json.
 
+    python -m benchmarks.cluster.multiturn --host-tier --disk-tier   # the disk tier below it
+
+`--disk-tier` (with --host-tier) compares instead the decode pool's host tier capped small
+(DISK_POOL's host_blocks) with a disk tier below it (engine/kv_disk_tier.py, DISK_POOL's
+disk_blocks, files under the run's temp dir) against the same small host tier alone, the same
+shapes and pools otherwise; /metrics adds the disk tier's bytes and counters and the disk hits.
+Writes benchmarks/results/multiturn_disk_tier.json.
+
     python -m benchmarks.cluster.multiturn --peer-fetch      # which reuse path, 1P+1D
 
 `--peer-fetch` runs instead the reuse paths' comparison (issue 49 item 4): 1P+1D, the same
@@ -121,6 +129,10 @@ TIER_SHAPES = {
 BF16_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2-135M: layers, K+V, tokens, kv heads, dim
 TIER_POOL = dict(decode_blocks=144, tier_blocks=256, max_model_len=2048)
 TIER_SAMPLE_S = 0.5
+# --disk-tier: the host tier capped below the sessions' blocks, the disk tier above them (a file
+# is a block's bytes and a header of a few hundred bytes: DISK_FILE_SLACK covers it)
+DISK_POOL = dict(host_blocks=32, disk_blocks=512)
+DISK_FILE_SLACK = 4096
 # --peer-fetch (issue 49 item 4): the shapes, and the router settings compared
 PEER_SHAPES = {
     "a_sequential": dict(sessions=2, turns=4, message=64, answer=64, doc=1024, shared=False,
@@ -153,6 +165,9 @@ TIER_COUNTERS = {
     "pdserve:kv_host_tier_stored_blocks_total": None,
     "pdserve:kv_host_tier_restored_blocks_total": None,
     "pdserve:kv_host_tier_evicted_blocks_total": None,
+    "pdserve:kv_disk_tier_stored_blocks_total": None,
+    "pdserve:kv_disk_tier_restored_blocks_total": None,
+    "pdserve:kv_disk_tier_evicted_blocks_total": None,
     "vllm:prefix_cache_hits_total": None,
     # the router's own: turns prefilled on their decode worker, and the refusals of a stale hint
     "pdserve:local_prefills_total": None,
@@ -290,6 +305,7 @@ class TierSampler:
         import threading
 
         self.port, self.peak, self.cap, self.samples = http_port, 0.0, 0.0, 0
+        self.disk_peak = self.disk_cap = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -301,11 +317,17 @@ class TierSampler:
                 self.samples += 1
                 self.peak = max(self.peak, got.get(("pdserve:kv_host_tier_bytes", None), 0.0))
                 self.cap = got.get(("pdserve:kv_host_tier_capacity_bytes", None), self.cap)
+                disk = got.get(("pdserve:kv_disk_tier_bytes", None), 0.0)
+                self.disk_peak = max(self.disk_peak, disk)
+                self.disk_cap = got.get(("pdserve:kv_disk_tier_capacity_bytes", None), 0.0)
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join(10)
-        return dict(peak_tier_bytes=self.peak, tier_cap_bytes=self.cap, samples=self.samples)
+        out = dict(peak_tier_bytes=self.peak, tier_cap_bytes=self.cap, samples=self.samples)
+        if self.disk_cap:
+            out.update(peak_disk_tier_bytes=self.disk_peak, disk_tier_cap_bytes=self.disk_cap)
+        return out
 
 
 def scrape_router(http_port: int) -> dict:
@@ -352,12 +374,15 @@ def run_deployment(
     wait_idle: float,
     host_tier: bool | None = None,
     router: dict | None = None,
+    disk_tier: bool | None = None,
 ) -> dict:
     """`pdserve up` of the example YAML with `prefill`+`decode` replicas, reuse on or off; every
     shape in turn. host_tier (not None: the --host-tier comparison): the decode pool cut to
     TIER_POOL's size, with (True) or without (False) a host tier; /metrics sampled per shape.
     router: more router keys (the --peer-fetch comparison); the router's PEER_COUNTERS are then
-    read from its /metrics before and after each shape."""
+    read from its /metrics before and after each shape. disk_tier (not None: the --disk-tier
+    comparison): the host tier capped at DISK_POOL's host_blocks, with (True) or without (False)
+    a disk tier below it."""
     import grpc
     import yaml
 
@@ -381,13 +406,21 @@ def run_deployment(
         dec["kv_cache_memory"] = TIER_POOL["decode_blocks"] * BF16_BLOCK_BYTES
         config["pools"]["prefill"]["enable_prefix_caching"] = False
         if host_tier:
-            dec["kv_host_tier_bytes"] = TIER_POOL["tier_blocks"] * BF16_BLOCK_BYTES
+            blocks = TIER_POOL["tier_blocks"] if disk_tier is None else DISK_POOL["host_blocks"]
+            dec["kv_host_tier_bytes"] = blocks * BF16_BLOCK_BYTES
+        if disk_tier:
+            dec["kv_disk_tier_bytes"] = DISK_POOL["disk_blocks"] * (
+                BF16_BLOCK_BYTES + DISK_FILE_SLACK
+            )
+            dec["kv_disk_tier_dir"] = os.path.join(work, "kv-disk-tier")
     path = os.path.join(work, "deploy.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     label = f"{prefill}P+{decode}D reuse {'on' if reuse else 'off'}"
     if host_tier is not None:
         label += f", host tier {'on' if host_tier else 'off'}"
+    if disk_tier is not None:
+        label += f", disk tier {'on' if disk_tier else 'off'}"
     out: dict = {"reuse": reuse, "yaml_pools": config["pools"]}
     t0 = time.perf_counter()
     up, err_path = start_up([sys.executable, "-m", "pdserve", "up", path], work)
@@ -453,6 +486,7 @@ def wait_decode_idle(http_port: int, timeout_s: float = 60.0) -> dict:
         reserved=got.get(("pdserve:num_requests_reserved", None)),
         tier_bytes=got.get(("pdserve:kv_host_tier_bytes", None)),
         tier_cap_bytes=got.get(("pdserve:kv_host_tier_capacity_bytes", None)),
+        disk_tier_bytes=got.get(("pdserve:kv_disk_tier_bytes", None)),
     )
 
 
@@ -569,6 +603,12 @@ def main(argv: list[str] | None = None) -> int:
         "--off-first", action="store_true", help="--host-tier: run the tier off first, then on"
     )
     p.add_argument(
+        "--disk-tier",
+        action="store_true",
+        help="with --host-tier: a small host tier with a disk tier below it vs the small host "
+        "tier alone (writes multiturn_disk_tier.json unless --out)",
+    )
+    p.add_argument(
         "--peer-fetch",
         action="store_true",
         help="issue 49 item 4: 1P+1D, local prefill / peer fetch / both / neither "
@@ -578,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     bc.add_wait_idle_arg(p, "each shape")
     args = p.parse_args(argv)
     os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
+    if args.disk_tier and not args.host_tier:
+        p.error("--disk-tier goes with --host-tier")
     if args.host_tier:
         return main_host_tier(args, argv)
     if args.peer_fetch:
@@ -623,8 +665,10 @@ def main(argv: list[str] | None = None) -> int:
 def main_host_tier(args, argv) -> int:
     """The --host-tier comparison (module docstring): tier on, then off, same sessions."""
     out = args.out
+    disk = True if args.disk_tier else None
     if os.path.basename(out) == "multiturn.json":
-        out = os.path.join(os.path.dirname(out), "multiturn_host_tier.json")
+        name = "multiturn_disk_tier.json" if disk else "multiturn_host_tier.json"
+        out = os.path.join(os.path.dirname(out), name)
     t0 = time.perf_counter()
     report: dict = {
         **bc.run_header("benchmarks.cluster.multiturn", argv),
@@ -637,13 +681,23 @@ def main_host_tier(args, argv) -> int:
             tier_cap_bytes=TIER_POOL["tier_blocks"] * BF16_BLOCK_BYTES,
         ),
     }
+    if disk:  # on: the small host tier with a disk tier; off: the small host tier alone
+        report["pool"].update(
+            DISK_POOL,
+            tier_cap_bytes=DISK_POOL["host_blocks"] * BF16_BLOCK_BYTES,
+            disk_cap_bytes=DISK_POOL["disk_blocks"] * (BF16_BLOCK_BYTES + DISK_FILE_SLACK),
+        )
+        report["compared"] = "disk tier on / off, host tier capped small in both"
+    # with --disk-tier both runs have the (small) host tier, and the disk tier is what differs
+    tier_on = dict(host_tier=True, disk_tier=disk)
+    tier_off = dict(host_tier=bool(disk), disk_tier=False if disk else None)
     report["order"] = "off, on" if args.off_first else "on, off"
     if args.off_first:  # the other order: a drift of the machine's load then favours the other
-        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
-        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
+        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, **tier_off)
+        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, **tier_on)
     else:
-        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=True)
-        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, host_tier=False)
+        on = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, **tier_on)
+        off = run_deployment(1, 1, True, TIER_SHAPES, args.wait_idle, **tier_off)
     cmp = compare(on, off, TIER_SHAPES)
     report.update(tier_on=strip(on), tier_off=strip(off), compare=cmp)
     bc.write_timed(out, report, t0)

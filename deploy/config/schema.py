@@ -123,6 +123,12 @@ class Pool(_Frozen):
     # its KV cache, engine/kv_host_tier.py), restored when a later prompt needs them; 0: off.
     # Pays on decode pools, where a conversation's blocks live; needs enable_prefix_caching
     kv_host_tier_bytes: Annotated[int, Field(ge=0, strict=True)] = 0
+    # bytes of files each worker keeps the blocks its host tier pushes out in (a disk tier below
+    # it, engine/kv_disk_tier.py), read back when a later prompt needs them; 0: off. Needs
+    # kv_host_tier_bytes > 0. kv_disk_tier_dir: where each worker makes its own directory of
+    # them (created 0700, removed at shutdown); null: the pdserve cache dir's kv-disk-tier/
+    kv_disk_tier_bytes: Annotated[int, Field(ge=0, strict=True)] = 0
+    kv_disk_tier_dir: Annotated[str, Field(min_length=1)] | None = None
     # torch compute threads of each worker process; None: resources.num_cpus (at least 1). More
     # threads than reserved CPUs suit a pool that is idle while the other computes (prefill on a
     # small machine), at the price of contention when both are busy
@@ -188,6 +194,16 @@ class Pool(_Frozen):
             raise ValueError(
                 "kv_host_tier_bytes needs enable_prefix_caching: the host tier holds evicted "
                 "prefix-cache blocks (set kv_host_tier_bytes: 0 or enable_prefix_caching: true)"
+            )
+        if self.kv_disk_tier_bytes and not self.kv_host_tier_bytes:
+            raise ValueError(
+                "kv_disk_tier_bytes needs kv_host_tier_bytes > 0: the disk tier holds what the "
+                "host tier pushes out (set kv_disk_tier_bytes: 0 or give kv_host_tier_bytes)"
+            )
+        if self.kv_disk_tier_dir is not None and not self.kv_disk_tier_bytes:
+            raise ValueError(
+                "kv_disk_tier_dir is set but kv_disk_tier_bytes is 0 (the disk tier is off): "
+                "give kv_disk_tier_bytes or drop kv_disk_tier_dir"
             )
         return self
 
@@ -755,6 +771,10 @@ class DeployConfig(_Frozen):
             kwargs["kv_cache_memory"] = pool.kv_cache_memory
         if pool.kv_host_tier_bytes:
             kwargs["kv_host_tier_bytes"] = pool.kv_host_tier_bytes
+        if pool.kv_disk_tier_bytes:
+            kwargs["kv_disk_tier_bytes"] = pool.kv_disk_tier_bytes
+            if pool.kv_disk_tier_dir is not None:
+                kwargs["kv_disk_tier_dir"] = pool.kv_disk_tier_dir
         if pool is self.pools.decode and self.pools.colocated is None:
             # a local prefill beside running streams runs in chunks (planner/local_prefill.py)
             kwargs["max_step_slowdown"] = self.router.local_prefill.max_step_slowdown
