@@ -41,9 +41,10 @@ LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}  # name: (pipeline, tens
 SEED = 53
 
 
-def twelve_heads_model() -> str:
+def twelve_heads_model(layers: int | None = None) -> str:
     """SmolLM2's shape with 12 attention heads of 48 and 4 KV heads, random weights, written once
-    into the pdserve cache (with SmolLM2's tokenizer files); its folder."""
+    into the pdserve cache (with SmolLM2's tokenizer files); its folder. `layers`: that many
+    decoder layers of the same shape instead of SmolLM2's 30 (a shorter run to iterate on)."""
     import shutil
 
     import torch
@@ -52,12 +53,15 @@ def twelve_heads_model() -> str:
     from pdserve.engine.loader import resolve_model
     from pdserve.engine.loader.resolve import default_cache_dir
 
-    out = default_cache_dir() / "bench-models" / "smollm2-shape-12-heads"
+    name = "smollm2-shape-12-heads" + (f"-{layers}-layers" if layers else "")
+    out = default_cache_dir() / "bench-models" / name
     if (out / "config.json").exists():
         return str(out)
     src = resolve_model("smollm2")
     config = AutoConfig.from_pretrained(src)
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 4, 48
+    if layers:
+        config.num_hidden_layers = layers
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32)
     tmp = out.with_name(out.name + ".tmp")
@@ -125,6 +129,12 @@ def main(argv=None) -> int:
         choices=("smollm2", "twelve-heads"),
         help="twelve-heads: SmolLM2's shape in 12 heads of 48, which TP=2 can split",
     )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="twelve-heads only: this many decoder layers of its shape instead of 30 (faster)",
+    )
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
     args = ap.parse_args(argv)
@@ -134,7 +144,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
 
-    model = twelve_heads_model() if args.model == "twelve-heads" else "smollm2"
+    if args.layers is not None and (args.model != "twelve-heads" or args.layers < 2):
+        ap.error("--layers needs --model twelve-heads and at least 2 layers (one a stage)")
+    model = twelve_heads_model(args.layers) if args.model == "twelve-heads" else "smollm2"
 
     def run() -> dict:
         results = {}
@@ -154,7 +166,13 @@ def main(argv=None) -> int:
                     round(a["ttft_s"] / b["ttft_s"], 3)
                     for a, b in zip(r["runs"], results["pp1"]["runs"])
                 ]
-        return {"model": args.model, "lengths": lengths, "layouts": results, "ratios": ratios}
+        return {
+            "model": args.model,
+            "layers": args.layers,
+            "lengths": lengths,
+            "layouts": results,
+            "ratios": ratios,
+        }
 
     return run_and_write("benchmarks.engine.pp_prefill", argv, args.out, run)
 
