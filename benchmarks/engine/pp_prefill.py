@@ -10,7 +10,12 @@ prefix cache) answers one warm-up prompt, then for each length one fresh random 
 max_tokens=1: its time to first token, and prompt tokens per second. A prefill step of one
 sequence runs in micro-batches through the stages (engine/model_runner.py `_micro_batches`), so
 PP=2's stages overlap except for the pipeline's fill and drain, the bubble this reports against
-PP=1: `pp2 / pp1` TTFT. Each step of a long prompt holds at most max_num_batched_tokens (2048).
+PP=1: `pp2 / pp1` TTFT. Each step of a long prompt holds at most max_num_batched_tokens (2048),
+and prefill_step_target_s (0.5 s) cuts one longer than that into chunks of about half a second
+each, a few dozen tokens deep into 8,000; the chunks before the last pipeline across steps
+(engine/model_runner.py `_hand_on`). Each run records the torch thread count rank 0 had after it
+(`rank0_threads_after`): one rank's engine refits it to the cores that are free
+(engine/threads.py), so on a busy machine PP=1 may run on fewer threads than it started with.
 
 SmolLM2's 9 heads of 64 (3 KV heads) cannot be split between two tensor-parallel ranks, so
 `--model twelve-heads` runs every layout on a random-weight model of SmolLM2's shape with its
@@ -96,7 +101,15 @@ def measure(pp: int, tp: int, lengths: list[int], model: str = "smollm2") -> dic
             t0 = time.perf_counter()
             llm.generate([prompt], params, use_tqdm=False)
             ttft = time.perf_counter() - t0
-            runs.append({"prompt_tokens": n, "ttft_s": round(ttft, 3), "tok_s": round(n / ttft, 1)})
+            fit = llm.engine.runner.thread_fit  # (engine/threads.py: rank 0's count, refitted)
+            runs.append(
+                {
+                    "prompt_tokens": n,
+                    "ttft_s": round(ttft, 3),
+                    "tok_s": round(n / ttft, 1),
+                    "rank0_threads_after": fit.threads if fit is not None else None,
+                }
+            )
         return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp, "runs": runs}
     finally:
         llm.shutdown()
