@@ -16,7 +16,8 @@ stages in turn (`_forward`); a later stage's part of a step ends there. A step w
 hidden states the first stage does not need (`_wants_final`: a long prompt's chunks before the
 one that samples) is not waited for: each stage hands its activations on and returns, so rank 0
 plans and starts the next chunk while the later stages still compute this one, and a stage keeps
-the handles of those sends (`_hand_on`) for at most PP_STEPS_AHEAD such steps. Every rank runs
+the handles of those sends (`_hand_on`); rank 0 runs at most PP_STEPS_AHEAD steps ahead of
+the others (engine/tp.py `TPGroup.wait_ahead`). Every rank runs
 the same steps in the same order, so each stage's KV is written as with waiting. A step whose
 sequences run LoRA adapters groups its rows by adapter into the forward context
 (engine/lora.py), and runs eagerly.
@@ -68,10 +69,11 @@ PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are he
 
 # a pipelined prefill step is cut into micro-batches of at least this many tokens (_micro_batches)
 PP_MICRO_MIN_TOKENS = 128
-# the steps a pipeline stage may run ahead of the next one without waiting (ModelRunner._hand_on;
-# engine/tp.py's TPGroup bounds rank 0's broadcasts alike): steps whose final hidden states the
-# first stage does not need, a long prompt's chunks before the last
-PP_STEPS_AHEAD = 2
+# the steps rank 0 may run ahead of the later pipeline stages, steps whose final hidden states it
+# does not need (a long prompt's chunks before the last): broadcast but not yet taken by every
+# rank (engine/tp.py TPGroup.wait_ahead, before the engine plans and times a step). A stage keeps
+# the sends of one step more than that pending before it waits for them (ModelRunner._hand_on).
+PP_STEPS_AHEAD = 1
 
 
 @dataclass
@@ -405,10 +407,11 @@ class ModelRunner:
         stage runs the next step while the next stage still computes this one (a long prompt's
         chunks pipeline across steps, not only within one: the stages overlap but for the
         prompt's first piece and its last). The oldest are waited for once more than
-        PP_STEPS_AHEAD steps' are pending: that bounds how far a stage runs ahead, and the
-        activations held for it."""
+        PP_STEPS_AHEAD + 1 steps' are pending: that bounds the activations held, and how far a
+        stage that is not rank 0 runs ahead (rank 0 is bounded before, TPGroup.wait_ahead, so
+        this seldom waits there)."""
         self._unsent.append(sends)
-        keep = 0 if final else PP_STEPS_AHEAD
+        keep = 0 if final else PP_STEPS_AHEAD + 1
         while len(self._unsent) > keep:
             for pending in self._unsent.popleft():
                 pending.wait()

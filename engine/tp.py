@@ -8,7 +8,8 @@ activations to the next (model_runner.py). Only rank 0 samples: the vocab-parall
 the first stage, gathers logits there. Under pipeline stages rank 0 does not wait for the
 broadcast to be taken (`TPGroup.broadcast`): a later stage may still be computing an earlier step
 whose final hidden states rank 0 does not need (model_runner.py `_hand_on`), and it takes the next
-step's input when it gets there. A step that hands prefill KV off under pipeline stages
+step's input when it gets there; rank 0 runs at most PP_STEPS_AHEAD steps ahead (`wait_ahead`,
+called by the engine before it times a step). A step that hands prefill KV off under pipeline stages
 (ModelInput.kv_pushes) ends with one more collective: every rank's push report gathered on rank 0
 (`TPGroup.push_reports`; the later stages' ranks push their own layers, engine/kv_publish.py).
 
@@ -293,13 +294,21 @@ class TPGroup:
     def broadcast(self, inp: ModelInput) -> None:
         """Hands `inp` to every follower. Under pipeline stages it returns without waiting for
         them to take it (the later stages may still be computing an earlier step: model_runner.py
-        `_hand_on`); the oldest broadcast is waited for once more than PP_STEPS_AHEAD are
-        pending, as the runner bounds its sends."""
+        `_hand_on`); `wait_ahead` bounds how many are pending."""
         if not self.pipelined:
             _broadcast_bytes(_encode(inp), self.group)
             return
         self._pending.append(_broadcast_async(_encode(inp), self.group))
-        while len(self._pending) > PP_STEPS_AHEAD:
+        while len(self._pending) > PP_STEPS_AHEAD:  # (wait_ahead ran before: seldom waits)
+            self._wait_oldest()
+
+    def wait_ahead(self) -> None:
+        """Returns once fewer than PP_STEPS_AHEAD broadcasts are still to be taken by some rank,
+        so the next step runs at most that many ahead of the later pipeline stages. The engine
+        calls it before it plans and times a step: the step's time is then rank 0's own, not the
+        later stages' backlog, and the next long-prefill chunk is sized from it
+        (engine/scheduler.py)."""
+        while len(self._pending) >= PP_STEPS_AHEAD:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
