@@ -518,6 +518,10 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if self.tp is not None and self.tp.pipelined:
+            # the later pipeline stages' backlog of earlier steps, not timed as this one's
+            # (engine/tp.py TPGroup.wait_ahead)
+            self.tp.wait_ahead()
         done, self._undelivered = self._undelivered, []
         plan = self.scheduler.schedule()  # (the speculator sets the guess budgets first)
         if plan.is_empty:

@@ -12,13 +12,20 @@ row. Its result is one StepOutput record. A layer hook, when given, is called by
 layer once its KV is written (a prefill pushing its KV to another engine). Decode-only steps
 replay a captured CUDA graph where one applies; everything else runs eagerly. Under pipeline
 parallelism a rank holds its stage's layers and their KV only, and the forward pass runs the
-stages in turn (`_forward`); a later stage's part of a step ends there. A step whose sequences
-run LoRA adapters groups its rows by adapter into the forward context (engine/lora.py), and
-runs eagerly.
+stages in turn (`_forward`); a later stage's part of a step ends there. A step whose final
+hidden states the first stage does not need (`_wants_final`: a long prompt's chunks before the
+one that samples) is not waited for: each stage hands its activations on and returns, so rank 0
+plans and starts the next chunk while the later stages still compute this one, and a stage keeps
+the handles of those sends (`_hand_on`); rank 0 runs at most PP_STEPS_AHEAD steps ahead of
+the others (engine/tp.py `TPGroup.wait_ahead`). Every rank runs
+the same steps in the same order, so each stage's KV is written as with waiting. A step whose
+sequences run LoRA adapters groups its rows by adapter into the forward context
+(engine/lora.py), and runs eagerly.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,6 +42,7 @@ from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
 from pdserve.engine.parallel import (
+    PendingSend,
     divide,
     is_first_rank,
     max_stage_layers,
@@ -61,6 +69,11 @@ PROMPT_LOGITS_ROWS = 512  # prompt positions whose vocabulary-wide logits are he
 
 # a pipelined prefill step is cut into micro-batches of at least this many tokens (_micro_batches)
 PP_MICRO_MIN_TOKENS = 128
+# the steps rank 0 may run ahead of the later pipeline stages, steps whose final hidden states it
+# does not need (a long prompt's chunks before the last): broadcast but not yet taken by every
+# rank (engine/tp.py TPGroup.wait_ahead, before the engine plans and times a step). A stage keeps
+# the sends of one step more than that pending before it waits for them (ModelRunner._hand_on).
+PP_STEPS_AHEAD = 1
 
 
 @dataclass
@@ -142,6 +155,8 @@ class ModelRunner:
         self.null_block = self.kv_cache.shape[2] - 1 if window is not None else None
         self.sampler = Sampler() if is_first_rank() else None
         self._use_graphs = use_graphs
+        # under pipeline stages: the sends of the last steps not waited for, oldest first (_hand_on)
+        self._unsent: deque[list[PendingSend]] = deque()
         # the cores a step uses, fitted to those free now (engine/threads.py)
         self.thread_fit = ThreadFit() if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None  # (precision probes run eagerly, before)
@@ -267,12 +282,13 @@ class ModelRunner:
             self.device,
         )
         parts = self._micro_batches(inp)
+        final = _wants_final(inp)
         if parts:
-            hidden = self._forward_micro(parts, on_layer_done)
+            hidden = self._forward_micro(parts, on_layer_done, final)
         else:
             with forward_context(meta):
                 hidden = (
-                    self._forward(input_ids, positions)
+                    self._forward(input_ids, positions, final)
                     if pp_size() > 1
                     else self.model(input_ids, positions)
                 )
@@ -316,12 +332,16 @@ class ModelRunner:
             for a in range(0, n, size)
         ]
 
-    def _forward_micro(self, parts: list[ModelInput], on_layer_done) -> torch.Tensor | None:
+    def _forward_micro(
+        self, parts: list[ModelInput], on_layer_done, final: bool
+    ) -> torch.Tensor | None:
         """`_forward` over micro-batches: each stage runs the pieces in order and hands each on
         without waiting for it to be taken (pp_isend), the first stage having posted the
         receives of every piece's final hidden states from the last one up front. Returns them
-        in order, concatenated, on the first stage (None on the others). A layer's KV is final
-        once the last piece has passed it: on_layer_done runs during the last piece only."""
+        in order, concatenated, on the first stage (None on the others, and on the first too
+        when the step is not `final`: then the last stage sends nothing back and no stage waits
+        for its sends, `_hand_on`). A layer's KV is final once the last piece has passed it:
+        on_layer_done runs during the last piece only."""
         stage, stages = pp_rank(), pp_size()
         size, dtype = self.model_config.hidden_size, self.dtype
         inputs = [self._attention_inputs(p)[:3] for p in parts]
@@ -331,7 +351,7 @@ class ModelRunner:
                 pp_irecv([(len(p.seqs[0].token_ids), size)], dtype, self.device, stages - 1)
                 for p in parts
             ]
-            if stage == 0
+            if stage == 0 and final
             else []
         )
         for j, (meta, ids, pos) in enumerate(inputs):
@@ -344,37 +364,57 @@ class ModelRunner:
             )
             with forward_context(meta):
                 out = self.model(ids, pos) if stage == 0 else self.model(ids, pos, carried)
-            if stage == stages - 1:
-                sends.append(pp_isend([out], 0))
-            else:
+            if stage < stages - 1:
                 sends.append(pp_isend(list(out), stage + 1))
-        for pending in sends:
-            pending.wait()
-        if stage != 0:
-            return None
-        return torch.cat([r.wait()[0] for r in back])
+            elif final:
+                sends.append(pp_isend([out], 0))
+        hidden = torch.cat([r.wait()[0] for r in back]) if back else None
+        self._hand_on(sends, final)
+        return hidden
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, final: bool = True
+    ) -> torch.Tensor | None:
         """One step's forward pass through the pipeline stages (engine/parallel.py). The first
         stage embeds and runs its layers; each stage hands the hidden states and the residual
         stream to the next; the last one normalizes and hands the final hidden states back to
         the first, which computes the logits (its LM head) and samples. Returns those hidden
         states on the first stage, None on the others. The same additions in the same order as
-        in one stage, so the tokens do not depend on the split."""
+        in one stage, so the tokens do not depend on the split. A step that is not `final`
+        (`_wants_final`) sends nothing back and returns None on the first stage too, as soon as
+        its own layers are done (`_hand_on`)."""
         stage, stages = pp_rank(), pp_size()
         shape = (input_ids.shape[0], self.model_config.hidden_size)
         dtype = self.dtype  # the activations'
         if stage == 0:
             hidden, residual = self.model(input_ids, positions)
-            pp_send([hidden, residual], 1)
-            return pp_recv([shape], dtype, self.device, stages - 1)[0]
+            sends = [pp_isend([hidden, residual], 1)]
+            out = pp_recv([shape], dtype, self.device, stages - 1)[0] if final else None
+            self._hand_on(sends, final)
+            return out
         carried = tuple(pp_recv([shape, shape], dtype, self.device, stage - 1))
         out = self.model(input_ids, positions, carried)
-        if stage == stages - 1:
+        if stage < stages - 1:
+            self._hand_on([pp_isend(list(out), stage + 1)], final)
+        elif final:
             pp_send([out], 0)
-        else:
-            pp_send(list(out), stage + 1)
         return None
+
+    def _hand_on(self, sends: list[PendingSend], final: bool) -> None:
+        """A pipeline stage's sends of one step. After a `final` step every send still pending
+        is waited for (the first stage has its final hidden states, so the later stages took
+        everything before them); otherwise they are kept and the step returns at once, so this
+        stage runs the next step while the next stage still computes this one (a long prompt's
+        chunks pipeline across steps, not only within one: the stages overlap but for the
+        prompt's first piece and its last). The oldest are waited for once more than
+        PP_STEPS_AHEAD + 1 steps' are pending: that bounds the activations held, and how far a
+        stage that is not rank 0 runs ahead (rank 0 is bounded before, TPGroup.wait_ahead, so
+        this seldom waits there)."""
+        self._unsent.append(sends)
+        keep = 0 if final else PP_STEPS_AHEAD + 1
+        while len(self._unsent) > keep:
+            for pending in self._unsent.popleft():
+                pending.wait()
 
     def _sample(self, logits, rows, row_logits, mask, out: StepOutput) -> StepOutput:
         """`out` with the sampled tokens (rank 0 with rows and logits; else as it is)."""
@@ -550,6 +590,14 @@ def _pooled(inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int]) -> 
         elif s.pool_end:
             out[i] = rows[-1].float().cpu()
     return out
+
+
+def _wants_final(inp: ModelInput) -> bool:
+    """Whether the first pipeline stage needs a step's final hidden states, and so waits for the
+    later stages: a sequence samples, wants prompt logprobs or pools, or the step hands KV off
+    (its push reports are gathered after it). Every rank judges the same ModelInput, so the last
+    stage sends them back exactly when the first waits for them."""
+    return bool(inp.kv_pushes) or any(s.samples or s.prompt_targets or s.pooling for s in inp.seqs)
 
 
 def _decodes(s: SeqInput) -> bool:

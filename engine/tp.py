@@ -5,7 +5,11 @@ index (engine/parallel.py). Rank 0 (the caller's process) broadcasts each step's
 msgpack bytes over a gloo group (plain data, no pickle) to every rank; each rank then runs the
 step on its shard of its stage's layers and KV, the stages one after another, each handing its
 activations to the next (model_runner.py). Only rank 0 samples: the vocab-parallel LM head, on
-the first stage, gathers logits there. A step that hands prefill KV off under pipeline stages
+the first stage, gathers logits there. Under pipeline stages rank 0 does not wait for the
+broadcast to be taken (`TPGroup.broadcast`): a later stage may still be computing an earlier step
+whose final hidden states rank 0 does not need (model_runner.py `_hand_on`), and it takes the next
+step's input when it gets there; rank 0 runs at most PP_STEPS_AHEAD steps ahead (`wait_ahead`,
+called by the engine before it times a step). A step that hands prefill KV off under pipeline stages
 (ModelInput.kv_pushes) ends with one more collective: every rank's push report gathered on rank 0
 (`TPGroup.push_reports`; the later stages' ranks push their own layers, engine/kv_publish.py).
 
@@ -38,7 +42,7 @@ import torch.multiprocessing as mp
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_publish import StagePusher, report_rows
-from pdserve.engine.model_runner import ModelInput, SeqInput
+from pdserve.engine.model_runner import PP_STEPS_AHEAD, ModelInput, SeqInput
 from pdserve.engine.parallel import current_tp_state, set_tp_state, stage_layers
 
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "600")))
@@ -122,6 +126,15 @@ def _decode(data: bytes) -> ModelInput | None:
         {k: v for k, v in loras},
         pushes,
     )
+
+
+def _broadcast_async(data: bytes, group) -> tuple[list, list[torch.Tensor]]:
+    """Rank 0's side of _broadcast_bytes without waiting for the other ranks to take it: the
+    works and the tensors they send (kept until the works are waited for)."""
+    size = torch.tensor([len(data)], dtype=torch.long)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in (size, buf)]
+    return works, [size, buf]
 
 
 def _broadcast_bytes(data: bytes | None, group) -> bytes:
@@ -245,9 +258,11 @@ def current_launcher():
 
 
 class TPGroup:
-    def __init__(self, procs, group):
+    def __init__(self, procs, group, pipelined: bool = False):
         self.procs = procs  # one handle per follower, rank order (is_alive, join, kill, pid)
         self.group = group
+        self.pipelined = pipelined  # pipeline stages: broadcasts are not waited for (broadcast)
+        self._pending: list[tuple[list, list[torch.Tensor]]] = []  # those, oldest first
 
     @classmethod
     def start(
@@ -269,7 +284,7 @@ class TPGroup:
             for p in procs:
                 p.kill()
             raise
-        return cls(procs, _init(config, 0, host, port))
+        return cls(procs, _init(config, 0, host, port), config.pipeline_parallel_size > 1)
 
     def ready(self) -> None:
         """Returns once every follower built its runner (weights loaded, KV pool allocated), so
@@ -277,7 +292,29 @@ class TPGroup:
         dist.barrier(group=self.group)
 
     def broadcast(self, inp: ModelInput) -> None:
-        _broadcast_bytes(_encode(inp), self.group)
+        """Hands `inp` to every follower. Under pipeline stages it returns without waiting for
+        them to take it (the later stages may still be computing an earlier step: model_runner.py
+        `_hand_on`); `wait_ahead` bounds how many are pending."""
+        if not self.pipelined:
+            _broadcast_bytes(_encode(inp), self.group)
+            return
+        self._pending.append(_broadcast_async(_encode(inp), self.group))
+        while len(self._pending) > PP_STEPS_AHEAD:  # (wait_ahead ran before: seldom waits)
+            self._wait_oldest()
+
+    def wait_ahead(self) -> None:
+        """Returns once fewer than PP_STEPS_AHEAD broadcasts are still to be taken by some rank,
+        so the next step runs at most that many ahead of the later pipeline stages. The engine
+        calls it before it plans and times a step: the step's time is then rank 0's own, not the
+        later stages' backlog, and the next long-prefill chunk is sized from it
+        (engine/scheduler.py)."""
+        while len(self._pending) >= PP_STEPS_AHEAD:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        works, _ = self._pending.pop(0)
+        for w in works:
+            w.wait()
 
     def push_reports(self, num_pushes: int) -> torch.Tensor:
         """After a step with `num_pushes` stage pushes (ModelInput.kv_pushes): every rank's
@@ -294,6 +331,8 @@ class TPGroup:
 
     def shutdown(self) -> None:
         try:
+            while self._pending:
+                self._wait_oldest()
             _broadcast_bytes(_encode(None), self.group)
         except RuntimeError:
             if all(p.is_alive() for p in self.procs):

@@ -10,7 +10,14 @@ prefix cache) answers one warm-up prompt, then for each length one fresh random 
 max_tokens=1: its time to first token, and prompt tokens per second. A prefill step of one
 sequence runs in micro-batches through the stages (engine/model_runner.py `_micro_batches`), so
 PP=2's stages overlap except for the pipeline's fill and drain, the bubble this reports against
-PP=1: `pp2 / pp1` TTFT. Each step of a long prompt holds at most max_num_batched_tokens (2048).
+PP=1: `pp2 / pp1` TTFT. Each step of a long prompt holds at most max_num_batched_tokens (2048),
+and prefill_step_target_s (0.5 s) cuts one longer than that into chunks of about half a second
+each, a few dozen tokens deep into 8,000; the chunks before the last pipeline across steps
+(engine/model_runner.py `_hand_on`). Each run records the torch thread count rank 0 had after it
+(`rank0_threads_after`): one rank's engine refits it to the cores that are free
+(engine/threads.py), so on a busy machine PP=1 may run on fewer threads than it started with,
+and each rank's CPU seconds during it (`rank_cpu_s`, rank order: a stage that waits for the other
+does not use its core, and the work done does not depend on how the ranks overlap).
 
 SmolLM2's 9 heads of 64 (3 KV heads) cannot be split between two tensor-parallel ranks, so
 `--model twelve-heads` runs every layout on a random-weight model of SmolLM2's shape with its
@@ -25,6 +32,7 @@ count and ISA flags) and one entry per layout and length.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 from benchmarks.bench_common import (
@@ -41,9 +49,10 @@ LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "tp2": (1, 2)}  # name: (pipeline, tens
 SEED = 53
 
 
-def twelve_heads_model() -> str:
+def twelve_heads_model(layers: int | None = None) -> str:
     """SmolLM2's shape with 12 attention heads of 48 and 4 KV heads, random weights, written once
-    into the pdserve cache (with SmolLM2's tokenizer files); its folder."""
+    into the pdserve cache (with SmolLM2's tokenizer files); its folder. `layers`: that many
+    decoder layers of the same shape instead of SmolLM2's 30 (a shorter run to iterate on)."""
     import shutil
 
     import torch
@@ -52,12 +61,15 @@ def twelve_heads_model() -> str:
     from pdserve.engine.loader import resolve_model
     from pdserve.engine.loader.resolve import default_cache_dir
 
-    out = default_cache_dir() / "bench-models" / "smollm2-shape-12-heads"
+    name = "smollm2-shape-12-heads" + (f"-{layers}-layers" if layers else "")
+    out = default_cache_dir() / "bench-models" / name
     if (out / "config.json").exists():
         return str(out)
     src = resolve_model("smollm2")
     config = AutoConfig.from_pretrained(src)
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 4, 48
+    if layers:
+        config.num_hidden_layers = layers
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32)
     tmp = out.with_name(out.name + ".tmp")
@@ -70,7 +82,9 @@ def twelve_heads_model() -> str:
     return str(out)
 
 
-def measure(pp: int, tp: int, lengths: list[int], model: str = "smollm2") -> dict:
+def measure(
+    pp: int, tp: int, lengths: list[int], model: str = "smollm2", step_target_s: float = 0.5
+) -> dict:
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(
@@ -82,33 +96,59 @@ def measure(pp: int, tp: int, lengths: list[int], model: str = "smollm2") -> dic
         tensor_parallel_size=tp,
         enable_prefix_caching=False,
         max_model_len=max(lengths) + 1,  # (one token to answer)
+        prefill_step_target_s=step_target_s,
     )
     try:
         params = SamplingParams(temperature=0, max_tokens=1)
         llm.generate([random_prompts(SEED - 1, 1, 256)[0]], params, use_tqdm=False)  # warm-up
         runs = []
+        ranks = [os.getpid()] + [p.pid for p in (llm.engine.tp.procs if llm.engine.tp else [])]
         for n in lengths:
             prompt = random_prompts(SEED, 1, n)[0]
+            cpu0 = [_cpu_s(pid) for pid in ranks]
+            start_mono = time.monotonic()
             t0 = time.perf_counter()
             llm.generate([prompt], params, use_tqdm=False)
             ttft = time.perf_counter() - t0
-            runs.append({"prompt_tokens": n, "ttft_s": round(ttft, 3), "tok_s": round(n / ttft, 1)})
+            cpu = [round(b - a, 2) for a, b in zip(cpu0, (_cpu_s(pid) for pid in ranks))]
+            steps = sum(1 for r in llm.engine.step_trace if r.start >= start_mono)
+            fit = llm.engine.runner.thread_fit  # (engine/threads.py: rank 0's count, refitted)
+            runs.append(
+                {
+                    "prompt_tokens": n,
+                    "ttft_s": round(ttft, 3),
+                    "tok_s": round(n / ttft, 1),
+                    "rank0_threads_after": fit.threads if fit is not None else None,
+                    # each rank's CPU seconds (user + system) during the prompt, rank order
+                    "rank_cpu_s": cpu,
+                    "steps": steps,  # the engine steps the prompt took (its chunks)
+                }
+            )
         return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp, "runs": runs}
     finally:
         llm.shutdown()
 
 
-def _child(conn, pp: int, tp: int, lengths: list[int], model: str) -> None:
+def _cpu_s(pid: int) -> float:
+    """Process `pid`'s CPU seconds (user + system, every thread) so far."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _child(conn, pp: int, tp: int, lengths: list[int], model: str, target: float) -> None:
     try:
-        conn.send(measure(pp, tp, lengths, model))
+        conn.send(measure(pp, tp, lengths, model, target))
     except BaseException as e:  # the parent reports it
         conn.send({"error": repr(e)})
 
 
-def measure_in_process(pp: int, tp: int, lengths: list[int], model: str = "smollm2") -> dict:
+def measure_in_process(
+    pp: int, tp: int, lengths: list[int], model: str = "smollm2", step_target_s: float = 0.5
+) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(child, pp, tp, lengths, model))
+    p = ctx.Process(target=_child, args=(child, pp, tp, lengths, model, step_target_s))
     p.start()
     out = parent.recv()
     p.join(timeout=60)
@@ -125,6 +165,19 @@ def main(argv=None) -> int:
         choices=("smollm2", "twelve-heads"),
         help="twelve-heads: SmolLM2's shape in 12 heads of 48, which TP=2 can split",
     )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="twelve-heads only: this many decoder layers of its shape instead of 30 (faster)",
+    )
+    ap.add_argument(
+        "--prefill-step-target-s",
+        type=float,
+        default=0.5,
+        help="the engine's prefill_step_target_s (default 0.5, its default; 0: every chunk of a "
+        "long prompt takes the whole token budget)",
+    )
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
     args = ap.parse_args(argv)
@@ -134,7 +187,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
 
-    model = twelve_heads_model() if args.model == "twelve-heads" else "smollm2"
+    if args.layers is not None and (args.model != "twelve-heads" or args.layers < 2):
+        ap.error("--layers needs --model twelve-heads and at least 2 layers (one a stage)")
+    model = twelve_heads_model(args.layers) if args.model == "twelve-heads" else "smollm2"
 
     def run() -> dict:
         results = {}
@@ -142,7 +197,7 @@ def main(argv=None) -> int:
             if args.wait_idle:
                 wait_for_idle_machine(args.wait_idle)
             log(f"{name}")
-            r = measure_in_process(*LAYOUTS[name], lengths, model)
+            r = measure_in_process(*LAYOUTS[name], lengths, model, args.prefill_step_target_s)
             log(f"  {r}")  # a layout the model refuses (TP=2 of SmolLM2's 9 heads) says why
             results[name] = r
         ratios = {}
@@ -154,7 +209,14 @@ def main(argv=None) -> int:
                     round(a["ttft_s"] / b["ttft_s"], 3)
                     for a, b in zip(r["runs"], results["pp1"]["runs"])
                 ]
-        return {"model": args.model, "lengths": lengths, "layouts": results, "ratios": ratios}
+        return {
+            "model": args.model,
+            "layers": args.layers,
+            "prefill_step_target_s": args.prefill_step_target_s,
+            "lengths": lengths,
+            "layouts": results,
+            "ratios": ratios,
+        }
 
     return run_and_write("benchmarks.engine.pp_prefill", argv, args.out, run)
 

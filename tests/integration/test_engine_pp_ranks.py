@@ -1,13 +1,18 @@
 """Pipeline parallelism with its stage processes: the tokens and prompt logprobs of PP=1 for
-PP=2 and PP=3 (a 5-layer tiny Llama, and SmolLM2's 30 layers), TP=2 inside PP=2 stages, and
-each stage's KV cache holding its own layers only. (Refusals and the layer split:
+PP=2 and PP=3 (a 5-layer tiny Llama, and SmolLM2's 30 layers), TP=2 inside PP=2 stages,
+each stage's KV cache holding its own layers only, and a long prompt's chunks pipelined across
+steps (rank 0 not waiting for the later stage). (Refusals and the layer split:
 tests/unit/test_engine_pp.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 
-from helpers.engine import KV, greedy
+from helpers.engine import KV, greedy, run_until_done
 from helpers.models import hf_greedy, make_tiny_model, random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
@@ -95,9 +100,9 @@ def test_a_long_prefill_runs_in_micro_batches_with_one_stages_numbers(five_layer
     pieces = []
     forward_micro = ModelRunner._forward_micro
 
-    def counted(self, parts, on_layer_done):
+    def counted(self, parts, *args):
         pieces.append([(p.seqs[0].start, len(p.seqs[0].token_ids)) for p in parts])
-        return forward_micro(self, parts, on_layer_done)
+        return forward_micro(self, parts, *args)
 
     monkeypatch.setattr(ModelRunner, "_forward_micro", counted)
     llm = LLM(path, pipeline_parallel_size=pp, **kw)
@@ -112,6 +117,69 @@ def test_a_long_prefill_runs_in_micro_batches_with_one_stages_numbers(five_layer
         assert any(step[0][0] == 192 for step in pieces)
         assert_no_leaks(llm.engine)
     finally:
+        llm.shutdown()
+
+
+def _step_in_thread(engine, steps: int, done: list) -> threading.Thread:
+    """`steps` engine steps on a thread of their own; each appends its outputs to `done`."""
+
+    def run():
+        for _ in range(steps):
+            done.append(engine.step())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("budget", [64, 256])
+def test_a_long_prompts_chunks_do_not_wait_for_the_later_stage(tmp_path, budget):
+    """Rank 0 runs the chunks of a long prompt before the one that samples without waiting for
+    the second stage (ModelRunner._hand_on, TPGroup.broadcast): with that stage's process
+    stopped, rank 0 still finishes PP_STEPS_AHEAD such steps, and the next one waits (the
+    bound); resumed, the stage catches up and the tokens are PP=1's. Chunks of 64 tokens run
+    whole, of 256 in micro-batches. Without the pipelining across steps the first step waits for
+    the stopped stage's hidden states and never returns."""
+    from pdserve.engine.model_runner import PP_STEPS_AHEAD
+
+    make_tiny_model(
+        str(tmp_path), "llama-gqa", seed=7, num_hidden_layers=4, max_position_embeddings=2048
+    )
+    prompt = random_prompts([1100], seed=41)[0]
+    kw = dict(
+        kv_cache_memory=KV, block_size=16, max_num_batched_tokens=budget, prefill_step_target_s=0
+    )
+    params = greedy(4)
+    one = LLM(str(tmp_path), **kw)
+    want = one.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    one.shutdown()
+    llm = LLM(str(tmp_path), pipeline_parallel_size=2, **kw)
+    engine = llm.engine
+    stage = engine.tp.procs[0]
+    stopped = False
+    try:
+        engine.add_request("long", prompt, params)
+        os.kill(stage.pid, signal.SIGSTOP)
+        stopped = True
+        done: list = []
+        ahead = _step_in_thread(engine, PP_STEPS_AHEAD, done)
+        ahead.join(timeout=120)  # (generous: a stopped stage can never make a waiting step end)
+        assert not ahead.is_alive() and len(done) == PP_STEPS_AHEAD
+        assert done == [[]] * PP_STEPS_AHEAD  # chunks that sample nothing: no output yet
+        later: list = []
+        bounded = _step_in_thread(engine, 1, later)
+        bounded.join(timeout=1)
+        assert bounded.is_alive() and not later  # the bound: it waits for the stopped stage
+        os.kill(stage.pid, signal.SIGCONT)
+        stopped = False
+        bounded.join(timeout=120)
+        assert not bounded.is_alive()
+        outs = run_until_done(engine)
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
+        assert_no_leaks(engine)
+    finally:
+        if stopped:
+            os.kill(stage.pid, signal.SIGCONT)
         llm.shutdown()
 
 
