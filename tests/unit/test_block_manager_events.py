@@ -3,26 +3,10 @@ sequence from a bounded ring, with a reset and a snapshot when the reader cannot
 
 from __future__ import annotations
 
+from helpers.blocks import chain, fill
 from pdserve.engine.block_manager import CLEARED, REMOVED, STORED, BlockManager, block_hash
 
 BS = 4
-
-
-def chain(tokens: list[int]) -> list[int]:
-    hashes, parent = [], None
-    for i in range(0, len(tokens) - len(tokens) % BS, BS):
-        parent = block_hash(parent, tuple(tokens[i : i + BS]))
-        hashes.append(parent)
-    return hashes
-
-
-def fill(bm: BlockManager, tokens: list[int]) -> list[int]:
-    """Allocates and registers the full blocks of `tokens`, then frees them (a finished request
-    whose blocks stay cached)."""
-    ids = bm.allocate(bm.blocks_needed(len(tokens)))
-    bm.register_full_blocks(ids, tokens, 0, len(tokens))
-    bm.free(ids)
-    return ids
 
 
 def test_stored_events_follow_registration_in_chain_order():

@@ -10,6 +10,7 @@ import stat
 import pytest
 import torch
 
+from helpers.blocks import chain, fill
 from pdserve.engine import kv_disk_tier
 from pdserve.engine.block_manager import HOST, REMOVED, STORED, BlockManager, block_hash
 from pdserve.engine.kv_disk_tier import DiskTier
@@ -50,22 +51,6 @@ def tiered(tmp_path, num_blocks: int, host_blocks: float, disk_blocks: float, **
     bm = BlockManager(num_blocks, BS)
     bm.attach_tier(host)
     return bm, host, disk, caches
-
-
-def fill(bm: BlockManager, tokens: list[int]) -> list[int]:
-    """A finished request: its full blocks computed, registered and freed (cached)."""
-    ids = bm.allocate(bm.blocks_needed(len(tokens)))
-    bm.register_full_blocks(ids, tokens, 0, len(tokens))
-    bm.free(ids)
-    return ids
-
-
-def chain(tokens: list[int]) -> list[int]:
-    hashes, parent = [], None
-    for i in range(0, len(tokens) - len(tokens) % BS, BS):
-        parent = block_hash(parent, tuple(tokens[i : i + BS]))
-        hashes.append(parent)
-    return hashes
 
 
 def push_to_disk(tmp_path, **kw):

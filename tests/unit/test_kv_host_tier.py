@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.blocks import chain, fill
 from helpers.stats_workers import EngineWorker
 from pdserve.engine.block_manager import (
     HOST,
     REMOVED,
     STORED,
     BlockManager,
-    block_hash,
 )
 from pdserve.engine.kv_host_tier import HostTier, fingerprint
 from pdserve.protos.pdserve.v1 import worker_pb2
@@ -42,22 +42,6 @@ def tiered(num_blocks: int, cap_blocks: float, caches=None, **kw):
     bm = BlockManager(num_blocks, BS)
     bm.attach_tier(tier)
     return bm, tier, caches
-
-
-def fill(bm: BlockManager, tokens: list[int]) -> list[int]:
-    """A finished request: its full blocks computed, registered and freed (cached)."""
-    ids = bm.allocate(bm.blocks_needed(len(tokens)))
-    bm.register_full_blocks(ids, tokens, 0, len(tokens))
-    bm.free(ids)
-    return ids
-
-
-def chain(tokens: list[int]) -> list[int]:
-    hashes, parent = [], None
-    for i in range(0, len(tokens) - len(tokens) % BS, BS):
-        parent = block_hash(parent, tuple(tokens[i : i + BS]))
-        hashes.append(parent)
-    return hashes
 
 
 def evict_all(bm: BlockManager) -> None:

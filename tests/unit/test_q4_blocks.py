@@ -201,19 +201,24 @@ def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_
         llm.shutdown()
 
 
+def bf16_llm(model: str, **kw) -> LLM:
+    """The bf16 mode on `model`, no speculation (each step's rows are the sequences')."""
+    return LLM(
+        model,
+        dtype="float32",
+        quantization="bf16",
+        kv_cache_memory=1 << 22,
+        speculative_config=None,
+        **kw,
+    )
+
+
 def test_a_sequence_alone_decodes_the_bits_it_decodes_in_a_batch(q4_model):
     """One sequence's decode steps take the 4-bit blocks (one row), twelve sequences' take
     oneDNN's bf16 weight (twelve rows): the same tokens and logprobs, so greedy output depends
     neither on the batch nor on speculation's extra rows, and a conversation's next turn that
     reuses a decode step's KV sees a prefill's bits."""
-    llm = LLM(
-        q4_model,
-        dtype="float32",
-        quantization="bf16",
-        kv_cache_memory=1 << 22,
-        enable_prefix_caching=False,
-        speculative_config=None,
-    )
+    llm = bf16_llm(q4_model, enable_prefix_caching=False)
     try:
         prompts = random_prompts([3 + 2 * i for i in range(12)], seed=7)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
@@ -237,14 +242,7 @@ def test_a_next_turn_reusing_decode_written_kv_gives_the_recomputed_bits(q4_mode
     first, new = random_prompts([40, 9], seed=8)
 
     def second_turn(reuse: bool):
-        llm = LLM(
-            q4_model,
-            dtype="float32",
-            quantization="bf16",
-            kv_cache_memory=1 << 22,
-            enable_prefix_caching=reuse,
-            speculative_config=None,
-        )
+        llm = bf16_llm(q4_model, enable_prefix_caching=reuse)
         try:
             answer = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
             out = llm.generate([first + list(answer) + new], params, use_tqdm=False)[0]
