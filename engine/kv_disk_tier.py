@@ -117,20 +117,6 @@ def remove_stale(base: str) -> list[str]:
     return gone
 
 
-class _Pending:
-    """An entry queued for the writer: what the host tier handed over."""
-
-    __slots__ = ("parent_hash", "token_ids", "shards", "crc", "nbytes", "cancelled")
-
-    def __init__(self, parent_hash, token_ids, shards, crc):
-        self.parent_hash = parent_hash
-        self.token_ids = tuple(token_ids)
-        self.shards = shards
-        self.crc = crc
-        self.nbytes = sum(s.numel() * s.element_size() for s in shards)
-        self.cancelled = False
-
-
 class Loaded:
     """An entry read back: the host tier checks it as its own (kv_host_tier._Entry's fields)."""
 
@@ -142,6 +128,16 @@ class Loaded:
         self.shards = shards
         self.crc = crc
         self.nbytes = sum(s.numel() * s.element_size() for s in shards)
+
+
+class _Pending(Loaded):
+    """An entry queued for the writer: what the host tier handed over, until written."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self, parent_hash, token_ids, shards, crc):
+        super().__init__(parent_hash, token_ids, shards, crc)
+        self.cancelled = False
 
 
 def _header(fp: bytes, h: int, entry) -> bytes:
