@@ -747,8 +747,8 @@ class DecodeStack {
       normed = add_rms_norm_ex(l.o.raw(o), residual, l.post_norm, eps_, l.gate_up.bf16());
       residual = normed[1];
       auto gu = l.gate_up.raw(normed[0]);
-      if (l.gate_up.bf16() && l.down.bf16() && !l.gate_up.bias.defined()) {
-        hidden = l.down.raw(silu_mul_bf16(gu));  // as LlamaMLP's bf16 path (engine/models/llama.py)
+      if (l.gate_up.bf16() && l.down.bf16() && !l.gate_up.bias.defined() && !l.down.bias.defined()) {
+        hidden = l.down.raw(silu_mul_bf16(gu));  // as LlamaMLP._bf16_fused's path (models/llama.py)
         continue;
       }
       if (gu.scalar_type() != torch::kFloat32) gu = gu.to(torch::kFloat32);
