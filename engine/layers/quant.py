@@ -211,7 +211,7 @@ class Q4Blocks:
     one row or a hundred, and the same as a prefill of the same tokens writes: greedy tokens do
     not depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625 bytes a
     weight, a step of one to a few rows, which streams every weight once and is bound by those
-    bytes, runs up to 3x faster than on the bf16 weight (Q4_ROWS)."""
+    bytes, runs about 2.5x faster than on the bf16 weight at one row (Q4_ROWS)."""
 
     def __init__(self, blocks: torch.Tensor, part: int):
         self.blocks = blocks
