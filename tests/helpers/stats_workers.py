@@ -1,7 +1,9 @@
 """Stand-ins for a decode worker's Stats stub in the router pool's tests (router/pool.py polls
 `worker.stub.Stats.future(request, timeout)`): each answers at once from a real block manager,
 with its KV events and its host tier's figures, as worker_common/kv_events.py puts them on the
-wire. Used by tests/unit/test_kv_index.py and tests/unit/test_kv_host_tier.py."""
+wire. Used by tests/unit/test_kv_index.py and tests/unit/test_kv_host_tier.py; `exported` reads
+what the router's /metrics makes of one decode worker's Stats (test_kv_host_tier.py,
+test_kv_disk_tier.py)."""
 
 from __future__ import annotations
 
@@ -43,3 +45,19 @@ class EngineWorker:
         if events is not None:
             stats.kv_events.CopyFrom(events)
         return Answered(stats)
+
+
+def exported(stats) -> dict:
+    """The router's worker metrics (router/worker_metrics.py) for one serving decode worker whose
+    Stats answer is `stats`: {(sample name, its "source" label or None): value}."""
+    from pdserve.router.worker_metrics import WorkerCollector
+
+    class Pool:
+        def snapshot(self):
+            return [("decode", "d0", stats, False, "serving")]
+
+    got = {}
+    for fam in WorkerCollector(Pool(), "m").collect():
+        for sample in fam.samples:
+            got[(sample.name, sample.labels.get("source"))] = sample.value
+    return got

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers.blocks import chain, fill
+from helpers.stats_workers import exported
 from pdserve.engine import kv_disk_tier
 from pdserve.engine.block_manager import HOST, REMOVED, STORED, BlockManager, block_hash
 from pdserve.engine.kv_disk_tier import DiskTier
@@ -288,7 +289,6 @@ def test_bfloat16_round_trip(tmp_path):
 
 def test_the_worker_reports_the_disk_tier_and_the_router_exports_it(tmp_path):
     from pdserve.protos.pdserve.v1 import worker_pb2
-    from pdserve.router.worker_metrics import WorkerCollector
     from pdserve.worker_common import kv_events as wire
 
     bm, host, disk, caches, a, want = push_to_disk(tmp_path)
@@ -305,14 +305,7 @@ def test_the_worker_reports_the_disk_tier_and_the_router_exports_it(tmp_path):
     stats = worker_pb2.WorkerStats(**fields)
     host.close()
 
-    class Pool:
-        def snapshot(self):
-            return [("decode", "d0", stats, False, "serving")]
-
-    got = {}
-    for fam in WorkerCollector(Pool(), "m").collect():
-        for sample in fam.samples:
-            got[(sample.name, sample.labels.get("source"))] = sample.value
+    got = exported(stats)
     assert got[("pdserve:kv_disk_tier_bytes", None)] == fields["kv_disk_tier_bytes"]
     assert got[("pdserve:kv_disk_tier_capacity_bytes", None)] == disk.capacity_bytes
     assert got[("pdserve:kv_disk_tier_stored_blocks_total", None)] == disk.stored

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers.blocks import chain, fill
-from helpers.stats_workers import EngineWorker
+from helpers.stats_workers import EngineWorker, exported
 from pdserve.engine.block_manager import (
     HOST,
     REMOVED,
@@ -319,7 +319,6 @@ def test_the_yaml_key_reaches_the_engine_and_is_validated():
 
 
 def test_the_router_exports_the_tier_per_worker():
-    from pdserve.router.worker_metrics import WorkerCollector
 
     stats = worker_pb2.WorkerStats(
         kv_host_tier_bytes=3000,
@@ -331,14 +330,7 @@ def test_the_router_exports_the_tier_per_worker():
         prefix_hit_tokens_host=32,
     )
 
-    class Pool:
-        def snapshot(self):
-            return [("decode", "d0", stats, False, "serving")]
-
-    got = {}
-    for fam in WorkerCollector(Pool(), "m").collect():
-        for sample in fam.samples:
-            got[(sample.name, sample.labels.get("source"))] = sample.value
+    got = exported(stats)
     assert got[("pdserve:kv_host_tier_bytes", None)] == 3000
     assert got[("pdserve:kv_host_tier_capacity_bytes", None)] == 4096
     assert got[("pdserve:kv_host_tier_stored_blocks_total", None)] == 7
