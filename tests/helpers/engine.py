@@ -82,3 +82,22 @@ def prompt_logprob_diff(ref, llm, p) -> float:
     a = ref.generate([p], params, use_tqdm=False)[0].prompt_logprobs
     b = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
     return max(abs(a[i][p[i]] - b[i][p[i]]) for i in range(1, len(p)))
+
+
+def tier_settings(model_dir: str, pool_blocks: int, block_size: int) -> tuple[int, dict]:
+    """For the KV tier tests (tests/unit/test_engine_host_tier.py, test_engine_disk_tier.py): the
+    bytes of one KV block of `model_dir` (measured on a probe engine) and the engine settings of a
+    pool of `pool_blocks` such blocks, one long-context step at a time, no speculation."""
+    from pdserve.engine import LLM
+
+    probe = LLM(model_dir, kv_cache_memory=KV, block_size=block_size)
+    per_block = probe.engine.kv_cache[:, :, 0].numel() * probe.engine.kv_cache.element_size()
+    probe.shutdown()
+    common = dict(
+        kv_cache_memory=pool_blocks * per_block,
+        block_size=block_size,
+        max_model_len=384,
+        max_num_batched_tokens=128,
+        speculative_config=None,
+    )
+    return per_block, common

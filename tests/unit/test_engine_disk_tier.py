@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from helpers.engine import KV, greedy
+from helpers.engine import KV, greedy, tier_settings
 from helpers.models import random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
@@ -47,17 +47,7 @@ def converse(llm: LLM, between=None):
 @pytest.fixture(scope="module")
 def setup(tiny_models):
     model_dir, _ = tiny_models("llama-gqa")
-    probe = LLM(model_dir, kv_cache_memory=KV, block_size=BS)
-    per_block = probe.engine.kv_cache[:, :, 0].numel() * probe.engine.kv_cache.element_size()
-    probe.shutdown()
-    del probe
-    common = dict(
-        kv_cache_memory=POOL_BLOCKS * per_block,
-        block_size=BS,
-        max_model_len=384,
-        max_num_batched_tokens=128,
-        speculative_config=None,
-    )
+    per_block, common = tier_settings(model_dir, POOL_BLOCKS, BS)
     off = LLM(model_dir, **common)
     recomputed = converse(off)
     off.shutdown()
