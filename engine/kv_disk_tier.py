@@ -340,6 +340,8 @@ class DiskTier:
             kv_disk_tier_restored=self.restored,
             kv_disk_tier_evicted=self.evicted,
             kv_disk_tier_dropped=self.dropped,
+            kv_disk_tier_refused=self.refused,
+            kv_disk_tier_write_errors=self.write_errors,
         )
 
     # ---- internals ------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ def tier_stats(block_manager) -> dict:
                 kv_disk_tier_stored=disk.stored,
                 kv_disk_tier_restored=disk.restored,
                 kv_disk_tier_evicted=disk.evicted,
+                kv_disk_tier_dropped=disk.dropped,
+                kv_disk_tier_refused=disk.refused,
+                kv_disk_tier_write_errors=disk.write_errors,
             )
     return out
 

@@ -4,6 +4,7 @@ tensors filled with distinct values; no model. Each test's directory is its own 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -312,3 +313,47 @@ def test_the_worker_reports_the_disk_tier_and_the_router_exports_it(tmp_path):
     assert got[("pdserve:kv_disk_tier_restored_blocks_total", None)] == disk.restored
     assert got[("pdserve:kv_disk_tier_evicted_blocks_total", None)] == disk.evicted
     assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "disk")] == bm.hit_tokens_disk
+
+
+def no_space(monkeypatch):
+    """Every disk tier write from now on fails as on a full disk (os.writev is the writer's
+    only use of it)."""
+
+    def full(fd, buffers):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kv_disk_tier.os, "writev", full)
+
+
+def test_dropped_refused_and_failed_writes_reach_the_router(tmp_path, monkeypatch):
+    bm, host, disk, caches, a, want = push_to_disk(tmp_path)
+    # refused: a damaged file read back
+    corrupt_first_disk_file(disk, "byte")
+    bm.find_cached_prefix(a, len(a))
+    assert disk.flush(30)  # (the restores' evictions pushed blocks to disk: none left queued)
+    # dropped: a put while the writer's queue is at its bound
+    disk.queue_bytes = block_bytes(caches[0])
+    shards = [caches[0][:, :, 0].clone()]
+    with disk._cond:  # the writer cannot take anything while this is held
+        took = [disk.put(block_hash(None, (i,)), None, (i,), shards, 0)[0] for i in (1, 2)]
+    assert took == [True, False]
+    assert disk.flush(30)
+    # a failed write
+    no_space(monkeypatch)
+    disk.put(block_hash(None, (3,)), None, (3,), shards, 0)
+    assert disk.flush(30)
+    assert disk.refused == 1 and disk.dropped == 1 and disk.write_errors == 1
+    assert disk.stats()["kv_disk_tier_write_errors"] == 1
+
+    from pdserve.protos.pdserve.v1 import worker_pb2
+    from pdserve.worker_common import kv_events as wire
+
+    fields = wire.tier_stats(bm)
+    assert fields["kv_disk_tier_dropped"] == 1
+    assert fields["kv_disk_tier_refused"] == 1
+    assert fields["kv_disk_tier_write_errors"] == 1
+    got = exported(worker_pb2.WorkerStats(**fields))
+    host.close()
+    assert got[("pdserve:kv_disk_tier_dropped_blocks_total", None)] == 1
+    assert got[("pdserve:kv_disk_tier_refused_blocks_total", None)] == 1
+    assert got[("pdserve:kv_disk_tier_write_errors_total", None)] == 1
