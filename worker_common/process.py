@@ -39,6 +39,10 @@ MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
 # keep up to 256 MiB of freed heap for the KV frames' sake; without a trim a worker's RSS floats
 # by the size of its last big transient (a long prefill's activations) and hides any growth.
 HEAP_TRIM_PERIOD_S = 10.0
+# How often the engine loop reports the KV blocks its tier lost on its own (a failed disk write,
+# engine/block_manager.py reap_tier) while no allocation does: about a router's Stats poll period,
+# so an idle worker's block index entries do not outlive its blocks for long.
+REAP_TIER_PERIOD_S = 1.0
 
 
 def release_freed_heap() -> bool:
@@ -211,6 +215,9 @@ class WorkerProcess:
         )
         release_freed_heap()
         self.loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
+        block_manager = getattr(self.loop.engine, "block_manager", None)
+        if getattr(block_manager, "tier", None) is not None:
+            self.loop.every(REAP_TIER_PERIOD_S, block_manager.reap_tier)
         return self.loop.engine
 
     def _serve(self) -> None:

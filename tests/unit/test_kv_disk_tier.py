@@ -357,3 +357,90 @@ def test_dropped_refused_and_failed_writes_reach_the_router(tmp_path, monkeypatc
     assert got[("pdserve:kv_disk_tier_dropped_blocks_total", None)] == 1
     assert got[("pdserve:kv_disk_tier_refused_blocks_total", None)] == 1
     assert got[("pdserve:kv_disk_tier_write_errors_total", None)] == 1
+
+
+def poller(bm: BlockManager):
+    """The router's block index fed from `bm`'s KV events as the pool's Stats polls feed it:
+    (the index, the worker's key in it, a poll that applies the next answer)."""
+    from pdserve.protos.pdserve.v1 import worker_pb2
+    from pdserve.router.kv_index import KVIndex
+    from pdserve.worker_common import kv_events as wire
+
+    index, worker = KVIndex(), object()
+
+    def poll():
+        epoch, after = index.position(worker)
+        request = worker_pb2.StatsRequest(
+            want_kv_events=True, kv_events_epoch=epoch, kv_events_after=after
+        )
+        return index.apply(worker, (epoch, after), wire.kv_events(bm, request))
+
+    return index, worker, poll
+
+
+def test_a_failed_write_is_reported_removed_and_leaves_the_router_index(tmp_path, monkeypatch):
+    from pdserve.router.kv_index import HOST as INDEX_HOST
+
+    no_space(monkeypatch)
+    bm, host, disk, caches = tiered(tmp_path, 4, 2, 16)
+    index, worker, poll = poller(bm)
+    assert poll() == "reset"
+    a = list(range(100, 116))
+    fill(bm, a)
+    fill(bm, list(range(200, 216)))  # A's blocks go to the host tier, which pushes two to disk
+    assert disk.flush(30)
+    lost = [h for h in chain(a) if not host.contains(h)]
+    assert len(lost) == 2 and disk.write_errors == 2 and len(disk) == 0
+    assert disk.files_bytes() == 0  # a failed write leaves no partial file
+    assert poll() == "events"
+    # the writer thread only queues the loss: the engine thread's next allocation reports it
+    # (before its own eviction, which pushes A's other blocks to disk: those writes fail too)
+    bm.free(bm.allocate(1))
+    ev = bm.kv_events(0, bm.epoch, 10_000, 0)
+    assert {e[1] for e in ev.events if e[0] == REMOVED and len(e) == 3} == set(lost)
+    assert all(e[2] == HOST for e in ev.events if len(e) == 3 and e[1] in lost)
+    assert poll() == "events"
+    # A's prefix matches up to its first lost block (before it, host memory holds every block)
+    held = chain(a).index(next(h for h in chain(a) if h in lost)) * BS
+    assert index.matched_by_tier(a, {worker: BS}) == {worker: (held, held)}
+    assert not any(h.to_bytes(16, "little") in index._holders for h in lost)
+    # once every write has failed and been reported, the index lists A's blocks in the host
+    # tier exactly where the tier holds them
+    assert disk.flush(30)
+    later = bm.reap_tier()
+    assert later and bm.reap_tier() == []  # each reported once
+    assert disk.write_errors == len(lost) + len(later)
+    assert poll() == "events"
+    for h in chain(a):
+        holders = index._holders.get(h.to_bytes(16, "little"), ())
+        assert ({t for _, t in holders} == {INDEX_HOST}) == host.contains(h)
+    host.close()
+
+
+def test_an_idle_engine_reports_a_lost_block_when_reaped(tmp_path, monkeypatch):
+    bm, host, disk, caches, a, want = push_to_disk(tmp_path)
+    no_space(monkeypatch)
+    b = list(range(300, 316))
+    fill(bm, b)  # more of A's and B's blocks pushed to disk: these writes fail
+    assert disk.flush(30) and disk.write_errors > 0
+    lost = bm.reap_tier()  # what the worker's engine loop calls between steps
+    assert lost and not any(host.contains(h) for h in lost)
+    ev = bm.kv_events(0, bm.epoch, 10_000, 0)
+    assert {e[1] for e in ev.events if e[0] == REMOVED and len(e) == 3} >= set(lost)
+    host.close()
+
+
+def test_a_lost_block_held_again_is_not_reported(tmp_path, monkeypatch):
+    caches = [pool(4)]
+    bb = block_bytes(caches[0])
+    disk = DiskTier(16 * (bb + 400), str(tmp_path), FP)
+    host = HostTier(2 * bb, lambda: caches, FP, disk=disk)
+    try:
+        no_space(monkeypatch)
+        h, tokens = block_hash(None, (1, 2, 3, 4)), (1, 2, 3, 4)
+        assert disk.put(h, None, tokens, [caches[0][:, :, 0].clone()], 0)[0]
+        assert disk.flush(30) and not disk.contains(h)
+        assert host.save(h, None, tokens, 0)[0]  # host memory holds it again
+        assert host.take_lost() == [] and disk.take_lost() == []
+    finally:
+        host.close()
