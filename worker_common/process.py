@@ -59,6 +59,17 @@ def release_freed_heap() -> bool:
         return False
 
 
+def engine_ticks(loop) -> None:
+    """A worker's periodic work on its engine loop's thread, between steps and while idle: the
+    freed heap given back (release_freed_heap), and the KV blocks the engine's tier lost on its
+    own (a failed disk write) reported "removed" (engine/block_manager.py reap_tier), so the
+    router's block index forgets them even while no allocation runs."""
+    loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
+    block_manager = getattr(loop.engine, "block_manager", None)
+    if getattr(block_manager, "tier", None) is not None:
+        loop.every(REAP_TIER_PERIOD_S, block_manager.reap_tier)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What every worker process takes; PrefillWorkerConfig and DecodeWorkerConfig add theirs."""
@@ -214,10 +225,7 @@ class WorkerProcess:
             name=f"{cfg.worker_id}-engine",
         )
         release_freed_heap()
-        self.loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
-        block_manager = getattr(self.loop.engine, "block_manager", None)
-        if getattr(block_manager, "tier", None) is not None:
-            self.loop.every(REAP_TIER_PERIOD_S, block_manager.reap_tier)
+        engine_ticks(self.loop)
         return self.loop.engine
 
     def _serve(self) -> None:

@@ -444,3 +444,54 @@ def test_a_lost_block_held_again_is_not_reported(tmp_path, monkeypatch):
         assert host.take_lost() == [] and disk.take_lost() == []
     finally:
         host.close()
+
+
+def test_a_workers_idle_engine_loop_reports_a_lost_block(tmp_path, monkeypatch):
+    """A worker's engine loop (worker_common/process.py engine_ticks) drains the lost blocks
+    while nothing allocates: the failed writes happen after the last allocation."""
+    import threading
+    import time
+
+    from pdserve.engine.engine_loop import EngineLoop
+    from pdserve.worker_common.process import engine_ticks
+
+    no_space(monkeypatch)
+    bm, host, disk, caches = tiered(tmp_path, 4, 2, 16)
+    gate = threading.Event()
+    real_write = disk._write
+
+    def held_write(key, header, entry):  # the writes fail only once the loop is idle
+        gate.wait(30)
+        return real_write(key, header, entry)
+
+    monkeypatch.setattr(disk, "_write", held_write)
+    a = list(range(100, 116))
+    fill(bm, a)
+    fill(bm, list(range(200, 216)))  # two of A's blocks pushed to disk, their writes held
+
+    class Engine:
+        block_manager = bm
+
+        def has_unfinished_requests(self):
+            return False
+
+    monkeypatch.setattr("pdserve.worker_common.process.REAP_TIER_PERIOD_S", 0.05)
+    loop = EngineLoop.build(Engine, name="t-reap", timeout=10)
+    try:
+        engine_ticks(loop)
+        gate.set()
+        assert disk.flush(30) and disk.write_errors == 2
+
+        def removed():
+            ev = bm.kv_events(0, bm.epoch, 10_000, 0)
+            return {e[1] for e in ev.events if e[0] == REMOVED and len(e) == 3}
+
+        lost = {h for h in chain(a) if not host.contains(h)}
+        for _ in range(600):  # the loop's next tick, at most a few turns away
+            if removed() == lost:
+                break
+            time.sleep(0.05)
+        assert len(lost) == 2 and removed() == lost
+    finally:
+        loop.stop()
+        host.close()
