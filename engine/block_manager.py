@@ -34,7 +34,8 @@ its copy), before the prefill computes the rest. Device events are (kind, hash),
 (kind, hash, "host"); "cleared" covers both tiers. The prefix hits of each admission are counted
 by where their blocks came from (`count_hits`: a block restored from the tier counts as a host
 hit at the first admission that takes it, or a disk hit when the tier's disk level held it,
-engine/kv_disk_tier.py).
+engine/kv_disk_tier.py). A block the disk level drops on its writer thread (a failed write) is
+"removed" from the host tier once the engine thread drains the tier's lost list (`reap_tier`).
 
 Peer fetch (kvtransfer/peer.py, prefill_worker/peer_fetch.py): a prefill worker may install
 blocks pulled from a decode worker that holds a conversation's earlier turns (`install_fetched`):
@@ -418,6 +419,8 @@ class BlockManager:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
             raise NoFreeBlocks(f"need {num_blocks} KV blocks, {len(self._free)} free")
+        if self.tier is not None:
+            self.reap_tier()
         out, removed, moved = [], [], []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
@@ -457,6 +460,16 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def reap_tier(self) -> list[int]:
+        """Records "removed" (host) for the blocks the tier lost on its own since the last call
+        (its disk level's failed writes, kv_host_tier.HostTier.take_lost) and returns them. Engine
+        thread: `allocate` calls it before the tier takes new blocks, and a worker's engine loop
+        every few seconds (worker_common/process.py), so an idle worker reports them too."""
+        lost = self.tier.take_lost() if self.tier is not None else []
+        if lost:
+            self._record(REMOVED, lost, HOST)
+        return lost
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached hash (a "cleared" event) when no block is in use; False, and

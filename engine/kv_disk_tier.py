@@ -39,10 +39,18 @@ kv-disk-tier/), in a subdirectory of this worker's own, w<pid>-<random>, created
 too when this creates it). At start the subdirectories of dead workers (their pid no longer runs)
 are removed; `close` stops the writer and removes this worker's subdirectory, files and all.
 
-Threads: the engine thread calls put, contains, touch, load, discard and clear; the writer thread
-runs `_write_loop`; the worker's Stats reads the counters and `hashes` (KV events). One lock guards
-the index and the queue; a file is read without it (only the engine thread removes an entry whose
-file is written, so nothing unlinks a file while it reads it).
+Threads: the engine thread calls put, contains, touch, load, discard, clear and take_lost; the
+writer thread runs `_write_loop`; the worker's Stats reads the counters and `hashes` (KV events).
+One lock guards the index, the queue and the lost list; a file is read without it (only the engine
+thread removes an entry whose file is written, so nothing unlinks a file while it reads it).
+
+Entries that leave without the engine thread asking. Every removal but one happens on the engine
+thread, which reports it itself: what `put` pushes out it returns, a refused `load` or a `discard`
+shows in `refused`, `clear` is the prefix cache's reset. The one that does not is a write that
+fails (disk full, I/O error): the writer thread drops the entry (counted in `write_errors`) and
+appends its hash to a list, and the engine thread takes that list (`take_lost`, under the lock)
+and reports the blocks "removed" as it reports a push-out (engine/block_manager.py `reap_tier`),
+so the router's block index stops counting on them. The writer never touches the block manager.
 """
 
 from __future__ import annotations
@@ -201,6 +209,9 @@ class DiskTier:
         self.peak_bytes = 0
         self.stored = self.restored = self.evicted = self.refused = self.dropped = 0
         self.write_errors = 0
+        # the hashes (this fingerprint's) whose entries the writer dropped, its write having
+        # failed, not yet taken by the engine thread (`take_lost`)
+        self._lost: list[int] = []
         self.write_s = 0.0  # the writer's time in writes, summed (its cost per block: / stored)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
         self._writer.start()
@@ -300,6 +311,15 @@ class DiskTier:
                 self._remove(key)
             return gone
 
+    def take_lost(self) -> list[int]:
+        """The hashes whose entries the writer dropped since the last call (their files could not
+        be written), for the engine thread to report as gone (module docstring)."""
+        if not self._lost:  # (read without the lock: one appended meanwhile waits for the next)
+            return []
+        with self._cond:
+            lost, self._lost = self._lost, []
+            return lost
+
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every queued write and unlink is done; False on timeout."""
         with self._cond:
@@ -340,6 +360,8 @@ class DiskTier:
             kv_disk_tier_restored=self.restored,
             kv_disk_tier_evicted=self.evicted,
             kv_disk_tier_dropped=self.dropped,
+            kv_disk_tier_refused=self.refused,
+            kv_disk_tier_write_errors=self.write_errors,
         )
 
     # ---- internals ------------------------------------------------------------------------------
@@ -420,6 +442,8 @@ class DiskTier:
                     else:  # not written (disk full, I/O error): the entry goes
                         self._remove(key)
                         self.write_errors += 1
+                        if key[0] == self.fingerprint:
+                            self._lost.append(key[1])
 
     def _write(self, key, header: bytes, entry: _Pending) -> bool:
         import time

@@ -46,7 +46,9 @@ when the pool evicts it again); `load` returns where the block came from ("host"
 the hit counters by source. For the KV events and the router's index the disk level is part of
 this tier ("host": held below the device on this worker, restored before the prefill): a hash
 pushed out of host memory into the disk is not "removed", one pushed out of both is, and
-`capacity_blocks` counts both levels' blocks.
+`capacity_blocks` counts both levels' blocks. An entry the disk level loses on its writer thread
+(a failed write) comes back through `take_lost`, which the block manager drains on the engine
+thread and reports "removed" unless a level holds the hash again.
 
 Counters (read by the worker's Stats, any thread; written on the engine thread): bytes held,
 blocks stored, restored and pushed out.
@@ -245,6 +247,13 @@ class HostTier:
         if self.disk is not None:
             self.disk.clear()
         return gone
+
+    def take_lost(self) -> list[int]:
+        """The hashes the disk level lost on its own since the last call (its writer could not
+        write their files) that neither level holds now: gone from this tier. Engine thread."""
+        if self.disk is None:
+            return []
+        return [h for h in dict.fromkeys(self.disk.take_lost()) if not self.contains(h)]
 
     def close(self) -> None:
         """Closes the disk level (its writer, its files); host memory needs nothing."""

@@ -11,7 +11,8 @@ gauges, the blocks copied into it, restored from it and pushed out of it as coun
 prefix-hit tokens by source ("device": found in the KV cache; "host": restored from the tier);
 the host ones also as vLLM's vllm:external_prefix_cache_hits (its name for hits served from
 below the KV cache, an offloading connector's). The tier's disk level (engine/kv_disk_tier.py):
-its files' bytes and cap as gauges, blocks written, restored and pushed out as counters, and its
+its files' bytes and cap as gauges, blocks written, restored, pushed out, dropped (its writer's
+queue full), refused (a file that failed a check) and whose write failed as counters, and its
 hits as source "disk" (not in the external hits, which stay the host memory's).
 
 LoRA adapters (engine/lora.py): how many a worker serves and how many are resident as gauges,
@@ -69,6 +70,24 @@ WORKER_COUNTERS = (
         "pdserve:kv_disk_tier_evicted_blocks",
         "KV blocks pushed out of the disk tier (their files deleted) to keep it within its cap.",
         "kv_disk_tier_evicted",
+    ),
+    (
+        "pdserve:kv_disk_tier_dropped_blocks",
+        "KV blocks the host tier pushed out that the disk tier dropped, its writer's queue being "
+        "at its byte bound (recomputed when needed).",
+        "kv_disk_tier_dropped",
+    ),
+    (
+        "pdserve:kv_disk_tier_refused_blocks",
+        "KV blocks read back from the disk tier and refused (a torn or damaged file, another "
+        "layout, a chain or shape mismatch): deleted and recomputed.",
+        "kv_disk_tier_refused",
+    ),
+    (
+        "pdserve:kv_disk_tier_write_errors",
+        "KV blocks whose disk tier file could not be written (disk full, I/O error): dropped "
+        "from the tier and recomputed when needed.",
+        "kv_disk_tier_write_errors",
     ),
     (
         "pdserve:peer_fetches",

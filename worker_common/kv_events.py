@@ -7,8 +7,9 @@ tier's figures (engine/kv_host_tier.py) and the prefix hits by source.
 
 Each event carries the tier its block is in: "device" (the worker's KV cache) or "host" (its
 host-memory tier); a block moving from the cache to the tier is a "removed" (device) then a
-"stored" (host), one pushed out of the tier a "removed" (host). A reset brings the host tier's
-hashes in `host_snapshot`.
+"stored" (host), one pushed out of the tier a "removed" (host), as is one its disk level lost to a
+failed write (engine/block_manager.py reap_tier). A reset brings the host tier's hashes in
+`host_snapshot`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def tier_stats(block_manager) -> dict:
                 kv_disk_tier_stored=disk.stored,
                 kv_disk_tier_restored=disk.restored,
                 kv_disk_tier_evicted=disk.evicted,
+                kv_disk_tier_dropped=disk.dropped,
+                kv_disk_tier_refused=disk.refused,
+                kv_disk_tier_write_errors=disk.write_errors,
             )
     return out
 

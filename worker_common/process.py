@@ -39,6 +39,10 @@ MAX_MESSAGE_BYTES = 64 << 20  # long prompts' token id lists
 # keep up to 256 MiB of freed heap for the KV frames' sake; without a trim a worker's RSS floats
 # by the size of its last big transient (a long prefill's activations) and hides any growth.
 HEAP_TRIM_PERIOD_S = 10.0
+# How often the engine loop reports the KV blocks its tier lost on its own (a failed disk write,
+# engine/block_manager.py reap_tier) while no allocation does: about a router's Stats poll period,
+# so an idle worker's block index entries do not outlive its blocks for long.
+REAP_TIER_PERIOD_S = 1.0
 
 
 def release_freed_heap() -> bool:
@@ -53,6 +57,17 @@ def release_freed_heap() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def engine_ticks(loop) -> None:
+    """A worker's periodic work on its engine loop's thread, between steps and while idle: the
+    freed heap given back (release_freed_heap), and the KV blocks the engine's tier lost on its
+    own (a failed disk write) reported "removed" (engine/block_manager.py reap_tier), so the
+    router's block index forgets them even while no allocation runs."""
+    loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
+    block_manager = getattr(loop.engine, "block_manager", None)
+    if getattr(block_manager, "tier", None) is not None:
+        loop.every(REAP_TIER_PERIOD_S, block_manager.reap_tier)
 
 
 @dataclass(frozen=True)
@@ -210,7 +225,7 @@ class WorkerProcess:
             name=f"{cfg.worker_id}-engine",
         )
         release_freed_heap()
-        self.loop.every(HEAP_TRIM_PERIOD_S, release_freed_heap)
+        engine_ticks(self.loop)
         return self.loop.engine
 
     def _serve(self) -> None:

@@ -8,6 +8,7 @@ has no `*_created` series: tests/integration/test_metrics_scrape.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -62,9 +63,34 @@ def test_the_dashboard_has_the_panels_operators_need():
     titles = {p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]}
     for title in (
         "Requests", "TTFT", "TPOT", "Queues", "KV cache usage", "Worker roles", "Role flips",
-        "Local prefills", "Planner decisions", "Speculative decoding",
+        "Local prefills", "Planner decisions", "Speculative decoding", "Host KV tier",
+        "Disk KV tier", "Prompt cache hits",
     ):  # fmt: skip
         assert title in titles
+
+
+def test_every_kv_tier_series_is_on_the_dashboard():
+    """Each worker's host and disk tier series the router exports is queried by some panel
+    (issue 49), and the hits by source are shown with every source, "disk" included."""
+    served = served_names(router_registry())
+    tiers = {n for n in served if n.startswith(("pdserve:kv_host_tier_", "pdserve:kv_disk_tier_"))}
+    assert {
+        "pdserve:kv_disk_tier_bytes",
+        "pdserve:kv_disk_tier_capacity_bytes",
+        "pdserve:kv_disk_tier_dropped_blocks_total",
+        "pdserve:kv_disk_tier_refused_blocks_total",
+        "pdserve:kv_disk_tier_write_errors_total",
+    } <= tiers
+    queries = dashboard_queries()
+    queried = {n for _, query in queries for n in metric_names(query)}
+    assert sorted(tiers - queried) == []
+    by_source = [
+        query for _, query in queries if "pdserve:prefix_cache_hit_tokens_by_source" in query
+    ]
+    assert by_source
+    for query in by_source:  # grouped by source, none filtered out
+        assert re.search(r"\bby\s*\([^)]*\bsource\b", query) and "source=" not in query
+        assert "source!" not in query
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ tensors filled with distinct values; no model. Each test's directory is its own 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -312,3 +313,185 @@ def test_the_worker_reports_the_disk_tier_and_the_router_exports_it(tmp_path):
     assert got[("pdserve:kv_disk_tier_restored_blocks_total", None)] == disk.restored
     assert got[("pdserve:kv_disk_tier_evicted_blocks_total", None)] == disk.evicted
     assert got[("pdserve:prefix_cache_hit_tokens_by_source_total", "disk")] == bm.hit_tokens_disk
+
+
+def no_space(monkeypatch):
+    """Every disk tier write from now on fails as on a full disk (os.writev is the writer's
+    only use of it)."""
+
+    def full(fd, buffers):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kv_disk_tier.os, "writev", full)
+
+
+def test_dropped_refused_and_failed_writes_reach_the_router(tmp_path, monkeypatch):
+    bm, host, disk, caches, a, want = push_to_disk(tmp_path)
+    # refused: a damaged file read back
+    corrupt_first_disk_file(disk, "byte")
+    bm.find_cached_prefix(a, len(a))
+    assert disk.flush(30)  # (the restores' evictions pushed blocks to disk: none left queued)
+    # dropped: a put while the writer's queue is at its bound
+    disk.queue_bytes = block_bytes(caches[0])
+    shards = [caches[0][:, :, 0].clone()]
+    with disk._cond:  # the writer cannot take anything while this is held
+        took = [disk.put(block_hash(None, (i,)), None, (i,), shards, 0)[0] for i in (1, 2)]
+    assert took == [True, False]
+    assert disk.flush(30)
+    # a failed write
+    no_space(monkeypatch)
+    disk.put(block_hash(None, (3,)), None, (3,), shards, 0)
+    assert disk.flush(30)
+    assert disk.refused == 1 and disk.dropped == 1 and disk.write_errors == 1
+    assert disk.stats()["kv_disk_tier_write_errors"] == 1
+
+    from pdserve.protos.pdserve.v1 import worker_pb2
+    from pdserve.worker_common import kv_events as wire
+
+    fields = wire.tier_stats(bm)
+    assert fields["kv_disk_tier_dropped"] == 1
+    assert fields["kv_disk_tier_refused"] == 1
+    assert fields["kv_disk_tier_write_errors"] == 1
+    got = exported(worker_pb2.WorkerStats(**fields))
+    host.close()
+    assert got[("pdserve:kv_disk_tier_dropped_blocks_total", None)] == 1
+    assert got[("pdserve:kv_disk_tier_refused_blocks_total", None)] == 1
+    assert got[("pdserve:kv_disk_tier_write_errors_total", None)] == 1
+
+
+def poller(bm: BlockManager):
+    """The router's block index fed from `bm`'s KV events as the pool's Stats polls feed it:
+    (the index, the worker's key in it, a poll that applies the next answer)."""
+    from pdserve.protos.pdserve.v1 import worker_pb2
+    from pdserve.router.kv_index import KVIndex
+    from pdserve.worker_common import kv_events as wire
+
+    index, worker = KVIndex(), object()
+
+    def poll():
+        epoch, after = index.position(worker)
+        request = worker_pb2.StatsRequest(
+            want_kv_events=True, kv_events_epoch=epoch, kv_events_after=after
+        )
+        return index.apply(worker, (epoch, after), wire.kv_events(bm, request))
+
+    return index, worker, poll
+
+
+def test_a_failed_write_is_reported_removed_and_leaves_the_router_index(tmp_path, monkeypatch):
+    from pdserve.router.kv_index import HOST as INDEX_HOST
+
+    no_space(monkeypatch)
+    bm, host, disk, caches = tiered(tmp_path, 4, 2, 16)
+    index, worker, poll = poller(bm)
+    assert poll() == "reset"
+    a = list(range(100, 116))
+    fill(bm, a)
+    fill(bm, list(range(200, 216)))  # A's blocks go to the host tier, which pushes two to disk
+    assert disk.flush(30)
+    lost = [h for h in chain(a) if not host.contains(h)]
+    assert len(lost) == 2 and disk.write_errors == 2 and len(disk) == 0
+    assert disk.files_bytes() == 0  # a failed write leaves no partial file
+    assert poll() == "events"
+    # the writer thread only queues the loss: the engine thread's next allocation reports it
+    # (before its own eviction, which pushes A's other blocks to disk: those writes fail too)
+    bm.free(bm.allocate(1))
+    ev = bm.kv_events(0, bm.epoch, 10_000, 0)
+    assert {e[1] for e in ev.events if e[0] == REMOVED and len(e) == 3} == set(lost)
+    assert all(e[2] == HOST for e in ev.events if len(e) == 3 and e[1] in lost)
+    assert poll() == "events"
+    # A's prefix matches up to its first lost block (before it, host memory holds every block)
+    held = chain(a).index(next(h for h in chain(a) if h in lost)) * BS
+    assert index.matched_by_tier(a, {worker: BS}) == {worker: (held, held)}
+    assert not any(h.to_bytes(16, "little") in index._holders for h in lost)
+    # once every write has failed and been reported, the index lists A's blocks in the host
+    # tier exactly where the tier holds them
+    assert disk.flush(30)
+    later = bm.reap_tier()
+    assert later and bm.reap_tier() == []  # each reported once
+    assert disk.write_errors == len(lost) + len(later)
+    assert poll() == "events"
+    for h in chain(a):
+        holders = index._holders.get(h.to_bytes(16, "little"), ())
+        assert ({t for _, t in holders} == {INDEX_HOST}) == host.contains(h)
+    host.close()
+
+
+def test_an_idle_engine_reports_a_lost_block_when_reaped(tmp_path, monkeypatch):
+    bm, host, disk, caches, a, want = push_to_disk(tmp_path)
+    no_space(monkeypatch)
+    b = list(range(300, 316))
+    fill(bm, b)  # more of A's and B's blocks pushed to disk: these writes fail
+    assert disk.flush(30) and disk.write_errors > 0
+    lost = bm.reap_tier()  # what the worker's engine loop calls between steps
+    assert lost and not any(host.contains(h) for h in lost)
+    ev = bm.kv_events(0, bm.epoch, 10_000, 0)
+    assert {e[1] for e in ev.events if e[0] == REMOVED and len(e) == 3} >= set(lost)
+    host.close()
+
+
+def test_a_lost_block_held_again_is_not_reported(tmp_path, monkeypatch):
+    caches = [pool(4)]
+    bb = block_bytes(caches[0])
+    disk = DiskTier(16 * (bb + 400), str(tmp_path), FP)
+    host = HostTier(2 * bb, lambda: caches, FP, disk=disk)
+    try:
+        no_space(monkeypatch)
+        h, tokens = block_hash(None, (1, 2, 3, 4)), (1, 2, 3, 4)
+        assert disk.put(h, None, tokens, [caches[0][:, :, 0].clone()], 0)[0]
+        assert disk.flush(30) and not disk.contains(h)
+        assert host.save(h, None, tokens, 0)[0]  # host memory holds it again
+        assert host.take_lost() == [] and disk.take_lost() == []
+    finally:
+        host.close()
+
+
+def test_a_workers_idle_engine_loop_reports_a_lost_block(tmp_path, monkeypatch):
+    """A worker's engine loop (worker_common/process.py engine_ticks) drains the lost blocks
+    while nothing allocates: the failed writes happen after the last allocation."""
+    import threading
+    import time
+
+    from pdserve.engine.engine_loop import EngineLoop
+    from pdserve.worker_common.process import engine_ticks
+
+    no_space(monkeypatch)
+    bm, host, disk, caches = tiered(tmp_path, 4, 2, 16)
+    gate = threading.Event()
+    real_write = disk._write
+
+    def held_write(key, header, entry):  # the writes fail only once the loop is idle
+        gate.wait(30)
+        return real_write(key, header, entry)
+
+    monkeypatch.setattr(disk, "_write", held_write)
+    a = list(range(100, 116))
+    fill(bm, a)
+    fill(bm, list(range(200, 216)))  # two of A's blocks pushed to disk, their writes held
+
+    class Engine:
+        block_manager = bm
+
+        def has_unfinished_requests(self):
+            return False
+
+    monkeypatch.setattr("pdserve.worker_common.process.REAP_TIER_PERIOD_S", 0.05)
+    loop = EngineLoop.build(Engine, name="t-reap", timeout=10)
+    try:
+        engine_ticks(loop)
+        gate.set()
+        assert disk.flush(30) and disk.write_errors == 2
+
+        def removed():
+            ev = bm.kv_events(0, bm.epoch, 10_000, 0)
+            return {e[1] for e in ev.events if e[0] == REMOVED and len(e) == 3}
+
+        lost = {h for h in chain(a) if not host.contains(h)}
+        for _ in range(600):  # the loop's next tick, at most a few turns away
+            if removed() == lost:
+                break
+            time.sleep(0.05)
+        assert len(lost) == 2 and removed() == lost
+    finally:
+        loop.stop()
+        host.close()
