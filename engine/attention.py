@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_context import get_forward_context
-from pdserve.engine.kernels import cpu_paged_decode, cpu_paged_decode_ex
+from pdserve.engine.kernels import cpu_fused, cpu_paged_decode, cpu_paged_decode_ex
 
 
 def decode_kernel(
@@ -34,6 +34,25 @@ def decode_kernel(
     if device.type == "cpu" and dtype == torch.float32 and kv_ok and head_dim % 16 == 0:
         return cpu_paged_decode()
     return None
+
+
+def _write_kv(flat: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k and v into the cache's slots: on CPU by the compiled row copy (fused_cpu.cpp kv_write_,
+    which rounds float32 into a bf16 cache as .to(bfloat16) does) where it takes the tensors,
+    else by index_copy_."""
+    fused = cpu_fused() if flat.device.type == "cpu" else None
+    for half, x in ((flat[0], k), (flat[1], v)):
+        if (
+            fused is not None
+            and (
+                x.dtype == flat.dtype or (x.dtype == torch.float32 and flat.dtype == torch.bfloat16)
+            )
+            and x.stride(-1) == 1
+            and x.stride(-2) == x.shape[-1]
+        ):
+            fused.kv_write_(half, slots, x)
+        else:
+            half.index_copy_(0, slots, x.to(flat.dtype))
 
 
 class PagedAttention(nn.Module):
@@ -68,16 +87,18 @@ class PagedAttention(nn.Module):
         cache = meta.kv_cache[self.layer_idx]  # [2, num_blocks, block_size, H, D]
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
         narrow = flat.dtype != k.dtype  # a KV cache kept narrower than the activations
-        if narrow:
+        # Only prompt chunks attended by SDPA (meta.prefills) read k and v after this; every other
+        # row reads its K/V from the cache.
+        narrow_read = narrow and bool(meta.prefills)
+        if narrow_read:
             # A prompt chunk attends its own K/V as the cache will hold them (rounded), as later
             # chunks and decodes read them: else where a prompt is cut into chunks (the step's
             # budget, what else runs in the step) would change its logits.
             k, v = k.to(flat.dtype), v.to(flat.dtype)
-        flat[0].index_copy_(0, meta.slot_mapping, k)
-        flat[1].index_copy_(0, meta.slot_mapping, v)
+        _write_kv(flat, meta.slot_mapping, k, v)
         if meta.on_layer_done is not None:  # this layer's KV is final: it may leave now
             meta.on_layer_done(self.layer_idx)
-        if narrow:
+        if narrow_read:
             k, v = k.to(q.dtype), v.to(q.dtype)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:  # a decode-only step: no output buffer to assemble

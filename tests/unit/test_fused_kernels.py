@@ -132,3 +132,48 @@ def test_silu_mul_bf16_is_torchs_silu_times_up_in_bf16(rows):
     assert steps.max().item() <= 1
     with pytest.raises(RuntimeError, match="gu"):
         fused.silu_mul_bf16(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize(
+    "src_dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (
+            torch.float32,
+            torch.bfloat16,
+        ),  # rounded as .to(bfloat16) rounds, NaN and halfway included
+    ],
+)
+def test_kv_write_is_index_copy(src_dtype, cache_dtype):
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(40, 3, 64, generator=g).to(cache_dtype)
+    want = cache.clone()
+    # a step's K rows as the layers give them: a strided view of the qkv output
+    qkv = torch.randn(9, 3 * 64 + 2 * 3 * 64, generator=g).to(src_dtype)
+    qkv[0, 200] = float("inf")
+    qkv[1, 201] = 1.0 + 2.0**-8  # halfway between two bf16 values: to even
+    qkv[2, 202] = 1.0 + 3 * 2.0**-8
+    k = qkv[:, 192:384].view(9, 3, 64)
+    assert not k.is_contiguous()
+    slots = torch.tensor([5, 0, 39, 17, 18, 19, 2, 33, 8])
+    want.index_copy_(0, slots, k.to(cache_dtype))
+    fused.kv_write_(cache, slots, k)
+    assert torch.equal(
+        cache.view(torch.int16 if cache_dtype == torch.bfloat16 else torch.int32),
+        want.view(torch.int16 if cache_dtype == torch.bfloat16 else torch.int32),
+    )
+
+
+def test_kv_write_refuses_what_it_cannot_write():
+    cache = torch.zeros(8, 2, 16)
+    rows = torch.ones(2, 2, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.kv_write_(cache, torch.tensor([1, 8]), rows)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused.kv_write_(cache, torch.tensor([-1, 0]), rows)
+    with pytest.raises(RuntimeError, match="dtype"):
+        fused.kv_write_(cache, torch.tensor([1, 2]), rows.bfloat16())  # bf16 into float32
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fused.kv_write_(cache, torch.tensor([1, 2]), torch.ones(2, 16, 2).transpose(1, 2))
+    assert torch.equal(cache, torch.zeros(8, 2, 16))  # nothing written by a refused call
