@@ -5,8 +5,10 @@
 // KV, writes a copy and reads that again, and on a 2-core machine those copies took most of a
 // decode step. This kernel follows the block table in place and reads each K and V row once.
 // One task per (sequence, kv head) keeps the G query heads of a GQA group together, so every
-// K/V row that is loaded serves all of them. paged_decode_ex adds a sliding window (no block
-// wholly before it is read) and Gemma 2's logit soft-capping.
+// K/V row that is loaded serves all of them. The rows of a prompt chunk (one block list, context
+// lengths one apart) go in tiles of up to kTile rows that share each K and V row loaded, each row
+// computed exactly as alone (attend_rows). paged_decode_ex adds a sliding window (no block wholly
+// before it is read) and Gemma 2's logit soft-capping.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -226,6 +228,107 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
     for (int i = 0; i < DV; ++i) store16(out + g * D + i * 16, acc[g][i] * inv[g]);
 }
 
+// Rows that attend together. A prompt chunk (or a decode's guesses checked together) is a run of
+// rows over one block list whose context lengths go up by one: row r sees L0 + r tokens. Run one
+// at a time, each row loads every K and V row of its context again (from L2, or from L3 and
+// memory once a long context outgrows L2), converts it from bf16 again, and computes its address
+// again. attend_rows takes up to kTile rows of a run for one kv head: each group of four K rows is
+// loaded once for all of them, and the V rows once for every RP rows. Each row's arithmetic is
+// exactly attend_head's for that row alone (the same products, summed per lane in the same order,
+// the same horizontal sums: hsum4 over the row's groups of four tokens, hsum over its last L % 4,
+// the same softmax and the same order of V updates), so a row's bits do not depend on its tile,
+// on how its prompt was cut into chunks, or on what else ran in the step.
+constexpr int64_t kTile = 8;
+
+// rows whose V updates run together in registers: their accumulators (RP * G * DV vectors) and
+// one V row (DV) within the 32 vector registers
+template <int DV, int G>
+constexpr int rows_per_pass() {
+  constexpr int r = 24 / (G * DV);
+  return r < 1 ? 1 : r > 4 ? 4 : r;
+}
+
+// The V pass of rows r0 .. r0 + RP - 1 of a tile (see attend_rows for the arguments): acc per row
+// as attend_head's, token by token from 0.
+template <typename KV, int DV, int G, int RP>
+inline void v_pass(const KV* __restrict vp, const int64_t* __restrict row, int64_t L0, int64_t r0,
+                   int64_t bs, int64_t Hkv, int64_t h, const float* __restrict scores, int64_t Ls,
+                   const float* __restrict inv, float* __restrict out, int64_t os) {
+  constexpr int64_t D = DV * 16;
+  v16 acc[RP][G][DV] = {};
+  const int64_t first = L0 + r0;   // the shortest row's length: every row sees t < first
+  for (int64_t t = 0; t < first + RP - 1; ++t) {
+    const KV* v = vp + ((row[t / bs] * bs + t % bs) * Hkv + h) * D;
+    v16 vv[DV];
+    for (int i = 0; i < DV; ++i) vv[i] = load16(v + i * 16);
+    for (int j = 0; j < RP; ++j) {
+      if (t >= first + j) continue;   // row r0 + j sees first + j tokens
+      const float* s = scores + (r0 + j) * G * Ls + t;
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g * Ls];
+        for (int i = 0; i < DV; ++i) acc[j][g][i] += p * vv[i];
+      }
+    }
+  }
+  for (int j = 0; j < RP; ++j)
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < DV; ++i)
+        store16(out + (r0 + j) * os + g * D + i * 16, acc[j][g][i] * inv[(r0 + j) * G + g]);
+}
+
+// Rows 0 .. R-1 (R <= kTile) of a run, kv head h with its G query heads: row r's queries at
+// q + r * os, its context L0 + r tokens of the block list `row`, its output at out + r * os.
+// scores: R * G * Ls floats (Ls >= L0 + R - 1), row r's head g at (r * G + g) * Ls.
+template <typename KV, int DV, int G>
+void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
+                 const int64_t* __restrict row, int64_t L0, int64_t R, int64_t bs, int64_t Hkv,
+                 int64_t h, float sc, float* __restrict scores, int64_t Ls,
+                 float* __restrict out, int64_t os) {
+  constexpr int64_t D = DV * 16;
+  const int64_t Lmax = L0 + R - 1;
+  for (int64_t t = 0; t < Lmax; t += 4) {
+    const int64_t nt = std::min<int64_t>(4, Lmax - t);
+    v16 k[4][DV];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t tu = t + (u < nt ? u : 0);   // (a row past the end is never used)
+      const KV* kr = kp + ((row[tu / bs] * bs + tu % bs) * Hkv + h) * D;
+      for (int i = 0; i < DV; ++i) k[u][i] = load16(kr + i * 16);
+    }
+    for (int64_t r = std::max<int64_t>(0, t + 1 - L0); r < R; ++r) {   // the rows that see t
+      const int64_t L = L0 + r;
+      const float* qr = q + r * os;
+      float* s = scores + r * G * Ls + t;
+      if (t + 4 <= L) {   // attend_head's groups of four
+        for (int g = 0; g < G; ++g) {
+          v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+          for (int i = 0; i < DV; ++i) {
+            const v16 qv = load16(qr + g * D + i * 16);
+            a0 += qv * k[0][i];
+            a1 += qv * k[1][i];
+            a2 += qv * k[2][i];
+            a3 += qv * k[3][i];
+          }
+          hsum4(a0, a1, a2, a3, s + g * Ls, sc);
+        }
+      } else {   // its last L % 4 tokens, one at a time
+        for (int64_t u = 0; u < L - t; ++u)
+          for (int g = 0; g < G; ++g) {
+            v16 a = {};
+            for (int i = 0; i < DV; ++i) a += load16(qr + g * D + i * 16) * k[u][i];
+            s[g * Ls + u] = hsum(a) * sc;
+          }
+      }
+    }
+  }
+  float inv[kTile * G];
+  for (int64_t r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) inv[r * G + g] = 1.f / exp_shifted(scores + (r * G + g) * Ls, L0 + r);
+  constexpr int RP = rows_per_pass<DV, G>();
+  int64_t r = 0;
+  for (; r + RP <= R; r += RP) v_pass<KV, DV, G, RP>(vp, row, L0, r, bs, Hkv, h, scores, Ls, inv, out, os);
+  for (; r < R; ++r) v_pass<KV, DV, G, 1>(vp, row, L0, r, bs, Hkv, h, scores, Ls, inv, out, os);
+}
+
 // One task: kv heads [h0, h1) of one sequence, each with its G query heads, against its L context
 // tokens. A whole sequence per task (the usual case) streams each token's K and V rows of all
 // heads once, contiguously; splitting by head is only for batches smaller than the thread count.
@@ -304,6 +407,55 @@ HeadFn<KV> fast_kernel(int64_t D, int64_t G) {
 }
 
 template <typename KV>
+using RowsFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float, float*, int64_t, float*, int64_t);
+
+// attend_rows for the shapes attend_head has (fast_kernel), else nullptr
+template <typename KV, int DV>
+RowsFn<KV> rows_for_group(int64_t G) {
+  switch (G) {
+    case 1: return attend_rows<KV, DV, 1>;
+    case 2: return attend_rows<KV, DV, 2>;
+    case 3: return attend_rows<KV, DV, 3>;
+    case 4: return attend_rows<KV, DV, 4>;
+    case 8: return attend_rows<KV, DV, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename KV>
+RowsFn<KV> rows_kernel(int64_t D, int64_t G) {
+  switch (D) {
+    case 16: return rows_for_group<KV, 1>(G);
+    case 32: return rows_for_group<KV, 2>(G);
+    case 64: return rows_for_group<KV, 4>(G);
+    case 128: return rows_for_group<KV, 8>(G);
+    default: return nullptr;
+  }
+}
+
+// Cuts the N rows into tasks' tiles: up to kTile consecutive rows of one run (row n + 1 sees one
+// token more than row n, over the same blocks as far as row n reads) when `tiled`, else one row
+// each. Returns (first row, rows) per tile.
+inline std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* bt, const int64_t* cl,
+                                                         int64_t N, int64_t max_blocks, int64_t bs,
+                                                         bool tiled) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  tiles.reserve(N);
+  for (int64_t n = 0; n < N;) {
+    int64_t r = 1;
+    while (tiled && r < kTile && n + r < N && cl[n + r] == cl[n + r - 1] + 1 &&
+           std::equal(bt + (n + r - 1) * max_blocks,
+                      bt + (n + r - 1) * max_blocks + (cl[n + r - 1] + bs - 1) / bs,
+                      bt + (n + r) * max_blocks))
+      ++r;
+    tiles.emplace_back(n, r);
+    n += r;
+  }
+  return tiles;
+}
+
+template <typename KV>
 void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor& block_tables,
          const int64_t* cl, torch::Tensor& out, int64_t N, int64_t Hq, int64_t D, int64_t bs,
          int64_t Hkv, double scale, int64_t window, double cap) {
@@ -314,18 +466,33 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
   const float sc = static_cast<float>(scale), fcap = static_cast<float>(cap);
   const int64_t max_len = max_blocks * bs;
   const HeadFn<KV> fast = fast_kernel<KV>(D, G);
+  // runs of rows attend in tiles (attend_rows) where nothing is windowed or capped
+  const RowsFn<KV> rows = window == 0 && cap == 0.0 ? rows_kernel<KV>(D, G) : nullptr;
+  const auto tiles = tiles_of(bt, cl, N, max_blocks, bs, rows != nullptr);
+  const int64_t T = static_cast<int64_t>(tiles.size());
 
-  // a task per sequence when there are enough of them to keep every thread busy
-  const int64_t split = N >= at::get_num_threads() ? 1 : Hkv;
+  // a task per tile (a sequence, or a run's rows) when there are enough of them to keep every
+  // thread busy, else per kv head too
+  const int64_t split = T >= at::get_num_threads() ? 1 : Hkv;
   const int64_t hpt = Hkv / split;   // kv heads per task
-  at::parallel_for(0, N * split, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> scores(hpt * G * max_len), acc(hpt * G * D);
+  const auto* tp = tiles.data();
+  at::parallel_for(0, T * split, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> scores(std::max(hpt, rows != nullptr ? kTile : 0) * G * max_len),
+        acc(hpt * G * D);
     for (int64_t task = begin; task < end; ++task) {
-      // rows from both ends in turn: a prompt chunk's rows attend to ever longer contexts, and
+      // tiles from both ends in turn: a prompt chunk's rows attend to ever longer contexts, and
       // parallel_for hands each thread a contiguous range of tasks, so in row order the last
-      // thread would get the longest rows; row i and row N-1-i together cost the same for every i
+      // thread would get the longest rows; tile i and tile T-1-i together cost about the same
       const int64_t t = task / split;
-      const int64_t n = (t % 2 == 0) ? t / 2 : N - 1 - t / 2, h0 = (task % split) * hpt;
+      const auto [n, R] = tp[(t % 2 == 0) ? t / 2 : T - 1 - t / 2];
+      const int64_t h0 = (task % split) * hpt;
+      if (R > 1) {   // (rows != nullptr: no window, no cap)
+        const int64_t* row = bt + (n + R - 1) * max_blocks;   // the longest row's list
+        for (int64_t h = h0; h < h0 + hpt; ++h)
+          rows(qp + (n * Hq + h * G) * D, kp, vp, row, cl[n], R, bs, Hkv, h, sc, scores.data(),
+               max_len, op + (n * Hq + h * G) * D, Hq * D);
+        continue;
+      }
       // A sliding window: the query (position cl - 1) sees positions cl - window .. cl - 1
       // only. Blocks wholly before the window are never read (they may already hold another
       // sequence's KV); the window's first block is read from its start, its positions before

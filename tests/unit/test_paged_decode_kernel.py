@@ -90,3 +90,50 @@ def test_kernel_rejects_bad_inputs():
         kernel(q.double(), kv, tables, torch.tensor([5, 3]), 0.1)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel(torch.randn(2, 4, 8), torch.randn(2, 8, 16, 2, 8), tables, torch.tensor([5, 3]), 0.1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hkv,group,d,bs,first,rows",
+    [
+        (3, 3, 64, 16, 1, 37),  # SmolLM2: a prompt chunk from its first token
+        (3, 3, 64, 16, 200, 21),  # a chunk after a cached prefix
+        (1, 4, 128, 4, 3, 9),
+        (2, 8, 128, 16, 5, 8),
+        (4, 1, 64, 8, 1, 64),
+        (2, 2, 16, 16, 30, 5),
+    ],
+)
+def test_rows_of_a_chunk_get_the_bits_they_get_alone(
+    threads, kv_dtype, hkv, group, d, bs, first, rows
+):
+    """A prompt chunk's rows (one block list, context lengths one apart) attend together in
+    tiles; each row's result must be the one it gets alone, bit for bit (batch invariance: a
+    prompt's logits do not depend on how it was cut into chunks or what shared its step). Rows
+    of other sequences in the same call keep theirs too."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(first * 7 + rows)
+        width = (first + rows + bs - 1) // bs + 1
+        layer_kv = torch.randn(2, 2 * width + 4, bs, hkv, d, generator=g).to(kv_dtype)
+        blocks = torch.randperm(2 * width + 4, generator=g)[:width]
+        other = torch.randperm(2 * width + 4, generator=g)[:width]
+        # a decode row of another sequence, the chunk's rows, another decode row
+        tables = torch.stack([other] + [blocks] * rows + [other])
+        lens = torch.cat([torch.tensor([7]), torch.arange(first, first + rows), torch.tensor([3])])
+        q = torch.randn(rows + 2, hkv * group, d, generator=g)
+        got = kernel(q, layer_kv, tables, lens, d**-0.5)
+        alone = torch.cat(
+            [
+                kernel(q[i : i + 1], layer_kv, tables[i : i + 1], lens[i : i + 1], d**-0.5)
+                for i in range(rows + 2)
+            ]
+        )
+        assert torch.equal(got, alone)
+        torch.testing.assert_close(
+            got, reference(q, layer_kv.float(), tables, lens, d**-0.5), rtol=1e-5, atol=1e-5
+        )
+    finally:
+        torch.set_num_threads(old)
