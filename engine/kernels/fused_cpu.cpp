@@ -328,6 +328,68 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 
+// The indices of each row's k largest values, in no particular order (torch.topk(k, sorted=False)'s
+// set; of equal values the earlier index is kept, and a NaN is never chosen). The screened LM head
+// (engine/layers/quant.py) takes a few candidates per row out of the whole vocabulary: a scan that
+// compares 16 values at a time with the row's k-th best so far, and looks closer only where one
+// beats it (after the first few hundred values, seldom), instead of torch's selection over a copy
+// of each row.
+torch::Tensor topk_rows(torch::Tensor x, int64_t k) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), V = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(k >= 1 && k <= 64 && k <= V, "topk_rows: k in [1, min(64, row width)] expected, got ", k);
+  auto out = torch::empty({R, k}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 8, [&](int64_t a, int64_t b) {
+    float bv[64];
+    int64_t bi[64];
+    for (int64_t r = a; r < b; ++r) {
+      const float* p = xp + r * xs;
+      int n = 0;         // candidates held (< k only until k non-NaN values were seen)
+      int low = 0;       // the held candidate that goes first: the smallest, the later of equals
+      float thr = -INFINITY;
+      auto offer = [&](int64_t i) {
+        const float v = p[i];
+        if (!(v > thr) && n == k) return;   // (NaN: never)
+        if (v != v) return;
+        if (n < k) {
+          bv[n] = v;
+          bi[n] = i;
+          ++n;
+        } else {
+          bv[low] = v;
+          bi[low] = i;
+        }
+        if (n < k) return;   // thr stays -inf: every value is taken until k are held
+        low = 0;
+        for (int j = 1; j < k; ++j)
+          if (bv[j] < bv[low] || (bv[j] == bv[low] && bi[j] > bi[low])) low = j;
+        thr = bv[low];
+      };
+      int64_t i = 0;
+      for (; i < V && n < k; ++i) offer(i);   // the first k values (NaNs skipped)
+#ifdef __AVX512F__
+      for (; i + 64 <= V; i += 64) {
+        const __m512 t = _mm512_set1_ps(thr);
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i), t, _CMP_GT_OQ) |
+                              _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i + 16), t, _CMP_GT_OQ) |
+                              _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i + 32), t, _CMP_GT_OQ) |
+                              _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i + 48), t, _CMP_GT_OQ);
+        if (hit)
+          for (int64_t j = i; j < i + 64; ++j) offer(j);
+      }
+#endif
+      for (; i < V; ++i) offer(i);
+      for (int j = 0; j < n; ++j) op[r * k + j] = bi[j];
+      // a row of fewer than k non-NaN values: its NaNs' indices fill the rest, in order
+      for (int64_t q = 0; n < k && q < V; ++q)
+        if (p[q] != p[q]) op[r * k + n++] = q;
+    }
+  });
+  return out;
+}
+
 // ---- 4-bit weight blocks in oneDNN's bf16 arithmetic (engine/layers/quant.py, Q4Blocks) ----
 //
 // A weight that a GGUF file stored as Q4_0 or Q4_1 is, once dequantized, exactly d * q + m per
@@ -810,6 +872,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear);
   m.def("silu_mul_bf16", &silu_mul_bf16);
   m.def("kv_write_", &kv_write_);
+  m.def("topk_rows", &topk_rows);
   m.def("q4_blocks", &q4_blocks);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, py::capsule>())

@@ -370,7 +370,8 @@ class ScreenedHead:
         y = self.screen.matmul(x2d).float()
         k = min(HEAD_RESCORE, y.shape[1])
         if y.shape[0] and k:
-            top = y.topk(k, dim=1, sorted=False).indices
+            fused = fused_for(y)  # (fused_cpu.cpp topk_rows: one compare pass over each row)
+            top = fused.topk_rows(y, k) if fused is not None else y.topk(k, 1, sorted=False).indices
             exact = torch.einsum("rk,rmk->rm", x2d.float(), self.weight[top])
             y.scatter_(1, top, exact)
         return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)

@@ -177,3 +177,28 @@ def test_kv_write_refuses_what_it_cannot_write():
     with pytest.raises(RuntimeError, match="contiguous"):
         fused.kv_write_(cache, torch.tensor([1, 2]), torch.ones(2, 16, 2).transpose(1, 2))
     assert torch.equal(cache, torch.zeros(8, 2, 16))  # nothing written by a refused call
+
+
+@pytest.mark.parametrize("rows,width,k", [(32, 49152, 8), (3, 100, 8), (2, 17, 17), (4, 1000, 1)])
+def test_topk_rows_is_torchs_topk_set(rows, width, k):
+    y = torch.randn(rows, width, generator=torch.Generator().manual_seed(width))
+    got = fused.topk_rows(y, k)
+    want = y.topk(k, dim=1, sorted=False).indices
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+
+
+def test_topk_rows_ties_and_nans():
+    y = torch.zeros(2, 200)
+    y[0, 150] = 5.0
+    y[0, 3] = float("nan")
+    y[1, :] = float("nan")
+    y[1, 7] = 1.0
+    got = fused.topk_rows(y, 4)
+    # equal values: the earliest indices; a NaN is never a candidate while numbers remain
+    assert sorted(got[0].tolist()) == [0, 1, 2, 150]
+    # fewer numbers than k: the NaNs' indices fill the rest, in order
+    assert sorted(got[1].tolist()) == [0, 1, 2, 7]
+    with pytest.raises(RuntimeError, match="k in"):
+        fused.topk_rows(y, 0)
+    with pytest.raises(RuntimeError, match="k in"):
+        fused.topk_rows(torch.zeros(1, 5), 6)
