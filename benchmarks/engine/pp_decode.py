@@ -82,8 +82,9 @@ def measure(
     )
     try:
         eng = llm.engine
-        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        llm.generate(random_prompts(SEED_WARMUP, 2, 32), warm, use_tqdm=False)
+        # a warm-up of two streams, prompts of the measured length (within max_model_len)
+        warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        llm.generate(random_prompts(SEED_WARMUP, 2, prompt_len), warm, use_tqdm=False)
         ranks = [os.getpid()] + [p.pid for p in (eng.tp.procs if eng.tp else [])]
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         runs = []
