@@ -118,10 +118,21 @@ inline void axpy(float* __restrict acc, float p, const KV* __restrict v, int64_t
 
 // s[t] = exp(s[t] - max(s)) in place for t < L; returns their sum (a softmax before the division)
 inline float exp_shifted(float* s, int64_t L) {
+  // The maximum in 16 lanes, then across them (one max after another was a chain of L
+  // dependent instructions: a sixth of a prompt chunk's attention). A maximum is exact in any
+  // order; only a zero's sign may differ, which no s[t] - m below can tell.
   float m = s[0];
-  for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+  int64_t t = 1;
+#ifdef __AVX512F__
+  if (L >= 17) {
+    __m512 vm = _mm512_loadu_ps(s + 1);
+    for (t = 17; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+    m = std::max(m, _mm512_reduce_max_ps(vm));
+  }
+#endif
+  for (; t < L; ++t) m = std::max(m, s[t]);
   float sum = 0.f;
-  int64_t t = 0;
+  t = 0;
 #ifdef __AVX512F__
   // glibc's vector expf (libmvec), 16 lanes a call; scalar expf was a third of the kernel.
   // Called by name: its declarations need -ffast-math, which would also flip flush-to-zero
