@@ -173,6 +173,13 @@ inline void prefetch_span(const KV* p, int64_t n, int hint) {
   }
 }
 
+// The cache row of token t of a sequence whose blocks are `row`: block sizes are powers of two
+// (engine/config.py; checked by paged_decode_ex), so a shift and a mask, not a division per token.
+inline int64_t slot_of(const int64_t* __restrict row, int64_t t, int64_t bs) {
+  const int sh = __builtin_ctzll(static_cast<unsigned long long>(bs));
+  return (row[t >> sh] << sh) + (t & (bs - 1));
+}
+
 constexpr int64_t PF = 8;   // tokens ahead that K rows are prefetched (4 to 32 measured the same)
 
 // One kv head of one sequence with its G query heads, for the common shapes (DV = D / 16 vectors
@@ -188,7 +195,7 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
                  float sc, int64_t skip, float cap, float* __restrict scores,
                  float* __restrict out) {
   constexpr int64_t D = DV * 16;
-  auto at = [&](const KV* base, int64_t t) { return base + ((row[t / bs] * bs + t % bs) * Hkv + h) * D; };
+  auto at = [&](const KV* base, int64_t t) { return base + (slot_of(row, t, bs) * Hkv + h) * D; };
   v16 qr[G][DV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < DV; ++i) qr[g][i] = load16(q + g * D + i * 16);
@@ -269,7 +276,7 @@ inline void v_pass(const KV* __restrict vp, const int64_t* __restrict row, int64
   v16 acc[RP][G][DV] = {};
   const int64_t first = L0 + r0;   // the shortest row's length: every row sees t < first
   for (int64_t t = 0; t < first + RP - 1; ++t) {
-    const KV* v = vp + ((row[t / bs] * bs + t % bs) * Hkv + h) * D;
+    const KV* v = vp + (slot_of(row, t, bs) * Hkv + h) * D;
     v16 vv[DV];
     for (int i = 0; i < DV; ++i) vv[i] = load16(v + i * 16);
     for (int j = 0; j < RP; ++j) {
@@ -302,7 +309,7 @@ void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* _
     v16 k[4][DV];
     for (int u = 0; u < 4; ++u) {
       const int64_t tu = t + (u < nt ? u : 0);   // (a row past the end is never used)
-      const KV* kr = kp + ((row[tu / bs] * bs + tu % bs) * Hkv + h) * D;
+      const KV* kr = kp + (slot_of(row, tu, bs) * Hkv + h) * D;
       for (int i = 0; i < DV; ++i) k[u][i] = load16(kr + i * 16);
     }
     for (int64_t r = std::max<int64_t>(0, t + 1 - L0); r < R; ++r) {   // the rows that see t
@@ -356,7 +363,7 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
   // shuffles four separate horizontal sums take
   for (; t + 4 <= L; t += 4) {
     const KV* k[4];
-    for (int u = 0; u < 4; ++u) k[u] = kp + ((row[(t + u) / bs] * bs + (t + u) % bs) * Hkv + h0) * D;
+    for (int u = 0; u < 4; ++u) k[u] = kp + (slot_of(row, t + u, bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) {
       const float* qj = q + j * D;
       const int64_t off = (j / G) * D;
@@ -372,7 +379,7 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
     }
   }
   for (; t < L; ++t) {
-    const KV* k = kp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
+    const KV* k = kp + (slot_of(row, t, bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) scores[j * L + t] = dot(q + j * D, k + (j / G) * D, D) * sc;
   }
   cap_and_skip(scores, nh, L, skip, cap);
@@ -383,7 +390,7 @@ void attend(const float* __restrict q, const KV* __restrict kp, const KV* __rest
   }
   std::fill(acc, acc + nh * D, 0.f);
   for (int64_t t = skip; t < L; ++t) {   // (skipped tokens' V rows are not read)
-    const KV* v = vp + ((row[t / bs] * bs + t % bs) * Hkv + h0) * D;
+    const KV* v = vp + (slot_of(row, t, bs) * Hkv + h0) * D;
     for (int64_t j = 0; j < nh; ++j) axpy(acc + j * D, scores[j * L + t], v + (j / G) * D, D);
   }
   std::copy(acc, acc + nh * D, out);
@@ -541,6 +548,7 @@ torch::Tensor paged_decode_ex(torch::Tensor q, torch::Tensor layer_kv, torch::Te
   const int64_t num_blocks = layer_kv.size(1), bs = layer_kv.size(2), Hkv = layer_kv.size(3);
   TORCH_CHECK(layer_kv.size(4) == D && Hq % Hkv == 0, "paged_decode: head shapes do not match");
   TORCH_CHECK(D % 16 == 0, "paged_decode: head_dim must be a multiple of 16");
+  TORCH_CHECK(bs >= 1 && (bs & (bs - 1)) == 0, "paged_decode: block_size must be a power of two");
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)

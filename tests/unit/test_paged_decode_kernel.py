@@ -88,6 +88,8 @@ def test_kernel_rejects_bad_inputs():
         kernel(q, kv, tables, torch.tensor([5, 33]), 0.1)
     with pytest.raises(RuntimeError, match="float32"):
         kernel(q.double(), kv, tables, torch.tensor([5, 3]), 0.1)
+    with pytest.raises(RuntimeError, match="power of two"):  # (slots by shift and mask)
+        kernel(q, torch.randn(2, 8, 12, 2, 64), tables, torch.tensor([5, 3]), 0.1)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernel(torch.randn(2, 4, 8), torch.randn(2, 8, 16, 2, 8), tables, torch.tensor([5, 3]), 0.1)
 
