@@ -11,7 +11,7 @@ import stat
 import pytest
 import torch
 
-from helpers.blocks import chain, fill
+from helpers.blocks import chain, fill, poller
 from helpers.stats_workers import exported
 from pdserve.engine import kv_disk_tier
 from pdserve.engine.block_manager import HOST, REMOVED, STORED, BlockManager, block_hash
@@ -357,25 +357,6 @@ def test_dropped_refused_and_failed_writes_reach_the_router(tmp_path, monkeypatc
     assert got[("pdserve:kv_disk_tier_dropped_blocks_total", None)] == 1
     assert got[("pdserve:kv_disk_tier_refused_blocks_total", None)] == 1
     assert got[("pdserve:kv_disk_tier_write_errors_total", None)] == 1
-
-
-def poller(bm: BlockManager):
-    """The router's block index fed from `bm`'s KV events as the pool's Stats polls feed it:
-    (the index, the worker's key in it, a poll that applies the next answer)."""
-    from pdserve.protos.pdserve.v1 import worker_pb2
-    from pdserve.router.kv_index import KVIndex
-    from pdserve.worker_common import kv_events as wire
-
-    index, worker = KVIndex(), object()
-
-    def poll():
-        epoch, after = index.position(worker)
-        request = worker_pb2.StatsRequest(
-            want_kv_events=True, kv_events_epoch=epoch, kv_events_after=after
-        )
-        return index.apply(worker, (epoch, after), wire.kv_events(bm, request))
-
-    return index, worker, poll
 
 
 def test_a_failed_write_is_reported_removed_and_leaves_the_router_index(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.blocks import chain, fill
+from helpers.blocks import chain, fill, poller
 from helpers.stats_workers import EngineWorker, exported
 from pdserve.engine.block_manager import (
     HOST,
@@ -18,7 +18,7 @@ from pdserve.engine.block_manager import (
 )
 from pdserve.engine.kv_host_tier import HostTier, fingerprint
 from pdserve.protos.pdserve.v1 import worker_pb2
-from pdserve.router.kv_index import DEVICE, HOST as INDEX_HOST, KVIndex, chain_hashes
+from pdserve.router.kv_index import DEVICE, HOST as INDEX_HOST, chain_hashes
 from pdserve.worker_common import kv_events as wire
 
 BS = 4
@@ -256,14 +256,7 @@ def test_events_say_which_tier_and_the_wire_keeps_it():
 
 def test_the_index_keeps_the_tier_and_matches_host_blocks():
     bm, tier, _ = tiered(4, cap_blocks=8)
-    index, worker = KVIndex(), object()
-
-    def poll():
-        epoch, after = index.position(worker)
-        request = worker_pb2.StatsRequest(
-            want_kv_events=True, kv_events_epoch=epoch, kv_events_after=after
-        )
-        return index.apply(worker, (epoch, after), wire.kv_events(bm, request))
+    index, worker, poll = poller(bm)
 
     tokens = list(range(200, 216))  # four blocks
     assert poll() == "reset"
