@@ -33,7 +33,7 @@ prompt's KV handed off layer by layer, each later stage pushing its own: engine/
 `ttft_s` is from the Reserve to the Prefill's reply (first token sampled, every frame flushed),
 `prefill_s` the prefill worker's own span of it (its arrival to its transfer end).
 
-Writes benchmarks/results/pp_prefill.json (--out): the header (command, date, commit, CPU model,
+Writes benchmarks/results/pp_prefill.json (--out; with --handoff pp_prefill_handoff.json): the header (command, date, commit, CPU model,
 count and ISA flags) and one entry per layout and length.
 """
 
@@ -295,6 +295,8 @@ def main(argv=None) -> int:
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
     args = ap.parse_args(argv)
+    if args.handoff and args.out == ap.get_default("out"):  # (the engine-only figures stay)
+        args.out = args.out.replace("pp_prefill.json", "pp_prefill_handoff.json")
     lengths = [int(x) for x in args.lengths.split(",")]
     layouts = args.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]
