@@ -339,8 +339,10 @@ class LLMEngine:
             # the push reports already in reach their sinks; the rest need not be waited for:
             # the hand-off is aborted (its sink sends the abort frame), and a later stage pushes
             # a step's KV before it runs the next one, so the blocks freed here may be reused by
-            # the next step on every rank (engine/tp.py)
-            self.tp.harvest_reports(wait=False)
+            # the next step on every rank (engine/tp.py); a gather that failed (a rank died)
+            # fails the next step instead, which breaks the engine (engine_loop.py)
+            with contextlib.suppress(RuntimeError):
+                self.tp.harvest_reports(wait=False)
         for seq in req.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         return True
