@@ -83,6 +83,15 @@ class _Request:
         return all(s.is_finished for s in self.seqs)
 
 
+def _samples_a_sink(plan: StepPlan, sinks) -> bool:
+    """Whether this step samples (ends the prompt of) a request with a kv_sink: one whose
+    hand-off follows the step."""
+    if sinks is None:
+        return False
+    ids = {req.request_id for req, _, _ in sinks.pubs}
+    return any(item.samples and item.seq.request_id in ids for item in plan.scheduled)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig
@@ -326,6 +335,14 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        if self.tp is not None and self.tp.reports_pending:
+            # the push reports already in reach their sinks; the rest need not be waited for:
+            # the hand-off is aborted (its sink sends the abort frame), and a later stage pushes
+            # a step's KV before it runs the next one, so the blocks freed here may be reused by
+            # the next step on every rank (engine/tp.py); a gather that failed (a rank died)
+            # fails the next step instead, which breaks the engine (engine_loop.py)
+            with contextlib.suppress(RuntimeError):
+                self.tp.harvest_reports(wait=False)
         for seq in req.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         return True
@@ -520,8 +537,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         if self.tp is not None and self.tp.pipelined:
             # the later pipeline stages' backlog of earlier steps, not timed as this one's
-            # (engine/tp.py TPGroup.wait_ahead)
+            # (engine/tp.py TPGroup.wait_ahead), and the push reports they sent meanwhile
             self.tp.wait_ahead()
+            self.tp.harvest_reports(wait=False)
         done, self._undelivered = self._undelivered, []
         plan = self.scheduler.schedule()  # (the speculator sets the guess budgets first)
         if plan.is_empty:
@@ -548,7 +566,10 @@ class LLMEngine:
         """Every rank runs `inp`; this one also masks the grammar rows (one mask per step) and
         hands each layer's KV to the prefill-only requests' sinks as it is written. Under
         pipeline stages the later stages' ranks push their own layers (inp.kv_pushes says
-        what) and report to the sinks once the step is over (engine/kv_publish.py)."""
+        what) and report to the sinks (engine/kv_publish.py): rank 0 does not wait for those
+        reports after a chunk that samples nothing, only after a step that samples a request
+        with a sink, since that request's output (its commit) and the freeing of its KV follow
+        this step; then every report still pending reaches its sink first (engine/tp.py)."""
         lag = self.config.tensor_parallel_size > 1  # (engine/kv_publish.py: why it lags a layer)
         sinks = layer_publisher(plan, self._requests, self.runner.kv_cache, lag)
         staged = sinks is not None and self.config.pipeline_parallel_size > 1
@@ -561,8 +582,12 @@ class LLMEngine:
         if sinks is not None:
             sinks.finish()
         if staged:
-            reports = self.tp.push_reports(len(inp.kv_pushes))
-            sinks.stage_reports(reports, self.tp.stage_of_rank(self.config))
+            stage_of_rank = self.tp.stage_of_rank(self.config)
+            self.tp.gather_reports(
+                len(inp.kv_pushes), lambda reports: sinks.stage_reports(reports, stage_of_rank)
+            )
+        if self.tp is not None and self.tp.reports_pending and _samples_a_sink(plan, sinks):
+            self.tp.harvest_reports(wait=True)
         return out
 
     def _keep_prompt_logprobs(self, plan: StepPlan, out: StepOutput) -> None:

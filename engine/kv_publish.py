@@ -20,10 +20,11 @@ What those ranks need travels with the step's ModelInput (`stage_pushes`: each r
 the sender itself comes from the engine's `kv_stage_sender` (a prefill worker's, picklable, so
 it reaches ranks on other hosts), whose `channels()` opens, caches and closes the ranks' own KV
 channels. After the step each pushing rank flushes its frames (handed to the decode side) and
-reports what it sent, or that it failed, to rank 0 (`report_rows`, gathered by engine/tp.py);
-rank 0 hands the reports to the sinks (`kv_sink.on_stage_report`), so the request's commit
-follows every stage's KV, and a stage that could not push fails its request. No rank reads
-another stage's pool.
+reports what it sent, or that it failed, to rank 0 (`report_rows`, gathered by engine/tp.py
+without rank 0 waiting for it after a chunk that samples nothing); rank 0 hands the reports to
+the sinks (`kv_sink.on_stage_report`) at the latest at the end of the step that samples the
+request, before its output leaves the engine, so the request's commit follows every stage's KV,
+and a stage that could not push fails its request. No rank reads another stage's pool.
 """
 
 from __future__ import annotations

@@ -594,10 +594,11 @@ def _pooled(inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int]) -> 
 
 def _wants_final(inp: ModelInput) -> bool:
     """Whether the first pipeline stage needs a step's final hidden states, and so waits for the
-    later stages: a sequence samples, wants prompt logprobs or pools, or the step hands KV off
-    (its push reports are gathered after it). Every rank judges the same ModelInput, so the last
-    stage sends them back exactly when the first waits for them."""
-    return bool(inp.kv_pushes) or any(s.samples or s.prompt_targets or s.pooling for s in inp.seqs)
+    later stages: a sequence samples, wants prompt logprobs or pools. A step that hands KV off
+    does not by itself: the later stages' push reports are gathered without waiting
+    (engine/tp.py). Every rank judges the same ModelInput, so the last stage sends them back
+    exactly when the first waits for them."""
+    return any(s.samples or s.prompt_targets or s.pooling for s in inp.seqs)
 
 
 def _decodes(s: SeqInput) -> bool:

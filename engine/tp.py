@@ -9,9 +9,27 @@ the first stage, gathers logits there. Under pipeline stages rank 0 does not wai
 broadcast to be taken (`TPGroup.broadcast`): a later stage may still be computing an earlier step
 whose final hidden states rank 0 does not need (model_runner.py `_hand_on`), and it takes the next
 step's input when it gets there; rank 0 runs at most PP_STEPS_AHEAD steps ahead (`wait_ahead`,
-called by the engine before it times a step). A step that hands prefill KV off under pipeline stages
-(ModelInput.kv_pushes) ends with one more collective: every rank's push report gathered on rank 0
-(`TPGroup.push_reports`; the later stages' ranks push their own layers, engine/kv_publish.py).
+called by the engine before it times a step).
+
+A step that hands prefill KV off under pipeline stages (ModelInput.kv_pushes) ends with one more
+collective: the later stages' ranks push their own layers (engine/kv_publish.py) and their push
+reports are gathered on rank 0 (`TPGroup.gather_reports`). Rank 0 does not wait for that gather:
+it would wait for the last stage to finish the step, and a prefill worker's long prompt would pay
+the pipeline's bubble on every chunk. It issues the gather asynchronously and hands the reports to
+the step's sinks later (`harvest_reports`): those done at the start of each step, all of them when
+a step samples a hand-off request (before its output, hence its commit, leaves the engine, and
+before its KV is freed), and all of them on shutdown; at most PP_STEPS_AHEAD + 1 are pending
+(MAX_PENDING_REPORTS). The gathers run on a gloo group of their own (rank 0 and the later stages'
+ranks, `reports` from `_init`), so the collective order on each group is the same on every rank
+trivially: the control group carries only step broadcasts, in step order; the reports group only
+gathers, in step order (a follower gathers right after its step, rank 0 issues the gather right
+after its part of the same step). Neither can deadlock the other: a gloo group runs its
+asynchronous works on threads of its own, rank 0 waits on a gather only once every collective
+and activation send of that step and of every step before it has been issued, and a follower
+reaches that gather after running exactly those steps. (On one shared group the gather would also
+take one of that group's two gloo worker threads, and a first-stage TP rank could not take the
+next step's broadcast before the last stage finished its gather.) The first stage's followers,
+which push nothing, take no part.
 
 On CUDA the weights' collectives run over NCCL, one GPU per rank. NCCL cannot put two ranks on
 one GPU, so a machine with a single GPU can still run the TP code on CUDA tensors with
@@ -34,6 +52,8 @@ import dataclasses
 import datetime
 import os
 import socket
+from collections import deque
+from collections.abc import Callable
 
 import msgpack
 import torch
@@ -71,6 +91,9 @@ def world_size(config: EngineConfig) -> int:
 
 
 def _init(config: EngineConfig, rank: int, host: str, port: int):
+    """Joins the engine's process group; returns (control, reports): the gloo group of the step
+    broadcasts, and under pipeline stages the gloo group of the push reports' gathers (rank 0 and
+    the later stages' ranks; every rank creates it, members or not), else None."""
     backend = _backend(config)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
@@ -88,14 +111,15 @@ def _init(config: EngineConfig, rank: int, host: str, port: int):
     control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     if pp == 1:
         set_tp_state(rank, tp, dist.group.WORLD)
-        return control
+        return control, None
     stage_groups = [  # every rank creates every group, in the same order
         dist.new_group(ranks=list(range(s * tp, (s + 1) * tp))) if tp > 1 else None
         for s in range(pp)
     ]
+    reports = dist.new_group(ranks=[0, *range(tp, tp * pp)], backend="gloo")
     stage = rank // tp
     set_tp_state(rank % tp, tp, stage_groups[stage], pp_rank=stage, pp_size=pp, world=control)
-    return control
+    return control, reports
 
 
 # SeqInput's fields in its order: every one travels, so a field added there reaches the ranks
@@ -163,22 +187,24 @@ def follower_main(
     follower's process."""
     from pdserve.engine.precision import start_runner
 
-    group = _init(config, rank, host, port)
+    group, reports = _init(config, rank, host, port)
     runner = start_runner(config, model_config, model_dir, kv_cache_path)
     dist.barrier(group=group)  # see TPGroup.ready
     pusher = _stage_pusher(config, model_config)
+    later_stage = current_tp_state().pp_rank > 0
     try:
         while True:
             inp = _decode(_broadcast_bytes(None, group))
             if inp is None:
                 break
-            if not inp.kv_pushes:
+            if not inp.kv_pushes or not later_stage:  # (the first stage's layers: rank 0's)
                 runner.execute(inp)
                 continue
             # a pipelined prefill's hand-off: this rank pushes its own layers (kv_publish.py)
+            # and reports to rank 0, which collects the report later (the module docstring)
             step = pusher.step(inp.kv_pushes, runner.kv_cache) if pusher is not None else None
             runner.execute(inp, on_layer_done=step)
-            dist.gather(report_rows(len(inp.kv_pushes), step), None, dst=0, group=group)
+            dist.gather(report_rows(len(inp.kv_pushes), step), None, dst=0, group=reports)
     finally:
         if pusher is not None:
             pusher.close()
@@ -257,12 +283,30 @@ def current_launcher():
     return _launcher if _launcher is not None else LocalRanks()
 
 
+# the push reports' gathers rank 0 lets be pending at most (see the module docstring): one per
+# step it may run ahead, and the step that just ended
+MAX_PENDING_REPORTS = PP_STEPS_AHEAD + 1
+
+
+@dataclasses.dataclass
+class _PendingReports:
+    """One step's push reports on their way to rank 0: the gather's work, the tensors it fills
+    (kept until it is waited for), and who hears the reports."""
+
+    work: object
+    mine: torch.Tensor
+    parts: list[torch.Tensor]
+    deliver: Callable[[torch.Tensor], None]
+
+
 class TPGroup:
-    def __init__(self, procs, group, pipelined: bool = False):
+    def __init__(self, procs, group, pipelined: bool = False, reports=None):
         self.procs = procs  # one handle per follower, rank order (is_alive, join, kill, pid)
         self.group = group
         self.pipelined = pipelined  # pipeline stages: broadcasts are not waited for (broadcast)
         self._pending: list[tuple[list, list[torch.Tensor]]] = []  # those, oldest first
+        self.reports = reports  # the push reports' gloo group (pipeline stages), else None
+        self._reports: deque[_PendingReports] = deque()  # their gathers, oldest first
 
     @classmethod
     def start(
@@ -284,7 +328,8 @@ class TPGroup:
             for p in procs:
                 p.kill()
             raise
-        return cls(procs, _init(config, 0, host, port), config.pipeline_parallel_size > 1)
+        control, reports = _init(config, 0, host, port)
+        return cls(procs, control, config.pipeline_parallel_size > 1, reports)
 
     def ready(self) -> None:
         """Returns once every follower built its runner (weights loaded, KV pool allocated), so
@@ -316,14 +361,40 @@ class TPGroup:
         for w in works:
             w.wait()
 
-    def push_reports(self, num_pushes: int) -> torch.Tensor:
-        """After a step with `num_pushes` stage pushes (ModelInput.kv_pushes): every rank's
-        report rows, [ranks, num_pushes, 2] (engine/kv_publish.py report_rows; rank 0's own
-        are NOT_PUSHED: its layers leave through the sinks)."""
-        parts = [torch.empty(num_pushes, 2, dtype=torch.int64) for _ in self.procs]
+    def gather_reports(self, num_pushes: int, deliver: Callable[[torch.Tensor], None]) -> None:
+        """After rank 0's part of a step with `num_pushes` stage pushes (ModelInput.kv_pushes):
+        starts gathering every rank's report rows without waiting for them. `deliver` gets them
+        later (`harvest_reports`), [ranks, num_pushes, 2] in rank order (engine/kv_publish.py
+        report_rows; the first stage's rows are NOT_PUSHED: its layers leave through the
+        sinks). Waits for the oldest once more than MAX_PENDING_REPORTS are pending."""
+        members = dist.get_world_size(self.reports)
+        parts = [torch.empty(num_pushes, 2, dtype=torch.int64) for _ in range(members - 1)]
         mine = report_rows(num_pushes, None)
-        dist.gather(mine, [mine.clone()] + parts, dst=0, group=self.group)
-        return torch.stack([mine] + parts)
+        work = dist.gather(mine, [mine.clone()] + parts, dst=0, group=self.reports, async_op=True)
+        self._reports.append(_PendingReports(work, mine, parts, deliver))
+        while len(self._reports) > MAX_PENDING_REPORTS:
+            self._harvest_oldest()
+
+    def harvest_reports(self, wait: bool) -> None:
+        """Hands the gathered push reports to their steps' sinks, oldest first: those whose
+        gather is done, or (wait) every pending one, waiting for the later stages to report.
+        Raises when a rank died (the gather fails); that gather is forgotten."""
+        while self._reports and (wait or self._reports[0].work.is_completed()):
+            self._harvest_oldest()
+
+    @property
+    def reports_pending(self) -> int:
+        """The push reports' gathers not yet handed to their sinks."""
+        return len(self._reports)
+
+    def _harvest_oldest(self, deliver: bool = True) -> None:
+        one = self._reports.popleft()
+        one.work.wait()
+        if not deliver:
+            return
+        first_stage = len(self.procs) + 1 - len(one.parts)  # ranks, less the later stages'
+        rows = [one.mine] + [report_rows(one.mine.shape[0], None)] * (first_stage - 1)
+        one.deliver(torch.stack(rows + one.parts))
 
     def stage_of_rank(self, config: EngineConfig) -> list[int]:
         """Each rank's pipeline stage, rank order."""
@@ -331,6 +402,8 @@ class TPGroup:
 
     def shutdown(self) -> None:
         try:
+            while self._reports:  # (no sink is waiting for them any more)
+                self._harvest_oldest(deliver=False)
             while self._pending:
                 self._wait_oldest()
             _broadcast_bytes(_encode(None), self.group)

@@ -13,8 +13,9 @@ flushes it and replies. The lifecycle of one request:
   failure or abort -> "abort" frame, and the decode side frees the reservation at once
 Under pipeline stages the sink pushes the first stage's layers, and the later stages' ranks push
 their own on their own channels (engine/kv_publish.py, stage_push.py) from the sink's
-`stage_spec`; after each step they report to it (`on_stage_report`): the bytes they sent, or a
-failure, which fails the request (StagePushError) before its commit. The commit is sent once
+`stage_spec`; each step's reports reach it (`on_stage_report`) a step or two later, and all of
+them by the end of the step that samples its first token: the bytes they sent, or a failure,
+which fails the request (StagePushError) before its commit. The commit is sent once
 every stage has flushed its frames, and marked await_kv, since another channel's last frames
 may still be in the decode side's hands.
 """

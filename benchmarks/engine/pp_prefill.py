@@ -2,6 +2,7 @@
 
   python -m benchmarks.engine.pp_prefill                       # 2,048 and 8,000 tokens (~4 min)
   python -m benchmarks.engine.pp_prefill --lengths 2048,4096,8000 --layouts pp1,pp2,tp2
+  python -m benchmarks.engine.pp_prefill --model twelve-heads --handoff --layouts pp1,pp2
 
 For each layout (pp1: one rank with every core; pp2: two pipeline stages; tp2: two tensor-parallel
 ranks; each rank of a layout gets the cores divided by its ranks, as engine/tp.py sets them), in a
@@ -25,7 +26,14 @@ attention cut into 12 heads of 48 (4 KV heads): the same hidden size, projection
 vocabulary, so the same weights' bytes and the same FLOPs per token, and TP=2 splits it. A
 prefill's time does not depend on the weights' values.
 
-Writes benchmarks/results/pp_prefill.json (--out): the header (command, date, commit, CPU model,
+`--handoff` measures a prefill worker instead of an engine: in the layout's process a decode
+worker of one rank (shm KV backend) and a prefill worker whose engine has the layout's ranks, both
+in-process, and per prompt Reserve on the decode worker then Prefill on the prefill worker (the
+prompt's KV handed off layer by layer, each later stage pushing its own: engine/kv_publish.py):
+`ttft_s` is from the Reserve to the Prefill's reply (first token sampled, every frame flushed),
+`prefill_s` the prefill worker's own span of it (its arrival to its transfer end).
+
+Writes benchmarks/results/pp_prefill.json (--out; with --handoff pp_prefill_handoff.json): the header (command, date, commit, CPU model,
 count and ISA flags) and one entry per layout and length.
 """
 
@@ -129,6 +137,99 @@ def measure(
         llm.shutdown()
 
 
+def measure_handoff(
+    pp: int, tp: int, lengths: list[int], model: str = "smollm2", step_target_s: float = 0.5
+) -> dict:
+    """`measure`'s runs through a prefill worker of the layout handing off to a decode worker
+    (see --handoff in the module docstring)."""
+    import grpc
+
+    from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+    from pdserve.prefill_worker.server import PrefillWorker, PrefillWorkerConfig
+    from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+
+    engine = dict(
+        dtype="float32",
+        quantization=None,
+        speculative_config=None,
+        enable_prefix_caching=False,
+        max_model_len=max(lengths) + 1,
+        kv_cache_memory=768 << 20,
+    )
+    decode = DecodeWorker(
+        DecodeWorkerConfig(model=model, worker_id="d0", engine_kwargs=engine, kv_backend="shm")
+    ).start()
+    staged = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp)
+    try:
+        prefill = PrefillWorker(
+            PrefillWorkerConfig(
+                model=model,
+                worker_id="p0",
+                engine_kwargs=dict(engine, prefill_step_target_s=step_target_s, **staged),
+                prefill_timeout_s=900.0,
+            )
+        ).start()
+    except BaseException:
+        decode.stop()
+        raise
+    channels = [grpc.insecure_channel(w.address) for w in (decode, prefill)]
+    d = worker_pb2_grpc.DecodeWorkerStub(channels[0])
+    p = worker_pb2_grpc.PrefillWorkerStub(channels[1])
+    sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=1)
+
+    def handoff(rid: str, prompt: list[int]):
+        t0 = time.perf_counter()
+        res = d.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=120_000
+            ),
+            timeout=60,
+        )
+        reply = p.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, reservation=res
+            ),
+            timeout=900,
+        )
+        ttft = time.perf_counter() - t0
+        list(d.Stream(worker_pb2.StreamRequest(request_id=rid), timeout=60))
+        return ttft, reply
+
+    try:
+        engine_ = prefill.loop.engine
+        handoff("warm-up", random_prompts(SEED - 1, 1, 256)[0])
+        runs = []
+        ranks = [os.getpid()] + [p.pid for p in (engine_.tp.procs if engine_.tp else [])]
+        for n in lengths:
+            prompt = random_prompts(SEED, 1, n)[0]
+            cpu0 = [_cpu_s(pid) for pid in ranks]
+            start_mono = time.monotonic()
+            ttft, reply = handoff(f"prompt-{n}", prompt)
+            cpu = [round(b - a, 2) for a, b in zip(cpu0, (_cpu_s(pid) for pid in ranks))]
+            t = reply.timings
+            runs.append(
+                {
+                    "prompt_tokens": n,
+                    "ttft_s": round(ttft, 3),
+                    "tok_s": round(n / ttft, 1),
+                    "prefill_s": round(
+                        (t.transfer_end_unix_ns - t.prefill_arrival_unix_ns) / 1e9, 3
+                    ),
+                    "bytes_sent": reply.bytes_sent,
+                    # every CPU second of this process (both workers' rank 0 and the decode
+                    # side's receiving) and each follower rank's, rank order
+                    "rank_cpu_s": cpu,
+                    "steps": sum(1 for r in engine_.step_trace if r.start >= start_mono),
+                }
+            )
+        return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp, "runs": runs}
+    finally:
+        for c in channels:
+            c.close()
+        prefill.stop()
+        decode.stop()
+
+
 def _cpu_s(pid: int) -> float:
     """Process `pid`'s CPU seconds (user + system, every thread) so far."""
     with open(f"/proc/{pid}/stat", "rb") as f:
@@ -136,19 +237,27 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _child(conn, pp: int, tp: int, lengths: list[int], model: str, target: float) -> None:
+def _child(
+    conn, pp: int, tp: int, lengths: list[int], model: str, target: float, handoff: bool
+) -> None:
     try:
-        conn.send(measure(pp, tp, lengths, model, target))
+        run = measure_handoff if handoff else measure
+        conn.send(run(pp, tp, lengths, model, target))
     except BaseException as e:  # the parent reports it
         conn.send({"error": repr(e)})
 
 
 def measure_in_process(
-    pp: int, tp: int, lengths: list[int], model: str = "smollm2", step_target_s: float = 0.5
+    pp: int,
+    tp: int,
+    lengths: list[int],
+    model: str = "smollm2",
+    step_target_s: float = 0.5,
+    handoff: bool = False,
 ) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(child, pp, tp, lengths, model, step_target_s))
+    p = ctx.Process(target=_child, args=(child, pp, tp, lengths, model, step_target_s, handoff))
     p.start()
     out = parent.recv()
     p.join(timeout=60)
@@ -178,9 +287,16 @@ def main(argv=None) -> int:
         help="the engine's prefill_step_target_s (default 0.5, its default; 0: every chunk of a "
         "long prompt takes the whole token budget)",
     )
+    ap.add_argument(
+        "--handoff",
+        action="store_true",
+        help="a prefill worker of each layout handing off to a decode worker (module docstring)",
+    )
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
     args = ap.parse_args(argv)
+    if args.handoff and args.out == ap.get_default("out"):  # (the engine-only figures stay)
+        args.out = args.out.replace("pp_prefill.json", "pp_prefill_handoff.json")
     lengths = [int(x) for x in args.lengths.split(",")]
     layouts = args.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]
@@ -197,7 +313,9 @@ def main(argv=None) -> int:
             if args.wait_idle:
                 wait_for_idle_machine(args.wait_idle)
             log(f"{name}")
-            r = measure_in_process(*LAYOUTS[name], lengths, model, args.prefill_step_target_s)
+            r = measure_in_process(
+                *LAYOUTS[name], lengths, model, args.prefill_step_target_s, args.handoff
+            )
             log(f"  {r}")  # a layout the model refuses (TP=2 of SmolLM2's 9 heads) says why
             results[name] = r
         ratios = {}
@@ -213,6 +331,7 @@ def main(argv=None) -> int:
             "model": args.model,
             "layers": args.layers,
             "prefill_step_target_s": args.prefill_step_target_s,
+            "handoff": args.handoff,
             "lengths": lengths,
             "layouts": results,
             "ratios": ratios,

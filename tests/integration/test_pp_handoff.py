@@ -4,16 +4,22 @@ of one stage, over grpc, shm and torch: the greedy tokens are PP=1's, and every 
 free afterwards on both sides. Each stage pushes its own layers as they finish, every rank of a
 later stage its own heads over its own channel (engine/kv_publish.py, prefill_worker/
 stage_push.py): each stage's bytes are exactly its layers' share, and rank 0 maps no later
-stage's pool (those ranks have no shared file at all). A decode worker with stages is refused."""
+stage's pool (those ranks have no shared file at all). Rank 0 does not wait for the last stage at
+the end of each chunk of a prompt handed off in chunks (a stopped stage lets it run ahead, within
+the bound). A decode worker with stages is refused."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
 
 import grpc
 import pytest
 
 from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, Cluster, start_decode, start_prefill
+from helpers.worker import GREEDY, Cluster, idle, start_decode, start_prefill
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.parallel import stage_layers
@@ -40,9 +46,9 @@ def five_layers(tmp_path_factory):
 class StagedCluster(Cluster):
     """A prefill worker of `pp` stages x `tp` ranks and a decode worker of one rank."""
 
-    def __init__(self, model_dir, backend: str, pp: int, tp: int, chunk: int | None = None):
+    def __init__(self, model_dir, backend: str, pp: int, tp: int, chunk: int | None = None, **more):
         engine = dict(kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
-        staged = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp)
+        staged = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp, **more)
         if chunk is not None:  # a prompt longer than this is prefilled in several steps
             staged.update(max_num_batched_tokens=chunk, max_num_seqs=4)
         self.decode = start_decode(model_dir, engine=engine, lease_ms=10_000, kv_backend=backend)
@@ -77,6 +83,59 @@ def test_a_pipelined_prefill_hands_off_one_stages_tokens(five_layers, backend, p
         p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
         assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
     finally:
+        cluster.stop()
+
+
+def test_rank_0_hands_off_a_chunk_without_waiting_for_the_last_stage(five_layers):
+    """A prompt handed off in chunks: rank 0 does not wait for the last stage's push report at
+    the end of each chunk (engine/tp.py TPGroup.gather_reports). With that stage's process
+    stopped before the Prefill call, rank 0 still finishes PP_STEPS_AHEAD chunk steps (their
+    reports pending), and the next one waits (the bound); resumed, the hand-off completes with
+    PP=1's tokens, every stage's bytes reported before the reply, and every block free on both
+    sides. Before, the first chunk's step waited for the stopped stage's report and never
+    ended."""
+    from pdserve.engine.model_runner import PP_STEPS_AHEAD
+
+    path, prompts, want = five_layers
+    prompt = prompts[-1]  # 300 tokens: 5 chunks of 64, the first 4 sample nothing
+    cluster = StagedCluster(path, "shm", 2, 1, chunk=64, prefill_step_target_s=0)
+    engine = cluster.prefill.loop.engine
+    last = engine.tp.procs[-1]
+    stopped = False
+    try:
+        reservation = cluster.reserve("long", prompt)
+        steps = len(engine.step_trace)
+        os.kill(last.pid, signal.SIGSTOP)
+        stopped = True
+        replies = []
+        call = threading.Thread(
+            target=lambda: replies.append(cluster.prefill_req("long", prompt, reservation)),
+            daemon=True,
+        )
+        call.start()
+
+        def ahead():
+            return len(engine.step_trace) >= steps + PP_STEPS_AHEAD
+
+        # (generous: before, a stopped stage never let the first chunk's step end)
+        wait_until(ahead, 60, "rank 0 waited for the stopped stage's push report")
+        call.join(timeout=1)
+        assert call.is_alive() and len(engine.step_trace) == steps + PP_STEPS_AHEAD  # the bound
+        assert engine.tp.reports_pending == PP_STEPS_AHEAD
+        os.kill(last.pid, signal.SIGCONT)
+        stopped = False
+        call.join(timeout=60)
+        assert not call.is_alive() and len(replies) == 1
+        tokens = [t for e in cluster.stream("long") for t in e.token_ids]
+        assert tokens == want[-1] and replies[0].first_tokens[0] == tokens[0]
+        assert engine.tp.reports_pending == 0
+        each_stage_pushed_its_own_layers(cluster, 2, 1)
+        wait_until(lambda: idle(cluster), 5, f"decode pool not back to idle: {cluster.stats()}")
+        p = cluster.p.Stats(worker_pb2.StatsRequest(), timeout=30)
+        assert p.num_free_blocks == p.num_total_blocks, "prefill blocks still held"
+    finally:
+        if stopped:
+            os.kill(last.pid, signal.SIGCONT)
         cluster.stop()
 
 
