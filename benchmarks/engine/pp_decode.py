@@ -57,7 +57,7 @@ from benchmarks.bench_common import (
     script_parser,
     wait_for_idle_machine,
 )
-from benchmarks.engine.pp_prefill import LAYOUTS, twelve_heads_model
+from benchmarks.engine.pp_prefill import LAYOUTS, layouts_and_model
 
 SEED_WARMUP = 53
 
@@ -224,13 +224,7 @@ def main(argv=None) -> int:
     streams = [int(x) for x in args.streams.split(",")]
     if min(streams) < 1 or args.prompt_len < 1 or args.new_tokens < 2:
         ap.error("streams and --prompt-len must be >= 1, --new-tokens >= 2 (a decode step)")
-    layouts = args.layouts.split(",")
-    unknown = [name for name in layouts if name not in LAYOUTS]
-    if unknown:
-        ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
-    if args.layers is not None and (args.model != "twelve-heads" or args.layers < 2):
-        ap.error("--layers needs --model twelve-heads and at least 2 layers (one a stage)")
-    model = twelve_heads_model(args.layers) if args.model == "twelve-heads" else "smollm2"
+    layouts, model = layouts_and_model(ap, args)
 
     def run() -> dict:
         results = {}

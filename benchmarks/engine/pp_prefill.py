@@ -90,6 +90,18 @@ def twelve_heads_model(layers: int | None = None) -> str:
     return str(out)
 
 
+def layouts_and_model(ap, args) -> tuple[list[str], object]:
+    """--layouts checked against LAYOUTS, and the model --model and --layers name (this script's
+    and pp_decode.py's options); argparse's error for a bad one."""
+    layouts = args.layouts.split(",")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
+    if args.layers is not None and (args.model != "twelve-heads" or args.layers < 2):
+        ap.error("--layers needs --model twelve-heads and at least 2 layers (one a stage)")
+    return layouts, twelve_heads_model(args.layers) if args.model == "twelve-heads" else "smollm2"
+
+
 def measure(
     pp: int, tp: int, lengths: list[int], model: str = "smollm2", step_target_s: float = 0.5
 ) -> dict:
@@ -298,14 +310,7 @@ def main(argv=None) -> int:
     if args.handoff and args.out == ap.get_default("out"):  # (the engine-only figures stay)
         args.out = args.out.replace("pp_prefill.json", "pp_prefill_handoff.json")
     lengths = [int(x) for x in args.lengths.split(",")]
-    layouts = args.layouts.split(",")
-    unknown = [name for name in layouts if name not in LAYOUTS]
-    if unknown:
-        ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
-
-    if args.layers is not None and (args.model != "twelve-heads" or args.layers < 2):
-        ap.error("--layers needs --model twelve-heads and at least 2 layers (one a stage)")
-    model = twelve_heads_model(args.layers) if args.model == "twelve-heads" else "smollm2"
+    layouts, model = layouts_and_model(ap, args)
 
     def run() -> dict:
         results = {}
