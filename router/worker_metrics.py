@@ -57,6 +57,12 @@ WORKER_COUNTERS = (
         "kv_host_tier_evicted",
     ),
     (
+        "pdserve:kv_host_tier_refused_blocks",
+        "KV blocks asked back from the host tier (either level) and refused: a chain, layout "
+        "or CRC that did not match; dropped and recomputed.",
+        "kv_host_tier_refused",
+    ),
+    (
         "pdserve:kv_disk_tier_stored_blocks",
         "KV blocks written to the disk tier as the host tier pushed them out.",
         "kv_disk_tier_stored",

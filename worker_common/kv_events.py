@@ -84,6 +84,7 @@ def tier_stats(block_manager) -> dict:
             kv_host_tier_stored=tier.stored,
             kv_host_tier_restored=tier.restored,
             kv_host_tier_evicted=tier.evicted,
+            kv_host_tier_refused=tier.refused,
         )
         disk = tier.disk  # its disk level (engine/kv_disk_tier.py), when on
         if disk is not None:

@@ -80,6 +80,7 @@ def test_every_kv_tier_series_is_on_the_dashboard():
         "pdserve:kv_disk_tier_dropped_blocks_total",
         "pdserve:kv_disk_tier_refused_blocks_total",
         "pdserve:kv_disk_tier_write_errors_total",
+        "pdserve:kv_host_tier_refused_blocks_total",
     } <= tiers
     queries = dashboard_queries()
     queried = {n for _, query in queries for n in metric_names(query)}

@@ -166,6 +166,9 @@ def test_an_entry_whose_chain_or_layout_does_not_match_is_refused_and_dropped():
     events = bm.kv_events(0, bm.epoch, 1000, 1000).events
     assert events[-1] == (REMOVED, h, HOST)
     bm.check_consistency()
+    # the refusals reach the router's metrics
+    stats = worker_pb2.WorkerStats(**wire.tier_stats(bm))
+    assert exported(stats)[("pdserve:kv_host_tier_refused_blocks_total", None)] == 2
 
 
 def test_an_entry_whose_bytes_changed_after_saving_is_refused_and_recomputed():
