@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -488,6 +489,8 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
   const RowsFn<KV> rows = window == 0 && cap == 0.0 ? rows_kernel<KV>(D, G) : nullptr;
   const auto tiles = tiles_of(bt, cl, N, max_blocks, bs, rows != nullptr);
   const int64_t T = static_cast<int64_t>(tiles.size());
+  bool tiled = false;   // some tile has more than one row
+  for (const auto& tile : tiles) tiled |= tile.second > 1;
 
   // a task per tile (a sequence, or a run's rows) when there are enough of them to keep every
   // thread busy, else per kv head too
@@ -495,8 +498,10 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
   const int64_t hpt = Hkv / split;   // kv heads per task
   const auto* tp = tiles.data();
   at::parallel_for(0, T * split, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> scores(std::max(hpt, rows != nullptr ? kTile : 0) * G * max_len),
-        acc(hpt * G * D);
+    // scratch, written before it is read: not zeroed (at a long context, zeroing a tile's
+    // scores per call was megabytes a decode step)
+    std::unique_ptr<float[]> scores(new float[std::max(hpt, tiled ? kTile : 0) * G * max_len]),
+        acc(new float[hpt * G * D]);
     for (int64_t task = begin; task < end; ++task) {
       // tiles from both ends in turn: a prompt chunk's rows attend to ever longer contexts, and
       // parallel_for hands each thread a contiguous range of tasks, so in row order the last
@@ -507,7 +512,7 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
       if (R > 1) {   // (rows != nullptr: no window, no cap)
         const int64_t* row = bt + (n + R - 1) * max_blocks;   // the longest row's list
         for (int64_t h = h0; h < h0 + hpt; ++h)
-          rows(qp + (n * Hq + h * G) * D, kp, vp, row, cl[n], R, bs, Hkv, h, sc, scores.data(),
+          rows(qp + (n * Hq + h * G) * D, kp, vp, row, cl[n], R, bs, Hkv, h, sc, scores.get(),
                max_len, op + (n * Hq + h * G) * D, Hq * D);
         continue;
       }
@@ -521,10 +526,10 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
       if (fast != nullptr) {
         for (int64_t h = h0; h < h0 + hpt; ++h)
           fast(qp + (n * Hq + h * G) * D, kp, vp, row, len, bs, Hkv, h, sc, skip, fcap,
-               scores.data(), op + (n * Hq + h * G) * D);
+               scores.get(), op + (n * Hq + h * G) * D);
       } else {
         attend(qp + (n * Hq + h0 * G) * D, kp, vp, row, len, bs, Hkv, h0, h0 + hpt, G, D, sc,
-               skip, fcap, scores.data(), acc.data(), op + (n * Hq + h0 * G) * D);
+               skip, fcap, scores.get(), acc.get(), op + (n * Hq + h0 * G) * D);
       }
     }
   });
