@@ -459,11 +459,6 @@ def _check_pipeline(config: EngineConfig, model_config: ModelConfig, spec) -> No
             f"pipeline_parallel_size={pp}: {model_config.architecture} runs in one stage only "
             f"for now; use pipeline_parallel_size=1"
         )
-    if spec is not None and getattr(spec, "method", None) == "draft_model":
-        raise ValueError(
-            "speculative_config method 'draft_model' runs with pipeline_parallel_size 1 only; "
-            "use method 'ngram'"
-        )
 
 
 def available_memory_bytes(device: str) -> int:

@@ -3,6 +3,8 @@
 A DraftModel is a second ModelRunner in the engine's process: its own weights (another
 checkpoint, or the target's own with quantization "int8"/"int4", loaded again and quantized),
 and its own KV cache with exactly as many blocks as the target's, indexed by the same block ids.
+It runs whole on the engine's first rank (one stage, one TP rank: `_ALONE`), also where the
+target runs in pipeline stages; the verify step goes through every stage as any step does.
 So the target's block manager holds the draft's KV too: a sequence's blocks carry both models'
 KV for the same positions, and preemption and finishing free both at once. kv_cache_memory is the
 target's: the draft's cache comes on top of it (in bfloat16 on a CPU, where the compiled decode
@@ -29,6 +31,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelInput, SeqInput
+from pdserve.engine.parallel import TPState, tp_scope
 from pdserve.engine.precision import start_runner
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
@@ -38,6 +41,9 @@ from pdserve.engine.sampling_params import SamplingParams
 # at no cost in total
 CATCH_UP_TOKENS = 64
 _GREEDY = SamplingParams(temperature=0.0)
+# the draft runs whole on the engine's first rank (one stage, one TP rank), also when the target
+# runs in pipeline stages: the draft is small, and the first rank is the one that guesses
+_ALONE = TPState()
 
 
 def load_draft_config(config: EngineConfig, target: ModelConfig, target_dir: str):
@@ -120,7 +126,8 @@ class DraftModel:
                 f"the draft model reaches {mc.max_position_embeddings} positions, fewer than "
                 f"max_model_len={config.max_model_len}: lower max_model_len or pick another draft"
             )
-        self.runner = start_runner(self.config, mc, draft_dir)
+        with tp_scope(_ALONE):  # the whole draft on this rank, whatever the target's layout
+            self.runner = start_runner(self.config, mc, draft_dir)
         if self.runner.num_blocks != num_blocks:  # the same block ids must index both caches
             raise RuntimeError(
                 f"draft KV cache has {self.runner.num_blocks} blocks, the target {num_blocks}"
@@ -192,7 +199,10 @@ class DraftModel:
     def _step(self, inputs, rows, items, costs, take=None) -> None:
         """One draft forward; the sample of row take[i] (default: row i) is items[i]'s guess."""
         t0 = time.perf_counter()
-        tokens = self.runner.execute(ModelInput(inputs, []), rows, list(range(len(rows)))).token_ids
+        with tp_scope(_ALONE):
+            tokens = self.runner.execute(
+                ModelInput(inputs, []), rows, list(range(len(rows)))
+            ).token_ids
         costs.observe(sum(len(i.token_ids) for i in inputs), time.perf_counter() - t0)
         for item, row in zip(items, take if take is not None else range(len(items))):
             item.spec_token_ids.append(tokens[row])

@@ -227,3 +227,36 @@ def test_smollm2_in_two_and_three_stages():
             assert got == want, pp
         finally:
             llm.shutdown()
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_a_draft_model_guesses_for_a_staged_target(five_layers, tmp_path, monkeypatch, draft):
+    """Speculative decoding with a draft model over a target in two stages: the draft runs whole
+    on the first rank, its guesses are checked through both stages, and the tokens are PP=1's
+    without speculation. "same": the target's own checkpoint as its draft (every guess kept);
+    "other": a draft of other weights (guesses rejected and rolled back)."""
+    from pdserve.engine.spec.gate import SpecGate
+
+    monkeypatch.setattr(  # every guess the draft can make is checked
+        SpecGate, "choose", lambda self, base, offers, uses_draft: [o.limit for o in offers]
+    )
+    path, prompts, tokens, _ = five_layers
+    draft_dir = path
+    if draft == "other":
+        draft_dir = str(tmp_path)
+        make_tiny_model(draft_dir, "llama-gqa", seed=9, num_hidden_layers=2)
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 3}
+    llm = LLM(path, pipeline_parallel_size=2, speculative_config=spec, **KW)
+    try:
+        layers = llm.engine.spec.draft.runner.kv_cache.shape[0]
+        assert layers == (5 if draft == "same" else 2)  # the whole draft, on the first rank
+        got = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == tokens
+        stats = llm.engine.spec_stats()
+        if draft == "same":
+            assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+        else:
+            assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"], stats
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
