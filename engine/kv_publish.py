@@ -112,10 +112,25 @@ class StagePusher:
     each step's prefill-only requests (ModelInput.kv_pushes) through the engine's
     kv_stage_sender's channels. One per rank, for the rank's life (`close` ends its channels)."""
 
-    def __init__(self, sender, first_layer: int, tp_size: int, tp_rank: int):
+    def __init__(
+        self, sender, first_layer: int, end_layer: int, tp_size: int, tp_rank: int, stage: int
+    ):
         self.channels = sender.channels()
-        self.first_layer = first_layer  # the global index of this stage's first layer
+        # the global indices of this stage's first layer and of the one after its last
+        self.first_layer, self.end_layer = first_layer, end_layer
+        self.stage = stage  # this rank's pipeline stage
         self.tp_size, self.tp_rank = tp_size, tp_rank
+
+    def open(self, request_id: str, spec: dict):
+        """This rank's sink of one request's step, on the channel its spec leads to."""
+        return self.channels.open(
+            request_id,
+            spec,
+            self.tp_size,
+            self.tp_rank,
+            stage=self.stage,
+            layers=(self.first_layer, self.end_layer),
+        )
 
     def step(self, pushes: list, kv_cache: torch.Tensor) -> StageStep:
         return StageStep(self, pushes, kv_cache)
@@ -131,10 +146,10 @@ class StageStep:
     def __init__(self, pusher: StagePusher, pushes: list, kv_cache: torch.Tensor):
         self.pusher = pusher
         self.kv = kv_cache
-        self.items = []  # [sink or None, block ids, start, end, failed]
+        self.items = []  # [sink or None, block ids, start, end, failed (its error, or True)]
         for rid, block_ids, start, end, spec in pushes:
             try:
-                sink = pusher.channels.open(rid, spec, pusher.tp_size, pusher.tp_rank)
+                sink = pusher.open(rid, spec)
             except Exception as e:
                 log.warning("stage KV push of %s: no channel: %r", rid, e)
                 self.items.append([None, block_ids, start, end, True])
@@ -152,7 +167,7 @@ class StageStep:
                 sink.on_layer(self.pusher.first_layer + layer, kv, block_ids, start, end)
             except Exception as e:
                 log.warning("stage KV push of %s failed: %r", sink.request_id, e)
-                item[4] = True
+                item[4] = e
 
     def finish(self) -> list[list[int]]:
         """What was deferred leaves, every channel used is flushed (its frames handed to the
@@ -166,9 +181,9 @@ class StageStep:
                     self.pusher.channels.flush(sink)
                 except Exception as e:
                     log.warning("stage KV push of %s failed: %r", sink.request_id, e)
-                    failed = True
+                    failed = e
             if failed and sink is not None:
-                self.pusher.channels.failed(sink)
+                self.pusher.channels.failed(sink, failed)
             sent = sink.bytes_sent if sink is not None else 0
             rows.append([sent, PUSH_FAILED if failed else PUSHED])
         return rows

@@ -217,8 +217,8 @@ def _stage_pusher(config: EngineConfig, model_config: ModelConfig) -> StagePushe
     state = current_tp_state()
     if state.pp_rank == 0 or config.kv_stage_sender is None:
         return None
-    first, _ = stage_layers(model_config.num_layers)
-    return StagePusher(config.kv_stage_sender, first, state.size, state.rank)
+    first, end = stage_layers(model_config.num_layers)
+    return StagePusher(config.kv_stage_sender, first, end, state.size, state.rank, state.pp_rank)
 
 
 class LocalRanks:

@@ -40,14 +40,31 @@ def refusal(request_id: str, reason: str) -> tuple[ChunkHeader, RefusedFrame]:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """Which part of a pipelined sender pushes a request's KV (nixl only: its claims say it, so
+    that the decode side can tell the stages of one sender from senders racing each other):
+    pipeline stage `stage` of `stages`, its pushing rank `rank` there, the decoder layers
+    [first, end) it writes, and `sender`, the id every stage of one prefill attempt shares (made
+    by rank 0 per request, random: a claim that names it is one of that attempt's stages)."""
+
+    sender: str
+    stage: int
+    stages: int
+    layers: tuple[int, int]
+    rank: int = 0
+
+
+@dataclass(frozen=True)
 class Destination:
     """Where a request's KV goes on one decode rank (from its reservation). grant: the
     reservation's write grant (KVEndpoint.write_grant; nixl only): what the receiver checks every
-    write and frame of the request against."""
+    write and frame of the request against. stage: the sender's pipeline stage when it pushes in
+    stages (nixl only, None: the whole model's KV from one sender)."""
 
     block_ids: list[int]
     layout: KVLayout
     grant: str = ""
+    stage: PipelineStage | None = None
 
 
 class Transport(ABC):

@@ -17,7 +17,10 @@ their own on their own channels (engine/kv_publish.py, stage_push.py) from the s
 them by the end of the step that samples its first token: the bytes they sent, or a failure,
 which fails the request (StagePushError) before its commit. The commit is sent once
 every stage has flushed its frames, and marked await_kv, since another channel's last frames
-may still be in the decode side's hands.
+may still be in the decode side's hands. Its Destination then names the pipelined sender
+(PipelineStage: a random id per request, the stage count, stage 0 and its layers), which the
+stage spec hands on, so that on nixl each stage claims the reservation as its own part of one
+sender (kvtransfer/backends/nixl_backend.py).
 """
 
 from __future__ import annotations
@@ -178,6 +181,7 @@ class PushSink:
         """What a later pipeline stage's rank needs to push its layers of this request (plain
         data: it travels to the ranks with the step; stage_push.py StageChannels.open)."""
         self.staged = True
+        stage = self.dest.stage
         return dict(
             layout=dataclasses.asdict(self.layout),
             endpoint=self.endpoint,
@@ -185,6 +189,9 @@ class PushSink:
             block_size=self.dest.layout.block_size,
             skip=self.skip,
             traceparent=self.traceparent,
+            # the pipelined sender a later stage claims as a part of (nixl), and its stages
+            sender=stage.sender if stage is not None else "",
+            stages=stage.stages if stage is not None else 0,
         )
 
     def on_stage_report(self, stage: int, sent: int, ok: bool) -> None:

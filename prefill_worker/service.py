@@ -16,7 +16,9 @@ commit and the hand-off's timings) is in handoff.py. Lifecycle of one Prefill ca
   A later pipeline stage that could not push (handoff.py StagePushError) or a rank that died ->
   UNAVAILABLE with no abort frame: the reservation stays, and the router prefills the prompt
   on another worker into it (its frames cover every layer again), or aborts it; its lease
-  bounds it either way.
+  bounds it either way. On nixl this call's claim of the reservation is released then (its
+  WRITEs ended: kvtransfer/backends/nixl_backend.py), so the retry's or the abort's end of the
+  reservation need not wait for it.
 Under pipeline stages (stage_push.py) the first stage's layers leave through this call's sink and
 each later stage's ranks push their own; `stage_bytes` counts what each stage sent.
 The call's priority (PrefillRequest.priority) is its engine request's: the engine's waiting
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +42,7 @@ from pdserve.engine.errors import EngineBroken
 from pdserve.kvtransfer.backends import BACKENDS, connect
 from pdserve.kvtransfer.choose import MAX_LOCALITY_CHARS, MAX_OFFERS, choices
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.transport import Destination, Transport
+from pdserve.kvtransfer.transport import Destination, PipelineStage, Transport
 from pdserve.prefill_worker.handoff import (
     GuardedSink,
     HandoffTimings,
@@ -371,14 +374,6 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 "no KV channel of the reservation's offers "
                 f"({', '.join(o.backend for o in endpoint.offers)}) can be used from this worker",
             )
-        if self.staged and any(o.backend == "nixl" for o in tried):
-            tried = [o for o in tried if o.backend != "nixl"]
-            if not tried:
-                context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    "a pipelined prefill worker pushes over grpc, shm or torch (each stage on "
-                    "its own channel), not nixl: choose another kvtransfer.backend",
-                )
         errors = []
         for one in tried:
             try:
@@ -397,6 +392,14 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         chosen), layer by layer, each frame with the call's trace context (traceparent; "" when
         it is not traced)."""
         res = request.reservation
+        stage = None
+        if self.staged:  # this attempt's stages claim as parts of one sender (nixl)
+            stage = PipelineStage(
+                secrets.token_hex(16),
+                0,
+                self.loop.engine.config.pipeline_parallel_size,
+                (0, self.local_layers),
+            )
         # the receiver's layout: its block size and TP split (head ranges travel in each frame)
         dest = Destination(
             list(res.block_ids),
@@ -404,6 +407,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self.layout, block_size=res.block_size, tp_size=max(1, endpoint.tp_size)
             ),
             grant=endpoint.write_grant,
+            stage=stage,
         )
         push = PushSink(
             request.request_id,
@@ -444,8 +448,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """Every frame of the hand-off (its commit included) handed to the decode side."""
         if isinstance(sink.error, StagePushError):
             # as for a dead rank: no abort frame, the reservation stays for the router's retry
-            # on another worker (or its abort); this process's channel is not at fault
+            # on another worker (or its abort); this process's channel is not at fault. On nixl
+            # the first stage's claim ends here (its WRITEs ended, the decode side told)
             self._count(kv_transfer_failures=1)
+            release = getattr(transport, "release", None)
+            if release is not None:
+                with contextlib.suppress(ConnectionError, OSError):
+                    release(rid)
             context.abort(grpc.StatusCode.UNAVAILABLE, str(sink.error))
         if sink.error is not None:
             self._fail_transport(endpoint, transport, sink, context, sink.error)

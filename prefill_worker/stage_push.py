@@ -9,16 +9,26 @@ sink's `stage_spec`: handoff.py PushSink), the layer hook, and `flush` (engine/k
 StageStep). Lifecycle of that rank's channels:
   first request to an endpoint -> a channel of the reservation's best backend that this rank can
     use (kvtransfer/choose.py: shm only where the rank shares the decode worker's host and
-    memory, else grpc; a named backend as named), kept for later requests
+    memory, nixl where NIXL is installed, else grpc; a named backend as named), kept for later
+    requests
   each step -> a PushSink of this rank's heads of its stage's layers, its frames flushed (handed
-    to the decode side) before the step's report goes to rank 0
-  a send or flush that fails -> that channel is dropped (the next request opens a fresh one)
-  unused for TRANSPORT_IDLE_S, or the rank stops (`close`) -> closed
+    to the decode side) before the step's report goes to rank 0; on nixl the rank claims the
+    reservation as its part of the pipelined sender (PipelineStage: the sender id rank 0 made,
+    which the stage spec carries, its stage, rank and layers) at the step's first chunk and
+    releases the claim after the flush (its WRITEs ended), so an abort that rank 0 sends while
+    this rank is between steps frees the reservation at once, and one sent mid-step frees it
+    once this rank's WRITEs ended (kvtransfer/backends/nixl_backend.py)
+  a send or flush that fails -> that channel is dropped (the next request opens a fresh one),
+    unless the decode side refused that request alone (nixl: a claim after its reservation
+    ended), which leaves the channel to the other requests
+  unused for TRANSPORT_IDLE_S, or the rank stops (`close`) -> closed (nixl: the claims it still
+    holds released once their WRITEs ended)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -26,10 +36,12 @@ from dataclasses import dataclass
 from pdserve.kvtransfer.backends import connect
 from pdserve.kvtransfer.choose import choices
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.transport import Destination, Transport
+from pdserve.kvtransfer.transport import Destination, PipelineStage, Transport
 from pdserve.prefill_worker.handoff import PushSink
 from pdserve.protos.pdserve.v1 import worker_pb2
 from pdserve.protos.security import INSECURE, ClusterSecurity
+
+log = logging.getLogger(__name__)
 
 TRANSPORT_IDLE_S = 300.0  # as the servicer's (service.py)
 
@@ -55,15 +67,27 @@ class StageChannels:
         self._used: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
 
-    def open(self, request_id: str, spec: dict, tp_size: int, tp_rank: int) -> PushSink:
-        """This step's sink of `request_id` on this rank (TP rank `tp_rank` of `tp_size` in its
-        stage): its own heads, into the reservation `spec` names (PushSink.stage_spec)."""
+    def open(
+        self,
+        request_id: str,
+        spec: dict,
+        tp_size: int,
+        tp_rank: int,
+        stage: int = 1,
+        layers: tuple[int, int] | None = None,
+    ) -> PushSink:
+        """This step's sink of `request_id` on this rank (TP rank `tp_rank` of `tp_size` in
+        pipeline stage `stage`, which runs the decoder `layers` [first, end)): its own heads, into
+        the reservation `spec` names (PushSink.stage_spec)."""
         layout = KVLayout(**spec["layout"])
         endpoint = worker_pb2.KVEndpoint.FromString(spec["endpoint"])
+        part = None
+        if spec.get("sender") and layers is not None:  # a nixl claim says which part this is
+            part = PipelineStage(spec["sender"], stage, spec["stages"], tuple(layers), tp_rank)
         errors = []
         for one in choices(endpoint):
-            if one.backend == "nixl":
-                errors.append("nixl: not for the later stages of a pipelined prefill worker")
+            if one.backend == "nixl" and part is None:
+                errors.append("nixl: the stage spec names no pipelined sender to claim as")
                 continue
             try:
                 transport = self._transport(one.backend, one.address)
@@ -76,6 +100,7 @@ class StageChannels:
                     layout, block_size=spec["block_size"], tp_size=max(1, one.tp_size)
                 ),
                 grant=one.write_grant,
+                stage=part if one.backend == "nixl" else None,
             )
             sink = PushSink(
                 request_id,
@@ -90,11 +115,25 @@ class StageChannels:
         raise ConnectionError(f"no KV channel for {request_id!r}: {'; '.join(errors) or 'none'}")
 
     def flush(self, sink: PushSink) -> None:
-        """Every frame on `sink`'s channel handed to the decode side; raises when it fails."""
+        """Every frame on `sink`'s channel handed to the decode side, and (nixl) this step's
+        claim of its request released; raises when either fails."""
         sink.transport.flush(self.sender.flush_timeout_s)
+        release = getattr(sink.transport, "release", None)
+        if release is not None:
+            release(sink.request_id)
 
-    def failed(self, sink: PushSink) -> None:
-        """`sink`'s channel failed: the next request to its endpoint opens a fresh one."""
+    def failed(self, sink: PushSink, error: BaseException | None = None) -> None:
+        """`sink`'s push failed with `error`: the next request to its endpoint opens a fresh
+        channel, unless the decode side refused this request alone (PermissionError: nixl, a
+        claim of a reservation that ended), whose claim is then released, if it holds one."""
+        if isinstance(error, PermissionError):
+            release = getattr(sink.transport, "release", None)
+            try:
+                if release is not None:
+                    release(sink.request_id)
+            except (ConnectionError, OSError) as e:
+                log.info("releasing the claim of %s: %r", sink.request_id, e)
+            return
         key = getattr(sink, "channel", None)
         with self._lock:
             if key is None or self._transports.get(key) is not sink.transport:

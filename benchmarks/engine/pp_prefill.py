@@ -3,6 +3,8 @@
   python -m benchmarks.engine.pp_prefill                       # 2,048 and 8,000 tokens (~4 min)
   python -m benchmarks.engine.pp_prefill --lengths 2048,4096,8000 --layouts pp1,pp2,tp2
   python -m benchmarks.engine.pp_prefill --model twelve-heads --handoff --layouts pp1,pp2
+  python -m benchmarks.engine.pp_prefill --model twelve-heads --layers 4 --handoff --layouts pp2 \
+      --kv-backend nixl --out /tmp/pp_nixl.json  # another KV backend (--kv-backend)
 
 For each layout (pp1: one rank with every core; pp2: two pipeline stages; tp2: two tensor-parallel
 ranks; each rank of a layout gets the cores divided by its ranks, as engine/tp.py sets them), in a
@@ -27,11 +29,13 @@ vocabulary, so the same weights' bytes and the same FLOPs per token, and TP=2 sp
 prefill's time does not depend on the weights' values.
 
 `--handoff` measures a prefill worker instead of an engine: in the layout's process a decode
-worker of one rank (shm KV backend) and a prefill worker whose engine has the layout's ranks, both
-in-process, and per prompt Reserve on the decode worker then Prefill on the prefill worker (the
-prompt's KV handed off layer by layer, each later stage pushing its own: engine/kv_publish.py):
-`ttft_s` is from the Reserve to the Prefill's reply (first token sampled, every frame flushed),
-`prefill_s` the prefill worker's own span of it (its arrival to its transfer end).
+worker of one rank (the shm KV backend, or `--kv-backend`'s) and a prefill worker whose engine
+has the layout's ranks, both in-process, and per prompt Reserve on the decode worker then Prefill
+on the prefill worker (the prompt's KV handed off layer by layer, each later stage pushing its
+own: engine/kv_publish.py): `ttft_s` is from the Reserve to the Prefill's reply (first token
+sampled, every frame flushed), `prefill_s` the prefill worker's own span of it (its arrival to
+its transfer end), `tail_s` the part of that after the first token was sampled (the commit and
+the last frames handed over).
 
 Writes benchmarks/results/pp_prefill.json (--out; with --handoff pp_prefill_handoff.json): the header (command, date, commit, CPU model,
 count and ISA flags) and one entry per layout and length.
@@ -150,7 +154,12 @@ def measure(
 
 
 def measure_handoff(
-    pp: int, tp: int, lengths: list[int], model: str = "smollm2", step_target_s: float = 0.5
+    pp: int,
+    tp: int,
+    lengths: list[int],
+    model: str = "smollm2",
+    step_target_s: float = 0.5,
+    kv_backend: str = "shm",
 ) -> dict:
     """`measure`'s runs through a prefill worker of the layout handing off to a decode worker
     (see --handoff in the module docstring)."""
@@ -169,7 +178,7 @@ def measure_handoff(
         kv_cache_memory=768 << 20,
     )
     decode = DecodeWorker(
-        DecodeWorkerConfig(model=model, worker_id="d0", engine_kwargs=engine, kv_backend="shm")
+        DecodeWorkerConfig(model=model, worker_id="d0", engine_kwargs=engine, kv_backend=kv_backend)
     ).start()
     staged = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp)
     try:
@@ -227,6 +236,7 @@ def measure_handoff(
                     "prefill_s": round(
                         (t.transfer_end_unix_ns - t.prefill_arrival_unix_ns) / 1e9, 3
                     ),
+                    "tail_s": round((t.transfer_end_unix_ns - t.prefill_end_unix_ns) / 1e9, 4),
                     "bytes_sent": reply.bytes_sent,
                     # every CPU second of this process (both workers' rank 0 and the decode
                     # side's receiving) and each follower rank's, rank order
@@ -250,11 +260,20 @@ def _cpu_s(pid: int) -> float:
 
 
 def _child(
-    conn, pp: int, tp: int, lengths: list[int], model: str, target: float, handoff: bool
+    conn,
+    pp: int,
+    tp: int,
+    lengths: list[int],
+    model: str,
+    target: float,
+    handoff: bool,
+    kv_backend: str = "shm",
 ) -> None:
     try:
-        run = measure_handoff if handoff else measure
-        conn.send(run(pp, tp, lengths, model, target))
+        if handoff:
+            conn.send(measure_handoff(pp, tp, lengths, model, target, kv_backend))
+        else:
+            conn.send(measure(pp, tp, lengths, model, target))
     except BaseException as e:  # the parent reports it
         conn.send({"error": repr(e)})
 
@@ -266,10 +285,14 @@ def measure_in_process(
     model: str = "smollm2",
     step_target_s: float = 0.5,
     handoff: bool = False,
+    kv_backend: str = "shm",
 ) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child, args=(child, pp, tp, lengths, model, step_target_s, handoff))
+    p = ctx.Process(
+        target=_child,
+        args=(child, pp, tp, lengths, model, step_target_s, handoff, kv_backend),
+    )
     p.start()
     out = parent.recv()
     p.join(timeout=60)
@@ -304,6 +327,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="a prefill worker of each layout handing off to a decode worker (module docstring)",
     )
+    ap.add_argument(
+        "--kv-backend",
+        default="shm",
+        choices=("shm", "grpc", "torch", "nixl"),
+        help="--handoff only: the decode worker's KV backend, which every stage pushes over "
+        "(default shm)",
+    )
     add_wait_idle_arg(ap, "each layout")
     add_out_arg(ap, "pp_prefill.json")
     args = ap.parse_args(argv)
@@ -319,7 +349,12 @@ def main(argv=None) -> int:
                 wait_for_idle_machine(args.wait_idle)
             log(f"{name}")
             r = measure_in_process(
-                *LAYOUTS[name], lengths, model, args.prefill_step_target_s, args.handoff
+                *LAYOUTS[name],
+                lengths,
+                model,
+                args.prefill_step_target_s,
+                args.handoff,
+                args.kv_backend,
             )
             log(f"  {r}")  # a layout the model refuses (TP=2 of SmolLM2's 9 heads) says why
             results[name] = r
@@ -337,6 +372,7 @@ def main(argv=None) -> int:
             "layers": args.layers,
             "prefill_step_target_s": args.prefill_step_target_s,
             "handoff": args.handoff,
+            "kv_backend": args.kv_backend if args.handoff else None,
             "lengths": lengths,
             "layouts": results,
             "ratios": ratios,

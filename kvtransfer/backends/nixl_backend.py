@@ -47,6 +47,28 @@ reservation is that the metadata and every grant travel only over the authentica
 plane (cluster secret, mTLS when configured), that this sender writes only into blocks the
 decode side confirmed for that request, and that the decode side holds those blocks until the
 claim is known over. A peer with the cluster secret is trusted as much as with the shm backend.
+
+A pipelined sender (a prefill worker in pipeline stages, prefill_worker/stage_push.py): rank 0
+writes the first stage's layers, every rank of a later stage its own heads of its own layers,
+each from its own process, so each is a claimant of its own. Each claim then says which part it
+is (PipelineStage: the sender's id, made by rank 0 per request and shared only with its stages,
+the stage and stage count, the rank in the stage, the layers it writes), and the decode side
+keeps the claimants apart by stage. A later stage's rank claims before each engine step's
+WRITEs and, once they ended (its flush waits for them), sends its own last word for that claim
+(NixlRelease: request id, grant, agent and sender id, taken only on the connection that claimed);
+rank 0's "commit" or "abort" (after its own WRITEs ended, as above) ends the first stage's claim
+when every claimant is a stage of one sender, and each later stage's claim ends only by its own
+release, its process proven gone, or the bound. Rank 0 commits only once every later stage's
+rank reported its step's push, each report sent after that rank's flush (its WRITEs DONE) and
+its release (a call that returns once the decode side took it: engine/kv_publish.py,
+engine/tp.py), so a commit finds every later stage released and ends the hold; an abort, which
+rank 0 sends without waiting for the later stages, may find one mid-step, and the blocks stay
+held until that stage's release. The decode side counts the releases rather than trusting the
+order: a commit while a stage has not released ends nothing but the first stage's claim. Rank 0
+releases its own claim the same way when it fails a request without an abort (a later stage
+could not push: prefill_worker/service.py). A claim whose part another agent holds (the same stage and rank of the same sender) is refused;
+claimants that are not all stages of one sender (a retry from another worker) keep the rule of
+two senders above.
 """
 
 from __future__ import annotations
@@ -77,6 +99,7 @@ from pdserve.kvtransfer.reshard import dtype_name
 from pdserve.kvtransfer.transport import (
     Destination,
     FrameHandler,
+    PipelineStage,
     Transport,
     TransportServer,
     refusal,
@@ -93,7 +116,10 @@ MAX_CLAIM_BYTES = 1 << 20  # a claim is a request id, a grant and at most a few 
 MAX_BLOCKS = 1 << 20
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 EXTRA_HINT = "install the extra: pip install 'pdserve[nixl]' (or pip install nixl-cu12)"
+RELEASE_METHOD = f"/{SERVICE}/NixlRelease"
 RELEASE_MARGIN_S = 5.0  # the decode side's bound on a claim: window + xfer timeout + this
+MAX_SENDER_CHARS = 64  # a pipelined sender's id (rank 0 makes 32 hex digits)
+MAX_STAGE_RANKS = 1024  # the ranks of one pipeline stage (its TP size) a claim may name
 
 
 def nixl_module():
@@ -207,9 +233,27 @@ class _Grant:
     peers: dict[str, str] = field(default_factory=dict)
     disconnected: set[str] = field(default_factory=set)
     over: bool = False  # the sender's commit or abort arrived: no write of it is left
+    # the claimants that claimed as a stage of a pipelined sender, each with its part
+    stages: dict[str, PipelineStage] = field(default_factory=dict)
+    # the claimants known over by a word of their own since their last claim: a stage's release,
+    # or a pipelined sender's commit or abort, its first stage's (Grants.check)
+    ended: set[str] = field(default_factory=set)
     on_over: Callable[[], None] | None = None  # the reservation ended while its claim may write
     stuck: bool = False  # held past its bound: the worker reports itself unhealthy
     refused: int = 0
+
+    def pipelined(self) -> bool:
+        """Every claimant is a stage of one pipelined sender (one sender id, one stage count)."""
+        if not self.stages or len(self.stages) != len(self.claimants):
+            return False
+        first = next(iter(self.stages.values()))
+        return all(
+            s.stages == first.stages and _same(first.sender, s.sender) for s in self.stages.values()
+        )
+
+    def is_over(self) -> bool:
+        """No write of any claimant is left: the lone sender's last word, or every claimant's."""
+        return self.over or (bool(self.claimants) and self.ended >= set(self.claimants))
 
 
 class Grants:
@@ -225,10 +269,21 @@ class Grants:
 
     `pid_proof`: a dead sending process on this host ends its claim's writes (true of a DRAM
     pool, which only the sender's CPU writes; NixlServer turns it off for a VRAM pool, whose
-    copies a GPU runs).
+    copies a GPU runs). `num_layers`: the pool's decoder layers, what a pipelined claim's stages
+    and layers are checked against (NixlServer sets it from the pool; None: not checked).
+
+    A pipelined sender's claims (the module docstring): `claim` with a PipelineStage, `release`
+    for a later stage's own last word; `check` takes a commit or abort as the first stage's, and
+    only when every claimant is a stage of that one sender.
     """
 
-    def __init__(self, window_s: float = 60.0, xfer_timeout_s: float = 30.0, pid_proof=True):
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        xfer_timeout_s: float = 30.0,
+        pid_proof=True,
+        num_layers: int | None = None,
+    ):
         if not window_s > 0 or not xfer_timeout_s > 0:
             raise ValueError(
                 f"window_s and xfer_timeout_s must be > 0, got {window_s} and {xfer_timeout_s}"
@@ -238,10 +293,12 @@ class Grants:
         self._grants: dict[str, _Grant] = {}
         self._lock = threading.Lock()
         self.pid_proof = bool(pid_proof)
+        self.num_layers = num_layers
         self.num_refused = 0  # claims and frames refused
         self.num_released_sender_gone = 0  # held blocks freed as their senders were proven gone
         self.num_released_peer_gone = 0  # held blocks freed past the bound, senders disconnected
         self.num_stuck_total = 0  # held claims that went past their bound (each counted once)
+        self.num_released_stages = 0  # held blocks freed by a pipelined sender's stages' words
 
     def issue(self, request_id: str, block_ids) -> str:
         token = secrets.token_hex(16)
@@ -268,6 +325,7 @@ class Grants:
         agent: str = "",
         process: dict | None = None,
         peer: str = "",
+        stage: PipelineStage | None = None,
     ) -> float:
         """The write window in seconds; GrantRefused says what does not match.
 
@@ -280,7 +338,12 @@ class Grants:
         then on a sender's last frame no longer ends a hold (whose it is cannot be told): only
         both senders' processes proven gone do, and past the bound of the latest claim the hold
         is stuck (the worker reports itself unhealthy until they are). A
-        grant whose reservation ended is refused: the replay that matters."""
+        grant whose reservation ended is refused: the replay that matters.
+
+        `stage`: the claim is that part of a pipelined sender (the module docstring); it must
+        fit the pool's layers and agree with the other stages of its sender, and a part that
+        another agent holds is refused. A claim, staged or not, means its agent may write again:
+        any word of it that came before no longer counts."""
         with self._lock:
             grant = self._grants.get(request_id)
             if grant is None or not _same(grant.token, token):
@@ -298,11 +361,99 @@ class Grants:
                     f"{request_id[:64]!r}: {len(grant.block_ids)} blocks were reserved, the "
                     f"claim's block ids differ"
                 )
+            if stage is not None:
+                why = self._stage_refusal(grant, agent, stage)
+                if why:
+                    raise self._refuse(f"request {request_id[:64]!r}: {why}")
             grant.claimed_at = time.monotonic()
             grant.claimants[agent] = dict(process or {})
             grant.peers[agent] = peer
             grant.disconnected.discard(agent)
+            if stage is not None:
+                grant.stages[agent] = stage
+            else:
+                grant.stages.pop(agent, None)
+            grant.ended.discard(agent)
+            grant.over = False
             return self.window_s
+
+    def _stage_refusal(self, grant: _Grant, agent: str, stage: PipelineStage) -> str:
+        """Why a pipelined claim cannot be taken ("" when it can): its fields out of range or
+        the pool's layers, or at odds with its sender's other stages' claims."""
+        layers = self.num_layers
+        first, end = stage.layers
+        if not 2 <= stage.stages <= (layers or stage.stages) or not 0 <= stage.stage < stage.stages:
+            return (
+                f"pipeline stage {stage.stage} of {stage.stages}: a pipelined claim has "
+                f"0 <= stage < stages and 2 <= stages <= {layers or 'the layers'}"
+            )
+        if not 0 <= first < end <= (layers or end):
+            return (
+                f"layers [{first}, {end}) of pipeline stage {stage.stage} do not fit the "
+                f"pool's {layers or '?'} layers"
+            )
+        if not 0 <= stage.rank < MAX_STAGE_RANKS or not 0 < len(stage.sender) <= MAX_SENDER_CHARS:
+            return f"a pipelined claim's rank or sender id is out of range (rank {stage.rank})"
+        for other, theirs in grant.stages.items():
+            if other == agent or not _same(theirs.sender, stage.sender):
+                continue  # the same agent claims again, or another sender (the rule of two)
+            if theirs.stages != stage.stages:
+                return (
+                    f"pipeline stage {stage.stage} says {stage.stages} stages, another stage of "
+                    f"its sender said {theirs.stages}"
+                )
+            if (theirs.stage, theirs.rank) == (stage.stage, stage.rank):
+                return (
+                    f"pipeline stage {stage.stage} rank {stage.rank} of this sender is claimed by "
+                    f"another agent already"
+                )
+            if theirs.stage == stage.stage and theirs.layers != stage.layers:
+                return (
+                    f"pipeline stage {stage.stage} claims layers [{first}, {end}), another rank "
+                    f"of it claimed {list(theirs.layers)}"
+                )
+            if theirs.stage != stage.stage and first < theirs.layers[1] and theirs.layers[0] < end:
+                return (
+                    f"pipeline stage {stage.stage}'s layers [{first}, {end}) overlap stage "
+                    f"{theirs.stage}'s {list(theirs.layers)}"
+                )
+        return ""
+
+    def release(self, request_id: str, token: str, agent: str, sender: str, peer: str = "") -> bool:
+        """A pipelined claimant's own last word for its claim (NixlRelease): every WRITE of it
+        ended, and it claims again before it writes more. Taken only with the reservation's
+        grant, from a stage claimant of that sender id, on the connection it claimed on (when
+        that is known); GrantRefused otherwise. True when it freed held blocks; False when
+        nothing was held or the grant is gone (its blocks freed or running already)."""
+        on_over = None
+        with self._lock:
+            grant = self._grants.get(request_id)
+            if grant is None:
+                return False
+            if not _same(grant.token, token):
+                raise self._refuse(
+                    f"a release of request {request_id[:64]!r} without its reservation's write "
+                    f"grant (forged or replayed)"
+                )
+            stage = grant.stages.get(agent)
+            if stage is None or not _same(stage.sender, sender):
+                raise self._refuse(
+                    f"no pipelined claim of request {request_id[:64]!r} by this agent and sender "
+                    f"to release"
+                )
+            if grant.peers.get(agent) and grant.peers[agent] != peer:
+                raise self._refuse(
+                    f"the release of request {request_id[:64]!r} came on another connection than "
+                    f"its claim"
+                )
+            grant.ended.add(agent)
+            if not grant.live and grant.on_over is not None and grant.is_over():
+                del self._grants[request_id]
+                on_over = grant.on_over
+                self.num_released_stages += 1
+        if on_over is not None:
+            on_over()
+        return on_over is not None
 
     def peer_gone(self, peer: str) -> int:
         """The sender at the control connection `peer` ended it (its last stream there closed
@@ -335,11 +486,18 @@ class Grants:
             if header.kind == "kv" and header.in_place and grant.claimed_at is None:
                 self.num_refused += 1
                 return "an in-place KV frame for a reservation no sender claimed"
-            if header.kind in ("commit", "abort") and len(grant.claimants) <= 1:
-                # with two claimants, whose last word this is cannot be told: only their
-                # processes' end releases the hold (due()), or the worker reports it stuck
-                grant.over = True
-                if not grant.live:
+            if header.kind in ("commit", "abort"):
+                if grant.stages:
+                    if grant.pipelined():
+                        # rank 0's last word, for the first stage only: each later stage's
+                        # claims end by its own release (which, before a commit, came already)
+                        grant.ended.update(a for a, s in grant.stages.items() if s.stage == 0)
+                    # else stages of two senders: whose word this is cannot be told
+                elif len(grant.claimants) <= 1:
+                    # with two claimants, whose last word this is cannot be told: only their
+                    # processes' end releases the hold (due()), or the worker reports it stuck
+                    grant.over = True
+                if not grant.live and grant.is_over():
                     del self._grants[header.request_id]
                     on_over, grant.on_over = grant.on_over, None
         if on_over is not None:
@@ -356,7 +514,7 @@ class Grants:
             if grant is None:
                 return True
             grant.live = False
-            if grant.claimed_at is None or grant.over:
+            if grant.claimed_at is None or grant.is_over():
                 del self._grants[request_id]
                 return True
             grant.on_over = on_over
@@ -382,7 +540,7 @@ class Grants:
                     continue  # its sender's last word came meanwhile
                 past = now - grant.claimed_at > self.release_bound_s
                 agents = set(grant.claimants)
-                gone = proven.get(rid, set())
+                gone = proven.get(rid, set()) | grant.ended
                 if grant.on_over is None:  # nothing held: a replay guard, kept to the bound
                     if past:
                         del self._grants[rid]
@@ -523,27 +681,47 @@ class NixlControlServer(GrpcServer):
             self._owner.grants.peer_gone(peer)
 
     def extra_methods(self) -> dict:
-        return {"NixlMetadata": self._metadata, "NixlClaim": self._claim}
+        return {
+            "NixlMetadata": self._metadata,
+            "NixlClaim": self._claim,
+            "NixlRelease": self._release,
+        }
 
     def _metadata(self, request: bytes, context) -> bytes:
         return self._owner.metadata
 
     def _claim(self, request: bytes, context) -> bytes:
         try:
-            request_id, token, block_ids, agent, process = parse_claim(request)
+            request_id, token, block_ids, agent, process, stage = parse_claim(request)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlClaim: {e}")
         try:
             window_s = self._owner.grants.claim(
-                request_id, token, block_ids, agent, process, peer=context.peer()
+                request_id, token, block_ids, agent, process, peer=context.peer(), stage=stage
             )
         except GrantRefused as e:
             log.warning("refused a KV write claim: %s", e)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return msgpack.packb({"window_s": window_s})
 
+    def _release(self, request: bytes, context) -> bytes:
+        try:
+            request_id, token, agent, sender = parse_release(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad NixlRelease: {e}")
+        try:
+            freed = self._owner.grants.release(request_id, token, agent, sender, context.peer())
+        except GrantRefused as e:
+            log.warning("refused a KV claim's release: %s", e)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        return msgpack.packb({"freed": freed})
 
-def parse_claim(request: bytes) -> tuple[str, str, list[int], str, dict]:
+
+def parse_claim(
+    request: bytes,
+) -> tuple[str, str, list[int], str, dict, PipelineStage | None]:
+    """A NixlClaim's fields; ValueError says which is malformed. Its pipeline stage is None for
+    a sender that is not pipelined (no "stages", or 1); Grants.claim checks the stage's ranges."""
     if len(request) > MAX_CLAIM_BYTES:
         raise ValueError(f"a claim has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
     try:
@@ -571,7 +749,65 @@ def parse_claim(request: bytes) -> tuple[str, str, list[int], str, dict]:
         or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
     ):
         raise ValueError(f'"block_ids" must be a list of at most {MAX_BLOCKS} ints >= 0')
-    return rid, token, blocks, agent, process
+    return rid, token, blocks, agent, process, _stage_of(ask)
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stage_of(ask: dict) -> PipelineStage | None:
+    """A claim's pipeline stage: "stage", "stages", "rank", "layers" [first, end) and "sender"
+    (types and sizes here; Grants.claim checks them against the pool and the other stages)."""
+    stage, stages = ask.get("stage", 0), ask.get("stages", 1)
+    rank, layers, sender = ask.get("rank", 0), ask.get("layers"), ask.get("sender", "")
+    if not all(_int(v) and 0 <= v < 1 << 31 for v in (stage, stages, rank)):
+        raise ValueError('"stage", "stages" and "rank" must be ints >= 0')
+    if stages <= 1:
+        if stage or rank or layers is not None or sender:
+            raise ValueError(
+                'a claim that is not one of a pipelined sender\'s ("stages" 1 or absent) has no '
+                '"stage", "rank", "layers" or "sender"'
+            )
+        return None
+    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_SENDER_CHARS:
+        raise ValueError(
+            f'"sender" must be the pipelined sender\'s id, 1 to {MAX_SENDER_CHARS} characters'
+        )
+    if (
+        not isinstance(layers, list)
+        or len(layers) != 2
+        or not all(_int(v) and 0 <= v < 1 << 31 for v in layers)
+    ):
+        raise ValueError('"layers" must be the stage\'s decoder layers [first, end), two ints >= 0')
+    return PipelineStage(sender, stage, stages, (layers[0], layers[1]), rank)
+
+
+def parse_release(request: bytes) -> tuple[str, str, str, str]:
+    """A NixlRelease's (request id, grant, agent, sender id); ValueError says what is wrong."""
+    if len(request) > MAX_CLAIM_BYTES:
+        raise ValueError(f"a release has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
+    try:
+        ask = msgpack.unpackb(request)
+    except Exception as e:
+        raise ValueError(f"not msgpack ({e})") from None
+    if not isinstance(ask, dict):
+        raise ValueError(
+            'send a msgpack map {"request_id": str, "grant": str, "agent": str, "sender": str}'
+        )
+    rid, token = ask.get("request_id"), ask.get("grant")
+    agent, sender = ask.get("agent"), ask.get("sender")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
+        raise ValueError(f'"request_id" must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters')
+    if not isinstance(token, str) or not 0 < len(token) <= 64:
+        raise ValueError('"grant" must be the reservation\'s write grant, 1 to 64 characters')
+    if not isinstance(agent, str) or len(agent) > 256:
+        raise ValueError('"agent" must be the sending NIXL agent\'s name, at most 256 characters')
+    if not isinstance(sender, str) or not 0 < len(sender) <= MAX_SENDER_CHARS:
+        raise ValueError(
+            f'"sender" must be the pipelined sender\'s id, 1 to {MAX_SENDER_CHARS} characters'
+        )
+    return rid, token, agent, sender
 
 
 def _an_identity(process: dict) -> bool:
@@ -620,6 +856,8 @@ class NixlServer(TransportServer):
         self.grants = grants or Grants()
         # only a DRAM pool's writes end with the sending process (a GPU may still run its copies)
         self.grants.pid_proof = self.grants.pid_proof and not caches[0].is_cuda
+        if self.grants.num_layers is None:  # what pipelined claims are checked against
+            self.grants.num_layers = caches[0].shape[0]
         self.kv_caches = caches
         self.agent_name = f"pdserve-kv-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._agent = _make_agent(
@@ -738,6 +976,7 @@ class _Outgoing:
     writes: list[_Write] = field(default_factory=list)
     headers: list[ChunkHeader] = field(default_factory=list)
     error: str | None = None
+    stage: PipelineStage | None = None  # the part of a pipelined sender it claimed as
 
 
 class NixlTransport(Transport):
@@ -750,6 +989,11 @@ class NixlTransport(Transport):
     after it is DONE, with the request's commit or abort (which wait for all of its WRITEs, at most
     xfer_timeout_s) or at `flush`. max_inflight_bytes bounds the chunk bytes of posted WRITEs
     (`send` waits for the oldest beyond it).
+
+    A Destination with a PipelineStage claims as that part of a pipelined sender, and WRITEs
+    only its layers. A later stage's rank ends each step's claim with `release` (its WRITEs
+    ended, its headers sent, then the decode side told), and its next chunk claims again;
+    `close` releases the pipelined claims it still holds once their WRITEs ended.
     """
 
     def __init__(
@@ -811,7 +1055,11 @@ class NixlTransport(Transport):
         """The request's claim on this channel, made at its first chunk."""
         out = self._requests.get(header.request_id)
         if out is not None:
-            if tuple(dest.block_ids) != out.block_ids or dest.grant != out.grant:
+            if (
+                tuple(dest.block_ids) != out.block_ids
+                or dest.grant != out.grant
+                or dest.stage != out.stage
+            ):
                 raise ValueError(
                     f"request {header.request_id} changed its destination after its claim"
                 )
@@ -827,15 +1075,20 @@ class NixlTransport(Transport):
                 f"request {header.request_id} names blocks outside the receiver's pool of "
                 f"{num_blocks} blocks"
             )
-        ask = msgpack.packb(
-            {
-                "request_id": header.request_id,
-                "grant": dest.grant,
-                "block_ids": [int(b) for b in dest.block_ids],
-                "agent": self._agent.name,
-                "process": process_identity(),
-            }
-        )
+        ask = {
+            "request_id": header.request_id,
+            "grant": dest.grant,
+            "block_ids": [int(b) for b in dest.block_ids],
+            "agent": self._agent.name,
+            "process": process_identity(),
+        }
+        if dest.stage is not None:
+            st = dest.stage
+            ask.update(
+                stage=st.stage, stages=st.stages, rank=st.rank, layers=list(st.layers),
+                sender=st.sender,
+            )  # fmt: skip
+        ask = msgpack.packb(ask)
         try:
             reply = msgpack.unpackb(self._control.call(CLAIM_METHOD, ask, self._timeout))
         except grpc.RpcError as e:
@@ -848,7 +1101,10 @@ class NixlTransport(Transport):
                 f"{e.code().name}: {e.details()}"
             ) from None
         out = _Outgoing(
-            tuple(dest.block_ids), dest.grant, time.monotonic() + float(reply["window_s"])
+            tuple(dest.block_ids),
+            dest.grant,
+            time.monotonic() + float(reply["window_s"]),
+            stage=dest.stage,
         )
         self._requests[header.request_id] = out
         return out
@@ -892,6 +1148,11 @@ class NixlTransport(Transport):
         start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
         if not 0 <= header.layer < layers or header.head_dim != head_dim:
             raise ValueError(f"chunk layer {header.layer} or head_dim does not fit the pool")
+        if out.stage is not None and not out.stage.layers[0] <= header.layer < out.stage.layers[1]:
+            raise ValueError(
+                f"chunk layer {header.layer} is not one of the layers {list(out.stage.layers)} "
+                f"pipeline stage {out.stage.stage} claimed"
+            )
         if end > len(out.block_ids) * bs:
             raise ValueError(
                 f"chunk tokens [{start}, {end}) do not fit the {len(out.block_ids)} claimed "
@@ -1029,6 +1290,39 @@ class NixlTransport(Transport):
             self._control.send_headers(headers)
         self._control.flush(timeout)
 
+    def release(self, request_id: str) -> None:
+        """End this transport's pipelined claim of `request_id` (none: nothing to do): its
+        WRITEs ended (waited for, at most xfer_timeout_s, or released), the headers of those that
+        landed sent, then the decode side told (NixlRelease), so that a reservation ending
+        meanwhile need not wait for this claim. A later chunk of the request claims again.
+        Raises ConnectionError when the decode side could not be told or a WRITE failed (then
+        after the release: the request's KV is incomplete)."""
+        with self._lock:
+            out = self._requests.get(request_id)
+            if out is None or out.stage is None:
+                return
+            del self._requests[request_id]
+            self._settle(out, wait=True)
+            if out.error is None and out.headers:
+                self._control.send_headers(out.headers)
+        self._tell_released(request_id, out)
+        if out.error is not None:
+            raise ConnectionError(out.error)
+
+    def _tell_released(self, request_id: str, out: _Outgoing) -> None:
+        ask = {
+            "request_id": request_id,
+            "grant": out.grant,
+            "agent": self._agent.name,
+            "sender": out.stage.sender,
+        }
+        try:
+            self._control.call(RELEASE_METHOD, msgpack.packb(ask), self._timeout)
+        except grpc.RpcError as e:
+            raise ConnectionError(
+                f"releasing the claim of {request_id} failed: {e.code().name}: {e.details()}"
+            ) from None
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -1038,7 +1332,13 @@ class NixlTransport(Transport):
                 self._settle(out, wait=True)
                 for w in out.writes:
                     self._end(w)
-            self._requests.clear()
+            claims, self._requests = self._requests, {}
+        for request_id, out in claims.items():  # their WRITEs ended: a pipelined claim says so
+            if out.stage is not None:
+                try:
+                    self._tell_released(request_id, out)
+                except ConnectionError as e:
+                    log.info("%s (the decode side's bound ends it)", e)
         self._control.close()
         _drop_remote(self._agent, self.remote_name)
 

@@ -51,8 +51,9 @@ class FakeChannels:
     def __init__(self, fail: set[str]):
         self.fail, self.opened, self.dropped, self.closed = fail, {}, [], False
 
-    def open(self, request_id, spec, tp_size, tp_rank):
-        assert (tp_size, tp_rank) == (2, 1) and spec == {"who": request_id}
+    def open(self, request_id, spec, tp_size, tp_rank, stage, layers):
+        assert (tp_size, tp_rank, stage, layers) == (2, 1, 1, (3, 5))
+        assert spec == {"who": request_id}
         if request_id == "no-channel":
             raise ConnectionError("refused")
         sink = self.opened[request_id] = FakeStageSink(request_id, request_id in self.fail)
@@ -62,7 +63,8 @@ class FakeChannels:
         if sink.fail_flush:
             raise TimeoutError("the decode side did not take the frames")
 
-    def failed(self, sink):
+    def failed(self, sink, error):
+        assert isinstance(error, Exception)
         self.dropped.append(sink.request_id)
 
     def close(self):
@@ -79,7 +81,7 @@ class FakeSender:
 
 def test_a_later_stages_rank_pushes_its_layers_and_reports_each_request():
     sender = FakeSender(fail={"bad"})
-    pusher = StagePusher(sender, first_layer=3, tp_size=2, tp_rank=1)
+    pusher = StagePusher(sender, first_layer=3, end_layer=5, tp_size=2, tp_rank=1, stage=1)
     kv = torch.ones(2, 2, 4, 1, 1, 1)  # 2 local layers, 8 values each
     pushes = [
         ["good", [0, 1], 0, 8, {"who": "good"}],
