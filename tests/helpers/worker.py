@@ -82,11 +82,31 @@ MAX_MODEL_LEN = 64
 GREEDY = pdserve_pb2.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+def staged_reference(path: str, lengths, seed: int, max_model_len: int, layers: int = 5):
+    """A tiny Llama (GQA) of `layers` layers saved to `path`, prompts of `lengths`, and one
+    engine's greedy tokens for them (GREEDY): what a hand-off from a prefill worker in stages
+    must give (tests/integration/test_pp_handoff*.py). Returns (path, prompts, tokens)."""
+    from helpers.models import make_tiny_model, random_prompts
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.protos.convert import sampling_kwargs
+
+    make_tiny_model(path, "llama-gqa", seed=5, num_hidden_layers=layers)
+    prompts = random_prompts(lengths, seed=seed)
+    llm = LLM(path, kv_cache_memory=1 << 20, max_model_len=max_model_len)
+    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)
+    llm.shutdown()
+    return path, prompts, [o.outputs[0].token_ids for o in outs]
+
+
 class Cluster:
     def __init__(self, model_dir):
         engine = dict(kv_cache_memory=1 << 17, max_model_len=MAX_MODEL_LEN)
         self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
         self.prefill = start_prefill(model_dir)
+        self.connect()
+
+    def connect(self) -> None:
+        """Channels and stubs to self.decode and self.prefill, once both are up."""
         self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
         self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
         self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
@@ -171,9 +191,7 @@ class BackendCluster(Cluster):
         except BaseException:
             self.decode.stop()
             raise
-        self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
-        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
-        self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
+        self.connect()
 
 
 # ---- the prefill worker's KV channels in a Cluster (tests/integration/test_kv_auto.py,

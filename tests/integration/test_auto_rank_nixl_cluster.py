@@ -7,7 +7,6 @@ not installed. The ranking alone: tests/unit/test_auto_rank_profile.py."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from helpers.models import random_prompts
@@ -27,7 +26,7 @@ from pdserve.kvtransfer.backends import BACKENDS
 from pdserve.kvtransfer.backends.nixl_backend import nixl_available
 from pdserve.kvtransfer.choose import host_id, ranking_from_profile
 from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2
 
 pytestmark = [
     pytest.mark.skipif(
@@ -62,9 +61,7 @@ class RankedCluster(Cluster):
         except BaseException:
             self.decode.stop()
             raise
-        self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
-        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
-        self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
+        self.connect()
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,13 @@ import os
 import signal
 import threading
 
-import grpc
 import pytest
 
-from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, Cluster, idle, start_decode, start_prefill
+from helpers.worker import Cluster, idle, staged_reference, start_decode, start_prefill
 from pdserve.decode_worker.server import DecodeWorkerConfig
-from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.parallel import stage_layers
-from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_MODEL_LEN = 320  # room for the long prompt
@@ -35,12 +31,7 @@ def five_layers(tmp_path_factory):
     """A 5-layer tiny Llama (GQA: 2 kv heads) and one stage's greedy tokens for its prompts (the
     last one long enough for its prefill step to run in micro-batches through the stages)."""
     path = str(tmp_path_factory.mktemp("tiny5-handoff"))
-    make_tiny_model(path, "llama-gqa", seed=5, num_hidden_layers=5)
-    prompts = random_prompts([30, 7, 45, 300], seed=31)
-    llm = LLM(path, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
-    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)
-    llm.shutdown()
-    return path, prompts, [o.outputs[0].token_ids for o in outs]
+    return staged_reference(path, [30, 7, 45, 300], 31, MAX_MODEL_LEN)
 
 
 class StagedCluster(Cluster):
@@ -57,9 +48,7 @@ class StagedCluster(Cluster):
         except BaseException:
             self.decode.stop()
             raise
-        self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
-        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
-        self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
+        self.connect()
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,11 @@ import threading
 import grpc
 import pytest
 
-from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import wait_until
-from helpers.worker import GREEDY, Cluster, idle, start_decode, start_prefill
-from pdserve.engine import LLM, SamplingParams
+from helpers.worker import Cluster, idle, staged_reference, start_decode, start_prefill
 from pdserve.engine.parallel import stage_layers
 from pdserve.kvtransfer.backends.nixl_backend import Grants, nixl_available
-from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -39,12 +36,7 @@ MAX_MODEL_LEN = 128
 def five_layers(tmp_path_factory):
     """A 5-layer tiny Llama (GQA) and one stage's greedy tokens for its prompts."""
     path = str(tmp_path_factory.mktemp("tiny5-nixl-pp"))
-    make_tiny_model(path, "llama-gqa", seed=5, num_hidden_layers=LAYERS)
-    prompts = random_prompts([30, 7, 45, 100], seed=53)
-    llm = LLM(path, kv_cache_memory=1 << 20, max_model_len=MAX_MODEL_LEN)
-    outs = llm.generate(prompts, SamplingParams(**sampling_kwargs(GREEDY)), use_tqdm=False)
-    llm.shutdown()
-    return path, prompts, [o.outputs[0].token_ids for o in outs]
+    return staged_reference(path, [30, 7, 45, 100], 53, MAX_MODEL_LEN, LAYERS)
 
 
 class NixlStaged(Cluster):
@@ -62,9 +54,7 @@ class NixlStaged(Cluster):
         except BaseException:
             self.decode.stop()
             raise
-        self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
-        self.d = worker_pb2_grpc.DecodeWorkerStub(self.channels[0])
-        self.p = worker_pb2_grpc.PrefillWorkerStub(self.channels[1])
+        self.connect()
 
     @property
     def grants(self) -> Grants:
