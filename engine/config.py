@@ -420,7 +420,7 @@ class EngineConfig:
         if spec == "auto":
             spec = AUTO_SPECULATION if device == "cpu" and self.dtype == "auto" else None
         if self.pipeline_parallel_size > 1:
-            _check_pipeline(self, model_config, spec)
+            _check_pipeline(self, model_config)
         limit = model_config.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -444,7 +444,7 @@ class EngineConfig:
         )
 
 
-def _check_pipeline(config: EngineConfig, model_config: ModelConfig, spec) -> None:
+def _check_pipeline(config: EngineConfig, model_config: ModelConfig) -> None:
     """What pipeline_parallel_size > 1 does not run yet, refused before any rank starts."""
     pp = config.pipeline_parallel_size
     if pp > model_config.num_layers:

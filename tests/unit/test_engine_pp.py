@@ -47,4 +47,4 @@ def test_bad_pipeline_size_is_refused(value):
 def test_every_family_may_run_in_stages():
     config = EngineConfig(model="x", pipeline_parallel_size=2)
     for arch in ("Gemma2ForCausalLM", "MixtralForCausalLM", "Qwen3ForCausalLM"):  # every family
-        _check_pipeline(config, SimpleNamespace(num_layers=4, architecture=arch), None)
+        _check_pipeline(config, SimpleNamespace(num_layers=4, architecture=arch))
