@@ -717,19 +717,26 @@ class NixlControlServer(GrpcServer):
         return msgpack.packb({"freed": freed})
 
 
-def parse_claim(
-    request: bytes,
-) -> tuple[str, str, list[int], str, dict, PipelineStage | None]:
-    """A NixlClaim's fields; ValueError says which is malformed. Its pipeline stage is None for
-    a sender that is not pipelined (no "stages", or 1); Grants.claim checks the stage's ranges."""
+def _msgpack_map(request: bytes, what: str, shape: str) -> dict:
+    """`request` (a claim or release off the control channel) as the msgpack map it must be, at
+    most MAX_CLAIM_BYTES; ValueError says what is wrong, naming `what` and the `shape` to send."""
     if len(request) > MAX_CLAIM_BYTES:
-        raise ValueError(f"a claim has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
+        raise ValueError(f"{what} has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
     try:
         ask = msgpack.unpackb(request)
     except Exception as e:
         raise ValueError(f"not msgpack ({e})") from None
     if not isinstance(ask, dict):
-        raise ValueError('send a msgpack map {"request_id": str, "grant": str, "block_ids": [int]}')
+        raise ValueError(f"send a msgpack map {shape}")
+    return ask
+
+
+def parse_claim(
+    request: bytes,
+) -> tuple[str, str, list[int], str, dict, PipelineStage | None]:
+    """A NixlClaim's fields; ValueError says which is malformed. Its pipeline stage is None for
+    a sender that is not pipelined (no "stages", or 1); Grants.claim checks the stage's ranges."""
+    ask = _msgpack_map(request, "a claim", '{"request_id": str, "grant": str, "block_ids": [int]}')
     rid, token, blocks = ask.get("request_id"), ask.get("grant"), ask.get("block_ids")
     agent, process = ask.get("agent", ""), ask.get("process", {})
     if not isinstance(process, dict) or (process and not _an_identity(process)):
@@ -785,16 +792,9 @@ def _stage_of(ask: dict) -> PipelineStage | None:
 
 def parse_release(request: bytes) -> tuple[str, str, str, str]:
     """A NixlRelease's (request id, grant, agent, sender id); ValueError says what is wrong."""
-    if len(request) > MAX_CLAIM_BYTES:
-        raise ValueError(f"a release has at most {MAX_CLAIM_BYTES} bytes, got {len(request)}")
-    try:
-        ask = msgpack.unpackb(request)
-    except Exception as e:
-        raise ValueError(f"not msgpack ({e})") from None
-    if not isinstance(ask, dict):
-        raise ValueError(
-            'send a msgpack map {"request_id": str, "grant": str, "agent": str, "sender": str}'
-        )
+    ask = _msgpack_map(
+        request, "a release", '{"request_id": str, "grant": str, "agent": str, "sender": str}'
+    )
     rid, token = ask.get("request_id"), ask.get("grant")
     agent, sender = ask.get("agent"), ask.get("sender")
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
