@@ -105,6 +105,16 @@ class Cluster:
         self.prefill = start_prefill(model_dir)
         self.connect()
 
+    def add_prefill(self, model_dir, **kwargs) -> None:
+        """Starts the prefill worker (start_prefill's arguments) beside self.decode, which is
+        stopped if it fails, then connects to both."""
+        try:
+            self.prefill = start_prefill(model_dir, **kwargs)
+        except BaseException:
+            self.decode.stop()
+            raise
+        self.connect()
+
     def connect(self) -> None:
         """Channels and stubs to self.decode and self.prefill, once both are up."""
         self.channels = [grpc.insecure_channel(w.address) for w in (self.decode, self.prefill)]
@@ -184,14 +194,7 @@ class BackendCluster(Cluster):
             lease_ms=10_000,
             kv_backend=backend,
         )
-        try:
-            self.prefill = start_prefill(
-                model_dir, engine=dict(tensor_parallel_size=prefill_tp, **engine)
-            )
-        except BaseException:
-            self.decode.stop()
-            raise
-        self.connect()
+        self.add_prefill(model_dir, engine=dict(tensor_parallel_size=prefill_tp, **engine))
 
 
 # ---- the prefill worker's KV channels in a Cluster (tests/integration/test_kv_auto.py,

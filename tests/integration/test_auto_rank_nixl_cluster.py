@@ -18,7 +18,6 @@ from helpers.worker import (
     forget_channels,
     idle,
     start_decode,
-    start_prefill,
     used_backends,
 )
 from pdserve.engine import LLM, SamplingParams
@@ -56,12 +55,7 @@ class RankedCluster(Cluster):
             kv_backend="auto",
             kv_ranking=ranking,
         )
-        try:
-            self.prefill = start_prefill(model_dir)
-        except BaseException:
-            self.decode.stop()
-            raise
-        self.connect()
+        self.add_prefill(model_dir)
 
 
 @pytest.fixture(scope="module")

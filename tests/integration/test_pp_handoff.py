@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from helpers.threads import wait_until
-from helpers.worker import Cluster, idle, staged_reference, start_decode, start_prefill
+from helpers.worker import Cluster, idle, staged_reference, start_decode
 from pdserve.decode_worker.server import DecodeWorkerConfig
 from pdserve.engine.parallel import stage_layers
 from pdserve.protos.pdserve.v1 import worker_pb2
@@ -43,12 +43,7 @@ class StagedCluster(Cluster):
         if chunk is not None:  # a prompt longer than this is prefilled in several steps
             staged.update(max_num_batched_tokens=chunk, max_num_seqs=4)
         self.decode = start_decode(model_dir, engine=engine, lease_ms=10_000, kv_backend=backend)
-        try:
-            self.prefill = start_prefill(model_dir, engine=staged)
-        except BaseException:
-            self.decode.stop()
-            raise
-        self.connect()
+        self.add_prefill(model_dir, engine=staged)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from helpers.threads import wait_until
-from helpers.worker import Cluster, idle, staged_reference, start_decode, start_prefill
+from helpers.worker import Cluster, idle, staged_reference, start_decode
 from pdserve.engine.parallel import stage_layers
 from pdserve.kvtransfer.backends.nixl_backend import Grants, nixl_available
 from pdserve.protos.pdserve.v1 import worker_pb2
@@ -49,12 +49,7 @@ class NixlStaged(Cluster):
         if chunk is not None:  # every chunk takes the whole budget (tokens per step)
             staged.update(max_num_batched_tokens=chunk, max_num_seqs=4, prefill_step_target_s=0)
         self.decode = start_decode(model_dir, engine=engine, lease_ms=30_000, kv_backend="nixl")
-        try:
-            self.prefill = start_prefill(model_dir, engine=staged)
-        except BaseException:
-            self.decode.stop()
-            raise
-        self.connect()
+        self.add_prefill(model_dir, engine=staged)
 
     @property
     def grants(self) -> Grants:
