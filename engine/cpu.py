@@ -4,12 +4,23 @@ The project's machines differ from one session to the next (an AMD EPYC with AVX
 only, Intel Xeons with AVX-512 VNNI, or with AMX and AVX512-BF16), and a path tuned on one can lose
 on another. Hot paths ask `cpu_features()` rather than assume; the engine logs it once per process
 (`log_once`), and every benchmark result records `describe()`.
+
+Another CPU kind can be played on this one: `python -m benchmarks.as_cpu avx2 -- CMD` runs CMD
+as if the CPU had only AVX2 (the AMD EPYC kind without AVX-512) or, with `avx512`, AVX-512 and
+VNNI but no bf16 (the Intel Xeon kind without AMX). The flags above the kind are hidden from
+`cpu_features()`, the compiled kernels build without those instructions, and torch's own
+libraries (ATen, oneDNN, MKL) are capped by their documented variables, which must be set before
+torch starts: that is why it wraps a whole command (its child processes, TP ranks and Ray
+workers, inherit the variables). A process that has PDSERVE_CPU_AS without the libraries' caps
+refuses to go on. The speed measured so is this CPU's cores on fewer instructions, not the other
+machine's: it is for testing those paths and estimating, never for a CPU's row in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from dataclasses import dataclass
 
@@ -67,6 +78,66 @@ class CPUFeatures:
         )
 
 
+# The kinds a process can be run as (PDSERVE_CPU_AS): the flags hidden from cpu_features (a prefix
+# hides every flag that starts with it), the compiler flags the kernels build with, and the
+# variables that cap torch's libraries (ATen's dispatch, oneDNN, MKL) to the same instructions.
+EMULATED_KINDS = {
+    "avx2": {
+        "hidden": ("avx512", "amx", "avx_vnni"),
+        "cflags": ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile"),
+        "env": {
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        },
+    },
+    "avx512": {
+        "hidden": ("avx512_bf16", "avx512_fp16", "amx"),
+        "cflags": ("-mno-avx512bf16", "-mno-avx512fp16", "-mno-amx-tile"),
+        "env": {
+            "ATEN_CPU_CAPABILITY": "avx512",
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        },
+    },
+}
+
+
+def emulated_kind() -> str | None:
+    """The kind PDSERVE_CPU_AS names, or None; a ValueError for an unknown one, and a
+    RuntimeError when torch's libraries were not capped with it (not run through `as`)."""
+    kind = os.environ.get("PDSERVE_CPU_AS", "")
+    if not kind:
+        return None
+    if kind not in EMULATED_KINDS:
+        raise ValueError(f"PDSERVE_CPU_AS={kind!r}: expected one of {sorted(EMULATED_KINDS)}")
+    missing = [
+        f"{name}={value}"
+        for name, value in EMULATED_KINDS[kind]["env"].items()
+        if os.environ.get(name) != value
+    ]
+    if missing:
+        raise RuntimeError(
+            f"PDSERVE_CPU_AS={kind} without {' '.join(missing)}: torch would still use this "
+            f"CPU's own instructions; run the command as `python -m benchmarks.as_cpu "
+            f"{kind} -- CMD`"
+        )
+    return kind
+
+
+def emulation_env(kind: str) -> dict[str, str]:
+    """The variables that make a command run as `kind` (see the module docstring)."""
+    if kind not in EMULATED_KINDS:
+        raise ValueError(f"unknown CPU kind {kind!r}: expected one of {sorted(EMULATED_KINDS)}")
+    return {"PDSERVE_CPU_AS": kind, **EMULATED_KINDS[kind]["env"]}
+
+
+def kernel_cflags() -> list[str]:
+    """Compiler flags that keep the compiled kernels within the emulated kind, if any."""
+    kind = emulated_kind()
+    return list(EMULATED_KINDS[kind]["cflags"]) if kind else []
+
+
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:
     model, flags = "", frozenset()
     try:
@@ -88,6 +159,11 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
 @functools.cache
 def cpu_features() -> CPUFeatures:
     model, flags = _read_cpuinfo()
+    kind = emulated_kind()
+    if kind is not None:
+        hidden = EMULATED_KINDS[kind]["hidden"]
+        flags = frozenset(f for f in flags if not f.startswith(hidden))
+        model = f"{model} (run as {kind})"
     return CPUFeatures(model, flags)
 
 

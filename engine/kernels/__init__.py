@@ -30,12 +30,19 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
     """The extension module compiled from `source` for this CPU (cached), or None (logged once)."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
-    # PDSERVE_KERNEL_CFLAGS: flags after -march=native, e.g. -mno-avx512f to build and test the
-    # AVX2 paths on an AVX-512 machine (the build is keyed by them too)
-    extra_cflags = [*extra_cflags, *os.environ.get("PDSERVE_KERNEL_CFLAGS", "").split()]
     try:
         from torch.utils.cpp_extension import load
 
+        from pdserve.engine.cpu import kernel_cflags
+
+        # flags after -march=native: those of an emulated CPU kind (engine/cpu.py: run as avx2,
+        # it builds the AVX2 paths on an AVX-512 machine), then PDSERVE_KERNEL_CFLAGS; the build is
+        # keyed by them too
+        extra_cflags = [
+            *extra_cflags,
+            *kernel_cflags(),
+            *os.environ.get("PDSERVE_KERNEL_CFLAGS", "").split(),
+        ]
         from pdserve.engine.loader import default_cache_dir, writable_dir
 
         # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one

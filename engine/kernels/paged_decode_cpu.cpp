@@ -21,7 +21,9 @@
 #include <vector>
 
 #ifdef __AVX512F__
-extern "C" __m512 _ZGVeN16v_expf(__m512);   // glibc libmvec
+extern "C" __m512 _ZGVeN16v_expf(__m512);   // glibc libmvec: expf in 16 lanes
+#else
+extern "C" __m256 _ZGVdN8v_expf(__m256);    // and in 8 (AVX2)
 #endif
 
 namespace {
@@ -58,19 +60,52 @@ inline v16 load16(const at::BFloat16* p) {
   return x;
 }
 
-inline float hsum(v16 x) {
-#ifdef __AVX512F__
-  __m512 r;
-  __builtin_memcpy(&r, &x, sizeof(r));
-  return _mm512_reduce_add_ps(r);   // a shuffle tree; the lane loop below is a serial chain
-#else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += x[i];
-  return s;
-#endif
+// The horizontal sums below add a vector's 16 lanes in one fixed tree, the one GCC's
+// _mm512_reduce_add_ps uses, written out for both widths: an AVX2 build gives the same bits as
+// an AVX-512 one (tests/integration/test_kernel_isa_bits.py builds both and compares). The tree:
+// lanes i and i + 8 first, then i and i + 4 of those, then i and i + 2, then the last two.
+inline __m256 lo8(v16 x) {
+  __m256 r;
+  __builtin_memcpy(&r, &x, 32);
+  return r;
 }
 
-// out[u] = sum of the lanes of x_u, times sc, for four vectors at once
+inline __m256 hi8(v16 x) {
+  __m256 r;
+  __builtin_memcpy(&r, reinterpret_cast<const char*>(&x) + 32, 32);
+  return r;
+}
+
+inline float hsum_halves(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+inline float hsum(v16 x) { return hsum_halves(lo8(x), hi8(x)); }
+
+#ifndef __AVX512F__
+// hsum4 below, on the halves of its four vectors (a_u: lanes 0-7 of x_u, b_u: lanes 8-15): the
+// same per-128-bit-lane steps on each half (128-bit lanes 0-1, then 2-3), then the halves added
+inline void hsum4_halves(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 b0, __m256 b1,
+                         __m256 b2, __m256 b3, float* out, float sc) {
+  auto lanes = [](__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    return _mm256_add_ps(
+        _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))),
+        _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))));
+  };
+  const __m256 r = _mm256_add_ps(lanes(a0, a1, a2, a3), lanes(b0, b1, b2, b3));
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(s, _mm_set1_ps(sc)));
+}
+#endif
+
+// out[u] = sum of the lanes of x_u, times sc, for four vectors at once: per 128-bit lane L of
+// each, (x[4L] + x[4L+2]) + (x[4L+1] + x[4L+3]); then lanes (0 + 2) + (1 + 3). The AVX2 path
+// runs the same adds on the two halves.
 inline void hsum4(v16 x0, v16 x1, v16 x2, v16 x3, float* out, float sc) {
 #ifdef __AVX512F__
   __m512 a, b, c, d;
@@ -91,10 +126,7 @@ inline void hsum4(v16 x0, v16 x1, v16 x2, v16 x3, float* out, float sc) {
   const __m128 s = _mm_mul_ps(_mm512_castps512_ps128(r), _mm_set1_ps(sc));
   _mm_storeu_ps(out, s);
 #else
-  out[0] = hsum(x0) * sc;
-  out[1] = hsum(x1) * sc;
-  out[2] = hsum(x2) * sc;
-  out[3] = hsum(x3) * sc;
+  hsum4_halves(lo8(x0), lo8(x1), lo8(x2), lo8(x3), hi8(x0), hi8(x1), hi8(x2), hi8(x3), out, sc);
 #endif
 }
 
@@ -117,27 +149,38 @@ inline void axpy(float* __restrict acc, float p, const KV* __restrict v, int64_t
 }
 
 
-// s[t] = exp(s[t] - max(s)) in place for t < L; returns their sum (a softmax before the division)
+// s[t] = exp(s[t] - max(s)) in place for t < L; returns their sum (a softmax before the division).
+// The same bits from an AVX-512 build and an AVX2 one: glibc's vector expf gives the same values
+// in 16 lanes and in 8 (checked for every float in [-104, 0]), the sum is kept in 16 lanes either
+// way and added up by hsum's tree, and the tail is scalar in both.
 inline float exp_shifted(float* s, int64_t L) {
   // The maximum in 16 lanes, then across them (one max after another was a chain of L
   // dependent instructions: a sixth of a prompt chunk's attention). A maximum is exact in any
   // order; only a zero's sign may differ, which no s[t] - m below can tell.
   float m = s[0];
   int64_t t = 1;
-#ifdef __AVX512F__
   if (L >= 17) {
+#ifdef __AVX512F__
     __m512 vm = _mm512_loadu_ps(s + 1);
     for (t = 17; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
     m = std::max(m, _mm512_reduce_max_ps(vm));
-  }
+#else
+    __m256 ml = _mm256_loadu_ps(s + 1), mh = _mm256_loadu_ps(s + 9);
+    for (t = 17; t + 16 <= L; t += 16) {
+      ml = _mm256_max_ps(ml, _mm256_loadu_ps(s + t));
+      mh = _mm256_max_ps(mh, _mm256_loadu_ps(s + t + 8));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(ml, mh));
+    for (int i = 0; i < 8; ++i) m = std::max(m, lanes[i]);
 #endif
+  }
   for (; t < L; ++t) m = std::max(m, s[t]);
   float sum = 0.f;
   t = 0;
+  // glibc's vector expf (libmvec); scalar expf was a third of the kernel. Called by name: its
+  // declarations need -ffast-math, which would also flip flush-to-zero for the whole process.
 #ifdef __AVX512F__
-  // glibc's vector expf (libmvec), 16 lanes a call; scalar expf was a third of the kernel.
-  // Called by name: its declarations need -ffast-math, which would also flip flush-to-zero
-  // for the whole process.
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
   for (; t + 16 <= L; t += 16) {
@@ -145,7 +188,21 @@ inline float exp_shifted(float* s, int64_t L) {
     _mm512_storeu_ps(s + t, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  sum = _mm512_reduce_add_ps(vsum);
+  if (t > 0)
+    sum = hsum_halves(_mm512_castps512_ps256(vsum),
+                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(vsum), 1)));
+#else
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 sl = _mm256_setzero_ps(), sh = sl;   // lanes 0-7 and 8-15 of each 16
+  for (; t + 16 <= L; t += 16) {
+    const __m256 el = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    const __m256 eh = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(s + t + 8), vm));
+    _mm256_storeu_ps(s + t, el);
+    _mm256_storeu_ps(s + t + 8, eh);
+    sl = _mm256_add_ps(sl, el);
+    sh = _mm256_add_ps(sh, eh);
+  }
+  if (t > 0) sum = hsum_halves(sl, sh);
 #endif
   for (; t < L; ++t) {
     s[t] = std::exp(s[t] - m);
@@ -190,6 +247,7 @@ constexpr int64_t PF = 8;   // tokens ahead that K rows are prefetched (4 to 32 
 // and the V rows of the same tokens are prefetched: the KV of a 30-layer batch is far larger than
 // the caches, and the hardware prefetchers stop at every 4 KiB page of a block.
 // Scores go to scores[g * L + t], the output to out[g * D + i].
+#ifdef __AVX512F__
 template <typename KV, int DV, int G>
 void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
                  const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h,
@@ -247,6 +305,8 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
     for (int i = 0; i < DV; ++i) store16(out + g * D + i * 16, acc[g][i] * inv[g]);
 }
 
+#endif  // __AVX512F__ (attend_head)
+
 // Rows that attend together. A prompt chunk (or a decode's guesses checked together) is a run of
 // rows over one block list whose context lengths go up by one: row r sees L0 + r tokens. Run one
 // at a time, each row loads every K and V row of its context again (from L2, or from L3 and
@@ -259,6 +319,7 @@ void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* _
 // on how its prompt was cut into chunks, or on what else ran in the step.
 constexpr int64_t kTile = 8;
 
+#ifdef __AVX512F__
 // rows whose V updates run together in registers: their accumulators (RP * G * DV vectors) and
 // one V row (DV) within the 32 vector registers
 template <int DV, int G>
@@ -347,6 +408,179 @@ void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* _
   for (; r + RP <= R; r += RP) v_pass<KV, DV, G, RP>(vp, row, L0, r, bs, Hkv, h, scores, Ls, inv, out, os);
   for (; r < R; ++r) v_pass<KV, DV, G, 1>(vp, row, L0, r, bs, Hkv, h, scores, Ls, inv, out, os);
 }
+
+#endif  // __AVX512F__ (v_pass, attend_rows)
+
+#ifndef __AVX512F__
+// The AVX2 forms of attend_head and attend_rows: the same arithmetic lane for lane (each score's
+// 16 lanes summed over i in order, the same hsum4/hsum trees, each output lane summed over t in
+// order from zero), so the same bits as the AVX-512 build, laid out for 16 vector registers of
+// 8 floats. Kept whole in registers, the AVX-512 layout (all G heads' queries and accumulators)
+// would need 48 of them and spilled on every token (7-10x slower). Here the scores are computed
+// one head at a time from K rows kept in L1 (bf16 rows widened once into a float copy), and the
+// V pass runs kVChunk tokens at a time, one head (and row) after another, their accumulators
+// kept in memory between chunks and the chunk's V rows in L1.
+// out[0 .. n) = x[0 .. n) * f (n a multiple of 8; in place allowed)
+inline void scale8(float* out, const float* x, float f, int64_t n) {
+  const __m256 fv = _mm256_set1_ps(f);
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), fv));
+}
+
+constexpr int64_t kVChunk = 64;   // tokens whose V rows one pass of the accumulators covers
+
+// A K or V row as float32: the cache's own row, or a bf16 row widened into `tmp`
+inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+
+inline const float* row_f32(const at::BFloat16* src, float* tmp, int64_t D) {
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + i),
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return tmp;
+}
+
+// One head's scores against four K rows (float32), as attend_head's groups of four give them:
+// out[0 .. 4)
+template <int DV>
+inline void scores4(const float* __restrict qg, const float* const* k, float* out, float sc) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int i = 0; i < DV; ++i) {
+    const __m256 ql = _mm256_loadu_ps(qg + i * 16), qh = _mm256_loadu_ps(qg + i * 16 + 8);
+    a0 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[0] + i * 16), a0);
+    b0 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[0] + i * 16 + 8), b0);
+    a1 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[1] + i * 16), a1);
+    b1 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[1] + i * 16 + 8), b1);
+    a2 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[2] + i * 16), a2);
+    b2 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[2] + i * 16 + 8), b2);
+    a3 = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[3] + i * 16), a3);
+    b3 = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[3] + i * 16 + 8), b3);
+  }
+  hsum4_halves(a0, a1, a2, a3, b0, b1, b2, b3, out, sc);
+}
+
+// One head's score against one K row, as attend_head's last L % 4 tokens give it
+template <int DV>
+inline float score1(const float* __restrict qg, const float* __restrict k, float sc) {
+  __m256 lo = _mm256_setzero_ps(), hi = lo;
+  for (int i = 0; i < DV; ++i) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i * 16), _mm256_loadu_ps(k + i * 16), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i * 16 + 8), _mm256_loadu_ps(k + i * 16 + 8), hi);
+  }
+  return hsum_halves(lo, hi) * sc;
+}
+
+// acc[0 .. D) += p[t] * v[t] for the chunk's rows t in [0, n), in order (one head's accumulators
+// of one row, loaded and stored once a chunk)
+template <int DV>
+inline void v_rows(float* __restrict acc, const float* __restrict p, const float* const* v,
+                   int64_t n) {
+  constexpr int V = 2 * DV;
+  __m256 a[V];
+  for (int j = 0; j < V; ++j) a[j] = _mm256_loadu_ps(acc + j * 8);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int j = 0; j < V; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v[t] + j * 8), a[j]);
+  }
+  for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + j * 8, a[j]);
+}
+
+// A chunk's V rows as float32 pointers (into the cache, or widened into `tmp`)
+template <typename KV, typename At>
+inline void v_chunk(At at, const KV* vp, int64_t t0, int64_t n, int64_t D, float* tmp,
+                    const float** rows) {
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + PF < n) prefetch_span(at(vp, t0 + t + PF), D, 0);
+    rows[t] = row_f32(at(vp, t0 + t), tmp + t * D, D);
+  }
+}
+
+template <typename KV, int DV, int G>
+void attend_head(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
+                 const int64_t* __restrict row, int64_t L, int64_t bs, int64_t Hkv, int64_t h,
+                 float sc, int64_t skip, float cap, float* __restrict scores,
+                 float* __restrict out) {
+  constexpr int64_t D = DV * 16;
+  auto at = [&](const KV* base, int64_t t) { return base + (slot_of(row, t, bs) * Hkv + h) * D; };
+  alignas(32) float kt[4 * D];
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    const float* k[4];
+    for (int u = 0; u < 4; ++u) {
+      if (t + PF + u < L) prefetch_span(at(kp, t + PF + u), D, 0);
+      k[u] = row_f32(at(kp, t + u), kt + u * D, D);
+    }
+    for (int g = 0; g < G; ++g) scores4<DV>(q + g * D, k, scores + g * L + t, sc);
+  }
+  for (; t < L; ++t) {
+    const float* k = row_f32(at(kp, t), kt, D);
+    for (int g = 0; g < G; ++g) scores[g * L + t] = score1<DV>(q + g * D, k, sc);
+  }
+  cap_and_skip(scores, G, L, skip, cap);
+  float inv[G];   // the softmax's 1 / sum, applied once to the output
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_shifted(scores + g * L, L);
+  alignas(32) float acc[G * D] = {};
+  alignas(32) float vt[kVChunk * D];
+  const float* v[kVChunk];
+  for (int64_t t0 = skip; t0 < L; t0 += kVChunk) {   // (skipped tokens' V rows are not read)
+    const int64_t n = std::min<int64_t>(kVChunk, L - t0);
+    v_chunk(at, vp, t0, n, D, vt, v);
+    for (int g = 0; g < G; ++g) v_rows<DV>(acc + g * D, scores + g * L + t0, v, n);
+  }
+  for (int g = 0; g < G; ++g) scale8(out + g * D, acc + g * D, inv[g], D);
+}
+
+// attend_rows's AVX2 form (see the AVX-512 one for the arguments): row r of the tile sees
+// L0 + r tokens; `scores` as there; its accumulators live in `out` until the end.
+template <typename KV, int DV, int G>
+void attend_rows(const float* __restrict q, const KV* __restrict kp, const KV* __restrict vp,
+                 const int64_t* __restrict row, int64_t L0, int64_t R, int64_t bs, int64_t Hkv,
+                 int64_t h, float sc, float* __restrict scores, int64_t Ls,
+                 float* __restrict out, int64_t os) {
+  constexpr int64_t D = DV * 16;
+  auto at = [&](const KV* base, int64_t t) { return base + (slot_of(row, t, bs) * Hkv + h) * D; };
+  const int64_t Lmax = L0 + R - 1;
+  alignas(32) float kt[4 * D];
+  for (int64_t t = 0; t < Lmax; t += 4) {
+    const int64_t nt = std::min<int64_t>(4, Lmax - t);
+    const float* k[4];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t tu = t + (u < nt ? u : 0);   // (a row past the end is never used)
+      k[u] = row_f32(at(kp, tu), kt + u * D, D);
+    }
+    for (int64_t r = std::max<int64_t>(0, t + 1 - L0); r < R; ++r) {   // the rows that see t
+      const int64_t L = L0 + r;
+      const float* qr = q + r * os;
+      float* s = scores + r * G * Ls + t;
+      if (t + 4 <= L) {   // attend_head's groups of four
+        for (int g = 0; g < G; ++g) scores4<DV>(qr + g * D, k, s + g * Ls, sc);
+      } else {   // its last L % 4 tokens, one at a time
+        for (int64_t u = 0; u < L - t; ++u)
+          for (int g = 0; g < G; ++g) s[g * Ls + u] = score1<DV>(qr + g * D, k[u], sc);
+      }
+    }
+  }
+  float inv[kTile * G];
+  for (int64_t r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) inv[r * G + g] = 1.f / exp_shifted(scores + (r * G + g) * Ls, L0 + r);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < G * D; ++i) out[r * os + i] = 0.f;
+  alignas(32) float vt[kVChunk * D];
+  const float* v[kVChunk];
+  for (int64_t t0 = 0; t0 < Lmax; t0 += kVChunk) {
+    const int64_t n = std::min<int64_t>(kVChunk, Lmax - t0);
+    v_chunk(at, vp, t0, n, D, vt, v);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t m = std::min<int64_t>(n, L0 + r - t0);   // the chunk's tokens row r sees
+      if (m <= 0) continue;
+      for (int g = 0; g < G; ++g)
+        v_rows<DV>(out + r * os + g * D, scores + (r * G + g) * Ls + t0, v, m);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) scale8(out + r * os + g * D, out + r * os + g * D, inv[r * G + g], D);
+}
+#endif  // !__AVX512F__
 
 // One task: kv heads [h0, h1) of one sequence, each with its G query heads, against its L context
 // tokens. A whole sequence per task (the usual case) streams each token's K and V rows of all
