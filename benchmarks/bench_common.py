@@ -70,14 +70,10 @@ def memory_snapshot() -> dict:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """This CPU's model name, "(run as KIND)" added under benchmarks/as_cpu.py (engine.cpu)."""
+    from pdserve.engine.cpu import cpu_features
+
+    return cpu_features().model
 
 
 def cpu_flags() -> list[str]:
