@@ -625,6 +625,164 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks, int64_t part) {
 }
 
 
+// ---- the same 4-bit blocks in oneDNN's float32 arithmetic (the float32 mode's steps of few rows) ----
+//
+// oneDNN's float32 linear sums each output's products as one chain of fused multiply-adds in
+// input order, in parts of `part` inputs (each part from zero, the parts added in order; measured
+// by quant.py's onednn_part, which also checks the bits). q4_linear_f32 rebuilds the weights of
+// 16 outputs at a time from their blocks (q * d + m: the float32 weight's exact bits, q4_blocks
+// checked that) and runs the same chains, so a row's result is oneDNN's whatever the rows beside
+// it, at 0.625 bytes a weight instead of 4.
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kRowsF32 = 8;   // rows a pass serves: their accumulators stay in registers
+#else
+constexpr int kRowsF32 = 4;
+#endif
+
+template <int R>
+void groups_pass_f32(const float* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
+                     int64_t g0, int64_t g1, float* y, int64_t ys) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gw = w + g * nb * kGroupBytes;
+#if defined(__AVX512F__)
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    __m512 acc[R], total[R];
+    for (int r = 0; r < R; ++r) acc[r] = total[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (b > 0 && b % part_b == 0) {
+        for (int r = 0; r < R; ++r) {
+          total[r] = b == part_b ? acc[r] : _mm512_add_ps(total[r], acc[r]);
+          acc[r] = _mm512_setzero_ps();
+        }
+      }
+      const uint8_t* blk = gw + b * kGroupBytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      const float* xb = x + b * kBlock;
+      for (int p = 0; p < kBlock / 2; ++p) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + p * 16)));
+        const __m512 we = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d), m);
+        const __m512 wo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + 2 * p]), we, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + 2 * p + 1]), wo, acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(y + r * ys + g * kGroup, nb > part_b ? _mm512_add_ps(total[r], acc[r]) : acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    // the 16 outputs as two halves of 8
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    __m256 acc[R][2], total[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) acc[r][h] = total[r][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (b > 0 && b % part_b == 0) {
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) {
+            total[r][h] = b == part_b ? acc[r][h] : _mm256_add_ps(total[r][h], acc[r][h]);
+            acc[r][h] = _mm256_setzero_ps();
+          }
+      }
+      const uint8_t* blk = gw + b * kGroupBytes;
+      const float* xb = x + b * kBlock;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+        for (int p = 0; p < kBlock / 2; ++p) {
+          const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + p * 16 + 8 * h)));
+          const __m256 we = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d), m);
+          const __m256 wo = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d), m);
+          for (int r = 0; r < R; ++r) {
+            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * K + 2 * p]), we, acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * K + 2 * p + 1]), wo, acc[r][h]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(y + r * ys + g * kGroup + 8 * h,
+                         nb > part_b ? _mm256_add_ps(total[r][h], acc[r][h]) : acc[r][h]);
+#else
+    for (int64_t j = 0; j < kGroup; ++j) {
+      float acc[R] = {}, total[R] = {};
+      for (int64_t b = 0; b < nb; ++b) {
+        if (b > 0 && b % part_b == 0) {
+          for (int r = 0; r < R; ++r) {
+            total[r] = b == part_b ? acc[r] : total[r] + acc[r];
+            acc[r] = 0.0f;
+          }
+        }
+        const uint8_t* blk = gw + b * kGroupBytes;
+        const float d = half_at(blk + 2 * j), m = half_at(blk + 32 + 2 * j);
+        for (int p = 0; p < kBlock / 2; ++p) {
+          const uint8_t q = blk[64 + p * 16 + j];
+          const float we = static_cast<float>(q & 0x0F) * d + m, wo = static_cast<float>(q >> 4) * d + m;
+          for (int r = 0; r < R; ++r) {
+            acc[r] = std::fma(x[r * K + b * kBlock + 2 * p], we, acc[r]);
+            acc[r] = std::fma(x[r * K + b * kBlock + 2 * p + 1], wo, acc[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) y[r * ys + g * kGroup + j] = nb > part_b ? total[r] + acc[r] : acc[r];
+    }
+#endif
+  }
+}
+
+void groups_any_f32(int rows, const float* x, int64_t K, const uint8_t* w, int64_t nb,
+                    int64_t part_b, int64_t g0, int64_t g1, float* y, int64_t ys) {
+  switch (rows) {
+    case 1: return groups_pass_f32<1>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 2: return groups_pass_f32<2>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 3: return groups_pass_f32<3>(x, K, w, nb, part_b, g0, g1, y, ys);
+#if defined(__AVX512F__)
+    case 4: return groups_pass_f32<4>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 5: return groups_pass_f32<5>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 6: return groups_pass_f32<6>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 7: return groups_pass_f32<7>(x, K, w, nb, part_b, g0, g1, y, ys);
+    default: return groups_pass_f32<8>(x, K, w, nb, part_b, g0, g1, y, ys);
+#else
+    default: return groups_pass_f32<4>(x, K, w, nb, part_b, g0, g1, y, ys);
+#endif
+  }
+}
+
+}  // namespace
+
+// x [rows, in] float32 times the blocks of a weight (as q4_linear) in oneDNN's float32
+// arithmetic, in parts of `part` inputs: [rows, out] float32.
+torch::Tensor q4_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32,
+              "x: CPU float32 [rows, in] expected");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 &&
+                  blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [out / 16, in / 32 * 320] expected");
+  const int64_t rows = x.size(0), in = x.size(1), groups = blocks.size(0), out = groups * kGroup;
+  TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kGroupBytes,
+              "blocks: ", in / kBlock * kGroupBytes, " bytes a group expected for ", in, " inputs");
+  TORCH_CHECK(part > 0 && part % kBlock == 0, "part: a positive multiple of 32 expected");
+  auto y = torch::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = in / kBlock, part_b = part / kBlock;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowsF32) {
+      const int r = static_cast<int>(std::min<int64_t>(kRowsF32, rows - r0));
+      groups_any_f32(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
+    }
+  });
+  return y;
+}
+
+
 namespace {
 
 // One linear layer of the stack, prepared as engine/layers/linear.py and quant.py prepare it, and
@@ -634,8 +792,8 @@ namespace {
 //   int8:  int8_rows, then quantized::linear_dynamic on the prepacked weight, the span row
 //          dropped and each row scaled back
 //   int4:  _weight_int4pack_mm_for_cpu on bf16 activations
-// and, where the layer also holds its weight as 4-bit blocks (quant.py Q4Blocks), q4_linear for a
-// step of at most q4_rows rows.
+// and, where the layer also holds its weight as 4-bit blocks (quant.py Q4Blocks), q4_linear (bf16)
+// or q4_linear_f32 (dense) for a step of at most q4_rows rows.
 struct Linear {
   enum Kind { kDense, kBf16, kInt8, kInt4 } kind = kDense;
   torch::Tensor weight, aux, span_row, bias;   // aux: int4 scales/zeros or int8 inv_smooth
@@ -679,7 +837,8 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
     if (q4_at(x.size(0))) {
-      y = q4_linear(x, q4, q4_part).to(torch::kFloat32);
+      // a dense (float32) layer's blocks in float32 arithmetic, a bf16 one's in bf16
+      y = kind == kDense ? q4_linear_f32(x, q4, q4_part) : q4_linear(x, q4, q4_part).to(torch::kFloat32);
       return bias.defined() ? y + bias : y;
     }
     if (kind == kDense) {
@@ -870,6 +1029,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows);
   m.def("argmax_rows", &argmax_rows);
   m.def("q4_linear", &q4_linear);
+  m.def("q4_linear_f32", &q4_linear_f32);
   m.def("silu_mul_bf16", &silu_mul_bf16);
   m.def("kv_write_", &kv_write_);
   m.def("topk_rows", &topk_rows);

@@ -17,7 +17,8 @@
   answers (issue #48; docs/experiments/int8-agreement.md), where bf16 linears keep float32's.
   Fast only on native bf16 units (AVX512-BF16, AMX): quantization="auto" offers it only there.
   Where the weights are exactly a GGUF's 4-bit blocks, steps of few rows read those instead and
-  compute oneDNN's bits (Q4Blocks): the mode stays batch-invariant.
+  compute oneDNN's bits (Q4Blocks): the mode stays batch-invariant. The float32 mode does the
+  same in float32 arithmetic (engine/layers/linear.py).
 
 What int8 computes does not depend on the CPU where the kernel can be exact: every row is scaled
 to [-1, 1] and a span row pins the quantization range to exactly [-1, 1], so the activations'
@@ -53,11 +54,13 @@ SMOOTH_ALPHA = 0.5
 # the gap between a row's top token and its HEAD_RESCORE-th, so float32's top token is among them
 # (4, 8 and 16 gave SmolLM2 the same agreement); every rescored logit is float32's.
 HEAD_RESCORE = 8
-# The most rows a step may have for a bf16-mode linear to multiply its 4-bit blocks (Q4Blocks)
-# rather than its bf16 weight through oneDNN (the same bits either way). Up to here a step is bound
+# The most rows a step may have for a linear to multiply its 4-bit blocks (Q4Blocks) rather than
+# its bf16 or float32 weight through oneDNN (the same bits either way). Up to here a step is bound
 # by the bytes it reads; past it, by arithmetic, where oneDNN's blocking leads. SmolLM2's 120
 # decoder linears, one pass from memory (AMD EPYC AVX-512 BF16, 2 threads, 2026-11-30, beside a
-# helper's work): 4-bit over bf16 2.5x faster at 1 row, 1.4x at 4, 1.26x at 8, 0.87x at 9.
+# helper's work): 4-bit over bf16 2.5x faster at 1 row, 1.4x at 4, 1.26x at 8, 0.87x at 9. Against
+# float32's 4 bytes a weight the blocks lead further (in cache, 576 x 1536, 2 threads: 32 against
+# 54 us at 1 row, 74 against 83-89 at 8, even at 12-16).
 Q4_ROWS = 8
 
 
@@ -196,32 +199,38 @@ class Int4Weight:
 
 
 class Q4Blocks:
-    """A float32 weight [out, in] that is exactly 4-bit blocks, kept as such for the bf16 mode's
-    steps of few rows, multiplied to the bit as Bf16Weight's oneDNN product.
+    """A float32 weight [out, in] that is exactly 4-bit blocks, kept as such for steps of few rows
+    and multiplied to the bit as oneDNN multiplies the weight itself: in bf16 (the bf16 mode's
+    Bf16Weight) or in float32 (the float32 mode's dense linears, engine/layers/linear.py).
 
     A weight that a GGUF file stored as Q4_0 or Q4_1 (the embedded SmolLM2 is Q4_1) dequantizes
     to exactly d * q + m in every block of 32 input features, q in 0..15 and d, m float16 values.
     `of` finds those blocks again (fused_cpu.cpp q4_blocks: Q4_1's m is each block's minimum and
     its span over 15 rounds to d as a float16; Q4_0's m = -8 d is its largest magnitude) and
     keeps them only if every rebuilt weight equals the dense one bit for bit. The compiled
-    q4_linear rebuilds them in registers and computes what oneDNN's bf16 kernel computes: weight
-    and activations rounded to bf16, products summed in float32 pair after pair in input order,
-    in parts whose sums are added in order (onednn_bf16_part measures the parts), a bf16 result.
-    So a row's logits, and the KV a decode step writes, are the same bits whether its step had
-    one row or a hundred, and the same as a prefill of the same tokens writes: greedy tokens do
-    not depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625 bytes a
+    kernels rebuild them in registers and compute what oneDNN's kernel computes. In bf16
+    (q4_linear): weight and activations rounded to bf16, products summed in float32 pair after
+    pair in input order, in parts whose sums are added in order, a bf16 result. In float32
+    (q4_linear_f32): one chain of fused multiply-adds in input order, in parts likewise. oneDNN's
+    parts are measured (onednn_part) and the bits checked on this CPU before use (`checked`). So a
+    row's logits, and the KV a decode step writes, are the same bits whether its step had one row
+    or a hundred, and the same as a prefill of the same tokens writes: greedy tokens do not
+    depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625 bytes a
     weight, a step of one to a few rows, which streams every weight once and is bound by those
-    bytes, runs about 2.5x faster than on the bf16 weight at one row (Q4_ROWS)."""
+    bytes, runs about 2.5x faster than on the bf16 weight at one row, more against float32's 4
+    bytes (Q4_ROWS)."""
 
-    def __init__(self, blocks: torch.Tensor, part: int):
+    def __init__(self, blocks: torch.Tensor, part: int, dtype: torch.dtype = torch.bfloat16):
         self.blocks = blocks
         self.part = part
+        self.dtype = dtype
 
     @staticmethod
-    def of(weight: torch.Tensor) -> Q4Blocks | None:
-        """The weight's 4-bit blocks, or None: not float32 on the CPU, out_features not a
-        multiple of 16 or in_features of 32, a block not exactly d * q + m, oneDNN's order of
-        sums not one q4_linear reproduces, or no compiled kernels."""
+    def of(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Q4Blocks | None:
+        """The weight's 4-bit blocks for oneDNN's `dtype` arithmetic (bfloat16 or float32), or
+        None: not float32 on the CPU, out_features not a multiple of 16 or in_features of 32, a
+        block not exactly d * q + m, oneDNN's order of sums not one the kernels reproduce, or no
+        compiled kernels."""
         if (
             weight.device.type != "cpu"
             or weight.dtype != torch.float32
@@ -233,20 +242,46 @@ class Q4Blocks:
             or not torch.backends.mkldnn.is_available()
         ):
             return None
-        part = onednn_bf16_part(weight.shape[1], weight.shape[0])
+        part = onednn_part(weight.shape[1], weight.shape[0], dtype)
         if part is None:
             return None
         blocks = cpu_fused().q4_blocks(weight.detach().contiguous())
-        return None if blocks is None else Q4Blocks(blocks, part)
+        return None if blocks is None else Q4Blocks(blocks, part, dtype)
+
+    @staticmethod
+    def checked(weight: torch.Tensor, dtype: torch.dtype, dense_matmul) -> Q4Blocks | None:
+        """Q4Blocks.of, kept only if the 4-bit product gives `dense_matmul`'s bits (oneDNN on
+        the weight itself): on rows that expose the order of the sums (once per shape), then on
+        Q4_CHECK_ROWS random rows of this weight, in steps of Q4_ROWS rows as a decode step runs
+        it. A refusal (another CPU's oneDNN summing otherwise) warns: every step then takes the
+        dense weight, slower and the same tokens."""
+        q4 = Q4Blocks.of(weight, dtype)
+        if q4 is None:
+            return None
+        k, n = weight.shape[1], weight.shape[0]
+        if q4_gives_onednn_bits(k, n, q4.part, dtype):
+            x = torch.randn(Q4_CHECK_ROWS, k, generator=torch.Generator().manual_seed(0))
+            if torch.equal(torch.cat([q4.matmul(c) for c in x.split(Q4_ROWS)]), dense_matmul(x)):
+                return q4
+        name = "bf16" if dtype == torch.bfloat16 else "float32"
+        warnings.warn(
+            f"the 4-bit product does not give oneDNN's {name} bits on this CPU: steps of few "
+            "rows multiply the dense weight (slower, the same tokens)",
+            stacklevel=3,
+        )
+        return None
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d [rows, in] (float32 or bf16) times the weight: oneDNN's bf16 result, handed back
-        in x2d's dtype as Bf16Weight.dense_matmul hands it back."""
+        """x2d [rows, in] (float32 or bf16) times the weight: oneDNN's result in this dtype's
+        arithmetic, handed back in x2d's dtype (as Bf16Weight.dense_matmul and the float32
+        linear hand theirs back)."""
+        if self.dtype == torch.float32:
+            return cpu_fused().q4_linear_f32(x2d.float(), self.blocks, self.part).to(x2d.dtype)
         return cpu_fused().q4_linear(x2d, self.blocks, self.part).to(x2d.dtype)
 
 
-# Random rows of the check that a weight's 4-bit product gives oneDNN's bits (Bf16Weight), after
-# the rows built to expose the order of the sums (q4_gives_onednn_bits).
+# Random rows of the check that a weight's 4-bit product gives oneDNN's bits (Q4Blocks.checked),
+# after the rows built to expose the order of the sums (q4_gives_onednn_bits).
 Q4_CHECK_ROWS = 16
 
 
@@ -256,7 +291,8 @@ def cancelling_rows(in_features: int) -> torch.Tensor:
     running order the 1 vanishes into 2^24 (whose float32 step is 2) before -2^24 cancels it
     (result 0); if a part of the sum starts at c, the 1 meets -2^24 first, exactly (2^24 - 1 is
     a float32), and survives (result 1). Row 2i + 1 puts +2^24 on the first input, 1 after c and
-    -2^24 on the last: with the parts added in order the 1 survives only in the last part."""
+    -2^24 on the last: with the parts added in order the 1 survives only in the last part. (Placed
+    so that bf16's pairs of inputs and float32's single chain read them the same way.)"""
     big = 2.0**24
     starts = range(INT4_GROUP, in_features, INT4_GROUP)
     x = torch.zeros(max(2 * len(starts), 2 * Q4_ROWS), in_features)
@@ -267,28 +303,31 @@ def cancelling_rows(in_features: int) -> torch.Tensor:
     return x
 
 
-def _onednn_on_ones(in_features: int, out_features: int, x: torch.Tensor) -> torch.Tensor:
+def _onednn_on_ones(in_features: int, out_features: int, x: torch.Tensor, dtype) -> torch.Tensor:
     from pdserve.engine.layers.linear import onednn_linear  # (linear imports this module)
 
-    ones = torch.ones(out_features, in_features, dtype=torch.bfloat16)
+    ones = torch.ones(out_features, in_features, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(ones, 32)
-    return onednn_linear(x.to(torch.bfloat16), packed, None)
+    return onednn_linear(x.to(dtype), packed, None)
 
 
 @functools.cache
-def onednn_bf16_part(in_features: int, out_features: int = 16) -> int | None:
-    """How oneDNN's bf16 linear of this shape sums a row's products, measured on oneDNN with
-    cancelling_rows: pair after pair in input order, in parts of P inputs (its blocks of the
-    inputs: on the AVX-512 EPYC 512 up to 1,024 inputs and 1024 past that; measured, not
-    assumed), each part from zero, the parts added in order. Returns P (in_features: one part),
-    or None if what it does is not that (then no 4-bit product gives its bits)."""
+def onednn_part(
+    in_features: int, out_features: int = 16, dtype: torch.dtype = torch.bfloat16
+) -> int | None:
+    """How oneDNN's linear of this shape and dtype sums a row's products, measured on oneDNN with
+    cancelling_rows: in input order (bf16: pair after pair; float32: one chain), in parts of P
+    inputs (its blocks of the inputs: on the AVX-512 EPYC 512 up to 1,024 inputs and 1024 past
+    that in both dtypes; with AVX2 only, float32 sums up to 1,024 inputs in one part; measured,
+    not assumed), each part from zero, the parts added in order. Returns P (in_features: one
+    part), or None if what it does is not that (then no 4-bit product gives its bits)."""
     k = in_features
     if k % INT4_GROUP:
         return None
     starts = list(range(INT4_GROUP, k, INT4_GROUP))
     if not starts:
         return k
-    got = _onednn_on_ones(k, out_features, cancelling_rows(k))[: 2 * len(starts), 0]
+    got = _onednn_on_ones(k, out_features, cancelling_rows(k), dtype)[: 2 * len(starts), 0]
     got = got.float().tolist()
     if any(v not in (0.0, 1.0) for v in got):
         return None
@@ -302,14 +341,16 @@ def onednn_bf16_part(in_features: int, out_features: int = 16) -> int | None:
 
 
 @functools.cache
-def q4_gives_onednn_bits(in_features: int, out_features: int, part: int) -> bool:
-    """Whether q4_linear in parts of `part` gives oneDNN's bits for this shape on
-    cancelling_rows, whose results change with any other order of the sums."""
+def q4_gives_onednn_bits(
+    in_features: int, out_features: int, part: int, dtype: torch.dtype = torch.bfloat16
+) -> bool:
+    """Whether the 4-bit product in parts of `part` gives oneDNN's `dtype` bits for this shape
+    on cancelling_rows, whose results change with any other order of the sums."""
     ones = torch.ones(out_features, in_features)
-    blocks = cpu_fused().q4_blocks(ones)
+    q4 = Q4Blocks(cpu_fused().q4_blocks(ones), part, dtype)
     x = cancelling_rows(in_features)
-    q4 = torch.cat([cpu_fused().q4_linear(c, blocks, part) for c in x.split(Q4_ROWS)])
-    return torch.equal(q4, _onednn_on_ones(in_features, out_features, x))
+    got = torch.cat([q4.matmul(c) for c in x.split(Q4_ROWS)])
+    return torch.equal(got, _onednn_on_ones(in_features, out_features, x, dtype).to(got.dtype))
 
 
 class Bf16Weight:
@@ -324,25 +365,7 @@ class Bf16Weight:
             weight.detach().to(torch.bfloat16), 32
         )
         self.out_features = weight.shape[0]
-        self.q4 = Q4Blocks.of(weight)
-        if self.q4 is not None and not self._q4_exact():
-            warnings.warn(
-                "the 4-bit product does not give oneDNN's bf16 bits on this CPU: steps of few "
-                "rows multiply the bf16 weight (slower, the same tokens)",
-                stacklevel=2,
-            )
-            self.q4 = None
-
-    def _q4_exact(self) -> bool:
-        """Whether the 4-bit product gives oneDNN's bits: on rows that expose the order of the
-        sums (once per shape), then on Q4_CHECK_ROWS random rows of this weight, in steps of
-        Q4_ROWS rows as a decode step runs it."""
-        k = self.q4.blocks.shape[1] // 320 * INT4_GROUP
-        if not q4_gives_onednn_bits(k, self.out_features, self.q4.part):
-            return False
-        x = torch.randn(Q4_CHECK_ROWS, k, generator=torch.Generator().manual_seed(0))
-        small = torch.cat([self.q4.matmul(c) for c in x.split(Q4_ROWS)])
-        return torch.equal(small, self.dense_matmul(x))
+        self.q4 = Q4Blocks.checked(weight, torch.bfloat16, self.dense_matmul)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and x2d.shape[0] <= Q4_ROWS:

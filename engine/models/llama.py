@@ -223,6 +223,9 @@ class LlamaModel(nn.Module):
                 q = linear._quant
                 if isinstance(q, Bf16Weight) and q.q4 is not None:
                     stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
+                elif q is None and linear._q4 is not None and linear.bias is None:
+                    # (a bias goes inside oneDNN's product, after the 4-bit one's: left to it)
+                    stack.set_q4(which, linear._q4.blocks, linear._q4.part, Q4_ROWS)
         self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):

@@ -1,10 +1,10 @@
 """Weights that are exactly 4-bit blocks (engine/layers/quant.py Q4Blocks, the compiled q4_linear
-of engine/kernels/fused_cpu.cpp): found again in a float32 weight that a Q4_0 or Q4_1 GGUF
-dequantized to, multiplied bit for bit as oneDNN's bf16 linear multiplies the same weight (and as
-a reference written here in torch float32 ops), a row alone giving the bits it gives in any
-batch, refused for any weight they would not rebuild exactly, and taken by the bf16 mode for steps
-of at most Q4_ROWS rows (the decode stack included): greedy tokens and logprobs the same for a
-sequence alone as in a batch."""
+and q4_linear_f32 of engine/kernels/fused_cpu.cpp): found again in a float32 weight that a Q4_0 or
+Q4_1 GGUF dequantized to, multiplied bit for bit as oneDNN's bf16 linear and its float32 linear
+multiply the same weight (and as references written here without either kernel), a row alone
+giving the bits it gives in any batch, refused for any weight they would not rebuild exactly, and
+taken by the bf16 mode and the float32 mode for steps of at most Q4_ROWS rows (the decode stack
+included): greedy tokens and logprobs the same for a sequence alone as in a batch."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pdserve.engine.layers.quant import (
     Bf16Weight,
     Q4Blocks,
     cancelling_rows,
-    onednn_bf16_part,
+    onednn_part,
     q4_gives_onednn_bits,
 )
 
@@ -63,6 +63,50 @@ def reference(x: torch.Tensor, w: torch.Tensor, part: int) -> torch.Tensor:
     return total.to(torch.bfloat16)
 
 
+def reference_f32(x: torch.Tensor, w: torch.Tensor, part: int) -> torch.Tensor:
+    """oneDNN's float32 arithmetic without it: each output one chain of fused multiply-adds in
+    input order (the product and sum carried in 80-bit long double, then rounded to float32:
+    a float32 product is exact there, so each step rounds once as an FMA does, unless the sum
+    needs more than 64 bits, which these magnitudes never reach), in parts added in order."""
+    xs, ws = x.double().numpy().astype(np.longdouble), w.double().numpy().astype(np.longdouble)
+    total = None
+    for lo in range(0, x.shape[1], part):
+        acc = np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
+        for k in range(lo, min(lo + part, x.shape[1])):
+            step = acc.astype(np.longdouble) + xs[:, k : k + 1] * ws[:, k]
+            acc = step.astype(np.float32)
+        total = acc if total is None else (total + acc).astype(np.float32)
+    return torch.from_numpy(total)
+
+
+def dense_f32(w: torch.Tensor):
+    """The float32 linear's own product (engine/layers/linear.py: oneDNN on the packed weight)."""
+    from pdserve.engine.layers.linear import onednn_linear
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    return lambda x: onednn_linear(x, packed, None)
+
+
+@pytest.mark.parametrize("inp", [160, 576, 1536])
+def test_a_gguf_4_bit_weight_multiplies_as_onednn_float32_does(inp):
+    """The float32 mode's product: oneDNN's bits, the reference's bits, float32's values."""
+    w = weight(out=32, inp=inp, seed=inp)
+    q4 = Q4Blocks.of(w, torch.float32)
+    assert q4 is not None and q4.dtype == torch.float32
+    assert q4_gives_onednn_bits(inp, 32, q4.part, torch.float32)
+    x = torch.randn(13, inp, generator=torch.Generator().manual_seed(1))
+    y = torch.cat([q4.matmul(c) for c in x.split(Q4_ROWS)])
+    assert y.dtype == torch.float32
+    assert torch.equal(y, dense_f32(w)(x))
+    assert torch.equal(y, reference_f32(x, w, q4.part))
+    alone = torch.cat([q4.matmul(x[i : i + 1]) for i in range(13)])
+    assert torch.equal(alone, y)
+    for other in {512, 1024, inp} - {q4.part}:  # another order of the sums is told apart
+        if other >= inp and q4.part >= inp:
+            continue
+        assert not q4_gives_onednn_bits(inp, 32, other, torch.float32), other
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_a_gguf_4_bit_weight_multiplies_as_onednn_bf16_does(kind):
     w = weight(kind=kind)
@@ -79,11 +123,11 @@ def test_a_gguf_4_bit_weight_multiplies_as_onednn_bf16_does(kind):
 
 @pytest.mark.parametrize("inp", [160, 576, 1536, 2560])
 def test_the_parts_measured_on_onednn_give_its_bits(inp):
-    """onednn_bf16_part measures how oneDNN splits a row's sum on this CPU; with it the 4-bit
+    """onednn_part measures how oneDNN splits a row's sum on this CPU; with it the 4-bit
     product gives oneDNN's bits on rows built to expose the order of the sums, and with any other
     part it does not (so Bf16Weight's check can fail). The reference above, which uses neither
     kernel, gives the same bits."""
-    part = onednn_bf16_part(inp, 32)
+    part = onednn_part(inp, 32)
     assert part is not None
     assert q4_gives_onednn_bits(inp, 32, part)
     for other in {32, 64, 512, 1024, 2048} - {part}:
@@ -143,7 +187,7 @@ def test_the_bf16_mode_refuses_blocks_that_do_not_give_onednn_bits(monkeypatch):
     load refuses the blocks, with a warning: the bf16 weight serves every step."""
     import pdserve.engine.layers.quant as quant
 
-    monkeypatch.setattr(quant, "onednn_bf16_part", lambda inp, out=16: 32)
+    monkeypatch.setattr(quant, "onednn_part", lambda inp, out=16, dtype=None: 32)
     w = weight(out=32, inp=576, seed=9)
     assert Q4Blocks.of(w) is not None
     with pytest.warns(UserWarning, match="oneDNN's bf16 bits"):
@@ -196,6 +240,49 @@ def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_
         finally:
             model.model._stack = stack
         assert fused == layer_by_layer
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
+def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
+    """dtype="float32" on a model whose linears are 4-bit blocks: every decoder linear keeps
+    them, the decode stack takes them, and a sequence decodes the same tokens and logprobs alone
+    (one-row steps on the blocks) as in a batch of twelve (oneDNN's float32 weight) and as the
+    layers one by one."""
+    llm = LLM(
+        q4_model,
+        dtype="float32",
+        kv_cache_memory=1 << 22,
+        enable_prefix_caching=False,
+        speculative_config=None,
+    )
+    model = llm.engine.runner.model
+    try:
+        decoder = [
+            m
+            for name, m in model.named_modules()
+            if isinstance(m, LinearBase) and ".layers." in name
+        ]
+        assert decoder and all(m._q4 is not None and m._q4.dtype == torch.float32 for m in decoder)
+        stack = model.model._stack
+        assert stack is not None
+        prompts = random_prompts([3 + 2 * i for i in range(12)], seed=11)
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
+
+        def outputs(batch):
+            outs = llm.generate(batch, params, use_tqdm=False)
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+        batch = outputs(prompts)
+        alone = [outputs([p])[0] for p in prompts[:4]]
+        assert alone == batch[:4]
+        model.model._stack = None
+        try:
+            layer_by_layer = [outputs([p])[0] for p in prompts[:4]]
+        finally:
+            model.model._stack = stack
+        assert layer_by_layer == alone
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
