@@ -7,9 +7,9 @@ into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (den
 as torch inductor does), which beats `F.linear` at the row counts of decoding; a float32 weight
 that is exactly a GGUF's 4-bit blocks also keeps those (quant.py Q4Blocks), which steps of at most
 Q4_ROWS rows multiply instead, to oneDNN's float32 bits at 0.625 bytes a weight; with a
-quantization mode it becomes an int8 or int4 weight (engine/layers/quant.py). A linear that an engine's LoRA
-adapters target (`has_lora`, set by engine/lora.py) adds the running step's adapter deltas to its
-output (the forward context's LoRABatch), before a row-parallel layer's all-reduce.
+quantization mode it becomes an int8 or int4 weight (engine/layers/quant.py). A linear that an
+engine's LoRA adapters target (`has_lora`, set by engine/lora.py) adds the running step's adapter
+deltas to its output (the forward context's LoRABatch), before a row-parallel layer's all-reduce.
 """
 
 from __future__ import annotations

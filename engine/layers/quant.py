@@ -242,11 +242,12 @@ class Q4Blocks:
             or not torch.backends.mkldnn.is_available()
         ):
             return None
-        part = onednn_part(weight.shape[1], weight.shape[0], dtype)
-        if part is None:
-            return None
+        # the blocks first: a weight that is not blocks stops at its first block, unprobed
         blocks = cpu_fused().q4_blocks(weight.detach().contiguous())
-        return None if blocks is None else Q4Blocks(blocks, part, dtype)
+        if blocks is None:
+            return None
+        part = onednn_part(weight.shape[1], weight.shape[0], dtype)
+        return None if part is None else Q4Blocks(blocks, part, dtype)
 
     @staticmethod
     def checked(weight: torch.Tensor, dtype: torch.dtype, dense_matmul) -> Q4Blocks | None:

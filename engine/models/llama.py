@@ -224,7 +224,7 @@ class LlamaModel(nn.Module):
                 if isinstance(q, Bf16Weight) and q.q4 is not None:
                     stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
                 elif q is None and linear._q4 is not None and linear.bias is None:
-                    # (a bias goes inside oneDNN's product, after the 4-bit one's: left to it)
+                    # (oneDNN adds a layer's bias inside its product: such a layer keeps oneDNN)
                     stack.set_q4(which, linear._q4.blocks, linear._q4.part, Q4_ROWS)
         self._stack = stack
 
