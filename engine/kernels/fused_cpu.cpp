@@ -625,146 +625,233 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks, int64_t part) {
 }
 
 
-// ---- the same 4-bit blocks in oneDNN's float32 arithmetic (the float32 mode's steps of few rows) ----
+// ---- weight blocks in oneDNN's float32 arithmetic (the float32 mode's steps of few rows) ----
 //
 // oneDNN's float32 linear sums each output's products as one chain of fused multiply-adds in
 // input order, in parts of `part` inputs (each part from zero, the parts added in order; measured
-// by quant.py's onednn_part, which also checks the bits). q4_linear_f32 rebuilds the weights of
-// 16 outputs at a time from their blocks (q * d + m: the float32 weight's exact bits, q4_blocks
-// checked that) and runs the same chains, so a row's result is oneDNN's whatever the rows beside
-// it, at 0.625 bytes a weight instead of 4.
+// by quant.py's onednn_part, which also checks the bits). q4_linear_f32 and q8_linear_f32 rebuild
+// the weights of 16 outputs at a time from their blocks (the float32 weight's exact bits: the
+// finders checked that) and run the same chains, so a row's result is oneDNN's whatever the rows
+// beside it, at 0.625 (4-bit) or 1.0625 (8-bit) bytes a weight instead of 4. The two differ only
+// in how a block gives the weights of a pair of inputs (the decoders below).
+//
+// 8-bit blocks (GGUF's Q8_0, which the embedded SmolLM2's token embedding, its tied LM head, is):
+// a weight is d * q per block of 32 inputs, q in -128..127, d a float16 value. q8_blocks keeps
+// them for 16 outputs at a time: per block of 32 inputs, the 16 outputs' d (float16), then for
+// each input 16 bytes, byte j output j's q: 544 bytes for 512 weights.
+constexpr int64_t kGroupBytes8 = 32 + kBlock * kGroup;
+
 namespace {
 
 #if defined(__AVX512F__)
 constexpr int kRowsF32 = 8;   // rows a pass serves: their accumulators stay in registers
+typedef __m512 vw;            // the 16 outputs' weights of one input
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kRowsF32 = 4;
+struct vw {                   // (two halves of 8)
+  __m256 h[2];
+};
 #else
 constexpr int kRowsF32 = 4;
+typedef float vw[kGroup];
 #endif
 
-template <int R>
+// A decoder gives, for a block, the weights of inputs 2p and 2p + 1 (we, wo) of its 16 outputs.
+struct Q4Decoder {
+  static constexpr int64_t kBytes = kGroupBytes;
+#if defined(__AVX512F__)
+  __m512 d, m;
+  explicit Q4Decoder(const uint8_t* blk)
+      : d(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)))),
+        m(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))) {}
+  void pair(const uint8_t* blk, int p, vw& we, vw& wo) const {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + p * 16)));
+    we = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F))), d), m);
+    wo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m);
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 d[2], m[2];
+  explicit Q4Decoder(const uint8_t* blk) {
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+    }
+  }
+  void pair(const uint8_t* blk, int p, vw& we, vw& wo) const {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + p * 16 + 8 * h)));
+      we.h[h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))), d[h]), m[h]);
+      wo.h[h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d[h]), m[h]);
+    }
+  }
+#else
+  float d[kGroup], m[kGroup];
+  explicit Q4Decoder(const uint8_t* blk) {
+    for (int j = 0; j < kGroup; ++j) {
+      d[j] = half_at(blk + 2 * j);
+      m[j] = half_at(blk + 32 + 2 * j);
+    }
+  }
+  void pair(const uint8_t* blk, int p, vw& we, vw& wo) const {
+    for (int j = 0; j < kGroup; ++j) {
+      const uint8_t q = blk[64 + p * 16 + j];
+      we[j] = static_cast<float>(q & 0x0F) * d[j] + m[j];
+      wo[j] = static_cast<float>(q >> 4) * d[j] + m[j];
+    }
+  }
+#endif
+};
+
+struct Q8Decoder {
+  static constexpr int64_t kBytes = kGroupBytes8;
+#if defined(__AVX512F__)
+  __m512 d;
+  explicit Q8Decoder(const uint8_t* blk)
+      : d(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)))) {}
+  static __m512 row(const uint8_t* q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  }
+  void pair(const uint8_t* blk, int p, vw& we, vw& wo) const {
+    we = _mm512_mul_ps(row(blk + 32 + 2 * p * 16), d);
+    wo = _mm512_mul_ps(row(blk + 32 + (2 * p + 1) * 16), d);
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 d[2];
+  explicit Q8Decoder(const uint8_t* blk) {
+    for (int h = 0; h < 2; ++h)
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+  }
+  static __m256 row(const uint8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  }
+  void pair(const uint8_t* blk, int p, vw& we, vw& wo) const {
+    for (int h = 0; h < 2; ++h) {
+      we.h[h] = _mm256_mul_ps(row(blk + 32 + 2 * p * 16 + 8 * h), d[h]);
+      wo.h[h] = _mm256_mul_ps(row(blk + 32 + (2 * p + 1) * 16 + 8 * h), d[h]);
+    }
+  }
+#else
+  float d[kGroup];
+  explicit Q8Decoder(const uint8_t* blk) {
+    for (int j = 0; j < kGroup; ++j) d[j] = half_at(blk + 2 * j);
+  }
+  void pair(const uint8_t* blk, int p, vw& we, vw& wo) const {
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 32);
+    for (int j = 0; j < kGroup; ++j) {
+      we[j] = static_cast<float>(q[2 * p * 16 + j]) * d[j];
+      wo[j] = static_cast<float>(q[(2 * p + 1) * 16 + j]) * d[j];
+    }
+  }
+#endif
+};
+
+// acc += x * w, lane by lane, as one fused multiply-add each
+inline void fma_into(vw& acc, float x, const vw& w) {
+#if defined(__AVX512F__)
+  acc = _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (int h = 0; h < 2; ++h) acc.h[h] = _mm256_fmadd_ps(_mm256_set1_ps(x), w.h[h], acc.h[h]);
+#else
+  for (int j = 0; j < kGroup; ++j) acc[j] = std::fma(x, w[j], acc[j]);
+#endif
+}
+
+inline void set_zero(vw& v) {
+#if defined(__AVX512F__)
+  v = _mm512_setzero_ps();
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  v.h[0] = v.h[1] = _mm256_setzero_ps();
+#else
+  for (int j = 0; j < kGroup; ++j) v[j] = 0.0f;
+#endif
+}
+
+// total += acc (total = acc when `first`)
+inline void add_into(vw& total, const vw& acc, bool first) {
+#if defined(__AVX512F__)
+  total = first ? acc : _mm512_add_ps(total, acc);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (int h = 0; h < 2; ++h) total.h[h] = first ? acc.h[h] : _mm256_add_ps(total.h[h], acc.h[h]);
+#else
+  for (int j = 0; j < kGroup; ++j) total[j] = first ? acc[j] : total[j] + acc[j];
+#endif
+}
+
+inline void store16f(float* out, const vw& v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(out, v);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  _mm256_storeu_ps(out, v.h[0]);
+  _mm256_storeu_ps(out + 8, v.h[1]);
+#else
+  std::memcpy(out, v, sizeof(vw));
+#endif
+}
+
+template <typename Dec, int R>
 void groups_pass_f32(const float* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
                      int64_t g0, int64_t g1, float* y, int64_t ys) {
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* gw = w + g * nb * kGroupBytes;
-#if defined(__AVX512F__)
-    const __m512i low = _mm512_set1_epi32(0x0F);
-    __m512 acc[R], total[R];
-    for (int r = 0; r < R; ++r) acc[r] = total[r] = _mm512_setzero_ps();
+    const uint8_t* gw = w + g * nb * Dec::kBytes;
+    vw acc[R], total[R];
+    for (int r = 0; r < R; ++r) set_zero(acc[r]);
     for (int64_t b = 0; b < nb; ++b) {
-      if (b > 0 && b % part_b == 0) {
+      if (b > 0 && b % part_b == 0) {   // a part ends: added to the parts before it
         for (int r = 0; r < R; ++r) {
-          total[r] = b == part_b ? acc[r] : _mm512_add_ps(total[r], acc[r]);
-          acc[r] = _mm512_setzero_ps();
+          add_into(total[r], acc[r], b == part_b);
+          set_zero(acc[r]);
         }
       }
-      const uint8_t* blk = gw + b * kGroupBytes;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      const uint8_t* blk = gw + b * Dec::kBytes;
+      const Dec dec(blk);
       const float* xb = x + b * kBlock;
       for (int p = 0; p < kBlock / 2; ++p) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + p * 16)));
-        const __m512 we = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d), m);
-        const __m512 wo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m);
+        vw we, wo;
+        dec.pair(blk, p, we, wo);
         for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + 2 * p]), we, acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + 2 * p + 1]), wo, acc[r]);
+          fma_into(acc[r], xb[r * K + 2 * p], we);
+          fma_into(acc[r], xb[r * K + 2 * p + 1], wo);
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(y + r * ys + g * kGroup, nb > part_b ? _mm512_add_ps(total[r], acc[r]) : acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    // the 16 outputs as two halves of 8
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    __m256 acc[R][2], total[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) acc[r][h] = total[r][h] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      if (b > 0 && b % part_b == 0) {
-        for (int r = 0; r < R; ++r)
-          for (int h = 0; h < 2; ++h) {
-            total[r][h] = b == part_b ? acc[r][h] : _mm256_add_ps(total[r][h], acc[r][h]);
-            acc[r][h] = _mm256_setzero_ps();
-          }
-      }
-      const uint8_t* blk = gw + b * kGroupBytes;
-      const float* xb = x + b * kBlock;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
-        for (int p = 0; p < kBlock / 2; ++p) {
-          const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + p * 16 + 8 * h)));
-          const __m256 we = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d), m);
-          const __m256 wo = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d), m);
-          for (int r = 0; r < R; ++r) {
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * K + 2 * p]), we, acc[r][h]);
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * K + 2 * p + 1]), wo, acc[r][h]);
-          }
-        }
-      }
+    for (int r = 0; r < R; ++r) {
+      if (nb > part_b) add_into(total[r], acc[r], false);
+      store16f(y + r * ys + g * kGroup, nb > part_b ? total[r] : acc[r]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_ps(y + r * ys + g * kGroup + 8 * h,
-                         nb > part_b ? _mm256_add_ps(total[r][h], acc[r][h]) : acc[r][h]);
-#else
-    for (int64_t j = 0; j < kGroup; ++j) {
-      float acc[R] = {}, total[R] = {};
-      for (int64_t b = 0; b < nb; ++b) {
-        if (b > 0 && b % part_b == 0) {
-          for (int r = 0; r < R; ++r) {
-            total[r] = b == part_b ? acc[r] : total[r] + acc[r];
-            acc[r] = 0.0f;
-          }
-        }
-        const uint8_t* blk = gw + b * kGroupBytes;
-        const float d = half_at(blk + 2 * j), m = half_at(blk + 32 + 2 * j);
-        for (int p = 0; p < kBlock / 2; ++p) {
-          const uint8_t q = blk[64 + p * 16 + j];
-          const float we = static_cast<float>(q & 0x0F) * d + m, wo = static_cast<float>(q >> 4) * d + m;
-          for (int r = 0; r < R; ++r) {
-            acc[r] = std::fma(x[r * K + b * kBlock + 2 * p], we, acc[r]);
-            acc[r] = std::fma(x[r * K + b * kBlock + 2 * p + 1], wo, acc[r]);
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) y[r * ys + g * kGroup + j] = nb > part_b ? total[r] + acc[r] : acc[r];
-    }
-#endif
   }
 }
 
+template <typename Dec>
 void groups_any_f32(int rows, const float* x, int64_t K, const uint8_t* w, int64_t nb,
                     int64_t part_b, int64_t g0, int64_t g1, float* y, int64_t ys) {
   switch (rows) {
-    case 1: return groups_pass_f32<1>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 2: return groups_pass_f32<2>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 3: return groups_pass_f32<3>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 1: return groups_pass_f32<Dec, 1>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 2: return groups_pass_f32<Dec, 2>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 3: return groups_pass_f32<Dec, 3>(x, K, w, nb, part_b, g0, g1, y, ys);
 #if defined(__AVX512F__)
-    case 4: return groups_pass_f32<4>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 5: return groups_pass_f32<5>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 6: return groups_pass_f32<6>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 7: return groups_pass_f32<7>(x, K, w, nb, part_b, g0, g1, y, ys);
-    default: return groups_pass_f32<8>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 4: return groups_pass_f32<Dec, 4>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 5: return groups_pass_f32<Dec, 5>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 6: return groups_pass_f32<Dec, 6>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 7: return groups_pass_f32<Dec, 7>(x, K, w, nb, part_b, g0, g1, y, ys);
+    default: return groups_pass_f32<Dec, 8>(x, K, w, nb, part_b, g0, g1, y, ys);
 #else
-    default: return groups_pass_f32<4>(x, K, w, nb, part_b, g0, g1, y, ys);
+    default: return groups_pass_f32<Dec, 4>(x, K, w, nb, part_b, g0, g1, y, ys);
 #endif
   }
 }
 
-}  // namespace
-
-// x [rows, in] float32 times the blocks of a weight (as q4_linear) in oneDNN's float32
-// arithmetic, in parts of `part` inputs: [rows, out] float32.
-torch::Tensor q4_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+// x [rows, in] float32 times a weight's blocks ([out / 16, in / 32 * Dec::kBytes] uint8) in
+// oneDNN's float32 arithmetic, in parts of `part` inputs: [rows, out] float32.
+template <typename Dec>
+torch::Tensor blocks_linear_f32(const torch::Tensor& x, const torch::Tensor& blocks, int64_t part) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32,
               "x: CPU float32 [rows, in] expected");
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 &&
                   blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks: contiguous uint8 [out / 16, in / 32 * 320] expected");
+              "blocks: contiguous uint8 [out / 16, in / 32 * ", Dec::kBytes, "] expected");
   const int64_t rows = x.size(0), in = x.size(1), groups = blocks.size(0), out = groups * kGroup;
-  TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kGroupBytes,
-              "blocks: ", in / kBlock * kGroupBytes, " bytes a group expected for ", in, " inputs");
+  TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * Dec::kBytes,
+              "blocks: ", in / kBlock * Dec::kBytes, " bytes a group expected for ", in, " inputs");
   TORCH_CHECK(part > 0 && part % kBlock == 0, "part: a positive multiple of 32 expected");
   auto y = torch::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
@@ -776,10 +863,65 @@ torch::Tensor q4_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part)
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowsF32) {
       const int r = static_cast<int>(std::min<int64_t>(kRowsF32, rows - r0));
-      groups_any_f32(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
+      groups_any_f32<Dec>(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
     }
   });
   return y;
+}
+
+}  // namespace
+
+torch::Tensor q4_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+  return blocks_linear_f32<Q4Decoder>(x, blocks, part);
+}
+
+torch::Tensor q8_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+  return blocks_linear_f32<Q8Decoder>(x, blocks, part);
+}
+
+// The 8-bit blocks of a float32 weight [out, in] (out a multiple of 16, in of 32) in the layout
+// above, or None if one block is not exactly d * q: d the block's largest magnitude over 127 as a
+// float16 value (Q8_0's), every weight an integer q times it.
+c10::optional<torch::Tensor> q8_blocks(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
+                  w.is_contiguous() && w.size(1) % kBlock == 0 && w.size(0) % kGroup == 0,
+              "w: contiguous CPU float32 [out, in] with out a multiple of 16, in of 32 expected");
+  const int64_t out = w.size(0), nb = w.size(1) / kBlock;
+  auto blocks = torch::empty({out / kGroup, nb * kGroupBytes8}, w.options().dtype(torch::kUInt8));
+  const float* wp = w.data_ptr<float>();
+  uint8_t* bp = blocks.data_ptr<uint8_t>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, out * nb, 256, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b && exact.load(std::memory_order_relaxed); ++i) {
+      const int64_t n = i / nb, blk = i % nb;
+      const float* v = wp + i * kBlock;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      if (!std::isfinite(amax)) {
+        exact = false;
+        break;
+      }
+      const c10::Half dh(amax / 127.0f);
+      const float d = static_cast<float>(dh);
+      int8_t q[kBlock];
+      bool ok = true;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float qf = d != 0.0f ? std::nearbyint(v[j] / d) : 0.0f;
+        ok &= qf >= -128.0f && qf <= 127.0f && qf * d == v[j];   // q * d is exact
+        q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, qf)));
+      }
+      if (!ok) {
+        exact = false;
+        break;
+      }
+      uint8_t* o = bp + ((n / kGroup) * nb + blk) * kGroupBytes8;
+      const int64_t j = n % kGroup;
+      std::memcpy(o + 2 * j, &dh.x, 2);
+      for (int64_t k = 0; k < kBlock; ++k) o[32 + k * kGroup + j] = static_cast<uint8_t>(q[k]);
+    }
+  });
+  if (!exact) return c10::nullopt;
+  return blocks;
 }
 
 
@@ -1030,6 +1172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows);
   m.def("q4_linear", &q4_linear);
   m.def("q4_linear_f32", &q4_linear_f32);
+  m.def("q8_linear_f32", &q8_linear_f32);
+  m.def("q8_blocks", &q8_blocks);
   m.def("silu_mul_bf16", &silu_mul_bf16);
   m.def("kv_write_", &kv_write_);
   m.def("topk_rows", &topk_rows);

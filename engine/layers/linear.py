@@ -5,8 +5,9 @@ checkpoint loader streams full tensors in without knowing about TP. After loadin
 prepares the weight for the matmul that will use it: on CPU in float32 or bfloat16 it is reordered
 into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (dense in, dense out,
 as torch inductor does), which beats `F.linear` at the row counts of decoding; a float32 weight
-that is exactly a GGUF's 4-bit blocks also keeps those (quant.py Q4Blocks), which steps of at most
-Q4_ROWS rows multiply instead, to oneDNN's float32 bits at 0.625 bytes a weight; with a
+that is exactly a GGUF's 4- or 8-bit blocks also keeps those (quant.py Q4Blocks, Q8Blocks), which
+steps of at most Q4_ROWS rows multiply instead, to oneDNN's float32 bits at 0.625 or 1.0625 bytes
+a weight; with a
 quantization mode it becomes an int8 or int4 weight (engine/layers/quant.py). A linear that an
 engine's LoRA adapters target (`has_lora`, set by engine/lora.py) adds the running step's adapter
 deltas to its output (the forward context's LoRABatch), before a row-parallel layer's all-reduce.
@@ -19,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_context import current_forward_context
-from pdserve.engine.layers.quant import Q4_ROWS, Q4Blocks, quantize_weight
+from pdserve.engine.layers.quant import (
+    Q4_ROWS,
+    Q4Blocks,
+    Q8Blocks,
+    exact_blocks,
+    onednn_bf16_available,
+    quantize_weight,
+)
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
 
 _BATCH_HINT = 32  # rows the reordered layout is tuned for; any row count is accepted
@@ -43,10 +51,15 @@ def onednn_linear(x2d: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN multiplies this weight: float32 on the CPU, or bf16 where oneDNN's bf16
+    linear runs (else torch's own matmul takes it: an AVX2-only CPU)."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
+        and (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and onednn_bf16_available())
+        )
     )
 
 
@@ -71,7 +84,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._packed: torch.Tensor | None = None
-        self._q4: Q4Blocks | None = None  # a float32 weight's 4-bit blocks, when it is exactly that
+        # a float32 weight's 4- or 8-bit blocks, when it is exactly that
+        self._blocks: Q4Blocks | Q8Blocks | None = None
         self._quant = None  # an engine.layers.quant weight when a quantization mode is on
         # per input channel, the largest |activation| seen on calibration text (int8 smooths by it)
         self.act_absmax: torch.Tensor | None = None
@@ -85,7 +99,7 @@ class LinearBase(nn.Module):
         memory), unless another module shares it: `release_dense` drops it."""
         if self.weight.numel() == 0:
             raise RuntimeError("finalize after the dense weight was released")
-        self._packed = self._quant = self._q4 = None
+        self._packed = self._quant = self._blocks = None
         if quantization is not None:
             self._quant = quantize_weight(quantization, self.weight.detach(), self.act_absmax)
         elif _onednn_usable(self.weight):
@@ -94,10 +108,8 @@ class LinearBase(nn.Module):
             )
             if self.weight.dtype == torch.float32:
                 packed = self._packed
-                self._q4 = Q4Blocks.checked(
-                    self.weight.detach(),
-                    torch.float32,
-                    lambda x: onednn_linear(x, packed, None),
+                self._blocks = exact_blocks(
+                    self.weight.detach(), torch.float32, lambda x: onednn_linear(x, packed, None)
                 )
         if release_dense and (self._packed is not None or self._quant is not None):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
@@ -112,8 +124,8 @@ class LinearBase(nn.Module):
         if self._packed is not None:
             x2d = x.reshape(-1, x.shape[-1])
             # (a bias goes inside oneDNN's product: such a layer leaves every step to it)
-            if self._q4 is not None and bias is None and x2d.shape[0] <= Q4_ROWS:
-                y = self._q4.matmul(x2d)
+            if self._blocks is not None and bias is None and x2d.shape[0] <= Q4_ROWS:
+                y = self._blocks.matmul(x2d)
             else:
                 y = onednn_linear(x2d, self._packed, bias)
             return y.view(*x.shape[:-1], y.shape[-1])

@@ -64,6 +64,20 @@ HEAD_RESCORE = 8
 Q4_ROWS = 8
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN's bf16 linear runs on this CPU: torch refuses its bf16 weight reorder where
+    the CPU has neither AVX-512 BW/VL/DQ nor AVX-NE-CONVERT (an AMD EPYC with AVX2 only). There
+    bf16 weights take torch's own matmul and the bf16 mode is refused with a message."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16), 32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def auto_candidates() -> list[str]:
     """The modes quantization="auto" tries, fastest first for serving (many rows per step): a
     step of one row is bound by the weight bytes it streams, where int4's half-size weights
@@ -72,7 +86,7 @@ def auto_candidates() -> list[str]:
     CPU computes bf16 natively (and oneDNN is there for bf16)."""
     if not cpu_features().bf16_units:
         return ["int8"]
-    return ["int8", "int4", "bf16"] if torch.backends.mkldnn.is_available() else ["int8", "int4"]
+    return ["int8", "int4", "bf16"] if onednn_bf16_available() else ["int8", "int4"]
 
 
 @functools.cache
@@ -212,7 +226,7 @@ class Q4Blocks:
     (q4_linear): weight and activations rounded to bf16, products summed in float32 pair after
     pair in input order, in parts whose sums are added in order, a bf16 result. In float32
     (q4_linear_f32): one chain of fused multiply-adds in input order, in parts likewise. oneDNN's
-    parts are measured (onednn_part) and the bits checked on this CPU before use (`checked`). So a
+    parts are measured (onednn_part) and the bits checked on this CPU before use (exact_blocks). So a
     row's logits, and the KV a decode step writes, are the same bits whether its step had one row
     or a hundred, and the same as a prefill of the same tokens writes: greedy tokens do not
     depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625 bytes a
@@ -231,16 +245,7 @@ class Q4Blocks:
         None: not float32 on the CPU, out_features not a multiple of 16 or in_features of 32, a
         block not exactly d * q + m, oneDNN's order of sums not one the kernels reproduce, or no
         compiled kernels."""
-        if (
-            weight.device.type != "cpu"
-            or weight.dtype != torch.float32
-            or weight.dim() != 2
-            or weight.shape[0] % 16
-            or weight.shape[1] % INT4_GROUP
-            or weight.numel() == 0
-            or cpu_fused() is None
-            or not torch.backends.mkldnn.is_available()
-        ):
+        if not _blocks_may_fit(weight):
             return None
         # the blocks first: a weight that is not blocks stops at its first block, unprobed
         blocks = cpu_fused().q4_blocks(weight.detach().contiguous())
@@ -248,29 +253,6 @@ class Q4Blocks:
             return None
         part = onednn_part(weight.shape[1], weight.shape[0], dtype)
         return None if part is None else Q4Blocks(blocks, part, dtype)
-
-    @staticmethod
-    def checked(weight: torch.Tensor, dtype: torch.dtype, dense_matmul) -> Q4Blocks | None:
-        """Q4Blocks.of, kept only if the 4-bit product gives `dense_matmul`'s bits (oneDNN on
-        the weight itself): on rows that expose the order of the sums (once per shape), then on
-        Q4_CHECK_ROWS random rows of this weight, in steps of Q4_ROWS rows as a decode step runs
-        it. A refusal (another CPU's oneDNN summing otherwise) warns: every step then takes the
-        dense weight, slower and the same tokens."""
-        q4 = Q4Blocks.of(weight, dtype)
-        if q4 is None:
-            return None
-        k, n = weight.shape[1], weight.shape[0]
-        if q4_gives_onednn_bits(k, n, q4.part, dtype):
-            x = torch.randn(Q4_CHECK_ROWS, k, generator=torch.Generator().manual_seed(0))
-            if torch.equal(torch.cat([q4.matmul(c) for c in x.split(Q4_ROWS)]), dense_matmul(x)):
-                return q4
-        name = "bf16" if dtype == torch.bfloat16 else "float32"
-        warnings.warn(
-            f"the 4-bit product does not give oneDNN's {name} bits on this CPU: steps of few "
-            "rows multiply the dense weight (slower, the same tokens)",
-            stacklevel=3,
-        )
-        return None
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         """x2d [rows, in] (float32 or bf16) times the weight: oneDNN's result in this dtype's
@@ -281,7 +263,84 @@ class Q4Blocks:
         return cpu_fused().q4_linear(x2d, self.blocks, self.part).to(x2d.dtype)
 
 
-# Random rows of the check that a weight's 4-bit product gives oneDNN's bits (Q4Blocks.checked),
+class Q8Blocks:
+    """A float32 weight [out, in] that is exactly 8-bit blocks: GGUF's Q8_0, d * q per block of 32
+    input features, q in -128..127 and d a float16 value (the embedded SmolLM2's token embedding,
+    and so its tied LM head, is Q8_0). Kept for the float32 mode's steps of few rows, multiplied
+    by the compiled q8_linear_f32 in oneDNN's float32 arithmetic (the chains Q4Blocks describes)
+    at 1.0625 bytes a weight instead of 4: SmolLM2's head is 113 MB in float32, the largest
+    single read of a one-row step."""
+
+    dtype = torch.float32
+
+    def __init__(self, blocks: torch.Tensor, part: int):
+        self.blocks = blocks
+        self.part = part
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> Q8Blocks | None:
+        """The weight's 8-bit blocks, or None (as Q4Blocks.of, for 8-bit blocks)."""
+        if not _blocks_may_fit(weight):
+            return None
+        blocks = cpu_fused().q8_blocks(weight.detach().contiguous())
+        if blocks is None:
+            return None
+        part = onednn_part(weight.shape[1], weight.shape[0], torch.float32)
+        return None if part is None else Q8Blocks(blocks, part)
+
+    def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        return cpu_fused().q8_linear_f32(x2d.float(), self.blocks, self.part).to(x2d.dtype)
+
+
+def _blocks_may_fit(weight: torch.Tensor) -> bool:
+    """Whether a weight can be 4- or 8-bit blocks the kernels take: float32 on the CPU, out a
+    multiple of 16 and in of 32, with compiled kernels and oneDNN present."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % INT4_GROUP == 0
+        and weight.numel() > 0
+        and cpu_fused() is not None
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def exact_blocks(
+    weight: torch.Tensor, dtype: torch.dtype, dense_matmul
+) -> Q4Blocks | Q8Blocks | None:
+    """The weight's blocks for oneDNN's `dtype` arithmetic (4-bit, or for float32 also 8-bit),
+    kept only if their product gives `dense_matmul`'s bits (oneDNN on the weight itself): for
+    4-bit blocks on rows that expose the order of the sums (once per shape), then for either on
+    Q4_CHECK_ROWS random rows of this weight, in steps of Q4_ROWS rows as a decode step runs it.
+    A refusal (another CPU's oneDNN summing otherwise) warns: every step then takes the dense
+    weight, slower and the same tokens."""
+    blocks = Q4Blocks.of(weight, dtype)
+    if blocks is None and dtype == torch.float32:
+        blocks = Q8Blocks.of(weight)
+    if blocks is None:
+        return None
+    k, n = weight.shape[1], weight.shape[0]
+    four = isinstance(blocks, Q4Blocks)
+    exact = not four or q4_gives_onednn_bits(k, n, blocks.part, dtype)
+    if exact:
+        x = torch.randn(Q4_CHECK_ROWS, k, generator=torch.Generator().manual_seed(0))
+        exact = torch.equal(
+            torch.cat([blocks.matmul(c) for c in x.split(Q4_ROWS)]), dense_matmul(x)
+        )
+    if exact:
+        return blocks
+    name = "bf16" if dtype == torch.bfloat16 else "float32"
+    warnings.warn(
+        f"the {4 if four else 8}-bit product does not give oneDNN's {name} bits on this CPU: "
+        "steps of few rows multiply the dense weight (slower, the same tokens)",
+        stacklevel=3,
+    )
+    return None
+
+
+# Random rows of the check that a weight's 4-bit product gives oneDNN's bits (exact_blocks),
 # after the rows built to expose the order of the sums (q4_gives_onednn_bits).
 Q4_CHECK_ROWS = 16
 
@@ -323,7 +382,7 @@ def onednn_part(
     not assumed), each part from zero, the parts added in order. Returns P (in_features: one
     part), or None if what it does is not that (then no 4-bit product gives its bits)."""
     k = in_features
-    if k % INT4_GROUP:
+    if k % INT4_GROUP or (dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
     starts = list(range(INT4_GROUP, k, INT4_GROUP))
     if not starts:
@@ -366,7 +425,7 @@ class Bf16Weight:
             weight.detach().to(torch.bfloat16), 32
         )
         self.out_features = weight.shape[0]
-        self.q4 = Q4Blocks.checked(weight, torch.bfloat16, self.dense_matmul)
+        self.q4 = exact_blocks(weight, torch.bfloat16, self.dense_matmul)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and x2d.shape[0] <= Q4_ROWS:
@@ -418,6 +477,11 @@ def quantize_weight(mode: str, weight: torch.Tensor, act_absmax: torch.Tensor | 
     if mode == "int4":
         return Int4Weight(weight)
     if mode == "bf16":
+        if not onednn_bf16_available():
+            raise ValueError(
+                "quantization='bf16' needs oneDNN's bf16 linear, which this CPU lacks (it wants "
+                "AVX-512 BW/VL/DQ or AVX-NE-CONVERT): use quantization='auto' or none"
+            )
         return Bf16Weight(weight)
     if mode == "screened":
         return ScreenedHead(weight, act_absmax)

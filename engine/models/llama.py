@@ -34,6 +34,7 @@ from pdserve.engine.layers.quant import (
     Bf16Weight,
     Int4Weight,
     Int8Weight,
+    Q4Blocks,
     head_quantization,
 )
 from pdserve.engine.layers.rotary import RotaryEmbedding
@@ -223,9 +224,9 @@ class LlamaModel(nn.Module):
                 q = linear._quant
                 if isinstance(q, Bf16Weight) and q.q4 is not None:
                     stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
-                elif q is None and linear._q4 is not None and linear.bias is None:
+                elif q is None and isinstance(linear._blocks, Q4Blocks) and linear.bias is None:
                     # (oneDNN adds a layer's bias inside its product: such a layer keeps oneDNN)
-                    stack.set_q4(which, linear._q4.blocks, linear._q4.part, Q4_ROWS)
+                    stack.set_q4(which, linear._blocks.blocks, linear._blocks.part, Q4_ROWS)
         self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):

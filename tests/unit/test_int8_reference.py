@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from helpers.engine import needs_x86_int8
+from helpers.marks import BF16_MODE, needs_onednn_bf16
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers import quant
 from pdserve.engine.layers.quant import Bf16Weight, Int8Weight, ScreenedHead
@@ -138,6 +139,7 @@ def test_int8_matmul_matches_the_reference(rows, smooth, monkeypatch):
     assert rel_gap(reference_matmul(q, x, reduce_range=True), want) > 1e-3
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_bf16_matmul_matches_the_reference(rows):
     """oneDNN's bf16 product is the bf16 rounding of the exact sum of bf16 operands: off only by
@@ -197,7 +199,7 @@ TOL = {"int8": 2e-4, "bf16": 2e-3}
 KINDS = {"int8": {Int8Weight}, "bf16": {Bf16Weight, ScreenedHead}}
 
 
-@pytest.mark.parametrize("mode", ["int8", "bf16"])
+@pytest.mark.parametrize("mode", ["int8", BF16_MODE])
 def test_prompt_logprobs_match_the_reference(tiny_models, monkeypatch, mode):
     """The served model (decode stack and all, prompt chunks of 16 tokens) against the same
     weights with the references in every linear: equal within TOL[mode] nats per token, where

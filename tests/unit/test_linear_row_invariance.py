@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.marks import BF16_MODE
 from pdserve.engine.layers.linear import ReplicatedLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-@pytest.mark.parametrize("mode", [None, "bf16"])
+@pytest.mark.parametrize("mode", [None, BF16_MODE])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (576, 576)])
 def test_a_row_alone_gives_the_bits_it_gives_in_a_batch(shape, mode):
     k, n = shape

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.marks import needs_onednn_bf16
 from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
@@ -22,7 +23,9 @@ from pdserve.engine.layers.quant import (
     Q4_ROWS,
     Bf16Weight,
     Q4Blocks,
+    Q8Blocks,
     cancelling_rows,
+    exact_blocks,
     onednn_part,
     q4_gives_onednn_bits,
 )
@@ -107,6 +110,37 @@ def test_a_gguf_4_bit_weight_multiplies_as_onednn_float32_does(inp):
         assert not q4_gives_onednn_bits(inp, 32, other, torch.float32), other
 
 
+def test_a_gguf_8_bit_weight_multiplies_as_onednn_float32_does():
+    """Q8_0 blocks (d * q): found, multiplied to oneDNN's float32 bits and the reference's, a
+    row alone as in a batch; refused where a weight is one step off; only for float32."""
+    w = weight(out=48, inp=576, seed=12, kind="Q8_0")
+    assert Q4Blocks.of(w, torch.float32) is None
+    q8 = Q8Blocks.of(w)
+    assert q8 is not None and q8.blocks.shape == (48 // 16, 576 // 32 * 544)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(2))
+    y = torch.cat([q8.matmul(c) for c in x.split(Q4_ROWS)])
+    assert torch.equal(y, dense_f32(w)(x))
+    assert torch.equal(y, reference_f32(x, w, q8.part))
+    assert torch.equal(torch.cat([q8.matmul(x[i : i + 1]) for i in range(11)]), y)
+    assert isinstance(exact_blocks(w, torch.float32, dense_f32(w)), Q8Blocks)
+    assert exact_blocks(w, torch.bfloat16, lambda x: None) is None  # no 8-bit bf16 product
+    w[7, 100] = torch.nextafter(w[7, 100], torch.tensor(1.0))
+    assert Q8Blocks.of(w) is None
+    assert Q8Blocks.of(torch.randn(48, 576)) is None
+
+
+def test_blocks_whose_product_misses_onednns_bits_are_refused(monkeypatch):
+    """exact_blocks checks the product against the dense one before use: with a wrong part
+    (another CPU's oneDNN) the float32 mode warns and keeps the dense weight."""
+    import pdserve.engine.layers.quant as quant
+
+    w = weight(out=32, inp=576, seed=13, kind="Q8_0")
+    monkeypatch.setattr(quant, "onednn_part", lambda inp, out=16, dtype=None: 32)
+    with pytest.warns(UserWarning, match="8-bit product does not give oneDNN's float32 bits"):
+        assert exact_blocks(w, torch.float32, dense_f32(w)) is None
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_a_gguf_4_bit_weight_multiplies_as_onednn_bf16_does(kind):
     w = weight(kind=kind)
@@ -121,6 +155,7 @@ def test_a_gguf_4_bit_weight_multiplies_as_onednn_bf16_does(kind):
     torch.testing.assert_close(y, x @ w.T, rtol=2e-2, atol=2e-2)  # bf16's rounding of float32's
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("inp", [160, 576, 1536, 2560])
 def test_the_parts_measured_on_onednn_give_its_bits(inp):
     """onednn_part measures how oneDNN splits a row's sum on this CPU; with it the 4-bit
@@ -142,6 +177,7 @@ def test_the_parts_measured_on_onednn_give_its_bits(inp):
     assert torch.equal(Q4Blocks.of(w).matmul(x), Bf16Weight(w).dense_matmul(x))
 
 
+@needs_onednn_bf16
 def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
     blocks = Q4Blocks.of(weight())
     x = torch.randn(20, 160, generator=torch.Generator().manual_seed(2))
@@ -153,6 +189,7 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
     assert torch.equal(blocks.matmul(narrowed), blocks.matmul(narrowed.clone()))
 
 
+@needs_onednn_bf16
 def test_a_weight_that_is_not_4_bit_blocks_is_refused():
     g = torch.Generator().manual_seed(3)
     assert Q4Blocks.of(torch.randn(64, 64, generator=g)) is None  # plain float32
@@ -169,6 +206,7 @@ def test_a_weight_that_is_not_4_bit_blocks_is_refused():
     assert Q4Blocks.of(w) is None
 
 
+@needs_onednn_bf16
 def test_the_bf16_mode_takes_the_blocks_for_steps_of_few_rows():
     w = weight()
     bf16 = Bf16Weight(w)
@@ -182,6 +220,7 @@ def test_the_bf16_mode_takes_the_blocks_for_steps_of_few_rows():
     assert Bf16Weight(torch.randn(96, 160)).q4 is None
 
 
+@needs_onednn_bf16
 def test_the_bf16_mode_refuses_blocks_that_do_not_give_onednn_bits(monkeypatch):
     """Where the measured part does not reproduce oneDNN (another CPU's kernel), the check at
     load refuses the blocks, with a warning: the bf16 weight serves every step."""
@@ -190,7 +229,7 @@ def test_the_bf16_mode_refuses_blocks_that_do_not_give_onednn_bits(monkeypatch):
     monkeypatch.setattr(quant, "onednn_part", lambda inp, out=16, dtype=None: 32)
     w = weight(out=32, inp=576, seed=9)
     assert Q4Blocks.of(w) is not None
-    with pytest.warns(UserWarning, match="oneDNN's bf16 bits"):
+    with pytest.warns(UserWarning, match="4-bit product does not give oneDNN's bf16 bits"):
         assert Bf16Weight(w).q4 is None
 
 
@@ -204,10 +243,13 @@ def q4_model(tmp_path_factory):
     for name, t in tensors.items():
         if name.endswith("proj.weight"):
             tensors[name] = as_stored(t)
+        elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+            tensors[name] = as_stored(t, "Q8_0")  # as SmolLM2's GGUF stores its embedding
     save_file(tensors, file, metadata={"format": "pt"})
     return str(path)
 
 
+@needs_onednn_bf16
 def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_model):
     llm = LLM(  # no prefix cache: the second run must prefill exactly as the first did
         q4_model,
@@ -264,7 +306,10 @@ def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
             for name, m in model.named_modules()
             if isinstance(m, LinearBase) and ".layers." in name
         ]
-        assert decoder and all(m._q4 is not None and m._q4.dtype == torch.float32 for m in decoder)
+        assert decoder and all(
+            isinstance(m._blocks, Q4Blocks) and m._blocks.dtype == torch.float32 for m in decoder
+        )
+        assert isinstance(model.lm_head._blocks, Q8Blocks)  # the head: the Q8_0 embedding
         stack = model.model._stack
         assert stack is not None
         prompts = random_prompts([3 + 2 * i for i in range(12)], seed=11)
@@ -300,6 +345,7 @@ def bf16_llm(model: str, **kw) -> LLM:
     )
 
 
+@needs_onednn_bf16
 def test_a_sequence_alone_decodes_the_bits_it_decodes_in_a_batch(q4_model):
     """One sequence's decode steps take the 4-bit blocks (one row), twelve sequences' take
     oneDNN's bf16 weight (twelve rows): the same tokens and logprobs, so greedy output depends
@@ -321,6 +367,7 @@ def test_a_sequence_alone_decodes_the_bits_it_decodes_in_a_batch(q4_model):
         llm.shutdown()
 
 
+@needs_onednn_bf16
 def test_a_next_turn_reusing_decode_written_kv_gives_the_recomputed_bits(q4_model):
     """A conversation's second turn whose cached prefix includes the first turn's answer (its KV
     written by one-row decode steps on the 4-bit blocks) gives the tokens and logprobs of the

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers.engine import needs_x86_int8, prompt_logprob_diff
+from helpers.marks import BF16_MODE, needs_onednn_bf16
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
@@ -113,7 +114,7 @@ def test_int4_refuses_a_width_it_cannot_group():
 
 
 @needs_x86_int8
-@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", ["int8", "int4", BF16_MODE])
 def test_linear_layer_modes_and_bias(mode):
     layer = ReplicatedLinear(128, 96, bias=True)
     w, x = weight_and_input(5)
@@ -128,6 +129,7 @@ def test_linear_layer_modes_and_bias(mode):
         layer.finalize(mode)
 
 
+@needs_onednn_bf16
 def test_head_stays_int8_under_int4_and_is_screened_under_bf16():
     assert head_quantization("int4") == "int8"
     assert head_quantization("int8") == "int8" and head_quantization(None) is None
@@ -139,14 +141,19 @@ def test_head_stays_int8_under_int4_and_is_screened_under_bf16():
         quantize_weight("int3", w)
 
 
-def test_bf16_is_offered_only_with_bf16_units(monkeypatch):
+def test_bf16_is_offered_only_with_bf16_units_and_onednns_bf16(monkeypatch):
+    """auto offers bf16 only on bf16 units where oneDNN's bf16 linear runs; where it does not
+    (a CPU with AVX2 only), asking for the mode is refused with a message, not torch's error."""
     from pdserve.engine import cpu
 
     for units in (False, True):
-        monkeypatch.setattr(cpu.CPUFeatures, "bf16_units", property(lambda self, u=units: u))
-        assert ("bf16" in quant.auto_candidates()) == (
-            units and torch.backends.mkldnn.is_available()
-        )
+        for onednn in (False, True):
+            monkeypatch.setattr(cpu.CPUFeatures, "bf16_units", property(lambda self, u=units: u))
+            monkeypatch.setattr(quant, "onednn_bf16_available", lambda o=onednn: o)
+            assert ("bf16" in quant.auto_candidates()) == (units and onednn)
+    monkeypatch.setattr(quant, "onednn_bf16_available", lambda: False)
+    with pytest.raises(ValueError, match="quantization='bf16' needs oneDNN's bf16 linear"):
+        quantize_weight("bf16", torch.randn(32, 64))
 
 
 def test_config_checks_quantization():
@@ -193,7 +200,7 @@ def assert_greedy_runs_without_leaks(llm, prompts) -> None:
 
 
 @needs_x86_int8
-@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", ["int8", "int4", BF16_MODE])
 def test_engine_serves_in_each_mode(refs, mode):
     """Greedy decoding runs, and prompt logprobs stay near float32's (a random tiny model's
     tokens are near-ties, so tokens are compared through logprobs, not text)."""
@@ -261,7 +268,7 @@ def test_kv_cache_dtype_is_checked():
 @needs_x86_int8
 @pytest.mark.skipif(cpu_fused() is None, reason="no C++ toolchain: layers run one by one")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-@pytest.mark.parametrize("mode", [None, "int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", [None, "int8", "int4", BF16_MODE])
 def test_decode_stack_gives_the_layer_by_layer_bits(refs, mode, kv_cache_dtype):
     """Decode-only steps run every layer in one compiled call; it must compute exactly what the
     layers do one by one (same tokens, same logprobs, bit for bit), batched with sequences of
