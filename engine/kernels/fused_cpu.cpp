@@ -539,50 +539,56 @@ bool try_block(const float* v, float d, float m, c10::Half* dm, uint8_t* qs) {
 
 }  // namespace
 
-// The 4-bit blocks of a float32 weight [out, in] (out a multiple of 16, in of 32) in the layout
-// above, or None if one block is not exactly d * q + m. Q4_1 stores m as the block's minimum and
-// d as its span over 15; Q4_0 stores d * (q - 8) with q = 0 at the block's largest magnitude, the
-// same form with m that value and d = -m / 8. Each block is kept in the first form that rebuilds it.
-c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
+// The blocks of a float32 weight [out, in] (out a multiple of 16, in of 32): for each output n
+// and block of 32 inputs, `fit(v, o, j)` takes its 32 weights v and writes them as output j of
+// their group into the group's block at o (group_bytes long), or returns false if they are not
+// exactly such a block; then the whole weight is refused (None), with no block read after it.
+template <typename Fit>
+c10::optional<torch::Tensor> find_blocks(const torch::Tensor& w, int64_t group_bytes, Fit fit) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) % kBlock == 0 && w.size(0) % kGroup == 0,
               "w: contiguous CPU float32 [out, in] with out a multiple of 16, in of 32 expected");
   const int64_t out = w.size(0), nb = w.size(1) / kBlock;
-  auto blocks = torch::empty({out / kGroup, nb * kGroupBytes}, w.options().dtype(torch::kUInt8));
+  auto blocks = torch::empty({out / kGroup, nb * group_bytes}, w.options().dtype(torch::kUInt8));
   const float* wp = w.data_ptr<float>();
   uint8_t* bp = blocks.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, out * nb, 256, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b && exact.load(std::memory_order_relaxed); ++i) {
       const int64_t n = i / nb, blk = i % nb;
-      const float* v = wp + i * kBlock;
-      float lo = v[0], hi = v[0], ext = v[0];
-      for (int64_t j = 1; j < kBlock; ++j) {
-        lo = std::min(lo, v[j]);
-        hi = std::max(hi, v[j]);
-        if (std::fabs(v[j]) > std::fabs(ext)) ext = v[j];
-      }
-      if (!(std::isfinite(lo) && std::isfinite(hi))) {
+      if (!fit(wp + i * kBlock, bp + ((n / kGroup) * nb + blk) * group_bytes, n % kGroup)) {
         exact = false;
         break;
-      }
-      c10::Half dm[2];
-      uint8_t qs[kBlock];
-      if (!try_block(v, (hi - lo) / 15.0f, lo, dm, qs) && !try_block(v, -ext / 8.0f, ext, dm, qs)) {
-        exact = false;
-        break;
-      }
-      uint8_t* o = bp + ((n / kGroup) * nb + blk) * kGroupBytes;
-      const int64_t j = n % kGroup;
-      std::memcpy(o + 2 * j, &dm[0].x, 2);
-      std::memcpy(o + 32 + 2 * j, &dm[1].x, 2);
-      for (int64_t p = 0; p < kBlock / 2; ++p) {
-        o[64 + p * 16 + j] = static_cast<uint8_t>(qs[2 * p] | (qs[2 * p + 1] << 4));
       }
     }
   });
   if (!exact) return c10::nullopt;
   return blocks;
+}
+
+// The 4-bit blocks of a float32 weight [out, in] (out a multiple of 16, in of 32) in the layout
+// above, or None if one block is not exactly d * q + m. Q4_1 stores m as the block's minimum and
+// d as its span over 15; Q4_0 stores d * (q - 8) with q = 0 at the block's largest magnitude, the
+// same form with m that value and d = -m / 8. Each block is kept in the first form that rebuilds it.
+c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
+  return find_blocks(w, kGroupBytes, [](const float* v, uint8_t* o, int64_t j) {
+    float lo = v[0], hi = v[0], ext = v[0];
+    for (int64_t k = 1; k < kBlock; ++k) {
+      lo = std::min(lo, v[k]);
+      hi = std::max(hi, v[k]);
+      if (std::fabs(v[k]) > std::fabs(ext)) ext = v[k];
+    }
+    if (!(std::isfinite(lo) && std::isfinite(hi))) return false;
+    c10::Half dm[2];
+    uint8_t qs[kBlock];
+    if (!try_block(v, (hi - lo) / 15.0f, lo, dm, qs) && !try_block(v, -ext / 8.0f, ext, dm, qs))
+      return false;
+    std::memcpy(o + 2 * j, &dm[0].x, 2);
+    std::memcpy(o + 32 + 2 * j, &dm[1].x, 2);
+    for (int64_t p = 0; p < kBlock / 2; ++p)
+      o[64 + p * 16 + j] = static_cast<uint8_t>(qs[2 * p] | (qs[2 * p + 1] << 4));
+    return true;
+  });
 }
 
 // x [rows, in] (float32 or bfloat16) times the blocks of a weight [out / 16, in / 32 * 320]
@@ -883,45 +889,24 @@ torch::Tensor q8_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part)
 // above, or None if one block is not exactly d * q: d the block's largest magnitude over 127 as a
 // float16 value (Q8_0's), every weight an integer q times it.
 c10::optional<torch::Tensor> q8_blocks(torch::Tensor w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
-                  w.is_contiguous() && w.size(1) % kBlock == 0 && w.size(0) % kGroup == 0,
-              "w: contiguous CPU float32 [out, in] with out a multiple of 16, in of 32 expected");
-  const int64_t out = w.size(0), nb = w.size(1) / kBlock;
-  auto blocks = torch::empty({out / kGroup, nb * kGroupBytes8}, w.options().dtype(torch::kUInt8));
-  const float* wp = w.data_ptr<float>();
-  uint8_t* bp = blocks.data_ptr<uint8_t>();
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, out * nb, 256, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b && exact.load(std::memory_order_relaxed); ++i) {
-      const int64_t n = i / nb, blk = i % nb;
-      const float* v = wp + i * kBlock;
-      float amax = 0.0f;
-      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-      if (!std::isfinite(amax)) {
-        exact = false;
-        break;
-      }
-      const c10::Half dh(amax / 127.0f);
-      const float d = static_cast<float>(dh);
-      int8_t q[kBlock];
-      bool ok = true;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const float qf = d != 0.0f ? std::nearbyint(v[j] / d) : 0.0f;
-        ok &= qf >= -128.0f && qf <= 127.0f && qf * d == v[j];   // q * d is exact
-        q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, qf)));
-      }
-      if (!ok) {
-        exact = false;
-        break;
-      }
-      uint8_t* o = bp + ((n / kGroup) * nb + blk) * kGroupBytes8;
-      const int64_t j = n % kGroup;
-      std::memcpy(o + 2 * j, &dh.x, 2);
-      for (int64_t k = 0; k < kBlock; ++k) o[32 + k * kGroup + j] = static_cast<uint8_t>(q[k]);
+  return find_blocks(w, kGroupBytes8, [](const float* v, uint8_t* o, int64_t j) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
+    if (!std::isfinite(amax)) return false;
+    const c10::Half dh(amax / 127.0f);
+    const float d = static_cast<float>(dh);
+    int8_t q[kBlock];
+    bool ok = true;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const float qf = d != 0.0f ? std::nearbyint(v[k] / d) : 0.0f;
+      ok &= qf >= -128.0f && qf <= 127.0f && qf * d == v[k];   // q * d is exact
+      q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, qf)));
     }
+    if (!ok) return false;
+    std::memcpy(o + 2 * j, &dh.x, 2);
+    for (int64_t k = 0; k < kBlock; ++k) o[32 + k * kGroup + j] = static_cast<uint8_t>(q[k]);
+    return true;
   });
-  if (!exact) return c10::nullopt;
-  return blocks;
 }
 
 

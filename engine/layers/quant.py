@@ -225,14 +225,14 @@ class Q4Blocks:
     kernels rebuild them in registers and compute what oneDNN's kernel computes. In bf16
     (q4_linear): weight and activations rounded to bf16, products summed in float32 pair after
     pair in input order, in parts whose sums are added in order, a bf16 result. In float32
-    (q4_linear_f32): one chain of fused multiply-adds in input order, in parts likewise. oneDNN's
-    parts are measured (onednn_part) and the bits checked on this CPU before use (exact_blocks). So a
-    row's logits, and the KV a decode step writes, are the same bits whether its step had one row
-    or a hundred, and the same as a prefill of the same tokens writes: greedy tokens do not
-    depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625 bytes a
-    weight, a step of one to a few rows, which streams every weight once and is bound by those
-    bytes, runs about 2.5x faster than on the bf16 weight at one row, more against float32's 4
-    bytes (Q4_ROWS)."""
+    (q4_linear_f32): one chain of fused multiply-adds in input order, in parts likewise.
+    oneDNN's parts are measured (onednn_part) and the bits checked on this CPU before use
+    (exact_blocks). So a row's logits, and the KV a decode step writes, are the same bits whether
+    its step had one row or a hundred, and the same as a prefill of the same tokens writes: greedy
+    tokens do not depend on the batch, on speculation or on reusing a turn's cached KV. At 0.625
+    bytes a weight, a step of one to a few rows, which streams every weight once and is bound by
+    those bytes, runs about 2.5x faster than on the bf16 weight at one row, more against
+    float32's 4 bytes (Q4_ROWS)."""
 
     def __init__(self, blocks: torch.Tensor, part: int, dtype: torch.dtype = torch.bfloat16):
         self.blocks = blocks

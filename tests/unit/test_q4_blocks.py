@@ -233,6 +233,16 @@ def test_the_bf16_mode_refuses_blocks_that_do_not_give_onednn_bits(monkeypatch):
         assert Bf16Weight(w).q4 is None
 
 
+def without_stack(model, run):
+    """run()'s result with the model's decode stack off: its layers one by one."""
+    stack = model.model._stack
+    model.model._stack = None
+    try:
+        return run()
+    finally:
+        model.model._stack = stack
+
+
 @pytest.fixture(scope="module")
 def q4_model(tmp_path_factory):
     """A tiny Llama whose decoder linears are stored as a Q4_1 GGUF would store them."""
@@ -266,8 +276,7 @@ def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_
             if isinstance(m, LinearBase) and ".layers." in name
         ]
         assert decoder and all(isinstance(q, Bf16Weight) and q.q4 is not None for q in decoder)
-        stack = model.model._stack
-        assert stack is not None
+        assert model.model._stack is not None
         prompts = random_prompts([5, 17, 40], seed=6)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
 
@@ -276,12 +285,7 @@ def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_
             return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
         fused = run()
-        model.model._stack = None
-        try:
-            layer_by_layer = run()
-        finally:
-            model.model._stack = stack
-        assert fused == layer_by_layer
+        assert fused == without_stack(model, run)
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
@@ -310,8 +314,7 @@ def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
             isinstance(m._blocks, Q4Blocks) and m._blocks.dtype == torch.float32 for m in decoder
         )
         assert isinstance(model.lm_head._blocks, Q8Blocks)  # the head: the Q8_0 embedding
-        stack = model.model._stack
-        assert stack is not None
+        assert model.model._stack is not None
         prompts = random_prompts([3 + 2 * i for i in range(12)], seed=11)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
 
@@ -322,12 +325,7 @@ def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
         batch = outputs(prompts)
         alone = [outputs([p])[0] for p in prompts[:4]]
         assert alone == batch[:4]
-        model.model._stack = None
-        try:
-            layer_by_layer = [outputs([p])[0] for p in prompts[:4]]
-        finally:
-            model.model._stack = stack
-        assert layer_by_layer == alone
+        assert without_stack(model, lambda: [outputs([p])[0] for p in prompts[:4]]) == alone
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()
