@@ -251,7 +251,7 @@ class Q4Blocks:
         blocks = cpu_fused().q4_blocks(weight.detach().contiguous())
         if blocks is None:
             return None
-        part = onednn_part(weight.shape[1], weight.shape[0], dtype)
+        part = onednn_part(weight.shape[1], probe_outputs(weight), dtype)
         return None if part is None else Q4Blocks(blocks, part, dtype)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -285,11 +285,18 @@ class Q8Blocks:
         blocks = cpu_fused().q8_blocks(weight.detach().contiguous())
         if blocks is None:
             return None
-        part = onednn_part(weight.shape[1], weight.shape[0], torch.float32)
+        part = onednn_part(weight.shape[1], probe_outputs(weight), torch.float32)
         return None if part is None else Q8Blocks(blocks, part)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return cpu_fused().q8_linear_f32(x2d.float(), self.blocks, self.part).to(x2d.dtype)
+
+
+def probe_outputs(weight: torch.Tensor) -> int:
+    """The outputs the order probes (onednn_part, q4_gives_onednn_bits) run with: the weight's,
+    at most 512. Their weight of ones and its packed copy would be 226 MB for SmolLM2's head; the
+    random rows exact_blocks multiplies by the weight itself check the whole width anyway."""
+    return min(weight.shape[0], 512)
 
 
 def _blocks_may_fit(weight: torch.Tensor) -> bool:
@@ -321,7 +328,7 @@ def exact_blocks(
         blocks = Q8Blocks.of(weight)
     if blocks is None:
         return None
-    k, n = weight.shape[1], weight.shape[0]
+    k, n = weight.shape[1], probe_outputs(weight)
     four = isinstance(blocks, Q4Blocks)
     exact = not four or q4_gives_onednn_bits(k, n, blocks.part, dtype)
     if exact:
