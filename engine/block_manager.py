@@ -75,6 +75,10 @@ DEVICE, HOST = "device", "host"
 DISK = "disk"
 # the ring holds this many events per block of the pool, within these bounds
 EVENTS_PER_BLOCK, MIN_EVENTS, MAX_EVENTS = 4, 4096, 1 << 20
+# How near the head of the free queue a cached block must be for `allocate` to take it out of
+# turn, to continue a sequence's run of consecutive blocks (evicting it a few allocations early);
+# at most a 32nd of the pool
+NEAR_HEAD = 64
 
 
 @dataclass
@@ -416,14 +420,36 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
 
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
+        """`num_blocks` free blocks for the end of a sequence's table, evicting the cached ones
+        among them. Least recently freed first, with two preferences for where they lie in
+        memory (the decode attention kernel reads a sequence's blocks in table order, and
+        memory serves consecutive blocks up to twice as fast as scattered ones): `after`, the
+        sequence's current last block, is followed by after + 1, after + 2, ... while those are
+        free and taking them evicts nothing out of turn (`_in_turn`); the rest come in ascending
+        order."""
         if num_blocks > len(self._free):
             raise NoFreeBlocks(f"need {num_blocks} KV blocks, {len(self._free)} free")
         if self.tier is not None:
             self.reap_tier()
+        ids = []
+        if after is not None and after != self.null_block:
+            head = None
+            while len(ids) < num_blocks:
+                nxt = after + 1 + len(ids)
+                if nxt not in self._free:
+                    break
+                if head is None:  # (a small pool's queue is all near its head: a 32nd of it)
+                    head = set(itertools.islice(self._free, min(NEAR_HEAD, self.num_blocks // 32)))
+                if not self._in_turn(nxt, head):
+                    break
+                del self._free[nxt]
+                ids.append(nxt)
+        ids += _in_memory_order(
+            [self._free.popitem(last=False)[0] for _ in range(len(ids), num_blocks)]
+        )
         out, removed, moved = [], [], []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+        for block_id in ids:
             block = self.blocks[block_id]
             if (
                 block.hash is not None
@@ -448,6 +474,11 @@ class BlockManager:
             if stored:
                 self._record(STORED, [h], HOST)
         return out
+
+    def _in_turn(self, block_id: int, head: set[int]) -> bool:
+        """Whether a free block may be taken before its turn in the LRU queue: it holds no cached
+        prefix (nothing is evicted early), or it is among the next few in line anyway (`head`)."""
+        return self.blocks[block_id].hash is None or block_id in head
 
     def free(self, block_ids: Seq[int]) -> None:
         # reversed: a sequence's tail blocks are the least likely to be shared, so evict them first
@@ -535,3 +566,9 @@ class BlockManager:
             assert in_free == (block.ref_count == 0), f"block {block.block_id} free-queue mismatch"
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].hash == h, f"stale cache entry for block {block_id}"
+
+
+def _in_memory_order(block_ids: list[int]) -> list[int]:
+    """The order `allocate` gives blocks taken from the free queue: ascending, so that those
+    that lie together in memory follow each other in the sequence's table."""
+    return sorted(block_ids)

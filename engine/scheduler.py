@@ -457,7 +457,7 @@ class Scheduler:
                 preempted = True
                 break
             if need > 0:
-                seq.block_ids += self.bm.allocate(need)
+                seq.block_ids += self.bm.allocate(need, after=_last_block(seq))
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec))
             gate.take(seq)
             budget -= n + spec
@@ -665,7 +665,7 @@ class Scheduler:
             self._preempt(seq)
             return None
         if need > 0:
-            seq.block_ids += self.bm.allocate(need)
+            seq.block_ids += self.bm.allocate(need, after=_last_block(seq))
         return ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec)
 
     def build_rows(self, plan: StepPlan) -> None:
@@ -713,7 +713,11 @@ class Scheduler:
             raise NoFreeBlocks(f"need {need + revived} KV blocks, {self.bm.num_free_blocks} free")
         self.bm.take(live)
         self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
-        seq.block_ids = [self.bm.null_block] * skip + live + self.bm.allocate(need)
+        seq.block_ids = (
+            [self.bm.null_block] * skip
+            + live
+            + self.bm.allocate(need, after=live[-1] if live else None)
+        )
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
 
@@ -939,3 +943,8 @@ def _every_position(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is not None or (
         seq.pooling is not None and seq.pooling.pooling == "mean"
     )
+
+
+def _last_block(seq: Sequence) -> int | None:
+    """The block a sequence's next blocks should follow in memory (BlockManager.allocate)."""
+    return seq.block_ids[-1] if seq.block_ids else None

@@ -72,8 +72,9 @@ def test_free_appends_tail_blocks_first_to_end_of_queue():
     bm.free(b)
     ok(bm)
     assert free_order(bm) == [5, 6, 7, 2, 1, 0, 4, 3]
-    # allocation follows the queue exactly
-    assert bm.allocate(5) == [5, 6, 7, 2, 1]
+    # allocation takes the queue's first five, in ascending order (consecutive blocks lie together
+    # in memory)
+    assert bm.allocate(5) == [1, 2, 5, 6, 7]
     ok(bm)
     assert free_order(bm) == [0, 4, 3]
     bm.free([5, 6, 7, 2, 1])
@@ -126,7 +127,7 @@ def test_allocate_more_than_free_raises_and_changes_nothing():
         bm.allocate(4)
     ok(bm)
     assert (free_order(bm), [b.ref_count for b in bm.blocks]) == before
-    assert bm.allocate(3) == [2, 3, 1]
+    assert bm.allocate(3) == [1, 2, 3]  # the queue's three, ascending
     ok(bm)
     with pytest.raises(NoFreeBlocks):
         bm.allocate(1)
@@ -289,7 +290,7 @@ def test_reregistering_after_eviction_uses_the_new_block():
     bm.free(ids)
     # evict block 0 by allocating both blocks
     both = bm.allocate(2)
-    assert both == [1, 0]
+    assert both == [0, 1]
     ok(bm)
     assert bm.find_cached_prefix(toks(10), 4) == []
     bm.register_full_blocks([1], toks(10), 0, 4)
@@ -350,3 +351,46 @@ def test_collision_of_the_parent_block_cannot_serve_kv_computed_after_other_toke
     ok(bm)
     # Q's KV was computed after P, so a prompt [R, Q] may reuse R but must recompute Q
     assert bm.find_cached_prefix(toks(10, 30), 8) == r
+
+
+def test_allocate_after_continues_a_sequences_run_of_blocks():
+    """`after` (a sequence's last block) is followed by the blocks after it in memory while they
+    are free and taking them evicts no cached prefix out of turn; the rest follow the queue."""
+    bm = BlockManager(16, BS)
+    a = bm.allocate(4)  # [0, 1, 2, 3]
+    b = bm.allocate(4)  # [4, 5, 6, 7]
+    bm.free(b)  # queue: 8..15, then 7, 6, 5, 4 (never hashed)
+    # 4 and 5 are deep in the queue but hold no cached prefix: a's run continues into them
+    assert bm.allocate(2, after=a[-1]) == [4, 5]
+    ok(bm)
+    assert free_order(bm) == [8, 9, 10, 11, 12, 13, 14, 15, 7, 6]
+    # a block that is not free ends the run; the rest come from the queue's head
+    assert bm.allocate(2, after=1) == [8, 9]
+    ok(bm)
+    # the null block (a released sliding-window entry) is no position in memory
+    nb = BlockManager(4, BS, null_block=4)
+    assert nb.allocate(1, after=4) == [0]
+    bm.free(a + [4, 5, 8, 9])
+    assert_no_leaks(bm)
+
+
+def test_allocate_after_never_evicts_a_cached_block_far_from_its_turn(monkeypatch):
+    monkeypatch.setattr(block_manager_mod, "NEAR_HEAD", 2)
+    bm = BlockManager(64, BS)  # (the head counts a 32nd of the pool at most: 2 blocks here)
+    a = bm.allocate(1)  # [0]
+    c = bm.allocate(1)  # [1]
+    bm.register_full_blocks(c, toks(10), 0, 4)
+    bm.free(c)  # queue: 2..63, then 1 (cached, last in line)
+    # block 1 follows a's block 0 in memory, but taking it would evict its cached prefix long
+    # before its turn: the queue's head is taken instead and the cache survives
+    assert bm.allocate(1, after=a[-1]) == [2]
+    ok(bm)
+    assert bm.find_cached_prefix(toks(10), 4) == [1]
+    d = bm.allocate(60)  # [3 .. 62]: now 1 is second in line
+    assert free_order(bm) == [63, 1]
+    # near the head (NEAR_HEAD = 2 here) it is taken out of turn, and its prefix evicted
+    assert bm.allocate(1, after=a[-1]) == [1]
+    ok(bm)
+    assert bm.find_cached_prefix(toks(10), 4) == []
+    bm.free(a + [2, 1] + d)
+    assert_no_leaks(bm)

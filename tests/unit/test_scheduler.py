@@ -261,3 +261,24 @@ def test_prefill_only_finishes_after_first_token():
     h.run()
     assert seq.num_output_tokens == 1 and seq.finish_reason == FinishReason.PREFILL_DONE
     h.assert_no_leaks()
+
+
+def test_a_growing_sequence_continues_its_run_of_blocks():
+    """A decode that needs a block takes the one after its last in memory when that one is free
+    (BlockManager.allocate's `after`), not the free queue's head: the attention kernel reads a
+    sequence's blocks in order, and consecutive blocks come from memory up to twice as fast."""
+    h = Harness(num_blocks=32, block_size=4, caching=False)
+    # a free queue in no order: every even block from 20 first, then the rest
+    taken = h.bm.allocate(32)
+    order = list(range(20, 32, 2)) + [b for b in range(32) if not (b >= 20 and b % 2 == 0)]
+    h.bm.free(order[::-1])  # (free puts a sequence's blocks back tail first)
+    assert len(taken) == 32 and list(h.bm._free)[:3] == [20, 22, 24]
+    (seq,) = h.add(range(2, 10), max_tokens=8, ignore_eos=True)
+    h.step()
+    assert seq.block_ids == [20, 22]  # the queue's head, in ascending order
+    held = []
+    while not h.step().is_empty:
+        held = list(seq.block_ids) or held  # (a finished sequence's table is emptied)
+    # the queue's head would have given 24 and 26; the blocks after 22 were free
+    assert held == [20, 22, 23, 24]
+    h.assert_no_leaks()
