@@ -177,6 +177,21 @@ def git_head() -> str | None:
         return None
 
 
+def count_new_tokens(outs, counts: dict, final: dict | None = None) -> int:
+    """The tokens an engine step's outputs added to the tracked requests: `counts` maps each
+    tracked request id to its tokens so far and is brought up to date; a finished request's
+    output goes into `final` when given."""
+    made = 0
+    for o in outs:
+        if o.request_id in counts:
+            k = len(o.outputs[0].token_ids)
+            made += k - counts[o.request_id]
+            counts[o.request_id] = k
+            if final is not None and o.finished:
+                final[o.request_id] = o
+    return made
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -37,6 +37,7 @@ import time
 from benchmarks.bench_common import (
     add_out_arg,
     add_wait_idle_arg,
+    count_new_tokens,
     log,
     run_and_write,
     script_parser,
@@ -154,12 +155,7 @@ def engine_child(args) -> dict:
         t = time.perf_counter()
         outs = eng.step()
         dt = time.perf_counter() - t
-        made = 0
-        for o in outs:
-            if o.request_id in counts:
-                k = len(o.outputs[0].token_ids)
-                made += k - counts[o.request_id]
-                counts[o.request_id] = k
+        made = count_new_tokens(outs, counts)
         if all(counts.values()):
             steps.append((dt, made))
             if tables is None and len(steps) == args.new // 2:

@@ -50,6 +50,7 @@ from benchmarks.bench_common import (
     SEED_DECODE,
     add_out_arg,
     add_wait_idle_arg,
+    count_new_tokens,
     log,
     median,
     random_prompts,
@@ -113,14 +114,7 @@ def _decode(eng, params, prompts: list[list[int]], ranks: list[int], tag: str) -
     while len(final) < len(rids):
         outs = eng.step()
         t_now = time.perf_counter()
-        produced = 0
-        for o in outs:
-            if o.request_id in got:
-                k = len(o.outputs[0].token_ids)
-                produced += k - got[o.request_id]
-                got[o.request_id] = k
-                if o.finished:
-                    final[o.request_id] = o
+        produced = count_new_tokens(outs, got, final)
         if t_first_all is not None:
             steps.append((t_now, t_now - t_prev, produced))
         elif all(got.values()):
