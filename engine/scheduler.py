@@ -457,7 +457,7 @@ class Scheduler:
                 preempted = True
                 break
             if need > 0:
-                seq.block_ids += self.bm.allocate(need, after=_last_block(seq))
+                seq.block_ids += self.bm.allocate(need, after=_run_end(seq.block_ids))
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec))
             gate.take(seq)
             budget -= n + spec
@@ -665,7 +665,7 @@ class Scheduler:
             self._preempt(seq)
             return None
         if need > 0:
-            seq.block_ids += self.bm.allocate(need, after=_last_block(seq))
+            seq.block_ids += self.bm.allocate(need, after=_run_end(seq.block_ids))
         return ScheduledSeq(seq, seq.num_computed_tokens, n + spec, spec)
 
     def build_rows(self, plan: StepPlan) -> None:
@@ -714,9 +714,7 @@ class Scheduler:
         self.bm.take(live)
         self.bm.count_hits(cached)  # prefix hits by source (device, or restored from host)
         seq.block_ids = (
-            [self.bm.null_block] * skip
-            + live
-            + self.bm.allocate(need, after=live[-1] if live else None)
+            [self.bm.null_block] * skip + live + self.bm.allocate(need, after=_run_end(live))
         )
         seq.num_hashed_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.bm.block_size
@@ -945,6 +943,7 @@ def _every_position(seq: Sequence) -> bool:
     )
 
 
-def _last_block(seq: Sequence) -> int | None:
-    """The block a sequence's next blocks should follow in memory (BlockManager.allocate)."""
-    return seq.block_ids[-1] if seq.block_ids else None
+def _run_end(block_ids: list[int]) -> int | None:
+    """The block a sequence's next blocks should follow in memory (BlockManager.allocate's
+    `after`): the last of those it holds."""
+    return block_ids[-1] if block_ids else None

@@ -122,7 +122,7 @@ def engine_child(args) -> dict:
         import pdserve.engine.scheduler as sched_mod
 
         bm_mod._in_memory_order = list  # the queue's own order
-        sched_mod._last_block = lambda seq: None  # no run to continue
+        sched_mod._run_end = lambda block_ids: None  # no run to continue
     llm = LLM("smollm2", kv_cache_memory=args.pool_mib << 20, max_num_seqs=64, max_model_len=2048)
     eng = llm.engine
     rng = random.Random(args.seed)
