@@ -210,7 +210,7 @@ class BlockManager:
                                 break
                         self.take(found)
                         pinned = list(found)
-                    block_id = self._restore(h, parent, chunk)
+                    block_id = self._restore(h, parent, chunk, found[-1] if found else None)
                     if block_id is None:
                         break
                     self.take([block_id])
@@ -249,13 +249,14 @@ class BlockManager:
             parent = h
         return n * self.block_size
 
-    def _restore(self, h: int, parent, chunk: tuple) -> int | None:
+    def _restore(self, h: int, parent, chunk: tuple, after: int | None) -> int | None:
         """A fresh block holding the host tier's copy of block `h`, registered as cached (and
-        free: the caller takes it), or None when no block is free or the tier refused it."""
+        free: the caller takes it), or None when no block is free or the tier refused it.
+        `after`: the block before it in the prefix (allocate's)."""
         if not self._free:
             return None
         self.tier.touch(h)  # used last: the allocation's own eviction cannot push it out
-        (block_id,) = self.allocate(1)
+        (block_id,) = self.allocate(1, after=after)
         refused = self.tier.refused
         source = self.tier.load(h, parent, chunk, block_id)
         if not source:
@@ -344,7 +345,7 @@ class BlockManager:
                 else:
                     if not self._free:
                         break
-                    (block_id,) = self.allocate(1)
+                    (block_id,) = self.allocate(1, after=pinned[-1] if pinned else None)
                     pinned.append(block_id)
                     write(i, block_id)
                     block = self.blocks[block_id]

@@ -419,3 +419,21 @@ def test_a_lookup_for_an_admission_that_cannot_fit_restores_nothing():
     assert tier.restored == 4
     bm.free(busy[2:])
     bm.check_consistency()
+
+
+def test_a_restored_prefix_lies_in_consecutive_blocks_where_they_are_free():
+    """Blocks restored one at a time each continue the run of the block before them in the
+    prefix (BlockManager.allocate's `after`) rather than take the free queue's order, which
+    after traffic gives a run backwards: the decode attention kernel reads it as slowly as
+    scattered blocks."""
+    bm, tier, (cache,) = tiered(16, cap_blocks=16)
+    tokens = list(range(200, 216))  # four full blocks
+    fill(bm, tokens)
+    taken = bm.allocate(16)  # every block: the four cached ones go to the tier
+    order = [b for pair in zip(range(8), range(8, 16)) for b in pair]  # 0, 8, 1, 9, ...
+    bm.free(order[::-1])  # (free gives a table back tail first: the queue is `order`)
+    assert len(taken) == 16 and list(bm._free)[:4] == [0, 8, 1, 9]
+    found = bm.find_cached_prefix(tokens, len(tokens))
+    assert tier.restored == 4
+    assert found == [0, 1, 2, 3]  # in the queue's order: 0, 8, 1, 9
+    bm.check_consistency()

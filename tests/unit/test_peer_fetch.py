@@ -60,6 +60,21 @@ def test_installed_blocks_are_prefix_hits_counted_as_peer():
     assert bm.num_free_blocks == 8  # installed blocks are cached and free, not held
 
 
+def test_installed_blocks_continue_each_other_in_memory_where_they_are_free():
+    """Each fetched block continues the run of the one before it (BlockManager.allocate's
+    `after`), not the free queue's order, so the decode kernel reads the prefix in one run."""
+    bm = BlockManager(16, 4)
+    order = [b for pair in zip(range(8), range(8, 16)) for b in pair]  # 0, 8, 1, 9, ...
+    taken = bm.allocate(16)
+    bm.free(order[::-1])  # the queue is `order` (free gives a table back tail first)
+    assert len(taken) == 16 and list(bm._free)[:4] == [0, 8, 1, 9]
+    tokens = list(range(100, 117))
+    written = []
+    assert bm.install_fetched(tokens, 0, chain(tokens, 3), lambda i, b: written.append(b)) == 3
+    assert written == [0, 1, 2]  # in the queue's order: 0, 8, 1
+    bm.check_consistency()
+
+
 def test_install_stops_at_a_hash_the_tokens_do_not_give_and_needs_the_chain_before():
     bm = BlockManager(8, 4)
     tokens = list(range(100, 117))
