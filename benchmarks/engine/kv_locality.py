@@ -179,14 +179,14 @@ def engine_part(args) -> dict:
     runs = []
     for r in range(args.rounds):
         for alloc in ("queue", "runs") if r % 2 == 0 else ("runs", "queue"):
-            if args.wait_idle:
-                wait_for_idle_machine(args.wait_idle)
+            waited = wait_for_idle_machine(args.wait_idle) if args.wait_idle else None
             cmd = [sys.executable, "-m", "benchmarks.engine.kv_locality", "--child", alloc]
             cmd += ["--sequences", str(args.sequences), "--prompt", str(args.prompt)]
             cmd += ["--new", str(args.new), "--churn", str(args.churn)]
             cmd += ["--pool-mib", str(args.pool_mib), "--seed", str(args.seed)]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             res = json.loads(done.stdout.strip().splitlines()[-1])
+            res["waited_for_idle"] = waited
             log(f"engine round {r}: {res}")
             runs.append(res)
     summary = {}
@@ -227,9 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> dict:
         out = {}
         if "kernel" in args.parts:
-            if args.wait_idle:
-                wait_for_idle_machine(args.wait_idle)
-            out["kernel"] = kernel_part(args)
+            waited = wait_for_idle_machine(args.wait_idle) if args.wait_idle else None
+            out["kernel"] = {**kernel_part(args), "waited_for_idle": waited}
         if "engine" in args.parts:
             out["engine"] = engine_part(args)
         return out
