@@ -33,6 +33,7 @@ from benchmarks.bench_common import (
     SEED_TTFT,
     SEED_WARMUP,
     add_wait_idle_arg,
+    count_new_tokens,
     log,
     median,
     memory_snapshot,
@@ -331,15 +332,7 @@ class PdserveSide:
         while len(final) < N:
             outs = eng.step()
             t_now = time.perf_counter()
-            produced = 0
-            for o in outs:
-                if o.request_id not in num_out:
-                    continue
-                n = len(o.outputs[0].token_ids)
-                produced += n - num_out[o.request_id]
-                num_out[o.request_id] = n
-                if o.finished:
-                    final[o.request_id] = o
+            produced = count_new_tokens(outs, num_out, final)
             steps.append(
                 (t_now - t_start, t_now - t_prev, produced, all(v > 0 for v in num_out.values()))
             )

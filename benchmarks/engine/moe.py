@@ -55,6 +55,7 @@ from benchmarks.bench_common import (
     TreeCpuMonitor,
     add_out_arg,
     add_wait_idle_arg,
+    count_new_tokens,
     log,
     machine_info,
     median,
@@ -140,13 +141,7 @@ def run_engine(model_dir: str, prompts: list[list[int]], new: int) -> dict:
         while len(final) < n:
             outs = eng.step()
             t_now = time.perf_counter()
-            produced = 0
-            for o in outs:
-                k = len(o.outputs[0].token_ids)
-                produced += k - made[o.request_id]
-                made[o.request_id] = k
-                if o.finished:
-                    final[o.request_id] = o
+            produced = count_new_tokens(outs, made, final)
             steps.append((t_now - t_start, t_now - t_prev, produced, min(made.values()) > 0))
             t_prev = t_now
         total = time.perf_counter() - t_start
