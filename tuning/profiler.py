@@ -60,6 +60,8 @@ FULL = {
     "pings": 7,
 }
 TRANSFER_BLOCK_SIZE = 16
+# how long the receiver waits for a batch's transfers to land before it answers with those it has
+_BATCH_WAIT_S = 120.0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -170,7 +172,8 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
                                 int(n),
                             )
                     if rx.on_frame(header, payload) in (TransferState.DONE, TransferState.FAILED):
-                        done[header.request_id] = (time.perf_counter(), rx.error)
+                        with lock:
+                            done[header.request_id] = (time.perf_counter(), rx.error)
                         if grants is not None:  # the reservation ends: commit or failure
                             grants.close(header.request_id, None)
 
@@ -183,11 +186,16 @@ def _receiver_main(conn, info: dict, tokens: int, slots: int) -> None:
                     if "grants" in cmd:  # nixl: a grant per request id, as Reserve issues them
                         conn.send({rid: grants.issue(rid, ids) for rid, ids in cmd["grants"]})
                         continue
-                    deadline = time.monotonic() + 120
+                    deadline = time.monotonic() + _BATCH_WAIT_S
                     while len(done) < cmd["count"] and time.monotonic() < deadline:
                         time.sleep(0.0005)
-                    conn.send(dict(done))
-                    done.clear()
+                    # Take the batch and empty the table before answering: the parent sends
+                    # the next batch as soon as it hears, and a request of that batch may land
+                    # before this thread would get to clear it.
+                    with lock:
+                        batch = dict(done)
+                        done.clear()
+                    conn.send(batch)
                 server.stop()
         finally:
             remove_shared_kv_cache(path)
