@@ -28,7 +28,7 @@ import yaml
 
 from helpers.models import make_tiny_model, random_prompts
 from helpers.process import command_of
-from helpers.ray_nodes import RayNodes, ask_ray, free_port, read_until_table, up_command
+from helpers.ray_nodes import RayNodes, ask_ray, free_ports, read_until_table, up_command
 
 pytestmark = [
     pytest.mark.slow,
@@ -105,9 +105,9 @@ def test_a_pp2_prefill_pool_spans_two_ray_nodes_and_serves_the_pp1_tokens(tmp_pa
     up = None
     err = tmp_path / "up.err"
     try:
-        head_port = free_port()
+        head_port, client_port = free_ports(2)
         head_args = ["--head", "--port", str(head_port), "--temp-dir", ray_tmp]
-        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(free_port())]
+        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(client_port)]
         cluster.start(*head_args)
         address = f"127.0.0.1:{head_port}"
         cluster.start("--address", address, "--resources", json.dumps({"node2": 1}))

@@ -28,7 +28,7 @@ import uuid
 import pytest
 import yaml
 
-from helpers.ray_nodes import RayNodes, ask_ray, free_port, read_until_table, up_command
+from helpers.ray_nodes import RayNodes, ask_ray, free_ports, read_until_table, up_command
 
 pytestmark = [
     pytest.mark.slow,
@@ -104,9 +104,9 @@ def test_up_joins_a_token_cluster_and_pins_decode_to_the_second_node(tiny_models
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     up = None
     try:
-        head_port = free_port()
+        head_port, client_port = free_ports(2)
         head_args = ["--head", "--port", str(head_port), "--temp-dir", ray_tmp]
-        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(free_port())]
+        head_args += ["--include-dashboard", "false", "--ray-client-server-port", str(client_port)]
         cluster.start(*head_args)
         address = f"127.0.0.1:{head_port}"
         cluster.start("--address", address, "--resources", json.dumps({"node2": 1}))

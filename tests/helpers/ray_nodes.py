@@ -23,13 +23,9 @@ import sys
 import threading
 import time
 
+from helpers.ports import free_ports
+
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_range(n: int) -> tuple[int, int]:
@@ -82,16 +78,18 @@ class RayNodes:
 
     def start(self, *args: str) -> None:
         first, last = free_range(40)
-        ports = {
-            "--node-manager-port": free_port(),
-            "--object-manager-port": free_port(),
-            "--dashboard-agent-grpc-port": free_port(),
-            "--dashboard-agent-listen-port": free_port(),
-            "--metrics-export-port": free_port(),
-            "--runtime-env-agent-port": free_port(),
-            "--min-worker-port": first,
-            "--max-worker-port": last,
-        }
+        names = (
+            "--node-manager-port",
+            "--object-manager-port",
+            "--dashboard-agent-grpc-port",
+            "--dashboard-agent-listen-port",
+            "--metrics-export-port",
+            "--runtime-env-agent-port",
+        )
+        # the ports this call names (the head's --port, --address's) must not come back here
+        named = {int(p) for a in args for p in a.rsplit(":", 1)[-1:] if p.isdigit()}
+        ports = dict(zip(names, free_ports(len(names), named), strict=True))
+        ports |= {"--min-worker-port": first, "--max-worker-port": last}
         command = [*RAY, "start", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", *args]
         command += [x for k, v in ports.items() for x in (k, str(v))]
         proc = subprocess.Popen(

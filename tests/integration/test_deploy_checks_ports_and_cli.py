@@ -8,7 +8,6 @@ or a process: tests/unit/test_deploy_checks.py."""
 from __future__ import annotations
 
 import pathlib
-import socket
 import sys
 import time
 from concurrent import futures
@@ -16,6 +15,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from helpers.ports import free_ports
 from helpers.tls import tls_files
 from pdserve.cli import main
 from pdserve.deploy import launcher
@@ -68,13 +68,7 @@ def test_a_host_that_is_not_this_machine_is_named():
     with pytest.raises(
         DeployError, match=r"router: cannot listen on 192\.0\.2\.1:\d+ .*router\.host"
     ):
-        launcher.check_port_free("192.0.2.1", free_port())  # TEST-NET-1: nobody's address
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        launcher.check_port_free("192.0.2.1", free_ports(1)[0])  # TEST-NET-1: nobody's address
 
 
 def test_cli_up_on_a_busy_port_fails_at_once_and_the_first_router_keeps_serving(

@@ -17,15 +17,10 @@ from concurrent import futures
 
 import pytest
 
+from helpers.ports import free_ports
 from pdserve.cli import main
 
 ROOT = pathlib.Path(__file__).parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pdserve(argv: list[str], env: dict, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
@@ -57,7 +52,7 @@ def test_check_and_up_stop_at_the_same_first_line(
     tmp_path, tiny_models, listener, capsys, monkeypatch
 ):
     model = tiny_models("llama-gqa")[0]  # 4 attention heads, 2 key/value heads
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_ports(2)
     router = f"router: {{host: 127.0.0.1, port: {grpc_port}, http_port: {http_port}}}\n"
     ray = f"ray: {{num_cpus: 8, temp_dir: {tmp_path / 'ray'}}}\n"
     cases = {  # mistake -> (YAML, what its first line must say)
