@@ -115,12 +115,14 @@ class RayNodes:
                     found.append(int(entry))
         return found
 
-    def kill(self) -> None:
+    def kill(self, timeout_s: float = 30.0) -> None:
+        """SIGKILL to every process of the sessions, again each half second, until none is left
+        or `timeout_s` has passed. A killed process stays listed until its exit completes, which
+        takes longer on a loaded machine, and one may fork while the others are killed: five
+        rounds (2.5 s) once left one behind in a full CI run."""
         assert all(s > 1 for s in self.sessions)
-        for _ in range(5):
-            left = self.processes()
-            if not left:
-                return
+        deadline = time.monotonic() + timeout_s
+        while (left := self.processes()) and time.monotonic() < deadline:
             for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
