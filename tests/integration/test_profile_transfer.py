@@ -9,6 +9,8 @@ import multiprocessing as mp
 import threading
 import time
 
+import torch
+
 from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.tuning import profiler
 
@@ -42,6 +44,7 @@ class _Alive:
 
 def test_next_batch_landing_during_the_answer_is_counted(monkeypatch):
     monkeypatch.setattr(profiler, "_BATCH_WAIT_S", 5.0)
+    threads = torch.get_num_threads()  # the receiver sets this process's to 1, as its own
     parent, child = mp.Pipe()
     tokens = profiler.TRANSFER_BLOCK_SIZE
     receiver = threading.Thread(
@@ -51,7 +54,7 @@ def test_next_batch_landing_during_the_answer_is_counted(monkeypatch):
     link = profiler._Link("shm", parent, _Alive(), profiler._layout(INFO), 1)
     try:
         link.connect()
-        src = torch_randn_pool(tokens)
+        src = torch.randn(profiler._pool_shape(INFO, tokens, 1))
         frames = [
             read_chunk(
                 src[layer], link.layout, "x", layer, profiler._block_ids(0, tokens), 0, tokens
@@ -65,10 +68,5 @@ def test_next_batch_landing_during_the_answer_is_counted(monkeypatch):
     finally:
         parent.send("stop")
         receiver.join(30)
+        torch.set_num_threads(threads)
     assert not receiver.is_alive()
-
-
-def torch_randn_pool(tokens: int):
-    import torch
-
-    return torch.randn(profiler._pool_shape(INFO, tokens, 1))
