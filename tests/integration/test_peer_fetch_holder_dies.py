@@ -46,8 +46,12 @@ def cluster(tiny_models, one_thread):
             max_model_len=MAX_LEN,
             # turns go back to their holder, and never run there (12 new tokens > 1)
             local_prefill=LocalPrefill(reuse_max_new_tokens=1),
+            # a loaded machine (CI) must not make the holder look down when turn 2 is routed,
+            # nor cut the fetch stream before its second batch: either would skip the break
+            worker_down_s=30,
+            worker_silence_s=60,
         )
-        cost = PeerFetchCost(PeerFetch(min_tokens=BS))
+        cost = PeerFetchCost(PeerFetch(min_tokens=BS, timeout_s=60))
         cost.estimate = lambda *args: None  # always fetch (the tiny model recomputes faster)
         router.servicer.legs.peer_fetch = cost
         channel = grpc.insecure_channel(router.address)
@@ -80,6 +84,7 @@ def test_the_holder_going_away_mid_fetch_is_served_by_recompute(cluster):
     assert prefill.loop.call(bm.reset_prefix_cache)  # all of turn 1 is the holder's alone
     read = holder.handoff.read_cached
     gone = threading.Event()
+    batches = []
 
     def stop():
         try:
@@ -88,6 +93,7 @@ def test_the_holder_going_away_mid_fetch_is_served_by_recompute(cluster):
             gone.set()
 
     def dies_mid_fetch(request_id, first_block, count):
+        batches.append((first_block, count))
         if first_block == 0:
             return read(request_id, first_block, count)
         threading.Thread(target=stop, daemon=True).start()
@@ -96,6 +102,8 @@ def test_the_holder_going_away_mid_fetch_is_served_by_recompute(cluster):
     holder.handoff.read_cached = dies_mid_fetch
     before = prefill.stats()
     tokens, finish = generate(api, prompt, 8)
+    # turn 2 went to the holder, and its prefill worker asked for the second batch of blocks
+    assert [first for first, _ in batches] == [0, 8], batches
     assert gone.wait(120)
     after = prefill.stats()
     assert after.peer_fetch_failures == before.peer_fetch_failures + 1
