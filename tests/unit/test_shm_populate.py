@@ -1,0 +1,134 @@
+"""An shm sender faults a receiver's pool into its page tables beside its hand-offs, not in front
+of them: the first hand-off after `pdserve up` (and after each idle close of the channel) waited
+0.25 s for a 1 GiB pool. The populate runs on a thread of its own at the lowest priority, a chunk
+per madvise call, and stops when the transport closes. The control channel is a stand-in (no
+socket), as in tests/unit/test_shm_peer_pools.py."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import threading
+
+import pytest
+import torch
+
+from helpers.threads import wait_until
+from pdserve.kvpool import create_pool_file
+from pdserve.kvtransfer.backends import shm_backend
+from pdserve.kvtransfer.backends.shm_backend import (
+    ShmTransport,
+    format_address,
+    map_shared_kv_cache,
+    populate,
+)
+
+SHAPE = (2, 2, 64, 16, 2, 32)  # 1 MiB of float32: 256 pages
+
+
+class FakeControl:
+    def __init__(self, address, **opts):
+        self.closed = False
+
+    def send_headers(self, headers):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture(autouse=True)
+def fake_control(monkeypatch):
+    monkeypatch.setattr(shm_backend, "GrpcTransport", FakeControl)
+
+
+@pytest.fixture
+def pool(tmp_path) -> str:
+    """A receiver's pool file, not mapped by this process."""
+    path = str(tmp_path / "pdserve-kv-1-populate-rank0")
+    create_pool_file(path, SHAPE, torch.float32)
+    gc.collect()
+    return path
+
+
+def rss_of(path: str) -> int:
+    """Bytes of this process's mappings of `path` that its page tables hold (smaps' Rss)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                inside = line.rstrip().endswith(path)
+            elif inside and first == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_populate_faults_in_every_page_a_chunk_at_a_time(pool):
+    cache = map_shared_kv_cache(pool, SHAPE, torch.float32)
+    size = cache.numel() * cache.element_size()
+    assert rss_of(pool) == 0
+    assert populate(cache, threading.Event(), chunk=16 * mmap.PAGESIZE)
+    assert rss_of(pool) == size
+    assert torch.count_nonzero(cache) == 0  # faulted in, not written
+
+
+def test_populate_stops_between_chunks_once_told(pool):
+    cache = map_shared_kv_cache(pool, SHAPE, torch.float32)
+    stop = threading.Event()
+    stop.set()
+    assert not populate(cache, stop, chunk=mmap.PAGESIZE)
+    assert rss_of(pool) == 0
+
+
+def test_a_sender_populates_on_a_low_priority_thread_of_its_own(pool, monkeypatch):
+    seen = []
+    release = threading.Event()
+    real = shm_backend.populate
+
+    def watched(tensor, stop=None, chunk=0):
+        me = threading.get_native_id()
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, me), chunk))
+        release.wait(10)
+        return real(tensor, stop, chunk)
+
+    monkeypatch.setattr(shm_backend, "populate", watched)
+    # the constructor returns while the populate still waits: a hand-off can start at once
+    sender = ShmTransport(format_address(pool, SHAPE, torch.float32, "127.0.0.1:1"))
+    try:
+        wait_until(lambda: seen, 10, "the populate never started")
+        assert sender.populate_thread.is_alive()
+        (name, nice, chunk), = seen
+        assert name == "pdserve-shm-populate" and name != threading.main_thread().name
+        assert nice == 19
+        assert chunk == shm_backend.POPULATE_CHUNK
+        release.set()
+        sender.populate_thread.join(10)
+        assert not sender.populate_thread.is_alive()
+        assert rss_of(pool) >= torch.Size(SHAPE).numel() * 4
+    finally:
+        release.set()
+        sender.close()
+
+
+def test_closing_a_sender_stops_its_populate(pool, monkeypatch):
+    monkeypatch.setattr(shm_backend, "POPULATE_CHUNK", mmap.PAGESIZE)
+    started, release = threading.Event(), threading.Event()
+    real = shm_backend.populate
+
+    def held(tensor, stop=None, chunk=0):
+        started.set()
+        release.wait(10)
+        return real(tensor, stop, chunk)
+
+    monkeypatch.setattr(shm_backend, "populate", held)
+    sender = ShmTransport(format_address(pool, SHAPE, torch.float32, "127.0.0.1:1"))
+    assert started.wait(10)
+    sender.close()
+    release.set()
+    sender.populate_thread.join(10)
+    assert not sender.populate_thread.is_alive()
+    del sender
+    gc.collect()
+    assert rss_of(pool) == 0  # stopped before its first chunk; the mapping is gone with it
