@@ -99,7 +99,7 @@ def test_a_sender_populates_on_a_low_priority_thread_of_its_own(pool, monkeypatc
     try:
         wait_until(lambda: seen, 10, "the populate never started")
         assert sender.populate_thread.is_alive()
-        (name, nice, chunk), = seen
+        ((name, nice, chunk),) = seen
         assert name == "pdserve-shm-populate" and name != threading.main_thread().name
         assert nice == 19
         assert chunk == shm_backend.POPULATE_CHUNK
