@@ -31,6 +31,8 @@ MAX_LEN = 512
 ANSWER = 40
 SECURITY = ClusterSecurity("peer-fetch-test-secret-0123456789")
 ENGINE = dict(max_model_len=MAX_LEN, block_size=BS, kv_cache_memory=4 << 20)
+# the counts below are exact: a loaded machine (CI) must not end a fetch at the default 5 s
+FETCH_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def cluster(tiny_models, one_thread):
             security=SECURITY,
             # every turn through the prefill pool: the path under test
             local_prefill=LocalPrefill(reuse_max_new_tokens=0),
-            peer_fetch=PeerFetch(min_tokens=BS),
+            peer_fetch=PeerFetch(min_tokens=BS, timeout_s=FETCH_TIMEOUT_S),
         )
         channel = grpc.insecure_channel(router.address)
         yield model_dir, router, prefill, decode, pdserve_pb2_grpc.PDServeStub(channel)
@@ -80,7 +82,7 @@ def second_turn(cluster, seed: int, first_len: int = 80):
 def fetch_on(router, on: bool) -> None:
     """Peer fetch on (whatever the estimate: the tiny model recomputes a block faster than it
     is fetched, so the router would rightly recompute) or off."""
-    cost = PeerFetchCost(PeerFetch(enabled=on, min_tokens=BS))
+    cost = PeerFetchCost(PeerFetch(enabled=on, min_tokens=BS, timeout_s=FETCH_TIMEOUT_S))
     cost.estimate = lambda *args: None  # as before anything is measured: fetch
     router.servicer.legs.peer_fetch = cost
 
