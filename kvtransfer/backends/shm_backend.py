@@ -77,16 +77,21 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
 POPULATE_CHUNK = 16 << 20
 
 
-def populate(tensor: torch.Tensor, stop: threading.Event | None = None, chunk: int = 0) -> bool:
+def populate(
+    tensor: torch.Tensor | weakref.ref, stop: threading.Event | None = None, chunk: int = 0
+) -> bool:
     """Fault every page of a shared KV pool into this process's page tables, writable, without
     touching the contents (madvise MADV_POPULATE_WRITE); False where the kernel cannot, or when
-    `stop` was set before the end. chunk > 0: that many bytes per call, `stop` checked between.
+    `stop` was set or the tensor (a weak reference to it) is gone before the end. chunk > 0: that
+    many bytes per call, both checked between calls.
 
     Pool files live in tmpfs with 4 KiB pages, and a page is faulted in by each process on its
     first touch: the first writer of a fresh reservation paid for its faults many times over what
     the copy itself costs once mapped. One call faults pages several times cheaper than first
     touches do (a 1 GiB pool: about 0.25 s)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+    get = tensor if isinstance(tensor, weakref.ref) else (lambda: tensor)
+    t = get()
+    if t is None or t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -95,35 +100,43 @@ def populate(tensor: torch.Tensor, stop: threading.Event | None = None, chunk: i
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    start = tensor.data_ptr() // page * page  # madvise wants a page-aligned start
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    start = t.data_ptr() // page * page  # madvise wants a page-aligned start
+    end = t.data_ptr() + t.numel() * t.element_size()
     step = end - start if chunk <= 0 else max(page, chunk // page * page)
+    del t
     for at in range(start, end, step):
-        if stop is not None and stop.is_set():
+        # held across the call only: the mapping cannot go (nor its addresses be reused) under it
+        t = get()
+        if t is None or (stop is not None and stop.is_set()):
             return False
-        if madvise(at, min(step, end - at), _MADV_POPULATE_WRITE) != 0:
+        done = madvise(at, min(step, end - at), _MADV_POPULATE_WRITE) == 0
+        del t
+        if not done:
             return False
     return True
 
 
 def populate_in_background(tensors: list[torch.Tensor], stop: threading.Event) -> threading.Thread:
     """Populate `tensors` (a sender's mappings of a receiver's pools) on a daemon thread at the
-    lowest scheduling priority, POPULATE_CHUNK at a time, until done or `stop` is set. The thread
-    holds the tensors, so a mapping stays until it is done with it.
+    lowest scheduling priority, POPULATE_CHUNK at a time, until done, `stop` is set or the
+    tensors are gone. Between its calls the thread holds them by weak reference only: a pool
+    released because its receiver is gone (release_gone_pools) is unmapped at once, even while
+    a loaded core starves this thread.
 
     The first hand-off to a receiver used to wait for all of it: 0.25 s of a 1 GiB pool, most of
     the first request's TTFT after `pdserve up` and again after each idle close of the channel.
     Now that hand-off faults in only the pages it writes, and the rest is faulted in while the
     worker's engine thread has the core: at nice 19 this thread gets about 1/70 of a core that
     the engine thread wants (Linux CFS weights 15 against 1024)."""
+    refs = [weakref.ref(t) for t in tensors]
 
     def run() -> None:
         try:  # (Linux: a thread's own nice value, its native id as the "process")
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (OSError, AttributeError):
             pass
-        for tensor in tensors:
-            if not populate(tensor, stop, POPULATE_CHUNK):
+        for ref in refs:
+            if not populate(ref, stop, POPULATE_CHUNK):
                 return
 
     thread = threading.Thread(target=run, name="pdserve-shm-populate", daemon=True)

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from helpers.shm_control import fake_control  # noqa: F401 - the fixture
 from helpers.threads import wait_until
 from pdserve.kvpool import create_pool_file
 from pdserve.kvtransfer import ChunkHeader
@@ -20,27 +21,7 @@ from pdserve.kvtransfer.backends.shm_backend import ShmTransport, format_address
 SHAPE = (2, 2, 4, 4, 1, 8)
 
 
-class FakeControl:
-    """The control channel of a ShmTransport, without gRPC."""
-
-    def __init__(self, address, **opts):
-        self.address, self.headers, self.closed = address, [], False
-
-    def send_headers(self, headers):
-        if self.closed:
-            raise ConnectionError("closed")
-        self.headers += headers
-
-    def flush(self, timeout):
-        pass
-
-    def close(self):
-        self.closed = True
-
-
-@pytest.fixture(autouse=True)
-def fake_control(monkeypatch):
-    monkeypatch.setattr(shm_backend, "GrpcTransport", FakeControl)
+pytestmark = pytest.mark.usefixtures("fake_control")
 
 
 def new_pool(directory, name: str) -> str:

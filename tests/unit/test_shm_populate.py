@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from helpers.shm_control import fake_control  # noqa: F401 - the fixture
 from helpers.threads import wait_until
 from pdserve.kvpool import create_pool_file
 from pdserve.kvtransfer.backends import shm_backend
@@ -27,20 +28,7 @@ from pdserve.kvtransfer.backends.shm_backend import (
 SHAPE = (2, 2, 64, 16, 2, 32)  # 1 MiB of float32: 256 pages
 
 
-class FakeControl:
-    def __init__(self, address, **opts):
-        self.closed = False
-
-    def send_headers(self, headers):
-        pass
-
-    def close(self):
-        self.closed = True
-
-
-@pytest.fixture(autouse=True)
-def fake_control(monkeypatch):
-    monkeypatch.setattr(shm_backend, "GrpcTransport", FakeControl)
+pytestmark = pytest.mark.usefixtures("fake_control")
 
 
 @pytest.fixture
@@ -112,7 +100,15 @@ def test_a_sender_populates_on_a_low_priority_thread_of_its_own(pool, monkeypatc
         sender.close()
 
 
-def test_closing_a_sender_stops_its_populate(pool, monkeypatch):
+def maps_of(path: str) -> int:
+    """How many of this process's mappings are of `path`."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if path in line)
+
+
+def test_a_closed_sender_s_pool_is_unmapped_while_its_populate_waits(pool, monkeypatch):
+    """A starved populate thread must not keep a gone receiver's pool mapped (its /dev/shm
+    pages stay allocated while any process maps them)."""
     monkeypatch.setattr(shm_backend, "POPULATE_CHUNK", mmap.PAGESIZE)
     started, release = threading.Event(), threading.Event()
     real = shm_backend.populate
@@ -124,11 +120,16 @@ def test_closing_a_sender_stops_its_populate(pool, monkeypatch):
 
     monkeypatch.setattr(shm_backend, "populate", held)
     sender = ShmTransport(format_address(pool, SHAPE, torch.float32, "127.0.0.1:1"))
+    thread = sender.populate_thread
     assert started.wait(10)
+    assert maps_of(pool) == 1
     sender.close()
-    release.set()
-    sender.populate_thread.join(10)
-    assert not sender.populate_thread.is_alive()
     del sender
     gc.collect()
-    assert rss_of(pool) == 0  # stopped before its first chunk; the mapping is gone with it
+    try:
+        assert thread.is_alive() and maps_of(pool) == 0
+    finally:
+        release.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert rss_of(pool) == 0
