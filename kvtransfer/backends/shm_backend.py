@@ -75,6 +75,8 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
 # each call holds the process's mmap lock for reading, about 4 ms per 16 MiB, so a thread that
 # maps or unmaps memory meanwhile waits that long at most, not for the whole pool
 POPULATE_CHUNK = 16 << 20
+# how long a sender that lets go of its pools waits for the populate thread to drop them
+POPULATE_JOIN_S = 5.0
 
 
 def populate(
@@ -457,9 +459,17 @@ class ShmTransport(Transport):
             self._control = GrpcTransport(control, security=security, **grpc_opts)
         except BaseException:
             self._caches = self._writers = None
-            self._populating.set()
+            self._stop_populate()
             raise
         _track(self)
+
+    def _stop_populate(self) -> None:
+        """Stop the populate thread and wait for it to let go of the pools (it holds one across a
+        single madvise call: at most POPULATE_CHUNK of work), so the caller's drop of the pools
+        unmaps them at once."""
+        self._populating.set()
+        if self.populate_thread is not threading.current_thread():
+            self.populate_thread.join(POPULATE_JOIN_S)
 
     def _why_gone(self) -> str | None:
         """Why the receiver's pool is gone (a file unlinked or replaced); None while it is there."""
@@ -479,7 +489,7 @@ class ShmTransport(Transport):
                 return
             self._gone = f"the receiver's KV pool is gone ({why}): open a fresh transport"
             self._caches = self._writers = None
-        self._populating.set()
+        self._stop_populate()
         _untrack(self)
         threading.Thread(target=self._control.close, daemon=True).start()
 
@@ -548,6 +558,6 @@ class ShmTransport(Transport):
                 pass
         with self._lock:
             self._caches = self._writers = None  # unmaps once no view of them is left
-        self._populating.set()
+        self._stop_populate()
         _untrack(self)
         self._control.close()

@@ -1,6 +1,7 @@
-"""A stand-in for an shm sender's control channel (the gRPC channel that carries its headers), so
-the unit lane can build ShmTransports on pool files without a socket: tests/unit/test_shm_*.py
-patch it in with `fake_control`."""
+"""For the unit tests of an shm sender (tests/unit/test_shm_*.py): a stand-in for its control
+channel (the gRPC channel that carries its headers), so the unit lane can build ShmTransports on
+pool files without a socket (`fake_control` patches it in), and a count of this process's
+mappings of a pool file."""
 
 from __future__ import annotations
 
@@ -30,3 +31,9 @@ class FakeControl:
 @pytest.fixture
 def fake_control(monkeypatch):
     monkeypatch.setattr(shm_backend, "GrpcTransport", FakeControl)
+
+
+def maps_of(path: str) -> int:
+    """How many of this process's mappings are of `path` (unlinked ones end in "(deleted)")."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if path in line)

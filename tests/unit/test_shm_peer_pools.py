@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from helpers.shm_control import fake_control  # noqa: F401 - the fixture
+from helpers.shm_control import fake_control, maps_of  # noqa: F401 - the fixture
 from helpers.threads import wait_until
 from pdserve.kvpool import create_pool_file
 from pdserve.kvtransfer import ChunkHeader
@@ -30,12 +30,6 @@ def new_pool(directory, name: str) -> str:
     create_pool_file(path, SHAPE, torch.float32)
     gc.collect()
     return path
-
-
-def maps_of(path: str) -> int:
-    """How many of this process's mappings are of `path` (unlinked ones end in "(deleted)")."""
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if path in line)
 
 
 def transport(path: str, control: str = "127.0.0.1:1") -> ShmTransport:

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from helpers.shm_control import fake_control  # noqa: F401 - the fixture
+from helpers.shm_control import fake_control, maps_of  # noqa: F401 - the fixture
 from helpers.threads import wait_until
 from pdserve.kvpool import create_pool_file
 from pdserve.kvtransfer.backends import shm_backend
@@ -100,16 +100,11 @@ def test_a_sender_populates_on_a_low_priority_thread_of_its_own(pool, monkeypatc
         sender.close()
 
 
-def maps_of(path: str) -> int:
-    """How many of this process's mappings are of `path`."""
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if path in line)
-
-
 def test_a_closed_sender_s_pool_is_unmapped_while_its_populate_waits(pool, monkeypatch):
     """A starved populate thread must not keep a gone receiver's pool mapped (its /dev/shm
     pages stay allocated while any process maps them)."""
     monkeypatch.setattr(shm_backend, "POPULATE_CHUNK", mmap.PAGESIZE)
+    monkeypatch.setattr(shm_backend, "POPULATE_JOIN_S", 0.2)  # close gives up on it soon
     started, release = threading.Event(), threading.Event()
     real = shm_backend.populate
 
