@@ -423,13 +423,19 @@ def _peer_fetch(config):
 
 def _local_prefill(config):
     """The router's LocalPrefill rule; a conversation's turns are routed back to the decode
-    worker that holds them only where the decode workers keep a prefix cache (reuse needs it)."""
+    worker that holds them only where the decode workers keep a prefix cache (reuse needs it).
+    cost "auto" is a prefill worker's compute over a decode worker's (Pool.compute): a prompt
+    token costs the same on either where the workers are alike, as in the local layouts."""
     from pdserve.planner.local_prefill import LocalPrefill  # imported late, as the router
 
     settings = config.router.local_prefill.model_dump()
-    decode = [p for k, p in config.worker_pools() if k in ("decode", "colocated")]
+    pools = dict(config.worker_pools())
+    decode = [p for k, p in pools.items() if k in ("decode", "colocated")]
     if not all(p.enable_prefix_caching for p in decode):
         settings["reuse_max_new_tokens"] = 0
+    if settings["cost"] == "auto":
+        both = "prefill" in pools and "decode" in pools
+        settings["cost"] = pools["prefill"].compute / pools["decode"].compute if both else 1.0
     return LocalPrefill(**settings)
 
 

@@ -14,7 +14,8 @@ when
     cost x (decode backlog + prompt tokens)  <  prefill backlog + hop_tokens
 
 `cost` prices a prompt token computed on a decode worker at its full speed in prefill-pool
-tokens; `hop_tokens` is the fixed price of the disaggregated path (two more RPCs, the KV
+tokens: 1 where the workers of the two pools are alike (the deployment's "auto" sets it from
+their tp and resources: deploy/launcher.py); `hop_tokens` is the fixed price of the disaggregated path (two more RPCs, the KV
 transfer, its commit) in prompt tokens. So a short prompt goes local when the prefill pool is
 idle, and longer ones too while the prefill pool is queued. max_prompt_tokens 0 turns it off
 (the default).
@@ -61,7 +62,7 @@ MAX_STEP_SLOWDOWN = 0.1
 @dataclass(frozen=True)
 class LocalPrefill:
     max_prompt_tokens: int = 0  # 0: never local
-    cost: float = 2.0
+    cost: float = 1.0  # alike workers (module docstring)
     hop_tokens: int = 64
     reuse_max_new_tokens: int = 512  # 0: a held conversation never goes local for that alone
     # what a prompt may add to the steps of the streams it runs beside (module docstring); 0: off

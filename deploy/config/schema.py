@@ -167,6 +167,15 @@ class Pool(_Frozen):
         return self.num_threads or max(1, int(self.resources.num_cpus))
 
     @property
+    def compute(self) -> float:
+        """One worker's compute for one prompt, in devices: tp ranks of resources.num_gpus GPUs
+        each, or of resources.num_cpus cores on a CPU pool. Pipeline stages run one prompt's
+        layers one after another, so pp adds none. Only the ratio between pools means anything
+        (the local-prefill rule's cost "auto")."""
+        r = self.resources
+        return self.tp * (r.num_gpus if r.num_gpus > 0 else r.num_cpus)
+
+    @property
     def ranks(self) -> int:
         """Processes of one worker: tp ranks in each of pp stages (a resources bundle each)."""
         return self.tp * self.pp
@@ -261,14 +270,24 @@ class LocalPrefillSettings(_Frozen):
     (0: never). max_step_slowdown x: beside running streams the decode pool's steps compute at
     most about x of a plain decode step in prompt tokens (its engines get it: a prompt runs in
     chunks there and the streams' steps take about 1 + x times as long), and the rule prices
-    such a prompt's tokens (1 + x) / x times higher; 0: no bound."""
+    such a prompt's tokens (1 + x) / x times higher; 0: no bound. cost "auto": a prefill
+    worker's compute over a decode worker's, from the pools' tp and resources (1 where the
+    two are alike: Pool.compute)."""
 
     max_prompt_tokens: Annotated[int, Field(ge=0)] = 0
-    cost: Annotated[float, Field(gt=0)] = 2.0
+    cost: float | Literal["auto"] = "auto"
     hop_tokens: Annotated[int, Field(ge=0)] = 64
     reuse_max_new_tokens: Annotated[int, Field(ge=0)] = 512
     # (planner/local_prefill.py MAX_STEP_SLOWDOWN, the rule's own default)
     max_step_slowdown: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.1
+
+    @field_validator("cost", mode="before")
+    @classmethod
+    def _cost(cls, v):
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        if v != "auto" and not (number and 0 < v < float("inf")):
+            raise ValueError('must be a number > 0 or "auto"')
+        return float(v) if number else v
 
 
 class PeerFetchSettings(_Frozen):

@@ -262,7 +262,8 @@ def test_the_rule_prices_a_turn_beside_streams_by_its_chunks():
     assert policy.choose(2000, 300, 0, held=1900)
     assert not policy.choose(2000, 300, 0, held=1900, streams=True)
     assert policy.choose(2000, 1200, 0, held=1900, streams=True)  # 1,000 < 1,264
-    off = LocalPrefill(max_step_slowdown=0.0)  # no bound: the full-speed price either way
+    # no bound: the full-speed price either way
+    off = LocalPrefill(cost=2.0, max_step_slowdown=0.0)
     assert off.price(True) == 2.0 and off.choose(2000, 300, 0, held=1900, streams=True)
 
 

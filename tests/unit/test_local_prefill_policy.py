@@ -40,14 +40,17 @@ def test_a_held_conversation_goes_local_for_its_new_tokens_only():
     prefill off for fresh prompts: the inequality is asked of the new tokens."""
     policy = LocalPrefill()  # max_prompt_tokens 0, reuse_max_new_tokens 512
     # a 2,000-token turn, 1,900 held on the decode worker; the prefill pool would recompute at
-    # least the answer: 2 x (0 + 100) < 400 + 64
+    # least the answer: 1 x (0 + 100) < 400 + 64
     assert policy.choose(2000, prefill_backlog=400, decode_backlog=0, held=1900)
     # everything held: one token to compute, still local
     assert policy.choose(2000, prefill_backlog=64, decode_backlog=0, held=2000)
     # too many new tokens for the decode worker to take on beside its streams
     assert not policy.choose(2000, prefill_backlog=10_000, decode_backlog=0, held=1000)
-    # the decode worker is busy prefilling others: 2 x (300 + 100) > 400 + 64
-    assert not policy.choose(2000, prefill_backlog=400, decode_backlog=300, held=1900)
+    # the decode worker is busy prefilling others: 1 x (400 + 100) > 400 + 64
+    assert not policy.choose(2000, prefill_backlog=400, decode_backlog=400, held=1900)
+    # a decode worker half as fast as a prefill worker: 2 x (0 + 300) > 400 + 64
+    assert policy.choose(2000, prefill_backlog=400, decode_backlog=0, held=1700)
+    assert not LocalPrefill(cost=2.0).choose(2000, prefill_backlog=400, decode_backlog=0, held=1700)
     # nothing held: the fresh-prompt rule, off here
     assert not policy.choose(100, prefill_backlog=10_000, decode_backlog=0, held=0)
     # reuse off
@@ -55,3 +58,28 @@ def test_a_held_conversation_goes_local_for_its_new_tokens_only():
     assert not off.choose(2000, prefill_backlog=400, decode_backlog=0, held=1990)
     with pytest.raises(ValueError, match="reuse_max_new_tokens"):
         LocalPrefill(reuse_max_new_tokens=-1)
+
+
+def test_auto_cost_is_a_prefill_worker_over_a_decode_worker(tmp_path):
+    """The deployment's cost "auto": 1 where the pools' workers are alike (the local layouts),
+    else their tp x devices (GPUs, or CPUs on a CPU pool) in ratio; a number is taken as given."""
+    from helpers.deploy_config import error_of, write
+    from pdserve.deploy.config.load import load_config
+    from pdserve.deploy.launcher import _local_prefill
+
+    def cost(tmp_path, text, name):
+        return _local_prefill(load_config(write(tmp_path, text, name))).cost
+
+    assert cost(tmp_path, "model: smollm2\n", "default.yaml") == 1.0
+    wide = "pools:\n  prefill: {tp: 2}\n  decode: {resources: {num_cpus: 0.5}}\n"
+    assert cost(tmp_path, wide, "wide.yaml") == 4.0
+    gpus = (
+        "pools:\n  prefill: {tp: 1, resources: {num_cpus: 4, num_gpus: 1}}\n"
+        "  decode: {tp: 2, resources: {num_cpus: 8, num_gpus: 1}}\n"
+    )
+    assert cost(tmp_path, gpus, "gpus.yaml") == 0.5  # CPUs do not count beside GPUs
+    assert cost(tmp_path, "pools:\n  colocated: {}\n", "colocated.yaml") == 1.0
+    given = "pools:\n  prefill: {tp: 2}\nrouter:\n  local_prefill: {cost: 1.5}\n"
+    assert cost(tmp_path, given, "given.yaml") == 1.5
+    bad = error_of(write(tmp_path, "router:\n  local_prefill: {cost: fast}\n", "bad.yaml"))
+    assert "router.local_prefill.cost" in bad
