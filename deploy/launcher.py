@@ -135,7 +135,17 @@ class Cluster:
         ranking = None
         if self.config.kvtransfer.backend == "auto":
             ranking = self.config.kvtransfer.ranking()
-        return start_table.format_table(infos, ranking=ranking)
+        rule = _local_prefill(self.config).describe()
+        planner = self.config.planner
+        if planner.enabled and planner.local_cap:
+            rule += f"; the planner may raise max_prompt_tokens to {planner.local_cap}"
+        if self.config.router.local_prefill.cost == "auto":
+            pools = self.config.pools
+            rule += (
+                f" (auto: a prefill worker's tp x devices {pools.prefill.compute:g} over a "
+                f"decode worker's {pools.decode.compute:g})"
+            )
+        return start_table.format_table(infos, ranking=ranking, local_prefill=rule)
 
     def wait(self, poll_s: float = 1.0) -> str:
         """Serves until Ctrl-C or SIGTERM, then stops the deployment; returns why. Dead workers

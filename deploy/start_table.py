@@ -3,7 +3,9 @@ Ray node it runs on (and the nodes of its later pipeline stages where they diffe
 capacity (blocks, tokens, and how many sequences of max_model_len fit at once) and its log file.
 On `kvtransfer.backend: auto` a decode row says what it offers ("auto: shm, grpc"), a prefill row
 what it picks ("auto -> shm"), and a line under the table the order auto follows and where it came
-from: the deployment's `kvtransfer.profile` (file, date, machine) or the built-in default.
+from: the deployment's `kvtransfer.profile` (file, date, machine) or the built-in default. A
+disaggregated deployment's last line says which prompts the router may run on a decode worker
+(router.local_prefill) and the price it uses, with where an "auto" cost came from.
 
 The launcher collects each started worker's WorkerActor.info() (plain data, deploy/workers.py)
 into Cluster.workers; `format_table` turns those into the text, and nothing here talks to Ray or a
@@ -147,13 +149,18 @@ def auto_pick(info: dict, infos: list[dict], ranking=None) -> str | None:
     return "auto -> " + ", ".join(f"{b} ({n})" for b, n in sorted(picks.items(), reverse=True))
 
 
-def format_table(infos: list[dict], kv_backend: str | None = None, ranking=None) -> str:
+def format_table(
+    infos: list[dict], kv_backend: str | None = None, ranking=None, local_prefill: str = ""
+) -> str:
     """The table of `infos` (one WorkerActor.info() each), its columns aligned, a header first.
     `ranking` (kvtransfer/choose.py Ranking): on kvtransfer.backend "auto", the order the picks
-    follow, said on a line under the table with where it came from."""
+    follow, said on a line under the table with where it came from. `local_prefill`: the
+    router's local-prefill rule in words (planner/local_prefill.py), on a line of its own."""
     rows = [COLUMNS] + [row(i, kv_backend or auto_pick(i, infos, ranking)) for i in infos]
     widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     if ranking is not None:
         lines.append(f"KV transfer auto, fastest first: {ranking.describe()}")
+    if local_prefill:
+        lines.append(f"Local prefill: {local_prefill}")
     return "\n".join(lines)

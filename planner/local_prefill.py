@@ -88,6 +88,21 @@ class LocalPrefill:
     def enabled(self) -> bool:
         return self.max_prompt_tokens > 0
 
+    def describe(self) -> str:
+        """The rule in a line, for the start table (deploy/start_table.py)."""
+        turns = (
+            f"a turn with at most {self.reuse_max_new_tokens} new tokens may run on the decode "
+            f"worker holding the rest"
+            if self.reuse_max_new_tokens
+            else "turns never run on a decode worker for what it holds"
+        )
+        fresh = (
+            f"a fresh prompt of at most {self.max_prompt_tokens} tokens may too"
+            if self.enabled
+            else "fresh prompts never (max_prompt_tokens 0)"
+        )
+        return f"{turns}; {fresh}; cost {self.cost:g}, hop {self.hop_tokens} tokens"
+
     def choose(
         self,
         prompt_tokens: int,

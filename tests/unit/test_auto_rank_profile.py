@@ -200,7 +200,7 @@ def test_the_launcher_hands_the_ranking_to_decode_workers_and_prints_it(tmp_path
     decode = workers.worker_config(dict(model="m"), "decode", "auto", True, ranking.to_dict())
     assert Ranking.from_dict(decode.kv_ranking) == ranking
     table = Cluster(config=cfg, started_ray=False).start_table()
-    assert table.splitlines()[-1].startswith(
+    assert table.splitlines()[-2].startswith(
         "KV transfer auto, fastest first: same host nixl > shm > grpc; other hosts grpc (profile "
     )
     named = validate_config({"kvtransfer": {"backend": "grpc"}})

@@ -83,3 +83,29 @@ def test_auto_cost_is_a_prefill_worker_over_a_decode_worker(tmp_path):
     assert cost(tmp_path, given, "given.yaml") == 1.5
     bad = error_of(write(tmp_path, "router:\n  local_prefill: {cost: fast}\n", "bad.yaml"))
     assert "router.local_prefill.cost" in bad
+
+
+def test_the_start_table_says_the_rule_and_where_its_cost_came_from(tmp_path):
+    from helpers.deploy_config import write
+    from pdserve.deploy.config.load import load_config
+    from pdserve.deploy.launcher import Cluster
+
+    def last_line(text, name):
+        cfg = load_config(write(tmp_path, text, name))
+        return Cluster(config=cfg, started_ray=False).start_table().splitlines()[-1]
+
+    line = last_line("model: smollm2\n", "default.yaml")
+    assert line == (
+        "Local prefill: a turn with at most 512 new tokens may run on the decode worker holding "
+        "the rest; fresh prompts never (max_prompt_tokens 0); cost 1, hop 64 tokens (auto: a "
+        "prefill worker's tp x devices 1 over a decode worker's 1)"
+    )
+    wide = "pools:\n  prefill: {tp: 2}\nplanner: {enabled: true}\n"
+    line = last_line(wide, "wide.yaml")
+    assert "cost 2, hop 64 tokens; the planner may raise max_prompt_tokens to 1024" in line
+    assert line.endswith("(auto: a prefill worker's tp x devices 2 over a decode worker's 1)")
+    given = "router:\n  local_prefill: {cost: 1.5, max_prompt_tokens: 256}\n"
+    line = last_line(given, "given.yaml")
+    assert line.endswith("a fresh prompt of at most 256 tokens may too; cost 1.5, hop 64 tokens")
+    colocated = last_line("pools:\n  colocated: {}\n", "colocated.yaml")
+    assert not colocated.startswith("Local prefill")
