@@ -15,10 +15,10 @@ when
 
 `cost` prices a prompt token computed on a decode worker at its full speed in prefill-pool
 tokens: 1 where the workers of the two pools are alike (the deployment's "auto" sets it from
-their tp and resources: deploy/launcher.py); `hop_tokens` is the fixed price of the disaggregated path (two more RPCs, the KV
-transfer, its commit) in prompt tokens. So a short prompt goes local when the prefill pool is
-idle, and longer ones too while the prefill pool is queued. max_prompt_tokens 0 turns it off
-(the default).
+their tp and resources: deploy/launcher.py); `hop_tokens` is the fixed price of the
+disaggregated path (two more RPCs, the KV transfer, its commit) in prompt tokens. So a short
+prompt goes local when the prefill pool is idle, and longer ones too while the prefill pool is
+queued. max_prompt_tokens 0 turns it off (the default).
 
 Beside running streams a decode worker does not compute a prompt at full speed: with
 max_step_slowdown s (> 0; its decode pool's engines get the same value, deploy/config/schema.py),
