@@ -58,6 +58,18 @@ class PromptEncoder:
         # one separator byte per token on top: pre-tokenizers that split on whitespace drop it
         self.max_prompt_bytes = (max_model_len - 1) * (max_token_bytes(tokenizer) + 1)
         self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
+        # the first render compiles the chat template (6.5 ms for SmolLM2's): done now, on the
+        # tokenizer's thread, so the first client's chat does not wait for it
+        self._executor.submit(self._warm_up)
+
+    def _warm_up(self) -> None:
+        conversation = [{"role": "user", "content": "Hello"}]
+        try:
+            if getattr(self.tokenizer, "chat_template", None):
+                self._render_and_encode(conversation, {"add_generation_prompt": True}, False)
+            self._encode("Hello", True)
+        except Exception:  # a template that wants other roles: its first client compiles it
+            pass
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

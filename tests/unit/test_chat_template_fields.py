@@ -91,3 +91,40 @@ def test_tokenize_text_counts_without_the_context_check(encoder):
     assert encoder.tokenize_text("", True) == []
     with pytest.raises(BadRequest):  # bounded like a prompt all the same
         encoder.tokenize_text("t5 " * 5000)
+
+
+class _CountingTokenizer:
+    """What PromptEncoder touches of a tokenizer, counting the chat renders."""
+
+    def __init__(self, template, fail=False):
+        self.chat_template, self.fail, self.renders = template, fail, 0
+
+    def __len__(self):
+        return 8
+
+    def batch_decode(self, ids, skip_special_tokens=False):
+        return ["ab" for _ in ids]
+
+    def encode(self, text, add_special_tokens=True):
+        return [1, 2]
+
+    def apply_chat_template(self, conversation, tokenize=False, **options):
+        self.renders += 1
+        if self.fail:
+            raise ValueError("this template wants a system message first")
+        return "rendered"
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_template_is_compiled_before_the_first_chat(fail):
+    """The encoder renders one chat on its own thread when made, so the first client's chat does
+    not pay for compiling the template; a template that refuses that chat changes nothing."""
+    tok = _CountingTokenizer("{{ messages }}", fail=fail)
+    enc = PromptEncoder(tok, 256)
+    try:
+        enc._executor.submit(lambda: None).result(timeout=10)  # the warm-up ran before it
+        assert tok.renders == 1
+        if not fail:
+            assert enc.tokenize_chat(_chat("t5")) == [1, 2]
+    finally:
+        enc.close()
