@@ -631,6 +631,150 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks, int64_t part) {
 }
 
 
+// ---- bf16 weights packed for our own product in oneDNN's bf16 arithmetic (steps of more rows) ----
+//
+// oneDNN's bf16 linear at 32 rows ran SmolLM2's decoder linears at 204-257 GFLOPS on the
+// AVX-512 BF16 EPYC, where this loop of AVX512-BF16 dot products runs them at 347-420 (its large
+// GEMMs: 410). It computes the same bits as q4_linear above (so as oneDNN: quant.py checks them
+// before use): each output's products summed pair after pair in input order, in parts of `part`
+// inputs, the parts added in order, the sum rounded to bf16. bf16_pack lays a weight [out, in]
+// out as [out / 16, in / 2, 16, 2] bf16 (16 outputs' pair of inputs in one 64-byte load);
+// bf16_linear takes 48 outputs at a time (24 accumulators of 8 rows) and every 8 rows of the
+// step, each thread its own outputs. Built only where the compiler targets AVX512-BF16;
+// elsewhere bf16_linear_fast() is false and quant.py keeps oneDNN.
+namespace {
+constexpr int kBpRows = 8;     // rows a pass over a tile's weights serves
+constexpr int kBpGroups = 3;   // 16-output groups a tile takes (3 x 8 accumulators)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+template <int R, int CB>
+void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int64_t part_p,
+               uint16_t* y, int64_t ys) {
+  __m512 acc[R][CB];
+  alignas(64) float total[R][CB][16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    if (p > 0 && p % part_p == 0) {  // a part ends: added to the parts before it
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < CB; ++c) {
+          const __m512 t = p == part_p ? acc[r][c] : _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]);
+          _mm512_store_ps(total[r][c], t);
+          acc[r][c] = _mm512_setzero_ps();
+        }
+    }
+    __m512i b[CB];
+    for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_si512(w + (c * K2 + p) * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * p, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)b[c], a);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c) {
+      const __m512 sum = K2 > part_p ? _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]) : acc[r][c];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + c * 16), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+}
+
+template <int CB>
+void bf16_rows(int r, const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int64_t part_p,
+               uint16_t* y, int64_t ys) {
+  switch (r) {
+    case 1: return bf16_tile<1, CB>(x, K, w, K2, part_p, y, ys);
+    case 2: return bf16_tile<2, CB>(x, K, w, K2, part_p, y, ys);
+    case 3: return bf16_tile<3, CB>(x, K, w, K2, part_p, y, ys);
+    case 4: return bf16_tile<4, CB>(x, K, w, K2, part_p, y, ys);
+    case 5: return bf16_tile<5, CB>(x, K, w, K2, part_p, y, ys);
+    case 6: return bf16_tile<6, CB>(x, K, w, K2, part_p, y, ys);
+    case 7: return bf16_tile<7, CB>(x, K, w, K2, part_p, y, ys);
+    default: return bf16_tile<8, CB>(x, K, w, K2, part_p, y, ys);
+  }
+}
+#endif
+}  // namespace
+
+bool bf16_linear_fast() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [out, in] (float32 or bfloat16; out a multiple of 16, in of 2) as bf16 rounded as
+// .to(torch.bfloat16) rounds it, laid out [out / 16, in / 2, 16, 2]: uint16 [out / 16, in * 16].
+torch::Tensor bf16_pack(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 16 == 0 && w.size(1) % 2 == 0,
+              "bf16_pack: a CPU weight [out, in], out a multiple of 16 and in of 2, expected");
+  const auto wb = w.to(torch::kBFloat16).contiguous();
+  const int64_t out = w.size(0), in = w.size(1);
+  auto packed = torch::empty({out / 16, in * 16}, w.options().dtype(torch::kInt16));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
+  at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t p = 0; p < in / 2; ++p)
+        for (int64_t j = 0; j < 16; ++j) {
+          const uint16_t* row = src + (g * 16 + j) * in;
+          uint16_t* d = dst + g * in * 16 + p * 32 + j * 2;
+          d[0] = row[2 * p];
+          d[1] = row[2 * p + 1];
+        }
+  });
+  return packed;
+}
+
+// x [rows, in] (float32 or bfloat16) times a bf16_pack'ed weight in oneDNN's bf16 arithmetic,
+// in parts of `part` inputs (even): [rows, out] bfloat16.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "bf16_linear: x CPU float32 or bfloat16 [rows, in] expected");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kInt16 && packed.dim() == 2 &&
+                  packed.is_contiguous() && packed.size(1) == x.size(1) * 16,
+              "bf16_linear: packed int16 [out / 16, in * 16] (bf16_pack) expected");
+  TORCH_CHECK(part > 0 && part % 2 == 0, "bf16_linear: part must be positive and even");
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const int64_t rows = x.size(0), in = x.size(1), groups = packed.size(0), out = groups * 16;
+  auto y = torch::empty({rows, out}, x.options().dtype(torch::kBFloat16));
+  if (rows == 0 || out == 0) return y;
+  std::vector<uint16_t> xr;
+  const uint16_t* xp;
+  const auto xc = x.contiguous();
+  if (xc.scalar_type() == torch::kFloat32) {
+    xr.resize(static_cast<size_t>(rows * in));
+    to_bf16(xc.data_ptr<float>(), xr.data(), rows * in);
+    xp = xr.data();
+  } else {
+    xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  }
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t K2 = in / 2, part_p = std::min(part / 2, K2), tiles = (groups + kBpGroups - 1) / kBpGroups;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t * kBpGroups, cb = std::min<int64_t>(kBpGroups, groups - g);
+      const uint16_t* wt = wp + g * in * 16;
+      for (int64_t r0 = 0; r0 < rows; r0 += kBpRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kBpRows, rows - r0));
+        const uint16_t* xt = xp + r0 * in;
+        uint16_t* yt = yp + r0 * out + g * 16;
+        if (cb == 3) bf16_rows<3>(r, xt, in, wt, K2, part_p, yt, out);
+        else if (cb == 2) bf16_rows<2>(r, xt, in, wt, K2, part_p, yt, out);
+        else bf16_rows<1>(r, xt, in, wt, K2, part_p, yt, out);
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "bf16_linear: built without AVX512-BF16 (bf16_linear_fast() is false)");
+#endif
+}
+
+
 // ---- weight blocks in oneDNN's float32 arithmetic (the float32 mode's steps of few rows) ----
 //
 // oneDNN's float32 linear sums each output's products as one chain of fused multiply-adds in
@@ -929,6 +1073,15 @@ struct Linear {
   torch::Tensor q4;                            // the 4-bit blocks, or undefined
   int64_t q4_part = 0;                         // q4_linear's part
   int64_t q4_rows = 0;
+  torch::Tensor bp;                            // bf16: the bf16_pack'ed weight, or undefined
+  int64_t bp_part = 0;                         // bf16_linear's part
+
+  // a bf16 layer's product past q4_rows: bf16_linear where the layer has its packing (the same
+  // bits as oneDNN's: quant.py checked them), else oneDNN on bf16 input; bf16 out
+  torch::Tensor bf16_product(const torch::Tensor& x) const {
+    if (bp.defined()) return bf16_linear(x, bp, bp_part);
+    return onednn(x.scalar_type() == torch::kBFloat16 ? x : x.to(torch::kBFloat16), weight, c10::IValue());
+  }
 
   // oneDNN's product, one row run as two as engine/layers/linear.py's onednn_linear does (the
   // same bits for a row alone as in a batch)
@@ -957,8 +1110,7 @@ struct Linear {
       return (*this)(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32));
     }
     if (q4_at(x.size(0))) return q4_linear(x, q4, q4_part);
-    return onednn(x.scalar_type() == torch::kBFloat16 ? x : x.to(torch::kBFloat16), weight,
-                  c10::IValue());
+    return bf16_product(x);
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -972,7 +1124,7 @@ struct Linear {
       return onednn(x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue());
     }
     if (kind == kBf16) {
-      y = onednn(x.to(torch::kBFloat16), weight, c10::IValue()).to(torch::kFloat32);
+      y = bf16_product(x).to(torch::kFloat32);
     } else if (kind == kInt8) {
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
       auto rows = int8_rows(x, aux.defined() ? c10::optional<torch::Tensor>(aux) : c10::nullopt, span_row);
@@ -1096,6 +1248,18 @@ class DecodeStack {
     lin->q4_rows = rows;
   }
 
+  // A bf16 linear's own packing (bf16_pack) and part: bf16_linear instead of oneDNN past q4_rows.
+  void set_bf16p(const std::string& which, torch::Tensor packed, int64_t part) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
+    Layer& l = layers_.back();
+    Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
+                : which == "down" ? &l.down : nullptr;
+    TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
+    TORCH_CHECK(lin->kind == Linear::kBf16, "DecodeStack: set_bf16p on a bf16 linear only");
+    lin->bp = packed;
+    lin->bp_part = part;
+  }
+
   // Returns (hidden, residual) of the last layer, before the final norm.
   std::vector<torch::Tensor> run(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos,
                                  torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slot_mapping,
@@ -1156,6 +1320,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &int8_rows);
   m.def("argmax_rows", &argmax_rows);
   m.def("q4_linear", &q4_linear);
+  m.def("bf16_pack", &bf16_pack);
+  m.def("bf16_linear", &bf16_linear);
+  m.def("bf16_linear_fast", &bf16_linear_fast);
   m.def("q4_linear_f32", &q4_linear_f32);
   m.def("q8_linear_f32", &q8_linear_f32);
   m.def("q8_blocks", &q8_blocks);
@@ -1168,5 +1335,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("set_q4", &DecodeStack::set_q4)
+      .def("set_bf16p", &DecodeStack::set_bf16p)
       .def("run", &DecodeStack::run);
 }

@@ -1,0 +1,82 @@
+"""The bf16 mode's own product (fused_cpu.cpp bf16_linear, engine/layers/quant.py own_bf16): where
+the compiled kernels have AVX512-BF16, a bf16 weight's steps of more than Q4_ROWS rows take it
+instead of oneDNN's, which must give oneDNN's bits exactly, checked here against a oneDNN product
+made apart from Bf16Weight; a part that is not oneDNN's is refused, and without the kernel
+oneDNN keeps every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.marks import needs_onednn_bf16
+from pdserve.engine.kernels import cpu_fused
+from pdserve.engine.layers import quant
+from pdserve.engine.layers.quant import Bf16Weight, onednn_part
+
+fused = cpu_fused()
+needs_own = pytest.mark.skipif(
+    fused is None or not fused.bf16_linear_fast(),
+    reason="the compiled kernels have no AVX512-BF16 product on this CPU",
+)
+pytestmark = needs_onednn_bf16
+
+
+def onednn_bf16(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    from pdserve.engine.layers.linear import onednn_linear
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 32)
+    return onednn_linear(x.to(torch.bfloat16), packed, None).float()
+
+
+@needs_own
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 2048), (16, 64), (80, 96)])
+def test_its_product_is_onednns_bit_for_bit(shape):
+    torch.manual_seed(sum(shape))
+    w = torch.randn(*shape) * 0.05
+    q = Bf16Weight(w)
+    assert q.bp is not None and q.packed is None  # oneDNN's copy let go
+    for rows in (9, 16, 17, 33, 100):
+        x = torch.randn(rows, shape[1]) * 3
+        assert torch.equal(q.matmul(x), onednn_bf16(w, x)), rows
+        # a row's result is the same alone as in the batch
+        assert torch.equal(q.matmul(x[5:6].expand(rows, -1).contiguous())[0], q.matmul(x)[5])
+
+
+@needs_own
+def test_a_part_that_is_not_onednns_is_refused(monkeypatch):
+    k = 1536
+    part = onednn_part(k, 64, torch.bfloat16)
+    assert quant._own_bf16_gives_onednn_bits(k, 64, part)
+    wrong = 512 if part != 512 else 1024
+    assert not quant._own_bf16_gives_onednn_bits(k, 64, wrong)
+    monkeypatch.setattr(quant, "onednn_part", lambda *a, **kw: wrong)
+    q = Bf16Weight(torch.randn(64, k))
+    assert q.bp is None and q.packed is not None  # oneDNN keeps every step
+
+
+def test_without_the_kernel_onednn_keeps_every_step(monkeypatch):
+    class NoOwn:
+        def __getattr__(self, name):
+            return getattr(fused, name)
+
+        def bf16_linear_fast(self):
+            return False
+
+    monkeypatch.setattr(quant, "cpu_fused", lambda: NoOwn() if fused is not None else None)
+    w = torch.randn(32, 64)
+    q = Bf16Weight(w)
+    assert q.bp is None and q.packed is not None
+    x = torch.randn(12, 64)
+    assert torch.equal(q.matmul(x), onednn_bf16(w, x))
+
+
+@needs_own
+def test_bad_shapes_are_refused_with_a_message():
+    packed = fused.bf16_pack(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="packed int16"):
+        fused.bf16_linear(torch.randn(4, 62), packed, 64)
+    with pytest.raises(RuntimeError, match="even"):
+        fused.bf16_linear(torch.randn(4, 64), packed, 3)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        fused.bf16_pack(torch.randn(20, 64))
