@@ -462,11 +462,16 @@ def own_bf16(weight: torch.Tensor, dense_matmul) -> tuple[torch.Tensor | None, i
     """(the weight bf16_pack'ed, its part) where the compiled bf16_linear exists on this CPU and
     gives `dense_matmul`'s bits (oneDNN on the weight itself): on rows that expose the order of
     the sums (once per shape, on a weight of ones), then on random rows of this weight in each
-    of OWN_BF16_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every step."""
+    of OWN_BF16_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every step. Not on a CPU
+    with AMX: there oneDNN multiplies bf16 on the tile units, which this product (measured
+    against oneDNN's AVX512-BF16 path only) is not known to beat."""
+    from pdserve.engine.cpu import cpu_features
+
     fused = cpu_fused()
     if (
         fused is None
         or not fused.bf16_linear_fast()
+        or cpu_features().has("amx_bf16")  # oneDNN's tile units: not what this product beats
         or weight.dim() != 2
         or weight.shape[0] % 16
         or weight.device.type != "cpu"

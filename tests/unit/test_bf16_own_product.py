@@ -55,6 +55,16 @@ def test_a_part_that_is_not_onednns_is_refused(monkeypatch):
     assert q.bp is None and q.packed is not None  # oneDNN keeps every step
 
 
+def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
+    from pdserve.engine import cpu
+
+    real = cpu.cpu_features()
+    amx = type(real)(real.model, real.flags | {"amx_bf16", "amx_tile"})
+    monkeypatch.setattr(cpu, "cpu_features", lambda: amx)
+    q = Bf16Weight(torch.randn(32, 64))
+    assert q.bp is None and q.packed is not None
+
+
 def test_without_the_kernel_onednn_keeps_every_step(monkeypatch):
     class NoOwn:
         def __getattr__(self, name):
