@@ -775,6 +775,124 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
 }
 
 
+// ---- float32 weights packed for our own product in oneDNN's float32 arithmetic ----
+//
+// The float32 mode's counterpart of bf16_linear: oneDNN's float32 linear ran 126-132 GFLOPS at 32
+// rows with the weights in cache on the AVX-512 EPYC, against 176 for its large GEMMs. f32_linear
+// sums as oneDNN's float32 product does (q4_linear_f32 above: one chain of fused multiply-adds per
+// output in input order, in parts of `part` inputs, the parts added in order), 8 rows x 48 outputs
+// a pass over weights f32_pack'ed [out / 16, in, 16]. AVX-512 builds only (f32_linear_fast());
+// quant.py's own_f32 checks its bits against oneDNN's before a layer takes it.
+namespace {
+#if defined(__AVX512F__)
+template <int R, int CB>
+void f32_tile(const float* x, int64_t K, const float* w, int64_t part, float* y, int64_t ys) {
+  __m512 acc[R][CB];
+  alignas(64) float total[R][CB][16];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if (k > 0 && k % part == 0) {  // a part ends: added to the parts before it
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < CB; ++c) {
+          const __m512 t = k == part ? acc[r][c] : _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]);
+          _mm512_store_ps(total[r][c], t);
+          acc[r][c] = _mm512_setzero_ps();
+        }
+    }
+    __m512 b[CB];
+    for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_ps(w + (c * K + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * K + k]);
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c)
+      _mm512_storeu_ps(y + r * ys + c * 16,
+                       K > part ? _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]) : acc[r][c]);
+}
+
+template <int CB>
+void f32_rows(int r, const float* x, int64_t K, const float* w, int64_t part, float* y, int64_t ys) {
+  switch (r) {
+    case 1: return f32_tile<1, CB>(x, K, w, part, y, ys);
+    case 2: return f32_tile<2, CB>(x, K, w, part, y, ys);
+    case 3: return f32_tile<3, CB>(x, K, w, part, y, ys);
+    case 4: return f32_tile<4, CB>(x, K, w, part, y, ys);
+    case 5: return f32_tile<5, CB>(x, K, w, part, y, ys);
+    case 6: return f32_tile<6, CB>(x, K, w, part, y, ys);
+    case 7: return f32_tile<7, CB>(x, K, w, part, y, ys);
+    default: return f32_tile<8, CB>(x, K, w, part, y, ys);
+  }
+}
+#endif
+}  // namespace
+
+bool f32_linear_fast() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [out, in] float32 (out a multiple of 16) laid out [out / 16, in, 16]: float32 [out / 16, in * 16].
+torch::Tensor f32_pack(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 16 == 0 && w.scalar_type() == torch::kFloat32,
+              "f32_pack: a CPU float32 weight [out, in], out a multiple of 16, expected");
+  const auto wc = w.contiguous();
+  const int64_t out = w.size(0), in = w.size(1);
+  auto packed = torch::empty({out / 16, in * 16}, w.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = 0; j < 16; ++j)
+        for (int64_t k = 0; k < in; ++k) dst[g * in * 16 + k * 16 + j] = src[(g * 16 + j) * in + k];
+  });
+  return packed;
+}
+
+// x [rows, in] float32 times an f32_pack'ed weight in oneDNN's float32 arithmetic, in parts of
+// `part` inputs: [rows, out] float32.
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32,
+              "f32_linear: x CPU float32 [rows, in] expected");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kFloat32 && packed.dim() == 2 &&
+                  packed.is_contiguous() && packed.size(1) == x.size(1) * 16,
+              "f32_linear: packed float32 [out / 16, in * 16] (f32_pack) expected");
+  TORCH_CHECK(part > 0, "f32_linear: part must be positive");
+#if defined(__AVX512F__)
+  const int64_t rows = x.size(0), in = x.size(1), groups = packed.size(0), out = groups * 16;
+  auto y = torch::empty({rows, out}, x.options());
+  if (rows == 0 || out == 0) return y;
+  const auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pt = std::min(part, in), tiles = (groups + kBpGroups - 1) / kBpGroups;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t * kBpGroups, cb = std::min<int64_t>(kBpGroups, groups - g);
+      const float* wt = wp + g * in * 16;
+      for (int64_t r0 = 0; r0 < rows; r0 += kBpRows) {
+        const int r = static_cast<int>(std::min<int64_t>(kBpRows, rows - r0));
+        const float* xt = xp + r0 * in;
+        float* yt = yp + r0 * out + g * 16;
+        if (cb == 3) f32_rows<3>(r, xt, in, wt, pt, yt, out);
+        else if (cb == 2) f32_rows<2>(r, xt, in, wt, pt, yt, out);
+        else f32_rows<1>(r, xt, in, wt, pt, yt, out);
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "f32_linear: built without AVX-512 (f32_linear_fast() is false)");
+#endif
+}
+
+
 // ---- weight blocks in oneDNN's float32 arithmetic (the float32 mode's steps of few rows) ----
 //
 // oneDNN's float32 linear sums each output's products as one chain of fused multiply-adds in
@@ -1073,8 +1191,8 @@ struct Linear {
   torch::Tensor q4;                            // the 4-bit blocks, or undefined
   int64_t q4_part = 0;                         // q4_linear's part
   int64_t q4_rows = 0;
-  torch::Tensor bp;                            // bf16: the bf16_pack'ed weight, or undefined
-  int64_t bp_part = 0;                         // bf16_linear's part
+  torch::Tensor bp;                            // our own packing (bf16_pack, f32_pack), or undefined
+  int64_t bp_part = 0;                         // its part
 
   // a bf16 layer's product past q4_rows: bf16_linear where the layer has its packing (the same
   // bits as oneDNN's: quant.py checked them), else oneDNN on bf16 input; bf16 out
@@ -1121,6 +1239,7 @@ struct Linear {
       return bias.defined() ? y + bias : y;
     }
     if (kind == kDense) {
+      if (bp.defined()) return f32_linear(x, bp, bp_part);  // (no bias: set_own)
       return onednn(x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue());
     }
     if (kind == kBf16) {
@@ -1248,14 +1367,18 @@ class DecodeStack {
     lin->q4_rows = rows;
   }
 
-  // A bf16 linear's own packing (bf16_pack) and part: bf16_linear instead of oneDNN past q4_rows.
-  void set_bf16p(const std::string& which, torch::Tensor packed, int64_t part) {
+  // A linear's own packing and part (quant.py own_product): bf16_linear (a bf16 linear) or
+  // f32_linear (a dense one, without bias) instead of oneDNN past q4_rows.
+  void set_own(const std::string& which, torch::Tensor packed, int64_t part) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
     Layer& l = layers_.back();
     Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
                 : which == "down" ? &l.down : nullptr;
     TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
-    TORCH_CHECK(lin->kind == Linear::kBf16, "DecodeStack: set_bf16p on a bf16 linear only");
+    TORCH_CHECK(lin->kind == Linear::kBf16 || (lin->kind == Linear::kDense && !lin->bias.defined()),
+                "DecodeStack: set_own on a bf16 linear or a dense one without bias only");
+    TORCH_CHECK(packed.scalar_type() == (lin->kind == Linear::kBf16 ? torch::kInt16 : torch::kFloat32),
+                "DecodeStack: set_own: a bf16_pack'ed (bf16) or f32_pack'ed (dense) weight expected");
     lin->bp = packed;
     lin->bp_part = part;
   }
@@ -1323,6 +1446,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack);
   m.def("bf16_linear", &bf16_linear);
   m.def("bf16_linear_fast", &bf16_linear_fast);
+  m.def("f32_pack", &f32_pack);
+  m.def("f32_linear", &f32_linear);
+  m.def("f32_linear_fast", &f32_linear_fast);
   m.def("q4_linear_f32", &q4_linear_f32);
   m.def("q8_linear_f32", &q8_linear_f32);
   m.def("q8_blocks", &q8_blocks);
@@ -1335,6 +1461,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_linear", &DecodeStack::set_linear)
       .def("set_q4", &DecodeStack::set_q4)
-      .def("set_bf16p", &DecodeStack::set_bf16p)
+      .def("set_own", &DecodeStack::set_own)
       .def("run", &DecodeStack::run);
 }

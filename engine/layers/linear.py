@@ -26,6 +26,8 @@ from pdserve.engine.layers.quant import (
     Q8Blocks,
     exact_blocks,
     onednn_bf16_available,
+    own_linear,
+    own_product,
     quantize_weight,
 )
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
@@ -87,6 +89,8 @@ class LinearBase(nn.Module):
         # a float32 weight's 4- or 8-bit blocks, when it is exactly that
         self._blocks: Q4Blocks | Q8Blocks | None = None
         self._quant = None  # an engine.layers.quant weight when a quantization mode is on
+        # (our own packing, its part): quant.own_product, which then replaces _packed
+        self._own: tuple[torch.Tensor, int] | None = None
         # per input channel, the largest |activation| seen on calibration text (int8 smooths by it)
         self.act_absmax: torch.Tensor | None = None
 
@@ -99,7 +103,7 @@ class LinearBase(nn.Module):
         memory), unless another module shares it: `release_dense` drops it."""
         if self.weight.numel() == 0:
             raise RuntimeError("finalize after the dense weight was released")
-        self._packed = self._quant = self._blocks = None
+        self._packed = self._quant = self._blocks = self._own = None
         if quantization is not None:
             self._quant = quantize_weight(quantization, self.weight.detach(), self.act_absmax)
         elif _onednn_usable(self.weight):
@@ -108,16 +112,34 @@ class LinearBase(nn.Module):
             )
             if self.weight.dtype == torch.float32:
                 packed = self._packed
-                self._blocks = exact_blocks(
-                    self.weight.detach(), torch.float32, lambda x: onednn_linear(x, packed, None)
-                )
-        if release_dense and (self._packed is not None or self._quant is not None):
+
+                def dense(x):
+                    return onednn_linear(x, packed, None)
+
+                self._blocks = exact_blocks(self.weight.detach(), torch.float32, dense)
+                # our own product where it gives oneDNN's bits (quant.own_product); oneDNN adds a
+                # bias inside its product, so a layer with one keeps oneDNN
+                if self.bias is None:
+                    own, part = own_product(self.weight.detach(), torch.float32, dense)
+                    if own is not None:
+                        self._own, self._packed = (own, part), None
+        prepared = self._packed is not None or self._quant is not None or self._own is not None
+        if release_dense and prepared:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # (the dense weight may be released: a prepared weight always takes its own path)
         if self._quant is not None:
             y = self._quant.matmul(x.reshape(-1, x.shape[-1]))
+            if bias is not None:
+                y = y + bias
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if self._own is not None:  # (no bias: finalize)
+            x2d = x.reshape(-1, x.shape[-1])
+            if self._blocks is not None and bias is None and x2d.shape[0] <= Q4_ROWS:
+                y = self._blocks.matmul(x2d)
+            else:
+                y = own_linear(x2d, *self._own)
             if bias is not None:
                 y = y + bias
             return y.view(*x.shape[:-1], y.shape[-1])

@@ -427,7 +427,7 @@ class Bf16Weight:
     (checked here, on random rows), a step of at most Q4_ROWS rows multiplies those instead: the
     same bits, fewer bytes read. Where the compiled kernels have AVX512-BF16 and their own
     product (fused_cpu.cpp bf16_linear) gives oneDNN's bits for this shape (checked here too:
-    own_bf16), every other step takes that product and oneDNN's packed copy is let go: the same
+    own_product), every other step takes that product and oneDNN's packed copy is let go: the same
     bits in 12-32% less time at 9-64 rows on the AVX-512 BF16 EPYC (oneDNN's at 512 rows)."""
 
     def __init__(self, weight: torch.Tensor):
@@ -437,7 +437,7 @@ class Bf16Weight:
         self.out_features = weight.shape[0]
         self.bp, self.bp_part = None, 0  # (dense_matmul is oneDNN's while the checks run)
         self.q4 = exact_blocks(weight, torch.bfloat16, self.dense_matmul)
-        self.bp, self.bp_part = own_bf16(weight, self.dense_matmul)
+        self.bp, self.bp_part = own_product(weight, torch.bfloat16, self.dense_matmul)
         if self.bp is not None:
             self.packed = None  # (dense_matmul takes bf16_linear from now on: the same bits)
 
@@ -448,57 +448,72 @@ class Bf16Weight:
 
     def dense_matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.bp is not None:
-            return cpu_fused().bf16_linear(x2d, self.bp, self.bp_part).to(x2d.dtype)
+            return own_linear(x2d, self.bp, self.bp_part).to(x2d.dtype)
         from pdserve.engine.layers.linear import onednn_linear  # (linear imports this module)
 
         return onednn_linear(x2d.to(torch.bfloat16), self.packed, None).to(x2d.dtype)
 
 
-# Row counts own_bf16 checks its product at: each remainder of bf16_linear's 8-row pass
-OWN_BF16_CHECK_ROWS = (1, 3, 8, 13, 40)
+# Row counts own_product checks its product at: each remainder of the kernels' 8-row pass
+OWN_CHECK_ROWS = (1, 3, 8, 13, 40)
 
 
-def own_bf16(weight: torch.Tensor, dense_matmul) -> tuple[torch.Tensor | None, int]:
-    """(the weight bf16_pack'ed, its part) where the compiled bf16_linear exists on this CPU and
-    gives `dense_matmul`'s bits (oneDNN on the weight itself): on rows that expose the order of
-    the sums (once per shape, on a weight of ones), then on random rows of this weight in each
-    of OWN_BF16_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every step. Not on a CPU
-    with AMX: there oneDNN multiplies bf16 on the tile units, which this product (measured
-    against oneDNN's AVX512-BF16 path only) is not known to beat."""
+def own_product(
+    weight: torch.Tensor, dtype: torch.dtype, dense_matmul
+) -> tuple[torch.Tensor | None, int]:
+    """(the weight packed for our own product in oneDNN's `dtype` arithmetic, its part):
+    fused_cpu.cpp's bf16_linear (bf16) or f32_linear (float32), where the compiled kernels have
+    it on this CPU and it gives `dense_matmul`'s bits (oneDNN on the weight itself): on rows that
+    expose the order of the sums (once per shape, on a weight of ones), then on random rows of
+    this weight in each of OWN_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every
+    step. bf16 not on a CPU with AMX: there oneDNN multiplies bf16 on the tile units, which this
+    product (measured against oneDNN's AVX512-BF16 path only) is not known to beat."""
     from pdserve.engine.cpu import cpu_features
 
     fused = cpu_fused()
+    bf16 = dtype == torch.bfloat16
     if (
         fused is None
-        or not fused.bf16_linear_fast()
-        or cpu_features().has("amx_bf16")  # oneDNN's tile units: not what this product beats
+        or not (fused.bf16_linear_fast() if bf16 else fused.f32_linear_fast())
+        or (bf16 and (cpu_features().has("amx_bf16") or not onednn_bf16_available()))
         or weight.dim() != 2
         or weight.shape[0] % 16
         or weight.device.type != "cpu"
-        or not onednn_bf16_available()
+        or weight.dtype != torch.float32
     ):
         return None, 0
     k, n = weight.shape[1], probe_outputs(weight)
-    part = onednn_part(k, n, torch.bfloat16)
-    if part is None or not _own_bf16_gives_onednn_bits(k, n, part):
+    part = onednn_part(k, n, dtype)
+    if part is None or not _own_gives_onednn_bits(k, n, part, dtype):
         return None, 0
-    packed = fused.bf16_pack(weight.detach())
+    packed = (fused.bf16_pack if bf16 else fused.f32_pack)(weight.detach())
     gen = torch.Generator().manual_seed(0)
-    for rows in OWN_BF16_CHECK_ROWS:
+    for rows in OWN_CHECK_ROWS:
         x = torch.randn(rows, k, generator=gen)
-        if not torch.equal(fused.bf16_linear(x, packed, part).float(), dense_matmul(x).float()):
+        if not torch.equal(own_linear(x, packed, part).float(), dense_matmul(x).float()):
             return None, 0
     return packed, part
 
 
+def own_linear(x2d: torch.Tensor, packed: torch.Tensor, part: int) -> torch.Tensor:
+    """x2d times a weight own_product packed: bf16 out for a bf16 packing (int16 bits), float32
+    for a float32 one."""
+    fused = cpu_fused()
+    if packed.dtype == torch.int16:
+        return fused.bf16_linear(x2d, packed, part)
+    return fused.f32_linear(x2d.float(), packed, part)
+
+
 @functools.cache
-def _own_bf16_gives_onednn_bits(in_features: int, out_features: int, part: int) -> bool:
-    """Whether bf16_linear in parts of `part` gives oneDNN's bf16 bits for this shape on
+def _own_gives_onednn_bits(in_features: int, out_features: int, part: int, dtype) -> bool:
+    """Whether our own product in parts of `part` gives oneDNN's `dtype` bits for this shape on
     cancelling_rows, whose results change with any other order of the sums."""
     fused = cpu_fused()
+    ones = torch.ones(out_features, in_features)
+    packed = (fused.bf16_pack if dtype == torch.bfloat16 else fused.f32_pack)(ones)
     x = cancelling_rows(in_features)
-    got = fused.bf16_linear(x, fused.bf16_pack(torch.ones(out_features, in_features)), part)
-    return torch.equal(got, _onednn_on_ones(in_features, out_features, x, torch.bfloat16))
+    got = own_linear(x, packed, part)
+    return torch.equal(got, _onednn_on_ones(in_features, out_features, x, dtype).to(got.dtype))
 
 
 class ScreenedHead:

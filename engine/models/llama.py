@@ -223,7 +223,9 @@ class LlamaModel(nn.Module):
                 stack.set_linear(which, *spec)
                 q = linear._quant
                 if isinstance(q, Bf16Weight) and q.bp is not None:
-                    stack.set_bf16p(which, q.bp, q.bp_part)
+                    stack.set_own(which, q.bp, q.bp_part)
+                elif q is None and linear._own is not None:
+                    stack.set_own(which, *linear._own)
                 if isinstance(q, Bf16Weight) and q.q4 is not None:
                     stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
                 elif q is None and isinstance(linear._blocks, Q4Blocks) and linear.bias is None:
@@ -281,8 +283,11 @@ def _stack_linear(linear: LinearBase):
         return "int4", q.packed, q.scales_zeros, None, bias, False
     if isinstance(q, Int8Weight):
         return "int8", q.packed, q.inv_smooth, q.span_row, bias, q.reduce_range
-    if isinstance(q, Bf16Weight):  # (no oneDNN copy where its own packing took over: set_bf16p)
+    # (no oneDNN copy where our own packing took over: the stack gets it from set_own)
+    if isinstance(q, Bf16Weight):
         return "bf16", q.packed if q.packed is not None else q.bp, None, None, bias, False
+    if q is None and linear._own is not None:
+        return "dense", linear._own[0], None, None, bias, False
     if q is None and linear._packed is not None and linear._packed.dtype == torch.float32:
         return "dense", linear._packed, None, None, bias, False
     return None

@@ -1,8 +1,8 @@
-"""The bf16 mode's own product (fused_cpu.cpp bf16_linear, engine/layers/quant.py own_bf16): where
-the compiled kernels have AVX512-BF16, a bf16 weight's steps of more than Q4_ROWS rows take it
-instead of oneDNN's, which must give oneDNN's bits exactly, checked here against a oneDNN product
-made apart from Bf16Weight; a part that is not oneDNN's is refused, and without the kernel
-oneDNN keeps every step."""
+"""Our own products in oneDNN's arithmetic (fused_cpu.cpp bf16_linear and f32_linear,
+engine/layers/quant.py own_product): where the compiled kernels have them, a bf16-mode weight's
+steps of more than Q4_ROWS rows, and a float32 layer's without bias, take them instead of
+oneDNN's, which must give oneDNN's bits exactly, checked here against a oneDNN product made apart;
+a part that is not oneDNN's is refused, and without the kernel oneDNN keeps every step."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ needs_own = pytest.mark.skipif(
     fused is None or not fused.bf16_linear_fast(),
     reason="the compiled kernels have no AVX512-BF16 product on this CPU",
 )
-pytestmark = needs_onednn_bf16
+needs_own_f32 = pytest.mark.skipif(
+    fused is None or not fused.f32_linear_fast(),
+    reason="the compiled kernels have no AVX-512 float32 product on this CPU",
+)
 
 
 def onednn_bf16(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -29,6 +32,7 @@ def onednn_bf16(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return onednn_linear(x.to(torch.bfloat16), packed, None).float()
 
 
+@needs_onednn_bf16
 @needs_own
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 2048), (16, 64), (80, 96)])
 def test_its_product_is_onednns_bit_for_bit(shape):
@@ -43,18 +47,20 @@ def test_its_product_is_onednns_bit_for_bit(shape):
         assert torch.equal(q.matmul(x[5:6].expand(rows, -1).contiguous())[0], q.matmul(x)[5])
 
 
+@needs_onednn_bf16
 @needs_own
 def test_a_part_that_is_not_onednns_is_refused(monkeypatch):
     k = 1536
     part = onednn_part(k, 64, torch.bfloat16)
-    assert quant._own_bf16_gives_onednn_bits(k, 64, part)
+    assert quant._own_gives_onednn_bits(k, 64, part, torch.bfloat16)
     wrong = 512 if part != 512 else 1024
-    assert not quant._own_bf16_gives_onednn_bits(k, 64, wrong)
+    assert not quant._own_gives_onednn_bits(k, 64, wrong, torch.bfloat16)
     monkeypatch.setattr(quant, "onednn_part", lambda *a, **kw: wrong)
     q = Bf16Weight(torch.randn(64, k))
     assert q.bp is None and q.packed is not None  # oneDNN keeps every step
 
 
+@needs_onednn_bf16
 def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
     from pdserve.engine import cpu
 
@@ -65,6 +71,7 @@ def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
     assert q.bp is None and q.packed is not None
 
 
+@needs_onednn_bf16
 def test_without_the_kernel_onednn_keeps_every_step(monkeypatch):
     class NoOwn:
         def __getattr__(self, name):
@@ -90,3 +97,45 @@ def test_bad_shapes_are_refused_with_a_message():
         fused.bf16_linear(torch.randn(4, 64), packed, 3)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         fused.bf16_pack(torch.randn(20, 64))
+
+
+def linear_f32(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    from pdserve.engine.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight.data.copy_(weight)
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    layer.finalize(None, release_dense=False)
+    return layer
+
+
+def onednn_f32(weight, x, bias=None):
+    from pdserve.engine.layers.linear import onednn_linear
+
+    return onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, 32), bias)
+
+
+@needs_own_f32
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (48, 2048), (80, 96)])
+def test_the_float32_product_is_onednns_bit_for_bit(shape):
+    torch.manual_seed(sum(shape) + 1)
+    w = torch.randn(*shape) * 0.05
+    layer = linear_f32(w)
+    assert layer._own is not None and layer._packed is None
+    for rows in (9, 16, 17, 33, 100):
+        x = torch.randn(rows, shape[1]) * 3
+        assert torch.equal(layer(x), onednn_f32(w, x)), rows
+        assert torch.equal(layer(x[5:6].expand(rows, -1).contiguous())[0], layer(x)[5])
+
+
+@needs_own_f32
+def test_a_float32_layer_with_a_bias_keeps_onednn():
+    w, b = torch.randn(32, 64), torch.randn(32)
+    layer = linear_f32(w, b)
+    assert layer._own is None and layer._packed is not None
+    x = torch.randn(12, 64)
+    assert torch.equal(layer(x), onednn_f32(w, x, b))
+    a_part = onednn_part(1536, 64, torch.float32)
+    assert quant._own_gives_onednn_bits(1536, 64, a_part, torch.float32)
+    assert not quant._own_gives_onednn_bits(1536, 64, 512 if a_part != 512 else 1024, torch.float32)
