@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -646,6 +647,56 @@ namespace {
 constexpr int kBpRows = 8;     // rows a pass over a tile's weights serves
 constexpr int kBpGroups = 3;   // 16-output groups a tile takes (3 x 8 accumulators)
 
+// Each thread takes whole tiles of kBpGroups output groups, and every kBpRows rows of the step
+// reuse a tile's weights while they are in cache: f(first group, groups in the tile, first row,
+// rows) for each such pass.
+template <typename F>
+void for_each_pass(int64_t rows, int64_t groups, F&& f) {
+  const int64_t tiles = (groups + kBpGroups - 1) / kBpGroups;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t * kBpGroups, cb = std::min<int64_t>(kBpGroups, groups - g);
+      for (int64_t r0 = 0; r0 < rows; r0 += kBpRows)
+        f(g, cb, r0, static_cast<int>(std::min<int64_t>(kBpRows, rows - r0)));
+    }
+  });
+}
+
+// f(std::integral_constant<int, r>) for a row count r in 1..kBpRows: the kernels' templates take
+// the rows of a pass as a constant
+template <typename F>
+inline void with_rows(int r, F&& f) {
+  switch (r) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+#if defined(__AVX512F__)
+// A pass's accumulators at the end of a part of the sums: added to the parts before it (the
+// first part is kept as it is), then cleared for the next part.
+template <int R, int CB>
+inline void end_part(__m512 (&acc)[R][CB], float (&total)[R][CB][16], bool first) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c) {
+      _mm512_store_ps(total[r][c], first ? acc[r][c] : _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]));
+      acc[r][c] = _mm512_setzero_ps();
+    }
+}
+
+// output (r, c) of a pass: the parts before the last one plus the last (parts: there were some)
+template <int R, int CB>
+inline __m512 pass_sum(const __m512 (&acc)[R][CB], const float (&total)[R][CB][16], int r, int c, bool parts) {
+  return parts ? _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]) : acc[r][c];
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <int R, int CB>
 void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int64_t part_p,
@@ -655,14 +706,7 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int6
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K2; ++p) {
-    if (p > 0 && p % part_p == 0) {  // a part ends: added to the parts before it
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < CB; ++c) {
-          const __m512 t = p == part_p ? acc[r][c] : _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]);
-          _mm512_store_ps(total[r][c], t);
-          acc[r][c] = _mm512_setzero_ps();
-        }
-    }
+    if (p > 0 && p % part_p == 0) end_part(acc, total, p == part_p);
     __m512i b[CB];
     for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_si512(w + (c * K2 + p) * 32);
     for (int r = 0; r < R; ++r) {
@@ -674,25 +718,11 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int6
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CB; ++c) {
-      const __m512 sum = K2 > part_p ? _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]) : acc[r][c];
+      const __m512 sum = pass_sum(acc, total, r, c, K2 > part_p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + c * 16), (__m256i)_mm512_cvtneps_pbh(sum));
     }
 }
 
-template <int CB>
-void bf16_rows(int r, const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int64_t part_p,
-               uint16_t* y, int64_t ys) {
-  switch (r) {
-    case 1: return bf16_tile<1, CB>(x, K, w, K2, part_p, y, ys);
-    case 2: return bf16_tile<2, CB>(x, K, w, K2, part_p, y, ys);
-    case 3: return bf16_tile<3, CB>(x, K, w, K2, part_p, y, ys);
-    case 4: return bf16_tile<4, CB>(x, K, w, K2, part_p, y, ys);
-    case 5: return bf16_tile<5, CB>(x, K, w, K2, part_p, y, ys);
-    case 6: return bf16_tile<6, CB>(x, K, w, K2, part_p, y, ys);
-    case 7: return bf16_tile<7, CB>(x, K, w, K2, part_p, y, ys);
-    default: return bf16_tile<8, CB>(x, K, w, K2, part_p, y, ys);
-  }
-}
 #endif
 }  // namespace
 
@@ -753,20 +783,16 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
   }
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t K2 = in / 2, part_p = std::min(part / 2, K2), tiles = (groups + kBpGroups - 1) / kBpGroups;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t * kBpGroups, cb = std::min<int64_t>(kBpGroups, groups - g);
-      const uint16_t* wt = wp + g * in * 16;
-      for (int64_t r0 = 0; r0 < rows; r0 += kBpRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kBpRows, rows - r0));
-        const uint16_t* xt = xp + r0 * in;
-        uint16_t* yt = yp + r0 * out + g * 16;
-        if (cb == 3) bf16_rows<3>(r, xt, in, wt, K2, part_p, yt, out);
-        else if (cb == 2) bf16_rows<2>(r, xt, in, wt, K2, part_p, yt, out);
-        else bf16_rows<1>(r, xt, in, wt, K2, part_p, yt, out);
-      }
-    }
+  const int64_t K2 = in / 2, part_p = std::min(part / 2, K2);
+  for_each_pass(rows, groups, [&](int64_t g, int64_t cb, int64_t r0, int r) {
+    const uint16_t *wt = wp + g * in * 16, *xt = xp + r0 * in;
+    uint16_t* yt = yp + r0 * out + g * 16;
+    with_rows(r, [&](auto R) {
+      constexpr int kR = decltype(R)::value;
+      if (cb == 3) bf16_tile<kR, 3>(xt, in, wt, K2, part_p, yt, out);
+      else if (cb == 2) bf16_tile<kR, 2>(xt, in, wt, K2, part_p, yt, out);
+      else bf16_tile<kR, 1>(xt, in, wt, K2, part_p, yt, out);
+    });
   });
   return y;
 #else
@@ -792,14 +818,7 @@ void f32_tile(const float* x, int64_t K, const float* w, int64_t part, float* y,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    if (k > 0 && k % part == 0) {  // a part ends: added to the parts before it
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < CB; ++c) {
-          const __m512 t = k == part ? acc[r][c] : _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]);
-          _mm512_store_ps(total[r][c], t);
-          acc[r][c] = _mm512_setzero_ps();
-        }
-    }
+    if (k > 0 && k % part == 0) end_part(acc, total, k == part);
     __m512 b[CB];
     for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_ps(w + (c * K + k) * 16);
     for (int r = 0; r < R; ++r) {
@@ -809,23 +828,9 @@ void f32_tile(const float* x, int64_t K, const float* w, int64_t part, float* y,
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CB; ++c)
-      _mm512_storeu_ps(y + r * ys + c * 16,
-                       K > part ? _mm512_add_ps(_mm512_load_ps(total[r][c]), acc[r][c]) : acc[r][c]);
+      _mm512_storeu_ps(y + r * ys + c * 16, pass_sum(acc, total, r, c, K > part));
 }
 
-template <int CB>
-void f32_rows(int r, const float* x, int64_t K, const float* w, int64_t part, float* y, int64_t ys) {
-  switch (r) {
-    case 1: return f32_tile<1, CB>(x, K, w, part, y, ys);
-    case 2: return f32_tile<2, CB>(x, K, w, part, y, ys);
-    case 3: return f32_tile<3, CB>(x, K, w, part, y, ys);
-    case 4: return f32_tile<4, CB>(x, K, w, part, y, ys);
-    case 5: return f32_tile<5, CB>(x, K, w, part, y, ys);
-    case 6: return f32_tile<6, CB>(x, K, w, part, y, ys);
-    case 7: return f32_tile<7, CB>(x, K, w, part, y, ys);
-    default: return f32_tile<8, CB>(x, K, w, part, y, ys);
-  }
-}
 #endif
 }  // namespace
 
@@ -871,20 +876,16 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t pt = std::min(part, in), tiles = (groups + kBpGroups - 1) / kBpGroups;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t * kBpGroups, cb = std::min<int64_t>(kBpGroups, groups - g);
-      const float* wt = wp + g * in * 16;
-      for (int64_t r0 = 0; r0 < rows; r0 += kBpRows) {
-        const int r = static_cast<int>(std::min<int64_t>(kBpRows, rows - r0));
-        const float* xt = xp + r0 * in;
-        float* yt = yp + r0 * out + g * 16;
-        if (cb == 3) f32_rows<3>(r, xt, in, wt, pt, yt, out);
-        else if (cb == 2) f32_rows<2>(r, xt, in, wt, pt, yt, out);
-        else f32_rows<1>(r, xt, in, wt, pt, yt, out);
-      }
-    }
+  const int64_t pt = std::min(part, in);
+  for_each_pass(rows, groups, [&](int64_t g, int64_t cb, int64_t r0, int r) {
+    const float *wt = wp + g * in * 16, *xt = xp + r0 * in;
+    float* yt = yp + r0 * out + g * 16;
+    with_rows(r, [&](auto R) {
+      constexpr int kR = decltype(R)::value;
+      if (cb == 3) f32_tile<kR, 3>(xt, in, wt, pt, yt, out);
+      else if (cb == 2) f32_tile<kR, 2>(xt, in, wt, pt, yt, out);
+      else f32_tile<kR, 1>(xt, in, wt, pt, yt, out);
+    });
   });
   return y;
 #else
