@@ -5,6 +5,7 @@ clear error and holds nothing. (The KV channels of each backend: tests/integrati
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent import futures
 
@@ -224,25 +225,25 @@ def test_a_client_cannot_abort_another_clients_request(cluster):
         cluster.router.address, options=[("grpc.use_local_subchannel_pool", 1)]
     )
     try:
-        sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        # long enough to be running still when the abort arrives right after its first tokens
+        # (a poll of the decode worker's stats missed a 40-token one on a fast engine)
+        sampling = pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        running = threading.Event()
         with futures.ThreadPoolExecutor(1) as pool:
-            victim = pool.submit(stream, cluster.api, PROMPT, sampling, "victim-id")
-            wait_until(
-                lambda: (
-                    cluster.decode_stats().num_running + cluster.decode_stats().num_reserved > 0
-                ),
-                10,
-                "the victim's request is running",
+            victim = pool.submit(
+                stream, cluster.api, PROMPT, sampling, "victim-id", started=running
             )
+            assert running.wait(RPC_TIMEOUT), "the victim's request never started"
             found = pdserve_pb2_grpc.PDServeStub(other).Abort(
                 pdserve_pb2.AbortRequest(request_id="victim-id")
             )
             ids, finish, how = victim.result(timeout=RPC_TIMEOUT)
         assert not found.found
-        assert how == "finished" and len(ids) == 40 and finish.finish_reason == "length"
+        assert how == "finished" and len(ids) == 200 and finish.finish_reason == "length"
     finally:
         other.close()
     # the owner can: same channel, same id
+    running = threading.Event()
     with futures.ThreadPoolExecutor(1) as pool:
         mine = pool.submit(
             stream,
@@ -250,8 +251,9 @@ def test_a_client_cannot_abort_another_clients_request(cluster):
             PROMPT,
             pdserve_pb2.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
             "mine",
+            started=running,
         )
-        wait_until(lambda: cluster.decode_stats().num_running > 0, 10, "running")
+        assert running.wait(RPC_TIMEOUT), "the request never started"
         assert cluster.api.Abort(pdserve_pb2.AbortRequest(request_id="mine")).found
         ids, finish, how = mine.result(timeout=RPC_TIMEOUT)
     assert how == "finished" and finish.finish_reason == "abort" and len(ids) < 200

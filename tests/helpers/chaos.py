@@ -120,9 +120,11 @@ def stream(
     request_id: str = "",
     cancel_after: int | None = None,
     timeout: float = RPC_TIMEOUT,
+    started=None,
 ):
     """(token ids, the Finish or None, how it ended): "finished", "cancelled" (by this client, after
-    `cancel_after` deltas) or the gRPC status code."""
+    `cancel_after` deltas) or the gRPC status code. `started` (a threading.Event) is set when the
+    first tokens arrive: the request is then running on its decode worker."""
     call = api.Generate(
         pdserve_pb2.GenerateRequest(
             request_id=request_id, token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling
@@ -134,6 +136,8 @@ def stream(
         for response in call:
             if response.HasField("delta"):
                 ids.extend(response.delta.token_ids)
+                if started is not None:
+                    started.set()
                 if cancel_after is not None and len(ids) >= cancel_after:
                     call.cancel()
                     return ids, None, "cancelled"
