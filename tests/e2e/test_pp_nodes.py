@@ -32,6 +32,9 @@ from helpers.ray_nodes import RayNodes, ask_ray, free_ports, read_until_table, u
 
 pytestmark = [
     pytest.mark.slow,
+    # two clusters of `ray start` nodes starting at once on two cores overran Ray's node
+    # registration wait (a run with four test processes): one such test at a time
+    pytest.mark.exclusive("ray-nodes"),
     pytest.mark.skipif(sys.platform != "linux", reason="finds its Ray processes in /proc"),
 ]
 

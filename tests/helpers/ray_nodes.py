@@ -73,6 +73,9 @@ class RayNodes:
             "RAY_AUTH_MODE": "token",  # as Ray's token-auth docs set up a cluster
             "RAY_AUTH_TOKEN_PATH": str(token_path),
             "RAY_USAGE_STATS_ENABLED": "0",
+            # a node's registration with the head waits 60 s by default, which a loaded machine
+            # (test processes beside it) has overrun; a slow start is not what these tests test
+            "RAY_raylet_start_wait_time_s": "180",
         }
         self.sessions: dict[int, int] = {}  # session id -> its `ray start`'s start time
 
