@@ -20,8 +20,9 @@ same corpus. Nothing here runs after the runner has started.
 The verdict of "auto" is kept on disk (`VerdictCache`, the pdserve cache's precision/ folder), keyed
 by everything it depends on: the model's files, the engine's settings, the probe and chat token
 ids, the quality bounds, the CPU's flags, torch's version and the engine's own source; a one-rank
-runner that finds its key applies the kept verdict (the same linears, the same cache dtype, the
-note saying where it came from) instead of probing again, so only a machine's first start of a
+runner that finds its key applies the kept verdict (the same linears, calibrated on the same
+text as the probe's were, the same cache dtype, the note saying where it came from) instead of
+probing again, so only a machine's first start of a
 model pays the probe. Runners of several ranks always probe (every rank must take part).
 PDSERVE_PRECISION_CACHE=0 turns it off.
 """
@@ -72,7 +73,9 @@ def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, s
     chat = chat_ids(runner, model_dir) if wanted == "auto" else []
     cache = VerdictCache.of(runner, model_dir, ids, chat) if wanted == "auto" else None
     kept = cache.load() if cache is not None else None
-    if kept is not None and kept[0] != "int8":  # (int8 smooths by the calibration below)
+    # every quantized mode smooths activations by the calibration below: int8's linears, and the
+    # int8 head of int4 and of bf16 (its screen); a kept verdict must serve what the probe judged
+    if kept is not None and kept[0] is None:
         return cache.apply(runner, *kept)
     runner.model.prepare_linears(None, release_dense=False)
     if calibration:

@@ -42,7 +42,7 @@ def probes(monkeypatch, tmp_path):
 
 def start(model_dir):
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
     outs = llm.generate([[5, 6, 7] * 30, [9] * 40], params, use_tqdm=False)
     eng = llm.engine
     seen = (
@@ -50,21 +50,38 @@ def start(model_dir):
         eng.kv_cache.dtype,
         [list(o.outputs[0].token_ids) for o in outs],
         eng.mode_note,
+        # every logit counts in a logprob (its normalizer), not only the greedy one
+        [list(o.outputs[0].logprobs) for o in outs],
     )
     assert_no_leaks(eng)
     llm.shutdown()
     return seen
 
 
-def test_a_second_start_applies_the_kept_verdict_without_probing(tiny_models, probes):
+@pytest.mark.parametrize("chosen", ["int8", "bf16"])
+def test_a_second_start_applies_the_kept_verdict_without_probing(
+    tiny_models, probes, monkeypatch, chosen
+):
+    """int8's own linears smooth by the calibration; bf16's screened head (and int4's int8 head)
+    too."""
+    from pdserve.engine.layers import quant
+
+    if chosen not in quant.auto_candidates():
+        pytest.skip(f"{chosen} is not a candidate on this CPU")
+    monkeypatch.setattr(quant, "auto_candidates", lambda: [chosen])
     model_dir, _ = tiny_models("llama-gqa")
-    mode, kv, tokens, note = start(model_dir)
+    first = start(model_dir)
+    mode, kv, tokens, note, logprobs = first
     assert len(probes) == 1 and "kept from" not in note
-    assert mode is not None and kv == torch.bfloat16, note  # what the wide bounds let through
+    assert mode == chosen and kv == torch.bfloat16, note  # what the wide bounds let through
     again = start(model_dir)
     assert len(probes) == 1, "the second start probed again"
     assert again[:3] == (mode, kv, tokens)
     assert again[3].startswith(note) and "kept from this machine's earlier probe" in again[3]
+    # the model served is the one the probe judged: a quantized head's int8 screen smooths its
+    # inputs by the calibration as it did then (a kept verdict once skipped the calibration and
+    # served other logits beside the same greedy tokens)
+    assert again[4] == logprobs
 
 
 def test_another_bound_or_the_switch_off_probes_again(tiny_models, probes, monkeypatch):
