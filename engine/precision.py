@@ -22,9 +22,8 @@ by everything it depends on: the model's files, the engine's settings, the probe
 ids, the quality bounds, the CPU's flags, torch's version and the engine's own source; a one-rank
 runner that finds its key applies the kept verdict (the same linears, calibrated on the same
 text as the probe's were, the same cache dtype, the note saying where it came from) instead of
-probing again, so only a machine's first start of a
-model pays the probe. Runners of several ranks always probe (every rank must take part).
-PDSERVE_PRECISION_CACHE=0 turns it off.
+probing again, so only a machine's first start of a model pays the probe. Runners of several
+ranks always probe (every rank must take part). PDSERVE_PRECISION_CACHE=0 turns it off.
 """
 
 from __future__ import annotations

@@ -70,8 +70,7 @@ def test_a_second_start_applies_the_kept_verdict_without_probing(
         pytest.skip(f"{chosen} is not a candidate on this CPU")
     monkeypatch.setattr(quant, "auto_candidates", lambda: [chosen])
     model_dir, _ = tiny_models("llama-gqa")
-    first = start(model_dir)
-    mode, kv, tokens, note, logprobs = first
+    mode, kv, tokens, note, logprobs = start(model_dir)
     assert len(probes) == 1 and "kept from" not in note
     assert mode == chosen and kv == torch.bfloat16, note  # what the wide bounds let through
     again = start(model_dir)
