@@ -2,7 +2,7 @@
 authentication and more `ray start` nodes, all on this machine standing in for several hosts,
 each with its own ports, in a temp dir of the test (RayNodes); Ray's own view of its actors and
 nodes (ask_ray); `pdserve up --address` as a command and its stdout up to the start table.
-Used by tests/e2e/test_ray_cluster_join.py and tests/e2e/test_pp_nodes.py.
+Used by tests/e2e/test_ray_nodes.py.
 
 Each `ray start` runs in a session of its own; RayNodes kills only the processes of those
 sessions, never with `ray stop` (which would end every Ray on the machine).

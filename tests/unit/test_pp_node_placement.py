@@ -4,7 +4,7 @@ the resource check that lets stages fill several nodes (deploy/prechecks.py), th
 before Ray starts (the KV cache sized per stage, pp refused on GPUs: deploy/config/checks.py),
 the start table's per-stage nodes, the refusal of ranks on another host than rank 0's while rank
 0 maps their KV files (deploy/rank_actors.py), and a launcher whose check fails leaving no follower
-(engine/tp.py). The real two-node cluster: tests/e2e/test_pp_nodes.py."""
+(engine/tp.py). The real two-node cluster: tests/e2e/test_ray_nodes.py."""
 
 from __future__ import annotations
 

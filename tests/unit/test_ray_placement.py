@@ -3,7 +3,7 @@
 and their refusals, the placement group each replica asks for, the refusal of a selector no node
 matches (deploy/placement.py), and how `up --address` finds the cluster's token and what it says
 when it cannot (deploy/ray_join.py, its GCS probe replaced by a fake). A real two-node cluster:
-tests/e2e/test_ray_cluster_join.py."""
+tests/e2e/test_ray_nodes.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 exists, an engine built under `traced` reports its stages in the order they happen with what an
 operator needs (the KV capacity in blocks, tokens and sequences at max_model_len), the engine's
 functions are its own again afterwards, and a reader gets only the lines it has not seen. On a
-real deployment's console: tests/e2e/test_ray_cluster_join.py."""
+real deployment's console: tests/e2e/test_ray_nodes.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The table `pdserve up` prints after `ready` (deploy/start_table.py): one aligned row per worker
 with its node, process id, cores, precision, KV backend and capacity and log file, "?" for what a worker did
-not report. The real workers' rows: tests/e2e/test_ray_cluster_join.py."""
+not report. The real workers' rows: tests/e2e/test_ray_nodes.py."""
 
 from __future__ import annotations
 
