@@ -334,11 +334,6 @@ def _of(bundle: dict, resources: dict) -> dict:
     return {k: resources.get(k, 0) for k in bundle} or cpus_gpus(resources)
 
 
-def _start_pool(cluster: Cluster, key: str, start_timeout_s: float) -> None:
-    """Starts the pool's replicas concurrently, logging each one's start stages as they come."""
-    start_and_watch([r for r in cluster.replicas if r.key == key], key, start_timeout_s)
-
-
 def client_keys(config: DeployConfig, environ=os.environ) -> tuple[str, ...]:
     """The client API keys (router.api_keys_file, router.api_keys, PDSERVE_API_KEYS: first found
     wins); logs where they came from and how many, never the keys."""
@@ -510,8 +505,9 @@ def up(
     refusal is a ConfigError or DeployError naming the key to change; so is a worker that fails
     to start. Then: the router, with empty pools, a fresh deployment_id and the cluster secret;
     for each replica one placement group (`tp x pp` bundles, one node for a TP group, stages
-    may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors: rank_actors.py); decode actors, then prefill actors, each started and registered with
-    the router under the same secret and deployment_id."""
+    may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors: rank_actors.py);
+    every pool's actors started at once, each registered with the router under the same secret
+    and deployment_id."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
     check_http_port_free(config)
@@ -553,8 +549,7 @@ def up(
         cores = core_plan(pools, local)
         for key, pool in pools:  # all actors first, so their processes spawn and import in parallel
             _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
-        for key, _ in pools:
-            _start_pool(cluster, key, start_timeout_s)
+        start_and_watch(cluster.replicas, start_timeout_s)  # every pool's replicas at once
         _wait_registered(cluster, ready_timeout_s)
     except BaseException:
         cluster.stop()

@@ -1,13 +1,15 @@
-"""Starting a pool's worker actors while `pdserve up` shows each worker's start as it happens.
+"""Starting the worker actors while `pdserve up` shows each worker's start as it happens.
 
-`start_and_watch` calls start() on every replica of a pool at once (they load their models
-concurrently), then until each has returned, polls every starting actor's `stages` (a WorkerActor
-answers it on another thread while start() runs: deploy/workers.py) and logs the new lines, one
-per stage, prefixed with the worker's id: the compiled kernels' build, the weights, the precision
-probe, the KV capacity and the warm-up (worker_common/start_stages.py). A replica whose start
+`start_and_watch` calls start() on every replica it is given at once, those of every pool: they
+load their models concurrently (each worker has cores of its own where the machine has enough:
+launcher.core_plan; one pool after another made a default deployment's start 22 s instead of
+15). Until each has returned it polls every starting actor's `stages` (a WorkerActor answers it
+on another thread while start() runs: deploy/workers.py) and logs the new lines, one per stage,
+prefixed with the worker's id: the compiled kernels' build, the weights, the precision probe,
+the KV capacity and the warm-up (worker_common/start_stages.py). A replica whose start
 returned gets its address, serving_since and `info` (WorkerActor.info(): the row of
-deploy/start_table.py) set; a start that fails, or a pool that has not started within its
-deadline, raises DeployError naming the pool and replica, after the stages that did come are
+deploy/start_table.py) set; a start that fails, or a replica that has not started within the
+deadline, raises DeployError naming its pool and replica, after the stages that did come are
 logged. Holds no state between calls.
 """
 
@@ -62,9 +64,8 @@ class StageFeed:
         self.seen += len(stages)
 
 
-def start_and_watch(replicas: list[Replica], key: str, start_timeout_s: float) -> None:
-    """Starts `replicas` (one pool's, actors created) and returns once all serve; see the module
-    docstring."""
+def start_and_watch(replicas: list[Replica], start_timeout_s: float) -> None:
+    """Starts `replicas` (actors created) and returns once all serve; see the module docstring."""
     refs = {r.actor.start.remote(): r for r in replicas}
     feeds = {r.name: StageFeed(r) for r in replicas}
     deadline = time.monotonic() + start_timeout_s
@@ -76,7 +77,7 @@ def start_and_watch(replicas: list[Replica], key: str, start_timeout_s: float) -
             r = next(iter(refs.values()))
             feeds[r.name].drain(1.0)
             raise DeployError(
-                f"pools.{key}: replica {r.index} did not start within {start_timeout_s:.0f}s"
+                f"pools.{r.key}: replica {r.index} did not start within {start_timeout_s:.0f}s"
             )
         done, _ = ray.wait(list(refs), num_returns=1, timeout=min(POLL_S, left))
         for ref in done:
@@ -86,7 +87,7 @@ def start_and_watch(replicas: list[Replica], key: str, start_timeout_s: float) -
                 r.address, mode = ray.get(ref)
             except (RayTaskError, RayActorError) as e:
                 raise DeployError(
-                    f"pools.{key}: replica {r.index} failed to start: {ray_error_reason(e)}"
+                    f"pools.{r.key}: replica {r.index} failed to start: {ray_error_reason(e)}"
                 ) from None
             r.serving_since = time.monotonic()
             r.info = _info(r)
