@@ -20,9 +20,10 @@ same corpus. Nothing here runs after the runner has started.
 The verdict of "auto" is kept on disk (`VerdictCache`, the pdserve cache's precision/ folder), keyed
 by everything it depends on: the model's files, the engine's settings, the probe and chat token
 ids, the quality bounds, the CPU's flags, torch's version and the engine's own source; a one-rank
-runner that finds its key applies the kept verdict (the same linears, calibrated on the same
-text as the probe's were, the same cache dtype, the note saying where it came from) instead of
-probing again, so only a machine's first start of a model pays the probe. Runners of several
+runner that finds its key applies the kept verdict (the same linears, smoothed by the
+calibration the probe's ran on, kept beside the verdict, the same cache dtype, the note saying
+where it came from) instead of probing again, so only a machine's first start of a model pays
+the probe and the calibration pass. Runners of several
 ranks always probe (every rank must take part). PDSERVE_PRECISION_CACHE=0 turns it off.
 """
 
@@ -73,8 +74,9 @@ def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, s
     cache = VerdictCache.of(runner, model_dir, ids, chat) if wanted == "auto" else None
     kept = cache.load() if cache is not None else None
     # every quantized mode smooths activations by the calibration below: int8's linears, and the
-    # int8 head of int4 and of bf16 (its screen); a kept verdict must serve what the probe judged
-    if kept is not None and kept[0] is None:
+    # int8 head of int4 and of bf16 (its screen); a kept verdict must serve what the probe judged,
+    # so a quantized one comes with the calibration the probe ran on (else it is made again)
+    if kept is not None and (kept[0] is None or cache.restore_calibration(runner)):
         return cache.apply(runner, *kept)
     runner.model.prepare_linears(None, release_dense=False)
     if calibration:
@@ -87,15 +89,18 @@ def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, s
     chosen, note = _choose_quantization(runner, probe, length, chat)
     if cache is not None:
         kv_chosen = auto_kv_dtype_applies(config) and runner.kv_dtype == torch.bfloat16
-        cache.store(chosen, kv_chosen, note)
+        cache.store(runner, chosen, kv_chosen, note)
     return chosen, note
 
 
 class VerdictCache:
     """quantization="auto"'s verdict for one runner's key, kept as a small JSON file (the module
-    docstring). `of` gives None where it does not apply (several ranks, turned off, no cache
-    folder); load and store never fail a start: an unreadable entry is a miss, an unwritable
-    folder a warning."""
+    docstring), and beside it the calibration the probe ran on (every linear's act_absmax, a
+    safetensors file, ~4 bytes per input channel per linear), so a quantized verdict is applied
+    without the float32 calibration pass. `of` gives None where it does not apply (several ranks,
+    turned off, no cache folder); load and store never fail a start: an unreadable entry is a
+    miss, a calibration file that does not name every linear of the model with its width a miss
+    of the calibration only, an unwritable folder a warning."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
@@ -152,7 +157,17 @@ class VerdictCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def store(self, quantization: str | None, kv_bfloat16: bool, note: str) -> None:
+    @property
+    def calibration_path(self) -> pathlib.Path:
+        return self.path.with_suffix(".calibration.safetensors")
+
+    def store(
+        self, runner: ModelRunner, quantization: str | None, kv_bfloat16: bool, note: str
+    ) -> None:
+        """Keeps the verdict and, for a quantized one, the runner's calibration (written first:
+        the JSON entry is what a later start looks for)."""
+        from safetensors.torch import save_file
+
         entry = {
             "quantization": quantization,
             "kv_bfloat16": kv_bfloat16,
@@ -161,11 +176,46 @@ class VerdictCache:
         }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if quantization is not None:
+                found = {name: m.act_absmax for name, m in _linears(runner)}
+                seen = {k: v.contiguous() for k, v in found.items() if v is not None}
+                # the linears the calibration never reached (an expert no token went to; all of
+                # them where there was no probe text) are named, so they stay unsmoothed again
+                unreached = json.dumps(sorted(k for k, v in found.items() if v is None))
+                tmp = self.calibration_path.with_suffix(f".{os.getpid()}.tmp")
+                save_file(seen, str(tmp), metadata={"unreached": unreached})
+                os.replace(tmp, self.calibration_path)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(entry))
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("precision verdict not kept (%s): the next start probes again", e)
+
+    def restore_calibration(self, runner: ModelRunner) -> bool:
+        """Sets every linear's act_absmax from the kept calibration; False (nothing set) where
+        there is none or it does not fit the model: every linear named once, as reached (a finite
+        float32 vector of its input width) or as unreached."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.calibration_path), "pt") as f:
+                kept = {k: f.get_tensor(k) for k in f.keys()}
+                unreached = json.loads((f.metadata() or {})["unreached"])
+        except Exception:  # missing, truncated or not ours: calibrate instead
+            return False
+        linears = dict(_linears(runner))
+        if not isinstance(unreached, list) or set(kept) | set(unreached) != set(linears):
+            return False
+        if set(kept) & set(unreached):
+            return False
+        for name, v in kept.items():
+            if v.dtype != torch.float32 or v.shape != (linears[name].weight.shape[1],):
+                return False
+            if not bool(torch.isfinite(v).all()):
+                return False
+        for name, m in linears.items():
+            m.act_absmax = kept.get(name)
+        return True
 
     def apply(self, runner: ModelRunner, quantization: str | None, kv_bfloat16: bool, note: str):
         runner.model.prepare_linears(quantization)
@@ -199,22 +249,35 @@ def chat_ids(runner: ModelRunner, model_dir: str) -> list[list[int]]:
     return prompts
 
 
+def _linears(runner: ModelRunner) -> list[tuple[str, torch.nn.Module]]:
+    from pdserve.engine.layers.linear import LinearBase
+
+    return [(n, m) for n, m in runner.model.named_modules() if isinstance(m, LinearBase)]
+
+
 def calibrate(runner: ModelRunner, ids: list[int]) -> None:
     """Records, for every linear, the largest |input| per channel over `ids` (int8 smooths
-    its activations by it; see engine/layers/quant.py)."""
-    from pdserve.engine.layers.linear import LinearBase
+    its activations by it; see engine/layers/quant.py). The pass runs the layers one by one:
+    the compiled decode stack (models/llama.py), which float32 on a CPU takes for every step of
+    the probe, runs all layers in one call that no forward hook sees, and under it only the
+    head was ever recorded (int8's layers then went unsmoothed). A linear the text never reaches
+    (an expert no token was routed to) keeps act_absmax None and is quantized unsmoothed."""
 
     def record(module, args, _out):
         x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
         seen = module.act_absmax
         module.act_absmax = x if seen is None else torch.maximum(seen, x)
 
-    hooks = [
-        m.register_forward_hook(record) for m in runner.model.modules() if isinstance(m, LinearBase)
-    ]
+    hooks = [m.register_forward_hook(record) for _, m in _linears(runner)]
+    stacks = [m for m in runner.model.modules() if getattr(m, "_stack", None) is not None]
+    held = [m._stack for m in stacks]
     try:
+        for m in stacks:
+            m._stack = None
         probe_perplexity(runner, ids)
     finally:
+        for m, stack in zip(stacks, held, strict=True):
+            m._stack = stack
         for h in hooks:
             h.remove()
 

@@ -40,6 +40,15 @@ def probes(monkeypatch, tmp_path):
     return count
 
 
+@pytest.fixture
+def calibrations(monkeypatch):
+    """A count of the float32 calibration passes run."""
+    count = []
+    real = precision.calibrate
+    monkeypatch.setattr(precision, "calibrate", lambda *a: count.append(1) or real(*a))
+    return count
+
+
 def start(model_dir):
     llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
@@ -60,10 +69,11 @@ def start(model_dir):
 
 @pytest.mark.parametrize("chosen", ["int8", "bf16"])
 def test_a_second_start_applies_the_kept_verdict_without_probing(
-    tiny_models, probes, monkeypatch, chosen
+    tiny_models, probes, calibrations, monkeypatch, tmp_path, chosen
 ):
     """int8's own linears smooth by the calibration; bf16's screened head (and int4's int8 head)
-    too."""
+    too. The calibration is kept beside the verdict, so the second start runs neither the probe
+    nor the calibration pass; a calibration file that does not fit is made again."""
     from pdserve.engine.layers import quant
 
     if chosen not in quant.auto_candidates():
@@ -71,16 +81,28 @@ def test_a_second_start_applies_the_kept_verdict_without_probing(
     monkeypatch.setattr(quant, "auto_candidates", lambda: [chosen])
     model_dir, _ = tiny_models("llama-gqa")
     mode, kv, tokens, note, logprobs = start(model_dir)
-    assert len(probes) == 1 and "kept from" not in note
+    assert len(probes) == 1 and len(calibrations) == 1 and "kept from" not in note
     assert mode == chosen and kv == torch.bfloat16, note  # what the wide bounds let through
+    [kept] = (tmp_path / "precision").glob("*.calibration.safetensors")
     again = start(model_dir)
     assert len(probes) == 1, "the second start probed again"
+    assert len(calibrations) == 1, "the second start ran the calibration pass again"
     assert again[:3] == (mode, kv, tokens)
     assert again[3].startswith(note) and "kept from this machine's earlier probe" in again[3]
     # the model served is the one the probe judged: a quantized head's int8 screen smooths its
     # inputs by the calibration as it did then (a kept verdict once skipped the calibration and
     # served other logits beside the same greedy tokens)
     assert again[4] == logprobs
+
+    # a kept calibration with a linear missing, or one cut short: calibrated again, same model
+    from safetensors.torch import load_file, save_file
+
+    full = load_file(str(kept))
+    save_file(dict(list(full.items())[1:]), str(kept))
+    assert start(model_dir)[4] == logprobs and len(calibrations) == 2
+    kept.write_bytes(kept.read_bytes()[:100])
+    assert start(model_dir)[4] == logprobs and len(calibrations) == 3
+    assert len(probes) == 1
 
 
 def test_another_bound_or_the_switch_off_probes_again(tiny_models, probes, monkeypatch):

@@ -218,6 +218,30 @@ def test_engine_serves_in_each_mode(refs, mode):
         llm.shutdown()
 
 
+@needs_x86_int8
+@pytest.mark.skipif(cpu_fused() is None, reason="no C++ toolchain: layers run one by one")
+def test_int8_smooths_every_linear_by_the_calibration(refs):
+    """The calibration pass records every linear's inputs, the layers' included: float32 on a CPU
+    runs the probe's steps through the compiled decode stack, which no forward hook sees, and
+    under it only the head was calibrated (SmolLM2 in int8: +3.95% perplexity, 90.8% top-1,
+    against +2.29%, 94.15% smoothed)."""
+    from pdserve.engine.layers.linear import LinearBase
+
+    model_dir, _, _, _ = refs("llama-gqa")
+    llm = LLM(model_dir, quantization="int8", kv_cache_memory=1 << 22)
+    try:
+        model = llm.engine.runner.model
+        assert model.model._stack is not None, "the decode stack is in place after the start"
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+        assert any(n.startswith("model.layers.") for n in linears)
+        for name, m in linears.items():
+            assert m.act_absmax is not None, name
+            assert m.act_absmax.shape == (m._quant.packed.unpack()[0].shape[1],), name
+            assert m._quant.inv_smooth is not None, name
+    finally:
+        llm.shutdown()
+
+
 def test_auto_keeps_float32_for_a_model_it_cannot_judge(tiny_models):
     """A random model predicts no text: its perplexity says nothing about a mode's quality."""
     model_dir, _ = tiny_models("llama-gqa")
