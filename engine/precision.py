@@ -23,12 +23,14 @@ ids, the quality bounds, the CPU's flags, torch's version and the engine's own s
 runner that finds its key applies the kept verdict (the same linears, smoothed by the
 calibration the probe's ran on, kept beside the verdict, the same cache dtype, the note saying
 where it came from) instead of probing again, so only a machine's first start of a model pays
-the probe and the calibration pass. Runners of several
-ranks always probe (every rank must take part). PDSERVE_PRECISION_CACHE=0 turns it off.
+the probe and the calibration pass. The folder keeps the KEPT_VERDICTS most recently used
+entries. Runners of several ranks always probe (every rank must take part).
+PDSERVE_PRECISION_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -153,9 +155,12 @@ class VerdictCache:
     def load(self) -> tuple[str | None, bool, str] | None:
         try:
             entry = json.loads(self.path.read_text())
-            return entry["quantization"], bool(entry["kv_bfloat16"]), str(entry["note"])
+            found = entry["quantization"], bool(entry["kv_bfloat16"]), str(entry["note"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        with contextlib.suppress(OSError):  # used now: the last to be pruned (_prune)
+            os.utime(self.path)
+        return found
 
     @property
     def calibration_path(self) -> pathlib.Path:
@@ -176,15 +181,24 @@ class VerdictCache:
         }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if quantization is not None:
-                found = {name: m.act_absmax for name, m in _linears(runner)}
-                seen = {k: v.contiguous() for k, v in found.items() if v is not None}
-                # the linears the calibration never reached (an expert no token went to; all of
-                # them where there was no probe text) are named, so they stay unsmoothed again
-                unreached = json.dumps(sorted(k for k, v in found.items() if v is None))
-                tmp = self.calibration_path.with_suffix(f".{os.getpid()}.tmp")
+            _prune(self.path.parent)
+        except OSError as e:
+            log.warning("precision verdict not kept (%s): the next start probes again", e)
+            return
+        if quantization is not None:
+            found = {name: m.act_absmax for name, m in _linears(runner)}
+            seen = {k: v.contiguous() for k, v in found.items() if v is not None}
+            # the linears the calibration never reached (an expert no token went to; all of
+            # them where there was no probe text) are named, so they stay unsmoothed again
+            unreached = json.dumps(sorted(k for k, v in found.items() if v is None))
+            tmp = self.calibration_path.with_suffix(f".{os.getpid()}.tmp")
+            try:
                 save_file(seen, str(tmp), metadata={"unreached": unreached})
                 os.replace(tmp, self.calibration_path)
+            except Exception as e:  # the verdict is still kept: the next start calibrates
+                tmp.unlink(missing_ok=True)
+                log.warning("precision calibration not kept (%s): the next start makes it", e)
+        try:
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(entry))
             os.replace(tmp, self.path)
@@ -222,6 +236,32 @@ class VerdictCache:
         if kv_bfloat16:
             runner.set_kv_dtype(torch.bfloat16)
         return quantization, f"{note} [kept from this machine's earlier probe: {self.path.name}]"
+
+
+KEPT_VERDICTS = 256  # entries of the precision folder kept, the most recently used
+STALE_TMP_S = 3600.0  # a half-written file this old was left by a process that died
+
+
+def _prune(folder: pathlib.Path) -> None:
+    """Bounds the precision folder: every engine upgrade, model path or setting is a new key, so
+    without this it would only grow. Drops the entries (verdict and calibration) past the
+    KEPT_VERDICTS most recently used, and half-written files a dead process left. Another
+    process pruning at the same time is harmless: a verdict removed under a start is a miss."""
+    now = time.time()
+    entries = []
+    for path in folder.iterdir():
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        if path.suffix == ".tmp" and now - mtime > STALE_TMP_S:
+            path.unlink(missing_ok=True)
+        elif path.suffix == ".json":
+            entries.append((mtime, path))
+    entries.sort(reverse=True)
+    for _, path in entries[KEPT_VERDICTS:]:
+        path.with_suffix(".calibration.safetensors").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
 
 @functools.cache

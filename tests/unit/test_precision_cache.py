@@ -114,3 +114,35 @@ def test_another_bound_or_the_switch_off_probes_again(tiny_models, probes, monke
     monkeypatch.setenv("PDSERVE_PRECISION_CACHE", "0")
     start(model_dir)
     assert len(probes) == 3
+
+
+def test_the_folder_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    """Every engine version, model path and setting is a key of its own: the folder drops the
+    entries used longest ago past KEPT_VERDICTS, with their calibration, and half-written files
+    a dead process left; a verdict just read counts as used."""
+    import os
+    import time
+
+    monkeypatch.setattr(precision, "KEPT_VERDICTS", 3)
+    folder = tmp_path / "precision"
+    folder.mkdir()
+    now = time.time()
+    for i in range(5):  # entry 0 the oldest
+        for name in (f"k{i}.json", f"k{i}.calibration.safetensors"):
+            (folder / name).write_text('{"quantization": null, "kv_bfloat16": false, "note": ""}')
+            os.utime(folder / name, (now - 100 + i, now - 100 + i))
+    (folder / "k9.123.tmp").write_text("")
+    os.utime(folder / "k9.123.tmp", (now - 7200, now - 7200))
+    (folder / "k8.124.tmp").write_text("")  # being written now
+    assert precision.VerdictCache(folder / "k0.json").load() is not None  # used now
+
+    precision._prune(folder)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "k0.calibration.safetensors",
+        "k0.json",
+        "k3.calibration.safetensors",
+        "k3.json",
+        "k4.calibration.safetensors",
+        "k4.json",
+        "k8.124.tmp",
+    ]
