@@ -224,6 +224,11 @@ class DecodePart:
         reserved = self.handoff.num_reserved if self.handoff is not None else 0
         return f"{reserved} reservation(s)" if reserved else ""
 
+    def unhealthy(self) -> str:
+        """Why this part must not be given work ("" when it may): blocks held past the bound
+        for a KV write that may still land (nixl: decode_worker/handoff.py)."""
+        return self.handoff.unhealthy if self.handoff is not None else ""
+
     def close(self) -> None:
         """The KV channel, after the gRPC server (open streams have ended)."""
         for server in self._kv_servers.values():

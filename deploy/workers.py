@@ -30,7 +30,37 @@ import time
 
 import ray
 
-BROKEN_POLL_S = 1.0  # how often a started worker looks whether its engine broke
+BROKEN_POLL_S = 1.0  # how often a started worker looks whether it must exit (ExitWatch)
+# a worker unhealthy this long without recovering exits to be replaced (ExitWatch)
+UNHEALTHY_EXIT_S = 60.0
+
+
+class ExitWatch:
+    """When a started worker's process exits so that the supervisor replaces it with a fresh one
+    (deploy/supervisor.py), as after any death: at once when its engine broke (one of its ranks
+    died: engine/engine_loop.py), and once it has reported itself unhealthy for `exit_s` without
+    a break. Unhealthy means blocks held past their bound for a KV write that may still land (a
+    nixl sender that hung, or died on another host without its connection closing): the worker
+    may recover when the claim ends after all, but nothing else ends such a hold, and a process's
+    end does: its pool and NIXL registration go with it, so no late write reaches a block given
+    to another request, and the fresh worker serves with every block free."""
+
+    def __init__(self, exit_s: float = UNHEALTHY_EXIT_S):
+        self.exit_s = exit_s
+        self.since: float | None = None  # when the current unhealthy stretch began
+
+    def reason(self, broken: str, unhealthy: str, now: float) -> str:
+        """Why to exit now, "" to go on."""
+        if broken:
+            return broken
+        if not unhealthy:
+            self.since = None
+            return ""
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.exit_s:
+            return ""
+        return f"unhealthy for {now - self.since:.0f}s: {unhealthy}"
 
 
 def worker_config(
@@ -162,7 +192,7 @@ class WorkerActor:
         with traced(self.start_stages):
             self.worker = build_worker(self.role, cfg, self.flippable).start()
         self.start_stages.add("serving", f"{self.role} on {self.worker.address}")
-        threading.Thread(target=self._exit_when_broken, name="broken-watch", daemon=True).start()
+        threading.Thread(target=self._exit_when_due, name="exit-watch", daemon=True).start()
         return self.worker.address, self.worker.loop.engine.mode_note
 
     def _rank_actors(self, cfg) -> None:
@@ -177,17 +207,18 @@ class WorkerActor:
 
             use_launcher(RayRanks(cfg.worker_id, self.cpus))
 
-    def _exit_when_broken(self) -> None:
-        """A worker whose engine broke (one of its ranks died: engine/engine_loop.py) cannot
-        serve again; its process exits, and the supervisor starts a fresh one as after any
-        death (deploy/supervisor.py)."""
+    def _exit_when_due(self) -> None:
+        """The process exits when ExitWatch says so; the supervisor starts a fresh one."""
         import logging
 
-        while self.worker is not None:
-            loop = self.worker.loop
-            if loop is not None and loop.broken:
+        watch = ExitWatch()
+        while (worker := self.worker) is not None:
+            loop = worker.loop
+            broken = (loop.broken or "") if loop is not None else ""
+            why = watch.reason(broken, "" if broken else worker.unhealthy(), time.monotonic())
+            if why:
                 logging.getLogger(__name__).error(
-                    "%s exits to be restarted: %s", self.worker_config.worker_id, loop.broken
+                    "%s exits to be restarted: %s", self.worker_config.worker_id, why
                 )
                 os._exit(70)
             time.sleep(BROKEN_POLL_S)

@@ -205,6 +205,12 @@ class WorkerProcess:
         own = self.parts[role].remaining()
         return ", ".join(left + ([own] if own else []))
 
+    def unhealthy(self) -> str:
+        """Why the worker must not be given work ("" when it may), from each part that can say
+        (its Stats fails UNAVAILABLE meanwhile, so the router takes it down)."""
+        why = (getattr(p, "unhealthy", None) for p in self.parts.values())
+        return "; ".join(w for w in (f() for f in why if f is not None) if w)
+
     def _build_engine(self, shared_dir: str | None = None) -> LLMEngine:
         """The engine itself, not an LLM (an LLM shuts its engine down when collected), built and
         warmed on the loop thread that will step it (EngineLoop.build says why). shared_dir: put

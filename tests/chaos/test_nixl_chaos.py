@@ -116,7 +116,8 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
     process: issue 50's follow-up) by its control connection closing from its side. Either way
     the aborted reservation stays held (never handed to another request) past the claim's bound,
     the worker reports itself unhealthy, and once the sender is gone the blocks are freed and the
-    worker is healthy again without a restart. The Grants logic alone:
+    worker is healthy again without a restart (a sender that never ends: under `pdserve up` the
+    worker exits to be replaced, deploy/workers.py ExitWatch). The Grants logic alone:
     tests/unit/test_nixl_peer_gone.py."""
     model_dir, _ = tiny_models("llama-gqa")
     decode = start_decode(
@@ -171,12 +172,16 @@ def test_a_silent_sender_past_the_bound_makes_the_worker_unhealthy_until_it_dies
         grants = decode.handoff.grants
         wait_until(unhealthy, 60, "the worker never reported the stuck hold")
         assert "held past the nixl write bound" in unhealthy() and "'doomed'" in unhealthy()
+        # what a worker under `pdserve up` watches to exit and be replaced past UNHEALTHY_EXIT_S
+        # (deploy/workers.py ExitWatch), were the sender never to end
+        assert "held past the nixl write bound" in decode.unhealthy()
         assert decode.handoff.num_held == 1 and grants.num_stuck_total == 1  # still held
         assert decode.handoff.loop.load()["num_free_blocks"] < total
         die.set()  # the sender's process ends (and its kernel closes its connections)
         proc.join(30)
         assert proc.exitcode == 3
         wait_until(lambda: not unhealthy(), 60, "the worker stayed unhealthy")
+        assert decode.unhealthy() == ""
         s = stats()
         assert s.num_reserved == 0 and s.num_free_blocks == total
         if remote:  # freed by its closed connection, not by a proof about its process

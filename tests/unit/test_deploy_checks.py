@@ -312,3 +312,36 @@ def test_a_busy_worker_is_not_dead(fake_ray):
         sup.check(r)
         clock[0] += 10
     assert r.actor is not None and r.address == "127.0.0.1:0" and FakeActor.launched == 1
+
+
+# ---- a started worker's exit watch (deploy/workers.py ExitWatch) ---------------------------------
+def test_a_broken_engine_exits_at_once_and_a_stuck_worker_after_its_bound():
+    from pdserve.deploy.workers import ExitWatch
+
+    watch = ExitWatch(exit_s=60)
+    assert watch.reason("", "", 0.0) == ""
+    assert watch.reason("rank 1 died", "", 1.0) == "rank 1 died"
+    stuck = "1 reservation(s) held past the nixl write bound of 95 s"
+    assert watch.reason("", stuck, 10.0) == ""  # unhealthy from now
+    assert watch.reason("", stuck, 69.0) == ""
+    assert watch.reason("", "", 69.5) == ""  # the claim ended after all: healthy again
+    assert watch.reason("", stuck, 70.0) == ""  # a new stretch starts here
+    assert watch.reason("", stuck, 129.0) == ""
+    assert watch.reason("", stuck, 130.0) == f"unhealthy for 60s: {stuck}"
+
+
+def test_a_worker_is_unhealthy_while_its_decode_part_holds_blocks_past_the_bound():
+    from types import SimpleNamespace
+
+    from pdserve.decode_worker.server import DecodePart
+    from pdserve.worker_common.process import WorkerProcess
+
+    part = DecodePart.__new__(DecodePart)  # only its handoff matters here
+    part.role, part.handoff = "decode", None
+    worker = WorkerProcess.__new__(WorkerProcess)
+    worker.parts = {"decode": part, "prefill": SimpleNamespace(role="prefill")}
+    assert worker.unhealthy() == ""  # not started: no handoff yet
+    part.handoff = SimpleNamespace(unhealthy="")
+    assert worker.unhealthy() == ""
+    part.handoff = SimpleNamespace(unhealthy="2 reservation(s) held past the bound")
+    assert worker.unhealthy() == "2 reservation(s) held past the bound"
