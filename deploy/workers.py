@@ -31,8 +31,10 @@ import time
 import ray
 
 BROKEN_POLL_S = 1.0  # how often a started worker looks whether it must exit (ExitWatch)
-# a worker unhealthy this long without recovering exits to be replaced (ExitWatch)
+# a worker unhealthy this long without recovering exits to be replaced, once the streams it
+# still decodes have finished, or, past UNHEALTHY_DRAIN_S more, with them (ExitWatch)
 UNHEALTHY_EXIT_S = 60.0
+UNHEALTHY_DRAIN_S = 600.0
 
 
 class ExitWatch:
@@ -43,14 +45,16 @@ class ExitWatch:
     nixl sender that hung, or died on another host without its connection closing): the worker
     may recover when the claim ends after all, but nothing else ends such a hold, and a process's
     end does: its pool and NIXL registration go with it, so no late write reaches a block given
-    to another request, and the fresh worker serves with every block free."""
+    to another request, and the fresh worker serves with every block free. The router sends an
+    unhealthy worker no new work, so the streams it still decodes are let finish first (`busy`),
+    for at most `drain_s` more."""
 
-    def __init__(self, exit_s: float = UNHEALTHY_EXIT_S):
-        self.exit_s = exit_s
+    def __init__(self, exit_s: float = UNHEALTHY_EXIT_S, drain_s: float = UNHEALTHY_DRAIN_S):
+        self.exit_s, self.drain_s = exit_s, drain_s
         self.since: float | None = None  # when the current unhealthy stretch began
 
-    def reason(self, broken: str, unhealthy: str, now: float) -> str:
-        """Why to exit now, "" to go on."""
+    def reason(self, broken: str, unhealthy: str, busy: bool, now: float) -> str:
+        """Why to exit now, "" to go on. busy: sequences still in the engine."""
         if broken:
             return broken
         if not unhealthy:
@@ -58,9 +62,11 @@ class ExitWatch:
             return ""
         if self.since is None:
             self.since = now
-        if now - self.since < self.exit_s:
+        waited = now - self.since
+        if waited < self.exit_s or (busy and waited < self.exit_s + self.drain_s):
             return ""
-        return f"unhealthy for {now - self.since:.0f}s: {unhealthy}"
+        cut = ", cutting the streams it still decoded" if busy else ""
+        return f"unhealthy for {waited:.0f}s{cut}: {unhealthy}"
 
 
 def worker_config(
@@ -215,7 +221,12 @@ class WorkerActor:
         while (worker := self.worker) is not None:
             loop = worker.loop
             broken = (loop.broken or "") if loop is not None else ""
-            why = watch.reason(broken, "" if broken else worker.unhealthy(), time.monotonic())
+            unhealthy = "" if broken or loop is None else worker.unhealthy()
+            busy = False
+            if unhealthy:
+                load = loop.load()
+                busy = bool(load["num_running"] or load["num_waiting"])
+            why = watch.reason(broken, unhealthy, busy, time.monotonic())
             if why:
                 logging.getLogger(__name__).error(
                     "%s exits to be restarted: %s", self.worker_config.worker_id, why

@@ -318,16 +318,27 @@ def test_a_busy_worker_is_not_dead(fake_ray):
 def test_a_broken_engine_exits_at_once_and_a_stuck_worker_after_its_bound():
     from pdserve.deploy.workers import ExitWatch
 
-    watch = ExitWatch(exit_s=60)
-    assert watch.reason("", "", 0.0) == ""
-    assert watch.reason("rank 1 died", "", 1.0) == "rank 1 died"
+    watch = ExitWatch(exit_s=60, drain_s=600)
+    assert watch.reason("", "", False, 0.0) == ""
+    assert watch.reason("rank 1 died", "", True, 1.0) == "rank 1 died"
     stuck = "1 reservation(s) held past the nixl write bound of 95 s"
-    assert watch.reason("", stuck, 10.0) == ""  # unhealthy from now
-    assert watch.reason("", stuck, 69.0) == ""
-    assert watch.reason("", "", 69.5) == ""  # the claim ended after all: healthy again
-    assert watch.reason("", stuck, 70.0) == ""  # a new stretch starts here
-    assert watch.reason("", stuck, 129.0) == ""
-    assert watch.reason("", stuck, 130.0) == f"unhealthy for 60s: {stuck}"
+    assert watch.reason("", stuck, False, 10.0) == ""  # unhealthy from now
+    assert watch.reason("", stuck, False, 69.0) == ""
+    assert watch.reason("", "", False, 69.5) == ""  # the claim ended after all: healthy again
+    assert watch.reason("", stuck, False, 70.0) == ""  # a new stretch starts here
+    assert watch.reason("", stuck, False, 129.0) == ""
+    assert watch.reason("", stuck, False, 130.0) == f"unhealthy for 60s: {stuck}"
+    # streams still decoding are let finish, for at most drain_s more
+    watch = ExitWatch(exit_s=60, drain_s=600)
+    assert watch.reason("", stuck, True, 0.0) == ""
+    assert watch.reason("", stuck, True, 61.0) == ""
+    assert watch.reason("", stuck, False, 100.0) == f"unhealthy for 100s: {stuck}"  # they ended
+    watch = ExitWatch(exit_s=60, drain_s=600)
+    assert watch.reason("", stuck, True, 0.0) == ""
+    assert watch.reason("", stuck, True, 659.0) == ""
+    assert watch.reason("", stuck, True, 660.0) == (
+        f"unhealthy for 660s, cutting the streams it still decoded: {stuck}"
+    )
 
 
 def test_a_worker_is_unhealthy_while_its_decode_part_holds_blocks_past_the_bound():
