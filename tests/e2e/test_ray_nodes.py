@@ -116,6 +116,14 @@ def stop_up(up: subprocess.Popen | None) -> str:
         return "still running 240s after SIGINT; its threads' stacks are in its stderr; killed"
 
 
+def write_config(path: pathlib.Path, model_dir: str, **pools: dict) -> pathlib.Path:
+    """A deployment YAML of `pools` in float32, its router on a free loopback port."""
+    router = {"host": "127.0.0.1", "port": 0, "http_port": None}
+    config = {"model": model_dir, "dtype": "float32", "pools": pools, "router": router}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def _engine_tokens(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     """The engine's greedy tokens in this process (one stage, float32)."""
     from pdserve.engine import LLM, SamplingParams
@@ -156,19 +164,11 @@ def test_up_joins_a_token_cluster_and_pins_decode_to_the_second_node(
 
     address, ray_tmp = two_nodes.address, two_nodes.ray_tmp
     pool = {"replicas": 1, "tp": 1, "kv_cache_memory": KV_BYTES}
-    config = tmp_path / "two-nodes.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": model_dir,
-                "dtype": "float32",
-                "pools": {
-                    "prefill": {**pool, "resources": {"num_cpus": 1}},
-                    "decode": {**pool, "resources": {"num_cpus": 1, "node2": 1}},
-                },
-                "router": {"host": "127.0.0.1", "port": 0, "http_port": None},
-            }
-        )
+    config = write_config(
+        tmp_path / "two-nodes.yaml",
+        model_dir,
+        prefill={**pool, "resources": {"num_cpus": 1}},
+        decode={**pool, "resources": {"num_cpus": 1, "node2": 1}},
     )
     env = operator_env()
     up, stop = None, ""
@@ -245,20 +245,12 @@ def test_a_pp2_prefill_pool_spans_two_ray_nodes_and_serves_the_pp1_tokens(two_no
 
     address, cluster = two_nodes.address, two_nodes.cluster
     small = {"replicas": 1, "num_threads": 1, "kv_cache_memory": KV_BYTES}
-    config = tmp_path / "pp-two-nodes.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": model_dir,
-                "dtype": "float32",
-                "pools": {
-                    # 2 x 0.6 CPU: more than one node's 1 CPU, so the stages go to two nodes
-                    "prefill": {**small, "pp": 2, "resources": {"num_cpus": 0.6}},
-                    "decode": {**small, "resources": {"num_cpus": 0.4}},
-                },
-                "router": {"host": "127.0.0.1", "port": 0, "http_port": None},
-            }
-        )
+    config = write_config(
+        tmp_path / "pp-two-nodes.yaml",
+        model_dir,
+        # 2 x 0.6 CPU: more than one node's 1 CPU, so the stages go to two nodes
+        prefill={**small, "pp": 2, "resources": {"num_cpus": 0.6}},
+        decode={**small, "resources": {"num_cpus": 0.4}},
     )
     env = {**operator_env(), "RAY_AUTH_TOKEN_PATH": str(two_nodes.token)}
     up, stop = None, ""
