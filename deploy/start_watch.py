@@ -2,12 +2,11 @@
 
 `start_and_watch` calls start() on every replica it is given at once, those of every pool: they
 load their models concurrently (each worker has cores of its own where the machine has enough:
-launcher.core_plan; one pool after another made a default deployment's start 22 s instead of
-15). Until each has returned it polls every starting actor's `stages` (a WorkerActor answers it
-on another thread while start() runs: deploy/workers.py) and logs the new lines, one per stage,
-prefixed with the worker's id: the compiled kernels' build, the weights, the precision probe,
-the KV capacity and the warm-up (worker_common/start_stages.py). A replica whose start
-returned gets its address, serving_since and `info` (WorkerActor.info(): the row of
+launcher.core_plan, so one pool after another would only lengthen the start). Until each has
+returned it polls every starting actor's `stages` (a WorkerActor answers it on another thread
+while start() runs: deploy/workers.py) and logs the new lines, one per stage, prefixed with the
+worker's id: the compiled kernels' build, the weights, the precision probe, the KV capacity and
+the warm-up (worker_common/start_stages.py). A replica whose start returned gets its address, serving_since and `info` (WorkerActor.info(): the row of
 deploy/start_table.py) set; a start that fails, or a replica that has not started within the
 deadline, raises DeployError naming its pool and replica, after the stages that did come are
 logged. Holds no state between calls.
