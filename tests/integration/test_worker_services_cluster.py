@@ -126,8 +126,13 @@ def test_unknown_stream_abort_and_cancelled_stream(idle, monkeypatch):
     assert not idle.d.Abort(
         worker_pb2.WorkerAbortRequest(request_id="to-abort"), timeout=RPC_TIMEOUT
     ).found
-    # a client that cancels its stream mid-way: the decode side aborts the request
+    # a client that cancels its stream mid-way: the decode side aborts the request. Its steps
+    # are slowed: on a loaded CI machine the stream's 54 tokens were once all out before the
+    # cancel landed, and a request that finished is not aborted
     aborted = record_aborts(idle.decode, monkeypatch)
+    engine = idle.decode.loop.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.05), step())[1])
     long = pdserve_pb2.SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
     prompt = random_prompts([8], seed=8)[0]
     reservation = idle.reserve("cancel-me", prompt, long)
