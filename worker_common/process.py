@@ -208,8 +208,12 @@ class WorkerProcess:
     def unhealthy(self) -> str:
         """Why the worker must not be given work ("" when it may), from each part that can say
         (its Stats fails UNAVAILABLE meanwhile, so the router takes it down)."""
-        why = (getattr(p, "unhealthy", None) for p in self.parts.values())
-        return "; ".join(w for w in (f() for f in why if f is not None) if w)
+        reasons = []
+        for part in self.parts.values():
+            ask = getattr(part, "unhealthy", None)  # parts that hold nothing have none
+            if ask is not None and (why := ask()):
+                reasons.append(why)
+        return "; ".join(reasons)
 
     def _build_engine(self, shared_dir: str | None = None) -> LLMEngine:
         """The engine itself, not an LLM (an LLM shuts its engine down when collected), built and
