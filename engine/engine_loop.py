@@ -11,19 +11,26 @@ run, and dispatches the outputs. It sleeps until new work when idle, including w
 unfinished requests are reservations waiting for their KV.
 
 Liveness, read by the worker's Stats and heartbeats without waiting on the loop (`load()`): how
-long the running turn has lasted (engine_stalled_ms), the longest turn that finished in about
-the last 30 s (engine_turn_ms_max), and what the step running now should take: its tokens
-(engine_turn_tokens) and the slowest time per token of the steps of at least a block of tokens
-in about the last 10 minutes (engine_us_per_token_max; PRIOR_US_PER_TOKEN until one ran, so
-the first large step after a start is not taken for a hang). The router tells a hung engine from
-a busy one by them (router/pool.py): a step of 2,048 prompt tokens on a busy 2-core machine
-takes seconds, with nothing recent to compare it with after an idle spell.
+long the running turn has lasted (engine_stalled_ms), the CPU time the loop thread spent in it
+(engine_turn_cpu_ms), how long it has gone without using the CPU (engine_idle_ms), the CPU time
+of the longest turn that finished in about the last 30 s (engine_turn_ms_max), and what the step
+running now should cost: its tokens (engine_turn_tokens) and the most CPU time per token of the
+steps of at least a block of tokens in about the last 10 minutes (engine_us_per_token_max;
+PRIOR_US_PER_TOKEN until one ran, so the first large step after a start is not taken for a hang).
+The router tells a hung engine from a busy one by them (router/pool.py). They count the loop
+thread's CPU time, not the wall clock's, because a machine shared with other busy processes
+stretches a step's wall time many times over while its CPU time stays what the work costs: a
+blocked engine (a deadlock, a lost peer) uses no CPU, and a spinning one (a hung GPU that its
+host thread waits on) uses more than its work should; a slow one does neither. Where a thread's
+CPU clock cannot be read, and for an engine whose pipeline stages run in other processes (its
+loop thread waits for them inside a step, using no CPU while they compute), every figure is the
+wall clock's.
 
 A test hook for a hung engine whose server still answers: when the process's environment has
 PDSERVE_TEST_ENGINE_HANG_FILE=PATH as the loop is made, the loop thread blocks at the start of a
-turn (its turn clock running, so engine_stalled_ms grows) while the file PATH, or PATH.NAME for
-the loop named NAME (a worker's is `<worker_id>-engine`), exists. Unset, it costs one attribute
-check per turn; nothing on the network can set it.
+turn (its turn clock running and its CPU idle, so engine_stalled_ms and engine_idle_ms grow)
+while the file PATH, or PATH.NAME for the loop named NAME (a worker's is `<worker_id>-engine`),
+exists. Unset, it costs one attribute check per turn; nothing on the network can set it.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ RATE_MIN_TOKENS = 16  # steps of fewer tokens are mostly fixed cost: not a rate
 # us per token assumed before any step of RATE_MIN_TOKENS ran: slower than a 2-core CPU prefills
 # SmolLM2 under load (about 0.75 ms quiet), so it only lengthens the first large step's bound
 PRIOR_US_PER_TOKEN = 3000
+# A turn makes progress while its thread uses at least this share of the wall time between two
+# reads of its CPU clock: a blocked thread uses next to none (the hang hook's polling, about
+# 0.1%), a computing one on a machine ten times over-committed still gets about 10%.
+PROGRESS_CPU_SHARE = 0.02
 
 
 class EngineLoopStopped(RuntimeError):
@@ -67,6 +78,13 @@ class EngineLoop:
         # why the engine cannot step any more (a rank died: _check_ranks); "" while it can
         self.broken = ""
         self._turn_since = 0.0  # time.monotonic() when the running turn began; 0.0: waiting
+        # the loop thread's CPU clock (set on the thread; None where it cannot be read), its
+        # reading when the running turn began, and the last progress idle_ms() saw: (the turn's
+        # _turn_since, the wall clock then, the CPU clock then)
+        self._cpu_clock: int | None = None
+        self._turn_cpu0 = 0.0
+        self._progress = (0.0, 0.0, 0.0)
+        self._progress_lock = threading.Lock()
         # the longest finished turn (s) in the current window and in the one before it, and when
         # the current window began: written by the loop thread only, read by load()
         self._turn_max = [0.0, 0.0]
@@ -186,6 +204,8 @@ class EngineLoop:
             "num_waiting": len(waiting),
             "queued_prompt_tokens": max(queued, 0),
             "engine_stalled_ms": self.stalled_ms(),
+            "engine_turn_cpu_ms": self.turn_cpu_ms(),
+            "engine_idle_ms": self.idle_ms(),
             "engine_turn_ms_max": self.turn_ms_max(),
             "engine_turn_tokens": int(getattr(engine, "running_step_tokens", 0) or 0),
             "engine_us_per_token_max": self.us_per_token_max(),
@@ -193,15 +213,58 @@ class EngineLoop:
 
     def stalled_ms(self) -> int:
         """How long the loop thread has been inside its current turn (queued calls, ticks, one
-        step, dispatch); 0 while it waits for work. A turn that never ends is a hung engine,
-        which the router tells from a slow one by this figure (WorkerStats.engine_stalled_ms)."""
+        step, dispatch), by the wall clock; 0 while it waits for work (WorkerStats.
+        engine_stalled_ms: the router names the turn by when it began)."""
         since = self._turn_since
         return int((time.monotonic() - since) * 1000) if since else 0
 
+    def turn_cpu_ms(self) -> int:
+        """The CPU time the loop thread has used in its current turn; 0 while it waits for work.
+        A turn that goes on using the CPU far beyond what its work costs is a spinning hang
+        (WorkerStats.engine_turn_cpu_ms)."""
+        since, cpu0 = self._turn_since, self._turn_cpu0
+        if not since:
+            return 0
+        return max(0, int((self._clock() - cpu0) * 1000))
+
+    def idle_ms(self) -> int:
+        """How long the current turn has gone without progress: wall time since its thread was
+        last seen using the CPU (at least PROGRESS_CPU_SHARE of the time between two readings);
+        0 while it waits for work. Each call is a reading, and the worker's Stats and heartbeats
+        call it about once a second, so a blocked turn shows within a second or so of blocking.
+        Where the thread's CPU clock cannot be read: the turn's wall time
+        (WorkerStats.engine_idle_ms)."""
+        since = self._turn_since
+        if not since:
+            return 0
+        now = time.monotonic()
+        if self._cpu_clock is None:
+            return int((now - since) * 1000)
+        cpu = self._clock()
+        with self._progress_lock:
+            turn, wall, used = self._progress
+            if turn != since:  # the first reading in this turn: measure from its start
+                turn, wall, used = since, since, self._turn_cpu0
+            if cpu > used and cpu - used >= PROGRESS_CPU_SHARE * (now - wall):
+                wall, used = now, cpu
+            self._progress = (turn, wall, used)
+        return max(0, int((now - wall) * 1000))
+
+    def _clock(self) -> float:
+        """The loop thread's CPU clock in seconds, read from any thread (the wall clock where it
+        cannot be read, or once the thread is gone)."""
+        clock = self._cpu_clock
+        if clock is not None:
+            try:
+                return time.clock_gettime(clock)
+            except OSError:  # the thread has ended
+                pass
+        return time.monotonic()
+
     def turn_ms_max(self) -> int:
-        """The longest turn of the loop that finished in about the last 30 s (between one and two
-        TURN_WINDOW_S windows), in ms; 0 when none did. How long the engine's work takes under its
-        load now: the router scales its hang bound by it (WorkerStats.engine_turn_ms_max)."""
+        """The most CPU time a turn of the loop that finished in about the last 30 s (between one
+        and two TURN_WINDOW_S windows) used, in ms; 0 when none did. What the engine's work costs
+        now: the router scales its hang bound by it (WorkerStats.engine_turn_ms_max)."""
         cur, prev = self._turn_max
         age = time.monotonic() - self._window_start
         if age >= 2 * TURN_WINDOW_S:  # no turn ended for two windows: both are stale
@@ -210,7 +273,7 @@ class EngineLoop:
         return int(longest * 1000)
 
     def us_per_token_max(self) -> int:
-        """The slowest microseconds per token of a step of at least RATE_MIN_TOKENS tokens in
+        """The most CPU microseconds per token a step of at least RATE_MIN_TOKENS tokens used in
         about the last 10 minutes (one to two RATE_WINDOW_S windows); PRIOR_US_PER_TOKEN when
         none ran there."""
         cur, prev = self._rate_max
@@ -218,9 +281,10 @@ class EngineLoop:
         longest = 0.0 if age >= 2 * RATE_WINDOW_S else max(cur, prev)
         return int(longest * 1e6) if longest else PRIOR_US_PER_TOKEN
 
-    def _note_step_rate(self) -> None:
-        """Records the step that just ran for us_per_token_max (loop thread only)."""
-        tokens, seconds = getattr(self.engine, "last_step", (0, 0.0))
+    def _note_step_rate(self, seconds: float) -> None:
+        """Records the step that just ran, which used `seconds` of the loop thread's CPU clock,
+        for us_per_token_max (loop thread only)."""
+        tokens = getattr(self.engine, "last_step", (0, 0.0))[0]
         if tokens < RATE_MIN_TOKENS or seconds <= 0:
             return
         now = time.monotonic()
@@ -248,8 +312,10 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        self._cpu_clock = _thread_cpu_clock(self.engine)
         while not self._stop.is_set():
             self._end_turn()
+            self._turn_cpu0 = self._clock()  # before the turn shows as begun: load() reads both
             self._turn_since = time.monotonic()
             if self._hang_files is not None:
                 self._hang_while_file()
@@ -261,6 +327,7 @@ class EngineLoop:
                 # unfinished but give a step nothing to do: stepping them in a loop would spin a
                 # core for as long as the prefill takes, the core that prefill is computing on
                 idle = not self._has_runnable()
+                cpu0 = self._clock()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # a failed step must not kill the server silently
@@ -269,7 +336,7 @@ class EngineLoop:
                     self._fail_all(e)
                     continue
                 self.num_steps += 1
-                self._note_step_rate()
+                self._note_step_rate(self._clock() - cpu0)
                 self._dispatch(outputs)
                 if idle and not outputs:  # nothing ran and nothing was pending delivery
                     self._wait_for_work()
@@ -310,12 +377,12 @@ class EngineLoop:
         if not since:
             return
         now = time.monotonic()
+        took = self._clock() - self._turn_cpu0
         self._turn_since = 0.0
         if now - self._window_start >= TURN_WINDOW_S:  # a new window; the old one is kept
             stale = now - self._window_start >= 2 * TURN_WINDOW_S
             self._turn_max = [0.0, 0.0 if stale else self._turn_max[0]]
             self._window_start = now
-        took = now - since
         if took > self._turn_max[0]:
             self._turn_max[0] = took
 
@@ -376,6 +443,21 @@ class EngineLoop:
         for _, _, fut in calls:
             if not fut.done():
                 fut.set_exception(EngineLoopStopped("the engine loop stopped"))
+
+
+def _thread_cpu_clock(engine) -> int | None:
+    """The calling thread's CPU clock id, or None where the liveness figures are the wall
+    clock's: the platform cannot read another thread's CPU clock, or `engine` has pipeline
+    stages in other processes, which its thread waits for inside a step."""
+    config = getattr(engine, "config", None)
+    if getattr(config, "pipeline_parallel_size", 1) > 1:
+        return None
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return None
+    return clock
 
 
 def warmed(engine, name: str):

@@ -36,14 +36,15 @@ Health has two levels, and only the second costs a request anything:
   dead  its open calls are dropped and resume elsewhere (router/open_legs.py, through every
         `on_drop` listener). A worker is dead when it has been silent -- no Stats answer and no
         heartbeat, the last answer of either kind counting -- for `silence_s`, or when its Stats
-        say its engine has been inside one loop turn for its stall bound,
-        max(`stall_s`, `stall_factor` x the longest turn it reported finishing recently
-        (WorkerStats.engine_turn_ms_max), `stall_factor` x what the step running now should
-        take at its slowest recent time per token (engine_turn_tokens x
-        engine_us_per_token_max)): a hung GPU or a deadlock, where the server answers
-        and the engine computes nothing. The bound scales with what the worker reports about
-        its own load, so a worker that is slow because the machine is busy is not dead. A late
-        or failed poll alone never drops a call.
+        say its engine is stuck in one loop turn: the turn has used the CPU for its stall bound
+        (a spinning hang: WorkerStats.engine_turn_cpu_ms) or gone that long without using it
+        (a blocked one: engine_idle_ms). The bound is max(`stall_s`, `stall_factor` x the CPU
+        time of the costliest turn it reported finishing recently (engine_turn_ms_max),
+        `stall_factor` x what the step running now should cost at its most CPU time per token
+        of late (engine_turn_tokens x engine_us_per_token_max)): a hung GPU or a deadlock,
+        where the server answers and the engine computes nothing. The figures count CPU time,
+        so a worker that is slow because the machine is busy is not dead, however long its
+        step takes by the wall clock. A late or failed poll alone never drops a call.
 Silence is measured on the sweep's clock (an answer counts when the sweep sees it, within one
 `stats_ttl_s`) and on heartbeats as they arrive. Workers from the config are static: a dead one
 stays a member and is dropped again each sweep while it stays dead (calls not heard from for
@@ -725,10 +726,10 @@ class WorkerPool:
             log.info("%s worker %s is back up", worker.role, self.name(worker))
 
     def stall_bound_s(self, stats) -> float:
-        """How long one turn of the worker's engine may last before it is dead: stall_s, or
-        stall_factor times the longest turn it reported finishing recently, or stall_factor
-        times what its running step should take (its tokens at the slowest recent time per
-        token), whichever is more."""
+        """How long one turn of the worker's engine may compute, or go without computing,
+        before it is dead: stall_s, or stall_factor times the CPU time of the costliest turn it
+        reported finishing recently, or stall_factor times what its running step should cost
+        (its tokens at the most CPU time per token of late), whichever is more."""
         expected = stats.engine_turn_tokens * stats.engine_us_per_token_max / 1e6
         return max(
             self.stall_s,
@@ -737,13 +738,15 @@ class WorkerPool:
         )
 
     def _check_stall(self, worker: _Worker, stats) -> bool:
-        """True when `stats` says the worker's engine has been inside one turn for its stall
-        bound or more: it answers, but computes nothing. It is dead: down (no new requests), and
-        its calls silent since the turn began are dropped, as for a worker that stopped."""
-        stalled_s = stats.engine_stalled_ms / 1000
+        """True when `stats` says the worker's engine has computed in one turn, or gone without
+        computing, for its stall bound or more: it answers, but its engine is stuck. It is dead:
+        down (no new requests), and its calls silent since the turn began are dropped, as for a
+        worker that stopped."""
+        stalled_s = stats.engine_stalled_ms / 1000  # the turn's wall time: names the turn
+        busy_s, idle_s = stats.engine_turn_cpu_ms / 1000, stats.engine_idle_ms / 1000
         bound = self.stall_bound_s(stats)
         now = self._clock()
-        if stalled_s < bound:
+        if max(busy_s, idle_s) < bound:
             # an older report of the same stuck turn (a heartbeat's figures can arrive after a
             # later poll's) does not bring it back: only a turn that ended does
             return (
@@ -751,11 +754,16 @@ class WorkerPool:
                 and stalled_s > 0
                 and abs(now - stalled_s - worker.stuck_since) < 1.0
             )
-        why = f"{worker.role} worker {self.name(worker)} is dead: its engine made no progress "
-        why += f"for {stalled_s:.1f} s (stall bound {bound:.1f} s: worker_stall_s="
-        why += f"{self.stall_s:g}, longest recent turn {stats.engine_turn_ms_max} ms, "
+        how = (
+            f"used {busy_s:.1f} s of CPU"
+            if busy_s >= bound
+            else f"gone {idle_s:.1f} s without using the CPU"
+        )
+        why = f"{worker.role} worker {self.name(worker)} is dead: its engine is stuck in a turn "
+        why += f"of {stalled_s:.1f} s that has {how} (stall bound {bound:.1f} s: worker_stall_s="
+        why += f"{self.stall_s:g}, costliest recent turn {stats.engine_turn_ms_max} ms of CPU, "
         why += f"a step of {stats.engine_turn_tokens} tokens at up to "
-        why += f"{stats.engine_us_per_token_max} us each)"
+        why += f"{stats.engine_us_per_token_max} us of CPU each)"
         with self._lock:
             died = worker.dead != "stalled"
             worker.dead, worker.down = "stalled", True

@@ -425,8 +425,9 @@ class RouterSettings(_Frozen):
     decode_queue_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     # bounds (docs/deploying.md): a role flip's drain, and a worker's health (router/pool.py):
     # silent (no Stats answer, no heartbeat) worker_down_s, no new work; silent worker_silence_s,
-    # dead (its calls resume elsewhere); an engine stuck in one turn for max(worker_stall_s,
-    # worker_stall_factor x its longest recent turn), dead
+    # dead (its calls resume elsewhere); an engine stuck in one turn (computing, or not using the
+    # CPU, for max(worker_stall_s, worker_stall_factor x its costliest recent turn's CPU time)),
+    # dead
     worker_down_s: Annotated[float, Field(gt=0)] = 2.0
     worker_silence_s: Annotated[float, Field(ge=2)] = 4.0  # twice the 1 s heartbeat at least
     worker_stall_s: Annotated[float, Field(gt=0)] = 5.0

@@ -1,7 +1,9 @@
 """The pool's health decisions (router/pool.py), with a fake clock and fake Stats calls, no
 sockets: a late or failed Stats makes a worker down (no new work) but drops none of its calls;
 silence past worker_silence_s, or an engine stuck past its stall bound, makes it dead and drops
-them (router/open_legs.py); the stall bound grows with the longest turn the worker reports.
+them (router/open_legs.py); the stall bound grows with the costliest turn the worker reports.
+"Stuck" is judged on CPU time: a turn that uses the CPU past the bound (spinning), or goes that
+long without using it (blocked); a turn that is merely long by the wall clock is a busy machine.
 The same over real workers: tests/chaos/test_busy_and_hung_workers.py.
 """
 
@@ -69,13 +71,19 @@ class FakeWorker:
         self.calls.append(Call())
         return self.calls[-1]
 
-    def stats(self, stalled_ms=0, turn_ms_max=0, turn_tokens=0, us_per_token=0):
+    def stats(
+        self, stalled_ms=0, cpu_ms=0, idle_ms=0, turn_ms_max=0, turn_tokens=0, us_per_token=0
+    ):
+        """stalled_ms: the turn's wall time; cpu_ms: the CPU time it used; idle_ms: how long it
+        has gone without using the CPU."""
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id,
             num_free_blocks=8,
             num_total_blocks=10,
             block_size=16,
             engine_stalled_ms=stalled_ms,
+            engine_turn_cpu_ms=cpu_ms,
+            engine_idle_ms=idle_ms,
             engine_turn_ms_max=turn_ms_max,
             engine_turn_tokens=turn_tokens,
             engine_us_per_token_max=us_per_token,
@@ -221,7 +229,7 @@ def test_a_registered_worker_that_falls_silent_leaves_the_pool_with_its_calls(se
     assert not pool.heartbeat("r0", None)  # it must register again
 
 
-def test_an_engine_stuck_past_its_bound_kills_a_worker_that_answers(setup):
+def test_an_engine_blocked_past_its_bound_kills_a_worker_that_answers(setup):
     clock, (d0, d1), pool, open_legs = setup[0], setup[1].values(), setup[2], setup[3]
     tick(clock, pool, 1, answer=(d0, d1))
     w0 = pool.decode[0]
@@ -230,12 +238,13 @@ def test_an_engine_stuck_past_its_bound_kills_a_worker_that_answers(setup):
     open_legs.add(w0, leg)
     while not leg.stream_call.cancelled:
         stalled = int((clock.now - stuck_at) * 1000)
-        d0.answer(stalled_ms=stalled, turn_ms_max=300)  # the server answers every poll
+        # the server answers every poll; its engine uses no CPU (a deadlock, a lost peer)
+        d0.answer(stalled_ms=stalled, cpu_ms=20, idle_ms=stalled, turn_ms_max=300)
         tick(clock, pool, 0.5, answer=(d1,))
         assert not w0.down or stalled >= 5000
         assert clock.now - stuck_at < 7
     assert w0.dead == "stalled" and w0.down and pool.deaths["stalled"] == 1
-    assert "no progress" in leg.lost_why
+    assert "without using the CPU" in leg.lost_why
     assert [w.worker_id for w in pool.decode_order()] == ["d1"]  # dead: not even a fallback
     tick(clock, pool, 1, answer=(d0, d1))  # the turn ended: alive again
     assert not w0.dead and not w0.down
@@ -249,15 +258,17 @@ def test_a_big_reported_turn_raises_the_stall_bound(setup):
     w0 = pool.decode[0]
     leg = stream_leg(w0, clock.now - 20)  # its last token came before the long turn began
     open_legs.add(w0, leg)
-    # a busy engine: turns of 3 s, the current one 9 s long; past worker_stall_s, not dead
-    for stalled_ms in (9000, 9500, 10000, 10500):
+    # a busy engine: turns of 3 s of CPU, the current one 9 s so far; past worker_stall_s,
+    # not dead
+    for cpu_ms in (9000, 9500, 10000, 10500):
         d1.answer()
-        d0.answer(stalled_ms=stalled_ms, turn_ms_max=3000)
+        d0.answer(stalled_ms=cpu_ms, cpu_ms=cpu_ms, turn_ms_max=3000)
         tick(clock, pool, 0.5)
     assert not w0.dead and not w0.down and not leg.stream_call.cancelled
-    d0.answer(stalled_ms=12500, turn_ms_max=3000)
+    d0.answer(stalled_ms=12500, cpu_ms=12500, turn_ms_max=3000)  # spinning: hung
     tick(clock, pool, 0.5)
     assert w0.dead == "stalled" and leg.stream_call.cancelled
+    assert "used 12.5 s of CPU" in leg.lost_why
 
 
 def test_a_large_step_after_an_idle_spell_is_not_taken_for_a_hang(setup):
@@ -272,26 +283,46 @@ def test_a_large_step_after_an_idle_spell_is_not_taken_for_a_hang(setup):
     w0 = pool.decode[0]
     leg = stream_leg(w0, clock.now - 30)
     open_legs.add(w0, leg)
-    for stalled_ms in (6000, 12000, 20000):
+    for cpu_ms in (6000, 12000, 20000):
         d1.answer()
-        d0.answer(stalled_ms=stalled_ms, **big)
+        d0.answer(stalled_ms=cpu_ms, cpu_ms=cpu_ms, **big)
         tick(clock, pool, 0.5)
     assert not w0.dead and not w0.down and not leg.stream_call.cancelled
-    d0.answer(stalled_ms=25000, **big)  # four times what it should take: hung
+    d0.answer(stalled_ms=25000, cpu_ms=25000, **big)  # four times what it should cost: hung
     tick(clock, pool, 0.5)
     assert w0.dead == "stalled" and leg.stream_call.cancelled
+
+
+def test_a_step_long_by_the_wall_clock_on_a_busy_machine_is_not_a_hang(setup):
+    """A prefill step that shares the cores with other busy processes takes many times its
+    quiet wall time, with nothing recent to scale the bound (the first large step after a
+    start: the prior 3 ms a token). Its CPU time is what the work costs and its thread keeps
+    using the CPU, so the worker stays alive however long the step lasts by the wall clock
+    (a CI run saw a prefill worker declared dead 5.2 s into a step of 366 tokens)."""
+    clock, (d0, d1), pool, open_legs = setup[0], setup[1].values(), setup[2], setup[3]
+    step = dict(turn_tokens=366, us_per_token=3000)  # 1.1 s expected, bound 5 s
+    tick(clock, pool, 1, answer=(d0, d1))
+    w0 = pool.decode[0]
+    leg = stream_leg(w0, clock.now - 1)
+    open_legs.add(w0, leg)
+    for second in range(1, 61):  # a minute, a fifteenth of it on the CPU
+        d1.answer()
+        d0.answer(stalled_ms=second * 1000, cpu_ms=second * 66, idle_ms=300, **step)
+        tick(clock, pool, 1)
+    assert not w0.dead and not w0.down and not leg.stream_call.cancelled
+    assert pool.deaths["stalled"] == 0
 
 
 def test_a_heartbeat_without_figures_does_not_clear_a_stall(setup):
     clock, fakes, pool, open_legs = setup
     w0 = pool.decode[0]
     pool._registered["d0"] = w0
-    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=5100))
+    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=5100, idle_ms=5100))
     assert w0.dead == "stalled"
     assert pool.heartbeat("d0", None)
     assert w0.dead == "stalled" and w0.down
     clock.now += 0.3  # a report of the same stuck turn, taken 0.5 s earlier, arrives late
-    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=4900))
+    assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=4900, idle_ms=4900))
     assert w0.dead == "stalled" and pool.deaths["stalled"] == 1
     assert pool.heartbeat("d0", fakes["d0"].stats(stalled_ms=0))
     assert not w0.dead and not w0.down
