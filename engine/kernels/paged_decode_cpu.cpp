@@ -9,8 +9,13 @@
 // lengths one apart) go in tiles of up to kTile rows that share each K and V row loaded, each row
 // computed exactly as alone (attend_rows). paged_decode_ex adds a sliding window (no block wholly
 // before it is read) and Gemma 2's logit soft-capping.
-#include <torch/extension.h>
+//
+// The headers are the few this file uses, not <torch/extension.h>: that one pulls in all of
+// torch's C++ API, and parsing it was about two thirds of the build's time.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11, with its casters for at::Tensor
 
 #include <immintrin.h>
 
@@ -754,8 +759,8 @@ inline std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* bt, cons
 }
 
 template <typename KV>
-void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor& block_tables,
-         const int64_t* cl, torch::Tensor& out, int64_t N, int64_t Hq, int64_t D, int64_t bs,
+void run(const at::Tensor& q, const KV* kp, const KV* vp, const at::Tensor& block_tables,
+         const int64_t* cl, at::Tensor& out, int64_t N, int64_t Hq, int64_t D, int64_t bs,
          int64_t Hkv, double scale, int64_t window, double cap) {
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -832,13 +837,13 @@ void run(const torch::Tensor& q, const KV* kp, const KV* vp, const torch::Tensor
 
 // window > 0: each query attends its last `window` positions only; softcap > 0: scores become
 // softcap * tanh(score / softcap) before the softmax (Gemma 2)
-torch::Tensor paged_decode_ex(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
-                              torch::Tensor context_lens, double scale, int64_t window,
+at::Tensor paged_decode_ex(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tables,
+                              at::Tensor context_lens, double scale, int64_t window,
                               double logit_cap) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (layer_kv.scalar_type() == torch::kFloat32 ||
-                                                     layer_kv.scalar_type() == torch::kBFloat16),
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (layer_kv.scalar_type() == at::kFloat ||
+                                                     layer_kv.scalar_type() == at::kBFloat16),
               "paged_decode: q must be float32 and the KV cache float32 or bfloat16");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode: block tables and context lengths must be int64");
   TORCH_CHECK(q.is_contiguous() && layer_kv.is_contiguous() && block_tables.is_contiguous() &&
               context_lens.is_contiguous(), "paged_decode: inputs must be contiguous");
@@ -853,8 +858,8 @@ torch::Tensor paged_decode_ex(torch::Tensor q, torch::Tensor layer_kv, torch::Te
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(cl[n] >= 1 && cl[n] <= max_blocks * bs, "paged_decode: context length out of range");
-  auto out = torch::empty_like(q);
-  if (layer_kv.scalar_type() == torch::kBFloat16) {
+  auto out = at::empty_like(q);
+  if (layer_kv.scalar_type() == at::kBFloat16) {
     const at::BFloat16* kp = layer_kv.data_ptr<at::BFloat16>();
     run(q, kp, kp + num_blocks * bs * Hkv * D, block_tables, cl, out, N, Hq, D, bs, Hkv, scale,
         window, logit_cap);
@@ -866,8 +871,8 @@ torch::Tensor paged_decode_ex(torch::Tensor q, torch::Tensor layer_kv, torch::Te
   return out;
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor layer_kv, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tables,
+                           at::Tensor context_lens, double scale) {
   return paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, 0, 0.0);
 }
 
