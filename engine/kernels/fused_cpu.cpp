@@ -77,7 +77,7 @@ void to_bf16(const float* in, uint16_t* out, int64_t n) {
 // (rounded as .to(torch.bfloat16) rounds them). The same values as add_rms_norm followed and
 // preceded by those conversions, without the separate conversion passes.
 std::vector<at::Tensor> add_rms_norm_ex(at::Tensor x, c10::optional<at::Tensor> residual,
-                                           const at::Tensor& weight, double eps, bool out_bf16) {
+                                        const at::Tensor& weight, double eps, bool out_bf16) {
   const bool xb = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && (xb || x.scalar_type() == at::kFloat) && x.dim() == 2 &&
                   x.stride(1) == 1,
@@ -173,7 +173,7 @@ at::Tensor silu_mul_bf16(at::Tensor gu) {
 // RMSNorm of x's rows; with a residual, residual += x first (in place) and the sum is normalized.
 // Returns (normalized, residual or x).
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
-                                        at::Tensor weight, double eps) {
+                                     at::Tensor weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
   auto out = at::empty({rows, n}, x.options());
@@ -244,7 +244,7 @@ void rope_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
 // inv_smooth when given) divided by its largest |value| (at least 1e-6), then one row spanning
 // [-1, 1] appended. Returns (prepared [T + 1, K], row maxima [T, 1]).
 std::vector<at::Tensor> int8_rows(at::Tensor x, c10::optional<at::Tensor> inv_smooth,
-                                     at::Tensor span_row) {
+                                  at::Tensor span_row) {
   check_rows(x, "x");
   const int64_t T = x.size(0), K = x.size(1), xs = x.stride(0);
   auto out = at::empty({T + 1, K}, x.options());
@@ -1394,8 +1394,8 @@ class DecodeStack {
 
   // Returns (hidden, residual) of the last layer, before the final norm.
   std::vector<at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor cos,
-                                 at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
-                                 at::Tensor block_tables, at::Tensor context_lens) {
+                              at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
+                              at::Tensor block_tables, at::Tensor context_lens) {
     check_rows(hidden, "hidden");
     py::gil_scoped_release no_gil;
     const int64_t T = hidden.size(0), L = static_cast<int64_t>(layers_.size());

@@ -838,10 +838,10 @@ void run(const at::Tensor& q, const KV* kp, const KV* vp, const at::Tensor& bloc
 // window > 0: each query attends its last `window` positions only; softcap > 0: scores become
 // softcap * tanh(score / softcap) before the softmax (Gemma 2)
 at::Tensor paged_decode_ex(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tables,
-                              at::Tensor context_lens, double scale, int64_t window,
-                              double logit_cap) {
+                           at::Tensor context_lens, double scale, int64_t window,
+                           double logit_cap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && (layer_kv.scalar_type() == at::kFloat ||
-                                                     layer_kv.scalar_type() == at::kBFloat16),
+                                                layer_kv.scalar_type() == at::kBFloat16),
               "paged_decode: q must be float32 and the KV cache float32 or bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode: block tables and context lengths must be int64");
@@ -872,7 +872,7 @@ at::Tensor paged_decode_ex(at::Tensor q, at::Tensor layer_kv, at::Tensor block_t
 }
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor layer_kv, at::Tensor block_tables,
-                           at::Tensor context_lens, double scale) {
+                        at::Tensor context_lens, double scale) {
   return paged_decode_ex(q, layer_kv, block_tables, context_lens, scale, 0, 0.0);
 }
 
