@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from helpers.ray_cluster import KV_BYTES, all_free, pool_spec
+from helpers.ray_cluster import KV_BYTES, all_free, kv_free_probe, pool_spec
 from helpers.smollm2_prompts import PROMPTS
 from pdserve.deploy.config.schema import nixl_installed
 
@@ -72,7 +72,9 @@ def _generate(stub, prompt_ids, max_tokens=MAX_TOKENS):
 def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
     from pdserve.protos.pdserve.v1 import pdserve_pb2 as pb, pdserve_pb2_grpc
 
-    with grpc.insecure_channel(cluster.router_address) as channel:
+    # the workers' channels are opened before the clock starts, so that the second measures the
+    # workers' release and not the test's connecting (a loaded CI run missed the bound)
+    with kv_free_probe(cluster) as free, grpc.insecure_channel(cluster.router_address) as channel:
         call = pdserve_pb2_grpc.PDServeStub(channel).Generate(
             pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=prompt_ids + [7]),
@@ -83,7 +85,7 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
         assert next(call).HasField("delta")
         call.cancel()
         cancelled = time.monotonic()
-        while not all_free(cluster):
+        while not free():
             assert time.monotonic() - cancelled < 1.0, "a cancelled stream still holds KV after 1 s"
             time.sleep(0.02)
 

@@ -1,9 +1,12 @@
 """Pieces shared by the end-to-end tests that deploy SmolLM2 through `up()` on one local Ray
 (tests/e2e/test_cluster_backends.py, test_openai_up.py): a pool's YAML section sized for a 2-CPU
-machine, and the check that every worker's KV pool is back to fully free. The module-scoped Ray
-session they run in is a fixture of tests/e2e/conftest.py."""
+machine, and the check that every worker's KV pool is back to fully free (once: all_free; in a
+polling loop: kv_free_probe). The module-scoped Ray session they run in is a fixture of
+tests/e2e/conftest.py."""
 
 from __future__ import annotations
+
+import contextlib
 
 KV_BYTES = 128 << 20  # decode holds all 32 streams at once
 
@@ -21,16 +24,38 @@ def pool_spec(tp: int) -> dict:
 
 
 def all_free(cluster) -> bool:
+    with kv_free_probe(cluster) as free:
+        return free()
+
+
+@contextlib.contextmanager
+def kv_free_probe(cluster):
+    """A callable that says whether every worker's KV pool is fully free (no running or reserved
+    sequence, every block free), over channels opened once: each call costs one Stats call per
+    worker, not a connection, so a test that times how soon KV is freed measures the workers and
+    not its own polling."""
     from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-    for role, stub_cls in (
-        ("decode", worker_pb2_grpc.DecodeWorkerStub),
-        ("prefill", worker_pb2_grpc.PrefillWorkerStub),
-    ):
-        for address in cluster.addresses(role):
-            with cluster.security.channel(address) as ch:
-                s = stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
-            # prefill pools keep finished prompts as evictable prefix-cache blocks: free counts them
-            if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_reserved:
-                return False
-    return True
+    channels, stubs = [], []
+    try:
+        for role, stub_cls in (
+            ("decode", worker_pb2_grpc.DecodeWorkerStub),
+            ("prefill", worker_pb2_grpc.PrefillWorkerStub),
+        ):
+            for address in cluster.addresses(role):
+                channels.append(cluster.security.channel(address))
+                stubs.append(stub_cls(channels[-1]))
+
+        def free() -> bool:
+            for stub in stubs:
+                s = stub.Stats(worker_pb2.StatsRequest(), timeout=10)
+                # prefill pools keep finished prompts as evictable prefix-cache blocks: free
+                # counts them
+                if s.num_free_blocks != s.num_total_blocks or s.num_running or s.num_reserved:
+                    return False
+            return True
+
+        yield free
+    finally:
+        for channel in channels:
+            channel.close()
