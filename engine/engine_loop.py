@@ -19,12 +19,12 @@ steps of at least a block of tokens in about the last 10 minutes (engine_us_per_
 PRIOR_US_PER_TOKEN until one ran, so the first large step after a start is not taken for a hang).
 The router tells a hung engine from a busy one by them (router/pool.py). They count the loop
 thread's CPU time, not the wall clock's, because a machine shared with other busy processes
-stretches a step's wall time many times over while its CPU time stays what the work costs: a
-blocked engine (a deadlock, a lost peer) uses no CPU, and a spinning one (a hung GPU that its
-host thread waits on) uses more than its work should; a slow one does neither. Where a thread's
-CPU clock cannot be read, and for an engine whose pipeline stages run in other processes (its
-loop thread waits for them inside a step, using no CPU while they compute), every figure is the
-wall clock's.
+stretches a step's wall time many times over and its CPU time far less (OpenMP spins while its
+other thread waits for a core; docs/experiments/design-measurements.md): a blocked engine (a
+deadlock, a lost peer) uses no CPU, and a spinning one (a hung GPU that its host thread waits
+on) uses more than its work should; a slow one does neither. Where a thread's CPU clock cannot
+be read, and for an engine whose pipeline stages run in other processes (its loop thread waits
+for them inside a step, using no CPU while they compute), every figure is the wall clock's.
 
 A test hook for a hung engine whose server still answers: when the process's environment has
 PDSERVE_TEST_ENGINE_HANG_FILE=PATH as the loop is made, the loop thread blocks at the start of a
