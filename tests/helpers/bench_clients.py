@@ -35,6 +35,13 @@ RUN_TIMEOUT_S = 420
 # the server (so with nothing of pdserve's to wait for), once in a loaded run and not when run
 # again; its upstream tracker has similar hangs (vllm-project/guidellm issues 431 and 1152).
 HANG_RETRIES = 1
+# guidellm's scheduler spreads its requests over worker processes, 10 by default
+# (GUIDELLM__MAX_WORKER_PROCESSES). On CI's 2 cores those ten took most of the CPU in its
+# throughput stage (512 requests at once) and starved the server beside them: once, under the
+# suite's other test process, the stage finished 6 requests in its 4 s, guidellm's sweep measured
+# a rate of 0 and ended without its constant stage. One worker process sends all 512 (each is an
+# asyncio task in it).
+GUIDELLM_ENV = {"GUIDELLM__MAX_WORKER_PROCESSES": "1"}
 
 
 REQUIRE_ENV = "PDSERVE_REQUIRE_CLIENTS"  # set by scripts/test_clients.sh: missing fails
@@ -61,12 +68,18 @@ def needs(module: str, pin: str):
     return required
 
 
-def run(args: list[str], what: str) -> str:
-    """The client's stdout; it must exit 0. It runs in a process group of its own, so that a run
-    past RUN_TIMEOUT_S is killed with the worker processes it spawned (not left running)."""
+def run(args: list[str], what: str, env: dict | None = None) -> str:
+    """The client's stdout; it must exit 0. It runs (with `env` added to this process's
+    environment) in a process group of its own, so that a run past RUN_TIMEOUT_S is killed with
+    the worker processes it spawned (not left running)."""
     for attempt in range(1 + HANG_RETRIES):
         proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         try:
             out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
@@ -104,7 +117,7 @@ def guidellm(
     args += ["--tokenizer", f"kind=hf_auto,model={tokenizer_dir}", "--profile", profile]
     args += ["--data", data, "--constraint", f"kind=max_duration,seconds={seconds}"]
     args += ["--output", f"kind=json,path={out}", "--disable-console"]
-    run(args, f"guidellm ({profile}, {request_format or 'chat'})")
+    run(args, f"guidellm ({profile}, {request_format or 'chat'})", GUIDELLM_ENV)
     return [
         (b["config"]["strategy"]["type_"], b["scheduler_metrics"]["requests_made"])
         for b in json.loads(out.read_text())["benchmarks"]
