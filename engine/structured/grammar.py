@@ -64,9 +64,13 @@ class SeqGrammar:
         self.owner = owner  # the GrammarCache that counts the mask's cost
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, bitmask, index)
+        """Row `index` of `bitmask` (int32, contiguous, on the CPU: GrammarCache.step_mask's) gets
+        the matcher's next-token mask. What llguidance.torch's fill_next_token_bitmask does, called
+        directly: that module compiles a function with torch.compile as it is imported, and the
+        import of torch's inductor that brings is slow, paid by a worker's first structured
+        request inside its Reserve or Prefill call."""
+        row = bitmask[index]
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def accept(self, token_id: int) -> bool:
         """Advances by `token_id`; True when the sequence must end here: the grammar is complete
@@ -98,8 +102,7 @@ class GrammarCache:
     def _tokenizer_info(self):
         with self._lock:
             if self._lltok is None:
-                import llguidance.hf
-                import llguidance.torch  # noqa: F401 - imported here, not on the step thread
+                import llguidance.hf  # here, not on the step thread
 
                 self._lltok = llguidance.hf.from_tokenizer(
                     self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos or None
