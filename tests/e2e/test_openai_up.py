@@ -1,7 +1,7 @@
 """The official `openai` client against `up()` (the `pdserve up` code path) on a local Ray with the
 real SmolLM2: chat and completions, streaming and not, stop, seed, usage, greedy text equal to
 `engine.LLM`'s in one process; API keys on both fronts; a client that disconnects mid-stream has
-its KV freed on both pools within 1 s. One deployment for the module (the Ray session and the
+its KV freed on both pools within ten of its steps (at least 1 s). One deployment for the module (the Ray session and the
 pool helpers are test_cluster_backends.py's)."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import time
 import grpc
 import pytest
 
-from helpers.ray_cluster import all_free, pool_spec
+from helpers.ray_cluster import kv_free_probe, pool_spec
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
 KEY = "sk-e2e-openai-0123456789"
 MAX_TOKENS = 12
+STEPS_TIMED = 4  # a disconnecting stream's steps timed before it goes, for the release's bound
 KV_BYTES = 128 << 20
 MESSAGES = [
     {"role": "system", "content": "You are a concise assistant."},
@@ -159,7 +160,7 @@ def test_keys_are_required_on_both_fronts(deployment):
         assert reply.models
 
 
-def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_within_1s(deployment):
+def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_promptly(deployment):
     host, _, port = deployment.http_url.removeprefix("http://").rpartition(":")
     body = json.dumps(
         {
@@ -171,22 +172,35 @@ def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_within_1s(d
             "stream": True,
         }
     ).encode()
-    with socket.create_connection((host, int(port)), timeout=120) as s:
-        s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        got = b""
-        while got.count(b'"content":"') < 3:  # the role chunk, then two tokens' text
-            more = s.recv(4096)
-            assert more, got
-            got += more
-        assert not all_free(deployment)  # the stream holds KV now
-    left = time.monotonic()
-    while not all_free(deployment):
-        assert time.monotonic() - left < 1.0, "a disconnected stream still holds KV after 1 s"
-        time.sleep(0.02)
+    # (channels to the workers opened once, before the clock starts: tests/helpers/ray_cluster.py)
+    with kv_free_probe(deployment) as free:
+        with socket.create_connection((host, int(port)), timeout=120) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                + b"Content-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            got = b""
+            start = None
+            while got.count(b'"content":"') < 3 + STEPS_TIMED:  # the role chunk, then tokens
+                more = s.recv(4096)
+                assert more, got
+                got += more
+                if start is None and got.count(b'"content":"') >= 3:
+                    start, timed_from = time.monotonic(), got.count(b'"content":"')
+            # freed by the disconnect, not by the stream running out its 500 tokens: within ten
+            # of its steps as they came just now, at least 1 s (not a speed claim: a loaded
+            # machine's steps are slower; a fixed 1 s was missed in a loaded CI run elsewhere)
+            steps = got.count(b'"content":"') - timed_from
+            bound = max(1.0, 10 * (time.monotonic() - start) / max(steps, 1))
+            assert not free()  # the stream holds KV now
+        left = time.monotonic()
+        while not free():
+            assert time.monotonic() - left < bound, (
+                f"a disconnected stream still holds KV after {bound:.1f} s (ten of its steps)"
+            )
+            time.sleep(0.02)
 
 
 WEATHER = {
