@@ -1,8 +1,8 @@
 """The official `openai` client against `up()` (the `pdserve up` code path) on a local Ray with the
 real SmolLM2: chat and completions, streaming and not, stop, seed, usage, greedy text equal to
 `engine.LLM`'s in one process; API keys on both fronts; a client that disconnects mid-stream has
-its KV freed on both pools within ten of its steps (at least 1 s). One deployment for the module (the Ray session and the
-pool helpers are test_cluster_backends.py's)."""
+its KV freed on both pools within ten of its steps (at least 1 s). One deployment for the module
+(the Ray session and the pool helpers are test_cluster_backends.py's)."""
 
 from __future__ import annotations
 
@@ -173,6 +173,7 @@ def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_promptly(de
         }
     ).encode()
     # (channels to the workers opened once, before the clock starts: tests/helpers/ray_cluster.py)
+    chunk = b'"content":"'  # what opens one chunk's text
     with kv_free_probe(deployment) as free:
         with socket.create_connection((host, int(port)), timeout=120) as s:
             s.sendall(
@@ -181,19 +182,18 @@ def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_promptly(de
                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
-            got = b""
-            start = None
-            while got.count(b'"content":"') < 3 + STEPS_TIMED:  # the role chunk, then tokens
+            got, start, timed_from = b"", None, 0
+            while start is None or got.count(chunk) < timed_from + STEPS_TIMED:
                 more = s.recv(4096)
                 assert more, got
                 got += more
-                if start is None and got.count(b'"content":"') >= 3:
-                    start, timed_from = time.monotonic(), got.count(b'"content":"')
+                if start is None and got.count(chunk) >= 3:  # the role chunk, two tokens
+                    start, timed_from = time.monotonic(), got.count(chunk)
             # freed by the disconnect, not by the stream running out its 500 tokens: within ten
             # of its steps as they came just now, at least 1 s (not a speed claim: a loaded
             # machine's steps are slower; a fixed 1 s was missed in a loaded CI run elsewhere)
-            steps = got.count(b'"content":"') - timed_from
-            bound = max(1.0, 10 * (time.monotonic() - start) / max(steps, 1))
+            steps = got.count(chunk) - timed_from
+            bound = max(1.0, 10 * (time.monotonic() - start) / steps)
             assert not free()  # the stream holds KV now
         left = time.monotonic()
         while not free():
