@@ -1,12 +1,13 @@
 """Pieces shared by the end-to-end tests that deploy SmolLM2 through `up()` on one local Ray
 (tests/e2e/test_cluster_backends.py, test_openai_up.py): a pool's YAML section sized for a 2-CPU
 machine, and the check that every worker's KV pool is back to fully free (once: all_free; in a
-polling loop: kv_free_probe). The module-scoped Ray session they run in is a fixture of
+polling loop: kv_free_probe; after a stream left: assert_released). The module-scoped Ray session they run in is a fixture of
 tests/e2e/conftest.py."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 KV_BYTES = 128 << 20  # decode holds all 32 streams at once
 
@@ -59,3 +60,21 @@ def kv_free_probe(cluster):
     finally:
         for channel in channels:
             channel.close()
+
+
+RELEASE_STEPS = 10  # a stream's KV is freed within this many of its steps once it is gone
+
+
+def assert_released(free, steps_s: float, what: str) -> None:
+    """Polls `free` (kv_free_probe's) until every KV pool is free, failing past RELEASE_STEPS of
+    the gone stream's steps (`steps_s`: one step's seconds as timed just before it went), at least
+    1 s. The bound tells a release by the abort from one by the stream running out its tokens (a
+    test gives it hundreds); it is not a speed claim: a loaded machine's steps are slower, and a
+    fixed 1 s bound was missed in a loaded CI run."""
+    bound = max(1.0, RELEASE_STEPS * steps_s)
+    gone = time.monotonic()
+    while not free():
+        assert time.monotonic() - gone < bound, (
+            f"{what} still holds KV after {bound:.1f} s ({RELEASE_STEPS} of its steps)"
+        )
+        time.sleep(0.02)
