@@ -115,8 +115,7 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
     more memory than is free (memory_problems); else every replica of the pool would fail the
     same way inside its actor. A model that needs converting into a cache this process cannot write is refused
     as DeployError (the router, in this process, reads its tokenizer from there too)."""
-    from pdserve.engine.config import available_memory_bytes
-    from pdserve.engine.loader import CacheDirError, load_hf_config, resolve_model
+    from pdserve.engine.loader import CacheDirError, resolve_model
 
     try:
         model_dir = resolve_model(config.model)
@@ -131,6 +130,9 @@ def check_model_fit(config: DeployConfig, on_this_machine: bool = True) -> None:
         if placement_problems(config):  # refused whatever the model
             raise ConfigError("\n".join(placement_problems(config))) from None
         return
+    from pdserve.engine.config import available_memory_bytes  # these import torch
+    from pdserve.engine.loader import load_hf_config
+
     memory = available_memory_bytes("cpu") if on_this_machine else None
     hf = load_hf_config(model_dir)
     problems = fit_problems(config, hf, memory)

@@ -1,12 +1,26 @@
-"""pdserve engine: one model replica with paged KV, continuous batching and prefix caching."""
+"""pdserve engine: one model replica with paged KV, continuous batching and prefix caching.
 
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.engine_core import LLMEngine
-from pdserve.engine.llm import LLM
-from pdserve.engine.lora import LoRARequest
-from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured.spec import StructuredSpec
+The names below are loaded on first use (PEP 562), not when the package is imported: importing a
+light submodule (the loader's cache paths, the sampling parameters) must not import torch and
+transformers first, so `pdserve up --check` and the CLI's refusals answer without them."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_NAMES = {
+    "LLM": "llm",
+    "LLMEngine": "engine_core",
+    "LoRARequest": "lora",
+    "EngineConfig": "config",
+    "ModelConfig": "config",
+    "SamplingParams": "sampling_params",
+    "StructuredSpec": "structured.spec",
+    "RequestOutput": "request",
+    "CompletionOutput": "request",
+    "Reservation": "request",
+}
 
 __all__ = [
     "LLM",
@@ -20,3 +34,21 @@ __all__ = [
     "CompletionOutput",
     "Reservation",
 ]
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig, ModelConfig
+    from pdserve.engine.engine_core import LLMEngine
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.lora import LoRARequest
+    from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.structured.spec import StructuredSpec
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

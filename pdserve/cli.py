@@ -142,6 +142,15 @@ def _spec_note(engine) -> str:
 
 
 def _run_local(args) -> int:
+    from pdserve.engine.loader import resolve_model
+
+    try:
+        # found (or converted) before the engine's imports (torch, transformers: seconds), so
+        # a model that is not there or a cache that cannot be written is refused at once
+        resolve_model(args.model or "smollm2")
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
     from pdserve.engine import LLM, SamplingParams
 
     try:

@@ -1,7 +1,20 @@
-"""Model resolution and weight/tokenizer loading for pdserve."""
+"""Model resolution and weight/tokenizer loading for pdserve. The names are loaded on first use
+(PEP 562): resolving a model's path and checking the cache directory import neither torch nor
+gguf; reading weights (safetensors_io) and converting a GGUF (gguf_convert) do."""
 
-from .resolve import CacheDirError, default_cache_dir, resolve_model, writable_dir
-from .safetensors_io import iter_safetensors, load_hf_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_NAMES = {
+    "CacheDirError": "resolve",
+    "default_cache_dir": "resolve",
+    "resolve_model": "resolve",
+    "writable_dir": "resolve",
+    "iter_safetensors": "safetensors_io",
+    "load_hf_config": "safetensors_io",
+}
 
 __all__ = [
     "CacheDirError",
@@ -11,3 +24,16 @@ __all__ = [
     "resolve_model",
     "writable_dir",
 ]
+
+if TYPE_CHECKING:
+    from .resolve import CacheDirError, default_cache_dir, resolve_model, writable_dir
+    from .safetensors_io import iter_safetensors, load_hf_config
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

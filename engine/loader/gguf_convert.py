@@ -4,7 +4,8 @@ Supported: llama (and mistral), qwen2, qwen3, phi3, gemma2 and gemma3 GGUFs, the
 transformers' own GGUF loader maps, and the mixtures of experts qwen2moe, qwen3moe and Mixtral (a
 llama GGUF with experts), whose details are in engine/loader/gguf_moe.py. Quantized tensors are
 dequantized to float32, so the result is a plain HF checkpoint that the engine (or transformers)
-loads like any other.
+loads like any other. A change to what a conversion writes bumps resolve.py's CONVERTER_VERSION,
+so the cache does not serve directories an older converter wrote.
 
 Family details undone here as transformers does: llama.cpp stores Gemma's norm weights as 1 + w
 (so 1 is subtracted), Phi-3's fused qkv and gate/up tensors keep their HF names (attn_qkv,
@@ -29,9 +30,6 @@ from safetensors.torch import save_file
 
 from . import gguf_moe
 from .gguf_moe import MOE_ARCHITECTURES
-
-# Bump whenever the output of a conversion changes, so stale cache entries are not reused.
-CONVERTER_VERSION = 3
 
 SUPPORTED_ARCHITECTURES = (
     "llama",

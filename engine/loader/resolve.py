@@ -10,7 +10,6 @@ import pathlib
 import shutil
 import tempfile
 
-from .gguf_convert import CONVERTER_VERSION, convert_gguf
 from .hub import hub_snapshot, parse_hub_id
 
 SMOLLM2_ALIAS = "smollm2"
@@ -24,6 +23,9 @@ _ACCEPTED = (
 
 
 CACHE_ENV = "PDSERVE_CACHE_DIR"
+# The layout gguf_convert.py writes: bump it whenever a conversion's output changes, so cache
+# entries an older converter wrote are not reused (it is part of gguf_cache_key).
+CONVERTER_VERSION = 3
 
 
 class CacheDirError(ValueError):
@@ -125,6 +127,8 @@ def converted_gguf_dir(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> path
     # readers see either no directory or a complete one, even if this process dies midway.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=models))
     try:
+        from .gguf_convert import convert_gguf  # torch, numpy and gguf: only to convert
+
         convert_gguf(gguf_path, tmp)
         try:
             os.replace(tmp, target)

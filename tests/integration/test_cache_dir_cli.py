@@ -3,7 +3,8 @@ read-only cache directory (PDSERVE_CACHE_DIR): exit 2 with a one-line message na
 directory and what to set, no traceback (issue #26), whichever cache is written first: the
 compiled kernels', a local Ray's, the converted model's. Run as commands; as root, without the
 capability that lets root write into a read-only directory (setpriv). The same refusals without
-a process of their own: tests/unit/test_cache_dir.py."""
+a process of their own: tests/unit/test_cache_dir.py. And that those refusals come before
+torch and transformers are imported."""
 
 from __future__ import annotations
 
@@ -72,3 +73,43 @@ def test_an_unwritable_cache_is_one_line_and_exit_2(read_only, tmp_path):
     assert rc == 2 and line == f"pdserve: {models}"  # the same line as `up`'s
     rc, line = pdserve(prefix, cache, "generate", "hi", "--local")
     assert rc == 2 and line == f"pdserve: {models}"
+
+
+def test_the_refusals_come_before_torch_is_imported(tmp_path):
+    """`up`, `up --check` and `generate --local` refuse an unwritable cache without importing
+    torch or transformers (seconds of a CLI's start): the loader's cache paths and the pre-start
+    checks import them only once a model is converted or its fit checked. In a fresh interpreter,
+    since this one has imported them long ago."""
+    (tmp_path / "file").write_text("")
+    blocked = tmp_path / "file" / "cache"  # its parent is a regular file
+    fake_gguf = tmp_path / "m.gguf"
+    fake_gguf.write_bytes(b"GGUF")
+    config = tmp_path / "up.yaml"
+    config.write_text(
+        f"model: {fake_gguf}\nrouter: {{port: 0, http_port: null}}\n"
+        f"ray: {{temp_dir: {tmp_path / 'ray'}}}\n"
+    )
+    script = (
+        "import sys\n"
+        "from pdserve.cli import main\n"
+        "for argv in sys.argv[1:]:\n"
+        "    assert main(argv.split()) == 2, argv\n"
+        "print(sorted({'torch', 'transformers', 'gguf'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            f"up {config}",
+            f"up {config} --check",
+            f"generate hi --local --model {fake_gguf}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PDSERVE_CACHE_DIR": str(blocked), "PDSERVE_CPU_KERNELS": "0"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+    assert done.stderr.count("cannot write to") == 3, done.stderr

@@ -349,7 +349,7 @@ def test_concurrent_conversion_uses_the_winner(tmp_path, monkeypatch):
     write_gguf(gguf_path, tiny_model("llama", False), "llama")
     cache = tmp_path / "cache"
     target = cache / "models" / resolve.gguf_cache_key(gguf_path)
-    real_convert = resolve.convert_gguf
+    real_convert = gguf_convert.convert_gguf
 
     def racing_convert(src, out_dir):
         real_convert(src, out_dir)
@@ -358,7 +358,7 @@ def test_concurrent_conversion_uses_the_winner(tmp_path, monkeypatch):
         real_convert(src, target)
         (target / "winner").write_text("")
 
-    monkeypatch.setattr(resolve, "convert_gguf", racing_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", racing_convert)
     assert resolve_model(str(gguf_path), cache_dir=cache) == target
     assert (target / "winner").exists() and not _leftover_tmp_dirs(cache)
 
@@ -371,7 +371,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
         (pathlib.Path(out_dir) / "config.json").write_text("{}")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(resolve, "convert_gguf", crash)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", crash)
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError):
         resolve_model(str(gguf_path), cache_dir=cache)
@@ -382,5 +382,5 @@ def test_cache_key_changes_with_converter_version(tmp_path, monkeypatch):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     key = resolve.gguf_cache_key(f)
-    monkeypatch.setattr(resolve, "CONVERTER_VERSION", gguf_convert.CONVERTER_VERSION + 1)
+    monkeypatch.setattr(resolve, "CONVERTER_VERSION", resolve.CONVERTER_VERSION + 1)
     assert resolve.gguf_cache_key(f) != key and key.startswith("m-")
