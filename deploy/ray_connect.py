@@ -25,7 +25,10 @@ ray_join.protect_token_file makes it 0600 before and after the start.
 A local Ray's start survives a slow machine (`start_local_ray`): Ray gives its GCS 30 s to bind
 a port and the raylet 30 s to register, which a 2-core machine under load has missed; the GCS
 gets 120 s here, and a start that still times out is killed and tried once more. Its workers run
-at niceness 0, not Ray's 15 (deploy/workers.py, `at_normal_priority`, says why).
+at niceness 0, not Ray's 15 (deploy/workers.py, `at_normal_priority`, says why), and Ray starts
+no idle workers ahead of need (its default starts one per CPU as the driver connects): the
+deployment's actors each get a worker of their own, so those sat unused, each a Python process
+that imported Ray on the cores the deployment's own processes start on.
 """
 
 from __future__ import annotations
@@ -161,8 +164,13 @@ def start_local_ray(loopback: bool = True, **kwargs) -> tuple[object, dict[int, 
 
 def _start_local_ray(**kwargs) -> tuple[object, dict[int, int]]:
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_PORT_WAIT_S))
-    if "RAY_worker_niceness" not in os.environ:  # an operator's choice stands
-        kwargs["_system_config"] = {"worker_niceness": 0, **(kwargs.get("_system_config") or {})}
+    system = {}  # an operator's RAY_* choice stands
+    if "RAY_worker_niceness" not in os.environ:
+        system["worker_niceness"] = 0
+    if "RAY_prestart_worker_first_driver" not in os.environ:
+        system["prestart_worker_first_driver"] = False
+    if system:
+        kwargs["_system_config"] = {**system, **(kwargs.get("_system_config") or {})}
     local = sys.platform == "linux"  # the process table is read from /proc
     for attempt in range(1, STARTUP_TRIES + 1):
         before = ray_reaper.children_of(os.getpid()) if local else {}

@@ -45,6 +45,7 @@ def calls(monkeypatch, tmp_path):
     monkeypatch.setattr(ray_connect.ray_reaper, "kill_recorded", record["killed"].append)
     monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
     monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
     return record
 
 
@@ -52,7 +53,7 @@ def test_a_timed_out_start_is_tried_once_more(calls):
     calls["errors"].append(Exception(RAYLET_TIMEOUT))
     context, _ = ray_connect.start_local_ray(num_cpus=2)
     assert context == "context"
-    normal = {"worker_niceness": 0}
+    normal = {"worker_niceness": 0, "prestart_worker_first_driver": False}
     loopback = {"_node_ip_address": "127.0.0.1"}
     assert calls["kwargs"] == [{"num_cpus": 2, "_system_config": normal, **loopback}] * 2
     assert len(calls["killed"]) == 1  # what the first try started was killed before the second
@@ -73,15 +74,22 @@ def test_other_failures_are_not_retried(calls):
     assert len(calls["kwargs"]) == 1
 
 
-def test_workers_run_at_niceness_0_unless_the_operator_chose(calls, monkeypatch):
+def test_workers_run_at_niceness_0_and_none_idle_unless_the_operator_chose(calls, monkeypatch):
     ray_connect.start_local_ray(_system_config={"object_timeout_milliseconds": 5})
     assert calls["kwargs"][-1]["_system_config"] == {
         "worker_niceness": 0,
+        "prestart_worker_first_driver": False,
         "object_timeout_milliseconds": 5,
     }
     ray_connect.start_local_ray(_system_config={"worker_niceness": 5})
-    assert calls["kwargs"][-1]["_system_config"] == {"worker_niceness": 5}
+    assert calls["kwargs"][-1]["_system_config"] == {
+        "worker_niceness": 5,
+        "prestart_worker_first_driver": False,
+    }
     monkeypatch.setenv("RAY_worker_niceness", "10")
+    ray_connect.start_local_ray()
+    assert calls["kwargs"][-1]["_system_config"] == {"prestart_worker_first_driver": False}
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")
     ray_connect.start_local_ray()
     assert "_system_config" not in calls["kwargs"][-1]
 
