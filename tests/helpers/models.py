@@ -100,12 +100,19 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     """Plain argmax decoding with HF's own model and KV cache.
 
     Not `generate(min_new_tokens=...)`: that masks EOS, while `ignore_eos` (here and in vLLM) only
-    means "do not stop at EOS", so EOS can still be the greedy token.
+    means "do not stop at EOS", so EOS can still be the greedy token. Only the last position's
+    logits are computed, as HF's generate does (`logits_to_keep=1`): on a long prompt the head
+    over every position was a fifth of the prompt's pass.
     """
     ids, past, out = torch.tensor([prompt_ids]), None, []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            step = model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            step = model(
+                ids if past is None else ids[:, -1:],
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             past = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
             ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
