@@ -187,6 +187,7 @@ class LLMEngine:
                 self.model_config,
                 str(model_dir),
                 self.kv_cache_paths[0] if self.kv_cache_paths else None,
+                self.tokenizer,
             )
             if self.tp is not None:
                 self.tp.ready()

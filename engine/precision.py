@@ -51,15 +51,18 @@ from pdserve.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def start_runner(config, model_config, model_dir: str, kv_cache_path: str | None = None):
-    """A ModelRunner ready to step: weights loaded, precision chosen, decode graphs captured."""
+def start_runner(
+    config, model_config, model_dir: str, kv_cache_path: str | None = None, tokenizer=None
+):
+    """A ModelRunner ready to step: weights loaded, precision chosen, decode graphs captured.
+    `tokenizer`: the model's, where the caller has it loaded (else loaded here if needed)."""
     runner = ModelRunner(config, model_config, model_dir, kv_cache_path)
-    runner.quantization, runner.mode_note = choose_precision(runner, model_dir)
+    runner.quantization, runner.mode_note = choose_precision(runner, model_dir, tokenizer)
     runner.capture_graphs()
     return runner
 
 
-def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, str]:
+def choose_precision(runner: ModelRunner, model_dir: str, tokenizer=None) -> tuple[str | None, str]:
     """(the quantization the linears run in, None: config.dtype; the mode note saying why)."""
     config = runner.config
     wanted = config.quantization
@@ -69,10 +72,11 @@ def choose_precision(runner: ModelRunner, model_dir: str) -> tuple[str | None, s
     from pdserve.engine.quality import PROBE_TOKENS, probe_ids
     from pdserve.engine.tokenizer import load_tokenizer
 
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
     length = min(PROBE_TOKENS, config.max_model_len, runner.num_blocks * runner.block_size)
-    ids = probe_ids(load_tokenizer(model_dir), length, skip=length) if length >= 64 else []
+    ids = probe_ids(tokenizer, length, skip=length) if length >= 64 else []
     calibration, probe = ids[:length], ids[length:]
-    chat = chat_ids(runner, model_dir) if wanted == "auto" else []
+    chat = chat_ids(runner, tokenizer) if wanted == "auto" else []
     cache = VerdictCache.of(runner, model_dir, ids, chat) if wanted == "auto" else None
     kept = cache.load() if cache is not None else None
     # every quantized mode smooths activations by the calibration below: int8's linears, and the
@@ -276,13 +280,12 @@ def _engine_source_hash() -> str:
     return h.hexdigest()
 
 
-def chat_ids(runner: ModelRunner, model_dir: str) -> list[list[int]]:
+def chat_ids(runner: ModelRunner, tokenizer) -> list[list[int]]:
     """The chat prompts of engine/quality.py as token ids, [] when the KV cache or max_model_len
     cannot hold them with their answers (the chat check is then left out, and the note says so)."""
     from pdserve.engine.quality import CHAT_PROBE_TOKENS, chat_prompt_ids
-    from pdserve.engine.tokenizer import load_tokenizer
 
-    prompts = chat_prompt_ids(load_tokenizer(model_dir))
+    prompts = chat_prompt_ids(tokenizer)
     longest = max(len(p) for p in prompts) + CHAT_PROBE_TOKENS
     if longest > runner.config.max_model_len or chat_blocks(runner, prompts) > runner.num_blocks:
         return []

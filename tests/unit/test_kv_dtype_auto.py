@@ -38,7 +38,7 @@ def judged(monkeypatch):
     sit on near ties): what the KV cache's probe then scores decides alone."""
     monkeypatch.setattr("pdserve.engine.quality.informative", lambda ppl, vocab: True)
     monkeypatch.setattr("pdserve.engine.quality.AGREEMENT_BOUND", 0.0)
-    monkeypatch.setattr("pdserve.engine.precision.chat_ids", lambda runner, model_dir: [])
+    monkeypatch.setattr("pdserve.engine.precision.chat_ids", lambda runner, tokenizer: [])
     for mode in ("bfloat16", "int8", "int4", "bf16"):
         monkeypatch.setitem(QUALITY_BOUNDS, mode, 1.0)
 

@@ -31,7 +31,7 @@ def probes(monkeypatch, tmp_path):
     monkeypatch.delenv("PDSERVE_PRECISION_CACHE", raising=False)
     monkeypatch.setattr("pdserve.engine.quality.informative", lambda ppl, vocab: True)
     monkeypatch.setattr("pdserve.engine.quality.AGREEMENT_BOUND", 0.0)
-    monkeypatch.setattr("pdserve.engine.precision.chat_ids", lambda runner, model_dir: [])
+    monkeypatch.setattr("pdserve.engine.precision.chat_ids", lambda runner, tokenizer: [])
     for mode in ("bfloat16", "int8", "int4", "bf16"):
         monkeypatch.setitem(QUALITY_BOUNDS, mode, 1.0)
     count = []
