@@ -634,13 +634,22 @@ def _make_agent(nixl, name: str, ucx_error_handling: str = "none", progress: boo
     passive on the target, so neither agent runs a progress thread (NIXL's spins on a core); a dead
     peer is left to this backend's own bounds (xfer_timeout_s). "peer" (NIXL's default) has UCX
     detect a failed peer, which only its network transports can: between two hosts without RDMA,
-    where a WRITE over TCP needs the receiver to progress, both agents then run the thread."""
+    where a WRITE over TCP needs the receiver to progress, both agents then run the thread.
+
+    Every agent serializes its own calls (NIXL's STRICT sync mode): a process's one sending agent
+    serves all of its channels, on whatever threads they run, and a server's agent its gRPC
+    handlers. NIXL's default for an agent without a listener is no synchronization at all, and
+    two threads in one UCX worker at once hung their writes and then aborted the process (a UCX
+    assertion)."""
     if ucx_error_handling not in UCX_ERROR_MODES:
         raise ValueError(
             f"ucx_error_handling must be one of {UCX_ERROR_MODES}, got {ucx_error_handling!r}"
         )
     config = nixl.nixl_agent_config(
-        enable_prog_thread=progress, enable_listen_thread=False, backends=[]
+        enable_prog_thread=progress,
+        enable_listen_thread=False,
+        backends=[],
+        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     agent = nixl.nixl_agent(name, config)
     agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})

@@ -135,6 +135,46 @@ def test_two_senders_to_one_server(decode):
     decode.assert_received("b", seed=4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_senders_of_one_process_at_once(backend):
+    """Eight channels of one prefill process, each on a thread of its own, push a request at the
+    same moment, five times over: a process's channels share what the backend keeps per process
+    (nixl: one sending agent, whose UCX worker hung the writes and then crashed the process when
+    threads used it at once). The channels are opened first, one by one: it is the sends that
+    run together here (two channels opening at once: test_two_senders_to_one_server)."""
+    senders, rounds = 8, 5
+    side = DecodeSide(backend, num_blocks=3 * senders)
+    channels = []
+    try:
+        for _ in range(senders):
+            channels.append(connect(backend, side.server.address, timeout=TIMEOUT))
+        for r in range(rounds):
+            ids = [f"r{r}-{i}" for i in range(senders)]
+            dests = [side.reserve(rid, [3 * i, 3 * i + 1, 3 * i + 2]) for i, rid in enumerate(ids)]
+            start, errors = threading.Barrier(senders), []
+
+            def prefill(i, ids=ids, dests=dests, start=start, errors=errors):
+                try:
+                    start.wait(TIMEOUT)
+                    push_request(channels[i], ids[i], i, dests[i])
+                    channels[i].flush(TIMEOUT)
+                except Exception as e:
+                    errors.append(e)
+
+            threads = [threading.Thread(target=prefill, args=(i,)) for i in range(senders)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(2 * TIMEOUT)
+            assert not errors, errors
+            for i, rid in enumerate(ids):
+                side.assert_received(rid, seed=i)
+    finally:
+        for tx in channels:
+            tx.close()
+        side.close()
+
+
 def test_sender_whose_server_is_gone_fails_fast(decode):
     dest = decode.reserve("r1", [5, 1, 6])
     tx = connect(decode.backend, decode.server.address, timeout=TIMEOUT)
