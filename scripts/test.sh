@@ -28,7 +28,10 @@ if [ "$JOBS" -gt 1 ]; then
   if [ "$chosen" -eq 1 ]; then
     :
   elif "$PY" -c "import xdist" 2>/dev/null; then
-    parallel=(-n "$JOBS" --dist loadfile --no-loadscope-reorder)
+    # a crashed test process is not replaced: with --dist loadfile, pytest-xdist 3.8 can wait
+    # forever after a replacement (its issue #1378; a CI run here hung 12 minutes until stopped);
+    # the run goes on in the other processes and fails, naming the test the crash happened in
+    parallel=(-n "$JOBS" --dist loadfile --no-loadscope-reorder --max-worker-restart=0)
   else
     echo "pytest-xdist is not installed (the dev extra has it): running the tests in one process" >&2
   fi
