@@ -6,8 +6,9 @@ transformers first, so `pdserve up --check` and the CLI's refusals answer withou
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pdserve.engine.lazy_names import lazy_getattr
 
 _NAMES = {
     "LLM": "llm",
@@ -45,10 +46,4 @@ if TYPE_CHECKING:
     from pdserve.engine.structured.spec import StructuredSpec
 
 
-def __getattr__(name: str):
-    module = _NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_getattr(__name__, _NAMES, globals())

@@ -4,8 +4,9 @@ gguf; reading weights (safetensors_io) and converting a GGUF (gguf_convert) do."
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from pdserve.engine.lazy_names import lazy_getattr
 
 _NAMES = {
     "CacheDirError": "resolve",
@@ -30,10 +31,4 @@ if TYPE_CHECKING:
     from .safetensors_io import iter_safetensors, load_hf_config
 
 
-def __getattr__(name: str):
-    module = _NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _NAMES, globals())
