@@ -142,16 +142,11 @@ def _spec_note(engine) -> str:
 
 
 def _run_local(args) -> int:
+    # the flags, then the model found (or converted), before the engine's imports (torch and
+    # transformers: seconds): a bad flag, a model that is not there or a cache that cannot be
+    # written is refused at once
     from pdserve.engine.loader import resolve_model
-
-    try:
-        # found (or converted) before the engine's imports (torch, transformers: seconds), so
-        # a model that is not there or a cache that cannot be written is refused at once
-        resolve_model(args.model or "smollm2")
-    except ValueError as e:
-        print(f"pdserve: {e}", file=sys.stderr)
-        return 2
-    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     try:
         speculative = speculative_config(args)
@@ -161,6 +156,13 @@ def _run_local(args) -> int:
             top_p=args.top_p,
             seed=args.seed,
         )
+        resolve_model(args.model or "smollm2")
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+    from pdserve.engine import LLM
+
+    try:
         t0 = time.perf_counter()
         llm = LLM(
             args.model or "smollm2",

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import pdserve.engine
+import pdserve.engine.loader
 from helpers.deploy_config import EXAMPLES
 from helpers.up import flags_config as _up
 from pdserve.cli import main
@@ -146,6 +147,8 @@ def test_generate_local_hands_the_checked_config_to_the_engine(monkeypatch, caps
         raise _Stop("stand-in engine")
 
     monkeypatch.setattr(pdserve.engine, "LLM", fake_llm)
+    # (`generate --local` finds the model before the engine's imports: here, no model)
+    monkeypatch.setattr(pdserve.engine.loader, "resolve_model", lambda model: model)
     assert main(["generate", "hi", "--local", FLAG, NGRAM_JSON]) == 2
     assert seen["speculative_config"] == SpeculativeConfig.parse(NGRAM)
     assert capsys.readouterr().err.strip() == "pdserve: stand-in engine"
