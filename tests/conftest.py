@@ -20,7 +20,14 @@ from helpers.fast_lane import (  # noqa: F401
     pytest_collection_modifyitems,
     pytest_runtest_protocol,
 )
-from helpers.models import LENGTHS, NEW, SHARED_PREFIX, hf_greedy, make_tiny_model, random_prompts
+from helpers.models import (
+    LENGTHS,
+    NEW,
+    SHARED_PREFIX,
+    LazyGreedy,
+    make_tiny_model,
+    random_prompts,
+)
 
 os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 
@@ -71,8 +78,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def refs(tiny_models):
-    """kind -> (model_dir, hf_model, prompts, HF greedy continuations); prompts end with three
-    that share a 48-token prefix, so the prefix cache has something to hit."""
+    """kind -> (model_dir, hf_model, prompts, HF greedy continuations, computed when a test first
+    reads them); prompts end with three that share a 48-token prefix, so the prefix cache has
+    something to hit."""
     cache = {}
 
     def get(kind):
@@ -81,7 +89,7 @@ def refs(tiny_models):
             prompts = random_prompts(LENGTHS, seed=11)
             prefix = random_prompts([SHARED_PREFIX], seed=12)[0]
             prompts += [prefix + tail for tail in random_prompts([3, 20, 33], seed=13)]
-            cache[kind] = (model_dir, hf, prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+            cache[kind] = (model_dir, hf, prompts, LazyGreedy(hf, prompts, NEW))
         return cache[kind]
 
     return get

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.models import SHARED_PREFIX, TINY_CONFIG, hf_greedy, random_prompts
+from helpers.models import SHARED_PREFIX, TINY_CONFIG, LazyGreedy, random_prompts
 
 ARCH_NEW = 64  # greedy tokens compared with HF's
 # The weights' scale (HF's initializer_range) of the models whose tokens are compared: at HF's
@@ -132,11 +132,12 @@ def arch_prompts() -> list[list[int]]:
 
 def arch_refs(tmp_path_factory, cache: dict, kind: str, scale: float = ARCH_SCALE):
     """(model_dir, hf_model, prompts, HF greedy continuations of ARCH_NEW tokens) for `kind`
-    with weights drawn at `scale` (HF's initializer_range), built once per `cache`."""
+    with weights drawn at `scale` (HF's initializer_range), built once per `cache`; the
+    continuations are computed when a test first reads them (LazyGreedy)."""
     key = (kind, scale)
     if key not in cache:
         path = tmp_path_factory.mktemp(f"arch-{kind}")
         hf = build_arch_model(path, kind, initializer_range=scale)
         prompts = arch_prompts()
-        cache[key] = (str(path), hf, prompts, [hf_greedy(hf, p, ARCH_NEW) for p in prompts])
+        cache[key] = (str(path), hf, prompts, LazyGreedy(hf, prompts, ARCH_NEW))
     return cache[key]

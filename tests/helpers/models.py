@@ -8,6 +8,8 @@ tests/conftest.py; this module holds the plain functions and constants they and 
 
 from __future__ import annotations
 
+import collections.abc
+
 import torch
 
 # the tiny models' shape: 2 layers, 64 wide, a 256-token vocabulary
@@ -117,6 +119,37 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
             out.append(int(step.logits[0, -1].argmax()))
             ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
     return out
+
+
+class LazyGreedy(collections.abc.Sequence):
+    """HF's greedy continuations (hf_greedy) of `prompts`, computed on first use and then kept.
+    The reference fixtures hand one to every test that asks for a model, and most of those tests
+    read only the model and the prompts: the continuations, over 200 HF steps a model, are then
+    never computed. Indexing, iterating, len and == behave as on the list of token lists."""
+
+    def __init__(self, model, prompts: list[list[int]], max_new_tokens: int):
+        self._args = (model, prompts, max_new_tokens)
+        self._tokens: list[list[int]] | None = None
+
+    def tokens(self) -> list[list[int]]:
+        if self._tokens is None:
+            model, prompts, new = self._args
+            self._tokens = [hf_greedy(model, p, new) for p in prompts]
+        return self._tokens
+
+    def __getitem__(self, index):
+        return self.tokens()[index]
+
+    def __len__(self) -> int:
+        return len(self.tokens())
+
+    def __eq__(self, other) -> bool:
+        return self.tokens() == (other.tokens() if isinstance(other, LazyGreedy) else other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self.tokens())
 
 
 # ---- engine tests on the tiny models (tests/*/test_engine_*.py) -----------------------------

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pathlib
 
+from pdserve.deploy.config.checks import fit_problems
+from pdserve.deploy.config.load import load_config
+from pdserve.deploy.prechecks import check_resources
+from pdserve.tuning.deploy_yaml import hf_config
 from pdserve.tuning.perf_model import profile_dict, profile_from_dict
 from pdserve.tuning.workload import RequestSpec
 
@@ -85,3 +89,21 @@ def toy_tune_argv(profile, devices, *extra: str) -> list[str]:
         "toy",
         *extra,
     )
+
+
+def assert_launchable(path, profile) -> None:
+    """What `pdserve up` checks before Ray starts (deploy/prechecks.preflight), on a YAML `pdserve
+    tune` wrote, bar what this machine cannot stand in for: the model, which is on the machine it
+    was tuned for (`up --check` here refuses it first), and the router's ports (a probe opens a
+    socket: tests/integration/test_up_check_same_refusals.py). It loads, the pools fit the
+    profile's model (fit_problems, the placement refusals included), and a local Ray with the
+    YAML's ray.num_cpus and the devices it was tuned for holds them."""
+    cfg = load_config(path)
+    assert fit_problems(cfg, hf_config(profile)) == []
+    if cfg.ray.address is None:
+        pools = [p for _, p in cfg.worker_pools()]
+        have = {
+            "CPU": float(cfg.ray.num_cpus),
+            "GPU": sum(p.replicas * p.tp * p.resources.num_gpus for p in pools),
+        }
+        check_resources(cfg, have, [have], local=True)

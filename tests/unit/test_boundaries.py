@@ -8,6 +8,7 @@ that holds modules, and benchmarks/ and experiments/ import the package as users
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import tomllib
 
@@ -63,15 +64,22 @@ ALLOWED_ENGINE_MODULES = {
 LEAF_MODULES = {"kvpool": "kvpool/__init__.py"}
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+@functools.cache
+def parsed(path: pathlib.Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the tests of this module (they only read it)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@functools.cache
+def imported_modules(path: pathlib.Path) -> frozenset[str]:
+    tree = parsed(path)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
-    return names
+    return frozenset(names)
 
 
 def package_of(name: str) -> str:
@@ -153,7 +161,7 @@ def test_modules_imported_by_name_are_spelled_pdserve_dot_too():
     bare = INSTALLED - {"pdserve"}
     bad = []
     for f in python_files(*INSTALLED):
-        for node in ast.walk(ast.parse(f.read_text())):
+        for node in ast.walk(parsed(f)):
             if not (
                 isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
             ):
@@ -187,7 +195,7 @@ def test_benchmarks_and_experiments_import_the_package_without_editing_sys_path(
     assert files
     bad = []
     for f in files:
-        tree = ast.parse(f.read_text(), filename=str(f))
+        tree = parsed(f)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr == "path":
                 if isinstance(node.value, ast.Name) and node.value.id == "sys":
@@ -256,7 +264,7 @@ def test_no_product_function_is_longer_than_80_lines():
         f"{f.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
         for f in python_files(*INSTALLED)
         if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))
-        for node in ast.walk(ast.parse(f.read_text()))
+        for node in ast.walk(parsed(f))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]

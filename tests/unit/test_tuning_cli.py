@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
-from helpers.tuning import DERIVED, make_profile, toy_tune_argv, tune_argv
+from helpers.tuning import DERIVED, assert_launchable, make_profile, toy_tune_argv, tune_argv
 from pdserve import cli
 from pdserve.deploy.config.checks import fit_problems
 from pdserve.deploy.config.load import load_config, validate_config
-from pdserve.deploy.prechecks import check_resources
 from pdserve.tuning.deploy_yaml import deploy_yaml, hf_config
 from pdserve.tuning.perf_model import ProfileError, load_profile, profile_from_dict
 from pdserve.tuning.simulator import Placement, PoolSpec
@@ -59,24 +57,6 @@ def test_tune_writes_a_yaml_that_load_config_accepts(tmp_path, capsys):
     assert cfg.ray.num_cpus == sum(p.replicas * p.tp * p.resources.num_cpus for p in pools)
 
 
-def assert_launchable(path, profile) -> None:
-    """What `pdserve up` checks before Ray starts (deploy/prechecks.preflight), on a YAML `pdserve
-    tune` wrote, bar what this machine cannot stand in for: the model, which is on the machine it
-    was tuned for (`up --check` here refuses it first), and the router's ports (a probe opens a
-    socket: tests/integration/test_up_check_same_refusals.py). It loads, the pools fit the
-    profile's model (fit_problems, the placement refusals included), and a local Ray with the
-    YAML's ray.num_cpus and the devices it was tuned for holds them."""
-    cfg = load_config(path)
-    assert fit_problems(cfg, hf_config(profile)) == []
-    if cfg.ray.address is None:
-        pools = [p for _, p in cfg.worker_pools()]
-        have = {
-            "CPU": float(cfg.ray.num_cpus),
-            "GPU": sum(p.replicas * p.tp * p.resources.num_gpus for p in pools),
-        }
-        check_resources(cfg, have, [have], local=True)
-
-
 # ---- the derived GPU profile ---------------------------------------------------------------------
 def test_derived_profile_is_marked_and_shaped_like_a_measured_one():
     data = json.loads(DERIVED.read_text())
@@ -90,35 +70,6 @@ def test_derived_profile_is_marked_and_shaped_like_a_measured_one():
         assert (
             entry["prefill"]["samples"] and entry["decode"]["samples"] and "fit" in entry["prefill"]
         )
-
-
-@pytest.mark.parametrize("devices", [8, 32])
-def test_gpu_search_finishes(devices, tmp_path, capsys):
-    out = tmp_path / "best.yaml"
-    t0 = time.perf_counter()
-    rc = cli.main(
-        tune_argv(
-            str(DERIVED),
-            "azure_conv",
-            "ttft=1s,tpot=50ms,attainment=0.9",
-            devices,
-            "--colocated",
-            "--model",
-            "/models/Meta-Llama-3-8B",
-            "--out",
-            str(out),
-        )
-    )
-    elapsed = time.perf_counter() - t0
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert_launchable(out, load_profile(DERIVED))
-    cfg = load_config(out)
-    pools = [cfg.pools.colocated] if cfg.pools.colocated else [cfg.pools.prefill, cfg.pools.decode]
-    assert 2 <= sum(p.replicas * p.tp for p in pools) <= devices
-    with capsys.disabled():
-        best = text.split("best: ", 1)[1].splitlines()[0]
-        print(f"\n[{devices} GPUs] {elapsed:.1f} s: {best}")
 
 
 # ---- bad arguments ------------------------------------------------------------------------------
