@@ -175,7 +175,8 @@ class WorkerActor:
 
     def start(self) -> tuple[str, str]:
         """Loads the model, starts serving; returns the worker's gRPC address and its engine's
-        serving mode (dtype, quantization and why)."""
+        serving mode in a line (engine/precision.mode_headline; the reasons are in the start's
+        precision stage and this worker's log)."""
         pin_to(self.cpus)  # the threads the worker starts (engine loop, gRPC, TP ranks) inherit it
         self.niceness = at_normal_priority()  # and this
         cfg = self.worker_config
@@ -199,7 +200,9 @@ class WorkerActor:
             self.worker = build_worker(self.role, cfg, self.flippable).start()
         self.start_stages.add("serving", f"{self.role} on {self.worker.address}")
         threading.Thread(target=self._exit_when_due, name="exit-watch", daemon=True).start()
-        return self.worker.address, self.worker.loop.engine.mode_note
+        from pdserve.engine.precision import mode_headline
+
+        return self.worker.address, mode_headline(self.worker.loop.engine.mode_note)
 
     def _rank_actors(self, cfg) -> None:
         """An engine of several ranks starts ranks 1..N-1 as Ray actors on the other bundles of

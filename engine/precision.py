@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import time
 
 import torch
@@ -239,7 +240,24 @@ class VerdictCache:
         runner.model.prepare_linears(quantization)
         if kv_bfloat16:
             runner.set_kv_dtype(torch.bfloat16)
-        return quantization, f"{note} [kept from this machine's earlier probe: {self.path.name}]"
+        return quantization, f"{note} [{KEPT_NOTE}: {self.path.name}]"
+
+
+KEPT_NOTE = "kept from this machine's earlier probe"
+
+
+def mode_headline(note: str) -> str:
+    """A mode note's verdicts without their reasons, for one-line logs (the launcher's "serving
+    on" line; the whole note is the start's precision stage and the worker's log): the weights'
+    verdict (the note up to its first ": "), the KV cache's where "auto" chose it, and whether
+    the verdict was kept from an earlier probe."""
+    head = note.split(": ", 1)[0].split(" [", 1)[0]
+    kv = re.search(r"kv_cache_dtype=auto chose \w+", note)
+    if kv is not None:
+        head += f"; {kv.group(0)}"
+    if f"[{KEPT_NOTE}" in note:
+        head += f" ({KEPT_NOTE})"
+    return head
 
 
 KEPT_VERDICTS = 256  # entries of the precision folder kept, the most recently used

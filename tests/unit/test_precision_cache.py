@@ -89,6 +89,12 @@ def test_a_second_start_applies_the_kept_verdict_without_probing(
     assert len(calibrations) == 1, "the second start ran the calibration pass again"
     assert again[:3] == (mode, kv, tokens)
     assert again[3].startswith(note) and "kept from this machine's earlier probe" in again[3]
+    # the launcher's one-line form of both notes: the verdicts, none of the reasons
+    headline = f"quantization=auto chose {mode} (float32); kv_cache_dtype=auto chose bfloat16"
+    assert precision.mode_headline(note) == headline
+    assert (
+        precision.mode_headline(again[3]) == headline + " (kept from this machine's earlier probe)"
+    )
     # the model served is the one the probe judged: a quantized head's int8 screen smooths its
     # inputs by the calibration as it did then (a kept verdict once skipped the calibration and
     # served other logits beside the same greedy tokens)
@@ -146,3 +152,12 @@ def test_the_folder_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
         "k4.json",
         "k8.124.tmp",
     ]
+
+
+def test_the_headline_of_a_configured_mode_is_its_note():
+    """A configured mode's note is already one line: its headline is the note itself."""
+    for note in (
+        "quantization=none (float32), as configured",
+        "quantization=int8 (float32), as configured",
+    ):
+        assert precision.mode_headline(note) == note
