@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 export PDSERVE_NO_PROGRESS=1
 # pytest rewrites each test module's asserts and keeps the result beside it in __pycache__ (git
 # ignores it) only where Python may write bytecode: without it every test process rewrites all
-# the modules it collects again, about 3 s a process for the fast lane alone
+# the modules it collects again (the times: docs/contributing.md)
 unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
 # The fast lane (only paths under tests/unit named) computes and never waits on a socket or a

@@ -1,4 +1,5 @@
-"""Hand-made profiles and requests for the simulator and tuner tests."""
+"""Hand-made profiles and requests for the simulator and tuner tests, `pdserve tune`'s arguments,
+and the check that a YAML the tuner wrote is one `pdserve up` would launch."""
 
 from __future__ import annotations
 
