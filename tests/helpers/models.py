@@ -9,6 +9,7 @@ tests/conftest.py; this module holds the plain functions and constants they and 
 from __future__ import annotations
 
 import collections.abc
+import inspect
 
 import torch
 
@@ -107,15 +108,18 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     over every position was a fifth of the prompt's pass.
     """
     ids, past, out = torch.tensor([prompt_ids]), None, []
+    # the cache's name: transformers 5.24 renamed past_key_values to cache (the old name goes in
+    # 5.40), the versions before know only past_key_values
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         for _ in range(max_new_tokens):
             step = model(
                 ids if past is None else ids[:, -1:],
-                past_key_values=past,
                 use_cache=True,
                 logits_to_keep=1,
+                **{name: past},
             )
-            past = step.past_key_values
+            past = step[name]
             out.append(int(step.logits[0, -1].argmax()))
             ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
     return out
