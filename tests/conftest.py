@@ -1,7 +1,8 @@
 """The suite's fixtures and hooks: tiny random models built once per session, their HF greedy
 references per module, one-thread torch for the engine tests, the GPU marker's skip, the fast
-lane's guard, and what a parallel run's processes share (tests/helpers/lanes.py: the `serial`
-marker's lock and each process's torch threads). Plain helpers live in tests/helpers/ (a package:
+lane's guard, what a parallel run's processes share (tests/helpers/lanes.py: the `serial`
+marker's lock and each process's torch threads) and the run's own pdserve cache
+(tests/helpers/run_cache.py). Plain helpers live in tests/helpers/ (a package:
 `from helpers.models import ...`); no test module imports this file."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import pytest
 import torch
 
-from helpers import lanes
+from helpers import lanes, run_cache
 
 # the fast lane's guard (tests/helpers/fast_lane.py): pytest finds hooks and fixtures by their
 # names here
@@ -34,10 +35,11 @@ os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 
 def pytest_configure(config):
     """The `serial` and `exclusive` markers and their locks under pytest-xdist
-    (tests/helpers/lanes.py)."""
+    (tests/helpers/lanes.py), and the run's own cache folder (tests/helpers/run_cache.py)."""
     for marker in lanes.MARKERS:
         config.addinivalue_line("markers", marker)
     config.pluginmanager.register(lanes, "pdserve-lanes")
+    config.pluginmanager.register(run_cache, "pdserve-run-cache")
 
 
 def pytest_runtest_setup(item):

@@ -51,7 +51,10 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
         key = hashlib.sha256(
             (_cpu_flags() + source.read_text() + " ".join(extra_cflags)).encode()
         ).hexdigest()[:12]
-        build = default_cache_dir() / "kernels" / key
+        # the real path, links resolved: torch's build file records the source's path (below),
+        # and a cache reached through a link (as a test run reaches the developer's) must not
+        # rebuild what the same cache reached directly has built
+        build = (default_cache_dir() / "kernels").resolve() / key
         writable_dir(build)  # else a one-line CacheDirError, logged below: what to set
         # torch's own build lock is a plain file: a worker killed while compiling leaves it behind
         # and every later worker waits on it forever. An flock dies with its holder, so under it
