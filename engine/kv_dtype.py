@@ -96,9 +96,10 @@ def choose_kv_dtype(
         )
     if agree(ok):
         runner.set_kv_dtype(torch.bfloat16)
+        # (not the number of blocks: a kept verdict applies to any cache size, and the start
+        # table shows each worker's own)
         return (
-            f"kv_cache_dtype=auto chose bfloat16 ({words}; decode attention reads half the "
-            f"bytes, {runner.num_blocks} blocks)"
+            f"kv_cache_dtype=auto chose bfloat16 ({words}; decode attention reads half the bytes)"
         )
     return f"kv_cache_dtype=auto kept float32 ({words})"
 

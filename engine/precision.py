@@ -18,12 +18,13 @@ so every rank runs the same steps. The calibration and probe texts are disjoint 
 same corpus. Nothing here runs after the runner has started.
 
 The verdict of "auto" is kept on disk (`VerdictCache`, the pdserve cache's precision/ folder), keyed
-by everything it depends on: the model's files, the engine's settings, the probe and chat token
-ids, the quality bounds, the CPU's flags, torch's version and the engine's own source; a one-rank
-runner that finds its key applies the kept verdict (the same linears, smoothed by the
-calibration the probe's ran on, kept beside the verdict, the same cache dtype, the note saying
-where it came from) instead of probing again, so only a machine's first start of a model pays
-the probe and the calibration pass. The folder keeps the KEPT_VERDICTS most recently used
+by everything it depends on: the model's files, the engine's settings (not the sizes of the KV
+cache and of a sequence: only how much of the probe they allow, which is in its ids), the probe
+and chat token ids, the quality bounds, the CPU's flags, torch's version and the engine's own
+source; a one-rank runner that finds its key applies the kept verdict (the same linears,
+smoothed by the calibration the probe's ran on, kept beside the verdict, the same cache dtype,
+the note saying where it came from) instead of probing again, so only a machine's first start
+of a model pays the probe and the calibration pass. The folder keeps the KEPT_VERDICTS most recently used
 entries. Runners of several ranks always probe (every rank must take part).
 PDSERVE_PRECISION_CACHE=0 turns it off.
 """
@@ -136,13 +137,14 @@ class VerdictCache:
 
         material = {
             "model": [str(pathlib.Path(model_dir).resolve()), files],
+            # not max_model_len or the KV cache's size: what they allow the probe (how much
+            # text, whether the chat check runs) is in "ids", so a deployment that only sizes
+            # its cache or its sequences differently keeps the verdict
             "config": [
                 str(config.dtype),
                 str(config.device),
                 str(config.kv_cache_dtype),
-                config.max_model_len,
                 config.block_size,
-                runner.num_blocks,
                 str(config.load_format),
                 config.seed,
             ],

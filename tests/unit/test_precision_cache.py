@@ -49,8 +49,8 @@ def calibrations(monkeypatch):
     return count
 
 
-def start(model_dir):
-    llm = LLM(model_dir, kv_cache_memory=KV_BYTES)
+def start(model_dir, **kwargs):
+    llm = LLM(model_dir, **{"kv_cache_memory": KV_BYTES, **kwargs})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
     outs = llm.generate([[5, 6, 7] * 30, [9] * 40], params, use_tqdm=False)
     eng = llm.engine
@@ -120,6 +120,20 @@ def test_another_bound_or_the_switch_off_probes_again(tiny_models, probes, monke
     monkeypatch.setenv("PDSERVE_PRECISION_CACHE", "0")
     start(model_dir)
     assert len(probes) == 3
+
+
+def test_another_cache_size_keeps_the_verdict_and_a_shorter_probe_does_not(tiny_models, probes):
+    """The key holds what the probe ran on, not the sizes that allowed it: twice the KV cache
+    runs the same probe (kept), a max_model_len below the probe's length cuts it (probed)."""
+    from pdserve.engine.quality import PROBE_TOKENS
+
+    model_dir, _ = tiny_models("llama-gqa")
+    first = start(model_dir)
+    again = start(model_dir, kv_cache_memory=2 * KV_BYTES)
+    assert len(probes) == 1, "a larger KV cache probed again"
+    assert again[:3] == first[:3] and "kept from this machine's earlier probe" in again[3]
+    start(model_dir, max_model_len=PROBE_TOKENS // 2)
+    assert len(probes) == 2
 
 
 def test_the_folder_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
