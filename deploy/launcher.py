@@ -485,6 +485,30 @@ def _connect(config: DeployConfig, address: str | None, security: ClusterSecurit
     )
 
 
+class _TermStopsStart:
+    """While the deployment starts, SIGTERM stops the start as Ctrl-C does: a KeyboardInterrupt in
+    the main thread, so the start is undone in reverse and `pdserve up` exits 130 (without this,
+    Ray's driver handler exits with the signal's number after its C++ handler prints a stack).
+    A second SIGTERM while the start is being undone is ignored; the previous handler is put back
+    at the end. Outside the main thread (where Python cannot set handlers) it does nothing."""
+
+    def __enter__(self):
+        self.previous = None
+        self.sent = False
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._interrupt)
+        return self
+
+    def _interrupt(self, *_):
+        if not self.sent:
+            self.sent = True
+            raise KeyboardInterrupt("SIGTERM")
+
+    def __exit__(self, *_):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
 def up(
     config: DeployConfig,
     address: str | None = None,
@@ -507,7 +531,8 @@ def up(
     for each replica one placement group (`tp x pp` bundles, one node for a TP group, stages
     may spread: placement.py; rank 0 in the actor, ranks 1..N-1 Ray actors: rank_actors.py);
     every pool's actors started at once, each registered with the router under the same secret
-    and deployment_id."""
+    and deployment_id. Ctrl-C or SIGTERM while it starts undoes the start and raises
+    KeyboardInterrupt."""
     on_this_machine = not (address or config.ray.address)
     check_port_free(config.router.host, config.router.port)
     check_http_port_free(config)
@@ -534,26 +559,31 @@ def up(
     # (ray.bind all: the workers listen on the node's address, as on a joined cluster)
     local = cluster.started_ray and on_this_machine
     host = "127.0.0.1" if local and config.ray.bind == "loopback" else ""
-    try:
-        log.info("ray ready in %.1fs", time.perf_counter() - t0)
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        if security.secret and on_one_machine(alive):  # workers here read the secret's file
-            tls_key = security.tls.key_pem if security.tls else None
-            cluster.secret_dir = secret_files.SecretDir(security.secret, tls_key=tls_key)
-        nodes = [n["Resources"] for n in alive]
-        check_custom_resources(config, ray.cluster_resources(), local)
-        check_resources(config, ray.cluster_resources(), nodes, local)
-        check_labels(config, ray.nodes())
-        _start_router(cluster, api_keys)
-        pools = config.worker_pools()
-        cores = core_plan(pools, local)
-        for key, pool in pools:  # all actors first, so their processes spawn and import in parallel
-            _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
-        start_and_watch(cluster.replicas, start_timeout_s)  # every pool's replicas at once
-        _wait_registered(cluster, ready_timeout_s)
-    except BaseException:
-        cluster.stop()
-        raise
+    with _TermStopsStart() as term:  # SIGTERM from here on: the start undone, as on Ctrl-C
+        try:
+            log.info("ray ready in %.1fs", time.perf_counter() - t0)
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            if security.secret and on_one_machine(alive):  # workers here read the secret's file
+                tls_key = security.tls.key_pem if security.tls else None
+                cluster.secret_dir = secret_files.SecretDir(security.secret, tls_key=tls_key)
+            nodes = [n["Resources"] for n in alive]
+            check_custom_resources(config, ray.cluster_resources(), local)
+            check_resources(config, ray.cluster_resources(), nodes, local)
+            check_labels(config, ray.nodes())
+            _start_router(cluster, api_keys)
+            pools = config.worker_pools()
+            cores = core_plan(pools, local)
+            # all actors first, so their processes spawn and import in parallel
+            for key, pool in pools:
+                _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
+            start_and_watch(cluster.replicas, start_timeout_s)  # every pool's replicas at once
+            _wait_registered(cluster, ready_timeout_s)
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):  # (code between may raise one of its own)
+                why = "SIGTERM" if term.sent else "Ctrl-C"
+                log.info("start interrupted (%s): stopping what started", why)
+            cluster.stop()
+            raise
     cluster.supervisor = Supervisor(cluster.replicas, restart).start()
     log.info(
         "deployment %s up in %.1fs; router on %s%s",

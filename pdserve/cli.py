@@ -245,7 +245,7 @@ def _check_up(args, config: DeployConfig, flags: Overrides) -> int:
 
 def _run_up(args) -> int:
     """Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 could not start (the message says what to
-    change; no traceback), 130 interrupted while starting."""
+    change; no traceback), 130 interrupted (Ctrl-C or SIGTERM) while starting."""
     try:
         config, flags = up_config(args)
         config = config.model_copy(update=_mode_overrides(args))

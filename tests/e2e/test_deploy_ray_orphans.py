@@ -1,8 +1,10 @@
 """A kill -9 of `pdserve up` leaves no process of its local Ray behind. Ray's head processes die
 with their parent by themselves, but the raylet's dashboard and runtime env agents outlived it by a
 minute or more (issue #26); the watchdog of deploy/ray_reaper.py kills them, with one line on
-`up`'s stderr. `pdserve up` runs as a command, on a tiny random model. The watchdog alone, with
-fake processes: tests/integration/test_ray_reaper_processes.py."""
+`up`'s stderr. A SIGTERM while `up` starts undoes the start as Ctrl-C does: exit 130, one line
+saying so, no process left and no stack from Ray's signal handler. `pdserve up` runs as a command,
+on a tiny random model. The watchdog alone, with fake processes:
+tests/integration/test_ray_reaper_processes.py."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 import yaml
@@ -46,8 +49,8 @@ def _wait_for_line(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
         raise AssertionError(f"`pdserve up` printed no {want!r} within {timeout_s:.0f}s ({state})")
 
 
-def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
-    model_dir, _ = tiny_models("llama-gqa")
+def _tiny_yaml(model_dir: str, tmp_path: pathlib.Path) -> tuple[pathlib.Path, str]:
+    """A float32 deployment of `model_dir` on a local Ray of its own; (its YAML, Ray's temp dir)."""
     ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
     pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
     config = tmp_path / "tiny.yaml"
@@ -62,6 +65,12 @@ def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
             }
         )
     )
+    return config, ray_tmp
+
+
+def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
+    model_dir, _ = tiny_models("llama-gqa")
+    config, ray_tmp = _tiny_yaml(model_dir, tmp_path)
     err_path = tmp_path / "up.err"
     processes: dict[int, int] = {}
     with open(err_path, "w") as err:
@@ -87,6 +96,50 @@ def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
         )
         said = err_path.read_text().splitlines()
         assert any("died without stopping its local Ray; killed what was left" in s for s in said)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid, start in processes.items():
+            if alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_sigterm_while_up_starts_undoes_the_start_and_exits_130(tiny_models, tmp_path):
+    """Ray's driver handler used to take it: exit 15, after its C++ handler printed a stack."""
+    model_dir, _ = tiny_models("llama-gqa")
+    config, ray_tmp = _tiny_yaml(model_dir, tmp_path)
+    err_path = tmp_path / "up.err"
+    processes: dict[int, int] = {}
+    with open(err_path, "w") as err:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        # Ray runs, and the router and the workers start (a tiny model's take seconds)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ray ready" not in err_path.read_text():
+            assert up.poll() is None, f"exited {up.returncode}:\n{err_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.1)
+        processes = tree(up.pid)
+        assert "raylet" in " ".join(command_of(pid) for pid in processes)
+        os.kill(up.pid, signal.SIGTERM)
+        assert up.wait(120) == 130, err_path.read_text()[-3000:]
+        said = err_path.read_text()
+        assert "start interrupted (SIGTERM): stopping what started" in said
+        assert "SIGTERM received" not in said, said[-3000:]
+        assert "ready" not in up.stdout.read().split()
+        left = still_alive_after(processes, GONE_WITHIN_S)
+        assert not left, f"still running {GONE_WITHIN_S:.0f}s after `up` exited: " + ", ".join(
+            f"{pid} {command_of(pid)}" for pid in left
+        )
     finally:
         if up.poll() is None:
             up.kill()
