@@ -1,7 +1,9 @@
 """The embedded SmolLM2-135M-Instruct against HF transformers on the same float32 weights, with
 dtype="float32" (the reference mode; dtype "auto" may quantize: tests/unit/test_quantization.py).
 
-Greedy outputs must be token-identical, whatever the batching: one request at a time, and all
+Greedy outputs must be token-identical, whatever the batching (checked teacher-forced: HF's argmax
+after the prompt and each prefix of the engine's tokens, one HF pass a prompt, equals the engine's
+tokens exactly when they are HF's greedy ones): one request at a time, and all
 together with a token budget that splits the long prompt into many chunks, then again with real
 prefix cache hits (prefix caching off is the tiny models' tests', tests/unit/test_engine_*.py).
 Also tp=3 (the degree that divides SmolLM2's 9 heads and 3 KV heads).
@@ -15,7 +17,7 @@ import json.decoder
 import pytest
 import torch
 
-from helpers.models import hf_greedy
+from helpers.models import hf_teacher_forced
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 
@@ -63,7 +65,9 @@ def smollm2_prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_prompts):
+def reference():
+    """(prompt, tokens) -> HF's teacher-forced argmax (hf_teacher_forced), each pair computed once
+    for the module: every test's output of a prompt should be the same tokens."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.loader import resolve_model
@@ -71,17 +75,31 @@ def reference(smollm2_prompts):
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model("smollm2")), dtype=torch.float32
     ).eval()
-    refs = [hf_greedy(model, p, NEW_TOKENS) for p in smollm2_prompts]
-    del model
-    return refs
+    seen: dict[tuple, list[int]] = {}
+
+    def argmax(prompt: list[int], tokens: list[int]) -> list[int]:
+        key = (tuple(prompt), tuple(tokens))
+        if key not in seen:
+            seen[key] = hf_teacher_forced(model, prompt, tokens)
+        return seen[key]
+
+    return argmax
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def _check(outputs, reference, prompts):
-    for i, (out, ref) in enumerate(zip(outputs, reference)):
-        assert out.outputs[0].token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens) diverged"
+    assert len(outputs) == len(prompts)
+    for i, (out, prompt) in enumerate(zip(outputs, prompts)):
+        tokens = list(out.outputs[0].token_ids)
+        assert len(tokens) == NEW_TOKENS, f"prompt {i}: {len(tokens)} tokens"
+        hf = reference(prompt, tokens)
+        diverged = next((j for j, (a, b) in enumerate(zip(tokens, hf)) if a != b), None)
+        assert diverged is None, (
+            f"prompt {i} ({len(prompt)} tokens) diverged at token {diverged}: the engine's "
+            f"{tokens[diverged]}, HF's greedy {hf[diverged]}"
+        )
 
 
 # (all together at the default budget is the chunked case's batch without its chunks)
@@ -116,7 +134,7 @@ def test_tp3_matches_tp1(smollm2_prompts, reference):
     )
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        _check(outputs, [reference[i] for i in picks], prompts)
+        _check(outputs, reference, prompts)
         assert_no_leaks(llm.engine)
     finally:
         llm.shutdown()

@@ -125,6 +125,19 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     return out
 
 
+def hf_teacher_forced(model, prompt_ids, tokens: list[int]) -> list[int]:
+    """HF's argmax after `prompt_ids` and after each prefix of `tokens`, from one forward pass
+    over both (the last position's input left out). It equals `tokens` exactly when `tokens` is
+    HF's greedy continuation of the prompt, as hf_greedy would give it (by induction over the
+    positions), at the cost of one prefill instead of a decode step per token: on a model too
+    large for a test to decode many tokens with (SmolLM2 on two cores), compare an engine's greedy
+    output by this."""
+    ids = torch.tensor([list(prompt_ids) + list(tokens[:-1])])
+    with torch.inference_mode():
+        logits = model(ids, use_cache=False, logits_to_keep=len(tokens)).logits[0]
+    return [int(t) for t in logits.argmax(-1)]
+
+
 class LazyGreedy(collections.abc.Sequence):
     """HF's greedy continuations (hf_greedy) of `prompts`, computed on first use and then kept.
     The reference fixtures hand one to every test that asks for a model, and most of those tests
