@@ -485,6 +485,35 @@ def _connect(config: DeployConfig, address: str | None, security: ClusterSecurit
     )
 
 
+def _start_on_ray(
+    cluster: Cluster,
+    api_keys,
+    security: ClusterSecurity,
+    host: str,
+    local: bool,
+    ready_timeout_s: float,
+    start_timeout_s: float,
+) -> None:
+    """up()'s steps once Ray runs: the resource checks against the cluster Ray reports, the
+    router, every pool's replicas placed and started at once, until each has registered."""
+    config = cluster.config
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if security.secret and on_one_machine(alive):  # workers here read the secret's file
+        tls_key = security.tls.key_pem if security.tls else None
+        cluster.secret_dir = secret_files.SecretDir(security.secret, tls_key=tls_key)
+    nodes = [n["Resources"] for n in alive]
+    check_custom_resources(config, ray.cluster_resources(), local)
+    check_resources(config, ray.cluster_resources(), nodes, local)
+    check_labels(config, ray.nodes())
+    _start_router(cluster, api_keys)
+    pools = config.worker_pools()
+    cores = core_plan(pools, local)
+    for key, pool in pools:  # all actors first, so their processes spawn and import in parallel
+        _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
+    start_and_watch(cluster.replicas, start_timeout_s)  # every pool's replicas at once
+    _wait_registered(cluster, ready_timeout_s)
+
+
 class _TermStopsStart:
     """While the deployment starts, SIGTERM stops the start as Ctrl-C does: a KeyboardInterrupt in
     the main thread, so the start is undone in reverse and `pdserve up` exits 130 (without this,
@@ -562,22 +591,8 @@ def up(
     with _TermStopsStart() as term:  # SIGTERM from here on: the start undone, as on Ctrl-C
         try:
             log.info("ray ready in %.1fs", time.perf_counter() - t0)
-            alive = [n for n in ray.nodes() if n.get("Alive")]
-            if security.secret and on_one_machine(alive):  # workers here read the secret's file
-                tls_key = security.tls.key_pem if security.tls else None
-                cluster.secret_dir = secret_files.SecretDir(security.secret, tls_key=tls_key)
-            nodes = [n["Resources"] for n in alive]
-            check_custom_resources(config, ray.cluster_resources(), local)
-            check_resources(config, ray.cluster_resources(), nodes, local)
-            check_labels(config, ray.nodes())
-            _start_router(cluster, api_keys)
-            pools = config.worker_pools()
-            cores = core_plan(pools, local)
-            # all actors first, so their processes spawn and import in parallel
-            for key, pool in pools:
-                _place_pool(cluster, key, pool, host, ready_timeout_s, cores)
-            start_and_watch(cluster.replicas, start_timeout_s)  # every pool's replicas at once
-            _wait_registered(cluster, ready_timeout_s)
+            timeouts = (ready_timeout_s, start_timeout_s)
+            _start_on_ray(cluster, api_keys, security, host, local, *timeouts)
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):  # (code between may raise one of its own)
                 why = "SIGTERM" if term.sent else "Ctrl-C"
