@@ -24,8 +24,8 @@ and chat token ids, the quality bounds, the CPU's flags, torch's version and the
 source; a one-rank runner that finds its key applies the kept verdict (the same linears,
 smoothed by the calibration the probe's ran on, kept beside the verdict, the same cache dtype,
 the note saying where it came from) instead of probing again, so only a machine's first start
-of a model pays the probe and the calibration pass. The folder keeps the KEPT_VERDICTS most recently used
-entries. Runners of several ranks always probe (every rank must take part).
+of a model pays the probe and the calibration pass. The folder keeps the KEPT_VERDICTS most
+recently used entries. Runners of several ranks always probe (every rank must take part).
 PDSERVE_PRECISION_CACHE=0 turns it off.
 """
 
