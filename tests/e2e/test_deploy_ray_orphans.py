@@ -8,6 +8,7 @@ tests/integration/test_ray_reaper_processes.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -49,8 +50,12 @@ def _wait_for_line(proc: subprocess.Popen, want: str, timeout_s: float) -> None:
         raise AssertionError(f"`pdserve up` printed no {want!r} within {timeout_s:.0f}s ({state})")
 
 
-def _tiny_yaml(model_dir: str, tmp_path: pathlib.Path) -> tuple[pathlib.Path, str]:
-    """A float32 deployment of `model_dir` on a local Ray of its own; (its YAML, Ray's temp dir)."""
+@contextlib.contextmanager
+def _up_on_a_tiny_model(tiny_models, tmp_path: pathlib.Path):
+    """`pdserve up` of a float32 tiny model on a local Ray of its own, as a command in a session of
+    its own; yields (the process, its stderr's path, a dict the test fills with the process tree
+    it saw: pid -> start time). Whatever is left of that tree is killed afterwards."""
+    model_dir, _ = tiny_models("llama-gqa")
     ray_tmp = tempfile.mkdtemp(prefix="pdray")  # short: Ray's socket paths live under it
     pool = {"replicas": 1, "tp": 1, "resources": {"num_cpus": 1}, "kv_cache_memory": 4 << 20}
     config = tmp_path / "tiny.yaml"
@@ -65,12 +70,6 @@ def _tiny_yaml(model_dir: str, tmp_path: pathlib.Path) -> tuple[pathlib.Path, st
             }
         )
     )
-    return config, ray_tmp
-
-
-def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
-    model_dir, _ = tiny_models("llama-gqa")
-    config, ray_tmp = _tiny_yaml(model_dir, tmp_path)
     err_path = tmp_path / "up.err"
     processes: dict[int, int] = {}
     with open(err_path, "w") as err:
@@ -83,19 +82,7 @@ def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
             start_new_session=True,  # nothing of it shares the test's process group
         )
     try:
-        _wait_for_line(up, "ready", START_TIMEOUT_S)
-        processes = tree(up.pid)
-        commands = " ".join(command_of(pid) for pid in processes)
-        for part in ("raylet", "gcs_server", "Agent"):  # the agents: what outlived `up` before
-            assert part in commands, f"no {part} among {commands}"
-        os.kill(up.pid, signal.SIGKILL)
-        up.wait()
-        left = still_alive_after(processes, GONE_WITHIN_S)
-        assert not left, f"still running {GONE_WITHIN_S:.0f}s after the kill: " + ", ".join(
-            f"{pid} {command_of(pid)}" for pid in left
-        )
-        said = err_path.read_text().splitlines()
-        assert any("died without stopping its local Ray; killed what was left" in s for s in said)
+        yield up, err_path, processes
     finally:
         if up.poll() is None:
             up.kill()
@@ -106,29 +93,37 @@ def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def _assert_gone(processes: dict[int, int], after: str) -> None:
+    left = still_alive_after(processes, GONE_WITHIN_S)
+    assert not left, f"still running {GONE_WITHIN_S:.0f}s after {after}: " + ", ".join(
+        f"{pid} {command_of(pid)}" for pid in left
+    )
+
+
+def test_kill_9_of_pdserve_up_leaves_no_ray_process(tiny_models, tmp_path):
+    with _up_on_a_tiny_model(tiny_models, tmp_path) as (up, err_path, processes):
+        _wait_for_line(up, "ready", START_TIMEOUT_S)
+        processes.update(tree(up.pid))
+        commands = " ".join(command_of(pid) for pid in processes)
+        for part in ("raylet", "gcs_server", "Agent"):  # the agents: what outlived `up` before
+            assert part in commands, f"no {part} among {commands}"
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait()
+        _assert_gone(processes, "the kill")
+        said = err_path.read_text().splitlines()
+        assert any("died without stopping its local Ray; killed what was left" in s for s in said)
+
+
 def test_sigterm_while_up_starts_undoes_the_start_and_exits_130(tiny_models, tmp_path):
     """Ray's driver handler used to take it: exit 15, after its C++ handler printed a stack."""
-    model_dir, _ = tiny_models("llama-gqa")
-    config, ray_tmp = _tiny_yaml(model_dir, tmp_path)
-    err_path = tmp_path / "up.err"
-    processes: dict[int, int] = {}
-    with open(err_path, "w") as err:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    try:
+    with _up_on_a_tiny_model(tiny_models, tmp_path) as (up, err_path, processes):
         # Ray runs, and the router and the workers start (a tiny model's take seconds)
         deadline = time.monotonic() + START_TIMEOUT_S
         while "ray ready" not in err_path.read_text():
             assert up.poll() is None, f"exited {up.returncode}:\n{err_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, err_path.read_text()[-3000:]
             time.sleep(0.1)
-        processes = tree(up.pid)
+        processes.update(tree(up.pid))
         assert "raylet" in " ".join(command_of(pid) for pid in processes)
         os.kill(up.pid, signal.SIGTERM)
         assert up.wait(120) == 130, err_path.read_text()[-3000:]
@@ -136,15 +131,4 @@ def test_sigterm_while_up_starts_undoes_the_start_and_exits_130(tiny_models, tmp
         assert "start interrupted (SIGTERM): stopping what started" in said
         assert "SIGTERM received" not in said, said[-3000:]
         assert "ready" not in up.stdout.read().split()
-        left = still_alive_after(processes, GONE_WITHIN_S)
-        assert not left, f"still running {GONE_WITHIN_S:.0f}s after `up` exited: " + ", ".join(
-            f"{pid} {command_of(pid)}" for pid in left
-        )
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        for pid, start in processes.items():
-            if alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        _assert_gone(processes, "`up` exited")
