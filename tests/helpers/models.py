@@ -132,6 +132,8 @@ def hf_teacher_forced(model, prompt_ids, tokens: list[int]) -> list[int]:
     positions), at the cost of one prefill instead of a decode step per token: on a model too
     large for a test to decode many tokens with (SmolLM2 on two cores), compare an engine's greedy
     output by this."""
+    if not tokens:
+        return []  # (logits_to_keep=0 would mean every position)
     ids = torch.tensor([list(prompt_ids) + list(tokens[:-1])])
     with torch.inference_mode():
         logits = model(ids, use_cache=False, logits_to_keep=len(tokens)).logits[0]
