@@ -28,6 +28,9 @@ NUM_TOKENS = 37
 SRC_BLOCK_IDS = [11, 3, 7, 0, 9, 10, 2, 4, 6, 1]  # 10 blocks of 4 >= 37 tokens
 TOKEN_RANGES = [(0, 20), (20, 37)]
 TIMEOUT = 5.0  # every connect/flush/wait of the KV channels' tests
+# a connect where many stores and groups of one test process meet at once (the torch backend's
+# TCPStore and gloo rendezvous): the backends' own default, since a loaded CI run twice missed 5 s
+CONNECT_TIMEOUT = 30.0
 
 
 def src_layout(model: str = "m") -> KVLayout:

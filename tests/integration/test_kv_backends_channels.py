@@ -12,6 +12,7 @@ import time
 import pytest
 
 from helpers.kv import (
+    CONNECT_TIMEOUT,
     SRC_BLOCK_IDS,
     TIMEOUT,
     DecodeSide,
@@ -147,7 +148,7 @@ def test_many_senders_of_one_process_at_once(backend):
     channels = []
     try:
         for _ in range(senders):
-            channels.append(connect(backend, side.server.address, timeout=TIMEOUT))
+            channels.append(connect(backend, side.server.address, timeout=CONNECT_TIMEOUT))
         for r in range(rounds):
             ids = [f"r{r}-{i}" for i in range(senders)]
             dests = [side.reserve(rid, [3 * i, 3 * i + 1, 3 * i + 2]) for i, rid in enumerate(ids)]

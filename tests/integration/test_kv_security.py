@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from helpers.kv import (
+    CONNECT_TIMEOUT,
     LAYOUT_KW,
     NUM_TOKENS,
     SRC_BLOCK_IDS,
@@ -159,7 +160,7 @@ def test_silent_forged_and_flooding_torch_handshakes_block_nobody(sides):
     assert store.get(conn_prefix(forged) + "verdict") == b"refused: wrong credentials"
     assert store.get(conn_prefix(silent) + "verdict").startswith(b"refused: no answer")
     store.add(CONNECTIONS_KEY, 100_000)  # a flood of connection numbers
-    tx = connect("torch", side.server.address, security=SECURITY, timeout=TIMEOUT)
+    tx = connect("torch", side.server.address, security=SECURITY, timeout=CONNECT_TIMEOUT)
     try:
         push_good(side, tx, "after-flood", seed=4)
     finally:
