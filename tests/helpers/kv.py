@@ -29,7 +29,8 @@ SRC_BLOCK_IDS = [11, 3, 7, 0, 9, 10, 2, 4, 6, 1]  # 10 blocks of 4 >= 37 tokens
 TOKEN_RANGES = [(0, 20), (20, 37)]
 TIMEOUT = 5.0  # every connect/flush/wait of the KV channels' tests
 # a connect where many stores and groups of one test process meet at once (the torch backend's
-# TCPStore and gloo rendezvous): the backends' own default, since a loaded CI run twice missed 5 s
+# TCPStore and gloo rendezvous), on both sides: the sender's connect and the torch server's bound
+# on a connection's group forming. The backends' own default, since loaded CI runs missed 5 s.
 CONNECT_TIMEOUT = 30.0
 
 
@@ -85,8 +86,8 @@ class DecodeSide:
 
             self.grants = Grants()
             opts = dict(kv_caches=[self.cache], grants=self.grants)
-        if backend == "torch":
-            opts["timeout"] = TIMEOUT
+        if backend == "torch":  # also bounds each group's forming: a loaded run's rendezvous
+            opts["timeout"] = CONNECT_TIMEOUT
         self.server = serve(backend, self.on_frame, **opts, **server_opts)
 
     def reserve(self, request_id: str, block_ids: list[int]) -> Destination:
