@@ -22,6 +22,9 @@ on, gets dashboard_host 127.0.0.1 too. With ray.bind `all` Ray chooses as it alw
 Ray writes ~/.ray/auth_token with the default mode (0644 under the usual umask);
 ray_join.protect_token_file makes it 0600 before and after the start.
 
+A local Ray leaves a session folder (its logs and sockets) in its temp dir at every start and never
+removes one; `prune_ray_sessions` keeps the newest KEPT_RAY_SESSIONS and any that may be in use.
+
 A local Ray's start survives a slow machine (`start_local_ray`): Ray gives its GCS 30 s to bind
 a port and the raylet 30 s to register, which a 2-core machine under load has missed; the GCS
 gets 120 s here, and a start that still times out is killed and tried once more. Its workers run
@@ -36,7 +39,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pathlib
+import shutil
 import sys
+import time
 
 import ray
 
@@ -92,6 +98,7 @@ def init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reape
         # writable before (check_writable_dirs)
         temp_dir = local_ray_temp_dir(config)
         os.makedirs(temp_dir, exist_ok=True)
+        prune_ray_sessions(temp_dir)
         kwargs.update(num_cpus=config.ray.num_cpus, _temp_dir=str(temp_dir))
     elif config.ray.temp_dir:
         kwargs.update(_temp_dir=os.path.abspath(config.ray.temp_dir))
@@ -110,6 +117,62 @@ def init_ray(config: DeployConfig, address: str | None) -> tuple[bool, ray_reape
     if kwargs["include_dashboard"]:
         log.info("Ray dashboard on http://%s", getattr(context, "dashboard_url", "?"))
     return True, ray_reaper.watch(started) if started else None
+
+
+KEPT_RAY_SESSIONS = 10  # a local Ray's session folders kept in its temp dir, newest first
+SESSION_QUIET_S = 3600  # a session folder whose logs changed more recently may be in use
+
+
+def prune_ray_sessions(temp_dir: pathlib.Path, keep: int = KEPT_RAY_SESSIONS) -> list[str]:
+    """Removes the session folders (`session_<date>_<time>_<pid>`, each start's logs and sockets)
+    that earlier local Rays left in `temp_dir`, all but the `keep` newest: Ray never removes them,
+    and pdserve's default temp dir is in the user's cache, not in a /tmp that a reboot clears. A
+    folder that may be in use is kept, however old: one whose starting process (the pid its name
+    ends with) still runs, or whose logs changed within SESSION_QUIET_S (a running Ray writes its
+    state there every few seconds, whoever started it). Returns the names removed; a folder that
+    cannot be removed is left, with a warning, and never fails the start."""
+    sessions = sorted(  # Ray's names sort by their start time
+        (
+            entry
+            for entry in temp_dir.glob("session_*")
+            if entry.is_dir()
+            and not entry.is_symlink()  # session_latest
+            and entry.name.rsplit("_", 1)[-1].isdigit()
+        ),
+        key=lambda entry: entry.name,
+        reverse=True,
+    )
+    removed = []
+    for entry in sessions[keep:]:
+        if _maybe_in_use(entry):
+            continue
+        try:
+            shutil.rmtree(entry)
+        except OSError as e:
+            log.warning("could not remove an old Ray session folder %s: %s", entry, e)
+            continue
+        removed.append(entry.name)
+    if removed:
+        log.info("removed %d old Ray session folders from %s", len(removed), temp_dir)
+    return removed
+
+
+def _maybe_in_use(session: pathlib.Path) -> bool:
+    try:
+        os.kill(int(session.name.rsplit("_", 1)[-1]), 0)
+        return True  # the process that started it still runs
+    except ProcessLookupError:
+        pass
+    except OSError:  # it runs, as another user
+        return True
+    try:
+        latest = max(
+            (f.stat().st_mtime for f in (session / "logs").iterdir()),
+            default=session.stat().st_mtime,
+        )
+    except OSError:
+        return False  # (no logs folder: nothing that runs writes there)
+    return time.time() - latest < SESSION_QUIET_S
 
 
 STARTUP_TRIES = 2
