@@ -37,9 +37,8 @@ PDSERVE_TP_BACKEND=gloo: the ranks then share the GPUs round robin and the colle
 through host memory (engine/parallel.py). That setting is for proving the code, not for speed.
 
 Who starts ranks 1..N-1 is a RankLauncher. By default (LLM(...) in a plain process, the tests) it is
-LocalRanks: processes forked from multiprocessing's fork server, which imported torch once
-(`_rank_context`; each takes rank 0's environment first, engine/rank_process.py), the rendezvous
-on 127.0.0.1. A process may install another with `use_launcher` before its engine starts; under
+LocalRanks: spawned child processes of rank 0 (torch.multiprocessing), the rendezvous on
+127.0.0.1. A process may install another with `use_launcher` before its engine starts; under
 `pdserve up` the worker's Ray actor installs deploy/rank_actors.py's, which runs each follower as a
 Ray actor in its own bundle of the worker's placement group (so pipeline stages may sit on
 different Ray nodes) and rendezvouses on rank 0's node address. Either way a follower runs
@@ -52,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import pickle
 import socket
 from collections import deque
 from collections.abc import Callable
@@ -62,7 +60,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve.engine import rank_process
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_publish import StagePusher, report_rows
 from pdserve.engine.model_runner import PP_STEPS_AHEAD, ModelInput, SeqInput
@@ -253,22 +250,13 @@ class LocalRanks:
                 f"{config.pipeline_parallel_size} needs {world_size(config)} GPUs, "
                 f"{torch.cuda.device_count()} visible"
             )
-        ctx, env = _rank_context(), dict(os.environ)
+        ctx = mp.get_context("spawn")
         procs = [
             ctx.Process(
-                target=rank_process.run,
+                target=follower_main,
                 daemon=True,
                 name=f"pdserve-tp{rank}",
-                args=(
-                    env,
-                    pickle.dumps(
-                        (
-                            follower_main,
-                            (config, model_config, model_dir, rank, host, port)
-                            + (kv_cache_paths[rank],),
-                        )
-                    ),
-                ),
+                args=(config, model_config, model_dir, rank, host, port, kv_cache_paths[rank]),
             )
             for rank in range(1, world_size(config))
         ]
@@ -278,22 +266,6 @@ class LocalRanks:
 
     def check(self, procs: list, kv_cache_paths: list[str | None]) -> None:
         """Nothing to check: every local rank shares this host."""
-
-
-# what the fork server imports before it forks any follower: torch is most of a follower's start
-# (seconds of CPU a process). The server forks from its idle main thread; the one other thread
-# the import starts (numpy's OpenBLAS server) is made safe to fork by OpenBLAS's own fork handlers
-FORK_SERVER_PRELOAD = ["__main__", "torch", "torch.distributed"]
-
-
-def _rank_context():
-    """multiprocessing's fork-server context, its server told to import torch before it forks
-    (which counts only before the server's first start: a process whose fork server is already
-    running keeps it as it is, and its followers import torch themselves). A follower forked from
-    it starts without importing torch; rank_process.run gives it rank 0's environment."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
-    return ctx
 
 
 _launcher = None  # the RankLauncher this process's engines use; None: LocalRanks

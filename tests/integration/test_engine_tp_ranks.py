@@ -65,30 +65,3 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
     finally:
         llm.shutdown()
     assert not any(os.path.exists(p) for p in paths)
-
-
-def test_a_follower_takes_rank_0s_environment_of_its_launch(tmp_path, monkeypatch):
-    """Local followers fork from a fork server that started once, with the environment of that
-    moment; each must still see rank 0's environment as it is when that follower is launched (a
-    setting changed since, here one the server started with and one it never had)."""
-    import pickle
-    import subprocess
-
-    from pdserve.engine import rank_process, tp
-
-    ctx = tp._rank_context()
-    seen = []
-    for i, value in enumerate(["first", "second"]):
-        monkeypatch.setenv("PDSERVE_TEST_FOLLOWER_ENV", value)
-        if i:
-            monkeypatch.setenv("PDSERVE_TEST_FOLLOWER_NEW", "new")
-        out = tmp_path / f"env{i}"
-        # the follower's own environment, as a program it starts inherits it
-        shell = f'printf "%s,%s" "$PDSERVE_TEST_FOLLOWER_ENV" "$PDSERVE_TEST_FOLLOWER_NEW" > {out}'
-        payload = pickle.dumps((subprocess.run, (["sh", "-c", shell],)))
-        proc = ctx.Process(target=rank_process.run, args=(dict(os.environ), payload))
-        proc.start()
-        proc.join(60)
-        assert proc.exitcode == 0
-        seen.append(out.read_text())
-    assert seen == ["first,", "second,new"]
