@@ -116,6 +116,12 @@ class RankHandle:
         ready, _ = ray.wait([self.run_ref], timeout=DEATH_NOTICE_S)
         return not ready
 
+    def ended(self) -> bool:
+        """Whether its follower loop has ended, as far as Ray has reported, without waiting
+        (engine/tp.py asks it while rank 0 waits for the ranks to join)."""
+        ready, _ = ray.wait([self.run_ref], timeout=0)
+        return bool(ready)
+
     def join(self, timeout: float | None = None) -> None:
         """Waits up to `timeout` for its loop to end; once ended, its actor process goes."""
         ready, _ = ray.wait([self.run_ref], timeout=timeout)

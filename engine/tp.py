@@ -52,6 +52,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -90,21 +91,60 @@ def world_size(config: EngineConfig) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
-def _init(config: EngineConfig, rank: int, host: str, port: int):
+JOINED_KEY = "pdserve/tp/joined"  # the followers that joined rank 0's store, counted there
+_JOIN_POLL_S = 0.05
+
+
+def _rendezvous(rank: int, world: int, host: str, port: int, followers: list) -> dist.TCPStore:
+    """The engine's store, which rank 0 hosts at host:port: a follower counts itself in; rank 0
+    waits until every follower has, and fails at once, naming the rank, when a follower's process
+    (`followers`, the launcher's handles) ended before it joined. A follower that fails as it
+    starts (an import error, a script without the __main__ guard) would otherwise keep rank 0
+    waiting PDSERVE_TP_TIMEOUT_S for a timeout that names nobody."""
+    store = dist.TCPStore(
+        host, port, world, is_master=rank == 0, timeout=_TIMEOUT, wait_for_workers=False
+    )
+    if rank:
+        store.add(JOINED_KEY, 1)
+        return store
+    deadline = time.monotonic() + _TIMEOUT.total_seconds()
+    while (joined := store.add(JOINED_KEY, 0)) < world - 1:
+        for r, handle in enumerate(followers, 1):
+            if _ended(handle):
+                code = getattr(handle, "exitcode", None)
+                raise RuntimeError(
+                    f"engine rank {r} ended{'' if code is None else f' (exit code {code})'} "
+                    f"before it joined rank 0: its own error is in its output. A script that "
+                    f'builds an LLM with several ranks needs the `if __name__ == "__main__":` '
+                    f"guard"
+                )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{joined} of the engine's {world - 1} other ranks joined rank 0 within "
+                f"PDSERVE_TP_TIMEOUT_S={_TIMEOUT.total_seconds():.0f}s"
+            )
+        time.sleep(_JOIN_POLL_S)
+    return store
+
+
+def _ended(handle) -> bool:
+    """Whether a follower's process (a launcher's handle) has ended, without waiting for it: a
+    multiprocessing Process by its exit code, another launcher's handle by its `ended()`."""
+    ended = getattr(handle, "ended", None)
+    return ended() if ended is not None else handle.exitcode is not None
+
+
+def _init(config: EngineConfig, rank: int, host: str, port: int, followers: list | None = None):
     """Joins the engine's process group; returns (control, reports): the gloo group of the step
     broadcasts, and under pipeline stages the gloo group of the push reports' gathers (rank 0 and
-    the later stages' ranks; every rank creates it, members or not), else None."""
+    the later stages' ranks; every rank creates it, members or not), else None. `followers`:
+    rank 0's handles of the other ranks (`_rendezvous`)."""
     backend = _backend(config)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=rank,
-        world_size=tp * pp,
-        timeout=_TIMEOUT,
-    )
+    store = _rendezvous(rank, tp * pp, host, port, followers or [])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp, timeout=_TIMEOUT)
     if config.device == "cpu":  # share the cores instead of oversubscribing them N times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * pp)))
     # control messages stay on the CPU even when the weights talk over NCCL
@@ -324,11 +364,11 @@ class TPGroup:
         procs = launcher.launch(config, model_config, model_dir, kv_cache_paths, host, port)
         try:
             launcher.check(procs, kv_cache_paths)
+            control, reports = _init(config, 0, host, port, procs)
         except BaseException:
             for p in procs:
                 p.kill()
             raise
-        control, reports = _init(config, 0, host, port)
         return cls(procs, control, config.pipeline_parallel_size > 1, reports)
 
     def ready(self) -> None:

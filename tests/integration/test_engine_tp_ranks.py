@@ -65,3 +65,43 @@ def test_shared_kv_pools_hold_every_ranks_heads(refs, tmp_path):
     finally:
         llm.shutdown()
     assert not any(os.path.exists(p) for p in paths)
+
+
+class _DyingRanks:
+    """A launcher whose followers exit with code 3 as they start, before they join rank 0."""
+
+    def rendezvous_host(self) -> str:
+        return "127.0.0.1"
+
+    def launch(self, config, model_config, model_dir, kv_cache_paths, host, port):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=os._exit, args=(3,), daemon=True) for _ in kv_cache_paths[1:]]
+        for p in procs:
+            p.start()
+        return procs
+
+    def check(self, procs, kv_cache_paths) -> None:
+        pass
+
+
+def test_a_follower_that_dies_as_it_starts_fails_the_start_at_once(tiny_models):
+    """Rank 0 waits for the other ranks to join; one that ended first fails the start at once,
+    naming it (it used to keep rank 0 waiting PDSERVE_TP_TIMEOUT_S, ten minutes by default, for
+    a timeout naming nobody); then an engine starts as usual."""
+    import time
+
+    from pdserve.engine import tp
+
+    model_dir, _ = tiny_models("llama-gqa")
+    tp.use_launcher(_DyingRanks())
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"engine rank 1 ended \(exit code 3\) before"):
+            LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
+        assert time.monotonic() - start < 60
+    finally:
+        tp.use_launcher(None)
+    llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
+    llm.shutdown()
