@@ -145,6 +145,16 @@ def _init(config: EngineConfig, rank: int, host: str, port: int, followers: list
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = _rendezvous(rank, tp * pp, host, port, followers or [])
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp, timeout=_TIMEOUT)
+    try:
+        return _groups(config, rank, backend)
+    except BaseException:  # this process's next engine starts from no group, not from this one
+        dist.destroy_process_group()
+        raise
+
+
+def _groups(config: EngineConfig, rank: int, backend: str):
+    """_init's groups once the default group is up (its return value)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.device == "cpu":  # share the cores instead of oversubscribing them N times
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * pp)))
     # control messages stay on the CPU even when the weights talk over NCCL

@@ -105,3 +105,25 @@ def test_a_follower_that_dies_as_it_starts_fails_the_start_at_once(tiny_models):
         tp.use_launcher(None)
     llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
     llm.shutdown()
+
+
+def test_a_start_that_fails_after_the_default_group_leaves_none(tiny_models, monkeypatch):
+    """Rank 0's start fails once its default group is up (here: making the pipeline's groups):
+    that group goes with it, so the process's next engine starts, where it used to find the old
+    group still initialized."""
+    import torch.distributed as dist
+
+    from pdserve.engine import tp
+
+    model_dir, _ = tiny_models("llama-gqa")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no groups today")
+
+    monkeypatch.setattr(tp.dist, "new_group", refuse)
+    with pytest.raises(RuntimeError, match="no groups today"):
+        LLM(model_dir, pipeline_parallel_size=2, kv_cache_memory=KV)
+    assert not dist.is_initialized()
+    monkeypatch.undo()
+    llm = LLM(model_dir, pipeline_parallel_size=2, kv_cache_memory=KV)
+    llm.shutdown()
