@@ -49,6 +49,7 @@ import ray
 from pdserve.deploy import ray_join, ray_reaper
 from pdserve.deploy.config.schema import DeployConfig
 from pdserve.deploy.prechecks import DeployError, local_ray_temp_dir
+from pdserve.deploy.secret_files import pid_alive
 from pdserve.deploy.supervisor import ray_error_reason
 
 log = logging.getLogger("pdserve.deploy.launcher")
@@ -159,12 +160,10 @@ def prune_ray_sessions(temp_dir: pathlib.Path, keep: int = KEPT_RAY_SESSIONS) ->
 
 def _maybe_in_use(session: pathlib.Path) -> bool:
     try:
-        os.kill(int(session.name.rsplit("_", 1)[-1]), 0)
-        return True  # the process that started it still runs
-    except ProcessLookupError:
+        if pid_alive(int(session.name.rsplit("_", 1)[-1])):
+            return True  # the process that started it still runs
+    except (OverflowError, ValueError):  # not a pid Ray would have written
         pass
-    except OSError:  # it runs, as another user
-        return True
     try:
         latest = max(
             (f.stat().st_mtime for f in (session / "logs").iterdir()),

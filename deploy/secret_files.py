@@ -131,7 +131,8 @@ def _runtime_parent() -> str | None:
 PREFIX = "pdserve-secrets-"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -162,7 +163,7 @@ def remove_stale(parent: str | None = None) -> list[str]:
             continue
         if not entry.is_dir() or entry.is_symlink() or st.st_uid != os.getuid():
             continue
-        if not _alive(int(pid_text)):
+        if not pid_alive(int(pid_text)):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(str(entry))
     if removed:
