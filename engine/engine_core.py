@@ -193,8 +193,13 @@ class LLMEngine:
                 self.tp.ready()
             self.tp_state = current_tp_state()
         except BaseException:
-            # else the followers and the process group outlive the failed engine; a follower that
-            # failed too makes the shutdown broadcast fail, which must not hide the real error
+            # else the followers and the process group outlive the failed engine. They may be
+            # anywhere in their own start (building their runner, in the ready barrier), where a
+            # stop broadcast would meet the wrong collective and wait out the group's timeout: so
+            # they are killed, not told; the rest of the stop must not hide the real error
+            if self.tp is not None:
+                self.tp.abort()
+                self.tp = None
             try:
                 self.shutdown()
             except Exception:
@@ -647,8 +652,9 @@ class LLMEngine:
         tier = getattr(getattr(self, "block_manager", None), "tier", None)
         if tier is not None:  # the disk tier's writer and files (kv_disk_tier.py)
             tier.close()
-        if self.runner.thread_fit is not None:
-            self.runner.thread_fit.restore()
+        runner = getattr(self, "runner", None)  # (None: a start whose runner failed)
+        if runner is not None and runner.thread_fit is not None:
+            runner.thread_fit.restore()
         try:
             if self.tp is not None:
                 self.tp.shutdown()

@@ -450,6 +450,16 @@ class TPGroup:
         """Each rank's pipeline stage, rank order."""
         return [r // config.tensor_parallel_size for r in range(world_size(config))]
 
+    def abort(self) -> None:
+        """Ends the followers without telling them (a start that failed: they may be in any
+        collective of their own start) and leaves the process group."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join(timeout=30)
+        dist.destroy_process_group()
+        set_tp_state(0, 1, None)
+
     def shutdown(self) -> None:
         try:
             while self._reports:  # (no sink is waiting for them any more)

@@ -127,3 +127,40 @@ def test_a_start_that_fails_after_the_default_group_leaves_none(tiny_models, mon
     monkeypatch.undo()
     llm = LLM(model_dir, pipeline_parallel_size=2, kv_cache_memory=KV)
     llm.shutdown()
+
+
+def test_a_start_whose_rank_0_runner_fails_leaves_no_group_or_rank(tiny_models, monkeypatch):
+    """Rank 0's own runner fails to build once its followers have joined: the start raises that
+    error, the followers end and the default group goes, so the process's next engine starts. (The
+    stop used to fail on the runner it never had, leaving both behind; a stop broadcast to
+    followers in their ready barrier waited out the group's timeout.)"""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from pdserve.engine import engine_core, tp
+
+    model_dir, _ = tiny_models("llama-gqa")
+    started = []
+    real_start = tp.TPGroup.start
+
+    def start(*args, **kwargs):
+        started.append(real_start(*args, **kwargs))
+        return started[-1]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no runner today")
+
+    monkeypatch.setattr(tp.TPGroup, "start", start)
+    monkeypatch.setattr(engine_core, "start_runner", refuse)
+    monkeypatch.setattr(tp, "_TIMEOUT", datetime.timedelta(seconds=120))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="no runner today"):
+        LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
+    assert time.monotonic() - start < 100  # (not the group's timeout)
+    assert not dist.is_initialized()
+    assert len(started) == 1 and not any(p.is_alive() for p in started[0].procs)
+    monkeypatch.undo()
+    llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
+    llm.shutdown()
