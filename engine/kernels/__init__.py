@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import subprocess
 
 log = logging.getLogger(__name__)
 _SRC = pathlib.Path(__file__).with_name("paged_decode_cpu.cpp")
@@ -24,6 +25,27 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+@functools.cache
+def _ninja_version() -> str:
+    """The version of the `ninja` torch's build runs (the first on PATH), "" where none runs."""
+    try:
+        done = subprocess.run(["ninja", "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip()
+
+
+def _build_key(source: pathlib.Path, extra_cflags: list[str]) -> str:
+    """The cache entry a build of `source` goes to. -march=native: it is keyed by the CPU's
+    feature flags and the source, so a cache directory shared by different machines never hands
+    one a binary built for another; and by the flags. And by ninja's version: two ninjas keep
+    logs in formats the other does not read (1.11's v5, 1.13's v7), so where a pip-installed ninja
+    and the system's take turns (two PATH orders: a shell and a service, a venv and not) each
+    rebuilt everything the other had built, a minute on two cores, at every start."""
+    text = _cpu_flags() + source.read_text() + " ".join(extra_cflags) + _ninja_version()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
@@ -45,12 +67,7 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
         ]
         from pdserve.engine.loader import default_cache_dir, writable_dir
 
-        # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on one
-        # thread. -march=native: the build is keyed by the CPU's feature flags and the source, so a cache
-        # directory shared by different machines never hands one a binary built for another
-        key = hashlib.sha256(
-            (_cpu_flags() + source.read_text() + " ".join(extra_cflags)).encode()
-        ).hexdigest()[:12]
+        key = _build_key(source, extra_cflags)
         # the real path, links resolved: torch's build file records the source's path (below),
         # and a cache reached through a link (as a test run reaches the developer's) must not
         # rebuild what the same cache reached directly has built
@@ -69,6 +86,8 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
             text = source.read_text()
             if not copy.exists() or copy.read_text() != text:
                 copy.write_text(text)
+                # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs
+            # on one thread
             return load(
                 name=f"pdserve_{name}_{key}",
                 sources=[str(copy)],

@@ -18,9 +18,9 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_worker(tmp_path):
     import sys
 
     code = (
-        "import pathlib, hashlib, engine.kernels as k\n"
+        "import engine.kernels as k\n"
         "from engine.loader import default_cache_dir\n"
-        "key = hashlib.sha256((k._cpu_flags() + k._SRC.read_text()).encode()).hexdigest()[:12]\n"
+        "key = k._build_key(k._SRC, [])\n"
         "build = default_cache_dir() / 'kernels' / key\n"
         "build.mkdir(parents=True, exist_ok=True)\n"
         "(build / 'lock').touch()\n"
