@@ -37,8 +37,9 @@ PDSERVE_TP_BACKEND=gloo: the ranks then share the GPUs round robin and the colle
 through host memory (engine/parallel.py). That setting is for proving the code, not for speed.
 
 Who starts ranks 1..N-1 is a RankLauncher. By default (LLM(...) in a plain process, the tests) it is
-LocalRanks: spawned child processes of rank 0 (torch.multiprocessing), the rendezvous on
-127.0.0.1. A process may install another with `use_launcher` before its engine starts; under
+LocalRanks: processes forked from multiprocessing's fork server, which imported torch once
+(`_rank_context`; each takes rank 0's environment first, engine/rank_process.py; CUDA ranks are
+spawned), the rendezvous on 127.0.0.1. A process may install another with `use_launcher` before its engine starts; under
 `pdserve up` the worker's Ray actor installs deploy/rank_actors.py's, which runs each follower as a
 Ray actor in its own bundle of the worker's placement group (so pipeline stages may sit on
 different Ray nodes) and rendezvouses on rank 0's node address. Either way a follower runs
@@ -51,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import pickle
 import socket
 import time
 from collections import deque
@@ -61,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve.engine import rank_process
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_publish import StagePusher, report_rows
 from pdserve.engine.model_runner import PP_STEPS_AHEAD, ModelInput, SeqInput
@@ -144,12 +147,24 @@ def _init(config: EngineConfig, rank: int, host: str, port: int, followers: list
     if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = _rendezvous(rank, tp * pp, host, port, followers or [])
+    _restart_group_names()
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp, timeout=_TIMEOUT)
     try:
         return _groups(config, rank, backend)
     except BaseException:  # this process's next engine starts from no group, not from this one
         dist.destroy_process_group()
         raise
+
+
+def _restart_group_names() -> None:
+    """Makes this process name its next groups from 0, as a fresh follower does. torch names a
+    group by a counter of the process, which only a whole destroy_process_group() resets; a rank
+    0 whose earlier engine's group ended some other way named its new default group "2" while
+    its followers named theirs "0", and every rank then waited in a rendezvous no other rank
+    joined (a CI run hung so). Only where no default group is up: torch refuses a second one."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def _groups(config: EngineConfig, rank: int, backend: str):
@@ -272,8 +287,9 @@ def _stage_pusher(config: EngineConfig, model_config: ModelConfig) -> StagePushe
 
 
 class LocalRanks:
-    """The default RankLauncher: ranks 1..N-1 as spawned child processes of this one, which
-    rendezvous with it on 127.0.0.1 (daemonic: they die with rank 0's process)."""
+    """The default RankLauncher: ranks 1..N-1 as processes of their own on this host, forked
+    from the fork server (`_rank_context`), which rendezvous with rank 0 on 127.0.0.1 (daemonic:
+    rank 0's process ends them when it exits)."""
 
     def rendezvous_host(self) -> str:
         return "127.0.0.1"
@@ -300,13 +316,22 @@ class LocalRanks:
                 f"{config.pipeline_parallel_size} needs {world_size(config)} GPUs, "
                 f"{torch.cuda.device_count()} visible"
             )
-        ctx = mp.get_context("spawn")
+        ctx, env = _rank_context(config.device), dict(os.environ)
         procs = [
             ctx.Process(
-                target=follower_main,
+                target=rank_process.run,
                 daemon=True,
                 name=f"pdserve-tp{rank}",
-                args=(config, model_config, model_dir, rank, host, port, kv_cache_paths[rank]),
+                args=(
+                    env,
+                    pickle.dumps(
+                        (
+                            follower_main,
+                            (config, model_config, model_dir, rank, host, port)
+                            + (kv_cache_paths[rank],),
+                        )
+                    ),
+                ),
             )
             for rank in range(1, world_size(config))
         ]
@@ -316,6 +341,25 @@ class LocalRanks:
 
     def check(self, procs: list, kv_cache_paths: list[str | None]) -> None:
         """Nothing to check: every local rank shares this host."""
+
+
+# what the fork server imports before it forks any follower: torch is most of a follower's start
+# (seconds of CPU a process). The server forks from its idle main thread; the one other thread
+# the import starts (numpy's OpenBLAS server) is made safe to fork by OpenBLAS's own fork handlers
+FORK_SERVER_PRELOAD = ["__main__", "torch", "torch.distributed"]
+
+
+def _rank_context(device: str):
+    """multiprocessing's fork-server context, its server told to import torch before it forks
+    (which counts only before the server's first start: a process whose fork server is already
+    running keeps it as it is, and its followers import torch themselves). A follower forked from
+    it starts without importing torch; rank_process.run gives it rank 0's environment. CUDA
+    ranks are spawned, as before the fork server: that path has not run forked on a GPU."""
+    if device == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
 
 
 _launcher = None  # the RankLauncher this process's engines use; None: LocalRanks

@@ -164,3 +164,54 @@ def test_a_start_whose_rank_0_runner_fails_leaves_no_group_or_rank(tiny_models, 
     monkeypatch.undo()
     llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
     llm.shutdown()
+
+
+def test_a_follower_takes_rank_0s_environment_of_its_launch(tmp_path, monkeypatch):
+    """Local followers fork from a fork server that started once, with the environment of that
+    moment; each must still see rank 0's environment as it is when that follower is launched (a
+    setting changed since, here one the server started with and one it never had)."""
+    import pickle
+    import subprocess
+
+    from pdserve.engine import rank_process, tp
+
+    ctx = tp._rank_context("cpu")
+    seen = []
+    for i, value in enumerate(["first", "second"]):
+        monkeypatch.setenv("PDSERVE_TEST_FOLLOWER_ENV", value)
+        if i:
+            monkeypatch.setenv("PDSERVE_TEST_FOLLOWER_NEW", "new")
+        out = tmp_path / f"env{i}"
+        # the follower's own environment, as a program it starts inherits it
+        shell = f'printf "%s,%s" "$PDSERVE_TEST_FOLLOWER_ENV" "$PDSERVE_TEST_FOLLOWER_NEW" > {out}'
+        payload = pickle.dumps((subprocess.run, (["sh", "-c", shell],)))
+        proc = ctx.Process(target=rank_process.run, args=(dict(os.environ), payload))
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+        seen.append(out.read_text())
+    assert seen == ["first,", "second,new"]
+
+
+def test_rank_0_names_its_groups_as_fresh_followers_do(tiny_models, monkeypatch):
+    """torch names groups by a counter of the process; one left past 0 without a default group up
+    (an earlier engine's group that ended other than by a whole destroy) made rank 0 name its
+    default group "2" against its followers' "0", and the ranks waited for each other until the
+    group's timeout. The start now counts from 0 again."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pdserve.engine import tp
+
+    model_dir, _ = tiny_models("llama-gqa")
+    monkeypatch.setattr(tp, "_TIMEOUT", datetime.timedelta(seconds=60))
+    assert not dist.is_initialized()
+    monkeypatch.setattr(dist.distributed_c10d._world, "group_count", 2)
+    llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
+    try:
+        assert (
+            len(llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+        )
+    finally:
+        llm.shutdown()
