@@ -39,12 +39,13 @@ through host memory (engine/parallel.py). That setting is for proving the code, 
 Who starts ranks 1..N-1 is a RankLauncher. By default (LLM(...) in a plain process, the tests) it is
 LocalRanks: processes forked from multiprocessing's fork server, which imported torch once
 (`_rank_context`; each takes rank 0's environment first, engine/rank_process.py; CUDA ranks are
-spawned), the rendezvous on 127.0.0.1. A process may install another with `use_launcher` before its engine starts; under
-`pdserve up` the worker's Ray actor installs deploy/rank_actors.py's, which runs each follower as a
-Ray actor in its own bundle of the worker's placement group (so pipeline stages may sit on
-different Ray nodes) and rendezvouses on rank 0's node address. Either way a follower runs
-`follower_main`, and TPGroup holds one handle per follower (is_alive, join, kill, pid, node), so the
-engine notices a dead rank (engine_core.ranks_alive) and stops the others the same way.
+spawned), the rendezvous on 127.0.0.1. A process may install another with `use_launcher` before
+its engine starts; under `pdserve up` the worker's Ray actor installs deploy/rank_actors.py's,
+which runs each follower as a Ray actor in its own bundle of the worker's placement group (so
+pipeline stages may sit on different Ray nodes) and rendezvouses on rank 0's node address. Either
+way a follower runs `follower_main`, and TPGroup holds one handle per follower (is_alive, join,
+kill, pid, node), so the engine notices a dead rank (engine_core.ranks_alive) and stops the others
+the same way.
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ def _build(name: str, source: pathlib.Path, extra_cflags: list[str]):
             text = source.read_text()
             if not copy.exists() or copy.read_text() != text:
                 copy.write_text(text)
-                # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs
-            # on one thread
+            # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel silently runs on
+            # one thread
             return load(
                 name=f"pdserve_{name}_{key}",
                 sources=[str(copy)],
