@@ -271,7 +271,8 @@ def _run_up(args) -> int:
         cluster = up(config, address=args.address, block=False)
     except (ConfigError, DeployError) as e:  # Ray's resources, a worker that failed to start
         return _refused(args, e, flags)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (up stopped what it had started before raising it)
+        print("pdserve: interrupted while starting", file=sys.stderr)
         return 130
     print(f"router on {cluster.router_address}", flush=True)  # gRPC: pdserve.v1.PDServe
     if cluster.http_url:
@@ -437,11 +438,16 @@ def _run_client(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.cmd == "up":
-        return _run_up(args)
-    if args.cmd in ("generate", "chat"):
-        return _run_client(args)
-    return _run_tool(args)
+    try:
+        if args.cmd == "up":
+            return _run_up(args)
+        if args.cmd in ("generate", "chat"):
+            return _run_client(args)
+        return _run_tool(args)
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handling of its own (its imports,
+        # its checks): one line and the shell's code for it, not a traceback out of torch's import
+        print("pdserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
