@@ -155,10 +155,10 @@ def test_a_start_whose_rank_0_runner_fails_leaves_no_group_or_rank(tiny_models, 
     monkeypatch.setattr(tp.TPGroup, "start", start)
     monkeypatch.setattr(engine_core, "start_runner", refuse)
     monkeypatch.setattr(tp, "_TIMEOUT", datetime.timedelta(seconds=120))
-    start = time.monotonic()
+    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="no runner today"):
         LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
-    assert time.monotonic() - start < 100  # (not the group's timeout)
+    assert time.monotonic() - t0 < 100  # (not the group's timeout)
     assert not dist.is_initialized()
     assert len(started) == 1 and not any(p.is_alive() for p in started[0].procs)
     monkeypatch.undo()

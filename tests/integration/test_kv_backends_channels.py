@@ -30,7 +30,7 @@ def sender_process(
     backend: str, address: str, request_id: str, seed: int, dest: Destination
 ) -> None:
     """The body of a spawned prefill process."""
-    tx = connect(backend, address, timeout=TIMEOUT)
+    tx = connect(backend, address, timeout=CONNECT_TIMEOUT)
     try:
         push_request(tx, request_id, seed, dest)
         tx.flush(TIMEOUT)
@@ -42,7 +42,7 @@ def dying_sender_process(backend: str, address: str, request_id: str, dest: Dest
     """A prefill process that dies mid-request, without closing its channel."""
     import os
 
-    tx = connect(backend, address, timeout=TIMEOUT)
+    tx = connect(backend, address, timeout=CONNECT_TIMEOUT)
     header, data = read_chunk(
         source_cache(10)[0], src_layout(), request_id, 0, SRC_BLOCK_IDS, 0, 20
     )

@@ -110,7 +110,7 @@ def test_only_a_sender_with_the_secret_reaches_the_handler(sides, backend):
             connect(backend, side.server.address, security=stranger, timeout=TIMEOUT)
         assert time.monotonic() - t0 < QUICK
     assert side.frames == [] and side.server.num_channels == 0  # refused: nothing held
-    tx = connect(backend, side.server.address, security=SECURITY, timeout=TIMEOUT)
+    tx = connect(backend, side.server.address, security=SECURITY, timeout=CONNECT_TIMEOUT)
     try:
         push_good(side, tx)
         assert side.server.num_channels == 1
@@ -151,7 +151,7 @@ def test_silent_forged_and_flooding_torch_handshakes_block_nobody(sides):
     forged = store.add(CONNECTIONS_KEY, 1) - 1
     store.wait([conn_prefix(forged) + "nonce"])
     store.set(conn_prefix(forged) + "auth", b"\0" * 32)
-    tx = connect("torch", side.server.address, security=SECURITY, timeout=TIMEOUT)
+    tx = connect("torch", side.server.address, security=SECURITY, timeout=CONNECT_TIMEOUT)
     try:
         push_good(side, tx)
     finally:
@@ -245,7 +245,7 @@ def test_bad_header_fields_fail_their_request_and_spare_the_channel(sides):
 def test_in_place_frames_off_the_shm_backend_fail_their_request(sides, backend):
     side = sides(backend)
     dest = side.reserve("claims", [0, 1, 2])
-    tx = connect(backend, side.server.address, security=SECURITY, timeout=TIMEOUT)
+    tx = connect(backend, side.server.address, security=SECURITY, timeout=CONNECT_TIMEOUT)
     try:
         for layer in range(LAYOUT_KW["num_layers"]):
             header, _ = read_chunk(
@@ -269,7 +269,7 @@ def test_in_place_frames_off_the_shm_backend_fail_their_request(sides, backend):
 @pytest.mark.parametrize("backend", ["grpc", "torch"])
 def test_a_payload_of_the_wrong_size_fails_its_request(sides, backend):
     side = sides(backend)
-    tx = connect(backend, side.server.address, security=SECURITY, timeout=TIMEOUT)
+    tx = connect(backend, side.server.address, security=SECURITY, timeout=CONNECT_TIMEOUT)
     try:
         for rid, mangle in [
             ("short", lambda d: d.reshape(-1)[:-1]),
