@@ -17,7 +17,7 @@ import pytest
 
 from helpers.models import random_prompts
 from helpers.router_cluster import RPC_TIMEOUT
-from helpers.threads import leaves_no_threads
+from helpers.threads import leaves_no_threads, wait_until
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.block_manager import block_hash
@@ -100,10 +100,22 @@ def test_the_holder_going_away_mid_fetch_is_served_by_recompute(cluster):
         raise ConnectionError("the decode worker went away")
 
     holder.handoff.read_cached = dies_mid_fetch
+    # what turn 2 is about: the router sends it back to the one worker it knows holds turn 1
+    # (its view lags the worker's KV events on a loaded machine, and a tie goes round-robin)
+    pool = router.servicer.legs.pool
+
+    def known_held() -> list[int]:
+        return sorted(n for n in pool.decode_matches(prompt).values() if n > 0)
+
+    def routed_back() -> bool:
+        held = known_held()
+        return len(held) == 1 and held[0] >= len(first) - len(first) % BS
+
+    wait_until(routed_back, 60, "the router never learned where turn 1 is held")
     before = prefill.stats()
     tokens, finish = generate(api, prompt, 8)
     # turn 2 went to the holder, and its prefill worker asked for the second batch of blocks
-    assert [first for first, _ in batches] == [0, 8], batches
+    assert [first for first, _ in batches] == [0, 8], (batches, known_held())
     assert gone.wait(120)
     after = prefill.stats()
     assert after.peer_fetch_failures == before.peer_fetch_failures + 1
