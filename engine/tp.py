@@ -318,21 +318,17 @@ class LocalRanks:
                 f"{torch.cuda.device_count()} visible"
             )
         ctx, env = _rank_context(config.device), dict(os.environ)
+        shared = (config, model_config, model_dir)
+
+        def payload(rank: int) -> bytes:  # follower_main and its arguments (rank_process.run)
+            return pickle.dumps((follower_main, (*shared, rank, host, port, kv_cache_paths[rank])))
+
         procs = [
             ctx.Process(
                 target=rank_process.run,
                 daemon=True,
                 name=f"pdserve-tp{rank}",
-                args=(
-                    env,
-                    pickle.dumps(
-                        (
-                            follower_main,
-                            (config, model_config, model_dir, rank, host, port)
-                            + (kv_cache_paths[rank],),
-                        )
-                    ),
-                ),
+                args=(env, payload(rank)),
             )
             for rank in range(1, world_size(config))
         ]
