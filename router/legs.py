@@ -146,6 +146,7 @@ class Leg:
         self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
         self.lora = ""  # the call's LoRA adapter (Inflight.lora), on both legs' worker calls
+        self.num_blocks = 0  # the KV blocks its Reserve holds on `decode` (pool.note_reserved)
 
     def unheld(self, worker, num_tokens: int) -> int:
         """Of a prompt's `num_tokens`, those `worker` probably does not hold (the charges:
@@ -365,6 +366,7 @@ class Legs:
         event of the sequence that ended last, or None; the stream's error or None). n>1: a
         sequence ending before the last yields `finish_of(its final event)` in place."""
         n, ended = len(indexes or texts), set()
+        decoded = -sum(len(tokens) for tokens in sent)  # (the earlier legs' tokens: not this one's)
         try:
             for event in leg.stream_call:
                 leg.heard = time.monotonic()  # the worker answers (router/open_legs.py)
@@ -412,8 +414,17 @@ class Legs:
         finally:
             self.open.remove(leg.decode, leg)
             self.release_charge(leg)
+            self._note_freed(leg, decoded + sum(len(tokens) for tokens in sent))
             self.decode_queue.freed()  # the worker freed (or will free) this leg's blocks
         return None, None
+
+    def _note_freed(self, leg: Leg, decoded: int) -> None:
+        """The leg's stream ended after `decoded` tokens: its blocks (those reserved, and about
+        one more per block of tokens decoded) count free on its worker from now
+        (pool.note_freed), an estimate the worker's next Stats answer replaces."""
+        block_size = leg.reservation.block_size if leg.reservation is not None else 0
+        if leg.num_blocks and block_size:
+            self.pool.note_freed(leg.decode, leg.num_blocks + decoded // block_size)
 
     def release_charge(self, leg: Leg) -> None:
         charged, leg.charged_tokens = leg.charged_tokens, 0
@@ -574,6 +585,7 @@ class Legs:
                 if n > 1 and reservation.block_size and len(prompt) % reservation.block_size:
                     num_blocks += n - 1  # each fork's copy of the partial last prompt block
                 self.pool.note_reserved(worker, num_blocks)
+                leg.num_blocks = num_blocks
                 return worker, reservation
             except grpc.RpcError as e:
                 error = e

@@ -58,7 +58,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -119,6 +119,10 @@ class _Worker:
     heard_at: float = 0.0  # the pool's clock at its last answer (a Stats reply or a heartbeat)
     num_free_blocks: int = -1  # -1: unknown (new, unreachable, its last poll late)
     num_used_blocks: int = 0  # the decode worker's KV in use: its load (decode_order)
+    # (when, blocks) of the streams this router saw end there since the Stats poll that last
+    # counted them (note_freed): a poll asked before one ended still counts its blocks in use
+    ended: list = field(default_factory=list)
+    poll_sent: float = 0.0  # when the outstanding Stats poll was asked (time.monotonic)
     # prompt tokens of the Reserves this router sent it that have not ended (decode_order charges
     # them, end_reserve releases them): their blocks count as in use until the worker's own count
     # has them; no sweep overwrites this
@@ -351,6 +355,19 @@ class WorkerPool:
         when it succeeded, so that the blocks are never counted as free in between."""
         with self._lock:
             worker.reserving_tokens = max(0, worker.reserving_tokens - reserve_tokens)
+
+    def note_freed(self, worker: _Worker, num_blocks: int) -> None:
+        """A stream on `worker` ended, freeing about `num_blocks` (its blocks stay in the worker's
+        prefix cache, which counts them free): counted free at once, and taken off any Stats
+        answer to a poll asked before now. Without it the worker's last count kept a finished
+        turn's blocks in use until the next sweep, and a conversation's next turn sent at once
+        ranked its holder busier than the worker with nothing, by about what it held."""
+        with self._lock:
+            if worker.num_free_blocks < 0 or num_blocks <= 0:
+                return
+            worker.num_free_blocks += num_blocks
+            worker.num_used_blocks = max(0, worker.num_used_blocks - num_blocks)
+            worker.ended.append((time.monotonic(), num_blocks))
 
     def note_reserved(self, worker: _Worker, num_blocks: int) -> None:
         """A Reserve on `worker` holds `num_blocks`: counted in use until a sweep or heartbeat
@@ -616,6 +633,7 @@ class WorkerPool:
         self._take_answers(workers)
         for worker in workers:
             if worker.poll is None:
+                worker.poll_sent = time.monotonic()
                 worker.poll = worker.stub.Stats.future(
                     self._stats_request(worker), timeout=self.silence_s
                 )
@@ -694,9 +712,9 @@ class WorkerPool:
             except Exception as e:  # noqa: BLE001 - a cancelled poll (the pool is closing)
                 log.debug("Stats poll of %s ended: %r", self.name(worker), e)
             else:
-                self._note_stats(worker, stats)
+                self._note_stats(worker, stats, asked_at=worker.poll_sent)
 
-    def _note_stats(self, worker: _Worker, stats) -> None:
+    def _note_stats(self, worker: _Worker, stats, asked_at: float) -> None:
         """A Stats answer: the worker is not silent, its last call did not fail, and unless its
         engine is stuck (_check_stall) it is alive and up, with these figures."""
         self._take_kv_events(worker, stats)
@@ -707,20 +725,23 @@ class WorkerPool:
             worker.stats = stats
         self._reported(worker, stats)
         if not self._check_stall(worker, stats):
-            self._alive(worker, stats)
+            self._alive(worker, stats, asked_at=asked_at)
 
-    def _alive(self, worker: _Worker, stats, blocks: bool = True) -> None:
+    def _alive(
+        self, worker: _Worker, stats, blocks: bool = True, asked_at: float | None = None
+    ) -> None:
         """`worker` answered, with `stats` that show no stuck engine (None: a heartbeat without
         figures, which clears silence but cannot clear a stall): no longer dead of that, and up
         unless its last Stats call failed outright (only a Stats answer clears that). blocks:
-        take its KV blocks from `stats`."""
+        take its KV blocks from `stats`, which the worker counted at `asked_at` (time.monotonic;
+        None: now)."""
         with self._lock:
             was = worker.down
             if stats is not None or worker.dead == "silent":
                 worker.dead = ""
             worker.down = worker.failed or bool(worker.dead)
             if stats is not None and blocks and not worker.down:
-                _note_blocks(worker, stats)
+                _note_blocks(worker, stats, time.monotonic() if asked_at is None else asked_at)
             back = was and not worker.down
         if back:
             log.info("%s worker %s is back up", worker.role, self.name(worker))
@@ -889,7 +910,10 @@ def _reserving_blocks(worker: _Worker) -> float:
     return worker.reserving_tokens / block_size
 
 
-def _note_blocks(worker: _Worker, stats) -> None:
-    """A worker's KV blocks from its Stats (under the pool's lock)."""
-    worker.num_free_blocks = stats.num_free_blocks
-    worker.num_used_blocks = max(0, stats.num_total_blocks - stats.num_free_blocks)
+def _note_blocks(worker: _Worker, stats, asked_at: float) -> None:
+    """A worker's KV blocks from its Stats, counted at `asked_at`, less those of the streams
+    that ended after that (note_freed; under the pool's lock)."""
+    worker.ended = [(when, n) for when, n in worker.ended if when > asked_at]
+    freed = min(sum(n for _, n in worker.ended), stats.num_total_blocks - stats.num_free_blocks)
+    worker.num_free_blocks = stats.num_free_blocks + freed
+    worker.num_used_blocks = max(0, stats.num_total_blocks - stats.num_free_blocks - freed)

@@ -229,6 +229,34 @@ def test_a_conversation_goes_back_to_the_decode_worker_that_holds_it():
     legs.close()
 
 
+def test_a_next_turn_sent_as_the_last_one_ends_goes_back_to_its_holder():
+    """The pool's last Stats of the holder was taken while turn 1 streamed (its 10 blocks in
+    use), and a poll asked before the stream ended answers after it, still counting them: the
+    ended stream's blocks count free all the same, so turn 2, sent at once, goes back to the
+    holder, where the stale count (10 in use - 8 or 9 held > 0 on an idle worker) sent it to the
+    other (the peer-fetch test's flake on a loaded machine). A poll asked after the end is the
+    worker's own count again."""
+    pool, legs = two_workers({"d0": 10, "d1": 0})
+    d0, d1 = sorted(pool.decode, key=lambda w: w.address)
+    pool.sweep()  # a poll asked while turn 1 streams, answered only at the next sweep
+    leg = Leg(1)
+    leg.decode, leg.num_blocks = d0, 8  # its Reserve: 120 prompt tokens
+    leg.reservation = worker_pb2.ReserveResponse(block_ids=list(range(8)), block_size=16)
+    legs._note_freed(leg, decoded=40)
+    assert (d0.num_used_blocks, d0.num_free_blocks) == (0, 128)
+    FakePool.fakes["d0"].used = 0  # the worker freed them (into its prefix cache)
+    pool.sweep()  # takes the answer asked before the end (10 in use), asks again
+    assert (d0.num_used_blocks, d0.num_free_blocks) == (0, 128)
+    turn = list(range(100, 272))  # turn 1's 160 tokens, 12 new
+    pool.remember_decoded(d0, turn[:159])
+    held = pool.decode_usable(turn)
+    assert list(held) == [d0] and held[d0] >= 128  # less than the 10 blocks the stale count had
+    assert pool.decode_order(matched=held)[0] is d0
+    pool.sweep(wait_s=1.0)  # the answer asked after the end: nothing left to take off
+    assert d0.ended == [] and (d0.num_used_blocks, d0.num_free_blocks) == (0, 128)
+    legs.close()
+
+
 def test_a_local_turn_charges_only_its_new_tokens_to_the_holder():
     pool, legs = two_workers({"d0": 0, "d1": 0})
     d0, d1 = sorted(pool.decode, key=lambda w: w.address)
