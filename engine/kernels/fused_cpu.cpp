@@ -242,15 +242,18 @@ void rope_(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
 
 // The int8 linear's input (engine/layers/quant.py Int8Weight.matmul): each row of x (times
 // inv_smooth when given) divided by its largest |value| (at least 1e-6), then one row spanning
-// [-1, 1] appended. Returns (prepared [T + 1, K], row maxima [T, 1]).
+// [-1, 1] appended. A span row twice as wide as x's rows is a spread weight's: each row's values
+// then go to the even columns, zeros to the odd ones. Returns (prepared [T + 1, W], row maxima
+// [T, 1]), W the span row's width.
 std::vector<at::Tensor> int8_rows(at::Tensor x, c10::optional<at::Tensor> inv_smooth,
                                   at::Tensor span_row) {
   check_rows(x, "x");
-  const int64_t T = x.size(0), K = x.size(1), xs = x.stride(0);
-  auto out = at::empty({T + 1, K}, x.options());
+  const int64_t T = x.size(0), K = x.size(1), xs = x.stride(0), W = span_row.numel();
+  TORCH_CHECK(span_row.scalar_type() == at::kFloat && span_row.is_contiguous() && (W == K || W == 2 * K),
+              "span_row: contiguous float32 of the row width (or twice it) expected");
+  const bool spread = W == 2 * K;
+  auto out = at::empty({T + 1, W}, x.options());
   auto rmax = at::empty({T, 1}, x.options());
-  TORCH_CHECK(span_row.scalar_type() == at::kFloat && span_row.is_contiguous() && span_row.numel() == K,
-              "span_row: contiguous float32 of the row width expected");
   if (inv_smooth.has_value())
     TORCH_CHECK(inv_smooth->scalar_type() == at::kFloat && inv_smooth->is_contiguous() &&
                 inv_smooth->numel() == K, "inv_smooth: contiguous float32 of the row width expected");
@@ -261,7 +264,7 @@ std::vector<at::Tensor> int8_rows(at::Tensor x, c10::optional<at::Tensor> inv_sm
   at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const float* xr = xp + r * xs;
-      float* o = op + r * K;
+      float* o = op + r * W;
       float m = 0.0f;
       if (sm) {
 #pragma omp simd
@@ -275,9 +278,15 @@ std::vector<at::Tensor> int8_rows(at::Tensor x, c10::optional<at::Tensor> inv_sm
       mp[r] = m;
 #pragma omp simd
       for (int64_t i = 0; i < K; ++i) o[i] = o[i] / m;
+      if (spread) {  // from the end, so that no value is overwritten before it moves
+        for (int64_t i = K - 1; i >= 0; --i) {
+          o[2 * i] = o[i];
+          o[2 * i + 1] = 0.0f;
+        }
+      }
     }
   });
-  std::memcpy(op + T * K, span_row.data_ptr<float>(), K * sizeof(float));
+  std::memcpy(op + T * W, span_row.data_ptr<float>(), W * sizeof(float));
   return {out, rmax};
 }
 
@@ -1187,8 +1196,9 @@ namespace {
 // multiplied with the same torch ops their matmul runs (so the same bits come out):
 //   dense: oneDNN's packed float32 weight (mkldnn::_linear_pointwise)
 //   bf16:  the same on bf16 activations and oneDNN's packed bf16 weight, the result as float32
-//   int8:  int8_rows, then quantized::linear_dynamic on the prepacked weight, the span row
-//          dropped and each row scaled back
+//   int8:  int8_rows (which spreads the rows where the weight is spread: quant.py Int8Weight),
+//          then quantized::linear_dynamic on the prepacked weight, the span row dropped and each
+//          row scaled back
 //   int4:  _weight_int4pack_mm_for_cpu on bf16 activations
 // and, where the layer also holds its weight as 4-bit blocks (quant.py Q4Blocks), q4_linear (bf16)
 // or q4_linear_f32 (dense) for a step of at most q4_rows rows.
@@ -1196,7 +1206,6 @@ struct Linear {
   enum Kind { kDense, kBf16, kInt8, kInt4 } kind = kDense;
   at::Tensor weight, aux, span_row, bias;      // aux: int4 scales/zeros or int8 inv_smooth
   c10::IValue packed;                          // int8: the prepacked weight object
-  bool reduce_range = false;
   at::Tensor q4;                               // the 4-bit blocks, or undefined
   int64_t q4_part = 0;                         // q4_linear's part
   int64_t q4_rows = 0;
@@ -1256,7 +1265,7 @@ struct Linear {
     } else if (kind == kInt8) {
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
       auto rows = int8_rows(x, aux.defined() ? c10::optional<at::Tensor>(aux) : c10::nullopt, span_row);
-      torch::jit::Stack st{rows[0], packed, reduce_range};
+      torch::jit::Stack st{rows[0], packed, false};
       op.callBoxed(&st);
       const auto full = st[0].toTensor();
       y = full.slice(0, 0, full.size(0) - 1).mul_(rows[1]);
@@ -1340,7 +1349,7 @@ class DecodeStack {
   // kind: "dense" | "bf16" | "int8" | "int4"
   void set_linear(const std::string& which, const std::string& kind, py::object weight,
                   c10::optional<at::Tensor> aux, c10::optional<at::Tensor> span_row,
-                  c10::optional<at::Tensor> bias, bool reduce_range) {
+                  c10::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add_layer first");
     Layer& l = layers_.back();
     Linear* lin = which == "qkv" ? &l.qkv : which == "o" ? &l.o : which == "gate_up" ? &l.gate_up
@@ -1360,7 +1369,6 @@ class DecodeStack {
     }
     if (aux.has_value()) lin->aux = *aux;
     if (bias.has_value()) lin->bias = *bias;
-    lin->reduce_range = reduce_range;
   }
 
   // The 4-bit blocks of a linear of the last layer added (which: as set_linear) and their part

@@ -20,15 +20,16 @@
   compute oneDNN's bits (Q4Blocks): the mode stays batch-invariant. The float32 mode does the
   same in float32 arithmetic (engine/layers/linear.py).
 
-What int8 computes does not depend on the CPU where the kernel can be exact: every row is scaled
-to [-1, 1] and a span row pins the quantization range to exactly [-1, 1], so the activations'
-scale (2/255) and zero point are the same everywhere, fbgemm rounds half to even on every x86 CPU,
-and the u8 x s8 products are summed exactly in int32. One thing can differ: fbgemm's kernel
-without VNNI (AVX2, AVX-512 without VNNI) sums pairs of products in int16 and saturates with 8-bit
-activations, and there `int8_kernel_saturates` (a measured check, not a CPU flag) makes the
-activations 7-bit (reduce_range), which costs SmolLM2 +11% probe perplexity instead of +0.9%
-(AMD EPYC, 2026-11-29): quantization="auto" then finds int8 outside its bound. The float32
-rounding of the dequantization (fused multiply-add or not) may differ in the last bit.
+What int8 computes does not depend on the CPU: every row is scaled to [-1, 1] and a span row
+pins the quantization range to exactly [-1, 1], so the activations' scale (2/255) and zero point
+are the same everywhere, fbgemm rounds half to even on every x86 CPU, and the u8 x s8 products are
+summed exactly in int32. fbgemm's kernel without VNNI (AVX2, AVX-512 without VNNI) sums adjacent
+pairs of products in int16 first, which saturates with 8-bit activations (255 x 127 x 2 > 32767);
+where `int8_kernel_saturates` (a measured check, not a CPU flag) finds that, the weight is
+*spread*: a zero column after every input column, the activations likewise, so each pair holds
+one product and the sums are exact again, at twice the kernel's work. (Its earlier answer there,
+7-bit activations, cost SmolLM2 +11% probe perplexity.) The float32 rounding of the
+dequantization (fused multiply-add or not) may differ in the last bit.
 bf16 rounds to nearest even on every CPU and sums in float32, so only the sums' order may differ.
 tests/unit/test_int8_reference.py pins all of it against references without int8 or bf16 kernels.
 
@@ -153,14 +154,17 @@ class Int8Weight:
             self.inv_smooth = 1.0 / smooth
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.long)
+        # fbgemm's path without VNNI sums u8*s8 pairs in int16 and would saturate: a zero
+        # column after each input column keeps one product per pair (the module docstring)
+        self.spread = int8_kernel_saturates()
+        if self.spread:
+            w = torch.stack([w, torch.zeros_like(w)], dim=2).flatten(1)
         # the quantized-tensor constructors are deprecated, not gone
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
-        # fbgemm's path without VNNI sums u8*s8 pairs in int16 and can saturate: it needs 7-bit
-        # activations then (see the module docstring)
-        self.reduce_range = int8_kernel_saturates()
+        # as wide as the packed weight: int8_rows spreads the rows when it is twice theirs
         self.span_row = torch.ones(1, w.shape[1])
         self.span_row[0, 1::2] = -1.0
         self.out_features = w.shape[0]
@@ -169,9 +173,7 @@ class Int8Weight:
         fused = fused_for(x2d)
         if fused is not None:  # the same arithmetic as below, in one call
             x, rmax = fused.int8_rows(x2d, self.inv_smooth, self.span_row)
-            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)[:-1].mul_(
-                rmax
-            )
+            return torch.ops.quantized.linear_dynamic(x, self.packed, False)[:-1].mul_(rmax)
         x = x2d.float() if self.inv_smooth is None else x2d.float() * self.inv_smooth
         # The kernel quantizes the whole matrix with one range, its min and max, but a few tokens
         # (the first, delimiters) carry activations orders of magnitude larger than the others',
@@ -180,8 +182,11 @@ class Int8Weight:
         # pins the range: each row's quantization, hence its result, no longer depends on which
         # other rows share the step (batch-invariant, like float32 here).
         rmax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-6)
-        x = torch.cat([x / rmax, self.span_row])
-        y = torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)[:-1].mul_(rmax)
+        x = x / rmax
+        if self.spread:
+            x = torch.stack([x, torch.zeros_like(x)], dim=2).flatten(1)
+        x = torch.cat([x, self.span_row])
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, False)[:-1].mul_(rmax)
         return y if x2d.dtype == torch.float32 else y.to(x2d.dtype)
 
 

@@ -280,16 +280,16 @@ def _stack_linear(linear: LinearBase):
     bias = None if linear.bias is None else linear.bias.detach()
     q = linear._quant
     if isinstance(q, Int4Weight):
-        return "int4", q.packed, q.scales_zeros, None, bias, False
+        return "int4", q.packed, q.scales_zeros, None, bias
     if isinstance(q, Int8Weight):
-        return "int8", q.packed, q.inv_smooth, q.span_row, bias, q.reduce_range
+        return "int8", q.packed, q.inv_smooth, q.span_row, bias
     # (no oneDNN copy where our own packing took over: the stack gets it from set_own)
     if isinstance(q, Bf16Weight):
-        return "bf16", q.packed if q.packed is not None else q.bp, None, None, bias, False
+        return "bf16", q.packed if q.packed is not None else q.bp, None, None, bias
     if q is None and linear._own is not None:
-        return "dense", linear._own[0], None, None, bias, False
+        return "dense", linear._own[0], None, None, bias
     if q is None and linear._packed is not None and linear._packed.dtype == torch.float32:
-        return "dense", linear._packed, None, None, bias, False
+        return "dense", linear._packed, None, None, bias
     return None
 
 

@@ -8,7 +8,7 @@ ChooseQuantizationParams over [-1, 1], round half to even of x / scale + zero po
 per output channel, an exact integer accumulate (float64 holds every sum exactly) and the
 dequantization. A CPU whose kernel rounds differently, takes a narrower activation range
 (reduce_range: 7 bits instead of 8) or saturates its accumulate in int16 (fbgemm's path without
-VNNI) fails these tests. Mode bf16 runs the decoder's linears as `Bf16Weight` and the head as
+VNNI, unless the weight is spread: quant.py) fails these tests. Mode bf16 runs the decoder's linears as `Bf16Weight` and the head as
 `ScreenedHead` (an int8 screen, its best candidates rescored in float32); their references are
 plain float64 sums of bf16-rounded operands, and the int8 reference above with an exact rescore.
 The engine's prompt logprobs on a tiny random llama, in modes int8 and bf16, are then compared to
@@ -43,6 +43,17 @@ def choose_qparams(lo: float, hi: float, qmin: int, qmax: int) -> tuple[float, i
     return float(torch.tensor(scale, dtype=torch.float32).item()), zp
 
 
+def unpacked(q: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight [out, in] as stored (int_repr) and its per-channel scales; a spread one
+    (quant.py: a zero column after each input column) with its zero columns checked and dropped."""
+    wq = torch.ops.quantized.linear_unpack(q.packed)[0]
+    w_int = wq.int_repr()
+    if q.spread:
+        assert not w_int[:, 1::2].any()
+        w_int = w_int[:, 0::2]
+    return w_int, wq.q_per_channel_scales()
+
+
 def reference_matmul(q: Int8Weight, x2d: torch.Tensor, reduce_range: bool = False) -> torch.Tensor:
     """What Int8Weight.matmul computes, without any int8 kernel (see the module docstring)."""
     x = x2d.float() if q.inv_smooth is None else x2d.float() * q.inv_smooth
@@ -55,9 +66,8 @@ def reference_matmul(q: Int8Weight, x2d: torch.Tensor, reduce_range: bool = Fals
     t = (x.double() * inv.double() + a_zp).float()
     xq = t.round().clamp(0, qmax).double()
     # per-channel int8 weights: torch.quantize_per_channel's result, unpacked as stored
-    wq = torch.ops.quantized.linear_unpack(q.packed)[0]
-    w_int = wq.int_repr().double()
-    w_scale = wq.q_per_channel_scales().float()
+    w_int, w_scale = unpacked(q)
+    w_int, w_scale = w_int.double(), w_scale.float()
     acc = (xq - a_zp) @ w_int.T  # exact: every partial sum is an integer below 2**53
     y = acc.float() * (a_scale * w_scale.double()).float()
     return (y * rmax).to(x2d.dtype)
@@ -116,11 +126,11 @@ def test_the_weights_are_round_to_nearest_per_channel():
     """The unpacked int8 weight the reference reads is our own round(w / scale) per channel."""
     w, x = weight_input(4)
     q = Int8Weight(w)
-    wq = torch.ops.quantized.linear_unpack(q.packed)[0]
+    w_int, _ = unpacked(q)
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     mine = (w / scale[:, None]).round().clamp(-128, 127)
-    assert (wq.int_repr().float() - mine).abs().max().item() <= 1  # a tie may round either way
-    assert (wq.int_repr().float() != mine).float().mean().item() < 1e-3
+    assert (w_int.float() - mine).abs().max().item() <= 1  # a tie may round either way
+    assert (w_int.float() != mine).float().mean().item() < 1e-3
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -135,7 +145,7 @@ def test_int8_matmul_matches_the_reference(rows, smooth, monkeypatch):
         if not fused:
             monkeypatch.setattr(quant, "fused_for", lambda t: None)
         got = q.matmul(x)
-        assert rel_gap(got, want) < 1e-5, (fused, q.reduce_range, rel_gap(got, want))
+        assert rel_gap(got, want) < 1e-5, (fused, q.spread, rel_gap(got, want))
     assert rel_gap(reference_matmul(q, x, reduce_range=True), want) > 1e-3
 
 
@@ -173,16 +183,26 @@ def test_screened_head_rescores_the_screens_best_exactly(rows):
     assert torch.equal(got[others], screen[others])
 
 
-def test_the_kernel_accumulates_exactly_on_this_cpu():
+def test_the_kernel_accumulates_exactly_on_this_cpu(monkeypatch):
     """The pairs fbgemm's kernel without VNNI sums in int16 (255 * 127 * 2 > 32767): where the
-    kernel saturates, Int8Weight takes 7-bit activations (reduce_range) and says so; where it
-    does not, 8-bit activations are exact and served on every CPU alike."""
+    kernel saturates, Int8Weight spreads its weight (a zero column after each input column) and
+    its product is exact again; where it does not, nothing is spread. Either way, on a case made
+    to saturate, both paths give the 8-bit reference's product."""
     w = torch.full((16, 64), 0.5)
     x = torch.ones(2, 64)
     q = Int8Weight(w)
     exact = reference_matmul(q, x, reduce_range=False)
-    raw = torch.ops.quantized.linear_dynamic(torch.cat([x, q.span_row]), q.packed, False)[:-1]
-    assert q.reduce_range == (rel_gap(raw, exact) > 1e-3) == quant.int8_kernel_saturates()
+    qw = torch.quantize_per_channel(
+        w, torch.full((16,), 0.5 / 127, dtype=torch.double), torch.zeros(16).long(), 0, torch.qint8
+    )
+    span = torch.tensor([1.0, -1.0]).repeat(32)[None]
+    raw = torch.ops.quantized.linear_dynamic(
+        torch.cat([x, span]), torch.ops.quantized.linear_prepack(qw, None), False
+    )[:-1]  # the weight as it is, never spread
+    assert q.spread == (rel_gap(raw, exact) > 1e-3) == quant.int8_kernel_saturates()
+    assert rel_gap(q.matmul(x), exact) < 1e-5
+    monkeypatch.setattr(quant, "fused_for", lambda t: None)
+    assert rel_gap(q.matmul(x), exact) < 1e-5
 
 
 def prompt_logprobs(llm, prompts) -> list[list[float]]:
