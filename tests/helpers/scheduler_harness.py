@@ -70,6 +70,9 @@ class Harness:
         self.token_fn = token_fn
         self.kv: dict[tuple[int, int], int] = {}
         self.kv_text: dict[int, tuple[int, ...]] = {}  # full block -> tokens [0, end of block)
+        # (hash function, a block's text) -> (its hash, its parent's): check() asks for the same
+        # chains every step, and computing each from its first block made long prompts quadratic
+        self._chains: dict = {}
         self.seqs: list[Sequence] = []
         self._ids = 0
 
@@ -175,6 +178,21 @@ class Harness:
         raise AssertionError("did not drain")
 
     # ---- invariants ----
+    def _chain(self, text: tuple) -> tuple:
+        """(the hash of the block ending `text`, its parent's), as block_hash chains them from
+        the first block; each text's pair computed once."""
+        fn = block_manager_mod.block_hash
+        todo, end = [], len(text)
+        while end and (fn, text[:end]) not in self._chains:
+            todo.append(end)
+            end -= self.bs
+        parent = self._chains[(fn, text[:end])][0] if end else None
+        for end in reversed(todo):
+            pair = (fn(parent, text[end - self.bs : end]), parent)
+            self._chains[(fn, text[:end])] = pair
+            parent = pair[0]
+        return self._chains[(fn, text)]
+
     def check(self):
         bm, sched = self.bm, self.sched
         bm.check_consistency()
@@ -183,12 +201,7 @@ class Harness:
                 continue
             text = self.kv_text.get(block.block_id)
             assert text is not None and len(text) % self.bs == 0, f"block {block.block_id}"
-            parent = None
-            for i in range(len(text) // self.bs):
-                grand, parent = (
-                    parent,
-                    block_manager_mod.block_hash(parent, text[i * self.bs : (i + 1) * self.bs]),
-                )
+            parent, grand = self._chain(tuple(text))
             assert (block.hash, block.parent_hash, block.token_ids) == (
                 parent,
                 grand,
