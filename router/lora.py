@@ -255,7 +255,6 @@ class RouterAdapters:
         try:
             getattr(worker.stub, method)(request, timeout=WORKER_CALL_TIMEOUT_S)
         except grpc.RpcError as e:
-            self.catch_up_failures += 1
             with self._lock:
                 self._retry_at[id(worker)] = time.monotonic() + CATCH_UP_RETRY_S
             log.warning(
@@ -266,8 +265,8 @@ class RouterAdapters:
                 e.code().name,
                 e.details(),
             )
+            self.catch_up_failures += 1  # last: a count read means its call is all done
         else:
-            self.catch_ups += 1
             with self._lock:
                 self._retry_at.pop(id(worker), None)
             log.info(
@@ -276,6 +275,7 @@ class RouterAdapters:
                 method,
                 request.lora_name,
             )
+            self.catch_ups += 1
 
     @staticmethod
     def _unload_on(workers, name: str) -> None:
