@@ -26,6 +26,9 @@ import time
 from helpers.ports import free_ports
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+# How long one `ray start` may take: a head node overran 120 s once, in a full suite on the
+# slower AVX2 EPYC VM (load average above 6); the output says what it was doing
+START_S = 300.0
 
 
 def free_range(n: int) -> tuple[int, int]:
@@ -106,7 +109,14 @@ class RayNodes:
         own = session_and_start(proc.pid)
         assert own is not None and own[0] == proc.pid  # start_new_session: it leads its own
         self.sessions[proc.pid] = own[1]
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=START_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(
+                f"`ray start` did not finish in {START_S:.0f} s; its output:\n{out[-3000:]}"
+            ) from None
         assert proc.returncode == 0, out[-3000:]
 
     def processes(self) -> list[int]:
