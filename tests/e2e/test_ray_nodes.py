@@ -48,9 +48,11 @@ from helpers.ray_nodes import RayNodes, ask_ray, free_ports, read_until_table, u
 
 pytestmark = [
     pytest.mark.slow,
-    # two clusters of `ray start` nodes starting at once on two cores overran Ray's node
-    # registration wait (a run with four test processes): one such cluster at a time
-    pytest.mark.exclusive("ray-nodes"),
+    # its `ray start` nodes need the machine to themselves: two such clusters starting at once
+    # overran Ray's node registration wait (a run with four test processes), and on the slower
+    # AVX2 EPYC the head alone timed out in both full suites there ("The current node timed
+    # out during startup", load average above 6), where alone the two starts take 16 s
+    pytest.mark.serial,
     pytest.mark.skipif(sys.platform != "linux", reason="finds its Ray processes in /proc"),
 ]
 

@@ -23,9 +23,9 @@ router's default ports 127.0.0.1:50051 and :8000, which the README tour's `pdser
 and an `up --check` of a shipped example checks are free. Tests with the same name never run at
 once; consecutive tests of one file with it keep it between them, so a module-scoped fixture (the
 README tour's deployment) holds it for its whole life. It is taken before the serial lock and
-its turnstile, so a test waiting for it holds neither; `exclusive("ray-nodes")`: a Ray cluster
-of `ray start` nodes (tests/helpers/ray_nodes.py), two of which starting at once overran Ray's
-node registration wait; a test is never both `serial` and
+its turnstile, so a test waiting for it holds neither (the Ray cluster of `ray start` nodes,
+tests/e2e/test_ray_nodes.py, was one such name until its start timed out beside the rest of a
+suite on a slow CPU: now it is `serial`); a test is never both `serial` and
 `exclusive` (the tour's file, holding the name between its tests, would wait at the turnstile for
 a serial test that waits for the name).
 
