@@ -26,8 +26,9 @@ import time
 from helpers.ports import free_ports
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-# How long one `ray start` may take: a head node overran 120 s once, in a full suite on the
-# slower AVX2 EPYC VM (load average above 6); the output says what it was doing
+# How long one `ray start` may take, past Ray's own wait for its node (about 3 minutes): a head
+# node overran 120 s in a full suite on the slower AVX2 EPYC VM (load average above 6), and with
+# more time gave up by itself ("node timed out during startup"), which its output now shows
 START_S = 300.0
 
 
