@@ -8,7 +8,8 @@ ChooseQuantizationParams over [-1, 1], round half to even of x / scale + zero po
 per output channel, an exact integer accumulate (float64 holds every sum exactly) and the
 dequantization. A CPU whose kernel rounds differently, takes a narrower activation range
 (reduce_range: 7 bits instead of 8) or saturates its accumulate in int16 (fbgemm's path without
-VNNI, unless the weight is spread: quant.py) fails these tests. Mode bf16 runs the decoder's linears as `Bf16Weight` and the head as
+VNNI, unless the weight is spread: quant.py) fails these tests. Mode bf16 runs the decoder's
+linears as `Bf16Weight` and the head as
 `ScreenedHead` (an int8 screen, its best candidates rescored in float32); their references are
 plain float64 sums of bf16-rounded operands, and the int8 reference above with an exact rescore.
 The engine's prompt logprobs on a tiny random llama, in modes int8 and bf16, are then compared to
