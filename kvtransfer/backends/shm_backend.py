@@ -23,6 +23,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
@@ -72,20 +73,27 @@ def remove_shared_kv_cache(path: str) -> None:
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (asm-generic/mman-common.h)
 # A sender faults a receiver's pool in this many bytes per madvise call (populate_in_background):
-# each call holds the process's mmap lock for reading, about 4 ms per 16 MiB, so a thread that
-# maps or unmaps memory meanwhile waits that long at most, not for the whole pool
-POPULATE_CHUNK = 16 << 20
+# each call holds the process's mmap lock for reading, about 0.5 ms per 2 MiB, and a thread of
+# the process that maps or unmaps memory meanwhile (torch allocating a large tensor) waits for it
+POPULATE_CHUNK = 2 << 20
+# the share of the wall time the background populate spends in madvise: it rests for three
+# times as long as each call took, so it takes about a quarter of a core at most
+POPULATE_DUTY = 0.25
 # how long a sender that lets go of its pools waits for the populate thread to drop them
 POPULATE_JOIN_S = 5.0
 
 
 def populate(
-    tensor: torch.Tensor | weakref.ref, stop: threading.Event | None = None, chunk: int = 0
+    tensor: torch.Tensor | weakref.ref,
+    stop: threading.Event | None = None,
+    chunk: int = 0,
+    duty: float = 1.0,
 ) -> bool:
     """Fault every page of a shared KV pool into this process's page tables, writable, without
     touching the contents (madvise MADV_POPULATE_WRITE); False where the kernel cannot, or when
     `stop` was set or the tensor (a weak reference to it) is gone before the end. chunk > 0: that
-    many bytes per call, both checked between calls.
+    many bytes per call, both checked between calls. duty < 1 (with `stop`): after each call,
+    wait on `stop` for as long as the call took times (1 / duty - 1).
 
     Pool files live in tmpfs with 4 KiB pages, and a page is faulted in by each process on its
     first touch: the first writer of a fresh reservation paid for its faults many times over what
@@ -105,40 +113,42 @@ def populate(
     start = t.data_ptr() // page * page  # madvise wants a page-aligned start
     end = t.data_ptr() + t.numel() * t.element_size()
     step = end - start if chunk <= 0 else max(page, chunk // page * page)
+    rest = 1 / duty - 1 if stop is not None and 0 < duty < 1 else 0.0
     del t
     for at in range(start, end, step):
         # held across the call only: the mapping cannot go (nor its addresses be reused) under it
         t = get()
         if t is None or (stop is not None and stop.is_set()):
             return False
+        began = time.monotonic()
         done = madvise(at, min(step, end - at), _MADV_POPULATE_WRITE) == 0
         del t
         if not done:
+            return False
+        if rest and at + step < end and stop.wait((time.monotonic() - began) * rest):
             return False
     return True
 
 
 def populate_in_background(tensors: list[torch.Tensor], stop: threading.Event) -> threading.Thread:
-    """Populate `tensors` (a sender's mappings of a receiver's pools) on a daemon thread at the
-    lowest scheduling priority, POPULATE_CHUNK at a time, until done, `stop` is set or the
-    tensors are gone. Between its calls the thread holds them by weak reference only: a pool
-    released because its receiver is gone (release_gone_pools) is unmapped at once, even while
-    a loaded core starves this thread.
+    """Populate `tensors` (a sender's mappings of a receiver's pools) on a daemon thread,
+    POPULATE_CHUNK at a time and resting between calls (POPULATE_DUTY), until done, `stop` is set
+    or the tensors are gone. Between its calls the thread holds them by weak reference only: a
+    pool released because its receiver is gone (release_gone_pools) is unmapped at once.
 
     The first hand-off to a receiver used to wait for all of it: 0.25 s of a 1 GiB pool, most of
     the first request's TTFT after `pdserve up` and again after each idle close of the channel.
-    Now that hand-off faults in only the pages it writes, and the rest is faulted in while the
-    worker's engine thread has the core: at nice 19 this thread gets about 1/70 of a core that
-    the engine thread wants (Linux CFS weights 15 against 1024)."""
+    Now that hand-off faults in only the pages it writes, and the rest is faulted in beside it.
+    The thread keeps the process's priority: it used to run at nice 19, and on a busy machine a
+    call preempted at that priority held the mmap lock for seconds (its thread got about 1/70 of
+    a core), while the engine thread, wanting the lock to map a tensor, waited without using the
+    CPU and the router took the worker for hung (docs/experiments/shm-populate-priority.md).
+    Resting between short calls keeps its share of the cores small instead."""
     refs = [weakref.ref(t) for t in tensors]
 
     def run() -> None:
-        try:  # (Linux: a thread's own nice value, its native id as the "process")
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
         for ref in refs:
-            if not populate(ref, stop, POPULATE_CHUNK):
+            if not populate(ref, stop, POPULATE_CHUNK, POPULATE_DUTY):
                 return
 
     thread = threading.Thread(target=run, name="pdserve-shm-populate", daemon=True)

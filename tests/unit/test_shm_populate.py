@@ -1,7 +1,9 @@
 """An shm sender faults a receiver's pool into its page tables beside its hand-offs, not in front
 of them: the first hand-off after `pdserve up` (and after each idle close of the channel) waited
-0.25 s for a 1 GiB pool. The populate runs on a thread of its own at the lowest priority, a chunk
-per madvise call, and stops when the transport closes. The control channel is a stand-in (no
+0.25 s for a 1 GiB pool. The populate runs on a thread of its own, a chunk per madvise call with
+a rest after each, and stops when the transport closes. That thread keeps the process's priority:
+at nice 19 on a busy machine, a call preempted while holding the mmap lock stalled the engine
+thread for seconds. The control channel is a stand-in (no
 socket), as in tests/unit/test_shm_peer_pools.py."""
 
 from __future__ import annotations
@@ -70,16 +72,38 @@ def test_populate_stops_between_chunks_once_told(pool):
     assert rss_of(pool) == 0
 
 
-def test_a_sender_populates_on_a_low_priority_thread_of_its_own(pool, monkeypatch):
+def test_populate_rests_after_each_call_for_its_duty(pool):
+    class Recording(threading.Event):
+        def __init__(self):
+            super().__init__()
+            self.rests = []
+
+        def wait(self, timeout=None):
+            self.rests.append(timeout)
+            return super().wait(0)
+
+    cache = map_shared_kv_cache(pool, SHAPE, torch.float32)
+    stop = Recording()
+    assert populate(cache, stop, chunk=64 * mmap.PAGESIZE, duty=0.25)
+    assert rss_of(pool) == cache.numel() * cache.element_size()
+    # four calls of 64 pages, a rest between each two: none after the last
+    assert len(stop.rests) == 3 and all(r > 0 for r in stop.rests)
+    stop.rests.clear()
+    assert populate(cache, stop, chunk=64 * mmap.PAGESIZE)  # duty 1: no rests
+    assert stop.rests == []
+
+
+def test_a_sender_populates_on_a_thread_of_its_own_at_the_process_s_priority(pool, monkeypatch):
     seen = []
     release = threading.Event()
     real = shm_backend.populate
 
-    def watched(tensor, stop=None, chunk=0):
+    def watched(tensor, stop=None, chunk=0, duty=1.0):
         me = threading.get_native_id()
-        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, me), chunk))
+        nice = os.getpriority(os.PRIO_PROCESS, me)
+        seen.append((threading.current_thread().name, nice, chunk, duty))
         release.wait(10)
-        return real(tensor, stop, chunk)
+        return real(tensor, stop, chunk, duty)
 
     monkeypatch.setattr(shm_backend, "populate", watched)
     # the constructor returns while the populate still waits: a hand-off can start at once
@@ -87,10 +111,10 @@ def test_a_sender_populates_on_a_low_priority_thread_of_its_own(pool, monkeypatc
     try:
         wait_until(lambda: seen, 10, "the populate never started")
         assert sender.populate_thread.is_alive()
-        ((name, nice, chunk),) = seen
+        ((name, nice, chunk, duty),) = seen
         assert name == "pdserve-shm-populate" and name != threading.main_thread().name
-        assert nice == 19
-        assert chunk == shm_backend.POPULATE_CHUNK
+        assert nice == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert chunk == shm_backend.POPULATE_CHUNK and duty == shm_backend.POPULATE_DUTY < 1
         release.set()
         sender.populate_thread.join(10)
         assert not sender.populate_thread.is_alive()
@@ -108,10 +132,10 @@ def test_a_closed_sender_s_pool_is_unmapped_while_its_populate_waits(pool, monke
     started, release = threading.Event(), threading.Event()
     real = shm_backend.populate
 
-    def held(tensor, stop=None, chunk=0):
+    def held(tensor, stop=None, chunk=0, duty=1.0):
         started.set()
         release.wait(10)
-        return real(tensor, stop, chunk)
+        return real(tensor, stop, chunk, duty)
 
     monkeypatch.setattr(shm_backend, "populate", held)
     sender = ShmTransport(format_address(pool, SHAPE, torch.float32, "127.0.0.1:1"))
