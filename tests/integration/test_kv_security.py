@@ -10,6 +10,7 @@ import math
 import struct
 import threading
 import time
+import types
 import uuid
 
 import grpc
@@ -29,7 +30,7 @@ from helpers.kv import (
     src_layout,
 )
 from pdserve.kvtransfer import ChunkHeader, TransferState
-from pdserve.kvtransfer.backends import connect
+from pdserve.kvtransfer.backends import channels, connect
 from pdserve.kvtransfer.backends.grpc_backend import (
     CHANNEL_METADATA_KEY,
     FLUSH_METHOD,
@@ -328,25 +329,34 @@ def wait_until(predicate, what: str, timeout: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize("per_peer", [8, 16])
-def test_idle_channels_of_one_peer_do_not_lock_out_a_fresh_sender(sides, per_peer):
+def test_idle_channels_of_one_peer_do_not_lock_out_a_fresh_sender(sides, per_peer, monkeypatch):
     """20 idle streams from one address: at most max_channels_per_peer (default 8) are admitted; with
-    that limit at 16 they fill every slot (max_channels=16), and a fresh sender still gets one."""
+    that limit at 16 they fill every slot (max_channels=16), and a fresh sender still gets one.
+
+    The channel table's clock stands still until the test moves it: on a loaded CI machine the 20
+    admissions took over min_idle_evict_s, so the last ones evicted the first instead of being
+    refused."""
+    now = [time.monotonic()]
+    monkeypatch.setattr(channels, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     side = sides("grpc", min_idle_evict_s=1.0, max_channels_per_peer=per_peer)
     idle = IdleStreams(side.server.address, 20)
     try:
         wait_until(
             lambda: side.server.num_channels == per_peer and len(idle.ended()) == 20 - per_peer,
             "the idle streams were not admitted or refused",
+            timeout=30,
         )
         assert set(idle.ended()) == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # refused: nothing held
-        time.sleep(1.2)  # now they have been idle long enough
+        now[0] += 1.2  # now they have been idle long enough
         tx = connect("grpc", side.server.address, security=SECURITY, timeout=TIMEOUT)
         try:
             push_good(side, tx)
             assert side.server.num_channels == per_peer
         finally:
             tx.close()
-        wait_until(lambda: grpc.StatusCode.CANCELLED in idle.ended(), "no idle stream was evicted")
+        wait_until(
+            lambda: grpc.StatusCode.CANCELLED in idle.ended(), "no idle stream was evicted", 30
+        )
     finally:
         idle.close()
 
