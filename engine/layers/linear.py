@@ -6,9 +6,8 @@ prepares the weight for the matmul that will use it: on CPU in float32 or bfloat
 into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (dense in, dense out,
 as torch inductor does), which beats `F.linear` at the row counts of decoding; a float32 weight
 that is exactly a GGUF's 4- or 8-bit blocks also keeps those (quant.py Q4Blocks, Q8Blocks), which
-steps of at most Q4_ROWS rows multiply instead, to oneDNN's float32 bits at 0.625 or 1.0625 bytes
-a weight; with a
-quantization mode it becomes an int8 or int4 weight (engine/layers/quant.py). A linear that an
+steps of at most `float32_block_rows()` rows (8, or 48 on a CPU without AVX-512) multiply instead,
+to oneDNN's float32 bits at 0.625 or 1.0625 bytes a weight; with a quantization mode it becomes an int8 or int4 weight (engine/layers/quant.py). A linear that an
 engine's LoRA adapters target (`has_lora`, set by engine/lora.py) adds the running step's adapter
 deltas to its output (the forward context's LoRABatch), before a row-parallel layer's all-reduce.
 """
@@ -21,10 +20,10 @@ from torch import nn
 
 from pdserve.engine.forward_context import current_forward_context
 from pdserve.engine.layers.quant import (
-    Q4_ROWS,
     Q4Blocks,
     Q8Blocks,
     exact_blocks,
+    float32_block_rows,
     onednn_bf16_available,
     own_linear,
     own_product,
@@ -136,7 +135,7 @@ class LinearBase(nn.Module):
             return y.view(*x.shape[:-1], y.shape[-1])
         if self._own is not None:  # (no bias: finalize)
             x2d = x.reshape(-1, x.shape[-1])
-            if self._blocks is not None and bias is None and x2d.shape[0] <= Q4_ROWS:
+            if self._blocks is not None and bias is None and x2d.shape[0] <= float32_block_rows():
                 y = self._blocks.matmul(x2d)
             else:
                 y = own_linear(x2d, *self._own)
@@ -146,7 +145,7 @@ class LinearBase(nn.Module):
         if self._packed is not None:
             x2d = x.reshape(-1, x.shape[-1])
             # (a bias goes inside oneDNN's product: such a layer leaves every step to it)
-            if self._blocks is not None and bias is None and x2d.shape[0] <= Q4_ROWS:
+            if self._blocks is not None and bias is None and x2d.shape[0] <= float32_block_rows():
                 y = self._blocks.matmul(x2d)
             else:
                 y = onednn_linear(x2d, self._packed, bias)

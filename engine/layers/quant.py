@@ -63,6 +63,20 @@ HEAD_RESCORE = 8
 # float32's 4 bytes a weight the blocks lead further (in cache, 576 x 1536, 2 threads: 32 against
 # 54 us at 1 row, 74 against 83-89 at 8, even at 12-16).
 Q4_ROWS = 8
+# The same bound for a float32 layer on a CPU without AVX-512, where the other path is oneDNN's
+# float32 product at AVX2's width (our own f32_linear needs AVX-512): there the blocks lead much
+# further. SmolLM2's 120 decoder linears and its head, one pass from memory (AMD EPYC AVX2, Zen
+# 3, 2 threads, 2026-12-02, quiet; best of four): blocks against oneDNN 55 against 82 ms at 16
+# rows, 107 against 123 at 32, 137 against 148 at 48, 171 against 173 at 64; a 32-stream decode
+# step of the float32 mode 162-186 -> 142-158 ms (docs/experiments/engine-decode-step.md).
+AVX2_F32_BLOCK_ROWS = 48
+
+
+def float32_block_rows() -> int:
+    """The most rows of a float32 step that a layer's 4- or 8-bit blocks (Q4Blocks, Q8Blocks)
+    take on this CPU: Q4_ROWS where AVX-512 runs the dense product (our own f32_linear or
+    oneDNN's AVX-512 kernel), AVX2_F32_BLOCK_ROWS elsewhere. Either path gives the same bits."""
+    return Q4_ROWS if cpu_features().has("avx512f") else AVX2_F32_BLOCK_ROWS
 
 
 @functools.cache

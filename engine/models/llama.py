@@ -35,6 +35,7 @@ from pdserve.engine.layers.quant import (
     Int4Weight,
     Int8Weight,
     Q4Blocks,
+    float32_block_rows,
     head_quantization,
 )
 from pdserve.engine.layers.rotary import RotaryEmbedding
@@ -230,7 +231,8 @@ class LlamaModel(nn.Module):
                     stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
                 elif q is None and isinstance(linear._blocks, Q4Blocks) and linear.bias is None:
                     # (oneDNN adds a layer's bias inside its product: such a layer keeps oneDNN)
-                    stack.set_q4(which, linear._blocks.blocks, linear._blocks.part, Q4_ROWS)
+                    rows = float32_block_rows()
+                    stack.set_q4(which, linear._blocks.blocks, linear._blocks.part, rows)
         self._stack = stack
 
     def _decode_stack(self, hidden, positions, meta):

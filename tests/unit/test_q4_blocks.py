@@ -17,6 +17,7 @@ from helpers.marks import needs_onednn_bf16
 from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cpu import CPUFeatures
 from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.layers.quant import (
@@ -26,6 +27,7 @@ from pdserve.engine.layers.quant import (
     Q8Blocks,
     cancelling_rows,
     exact_blocks,
+    float32_block_rows,
     onednn_part,
     q4_gives_onednn_bits,
 )
@@ -189,6 +191,19 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
     assert torch.equal(blocks.matmul(narrowed), blocks.matmul(narrowed.clone()))
 
 
+def test_float32_steps_take_the_blocks_further_where_onednn_runs_avx2(monkeypatch):
+    """Where the dense float32 product is oneDNN's AVX2 kernel, the blocks lead up to about 56
+    rows (measured: quant.AVX2_F32_BLOCK_ROWS); with AVX-512 up to Q4_ROWS."""
+    import pdserve.engine.layers.quant as quant
+
+    for flags, rows in ((["avx2", "fma"], quant.AVX2_F32_BLOCK_ROWS), (["avx512f"], Q4_ROWS)):
+        monkeypatch.setattr(
+            quant, "cpu_features", lambda f=flags: CPUFeatures("test", frozenset(f))
+        )
+        assert float32_block_rows() == rows
+    assert quant.AVX2_F32_BLOCK_ROWS > Q4_ROWS
+
+
 @needs_onednn_bf16
 def test_a_weight_that_is_not_4_bit_blocks_is_refused():
     g = torch.Generator().manual_seed(3)
@@ -294,8 +309,8 @@ def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_
 def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
     """dtype="float32" on a model whose linears are 4-bit blocks: every decoder linear keeps
     them, the decode stack takes them, and a sequence decodes the same tokens and logprobs alone
-    (one-row steps on the blocks) as in a batch of twelve (oneDNN's float32 weight) and as the
-    layers one by one."""
+    (one-row steps on the blocks) as in a batch larger than the steps the blocks take (oneDNN's
+    float32 weight) and as the layers one by one."""
     llm = LLM(
         q4_model,
         dtype="float32",
@@ -315,7 +330,8 @@ def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
         )
         assert isinstance(model.lm_head._blocks, Q8Blocks)  # the head: the Q8_0 embedding
         assert model.model._stack is not None
-        prompts = random_prompts([3 + 2 * i for i in range(12)], seed=11)
+        rows = float32_block_rows() + 4
+        prompts = random_prompts([3 + 2 * (i % 12) for i in range(rows)], seed=11)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
 
         def outputs(batch):
