@@ -6,9 +6,9 @@ A 1.4 GiB pool file is made and mapped; one thread populates it (MADV_POPULATE_W
 main thread maps, touches and unmaps 4 MiB of anonymous memory in a loop, as torch does for a
 large tensor; each map needs the process's mmap lock, which every madvise call holds. Printed per
 variant: the populate's wall time and the longest map, with the CPU time the main thread used in
-it (a blocked thread uses next to none). Variants: `nice19` (what 2026-12-02 shipped: nice 19, 16
-MiB a call, no rest) and `current` (populate_in_background as it is). `--busy N` starts N busy
-processes (`while True: pass`) for the run.
+it (a blocked thread uses next to none). Variants: `nice19` (what shipped until 2026-12-02:
+nice 19, 16 MiB a call, no rest) and `current` (populate_in_background as it is). `--busy N`
+starts N busy processes (`while True: pass`) for the run.
 
     python -m experiments.shm_populate_lock --busy 5
 """

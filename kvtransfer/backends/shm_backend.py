@@ -142,7 +142,7 @@ def populate_in_background(tensors: list[torch.Tensor], stop: threading.Event) -
     The thread keeps the process's priority: it used to run at nice 19, and on a busy machine a
     call preempted at that priority held the mmap lock for seconds (its thread got about 1/70 of
     a core), while the engine thread, wanting the lock to map a tensor, waited without using the
-    CPU and the router took the worker for hung (docs/experiments/shm-populate-priority.md).
+    CPU and the router took the worker for hung (docs/experiments/design-measurements.md).
     Resting between short calls keeps its share of the cores small instead."""
     refs = [weakref.ref(t) for t in tensors]
 
