@@ -3,8 +3,8 @@ of them: the first hand-off after `pdserve up` (and after each idle close of the
 0.25 s for a 1 GiB pool. The populate runs on a thread of its own, a chunk per madvise call with
 a rest after each, and stops when the transport closes. That thread keeps the process's priority:
 at nice 19 on a busy machine, a call preempted while holding the mmap lock stalled the engine
-thread for seconds. The control channel is a stand-in (no
-socket), as in tests/unit/test_shm_peer_pools.py."""
+thread for seconds. The control channel is a stand-in (no socket), as in
+tests/unit/test_shm_peer_pools.py."""
 
 from __future__ import annotations
 
