@@ -5,7 +5,6 @@ over real receiver processes killed again and again: tests/integration/test_shm_
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -27,8 +26,7 @@ pytestmark = pytest.mark.usefixtures("fake_control")
 def new_pool(directory, name: str) -> str:
     """A receiver's pool file, not mapped by this process (the receiver is another process)."""
     path = os.path.join(directory, name)
-    create_pool_file(path, SHAPE, torch.float32)
-    gc.collect()
+    create_pool_file(path, SHAPE, torch.float32)  # its mapping goes with the returned tensor
     return path
 
 

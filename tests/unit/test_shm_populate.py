@@ -37,8 +37,7 @@ pytestmark = pytest.mark.usefixtures("fake_control")
 def pool(tmp_path) -> str:
     """A receiver's pool file, not mapped by this process."""
     path = str(tmp_path / "pdserve-kv-1-populate-rank0")
-    create_pool_file(path, SHAPE, torch.float32)
-    gc.collect()
+    create_pool_file(path, SHAPE, torch.float32)  # its mapping goes with the returned tensor
     return path
 
 
