@@ -132,7 +132,9 @@ PREFIX = "pdserve-secrets-"
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host runs (another user's counts as running)."""
+    """Whether process `pid` of this host runs (another user's counts as running). kvpool has
+    the same check for the engine's files; the launcher keeps its own, since importing kvpool
+    would import torch into a process that never needs it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -67,6 +67,8 @@ from collections import OrderedDict, deque
 
 import torch
 
+from pdserve.kvpool import pid_alive
+
 # after a put would pass the cap, entries are pushed out until the bytes are at most this share
 # of it (with the new entry)
 WATERMARK = 0.9
@@ -98,16 +100,6 @@ def default_dir() -> str:
     return str(default_cache_dir() / SUBDIR)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: running
-        return True
-    return True
-
-
 def remove_stale(base: str) -> list[str]:
     """Removes the subdirectories w<pid>-* of `base` whose pid no longer runs; returns them."""
     gone = []
@@ -117,7 +109,7 @@ def remove_stale(base: str) -> list[str]:
         return gone
     for name in names:
         pid = name[1:].split("-", 1)[0]
-        if not (name.startswith("w") and pid.isdigit()) or _alive(int(pid)):
+        if not (name.startswith("w") and pid.isdigit()) or pid_alive(int(pid)):
             continue
         path = os.path.join(base, name)
         shutil.rmtree(path, ignore_errors=True)

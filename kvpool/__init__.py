@@ -113,6 +113,19 @@ def map_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (another user's counts as running): how the
+    sweeps of files and folders named after the process that made them (pool files here, the
+    disk tier's folders, the launcher's secret folders) tell an orphan from a live one."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
+
+
 def remove_stale_pool_files(directory: str) -> None:
     """Unlink pool files left by processes that are gone (killed before they could unlink them):
     under /dev/shm they would hold memory until reboot."""
@@ -120,13 +133,9 @@ def remove_stale_pool_files(directory: str) -> None:
         pid = os.path.basename(path)[len(KV_FILE_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not pid_alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        except PermissionError:  # alive, someone else's
-            pass
 
 
 def new_pool_paths(directory: str, num_ranks: int) -> list[str]:

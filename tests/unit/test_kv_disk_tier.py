@@ -126,7 +126,7 @@ def test_stale_directories_of_dead_workers_are_removed_at_start(tmp_path, monkey
         d.mkdir()
         (d / "x.kv").write_bytes(b"stale")
     (tmp_path / "unrelated").mkdir()
-    monkeypatch.setattr(kv_disk_tier, "_alive", lambda pid: pid == os.getpid())
+    monkeypatch.setattr(kv_disk_tier, "pid_alive", lambda pid: pid == os.getpid())
     disk = DiskTier(1 << 20, str(tmp_path), FP)
     try:
         assert disk.stale_removed == [str(dead)]
