@@ -1,26 +1,25 @@
 """The model runner: one rank's model, KV cache and sampler, stepping a plan.
 
-A runner is built once per rank (engine/precision.py's `start_runner`: the model and its
-weights, the KV cache sized from kv_cache_memory, the precision chosen, decode graphs
-captured) and lives as long as its engine. Each step, rank 0 turns the scheduler's plan into a
-ModelInput (`prepare_input`: plain data, broadcast to the other ranks as is), and every rank
-calls `execute`: block copies (copy-on-write forks) first, then the attention metadata and the
-model's forward pass inside a forward_context, the prompt logprobs asked for, on rank 0 the
-pooling requests' hidden states (embeddings: `_pooled`, never on the decode path) and the
-logits of the sampling rows, the step's structured-output mask applied and one token drawn per
-row. Its result is one StepOutput record. A layer hook, when given, is called by each attention
-layer once its KV is written (a prefill pushing its KV to another engine). Decode-only steps
-replay a captured CUDA graph where one applies; everything else runs eagerly. Under pipeline
-parallelism a rank holds its stage's layers and their KV only, and the forward pass runs the
-stages in turn (`_forward`); a later stage's part of a step ends there. A step whose final
-hidden states the first stage does not need (`_wants_final`: a long prompt's chunks before the
-one that samples) is not waited for: each stage hands its activations on and returns, so rank 0
-plans and starts the next chunk while the later stages still compute this one, and a stage keeps
-the handles of those sends (`_hand_on`); rank 0 runs at most PP_STEPS_AHEAD steps ahead of
-the others (engine/tp.py `TPGroup.wait_ahead`). Every rank runs
-the same steps in the same order, so each stage's KV is written as with waiting. A step whose
-sequences run LoRA adapters groups its rows by adapter into the forward context
-(engine/lora.py), and runs eagerly.
+A runner is built once per rank (engine/precision.py's `start_runner`: the model and its weights,
+the KV cache sized from kv_cache_memory, the precision chosen, the cache allocated in the dtype
+chosen with it, decode graphs captured) and lives as long as its engine. Each step, rank 0 turns the
+scheduler's plan into a ModelInput (`prepare_input`: plain data, broadcast to the other ranks as
+is), and every rank calls `execute`: block copies (copy-on-write forks) first, then the attention
+metadata and the model's forward pass inside a forward_context, the prompt logprobs asked for, on
+rank 0 the pooling requests' hidden states (embeddings: `_pooled`, never on the decode path) and the
+logits of the sampling rows, the step's structured-output mask applied and one token drawn per row.
+Its result is one StepOutput record. A layer hook, when given, is called by each attention layer
+once its KV is written (a prefill pushing its KV to another engine). Decode-only steps replay a
+captured CUDA graph where one applies; everything else runs eagerly. Under pipeline parallelism a
+rank holds its stage's layers and their KV only, and the forward pass runs the stages in turn
+(`_forward`); a later stage's part of a step ends there. A step whose final hidden states the first
+stage does not need (`_wants_final`: a long prompt's chunks before the one that samples) is not
+waited for: each stage hands its activations on and returns, so rank 0 plans and starts the next
+chunk while the later stages still compute this one, and a stage keeps the handles of those sends
+(`_hand_on`); rank 0 runs at most PP_STEPS_AHEAD steps ahead of the others (engine/tp.py
+`TPGroup.wait_ahead`). Every rank runs the same steps in the same order, so each stage's KV is
+written as with waiting. A step whose sequences run LoRA adapters groups its rows by adapter into
+the forward context (engine/lora.py), and runs eagerly.
 """
 
 from __future__ import annotations
@@ -151,8 +150,11 @@ class ModelRunner:
         # written by a sequence, in the table entries of blocks its window has left (kv_window.py).
         window = model_config.kv_window
         self._spare_blocks += window is not None
-        self.kv_cache = self._allocate_kv_cache()
-        self.null_block = self.kv_cache.shape[2] - 1 if window is not None else None
+        # the cache's shape is fixed (and checked) now; its memory is taken by allocate_kv_cache,
+        # once the precision is chosen, so a start whose dtype is known early fills it once
+        self.kv_cache: torch.Tensor | None = None
+        self._kv_shape = self._kv_cache_shape()
+        self.null_block = self._kv_shape[2] - 1 if window is not None else None
         self.sampler = Sampler() if is_first_rank() else None
         self._use_graphs = use_graphs
         # under pipeline stages: the sends of the last steps not waited for, oldest first (_hand_on)
@@ -189,21 +191,37 @@ class ModelRunner:
             self.model.load_weights(iter_safetensors(model_dir))
 
     def set_kv_dtype(self, dtype: torch.dtype) -> None:
-        """Reallocates the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request
-        holds a block): the old cache is released first, so the memory is never held twice, and
-        the blocks follow kv_cache_memory in bytes."""
+        """Puts the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request holds
+        a block); the blocks follow kv_cache_memory in bytes. An allocated cache is reallocated,
+        the old one released first, so the memory is never held twice; one not allocated yet (a
+        verdict kept from an earlier start, engine/precision.py) is only resized."""
+        allocated = self.kv_cache is not None
         self.kv_cache = None
         self.kv_dtype = dtype
-        self.kv_cache = self._allocate_kv_cache()
+        self._kv_shape = self._kv_cache_shape()
         if self.null_block is not None:
-            self.null_block = self.kv_cache.shape[2] - 1
+            self.null_block = self._kv_shape[2] - 1
+        if allocated:
+            self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> torch.Tensor:
+        """The KV cache, allocated (zeroed) on the first call in the shape and dtype chosen by
+        then: engine/precision.py calls it before the first step that needs a cache."""
+        if self.kv_cache is None:
+            shape = self._kv_shape
+            if self.kv_cache_path is not None:
+                self.kv_cache = create_pool_file(self.kv_cache_path, shape, self.kv_dtype)
+            else:
+                # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
+                self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        return self.kv_cache
 
     @property
     def num_blocks(self) -> int:
         """The blocks requests may hold (a spare block for padded graph rows is not counted)."""
-        return self.kv_cache.shape[2] - self._spare_blocks
+        return self._kv_shape[2] - self._spare_blocks
 
-    def _allocate_kv_cache(self) -> torch.Tensor:
+    def _kv_cache_shape(self) -> tuple[int, ...]:
         mc = self.model_config
         # every rank sizes its blocks by the largest stage's layers, so all have the same count
         per_block = (
@@ -228,7 +246,7 @@ class ModelRunner:
                 f"needs {min_blocks}: raise kv_cache_memory or lower max_model_len"
             )
         first, end = stage_layers(mc.num_layers)
-        shape = (
+        return (
             end - first,  # this pipeline stage's layers (all of them with one stage)
             2,
             num_blocks + self._spare_blocks,
@@ -236,10 +254,6 @@ class ModelRunner:
             self.num_kv_heads,
             mc.head_dim,
         )
-        if self.kv_cache_path is not None:
-            return create_pool_file(self.kv_cache_path, shape, self.kv_dtype)
-        # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     # ---- one step -------------------------------------------------------------------------------
     @staticmethod

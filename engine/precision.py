@@ -60,6 +60,7 @@ def start_runner(
     `tokenizer`: the model's, where the caller has it loaded (else loaded here if needed)."""
     runner = ModelRunner(config, model_config, model_dir, kv_cache_path)
     runner.quantization, runner.mode_note = choose_precision(runner, model_dir, tokenizer)
+    runner.allocate_kv_cache()  # (allocated already where the probe ran)
     runner.capture_graphs()
     return runner
 
@@ -86,6 +87,7 @@ def choose_precision(runner: ModelRunner, model_dir: str, tokenizer=None) -> tup
     # so a quantized one comes with the calibration the probe ran on (else it is made again)
     if kept is not None and (kept[0] is None or cache.restore_calibration(runner)):
         return cache.apply(runner, *kept)
+    runner.allocate_kv_cache()  # the calibration and the probes below step in it
     runner.model.prepare_linears(None, release_dense=False)
     if calibration:
         calibrate(runner, calibration)

@@ -49,6 +49,22 @@ def calibrations(monkeypatch):
     return count
 
 
+def kv_allocations(monkeypatch) -> list[torch.dtype]:
+    """The dtype of every KV cache the runners allocate from now on, in order."""
+    from pdserve.engine.model_runner import ModelRunner
+
+    seen = []
+    real = ModelRunner.allocate_kv_cache
+
+    def allocate(runner):
+        if runner.kv_cache is None:
+            seen.append(runner.kv_dtype)
+        return real(runner)
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocate)
+    return seen
+
+
 def start(model_dir, **kwargs):
     llm = LLM(model_dir, **{"kv_cache_memory": KV_BYTES, **kwargs})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True)
@@ -79,13 +95,18 @@ def test_a_second_start_applies_the_kept_verdict_without_probing(
     if chosen not in quant.auto_candidates():
         pytest.skip(f"{chosen} is not a candidate on this CPU")
     monkeypatch.setattr(quant, "auto_candidates", lambda: [chosen])
+    allocated = kv_allocations(monkeypatch)
     model_dir, _ = tiny_models("llama-gqa")
     mode, kv, tokens, note, logprobs = start(model_dir)
     assert len(probes) == 1 and len(calibrations) == 1 and "kept from" not in note
     assert mode == chosen and kv == torch.bfloat16, note  # what the wide bounds let through
+    # the probe steps in a float32 cache, which the verdict then replaces
+    assert allocated == [torch.float32, torch.bfloat16]
     [kept] = (tmp_path / "precision").glob("*.calibration.safetensors")
+    allocated.clear()
     again = start(model_dir)
     assert len(probes) == 1, "the second start probed again"
+    assert allocated == [torch.bfloat16], "a kept verdict's cache is allocated once, in its dtype"
     assert len(calibrations) == 1, "the second start ran the calibration pass again"
     assert again[:3] == (mode, kv, tokens)
     assert again[3].startswith(note) and "kept from this machine's earlier probe" in again[3]
