@@ -1126,6 +1126,69 @@ void groups_any_f32(int rows, const float* x, int64_t K, const uint8_t* w, int64
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2's 16 vector registers hold the 8 accumulators of groups_pass_f32's 4 rows but little else,
+// and each pass of 4 rows decodes every block again. For steps of at least kTileMinRows rows a
+// group's weights are decoded once, into a buffer of in x 16 floats (L1 or L2), and the rows run
+// over it 6 at a time: 12 accumulators, 2 weight vectors and a broadcast, the classic AVX2 tile.
+// Each output's chain of fused multiply-adds is the same (input order, in parts of `part`), so
+// the bits are those of groups_pass_f32 and oneDNN's.
+constexpr int kTileRows = 6;
+constexpr int64_t kTileMinRows = 8;
+constexpr int64_t kChunkBytes = 256 * 1024;  // a chunk of rows' inputs, at most (about)
+
+template <typename Dec>
+void decode_group(const uint8_t* gw, int64_t nb, float* buf) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = gw + b * Dec::kBytes;
+    const Dec dec(blk);
+    float* out = buf + b * kBlock * kGroup;
+    for (int p = 0; p < kBlock / 2; ++p) {
+      vw we, wo;
+      dec.pair(blk, p, we, wo);
+      store16f(out + (2 * p) * kGroup, we);
+      store16f(out + (2 * p + 1) * kGroup, wo);
+    }
+  }
+}
+
+template <int R>
+void tile_f32(const float* x, int64_t K, const float* w, int64_t part, float* y, int64_t ys) {
+  __m256 acc[R][2], total[R][2];
+  for (int64_t k0 = 0; k0 < K; k0 += part) {
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + part);
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(w + k * kGroup), b1 = _mm256_loadu_ps(w + k * kGroup + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        total[r][h] = k0 == 0 ? acc[r][h] : _mm256_add_ps(total[r][h], acc[r][h]);
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ys, total[r][0]);
+    _mm256_storeu_ps(y + r * ys + 8, total[r][1]);
+  }
+}
+
+void tile_any_f32(int rows, const float* x, int64_t K, const float* w, int64_t part, float* y,
+                  int64_t ys) {
+  switch (rows) {
+    case 1: return tile_f32<1>(x, K, w, part, y, ys);
+    case 2: return tile_f32<2>(x, K, w, part, y, ys);
+    case 3: return tile_f32<3>(x, K, w, part, y, ys);
+    case 4: return tile_f32<4>(x, K, w, part, y, ys);
+    case 5: return tile_f32<5>(x, K, w, part, y, ys);
+    default: return tile_f32<6>(x, K, w, part, y, ys);
+  }
+}
+#endif
+
 // x [rows, in] float32 times a weight's blocks ([out / 16, in / 32 * Dec::kBytes] uint8) in
 // oneDNN's float32 arithmetic, in parts of `part` inputs: [rows, out] float32.
 template <typename Dec>
@@ -1146,6 +1209,26 @@ at::Tensor blocks_linear_f32(const at::Tensor& x, const at::Tensor& blocks, int6
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t nb = in / kBlock, part_b = part / kBlock;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (rows >= kTileMinRows) {
+    // rows in chunks whose inputs stay in L2 while every group of the thread runs over them
+    const int64_t chunk = std::max<int64_t>(kTileRows, kChunkBytes / (in * 4) / kTileRows * kTileRows);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<float> buf(in * kGroup);
+      for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+        const int64_t c1 = std::min(rows, c0 + chunk);
+        for (int64_t g = g0; g < g1; ++g) {
+          decode_group<Dec>(wp + g * nb * Dec::kBytes, nb, buf.data());
+          for (int64_t r0 = c0; r0 < c1; r0 += kTileRows) {
+            const int r = static_cast<int>(std::min<int64_t>(kTileRows, c1 - r0));
+            tile_any_f32(r, xp + r0 * in, in, buf.data(), part, yp + r0 * out + g * kGroup, out);
+          }
+        }
+      }
+    });
+    return y;
+  }
+#endif
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowsF32) {
       const int r = static_cast<int>(std::min<int64_t>(kRowsF32, rows - r0));

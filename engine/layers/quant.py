@@ -65,11 +65,13 @@ HEAD_RESCORE = 8
 Q4_ROWS = 8
 # The same bound for a float32 layer on a CPU without AVX-512, where the other path is oneDNN's
 # float32 product at AVX2's width (our own f32_linear needs AVX-512): there the blocks lead much
-# further. SmolLM2's 120 decoder linears and its head, one pass from memory (AMD EPYC AVX2, Zen
-# 3, 2 threads, 2026-12-02, quiet; best of four): blocks against oneDNN 55 against 82 ms at 16
-# rows, 107 against 123 at 32, 137 against 148 at 48, 171 against 173 at 64; a 32-stream decode
-# step of the float32 mode 162-186 -> 142-158 ms (docs/experiments/engine-decode-step.md).
-AVX2_F32_BLOCK_ROWS = 48
+# further, past 8 rows through the kernel's AVX2 tile (a group's weights rebuilt once, six rows
+# at a time over them). SmolLM2's 120 decoder linears and its head, one pass (AMD EPYC AVX2, Zen
+# 3, 2 threads, 2026-12-02, quiet; best of seven, two runs): blocks against oneDNN 51 against
+# 65-67 ms at 16 rows, 79-89 against 96-103 at 32, 133 against 177 at 64, 275-294 against
+# 302-313 at 128, even at 512 (1,076-1,208 against 1,042-1,169), so steps up to 128 rows take
+# the blocks (docs/experiments/engine-decode-step.md).
+AVX2_F32_BLOCK_ROWS = 128
 
 
 def float32_block_rows() -> int:

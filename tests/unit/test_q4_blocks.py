@@ -142,6 +142,23 @@ def test_blocks_whose_product_misses_onednns_bits_are_refused(monkeypatch):
         assert exact_blocks(w, torch.float32, dense_f32(w)) is None
 
 
+@pytest.mark.parametrize(("kind", "inp"), [("Q4_1", 576), ("Q4_1", 1536), ("Q8_0", 576)])
+def test_float32_blocks_give_onednns_bits_at_every_step_size(kind, inp):
+    """The float32 product over blocks, however many rows a step has (the kernel serves few rows
+    in passes of its own, more in tiles of six over a group's weights rebuilt once, in chunks of
+    rows; where each begins and ends differs with the count): oneDNN's bits for the batch, and
+    each row's bits alone."""
+    w = weight(out=32, inp=inp, seed=inp + 1, kind=kind)
+    blocks = Q4Blocks.of(w, torch.float32) if kind == "Q4_1" else Q8Blocks.of(w)
+    assert blocks is not None
+    x = torch.randn(130, inp, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([blocks.matmul(x[i : i + 1]) for i in range(len(x))])
+    for rows in (5, 8, 13, 32, 47, 130):
+        got = blocks.matmul(x[:rows])
+        assert torch.equal(got, dense_f32(w)(x[:rows])), rows
+        assert torch.equal(got, alone[:rows]), rows
+
+
 @needs_onednn_bf16
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_a_gguf_4_bit_weight_multiplies_as_onednn_bf16_does(kind):
@@ -192,7 +209,7 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
 
 
 def test_float32_steps_take_the_blocks_further_where_onednn_runs_avx2(monkeypatch):
-    """Where the dense float32 product is oneDNN's AVX2 kernel, the blocks lead up to about 56
+    """Where the dense float32 product is oneDNN's AVX2 kernel, the blocks lead up to about 128
     rows (measured: quant.AVX2_F32_BLOCK_ROWS); with AVX-512 up to Q4_ROWS."""
     import pdserve.engine.layers.quant as quant
 
