@@ -6,7 +6,7 @@ prepares the weight for the matmul that will use it: on CPU in float32 or bfloat
 into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (dense in, dense out,
 as torch inductor does), which beats `F.linear` at the row counts of decoding; a float32 weight
 that is exactly a GGUF's 4- or 8-bit blocks also keeps those (quant.py Q4Blocks, Q8Blocks), which
-steps of at most `float32_block_rows()` rows (8, or 48 on a CPU without AVX-512) multiply instead,
+steps of at most `float32_block_rows()` rows (8, or 128 on a CPU without AVX-512) multiply instead,
 to oneDNN's float32 bits at 0.625 or 1.0625 bytes a weight; with a quantization mode it becomes an
 int8 or int4 weight (engine/layers/quant.py). A linear that an engine's LoRA adapters target
 (`has_lora`, set by engine/lora.py) adds the running step's adapter deltas to its output (the

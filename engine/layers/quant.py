@@ -67,10 +67,10 @@ Q4_ROWS = 8
 # float32 product at AVX2's width (our own f32_linear needs AVX-512): there the blocks lead much
 # further, past 8 rows through the kernel's AVX2 tile (a group's weights rebuilt once, six rows
 # at a time over them). SmolLM2's 120 decoder linears and its head, one pass (AMD EPYC AVX2, Zen
-# 3, 2 threads, 2026-12-02, quiet; best of seven, two runs): blocks against oneDNN 51 against
-# 65-67 ms at 16 rows, 79-89 against 96-103 at 32, 133 against 177 at 64, 275-294 against
-# 302-313 at 128, even at 512 (1,076-1,208 against 1,042-1,169), so steps up to 128 rows take
-# the blocks (docs/experiments/engine-decode-step.md).
+# 3, 2 threads, 2026-12-02, quiet; best of seven, four runs): blocks against oneDNN 51 against
+# 65-78 ms at 16 rows, 79-89 against 95-108 at 32, 133-135 against 177-182 at 64, 275-294
+# against 302-319 at 128, even at 512 (1,076-1,208 against 1,043-1,198), so steps up to 128 rows
+# take the blocks (docs/experiments/engine-decode-step.md).
 AVX2_F32_BLOCK_ROWS = 128
 
 
