@@ -208,13 +208,16 @@ class ModelRunner:
         """The KV cache, allocated (zeroed) on the first call in the shape and dtype chosen by
         then: engine/precision.py calls it before the first step that needs a cache."""
         if self.kv_cache is None:
-            shape = self._kv_shape
-            if self.kv_cache_path is not None:
-                self.kv_cache = create_pool_file(self.kv_cache_path, shape, self.kv_dtype)
-            else:
-                # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
-                self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.kv_cache = self._new_kv_cache()
         return self.kv_cache
+
+    def _new_kv_cache(self) -> torch.Tensor:
+        """A cache of the chosen shape and dtype, zeroed (a worker's start logs each one:
+        worker_common/start_stages.py)."""
+        if self.kv_cache_path is not None:
+            return create_pool_file(self.kv_cache_path, self._kv_shape, self.kv_dtype)
+        # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
+        return torch.zeros(self._kv_shape, dtype=self.kv_dtype, device=self.device)
 
     @property
     def num_blocks(self) -> int:

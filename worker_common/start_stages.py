@@ -33,7 +33,7 @@ STAGE_POINTS = (
     ("pdserve.engine.engine_core", "resolve_model", "model files"),
     ("pdserve.engine.kernels", "_build", "kernel build"),
     ("pdserve.engine.model_runner", "ModelRunner._load_weights", "weights"),
-    ("pdserve.engine.model_runner", "ModelRunner._allocate_kv_cache", "KV capacity"),
+    ("pdserve.engine.model_runner", "ModelRunner._new_kv_cache", "KV capacity"),
     ("pdserve.engine.precision", "choose_precision", "precision probe"),
     ("pdserve.engine.engine_core", "LLMEngine.warm_up", "warm-up"),
 )

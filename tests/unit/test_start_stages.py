@@ -53,23 +53,21 @@ def test_an_engine_built_under_traced_reports_its_stages_in_order(tiny_models, c
     from pdserve.engine.model_runner import ModelRunner
 
     model_dir, _ = tiny_models("llama-gqa")
-    originals = (LLMEngine.warm_up, precision.choose_precision, ModelRunner._allocate_kv_cache)
+    originals = (LLMEngine.warm_up, precision.choose_precision, ModelRunner._new_kv_cache)
     stages = StageLog("decode-0")
     caplog.set_level("INFO", "pdserve.worker_common.start_stages")
     with traced(stages):
         llm = LLM(model_dir, dtype="float32", kv_cache_memory=4 << 20, max_model_len=256)
         llm.engine.warm_up()
     llm.shutdown()
-    assert (LLMEngine.warm_up, precision.choose_precision, ModelRunner._allocate_kv_cache) == (
-        originals
-    )
+    assert (LLMEngine.warm_up, precision.choose_precision, ModelRunner._new_kv_cache) == originals
     seen = [(s.name, s.text) for s in stages.since(0) if s.name != "kernel build"]
     assert [name for name, _ in seen] == [
         "model files",
         "weights",
-        "KV capacity",
         "precision probe",
         "precision probe",
+        "KV capacity",  # (taken once the precision is chosen, in the cache dtype chosen with it)
         "warm-up",
         "warm-up",
     ]
