@@ -116,7 +116,8 @@ def map_pool_file(path: str, shape, dtype: torch.dtype) -> torch.Tensor:
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` of this host runs (another user's counts as running): how the
     sweeps of files and folders named after the process that made them (pool files here, the
-    disk tier's folders, the launcher's secret folders) tell an orphan from a live one."""
+    disk tier's folders) tell an orphan from a live one. The launcher's sweep of its secret
+    folders has a copy of its own (deploy/secret_files.py: it never imports torch)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -54,14 +54,13 @@ def kv_allocations(monkeypatch) -> list[torch.dtype]:
     from pdserve.engine.model_runner import ModelRunner
 
     seen = []
-    real = ModelRunner.allocate_kv_cache
+    real = ModelRunner._new_kv_cache
 
-    def allocate(runner):
-        if runner.kv_cache is None:
-            seen.append(runner.kv_dtype)
+    def new(runner):
+        seen.append(runner.kv_dtype)
         return real(runner)
 
-    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", allocate)
+    monkeypatch.setattr(ModelRunner, "_new_kv_cache", new)
     return seen
 
 
