@@ -6,8 +6,9 @@ prepares the weight for the matmul that will use it: on CPU in float32 or bfloat
 into oneDNN's blocked layout and multiplied with `mkldnn._linear_pointwise` (dense in, dense out,
 as torch inductor does), which beats `F.linear` at the row counts of decoding; a float32 weight
 that is exactly a GGUF's 4- or 8-bit blocks also keeps those (quant.py Q4Blocks, Q8Blocks), which
-steps of at most `float32_block_rows()` rows (8, or 128 on a CPU without AVX-512) multiply instead,
-to oneDNN's float32 bits at 0.625 or 1.0625 bytes a weight; with a quantization mode it becomes an
+steps of at most `float32_block_rows()` rows multiply instead, to oneDNN's float32 bits at 0.625 or
+1.0625 bytes a weight: 8 rows with AVX-512, every step without it, where such a layer (without a
+bias) keeps no oneDNN copy; with a quantization mode it becomes an
 int8 or int4 weight (engine/layers/quant.py). A linear that an engine's LoRA adapters target
 (`has_lora`, set by engine/lora.py) adds the running step's adapter deltas to its output (the
 forward context's LoRABatch), before a row-parallel layer's all-reduce.
@@ -23,6 +24,7 @@ from pdserve.engine.forward_context import current_forward_context
 from pdserve.engine.layers.quant import (
     Q4Blocks,
     Q8Blocks,
+    blocks_every_step,
     exact_blocks,
     float32_block_rows,
     onednn_bf16_available,
@@ -117,13 +119,15 @@ class LinearBase(nn.Module):
                     return onednn_linear(x, packed, None)
 
                 self._blocks = exact_blocks(self.weight.detach(), torch.float32, dense)
+                if self._blocks is not None and self.bias is None and blocks_every_step():
+                    self._packed = None  # (oneDNN would never run: 4 bytes a weight less)
                 # our own product where it gives oneDNN's bits (quant.own_product); oneDNN adds a
                 # bias inside its product, so a layer with one keeps oneDNN
                 if self.bias is None:
                     own, part = own_product(self.weight.detach(), torch.float32, dense)
                     if own is not None:
                         self._own, self._packed = (own, part), None
-        prepared = self._packed is not None or self._quant is not None or self._own is not None
+        prepared = any(p is not None for p in (self._packed, self._quant, self._own, self._blocks))
         if release_dense and prepared:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
@@ -143,9 +147,10 @@ class LinearBase(nn.Module):
             if bias is not None:
                 y = y + bias
             return y.view(*x.shape[:-1], y.shape[-1])
-        if self._packed is not None:
+        if self._packed is not None or self._blocks is not None:
             x2d = x.reshape(-1, x.shape[-1])
-            # (a bias goes inside oneDNN's product: such a layer leaves every step to it)
+            # (a bias goes inside oneDNN's product: such a layer leaves every step to it; without
+            # a oneDNN copy, the blocks take every step)
             if self._blocks is not None and bias is None and x2d.shape[0] <= float32_block_rows():
                 y = self._blocks.matmul(x2d)
             else:

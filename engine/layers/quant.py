@@ -63,22 +63,29 @@ HEAD_RESCORE = 8
 # float32's 4 bytes a weight the blocks lead further (in cache, 576 x 1536, 2 threads: 32 against
 # 54 us at 1 row, 74 against 83-89 at 8, even at 12-16).
 Q4_ROWS = 8
-# The same bound for a float32 layer on a CPU without AVX-512, where the other path is oneDNN's
-# float32 product at AVX2's width (our own f32_linear needs AVX-512): there the blocks lead much
-# further, past 8 rows through the kernel's AVX2 tile (a group's weights rebuilt once, six rows
-# at a time over them). SmolLM2's 120 decoder linears and its head, one pass (AMD EPYC AVX2, Zen
-# 3, 2 threads, 2026-12-02, quiet; best of seven, four runs): blocks against oneDNN 51 against
-# 65-78 ms at 16 rows, 79-89 against 95-108 at 32, 133-135 against 177-182 at 64, 275-294
-# against 302-319 at 128, even at 512 (1,076-1,208 against 1,043-1,198), so steps up to 128 rows
-# take the blocks (docs/experiments/engine-decode-step.md).
-AVX2_F32_BLOCK_ROWS = 128
+# On a CPU without AVX-512 a float32 layer's blocks take every step, however many rows: there the
+# other path is oneDNN's float32 product at AVX2's width (our own f32_linear needs AVX-512), and the
+# blocks' AVX2 tile (a group's weights rebuilt once, six rows at a time over them) leads or is even
+# at every size. SmolLM2's 120 decoder linears and its head, one pass (AMD EPYC AVX2, Zen 3, 2
+# threads, quiet; best of seven; docs/experiments/engine-decode-step.md), blocks against oneDNN:
+# 2026-12-02 on one VM 79-89 against 95-108 ms at 32 rows, 275-294 against 302-319 at 128, even at
+# 512; on another 61.5 against 76.2 ms at 32, 198 against 230 at 128, 801 against 892 at 512 and
+# 1,592 against 1,766 at 1,024 (a 512-token prompt's first token 746 against 818 ms). So such a
+# layer keeps no oneDNN copy at all (engine/layers/linear.py): 4 bytes a weight less.
+BLOCKS_EVERY_STEP = 1 << 62
 
 
 def float32_block_rows() -> int:
     """The most rows of a float32 step that a layer's 4- or 8-bit blocks (Q4Blocks, Q8Blocks)
     take on this CPU: Q4_ROWS where AVX-512 runs the dense product (our own f32_linear or
-    oneDNN's AVX-512 kernel), AVX2_F32_BLOCK_ROWS elsewhere. Either path gives the same bits."""
-    return Q4_ROWS if cpu_features().has("avx512f") else AVX2_F32_BLOCK_ROWS
+    oneDNN's AVX-512 kernel), BLOCKS_EVERY_STEP elsewhere. Either path gives the same bits."""
+    return Q4_ROWS if cpu_features().has("avx512f") else BLOCKS_EVERY_STEP
+
+
+def blocks_every_step() -> bool:
+    """Whether a float32 layer's blocks take every step on this CPU (float32_block_rows), so
+    that such a layer without a bias needs no dense copy."""
+    return float32_block_rows() >= BLOCKS_EVERY_STEP
 
 
 @functools.cache

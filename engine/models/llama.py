@@ -292,6 +292,9 @@ def _stack_linear(linear: LinearBase):
         return "dense", linear._own[0], None, None, bias
     if q is None and linear._packed is not None and linear._packed.dtype == torch.float32:
         return "dense", linear._packed, None, None, bias
+    if q is None and linear._packed is None and isinstance(linear._blocks, Q4Blocks):
+        # no oneDNN copy: the blocks take every step (set_q4 with float32_block_rows())
+        return "dense", torch.empty(0), None, None, bias
     return None
 
 

@@ -208,17 +208,39 @@ def test_a_row_gives_the_same_bits_alone_as_in_any_batch():
     assert torch.equal(blocks.matmul(narrowed), blocks.matmul(narrowed.clone()))
 
 
-def test_float32_steps_take_the_blocks_further_where_onednn_runs_avx2(monkeypatch):
-    """Where the dense float32 product is oneDNN's AVX2 kernel, the blocks lead up to about 128
-    rows (measured: quant.AVX2_F32_BLOCK_ROWS); with AVX-512 up to Q4_ROWS."""
+def test_without_avx512_the_blocks_take_every_step_and_oneDNN_keeps_no_copy(monkeypatch):
+    """Where the dense float32 product would be oneDNN's AVX2 kernel, the blocks lead at every
+    step size (measured: quant.BLOCKS_EVERY_STEP), so a float32 layer with blocks and no bias
+    drops its oneDNN copy and multiplies a prompt's many rows with its blocks too; with AVX-512
+    the blocks take up to Q4_ROWS rows and the copy stays, as it does for a layer with a bias."""
     import pdserve.engine.layers.quant as quant
+    from pdserve.engine.layers.linear import ReplicatedLinear
 
-    for flags, rows in ((["avx2", "fma"], quant.AVX2_F32_BLOCK_ROWS), (["avx512f"], Q4_ROWS)):
+    w = weight(out=64, inp=160)
+    x = torch.randn(300, 160, generator=torch.Generator().manual_seed(4))
+    blocks = Q4Blocks.of(w, torch.float32)
+    assert blocks is not None
+    for flags, rows, copy in (
+        (["avx2", "fma"], quant.BLOCKS_EVERY_STEP, False),
+        (["avx512f"], Q4_ROWS, True),
+    ):
         monkeypatch.setattr(
             quant, "cpu_features", lambda f=flags: CPUFeatures("test", frozenset(f))
         )
         assert float32_block_rows() == rows
-    assert quant.AVX2_F32_BLOCK_ROWS > Q4_ROWS
+        for bias in (False, True):
+            layer = ReplicatedLinear(160, 64, bias=bias)
+            layer.weight.data.copy_(w)
+            if bias:
+                layer.bias.data.zero_()
+            layer.finalize()
+            assert layer._blocks is not None and layer.weight.numel() == 0
+            assert (layer._packed is not None) == (copy or bias), (flags, bias)
+            y = layer(x)
+            if not copy and not bias:  # every step the blocks' bits, 300 rows as 1
+                assert torch.equal(y, blocks.matmul(x))
+                assert torch.equal(layer(x[:1]), y[:1])
+            torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn_bf16
@@ -327,7 +349,7 @@ def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
     """dtype="float32" on a model whose linears are 4-bit blocks: every decoder linear keeps
     them, the decode stack takes them, and a sequence decodes the same tokens and logprobs alone
     (one-row steps on the blocks) as in a batch larger than the steps the blocks take (oneDNN's
-    float32 weight) and as the layers one by one."""
+    float32 weight; without AVX-512 the blocks take every step) and as the layers one by one."""
     llm = LLM(
         q4_model,
         dtype="float32",
@@ -347,7 +369,7 @@ def test_the_float32_mode_takes_the_blocks_and_keeps_its_bits(q4_model):
         )
         assert isinstance(model.lm_head._blocks, Q8Blocks)  # the head: the Q8_0 embedding
         assert model.model._stack is not None
-        rows = float32_block_rows() + 4
+        rows = min(float32_block_rows(), 16) + 4
         prompts = random_prompts([3 + 2 * (i % 12) for i in range(rows)], seed=11)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
 
