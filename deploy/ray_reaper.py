@@ -12,7 +12,8 @@ POLL_S it records each process descended from Ray's head processes by pid and st
 pid is never taken for one of them). When the driver dies (its end of the watchdog's stdin closes
 without a "stop" line, or its pid goes), the watchdog kills each recorded process still alive and
 says so in one line on stderr. `Watchdog.stop()`, after ray.shutdown(), ends it quietly, killing
-only what is left over. Linux only (/proc); elsewhere `watch()` returns None.
+only what is left over. It ignores SIGINT and SIGTERM (a `pkill -f "pdserve up"` reaches it too).
+Linux only (/proc); elsewhere `watch()` returns None.
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ def kill_recorded(seen: dict[int, int]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    # Signals meant for the driver are not for its watchdog: `pkill -INT -f "pdserve up"` matches
+    # this process's command line too, and the watchdog must outlive the driver to do its work.
+    # It ends by itself within POLL_S of the driver; SIGKILL still ends it at once.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     what, driver, *roots = argv
     driver_pid, driver_start = map(int, driver.split(":"))
     root_starts = dict(tuple(map(int, r.split(":"))) for r in roots)

@@ -106,6 +106,12 @@ def test_a_killed_driver_leaves_nothing_of_its_ray_and_says_so(driver):
 
 def test_stopped_in_order_it_kills_what_is_left_quietly_and_exits(driver):
     proc, procs = driver
+    # a `pkill -INT -f "pdserve up"` (or -TERM) meant for the driver matches the watchdog's
+    # command line too: it stays, and says nothing
+    watchdog = dict([procs["watchdog"]])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(procs["watchdog"][0], sig)
+    assert still_alive_after(watchdog, 1.5) == watchdog
     proc.stdin.write("stop\n")
     proc.stdin.flush()
     assert proc.stdout.readline().strip() == "stopped"
