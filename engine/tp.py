@@ -54,7 +54,6 @@ import dataclasses
 import datetime
 import os
 import pickle
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -73,11 +72,12 @@ from pdserve.engine.parallel import current_tp_state, set_tp_state, stage_layers
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PDSERVE_TP_TIMEOUT_S", "600")))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, for the rendezvous (rank 0's TCP store listens on it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _master_store(host: str, world: int) -> dist.TCPStore:
+    """Rank 0's store, listening on a port the kernel picks as it binds (store.port), before any
+    follower is told the port. A port found free first and bound later could be taken between the
+    two, by any process's outgoing connection (the kernel hands out the same ephemeral range): a
+    CI run lost a TP-3 decode worker's start to EADDRINUSE so."""
+    return dist.TCPStore(host, 0, world, is_master=True, timeout=_TIMEOUT, wait_for_workers=False)
 
 
 def _backend(config: EngineConfig) -> str:
@@ -99,18 +99,18 @@ JOINED_KEY = "pdserve/tp/joined"  # the followers that joined rank 0's store, co
 _JOIN_POLL_S = 0.05
 
 
-def _rendezvous(rank: int, world: int, host: str, port: int, followers: list) -> dist.TCPStore:
-    """The engine's store, which rank 0 hosts at host:port: a follower counts itself in; rank 0
-    waits until every follower has, and fails at once, naming the rank, when a follower's process
-    (`followers`, the launcher's handles) ended before it joined. A follower that fails as it
-    starts (an import error, a script without the __main__ guard) would otherwise keep rank 0
-    waiting PDSERVE_TP_TIMEOUT_S for a timeout that names nobody."""
-    store = dist.TCPStore(
-        host, port, world, is_master=rank == 0, timeout=_TIMEOUT, wait_for_workers=False
-    )
+def _rendezvous(rank: int, world: int, host: str, port: int, followers: list, master=None):
+    """The engine's store, which rank 0 hosts at host:port (`master`, made by _master_store
+    before the followers started): a follower counts itself in; rank 0 waits until every
+    follower has, and fails at once, naming the rank, when a follower's process (`followers`,
+    the launcher's handles) ended before it joined. A follower that fails as it starts (an import
+    error, a script without the __main__ guard) would otherwise keep rank 0 waiting
+    PDSERVE_TP_TIMEOUT_S for a timeout that names nobody."""
     if rank:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=_TIMEOUT)
         store.add(JOINED_KEY, 1)
         return store
+    store = master if master is not None else _master_store(host, world)
     deadline = time.monotonic() + _TIMEOUT.total_seconds()
     while (joined := store.add(JOINED_KEY, 0)) < world - 1:
         for r, handle in enumerate(followers, 1):
@@ -138,16 +138,23 @@ def _ended(handle) -> bool:
     return ended() if ended is not None else handle.exitcode is not None
 
 
-def _init(config: EngineConfig, rank: int, host: str, port: int, followers: list | None = None):
+def _init(
+    config: EngineConfig,
+    rank: int,
+    host: str,
+    port: int,
+    followers: list | None = None,
+    master: dist.TCPStore | None = None,
+):
     """Joins the engine's process group; returns (control, reports): the gloo group of the step
     broadcasts, and under pipeline stages the gloo group of the push reports' gathers (rank 0 and
-    the later stages' ranks; every rank creates it, members or not), else None. `followers`:
-    rank 0's handles of the other ranks (`_rendezvous`)."""
+    the later stages' ranks; every rank creates it, members or not), else None. `followers`,
+    `master`: rank 0's handles of the other ranks and its store (`_rendezvous`)."""
     backend = _backend(config)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.device == "cuda":  # (gloo may share a GPU between ranks; NCCL may not)
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    store = _rendezvous(rank, tp * pp, host, port, followers or [])
+    store = _rendezvous(rank, tp * pp, host, port, followers or [], master)
     _restart_group_names()
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp, timeout=_TIMEOUT)
     try:
@@ -411,11 +418,12 @@ class TPGroup:
         rank of the engine). The followers start with this process's launcher (use_launcher)."""
         launcher = current_launcher()
         host = launcher.rendezvous_host()
-        port = free_port(host)
+        master = _master_store(host, world_size(config))
+        port = master.port
         procs = launcher.launch(config, model_config, model_dir, kv_cache_paths, host, port)
         try:
             launcher.check(procs, kv_cache_paths)
-            control, reports = _init(config, 0, host, port, procs)
+            control, reports = _init(config, 0, host, port, procs, master)
         except BaseException:
             for p in procs:
                 p.kill()

@@ -107,6 +107,44 @@ def test_a_follower_that_dies_as_it_starts_fails_the_start_at_once(tiny_models):
     llm.shutdown()
 
 
+class _CheckingRanks:
+    """The default launcher, checking first that rank 0's store already listens on the port
+    the followers are told (`listening` records it at each launch)."""
+
+    def __init__(self, inner):
+        self.inner, self.listening = inner, []
+
+    def rendezvous_host(self) -> str:
+        return self.inner.rendezvous_host()
+
+    def launch(self, config, model_config, model_dir, kv_cache_paths, host, port):
+        import socket
+
+        with socket.socket() as s:
+            self.listening.append(s.connect_ex((host, port)) == 0)
+        return self.inner.launch(config, model_config, model_dir, kv_cache_paths, host, port)
+
+    def check(self, procs, kv_cache_paths) -> None:
+        self.inner.check(procs, kv_cache_paths)
+
+
+def test_the_followers_are_told_a_port_rank_0_already_listens_on(tiny_models):
+    """Rank 0 binds its store before it starts the followers, on a port the kernel picks as it
+    binds: a port found free and bound only later could be taken in between by any outgoing
+    connection (a TP-3 decode worker's start failed in CI with EADDRINUSE so)."""
+    from pdserve.engine import tp
+
+    model_dir, _ = tiny_models("llama-gqa")
+    launcher = _CheckingRanks(tp.current_launcher())
+    tp.use_launcher(launcher)
+    try:
+        llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_memory=KV)
+        llm.shutdown()
+    finally:
+        tp.use_launcher(None)
+    assert launcher.listening == [True]
+
+
 def test_a_start_that_fails_after_the_default_group_leaves_none(tiny_models, monkeypatch):
     """Rank 0's start fails once its default group is up (here: making the pipeline's groups):
     that group goes with it, so the process's next engine starts, where it used to find the old

@@ -160,7 +160,10 @@ def test_a_launcher_whose_check_fails_leaves_no_follower(monkeypatch):
         def check(self, procs, paths):
             raise RuntimeError("no")
 
-    monkeypatch.setattr(tp, "free_port", lambda host: 4242)
+    class Store:  # rank 0's store, on the port the kernel gave it
+        port = 4242
+
+    monkeypatch.setattr(tp, "_master_store", lambda host, world: Store())
     tp.use_launcher(Refusing())
     try:
         with pytest.raises(RuntimeError, match="no"):
