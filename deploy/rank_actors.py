@@ -6,8 +6,9 @@ deploy/placement.py); its WorkerActor, rank 0, sits on bundle 0. Outside Ray an 
 ranks 1..N-1 as child processes (engine/tp.py, LocalRanks); under Ray the WorkerActor installs
 RayRanks (engine/tp.py use_launcher) before it builds its engine, and the engine starts rank r as
 a RankActor on bundle r of the same placement group, wherever Ray placed that bundle. The ranks
-rendezvous over gloo at rank 0's node address (ray.util.get_node_ip_address()) on a port free
-there, and each RankActor runs engine/tp.py's follower_main, the loop a local follower runs.
+rendezvous over gloo at rank 0's node address (ray.util.get_node_ip_address()), on the port its
+store bound before they started, and each RankActor runs engine/tp.py's follower_main, the loop
+a local follower runs.
 
 Lifecycle. A RankActor lives as long as its follower loop: RankHandle mirrors a local process
 (is_alive: the loop's task has not ended; join: wait for it to end, then kill the actor's process;
