@@ -110,7 +110,9 @@ def _rendezvous(rank: int, world: int, host: str, port: int, followers: list, ma
         store = dist.TCPStore(host, port, world, is_master=False, timeout=_TIMEOUT)
         store.add(JOINED_KEY, 1)
         return store
-    store = master if master is not None else _master_store(host, world)
+    if master is None:  # (a store bound here would not be on the port the followers were told)
+        raise ValueError("rank 0 rendezvouses on the store it made before the followers started")
+    store = master
     deadline = time.monotonic() + _TIMEOUT.total_seconds()
     while (joined := store.add(JOINED_KEY, 0)) < world - 1:
         for r, handle in enumerate(followers, 1):
