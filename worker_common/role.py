@@ -92,6 +92,16 @@ class RoleGate:
             with self._lock:
                 self._held -= 1
 
+    def left(self, remaining: Callable[[], str]) -> str:
+        """What work of the current role the worker still holds ("" when none): the calls inside
+        `admitted()` first (a Reserve admitted before a Drain has no reservation yet, so
+        `remaining()` alone would report nothing while one is on its way), then `remaining()`."""
+        with self._lock:
+            return self._left(remaining)
+
+    def _left(self, remaining: Callable[[], str]) -> str:
+        return f"{self._held} call(s) starting {self.role} work" if self._held else remaining()
+
     def drain(self, draining: bool) -> None:
         with self._lock:
             if self.state == SWITCHING:
@@ -114,7 +124,7 @@ class RoleGate:
                 raise RoleError(
                     f"worker {self.worker_id} is {self.state}: Drain it before SwitchRole"
                 )
-            left = f"{self._held} call(s) starting {self.role} work" if self._held else remaining()
+            left = self._left(remaining)
             if left:
                 raise RoleError(f"worker {self.worker_id} still has {left}")
             old, self.state = self.role, SWITCHING
@@ -167,7 +177,7 @@ class ControlServicer(worker_pb2_grpc.WorkerControlServicer):
             worker_id=self.gate.worker_id,
             role=role,
             state=state,
-            remaining=self._remaining(role),
+            remaining=self.gate.left(lambda: self._remaining(role)),
             switch_ms=switch_ms,
             role_version=version,
         )
