@@ -274,7 +274,10 @@ class Legs:
             log.debug("router stopping: %s not run", fn)
 
     def close(self) -> None:
-        self._aborter.shutdown(wait=False, cancel_futures=True)
+        """Drops the Abort calls not yet begun and waits for those under way (each bounded by
+        abort_timeout_s) before the router closes the workers' channels: a call that gRPC sets
+        up on a channel closing beside it crashes the process (a segfault in a CI run)."""
+        self._aborter.shutdown(wait=True, cancel_futures=True)
 
     def abort_later(self, leg: Leg, cancel_stream: bool = False) -> None:
         """Aborts `leg` on its workers from the abort threads (and cancels its decode stream);

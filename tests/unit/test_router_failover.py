@@ -5,6 +5,9 @@ router. The resume itself, over real workers: tests/integration/test_router_fail
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from pdserve.engine.tokenizer import load_tokenizer
@@ -62,3 +65,16 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
     assert error is None and final.finish_reason == "stop" and final.stop_str == "t6 t7"
     assert leg.stream_call.cancelled and sent == [5, 6, 7]  # 8 and 9 never reach the client
     assert [list(r.delta.token_ids) for r in responses] == [[7]] and text.flush() == ""
+
+
+def test_closing_the_legs_waits_for_the_abort_calls_under_way():
+    # the router closes the workers' channels right after; an Abort that gRPC set up on a closing
+    # channel crashed a CI run's test process (router stop while a role flip's aborts ran)
+    legs = Legs(pool=None, executor=None, options=None)
+    started, done = threading.Event(), []
+    legs._run_later(lambda: (started.set(), time.sleep(0.2), done.append(1)))
+    assert started.wait(5)
+    legs.close()
+    assert done == [1]
+    legs._run_later(lambda: done.append(2))  # after the close: refused, never run
+    assert done == [1]
