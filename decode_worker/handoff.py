@@ -46,6 +46,14 @@ from pdserve.kvtransfer.state import TransferState
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 
 log = logging.getLogger(__name__)
+# An Abort for an id this worker does not hold is remembered this long, at most this many (the
+# oldest go first): the router's Abort may overtake its own Reserve (`DecodeHandoff.abort`).
+EARLY_ABORT_TTL_S = 60.0
+MAX_EARLY_ABORTS = 4096
+
+
+class AbortedBeforeReserve(Exception):
+    """The router aborted this request id before its Reserve (or colocated add) got here."""
 
 
 @dataclass
@@ -112,6 +120,8 @@ class DecodeHandoff:
         self.rank_caches = rank_caches
         self.lease_s = lease_s
         self._entries: dict[str, _Entry] = {}
+        # ids aborted before this worker held them -> time.monotonic() (loop thread only)
+        self._aborted_early: dict[str, float] = {}
         self._entries_lock = threading.Lock()
         self.num_expired = 0
         self.num_unknown_frames = 0
@@ -144,6 +154,7 @@ class DecodeHandoff:
         lease = self.lease_s if lease_s is None else lease_s
 
         def reserve():
+            self.refuse_if_aborted(request_id)
             more = {} if lora_request is None else {"lora_request": lora_request}
             res = self.loop.engine.reserve(
                 request_id, prompt_token_ids, params, priority=priority, **more
@@ -178,10 +189,32 @@ class DecodeHandoff:
         return self.loop.call(reserve)
 
     def abort(self, request_id: str, reason: str = "aborted by the router") -> bool:
-        """Frees a reservation or a running request; True if it was known."""
-        if self.loop.call(self._close, request_id, reason):
+        """Frees a reservation or a running request; True if it was known. The router's Abort
+        may overtake its own Reserve (they are separate calls, on separate threads here: a
+        Reserve the router gave up on while it was under way), so an id without a reservation
+        is remembered for EARLY_ABORT_TTL_S and its Reserve refused when it comes, instead of
+        holding blocks for a lease that nobody will fill."""
+        if self.loop.call(self._close_or_remember, request_id, reason):
             return True
         return self.loop.abort(request_id, reason)
+
+    def _close_or_remember(self, request_id: str, reason: str) -> bool:
+        if self._close(request_id, reason):
+            return True
+        early = self._aborted_early
+        early.pop(request_id, None)  # re-inserted last: the oldest stays first
+        early[request_id] = time.monotonic()
+        while len(early) > MAX_EARLY_ABORTS:
+            del early[next(iter(early))]
+        return False
+
+    def refuse_if_aborted(self, request_id: str) -> None:
+        """On the loop thread, before a request is taken in: raises AbortedBeforeReserve if the
+        router already aborted `request_id` (`abort`)."""
+        if self._aborted_early.pop(request_id, None) is not None:
+            raise AbortedBeforeReserve(
+                f"request_id {request_id!r} was aborted before this call arrived"
+            )
 
     def grant_for(self, request_id: str) -> str:
         """The reservation's write grant for its KVEndpoint ("" off the nixl backend)."""
@@ -346,6 +379,9 @@ class DecodeHandoff:
         late = [rid for rid, e in list(self._entries.items()) if now > e.deadline]
         for rid in late:
             self._close(rid, "lease expired before the commit", expired=True)
+        early = self._aborted_early
+        while early and now - next(iter(early.values())) > EARLY_ABORT_TTL_S:
+            del early[next(iter(early))]
 
     def _pop(self, request_id: str) -> _Entry | None:
         with self._entries_lock:

@@ -15,7 +15,9 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               (worker_common/logprobs.py), and a colocated request's prompt logprobs on each
               sequence's final event
   Abort, lease expiry, or a Stream client going away -> handoff.abort: blocks freed, the queue
-              gets a final "abort" output
+              gets a final "abort" output. An Abort for an id not held here is remembered a
+              while (the router's Abort may overtake a Reserve it gave up on): that Reserve then
+              ends CANCELLED with nothing reserved
 The request's priority (ReserveRequest.priority) is its engine request's: the order of the
 engine's waiting queue and of its preemptions (engine/scheduler.py). Embed serves colocated
 deployments' embeddings on this worker's engine (worker_common/embed.py; the router sends it
@@ -38,7 +40,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.decode_worker.handoff import CommitOutput, DecodeHandoff, HandoffTimings
+from pdserve.decode_worker.handoff import (
+    AbortedBeforeReserve,
+    CommitOutput,
+    DecodeHandoff,
+    HandoffTimings,
+)
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
 from pdserve.kvtransfer.peer import digest, hash_bytes
@@ -176,6 +183,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
+            refuse_aborted(context, e)
             abort_for_engine_error(context, e)
             raise
         endpoint = worker_pb2.KVEndpoint(
@@ -213,27 +221,20 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         before any work, when its prefix cache holds fewer of the prompt's leading tokens."""
         prompt, on_output = list(request.prompt_token_ids), self._on_output(stream)
         try:
-            if request.min_cached_tokens:
-                held = self.loop.call(
-                    self._add_if_held,
-                    rid,
-                    prompt,
-                    params,
-                    on_output,
-                    request.min_cached_tokens,
-                    request.priority,
-                    lora,
-                )
-            else:
-                held = None
-                # (the adapter only when there is one: the engine's add_request takes it)
-                more = {} if lora is None else {"lora_request": lora}
-                self.loop.add_request(
-                    rid, prompt, params, on_output, priority=request.priority, **more
-                )
+            held = self.loop.call(
+                self._add_if_held,
+                rid,
+                prompt,
+                params,
+                on_output,
+                request.min_cached_tokens,
+                request.priority,
+                lora,
+            )
         except BaseException as e:
             with self._lock:
                 self._streams.pop(rid, None)
+            refuse_aborted(context, e)
             abort_for_engine_error(context, e)
             raise
         if held is not None:
@@ -267,17 +268,21 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """On the loop thread, so that no step evicts between the look and the add: adds the
         request when the prefix cache (or its host tier) holds at least `want` of its leading
         tokens (at most what the engine would take from it: all but the last prompt token, in
-        whole blocks), else returns (held, wanted) and adds nothing."""
+        whole blocks; want 0: always), else returns (held, wanted) and adds nothing. Raises
+        AbortedBeforeReserve for an id the router aborted already (handoff.py)."""
+        if self.handoff is not None:
+            self.handoff.refuse_if_aborted(rid)
         engine = self.loop.engine
-        bm = engine.block_manager
-        usable = len(prompt) - 1
-        wanted = min(want, usable - usable % bm.block_size)
-        # in the cache or its host tier: a tier block is restored at the admission, which may
-        # have to wait for a free block (engine/kv_host_tier.py)
-        root = None if lora is None else lora.cache_root
-        held = bm.held_prefix_tokens(prompt, usable, root)
-        if held < wanted:
-            return held, wanted
+        if want:
+            bm = engine.block_manager
+            usable = len(prompt) - 1
+            wanted = min(want, usable - usable % bm.block_size)
+            # in the cache or its host tier: a tier block is restored at the admission, which
+            # may have to wait for a free block (engine/kv_host_tier.py)
+            root = None if lora is None else lora.cache_root
+            held = bm.held_prefix_tokens(prompt, usable, root)
+            if held < wanted:
+                return held, wanted
         engine.add_request(
             rid,
             prompt,
@@ -596,3 +601,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ]
             for rid in stale:
                 del self._streams[rid]
+
+
+def refuse_aborted(context, err: BaseException) -> None:
+    """Ends a Reserve CANCELLED when the router had aborted its id before it came; returns
+    otherwise."""
+    if isinstance(err, AbortedBeforeReserve):
+        context.abort(grpc.StatusCode.CANCELLED, str(err))

@@ -151,6 +151,20 @@ def test_unknown_stream_abort_and_cancelled_stream(idle, monkeypatch):
     wait_until(freed, 30, "the aborted request still runs or holds blocks")
 
 
+def test_a_reserve_the_router_aborted_before_it_came_is_cancelled(idle):
+    # the router's Abort overtook its Reserve (it gave the Reserve up while it was under way):
+    # the Reserve holds nothing, and the worker goes on serving that id's next Reserve
+    prompt = random_prompts([40], seed=10)[0]
+    abort = worker_pb2.WorkerAbortRequest(request_id="overtaken")
+    assert not idle.d.Abort(abort, timeout=RPC_TIMEOUT).found
+    with pytest.raises(grpc.RpcError) as err:
+        idle.reserve("overtaken", prompt)
+    assert err.value.code() == grpc.StatusCode.CANCELLED and "aborted before" in err.value.details()
+    assert idle.stats().num_reserved == 0
+    idle.reserve("overtaken", prompt)
+    assert idle.d.Abort(abort, timeout=RPC_TIMEOUT).found
+
+
 def test_lease_expiry_frees_a_reservation_never_prefilled(idle):
     prompt = random_prompts([33], seed=9)[0]
     reply = idle.reserve("lease", prompt, lease_ms=300)

@@ -95,10 +95,12 @@ def test_worker_never_expects_more_than_the_engine_would_take():
     assert loop.added == ["r1"]
 
 
-def test_no_expectation_no_check():
+def test_no_expectation_no_check(monkeypatch):
     servicer, loop = servicer_holding([])
+    bm = loop.engine.block_manager
+    monkeypatch.setattr(bm, "held_prefix_tokens", lambda *a: pytest.fail("looked at the cache"))
     run_here(servicer, list(range(20)), 0)
-    assert loop.added == ["r1"] and loop.watched == []  # the ordinary add_request
+    assert loop.added == ["r1"] and loop.watched == ["r1"]
 
 
 # ---- the router -------------------------------------------------------------------------------
