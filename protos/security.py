@@ -198,7 +198,7 @@ class ClusterSecurity:
             raw = grpc.insecure_channel(address, options=options)
         if not self.secret:
             return raw
-        return grpc.intercept_channel(raw, _SecretAdder(self.secret))
+        return _SecretChannel(raw, self.secret)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((SECRET_METADATA_KEY, self.secret),) if self.secret else ()
@@ -361,44 +361,71 @@ class ServerGuard(grpc.ServerInterceptor):
         )
 
 
-class _SecretAdder(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    def __init__(self, secret: str):
+class _SecretChannel(grpc.Channel):
+    """A channel that adds the cluster secret to every call's metadata. Not grpc's
+    intercept_channel: an intercepted channel registers a method with the channel at the
+    method's first call, not when the stub is made, and grpc (1.85) registers on a closed channel
+    without checking, so a first call after (or during) close() crashed the process (a segfault
+    in a CI run: the router's stop beside an Abort; grpc/grpc#43455). Here each method is
+    registered when its stub is made, as on a plain channel, and a call after close() raises
+    ValueError as grpc's own channel does."""
+
+    def __init__(self, raw: grpc.Channel, secret: str):
+        self._raw = raw
         self._entry = (SECRET_METADATA_KEY, secret)
 
-    def _details(self, details):
-        metadata = list(details.metadata or ()) + [self._entry]
-        return _CallDetails(
-            details.method,
-            details.timeout,
-            metadata,
-            details.credentials,
-            getattr(details, "wait_for_ready", None),
-            getattr(details, "compression", None),
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None, **kw):
+        call = self._raw.unary_unary(method, request_serializer, response_deserializer, **kw)
+        return _WithSecret(call, self._entry)
+
+    def unary_stream(self, method, request_serializer=None, response_deserializer=None, **kw):
+        call = self._raw.unary_stream(method, request_serializer, response_deserializer, **kw)
+        return _WithSecret(call, self._entry)
+
+    def stream_unary(self, method, request_serializer=None, response_deserializer=None, **kw):
+        call = self._raw.stream_unary(method, request_serializer, response_deserializer, **kw)
+        return _WithSecret(call, self._entry)
+
+    def stream_stream(self, method, request_serializer=None, response_deserializer=None, **kw):
+        call = self._raw.stream_stream(method, request_serializer, response_deserializer, **kw)
+        return _WithSecret(call, self._entry)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self._raw.subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        self._raw.unsubscribe(callback)
+
+    def close(self):
+        self._raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self.close()
+        return False
+
+
+class _WithSecret:
+    """One method of a _SecretChannel: the plain channel's multicallable, with the secret added to
+    the metadata of each call (`__call__`, and `with_call` and `future` where the kind has them)."""
+
+    __slots__ = ("_call", "_entry")
+
+    def __init__(self, call, entry: tuple[str, str]):
+        self._call, self._entry = call, entry
+
+    def _metadata(self, metadata) -> tuple:
+        return (*metadata, self._entry) if metadata else (self._entry,)
+
+    def __call__(self, request, timeout=None, metadata=None, **kw):
+        return self._call(request, timeout=timeout, metadata=self._metadata(metadata), **kw)
+
+    def with_call(self, request, timeout=None, metadata=None, **kw):
+        return self._call.with_call(
+            request, timeout=timeout, metadata=self._metadata(metadata), **kw
         )
 
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-
-@dataclass(frozen=True)
-class _CallDetails(grpc.ClientCallDetails):
-    method: str
-    timeout: float | None
-    metadata: list
-    credentials: object
-    wait_for_ready: bool | None
-    compression: object
+    def future(self, request, timeout=None, metadata=None, **kw):
+        return self._call.future(request, timeout=timeout, metadata=self._metadata(metadata), **kw)

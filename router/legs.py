@@ -275,8 +275,8 @@ class Legs:
 
     def close(self) -> None:
         """Drops the Abort calls not yet begun and waits for those under way (each bounded by
-        abort_timeout_s) before the router closes the workers' channels: a call that gRPC sets
-        up on a channel closing beside it crashes the process (a segfault in a CI run)."""
+        abort_timeout_s), so that they reach their workers before the router closes the
+        channels, rather than fail on a closed one."""
         self._aborter.shutdown(wait=True, cancel_futures=True)
 
     def abort_later(self, leg: Leg, cancel_stream: bool = False) -> None:

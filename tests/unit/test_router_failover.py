@@ -68,8 +68,7 @@ def test_stop_string_across_the_resume_point_ends_the_stream_at_the_router(model
 
 
 def test_closing_the_legs_waits_for_the_abort_calls_under_way():
-    # the router closes the workers' channels right after; an Abort that gRPC set up on a closing
-    # channel crashed a CI run's test process (router stop while a role flip's aborts ran)
+    # the router closes the workers' channels right after: the Aborts under way finish first
     legs = Legs(pool=None, executor=None, options=None)
     started, done = threading.Event(), []
     legs._run_later(lambda: (started.set(), time.sleep(0.2), done.append(1)))
