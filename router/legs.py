@@ -630,7 +630,11 @@ class Legs:
         except (grpc.RpcError, grpc.FutureCancelledError) as e:
             dropped = not isinstance(e, grpc.RpcError)
             if dropped or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may have reserved
-                self._run_later(lambda: self.abort_until_answered(worker, leg.request_id))
+                rid = leg.request_id
+                self._run_later(lambda: self.abort_until_answered(worker, rid))
+                # an id the router aborted is never sent again: a worker refuses a Reserve whose
+                # Abort came first (decode_worker/handoff.py), and the leg may yet try this worker
+                leg.request_id = uuid.uuid4().hex
             if not dropped and (
                 e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline
             ):

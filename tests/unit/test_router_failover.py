@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
 from pdserve.router.call import resume_sampling
-from pdserve.router.legs import Inflight, Leg, Legs
+from pdserve.router.legs import Inflight, Leg, Legs, RouterStatus
 from pdserve.router.text import TextStream
 
 
@@ -77,3 +79,35 @@ def test_closing_the_legs_waits_for_the_abort_calls_under_way():
     assert done == [1]
     legs._run_later(lambda: done.append(2))  # after the close: refused, never run
     assert done == [1]
+
+
+class Expired(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "deadline"
+
+
+def test_a_reserve_given_up_is_aborted_and_its_id_never_sent_again(monkeypatch):
+    # a Reserve that did not answer in time may still reserve: the router aborts its id, and the
+    # worker refuses that id's Reserve should it come after the Abort (decode_worker/handoff.py);
+    # the leg may try the same worker again later (a full pool's queue), so it takes a new id
+    pool = SimpleNamespace(is_member=lambda w: True, on_drop=lambda fn: None, name=lambda w: "d0")
+    expired = SimpleNamespace(result=lambda: (_ for _ in ()).throw(Expired()), cancel=lambda: 0)
+    reserve = SimpleNamespace(future=lambda request, timeout, **kw: expired)
+    worker = type("Worker", (), {"stub": SimpleNamespace(Reserve=reserve)})()  # hashable
+    options = SimpleNamespace(rpc_timeout_s=1.0, abort_timeout_s=0.1)
+    legs = Legs(pool=pool, executor=None, options=options)
+    later, aborted = [], []
+    monkeypatch.setattr(legs, "_run_later", later.append)
+    monkeypatch.setattr(legs, "abort_until_answered", lambda w, rid: aborted.append(rid))
+    leg = Leg(1)
+    first = leg.request_id
+    request = worker_pb2.ReserveRequest(request_id=first)
+    with pytest.raises(RouterStatus, match="did not answer Reserve"):
+        legs._reserve_on(worker, leg, request, deadline=time.monotonic() + 30)
+    for fn in later:
+        fn()
+    assert aborted == [first] and leg.request_id not in ("", first)
+    legs.close()
