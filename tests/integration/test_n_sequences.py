@@ -192,7 +192,12 @@ def test_stop_strings_end_each_sequence_on_its_own(idle, llm):
         assert finish[i].usage.completion_tokens == len(tokens)
 
 
-def test_abort_of_an_n_request_ends_every_sequence_and_frees_both_pools(idle):
+def test_abort_of_an_n_request_ends_every_sequence_and_frees_both_pools(idle, monkeypatch):
+    # decode steps slowed: the sequences must still be running when the Abort lands (with the
+    # worker's Abort handler delayed by up to 250 ms they had all reached their max_tokens)
+    engine = idle.decode.loop.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])
     prompt = random_prompts([40], seed=42)[0]
     sampling = proto_sampling(temperature=1.0, n=3, max_tokens=MAX_MODEL_LEN - 41, ignore_eos=True)
     call = idle.call(prompt, sampling, request_id="n-abort")

@@ -198,7 +198,12 @@ def test_client_cancel_frees_the_decode_pool(idle, monkeypatch):
     assert all(rid != "cancel-me" for rid, _ in aborted), "the client's id reached a worker"
 
 
-def test_router_abort_ends_the_stream_with_abort(idle):
+def test_router_abort_ends_the_stream_with_abort(idle, monkeypatch):
+    # decode steps slowed: the stream must still run when the Abort lands (with the worker's Abort
+    # handler delayed by up to 250 ms, all 200 tokens were out first)
+    engine = idle.decode.loop.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])
     call = start_long(idle, "abort-me", 8, seed=9)
     assert next(call).HasField("delta")
     assert idle.api.Abort(
