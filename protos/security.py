@@ -361,6 +361,17 @@ class ServerGuard(grpc.ServerInterceptor):
         )
 
 
+def _secret_method(kind: str):
+    """_SecretChannel's `kind` (unary_unary, ...): the plain channel's, adding the secret."""
+
+    def method(self, method, request_serializer=None, response_deserializer=None, **kw):
+        call = getattr(self._raw, kind)(method, request_serializer, response_deserializer, **kw)
+        return _WithSecret(call, self._entry)
+
+    method.__name__ = kind
+    return method
+
+
 class _SecretChannel(grpc.Channel):
     """A channel that adds the cluster secret to every call's metadata. Not grpc's
     intercept_channel: an intercepted channel registers a method with the channel at the
@@ -374,21 +385,10 @@ class _SecretChannel(grpc.Channel):
         self._raw = raw
         self._entry = (SECRET_METADATA_KEY, secret)
 
-    def unary_unary(self, method, request_serializer=None, response_deserializer=None, **kw):
-        call = self._raw.unary_unary(method, request_serializer, response_deserializer, **kw)
-        return _WithSecret(call, self._entry)
-
-    def unary_stream(self, method, request_serializer=None, response_deserializer=None, **kw):
-        call = self._raw.unary_stream(method, request_serializer, response_deserializer, **kw)
-        return _WithSecret(call, self._entry)
-
-    def stream_unary(self, method, request_serializer=None, response_deserializer=None, **kw):
-        call = self._raw.stream_unary(method, request_serializer, response_deserializer, **kw)
-        return _WithSecret(call, self._entry)
-
-    def stream_stream(self, method, request_serializer=None, response_deserializer=None, **kw):
-        call = self._raw.stream_stream(method, request_serializer, response_deserializer, **kw)
-        return _WithSecret(call, self._entry)
+    unary_unary = _secret_method("unary_unary")
+    unary_stream = _secret_method("unary_stream")
+    stream_unary = _secret_method("stream_unary")
+    stream_stream = _secret_method("stream_stream")
 
     def subscribe(self, callback, try_to_connect=False):
         self._raw.subscribe(callback, try_to_connect=try_to_connect)
