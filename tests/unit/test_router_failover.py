@@ -81,20 +81,13 @@ def test_closing_the_legs_waits_for_the_abort_calls_under_way():
     assert done == [1]
 
 
-class Expired(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self):
-        return "deadline"
-
-
 def test_a_reserve_given_up_is_aborted_and_its_id_never_sent_again(monkeypatch):
     # a Reserve that did not answer in time may still reserve: the router aborts its id, and the
     # worker refuses that id's Reserve should it come after the Abort (decode_worker/handoff.py);
     # the leg may try the same worker again later (a full pool's queue), so it takes a new id
     pool = SimpleNamespace(is_member=lambda w: True, on_drop=lambda fn: None, name=lambda w: "d0")
-    expired = SimpleNamespace(result=lambda: (_ for _ in ()).throw(Expired()), cancel=lambda: 0)
+    late = RouterStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline")  # as a worker's error
+    expired = SimpleNamespace(result=lambda: (_ for _ in ()).throw(late), cancel=lambda: 0)
     reserve = SimpleNamespace(future=lambda request, timeout, **kw: expired)
     worker = type("Worker", (), {"stub": SimpleNamespace(Reserve=reserve)})()  # hashable
     options = SimpleNamespace(rpc_timeout_s=1.0, abort_timeout_s=0.1)
