@@ -57,7 +57,7 @@ from pdserve.engine.parallel import (
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.threads import ThreadFit
-from pdserve.kvpool import create_pool_file
+from pdserve.kvpool import create_pool_file, new_private_pool
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import ScheduledSeq, StepPlan
@@ -217,6 +217,8 @@ class ModelRunner:
         if self.kv_cache_path is not None:
             return create_pool_file(self.kv_cache_path, self._kv_shape, self.kv_dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
+        if self.device.type == "cpu":  # on huge pages where the kernel allows (kvpool)
+            return new_private_pool(self._kv_shape, self.kv_dtype)
         return torch.zeros(self._kv_shape, dtype=self.kv_dtype, device=self.device)
 
     @property

@@ -118,10 +118,14 @@ def make_layout(dtype: str = "float32"):
     return KVLayout("smollm2-135m", dtype, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
 
 
-def slot_block_ids(slot: int, blocks_per_request: int) -> list[int]:
-    """A request's reservation: its slot's blocks in a shuffled (fixed) order."""
+def slot_block_ids(slot: int, blocks_per_request: int, order: str = "shuffled") -> list[int]:
+    """A request's reservation: its slot's blocks in a shuffled (fixed) order, no two consecutive
+    blocks of the request adjacent in the pool (the worst case for a backend that moves each run
+    of adjacent blocks as one piece), or with order "runs" in pool order (what a quiet pool's
+    allocator hands out: engine/block_manager.py keeps a sequence's blocks consecutive where it
+    can)."""
     ids = list(range(slot * blocks_per_request, (slot + 1) * blocks_per_request))
-    return ids[1::2] + ids[0::2]
+    return ids if order == "runs" else ids[1::2] + ids[0::2]
 
 
 def source_chunks(tokens: int, dtype: str, device: str) -> list:
@@ -144,7 +148,9 @@ def source_chunks(tokens: int, dtype: str, device: str) -> list:
     ]
 
 
-def check_pool(cache, chunks: list, tokens: int, requests: int, dtype: str) -> str | None:
+def check_pool(
+    cache, chunks: list, tokens: int, requests: int, dtype: str, order: str = "shuffled"
+) -> str | None:
     """None when every pool slot the trial's requests used holds `chunks` byte for byte (each
     request sends the same KV; a slot holds the last request that used it), else what differs."""
     import torch
@@ -154,7 +160,7 @@ def check_pool(cache, chunks: list, tokens: int, requests: int, dtype: str) -> s
     blocks_per_request, _ = pool_shape(tokens)
     layout = make_layout(dtype)
     for slot in range(min(requests, POOL_SLOTS)):
-        ids = slot_block_ids(slot, blocks_per_request)
+        ids = slot_block_ids(slot, blocks_per_request, order)
         for layer, (_, sent) in enumerate(chunks):
             _, held = read_chunk(cache[layer], layout, "check", layer, ids, 0, tokens)
             want, got = sent.reshape(-1).view(torch.uint8), held.reshape(-1).view(torch.uint8)
@@ -248,6 +254,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
 
     import torch
 
+    from pdserve.kvpool import new_private_pool
     from pdserve.kvtransfer.backends import create_shared_kv_cache, remove_shared_kv_cache, serve
     from pdserve.kvtransfer.receiver import KVReceiver
     from pdserve.kvtransfer.state import TransferState
@@ -261,6 +268,8 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
     path = None
     if kind in ("shm", "memcpy"):
         cache, path = create_shared_kv_cache(shape, dtype)
+    elif device == "cpu":  # a single-rank decode worker's own pool (engine/model_runner.py)
+        cache = new_private_pool(shape, dtype)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
     # This is what the prefill side sends: the pool is checked against it after kvreceiver trials.
@@ -321,7 +330,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
             issued = {}
             for i in range(n):
                 rid = f"t{msg['trial']}-r{i}"
-                block_ids = slot_block_ids(i % POOL_SLOTS, blocks_per_request)
+                block_ids = slot_block_ids(i % POOL_SLOTS, blocks_per_request, cfg["blocks"])
                 receivers[rid] = KVReceiver(
                     rid, cache, make_layout(dtype_str), block_ids, 0, tokens
                 )
@@ -370,7 +379,9 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
             # pool byte for byte after a kvreceiver trial, then clear it, so that no later check
             # can pass on what an earlier trial left (shm writes the pool in transport mode too).
             check = sent is not None and not trial["null"] and not failed
-            mismatch = check_pool(cache, sent, tokens, n, dtype_str) if check else None
+            mismatch = (
+                check_pool(cache, sent, tokens, n, dtype_str, cfg["blocks"]) if check else None
+            )
             if sent is not None:
                 cache.zero_()
                 if on_cuda:
@@ -432,7 +443,7 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                 starts.append(time.perf_counter())
                 if transport is not None:
                     dest = Destination(
-                        slot_block_ids(i % POOL_SLOTS, blocks_per_request),
+                        slot_block_ids(i % POOL_SLOTS, blocks_per_request, cfg["blocks"]),
                         layout,
                         grant=msg.get("grants", {}).get(rid, ""),
                     )
@@ -660,6 +671,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
     ap.add_argument(
+        "--blocks",
+        choices=("shuffled", "runs"),
+        default="shuffled",
+        help="each reservation's blocks: shuffled, no two adjacent (default), or consecutive runs",
+    )
+    ap.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -812,6 +829,7 @@ def main(argv=None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "tune_malloc": not args.no_malloc_tune,
+        "blocks": args.blocks,
         "server_opts": json.loads(args.server_opts),
         "connect_opts": json.loads(args.connect_opts),
     }
@@ -845,6 +863,7 @@ def main(argv=None) -> int:
             "rounds": args.rounds,
             "torch_threads_per_process": 1,
             "malloc_tuned": cfg["tune_malloc"],
+            "reservation_blocks": cfg["blocks"],
             "modes": {m: MODES[m] for m in args.modes},
             "server_opts": cfg["server_opts"],
             "connect_opts": cfg["connect_opts"],
