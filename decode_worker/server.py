@@ -91,6 +91,11 @@ class DecodePart:
             return default_shared_dir()
         return None
 
+    def engine_extras(self, worker: WorkerProcess) -> dict:
+        """A private pool that a nixl sender on this host writes into is put on huge pages
+        (kvpool.new_private_pool says why)."""
+        return {"kv_cache_huge_pages": True} if self.cfg.kv_backend == "nixl" else {}
+
     def _room_for_shm(self) -> bool:
         """On "auto": whether the KV pool can live in a shared file, so that shm can be offered:
         it is in CPU memory, and the shared folder has room for it (a container's /dev/shm is

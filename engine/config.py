@@ -188,6 +188,11 @@ class EngineConfig:
     # on this host can map it (the KV hand-off writes into a decode worker's pool in place, and
     # rank 0 of a tensor-parallel worker reads and writes every rank's pool); None: private memory
     kv_cache_shared_dir: str | None = None
+    # a private CPU pool (kv_cache_shared_dir None) on transparent huge pages (kvpool,
+    # new_private_pool): a decode worker on the nixl backend sets it, since a sender on its host
+    # writes into the pool by the kernel's cross-memory copy, faster into 2 MiB pages; elsewhere
+    # it bought nothing measured, and a pool's first fill on huge pages took longer here
+    kv_cache_huge_pages: bool = False
     # not a setting: a prefill worker sets it when its engine runs in pipeline stages. A picklable
     # object whose channels() the ranks of the later stages use to push their own layers' KV
     # into the decode side's reservation (engine/kv_publish.py; prefill_worker/stage_push.py);
@@ -279,6 +284,7 @@ class EngineConfig:
             "kv_cache_shared_dir",
             "None or an existing directory",
         )
+        check(isinstance(self.kv_cache_huge_pages, bool), "kv_cache_huge_pages", "True or False")
         self._check_stage_sender(check)
 
     def _check_step_sizes(self, check) -> None:

@@ -217,8 +217,8 @@ class ModelRunner:
         if self.kv_cache_path is not None:
             return create_pool_file(self.kv_cache_path, self._kv_shape, self.kv_dtype)
         # zeros, not empty: masked-out slots are still multiplied by 0, and NaN * 0 is NaN
-        if self.device.type == "cpu":  # on huge pages where the kernel allows (kvpool)
-            return new_private_pool(self._kv_shape, self.kv_dtype)
+        if self.device.type == "cpu" and self.config.kv_cache_huge_pages:
+            return new_private_pool(self._kv_shape, self.kv_dtype)  # (kvpool says why)
         return torch.zeros(self._kv_shape, dtype=self.kv_dtype, device=self.device)
 
     @property

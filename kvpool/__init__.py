@@ -11,13 +11,15 @@ needed and free (PoolSpaceError), not later as a SIGBUS in whichever process tou
 first. An engine's files are named after its process (new_pool_paths), so the files of a process
 killed before it could unlink them are found and removed later (remove_stale_pool_files).
 
-A pool no other process maps (`new_private_pool`: a single-rank engine's, such as a decode
-worker's whose KV arrives by grpc, torch or nixl) is ordinary process memory, advised for
-transparent huge pages before its zero fill first touches it; Linux backs it with 2 MiB pages
-where THP is "madvise" (most distributions' default) or "always". A NIXL (UCX) peer on the same
-host writes into such a pool by the kernel's cross-memory copy, which pins the pool's pages call
-by call: on 2 MiB pages that copy ran 1.2-1.4x faster (BENCHMARKS.md, the nixl backend). Pool
-files stay on 4 KiB pages: tmpfs uses huge pages only where its mount or shmem_enabled says so.
+A pool no other process maps can be put on transparent huge pages (`new_private_pool`: advised
+before its zero fill first touches it; Linux backs it with 2 MiB pages where THP is "madvise",
+most distributions' default, or "always"). A decode worker on the nixl backend does
+(EngineConfig.kv_cache_huge_pages): a NIXL (UCX) sender on the same host writes into its pool
+by the kernel's cross-memory copy, which pins the pool's pages call by call, and into 2 MiB pages
+that ran 1.2-1.4x faster (BENCHMARKS.md, the nixl backend). Elsewhere it bought nothing measured
+(decode steps at 2k-token contexts), and a fresh process's first fill of a 1 GiB pool took
+190-650 ms on huge pages against about 300 on small ones, so other pools keep small pages. Pool
+files do too: tmpfs uses huge pages only where its mount or shmem_enabled says so.
 
 A package of its own, importing only torch and the standard library, so that the engine and
 kvtransfer can both use it and still never import each other (tests/unit/test_boundaries.py).

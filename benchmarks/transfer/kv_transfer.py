@@ -268,7 +268,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
     path = None
     if kind in ("shm", "memcpy"):
         cache, path = create_shared_kv_cache(shape, dtype)
-    elif device == "cpu":  # a single-rank decode worker's own pool (engine/model_runner.py)
+    elif kind == "nixl" and device == "cpu":  # as a decode worker on nixl makes it (kvpool)
         cache = new_private_pool(shape, dtype)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)

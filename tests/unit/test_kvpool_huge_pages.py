@@ -1,5 +1,6 @@
-"""A KV pool that only its own process uses is advised for transparent huge pages before it is
-zero-filled (kvpool.new_private_pool), and the engine's CPU pools are made that way.
+"""A KV pool that only its own process uses can be advised for transparent huge pages before it
+is zero-filled (kvpool.new_private_pool); the engine does so when asked (kv_cache_huge_pages),
+and a decode worker asks on the nixl backend.
 
 Whether the kernel then backs the pool with 2 MiB pages depends on its THP setting and on free
 memory, so these tests check what the code controls: the pool's zeros, shape and dtype, and the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import types
 
 import pytest
 import torch
@@ -64,14 +66,27 @@ def test_an_empty_pool_is_refused():
 
 
 @linux_only
-def test_the_engine_makes_its_cpu_pool_a_private_one(tiny_models):
+def test_the_engine_puts_its_cpu_pool_on_huge_pages_when_asked(tiny_models):
     from pdserve.engine.llm import LLM
 
     model_dir, _ = tiny_models("llama-gqa")
-    llm = LLM(model_dir, kv_cache_memory=16 << 20, max_model_len=256)
-    try:
-        cache = llm.engine.kv_cache
-        assert cache.numel() * cache.element_size() >= 8 << 20
-        assert "hg" in vm_flags(first_huge_page(cache))
-    finally:
-        llm.shutdown()
+    for asked in (True, False):
+        llm = LLM(model_dir, kv_cache_memory=16 << 20, max_model_len=256, kv_cache_huge_pages=asked)
+        try:
+            cache = llm.engine.kv_cache
+            assert cache.numel() * cache.element_size() >= 8 << 20
+            assert ("hg" in vm_flags(first_huge_page(cache))) is asked
+        finally:
+            llm.shutdown()
+
+
+def test_a_decode_worker_asks_for_huge_pages_on_the_nixl_backend_only():
+    from pdserve.decode_worker.server import DecodePart
+
+    def extras(backend: str) -> dict:
+        part = DecodePart.__new__(DecodePart)  # only its config is read
+        part.cfg = types.SimpleNamespace(kv_backend=backend)
+        return part.engine_extras(None)
+
+    assert extras("nixl") == {"kv_cache_huge_pages": True}
+    assert extras("shm") == extras("grpc") == extras("auto") == {}
