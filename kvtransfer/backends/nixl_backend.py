@@ -20,7 +20,8 @@ contiguous buffer per receiving rank, registers it, builds one descriptor per (K
 touches into exactly the claimed blocks, and posts one WRITE. NIXL's UCX backend flushes the
 endpoint inside each transfer, so a transfer reported DONE is in the receiver's memory. The
 chunk's header (in place, with the grant) follows on the ordered gRPC control channel only once
-its WRITE is DONE, and a request's "commit" or "abort" only once every WRITE of it ended: the
+its WRITE is DONE (queued by the first send, commit or flush that finds it so), and a request's
+"commit" or "abort" only once every WRITE of it ended: the
 decode side counts a layer only when its bytes are there, and commits as the other backends do.
 
 Lifecycle and bounds: a WRITE that is not DONE within xfer_timeout_s is released (cancelled) and
@@ -77,6 +78,7 @@ import dataclasses
 import hmac
 import importlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -966,18 +968,20 @@ def _drop_remote(agent, name: str) -> None:
 
 @dataclass
 class _Write:
-    """One posted WRITE: its handle, the registered source buffers it reads, when it was posted."""
+    """One posted WRITE: its handle, the registered source buffers it reads, when it was posted,
+    and the in-place header that may follow once it is DONE."""
 
     handle: object
     regs: list
     sources: list
     posted: float
+    header: ChunkHeader | None = None
 
 
 @dataclass
 class _Outgoing:
     """One request's claim on this channel: its blocks, its window, its WRITEs not yet ended and
-    the in-place headers that follow them."""
+    the in-place headers of those that are DONE, not yet sent."""
 
     block_ids: tuple[int, ...]
     grant: str
@@ -986,6 +990,8 @@ class _Outgoing:
     headers: list[ChunkHeader] = field(default_factory=list)
     error: str | None = None
     stage: PipelineStage | None = None  # the part of a pipelined sender it claimed as
+    # (rank, start, end, heads) -> its chunks' descriptors at source 0 and layer 0 (_post)
+    descriptors: dict = field(default_factory=dict)
 
 
 class NixlTransport(Transport):
@@ -1057,6 +1063,8 @@ class NixlTransport(Transport):
         self.shape, self.dtype, self.pools, self.mem = shape, dtype, pools, meta["mem"]
         self.devices = [int(d) for d in meta.get("devices", [0] * len(pools))]
         self._itemsize = torch.empty(0, dtype=dtype).element_size()
+        # one layer of a receiving rank's pool: [2, blocks, block_size, heads, head_dim]
+        self._layer_bytes = math.prod(shape[1:]) * self._itemsize
         return meta
 
     # ---- claims ---------------------------------------------------------------------------------
@@ -1143,6 +1151,13 @@ class NixlTransport(Transport):
                 if out.error is not None:
                     raise ConnectionError(out.error)
                 self._post(header, data, dest, out)
+                self._settle(out, wait=False)
+                if out.error is not None:
+                    raise ConnectionError(out.error)
+                # the headers of the WRITEs that are DONE go now (on one host a WRITE is done
+                # when posted): the decode side takes each layer while the next are written
+                ready, out.headers = out.headers, []
+                self._control.send_headers(ready)
             except Exception as e:
                 out.error = f"a KV write of request {header.request_id} failed: {e}"
                 raise
@@ -1181,10 +1196,18 @@ class NixlTransport(Transport):
                 continue
             src = data if (lo, hi) == (h0, h1) else data[:, :, lo - h0 : hi - h0].contiguous()
             sources.append(src)
-            loc, rem = _descriptors(
-                src.data_ptr(), base, header.layer, out.block_ids, start, end, self.shape,
-                self._itemsize, lo - rank * hpr, hi - lo, self.devices[rank],
-            )  # fmt: skip
+            # a request's chunks differ by layer only (the same tokens and heads each layer):
+            # its descriptors are made once, at base 0 and layer 0, and moved to each chunk's
+            key = (rank, start, end, lo, hi)
+            rel = out.descriptors.get(key)
+            if rel is None:
+                rel = out.descriptors[key] = _descriptors(
+                    0, 0, 0, out.block_ids, start, end, self.shape, self._itemsize,
+                    lo - rank * hpr, hi - lo, self.devices[rank],
+                )  # fmt: skip
+            loc, rem = rel[0].copy(), rel[1].copy()
+            loc[:, 0] += np.uint64(src.data_ptr())
+            rem[:, 0] += np.uint64(base + header.layer * self._layer_bytes)
             local.append(loc)
             remote.append(rem)
         nbytes = sum(s.numel() * s.element_size() for s in sources)
@@ -1203,13 +1226,18 @@ class NixlTransport(Transport):
             for reg in regs:
                 agent.deregister_memory(reg)
             raise
-        write = _Write(handle, regs, sources, time.monotonic())
+        write = _Write(
+            handle,
+            regs,
+            sources,
+            time.monotonic(),
+            dataclasses.replace(header, in_place=True, grant=out.grant),
+        )
         if state == "ERR":
             self._end(write)
             raise ConnectionError(f"NIXL refused the WRITE to {self.remote_name}")
         out.writes.append(write)
         self._inflight += nbytes
-        out.headers.append(dataclasses.replace(header, in_place=True, grant=out.grant))
 
     def _wait_room(self, nbytes: int) -> None:
         """Until the posted WRITEs hold at most max_inflight_bytes with this one (or none is left)."""
@@ -1268,6 +1296,7 @@ class NixlTransport(Transport):
                 return
             out.writes.pop(0)
             self._end(write)
+            out.headers.append(write.header)
             done += 1
 
     def _finish(self, header: ChunkHeader, dest: Destination) -> None:

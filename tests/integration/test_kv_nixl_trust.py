@@ -105,6 +105,28 @@ def test_a_whole_transfer_lands_in_the_reserved_blocks(receiver):
     assert not receiver.pool[:, :, others].any()  # nothing outside the reservation
 
 
+def test_each_layers_header_follows_its_write_before_the_commit(receiver):
+    """A WRITE on one host is DONE when posted: its in-place header goes with the next send,
+    so the decode side takes each layer while the later ones are written, as over shm."""
+    dest = receiver.reserve("r1", [3, 5], 7)
+    t = connect("nixl", receiver.server.address, security=SECURITY)
+    try:
+        for layer in range(L):
+            t.send(*chunk("r1", layer, 0, 7), dest)
+
+        def layers_heard():
+            return sorted(h.layer for h, _ in list(receiver.frames) if h.kind == "kv")
+
+        wait_until(lambda: layers_heard() == list(range(L)), 10, "both layers' headers")
+        assert all(h.in_place for h, _ in receiver.frames)
+        assert receiver.receivers["r1"].ranks[0].state.name != "DONE"  # no commit yet
+        t.send(commit("r1"), None, dest)
+        t.flush(10)
+    finally:
+        t.close()
+    assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
+
+
 def test_a_forged_grant_is_refused_and_nothing_is_written(receiver):
     dest = receiver.reserve("r1", [3, 5], 7)
     forged = dataclasses.replace(dest, grant="0" * 32)
