@@ -21,8 +21,8 @@ touches into exactly the claimed blocks, and posts one WRITE. NIXL's UCX backend
 endpoint inside each transfer, so a transfer reported DONE is in the receiver's memory. The
 chunk's header (in place, with the grant) follows on the ordered gRPC control channel only once
 its WRITE is DONE (queued by the first send, commit or flush that finds it so), and a request's
-"commit" or "abort" only once every WRITE of it ended: the
-decode side counts a layer only when its bytes are there, and commits as the other backends do.
+"commit" or "abort" only once every WRITE of it ended: the decode side counts a layer only when
+its bytes are there, and commits as the other backends do.
 
 Lifecycle and bounds: a WRITE that is not DONE within xfer_timeout_s is released (cancelled) and
 fails its request; no WRITE of a claim is posted after its write window (window_s) ends. So every
