@@ -12,9 +12,12 @@ into the decode paged cache, as a decode worker does; the decode side then check
 against the sent KV byte for byte, and a difference fails the trial). The ceilings are a plain
 TCP socket (for grpc and torch) and a copy into shared memory (for shm and nixl: both write into
 the decode pool from the prefill process); the targets are 50% of the ceiling in transport mode.
---tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50 runs), and
-each row's median request latency is one prompt's whole hand-off, from its first layer sent to
-its commit handled: the TTFT a hand-off adds when no layer of it overlaps the prefill.
+Each reservation's blocks come shuffled, no two adjacent in the pool (the default: a backend that
+moves a run of adjacent blocks as one piece gets one piece per block), or with --blocks runs in
+pool order (what the engine's allocator hands out on a quiet pool, and in runs of about 30 blocks
+under churn). --tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50
+runs), and each row's median request latency is one prompt's whole hand-off, from its first layer
+sent to its commit handled: the TTFT a hand-off adds when no layer of it overlaps the prefill.
 
 nixl: the decode process issues a write grant per reservation (as a decode worker's Reserve
 does) and hands the grants to the prefill process through the parent with its "ready". `main` says how rounds are run and timed; the result is in
