@@ -207,13 +207,13 @@ class PushSink:
     def _push(
         self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
     ) -> None:
-        def read(kv: torch.Tensor, layout: KVLayout):
+        def read(kv: torch.Tensor, layout: KVLayout, out: torch.Tensor | None = None):
             return read_chunk(
-                kv, layout, self.request_id, layer, block_ids, start, end, self.traceparent
+                kv, layout, self.request_id, layer, block_ids, start, end, self.traceparent, out
             )
 
         if self.sources is None:
-            header, data = read(layer_kv, self.layout)
+            header, data = read(layer_kv, self.layout, self._staging(layer_kv, end - start))
         else:
             parts = [read(cache[layer], layout) for layout, cache in self.sources]
             header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
@@ -223,6 +223,15 @@ class PushSink:
         self.send_s += time.perf_counter() - sent
         self.bytes_sent += data.numel() * data.element_size()
         self.last_send_time = time.monotonic()
+
+    def _staging(self, layer_kv: torch.Tensor, tokens: int) -> torch.Tensor | None:
+        """The transport's buffer to gather a chunk of `tokens` into, where it has one (nixl: a
+        registered region, kvtransfer/backends/nixl_backend.py), else None."""
+        staging = getattr(self.transport, "staging", None)
+        if staging is None or layer_kv.device.type != "cpu":
+            return None
+        shape = (2, tokens, self.layout.heads_per_rank, self.layout.head_dim)
+        return staging(shape, layer_kv.dtype)
 
     def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
         """first_tokens: every sequence's first token in index order (one for n=1); logprobs:

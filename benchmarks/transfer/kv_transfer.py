@@ -131,19 +131,39 @@ def slot_block_ids(slot: int, blocks_per_request: int, order: str = "shuffled") 
     return ids if order == "runs" else ids[1::2] + ids[0::2]
 
 
-def source_chunks(tokens: int, dtype: str, device: str) -> list:
-    """The prefill side's KV chunks, one (header, data) per layer, read out of its own paged cache:
-    one request's worth of blocks in reverse order, random values of a fixed seed (drawn on the
-    CPU in float32, so that every device and dtype sees the same values, then converted)."""
+def source_pool(tokens: int, dtype: str, device: str):
+    """The prefill side's own paged cache: one request's worth of blocks, its block ids in
+    reverse order, random values of a fixed seed (drawn on the CPU in float32, so that every
+    device and dtype sees the same values, then converted)."""
     import torch
-
-    from pdserve.kvtransfer.reshard import read_chunk
 
     blocks_per_request, _ = pool_shape(tokens)
     shape = (NUM_LAYERS, 2, blocks_per_request, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     src = torch.randn(shape, generator=torch.Generator().manual_seed(SOURCE_SEED))
     src = src.to(device=device, dtype=getattr(torch, dtype))
-    src_blocks = list(reversed(range(blocks_per_request)))
+    return src, list(reversed(range(blocks_per_request)))
+
+
+def gathered_chunks(tokens: int, dtype: str, src, src_blocks, transport):
+    """One request's chunks read out of the source pool as each is sent, as a prefill worker's
+    PushSink reads them: into the transport's staging buffer where it has one (nixl)."""
+    from pdserve.kvtransfer.reshard import read_chunk
+
+    layout = make_layout(dtype)
+    staging = getattr(transport, "staging", None)
+    for layer in range(NUM_LAYERS):
+        out = None
+        if staging is not None and src.device.type == "cpu":
+            out = staging((2, tokens, NUM_KV_HEADS, HEAD_DIM), src.dtype)
+        yield read_chunk(src[layer], layout, "x", layer, src_blocks, 0, tokens, out=out)
+
+
+def source_chunks(tokens: int, dtype: str, device: str) -> list:
+    """The prefill side's KV chunks, one (header, data) per layer, read out of its own paged
+    cache (source_pool) beforehand."""
+    from pdserve.kvtransfer.reshard import read_chunk
+
+    src, src_blocks = source_pool(tokens, dtype, device)
     layout = make_layout(dtype)
     return [
         read_chunk(src[layer], layout, "x", layer, src_blocks, 0, tokens)
@@ -420,6 +440,8 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     # The chunks are read out of the prefill side's own paged cache beforehand. With --device
     # cuda they are CUDA tensors (kv_device), which each transport's send copies to the host.
     chunks = source_chunks(tokens, dtype_str, kv_device(kind, cfg))
+    # --gather: each request's chunks are read out of the pool inside the timed loop
+    gather = source_pool(tokens, dtype_str, kv_device(kind, cfg)) if cfg["gather"] else None
     address = conn.recv()
     transport = sock = shared = None
     if kind in BACKENDS:
@@ -451,7 +473,10 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                         grant=msg.get("grants", {}).get(rid, ""),
                     )
                     # the headers read_chunk would build for this request
-                    send_request(transport, chunks, rid, dest, layout)
+                    frames = (
+                        gathered_chunks(tokens, dtype_str, *gather, transport) if gather else chunks
+                    )
+                    send_request(transport, frames, rid, dest, layout)
                 elif sock is not None:
                     for piece in layer_bytes:
                         sock.sendall(piece)
@@ -674,6 +699,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
     ap.add_argument(
+        "--gather",
+        action="store_true",
+        help="read each request's chunks out of the prefill side's pool as they are sent, as a "
+        "worker does (nixl into its registered staging buffer); default: read beforehand",
+    )
+    ap.add_argument(
         "--blocks",
         choices=("shuffled", "runs"),
         default="shuffled",
@@ -833,6 +864,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "tune_malloc": not args.no_malloc_tune,
         "blocks": args.blocks,
+        "gather": args.gather,
         "server_opts": json.loads(args.server_opts),
         "connect_opts": json.loads(args.connect_opts),
     }
@@ -867,6 +899,7 @@ def main(argv=None) -> int:
             "torch_threads_per_process": 1,
             "malloc_tuned": cfg["tune_malloc"],
             "reservation_blocks": cfg["blocks"],
+            "gather_while_sending": cfg["gather"],
             "modes": {m: MODES[m] for m in args.modes},
             "server_opts": cfg["server_opts"],
             "connect_opts": cfg["connect_opts"],

@@ -15,14 +15,17 @@ Everything the sender learns travels on that control server, behind the cluster 
                    still holds (not committed, aborted or past its lease), the block ids are exactly
                    the reserved ones, and no one claimed it before; otherwise PERMISSION_DENIED
                    with the reason, and nothing is written. A yes carries the claim's write window.
-The sender (NixlTransport) then, per "kv" chunk: copies this rank's heads of the chunk into a
-contiguous buffer per receiving rank, registers it, builds one descriptor per (K or V, block) it
-touches into exactly the claimed blocks, and posts one WRITE. NIXL's UCX backend flushes the
-endpoint inside each transfer, so a transfer reported DONE is in the receiver's memory. The
-chunk's header (in place, with the grant) follows on the ordered gRPC control channel only once
-its WRITE is DONE (queued by the first send, commit or flush that finds it so), and a request's
-"commit" or "abort" only once every WRITE of it ended: the decode side counts a layer only when
-its bytes are there, and commits as the other backends do.
+The sender (NixlTransport) then, per "kv" chunk: takes the chunk where the prefill worker
+gathered it, in the transport's staging region (`staging`: huge pages, registered once with the
+sending agent, handed out as spans that free when their WRITE ends), or else registers the
+chunk (and, for a receiving rank that holds part of its heads, a copy of those) for its WRITE
+alone; builds one descriptor per run of consecutive blocks (K and V) into exactly the claimed
+blocks (once per request and token range, moved to each layer), and posts one WRITE. NIXL's UCX
+backend flushes the endpoint inside each transfer, so a transfer reported DONE is in the
+receiver's memory. The chunk's header (in place, with the grant) follows on the ordered gRPC
+control channel only once its WRITE is DONE (queued by the first send, commit or flush that
+finds it so), and a request's "commit" or "abort" only once every WRITE of it ended: the decode
+side counts a layer only when its bytes are there, and commits as the other backends do.
 
 Lifecycle and bounds: a WRITE that is not DONE within xfer_timeout_s is released (cancelled) and
 fails its request; no WRITE of a claim is posted after its write window (window_s) ends. So every
@@ -85,6 +88,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -94,6 +98,7 @@ import msgpack
 import numpy as np
 import torch
 
+from pdserve.kvpool import new_private_pool
 from pdserve.kvtransfer.backends.frames import host_copy
 from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
 from pdserve.kvtransfer.backends.grpc_sender import SERVICE
@@ -976,6 +981,7 @@ class _Write:
     sources: list
     posted: float
     header: ChunkHeader | None = None
+    spans: list = field(default_factory=list)  # the staging spans its sources lie in
 
 
 @dataclass
@@ -992,6 +998,69 @@ class _Outgoing:
     stage: PipelineStage | None = None  # the part of a pipelined sender it claimed as
     # (rank, start, end, heads) -> its chunks' descriptors at source 0 and layer 0 (_post)
     descriptors: dict = field(default_factory=dict)
+
+
+# the sending side's staging region per transport: where chunks are gathered for their WRITEs,
+# registered once (a chunk of an 8k-token prompt's layer is 12 MiB in float32)
+STAGING_BYTES = 64 << 20
+
+
+class _Staging:
+    """One region of this process's memory, on huge pages and registered once with the sending
+    agent, handed out as spans in a ring: a chunk is gathered straight into a span
+    (`NixlTransport.staging`), WRITTEN from there without a registration of its own, and the
+    span is free again once that WRITE ended. Spans are taken at the head and freed out of
+    order; the tail moves past the freed ones in the order they were taken. Only the transport's
+    lock holder touches it."""
+
+    def __init__(self, agent, nbytes: int):
+        self.region = new_private_pool((nbytes,), torch.uint8)
+        self.reg = agent.register_memory([self.region])
+        self.base, self.size = self.region.data_ptr(), nbytes
+        self.spans: deque[list] = deque()  # [start, end, free] in the order taken
+        self.head = 0
+        self.unposted: list | None = None  # the last span handed out, until a WRITE reads it
+
+    def take(self, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor | None:
+        if self.unposted is not None:  # handed out, never written from: the caller gave up
+            self.free(self.unposted)
+        while self.spans and self.spans[0][2]:
+            self.spans.popleft()
+        while self.spans and self.spans[-1][2]:  # the newest freed (that one): head goes back
+            self.head = self.spans.pop()[0]
+        if not self.spans:
+            self.head = 0
+        if nbytes > self.size:
+            return None
+        tail = self.spans[0][0] if self.spans else None
+        start = None
+        if tail is None or self.head > tail:
+            if self.size - self.head >= nbytes:
+                start = self.head
+            elif tail is None or tail >= nbytes:
+                start = 0
+        elif self.head < tail and tail - self.head >= nbytes:
+            start = self.head
+        if start is None:
+            return None
+        span = [start, start + nbytes, False]
+        self.spans.append(span)
+        self.head, self.unposted = start + nbytes, span
+        return self.region[start : start + nbytes].view(dtype).view(shape)
+
+    def span_of(self, t: torch.Tensor) -> list | None:
+        """The span handed out last when `t` is exactly it (the one a WRITE may now read)."""
+        span = self.unposted
+        if span is not None and t.data_ptr() == self.base + span[0]:
+            if t.numel() * t.element_size() == span[1] - span[0]:
+                self.unposted = None
+                return span
+        return None
+
+    def free(self, span: list) -> None:
+        span[2] = True
+        if span is self.unposted:
+            self.unposted = None
 
 
 class NixlTransport(Transport):
@@ -1039,6 +1108,22 @@ class NixlTransport(Transport):
         self._requests: dict[str, _Outgoing] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self._staging: _Staging | None = None  # made at the first `staging` call on host memory
+
+    def staging(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """A contiguous buffer of `shape` to gather the next kv chunk into and pass to `send`
+        (kvtransfer.reshard.read_chunk's out), or None (gather as usual): its WRITE reads it with
+        no registration of its own, from huge pages. One at a time: a buffer not sent before
+        the next call is taken back."""
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            if self._closed or self.mem != "DRAM" or dtype != self.dtype:
+                return None
+            if nbytes > STAGING_BYTES:
+                return None
+            if self._staging is None:
+                self._staging = _Staging(self._agent, STAGING_BYTES)
+            return self._staging.take(nbytes, dtype, shape)
 
     def _fetch_metadata(self) -> dict:
         try:
@@ -1163,7 +1248,7 @@ class NixlTransport(Transport):
                 raise
 
     def _post(self, header: ChunkHeader, data: torch.Tensor, dest: Destination, out) -> None:
-        layers, _, num_blocks, bs, hpr, head_dim = self.shape
+        layers, _, _, bs, _, head_dim = self.shape
         if dest.layout.block_size != bs or dest.layout.tp_size != self.tp:
             raise ValueError(
                 f"the reservation's block size {dest.layout.block_size} and tp "
@@ -1189,6 +1274,46 @@ class NixlTransport(Transport):
         if end == start:
             out.headers.append(dataclasses.replace(header, in_place=True, grant=out.grant))
             return
+        local, remote, sources = self._pieces(header, data, out)
+        nbytes = sum(s.numel() * s.element_size() for s in sources)
+        self._wait_room(nbytes)
+        agent = self._agent
+        span = self._staging.span_of(data) if self._staging is not None else None
+        staged = [s is data and span is not None for s in sources]  # registered with the region
+        regs = [agent.register_memory([s]) for s, st in zip(sources, staged, strict=True) if not st]
+        try:
+            handle = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(np.concatenate(local), "DRAM"),
+                agent.get_xfer_descs(np.concatenate(remote), self.mem),
+                self.remote_name,
+            )
+            state = agent.transfer(handle)
+        except Exception:
+            for reg in regs:
+                agent.deregister_memory(reg)
+            if span is not None:
+                self._staging.free(span)
+            raise
+        write = _Write(
+            handle,
+            regs,
+            sources,
+            time.monotonic(),
+            dataclasses.replace(header, in_place=True, grant=out.grant),
+            [span] if span is not None else [],
+        )
+        if state == "ERR":
+            self._end(write)
+            raise ConnectionError(f"NIXL refused the WRITE to {self.remote_name}")
+        out.writes.append(write)
+        self._inflight += nbytes
+
+    def _pieces(self, header: ChunkHeader, data: torch.Tensor, out) -> tuple[list, list, list]:
+        """The chunk's descriptors, local and remote, and its source tensors: per receiving rank
+        the heads it holds (all of `data`, or a copy of its part)."""
+        start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
+        hpr = self.shape[4]
         local, remote, sources = [], [], []
         for rank, (base, _) in enumerate(self.pools):
             lo, hi = max(h0, rank * hpr), min(h1, (rank + 1) * hpr)
@@ -1210,34 +1335,7 @@ class NixlTransport(Transport):
             rem[:, 0] += np.uint64(base + header.layer * self._layer_bytes)
             local.append(loc)
             remote.append(rem)
-        nbytes = sum(s.numel() * s.element_size() for s in sources)
-        self._wait_room(nbytes)
-        agent = self._agent
-        regs = [agent.register_memory([s]) for s in sources]
-        try:
-            handle = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(np.concatenate(local), "DRAM"),
-                agent.get_xfer_descs(np.concatenate(remote), self.mem),
-                self.remote_name,
-            )
-            state = agent.transfer(handle)
-        except Exception:
-            for reg in regs:
-                agent.deregister_memory(reg)
-            raise
-        write = _Write(
-            handle,
-            regs,
-            sources,
-            time.monotonic(),
-            dataclasses.replace(header, in_place=True, grant=out.grant),
-        )
-        if state == "ERR":
-            self._end(write)
-            raise ConnectionError(f"NIXL refused the WRITE to {self.remote_name}")
-        out.writes.append(write)
-        self._inflight += nbytes
+        return local, remote, sources
 
     def _wait_room(self, nbytes: int) -> None:
         """Until the posted WRITEs hold at most max_inflight_bytes with this one (or none is left)."""
@@ -1264,6 +1362,8 @@ class NixlTransport(Transport):
                 self._agent.deregister_memory(reg)
             except Exception as e:
                 log.warning("deregistering a KV chunk: %r", e)
+        for span in write.spans:
+            self._staging.free(span)
         self._inflight -= sum(src.numel() * src.element_size() for src in write.sources)
         self._inflight = max(0, self._inflight)
 
@@ -1371,6 +1471,12 @@ class NixlTransport(Transport):
                 for w in out.writes:
                     self._end(w)
             claims, self._requests = self._requests, {}
+            if self._staging is not None:  # every WRITE that read it ended above
+                try:
+                    self._agent.deregister_memory(self._staging.reg)
+                except Exception as e:
+                    log.warning("deregistering the staging region: %r", e)
+                self._staging = None
         for request_id, out in claims.items():  # their WRITEs ended: a pipelined claim says so
             if out.stage is not None:
                 try:

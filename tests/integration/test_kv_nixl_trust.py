@@ -105,6 +105,36 @@ def test_a_whole_transfer_lands_in_the_reserved_blocks(receiver):
     assert not receiver.pool[:, :, others].any()  # nothing outside the reservation
 
 
+def test_chunks_gathered_into_staging_land_with_one_registration(receiver, monkeypatch):
+    """A chunk in the transport's staging buffer (a prefill worker gathers it there) is WRITTEN
+    from the region registered once, not registered again for each chunk."""
+    dest = receiver.reserve("r1", [3, 5], 7)
+    t = connect("nixl", receiver.server.address, security=SECURITY)
+    registered = []
+    real = t._agent.register_memory
+    monkeypatch.setattr(
+        t._agent, "register_memory", lambda *a, **k: registered.append(1) or real(*a, **k)
+    )
+    try:
+        sent = []
+        for layer in range(L):
+            header, data = chunk("r1", layer, 0, 7)
+            buf = t.staging(tuple(data.shape), data.dtype)
+            buf.copy_(data)
+            t.send(header, buf, dest)
+            sent.append(data)
+        t.send(commit("r1"), None, dest)
+        t.flush(10)
+    finally:
+        t.close()
+    assert len(registered) == 1  # the staging region, at the first chunk
+    assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
+    for layer, data in enumerate(sent):
+        for tok in range(7):
+            block = dest.block_ids[tok // BS]
+            assert torch.equal(receiver.pool[layer, :, block, tok % BS], data[:, tok])
+
+
 def test_each_layers_header_follows_its_write_before_the_commit(receiver):
     """A WRITE on one host is DONE when posted: its in-place header goes with the next send,
     so the decode side takes each layer while the later ones are written, as over shm."""

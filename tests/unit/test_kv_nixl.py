@@ -300,3 +300,34 @@ def test_connect_names_the_extra_without_nixl(monkeypatch):
     monkeypatch.setattr(nixl_backend, "nixl_module", lambda: None)
     with pytest.raises(RuntimeError, match=r"pdserve\[nixl\]"):
         connect("nixl", "nixl://a?control=127.0.0.1:1&tp=1")
+
+
+class FakeAgent:
+    def register_memory(self, tensors):
+        return ("reg", tensors[0].data_ptr())
+
+
+def test_the_staging_ring_hands_out_spans_and_takes_them_back_in_any_order():
+    ring = nixl_backend._Staging(FakeAgent(), 1000)
+    a = ring.take(400, torch.uint8, (400,))
+    span_a = ring.span_of(a)
+    b = ring.take(400, torch.uint8, (400,))
+    span_b = ring.span_of(b)
+    assert b.data_ptr() == a.data_ptr() + 400
+    assert ring.take(400, torch.uint8, (400,)) is None  # 200 left at the end, none before a
+    ring.free(span_b)  # the newest: its room is the head's again
+    c = ring.take(400, torch.uint8, (400,))
+    assert c.data_ptr() == ring.base + 400
+    ring.span_of(c)
+    ring.free(span_a)  # the oldest: the tail moves past it
+    d = ring.take(400, torch.uint8, (400,))
+    assert d.data_ptr() == ring.base  # 200 at the end is too little: from the start
+    e = ring.take(8, torch.float32, (2,))  # d was never sent: taken back, its room reused
+    assert e.data_ptr() == ring.base and e.dtype == torch.float32 and e.shape == (2,)
+    assert ring.span_of(torch.empty(2)) is None  # not the span handed out
+    assert ring.span_of(e) is not None
+
+
+def test_a_chunk_too_large_for_the_ring_is_not_staged():
+    ring = nixl_backend._Staging(FakeAgent(), 1000)
+    assert ring.take(1001, torch.uint8, (1001,)) is None
