@@ -82,6 +82,15 @@ def commit(rid: str):
     return ChunkHeader(rid, LAYOUT.fingerprint, kind="commit", first_tokens=(1,))
 
 
+def assert_landed(receiver, dest: Destination, sent: list) -> None:
+    """Request r1 committed, and each layer's tokens are in its reserved blocks."""
+    assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
+    for layer, data in enumerate(sent):
+        for tok in range(data.shape[1]):
+            block = dest.block_ids[tok // BS]
+            assert torch.equal(receiver.pool[layer, :, block, tok % BS], data[:, tok])
+
+
 def test_a_whole_transfer_lands_in_the_reserved_blocks(receiver):
     dest = receiver.reserve("r1", [3, 5], 7)
     t = connect("nixl", receiver.server.address, security=SECURITY)
@@ -96,11 +105,7 @@ def test_a_whole_transfer_lands_in_the_reserved_blocks(receiver):
     finally:
         t.close()
     assert receiver.receivers["r1"].error is None
-    assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
-    for layer, data in enumerate(sent):
-        for tok in range(7):
-            block = dest.block_ids[tok // BS]
-            assert torch.equal(receiver.pool[layer, :, block, tok % BS], data[:, tok])
+    assert_landed(receiver, dest, sent)
     others = [b for b in range(NB) if b not in dest.block_ids]
     assert not receiver.pool[:, :, others].any()  # nothing outside the reservation
 
@@ -128,11 +133,7 @@ def test_chunks_gathered_into_staging_land_with_one_registration(receiver, monke
     finally:
         t.close()
     assert len(registered) == 1  # the staging region, at the first chunk
-    assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
-    for layer, data in enumerate(sent):
-        for tok in range(7):
-            block = dest.block_ids[tok // BS]
-            assert torch.equal(receiver.pool[layer, :, block, tok % BS], data[:, tok])
+    assert_landed(receiver, dest, sent)
 
 
 def test_each_layers_header_follows_its_write_before_the_commit(receiver):
