@@ -82,6 +82,22 @@ def commit(rid: str):
     return ChunkHeader(rid, LAYOUT.fingerprint, kind="commit", first_tokens=(1,))
 
 
+def send_all(t, dest: Destination, staged: bool = False) -> list:
+    """Request r1's 7 tokens, every layer (from the transport's staging buffer when `staged`),
+    then its commit; returns what each layer sent."""
+    sent = []
+    for layer in range(L):
+        header, data = chunk("r1", layer, 0, 7)
+        if staged:
+            buf = t.staging(tuple(data.shape), data.dtype)
+            buf.copy_(data)
+        t.send(header, buf if staged else data, dest)
+        sent.append(data)
+    t.send(commit("r1"), None, dest)
+    t.flush(10)
+    return sent
+
+
 def assert_landed(receiver, dest: Destination, sent: list) -> None:
     """Request r1 committed, and each layer's tokens are in its reserved blocks."""
     assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
@@ -95,13 +111,7 @@ def test_a_whole_transfer_lands_in_the_reserved_blocks(receiver):
     dest = receiver.reserve("r1", [3, 5], 7)
     t = connect("nixl", receiver.server.address, security=SECURITY)
     try:
-        sent = []
-        for layer in range(L):
-            header, data = chunk("r1", layer, 0, 7)
-            t.send(header, data, dest)
-            sent.append(data)
-        t.send(commit("r1"), None, dest)
-        t.flush(10)
+        sent = send_all(t, dest)
     finally:
         t.close()
     assert receiver.receivers["r1"].error is None
@@ -121,15 +131,7 @@ def test_chunks_gathered_into_staging_land_with_one_registration(receiver, monke
         t._agent, "register_memory", lambda *a, **k: registered.append(1) or real(*a, **k)
     )
     try:
-        sent = []
-        for layer in range(L):
-            header, data = chunk("r1", layer, 0, 7)
-            buf = t.staging(tuple(data.shape), data.dtype)
-            buf.copy_(data)
-            t.send(header, buf, dest)
-            sent.append(data)
-        t.send(commit("r1"), None, dest)
-        t.flush(10)
+        sent = send_all(t, dest, staged=True)
     finally:
         t.close()
     assert len(registered) == 1  # the staging region, at the first chunk
