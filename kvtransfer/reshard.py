@@ -24,36 +24,6 @@ def _view_bytes(payload, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=dtype)
 
 
-def _gather_into(
-    pool: torch.Tensor, block_ids: list[int], start: int, end: int, out: torch.Tensor
-) -> torch.Tensor:
-    """Tokens [start, end) of a layer's pool ([2, blocks, block_size, heads, head_dim]) into out:
-    runs of whole blocks by one index_select per K and V, a partial first and last block by a
-    copy each, so out gets every byte once."""
-    bs = pool.shape[2]
-    want = (2, end - start, *pool.shape[3:])
-    if tuple(out.shape) != want or out.dtype != pool.dtype or not out.is_contiguous():
-        raise ValueError(
-            f"a gather buffer must be contiguous {list(want)} {dtype_name(pool.dtype)}, got "
-            f"{list(out.shape)} {dtype_name(out.dtype)}"
-        )
-    t = start
-    while t < end:
-        b, lo = divmod(t, bs)
-        if lo == 0 and end - t >= bs:  # whole blocks up to the last full one
-            n = (end - t) // bs
-            ids = torch.tensor(block_ids[b : b + n], dtype=torch.long, device=pool.device)
-            for kv in (0, 1):
-                dst = out[kv, t - start : t - start + n * bs].view(n, bs, *pool.shape[3:])
-                torch.index_select(pool[kv], 0, ids, out=dst)
-            t += n * bs
-        else:  # a partial block: the prompt's first or last
-            m = min(bs - lo, end - t)
-            out[:, t - start : t - start + m].copy_(pool[:, block_ids[b], lo : lo + m])
-            t += m
-    return out
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -72,21 +42,16 @@ def read_chunk(
     start: int,
     end: int,
     traceparent: str = "",
-    out: torch.Tensor | None = None,
 ) -> tuple[ChunkHeader, torch.Tensor]:
     """This rank's heads of tokens [start, end): header + contiguous [2, n, heads, head_dim].
     traceparent: the sender's trace context for the header ("" when the request is not traced).
-    out: a contiguous tensor of that shape and the pool's dtype to gather into (a transport's
-    staging buffer: NixlTransport.staging), returned as the data.
 
     layer_kv: [2, num_blocks, block_size, heads_per_rank, head_dim] (block_size the layout's).
     Whole blocks are gathered (one row of block_size tokens each) and the partial ends trimmed:
     this runs between two layers of a prefill, on the thread the next layer waits for, and a
     per-token gather made it an order of magnitude slower."""
     bs, heads, head_dim = layout.block_size, layout.heads_per_rank, layout.head_dim
-    if end > start and out is not None:
-        data = _gather_into(layer_kv.view(2, -1, bs, heads, head_dim), block_ids, start, end, out)
-    elif end > start:
+    if end > start:
         first, last = start // bs, (end - 1) // bs
         ids = torch.tensor(block_ids[first : last + 1], dtype=torch.long, device=layer_kv.device)
         rows = layer_kv.view(2, -1, bs, heads, head_dim).index_select(1, ids)
@@ -95,8 +60,22 @@ def read_chunk(
             data = data.contiguous()
     else:
         data = layer_kv.new_empty((2, 0, heads, head_dim))
+    return chunk_header(layout, request_id, layer, start, end, layer_kv.dtype, traceparent), data
+
+
+def chunk_header(
+    layout: KVLayout,
+    request_id: str,
+    layer: int,
+    start: int,
+    end: int,
+    dtype: torch.dtype,
+    traceparent: str = "",
+) -> ChunkHeader:
+    """The "kv" header of this rank's heads of tokens [start, end) of one layer (what read_chunk
+    sends with the data, and what a transport that reads the pool itself sends alone)."""
     h0, h1 = layout.head_range
-    header = ChunkHeader(
+    return ChunkHeader(
         request_id,
         layout.fingerprint,
         layer,
@@ -105,10 +84,9 @@ def read_chunk(
         h0,
         h1,
         layout.head_dim,
-        dtype_name(layer_kv.dtype),
+        dtype_name(dtype),
         traceparent=traceparent,
     )
-    return header, data
 
 
 def check_chunk(layout: KVLayout, header: ChunkHeader, cache_dtype: torch.dtype) -> None:

@@ -74,6 +74,19 @@ class Transport(ABC):
     def send(self, header: ChunkHeader, data: torch.Tensor | None, dest: Destination) -> None:
         """Queue one frame. May block briefly when the channel is full (backpressure)."""
 
+    def send_paged(
+        self,
+        header: ChunkHeader,
+        layer_kv: torch.Tensor,
+        block_ids: list[int],
+        dest: Destination,
+    ) -> bool:
+        """Send a "kv" chunk straight out of the sender's paged pool, where this transport can:
+        layer_kv is that layer of the pool ([2, blocks, block_size, heads, head_dim], all of the
+        header's heads), block_ids the request's blocks in it. False (the default): the caller
+        gathers the chunk (kvtransfer.reshard.read_chunk) and calls `send`."""
+        return False
+
     @abstractmethod
     def flush(self, timeout: float) -> None:
         """Return once every frame sent so far was handed to the receiver; raise TimeoutError."""

@@ -36,7 +36,7 @@ import torch
 
 from pdserve.engine.request import RequestOutput
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.reshard import read_chunk
+from pdserve.kvtransfer.reshard import chunk_header, read_chunk
 from pdserve.kvtransfer.transport import Destination, Transport
 from pdserve.kvtransfer.wire import ChunkHeader
 from pdserve.protos.convert import unix_ns
@@ -207,31 +207,36 @@ class PushSink:
     def _push(
         self, layer: int, layer_kv: torch.Tensor, block_ids: list[int], start: int, end: int
     ) -> None:
-        def read(kv: torch.Tensor, layout: KVLayout, out: torch.Tensor | None = None):
+        def read(kv: torch.Tensor, layout: KVLayout):
             return read_chunk(
-                kv, layout, self.request_id, layer, block_ids, start, end, self.traceparent, out
+                kv, layout, self.request_id, layer, block_ids, start, end, self.traceparent
             )
 
+        if self.sources is None and layer_kv.is_contiguous():
+            # straight out of the pool where the transport can (nixl), else gathered first
+            lay = self.layout
+            paged = layer_kv.view(2, -1, lay.block_size, lay.heads_per_rank, lay.head_dim)
+            header = chunk_header(
+                lay, self.request_id, layer, start, end, layer_kv.dtype, self.traceparent
+            )
+            sent = time.perf_counter()
+            if self.transport.send_paged(header, paged, block_ids, self.dest):
+                self._sent(sent, 2 * (end - start) * paged[0, 0, 0].numel() * paged.element_size())
+                return
         if self.sources is None:
-            header, data = read(layer_kv, self.layout, self._staging(layer_kv, end - start))
+            header, data = read(layer_kv, self.layout)
         else:
             parts = [read(cache[layer], layout) for layout, cache in self.sources]
             header = dataclasses.replace(parts[0][0], head_end=parts[-1][0].head_end)
             data = torch.cat([d for _, d in parts], dim=2)  # [2, tokens, heads, head_dim]
         sent = time.perf_counter()
         self.transport.send(header, data, self.dest)
-        self.send_s += time.perf_counter() - sent
-        self.bytes_sent += data.numel() * data.element_size()
-        self.last_send_time = time.monotonic()
+        self._sent(sent, data.numel() * data.element_size())
 
-    def _staging(self, layer_kv: torch.Tensor, tokens: int) -> torch.Tensor | None:
-        """The transport's buffer to gather a chunk of `tokens` into, where it has one (nixl: a
-        registered region, kvtransfer/backends/nixl_backend.py), else None."""
-        staging = getattr(self.transport, "staging", None)
-        if staging is None or layer_kv.device.type != "cpu":
-            return None
-        shape = (2, tokens, self.layout.heads_per_rank, self.layout.head_dim)
-        return staging(shape, layer_kv.dtype)
+    def _sent(self, began: float, nbytes: int) -> None:
+        self.send_s += time.perf_counter() - began
+        self.bytes_sent += nbytes
+        self.last_send_time = time.monotonic()
 
     def commit(self, first_tokens: list[int], logprobs: list[float] | None = None) -> None:
         """first_tokens: every sequence's first token in index order (one for n=1); logprobs:

@@ -216,6 +216,24 @@ def _recv(conn, proc, timeout: float = 180.0):
     return msg
 
 
+def send_from_pool(transport, pool, block_ids, tokens: int, rid: str, dest, layout) -> None:
+    """Request `rid`'s first `tokens` tokens out of a paged pool ([layers, 2, blocks, block_size,
+    heads, head_dim], the request's block_ids in it) into `dest`, then its commit (first token 1),
+    as a prefill worker's PushSink sends them: each layer straight out of the pool where the
+    transport can (send_paged), else gathered by read_chunk and sent."""
+    from pdserve.kvtransfer.reshard import chunk_header, read_chunk
+    from pdserve.kvtransfer.wire import ChunkHeader
+
+    for layer in range(pool.shape[0]):
+        header = chunk_header(layout, rid, layer, 0, tokens, pool.dtype)
+        if not transport.send_paged(header, pool[layer], block_ids, dest):
+            chunk = read_chunk(pool[layer], layout, rid, layer, block_ids, 0, tokens)
+            transport.send(*chunk, dest)
+    transport.send(
+        ChunkHeader(rid, layout.fingerprint, kind="commit", first_tokens=(1,)), None, dest
+    )
+
+
 def send_request(transport, frames, rid: str, dest, layout) -> None:
     """Sends prebuilt (header, data) frames as request `rid` into `dest`, then its commit (first
     token 1): one request's hand-off, as a prefill worker sends it."""
@@ -234,7 +252,6 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
     import torch
 
     from pdserve.kvtransfer.backends import tune_malloc
-    from pdserve.kvtransfer.reshard import read_chunk
 
     tune_malloc()
     dtype = getattr(torch, info["dtype"])
@@ -246,13 +263,7 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
     src = torch.randn(_pool_shape(info, big, 1), generator=torch.Generator().manual_seed(0)).to(
         dtype
     )
-    src_blocks = _block_ids(0, big)
-
-    def chunks(n: int):
-        return [
-            read_chunk(src[layer], layout, "x", layer, src_blocks, 0, n)
-            for layer in range(info["num_layers"])
-        ]
+    source = (src, _block_ids(0, big))
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -261,8 +272,8 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
     out = {}
     try:
         for backend in backends:
-            link = _Link(backend, parent, proc, layout, slots)
-            out[backend] = _measure_backend(link, info, grids, chunks, big)
+            link = _Link(backend, parent, proc, layout, slots, source)
+            out[backend] = _measure_backend(link, info, grids, big)
             bw, latency = out[backend]["bandwidth_bytes_per_s"], out[backend]["latency_s"]
             log(f"transfer {backend}: {bw / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
     finally:
@@ -279,9 +290,10 @@ def measure_transfer(info: dict, backends: list[str], grids: dict) -> dict:
 class _Link:
     """One backend's connection to the receiver process, and its batches of transfers."""
 
-    def __init__(self, backend: str, parent, proc, layout, slots: int):
+    def __init__(self, backend: str, parent, proc, layout, slots: int, source):
         self.backend, self.parent, self.proc = backend, parent, proc
         self.layout, self.slots = layout, slots
+        self.source = source  # the sending side's paged pool and the request's blocks in it
         self.counter = iter(range(10**9))
         self.transport = None
 
@@ -296,8 +308,9 @@ class _Link:
         self.transport.close()
         self.parent.send("end")
 
-    def send_batch(self, n: int, count: int, frames) -> list[tuple[float, float]]:
-        """`count` requests of n tokens' frames at once; (sent, landed) per request."""
+    def send_batch(self, n: int, count: int) -> list[tuple[float, float]]:
+        """`count` requests of n tokens at once, each read out of the source pool as it is sent;
+        (sent, landed) per request."""
         from pdserve.kvtransfer.transport import Destination
 
         starts = {}
@@ -312,7 +325,7 @@ class _Link:
         for rid, slot in rids:
             starts[rid] = time.perf_counter()
             dest = Destination(_block_ids(slot, n), self.layout, grant=tokens.get(rid, ""))
-            send_request(self.transport, frames, rid, dest, self.layout)
+            send_from_pool(self.transport, *self.source, n, rid, dest, self.layout)
         self.transport.flush(120.0)
         self.parent.send({"count": count})
         done = _recv(self.parent, self.proc)
@@ -322,22 +335,21 @@ class _Link:
         return [(starts[r], t) for r, (t, _) in done.items()]
 
 
-def _measure_backend(link: _Link, info: dict, grids: dict, chunks, big: int) -> dict:
+def _measure_backend(link: _Link, info: dict, grids: dict, big: int) -> dict:
     """Latency: the median of one-block pings; bandwidth: `slots` big requests at once, their
     span less that latency."""
     small, slots = TRANSFER_BLOCK_SIZE, link.slots
     link.connect()
     try:
-        small_frames, big_frames = chunks(small), chunks(big)
-        link.send_batch(small, 1, small_frames)  # warm-up
-        link.send_batch(big, 2, big_frames)
+        link.send_batch(small, 1)  # warm-up
+        link.send_batch(big, 2)
         pings = []
         for _ in range(grids["pings"]):
-            ((s, t),) = link.send_batch(small, 1, small_frames)
+            ((s, t),) = link.send_batch(small, 1)
             pings.append(t - s)
         per_request = small * info["kv_bytes_per_token"]
         latency = max(0.0, statistics.median(pings))
-        times = link.send_batch(big, slots, big_frames)
+        times = link.send_batch(big, slots)
         elapsed = max(t for _, t in times) - min(s for s, _ in times)
         nbytes = slots * big * info["kv_bytes_per_token"]
         bw = nbytes / max(elapsed - latency, 1e-9)
@@ -353,7 +365,8 @@ def _measure_backend(link: _Link, info: dict, grids: dict, chunks, big: int) -> 
             "bulk_requests": slots,
             "bulk_s": elapsed,
         },
-        "path": "KV frames per layer into a KVReceiver (paged cache), as a decode worker",
+        "path": "KV per layer out of a paged pool, as a prefill worker sends it, into a "
+        "KVReceiver (paged cache), as a decode worker takes it",
         # two processes on this machine (hardware says which): what kvtransfer.backend auto's
         # same-host order is ranked by (kvtransfer/choose.py)
         "locality": "same_host",

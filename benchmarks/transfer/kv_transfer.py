@@ -15,7 +15,7 @@ the decode pool from the prefill process); the targets are 50% of the ceiling in
 Each reservation's blocks come shuffled, no two adjacent in the pool (the default: a backend that
 moves a run of adjacent blocks as one piece gets one piece per block), or with --blocks runs in
 pool order (what the engine's allocator hands out on a quiet pool, and in runs of about 30 blocks
-under churn). --tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50
+under churn); the prefill side's pool follows the same order. --tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50
 runs), and each row's median request latency is one prompt's whole hand-off, from its first layer
 sent to its commit handled: the TTFT a hand-off adds when no layer of it overlaps the prefill.
 
@@ -131,39 +131,27 @@ def slot_block_ids(slot: int, blocks_per_request: int, order: str = "shuffled") 
     return ids if order == "runs" else ids[1::2] + ids[0::2]
 
 
-def source_pool(tokens: int, dtype: str, device: str):
-    """The prefill side's own paged cache: one request's worth of blocks, its block ids in
-    reverse order, random values of a fixed seed (drawn on the CPU in float32, so that every
-    device and dtype sees the same values, then converted)."""
+def source_pool(tokens: int, dtype: str, device: str, order: str = "shuffled"):
+    """The prefill side's own paged cache: one request's worth of blocks, random values of a
+    fixed seed (drawn on the CPU in float32, so that every device and dtype sees the same values,
+    then converted), and the request's block ids in it: in reverse order, no two continuing each
+    other, or with order "runs" in pool order (as the reservations of --blocks runs)."""
     import torch
 
     blocks_per_request, _ = pool_shape(tokens)
     shape = (NUM_LAYERS, 2, blocks_per_request, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     src = torch.randn(shape, generator=torch.Generator().manual_seed(SOURCE_SEED))
     src = src.to(device=device, dtype=getattr(torch, dtype))
-    return src, list(reversed(range(blocks_per_request)))
+    ids = list(range(blocks_per_request))
+    return src, ids if order == "runs" else ids[::-1]
 
 
-def gathered_chunks(tokens: int, dtype: str, src, src_blocks, transport):
-    """One request's chunks read out of the source pool as each is sent, as a prefill worker's
-    PushSink reads them: into the transport's staging buffer where it has one (nixl)."""
-    from pdserve.kvtransfer.reshard import read_chunk
-
-    layout = make_layout(dtype)
-    staging = getattr(transport, "staging", None)
-    for layer in range(NUM_LAYERS):
-        out = None
-        if staging is not None and src.device.type == "cpu":
-            out = staging((2, tokens, NUM_KV_HEADS, HEAD_DIM), src.dtype)
-        yield read_chunk(src[layer], layout, "x", layer, src_blocks, 0, tokens, out=out)
-
-
-def source_chunks(tokens: int, dtype: str, device: str) -> list:
+def source_chunks(tokens: int, dtype: str, device: str, order: str = "shuffled") -> list:
     """The prefill side's KV chunks, one (header, data) per layer, read out of its own paged
     cache (source_pool) beforehand."""
     from pdserve.kvtransfer.reshard import read_chunk
 
-    src, src_blocks = source_pool(tokens, dtype, device)
+    src, src_blocks = source_pool(tokens, dtype, device, order)
     layout = make_layout(dtype)
     return [
         read_chunk(src[layer], layout, "x", layer, src_blocks, 0, tokens)
@@ -296,7 +284,7 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
     # This is what the prefill side sends: the pool is checked against it after kvreceiver trials.
-    sent = source_chunks(tokens, dtype_str, device) if kind in BACKENDS else None
+    sent = source_chunks(tokens, dtype_str, device, cfg["blocks"]) if kind in BACKENDS else None
     server = sock = listener = None
     try:
         done_times: dict[str, float] = {}
@@ -431,7 +419,7 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     from pdserve.kvtransfer.backends import connect
     from pdserve.kvtransfer.backends.shm_backend import map_shared_kv_cache
     from pdserve.kvtransfer.transport import Destination
-    from pdserve.tuning.profiler import send_request
+    from pdserve.tuning.profiler import send_from_pool, send_request
 
     tokens, n = cfg["tokens"], cfg["requests"]
     dtype_str = cfg["dtype"]
@@ -439,9 +427,13 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
     layout = make_layout(dtype_str)
     # The chunks are read out of the prefill side's own paged cache beforehand. With --device
     # cuda they are CUDA tensors (kv_device), which each transport's send copies to the host.
-    chunks = source_chunks(tokens, dtype_str, kv_device(kind, cfg))
+    chunks = source_chunks(tokens, dtype_str, kv_device(kind, cfg), cfg["blocks"])
     # --gather: each request's chunks are read out of the pool inside the timed loop
-    gather = source_pool(tokens, dtype_str, kv_device(kind, cfg)) if cfg["gather"] else None
+    gather = (
+        source_pool(tokens, dtype_str, kv_device(kind, cfg), cfg["blocks"])
+        if cfg["gather"]
+        else None
+    )
     address = conn.recv()
     transport = sock = shared = None
     if kind in BACKENDS:
@@ -472,11 +464,10 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
                         layout,
                         grant=msg.get("grants", {}).get(rid, ""),
                     )
-                    # the headers read_chunk would build for this request
-                    frames = (
-                        gathered_chunks(tokens, dtype_str, *gather, transport) if gather else chunks
-                    )
-                    send_request(transport, frames, rid, dest, layout)
+                    if gather:
+                        send_from_pool(transport, *gather, tokens, rid, dest, layout)
+                    else:
+                        send_request(transport, chunks, rid, dest, layout)
                 elif sock is not None:
                     for piece in layer_bytes:
                         sock.sendall(piece)
@@ -702,13 +693,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gather",
         action="store_true",
         help="read each request's chunks out of the prefill side's pool as they are sent, as a "
-        "worker does (nixl into its registered staging buffer); default: read beforehand",
+        "worker does (nixl WRITEs straight from that pool); default: read beforehand",
     )
     ap.add_argument(
         "--blocks",
         choices=("shuffled", "runs"),
         default="shuffled",
-        help="each reservation's blocks: shuffled, no two adjacent (default), or consecutive runs",
+        help="each reservation's blocks, and the prefill side's: shuffled, no two adjacent "
+        "(default), or consecutive runs",
     )
     ap.add_argument(
         "--device",

@@ -15,17 +15,19 @@ Everything the sender learns travels on that control server, behind the cluster 
                    still holds (not committed, aborted or past its lease), the block ids are exactly
                    the reserved ones, and no one claimed it before; otherwise PERMISSION_DENIED
                    with the reason, and nothing is written. A yes carries the claim's write window.
-The sender (NixlTransport) then, per "kv" chunk: takes the chunk where the prefill worker
-gathered it, in the transport's staging region (`staging`: huge pages, registered once with the
-sending agent, handed out as spans that free when their WRITE ends), or else registers the
-chunk (and, for a receiving rank that holds part of its heads, a copy of those) for its WRITE
-alone; builds one descriptor per run of consecutive blocks (K and V) into exactly the claimed
-blocks (once per request and token range, moved to each layer), and posts one WRITE. NIXL's UCX
+The sender (NixlTransport) then, per "kv" chunk, posts one WRITE into exactly the claimed
+blocks. A single-rank prefill worker's chunk goes straight out of its own paged pool
+(`send_paged`: the pool registered once with the sending agent, no gather); a gathered chunk
+(`send`: the heads of several TP ranks joined) is registered for its WRITE alone, with a copy
+per receiving rank that holds part of its heads. The descriptors, one per stretch of tokens
+that continues on both sides (K and V), are made once per request and token range and moved
+to each layer. NIXL's UCX
 backend flushes the endpoint inside each transfer, so a transfer reported DONE is in the
 receiver's memory. The chunk's header (in place, with the grant) follows on the ordered gRPC
-control channel only once its WRITE is DONE (queued by the first send, commit or flush that
-finds it so), and a request's "commit" or "abort" only once every WRITE of it ended: the decode
-side counts a layer only when its bytes are there, and commits as the other backends do.
+control channel only once its WRITE is DONE, and waits, as the shm backend's do, to travel with
+the request's "commit" or "abort" (or a flush, or once 64 wait), which go only once every WRITE
+of the request ended: the decode side counts a layer only when its bytes are there, and commits
+as the other backends do.
 
 Lifecycle and bounds: a WRITE that is not DONE within xfer_timeout_s is released (cancelled) and
 fails its request; no WRITE of a claim is posted after its write window (window_s) ends. So every
@@ -88,7 +90,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -98,7 +99,6 @@ import msgpack
 import numpy as np
 import torch
 
-from pdserve.kvpool import new_private_pool
 from pdserve.kvtransfer.backends.frames import host_copy
 from pdserve.kvtransfer.backends.grpc_backend import GrpcServer, GrpcTransport
 from pdserve.kvtransfer.backends.grpc_sender import SERVICE
@@ -935,6 +935,8 @@ class NixlServer(TransportServer):
 _local = threading.Lock()
 _agents: dict[str, object] = {}  # this process's sending agents, by UCX error mode
 _remotes: dict[tuple[int, str], int] = {}  # (sending agent, remote agent name) -> its transports
+# (sending agent, pool address, pool bytes) -> [registration, transports holding it, the pool]
+_source_regs: dict[tuple[int, int, int], list] = {}
 
 
 def _sending_agent(nixl, ucx_error_handling: str):
@@ -971,17 +973,49 @@ def _drop_remote(agent, name: str) -> None:
             log.debug("removing NIXL agent %s: %r", name, e)
 
 
+def _register_source(agent, layer_kv: torch.Tensor, key: tuple[int, int]) -> None:
+    """Register the sender's pool whose storage `key` (address, bytes) is, for one more transport:
+    the first registers it with the agent and keeps a reference to the storage, so its memory
+    stays allocated while registered."""
+    full = (id(agent), *key)
+    with _local:
+        held = _source_regs.get(full)
+        if held is None:
+            storage = layer_kv.untyped_storage()
+            reg = agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
+            held = _source_regs[full] = [reg, 0, storage]
+        held[1] += 1
+
+
+def _release_source(agent, key: tuple[int, int]) -> None:
+    """One transport less holds the sender's pool at `key`; the last deregisters it."""
+    full = (id(agent), *key)
+    with _local:
+        held = _source_regs.get(full)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _source_regs[full]
+        try:
+            agent.deregister_memory(held[0])
+        except Exception as e:
+            log.warning("deregistering a sender's KV pool: %r", e)
+
+
 @dataclass
 class _Write:
-    """One posted WRITE: its handle, the registered source buffers it reads, when it was posted,
-    and the in-place header that may follow once it is DONE."""
+    """One posted WRITE: its handle, the source buffers registered for it alone, how many bytes it
+    moves, when it was posted, and the in-place header that may follow once it is DONE. `keep`:
+    what must stay alive while it reads (a chunk gathered for it)."""
 
     handle: object
     regs: list
-    sources: list
+    nbytes: int
     posted: float
     header: ChunkHeader | None = None
-    spans: list = field(default_factory=list)  # the staging spans its sources lie in
+    keep: list = field(default_factory=list)
 
 
 @dataclass
@@ -1000,79 +1034,17 @@ class _Outgoing:
     descriptors: dict = field(default_factory=dict)
 
 
-# the sending side's staging region per transport: where chunks are gathered for their WRITEs,
-# registered once (a chunk of an 8k-token prompt's layer is 12 MiB in float32)
-STAGING_BYTES = 64 << 20
-
-
-class _Staging:
-    """One region of this process's memory, on huge pages and registered once with the sending
-    agent, handed out as spans in a ring: a chunk is gathered straight into a span
-    (`NixlTransport.staging`), WRITTEN from there without a registration of its own, and the
-    span is free again once that WRITE ended. Spans are taken at the head and freed out of
-    order; the tail moves past the freed ones in the order they were taken. Only the transport's
-    lock holder touches it."""
-
-    def __init__(self, agent, nbytes: int):
-        self.region = new_private_pool((nbytes,), torch.uint8)
-        self.reg = agent.register_memory([self.region])
-        self.base, self.size = self.region.data_ptr(), nbytes
-        self.spans: deque[list] = deque()  # [start, end, free] in the order taken
-        self.head = 0
-        self.unposted: list | None = None  # the last span handed out, until a WRITE reads it
-
-    def take(self, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor | None:
-        if self.unposted is not None:  # handed out, never written from: the caller gave up
-            self.free(self.unposted)
-        while self.spans and self.spans[0][2]:
-            self.spans.popleft()
-        while self.spans and self.spans[-1][2]:  # the newest freed (that one): head goes back
-            self.head = self.spans.pop()[0]
-        if not self.spans:
-            self.head = 0
-        if nbytes > self.size:
-            return None
-        tail = self.spans[0][0] if self.spans else None
-        start = None
-        if tail is None or self.head > tail:
-            if self.size - self.head >= nbytes:
-                start = self.head
-            elif tail is None or tail >= nbytes:
-                start = 0
-        elif self.head < tail and tail - self.head >= nbytes:
-            start = self.head
-        if start is None:
-            return None
-        span = [start, start + nbytes, False]
-        self.spans.append(span)
-        self.head, self.unposted = start + nbytes, span
-        return self.region[start : start + nbytes].view(dtype).view(shape)
-
-    def span_of(self, t: torch.Tensor) -> list | None:
-        """The span handed out last when `t` is exactly it (the one a WRITE may now read)."""
-        span = self.unposted
-        if span is not None and t.data_ptr() == self.base + span[0]:
-            if t.numel() * t.element_size() == span[1] - span[0]:
-                self.unposted = None
-                return span
-        return None
-
-    def free(self, span: list) -> None:
-        span[2] = True
-        if span is self.unposted:
-            self.unposted = None
-
-
 class NixlTransport(Transport):
     """Sender side: the receiver's pools by NIXL WRITE, the headers on the gRPC control channel.
 
     One sending NIXL agent per process is shared by its transports. `send` of a "kv" chunk claims
     the request's reservation at its first chunk (one control call), then posts the chunk's WRITE
     and returns; checking a WRITE's state progresses it (each send checks the earlier ones; with
-    ucx_error_handling "peer", UCX's progress thread runs them too). Its in-place header is sent
-    after it is DONE, with the request's commit or abort (which wait for all of its WRITEs, at most
-    xfer_timeout_s) or at `flush`. max_inflight_bytes bounds the chunk bytes of posted WRITEs
-    (`send` waits for the oldest beyond it).
+    ucx_error_handling "peer", UCX's progress thread runs them too). Its in-place header waits
+    until it is DONE and goes with the request's commit or abort (which wait for all of its
+    WRITEs, at most xfer_timeout_s), at `flush`, or once max_pending_headers of the request's wait.
+    max_inflight_bytes bounds the chunk bytes of posted WRITEs (`send` waits for the oldest beyond
+    it).
 
     A Destination with a PipelineStage claims as that part of a pipelined sender, and WRITEs
     only its layers. A later stage's rank ends each step's claim with `release` (its WRITEs
@@ -1086,6 +1058,7 @@ class NixlTransport(Transport):
         timeout: float = 10.0,
         xfer_timeout_s: float | None = None,
         max_inflight_bytes: int = 512 << 20,
+        max_pending_headers: int = 64,
         *,
         security: ClusterSecurity = INSECURE,
         **grpc_opts,
@@ -1094,6 +1067,7 @@ class NixlTransport(Transport):
         self.remote_name, control, self.tp = parse_address(address)
         self._timeout = timeout
         self._max_inflight = max(1, max_inflight_bytes)
+        self._max_pending = max(1, max_pending_headers)
         self._inflight = 0
         self._control = GrpcTransport(control, timeout=timeout, security=security, **grpc_opts)
         try:
@@ -1108,22 +1082,7 @@ class NixlTransport(Transport):
         self._requests: dict[str, _Outgoing] = {}
         self._lock = threading.RLock()
         self._closed = False
-        self._staging: _Staging | None = None  # made at the first `staging` call on host memory
-
-    def staging(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
-        """A contiguous buffer of `shape` to gather the next kv chunk into and pass to `send`
-        (kvtransfer.reshard.read_chunk's out), or None (gather as usual): its WRITE reads it with
-        no registration of its own, from huge pages. One at a time: a buffer not sent before
-        the next call is taken back."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        with self._lock:
-            if self._closed or self.mem != "DRAM" or dtype != self.dtype:
-                return None
-            if nbytes > STAGING_BYTES:
-                return None
-            if self._staging is None:
-                self._staging = _Staging(self._agent, STAGING_BYTES)
-            return self._staging.take(nbytes, dtype, shape)
+        self._sources: set[tuple[int, int]] = set()  # the sender's pools registered (send_paged)
 
     def _fetch_metadata(self) -> dict:
         try:
@@ -1224,6 +1183,33 @@ class NixlTransport(Transport):
             return
         if data is None:
             raise ValueError(f"a kv frame for request {header.request_id} needs its data")
+        self._send_kv(header, dest, lambda out: self._post(header, data, dest, out))
+
+    def send_paged(
+        self, header: ChunkHeader, layer_kv: torch.Tensor, block_ids: list[int], dest: Destination
+    ) -> bool:
+        """WRITE the chunk out of the sender's own pool into the claimed blocks: no gather, no
+        copy but the WRITE's. The pool is registered with the sending agent at its first chunk
+        (`_source_registration`). False where this path does not apply: a receiver's pool not in
+        host memory, a pool on a device, another dtype, or a pool that is not contiguous."""
+        if self._closed:
+            raise RuntimeError("this KV transport is closed")
+        if (
+            header.kind != "kv"
+            or self.mem != "DRAM"
+            or layer_kv.device.type != "cpu"
+            or layer_kv.dtype != self.dtype
+            or layer_kv.dim() != 5
+            or not layer_kv.is_contiguous()
+        ):
+            return False
+        self._send_kv(
+            header, dest, lambda out: self._post_paged(header, layer_kv, block_ids, dest, out)
+        )
+        return True
+
+    def _send_kv(self, header: ChunkHeader, dest: Destination, post) -> None:
+        """Claim (at the request's first chunk), then `post(out)` the chunk's WRITE."""
         with self._lock:
             out = self._claim(header, dest)
             if out.error is not None:
@@ -1235,26 +1221,29 @@ class NixlTransport(Transport):
                 self._settle(out, wait=False)  # checking a WRITE progresses the ones in flight
                 if out.error is not None:
                     raise ConnectionError(out.error)
-                self._post(header, data, dest, out)
+                post(out)
                 self._settle(out, wait=False)
                 if out.error is not None:
                     raise ConnectionError(out.error)
-                # the headers of the WRITEs that are DONE go now (on one host a WRITE is done
-                # when posted): the decode side takes each layer while the next are written
-                ready, out.headers = out.headers, []
-                self._control.send_headers(ready)
+                # the in-place headers of the WRITEs that are DONE wait, as over shm, for the
+                # request's commit or abort (or a flush, or max_pending_headers of them): a
+                # control message per layer woke gRPC's threads, which then took the GIL at
+                # every torch call of the next layer's gather (2k-token prompts ran 1.5x slower)
+                if len(out.headers) >= self._max_pending:
+                    ready, out.headers = out.headers, []
+                    self._control.send_headers(ready)
             except Exception as e:
                 out.error = f"a KV write of request {header.request_id} failed: {e}"
                 raise
 
-    def _post(self, header: ChunkHeader, data: torch.Tensor, dest: Destination, out) -> None:
+    def _check_chunk(self, header: ChunkHeader, dest: Destination, out) -> None:
+        """The chunk fits the receiver's pool, the claimed blocks and the claim's layers."""
         layers, _, _, bs, _, head_dim = self.shape
         if dest.layout.block_size != bs or dest.layout.tp_size != self.tp:
             raise ValueError(
                 f"the reservation's block size {dest.layout.block_size} and tp "
                 f"{dest.layout.tp_size} differ from the receiver's pool ({bs}, {self.tp})"
             )
-        start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
         if not 0 <= header.layer < layers or header.head_dim != head_dim:
             raise ValueError(f"chunk layer {header.layer} or head_dim does not fit the pool")
         if out.stage is not None and not out.stage.layers[0] <= header.layer < out.stage.layers[1]:
@@ -1262,11 +1251,21 @@ class NixlTransport(Transport):
                 f"chunk layer {header.layer} is not one of the layers {list(out.stage.layers)} "
                 f"pipeline stage {out.stage.stage} claimed"
             )
-        if end > len(out.block_ids) * bs:
+        if not 0 <= header.start <= header.end <= len(out.block_ids) * bs:
             raise ValueError(
-                f"chunk tokens [{start}, {end}) do not fit the {len(out.block_ids)} claimed "
-                f"blocks of {bs} tokens"
+                f"chunk tokens [{header.start}, {header.end}) do not fit the "
+                f"{len(out.block_ids)} claimed blocks of {bs} tokens"
             )
+        if not 0 <= header.head_start < header.head_end <= self.tp * self.shape[4]:
+            raise ValueError(
+                f"chunk heads [{header.head_start}, {header.head_end}) do not fit the receiver's "
+                f"{self.tp * self.shape[4]}"
+            )
+
+    def _post(self, header: ChunkHeader, data: torch.Tensor, dest: Destination, out) -> None:
+        self._check_chunk(header, dest, out)
+        start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
+        head_dim = self.shape[5]
         data = host_copy(data)
         if data.dtype != self.dtype or data.numel() != 2 * (end - start) * (h1 - h0) * head_dim:
             raise ValueError(f"chunk payload does not match its header {header.shape}")
@@ -1277,10 +1276,75 @@ class NixlTransport(Transport):
         local, remote, sources = self._pieces(header, data, out)
         nbytes = sum(s.numel() * s.element_size() for s in sources)
         self._wait_room(nbytes)
+        regs = [self._agent.register_memory([s]) for s in sources]
+        self._write(header, out, local, remote, regs, sources, nbytes)
+
+    def _post_paged(
+        self, header: ChunkHeader, layer_kv: torch.Tensor, block_ids, dest: Destination, out
+    ) -> None:
+        self._check_chunk(header, dest, out)
+        start, end, h0, h1 = header.start, header.end, header.head_start, header.head_end
+        _, src_blocks, src_bs, src_heads, head_dim = layer_kv.shape
+        if src_heads != h1 - h0 or head_dim != self.shape[5]:
+            raise ValueError(
+                f"the sender's pool holds {src_heads} heads of {head_dim}, the chunk "
+                f"{h1 - h0} of {self.shape[5]}"
+            )
+        if end == start:
+            out.headers.append(dataclasses.replace(header, in_place=True, grant=out.grant))
+            return
+        first, last = start // src_bs, (end - 1) // src_bs
+        if last >= len(block_ids):
+            raise ValueError(f"tokens [{start}, {end}) pass the sender's {len(block_ids)} blocks")
+        src_ids = tuple(block_ids[first : last + 1])
+        if min(src_ids) < 0 or max(src_ids) >= src_blocks:
+            raise ValueError(f"the sender's block ids fall outside its pool of {src_blocks}")
+        key = ("paged", start, end, h0, h1, src_ids, tuple(layer_kv.shape))
+        rel = out.descriptors.get(key)
+        if rel is None:
+            rel = out.descriptors[key] = self._paged_pieces(header, layer_kv, src_ids, out)
+        layer_base = header.layer * self._layer_bytes
+        local, remote = rel[0].copy(), rel[1].copy()
+        local[:, 0] += np.uint64(layer_kv.data_ptr())
+        remote[:, 0] += rel[2] + np.uint64(layer_base)
+        nbytes = 2 * (end - start) * (h1 - h0) * head_dim * self._itemsize
+        self._wait_room(nbytes)
+        self._source_registration(layer_kv)
+        self._write(header, out, [local], [remote], [], [], nbytes)
+
+    def _paged_pieces(self, header: ChunkHeader, layer_kv: torch.Tensor, src_ids, out):
+        """A paged chunk's descriptors for every receiving rank it reaches: local at the sender's
+        layer 0 offset 0, remote at layer 0 offset 0 of the rank's pool, and the ranks' pool bases
+        (one per remote row) to move them by."""
+        hpr = self.shape[4]
+        local, remote, bases = [], [], []
+        for rank, (base, _) in enumerate(self.pools):
+            lo, hi = max(header.head_start, rank * hpr), min(header.head_end, (rank + 1) * hpr)
+            if lo >= hi:
+                continue
+            loc, rem = _paged_descriptors(
+                tuple(layer_kv.shape), src_ids, header.start, header.end,
+                lo - header.head_start, self.shape, out.block_ids, lo - rank * hpr, hi - lo,
+                self._itemsize, self.devices[rank],
+            )  # fmt: skip
+            local.append(loc)
+            remote.append(rem)
+            bases.append(np.full(len(rem), base, dtype=np.uint64))
+        return np.concatenate(local), np.concatenate(remote), np.concatenate(bases)
+
+    def _source_registration(self, layer_kv: torch.Tensor) -> None:
+        """The sender's pool (the whole storage layer_kv is a view of) registered with the
+        sending agent, once per transport (registrations are shared by the process's transports:
+        _register_source)."""
+        storage = layer_kv.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self._sources:
+            _register_source(self._agent, layer_kv, key)
+            self._sources.add(key)
+
+    def _write(self, header: ChunkHeader, out, local, remote, regs, sources, nbytes) -> None:
+        """Post one WRITE of the chunk's descriptors; its registrations end with it."""
         agent = self._agent
-        span = self._staging.span_of(data) if self._staging is not None else None
-        staged = [s is data and span is not None for s in sources]  # registered with the region
-        regs = [agent.register_memory([s]) for s, st in zip(sources, staged, strict=True) if not st]
         try:
             handle = agent.initialize_xfer(
                 "WRITE",
@@ -1292,16 +1356,14 @@ class NixlTransport(Transport):
         except Exception:
             for reg in regs:
                 agent.deregister_memory(reg)
-            if span is not None:
-                self._staging.free(span)
             raise
         write = _Write(
             handle,
             regs,
-            sources,
+            nbytes,
             time.monotonic(),
             dataclasses.replace(header, in_place=True, grant=out.grant),
-            [span] if span is not None else [],
+            sources,
         )
         if state == "ERR":
             self._end(write)
@@ -1362,9 +1424,7 @@ class NixlTransport(Transport):
                 self._agent.deregister_memory(reg)
             except Exception as e:
                 log.warning("deregistering a KV chunk: %r", e)
-        for span in write.spans:
-            self._staging.free(span)
-        self._inflight -= sum(src.numel() * src.element_size() for src in write.sources)
+        self._inflight -= write.nbytes
         self._inflight = max(0, self._inflight)
 
     def _settle(self, out: _Outgoing, wait: bool, upto: int | None = None) -> None:
@@ -1471,12 +1531,9 @@ class NixlTransport(Transport):
                 for w in out.writes:
                     self._end(w)
             claims, self._requests = self._requests, {}
-            if self._staging is not None:  # every WRITE that read it ended above
-                try:
-                    self._agent.deregister_memory(self._staging.reg)
-                except Exception as e:
-                    log.warning("deregistering the staging region: %r", e)
-                self._staging = None
+            for key in self._sources:  # every WRITE that read them ended above
+                _release_source(self._agent, key)
+            self._sources.clear()
         for request_id, out in claims.items():  # their WRITEs ended: a pipelined claim says so
             if out.stage is not None:
                 try:
@@ -1528,6 +1585,57 @@ def _descriptors(
         slot = ((layer * 2 + kv) * num_blocks + blocks) * bs + (t0 - idx * bs)
         dst = dst_base + slot * tok + head_offset * head_dim * itemsize
         src = src_base + (kv * ntok + (t0 - start)) * part
+        src, dst, run = _merge_runs(src, dst, lens)
+        local.append(np.stack([src, run, np.zeros_like(run)], axis=1))
+        remote.append(np.stack([dst, run, np.full_like(run, device)], axis=1))
+    return np.concatenate(local).astype(np.uint64), np.concatenate(remote).astype(np.uint64)
+
+
+def _paged_descriptors(
+    src_shape: tuple[int, ...],
+    src_ids: tuple[int, ...],
+    start: int,
+    end: int,
+    src_head: int,
+    shape: tuple[int, ...],
+    block_ids: tuple[int, ...],
+    dst_head: int,
+    num_heads: int,
+    itemsize: int,
+    device: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 descriptors, local and remote, that move tokens [start, end) of `num_heads` heads
+    straight from the sender's paged layer [2, blocks, block_size, heads, head_dim] at offset 0
+    (src_ids: its blocks from the one holding token start on; heads from src_head) into one
+    receiving rank's pool [layers, 2, blocks, block_size, heads, head_dim] at offset 0, layer 0
+    (block_ids: the claimed blocks; heads from dst_head). Whole token rows on both sides move as
+    one piece per stretch of tokens that stays in one block on each side; a part of a row (the
+    two sides split the heads differently) as one per token. Pieces that continue each other on
+    both sides are merged."""
+    _, src_blocks, src_bs, src_heads, head_dim = src_shape
+    _, _, dst_blocks, dst_bs, dst_heads, _ = shape
+    src_tok, dst_tok = src_heads * head_dim * itemsize, dst_heads * head_dim * itemsize
+    part = num_heads * head_dim * itemsize
+    if num_heads == src_heads == dst_heads:
+        cuts = np.union1d(
+            np.arange(start - start % src_bs + src_bs, end, src_bs, dtype=np.int64),
+            np.arange(start - start % dst_bs + dst_bs, end, dst_bs, dtype=np.int64),
+        )
+        t0 = np.concatenate(([start], cuts)).astype(np.int64)
+        lens = (np.concatenate((cuts, [end])) - t0) * part
+    else:
+        t0 = np.arange(start, end, dtype=np.int64)
+        lens = np.full_like(t0, part)
+    sb = np.asarray(src_ids, dtype=np.int64)[t0 // src_bs - start // src_bs]
+    db = np.asarray(block_ids, dtype=np.int64)[t0 // dst_bs]
+    local, remote = [], []
+    for kv in (0, 1):
+        src = (
+            (kv * src_blocks + sb) * src_bs + t0 % src_bs
+        ) * src_tok + src_head * head_dim * itemsize
+        dst = (
+            (kv * dst_blocks + db) * dst_bs + t0 % dst_bs
+        ) * dst_tok + dst_head * head_dim * itemsize
         src, dst, run = _merge_runs(src, dst, lens)
         local.append(np.stack([src, run, np.zeros_like(run)], axis=1))
         remote.append(np.stack([dst, run, np.full_like(run, device)], axis=1))

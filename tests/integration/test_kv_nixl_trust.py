@@ -26,6 +26,7 @@ from pdserve.kvtransfer.backends.nixl_backend import (
 )
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.receiver import WorkerReceiver
+from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.kvtransfer.transport import Destination, RefusedFrame
 from pdserve.kvtransfer.wire import ChunkHeader
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -82,16 +83,18 @@ def commit(rid: str):
     return ChunkHeader(rid, LAYOUT.fingerprint, kind="commit", first_tokens=(1,))
 
 
-def send_all(t, dest: Destination, staged: bool = False) -> list:
-    """Request r1's 7 tokens, every layer (from the transport's staging buffer when `staged`),
-    then its commit; returns what each layer sent."""
+def send_all(t, dest: Destination, paged: bool = False) -> list:
+    """Request r1's 7 tokens, every layer (straight out of a paged pool of the sender's, blocks
+    6, 1 and 2 of it, when `paged`), then its commit; returns what each layer sent."""
     sent = []
+    pool = torch.randn(L, 2, 8, BS, H, D)  # the sender's own paged pool
     for layer in range(L):
-        header, data = chunk("r1", layer, 0, 7)
-        if staged:
-            buf = t.staging(tuple(data.shape), data.dtype)
-            buf.copy_(data)
-        t.send(header, buf if staged else data, dest)
+        if paged:
+            header, data = read_chunk(pool[layer], LAYOUT, "r1", layer, [6, 1, 2], 0, 7)
+            assert t.send_paged(header, pool[layer], [6, 1, 2], dest)
+        else:
+            header, data = chunk("r1", layer, 0, 7)
+            t.send(header, data, dest)
         sent.append(data)
     t.send(commit("r1"), None, dest)
     t.flush(10)
@@ -120,43 +123,70 @@ def test_a_whole_transfer_lands_in_the_reserved_blocks(receiver):
     assert not receiver.pool[:, :, others].any()  # nothing outside the reservation
 
 
-def test_chunks_gathered_into_staging_land_with_one_registration(receiver, monkeypatch):
-    """A chunk in the transport's staging buffer (a prefill worker gathers it there) is WRITTEN
-    from the region registered once, not registered again for each chunk."""
+def test_chunks_sent_from_the_senders_pool_land_with_one_registration(receiver, monkeypatch):
+    """send_paged WRITEs each layer straight out of the sender's paged pool, registered once
+    (at the first chunk) and deregistered when the transport closes."""
     dest = receiver.reserve("r1", [3, 5], 7)
     t = connect("nixl", receiver.server.address, security=SECURITY)
-    registered = []
-    real = t._agent.register_memory
+    registered, deregistered = [], []
+    agent = t._agent
+    real_reg, real_dereg = agent.register_memory, agent.deregister_memory
     monkeypatch.setattr(
-        t._agent, "register_memory", lambda *a, **k: registered.append(1) or real(*a, **k)
+        agent, "register_memory", lambda *a, **k: registered.append(1) or real_reg(*a, **k)
+    )
+    monkeypatch.setattr(
+        agent, "deregister_memory", lambda *a, **k: deregistered.append(1) or real_dereg(*a, **k)
     )
     try:
-        sent = send_all(t, dest, staged=True)
+        sent = send_all(t, dest, paged=True)
     finally:
         t.close()
-    assert len(registered) == 1  # the staging region, at the first chunk
+    assert len(registered) == 1 and len(deregistered) == 1  # the pool, once
     assert_landed(receiver, dest, sent)
+    others = [b for b in range(NB) if b not in dest.block_ids]
+    assert not receiver.pool[:, :, others].any()  # nothing outside the reservation
 
 
-def test_each_layers_header_follows_its_write_before_the_commit(receiver):
-    """A WRITE on one host is DONE when posted: its in-place header goes with the next send,
-    so the decode side takes each layer while the later ones are written, as over shm."""
+def test_paged_chunks_go_through_send_where_they_cannot_be_written_directly(receiver):
+    """A pool of another dtype than the receiver's is not sent by send_paged (False): the
+    caller gathers it and sends as before."""
     dest = receiver.reserve("r1", [3, 5], 7)
     t = connect("nixl", receiver.server.address, security=SECURITY)
+    try:
+        pool = torch.randn(2, 8, BS, H, D, dtype=torch.bfloat16)
+        header = dataclasses.replace(chunk("r1", 0, 0, 7)[0], dtype="bfloat16")
+        assert not t.send_paged(header, pool, [6, 1, 2], dest)
+        assert not t.send_paged(header, pool.float().transpose(3, 4), [6, 1, 2], dest)
+    finally:
+        t.close()
+
+
+def test_in_place_headers_wait_for_the_commit(receiver):
+    """A WRITE's in-place header waits until the request's commit carries it (or until
+    max_pending_headers of them wait): a control message per layer woke the sender's gRPC
+    threads at every layer."""
+    dest = receiver.reserve("r1", [3, 5, 7, 9], 15)
+    t = connect("nixl", receiver.server.address, security=SECURITY, max_pending_headers=3)
+
+    def layers_heard():
+        return [(h.layer, h.start) for h, _ in list(receiver.frames) if h.kind == "kv"]
+
     try:
         for layer in range(L):
             t.send(*chunk("r1", layer, 0, 7), dest)
-
-        def layers_heard():
-            return sorted(h.layer for h, _ in list(receiver.frames) if h.kind == "kv")
-
-        wait_until(lambda: layers_heard() == list(range(L)), 10, "both layers' headers")
-        assert all(h.in_place for h, _ in receiver.frames)
-        assert receiver.receivers["r1"].ranks[0].state.name != "DONE"  # no commit yet
-        t.send(commit("r1"), None, dest)
+        time.sleep(0.3)
+        assert layers_heard() == []  # two wait
+        t.send(*chunk("r1", 0, 7, 15), dest)  # the third: all three go
+        wait_until(lambda: len(layers_heard()) == 3, 10, "three headers")
+        t.send(*chunk("r1", 1, 7, 15), dest)
+        time.sleep(0.3)
+        assert len(layers_heard()) == 3 and receiver.receivers["r1"].ranks[0].state.name != "DONE"
+        t.send(commit("r1"), None, dest)  # the last one travels with the commit
         t.flush(10)
     finally:
         t.close()
+    assert layers_heard() == [(0, 0), (1, 0), (0, 7), (1, 7)]
+    assert all(h.in_place for h, _ in receiver.frames if h.kind == "kv")
     assert receiver.receivers["r1"].ranks[0].state.name == "DONE"
 
 

@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from pdserve.kvtransfer.reshard import read_chunk
 from pdserve.tuning import profiler
 
 INFO = dict(
@@ -51,18 +50,12 @@ def test_next_batch_landing_during_the_answer_is_counted(monkeypatch):
         target=profiler._receiver_main, args=(_StallAfterAnswer(child), INFO, tokens, 1)
     )
     receiver.start()
-    link = profiler._Link("shm", parent, _Alive(), profiler._layout(INFO), 1)
+    source = (torch.randn(profiler._pool_shape(INFO, tokens, 1)), profiler._block_ids(0, tokens))
+    link = profiler._Link("shm", parent, _Alive(), profiler._layout(INFO), 1, source)
     try:
         link.connect()
-        src = torch.randn(profiler._pool_shape(INFO, tokens, 1))
-        frames = [
-            read_chunk(
-                src[layer], link.layout, "x", layer, profiler._block_ids(0, tokens), 0, tokens
-            )
-            for layer in range(INFO["num_layers"])
-        ]
         for _ in range(3):
-            ((sent, landed),) = link.send_batch(tokens, 1, frames)
+            ((sent, landed),) = link.send_batch(tokens, 1)
             assert landed >= sent
         link.close()
     finally:

@@ -19,12 +19,13 @@ from pdserve.kvtransfer.backends.nixl_backend import (
     GrantRefused,
     Grants,
     _descriptors,
+    _paged_descriptors,
     format_address,
     parse_address,
     parse_claim,
 )
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.reshard import write_chunk
+from pdserve.kvtransfer.reshard import read_chunk, write_chunk
 from pdserve.kvtransfer.wire import ChunkHeader, decode_frame, encode_frame
 
 
@@ -280,6 +281,39 @@ def test_descriptors_move_what_write_chunk_writes(start, end, head_lo, head_hi, 
         assert torch.equal(got_t, want)
 
 
+@pytest.mark.parametrize("src_bs,dst_bs", [(4, 4), (2, 4), (8, 4)])
+@pytest.mark.parametrize("start,end,tp", [(0, 13, 1), (5, 11, 1), (3, 9, 2), (0, 16, 2)])
+@pytest.mark.parametrize("order", ["scattered", "runs"])
+def test_paged_descriptors_move_what_write_chunk_writes(src_bs, dst_bs, start, end, tp, order):
+    """A chunk straight out of the sender's paged pool (send_paged), its descriptors applied as
+    copies: each receiving rank's pool as write_chunk makes it from the gathered chunk, with
+    block sizes that differ between the two sides and heads split across receiving ranks."""
+    layers, heads, dim, blocks = 2, 4, 3, 9
+    n_src = 16 // src_bs
+    src_ids = list(range(1, n_src + 1)) if order == "runs" else list(range(n_src, 0, -1))
+    dst_ids = [2, 3, 4, 5] if order == "runs" else [7, 2, 5, 0]
+    src_pool = torch.randn(2, n_src + 2, src_bs, heads, dim)
+    src_layout = KVLayout("m", "float32", layers, heads, dim, src_bs)
+    header, data = read_chunk(src_pool, src_layout, "r", 1, src_ids, start, end)
+    dst_layout = KVLayout("m", "float32", layers, heads, dim, dst_bs)
+    hpr = heads // tp
+    first = start // src_bs
+    for rank in range(tp):
+        rank_layout = dataclasses.replace(dst_layout, tp_size=tp, tp_rank=rank)
+        want = torch.zeros(layers, 2, blocks, dst_bs, hpr, dim)
+        write_chunk(want, rank_layout, dst_ids, header, data)
+        got = bytearray(want.numel() * 4)
+        local, remote = _paged_descriptors(
+            tuple(src_pool.shape), tuple(src_ids[first:]), start, end, rank * hpr,
+            tuple(want.shape), tuple(dst_ids), 0, hpr, 4,
+        )  # fmt: skip
+        apply(local, remote, src_pool.numpy().tobytes(), got)
+        got_t = torch.frombuffer(got, dtype=torch.float32).view(want.shape)
+        assert torch.equal(got_t[0], want[1])  # layer 1's chunk, moved at layer 0 offsets
+        if order == "runs" and tp == 1 and src_bs == dst_bs:
+            assert len(local) == 2  # K and V each one piece
+
+
 def test_whole_rank_chunks_move_one_descriptor_per_block_run():
     """One descriptor per (K or V, block), and one per run of consecutive blocks."""
     shape = (1, 2, 8, 4, 2, 3)
@@ -300,34 +334,3 @@ def test_connect_names_the_extra_without_nixl(monkeypatch):
     monkeypatch.setattr(nixl_backend, "nixl_module", lambda: None)
     with pytest.raises(RuntimeError, match=r"pdserve\[nixl\]"):
         connect("nixl", "nixl://a?control=127.0.0.1:1&tp=1")
-
-
-class FakeAgent:
-    def register_memory(self, tensors):
-        return ("reg", tensors[0].data_ptr())
-
-
-def test_the_staging_ring_hands_out_spans_and_takes_them_back_in_any_order():
-    ring = nixl_backend._Staging(FakeAgent(), 1000)
-    a = ring.take(400, torch.uint8, (400,))
-    span_a = ring.span_of(a)
-    b = ring.take(400, torch.uint8, (400,))
-    span_b = ring.span_of(b)
-    assert b.data_ptr() == a.data_ptr() + 400
-    assert ring.take(400, torch.uint8, (400,)) is None  # 200 left at the end, none before a
-    ring.free(span_b)  # the newest: its room is the head's again
-    c = ring.take(400, torch.uint8, (400,))
-    assert c.data_ptr() == ring.base + 400
-    ring.span_of(c)
-    ring.free(span_a)  # the oldest: the tail moves past it
-    d = ring.take(400, torch.uint8, (400,))
-    assert d.data_ptr() == ring.base  # 200 at the end is too little: from the start
-    e = ring.take(8, torch.float32, (2,))  # d was never sent: taken back, its room reused
-    assert e.data_ptr() == ring.base and e.dtype == torch.float32 and e.shape == (2,)
-    assert ring.span_of(torch.empty(2)) is None  # not the span handed out
-    assert ring.span_of(e) is not None
-
-
-def test_a_chunk_too_large_for_the_ring_is_not_staged():
-    ring = nixl_backend._Staging(FakeAgent(), 1000)
-    assert ring.take(1001, torch.uint8, (1001,)) is None

@@ -211,21 +211,3 @@ def test_engine_to_engine_through_frames(tiny_models):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert_no_leaks(prefill)
     assert_no_leaks(decode)
-
-
-@pytest.mark.parametrize("start,end", [(0, 16), (1, 15), (3, 4), (4, 8), (2, 3), (0, 1), (5, 13)])
-def test_a_chunk_gathered_into_a_buffer_is_the_chunk(start, end):
-    """read_chunk's `out` (a transport's staging buffer): the same bytes as a chunk it makes
-    itself, written into the buffer, with partial first and last blocks."""
-    from pdserve.kvtransfer.layout import KVLayout
-    from pdserve.kvtransfer.reshard import read_chunk
-
-    layout = KVLayout("m", "float32", 2, 3, 8, 4)
-    pool = torch.randn(2, 10, 4, 3, 8)
-    ids = [9, 2, 5, 0, 7, 1, 3, 8, 4, 6]
-    header, data = read_chunk(pool, layout, "r", 0, ids, start, end)
-    out = torch.full((2, end - start, 3, 8), float("nan"))
-    header2, data2 = read_chunk(pool, layout, "r", 0, ids, start, end, out=out)
-    assert header2 == header and data2.data_ptr() == out.data_ptr() and torch.equal(data2, data)
-    with pytest.raises(ValueError, match="gather buffer must be contiguous"):
-        read_chunk(pool, layout, "r", 0, ids, start, end, out=torch.empty(2, end - start + 1, 3, 8))
