@@ -26,7 +26,10 @@ before the ranking) are taken in LEGACY order.
 
 The built-in order is measured (BENCHMARKS.md, "KV hand-off"): into the paged cache, two processes
 on one CPU host, an 8k-token prompt: shm 9.40 GB/s, nixl 2.60, grpc 1.55; between hosts nothing
-here measured nixl or torch against grpc, so grpc alone.
+here measured nixl or torch against grpc, so grpc alone. Since nixl WRITEs straight out of the
+prefill pool it is faster than shm on one host where blocks come in runs (8k tokens, as a worker
+sends: 6.6-7.3 GB/s against 4.6-4.8), but nixl is an extra and the built-in order ranks only
+what every install has; `pdserve profile` measures it where it is installed.
 """
 
 from __future__ import annotations

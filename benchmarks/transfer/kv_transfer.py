@@ -14,8 +14,9 @@ TCP socket (for grpc and torch) and a copy into shared memory (for shm and nixl:
 the decode pool from the prefill process); the targets are 50% of the ceiling in transport mode.
 Each reservation's blocks come shuffled, no two adjacent in the pool (the default: a backend that
 moves a run of adjacent blocks as one piece gets one piece per block), or with --blocks runs in
-pool order (what the engine's allocator hands out on a quiet pool, and in runs of about 30 blocks
-under churn); the prefill side's pool follows the same order. --tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50
+pool order (what the engine's allocator hands out on a quiet pool), or with --blocks churn in runs
+of 30 blocks out of order (about what it hands out under churn); the prefill side's pool follows
+the same order. --tokens sets the prompt length instead of --mib (2k-8k-token prompts: the issue-50
 runs), and each row's median request latency is one prompt's whole hand-off, from its first layer
 sent to its commit handled: the TTFT a hand-off adds when no layer of it overlaps the prefill.
 
@@ -121,21 +122,39 @@ def make_layout(dtype: str = "float32"):
     return KVLayout("smollm2-135m", dtype, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
 
 
+CHURN_RUN = 30  # blocks per run in --blocks churn
+
+
+def in_order(ids: list[int], order: str, offset: int = 0) -> list[int]:
+    """`ids` (consecutive pool blocks) in a reservation's order: "runs" as they are; "churn" in
+    runs of CHURN_RUN blocks (from `offset` blocks into the first), the runs taken from last to
+    first, so that no two continue each other; "shuffled" (the default) no two blocks adjacent
+    in the pool: odd positions first, then even."""
+    if order == "runs":
+        return ids
+    if order == "churn":
+        cuts = list(range(offset % CHURN_RUN, len(ids), CHURN_RUN))
+        runs = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True) if b > a]
+        return [b for run in reversed(runs) for b in run]
+    return ids[1::2] + ids[0::2]
+
+
 def slot_block_ids(slot: int, blocks_per_request: int, order: str = "shuffled") -> list[int]:
     """A request's reservation: its slot's blocks in a shuffled (fixed) order, no two consecutive
     blocks of the request adjacent in the pool (the worst case for a backend that moves each run
-    of adjacent blocks as one piece), or with order "runs" in pool order (what a quiet pool's
+    of adjacent blocks as one piece), with order "runs" in pool order (what a quiet pool's
     allocator hands out: engine/block_manager.py keeps a sequence's blocks consecutive where it
-    can)."""
+    can), or with order "churn" in runs of 30 (about what it hands out under churn)."""
     ids = list(range(slot * blocks_per_request, (slot + 1) * blocks_per_request))
-    return ids if order == "runs" else ids[1::2] + ids[0::2]
+    return in_order(ids, order)
 
 
 def source_pool(tokens: int, dtype: str, device: str, order: str = "shuffled"):
     """The prefill side's own paged cache: one request's worth of blocks, random values of a
     fixed seed (drawn on the CPU in float32, so that every device and dtype sees the same values,
     then converted), and the request's block ids in it: in reverse order, no two continuing each
-    other, or with order "runs" in pool order (as the reservations of --blocks runs)."""
+    other, or with order "runs" or "churn" as a reservation's (slot_block_ids; the churn's runs
+    cut at other places than the decode side's)."""
     import torch
 
     blocks_per_request, _ = pool_shape(tokens)
@@ -143,7 +162,7 @@ def source_pool(tokens: int, dtype: str, device: str, order: str = "shuffled"):
     src = torch.randn(shape, generator=torch.Generator().manual_seed(SOURCE_SEED))
     src = src.to(device=device, dtype=getattr(torch, dtype))
     ids = list(range(blocks_per_request))
-    return src, ids if order == "runs" else ids[::-1]
+    return src, ids[::-1] if order == "shuffled" else in_order(ids, order, offset=CHURN_RUN // 2)
 
 
 def source_chunks(tokens: int, dtype: str, device: str, order: str = "shuffled") -> list:
@@ -697,10 +716,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--blocks",
-        choices=("shuffled", "runs"),
+        choices=("shuffled", "runs", "churn"),
         default="shuffled",
         help="each reservation's blocks, and the prefill side's: shuffled, no two adjacent "
-        "(default), or consecutive runs",
+        "(default), consecutive (runs), or in runs of 30 out of order (churn)",
     )
     ap.add_argument(
         "--device",
