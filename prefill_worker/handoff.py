@@ -221,7 +221,8 @@ class PushSink:
             )
             sent = time.perf_counter()
             if self.transport.send_paged(header, paged, block_ids, self.dest):
-                self._sent(sent, 2 * (end - start) * paged[0, 0, 0].numel() * paged.element_size())
+                row = lay.heads_per_rank * lay.head_dim * layer_kv.element_size()
+                self._sent(sent, 2 * (end - start) * row)
                 return
         if self.sources is None:
             header, data = read(layer_kv, self.layout)

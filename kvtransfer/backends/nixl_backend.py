@@ -1191,7 +1191,14 @@ class NixlTransport(Transport):
         """WRITE the chunk out of the sender's own pool into the claimed blocks: no gather, no
         copy but the WRITE's. The pool is registered with the sending agent at its first chunk
         (`_source_registration`). False where this path does not apply: a receiver's pool not in
-        host memory, a pool on a device, another dtype, or a pool that is not contiguous."""
+        host memory, a pool on a device, another dtype, or a pool that is not contiguous.
+
+        The WRITE reads the pool when it runs (on one host at once, inside the post; between
+        hosts maybe later): the chunk's blocks must hold its KV until the request's commit, which
+        waits for every WRITE. A prefill worker sends the commit on the engine's loop thread when
+        the request finishes, before a next step can give its blocks to another request; a
+        request that ends otherwise is aborted, and what a late WRITE reads then lands only in a
+        reservation that the abort ends."""
         if self._closed:
             raise RuntimeError("this KV transport is closed")
         if (
