@@ -5,6 +5,7 @@ against the engine alone, per KV backend, and how much transfer time layer pipel
     python -m benchmarks.cluster.ttft                  # full run, ~4-5 min on the 2-core machine
     python -m benchmarks.cluster.ttft --quick          # smoke run (fewer prompts, one backend)
     python -m benchmarks.cluster.ttft --wait-idle 60   # wait up to 60 s for a quiet CPU per section
+    python -m benchmarks.cluster.ttft --backends shm,nixl  # nixl where its extra is installed
 
 One run starts the engine alone in a spawned process (EngineAlone), then, per backend, a cluster
 that serves fresh prompts alternating with the engine alone (run_cluster, timed by `generate`),
@@ -411,7 +412,8 @@ def start(target, *args):
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "cluster_bench.json")
 TARGET_RATIO = 1.15
-BACKENDS = ("grpc", "shm", "torch")
+BACKENDS = ("grpc", "shm", "torch")  # the default run
+CHOICES = (*BACKENDS, "nixl")  # nixl where its extra is installed
 SEED_ENGINE, SEED_CLUSTER, SEED_PIPELINE = 7000, 8000, 9000
 SEGMENTS = (  # (key, label, start field, end field); "sent"/"client_first" are the client's stamps
     ("client_to_router", "client -> router", "sent", "queued_unix_ns"),
@@ -570,7 +572,7 @@ def run_cluster(args, backend: str, alone: EngineAlone) -> dict:
 
     config_dict = deploy_dict(args, backend)
     out = {"config": config_dict}
-    b = BACKENDS.index(backend)
+    b = CHOICES.index(backend)
     times: dict = {}
     with deployment(config_dict, "cluster_bench", times) as (cluster, _):
         out["up_s"] = times["up_s"]
@@ -767,9 +769,9 @@ def parse_args(argv=None):
     args.requests = args.requests or (3 if args.quick else 10)
     args.pipeline_trials = args.pipeline_trials or (2 if args.quick else 20)
     args.backends = [b for b in args.backends.split(",") if b]
-    unknown = set(args.backends) - set(BACKENDS)
+    unknown = set(args.backends) - set(CHOICES)
     if unknown:
-        ap.error(f"--backends: unknown {sorted(unknown)}; choose from {BACKENDS}")
+        ap.error(f"--backends: unknown {sorted(unknown)}; choose from {CHOICES}")
     return args
 
 
