@@ -1303,13 +1303,18 @@ class NixlTransport(Transport):
         first, last = start // src_bs, (end - 1) // src_bs
         if last >= len(block_ids):
             raise ValueError(f"tokens [{start}, {end}) pass the sender's {len(block_ids)} blocks")
-        src_ids = tuple(block_ids[first : last + 1])
-        if min(src_ids) < 0 or max(src_ids) >= src_blocks:
-            raise ValueError(f"the sender's block ids fall outside its pool of {src_blocks}")
-        key = ("paged", start, end, h0, h1, src_ids, tuple(layer_kv.shape))
-        rel = out.descriptors.get(key)
-        if rel is None:
-            rel = out.descriptors[key] = self._paged_pieces(header, layer_kv, src_ids, out)
+        src_ids = block_ids[first : last + 1]
+        # a request's layers share their descriptors: made once per token range and source
+        # blocks (compared, as a next step of the request could change them)
+        key = ("paged", start, end, h0, h1, src_blocks, src_bs)
+        cached = out.descriptors.get(key)
+        if cached is not None and cached[0] == src_ids:
+            rel = cached[1]
+        else:
+            if min(src_ids) < 0 or max(src_ids) >= src_blocks:
+                raise ValueError(f"the sender's block ids fall outside its pool of {src_blocks}")
+            rel = self._paged_pieces(header, layer_kv, src_ids, out)
+            out.descriptors[key] = (src_ids, rel)  # a slice: a copy of its own
         layer_base = header.layer * self._layer_bytes
         local, remote = rel[0].copy(), rel[1].copy()
         local[:, 0] += np.uint64(layer_kv.data_ptr())

@@ -147,6 +147,25 @@ def test_chunks_sent_from_the_senders_pool_land_with_one_registration(receiver, 
     assert not receiver.pool[:, :, others].any()  # nothing outside the reservation
 
 
+def test_paged_chunks_of_other_source_blocks_get_their_own_descriptors(receiver):
+    """Descriptors are kept per request and token range: a layer whose tokens lie in other
+    blocks of the sender's pool than the last one's is moved from those."""
+    dest = receiver.reserve("r1", [3, 5], 7)
+    t = connect("nixl", receiver.server.address, security=SECURITY)
+    pool = torch.randn(L, 2, 8, BS, H, D)
+    sent = []
+    try:
+        for layer, blocks in enumerate(([6, 1, 2], [0, 4, 7])):
+            header, data = read_chunk(pool[layer], LAYOUT, "r1", layer, blocks, 0, 7)
+            assert t.send_paged(header, pool[layer], blocks, dest)
+            sent.append(data)
+        t.send(commit("r1"), None, dest)
+        t.flush(10)
+    finally:
+        t.close()
+    assert_landed(receiver, dest, sent)
+
+
 def test_paged_chunks_go_through_send_where_they_cannot_be_written_directly(receiver):
     """A pool of another dtype than the receiver's is not sent by send_paged (False): the
     caller gathers it and sends as before."""
