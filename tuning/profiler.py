@@ -236,7 +236,8 @@ def send_from_pool(transport, pool, block_ids, tokens: int, rid: str, dest, layo
 
 def send_request(transport, frames, rid: str, dest, layout) -> None:
     """Sends prebuilt (header, data) frames as request `rid` into `dest`, then its commit (first
-    token 1): one request's hand-off, as a prefill worker sends it."""
+    token 1): one request's hand-off from chunks gathered beforehand (send_from_pool sends as a
+    prefill worker does)."""
     from pdserve.kvtransfer.wire import ChunkHeader
 
     for header, data in frames:

@@ -6,9 +6,9 @@ sides within ten of its stream's steps (at least 1 s; by the abort, not the stre
 
 SmolLM2 has 3 KV heads, so the TP degrees that divide it are 1 and 3: grpc runs tp 3 -> 1, shm
 1 -> 3 (both in float32: a quantized weight is split differently at another TP degree), nixl
-1 -> 3 where NIXL is installed (the prefill worker WRITEs straight from its pool, each decode rank
-its head; nixl's 2 -> 1 is tests/integration/test_kv_nixl_cluster.py's), and torch 1 -> 1 in the
-default dtype. Each backend with a bf16 cache at equal and unequal TP, on a tiny
+1 -> 1 where NIXL is installed (the prefill worker WRITEs straight from its pool, in the default
+dtype; nixl's 1 -> 2 and 2 -> 1 are tests/integration/test_kv_nixl_cluster.py's), and torch 1 -> 1
+in the default dtype. Each backend with a bf16 cache at equal and unequal TP, on a tiny
 model, is tests/integration/test_worker_backends_tp.py's; a case here costs ~35 s of CI.
 """
 
@@ -105,7 +105,7 @@ def _cancel_mid_stream_frees_both_sides(cluster, prompt_ids) -> None:
         pytest.param(
             "nixl",
             1,
-            3,
+            1,
             marks=pytest.mark.skipif(
                 not nixl_installed(), reason="NIXL is not installed: pip install 'pdserve[nixl]'"
             ),
