@@ -146,6 +146,9 @@ class PushSink:
             ]
         )
         self.transport = transport
+        # a single rank's chunks go straight out of its pool where the transport can (nixl)
+        paged = getattr(type(transport), "send_paged", Transport.send_paged)
+        self.paged = self.sources is None and paged is not Transport.send_paged
         self.dest = dest
         self.skip = num_cached_on_decode
         self.bytes_sent = 0
@@ -212,7 +215,7 @@ class PushSink:
                 kv, layout, self.request_id, layer, block_ids, start, end, self.traceparent
             )
 
-        if self.sources is None and layer_kv.is_contiguous():
+        if self.paged and layer_kv.is_contiguous():
             # straight out of the pool where the transport can (nixl), else gathered first
             lay = self.layout
             paged = layer_kv.view(2, -1, lay.block_size, lay.heads_per_rank, lay.head_dim)
