@@ -31,7 +31,12 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu import log_once as log_cpu_once
-from pdserve.engine.errors import DuplicateRequestId, InvalidRequest, PromptTooLong
+from pdserve.engine.errors import (
+    BadSamplingParams,
+    DuplicateRequestId,
+    InvalidRequest,
+    PromptTooLong,
+)
 from pdserve.engine.kv_disk_tier import DiskTier
 from pdserve.engine.kv_host_tier import HostTier, fingerprint as kv_fingerprint
 from pdserve.engine.kv_publish import layer_publisher
@@ -225,6 +230,16 @@ class LLMEngine:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest(f"priority must be an int, got {type(priority).__name__}")
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            if any(t >= vocab for t in ids):
+                bad = [t for t in ids if t >= vocab][:3]
+                raise BadSamplingParams(
+                    f"{name} token ids must be below the vocabulary size {vocab}, got {bad}"
+                )
         if pooling is not None and (params.n != 1 or prefill_only):
             raise InvalidRequest("a pooling request has n=1 and is not prefill-only")
         if request_id in self._requests:

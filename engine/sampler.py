@@ -1,11 +1,13 @@
 """Turns one step's logits into one token per sequence.
 
-Pipeline per row: repetition penalty -> frequency/presence penalties ->
-min_tokens masking -> temperature -> top-k -> top-p -> min-p -> sample.
+Pipeline per row: allowed_token_ids -> logit_bias -> repetition penalty ->
+frequency/presence penalties -> min_tokens masking -> temperature -> top-k ->
+top-p -> min-p -> sample (vLLM's order; a structured-output grammar masks first).
 Greedy rows take the argmax after the penalty/masking stage, as in vLLM.
 
-Only penalties (which need each sequence's own token history) and the
-per-generator noise draws loop over rows in Python; every other stage works on
+Only the per-request shaping (allowed ids, biases, penalties, which need each
+sequence's own parameters or token history) and the per-generator noise draws
+loop over rows in Python; every other stage works on
 the whole batch with per-row parameter tensors, because this runs on every
 decode step. Logprobs are the raw distribution's (before any processing but a structured-output
 grammar's mask, as vLLM: engine/structured/grammar.py); a row with top_logprobs gets a TokenLogprob
@@ -116,12 +118,33 @@ def _counts(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tenso
     return torch.bincount(t, minlength=vocab)[:vocab]
 
 
+def _allow_and_bias(x: torch.Tensor, params: SamplingParams, grammar: bool) -> None:
+    """One row's logits, in place: every token outside allowed_token_ids to -inf, then
+    logit_bias added. Where a grammar already masked the row and allowed_token_ids leaves it no
+    token, the grammar's choice stands (as it does against min_tokens)."""
+    vocab, device = x.shape[0], x.device
+    if params.allowed_token_ids:
+        idx = torch.as_tensor(
+            [t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=device
+        )
+        kept = x[idx].clone()
+        if not grammar or torch.isfinite(kept).any():
+            x.fill_(float("-inf"))
+            x[idx] = kept
+    pairs = [(t, b) for t, b in params.logit_bias if t < vocab]
+    if pairs:
+        ids, biases = zip(*pairs)
+        idx = torch.as_tensor(ids, dtype=torch.long, device=device)
+        x[idx] += torch.as_tensor(biases, dtype=x.dtype, device=device)
+
+
 def process_logits(
     logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: Collection[int] = ()
 ) -> torch.Tensor:
-    """Penalties then min_tokens masking (grammar_rows: the rows a grammar masked).
+    """allowed_token_ids and logit_bias, penalties, then min_tokens masking (grammar_rows: the
+    rows a grammar masked).
 
-    Returns `logits` itself (no copy) when no row needs either, so the
+    Returns `logits` itself (no copy) when no row needs any, so the
     all-greedy decode step stays a single argmax; otherwise a modified copy.
     """
     out: torch.Tensor | None = None
@@ -129,11 +152,13 @@ def process_logits(
     for i, row in enumerate(rows):
         p = row.params
         masked = _min_tokens_masked_ids(row)
-        if not p.has_penalties and not masked:
+        if not p.shapes_logits and not masked:
             continue
         if out is None:
             out = logits.clone()
         x = out[i]
+        if p.allowed_token_ids or p.logit_bias:
+            _allow_and_bias(x, p, i in grammar_rows)
         if p.repetition_penalty != 1.0:
             seen = _counts([*row.prompt_token_ids, *row.output_token_ids], vocab, device) > 0
             # HF/vLLM: shrink positive logits, push negative ones further down,

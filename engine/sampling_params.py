@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdserve.engine.errors import BadSamplingParams
@@ -19,6 +20,7 @@ from pdserve.engine.structured.spec import StructuredSpec, spec_from_wire
 # vLLM does with its _SAMPLING_EPS.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt position, as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _int(name: str, value: object) -> int:
@@ -70,6 +72,25 @@ def _str_tuple(name: str, value: object) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs in id order; a mapping or such pairs is taken."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, (list, tuple)):
+        raise BadSamplingParams(
+            f"logit_bias must be a mapping of token id to bias, got {type(value).__name__}"
+        )
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise BadSamplingParams(f"logit_bias entries are (token id, bias), got {item!r}")
+        token, bias = _int("logit_bias token id", item[0]), _float("logit_bias", item[1])
+        if token < 0:
+            raise BadSamplingParams(f"logit_bias token ids must be >= 0, got {token}")
+        _in_range(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        pairs[token] = bias
+    return tuple(sorted(pairs.items()))
+
+
 def _id_tuple(name: str, value: object) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -116,6 +137,12 @@ class SamplingParams:
     # False: this request is never speculated on, whatever the engine's speculative_config
     # (engine/spec/config.py); its tokens are the same either way, only its speed differs
     speculative: bool = True
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits before
+    # the penalties and sampling (vLLM's order; a structured-output mask and allowed_token_ids
+    # come first). Kept as (token id, bias) pairs in id order, so the params stay hashable.
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    # vLLM's allowed_token_ids: only these tokens may be sampled (empty: any token)
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -203,6 +230,8 @@ class SamplingParams:
             _bool(name, getattr(self, name))
         if self.structured is not None:
             put("structured", spec_from_wire(self.structured))
+        put("logit_bias", _bias_pairs(self.logit_bias or ()))
+        put("allowed_token_ids", _id_tuple("allowed_token_ids", self.allowed_token_ids))
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
@@ -212,6 +241,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before sampling by anything but a grammar: logit_bias,
+        allowed_token_ids or a penalty (min_tokens is the sampler's own check: it depends on how
+        many tokens are out)."""
+        return bool(self.logit_bias or self.allowed_token_ids) or self.has_penalties
 
     @property
     def has_penalties(self) -> bool:

@@ -36,7 +36,7 @@ OPTIONAL_FIELDS = (
     "top_logprobs",
     "speculative",
 )
-_REPEATED_FIELDS = ("stop", "stop_token_ids")
+_REPEATED_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids")
 
 
 def sampling_kwargs(msg) -> dict:
@@ -49,6 +49,8 @@ def sampling_kwargs(msg) -> dict:
         values = list(getattr(msg, name))
         if values:
             kwargs[name] = values
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured"):
         kwargs["structured"] = structured_dict(msg.structured)
     return kwargs

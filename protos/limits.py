@@ -17,6 +17,9 @@ MAX_ADDRESS_CHARS = 1024  # host:port or a KV endpoint address
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 65536
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 MAX_N = 64  # sequences per prompt
 # structured output (as engine/structured/spec.py, which the engine checks again)
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -119,8 +122,40 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
         return invalid(
             f"sampling.stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}"
         )
-    if sampling.HasField("structured"):
+    refusal = check_token_shaping(sampling, vocab_size)
+    if refusal is None and sampling.HasField("structured"):
         return check_structured(sampling.structured)
+    return refusal
+
+
+def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
+    """logit_bias and allowed_token_ids: how many, ids in the vocabulary, biases in range."""
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return invalid(
+            f"sampling.logit_bias has {len(sampling.logit_bias)} entries; at most "
+            f"{MAX_LOGIT_BIAS_ENTRIES} are allowed"
+        )
+    for token, bias in sampling.logit_bias.items():
+        if not (math.isfinite(bias) and abs(bias) <= LOGIT_BIAS_RANGE):
+            return invalid(
+                f"sampling.logit_bias[{token}]={bias}: a bias is a number in "
+                f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+            )
+    if len(sampling.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        return invalid(
+            f"sampling.allowed_token_ids has {len(sampling.allowed_token_ids)} ids; at most "
+            f"{MAX_ALLOWED_TOKEN_IDS} are allowed"
+        )
+    for name, ids in (
+        ("logit_bias", sampling.logit_bias.keys()),
+        ("allowed_token_ids", sampling.allowed_token_ids),
+    ):
+        bad = [t for t in ids if t >= vocab_size][:3] if vocab_size else []
+        if bad:
+            return invalid(
+                f"sampling.{name} token ids must be below the vocabulary size {vocab_size}, "
+                f"got {bad}"
+            )
     return None
 
 

@@ -3,12 +3,13 @@ becomes on the gRPC wire (`sampling_params`, `chat_messages`). Every field is ty
 before any work; an unknown field is refused with a 400 naming it (KNOWN_FIELDS).
 
 Beyond OpenAI's own fields it accepts vLLM's sampling fields (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output),
+min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, skip_special_tokens,
+include_stop_str_in_output) and OpenAI's logit_bias,
 pdserve's `speculative` (false: this request opts out of the decode pool's speculative
 decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
 sections below say more). `model` may be left out (the served model). OpenAI fields that change
 nothing here are accepted and ignored (`user`, `metadata`, ...); those whose meaning pdserve does
-not serve (functions, logit_bias, suffix, ...) are accepted only at their neutral value. vLLM's
+not serve (functions, suffix, ...) are accepted only at their neutral value. vLLM's
 other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
 written for vLLM runs unchanged or gets a 400 naming the field it would have to drop; vLLM's
 stream_options (StreamOptions: include_usage true once stream_options is sent, and
@@ -42,9 +43,12 @@ from pydantic import (
 
 from pdserve.protos.convert import OPTIONAL_FIELDS, structured_message
 from pdserve.protos.limits import (
+    LOGIT_BIAS_RANGE,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
     MAX_ID_CHARS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_N,
     MAX_REGEX_CHARS,
@@ -481,6 +485,7 @@ RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0)]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=UINT32)]
+LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 
 
@@ -535,7 +540,10 @@ class VllmFields(BaseModel):
     length_penalty: float = 1.0
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: int | None = None
-    allowed_token_ids: list[Any] | None = None
+    # only these tokens may be sampled (vLLM's; an empty list is refused, as vLLM does)
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
     bad_words: list[Any] | None = None
     # vLLM's priority scheduling: lower first; not 0 needs the router's scheduling_policy
     # "priority" (the router refuses it otherwise, 400 naming the field)
@@ -567,7 +575,6 @@ class VllmFields(BaseModel):
     )
     _unset = _neutral_only(
         "truncate_prompt_tokens",
-        "allowed_token_ids",
         "bad_words",
         "logits_processors",
         "return_tokens_as_token_ids",
@@ -610,13 +617,20 @@ class _Sampling(_Strict, StructuredFields, VllmFields):
     speculative: StrictBool | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None
+    # OpenAI's: {token id, as a decimal string: bias in [-100, 100]} added to those tokens' logits
+    logit_bias: (
+        Annotated[dict[StrictStr, LogitBias], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None
+    ) = None
     # accepted and ignored: they change nothing about the result
     user: ShortStr | None = None
 
-    _no_logit_bias = _neutral_only(
-        "logit_bias", message="logit_bias is not supported; leave it unset or empty"
-    )
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, v):
+        for key in v or ():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < UINT32):
+                raise ValueError(f"keys are token ids (decimal strings), got {key[:40]!r}")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -1029,6 +1043,10 @@ def sampling_params(body, max_tokens: int | None) -> pdserve_pb2.SamplingParams:
     s.stop.extend(body.stops())
     if body.stop_token_ids:
         s.stop_token_ids.extend(body.stop_token_ids)
+    for key, bias in (body.logit_bias or {}).items():
+        s.logit_bias[int(key)] = bias
+    if body.allowed_token_ids:
+        s.allowed_token_ids.extend(body.allowed_token_ids)
     if body.wants_logprobs:
         s.logprobs = True
         if body.num_top():

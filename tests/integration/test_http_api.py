@@ -64,6 +64,19 @@ BAD = [
     ("stop-too-many", C, {**GOOD, "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
     ("stop-too-long", C, {**GOOD, "stop": "x" * 513}, 400, "stop"),
     ("stop-token-past-vocab", C, {**GOOD, "stop_token_ids": [300]}, 400, None),
+    ("logit-bias-past-vocab", C, {**GOOD, "logit_bias": {"300": 1}}, 400, None),
+    ("logit-bias-key-not-an-id", C, {**GOOD, "logit_bias": {"t5": 1}}, 400, "logit_bias"),
+    ("logit-bias-over-100", C, {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit-bias-bool", C, {**GOOD, "logit_bias": {"5": True}}, 400, "logit_bias"),
+    (
+        "logit-bias-too-many",
+        C,
+        {**GOOD, "logit_bias": {str(i): 1 for i in range(1025)}},
+        400,
+        "logit_bias",
+    ),
+    ("allowed-ids-empty", C, {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("allowed-ids-past-vocab", C, {**GOOD, "allowed_token_ids": [5, 256]}, 400, None),
     ("token-id-negative", C, {**GOOD, "prompt": [5, -1]}, 400, "prompt"),
     ("token-id-past-vocab", C, {**GOOD, "prompt": [5, 256]}, 400, None),
     ("prompt-empty", C, {**GOOD, "prompt": ""}, 400, None),
@@ -337,6 +350,23 @@ def test_completion_response_shape_usage_and_stage_timings(router, idle):
     timings = ext["timings"]
     assert timings and all(v is None or v >= 0 for v in timings.values())
     assert timings["ttft_s"] is not None and timings["e2e_s"] >= timings["ttft_s"]
+
+
+def test_logit_bias_and_allowed_token_ids_reach_both_workers(router, idle):
+    """The prefill worker samples the first token and the decode worker the rest: both apply the
+    body's logit_bias (a +100 all but forces its token) and allowed_token_ids."""
+    prompt = random_prompts([9], seed=4)[0]
+    base = {**GOOD, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    status, _, body = post(router, C, base)
+    assert status == 200, body
+    plain = json.loads(body)["choices"][0]["text"].split()
+    status, _, body = post(router, C, {**base, "logit_bias": {"42": 100}})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["text"].split() == ["t42"] * 5 != plain
+    status, _, body = post(router, C, {**base, "allowed_token_ids": [9, 10]})
+    assert status == 200, body
+    words = json.loads(body)["choices"][0]["text"].split()
+    assert len(words) == 5 and set(words) <= {"t9", "t10"} and words != plain
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -69,7 +69,7 @@ REFUSED = [
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 8),
-    ("allowed_token_ids", [1, 2]),
+    ("allowed_token_ids", []),
     ("bad_words", ["x"]),
     ("priority", 1 << 31),
     ("priority", "high"),

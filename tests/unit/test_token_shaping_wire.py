@@ -1,0 +1,73 @@
+"""logit_bias and allowed_token_ids on the wire: an OpenAI body becomes pdserve.v1.SamplingParams
+(router/openai/protocol.py), every RPC edge refuses what is out of bounds before any work
+(protos/limits.py: a stranger may call a worker directly), and a worker turns the message into
+the engine's SamplingParams (protos/convert.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import grpc
+import pytest
+
+from pdserve.engine import SamplingParams
+from pdserve.protos.convert import sampling_kwargs
+from pdserve.protos.limits import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_ENTRIES, check_sampling
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.protocol import ChatCompletionRequest, sampling_params
+
+VOCAB = 1000
+
+
+def _body(**fields) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "hi"}]
+    return ChatCompletionRequest.model_validate_json(json.dumps({"messages": messages, **fields}))
+
+
+def test_an_openai_body_reaches_the_engine_s_params():
+    body = _body(logit_bias={"17": -100, "3": 2.5}, allowed_token_ids=[3, 17, 99], max_tokens=4)
+    msg = sampling_params(body, body.max_new_tokens())
+    assert dict(msg.logit_bias) == {17: -100.0, 3: 2.5}
+    assert list(msg.allowed_token_ids) == [3, 17, 99]
+    assert check_sampling(msg, 4096, VOCAB) is None
+    params = SamplingParams(**sampling_kwargs(msg))
+    assert params.logit_bias == ((3, 2.5), (17, -100.0))
+    assert params.allowed_token_ids == (3, 17, 99)
+
+
+def test_unset_fields_stay_off_the_wire_and_off_the_engine():
+    msg = sampling_params(_body(), None)
+    assert not msg.logit_bias and not msg.allowed_token_ids
+    assert "logit_bias" not in sampling_kwargs(msg) and "allowed_token_ids" not in sampling_kwargs(
+        msg
+    )
+
+
+def _refusal(**fields):
+    msg = pdserve_pb2.SamplingParams()
+    for token, bias in fields.pop("logit_bias", {}).items():
+        msg.logit_bias[token] = bias
+    msg.allowed_token_ids.extend(fields.pop("allowed_token_ids", []))
+    return check_sampling(msg, 4096, VOCAB)
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"logit_bias": {5: 100.5}}, "logit_bias[5]=100.5"),
+        ({"logit_bias": {5: -math.inf}}, "logit_bias[5]=-inf"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias[5]=nan"),
+        ({"logit_bias": {VOCAB: 1.0}}, "logit_bias token ids must be below the vocabulary"),
+        ({"allowed_token_ids": [1, VOCAB + 5]}, "allowed_token_ids token ids must be below"),
+        (
+            {"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}},
+            f"at most {MAX_LOGIT_BIAS_ENTRIES}",
+        ),
+        ({"allowed_token_ids": [1] * (MAX_ALLOWED_TOKEN_IDS + 1)}, "ids; at most"),
+    ],
+)
+def test_every_rpc_edge_refuses_what_is_out_of_bounds(fields, says):
+    refusal = _refusal(**fields)
+    assert refusal is not None and refusal.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in refusal.message
