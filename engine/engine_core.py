@@ -62,7 +62,12 @@ from pdserve.engine.spec.draft import plan_draft
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
 from pdserve.engine.structured.grammar import GrammarCache
-from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, prompt_token_ids
+from pdserve.engine.tokenizer import (
+    IncrementalDetokenizer,
+    bad_words_token_ids,
+    load_tokenizer,
+    prompt_token_ids,
+)
 from pdserve.kvpool import map_pool_file, new_pool_paths
 
 log = logging.getLogger(__name__)
@@ -230,16 +235,7 @@ class LLMEngine:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequest(f"priority must be an int, got {type(priority).__name__}")
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-            ("allowed_token_ids", params.allowed_token_ids),
-        ):
-            if any(t >= vocab for t in ids):
-                bad = [t for t in ids if t >= vocab][:3]
-                raise BadSamplingParams(
-                    f"{name} token ids must be below the vocabulary size {vocab}, got {bad}"
-                )
+        params = self._shaping_in_vocabulary(params)
         if pooling is not None and (params.n != 1 or prefill_only):
             raise InvalidRequest("a pooling request has n=1 and is not prefill-only")
         if request_id in self._requests:
@@ -280,6 +276,25 @@ class LLMEngine:
             req.prompt_logprobs = [None] * len(ids)
         req.metrics["arrival"] = time.monotonic()
         return req
+
+    def _shaping_in_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its bad words tokenized (vLLM's rule: engine/tokenizer.py), after
+        checking that every token id it shapes the logits with is one of the model's."""
+        if params.bad_words and not params.bad_words_token_ids:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = params.with_bad_words_token_ids(words)
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
+        ):
+            if any(t >= vocab for t in ids):
+                bad = [t for t in ids if t >= vocab][:3]
+                raise BadSamplingParams(
+                    f"{name} token ids must be below the vocabulary size {vocab}, got {bad}"
+                )
+        return params
 
     def add_request(
         self,

@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per sequence.
 
-Pipeline per row: allowed_token_ids -> logit_bias -> repetition penalty ->
+Pipeline per row: allowed_token_ids -> bad words -> logit_bias -> repetition penalty ->
 frequency/presence penalties -> min_tokens masking -> temperature -> top-k ->
 top-p -> min-p -> sample (vLLM's order; a structured-output grammar masks first).
 Greedy rows take the argmax after the penalty/masking stage, as in vLLM.
@@ -111,6 +111,17 @@ def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
     return ids
 
 
+def _bad_word_ends(row: SamplingRow) -> list[int]:
+    """The last tokens of the bad words whose other tokens are the last ones generated (vLLM's
+    rule: a one-token word is banned everywhere)."""
+    out, ids = [], row.output_token_ids
+    for word in row.params.bad_words_token_ids:
+        k = len(word) - 1
+        if k <= len(ids) and (k == 0 or tuple(ids[len(ids) - k :]) == word[:k]):
+            out.append(word[k])
+    return out
+
+
 def _counts(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(list(ids), dtype=torch.long, device=device)
     # Ids past the logits' width (tokenizer/model vocab mismatch) cannot be
@@ -118,11 +129,11 @@ def _counts(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tenso
     return torch.bincount(t, minlength=vocab)[:vocab]
 
 
-def _allow_and_bias(x: torch.Tensor, params: SamplingParams, grammar: bool) -> None:
-    """One row's logits, in place: every token outside allowed_token_ids to -inf, then
-    logit_bias added. Where a grammar already masked the row and allowed_token_ids leaves it no
-    token, the grammar's choice stands (as it does against min_tokens)."""
-    vocab, device = x.shape[0], x.device
+def _allow_ban_and_bias(x: torch.Tensor, row: SamplingRow, grammar: bool) -> None:
+    """One row's logits, in place: every token outside allowed_token_ids to -inf, the bad words'
+    banned tokens too, then logit_bias added. Where a grammar already masked the row and a mask
+    would leave it no token, the grammar's choice stands (as it does against min_tokens)."""
+    params, (vocab,), device = row.params, x.shape, x.device
     if params.allowed_token_ids:
         idx = torch.as_tensor(
             [t for t in params.allowed_token_ids if t < vocab], dtype=torch.long, device=device
@@ -130,6 +141,13 @@ def _allow_and_bias(x: torch.Tensor, params: SamplingParams, grammar: bool) -> N
         kept = x[idx].clone()
         if not grammar or torch.isfinite(kept).any():
             x.fill_(float("-inf"))
+            x[idx] = kept
+    banned = [t for t in _bad_word_ends(row) if t < vocab] if params.bad_words_token_ids else []
+    if banned:
+        idx = torch.as_tensor(banned, dtype=torch.long, device=device)
+        kept = x[idx].clone()
+        x[idx] = float("-inf")
+        if grammar and not torch.isfinite(x).any():
             x[idx] = kept
     pairs = [(t, b) for t, b in params.logit_bias if t < vocab]
     if pairs:
@@ -141,8 +159,8 @@ def _allow_and_bias(x: torch.Tensor, params: SamplingParams, grammar: bool) -> N
 def process_logits(
     logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: Collection[int] = ()
 ) -> torch.Tensor:
-    """allowed_token_ids and logit_bias, penalties, then min_tokens masking (grammar_rows: the
-    rows a grammar masked).
+    """allowed_token_ids, bad words and logit_bias, penalties, then min_tokens masking
+    (grammar_rows: the rows a grammar masked).
 
     Returns `logits` itself (no copy) when no row needs any, so the
     all-greedy decode step stays a single argmax; otherwise a modified copy.
@@ -157,8 +175,8 @@ def process_logits(
         if out is None:
             out = logits.clone()
         x = out[i]
-        if p.allowed_token_ids or p.logit_bias:
-            _allow_and_bias(x, p, i in grammar_rows)
+        if p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids:
+            _allow_ban_and_bias(x, row, i in grammar_rows)
         if p.repetition_penalty != 1.0:
             seen = _counts([*row.prompt_token_ids, *row.output_token_ids], vocab, device) > 0
             # HF/vLLM: shrink positive logits, push negative ones further down,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.errors import BadSamplingParams
 from pdserve.engine.structured.spec import StructuredSpec, spec_from_wire
@@ -21,6 +21,8 @@ from pdserve.engine.structured.spec import StructuredSpec, spec_from_wire
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt position, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_BAD_WORDS = 128  # vLLM's bounds: words a request, and their tokens all told
+MAX_BAD_WORDS_TOKENS = 1024
 
 
 def _int(name: str, value: object) -> int:
@@ -143,6 +145,10 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     # vLLM's allowed_token_ids: only these tokens may be sampled (empty: any token)
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words: none of these is generated. The engine tokenizes each word as vLLM does
+    # (as the text's start and after a space: with_bad_words_token_ids); a word's last token is
+    # banned wherever the tokens before it are the last ones generated.
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -232,11 +238,35 @@ class SamplingParams:
             put("structured", spec_from_wire(self.structured))
         put("logit_bias", _bias_pairs(self.logit_bias or ()))
         put("allowed_token_ids", _id_tuple("allowed_token_ids", self.allowed_token_ids))
+        put("bad_words", _str_tuple("bad_words", self.bad_words))
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise BadSamplingParams(
+                f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed"
+            )
+        put("_bad_words_ids", ())
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
                 f"logprobs come with their alternatives)"
             )
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The bad words as token ids, once the engine has tokenized them (else empty)."""
+        return self._bad_words_ids
+
+    def with_bad_words_token_ids(self, words) -> SamplingParams:
+        """These params with `words` (id lists, at most MAX_BAD_WORDS_TOKENS ids in all) as the
+        tokens of their bad words; not a field, so the params' equality and the wire ignore it."""
+        ids = tuple(_id_tuple("bad_words token ids", w) for w in words)
+        if any(not w for w in ids) or sum(map(len, ids)) > MAX_BAD_WORDS_TOKENS:
+            raise BadSamplingParams(
+                f"bad_words come to {sum(map(len, ids))} token ids or hold an empty word; "
+                f"at most {MAX_BAD_WORDS_TOKENS} ids in all"
+            )
+        out = replace(self)
+        out._put("_bad_words_ids", ids)
+        return out
 
     @property
     def greedy(self) -> bool:
@@ -245,9 +275,16 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """Whether the logits are changed before sampling by anything but a grammar: logit_bias,
-        allowed_token_ids or a penalty (min_tokens is the sampler's own check: it depends on how
-        many tokens are out)."""
-        return bool(self.logit_bias or self.allowed_token_ids) or self.has_penalties
+        allowed_token_ids, bad words or a penalty (min_tokens is the sampler's own check: it
+        depends on how many tokens are out)."""
+        shaped = self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+        return bool(shaped) or self.has_penalties
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling a token depends on the tokens generated before it (penalties,
+        min_tokens, bad words): a speculated position then sees the guesses before it."""
+        return self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

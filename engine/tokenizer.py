@@ -10,10 +10,30 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from pdserve.engine.errors import InvalidRequest
+from pdserve.engine.sampling_params import MAX_BAD_WORDS_TOKENS
 
 
 def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def bad_words_token_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad words as token ids: each word as it would start the text, and after a space
+    where that gives other tokens of the same count (a word inside a sentence is another token);
+    InvalidRequest past MAX_BAD_WORDS_TOKENS ids in all, or for a word with no tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [plain] if plain else []
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    if len(out) < len(words) or sum(map(len, out)) > MAX_BAD_WORDS_TOKENS:
+        raise InvalidRequest(
+            f"bad_words come to {sum(map(len, out))} tokens (at most {MAX_BAD_WORDS_TOKENS}), "
+            f"or a word has none"
+        )
+    return tuple(out)
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:

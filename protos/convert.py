@@ -36,7 +36,7 @@ OPTIONAL_FIELDS = (
     "top_logprobs",
     "speculative",
 )
-_REPEATED_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids")
+_REPEATED_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
 
 
 def sampling_kwargs(msg) -> dict:

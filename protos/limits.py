@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 65536
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
+MAX_BAD_WORDS = 128  # vLLM's bound (engine/sampling_params.py); each at most MAX_STOP_CHARS
 MAX_N = 64  # sequences per prompt
 # structured output (as engine/structured/spec.py, which the engine checks again)
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -129,7 +130,8 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
 
 
 def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
-    """logit_bias and allowed_token_ids: how many, ids in the vocabulary, biases in range."""
+    """logit_bias, allowed_token_ids and bad_words: how many, how long, ids in the vocabulary,
+    biases in range."""
     if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         return invalid(
             f"sampling.logit_bias has {len(sampling.logit_bias)} entries; at most "
@@ -146,6 +148,13 @@ def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
             f"sampling.allowed_token_ids has {len(sampling.allowed_token_ids)} ids; at most "
             f"{MAX_ALLOWED_TOKEN_IDS} are allowed"
         )
+    if len(sampling.bad_words) > MAX_BAD_WORDS:
+        return invalid(
+            f"sampling.bad_words has {len(sampling.bad_words)} words; at most {MAX_BAD_WORDS} "
+            f"are allowed"
+        )
+    if any(not w or len(w) > MAX_STOP_CHARS for w in sampling.bad_words):
+        return invalid(f"each sampling.bad_words word has 1 to {MAX_STOP_CHARS} characters")
     for name, ids in (
         ("logit_bias", sampling.logit_bias.keys()),
         ("allowed_token_ids", sampling.allowed_token_ids),

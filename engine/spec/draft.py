@@ -211,7 +211,7 @@ class DraftModel:
     def _row(seq, item, generator, eos_token_ids) -> SamplingRow:
         p = seq.params
         seen = seq.output_token_ids
-        if item.spec_token_ids and (p.has_penalties or p.min_tokens > 0):
+        if item.spec_token_ids and p.reads_history:
             seen = seen + item.spec_token_ids
         return SamplingRow(p, seq.prompt_token_ids, seen, generator, eos_token_ids)
 

@@ -2,8 +2,8 @@
 
 The scheduler plans a checking sequence as its one new token plus k guesses and samples at each
 of the k + 1 positions. `check_rows` builds those positions' sampling rows, each seeing the
-guesses before it as output so far, so penalties and min_tokens apply as they would without
-speculation; the rows of one sequence are consecutive, so a seeded generator draws its
+guesses before it as output so far, so penalties, min_tokens and bad words apply as they would
+without speculation; the rows of one sequence are consecutive, so a seeded generator draws its
 positions' noise in order. After the step, `kept_tokens` applies the acceptance rule: the
 leading guesses equal to the target's sample at their position, then the sample at the first
 position not kept (speculator.py says why this leaves every output token the target's own
@@ -34,7 +34,7 @@ def check_rows(item: ScheduledSeq, eos_token_ids: tuple[int, ...]) -> list[Sampl
     """One sampling row per position a checking sequence samples at (k guesses + 1)."""
     seq = item.seq
     out, p = seq.output_token_ids, seq.params
-    history = p.has_penalties or p.min_tokens > 0
+    history = p.reads_history
     rows = []
     for j in range(item.num_spec + 1):
         seen = out + item.spec_token_ids[:j] if history and j else out

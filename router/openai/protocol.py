@@ -3,7 +3,7 @@ becomes on the gRPC wire (`sampling_params`, `chat_messages`). Every field is ty
 before any work; an unknown field is refused with a 400 naming it (KNOWN_FIELDS).
 
 Beyond OpenAI's own fields it accepts vLLM's sampling fields (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, skip_special_tokens,
+min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
 include_stop_str_in_output) and OpenAI's logit_bias,
 pdserve's `speculative` (false: this request opts out of the decode pool's speculative
 decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
@@ -45,6 +45,7 @@ from pdserve.protos.convert import OPTIONAL_FIELDS, structured_message
 from pdserve.protos.limits import (
     LOGIT_BIAS_RANGE,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
     MAX_ID_CHARS,
@@ -544,7 +545,8 @@ class VllmFields(BaseModel):
     allowed_token_ids: (
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
     ) = None
-    bad_words: list[Any] | None = None
+    # none of these words is generated (vLLM's; the worker tokenizes them as vLLM does)
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's priority scheduling: lower first; not 0 needs the router's scheduling_policy
     # "priority" (the router refuses it otherwise, 400 naming the field)
     priority: Priority = 0
@@ -575,7 +577,6 @@ class VllmFields(BaseModel):
     )
     _unset = _neutral_only(
         "truncate_prompt_tokens",
-        "bad_words",
         "logits_processors",
         "return_tokens_as_token_ids",
         "cache_salt",
@@ -1047,6 +1048,8 @@ def sampling_params(body, max_tokens: int | None) -> pdserve_pb2.SamplingParams:
         s.logit_bias[int(key)] = bias
     if body.allowed_token_ids:
         s.allowed_token_ids.extend(body.allowed_token_ids)
+    if body.bad_words:
+        s.bad_words.extend(body.bad_words)
     if body.wants_logprobs:
         s.logprobs = True
         if body.num_top():

@@ -77,6 +77,8 @@ BAD = [
     ),
     ("allowed-ids-empty", C, {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("allowed-ids-past-vocab", C, {**GOOD, "allowed_token_ids": [5, 256]}, 400, None),
+    ("bad-words-empty-word", C, {**GOOD, "bad_words": ["t5", ""]}, 400, "bad_words[1]"),
+    ("bad-words-too-many", C, {**GOOD, "bad_words": ["t5"] * 129}, 400, "bad_words"),
     ("token-id-negative", C, {**GOOD, "prompt": [5, -1]}, 400, "prompt"),
     ("token-id-past-vocab", C, {**GOOD, "prompt": [5, 256]}, 400, None),
     ("prompt-empty", C, {**GOOD, "prompt": ""}, 400, None),
@@ -352,9 +354,9 @@ def test_completion_response_shape_usage_and_stage_timings(router, idle):
     assert timings["ttft_s"] is not None and timings["e2e_s"] >= timings["ttft_s"]
 
 
-def test_logit_bias_and_allowed_token_ids_reach_both_workers(router, idle):
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_both_workers(router, idle):
     """The prefill worker samples the first token and the decode worker the rest: both apply the
-    body's logit_bias (a +100 all but forces its token) and allowed_token_ids."""
+    body's logit_bias (a +100 all but forces its token), allowed_token_ids and bad_words."""
     prompt = random_prompts([9], seed=4)[0]
     base = {**GOOD, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     status, _, body = post(router, C, base)
@@ -367,6 +369,11 @@ def test_logit_bias_and_allowed_token_ids_reach_both_workers(router, idle):
     assert status == 200, body
     words = json.loads(body)["choices"][0]["text"].split()
     assert len(words) == 5 and set(words) <= {"t9", "t10"} and words != plain
+    # a banned word stays banned under a +100 bias (the ban comes first, as in vLLM)
+    status, _, body = post(router, C, {**base, "logit_bias": {"42": 100}, "bad_words": ["t42"]})
+    assert status == 200, body
+    words = json.loads(body)["choices"][0]["text"].split()
+    assert len(words) == 5 and "t42" not in words
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -1,7 +1,8 @@
-"""logit_bias and allowed_token_ids (OpenAI's and vLLM's): greedy tokens against HF transformers
-running its own logits processors (SequenceBiasLogitsProcessor, PrefixConstrainedLogitsProcessor)
-on the same tiny model, the same tokens with n-gram speculation on, vLLM's order against a
-penalty, and the refusals of ids the model does not have."""
+"""logit_bias, allowed_token_ids and bad_words (OpenAI's and vLLM's): greedy tokens against HF
+transformers running its own logits processors (SequenceBiasLogitsProcessor,
+PrefixConstrainedLogitsProcessor, NoBadWordsLogitsProcessor) on the same tiny model, the same
+tokens with n-gram speculation on, vLLM's order against a penalty, vLLM's tokenization of bad
+words, and the refusals of ids the model does not have."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from transformers import (
     LogitsProcessorList,
+    NoBadWordsLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
@@ -88,11 +90,45 @@ def test_bias_and_allowed_ids_in_a_batch_touch_only_their_rows(bias_llm):
     assert set(got[1]) <= set(allowed)
 
 
+def test_bad_words_greedy_equals_hf_no_bad_words(bias_llm):
+    llm, hf = bias_llm
+    prompt = random_prompts([21], seed=65)[0]
+    plain = _plain(llm, prompt)
+    # a two-token word the plain output says (banned only where its first token was just said)
+    # and a one-token word banned everywhere, of tokens the word-level test tokenizer spells
+    tok = llm.get_tokenizer()
+
+    def spelled(ids):
+        return tok.encode(" ".join(f"t{t}" for t in ids), add_special_tokens=False) == list(ids)
+
+    j = next(j for j in range(1, NEW - 1) if spelled(plain[j : j + 2]))
+    pair = plain[j : j + 2]
+    single = next(t for t in plain[j + 2 :] if spelled([t]) and t not in pair)
+    words = [f"t{pair[0]} t{pair[1]}", f"t{single}"]
+    out = llm.generate(prompt, greedy(NEW, bad_words=words), use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    ids = [tuple(pair), (single,)]
+    ref = LogitsProcessorList([NoBadWordsLogitsProcessor([list(w) for w in ids], eos_token_id=1)])
+    assert tokens == hf_processed_greedy(hf, prompt, ref) != plain
+    assert single not in tokens
+    assert all(tuple(tokens[j : j + 2]) != tuple(pair) for j in range(len(tokens) - 1))
+    assert_no_leaks(llm.engine)
+
+
+def test_bad_words_are_tokenized_as_vllm_does(bias_llm):
+    """Each word as the text's start and after a space; the spaced form only where it gives
+    other tokens of the same count (here the word-level tokenizer gives the same ones)."""
+    from pdserve.engine.tokenizer import bad_words_token_ids
+
+    llm, _ = bias_llm
+    assert bad_words_token_ids(llm.get_tokenizer(), ["t5 t9", " t7"]) == ((5, 9), (7,))
+
+
 def test_speculation_keeps_the_biased_tokens(refs):
     model_dir, *_ = refs("llama-gqa")
     prompt = random_prompts([16], seed=64)[0] * 3  # repeats: the n-gram guesser proposes
     bias = {7: 3.0, 11: -100.0}
-    params = greedy(NEW, logit_bias=bias)
+    params = greedy(NEW, logit_bias=bias, bad_words=["t9 t9", "t13"])
     plain = LLM(model_dir, kv_cache_memory=KV, block_size=16)
     spec = LLM(
         model_dir,
@@ -134,6 +170,8 @@ def test_a_grammar_s_only_tokens_outside_allowed_ids_stand():
         ({"logit_bias": [1, 2]}, "entries are (token id, bias)"),
         ({"logit_bias": "x"}, "mapping of token id to bias"),
         ({"allowed_token_ids": [-4]}, "only ids >= 0"),
+        ({"bad_words": [""]}, "must not contain empty strings"),
+        ({"bad_words": ["x"] * 129}, "at most 128 are allowed"),
     ],
 )
 def test_bad_values_are_refused_at_construction(kwargs, message):
@@ -144,9 +182,17 @@ def test_bad_values_are_refused_at_construction(kwargs, message):
 def test_ids_past_the_vocabulary_are_refused_before_any_work(bias_llm):
     llm, _ = bias_llm
     vocab = llm.engine.model_config.vocab_size
-    for kwargs in ({"logit_bias": {vocab: 1.0}}, {"allowed_token_ids": [1, vocab + 3]}):
+    for kwargs in (
+        {"logit_bias": {vocab: 1.0}},
+        {"allowed_token_ids": [1, vocab + 3]},
+    ):
         with pytest.raises(BadSamplingParams, match=f"below the vocabulary size {vocab}"):
             llm.generate([1, 2, 3], greedy(4, **kwargs), use_tqdm=False)
+    with_ids = greedy(4).with_bad_words_token_ids([[2, vocab]])
+    with pytest.raises(BadSamplingParams, match=f"below the vocabulary size {vocab}"):
+        llm.generate([1, 2, 3], with_ids, use_tqdm=False)
+    with pytest.raises(BadSamplingParams, match="an empty word"):
+        greedy(4).with_bad_words_token_ids([[1], []])
     assert_no_leaks(llm.engine)
 
 

@@ -1,4 +1,4 @@
-"""logit_bias and allowed_token_ids on the wire: an OpenAI body becomes pdserve.v1.SamplingParams
+"""logit_bias, allowed_token_ids and bad_words on the wire: an OpenAI body becomes pdserve.v1.SamplingParams
 (router/openai/protocol.py), every RPC edge refuses what is out of bounds before any work
 (protos/limits.py: a stranger may call a worker directly), and a worker turns the message into
 the engine's SamplingParams (protos/convert.py)."""
@@ -13,7 +13,13 @@ import pytest
 
 from pdserve.engine import SamplingParams
 from pdserve.protos.convert import sampling_kwargs
-from pdserve.protos.limits import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_ENTRIES, check_sampling
+from pdserve.protos.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_CHARS,
+    check_sampling,
+)
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.protocol import ChatCompletionRequest, sampling_params
 
@@ -26,14 +32,21 @@ def _body(**fields) -> ChatCompletionRequest:
 
 
 def test_an_openai_body_reaches_the_engine_s_params():
-    body = _body(logit_bias={"17": -100, "3": 2.5}, allowed_token_ids=[3, 17, 99], max_tokens=4)
+    body = _body(
+        logit_bias={"17": -100, "3": 2.5},
+        allowed_token_ids=[3, 17, 99],
+        bad_words=["Paris", "the capital"],
+        max_tokens=4,
+    )
     msg = sampling_params(body, body.max_new_tokens())
     assert dict(msg.logit_bias) == {17: -100.0, 3: 2.5}
     assert list(msg.allowed_token_ids) == [3, 17, 99]
+    assert list(msg.bad_words) == ["Paris", "the capital"]
     assert check_sampling(msg, 4096, VOCAB) is None
     params = SamplingParams(**sampling_kwargs(msg))
     assert params.logit_bias == ((3, 2.5), (17, -100.0))
     assert params.allowed_token_ids == (3, 17, 99)
+    assert params.bad_words == ("Paris", "the capital")
 
 
 def test_unset_fields_stay_off_the_wire_and_off_the_engine():
@@ -49,6 +62,7 @@ def _refusal(**fields):
     for token, bias in fields.pop("logit_bias", {}).items():
         msg.logit_bias[token] = bias
     msg.allowed_token_ids.extend(fields.pop("allowed_token_ids", []))
+    msg.bad_words.extend(fields.pop("bad_words", []))
     return check_sampling(msg, 4096, VOCAB)
 
 
@@ -65,6 +79,9 @@ def _refusal(**fields):
             f"at most {MAX_LOGIT_BIAS_ENTRIES}",
         ),
         ({"allowed_token_ids": [1] * (MAX_ALLOWED_TOKEN_IDS + 1)}, "ids; at most"),
+        ({"bad_words": ["w"] * (MAX_BAD_WORDS + 1)}, f"at most {MAX_BAD_WORDS} are allowed"),
+        ({"bad_words": ["ok", ""]}, f"1 to {MAX_STOP_CHARS} characters"),
+        ({"bad_words": ["x" * (MAX_STOP_CHARS + 1)]}, f"1 to {MAX_STOP_CHARS} characters"),
     ],
 )
 def test_every_rpc_edge_refuses_what_is_out_of_bounds(fields, says):

@@ -70,7 +70,6 @@ REFUSED = [
     ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 8),
     ("allowed_token_ids", []),
-    ("bad_words", ["x"]),
     ("priority", 1 << 31),
     ("priority", "high"),
     ("logits_processors", ["a.b"]),
