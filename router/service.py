@@ -467,6 +467,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         prompts = []
         for i, one in enumerate(request.inputs):
             as_generate = pdserve_pb2.GenerateRequest()
+            if request.HasField("truncate_prompt_tokens"):
+                as_generate.truncate_prompt_tokens = request.truncate_prompt_tokens
             kind = one.WhichOneof("input")
             if kind == "text":
                 as_generate.text = one.text

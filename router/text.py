@@ -86,6 +86,8 @@ class PromptEncoder:
             ids = self._encode_chat(request.chat)
         else:
             ids = []
+        if request.HasField("truncate_prompt_tokens"):
+            ids = ids[-self._keep(request.truncate_prompt_tokens) :]
         if not ids:
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -104,6 +106,19 @@ class PromptEncoder:
                 f"{[t for t in ids if t >= self.vocab_size][:3]}",
             )
         return ids
+
+    def _keep(self, k: int) -> int:
+        """How many trailing prompt tokens truncate_prompt_tokens=k keeps (-1: as many as
+        max_model_len holds with one left for output)."""
+        if k == -1:
+            return self.max_model_len - 1
+        if k < 1:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"truncate_prompt_tokens={k}: keep k >= 1 of the prompt's last tokens, or -1 for "
+                f"as many as max_model_len holds",
+            )
+        return k
 
     def _check_size(self, texts: list[str], what: str) -> None:
         """Refuses texts whose UTF-8 is longer than max_prompt_bytes, encoding them only when the

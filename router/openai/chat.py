@@ -41,4 +41,6 @@ def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
     if body.tool_mode() == "auto" and body.skip_special_tokens is None and front.tags_special:
         gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser
     gen.chat.CopyFrom(chat_messages(body))
+    if body.truncate_prompt_tokens is not None:
+        gen.truncate_prompt_tokens = body.truncate_prompt_tokens
     return gen

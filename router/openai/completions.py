@@ -32,6 +32,8 @@ async def completions(request: Request):
         gen = pdserve_pb2.GenerateRequest(
             model=body.model or "", sampling=sampling, priority=body.priority
         )
+        if body.truncate_prompt_tokens is not None:
+            gen.truncate_prompt_tokens = body.truncate_prompt_tokens
         if isinstance(prompt, str):
             gen.text = prompt
         else:

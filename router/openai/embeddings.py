@@ -50,6 +50,15 @@ class EmbeddingRequest(_Strict):
     dimensions: StrictInt | None = None
     user: ShortStr | None = None
     priority: Priority = 0  # as chat's (router/openai/protocol.py)
+    # vLLM's: each input keeps only its last k tokens (-1: as many as max_model_len holds)
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, lt=1 << 31)] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens keeps k >= 1 last tokens, or -1; 0 keeps none")
+        return v
 
     @field_validator("dimensions")
     @classmethod
@@ -98,6 +107,8 @@ async def embeddings(request: Request):
         priority=body.priority,
     )
     call.inputs.extend(inputs)
+    if body.truncate_prompt_tokens is not None:
+        call.truncate_prompt_tokens = body.truncate_prompt_tokens
     rpc = front.stub.Embed(call, metadata=metadata)
     # a client that disconnects cancels the call: the router cancels the worker's, which aborts
     # the inputs still in its engine

@@ -4,7 +4,7 @@ before any work; an unknown field is refused with a 400 naming it (KNOWN_FIELDS)
 
 Beyond OpenAI's own fields it accepts vLLM's sampling fields (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
-include_stop_str_in_output) and OpenAI's logit_bias,
+include_stop_str_in_output, truncate_prompt_tokens) and OpenAI's logit_bias,
 pdserve's `speculative` (false: this request opts out of the decode pool's speculative
 decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
 sections below say more). `model` may be left out (the served model). OpenAI fields that change
@@ -540,7 +540,8 @@ class VllmFields(BaseModel):
     # beam search's alone (refused above): no effect on sampling, as in vLLM
     length_penalty: float = 1.0
     spaces_between_special_tokens: StrictBool = True
-    truncate_prompt_tokens: int | None = None
+    # keep only the prompt's last k tokens (-1: as many as max_model_len holds; 0 is refused)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
     # only these tokens may be sampled (vLLM's; an empty list is refused, as vLLM does)
     allowed_token_ids: (
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
@@ -576,7 +577,6 @@ class VllmFields(BaseModel):
         neutral=lambda v: v is True,
     )
     _unset = _neutral_only(
-        "truncate_prompt_tokens",
         "logits_processors",
         "return_tokens_as_token_ids",
         "cache_salt",
@@ -591,6 +591,12 @@ class VllmFields(BaseModel):
         message="{field} is not supported; leave it unset",
     )
     _no_guided_grammar = _no_grammar("guided_grammar")
+    _keep_some = _neutral_only(
+        "truncate_prompt_tokens",
+        message="truncate_prompt_tokens keeps k >= 1 of the prompt's last tokens, or -1 for as "
+        "many as max_model_len holds; 0 would keep none",
+        neutral=lambda v: v != 0,
+    )
 
 
 class _Sampling(_Strict, StructuredFields, VllmFields):

@@ -77,6 +77,8 @@ BAD = [
     ),
     ("allowed-ids-empty", C, {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("allowed-ids-past-vocab", C, {**GOOD, "allowed_token_ids": [5, 256]}, 400, None),
+    ("truncate-zero", C, {**GOOD, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("truncate-below-1", C, {**GOOD, "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ("bad-words-empty-word", C, {**GOOD, "bad_words": ["t5", ""]}, 400, "bad_words[1]"),
     ("bad-words-too-many", C, {**GOOD, "bad_words": ["t5"] * 129}, 400, "bad_words"),
     ("token-id-negative", C, {**GOOD, "prompt": [5, -1]}, 400, "prompt"),
@@ -374,6 +376,26 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_both_workers(router, i
     assert status == 200, body
     words = json.loads(body)["choices"][0]["text"].split()
     assert len(words) == 5 and "t42" not in words
+
+
+def test_truncate_prompt_tokens_serves_the_prompt_s_last_tokens(router, idle):
+    """A prompt past max_model_len served as its last k tokens (vLLM's truncate_prompt_tokens):
+    the same answer as those tokens sent alone; -1 keeps max_model_len - 1 of them."""
+    long = random_prompts([MAX_MODEL_LEN + 40], seed=5)[0]
+    base = {**GOOD, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    status, _, body = post(router, C, {**base, "prompt": long, "truncate_prompt_tokens": 8})
+    assert status == 200, body
+    cut = json.loads(body)
+    status, _, body = post(router, C, {**base, "prompt": long[-8:]})
+    assert status == 200, body
+    alone = json.loads(body)
+    assert cut["usage"]["prompt_tokens"] == 8 and cut["choices"] == alone["choices"]
+    status, _, body = post(router, C, {**base, "prompt": long, "truncate_prompt_tokens": -1})
+    assert status == 200, body
+    assert json.loads(body)["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
+    status, _, body = post(router, "/v1/embeddings", {"input": long, "truncate_prompt_tokens": 5})
+    assert status == 200, body
+    assert json.loads(body)["usage"]["prompt_tokens"] == 5
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

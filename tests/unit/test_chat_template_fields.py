@@ -128,3 +128,21 @@ def test_the_template_is_compiled_before_the_first_chat(fail):
             assert enc.tokenize_chat(_chat("t5")) == [1, 2]
     finally:
         enc.close()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_after_templating(encoder):
+    """vLLM's truncate_prompt_tokens: the prompt (ids, or a chat after its template) keeps its
+    last k tokens; -1 keeps as many as max_model_len holds with one left; 0 and -2 are refused."""
+    ids = pdserve_pb2.TokenIds(ids=list(range(2, 302)))  # 300 tokens: past max_model_len 256
+    keep3 = pdserve_pb2.GenerateRequest(token_ids=ids, truncate_prompt_tokens=3)
+    assert encoder.encode(keep3) == [299, 300, 301]
+    keep_all = pdserve_pb2.GenerateRequest(token_ids=ids, truncate_prompt_tokens=-1)
+    assert encoder.encode(keep_all) == list(range(47, 302))  # the last 255
+    chat = pdserve_pb2.GenerateRequest(chat=_chat("t5 t6"), truncate_prompt_tokens=2)
+    whole = encoder.encode(pdserve_pb2.GenerateRequest(chat=_chat("t5 t6")))
+    assert encoder.encode(chat) == whole[-2:] and len(whole) > 2
+    for k in (0, -2):
+        bad = pdserve_pb2.GenerateRequest(token_ids=ids, truncate_prompt_tokens=k)
+        with pytest.raises(BadRequest, match="truncate_prompt_tokens") as e:
+            encoder.encode(bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
