@@ -46,6 +46,7 @@ from pdserve.decode_worker.handoff import (
     DecodeHandoff,
     HandoffTimings,
 )
+from pdserve.engine.block_manager import chain_root
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
 from pdserve.kvtransfer.peer import digest, hash_bytes
@@ -279,7 +280,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             wanted = min(want, usable - usable % bm.block_size)
             # in the cache or its host tier: a tier block is restored at the admission, which
             # may have to wait for a free block (engine/kv_host_tier.py)
-            root = None if lora is None else lora.cache_root
+            salt = "" if params is None else params.cache_salt  # as the engine roots it
+            root = chain_root(None if lora is None else lora.cache_root, salt)
             held = bm.held_prefix_tokens(prompt, usable, root)
             if held < wanted:
                 return held, wanted

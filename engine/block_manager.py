@@ -8,7 +8,9 @@ user's prefix and read its KV), every hit is confirmed by comparing the block's 
 hash, and a chain is not extended past a block whose hash is held by other tokens.
 A sequence under a LoRA adapter roots its chain at the adapter's hash (engine/lora.py
 `cache_root`: its name and a hash of its weights) instead of None, so no block is shared across
-adapters or with the base model.
+adapters or with the base model. A request with a cache salt (vLLM's cache_salt) roots it at
+the salt's hash over that (`chain_root`), so only requests with the same salt share blocks: one
+tenant's requests cannot time another's cached prefixes.
 
 A sequence of a sliding-window model gives back the blocks its window has left
 (engine/kv_window.py) and puts `null_block` in their table entries: an index the model runner keeps
@@ -63,6 +65,17 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     h = hashlib.blake2b(digest_size=16)
     h.update(b"" if parent_hash is None else parent_hash.to_bytes(16, "little"))
     h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def chain_root(adapter_root: int | None, cache_salt: str = "") -> int | None:
+    """The parent hash of a sequence's first block: its adapter's root (None: the base model),
+    salted by the request's cache salt when it has one."""
+    if not cache_salt:
+        return adapter_root
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"pdserve-salt\x00" + cache_salt.encode("utf-8", "surrogatepass") + b"\x00")
+    h.update(b"" if adapter_root is None else adapter_root.to_bytes(16, "little"))
     return int.from_bytes(h.digest(), "little")
 
 

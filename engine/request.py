@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.block_manager import chain_root
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -105,7 +106,11 @@ class Sequence:
 
     @property
     def cache_root(self) -> int | None:
-        return None if self.lora is None else self.lora.cache_root
+        """Its prefix-cache chain's root: its adapter's, salted by its cache salt
+        (engine/block_manager.py chain_root)."""
+        return chain_root(
+            None if self.lora is None else self.lora.cache_root, self.params.cache_salt
+        )
 
     def __post_init__(self):
         if not self.token_ids:

@@ -23,6 +23,7 @@ MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt position, as vLLM's default 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_BAD_WORDS = 128  # vLLM's bounds: words a request, and their tokens all told
 MAX_BAD_WORDS_TOKENS = 1024
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _int(name: str, value: object) -> int:
@@ -149,6 +150,9 @@ class SamplingParams:
     # (as the text's start and after a space: with_bad_words_token_ids); a word's last token is
     # banned wherever the tokens before it are the last ones generated.
     bad_words: tuple[str, ...] = ()
+    # vLLM's cache_salt: the request's prefix-cache namespace. Only requests with the same salt
+    # share cached KV blocks (engine/block_manager.py chain_root); "" shares with unsalted ones.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -244,6 +248,11 @@ class SamplingParams:
                 f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed"
             )
         put("_bad_words_ids", ())
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise BadSamplingParams(
+                f"cache_salt must be a str of at most {MAX_CACHE_SALT_CHARS} characters, got "
+                f"{type(self.cache_salt).__name__} of {len(str(self.cache_salt))}"
+            )
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.engine.block_manager import chain_root
 from pdserve.kvtransfer.peer import block_nbytes, check_block, write_block
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
@@ -144,7 +145,8 @@ class PeerFetcher:
         if res.block_size != bs:
             out.skipped = f"block sizes differ ({res.block_size} there, {bs} here)"
             return
-        root = None if lora is None else lora.cache_root
+        salt = request.sampling.cache_salt  # as the engine roots this request's chain
+        root = chain_root(None if lora is None else lora.cache_root, salt)
         theirs = min(res.num_cached_tokens, len(prompt) - 1) // bs
         # read from this thread, without waiting for the engine loop's turn: a hint (the module
         # docstring); the install pins and checks the chain on the loop

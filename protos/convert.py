@@ -35,6 +35,7 @@ OPTIONAL_FIELDS = (
     "prompt_logprobs",
     "top_logprobs",
     "speculative",
+    "cache_salt",
 )
 _REPEATED_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
 

@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 65536
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
+MAX_CACHE_SALT_CHARS = 256  # as engine/sampling_params.py
 MAX_BAD_WORDS = 128  # vLLM's bound (engine/sampling_params.py); each at most MAX_STOP_CHARS
 MAX_N = 64  # sequences per prompt
 # structured output (as engine/structured/spec.py, which the engine checks again)
@@ -130,8 +131,8 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
 
 
 def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
-    """logit_bias, allowed_token_ids and bad_words: how many, how long, ids in the vocabulary,
-    biases in range."""
+    """logit_bias, allowed_token_ids, bad_words and cache_salt: how many, how long, ids in the
+    vocabulary, biases in range."""
     if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         return invalid(
             f"sampling.logit_bias has {len(sampling.logit_bias)} entries; at most "
@@ -147,6 +148,11 @@ def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
         return invalid(
             f"sampling.allowed_token_ids has {len(sampling.allowed_token_ids)} ids; at most "
             f"{MAX_ALLOWED_TOKEN_IDS} are allowed"
+        )
+    if len(sampling.cache_salt) > MAX_CACHE_SALT_CHARS:
+        return invalid(
+            f"sampling.cache_salt has {len(sampling.cache_salt)} characters; at most "
+            f"{MAX_CACHE_SALT_CHARS}"
         )
     if len(sampling.bad_words) > MAX_BAD_WORDS:
         return invalid(

@@ -27,6 +27,14 @@ DEFAULT_MAX_ENTRIES = 65_536
 MIN_ENTRIES = 256
 
 
+def cache_namespace(adapter: str, cache_salt: str = "") -> str:
+    """The name prefix affinity keys a request's KV by: its LoRA adapter's ("" for the base
+    model), and with a cache salt that too, since the workers share KV only within both
+    (engine/block_manager.py chain_root). Not empty under either: the block index, which holds
+    the base model's unsalted chains, is then not read for it (router/pool.py)."""
+    return f"{adapter}\x00salt\x00{cache_salt}" if cache_salt else adapter
+
+
 def prefix_hashes(prompt: list[int], chunk: int = CHUNK, adapter: str = "") -> list[bytes]:
     """The chained hashes of the prompt's whole chunks; under a LoRA adapter (its name) the
     chain starts from the adapter's hash, so a prompt never matches what ran under another

@@ -47,6 +47,7 @@ from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from pdserve.router.affinity import cache_namespace
 from pdserve.router.decode_queue import DECODE_QUEUE_POLL_S, DecodeFull, DecodeQueue
 from pdserve.router.open_legs import OpenLegs
 from pdserve.router.peer_fetch import PeerFetch, PeerFetchCost
@@ -146,6 +147,9 @@ class Leg:
         self.reserve_start_ns = self.reserved_ns = self.prefill_dispatch_ns = 0
         self.ended = threading.Event()  # superseded by the next leg: its prefill stops retrying
         self.lora = ""  # the call's LoRA adapter (Inflight.lora), on both legs' worker calls
+        # the namespace of its prefix affinity: the adapter, and the request's cache salt (its
+        # KV is shared only within both: router/affinity.py cache_namespace)
+        self.cache_ns = ""
         self.num_blocks = 0  # the KV blocks its Reserve holds on `decode` (pool.note_reserved)
 
     def unheld(self, worker, num_tokens: int) -> int:
@@ -200,7 +204,7 @@ class Legs:
         holder = max(held, key=held.get) if held else None
         if not policy.enabled and holder is None:
             return False
-        backlog = self.pool.prefill_backlog(prompt, leg.lora)
+        backlog = self.pool.prefill_backlog(prompt, leg.cache_ns)
         local = policy.choose(
             len(prompt),
             backlog,
@@ -239,7 +243,7 @@ class Legs:
         cost = self.peer_fetch.fetch_cost_tokens(held, self.pool.handoff_bandwidth())
         if cost is None:
             return backlog
-        fetched = self.pool.prefill_backlog(prompt, leg.lora, held=held)
+        fetched = self.pool.prefill_backlog(prompt, leg.cache_ns, held=held)
         return backlog if fetched is None else min(backlog, fetched + int(cost))
 
     def _fetch_for(self, req: Inflight, leg: Leg, prompt, prefill_held: int):
@@ -265,7 +269,7 @@ class Legs:
         """`leg`'s decode worker holds the KV of `tokens` (its prompt; once it ended, its prompt
         and answer) in its prefix cache: the next turn of the conversation may go back there."""
         if self.reuse and leg.decode is not None:
-            self.pool.remember_decoded(leg.decode, tokens, leg.lora)
+            self.pool.remember_decoded(leg.decode, tokens, leg.cache_ns)
 
     def _run_later(self, fn) -> None:
         try:
@@ -299,9 +303,10 @@ class Legs:
         leg = Leg(number)
         leg.priority = req.priority
         leg.lora = getattr(req, "lora", "")
+        leg.cache_ns = cache_namespace(leg.lora, sampling.cache_salt)
         trace = tracing.metadata(getattr(req, "span", None))  # its trace, on every worker call
         leg.trace = {"metadata": trace} if trace else {}
-        leg.held = self.pool.decode_usable(prompt, leg.lora) if self.reuse else {}
+        leg.held = self.pool.decode_usable(prompt, leg.cache_ns) if self.reuse else {}
         leg.local = self.options.colocated or self._prefill_here(prompt, leg)
         if leg.local and not self.options.colocated:  # the request's trace says where it ran
             tracing.event(
@@ -529,7 +534,7 @@ class Legs:
                 charge_tokens=charge,
                 reserve_tokens=reserving,
                 matched=leg.held,
-                adapter=leg.lora,
+                adapter=leg.cache_ns,
             )
         except NoWorker as e:
             message = str(e)
@@ -675,7 +680,9 @@ class Legs:
             if req.cancelled or req.abort_requested or leg.ended.is_set():
                 return None
             try:
-                worker, charge = self.pool.pick_prefill(prompt, exclude=excluded, adapter=leg.lora)
+                worker, charge = self.pool.pick_prefill(
+                    prompt, exclude=excluded, adapter=leg.cache_ns
+                )
             except NoWorker as e:
                 error = RouterStatus(grpc.StatusCode.UNAVAILABLE, str(e))
                 break

@@ -287,7 +287,8 @@ class WorkerPool:
         events, and what this router sent it since its last poll: router/kv_index.py) once that
         is synced for the worker; before (or for a worker that reports no events) from this
         router's own record of what it sent there (remember_decoded), a guess. Under a LoRA
-        adapter only the record counts: the block index holds the base model's chains. A token
+        adapter or a cache salt (`adapter` is then router/affinity.py's cache_namespace) only the
+        record counts: the block index holds the base model's unsalted chains. A token
         held only in a worker's host tier counts HOST_HIT_WEIGHT of one in its KV cache (its
         restore is a copy: cheaper than recomputing, dearer than a device hit), in the picks and
         in the local-prefill rule alike; the Reserve's min_cached_tokens is then a little lower

@@ -4,7 +4,7 @@ before any work; an unknown field is refused with a 400 naming it (KNOWN_FIELDS)
 
 Beyond OpenAI's own fields it accepts vLLM's sampling fields (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
-include_stop_str_in_output, truncate_prompt_tokens) and OpenAI's logit_bias,
+include_stop_str_in_output, truncate_prompt_tokens, cache_salt) and OpenAI's logit_bias,
 pdserve's `speculative` (false: this request opts out of the decode pool's speculative
 decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
 sections below say more). `model` may be left out (the served model). OpenAI fields that change
@@ -46,6 +46,7 @@ from pdserve.protos.limits import (
     LOGIT_BIAS_RANGE,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
     MAX_ID_CHARS,
@@ -553,7 +554,8 @@ class VllmFields(BaseModel):
     priority: Priority = 0
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
-    cache_salt: ShortStr | None = None
+    # the request's prefix-cache namespace: only requests with the same salt share cached KV
+    cache_salt: Annotated[StrictStr, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     guided_grammar: StrictStr | None = None
@@ -579,7 +581,6 @@ class VllmFields(BaseModel):
     _unset = _neutral_only(
         "logits_processors",
         "return_tokens_as_token_ids",
-        "cache_salt",
         "kv_transfer_params",
         "vllm_xargs",
         "guided_whitespace_pattern",

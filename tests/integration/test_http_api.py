@@ -77,6 +77,8 @@ BAD = [
     ),
     ("allowed-ids-empty", C, {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("allowed-ids-past-vocab", C, {**GOOD, "allowed_token_ids": [5, 256]}, 400, None),
+    ("cache-salt-too-long", C, {**GOOD, "cache_salt": "s" * 257}, 400, "cache_salt"),
+    ("cache-salt-not-str", C, {**GOOD, "cache_salt": 7}, 400, "cache_salt"),
     ("truncate-zero", C, {**GOOD, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ("truncate-below-1", C, {**GOOD, "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ("bad-words-empty-word", C, {**GOOD, "bad_words": ["t5", ""]}, 400, "bad_words[1]"),
@@ -376,6 +378,25 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_both_workers(router, i
     assert status == 200, body
     words = json.loads(body)["choices"][0]["text"].split()
     assert len(words) == 5 and "t42" not in words
+
+
+def test_cache_salt_keeps_each_salt_s_cached_prefix_to_itself(router, idle):
+    """vLLM's cache_salt through both pools: a prompt's cached prefix is a hit for the same salt
+    (prompt_tokens_details.cached_tokens) and not for another; the answers are the same."""
+    prompt = random_prompts([70], seed=6)[0]
+    base = {**GOOD, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    def run(salt):
+        status, _, body = post(router, C, {**base, "cache_salt": salt})
+        assert status == 200, body
+        doc = json.loads(body)
+        return doc["usage"]["prompt_tokens_details"]["cached_tokens"], doc["choices"][0]["text"]
+
+    first, text = run("tenant-a")
+    again, text_again = run("tenant-a")
+    other, text_other = run("tenant-b")
+    assert first == 0 and again >= 64 and other == 0
+    assert text == text_again == text_other
 
 
 def test_truncate_prompt_tokens_serves_the_prompt_s_last_tokens(router, idle):

@@ -2,7 +2,7 @@
 transformers running its own logits processors (SequenceBiasLogitsProcessor,
 PrefixConstrainedLogitsProcessor, NoBadWordsLogitsProcessor) on the same tiny model, the same
 tokens with n-gram speculation on, vLLM's order against a penalty, vLLM's tokenization of bad
-words, and the refusals of ids the model does not have."""
+words, the refusals of ids the model does not have, and cache_salt's prefix-cache namespaces."""
 
 from __future__ import annotations
 
@@ -202,3 +202,24 @@ def test_params_stay_hashable_and_normalized():
     assert a == b and hash(a) == hash(b)
     assert a.logit_bias == ((2, -0.5), (9, 1.0))
     assert SamplingParams(logit_bias={}).logit_bias == () and not SamplingParams().shapes_logits
+
+
+def test_cache_salt_shares_cached_blocks_only_within_one_salt(refs):
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for the same salt only (not
+    for another salt, nor for unsalted requests, nor they for it); the tokens stay the same."""
+    model_dir, *_ = refs("llama-gqa")
+    llm = LLM(model_dir, kv_cache_memory=KV, block_size=16)
+    prompt = random_prompts([70], seed=66)[0]  # four full blocks
+
+    def run(salt: str) -> tuple[int, list[int]]:
+        out = llm.generate(prompt, greedy(4, cache_salt=salt), use_tqdm=False)[0]
+        return out.num_cached_tokens, list(out.outputs[0].token_ids)
+
+    first, tokens = run("tenant-a")
+    assert first == 0
+    assert run("tenant-a") == (64, tokens)
+    assert run("tenant-b") == (0, tokens)
+    assert run("") == (0, tokens)  # unsalted: not the salted blocks
+    assert run("")[0] == 64 and run("tenant-c")[0] == 0
+    assert_no_leaks(llm.engine)
+    llm.shutdown()

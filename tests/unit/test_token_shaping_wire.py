@@ -88,3 +88,24 @@ def test_every_rpc_edge_refuses_what_is_out_of_bounds(fields, says):
     refusal = _refusal(**fields)
     assert refusal is not None and refusal.code == grpc.StatusCode.INVALID_ARGUMENT
     assert says in refusal.message
+
+
+def test_a_cache_salt_is_a_namespace_of_its_own_for_prefix_affinity():
+    """router/affinity.py: a salted request's prefix hashes differ from the unsalted ones, from
+    another salt's and from an adapter's, and its namespace is never empty (so the router does
+    not read the block index's unsalted chains for it)."""
+    from pdserve.router.affinity import cache_namespace, prefix_hashes
+
+    prompt = list(range(300))
+    spaces = [
+        "",
+        "ad",
+        cache_namespace("", "a"),
+        cache_namespace("", "b"),
+        cache_namespace("ad", "a"),
+    ]
+    assert cache_namespace("ad", "") == "ad" and all(spaces[1:])
+    firsts = {prefix_hashes(prompt, adapter=ns)[0] for ns in spaces}
+    assert len(firsts) == len(spaces)
+    msg = sampling_params(_body(cache_salt="tenant-7"), None)
+    assert SamplingParams(**sampling_kwargs(msg)).cache_salt == "tenant-7"

@@ -74,7 +74,7 @@ REFUSED = [
     ("priority", "high"),
     ("logits_processors", ["a.b"]),
     ("return_tokens_as_token_ids", True),
-    ("cache_salt", "salt"),
+    ("cache_salt", "s" * 257),
     ("kv_transfer_params", {"do_remote_decode": True}),
     ("vllm_xargs", {"k": 1}),
     ("guided_grammar", "root ::= 'a'"),
