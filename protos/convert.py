@@ -60,7 +60,7 @@ def sampling_kwargs(msg) -> dict:
 def structured_dict(msg) -> dict:
     """The set fields of a pdserve.v1.StructuredOutput as the engine's StructuredSpec keywords."""
     out: dict = {}
-    for name in ("json_schema", "regex"):
+    for name in ("json_schema", "regex", "grammar"):
         if getattr(msg, name):
             out[name] = getattr(msg, name)
     if msg.json_object:

@@ -28,6 +28,7 @@ MAX_SCHEMA_CHARS = 64 * 1024
 MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
+MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (vLLM's max_logprobs)
 _FLOAT_FIELDS = (
     "temperature",
@@ -175,8 +176,8 @@ def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
 
 
 def check_structured(s) -> Refusal | None:
-    """A pdserve.v1.StructuredOutput: one kind set, within the size bounds (whether a schema or
-    regex compiles is the engine's check, with the same INVALID_ARGUMENT)."""
+    """A pdserve.v1.StructuredOutput: one kind set, within the size bounds (whether a schema,
+    regex or grammar compiles is the engine's check, with the same INVALID_ARGUMENT)."""
     kinds = [
         k
         for k, on in (
@@ -184,13 +185,19 @@ def check_structured(s) -> Refusal | None:
             ("json_object", s.json_object),
             ("regex", bool(s.regex)),
             ("choice", bool(len(s.choice))),
+            ("grammar", bool(s.grammar)),
         )
         if on
     ]
     if len(kinds) != 1:
         return invalid(
             f"sampling.structured must set exactly one of json_schema, json_object, regex, "
-            f"choice; got {', '.join(kinds) or 'none'}"
+            f"choice, grammar; got {', '.join(kinds) or 'none'}"
+        )
+    if len(s.grammar) > MAX_GRAMMAR_CHARS:
+        return invalid(
+            f"sampling.structured.grammar has {len(s.grammar)} characters; at most "
+            f"{MAX_GRAMMAR_CHARS} are allowed"
         )
     if len(s.json_schema) > 4 * MAX_SCHEMA_CHARS:
         return invalid(

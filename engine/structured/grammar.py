@@ -168,7 +168,7 @@ class GrammarCache:
 def grammar_text(spec: StructuredSpec) -> str:
     """llguidance's grammar for `spec`: JSON with no free whitespace (the compact separators
     ", " and ": "), so a model cannot pad its output with whitespace until max_tokens."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, grammar_from
 
     kind, text = spec.key
     compact = {"whitespace_flexible": False}
@@ -178,6 +178,8 @@ def grammar_text(spec: StructuredSpec) -> str:
         return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(text)
+    if kind == "grammar":  # GBNF or Lark: llguidance tells them apart and converts GBNF
+        return grammar_from("grammar", text)
     alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
     return "%llguidance {}\nstart: " + alternatives
 

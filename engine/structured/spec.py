@@ -1,5 +1,6 @@
 """What a request's structured output asks for (SamplingParams.structured): a JSON schema, any JSON
-object, a regular expression, or one of a list of strings. Plain data, checked when built, with
+object, a regular expression, one of a list of strings, or a context-free grammar (GBNF, as
+llama.cpp and vLLM's xgrammar take it, or Lark, as llguidance does). Plain data, checked when built, with
 a canonical key: the engine compiles each distinct key once (engine/structured/grammar.py); the router and
 the workers build it from their fields (router/openai/protocol.py, protos/convert.py). No
 grammar library here, so it imports anywhere.
@@ -16,18 +17,21 @@ MAX_SCHEMA_CHARS = 64 * 1024  # a JSON schema, as compact JSON
 MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024  # per choice
-KINDS = ("json_schema", "json_object", "regex", "choice")
+MAX_GRAMMAR_CHARS = 64 * 1024
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
 class StructuredSpec:
     """Exactly one of the fields: json_schema (a dict, or its JSON text), json_object (True: any
-    JSON object), regex (the whole output matches it), choice (the output is one of these)."""
+    JSON object), regex (the whole output matches it), choice (the output is one of these),
+    grammar (the output is a sentence of it: GBNF rules `root ::= ...` or Lark's `start: ...`)."""
 
     json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -59,6 +63,15 @@ class StructuredSpec:
                 )
         if self.choice is not None:
             put("choice", _choices(self.choice))
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str)
+            or not self.grammar.strip()
+            or len(self.grammar) > MAX_GRAMMAR_CHARS
+        ):
+            raise BadSamplingParams(
+                f"structured.grammar must be a non-empty str of at most {MAX_GRAMMAR_CHARS} "
+                f"characters, got {type(self.grammar).__name__} of {len(str(self.grammar))}"
+            )
 
     @property
     def kind(self) -> str:
@@ -74,8 +87,8 @@ class StructuredSpec:
             return kind, canonical_json(self.json_schema)
         if kind == "json_object":
             return kind, ""
-        if kind == "regex":
-            return kind, self.regex
+        if kind in ("regex", "grammar"):
+            return kind, getattr(self, kind)
         return kind, json.dumps(list(self.choice))
 
     def to_wire(self) -> dict:

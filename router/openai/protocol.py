@@ -49,6 +49,7 @@ from pdserve.protos.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
     MAX_ID_CHARS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -72,15 +73,16 @@ from pdserve.router.text import (
 #     response_format     OpenAI's: {"type": "text"} | {"type": "json_object"} |
 #                         {"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}
 #     structured_outputs  vLLM's: {"json": schema} | {"regex": str} | {"choice": [str]} |
-#                         {"json_object": true}
-#     guided_json, guided_regex, guided_choice   vLLM's older names for the same
+#                         {"grammar": GBNF or Lark} | {"json_object": true}
+#     guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older names for the same
 #
 # At most one of them per request. Each is checked here (types, sizes: protos/limits.py's bounds)
-# and becomes the gRPC SamplingParams.structured (`structured_spec`); whether a schema or regex
-# compiles is the workers' check (engine/structured/grammar.py), whose INVALID_ARGUMENT `name_field`
-# rewrites to the field the client sent. Only the tools' parameter schemas are compiled here.
+# and becomes the gRPC SamplingParams.structured (`structured_spec`); whether a schema, regex or
+# grammar compiles is the workers' check (engine/structured/grammar.py), whose INVALID_ARGUMENT
+# `name_field` rewrites to the field the client sent. Only the tools' parameter schemas are compiled here.
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 Regex = Annotated[StrictStr, Field(min_length=1, max_length=MAX_REGEX_CHARS)]
+Grammar = Annotated[StrictStr, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 Choices = Annotated[
     list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
     Field(min_length=1, max_length=MAX_CHOICES),
@@ -146,7 +148,7 @@ class StructuredOutputs(BaseModel):
     regex: Regex | None = None
     choice: Choices | None = None
     json_object: StrictBool | None = None
-    grammar: StrictStr | None = None
+    grammar: Grammar | None = None
     # vLLM's switches that change nothing here: one backend, never free whitespace
     disable_fallback: StrictBool | None = None
     disable_any_whitespace: StrictBool | None = None
@@ -156,21 +158,15 @@ class StructuredOutputs(BaseModel):
         classmethod(lambda cls, v: v if v is None else _schema(v))
     )
 
-    @field_validator("grammar")
-    @classmethod
-    def _no_grammar(cls, v):
-        if v is not None:
-            raise ValueError("grammar (EBNF/Lark) is not supported: use json, regex or choice")
-        return v
-
     @model_validator(mode="after")
     def _one(self):
-        given = [k for k in ("json_", "regex", "choice") if getattr(self, k) is not None] + (
+        kinds = ("json_", "regex", "choice", "grammar")
+        given = [k for k in kinds if getattr(self, k) is not None] + (
             ["json_object"] if self.json_object else []
         )
         if len(given) != 1:
             raise ValueError(
-                "set exactly one of json, regex, choice, json_object; got "
+                "set exactly one of json, regex, choice, grammar, json_object; got "
                 + (", ".join(g.rstrip("_") for g in given) or "none")
             )
         return self
@@ -185,6 +181,7 @@ class StructuredFields(BaseModel):
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: Regex | None = None
     guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
 
     _check_guided_json = field_validator("guided_json")(
         classmethod(lambda cls, v: v if v is None else _schema(v))
@@ -194,7 +191,13 @@ class StructuredFields(BaseModel):
     def _at_most_one(self):
         given = [
             k
-            for k in ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+            for k in (
+                "structured_outputs",
+                "guided_json",
+                "guided_regex",
+                "guided_choice",
+                "guided_grammar",
+            )
             if getattr(self, k) is not None
         ]
         if self.response_format is not None and self.response_format.type != "text":
@@ -218,6 +221,8 @@ class StructuredFields(BaseModel):
                 return {"regex": so.regex}, "structured_outputs.regex"
             if so.choice is not None:
                 return {"choice": list(so.choice)}, "structured_outputs.choice"
+            if so.grammar is not None:
+                return {"grammar": so.grammar}, "structured_outputs.grammar"
             return {"json_object": True}, "structured_outputs.json_object"
         if self.guided_json is not None:
             return {"json_schema": _schema(self.guided_json)}, "guided_json"
@@ -225,6 +230,8 @@ class StructuredFields(BaseModel):
             return {"regex": self.guided_regex}, "guided_regex"
         if self.guided_choice is not None:
             return {"choice": list(self.guided_choice)}, "guided_choice"
+        if self.guided_grammar is not None:
+            return {"grammar": self.guided_grammar}, "guided_grammar"
         return None
 
 
@@ -522,15 +529,6 @@ class StreamOptions(_Strict):
         return self.usage() and bool(self.continuous_usage_stats)
 
 
-def _no_grammar(field: str):
-    def check(cls, v):
-        if v is not None:
-            raise ValueError(f"{field} (EBNF/Lark) is not supported: use json, regex or choice")
-        return v
-
-    return field_validator(field)(classmethod(check))
-
-
 class VllmFields(BaseModel):
     """vLLM's request fields that both endpoints take and pdserve serves at their neutral value
     only (a value that would change the answer is refused with a 400 naming the field, never
@@ -558,7 +556,6 @@ class VllmFields(BaseModel):
     cache_salt: Annotated[StrictStr, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
-    guided_grammar: StrictStr | None = None
     guided_whitespace_pattern: StrictStr | None = None
     structural_tag: StrictStr | None = None
     # accepted and ignored: one structured-output backend; a text-only model
@@ -591,7 +588,6 @@ class VllmFields(BaseModel):
         "repetition_min_count",
         message="{field} is not supported; leave it unset",
     )
-    _no_guided_grammar = _no_grammar("guided_grammar")
     _keep_some = _neutral_only(
         "truncate_prompt_tokens",
         message="truncate_prompt_tokens keeps k >= 1 of the prompt's last tokens, or -1 for as "

@@ -59,6 +59,16 @@ SCHEMAS = [
 ]
 
 
+# context-free grammars (structured.grammar) in both notations llguidance reads, each with the
+# regular expression of the same (finite, short) language that the checks hold outputs to
+GRAMMARS = {
+    'root ::= "id-" digit digit? " " tag\ndigit ::= [0-9]\ntag ::= "ok" | "no" | "maybe"': (
+        r"id-[0-9]{1,2} (ok|no|maybe)"
+    ),
+    'start: "(" item ("," item)? ")"\nitem: /[a-c]{1,3}/ | "z"': r"\((?:[a-c]{1,3}|z)(?:,(?:[a-c]{1,3}|z))?\)",
+}
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for every byte (the ByteLevel pre-tokenizer's alphabet)."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
@@ -112,5 +122,7 @@ def check_output(spec: dict, text: str) -> None:
         assert isinstance(json.loads(text), dict), text
     elif "regex" in spec:
         assert re.fullmatch(spec["regex"], text), (spec["regex"], text)
+    elif "grammar" in spec:
+        assert re.fullmatch(GRAMMARS[spec["grammar"]], text), (spec["grammar"], text)
     else:
         assert text in spec["choice"], (spec["choice"], text)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from helpers.http import CHAT, C, Workers, assert_error, post, sse_events
-from helpers.structured import SCHEMAS, byte_level_model, check_output
+from helpers.structured import GRAMMARS, SCHEMAS, byte_level_model, check_output
 from helpers.threads import wait_until
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protos.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -69,6 +69,9 @@ def _texts(doc, chat: bool) -> list[tuple[str, str]]:
     ]
 
 
+GBNF, LARK = GRAMMARS  # a GBNF and a Lark grammar (helpers/structured.py)
+
+
 @pytest.mark.parametrize(
     "field, value, spec",
     [
@@ -78,6 +81,8 @@ def _texts(doc, chat: bool) -> list[tuple[str, str]]:
         ("structured_outputs", {"regex": r"(ab|cd){2}!"}, None),
         ("structured_outputs", {"json": SCHEMAS[1]}, {"json_schema": SCHEMAS[1]}),
         ("guided_json", json.dumps(SCHEMAS[2]), {"json_schema": SCHEMAS[2]}),
+        ("structured_outputs", {"grammar": GBNF}, {"grammar": GBNF}),
+        ("guided_grammar", LARK, {"grammar": LARK}),
     ],
 )
 def test_completions_follow_the_grammar(router, idle, field, value, spec):

@@ -1,5 +1,6 @@
 """Structured output in the engine (engine/structured/grammar.py) on a tiny random model with a byte-level
-tokenizer: outputs follow JSON schemas, any JSON object, regexes and choices under random and
+tokenizer: outputs follow JSON schemas, any JSON object, regexes, choices and context-free
+grammars (GBNF and Lark) under random and
 greedy sampling with n>1; logprobs are the masked distribution's; preemption and the
 prefill/decode hand-off (prefill_only -> reserve/commit) keep each matcher with its tokens; bad
 specs are refused naming the field; the engine's bitmask apply equals xgrammar's."""
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from helpers.engine import KV, CopySink, run_until_done
-from helpers.structured import SCHEMAS, byte_level_model, check_output
+from helpers.structured import GRAMMARS, SCHEMAS, byte_level_model, check_output
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import BadSamplingParams
@@ -21,10 +22,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPECS = [{"json_schema": s} for s in SCHEMAS] + [
     {"json_object": True},
+    *({"grammar": g} for g in GRAMMARS),
     {"regex": r"[a-c]{2,5}-\d{3}"},
     {"choice": ["yes", "no", "maybe so"]},
 ]
-BOUNDED = 2  # the regex and the choice always end within max_tokens; the JSON ones may not
+# the grammars, the regex and the choice always end within max_tokens; the JSON ones may not
+BOUNDED = 2 + len(GRAMMARS)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +152,10 @@ def test_a_first_token_the_grammar_rejects_ends_the_sequence(llm):
         ({"regex": ""}, "structured.regex"),
         ({"regex": "a", "choice": ["a"]}, "exactly one of"),
         ({}, "exactly one of"),
-        ({"grammar": "root ::= x"}, "unknown fields"),
+        ({"grammar": "root ::= undefined_rule"}, "structured.grammar"),
+        ({"grammar": "start: ("}, "structured.grammar"),
+        ({"grammar": "  "}, "structured.grammar"),
+        ({"lark": "start: x"}, "unknown fields"),
     ],
 )
 def test_bad_specs_are_refused_naming_the_field(llm, spec, field):

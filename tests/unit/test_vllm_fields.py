@@ -77,7 +77,6 @@ REFUSED = [
     ("cache_salt", "s" * 257),
     ("kv_transfer_params", {"do_remote_decode": True}),
     ("vllm_xargs", {"k": 1}),
-    ("guided_grammar", "root ::= 'a'"),
     ("guided_whitespace_pattern", " "),
     ("structural_tag", "{}"),
     ("length_penalty", "long"),
