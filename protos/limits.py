@@ -134,32 +134,20 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
 def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
     """logit_bias, allowed_token_ids, bad_words and cache_salt: how many, how long, ids in the
     vocabulary, biases in range."""
-    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        return invalid(
-            f"sampling.logit_bias has {len(sampling.logit_bias)} entries; at most "
-            f"{MAX_LOGIT_BIAS_ENTRIES} are allowed"
-        )
+    for name, count, most, unit in (
+        ("logit_bias", len(sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries"),
+        ("allowed_token_ids", len(sampling.allowed_token_ids), MAX_ALLOWED_TOKEN_IDS, "ids"),
+        ("bad_words", len(sampling.bad_words), MAX_BAD_WORDS, "words"),
+        ("cache_salt", len(sampling.cache_salt), MAX_CACHE_SALT_CHARS, "characters"),
+    ):
+        if count > most:
+            return invalid(f"sampling.{name} has {count} {unit}; at most {most} are allowed")
     for token, bias in sampling.logit_bias.items():
         if not (math.isfinite(bias) and abs(bias) <= LOGIT_BIAS_RANGE):
             return invalid(
                 f"sampling.logit_bias[{token}]={bias}: a bias is a number in "
                 f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
             )
-    if len(sampling.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-        return invalid(
-            f"sampling.allowed_token_ids has {len(sampling.allowed_token_ids)} ids; at most "
-            f"{MAX_ALLOWED_TOKEN_IDS} are allowed"
-        )
-    if len(sampling.cache_salt) > MAX_CACHE_SALT_CHARS:
-        return invalid(
-            f"sampling.cache_salt has {len(sampling.cache_salt)} characters; at most "
-            f"{MAX_CACHE_SALT_CHARS}"
-        )
-    if len(sampling.bad_words) > MAX_BAD_WORDS:
-        return invalid(
-            f"sampling.bad_words has {len(sampling.bad_words)} words; at most {MAX_BAD_WORDS} "
-            f"are allowed"
-        )
     if any(not w or len(w) > MAX_STOP_CHARS for w in sampling.bad_words):
         return invalid(f"each sampling.bad_words word has 1 to {MAX_STOP_CHARS} characters")
     for name, ids in (
