@@ -56,10 +56,14 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
         # the model the body named (the router served it: the base or a LoRA adapter), as vLLM
         # echoes it
         model_id = getattr(body, "model", None) or front.settings.model_id
+        # each logprob's token by its id (vLLM's return_tokens_as_token_ids), else its text
+        text_of = (
+            front.ids_of if getattr(body, "return_tokens_as_token_ids", None) else front.text_of
+        )
         if body.stream:
             watcher.cancel()  # Starlette's StreamingResponse watches from here on
             streaming = True
-            args = (call, first, body, chat, model_id, request_id, front.text_of)
+            args = (call, first, body, chat, model_id, request_id, text_of)
             return _CallStream(
                 call,
                 stream(*args) if shape is None else shape.events(chunks(*args)),
@@ -67,7 +71,7 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
                 headers=_SSE_HEADERS,
             )
         responses = [first] + await _from_router(_all(rest(call)), watcher)
-        out = whole_response(responses, body, chat, model_id, request_id, front.text_of)
+        out = whole_response(responses, body, chat, model_id, request_id, text_of)
         return JSONResponse(out if shape is None else shape.whole(out))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it: the client left

@@ -4,10 +4,10 @@ before any work; an unknown field is refused with a 400 naming it (KNOWN_FIELDS)
 
 Beyond OpenAI's own fields it accepts vLLM's sampling fields (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_special_tokens,
-include_stop_str_in_output, truncate_prompt_tokens, cache_salt) and OpenAI's logit_bias,
-pdserve's `speculative` (false: this request opts out of the decode pool's speculative
-decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and tools (their
-sections below say more). `model` may be left out (the served model). OpenAI fields that change
+include_stop_str_in_output, truncate_prompt_tokens, cache_salt, return_tokens_as_token_ids),
+OpenAI's logit_bias, pdserve's `speculative` (false: this request opts out of the decode pool's
+speculative decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and
+tools (their sections below say more). `model` may be left out (the served model). OpenAI fields that change
 nothing here are accepted and ignored (`user`, `metadata`, ...); those whose meaning pdserve does
 not serve (functions, suffix, ...) are accepted only at their neutral value. vLLM's
 other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
@@ -551,6 +551,7 @@ class VllmFields(BaseModel):
     # "priority" (the router refuses it otherwise, 400 naming the field)
     priority: Priority = 0
     logits_processors: list[Any] | None = None
+    # each logprob's token as "token_id:<id>" (vLLM's; its text otherwise)
     return_tokens_as_token_ids: StrictBool | None = None
     # the request's prefix-cache namespace: only requests with the same salt share cached KV
     cache_salt: Annotated[StrictStr, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
@@ -577,7 +578,6 @@ class VllmFields(BaseModel):
     )
     _unset = _neutral_only(
         "logits_processors",
-        "return_tokens_as_token_ids",
         "kv_transfer_params",
         "vllm_xargs",
         "guided_whitespace_pattern",

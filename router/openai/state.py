@@ -28,7 +28,7 @@ from pdserve.protos.tracing import TRACE_HEADERS
 from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
-from pdserve.router.openai.responses.logprobs import TokenText
+from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.text import BadRequest, PromptEncoder
 
 # why the front closed a connection whose body it was reading (router/openai/connections.py)
@@ -49,6 +49,7 @@ class FrontState:
         s = self.settings = front.settings
         self._front = front
         self.text_of = TokenText(s.tokenizer)
+        self.ids_of = TokenIdText(s.tokenizer)  # return_tokens_as_token_ids
         # a tokenizer whose <tool_call> is a special token (vLLM's Hermes parser keeps them too)
         self.tags_special = "<tool_call>" in (
             getattr(s.tokenizer, "all_special_tokens", None) or ()

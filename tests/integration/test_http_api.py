@@ -399,6 +399,40 @@ def test_cache_salt_keeps_each_salt_s_cached_prefix_to_itself(router, idle):
     assert text == text_again == text_other
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_return_tokens_as_token_ids_names_each_logprob_s_token_by_id(router, idle, chat):
+    """vLLM's return_tokens_as_token_ids: every token in the logprobs (sampled and alternatives)
+    is "token_id:<id>", the ids of the tokens the plain answer names by text; the text itself
+    and the numbers stay the same."""
+    path, body = (CHAT, dict(GOOD_CHAT)) if chat else (C, dict(GOOD))
+    body.update(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2 if not chat else True)
+    if chat:
+        body["top_logprobs"] = 2
+    docs = []
+    for flag in (False, True):
+        status, _, raw = post(router, path, {**body, "return_tokens_as_token_ids": flag})
+        assert status == 200, raw
+        docs.append(json.loads(raw)["choices"][0])
+    plain, by_id = docs
+    if chat:
+        assert plain["message"] == by_id["message"]
+        pairs = [
+            (p["token"], i["token"], p["top_logprobs"], i["top_logprobs"])
+            for p, i in zip(plain["logprobs"]["content"], by_id["logprobs"]["content"], strict=True)
+        ]
+        tops = [([t["token"] for t in a], [t["token"] for t in b]) for _, _, a, b in pairs]
+    else:
+        assert plain["text"] == by_id["text"]
+        lp_a, lp_b = plain["logprobs"], by_id["logprobs"]
+        assert lp_a["token_logprobs"] == lp_b["token_logprobs"]
+        pairs = list(zip(lp_a["tokens"], lp_b["tokens"], strict=True))
+        tops = [(list(a), list(b)) for a, b in zip(lp_a["top_logprobs"], lp_b["top_logprobs"])]
+    for text, named, *_ in pairs:
+        assert named.startswith("token_id:") and text.strip() == f"t{named[9:]}"
+    for texts, names in tops:
+        assert [t.strip() for t in texts] == [f"t{n[9:]}" for n in names]
+
+
 def test_truncate_prompt_tokens_serves_the_prompt_s_last_tokens(router, idle):
     """A prompt past max_model_len served as its last k tokens (vLLM's truncate_prompt_tokens):
     the same answer as those tokens sent alone; -1 keeps max_model_len - 1 of them."""

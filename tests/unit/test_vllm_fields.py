@@ -73,7 +73,6 @@ REFUSED = [
     ("priority", 1 << 31),
     ("priority", "high"),
     ("logits_processors", ["a.b"]),
-    ("return_tokens_as_token_ids", True),
     ("cache_salt", "s" * 257),
     ("kv_transfer_params", {"do_remote_decode": True}),
     ("vllm_xargs", {"k": 1}),

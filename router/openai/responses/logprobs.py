@@ -45,6 +45,14 @@ class TokenText:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
 
+class TokenIdText(TokenText):
+    """vLLM's return_tokens_as_token_ids: each logprob's token named "token_id:<id>", so a token
+    that is no whole UTF-8 character on its own stays identifiable; texts stay decoded."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 def _unavailable(what: str) -> ApiError:
     return ApiError(
         500,
