@@ -1,9 +1,9 @@
-"""What a request's structured output asks for (SamplingParams.structured): a JSON schema, any JSON
-object, a regular expression, one of a list of strings, or a context-free grammar (GBNF, as
-llama.cpp and vLLM's xgrammar take it, or Lark, as llguidance does). Plain data, checked when built, with
-a canonical key: the engine compiles each distinct key once (engine/structured/grammar.py); the router and
-the workers build it from their fields (router/openai/protocol.py, protos/convert.py). No
-grammar library here, so it imports anywhere.
+"""What a request's structured output asks for (SamplingParams.structured): a JSON schema, any
+JSON object, a regular expression, one of a list of strings, or a context-free grammar (GBNF, as
+llama.cpp and vLLM's xgrammar take it, or Lark, as llguidance does). Plain data, checked when
+built, with a canonical key: the engine compiles each distinct key once
+(engine/structured/grammar.py); the router and the workers build it from their fields
+(router/openai/protocol.py, protos/convert.py). No grammar library here, so it imports anywhere.
 """
 
 from __future__ import annotations

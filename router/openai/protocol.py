@@ -7,10 +7,10 @@ min_tokens, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, skip_speci
 include_stop_str_in_output, truncate_prompt_tokens, cache_salt, return_tokens_as_token_ids),
 OpenAI's logit_bias, pdserve's `speculative` (false: this request opts out of the decode pool's
 speculative decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and
-tools (their sections below say more). `model` may be left out (the served model). OpenAI fields that change
-nothing here are accepted and ignored (`user`, `metadata`, ...); those whose meaning pdserve does
-not serve (functions, suffix, ...) are accepted only at their neutral value. vLLM's
-other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
+tools (their sections below say more). `model` may be left out (the served model). OpenAI
+fields that change nothing here are accepted and ignored (`user`, `metadata`, ...); those whose
+meaning pdserve does not serve (functions, suffix, ...) are accepted only at their neutral
+value. vLLM's other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
 written for vLLM runs unchanged or gets a 400 naming the field it would have to drop; vLLM's
 stream_options (StreamOptions: include_usage true once stream_options is sent, and
 continuous_usage_stats) are served.
@@ -79,7 +79,8 @@ from pdserve.router.text import (
 # At most one of them per request. Each is checked here (types, sizes: protos/limits.py's bounds)
 # and becomes the gRPC SamplingParams.structured (`structured_spec`); whether a schema, regex or
 # grammar compiles is the workers' check (engine/structured/grammar.py), whose INVALID_ARGUMENT
-# `name_field` rewrites to the field the client sent. Only the tools' parameter schemas are compiled here.
+# `name_field` rewrites to the field the client sent. Only the tools' parameter schemas are
+# compiled here.
 _CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 Regex = Annotated[StrictStr, Field(min_length=1, max_length=MAX_REGEX_CHARS)]
 Grammar = Annotated[StrictStr, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]

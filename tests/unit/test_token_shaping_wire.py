@@ -1,7 +1,8 @@
-"""logit_bias, allowed_token_ids and bad_words on the wire: an OpenAI body becomes pdserve.v1.SamplingParams
-(router/openai/protocol.py), every RPC edge refuses what is out of bounds before any work
-(protos/limits.py: a stranger may call a worker directly), and a worker turns the message into
-the engine's SamplingParams (protos/convert.py)."""
+"""logit_bias, allowed_token_ids, bad_words and cache_salt on the wire: an OpenAI body becomes
+pdserve.v1.SamplingParams (router/openai/protocol.py), every RPC edge refuses what is out of
+bounds before any work (protos/limits.py: a stranger may call a worker directly), a worker turns
+the message into the engine's SamplingParams (protos/convert.py), and a cache salt is a prefix
+affinity namespace of its own (router/affinity.py)."""
 
 from __future__ import annotations
 
