@@ -31,7 +31,13 @@ from pydantic import Field, StrictInt, StrictStr, field_validator
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
-from pdserve.router.openai.protocol import Priority, ShortStr, _field_names, _Strict
+from pdserve.router.openai.protocol import (
+    Priority,
+    ShortStr,
+    TruncatePromptTokens,
+    _field_names,
+    _Strict,
+)
 from pdserve.router.openai.state import state_of
 from pdserve.router.service import MAX_EMBED_INPUTS
 
@@ -51,14 +57,7 @@ class EmbeddingRequest(_Strict):
     user: ShortStr | None = None
     priority: Priority = 0  # as chat's (router/openai/protocol.py)
     # vLLM's: each input keeps only its last k tokens (-1: as many as max_model_len holds)
-    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, lt=1 << 31)] | None = None
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _keeps_some(cls, v):
-        if v == 0:
-            raise ValueError("truncate_prompt_tokens keeps k >= 1 last tokens, or -1; 0 keeps none")
-        return v
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
 
     @field_validator("dimensions")
     @classmethod

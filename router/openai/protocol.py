@@ -32,6 +32,7 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -499,6 +500,20 @@ LogitBias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 ShortStr = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 
 
+def _keeps_some(k: int) -> int:
+    if k == 0:
+        raise ValueError(
+            "truncate_prompt_tokens keeps k >= 1 of the prompt's last tokens, or -1 for as many "
+            "as max_model_len holds; 0 would keep none"
+        )
+    return k
+
+
+# vLLM's truncate_prompt_tokens (chat, completions and embeddings alike): the router keeps the
+# prompt's last k tokens (router/text.py)
+TruncatePromptTokens = Annotated[int, Field(ge=-1, lt=1 << 31), AfterValidator(_keeps_some)]
+
+
 # GenerateRequest.priority is an int32 (vLLM takes any int; past these bounds: 400 naming it)
 Priority = Annotated[int, Field(strict=True, ge=-(1 << 31), lt=1 << 31)]
 
@@ -541,7 +556,7 @@ class VllmFields(BaseModel):
     length_penalty: float = 1.0
     spaces_between_special_tokens: StrictBool = True
     # keep only the prompt's last k tokens (-1: as many as max_model_len holds; 0 is refused)
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=1 << 31)] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
     # only these tokens may be sampled (vLLM's; an empty list is refused, as vLLM does)
     allowed_token_ids: (
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
@@ -588,12 +603,6 @@ class VllmFields(BaseModel):
         "min_repetition_pattern_size",
         "repetition_min_count",
         message="{field} is not supported; leave it unset",
-    )
-    _keep_some = _neutral_only(
-        "truncate_prompt_tokens",
-        message="truncate_prompt_tokens keeps k >= 1 of the prompt's last tokens, or -1 for as "
-        "many as max_model_len holds; 0 would keep none",
-        neutral=lambda v: v != 0,
     )
 
 
