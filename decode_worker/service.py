@@ -445,6 +445,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 event.stop_str = comp.stop_reason
             elif isinstance(comp.stop_reason, int):
                 event.stop_token = comp.stop_reason
+            event.accepted_prediction_tokens = comp.accepted_prediction_tokens
+            event.rejected_prediction_tokens = comp.rejected_prediction_tokens
         return event
 
     @staticmethod

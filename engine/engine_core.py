@@ -279,7 +279,8 @@ class LLMEngine:
 
     def _shaping_in_vocabulary(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words tokenized (vLLM's rule: engine/tokenizer.py), after
-        checking that every token id it shapes the logits with is one of the model's."""
+        checking that every token id it shapes the logits with, or predicts, is one of the
+        model's."""
         if params.bad_words and not params.bad_words_token_ids:
             words = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = params.with_bad_words_token_ids(words)
@@ -288,6 +289,7 @@ class LLMEngine:
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("allowed_token_ids", params.allowed_token_ids),
             ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
+            ("prediction", params.prediction_token_ids),
         ):
             if any(t >= vocab for t in ids):
                 bad = [t for t in ids if t >= vocab][:3]

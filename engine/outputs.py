@@ -53,6 +53,8 @@ def request_output(req) -> RequestOutput:
             finish_reason=s.finish_reason.value if s.finish_reason else None,
             stop_reason=s.stop_reason,
             logprobs=list(s.logprobs) if req.params.logprobs else None,
+            accepted_prediction_tokens=s.prediction_accepted,
+            rejected_prediction_tokens=s.prediction_rejected,
         )
         for s, d in zip(req.seqs, req.detoks)
     ]

@@ -96,6 +96,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     draft_computed: int = 0
     spec_state: object | None = None
+    # guesses from the request's predicted output the step kept, and checked but did not keep
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     # the LoRA adapter it runs under (engine/lora.py AdapterInfo; None: the base model), and
     # the root of its prefix-cache chain (the adapter's, engine/block_manager.py)
     lora: object | None = None
@@ -145,6 +148,11 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
+    # OpenAI's usage.completion_tokens_details for a request with a predicted output
+    # (SamplingParams.prediction_token_ids): the prediction's tokens the engine checked as
+    # guesses and kept, and those it checked and did not keep (0 where it did not speculate)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass

@@ -24,6 +24,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_BAD_WORDS = 128  # vLLM's bounds: words a request, and their tokens all told
 MAX_BAD_WORDS_TOKENS = 1024
 MAX_CACHE_SALT_CHARS = 256
+MAX_PREDICTION_TOKENS = 65536  # a predicted output's tokens (OpenAI's Predicted Outputs)
 
 
 def _int(name: str, value: object) -> int:
@@ -153,6 +154,10 @@ class SamplingParams:
     # vLLM's cache_salt: the request's prefix-cache namespace. Only requests with the same salt
     # share cached KV blocks (engine/block_manager.py chain_root); "" shares with unsalted ones.
     cache_salt: str = ""
+    # OpenAI's Predicted Outputs as token ids: what the output is expected to be, mostly (a file
+    # with a few lines edited). Where the engine speculates, the prediction's tokens are its
+    # guesses (engine/spec/prediction.py); the output is the same with or without it.
+    prediction_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -248,6 +253,12 @@ class SamplingParams:
                 f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed"
             )
         put("_bad_words_ids", ())
+        put("prediction_token_ids", _id_tuple("prediction_token_ids", self.prediction_token_ids))
+        if len(self.prediction_token_ids) > MAX_PREDICTION_TOKENS:
+            raise BadSamplingParams(
+                f"prediction_token_ids has {len(self.prediction_token_ids)} ids; at most "
+                f"{MAX_PREDICTION_TOKENS} are allowed"
+            )
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise BadSamplingParams(
                 f"cache_salt must be a str of at most {MAX_CACHE_SALT_CHARS} characters, got "

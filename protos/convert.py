@@ -37,7 +37,13 @@ OPTIONAL_FIELDS = (
     "speculative",
     "cache_salt",
 )
-_REPEATED_FIELDS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
+_REPEATED_FIELDS = (
+    "stop",
+    "stop_token_ids",
+    "allowed_token_ids",
+    "bad_words",
+    "prediction_token_ids",
+)
 
 
 def sampling_kwargs(msg) -> dict:

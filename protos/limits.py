@@ -19,6 +19,7 @@ MAX_STOP_CHARS = 512  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_PREDICTION_TOKENS = 65536  # as engine/sampling_params.py
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 MAX_CACHE_SALT_CHARS = 256  # as engine/sampling_params.py
 MAX_BAD_WORDS = 128  # vLLM's bound (engine/sampling_params.py); each at most MAX_STOP_CHARS
@@ -132,13 +133,14 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
 
 
 def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
-    """logit_bias, allowed_token_ids, bad_words and cache_salt: how many, how long, ids in the
-    vocabulary, biases in range."""
+    """logit_bias, allowed_token_ids, bad_words, cache_salt and prediction_token_ids: how many,
+    how long, ids in the vocabulary, biases in range."""
     for name, count, most, unit in (
         ("logit_bias", len(sampling.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries"),
         ("allowed_token_ids", len(sampling.allowed_token_ids), MAX_ALLOWED_TOKEN_IDS, "ids"),
         ("bad_words", len(sampling.bad_words), MAX_BAD_WORDS, "words"),
         ("cache_salt", len(sampling.cache_salt), MAX_CACHE_SALT_CHARS, "characters"),
+        ("prediction_token_ids", len(sampling.prediction_token_ids), MAX_PREDICTION_TOKENS, "ids"),
     ):
         if count > most:
             return invalid(f"sampling.{name} has {count} {unit}; at most {most} are allowed")
@@ -153,6 +155,7 @@ def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
     for name, ids in (
         ("logit_bias", sampling.logit_bias.keys()),
         ("allowed_token_ids", sampling.allowed_token_ids),
+        ("prediction_token_ids", sampling.prediction_token_ids),
     ):
         bad = [t for t in ids if t >= vocab_size][:3] if vocab_size else []
         if bad:

@@ -360,6 +360,9 @@ class ClientCall(Inflight):
         usage = pdserve_pb2.Usage(
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.sent[final.index]),
+            # the last leg's decode worker's count (a leg that failed sends no final event)
+            accepted_prediction_tokens=final.accepted_prediction_tokens,
+            rejected_prediction_tokens=final.rejected_prediction_tokens,
         )
         self._cache_hits(first, final, usage)
         finish = pdserve_pb2.Finish(

@@ -243,14 +243,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             )
         try:
             prompt = self.encoder.encode(request)
+            asked = self.encoder.with_prediction(request)
         except BadRequest as e:
             context.abort(e.code, e.message)
         prompt_is = "messages" if request.WhichOneof("input") == "chat" else "prompt"
-        asked = request.sampling
         sampling = fit_to_context(asked, len(prompt), opts.max_model_len, prompt_is)
         if isinstance(sampling, Refusal):
             sampling.abort(context)
-        if sampling is not asked:
+        if sampling is not request.sampling:
             request = _with_sampling(request, sampling)
         for role in ("decode",) if opts.colocated else ROLES:
             if not self.pool.num_workers(role):

@@ -16,6 +16,7 @@ from concurrent import futures
 import grpc
 
 from pdserve.engine.tokenizer import IncrementalDetokenizer, find_stop_string
+from pdserve.protos.limits import MAX_PREDICTION_TOKENS
 from pdserve.router.chat_tools import chat_conversation
 
 
@@ -106,6 +107,31 @@ class PromptEncoder:
                 f"{[t for t in ids if t >= self.vocab_size][:3]}",
             )
         return ids
+
+    def with_prediction(self, request):
+        """The request's sampling with its text prediction (GenerateRequest.prediction) as
+        prediction_token_ids, tokenized without special tokens; the sampling itself when it has
+        none. Raises BadRequest for a prediction sent both ways, or one over the bounds."""
+        sampling = request.sampling
+        if not request.prediction:
+            return sampling
+        if len(sampling.prediction_token_ids):
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "send the prediction as text or as sampling.prediction_token_ids, not both",
+            )
+        self._check_size([request.prediction], "prediction")
+        ids = self._run(self._encode, request.prediction, False)
+        if len(ids) > MAX_PREDICTION_TOKENS:
+            raise BadRequest(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the prediction has {len(ids)} tokens; at most {MAX_PREDICTION_TOKENS} are "
+                f"allowed: shorten it",
+            )
+        out = type(sampling)()
+        out.CopyFrom(sampling)
+        out.prediction_token_ids.extend(ids)
+        return out
 
     def _keep(self, k: int) -> int:
         """How many trailing prompt tokens truncate_prompt_tokens=k keeps (-1: as many as

@@ -61,6 +61,20 @@ def copy_tasks(n: int) -> list[tuple[str, list[dict]]]:
     return out
 
 
+def edit_tasks(n: int) -> list[tuple[list[dict], str]]:
+    """n code edits (the "edit code" kind on later and later stretches) with the answer a client
+    would predict for each: the module with the rename done (OpenAI's Predicted Outputs)."""
+    _, instruction, path, chars = _KINDS[0]
+    out = []
+    for i in range(n):
+        name = "propose" if i % 2 == 0 else "sync"
+        text = _excerpt(path, 20 * i, chars)
+        ask = instruction.format(name=name)
+        expected = text.replace(f"{name}(", f"{name}_v2(")
+        out.append(([{"role": "user", "content": f"{ask}\n\n{text}"}], expected))
+    return out
+
+
 def compare_tokens(a: list[list[int]], b: list[list[int]]) -> dict:
     """Two runs' token lists, request by request: how many are equal, and where each differs
     first (None: equal)."""

@@ -2,7 +2,8 @@
 
 An LLMEngine with a speculative_config owns one Speculator. Its scheduler calls `set_budgets`
 as a plan starts (the gate picks how many guesses each decoding sequence may check; prompt
-lookup makes its guesses here, since they cost nothing); the engine step calls `propose` before
+lookup makes its guesses here, since they cost nothing, or the request's predicted output does:
+engine/spec/prediction.py); the engine step calls `propose` before
 the step executes (a draft model makes its guesses now that the scheduler has given the
 sequences blocks for them; seeded generators are noted; the sampling rows are rebuilt) and
 `observe` after the scheduler applied the results (counts, the draft's KV position, the
@@ -37,17 +38,22 @@ from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.scheduler import StepPlan
 from pdserve.engine.spec.gate import Offer, SpecGate
 from pdserve.engine.spec.ngram import History
+from pdserve.engine.spec.prediction import Prediction
 
 
 class _SeqSpec:
     """What the speculator keeps per sequence (Sequence.spec_state)."""
 
-    __slots__ = ("history", "accepted", "rejected")
+    __slots__ = ("history", "accepted", "rejected", "prediction", "from_prediction")
 
-    def __init__(self) -> None:
+    def __init__(self, prediction: tuple[int, ...]) -> None:
         self.history = History()
         self.accepted = 0
         self.rejected = 0
+        # the request's predicted output (engine/spec/prediction.py), and whether this step's
+        # guesses came from it
+        self.prediction = Prediction(prediction) if prediction else None
+        self.from_prediction = False
 
 
 class Speculator:
@@ -127,12 +133,9 @@ class Speculator:
                 continue
             st = seq.spec_state
             if st is None:
-                st = seq.spec_state = _SeqSpec()
+                st = seq.spec_state = _SeqSpec(seq.params.prediction_token_ids)
             if self.draft is None:
-                st.history.sync(seq.token_ids)
-                guesses = st.history.propose(
-                    limit, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
-                )
+                guesses = self._guesses(seq, st, limit)
                 seq.spec_token_ids = guesses
                 limit = len(guesses)
             catch_up = 0
@@ -151,6 +154,21 @@ class Speculator:
                 # a private stream, so the draft and the target sample each position alike
                 seed = int(torch.randint(0, 2**62, (1,)).item())
                 seq.generator = make_generator(seed)
+
+    def _guesses(self, seq: Sequence, st: _SeqSpec, limit: int) -> list[int]:
+        """Prompt lookup's guesses, or the request's prediction's where it has some."""
+        guesses = []
+        if st.prediction is not None:
+            guesses = st.prediction.propose(
+                seq.token_ids, seq.num_prompt_tokens, limit, self.cfg.prompt_lookup_min
+            )
+        st.from_prediction = bool(guesses)
+        if not guesses:
+            st.history.sync(seq.token_ids)
+            guesses = st.history.propose(
+                limit, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+            )
+        return guesses
 
     def propose(self, plan: StepPlan) -> None:
         """The guesses of every checking sequence in `plan`, before the step executes."""
@@ -191,6 +209,9 @@ class Speculator:
             rejected = int(a < k)
             st.accepted += a
             st.rejected += rejected
+            if st.from_prediction:
+                seq.prediction_accepted += a
+                seq.prediction_rejected += k - a
             self.gate.record(a, rejected)
             if self.draft is not None:
                 # its KV holds the guesses it was fed (all but the last) up to the first rejected

@@ -43,4 +43,7 @@ def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
     gen.chat.CopyFrom(chat_messages(body))
     if body.truncate_prompt_tokens is not None:
         gen.truncate_prompt_tokens = body.truncate_prompt_tokens
+    if body.prediction is not None:
+        gen.prediction = body.prediction.text()
+        front.check_prompt_size([gen.prediction], "prediction")
     return gen

@@ -773,6 +773,18 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: the output expected, mostly (a file with a few lines changed),
+    whose tokens the decode pool checks as its speculative guesses."""
+
+    type: Literal["content"]
+    content: StrictStr | Annotated[list[TextPart], Field(min_length=1, max_length=1024)]
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(part.text for part in c)
+
+
 class ChatMessage(_Strict, ToolMessageFields):
     # developer: OpenAI's newer name for system; tool: a call's result (tool_call_id)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -857,8 +869,9 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
     audio: Any = None
     modalities: list[Literal["text"]] | None = None
-    prediction: Any = None
     web_search_options: Any = None
+    # OpenAI's Predicted Outputs (the router tokenizes the text: GenerateRequest.prediction)
+    prediction: Prediction | None = None
     # accepted and ignored: they change nothing about the result
     parallel_tool_calls: StrictBool | None = None
     metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
@@ -900,7 +913,6 @@ class ChatCompletionRequest(_Sampling):
     )
     _unset_only = _neutral_only(
         "audio",
-        "prediction",
         "web_search_options",
         message="{field} is not supported; leave it unset",
         neutral=lambda v: v is None,

@@ -46,10 +46,13 @@ def chat_model(tiny_models, tmp_path_factory) -> str:
 
 
 class Workers:
-    def __init__(self, model_dir, max_model_len: int = MAX_MODEL_LEN):
+    def __init__(self, model_dir, max_model_len: int = MAX_MODEL_LEN, decode_engine=None):
+        """decode_engine: more engine keywords for the decode worker (speculative_config)."""
         engine = dict(max_model_len=max_model_len)
         self.model_dir, self.max_model_len = model_dir, max_model_len
-        self.decode = start_decode(model_dir, engine=engine, lease_ms=5000)
+        self.decode = start_decode(
+            model_dir, engine={**engine, **(decode_engine or {})}, lease_ms=5000
+        )
         self.prefill = start_prefill(model_dir, engine=engine)
         self.channels = [
             grpc.insecure_channel(a) for a in (self.decode.address, self.prefill.address)

@@ -58,11 +58,17 @@ def echo_text(body, index: int, text_of) -> str:
 
 
 def request_usage(finishes, body) -> dict:
-    """usage(); with max_tokens 0 (echo alone) the one token generated per sequence is dropped."""
+    """usage(); with max_tokens 0 (echo alone) the one token generated per sequence is dropped;
+    with a predicted output, OpenAI's completion_tokens_details of it."""
     out = usage(finishes, body.n)
     if getattr(body, "max_tokens", None) == 0:
         out["completion_tokens"] = 0
         out["total_tokens"] = out["prompt_tokens"]
+    if getattr(body, "prediction", None) is not None:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(f.usage.accepted_prediction_tokens for f in finishes),
+            "rejected_prediction_tokens": sum(f.usage.rejected_prediction_tokens for f in finishes),
+        }
     return out
 
 
