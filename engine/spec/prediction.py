@@ -61,7 +61,10 @@ class Prediction:
         -1 when none occurs."""
         done = len(token_ids) - start
         data = self._bytes
-        for n in range(min(MATCH_MAX, done), max(1, n_min) - 1, -1):
+        n_min = max(1, n_min)
+        if done < n_min or array("i", token_ids[-n_min:]).tobytes() not in data:
+            return -1  # no longer suffix occurs either: one scan while the output is elsewhere
+        for n in range(min(MATCH_MAX, done), n_min - 1, -1):
             pattern = array("i", token_ids[len(token_ids) - n :]).tobytes()
             for lo in (self._anchor * 4, 0):
                 at = data.find(pattern, lo)
