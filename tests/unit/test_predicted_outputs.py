@@ -116,24 +116,11 @@ def test_seeded_sampling_and_n_sequences_are_unchanged(tiny_models, always_specu
     sequences follows the prediction on its own."""
     model_dir, _ = tiny_models()
     prompts = random_prompts([9, 21], seed=5)
-    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True)
-    want = _run(model_dir, prompts, params, None)
+    base = dict(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True)
+    want = _run(model_dir, prompts, SamplingParams(**base), None)
     predictions = [list(o[1].token_ids) for o in want]  # sequence 1's output for both
-    got = _run(
-        model_dir,
-        prompts,
-        [
-            SamplingParams(
-                temperature=0.8,
-                seed=3,
-                n=2,
-                max_tokens=24,
-                ignore_eos=True,
-                prediction_token_ids=p,
-            )
-            for p in predictions
-        ],
-    )
+    params = [SamplingParams(**base, prediction_token_ids=p) for p in predictions]
+    got = _run(model_dir, prompts, params)
     assert [[c.token_ids for c in o] for o in got] == [[c.token_ids for c in o] for o in want]
     for outs in got:  # sequence 1 gets its own output as the prediction, sequence 0 another's
         assert outs[1].rejected_prediction_tokens == 0 and outs[1].accepted_prediction_tokens > 0
