@@ -226,10 +226,11 @@ class RouterConfig:
 def max_request_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
     """The largest request a valid client can send, at least gRPC's usual 4 MiB: a prompt of
     max_model_len ids (varints of at most 5 bytes) or max_prompt_bytes of text or chat, twice over,
-    and a MiB for the sampling lists at their caps and the framing. A larger message is refused by
-    gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or parsed, so a
-    huge prompt costs the router almost nothing."""
-    return max(4 << 20, 2 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
+    a prediction's text as long as a prompt's, and a MiB for the sampling lists at their caps (the
+    65,536 allowed and 65,536 predicted ids among them) and the framing. A larger message is
+    refused by gRPC itself (RESOURCE_EXHAUSTED, with both sizes) before it is read whole or
+    parsed, so a huge prompt costs the router almost nothing."""
+    return max(4 << 20, 3 * max_prompt_bytes + 10 * max_model_len + (1 << 20))
 
 
 # RouterConfig's fields that ServiceOptions takes as they are

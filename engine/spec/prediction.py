@@ -26,11 +26,12 @@ MATCH_MAX = 8  # the longest output suffix looked up to find the prediction agai
 class Prediction:
     """A sequence's predicted output and where in it the output stands."""
 
-    __slots__ = ("_ids", "_bytes", "_next", "_seen", "_anchor")
+    __slots__ = ("_bytes", "_ids", "_next", "_seen", "_anchor")
 
     def __init__(self, token_ids) -> None:
-        self._ids = array("i", token_ids)
-        self._bytes = self._ids.tobytes()
+        # packed once (4 bytes a token, searched by bytes.find); read through a view of it
+        self._bytes = array("i", token_ids).tobytes()
+        self._ids = memoryview(self._bytes).cast("i")
         self._next = 0  # the index of the prediction token expected next; -1: lost
         self._seen = 0  # output tokens followed so far
         self._anchor = 0  # where the output last followed the prediction

@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 def default_max_body_bytes(max_model_len: int, max_prompt_bytes: int) -> int:
     """The largest body a valid request can have, at least 4 MiB: a prompt of max_prompt_bytes
     written as JSON escapes (at most 6 bytes per UTF-8 byte: `\\u00e9`), or max_model_len token
-    ids of 11 characters each, plus a MiB for the other fields at their caps."""
-    return max(4 << 20, 6 * max_prompt_bytes + 12 * max_model_len + (1 << 20))
+    ids of 11 characters each, a chat's prediction as long as a prompt, plus a MiB for the other
+    fields at their caps."""
+    return max(4 << 20, 12 * max_prompt_bytes + 12 * max_model_len + (1 << 20))
 
 
 @dataclass
