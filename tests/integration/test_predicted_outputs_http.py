@@ -140,3 +140,22 @@ def test_a_prediction_longer_than_a_prompt_may_be_is_refused_unread(router, idle
     )
     error = assert_error(status, raw, 400, "prediction")
     assert error["code"] == "context_length_exceeded"
+
+
+def test_the_openai_client_sends_a_prediction_and_reads_its_counts(router, idle):
+    """The `openai` package's own `prediction` argument and its usage model."""
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(
+        base_url=f"http://{router.http_address}/v1", api_key="unused", max_retries=0, timeout=30
+    )
+    messages = [{"role": "user", "content": "t5 t9 t12"}]
+    args = dict(model=MODEL, messages=messages, max_tokens=NEW, temperature=0)
+    extra = {"ignore_eos": True}
+    text = c.chat.completions.create(**args, extra_body=extra).choices[0].message.content
+    got = c.chat.completions.create(
+        **args, extra_body=extra, prediction={"type": "content", "content": text}
+    )
+    assert got.choices[0].message.content == text
+    details = got.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= (NEW - 1) * 3 // 5
+    assert details.rejected_prediction_tokens == 0
