@@ -7,6 +7,7 @@ stops (docs/architecture.md section 1).
     POST /v1/completions                            router/openai/completions.py
     POST /v1/chat/completions                       router/openai/chat.py
     POST /v1/responses                              router/openai/responses_api.py
+    POST /v1/messages, /v1/messages/count_tokens    router/openai/messages_api.py (Anthropic's)
     POST /v1/embeddings                             router/openai/embeddings.py
     POST /tokenize, /detokenize                     router/openai/tokenize.py
     GET  /health, /metrics                          router/openai/status.py
@@ -14,8 +15,8 @@ stops (docs/architecture.md section 1).
 
 Every request takes one path: its handler checks the key, reads and validates the body
 (router/openai/state.py, protocol.py) and calls the router's own gRPC API, so admission,
-routing, retries and aborts are the gRPC path's. Errors use OpenAI's error object
-(router/openai/errors.py) with the HTTP status of the failure, each counted by the settings'
+routing, retries and aborts are the gRPC path's. Errors use OpenAI's error object (Anthropic's on
+its paths: router/openai/errors.py) with the HTTP status of the failure, each counted by the settings'
 on_error; a client gone mid-request is one INFO line and a 499 nobody reads.
 """
 
@@ -33,6 +34,7 @@ from pdserve.router.openai import (
     chat,
     completions,
     embeddings,
+    messages_api,
     models,
     responses_api,
     status,
@@ -40,6 +42,7 @@ from pdserve.router.openai import (
 )
 from pdserve.router.openai.embeddings import EmbeddingRequest
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.messages_api import CountTokensRequest, MessagesRequest
 from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +59,8 @@ _BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -74,7 +79,16 @@ def build_app(front) -> FastAPI:
     )
     app.state.front = FrontState(front)
     _add_error_handlers(app, app.state.front)
-    for group in (status, completions, chat, responses_api, embeddings, models, tokenize):
+    for group in (
+        status,
+        completions,
+        chat,
+        responses_api,
+        messages_api,
+        embeddings,
+        models,
+        tokenize,
+    ):
         app.include_router(group.router)
     document_bodies(app, _BODIES)
     return app
@@ -83,13 +97,13 @@ def build_app(front) -> FastAPI:
 def _add_error_handlers(app: FastAPI, front: FrontState) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return front.answer(e)
+        return front.answer(e, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         message = f"{request.method} {request.url.path[:200]}: {e.detail}"
-        return front.answer(ApiError(e.status_code, message, code=code))
+        return front.answer(ApiError(e.status_code, message, code=code), request.url.path)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, e: ClientGone):
@@ -99,7 +113,8 @@ def _add_error_handlers(app: FastAPI, front: FrontState) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         log.exception("HTTP %s %s failed", request.method, request.url.path[:200])
-        return front.answer(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+        error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+        return front.answer(error, request.url.path)
 
 
 def document_bodies(app: FastAPI, bodies: dict[str, type]) -> None:

@@ -1,5 +1,6 @@
-"""The HTTP front's errors: OpenAI's error object with its HTTP status (ApiError), the HTTP
-status each gRPC status maps to, and the 400 a request body's validation errors become.
+"""The HTTP front's errors: OpenAI's error object with its HTTP status (ApiError; Anthropic's
+shape of it for /v1/messages), the HTTP status each gRPC status maps to, and the 400 a request
+body's validation errors become.
 
 Every failure a handler meets ends as an ApiError: the app's exception handlers
 (router/openai/app.py) answer it as {"error": {"message", "type", "param", "code"}} with its
@@ -33,6 +34,31 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 _SERVER_ERROR = (500, "server_error", None)
 _RETRY_AFTER = {429, 503}  # statuses a client may retry: they get a Retry-After header
 
+# HTTP status -> the error type of Anthropic's Messages API (/v1/messages answers in its shape:
+# {"type": "error", "error": {"type", "message"}}); another 4xx is invalid_request_error, another
+# 5xx api_error
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+# an OpenAI error object's code -> the HTTP status it came with (a stream's error event carries
+# the object alone): ApiError.from_grpc's codes and the front's own
+_STATUS_OF_CODE = {
+    "invalid_api_key": 401,
+    "model_not_found": 404,
+    "body_too_large": 413,
+    "rate_limit_exceeded": 429,
+    "service_unavailable": 503,
+    "aborted": 503,
+    "timeout": 504,
+}
+
 
 class ApiError(Exception):
     """An OpenAI error object with its HTTP status."""
@@ -64,11 +90,19 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        """The error in the shape of Anthropic's Messages API."""
+        return {
+            "type": "error",
+            "error": {"type": anthropic_type(self.status), "message": self.message},
+        }
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status in _RETRY_AFTER else {}
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
     @classmethod
     def from_grpc(cls, error: grpc.RpcError) -> ApiError:
@@ -80,6 +114,22 @@ class ApiError(Exception):
         if status == 500:
             details = f"{code.name}: {details}"
         return cls(status, details, type_, None, err_code)
+
+
+def anthropic_type(status: int) -> str:
+    if status in _ANTHROPIC_TYPES:
+        return _ANTHROPIC_TYPES[status]
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def status_of(error: dict) -> int:
+    """The HTTP status of an OpenAI error object (ApiError.body()'s "error")."""
+    if error.get("code") in _STATUS_OF_CODE:
+        return _STATUS_OF_CODE[error["code"]]
+    kind = error.get("type")
+    return {"authentication_error": 401, "permission_error": 403, "rate_limit_error": 429}.get(
+        kind, 500 if kind == "server_error" else 400
+    )
 
 
 # ---- request validation -------------------------------------------------------------------
@@ -111,7 +161,7 @@ def validation_error(e: ValidationError, known: set[str]) -> ApiError:
             continue
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown field (not an OpenAI or vLLM sampling field pdserve accepts)"
+            msg = "unknown field (not one of the fields pdserve accepts on this path)"
         if msg not in msgs:
             msgs.append(msg)
     where = f"{param}: " if param else ""

@@ -7,7 +7,8 @@ build_app (router/openai/app.py) makes one FrontState per app and keeps it as
 and holds nothing per request: the stub is read from the front at each call, since the front
 opens its channel only once its own event loop runs.
 
-The client's key is forwarded in the `authorization` metadata, so the gRPC interceptor
+The client's key (the Authorization header's bearer token, or Anthropic's x-api-key header) is
+forwarded in the `authorization` metadata, so the gRPC interceptor
 (protos/security.py) checks it exactly as for a gRPC client; the front checks it first only to
 refuse a stranger before it reads the body. The body is bounded by its Content-Length and by the
 bytes actually read; a client gone while it is read (or closed by the front's body timeout,
@@ -30,6 +31,9 @@ from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.text import BadRequest, PromptEncoder
+
+# the paths of Anthropic's Messages API (router/openai/messages_api.py): its error shape
+ANTHROPIC_PREFIX = "/v1/messages"
 
 # why the front closed a connection whose body it was reading (router/openai/connections.py)
 _CLOSED_BY = {
@@ -62,10 +66,11 @@ class FrontState:
     def stub(self):
         return self._front.stub
 
-    def answer(self, e: ApiError):
-        """The error's response, counted (router.metrics: the HTTP errors by status)."""
+    def answer(self, e: ApiError, path: str = ""):
+        """The error's response to a request for `path`, counted (router.metrics: the HTTP errors
+        by status); Anthropic's Messages API paths get its error shape."""
         self.settings.on_error(e.status)
-        return e.response()
+        return e.response(anthropic=path.startswith(ANTHROPIC_PREFIX))
 
     def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
         """The metadata the gRPC call carries: the client's key, checked here first, and its W3C
@@ -79,12 +84,15 @@ class FrontState:
             and value.isprintable()
         )
         header = request.headers.get("authorization")
+        if header is None and (key := request.headers.get("x-api-key")) is not None:
+            header = f"Bearer {key}"  # Anthropic's clients send their key so
         if not self.settings.keys:
             return trace
         if not self.settings.keys.accepts_header(header):
             raise ApiError(
                 401,
-                "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+                "a valid API key is required: send the header 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')"
                 if header is None
                 else "the API key is not valid (expected 'Authorization: Bearer <key>')",
                 "authentication_error",

@@ -1,6 +1,6 @@
 """The pieces every OpenAI response of the HTTP front shares, as pure functions of the router's
-gRPC messages: the finish_reason of a sequence's Finish (a failed one raises its ApiError), the
-usage of a request, the `pdserve` extension (per-stage timings from protos/timings.py and
+gRPC messages: the finish_reason of a sequence's Finish (a failed one raises its ApiError) and
+vLLM's stop_reason beside it (the stop string or token that matched), the usage of a request, the `pdserve` extension (per-stage timings from protos/timings.py and
 the workers that served it) and server-sent event framing.
 
 Whole responses (router/openai/responses/whole.py) and streams (stream.py beside it) build on
@@ -25,6 +25,13 @@ def finish_reason(finish: pdserve_pb2.Finish) -> str:
     if reason == "abort":
         raise ApiError(503, f"the request was aborted: {why}", "server_error", code="aborted")
     raise ApiError(500, f"the request failed ({reason}): {why}", "server_error")
+
+
+def stop_reason(finish: pdserve_pb2.Finish) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the sequence; None when
+    it ended otherwise (its end-of-sequence token, max_tokens, the context)."""
+    kind = finish.WhichOneof("stop_reason")
+    return getattr(finish, kind) if kind is not None else None
 
 
 def usage(finishes: list[pdserve_pb2.Finish], n: int = 1) -> dict:

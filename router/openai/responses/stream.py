@@ -1,9 +1,10 @@
 """The HTTP front's server-sent events (router/openai/generate.py starts them): one gRPC Generate
 call's responses as OpenAI's chunks, for chat and completions. One chunk per TokenDelta (its
-logprobs, with their alternatives, in logprobs.py's shapes), one with the finish_reason per
-sequence, with include_usage a last chunk with empty choices and the usage, then `data: [DONE]`;
-with vLLM's continuous_usage_stats every chunk carries its choice's usage so far too (the prompt's
-token count comes in the call's initial metadata, PROMPT_TOKENS_KEY, before any token).
+logprobs, with their alternatives, in logprobs.py's shapes), one with the finish_reason (and
+vLLM's stop_reason) per sequence, with include_usage a last chunk with empty choices and the
+usage, then `data: [DONE]`; with vLLM's continuous_usage_stats every chunk carries its choice's
+usage so far too (the prompt's token count comes in the call's initial metadata,
+PROMPT_TOKENS_KEY, before any token).
 Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
 logprobs are not streamed: router/openai/protocol.py refuses them with stream=true). A failure
 after the stream started is one error event, then [DONE]. A chat with tools has its text read by
@@ -27,7 +28,7 @@ from pdserve.router.openai.responses.logprobs import (
     check_logprobs,
     completion_logprobs,
 )
-from pdserve.router.openai.responses.parts import extension, finish_reason, sse
+from pdserve.router.openai.responses.parts import extension, finish_reason, sse, stop_reason
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of
 from pdserve.router.openai.responses.whole import echo_text, request_usage
 from pdserve.router.service import PROMPT_TOKENS_KEY  # the router's Generate sends it
@@ -176,7 +177,9 @@ class _Chunks:
                 )
             if p.num_calls and reason == "stop":
                 reason = "tool_calls"
-        return calls, self.chunk([self.choice(f.index, None if self.chat else "", None, reason)])
+        last = self.choice(f.index, None if self.chat else "", None, reason)
+        last["stop_reason"] = stop_reason(f)  # vLLM's: the stop string or token that matched
+        return calls, self.chunk([last])
 
     def _parser(self, index: int) -> ToolCallParser:
         return self.parsers.setdefault(index, ToolCallParser(forced=self.mode == "forced"))

@@ -21,7 +21,7 @@ from pdserve.router.openai.responses.logprobs import (
     joined,
     prompt_logprobs_field,
 )
-from pdserve.router.openai.responses.parts import extension, finish_reason, usage
+from pdserve.router.openai.responses.parts import extension, finish_reason, stop_reason, usage
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, join_events
 
 
@@ -89,7 +89,13 @@ def _completion_choice(c: Choice, body, text_of) -> dict:
                 completion_logprobs(c.token_ids, c.logprobs, text_of, len(head), c.tops, k)
             )
         lp = parts[0] if len(parts) == 1 else joined(*parts)
-    out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason(c.finish)}
+    out = {
+        "index": c.index,
+        "text": text,
+        "logprobs": lp,
+        "finish_reason": finish_reason(c.finish),
+        "stop_reason": stop_reason(c.finish),
+    }
     if body.prompt_logprobs is not None:
         check_prompt(c.finish)
         out["prompt_logprobs"] = prompt_logprobs_field(c.finish, text_of, body.prompt_logprobs)
@@ -110,7 +116,13 @@ def _chat_choice(c: Choice, body, text_of) -> dict:
         message = {"role": "assistant", "content": content, "tool_calls": calls}
         if calls and reason == "stop":
             reason = "tool_calls"
-    return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason}
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": lp,
+        "finish_reason": reason,
+        "stop_reason": stop_reason(c.finish),
+    }
 
 
 def whole_response(responses, body, chat: bool, model_id: str, request_id: str, text_of) -> dict:

@@ -1,0 +1,630 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API, served as a chat
+completion (as /v1/responses is), so Anthropic's SDKs and the tools built on them (Claude Code
+among them: ANTHROPIC_BASE_URL) run on a pdserve deployment.
+
+A body (MessagesRequest) is read as the chat it describes (`as_chat`): `system` a system message
+first; each message's text blocks its text; an assistant's tool_use blocks its tool calls (their
+`input` as the call's JSON arguments); a user's tool_result blocks one tool message each (with
+is_error the text says so), before its text; thinking blocks dropped, as Anthropic drops earlier
+turns' thinking; consecutive messages of one role joined, as Anthropic joins them. A conversation
+that ends with the assistant's text is continued from it (Anthropic's prefill:
+continue_final_message). stop_sequences, temperature, top_p, top_k, tools (custom tools: name,
+description, input_schema), tool_choice (auto, any, tool, none) and output_config.format
+(a JSON schema) become the chat's fields. The chat runs the chat path (chat.py, generate.py),
+and its answer is rewritten (`Shape`) as a Message: a text block, one tool_use block per call,
+stop_reason (end_turn, max_tokens, stop_sequence with the sequence that matched, tool_use, or
+model_context_window_exceeded when the context, not max_tokens, ended it) and Anthropic's usage
+(input_tokens are the prompt's uncached tokens, cache_read_input_tokens the cached ones). A stream
+sends Anthropic's events: message_start, content_block_start/_delta/_stop per block,
+message_delta, message_stop; a failure, an `error` event. Errors are Anthropic's error object
+(router/openai/errors.py) with the same HTTP statuses as the OpenAI paths. Images, documents,
+server tools, thinking with a budget and max_tokens 0 are refused with a 400 naming the field.
+The routes are declared on `router`, which build_app (router/openai/app.py) includes; they keep
+no state of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field, StrictBool, StrictStr, ValidationError, field_validator
+
+from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
+from pdserve.router.openai.chat import chat_request
+from pdserve.router.openai.errors import ApiError, anthropic_type, status_of
+from pdserve.router.openai.generate import generate
+from pdserve.router.openai.protocol import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    FunctionDef,
+    ShortStr,
+    StopString,
+    TopP,
+    _field_names,
+    _name,
+    _Strict,
+    chat_messages,
+)
+from pdserve.router.openai.state import state_of
+from pdserve.router.text import MAX_CHAT_MESSAGES
+
+router = APIRouter()
+
+MAX_BLOCKS = 1024  # content blocks in one message
+_BLOCK_KINDS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+# ---- the request -----------------------------------------------------------------------------
+class CacheControl(_Strict):
+    """Anthropic's prompt-caching mark: accepted and not needed (every prompt's full blocks are
+    cached here; `cache_read_input_tokens` says how many were read)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = None  # a replayed answer's (always null here): ignored
+
+
+CallId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class ToolUseBlock(_Strict):
+    """An assistant's tool call, replayed."""
+
+    type: Literal["tool_use"]
+    id: CallId
+    name: StrictStr
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
+
+
+class ToolResultBlock(_Strict):
+    """A tool's result for the call `tool_use_id`: text, or text blocks."""
+
+    type: Literal["tool_result"]
+    tool_use_id: CallId
+    content: StrictStr | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
+    is_error: StrictBool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            body = ""
+        elif isinstance(self.content, str):
+            body = self.content
+        else:
+            body = "\n".join(b.text for b in self.content)
+        return f"Error: {body}" if self.is_error else body
+
+
+class ThinkingBlock(_Strict):
+    """An earlier turn's thinking (another model's): dropped, as Anthropic drops it."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: StrictStr | None = None
+    signature: StrictStr | None = None
+    data: StrictStr | None = None
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: StrictStr | Annotated[list[Block], Field(max_length=MAX_BLOCKS)]
+
+    def blocks(self) -> list:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+def _check_blocks(v):
+    """Each block's kind, before the union reads it: a clear 400 for kinds not served."""
+    if not isinstance(v, list):
+        return v
+    for i, message in enumerate(v):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        role = message.get("role")
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in _BLOCK_KINDS:
+                raise ValueError(
+                    f"messages[{i}].content[{j}]: blocks of type {str(kind)[:40]!r} are not "
+                    f"supported: this model reads text (text, tool_use, tool_result blocks)"
+                )
+            allowed = {"user": {"text", "tool_result"}}.get(role, _BLOCK_KINDS - {"tool_result"})
+            if kind not in allowed:
+                raise ValueError(
+                    f"messages[{i}].content[{j}]: a {role!s:.20} message cannot hold a {kind} block"
+                )
+    return v
+
+
+class CustomTool(_Strict):
+    """A client tool: its name, description and the JSON schema of its input."""
+
+    name: StrictStr
+    input_schema: dict[str, Any]
+    description: Annotated[StrictStr, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    strict: StrictBool | None = None  # a forced call always follows the schema here
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
+    _check_schema = field_validator("input_schema")(
+        classmethod(lambda cls, v: FunctionDef._parameters(v))
+    )
+
+    def as_chat(self) -> dict:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+def _custom_tools_only(v):
+    if isinstance(v, list):
+        for i, tool in enumerate(v):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind not in (None, "custom"):
+                raise ValueError(
+                    f"tools[{i}]: only custom tools (name, input_schema) are served here, not "
+                    f"{str(kind)[:40]!r}"
+                )
+    return v
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    # at most one call: a forced choice (any, tool) makes exactly one here; "auto" ignores it
+    disable_parallel_tool_use: StrictBool | None = None
+
+    def as_chat(self):
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"auto": "auto", "any": "required", "none": "none"}[self.type]
+
+
+class Thinking(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=0, lt=1 << 31)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class JsonOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # ignored: no thinking
+
+
+class Metadata(_Strict):
+    user_id: ShortStr | None = None
+
+
+class Conversation(_Strict):
+    """What /v1/messages and /v1/messages/count_tokens share: the conversation and its tools."""
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+    system: StrictStr | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
+    tools: Annotated[list[CustomTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # accepted and ignored: they change nothing about the answer
+    cache_control: CacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None
+
+    _blocks = field_validator("messages", mode="before")(
+        classmethod(lambda cls, v: _check_blocks(v))
+    )
+    _tool_kinds = field_validator("tools", mode="before")(
+        classmethod(lambda cls, v: _custom_tools_only(v))
+    )
+
+    @field_validator("messages")
+    @classmethod
+    def _prefill_is_text(cls, v):
+        last = v[-1]
+        if last.role == "assistant" and any(isinstance(b, ToolUseBlock) for b in last.blocks()):
+            raise ValueError(
+                "the last message is the assistant's tool use: send the tools' results "
+                "(tool_result blocks) in a user message after it"
+            )
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v):
+        names = [t.name for t in v or ()]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"tool names must be unique; {dup[:3]} appear more than once")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info):
+        if v is None or v.type == "none":
+            return v
+        tools = info.data.get("tools")
+        if not tools:
+            if "tools" not in info.data:  # tools itself was refused: that is the error
+                return v
+            raise ValueError("tool_choice needs tools: send the tools the model may use")
+        if v.type == "tool" and v.name not in [t.name for t in tools]:
+            raise ValueError(f"tool {str(v.name)[:64]!r} is not one of the tools")
+        if v.type != "tool" and v.name is not None:
+            raise ValueError("name is set only with type 'tool'")
+        return v
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_budget(cls, v):
+        if v is not None and v.type == "enabled":
+            raise ValueError(
+                "this model has no thinking mode: send thinking {'type': 'disabled'} (or "
+                "'adaptive', which thinks only where the model can), or leave it unset"
+            )
+        return v
+
+    @field_validator("output_config")
+    @classmethod
+    def _one_shape(cls, v, info):
+        choice = info.data.get("tool_choice")
+        if v is not None and v.format is not None and choice and choice.type in ("any", "tool"):
+            raise ValueError(
+                "a forced tool use (tool_choice) and output_config.format both shape the "
+                "output: send one of them"
+            )
+        return v
+
+    def prefill(self) -> bool:
+        """Whether the answer continues the last message (the assistant's text)."""
+        return self.messages[-1].role == "assistant"
+
+    def chat_fields(self) -> dict:
+        """The chat completion's fields of the conversation: messages, tools, output format."""
+        body: dict[str, Any] = {"messages": chat_messages_of(self)}
+        if self.prefill():
+            body["add_generation_prompt"] = False
+            body["continue_final_message"] = True
+        if self.tools:
+            body["tools"] = [t.as_chat() for t in self.tools]
+            if self.tool_choice is not None:
+                body["tool_choice"] = self.tool_choice.as_chat()
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": fmt.schema_},
+            }
+        return body
+
+
+class MessagesRequest(Conversation):
+    """POST /v1/messages."""
+
+    max_tokens: Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+    stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: StrictBool = False
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=0, lt=1 << 31)] | None = None
+    # accepted and ignored
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    inference_geo: ShortStr | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _some_tokens(cls, v):
+        if v == 0:
+            raise ValueError(
+                "max_tokens=0 (warming the prompt cache without an answer) is not served: "
+                "send at least 1 (every prompt's blocks are cached anyway)"
+            )
+        return v
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat completion this body asks for (raises ApiError when it is not one)."""
+        body = self.chat_fields()
+        body.update(stream=self.stream, max_completion_tokens=self.max_tokens)
+        if self.stream:  # the prompt's tokens on the first chunk: message_start says them
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        for key, value in (
+            ("model", self.model),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k or None),
+            ("stop", self.stop_sequences),
+        ):
+            if value is not None:
+                body[key] = value
+        return _validated_chat(body)
+
+
+class CountTokensRequest(Conversation):
+    """POST /v1/messages/count_tokens."""
+
+    def as_chat(self) -> ChatCompletionRequest:
+        return _validated_chat({"model": self.model, **self.chat_fields()})
+
+
+def _validated_chat(body: dict) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_input=False, include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(
+            400,
+            f"the request is not one this server can run as a chat ({where}: {first['msg']})",
+            code="invalid_value",
+        ) from None
+
+
+MESSAGES_FIELDS = _field_names(MessagesRequest)
+
+
+def chat_messages_of(body: Conversation) -> list[dict]:
+    """The chat messages of a conversation (the module's docstring says how)."""
+    out: list[dict] = []
+    if body.system is not None:
+        system = body.system
+        text = system if isinstance(system, str) else "\n".join(b.text for b in system)
+        out.append({"role": "system", "content": text})
+    for m in body.messages:
+        texts = [b.text for b in m.blocks() if isinstance(b, TextBlock)]
+        if m.role == "user":
+            for b in m.blocks():
+                if isinstance(b, ToolResultBlock):
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            if texts or not any(isinstance(b, ToolResultBlock) for b in m.blocks()):
+                _add(out, {"role": "user", "content": "\n".join(texts)})
+            continue
+        calls = [
+            {
+                "id": b.id,
+                "type": "function",
+                "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)},
+            }
+            for b in m.blocks()
+            if isinstance(b, ToolUseBlock)
+        ]
+        text = "\n".join(texts) if texts or not calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        _add(out, message)
+    return out
+
+
+def _add(out: list[dict], message: dict) -> None:
+    """Appends `message`, joined to the one before when both are the same role's plain turn."""
+    last = out[-1] if out else None
+    if last is None or last["role"] != message["role"] or message["role"] not in _JOINED:
+        out.append(message)
+        return
+    if last.get("tool_calls"):  # an assistant's calls end its turn's text
+        out.append(message)
+        return
+    texts = [t for t in (last["content"], message["content"]) if t]
+    last["content"] = "\n".join(texts)
+    if message.get("tool_calls"):
+        last["tool_calls"] = message["tool_calls"]
+
+
+_JOINED = ("user", "assistant")
+
+
+# ---- the response ----------------------------------------------------------------------------
+def _usage(chat_usage: dict | None) -> dict:
+    """Anthropic's usage of a chat's: input_tokens are the prompt's tokens read uncached."""
+    chat_usage = chat_usage or {}
+    prompt = chat_usage.get("prompt_tokens", 0)
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": chat_usage.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _tool_use(call: dict) -> dict:
+    """A chat tool call as a tool_use block (its arguments are a JSON object: tool_calls.py)."""
+    fn = call["function"]
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": fn["name"],
+        "input": json.loads(fn["arguments"] or "{}"),
+    }
+
+
+class Shape:
+    """A chat's answer as a Message (generate.py's `shape`): `whole` for a chat completion,
+    `events` for a chat's stream of chunks."""
+
+    def __init__(self, body: MessagesRequest, model_id: str):
+        self.body, self.model_id = body, model_id
+        self.id = f"msg_{uuid.uuid4().hex}"
+
+    def message(self, content: list[dict], usage: dict, stop: tuple) -> dict:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model_id,
+            "content": content,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
+            "usage": usage,
+        }
+
+    def stop(self, finish_reason: str | None, stop_reason, output_tokens: int) -> tuple:
+        """(Anthropic's stop_reason, stop_sequence) of a chat's finish."""
+        if isinstance(stop_reason, str):
+            return "stop_sequence", stop_reason
+        reason = _STOP_REASONS.get(finish_reason or "", "end_turn")
+        if reason == "max_tokens" and output_tokens < self.body.max_tokens:
+            reason = "model_context_window_exceeded"  # the context ended it, not max_tokens
+        return reason, None
+
+    def whole(self, chat: dict) -> dict:
+        choice = chat["choices"][0]
+        message = choice["message"]
+        content = []
+        if message.get("content"):
+            content.append({"type": "text", "text": message["content"]})
+        content += [_tool_use(call) for call in message.get("tool_calls") or ()]
+        usage = _usage(chat.get("usage"))
+        stop = self.stop(choice["finish_reason"], choice["stop_reason"], usage["output_tokens"])
+        out = self.message(content, usage, stop)
+        out["pdserve"] = chat.get("pdserve")
+        return out
+
+    async def events(self, chunks: AsyncIterator) -> AsyncIterator[bytes]:
+        writer = _EventWriter(self)
+        async for chunk in chunks:
+            for event in writer.feed(chunk):
+                yield event
+            if writer.failed:
+                return
+
+
+def _event(kind: str, **fields) -> bytes:
+    payload = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+
+class _EventWriter:
+    """A Message's stream events from a chat's chunks, one chunk at a time: each text run and
+    each tool call is a content block, opened when its first piece comes and closed when the
+    next block opens or the answer ends."""
+
+    def __init__(self, shape: Shape):
+        self.shape = shape
+        self.started = False
+        self.blocks = 0  # content blocks opened so far
+        self.open: tuple[str, int] | None = None  # ("text", -1) or ("tool", chat call index)
+        self.finish: tuple[str | None, Any] = (None, None)  # finish_reason, stop_reason
+        self.usage: dict | None = None
+        self.extension: dict | None = None
+        self.failed = False
+
+    def feed(self, chunk) -> list[bytes]:
+        if chunk == "[DONE]":
+            return self._done()
+        if "error" in chunk:
+            self.failed = True
+            e = chunk["error"]
+            kind = anthropic_type(status_of(e))
+            return [_event("error", error={"type": kind, "message": e["message"]})]
+        out: list[bytes] = []
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        if not self.started:
+            self.started = True
+            prompt = (self.usage or {}).get("prompt_tokens", 0)
+            usage = {**_usage(None), "input_tokens": prompt}
+            out.append(_event("message_start", message=self.shape.message([], usage, (None, None))))
+        if chunk.get("pdserve") is not None:
+            self.extension = chunk["pdserve"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call(call)
+            if choice.get("finish_reason"):
+                self.finish = (choice["finish_reason"], choice.get("stop_reason"))
+        return out
+
+    def _opening(self, key: tuple[str, int], block: dict) -> list[bytes]:
+        out = self._close()
+        self.open = key
+        out.append(_event("content_block_start", index=self.blocks, content_block=block))
+        self.blocks += 1
+        return out
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", index=self.blocks - 1)]
+
+    def _text(self, piece: str) -> list[bytes]:
+        out = []
+        if self.open != ("text", -1):
+            out = self._opening(("text", -1), {"type": "text", "text": ""})
+        delta = {"type": "text_delta", "text": piece}
+        return out + [_event("content_block_delta", index=self.blocks - 1, delta=delta)]
+
+    def _call(self, call: dict) -> list[bytes]:
+        out = []
+        key = ("tool", call["index"])
+        if self.open != key:
+            name = call["function"]["name"]
+            block = _tool_use({"id": call["id"], "function": {"name": name, "arguments": ""}})
+            out = self._opening(key, block)
+        arguments = call.get("function", {}).get("arguments", "")
+        if arguments:
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            out.append(_event("content_block_delta", index=self.blocks - 1, delta=delta))
+        return out
+
+    def _done(self) -> list[bytes]:
+        out = self._close()
+        usage = _usage(self.usage)
+        reason, sequence = self.shape.stop(*self.finish, usage["output_tokens"])
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        out.append(_event("message_delta", delta=delta, usage=usage, pdserve=self.extension))
+        out.append(_event("message_stop"))
+        return out
+
+
+# ---- the routes ------------------------------------------------------------------------------
+@router.post("/v1/messages")
+async def messages(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, MessagesRequest, MESSAGES_FIELDS)
+    front.check_model(body.model)
+    chat = body.as_chat()
+    gen = chat_request(front, chat)
+    shape = Shape(body, body.model)
+    return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    """The prompt's tokens, as /v1/messages would run it (the chat template, the tools)."""
+    front = state_of(request)
+    body, _ = await front.parse(request, CountTokensRequest, MESSAGES_FIELDS)
+    front.check_model(body.model)
+    chat = body.as_chat()
+    front.check_prompt_size([t for m in chat.messages for t in (m.role, m.text())], "messages")
+    ids = await front.encode("messages", front.encoder.tokenize_chat, chat_messages(chat), False)
+    return {"input_tokens": len(ids)}

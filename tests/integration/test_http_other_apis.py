@@ -1,0 +1,370 @@
+"""The other APIs the HTTP front serves as a chat: OpenAI's /v1/responses
+(router/openai/responses_api.py) through the official `openai` client and Anthropic's
+/v1/messages (router/openai/messages_api.py) through the official `anthropic` client, on one
+router in front of a prefill and a decode worker on a tiny random model with a byte-level
+tokenizer and a short chat template that takes tools (as tests/integration/
+test_tool_calls_served.py's).
+
+Each gives, plain and streamed, the text the chat completion gives for the same conversation
+(greedy); a tool round trip works (a forced call whose arguments validate, then its result sent
+back); refused fields get a 400 naming them (in Anthropic's error shape on its paths), and the
+router keeps serving. /v1/messages also: a stop sequence is reported as the one that matched,
+prefill continues the assistant's text, count_tokens counts what the chat would run, and the
+x-api-key header carries the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.http import Workers, assert_error, post, serves
+from helpers.structured import TOOL_TEMPLATE as TEMPLATE, WEATHER, byte_level_model
+
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather",
+    "parameters": WEATHER,
+}
+CHAT_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER},
+}
+ANSWER = "It is sunny."
+
+
+@pytest.fixture(scope="module")
+def workers_of_router(tiny_models, tmp_path_factory, one_thread):
+    src, _ = tiny_models("llama-gqa")
+    model_dir = byte_level_model(src, tmp_path_factory.mktemp("byte-responses"), TEMPLATE)
+    w = Workers(model_dir, max_model_len=512)
+    r = w.router()
+    yield w, r
+    r.stop()
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def router(workers_of_router):
+    return workers_of_router[1]
+
+
+def client(router_):
+    return openai.OpenAI(
+        base_url=f"http://{router_.http_address}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+
+
+def _streamed(c, **kwargs):
+    """(the text of the deltas, the event types, the completed Response) of a streamed call."""
+    text, kinds, final = "", [], None
+    for event in c.responses.create(stream=True, **kwargs):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    return text, kinds, final
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        {"input": "What is the weather in Paris?"},
+        {
+            "instructions": "Answer briefly.",
+            "input": [
+                {"role": "user", "content": "Hello."},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            ],
+        },
+    ],
+    ids=["text", "messages"],
+)
+def test_responses_text_equals_the_chat_completion(router, inputs):
+    c = client(router)
+    messages = []
+    if "instructions" in inputs:
+        messages.append({"role": "system", "content": inputs["instructions"]})
+    if isinstance(inputs["input"], str):
+        messages.append({"role": "user", "content": inputs["input"]})
+    else:
+        for m in inputs["input"]:
+            text = m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]
+            messages.append({"role": m["role"], "content": text})
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chat = whole.choices[0]
+    want = chat.message.content
+    assert want
+    got = c.responses.create(model=MODEL, max_output_tokens=12, temperature=0, **inputs)
+    assert got.output_text == want and got.object == "response" and got.id.startswith("resp_")
+    assert got.status == ("incomplete" if chat.finish_reason == "length" else "completed")
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+    assert got.usage.total_tokens == got.usage.input_tokens + got.usage.output_tokens
+    text, kinds, final = _streamed(c, model=MODEL, max_output_tokens=12, temperature=0, **inputs)
+    assert text == want and final.output_text == want
+    assert final.usage.output_tokens == got.usage.output_tokens
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if final.status == "completed" else "response.incomplete",
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_tool_round_trip(router, stream):
+    c = client(router)
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    args = dict(model=MODEL, tools=[TOOL], max_output_tokens=96, temperature=1.0)
+    named = {"type": "function", "name": "get_weather"}
+    if stream:
+        _, kinds, first = _streamed(c, input=[user], tool_choice=named, **args)
+        assert "response.function_call_arguments.delta" in kinds
+        assert "response.function_call_arguments.done" in kinds
+    else:
+        first = c.responses.create(input=[user], tool_choice=named, **args)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    # the call and its result go back as items; the answer (guided: a random model's words)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky":"sun"}'}
+    replay = {
+        "type": "function_call",
+        "call_id": call.call_id,
+        "name": call.name,
+        "arguments": call.arguments,
+    }
+    second = c.responses.create(
+        input=[user, replay, result],
+        extra_body={
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": {"enum": [ANSWER]}}}
+        },
+        **args,
+    )
+    assert json.loads(second.output_text) == ANSWER and second.status == "completed"
+    # the same conversation as a chat completion sees the same prompt: the same answer
+    chat = c.chat.completions.create(
+        model=MODEL,
+        messages=[
+            user,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky":"sun"}'},
+        ],
+        tools=[CHAT_TOOL],
+        max_tokens=96,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": {"enum": [ANSWER]}},
+        },
+    )
+    assert json.loads(chat.choices[0].message.content) == ANSWER
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{**TOOL, "parameters": {"type": "strin"}}]}, "tools[0].parameters"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"background": True}, "background"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 100_000}, None),
+    ],
+)
+def test_refused_fields_get_a_400_naming_them(router, extra, param):
+    status, _, raw = post(router, "/v1/responses", {"model": MODEL, "input": "hi", **extra})
+    assert_error(status, raw, 400, param)
+    serves(router)
+
+
+def test_a_client_error_is_the_sdks_exception(router):
+    c = client(router)
+    with pytest.raises(openai.BadRequestError, match="not stored"):
+        c.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="other", input="hi")
+
+
+# ---- Anthropic's Messages API ------------------------------------------------------------------
+# the anthropic SDK (2.x) has no temperature argument any more; the API still takes it
+GREEDY = {"temperature": 0}
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "The weather", "input_schema": WEATHER}
+
+
+def anthropic_client(router_, key: str = "unused"):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(
+        base_url=f"http://{router_.http_address}", api_key=key, max_retries=0, timeout=60
+    )
+
+
+def _chat_text(router_, messages, **fields) -> tuple[str, dict]:
+    c = client(router_)
+    whole = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, **fields)
+    return whole.choices[0].message.content, whole
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_text_equals_the_chat_completion(router, stream):
+    a = anthropic_client(router)
+    system = "Answer briefly."
+    turns = [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+    ]
+    chat_turns = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Weather?"},
+    ]
+    want, whole = _chat_text(router, chat_turns, max_tokens=12)
+    assert want
+    args = dict(model=MODEL, max_tokens=12, system=system, messages=turns, extra_body=GREEDY)
+    if stream:
+        with a.messages.stream(**args) as s:
+            text = "".join(s.text_stream)
+            got = s.get_final_message()
+        assert text == want
+    else:
+        got = a.messages.create(**args)
+    assert got.content[0].text == want and got.type == "message" and got.id.startswith("msg_")
+    finish = whole.choices[0].finish_reason
+    assert got.stop_reason == ("max_tokens" if finish == "length" else "end_turn")
+    assert got.usage.output_tokens == whole.usage.completion_tokens
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == whole.usage.prompt_tokens
+    # the same prompt again: its full blocks come from the prefix cache
+    again = a.messages.create(**args)
+    assert again.usage.cache_read_input_tokens > 0
+    count = a.messages.count_tokens(model=MODEL, system=system, messages=turns)
+    assert count.input_tokens == whole.usage.prompt_tokens
+
+
+def test_a_stop_sequence_and_prefill(router):
+    a = anthropic_client(router)
+    user = {"role": "user", "content": "Say something."}
+    base = a.messages.create(model=MODEL, max_tokens=24, messages=[user], extra_body=GREEDY)
+    text = base.content[0].text
+    assert len(text) >= 6, text
+    stop = text[3:5]  # two characters in the middle of the greedy answer
+    cut = a.messages.create(
+        model=MODEL, max_tokens=24, messages=[user], stop_sequences=[stop], extra_body=GREEDY
+    )
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert cut.content[0].text == text[: text.index(stop)]
+    # prefill: the answer continues the assistant's text, as the chat's continue_final_message
+    prefix = {"role": "assistant", "content": text[:3]}
+    rest = a.messages.create(model=MODEL, max_tokens=8, messages=[user, prefix], extra_body=GREEDY)
+    want, _ = _chat_text(
+        router,
+        [user, prefix],
+        max_tokens=8,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert rest.content[0].text == want
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_use_round_trip(router, stream):
+    a = anthropic_client(router)
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    args = dict(model=MODEL, tools=[ANTHROPIC_TOOL], max_tokens=96, extra_body={"temperature": 1.0})
+    choice = {"type": "tool", "name": "get_weather"}
+    if stream:
+        with a.messages.stream(messages=[user], tool_choice=choice, **args) as s:
+            kinds = [e.type for e in s]
+            first = s.get_final_message()
+        assert "input_json" in kinds and kinds[-1] == "message_stop"
+    else:
+        first = a.messages.create(messages=[user], tool_choice=choice, **args)
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and use.name == "get_weather"
+    assert use.id.startswith("toolu_")
+    jsonschema.validate(use.input, WEATHER)
+    # the call and its result go back as blocks; the answer (shaped: a random model's words)
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": '{"sky":"sun"}'}
+    second = a.messages.create(
+        messages=[
+            user,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [result]},
+        ],
+        output_config={"format": {"type": "json_schema", "schema": {"enum": [ANSWER]}}},
+        **args,
+    )
+    assert json.loads(second.content[0].text) == ANSWER and second.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize(
+    "extra, status, words",
+    [
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "thinking"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "custom"),
+        ({"container": "x"}, 400, "container"),
+        ({"model": "claude-other"}, 404, "not served"),
+        ({"max_tokens": 100_000}, 400, None),
+    ],
+)
+def test_refused_messages_get_anthropics_error(router, extra, status, words):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    code, _, raw = post(router, "/v1/messages", {**body, **extra})
+    assert code == status, raw[:300]
+    doc = json.loads(raw)
+    assert doc["type"] == "error" and set(doc["error"]) == {"type", "message"}
+    want = "not_found_error" if status == 404 else "invalid_request_error"
+    assert doc["error"]["type"] == want
+    assert words is None or words in doc["error"]["message"], doc
+    serves(router)
+
+
+def test_the_sdks_exceptions_and_the_x_api_key_header(workers_of_router):
+    anthropic = pytest.importorskip("anthropic")
+    workers, _ = workers_of_router
+    key = "sk-anthropic-0123456789"
+    keyed = workers.router(api_keys=(key,))
+    hi = dict(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    try:
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic_client(keyed, key="sk-wrong-0123456789").messages.create(**hi)
+        with pytest.raises(anthropic.BadRequestError, match="thinking"):
+            anthropic_client(keyed, key=key).messages.create(
+                **hi, thinking={"type": "enabled", "budget_tokens": 1024}
+            )
+        # the SDK (2.x) sends its key as a bearer token; curl users and older clients send
+        # Anthropic's own header
+        for headers, status in (({"x-api-key": key}, 200), ({"x-api-key": "sk-no"}, 401)):
+            code, _, raw = post(keyed, "/v1/messages", hi, headers=headers)
+            assert code == status, raw[:300]
+        assert json.loads(raw)["error"]["type"] == "authentication_error"
+    finally:
+        keyed.stop()
