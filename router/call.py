@@ -147,7 +147,25 @@ class ClientCall(Inflight):
     # ---- the call -------------------------------------------------------------------------------
     def run(self):
         """Yields the client's responses but the last and returns the last Finish, or None when
-        the client left. Raises CallFailed."""
+        the client left. Raises CallFailed. With request.return_prompt_token_ids the first
+        response carries the prompt's ids (its TokenDelta's, or its Finish's)."""
+        responses = self._responses()
+        if not self.request.return_prompt_token_ids:
+            return (yield from responses)
+        try:
+            first = next(responses)
+        except StopIteration as stop:  # no token before the end: the last Finish has them
+            if stop.value is not None and not stop.value.prompt_token_ids:
+                stop.value.prompt_token_ids.extend(self.prompt)
+            return stop.value
+        event = first.delta if first.HasField("delta") else first.finish
+        if not event.prompt_token_ids:
+            event.prompt_token_ids.extend(self.prompt)
+        yield first
+        return (yield from responses)
+
+    def _responses(self):
+        """run()'s responses, without the prompt's ids."""
         final = yield from self._run_legs(None)
         if final is _REOPEN:  # each sequence still open, alone on a leg, one after another
             ended = {f.index for f in self.finishes}

@@ -36,7 +36,10 @@ def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
     # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
     most = body.max_new_tokens() or front.settings.max_model_len or None
     gen = pdserve_pb2.GenerateRequest(
-        model=body.model or "", sampling=sampling_params(body, most), priority=body.priority
+        model=body.model or "",
+        sampling=sampling_params(body, most),
+        priority=body.priority,
+        return_prompt_token_ids=bool(body.return_token_ids),
     )
     if body.tool_mode() == "auto" and body.skip_special_tokens is None and front.tags_special:
         gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser

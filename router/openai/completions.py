@@ -30,7 +30,10 @@ async def completions(request: Request):
     gens = []
     for prompt in prompts:
         gen = pdserve_pb2.GenerateRequest(
-            model=body.model or "", sampling=sampling, priority=body.priority
+            model=body.model or "",
+            sampling=sampling,
+            priority=body.priority,
+            return_prompt_token_ids=bool(body.return_token_ids),
         )
         if body.truncate_prompt_tokens is not None:
             gen.truncate_prompt_tokens = body.truncate_prompt_tokens

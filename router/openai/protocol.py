@@ -580,8 +580,9 @@ class VllmFields(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's label for its own logs and the response id: a label here too, the answer unchanged
     request_id: ShortStr | None = None
-    # newer vLLM's: token ids in the response; its repetition detection (0: off)
+    # vLLM's: the prompt's and each choice's token ids in the response (RL frameworks read them)
     return_token_ids: StrictBool | None = None
+    # newer vLLM's repetition detection (0: off)
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0
@@ -598,7 +599,6 @@ class VllmFields(BaseModel):
         "vllm_xargs",
         "guided_whitespace_pattern",
         "structural_tag",
-        "return_token_ids",
         "max_repetition_pattern_size",
         "min_repetition_pattern_size",
         "repetition_min_count",

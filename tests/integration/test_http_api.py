@@ -513,3 +513,63 @@ def test_a_failure_after_the_stream_started_is_an_error_event_then_done(router, 
     assert set(events[-1]) == {"error"} and events[-1]["error"]["message"] == "injected"
     monkeypatch.undo()
     serves(router)
+
+
+def _tokenized(router_, body: dict) -> list[int]:
+    status, _, raw = post(router_, "/tokenize", body)
+    assert status == 200, raw
+    return json.loads(raw)["tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids(router, idle, stream):
+    """vLLM's return_token_ids (RL frameworks train on the exact ids): a chat's prompt_token_ids
+    are what /tokenize renders for its messages, a completion's what it tokenizes (each prompt of
+    a batch its own), each choice's token_ids the ids its text and its logprobs were made of;
+    streamed, the ids of every chunk add up to the same."""
+    chat_body = {**GOOD_CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    completion_body = {
+        **GOOD,
+        "prompt": ["t5 t6", "t7 t8 t9"],
+        "n": 2,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+    for path, body in ((CHAT, chat_body), (C, completion_body)):
+        plain_status, _, plain = post(router, path, {**body, "stream": False})
+        assert plain_status == 200, plain
+        status, _, raw = post(router, path, {**body, "stream": stream, "return_token_ids": True})
+        assert status == 200, raw
+        doc = _gathered(raw, path == CHAT) if stream else json.loads(raw)
+        if path == CHAT:
+            want = _tokenized(router, {"model": MODEL, "messages": body["messages"]})
+            assert doc["prompt_token_ids"] == want
+            text = json.loads(plain)["choices"][0]["message"]["content"]
+            ids = doc["choices"][0]["token_ids"]
+            assert " ".join(f"t{i}" for i in ids) == text.strip()  # the word-level test vocab
+            continue
+        for choice in doc["choices"]:
+            prompt = body["prompt"][choice["index"] // 2]
+            assert choice["prompt_token_ids"] == _tokenized(router, {"prompt": prompt})
+            assert len(choice["token_ids"]) == 4
+            if not stream:  # each id is the token the logprobs name
+                names = [t.strip() for t in choice["logprobs"]["tokens"]]
+                assert names == [f"t{i}" for i in choice["token_ids"]]
+    serves(router)
+
+
+def _gathered(raw: bytes, chat: bool) -> dict:
+    """A stream's return_token_ids fields gathered as a whole response has them."""
+    out: dict = {"choices": {}}
+    for event in sse_events(raw)[:-1]:
+        if "prompt_token_ids" in event:
+            out["prompt_token_ids"] = event["prompt_token_ids"]
+        for c in event.get("choices") or ():
+            choice = out["choices"].setdefault(c["index"], {"index": c["index"], "token_ids": []})
+            choice["token_ids"] += c.get("token_ids") or []
+            if "prompt_token_ids" in c:
+                choice["prompt_token_ids"] = c["prompt_token_ids"]
+            assert chat or c.get("finish_reason") or "token_ids" in c, c
+    out["choices"] = [out["choices"][i] for i in sorted(out["choices"])]
+    return out

@@ -79,7 +79,7 @@ REFUSED = [
     ("guided_whitespace_pattern", " "),
     ("structural_tag", "{}"),
     ("length_penalty", "long"),
-    ("return_token_ids", True),
+    ("return_token_ids", "yes"),
     ("max_repetition_pattern_size", 4),
     ("min_repetition_pattern_size", 2),
     ("repetition_min_count", 3),

@@ -4,7 +4,8 @@ logprobs, with their alternatives, in logprobs.py's shapes), one with the finish
 vLLM's stop_reason) per sequence, with include_usage a last chunk with empty choices and the
 usage, then `data: [DONE]`; with vLLM's continuous_usage_stats every chunk carries its choice's
 usage so far too (the prompt's token count comes in the call's initial metadata,
-PROMPT_TOKENS_KEY, before any token).
+PROMPT_TOKENS_KEY, before any token); with vLLM's return_token_ids each delta's chunk has its ids
+and the prompt's ids ride on the first chunk (completions: each choice's first generated one).
 Completions' echo sends each choice's prompt first (max_tokens 0: the prompt alone; the prompt's
 logprobs are not streamed: router/openai/protocol.py refuses them with stream=true). A failure
 after the stream started is one error event, then [DONE]. A chat with tools has its text read by
@@ -94,6 +95,11 @@ class _Chunks:
         self.mode = body.tool_mode() if chat else "none"
         self.parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's
         self.offsets: dict[int, int] = {}  # completions: each choice's text offset so far
+        # vLLM's return_token_ids: each delta's ids on its chunk, each prompt's ids (known from
+        # its call's first response) on the first chunk (chat) or each choice's first (completions)
+        self.want_ids = bool(getattr(body, "return_token_ids", None))
+        self.prompt_ids: dict[int, list[int]] = {}  # prompt index -> its ids
+        self.ids_sent: set[int] = set()  # completions: choices whose prompt ids went out
 
     def chunk(self, choices: list[dict]) -> dict:
         out = {**self.base, "choices": choices}
@@ -125,14 +131,23 @@ class _Chunks:
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
+    def learn_prompt_ids(self, r: pdserve_pb2.GenerateResponse) -> None:
+        """return_token_ids: the prompt's ids if this response carries them."""
+        event = r.delta if r.HasField("delta") else r.finish
+        if self.want_ids and event.prompt_token_ids:
+            self.prompt_ids.setdefault(event.index // self.body.n, list(event.prompt_token_ids))
+
     def opening(self) -> list[dict]:
-        """A chat's assistant role, one chunk per sequence; completions' echo, each choice's
-        prompt (its logprobs are not streamed: the schema's check)."""
+        """A chat's assistant role, one chunk per sequence (the first with the prompt's ids when
+        asked); completions' echo, each choice's prompt (its logprobs are not streamed: the
+        schema's check)."""
         out = []
         if self.chat:
             out += [
                 self.chunk([self.choice(i, "", None, None, role=True)]) for i in range(self.body.n)
             ]
+            if self.want_ids and out:
+                out[0]["prompt_token_ids"] = self.prompt_ids.get(0, [])
         if self.echo:
             for i in range(len(self.body.prompts()) * self.body.n):
                 head = echo_text(self.body, i, self.text_of)
@@ -141,8 +156,22 @@ class _Chunks:
         return out
 
     def sent(self, d: pdserve_pb2.TokenDelta) -> bool:
-        """Whether the delta is sent at all (echo alone sends the prompt only)."""
-        return not (self.echo_only or not d.text and not (self.want_logprobs and d.token_ids))
+        """Whether the delta is sent at all (echo alone sends the prompt only; a delta with no
+        text yet goes out for its logprobs or its ids when they are asked for)."""
+        carries = (self.want_logprobs or self.want_ids) and d.token_ids
+        return not (self.echo_only or not d.text and not carries)
+
+    def with_ids(self, chunk: dict, d: pdserve_pb2.TokenDelta) -> dict:
+        """return_token_ids: the delta's ids on its choice (completions: the prompt's too, on
+        the choice's first chunk)."""
+        if not self.want_ids:
+            return chunk
+        choice = chunk["choices"][0]
+        choice["token_ids"] = list(d.token_ids)
+        if not self.chat and d.index not in self.ids_sent:
+            self.ids_sent.add(d.index)
+            choice["prompt_token_ids"] = self.prompt_ids.get(d.index // self.body.n, [])
+        return chunk
 
     def logprobs(self, d: pdserve_pb2.TokenDelta) -> dict | None:
         if not self.want_logprobs:
@@ -158,13 +187,16 @@ class _Chunks:
 
     def of_delta(self, d: pdserve_pb2.TokenDelta, lp) -> list[dict]:
         if self.mode == "none":
-            return [self.chunk([self.choice(d.index, d.text, lp, None)])]
+            return [self.with_ids(self.chunk([self.choice(d.index, d.text, lp, None)]), d)]
         p = self._parser(d.index)
-        deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp else [])
-        return [
+        deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp or self.want_ids else [])
+        out = [
             self.chunk([_with(self.choice(d.index, None, lp if k == 0 else None, None), delta)])
             for k, delta in enumerate(deltas)
         ]
+        if out:  # the delta's ids ride on its first chunk
+            self.with_ids(out[0], d)
+        return out
 
     def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
         """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""
@@ -203,9 +235,11 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
     try:
         if c.continuous:
             c.prompt_tokens = await prompt_token_counts(call)
+        c.learn_prompt_ids(first)
         for out in c.opening():
             yield out
         async for r in _prepend(first, call):
+            c.learn_prompt_ids(r)
             if r.HasField("delta"):
                 c.count(r.delta)
                 if not c.sent(r.delta):

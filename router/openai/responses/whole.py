@@ -1,7 +1,8 @@
 """OpenAI's whole (non-streaming) responses for the HTTP front, as a pure function of the
 router's gRPC messages: the choices of every sequence, with completions' echo (the prompt before
 the completion; max_tokens 0: the prompt alone, its generated token dropped, as vLLM), the
-logprobs of logprobs.py, a chat's tool calls (tool_calls.py), the usage and the `pdserve`
+logprobs of logprobs.py, a chat's tool calls (tool_calls.py), vLLM's return_token_ids (the
+prompt's ids from its call's first response, each choice's own), the usage and the `pdserve`
 extension (parts.py). The streamed form is stream.py's. No server state lives here.
 """
 
@@ -33,6 +34,8 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     tops: list = field(default_factory=list)  # pdserve_pb2.TopLogprobs, one per token
     finish: pdserve_pb2.Finish | None = None
+    # return_token_ids: the prompt's ids, on the choice whose response came first in its call
+    prompt_ids: list[int] | None = None
 
 
 def collect_choices(responses) -> dict[int, Choice]:
@@ -45,10 +48,24 @@ def collect_choices(responses) -> dict[int, Choice]:
             c.token_ids.extend(d.token_ids)
             c.logprobs.extend(d.logprobs)
             c.tops.extend(d.top_logprobs)
+            if d.prompt_token_ids:
+                c.prompt_ids = list(d.prompt_token_ids)
         elif r.HasField("finish"):
             c = choices.setdefault(r.finish.index, Choice(r.finish.index))
             c.finish = r.finish
+            if r.finish.prompt_token_ids and c.prompt_ids is None:
+                c.prompt_ids = list(r.finish.prompt_token_ids)
     return choices
+
+
+def prompt_ids_of(choices: dict[int, Choice], n: int) -> dict[int, list[int]]:
+    """return_token_ids: each prompt's token ids (choice i * n + j is prompt i's), from the
+    response of its call that carried them."""
+    out: dict[int, list[int]] = {}
+    for i, c in choices.items():
+        if c.prompt_ids is not None:
+            out.setdefault(i // n, c.prompt_ids)
+    return out
 
 
 def echo_text(body, index: int, text_of) -> str:
@@ -72,7 +89,7 @@ def request_usage(finishes, body) -> dict:
     return out
 
 
-def _completion_choice(c: Choice, body, text_of) -> dict:
+def _completion_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
     echo_only = body.max_tokens == 0
     head = echo_text(body, c.index, text_of) if body.echo else ""
     text = head + ("" if echo_only else "".join(c.text))
@@ -96,13 +113,18 @@ def _completion_choice(c: Choice, body, text_of) -> dict:
         "finish_reason": finish_reason(c.finish),
         "stop_reason": stop_reason(c.finish),
     }
+    if body.return_token_ids:  # vLLM's: with echo, the prompt's ids lead, as its text does
+        prompt = prompt_ids[c.index // body.n]
+        generated = [] if echo_only else c.token_ids
+        out["token_ids"] = (prompt if body.echo else []) + generated
+        out["prompt_token_ids"] = prompt
     if body.prompt_logprobs is not None:
         check_prompt(c.finish)
         out["prompt_logprobs"] = prompt_logprobs_field(c.finish, text_of, body.prompt_logprobs)
     return out
 
 
-def _chat_choice(c: Choice, body, text_of) -> dict:
+def _chat_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
     reason = finish_reason(c.finish)
     lp = None
     if body.logprobs:
@@ -122,6 +144,7 @@ def _chat_choice(c: Choice, body, text_of) -> dict:
         "logprobs": lp,
         "finish_reason": reason,
         "stop_reason": stop_reason(c.finish),
+        **({"token_ids": c.token_ids} if body.return_token_ids else {}),
     }
 
 
@@ -133,8 +156,12 @@ def whole_response(responses, body, chat: bool, model_id: str, request_id: str, 
     if missing or not finishes:
         raise ApiError(500, f"sequences {missing} ended without a Finish", "server_error")
     make = _chat_choice if chat else _completion_choice
-    out = [make(choices[i], body, text_of) for i in sorted(choices)]
+    prompt_ids = prompt_ids_of(choices, body.n) if body.return_token_ids else {}
+    if body.return_token_ids and len(prompt_ids) < len(finishes) // body.n:
+        raise ApiError(500, "the router sent no prompt token ids", "server_error")
+    out = [make(choices[i], body, text_of, prompt_ids) for i in sorted(choices)]
     suffix = request_id.removeprefix("http-")
+    extra = {"prompt_token_ids": prompt_ids[0]} if chat and body.return_token_ids else {}
     return {
         "id": f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}",
         "object": "chat.completion" if chat else "text_completion",
@@ -143,5 +170,6 @@ def whole_response(responses, body, chat: bool, model_id: str, request_id: str, 
         "choices": out,
         "usage": request_usage(finishes, body),
         "system_fingerprint": None,
+        **extra,
         "pdserve": extension(finishes, request_id),
     }
