@@ -193,7 +193,7 @@ def _custom_tools_only(v):
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: StrictStr | None = None
-    # at most one call: a forced choice (any, tool) makes exactly one here; "auto" ignores it
+    # at most one tool use (chat's parallel_tool_calls=false: a later call is dropped)
     disable_parallel_tool_use: StrictBool | None = None
 
     def as_chat(self):
@@ -314,6 +314,8 @@ class Conversation(_Strict):
             body["tools"] = [t.as_chat() for t in self.tools]
             if self.tool_choice is not None:
                 body["tool_choice"] = self.tool_choice.as_chat()
+                if self.tool_choice.disable_parallel_tool_use:
+                    body["parallel_tool_calls"] = False
         fmt = self.output_config.format if self.output_config is not None else None
         if fmt is not None:
             body["response_format"] = {

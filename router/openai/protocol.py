@@ -872,8 +872,9 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
     # OpenAI's Predicted Outputs (the router tokenizes the text: GenerateRequest.prediction)
     prediction: Prediction | None = None
-    # accepted and ignored: they change nothing about the result
+    # false: at most one tool call, the first (a later one is dropped, as vLLM does)
     parallel_tool_calls: StrictBool | None = None
+    # accepted and ignored: they change nothing about the result
     metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
     store: StrictBool | None = None
     service_tier: ShortStr | None = None

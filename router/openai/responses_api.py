@@ -238,8 +238,9 @@ class ResponsesRequest(_Strict):
     tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     text: TextConfig | None = None
-    # accepted and ignored: they change nothing about the answer
+    # false: at most one function call (chat's parallel_tool_calls)
     parallel_tool_calls: StrictBool | None = None
+    # accepted and ignored: they change nothing about the answer
     metadata: Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)] | None = None
     user: ShortStr | None = None
     service_tier: ShortStr | None = None
@@ -353,6 +354,7 @@ class ResponsesRequest(_Strict):
             ("repetition_penalty", self.repetition_penalty),
             ("min_tokens", self.min_tokens),
             ("priority", self.priority or None),
+            ("parallel_tool_calls", self.parallel_tool_calls),
         ):
             if value is not None:
                 body[key] = value

@@ -79,6 +79,20 @@ def test_auto_parses_several_calls_and_keeps_the_text(step):
 
 
 @pytest.mark.parametrize("step", STEPS)
+def test_parallel_tool_calls_false_keeps_the_first_call_only(step):
+    """vLLM's rule for parallel_tool_calls=false (and Anthropic's disable_parallel_tool_use): the
+    first call is given, a later one dropped, the text kept."""
+    text = "Two.\n" + _call("get_weather", {"city": "Paris"}) + _call("now", {}) + " end"
+    p = ToolCallParser(False, single=True)
+    events = []
+    for i in range(0, len(text), step):
+        events += p.feed(text[i : i + step])
+    content, calls = join_events(events + p.finish())
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and p.num_calls == 1
+    assert content == "Two.\n end"
+
+
+@pytest.mark.parametrize("step", STEPS)
 def test_auto_plain_text_and_unclosed_blocks(step):
     assert _parse("no calls here < > <tool", False, step)[:2] == ("no calls here < > <tool", [])
     # an unclosed block at the end: a call if its JSON is one, else text

@@ -214,7 +214,8 @@ class _Chunks:
         return calls, self.chunk([last])
 
     def _parser(self, index: int) -> ToolCallParser:
-        return self.parsers.setdefault(index, ToolCallParser(forced=self.mode == "forced"))
+        single = self.body.parallel_tool_calls is False
+        return self.parsers.setdefault(index, ToolCallParser(self.mode == "forced", single))
 
 
 async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):

@@ -44,8 +44,10 @@ def _as_call(text: str) -> tuple[str, str] | None:
 
 
 class ToolCallParser:
-    def __init__(self, forced: bool):
-        self.forced = forced
+    def __init__(self, forced: bool, single: bool = False):
+        """forced: the grammar's one call; single: parallel_tool_calls=false, the first call
+        kept and any later one dropped (vLLM's and OpenAI's rule)."""
+        self.forced, self.single = forced, single
         self.buf = ""
         self.in_call = False
         self.num_calls = 0
@@ -61,6 +63,8 @@ class ToolCallParser:
         return [{"content": body}] if body else []
 
     def _call(self, name: str, arguments: str) -> list[dict]:
+        if self.single and self.num_calls:
+            return []
         self.num_calls += 1
         return [
             {"index": self.num_calls - 1, "id": call_id(), "name": name, "arguments": arguments}

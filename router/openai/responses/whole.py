@@ -133,7 +133,7 @@ def _chat_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
     message: dict = {"role": "assistant", "content": "".join(c.text)}
     mode = body.tool_mode()
     if mode != "none":  # tools: the calls parsed out of the text (tool_calls.py)
-        parser = ToolCallParser(forced=mode == "forced")
+        parser = ToolCallParser(forced=mode == "forced", single=body.parallel_tool_calls is False)
         content, calls = join_events(parser.feed(message["content"]) + parser.finish())
         message = {"role": "assistant", "content": content, "tool_calls": calls}
         if calls and reason == "stop":
