@@ -10,8 +10,8 @@ function renamed (benchmarks/engine/spec_tasks.py edit_tasks); the prediction is
 the rename done, as an editor would send it. Three ways, one after another per task, so that the
 machine's drift falls on all alike: no speculation (an engine without it), prompt lookup (the
 default mode's speculation, --k guesses at most), prompt lookup with the prediction (the same
-engine), and with the answer itself as the prediction (a ceiling: a retried request's client
-holds it). Per way: decode tok/s = (tokens - 1) / (time of the last token - time of the
+engine; its runs of guesses up to --prediction-k, the engine's num_prediction_tokens), and
+with the answer itself as the prediction (a ceiling: a retried request's client holds it). Per way: decode tok/s = (tokens - 1) / (time of the last token - time of the
 first), over all tasks; tokens compared with the way without speculation; for the prediction,
 the share of output tokens that were accepted prediction guesses and the guesses rejected.
 
@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--k", type=int, default=4, help="num_speculative_tokens (default 4, the default mode's)"
     )
+    ap.add_argument(
+        "--prediction-k",
+        type=int,
+        default=None,
+        help="num_prediction_tokens: the longest run of guesses from a prediction (default: the "
+        "engine's, 16)",
+    )
     add_out_arg(ap, "predicted.json")
     add_wait_idle_arg(ap, "the run")
     args = ap.parse_args(argv)
@@ -93,12 +100,20 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     report = run_header("benchmarks.engine.predicted", argv)
-    report.update(threads=args.threads, new=args.new, tasks=args.tasks, k=args.k)
+    report.update(
+        threads=args.threads,
+        new=args.new,
+        tasks=args.tasks,
+        k=args.k,
+        prediction_k=args.prediction_k,
+    )
     if args.wait_idle:
         report["idle_wait"] = wait_for_idle_machine(args.wait_idle)
     log("building the engines: the default mode without and with prompt lookup")
     off = LLM("smollm2", dtype="auto", speculative_config=None)
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.prediction_k is not None:
+        spec["num_prediction_tokens"] = args.prediction_k
     on = LLM("smollm2", dtype="auto", speculative_config=spec)
     tok = on.engine.tokenizer
     runs: dict = {way: [] for way in WAYS}

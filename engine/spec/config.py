@@ -15,7 +15,11 @@ wrong key or value is refused before any model loads. Two methods:
 
 `num_speculative_tokens` is the most a step guesses; engine/spec/gate.py picks how many (or none)
 each step from the batch size and the acceptance measured so far. A request opts out with
-SamplingParams(speculative=False).
+SamplingParams(speculative=False). With "ngram", a request's predicted output (OpenAI's Predicted
+Outputs, engine/spec/prediction.py) supplies the guesses while the output follows it, and those
+runs may be longer: `num_prediction_tokens` (default the larger of 16 and num_speculative_tokens)
+is the most a step takes from a prediction, since a prediction that is being followed is right
+far more often than a lookup.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # a verify step computes 1 + k positions per sequence
+DEFAULT_PREDICTION_TOKENS = 16  # a predicted output's guesses a step may check (ngram)
 _KEYS = {
     "method",
     "num_speculative_tokens",
+    "num_prediction_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
     "model",
@@ -49,6 +55,18 @@ class SpeculativeConfig:
     quantization: str | None = None  # the draft's linears: None (as dtype), "int8" or "int4"
     # never speculate in a step that decodes more sequences than this (None: the gate decides)
     disable_by_batch_size: int | None = None
+    # ngram: the most guesses a step takes from a request's predicted output (None: the default)
+    num_prediction_tokens: int | None = None
+
+    @property
+    def prediction_k(self) -> int:
+        """The most guesses a step checks from a predicted output (0: predictions are not read:
+        a draft model guesses)."""
+        if self.method != "ngram":
+            return 0
+        if self.num_prediction_tokens is not None:
+            return self.num_prediction_tokens
+        return max(DEFAULT_PREDICTION_TOKENS, self.num_speculative_tokens)
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -96,8 +114,12 @@ class SpeculativeConfig:
                     f"prompt_lookup_max ({hi})"
                 )
             out.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
+            runs = value.get("num_prediction_tokens")
+            if runs is not None:
+                _check_int("num_prediction_tokens", runs, 1, MAX_SPECULATIVE_TOKENS)
+                out["num_prediction_tokens"] = runs
         else:
-            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            for key in ("prompt_lookup_min", "prompt_lookup_max", "num_prediction_tokens"):
                 if value.get(key) is not None:
                     raise ValueError(f"speculative_config.{key} is for method 'ngram'")
             model = value.get("model")
@@ -131,6 +153,8 @@ class SpeculativeConfig:
             out.update(
                 prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max
             )
+            if self.num_prediction_tokens is not None:
+                out["num_prediction_tokens"] = self.num_prediction_tokens
         else:
             out.update(model=self.model, dtype=self.dtype, quantization=self.quantization)
         if self.disable_by_batch_size is not None:

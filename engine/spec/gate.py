@@ -136,7 +136,8 @@ class SpecGate:
         best_rate, best = base_rows / plain, none
         alphas = [self.seq_acceptance(o) for o in offers]
         order = sorted((i for i, o in enumerate(offers) if o.limit > 0), key=lambda i: -alphas[i])
-        for k in range(1, self.max_k + 1):
+        # (past every offer's limit a larger k would choose the same again)
+        for k in range(1, min(self.max_k, max((o.limit for o in offers), default=0)) + 1):
             tokens, rows, chosen, extra = float(base_rows), base_rows, none[:], 0.0
             rate_k, lagging = 0.0, 0.0
             for i in order:

@@ -44,9 +44,9 @@ from pdserve.engine.spec.prediction import Prediction
 class _SeqSpec:
     """What the speculator keeps per sequence (Sequence.spec_state)."""
 
-    __slots__ = ("history", "accepted", "rejected", "prediction", "from_prediction")
+    __slots__ = ("history", "accepted", "rejected", "prediction", "from_prediction", "run")
 
-    def __init__(self, prediction: tuple[int, ...]) -> None:
+    def __init__(self, prediction: tuple[int, ...], run: int) -> None:
         self.history = History()
         self.accepted = 0
         self.rejected = 0
@@ -54,13 +54,19 @@ class _SeqSpec:
         # guesses came from it
         self.prediction = Prediction(prediction) if prediction else None
         self.from_prediction = False
+        # the most guesses the next step takes from the prediction: num_speculative_tokens at
+        # first and after a miss, doubled (up to num_prediction_tokens) after a run kept whole,
+        # so an edited prediction wastes short runs where it diverges
+        self.run = run
 
 
 class Speculator:
     def __init__(self, engine):
         self.scheduler = engine.scheduler  # rebuilds a plan's sampling rows once it has guesses
         self.cfg = engine.config.speculative_config
-        self.max_k = self.cfg.num_speculative_tokens
+        self.max_k = self.cfg.num_speculative_tokens  # a lookup's or a draft's guesses
+        self.prediction_k = self.cfg.prediction_k  # a predicted output's (0: none read)
+        self.top_k = max(self.max_k, self.prediction_k)
         self.vocab = engine.model_config.vocab_size
         self.eos = engine.model_config.eos_token_ids
         self.max_model_len = engine.config.max_model_len
@@ -72,8 +78,9 @@ class Speculator:
                 engine.config, engine.draft_dir, engine.draft_model_config, engine.runner.num_blocks
             )
         prior = 0.7 if self.draft is not None else 0.5
-        self.gate = SpecGate(self.max_k, prior, self.cfg.disable_by_batch_size)
+        self.gate = SpecGate(self.top_k, prior, self.cfg.disable_by_batch_size)
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        # guesses kept per position; past num_speculative_tokens only a prediction's runs reach
         self.accepted_per_pos = [0] * self.max_k
         self._states: dict[int, torch.Tensor] = {}  # seq_id -> its generator state before a check
         self._t0 = 0.0
@@ -117,7 +124,8 @@ class Speculator:
             return 0
         # the step appends up to k + 1 tokens: stay within max_tokens and max_model_len
         room = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        return max(0, min(self.max_k, room))
+        most = self.prediction_k if p.prediction_token_ids and self.prediction_k else self.max_k
+        return max(0, min(most, room))
 
     def set_budgets(self, running: list[Sequence]) -> None:
         """Each running sequence's spec_budget for the plan being made (and prompt lookup's
@@ -133,7 +141,7 @@ class Speculator:
                 continue
             st = seq.spec_state
             if st is None:
-                st = seq.spec_state = _SeqSpec(seq.params.prediction_token_ids)
+                st = seq.spec_state = _SeqSpec(seq.params.prediction_token_ids, self.max_k)
             if self.draft is None:
                 guesses = self._guesses(seq, st, limit)
                 seq.spec_token_ids = guesses
@@ -156,17 +164,18 @@ class Speculator:
                 seq.generator = make_generator(seed)
 
     def _guesses(self, seq: Sequence, st: _SeqSpec, limit: int) -> list[int]:
-        """Prompt lookup's guesses, or the request's prediction's where it has some."""
+        """Prompt lookup's guesses (at most num_speculative_tokens), or the request's
+        prediction's where it has some (at most its run length: _SeqSpec.run)."""
         guesses = []
         if st.prediction is not None:
             guesses = st.prediction.propose(
-                seq.token_ids, seq.num_prompt_tokens, limit, self.cfg.prompt_lookup_min
+                seq.token_ids, seq.num_prompt_tokens, min(limit, st.run), self.cfg.prompt_lookup_min
             )
         st.from_prediction = bool(guesses)
         if not guesses:
             st.history.sync(seq.token_ids)
             guesses = st.history.propose(
-                limit, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+                min(limit, self.max_k), self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
             )
         return guesses
 
@@ -203,6 +212,8 @@ class Speculator:
             self.drafts += 1
             self.draft_tokens += k
             self.accepted_tokens += a
+            if a > len(self.accepted_per_pos):
+                self.accepted_per_pos += [0] * (a - len(self.accepted_per_pos))
             for j in range(a):
                 self.accepted_per_pos[j] += 1
             st = seq.spec_state
@@ -212,6 +223,7 @@ class Speculator:
             if st.from_prediction:
                 seq.prediction_accepted += a
                 seq.prediction_rejected += k - a
+                st.run = min(2 * st.run, self.prediction_k) if a == k else self.max_k
             self.gate.record(a, rejected)
             if self.draft is not None:
                 # its KV holds the guesses it was fed (all but the last) up to the first rejected

@@ -111,6 +111,31 @@ def test_greedy_tokens_equal_without_a_prediction_right_edited_or_wrong(
     assert counts["wrong"][0] < counts["wrong"][1] <= 3 * 4, counts
 
 
+@pytest.mark.parametrize("runs", [None, 4], ids=["default", "num_prediction_tokens=4"])
+def test_a_followed_prediction_s_runs_grow_past_num_speculative_tokens(
+    tiny_models, always_speculate, runs
+):
+    """A prediction the output follows is checked in runs that double while they are kept whole
+    (4, 8, then num_prediction_tokens, 16 by default), so guesses are kept at positions past
+    num_speculative_tokens; num_prediction_tokens=4 keeps them at 4. The tokens stay the same."""
+    model_dir, _ = tiny_models()
+    prompts = random_prompts([7, 19], seed=12)
+    want = [o[0].token_ids for o in _run(model_dir, prompts, greedy(NEW), None)]
+    spec = NGRAM if runs is None else {**NGRAM, "num_prediction_tokens": runs}
+    llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, speculative_config=spec)
+    try:
+        params = [greedy(NEW, prediction_token_ids=w) for w in want]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        per_pos = llm.engine.spec_stats()["spec_accepted_per_pos"]
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    if runs is None:
+        assert len(per_pos) == 16 and per_pos[15] > 0, per_pos
+    else:
+        assert len(per_pos) == 4, per_pos
+
+
 def test_seeded_sampling_and_n_sequences_are_unchanged(tiny_models, always_speculate):
     """Each position is sampled with the noise its seed gives it, guessed or not; each of n
     sequences follows the prediction on its own."""
@@ -226,3 +251,19 @@ def test_every_rpc_edge_refuses_a_prediction_out_of_bounds(ids, says):
         check_sampling(pdserve_pb2.SamplingParams(prediction_token_ids=[1, 999]), 4096, 1000)
         is None
     )
+
+
+def test_num_prediction_tokens_is_checked_and_kept():
+    from pdserve.engine.spec.config import SpeculativeConfig
+
+    cfg = SpeculativeConfig.parse({**NGRAM, "num_prediction_tokens": 8})
+    assert cfg.prediction_k == 8 and SpeculativeConfig.parse(cfg.to_dict()) == cfg
+    assert SpeculativeConfig.parse(NGRAM).prediction_k == 16
+    assert SpeculativeConfig.parse({**NGRAM, "num_speculative_tokens": 16}).prediction_k == 16
+    for bad in (0, 17, "8", True):
+        with pytest.raises(ValueError, match="num_prediction_tokens"):
+            SpeculativeConfig.parse({**NGRAM, "num_prediction_tokens": bad})
+    draft = {"model": "self", "quantization": "int4", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="num_prediction_tokens"):
+        SpeculativeConfig.parse({**draft, "num_prediction_tokens": 8})
+    assert SpeculativeConfig.parse(draft).prediction_k == 0
