@@ -13,8 +13,10 @@ state of its own.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import ChatCompletionRequest, chat_messages, sampling_params
 from pdserve.router.openai.state import state_of
@@ -27,6 +29,21 @@ async def chat_completions(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, ChatCompletionRequest)
     return await generate(request, [chat_request(front, body)], metadata, body, chat=True)
+
+
+def validated_chat(body: dict) -> ChatCompletionRequest:
+    """The chat completion another API's body describes (/v1/responses', /v1/messages'), checked
+    as a chat body; ApiError 400 when it is not one."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_input=False, include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError(
+            400,
+            f"the request is not one this server can run as a chat ({where}: {first['msg']})",
+            code="invalid_value",
+        ) from None
 
 
 def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):

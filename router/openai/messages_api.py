@@ -31,11 +31,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import Field, StrictBool, StrictStr, field_validator
 
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
-from pdserve.router.openai.chat import chat_request
-from pdserve.router.openai.errors import ApiError, anthropic_type, status_of
+from pdserve.router.openai.chat import chat_request, validated_chat
+from pdserve.router.openai.errors import anthropic_type, status_of
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import (
     MAX_DESCRIPTION_CHARS,
@@ -364,27 +364,14 @@ class MessagesRequest(Conversation):
         ):
             if value is not None:
                 body[key] = value
-        return _validated_chat(body)
+        return validated_chat(body)
 
 
 class CountTokensRequest(Conversation):
     """POST /v1/messages/count_tokens."""
 
     def as_chat(self) -> ChatCompletionRequest:
-        return _validated_chat({"model": self.model, **self.chat_fields()})
-
-
-def _validated_chat(body: dict) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        first = e.errors(include_input=False, include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(
-            400,
-            f"the request is not one this server can run as a chat ({where}: {first['msg']})",
-            code="invalid_value",
-        ) from None
+        return validated_chat({"model": self.model, **self.chat_fields()})
 
 
 MESSAGES_FIELDS = _field_names(MessagesRequest)

@@ -32,14 +32,12 @@ from pydantic import (
     Field,
     StrictBool,
     StrictStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
-from pdserve.router.openai.chat import chat_request
-from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.chat import chat_request, validated_chat
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import (
     INT64,
@@ -368,16 +366,7 @@ class ResponsesRequest(_Strict):
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.response_format() is not None:
             body["response_format"] = fmt.response_format()
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            first = e.errors(include_input=False, include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(
-                400,
-                f"the request is not one this server can run as a chat ({where}: {first['msg']})",
-                code="invalid_value",
-            ) from None
+        return validated_chat(body)
 
 
 RESPONSES_FIELDS = _field_names(ResponsesRequest, JsonSchemaFormat)
