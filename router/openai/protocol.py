@@ -271,9 +271,11 @@ def name_field(error, body) -> None:
 # output; "none" parses nothing. "required" and a named function force one call: the output is
 # constrained (the same grammar path as response_format) to the JSON object {"name": <a tool's
 # name>, "arguments": <that tool's parameters>} (an anyOf over the tools for "required"), so its
-# arguments always validate against the schema. Each parameters schema is compiled by llguidance
-# when the request is read (a schema it cannot compile is a 400 naming
-# tools[i].function.parameters).
+# arguments always validate against the schema. Each parameters schema is checked against the
+# JSON Schema meta-schema when the request is read (a 400 naming tools[i].function.parameters);
+# the schemas of a forced call are also compiled by llguidance then (a 400 naming tool_choice and
+# the tool). "auto" builds no grammar, so a valid schema the grammar library does not implement
+# ("not", "propertyNames", as agents' tools use) is served there, as vLLM serves it.
 MAX_TOOLS = 128
 MAX_TOOLS_CHARS = 512 * 1024  # all the tools, as compact JSON
 MAX_DESCRIPTION_CHARS = 16 * 1024
@@ -285,6 +287,22 @@ def _name(v: str) -> str:
     if not _NAME.match(v):
         raise ValueError("a function name is 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
     return v
+
+
+@lru_cache(maxsize=256)
+def _schema_error(text: str) -> str:
+    """What the JSON Schema meta-schema says is wrong with a schema given as compact JSON ("" when
+    nothing): the schema's own "$schema" draft, else the latest."""
+    from jsonschema import validators
+    from jsonschema.exceptions import SchemaError
+
+    schema = json.loads(text)
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        return (f"at {where}: " if where else "") + e.message[:300]
+    return ""
 
 
 @lru_cache(maxsize=256)
@@ -319,9 +337,9 @@ class FunctionDef(BaseModel):
         if v is None:
             return v
         v = _schema(v)
-        error = _compile_error(json.dumps(v, sort_keys=True, separators=(",", ":")))
+        error = _schema_error(json.dumps(v, sort_keys=True, separators=(",", ":")))
         if error:
-            raise ValueError(f"not a JSON schema the grammar library can compile: {error}")
+            raise ValueError(f"not a valid JSON schema: {error}")
         return v
 
     def schema(self) -> dict:
@@ -409,7 +427,24 @@ def check_tool_choice(v, data: dict):
             raise ValueError(
                 f"a forced tool call and {shaped[0]} both shape the output: send one of them"
             )
+        _check_forced_grammar(tools, v)
     return v
+
+
+def _check_forced_grammar(tools: list[Tool], tool_choice) -> None:
+    """A forced call's grammar is built from its tools' schemas: each must compile."""
+    for i, tool in enumerate(tools):
+        if isinstance(tool_choice, NamedToolChoice) and tool.function.name != (
+            tool_choice.function.name
+        ):
+            continue
+        text = json.dumps(tool.function.schema(), sort_keys=True, separators=(",", ":"))
+        error = _compile_error(text)
+        if error:
+            raise ValueError(
+                f"a forced call is constrained by its tool's schema, and the grammar library "
+                f"cannot compile tools[{i}]'s: {error} (tool_choice 'auto' takes it)"
+            )
 
 
 def forced(tool_choice) -> bool:

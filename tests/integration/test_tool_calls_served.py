@@ -184,3 +184,20 @@ def test_bad_values_get_a_400_naming_the_field(router, extra, param):
     err = assert_error(status, raw, 400, param)
     assert param.split("[")[0] in err["message"], err
     serves(router)
+
+
+def test_a_schema_without_a_grammar_is_served_in_auto_mode(router):
+    """An agent's tool whose schema uses keywords the grammar library does not implement ("not",
+    "propertyNames") is served in "auto" mode; forcing it is a 400 naming tool_choice."""
+    odd = {
+        "type": "object",
+        "properties": {"x": {"not": {"type": "string"}}},
+        "propertyNames": {"pattern": "^[a-z]+$"},
+    }
+    tools = [{"type": "function", "function": {"name": "odd", "parameters": odd}}]
+    body = {"model": MODEL, "messages": [USER], "max_tokens": 4, "tools": tools}
+    status, _, raw = post(router, CHAT, body)
+    assert status == 200, raw[:300]
+    status, _, raw = post(router, CHAT, {**body, "tool_choice": "required"})
+    assert_error(status, raw, 400, "tool_choice")
+    serves(router)

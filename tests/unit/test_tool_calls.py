@@ -174,6 +174,29 @@ def test_local_refs_move_with_the_arguments():
 NAMED = {"type": "function", "function": {"name": "nope"}}
 
 
+ODD = {  # valid JSON Schema that the grammar library does not implement (agents' tools use it)
+    "type": "object",
+    "properties": {"x": {"not": {"type": "string"}}},
+    "propertyNames": {"pattern": "^[a-z]+$"},
+}
+
+
+def test_a_valid_schema_without_a_grammar_is_served_in_auto_mode_only():
+    """Tools in "auto" mode only describe themselves to the model: a valid schema the grammar
+    library cannot compile is taken; forcing a call through it (a grammar) is a 400 naming
+    tool_choice and the tool."""
+    tools = [{"type": "function", "function": {"name": "odd", "parameters": ODD}}, TOOLS[0]]
+    assert _body(tools=tools).tool_mode() == "auto"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert _body(tools=tools, tool_choice=named).tool_mode() == "forced"  # its schema compiles
+    for choice in ("required", {"type": "function", "function": {"name": "odd"}}):
+        with pytest.raises(ValidationError) as e:
+            _body(tools=tools, tool_choice=choice)
+        err = validation_error(e.value, KNOWN_FIELDS)
+        assert err.param == "tool_choice" and "tools[0]" in err.message, err.message
+        assert "propertyNames" in err.message, err.message
+
+
 @pytest.mark.parametrize(
     "fields, param, words",
     [
@@ -189,7 +212,7 @@ NAMED = {"type": "function", "function": {"name": "nope"}}
                 ]
             },
             "tools[0].function.parameters",
-            "compile",
+            "not a valid JSON schema",
         ),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{"}}]},
