@@ -127,7 +127,11 @@ def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
 
 
 def fit_to_context(
-    sampling: pdserve_pb2.SamplingParams, prompt_len: int, max_model_len: int, prompt_is: str
+    sampling: pdserve_pb2.SamplingParams,
+    prompt_len: int,
+    max_model_len: int,
+    prompt_is: str,
+    up_to_context: bool = False,
 ) -> pdserve_pb2.SamplingParams | Refusal:
     """The sampling a request runs with once its prompt is `prompt_len` tokens, or the Refusal of a
     completion the context cannot hold (protos/limits.check_context, the workers' check too).
@@ -138,8 +142,11 @@ def fit_to_context(
     which the HTTP front sends for a chat without max_tokens (OpenAI's and vLLM's "until the
     context is full"). Where that is more than the prompt leaves, max_tokens becomes what it
     leaves, set explicitly (a copy; `sampling` itself is returned when nothing changes), so every
-    leg of the call, resumes included, carries a budget the workers accept."""
-    fill = not sampling.HasField("max_tokens") or sampling.max_tokens == max_model_len
+    leg of the call, resumes included, carries a budget the workers accept. `up_to_context`
+    (GenerateRequest.max_tokens_up_to_context) reads any max_tokens so: as a cap."""
+    fill = (
+        up_to_context or not sampling.HasField("max_tokens") or sampling.max_tokens == max_model_len
+    )
     if not fill:
         return check_context(prompt_len, sampling, max_model_len, prompt_is) or sampling
     refusal = check_context(prompt_len, _without_max_tokens(sampling), max_model_len, prompt_is)
@@ -247,7 +254,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         except BadRequest as e:
             context.abort(e.code, e.message)
         prompt_is = "messages" if request.WhichOneof("input") == "chat" else "prompt"
-        sampling = fit_to_context(asked, len(prompt), opts.max_model_len, prompt_is)
+        sampling = fit_to_context(
+            asked, len(prompt), opts.max_model_len, prompt_is, request.max_tokens_up_to_context
+        )
         if isinstance(sampling, Refusal):
             sampling.abort(context)
         if sampling is not request.sampling:

@@ -13,7 +13,8 @@ description, input_schema), tool_choice (auto, any, tool, none) and output_confi
 (a JSON schema) become the chat's fields. The chat runs the chat path (chat.py, generate.py),
 and its answer is rewritten (`Shape`) as a Message: a text block, one tool_use block per call,
 stop_reason (end_turn, max_tokens, stop_sequence with the sequence that matched, tool_use, or
-model_context_window_exceeded when the context, not max_tokens, ended it) and Anthropic's usage
+model_context_window_exceeded when the context, not max_tokens, ended it: max_tokens is a cap, as
+Anthropic reads it, GenerateRequest.max_tokens_up_to_context) and Anthropic's usage
 (input_tokens are the prompt's uncached tokens, cache_read_input_tokens the cached ones). A stream
 sends Anthropic's events: message_start, content_block_start/_delta/_stop per block,
 message_delta, message_stop; a failure, an `error` event. Errors are Anthropic's error object
@@ -349,10 +350,12 @@ class MessagesRequest(Conversation):
             )
         return v
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat completion this body asks for (raises ApiError when it is not one)."""
+    def as_chat(self, max_model_len: int | None = None) -> ChatCompletionRequest:
+        """The chat completion this body asks for (raises ApiError when it is not one); its
+        max_tokens at most `max_model_len` (the route sends it as a cap: `messages`)."""
         body = self.chat_fields()
-        body.update(stream=self.stream, max_completion_tokens=self.max_tokens)
+        most = min(self.max_tokens, max_model_len) if max_model_len else self.max_tokens
+        body.update(stream=self.stream, max_completion_tokens=most)
         if self.stream:  # the prompt's tokens on the first chunk: message_start says them
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         for key, value in (
@@ -601,8 +604,11 @@ async def messages(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, MessagesRequest, MESSAGES_FIELDS)
     front.check_model(body.model)
-    chat = body.as_chat()
+    chat = body.as_chat(front.settings.max_model_len)
     gen = chat_request(front, chat)
+    # Anthropic's max_tokens is a cap: a completion the context cannot hold all of ends where the
+    # context does (stop_reason model_context_window_exceeded), as Anthropic's own API ends it
+    gen.max_tokens_up_to_context = True
     shape = Shape(body, body.model)
     return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
 

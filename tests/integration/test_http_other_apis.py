@@ -332,7 +332,6 @@ def test_tool_use_round_trip(router, stream):
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "custom"),
         ({"container": "x"}, 400, "container"),
         ({"model": "claude-other"}, 404, "not served"),
-        ({"max_tokens": 100_000}, 400, None),
     ],
 )
 def test_refused_messages_get_anthropics_error(router, extra, status, words):
@@ -368,3 +367,20 @@ def test_the_sdks_exceptions_and_the_x_api_key_header(workers_of_router):
         assert json.loads(raw)["error"]["type"] == "authentication_error"
     finally:
         keyed.stop()
+
+
+def test_max_tokens_past_the_context_ends_where_the_context_does(router):
+    """Anthropic's max_tokens is a cap (clients such as Claude Code send 32,000 whatever the
+    prompt): a prompt that leaves 8 tokens of the 512-token context is answered up to the
+    context's end, stop_reason model_context_window_exceeded, not refused."""
+    a = anthropic_client(router)
+    n = a.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    filler = "x" * (512 - 8 - n.input_tokens + 1)  # one byte-level token per character
+    m = a.messages.create(
+        model=MODEL,
+        max_tokens=100_000,
+        messages=[{"role": "user", "content": filler}],
+        extra_body=GREEDY,  # (greedy: the same tokens each run; none of them is the EOS)
+    )
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == 512 - 8
+    assert (m.stop_reason, m.usage.output_tokens) == ("model_context_window_exceeded", 8)

@@ -71,3 +71,14 @@ def test_max_tokens_max_model_len_asks_for_all_the_room_the_prompt_leaves():
     for sampling in (Params(max_tokens=LEN, min_tokens=10), Params(min_tokens=10)):
         refusal = fit_to_context(sampling, 250, LEN, "messages")
         assert isinstance(refusal, Refusal) and "min_tokens can be at most 6" in refusal.message
+
+
+def test_max_tokens_up_to_context_reads_max_tokens_as_a_cap():
+    """GenerateRequest.max_tokens_up_to_context (Anthropic's reading, /v1/messages): a max_tokens
+    the prompt leaves no room for ends where the context does; one that fits is kept."""
+    fitted = fit_to_context(Params(max_tokens=57), 200, LEN, "messages", up_to_context=True)
+    assert not isinstance(fitted, Refusal) and fitted.max_tokens == LEN - 200
+    fits = Params(max_tokens=20)
+    assert fit_to_context(fits, 200, LEN, "messages", up_to_context=True) is fits
+    refusal = fit_to_context(Params(max_tokens=57, min_tokens=60), 200, LEN, "messages", True)
+    assert isinstance(refusal, Refusal)  # a min_tokens that does not fit is still refused

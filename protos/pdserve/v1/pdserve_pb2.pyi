@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "deadline_ms", "priority", "truncate_prompt_tokens", "prediction", "return_prompt_token_ids")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "deadline_ms", "priority", "truncate_prompt_tokens", "prediction", "return_prompt_token_ids", "max_tokens_up_to_context")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GenerateRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_UP_TO_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -30,7 +31,8 @@ class GenerateRequest(_message.Message):
     truncate_prompt_tokens: int
     prediction: str
     return_prompt_token_ids: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., prediction: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
+    max_tokens_up_to_context: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., priority: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., prediction: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., max_tokens_up_to_context: _Optional[bool] = ...) -> None: ...
 
 class EmbedInput(_message.Message):
     __slots__ = ("text", "token_ids")
