@@ -88,6 +88,7 @@ class ToolUseBlock(_Strict):
     name: StrictStr
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: dict[str, Any] | None = None  # who made the call, as Anthropic replays it: ignored
 
     _check_name = field_validator("name")(classmethod(lambda cls, v: _name(v)))
 

@@ -131,6 +131,7 @@ def test_tool_use_round_trip_and_joined_turns_are_a_chat():
                     "id": "toolu_1",
                     "name": "get_weather",
                     "input": {"city": "P"},
+                    "caller": {"type": "direct"},  # as Anthropic's own answers replay it
                 },
             ],
         },
