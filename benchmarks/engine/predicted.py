@@ -11,9 +11,10 @@ the rename done, as an editor would send it. Three ways, one after another per t
 machine's drift falls on all alike: no speculation (an engine without it), prompt lookup (the
 default mode's speculation, --k guesses at most), prompt lookup with the prediction (the same
 engine; its runs of guesses up to --prediction-k, the engine's num_prediction_tokens), and
-with the answer itself as the prediction (a ceiling: a retried request's client holds it). Per way: decode tok/s = (tokens - 1) / (time of the last token - time of the
-first), over all tasks; tokens compared with the way without speculation; for the prediction,
-the share of output tokens that were accepted prediction guesses and the guesses rejected.
+with the answer itself as the prediction (a ceiling: a retried request's client holds it). Per
+way: decode tok/s = (tokens - 1) / (time of the last token - time of the first), over all
+tasks; tokens compared with the way without speculation; for the prediction, the share of output
+tokens that were accepted prediction guesses and the guesses rejected.
 
 Writes benchmarks/results/predicted.json (--out): the header (command, date, commit, CPU model
 and flags), per task and way the figures, and a summary.

@@ -16,8 +16,8 @@ stops (docs/architecture.md section 1).
 Every request takes one path: its handler checks the key, reads and validates the body
 (router/openai/state.py, protocol.py) and calls the router's own gRPC API, so admission,
 routing, retries and aborts are the gRPC path's. Errors use OpenAI's error object (Anthropic's on
-its paths: router/openai/errors.py) with the HTTP status of the failure, each counted by the settings'
-on_error; a client gone mid-request is one INFO line and a 499 nobody reads.
+its paths: router/openai/errors.py) with the HTTP status of the failure, each counted by the
+settings' on_error; a client gone mid-request is one INFO line and a 499 nobody reads.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The pieces every OpenAI response of the HTTP front shares, as pure functions of the router's
 gRPC messages: the finish_reason of a sequence's Finish (a failed one raises its ApiError) and
-vLLM's stop_reason beside it (the stop string or token that matched), the usage of a request, the `pdserve` extension (per-stage timings from protos/timings.py and
-the workers that served it) and server-sent event framing.
+vLLM's stop_reason beside it (the stop string or token that matched), the usage of a request,
+the `pdserve` extension (per-stage timings from protos/timings.py and the workers that served
+it) and server-sent event framing.
 
 Whole responses (router/openai/responses/whole.py) and streams (stream.py beside it) build on
 these; neither keeps state past the request it formats.
