@@ -61,6 +61,7 @@ from pdserve.router.openai.protocol import (
     _neutral_only,
     _Strict,
 )
+from pdserve.router.openai.responses.parts import shaped_events
 from pdserve.router.openai.state import state_of
 from pdserve.router.text import MAX_CHAT_MESSAGES
 
@@ -506,13 +507,8 @@ class Shape:
         out["pdserve"] = chat.get("pdserve")
         return out
 
-    async def events(self, chunks: AsyncIterator) -> AsyncIterator[bytes]:
-        writer = _EventWriter(self)
-        async for chunk in chunks:
-            for event in writer.feed(chunk):
-                yield event
-            if writer.failed:
-                return
+    def events(self, chunks: AsyncIterator) -> AsyncIterator[bytes]:
+        return shaped_events(_EventWriter(self), chunks)
 
 
 class _EventWriter:

@@ -64,6 +64,16 @@ def extension(finishes: list[pdserve_pb2.Finish], request_id: str) -> dict:
     }
 
 
+async def shaped_events(writer, chunks):
+    """Another API's stream (/v1/responses', /v1/messages') of a chat's chunks: each chunk through
+    `writer.feed` (its event bytes), until the chunks end or the writer met a failure."""
+    async for chunk in chunks:
+        for event in writer.feed(chunk):
+            yield event
+        if writer.failed:
+            return
+
+
 def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
