@@ -2,7 +2,8 @@
 gRPC messages: the finish_reason of a sequence's Finish (a failed one raises its ApiError) and
 vLLM's stop_reason beside it (the stop string or token that matched), the usage of a request,
 the `pdserve` extension (per-stage timings from protos/timings.py and the workers that served
-it) and server-sent event framing.
+it), server-sent event framing, and the loop that writes another API's stream of a chat's
+chunks (shaped_events: /v1/responses, /v1/messages).
 
 Whole responses (router/openai/responses/whole.py) and streams (stream.py beside it) build on
 these; neither keeps state past the request it formats.
