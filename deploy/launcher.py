@@ -396,6 +396,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
         http_header_timeout_s=config.router.http_header_timeout_s,
         http_body_timeout_s=config.router.http_body_timeout_s,
         http_max_connections=config.router.http_max_connections,
+        http_responses_store_bytes=config.router.responses_store_mb << 20,
         api_keys=api_keys,
         metrics_keys=config.router.metrics_keys(),
         console_stats_interval_s=config.observability.stats_interval_s,

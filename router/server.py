@@ -132,6 +132,8 @@ class RouterConfig:
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_max_connections: int = 0
+    # /v1/responses' stored responses in the HTTP front, at most (0: none kept)
+    http_responses_store_bytes: int = 64 << 20
     # client API keys: when any, the client API (gRPC metadata or HTTP header
     # `authorization: Bearer <key>`) refuses calls without one of them; never shown or logged
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -491,6 +493,7 @@ class Router:
                 header_timeout_s=cfg.http_header_timeout_s,
                 body_timeout_s=cfg.http_body_timeout_s,
                 max_connections=cfg.http_max_connections,
+                responses_store_bytes=cfg.http_responses_store_bytes,
                 metrics_registry=self.metrics_registry,
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 loras=self.servicer.loras,

@@ -446,6 +446,9 @@ class RouterSettings(_Frozen):
     http_header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     http_body_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     http_max_connections: Annotated[int, Field(ge=0)] = 0
+    # /v1/responses: stored responses (previous_response_id, GET, DELETE) kept in the router's
+    # memory, least recently used evicted past this many MiB; 0: nothing stored
+    responses_store_mb: Annotated[int, Field(ge=0, le=1 << 20)] = 64
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None

@@ -10,13 +10,14 @@ response.output_text.delta, response.output_text.done, response.content_part.don
 response.function_call_arguments.delta/.done, response.output_item.done, then
 response.completed, or response.incomplete when max_output_tokens cut it).
 
-Nothing is stored, whatever `store` says: a Response cannot be fetched again, and
-`previous_response_id` (which would continue a stored one) is refused with a 400 that says to
-send the conversation as input items. Function tools go through the chat path's tools
-(protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a grammar when forced);
-other tool types, images and files, reasoning items, `background` and `include` are refused with
-a 400 naming the field. The route is declared on `router`, which build_app (router/openai/app.py)
-includes; it keeps no state of its own.
+A Response is stored (router/openai/responses/store.py: bounded, in the router's memory) unless the
+body says `store: false` or the deployment keeps none; `previous_response_id` continues a stored
+one: its conversation's items come before this input (its instructions do not, as in OpenAI's API),
+and GET /v1/responses/{id}, its /input_items and DELETE read the store. Function tools go through
+the chat path's tools (protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a
+grammar when forced); other tool types, images and files, reasoning items, `background` and
+`include` are refused with a 400 naming the field. The routes are declared on `router`, which
+build_app (router/openai/app.py) includes; the store is FrontState's (router/openai/state.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import (
     Field,
     StrictBool,
@@ -38,6 +41,7 @@ from pydantic import (
 
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
+from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import (
     INT64,
@@ -62,6 +66,7 @@ from pdserve.router.openai.protocol import (
     _Strict,
 )
 from pdserve.router.openai.responses.parts import shaped_events
+from pdserve.router.openai.responses.store import ResponseStore, Stored
 from pdserve.router.openai.state import state_of
 from pdserve.router.text import MAX_CHAT_MESSAGES
 
@@ -85,13 +90,8 @@ class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | Annotated[list[ItemTextPart], Field(min_length=1, max_length=1024)]
-    id: ShortStr | None = None  # a replayed output item's: ignored
+    id: ShortStr | None = None  # a replayed output item's: kept as the input item's id
     status: ShortStr | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
 
 
 CallId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
@@ -231,7 +231,7 @@ class ResponsesRequest(_Strict):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     stream: StrictBool = False
-    # nothing is stored either way (the module's docstring)
+    # unset: stored (OpenAI's default) when the deployment keeps responses (the module's docstring)
     store: StrictBool | None = None
     previous_response_id: ShortStr | None = None
     tools: Annotated[list[ResponsesTool], Field(max_length=MAX_TOOLS)] | None = None
@@ -298,17 +298,6 @@ class ResponsesRequest(_Strict):
         message="reasoning is not supported: this model has no reasoning mode; leave it unset",
     )
 
-    @field_validator("previous_response_id")
-    @classmethod
-    def _not_stored(cls, v):
-        if v is not None:
-            raise ValueError(
-                "responses are not stored here (store is always false), so there is no earlier "
-                "response to continue: send the whole conversation as input items (messages, "
-                "function_call and function_call_output)"
-            )
-        return v
-
     @field_validator("tool_choice")
     @classmethod
     def _choice_needs_tools(cls, v, info):
@@ -335,9 +324,10 @@ class ResponsesRequest(_Strict):
             )
         return v
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat completion this body asks for (raises ApiError when it is not one)."""
-        body: dict[str, Any] = {"messages": chat_messages(self), "stream": self.stream}
+    def as_chat(self, items: list[dict] | None = None) -> ChatCompletionRequest:
+        """The chat completion this body asks for, on the conversation's `items` (None: the
+        body's input alone); raises ApiError when it is not one."""
+        body: dict[str, Any] = {"messages": chat_messages(self, items), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for key, value in (
@@ -373,24 +363,81 @@ class ResponsesRequest(_Strict):
 RESPONSES_FIELDS = _field_names(ResponsesRequest, JsonSchemaFormat)
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict]:
+def chat_messages(body: ResponsesRequest, items: list[dict] | None = None) -> list[dict]:
     """The chat messages of a Responses body: instructions first (as a system message), then
-    each input item; an assistant's text and the function calls right after it are one
-    assistant message, as chat completions write them."""
+    the conversation's `items` (None: the body's own input_items)."""
     out: list[dict] = []
     if body.instructions is not None:
         out.append({"role": "system", "content": body.instructions})
+    return out + messages_of(input_items(body) if items is None else items)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """The body's input as the API's items, as GET /v1/responses/{id}/input_items lists them:
+    each with an id (its own when it sent one), a message's text as parts."""
     if isinstance(body.input, str):
-        out.append({"role": "user", "content": body.input})
-        return out
+        return [_item_message("user", [{"type": "input_text", "text": body.input}], None)]
+    out = []
     for item in body.input:
         if isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": item.text()})
+            if isinstance(item.content, str):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                parts = [{"type": kind, "text": item.content}]
+            else:
+                parts = [{"type": p.type, "text": p.text} for p in item.content]
+            out.append(_item_message(item.role, parts, item.id))
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
-                "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
+            }
+            out.append({**_function_call(call, "completed"), "id": item.id or _new_id("fc")})
+        else:
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "id": item.id or _new_id("fco"),
+                    "call_id": item.call_id,
+                    "output": item.output,
+                    "status": "completed",
+                }
+            )
+    return out
+
+
+def _item_message(role: str, parts: list[dict], item_id: str | None) -> dict:
+    for part in parts:
+        if part["type"] == "output_text":
+            part["annotations"] = []
+    return {
+        "type": "message",
+        "id": item_id or _new_id("msg"),
+        "role": role,
+        "content": parts,
+        "status": "completed",
+    }
+
+
+def messages_of(items: list[dict]) -> list[dict]:
+    """The chat messages of a conversation's items (input items, or an answer's output items):
+    an assistant's text and the function calls right after it are one assistant message, as
+    chat completions write them."""
+    out: list[dict] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            out.append(
+                {"role": item["role"], "content": "".join(p["text"] for p in item["content"])}
+            )
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
             }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
@@ -398,7 +445,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return out
 
 
@@ -446,12 +493,18 @@ def _function_call(call: dict, status: str) -> dict:
 
 class Shape:
     """A chat's answer as a Response (generate.py's `shape`): `whole` for a chat completion,
-    `events` for a chat's stream of chunks."""
+    `events` for a chat's stream of chunks. With `keep`, the finished Response is stored."""
 
-    def __init__(self, body: ResponsesRequest, model_id: str):
-        self.body, self.model_id = body, model_id
+    def __init__(self, body: ResponsesRequest, model_id: str, keep: Keep | None = None):
+        self.body, self.model_id, self.keep = body, model_id, keep
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
+
+    def finished(self, response: dict) -> dict:
+        """`response`, the final Response, after storing it when the body asked for that."""
+        if self.keep is not None:
+            self.keep.put(response)
+        return response
 
     def response(
         self, status: str, output: list[dict], usage=None, reason: str | None = None
@@ -471,9 +524,9 @@ class Shape:
             "model": self.model_id,
             "output": output,
             "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": b.previous_response_id,
             "reasoning": None,
-            "store": False,
+            "store": self.keep is not None,
             "temperature": b.temperature,
             "top_p": b.top_p,
             "text": {
@@ -505,7 +558,7 @@ class Shape:
         status, reason = self._ending(choice["finish_reason"])
         out = self.response(status, output, _usage(chat.get("usage")), reason)
         out["pdserve"] = chat.get("pdserve")
-        return out
+        return self.finished(out)
 
     def events(self, chunks: AsyncIterator) -> AsyncIterator[bytes]:
         return shaped_events(_EventWriter(self), chunks)
@@ -644,17 +697,131 @@ class _EventWriter:
         final = self.shape.response(status, self.output, _usage(self.usage), reason)
         final["pdserve"] = self.extension
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        out.append(self._event(kind, response=final))
+        out.append(self._event(kind, response=self.shape.finished(final)))
         return out
 
 
-# ---- the route -------------------------------------------------------------------------------
+# ---- the routes ------------------------------------------------------------------------------
+@dataclass
+class Keep:
+    """How a finished Response is stored: the store, its owner, and the conversation's items
+    before the answer (an earlier response's, then this request's input from `first_input`)."""
+
+    store: ResponseStore
+    owner: str | None
+    items: list[dict]
+    first_input: int
+
+    def put(self, response: dict) -> None:
+        inputs = (self.first_input, len(self.items))
+        self.store.put(response, self.items + response["output"], inputs, self.owner)
+
+
 @router.post("/v1/responses")
 async def responses(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, ResponsesRequest, RESPONSES_FIELDS)
     front.check_model(body.model)
-    chat = body.as_chat()
+    owner = front.owner(request)
+    history = _history(front.responses, body.previous_response_id, owner)
+    items = history + input_items(body)
+    chat = body.as_chat(items)
     gen = chat_request(front, chat, param="input")
-    shape = Shape(body, body.model or front.settings.model_id)  # (an adapter's name as asked)
+    keep = None
+    if front.responses.enabled and body.store is not False:
+        keep = Keep(front.responses, owner, items, len(history))
+    shape = Shape(body, body.model or front.settings.model_id, keep)  # (an adapter's name)
     return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
+
+
+def _history(store: ResponseStore, response_id: str | None, owner: str | None) -> list[dict]:
+    """The items of the conversation that `response_id` (previous_response_id) ended."""
+    if response_id is None:
+        return []
+    if not store.enabled:
+        raise ApiError(
+            400,
+            "responses are not stored on this deployment (router.responses_store_mb is 0), so "
+            "there is no earlier response to continue: send the whole conversation as input "
+            "items (messages, function_call and function_call_output)",
+            param="previous_response_id",
+        )
+    stored = store.get(response_id, owner)
+    if stored is None:
+        raise ApiError(
+            400,
+            f"Previous response with id {response_id[:200]!r} not found: it was never stored, "
+            "was deleted, or was evicted from the router's store (router.responses_store_mb)",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return stored.items()
+
+
+def _stored(request: Request, response_id: str) -> Stored:
+    front = state_of(request)
+    front.authorize(request)
+    stored = front.responses.get(response_id, front.owner(request))
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"Response with id {response_id[:200]!r} not found (never stored, deleted, or evicted "
+        "from the router's store)",
+        code="not_found",
+    )
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(request: Request, response_id: str):
+    stored = _stored(request, response_id)
+    if request.query_params.get("stream", "false") != "false":
+        raise ApiError(
+            400, "a stored response is answered whole here: leave stream unset", param="stream"
+        )
+    return Response(stored.response_json, media_type="application/json")
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete(request: Request, response_id: str):
+    front = state_of(request)
+    front.authorize(request)
+    if not front.responses.delete(response_id, front.owner(request)):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(request: Request, response_id: str):
+    """The request's own input items, a page at a time (OpenAI's list: limit 1-100, order,
+    after an item's id)."""
+    items = _stored(request, response_id).input_items()
+    query = request.query_params
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise ApiError(400, "limit must be a whole number from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(
+                400, "after must be the id of one of this response's input items", param="after"
+            )
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }

@@ -97,6 +97,8 @@ class HttpSettings:
     # client. 0: the soft RLIMIT_NOFILE less max(1024, a quarter) kept for gRPC and the workers
     max_connections: int = 0
     log_interval_s: float = 10.0  # a flood's error lines: one of a kind per this long
+    # /v1/responses' stored responses at most (router/openai/responses/store.py); 0: none kept
+    responses_store_bytes: int = 64 << 20
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "log_interval_s"):

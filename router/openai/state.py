@@ -1,10 +1,11 @@
 """What every handler of the HTTP front shares: the front's settings, its gRPC stub, the token
 texts of logprobs, the prompt encoder of /tokenize, and the checks each request goes through
-before any work (its key, its body's size, its parsing, its prompt's size, its model).
+before any work (its key, its body's size, its parsing, its prompt's size, its model), and the
+store of /v1/responses' stored responses (router/openai/responses/store.py).
 
-build_app (router/openai/app.py) makes one FrontState per app and keeps it as
-`app.state.front`; a handler reaches it with `state_of(request)`. It lives as long as the app,
-and holds nothing per request: the stub is read from the front at each call, since the front
+build_app (router/openai/app.py) makes one FrontState per app and keeps it as `app.state.front`; a
+handler reaches it with `state_of(request)`. It lives as long as the app, and holds nothing per
+request but the stored responses: the stub is read from the front at each call, since the front
 opens its channel only once its own event loop runs.
 
 The client's key (the Authorization header's bearer token, or Anthropic's x-api-key header) is
@@ -18,6 +19,7 @@ router/openai/connections.py) raises ClientGone, which the app logs as one INFO 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import grpc
 from fastapi import Request
@@ -30,6 +32,7 @@ from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
+from pdserve.router.openai.responses.store import ResponseStore
 from pdserve.router.text import BadRequest, PromptEncoder
 
 # the paths of Anthropic's Messages API (router/openai/messages_api.py): its error shape
@@ -58,6 +61,7 @@ class FrontState:
         self.tags_special = "<tool_call>" in (
             getattr(s.tokenizer, "all_special_tokens", None) or ()
         )
+        self.responses = ResponseStore(s.responses_store_bytes)  # /v1/responses' stored ones
         self.encoder = s.encoder
         if self.encoder is None:  # a front built without the router's (tests): one of its own
             self.encoder = PromptEncoder(s.tokenizer, s.max_model_len or (1 << 20))
@@ -83,9 +87,7 @@ class FrontState:
             and len(value) <= 512
             and value.isprintable()
         )
-        header = request.headers.get("authorization")
-        if header is None and (key := request.headers.get("x-api-key")) is not None:
-            header = f"Bearer {key}"  # Anthropic's clients send their key so
+        header = _key_header(request)
         if not self.settings.keys:
             return trace
         if not self.settings.keys.accepts_header(header):
@@ -99,6 +101,13 @@ class FrontState:
                 code="invalid_api_key",
             )
         return ((API_KEY_METADATA_KEY, f"Bearer {bearer_token(header)}"), *trace)
+
+    def owner(self, request: Request) -> str | None:
+        """Whose a stored response is (router/openai/responses/store.py): a hash of the client's
+        key (checked by `authorize` first); None without API keys, when every client is one."""
+        if not self.settings.keys:
+            return None
+        return hashlib.sha256(bearer_token(_key_header(request)).encode()).hexdigest()
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -182,3 +191,11 @@ class FrontState:
 
 def state_of(request: Request) -> FrontState:
     return request.app.state.front
+
+
+def _key_header(request: Request) -> str | None:
+    """The request's `Authorization` value, or Anthropic's x-api-key header as one."""
+    header = request.headers.get("authorization")
+    if header is None and (key := request.headers.get("x-api-key")) is not None:
+        header = f"Bearer {key}"  # Anthropic's clients send their key so
+    return header

@@ -7,10 +7,11 @@ test_tool_calls_served.py's).
 
 Each gives, plain and streamed, the text the chat completion gives for the same conversation
 (greedy); a tool round trip works (a forced call whose arguments validate, then its result sent
-back); refused fields get a 400 naming them (in Anthropic's error shape on its paths), and the
-router keeps serving. /v1/messages also: a stop sequence is reported as the one that matched,
-prefill continues the assistant's text, count_tokens counts what the chat would run, and the
-x-api-key header carries the key."""
+back); a stored response is continued by previous_response_id (the same text as the chat of the
+whole conversation), read back and deleted; refused fields get a 400 naming them (in Anthropic's
+error shape on its paths), and the router keeps serving. /v1/messages also: a stop sequence is
+reported as the one that matched, prefill continues the assistant's text, count_tokens counts what
+the chat would run, and the x-api-key header carries the key."""
 
 from __future__ import annotations
 
@@ -207,10 +208,67 @@ def test_refused_fields_get_a_400_naming_them(router, extra, param):
 
 def test_a_client_error_is_the_sdks_exception(router):
     c = client(router)
-    with pytest.raises(openai.BadRequestError, match="not stored"):
+    with pytest.raises(openai.BadRequestError, match="not found") as e:
         c.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    assert e.value.code == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="other", input="hi")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_continues_a_stored_conversation(router, stream):
+    c = client(router)
+    args = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    first = c.responses.create(instructions="Be brief.", input="Hello.", **args)
+    assert first.store and first.output_text
+
+    def turn(text: str, previous: str, **extra):
+        if not stream:
+            return c.responses.create(input=text, previous_response_id=previous, **args, **extra)
+        return _streamed(c, input=text, previous_response_id=previous, **args, **extra)[2]
+
+    second = turn("And you?", first.id, instructions="Be kind.")
+    # the chat it continued: the first's items and answer (not its instructions, as OpenAI
+    # does), then the new message, under the new instructions
+    messages = [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And you?"},
+    ]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert second.output_text == whole.choices[0].message.content
+    assert second.usage.input_tokens == whole.usage.prompt_tokens
+    assert second.previous_response_id == first.id and second.store
+    got = c.responses.retrieve(second.id)
+    assert (got.id, got.output_text, got.status) == (second.id, second.output_text, second.status)
+    items = c.responses.input_items.list(second.id).data
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "And you?")]
+    third = turn("Bye.", second.id)
+    whole = c.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *messages[1:],
+            {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "Bye."},
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert third.output_text == whole.choices[0].message.content
+    # deleted: gone, and no longer continued; the earlier ones stay
+    assert c.responses.delete(second.id) is None
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(second.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        turn("Again?", second.id)
+    assert c.responses.retrieve(third.id).output_text == third.output_text
+    # store false: answered, not kept
+    unstored = c.responses.create(instructions="Be brief.", input="Hello.", store=False, **args)
+    assert unstored.store is False and unstored.output_text == first.output_text
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+    serves(router)
 
 
 # ---- Anthropic's Messages API ------------------------------------------------------------------

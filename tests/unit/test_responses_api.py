@@ -32,7 +32,6 @@ def body(**fields) -> ResponsesRequest:
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
