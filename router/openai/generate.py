@@ -52,14 +52,8 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
             name_field(e, body)
             raise
         if first is grpc.aio.EOF:
-            raise ApiError(500, "the router ended the call without a response", "server_error")
-        # the model the body named (the router served it: the base or a LoRA adapter), as vLLM
-        # echoes it
-        model_id = getattr(body, "model", None) or front.settings.model_id
-        # each logprob's token by its id (vLLM's return_tokens_as_token_ids), else its text
-        text_of = (
-            front.ids_of if getattr(body, "return_tokens_as_token_ids", None) else front.text_of
-        )
+            raise _no_response()
+        model_id, text_of = _echoed(front, body)
         if body.stream:
             watcher.cancel()  # Starlette's StreamingResponse watches from here on
             streaming = True
@@ -79,6 +73,39 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
         watcher.cancel()
         if not streaming:
             call.cancel()  # no-op once finished; a batch's other calls stop here
+
+
+async def generate_detached(front, gens: list, metadata, body, chat: bool) -> dict:
+    """The whole completion (or chat completion) of `gens` for no waiting client: a background
+    response (router/openai/responses_api.py). The call runs until it ends, or until the task
+    awaiting this is cancelled, which cancels it (the router aborts it on both pools)."""
+    request_id = f"http-{uuid.uuid4().hex}"
+    call = _start(front.stub, gens, metadata, body.n, request_id)
+    try:
+        responses = await _all(rest(call))
+    except grpc.RpcError as e:
+        error = ApiError.from_grpc(e)
+        name_field(error, body)
+        raise error from None
+    finally:
+        call.cancel()
+    if not responses:
+        raise _no_response()
+    model_id, text_of = _echoed(front, body)
+    return whole_response(responses, body, chat, model_id, request_id, text_of)
+
+
+def _no_response() -> ApiError:
+    return ApiError(500, "the router ended the call without a response", "server_error")
+
+
+def _echoed(front, body):
+    """The model the body named (the router served it: the base or a LoRA adapter), as vLLM
+    echoes it, and how a logprob's token is written: by its id (vLLM's
+    return_tokens_as_token_ids), else as its text."""
+    model_id = getattr(body, "model", None) or front.settings.model_id
+    text_of = front.ids_of if getattr(body, "return_tokens_as_token_ids", None) else front.text_of
+    return model_id, text_of
 
 
 def _start(stub, gens: list, metadata, n: int, request_id: str):

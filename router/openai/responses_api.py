@@ -15,14 +15,18 @@ body says `store: false` or the deployment keeps none; `previous_response_id` co
 one: its conversation's items come before this input (its instructions do not, as in OpenAI's API),
 and GET /v1/responses/{id}, its /input_items and DELETE read the store. Function tools go through
 the chat path's tools (protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a
-grammar when forced); other tool types, images and files, reasoning items, `background` and
-`include` are refused with a 400 naming the field. The routes are declared on `router`, which
-build_app (router/openai/app.py) includes; the store is FrontState's (router/openai/state.py).
+grammar when forced); other tool types, images and files, reasoning items and `include` are refused
+with a 400 naming the field. `background` runs a response apart from its connection (`_background`:
+a task of the front's event loop, in the store's `running` until it ends; POST
+/v1/responses/{id}/cancel cancels it). The routes are declared on `router`, which build_app
+(router/openai/app.py) includes; the store is FrontState's (router/openai/state.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,7 +46,7 @@ from pydantic import (
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
 from pdserve.router.openai.errors import ApiError
-from pdserve.router.openai.generate import generate
+from pdserve.router.openai.generate import generate, generate_detached
 from pdserve.router.openai.protocol import (
     INT64,
     MAX_ARGUMENTS_CHARS,
@@ -66,10 +70,11 @@ from pdserve.router.openai.protocol import (
     _Strict,
 )
 from pdserve.router.openai.responses.parts import shaped_events
-from pdserve.router.openai.responses.store import ResponseStore, Stored
+from pdserve.router.openai.responses.store import MAX_RUNNING, ResponseStore, Running, Stored
 from pdserve.router.openai.state import state_of
 from pdserve.router.text import MAX_CHAT_MESSAGES
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 MAX_INPUT_ITEMS = MAX_CHAT_MESSAGES
@@ -258,8 +263,9 @@ class ResponsesRequest(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
-    # accepted only at their neutral value
+    # true: answered at once (queued), run apart from the connection, read by GET; needs store
     background: StrictBool | None = None
+    # accepted only at their neutral value
     include: list[Any] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     reasoning: dict[str, Any] | None = None
@@ -284,7 +290,6 @@ class ResponsesRequest(_Strict):
         return v
 
     _unset = _neutral_only(
-        "background",
         "include",
         "top_logprobs",
         "max_tool_calls",
@@ -517,6 +522,7 @@ class Shape:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "background": bool(b.background),
             "error": None,
             "incomplete_details": {"reason": reason} if reason else None,
             "instructions": b.instructions,
@@ -731,7 +737,61 @@ async def responses(request: Request):
     if front.responses.enabled and body.store is not False:
         keep = Keep(front.responses, owner, items, len(history))
     shape = Shape(body, body.model or front.settings.model_id, keep)  # (an adapter's name)
+    if body.background:
+        return _background(front, shape, gen, metadata, chat)
     return await generate(request, [gen], metadata, chat, chat=True, shape=shape)
+
+
+def _background(front, shape: Shape, gen, metadata, chat: ChatCompletionRequest) -> dict:
+    """Starts a background response: stored as queued now, run by a task of the front's event
+    loop apart from the client's connection, stored again as it ends (completed, incomplete,
+    failed or cancelled)."""
+    store, keep = front.responses, shape.keep
+    if keep is None:
+        raise ApiError(
+            400,
+            "background needs the response stored, to be read back by GET /v1/responses/{id}: "
+            "leave store unset"
+            + ("" if store.enabled else " (this deployment stores none: responses_store_mb 0)"),
+            param="background",
+        )
+    if shape.body.stream:
+        raise ApiError(
+            400,
+            "a background response is not streamed here: send stream false and poll GET "
+            "/v1/responses/{id}",
+            param="stream",
+        )
+    if len(store.running) >= MAX_RUNNING:
+        raise ApiError(
+            429,
+            f"{MAX_RUNNING} background responses are in progress, the most at once: retry later",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+        )
+    queued = shape.response("queued", [])
+    running = Running(keep.owner, queued, keep.items, keep.first_input)
+    store.running[shape.id] = running
+    running.task = asyncio.create_task(_run_background(front, shape, running, gen, metadata, chat))
+    return queued
+
+
+async def _run_background(front, shape: Shape, running: Running, gen, metadata, chat) -> None:
+    running.response = shape.response("in_progress", [])
+    try:
+        shape.whole(await generate_detached(front, [gen], metadata, chat, chat=True))
+    except asyncio.CancelledError:
+        shape.finished(shape.response("cancelled", []))
+        raise
+    except Exception as e:
+        if not isinstance(e, ApiError):
+            log.exception("background response %s failed", shape.id)
+            e = ApiError(500, f"the response failed: {type(e).__name__}", "server_error")
+        failed = shape.response("failed", [])
+        failed["error"] = {"code": e.code or e.type, "message": e.message}
+        shape.finished(failed)
+    finally:
+        front.responses.running.pop(shape.id, None)
 
 
 def _history(store: ResponseStore, response_id: str | None, owner: str | None) -> list[dict]:
@@ -758,7 +818,7 @@ def _history(store: ResponseStore, response_id: str | None, owner: str | None) -
     return stored.items()
 
 
-def _stored(request: Request, response_id: str) -> Stored:
+def _stored(request: Request, response_id: str) -> Stored | Running:
     front = state_of(request)
     front.authorize(request)
     stored = front.responses.get(response_id, front.owner(request))
@@ -788,11 +848,29 @@ async def retrieve(request: Request, response_id: str):
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(request: Request, response_id: str):
+    if isinstance(_stored(request, response_id), Running):
+        raise ApiError(
+            400,
+            "the response is in progress: cancel it first (POST /v1/responses/{id}/cancel)",
+            code="response_in_progress",
+        )
     front = state_of(request)
-    front.authorize(request)
-    if not front.responses.delete(response_id, front.owner(request)):
-        raise _not_found(response_id)
+    front.responses.delete(response_id, front.owner(request))
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(request: Request, response_id: str):
+    """Cancels a background response in progress (its call aborted on both pools) and answers
+    it as it is then; one that already ended is answered as it ended."""
+    found = _stored(request, response_id)
+    if isinstance(found, Running):
+        found.task.cancel()
+        await asyncio.wait([found.task])
+        found = _stored(request, response_id)
+    if not json.loads(found.response_json).get("background"):
+        raise ApiError(400, "only a background response can be cancelled", code="not_background")
+    return Response(found.response_json, media_type="application/json")
 
 
 @router.get("/v1/responses/{response_id}/input_items")

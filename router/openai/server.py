@@ -256,6 +256,7 @@ class HttpFront:
                 await self._server.serve(sockets=[sock])
             finally:
                 sweeper.cancel()
+                await self._server.config.app.state.front.responses.stop()
                 for conn in list(self.book.open):  # those still open after the grace period
                     if conn.transport is not None:
                         conn.transport.abort()

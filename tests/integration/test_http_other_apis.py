@@ -8,19 +8,22 @@ test_tool_calls_served.py's).
 Each gives, plain and streamed, the text the chat completion gives for the same conversation
 (greedy); a tool round trip works (a forced call whose arguments validate, then its result sent
 back); a stored response is continued by previous_response_id (the same text as the chat of the
-whole conversation), read back and deleted; refused fields get a 400 naming them (in Anthropic's
-error shape on its paths), and the router keeps serving. /v1/messages also: a stop sequence is
-reported as the one that matched, prefill continues the assistant's text, count_tokens counts what
-the chat would run, and the x-api-key header carries the key."""
+whole conversation), read back and deleted, and a background one polled to the answer a plain call
+gives; refused fields get a 400 naming them (in Anthropic's error shape on its paths), and the
+router keeps serving. /v1/messages also: a stop sequence is reported as the one that matched,
+prefill continues the assistant's text, count_tokens counts what the chat would run, and the x-api-
+key header carries the key."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from helpers.http import Workers, assert_error, post, serves
 from helpers.structured import TOOL_TEMPLATE as TEMPLATE, WEATHER, byte_level_model
+from helpers.threads import wait_until
 
 jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
@@ -195,7 +198,7 @@ def test_function_tool_round_trip(router, stream):
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tools": [{**TOOL, "parameters": {"type": "strin"}}]}, "tools[0].parameters"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 100_000}, None),
     ],
@@ -269,6 +272,29 @@ def test_previous_response_id_continues_a_stored_conversation(router, stream):
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(unstored.id)
     serves(router)
+
+
+def test_a_background_response_is_polled_to_the_same_answer(workers_of_router):
+    workers, router_ = workers_of_router
+    c = client(router_)
+    args = dict(model=MODEL, input="Hello.", max_output_tokens=8, temperature=0)
+    want = c.responses.create(**args)
+    queued = c.responses.create(background=True, **args)
+    assert queued.status == "queued" and queued.background
+    got = queued
+    for _ in range(200):
+        got = c.responses.retrieve(queued.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert got.status == want.status and got.output_text == want.output_text
+    assert got.usage.output_tokens == want.usage.output_tokens
+    # cancelling one that ended answers it as it ended
+    assert c.responses.cancel(queued.id).status == want.status
+    # a background response continues as any stored one does
+    nxt = c.responses.create(model=MODEL, input="More.", previous_response_id=queued.id)
+    assert nxt.previous_response_id == queued.id
+    wait_until(workers.idle, 10, "every KV block free")
 
 
 # ---- Anthropic's Messages API ------------------------------------------------------------------

@@ -54,7 +54,6 @@ def body(**fields) -> ResponsesRequest:
         ({"temperature": 2.5}, "temperature", None),
         ({"top_p": 0}, "top_p", None),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format", "name and schema"),
-        ({"background": True}, "background", "not supported"),
         ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning"),
         ({"top_logprobs": 2}, "top_logprobs", "not supported"),

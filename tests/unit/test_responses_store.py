@@ -1,13 +1,15 @@
 """Stored responses (router/openai/responses/store.py) and the routes that read them
 (router/openai/responses_api.py: GET /v1/responses/{id}, its /input_items, DELETE) in-process, on
-FastAPI's test client with no workers: the store keeps at most its size (least recently used
-evicted first, one larger than the store not kept), a response belongs to the key that made it,
-input items page as OpenAI's list does, and bad queries get a 400 naming the parameter. The
-conversation continued by previous_response_id through a router and workers:
-tests/integration/test_http_other_apis.py."""
+FastAPI's test client with no workers: the store keeps at most its size (least recently used evicted
+first, one larger than the store not kept), a response belongs to the key that made it, input items
+page as OpenAI's list does, and bad queries get a 400 naming the parameter. A background response
+(on a router whose calls never answer) is queued at once, bounded in number, and cancelled by its
+route or by the front's stop, which cancels its router call. The conversation continued by
+previous_response_id through a router and workers: tests/integration/test_http_other_apis.py."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pdserve.protos.security import ClientKeys
+from pdserve.router.openai import responses_api
 from pdserve.router.openai.app import build_app
 from pdserve.router.openai.responses.store import ResponseStore
 from pdserve.router.openai.responses_api import ResponsesRequest, chat_messages, input_items
@@ -105,7 +108,7 @@ def test_input_items_carry_ids_and_are_the_chat():
     assert messages[4]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
 
 
-def _client(keys=(), **settings) -> TestClient:
+def _client(keys=(), stub=None, **settings) -> TestClient:
     settings = HttpSettings(
         host="127.0.0.1",
         port=0,
@@ -115,7 +118,7 @@ def _client(keys=(), **settings) -> TestClient:
         keys=ClientKeys(keys),
         **settings,
     )
-    return TestClient(build_app(SimpleNamespace(settings=settings, stub=None)))
+    return TestClient(build_app(SimpleNamespace(settings=settings, stub=stub)))
 
 
 def _owner(key: str) -> str:
@@ -170,3 +173,67 @@ def test_continuing_an_unknown_or_unstored_response_is_a_400(store_bytes, words)
         assert got.status_code == 400 and error["param"] == "previous_response_id", error
         assert words in error["message"]
         assert (error["code"] == "previous_response_not_found") == bool(store_bytes)
+
+
+class _Hanging:
+    """A router whose calls never answer; it records each call's cancellation."""
+
+    def __init__(self):
+        self.calls = []
+
+    def Generate(self, gen, metadata=(), timeout=None):
+        call = _HangingCall()
+        self.calls.append(call)
+        return call
+
+
+class _HangingCall:
+    cancelled = False
+
+    async def read(self):
+        await asyncio.sleep(3600)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_background_response_runs_apart_and_is_cancelled(monkeypatch):
+    router = _Hanging()
+    monkeypatch.setattr(responses_api, "MAX_RUNNING", 1)
+    with _client(stub=router) as c:
+        store = c.app.state.front.responses
+        queued = c.post("/v1/responses", json={"input": "hi", "background": True}).json()
+        rid = queued["id"]
+        assert (queued["status"], queued["background"], queued["store"]) == ("queued", True, True)
+        assert c.get(f"/v1/responses/{rid}").json()["status"] in ("queued", "in_progress")
+        items = c.get(f"/v1/responses/{rid}/input_items").json()["data"]
+        assert [i["content"][0]["text"] for i in items] == ["hi"]
+        got = c.delete(f"/v1/responses/{rid}")
+        assert got.status_code == 400 and "cancel it first" in got.json()["error"]["message"]
+        # one at a time here: the next is refused until this one ends
+        got = c.post("/v1/responses", json={"input": "hi", "background": True})
+        assert got.status_code == 429 and len(router.calls) == 1
+        cancelled = c.post(f"/v1/responses/{rid}/cancel").json()
+        assert cancelled["status"] == "cancelled" and router.calls[0].cancelled
+        assert c.get(f"/v1/responses/{rid}").json()["status"] == "cancelled"
+        assert c.post(f"/v1/responses/{rid}/cancel").json()["status"] == "cancelled"
+        assert not store.running and len(store) == 1
+        # stopping the front cancels those still running
+        rid = c.post("/v1/responses", json={"input": "hi", "background": True}).json()["id"]
+        c.portal.call(store.stop)
+        assert router.calls[-1].cancelled and store.get(rid, None) is not None
+        assert c.get(f"/v1/responses/{rid}").json()["status"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"store": False}, "background"), ({"stream": True}, "stream")],
+)
+def test_a_background_response_needs_store_and_no_stream(fields, param):
+    with _client(stub=_Hanging()) as c:
+        got = c.post("/v1/responses", json={"input": "hi", "background": True, **fields})
+        assert got.status_code == 400 and got.json()["error"]["param"] == param
+        store = c.app.state.front.responses
+        store.put(_response("resp_1"), [], (0, 0), None)
+        got = c.post("/v1/responses/resp_1/cancel")
+        assert got.status_code == 400 and got.json()["error"]["code"] == "not_background"

@@ -10,17 +10,23 @@ of them can be continued or deleted alone. The store keeps at most `max_bytes`: 
 evicts the least recently used ones (stored or read) until it fits, and one larger than the whole
 store is not kept. It lives in the router process's memory only: a restart forgets everything.
 
-With API keys, a response belongs to the key that created it (a hash of the key, never the key);
-another key gets "not found" for it, exactly as for an id that never existed. Ids are 128 random
-bits. FrontState (router/openai/state.py) makes one store per app; every call runs on the HTTP
-front's event loop, so nothing here locks.
+A background response in progress (`running`) is kept apart until it ends, never evicted, at most
+MAX_RUNNING at once; `stop` cancels them when the front stops. With API keys, a response belongs to
+the key that created it (a hash of the key, never the key); another key gets "not found" for it,
+exactly as for an id that never existed. Ids are 128 random bits. FrontState
+(router/openai/state.py) makes one store per app; every call runs on the HTTP front's event loop, so
+nothing here locks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+
+# background responses in progress at once, at most (each holds one call of the router's)
+MAX_RUNNING = 1024
 
 
 def _json(value) -> bytes:
@@ -49,6 +55,25 @@ class Stored:
         return self.items()[self.first_input : self.end_input]
 
 
+@dataclass
+class Running:
+    """A background response in progress: its owner, its Response as it stands (queued, then
+    in_progress), its conversation's items before the answer, and the task that runs it."""
+
+    owner: str | None
+    response: dict
+    items: list[dict]
+    first_input: int
+    task: asyncio.Task | None = None
+
+    @property
+    def response_json(self) -> bytes:
+        return _json(self.response)
+
+    def input_items(self) -> list[dict]:
+        return [dict(item) for item in self.items[self.first_input :]]
+
+
 class ResponseStore:
     """Stored responses by id, least recently used first (the module's docstring)."""
 
@@ -58,6 +83,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[str, Stored] = OrderedDict()
+        # background responses in progress (router/openai/responses_api.py), apart from the LRU:
+        # never evicted, at most MAX_RUNNING; each is stored as it ends
+        self.running: dict[str, Running] = {}
 
     @property
     def enabled(self) -> bool:
@@ -85,8 +113,12 @@ class ResponseStore:
         self.bytes += stored.size
         return True
 
-    def get(self, response_id: str, owner: str | None) -> Stored | None:
-        """The response `response_id` when `owner` may read it (now the most recently used)."""
+    def get(self, response_id: str, owner: str | None) -> Stored | Running | None:
+        """The response `response_id` when `owner` may read it: a background one in progress,
+        or a stored one (now the most recently used)."""
+        running = self.running.get(response_id)
+        if running is not None:
+            return running if running.owner == owner else None
         stored = self._entries.get(response_id)
         if stored is None or stored.owner != owner:
             return None
@@ -94,10 +126,20 @@ class ResponseStore:
         return stored
 
     def delete(self, response_id: str, owner: str | None) -> bool:
-        if self.get(response_id, owner) is None:
+        """Whether `owner` deleted the stored response `response_id` (not one in progress)."""
+        if not isinstance(self.get(response_id, owner), Stored):
             return False
         self._drop(response_id)
         return True
+
+    async def stop(self) -> None:
+        """Cancels the background responses in progress (each is stored as cancelled) and waits
+        for them: the HTTP front's last step before it closes its channel to the router."""
+        tasks = [r.task for r in self.running.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def _drop(self, response_id: str) -> None:
         stored = self._entries.pop(response_id, None)
