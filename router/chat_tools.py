@@ -127,6 +127,8 @@ def chat_conversation(chat, template: str, bad_request) -> tuple[list[dict], dic
             any_tools = True
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning:
+            msg["reasoning_content"] = m.reasoning
         any_tools = any_tools or m.role == "tool"
         conversation.append(msg)
     if not any_tools:

@@ -55,7 +55,7 @@ from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.peer_fetch import PeerFetch
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
-from pdserve.router.text import BadRequest, PromptEncoder
+from pdserve.router.text import BadRequest, PromptEncoder, opens_reasoning, reasoning_tags
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 POOLING_KINDS = ("last", "mean")  # engine/request.py's (the router may not import the engine)
@@ -84,6 +84,9 @@ _CLIENT_CODES = {
 
 # the initial metadata key of the prompt's token count (the HTTP front's continuous usage)
 PROMPT_TOKENS_KEY = "pdserve-prompt-tokens"
+# a reasoning model's chat (router/text.py reasoning_tags): "open" when the output starts inside
+# its reasoning (the prompt ends with <think>), else "closed"; the HTTP front splits the text
+REASONING_KEY = "pdserve-reasoning"
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.tokenizer = tokenizer
         self.options = options
         self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
+        self.reasoning_tags = reasoning_tags(tokenizer)
         self.legs = Legs(pool, executor, options)
         self.metrics = metrics  # router/metrics.py RouterMetrics: every request's figures
         self.capture = None  # router/capture.py TraceCapture, when the deployment records traffic
@@ -279,7 +283,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             call.admitted_ns = unix_ns()
         try:
             context.add_callback(lambda: self._on_rpc_end(call))
-            context.send_initial_metadata(((PROMPT_TOKENS_KEY, str(len(prompt))),))
+            context.send_initial_metadata(self._initial_metadata(request, prompt))
             yield from self._run(call, context)
         finally:
             with self._lock:
@@ -288,6 +292,15 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             self.admission.leave()
             if call.span is not None:  # not ended by a finish or a failure: the client left
                 self._end_span(call, error="the client cancelled or went away")
+
+    def _initial_metadata(self, request, prompt: list[int]) -> tuple[tuple[str, str], ...]:
+        """The prompt's token count; a reasoning model's chat: whether its output starts inside
+        its reasoning."""
+        out = ((PROMPT_TOKENS_KEY, str(len(prompt))),)
+        if self.reasoning_tags is not None and request.WhichOneof("input") == "chat":
+            opened = opens_reasoning(prompt, self.reasoning_tags, self.tokenizer)
+            out += ((REASONING_KEY, "open" if opened else "closed"),)
+        return out
 
     def _admit(
         self, key: tuple[str, str], call: ClientCall, context, deadline: float, priority: int = 0

@@ -39,6 +39,31 @@ RESERVED_TEMPLATE_KEYS = frozenset(
 )
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def reasoning_tags(tokenizer) -> tuple[int, int] | None:
+    """The ids of a reasoning model's <think> and </think> (Qwen3, QwQ, DeepSeek-R1 and its
+    distillations, SmolLM3: each one token of the vocabulary); None for a model without them."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids = vocab.get(THINK_OPEN), vocab.get(THINK_CLOSE)
+    return None if None in ids else ids
+
+
+def opens_reasoning(prompt: list[int], tags: tuple[int, int] | None, tokenizer) -> bool:
+    """Whether a reasoning model's output starts inside its reasoning: the prompt's last token
+    that is not whitespace is <think> (the chat template opened it, as DeepSeek-R1's does).
+    Qwen3's template with enable_thinking false ends with an empty, closed block instead."""
+    if tags is None:
+        return False
+    for token in reversed(prompt[-8:]):
+        if token == tags[0]:
+            return True
+        if tokenizer.decode([token]).strip():
+            return False
+    return False
+
+
 def max_token_bytes(tokenizer) -> int:
     """The most UTF-8 bytes one token decodes to (a partial character counts as its replacement
     character, which only makes the bound looser)."""
@@ -189,7 +214,7 @@ class PromptEncoder:
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"chat has {len(messages)} messages; at most {MAX_CHAT_MESSAGES} are allowed",
             )
-        self._check_size([t for m in messages for t in (m.role, m.content)], "chat")
+        self._check_size([t for m in messages for t in (m.role, m.content, m.reasoning)], "chat")
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -49,7 +49,8 @@ def validated_chat(body: dict) -> ChatCompletionRequest:
 def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
     """The gRPC GenerateRequest of a chat body (also /v1/responses' input, read as a chat);
     messages longer than max_model_len tokens can hold are refused, naming `param`."""
-    front.check_prompt_size([t for m in body.messages for t in (m.role, m.text())], param)
+    texts = [t for m in body.messages for t in (m.role, m.text(), m.thought() or "")]
+    front.check_prompt_size(texts, param)
     # unset: until the sequence fills the context (OpenAI's and vLLM's chat default)
     most = body.max_new_tokens() or front.settings.max_model_len or None
     gen = pdserve_pb2.GenerateRequest(
@@ -58,8 +59,9 @@ def chat_request(front, body: ChatCompletionRequest, param: str = "messages"):
         priority=body.priority,
         return_prompt_token_ids=bool(body.return_token_ids),
     )
-    if body.tool_mode() == "auto" and body.skip_special_tokens is None and front.tags_special:
-        gen.sampling.skip_special_tokens = False  # the <tool_call> tags must reach the parser
+    tags = front.think_special or body.tool_mode() == "auto" and front.tags_special
+    if tags and body.skip_special_tokens is None:
+        gen.sampling.skip_special_tokens = False  # the tags must reach the parsers
     gen.chat.CopyFrom(chat_messages(body))
     if body.truncate_prompt_tokens is not None:
         gen.truncate_prompt_tokens = body.truncate_prompt_tokens

@@ -830,6 +830,10 @@ class ChatMessage(_Strict, ToolMessageFields):
     name: ShortStr | None = None  # accepted and ignored (most chat templates have no place for it)
     refusal: None = None  # OpenAI clients replay assistant messages with "refusal": null
     audio: None = None  # and "audio": null
+    # an assistant's reasoning, replayed (interleaved thinking): vLLM's name and DeepSeek's; the
+    # chat template reads it as reasoning_content (Qwen3's, GLM's and Kimi's templates do)
+    reasoning: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -860,6 +864,11 @@ class ChatMessage(_Strict, ToolMessageFields):
     def _tool_fields(self):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls is only allowed in assistant messages")
+        both = self.reasoning is not None and self.reasoning_content is not None
+        if both and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ: send one of them")
+        if self.thought() is not None and self.role != "assistant":
+            raise ValueError("reasoning is only allowed in assistant messages")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("a tool message needs tool_call_id (the call it answers), and only it")
         return self
@@ -873,6 +882,10 @@ class ChatMessage(_Strict, ToolMessageFields):
 
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
+
+    def thought(self) -> str | None:
+        """An assistant's replayed reasoning (either name)."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
 
 class ChatCompletionRequest(_Sampling):
@@ -895,7 +908,8 @@ class ChatCompletionRequest(_Sampling):
     add_special_tokens: StrictBool = False
     documents: list[Any] | None = None
     chat_template: StrictStr | None = None
-    # vLLM's: no reasoning parser here, so there is no reasoning to include or leave out
+    # vLLM's: false drops a reasoning model's reasoning from the answer
+    # (router/openai/responses/reasoning.py)
     include_reasoning: StrictBool = True
     # vLLM's: a chat template variable (templates of reasoning models read it), as vLLM passes it
     reasoning_effort: Literal["low", "medium", "high"] | None = None
@@ -1136,6 +1150,8 @@ def chat_messages(body) -> pdserve_pb2.ChatMessages:
             msg.tool_calls_json = tool_calls_json(m.tool_calls)
         if m.tool_call_id is not None:
             msg.tool_call_id = m.tool_call_id
+        if m.thought() is not None:
+            msg.reasoning = m.thought()
     if getattr(body, "tools", None):
         chat.tools_json = tools_json(body.tools)
     kwargs = dict(body.chat_template_kwargs or {})

@@ -57,10 +57,11 @@ class FrontState:
         self._front = front
         self.text_of = TokenText(s.tokenizer)
         self.ids_of = TokenIdText(s.tokenizer)  # return_tokens_as_token_ids
-        # a tokenizer whose <tool_call> is a special token (vLLM's Hermes parser keeps them too)
-        self.tags_special = "<tool_call>" in (
-            getattr(s.tokenizer, "all_special_tokens", None) or ()
-        )
+        # a tokenizer whose <tool_call> is a special token (vLLM's Hermes parser keeps them too),
+        # whose </think> is one (a reasoning model's tags must reach the reasoning split)
+        specials = getattr(s.tokenizer, "all_special_tokens", None) or ()
+        self.tags_special = "<tool_call>" in specials
+        self.think_special = "</think>" in specials
         self.responses = ResponseStore(s.responses_store_bytes)  # /v1/responses' stored ones
         self.encoder = s.encoder
         if self.encoder is None:  # a front built without the router's (tests): one of its own

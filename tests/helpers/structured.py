@@ -82,10 +82,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def byte_level_model(tiny_dir: str, dest, chat_template: str | None = None) -> str:
+def byte_level_model(
+    tiny_dir: str, dest, chat_template: str | None = None, words: tuple[str, ...] = ()
+) -> str:
     """`tiny_dir`'s model with a 256-token byte-level tokenizer: ids 0 and 1 the bos and eos
     tokens, 2..255 the bytes 2..255 (one token per byte, no merges), and `chat_template` in its
-    tokenizer config where given. Returns the new model dir."""
+    tokenizer config where given. `words` (a reasoning model's "<think>", "</think>") take ids
+    2, 3, ... as added tokens that are not special, in place of those control bytes. Returns the
+    new model dir."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -94,11 +98,14 @@ def byte_level_model(tiny_dir: str, dest, chat_template: str | None = None) -> s
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.rmtree(f"{dest}/{name}", ignore_errors=True)
     b2u = _bytes_to_unicode()
-    vocab = {"<s>": 0, "</s>": 1, **{b2u[b]: b for b in range(2, 256)}}
+    first = 2 + len(words)
+    own = {w: 2 + i for i, w in enumerate(words)}
+    vocab = {"<s>": 0, "</s>": 1, **own, **{b2u[b]: b for b in range(first, 256)}}
     tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
     ).save_pretrained(dest)

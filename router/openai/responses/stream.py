@@ -30,8 +30,9 @@ from pdserve.router.openai.responses.logprobs import (
     completion_logprobs,
 )
 from pdserve.router.openai.responses.parts import extension, finish_reason, sse, stop_reason
-from pdserve.router.openai.responses.tool_calls import ToolCallParser, delta_of
-from pdserve.router.openai.responses.whole import echo_text, request_usage
+from pdserve.router.openai.responses.reasoning import ChatText, reasoning_of
+from pdserve.router.openai.responses.tool_calls import delta_of
+from pdserve.router.openai.responses.whole import chat_text, echo_text, request_usage
 from pdserve.router.service import PROMPT_TOKENS_KEY  # the router's Generate sends it
 
 
@@ -93,7 +94,10 @@ class _Chunks:
         self.echo = not chat and body.echo
         self.echo_only = self.echo and body.max_tokens == 0
         self.mode = body.tool_mode() if chat else "none"
-        self.parsers: dict[int, ToolCallParser] = {}  # tools: each sequence's
+        # a reasoning model's chat: whether its output starts inside its reasoning (`chunks`
+        # reads it from the call); None: not split
+        self.reasoning: bool | None = None
+        self.parsers: dict[int, ChatText] = {}  # tools or reasoning: each sequence's
         self.offsets: dict[int, int] = {}  # completions: each choice's text offset so far
         # vLLM's return_token_ids: each delta's ids on its chunk, each prompt's ids (known from
         # its call's first response) on the first chunk (chat) or each choice's first (completions)
@@ -186,7 +190,7 @@ class _Chunks:
         return lp
 
     def of_delta(self, d: pdserve_pb2.TokenDelta, lp) -> list[dict]:
-        if self.mode == "none":
+        if self.mode == "none" and self.reasoning is None:
             return [self.with_ids(self.chunk([self.choice(d.index, d.text, lp, None)]), d)]
         p = self._parser(d.index)
         deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp or self.want_ids else [])
@@ -201,7 +205,7 @@ class _Chunks:
     def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
         """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""
         calls = []
-        if self.mode != "none":
+        if self.mode != "none" or self.reasoning is not None:
             p = self._parser(f.index)
             for e in p.finish():
                 calls.append(
@@ -213,9 +217,10 @@ class _Chunks:
         last["stop_reason"] = stop_reason(f)  # vLLM's: the stop string or token that matched
         return calls, self.chunk([last])
 
-    def _parser(self, index: int) -> ToolCallParser:
-        single = self.body.parallel_tool_calls is False
-        return self.parsers.setdefault(index, ToolCallParser(self.mode == "forced", single))
+    def _parser(self, index: int) -> ChatText:
+        if index not in self.parsers:
+            self.parsers[index] = chat_text(self.body, self.reasoning)
+        return self.parsers[index]
 
 
 async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
@@ -236,6 +241,8 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
     try:
         if c.continuous:
             c.prompt_tokens = await prompt_token_counts(call)
+        if chat:
+            c.reasoning = await reasoning_of(call)
         c.learn_prompt_ids(first)
         for out in c.opening():
             yield out

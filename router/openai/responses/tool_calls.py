@@ -84,7 +84,7 @@ class ToolCallParser:
             if not self.in_call:
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, OPEN)
+                    keep = partial_suffix(self.buf, OPEN)
                     out += self._content(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                     return out
@@ -119,7 +119,7 @@ class ToolCallParser:
         return self._call(*call)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -128,7 +128,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def join_events(events: list[dict]) -> tuple[str | None, list[dict]]:
-    """(content or None, OpenAI's tool_calls) of a sequence's events."""
+    """(content or None, OpenAI's tool_calls) of a sequence's events (reasoning.py's reasoning
+    events are read by the caller)."""
     content = "".join(e["content"] for e in events if "content" in e)
     calls: dict[int, dict] = {}
     for e in events:
@@ -145,9 +146,12 @@ def join_events(events: list[dict]) -> tuple[str | None, list[dict]]:
 
 
 def delta_of(event: dict) -> dict:
-    """A chat chunk's delta for one event."""
+    """A chat chunk's delta for one event (reasoning.py's too: a reasoning model's reasoning
+    under both names clients read, vLLM's `reasoning` and DeepSeek's `reasoning_content`)."""
     if "content" in event:
         return {"content": event["content"]}
+    if "reasoning" in event:
+        return {"reasoning": event["reasoning"], "reasoning_content": event["reasoning"]}
     call: dict = {"index": event["index"]}
     if "id" in event:
         call.update(id=event["id"], type="function")

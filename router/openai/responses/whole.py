@@ -23,6 +23,7 @@ from pdserve.router.openai.responses.logprobs import (
     prompt_logprobs_field,
 )
 from pdserve.router.openai.responses.parts import extension, finish_reason, stop_reason, usage
+from pdserve.router.openai.responses.reasoning import ChatText
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, join_events
 
 
@@ -89,7 +90,7 @@ def request_usage(finishes, body) -> dict:
     return out
 
 
-def _completion_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
+def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> dict:
     echo_only = body.max_tokens == 0
     head = echo_text(body, c.index, text_of) if body.echo else ""
     text = head + ("" if echo_only else "".join(c.text))
@@ -124,18 +125,39 @@ def _completion_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
     return out
 
 
-def _chat_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
+def chat_text(body, reasoning: bool | None) -> ChatText | None:
+    """A chat sequence's text parser (reasoning.py's ChatText); None when the text is content
+    as it is: no reasoning split (`reasoning` None) and no tools."""
+    mode = body.tool_mode()
+    if mode == "none" and reasoning is None:
+        return None
+    if reasoning and body.structured_spec() is not None:
+        # the grammar constrains the output from its first token, so the answer starts there
+        # even where the prompt opened a reasoning block; reasoning only if the grammar writes one
+        reasoning = False
+    tools = None
+    if mode != "none":
+        tools = ToolCallParser(forced=mode == "forced", single=body.parallel_tool_calls is False)
+    return ChatText(reasoning, tools, keep=body.include_reasoning)
+
+
+def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> dict:
     reason = finish_reason(c.finish)
     lp = None
     if body.logprobs:
         check_logprobs(c.token_ids, c.logprobs, c.tops, body.num_top())
         lp = chat_logprobs(c.token_ids, c.logprobs, text_of, c.tops, body.num_top())
     message: dict = {"role": "assistant", "content": "".join(c.text)}
-    mode = body.tool_mode()
-    if mode != "none":  # tools: the calls parsed out of the text (tool_calls.py)
-        parser = ToolCallParser(forced=mode == "forced", single=body.parallel_tool_calls is False)
-        content, calls = join_events(parser.feed(message["content"]) + parser.finish())
-        message = {"role": "assistant", "content": content, "tool_calls": calls}
+    parser = chat_text(body, reasoning)
+    if parser is not None:  # reasoning split off and tool calls parsed out (reasoning.py)
+        events = parser.feed(message["content"]) + parser.finish()
+        content, calls = join_events(events)
+        message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            thought = "".join(e["reasoning"] for e in events if "reasoning" in e) or None
+            message.update(reasoning=thought, reasoning_content=thought)
+        if parser.tools is not None:
+            message["tool_calls"] = calls
         if calls and reason == "stop":
             reason = "tool_calls"
     return {
@@ -148,8 +170,10 @@ def _chat_choice(c: Choice, body, text_of, prompt_ids: dict) -> dict:
     }
 
 
-def whole_response(responses, body, chat: bool, model_id: str, request_id: str, text_of) -> dict:
-    """The non-streaming response body."""
+def whole_response(
+    responses, body, chat: bool, model_id: str, request_id: str, text_of, reasoning=None
+) -> dict:
+    """The non-streaming response body; `reasoning` as reasoning.py's reasoning_of says."""
     choices = collect_choices(responses)
     finishes = [c.finish for c in choices.values() if c.finish is not None]
     missing = [i for i, c in choices.items() if c.finish is None]
@@ -159,7 +183,7 @@ def whole_response(responses, body, chat: bool, model_id: str, request_id: str, 
     prompt_ids = prompt_ids_of(choices, body.n) if body.return_token_ids else {}
     if body.return_token_ids and len(prompt_ids) < len(finishes) // body.n:
         raise ApiError(500, "the router sent no prompt token ids", "server_error")
-    out = [make(choices[i], body, text_of, prompt_ids) for i in sorted(choices)]
+    out = [make(choices[i], body, text_of, prompt_ids, reasoning) for i in sorted(choices)]
     suffix = request_id.removeprefix("http-")
     extra = {"prompt_token_ids": prompt_ids[0]} if chat and body.return_token_ids else {}
     return {

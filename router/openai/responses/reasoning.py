@@ -1,0 +1,108 @@
+"""A reasoning model's output split into its reasoning and its answer, as the text comes: `feed` a
+sequence's text deltas, `finish` at its end; each returns events, {"reasoning": text} or
+{"content": text}, so a stream and a whole response say the same.
+
+The router says where the output starts (router/service.py REASONING_KEY, from the prompt's last
+token: router/text.py opens_reasoning). "open": the chat template ended the prompt with <think>
+(DeepSeek-R1's does), so the output is reasoning until </think>. "closed": reasoning only when
+the output itself starts with <think> (Qwen3's thinking mode; leading whitespace allowed);
+otherwise, as with Qwen3's enable_thinking false (whose template writes an empty closed block),
+it is all content. Either way the text after </think> is content, and the tags themselves are
+neither. Text that may be the start of a tag is held until it is clearly not one. The answer's
+content then goes through the tool call parser (tool_calls.py), as vLLM parses calls only there.
+"""
+
+from __future__ import annotations
+
+from pdserve.router.openai.responses.tool_calls import ToolCallParser, partial_suffix
+from pdserve.router.service import REASONING_KEY  # the router's Generate sends it
+from pdserve.router.text import THINK_CLOSE, THINK_OPEN
+
+# where the output is: deciding whether it starts with <think>, inside it, or after it
+_START, _REASONING, _CONTENT = "start", "reasoning", "content"
+
+
+class ReasoningParser:
+    def __init__(self, opened: bool):
+        self.state = _REASONING if opened else _START
+        self.buf = ""
+
+    def feed(self, text: str) -> list[dict]:
+        self.buf += text
+        out: list[dict] = []
+        if self.state == _START:
+            head = self.buf.lstrip()
+            if head.startswith(THINK_OPEN):
+                self.state, self.buf = _REASONING, head[len(THINK_OPEN) :]
+            elif not head or THINK_OPEN.startswith(head):
+                return out  # whitespace, or maybe the tag's start: wait
+            else:
+                self.state = _CONTENT
+        if self.state == _REASONING:
+            i = self.buf.find(THINK_CLOSE)
+            if i < 0:
+                keep = partial_suffix(self.buf, THINK_CLOSE)
+                out += _event("reasoning", self.buf[: len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep :]
+                return out
+            out += _event("reasoning", self.buf[:i])
+            self.state, self.buf = _CONTENT, self.buf[i + len(THINK_CLOSE) :]
+        out += _event("content", self.buf)
+        self.buf = ""
+        return out
+
+    def finish(self) -> list[dict]:
+        """What is held at the end: a cut-off tag's start, as the text it is."""
+        rest, self.buf = self.buf, ""
+        return _event("reasoning" if self.state == _REASONING else "content", rest)
+
+
+def _event(kind: str, text: str) -> list[dict]:
+    return [{kind: text}] if text else []
+
+
+async def reasoning_of(call) -> bool | None:
+    """Whether a reasoning model's chat output starts inside its reasoning, from the Generate
+    call's initial metadata; None when the router says nothing (no reasoning model, or not a
+    chat): the text is not split."""
+    for key, value in await call.initial_metadata() or ():
+        if key == REASONING_KEY:
+            return value == "open"
+    return None
+
+
+class ChatText:
+    """A chat sequence's text through the parsers its request needs: the reasoning split (a
+    reasoning model's; its reasoning dropped with include_reasoning false), then the tool call
+    parser on the content (a body with tools). Events as the two parsers give them, in order."""
+
+    def __init__(self, reasoning: bool | None, tools: ToolCallParser | None, keep: bool = True):
+        self.reasoning = None if reasoning is None else ReasoningParser(reasoning)
+        self.tools, self.keep = tools, keep
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools is not None else 0
+
+    def feed(self, text: str) -> list[dict]:
+        if self.reasoning is None:
+            return self._content(text)
+        return self._split(self.reasoning.feed(text))
+
+    def finish(self) -> list[dict]:
+        out = self._split(self.reasoning.finish()) if self.reasoning is not None else []
+        return out + (self.tools.finish() if self.tools is not None else [])
+
+    def _split(self, events: list[dict]) -> list[dict]:
+        out: list[dict] = []
+        for e in events:
+            if "content" in e:
+                out += self._content(e["content"])
+            elif self.keep:
+                out.append(e)
+        return out
+
+    def _content(self, text: str) -> list[dict]:
+        if self.tools is not None:
+            return self.tools.feed(text)
+        return [{"content": text}] if text else []
