@@ -5,23 +5,24 @@ among them: ANTHROPIC_BASE_URL) run on a pdserve deployment.
 A body (MessagesRequest) is read as the chat it describes (`as_chat`): `system` a system message
 first; each message's text blocks its text; an assistant's tool_use blocks its tool calls (their
 `input` as the call's JSON arguments); a user's tool_result blocks one tool message each (with
-is_error the text says so), before its text; thinking blocks dropped, as Anthropic drops earlier
-turns' thinking; consecutive messages of one role joined, as Anthropic joins them. A conversation
-that ends with the assistant's text is continued from it (Anthropic's prefill:
+is_error the text says so), before its text; an assistant's thinking blocks its reasoning (the chat
+template's reasoning_content); consecutive messages of one role joined, as Anthropic joins them. A
+conversation that ends with the assistant's text is continued from it (Anthropic's prefill:
 continue_final_message). stop_sequences, temperature, top_p, top_k, tools (custom tools: name,
-description, input_schema), tool_choice (auto, any, tool, none) and output_config.format
-(a JSON schema) become the chat's fields. The chat runs the chat path (chat.py, generate.py),
-and its answer is rewritten (`Shape`) as a Message: a text block, one tool_use block per call,
-stop_reason (end_turn, max_tokens, stop_sequence with the sequence that matched, tool_use, or
-model_context_window_exceeded when the context, not max_tokens, ended it: max_tokens is a cap, as
-Anthropic reads it, GenerateRequest.max_tokens_up_to_context) and Anthropic's usage
+description, input_schema), tool_choice (auto, any, tool, none) and output_config.format (a JSON
+schema) become the chat's fields. The chat runs the chat path (chat.py, generate.py), and its answer
+is rewritten (`Shape`) as a Message: a reasoning model's thinking block, a text block, one tool_use
+block per call, stop_reason (end_turn, max_tokens, stop_sequence with the sequence that matched,
+tool_use, or model_context_window_exceeded when the context, not max_tokens, ended it: max_tokens is
+a cap, as Anthropic reads it, GenerateRequest.max_tokens_up_to_context) and Anthropic's usage
 (input_tokens are the prompt's uncached tokens, cache_read_input_tokens the cached ones). A stream
-sends Anthropic's events: message_start, content_block_start/_delta/_stop per block,
-message_delta, message_stop; a failure, an `error` event. Errors are Anthropic's error object
-(router/openai/errors.py) with the same HTTP statuses as the OpenAI paths. Images, documents,
-server tools, thinking with a budget and max_tokens 0 are refused with a 400 naming the field.
-The routes are declared on `router`, which build_app (router/openai/app.py) includes; they keep
-no state of their own.
+sends Anthropic's events: message_start, content_block_start/_delta/_stop per block, message_delta,
+message_stop; a failure, an `error` event. Errors are Anthropic's error object
+(router/openai/errors.py) with the same HTTP statuses as the OpenAI paths. Images, documents, server
+tools, thinking enabled for a model without a thinking mode and max_tokens 0 are refused with a 400
+naming the field; thinking enabled or disabled is the template's enable_thinking. The routes are
+declared on `router`, which build_app (router/openai/app.py) includes; they keep no state of their
+own.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pydantic import Field, StrictBool, StrictStr, field_validator
 
 from pdserve.protos.limits import MAX_ID_CHARS, MAX_STOP_STRINGS
 from pdserve.router.openai.chat import chat_request, validated_chat
-from pdserve.router.openai.errors import anthropic_type, status_of
+from pdserve.router.openai.errors import ApiError, anthropic_type, status_of
 from pdserve.router.openai.generate import generate
 from pdserve.router.openai.protocol import (
     MAX_DESCRIPTION_CHARS,
@@ -114,7 +115,9 @@ class ToolResultBlock(_Strict):
 
 
 class ThinkingBlock(_Strict):
-    """An earlier turn's thinking (another model's): dropped, as Anthropic drops it."""
+    """An earlier turn's thinking: its text reaches the chat template as the assistant turn's
+    reasoning_content (a reasoning model's template decides which turns show it, as Anthropic
+    keeps only the latest turn's); redacted thinking (encrypted) is dropped."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: StrictStr | None = None
@@ -282,16 +285,6 @@ class Conversation(_Strict):
             raise ValueError("name is set only with type 'tool'")
         return v
 
-    @field_validator("thinking")
-    @classmethod
-    def _no_budget(cls, v):
-        if v is not None and v.type == "enabled":
-            raise ValueError(
-                "this model has no thinking mode: send thinking {'type': 'disabled'} (or "
-                "'adaptive', which thinks only where the model can), or leave it unset"
-            )
-        return v
-
     @field_validator("output_config")
     @classmethod
     def _one_shape(cls, v, info):
@@ -319,6 +312,10 @@ class Conversation(_Strict):
                 body["tool_choice"] = self.tool_choice.as_chat()
                 if self.tool_choice.disable_parallel_tool_use:
                     body["parallel_tool_calls"] = False
+        if self.thinking is not None and self.thinking.type != "adaptive":
+            # the chat template's switch (Qwen3's, SmolLM3's); a budget is not enforced
+            enabled = self.thinking.type == "enabled"
+            body["chat_template_kwargs"] = {"enable_thinking": enabled}
         fmt = self.output_config.format if self.output_config is not None else None
         if fmt is not None:
             body["response_format"] = {
@@ -411,6 +408,13 @@ def chat_messages_of(body: Conversation) -> list[dict]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = calls
+        thought = "".join(
+            b.thinking or ""
+            for b in m.blocks()
+            if isinstance(b, ThinkingBlock) and b.type == "thinking"
+        )
+        if thought:
+            message["reasoning"] = thought
         _add(out, message)
     return out
 
@@ -426,6 +430,8 @@ def _add(out: list[dict], message: dict) -> None:
         return
     texts = [t for t in (last["content"], message["content"]) if t]
     last["content"] = "\n".join(texts)
+    if message.get("reasoning"):
+        last["reasoning"] = last.get("reasoning", "") + message["reasoning"]
     if message.get("tool_calls"):
         last["tool_calls"] = message["tool_calls"]
 
@@ -445,6 +451,11 @@ def _usage(chat_usage: dict | None) -> dict:
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
     }
+
+
+def _thinking(text: str) -> dict:
+    """A reasoning model's reasoning as a thinking block (no signature: nothing to verify)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: dict) -> dict:
@@ -491,6 +502,8 @@ class Shape:
         choice = chat["choices"][0]
         message = choice["message"]
         content = []
+        if message.get("reasoning"):
+            content.append(_thinking(message["reasoning"]))
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
         content += [_tool_use(call) for call in message.get("tool_calls") or ()]
@@ -518,7 +531,8 @@ class _EventWriter:
         self.shape = shape
         self.started = False
         self.blocks = 0  # content blocks opened so far
-        self.open: tuple[str, int] | None = None  # ("text", -1) or ("tool", chat call index)
+        # ("text", -1), ("thinking", -1) or ("tool", chat call index)
+        self.open: tuple[str, int] | None = None
         self.finish: tuple[str | None, Any] = (None, None)  # finish_reason, stop_reason
         self.usage: dict | None = None
         self.extension: dict | None = None
@@ -544,8 +558,11 @@ class _EventWriter:
             self.extension = chunk["pdserve"]
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                out += self._block("thinking", _thinking(""), "thinking_delta", delta["reasoning"])
             if delta.get("content"):
-                out += self._text(delta["content"])
+                block = {"type": "text", "text": ""}
+                out += self._block("text", block, "text_delta", delta["content"])
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason"):
@@ -565,11 +582,12 @@ class _EventWriter:
         self.open = None
         return [_event("content_block_stop", index=self.blocks - 1)]
 
-    def _text(self, piece: str) -> list[bytes]:
+    def _block(self, kind: str, block: dict, delta_kind: str, piece: str) -> list[bytes]:
+        """A piece of a text or thinking block (`kind`: its key in `block` and its delta)."""
         out = []
-        if self.open != ("text", -1):
-            out = self._opening(("text", -1), {"type": "text", "text": ""})
-        delta = {"type": "text_delta", "text": piece}
+        if self.open != (kind, -1):
+            out = self._opening((kind, -1), block)
+        delta = {"type": delta_kind, kind: piece}
         return out + [_event("content_block_delta", index=self.blocks - 1, delta=delta)]
 
     def _call(self, call: dict) -> list[bytes]:
@@ -596,11 +614,23 @@ class _EventWriter:
 
 
 # ---- the routes ------------------------------------------------------------------------------
+def _check_thinking(front, body: Conversation) -> None:
+    """thinking enabled needs a reasoning model (router/openai/responses/reasoning.py)."""
+    if body.thinking is not None and body.thinking.type == "enabled" and not front.reasons:
+        raise ApiError(
+            400,
+            "thinking: this model has no thinking mode: send thinking {'type': 'disabled'} (or "
+            "'adaptive', which thinks only where the model can), or leave it unset",
+            param="thinking",
+        )
+
+
 @router.post("/v1/messages")
 async def messages(request: Request):
     front = state_of(request)
     body, metadata = await front.parse(request, MessagesRequest, MESSAGES_FIELDS)
     front.check_model(body.model)
+    _check_thinking(front, body)
     chat = body.as_chat(front.settings.max_model_len)
     gen = chat_request(front, chat)
     # Anthropic's max_tokens is a cap: a completion the context cannot hold all of ends where the
@@ -616,6 +646,7 @@ async def count_tokens(request: Request):
     front = state_of(request)
     body, _ = await front.parse(request, CountTokensRequest, MESSAGES_FIELDS)
     front.check_model(body.model)
+    _check_thinking(front, body)
     chat = body.as_chat()
     front.check_prompt_size([t for m in chat.messages for t in (m.role, m.text())], "messages")
     ids = await front.encode("messages", front.encoder.tokenize_chat, chat_messages(chat), False)

@@ -15,7 +15,9 @@ body says `store: false` or the deployment keeps none; `previous_response_id` co
 one: its conversation's items come before this input (its instructions do not, as in OpenAI's API),
 and GET /v1/responses/{id}, its /input_items and DELETE read the store. Function tools go through
 the chat path's tools (protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a
-grammar when forced); other tool types, images and files, reasoning items and `include` are refused
+grammar when forced); a reasoning model's reasoning is a `reasoning` item first in `output`
+(streamed as response.reasoning_text.delta), and one sent back in `input` goes with the assistant
+turn after it; other tool types, images and files, encrypted reasoning and `include` are refused
 with a 400 naming the field. `background` runs a response apart from its connection (`_background`:
 a task of the front's event loop, in the store's `running` until it ends; POST
 /v1/responses/{id}/cancel cancels it). The routes are declared on `router`, which build_app
@@ -125,8 +127,28 @@ class FunctionCallOutputItem(_Strict):
     status: ShortStr | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
-_ITEM_KINDS = {"message", "function_call", "function_call_output"}
+class ReasoningPart(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: StrictStr
+
+
+class ReasoningItem(_Strict):
+    """A reasoning model's reasoning, replayed from an earlier response's output: it reaches the
+    chat template with the assistant turn that follows it (as reasoning_content)."""
+
+    type: Literal["reasoning"]
+    id: ShortStr | None = None
+    summary: Annotated[list[ReasoningPart], Field(max_length=1024)] = []
+    content: Annotated[list[ReasoningPart], Field(max_length=1024)] | None = None
+    encrypted_content: None = None  # OpenAI's models' encrypted reasoning: not ours to read
+    status: ShortStr | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or self.summary)
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEM_KINDS = {"message", "function_call", "function_call_output", "reasoning"}
 
 
 def _check_items(v):
@@ -140,7 +162,7 @@ def _check_items(v):
         if kind not in _ITEM_KINDS:
             raise ValueError(
                 f"input[{i}]: items of type {str(kind)[:40]!r} are not supported: send messages, "
-                f"function_call and function_call_output items"
+                f"function_call, function_call_output and reasoning items"
             )
         parts = item.get("content")
         if kind == "message" and isinstance(parts, list):
@@ -152,6 +174,12 @@ def _check_items(v):
                         f"this model reads text only (input_text, output_text)"
                     )
     return v
+
+
+class ReasoningConfig(_Strict):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # its older name
 
 
 class ResponsesTool(_Strict):
@@ -265,10 +293,12 @@ class ResponsesRequest(_Strict):
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
     # true: answered at once (queued), run apart from the connection, read by GET; needs store
     background: StrictBool | None = None
+    # a reasoning model's: effort is the chat template's reasoning_effort (as chat's); the full
+    # reasoning comes as a reasoning item's content, so there is no summary to ask for
+    reasoning: ReasoningConfig | None = None
     # accepted only at their neutral value
     include: list[Any] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    reasoning: dict[str, Any] | None = None
     max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
     prompt: dict[str, Any] | None = None
     conversation: Any = None
@@ -297,10 +327,6 @@ class ResponsesRequest(_Strict):
         "conversation",
         "cache_salt",
         message="{field} is not supported; leave it unset",
-    )
-    _no_reasoning = _neutral_only(
-        "reasoning",
-        message="reasoning is not supported: this model has no reasoning mode; leave it unset",
     )
 
     @field_validator("tool_choice")
@@ -349,6 +375,7 @@ class ResponsesRequest(_Strict):
             ("min_tokens", self.min_tokens),
             ("priority", self.priority or None),
             ("parallel_tool_calls", self.parallel_tool_calls),
+            ("reasoning_effort", _effort(self.reasoning)),
         ):
             if value is not None:
                 body[key] = value
@@ -366,6 +393,12 @@ class ResponsesRequest(_Strict):
 
 
 RESPONSES_FIELDS = _field_names(ResponsesRequest, JsonSchemaFormat)
+
+
+def _effort(config: ReasoningConfig | None) -> str | None:
+    """Chat's reasoning_effort (low, medium, high) of the Responses API's reasoning.effort."""
+    effort = config.effort if config is not None else None
+    return "low" if effort == "minimal" else effort
 
 
 def chat_messages(body: ResponsesRequest, items: list[dict] | None = None) -> list[dict]:
@@ -401,6 +434,8 @@ def input_items(body: ResponsesRequest) -> list[dict]:
                 "function": {"name": item.name, "arguments": item.arguments},
             }
             out.append({**_function_call(call, "completed"), "id": item.id or _new_id("fc")})
+        elif isinstance(item, ReasoningItem):
+            out.append(_reasoning_item(item.text(), item.id))
         else:
             out.append(
                 {
@@ -412,6 +447,16 @@ def input_items(body: ResponsesRequest) -> list[dict]:
                 }
             )
     return out
+
+
+def _reasoning_item(text: str, item_id: str | None = None) -> dict:
+    return {
+        "type": "reasoning",
+        "id": item_id or _new_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
 
 
 def _item_message(role: str, parts: list[dict], item_id: str | None) -> dict:
@@ -432,12 +477,15 @@ def messages_of(items: list[dict]) -> list[dict]:
     an assistant's text and the function calls right after it are one assistant message, as
     chat completions write them."""
     out: list[dict] = []
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            thought += "".join(p["text"] for p in item.get("content") or item.get("summary") or ())
+            continue
         if kind == "message":
-            out.append(
-                {"role": item["role"], "content": "".join(p["text"] for p in item["content"])}
-            )
+            text = "".join(p["text"] for p in item["content"])
+            out.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
@@ -451,6 +499,8 @@ def messages_of(items: list[dict]) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        if thought and out[-1]["role"] == "assistant" and "reasoning" not in out[-1]:
+            out[-1]["reasoning"], thought = thought, ""
     return out
 
 
@@ -466,7 +516,11 @@ def _usage(chat_usage: dict | None) -> dict | None:
             "cache_write_tokens": 0,
         },
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0
+            )
+        },
         "total_tokens": chat_usage["total_tokens"],
     }
 
@@ -557,6 +611,8 @@ class Shape:
         choice = chat["choices"][0]
         message = choice["message"]
         output = []
+        if message.get("reasoning"):
+            output.append(_reasoning_item(message["reasoning"]))
         if message.get("content"):
             output.append(_message(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
         for call in message.get("tool_calls") or []:
@@ -579,6 +635,8 @@ class _EventWriter:
         self.output: list[dict] = []  # the items opened so far, in their output order
         self.message: dict | None = None  # the open message item
         self.text: list[str] = []
+        self.thought: dict | None = None  # a reasoning model's reasoning item
+        self.thinking: list[str] = []
         self.calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -611,12 +669,36 @@ class _EventWriter:
             self.extension = chunk["pdserve"]
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                out += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+        return out
+
+    def _reasoning(self, piece: str) -> list[bytes]:
+        out = []
+        if self.thought is None:
+            self.thought = _reasoning_item("")
+            self.thought.update(content=[], status="in_progress")
+            self.output.append(self.thought)
+            index = len(self.output) - 1
+            out.append(
+                self._event("response.output_item.added", output_index=index, item=self.thought)
+            )
+        self.thinking.append(piece)
+        out.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self.thought["id"],
+                output_index=self.output.index(self.thought),
+                content_index=0,
+                delta=piece,
+            )
+        )
         return out
 
     def _text(self, piece: str) -> list[bytes]:
@@ -681,7 +763,12 @@ class _EventWriter:
     def _done(self) -> list[bytes]:
         out = []
         for index, item in enumerate(self.output):
-            if item is self.message:
+            if item is self.thought:
+                text = "".join(self.thinking)
+                ids = dict(item_id=item["id"], output_index=index, content_index=0)
+                out.append(self._event("response.reasoning_text.done", **ids, text=text))
+                item["content"] = [{"type": "reasoning_text", "text": text}]
+            elif item is self.message:
                 text = "".join(self.text)
                 ids = dict(item_id=item["id"], output_index=index, content_index=0)
                 out.append(self._event("response.output_text.done", **ids, text=text, logprobs=[]))

@@ -33,7 +33,7 @@ from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.openai.responses.store import ResponseStore
-from pdserve.router.text import BadRequest, PromptEncoder
+from pdserve.router.text import BadRequest, PromptEncoder, reasoning_tags
 
 # the paths of Anthropic's Messages API (router/openai/messages_api.py): its error shape
 ANTHROPIC_PREFIX = "/v1/messages"
@@ -62,6 +62,8 @@ class FrontState:
         specials = getattr(s.tokenizer, "all_special_tokens", None) or ()
         self.tags_special = "<tool_call>" in specials
         self.think_special = "</think>" in specials
+        # a reasoning model (its vocabulary has <think> and </think>): Anthropic's thinking
+        self.reasons = reasoning_tags(s.tokenizer) is not None
         self.responses = ResponseStore(s.responses_store_bytes)  # /v1/responses' stored ones
         self.encoder = s.encoder
         if self.encoder is None:  # a front built without the router's (tests): one of its own

@@ -79,13 +79,21 @@ def _ask(router_, stream: bool, grammar: str | None, **fields) -> dict:
     if grammar is not None:
         body["extra_body"]["structured_outputs"] = {"grammar": f"start: {grammar}"}
     if not stream:
-        m = c.chat.completions.create(**body).choices[0].message
+        whole = c.chat.completions.create(**body)
+        m = whole.choices[0].message
         extra = m.model_extra or {}
         assert extra.get("reasoning") == extra.get("reasoning_content")
         calls = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls or []]
-        return {"reasoning": extra.get("reasoning"), "content": m.content, "calls": calls}
-    reasoning, content, calls = [], [], {}
+        return {
+            "reasoning": extra.get("reasoning"),
+            "content": m.content,
+            "calls": calls,
+            "usage": whole.usage,
+        }
+    reasoning, content, calls, used = [], [], {}, None
+    body["stream_options"] = {"include_usage": True}
     for chunk in c.chat.completions.create(**body):
+        used = chunk.usage or used
         for choice in chunk.choices:
             d, extra = choice.delta, choice.delta.model_extra or {}
             if extra.get("reasoning") is not None:
@@ -99,6 +107,7 @@ def _ask(router_, stream: bool, grammar: str | None, **fields) -> dict:
         "reasoning": "".join(reasoning) or None,
         "content": "".join(content) or None,
         "calls": [(name, json.loads(args)) for name, args in calls.values()],
+        "usage": used,
     }
 
 
@@ -146,6 +155,16 @@ def test_a_block_the_prompt_opened(router, stream, opened):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_reasoning_tokens_are_counted(router, stream):
+    # <think>, six letters and </think> (one token each) are reasoning; "\n\n" and four not
+    got = _ask(router, stream, f'{OPEN} {_letters(6)} {CLOSE} "\\n\\n" {_letters(4)}')
+    details = got["usage"].completion_tokens_details
+    assert details.reasoning_tokens == 8 and got["usage"].completion_tokens >= 14, got
+    got = _ask(router, stream, _letters(4), extra_body={"chat_template_kwargs": {"open_think": 0}})
+    assert got["usage"].completion_tokens_details.reasoning_tokens == 0, got
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_include_reasoning_false_drops_it(router, stream):
     grammar = f"{OPEN} {_letters(6)} {CLOSE} {_letters(4)}"
     got = _ask(router, stream, grammar, extra_body={"include_reasoning": False})
@@ -180,3 +199,11 @@ def test_replayed_reasoning_reaches_the_template(router):
     bad = [{"role": "user", "content": "Hi.", "reasoning": "no"}]
     status, _, raw = post(router, "/v1/chat/completions", {"model": MODEL, "messages": bad})
     assert status == 400 and "assistant" in json.loads(raw)["error"]["message"], raw
+
+
+def test_anthropic_thinking_is_accepted_for_a_reasoning_model(router):
+    # the tiny model of test_http_other_apis.py has no <think> token: a 400 there
+    hi = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+        status, _, raw = post(router, "/v1/messages", {**hi, "thinking": thinking})
+        assert status == 200 and json.loads(raw)["type"] == "message", raw

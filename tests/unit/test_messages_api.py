@@ -77,7 +77,7 @@ def body(**fields) -> MessagesRequest:
         ({"tools": [{**TOOL, "input_schema": {"type": "strin"}}]}, "tools[0].input_schema", None),
         ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "x"}}, "tool_choice", None),
-        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking", "no thinking"),
+        ({"thinking": {"type": "on"}}, "thinking.type", None),
         (
             {
                 "tools": [TOOL],
@@ -158,6 +158,7 @@ def test_tool_use_round_trip_and_joined_turns_are_a_chat():
         ("tool", "Error: no"),
         ("user", "Thanks."),
     ]
+    assert chat.messages[1].thought() == "hm"  # the template's reasoning_content
     call = chat.messages[1].tool_calls[0]
     assert call.id == "toolu_1" and json.loads(call.function.arguments) == {"city": "P"}
     assert chat.messages[2].tool_call_id == "toolu_1"
@@ -348,3 +349,46 @@ def test_errors_take_anthropics_shape(status, kind):
         "type": "error",
         "error": {"type": kind, "message": "why"},
     }
+
+
+def test_a_reasoning_models_thinking_is_a_thinking_block():
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    chat = {
+        "choices": [
+            {
+                "message": {"content": "Paris.", "reasoning": "The capital."},
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+        "usage": USAGE,
+    }
+    m = anthropic_types.Message.model_validate(Shape(body(), "tiny").whole(chat))
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == "The capital." and m.content[1].text == "Paris."
+    first = {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10}
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}, usage=first),
+        _chunk({"reasoning": "The ", "reasoning_content": "The "}),
+        _chunk({"reasoning": "capital.", "reasoning_content": "capital."}),
+        _chunk({"content": "Paris."}),
+        _chunk(reason="stop"),
+        {"choices": [], "usage": USAGE},
+        "[DONE]",
+    ]
+    events = _events(asyncio.run(_collect(Shape(body(), "tiny"), chunks)))
+    snapshot, bufs = None, {}
+    for e in events:
+        snapshot = accumulate_event(event=e, current_snapshot=snapshot, json_bufs=bufs)
+    assert [b.type for b in snapshot.content] == ["thinking", "text"]
+    assert snapshot.content[0].thinking == "The capital." and snapshot.content[1].text == "Paris."
+
+
+@pytest.mark.parametrize("kind, want", [("enabled", True), ("disabled", False), ("adaptive", None)])
+def test_thinking_is_the_templates_switch(kind, want):
+    chat = body(
+        thinking={"type": kind, "budget_tokens": 1024} if kind == "enabled" else {"type": kind}
+    )
+    kwargs = chat.as_chat().chat_template_kwargs
+    assert (kwargs or {}).get("enable_thinking") == want

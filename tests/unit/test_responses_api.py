@@ -32,7 +32,8 @@ def body(**fields) -> ResponsesRequest:
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
+        ({"input": [{"type": "computer_call", "id": "x"}]}, "input", "'computer_call'"),
+        ({"input": [{"type": "reasoning", "encrypted_content": "gAAA"}]}, "input", None),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input",
@@ -55,7 +56,7 @@ def body(**fields) -> ResponsesRequest:
         ({"top_p": 0}, "top_p", None),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format", "name and schema"),
         ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort", None),
         ({"top_logprobs": 2}, "top_logprobs", "not supported"),
         ({"priority": -(1 << 31) - 1}, "priority", None),
         ({"stream": "yes"}, "stream", None),
@@ -246,3 +247,61 @@ def test_openapi_schema_names_do_not_collide_across_bodies():
         for name, sub in schema.get("$defs", {}).items():
             assert seen.setdefault(name, sub) == sub, name
     assert "ResponsesRequest" in {m.__name__ for m in _BODIES.values()}
+
+
+def test_a_reasoning_models_answer_has_a_reasoning_item():
+    usage = {**USAGE, "completion_tokens_details": {"reasoning_tokens": 3}}
+    chat = {
+        "choices": [
+            {"message": {"content": "Paris.", "reasoning": "The capital."}, "finish_reason": "stop"}
+        ],
+        "usage": usage,
+    }
+    r = openai_types.Response.model_validate(Shape(body(), "tiny").whole(chat))
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "Paris."
+    assert r.output[0].content[0].text == "The capital."
+    assert r.usage.output_tokens_details.reasoning_tokens == 3
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"reasoning": "The ", "reasoning_content": "The "}),
+        _chunk({"reasoning": "capital.", "reasoning_content": "capital."}),
+        _chunk({"content": "Paris."}),
+        _chunk(reason="stop"),
+        {"choices": [], "usage": usage},
+        "[DONE]",
+    ]
+    events = _events(asyncio.run(_collect(Shape(body(), "tiny"), chunks)))
+    assert [e.type for e in events][2:6] == [
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.output_item.added",
+    ]
+    done = {e.type: e for e in events}
+    assert done["response.reasoning_text.done"].text == "The capital."
+    final = done["response.completed"].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "The capital." and final.output_text == "Paris."
+    assert final.usage.output_tokens_details.reasoning_tokens == 3
+
+
+def test_replayed_reasoning_items_go_with_the_next_assistant_turn():
+    b = body(
+        input=[
+            {"role": "user", "content": "Capital?"},
+            {
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Hm."}],
+            },
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "Paris"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Found."}]},
+            {"role": "assistant", "content": "Paris."},
+        ],
+        reasoning={"effort": "minimal", "summary": "auto"},
+    )
+    chat = b.as_chat()
+    turns = [(m.role, m.thought()) for m in chat.messages]
+    assert turns == [("user", None), ("assistant", "Hm."), ("tool", None), ("assistant", "Found.")]
+    assert chat.reasoning_effort == "low"

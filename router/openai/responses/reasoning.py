@@ -26,8 +26,19 @@ class ReasoningParser:
     def __init__(self, opened: bool):
         self.state = _REASONING if opened else _START
         self.buf = ""
+        # the tokens of the deltas fed inside the reasoning (the tags' own included): OpenAI's
+        # completion_tokens_details.reasoning_tokens
+        self.tokens = 0
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str, tokens: int = 0) -> list[dict]:
+        """The events of one delta's `text` (`tokens` tokens)."""
+        before = self.state
+        out = self._feed(text)
+        if _REASONING in (before, self.state):
+            self.tokens += tokens
+        return out
+
+    def _feed(self, text: str) -> list[dict]:
         self.buf += text
         out: list[dict] = []
         if self.state == _START:
@@ -84,10 +95,14 @@ class ChatText:
     def num_calls(self) -> int:
         return self.tools.num_calls if self.tools is not None else 0
 
-    def feed(self, text: str) -> list[dict]:
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.reasoning.tokens if self.reasoning is not None else 0
+
+    def feed(self, text: str, tokens: int = 0) -> list[dict]:
         if self.reasoning is None:
             return self._content(text)
-        return self._split(self.reasoning.feed(text))
+        return self._split(self.reasoning.feed(text, tokens))
 
     def finish(self) -> list[dict]:
         out = self._split(self.reasoning.finish()) if self.reasoning is not None else []

@@ -32,7 +32,12 @@ from pdserve.router.openai.responses.logprobs import (
 from pdserve.router.openai.responses.parts import extension, finish_reason, sse, stop_reason
 from pdserve.router.openai.responses.reasoning import ChatText, reasoning_of
 from pdserve.router.openai.responses.tool_calls import delta_of
-from pdserve.router.openai.responses.whole import chat_text, echo_text, request_usage
+from pdserve.router.openai.responses.whole import (
+    chat_text,
+    echo_text,
+    request_usage,
+    with_reasoning_tokens,
+)
 from pdserve.router.service import PROMPT_TOKENS_KEY  # the router's Generate sends it
 
 
@@ -193,7 +198,8 @@ class _Chunks:
         if self.mode == "none" and self.reasoning is None:
             return [self.with_ids(self.chunk([self.choice(d.index, d.text, lp, None)]), d)]
         p = self._parser(d.index)
-        deltas = [delta_of(e) for e in p.feed(d.text)] or ([{}] if lp or self.want_ids else [])
+        events = p.feed(d.text, len(d.token_ids))
+        deltas = [delta_of(e) for e in events] or ([{}] if lp or self.want_ids else [])
         out = [
             self.chunk([_with(self.choice(d.index, None, lp if k == 0 else None, None), delta)])
             for k, delta in enumerate(deltas)
@@ -201,6 +207,11 @@ class _Chunks:
         if out:  # the delta's ids ride on its first chunk
             self.with_ids(out[0], d)
         return out
+
+    def unsent(self, d: pdserve_pb2.TokenDelta) -> None:
+        """A delta not sent (no text yet): its tokens still count where the text is split."""
+        if self.reasoning is not None and not self.echo_only:
+            self._parser(d.index).feed("", len(d.token_ids))
 
     def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
         """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""
@@ -251,6 +262,7 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
             if r.HasField("delta"):
                 c.count(r.delta)
                 if not c.sent(r.delta):
+                    c.unsent(r.delta)
                     continue
                 lp = c.logprobs(r.delta)
                 if held is not None:
@@ -269,7 +281,11 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
         if c.include_usage:
             if held is not None:
                 yield held
-            held = {**c.base, "choices": [], "usage": request_usage(finishes, body)}
+            used = request_usage(finishes, body)
+            if c.reasoning is not None:
+                tokens = sum(p.reasoning_tokens for p in c.parsers.values())
+                with_reasoning_tokens(used, tokens)
+            held = {**c.base, "choices": [], "usage": used}
         if held is not None:
             held["pdserve"] = extension(finishes, request_id)
             yield held

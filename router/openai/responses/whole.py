@@ -34,6 +34,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tops: list = field(default_factory=list)  # pdserve_pb2.TopLogprobs, one per token
+    counts: list[int] = field(default_factory=list)  # each delta's tokens (its text: `text`)
+    reasoning_tokens: int = 0  # a reasoning model's chat: the output's tokens of reasoning
     finish: pdserve_pb2.Finish | None = None
     # return_token_ids: the prompt's ids, on the choice whose response came first in its call
     prompt_ids: list[int] | None = None
@@ -46,6 +48,7 @@ def collect_choices(responses) -> dict[int, Choice]:
             d = r.delta
             c = choices.setdefault(d.index, Choice(d.index))
             c.text.append(d.text)
+            c.counts.append(len(d.token_ids))
             c.token_ids.extend(d.token_ids)
             c.logprobs.extend(d.logprobs)
             c.tops.extend(d.top_logprobs)
@@ -88,6 +91,12 @@ def request_usage(finishes, body) -> dict:
             "rejected_prediction_tokens": sum(f.usage.rejected_prediction_tokens for f in finishes),
         }
     return out
+
+
+def with_reasoning_tokens(used: dict, tokens: int) -> dict:
+    """A reasoning model's chat usage: OpenAI's completion_tokens_details.reasoning_tokens."""
+    used.setdefault("completion_tokens_details", {})["reasoning_tokens"] = tokens
+    return used
 
 
 def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> dict:
@@ -150,7 +159,9 @@ def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> 
     message: dict = {"role": "assistant", "content": "".join(c.text)}
     parser = chat_text(body, reasoning)
     if parser is not None:  # reasoning split off and tool calls parsed out (reasoning.py)
-        events = parser.feed(message["content"]) + parser.finish()
+        pieces = zip(c.text, c.counts, strict=True)
+        events = [e for text, n in pieces for e in parser.feed(text, n)] + parser.finish()
+        c.reasoning_tokens = parser.reasoning_tokens
         content, calls = join_events(events)
         message = {"role": "assistant", "content": content}
         if reasoning is not None:
@@ -184,6 +195,9 @@ def whole_response(
     if body.return_token_ids and len(prompt_ids) < len(finishes) // body.n:
         raise ApiError(500, "the router sent no prompt token ids", "server_error")
     out = [make(choices[i], body, text_of, prompt_ids, reasoning) for i in sorted(choices)]
+    used = request_usage(finishes, body)
+    if chat and reasoning is not None:
+        with_reasoning_tokens(used, sum(c.reasoning_tokens for c in choices.values()))
     suffix = request_id.removeprefix("http-")
     extra = {"prompt_token_ids": prompt_ids[0]} if chat and body.return_token_ids else {}
     return {
@@ -192,7 +206,7 @@ def whole_response(
         "created": int(time.time()),
         "model": model_id,
         "choices": out,
-        "usage": request_usage(finishes, body),
+        "usage": used,
         "system_fingerprint": None,
         **extra,
         "pdserve": extension(finishes, request_id),
