@@ -17,6 +17,17 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def reasoning_tags(tokenizer) -> tuple[int, int] | None:
+    """The ids of a reasoning model's <think> and </think> (Qwen3, QwQ, DeepSeek-R1 and its
+    distillations, SmolLM3: each one token of the vocabulary); None for a model without them."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids = vocab.get(THINK_OPEN), vocab.get(THINK_CLOSE)
+    return None if None in ids else ids
+
+
 def bad_words_token_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad words as token ids: each word as it would start the text, and after a space
     where that gives other tokens of the same count (a word inside a sentence is another token);

@@ -73,6 +73,8 @@ def structured_dict(msg) -> dict:
         out["json_object"] = True
     if len(msg.choice):
         out["choice"] = list(msg.choice)
+    if msg.reasoning:
+        out["reasoning"] = msg.reasoning
     return out
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.planner.local_prefill import LocalPrefill
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
@@ -55,7 +56,7 @@ from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.peer_fetch import PeerFetch
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
-from pdserve.router.text import BadRequest, PromptEncoder, opens_reasoning, reasoning_tags
+from pdserve.router.text import BadRequest, PromptEncoder, opens_reasoning
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 POOLING_KINDS = ("last", "mean")  # engine/request.py's (the router may not import the engine)
@@ -84,8 +85,8 @@ _CLIENT_CODES = {
 
 # the initial metadata key of the prompt's token count (the HTTP front's continuous usage)
 PROMPT_TOKENS_KEY = "pdserve-prompt-tokens"
-# a reasoning model's chat (router/text.py reasoning_tags): "open" when the output starts inside
-# its reasoning (the prompt ends with <think>), else "closed"; the HTTP front splits the text
+# a reasoning model's chat (engine/tokenizer.py reasoning_tags): "open" when the output starts
+# inside its reasoning (the prompt ends with <think>), else "closed"; the HTTP front splits the text
 REASONING_KEY = "pdserve-reasoning"
 
 
@@ -171,6 +172,17 @@ def _without_max_tokens(sampling: pdserve_pb2.SamplingParams) -> pdserve_pb2.Sam
     copy = pdserve_pb2.SamplingParams()
     copy.CopyFrom(sampling)
     copy.ClearField("max_tokens")
+    return copy
+
+
+def _after_reasoning(sampling, opened: bool):
+    """A reasoning model's chat with structured output: the grammar holds for the answer after
+    its reasoning (engine/structured/grammar.py `reasoned`), unless the client said otherwise."""
+    if sampling.structured.reasoning:
+        return sampling
+    copy = pdserve_pb2.SamplingParams()
+    copy.CopyFrom(sampling)
+    copy.structured.reasoning = "open" if opened else "optional"
     return copy
 
 
@@ -263,6 +275,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         )
         if isinstance(sampling, Refusal):
             sampling.abort(context)
+        opened = self._opens_reasoning(request, prompt)
+        if opened is not None and sampling.HasField("structured"):
+            sampling = _after_reasoning(sampling, opened)
         if sampling is not request.sampling:
             request = _with_sampling(request, sampling)
         for role in ("decode",) if opts.colocated else ROLES:
@@ -283,7 +298,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             call.admitted_ns = unix_ns()
         try:
             context.add_callback(lambda: self._on_rpc_end(call))
-            context.send_initial_metadata(self._initial_metadata(request, prompt))
+            context.send_initial_metadata(self._initial_metadata(prompt, opened))
             yield from self._run(call, context)
         finally:
             with self._lock:
@@ -293,12 +308,19 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             if call.span is not None:  # not ended by a finish or a failure: the client left
                 self._end_span(call, error="the client cancelled or went away")
 
-    def _initial_metadata(self, request, prompt: list[int]) -> tuple[tuple[str, str], ...]:
+    def _opens_reasoning(self, request, prompt: list[int]) -> bool | None:
+        """A reasoning model's chat: whether its output starts inside its reasoning (the prompt
+        ends with <think>); None for another model or input."""
+        if self.reasoning_tags is None or request.WhichOneof("input") != "chat":
+            return None
+        return opens_reasoning(prompt, self.reasoning_tags, self.tokenizer)
+
+    @staticmethod
+    def _initial_metadata(prompt: list[int], opened: bool | None) -> tuple[tuple[str, str], ...]:
         """The prompt's token count; a reasoning model's chat: whether its output starts inside
-        its reasoning."""
+        its reasoning (REASONING_KEY)."""
         out = ((PROMPT_TOKENS_KEY, str(len(prompt))),)
-        if self.reasoning_tags is not None and request.WhichOneof("input") == "chat":
-            opened = opens_reasoning(prompt, self.reasoning_tags, self.tokenizer)
+        if opened is not None:
             out += ((REASONING_KEY, "open" if opened else "closed"),)
         return out
 

@@ -39,17 +39,6 @@ RESERVED_TEMPLATE_KEYS = frozenset(
 )
 
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def reasoning_tags(tokenizer) -> tuple[int, int] | None:
-    """The ids of a reasoning model's <think> and </think> (Qwen3, QwQ, DeepSeek-R1 and its
-    distillations, SmolLM3: each one token of the vocabulary); None for a model without them."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    ids = vocab.get(THINK_OPEN), vocab.get(THINK_CLOSE)
-    return None if None in ids else ids
-
-
 def opens_reasoning(prompt: list[int], tags: tuple[int, int] | None, tokenizer) -> bool:
     """Whether a reasoning model's output starts inside its reasoning: the prompt's last token
     that is not whitespace is <think> (the chat template opened it, as DeepSeek-R1's does).

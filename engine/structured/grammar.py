@@ -12,7 +12,9 @@ pick an allowed token. The scheduler's `_append_token` then advances the
 sequence's matcher by the token (`SeqGrammar.accept`), wherever the token came from: a step,
 or a commit of the first token another engine sampled with the same grammar; once the grammar
 is complete (the stop token accepted) the sequence finishes. A preempted sequence keeps its
-tokens and so its matcher: recompute does not re-append tokens. Library: llguidance
+tokens and so its matcher: recompute does not re-append tokens. A spec's `reasoning` (a reasoning
+model's chat: the router sets it) puts the grammar after a free reasoning block (`reasoned`).
+Library: llguidance
 (docs/experiments/structured-output-library.md: the pick and its measurements).
 """
 
@@ -29,6 +31,7 @@ import torch
 
 from pdserve.engine.errors import BadSamplingParams
 from pdserve.engine.structured.spec import StructuredSpec
+from pdserve.engine.tokenizer import reasoning_tags
 
 MAX_CACHED_GRAMMARS = 256
 _NEG_INF = torch.tensor(float("-inf"))
@@ -91,6 +94,7 @@ class GrammarCache:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
+        self._tags = reasoning_tags(tokenizer)  # <think>, </think>: a spec's reasoning
         self._lltok = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -112,7 +116,7 @@ class GrammarCache:
     def compile(self, spec: StructuredSpec):
         """The compiled grammar of `spec`, from the cache or compiled now (outside the lock, so a
         step that only looks up never waits on another thread's compile)."""
-        key = spec.key
+        key = (*spec.key, spec.reasoning)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -121,7 +125,7 @@ class GrammarCache:
                 return hit
         lltok = self._tokenizer_info()
         t0 = time.perf_counter()
-        compiled = _compile(lltok, spec)
+        compiled = _compile(lltok, spec, self._tags, self._eos)
         with self._lock:
             self.compile_s += time.perf_counter() - t0
             self.misses += 1
@@ -165,9 +169,43 @@ class GrammarCache:
             seq.grammar = self.matcher(spec)
 
 
-def grammar_text(spec: StructuredSpec) -> str:
+def grammar_text(spec: StructuredSpec, tags=None, eos=()) -> str:
     """llguidance's grammar for `spec`: JSON with no free whitespace (the compact separators
-    ", " and ": "), so a model cannot pad its output with whitespace until max_tokens."""
+    ", " and ": "), so a model cannot pad its output with whitespace until max_tokens; with
+    spec.reasoning, after the reasoning (`reasoned`; `tags`: the ids of <think> and </think>,
+    `eos`: the stop tokens, never inside the reasoning)."""
+    answer = _answer_text(spec)
+    if spec.reasoning in ("", "none"):
+        return answer
+    if tags is None:
+        raise BadSamplingParams(
+            "structured.reasoning needs a reasoning model: this one has no <think> and </think> "
+            "tokens"
+        )
+    return reasoned(answer, spec.reasoning, tags, eos)
+
+
+def reasoned(answer: str, reasoning: str, tags: tuple[int, int], eos=()) -> str:
+    """The grammar `answer` (llguidance's JSON or Lark text) after a reasoning model's reasoning:
+    any tokens but </think> and the stop tokens, then </think> and at most 4 characters of
+    whitespace, then the answer
+    ("open": from the first token, the prompt having opened the block; "optional": that block
+    opened by <think>, or none), as vLLM holds a grammar only after the reasoning."""
+    top = json.loads(answer) if answer.lstrip().startswith("{") else None
+    if top is None:
+        top = {"grammars": [{"name": "answer", "lark_grammar": answer}]}
+    start = top["grammars"][0]["name"]
+    opened, closed = tags
+    free = ",".join(str(t) for t in (closed, *eos))
+    block = f"<[^{free}]>* <[{closed}]> GAP"
+    first = block if reasoning == "open" else f"(<[{opened}]> {block})?"
+    # GAP: the whitespace models put after </think> ("\n\n"), bounded so none can pad with it
+    lark = f"start: {first} @{start}\nGAP: /[ \\t\\r\\n]{{0,4}}/\n"
+    top["grammars"].insert(0, {"name": "reasoned", "lark_grammar": lark})
+    return json.dumps(top)
+
+
+def _answer_text(spec: StructuredSpec) -> str:
     from llguidance import LLMatcher, grammar_from
 
     kind, text = spec.key
@@ -184,13 +222,15 @@ def grammar_text(spec: StructuredSpec) -> str:
     return "%llguidance {}\nstart: " + alternatives
 
 
-def _compile(lltok, spec: StructuredSpec):
+def _compile(lltok, spec: StructuredSpec, tags=None, eos=()):
     from llguidance import LLMatcher
 
     kind = spec.kind
     try:
-        grammar = grammar_text(spec)
+        grammar = grammar_text(spec, tags, eos)
         error = LLMatcher.validate_grammar(grammar, lltok)
+    except BadSamplingParams:  # a spec this model cannot take (reasoning without the tags)
+        raise
     except Exception as e:  # the library's own error types
         error = str(e) or type(e).__name__
     if not error:

@@ -19,19 +19,26 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024  # per choice
 MAX_GRAMMAR_CHARS = 64 * 1024
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# a reasoning model's reasoning before the answer the grammar holds for: "" unset (the router
+# sets it for a reasoning model), "none" (the grammar holds from the first token), "open" (the
+# output is reasoning until </think>), "optional" (it may start with a <think>...</think> block)
+REASONING = ("", "none", "open", "optional")
 
 
 @dataclass(frozen=True)
 class StructuredSpec:
     """Exactly one of the fields: json_schema (a dict, or its JSON text), json_object (True: any
     JSON object), regex (the whole output matches it), choice (the output is one of these),
-    grammar (the output is a sentence of it: GBNF rules `root ::= ...` or Lark's `start: ...`)."""
+    grammar (the output is a sentence of it: GBNF rules `root ::= ...` or Lark's `start: ...`).
+    reasoning (REASONING): a reasoning model's reasoning comes first, free, and the kind holds
+    for the answer after it (engine/structured/grammar.py)."""
 
     json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -44,6 +51,10 @@ class StructuredSpec:
             raise BadSamplingParams(
                 f"structured must set exactly one of {', '.join(KINDS)}, got "
                 f"{', '.join(given) or 'none'}"
+            )
+        if self.reasoning not in REASONING:
+            raise BadSamplingParams(
+                f"structured.reasoning must be one of {list(REASONING)}, got {self.reasoning!r:.40}"
             )
         if self.json_schema is not None:
             put("json_schema", _schema(self.json_schema))
@@ -92,13 +103,15 @@ class StructuredSpec:
         return kind, json.dumps(list(self.choice))
 
     def to_wire(self) -> dict:
-        """The one set field, JSON-able (json_schema as canonical JSON text)."""
+        """The one set field, JSON-able (json_schema as canonical JSON text), and reasoning."""
         kind, text = self.key
         if kind == "choice":
-            return {"choice": list(self.choice)}
-        if kind == "json_object":
-            return {"json_object": True}
-        return {kind: text}
+            out: dict = {"choice": list(self.choice)}
+        elif kind == "json_object":
+            out = {"json_object": True}
+        else:
+            out = {kind: text}
+        return {**out, "reasoning": self.reasoning} if self.reasoning else out
 
 
 def canonical_json(value: object) -> str:
@@ -164,7 +177,8 @@ def spec_from_wire(value: object) -> StructuredSpec:
         raise BadSamplingParams(
             f"structured must be a StructuredSpec or a dict, got {type(value).__name__}"
         )
-    unknown = sorted(set(value) - set(KINDS))
+    known = [*KINDS, "reasoning"]
+    unknown = sorted(set(value) - set(known))
     if unknown:
-        raise BadSamplingParams(f"structured has unknown fields {unknown}; known: {list(KINDS)}")
+        raise BadSamplingParams(f"structured has unknown fields {unknown}; known: {known}")
     return StructuredSpec(**value)

@@ -155,6 +155,9 @@ class StructuredOutputs(BaseModel):
     disable_fallback: StrictBool | None = None
     disable_any_whitespace: StrictBool | None = None
     disable_additional_properties: StrictBool | None = None
+    # a reasoning model's: true holds the grammar from the first token, reasoning included (vLLM's
+    # server option enable_in_reasoning, here per request); unset or false: after the reasoning
+    enable_in_reasoning: StrictBool | None = None
 
     _check_json = field_validator("json_")(
         classmethod(lambda cls, v: v if v is None else _schema(v))
@@ -217,15 +220,10 @@ class StructuredFields(BaseModel):
             return {"json_schema": rf.json_schema.schema_}, "response_format.json_schema.schema"
         so = self.structured_outputs
         if so is not None:
-            if so.json_ is not None:
-                return {"json_schema": _schema(so.json_)}, "structured_outputs.json"
-            if so.regex is not None:
-                return {"regex": so.regex}, "structured_outputs.regex"
-            if so.choice is not None:
-                return {"choice": list(so.choice)}, "structured_outputs.choice"
-            if so.grammar is not None:
-                return {"grammar": so.grammar}, "structured_outputs.grammar"
-            return {"json_object": True}, "structured_outputs.json_object"
+            found = _structured_outputs_spec(so)
+            if so.enable_in_reasoning:
+                found[0]["reasoning"] = "none"
+            return found
         if self.guided_json is not None:
             return {"json_schema": _schema(self.guided_json)}, "guided_json"
         if self.guided_regex is not None:
@@ -235,6 +233,18 @@ class StructuredFields(BaseModel):
         if self.guided_grammar is not None:
             return {"grammar": self.guided_grammar}, "guided_grammar"
         return None
+
+
+def _structured_outputs_spec(so: StructuredOutputs) -> tuple[dict, str]:
+    if so.json_ is not None:
+        return {"json_schema": _schema(so.json_)}, "structured_outputs.json"
+    if so.regex is not None:
+        return {"regex": so.regex}, "structured_outputs.regex"
+    if so.choice is not None:
+        return {"choice": list(so.choice)}, "structured_outputs.choice"
+    if so.grammar is not None:
+        return {"grammar": so.grammar}, "structured_outputs.grammar"
+    return {"json_object": True}, "structured_outputs.json_object"
 
 
 _WORKER_FIELD = re.compile(r"^(?:sampling: )?(?:sampling\.)?structured\.\w+:?\s*")

@@ -26,6 +26,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.protos.tracing import TRACE_HEADERS
 from pdserve.router.openai.connections import CLOSED_BY
@@ -33,7 +34,7 @@ from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.openai.responses.store import ResponseStore
-from pdserve.router.text import BadRequest, PromptEncoder, reasoning_tags
+from pdserve.router.text import BadRequest, PromptEncoder
 
 # the paths of Anthropic's Messages API (router/openai/messages_api.py): its error shape
 ANTHROPIC_PREFIX = "/v1/messages"

@@ -6,12 +6,12 @@ prefill and a decode worker: a tiny random model whose byte-level tokenizer has 
 structured_outputs; llguidance's `<[id]>` is a token by its id) makes the random model write the
 tags where the test needs them.
 
-Whole and streamed alike: an output that starts with <think> is reasoning until </think>; a
-prompt that ends with <think> makes free output reasoning from its first token (a grammar's output
-is the answer from its first token); with the block closed in the prompt, or no tags, it is all
-content; include_reasoning false drops the reasoning;
-tool calls are parsed from the content only; an assistant's replayed reasoning reaches the
-template; and the text of a model without the tags is untouched (tests/integration/
+Whole and streamed alike: an output that starts with <think> is reasoning until </think>; a prompt
+that ends with <think> makes the output reasoning from its first token; with the block closed in the
+prompt, or no tags, it is all content; a JSON schema holds for the answer after the reasoning (the
+tests' own grammars hold from the first token: enable_in_reasoning); include_reasoning false drops
+the reasoning; tool calls are parsed from the content only; an assistant's replayed reasoning
+reaches the template; and the text of a model without the tags is untouched (tests/integration/
 test_http_api.py)."""
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def _ask(router_, stream: bool, grammar: str | None, **fields) -> dict:
         extra_body=fields.pop("extra_body", {}),
         **fields,
     )
-    if grammar is not None:
-        body["extra_body"]["structured_outputs"] = {"grammar": f"start: {grammar}"}
+    if grammar is not None:  # from the first token (the tags are the grammar's)
+        spec = {"grammar": f"start: {grammar}", "enable_in_reasoning": True}
+        body["extra_body"]["structured_outputs"] = spec
     if not stream:
         whole = c.chat.completions.create(**body)
         m = whole.choices[0].message
@@ -118,14 +119,13 @@ def _ask(router_, stream: bool, grammar: str | None, **fields) -> dict:
         # the output opens the block itself (Qwen3's thinking mode)
         (f'{OPEN} {_letters(6)} {CLOSE} "\\n\\n" {_letters(4)}', {}, ("R", "\n\nC")),
         (f'"\\n" {OPEN} {_letters(6)} {CLOSE} {_letters(4)}', {}, ("R", "C")),
-        # a grammar constrains the output from its first token: the answer starts there, even
-        # where the template opened a block (free text: test_a_block_the_prompt_opened)
-        (f"{_letters(6)} {CLOSE} {_letters(4)}", {"open_think": True}, (None, "R</think>C")),
+        # the template opened it (DeepSeek-R1's): reasoning from the first token
+        (f"{_letters(6)} {CLOSE} {_letters(4)}", {"open_think": True}, ("R", "C")),
         # closed in the prompt (enable_thinking false), or never opened: all content
         (_letters(4), {"enable_thinking": False}, (None, "C")),
         (f"{_letters(4)} {CLOSE} {_letters(2)}", {}, (None, "C</think>c")),
     ],
-    ids=["opens", "space-first", "grammar-first", "closed", "no-tags"],
+    ids=["opens", "space-first", "prompt-opened", "closed", "no-tags"],
 )
 def test_reasoning_is_split_from_the_content(router, stream, grammar, kwargs, want):
     got = _ask(router, stream, grammar, extra_body={"chat_template_kwargs": kwargs})
@@ -152,6 +152,21 @@ def test_a_block_the_prompt_opened(router, stream, opened):
     no_tags = {"logit_bias": {2: -100, 3: -100}, **kwargs}
     got = _ask(router, stream, None, max_tokens=12, extra_body=no_tags)
     assert (got["reasoning"] is not None) == opened and (got["content"] is None) == opened, got
+
+
+@pytest.mark.parametrize("opened", [True, False], ids=["opened", "not-opened"])
+def test_a_json_schema_holds_for_the_answer_after_the_reasoning(router, opened):
+    """The router sets the grammar to start after the reasoning (engine/structured/grammar.py
+    `reasoned`): logit_bias makes </think> the likeliest token wherever the grammar allows it,
+    so the prompt's open block closes at once and the answer is the schema's JSON."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fields = {
+        "chat_template_kwargs": {"open_think": opened},
+        "logit_bias": {3: 100},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    }
+    got = _ask(router, False, None, max_tokens=40, extra_body=fields)
+    assert got["reasoning"] is None and isinstance(json.loads(got["content"])["n"], int), got
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -156,6 +156,9 @@ def test_a_first_token_the_grammar_rejects_ends_the_sequence(llm):
         ({"grammar": "start: ("}, "structured.grammar"),
         ({"grammar": "  "}, "structured.grammar"),
         ({"lark": "start: x"}, "unknown fields"),
+        ({"regex": "a", "reasoning": "sometimes"}, "structured.reasoning"),
+        # this model has no <think> and </think> tokens
+        ({"regex": "a", "reasoning": "open"}, "structured.reasoning needs a reasoning model"),
     ],
 )
 def test_bad_specs_are_refused_naming_the_field(llm, spec, field):
@@ -191,3 +194,59 @@ def test_apply_bitmask_masks_exactly_the_zero_bits(rows):
             if not (int(bitmask[j, t // 32]) >> (t % 32)) & 1:
                 want[r, t] = float("-inf")
     assert torch.equal(ours, want)
+
+
+@pytest.fixture(scope="module")
+def thinking_llm(tiny_models, tmp_path_factory):
+    """A reasoning model: <think> is token 2, </think> token 3, the stop token 1."""
+    model_dir, _ = tiny_models("llama-gqa")
+    tags = ("<think>", "</think>")
+    path = byte_level_model(model_dir, tmp_path_factory.mktemp("byte-think"), None, tags)
+    return LLM(path, kv_cache_memory=KV, block_size=16, max_num_batched_tokens=64)
+
+
+def _ids(llm, text: str) -> list[int]:
+    return llm.engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_grammar_holds_for_the_answer_after_the_reasoning(thinking_llm):
+    cache = thinking_llm.engine.grammars
+    spec = StructuredSpec(regex="[a-c]{3}", reasoning="open")
+    assert spec.to_wire() == {"regex": "[a-c]{3}", "reasoning": "open"}
+
+    def takes(spec_: StructuredSpec, text: str, then: list[int] = ()) -> object:
+        m = cache.matcher(spec_).matcher
+        tokens = [*_ids(thinking_llm, text), *then]
+        return m if all(m.consume_token(t) for t in tokens) else None
+
+    g = cache.matcher(spec)
+    words = torch.zeros((1, 8), dtype=torch.int32)
+    for token in _ids(thinking_llm, "x <think> {"):  # anything but </think> and the stop token
+        g.fill(words, 0)
+        assert not words[0, 0] >> 1 & 1, "the stop token is allowed inside the reasoning"
+        assert g.matcher.consume_token(token)
+    done = takes(spec, "x {", [3, *_ids(thinking_llm, "\n\nabc")])
+    assert done is not None and done.is_accepting()
+    assert takes(spec, "x", [3, *_ids(thinking_llm, "abx")]) is None  # the answer is the regex's
+    # optional: the answer at once, or after a block the output opens itself; no lone </think>
+    optional = StructuredSpec(regex="[a-c]{3}", reasoning="optional")
+    for text in ("abc", "<think>hm</think>\nabc"):
+        assert takes(optional, text).is_accepting(), text
+    assert takes(optional, "", [3]) is None
+    # none: the grammar from the first token
+    assert takes(StructuredSpec(regex="[a-c]{3}", reasoning="none"), "<think>") is None
+
+
+def test_random_reasoning_then_the_answer(thinking_llm):
+    spec = {"json_schema": SCHEMAS[0], "reasoning": "open"}
+    # </think> about 20 times likelier than another token: the reasoning ends within the budget
+    params = SamplingParams(
+        temperature=1.0, seed=3, n=3, max_tokens=200, structured=spec, logit_bias={3: 3.0}
+    )
+    outs = thinking_llm.generate(["hello"], params, use_tqdm=False)[0].outputs
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished, outs
+    for out in finished:
+        reasoning, _, answer = out.text.partition("</think>")
+        assert "</think>" not in answer
+        check_output({"json_schema": SCHEMAS[0]}, answer.strip())

@@ -14,9 +14,9 @@ content then goes through the tool call parser (tool_calls.py), as vLLM parses c
 
 from __future__ import annotations
 
+from pdserve.engine.tokenizer import THINK_CLOSE, THINK_OPEN
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, partial_suffix
 from pdserve.router.service import REASONING_KEY  # the router's Generate sends it
-from pdserve.router.text import THINK_CLOSE, THINK_OPEN
 
 # where the output is: deciding whether it starts with <think>, inside it, or after it
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"

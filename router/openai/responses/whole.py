@@ -140,10 +140,6 @@ def chat_text(body, reasoning: bool | None) -> ChatText | None:
     mode = body.tool_mode()
     if mode == "none" and reasoning is None:
         return None
-    if reasoning and body.structured_spec() is not None:
-        # the grammar constrains the output from its first token, so the answer starts there
-        # even where the prompt opened a reasoning block; reasoning only if the grammar writes one
-        reasoning = False
     tools = None
     if mode != "none":
         tools = ToolCallParser(forced=mode == "forced", single=body.parallel_tool_calls is False)
