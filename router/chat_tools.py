@@ -9,7 +9,8 @@ gets them in Hermes' style (Qwen2.5's words), so the model still sees them: the 
 <tools></tools> and the <tool_call>{"name", "arguments"}</tool_call> output format in the system
 message, each call as a <tool_call> block in its assistant message, and tool results as user
 messages of <tool_response> blocks (consecutive ones joined). The HTTP front parses the calls
-back out of the output (router/openai/responses/tool_calls.py).
+back out of the output (router/openai/responses/tool_calls.py) in the format `tool_call_format`
+reads from the tokenizer and its template: no flag to set, where vLLM takes --tool-call-parser.
 """
 
 from __future__ import annotations
@@ -111,6 +112,29 @@ def _hermes(conversation: list[dict], tools: list[dict] | None) -> list[dict]:
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+# how a model writes its calls (router/openai/responses/tool_calls.py parses each)
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
+# the special tokens that start a call in those formats: they must reach the parser
+TOOL_TAGS = ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]")
+
+
+def tool_call_format(tokenizer) -> str:
+    """How this model writes tool calls: "mistral" ([TOOL_CALLS] in its vocabulary), "hermes"
+    (its template writes <tool_call> blocks: Qwen2.5's, Qwen3's, Hermes'), "llama3_json" (Llama
+    3.1's and later: <|python_tag|> in the vocabulary, a template that takes tools, calls as
+    bare JSON objects), else "hermes": a template that ignores tools gets Hermes' text."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else json.dumps(template)
+    if "[TOOL_CALLS]" in vocab:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in vocab and "tools" in template:
+        return "llama3_json"
+    return "hermes"
 
 
 def chat_conversation(chat, template: str, bad_request) -> tuple[list[dict], dict]:

@@ -52,6 +52,7 @@ from pdserve.router.admission import (
     QueueFull,
 )
 from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
+from pdserve.router.chat_tools import tool_call_format
 from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
 from pdserve.router.peer_fetch import PeerFetch
@@ -88,6 +89,9 @@ PROMPT_TOKENS_KEY = "pdserve-prompt-tokens"
 # a reasoning model's chat (engine/tokenizer.py reasoning_tags): "open" when the output starts
 # inside its reasoning (the prompt ends with <think>), else "closed"; the HTTP front splits the text
 REASONING_KEY = "pdserve-reasoning"
+# a chat with tools: how the model writes its calls (router/chat_tools.py tool_call_format), for
+# the HTTP front's parser
+TOOL_FORMAT_KEY = "pdserve-tool-format"
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         self.options = options
         self.encoder = PromptEncoder(tokenizer, options.max_model_len, options.vocab_size)
         self.reasoning_tags = reasoning_tags(tokenizer)
+        self.tool_format = tool_call_format(tokenizer)
         self.legs = Legs(pool, executor, options)
         self.metrics = metrics  # router/metrics.py RouterMetrics: every request's figures
         self.capture = None  # router/capture.py TraceCapture, when the deployment records traffic
@@ -298,7 +303,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             call.admitted_ns = unix_ns()
         try:
             context.add_callback(lambda: self._on_rpc_end(call))
-            context.send_initial_metadata(self._initial_metadata(prompt, opened))
+            context.send_initial_metadata(self._initial_metadata(request, prompt, opened))
             yield from self._run(call, context)
         finally:
             with self._lock:
@@ -315,13 +320,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             return None
         return opens_reasoning(prompt, self.reasoning_tags, self.tokenizer)
 
-    @staticmethod
-    def _initial_metadata(prompt: list[int], opened: bool | None) -> tuple[tuple[str, str], ...]:
+    def _initial_metadata(self, request, prompt: list[int], opened: bool | None) -> tuple:
         """The prompt's token count; a reasoning model's chat: whether its output starts inside
-        its reasoning (REASONING_KEY)."""
+        its reasoning (REASONING_KEY); a chat with tools: the model's call format."""
         out = ((PROMPT_TOKENS_KEY, str(len(prompt))),)
         if opened is not None:
             out += ((REASONING_KEY, "open" if opened else "closed"),)
+        if request.WhichOneof("input") == "chat" and request.chat.tools_json:
+            out += ((TOOL_FORMAT_KEY, self.tool_format),)
         return out
 
     def _admit(

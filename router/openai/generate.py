@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import name_field
-from pdserve.router.openai.responses.reasoning import reasoning_of
+from pdserve.router.openai.responses.reasoning import Reading, reading_of
 from pdserve.router.openai.responses.stream import chunks, prompt_tokens_of, rest, stream
 from pdserve.router.openai.responses.whole import whole_response
 from pdserve.router.openai.state import ClientGone, state_of
@@ -66,8 +66,8 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
                 headers=_SSE_HEADERS,
             )
         responses = [first] + await _from_router(_all(rest(call)), watcher)
-        reasoning = await reasoning_of(call) if chat else None
-        out = whole_response(responses, body, chat, model_id, request_id, text_of, reasoning)
+        reading = await reading_of(call) if chat else Reading()
+        out = whole_response(responses, body, chat, model_id, request_id, text_of, reading)
         return JSONResponse(out if shape is None else shape.whole(out))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it: the client left
@@ -85,7 +85,7 @@ async def generate_detached(front, gens: list, metadata, body, chat: bool) -> di
     call = _start(front.stub, gens, metadata, body.n, request_id)
     try:
         responses = await _all(rest(call))
-        reasoning = await reasoning_of(call) if chat else None
+        reading = await reading_of(call) if chat else Reading()
     except grpc.RpcError as e:
         error = ApiError.from_grpc(e)
         name_field(error, body)
@@ -95,7 +95,7 @@ async def generate_detached(front, gens: list, metadata, body, chat: bool) -> di
     if not responses:
         raise _no_response()
     model_id, text_of = _echoed(front, body)
-    return whole_response(responses, body, chat, model_id, request_id, text_of, reasoning)
+    return whole_response(responses, body, chat, model_id, request_id, text_of, reading)
 
 
 def _no_response() -> ApiError:

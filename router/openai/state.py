@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.protos.tracing import TRACE_HEADERS
+from pdserve.router.chat_tools import TOOL_TAGS
 from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
@@ -58,10 +59,10 @@ class FrontState:
         self._front = front
         self.text_of = TokenText(s.tokenizer)
         self.ids_of = TokenIdText(s.tokenizer)  # return_tokens_as_token_ids
-        # a tokenizer whose <tool_call> is a special token (vLLM's Hermes parser keeps them too),
+        # a tokenizer whose call tag is a special token (vLLM's parsers keep them too),
         # whose </think> is one (a reasoning model's tags must reach the reasoning split)
         specials = getattr(s.tokenizer, "all_special_tokens", None) or ()
-        self.tags_special = "<tool_call>" in specials
+        self.tags_special = any(tag in specials for tag in TOOL_TAGS)
         self.think_special = "</think>" in specials
         # a reasoning model (its vocabulary has <think> and </think>): Anthropic's thinking
         self.reasons = reasoning_tags(s.tokenizer) is not None

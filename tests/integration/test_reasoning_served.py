@@ -38,14 +38,19 @@ TEMPLATE = (
     "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
 )
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+# a call as Llama 3.1 writes it: this tokenizer has <|python_tag|> and its template takes tools,
+# so the router reads its format as llama3_json (router/chat_tools.py tool_call_format)
+CALL = '{"name": "f", "parameters": {"x": 1}}'
 
 
 @pytest.fixture(scope="module")
 def router(tiny_models, tmp_path_factory, one_thread):
     src, _ = tiny_models("llama-gqa")
     model_dir = byte_level_model(
-        src, tmp_path_factory.mktemp("byte-reasoning"), TEMPLATE, ("<think>", "</think>")
+        src,
+        tmp_path_factory.mktemp("byte-reasoning"),
+        TEMPLATE,
+        ("<think>", "</think>", "<|python_tag|>"),
     )
     w = Workers(model_dir, max_model_len=512)
     r = w.router()
@@ -188,7 +193,8 @@ def test_include_reasoning_false_drops_it(router, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_tool_calls_are_parsed_from_the_content_only(router, stream):
-    # a call written inside the reasoning is thought, not a call; the one after it is the call
+    # a call written inside the reasoning is thought, not a call; the one after it is the call,
+    # read in the model's own format (Llama 3.1's JSON)
     call = json.dumps(CALL)  # a lark string literal
     got = _ask(router, stream, f"{OPEN} {call} {CLOSE} {call}", tools=[TOOL])
     assert got["reasoning"] == CALL and got["calls"] == [("f", {"x": 1})], got

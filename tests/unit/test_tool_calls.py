@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.chat_tools import chat_conversation
+from pdserve.router.chat_tools import chat_conversation, tool_call_format
 from pdserve.router.openai.errors import validation_error
 from pdserve.router.openai.protocol import (
     KNOWN_FIELDS,
@@ -39,8 +39,10 @@ TOOLS = [
 USER = {"role": "user", "content": "hi"}
 
 
-def _parse(text: str, forced: bool, step: int) -> tuple[str | None, list[dict], list[dict]]:
-    p = ToolCallParser(forced)
+def _parse(
+    text: str, forced: bool, step: int, fmt: str = "hermes"
+) -> tuple[str | None, list[dict], list[dict]]:
+    p = ToolCallParser(forced, fmt=fmt)
     events = []
     for i in range(0, len(text), step):
         events += p.feed(text[i : i + step])
@@ -341,3 +343,56 @@ def test_grpc_tools_json_is_checked():
     chat.messages.add(role="assistant", content="", tool_calls_json="{")
     with pytest.raises(BadRequest, match=r"chat.messages\[0\].tool_calls_json is not JSON"):
         chat_conversation(chat, "", BadRequest)
+
+
+def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_llama3_json_calls(step):
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    two = one + '; {"name": "now", "parameters": {}}'
+    for text in (one, " \n" + one, "<|python_tag|>" + two, two + "\n"):
+        content, calls, _ = _parse(text, False, step, "llama3_json")
+        want = [("get_weather", {"city": "Paris"})] + ([("now", {})] if "now" in text else [])
+        assert content is None and _calls(calls) == want, text
+    # an answer that is not a call: content, as it came
+    for text in ("It is sunny. {not a call}", '{"answer": 42}', "{unclosed", "<|python"):
+        assert _parse(text, False, step, "llama3_json")[:2] == (text, []), text
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_mistral_calls(step):
+    old = 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    new = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}'
+    content, calls, _ = _parse(old, False, step, "mistral")
+    assert content == "Checking." and _calls(calls) == [("get_weather", {"city": "Paris"})]
+    content, calls, _ = _parse(new, False, step, "mistral")
+    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert content == "Checking."
+    for text in ("plain [TOOL", "x[TOOL_CALLS]not json", "[TOOL_CALLS]f[ARGS]{bad"):
+        assert _parse(text, False, step, "mistral")[:2] == (text, []), text
+
+
+class _Tok:
+    def __init__(self, vocab, template):
+        self.vocab, self.chat_template = vocab, template
+
+    def get_vocab(self):
+        return self.vocab
+
+
+@pytest.mark.parametrize(
+    "vocab, template, fmt",
+    [
+        ({"[TOOL_CALLS]": 5}, "{{ tools }}", "mistral"),
+        ({}, "{% for t in tools %}<tool_call>{% endfor %}", "hermes"),  # Qwen's
+        ({"<|python_tag|>": 7}, "{% if tools %}{{ tools }}{% endif %}", "llama3_json"),
+        # Hermes-3 on Llama 3.1: its template writes <tool_call>
+        ({"<|python_tag|>": 7}, "{{ tools }}<tool_call>", "hermes"),
+        ({}, "{{ messages }}", "hermes"),  # no tools: Hermes' text (chat_conversation)
+    ],
+)
+def test_the_call_format_is_read_from_the_model(vocab, template, fmt):
+    assert tool_call_format(_Tok(vocab, template)) == fmt

@@ -14,9 +14,12 @@ content then goes through the tool call parser (tool_calls.py), as vLLM parses c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.engine.tokenizer import THINK_CLOSE, THINK_OPEN
+from pdserve.router.chat_tools import TOOL_FORMATS
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, partial_suffix
-from pdserve.router.service import REASONING_KEY  # the router's Generate sends it
+from pdserve.router.service import REASONING_KEY, TOOL_FORMAT_KEY  # the router sends them
 
 # where the output is: deciding whether it starts with <think>, inside it, or after it
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
@@ -72,14 +75,25 @@ def _event(kind: str, text: str) -> list[dict]:
     return [{kind: text}] if text else []
 
 
-async def reasoning_of(call) -> bool | None:
-    """Whether a reasoning model's chat output starts inside its reasoning, from the Generate
-    call's initial metadata; None when the router says nothing (no reasoning model, or not a
-    chat): the text is not split."""
+@dataclass(frozen=True)
+class Reading:
+    """How a chat's text is read, as the router's initial metadata says: `reasoning` None (not
+    split: no reasoning model), else whether the output starts inside the reasoning; `tools` the
+    model's tool call format (router/chat_tools.py tool_call_format)."""
+
+    reasoning: bool | None = None
+    tools: str = "hermes"
+
+
+async def reading_of(call) -> Reading:
+    """A chat's Reading, from its Generate call's initial metadata."""
+    reasoning, tools = None, "hermes"
     for key, value in await call.initial_metadata() or ():
         if key == REASONING_KEY:
-            return value == "open"
-    return None
+            reasoning = value == "open"
+        elif key == TOOL_FORMAT_KEY and value in TOOL_FORMATS:
+            tools = value
+    return Reading(reasoning, tools)
 
 
 class ChatText:

@@ -30,7 +30,7 @@ from pdserve.router.openai.responses.logprobs import (
     completion_logprobs,
 )
 from pdserve.router.openai.responses.parts import extension, finish_reason, sse, stop_reason
-from pdserve.router.openai.responses.reasoning import ChatText, reasoning_of
+from pdserve.router.openai.responses.reasoning import ChatText, Reading, reading_of
 from pdserve.router.openai.responses.tool_calls import delta_of
 from pdserve.router.openai.responses.whole import (
     chat_text,
@@ -99,9 +99,9 @@ class _Chunks:
         self.echo = not chat and body.echo
         self.echo_only = self.echo and body.max_tokens == 0
         self.mode = body.tool_mode() if chat else "none"
-        # a reasoning model's chat: whether its output starts inside its reasoning (`chunks`
-        # reads it from the call); None: not split
-        self.reasoning: bool | None = None
+        # how a chat's text is read (reasoning split, tool call format): `chunks` reads it from
+        # the call
+        self.reading = Reading()
         self.parsers: dict[int, ChatText] = {}  # tools or reasoning: each sequence's
         self.offsets: dict[int, int] = {}  # completions: each choice's text offset so far
         # vLLM's return_token_ids: each delta's ids on its chunk, each prompt's ids (known from
@@ -195,7 +195,7 @@ class _Chunks:
         return lp
 
     def of_delta(self, d: pdserve_pb2.TokenDelta, lp) -> list[dict]:
-        if self.mode == "none" and self.reasoning is None:
+        if self.mode == "none" and self.reading.reasoning is None:
             return [self.with_ids(self.chunk([self.choice(d.index, d.text, lp, None)]), d)]
         p = self._parser(d.index)
         events = p.feed(d.text, len(d.token_ids))
@@ -210,13 +210,13 @@ class _Chunks:
 
     def unsent(self, d: pdserve_pb2.TokenDelta) -> None:
         """A delta not sent (no text yet): its tokens still count where the text is split."""
-        if self.reasoning is not None and not self.echo_only:
+        if self.reading.reasoning is not None and not self.echo_only:
             self._parser(d.index).feed("", len(d.token_ids))
 
     def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
         """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""
         calls = []
-        if self.mode != "none" or self.reasoning is not None:
+        if self.mode != "none" or self.reading.reasoning is not None:
             p = self._parser(f.index)
             for e in p.finish():
                 calls.append(
@@ -230,7 +230,7 @@ class _Chunks:
 
     def _parser(self, index: int) -> ChatText:
         if index not in self.parsers:
-            self.parsers[index] = chat_text(self.body, self.reasoning)
+            self.parsers[index] = chat_text(self.body, self.reading)
         return self.parsers[index]
 
 
@@ -253,7 +253,7 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
         if c.continuous:
             c.prompt_tokens = await prompt_token_counts(call)
         if chat:
-            c.reasoning = await reasoning_of(call)
+            c.reading = await reading_of(call)
         c.learn_prompt_ids(first)
         for out in c.opening():
             yield out
@@ -282,7 +282,7 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
             if held is not None:
                 yield held
             used = request_usage(finishes, body)
-            if c.reasoning is not None:
+            if c.reading.reasoning is not None:
                 tokens = sum(p.reasoning_tokens for p in c.parsers.values())
                 with_reasoning_tokens(used, tokens)
             held = {**c.base, "choices": [], "usage": used}

@@ -4,10 +4,17 @@ shape of a chat delta's pieces: {"content": text} or {"index": k, "id", "name", 
 chunk} (id and name on a call's first event only). A whole response joins the same events, so
 a stream and a whole response say the same.
 
-    auto    Hermes' <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's); the
+    auto    in the model's format (router/chat_tools.py tool_call_format):
+            hermes: <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's); the
             text outside them is content. Text that may be the start of "<tool_call>" is held
             until it is clearly not one; a block is given when it closes (or at the end, unclosed).
             A block whose JSON is not a call stays content, as it was written.
+            llama3_json: an output that starts with "{" (or <|python_tag|>) is held to its end and
+            read as calls {"name", "parameters"}, one or more separated by ";" (Llama 3.1's);
+            any other output is content as it comes.
+            mistral: content until [TOOL_CALLS], then the calls, read at the end: a JSON list of
+            {"name", "arguments"}, or name[ARGS]{...} each after its own [TOOL_CALLS] (newer).
+            Held text that is not calls is content, as it was written.
     forced  the whole output is one {"arguments", "name"} object (the grammar's; its keys come
             sorted, as the engine canonicalizes a schema): the call is given when it ends.
 """
@@ -30,6 +37,11 @@ def _as_call(text: str) -> tuple[str, str] | None:
         obj = json.loads(text)
     except ValueError:
         return None
+    return _call_of(obj)
+
+
+def _call_of(obj) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a decoded call, None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -44,10 +56,12 @@ def _as_call(text: str) -> tuple[str, str] | None:
 
 
 class ToolCallParser:
-    def __init__(self, forced: bool, single: bool = False):
+    def __init__(self, forced: bool, single: bool = False, fmt: str = "hermes"):
         """forced: the grammar's one call; single: parallel_tool_calls=false, the first call
-        kept and any later one dropped (vLLM's and OpenAI's rule)."""
-        self.forced, self.single = forced, single
+        kept and any later one dropped (vLLM's and OpenAI's rule); fmt: the model's format in
+        auto mode (the module's docstring)."""
+        self.forced, self.single, self.fmt = forced, single, fmt
+        self.content_only = False  # llama3_json: decided that the output is not a call
         self.buf = ""
         self.in_call = False
         self.num_calls = 0
@@ -73,10 +87,51 @@ class ToolCallParser:
     # ---- feeding
     def feed(self, text: str) -> list[dict]:
         self.buf += text
-        return self._forced_feed() if self.forced else self._auto_feed()
+        if self.forced:
+            return self._forced_feed()
+        return self._auto_feed() if self.fmt == "hermes" else self._held_feed()
 
     def finish(self) -> list[dict]:
-        return self._forced_finish() if self.forced else self._auto_finish()
+        if self.forced:
+            return self._forced_finish()
+        return self._auto_finish() if self.fmt == "hermes" else self._held_finish()
+
+    def _held_feed(self) -> list[dict]:
+        """llama3_json and mistral: content until the calls start, which are held to the end."""
+        if self.in_call:
+            return []
+        if self.fmt == "mistral":
+            i = self.buf.find(MISTRAL)
+            if i < 0:
+                keep = partial_suffix(self.buf, MISTRAL)
+                out = self._content(self.buf[: len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep :]
+                return out
+            out = self._content(self.buf[:i])
+            self.buf, self.in_call = self.buf[i:], True
+            return out
+        if self.content_only:
+            out, self.buf = self._content(self.buf), ""
+            return out
+        head = self.buf.lstrip()
+        if head.startswith(("{", PYTHON_TAG)):
+            self.in_call = True
+        elif head and not PYTHON_TAG.startswith(head):
+            self.content_only = True
+            out, self.buf = self._content(self.buf), ""
+            return out
+        return []
+
+    def _held_finish(self) -> list[dict]:
+        rest, self.buf = self.buf, ""
+        if not self.in_call:
+            return self._content(rest)
+        self.in_call = False
+        reader = _mistral_calls if self.fmt == "mistral" else _json_calls
+        calls = reader(rest)
+        if calls is None:  # not calls after all: the text as it was written
+            return self._content(rest)
+        return [e for call in calls for e in self._call(*call)]
 
     def _auto_feed(self) -> list[dict]:
         out: list[dict] = []
@@ -117,6 +172,55 @@ class ToolCallParser:
         if call is None:  # cut off (max_tokens): the text as it is
             return self._content(self.buf)
         return self._call(*call)
+
+
+PYTHON_TAG, MISTRAL, MISTRAL_ARGS = "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"
+
+
+def _json_calls(text: str) -> list[tuple[str, str]] | None:
+    """Llama 3.1's calls: JSON objects separated by ";" (or commas, whitespace), after an
+    optional <|python_tag|>; None unless every object is a call."""
+    text = text.strip().removeprefix(PYTHON_TAG)
+    decoder, i, out = json.JSONDecoder(), 0, []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;,":
+            i += 1
+        if i >= len(text):
+            return out or None
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        call = _call_of(obj)
+        if call is None:
+            return None
+        out.append(call)
+
+
+def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
+    """Mistral's calls after [TOOL_CALLS]: a JSON list of {"name", "arguments"}, or (newer
+    tokenizers) name[ARGS]{...} after each [TOOL_CALLS]; None unless all of it is calls."""
+    parts = [p.strip() for p in text.split(MISTRAL)[1:]]
+    if len(parts) == 1 and parts[0].startswith("["):
+        try:
+            objs = json.loads(parts[0])
+        except ValueError:
+            return None
+        calls = [_call_of(o) for o in objs] if isinstance(objs, list) else [None]
+    else:
+        calls = []
+        for part in parts:
+            name, sep, args = part.partition(MISTRAL_ARGS)
+            calls.append(_as_call_parts(name.strip(), args) if sep else None)
+    return None if not calls or None in calls else calls
+
+
+def _as_call_parts(name: str, arguments: str) -> tuple[str, str] | None:
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return None
+    return _call_of({"name": name, "arguments": args}) if name else None
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -23,7 +23,7 @@ from pdserve.router.openai.responses.logprobs import (
     prompt_logprobs_field,
 )
 from pdserve.router.openai.responses.parts import extension, finish_reason, stop_reason, usage
-from pdserve.router.openai.responses.reasoning import ChatText
+from pdserve.router.openai.responses.reasoning import ChatText, Reading
 from pdserve.router.openai.responses.tool_calls import ToolCallParser, join_events
 
 
@@ -99,7 +99,7 @@ def with_reasoning_tokens(used: dict, tokens: int) -> dict:
     return used
 
 
-def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> dict:
+def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reading=None) -> dict:
     echo_only = body.max_tokens == 0
     head = echo_text(body, c.index, text_of) if body.echo else ""
     text = head + ("" if echo_only else "".join(c.text))
@@ -134,33 +134,35 @@ def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=Non
     return out
 
 
-def chat_text(body, reasoning: bool | None) -> ChatText | None:
+def chat_text(body, reading: Reading) -> ChatText | None:
     """A chat sequence's text parser (reasoning.py's ChatText); None when the text is content
-    as it is: no reasoning split (`reasoning` None) and no tools."""
+    as it is: no reasoning split (reading.reasoning None) and no tools."""
     mode = body.tool_mode()
-    if mode == "none" and reasoning is None:
+    if mode == "none" and reading.reasoning is None:
         return None
     tools = None
     if mode != "none":
-        tools = ToolCallParser(forced=mode == "forced", single=body.parallel_tool_calls is False)
-    return ChatText(reasoning, tools, keep=body.include_reasoning)
+        single = body.parallel_tool_calls is False
+        tools = ToolCallParser(forced=mode == "forced", single=single, fmt=reading.tools)
+    return ChatText(reading.reasoning, tools, keep=body.include_reasoning)
 
 
-def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> dict:
+def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reading=None) -> dict:
     reason = finish_reason(c.finish)
     lp = None
     if body.logprobs:
         check_logprobs(c.token_ids, c.logprobs, c.tops, body.num_top())
         lp = chat_logprobs(c.token_ids, c.logprobs, text_of, c.tops, body.num_top())
     message: dict = {"role": "assistant", "content": "".join(c.text)}
-    parser = chat_text(body, reasoning)
+    reading = reading or Reading()
+    parser = chat_text(body, reading)
     if parser is not None:  # reasoning split off and tool calls parsed out (reasoning.py)
         pieces = zip(c.text, c.counts, strict=True)
         events = [e for text, n in pieces for e in parser.feed(text, n)] + parser.finish()
         c.reasoning_tokens = parser.reasoning_tokens
         content, calls = join_events(events)
         message = {"role": "assistant", "content": content}
-        if reasoning is not None:
+        if reading.reasoning is not None:
             thought = "".join(e["reasoning"] for e in events if "reasoning" in e) or None
             message.update(reasoning=thought, reasoning_content=thought)
         if parser.tools is not None:
@@ -178,9 +180,10 @@ def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reasoning=None) -> 
 
 
 def whole_response(
-    responses, body, chat: bool, model_id: str, request_id: str, text_of, reasoning=None
+    responses, body, chat: bool, model_id: str, request_id: str, text_of, reading=None
 ) -> dict:
-    """The non-streaming response body; `reasoning` as reasoning.py's reasoning_of says."""
+    """The non-streaming response body; a chat's text read as `reading` (reasoning.py) says."""
+    reading = reading or Reading()
     choices = collect_choices(responses)
     finishes = [c.finish for c in choices.values() if c.finish is not None]
     missing = [i for i, c in choices.items() if c.finish is None]
@@ -190,9 +193,9 @@ def whole_response(
     prompt_ids = prompt_ids_of(choices, body.n) if body.return_token_ids else {}
     if body.return_token_ids and len(prompt_ids) < len(finishes) // body.n:
         raise ApiError(500, "the router sent no prompt token ids", "server_error")
-    out = [make(choices[i], body, text_of, prompt_ids, reasoning) for i in sorted(choices)]
+    out = [make(choices[i], body, text_of, prompt_ids, reading) for i in sorted(choices)]
     used = request_usage(finishes, body)
-    if chat and reasoning is not None:
+    if chat and reading.reasoning is not None:
         with_reasoning_tokens(used, sum(c.reasoning_tokens for c in choices.values()))
     suffix = request_id.removeprefix("http-")
     extra = {"prompt_token_ids": prompt_ids[0]} if chat and body.return_token_ids else {}
