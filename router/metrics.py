@@ -452,3 +452,27 @@ class DeathCollector(Collector):
         for cause, count in sorted(getattr(self.pool, "deaths", {}).items()):
             family.add_metric([self.model_name, cause], count)
         yield family
+
+
+def track_responses(registry, model_name: str, store) -> None:
+    """The HTTP front's stored Responses (router/openai/responses/store.py), read at scrape time:
+    how many are stored, their bytes against the store's bound, and the background ones running."""
+    for name, doc, read in (
+        (
+            "pdserve:responses_stored",
+            "Responses kept for previous_response_id and GET.",
+            store.__len__,
+        ),
+        ("pdserve:responses_store_bytes", "Bytes of the stored responses.", lambda: store.bytes),
+        (
+            "pdserve:responses_store_max_bytes",
+            "The stored responses' bound (router.responses_store_mb).",
+            lambda: store.max_bytes,
+        ),
+        (
+            "pdserve:responses_background_running",
+            "Background responses in progress.",
+            lambda: len(store.running),
+        ),
+    ):
+        Gauge(name, doc, ["model_name"], registry=registry).labels(model_name).set_function(read)

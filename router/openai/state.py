@@ -30,6 +30,7 @@ from pdserve.engine.tokenizer import reasoning_tags
 from pdserve.protos.security import API_KEY_METADATA_KEY, bearer_token
 from pdserve.protos.tracing import TRACE_HEADERS
 from pdserve.router.chat_tools import TOOL_TAGS
+from pdserve.router.metrics import track_responses
 from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, validation_error
 from pdserve.router.openai.protocol import KNOWN_FIELDS
@@ -67,6 +68,8 @@ class FrontState:
         # a reasoning model (its vocabulary has <think> and </think>): Anthropic's thinking
         self.reasons = reasoning_tags(s.tokenizer) is not None
         self.responses = ResponseStore(s.responses_store_bytes)  # /v1/responses' stored ones
+        if s.metrics_registry is not None:
+            track_responses(s.metrics_registry, s.model_id, self.responses)
         self.encoder = s.encoder
         if self.encoder is None:  # a front built without the router's (tests): one of its own
             self.encoder = PromptEncoder(s.tokenizer, s.max_model_len or (1 << 20))

@@ -237,3 +237,17 @@ def test_a_background_response_needs_store_and_no_stream(fields, param):
         store.put(_response("resp_1"), [], (0, 0), None)
         got = c.post("/v1/responses/resp_1/cancel")
         assert got.status_code == 400 and got.json()["error"]["code"] == "not_background"
+
+
+def test_the_store_is_on_the_metrics_scrape():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    with _client(metrics_registry=registry) as c:
+        c.app.state.front.responses.put(_response("resp_1"), [], (0, 0), None)
+        text = generate_latest(registry).decode()
+    size = c.app.state.front.responses.bytes
+    assert 'pdserve:responses_stored{model_name="org/tiny"} 1.0' in text
+    assert f'pdserve:responses_store_bytes{{model_name="org/tiny"}} {float(size)}' in text
+    assert 'pdserve:responses_store_max_bytes{model_name="org/tiny"} 6.7108864e+07' in text
+    assert 'pdserve:responses_background_running{model_name="org/tiny"} 0.0' in text
