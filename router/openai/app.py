@@ -33,6 +33,7 @@ from pdserve import __version__
 from pdserve.router.openai import (
     chat,
     completions,
+    conversations_api,
     embeddings,
     messages_api,
     models,
@@ -40,6 +41,7 @@ from pdserve.router.openai import (
     status,
     tokenize,
 )
+from pdserve.router.openai.conversations_api import ConversationCreate, ItemsCreate
 from pdserve.router.openai.embeddings import EmbeddingRequest
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.messages_api import CountTokensRequest, MessagesRequest
@@ -61,6 +63,8 @@ _BODIES = {
     "/v1/responses": ResponsesRequest,
     "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/conversations": ConversationCreate,
+    "/v1/conversations/{conversation_id}/items": ItemsCreate,
     "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -84,6 +88,7 @@ def build_app(front) -> FastAPI:
         completions,
         chat,
         responses_api,
+        conversations_api,
         messages_api,
         embeddings,
         models,

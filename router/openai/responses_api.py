@@ -13,15 +13,17 @@ response.completed, or response.incomplete when max_output_tokens cut it).
 A Response is stored (router/openai/responses/store.py: bounded, in the router's memory) unless the
 body says `store: false` or the deployment keeps none; `previous_response_id` continues a stored
 one: its conversation's items come before this input (its instructions do not, as in OpenAI's API),
-and GET /v1/responses/{id}, its /input_items and DELETE read the store. Function tools go through
-the chat path's tools (protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a
-grammar when forced); a reasoning model's reasoning is a `reasoning` item first in `output`
-(streamed as response.reasoning_text.delta), and one sent back in `input` goes with the assistant
-turn after it; other tool types, images and files, encrypted reasoning and `include` are refused
-with a 400 naming the field. `background` runs a response apart from its connection (`_background`:
-a task of the front's event loop, in the store's `running` until it ends; POST
-/v1/responses/{id}/cancel cancels it). The routes are declared on `router`, which build_app
-(router/openai/app.py) includes; the store is FrontState's (router/openai/state.py).
+and GET /v1/responses/{id}, its /input_items and DELETE read the store; `conversation` reads a
+conversation of the Conversations API instead and adds this turn to it
+(router/openai/conversations_api.py, `Keep`). Function tools go through the chat path's tools
+(protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a grammar when forced); a
+reasoning model's reasoning is a `reasoning` item first in `output` (streamed as
+response.reasoning_text.delta), and one sent back in `input` goes with the assistant turn after it;
+other tool types, images and files, encrypted reasoning and `include` are refused with a 400 naming
+the field. `background` runs a response apart from its connection (`_background`: a task of the
+front's event loop, in the store's `running` until it ends; POST /v1/responses/{id}/cancel cancels
+it). The routes are declared on `router`, which build_app (router/openai/app.py) includes; the store
+is FrontState's (router/openai/state.py).
 """
 
 from __future__ import annotations
@@ -176,6 +178,10 @@ def _check_items(v):
     return v
 
 
+class ConversationRef(_Strict):
+    id: ShortStr
+
+
 class ReasoningConfig(_Strict):
     effort: Literal["minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -301,7 +307,9 @@ class ResponsesRequest(_Strict):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
     prompt: dict[str, Any] | None = None
-    conversation: Any = None
+    # a conversation of the Conversations API (its id, or {"id"}): its items come first, and
+    # this input and the answer are added to it (router/openai/conversations_api.py)
+    conversation: ShortStr | ConversationRef | None = None
     priority: Priority = 0  # as chat's (protocol.py)
     cache_salt: ShortStr | None = None
 
@@ -324,7 +332,6 @@ class ResponsesRequest(_Strict):
         "top_logprobs",
         "max_tool_calls",
         "prompt",
-        "conversation",
         "cache_salt",
         message="{field} is not supported; leave it unset",
     )
@@ -417,10 +424,15 @@ def _new_id(prefix: str) -> str:
 def input_items(body: ResponsesRequest) -> list[dict]:
     """The body's input as the API's items, as GET /v1/responses/{id}/input_items lists them:
     each with an id (its own when it sent one), a message's text as parts."""
-    if isinstance(body.input, str):
-        return [_item_message("user", [{"type": "input_text", "text": body.input}], None)]
+    return items_of(body.input)
+
+
+def items_of(value: str | list) -> list[dict]:
+    """Input (a text, or validated items) as the API's items (`input_items`)."""
+    if isinstance(value, str):
+        return [_item_message("user", [{"type": "input_text", "text": value}], None)]
     out = []
-    for item in body.input:
+    for item in value:
         if isinstance(item, MessageItem):
             if isinstance(item.content, str):
                 kind = "output_text" if item.role == "assistant" else "input_text"
@@ -586,7 +598,10 @@ class Shape:
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id,
             "reasoning": None,
-            "store": self.keep is not None,
+            "store": self.keep is not None and self.keep.response,
+            "conversation": {"id": self.keep.conversation}
+            if self.keep is not None and self.keep.conversation
+            else None,
             "temperature": b.temperature,
             "top_p": b.top_p,
             "text": {
@@ -797,17 +812,27 @@ class _EventWriter:
 # ---- the routes ------------------------------------------------------------------------------
 @dataclass
 class Keep:
-    """How a finished Response is stored: the store, its owner, and the conversation's items
-    before the answer (an earlier response's, then this request's input from `first_input`)."""
+    """What a finished Response leaves in the store: itself (`response`: store not false), and
+    its input and output added to a conversation (`conversation`'s id); `items` the items before
+    the answer (an earlier response's or the conversation's, then the input from `first_input`)."""
 
     store: ResponseStore
     owner: str | None
     items: list[dict]
     first_input: int
+    response: bool = True
+    conversation: str | None = None
 
     def put(self, response: dict) -> None:
         inputs = (self.first_input, len(self.items))
-        self.store.put(response, self.items + response["output"], inputs, self.owner)
+        if self.response:
+            self.store.put(response, self.items + response["output"], inputs, self.owner)
+        if self.conversation is None or response["status"] not in ("completed", "incomplete"):
+            return
+        conversation = self.store.conversation(self.conversation, self.owner)
+        if conversation is not None:  # (deleted or evicted meanwhile: nothing to add to)
+            conversation.add(self.items[self.first_input :] + response["output"])
+            self.store.resize(self.conversation, conversation)
 
 
 @router.post("/v1/responses")
@@ -816,13 +841,18 @@ async def responses(request: Request):
     body, metadata = await front.parse(request, ResponsesRequest, RESPONSES_FIELDS)
     front.check_model(body.model)
     owner = front.owner(request)
-    history = _history(front.responses, body.previous_response_id, owner)
+    conversation = _conversation_id(body.conversation)
+    if conversation is not None:
+        history = conversation_items(front.responses, conversation, owner, body)
+    else:
+        history = _history(front.responses, body.previous_response_id, owner)
     items = history + input_items(body)
     chat = body.as_chat(items)
     gen = chat_request(front, chat, param="input")
     keep = None
-    if front.responses.enabled and body.store is not False:
-        keep = Keep(front.responses, owner, items, len(history))
+    stored = front.responses.enabled and body.store is not False
+    if stored or conversation is not None:
+        keep = Keep(front.responses, owner, items, len(history), stored, conversation)
     shape = Shape(body, body.model or front.settings.model_id, keep)  # (an adapter's name)
     if body.background:
         return _background(front, shape, gen, metadata, chat)
@@ -834,7 +864,7 @@ def _background(front, shape: Shape, gen, metadata, chat: ChatCompletionRequest)
     loop apart from the client's connection, stored again as it ends (completed, incomplete,
     failed or cancelled)."""
     store, keep = front.responses, shape.keep
-    if keep is None:
+    if keep is None or not keep.response:
         raise ApiError(
             400,
             "background needs the response stored, to be read back by GET /v1/responses/{id}: "
@@ -879,6 +909,30 @@ async def _run_background(front, shape: Shape, running: Running, gen, metadata, 
         shape.finished(failed)
     finally:
         front.responses.running.pop(shape.id, None)
+
+
+def _conversation_id(ref) -> str | None:
+    return ref.id if isinstance(ref, ConversationRef) else ref
+
+
+def conversation_items(store: ResponseStore, key: str, owner: str | None, body) -> list[dict]:
+    """The items of the conversation `key` that a response continues (its `conversation`)."""
+    if body.previous_response_id is not None:
+        raise ApiError(
+            400,
+            "conversation and previous_response_id both name what came before: send one of them",
+            param="conversation",
+        )
+    found = store.conversation(key, owner)
+    if found is None:
+        raise ApiError(
+            404,
+            f"Conversation with id {key[:200]!r} not found (never created, deleted, or evicted "
+            "from the router's store)",
+            param="conversation",
+            code="not_found",
+        )
+    return found.dicts()
 
 
 def _history(store: ResponseStore, response_id: str | None, owner: str | None) -> list[dict]:
@@ -964,22 +1018,25 @@ async def cancel(request: Request, response_id: str):
 async def list_input_items(request: Request, response_id: str):
     """The request's own input items, a page at a time (OpenAI's list: limit 1-100, order,
     after an item's id)."""
-    items = _stored(request, response_id).input_items()
-    query = request.query_params
+    return page(_stored(request, response_id).input_items(), request.query_params)
+
+
+def page(items: list[dict], query) -> dict:
+    """A page of `items` as OpenAI's lists give them: `limit` (1-100, default 20), `order`
+    (asc, or desc: the default, newest first), `after` an item's id."""
     limit = query.get("limit", "20")
     if not (limit.isdigit() and 1 <= int(limit) <= 100):
         raise ApiError(400, "limit must be a whole number from 1 to 100", param="limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-    if order == "desc":
-        items.reverse()
+    items = items[::-1] if order == "desc" else list(items)
     after = query.get("after")
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
             raise ApiError(
-                400, "after must be the id of one of this response's input items", param="after"
+                400, "after must be the id of one of the items listed here", param="after"
             )
         items = items[ids.index(after) + 1 :]
     page = items[: int(limit)]

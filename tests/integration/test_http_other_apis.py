@@ -9,10 +9,11 @@ Each gives, plain and streamed, the text the chat completion gives for the same 
 (greedy); a tool round trip works (a forced call whose arguments validate, then its result sent
 back); a stored response is continued by previous_response_id (the same text as the chat of the
 whole conversation), read back and deleted, and a background one polled to the answer a plain call
-gives; refused fields get a 400 naming them (in Anthropic's error shape on its paths), and the
-router keeps serving. /v1/messages also: a stop sequence is reported as the one that matched,
-prefill continues the assistant's text, count_tokens counts what the chat would run, and the x-api-
-key header carries the key."""
+gives; a conversation (the Conversations API) carries the turns of the responses that name it;
+refused fields get a 400 naming them (in Anthropic's error shape on its paths), and the router keeps
+serving. /v1/messages also: a stop sequence is reported as the one that matched, prefill continues
+the assistant's text, count_tokens counts what the chat would run, and the x-api-key header carries
+the key."""
 
 from __future__ import annotations
 
@@ -272,6 +273,35 @@ def test_previous_response_id_continues_a_stored_conversation(router, stream):
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(unstored.id)
     serves(router)
+
+
+def test_a_conversation_carries_the_turns(router):
+    c = client(router)
+    args = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    conv = c.conversations.create(items=[{"role": "user", "content": "Hello."}])
+    first = c.responses.create(
+        conversation=conv.id, input=[{"role": "user", "content": "Who?"}], **args
+    )
+    assert first.conversation.id == conv.id
+    items = c.conversations.items.list(conv.id, order="asc").data
+    assert [i.type for i in items] == ["message", "message", "message"]
+    assert [i.role for i in items] == ["user", "user", "assistant"]
+    assert items[2].content[0].text == first.output_text
+    second = c.responses.create(conversation={"id": conv.id}, input="Bye.", store=False, **args)
+    messages = [
+        {"role": "user", "content": "Hello."},
+        {"role": "user", "content": "Who?"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Bye."},
+    ]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert second.output_text == whole.choices[0].message.content
+    assert len(c.conversations.items.list(conv.id).data) == 5
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(second.id)  # store false: the conversation has it, not the store
+    c.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(conversation=conv.id, input="Again?", **args)
 
 
 def test_a_background_response_is_polled_to_the_same_answer(workers_of_router):

@@ -251,3 +251,62 @@ def test_the_store_is_on_the_metrics_scrape():
     assert f'pdserve:responses_store_bytes{{model_name="org/tiny"}} {float(size)}' in text
     assert 'pdserve:responses_store_max_bytes{model_name="org/tiny"} 6.7108864e+07' in text
     assert 'pdserve:responses_background_running{model_name="org/tiny"} 0.0' in text
+
+
+def test_conversations_through_the_routes():
+    with _client(keys=(KEY_A, KEY_B)) as c:
+        a = {"Authorization": f"Bearer {KEY_A}"}
+        b = {"Authorization": f"Bearer {KEY_B}"}
+        first = {"type": "message", "role": "user", "content": "Hi."}
+        conv = c.post(
+            "/v1/conversations", json={"items": [first], "metadata": {"k": "v"}}, headers=a
+        ).json()
+        cid = conv["id"]
+        assert cid.startswith("conv_") and conv["object"] == "conversation"
+        assert conv["metadata"] == {"k": "v"}
+        assert c.get(f"/v1/conversations/{cid}", headers=b).status_code == 404  # another key's
+        added = c.post(
+            f"/v1/conversations/{cid}/items",
+            json={"items": [{"role": "assistant", "content": "Hello."}, first]},
+            headers=a,
+        ).json()
+        assert [i["role"] for i in added["data"]] == ["assistant", "user"]
+        listed = c.get(f"/v1/conversations/{cid}/items?order=asc", headers=a).json()["data"]
+        assert [i["content"][0]["text"] for i in listed] == ["Hi.", "Hello.", "Hi."]
+        one = listed[1]["id"]
+        assert c.get(f"/v1/conversations/{cid}/items/{one}", headers=a).json() == listed[1]
+        assert c.delete(f"/v1/conversations/{cid}/items/{one}", headers=a).json()["id"] == cid
+        got = c.get(f"/v1/conversations/{cid}/items/{one}", headers=a)
+        assert got.status_code == 404
+        new = c.post(f"/v1/conversations/{cid}", json={"metadata": {"k": "w"}}, headers=a)
+        assert new.json()["metadata"] == {"k": "w"}
+        store = c.app.state.front.responses
+        assert len(store) == 0 and store.conversations == 1
+        before = store.bytes
+        for body, param in (
+            ({"items": [{"type": "web_search_call"}]}, "items"),
+            ({"items": [first] * 21}, "items"),
+            ({"metadata": {"k": 1}}, "metadata"),
+        ):
+            got = c.post("/v1/conversations", json=body, headers=a)
+            assert got.status_code == 400 and got.json()["error"]["param"] == param, got.json()
+        assert store.bytes == before and store.conversations == 1
+        gone = c.delete(f"/v1/conversations/{cid}", headers=a).json()
+        assert gone == {"id": cid, "object": "conversation.deleted", "deleted": True}
+        assert c.get(f"/v1/conversations/{cid}", headers=a).status_code == 404
+        assert store.bytes == 0 and store.conversations == 0
+        # a conversation a response names must exist, and not with previous_response_id
+        for extra, status in (({}, 404), ({"previous_response_id": "resp_1"}, 400)):
+            body = {"input": "hi", "conversation": cid, **extra}
+            got = c.post("/v1/responses", json=body, headers=a)
+            assert got.status_code == status and got.json()["error"]["param"] == "conversation"
+
+
+def test_a_conversation_larger_than_the_store_is_refused():
+    with _client(responses_store_bytes=512) as c:
+        conv = c.post("/v1/conversations", json={}).json()
+        big = {"items": [{"role": "user", "content": "x" * 600}]}
+        got = c.post(f"/v1/conversations/{conv['id']}/items", json=big)
+        assert got.status_code == 400 and got.json()["error"]["code"] == "conversation_too_large"
+    with _client(responses_store_bytes=0) as c:
+        assert c.post("/v1/conversations", json={}).status_code == 400

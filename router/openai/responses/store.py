@@ -5,10 +5,12 @@ its /input_items and DELETE read (router/openai/responses_api.py serves them).
 A stored response is its Response object as answered, and the conversation's items up to and
 including its output (earlier responses' items first, then this request's input items, then its
 output items), kept as compact JSON bytes so that the store's bound is the memory it takes. Each
-response holds its whole conversation, so a chain's later responses are its larger ones, and any
-of them can be continued or deleted alone. The store keeps at most `max_bytes`: a new response
-evicts the least recently used ones (stored or read) until it fits, and one larger than the whole
-store is not kept. It lives in the router process's memory only: a restart forgets everything.
+response holds its whole conversation, so a chain's later responses are its larger ones, and any of
+them can be continued or deleted alone. The store keeps at most `max_bytes`: a new response evicts
+the least recently used ones (stored or read) until it fits, and one larger than the whole store is
+not kept. It lives in the router process's memory only: a restart forgets everything. Conversations
+of the Conversations API (router/openai/conversations_api.py) live in the same store, under the same
+bound, each item kept as its JSON bytes.
 
 A background response in progress (`running`) is kept apart until it ends, never evicted, at most
 MAX_RUNNING at once; `stop` cancels them when the front stops. With API keys, a response belongs to
@@ -74,15 +76,47 @@ class Running:
         return [dict(item) for item in self.items[self.first_input :]]
 
 
+@dataclass
+class Conversation:
+    """A conversation of the Conversations API (router/openai/conversations_api.py): items that
+    grow as responses that name it end, each kept as its JSON bytes; its size is theirs and its
+    metadata's."""
+
+    owner: str | None
+    created_at: int
+    metadata: dict
+    items: list[bytes]
+    size: int = 0
+
+    def measure(self) -> int:
+        return sum(len(item) for item in self.items) + len(_json(self.metadata))
+
+    def add(self, items: list[dict]) -> None:
+        self.items += [_json(item) for item in items]
+
+    def dicts(self) -> list[dict]:
+        return [json.loads(item) for item in self.items]
+
+    def card(self, conversation_id: str) -> dict:
+        return {
+            "id": conversation_id,
+            "object": "conversation",
+            "created_at": self.created_at,
+            "metadata": self.metadata,
+        }
+
+
 class ResponseStore:
-    """Stored responses by id, least recently used first (the module's docstring)."""
+    """Stored responses and conversations by id, least recently used first (the module's
+    docstring): one bound for both."""
 
     def __init__(self, max_bytes: int):
         if max_bytes < 0:
             raise ValueError(f"the responses store's size must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self._entries: OrderedDict[str, Stored | Conversation] = OrderedDict()
+        self.conversations = 0  # how many of the entries are conversations
         # background responses in progress (router/openai/responses_api.py), apart from the LRU:
         # never evicted, at most MAX_RUNNING; each is stored as it ends
         self.running: dict[str, Running] = {}
@@ -92,7 +126,8 @@ class ResponseStore:
         return self.max_bytes > 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """The stored responses (conversations are counted apart)."""
+        return len(self._entries) - self.conversations
 
     def put(
         self,
@@ -104,13 +139,49 @@ class ResponseStore:
         """Keeps `response` (its "id" is the key) with its conversation `items`, whose
         [inputs[0], inputs[1]) are the request's input; False when it is larger than the store."""
         stored = Stored(owner, _json(response), _json(items), *inputs)
-        if stored.size > self.max_bytes:
+        return self._keep(response["id"], stored, stored.size)
+
+    def _keep(self, key: str, entry, size: int) -> bool:
+        if size > self.max_bytes:
             return False
-        self._drop(response["id"])
-        while self._entries and self.bytes + stored.size > self.max_bytes:
-            self._drop(next(iter(self._entries)))
-        self._entries[response["id"]] = stored
-        self.bytes += stored.size
+        self._drop(key)
+        self._make_room(size)
+        self._entries[key] = entry
+        self.bytes += size
+        self.conversations += isinstance(entry, Conversation)
+        return True
+
+    def _make_room(self, size: int, keep: str | None = None) -> None:
+        """Evicts the least recently used entries (never `keep`) until `size` more bytes fit."""
+        for key in list(self._entries):
+            if self.bytes + size <= self.max_bytes:
+                return
+            if key != keep:
+                self._drop(key)
+
+    # ---- conversations
+    def create_conversation(self, key: str, conversation: Conversation) -> bool:
+        """Keeps a new conversation; False when it is larger than the store."""
+        conversation.size = conversation.measure()
+        return self._keep(key, conversation, conversation.size)
+
+    def conversation(self, key: str, owner: str | None) -> Conversation | None:
+        entry = self._entries.get(key)
+        if not isinstance(entry, Conversation) or entry.owner != owner:
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def resize(self, key: str, conversation: Conversation) -> bool:
+        """Accounts a changed conversation (items added or removed, metadata replaced), evicting
+        others to make room; False, and the conversation dropped, when it alone is too large."""
+        size = conversation.measure()
+        if size > self.max_bytes:
+            self._drop(key)
+            return False
+        self.bytes += size - conversation.size
+        conversation.size = size
+        self._make_room(0, keep=key)
         return True
 
     def get(self, response_id: str, owner: str | None) -> Stored | Running | None:
@@ -120,16 +191,18 @@ class ResponseStore:
         if running is not None:
             return running if running.owner == owner else None
         stored = self._entries.get(response_id)
-        if stored is None or stored.owner != owner:
+        if not isinstance(stored, Stored) or stored.owner != owner:
             return None
         self._entries.move_to_end(response_id)
         return stored
 
-    def delete(self, response_id: str, owner: str | None) -> bool:
-        """Whether `owner` deleted the stored response `response_id` (not one in progress)."""
-        if not isinstance(self.get(response_id, owner), Stored):
+    def delete(self, key: str, owner: str | None) -> bool:
+        """Whether `owner` deleted the stored response or conversation `key` (not a response in
+        progress)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.owner != owner:
             return False
-        self._drop(response_id)
+        self._drop(key)
         return True
 
     async def stop(self) -> None:
@@ -141,7 +214,8 @@ class ResponseStore:
         if tasks:
             await asyncio.wait(tasks)
 
-    def _drop(self, response_id: str) -> None:
-        stored = self._entries.pop(response_id, None)
-        if stored is not None:
-            self.bytes -= stored.size
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.size
+            self.conversations -= isinstance(entry, Conversation)

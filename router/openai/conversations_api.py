@@ -1,0 +1,170 @@
+"""OpenAI's Conversations API: a conversation's items kept in the router's store, so an agent
+(the OpenAI Agents SDK's OpenAIConversationsSession, say) names a conversation in each
+/v1/responses request instead of sending its history. A response created with `conversation`
+reads the conversation's items before its input, and when it ends (completed or incomplete) its
+input and output items are added to the conversation (router/openai/responses_api.py `Keep`).
+
+Routes: POST /v1/conversations (at most 20 first items, metadata), GET, POST (new metadata) and
+DELETE /v1/conversations/{id}; GET /v1/conversations/{id}/items (OpenAI's list: limit, order,
+after), POST (at most 20 items added), GET and DELETE /v1/conversations/{id}/items/{item_id}.
+Items are those /v1/responses takes as input (messages, function calls and their outputs,
+reasoning), each given an id. Conversations share the store's bound with stored responses
+(router/openai/responses/store.py: least recently used evicted first; a restart forgets them)
+and belong to the API key that created them, as stored responses do. The routes are declared on
+`router`, which build_app (router/openai/app.py) includes; they keep no state of their own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from pydantic import Field, field_validator
+
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.protocol import MAX_METADATA_ITEMS, ShortStr, _field_names, _Strict
+from pdserve.router.openai.responses.store import Conversation
+from pdserve.router.openai.responses_api import InputItem, _check_items, items_of, page
+from pdserve.router.openai.state import state_of
+
+router = APIRouter()
+
+MAX_ADDED_ITEMS = 20  # OpenAI's bound on the items one call creates
+Metadata = Annotated[dict[str, ShortStr], Field(max_length=MAX_METADATA_ITEMS)]
+
+
+class ConversationCreate(_Strict):
+    """POST /v1/conversations."""
+
+    items: Annotated[list[InputItem], Field(max_length=MAX_ADDED_ITEMS)] | None = None
+    metadata: Metadata | None = None
+
+    _items = field_validator("items", mode="before")(classmethod(lambda cls, v: _check_items(v)))
+
+
+class ConversationUpdate(_Strict):
+    """POST /v1/conversations/{id}."""
+
+    metadata: Metadata
+
+
+class ItemsCreate(_Strict):
+    """POST /v1/conversations/{id}/items."""
+
+    items: Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ADDED_ITEMS)]
+
+    _items = field_validator("items", mode="before")(classmethod(lambda cls, v: _check_items(v)))
+
+
+CONVERSATION_FIELDS = _field_names(ConversationCreate, ItemsCreate)
+
+
+def _found(request: Request, conversation_id: str) -> Conversation:
+    front = state_of(request)
+    front.authorize(request)
+    found = front.responses.conversation(conversation_id, front.owner(request))
+    if found is None:
+        raise ApiError(
+            404,
+            f"Conversation with id {conversation_id[:200]!r} not found (never created, deleted, "
+            "or evicted from the router's store)",
+            code="not_found",
+        )
+    return found
+
+
+def _too_large() -> ApiError:
+    return ApiError(
+        400,
+        "the conversation would be larger than the router's whole store "
+        "(router.responses_store_mb): start a new one",
+        code="conversation_too_large",
+    )
+
+
+@router.post("/v1/conversations")
+async def create(request: Request):
+    front = state_of(request)
+    body, _ = await front.parse(request, ConversationCreate, CONVERSATION_FIELDS)
+    if not front.responses.enabled:
+        raise ApiError(
+            400,
+            "conversations are not kept on this deployment (router.responses_store_mb is 0)",
+            code="not_supported",
+        )
+    conversation = Conversation(front.owner(request), int(time.time()), body.metadata or {}, [])
+    conversation.add(items_of(body.items or []))
+    key = f"conv_{uuid.uuid4().hex}"
+    if not front.responses.create_conversation(key, conversation):
+        raise _too_large()
+    return conversation.card(key)
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def retrieve(request: Request, conversation_id: str):
+    return _found(request, conversation_id).card(conversation_id)
+
+
+@router.post("/v1/conversations/{conversation_id}")
+async def update(request: Request, conversation_id: str):
+    found = _found(request, conversation_id)
+    front = state_of(request)
+    body, _ = await front.parse(request, ConversationUpdate, CONVERSATION_FIELDS | {"metadata"})
+    found.metadata = body.metadata
+    if not front.responses.resize(conversation_id, found):
+        raise _too_large()
+    return found.card(conversation_id)
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete(request: Request, conversation_id: str):
+    _found(request, conversation_id)
+    front = state_of(request)
+    front.responses.delete(conversation_id, front.owner(request))
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.get("/v1/conversations/{conversation_id}/items")
+async def list_items(request: Request, conversation_id: str):
+    return page(_found(request, conversation_id).dicts(), request.query_params)
+
+
+@router.post("/v1/conversations/{conversation_id}/items")
+async def add_items(request: Request, conversation_id: str):
+    found = _found(request, conversation_id)
+    front = state_of(request)
+    body, _ = await front.parse(request, ItemsCreate, CONVERSATION_FIELDS)
+    added = items_of(body.items)
+    found.add(added)
+    if not front.responses.resize(conversation_id, found):
+        raise _too_large()
+    return {
+        "object": "list",
+        "data": added,
+        "first_id": added[0]["id"],
+        "last_id": added[-1]["id"],
+        "has_more": False,
+    }
+
+
+def _item(found: Conversation, item_id: str) -> int:
+    for i, item in enumerate(found.dicts()):
+        if item["id"] == item_id:
+            return i
+    raise ApiError(404, f"Item with id {item_id[:200]!r} not found", code="not_found")
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+async def retrieve_item(request: Request, conversation_id: str, item_id: str):
+    found = _found(request, conversation_id)
+    return found.dicts()[_item(found, item_id)]
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+async def delete_item(request: Request, conversation_id: str, item_id: str):
+    found = _found(request, conversation_id)
+    del found.items[_item(found, item_id)]
+    state_of(request).responses.resize(conversation_id, found)
+    return found.card(conversation_id)
