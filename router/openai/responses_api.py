@@ -597,7 +597,7 @@ class Shape:
             "output": output,
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": b.previous_response_id,
-            "reasoning": None,
+            "reasoning": b.reasoning.model_dump(exclude_none=True) if b.reasoning else None,
             "store": self.keep is not None and self.keep.response,
             "conversation": {"id": self.keep.conversation}
             if self.keep is not None and self.keep.conversation
