@@ -19,16 +19,18 @@ conversation of the Conversations API instead and adds this turn to it
 (protocol.py's tools section: parsed <tool_call> blocks in "auto" mode, a grammar when forced); a
 reasoning model's reasoning is a `reasoning` item first in `output` (streamed as
 response.reasoning_text.delta), and one sent back in `input` goes with the assistant turn after it;
-other tool types, images and files, encrypted reasoning and `include` are refused with a 400 naming
-the field. `background` runs a response apart from its connection (`_background`: a task of the
-front's event loop, in the store's `running` until it ends; POST /v1/responses/{id}/cancel cancels
-it). The routes are declared on `router`, which build_app (router/openai/app.py) includes; the store
-is FrontState's (router/openai/state.py).
+`include` gives text parts' logprobs and reasoning items' encrypted_content (`seal`: the text,
+opaque); other tool types, images and files are refused with a 400 naming the field. `background`
+runs a response apart from its connection (`_background`: a task of the front's event loop, in the
+store's `running` until it ends; POST /v1/responses/{id}/cancel cancels it). The routes are declared
+on `router`, which build_app (router/openai/app.py) includes; the store is FrontState's
+(router/openai/state.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -142,10 +144,17 @@ class ReasoningItem(_Strict):
     id: ShortStr | None = None
     summary: Annotated[list[ReasoningPart], Field(max_length=1024)] = []
     content: Annotated[list[ReasoningPart], Field(max_length=1024)] | None = None
-    encrypted_content: None = None  # OpenAI's models' encrypted reasoning: not ours to read
+    # include reasoning.encrypted_content's (`seal`); OpenAI's models' cannot be read here
+    encrypted_content: StrictStr | None = None
     status: ShortStr | None = None
 
+    _sealed = field_validator("encrypted_content")(
+        classmethod(lambda cls, v: v if v is None else (unseal(v), v)[1])
+    )
+
     def text(self) -> str:
+        if self.encrypted_content is not None:
+            return unseal(self.encrypted_content)
         return "".join(p.text for p in self.content or self.summary)
 
 
@@ -176,6 +185,29 @@ def _check_items(v):
                         f"this model reads text only (input_text, output_text)"
                     )
     return v
+
+
+Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_content"]
+# reasoning.encrypted_content: the reasoning's text behind this prefix, base64-encoded (opaque to
+# the client, as OpenAI's is, though not secret: it is the client's own model's reasoning)
+SEALED = "pdserve:v1:"
+
+
+def seal(text: str) -> str:
+    return SEALED + base64.b64encode(text.encode()).decode()
+
+
+def unseal(value: str) -> str:
+    """The text of a reasoning item's encrypted_content written by `seal` (ValueError if not)."""
+    if not value.startswith(SEALED):
+        raise ValueError(
+            "encrypted_content was not written by this server (OpenAI's models' encrypted "
+            "reasoning cannot be read here): leave the reasoning item out"
+        )
+    try:
+        return base64.b64decode(value[len(SEALED) :], validate=True).decode()
+    except ValueError:
+        raise ValueError("encrypted_content is not this server's: it does not decode") from None
 
 
 class ConversationRef(_Strict):
@@ -302,9 +334,12 @@ class ResponsesRequest(_Strict):
     # a reasoning model's: effort is the chat template's reasoning_effort (as chat's); the full
     # reasoning comes as a reasoning item's content, so there is no summary to ask for
     reasoning: ReasoningConfig | None = None
-    # accepted only at their neutral value
-    include: list[Any] | None = None
+    # message.output_text.logprobs: each text part's token logprobs (with top_logprobs
+    # alternatives); reasoning.encrypted_content: reasoning items carry their text as an opaque
+    # string, so a client with store false (Codex's way) can send them back
+    include: Annotated[list[Includable], Field(max_length=8)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # accepted only at their neutral value
     max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
     prompt: dict[str, Any] | None = None
     # a conversation of the Conversations API (its id, or {"id"}): its items come first, and
@@ -328,8 +363,6 @@ class ResponsesRequest(_Strict):
         return v
 
     _unset = _neutral_only(
-        "include",
-        "top_logprobs",
         "max_tool_calls",
         "prompt",
         "cache_salt",
@@ -362,6 +395,13 @@ class ResponsesRequest(_Strict):
             )
         return v
 
+    def includes(self, what: str) -> bool:
+        return what in (self.include or ())
+
+    def wants_logprobs(self) -> bool:
+        """The text parts' logprobs: include's message.output_text.logprobs, or top_logprobs."""
+        return self.includes("message.output_text.logprobs") or bool(self.top_logprobs)
+
     def as_chat(self, items: list[dict] | None = None) -> ChatCompletionRequest:
         """The chat completion this body asks for, on the conversation's `items` (None: the
         body's input alone); raises ApiError when it is not one."""
@@ -383,6 +423,8 @@ class ResponsesRequest(_Strict):
             ("priority", self.priority or None),
             ("parallel_tool_calls", self.parallel_tool_calls),
             ("reasoning_effort", _effort(self.reasoning)),
+            ("logprobs", self.wants_logprobs() or None),
+            ("top_logprobs", self.top_logprobs if self.wants_logprobs() else None),
         ):
             if value is not None:
                 body[key] = value
@@ -537,18 +579,20 @@ def _usage(chat_usage: dict | None) -> dict | None:
     }
 
 
-def _message(item_id: str, text: str, status: str) -> dict:
+def _message(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
     return {
         "type": "message",
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [_text_part(text)],
+        "content": [_text_part(text, logprobs)],
     }
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None = None) -> dict:
+    """An output_text part; `logprobs` the chat's logprobs entries of its tokens ({"token",
+    "logprob", "bytes", "top_logprobs"}: the Responses API's shape too)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _function_call(call: dict, status: str) -> dict:
@@ -570,6 +614,12 @@ class Shape:
         self.body, self.model_id, self.keep = body, model_id, keep
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
+
+    def thought(self, item: dict) -> dict:
+        """A reasoning item, with its text sealed in encrypted_content when the body asks."""
+        if self.body.includes("reasoning.encrypted_content"):
+            item["encrypted_content"] = seal(item["content"][0]["text"])
+        return item
 
     def finished(self, response: dict) -> dict:
         """`response`, the final Response, after storing it when the body asked for that."""
@@ -627,9 +677,10 @@ class Shape:
         message = choice["message"]
         output = []
         if message.get("reasoning"):
-            output.append(_reasoning_item(message["reasoning"]))
+            output.append(self.thought(_reasoning_item(message["reasoning"])))
         if message.get("content"):
-            output.append(_message(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
+            lp = (choice.get("logprobs") or {}).get("content")
+            output.append(_message(f"msg_{uuid.uuid4().hex}", message["content"], "completed", lp))
         for call in message.get("tool_calls") or []:
             output.append(_function_call(call, "completed"))
         status, reason = self._ending(choice["finish_reason"])
@@ -652,6 +703,8 @@ class _EventWriter:
         self.text: list[str] = []
         self.thought: dict | None = None  # a reasoning model's reasoning item
         self.thinking: list[str] = []
+        self.logprobs: list[dict] = []  # the text's logprobs entries so far
+        self.pending: list[dict] = []  # those not yet on a text delta event
         self.calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -684,6 +737,7 @@ class _EventWriter:
             self.extension = chunk["pdserve"]
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            self.pending += (choice.get("logprobs") or {}).get("content") or ()
             if delta.get("reasoning"):
                 out += self._reasoning(delta["reasoning"])
             if delta.get("content"):
@@ -736,6 +790,8 @@ class _EventWriter:
                 )
             )
         self.text.append(piece)
+        logprobs, self.pending = self.pending, []
+        self.logprobs += logprobs
         out.append(
             self._event(
                 "response.output_text.delta",
@@ -743,7 +799,7 @@ class _EventWriter:
                 output_index=self.output.index(self.message),
                 content_index=0,
                 delta=piece,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
         return out
@@ -783,12 +839,15 @@ class _EventWriter:
                 ids = dict(item_id=item["id"], output_index=index, content_index=0)
                 out.append(self._event("response.reasoning_text.done", **ids, text=text))
                 item["content"] = [{"type": "reasoning_text", "text": text}]
+                self.shape.thought(item)
             elif item is self.message:
                 text = "".join(self.text)
                 ids = dict(item_id=item["id"], output_index=index, content_index=0)
-                out.append(self._event("response.output_text.done", **ids, text=text, logprobs=[]))
-                out.append(self._event("response.content_part.done", **ids, part=_text_part(text)))
-                item["content"] = [_text_part(text)]
+                lp = self.logprobs + self.pending
+                out.append(self._event("response.output_text.done", **ids, text=text, logprobs=lp))
+                part = _text_part(text, lp)
+                out.append(self._event("response.content_part.done", **ids, part=part))
+                item["content"] = [part]
             else:
                 out.append(
                     self._event(

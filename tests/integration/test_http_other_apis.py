@@ -275,6 +275,19 @@ def test_previous_response_id_continues_a_stored_conversation(router, stream):
     serves(router)
 
 
+def test_responses_logprobs_when_included(router):
+    c = client(router)
+    args = dict(model=MODEL, input="Hello.", max_output_tokens=6, temperature=0)
+    extra = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = c.responses.create(**args, **extra).output[0].content[0].logprobs
+    assert whole and all(len(lp.top_logprobs) == 2 for lp in whole)
+    assert all(lp.logprob >= lp.top_logprobs[-1].logprob for lp in whole)
+    _, _, final = _streamed(c, **args, **extra)
+    streamed = final.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in whole]
+    assert c.responses.create(**args).output[0].content[0].logprobs == []
+
+
 def test_a_conversation_carries_the_turns(router):
     c = client(router)
     args = dict(model=MODEL, max_output_tokens=8, temperature=0)

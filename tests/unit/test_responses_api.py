@@ -55,9 +55,9 @@ def body(**fields) -> ResponsesRequest:
         ({"temperature": 2.5}, "temperature", None),
         ({"top_p": 0}, "top_p", None),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format", "name and schema"),
-        ({"include": ["message.output_text.logprobs"]}, "include", "not supported"),
+        ({"include": ["file_search_call.results"]}, "include[0]", None),
         ({"reasoning": {"effort": "huge"}}, "reasoning.effort", None),
-        ({"top_logprobs": 2}, "top_logprobs", "not supported"),
+        ({"top_logprobs": 21}, "top_logprobs", None),
         ({"priority": -(1 << 31) - 1}, "priority", None),
         ({"stream": "yes"}, "stream", None),
         ({"frobnicate": 1}, "frobnicate", "unknown field"),
@@ -305,3 +305,54 @@ def test_replayed_reasoning_items_go_with_the_next_assistant_turn():
     turns = [(m.role, m.thought()) for m in chat.messages]
     assert turns == [("user", None), ("assistant", "Hm."), ("tool", None), ("assistant", "Found.")]
     assert chat.reasoning_effort == "low"
+
+
+def test_logprobs_and_sealed_reasoning_when_included():
+    b = body(
+        include=["message.output_text.logprobs", "reasoning.encrypted_content"], top_logprobs=2
+    )
+    chat = b.as_chat()
+    assert chat.logprobs and chat.top_logprobs == 2
+    assert not body().as_chat().logprobs
+    entry = {"token": "Pa", "logprob": -0.1, "bytes": [80, 97], "top_logprobs": []}
+    whole = {
+        "choices": [
+            {
+                "message": {"content": "Paris.", "reasoning": "The capital."},
+                "logprobs": {"content": [entry]},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": USAGE,
+    }
+    r = openai_types.Response.model_validate(Shape(b, "tiny").whole(whole))
+    thought, message = r.output
+    assert message.content[0].logprobs[0].token == "Pa"
+    assert thought.encrypted_content.startswith("pdserve:v1:")
+    # sent back with store false (Codex's way): the text reaches the next assistant turn
+    replay = body(
+        input=[
+            {"role": "user", "content": "Capital?"},
+            {"type": "reasoning", "summary": [], "encrypted_content": thought.encrypted_content},
+            {"role": "assistant", "content": "Paris."},
+        ]
+    )
+    assert replay.as_chat().messages[1].thought() == "The capital."
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}),
+        _with_logprobs(_chunk({"content": "Pa"}), entry),
+        _with_logprobs(_chunk({"content": "ris."}), {**entry, "token": "ris."}),
+        _chunk(reason="stop"),
+        {"choices": [], "usage": USAGE},
+        "[DONE]",
+    ]
+    events = _events(asyncio.run(_collect(Shape(b, "tiny"), chunks)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [[lp.token for lp in e.logprobs] for e in deltas] == [["Pa"], ["ris."]]
+    final = events[-1].response
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == ["Pa", "ris."]
+
+
+def _with_logprobs(chunk: dict, entry: dict) -> dict:
+    chunk["choices"][0]["logprobs"] = {"content": [entry]}
+    return chunk
