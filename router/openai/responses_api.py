@@ -317,6 +317,8 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: ShortStr | None = None
     safety_identifier: ShortStr | None = None
     stream_options: dict[str, StrictBool] | None = None
+    # a bound on calls to OpenAI's built-in tools (web search, ...), of which none are served
+    max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
     # "auto" would drop the conversation's start to fit the context; a prompt that does not fit
     # is refused with a 400 instead, so both give the same answer whenever there is one
     truncation: Literal["auto", "disabled"] | None = None
@@ -339,14 +341,13 @@ class ResponsesRequest(_Strict):
     # string, so a client with store false (Codex's way) can send them back
     include: Annotated[list[Includable], Field(max_length=8)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # accepted only at their neutral value
-    max_tool_calls: Annotated[int, Field(ge=1, lt=INT64)] | None = None
+    # accepted only at its neutral value: prompt templates stored at OpenAI
     prompt: dict[str, Any] | None = None
     # a conversation of the Conversations API (its id, or {"id"}): its items come first, and
     # this input and the answer are added to it (router/openai/conversations_api.py)
     conversation: ShortStr | ConversationRef | None = None
     priority: Priority = 0  # as chat's (protocol.py)
-    cache_salt: ShortStr | None = None
+    cache_salt: ShortStr | None = None  # vLLM's, as chat's: prefix-cache hits only within a salt
 
     _items = field_validator("input", mode="before")(classmethod(lambda cls, v: _check_items(v)))
     _tool_kinds = field_validator("tools", mode="before")(
@@ -362,12 +363,7 @@ class ResponsesRequest(_Strict):
             raise ValueError(f"function names must be unique; {dup[:3]} appear more than once")
         return v
 
-    _unset = _neutral_only(
-        "max_tool_calls",
-        "prompt",
-        "cache_salt",
-        message="{field} is not supported; leave it unset",
-    )
+    _unset = _neutral_only("prompt", message="{field} is not supported; leave it unset")
 
     @field_validator("tool_choice")
     @classmethod
@@ -423,6 +419,7 @@ class ResponsesRequest(_Strict):
             ("priority", self.priority or None),
             ("parallel_tool_calls", self.parallel_tool_calls),
             ("reasoning_effort", _effort(self.reasoning)),
+            ("cache_salt", self.cache_salt),
             ("logprobs", self.wants_logprobs() or None),
             ("top_logprobs", self.top_logprobs if self.wants_logprobs() else None),
         ):

@@ -356,3 +356,9 @@ def test_logprobs_and_sealed_reasoning_when_included():
 def _with_logprobs(chunk: dict, entry: dict) -> dict:
     chunk["choices"][0]["logprobs"] = {"content": [entry]}
     return chunk
+
+
+def test_cache_salt_and_max_tool_calls():
+    chat = body(cache_salt="tenant-a", max_tool_calls=3).as_chat()
+    assert chat.cache_salt == "tenant-a"
+    assert body().as_chat().cache_salt is None
