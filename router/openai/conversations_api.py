@@ -26,7 +26,13 @@ from pydantic import Field, field_validator
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.protocol import MAX_METADATA_ITEMS, ShortStr, _field_names, _Strict
 from pdserve.router.openai.responses.store import Conversation
-from pdserve.router.openai.responses_api import InputItem, _check_items, items_of, page
+from pdserve.router.openai.responses_api import (
+    InputItem,
+    _check_items,
+    conversation_not_found,
+    items_of,
+    page,
+)
 from pdserve.router.openai.state import state_of
 
 router = APIRouter()
@@ -66,12 +72,7 @@ def _found(request: Request, conversation_id: str) -> Conversation:
     front.authorize(request)
     found = front.responses.conversation(conversation_id, front.owner(request))
     if found is None:
-        raise ApiError(
-            404,
-            f"Conversation with id {conversation_id[:200]!r} not found (never created, deleted, "
-            "or evicted from the router's store)",
-            code="not_found",
-        )
+        raise conversation_not_found(conversation_id)
     return found
 
 

@@ -981,14 +981,18 @@ def conversation_items(store: ResponseStore, key: str, owner: str | None, body) 
         )
     found = store.conversation(key, owner)
     if found is None:
-        raise ApiError(
-            404,
-            f"Conversation with id {key[:200]!r} not found (never created, deleted, or evicted "
-            "from the router's store)",
-            param="conversation",
-            code="not_found",
-        )
+        raise conversation_not_found(key, param="conversation")
     return found.dicts()
+
+
+def conversation_not_found(key: str, param: str | None = None) -> ApiError:
+    return ApiError(
+        404,
+        f"Conversation with id {key[:200]!r} not found (never created, deleted, or evicted from "
+        "the router's store)",
+        param=param,
+        code="not_found",
+    )
 
 
 def _history(store: ResponseStore, response_id: str | None, owner: str | None) -> list[dict]:
