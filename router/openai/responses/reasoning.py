@@ -10,6 +10,9 @@ otherwise, as with Qwen3's enable_thinking false (whose template writes an empty
 it is all content. Either way the text after </think> is content, and the tags themselves are
 neither. Text that may be the start of a tag is held until it is clearly not one. The answer's
 content then goes through the tool call parser (tool_calls.py), as vLLM parses calls only there.
+
+`reading_of` reads the router's word on both (REASONING_KEY, and TOOL_FORMAT_KEY: the model's
+tool call format) into a Reading once per call; `ChatText` is one sequence's pair of parsers.
 """
 
 from __future__ import annotations
