@@ -153,11 +153,14 @@ class ResponseStore:
 
     def _make_room(self, size: int, keep: str | None = None) -> None:
         """Evicts the least recently used entries (never `keep`) until `size` more bytes fit."""
-        for key in list(self._entries):
-            if self.bytes + size <= self.max_bytes:
-                return
-            if key != keep:
-                self._drop(key)
+        while self.bytes + size > self.max_bytes and self._entries:
+            key = next(iter(self._entries))
+            if key == keep:  # the one being grown: the next least recently used goes instead
+                self._entries.move_to_end(key)
+                if next(iter(self._entries)) == key:
+                    return
+                continue
+            self._drop(key)
 
     # ---- conversations
     def create_conversation(self, key: str, conversation: Conversation) -> bool:
