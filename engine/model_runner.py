@@ -37,7 +37,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
-from pdserve.engine.loader import iter_safetensors
+from pdserve.engine.loader import checkpoint_weights
 from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
 from pdserve.engine.parallel import (
@@ -188,7 +188,7 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             dummy_weights(self.model, self.config.seed)
         else:
-            self.model.load_weights(iter_safetensors(model_dir))
+            self.model.load_weights(checkpoint_weights(model_dir))
 
     def set_kv_dtype(self, dtype: torch.dtype) -> None:
         """Puts the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request holds

@@ -42,6 +42,15 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[pathlib.Path]:
     return files
 
 
+def checkpoint_names(model_dir: str | os.PathLike) -> list[str]:
+    """The names of every tensor of the checkpoint, from the files' headers (no tensor is read)."""
+    names = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
 def _progress_disabled() -> bool:
     return os.environ.get("PDSERVE_NO_PROGRESS", "") not in ("", "0")
 
