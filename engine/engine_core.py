@@ -62,11 +62,13 @@ from pdserve.engine.spec.draft import plan_draft
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
 from pdserve.engine.structured.grammar import GrammarCache
+from pdserve.engine.thinking import ThinkingBudget
 from pdserve.engine.tokenizer import (
     IncrementalDetokenizer,
     bad_words_token_ids,
     load_tokenizer,
     prompt_token_ids,
+    reasoning_tags,
 )
 from pdserve.kvpool import map_pool_file, new_pool_paths
 
@@ -117,6 +119,7 @@ class LLMEngine:
         if self.config.device == "cpu":
             log_cpu_once()
         self.tokenizer = load_tokenizer(model_dir)
+        self._reasoning_tags: tuple[int, int] | None | bool = False  # _attach_thinking's
         torch.manual_seed(self.config.seed)
         self.kv_cache_paths = self._kv_cache_paths()
         self._rank_kv_caches: list[torch.Tensor] | None = None
@@ -266,6 +269,8 @@ class LLMEngine:
                 )
             )
         self.grammars.attach(seqs)  # structured output: compiled once per spec, a matcher each
+        if params.thinking_token_budget is not None:
+            self._attach_thinking(seqs, params.thinking_token_budget)
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs
         ]
@@ -276,6 +281,20 @@ class LLMEngine:
             req.prompt_logprobs = [None] * len(ids)
         req.metrics["arrival"] = time.monotonic()
         return req
+
+    def _attach_thinking(self, seqs: list[Sequence], budget: int) -> None:
+        """Each sequence's thinking budget (engine/thinking.py), or InvalidRequest for a model
+        without reasoning tags."""
+        if self._reasoning_tags is False:  # (read from the vocabulary once, when first needed)
+            self._reasoning_tags = reasoning_tags(self.tokenizer)
+        tags = self._reasoning_tags
+        if tags is None:
+            raise BadSamplingParams(
+                "thinking_token_budget needs a reasoning model (one whose vocabulary has <think> "
+                "and </think> tokens); this model has none: leave it unset"
+            )
+        for seq in seqs:
+            seq.thinking = ThinkingBudget(budget, tags, seq.prompt_token_ids)
 
     def _shaping_in_vocabulary(self, params: SamplingParams) -> SamplingParams:
         """`params` with its bad words tokenized (vLLM's rule: engine/tokenizer.py), after

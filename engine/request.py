@@ -102,6 +102,8 @@ class Sequence:
     # the LoRA adapter it runs under (engine/lora.py AdapterInfo; None: the base model), and
     # the root of its prefix-cache chain (the adapter's, engine/block_manager.py)
     lora: object | None = None
+    # its thinking budget's state (engine/thinking.py ThinkingBudget), where the request set one
+    thinking: object | None = None
 
     @property
     def lora_id(self) -> int:

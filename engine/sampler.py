@@ -1,8 +1,9 @@
 """Turns one step's logits into one token per sequence.
 
 Pipeline per row: allowed_token_ids -> bad words -> logit_bias -> repetition penalty ->
-frequency/presence penalties -> min_tokens masking -> temperature -> top-k ->
-top-p -> min-p -> sample (vLLM's order; a structured-output grammar masks first).
+frequency/presence penalties -> min_tokens masking -> a spent thinking budget's </think>
+(engine/thinking.py) -> temperature -> top-k -> top-p -> min-p -> sample (vLLM's order; a
+structured-output grammar masks first).
 Greedy rows take the argmax after the penalty/masking stage, as in vLLM.
 
 Only the per-request shaping (allowed ids, biases, penalties, which need each
@@ -27,6 +28,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.structured.grammar import GrammarMask
+    from pdserve.engine.thinking import ThinkingBudget
 
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -40,6 +42,10 @@ class SamplingRow:
     # carry a seed but which has no generator samples from the shared stream.
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
+    # the sequence's thinking budget (engine/thinking.py), and how many of output_token_ids it
+    # has committed (those after are a speculated row's guesses)
+    thinking: ThinkingBudget | None = None
+    committed: int = 0
 
 
 @dataclass
@@ -170,7 +176,10 @@ def process_logits(
     for i, row in enumerate(rows):
         p = row.params
         masked = _min_tokens_masked_ids(row)
-        if not p.shapes_logits and not masked:
+        close = row.thinking is not None and row.thinking.forces_close(
+            row.output_token_ids, row.committed
+        )
+        if not p.shapes_logits and not masked and not close:
             continue
         if out is None:
             out = logits.clone()
@@ -197,7 +206,19 @@ def process_logits(
             x[idx] = float("-inf")
             if i in grammar_rows and not torch.isfinite(x).any():
                 x[idx] = kept  # the grammar allows only a stop token here: min_tokens yields
+        if close:
+            _force(x, row.thinking.close_id, i in grammar_rows)
     return logits if out is None else out
+
+
+def _force(x: torch.Tensor, token: int, grammar: bool) -> None:
+    """One row's logits, in place: `token` the only one left (its own logit kept, 0 where a mask
+    had removed it), unless a grammar masked the row and does not allow it: the grammar stands."""
+    if token >= x.shape[0] or (grammar and not torch.isfinite(x[token])):
+        return
+    value = x[token].item()
+    x.fill_(float("-inf"))
+    x[token] = value if value != float("-inf") else 0.0
 
 
 def apply_top_k_top_p(

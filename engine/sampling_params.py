@@ -158,6 +158,9 @@ class SamplingParams:
     # with a few lines edited). Where the engine speculates, the prediction's tokens are its
     # guesses (engine/spec/prediction.py); the output is the same with or without it.
     prediction_token_ids: tuple[int, ...] = ()
+    # vLLM's thinking_token_budget: a reasoning model's reasoning ends (its next token is
+    # </think>) once it holds this many tokens (engine/thinking.py); None: no budget
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -264,6 +267,12 @@ class SamplingParams:
                 f"cache_salt must be a str of at most {MAX_CACHE_SALT_CHARS} characters, got "
                 f"{type(self.cache_salt).__name__} of {len(str(self.cache_salt))}"
             )
+        if self.thinking_token_budget is not None:
+            put("thinking_token_budget", _int("thinking_token_budget", self.thinking_token_budget))
+            if self.thinking_token_budget < 0:
+                raise BadSamplingParams(
+                    f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}"
+                )
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
@@ -303,8 +312,14 @@ class SamplingParams:
     @property
     def reads_history(self) -> bool:
         """Whether sampling a token depends on the tokens generated before it (penalties,
-        min_tokens, bad words): a speculated position then sees the guesses before it."""
-        return self.has_penalties or self.min_tokens > 0 or bool(self.bad_words_token_ids)
+        min_tokens, bad words, a thinking budget): a speculated position then sees the guesses
+        before it."""
+        return (
+            self.has_penalties
+            or self.min_tokens > 0
+            or bool(self.bad_words_token_ids)
+            or self.thinking_token_budget is not None
+        )
 
     @property
     def has_penalties(self) -> bool:

@@ -696,6 +696,8 @@ class Scheduler:
                         member.output_token_ids,
                         member.generator,
                         self.eos_token_ids,
+                        member.thinking,
+                        member.num_output_tokens,
                     )
                 )
                 plan.row_seqs.append(member)

@@ -36,6 +36,7 @@ OPTIONAL_FIELDS = (
     "top_logprobs",
     "speculative",
     "cache_salt",
+    "thinking_token_budget",
 )
 _REPEATED_FIELDS = (
     "stop",

@@ -210,10 +210,12 @@ class DraftModel:
     @staticmethod
     def _row(seq, item, generator, eos_token_ids) -> SamplingRow:
         p = seq.params
-        seen = seq.output_token_ids
+        seen = committed = seq.output_token_ids
         if item.spec_token_ids and p.reads_history:
             seen = seen + item.spec_token_ids
-        return SamplingRow(p, seq.prompt_token_ids, seen, generator, eos_token_ids)
+        return SamplingRow(
+            p, seq.prompt_token_ids, seen, generator, eos_token_ids, seq.thinking, len(committed)
+        )
 
 
 def _copy(generator: torch.Generator | None) -> torch.Generator | None:

@@ -38,7 +38,11 @@ def check_rows(item: ScheduledSeq, eos_token_ids: tuple[int, ...]) -> list[Sampl
     rows = []
     for j in range(item.num_spec + 1):
         seen = out + item.spec_token_ids[:j] if history and j else out
-        rows.append(SamplingRow(p, seq.prompt_token_ids, seen, seq.generator, eos_token_ids))
+        rows.append(
+            SamplingRow(
+                p, seq.prompt_token_ids, seen, seq.generator, eos_token_ids, seq.thinking, len(out)
+            )
+        )
     return rows
 
 

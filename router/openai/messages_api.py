@@ -20,7 +20,8 @@ sends Anthropic's events: message_start, content_block_start/_delta/_stop per bl
 message_stop; a failure, an `error` event. Errors are Anthropic's error object
 (router/openai/errors.py) with the same HTTP statuses as the OpenAI paths. Images, documents, server
 tools, thinking enabled for a model without a thinking mode and max_tokens 0 are refused with a 400
-naming the field; thinking enabled or disabled is the template's enable_thinking. The routes are
+naming the field; thinking enabled or disabled is the template's enable_thinking, an enabled
+one's budget_tokens the reasoning's cap (thinking_token_budget). The routes are
 declared on `router`, which build_app (router/openai/app.py) includes; they keep no state of their
 own.
 """
@@ -313,9 +314,12 @@ class Conversation(_Strict):
                 if self.tool_choice.disable_parallel_tool_use:
                     body["parallel_tool_calls"] = False
         if self.thinking is not None and self.thinking.type != "adaptive":
-            # the chat template's switch (Qwen3's, SmolLM3's); a budget is not enforced
+            # the chat template's switch (Qwen3's, SmolLM3's); an enabled one's budget_tokens is
+            # the reasoning's cap (engine/thinking.py)
             enabled = self.thinking.type == "enabled"
             body["chat_template_kwargs"] = {"enable_thinking": enabled}
+            if enabled and self.thinking.budget_tokens is not None:
+                body["thinking_token_budget"] = self.thinking.budget_tokens
         fmt = self.output_config.format if self.output_config is not None else None
         if fmt is not None:
             body["response_format"] = {

@@ -627,6 +627,9 @@ class VllmFields(BaseModel):
     request_id: ShortStr | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (RL frameworks read them)
     return_token_ids: StrictBool | None = None
+    # a reasoning model's reasoning ends (</think>) once it holds this many tokens (vLLM's; the
+    # engine refuses it for a model without <think> and </think>: engine/thinking.py)
+    thinking_token_budget: Annotated[int, Field(ge=0, lt=1 << 31)] | None = None
     # newer vLLM's repetition detection (0: off)
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0

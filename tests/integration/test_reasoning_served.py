@@ -1,18 +1,17 @@
 """A reasoning model's output split into `reasoning` (and DeepSeek's `reasoning_content`) and
-`content` by the HTTP front (router/openai/responses/reasoning.py), through a router in front of a
-prefill and a decode worker: a tiny random model whose byte-level tokenizer has <think> and
-</think> as tokens, with a chat template that opens the block when asked (DeepSeek-R1's way:
-`open_think`) or writes it empty and closed (Qwen3's enable_thinking false). A grammar (vLLM's
-structured_outputs; llguidance's `<[id]>` is a token by its id) makes the random model write the
-tags where the test needs them.
+`content` by the HTTP front (router/openai/responses/reasoning.py), through a router in front of a prefill and
+a decode worker: a tiny random model whose byte-level tokenizer has <think> and </think> as tokens,
+with a chat template that opens the block when asked (DeepSeek-R1's way: `open_think`) or writes it
+empty and closed (Qwen3's enable_thinking false). A grammar (vLLM's structured_outputs; llguidance's
+`<[id]>` is a token by its id) makes the random model write the tags where the test needs them.
 
 Whole and streamed alike: an output that starts with <think> is reasoning until </think>; a prompt
 that ends with <think> makes the output reasoning from its first token; with the block closed in the
 prompt, or no tags, it is all content; a JSON schema holds for the answer after the reasoning (the
-tests' own grammars hold from the first token: enable_in_reasoning); include_reasoning false drops
-the reasoning; tool calls are parsed from the content only; an assistant's replayed reasoning
-reaches the template; and the text of a model without the tags is untouched (tests/integration/
-test_http_api.py)."""
+tests' own grammars hold from the first token: enable_in_reasoning); thinking_token_budget ends the
+reasoning after that many tokens; include_reasoning false drops the reasoning; tool calls are parsed
+from the content only; an assistant's replayed reasoning reaches the template; and the text of a
+model without the tags is untouched (tests/integration/test_http_api.py)."""
 
 from __future__ import annotations
 
@@ -142,6 +141,27 @@ def test_reasoning_is_split_from_the_content(router, stream, grammar, kwargs, wa
         pattern = shape.replace("R", "[a-z]{6}").replace("C", "[a-z]{4}").replace("c", "[a-z]{2}")
         assert text is not None and re.fullmatch(pattern, text), (shape, got)
     serves(router)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("budget", [None, 0, 6])
+def test_thinking_token_budget_ends_the_reasoning(router, stream, budget):
+    """The prompt opened the block, whose newline is the reasoning's first token; logit_bias keeps
+    the model from closing it, a grammar keeps it to letters: the budget alone closes it."""
+    fields = {
+        "chat_template_kwargs": {"open_think": True},
+        "logit_bias": {3: -100},
+        "min_tokens": 12,
+    }
+    if budget is not None:
+        fields["thinking_token_budget"] = budget
+    grammar = f"/[a-z]*/ {CLOSE} /[a-z]*/"
+    got = _ask(router, stream, grammar, max_tokens=12, extra_body=fields)
+    if budget is None:
+        assert len(got["reasoning"]) == 12 and got["content"] is None, got
+        return
+    spent = max(budget - 1, 0)
+    assert len(got["reasoning"] or "") == spent and len(got["content"]) == 11 - spent, got
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -392,3 +392,5 @@ def test_thinking_is_the_templates_switch(kind, want):
     )
     kwargs = chat.as_chat().chat_template_kwargs
     assert (kwargs or {}).get("enable_thinking") == want
+    # an enabled one's budget caps the reasoning (engine/thinking.py)
+    assert chat.as_chat().thinking_token_budget == (1024 if kind == "enabled" else None)
