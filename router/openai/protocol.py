@@ -9,7 +9,7 @@ OpenAI's logit_bias, pdserve's `speculative` (false: this request opts out of th
 speculative decoding), vLLM's prompt_logprobs and chat template fields, structured outputs and
 tools (their sections below say more). `model` may be left out (the served model). OpenAI
 fields that change nothing here are accepted and ignored (`user`, `metadata`, ...); those whose
-meaning pdserve does not serve (functions, suffix, ...) are accepted only at their neutral
+meaning pdserve does not serve (functions, best_of, ...) are accepted only at their neutral
 value. vLLM's other request fields (VllmFields, and each endpoint's own) follow the same rule, so a client
 written for vLLM runs unchanged or gets a 400 naming the field it would have to drop; vLLM's
 stream_options (StreamOptions: include_usage true once stream_options is sent, and
@@ -734,8 +734,9 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = Field(False, validate_default=True)  # checked with max_tokens=0 too
     # vLLM's: the prompt's logprobs and the k most likely tokens at each position, in each choice
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    # OpenAI fields accepted only at their neutral value
+    # the text after the completion: a code model's fill-in-the-middle (router/openai/fim.py)
     suffix: StrictStr | None = None
+    # OpenAI fields accepted only at their neutral value
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     # vLLM's completion fields accepted only at their neutral value
     add_special_tokens: StrictBool = True
@@ -750,7 +751,6 @@ class CompletionRequest(_Sampling):
         neutral=lambda v: v is True,
     )
 
-    _no_suffix = _neutral_only("suffix", message="suffix is not supported")
     _no_best_of = _neutral_only(
         "best_of", message="best_of > 1 is not supported; use n", neutral=lambda v: v in (None, 1)
     )

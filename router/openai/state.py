@@ -33,6 +33,7 @@ from pdserve.router.chat_tools import TOOL_TAGS
 from pdserve.router.metrics import track_responses
 from pdserve.router.openai.connections import CLOSED_BY
 from pdserve.router.openai.errors import ApiError, validation_error
+from pdserve.router.openai.fim import fim_format
 from pdserve.router.openai.protocol import KNOWN_FIELDS
 from pdserve.router.openai.responses.logprobs import TokenIdText, TokenText
 from pdserve.router.openai.responses.store import ResponseStore
@@ -67,6 +68,8 @@ class FrontState:
         self.think_special = "</think>" in specials
         # a reasoning model (its vocabulary has <think> and </think>): Anthropic's thinking
         self.reasons = reasoning_tags(s.tokenizer) is not None
+        # a code model's fill-in-the-middle tokens: a completion's suffix (router/openai/fim.py)
+        self.fim = fim_format(s.tokenizer)
         self.responses = ResponseStore(s.responses_store_bytes)  # /v1/responses' stored ones
         if s.metrics_registry is not None:
             track_responses(s.metrics_registry, s.model_id, self.responses)

@@ -83,13 +83,18 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def byte_level_model(
-    tiny_dir: str, dest, chat_template: str | None = None, words: tuple[str, ...] = ()
+    tiny_dir: str,
+    dest,
+    chat_template: str | None = None,
+    words: tuple[str, ...] = (),
+    special: bool = False,
 ) -> str:
     """`tiny_dir`'s model with a 256-token byte-level tokenizer: ids 0 and 1 the bos and eos
     tokens, 2..255 the bytes 2..255 (one token per byte, no merges), and `chat_template` in its
     tokenizer config where given. `words` (a reasoning model's "<think>", "</think>") take ids
-    2, 3, ... as added tokens that are not special, in place of those control bytes. Returns the
-    new model dir."""
+    2, 3, ... as added tokens, in place of those control bytes: not special (as reasoning
+    models' tags), or special (as code models' fill-in-the-middle tokens). Returns the new model
+    dir."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -105,7 +110,7 @@ def byte_level_model(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
+    tok.add_tokens([AddedToken(w, special=special, normalized=False) for w in words])
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
     ).save_pretrained(dest)

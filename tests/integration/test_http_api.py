@@ -44,6 +44,8 @@ BAD = [
     ("model-empty", C, {"prompt": "t5", "model": ""}, 400, "model"),
     ("unknown-field", C, {**GOOD, "frobnicate": 1}, 400, "frobnicate"),
     ("unsupported-vllm-field", C, {**GOOD, "use_beam_search": True}, 400, "use_beam_search"),
+    # a model without fill-in-the-middle tokens (served: tests/integration/test_fim_served.py)
+    ("suffix-without-fim-tokens", C, {**GOOD, "suffix": "t7"}, 400, "suffix"),
     ("temperature-too-high", C, {**GOOD, "temperature": 3.0}, 400, "temperature"),
     ("temperature-negative", C, {**GOOD, "temperature": -0.1}, 400, "temperature"),
     ("top-p-zero", C, {**GOOD, "top_p": 0}, 400, "top_p"),

@@ -1,0 +1,60 @@
+"""Fill-in-the-middle: a completion's `suffix` (OpenAI's legacy field, which code assistants'
+autocomplete sends) served for any code model whose vocabulary has fill-in-the-middle tokens,
+with no flag to set. vLLM refuses every `suffix`; llama.cpp's /infill reads the tokens from the
+vocabulary, as this does.
+
+`fim_format(tokenizer)` is read once, when the HTTP front starts (router/openai/state.py): the
+first of FORMATS whose three tokens are all in the vocabulary, or None. A completion with a
+`suffix` then becomes the prompt the model was trained on, prefix-suffix-middle:
+`<prefix token>{prompt}<suffix token>{suffix}<middle token>` (the tokenizer reads the tokens'
+texts as the tokens; a BOS leads where the tokenizer adds one), and the model writes the middle.
+Besides the end of text, the tokens that end a middle where the vocabulary has them (FIM_STOPS:
+the padding and file-separator tokens the models write after it) stop it; they are special
+tokens in those models' tokenizers, so their text is not part of the answer. A `suffix` for a model without the tokens, with `echo`, or with a prompt of token ids
+is a 400 naming `suffix` (router/openai/completions.py). Nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (family, prefix, suffix, middle): Qwen2.5-Coder's and CodeGemma's, StarCoder's (StarCoder2,
+# Granite Code, SantaCoder), DeepSeek-Coder's
+FORMATS = (
+    ("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+)
+# tokens a model writes after the middle it fills in (llama.cpp ends an infill at them too)
+FIM_STOPS = (
+    "<|fim_pad|>",
+    "<|file_sep|>",
+    "<|file_separator|>",
+    "<|repo_name|>",
+    "<fim_pad>",
+    "<file_sep>",
+    "<EOT>",
+)
+
+
+@dataclass(frozen=True)
+class FimFormat:
+    family: str
+    prefix: str
+    suffix: str
+    middle: str
+    stop_token_ids: tuple[int, ...]
+
+    def prompt(self, prefix: str, suffix: str) -> str:
+        """The prompt whose continuation is the middle between `prefix` and `suffix`."""
+        return f"{self.prefix}{prefix}{self.suffix}{suffix}{self.middle}"
+
+
+def fim_format(tokenizer) -> FimFormat | None:
+    """The model's fill-in-the-middle tokens, or None for a model without them."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for family, *tokens in FORMATS:
+        if all(t in vocab for t in tokens):
+            stops = tuple(vocab[t] for t in FIM_STOPS if t in vocab)
+            return FimFormat(family, *tokens, stop_token_ids=stops)
+    return None
