@@ -38,6 +38,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
     PREFILL_DONE = "prefill_done"  # prefill-only request: first token sampled, KV handed out
     POOLED = "pooled"  # pooling request: the prompt ran, its pooled hidden state is the output
+    REPETITION = "repetition"  # its output ended in a repeated pattern (repetition detection)
 
 
 POOLING_KINDS = ("last", "mean")

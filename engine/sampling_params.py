@@ -25,6 +25,10 @@ MAX_BAD_WORDS = 128  # vLLM's bounds: words a request, and their tokens all told
 MAX_BAD_WORDS_TOKENS = 1024
 MAX_CACHE_SALT_CHARS = 256
 MAX_PREDICTION_TOKENS = 65536  # a predicted output's tokens (OpenAI's Predicted Outputs)
+# repetition detection's bounds: the longest pattern, and the tokens the check may read at the
+# output's end (pattern x count), so a step's check of a sequence reads a bounded tail
+MAX_REPETITION_PATTERN = 256
+MAX_REPETITION_SPAN = 2048
 
 
 def _int(name: str, value: object) -> int:
@@ -161,6 +165,12 @@ class SamplingParams:
     # vLLM's thinking_token_budget: a reasoning model's reasoning ends (its next token is
     # </think>) once it holds this many tokens (engine/thinking.py); None: no budget
     thinking_token_budget: int | None = None
+    # vLLM's repetition detection: the sequence ends (finish_reason "repetition") once its output
+    # ends with some pattern of min..max tokens repeated repetition_min_count times in a row;
+    # max_repetition_pattern_size 0 (or a count below 2): off (repetition_detected)
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -273,11 +283,59 @@ class SamplingParams:
                 raise BadSamplingParams(
                     f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}"
                 )
+        self._check_repetition()
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
                 f"logprobs come with their alternatives)"
             )
+
+    def _check_repetition(self) -> None:
+        names = ("max_repetition_pattern_size", "min_repetition_pattern_size")
+        for name in (*names, "repetition_min_count"):
+            self._put(name, _int(name, getattr(self, name)))
+            if getattr(self, name) < 0:
+                raise BadSamplingParams(f"{name} must be >= 0, got {getattr(self, name)}")
+        most, least = self.max_repetition_pattern_size, self.min_repetition_pattern_size
+        if least > most:
+            raise BadSamplingParams(
+                f"min_repetition_pattern_size={least} is more than "
+                f"max_repetition_pattern_size={most}"
+            )
+        if most > MAX_REPETITION_PATTERN:
+            raise BadSamplingParams(
+                f"max_repetition_pattern_size must be at most {MAX_REPETITION_PATTERN}, got {most}"
+            )
+        if most * self.repetition_min_count > MAX_REPETITION_SPAN:
+            raise BadSamplingParams(
+                f"max_repetition_pattern_size x repetition_min_count must be at most "
+                f"{MAX_REPETITION_SPAN} tokens, got {most} x {self.repetition_min_count}"
+            )
+
+    @property
+    def detects_repetition(self) -> bool:
+        return self.max_repetition_pattern_size > 0 and self.repetition_min_count >= 2
+
+    def repetition_detected(self, token_ids: list[int], num_output: int) -> bool:
+        """Whether the output (the last `num_output` of `token_ids`) ends with a pattern of
+        min..max_repetition_pattern_size tokens repeated repetition_min_count times in a row
+        (vLLM's check, with a cheap first test per length: the last token recurs one pattern
+        back). Reads at most MAX_REPETITION_SPAN tokens."""
+        if not self.detects_repetition:
+            return False
+        count, last = self.repetition_min_count, token_ids[-1]
+        for size in range(
+            max(self.min_repetition_pattern_size, 1), self.max_repetition_pattern_size + 1
+        ):
+            span = size * count
+            if span > num_output:
+                return False
+            if token_ids[-1 - size] != last:
+                continue
+            tail = token_ids[-span:]
+            if tail[size:] == tail[:-size]:  # the tail has period `size`
+                return True
+        return False
 
     @property
     def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:

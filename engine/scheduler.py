@@ -869,6 +869,8 @@ class Scheduler:
             self.finish(seq, FinishReason.STOP, token_id)
         elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, FinishReason.LENGTH)
+        elif num_out >= p.min_tokens and p.repetition_detected(seq.token_ids, num_out):
+            self.finish(seq, FinishReason.REPETITION, "repetition_detected")
 
 
 class _AdapterGate:

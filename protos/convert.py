@@ -37,6 +37,9 @@ OPTIONAL_FIELDS = (
     "speculative",
     "cache_salt",
     "thinking_token_budget",
+    "max_repetition_pattern_size",
+    "min_repetition_pattern_size",
+    "repetition_min_count",
 )
 _REPEATED_FIELDS = (
     "stop",

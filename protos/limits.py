@@ -23,6 +23,10 @@ MAX_PREDICTION_TOKENS = 65536  # as engine/sampling_params.py
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias is in [-100, 100]
 MAX_CACHE_SALT_CHARS = 256  # as engine/sampling_params.py
 MAX_BAD_WORDS = 128  # vLLM's bound (engine/sampling_params.py); each at most MAX_STOP_CHARS
+# repetition detection's bounds (the engine's: engine/sampling_params.py MAX_REPETITION_*): the
+# longest pattern, and the tokens pattern x count a step's check may read
+MAX_REPETITION_PATTERN = 256
+MAX_REPETITION_SPAN = 2048
 MAX_N = 64  # sequences per prompt
 # structured output (as engine/structured/spec.py, which the engine checks again)
 MAX_SCHEMA_CHARS = 64 * 1024

@@ -179,7 +179,7 @@ class ClientCall(Inflight):
         if final is None:
             return None
         self.finished = True
-        if self.n == 1 and final.finish_reason in ("stop", "length"):
+        if self.n == 1 and final.finish_reason in ("stop", "length", "repetition"):
             # the decode worker keeps the KV of the prompt and the answer (all but the last
             # token's, never computed): a conversation's next turn may go back there
             # (router/legs.py); a block with that token in it is not expected there

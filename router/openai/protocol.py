@@ -56,6 +56,8 @@ from pdserve.protos.limits import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_REGEX_CHARS,
+    MAX_REPETITION_PATTERN,
+    MAX_REPETITION_SPAN,
     MAX_SCHEMA_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -630,10 +632,15 @@ class VllmFields(BaseModel):
     # a reasoning model's reasoning ends (</think>) once it holds this many tokens (vLLM's; the
     # engine refuses it for a model without <think> and </think>: engine/thinking.py)
     thinking_token_budget: Annotated[int, Field(ge=0, lt=1 << 31)] | None = None
-    # newer vLLM's repetition detection (0: off)
-    max_repetition_pattern_size: int = 0
-    min_repetition_pattern_size: int = 0
-    repetition_min_count: int = 0
+    # newer vLLM's repetition detection (0: off): the output ends, finish_reason "repetition",
+    # once it ends with a pattern of min..max tokens repeated repetition_min_count times
+    max_repetition_pattern_size: Annotated[int, Field(ge=0, le=MAX_REPETITION_PATTERN)] | None = (
+        None
+    )
+    min_repetition_pattern_size: Annotated[int, Field(ge=0, le=MAX_REPETITION_PATTERN)] | None = (
+        None
+    )
+    repetition_min_count: Annotated[int, Field(ge=0, le=MAX_REPETITION_SPAN)] | None = None
 
     _no_beam = _neutral_only("use_beam_search", message="use_beam_search is not supported")
     _spaces = _neutral_only(
@@ -641,15 +648,35 @@ class VllmFields(BaseModel):
         message="spaces_between_special_tokens=false is not supported",
         neutral=lambda v: v is True,
     )
+
+    @field_validator("min_repetition_pattern_size")
+    @classmethod
+    def _repetition_sizes(cls, v, info):
+        most = info.data.get("max_repetition_pattern_size") or 0
+        if v is not None and v > most:
+            raise ValueError(
+                f"min_repetition_pattern_size={v} is more than max_repetition_pattern_size={most}"
+            )
+        return v
+
+    @field_validator("repetition_min_count")
+    @classmethod
+    def _repetition_span(cls, v, info):
+        most = info.data.get("max_repetition_pattern_size") or 0
+        if v is not None and most * v > MAX_REPETITION_SPAN:
+            raise ValueError(
+                f"max_repetition_pattern_size x repetition_min_count must be at most "
+                f"{MAX_REPETITION_SPAN} tokens (the output's end each step reads), got "
+                f"{most} x {v}"
+            )
+        return v
+
     _unset = _neutral_only(
         "logits_processors",
         "kv_transfer_params",
         "vllm_xargs",
         "guided_whitespace_pattern",
         "structural_tag",
-        "max_repetition_pattern_size",
-        "min_repetition_pattern_size",
-        "repetition_min_count",
         message="{field} is not supported; leave it unset",
     )
 

@@ -46,6 +46,27 @@ BAD = [
     ("unsupported-vllm-field", C, {**GOOD, "use_beam_search": True}, 400, "use_beam_search"),
     # a model without fill-in-the-middle tokens (served: tests/integration/test_fim_served.py)
     ("suffix-without-fim-tokens", C, {**GOOD, "suffix": "t7"}, 400, "suffix"),
+    (
+        "repetition-pattern-too-long",
+        C,
+        {**GOOD, "max_repetition_pattern_size": 257, "repetition_min_count": 2},
+        400,
+        "max_repetition_pattern_size",
+    ),
+    (
+        "repetition-min-above-max",
+        C,
+        {**GOOD, "max_repetition_pattern_size": 2, "min_repetition_pattern_size": 3},
+        400,
+        "min_repetition_pattern_size",
+    ),
+    (
+        "repetition-span-too-long",
+        C,
+        {**GOOD, "max_repetition_pattern_size": 256, "repetition_min_count": 9},
+        400,
+        "repetition_min_count",
+    ),
     ("temperature-too-high", C, {**GOOD, "temperature": 3.0}, 400, "temperature"),
     ("temperature-negative", C, {**GOOD, "temperature": -0.1}, 400, "temperature"),
     ("top-p-zero", C, {**GOOD, "top_p": 0}, 400, "top_p"),
@@ -380,6 +401,27 @@ def test_logit_bias_allowed_token_ids_and_bad_words_reach_both_workers(router, i
     assert status == 200, body
     words = json.loads(body)["choices"][0]["text"].split()
     assert len(words) == 5 and "t42" not in words
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_repetition_detection_ends_a_repeating_answer(router, idle, chat):
+    """vLLM's repetition detection through both workers: one allowed token, so the answer repeats
+    it; four in a row end it as "repetition" (vLLM's finish_reason and stop_reason)."""
+    fields = {
+        "max_tokens": 12,
+        "temperature": 0,
+        "allowed_token_ids": [5],
+        "max_repetition_pattern_size": 2,
+        "repetition_min_count": 4,
+    }
+    path, body = (CHAT, GOOD_CHAT) if chat else (C, GOOD)
+    status, _, raw = post(router, path, {**body, **fields})
+    assert status == 200, raw[:300]
+    got = json.loads(raw)
+    choice = got["choices"][0]
+    assert choice["finish_reason"] == "repetition", choice
+    assert choice["stop_reason"] == "repetition_detected"
+    assert got["usage"]["completion_tokens"] == 4
 
 
 def test_cache_salt_keeps_each_salt_s_cached_prefix_to_itself(router, idle):

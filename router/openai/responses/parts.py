@@ -21,7 +21,7 @@ from pdserve.router.openai.errors import ApiError
 def finish_reason(finish: pdserve_pb2.Finish) -> str:
     """OpenAI's finish_reason; a Finish that is a failure raises it as an ApiError."""
     reason = finish.finish_reason
-    if reason in ("stop", "length"):
+    if reason in ("stop", "length", "repetition"):  # (repetition: vLLM's repetition detection)
         return reason
     why = finish.message or "no reason given"
     if reason == "abort":
