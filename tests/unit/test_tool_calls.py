@@ -80,6 +80,48 @@ def test_auto_parses_several_calls_and_keeps_the_text(step):
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+QWEN3_CODER_CALLS = (
+    "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n02134 Boston\n"
+    '</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=note>\n{"a": [1, 2]}\n'
+    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n"
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_qwen3_coder_xml_calls_are_typed_by_the_tools_schemas(step):
+    """Qwen3-Coder's calls (vLLM's qwen3_coder parser) in <tool_call> blocks: a string
+    parameter stays text even where it reads as a number, an integer one is JSON, one the schema
+    does not declare is read as JSON where it parses; a function without parameters has {}."""
+    p = ToolCallParser(False, tools=TOOLS)
+    events = []
+    for i in range(0, len(QWEN3_CODER_CALLS), step):
+        events += p.feed(QWEN3_CODER_CALLS[i : i + step])
+    content, calls = join_events(events + p.finish())
+    assert content == "I will look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    args = [json.loads(c["function"]["arguments"]) for c in calls]
+    assert args == [{"city": "02134 Boston", "days": 3, "note": {"a": [1, 2]}}, {}]
+
+
+def test_an_xml_value_without_a_schema_is_json_where_it_parses():
+    text = "<tool_call><function=f><parameter=n>7</parameter><parameter=s>x y</parameter>"
+    text += "<parameter=b>true</parameter><parameter=z>null</parameter></function></tool_call>"
+    content, calls, _ = _parse(text, False, 1000)
+    assert content is None and calls[0]["function"]["name"] == "f"
+    assert json.loads(calls[0]["function"]["arguments"]) == {
+        "n": 7,
+        "s": "x y",
+        "b": True,
+        "z": None,
+    }
+
+
+def test_a_block_that_is_neither_json_nor_xml_stays_text():
+    text = "<tool_call><function=>x</function></tool_call>"
+    assert _parse(text, False, 1000)[:2] == (text, [])
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_parallel_tool_calls_false_keeps_the_first_call_only(step):
     """vLLM's rule for parallel_tool_calls=false (and Anthropic's disable_parallel_tool_use): the

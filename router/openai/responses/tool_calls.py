@@ -5,10 +5,13 @@ chunk} (id and name on a call's first event only). A whole response joins the sa
 a stream and a whole response say the same.
 
     auto    in the model's format (router/chat_tools.py tool_call_format):
-            hermes: <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's); the
-            text outside them is content. Text that may be the start of "<tool_call>" is held
-            until it is clearly not one; a block is given when it closes (or at the end, unclosed).
-            A block whose JSON is not a call stays content, as it was written.
+            hermes: <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's), or
+            blocks of Qwen3-Coder's XML, <function=NAME> then <parameter=KEY>VALUE</parameter>
+            each (vLLM's qwen3_coder parser; each value read as its tool's JSON schema types the
+            parameter: text for a string, else JSON where it parses); the text outside them is
+            content. Text that may be the start of "<tool_call>" is held until it is clearly not
+            one; a block is given when it closes (or at the end, unclosed). A block that is
+            neither a call's JSON nor its XML stays content, as it was written.
             llama3_json: an output that starts with "{" (or <|python_tag|>) is held to its end and
             read as calls {"name", "parameters"}, one or more separated by ";" (Llama 3.1's);
             any other output is content as it comes.
@@ -22,6 +25,7 @@ a stream and a whole response say the same.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -55,12 +59,56 @@ def _call_of(obj) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
+# Qwen3-Coder's call inside a <tool_call> block: the function, then its parameters
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def _xml_call(body: str, schemas: dict) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a Qwen3-Coder call, None when `body` is not one; each
+    value typed by `schemas` (tool name -> its parameters' JSON schema)."""
+    m = _XML_FUNCTION.match(body)
+    if m is None or m.group(1).strip() == "":
+        return None
+    name = m.group(1).strip()
+    properties = (schemas.get(name) or {}).get("properties") or {}
+    args = {}
+    for key, raw in _XML_PARAMETER.findall(m.group(2)):
+        value = raw.removeprefix("\n").removesuffix("\n")
+        args[key.strip()] = _typed(value, (properties.get(key.strip()) or {}).get("type"))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def _typed(value: str, kind) -> object:
+    """A parameter's text as its schema's type says: text for a string (or a type that lists
+    string), null for "null", else the JSON it parses as, else the text."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds:
+        return value
+    if value.strip().lower() == "null":
+        return None
+    if "boolean" in kinds and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
 class ToolCallParser:
-    def __init__(self, forced: bool, single: bool = False, fmt: str = "hermes"):
+    def __init__(
+        self, forced: bool, single: bool = False, fmt: str = "hermes", tools: list | None = None
+    ):
         """forced: the grammar's one call; single: parallel_tool_calls=false, the first call
         kept and any later one dropped (vLLM's and OpenAI's rule); fmt: the model's format in
-        auto mode (the module's docstring)."""
+        auto mode (the module's docstring); tools: the request's (OpenAI's function tools), whose
+        parameter schemas type an XML call's values."""
         self.forced, self.single, self.fmt = forced, single, fmt
+        self.schemas = {}
+        for tool in tools or ():
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                self.schemas[function["name"]] = function.get("parameters") or {}
         self.content_only = False  # llama3_json: decided that the output is not a call
         self.buf = ""
         self.in_call = False
@@ -152,7 +200,7 @@ class ToolCallParser:
             self.buf, self.in_call = self.buf[j + len(CLOSE) :], False
 
     def _block(self, body: str, closed: bool) -> list[dict]:
-        call = _as_call(body.strip())
+        call = _as_call(body.strip()) or _xml_call(body, self.schemas)
         if call is None:
             return self._content(OPEN + body + (CLOSE if closed else ""))
         return self._call(*call)

@@ -143,7 +143,10 @@ def chat_text(body, reading: Reading) -> ChatText | None:
     tools = None
     if mode != "none":
         single = body.parallel_tool_calls is False
-        tools = ToolCallParser(forced=mode == "forced", single=single, fmt=reading.tools)
+        declared = [t.model_dump() for t in body.tools or ()]
+        tools = ToolCallParser(
+            forced=mode == "forced", single=single, fmt=reading.tools, tools=declared
+        )
     return ChatText(reading.reasoning, tools, keep=body.include_reasoning)
 
 
