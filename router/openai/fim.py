@@ -16,15 +16,8 @@ is a 400 naming `suffix` (router/openai/completions.py). Nothing here keeps stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-# (family, prefix, suffix, middle): Qwen2.5-Coder's and CodeGemma's, StarCoder's (StarCoder2,
-# Granite Code, SantaCoder), DeepSeek-Coder's
-FORMATS = (
-    ("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-    ("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-    ("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
-)
 # tokens a model writes after the middle it fills in (llama.cpp ends an infill at them too)
 FIM_STOPS = (
     "<|fim_pad|>",
@@ -43,18 +36,27 @@ class FimFormat:
     prefix: str
     suffix: str
     middle: str
-    stop_token_ids: tuple[int, ...]
+    stop_token_ids: tuple[int, ...] = ()
 
     def prompt(self, prefix: str, suffix: str) -> str:
         """The prompt whose continuation is the middle between `prefix` and `suffix`."""
         return f"{self.prefix}{prefix}{self.suffix}{suffix}{self.middle}"
 
 
+# Qwen2.5-Coder's and CodeGemma's, StarCoder's (StarCoder2, Granite Code, SantaCoder),
+# DeepSeek-Coder's
+FORMATS = (
+    FimFormat("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    FimFormat("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    FimFormat("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+)
+
+
 def fim_format(tokenizer) -> FimFormat | None:
     """The model's fill-in-the-middle tokens, or None for a model without them."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    for family, *tokens in FORMATS:
-        if all(t in vocab for t in tokens):
+    for fmt in FORMATS:
+        if all(t in vocab for t in (fmt.prefix, fmt.suffix, fmt.middle)):
             stops = tuple(vocab[t] for t in FIM_STOPS if t in vocab)
-            return FimFormat(family, *tokens, stop_token_ids=stops)
+            return replace(fmt, stop_token_ids=stops)
     return None
