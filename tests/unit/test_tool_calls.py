@@ -117,9 +117,33 @@ def test_an_xml_value_without_a_schema_is_json_where_it_parses():
     }
 
 
+@pytest.mark.parametrize("step", STEPS)
+def test_glm_calls_are_typed_by_the_tools_schemas(step):
+    """GLM-4.5's calls (vLLM's glm45 parser): the name, then key/value pairs."""
+    text = (
+        "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>02134</arg_value>"
+        "\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now"
+        "</tool_call>"
+    )
+    p = ToolCallParser(False, tools=TOOLS)
+    events = []
+    for i in range(0, len(text), step):
+        events += p.feed(text[i : i + step])
+    content, calls = join_events(events + p.finish())
+    assert content == "Checking."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    args = [json.loads(c["function"]["arguments"]) for c in calls]
+    assert args == [{"city": "02134", "days": 3}, {}]
+
+
 def test_a_block_that_is_neither_json_nor_xml_stays_text():
-    text = "<tool_call><function=>x</function></tool_call>"
-    assert _parse(text, False, 1000)[:2] == (text, [])
+    for text in (
+        "<tool_call><function=>x</function></tool_call>",
+        "<tool_call>two words <b>x</b></tool_call>",
+        '<tool_call>{"name": 1}</tool_call>',
+        "<tool_call>f <arg_key>k</arg_key> junk</tool_call>",
+    ):
+        assert _parse(text, False, 1000)[:2] == (text, [])
 
 
 @pytest.mark.parametrize("step", STEPS)

@@ -7,11 +7,12 @@ a stream and a whole response say the same.
     auto    in the model's format (router/chat_tools.py tool_call_format):
             hermes: <tool_call>{"name", "arguments"}</tool_call> blocks (Qwen2.5's, Qwen3's), or
             blocks of Qwen3-Coder's XML, <function=NAME> then <parameter=KEY>VALUE</parameter>
-            each (vLLM's qwen3_coder parser; each value read as its tool's JSON schema types the
-            parameter: text for a string, else JSON where it parses); the text outside them is
-            content. Text that may be the start of "<tool_call>" is held until it is clearly not
-            one; a block is given when it closes (or at the end, unclosed). A block that is
-            neither a call's JSON nor its XML stays content, as it was written.
+            each (vLLM's qwen3_coder parser), or of GLM-4.5's, NAME then <arg_key>KEY</arg_key>
+            <arg_value>VALUE</arg_value> each (vLLM's glm45); each value is read as its tool's
+            JSON schema types the parameter: text for a string, else JSON where it parses. The
+            text outside the blocks is content. Text that may be the start of "<tool_call>" is
+            held until it is clearly not one; a block is given when it closes (or at the end,
+            unclosed). A block that is none of these calls stays content, as it was written.
             llama3_json: an output that starts with "{" (or <|python_tag|>) is held to its end and
             read as calls {"name", "parameters"}, one or more separated by ";" (Llama 3.1's);
             any other output is content as it comes.
@@ -76,6 +77,26 @@ def _xml_call(body: str, schemas: dict) -> tuple[str, str] | None:
     for key, raw in _XML_PARAMETER.findall(m.group(2)):
         value = raw.removeprefix("\n").removesuffix("\n")
         args[key.strip()] = _typed(value, (properties.get(key.strip()) or {}).get("type"))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+# GLM-4.5's call inside a <tool_call> block: the name on its own, then key/value pairs
+_GLM_CALL = re.compile(r"\s*([^<>\s{}\[\]\"][^<>\n{}]*?)\s*((?:<arg_key>.*)?)$", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+
+
+def _glm_call(body: str, schemas: dict) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a GLM-4.5 call, None when `body` is not one: a name
+    (one word) alone or followed by key/value pairs only."""
+    m = _GLM_CALL.match(body)
+    if m is None or any(c.isspace() for c in m.group(1).strip()):
+        return None
+    name, rest = m.group(1).strip(), m.group(2)
+    pairs = _GLM_ARG.findall(rest)
+    if rest.strip() and not pairs:
+        return None
+    properties = (schemas.get(name) or {}).get("properties") or {}
+    args = {k.strip(): _typed(v, (properties.get(k.strip()) or {}).get("type")) for k, v in pairs}
     return name, json.dumps(args, ensure_ascii=False)
 
 
@@ -200,7 +221,9 @@ class ToolCallParser:
             self.buf, self.in_call = self.buf[j + len(CLOSE) :], False
 
     def _block(self, body: str, closed: bool) -> list[dict]:
-        call = _as_call(body.strip()) or _xml_call(body, self.schemas)
+        call = (
+            _as_call(body.strip()) or _xml_call(body, self.schemas) or _glm_call(body, self.schemas)
+        )
         if call is None:
             return self._content(OPEN + body + (CLOSE if closed else ""))
         return self._call(*call)
