@@ -115,21 +115,30 @@ def _hermes(conversation: list[dict], tools: list[dict] | None) -> list[dict]:
 
 
 # how a model writes its calls (router/openai/responses/tool_calls.py parses each)
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek", "kimi_k2")
+# the tokens that start a model's calls, by format where the vocabulary names it
+SECTION_TAGS = {
+    "mistral": "[TOOL_CALLS]",
+    "deepseek": "<｜tool▁calls▁begin｜>",
+    "kimi_k2": "<|tool_calls_section_begin|>",
+}
 # the special tokens that start a call in those formats: they must reach the parser
-TOOL_TAGS = ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]")
+TOOL_TAGS = ("<tool_call>", "<|python_tag|>", *SECTION_TAGS.values())
 
 
 def tool_call_format(tokenizer) -> str:
-    """How this model writes tool calls: "mistral" ([TOOL_CALLS] in its vocabulary), "hermes"
-    (its template writes <tool_call> blocks: Qwen2.5's, Qwen3's, Hermes'), "llama3_json" (Llama
-    3.1's and later: <|python_tag|> in the vocabulary, a template that takes tools, calls as
-    bare JSON objects), else "hermes": a template that ignores tools gets Hermes' text."""
+    """How this model writes tool calls: "mistral", "deepseek" (DeepSeek-V3's and R1's) or
+    "kimi_k2" (its section token in the vocabulary: SECTION_TAGS), "hermes" (its template
+    writes <tool_call> blocks: Qwen2.5's, Qwen3's, Qwen3-Coder's, GLM-4.5's, Hermes'),
+    "llama3_json" (Llama 3.1's and later: <|python_tag|> in the vocabulary, a template that
+    takes tools, calls as bare JSON objects), else "hermes": a template that ignores tools gets
+    Hermes' text."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     template = getattr(tokenizer, "chat_template", None) or ""
     template = template if isinstance(template, str) else json.dumps(template)
-    if "[TOOL_CALLS]" in vocab:
-        return "mistral"
+    for fmt, tag in SECTION_TAGS.items():
+        if tag in vocab:
+            return fmt
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in vocab and "tools" in template:

@@ -441,6 +441,47 @@ def test_mistral_calls(step):
         assert _parse(text, False, step, "mistral")[:2] == (text, []), text
 
 
+DS_BEGIN, DS_CALL, DS_SEP, DS_END = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_deepseek_calls(step):
+    """DeepSeek-V3.1's calls (the name, then the arguments' JSON) and V3's and R1's (the type
+    "function", then the name and a json block), after text that is content."""
+    v31 = (
+        f'Checking.{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{"city": "Paris"}}{DS_END}'
+        f"{DS_CALL}now{DS_SEP}{{}}{DS_END}<｜tool▁calls▁end｜>"
+    )
+    content, calls, _ = _parse(v31, False, step, "deepseek")
+    assert content == "Checking."
+    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("now", {})]
+    v3 = f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Rome"}}\n```{DS_END}'
+    content, calls, _ = _parse(v3, False, step, "deepseek")
+    assert content is None and _calls(calls) == [("get_weather", {"city": "Rome"})]
+    for text in ("no calls <｜tool", f"x{DS_BEGIN}{DS_CALL}f{DS_SEP}{{bad{DS_END}"):
+        assert _parse(text, False, step, "deepseek")[:2] == (text, []), text
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_kimi_k2_calls(step):
+    text = (
+        "On it.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>'
+        "functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>"
+    )
+    content, calls, _ = _parse(text, False, step, "kimi_k2")
+    assert content == "On it."
+    assert _calls(calls) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    bad = "x<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0 no args"
+    assert _parse(bad, False, step, "kimi_k2")[:2] == (bad, [])
+
+
 class _Tok:
     def __init__(self, vocab, template):
         self.vocab, self.chat_template = vocab, template
@@ -453,6 +494,8 @@ class _Tok:
     "vocab, template, fmt",
     [
         ({"[TOOL_CALLS]": 5}, "{{ tools }}", "mistral"),
+        ({DS_BEGIN: 9}, "{{ tools }}", "deepseek"),
+        ({"<|tool_calls_section_begin|>": 9}, "{{ tools }}<tool_call>", "kimi_k2"),
         ({}, "{% for t in tools %}<tool_call>{% endfor %}", "hermes"),  # Qwen's
         ({"<|python_tag|>": 7}, "{% if tools %}{{ tools }}{% endif %}", "llama3_json"),
         # Hermes-3 on Llama 3.1: its template writes <tool_call>

@@ -18,6 +18,11 @@ a stream and a whole response say the same.
             any other output is content as it comes.
             mistral: content until [TOOL_CALLS], then the calls, read at the end: a JSON list of
             {"name", "arguments"}, or name[ARGS]{...} each after its own [TOOL_CALLS] (newer).
+            deepseek: content until <｜tool▁calls▁begin｜>, then calls read at the end, each
+            <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜> (V3.1's) or
+            <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME then a ```json block (V3's, R1's).
+            kimi_k2: content until <|tool_calls_section_begin|>, then calls read at the end,
+            each <|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>{...}.
             Held text that is not calls is content, as it was written.
     forced  the whole output is one {"arguments", "name"} object (the grammar's; its keys come
             sorted, as the engine canonicalizes a schema): the call is given when it ends.
@@ -28,6 +33,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
+
+from pdserve.router.chat_tools import SECTION_TAGS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -166,13 +173,15 @@ class ToolCallParser:
         return self._auto_finish() if self.fmt == "hermes" else self._held_finish()
 
     def _held_feed(self) -> list[dict]:
-        """llama3_json and mistral: content until the calls start, which are held to the end."""
+        """llama3_json and the sectioned formats: content until the calls start, which are held
+        to the end."""
         if self.in_call:
             return []
-        if self.fmt == "mistral":
-            i = self.buf.find(MISTRAL)
+        section = SECTION_TAGS.get(self.fmt)
+        if section is not None:
+            i = self.buf.find(section)
             if i < 0:
-                keep = partial_suffix(self.buf, MISTRAL)
+                keep = partial_suffix(self.buf, section)
                 out = self._content(self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep :]
                 return out
@@ -196,8 +205,7 @@ class ToolCallParser:
         if not self.in_call:
             return self._content(rest)
         self.in_call = False
-        reader = _mistral_calls if self.fmt == "mistral" else _json_calls
-        calls = reader(rest)
+        calls = _READERS.get(self.fmt, _json_calls)(rest)
         if calls is None:  # not calls after all: the text as it was written
             return self._content(rest)
         return [e for call in calls for e in self._call(*call)]
@@ -284,6 +292,44 @@ def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
             name, sep, args = part.partition(MISTRAL_ARGS)
             calls.append(_as_call_parts(name.strip(), args) if sep else None)
     return None if not calls or None in calls else calls
+
+
+DS_CALL, DS_SEP, DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+KIMI_CALL, KIMI_ARGS, KIMI_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
+
+def _deepseek_calls(text: str) -> list[tuple[str, str]] | None:
+    """DeepSeek's calls after <｜tool▁calls▁begin｜>; None unless every part is a call."""
+    calls = []
+    for part in text.split(DS_CALL)[1:]:
+        head, sep, tail = part.split(DS_END)[0].partition(DS_SEP)
+        if not sep:
+            return None
+        if head.strip() == "function" and "```" in tail:  # V3's: the name, then a json block
+            name, _, block = tail.partition("\n")
+            args = block.strip().removeprefix("```json").removesuffix("```")
+        else:  # V3.1's: the name, then the arguments' JSON
+            name, args = head, tail
+        calls.append(_as_call_parts(name.strip(), args))
+    return None if not calls or None in calls else calls
+
+
+def _kimi_calls(text: str) -> list[tuple[str, str]] | None:
+    """Kimi K2's calls after <|tool_calls_section_begin|>: each functions.NAME:i, then its
+    arguments' JSON; None unless every part is a call."""
+    calls = []
+    for part in text.split(KIMI_CALL)[1:]:
+        ident, sep, args = part.split(KIMI_END)[0].partition(KIMI_ARGS)
+        name = ident.strip().removeprefix("functions.").rpartition(":")[0]
+        calls.append(_as_call_parts(name, args) if sep else None)
+    return None if not calls or None in calls else calls
+
+
+_READERS = {"mistral": _mistral_calls, "deepseek": _deepseek_calls, "kimi_k2": _kimi_calls}
 
 
 def _as_call_parts(name: str, arguments: str) -> tuple[str, str] | None:
