@@ -49,6 +49,9 @@ class ModelConfig:
     # each layer's attention window in tokens (a query sees itself and the window - 1 tokens
     # before it), None for a layer that sees the whole context
     layer_windows: tuple[int | None, ...] = ()
+    # whether each layer rotates its queries and keys (SmolLM3's no_rope_layers: every fourth
+    # layer has no position encoding); empty: every layer does
+    layer_ropes: tuple[bool, ...] = ()
     hf_config: object = field(repr=False, compare=False, default=None)
 
     @classmethod
@@ -87,6 +90,7 @@ class ModelConfig:
             attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(hf_config),
+            layer_ropes=tuple(bool(r) for r in getattr(hf_config, "no_rope_layers", None) or ()),
             hf_config=hf_config,
         )
 

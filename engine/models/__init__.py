@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
+    "SmolLM3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),

@@ -1,9 +1,11 @@
 """Llama-family decoders: Llama 2/3, SmolLM, Mistral (with or without a sliding window), Qwen2
 (q/k/v bias, sliding layers with use_sliding_window), Qwen3 (RMSNorm of each query and key head
 before RoPE) and Phi-3/Phi-4 (fused qkv_proj and gate_up_proj in the checkpoint, split here into
-their q/k/v and gate/up shards so tensor parallelism shards them like Llama's; partial rotary).
+their q/k/v and gate/up shards so tensor parallelism shards them like Llama's; partial rotary)
+and SmolLM3 (Llama with no position encoding in every fourth layer).
 
-Each layer's sliding window comes from ModelConfig.layer_windows. LlamaAttention and LlamaMLP are
+Each layer's sliding window comes from ModelConfig.layer_windows, and whether it rotates its
+queries and keys from ModelConfig.layer_ropes. LlamaAttention and LlamaMLP are
 shared with other families (engine/models/gemma.py, the MoE models), which pass their own norms,
 scales and soft-capping as keyword arguments.
 """
@@ -64,7 +66,9 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.rotary = rotary
+        # a layer without position encoding (SmolLM3's every fourth) has no rotary
+        ropes = cfg.layer_ropes
+        self.rotary = rotary if not ropes or ropes[layer_idx] else None
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             self.q_norm = qk_norm(cfg.head_dim, cfg.rms_norm_eps)
@@ -92,7 +96,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(
                 -1, self.num_kv_heads, self.head_dim
             )
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

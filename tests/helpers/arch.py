@@ -41,6 +41,8 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
         },
     ),
     "qwen3": ("qwen3", {}),
+    # layer 0 with RoPE, layer 1 without (no_rope_layers [1, 0])
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "gemma2": (
         "gemma2",
         {
