@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "SmolLM3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),

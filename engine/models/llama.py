@@ -163,6 +163,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer  # (Granite's scales its residual branches)
+    embedding_multiplier: float | None = None  # Granite's: the embeddings scaled by it
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm=None):
         super().__init__()
         # a pipeline stage (engine/parallel.py) holds its layers; the first also the embedding,
@@ -174,7 +177,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, qk_norm) for i in range(self.first_layer, end)
+            self.layer_class(cfg, i, rotary, qk_norm) for i in range(self.first_layer, end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
         self.rotary = rotary
@@ -258,6 +261,8 @@ class LlamaModel(nn.Module):
         `carried` (the first stage embeds input_ids instead)."""
         if carried is None:
             hidden, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier is not None:
+                hidden = hidden * self.embedding_multiplier
         else:
             hidden, residual = carried
         meta = get_forward_context()
@@ -318,11 +323,12 @@ class LlamaForCausalLM(nn.Module):
     }
 
     qk_norm = None  # Qwen3's per-head RMSNorm of queries and keys (a norm class)
+    model_class = LlamaModel
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, rotary, self.qk_norm)
+        self.model = self.model_class(cfg, rotary, self.qk_norm)
         # the LM head sits on the first pipeline stage, beside the embedding it may be tied to
         self.lm_head = None
         if self.model.embed_tokens is not None:

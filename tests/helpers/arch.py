@@ -41,6 +41,15 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
         },
     ),
     "qwen3": ("qwen3", {}),
+    "granite": (
+        "granite",
+        {
+            "embedding_multiplier": 6.0,
+            "attention_multiplier": 0.05,
+            "residual_multiplier": 0.4,
+            "logits_scaling": 4.0,
+        },
+    ),
     # layer 0 with RoPE, layer 1 without (no_rope_layers [1, 0])
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "gemma2": (

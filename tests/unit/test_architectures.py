@@ -12,7 +12,7 @@ from helpers.arch import ARCH_KINDS, ARCH_NEW, QUANT_SCALE, arch_refs
 from helpers.engine import KV, CopySink, greedy, needs_x86_int8, prompt_logprob_diff, run_until_done
 from helpers.models import SHARED_PREFIX
 from helpers.threads import assert_no_leaks
-from pdserve.engine import LLM
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,3 +88,25 @@ def test_quantized_modes_stay_near_float32(refs, kind, mode):
     finally:
         ref.shutdown()
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["granite", "gemma2"])
+def test_prompt_logprobs_match_hf(refs, kind):
+    """The families that transform their logits (Granite's logits_scaling, Gemma 2's final
+    soft-capping), which greedy tokens alone do not show: each prompt token's logprob equals
+    HF's log-softmax of its logits."""
+    import torch
+
+    model_dir, hf, prompts, _ = refs(kind)
+    prompt = prompts[2]
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory=KV)
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    finally:
+        llm.shutdown()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits, dim=-1)
+    for i in range(1, len(prompt)):
+        assert abs(got[i][prompt[i]] - float(want[i - 1, prompt[i]])) < 1e-4, i
