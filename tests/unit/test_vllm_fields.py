@@ -80,9 +80,10 @@ REFUSED = [
     ("structural_tag", "{}"),
     ("length_penalty", "long"),
     ("return_token_ids", "yes"),
-    ("max_repetition_pattern_size", 4),
-    ("min_repetition_pattern_size", 2),
-    ("repetition_min_count", 3),
+    ("max_repetition_pattern_size", 257),  # (served: past its bound)
+    ("min_repetition_pattern_size", 2),  # more than max_repetition_pattern_size (unset: 0)
+    ("repetition_min_count", -1),
+    ("thinking_token_budget", -1),
 ]
 
 
@@ -93,6 +94,23 @@ def test_vllm_fields_that_would_change_the_answer_are_a_400_naming_them(make, fi
         make(**{field: value})
     err = validation_error(e.value, KNOWN_FIELDS)
     assert err.status == 400 and err.param == field, err.message
+
+
+@pytest.mark.parametrize("make", [chat, completion], ids=["chat", "completions"])
+def test_served_vllm_sampling_fields_reach_the_wire(make):
+    from pdserve.router.openai.protocol import sampling_params
+
+    body = make(
+        max_repetition_pattern_size=4,
+        min_repetition_pattern_size=2,
+        repetition_min_count=3,
+        thinking_token_budget=0,
+    )
+    s = sampling_params(body, None)
+    assert (s.max_repetition_pattern_size, s.min_repetition_pattern_size) == (4, 2)
+    assert s.repetition_min_count == 3
+    assert s.HasField("thinking_token_budget") and s.thinking_token_budget == 0
+    assert not sampling_params(make(), None).HasField("thinking_token_budget")
 
 
 @pytest.mark.parametrize(
