@@ -34,7 +34,7 @@ from pdserve import client
 from pdserve.deploy.config.load import ConfigError
 from pdserve.deploy.config.schema import DTYPES, DeployConfig
 from pdserve.logs import configure_console
-from pdserve.up_flags import Overrides, add_up_flags, json_flag, up_config
+from pdserve.up_flags import Overrides, add_up_flags, json_flag, unneeded_flags, up_config
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -253,6 +253,13 @@ def _run_up(args) -> int:
         for line in str(e).splitlines():
             print(f"pdserve: {line}", file=sys.stderr)
         return 2
+    unneeded = unneeded_flags(args)
+    if unneeded:  # a vLLM command line's parser flags: taken, and said to be unneeded
+        print(
+            f"pdserve: note: {', '.join(unneeded)}: not needed, the router reads the model's tool "
+            "call and reasoning formats from its tokenizer and chat template",
+            file=sys.stderr,
+        )
     if args.check:
         return _check_up(args, config, flags)
     notes = _preflight(args, config, flags)  # as --check: the same refusals, in the same order

@@ -83,7 +83,15 @@ _FLAGS = (
         "(default: a Hub id's ORG/NAME, else the model's directory or file name)",
     ),
     ("--tp", "pools.*.tp", _integer, "tensor-parallel degree of every pool"),
+    ("--tensor-parallel-size", "pools.*.tp", _integer, "vLLM's name for --tp"),
     ("--max-model-len", "pools.*.max_model_len", _integer, "longest sequence, every pool"),
+    ("--max-num-seqs", "pools.*.max_num_seqs", _integer, "sequences a step runs, every pool"),
+    (
+        "--max-num-batched-tokens",
+        "pools.*.max_num_batched_tokens",
+        _integer,
+        "tokens a step runs (longer prompts in chunks), every pool",
+    ),
     *(
         (f"--{pool}-{name.replace('_', '-')}", f"pools.{pool}.{name}", _integer, f"{what}")
         for pool in POOLS
@@ -148,6 +156,9 @@ _FLAGS = (
     ),
 )
 _API_KEY = ("--api-key", "router.api_keys")
+# vLLM's flags that name what pdserve reads from the model itself (router/chat_tools.py, the
+# reasoning split): taken, so that a vLLM command line runs, and said to be unneeded
+VLLM_PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser")
 _ENABLE_LORA = ("--enable-lora", "lora.enabled")
 _LORA_MODULES = ("--lora-modules", "lora.modules")
 
@@ -192,6 +203,13 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve LoRA adapters (YAML: lora.enabled)",
     )
+    vllm = p.add_argument_group(
+        "vLLM's parser flags: taken and not needed (the router reads the model's tool call and "
+        "reasoning formats from its tokenizer and chat template)"
+    )
+    vllm.add_argument(VLLM_PARSER_FLAGS[0], action="store_true", default=None, help="(always on)")
+    for flag in VLLM_PARSER_FLAGS[1:]:
+        vllm.add_argument(flag, default=None, metavar="NAME", help="(read from the model)")
     group.add_argument(
         _LORA_MODULES[0],
         nargs="+",
@@ -299,6 +317,19 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
 
 def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
+
+
+def unneeded_flags(args: argparse.Namespace) -> list[str]:
+    """The vLLM parser flags given (VLLM_PARSER_FLAGS), each as it was written: `pdserve up` says
+    once that the router reads those formats from the model."""
+    given = []
+    for flag in VLLM_PARSER_FLAGS:
+        value = getattr(args, _dest(flag), None)
+        if value is True:
+            given.append(flag)
+        elif value is not None:
+            given.append(f"{flag} {value}")
+    return given
 
 
 def up_config(args: argparse.Namespace) -> tuple[DeployConfig, Overrides]:

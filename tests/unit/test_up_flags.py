@@ -47,6 +47,32 @@ def test_a_flag_wins_over_the_yaml(tmp_path):
     assert c.router.client_keys({}) == ((KEY,), "router.api_keys")
 
 
+def test_vllm_s_flag_names_set_the_same_keys(tmp_path):
+    c = _up(
+        tmp_path, None,
+        "--tensor-parallel-size", "3", "--max-num-seqs", "7", "--max-num-batched-tokens", "96",
+    )  # fmt: skip
+    for pool in (c.pools.prefill, c.pools.decode):
+        assert (pool.tp, pool.max_num_seqs, pool.max_num_batched_tokens) == (3, 7, 96)
+
+
+def test_vllm_s_parser_flags_are_taken_and_said_to_be_unneeded(capsys, tiny_models):
+    """A vLLM command line's --enable-auto-tool-choice, --tool-call-parser and
+    --reasoning-parser run (the router reads those formats from the model) with a note."""
+    src, _ = tiny_models("llama-gqa")
+    args = [
+        "up", "--check", "--model", str(src), "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--port", "0",
+        "--http-port", "off",
+    ]  # fmt: skip
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert (
+        "--enable-auto-tool-choice, --tool-call-parser hermes, --reasoning-parser qwen3: not "
+        in err
+    )
+
+
 def test_the_yaml_wins_over_the_default(tmp_path):
     c = _up(tmp_path, YAML)
     assert c == validate_config(YAML)  # the same keys, read the same way
