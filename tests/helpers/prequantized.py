@@ -238,3 +238,16 @@ def _compressed_tensors(src: pathlib.Path, dst: pathlib.Path, fmt: str, hf):
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy(f, dst / f.name)
     return ref.eval()
+
+
+def engine_greedy(model_dir, prompts: list[list[int]], new: int, **engine) -> list[list[int]]:
+    """The engine's greedy tokens (float32) for `prompts` on the checkpoint in `model_dir`."""
+    from helpers.engine import KV, greedy
+    from pdserve.engine import LLM
+
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=KV, **engine)
+    try:
+        outs = llm.generate(prompts, greedy(new), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()

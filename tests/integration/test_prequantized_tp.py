@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 
 from helpers.arch import arch_prompts, build_arch_model
-from helpers.engine import KV, greedy
 from helpers.models import hf_greedy
-from helpers.prequantized import quantized_copy
-from pdserve.engine import LLM
+from helpers.prequantized import engine_greedy, quantized_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,10 +22,5 @@ def test_tp2_serves_hf_s_tokens_on_the_dequantized_weights(tmp_path, fmt):
     hf = build_arch_model(tmp_path / "float", "llama", initializer_range=0.1)
     ref = quantized_copy(tmp_path / "float", tmp_path / fmt, fmt, hf)
     prompts = arch_prompts()[:4]
-    llm = LLM(str(tmp_path / fmt), dtype="float32", tensor_parallel_size=2, kv_cache_memory=KV)
-    try:
-        outs = llm.generate(prompts, greedy(NEW), use_tqdm=False)
-        got = [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
+    got = engine_greedy(tmp_path / fmt, prompts, NEW, tensor_parallel_size=2)
     assert got == [hf_greedy(ref, p, NEW) for p in prompts]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from helpers.arch import arch_prompts, build_arch_model
-from helpers.engine import KV, greedy
+from helpers.engine import KV
 from helpers.models import hf_greedy
-from helpers.prequantized import FORMATS, quantized_copy
+from helpers.prequantized import FORMATS, engine_greedy, quantized_copy
 from pdserve.engine import LLM
 from pdserve.engine.loader.prequantized import (
     AwqReader,
@@ -48,12 +48,7 @@ def _served_as_hf(tmp_path, float_models, kind: str, fmt: str) -> None:
     src, hf = float_models(kind)
     ref = quantized_copy(src, tmp_path / fmt, fmt, hf)
     prompts = arch_prompts()[:4]
-    llm = LLM(str(tmp_path / fmt), dtype="float32", kv_cache_memory=KV)
-    try:
-        outs = llm.generate(prompts, greedy(NEW), use_tqdm=False)
-        got = [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
+    got = engine_greedy(tmp_path / fmt, prompts, NEW)
     assert got == [hf_greedy(ref, p, NEW) for p in prompts]
 
 

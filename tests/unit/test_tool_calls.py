@@ -40,9 +40,9 @@ USER = {"role": "user", "content": "hi"}
 
 
 def _parse(
-    text: str, forced: bool, step: int, fmt: str = "hermes"
+    text: str, forced: bool, step: int, fmt: str = "hermes", tools=None
 ) -> tuple[str | None, list[dict], list[dict]]:
-    p = ToolCallParser(forced, fmt=fmt)
+    p = ToolCallParser(forced, fmt=fmt, tools=tools)
     events = []
     for i in range(0, len(text), step):
         events += p.feed(text[i : i + step])
@@ -93,11 +93,7 @@ def test_qwen3_coder_xml_calls_are_typed_by_the_tools_schemas(step):
     """Qwen3-Coder's calls (vLLM's qwen3_coder parser) in <tool_call> blocks: a string
     parameter stays text even where it reads as a number, an integer one is JSON, one the schema
     does not declare is read as JSON where it parses; a function without parameters has {}."""
-    p = ToolCallParser(False, tools=TOOLS)
-    events = []
-    for i in range(0, len(QWEN3_CODER_CALLS), step):
-        events += p.feed(QWEN3_CODER_CALLS[i : i + step])
-    content, calls = join_events(events + p.finish())
+    content, calls, _ = _parse(QWEN3_CODER_CALLS, False, step, tools=TOOLS)
     assert content == "I will look."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
     args = [json.loads(c["function"]["arguments"]) for c in calls]
@@ -125,11 +121,7 @@ def test_glm_calls_are_typed_by_the_tools_schemas(step):
         "\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>now"
         "</tool_call>"
     )
-    p = ToolCallParser(False, tools=TOOLS)
-    events = []
-    for i in range(0, len(text), step):
-        events += p.feed(text[i : i + step])
-    content, calls = join_events(events + p.finish())
+    content, calls, _ = _parse(text, False, step, tools=TOOLS)
     assert content == "Checking."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
     args = [json.loads(c["function"]["arguments"]) for c in calls]
