@@ -7,8 +7,9 @@ points) beside them, under names the models' loaders do not know (`qweight`, `we
 `weight_scale_inv`, ...). `dequantized(weights, names, hf_config)` sits between the safetensors
 reader and a model's `load_weights`: it gathers each quantized linear's tensors as they stream by
 (the full list of names, read from the files' headers, says which belong together) and hands on
-one float32 `<module>.weight` per linear, exactly the value the format defines (a small integer
-times a float16, bf16 or float32 scale is exact in float32); every other tensor passes as it is.
+one float32 `<module>.weight` per linear, the value the format defines as its own dequantization
+computes it in float32 (exact where the scales are float16 or bf16: a small integer times one
+is a float32); every other tensor passes as it is.
 So a quantized checkpoint loads into every model family, under tensor and pipeline parallelism,
 and then serves in any of the engine's modes like any float checkpoint: float32 gives the
 checkpoint's own model token for token, and `quantization="auto"` judges int8, int4 and bf16 on it

@@ -28,6 +28,7 @@ FORMATS = (
     "gptq-actorder",
     "gptq8",
     "gptq2",
+    "gptq-v2",
     "awq",
     "ct-w4-asym",
     "ct-w8",
@@ -35,7 +36,7 @@ FORMATS = (
     "ct-fp8-tensor",
     "fp8",
 )
-GPTQ_BITS = {"gptq": 4, "gptq-actorder": 4, "gptq8": 8, "gptq2": 2}
+GPTQ_BITS = {"gptq": 4, "gptq-actorder": 4, "gptq8": 8, "gptq2": 2, "gptq-v2": 4}
 
 
 def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -74,7 +75,9 @@ def _draw(out: int, n_in: int, bits: int, groups: int, g: torch.Generator, low_z
     return q, zeros, scales
 
 
-def _gptq(tensors: dict, name: str, w, bits: int, actorder: bool, g) -> torch.Tensor:
+def _gptq(
+    tensors: dict, name: str, w, bits: int, actorder: bool, g, v2: bool = False
+) -> torch.Tensor:
     out, n_in = w.shape
     size = 32
     # the original GPTQ format stores each zero point minus one (a zero of 0 does not survive
@@ -84,7 +87,7 @@ def _gptq(tensors: dict, name: str, w, bits: int, actorder: bool, g) -> torch.Te
     if actorder:  # act-order: the inputs' groups in a permuted order
         g_idx = g_idx[torch.randperm(n_in, generator=g)]
     tensors[f"{name}.qweight"] = _pack(q, bits, 0)
-    tensors[f"{name}.qzeros"] = _pack(zeros - 1, bits, 1)
+    tensors[f"{name}.qzeros"] = _pack(zeros if v2 else zeros - 1, bits, 1)
     tensors[f"{name}.scales"] = scales
     tensors[f"{name}.g_idx"] = g_idx.to(torch.int32)
     return ((q - zeros[g_idx]).float() * scales[g_idx].float()).t()
@@ -131,6 +134,12 @@ QUANT_CONFIGS = {
     "gptq-actorder": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True},
     "gptq8": {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False},
     "gptq2": {"quant_method": "gptq", "bits": 2, "group_size": 32, "desc_act": False},
+    "gptq-v2": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "checkpoint_format": "gptq_v2",
+    },
     "awq": {
         "quant_method": "awq",
         "bits": 4,
@@ -168,7 +177,8 @@ def quantized_copy(src, dst, fmt: str, hf, seed: int = 0):
         module = name[: -len(".weight")]
         if fmt in GPTQ_BITS:
             bits = GPTQ_BITS[fmt]
-            dense[name] = _gptq(packed, module, tensor, bits, fmt == "gptq-actorder", g)
+            actorder, v2 = fmt == "gptq-actorder", fmt == "gptq-v2"
+            dense[name] = _gptq(packed, module, tensor, bits, actorder, g, v2)
         elif fmt == "awq":
             dense[name] = _awq(packed, module, tensor, g)
         else:
