@@ -369,7 +369,21 @@ class Router:
             list(cfg.prefill_addresses),
             list(cfg.decode_addresses),
         )
+        log.info("%s", self._formats_line())
         return self
+
+    def _formats_line(self) -> str:
+        """What the router read from the model's tokenizer and template (no parser flags): its
+        tool call format, whether it reasons in <think> tags, its fill-in-the-middle tokens."""
+        from pdserve.router.openai.fim import fim_format
+
+        service = self.servicer
+        fim = fim_format(service.tokenizer)
+        return (
+            f"model formats: tool calls {service.tool_format}; reasoning "
+            f"{'in <think> tags' if service.reasoning_tags else 'none'}; fill-in-the-middle "
+            f"{fim.family if fim else 'none'}"
+        )
 
     def _start_recording(self) -> None:
         """The request spans (protos/tracing.py) and the traffic capture (router/capture.py),

@@ -331,6 +331,8 @@ class ResponsesRequest(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] | None = None
+    # a reasoning model's reasoning capped at this many tokens (as chat's, engine/thinking.py)
+    thinking_token_budget: Annotated[int, Field(ge=0, lt=1 << 31)] | None = None
     # true: answered at once (queued), run apart from the connection, read by GET; needs store
     background: StrictBool | None = None
     # a reasoning model's: effort is the chat template's reasoning_effort (as chat's); the full
@@ -416,6 +418,7 @@ class ResponsesRequest(_Strict):
             ("min_p", self.min_p),
             ("repetition_penalty", self.repetition_penalty),
             ("min_tokens", self.min_tokens),
+            ("thinking_token_budget", self.thinking_token_budget),
             ("priority", self.priority or None),
             ("parallel_tool_calls", self.parallel_tool_calls),
             ("reasoning_effort", _effort(self.reasoning)),

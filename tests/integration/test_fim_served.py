@@ -73,3 +73,8 @@ def test_a_suffix_it_cannot_serve_is_a_400_naming_it(router, fields):
     )
     assert_error(status, raw, 400, "suffix")
     serves(router)
+
+
+def test_the_router_says_what_it_read_from_the_model(router):
+    line = router._formats_line()
+    assert "fill-in-the-middle qwen" in line and "reasoning none" in line, line

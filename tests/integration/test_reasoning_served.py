@@ -248,3 +248,8 @@ def test_anthropic_thinking_is_accepted_for_a_reasoning_model(router):
     for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
         status, _, raw = post(router, "/v1/messages", {**hi, "thinking": thinking})
         assert status == 200 and json.loads(raw)["type"] == "message", raw
+
+
+def test_the_router_says_it_reads_the_model_s_reasoning(router):
+    line = router._formats_line()
+    assert "reasoning in <think> tags" in line and "tool calls llama3_json" in line, line

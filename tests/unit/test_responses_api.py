@@ -84,6 +84,12 @@ def test_text_input_and_instructions_are_a_chat():
     assert chat.tools is None and not chat.stream
 
 
+def test_vllm_s_sampling_fields_reach_the_chat():
+    chat = body(min_tokens=2, thinking_token_budget=64, top_k=5).as_chat()
+    assert (chat.min_tokens, chat.thinking_token_budget, chat.top_k) == (2, 64, 5)
+    assert body().as_chat().thinking_token_budget is None
+
+
 def test_item_input_with_a_function_round_trip_is_a_chat():
     items = [
         {"role": "developer", "content": "Use tools."},
