@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": ("llama", "Phi3ForCausalLM"),
     "SmolLM3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),

@@ -50,6 +50,7 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
             "logits_scaling": 4.0,
         },
     ),
+    "olmo2": ("olmo2", {}),
     # layer 0 with RoPE, layer 1 without (no_rope_layers [1, 0])
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "gemma2": (

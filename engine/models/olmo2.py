@@ -1,0 +1,92 @@
+"""AllenAI's OLMo 2: Llama's weights with the norms moved. A layer has no norm before its
+attention or MLP; each branch's output is normalized (post_attention_layernorm,
+post_feedforward_layernorm) before it joins the residual stream, and the queries and keys are
+normalized over the whole projection (q_norm over num_heads x head_dim, k_norm likewise) before
+they are split into heads and rotated.
+
+Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums
+the squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it
+scales its part with its slice of the weight: the same values as one rank. The model's final
+norm, the pipeline stages' (hidden, residual) hand-over and the quantized modes are Llama's; the
+compiled decode stack, which knows Llama's norms only, is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
+from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a width split across the tensor-parallel ranks: each rank's input is its
+    `width / tp` columns, its weight the same slice of the checkpoint's (OLMo 2's order: the
+    weight times the normalized float32 value, then the input's dtype)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.width, self.eps = width, eps
+        self.local = divide(width, tp_size(), "the normalized projection's width")
+        self.weight = nn.Parameter(torch.ones(self.local), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(0, tp_rank() * self.local, self.local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if tp_size() > 1:
+            squares = all_reduce(squares)
+        return (self.weight * (xf * torch.rsqrt(squares / self.width + self.eps))).to(x.dtype)
+
+
+class Olmo2Attention(LlamaAttention):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__(cfg, layer_idx, rotary)
+        eps = cfg.rms_norm_eps
+        self.q_norm = ShardedRMSNorm(cfg.num_heads * cfg.head_dim, eps)
+        self.k_norm = ShardedRMSNorm(cfg.num_kv_heads * cfg.head_dim, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q).view(-1, self.num_heads, self.head_dim)
+        k = self.k_norm(k).reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Olmo2DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+        nn.Module.__init__(self)
+        self.self_attn = Olmo2Attention(cfg, layer_idx, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        """(hidden, residual) in and out, as Llama's layers pass them: the stream is their sum."""
+        x = hidden if residual is None else hidden + residual
+        x = x + self.post_attention_layernorm(self.self_attn(positions, x))[0]
+        return self.post_feedforward_layernorm(self.mlp(x))[0], x
+
+
+class Olmo2Model(LlamaModel):
+    layer_class = Olmo2DecoderLayer
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    model_class = Olmo2Model
