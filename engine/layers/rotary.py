@@ -11,10 +11,15 @@ is read for the `layer_type` asked.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pdserve.engine.kernels import fused_for
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import ModelConfig
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -92,3 +97,25 @@ class RotaryEmbedding(nn.Module):
             )
         cos, sin = self._step_cos_sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+def sliding_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
+    """The sliding layers' rotary embedding where the config gives them a rope of their own
+    (Gemma 3's and OLMo 3's `rope_parameters["sliding_attention"]`, or an older Gemma 3 config's
+    `rope_local_base_freq`), over the same positions; `rotary` itself where every layer has one
+    rope (Gemma 2)."""
+    hf = cfg.hf_config
+    rope = getattr(hf, "rope_parameters", None) or {}
+    params = rope.get("sliding_attention")
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", "default")
+        theta = float(params.get("rope_theta", 10000.0))
+        layer_type = "sliding_attention"
+    elif getattr(hf, "rope_local_base_freq", None):  # an older config: the local base beside
+        rope_type, layer_type = "default", None
+        theta = float(hf.rope_local_base_freq)
+    else:
+        return rotary
+    inv_freq, factor = rope_inv_freq(hf, rope_type, theta, cfg.head_dim, layer_type=layer_type)
+    device = rotary.cos.device
+    return RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)

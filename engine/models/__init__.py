@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("olmo2", "Olmo3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "MixtralForCausalLM": ("moe", "MoeForCausalLM"),

@@ -21,7 +21,7 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from pdserve.engine.layers.rotary import RotaryEmbedding, sliding_rotary
 from pdserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from pdserve.engine.parallel import stage_layers
 
@@ -87,7 +87,7 @@ class GemmaModel(LlamaModel):
         if getattr(hf, "use_bidirectional_attention", False):
             raise ValueError("Gemma with use_bidirectional_attention is not supported")
         types = getattr(hf, "layer_types", None) or ["full_attention"] * cfg.num_layers
-        local = _sliding_rotary(cfg, rotary)
+        local = sliding_rotary(cfg, rotary)
         # a pipeline stage holds its layers; the first also the embedding, the last the final
         # norm (as LlamaModel)
         self.first_layer, end = stage_layers(cfg.num_layers)
@@ -128,26 +128,6 @@ class GemmaModel(LlamaModel):
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-
-def _sliding_rotary(cfg: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
-    """Gemma 3's sliding layers' rotary embedding (their own base), over the same positions;
-    `rotary` itself where the config has one rope for every layer (Gemma 2)."""
-    hf = cfg.hf_config
-    rope = getattr(hf, "rope_parameters", None) or {}
-    params = rope.get("sliding_attention")
-    if isinstance(params, dict):
-        rope_type = params.get("rope_type", "default")
-        theta = float(params.get("rope_theta", 10000.0))
-        layer_type = "sliding_attention"
-    elif getattr(hf, "rope_local_base_freq", None):  # an older config: the local base beside
-        rope_type, layer_type = "default", None
-        theta = float(hf.rope_local_base_freq)
-    else:
-        return rotary
-    inv_freq, factor = rope_inv_freq(hf, rope_type, theta, cfg.head_dim, layer_type=layer_type)
-    device = rotary.cos.device
-    return RotaryEmbedding(inv_freq.to(device), factor, rotary.cos.shape[0]).to(device)
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

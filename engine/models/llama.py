@@ -176,13 +176,19 @@ class LlamaModel(nn.Module):
             if self.first_layer == 0
             else None
         )
+        rotaries = self.layer_rotaries(cfg, rotary)
         self.layers = nn.ModuleList(
-            self.layer_class(cfg, i, rotary, qk_norm) for i in range(self.first_layer, end)
+            self.layer_class(cfg, i, rotaries[i], qk_norm) for i in range(self.first_layer, end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if end == cfg.num_layers else None
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps
         self._stack = None  # see prepare_decode_stack
+
+    def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
+        """Each layer's rotary embedding: `rotary` for every one (OLMo 3's sliding layers have
+        their own)."""
+        return [rotary] * cfg.num_layers
 
     def prepare_decode_stack(self) -> None:
         """Decode-only steps run every layer in one compiled call (fused_cpu.cpp DecodeStack: the

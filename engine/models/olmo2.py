@@ -1,8 +1,9 @@
-"""AllenAI's OLMo 2: Llama's weights with the norms moved. A layer has no norm before its
+"""AllenAI's OLMo 2 and OLMo 3: Llama's weights with the norms moved. A layer has no norm before its
 attention or MLP; each branch's output is normalized (post_attention_layernorm,
 post_feedforward_layernorm) before it joins the residual stream, and the queries and keys are
 normalized over the whole projection (q_norm over num_heads x head_dim, k_norm likewise) before
-they are split into heads and rotated.
+they are split into heads and rotated. OLMo 3 adds sliding-window layers (its layer_types:
+ModelConfig.layer_windows) whose rope may have its own parameters (sliding_rotary).
 
 Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums
 the squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it
@@ -18,7 +19,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.rotary import RotaryEmbedding, sliding_rotary
 from pdserve.engine.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -90,3 +91,14 @@ class Olmo2Model(LlamaModel):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     model_class = Olmo2Model
+
+
+class Olmo3Model(Olmo2Model):
+    def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
+        types = getattr(cfg.hf_config, "layer_types", None) or ["full_attention"] * cfg.num_layers
+        local = sliding_rotary(cfg, rotary)
+        return [local if t == "sliding_attention" else rotary for t in types]
+
+
+class Olmo3ForCausalLM(LlamaForCausalLM):
+    model_class = Olmo3Model

@@ -51,6 +51,17 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
         },
     ),
     "olmo2": ("olmo2", {}),
+    "olmo3": (  # a sliding layer with a rope of its own, then a full one
+        "olmo3",
+        {
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+    ),
     # layer 0 with RoPE, layer 1 without (no_rope_layers [1, 0])
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "gemma2": (
