@@ -1,9 +1,11 @@
-"""AllenAI's OLMo 2 and OLMo 3: Llama's weights with the norms moved. A layer has no norm before its
+"""AllenAI's OLMo 2 and OLMo 3, and LG's EXAONE 4.0: Llama's weights with the norms moved. A layer has no norm before its
 attention or MLP; each branch's output is normalized (post_attention_layernorm,
 post_feedforward_layernorm) before it joins the residual stream, and the queries and keys are
 normalized over the whole projection (q_norm over num_heads x head_dim, k_norm likewise) before
 they are split into heads and rotated. OLMo 3 adds sliding-window layers (its layer_types:
-ModelConfig.layer_windows) whose rope may have its own parameters (sliding_rotary).
+ModelConfig.layer_windows) whose rope may have its own parameters (sliding_rotary). EXAONE 4.0
+has the same layers with Qwen3's norm of each query and key head instead, and where it slides,
+its full-attention layers have no position encoding (no rotary).
 
 Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums
 the squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it
@@ -102,3 +104,29 @@ class Olmo3Model(Olmo2Model):
 
 class Olmo3ForCausalLM(LlamaForCausalLM):
     model_class = Olmo3Model
+
+
+class Exaone4DecoderLayer(Olmo2DecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm=None):
+        nn.Module.__init__(self)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm=RMSNorm)
+        self.mlp = LlamaMLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Exaone4Model(Olmo2Model):
+    layer_class = Exaone4DecoderLayer
+
+    def layer_rotaries(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> list:
+        """Where the model slides, its full-attention layers have no rotary (none: every layer
+        rotates)."""
+        hf = cfg.hf_config
+        types = getattr(hf, "layer_types", None) or ["full_attention"] * cfg.num_layers
+        if getattr(hf, "sliding_window", None) is None:
+            return [rotary] * cfg.num_layers
+        return [rotary if t == "sliding_attention" else None for t in types]
+
+
+class Exaone4ForCausalLM(LlamaForCausalLM):
+    model_class = Exaone4Model

@@ -51,6 +51,11 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
         },
     ),
     "olmo2": ("olmo2", {}),
+    # a sliding layer with RoPE, then a full one without
+    "exaone4": (
+        "exaone4",
+        {"sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
     "olmo3": (  # a sliding layer with a rope of its own, then a full one
         "olmo3",
         {

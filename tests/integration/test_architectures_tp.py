@@ -20,11 +20,11 @@ def refs(tmp_path_factory):
 
 
 # llama and qwen2 run under TP=2 in test_engine_tp_ranks.py; phi3-partial is phi3 and more;
-# granite's and smollm3's layers shard as llama's (their scalars and rope flags are per layer,
-# not per rank); olmo3 runs olmo2's sharded q/k norm and more
-TP_KINDS = [
-    k for k in ARCH_KINDS if k not in ("llama", "qwen2", "phi3", "granite", "smollm3", "olmo2")
-]
+# granite's, smollm3's and exaone4's layers shard as llama's and qwen3's (their scalars, rope
+# flags and per-head norms are per layer or head, not across ranks); olmo3 runs olmo2's sharded
+# q/k norm and more
+SHARD_AS_OTHERS = ("granite", "smollm3", "exaone4", "olmo2")
+TP_KINDS = [k for k in ARCH_KINDS if k not in ("llama", "qwen2", "phi3", *SHARD_AS_OTHERS)]
 
 
 @pytest.mark.parametrize("kind", TP_KINDS)
