@@ -130,7 +130,7 @@ def check_sampling(sampling, max_model_len: int, vocab_size: int) -> Refusal | N
         return invalid(
             f"sampling.stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}"
         )
-    refusal = check_token_shaping(sampling, vocab_size)
+    refusal = check_token_shaping(sampling, vocab_size) or check_repetition(sampling)
     if refusal is None and sampling.HasField("structured"):
         return check_structured(sampling.structured)
     return refusal
@@ -167,6 +167,27 @@ def check_token_shaping(sampling, vocab_size: int) -> Refusal | None:
                 f"sampling.{name} token ids must be below the vocabulary size {vocab_size}, "
                 f"got {bad}"
             )
+    return None
+
+
+def check_repetition(sampling) -> Refusal | None:
+    """Repetition detection's bounds (MAX_REPETITION_*: the engine's), before any work."""
+    most = sampling.max_repetition_pattern_size
+    least, count = sampling.min_repetition_pattern_size, sampling.repetition_min_count
+    if most > MAX_REPETITION_PATTERN:
+        return invalid(
+            f"sampling.max_repetition_pattern_size={most}: at most {MAX_REPETITION_PATTERN}"
+        )
+    if least > most:
+        return invalid(
+            f"sampling.min_repetition_pattern_size={least} is more than "
+            f"max_repetition_pattern_size={most}"
+        )
+    if most * count > MAX_REPETITION_SPAN:
+        return invalid(
+            f"sampling.max_repetition_pattern_size x repetition_min_count = {most} x {count}: "
+            f"at most {MAX_REPETITION_SPAN} tokens"
+        )
     return None
 
 

@@ -110,3 +110,23 @@ def test_a_cache_salt_is_a_namespace_of_its_own_for_prefix_affinity():
     assert len(firsts) == len(spaces)
     msg = sampling_params(_body(cache_salt="tenant-7"), None)
     assert SamplingParams(**sampling_kwargs(msg)).cache_salt == "tenant-7"
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"max_repetition_pattern_size": 257}, "at most 256"),
+        ({"max_repetition_pattern_size": 2, "min_repetition_pattern_size": 3}, "is more than"),
+        ({"max_repetition_pattern_size": 256, "repetition_min_count": 9}, "at most 2048 tokens"),
+    ],
+)
+def test_repetition_detection_past_its_bounds_is_refused_at_the_edge(fields, words):
+    """(a stranger may call a worker directly: the engine's bounds, checked before any work)"""
+    refusal = check_sampling(pdserve_pb2.SamplingParams(**fields), 512, VOCAB)
+    assert refusal is not None and refusal.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in refusal.message
+
+
+def test_repetition_detection_within_its_bounds_passes_the_edge():
+    fields = {"max_repetition_pattern_size": 256, "repetition_min_count": 8}
+    assert check_sampling(pdserve_pb2.SamplingParams(**fields), 512, VOCAB) is None
