@@ -362,6 +362,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     lens = [p.max_model_len for _, p in config.worker_pools() if p.max_model_len]
     router_config = RouterConfig(
         model=config.model,
+        chat_template=config.chat_template,
         model_id=config.served_model_id(),
         lora_enabled=config.lora.enabled,
         lora_modules=tuple(config.lora.modules.items()),

@@ -82,6 +82,13 @@ _FLAGS = (
         "the id clients name the model by "
         "(default: a Hub id's ORG/NAME, else the model's directory or file name)",
     ),
+    (
+        "--chat-template",
+        "chat_template",
+        _text,
+        "the Jinja chat template the router renders chats with instead of the tokenizer's: a "
+        "file, or the template itself (vLLM's flag)",
+    ),
     ("--tp", "pools.*.tp", _integer, "tensor-parallel degree of every pool"),
     ("--tensor-parallel-size", "pools.*.tp", _integer, "vLLM's name for --tp"),
     ("--max-model-len", "pools.*.max_model_len", _integer, "longest sequence, every pool"),

@@ -58,6 +58,9 @@ _EXTRA_THREADS = 8
 @dataclass(frozen=True)
 class RouterConfig:
     model: str  # what the workers serve: HF directory, *.gguf or "smollm2"
+    # the Jinja chat template chats are rendered with instead of the tokenizer's (vLLM's
+    # --chat-template; deploy/config/files.py reads and parses it)
+    chat_template: str | None = None
     prefill_addresses: tuple = ()  # static workers; empty: wait for workers to Register
     decode_addresses: tuple = ()
     host: str = "127.0.0.1"
@@ -305,6 +308,8 @@ class Router:
             model_dir = resolve_model(cfg.model)
             options = service_options(cfg, model_dir)
             tokenizer = load_tokenizer(model_dir)
+            if cfg.chat_template is not None:  # vLLM's --chat-template: over the tokenizer's
+                tokenizer.chat_template = cfg.chat_template
             self._start_service(options, tokenizer)
             self._start_recording()
             self._server = self._grpc_server(options)

@@ -51,6 +51,40 @@ def _read_file(what: str, marker: bytes | None = None):
     return PlainValidator(load)
 
 
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def chat_template_text(value, info: ValidationInfo) -> str:
+    """vLLM's --chat-template: a Jinja template given as itself (it holds "{{" or "{%") or as a
+    file (relative to the YAML's folder), returned as the template's text once it parses."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("must be a Jinja chat template, or the path of a file holding one")
+    text = value
+    if "{{" not in value and "{%" not in value:
+        path = (
+            pathlib.Path((info.context or {}).get("base_dir", "."))
+            / pathlib.Path(value).expanduser()
+        )
+        try:
+            if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+                raise ValueError(f"{path} is over {MAX_CHAT_TEMPLATE_BYTES} bytes")
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"is neither a Jinja template nor a readable file: {path}: {getattr(e, 'strerror', None) or e}"
+            ) from None
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"is not a Jinja template: {e.message} (line {e.lineno})") from None
+    return text
+
+
 _AS_PATH = PlainSerializer(lambda f: f.path, return_type=str)  # a dump shows the path, not the key
 CertFile = Annotated[
     LoadedFile, _read_file("a PEM certificate", b"-----BEGIN CERTIFICATE-----"), _AS_PATH
@@ -94,3 +128,6 @@ def read_text(path: str | pathlib.Path, error: type[Exception]) -> str:
         return pathlib.Path(path).read_text()
     except OSError as e:
         raise error(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+ChatTemplate = Annotated[str, PlainValidator(chat_template_text)]

@@ -47,6 +47,7 @@ from pdserve.deploy.config.files import (
     MAX_API_KEYS,
     SECRET_ENV,
     CertFile,
+    ChatTemplate,
     KeyFile,
     KeysFile,
     ProfileFile,
@@ -731,6 +732,10 @@ class DeployConfig(_Frozen):
     model: Annotated[str, Field(min_length=1)] = "smollm2"
     # the id clients name the model by (OpenAI's `model`, ListModels); see served_model_id
     served_model_name: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's --chat-template: the Jinja chat template the router renders chats with instead of
+    # the tokenizer's, given as a file (relative to the YAML's folder) or as the template itself;
+    # read and parsed when the config loads (files.py chat_template_text)
+    chat_template: ChatTemplate | None = None
     dtype: Literal[DTYPES] = "auto"
     # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
     # means quantization "auto"

@@ -344,3 +344,19 @@ def test_a_prefill_pool_in_stages(monkeypatch):
     for key in ("decode", "colocated"):
         with pytest.raises(ConfigError, match=f"pools: {key}.pp must be 1: {key} workers decode"):
             validate_config({"pools": {key: {"pp": 2}}})
+
+
+def test_a_chat_template_is_read_from_a_file_or_given_as_itself(tmp_path):
+    """vLLM's --chat-template: a file (relative to the YAML's folder) or the template itself,
+    parsed when the config loads."""
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert validate_config({"chat_template": inline}).chat_template == inline
+    (tmp_path / "t.jinja").write_text(inline + "\n")
+    loaded = validate_config({"chat_template": "t.jinja"}, base_dir=tmp_path)
+    assert loaded.chat_template == inline + "\n"
+    with pytest.raises(
+        ConfigError, match="chat_template: .*neither a Jinja template nor a readable"
+    ):
+        validate_config({"chat_template": "missing.jinja"}, base_dir=tmp_path)
+    with pytest.raises(ConfigError, match="chat_template: .*not a Jinja template"):
+        validate_config({"chat_template": "{% for m in messages %}{{ m }}"})
