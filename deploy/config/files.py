@@ -74,8 +74,9 @@ def chat_template_text(value, info: ValidationInfo) -> str:
                 raise ValueError(f"{path} is over {MAX_CHAT_TEMPLATE_BYTES} bytes")
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
             raise ValueError(
-                f"is neither a Jinja template nor a readable file: {path}: {getattr(e, 'strerror', None) or e}"
+                f"is neither a Jinja template nor a readable file: {path}: {why}"
             ) from None
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
     try:

@@ -1,17 +1,17 @@
-"""AllenAI's OLMo 2 and OLMo 3, and LG's EXAONE 4.0: Llama's weights with the norms moved. A layer has no norm before its
-attention or MLP; each branch's output is normalized (post_attention_layernorm,
-post_feedforward_layernorm) before it joins the residual stream, and the queries and keys are
-normalized over the whole projection (q_norm over num_heads x head_dim, k_norm likewise) before
-they are split into heads and rotated. OLMo 3 adds sliding-window layers (its layer_types:
-ModelConfig.layer_windows) whose rope may have its own parameters (sliding_rotary). EXAONE 4.0
-has the same layers with Qwen3's norm of each query and key head instead, and where it slides,
-its full-attention layers have no position encoding (no rotary).
+"""AllenAI's OLMo 2 and OLMo 3, and LG's EXAONE 4.0: Llama's weights with the norms moved. A layer
+has no norm before its attention or MLP; each branch's output is normalized
+(post_attention_layernorm, post_feedforward_layernorm) before it joins the residual stream, and the
+queries and keys are normalized over the whole projection (q_norm over num_heads x head_dim, k_norm
+likewise) before they are split into heads and rotated. OLMo 3 adds sliding-window layers (its
+layer_types: ModelConfig.layer_windows) whose rope may have its own parameters (sliding_rotary).
+EXAONE 4.0 has the same layers with Qwen3's norm of each query and key head instead, and where it
+slides, its full-attention layers have no position encoding (no rotary).
 
-Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums
-the squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it
-scales its part with its slice of the weight: the same values as one rank. The model's final
-norm, the pipeline stages' (hidden, residual) hand-over and the quantized modes are Llama's; the
-compiled decode stack, which knows Llama's norms only, is not used.
+Under tensor parallelism each rank holds its heads' part of a projection, so ShardedRMSNorm sums the
+squares on each rank and adds the sums across ranks (one small all-reduce per norm) before it scales
+its part with its slice of the weight: the same values as one rank. The model's final norm, the
+pipeline stages' (hidden, residual) hand-over and the quantized modes are Llama's; the compiled
+decode stack, which knows Llama's norms only, is not used.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Fill-in-the-middle: a completion's `suffix` (OpenAI's legacy field, which code assistants'
-autocomplete sends) served for any code model whose vocabulary has fill-in-the-middle tokens,
-with no flag to set. vLLM refuses every `suffix`; llama.cpp's /infill reads the tokens from the
+autocomplete sends) served for any code model whose vocabulary has fill-in-the-middle tokens, with
+no flag to set. vLLM refuses every `suffix`; llama.cpp's /infill reads the tokens from the
 vocabulary, as this does.
 
-`fim_format(tokenizer)` is read once, when the HTTP front starts (router/openai/state.py): the
-first of FORMATS whose tokens are all in the vocabulary, or None. A completion with a `suffix`
-then becomes the prompt the model was trained on, prefix-suffix-middle:
-`<prefix token>{prompt}<suffix token>{suffix}<middle token>`, or for Codestral suffix-prefix:
-`[SUFFIX]{suffix}[PREFIX]{prompt}` (the tokenizer reads the tokens' texts as the tokens; a BOS
-leads where the tokenizer adds one), and the model writes the middle.
-Besides the end of text, the tokens that end a middle where the vocabulary has them (FIM_STOPS:
-the padding and file-separator tokens the models write after it) stop it; they are special
-tokens in those models' tokenizers, so their text is not part of the answer. A `suffix` for a model without the tokens, with `echo`, or with a prompt of token ids
-is a 400 naming `suffix` (router/openai/completions.py). Nothing here keeps state.
+`fim_format(tokenizer)` is read once, when the HTTP front starts (router/openai/state.py): the first
+of FORMATS whose tokens are all in the vocabulary, or None. A completion with a `suffix` then
+becomes the prompt the model was trained on, prefix-suffix-middle: `<prefix token>{prompt}<suffix
+token>{suffix}<middle token>`, or for Codestral suffix-prefix: `[SUFFIX]{suffix}[PREFIX]{prompt}`
+(the tokenizer reads the tokens' texts as the tokens; a BOS leads where the tokenizer adds one), and
+the model writes the middle. Besides the end of text, the tokens that end a middle where the
+vocabulary has them (FIM_STOPS: the padding and file-separator tokens the models write after it)
+stop it; they are special tokens in those models' tokenizers, so their text is not part of the
+answer. A `suffix` for a model without the tokens, with `echo`, or with a prompt of token ids is a
+400 naming `suffix` (router/openai/completions.py). Nothing here keeps state.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """A reasoning model's output split into `reasoning` (and DeepSeek's `reasoning_content`) and
-`content` by the HTTP front (router/openai/responses/reasoning.py), through a router in front of a prefill and
-a decode worker: a tiny random model whose byte-level tokenizer has <think> and </think> as tokens,
-with a chat template that opens the block when asked (DeepSeek-R1's way: `open_think`) or writes it
-empty and closed (Qwen3's enable_thinking false). A grammar (vLLM's structured_outputs; llguidance's
-`<[id]>` is a token by its id) makes the random model write the tags where the test needs them.
+`content` by the HTTP front (router/openai/responses/reasoning.py), through a router in front of a
+prefill and a decode worker: a tiny random model whose byte-level tokenizer has <think> and </think>
+as tokens, with a chat template that opens the block when asked (DeepSeek-R1's way: `open_think`) or
+writes it empty and closed (Qwen3's enable_thinking false). A grammar (vLLM's structured_outputs;
+llguidance's `<[id]>` is a token by its id) makes the random model write the tags where the test
+needs them.
 
 Whole and streamed alike: an output that starts with <think> is reasoning until </think>; a prompt
 that ends with <think> makes the output reasoning from its first token; with the block closed in the
