@@ -363,6 +363,7 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     router_config = RouterConfig(
         model=config.model,
         chat_template=config.chat_template,
+        classifier_from_token=tuple(config.classifier_from_token or ()),
         model_id=config.served_model_id(),
         lora_enabled=config.lora.enabled,
         lora_modules=tuple(config.lora.modules.items()),

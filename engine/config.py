@@ -24,6 +24,8 @@ from pdserve.engine.models import ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from pdserve.engine.spec.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+MAX_LABEL_TOKENS = 64  # classifier_from_token's tokens at most
 # what speculative_config "auto" turns on in the default mode: prompt lookup costs no model, and
 # the gate (engine/spec/gate.py) turns it off at steps where it would not pay
 AUTO_SPECULATION = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
@@ -52,16 +54,39 @@ class ModelConfig:
     # whether each layer rotates its queries and keys (SmolLM3's no_rope_layers: every fourth
     # layer has no position encoding); empty: every layer does
     layer_ropes: tuple[bool, ...] = ()
+    # a `*ForSequenceClassification` checkpoint's labels (0: a generative checkpoint) and their
+    # names (its id2label); it is served by its causal family's class with the LM head tied to the
+    # embedding (the checkpoint has none) and runs only pooling requests (engine/score_head.py)
+    num_labels: int = 0
+    label_names: tuple[str, ...] = ()
+    # a generative model's label tokens (classifier_from_token, resolved by the engine): their
+    # LM-head logits are the classification head's (engine/score_head.py)
+    score_token_ids: tuple[int, ...] = ()
     hf_config: object = field(repr=False, compare=False, default=None)
+
+    @property
+    def classifies(self) -> bool:
+        """Whether the model has a classification head (pooling "classify" works)."""
+        return bool(self.num_labels or self.score_token_ids)
 
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
         archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
         arch = archs[0]
+        num_labels, labels = 0, ()
+        if arch.endswith(CLASSIFIER_SUFFIX):
+            # the same family's causal class reads the backbone (engine/score_head.py the head)
+            arch = arch.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+            num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
+            names = getattr(hf_config, "id2label", None) or {}
+            labels = tuple(str(names.get(i, names.get(str(i), i))) for i in range(num_labels))
+            if num_labels < 1:
+                raise ValueError(f"{archs[0]} config has num_labels {num_labels}: need 1 or more")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"model architecture {archs[0]!r} is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}, and their "
+                f"*{CLASSIFIER_SUFFIX} classifiers"
             )
         rope = getattr(hf_config, "rope_parameters", None) or {}
         if isinstance(rope.get("full_attention"), dict):  # one per layer type (Gemma 3)
@@ -86,11 +111,16 @@ class ModelConfig:
             rope_type=rope_type,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # (a classifier has no LM head: it shares the embedding's, and never samples)
+            tie_word_embeddings=bool(
+                num_labels or getattr(hf_config, "tie_word_embeddings", False)
+            ),
             attention_bias=bool(getattr(hf_config, "attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(hf_config),
             layer_ropes=tuple(bool(r) for r in getattr(hf_config, "no_rope_layers", None) or ()),
+            num_labels=num_labels,
+            label_names=labels,
             hf_config=hf_config,
         )
 
@@ -222,9 +252,22 @@ class EngineConfig:
     lora_modules: dict | tuple = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    # a generative model served as a classifier (vLLM's hf_overrides key): the tokens, each one
+    # token of the vocabulary, whose logits at a prompt's last position are its labels' (["no",
+    # "yes"] for Qwen3-Reranker; engine/score_head.py); held as a tuple
+    classifier_from_token: tuple | list = ()
 
     def __post_init__(self):
         check = _checker(self)
+        tokens = self.classifier_from_token
+        check(
+            isinstance(tokens, tuple | list)
+            and len(tokens) <= MAX_LABEL_TOKENS
+            and all(isinstance(t, str) and t for t in tokens),
+            "classifier_from_token",
+            f"a list of at most {MAX_LABEL_TOKENS} non-empty token strings",
+        )
+        object.__setattr__(self, "classifier_from_token", tuple(tokens))
         check(isinstance(self.model, str) and bool(self.model), "model", "a non-empty string")
         check(
             self.dtype == "auto" or self.dtype in _DTYPES,

@@ -58,6 +58,7 @@ from pdserve.engine.request import (
 from pdserve.engine.sampler import make_generator, skip_sample_draw
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, StepOutput, StepPlan
+from pdserve.engine.score_head import label_token_ids
 from pdserve.engine.spec.draft import plan_draft
 from pdserve.engine.spec.speculator import Speculator
 from pdserve.engine.step_trace import STEP_TRACE_LEN, StepRecord, step_record
@@ -104,6 +105,9 @@ def _samples_a_sink(plan: StepPlan, sinks) -> bool:
     return any(item.samples and item.seq.request_id in ids for item in plan.scheduled)
 
 
+CLASSIFY = PoolingParams("classify")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig
@@ -119,6 +123,13 @@ class LLMEngine:
         if self.config.device == "cpu":
             log_cpu_once()
         self.tokenizer = load_tokenizer(model_dir)
+        if self.config.classifier_from_token:  # before the ranks start: they build its head
+            self.model_config = dataclasses.replace(
+                self.model_config,
+                score_token_ids=label_token_ids(
+                    self.tokenizer, self.config.classifier_from_token, self.model_config
+                ),
+            )
         self._reasoning_tags: tuple[int, int] | None | bool = False  # _attach_thinking's
         torch.manual_seed(self.config.seed)
         self.kv_cache_paths = self._kv_cache_paths()
@@ -220,6 +231,22 @@ class LLMEngine:
             raise
 
     # ---- requests -------------------------------------------------------------------------------
+    def _check_task(self, pooling: PoolingParams | None) -> None:
+        """A classifier checkpoint runs pooling requests only (its LM head is a stand-in), and
+        "classify" needs a model with a classification head."""
+        mc = self.model_config
+        if mc.num_labels and pooling is None:
+            raise InvalidRequest(
+                f"this model is a {mc.num_labels}-label classifier ({mc.hf_config.architectures[0]}"
+                "): it scores and classifies (/v1/score, /v1/rerank, /classify) and does not "
+                "generate"
+            )
+        if pooling is not None and pooling.pooling == "classify" and not mc.classifies:
+            raise InvalidRequest(
+                "this model has no classification head: serve a *ForSequenceClassification "
+                "checkpoint, or name the label tokens of a generative one (classifier_from_token)"
+            )
+
     def _new_request(
         self,
         request_id: str,
@@ -241,6 +268,7 @@ class LLMEngine:
         params = self._shaping_in_vocabulary(params)
         if pooling is not None and (params.n != 1 or prefill_only):
             raise InvalidRequest("a pooling request has n=1 and is not prefill-only")
+        self._check_task(pooling)
         if request_id in self._requests:
             raise DuplicateRequestId(f"request_id {request_id!r} is already in use")
         ids = prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size)
@@ -503,11 +531,16 @@ class LLMEngine:
         n = max(1, min(prompt_len, self.config.max_model_len - max_tokens))
         generator = torch.Generator().manual_seed(0x5EED)
         prompt = torch.randint(0, self.model_config.vocab_size, (n,), generator=generator).tolist()
-        self.add_request(
-            "pdserve-warm-up",
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        )
+        if self.model_config.num_labels:  # a classifier's one kind of step: it never decodes
+            self.add_request(
+                "pdserve-warm-up", prompt, SamplingParams(max_tokens=1), pooling=CLASSIFY
+            )
+        else:
+            self.add_request(
+                "pdserve-warm-up",
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            )
         while self.has_unfinished_requests():
             self.step()
         self.step_trace.clear()

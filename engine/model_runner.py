@@ -56,6 +56,7 @@ from pdserve.engine.parallel import (
 )
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.scheduler import StepOutput
+from pdserve.engine.score_head import HeadCapture, ScoreHead
 from pdserve.engine.threads import ThreadFit
 from pdserve.kvpool import create_pool_file, new_private_pool
 
@@ -185,10 +186,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, self.config.max_num_seqs, spare_block=self.num_blocks)
 
     def _load_weights(self, model_dir: str) -> None:
+        self.score_head: ScoreHead | None = None  # pooling "classify"'s (engine/score_head.py)
         if self.config.load_format == "dummy":
             dummy_weights(self.model, self.config.seed)
-        else:
-            self.model.load_weights(checkpoint_weights(model_dir))
+            return
+        capture = HeadCapture(self.model_config)
+        self.model.load_weights(capture.wrap(checkpoint_weights(model_dir)))
+        self.score_head = capture.head()
 
     def set_kv_dtype(self, dtype: torch.dtype) -> None:
         """Puts the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request holds
@@ -317,7 +321,7 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprobs(inp, hidden, q_starts, rank0=rows is not None)
         )
         if rows is not None and any(s.pooling for s in inp.seqs):
-            out.pooled = _pooled(inp, hidden, q_starts)
+            out.pooled = _pooled(inp, hidden, q_starts, self.score_head)
         n = last_idx.numel()
         # a decode-only step samples every row in order: no copies of hidden states or logits
         every_row = n == hidden.shape[0] and meta.num_decode_tokens == n
@@ -596,9 +600,13 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
     )
 
 
-def _pooled(inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int]) -> dict:
+def _pooled(
+    inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int], head: ScoreHead | None
+) -> dict:
     """The pooling requests' part of a step (StepOutput.pooled), from the final hidden states
-    (after the model's final norm: what the LM head reads), in float32 on the CPU."""
+    (after the model's final norm: what the LM head reads), in float32 on the CPU: the last
+    token's, the sum of the chunk's ("mean"), or the last token's class logits ("classify", by
+    the model's classification head; the engine admits those only where there is one)."""
     out = {}
     for i, s in enumerate(inp.seqs):
         if not s.pooling:
@@ -606,6 +614,8 @@ def _pooled(inp: ModelInput, hidden: torch.Tensor, q_starts: dict[int, int]) -> 
         rows = hidden[q_starts[i] : q_starts[i] + len(s.token_ids)]
         if s.pooling == "mean":
             out[i] = rows.float().sum(0).cpu()
+        elif s.pool_end and s.pooling == "classify":
+            out[i] = head(rows[-1]).cpu()
         elif s.pool_end:
             out[i] = rows[-1].float().cpu()
     return out

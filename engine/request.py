@@ -41,15 +41,16 @@ class FinishReason(str, enum.Enum):
     REPETITION = "repetition"  # its output ended in a repeated pattern (repetition detection)
 
 
-POOLING_KINDS = ("last", "mean")
+POOLING_KINDS = ("last", "mean", "classify")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """A pooling request's (embeddings): the prompt runs once, nothing is sampled, and the output
-    is the final hidden state (after the model's final norm) of its last token ("last", vLLM's
-    default for decoder embedding models) or the mean over its tokens ("mean"), L2-normalised
-    when `normalize`."""
+    """A pooling request's (embeddings, classification): the prompt runs once, nothing is
+    sampled, and the output is the final hidden state (after the model's final norm) of its last
+    token ("last", vLLM's default for decoder embedding models) or the mean over its tokens
+    ("mean"), L2-normalised when `normalize`; or the class logits of its last token ("classify",
+    on a model with a classification head: engine/score_head.py; never normalised)."""
 
     pooling: str = "last"
     normalize: bool = True

@@ -813,7 +813,7 @@ class Scheduler:
         out = seq.pooled
         if out is not None and seq.pooling.pooling == "mean":
             out = out / seq.num_prompt_tokens
-        if out is not None and seq.pooling.normalize:
+        if out is not None and seq.pooling.normalize and seq.pooling.pooling != "classify":
             out = torch.nn.functional.normalize(out, dim=-1)
         seq.pooled = out
         self.finish(seq, FinishReason.POOLED)

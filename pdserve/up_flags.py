@@ -64,6 +64,29 @@ def json_flag(flag: str, value: str):
         ) from None
 
 
+# --hf-overrides keys taken beside classifier_from_token: vLLM's recipe for Qwen3-Reranker also
+# re-labels the architecture, which pdserve does not need (engine/score_head.py)
+HF_OVERRIDE_KEYS = ("classifier_from_token", "architectures", "is_original_qwen3_reranker")
+
+
+def hf_overrides(flag: str, value: str) -> list:
+    """vLLM's --hf-overrides, of which pdserve takes the label tokens (classifier_from_token);
+    a ConfigError naming `flag` for any other key."""
+    data = json_flag(flag, value)
+    if not isinstance(data, dict) or "classifier_from_token" not in data:
+        raise ConfigError(
+            f"{flag}: pdserve takes a JSON object with classifier_from_token from it (e.g. "
+            f'\'{{"classifier_from_token": ["no", "yes"]}}\'), got {value[:200]!r}'
+        )
+    other = sorted(set(data) - set(HF_OVERRIDE_KEYS))
+    if other:
+        raise ConfigError(
+            f"{flag}: {', '.join(other)} cannot be overridden; pdserve reads the model's config "
+            f"as it is and takes only {', '.join(HF_OVERRIDE_KEYS)} here"
+        )
+    return data["classifier_from_token"]
+
+
 # (flag, the key it sets, its parser, its help); a key under `pools.*` is set on each pool the
 # deployment has ("*": prefill and decode, or colocated), one under `pools.+` on each pool that
 # decodes (decode, or colocated), a key under `pools.<pool>` on that one.
@@ -88,6 +111,13 @@ _FLAGS = (
         _text,
         "the Jinja chat template the router renders chats with instead of the tokenizer's: a "
         "file, or the template itself (vLLM's flag)",
+    ),
+    (
+        "--hf-overrides",
+        "classifier_from_token",
+        hf_overrides,
+        "vLLM's JSON, of which pdserve takes classifier_from_token: a generative model's label "
+        'tokens, e.g. \'{"classifier_from_token": ["no", "yes"]}\' serves Qwen3-Reranker',
     ),
     ("--tp", "pools.*.tp", _integer, "tensor-parallel degree of every pool"),
     ("--tensor-parallel-size", "pools.*.tp", _integer, "vLLM's name for --tp"),
@@ -193,7 +223,13 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "overrides of the YAML's keys (a flag, else the YAML, else the default)"
     )
     for flag, key, parse, what in _FLAGS:
-        metavar = {_integer: "N", _number: "S", _port_or_off: "PORT", json_flag: "JSON"}.get(parse)
+        metavar = {
+            _integer: "N",
+            _number: "S",
+            _port_or_off: "PORT",
+            json_flag: "JSON",
+            hf_overrides: "JSON",
+        }.get(parse)
         key = key.replace("+", "decode|colocated")
         group.add_argument(flag, default=None, metavar=metavar, help=f"{what} (YAML: {key})")
     group.add_argument(

@@ -76,6 +76,9 @@ class RouterConfig:
     scheduling_policy: str = "fcfs"
     embedding_pooling: str = "last"
     embedding_normalize: bool = True
+    # a generative model's label tokens (the workers' classifier_from_token): its classification
+    # head's labels for /v1/score, /v1/rerank and /classify (engine/score_head.py)
+    classifier_from_token: tuple = ()
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # a reservation's shortest lease: each is asked for until its client's deadline (cut to the
     # decode worker's max_lease_ms) and renewed by every KV frame (decode_worker/handoff.py)
@@ -268,13 +271,28 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
     model_id = (
         config.model_id or os.path.basename(os.fspath(config.model).rstrip("/")) or str(model_dir)
     )
+    labels, generates = class_labels(hf, tuple(config.classifier_from_token))
     return ServiceOptions(
         model_id=model_id,
         max_model_len=int(max_len),
         vocab_size=int(hf_text.get("vocab_size", 0)),
         dtype=str(dtype),
+        labels=labels,
+        generates=generates,
         **{name: getattr(config, name) for name in PASSED_TO_SERVICE},
     )
+
+
+def class_labels(hf: dict, from_token: tuple) -> tuple[tuple[str, ...], bool]:
+    """(the classification head's labels, whether the model generates), from config.json as
+    the engine reads it (engine/config.py ModelConfig.from_hf): a *ForSequenceClassification
+    checkpoint's id2label names (it does not generate), else the label tokens named."""
+    arch = (hf.get("architectures") or [""])[0]
+    if not arch.endswith("ForSequenceClassification"):
+        return from_token, True
+    n = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 2)
+    names = hf.get("id2label") or {}
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(n)), False
 
 
 class Router:
@@ -513,6 +531,7 @@ class Router:
                 body_timeout_s=cfg.http_body_timeout_s,
                 max_connections=cfg.http_max_connections,
                 responses_store_bytes=cfg.http_responses_store_bytes,
+                labels=options.labels,
                 metrics_registry=self.metrics_registry,
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 loras=self.servicer.loras,

@@ -61,6 +61,14 @@ from pdserve.router.text import BadRequest, PromptEncoder, opens_reasoning
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 POOLING_KINDS = ("last", "mean")  # engine/request.py's (the router may not import the engine)
+NO_GENERATION = (
+    "this model is a classifier: it scores and classifies (Embed with task CLASSIFY; /v1/score, "
+    "/v1/rerank and /classify over HTTP) and does not generate"
+)
+NO_HEAD = (
+    "this model has no classification head: serve a *ForSequenceClassification checkpoint, or "
+    "name a generative model's label tokens (classifier_from_token in the deployment YAML)"
+)
 MAX_EMBED_INPUTS = 2048  # inputs of one Embed call (OpenAI's limit; worker_common/embed.py's)
 
 
@@ -121,6 +129,10 @@ class ServiceOptions:
     # embeddings (Embed, /v1/embeddings): "last" token or "mean" pooling, L2-normalised or not
     embedding_pooling: str = "last"
     embedding_normalize: bool = True
+    # the classification head's labels (Embed's task CLASSIFY; engine/score_head.py), empty for
+    # none; `generates` False: a *ForSequenceClassification checkpoint (Generate is refused)
+    labels: tuple[str, ...] = ()
+    generates: bool = True
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -262,6 +274,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         )
         if refusal:
             refusal.abort(context)
+        if not opts.generates:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_GENERATION)
         lora = self.loras.adapter_for(request.model)
         if lora is None:
             served = ", ".join([opts.model_id, *self.loras.names()])
@@ -483,6 +497,14 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"model {request.model[:200]} is not served; served: {opts.model_id}",
             )
+        classify = request.task == pdserve_pb2.POOLING_TASK_CLASSIFY
+        if classify and not opts.labels:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_HEAD)
+        if not classify and request.task != pdserve_pb2.POOLING_TASK_EMBED:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"task {request.task} is not a PoolingTask: EMBED (0) or CLASSIFY (1)",
+            )
         prompts = self._embed_prompts(request, context)
         role = "decode" if opts.colocated else "prefill"
         if not self.pool.num_workers(role):
@@ -494,7 +516,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         deadline = start + budget_s
         self._admission_slot(request.priority, context, deadline)
         try:
-            reply = self._embed_on_workers(rid, prompts, request.priority, deadline, context)
+            reply = self._embed_on_workers(
+                rid, prompts, request.priority, deadline, context, classify
+            )
         finally:
             self.admission.leave()
         out = pdserve_pb2.EmbedResponse(
@@ -546,15 +570,17 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             if outcome != ADMITTED:
                 self._not_admitted(outcome, context)
 
-    def _embed_on_workers(self, rid: str, prompts, priority: int, deadline: float, context):
+    def _embed_on_workers(
+        self, rid: str, prompts, priority: int, deadline: float, context, classify: bool = False
+    ):
         """The WorkerEmbedResponse from a prefill worker (colocated: a decode worker), the least
         loaded first; one more worker is tried when the first is unavailable."""
         opts = self.options
         call = worker_pb2.WorkerEmbedRequest(
             request_id=uuid.uuid4().hex,  # the workers never see the client's id
             priority=priority,
-            pooling=opts.embedding_pooling,
-            normalize=opts.embedding_normalize,
+            pooling="classify" if classify else opts.embedding_pooling,
+            normalize=opts.embedding_normalize and not classify,
         )
         for p in prompts:
             call.prompts.add().ids.extend(p)
@@ -622,5 +648,6 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             max_model_len=opts.max_model_len,
             vocab_size=opts.vocab_size,
             dtype=opts.dtype,
+            labels=opts.labels,
         )
         return pdserve_pb2.ListModelsResponse(models=self.loras.cards(base))

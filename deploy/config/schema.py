@@ -736,6 +736,16 @@ class DeployConfig(_Frozen):
     # the tokenizer's, given as a file (relative to the YAML's folder) or as the template itself;
     # read and parsed when the config loads (files.py chat_template_text)
     chat_template: ChatTemplate | None = None
+    # a generative model served as a classifier and reranker (vLLM's hf_overrides key): the
+    # tokens whose logits at a prompt's last position are its labels, e.g. ["no", "yes"] for
+    # Qwen3-Reranker (/v1/score and /v1/rerank score the last label; engine/score_head.py)
+    classifier_from_token: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=64)]],
+            Field(min_length=1, max_length=64),
+        ]
+        | None
+    ) = None
     dtype: Literal[DTYPES] = "auto"
     # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
     # means quantization "auto"
@@ -810,6 +820,8 @@ class DeployConfig(_Frozen):
             kwargs["max_model_len"] = pool.max_model_len
         spec = pool.speculative_config
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
+        if self.classifier_from_token:
+            kwargs["classifier_from_token"] = tuple(self.classifier_from_token)
         if self.lora.enabled:  # every worker of every pool: the adapters come from its config
             kwargs.update(
                 enable_lora=True,

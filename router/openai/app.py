@@ -9,6 +9,8 @@ stops (docs/architecture.md section 1).
     POST /v1/responses                              router/openai/responses_api.py
     POST /v1/messages, /v1/messages/count_tokens    router/openai/messages_api.py (Anthropic's)
     POST /v1/embeddings                             router/openai/embeddings.py
+    POST /v1/score, /v1/rerank, /classify (+ vLLM's  router/openai/scoring.py
+         other spellings: /score, /rerank, ...)
     POST /tokenize, /detokenize                     router/openai/tokenize.py
     GET  /health, /metrics                          router/openai/status.py
     GET  /openapi.json, /docs                       the OpenAPI document and its page (no key)
@@ -38,6 +40,7 @@ from pdserve.router.openai import (
     messages_api,
     models,
     responses_api,
+    scoring,
     status,
     tokenize,
 )
@@ -52,6 +55,7 @@ from pdserve.router.openai.protocol import (
     TokenizeRequest,
 )
 from pdserve.router.openai.responses_api import ResponsesRequest
+from pdserve.router.openai.scoring import ClassifyRequest, RerankRequest, ScoreRequest
 from pdserve.router.openai.state import ClientGone, FrontState
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,13 @@ _BODIES = {
     "/v1/conversations": ConversationCreate,
     "/v1/conversations/{conversation_id}/items": ItemsCreate,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/score": ScoreRequest,
+    "/score": ScoreRequest,
+    "/v1/rerank": RerankRequest,
+    "/rerank": RerankRequest,
+    "/v2/rerank": RerankRequest,
+    "/classify": ClassifyRequest,
+    "/v1/classify": ClassifyRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -91,6 +102,7 @@ def build_app(front) -> FastAPI:
         conversations_api,
         messages_api,
         embeddings,
+        scoring,
         models,
         tokenize,
     ):

@@ -99,6 +99,9 @@ class HttpSettings:
     log_interval_s: float = 10.0  # a flood's error lines: one of a kind per this long
     # /v1/responses' stored responses at most (router/openai/responses/store.py); 0: none kept
     responses_store_bytes: int = 64 << 20
+    # the classification head's labels (router/openai/scoring.py): empty, the model has none and
+    # /v1/score and /v1/rerank compare embeddings
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "log_interval_s"):

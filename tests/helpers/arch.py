@@ -116,11 +116,18 @@ ARCH_KINDS: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_arch_model(path, kind: str, seed: int = 0, **overrides):
+def build_arch_model(path, kind: str, seed: int = 0, labels: tuple[str, ...] = (), **overrides):
     """Save a random model of `kind` (config keys in `overrides` over the kind's) and the tiny
-    word-level tokenizer to `path`; returns the HF model (float32, eval mode)."""
+    word-level tokenizer to `path`; returns the HF model (float32, eval mode). With `labels`, the
+    kind's *ForSequenceClassification (a random `score` head, one row per label) instead of its
+    causal LM."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
 
     model_type, extra = ARCH_KINDS[kind]
     keys = dict(
@@ -134,9 +141,12 @@ def build_arch_model(path, kind: str, seed: int = 0, **overrides):
     )
     keys.update(extra)
     keys.update(overrides)
+    if labels:
+        keys.update(id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)})
     config = AutoConfig.for_model(model_type, **keys)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if labels else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

@@ -47,6 +47,23 @@ def test_a_flag_wins_over_the_yaml(tmp_path):
     assert c.router.client_keys({}) == ((KEY,), "router.api_keys")
 
 
+def test_vllm_s_qwen3_reranker_overrides_set_the_label_tokens(tmp_path):
+    """vLLM's --hf-overrides recipe for Qwen3-Reranker runs as it is; other keys are refused
+    naming the flag."""
+    overrides = (
+        '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", '
+        '"yes"], "is_original_qwen3_reranker": true}'
+    )
+    assert _up(tmp_path, None, "--hf-overrides", overrides).classifier_from_token == ["no", "yes"]
+    for bad, why in (
+        ('{"rope_theta": 1}', "classifier_from_token from it"),
+        ('{"classifier_from_token": ["no"], "rope_theta": 1}', "rope_theta cannot be overridden"),
+        ('{"classifier_from_token": []}', "at least 1 item"),
+    ):
+        with pytest.raises(ConfigError, match=f"--hf-overrides.*{why}"):
+            _up(tmp_path, None, "--hf-overrides", bad)
+
+
 def test_vllm_s_flag_names_set_the_same_keys(tmp_path):
     c = _up(
         tmp_path, None,

@@ -89,7 +89,10 @@ class PDServeServicer:
         """Embeddings of each input (vLLM's pooling runner: the final hidden state of the last token,
         L2-normalised, unless the deployment says otherwise), computed on the prefill pool (the
         colocated workers in a colocated deployment); no decode worker sees the request. Bad inputs
-        fail with INVALID_ARGUMENT naming the field, a full cluster with RESOURCE_EXHAUSTED.
+        fail with INVALID_ARGUMENT naming the field, a full cluster with RESOURCE_EXHAUSTED. With
+        task CLASSIFY each vector is instead the class logits of the model's classification head at
+        the input's last token (a *ForSequenceClassification checkpoint, or a generative model's
+        classifier_from_token); a model without one fails it with FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,332 @@
+"""Scoring, reranking and classification over HTTP, in vLLM's shapes (and Jina's and Cohere's for
+rerank): POST /v1/score (and /score), /v1/rerank (and /rerank, /v2/rerank), /classify (and
+/v1/classify). Every one runs through the router's gRPC Embed (router/service.py) on the prefill
+pool, as /v1/embeddings does, and keeps no state of its own.
+
+    /v1/score  {"text_1" | "queries" | "data_1": str | [str], "text_2" | "documents" | "items" |
+                "data_2": str | [str], "model"?, "use_activation"?, "truncate_prompt_tokens"?,
+                "priority"?, "user"?}   1:1, 1:N or N:N pairs
+      -> {"id", "object": "list", "created", "model", "data": [{"index", "object": "score",
+          "score"}], "usage": {"prompt_tokens", "total_tokens", "completion_tokens": 0}}
+    /v1/rerank {"query": str, "documents": [str | {"text": str}], "top_n"? (0: all),
+                "return_documents"? (true), "model"?, "use_activation"?, ...}
+      -> {"id", "model", "usage", "results": [{"index", "document": {"text"},
+          "relevance_score"}]}, best first
+    /classify  {"input": str | [str] | [ids] | [[ids]], "model"?, "use_activation"?, ...}
+      -> {"id", "object": "list", "created", "model", "data": [{"index", "label", "probs",
+          "num_classes"}], "usage"}
+
+How a pair is scored depends on the model. One with a classification head (a
+*ForSequenceClassification checkpoint, or `classifier_from_token`: engine/score_head.py) is a
+cross-encoder: the query's text followed by the document's is one prompt (vLLM's way for a
+decoder reranker: the model's own template, e.g. Qwen3-Reranker's, is in the texts the client
+sends), and its score is the last label's probability: sigmoid of a single label's logit, or of
+the last label's logit less the first's for two labels (softmax's: "yes" of ["no", "yes"]). A
+model without one is a bi-encoder: the score is the cosine similarity of the two texts'
+embeddings (vLLM's way for an embedding model). `use_activation: false` gives the logit (the
+log-odds) instead of the probability, and raw logits from /classify instead of softmax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from pdserve.protos.pdserve.v1 import pdserve_pb2
+from pdserve.router.openai.embeddings import IdLists, Ids, Texts
+from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
+from pdserve.router.openai.protocol import (
+    Priority,
+    ShortStr,
+    TruncatePromptTokens,
+    _field_names,
+    _Strict,
+)
+from pdserve.router.openai.state import state_of
+
+router = APIRouter()
+
+# documents of one rerank, and pairs of one score, at most (Cohere's limit on documents); a bi-
+# encoder's texts (2 per pair at most) stay within the router's inputs per Embed call
+MAX_DOCUMENTS = 1000
+Docs = Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+Side = StrictStr | Docs
+# (the pair fields' names in the order vLLM tries them: first side, second side)
+PAIR_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"))
+PAIR_FIELDS += (("data_1", "data_2"),)
+
+
+class _ScoringCommon(_Strict):
+    model: ShortStr | None = None
+    user: ShortStr | None = None
+    priority: Priority = 0
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    # vLLM's: None or true, the probability; false, the logit it comes from
+    use_activation: StrictBool | None = None
+
+
+class ScoreRequest(_ScoringCommon):
+    text_1: Side | None = None
+    text_2: Side | None = None
+    queries: Side | None = None
+    documents: Side | None = None
+    items: Side | None = None
+    data_1: Side | None = None
+    data_2: Side | None = None
+
+    @model_validator(mode="after")
+    def _one_pair_of_fields(self):
+        given = [(a, b) for a, b in PAIR_FIELDS if getattr(self, a) is not None]
+        set_fields = {n for a, b in PAIR_FIELDS for n in (a, b) if getattr(self, n) is not None}
+        pairs = [(a, b) for a, b in given if getattr(self, b) is not None]
+        if len(pairs) != 1 or set_fields != set(pairs[0]):
+            raise ValueError(
+                "name the texts as one pair of fields: text_1 and text_2, queries and documents, "
+                "queries and items, or data_1 and data_2"
+            )
+        first, second = (getattr(self, n) for n in pairs[0])
+        first = [first] if isinstance(first, str) else first
+        second = [second] if isinstance(second, str) else second
+        if len(first) > 1 and len(first) != len(second):
+            raise ValueError(
+                f"{pairs[0][0]} has {len(first)} texts and {pairs[0][1]} {len(second)}: pair them "
+                "1:1, 1:N or N:N"
+            )
+        return self
+
+    def fields(self) -> tuple[str, str]:
+        """The pair of fields the texts came in."""
+        return next(
+            (a, b)
+            for a, b in PAIR_FIELDS
+            if getattr(self, a) is not None and getattr(self, b) is not None
+        )
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The (first, second) texts of each pair, in order."""
+        a, b = self.fields()
+        first, second = getattr(self, a), getattr(self, b)
+        first = [first] if isinstance(first, str) else first
+        second = [second] if isinstance(second, str) else second
+        if len(first) == 1:
+            first = first * len(second)
+        return list(zip(first, second, strict=True))
+
+
+class RerankDocument(_Strict):
+    text: StrictStr
+
+
+class RerankRequest(_ScoringCommon):
+    query: StrictStr
+    documents: Annotated[
+        list[StrictStr | RerankDocument], Field(min_length=1, max_length=MAX_DOCUMENTS)
+    ]
+    top_n: Annotated[StrictInt, Field(ge=0)] = 0  # 0: every document
+    return_documents: StrictBool = True  # Cohere's: false leaves each result's document out
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class ClassifyRequest(_ScoringCommon):
+    input: StrictStr | Texts | Ids | IdLists
+
+
+SCORE_FIELDS = _field_names(ScoreRequest)
+RERANK_FIELDS = _field_names(RerankRequest)
+CLASSIFY_FIELDS = _field_names(ClassifyRequest)
+
+
+def _sigmoid(x: float) -> float:
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
+def pair_logit(logits, labels: int) -> float:
+    """A cross-encoder's relevance as a logit: one label's own, or the last less the first of
+    two (the log-odds of the last label under softmax)."""
+    if labels == 1:
+        return float(logits[0])
+    return float(logits[-1]) - float(logits[0])
+
+
+def probabilities(logits) -> list[float]:
+    """softmax of a classifier's logits; sigmoid for a single label."""
+    if len(logits) == 1:
+        return [_sigmoid(float(logits[0]))]
+    top = max(logits)
+    exps = [math.exp(float(v) - top) for v in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+async def _embed(request: Request, front, body, metadata, inputs, task: int):
+    """Embed's reply for `inputs` (EmbedInput messages), cancelled if the client leaves."""
+    call = pdserve_pb2.EmbedRequest(
+        request_id=f"http-{uuid.uuid4().hex}",
+        model=body.model or "",
+        priority=body.priority,
+        task=task,
+    )
+    call.inputs.extend(inputs)
+    if body.truncate_prompt_tokens is not None:
+        call.truncate_prompt_tokens = body.truncate_prompt_tokens
+    rpc = front.stub.Embed(call, metadata=metadata)
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, rpc))
+    try:
+        return await _from_router(rpc, watcher)
+    finally:
+        watcher.cancel()
+
+
+async def _scores(request: Request, front, body, metadata, pairs, param: str):
+    """(each pair's score, prompt tokens): a cross-encoder's where the model has a head, else
+    the cosine similarity of the two embeddings (module docstring)."""
+    labels = front.settings.labels
+    activation = body.use_activation is not False
+    if labels:
+        if len(labels) > 2:
+            raise ApiError(
+                400,
+                f"scoring needs a model with one or two labels; this one has {len(labels)} "
+                f"({', '.join(labels[:8])}): use /classify",
+                param=param,
+            )
+        for i, (a, b) in enumerate(pairs):
+            front.check_prompt_size([a + b], f"{param}[{i}]")
+        inputs = [pdserve_pb2.EmbedInput(text=a + b) for a, b in pairs]
+        task = pdserve_pb2.POOLING_TASK_CLASSIFY
+        reply = await _embed(request, front, body, metadata, inputs, task)
+        logits = [pair_logit(e.values, len(labels)) for e in reply.embeddings]
+        scores = [_sigmoid(v) if activation else v for v in logits]
+        return scores, reply.prompt_tokens
+    unique = list(dict.fromkeys(t for pair in pairs for t in pair))
+    for text in unique:
+        front.check_prompt_size([text], param)
+    inputs = [pdserve_pb2.EmbedInput(text=t) for t in unique]
+    reply = await _embed(request, front, body, metadata, inputs, pdserve_pb2.POOLING_TASK_EMBED)
+    vectors = {t: list(e.values) for t, e in zip(unique, reply.embeddings, strict=True)}
+    return [_cosine(vectors[a], vectors[b]) for a, b in pairs], reply.prompt_tokens
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+def _input_error(err: ApiError, param: str) -> ApiError:
+    """The router's 400 on `inputs[i]` named as the request's field."""
+    if err.status == 400 and err.message.startswith("inputs"):
+        err.message, err.param = param + err.message[len("inputs") :], param
+    return err
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def score(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, ScoreRequest, SCORE_FIELDS)
+    front.check_model(body.model)
+    pairs = body.pairs()
+    param = body.fields()[1]
+    try:
+        scores, tokens = await _scores(request, front, body, metadata, pairs, param)
+    except ApiError as err:
+        raise _input_error(err, param) from None
+    return {
+        "id": f"score-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": front.settings.model_id,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    }
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def rerank(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, RerankRequest, RERANK_FIELDS)
+    front.check_model(body.model)
+    docs = body.texts()
+    try:
+        scores, tokens = await _scores(
+            request, front, body, metadata, [(body.query, d) for d in docs], "documents"
+        )
+    except ApiError as err:
+        raise _input_error(err, "documents") from None
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])
+    if body.top_n:
+        order = order[: body.top_n]
+    results = []
+    for i in order:
+        one = {"index": i, "relevance_score": scores[i]}
+        if body.return_documents:
+            one["document"] = {"text": docs[i]}
+        results.append(one)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "model": front.settings.model_id,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "results": results,
+    }
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def classify(request: Request):
+    front = state_of(request)
+    body, metadata = await front.parse(request, ClassifyRequest, CLASSIFY_FIELDS)
+    front.check_model(body.model)
+    labels = front.settings.labels
+    one = body.input
+    if isinstance(one, str):
+        inputs = [pdserve_pb2.EmbedInput(text=one)]
+    elif all(isinstance(x, int) for x in one):
+        inputs = [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=one))]
+    elif all(isinstance(x, str) for x in one):
+        inputs = [pdserve_pb2.EmbedInput(text=t) for t in one]
+    else:
+        inputs = [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=ids)) for ids in one]
+    texts = [i.text for i in inputs if i.HasField("text")]
+    front.check_prompt_size(texts, "input")
+    try:
+        task = pdserve_pb2.POOLING_TASK_CLASSIFY
+        reply = await _embed(request, front, body, metadata, inputs, task)
+    except ApiError as err:
+        raise _input_error(err, "input") from None
+    data = []
+    for e in reply.embeddings:
+        values = list(e.values)
+        probs = probabilities(values) if body.use_activation is not False else values
+        best = max(range(len(values)), key=values.__getitem__)
+        data.append(
+            {
+                "index": e.index,
+                "label": labels[best] if best < len(labels) else str(best),
+                "probs": probs,
+                "num_classes": len(values),
+            }
+        )
+    tokens = reply.prompt_tokens
+    return {
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": front.settings.model_id,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    }
