@@ -32,6 +32,7 @@ PDSERVE_PRECISION_CACHE=0 turns it off.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -81,6 +82,14 @@ def choose_precision(runner: ModelRunner, model_dir: str, tokenizer=None) -> tup
     calibration, probe = ids[:length], ids[length:]
     chat = chat_ids(runner, tokenizer) if wanted == "auto" else []
     cache = VerdictCache.of(runner, model_dir, ids, chat) if wanted == "auto" else None
+    with cache.probing() if cache is not None else contextlib.nullcontext():
+        return _choose(runner, wanted, cache, calibration, probe, length, chat)
+
+
+def _choose(runner, wanted, cache, calibration, probe, length, chat) -> tuple[str | None, str]:
+    """choose_precision's verdict once the probe text is known (and, under "auto", while this
+    start holds its key's probe lock)."""
+    config = runner.config
     kept = cache.load() if cache is not None else None
     # every quantized mode smooths activations by the calibration below: int8's linears, and the
     # int8 head of int4 and of bf16 (its screen); a kept verdict must serve what the probe judged,
@@ -160,6 +169,46 @@ class VerdictCache:
         }
         key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
         return cls(default_cache_dir() / "precision" / f"{key}.json")
+
+    @contextlib.contextmanager
+    def probing(self, wait_s: float | None = None):
+        """Held while this start loads, probes and keeps its key's verdict: a second start of the
+        same key on this machine (the other pool's worker of one deployment, started at the same
+        moment) waits for the first one's verdict and applies it, instead of probing beside it on
+        the same cores, which made both take twice as long. The lock is an flock on a file beside
+        the entry, which the kernel releases when its holder exits or dies; a start that has
+        waited wait_s (PROBE_WAIT_S) probes without it. A folder that cannot be written has no
+        lock: every start probes."""
+        wait_s = PROBE_WAIT_S if wait_s is None else wait_s
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            deadline, said = time.monotonic() + wait_s, False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning(
+                            "another start's precision probe took over %.0fs: probing", wait_s
+                        )
+                        break
+                    if not said:
+                        log.info("waiting for another start's precision probe of this model")
+                        said = True
+                    time.sleep(PROBE_POLL_S)
+            yield
+        finally:
+            os.close(fd)  # (releases the lock)
+
+    @property
+    def lock_path(self) -> pathlib.Path:
+        return self.path.with_suffix(".lock")
 
     def load(self) -> tuple[str | None, bool, str] | None:
         try:
@@ -248,6 +297,9 @@ class VerdictCache:
 
 
 KEPT_NOTE = "kept from this machine's earlier probe"
+# a start waits at most this long for another start's probe of the same key, polling this often
+PROBE_WAIT_S = 600.0
+PROBE_POLL_S = 0.2
 
 
 def mode_headline(note: str) -> str:
@@ -287,6 +339,7 @@ def _prune(folder: pathlib.Path) -> None:
     entries.sort(reverse=True)
     for _, path in entries[KEPT_VERDICTS:]:
         path.with_suffix(".calibration.safetensors").unlink(missing_ok=True)
+        path.with_suffix(".lock").unlink(missing_ok=True)
         path.unlink(missing_ok=True)
 
 

@@ -131,6 +131,50 @@ def test_a_second_start_applies_the_kept_verdict_without_probing(
     assert len(probes) == 1
 
 
+def test_a_start_waits_for_another_start_probing_the_same_key(
+    tiny_models, probes, monkeypatch, tmp_path
+):
+    """While another start holds the key's probe lock (the other worker of one deployment,
+    probing now), a start waits and then applies that start's verdict without probing; one that
+    has waited PROBE_WAIT_S probes itself."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    model_dir, _ = tiny_models("llama-gqa")
+    first = start(model_dir)
+    [entry] = (tmp_path / "precision").glob("*.json")
+    kept = entry.read_bytes()
+    entry.unlink()  # as if the other start had not stored it yet
+
+    def hold():
+        fd = os.open(entry.with_suffix(".lock"), os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    fd = hold()
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(start(model_dir)))
+    waiter.start()
+    time.sleep(1.0)
+    assert not result and len(probes) == 1, "a start probed beside the one holding the lock"
+    entry.write_bytes(kept)  # the other start stores its verdict, and lets go
+    os.close(fd)
+    waiter.join(60)
+    assert result and len(probes) == 1
+    assert result[0][:3] == first[:3] and "kept from this machine's earlier probe" in result[0][3]
+
+    entry.unlink()
+    fd = hold()
+    monkeypatch.setattr(precision, "PROBE_WAIT_S", 0.3)
+    try:
+        assert start(model_dir)[:3] == first[:3]
+    finally:
+        os.close(fd)
+    assert len(probes) == 2, "a start that waited past the bound did not probe"
+
+
 def test_another_bound_or_the_switch_off_probes_again(tiny_models, probes, monkeypatch):
     model_dir, _ = tiny_models("llama-gqa")
     start(model_dir)
