@@ -114,3 +114,39 @@ def test_classify_needs_a_head_and_label_tokens_must_be_single_tokens(tmp_path):
     build_arch_model(tmp_path / "cls", "llama", labels=("a", "b"))
     with pytest.raises(ValueError, match="own head: leave it unset"):
         _engine(str(tmp_path / "cls"), classifier_from_token=["t5"])
+
+
+def test_the_offline_pooling_calls_answer_as_hf(tmp_path):
+    """LLM.classify, .score and .embed (engine/llm.py), in vLLM's shapes: a two-label classifier
+    scores the joined texts by sigmoid(logit[1] - logit[0]); a model without a head scores by
+    the cosine similarity of its normalised last-token hidden states."""
+    hf = build_arch_model(tmp_path / "cls", "llama", labels=("no", "yes"))
+    llm = LLM(str(tmp_path / "cls"), dtype="float32", kv_cache_memory=1 << 20, block_size=4)
+    (out,) = llm.classify("t5 t6 t7")
+    logits = _hf_logits(hf, [5, 6, 7])
+    assert (torch.tensor(out.outputs.probs) - torch.softmax(logits, -1)).abs().max() < TOL
+    assert out.outputs.label == ("no", "yes")[int(logits.argmax())]
+    scores = llm.score("t40 t41 ", ["t50", "t60 t61"])
+    for text, s in zip(["t40 t41 t50", "t40 t41 t60 t61"], scores):
+        logits = _hf_logits(hf, [int(w[1:]) for w in text.split()])
+        assert abs(s.outputs.score - torch.sigmoid(logits[1] - logits[0]).item()) < TOL
+    raw = llm.score("t40 t41 ", "t50", use_activation=False)[0].outputs.score
+    assert abs(raw - torch.logit(torch.tensor(scores[0].outputs.score)).item()) < 1e-3
+    with pytest.raises(ValueError, match="pair them 1:1, 1:N or N:N"):
+        llm.score(["t1", "t2"], ["t3", "t4", "t5"])
+
+    lm = build_arch_model(tmp_path / "lm", "llama")
+    llm = LLM(str(tmp_path / "lm"), dtype="float32", kv_cache_memory=1 << 20, block_size=4)
+
+    def hidden(ids):
+        with torch.no_grad():
+            h = lm.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        return torch.nn.functional.normalize(h, dim=-1)
+
+    (emb,) = llm.embed([9, 10, 11])
+    assert (torch.tensor(emb.outputs.embedding) - hidden([9, 10, 11])).abs().max() < TOL
+    # ("t1" is the tokenizer's end-of-sequence text: no word here starts with it)
+    (s,) = llm.score("t9 t20", "t22")
+    assert abs(s.outputs.score - float(hidden([9, 20]) @ hidden([22]))) < TOL
+    with pytest.raises(InvalidRequest, match="no classification head"):
+        llm.classify("t5")
