@@ -363,7 +363,8 @@ def _start_router(cluster: Cluster, api_keys: tuple[str, ...] = ()) -> None:
     router_config = RouterConfig(
         model=config.model,
         chat_template=config.chat_template,
-        classifier_from_token=tuple(config.classifier_from_token or ()),
+        classifier_from_token=tuple(config.hf_overrides.classifier_from_token or ()),
+        matryoshka=_matryoshka(config.hf_overrides),
         model_id=config.served_model_id(),
         lora_enabled=config.lora.enabled,
         lora_modules=tuple(config.lora.modules.items()),
@@ -427,6 +428,13 @@ def _peer_fetch(config):
     if not all(p.enable_prefix_caching for p in pools):
         settings["enabled"] = False
     return PeerFetch(**settings)
+
+
+def _matryoshka(overrides) -> bool | tuple[int, ...] | None:
+    """RouterConfig.matryoshka from the YAML's hf_overrides (None: as the model's config says)."""
+    if overrides.matryoshka_dimensions:
+        return tuple(overrides.matryoshka_dimensions)
+    return overrides.is_matryoshka
 
 
 def _local_prefill(config):

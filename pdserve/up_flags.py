@@ -64,27 +64,15 @@ def json_flag(flag: str, value: str):
         ) from None
 
 
-# --hf-overrides keys taken beside classifier_from_token: vLLM's recipe for Qwen3-Reranker also
-# re-labels the architecture, which pdserve does not need (engine/score_head.py)
-HF_OVERRIDE_KEYS = ("classifier_from_token", "architectures", "is_original_qwen3_reranker")
-
-
-def hf_overrides(flag: str, value: str) -> list:
-    """vLLM's --hf-overrides, of which pdserve takes the label tokens (classifier_from_token);
-    a ConfigError naming `flag` for any other key."""
+def hf_overrides(flag: str, value: str) -> dict:
+    """vLLM's --hf-overrides JSON object (the YAML's hf_overrides checks its keys)."""
     data = json_flag(flag, value)
-    if not isinstance(data, dict) or "classifier_from_token" not in data:
+    if not isinstance(data, dict):
         raise ConfigError(
-            f"{flag}: pdserve takes a JSON object with classifier_from_token from it (e.g. "
-            f'\'{{"classifier_from_token": ["no", "yes"]}}\'), got {value[:200]!r}'
+            f'{flag}: a JSON object, e.g. \'{{"classifier_from_token": ["no", "yes"]}}\', '
+            f"got {value[:200]!r}"
         )
-    other = sorted(set(data) - set(HF_OVERRIDE_KEYS))
-    if other:
-        raise ConfigError(
-            f"{flag}: {', '.join(other)} cannot be overridden; pdserve reads the model's config "
-            f"as it is and takes only {', '.join(HF_OVERRIDE_KEYS)} here"
-        )
-    return data["classifier_from_token"]
+    return data
 
 
 # (flag, the key it sets, its parser, its help); a key under `pools.*` is set on each pool the
@@ -114,10 +102,11 @@ _FLAGS = (
     ),
     (
         "--hf-overrides",
-        "classifier_from_token",
+        "hf_overrides",
         hf_overrides,
-        "vLLM's JSON, of which pdserve takes classifier_from_token: a generative model's label "
-        'tokens, e.g. \'{"classifier_from_token": ["no", "yes"]}\' serves Qwen3-Reranker',
+        "vLLM's JSON; pdserve takes classifier_from_token (a generative model's label tokens: "
+        '\'{"classifier_from_token": ["no", "yes"]}\' serves Qwen3-Reranker), is_matryoshka and '
+        "matryoshka_dimensions",
     ),
     ("--tp", "pools.*.tp", _integer, "tensor-parallel degree of every pool"),
     ("--tensor-parallel-size", "pools.*.tp", _integer, "vLLM's name for --tp"),

@@ -79,6 +79,9 @@ class RouterConfig:
     # a generative model's label tokens (the workers' classifier_from_token): its classification
     # head's labels for /v1/score, /v1/rerank and /classify (engine/score_head.py)
     classifier_from_token: tuple = ()
+    # a Matryoshka embedding model (embeddings' `dimensions`): True, or the dimensions allowed;
+    # None: as its config.json says (is_matryoshka, matryoshka_dimensions), vLLM's keys
+    matryoshka: bool | tuple | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # a reservation's shortest lease: each is asked for until its client's deadline (cut to the
     # decode worker's max_lease_ms) and renewed by every KV frame (decode_worker/handoff.py)
@@ -272,6 +275,10 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         config.model_id or os.path.basename(os.fspath(config.model).rstrip("/")) or str(model_dir)
     )
     labels, generates = class_labels(hf, tuple(config.classifier_from_token))
+    matryoshka = config.matryoshka
+    if matryoshka is None:
+        dims = hf_text.get("matryoshka_dimensions")
+        matryoshka = tuple(dims) if dims else bool(hf_text.get("is_matryoshka"))
     return ServiceOptions(
         model_id=model_id,
         max_model_len=int(max_len),
@@ -279,6 +286,8 @@ def service_options(config: RouterConfig, model_dir) -> ServiceOptions:
         dtype=str(dtype),
         labels=labels,
         generates=generates,
+        matryoshka=matryoshka,
+        hidden_size=int(hf_text.get("hidden_size", 0)),
         **{name: getattr(config, name) for name in PASSED_TO_SERVICE},
     )
 

@@ -30,6 +30,7 @@ see ids the router mints (router/legs.py), so nothing a client chooses reaches a
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -67,7 +68,8 @@ NO_GENERATION = (
 )
 NO_HEAD = (
     "this model has no classification head: serve a *ForSequenceClassification checkpoint, or "
-    "name a generative model's label tokens (classifier_from_token in the deployment YAML)"
+    "name a generative model's label tokens (hf_overrides.classifier_from_token in the "
+    "deployment YAML)"
 )
 MAX_EMBED_INPUTS = 2048  # inputs of one Embed call (OpenAI's limit; worker_common/embed.py's)
 
@@ -133,6 +135,10 @@ class ServiceOptions:
     # none; `generates` False: a *ForSequenceClassification checkpoint (Generate is refused)
     labels: tuple[str, ...] = ()
     generates: bool = True
+    # a Matryoshka model (EmbedRequest.dimensions): True (any width up to hidden_size) or the
+    # widths allowed; False: none
+    matryoshka: bool | tuple[int, ...] = False
+    hidden_size: int = 0
 
 
 def request_finish(last: pdserve_pb2.Finish, earlier: list[pdserve_pb2.Finish]):
@@ -498,13 +504,18 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
                 f"model {request.model[:200]} is not served; served: {opts.model_id}",
             )
         classify = request.task == pdserve_pb2.POOLING_TASK_CLASSIFY
-        if classify and not opts.labels:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_HEAD)
         if not classify and request.task != pdserve_pb2.POOLING_TASK_EMBED:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"task {request.task} is not a PoolingTask: EMBED (0) or CLASSIFY (1)",
             )
+        dims = request.dimensions if request.HasField("dimensions") else None
+        if dims is not None:
+            refusal = self._check_dimensions(dims, classify)
+            if refusal:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        if classify and not opts.labels:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_HEAD)
         prompts = self._embed_prompts(request, context)
         role = "decode" if opts.colocated else "prefill"
         if not self.pool.num_workers(role):
@@ -527,7 +538,32 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             cached_prompt_tokens=reply.num_cached_tokens,
         )
         out.embeddings.extend(reply.embeddings)
+        if dims is not None:
+            for e in out.embeddings:
+                cut = list(e.values[:dims])
+                if opts.embedding_normalize:
+                    norm = math.sqrt(sum(v * v for v in cut)) or 1.0
+                    cut = [v / norm for v in cut]
+                e.values[:] = cut
         return out
+
+    def _check_dimensions(self, dims: int, classify: bool) -> str | None:
+        """Why EmbedRequest.dimensions cannot be served (None: it can)."""
+        opts = self.options
+        if classify:
+            return "dimensions is for embeddings: leave it unset with task CLASSIFY"
+        if not opts.matryoshka:
+            return (
+                "dimensions is not supported: the served model is not a Matryoshka model (its "
+                "config has no is_matryoshka or matryoshka_dimensions; a deployment can say so "
+                "in hf_overrides); leave it unset"
+            )
+        if isinstance(opts.matryoshka, tuple) and dims not in opts.matryoshka:
+            allowed = ", ".join(map(str, opts.matryoshka))
+            return f"dimensions={dims} is not one the model was trained for: one of {allowed}"
+        if not 1 <= dims <= opts.hidden_size:
+            return f"dimensions={dims} must be in [1, {opts.hidden_size}] (the model's width)"
+        return None
 
     def _embed_prompts(self, request, context) -> list[list[int]]:
         """Each input's token ids, checked as a Generate prompt is (naming the input)."""

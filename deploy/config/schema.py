@@ -727,6 +727,32 @@ class ObservabilitySettings(_Frozen):
     trace_sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
 
 
+class HFOverrides(_Frozen):
+    """vLLM's --hf-overrides keys that pdserve serves (any other key is refused naming it: the
+    model's config is read as it is)."""
+
+    # a generative model served as a classifier and reranker: the tokens whose logits at a
+    # prompt's last position are its labels, e.g. ["no", "yes"] for Qwen3-Reranker (/v1/score and
+    # /v1/rerank score the last label; engine/score_head.py)
+    classifier_from_token: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=64)]],
+            Field(min_length=1, max_length=64),
+        ]
+        | None
+    ) = None
+    # vLLM's recipe for Qwen3-Reranker names these beside the tokens; pdserve needs neither (it
+    # reads the head from the tokens), and takes them so that the recipe runs as it is
+    architectures: Annotated[list[str], Field(max_length=1)] | None = None
+    is_original_qwen3_reranker: bool | None = None
+    # a Matryoshka embedding model (Qwen3-Embedding, whose config does not say so): embeddings
+    # may be cut to `dimensions` (any, or one of matryoshka_dimensions) and normalised again
+    is_matryoshka: bool | None = None
+    matryoshka_dimensions: (
+        Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1, max_length=64)] | None
+    ) = None
+
+
 class DeployConfig(_Frozen):
     # a directory, a .gguf file, "smollm2", or a Hugging Face Hub id ORG/NAME[@REVISION]
     model: Annotated[str, Field(min_length=1)] = "smollm2"
@@ -736,16 +762,8 @@ class DeployConfig(_Frozen):
     # the tokenizer's, given as a file (relative to the YAML's folder) or as the template itself;
     # read and parsed when the config loads (files.py chat_template_text)
     chat_template: ChatTemplate | None = None
-    # a generative model served as a classifier and reranker (vLLM's hf_overrides key): the
-    # tokens whose logits at a prompt's last position are its labels, e.g. ["no", "yes"] for
-    # Qwen3-Reranker (/v1/score and /v1/rerank score the last label; engine/score_head.py)
-    classifier_from_token: (
-        Annotated[
-            list[Annotated[str, Field(min_length=1, max_length=64)]],
-            Field(min_length=1, max_length=64),
-        ]
-        | None
-    ) = None
+    # vLLM's --hf-overrides, the keys pdserve serves (HFOverrides)
+    hf_overrides: HFOverrides = HFOverrides()
     dtype: Literal[DTYPES] = "auto"
     # CPU pools: None, "int8", "int4" or "auto" (engine/config.py); dtype "auto" on a CPU already
     # means quantization "auto"
@@ -820,8 +838,8 @@ class DeployConfig(_Frozen):
             kwargs["max_model_len"] = pool.max_model_len
         spec = pool.speculative_config
         kwargs["speculative_config"] = dict(spec) if isinstance(spec, dict) else spec
-        if self.classifier_from_token:
-            kwargs["classifier_from_token"] = tuple(self.classifier_from_token)
+        if self.hf_overrides.classifier_from_token:
+            kwargs["classifier_from_token"] = tuple(self.hf_overrides.classifier_from_token)
         if self.lora.enabled:  # every worker of every pool: the adapters come from its config
             kwargs.update(
                 enable_lora=True,

@@ -10,9 +10,10 @@ state of the last token by default, L2-normalised unless router.embedding_normal
         "usage": {"prompt_tokens", "total_tokens"}}
 
 base64 is the float32 vector's little-endian bytes (what the openai client decodes). `dimensions`
-is refused with a 400 naming it: the served models are not Matryoshka models (vLLM refuses it
-the same way). `user` is accepted as a label. A bad input is a 400 naming `input`; every input
-must fit max_model_len - 1 tokens, as a prompt must. The route is declared on `router`, which
+cuts a Matryoshka model's vectors to that width, normalised again (the router checks the model is
+one and the width allowed, else a 400 naming it, as vLLM refuses it). `user` is accepted as a
+label. A bad input is a 400 naming `input`; every input must fit max_model_len - 1 tokens, as a
+prompt must. The route is declared on `router`, which
 build_app (router/openai/app.py) includes; it keeps no state of its own.
 """
 
@@ -26,7 +27,7 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field, StrictInt, StrictStr, field_validator
+from pydantic import Field, StrictInt, StrictStr
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
 from pdserve.router.openai.errors import ApiError
@@ -53,21 +54,13 @@ class EmbeddingRequest(_Strict):
     input: StrictStr | Texts | Ids | IdLists
     model: ShortStr | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    # a Matryoshka model's embeddings cut to this width (the router checks it may be: 400 naming
+    # it otherwise)
+    dimensions: Annotated[StrictInt, Field(ge=1, lt=1 << 32)] | None = None
     user: ShortStr | None = None
     priority: Priority = 0  # as chat's (router/openai/protocol.py)
     # vLLM's: each input keeps only its last k tokens (-1: as many as max_model_len holds)
     truncate_prompt_tokens: TruncatePromptTokens | None = None
-
-    @field_validator("dimensions")
-    @classmethod
-    def _no_dimensions(cls, v):
-        if v is not None:
-            raise ValueError(
-                "dimensions is not supported: the served model is not a Matryoshka model; "
-                "leave it unset"
-            )
-        return v
 
     def inputs(self) -> list[pdserve_pb2.EmbedInput]:
         """The inputs as the gRPC API takes them, in order."""
@@ -108,6 +101,8 @@ async def embeddings(request: Request):
     call.inputs.extend(inputs)
     if body.truncate_prompt_tokens is not None:
         call.truncate_prompt_tokens = body.truncate_prompt_tokens
+    if body.dimensions is not None:
+        call.dimensions = body.dimensions
     rpc = front.stub.Embed(call, metadata=metadata)
     # a client that disconnects cancels the call: the router cancels the worker's, which aborts
     # the inputs still in its engine
@@ -119,6 +114,8 @@ async def embeddings(request: Request):
             err.message, err.param = "input" + err.message[len("inputs") :], "input"
         elif err.status == 400 and err.message.startswith("priority="):
             err.param = "priority"
+        elif err.status == 400 and err.message.startswith("dimensions"):
+            err.param = "dimensions"
         raise
     finally:
         watcher.cancel()

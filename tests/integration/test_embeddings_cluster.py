@@ -161,6 +161,46 @@ def test_bad_embedding_values_are_a_400_naming_the_field(cluster, body, param):
     assert status == 200, raw
 
 
+def test_a_matryoshka_model_s_embeddings_are_cut_and_normalised_again(qwen3, cluster, tmp_path):
+    """`dimensions` where the model is a Matryoshka one: its config.json says so (is_matryoshka:
+    any width up to hidden_size), or the deployment does (matryoshka_dimensions: those widths
+    only); each vector is HF's hidden state cut to the width and L2-normalised."""
+    import shutil
+
+    model_dir, hf = qwen3
+    _, prefill, decode, _ = cluster
+    said = tmp_path / "matryoshka"
+    shutil.copytree(model_dir, said)
+    config = json.loads((said / "config.json").read_text())
+    (said / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    for model, matryoshka, good, bad in ((str(said), None, 8, 65), (model_dir, (16, 32), 16, 8)):
+        router = start_router(
+            model, decode, prefill, http_port=0, max_model_len=128, matryoshka=matryoshka
+        )
+        try:
+            status, _, body = post(
+                router, "/v1/embeddings", {"input": [5, 6, 7], "dimensions": good}
+            )
+            assert status == 200, body
+            got = torch.tensor(json.loads(body)["data"][0]["embedding"])
+            with torch.no_grad():
+                h = hf.model(torch.tensor([[5, 6, 7]])).last_hidden_state[0, -1, :good].float()
+            assert (got - torch.nn.functional.normalize(h, dim=-1)).abs().max().item() < TOL
+            status, _, raw = post(router, "/v1/embeddings", {"input": "t5", "dimensions": bad})
+            err = assert_error(status, raw, 400, "dimensions")
+            assert str(bad) in err["message"]
+            with grpc.insecure_channel(router.address) as ch, pytest.raises(grpc.RpcError) as e:
+                pdserve_pb2_grpc.PDServeStub(ch).Embed(
+                    pdserve_pb2.EmbedRequest(
+                        inputs=[pdserve_pb2.EmbedInput(text="t5")], dimensions=good, task=1
+                    ),
+                    timeout=30,
+                )
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            router.stop()
+
+
 def test_priority_is_served_under_the_priority_policy(cluster):
     router, _, _, stub = cluster
     status, _, body = post(

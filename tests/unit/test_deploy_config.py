@@ -362,21 +362,27 @@ def test_a_chat_template_is_read_from_a_file_or_given_as_itself(tmp_path):
         validate_config({"chat_template": "{% for m in messages %}{{ m }}"})
 
 
-def test_classifier_from_token_reaches_every_worker_and_the_router():
-    """vLLM's hf_overrides key: the label tokens go to every pool's engine and to the router (its
-    labels); an empty list or an empty token is refused naming the field."""
+def test_hf_overrides_reach_every_worker_and_the_router():
+    """vLLM's --hf-overrides keys pdserve serves: the label tokens go to every pool's engine and
+    to the router (its labels), the Matryoshka keys to the router; another key, an empty list or
+    an empty token is refused naming the field."""
+    from pdserve.deploy.launcher import _matryoshka
     from pdserve.router.server import class_labels
 
-    cfg = validate_config({"classifier_from_token": ["no", "yes"]})
+    cfg = validate_config({"hf_overrides": {"classifier_from_token": ["no", "yes"]}})
     for _, pool in cfg.worker_pools():
         assert cfg.engine_kwargs(pool)["classifier_from_token"] == ("no", "yes")
     assert "classifier_from_token" not in validate_config({}).engine_kwargs(cfg.pools.decode)
+    assert _matryoshka(cfg.hf_overrides) is None
+    dims = validate_config({"hf_overrides": {"matryoshka_dimensions": [64, 128]}})
+    assert _matryoshka(dims.hf_overrides) == (64, 128)
+    assert _matryoshka(validate_config({"hf_overrides": {"is_matryoshka": True}}).hf_overrides)
     assert class_labels({"architectures": ["Qwen3ForCausalLM"]}, ("no", "yes")) == (
         ("no", "yes"),
         True,
     )
     hf = {"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "a", "1": "b"}}
     assert class_labels(hf, ()) == (("a", "b"), False)
-    for bad in ([], [""], "yes"):
-        with pytest.raises(ConfigError, match="classifier_from_token"):
-            validate_config({"classifier_from_token": bad})
+    for bad in ({"classifier_from_token": []}, {"classifier_from_token": [""]}, {"rope_theta": 1}):
+        with pytest.raises(ConfigError, match="hf_overrides"):
+            validate_config({"hf_overrides": bad})

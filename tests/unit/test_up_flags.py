@@ -49,15 +49,18 @@ def test_a_flag_wins_over_the_yaml(tmp_path):
 
 def test_vllm_s_qwen3_reranker_overrides_set_the_label_tokens(tmp_path):
     """vLLM's --hf-overrides recipe for Qwen3-Reranker runs as it is; other keys are refused
-    naming the flag."""
+    naming the flag and the key."""
     overrides = (
         '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", '
         '"yes"], "is_original_qwen3_reranker": true}'
     )
-    assert _up(tmp_path, None, "--hf-overrides", overrides).classifier_from_token == ["no", "yes"]
+    c = _up(tmp_path, None, "--hf-overrides", overrides)
+    assert c.hf_overrides.classifier_from_token == ["no", "yes"]
+    c = _up(tmp_path, None, "--hf-overrides", '{"matryoshka_dimensions": [32, 64]}')
+    assert c.hf_overrides.matryoshka_dimensions == [32, 64]
     for bad, why in (
-        ('{"rope_theta": 1}', "classifier_from_token from it"),
-        ('{"classifier_from_token": ["no"], "rope_theta": 1}', "rope_theta cannot be overridden"),
+        ('{"rope_theta": 1}', "rope_theta"),
+        ('["no"]', "a JSON object"),
         ('{"classifier_from_token": []}', "at least 1 item"),
     ):
         with pytest.raises(ConfigError, match=f"--hf-overrides.*{why}"):

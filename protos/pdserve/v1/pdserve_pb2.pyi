@@ -51,7 +51,7 @@ class EmbedInput(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "model", "inputs", "priority", "deadline_ms", "truncate_prompt_tokens", "task")
+    __slots__ = ("request_id", "model", "inputs", "priority", "deadline_ms", "truncate_prompt_tokens", "task", "dimensions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class EmbedRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
@@ -66,7 +67,8 @@ class EmbedRequest(_message.Message):
     deadline_ms: int
     truncate_prompt_tokens: int
     task: PoolingTask
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., task: _Optional[_Union[PoolingTask, str]] = ...) -> None: ...
+    dimensions: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., priority: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., task: _Optional[_Union[PoolingTask, str]] = ..., dimensions: _Optional[int] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("index", "values", "prompt_tokens")
