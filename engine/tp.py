@@ -349,10 +349,22 @@ class LocalRanks:
         """Nothing to check: every local rank shares this host."""
 
 
-# what the fork server imports before it forks any follower: torch is most of a follower's start
-# (seconds of CPU a process). The server forks from its idle main thread; the one other thread
-# the import starts (numpy's OpenBLAS server) is made safe to fork by OpenBLAS's own fork handlers
-FORK_SERVER_PRELOAD = ["__main__", "torch", "torch.distributed"]
+# what the fork server imports before it forks any follower: the imports are most of a
+# follower's start (seconds of CPU a process): torch, the engine, and transformers, which the
+# follower's unpickled model config and the precision probe's tokenizer need (with
+# transformers.activations, which every family's config class imports: torch.distributed.tensor
+# underneath), so that a follower forked from the server starts in a fraction of a second. The
+# server forks from its idle main thread; the one other thread the import starts (numpy's OpenBLAS server) is made
+# safe to fork by OpenBLAS's own fork handlers
+FORK_SERVER_PRELOAD = [
+    "__main__",
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.activations",
+    "pdserve.engine.tp",
+    "pdserve.engine.tokenizer",
+]
 
 
 def _rank_context(device: str):
