@@ -73,6 +73,14 @@ def choose_precision(runner: ModelRunner, model_dir: str, tokenizer=None) -> tup
     if wanted is None:
         runner.model.prepare_linears(None)
         return None, f"quantization=none ({config.dtype}), as configured"
+    if wanted == "auto" and runner.model_config.num_labels:
+        # the probe judges a mode by the LM head's logits, and a classifier checkpoint's LM head
+        # is a stand-in (engine/score_head.py): nothing here could judge its scores
+        runner.model.prepare_linears(None)
+        return None, (
+            f"quantization=none ({config.dtype}): a classifier checkpoint, whose scores the "
+            "precision probe cannot judge"
+        )
     from pdserve.engine.quality import PROBE_TOKENS, probe_ids
     from pdserve.engine.tokenizer import load_tokenizer
 

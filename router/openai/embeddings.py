@@ -64,14 +64,18 @@ class EmbeddingRequest(_Strict):
 
     def inputs(self) -> list[pdserve_pb2.EmbedInput]:
         """The inputs as the gRPC API takes them, in order."""
-        one = self.input
-        if isinstance(one, str):
-            return [pdserve_pb2.EmbedInput(text=one)]
-        if all(isinstance(x, int) for x in one):
-            return [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=one))]
-        if all(isinstance(x, str) for x in one):
-            return [pdserve_pb2.EmbedInput(text=t) for t in one]
-        return [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=ids)) for ids in one]
+        return embed_inputs(self.input)
+
+
+def embed_inputs(one) -> list[pdserve_pb2.EmbedInput]:
+    """An `input` field (a text, texts, token ids or lists of them) as EmbedInput messages."""
+    if isinstance(one, str):
+        return [pdserve_pb2.EmbedInput(text=one)]
+    if all(isinstance(x, int) for x in one):
+        return [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=one))]
+    if all(isinstance(x, str) for x in one):
+        return [pdserve_pb2.EmbedInput(text=t) for t in one]
+    return [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=ids)) for ids in one]
 
 
 EMBEDDING_FIELDS = _field_names(EmbeddingRequest)

@@ -35,11 +35,12 @@ import time
 import uuid
 from typing import Annotated
 
+import torch
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2
-from pdserve.router.openai.embeddings import IdLists, Ids, Texts
+from pdserve.router.openai.embeddings import IdLists, Ids, Texts, embed_inputs
 from pdserve.router.openai.errors import ApiError
 from pdserve.router.openai.generate import _cancel_on_disconnect, _from_router
 from pdserve.router.openai.protocol import (
@@ -215,14 +216,19 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
         front.check_prompt_size([text], param)
     inputs = [pdserve_pb2.EmbedInput(text=t) for t in unique]
     reply = await _embed(request, front, body, metadata, inputs, pdserve_pb2.POOLING_TASK_EMBED)
-    vectors = {t: list(e.values) for t, e in zip(unique, reply.embeddings, strict=True)}
-    return [_cosine(vectors[a], vectors[b]) for a, b in pairs], reply.prompt_tokens
+    where = {t: i for i, t in enumerate(unique)}
+    index = [(where[a], where[b]) for a, b in pairs]
+    # off the event loop: up to MAX_DOCUMENTS pairs of model-wide vectors
+    scores = await asyncio.to_thread(_cosines, [list(e.values) for e in reply.embeddings], index)
+    return scores, reply.prompt_tokens
 
 
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return dot / norm if norm else 0.0
+def _cosines(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine similarity of each pair (i, j) of `vectors` (0 where one is all zeros)."""
+    unit = torch.nn.functional.normalize(torch.tensor(vectors, dtype=torch.float32), dim=-1)
+    first = torch.tensor([i for i, _ in pairs])
+    second = torch.tensor([j for _, j in pairs])
+    return (unit[first] * unit[second]).sum(-1).tolist()
 
 
 def _input_error(err: ApiError, param: str) -> ApiError:
@@ -292,15 +298,7 @@ async def classify(request: Request):
     body, metadata = await front.parse(request, ClassifyRequest, CLASSIFY_FIELDS)
     front.check_model(body.model)
     labels = front.settings.labels
-    one = body.input
-    if isinstance(one, str):
-        inputs = [pdserve_pb2.EmbedInput(text=one)]
-    elif all(isinstance(x, int) for x in one):
-        inputs = [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=one))]
-    elif all(isinstance(x, str) for x in one):
-        inputs = [pdserve_pb2.EmbedInput(text=t) for t in one]
-    else:
-        inputs = [pdserve_pb2.EmbedInput(token_ids=pdserve_pb2.TokenIds(ids=ids)) for ids in one]
+    inputs = embed_inputs(body.input)
     texts = [i.text for i in inputs if i.HasField("text")]
     front.check_prompt_size(texts, "input")
     try:

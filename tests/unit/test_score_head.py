@@ -68,6 +68,9 @@ def test_a_classifier_checkpoint_gives_hf_logits(tmp_path, kind, budget):
 def test_a_classifier_refuses_to_generate_and_warms_up_by_classifying(tmp_path):
     build_arch_model(tmp_path, "llama", labels=("x",))
     engine = _engine(str(tmp_path))
+    # the default mode keeps a classifier dense: the precision probe judges an LM head
+    auto = LLM(str(tmp_path), kv_cache_memory=1 << 20, block_size=4).engine
+    assert auto.config.quantization is None and "classifier checkpoint" in auto.mode_note
     with pytest.raises(InvalidRequest, match="1-label classifier.*does not generate"):
         engine.add_request("g", [5, 6, 7], SamplingParams(max_tokens=2))
     assert engine.warm_up(prompt_len=8) >= 0
