@@ -541,6 +541,7 @@ class Router:
                 max_connections=cfg.http_max_connections,
                 responses_store_bytes=cfg.http_responses_store_bytes,
                 labels=options.labels,
+                score_template=bool(options.labels) and cfg.chat_template is not None,
                 metrics_registry=self.metrics_registry,
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 loras=self.servicer.loras,

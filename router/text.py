@@ -187,6 +187,28 @@ class PromptEncoder:
         self._check_size([text], "prompt")
         return self._run(self._encode, text, add_special_tokens) if text else []
 
+    def render_pair(self, query: str, document: str) -> str:
+        """A scoring pair as the deployment's chat template renders it (vLLM's score template:
+        a "query" message, then a "document" message, no generation prompt); the text, which the
+        router tokenizes as any text prompt. Raises BadRequest."""
+        self._check_size([query, document], "the scoring pair")
+        conversation = [
+            {"role": "query", "content": query},
+            {"role": "document", "content": document},
+        ]
+        return self._run(self._render, conversation)
+
+    def _render(self, conversation) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=False
+            )
+        except Exception as e:  # jinja errors: a template that is not a score template
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the scoring pair does not fit the deployment's chat template: {e}",
+            ) from e
+
     def tokenize_chat(self, chat, add_special_tokens: bool = False) -> list[int]:
         """A pdserve.v1.ChatMessages' ids as Generate renders them (POST /tokenize)."""
         return self._encode_chat(chat, add_special_tokens)

@@ -20,7 +20,8 @@ How a pair is scored depends on the model. One with a classification head (a
 *ForSequenceClassification checkpoint, or `classifier_from_token`: engine/score_head.py) is a
 cross-encoder: the query's text followed by the document's is one prompt (vLLM's way for a
 decoder reranker: the model's own template, e.g. Qwen3-Reranker's, is in the texts the client
-sends), and its score is the last label's probability: sigmoid of a single label's logit, or of
+sends), or, where the deployment gives a chat_template, the pair rendered by it as a "query" and
+a "document" message (vLLM's score template), and its score is the last label's probability: sigmoid of a single label's logit, or of
 the last label's logit less the first's for two labels (softmax's: "yes" of ["no", "yes"]). A
 model without one is a bi-encoder: the score is the cosine similarity of the two texts'
 embeddings (vLLM's way for an embedding model). `use_activation: false` gives the logit (the
@@ -203,9 +204,15 @@ async def _scores(request: Request, front, body, metadata, pairs, param: str):
                 f"({', '.join(labels[:8])}): use /classify",
                 param=param,
             )
+        texts = []
         for i, (a, b) in enumerate(pairs):
-            front.check_prompt_size([a + b], f"{param}[{i}]")
-        inputs = [pdserve_pb2.EmbedInput(text=a + b) for a, b in pairs]
+            if front.settings.score_template:
+                encoder = front.settings.encoder
+                texts.append(await front.encode(f"{param}[{i}]", encoder.render_pair, a, b))
+            else:
+                texts.append(a + b)
+            front.check_prompt_size([texts[-1]], f"{param}[{i}]")
+        inputs = [pdserve_pb2.EmbedInput(text=t) for t in texts]
         task = pdserve_pb2.POOLING_TASK_CLASSIFY
         reply = await _embed(request, front, body, metadata, inputs, task)
         logits = [pair_logit(e.values, len(labels)) for e in reply.embeddings]

@@ -102,6 +102,9 @@ class HttpSettings:
     # the classification head's labels (router/openai/scoring.py): empty, the model has none and
     # /v1/score and /v1/rerank compare embeddings
     labels: tuple[str, ...] = ()
+    # a model with labels whose deployment gives a chat_template: each scoring pair is rendered
+    # by it as a "query" then a "document" message (vLLM's score template), not joined as text
+    score_template: bool = False
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s", "log_interval_s"):

@@ -191,7 +191,7 @@ class FrontState:
                 code="model_not_found",
             )
 
-    async def encode(self, param: str, fn, *args) -> list[int]:
+    async def encode(self, param: str, fn, *args):
         """fn(*args) of the prompt encoder, on its own thread: not on the event loop."""
         try:
             return await asyncio.to_thread(fn, *args)

@@ -51,12 +51,18 @@ def _serve(model_dir, engine=None, **router):
 
 
 @pytest.fixture(scope="module")
-def classifier(tmp_path_factory):
+def classifier_parts(tmp_path_factory):
     path = tmp_path_factory.mktemp("reranker")
     hf = build_arch_model(path, "qwen3", labels=("no", "yes"))
     served, parts = _serve(str(path))
-    yield hf, *served
+    yield str(path), hf, served, parts
     stop_all([parts[0]], *parts[1:])
+
+
+@pytest.fixture(scope="module")
+def classifier(classifier_parts):
+    _, hf, served, _ = classifier_parts
+    return hf, *served
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +145,38 @@ def test_cross_encoder_scores_and_ranks_as_hf(request, served):
     assert len(doc["results"]) == 4 and all(
         set(r) == {"index", "relevance_score"} for r in doc["results"]
     )
+
+
+def test_a_deployment_s_chat_template_renders_each_pair(classifier_parts):
+    """vLLM's score template: with a chat_template given, a pair is its "query" message then its
+    "document" message as the template renders them; a template that cannot render one is a 400
+    naming the pair."""
+    model_dir, hf, _, (_, _, prefill, decode) = classifier_parts
+    template = "{{ messages[0]['content'] }} t3 {{ messages[1]['content'] }}"
+    router = start_router(
+        model_dir, decode, prefill, http_port=0, max_model_len=256, chat_template=template
+    )
+    try:
+        doc = _json(*post(router, "/v1/rerank", {"query": QUERY, "documents": DOCS[:2]}))
+        for r in doc["results"]:
+            logits = _head_logits(hf, _ids(f"{QUERY} t3 {DOCS[r['index']]}"))
+            assert abs(r["relevance_score"] - _sigmoid(float(logits[1] - logits[0]))) < TOL
+    finally:
+        router.stop()
+    router = start_router(
+        model_dir,
+        decode,
+        prefill,
+        http_port=0,
+        max_model_len=256,
+        chat_template="{{ raise_exception('not a score template') }}",
+    )
+    try:
+        status, _, raw = post(router, "/v1/score", {"text_1": "t5", "text_2": ["t6", "t7"]})
+        err = assert_error(status, raw, 400, "text_2[0]")
+        assert "not a score template" in err["message"]
+    finally:
+        router.stop()
 
 
 def test_classify_gives_hf_softmax_and_the_labels(classifier):
