@@ -151,7 +151,7 @@ def inference_perf(
     return counts
 
 
-# inference-perf's loads and data for the two runs both lanes make
+# inference-perf's loads and data for the runs the two files make
 RANDOM_LENGTHS = (
     "{type: random, input_distribution: {min: 16, max: 64, mean: 32, std_dev: 8}, "
     "output_distribution: {min: 4, max: 16, mean: 8, std_dev: 2}}"

@@ -1,11 +1,12 @@
 """The benchmark clients vLLM users point at a server, run unchanged against pdserve (issue 52's
 must-show 0) on an in-process cluster: guidellm 0.8.1's synthetic run with its sweep profile
 (synchronous, throughput, then constant rates) on the chat endpoint, and its completions and
-Responses formats; then inference-perf 0.7.0's constant-rate stages (completions, random lengths)
-and its sweep (chat). Every benchmark must end with no errored request; requests a client leaves
-unfinished as its time runs out (guidellm's "incomplete") are allowed, and must leave the
-router's admission queue. `pdserve up` with the real SmolLM2 is
-tests/e2e/test_benchmark_clients_up.py's.
+Responses formats; then inference-perf 0.7.0's constant-rate stages (completions, random
+lengths). Every benchmark must end with no errored request; requests a client leaves unfinished
+as its time runs out (guidellm's "incomplete") are allowed, and must leave the router's admission
+queue. `pdserve up` with the real SmolLM2, and inference-perf's sweep (chat), are
+tests/e2e/test_benchmark_clients_up.py's; scripts/test_clients.sh runs the two files one test at
+a time.
 
 The cluster is a router (max_inflight=4, so guidellm's throughput stage, 512 requests at once,
 waits in the admission queue) in front of a prefill and a decode worker on a tiny random model
@@ -18,15 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.bench_clients import (
-    MOCK_CHAT,
-    RANDOM_LENGTHS,
-    constant_stages,
-    guidellm,
-    inference_perf,
-    needs,
-    sweep,
-)
+from helpers.bench_clients import RANDOM_LENGTHS, constant_stages, guidellm, inference_perf, needs
 from helpers.http import Workers
 from helpers.structured import byte_level_model
 from helpers.threads import wait_until
@@ -86,18 +79,11 @@ def test_guidellm_other_formats_have_no_errored_request(cluster, tmp_path, reque
 
 
 @needs("inference_perf", "inference-perf==0.7.0")
-@pytest.mark.parametrize(
-    "api, data, load",
-    [
-        ("completion", RANDOM_LENGTHS, constant_stages((5, 20), 3)),
-        ("chat", MOCK_CHAT, sweep(40, 3)),
-    ],
-    ids=["constant-stages", "sweep"],
-)
-def test_inference_perf_has_no_failure(cluster, tmp_path, api, data, load):
+def test_inference_perf_stages_have_no_failure(cluster, tmp_path):
     router, model_dir = cluster
     url = f"http://{router.http_address}"
-    reports = inference_perf(url, "tiny", model_dir, tmp_path, api, data, load)
+    load = constant_stages((5, 20), 3)
+    reports = inference_perf(url, "tiny", model_dir, tmp_path, "completion", RANDOM_LENGTHS, load)
     assert len(reports) == 3, reports  # two stages and the summary
     assert all(ok > 0 and failed == 0 for _, ok, failed in reports), reports
     _settled(router)
