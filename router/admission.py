@@ -18,6 +18,12 @@ goes away (`cancel`, from gRPC's end-of-call callback: it only sets an event, ne
 Retry-After). PDServeServicer (router/service.py) owns one for the router's lifetime; the HTTP
 front reaches it through the router's own gRPC API, so both fronts share it. Every admission's
 wait is reported to `on_admit` (the router's pdserve:router_admission_wait_seconds histogram).
+
+`pause` closes the gate for every call (router/pause.py, the HTTP front's /pause): a new call
+queues even where a slot is free, a freed slot goes to nobody, and `idle` says when the last
+admitted call has left; `resume` hands the free slots to the queue's head. Time spent paused does
+not count towards a queued call's max_wait_s (a pause loses no request by itself), while its own
+deadline, its client leaving and max_queued still apply.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ class QueueFull(Exception):
 class Ticket:
     """One call's place: granted at once, or queued until `wait` says how it ended."""
 
-    __slots__ = ("granted", "cancelled", "event", "since", "priority")
+    __slots__ = ("granted", "cancelled", "event", "since", "counted_from", "priority")
 
     def __init__(self, since: float, granted: bool, priority: int = 0):
         self.granted, self.cancelled, self.since = granted, False, since
+        # where its max_wait_s runs from: `since`, moved on by the time it spent paused
+        self.counted_from = since
         self.priority = priority
         self.event = threading.Event()
 
@@ -64,6 +72,7 @@ class Admission:
         self._lock = threading.Lock()
         self._running = 0
         self._queue: deque[Ticket] = deque()
+        self._paused_since: float | None = None  # when `pause` closed the gate; None: open
 
     def running(self) -> int:
         with self._lock:
@@ -79,7 +88,7 @@ class Admission:
         calls already wait."""
         now = self._clock()
         with self._lock:
-            if self._running < self.max_inflight and not self._queue:
+            if self._running < self.max_inflight and not self._queue and not self.is_paused:
                 self._running += 1
                 ticket = Ticket(now, granted=True)
             elif len(self._queue) >= self.max_queued:
@@ -101,10 +110,11 @@ class Admission:
         """Blocks the calling (gRPC handler) thread until the ticket is granted (ADMITTED: the
         caller must `leave` once the call ends), it waited max_wait_s (TIMED_OUT), `deadline`
         (on the admission clock) passed first (DEADLINE), or `cancel` ran (CANCELLED)."""
-        limit = ticket.since + self.max_wait_s
-        until = limit if deadline is None else min(limit, deadline)
         while True:
             with self._lock:
+                # cleared before the flags are read: a grant, a cancel or a resume that sets it
+                # after this point wakes the wait below
+                ticket.event.clear()
                 if ticket.granted and not ticket.cancelled:
                     break
                 if ticket.granted:  # granted and cancelled at once: hand the slot on
@@ -113,10 +123,15 @@ class Admission:
                 if ticket.cancelled:
                     self._drop_locked(ticket)
                     return CANCELLED
-                left = until - self._clock()
-                if left <= 0:
+                # paused: only the call's own deadline ends its wait
+                limit = None if self.is_paused else ticket.counted_from + self.max_wait_s
+                until = deadline if limit is None else limit
+                if deadline is not None:
+                    until = min(until, deadline)
+                left = None if until is None else until - self._clock()
+                if left is not None and left <= 0:
                     self._drop_locked(ticket)
-                    return DEADLINE if until < limit else TIMED_OUT
+                    return DEADLINE if limit is None or until < limit else TIMED_OUT
             ticket.event.wait(left)
         self._on_admit(max(0.0, self._clock() - ticket.since))
         return ADMITTED
@@ -132,14 +147,50 @@ class Admission:
         with self._lock:
             self._release_locked()
 
-    def _release_locked(self) -> None:
+    # ---- pause (router/pause.py) ----------------------------------------------------------------
+    @property
+    def is_paused(self) -> bool:
+        return self._paused_since is not None
+
+    def pause(self) -> None:
+        """Closes the gate: no call is admitted until `resume`; those admitted run on."""
+        with self._lock:
+            if self._paused_since is None:
+                self._paused_since = self._clock()
+
+    def resume(self) -> None:
+        """Opens the gate: each queued call's wait so far loses the time it spent paused, and
+        the free slots go to the queue's head, in order."""
+        with self._lock:
+            if self._paused_since is None:
+                return
+            now, since = self._clock(), self._paused_since
+            self._paused_since = None
+            for ticket in self._queue:
+                ticket.counted_from += now - max(since, ticket.counted_from)
+                ticket.event.set()  # its wait takes up its max_wait_s bound again
+            while self._running < self.max_inflight and self._grant_head_locked():
+                self._running += 1
+
+    def idle(self) -> bool:
+        """No admitted call is running."""
+        with self._lock:
+            return self._running == 0
+
+    def _grant_head_locked(self) -> bool:
+        """The queue's first live ticket granted; False when none waits."""
         while self._queue:
             head = self._queue.popleft()
             if head.cancelled:
                 continue
-            head.granted = True  # the slot passes on: _running stays
+            head.granted = True
             head.event.set()
-            return
+            return True
+        return False
+
+    def _release_locked(self) -> None:
+        if self._paused_since is None and self._grant_head_locked():
+            return  # the slot passes on: _running stays
         self._running -= 1
 
     def _drop_locked(self, ticket: Ticket) -> None:

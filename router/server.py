@@ -153,6 +153,8 @@ class RouterConfig:
     lora_enabled: bool = False
     lora_modules: tuple = ()
     lora_allow_runtime_updates: bool = False
+    # POST /pause, POST /resume, GET /is_paused (router/pause.py): off, 404
+    pause_endpoints: bool = False
 
     def __post_init__(self):
         for name in (
@@ -465,6 +467,7 @@ class Router:
             cfg.lora_allow_runtime_updates,
             pool=self.pool,
         )
+        self.servicer.pause.enabled = cfg.pause_endpoints
         self.metrics.track_router(
             self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
         )
@@ -545,6 +548,7 @@ class Router:
                 metrics_registry=self.metrics_registry,
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 loras=self.servicer.loras,
+                pause=self.servicer.pause,
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

@@ -56,6 +56,7 @@ from pdserve.router.call import DEFAULT_MAX_TOKENS, CallFailed, ClientCall
 from pdserve.router.chat_tools import tool_call_format
 from pdserve.router.legs import Legs, RouterStatus, left
 from pdserve.router.lora import RouterAdapters
+from pdserve.router.pause import RouterPause
 from pdserve.router.peer_fetch import PeerFetch
 from pdserve.router.pool import ROLES, NoWorker, WorkerPool
 from pdserve.router.text import BadRequest, PromptEncoder, opens_reasoning
@@ -250,6 +251,9 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
             options.max_queue_wait_s,
             on_admit=metrics.admission_wait.observe if metrics is not None else lambda s: None,
         )
+        # POST /pause and /resume (router/pause.py); the router turns them on where the
+        # deployment sets router.pause_endpoints
+        self.pause = RouterPause(self.admission, self.abort_all, enabled=False)
 
     def close(self) -> None:
         self.encoder.close()
@@ -258,6 +262,15 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
     def num_inflight(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    def abort_all(self) -> int:
+        """Ends every admitted Generate call as PDServe.Abort does (its stream ends with
+        finish_reason "abort"): how many were not already ending. Never blocks (router/pause.py)."""
+        with self._lock:
+            calls = [c for c in self._inflight.values() if not c.abort_requested]
+        for call in calls:
+            call.abort()
+        return len(calls)
 
     # ---- Generate -------------------------------------------------------------------------------
     def Generate(self, request, context):

@@ -450,6 +450,10 @@ class RouterSettings(_Frozen):
     # /v1/responses: stored responses (previous_response_id, GET, DELETE) kept in the router's
     # memory, least recently used evicted past this many MiB; 0: nothing stored
     responses_store_mb: Annotated[int, Field(ge=0, le=1 << 20)] = 64
+    # vLLM's POST /pause and /resume and GET /is_paused on the HTTP front (router/pause.py): every
+    # new request held at the router while a trainer updates weights; off (404), since any client
+    # with a key could stop the service
+    pause_endpoints: bool = False
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None

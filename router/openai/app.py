@@ -39,6 +39,7 @@ from pdserve.router.openai import (
     embeddings,
     messages_api,
     models,
+    pause,
     responses_api,
     scoring,
     status,
@@ -104,6 +105,7 @@ def build_app(front) -> FastAPI:
         embeddings,
         scoring,
         models,
+        pause,
         tokenize,
     ):
         app.include_router(group.router)

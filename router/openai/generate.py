@@ -67,7 +67,8 @@ async def generate(request: Request, gens: list, metadata, body, chat: bool, sha
             )
         responses = [first] + await _from_router(_all(rest(call)), watcher)
         reading = await reading_of(call) if chat else Reading()
-        out = whole_response(responses, body, chat, model_id, request_id, text_of, reading)
+        aborts = shape is None  # finish_reason "abort": OpenAI's shapes (parts.finish_reason)
+        out = whole_response(responses, body, chat, model_id, request_id, text_of, reading, aborts)
         return JSONResponse(out if shape is None else shape.whole(out))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it: the client left

@@ -84,6 +84,8 @@ class HttpSettings:
     # the router's LoRA adapters (router/lora.py RouterAdapters): `model` names and the run-time
     # load/unload endpoints; None: none (a front built without the router's)
     loras: object = None
+    # the router's pause (router/pause.py RouterPause): /pause, /resume, /is_paused; None: none
+    pause: object = None
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0

@@ -1,8 +1,10 @@
 """The official `openai` client against `up()` (the `pdserve up` code path) on a local Ray with the
 real SmolLM2: chat and completions, streaming and not, stop, seed, usage, greedy text equal to
 `engine.LLM`'s in one process; API keys on both fronts; a client that disconnects mid-stream has
-its KV freed on both pools within ten of its steps (at least 1 s). One deployment for the module
-(the Ray session and the pool helpers are test_cluster_backends.py's)."""
+its KV freed on both pools within ten of its steps (at least 1 s); a trainer's pause (the YAML's
+router.pause_endpoints): a running stream aborted with what it had, a request held until
+/resume. One deployment for the module (the Ray session and the pool helpers are
+test_cluster_backends.py's)."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def deployment(ray_session, reference):
             "model": "smollm2",
             "dtype": "float32",
             "pools": {"prefill": pool_spec(1), "decode": pool_spec(1)},
-            "router": {"port": 0, "http_port": 0},
+            "router": {"port": 0, "http_port": 0, "pause_endpoints": True},
         }
     )
     cluster = up(config, block=False, environ={"PDSERVE_API_KEYS": KEY})
@@ -193,6 +195,53 @@ def test_a_client_that_disconnects_mid_stream_frees_kv_on_both_pools_promptly(de
             step_s = (time.monotonic() - start) / (got.count(chunk) - timed_from)
             assert not free()  # the stream holds KV now
         assert_released(free, step_s, "a disconnected stream")
+
+
+def _control(cluster, method: str, path: str) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(
+        cluster.http_url + path, method=method, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as reply:
+        return json.loads(reply.read())
+
+
+def test_a_trainers_pause_aborts_the_rollout_and_holds_the_next(deployment):
+    """RL's weight sync through `up()`: /pause?mode=abort ends a running stream with
+    finish_reason "abort" after the tokens it had, frees its KV on both pools, and a request
+    sent while paused waits, then completes after /resume."""
+    import threading
+
+    c, model = client(deployment), model_id(deployment)
+    stream = c.completions.create(stream=True, prompt=PROMPT, **eos_ignored(model, max_tokens=500))
+    text, reason = "", None
+    with kv_free_probe(deployment) as free:
+        for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            if reason is None and len(text) > 8:  # running: now the trainer pauses
+                paused = _control(deployment, "POST", "/pause?mode=abort")
+                assert paused == {"status": "paused", "aborted": 1}, paused
+                reason = "paused"
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+        assert reason == "abort" and text, (reason, text)
+        assert _control(deployment, "GET", "/is_paused") == {"is_paused": True}
+        assert_released(free, 1.0, "an aborted rollout")
+    held: list = []
+    t = threading.Thread(
+        target=lambda: held.append(
+            c.completions.create(prompt=PROMPT, **eos_ignored(model, max_tokens=MAX_TOKENS))
+        ),
+        daemon=True,
+    )
+    t.start()
+    t.join(1.0)
+    assert t.is_alive() and not held  # held at the router while paused
+    assert _control(deployment, "POST", "/resume") == {"status": "resumed"}
+    t.join(120)
+    assert held and held[0].usage.completion_tokens == MAX_TOKENS
+    assert _control(deployment, "GET", "/is_paused") == {"is_paused": False}
 
 
 WEATHER = {

@@ -547,7 +547,7 @@ def test_stream_is_openai_sse_and_matches_the_whole_response(router, idle, chat)
 def test_a_failure_after_the_stream_started_is_an_error_event_then_done(router, idle, monkeypatch):
     from pdserve.router.openai.responses import stream
 
-    def fail(finish):
+    def fail(finish, aborts=False):
         raise stream.ApiError(500, "injected", "server_error")
 
     monkeypatch.setattr(stream, "finish_reason", fail)

@@ -6,6 +6,7 @@ waits that must time out run on threads bounded by generous wall-clock limits.""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -22,6 +23,9 @@ from pdserve.router.admission import (
 from pdserve.router.server import PASSED_TO_SERVICE, RouterConfig
 
 WALL_S = 30.0  # a bound on how long a thread may take to see its outcome; never a speed claim
+# how long a pause test lets a waiting thread run before it checks the thread still waits (a
+# wrong outcome would come at once; the right one is to go on waiting, however long this is)
+SETTLE_S = 0.2
 
 
 class FakeClock:
@@ -247,3 +251,61 @@ def test_the_servicer_maps_each_outcome_to_its_status():
         servicer._admit(("peer", "r3"), "again", context, deadline=None)
     assert context.status[0] == grpc.StatusCode.ALREADY_EXISTS
     assert servicer.admission.running() == 0  # the refused call gave its slot back
+
+
+# ---- pause (router/pause.py) ---------------------------------------------------------------------
+def test_a_pause_holds_every_new_call_and_resume_admits_them_in_order():
+    clock, waits = FakeClock(), []
+    a = admission(max_inflight=2, max_queued=3, max_wait_s=5.0, clock=clock, waits=waits)
+    running = a.enter()
+    a.pause()
+    assert running.granted and a.is_paused and not a.idle()
+    held = [a.enter(), a.enter()]  # a slot is free, and still they queue
+    assert not any(t.granted for t in held) and a.queued() == 2
+    clock.now += 60.0  # far past max_wait_s: paused, the waits do not time out
+    threads = [waiter(a, t) for t in held]
+    time.sleep(SETTLE_S)
+    assert all(out == [] for _, out in threads) and a.queued() == 2
+    a.leave()  # the freed slot goes to nobody while paused
+    assert a.idle() and a.running() == 0 and not held[0].granted
+    a.resume()
+    for t, out in threads:
+        t.join(WALL_S)
+        assert out == [ADMITTED]
+    assert not a.is_paused and a.running() == 2 and a.queued() == 0
+    assert waits[-2:] == [pytest.approx(60.0)] * 2  # the wait reported is the whole wait
+
+
+def test_time_paused_does_not_count_towards_max_wait_s_but_a_deadline_does():
+    clock = FakeClock()
+    a = admission(max_inflight=1, max_queued=3, max_wait_s=5.0, clock=clock)
+    a.enter()
+    before = a.enter()  # queued at 100, 3 s before the pause
+    clock.now += 3.0
+    a.pause()
+    clock.now += 100.0
+    late = a.enter()
+    assert a.wait(late, deadline=clock.now - 1.0) == DEADLINE  # its own deadline still ends it
+    a.resume()  # `before` has waited 3 s unpaused of its 5
+    t, out = waiter(a, before)
+    time.sleep(SETTLE_S)
+    assert out == [] and a.queued() == 1
+    clock.now += 1.0
+    a.leave()  # 4 s unpaused: still queued, it takes the slot
+    t.join(WALL_S)
+    assert out == [ADMITTED] and before.granted
+    after = a.enter()  # queued after the pause: its 5 s run as before
+    clock.now += 5.0
+    assert a.wait(after) == TIMED_OUT and a.queued() == 0
+
+
+def test_a_client_gone_while_paused_leaves_the_queue():
+    a = admission(max_queued=2)
+    a.pause()
+    gone = a.enter()
+    t, out = waiter(a, gone)  # paused, no deadline: it waits until woken
+    a.cancel(gone)
+    t.join(WALL_S)
+    assert out == [CANCELLED] and a.queued() == 0 and a.idle()
+    a.resume()
+    assert a.running() == 0

@@ -18,12 +18,18 @@ from pdserve.protos.timings import stage_durations
 from pdserve.router.openai.errors import ApiError
 
 
-def finish_reason(finish: pdserve_pb2.Finish) -> str:
-    """OpenAI's finish_reason; a Finish that is a failure raises it as an ApiError."""
+def finish_reason(finish: pdserve_pb2.Finish, aborts: bool = False) -> str:
+    """OpenAI's finish_reason; a Finish that is a failure raises it as an ApiError. With
+    `aborts` (the completion and chat APIs), an aborted sequence (the router's /pause with
+    mode=abort: router/pause.py) ends with vLLM's finish_reason "abort" and what it generated, so
+    a trainer can continue it; the Messages and Responses APIs have no such reason, and answer
+    it as the failure it is there."""
     reason = finish.finish_reason
     if reason in ("stop", "length", "repetition"):  # (repetition: vLLM's repetition detection)
         return reason
     why = finish.message or "no reason given"
+    if reason == "abort" and aborts:
+        return reason
     if reason == "abort":
         raise ApiError(503, f"the request was aborted: {why}", "server_error", code="aborted")
     raise ApiError(500, f"the request failed ({reason}): {why}", "server_error")

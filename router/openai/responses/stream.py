@@ -236,12 +236,15 @@ class _Chunks:
 
 async def stream(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
     """The SSE bytes of `call`, whose first response is `first`: `chunks` as server-sent
-    events."""
-    async for out in chunks(call, first, body, chat, model_id, request_id, text_of):
+    events, an aborted sequence ending with finish_reason "abort" (parts.finish_reason)."""
+    args = (call, first, body, chat, model_id, request_id, text_of)
+    async for out in chunks(*args, aborts=True):
         yield sse(out)
 
 
-async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, text_of):
+async def chunks(
+    call, first, body, chat: bool, model_id: str, request_id: str, text_of, aborts: bool = False
+):
     """The chunks of `call` (dicts; an error as OpenAI's error object; "[DONE]" last), whose
     first response is `first`. The `pdserve` extension rides on the last chunk before [DONE];
     each finish chunk is held until the next chunk goes out, so the last one can take it.
@@ -271,7 +274,7 @@ async def chunks(call, first, body, chat: bool, model_id: str, request_id: str, 
                 for out in c.of_delta(r.delta, lp):
                     yield out
             elif r.HasField("finish"):
-                reason = finish_reason(r.finish)
+                reason = finish_reason(r.finish, aborts)
                 finishes.append(r.finish)
                 if held is not None:
                     yield held

@@ -99,7 +99,9 @@ def with_reasoning_tokens(used: dict, tokens: int) -> dict:
     return used
 
 
-def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reading=None) -> dict:
+def _completion_choice(
+    c: Choice, body, text_of, prompt_ids: dict, reading=None, aborts: bool = False
+) -> dict:
     echo_only = body.max_tokens == 0
     head = echo_text(body, c.index, text_of) if body.echo else ""
     text = head + ("" if echo_only else "".join(c.text))
@@ -120,7 +122,7 @@ def _completion_choice(c: Choice, body, text_of, prompt_ids: dict, reading=None)
         "index": c.index,
         "text": text,
         "logprobs": lp,
-        "finish_reason": finish_reason(c.finish),
+        "finish_reason": finish_reason(c.finish, aborts),
         "stop_reason": stop_reason(c.finish),
     }
     if body.return_token_ids:  # vLLM's: with echo, the prompt's ids lead, as its text does
@@ -150,8 +152,10 @@ def chat_text(body, reading: Reading) -> ChatText | None:
     return ChatText(reading.reasoning, tools, keep=body.include_reasoning)
 
 
-def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reading=None) -> dict:
-    reason = finish_reason(c.finish)
+def _chat_choice(
+    c: Choice, body, text_of, prompt_ids: dict, reading=None, aborts: bool = False
+) -> dict:
+    reason = finish_reason(c.finish, aborts)
     lp = None
     if body.logprobs:
         check_logprobs(c.token_ids, c.logprobs, c.tops, body.num_top())
@@ -183,9 +187,17 @@ def _chat_choice(c: Choice, body, text_of, prompt_ids: dict, reading=None) -> di
 
 
 def whole_response(
-    responses, body, chat: bool, model_id: str, request_id: str, text_of, reading=None
+    responses,
+    body,
+    chat: bool,
+    model_id: str,
+    request_id: str,
+    text_of,
+    reading=None,
+    aborts: bool = False,
 ) -> dict:
-    """The non-streaming response body; a chat's text read as `reading` (reasoning.py) says."""
+    """The non-streaming response body; a chat's text read as `reading` (reasoning.py) says;
+    `aborts`: an aborted sequence is finish_reason "abort" (parts.finish_reason)."""
     reading = reading or Reading()
     choices = collect_choices(responses)
     finishes = [c.finish for c in choices.values() if c.finish is not None]
@@ -196,7 +208,7 @@ def whole_response(
     prompt_ids = prompt_ids_of(choices, body.n) if body.return_token_ids else {}
     if body.return_token_ids and len(prompt_ids) < len(finishes) // body.n:
         raise ApiError(500, "the router sent no prompt token ids", "server_error")
-    out = [make(choices[i], body, text_of, prompt_ids, reading) for i in sorted(choices)]
+    out = [make(choices[i], body, text_of, prompt_ids, reading, aborts) for i in sorted(choices)]
     used = request_usage(finishes, body)
     if chat and reading.reasoning is not None:
         with_reasoning_tokens(used, sum(c.reasoning_tokens for c in choices.values()))

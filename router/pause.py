@@ -1,0 +1,110 @@
+"""The router's pause: every new request held at the one gate in front of both pools, for a
+reinforcement-learning trainer that syncs the weights (or a LoRA adapter) between rollouts, or
+an operator who wants the engines idle. The HTTP front's vLLM endpoints (router/openai/pause.py):
+
+    POST /pause?mode=abort   the running requests end now (finish_reason "abort", with what
+                             they generated), then the answer: no request runs anywhere
+    POST /pause?mode=wait    the running requests finish first, then the answer
+    POST /resume             the held requests run, in their queue order
+    GET  /is_paused          {"is_paused": bool}
+
+A disaggregated deployment has no single engine to pause: a request's prefill and decode legs
+run on two workers, and pausing each engine apart would leave a leg half done on one side. The
+router's admission (router/admission.py) is the one place every Generate and Embed call passes
+before any worker sees it, so closing it pauses the whole cluster at once; "abort" then ends the
+admitted calls through PDServe.Abort's path (router/service.py abort_all), which frees their KV
+on both pools, and /pause answers only when the last admitted call has left, so a trainer that
+reads 200 knows no worker runs a request. Held requests wait in the admission queue (bounded by
+max_queued; the time paused does not count towards max_queue_wait_s; a client's deadline and
+its leaving still end its wait). vLLM's third mode, "keep", freezes running requests inside the
+engine; pdserve's engines cannot, so it is refused, saying so.
+
+Off unless the deployment sets `router.pause_endpoints` (any client with a key could stop the
+service): then 404, as vLLM answers without its dev mode. One RouterPause per router, built with
+its servicer; thread-safe (its state is the admission's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdserve.router.admission import Admission
+
+MODES = ("abort", "wait")
+DEFAULT_TIMEOUT_S = 600.0  # /pause's wait for the running requests to end, unless told
+MAX_TIMEOUT_S = 3600.0
+
+
+class PauseError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class RouterPause:
+    def __init__(self, admission: Admission, abort_all: Callable[[], int], enabled: bool):
+        """abort_all: ends every admitted Generate call (finish_reason "abort"), returning how
+        many it asked to end."""
+        self.admission, self._abort_all, self.enabled = admission, abort_all, enabled
+
+    def check_enabled(self) -> None:
+        if not self.enabled:
+            raise PauseError(
+                404, "pausing is off here: the deployment needs router.pause_endpoints: true"
+            )
+
+    @staticmethod
+    def check_mode(mode: object) -> str:
+        if mode == "keep":
+            raise PauseError(
+                400,
+                "mode=keep freezes running requests inside the engine, which pdserve's engines "
+                "cannot do; use mode=abort (they end now) or mode=wait (they finish first)",
+                "mode",
+            )
+        if mode not in MODES:
+            raise PauseError(
+                400, f"mode must be one of abort, wait; got {str(mode)[:40]!r}", "mode"
+            )
+        return str(mode)
+
+    @staticmethod
+    def check_timeout(timeout: object) -> float:
+        try:
+            value = float(timeout)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            value = float("nan")
+        if not 0 < value <= MAX_TIMEOUT_S:
+            raise PauseError(
+                400,
+                f"timeout must be seconds in (0, {MAX_TIMEOUT_S:g}]; got {timeout!r}",
+                "timeout",
+            )
+        return value
+
+    def pause(self, mode: str) -> int:
+        """Closes the gate and, for "abort", ends the admitted calls: how many it ended. Never
+        blocks past short locks."""
+        self.check_enabled()
+        self.admission.pause()
+        return self._abort_all() if mode == "abort" else 0
+
+    def abort_stragglers(self) -> int:
+        """Under "abort": ends a call admitted just before the gate closed and registered only
+        after `pause` looked (how many)."""
+        return self._abort_all()
+
+    def idle(self) -> bool:
+        """No admitted call runs (on any worker, for this router's requests)."""
+        return self.admission.idle()
+
+    def running(self) -> int:
+        return self.admission.running()
+
+    def resume(self) -> None:
+        self.check_enabled()
+        self.admission.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.admission.is_paused
