@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import pathlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from pdserve.engine.errors import (
     DuplicateRequestId,
     InvalidRequest,
     PromptTooLong,
+    WeightUpdateRefused,
 )
 from pdserve.engine.kv_disk_tier import DiskTier
 from pdserve.engine.kv_host_tier import HostTier, fingerprint as kv_fingerprint
@@ -106,6 +108,13 @@ def _samples_a_sink(plan: StepPlan, sinks) -> bool:
 
 
 CLASSIFY = PoolingParams("classify")
+# ModelConfig's fields a weight update's checkpoint must share with the served one (its shapes and
+# what the runner built from them: rotary tables, windows, layer kinds)
+_SHAPE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ModelConfig)
+    if f.name not in ("eos_token_ids", "score_token_ids", "label_names", "hf_config")
+)
 
 
 class LLMEngine:
@@ -114,6 +123,7 @@ class LLMEngine:
 
         model_dir = resolve_model(config.model)
         self.model_id = model_dir.name
+        self.weights_dir = str(model_dir)  # where the weights served came from (update_weights)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
         self.config = config.resolve(self.model_config)
         # a draft model (speculative decoding) takes its share of the KV budget before any load
@@ -415,6 +425,69 @@ class LLMEngine:
 
     def list_loras(self) -> list[AdapterInfo]:
         return [] if self.loras is None else self.loras.list()
+
+    # ---- weight updates (a trainer's: router/weights.py) --------------------------------------
+    def update_weights(self, model_dir: str) -> None:
+        """Loads the base model's weights from the checkpoint directory `model_dir`, in place, on
+        every rank, then drops every cached prefix block (and the host tier's): KV computed
+        under the old weights must never be reused. Only while no request runs (the router
+        pauses first), only where the linears run unquantized (a quantized mode's calibration
+        and quality verdict belong to the weights they were taken on) and without a draft
+        model; raises WeightUpdateRefused saying why, before anything changed. A checkpoint of
+        other shapes or another architecture is refused by its config.json; a load that fails
+        part way loads the weights it replaced again, then raises."""
+        from transformers import AutoConfig
+
+        if self.has_unfinished_requests() or self.block_manager.num_used_blocks:
+            raise WeightUpdateRefused(
+                "requests still run on this engine: pause first (the router's /pause)", True
+            )
+        if self.runner.quantization is not None:
+            raise WeightUpdateRefused(
+                f"the engine serves quantization={self.runner.quantization}, whose calibration "
+                "belongs to the weights it started with: start it with quantization none "
+                "(dtype float32 or bfloat16) to update weights",
+                True,
+            )
+        if self.draft_dir is not None:
+            raise WeightUpdateRefused(
+                "speculative decoding with a draft model: its weights would no longer match", True
+            )
+        path = pathlib.Path(model_dir)
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise WeightUpdateRefused(
+                f"{model_dir[:300]!r} is not a checkpoint directory with a config.json here"
+            )
+        try:
+            new = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+        except (OSError, ValueError, KeyError) as e:
+            raise WeightUpdateRefused(f"{model_dir[:300]!r}: its config.json: {e}") from None
+        differ = [
+            f"{name} {getattr(new, name)!r} (serving {getattr(self.model_config, name)!r})"
+            for name in _SHAPE_FIELDS
+            if getattr(new, name) != getattr(self.model_config, name)
+        ]
+        if differ:
+            raise WeightUpdateRefused(
+                f"{model_dir[:300]!r} is not a checkpoint of the served model's shapes: "
+                + "; ".join(differ)[:1000]
+            )
+        before = self.weights_dir
+        try:
+            self._reload_ranks(str(path))
+        except Exception as e:
+            log.error("loading weights from %s failed (%s); loading %s again", path, e, before)
+            self._reload_ranks(before)  # raises if that fails too: the engine is broken
+            raise WeightUpdateRefused(f"loading {model_dir[:300]!r} failed: {e}") from e
+        self.weights_dir = str(path)
+        self.block_manager.reset_prefix_cache()
+
+    def _reload_ranks(self, model_dir: str) -> None:
+        inp = ModelInput([], [], reload_from=model_dir)
+        with tp_scope(self.tp_state):
+            if self.tp is not None:
+                self.tp.broadcast(inp)
+            self.runner.execute(inp)
 
     def abort(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)

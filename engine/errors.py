@@ -37,6 +37,16 @@ class DuplicateRequestId(InvalidRequest):
     """The request id is already in use on this engine."""
 
 
+class WeightUpdateRefused(EngineError, ValueError):
+    """LLMEngine.update_weights cannot take these weights: a checkpoint of other shapes or not
+    there (`precondition` False: the request is wrong), or an engine that cannot take any now
+    (`precondition` True: requests still run, a quantized mode, a draft model)."""
+
+    def __init__(self, message: str, precondition: bool = False):
+        super().__init__(message)
+        self.precondition = precondition
+
+
 class NoFreeBlocks(EngineError, RuntimeError):
     """Not enough free KV blocks for the request now (reserve); it may fit once others finish."""
 

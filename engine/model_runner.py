@@ -36,6 +36,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from pdserve.engine.kv_window import max_blocks_held
+from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 from pdserve.engine.loader import checkpoint_weights
 from pdserve.engine.lora import LoRACache, batch_for
@@ -107,6 +108,9 @@ class ModelInput:
     # a pipelined prefill's hand-off: what the ranks of the later stages push of this step's
     # prefill-only requests (engine/kv_publish.py stage_pushes; plain data)
     kv_pushes: list = field(default_factory=list)
+    # a checkpoint directory every rank loads its weights from, in place, before the step (which
+    # then has no sequences: LLMEngine.update_weights)
+    reload_from: str = ""
 
 
 class ModelRunner:
@@ -193,6 +197,19 @@ class ModelRunner:
         capture = HeadCapture(self.model_config)
         self.model.load_weights(capture.wrap(checkpoint_weights(model_dir)))
         self.score_head = capture.head()
+
+    def reload_weights(self, model_dir: str) -> None:
+        """This rank's weights loaded again from `model_dir` (a checkpoint of the same shapes),
+        in place: each released dense weight gets its storage back, the checkpoint loads as at
+        start, and the linears are packed again for the mode they run in (quantization None
+        only: LLMEngine.update_weights refuses the others, whose calibration belongs to the
+        weights it was taken on). On CUDA the dense weights are never released, so the decode
+        graphs keep reading the same storage."""
+        for module in self.model.modules():
+            if isinstance(module, LinearBase):
+                module.restore_dense()
+        self._load_weights(model_dir)
+        self.model.prepare_linears(self.quantization)
 
     def set_kv_dtype(self, dtype: torch.dtype) -> None:
         """Puts the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request holds
@@ -286,6 +303,8 @@ class ModelRunner:
     ) -> StepOutput:
         """Runs the model. On rank 0 with rows given, samples each row from logits row
         row_logits[i] (after `mask`); on_layer_done(layer) runs as each layer's KV is written."""
+        if inp.reload_from:
+            self.reload_weights(inp.reload_from)
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:

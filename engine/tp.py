@@ -210,6 +210,7 @@ def _encode(inp: ModelInput | None) -> bytes:
             inp.block_copies,
             [[k, v] for k, v in inp.loras.items()],
             inp.kv_pushes,
+            inp.reload_from,
         ]
     )
 
@@ -218,12 +219,13 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies, loras, pushes = obj
+    seqs, copies, loras, pushes, reload_from = obj
     return ModelInput(
         [SeqInput(*s) for s in seqs],
         [tuple(c) for c in copies],
         {k: v for k, v in loras},
         pushes,
+        reload_from,
     )
 
 

@@ -95,6 +95,7 @@ class LinearBase(nn.Module):
         self._own: tuple[torch.Tensor, int] | None = None
         # per input channel, the largest |activation| seen on calibration text (int8 smooths by it)
         self.act_absmax: torch.Tensor | None = None
+        self._dense_shape = tuple(self.weight.shape)  # what a released weight had (restore_dense)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
@@ -129,7 +130,16 @@ class LinearBase(nn.Module):
                         self._own, self._packed = (own, part), None
         prepared = any(p is not None for p in (self._packed, self._quant, self._own, self._blocks))
         if release_dense and prepared:
+            self._dense_shape = tuple(self.weight.shape)
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def restore_dense(self) -> None:
+        """Gives a released dense weight its storage back, unfilled, so that new weights load
+        into it (ModelRunner.reload_weights) and `finalize` packs them again."""
+        if self.weight.numel() == 0:
+            self.weight.data = torch.empty(
+                self._dense_shape, dtype=self.weight.dtype, device=self.weight.device
+            )
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # (the dense weight may be released: a prepared weight always takes its own path)
