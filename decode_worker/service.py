@@ -54,7 +54,7 @@ from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
 from pdserve.protos.limits import check_context, check_id, check_sampling, check_token_ids
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import lora as worker_lora
+from pdserve.worker_common import lora as worker_lora, weights as worker_weights
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
@@ -497,6 +497,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def UnloadLoRA(self, request, context):
         return worker_lora.unload(self.loop.engine, request, context)
 
+    def UpdateWeights(self, request, context):
+        return worker_weights.update(self.loop, request, context)
+
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
         if refusal:
@@ -587,6 +590,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             leases_expired=h.num_expired,
             **tier_stats(self.loop.engine.block_manager),
             **worker_lora.stats(self.loop.engine),
+            **worker_weights.stats(self.loop.engine),
             peer_fetch_served_blocks=self.fetch_served_blocks,
             peer_fetch_served_bytes=self.fetch_served_bytes,
         )

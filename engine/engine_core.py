@@ -123,7 +123,8 @@ class LLMEngine:
 
         model_dir = resolve_model(config.model)
         self.model_id = model_dir.name
-        self.weights_dir = str(model_dir)  # where the weights served came from (update_weights)
+        # where the weights served came from, and their version ("": as started; update_weights)
+        self.weights_dir, self.weight_version = str(model_dir), ""
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
         self.config = config.resolve(self.model_config)
         # a draft model (speculative decoding) takes its share of the KV budget before any load
@@ -427,7 +428,7 @@ class LLMEngine:
         return [] if self.loras is None else self.loras.list()
 
     # ---- weight updates (a trainer's: router/weights.py) --------------------------------------
-    def update_weights(self, model_dir: str) -> None:
+    def update_weights(self, model_dir: str, version: str = "") -> None:
         """Loads the base model's weights from the checkpoint directory `model_dir`, in place, on
         every rank, then drops every cached prefix block (and the host tier's): KV computed
         under the old weights must never be reused. Only while no request runs (the router
@@ -435,7 +436,8 @@ class LLMEngine:
         and quality verdict belong to the weights they were taken on) and without a draft
         model; raises WeightUpdateRefused saying why, before anything changed. A checkpoint of
         other shapes or another architecture is refused by its config.json; a load that fails
-        part way loads the weights it replaced again, then raises."""
+        part way loads the weights it replaced again, then raises. `version`: the trainer's
+        name for the new weights (weight_version), kept beside weights_dir."""
         from transformers import AutoConfig
 
         if self.has_unfinished_requests() or self.block_manager.num_used_blocks:
@@ -479,7 +481,7 @@ class LLMEngine:
             log.error("loading weights from %s failed (%s); loading %s again", path, e, before)
             self._reload_ranks(before)  # raises if that fails too: the engine is broken
             raise WeightUpdateRefused(f"loading {model_dir[:300]!r} failed: {e}") from e
-        self.weights_dir = str(path)
+        self.weights_dir, self.weight_version = str(path), version
         self.block_manager.reset_prefix_cache()
 
     def _reload_ranks(self, model_dir: str) -> None:

@@ -78,6 +78,8 @@ class EngineLoop:
         # why the engine cannot step any more (a rank died: _check_ranks); "" while it can
         self.broken = ""
         self._turn_since = 0.0  # time.monotonic() when the running turn began; 0.0: waiting
+        # set by a worker's UpdateWeights while the engine loads them (worker_common/weights.py)
+        self.loading_weights = False
         # the loop thread's CPU clock (set on the thread; None where it cannot be read), its
         # reading when the running turn began, and the last progress idle_ms() saw: (the turn's
         # _turn_since, the wall clock then, the CPU clock then)
@@ -209,6 +211,7 @@ class EngineLoop:
             "engine_turn_ms_max": self.turn_ms_max(),
             "engine_turn_tokens": int(getattr(engine, "running_step_tokens", 0) or 0),
             "engine_us_per_token_max": self.us_per_token_max(),
+            "engine_loading_weights": self.loading_weights,
         }
 
     def stalled_ms(self) -> int:

@@ -65,7 +65,7 @@ from pdserve.protos.limits import (
 )
 from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.protos.security import INSECURE, ClusterSecurity
-from pdserve.worker_common import lora as worker_lora
+from pdserve.worker_common import lora as worker_lora, weights as worker_weights
 from pdserve.worker_common.embed import run_embed
 from pdserve.worker_common.errors import (
     abort_for_engine_error,
@@ -615,6 +615,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def UnloadLoRA(self, request, context):
         return worker_lora.unload(self.loop.engine, request, context)
 
+    def UpdateWeights(self, request, context):
+        return worker_weights.update(self.loop, request, context)
+
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
         if refusal:
@@ -639,6 +642,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             **_spec_stats(self.loop.engine),
             **tier_stats(self.loop.engine.block_manager),
             **worker_lora.stats(self.loop.engine),
+            **worker_weights.stats(self.loop.engine),
         )
         events = kv_events(self.loop.engine.block_manager, request)
         if events is not None:  # the router's block index (router/kv_index.py)

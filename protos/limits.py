@@ -35,6 +35,21 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (vLLM's max_logprobs)
+# UpdateWeights (worker_common/weights.py, router/weights.py): its fields, and how long one
+# worker's load of a checkpoint from its disk may take
+MAX_WEIGHTS_PATH_BYTES, MAX_WEIGHT_VERSION_CHARS = 4096, 256
+WEIGHT_UPDATE_TIMEOUT_S = 600.0
+
+
+def check_weight_update(model_path: str, weight_version: str) -> str | None:
+    """Why UpdateWeights' fields cannot be taken, or None (the router and the workers alike)."""
+    if not model_path or len(model_path.encode()) > MAX_WEIGHTS_PATH_BYTES or "\x00" in model_path:
+        return f"model_path must be a non-empty path of at most {MAX_WEIGHTS_PATH_BYTES} bytes"
+    if len(weight_version) > MAX_WEIGHT_VERSION_CHARS or not weight_version.isprintable():
+        return f"weight_version must be printable, at most {MAX_WEIGHT_VERSION_CHARS} characters"
+    return None
+
+
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",

@@ -86,6 +86,11 @@ class RouterPause:
         """Closes the gate and, for "abort", ends the admitted calls: how many it ended. Never
         blocks past short locks."""
         self.check_enabled()
+        return self.hold(mode)
+
+    def hold(self, mode: str) -> int:
+        """`pause` without the deployment's switch: a weight update's own pause
+        (router/weights.py), which its own switch allows."""
         self.admission.pause()
         return self._abort_all() if mode == "abort" else 0
 

@@ -58,6 +58,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -100,9 +101,10 @@ _STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grp
 class NoWorker(Exception):
     """No worker of `role` to send a request to."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, why: str = ""):
         super().__init__(
-            f"no {role} worker is registered with the router: start one (or wait "
+            why
+            or f"no {role} worker is registered with the router: start one (or wait "
             f"for one to register), then retry"
         )
         self.role = role
@@ -169,6 +171,9 @@ class WorkerPool:
         self._clock = clock  # time.monotonic; tests pass a fake one
         self.security = security
         self.deaths = {"silent": 0, "stalled": 0}  # workers that died, by cause, ever
+        # once a weight update set it (router/weights.py): whether a worker serves the weights
+        # every request must run on; None: any worker may be picked
+        self.serves_weights: Callable[[_Worker], bool] | None = None
         self._workers = {
             "prefill": [self._connect("prefill", a) for a in prefill_addresses],
             "decode": [self._connect("decode", a) for a in decode_addresses],
@@ -463,6 +468,15 @@ class WorkerPool:
         """The serving workers of `role` but `exclude` that are up (all of them when none is);
         fallback: those that are down but not dead as well, after them."""
         workers = [w for w in self._workers[role] if w not in exclude and w.state == "serving"]
+        serves = self.serves_weights
+        if serves is not None and workers:  # after a weight update: those that serve its weights
+            workers = [w for w in workers if serves(w)]
+            if not workers:
+                raise NoWorker(
+                    role,
+                    f"no {role} worker serves the weights of the last update yet (the router "
+                    "is bringing them up to date: router/weights.py); retry",
+                )
         if not workers:
             raise NoWorker(role)
         up = [w for w in workers if not w.down]
@@ -764,6 +778,10 @@ class WorkerPool:
         computing, for its stall bound or more: it answers, but its engine is stuck. It is dead:
         down (no new requests), and its calls silent since the turn began are dropped, as for a
         worker that stopped."""
+        if stats.engine_loading_weights:
+            # a weight update's load (UpdateWeights, which the router itself called, bounded by
+            # its timeout there): a long turn that is not a hang
+            return False
         stalled_s = stats.engine_stalled_ms / 1000  # the turn's wall time: names the turn
         busy_s, idle_s = stats.engine_turn_cpu_ms / 1000, stats.engine_idle_ms / 1000
         bound = self.stall_bound_s(stats)

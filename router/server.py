@@ -43,6 +43,7 @@ from pdserve.router.pool import CHANNEL_OPTIONS, WorkerPool
 from pdserve.router.reconcile import Reconciler
 from pdserve.router.registry import RegistryServicer
 from pdserve.router.service import PDServeServicer, ServiceOptions
+from pdserve.router.weights import RouterWeights
 
 if TYPE_CHECKING:
     from pdserve.router.openai.server import HttpFront
@@ -155,6 +156,8 @@ class RouterConfig:
     lora_allow_runtime_updates: bool = False
     # POST /pause, POST /resume, GET /is_paused (router/pause.py): off, 404
     pause_endpoints: bool = False
+    # POST /update_weights_from_disk (router/weights.py): off, 404
+    weight_updates: bool = False
 
     def __post_init__(self):
         for name in (
@@ -468,6 +471,7 @@ class Router:
             pool=self.pool,
         )
         self.servicer.pause.enabled = cfg.pause_endpoints
+        self.servicer.weights = RouterWeights(self.pool, cfg.weight_updates)
         self.metrics.track_router(
             self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
         )
@@ -549,6 +553,7 @@ class Router:
                 metrics_keys=ClientKeys(tuple(cfg.metrics_keys)),
                 loras=self.servicer.loras,
                 pause=self.servicer.pause,
+                weights=self.servicer.weights,
                 on_error=self.metrics.observe_http_error,
                 ready=self._not_ready,
                 grace_s=cfg.stop_grace_s,

@@ -454,6 +454,10 @@ class RouterSettings(_Frozen):
     # new request held at the router while a trainer updates weights; off (404), since any client
     # with a key could stop the service
     pause_endpoints: bool = False
+    # SGLang's POST /update_weights_from_disk (router/weights.py): every worker of both pools
+    # loads a checkpoint from a path on its host, the router paused meanwhile; off (404), since a
+    # client with a key could load any checkpoint the workers can read
+    weight_updates: bool = False
     # client API keys (any one of them lets a client in, on gRPC and HTTP); unset: open
     api_keys: Annotated[list[SecretStr], Field(min_length=1, max_length=MAX_API_KEYS)] | None = None
     api_keys_file: KeysFile | None = None

@@ -44,6 +44,7 @@ from pdserve.router.openai import (
     scoring,
     status,
     tokenize,
+    weights,
 )
 from pdserve.router.openai.conversations_api import ConversationCreate, ItemsCreate
 from pdserve.router.openai.embeddings import EmbeddingRequest
@@ -107,6 +108,7 @@ def build_app(front) -> FastAPI:
         models,
         pause,
         tokenize,
+        weights,
     ):
         app.include_router(group.router)
     document_bodies(app, _BODIES)

@@ -86,6 +86,8 @@ class HttpSettings:
     loras: object = None
     # the router's pause (router/pause.py RouterPause): /pause, /resume, /is_paused; None: none
     pause: object = None
+    # the router's weight updates (router/weights.py RouterWeights); None: none
+    weights: object = None
     on_error: Callable[[int], None] = lambda status: None  # each error response's HTTP status
     ready: Callable[[], str | None] = lambda: None  # None: serving; else why not
     grace_s: float = 1.0

@@ -3,7 +3,7 @@ real SmolLM2: chat and completions, streaming and not, stop, seed, usage, greedy
 `engine.LLM`'s in one process; API keys on both fronts; a client that disconnects mid-stream has
 its KV freed on both pools within ten of its steps (at least 1 s); a trainer's pause (the YAML's
 router.pause_endpoints): a running stream aborted with what it had, a request held until
-/resume. One deployment for the module (the Ray session and the pool helpers are
+/resume; a weight update through the Ray workers (router.weight_updates). One deployment for the module (the Ray session and the pool helpers are
 test_cluster_backends.py's)."""
 
 from __future__ import annotations
@@ -57,7 +57,12 @@ def deployment(ray_session, reference):
             "model": "smollm2",
             "dtype": "float32",
             "pools": {"prefill": pool_spec(1), "decode": pool_spec(1)},
-            "router": {"port": 0, "http_port": 0, "pause_endpoints": True},
+            "router": {
+                "port": 0,
+                "http_port": 0,
+                "pause_endpoints": True,
+                "weight_updates": True,
+            },
         }
     )
     cluster = up(config, block=False, environ={"PDSERVE_API_KEYS": KEY})
@@ -242,6 +247,30 @@ def test_a_trainers_pause_aborts_the_rollout_and_holds_the_next(deployment):
     t.join(120)
     assert held and held[0].usage.completion_tokens == MAX_TOKENS
     assert _control(deployment, "GET", "/is_paused") == {"is_paused": False}
+
+
+def test_a_weight_update_reaches_every_ray_worker(deployment, reference):
+    """/update_weights_from_disk through `up()`: both Ray workers load the checkpoint again (the
+    same SmolLM2 files, as a new version), report it, and answer as before."""
+    import urllib.request
+
+    from pdserve.engine.loader import resolve_model
+
+    path = str(resolve_model("smollm2"))
+    req = urllib.request.Request(
+        deployment.http_url + "/update_weights_from_disk",
+        data=json.dumps({"model_path": path, "weight_version": "v2"}).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as reply:
+        out = json.loads(reply.read())
+    assert out["success"] is True and "2 worker(s)" in out["message"], out
+    assert _control(deployment, "GET", "/get_weight_version") == {"weight_version": "v2"}
+    text, _ = reference["completion"]
+    got = client(deployment).completions.create(
+        prompt=PROMPT, **eos_ignored(model_id(deployment), max_tokens=MAX_TOKENS)
+    )
+    assert got.choices[0].text == text
 
 
 WEATHER = {

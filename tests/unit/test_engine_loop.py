@@ -47,6 +47,7 @@ def test_build_constructs_and_steps_the_engine_on_the_loop_thread():
         assert load.pop("engine_turn_ms_max") < 1000  # its turns so far were short
         assert load.pop("engine_turn_tokens") == 0  # no step running
         assert load.pop("engine_us_per_token_max") == engine_loop.PRIOR_US_PER_TOKEN
+        assert load.pop("engine_loading_weights") is False
         assert load == {
             "num_free_blocks": 8,
             "num_total_blocks": 8,

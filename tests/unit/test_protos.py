@@ -182,6 +182,7 @@ def test_worker_services_shape():
         "FetchKV": (False, True),
         "LoadLoRA": unary,
         "UnloadLoRA": unary,
+        "UpdateWeights": unary,
     }
     assert methods("PrefillWorker") == {
         "Prefill": unary,
@@ -190,6 +191,7 @@ def test_worker_services_shape():
         "Stats": unary,
         "LoadLoRA": unary,
         "UnloadLoRA": unary,
+        "UpdateWeights": unary,
     }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (

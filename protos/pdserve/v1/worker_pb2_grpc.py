@@ -74,6 +74,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/UpdateWeights',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -144,6 +149,17 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """The base model's weights loaded again from a checkpoint directory on this worker's host, in
+        place (a trainer's sync, the router's /update_weights_from_disk, while it holds every
+        request back): INVALID_ARGUMENT for a path that is not a checkpoint of the served model's
+        shapes, FAILED_PRECONDITION while requests run, under a quantized mode or a draft model.
+        Every cached prefix block is dropped. The answer says what the worker now serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +202,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.UnloadLoRA,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -414,6 +435,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/UpdateWeights',
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -453,6 +501,11 @@ class PrefillWorkerStub:
                 '/pdserve.worker.v1.PrefillWorker/UnloadLoRA',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/UpdateWeights',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
 
 
@@ -500,6 +553,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -532,6 +591,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.UnloadLoRA,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -696,6 +760,33 @@ class PrefillWorker:
             '/pdserve.worker.v1.PrefillWorker/UnloadLoRA',
             pdserve_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.LoRAAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/UpdateWeights',
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
