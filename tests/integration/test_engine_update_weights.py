@@ -100,3 +100,24 @@ def test_refusals_change_nothing(checkpoints, tmp_path):
         assert e.value.precondition
     finally:
         quantized.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "phi3", "mixtral", "olmo2", "granite"])
+def test_every_family_loads_again_as_hf_answers(tmp_path, kind):
+    """Each family's loading (its own checkpoint names and transforms: Gemma's norms, Phi-3's
+    fused projections, a mixture's experts, OLMo 2's norms, Granite's multipliers) runs a second
+    time into a packed model and answers as HF's second checkpoint does."""
+    from helpers.arch import build_arch_model
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    hf_first = build_arch_model(first, kind, seed=0, initializer_range=0.1)
+    hf = build_arch_model(second, kind, seed=1, initializer_range=0.1)
+    prompts = random_prompts([6, 37], seed=7)
+    want = _hf(hf, prompts)
+    assert want != _hf(hf_first, prompts)
+    llm = LLM(str(first), kv_cache_memory=KV, block_size=16, dtype="float32")
+    try:
+        llm.engine.update_weights(str(second))
+        assert _answers(llm, prompts) == want
+    finally:
+        llm.shutdown()
