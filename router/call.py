@@ -117,6 +117,8 @@ class ClientCall(Inflight):
         self.finishes: list[pdserve_pb2.Finish] = []
         self.num_resumes = 0  # decode workers that died under this call
         self.num_moves = 0  # decode workers a role flip moved it off (router/flips.py)
+        # the weights' version when it was admitted: Finish.weight_version (router/weights.py)
+        self.weight_version = ""
 
     # ---- from other threads ---------------------------------------------------------------------
     def cancel(self) -> bool:
@@ -384,7 +386,10 @@ class ClientCall(Inflight):
         )
         self._cache_hits(first, final, usage)
         finish = pdserve_pb2.Finish(
-            index=final.index, finish_reason=final.finish_reason, usage=usage
+            index=final.index,
+            finish_reason=final.finish_reason,
+            usage=usage,
+            weight_version=self.weight_version,
         )
         kind = final.WhichOneof("stop_reason")
         if final.finish_reason in ("abort", "error"):

@@ -254,6 +254,7 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         # POST /pause and /resume (router/pause.py); the router turns them on where the
         # deployment sets router.pause_endpoints
         self.pause = RouterPause(self.admission, self.abort_all, enabled=False)
+        self.weights = None  # router/weights.py RouterWeights, which the router sets
 
     def close(self) -> None:
         self.encoder.close()
@@ -331,6 +332,8 @@ class PDServeServicer(pdserve_pb2_grpc.PDServeServicer):
         call.priority = request.priority
         call.lora = lora  # the adapter both legs run under (router/lora.py; "": the base)
         self._admit(key, call, context, deadline, request.priority)
+        # admitted: no weight update starts before it ends (router/pause.py drains first)
+        call.weight_version = self.weights.version if self.weights is not None else ""
         if self.tracing is not None:  # from its arrival: the admission queue's wait included
             call.span = self._start_span(call, context)
             call.admitted_ns = unix_ns()

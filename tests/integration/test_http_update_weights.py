@@ -74,6 +74,13 @@ def _greedy(router, max_tokens: int = 10) -> list[int]:
     return json.loads(raw)["choices"][0]["token_ids"]
 
 
+def _ran_on(router) -> str | None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    status, _, raw = post(router, "/v1/completions", body)
+    assert status == 200, raw
+    return json.loads(raw)["pdserve"]["weight_version"]
+
+
 def _update(router, **body) -> tuple[int, dict]:
     status, _, raw = post(router, "/update_weights_from_disk", body)
     return status, json.loads(raw)
@@ -96,7 +103,7 @@ def _version(router):
 def test_an_update_serves_the_new_checkpoint_on_both_pools(cluster, checkpoints):
     router, stubs = cluster
     (a_dir, a_hf), (b_dir, b_hf) = checkpoints["A"], checkpoints["B"]
-    assert _version(router) is None
+    assert _version(router) is None and _ran_on(router) is None
     assert _greedy(router) == hf_greedy(a_hf, PROMPT, 10)
     status, out = _update(router, model_path=b_dir, weight_version="step-1")
     assert status == 200 and out["success"] is True, out
@@ -105,6 +112,7 @@ def test_an_update_serves_the_new_checkpoint_on_both_pools(cluster, checkpoints)
     assert _version(router) == "step-1"
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
+    assert _ran_on(router) == "step-1"  # each response names the weights it ran on
     # C has another layer count: every worker refuses it before loading anything
     status, out = _update(router, model_path=checkpoints["C"][0], weight_version="bad")
     assert status == 400 and out["success"] is False, out

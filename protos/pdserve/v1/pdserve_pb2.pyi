@@ -248,7 +248,7 @@ class TokenDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("index", "finish_reason", "stop_str", "stop_token", "usage", "timings", "message", "prompt_token_ids", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = ("index", "finish_reason", "stop_str", "stop_token", "usage", "timings", "message", "prompt_token_ids", "prompt_logprobs", "prompt_top_logprobs", "weight_version")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class Finish(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     index: int
     finish_reason: str
     stop_str: str
@@ -269,7 +270,8 @@ class Finish(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "kv_transfer_bytes", "cache_hits", "accepted_prediction_tokens", "rejected_prediction_tokens")

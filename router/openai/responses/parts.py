@@ -68,6 +68,8 @@ def extension(finishes: list[pdserve_pb2.Finish], request_id: str) -> dict:
         "timings": stage_durations(t),
         "prefill_worker": t.prefill_worker or None,
         "decode_worker": t.decode_worker or None,
+        # the weights it ran on (router/weights.py; null before any update)
+        "weight_version": last.weight_version or None,
     }
 
 
