@@ -203,8 +203,8 @@ class ModelRunner:
         in place: each released dense weight gets its storage back, the checkpoint loads as at
         start, and the linears are packed again for the mode they run in (quantization None
         only: LLMEngine.update_weights refuses the others, whose calibration belongs to the
-        weights it was taken on). On CUDA the dense weights are never released, so the decode
-        graphs keep reading the same storage."""
+        weights it was taken on). On CUDA the dense weights are never released, so the new ones
+        land in the storage the decode graphs read (read from the code: not yet run on a GPU)."""
         for module in self.model.modules():
             if isinstance(module, LinearBase):
                 module.restore_dense()

@@ -186,6 +186,19 @@ _API_KEY = ("--api-key", "router.api_keys")
 # reasoning split): taken, so that a vLLM command line runs, and said to be unneeded
 VLLM_PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser")
 _ENABLE_LORA = ("--enable-lora", "lora.enabled")
+# switches that turn a YAML key on (`store_true`: given, the key is true; not given, the YAML's)
+_SWITCHES = (
+    (
+        "--pause-endpoints",
+        "router.pause_endpoints",
+        "vLLM's POST /pause and /resume and GET /is_paused, for a trainer's weight sync",
+    ),
+    (
+        "--weight-updates",
+        "router.weight_updates",
+        "SGLang's POST /update_weights_from_disk: both pools load a checkpoint at run time",
+    ),
+)
 _LORA_MODULES = ("--lora-modules", "lora.modules")
 
 
@@ -235,6 +248,10 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve LoRA adapters (YAML: lora.enabled)",
     )
+    for flag, key, what in _SWITCHES:
+        group.add_argument(
+            flag, action="store_true", default=None, help=f"{what} (YAML: {key}: true)"
+        )
     vllm = p.add_argument_group(
         "vLLM's parser flags: taken and not needed (the router reads the model's tool call and "
         "reasoning formats from its tokenizer and chat template)"
@@ -338,6 +355,9 @@ def apply_flags(args: argparse.Namespace, data: dict) -> Overrides:
         if isinstance(lora, dict):
             lora["modules"] = lora_modules(_LORA_MODULES[0], args.lora_modules)
             done.by_key[_LORA_MODULES[1]] = _LORA_MODULES[0]
+    for flag, key, _ in _SWITCHES:
+        if getattr(args, _dest(flag), None) and _set(data, key, True):
+            done.by_key[key] = flag
     if args.api_key is not None:
         router = data.setdefault("router", {})
         if isinstance(router, dict):

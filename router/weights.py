@@ -91,6 +91,12 @@ class RouterWeights:
             failed = self._call_all(workers, model_path, weight_version)
             if not failed:
                 self._record(model_path, weight_version)
+                log.info(
+                    "weight update: %d worker(s) serve %s (version %r)",
+                    len(workers),
+                    model_path,
+                    weight_version,
+                )
                 return f"{len(workers)} worker(s) of both pools now serve {model_path!r}" + (
                     f" as version {weight_version!r}" if weight_version else ""
                 )
@@ -99,6 +105,7 @@ class RouterWeights:
             stuck = [w for w in took if self._call_one(w, *before[id(w)]) is not None]
             worker, error = failed[0]
             why = f"worker {self.pool.name(worker)}: {error.code().name}: {error.details()}"
+            log.warning("weight update to %s failed: %s", model_path, why)
             if stuck:
                 names = ", ".join(self.pool.name(w) for w in stuck)
                 raise WeightsError(

@@ -229,3 +229,10 @@ def test_the_workers_register_under_the_routers_model_id():
 def test_pipeline_stage_flags(tmp_path):
     c = _up(tmp_path, None, "--prefill-pp", "3", "--prefill-tp", "2")
     assert (c.pools.prefill.pp, c.pools.prefill.tp, c.pools.decode.pp) == (3, 2, 1)
+
+
+def test_the_trainer_switches_turn_their_keys_on(tmp_path):
+    c = _up(tmp_path, YAML, "--pause-endpoints", "--weight-updates")
+    assert c.router.pause_endpoints and c.router.weight_updates
+    c = _up(tmp_path, {**YAML, "router": {**YAML["router"], "weight_updates": True}})
+    assert c.router.weight_updates and not c.router.pause_endpoints  # not given: the YAML's
