@@ -19,13 +19,17 @@ max_queued; the time paused does not count towards max_queue_wait_s; a client's 
 its leaving still end its wait). vLLM's third mode, "keep", freezes running requests inside the
 engine; pdserve's engines cannot, so it is refused, saying so.
 
-Off unless the deployment sets `router.pause_endpoints` (any client with a key could stop the
-service): then 404, as vLLM answers without its dev mode. One RouterPause per router, built with
-its servicer; thread-safe (its state is the admission's).
+Two kinds of hold close the gate, and it opens only when neither is left: a client's /pause
+(until its /resume), and each weight update under way (router/weights.py `hold` and `release`,
+whatever the deployment's switch says), so an update that ends never reopens a gate a client or
+another update still holds. Off unless the deployment sets `router.pause_endpoints` (any client
+with a key could stop the service): then 404, as vLLM answers without its dev mode. One
+RouterPause per router, built with its servicer; thread-safe.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from pdserve.router.admission import Admission
@@ -46,6 +50,9 @@ class RouterPause:
         """abort_all: ends every admitted Generate call (finish_reason "abort"), returning how
         many it asked to end."""
         self.admission, self._abort_all, self.enabled = admission, abort_all, enabled
+        self._lock = threading.Lock()
+        self._by_client = False  # a client's /pause holds the gate until its /resume
+        self._holds = 0  # weight updates under way, each holding it
 
     def check_enabled(self) -> None:
         if not self.enabled:
@@ -83,16 +90,29 @@ class RouterPause:
         return value
 
     def pause(self, mode: str) -> int:
-        """Closes the gate and, for "abort", ends the admitted calls: how many it ended. Never
-        blocks past short locks."""
+        """A client's hold: closes the gate and, for "abort", ends the admitted calls: how many
+        it ended. Never blocks past short locks."""
         self.check_enabled()
-        return self.hold(mode)
+        with self._lock:
+            self._by_client = True
+            self.admission.pause()
+        return self._abort_all() if mode == "abort" else 0
 
     def hold(self, mode: str) -> int:
-        """`pause` without the deployment's switch: a weight update's own pause
-        (router/weights.py), which its own switch allows."""
-        self.admission.pause()
+        """A weight update's hold (router/weights.py), which its own switch allows: as `pause`,
+        until its `release`."""
+        with self._lock:
+            self._holds += 1
+            self.admission.pause()
         return self._abort_all() if mode == "abort" else 0
+
+    def release(self, keep: bool = False) -> None:
+        """A weight update's hold ends; with `keep` it becomes a client's (keep_pause: /resume
+        opens the gate)."""
+        with self._lock:
+            self._holds -= 1
+            self._by_client = self._by_client or keep
+            self._open_if_free_locked()
 
     def abort_stragglers(self) -> int:
         """Under "abort": ends a call admitted just before the gate closed and registered only
@@ -107,8 +127,15 @@ class RouterPause:
         return self.admission.running()
 
     def resume(self) -> None:
+        """A client's hold ends (the gate stays closed while a weight update holds it)."""
         self.check_enabled()
-        self.admission.resume()
+        with self._lock:
+            self._by_client = False
+            self._open_if_free_locked()
+
+    def _open_if_free_locked(self) -> None:
+        if not self._by_client and self._holds == 0:
+            self.admission.resume()
 
     @property
     def is_paused(self) -> bool:

@@ -58,6 +58,9 @@ class RouterWeights:
         self._catching_up: set[int] = set()
         self._retry_at: dict[int, float] = {}
         self.catch_ups = 0
+        # an update left the pools serving different weights: its pause hold (router/pause.py)
+        # stays until an update succeeds (router/openai/weights.py)
+        self.held_apart = False
         if enabled and hasattr(pool, "on_report"):
             pool.on_report(self.on_report)
 

@@ -8,10 +8,12 @@ it call them), on router/weights.py:
     GET  /get_weight_version         {"weight_version": "40"} (null before the first update)
     GET  /weight_info                the same, vLLM's name
 
-An update holds every new request at the router (router/pause.py), lets the running ones finish
-(or, with abort_all_requests, ends them: finish_reason "abort"), waits until none runs (at most
-router/pause.py's DEFAULT_TIMEOUT_S: then 504 and nothing changed), has every worker of both
-pools load the checkpoint, and resumes unless the router was paused before or keep_pause is set.
+An update holds every new request at the router (router/pause.py `hold`), lets the running ones
+finish (or, with abort_all_requests, ends them: finish_reason "abort"), waits until none runs (at
+most router/pause.py's DEFAULT_TIMEOUT_S: then 504 and nothing changed), has every worker of both
+pools load the checkpoint, and lets go of its hold: the router serves again unless a client's
+/pause or another update still holds it, or keep_pause turned this hold into a client's (then
+/resume). After a 500 its hold stays until an update succeeds.
 Its outcome is SGLang's shape: 200 with success true, or success false with the status that says
 why: 400 (a field, or a checkpoint a worker refused: every worker serves what it did before),
 409 (another update runs, or a worker that cannot take one: a quantized mode, a draft model),
@@ -88,7 +90,7 @@ async def update_weights_from_disk(request: Request):
     except WeightsError as e:
         return _outcome(e.status, False, e.message)
     mode = "abort" if body.get("abort_all_requests") else "wait"
-    resume = not pause.is_paused and not body.get("keep_pause")
+    keep = bool(body.get("keep_pause"))
     aborted = pause.hold(mode)
     until = time.monotonic() + DEFAULT_TIMEOUT_S
     while True:
@@ -97,8 +99,7 @@ async def update_weights_from_disk(request: Request):
         if pause.idle():
             break
         if time.monotonic() >= until:
-            if resume:
-                pause.admission.resume()
+            pause.release()
             return _outcome(
                 504,
                 False,
@@ -110,11 +111,17 @@ async def update_weights_from_disk(request: Request):
     try:
         message = await asyncio.to_thread(weights.update, path, version)
     except WeightsError as e:
-        if resume and e.status != 500:  # 500: the pools serve different weights; stay paused
-            pause.admission.resume()
+        if e.status != 500:
+            pause.release(keep)
+        elif weights.held_apart:  # one hold for "the pools are apart" is enough
+            pause.release()
+        else:  # the pools serve different weights: this hold stays until an update succeeds
+            weights.held_apart = True
         return _outcome(e.status, False, e.message, aborted)
-    if resume:
-        pause.admission.resume()
+    pause.release(keep)
+    if weights.held_apart:
+        weights.held_apart = False
+        pause.release()
     return _outcome(200, True, message, aborted)
 
 

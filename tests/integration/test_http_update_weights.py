@@ -154,7 +154,7 @@ def test_running_requests_finish_first_or_are_aborted(cluster, checkpoints):
     assert json.loads(aborted[0][2])["choices"][0]["finish_reason"] == "abort"
 
 
-def test_keep_pause_leaves_the_router_paused(cluster, checkpoints):
+def test_keep_pause_and_a_clients_pause_outlast_the_update(cluster, checkpoints):
     router, _ = cluster
     status, out = _update(
         router, model_path=checkpoints["B"][0], weight_version="kept", keep_pause=True
@@ -163,6 +163,12 @@ def test_keep_pause_leaves_the_router_paused(cluster, checkpoints):
     assert router.servicer.admission.is_paused
     status, _, raw = post(router, "/resume", None)
     assert status == 200, raw
+    assert not router.servicer.admission.is_paused
+    # a client's /pause outlasts an update made under it
+    assert post(router, "/pause", None)[0] == 200
+    status, out = _update(router, model_path=checkpoints["A"][0], weight_version="under")
+    assert status == 200 and router.servicer.admission.is_paused, out
+    assert post(router, "/resume", None)[0] == 200
     assert not router.servicer.admission.is_paused
 
 

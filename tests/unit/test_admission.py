@@ -309,3 +309,29 @@ def test_a_client_gone_while_paused_leaves_the_queue():
     assert out == [CANCELLED] and a.queued() == 0 and a.idle()
     a.resume()
     assert a.running() == 0
+
+
+def test_the_gate_opens_only_when_no_client_and_no_update_holds_it():
+    from pdserve.router.pause import RouterPause
+
+    a = admission()
+    pause = RouterPause(a, abort_all=lambda: 0, enabled=True)
+    pause.pause("wait")  # a client's /pause, then a weight update under it
+    pause.hold("wait")
+    pause.release()
+    assert a.is_paused  # the update ending does not undo the client's pause
+    pause.resume()
+    assert not a.is_paused
+    pause.hold("wait")  # two updates at once: the first to end leaves the gate closed
+    pause.hold("wait")
+    pause.release()
+    assert a.is_paused
+    pause.release()
+    assert not a.is_paused
+    pause.hold("wait")
+    pause.resume()  # a client's /resume does not open a gate an update holds
+    assert a.is_paused
+    pause.release(keep=True)  # keep_pause: now the client's, until /resume
+    assert a.is_paused
+    pause.resume()
+    assert not a.is_paused
