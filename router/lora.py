@@ -24,7 +24,8 @@ adapters only) is brought up to date from its reports (`on_report`, a WorkerPool
 listener): when its WorkerStats lack an adapter the router serves, or list one the router
 unloaded at run time, a catch-up thread (one per worker at a time, never the health thread)
 calls LoadLoRA (`if_absent`, so a second push of a stale report changes nothing) or UnloadLoRA
-on it, under the same lock as the endpoints (a failed one is tried again CATCH_UP_RETRY_S
+on it, under the same lock as the endpoints (a failed one is tried again CATCH_UP_RETRY_S,
+router/catch_up.py,
 later, at its next report after that). Until its Stats list an adapter, the pool's picks
 send that adapter's requests to the other workers (router/pool.py), so none reaches a worker
 that would refuse it; `catch_ups` and `catch_up_failures` count the calls.
@@ -36,15 +37,14 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 
 import grpc
 
 from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2
+from pdserve.router.catch_up import CatchUps
 
 log = logging.getLogger(__name__)
 WORKER_CALL_TIMEOUT_S = 60.0  # one worker's LoadLoRA (it reads the adapter from its disk)
-CATCH_UP_RETRY_S = 10.0  # a worker's catch-up that failed is tried again after this long
 # the names and paths engine/lora.py accepts (the router reaches workers over gRPC only, so it
 # checks them itself, before any worker is called)
 MAX_NAME_LEN, MAX_PATH_LEN = 256, 4096
@@ -101,8 +101,7 @@ class RouterAdapters:
         self._removed: set[str] = set()
         self._lock = threading.Lock()
         self._admin = threading.Lock()  # one load, unload or catch-up call at a time
-        self._catching_up: set[int] = set()  # id() of the workers a catch-up thread serves
-        self._retry_at: dict[int, float] = {}  # id() of a worker -> when to try a failed one again
+        self._catch_ups = CatchUps("router-lora-catch-up")
         self.catch_ups = 0  # LoadLoRA and UnloadLoRA calls of catch-ups that took
         self.catch_up_failures = 0
         if enabled and pool is not None and hasattr(pool, "on_report"):
@@ -219,44 +218,31 @@ class RouterAdapters:
         load, unload = self._changes_for(stats)
         if not load and not unload:
             return
-        with self._lock:
-            if id(worker) in self._catching_up or time.monotonic() < self._retry_at.get(
-                id(worker), 0.0
-            ):
-                return
-            self._catching_up.add(id(worker))
-        threading.Thread(
-            target=self._catch_up, args=(worker,), name="router-lora-catch-up", daemon=True
-        ).start()
+        self._catch_ups.start(worker, self._catch_up)
 
     def _catch_up(self, worker) -> None:
         pool = self.pool
-        try:
-            with self._admin:  # after a load or unload under way: its outcome is what we push
-                stats = worker.stats
-                if stats is None or not pool.is_member(worker):
-                    return
-                load, unload = self._changes_for(stats)
-                for name, path in load.items():
-                    self._catch_up_call(
-                        worker,
-                        "LoadLoRA",
-                        worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path, if_absent=True),
-                    )
-                for name in unload:
-                    self._catch_up_call(
-                        worker, "UnloadLoRA", worker_pb2.UnloadLoRARequest(lora_name=name)
-                    )
-        finally:
-            with self._lock:
-                self._catching_up.discard(id(worker))
+        with self._admin:  # after a load or unload under way: its outcome is what we push
+            stats = worker.stats
+            if stats is None or not pool.is_member(worker):
+                return
+            load, unload = self._changes_for(stats)
+            for name, path in load.items():
+                self._catch_up_call(
+                    worker,
+                    "LoadLoRA",
+                    worker_pb2.LoadLoRARequest(lora_name=name, lora_path=path, if_absent=True),
+                )
+            for name in unload:
+                self._catch_up_call(
+                    worker, "UnloadLoRA", worker_pb2.UnloadLoRARequest(lora_name=name)
+                )
 
     def _catch_up_call(self, worker, method: str, request) -> None:
         try:
             getattr(worker.stub, method)(request, timeout=WORKER_CALL_TIMEOUT_S)
         except grpc.RpcError as e:
-            with self._lock:
-                self._retry_at[id(worker)] = time.monotonic() + CATCH_UP_RETRY_S
+            self._catch_ups.failed(worker)
             log.warning(
                 "LoRA catch-up of worker %s: %s %s failed: %s %s",
                 self.pool.name(worker),
@@ -267,8 +253,7 @@ class RouterAdapters:
             )
             self.catch_up_failures += 1  # last: a count read means its call is all done
         else:
-            with self._lock:
-                self._retry_at.pop(id(worker), None)
+            self._catch_ups.succeeded(worker)
             log.info(
                 "LoRA catch-up of worker %s: %s %s",
                 self.pool.name(worker),

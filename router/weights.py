@@ -17,7 +17,7 @@ after it, their answer to UpdateWeights did (a Stats poll asked before the updat
 after it). A worker that was dead during the update, or joins later, is caught up from its
 reports, as LoRA adapters are (router/lora.py): a catch-up thread asks its Stats afresh and, if
 they differ, calls UpdateWeights on it (it gets no request meanwhile, so it is idle), and tries a
-failed one again CATCH_UP_RETRY_S later. Off unless the deployment sets
+failed one again CATCH_UP_RETRY_S later (router/catch_up.py). Off unless the deployment sets
 `router.weight_updates`. One RouterWeights per router; `update` blocks its caller (the HTTP
 front runs it on a thread, once the pause has drained), one update at a time.
 """
@@ -32,9 +32,9 @@ import grpc
 
 from pdserve.protos.limits import WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S, check_weight_update
 from pdserve.protos.pdserve.v1 import worker_pb2
+from pdserve.router.catch_up import CatchUps
 
 log = logging.getLogger(__name__)
-CATCH_UP_RETRY_S = 10.0
 # an UpdateWeights answer vouches for the worker this long: a few Stats polls, so that one asked
 # before the update and answered after it cannot take the worker out
 CONFIRM_GRACE_S = 3.0
@@ -55,8 +55,7 @@ class RouterWeights:
         self._confirmed: dict[int, tuple[tuple[str, str], float]] = {}
         self._lock = threading.Lock()
         self._admin = threading.Lock()  # one update or catch-up call at a time
-        self._catching_up: set[int] = set()
-        self._retry_at: dict[int, float] = {}
+        self._catch_ups = CatchUps("router-weights-catch-up")
         self.catch_ups = 0
         # an update left the pools serving different weights: its pause hold (router/pause.py)
         # stays until an update succeeds (router/openai/weights.py)
@@ -186,44 +185,32 @@ class RouterWeights:
         whose weights are not the recorded ones."""
         if self.wanted is None or not stats.worker_id or self.serves(worker):
             return
-        with self._lock:
-            if id(worker) in self._catching_up or time.monotonic() < self._retry_at.get(
-                id(worker), 0.0
-            ):
-                return
-            self._catching_up.add(id(worker))
-        threading.Thread(
-            target=self._catch_up, args=(worker,), name="router-weights-catch-up", daemon=True
-        ).start()
+        self._catch_ups.start(worker, self._catch_up)
 
     def _catch_up(self, worker) -> None:
-        try:
-            with self._admin:  # after an update under way: its outcome is what we push
-                wanted = self.wanted
-                if not self.pool.is_member(worker) or self.serves(worker):
-                    return
-                try:  # afresh: the report that started this may be older than an update
-                    stats = worker.stub.Stats(worker_pb2.StatsRequest(), timeout=10.0)
-                except grpc.RpcError:
-                    stats = None
-                if stats is not None and (stats.weights_path, stats.weight_version) == wanted:
-                    return
-                error = self._call_one(worker, *wanted)
-            if error is None:
-                log.info("weights catch-up of worker %s: %s", self.pool.name(worker), wanted[0])
-                self.catch_ups += 1
+        with self._admin:  # after an update under way: its outcome is what we push
+            wanted = self.wanted
+            if not self.pool.is_member(worker) or self.serves(worker):
                 return
-            with self._lock:
-                self._retry_at[id(worker)] = time.monotonic() + CATCH_UP_RETRY_S
-            log.warning(
-                "weights catch-up of worker %s failed: %s %s",
-                self.pool.name(worker),
-                error.code().name,
-                error.details(),
-            )
-        finally:
-            with self._lock:
-                self._catching_up.discard(id(worker))
+            try:  # afresh: the report that started this may be older than an update
+                stats = worker.stub.Stats(worker_pb2.StatsRequest(), timeout=10.0)
+            except grpc.RpcError:
+                stats = None
+            if stats is not None and (stats.weights_path, stats.weight_version) == wanted:
+                return
+            error = self._call_one(worker, *wanted)
+        if error is None:
+            self._catch_ups.succeeded(worker)
+            log.info("weights catch-up of worker %s: %s", self.pool.name(worker), wanted[0])
+            self.catch_ups += 1
+            return
+        self._catch_ups.failed(worker)
+        log.warning(
+            "weights catch-up of worker %s failed: %s %s",
+            self.pool.name(worker),
+            error.code().name,
+            error.details(),
+        )
 
 
 def _live(pool) -> list:

@@ -105,6 +105,19 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
     @classmethod
+    def of_status(cls, status: int, message: str, param: str | None = None) -> ApiError:
+        """The error a router-side refusal with an HTTP `status` is (the run-time control
+        endpoints': LoRA adapters, pause): a client's fault below 500, the server's from 500;
+        404 is `not_found`."""
+        return cls(
+            status,
+            message,
+            "invalid_request_error" if status < 500 else "server_error",
+            param=param,
+            code="not_found" if status == 404 else None,
+        )
+
+    @classmethod
     def from_grpc(cls, error: grpc.RpcError) -> ApiError:
         code = error.code()
         status, type_, err_code = GRPC_TO_HTTP.get(code, _SERVER_ERROR)

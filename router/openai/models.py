@@ -108,13 +108,7 @@ async def _adapter_call(request: Request, fn, *args) -> None:
     try:
         await asyncio.to_thread(fn, *args)
     except AdapterCallError as e:
-        raise ApiError(
-            e.status,
-            e.message,
-            "invalid_request_error" if e.status < 500 else "server_error",
-            param=e.param,
-            code="not_found" if e.status == 404 else None,
-        ) from None
+        raise ApiError.of_status(e.status, e.message, e.param) from None
 
 
 @router.post("/v1/load_lora_adapter")

@@ -45,13 +45,7 @@ def _pause_of(request: Request) -> RouterPause:
 
 
 def _api_error(e: PauseError) -> ApiError:
-    return ApiError(
-        e.status,
-        e.message,
-        "invalid_request_error" if e.status < 500 else "server_error",
-        param=e.param,
-        code="not_found" if e.status == 404 else None,
-    )
+    return ApiError.of_status(e.status, e.message, e.param)
 
 
 def _flag(request: Request, name: str) -> bool | None:
