@@ -20,9 +20,9 @@ its leaving still end its wait). vLLM's third mode, "keep", freezes running requ
 engine; pdserve's engines cannot, so it is refused, saying so.
 
 Two kinds of hold close the gate, and it opens only when neither is left: a client's /pause
-(until its /resume), and each weight update under way (router/weights.py `hold` and `release`,
-whatever the deployment's switch says), so an update that ends never reopens a gate a client or
-another update still holds. Off unless the deployment sets `router.pause_endpoints` (any client
+(until its /resume), and each weight update under way (`hold` and `release`, from
+router/openai/weights.py, whatever this deployment switch says), so an update that ends never
+reopens a gate a client or another update still holds. Off unless the deployment sets `router.pause_endpoints` (any client
 with a key could stop the service): then 404, as vLLM answers without its dev mode. One
 RouterPause per router, built with its servicer; thread-safe.
 """

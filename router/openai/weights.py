@@ -40,6 +40,7 @@ from pdserve.router.weights import WeightsError
 
 router = APIRouter()
 POLL_S = 0.02
+_RUNNING: set = set()  # the updates under way (kept referenced until they end)
 _BOOLS = ("abort_all_requests", "keep_pause", "flush_cache", "torch_empty_cache", "is_async")
 _IGNORED = ("recapture_cuda_graph", "token_step")
 _KNOWN = {"model_path", "weight_version", "load_format", *_BOOLS, *_IGNORED}
@@ -91,6 +92,16 @@ async def update_weights_from_disk(request: Request):
         return _outcome(e.status, False, e.message)
     mode = "abort" if body.get("abort_all_requests") else "wait"
     keep = bool(body.get("keep_pause"))
+    # its own task: a client that leaves mid-update cancels this handler, never the update, which
+    # then still lets go of its hold when it ends
+    task = asyncio.create_task(_apply(pause, weights, mode, keep, path, version))
+    _RUNNING.add(task)
+    task.add_done_callback(_RUNNING.discard)
+    return await asyncio.shield(task)
+
+
+async def _apply(pause, weights, mode: str, keep: bool, path: str, version: str) -> JSONResponse:
+    """The update from its pause hold to its release (the module's docstring)."""
     aborted = pause.hold(mode)
     until = time.monotonic() + DEFAULT_TIMEOUT_S
     while True:
@@ -118,6 +129,9 @@ async def update_weights_from_disk(request: Request):
         else:  # the pools serve different weights: this hold stays until an update succeeds
             weights.held_apart = True
         return _outcome(e.status, False, e.message, aborted)
+    except BaseException:  # a fault of ours: the hold must not outlive it
+        pause.release(keep)
+        raise
     pause.release(keep)
     if weights.held_apart:
         weights.held_apart = False

@@ -11,12 +11,13 @@ bad bodies are 400s in SGLang's shape; a router whose deployment did not turn it
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import grpc
 import pytest
 
-from helpers.http import MODEL, assert_error, post, request
+from helpers.http import MODEL, assert_error, post, request, split
 from helpers.models import hf_greedy, make_tiny_model
 from helpers.threads import wait_until
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
@@ -195,6 +196,28 @@ def test_a_worker_serving_other_weights_is_skipped_then_caught_up(
     wait_until(lambda: weights.catch_ups > caught, TIMEOUT_S, "the prefill worker caught up")
     assert _served((decode, prefill)) == [(b_dir, "cu")] * 2
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
+
+
+def test_a_client_that_leaves_before_the_answer_leaves_no_pause_behind(cluster, checkpoints):
+    router, stubs = cluster
+    host, port = split(router.http_address)
+    body = json.dumps({"model_path": checkpoints["B"][0], "weight_version": "left"}).encode()
+    with socket.create_connection((host, port), timeout=TIMEOUT_S) as s:
+        s.sendall(
+            b"POST /update_weights_from_disk HTTP/1.1\r\nHost: x\r\n"
+            + b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    # gone before the answer (the update runs in a task of its own, which the handler's
+    # cancellation, where the server cancels it, does not reach): it still ends, its hold too
+    admission = router.servicer.admission
+    wait_until(
+        lambda: router.servicer.weights.version == "left" and not admission.is_paused,
+        TIMEOUT_S,
+        "the update done and the router serving",
+    )
+    assert _served(stubs) == [(checkpoints["B"][0], "left")] * 2
 
 
 @pytest.mark.parametrize(
