@@ -72,21 +72,30 @@ async def pause(request: Request):
     except PauseError as e:
         raise _api_error(e) from None
     aborted = control.pause(mode)
-    until = time.monotonic() + timeout
+    drained, stragglers = await drain(control, mode, timeout)
+    if not drained:
+        raise ApiError(
+            504,
+            f"paused, but {control.running()} request(s) still run after {timeout:g} s; "
+            "the pause stays: POST /resume, or POST /pause?mode=abort to end them",
+            "server_error",
+        )
+    return {"status": "paused", "aborted": aborted + stragglers}
+
+
+async def drain(control: RouterPause, mode: str, timeout: float) -> tuple[bool, int]:
+    """Polls, holding no thread, until no admitted call runs, ending under "abort" the calls
+    admitted just before the gate closed: (whether none runs within `timeout`, how many of
+    those it ended). /pause's and a weight update's (router/openai/weights.py)."""
+    stragglers, until = 0, time.monotonic() + timeout
     while True:
         if mode == "abort":
-            aborted += control.abort_stragglers()
+            stragglers += control.abort_stragglers()
         if control.idle():
-            break
+            return True, stragglers
         if time.monotonic() >= until:
-            raise ApiError(
-                504,
-                f"paused, but {control.running()} request(s) still run after {timeout:g} s; "
-                "the pause stays: POST /resume, or POST /pause?mode=abort to end them",
-                "server_error",
-            )
+            return False, stragglers
         await asyncio.sleep(POLL_S)
-    return {"status": "paused", "aborted": aborted}
 
 
 @router.post("/resume")

@@ -28,18 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from pdserve.router.openai.errors import ApiError
+from pdserve.router.openai.pause import drain
 from pdserve.router.openai.state import state_of
 from pdserve.router.pause import DEFAULT_TIMEOUT_S
 from pdserve.router.weights import WeightsError
 
 router = APIRouter()
-POLL_S = 0.02
 _RUNNING: set = set()  # the updates under way (kept referenced until they end)
 _BOOLS = ("abort_all_requests", "keep_pause", "flush_cache", "torch_empty_cache", "is_async")
 _IGNORED = ("recapture_cuda_graph", "token_step")
@@ -103,22 +102,17 @@ async def update_weights_from_disk(request: Request):
 async def _apply(pause, weights, mode: str, keep: bool, path: str, version: str) -> JSONResponse:
     """The update from its pause hold to its release (the module's docstring)."""
     aborted = pause.hold(mode)
-    until = time.monotonic() + DEFAULT_TIMEOUT_S
-    while True:
-        if mode == "abort":
-            aborted += pause.abort_stragglers()
-        if pause.idle():
-            break
-        if time.monotonic() >= until:
-            pause.release()
-            return _outcome(
-                504,
-                False,
-                f"{pause.running()} request(s) still ran after {DEFAULT_TIMEOUT_S:g} s; nothing "
-                "changed (abort_all_requests: true ends them)",
-                aborted,
-            )
-        await asyncio.sleep(POLL_S)
+    drained, stragglers = await drain(pause, mode, DEFAULT_TIMEOUT_S)
+    aborted += stragglers
+    if not drained:
+        pause.release()
+        return _outcome(
+            504,
+            False,
+            f"{pause.running()} request(s) still ran after {DEFAULT_TIMEOUT_S:g} s; nothing "
+            "changed (abort_all_requests: true ends them)",
+            aborted,
+        )
     try:
         message = await asyncio.to_thread(weights.update, path, version)
     except WeightsError as e:
