@@ -339,15 +339,21 @@ class RouterMetrics:
         if reply is not None and reply.peer_fetch_seconds > 0:
             self.peer_fetch_seconds.observe(reply.peer_fetch_seconds)
 
-    def track_router(self, inflight, decode_queue_waiting) -> None:
-        """Router gauges read at scrape time: callables giving the Generate calls in flight and
-        the requests waiting in the router's decode queue."""
+    def track_router(self, inflight, decode_queue_waiting, paused=lambda: 0.0) -> None:
+        """Router gauges read at scrape time: callables giving the Generate calls in flight, the
+        requests waiting in the router's decode queue, and 1 while the router's admission is
+        paused (router/pause.py)."""
         for name, doc, read in (
             ("pdserve:router_requests_inflight", "Generate calls the router is serving.", inflight),
             (
                 "pdserve:router_decode_queue_waiting",
                 "Requests waiting in the router for decode KV blocks (every decode worker full).",
                 decode_queue_waiting,
+            ),
+            (
+                "pdserve:router_paused",
+                "1 while the router admits no request (/pause, or a weight update under way).",
+                paused,
             ),
         ):
             gauge = Gauge(name, doc, ["model_name"], registry=self._registry)

@@ -472,8 +472,11 @@ class Router:
         )
         self.servicer.pause.enabled = cfg.pause_endpoints
         self.servicer.weights = RouterWeights(self.pool, cfg.weight_updates)
+        admission = self.servicer.admission
         self.metrics.track_router(
-            self.servicer.num_inflight, self.servicer.legs.decode_queue.waiting
+            self.servicer.num_inflight,
+            self.servicer.legs.decode_queue.waiting,
+            lambda: float(admission.is_paused),
         )
 
     def _grpc_server(self, options: ServiceOptions) -> grpc.Server:

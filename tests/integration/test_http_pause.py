@@ -74,6 +74,13 @@ def _running(router, n: int = 1) -> None:
     wait_until(lambda: admission.running() == n, TIMEOUT_S, f"{n} request(s) admitted")
 
 
+def _paused_gauge(router) -> float:
+    status, _, raw = request(router.http_address, "GET", "/metrics")
+    assert status == 200, raw
+    (line,) = [x for x in raw.decode().splitlines() if x.startswith("pdserve:router_paused{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _is_paused(router) -> bool:
     status, _, raw = request(router.http_address, "GET", "/is_paused")
     assert status == 200, raw
@@ -88,6 +95,7 @@ def test_abort_ends_the_running_request_and_holds_the_next_until_resume(router, 
     assert status == 200, raw
     assert json.loads(raw) == {"status": "paused", "aborted": 1}
     assert router.servicer.admission.idle() and _is_paused(router) is True
+    assert _paused_gauge(router) == 1.0
     t.join(TIMEOUT_S)
     ((status, doc),) = out
     assert status == 200, doc
@@ -105,7 +113,7 @@ def test_abort_ends_the_running_request_and_holds_the_next_until_resume(router, 
     held.join(TIMEOUT_S)
     ((status, doc),) = held_out
     assert status == 200 and doc["usage"]["completion_tokens"] == 3, doc
-    assert _is_paused(router) is False
+    assert _is_paused(router) is False and _paused_gauge(router) == 0.0
 
 
 def test_an_aborted_stream_ends_with_finish_reason_abort_and_done(router, idle):

@@ -43,6 +43,7 @@ ROUTER_METRICS = {  # name -> type
     "pdserve:request_reservation_wait_seconds": "histogram",
     "pdserve:router_requests_inflight": "gauge",
     "pdserve:router_decode_queue_waiting": "gauge",
+    "pdserve:router_paused": "gauge",
     "pdserve:request_errors": "counter",
     "pdserve:http_errors": "counter",
 }
