@@ -500,6 +500,15 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def UpdateWeights(self, request, context):
         return worker_weights.update(self.loop, request, context)
 
+    def InitWeightsGroup(self, request, context):
+        return worker_weights.init_group(self.loop, request, context)
+
+    def UpdateWeightsFromGroup(self, request, context):
+        return worker_weights.update_from_group(self.loop, request, context)
+
+    def DestroyWeightsGroup(self, request, context):
+        return worker_weights.destroy_group(self.loop, request, context)
+
     def Abort(self, request, context):
         refusal = check_id("request_id", request.request_id)
         if refusal:

@@ -108,6 +108,7 @@ def _samples_a_sink(plan: StepPlan, sinks) -> bool:
 
 
 CLASSIFY = PoolingParams("classify")
+MAX_WEIGHT_GROUPS = 4  # trainers' groups an engine's ranks may be in at once
 # ModelConfig's fields a weight update's checkpoint must share with the served one (its shapes and
 # what the runner built from them: rotary tables, windows, layer kinds)
 _SHAPE_FIELDS = tuple(
@@ -125,6 +126,8 @@ class LLMEngine:
         self.model_id = model_dir.name
         # where the weights served came from, and their version ("": as started; update_weights)
         self.weights_dir, self.weight_version = str(model_dir), ""
+        self._weight_groups: dict[str, float] = {}  # the trainers' groups its ranks are in: timeout
+        self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # name -> shape
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
         self.config = config.resolve(self.model_config)
         # a draft model (speculative decoding) takes its share of the KV budget before any load
@@ -440,21 +443,7 @@ class LLMEngine:
         name for the new weights (weight_version), kept beside weights_dir."""
         from transformers import AutoConfig
 
-        if self.has_unfinished_requests() or self.block_manager.num_used_blocks:
-            raise WeightUpdateRefused(
-                "requests still run on this engine: pause first (the router's /pause)", True
-            )
-        if self.runner.quantization is not None:
-            raise WeightUpdateRefused(
-                f"the engine serves quantization={self.runner.quantization}, whose calibration "
-                "belongs to the weights it started with: start it with quantization none "
-                "(dtype float32 or bfloat16) to update weights",
-                True,
-            )
-        if self.draft_dir is not None:
-            raise WeightUpdateRefused(
-                "speculative decoding with a draft model: its weights would no longer match", True
-            )
+        self._check_can_update()
         path = pathlib.Path(model_dir)
         if not path.is_dir() or not (path / "config.json").is_file():
             raise WeightUpdateRefused(
@@ -476,16 +465,141 @@ class LLMEngine:
             )
         before = self.weights_dir
         try:
-            self._reload_ranks(str(path))
+            self._run_on_ranks(ModelInput([], [], reload_from=str(path)))
         except Exception as e:
+            if not pathlib.Path(before).is_dir():  # the weights served came from a trainer's group
+                self.weights_dir, self.weight_version = "", ""
+                raise WeightUpdateRefused(
+                    f"loading {model_dir[:300]!r} failed ({e}), and the weights it replaced came "
+                    "from a trainer's group: they cannot be loaded again; this engine serves no "
+                    "known version until an update succeeds"
+                ) from e
             log.error("loading weights from %s failed (%s); loading %s again", path, e, before)
-            self._reload_ranks(before)  # raises if that fails too: the engine is broken
+            # raises if that fails too: the engine is broken
+            self._run_on_ranks(ModelInput([], [], reload_from=before))
             raise WeightUpdateRefused(f"loading {model_dir[:300]!r} failed: {e}") from e
         self.weights_dir, self.weight_version = str(path), version
         self.block_manager.reset_prefix_cache()
 
-    def _reload_ranks(self, model_dir: str) -> None:
-        inp = ModelInput([], [], reload_from=model_dir)
+    def _check_can_update(self) -> None:
+        """Raises WeightUpdateRefused (a precondition) when this engine cannot take new weights
+        now."""
+        if self.has_unfinished_requests() or self.block_manager.num_used_blocks:
+            raise WeightUpdateRefused(
+                "requests still run on this engine: pause first (the router's /pause)", True
+            )
+        if self.runner.quantization is not None:
+            raise WeightUpdateRefused(
+                f"the engine serves quantization={self.runner.quantization}, whose calibration "
+                "belongs to the weights it started with: start it with quantization none "
+                "(dtype float32 or bfloat16) to update weights",
+                True,
+            )
+        if self.draft_dir is not None:
+            raise WeightUpdateRefused(
+                "speculative decoding with a draft model: its weights would no longer match", True
+            )
+
+    # ---- weights from a trainer's group (engine/weight_sync.py) ---------------------------------
+    def join_weights_group(
+        self,
+        group_name: str,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float = 600.0,
+    ) -> int:
+        """Every rank of this engine starts joining a trainer's group (ranks rank_offset ..
+        rank_offset + N - 1, in engine rank order) on a thread of its own, and this returns at
+        once with N: the engine serves on while the trainer and the other engines join. A group of
+        the same name is replaced. The fields are the caller's to check (protos/limits.py)."""
+        if group_name not in self._weight_groups and len(self._weight_groups) >= MAX_WEIGHT_GROUPS:
+            raise WeightUpdateRefused(
+                f"this engine is in {MAX_WEIGHT_GROUPS} weight groups already: destroy one first"
+            )
+        ranks = self.tp_state.world_size
+        if rank_offset < 1 or rank_offset + ranks > world_size:
+            raise WeightUpdateRefused(
+                f"ranks {rank_offset}..{rank_offset + ranks - 1} of this engine do not fit a "
+                f"group of world_size {world_size} whose rank 0 is the trainer"
+            )
+        op = ["join", group_name, master_address, master_port, rank_offset, world_size, timeout_s]
+        self._run_on_ranks(ModelInput([], [], weights_op=op))
+        self._weight_groups[group_name] = timeout_s
+        return ranks
+
+    def weight_group_timeout(self, group_name: str) -> float:
+        """The timeout a group was joined with (that of a group it is not in: the default)."""
+        return self._weight_groups.get(group_name, 600.0)
+
+    def leave_weights_group(self, group_name: str) -> bool:
+        """Every rank leaves the group; False when it was in none of that name."""
+        if group_name not in self._weight_groups:
+            return False
+        self._run_on_ranks(ModelInput([], [], weights_op=["leave", group_name]))
+        del self._weight_groups[group_name]
+        return True
+
+    def receive_weights(
+        self, group_name: str, names, dtypes, shapes, version: str = "", source: str = ""
+    ) -> None:
+        """The base model's weights from the trainer of `group_name`: every rank receives every
+        tensor, and once every rank of the whole group received everything (weight_sync.py's
+        last agreement), each loads them in place, as update_weights does from a checkpoint, and
+        every cached prefix block is dropped. Refused before anything moves (WeightUpdateRefused)
+        when the engine cannot take weights now, the group is unknown, or the list is not the
+        checkpoint's tensors (every name, each of its shape); raises WeightSyncError when the
+        transfer failed (nothing was loaded anywhere). `source` is what weights_dir then says
+        (the router's name for the update)."""
+        from pdserve.engine.weight_sync import specs_of
+        from pdserve.protos.limits import check_weight_tensors
+
+        self._check_can_update()
+        if group_name not in self._weight_groups:
+            raise WeightUpdateRefused(
+                f"this engine is in no weight group {group_name[:100]!r}: init the group first",
+                True,
+            )
+        why = check_weight_tensors(names, dtypes, shapes) or self._check_against_checkpoint(
+            names, shapes
+        )
+        if why is not None:
+            raise WeightUpdateRefused(why)
+        op = [
+            "receive",
+            group_name,
+            [[n, d, list(s)] for n, d, s in specs_of(names, dtypes, shapes)],
+        ]
+        self._run_on_ranks(ModelInput([], [], weights_op=op))
+        self.weights_dir, self.weight_version = source or f"group:{group_name}", version
+        self.block_manager.reset_prefix_cache()
+
+    def _check_against_checkpoint(self, names, shapes) -> str | None:
+        """Why `names`/`shapes` are not exactly the served checkpoint's tensors, or None."""
+        if self._checkpoint_shapes is None:
+            from pdserve.engine.loader.safetensors_io import checkpoint_shapes
+
+            self._checkpoint_shapes = checkpoint_shapes(self.weights_dir)
+        want = self._checkpoint_shapes
+        missing = [n for n in want if n not in set(names)]
+        unknown = [n for n in names if n not in want]
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing ({', '.join(missing[:3])[:300]}...)")
+            if unknown:
+                parts.append(f"{len(unknown)} unknown ({', '.join(unknown[:3])[:300]}...)")
+            return (
+                "the tensors must be exactly the served checkpoint's "
+                f"({len(want)} of them): " + "; ".join(parts)
+            )
+        for name, shape in zip(names, shapes, strict=True):
+            if tuple(shape) != want[name]:
+                return f"{name[:200]}: shape {list(shape)} (the checkpoint's is {list(want[name])})"
+        return None
+
+    def _run_on_ranks(self, inp: ModelInput) -> None:
         with tp_scope(self.tp_state):
             if self.tp is not None:
                 self.tp.broadcast(inp)

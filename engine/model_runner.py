@@ -24,6 +24,7 @@ the forward context (engine/lora.py), and runs eagerly.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from pdserve.engine.lora import LoRACache, batch_for
 from pdserve.engine.models import model_class
 from pdserve.engine.parallel import (
     PendingSend,
+    current_tp_state,
     divide,
     is_first_rank,
     max_stage_layers,
@@ -60,6 +62,8 @@ from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.score_head import HeadCapture, ScoreHead
 from pdserve.engine.threads import ThreadFit
 from pdserve.kvpool import create_pool_file, new_private_pool
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import ScheduledSeq, StepPlan
@@ -111,6 +115,10 @@ class ModelInput:
     # a checkpoint directory every rank loads its weights from, in place, before the step (which
     # then has no sequences: LLMEngine.update_weights)
     reload_from: str = ""
+    # a trainer's weight group (engine/weight_sync.py), before the step (which then has no
+    # sequences): ["join", name, address, port, rank_offset, world_size, timeout_s], ["receive",
+    # name, [[tensor name, dtype, shape], ...]] (then every rank loads them) or ["leave", name]
+    weights_op: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -123,6 +131,7 @@ class ModelRunner:
     ):
         self.config = config
         self.kv_cache_path = kv_cache_path
+        self.weight_groups: dict = {}  # a trainer's group name -> this rank's WeightReceiver
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -189,13 +198,16 @@ class ModelRunner:
         if self._use_graphs:
             self.graphs = DecodeGraphs(self, self.config.max_num_seqs, spare_block=self.num_blocks)
 
-    def _load_weights(self, model_dir: str) -> None:
+    def _load_weights(self, model_dir: str, tensors=None) -> None:
+        """The weights of the checkpoint in `model_dir`, or of `tensors` ((HF name, tensor)
+        pairs) where given."""
         self.score_head: ScoreHead | None = None  # pooling "classify"'s (engine/score_head.py)
-        if self.config.load_format == "dummy":
+        if self.config.load_format == "dummy" and tensors is None:
             dummy_weights(self.model, self.config.seed)
             return
         capture = HeadCapture(self.model_config)
-        self.model.load_weights(capture.wrap(checkpoint_weights(model_dir)))
+        source = checkpoint_weights(model_dir) if tensors is None else tensors
+        self.model.load_weights(capture.wrap(source))
         self.score_head = capture.head()
 
     def reload_weights(self, model_dir: str) -> None:
@@ -205,11 +217,46 @@ class ModelRunner:
         only: LLMEngine.update_weights refuses the others, whose calibration belongs to the
         weights it was taken on). On CUDA the dense weights are never released, so the new ones
         land in the storage the decode graphs read (read from the code: not yet run on a GPU)."""
+        self._reload(model_dir, None)
+
+    def _reload(self, model_dir: str, tensors) -> None:
         for module in self.model.modules():
             if isinstance(module, LinearBase):
                 module.restore_dense()
-        self._load_weights(model_dir)
+        self._load_weights(model_dir, tensors)
         self.model.prepare_linears(self.quantization)
+
+    def weights_op(self, op: list) -> None:
+        """This rank's part of a trainer's weight group (ModelInput.weights_op): joins it on a
+        thread of its own, or receives one update and loads it, or leaves it. A follower whose
+        receive fails logs it and serves on with its weights: the group's agreement tells rank 0
+        (weight_sync.py), which raises."""
+        from pdserve.engine.weight_sync import WeightReceiver, WeightSyncError
+
+        kind, name = op[0], op[1]
+        old = self.weight_groups.pop(name, None)
+        if old is not None and kind != "receive":
+            old.close()
+        if kind == "join":
+            address, port, offset, world_size, timeout_s = op[2:]
+            rank = offset + current_tp_state().world_rank
+            self.weight_groups[name] = WeightReceiver(
+                name, address, port, rank, world_size, timeout_s
+            )
+        elif kind == "receive":
+            if old is None:
+                raise WeightSyncError(f"this rank is in no weight group {name!r}")
+            self.weight_groups[name] = old
+            try:
+                received = old.receive([(n, d, tuple(s)) for n, d, s in op[2]])
+            except WeightSyncError as e:
+                if is_first_rank():
+                    raise
+                log.warning("rank %d: a weight update failed: %s", current_tp_state().world_rank, e)
+                return
+            self._reload("", list(received.items()))
+        elif kind != "leave":
+            raise ValueError(f"unknown weights_op {kind!r}")
 
     def set_kv_dtype(self, dtype: torch.dtype) -> None:
         """Puts the KV cache in `dtype` (engine/kv_dtype.py chooses it, before any request holds
@@ -305,6 +352,8 @@ class ModelRunner:
         row_logits[i] (after `mask`); on_layer_done(layer) runs as each layer's KV is written."""
         if inp.reload_from:
             self.reload_weights(inp.reload_from)
+        if inp.weights_op:
+            self.weights_op(inp.weights_op)
         for src, dst in inp.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         if not inp.seqs:

@@ -211,6 +211,7 @@ def _encode(inp: ModelInput | None) -> bytes:
             [[k, v] for k, v in inp.loras.items()],
             inp.kv_pushes,
             inp.reload_from,
+            inp.weights_op,
         ]
     )
 
@@ -219,13 +220,14 @@ def _decode(data: bytes) -> ModelInput | None:
     obj = msgpack.unpackb(data)
     if obj is None:
         return None
-    seqs, copies, loras, pushes, reload_from = obj
+    seqs, copies, loras, pushes, reload_from, weights_op = obj
     return ModelInput(
         [SeqInput(*s) for s in seqs],
         [tuple(c) for c in copies],
         {k: v for k, v in loras},
         pushes,
         reload_from,
+        weights_op,
     )
 
 

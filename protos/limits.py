@@ -39,6 +39,10 @@ MAX_LOGPROBS = 20  # top_logprobs / prompt_logprobs alternatives per position (v
 # worker's load of a checkpoint from its disk may take
 MAX_WEIGHTS_PATH_BYTES, MAX_WEIGHT_VERSION_CHARS = 4096, 256
 WEIGHT_UPDATE_TIMEOUT_S = 600.0
+# a trainer's weight group (engine/weight_sync.py): its name, its timeout, and one update's list
+MAX_WEIGHT_GROUP_CHARS, MAX_WEIGHT_GROUP_TIMEOUT_S, MAX_WEIGHT_WORLD = 64, 3600.0, 65536
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+MAX_WEIGHT_TENSORS, MAX_WEIGHT_NAME_CHARS, MAX_WEIGHT_DIMS = 100_000, 512, 8
 
 
 def check_weight_update(model_path: str, weight_version: str) -> str | None:
@@ -47,6 +51,54 @@ def check_weight_update(model_path: str, weight_version: str) -> str | None:
         return f"model_path must be a non-empty path of at most {MAX_WEIGHTS_PATH_BYTES} bytes"
     if len(weight_version) > MAX_WEIGHT_VERSION_CHARS or not weight_version.isprintable():
         return f"weight_version must be printable, at most {MAX_WEIGHT_VERSION_CHARS} characters"
+    return None
+
+
+def check_weights_group(
+    group_name: str, address: str, port: int, rank_offset: int, world_size: int, timeout_s: float
+) -> str | None:
+    """Why a weight group's fields (InitWeightsGroup, /init_weights_update_group) cannot be taken,
+    or None."""
+    if not group_name or len(group_name) > MAX_WEIGHT_GROUP_CHARS or not group_name.isprintable():
+        return f"group_name must be printable, 1 to {MAX_WEIGHT_GROUP_CHARS} characters"
+    if not address or len(address) > MAX_ADDRESS_CHARS or not address.isprintable():
+        return f"master_address must be a host name or address of at most {MAX_ADDRESS_CHARS}"
+    if not 0 < port < 65536:
+        return "master_port must be a port number, 1 to 65535"
+    if not 2 <= world_size <= MAX_WEIGHT_WORLD or not 1 <= rank_offset < world_size:
+        return (
+            f"world_size must be 2 to {MAX_WEIGHT_WORLD} and rank_offset 1 or more and below it "
+            "(the trainer is rank 0)"
+        )
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= MAX_WEIGHT_GROUP_TIMEOUT_S):
+        return f"timeout_s must be more than 0 and at most {MAX_WEIGHT_GROUP_TIMEOUT_S:g}"
+    return None
+
+
+def check_weight_tensors(names, dtypes, shapes) -> str | None:
+    """Why a trainer's tensor list (UpdateWeightsFromGroup, the router's
+    /update_weights_from_distributed) cannot be taken, or None: the engine then checks it against
+    the checkpoint it serves (engine/weight_sync.py)."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        return (
+            f"names, dtypes and shapes must be lists of one length (got {len(names)}, "
+            f"{len(dtypes)}, {len(shapes)})"
+        )
+    if not names or len(names) > MAX_WEIGHT_TENSORS:
+        return f"from 1 to {MAX_WEIGHT_TENSORS} tensors (got {len(names)})"
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if not isinstance(name, str) or not name or len(name) > MAX_WEIGHT_NAME_CHARS:
+            return f"a tensor's name must be a string of 1 to {MAX_WEIGHT_NAME_CHARS} characters"
+        if dtype not in WEIGHT_DTYPES:
+            return f"{name}: dtype {str(dtype)[:40]!r} is not one of {', '.join(WEIGHT_DTYPES)}"
+        if (
+            not isinstance(shape, list | tuple)
+            or len(shape) > MAX_WEIGHT_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            return f"{name}: a shape is a list of at most {MAX_WEIGHT_DIMS} sizes, each 0 or more"
+    if len(set(names)) != len(names):
+        return "a tensor is named twice"
     return None
 
 

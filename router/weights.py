@@ -20,6 +20,15 @@ they differ, calls UpdateWeights on it (it gets no request meanwhile, so it is i
 failed one again CATCH_UP_RETRY_S later (router/catch_up.py). Off unless the deployment sets
 `router.weight_updates`. One RouterWeights per router; `update` blocks its caller (the HTTP
 front runs it on a thread, once the pause has drained), one update at a time.
+
+A trainer may instead send the weights itself, over a torch.distributed group (SGLang's
+/init_weights_update_group and /update_weights_from_distributed; engine/weight_sync.py):
+`init_group` has every live worker's engine ranks join it, the trainer rank 0 and the workers
+ranked in (role, name) order from rank_offset on; `update_from_group` (paused, as `update`) has
+every member receive and load one update, all or nothing (the ranks agree on receipt before any
+loads), the version then recorded as the group's. A worker that joins after such an update cannot
+be caught up (the tensors are gone): it gets no request until the trainer's next init and update
+of a group it is in, and the router logs that once.
 """
 
 from __future__ import annotations
@@ -30,7 +39,12 @@ import time
 
 import grpc
 
-from pdserve.protos.limits import WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S, check_weight_update
+from pdserve.protos.limits import (
+    WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S,
+    check_weight_tensors,
+    check_weight_update,
+    check_weights_group,
+)
 from pdserve.protos.pdserve.v1 import worker_pb2
 from pdserve.router.catch_up import CatchUps
 
@@ -60,6 +74,10 @@ class RouterWeights:
         # an update left the pools serving different weights: its pause hold (router/pause.py)
         # stays until an update succeeds (router/openai/weights.py)
         self.held_apart = False
+        # a trainer's group name -> _Group (its members and their first ranks)
+        self.groups: dict[str, _Group] = {}
+        self._updates_from_groups = 0
+        self._uncaught: set[int] = set()  # id() of workers told they cannot be caught up
         if enabled and hasattr(pool, "on_report"):
             pool.on_report(self.on_report)
 
@@ -185,6 +203,16 @@ class RouterWeights:
         whose weights are not the recorded ones."""
         if self.wanted is None or not stats.worker_id or self.serves(worker):
             return
+        if self.wanted[0].startswith(GROUP_SOURCE):
+            if id(worker) not in self._uncaught:
+                self._uncaught.add(id(worker))
+                log.warning(
+                    "worker %s does not serve weight version %r, which a trainer's group sent: "
+                    "it gets no request until the trainer inits a group again and updates",
+                    self.pool.name(worker),
+                    self.wanted[1],
+                )
+            return
         self._catch_ups.start(worker, self._catch_up)
 
     def _catch_up(self, worker) -> None:
@@ -211,6 +239,243 @@ class RouterWeights:
             error.code().name,
             error.details(),
         )
+
+    # ---- a trainer's weight group (engine/weight_sync.py) ----------------------------------------
+    def ranks(self) -> int:
+        """The engine ranks of every live worker (as their last reports say): what a trainer's
+        group holds besides the trainer."""
+        return sum(max(1, w.stats.engine_ranks) for w in _live(self.pool) if w.stats is not None)
+
+    def init_group(self, f: dict) -> str:
+        """Every live worker joins the group `f` describes (the HTTP body's fields, checked
+        here); raises WeightsError."""
+        if not self.enabled:
+            raise WeightsError(
+                404, "weight updates are off here: the deployment needs router.weight_updates"
+            )
+        why = check_weights_group(
+            f["group_name"],
+            f["master_address"],
+            f["master_port"],
+            f["rank_offset"],
+            f["world_size"],
+            f["timeout_s"],
+        )
+        if why is not None:
+            raise WeightsError(400, why)
+        if not self._admin.acquire(blocking=False):
+            raise WeightsError(409, "a weight update is running; retry when it ends")
+        try:
+            workers = sorted(_live(self.pool), key=lambda w: (w.role, self.pool.name(w)))
+            if not workers:
+                raise WeightsError(503, "no live worker to join the group")
+            quiet = [self.pool.name(w) for w in workers if w.stats is None]
+            if quiet:
+                raise WeightsError(503, f"worker(s) {', '.join(quiet)} have not reported yet")
+            counts = [max(1, w.stats.engine_ranks) for w in workers]
+            offset, ranks = f["rank_offset"], sum(counts)
+            if f["world_size"] != offset + ranks:
+                raise WeightsError(
+                    400,
+                    f"this deployment has {ranks} engine rank(s) now: world_size must be "
+                    f"rank_offset + {ranks} = {offset + ranks}",
+                )
+            old = self.groups.pop(f["group_name"], None)
+            if old is not None:
+                self._leave(old)
+            members, failed = self._join_all(workers, counts, f)
+            group = _Group(f["group_name"], members, f["world_size"], f["timeout_s"])
+            if failed or any(n != c for (_, _, n), c in zip(members, counts, strict=False)):
+                self._leave(group)
+                if failed:
+                    worker, e = failed[0]
+                    why = f"worker {self.pool.name(worker)}: {e.code().name}: {e.details()}"
+                else:
+                    why = "a worker's ranks changed while it joined: init again"
+                raise WeightsError(503 if not failed else _status(failed[0][1]), why)
+            self.groups[group.name] = group
+            self._uncaught.clear()
+            log.info(
+                "weight group %r: %d worker(s), ranks %d..%d of %d (rank 0: the trainer at %s:%d)",
+                group.name,
+                len(members),
+                f["rank_offset"],
+                f["rank_offset"] + ranks - 1,
+                f["world_size"],
+                f["master_address"],
+                f["master_port"],
+            )
+            return (
+                f"{len(members)} worker(s) of both pools, {ranks} engine rank(s), are joining "
+                f"group {group.name!r} as ranks {f['rank_offset']}..{f['rank_offset'] + ranks - 1}"
+            )
+        finally:
+            self._admin.release()
+
+    def _join_all(self, workers, counts, f: dict) -> tuple[list, list]:
+        """InitWeightsGroup on every worker at once, ranked from f's rank_offset on: the members
+        that joined [(worker, first rank, ranks)] and [(worker, grpc.RpcError)] of those that
+        failed."""
+        offset, pending = f["rank_offset"], []
+        for worker, count in zip(workers, counts, strict=True):
+            request = worker_pb2.InitWeightsGroupRequest(
+                group_name=f["group_name"],
+                master_address=f["master_address"],
+                master_port=f["master_port"],
+                rank_offset=offset,
+                world_size=f["world_size"],
+                timeout_s=f["timeout_s"],
+            )
+            pending.append(
+                (worker, offset, worker.stub.InitWeightsGroup.future(request, timeout=60))
+            )
+            offset += count
+        members, failed = [], []
+        for worker, first, future in pending:
+            try:
+                members.append((worker, first, future.result().ranks))
+            except grpc.RpcError as e:
+                failed.append((worker, e))
+        return members, failed
+
+    def check_group_update(self, f: dict) -> None:
+        """Raises WeightsError (400, 404) for an update request's fields, before any pause."""
+        if not self.enabled:
+            raise WeightsError(
+                404, "weight updates are off here: the deployment needs router.weight_updates"
+            )
+        why = check_weight_tensors(f["names"], f["dtypes"], f["shapes"]) or check_weight_update(
+            GROUP_SOURCE, f["weight_version"]
+        )
+        if why is not None:
+            raise WeightsError(400, why)
+        if f["group_name"] not in self.groups:
+            raise WeightsError(
+                400, f"no weight group {f['group_name'][:64]!r}: /init_weights_update_group first"
+            )
+
+    def update_from_group(self, f: dict) -> str:
+        """Every member of the group receives and loads the trainer's tensors, or none keeps them
+        (the module's docstring); the caller has paused the router and seen it drain."""
+        if not self._admin.acquire(blocking=False):
+            raise WeightsError(409, "another weight update is running; retry when it ends")
+        try:
+            group = self.groups.get(f["group_name"])
+            if group is None:
+                raise WeightsError(400, f"no weight group {f['group_name'][:64]!r}")
+            live = {id(w) for w in _live(self.pool)}
+            gone = [self.pool.name(w) for w, _, _ in group.members if id(w) not in live]
+            if gone:
+                raise WeightsError(
+                    409,
+                    f"worker(s) {', '.join(gone)} of group {group.name!r} left: the group cannot "
+                    "complete an update; /init_weights_update_group again",
+                )
+            self._updates_from_groups += 1
+            source = f"{GROUP_SOURCE}{group.name}#{self._updates_from_groups}"
+            dims = [d for shape in f["shapes"] for d in shape]
+            request = worker_pb2.UpdateWeightsFromGroupRequest(
+                group_name=group.name,
+                names=f["names"],
+                dtypes=f["dtypes"],
+                dims=dims,
+                ndims=[len(s) for s in f["shapes"]],
+                weight_version=f["weight_version"],
+                source=source,
+            )
+            workers = [w for w, _, _ in group.members]
+            before = {id(w): _served(w) for w in workers}
+            timeout = 2 * group.timeout_s + 90
+            pending = [
+                (w, w.stub.UpdateWeightsFromGroup.future(request, timeout=timeout)) for w in workers
+            ]
+            failed = []
+            for worker, future in pending:
+                try:
+                    self._confirm(worker, future.result())
+                except grpc.RpcError as e:
+                    failed.append((worker, e))
+            if not failed:
+                self._record(source, f["weight_version"])
+                log.info(
+                    "weight update from group %r: %d worker(s) serve version %r",
+                    group.name,
+                    len(workers),
+                    f["weight_version"],
+                )
+                return f"{len(workers)} worker(s) of both pools now serve the trainer's weights" + (
+                    f" as version {f['weight_version']!r}" if f["weight_version"] else ""
+                )
+            worker, error = failed[0]
+            why = f"worker {self.pool.name(worker)}: {error.code().name}: {error.details()}"
+            log.warning("weight update from group %r failed: %s", group.name, why)
+            took = [w for w in workers if id(w) not in {id(x) for x, _ in failed}]
+            # those that took it load their old weights again where those came from a directory
+            stuck = [
+                w
+                for w in took
+                if before[id(w)][0].startswith(GROUP_SOURCE)
+                or self._call_one(w, *before[id(w)]) is not None
+            ]
+            if error.code() == grpc.StatusCode.ABORTED:
+                self.groups.pop(group.name, None)  # the ranks closed it
+                why += "; the group was closed: /init_weights_update_group again"
+            if stuck:
+                names = ", ".join(self.pool.name(w) for w in stuck)
+                raise WeightsError(
+                    500,
+                    f"{why}; the workers that took the update could not load their old weights "
+                    f"again ({names}): the pools serve different weights, and the router stays "
+                    "paused until an update succeeds",
+                )
+            raise WeightsError(
+                _status(error), f"{why}; every worker serves the weights it did before"
+            )
+        finally:
+            self._admin.release()
+
+    def destroy_group(self, group_name: str) -> str:
+        if not self.enabled:
+            raise WeightsError(
+                404, "weight updates are off here: the deployment needs router.weight_updates"
+            )
+        with self._admin:
+            group = self.groups.pop(group_name, None)
+            if group is None:
+                raise WeightsError(400, f"no weight group {group_name[:64]!r}")
+            self._leave(group)
+        return f"group {group_name!r} destroyed"
+
+    def _leave(self, group: _Group) -> None:
+        """Every member that answers leaves the group (best effort: a dead one left already)."""
+        request = worker_pb2.DestroyWeightsGroupRequest(group_name=group.name)
+        futures = [
+            w.stub.DestroyWeightsGroup.future(request, timeout=30) for w, _, _ in group.members
+        ]
+        for future in futures:
+            try:
+                future.result()
+            except grpc.RpcError as e:
+                log.info("leaving weight group %r: %s", group.name, e.code().name)
+
+
+GROUP_SOURCE = "group:"  # weights_path of weights a trainer's group sent: group:<name>#<n>
+
+
+class _Group:
+    def __init__(self, name: str, members: list, world_size: int, timeout_s: float):
+        self.name, self.members = name, members  # [(worker, first rank, ranks)]
+        self.world_size, self.timeout_s = world_size, timeout_s
+
+
+def _status(error) -> int:
+    """The HTTP status of a worker's refusal."""
+    code = error.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return 409
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ABORTED):
+        return 400
+    return 503
 
 
 def _live(pool) -> list:

@@ -8,6 +8,12 @@ the engine refuses a checkpoint of other shapes (INVALID_ARGUMENT) and a state t
 one (FAILED_PRECONDITION: requests still run, a quantized mode, a draft model). While it loads,
 the loop says so in the worker's Stats (engine_loading_weights), so the router does not take the
 long turn for a hung engine. `stats` gives WorkerStats the version and path now served.
+
+A trainer's weight group (engine/weight_sync.py; the router's /init_weights_update_group and
+/update_weights_from_distributed): InitWeightsGroup has the engine's ranks start joining it (a
+short call on the loop thread: the joining runs on threads of each rank's own, and the worker
+serves on meanwhile); UpdateWeightsFromGroup receives and loads one update on the loop thread as
+UpdateWeights loads a checkpoint, bounded by the group's timeout; DestroyWeightsGroup leaves it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,13 @@ import concurrent.futures
 import grpc
 
 from pdserve.engine.errors import WeightUpdateRefused
-from pdserve.protos.limits import WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S, check_weight_update
+from pdserve.engine.weight_sync import WeightSyncError
+from pdserve.protos.limits import (
+    WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S,
+    check_weight_tensors,
+    check_weight_update,
+    check_weights_group,
+)
 from pdserve.protos.pdserve.v1 import worker_pb2
 
 
@@ -27,14 +39,25 @@ def update(loop, request, context) -> worker_pb2.UpdateWeightsResponse:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
 
     def load(engine):
+        engine.update_weights(request.model_path, request.weight_version)
+
+    _load(loop, load, UPDATE_TIMEOUT_S, repr(request.model_path[:300]), context)
+    return _served(loop.engine)
+
+
+def _load(loop, load, timeout_s: float, what: str, context) -> None:
+    """Runs `load(engine)` on the loop thread with the worker's Stats saying so, and turns its
+    refusals into the gRPC status that says why."""
+
+    def run(engine):
         loop.loading_weights = True
         try:
-            engine.update_weights(request.model_path, request.weight_version)
+            load(engine)
         finally:
             loop.loading_weights = False
 
     try:
-        loop.call(load, loop.engine, timeout=UPDATE_TIMEOUT_S)
+        loop.call(run, loop.engine, timeout=timeout_s)
     except WeightUpdateRefused as e:
         code = (
             grpc.StatusCode.FAILED_PRECONDITION
@@ -42,18 +65,85 @@ def update(loop, request, context) -> worker_pb2.UpdateWeightsResponse:
             else grpc.StatusCode.INVALID_ARGUMENT
         )
         context.abort(code, str(e))
+    except WeightSyncError as e:
+        context.abort(grpc.StatusCode.ABORTED, f"the transfer failed, nothing was loaded: {e}")
     except concurrent.futures.TimeoutError:
         context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"the engine did not finish loading {request.model_path[:300]!r} within "
-            f"{UPDATE_TIMEOUT_S:g} s",
+            f"the engine did not finish loading {what} within {timeout_s:g} s",
         )
-    engine = loop.engine
+
+
+def _served(engine) -> worker_pb2.UpdateWeightsResponse:
     return worker_pb2.UpdateWeightsResponse(
         model_path=engine.weights_dir, weight_version=engine.weight_version
     )
 
 
+def init_group(loop, request, context) -> worker_pb2.InitWeightsGroupResponse:
+    r = request
+    why = check_weights_group(
+        r.group_name, r.master_address, r.master_port, r.rank_offset, r.world_size, r.timeout_s
+    )
+    if why is not None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+    def join(engine):
+        return engine.join_weights_group(
+            r.group_name, r.master_address, r.master_port, r.rank_offset, r.world_size, r.timeout_s
+        )
+
+    try:
+        ranks = loop.call(join, loop.engine, timeout=UPDATE_TIMEOUT_S)
+    except WeightUpdateRefused as e:
+        code = grpc.StatusCode.FAILED_PRECONDITION if "groups already" in str(e) else None
+        context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except concurrent.futures.TimeoutError:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not take the group")
+    return worker_pb2.InitWeightsGroupResponse(ranks=ranks)
+
+
+def update_from_group(loop, request, context) -> worker_pb2.UpdateWeightsResponse:
+    r = request
+    if len(r.ndims) != len(r.names) or sum(r.ndims) != len(r.dims):
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, "ndims must give each tensor's count of dims"
+        )
+    shapes, at = [], 0
+    for n in r.ndims:
+        shapes.append(list(r.dims[at : at + n]))
+        at += n
+    names, dtypes = list(r.names), list(r.dtypes)
+    why = check_weight_tensors(names, dtypes, shapes) or check_weight_update(
+        r.source or "group", r.weight_version
+    )
+    if why is not None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+    group = loop.engine.weight_group_timeout(r.group_name)
+
+    def load(engine):
+        engine.receive_weights(r.group_name, names, dtypes, shapes, r.weight_version, r.source)
+
+    # the group's own timeout bounds each collective; the whole load gets that once more
+    _load(loop, load, 2 * group + 60, f"group {r.group_name[:64]!r}", context)
+    return _served(loop.engine)
+
+
+def destroy_group(loop, request, context) -> worker_pb2.DestroyWeightsGroupResponse:
+    if len(request.group_name) > 256:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_name is at most 64 characters")
+    found = loop.call(
+        lambda engine: engine.leave_weights_group(request.group_name),
+        loop.engine,
+        timeout=UPDATE_TIMEOUT_S,
+    )
+    return worker_pb2.DestroyWeightsGroupResponse(found=found)
+
+
 def stats(engine) -> dict:
     """The WorkerStats fields of the weights served."""
-    return {"weight_version": engine.weight_version, "weights_path": engine.weights_dir}
+    return {
+        "weight_version": engine.weight_version,
+        "weights_path": engine.weights_dir,
+        "engine_ranks": engine.tp_state.world_size,
+    }

@@ -51,6 +51,16 @@ def checkpoint_names(model_dir: str | os.PathLike) -> list[str]:
     return names
 
 
+def checkpoint_shapes(model_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from the files' headers (no tensor is read)."""
+    shapes = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
 def _progress_disabled() -> bool:
     return os.environ.get("PDSERVE_NO_PROGRESS", "") not in ("", "0")
 

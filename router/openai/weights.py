@@ -38,6 +38,9 @@ from pdserve.router.openai.state import state_of
 from pdserve.router.pause import DEFAULT_TIMEOUT_S
 from pdserve.router.weights import WeightsError
 
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+DEFAULT_GROUP_TIMEOUT_S = 600.0
+
 router = APIRouter()
 _RUNNING: set = set()  # the updates under way (kept referenced until they end)
 _BOOLS = ("abort_all_requests", "keep_pause", "flush_cache", "torch_empty_cache", "is_async")
@@ -50,7 +53,7 @@ def _outcome(status: int, success: bool, message: str, paused: int = 0) -> JSONR
     return JSONResponse(body, status_code=status)
 
 
-async def _body(request: Request) -> dict:
+async def _body(request: Request, known: set = _KNOWN) -> dict:
     raw = await state_of(request).read_body(request)
     try:
         body = json.loads(raw)
@@ -58,7 +61,7 @@ async def _body(request: Request) -> dict:
         raise WeightsError(400, "the body is not JSON") from None
     if not isinstance(body, dict):
         raise WeightsError(400, "the body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
+    unknown = sorted(set(body) - known)
     if unknown:
         raise WeightsError(400, f"unknown field(s) {', '.join(unknown)[:200]}")
     for name in _BOOLS:
@@ -93,13 +96,13 @@ async def update_weights_from_disk(request: Request):
     keep = bool(body.get("keep_pause"))
     # its own task: a client that leaves mid-update cancels this handler, never the update, which
     # then still lets go of its hold when it ends
-    task = asyncio.create_task(_apply(pause, weights, mode, keep, path, version))
+    task = asyncio.create_task(_apply(pause, mode, keep, weights, weights.update, path, version))
     _RUNNING.add(task)
     task.add_done_callback(_RUNNING.discard)
     return await asyncio.shield(task)
 
 
-async def _apply(pause, weights, mode: str, keep: bool, path: str, version: str) -> JSONResponse:
+async def _apply(pause, mode: str, keep: bool, weights, update, *args) -> JSONResponse:
     """The update from its pause hold to its release (the module's docstring)."""
     aborted = pause.hold(mode)
     drained, stragglers = await drain(pause, mode, DEFAULT_TIMEOUT_S)
@@ -114,7 +117,7 @@ async def _apply(pause, weights, mode: str, keep: bool, path: str, version: str)
             aborted,
         )
     try:
-        message = await asyncio.to_thread(weights.update, path, version)
+        message = await asyncio.to_thread(update, *args)
     except WeightsError as e:
         if e.status != 500:
             pause.release(keep)
@@ -137,8 +140,148 @@ async def _version(request: Request) -> dict:
     front = state_of(request)
     front.authorize(request)
     weights = front.settings.weights
-    version = weights.version if weights is not None else ""
-    return {"weight_version": version or None}
+    if weights is None:
+        return {"weight_version": None, "ranks": 0, "groups": []}
+    return {
+        "weight_version": weights.version or None,
+        "ranks": weights.ranks(),
+        "groups": sorted(weights.groups),
+    }
+
+
+# ---- a trainer's weight group (router/weights.py, engine/weight_sync.py) ------------------------
+_GROUP_KNOWN = {
+    "master_address",
+    "master_port",
+    "rank_offset",
+    "world_size",
+    "group_name",
+    "backend",
+    "timeout_s",
+}
+_UPDATE_KNOWN = {
+    "names",
+    "dtypes",
+    "shapes",
+    "group_name",
+    "weight_version",
+    "load_format",
+    *_BOOLS,
+    *_IGNORED,
+}
+
+
+def _int(body: dict, name: str, default=None) -> int:
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise WeightsError(400, f"{name} must be a whole number")
+    return value
+
+
+def _str(body: dict, name: str, default=None) -> str:
+    value = body.get(name, default)
+    if not isinstance(value, str):
+        raise WeightsError(400, f"{name} must be a string")
+    return value
+
+
+async def _fields(request: Request, known: set) -> dict:
+    body = await _body(request, known)
+    name = _str(body, "group_name", DEFAULT_GROUP)
+    return {"group_name": name, **body}
+
+
+def _enabled(front):
+    weights = front.settings.weights
+    if weights is None or not weights.enabled:
+        raise ApiError(
+            404,
+            "weight updates are off here: the deployment needs router.weight_updates",
+            code="not_found",
+        )
+    return weights
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request):
+    front = state_of(request)
+    front.authorize(request)
+    weights = _enabled(front)
+    try:
+        body = await _fields(request, _GROUP_KNOWN)
+        backend = _str(body, "backend", "gloo")
+        if backend != "gloo":
+            raise WeightsError(
+                400,
+                f"backend {backend[:20]!r}: pdserve's weight groups run on gloo (NCCL is not "
+                "built yet); open the trainer's end with pdserve.engine.weight_sync",
+            )
+        timeout_s = body.get("timeout_s", DEFAULT_GROUP_TIMEOUT_S)
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+            raise WeightsError(400, "timeout_s must be a number of seconds")
+        fields = {
+            "group_name": body["group_name"],
+            "master_address": _str(body, "master_address"),
+            "master_port": _int(body, "master_port"),
+            "rank_offset": _int(body, "rank_offset", 1),
+            "world_size": _int(body, "world_size"),
+            "timeout_s": float(timeout_s),
+        }
+        message = await asyncio.to_thread(weights.init_group, fields)
+    except WeightsError as e:
+        return _outcome(e.status, False, e.message)
+    return _outcome(200, True, message)
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request):
+    front = state_of(request)
+    front.authorize(request)
+    weights, pause = _enabled(front), front.settings.pause
+    try:
+        body = await _fields(request, _UPDATE_KNOWN)
+        lists = {}
+        for name in ("names", "dtypes", "shapes"):
+            if not isinstance(body.get(name), list):
+                raise WeightsError(400, f"{name} must be a list")
+            lists[name] = body[name]
+        # SGLang's trainers may spell a dtype as torch prints it
+        dtypes = [d.removeprefix("torch.") if isinstance(d, str) else d for d in lists["dtypes"]]
+        version = body.get("weight_version")
+        fields = {
+            "group_name": body["group_name"],
+            "names": lists["names"],
+            "dtypes": dtypes,
+            "shapes": lists["shapes"],
+            "weight_version": "" if version is None else version,
+        }
+        if not isinstance(fields["weight_version"], str):
+            raise WeightsError(400, "weight_version must be a string")
+        weights.check_group_update(fields)
+    except WeightsError as e:
+        return _outcome(e.status, False, e.message)
+    mode = "abort" if body.get("abort_all_requests") else "wait"
+    task = asyncio.create_task(
+        _apply(
+            pause, mode, bool(body.get("keep_pause")), weights, weights.update_from_group, fields
+        )
+    )
+    _RUNNING.add(task)
+    task.add_done_callback(_RUNNING.discard)
+    return await asyncio.shield(task)
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request):
+    front = state_of(request)
+    front.authorize(request)
+    weights = _enabled(front)
+    try:
+        body = await _fields(request, {"group_name"})
+        message = await asyncio.to_thread(weights.destroy_group, body["group_name"])
+    except WeightsError as e:
+        return _outcome(e.status, False, e.message)
+    return _outcome(200, True, message)
 
 
 @router.get("/get_weight_version")

@@ -183,6 +183,9 @@ def test_worker_services_shape():
         "LoadLoRA": unary,
         "UnloadLoRA": unary,
         "UpdateWeights": unary,
+        "InitWeightsGroup": unary,
+        "UpdateWeightsFromGroup": unary,
+        "DestroyWeightsGroup": unary,
     }
     assert methods("PrefillWorker") == {
         "Prefill": unary,
@@ -192,6 +195,9 @@ def test_worker_services_shape():
         "LoadLoRA": unary,
         "UnloadLoRA": unary,
         "UpdateWeights": unary,
+        "InitWeightsGroup": unary,
+        "UpdateWeightsFromGroup": unary,
+        "DestroyWeightsGroup": unary,
     }
     assert methods("Registry") == {"Register": unary, "Heartbeat": unary}
     for name in (

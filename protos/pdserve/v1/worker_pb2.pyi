@@ -266,7 +266,7 @@ class KVEvents(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[KVEventRun, _Mapping]]] = ..., snapshot: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., host_snapshot: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "engine_turn_cpu_ms", "engine_idle_ms", "role", "role_state", "role_version", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "engine_turn_tokens", "engine_us_per_token_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_host_tier_refused", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend", "lora_adapters", "lora_adapters_count", "lora_resident", "lora_loads", "lora_evictions", "prefix_hit_tokens_peer", "peer_fetches", "peer_fetch_bytes", "peer_fetch_seconds", "peer_fetch_refused_blocks", "peer_fetch_failures", "peer_fetch_served_blocks", "peer_fetch_served_bytes", "kv_disk_tier_bytes", "kv_disk_tier_capacity_bytes", "kv_disk_tier_stored", "kv_disk_tier_restored", "kv_disk_tier_evicted", "prefix_hit_tokens_disk", "kv_disk_tier_dropped", "kv_disk_tier_refused", "kv_disk_tier_write_errors", "weight_version", "weights_path", "engine_loading_weights")
+    __slots__ = ("worker_id", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_reserved", "queued_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers", "kv_transfer_failures", "kv_transfer_bytes", "leases_expired", "engine_stalled_ms", "engine_turn_cpu_ms", "engine_idle_ms", "role", "role_state", "role_version", "block_size", "structured_rows", "structured_mask_ns", "grammar_compiles", "grammar_compile_ns", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "spec_draft_prefill_tokens", "engine_turn_ms_max", "engine_turn_tokens", "engine_us_per_token_max", "kv_events", "kv_host_tier_bytes", "kv_host_tier_capacity_bytes", "kv_host_tier_stored", "kv_host_tier_restored", "kv_host_tier_evicted", "prefix_hit_tokens_device", "prefix_hit_tokens_host", "kv_host_tier_capacity_blocks", "kv_host_tier_refused", "kv_push_bytes_by_backend", "kv_push_seconds_by_backend", "lora_adapters", "lora_adapters_count", "lora_resident", "lora_loads", "lora_evictions", "prefix_hit_tokens_peer", "peer_fetches", "peer_fetch_bytes", "peer_fetch_seconds", "peer_fetch_refused_blocks", "peer_fetch_failures", "peer_fetch_served_blocks", "peer_fetch_served_bytes", "kv_disk_tier_bytes", "kv_disk_tier_capacity_bytes", "kv_disk_tier_stored", "kv_disk_tier_restored", "kv_disk_tier_evicted", "prefix_hit_tokens_disk", "kv_disk_tier_dropped", "kv_disk_tier_refused", "kv_disk_tier_write_errors", "weight_version", "weights_path", "engine_loading_weights", "engine_ranks")
     class KvPushBytesByBackendEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class WorkerStats(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LOADING_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_free_blocks: int
     num_total_blocks: int
@@ -421,7 +422,8 @@ class WorkerStats(_message.Message):
     weight_version: str
     weights_path: str
     engine_loading_weights: bool
-    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., engine_turn_cpu_ms: _Optional[int] = ..., engine_idle_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., role_version: _Optional[int] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., engine_turn_tokens: _Optional[int] = ..., engine_us_per_token_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_host_tier_refused: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapters_count: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., prefix_hit_tokens_peer: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., peer_fetch_bytes: _Optional[int] = ..., peer_fetch_seconds: _Optional[float] = ..., peer_fetch_refused_blocks: _Optional[int] = ..., peer_fetch_failures: _Optional[int] = ..., peer_fetch_served_blocks: _Optional[int] = ..., peer_fetch_served_bytes: _Optional[int] = ..., kv_disk_tier_bytes: _Optional[int] = ..., kv_disk_tier_capacity_bytes: _Optional[int] = ..., kv_disk_tier_stored: _Optional[int] = ..., kv_disk_tier_restored: _Optional[int] = ..., kv_disk_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_disk: _Optional[int] = ..., kv_disk_tier_dropped: _Optional[int] = ..., kv_disk_tier_refused: _Optional[int] = ..., kv_disk_tier_write_errors: _Optional[int] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ..., engine_loading_weights: _Optional[bool] = ...) -> None: ...
+    engine_ranks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_reserved: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., leases_expired: _Optional[int] = ..., engine_stalled_ms: _Optional[int] = ..., engine_turn_cpu_ms: _Optional[int] = ..., engine_idle_ms: _Optional[int] = ..., role: _Optional[str] = ..., role_state: _Optional[str] = ..., role_version: _Optional[int] = ..., block_size: _Optional[int] = ..., structured_rows: _Optional[int] = ..., structured_mask_ns: _Optional[int] = ..., grammar_compiles: _Optional[int] = ..., grammar_compile_ns: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., spec_draft_prefill_tokens: _Optional[int] = ..., engine_turn_ms_max: _Optional[int] = ..., engine_turn_tokens: _Optional[int] = ..., engine_us_per_token_max: _Optional[int] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ..., kv_host_tier_bytes: _Optional[int] = ..., kv_host_tier_capacity_bytes: _Optional[int] = ..., kv_host_tier_stored: _Optional[int] = ..., kv_host_tier_restored: _Optional[int] = ..., kv_host_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_device: _Optional[int] = ..., prefix_hit_tokens_host: _Optional[int] = ..., kv_host_tier_capacity_blocks: _Optional[int] = ..., kv_host_tier_refused: _Optional[int] = ..., kv_push_bytes_by_backend: _Optional[_Mapping[str, int]] = ..., kv_push_seconds_by_backend: _Optional[_Mapping[str, float]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapters_count: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., prefix_hit_tokens_peer: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., peer_fetch_bytes: _Optional[int] = ..., peer_fetch_seconds: _Optional[float] = ..., peer_fetch_refused_blocks: _Optional[int] = ..., peer_fetch_failures: _Optional[int] = ..., peer_fetch_served_blocks: _Optional[int] = ..., peer_fetch_served_bytes: _Optional[int] = ..., kv_disk_tier_bytes: _Optional[int] = ..., kv_disk_tier_capacity_bytes: _Optional[int] = ..., kv_disk_tier_stored: _Optional[int] = ..., kv_disk_tier_restored: _Optional[int] = ..., kv_disk_tier_evicted: _Optional[int] = ..., prefix_hit_tokens_disk: _Optional[int] = ..., kv_disk_tier_dropped: _Optional[int] = ..., kv_disk_tier_refused: _Optional[int] = ..., kv_disk_tier_write_errors: _Optional[int] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ..., engine_loading_weights: _Optional[bool] = ..., engine_ranks: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("draining",)
@@ -582,6 +584,58 @@ class UpdateWeightsResponse(_message.Message):
     model_path: str
     weight_version: str
     def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class InitWeightsGroupRequest(_message.Message):
+    __slots__ = ("group_name", "master_address", "master_port", "rank_offset", "world_size", "timeout_s")
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float
+    def __init__(self, group_name: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightsGroupResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: int
+    def __init__(self, ranks: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsFromGroupRequest(_message.Message):
+    __slots__ = ("group_name", "names", "dtypes", "dims", "ndims", "weight_version", "source")
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    NDIMS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtypes: _containers.RepeatedScalarFieldContainer[str]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    ndims: _containers.RepeatedScalarFieldContainer[int]
+    weight_version: str
+    source: str
+    def __init__(self, group_name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dims: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightsGroupRequest(_message.Message):
+    __slots__ = ("group_name",)
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    def __init__(self, group_name: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightsGroupResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class LoRAAdapters(_message.Message):
     __slots__ = ("adapters", "found")

@@ -79,6 +79,21 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.InitWeightsGroup = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/InitWeightsGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromGroup = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/UpdateWeightsFromGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightsGroup = channel.unary_unary(
+                '/pdserve.worker.v1.DecodeWorker/DestroyWeightsGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -160,6 +175,33 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsGroup(self, request, context):
+        """A trainer's weight group (the router's /init_weights_update_group; engine/weight_sync.py):
+        every rank of this worker's engine starts joining it and the answer comes at once, with how
+        many ranks that is. INVALID_ARGUMENT for a field out of bounds or ranks that do not fit
+        world_size; FAILED_PRECONDITION when the engine is in too many groups.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromGroup(self, request, context):
+        """The base model's weights from the group's trainer (the router's
+        /update_weights_from_distributed, while it holds every request back): every rank receives
+        every tensor, and loads them only once every rank of the whole group did. INVALID_ARGUMENT for
+        a list that is not the served checkpoint's tensors, FAILED_PRECONDITION as UpdateWeights's
+        and for a group this worker is not in, ABORTED when the transfer failed (nothing loaded).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +249,21 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsFromGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'DestroyWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -462,6 +519,87 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def InitWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/InitWeightsGroup',
+            pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/UpdateWeightsFromGroup',
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/DestroyWeightsGroup',
+            pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -506,6 +644,21 @@ class PrefillWorkerStub:
                 '/pdserve.worker.v1.PrefillWorker/UpdateWeights',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.InitWeightsGroup = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/InitWeightsGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromGroup = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/UpdateWeightsFromGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightsGroup = channel.unary_unary(
+                '/pdserve.worker.v1.PrefillWorker/DestroyWeightsGroup',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
                 _registered_method=True)
 
 
@@ -559,6 +712,24 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -596,6 +767,21 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsFromGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'DestroyWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsGroup,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -787,6 +973,87 @@ class PrefillWorker:
             '/pdserve.worker.v1.PrefillWorker/UpdateWeights',
             pdserve_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/InitWeightsGroup',
+            pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.InitWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/UpdateWeightsFromGroup',
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsFromGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.PrefillWorker/DestroyWeightsGroup',
+            pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DestroyWeightsGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

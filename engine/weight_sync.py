@@ -1,0 +1,414 @@
+"""Weights sent by a trainer process straight into every rank of a deployment, over a
+torch.distributed group (gloo on CPUs): both ends of the wire, the trainer's `WeightSender` and
+the engine ranks' `WeightReceiver`, so that the two always speak the same protocol.
+
+The group: the trainer is rank 0 and hosts the group's TCPStore at (master_address,
+master_port); every rank of every engine in the deployment joins it (engine rank r of a worker
+whose ranks start at rank_offset is rank_offset + r), as SGLang's /init_weights_update_group and
+vLLM's NCCL weight transfer do. The keys live under KEY_PREFIX, so only a pdserve sender and
+pdserve ranks ever meet.
+
+One update, for a list of tensors (names, dtypes, shapes) the engines checked against the
+checkpoint they serve before anything moves: rank 0 broadcasts a header (the list's digest and
+its byte count), every rank says whether it matches (an all-reduce of 1 or 0 with MIN); then the
+tensors in list order, packed into uint8 buckets of at most BUCKET_BYTES (a bigger tensor goes
+alone), which each rank cuts back into tensors; then a last all-reduce says whether every rank
+received every bucket. Only then does any engine load what it received, so the update is all or
+nothing across the deployment (engine_core.LLMEngine.receive_weights). A rank that fails or
+times out fails the collective for the others; a group that failed mid-update is closed on both
+ends and must be opened again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from pdserve.protos.limits import check_weight_tensors
+
+KEY_PREFIX = "pdserve-weights/"
+BUCKET_BYTES = 64 << 20
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+DEFAULT_TIMEOUT_S = 600.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update or group that failed; the group it ran on is closed."""
+
+
+Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape)
+
+
+def specs_of(names, dtypes, shapes) -> list[Spec]:
+    return [(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+
+
+def nbytes(spec: Spec) -> int:
+    n = DTYPES[spec[1]].itemsize
+    for d in spec[2]:
+        n *= d
+    return n
+
+
+def digest(specs: list[Spec]) -> int:
+    """A 63-bit digest of the list: both ends compare it before any tensor moves."""
+    text = json.dumps([[n, d, list(s)] for n, d, s in specs], separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def buckets(specs: list[Spec]) -> list[list[int]]:
+    """The specs' indices, in order, grouped into buckets of at most BUCKET_BYTES (a bigger tensor
+    is a bucket of its own); every end computes the same grouping from the same list."""
+    out: list[list[int]] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        n = nbytes(spec)
+        if not out or size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host`, which gloo binds (a connected UDP socket picks
+    the route and sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def open_group(
+    master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
+) -> Group:
+    """Joins the group (rank 0 hosts its store); blocks until all `world_size` ranks joined, or
+    raises after `timeout_s`."""
+    store = dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=_td(timeout_s),
+        wait_for_workers=False,
+    )
+    opts = dist.ProcessGroupGloo._Options()
+    host = master_address if rank == 0 else _local_address_towards(master_address, master_port)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = _td(timeout_s)
+    return Group(
+        dist.ProcessGroupGloo(dist.PrefixStore(KEY_PREFIX, store), rank, world_size, opts), store
+    )
+
+
+class Group:
+    """A joined group: its gloo backend, and the store it met on (rank 0 hosts it, so it must
+    live as long as the group)."""
+
+    def __init__(self, pg: dist.ProcessGroupGloo, store: dist.TCPStore):
+        self.pg, self.store = pg, store
+
+    def broadcast(self, tensor: torch.Tensor, root: int):
+        return self.pg.broadcast(tensor, root)
+
+    def allreduce(self, tensors: list[torch.Tensor], op=dist.ReduceOp.SUM):
+        return self.pg.allreduce(tensors, op)
+
+
+def _agree(group, ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    group.allreduce([flag], dist.ReduceOp.MIN).wait()
+    return bool(flag.item())
+
+
+def _header(group, specs: list[Spec] | None) -> torch.Tensor:
+    head = torch.zeros(2, dtype=torch.int64)
+    if specs is not None:
+        head[0] = digest(specs)
+        head[1] = sum(nbytes(s) for s in specs)
+    group.broadcast(head, 0).wait()
+    return head
+
+
+class WeightReceiver:
+    """One engine rank's membership of a trainer's group: joined on a thread of its own (the rank
+    keeps serving meanwhile), then `receive` takes one update. Not thread-safe beyond that: the
+    engine calls it from its step, one call at a time."""
+
+    def __init__(self, name: str, master_address, master_port, rank, world_size, timeout_s):
+        self.name, self.rank, self.timeout_s = name, rank, timeout_s
+        self.group: Group | None = None
+        self.error: BaseException | None = None
+        self._joined = threading.Event()
+
+        def join():
+            try:
+                self.group = open_group(master_address, master_port, rank, world_size, timeout_s)
+            except BaseException as e:  # kept for the next receive to report
+                self.error = e
+            finally:
+                self._joined.set()
+
+        self._thread = threading.Thread(target=join, name=f"pdserve-weights-{name}", daemon=True)
+        self._thread.start()
+
+    def wait_joined(self, timeout_s: float | None = None) -> Group:
+        if not self._joined.wait(self.timeout_s if timeout_s is None else timeout_s):
+            raise WeightSyncError(f"group {self.name!r}: the trainer and every rank did not join")
+        if self.group is None:
+            raise WeightSyncError(f"group {self.name!r} could not be joined: {self.error}")
+        return self.group
+
+    def receive(self, specs: list[Spec]) -> dict[str, torch.Tensor]:
+        """Every tensor of `specs` from rank 0 (views into the buckets), once every rank of the
+        group agreed on the list and received all of it; raises WeightSyncError otherwise (the
+        group is then closed)."""
+        group = self.wait_joined()
+        try:
+            head = _header(group, None)
+            expected = (digest(specs), sum(nbytes(s) for s in specs))
+            if not _agree(group, (int(head[0]), int(head[1])) == expected):
+                raise WeightSyncError(
+                    "the trainer's tensors are not the ones the update request listed (names, "
+                    "dtypes and shapes must be the same list, in the same order)"
+                )
+            out: dict[str, torch.Tensor] = {}
+            works = []
+            for idx in buckets(specs):
+                buf = torch.empty(sum(nbytes(specs[i]) for i in idx), dtype=torch.uint8)
+                works.append(group.broadcast(buf, 0))
+                at = 0
+                for i in idx:
+                    name, dtype, shape = specs[i]
+                    n = nbytes(specs[i])
+                    out[name] = buf[at : at + n].view(DTYPES[dtype]).view(shape)
+                    at += n
+            for work in works:
+                work.wait()
+            if not _agree(group, True):
+                raise WeightSyncError("another rank of the group did not receive every tensor")
+            return out
+        except WeightSyncError:
+            self.close()
+            raise
+        except RuntimeError as e:  # gloo's: a timeout, a rank gone
+            self.close()
+            raise WeightSyncError(f"group {self.name!r}: {e}") from e
+
+    def close(self) -> None:
+        self.group = None
+        self.error = WeightSyncError(f"group {self.name!r} was closed after a failure")
+
+
+def send(group, tensors: list[torch.Tensor], specs: list[Spec], wait=None) -> bool:
+    """Rank 0's side of one update (the module's docstring): False when the ranks refused the
+    list, True once every rank received every tensor. `wait(works)` waits for gloo works (by
+    default each work's own wait)."""
+    if wait is None:
+
+        def wait(works):
+            for work in works:
+                work.wait()
+
+    head = torch.tensor([digest(specs), sum(nbytes(s) for s in specs)], dtype=torch.int64)
+    wait([group.broadcast(head, 0)])
+    flag = torch.tensor([1], dtype=torch.int64)
+    wait([group.allreduce([flag], dist.ReduceOp.MIN)])
+    if not flag.item():
+        return False
+    works, keep = [], []
+    for idx in buckets(specs):
+        parts = [tensors[i].to("cpu").contiguous().view(-1).view(torch.uint8) for i in idx]
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+        keep.append(buf)  # a buffer must live until its broadcast is done
+        works.append(group.broadcast(buf, 0))
+    wait(works)
+    flag = torch.tensor([1], dtype=torch.int64)
+    wait([group.allreduce([flag], dist.ReduceOp.MIN)])
+    return bool(flag.item())
+
+
+class WeightSender:
+    """The trainer's end: pdserve's HTTP endpoints and the group, driven together.
+
+        sender = WeightSender("http://router:8000", master_address="10.0.0.5", master_port=29600)
+        sender.init()                                   # every rank of both pools joins
+        sender.update(model.named_parameters(), version="step-40")   # all or nothing
+
+    `world_size` defaults to 1 + the deployment's ranks, as the router's /weight_info says.
+    Each call raises WeightSyncError when the server refused or the transfer failed (the group
+    is then closed: init again)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        master_address: str,
+        master_port: int,
+        *,
+        api_key: str | None = None,
+        group_name: str = DEFAULT_GROUP,
+        world_size: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.master_address, self.master_port = master_address, master_port
+        self.api_key, self.group_name = api_key, group_name
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.group: Group | None = None
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s + 60) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            try:
+                return e.code, json.loads(e.read() or b"{}")
+            except ValueError:
+                return e.code, {"message": str(e)}
+
+    def _beside(self, method: str, path: str, body: dict):
+        """The HTTP call on a thread of its own: (thread, result list)."""
+        result: list = []
+
+        def run():
+            try:
+                result.append(self._call(method, path, body))
+            except BaseException as e:  # reported by _check
+                result.append((0, {"message": f"{type(e).__name__}: {e}"}))
+
+        thread = threading.Thread(target=run, name="pdserve-weights-http", daemon=True)
+        thread.start()
+        return thread, result
+
+    @staticmethod
+    def _check(what: str, thread: threading.Thread, result: list) -> dict:
+        thread.join()
+        status, body = result[0]
+        if status != 200 or not body.get("success", False):
+            raise WeightSyncError(f"{what}: HTTP {status}: {body.get('message', body)}")
+        return body
+
+    def _wait(self, works, what: str, thread, result) -> None:
+        """Waits for gloo works, giving up as soon as the server answered a failure (its ranks
+        will never take part)."""
+        deadline = time.monotonic() + self.timeout_s
+        for work in works:
+            while not work.is_completed():
+                if not thread.is_alive() and result and result[0][0] != 200:
+                    self.close()
+                    self._check(what, thread, result)
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise WeightSyncError(f"{what}: the ranks did not take part in time")
+                time.sleep(0.005)
+            work.wait()
+
+    def init(self) -> None:
+        if self.world_size is None:
+            status, info = self._call("GET", "/weight_info")
+            if status != 200 or not isinstance(info.get("ranks"), int):
+                raise WeightSyncError(f"/weight_info: HTTP {status}: {info}")
+            self.world_size = 1 + info["ranks"]
+        body = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": 1,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "backend": "gloo",
+            "timeout_s": self.timeout_s,
+        }
+        thread, result = self._beside("POST", "/init_weights_update_group", body)
+        group: list = []
+        opener = threading.Thread(
+            target=lambda: group.append(
+                open_group(
+                    self.master_address, self.master_port, 0, self.world_size, self.timeout_s
+                )
+            ),
+            daemon=True,
+        )
+        opener.start()
+        while opener.is_alive():
+            if not thread.is_alive() and result and result[0][0] != 200:
+                self._check("/init_weights_update_group", thread, result)
+            opener.join(0.05)
+        if not group:
+            self._check("/init_weights_update_group", thread, result)
+            raise WeightSyncError("the group could not be opened: a rank did not join in time")
+        self.group = group[0]
+        self._check("/init_weights_update_group", thread, result)
+
+    def update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str = "", **extra
+    ) -> dict:
+        """Sends every tensor (float32, bfloat16 or float16, on the CPU or any device) and returns
+        the server's answer once every worker of both pools serves them. `extra`: more fields of
+        /update_weights_from_distributed (abort_all_requests, keep_pause)."""
+        if self.group is None:
+            raise WeightSyncError("no group: call init() first (again after a failure)")
+        items = [(n, t.detach()) for n, t in named_tensors]
+        names = [n for n, _ in items]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in items]
+        shapes = [list(t.shape) for _, t in items]
+        why = check_weight_tensors(names, dtypes, shapes)
+        if why is not None:
+            raise WeightSyncError(why)
+        specs = specs_of(names, dtypes, shapes)
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": self.group_name,
+            "weight_version": version,
+            **extra,
+        }
+        what = "/update_weights_from_distributed"
+        thread, result = self._beside("POST", what, body)
+        group = self.group
+
+        def wait(works):
+            self._wait(works, what, thread, result)
+
+        try:
+            if not send(group, [t for _, t in items], specs, wait):
+                self.close()
+                self._check(what, thread, result)
+                raise WeightSyncError("the ranks refused the tensor list")
+        except RuntimeError as e:
+            if isinstance(e, WeightSyncError):
+                raise
+            self.close()
+            raise WeightSyncError(f"{what}: {e}") from e
+        return self._check(what, thread, result)
+
+    def destroy(self) -> dict:
+        status, body = self._call(
+            "POST", "/destroy_weights_update_group", {"group_name": self.group_name}
+        )
+        self.close()
+        if status != 200:
+            raise WeightSyncError(f"/destroy_weights_update_group: HTTP {status}: {body}")
+        return body
+
+    def close(self) -> None:
+        self.group = None

@@ -1,0 +1,184 @@
+"""A trainer's weights over a torch.distributed group into both pools (SGLang's
+/init_weights_update_group, /update_weights_from_distributed and /destroy_weights_update_group;
+router/weights.py, engine/weight_sync.py), through a router in front of a prefill and a decode
+worker on tiny random checkpoint A, the trainer being pdserve's WeightSender holding HF model B:
+after an update every greedy completion is HF's B token for token (the prompt's KV computed by B
+on the prefill worker, extended by B on the decode worker), the version is reported by the
+router, both workers' Stats and each response; a list that is not the checkpoint's is refused by
+the workers with nothing changed; a wrong world_size, another backend and an update of a group
+that does not exist are 400s that say what to change; a checkpoint from disk still loads after a
+group's update; a destroyed group takes no update."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from helpers.http import MODEL, post, request
+from helpers.models import hf_greedy, make_tiny_model
+from helpers.ports import free_ports
+from helpers.worker import start_decode, start_prefill, start_router, stop_all
+from pdserve.engine.weight_sync import WeightSender, WeightSyncError
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+TIMEOUT_S = 60.0  # bounds on a loaded machine, never speed claims
+PROMPT = [5, 9, 17, 33, 2, 8, 13, 21, 34, 55, 89, 144, 7, 3]
+ENGINE = dict(max_model_len=512, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for name, seed in (("A", 0), ("B", 1)):
+        path = tmp_path_factory.mktemp(f"group-ckpt-{name}")
+        out[name] = (str(path), make_tiny_model(path, "qwen2-bias", seed=seed))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoints, one_thread):
+    a_dir = checkpoints["A"][0]
+    decode = start_decode(a_dir, engine=ENGINE, lease_ms=5000)
+    prefill = start_prefill(a_dir, engine=ENGINE)
+    router = start_router(
+        a_dir,
+        decode,
+        prefill,
+        model_id=MODEL,
+        max_model_len=512,
+        http_port=0,
+        weight_updates=True,
+    )
+    channels = [grpc.insecure_channel(w.address) for w in (decode, prefill)]
+    stubs = (
+        worker_pb2_grpc.DecodeWorkerStub(channels[0]),
+        worker_pb2_grpc.PrefillWorkerStub(channels[1]),
+    )
+    yield router, stubs
+    stop_all(channels, router, prefill, decode)
+
+
+def _completion(router, max_tokens: int = 10) -> dict:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    status, _, raw = post(router, "/v1/completions", body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def _greedy(router) -> list[int]:
+    return _completion(router)["choices"][0]["token_ids"]
+
+
+def _served(stubs) -> list[tuple[str, str]]:
+    out = []
+    for stub in stubs:
+        s = stub.Stats(worker_pb2.StatsRequest(), timeout=TIMEOUT_S)
+        out.append((s.weights_path, s.weight_version))
+    return out
+
+
+def _info(router) -> dict:
+    status, _, raw = request(router.http_address, "GET", "/weight_info")
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def _sender(router) -> WeightSender:
+    port = free_ports(1)[0]
+    return WeightSender(f"http://{router.http_address}", "127.0.0.1", port, timeout_s=TIMEOUT_S)
+
+
+def _post(router, path, **body) -> tuple[int, dict]:
+    status, _, raw = post(router, path, body)
+    return status, json.loads(raw)
+
+
+def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, checkpoints):
+    router, stubs = cluster
+    (a_dir, a_hf), (_, b_hf) = checkpoints["A"], checkpoints["B"]
+    assert _greedy(router) == hf_greedy(a_hf, PROMPT, 10)
+    assert _info(router)["ranks"] == 2  # one engine rank on each worker
+    sender = _sender(router)
+    sender.init()
+    assert sender.world_size == 3 and _info(router)["groups"] == ["weight_update_group"]
+    out = sender.update(b_hf.named_parameters(), version="rl-1")
+    assert out["success"] is True and "2 worker(s)" in out["message"], out
+    assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
+    assert _info(router)["weight_version"] == "rl-1"
+    done = _completion(router)
+    assert done["choices"][0]["token_ids"] == hf_greedy(b_hf, PROMPT, 10)
+    assert done["pdserve"]["weight_version"] == "rl-1"
+    assert not router.servicer.admission.is_paused
+    # a list without one of the checkpoint's tensors: the workers refuse it before anything moves
+    partial = list(a_hf.named_parameters())[1:]
+    with pytest.raises(WeightSyncError, match="HTTP 400.*1 missing"):
+        sender.update(partial, version="bad")
+    assert sender.group is None  # the trainer's end is closed: init again
+    assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
+    assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
+    assert not router.servicer.admission.is_paused
+    # a new group (the same name replaces the old), then A's weights sent in bfloat16 load
+    sender = _sender(router)
+    sender.init()
+    out = sender.update(((n, p.bfloat16()) for n, p in a_hf.named_parameters()), version="rl-2")
+    assert out["success"] is True, out
+    served = _served(stubs)
+    assert served[0] == served[1] and served[0][1] == "rl-2", served
+    assert served[0][0].startswith("group:weight_update_group#"), served
+    # weights from disk still load after a group's, and a group update after that
+    status, out = _post(router, "/update_weights_from_disk", model_path=a_dir, weight_version="d")
+    assert status == 200 and out["success"], out
+    assert _greedy(router) == hf_greedy(a_hf, PROMPT, 10)
+    out = sender.update(b_hf.named_parameters(), version="rl-3")
+    assert out["success"] is True, out
+    assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
+    sender.destroy()
+    assert _info(router)["groups"] == []
+    names = [n for n, _ in b_hf.named_parameters()]
+    status, out = _post(
+        router,
+        "/update_weights_from_distributed",
+        names=names,
+        dtypes=["float32"] * len(names),
+        shapes=[list(p.shape) for _, p in b_hf.named_parameters()],
+    )
+    assert status == 400 and "no weight group 'weight_update_group'" in out["message"], out
+
+
+def test_bad_group_requests_say_what_to_change(cluster):
+    router, _ = cluster
+    port = free_ports(1)[0]
+    base = dict(master_address="127.0.0.1", master_port=port, rank_offset=1)
+    status, out = _post(router, "/init_weights_update_group", **base, world_size=5)
+    assert status == 400 and out["success"] is False
+    assert "2 engine rank(s) now: world_size must be rank_offset + 2 = 3" in out["message"], out
+    status, out = _post(router, "/init_weights_update_group", **base, world_size=3, backend="nccl")
+    assert status == 400 and "run on gloo" in out["message"], out
+    status, out = _post(
+        router, "/init_weights_update_group", **{**base, "master_port": 0}, world_size=3
+    )
+    assert status == 400 and "master_port" in out["message"], out
+    status, out = _post(router, "/init_weights_update_group", **base, world_size=3, rank="x")
+    assert status == 400 and "unknown field(s) rank" in out["message"], out
+    status, out = _post(
+        router,
+        "/update_weights_from_distributed",
+        names=["a"],
+        dtypes=["int8"],
+        shapes=[[2]],
+    )
+    assert status == 400 and "dtype 'int8'" in out["message"], out
+    status, out = _post(router, "/update_weights_from_distributed", names=["a"], dtypes=["float32"])
+    assert status == 400 and "shapes must be a list" in out["message"], out
+    status, out = _post(router, "/destroy_weights_update_group", group_name="nope")
+    assert status == 400 and "no weight group 'nope'" in out["message"], out
+    assert not router.servicer.admission.is_paused
