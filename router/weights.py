@@ -147,6 +147,12 @@ class RouterWeights:
     def _record(self, model_path: str, weight_version: str) -> None:
         with self._lock:
             self.version, self.wanted = weight_version, (model_path, weight_version)
+            # the grace counts from now for every worker that said it took these weights: one
+            # that answered early must not lose it to a slower one's load
+            now = time.monotonic()
+            for key, (said, _) in list(self._confirmed.items()):
+                if said == self.wanted:
+                    self._confirmed[key] = (said, now)
         self.pool.serves_weights = self.serves
 
     def serves(self, worker) -> bool:
@@ -204,6 +210,9 @@ class RouterWeights:
         if self.wanted is None or not stats.worker_id or self.serves(worker):
             return
         if self.wanted[0].startswith(GROUP_SOURCE):
+            said = self._confirmed.get(id(worker))
+            if said is not None and said[0] == self.wanted:
+                return  # it answered that it took them: a report taken before that, late
             if id(worker) not in self._uncaught:
                 self._uncaught.add(id(worker))
                 log.warning(

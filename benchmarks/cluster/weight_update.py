@@ -12,7 +12,11 @@ Three figures, each the median of --runs:
       costs at least (no process start, no registration, no warm-up request counted);
   cluster: POST /update_weights_from_disk through a router in front of one prefill and one
       decode worker (both on this machine's cores), from the request to the answer, with the
-      router idle (nothing to drain).
+      router idle (nothing to drain); then the same tensors sent by a trainer in this process
+      over a weight group (engine/weight_sync.py WeightSender.update: the HTTP request and the
+      broadcast to both workers' ranks, from the call to the answer; the trainer holds the
+      checkpoint's tensors in memory, as a trainer holds its model), with each worker's receiving
+      and loading timed apart.
 Writes benchmarks/results/weight_update.json.
 """
 
@@ -112,6 +116,7 @@ def cluster_figures(model: str, runs: int) -> dict:
                 answers.append(json.loads(reply.read()))
             walls.append(time.perf_counter() - t)
             bc.log(f"cluster update {i}: {walls[-1]:.2f} s")
+        group = group_figures(router, model, runs)
     finally:
         router.stop()
         prefill.stop()
@@ -119,6 +124,45 @@ def cluster_figures(model: str, runs: int) -> dict:
     return {
         "update_s": round(bc.median(walls), 3),
         "runs": walls,
+        "all_succeeded": all(a.get("success") for a in answers),
+        "group": group,
+    }
+
+
+def group_figures(router, model: str, runs: int) -> dict:
+    import socket
+
+    from pdserve.engine.loader.safetensors_io import iter_safetensors
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.weight_sync import WeightReceiver, WeightSender
+
+    # both workers run in this process: each one's receive and load, timed
+    receives, loads = [], []
+    _timed(WeightReceiver, "receive", receives)
+    _timed(ModelRunner, "_reload", loads)
+    tensors = [(n, t.clone()) for n, t in iter_safetensors(model)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = WeightSender(f"http://{router.http_address}", "127.0.0.1", port)
+    t = time.perf_counter()
+    sender.init()
+    init_s = time.perf_counter() - t
+    walls, answers = [], []
+    for i in range(runs):
+        t = time.perf_counter()
+        answers.append(sender.update(tensors, version=f"g{i}"))
+        walls.append(time.perf_counter() - t)
+        bc.log(f"group update {i}: {walls[-1]:.2f} s")
+    sender.destroy()
+    return {
+        "init_s": round(init_s, 3),
+        "update_s": round(bc.median(walls), 3),
+        "runs": walls,
+        "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+        # per worker and update (both workers' calls together)
+        "receive_s": round(bc.median(receives), 3),
+        "load_s": round(bc.median(loads), 3),
         "all_succeeded": all(a.get("success") for a in answers),
     }
 

@@ -136,17 +136,25 @@ async def _apply(pause, mode: str, keep: bool, weights, update, *args) -> JSONRe
     return _outcome(200, True, message, aborted)
 
 
-async def _version(request: Request) -> dict:
+async def _version(request: Request, more: bool = False) -> dict:
     front = state_of(request)
     front.authorize(request)
     weights = front.settings.weights
-    if weights is None:
-        return {"weight_version": None, "ranks": 0, "groups": []}
-    return {
-        "weight_version": weights.version or None,
-        "ranks": weights.ranks(),
-        "groups": sorted(weights.groups),
-    }
+    out = {"weight_version": (weights.version if weights is not None else "") or None}
+    if more:  # what a trainer's group would hold besides the trainer, and the groups open
+        out["ranks"] = weights.ranks() if weights is not None else 0
+        out["groups"] = sorted(weights.groups) if weights is not None else []
+    return out
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request):
+    return await _version(request)
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request):
+    return await _version(request, more=True)
 
 
 # ---- a trainer's weight group (router/weights.py, engine/weight_sync.py) ------------------------
@@ -282,13 +290,3 @@ async def destroy_weights_update_group(request: Request):
     except WeightsError as e:
         return _outcome(e.status, False, e.message)
     return _outcome(200, True, message)
-
-
-@router.get("/get_weight_version")
-async def get_weight_version(request: Request):
-    return await _version(request)
-
-
-@router.get("/weight_info")
-async def weight_info(request: Request):
-    return await _version(request)

@@ -251,7 +251,8 @@ def test_a_trainers_pause_aborts_the_rollout_and_holds_the_next(deployment):
 
 def test_a_weight_update_reaches_every_ray_worker(deployment, reference):
     """/update_weights_from_disk through `up()`: both Ray workers load the checkpoint again (the
-    same SmolLM2 files, as a new version), report it, and answer as before."""
+    same SmolLM2 files, as a new version), report it, and answer as before; then the same
+    tensors sent by a trainer over a weight group (WeightSender), with the same outcome."""
     import urllib.request
 
     from pdserve.engine.loader import resolve_model
@@ -267,6 +268,22 @@ def test_a_weight_update_reaches_every_ray_worker(deployment, reference):
     assert out["success"] is True and "2 worker(s)" in out["message"], out
     assert _control(deployment, "GET", "/get_weight_version") == {"weight_version": "v2"}
     text, _ = reference["completion"]
+    got = client(deployment).completions.create(
+        prompt=PROMPT, **eos_ignored(model_id(deployment), max_tokens=MAX_TOKENS)
+    )
+    assert got.choices[0].text == text
+    # the same weights again from a trainer's group: every Ray worker's engine rank joins it
+    from helpers.ports import free_ports
+    from pdserve.engine.loader.safetensors_io import iter_safetensors
+    from pdserve.engine.weight_sync import WeightSender
+
+    sender = WeightSender(deployment.http_url, "127.0.0.1", free_ports(1)[0], api_key=KEY)
+    sender.init()
+    assert sender.world_size == 3
+    out = sender.update(iter_safetensors(path), version="g1")
+    assert out["success"] is True and "2 worker(s)" in out["message"], out
+    sender.destroy()
+    assert _control(deployment, "GET", "/get_weight_version") == {"weight_version": "g1"}
     got = client(deployment).completions.create(
         prompt=PROMPT, **eos_ignored(model_id(deployment), max_tokens=MAX_TOKENS)
     )
