@@ -211,8 +211,9 @@ class RouterWeights:
             return
         if self.wanted[0].startswith(GROUP_SOURCE):
             said = self._confirmed.get(id(worker))
-            if said is not None and said[0] == self.wanted:
-                return  # it answered that it took them: a report taken before that, late
+            if self._admin.locked() or (said is not None and said[0] == self.wanted):
+                # an update under way, or it answered that it took these: a report taken before
+                return
             if id(worker) not in self._uncaught:
                 self._uncaught.add(id(worker))
                 log.warning(

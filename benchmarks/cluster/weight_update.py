@@ -16,7 +16,8 @@ Three figures, each the median of --runs:
       over a weight group (engine/weight_sync.py WeightSender.update: the HTTP request and the
       broadcast to both workers' ranks, from the call to the answer; the trainer holds the
       checkpoint's tensors in memory, as a trainer holds its model), with each worker's receiving
-      and loading timed apart.
+      and loading timed apart; and, for the disk path's share on the trainer's side, how long
+      writing those tensors as a safetensors file takes (to the local disk).
 Writes benchmarks/results/weight_update.json.
 """
 
@@ -144,6 +145,16 @@ def group_figures(router, model: str, runs: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # what the disk path costs the trainer before its request: writing the checkpoint (here to
+    # the local disk's page cache)
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        save_file(dict(tensors), f"{tmp}/model.safetensors")
+        save_s = time.perf_counter() - t
     sender = WeightSender(f"http://{router.http_address}", "127.0.0.1", port)
     t = time.perf_counter()
     sender.init()
@@ -157,6 +168,7 @@ def group_figures(router, model: str, runs: int) -> dict:
     sender.destroy()
     return {
         "init_s": round(init_s, 3),
+        "trainer_save_s": round(save_s, 3),
         "update_s": round(bc.median(walls), 3),
         "runs": walls,
         "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
