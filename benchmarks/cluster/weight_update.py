@@ -7,7 +7,9 @@ one process, no Ray.
 Three figures, each the median of --runs:
   engine: one engine's update_weights from the checkpoint it serves (the same files, so the
       answers can be checked unchanged), split into reading the checkpoint into the dense
-      weights and packing the linears again (ModelRunner.reload_weights' two halves);
+      weights and packing the linears again (ModelRunner.reload_weights' two halves); then the
+      same tensors received from a trainer thread over a weight group (receive_weights), whole
+      and its load alone;
   restart: building a new engine on the same checkpoint, what a sync by restarting a worker
       costs at least (no process start, no registration, no warm-up request counted);
   cluster: POST /update_weights_from_disk through a router in front of one prefill and one
@@ -70,6 +72,8 @@ def engine_figures(model: str, runs: int) -> dict:
             llm.engine.update_weights(model, "bench")
             totals.append(time.perf_counter() - t)
         after = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        group = engine_group_figures(llm, model, runs)
+        after_group = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     finally:
         llm.shutdown()
     return {
@@ -79,7 +83,56 @@ def engine_figures(model: str, runs: int) -> dict:
         "pack_s": round(bc.median(packs), 3),
         "runs": {"restart": starts, "update": totals, "read": reads, "pack": packs},
         "same_answer_after": before == after,
+        "group": group,
+        "same_answer_after_group": before == after_group,
     }
+
+
+def engine_group_figures(llm, model: str, runs: int) -> dict:
+    """The same engine's receive_weights from a trainer thread of this process, rank 0 of a
+    two-rank group: the whole update, and the load of the received tensors alone."""
+    import threading
+
+    from pdserve.engine.loader.safetensors_io import iter_safetensors
+    from pdserve.engine.weight_sync import open_group, send, specs_of
+
+    tensors = [(n, t.clone()) for n, t in iter_safetensors(model)]
+    names = [n for n, _ in tensors]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
+    shapes = [list(t.shape) for _, t in tensors]
+    port = _free_port()
+    opened: list = []
+    opener = threading.Thread(
+        target=lambda: opened.append(open_group("127.0.0.1", port, 0, 2, 120))
+    )
+    opener.start()
+    llm.engine.join_weights_group("bench", "127.0.0.1", port, 1, 2, 120)
+    opener.join()
+    loads, totals = [], []
+    _timed(llm.engine.runner, "_reload", loads)
+    for i in range(runs):
+        sender = threading.Thread(
+            target=send, args=(opened[0], [t for _, t in tensors], specs_of(names, dtypes, shapes))
+        )
+        sender.start()
+        t = time.perf_counter()
+        llm.engine.receive_weights("bench", names, dtypes, shapes, f"g{i}")
+        totals.append(time.perf_counter() - t)
+        sender.join()
+    llm.engine.leave_weights_group("bench")
+    return {
+        "update_s": round(bc.median(totals), 3),
+        "load_s": round(bc.median(loads), 3),
+        "runs": {"update": totals, "load": loads},
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cluster_figures(model: str, runs: int) -> dict:
@@ -131,8 +184,6 @@ def cluster_figures(model: str, runs: int) -> dict:
 
 
 def group_figures(router, model: str, runs: int) -> dict:
-    import socket
-
     from pdserve.engine.loader.safetensors_io import iter_safetensors
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.weight_sync import WeightReceiver, WeightSender
@@ -142,9 +193,7 @@ def group_figures(router, model: str, runs: int) -> dict:
     _timed(WeightReceiver, "receive", receives)
     _timed(ModelRunner, "_reload", loads)
     tensors = [(n, t.clone()) for n, t in iter_safetensors(model)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     # what the disk path costs the trainer before its request: writing the checkpoint (here to
     # the local disk's page cache)
     import tempfile
