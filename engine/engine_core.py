@@ -542,7 +542,14 @@ class LLMEngine:
         return True
 
     def receive_weights(
-        self, group_name: str, names, dtypes, shapes, version: str = "", source: str = ""
+        self,
+        group_name: str,
+        names,
+        dtypes,
+        shapes,
+        transfer_id: str,
+        version: str = "",
+        source: str = "",
     ) -> None:
         """The base model's weights from the trainer of `group_name`: every rank receives every
         tensor, and once every rank of the whole group received everything (weight_sync.py's
@@ -550,10 +557,11 @@ class LLMEngine:
         every cached prefix block is dropped. Refused before anything moves (WeightUpdateRefused)
         when the engine cannot take weights now, the group is unknown, or the list is not the
         checkpoint's tensors (every name, each of its shape); raises WeightSyncError when the
-        transfer failed (nothing was loaded anywhere). `source` is what weights_dir then says
-        (the router's name for the update)."""
+        transfer failed (nothing was loaded anywhere). `transfer_id` is the update's id as the
+        trainer's `send` has it; `source` is what weights_dir then says (the router's name for
+        the update)."""
         from pdserve.engine.weight_sync import specs_of
-        from pdserve.protos.limits import check_weight_tensors
+        from pdserve.protos.limits import check_transfer_id, check_weight_tensors
 
         self._check_can_update()
         if group_name not in self._weight_groups:
@@ -561,15 +569,15 @@ class LLMEngine:
                 f"this engine is in no weight group {group_name[:100]!r}: init the group first",
                 True,
             )
-        why = check_weight_tensors(names, dtypes, shapes) or self._check_against_checkpoint(
-            names, shapes
-        )
+        why = check_transfer_id(transfer_id) or check_weight_tensors(names, dtypes, shapes)
+        why = why or self._check_against_checkpoint(names, shapes)
         if why is not None:
             raise WeightUpdateRefused(why)
         op = [
             "receive",
             group_name,
             [[n, d, list(s)] for n, d, s in specs_of(names, dtypes, shapes)],
+            transfer_id,
         ]
         self._run_on_ranks(ModelInput([], [], weights_op=op))
         self.weights_dir, self.weight_version = source or f"group:{group_name}", version

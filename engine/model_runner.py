@@ -117,7 +117,8 @@ class ModelInput:
     reload_from: str = ""
     # a trainer's weight group (engine/weight_sync.py), before the step (which then has no
     # sequences): ["join", name, address, port, rank_offset, world_size, timeout_s], ["receive",
-    # name, [[tensor name, dtype, shape], ...]] (then every rank loads them) or ["leave", name]
+    # name, [[tensor name, dtype, shape], ...], transfer id] (then every rank loads them) or
+    # ["leave", name]
     weights_op: list = field(default_factory=list)
 
 
@@ -248,7 +249,7 @@ class ModelRunner:
                 raise WeightSyncError(f"this rank is in no weight group {name!r}")
             self.weight_groups[name] = old
             try:
-                received = old.receive([(n, d, tuple(s)) for n, d, s in op[2]])
+                received = old.receive([(n, d, tuple(s)) for n, d, s in op[2]], op[3])
             except WeightSyncError as e:
                 if is_first_rank():
                     raise

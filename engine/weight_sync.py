@@ -9,7 +9,10 @@ vLLM's NCCL weight transfer do. The keys live under KEY_PREFIX, so only a pdserv
 pdserve ranks ever meet.
 
 One update, for a list of tensors (names, dtypes, shapes) the engines checked against the
-checkpoint they serve before anything moves: rank 0 broadcasts a header (the list's digest and
+checkpoint they serve before anything moves, under a transfer id the update request carries:
+each rank says in the store that it is ready for that id, and rank 0 starts nothing before all
+did (a refused update thus leaves no collective waiting, and the group serves the next one);
+then rank 0 broadcasts a header (the list's digest and
 its byte count), every rank says whether it matches (an all-reduce of 1 or 0 with MIN); then the
 tensors in list order, packed into uint8 buckets of at most BUCKET_BYTES (a bigger tensor goes
 alone), which each rank cuts back into tensors; then a last all-reduce says whether every rank
@@ -28,6 +31,7 @@ import socket
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterable
 
 import torch
@@ -111,16 +115,28 @@ def open_group(
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = _td(timeout_s)
     return Group(
-        dist.ProcessGroupGloo(dist.PrefixStore(KEY_PREFIX, store), rank, world_size, opts), store
+        dist.ProcessGroupGloo(dist.PrefixStore(KEY_PREFIX, store), rank, world_size, opts),
+        store,
+        timeout_s,
     )
 
 
 class Group:
     """A joined group: its gloo backend, and the store it met on (rank 0 hosts it, so it must
-    live as long as the group)."""
+    live as long as the group). The store also carries each update's handshake: a rank says it
+    is ready for transfer T before it enters T's first collective, and rank 0 starts none until
+    every rank said so, so a refused update leaves no collective waiting (gloo cannot cancel one:
+    a group dropped with one pending blocks until its timeout)."""
 
-    def __init__(self, pg: dist.ProcessGroupGloo, store: dist.TCPStore):
-        self.pg, self.store = pg, store
+    def __init__(self, pg: dist.ProcessGroupGloo, store: dist.TCPStore, timeout_s: float):
+        self.pg, self.store, self.timeout_s = pg, store, timeout_s
+        self.ctl = dist.PrefixStore(KEY_PREFIX + "ctl/", store)
+
+    def ready_keys(self, transfer_id: str) -> list[str]:
+        return [f"{transfer_id}/{r}" for r in range(1, self.pg.size())]
+
+    def set_ready(self, transfer_id: str) -> None:
+        self.ctl.set(f"{transfer_id}/{self.pg.rank()}", b"1")
 
     def broadcast(self, tensor: torch.Tensor, root: int):
         return self.pg.broadcast(tensor, root)
@@ -173,12 +189,13 @@ class WeightReceiver:
             raise WeightSyncError(f"group {self.name!r} could not be joined: {self.error}")
         return self.group
 
-    def receive(self, specs: list[Spec]) -> dict[str, torch.Tensor]:
+    def receive(self, specs: list[Spec], transfer_id: str) -> dict[str, torch.Tensor]:
         """Every tensor of `specs` from rank 0 (views into the buckets), once every rank of the
         group agreed on the list and received all of it; raises WeightSyncError otherwise (the
-        group is then closed)."""
+        group is then closed). `transfer_id`: the update's, as the trainer's `send` has it."""
         group = self.wait_joined()
         try:
+            group.set_ready(transfer_id)
             head = _header(group, None)
             expected = (digest(specs), sum(nbytes(s) for s in specs))
             if not _agree(group, (int(head[0]), int(head[1])) == expected):
@@ -214,16 +231,41 @@ class WeightReceiver:
         self.error = WeightSyncError(f"group {self.name!r} was closed after a failure")
 
 
-def send(group, tensors: list[torch.Tensor], specs: list[Spec], wait=None) -> bool:
+def send(
+    group: Group,
+    tensors: list[torch.Tensor],
+    specs: list[Spec],
+    transfer_id: str,
+    wait=None,
+    gate=None,
+) -> bool:
     """Rank 0's side of one update (the module's docstring): False when the ranks refused the
-    list, True once every rank received every tensor. `wait(works)` waits for gloo works (by
-    default each work's own wait)."""
+    list, True once every rank received every tensor. `transfer_id` is the one the update request
+    gave the ranks; no collective starts before every rank said it is ready for it. `gate()` is
+    called while waiting for that and may raise to give up (the group stays usable); past the
+    group's timeout WeightSyncError. `wait(works)` waits for gloo works (by default each work's
+    own wait)."""
     if wait is None:
 
         def wait(works):
             for work in works:
                 work.wait()
 
+    keys = group.ready_keys(transfer_id)
+    deadline = time.monotonic() + group.timeout_s
+    pause = 0.001
+    while not group.ctl.check(keys):
+        if gate is not None:
+            gate()
+        if time.monotonic() > deadline:
+            raise WeightSyncError(
+                f"transfer {transfer_id[:64]!r}: not every rank was ready within "
+                f"{group.timeout_s:g} s (no tensor was sent; the group is still usable)"
+            )
+        time.sleep(pause)
+        pause = min(0.02, pause * 2)
+    for key in keys:
+        group.ctl.delete_key(key)
     head = torch.tensor([digest(specs), sum(nbytes(s) for s in specs)], dtype=torch.int64)
     wait([group.broadcast(head, 0)])
     flag = torch.tensor([1], dtype=torch.int64)
@@ -374,12 +416,14 @@ class WeightSender:
         if why is not None:
             raise WeightSyncError(why)
         specs = specs_of(names, dtypes, shapes)
+        transfer_id = uuid.uuid4().hex
         body = {
             "names": names,
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": self.group_name,
             "weight_version": version,
+            "transfer_id": transfer_id,
             **extra,
         }
         what = "/update_weights_from_distributed"
@@ -389,8 +433,13 @@ class WeightSender:
         def wait(works):
             self._wait(works, what, thread, result)
 
+        def gate():  # the server answered before the ranks were ready: a refusal
+            if not thread.is_alive():
+                self._check(what, thread, result)
+                raise WeightSyncError(f"{what}: answered before every rank was ready")
+
         try:
-            if not send(group, [t for _, t in items], specs, wait):
+            if not send(group, [t for _, t in items], specs, transfer_id, wait, gate):
                 self.close()
                 self._check(what, thread, result)
                 raise WeightSyncError("the ranks refused the tensor list")

@@ -54,6 +54,21 @@ def check_weight_update(model_path: str, weight_version: str) -> str | None:
     return None
 
 
+def check_transfer_id(transfer_id: object) -> str | None:
+    """Why an update's transfer_id (the id the trainer's engine/weight_sync.py `send` waits on)
+    cannot be taken, or None."""
+    if (
+        not isinstance(transfer_id, str)
+        or not 1 <= len(transfer_id) <= MAX_WEIGHT_GROUP_CHARS
+        or not transfer_id.isalnum()
+    ):
+        return (
+            f"transfer_id must be 1 to {MAX_WEIGHT_GROUP_CHARS} letters and digits: the id the "
+            "trainer's pdserve.engine.weight_sync send() waits on for this update"
+        )
+    return None
+
+
 def check_weights_group(
     group_name: str, address: str, port: int, rank_offset: int, world_size: int, timeout_s: float
 ) -> str | None:

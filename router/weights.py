@@ -41,6 +41,7 @@ import grpc
 
 from pdserve.protos.limits import (
     WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S,
+    check_transfer_id,
     check_weight_tensors,
     check_weight_update,
     check_weights_group,
@@ -354,9 +355,10 @@ class RouterWeights:
             raise WeightsError(
                 404, "weight updates are off here: the deployment needs router.weight_updates"
             )
-        why = check_weight_tensors(f["names"], f["dtypes"], f["shapes"]) or check_weight_update(
-            GROUP_SOURCE, f["weight_version"]
+        why = check_transfer_id(f["transfer_id"]) or check_weight_tensors(
+            f["names"], f["dtypes"], f["shapes"]
         )
+        why = why or check_weight_update(GROUP_SOURCE, f["weight_version"])
         if why is not None:
             raise WeightsError(400, why)
         if f["group_name"] not in self.groups:
@@ -392,6 +394,7 @@ class RouterWeights:
                 ndims=[len(s) for s in f["shapes"]],
                 weight_version=f["weight_version"],
                 source=source,
+                transfer_id=f["transfer_id"],
             )
             workers = [w for w, _, _ in group.members]
             before = {id(w): _served(w) for w in workers}

@@ -26,6 +26,7 @@ from pdserve.engine.errors import WeightUpdateRefused
 from pdserve.engine.weight_sync import WeightSyncError
 from pdserve.protos.limits import (
     WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S,
+    check_transfer_id,
     check_weight_tensors,
     check_weight_update,
     check_weights_group,
@@ -114,15 +115,16 @@ def update_from_group(loop, request, context) -> worker_pb2.UpdateWeightsRespons
         shapes.append(list(r.dims[at : at + n]))
         at += n
     names, dtypes = list(r.names), list(r.dtypes)
-    why = check_weight_tensors(names, dtypes, shapes) or check_weight_update(
-        r.source or "group", r.weight_version
-    )
+    why = check_transfer_id(r.transfer_id) or check_weight_tensors(names, dtypes, shapes)
+    why = why or check_weight_update(r.source or "group", r.weight_version)
     if why is not None:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
     group = loop.engine.weight_group_timeout(r.group_name)
 
     def load(engine):
-        engine.receive_weights(r.group_name, names, dtypes, shapes, r.weight_version, r.source)
+        engine.receive_weights(
+            r.group_name, names, dtypes, shapes, r.transfer_id, r.weight_version, r.source
+        )
 
     # the group's own timeout bounds each collective; the whole load gets that once more
     _load(loop, load, 2 * group + 60, f"group {r.group_name[:64]!r}", context)

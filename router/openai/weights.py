@@ -168,6 +168,7 @@ _GROUP_KNOWN = {
     "timeout_s",
 }
 _UPDATE_KNOWN = {
+    "transfer_id",
     "names",
     "dtypes",
     "shapes",
@@ -262,6 +263,7 @@ async def update_weights_from_distributed(request: Request):
             "dtypes": dtypes,
             "shapes": lists["shapes"],
             "weight_version": "" if version is None else version,
+            "transfer_id": body.get("transfer_id"),
         }
         if not isinstance(fields["weight_version"], str):
             raise WeightsError(400, "weight_version must be a string")

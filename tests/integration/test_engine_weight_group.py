@@ -9,6 +9,7 @@ rank and the engine still answers as A; the group is closed and a new one works.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -66,12 +67,12 @@ class Trainer:
         self._thread.join(TIMEOUT_S)
         assert self.group is not None, self.error
 
-    def send(self, tensors, specs) -> threading.Thread:
+    def send(self, tensors, specs, transfer_id="t") -> threading.Thread:
         result = []
 
         def run():
             try:
-                result.append(send(self.group, tensors, specs))
+                result.append(send(self.group, tensors, specs, transfer_id))
             except BaseException as e:
                 result.append(e)
 
@@ -109,16 +110,16 @@ def test_a_group_update_answers_as_the_trainer_s_weights(checkpoints, tp):
         trainer = Trainer(1 + tp)
         _join(llm, trainer, 1 + tp)
         names, dtypes, shapes, tensors = _tensors(b_hf)
-        sender = trainer.send(tensors, specs_of(names, dtypes, shapes))
-        llm.engine.receive_weights("g", names, dtypes, shapes, version="7", source="b")
+        sender = trainer.send(tensors, specs_of(names, dtypes, shapes), "t1")
+        llm.engine.receive_weights("g", names, dtypes, shapes, "t1", version="7", source="b")
         sender.join(TIMEOUT_S)
         assert sender.result == [True]
         assert (llm.engine.weights_dir, llm.engine.weight_version) == ("b", "7")
         assert _answers(llm, prompts) == want_b  # the longer prompts were cached under A
         # the same group again, in bfloat16 this time: A's weights rounded to bf16 load
         names, dtypes, shapes, tensors = _tensors(a_hf, torch.bfloat16)
-        sender = trainer.send(tensors, specs_of(names, dtypes, shapes))
-        llm.engine.receive_weights("g", names, dtypes, shapes, version="8")
+        sender = trainer.send(tensors, specs_of(names, dtypes, shapes), "t2")
+        llm.engine.receive_weights("g", names, dtypes, shapes, "t2", version="8")
         sender.join(TIMEOUT_S)
         assert sender.result == [True]
         rounded = {n: t.float() for n, t in zip(names, tensors, strict=True)}
@@ -140,27 +141,29 @@ def test_refusals_move_nothing(checkpoints):
     try:
         names, dtypes, shapes, _ = _tensors(b_hf)
         with pytest.raises(WeightUpdateRefused, match="no weight group 'g'") as e:
-            llm.engine.receive_weights("g", names, dtypes, shapes)
+            llm.engine.receive_weights("g", names, dtypes, shapes, "t")
         assert e.value.precondition
         trainer = Trainer(2)
         _join(llm, trainer, 2)
         with pytest.raises(WeightUpdateRefused, match="1 missing"):
-            llm.engine.receive_weights("g", names[1:], dtypes[1:], shapes[1:])
+            llm.engine.receive_weights("g", names[1:], dtypes[1:], shapes[1:], "t")
         with pytest.raises(WeightUpdateRefused, match="1 unknown"):
             llm.engine.receive_weights(
-                "g", [*names, "x.weight"], [*dtypes, "float32"], [*shapes, [2]]
+                "g", [*names, "x.weight"], [*dtypes, "float32"], [*shapes, [2]], "t"
             )
         bad = [list(s) for s in shapes]
         bad[0][0] += 1
         with pytest.raises(WeightUpdateRefused, match="shape"):
-            llm.engine.receive_weights("g", names, dtypes, bad)
+            llm.engine.receive_weights("g", names, dtypes, bad, "t")
         with pytest.raises(WeightUpdateRefused, match="dtype 'int8'"):
-            llm.engine.receive_weights("g", names, ["int8"] * len(names), shapes)
+            llm.engine.receive_weights("g", names, ["int8"] * len(names), shapes, "t")
         llm.engine.add_request("running", prompts[0], greedy(MAX_TOKENS))
         with pytest.raises(WeightUpdateRefused, match="pause first"):
-            llm.engine.receive_weights("g", names, dtypes, shapes)
+            llm.engine.receive_weights("g", names, dtypes, shapes, "t")
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
+        with pytest.raises(WeightUpdateRefused, match="transfer_id must be"):
+            llm.engine.receive_weights("g", names, dtypes, shapes, "not/an/id")
         with pytest.raises(WeightUpdateRefused, match="do not fit a group of world_size 2"):
             llm.engine.join_weights_group("h", "127.0.0.1", trainer.port, 2, 2)
         assert llm.engine.weight_version == "" and llm.engine.weights_dir == a_dir
@@ -179,15 +182,15 @@ def test_a_trainer_that_sends_another_list_or_leaves_changes_nothing(checkpoints
         names, dtypes, shapes, tensors = _tensors(b_hf)
         # the trainer sends bfloat16 where the request said float32: refused by the header
         other = specs_of(names, ["bfloat16"] * len(names), shapes)
-        sender = trainer.send([t.bfloat16() for t in tensors], other)
+        sender = trainer.send([t.bfloat16() for t in tensors], other, "x1")
         with pytest.raises(WeightSyncError, match="not the ones the update request listed"):
-            llm.engine.receive_weights("g", names, dtypes, shapes, version="x")
+            llm.engine.receive_weights("g", names, dtypes, shapes, "x1", version="x")
         sender.join(TIMEOUT_S)
         assert sender.result == [False]
         assert _answers(llm, prompts) == _hf(a_hf, prompts)
         # the group was closed by the failure: an update on it fails at once, a new one works
         with pytest.raises(WeightSyncError, match="closed"):
-            llm.engine.receive_weights("g", names, dtypes, shapes)
+            llm.engine.receive_weights("g", names, dtypes, shapes, "x2")
         trainer = Trainer(2)
         _join(llm, trainer, 2)
         # a trainer that goes away after the header: every rank fails, nothing loaded
@@ -196,6 +199,8 @@ def test_a_trainer_that_sends_another_list_or_leaves_changes_nothing(checkpoints
         def header_then_leave():
             from pdserve.engine.weight_sync import digest, nbytes
 
+            while not trainer.group.ctl.check(trainer.group.ready_keys("y1")):
+                time.sleep(0.01)
             head = torch.tensor([digest(specs), sum(nbytes(s) for s in specs)])
             trainer.group.broadcast(head, 0).wait()
             flag = torch.tensor([1])
@@ -205,7 +210,7 @@ def test_a_trainer_that_sends_another_list_or_leaves_changes_nothing(checkpoints
         leaver = threading.Thread(target=header_then_leave, daemon=True)
         leaver.start()
         with pytest.raises(WeightSyncError):
-            llm.engine.receive_weights("g", names, dtypes, shapes, version="y")
+            llm.engine.receive_weights("g", names, dtypes, shapes, "y1", version="y")
         leaver.join(TIMEOUT_S)
         assert llm.engine.weight_version == ""
         assert _answers(llm, prompts) == _hf(a_hf, prompts)

@@ -12,6 +12,7 @@ group's update; a destroyed group takes no update."""
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
@@ -120,24 +121,28 @@ def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, chec
     assert not router.servicer.admission.is_paused
     # a list without one of the checkpoint's tensors: the workers refuse it before anything moves
     partial = list(a_hf.named_parameters())[1:]
+    t = time.monotonic()
     with pytest.raises(WeightSyncError, match="HTTP 400.*1 missing"):
         sender.update(partial, version="bad")
-    assert sender.group is None  # the trainer's end is closed: init again
+    # no tensor moved and no collective was left waiting: the trainer was told at once (not
+    # after the group's timeout) and its group still serves the next update
+    assert time.monotonic() - t < TIMEOUT_S / 2 and sender.group is not None
     assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
-    # a new group (the same name replaces the old), then A's weights sent in bfloat16 load
-    sender = _sender(router)
-    sender.init()
+    # A's weights sent in bfloat16 on the same group load
     out = sender.update(((n, p.bfloat16()) for n, p in a_hf.named_parameters()), version="rl-2")
     assert out["success"] is True, out
     served = _served(stubs)
     assert served[0] == served[1] and served[0][1] == "rl-2", served
     assert served[0][0].startswith("group:weight_update_group#"), served
-    # weights from disk still load after a group's, and a group update after that
+    # weights from disk still load after a group's, and a new group's update after that
     status, out = _post(router, "/update_weights_from_disk", model_path=a_dir, weight_version="d")
     assert status == 200 and out["success"], out
     assert _greedy(router) == hf_greedy(a_hf, PROMPT, 10)
+    sender = _sender(router)  # a new group of the same name replaces the old one
+    sender.init()
+    assert _info(router)["groups"] == ["weight_update_group"]
     out = sender.update(b_hf.named_parameters(), version="rl-3")
     assert out["success"] is True, out
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
@@ -148,6 +153,7 @@ def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, chec
         router,
         "/update_weights_from_distributed",
         names=names,
+        transfer_id="t1",
         dtypes=["float32"] * len(names),
         shapes=[list(p.shape) for _, p in b_hf.named_parameters()],
     )
@@ -175,8 +181,17 @@ def test_bad_group_requests_say_what_to_change(cluster):
         names=["a"],
         dtypes=["int8"],
         shapes=[[2]],
+        transfer_id="t1",
     )
     assert status == 400 and "dtype 'int8'" in out["message"], out
+    status, out = _post(
+        router,
+        "/update_weights_from_distributed",
+        names=["a"],
+        dtypes=["float32"],
+        shapes=[[2]],
+    )
+    assert status == 400 and "transfer_id must be" in out["message"], out
     status, out = _post(router, "/update_weights_from_distributed", names=["a"], dtypes=["float32"])
     assert status == 400 and "shapes must be a list" in out["message"], out
     status, out = _post(router, "/destroy_weights_update_group", group_name="nope")

@@ -608,7 +608,7 @@ class InitWeightsGroupResponse(_message.Message):
     def __init__(self, ranks: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsFromGroupRequest(_message.Message):
-    __slots__ = ("group_name", "names", "dtypes", "dims", "ndims", "weight_version", "source")
+    __slots__ = ("group_name", "names", "dtypes", "dims", "ndims", "weight_version", "source", "transfer_id")
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +616,7 @@ class UpdateWeightsFromGroupRequest(_message.Message):
     NDIMS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     group_name: str
     names: _containers.RepeatedScalarFieldContainer[str]
     dtypes: _containers.RepeatedScalarFieldContainer[str]
@@ -623,7 +624,8 @@ class UpdateWeightsFromGroupRequest(_message.Message):
     ndims: _containers.RepeatedScalarFieldContainer[int]
     weight_version: str
     source: str
-    def __init__(self, group_name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dims: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, group_name: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dims: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., weight_version: _Optional[str] = ..., source: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class DestroyWeightsGroupRequest(_message.Message):
     __slots__ = ("group_name",)
