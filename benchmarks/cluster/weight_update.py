@@ -111,12 +111,13 @@ def engine_group_figures(llm, model: str, runs: int) -> dict:
     loads, totals = [], []
     _timed(llm.engine.runner, "_reload", loads)
     for i in range(runs):
+        specs = specs_of(names, dtypes, shapes)
         sender = threading.Thread(
-            target=send, args=(opened[0], [t for _, t in tensors], specs_of(names, dtypes, shapes))
+            target=send, args=(opened[0], [t for _, t in tensors], specs, f"t{i}")
         )
         sender.start()
         t = time.perf_counter()
-        llm.engine.receive_weights("bench", names, dtypes, shapes, f"g{i}")
+        llm.engine.receive_weights("bench", names, dtypes, shapes, f"t{i}", f"g{i}")
         totals.append(time.perf_counter() - t)
         sender.join()
     llm.engine.leave_weights_group("bench")
