@@ -583,6 +583,13 @@ class LLMEngine:
         self.weights_dir, self.weight_version = source or f"group:{group_name}", version
         self.block_manager.reset_prefix_cache()
 
+    def call_off_transfer(self, group_name: str, transfer_id: str) -> bool:
+        """Any thread: calls a group's transfer off unless it already runs, so that the ranks
+        waiting for it (here and on every other member) stop waiting (engine/weight_sync.py
+        Group.decide). True when it was called off."""
+        receiver = self.runner.weight_groups.get(group_name)
+        return receiver is not None and receiver.call_off(transfer_id)
+
     def _check_against_checkpoint(self, names, shapes) -> str | None:
         """Why `names`/`shapes` are not exactly the served checkpoint's tensors, or None."""
         if self._checkpoint_shapes is None:

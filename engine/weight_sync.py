@@ -9,17 +9,20 @@ vLLM's NCCL weight transfer do. The keys live under KEY_PREFIX, so only a pdserv
 pdserve ranks ever meet.
 
 One update, for a list of tensors (names, dtypes, shapes) the engines checked against the
-checkpoint they serve before anything moves, under a transfer id the update request carries:
-each rank says in the store that it is ready for that id, and rank 0 starts nothing before all
-did (a refused update thus leaves no collective waiting, and the group serves the next one);
-then rank 0 broadcasts a header (the list's digest and
-its byte count), every rank says whether it matches (an all-reduce of 1 or 0 with MIN); then the
-tensors in list order, packed into uint8 buckets of at most BUCKET_BYTES (a bigger tensor goes
-alone), which each rank cuts back into tensors; then a last all-reduce says whether every rank
-received every bucket. Only then does any engine load what it received, so the update is all or
-nothing across the deployment (engine_core.LLMEngine.receive_weights). A rank that fails or
-times out fails the collective for the others; a group that failed mid-update is closed on both
-ends and must be opened again.
+checkpoint they serve, under a transfer id the update request carries. Each rank says in the
+store that it is ready for that id and waits for the transfer's decision, which the first party
+to write it settles (Group.decide): rank 0's "go" once every rank is ready, or an "abort" from
+rank 0 giving up or from a worker whose update the router called off because another worker
+refused. No collective starts before "go", so a refused update leaves none waiting (gloo cannot
+cancel one) and the group serves the next update.
+
+Then rank 0 broadcasts a header (the list's digest and byte count) and every rank says whether
+it matches (an all-reduce of 1 or 0 with MIN); then the tensors in list order, packed into uint8
+buckets of at most BUCKET_BYTES (a bigger tensor goes alone), which each rank cuts back into
+tensors; then a last all-reduce says every rank received every bucket. Only then does any engine
+load what it received, so the update is all or nothing across the deployment
+(engine_core.LLMEngine.receive_weights). A rank that fails or times out fails the collective for
+the others; a group that failed mid-transfer is closed on both ends and must be opened again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ BUCKET_BYTES = 64 << 20
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 DEFAULT_TIMEOUT_S = 600.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GO, ABORT = b"go", b"abort"  # a transfer's decision (Group.decide)
 
 
 class WeightSyncError(RuntimeError):
@@ -138,6 +142,23 @@ class Group:
     def set_ready(self, transfer_id: str) -> None:
         self.ctl.set(f"{transfer_id}/{self.pg.rank()}", b"1")
 
+    def decide(self, transfer_id: str, go: bool) -> bool:
+        """Settles whether transfer `transfer_id` runs: the first party to decide wins (the
+        trainer's "go" once every rank is ready; an "abort" from the trainer giving up or from a
+        worker whose update was called off). True when it runs."""
+        want = GO if go else ABORT
+        return self.ctl.compare_set(f"{transfer_id}/decided", b"", want) == GO
+
+    def decision(self, transfer_id: str) -> bytes | None:
+        """GO, ABORT, or None while undecided."""
+        key = f"{transfer_id}/decided"
+        return self.ctl.get(key) if self.ctl.check([key]) else None
+
+    def forget(self, transfer_id: str) -> None:
+        """Drops the transfer's keys (rank 0, once it is over)."""
+        for key in [*self.ready_keys(transfer_id), f"{transfer_id}/decided"]:
+            self.ctl.delete_key(key)
+
     def broadcast(self, tensor: torch.Tensor, root: int):
         return self.pg.broadcast(tensor, root)
 
@@ -194,8 +215,9 @@ class WeightReceiver:
         group agreed on the list and received all of it; raises WeightSyncError otherwise (the
         group is then closed). `transfer_id`: the update's, as the trainer's `send` has it."""
         group = self.wait_joined()
+        group.set_ready(transfer_id)
+        self._await_go(group, transfer_id)
         try:
-            group.set_ready(transfer_id)
             head = _header(group, None)
             expected = (digest(specs), sum(nbytes(s) for s in specs))
             if not _agree(group, (int(head[0]), int(head[1])) == expected):
@@ -226,6 +248,32 @@ class WeightReceiver:
             self.close()
             raise WeightSyncError(f"group {self.name!r}: {e}") from e
 
+    def _await_go(self, group: Group, transfer_id: str) -> None:
+        """Waits for the transfer's decision; raises WeightSyncError (the group stays usable)
+        when it was called off or nobody decided within the group's timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.001
+        while True:
+            decided = group.decision(transfer_id)
+            if decided == GO:
+                return
+            if decided is not None:
+                raise WeightSyncError(f"transfer {transfer_id[:64]!r} was called off")
+            if time.monotonic() > deadline:
+                if group.decide(transfer_id, go=False):  # decided meanwhile: it runs
+                    return
+                raise WeightSyncError(
+                    f"transfer {transfer_id[:64]!r}: the trainer did not start it within "
+                    f"{self.timeout_s:g} s"
+                )
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
+
+    def call_off(self, transfer_id: str) -> bool:
+        """Any thread: calls the transfer off unless it already runs (False then)."""
+        group = self.group
+        return group is not None and not group.decide(transfer_id, go=False)
+
     def close(self) -> None:
         self.group = None
         self.error = WeightSyncError(f"group {self.name!r} was closed after a failure")
@@ -254,22 +302,29 @@ def send(
     keys = group.ready_keys(transfer_id)
     deadline = time.monotonic() + group.timeout_s
     pause = 0.001
-    while not group.ctl.check(keys):
-        if gate is not None:
-            gate()
-        if time.monotonic() > deadline:
-            raise WeightSyncError(
-                f"transfer {transfer_id[:64]!r}: not every rank was ready within "
-                f"{group.timeout_s:g} s (no tensor was sent; the group is still usable)"
-            )
-        time.sleep(pause)
-        pause = min(0.02, pause * 2)
-    for key in keys:
-        group.ctl.delete_key(key)
+    try:
+        while not group.ctl.check(keys):
+            if group.decision(transfer_id) is not None:
+                raise WeightSyncError(f"transfer {transfer_id[:64]!r} was called off by a worker")
+            if gate is not None:
+                gate()
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"transfer {transfer_id[:64]!r}: not every rank was ready within "
+                    f"{group.timeout_s:g} s (no tensor was sent; the group is still usable)"
+                )
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
+    except BaseException:
+        group.decide(transfer_id, go=False)  # the ranks that are ready stop waiting
+        raise
+    if not group.decide(transfer_id, go=True):
+        raise WeightSyncError(f"transfer {transfer_id[:64]!r} was called off by a worker")
     head = torch.tensor([digest(specs), sum(nbytes(s) for s in specs)], dtype=torch.int64)
     wait([group.broadcast(head, 0)])
     flag = torch.tensor([1], dtype=torch.int64)
     wait([group.allreduce([flag], dist.ReduceOp.MIN)])
+    group.forget(transfer_id)  # every rank took part in the all-reduce: each is past the decision
     if not flag.item():
         return False
     works, keep = [], []
@@ -443,9 +498,13 @@ class WeightSender:
                 self.close()
                 self._check(what, thread, result)
                 raise WeightSyncError("the ranks refused the tensor list")
+        except WeightSyncError:
+            # called off: the server's answer says why (a worker refused the update)
+            thread.join(self.timeout_s + 60)
+            if result:
+                self._check(what, thread, result)
+            raise
         except RuntimeError as e:
-            if isinstance(e, WeightSyncError):
-                raise
             self.close()
             raise WeightSyncError(f"{what}: {e}") from e
         return self._check(what, thread, result)

@@ -402,12 +402,7 @@ class RouterWeights:
             pending = [
                 (w, w.stub.UpdateWeightsFromGroup.future(request, timeout=timeout)) for w in workers
             ]
-            failed = []
-            for worker, future in pending:
-                try:
-                    self._confirm(worker, future.result())
-                except grpc.RpcError as e:
-                    failed.append((worker, e))
+            failed = self._gather(pending)
             if not failed:
                 self._record(source, f["weight_version"])
                 log.info(
@@ -447,6 +442,30 @@ class RouterWeights:
         finally:
             self._admin.release()
 
+    def _gather(self, pending: list) -> list:
+        """Waits for every worker's UpdateWeightsFromGroup, confirming those that took it; once one
+        fails, cancels the others, so that workers ready for a transfer that will never start
+        call it off rather than wait out the group's timeout. [(worker, grpc.RpcError)] of those
+        that failed (the cancelled ones included)."""
+        failed, waiting = [], list(pending)
+        while waiting:
+            time.sleep(0.005)
+            for item in [x for x in waiting if x[1].done()]:
+                waiting.remove(item)
+                worker, future = item
+                try:
+                    self._confirm(worker, future.result())
+                except grpc.FutureCancelledError:
+                    failed.append((worker, _CalledOff()))
+                except grpc.RpcError as e:
+                    if not failed and e.code() in _REFUSALS:  # refused before the transfer
+                        for _, other in waiting:
+                            other.cancel()
+                    failed.append((worker, e))
+        # the first refusal says why; a cancelled call only that it was called off
+        failed.sort(key=lambda f: f[1].code() == grpc.StatusCode.CANCELLED)
+        return failed
+
     def destroy_group(self, group_name: str) -> str:
         if not self.enabled:
             raise WeightsError(
@@ -472,6 +491,18 @@ class RouterWeights:
                 log.info("leaving weight group %r: %s", group.name, e.code().name)
 
 
+class _CalledOff:
+    """A worker's update the router cancelled (another worker refused), as an RpcError reads."""
+
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "called off: another worker refused the update"
+
+
+# a worker's answers that mean it refused before any transfer started
+_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 GROUP_SOURCE = "group:"  # weights_path of weights a trainer's group sent: group:<name>#<n>
 
 

@@ -126,8 +126,18 @@ def update_from_group(loop, request, context) -> worker_pb2.UpdateWeightsRespons
             r.group_name, names, dtypes, shapes, r.transfer_id, r.weight_version, r.source
         )
 
-    # the group's own timeout bounds each collective; the whole load gets that once more
-    _load(loop, load, 2 * group + 60, f"group {r.group_name[:64]!r}", context)
+    finished = []
+
+    def on_end():  # the router called it off (another worker refused): no rank waits on
+        if not finished:
+            loop.engine.call_off_transfer(r.group_name, r.transfer_id)
+
+    context.add_callback(on_end)
+    try:
+        # the group's own timeout bounds each collective; the whole load gets that once more
+        _load(loop, load, 2 * group + 60, f"group {r.group_name[:64]!r}", context)
+    finally:
+        finished.append(True)
     return _served(loop.engine)
 
 

@@ -201,6 +201,7 @@ def test_a_trainer_that_sends_another_list_or_leaves_changes_nothing(checkpoints
 
             while not trainer.group.ctl.check(trainer.group.ready_keys("y1")):
                 time.sleep(0.01)
+            assert trainer.group.decide("y1", go=True)
             head = torch.tensor([digest(specs), sum(nbytes(s) for s in specs)])
             trainer.group.broadcast(head, 0).wait()
             flag = torch.tensor([1])
@@ -215,5 +216,34 @@ def test_a_trainer_that_sends_another_list_or_leaves_changes_nothing(checkpoints
         assert llm.engine.weight_version == ""
         assert _answers(llm, prompts) == _hf(a_hf, prompts)
         assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+
+
+def test_a_transfer_nobody_starts_or_called_off_leaves_the_group_usable(checkpoints):
+    """Ranks ready for a transfer the trainer never starts give up after the group's timeout,
+    and one called off (a worker elsewhere refused) at once; neither enters a collective, so the
+    next transfer on the same group runs."""
+    (a_dir, _), (_, b_hf) = checkpoints["A"], checkpoints["B"]
+    prompts = random_prompts([9, 30], seed=8)
+    llm = LLM(a_dir, kv_cache_memory=KV, block_size=16)
+    try:
+        trainer = Trainer(2)
+        ranks = llm.engine.join_weights_group("g", "127.0.0.1", trainer.port, 1, 2, 3.0)
+        assert ranks == 1
+        trainer.opened()
+        names, dtypes, shapes, tensors = _tensors(b_hf)
+        t = time.monotonic()
+        with pytest.raises(WeightSyncError, match="did not start it within 3 s"):
+            llm.engine.receive_weights("g", names, dtypes, shapes, "n1")
+        assert time.monotonic() - t < 3.0 + TIMEOUT_S / 4
+        threading.Timer(0.3, llm.engine.call_off_transfer, args=("g", "n2")).start()
+        with pytest.raises(WeightSyncError, match="called off"):
+            llm.engine.receive_weights("g", names, dtypes, shapes, "n2")
+        sender = trainer.send(tensors, specs_of(names, dtypes, shapes), "n3")
+        llm.engine.receive_weights("g", names, dtypes, shapes, "n3", version="b")
+        sender.join(TIMEOUT_S)
+        assert sender.result == [True]
+        assert _answers(llm, prompts) == _hf(b_hf, prompts)
     finally:
         llm.shutdown()
