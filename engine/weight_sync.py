@@ -28,6 +28,7 @@ the others; a group that failed mid-transfer is closed on both ends and must be 
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import socket
@@ -51,7 +52,12 @@ GO, ABORT = b"go", b"abort"  # a transfer's decision (Group.decide)
 
 
 class WeightSyncError(RuntimeError):
-    """A weight update or group that failed; the group it ran on is closed."""
+    """A weight update or group that failed. `reinit`: the server said the group no longer holds
+    every live worker, and an init makes the next update work."""
+
+    def __init__(self, message: str, reinit: bool = False):
+        super().__init__(message)
+        self.reinit = reinit
 
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, dtype name, shape)
@@ -135,6 +141,12 @@ class Group:
     def __init__(self, pg: dist.ProcessGroupGloo, store: dist.TCPStore, timeout_s: float):
         self.pg, self.store, self.timeout_s = pg, store, timeout_s
         self.ctl = dist.PrefixStore(KEY_PREFIX + "ctl/", store)
+
+    def close(self) -> None:
+        """Lets go of the backend and the store, even while something (an exception's
+        traceback) still holds this object: rank 0's store frees master_port once nothing
+        else holds it."""
+        self.pg = self.store = self.ctl = None
 
     def ready_keys(self, transfer_id: str) -> list[str]:
         return [f"{transfer_id}/{r}" for r in range(1, self.pg.size())]
@@ -347,8 +359,8 @@ class WeightSender:
         sender.update(model.named_parameters(), version="step-40")   # all or nothing
 
     `world_size` defaults to 1 + the deployment's ranks, as the router's /weight_info says.
-    Each call raises WeightSyncError when the server refused or the transfer failed (the group
-    is then closed: init again)."""
+    Each call raises WeightSyncError when the server refused (the group stays usable) or the
+    transfer failed once started (the group is then closed: init again)."""
 
     def __init__(
         self,
@@ -360,11 +372,14 @@ class WeightSender:
         group_name: str = DEFAULT_GROUP,
         world_size: int | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        reinit: bool = True,
     ):
         self.base_url = base_url.rstrip("/")
         self.master_address, self.master_port = master_address, master_port
         self.api_key, self.group_name = api_key, group_name
         self.world_size, self.timeout_s = world_size, timeout_s
+        self._derived_world = world_size is None  # from /weight_info, at each init
+        self.reinit, self.reinits = reinit, 0  # re-init when the server says so; how often
         self.group: Group | None = None
 
     def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -401,7 +416,10 @@ class WeightSender:
         thread.join()
         status, body = result[0]
         if status != 200 or not body.get("success", False):
-            raise WeightSyncError(f"{what}: HTTP {status}: {body.get('message', body)}")
+            raise WeightSyncError(
+                f"{what}: HTTP {status}: {body.get('message', body)}",
+                reinit=bool(body.get("reinit_group")),
+            )
         return body
 
     def _wait(self, works, what: str, thread, result) -> None:
@@ -460,7 +478,9 @@ class WeightSender:
     ) -> dict:
         """Sends every tensor (float32, bfloat16 or float16, on the CPU or any device) and returns
         the server's answer once every worker of both pools serves them. `extra`: more fields of
-        /update_weights_from_distributed (abort_all_requests, keep_pause)."""
+        /update_weights_from_distributed (abort_all_requests, keep_pause). When the server says
+        the group no longer holds every live worker (one restarted or left since the init), the
+        sender inits the group again and sends once more (with `reinit`, the default)."""
         if self.group is None:
             raise WeightSyncError("no group: call init() first (again after a failure)")
         items = [(n, t.detach()) for n, t in named_tensors]
@@ -470,6 +490,20 @@ class WeightSender:
         why = check_weight_tensors(names, dtypes, shapes)
         if why is not None:
             raise WeightSyncError(why)
+        try:
+            return self._update(items, names, dtypes, shapes, version, extra)
+        except WeightSyncError as e:
+            if not (e.reinit and self.reinit):
+                raise
+        self.close()
+        gc.collect()  # the old group's store holds master_port until it is freed
+        if self._derived_world:
+            self.world_size = None  # the deployment's ranks may have changed
+        self.init()
+        self.reinits += 1
+        return self._update(items, names, dtypes, shapes, version, extra)
+
+    def _update(self, items, names, dtypes, shapes, version: str, extra: dict) -> dict:
         specs = specs_of(names, dtypes, shapes)
         transfer_id = uuid.uuid4().hex
         body = {
@@ -519,4 +553,6 @@ class WeightSender:
         return body
 
     def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
         self.group = None

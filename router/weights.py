@@ -56,9 +56,12 @@ CONFIRM_GRACE_S = 3.0
 
 
 class WeightsError(Exception):
-    def __init__(self, status: int, message: str):
+    """`reinit`: the trainer's weight group no longer holds every live worker (one left, one
+    joined since, or a failed transfer closed it): an init makes the next update work."""
+
+    def __init__(self, status: int, message: str, reinit: bool = False):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.reinit = status, message, reinit
 
 
 class RouterWeights:
@@ -382,6 +385,7 @@ class RouterWeights:
                     409,
                     f"worker(s) {', '.join(gone)} of group {group.name!r} left: the group cannot "
                     "complete an update; /init_weights_update_group again",
+                    reinit=True,
                 )
             self._updates_from_groups += 1
             source = f"{GROUP_SOURCE}{group.name}#{self._updates_from_groups}"
@@ -425,8 +429,12 @@ class RouterWeights:
                 if before[id(w)][0].startswith(GROUP_SOURCE)
                 or self._call_one(w, *before[id(w)]) is not None
             ]
+            # a failed transfer closed the group; a worker in no group of that name was restarted
+            reinit = error.code() == grpc.StatusCode.ABORTED or any(
+                "in no weight group" in (e.details() or "") for _, e in failed
+            )
             if error.code() == grpc.StatusCode.ABORTED:
-                self.groups.pop(group.name, None)  # the ranks closed it
+                self.groups.pop(group.name, None)
                 why += "; the group was closed: /init_weights_update_group again"
             if stuck:
                 names = ", ".join(self.pool.name(w) for w in stuck)
@@ -437,7 +445,7 @@ class RouterWeights:
                     "paused until an update succeeds",
                 )
             raise WeightsError(
-                _status(error), f"{why}; every worker serves the weights it did before"
+                _status(error), f"{why}; every worker serves the weights it did before", reinit
             )
         finally:
             self._admin.release()

@@ -48,8 +48,12 @@ _IGNORED = ("recapture_cuda_graph", "token_step")
 _KNOWN = {"model_path", "weight_version", "load_format", *_BOOLS, *_IGNORED}
 
 
-def _outcome(status: int, success: bool, message: str, paused: int = 0) -> JSONResponse:
+def _outcome(
+    status: int, success: bool, message: str, paused: int = 0, reinit: bool = False
+) -> JSONResponse:
     body = {"success": success, "message": message, "num_paused_requests": paused}
+    if reinit:  # a weight group's update: init the group again, then update (WeightSender does)
+        body["reinit_group"] = True
     return JSONResponse(body, status_code=status)
 
 
@@ -125,7 +129,7 @@ async def _apply(pause, mode: str, keep: bool, weights, update, *args) -> JSONRe
             pause.release()
         else:  # the pools serve different weights: this hold stays until an update succeeds
             weights.held_apart = True
-        return _outcome(e.status, False, e.message, aborted)
+        return _outcome(e.status, False, e.message, aborted, e.reinit)
     except BaseException:  # a fault of ours: the hold must not outlive it
         pause.release(keep)
         raise

@@ -6,7 +6,8 @@ after an update every greedy completion is HF's B token for token (the prompt's 
 on the prefill worker, extended by B on the decode worker), the version is reported by the
 router, both workers' Stats and each response; a list that is not the checkpoint's is refused by
 the workers with nothing changed and the group left usable; a worker that left the group refuses
-the next update and the other, ready for it, is called off at once; a wrong world_size, another backend and an update of a group
+the next update and the other, ready for it, is called off at once, and the sender then inits the
+group again and sends once more; a wrong world_size, another backend and an update of a group
 that does not exist are 400s that say what to change; a checkpoint from disk still loads after a
 group's update; a destroyed group takes no update."""
 
@@ -133,23 +134,20 @@ def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, chec
     assert not router.servicer.admission.is_paused
     # one worker left the group (as a restarted one would not be in it): it refuses, the other,
     # ready for the transfer, is called off at once rather than waiting out the group's timeout
-    decode_stub = stubs[0]
-    decode_stub.DestroyWeightsGroup(
-        worker_pb2.DestroyWeightsGroupRequest(group_name="weight_update_group"), timeout=TIMEOUT_S
-    )
+    leave = worker_pb2.DestroyWeightsGroupRequest(group_name="weight_update_group")
+    stubs[0].DestroyWeightsGroup(leave, timeout=TIMEOUT_S)
+    sender.reinit = False
     t = time.monotonic()
-    with pytest.raises(WeightSyncError, match="HTTP 409.*no weight group"):
+    with pytest.raises(WeightSyncError, match="HTTP 409.*no weight group") as e:
         sender.update(b_hf.named_parameters(), version="half")
-    assert time.monotonic() - t < TIMEOUT_S / 2
+    assert e.value.reinit and time.monotonic() - t < TIMEOUT_S / 2
     assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
-    sender.close()
-    sender = _sender(router)
-    sender.init()
-    # A's weights sent in bfloat16 on the new group load
+    # by default the sender inits the group again and sends once more: A's weights, in bfloat16
+    sender.reinit = True
     out = sender.update(((n, p.bfloat16()) for n, p in a_hf.named_parameters()), version="rl-2")
-    assert out["success"] is True, out
+    assert out["success"] is True and sender.reinits == 1, out
     served = _served(stubs)
     assert served[0] == served[1] and served[0][1] == "rl-2", served
     assert served[0][0].startswith("group:weight_update_group#"), served
