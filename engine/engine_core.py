@@ -516,7 +516,8 @@ class LLMEngine:
         the same name is replaced. The fields are the caller's to check (protos/limits.py)."""
         if group_name not in self._weight_groups and len(self._weight_groups) >= MAX_WEIGHT_GROUPS:
             raise WeightUpdateRefused(
-                f"this engine is in {MAX_WEIGHT_GROUPS} weight groups already: destroy one first"
+                f"this engine is in {MAX_WEIGHT_GROUPS} weight groups already: destroy one first",
+                True,
             )
         ranks = self.tp_state.world_size
         if rank_offset < 1 or rank_offset + ranks > world_size:
@@ -595,9 +596,15 @@ class LLMEngine:
         if self._checkpoint_shapes is None:
             from pdserve.engine.loader.safetensors_io import checkpoint_shapes
 
-            self._checkpoint_shapes = checkpoint_shapes(self.weights_dir)
-        want = self._checkpoint_shapes
-        missing = [n for n in want if n not in set(names)]
+            try:
+                self._checkpoint_shapes = checkpoint_shapes(self.weights_dir)
+            except (OSError, ValueError) as e:
+                raise WeightUpdateRefused(
+                    f"the served checkpoint's tensors cannot be listed ({e}): update from disk",
+                    True,
+                ) from None
+        want, given = self._checkpoint_shapes, set(names)
+        missing = [n for n in want if n not in given]
         unknown = [n for n in names if n not in want]
         if missing or unknown:
             parts = []

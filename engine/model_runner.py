@@ -245,10 +245,10 @@ class ModelRunner:
                 name, address, port, rank, world_size, timeout_s
             )
         elif kind == "receive":
-            if old is None:
-                raise WeightSyncError(f"this rank is in no weight group {name!r}")
-            self.weight_groups[name] = old
             try:
+                if old is None:
+                    raise WeightSyncError(f"this rank is in no weight group {name!r}")
+                self.weight_groups[name] = old
                 received = old.receive([(n, d, tuple(s)) for n, d, s in op[2]], op[3])
             except WeightSyncError as e:
                 if is_first_rank():

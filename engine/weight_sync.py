@@ -34,6 +34,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable
@@ -80,18 +81,46 @@ def digest(specs: list[Spec]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def buckets(specs: list[Spec]) -> list[list[int]]:
-    """The specs' indices, in order, grouped into buckets of at most BUCKET_BYTES (a bigger tensor
-    is a bucket of its own); every end computes the same grouping from the same list."""
-    out: list[list[int]] = []
+ALIGN = 8  # each tensor starts at a multiple of this in its bucket, so any dtype can view it
+
+
+def buckets(specs: list[Spec]) -> list[tuple[list[tuple[int, int]], int]]:
+    """The specs in order, grouped into buckets of at most BUCKET_BYTES (a bigger tensor is a
+    bucket of its own): [([(spec index, byte offset), ...], bucket bytes)]; every end computes
+    the same layout from the same list."""
+    out: list[tuple[list[tuple[int, int]], int]] = []
     size = 0
     for i, spec in enumerate(specs):
         n = nbytes(spec)
         if not out or size + n > BUCKET_BYTES:
-            out.append([])
+            if out:
+                out[-1] = (out[-1][0], size)
+            out.append(([], 0))
             size = 0
-        out[-1].append(i)
-        size += n
+        out[-1][0].append((i, size))
+        size += -(-n // ALIGN) * ALIGN
+    if out:
+        out[-1] = (out[-1][0], size)
+    return out
+
+
+def pack(tensors: list[torch.Tensor], specs: list[Spec], parts, size: int) -> torch.Tensor:
+    """One bucket's bytes (`buckets`' parts and size), from the tensors on any device."""
+    if len(parts) == 1 and nbytes(specs[parts[0][0]]) == size:
+        return tensors[parts[0][0]].to("cpu").contiguous().view(-1).view(torch.uint8)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    for i, at in parts:
+        flat = tensors[i].to("cpu").contiguous().view(-1).view(torch.uint8)
+        buf[at : at + flat.numel()].copy_(flat)
+    return buf
+
+
+def unpack(buf: torch.Tensor, specs: list[Spec], parts) -> dict[str, torch.Tensor]:
+    """A bucket's tensors, as views into its bytes."""
+    out = {}
+    for i, at in parts:
+        name, dtype, shape = specs[i]
+        out[name] = buf[at : at + nbytes(specs[i])].view(DTYPES[dtype]).view(shape)
     return out
 
 
@@ -227,8 +256,14 @@ class WeightReceiver:
         group agreed on the list and received all of it; raises WeightSyncError otherwise (the
         group is then closed). `transfer_id`: the update's, as the trainer's `send` has it."""
         group = self.wait_joined()
-        group.set_ready(transfer_id)
-        self._await_go(group, transfer_id)
+        try:
+            group.set_ready(transfer_id)
+            self._await_go(group, transfer_id)
+        except RuntimeError as e:  # the store: its host, the trainer, is gone
+            if isinstance(e, WeightSyncError):
+                raise  # called off or not started: the group is as it was
+            self.close()
+            raise WeightSyncError(f"group {self.name!r}: {e}") from e
         try:
             head = _header(group, None)
             expected = (digest(specs), sum(nbytes(s) for s in specs))
@@ -239,15 +274,10 @@ class WeightReceiver:
                 )
             out: dict[str, torch.Tensor] = {}
             works = []
-            for idx in buckets(specs):
-                buf = torch.empty(sum(nbytes(specs[i]) for i in idx), dtype=torch.uint8)
+            for parts, size in buckets(specs):
+                buf = torch.empty(size, dtype=torch.uint8)
                 works.append(group.broadcast(buf, 0))
-                at = 0
-                for i in idx:
-                    name, dtype, shape = specs[i]
-                    n = nbytes(specs[i])
-                    out[name] = buf[at : at + n].view(DTYPES[dtype]).view(shape)
-                    at += n
+                out.update(unpack(buf, specs, parts))
             for work in works:
                 work.wait()
             if not _agree(group, True):
@@ -340,9 +370,8 @@ def send(
     if not flag.item():
         return False
     works, keep = [], []
-    for idx in buckets(specs):
-        parts = [tensors[i].to("cpu").contiguous().view(-1).view(torch.uint8) for i in idx]
-        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+    for parts, size in buckets(specs):
+        buf = pack(tensors, specs, parts, size)
         keep.append(buf)  # a buffer must live until its broadcast is done
         works.append(group.broadcast(buf, 0))
     wait(works)

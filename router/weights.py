@@ -131,13 +131,7 @@ class RouterWeights:
             why = f"worker {self.pool.name(worker)}: {error.code().name}: {error.details()}"
             log.warning("weight update to %s failed: %s", model_path, why)
             if stuck:
-                names = ", ".join(self.pool.name(w) for w in stuck)
-                raise WeightsError(
-                    500,
-                    f"{why}; the workers that took the update could not load their old weights "
-                    f"again ({names}): the pools serve different weights, and the router stays "
-                    "paused until an update succeeds",
-                )
+                raise self._apart(why, stuck)
             status = 409 if error.code() == grpc.StatusCode.FAILED_PRECONDITION else 400
             if error.code() not in (
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -147,6 +141,16 @@ class RouterWeights:
             raise WeightsError(status, f"{why}; every worker serves the weights it did before")
         finally:
             self._admin.release()
+
+    def _apart(self, why: str, stuck: list) -> WeightsError:
+        """The 500 of an update whose workers that took it could not load their old weights."""
+        names = ", ".join(self.pool.name(w) for w in stuck)
+        return WeightsError(
+            500,
+            f"{why}; the workers that took the update could not load their old weights "
+            f"again ({names}): the pools serve different weights, and the router stays "
+            "paused until an update succeeds",
+        )
 
     def _record(self, model_path: str, weight_version: str) -> None:
         with self._lock:
@@ -437,13 +441,7 @@ class RouterWeights:
                 self.groups.pop(group.name, None)
                 why += "; the group was closed: /init_weights_update_group again"
             if stuck:
-                names = ", ".join(self.pool.name(w) for w in stuck)
-                raise WeightsError(
-                    500,
-                    f"{why}; the workers that took the update could not load their old weights "
-                    f"again ({names}): the pools serve different weights, and the router stays "
-                    "paused until an update succeeds",
-                )
+                raise self._apart(why, stuck)
             raise WeightsError(
                 _status(error), f"{why}; every worker serves the weights it did before", reinit
             )

@@ -25,6 +25,7 @@ import grpc
 from pdserve.engine.errors import WeightUpdateRefused
 from pdserve.engine.weight_sync import WeightSyncError
 from pdserve.protos.limits import (
+    MAX_WEIGHT_GROUP_CHARS,
     WEIGHT_UPDATE_TIMEOUT_S as UPDATE_TIMEOUT_S,
     check_transfer_id,
     check_weight_tensors,
@@ -97,8 +98,12 @@ def init_group(loop, request, context) -> worker_pb2.InitWeightsGroupResponse:
     try:
         ranks = loop.call(join, loop.engine, timeout=UPDATE_TIMEOUT_S)
     except WeightUpdateRefused as e:
-        code = grpc.StatusCode.FAILED_PRECONDITION if "groups already" in str(e) else None
-        context.abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        code = (
+            grpc.StatusCode.FAILED_PRECONDITION
+            if e.precondition
+            else grpc.StatusCode.INVALID_ARGUMENT
+        )
+        context.abort(code, str(e))
     except concurrent.futures.TimeoutError:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not take the group")
     return worker_pb2.InitWeightsGroupResponse(ranks=ranks)
@@ -119,7 +124,7 @@ def update_from_group(loop, request, context) -> worker_pb2.UpdateWeightsRespons
     why = why or check_weight_update(r.source or "group", r.weight_version)
     if why is not None:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-    group = loop.engine.weight_group_timeout(r.group_name)
+    group_timeout = loop.engine.weight_group_timeout(r.group_name)
 
     def load(engine):
         engine.receive_weights(
@@ -135,20 +140,26 @@ def update_from_group(loop, request, context) -> worker_pb2.UpdateWeightsRespons
     context.add_callback(on_end)
     try:
         # the group's own timeout bounds each collective; the whole load gets that once more
-        _load(loop, load, 2 * group + 60, f"group {r.group_name[:64]!r}", context)
+        _load(loop, load, 2 * group_timeout + 60, f"group {r.group_name[:64]!r}", context)
     finally:
         finished.append(True)
     return _served(loop.engine)
 
 
 def destroy_group(loop, request, context) -> worker_pb2.DestroyWeightsGroupResponse:
-    if len(request.group_name) > 256:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group_name is at most 64 characters")
-    found = loop.call(
-        lambda engine: engine.leave_weights_group(request.group_name),
-        loop.engine,
-        timeout=UPDATE_TIMEOUT_S,
-    )
+    if len(request.group_name) > MAX_WEIGHT_GROUP_CHARS:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"group_name is at most {MAX_WEIGHT_GROUP_CHARS} characters",
+        )
+    try:
+        found = loop.call(
+            lambda engine: engine.leave_weights_group(request.group_name),
+            loop.engine,
+            timeout=UPDATE_TIMEOUT_S,
+        )
+    except concurrent.futures.TimeoutError:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not leave the group")
     return worker_pb2.DestroyWeightsGroupResponse(found=found)
 
 

@@ -6,7 +6,11 @@ it call them), on router/weights.py:
                                      -> {"success": true, "message": "...",
                                          "num_paused_requests": 0}
     GET  /get_weight_version         {"weight_version": "40"} (null before the first update)
-    GET  /weight_info                the same, vLLM's name
+    GET  /weight_info                the same, vLLM's name, with "ranks" and "groups"
+    POST /init_weights_update_group, /update_weights_from_distributed,
+         /destroy_weights_update_group   a trainer's weight group (router/weights.py,
+                                     engine/weight_sync.py): its tensors sent straight to every
+                                     rank; an update pauses as a disk update does
 
 An update holds every new request at the router (router/pause.py `hold`), lets the running ones
 finish (or, with abort_all_requests, ends them: finish_reason "abort"), waits until none runs (at
@@ -215,24 +219,33 @@ def _enabled(front):
     return weights
 
 
-@router.post("/init_weights_update_group")
-async def init_weights_update_group(request: Request):
+async def _group_call(request: Request, known: set, run) -> JSONResponse:
+    """A weight group's init or destroy: authorized, enabled, its body read, then `run(body)`'s
+    message on a thread (it calls every worker); SGLang's outcome shape either way."""
     front = state_of(request)
     front.authorize(request)
     weights = _enabled(front)
     try:
-        body = await _fields(request, _GROUP_KNOWN)
-        backend = _str(body, "backend", "gloo")
-        if backend != "gloo":
-            raise WeightsError(
-                400,
-                f"backend {backend[:20]!r}: pdserve's weight groups run on gloo (NCCL is not "
-                "built yet); open the trainer's end with pdserve.engine.weight_sync",
-            )
-        timeout_s = body.get("timeout_s", DEFAULT_GROUP_TIMEOUT_S)
-        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
-            raise WeightsError(400, "timeout_s must be a number of seconds")
-        fields = {
+        body = await _fields(request, known)
+        message = await asyncio.to_thread(run, weights, body)
+    except WeightsError as e:
+        return _outcome(e.status, False, e.message)
+    return _outcome(200, True, message)
+
+
+def _init(weights, body: dict) -> str:
+    backend = _str(body, "backend", "gloo")
+    if backend != "gloo":
+        raise WeightsError(
+            400,
+            f"backend {backend[:20]!r}: pdserve's weight groups run on gloo (NCCL is not "
+            "built yet); open the trainer's end with pdserve.engine.weight_sync",
+        )
+    timeout_s = body.get("timeout_s", DEFAULT_GROUP_TIMEOUT_S)
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+        raise WeightsError(400, "timeout_s must be a number of seconds")
+    return weights.init_group(
+        {
             "group_name": body["group_name"],
             "master_address": _str(body, "master_address"),
             "master_port": _int(body, "master_port"),
@@ -240,10 +253,12 @@ async def init_weights_update_group(request: Request):
             "world_size": _int(body, "world_size"),
             "timeout_s": float(timeout_s),
         }
-        message = await asyncio.to_thread(weights.init_group, fields)
-    except WeightsError as e:
-        return _outcome(e.status, False, e.message)
-    return _outcome(200, True, message)
+    )
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request):
+    return await _group_call(request, _GROUP_KNOWN, _init)
 
 
 @router.post("/update_weights_from_distributed")
@@ -287,12 +302,6 @@ async def update_weights_from_distributed(request: Request):
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request):
-    front = state_of(request)
-    front.authorize(request)
-    weights = _enabled(front)
-    try:
-        body = await _fields(request, {"group_name"})
-        message = await asyncio.to_thread(weights.destroy_group, body["group_name"])
-    except WeightsError as e:
-        return _outcome(e.status, False, e.message)
-    return _outcome(200, True, message)
+    return await _group_call(
+        request, {"group_name"}, lambda weights, body: weights.destroy_group(body["group_name"])
+    )

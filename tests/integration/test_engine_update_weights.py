@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from helpers.engine import KV, greedy
-from helpers.models import hf_greedy, make_tiny_model, random_prompts
+from helpers.models import hf_greedy, random_prompts
 from helpers.threads import assert_no_leaks
+from helpers.weights import OTHER_SHAPES, SAME_SHAPES, tiny_checkpoints
 from pdserve.engine import LLM
 from pdserve.engine.errors import WeightUpdateRefused
 
@@ -22,11 +23,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{name: (model_dir, HF model)}: A and B share every shape, C has one layer more."""
-    out = {}
-    for name, seed, extra in (("A", 0, {}), ("B", 1, {}), ("C", 2, {"num_hidden_layers": 3})):
-        path = tmp_path_factory.mktemp(f"weights-{name}")
-        out[name] = (str(path), make_tiny_model(path, "qwen2-bias", seed=seed, **extra))
-    return out
+    return tiny_checkpoints(tmp_path_factory, "weights", (*SAME_SHAPES, OTHER_SHAPES))
 
 
 def _answers(llm, prompts) -> list[list[int]]:

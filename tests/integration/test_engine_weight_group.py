@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from helpers.engine import KV, greedy
-from helpers.models import hf_greedy, make_tiny_model, random_prompts
+from helpers.models import hf_greedy, random_prompts
 from helpers.ports import free_ports
 from helpers.threads import assert_no_leaks
+from helpers.weights import tiny_checkpoints
 from pdserve.engine import LLM
 from pdserve.engine.errors import WeightUpdateRefused
 from pdserve.engine.weight_sync import WeightSyncError, open_group, send, specs_of
@@ -30,11 +31,7 @@ TIMEOUT_S = 60.0
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{name: (model_dir, HF model)}: A and B share every shape."""
-    out = {}
-    for name, seed in (("A", 0), ("B", 1)):
-        path = tmp_path_factory.mktemp(f"group-weights-{name}")
-        out[name] = (str(path), make_tiny_model(path, "qwen2-bias", seed=seed))
-    return out
+    return tiny_checkpoints(tmp_path_factory, "group-weights")
 
 
 def _answers(llm, prompts) -> list[list[int]]:

@@ -16,51 +16,28 @@ from __future__ import annotations
 import json
 import time
 
-import grpc
 import pytest
 
 from helpers.http import MODEL, post, request
-from helpers.models import hf_greedy, make_tiny_model
+from helpers.models import hf_greedy
 from helpers.ports import free_ports
-from helpers.worker import start_decode, start_prefill, start_router, stop_all
+from helpers.weights import tiny_checkpoints, weights_cluster
 from pdserve.engine.weight_sync import WeightSender, WeightSyncError
-from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2
 
 TIMEOUT_S = 60.0  # bounds on a loaded machine, never speed claims
 PROMPT = [5, 9, 17, 33, 2, 8, 13, 21, 34, 55, 89, 144, 7, 3]
-ENGINE = dict(max_model_len=512, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name, seed in (("A", 0), ("B", 1)):
-        path = tmp_path_factory.mktemp(f"group-ckpt-{name}")
-        out[name] = (str(path), make_tiny_model(path, "qwen2-bias", seed=seed))
-    return out
+    return tiny_checkpoints(tmp_path_factory, "group-ckpt")
 
 
 @pytest.fixture(scope="module")
 def cluster(checkpoints, one_thread):
-    a_dir = checkpoints["A"][0]
-    decode = start_decode(a_dir, engine=ENGINE, lease_ms=5000)
-    prefill = start_prefill(a_dir, engine=ENGINE)
-    router = start_router(
-        a_dir,
-        decode,
-        prefill,
-        model_id=MODEL,
-        max_model_len=512,
-        http_port=0,
-        weight_updates=True,
-    )
-    channels = [grpc.insecure_channel(w.address) for w in (decode, prefill)]
-    stubs = (
-        worker_pb2_grpc.DecodeWorkerStub(channels[0]),
-        worker_pb2_grpc.PrefillWorkerStub(channels[1]),
-    )
-    yield router, stubs
-    stop_all(channels, router, prefill, decode)
+    with weights_cluster(checkpoints["A"][0]) as out:
+        yield out
 
 
 def _completion(router, max_tokens: int = 10) -> dict:
