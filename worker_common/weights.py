@@ -61,12 +61,7 @@ def _load(loop, load, timeout_s: float, what: str, context) -> None:
     try:
         loop.call(run, loop.engine, timeout=timeout_s)
     except WeightUpdateRefused as e:
-        code = (
-            grpc.StatusCode.FAILED_PRECONDITION
-            if e.precondition
-            else grpc.StatusCode.INVALID_ARGUMENT
-        )
-        context.abort(code, str(e))
+        _refuse(context, e)
     except WeightSyncError as e:
         context.abort(grpc.StatusCode.ABORTED, f"the transfer failed, nothing was loaded: {e}")
     except concurrent.futures.TimeoutError:
@@ -74,6 +69,15 @@ def _load(loop, load, timeout_s: float, what: str, context) -> None:
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the engine did not finish loading {what} within {timeout_s:g} s",
         )
+
+
+def _refuse(context, e: WeightUpdateRefused) -> None:
+    """Aborts the call with the status of the engine's refusal: FAILED_PRECONDITION for a state
+    that cannot take weights now, INVALID_ARGUMENT for a request that is wrong."""
+    code = (
+        grpc.StatusCode.FAILED_PRECONDITION if e.precondition else grpc.StatusCode.INVALID_ARGUMENT
+    )
+    context.abort(code, str(e))
 
 
 def _served(engine) -> worker_pb2.UpdateWeightsResponse:
@@ -98,12 +102,7 @@ def init_group(loop, request, context) -> worker_pb2.InitWeightsGroupResponse:
     try:
         ranks = loop.call(join, loop.engine, timeout=UPDATE_TIMEOUT_S)
     except WeightUpdateRefused as e:
-        code = (
-            grpc.StatusCode.FAILED_PRECONDITION
-            if e.precondition
-            else grpc.StatusCode.INVALID_ARGUMENT
-        )
-        context.abort(code, str(e))
+        _refuse(context, e)
     except concurrent.futures.TimeoutError:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the engine did not take the group")
     return worker_pb2.InitWeightsGroupResponse(ranks=ranks)
