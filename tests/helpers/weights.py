@@ -1,20 +1,24 @@
 """Pieces shared by the weight-update tests (a trainer's sync from disk or over a weight group:
 tests/integration/test_engine_update_weights.py, test_engine_weight_group.py,
 test_http_update_weights.py, test_http_weight_group.py): tiny random checkpoints of one family,
-and a router with weight updates on in front of one prefill and one decode worker."""
+a router with weight updates on in front of one prefill and one decode worker, a greedy
+completion through it, and what its workers say they serve."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 
 import grpc
 
-from helpers.http import MODEL
+from helpers.http import MODEL, post
 from helpers.models import make_tiny_model
 from helpers.worker import start_decode, start_prefill, start_router, stop_all
-from pdserve.protos.pdserve.v1 import worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 ENGINE = dict(max_model_len=512, dtype="float32")
+PROMPT = [5, 9, 17, 33, 2, 8, 13, 21, 34, 55, 89, 144, 7, 3]
+TIMEOUT_S = 60.0  # bounds on a loaded machine, never speed claims
 SAME_SHAPES = (("A", 0, {}), ("B", 1, {}))  # two checkpoints of every shape alike
 OTHER_SHAPES = ("C", 2, {"num_hidden_layers": 3})  # and one with a layer more
 
@@ -53,3 +57,27 @@ def weights_cluster(model_dir: str, **router_options):
         yield router, stubs
     finally:
         stop_all(channels, router, prefill, decode)
+
+
+def completion(router, max_tokens: int = 10) -> dict:
+    """A greedy completion of PROMPT through the router's HTTP front (its whole JSON answer)."""
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    status, _, raw = post(router, "/v1/completions", body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def served(stubs) -> list[tuple[str, str]]:
+    """(weights_path, weight_version) each worker's Stats say it serves."""
+    out = []
+    for stub in stubs:
+        s = stub.Stats(worker_pb2.StatsRequest(), timeout=TIMEOUT_S)
+        out.append((s.weights_path, s.weight_version))
+    return out

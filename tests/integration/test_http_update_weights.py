@@ -19,12 +19,19 @@ import pytest
 from helpers.http import MODEL, assert_error, post, request, split
 from helpers.models import hf_greedy
 from helpers.threads import wait_until
-from helpers.weights import OTHER_SHAPES, SAME_SHAPES, tiny_checkpoints, weights_cluster
+from helpers.weights import (
+    OTHER_SHAPES,
+    PROMPT,
+    SAME_SHAPES,
+    completion,
+    served,
+    tiny_checkpoints,
+    weights_cluster,
+)
 from helpers.worker import start_router
 from pdserve.protos.pdserve.v1 import worker_pb2
 
 TIMEOUT_S = 60.0  # bounds on a loaded machine, never speed claims
-PROMPT = [5, 9, 17, 33, 2, 8, 13, 21, 34, 55, 89, 144, 7, 3]
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +46,7 @@ def cluster(checkpoints, one_thread):
 
 
 def _greedy(router, max_tokens: int = 10) -> list[int]:
-    body = {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    status, _, raw = post(router, "/v1/completions", body)
-    assert status == 200, raw
-    return json.loads(raw)["choices"][0]["token_ids"]
+    return completion(router, max_tokens)["choices"][0]["token_ids"]
 
 
 def _ran_on(router) -> str | None:
@@ -62,14 +59,6 @@ def _ran_on(router) -> str | None:
 def _update(router, **body) -> tuple[int, dict]:
     status, _, raw = post(router, "/update_weights_from_disk", body)
     return status, json.loads(raw)
-
-
-def _served(stubs) -> list[tuple[str, str]]:
-    out = []
-    for stub in stubs:
-        s = stub.Stats(worker_pb2.StatsRequest(), timeout=TIMEOUT_S)
-        out.append((s.weights_path, s.weight_version))
-    return out
 
 
 def _version(router):
@@ -86,7 +75,7 @@ def test_an_update_serves_the_new_checkpoint_on_both_pools(cluster, checkpoints)
     status, out = _update(router, model_path=b_dir, weight_version="step-1")
     assert status == 200 and out["success"] is True, out
     assert out["num_paused_requests"] == 0 and "2 worker(s)" in out["message"], out
-    assert _served(stubs) == [(b_dir, "step-1")] * 2
+    assert served(stubs) == [(b_dir, "step-1")] * 2
     assert _version(router) == "step-1"
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
@@ -95,7 +84,7 @@ def test_an_update_serves_the_new_checkpoint_on_both_pools(cluster, checkpoints)
     status, out = _update(router, model_path=checkpoints["C"][0], weight_version="bad")
     assert status == 400 and out["success"] is False, out
     assert "num_layers" in out["message"] and "serves the weights it did before" in out["message"]
-    assert _served(stubs) == [(b_dir, "step-1")] * 2 and _version(router) == "step-1"
+    assert served(stubs) == [(b_dir, "step-1")] * 2 and _version(router) == "step-1"
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
     # back to A for the next tests
@@ -171,7 +160,7 @@ def test_a_worker_serving_other_weights_is_skipped_then_caught_up(
     monkeypatch.undo()
     caught = weights.catch_ups
     wait_until(lambda: weights.catch_ups > caught, TIMEOUT_S, "the prefill worker caught up")
-    assert _served((decode, prefill)) == [(b_dir, "cu")] * 2
+    assert served((decode, prefill)) == [(b_dir, "cu")] * 2
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
 
 
@@ -194,7 +183,7 @@ def test_a_client_that_leaves_before_the_answer_leaves_no_pause_behind(cluster, 
         TIMEOUT_S,
         "the update done and the router serving",
     )
-    assert _served(stubs) == [(checkpoints["B"][0], "left")] * 2
+    assert served(stubs) == [(checkpoints["B"][0], "left")] * 2
 
 
 @pytest.mark.parametrize(
@@ -218,10 +207,10 @@ def test_bad_bodies_are_400_in_sglangs_shape(cluster, body, words):
 
 def test_a_missing_checkpoint_is_refused_by_the_workers(cluster, tmp_path):
     router, stubs = cluster
-    before = _served(stubs)
+    before = served(stubs)
     status, out = _update(router, model_path=str(tmp_path / "nowhere"))
     assert status == 400 and "not a checkpoint directory" in out["message"], out
-    assert _served(stubs) == before
+    assert served(stubs) == before
 
 
 def test_off_unless_the_deployment_turns_it_on(checkpoints, cluster):

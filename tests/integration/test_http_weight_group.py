@@ -18,15 +18,14 @@ import time
 
 import pytest
 
-from helpers.http import MODEL, post, request
+from helpers.http import post, request
 from helpers.models import hf_greedy
 from helpers.ports import free_ports
-from helpers.weights import tiny_checkpoints, weights_cluster
+from helpers.weights import PROMPT, completion, served, tiny_checkpoints, weights_cluster
 from pdserve.engine.weight_sync import WeightSender, WeightSyncError
 from pdserve.protos.pdserve.v1 import worker_pb2
 
 TIMEOUT_S = 60.0  # bounds on a loaded machine, never speed claims
-PROMPT = [5, 9, 17, 33, 2, 8, 13, 21, 34, 55, 89, 144, 7, 3]
 
 
 @pytest.fixture(scope="module")
@@ -40,30 +39,8 @@ def cluster(checkpoints, one_thread):
         yield out
 
 
-def _completion(router, max_tokens: int = 10) -> dict:
-    body = {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    status, _, raw = post(router, "/v1/completions", body)
-    assert status == 200, raw
-    return json.loads(raw)
-
-
 def _greedy(router) -> list[int]:
-    return _completion(router)["choices"][0]["token_ids"]
-
-
-def _served(stubs) -> list[tuple[str, str]]:
-    out = []
-    for stub in stubs:
-        s = stub.Stats(worker_pb2.StatsRequest(), timeout=TIMEOUT_S)
-        out.append((s.weights_path, s.weight_version))
-    return out
+    return completion(router)["choices"][0]["token_ids"]
 
 
 def _info(router) -> dict:
@@ -92,9 +69,9 @@ def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, chec
     assert sender.world_size == 3 and _info(router)["groups"] == ["weight_update_group"]
     out = sender.update(b_hf.named_parameters(), version="rl-1")
     assert out["success"] is True and "2 worker(s)" in out["message"], out
-    assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
+    assert served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
     assert _info(router)["weight_version"] == "rl-1"
-    done = _completion(router)
+    done = completion(router)
     assert done["choices"][0]["token_ids"] == hf_greedy(b_hf, PROMPT, 10)
     assert done["pdserve"]["weight_version"] == "rl-1"
     assert not router.servicer.admission.is_paused
@@ -106,7 +83,7 @@ def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, chec
     # no tensor moved and no collective was left waiting: the trainer was told at once (not
     # after the group's timeout) and its group still serves the next update
     assert time.monotonic() - t < TIMEOUT_S / 2 and sender.group is not None
-    assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
+    assert served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
     # one worker left the group (as a restarted one would not be in it): it refuses, the other,
@@ -118,16 +95,16 @@ def test_a_trainer_s_group_update_serves_its_weights_on_both_pools(cluster, chec
     with pytest.raises(WeightSyncError, match="HTTP 409.*no weight group") as e:
         sender.update(b_hf.named_parameters(), version="half")
     assert e.value.reinit and time.monotonic() - t < TIMEOUT_S / 2
-    assert _served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
+    assert served(stubs) == [("group:weight_update_group#1", "rl-1")] * 2
     assert _greedy(router) == hf_greedy(b_hf, PROMPT, 10)
     assert not router.servicer.admission.is_paused
     # by default the sender inits the group again and sends once more: A's weights, in bfloat16
     sender.reinit = True
     out = sender.update(((n, p.bfloat16()) for n, p in a_hf.named_parameters()), version="rl-2")
     assert out["success"] is True and sender.reinits == 1, out
-    served = _served(stubs)
-    assert served[0] == served[1] and served[0][1] == "rl-2", served
-    assert served[0][0].startswith("group:weight_update_group#"), served
+    now = served(stubs)
+    assert now[0] == now[1] and now[0][1] == "rl-2", now
+    assert now[0][0].startswith("group:weight_update_group#"), now
     # weights from disk still load after a group's, and a new group's update after that
     status, out = _post(router, "/update_weights_from_disk", model_path=a_dir, weight_version="d")
     assert status == 200 and out["success"], out
