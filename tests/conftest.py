@@ -30,6 +30,9 @@ from helpers.models import (
     random_prompts,
 )
 
+# speculation's every path on tiny models (tests/helpers/spec.py), for the unit and gpu tests
+from helpers.spec import always_speculate, bad_guesses  # noqa: F401
+
 os.environ.setdefault("PDSERVE_NO_PROGRESS", "1")
 
 
@@ -43,8 +46,10 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
-    """Tests marked `gpu` (tests/gpu) need CUDA: skipped where torch sees no GPU."""
-    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+    """Tests marked `gpu` (tests/gpu) need CUDA: skipped where torch sees no GPU, unless
+    PDSERVE_GPU_TEST_DEVICE=cpu asks for a dry run of the ones that honour it (helpers/gpu.py)."""
+    dry_run = os.environ.get("PDSERVE_GPU_TEST_DEVICE") == "cpu"
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available() and not dry_run:
         pytest.skip(
             "needs CUDA (a `gpu` test): run on a GPU machine with `pytest -m gpu tests/gpu`"
         )

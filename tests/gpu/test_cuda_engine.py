@@ -5,12 +5,11 @@ machine: `bash scripts/test.sh -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from helpers.engine import greedy
+from helpers.gpu import divergence_gap, hf_greedy, hf_on
 from helpers.models import random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM
@@ -23,25 +22,6 @@ NEAR_TIE = 0.05  # HF's logit gap under which two greedy choices of a bf16 model
 CUDA = dict(device="cuda", kv_cache_memory=1 << 24, max_model_len=512)
 
 
-def hf_on_cuda(hf, dtype: torch.dtype):
-    """A copy of the session's HF model on the GPU in `dtype`. A copy: `.to()` converts in place,
-    and a model once rounded to bf16 and back is no longer the checkpoint the engine loads."""
-    return copy.deepcopy(hf).to(device="cuda", dtype=dtype).eval()
-
-
-def hf_greedy_cuda(hf, prompt: list[int], n: int):
-    """HF's greedy continuation on the GPU (its own KV cache) and its logits at each step."""
-    ids, past, out, logits = torch.tensor([prompt], device="cuda"), None, [], []
-    with torch.inference_mode():
-        for _ in range(n):
-            step = hf(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            logits.append(step.logits[0, -1].float())
-            out.append(int(logits[-1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[out[-1]]], device="cuda")], dim=1)
-    return out, logits
-
-
 def prompts():
     return random_prompts([3, 17, 40, 64, 1, 100, 9], seed=5)
 
@@ -49,12 +29,12 @@ def prompts():
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_matches_hf_on_the_gpu(tiny_models, kind):
     model_dir, hf = tiny_models(kind)
-    hf = hf_on_cuda(hf, torch.float32)
+    hf = hf_on(hf, torch.float32)
     llm = LLM(model_dir, dtype="float32", block_size=16, **CUDA)
     assert llm.engine.runner.graphs is not None
     ps = prompts()
     outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_cuda(hf, p, NEW)[0] for p in ps]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, NEW)[0] for p in ps]
     assert llm.engine.runner.graphs.recorded  # the decodes were replayed from graphs
     assert_no_leaks(llm.engine)
 
@@ -62,11 +42,11 @@ def test_float32_matches_hf_on_the_gpu(tiny_models, kind):
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
 def test_bfloat16_matches_hf_up_to_near_ties(tiny_models, kind):
     model_dir, hf = tiny_models(kind)
-    hf = hf_on_cuda(hf, torch.bfloat16)
+    hf = hf_on(hf, torch.bfloat16)
     llm = LLM(model_dir, dtype="bfloat16", **CUDA)
     ps = prompts()
     outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
-    gaps = [first_divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
+    gaps = [divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
     assert all(g is None or g <= NEAR_TIE for g in gaps), gaps
     exact = gaps.count(None)
     assert exact >= len(ps) - 2
@@ -90,28 +70,18 @@ def test_graphs_match_eager_decode(tiny_models):
     assert runs[True] == runs[False]
 
 
-def first_divergence_gap(hf, prompt, mine: list[int]) -> float | None:
-    """None where `mine` is HF's greedy continuation, else HF's logit gap between its choice
-    and ours at the first token where they part."""
-    ref, logits = hf_greedy_cuda(hf, prompt, len(mine))
-    if mine == ref:
-        return None
-    d = next(i for i, (a, b) in enumerate(zip(mine, ref)) if a != b)
-    return float(logits[d][ref[d]] - logits[d][mine[d]])
-
-
 def test_tp2_on_one_gpu_over_gloo(tiny_models, monkeypatch):
     """TP=2 over gloo on one GPU (the TP code on CUDA tensors) against HF, token for token."""
     monkeypatch.setenv("PDSERVE_TP_BACKEND", "gloo")
     model_dir, hf = tiny_models("llama-gqa")
-    hf = hf_on_cuda(hf, torch.float32)
+    hf = hf_on(hf, torch.float32)
     ps = prompts()[:4]
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2, **CUDA)
     try:
         outs = llm.generate(ps, greedy(NEW), use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    gaps = [first_divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
+    gaps = [divergence_gap(hf, p, o.outputs[0].token_ids) for p, o in zip(ps, outs)]
     assert gaps == [None] * len(ps), gaps
 
 

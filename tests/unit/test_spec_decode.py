@@ -10,8 +10,6 @@ statistically in tests/integration/test_spec_distribution.py.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from helpers.engine import KV, greedy, needs_x86_int8
@@ -31,25 +29,6 @@ DRAFT_INT8 = {
     "quantization": "int8",
     "num_speculative_tokens": 3,
 }
-
-
-@pytest.fixture
-def always_speculate(monkeypatch):
-    """The gate offers every guess it can (the cost model is tested on its own below)."""
-    monkeypatch.setattr(
-        SpecGate, "choose", lambda self, base, offers, uses_draft: [o.limit for o in offers]
-    )
-
-
-@pytest.fixture
-def bad_guesses(monkeypatch):
-    """Prompt lookup guesses at random, mostly wrongly: rejection and rollback every step."""
-    rng = random.Random(0)
-
-    def propose(self, k, n_min, n_max):
-        return [rng.randrange(256) for _ in range(k)]
-
-    monkeypatch.setattr(spec_ngram.History, "propose", propose)
 
 
 def _run(model_dir, prompts, params, spec=None, **kw):

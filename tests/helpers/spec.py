@@ -1,0 +1,32 @@
+"""Fixtures that make speculative decoding run its every path on tiny random models, which rarely
+repeat themselves: `always_speculate` has the gate offer every guess it can, `bad_guesses` makes
+prompt lookup guess at random, so rejection, KV rollback and generator rewinds run each step.
+Test modules import them by name (`from helpers.spec import always_speculate, bad_guesses`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine.spec import ngram as spec_ngram
+from pdserve.engine.spec.gate import SpecGate
+
+
+@pytest.fixture
+def always_speculate(monkeypatch):
+    """The gate offers every guess it can (the cost model is tested on its own)."""
+    monkeypatch.setattr(
+        SpecGate, "choose", lambda self, base, offers, uses_draft: [o.limit for o in offers]
+    )
+
+
+@pytest.fixture
+def bad_guesses(monkeypatch):
+    """Prompt lookup guesses at random, mostly wrongly: rejection and rollback every step."""
+    rng = random.Random(0)
+
+    def propose(self, k, n_min, n_max):
+        return [rng.randrange(256) for _ in range(k)]
+
+    monkeypatch.setattr(spec_ngram.History, "propose", propose)
