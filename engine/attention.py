@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.forward_context import get_forward_context
-from pdserve.engine.kernels import cpu_fused, cpu_paged_decode, cpu_paged_decode_ex
+from pdserve.engine.kernels import (
+    cpu_fused,
+    cpu_paged_decode,
+    cpu_paged_decode_ex,
+    paged_decode_triton as paged_triton,
+)
 
 
 def decode_kernel(
@@ -112,6 +117,19 @@ class PagedAttention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q, cache, meta):
+        if paged_triton.applies(q):
+            try:
+                return paged_triton.paged_decode(
+                    q,
+                    cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                    self.window,
+                    self.softcap,
+                )
+            except Exception as err:  # a compiler or launch failure: the torch path from now
+                paged_triton.switch_off(err)
         if meta.decode_mask is None:
             with torch.profiler.record_function("pdserve::paged_decode"):
                 if self.window is None and self.softcap is None:
