@@ -174,7 +174,7 @@ class DecodeGraphs:
             ids = self._launch(key)[1]
             out[j].copy_(ids[:b])
             self.input_ids[:b].copy_(ids[:b])  # the next step's input, without the host
-        return self._to_host(out[:, :n]).tolist()
+        return self._to_host(out[:, :n].contiguous()).tolist()
 
     def _to_host(self, ids: torch.Tensor) -> torch.Tensor:
         """ids on the host: on CUDA through pinned memory, copied without blocking, then one
