@@ -235,6 +235,9 @@ class EngineConfig:
     # record decode-only steps as CUDA graphs (engine/cuda_graphs.py); used on CUDA with one TP
     # rank, ignored elsewhere
     cuda_graphs: bool = True
+    # with decode graphs, up to this many all-greedy decode steps run back to back on the device
+    # (engine/cuda_graphs.py run_burst); 1: every step waits for the host
+    decode_burst: int = 8
     # "auto": read the checkpoint's weights; "dummy": small random weights of the checkpoint's
     # shape (config.json alone is enough), for timing a model without its weights
     load_format: str = "auto"
@@ -371,6 +374,11 @@ class EngineConfig:
         """cuda_graphs, enable_lora, max_loras, max_lora_rank and lora_modules (normalized to
         (name, path) pairs)."""
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs", "True or False")
+        check(
+            _is_int(self.decode_burst) and 1 <= self.decode_burst <= 64,
+            "decode_burst",
+            "an integer in [1, 64]",
+        )
         check(isinstance(self.enable_lora, bool), "enable_lora", "True or False")
         check(_is_int(self.max_loras) and self.max_loras >= 1, "max_loras", "an integer >= 1")
         check(

@@ -3,7 +3,12 @@
 A decode step of a small model on a GPU is bound by kernel launches, not by the GPU: SmolLM2's
 30 layers issue several hundred small kernels per token, each a few microseconds of Python and
 driver time. `DecodeGraphs` records the whole forward (embedding, layers, final norm, LM head)
-once per shape and replays it, as vLLM and SGLang do for decode.
+once per shape and replays it, as vLLM and SGLang do for decode. Each graph also takes its rows'
+argmax on the device, so an all-greedy step (`run_greedy`) copies back only the token ids: into
+pinned host memory, without blocking, then one event waited for. A burst (`run_burst`) replays
+up to EngineConfig.decode_burst such steps back to back: one input copy, each step's argmax
+copied into the next replay's token buffer on the device, the positions, slots and context
+lengths of every step precomputed (each row's blocks already hold them), one wait for all tokens.
 
 Shapes are bucketed so a handful of graphs cover every step: the batch is padded up to the next
 size in BATCH_BUCKETS and the block table's width to the next power of two. Every graph reads its
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.forward_context import AttentionMetadata, forward_context
+from pdserve.engine.sampler import argmax
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_WIDTH_BLOCKS = 4  # the narrowest block table a graph is recorded for
@@ -60,7 +66,7 @@ class DecodeGraphs:
         self.slots = torch.full((n,), self.spare_slot, dtype=torch.long, device=dev)
         self.tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=dev)
         self.lens = torch.ones(n, dtype=torch.long, device=dev)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (graph, logits, argmax)
         self._pool = None
 
     def width_bucket(self, blocks: int) -> int:
@@ -84,6 +90,16 @@ class DecodeGraphs:
 
     def run(self, seqs, key: tuple[int, int]) -> torch.Tensor:
         """Logits [len(seqs), vocab] of one decode-only step (each seq one token)."""
+        return self._step(seqs, key)[0][: len(seqs)]
+
+    def run_greedy(self, seqs, key: tuple[int, int]) -> list[int]:
+        """Each row's argmax token of one decode-only step in which every row is greedy and
+        nothing changes its logits: only the token ids cross to the host."""
+        return self._to_host(self._step(seqs, key)[1][: len(seqs)]).tolist()
+
+    def _step(self, seqs, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fills the static buffers with this step's rows and runs (or replays) the forward:
+        the bucket's logits and argmax tensors, padded rows included."""
         b, w = key
         n, bs = len(seqs), self.runner.block_size
         rows = []
@@ -102,13 +118,75 @@ class DecodeGraphs:
         self.slots[:b].copy_(dev[:, 2])
         self.lens[:b].copy_(dev[:, 3])
         self.tables[:b, :w].copy_(dev[:, 4:])
+        return self._launch(key)
+
+    def _launch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of bucket key on the static buffers as they are: replayed (recorded first
+        if new) on CUDA, eager elsewhere. Returns the bucket's logits and argmax."""
+        b, w = key
         if not self.capture:
-            return self._forward(b, w)[:n]
+            return self._forward(b, w)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._record(b, w)
         entry[0].replay()
-        return entry[1][:n]
+        return entry[1], entry[2]
+
+    def burst_key(self, seqs, steps: int) -> tuple[int, int] | None:
+        """The bucket of a burst of `steps` decode steps (its block tables as wide as the last
+        step needs), or None where it fits no bucket."""
+        b = batch_bucket(len(seqs))
+        if b is None or b > self.max_batch:
+            return None
+        bs = self.runner.block_size
+        key = (b, self.width_bucket(max(-(-(s.start + steps) // bs) for s in seqs)))
+        if key not in self._graphs and len(self._graphs) >= MAX_GRAPHS:
+            return None
+        return key
+
+    def run_burst(self, seqs, key: tuple[int, int], steps: int) -> list[list[int]]:
+        """Tokens [step][row] of `steps` greedy decode steps run back to back from one input
+        copy: step j's input token is step j - 1's argmax, on the device. Every row's block_ids
+        must already hold its positions start .. start + steps - 1 (ModelRunner checks)."""
+        b, w = key
+        n, bs = len(seqs), self.runner.block_size
+        head, per_step = [], [[] for _ in range(steps)]
+        for s in seqs:
+            used = -(-(s.start + steps) // bs)
+            head += [s.token_ids[0], *s.block_ids[:used], *[0] * (w - used)]
+            for j, rows in enumerate(per_step):
+                pos = s.start + j
+                rows += [pos, s.block_ids[pos // bs] * bs + pos % bs, pos + 1]
+        head += [0] * ((1 + w) * (b - n))
+        for rows in per_step:
+            rows += [0, self.spare_slot, 1] * (b - n)
+        # one host-to-device transfer for the whole burst's inputs
+        flat = torch.tensor(head + sum(per_step, []), dtype=torch.long).to(self.runner.device)
+        first = flat[: (1 + w) * b].view(b, 1 + w)
+        plan = flat[(1 + w) * b :].view(steps, b, 3)
+        self.input_ids[:b].copy_(first[:, 0])
+        self.tables[:b, :w].copy_(first[:, 1:])
+        out = torch.empty(steps, b, dtype=torch.long, device=self.runner.device)
+        for j in range(steps):
+            self.positions[:b].copy_(plan[j, :, 0])
+            self.slots[:b].copy_(plan[j, :, 1])
+            self.lens[:b].copy_(plan[j, :, 2])
+            ids = self._launch(key)[1]
+            out[j].copy_(ids[:b])
+            self.input_ids[:b].copy_(ids[:b])  # the next step's input, without the host
+        return self._to_host(out[:, :n].contiguous()).tolist()
+
+    def _to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids on the host: on CUDA through pinned memory, copied without blocking, then one
+        event waited for."""
+        if not self.capture:
+            return ids
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host
 
     def _forward(self, b: int, w: int) -> torch.Tensor:
         """The model on the first b rows of the static buffers, block tables w blocks wide."""
@@ -125,7 +203,10 @@ class DecodeGraphs:
         )
         with forward_context(meta):
             hidden = runner.model(self.input_ids[:b], self.positions[:b])
-        return runner.model.compute_logits(hidden)
+        logits = runner.model.compute_logits(hidden)
+        # the sampler's own argmax over the same float32 logits, so a greedy row's token does
+        # not depend on where it is taken
+        return logits, argmax(logits.float())
 
     def _record(self, b: int, w: int):
         """Captures the forward of bucket (b, w). The rows hold this step's inputs; the warm-up
@@ -137,10 +218,10 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(b, w)
+            logits, ids = self._forward(b, w)
         if self._pool is None:
             self._pool = graph.pool()
-        return graph, logits
+        return graph, logits, ids
 
     @property
     def recorded(self) -> list[tuple[int, int]]:

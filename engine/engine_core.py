@@ -879,6 +879,9 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.broadcast(inp)
         mask = self.grammars.step_mask(plan.row_seqs)
+        bursts = getattr(self.runner, "bursts", None)  # (decode bursts: engine/decode_burst.py)
+        if bursts is not None:
+            bursts.allowed = not self.scheduler.waiting
         out = self.runner.execute(inp, plan.rows, plan.row_logits, sinks, mask)
         if sinks is not None:
             sinks.finish()

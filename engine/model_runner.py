@@ -35,6 +35,7 @@ import torch
 from pdserve.engine.attention import decode_kernel
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, applies_to as graphs_apply
+from pdserve.engine.decode_burst import Bursts
 from pdserve.engine.forward_context import AttentionMetadata, PrefillSpan, forward_context
 from pdserve.engine.kv_window import max_blocks_held
 from pdserve.engine.layers.linear import LinearBase
@@ -57,7 +58,7 @@ from pdserve.engine.parallel import (
     stage_layers,
     tp_size,
 )
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import Sampler, SamplingRow, plain_greedy
 from pdserve.engine.scheduler import StepOutput
 from pdserve.engine.score_head import HeadCapture, ScoreHead
 from pdserve.engine.threads import ThreadFit
@@ -177,6 +178,7 @@ class ModelRunner:
         # the cores a step uses, fitted to those free now (engine/threads.py)
         self.thread_fit = ThreadFit() if self.device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None  # (precision probes run eagerly, before)
+        self.bursts: Bursts | None = None  # greedy decode steps run ahead (with the graphs)
         # the quantization the linears run in (None: config.dtype), and why: engine/precision.py
         self.quantization: str | None = None
         self.mode_note = ""
@@ -198,6 +200,7 @@ class ModelRunner:
         """The decode graphs, once the precision is final (a graph records its kernels)."""
         if self._use_graphs:
             self.graphs = DecodeGraphs(self, self.config.max_num_seqs, spare_block=self.num_blocks)
+            self.bursts = Bursts(self.graphs, self.config.decode_burst, self.block_size)
 
     def _load_weights(self, model_dir: str, tensors=None) -> None:
         """The weights of the checkpoint in `model_dir`, or of `tensors` ((HF name, tensor)
@@ -362,9 +365,10 @@ class ModelRunner:
         if self.thread_fit is not None:
             self.thread_fit.fit()
         key = None if inp.loras else self._graph_key(inp, on_layer_done)
+        if self.bursts is not None and (key is None or inp.block_copies or inp.weights_op):
+            self.bursts.clear()
         if key is not None:  # a decode-only step, replayed from its CUDA graph
-            logits = self.graphs.run(inp.seqs, key)
-            return self._sample(logits, rows, row_logits, mask, StepOutput())
+            return self._graph_step(inp, key, rows, row_logits, mask)
         meta, input_ids, positions, last_idx, q_starts = self._attention_inputs(inp)
         meta.on_layer_done = on_layer_done
         meta.lora = batch_for(
@@ -397,6 +401,21 @@ class ModelRunner:
         last = hidden if every_row else hidden[last_idx]
         logits = self.model.compute_logits(last) if n else None
         return self._sample(logits, rows, row_logits, mask, out)
+
+    def _graph_step(self, inp: ModelInput, key, rows, row_logits, mask) -> StepOutput:
+        """A decode-only step on the graphs: an all-greedy step's tokens are taken on the device
+        (handed out from a burst run ahead where one applies, engine/decode_burst.py); any
+        other step's logits are sampled on the host."""
+        if not _device_greedy(rows, row_logits, mask, len(inp.seqs)):
+            self.bursts.clear()
+            logits = self.graphs.run(inp.seqs, key)
+            return self._sample(logits, rows, row_logits, mask, StepOutput())
+        tokens = self.bursts.take(inp.seqs)
+        if tokens is None:
+            tokens = self.bursts.run(inp.seqs, rows)
+        if tokens is None:
+            tokens = self.graphs.run_greedy(inp.seqs, key)
+        return StepOutput(token_ids=tokens)
 
     def _micro_batches(self, inp: ModelInput) -> list[ModelInput]:
         """A pipelined step's micro-batches, or [] when it runs whole: under pipeline stages, a
@@ -688,6 +707,14 @@ def _pooled(
         elif s.pool_end:
             out[i] = rows[-1].float().cpu()
     return out
+
+
+def _device_greedy(rows, row_logits, mask, n: int) -> bool:
+    """Whether a graph step's tokens can be its n rows' argmax taken on the device: rank 0, one
+    sampling row per sequence, in order, no grammar mask, every row plain greedy."""
+    if rows is None or mask is not None or row_logits != list(range(n)) or len(rows) != n:
+        return False
+    return plain_greedy(rows)
 
 
 def _wants_final(inp: ModelInput) -> bool:

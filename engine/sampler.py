@@ -316,6 +316,21 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return _exponential_race(probs, rows)
 
 
+def plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Whether every row's token is the argmax of its raw logits: greedy, no logprobs, nothing
+    that changes the logits first (penalties, biases, min_tokens, a thinking budget closing).
+    Such a step can take its tokens on the device (engine/cuda_graphs.py run_greedy)."""
+    for row in rows:
+        p = row.params
+        if not p.greedy or p.logprobs or p.shapes_logits or _min_tokens_masked_ids(row):
+            return False
+        if row.thinking is not None and row.thinking.forces_close(
+            row.output_token_ids, row.committed
+        ):
+            return False
+    return True
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of [rows, vocab] float32 logits, by the compiled kernel on CPU."""
     fused = fused_for(x)

@@ -3,18 +3,22 @@
     python -m benchmarks.engine.gpu --out gpu.json                       # every section
     python -m benchmarks.engine.gpu --sections ceilings,floor8b --out x.json
     python -m benchmarks.engine.gpu --gguf PATH --sections smollm2 ...   # SmolLM2 from a GGUF
+    python -m benchmarks.engine.gpu --model-dir .gpu/smollm2 --sections smollm2 ...  # random weights
 
 Sections (each writes its results into the JSON as it finishes; an error is recorded and the next
 section still runs):
 - ceilings: a 2 GiB device-to-device copy (bytes read + written per second) and an 8192^3 bf16
   matrix product, the two ceilings the timings are read against.
 - floor8b: a Llama-3-8B-shaped model with random weights (load_format="dummy"), batch-1 decode
-  time per token with and without CUDA graphs, against weight bytes / measured copy bandwidth.
+  time per token with CUDA graphs (decode bursts on and off) and without, against weight bytes /
+  measured copy bandwidth; a batch-1 graph replay's device time alone (CUDA events); and a
+  torch.profiler count of kernels per step, their summed device time and the top 10 by time.
 - smollm2: the embedded SmolLM2-135M-Instruct in bf16 (and float32): greedy tokens against HF
   transformers on the same GPU (exact matches; a divergence counts as a near tie when HF's own
   logits at that step put the two tokens within NEAR_TIE of each other); decode tok/s at 1, 32
   and 256 concurrent streams and TTFT at 512 and 2048 prompt tokens, ours (graphs on and off)
-  against HF `generate`; and batch-1 time per token against the floor.
+  against HF `generate`; and the batch-1 numbers of floor8b against its floor. With --model-dir
+  (config and tokenizer only) the weights are random, seed 0, and the result says so.
 Needs CUDA; the results go to BENCHMARKS.md ("The engine on a GPU").
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -42,6 +45,7 @@ NEAR_TIE = 0.25  # logit gap (HF's bf16 logits) under which two greedy choices c
 NEW_TOKENS = 64  # greedy continuation length of the equality check
 DECODE_LEN = 128  # prompt and output length of the decode throughput runs
 CONCURRENCY = [1, 32, 256]
+QUICK = False  # --quick: the smollm2 section's bf16 half only, no eager runs
 LLAMA3_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -136,18 +140,22 @@ def runner_for(model_dir: str, graphs: bool, dummy: bool, max_len: int = 4096):
     return start_runner(config, mc, model_dir), mc
 
 
-def batch1_ms(runner, prompt_len: int = 128, steps: int = 64) -> float:
-    """Milliseconds per decode step of one sequence, through ModelRunner.execute (the engine's
-    step: inputs, forward, greedy sampling on the GPU, the token back on the host)."""
+def batch1_ms(runner, prompt_len: int = 128, steps: int = 64, burst: bool = False) -> float:
+    """Milliseconds per token of one sequence's decode through ModelRunner.execute (the engine's
+    step but the scheduler: inputs, forward, greedy sampling on the GPU, the token back on the
+    host); with `burst`, decode bursts allowed (engine/decode_burst.py), so most steps hand out
+    tokens run ahead. The mean over the steps after the first 8, so bursts count whole."""
     from pdserve.engine.model_runner import ModelInput, SeqInput
     from pdserve.engine.sampler import SamplingRow
     from pdserve.engine.sampling_params import SamplingParams
 
     bs = runner.block_size
     blocks = list(range(-(-(prompt_len + steps + 8) // bs)))
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     ids = torch.randint(0, 1000, (prompt_len,)).tolist()
     row = SamplingRow(params, ids, [], None)
+    if runner.bursts is not None:
+        runner.bursts.allowed = burst
     tok = runner.execute(ModelInput([SeqInput(ids, 0, blocks, True)], []), [row], [0]).token_ids
     pos, token = prompt_len, tok[0]
     times = []
@@ -159,7 +167,83 @@ def batch1_ms(runner, prompt_len: int = 128, steps: int = 64) -> float:
         ).token_ids
         times.append(time.perf_counter() - t)  # (the token's .tolist() synchronized already)
         pos, token = pos + 1, tok[0]
-    return statistics.median(times[4:]) * 1e3
+    if runner.bursts is not None:
+        runner.bursts.allowed = False
+        runner.bursts.clear()
+    return statistics.mean(times[8:]) * 1e3
+
+
+def replay_ms(runner, reps: int = 20) -> dict:
+    """A batch-1 decode graph's replay alone, timed by CUDA events on the device: the graph
+    batch1_ms recorded last (its static inputs as that step left them)."""
+    graphs = runner.graphs
+    keys = [k for k in (graphs.recorded if graphs else []) if k[0] == 1]
+    if DEVICE != "cuda" or not keys:
+        return {"skipped": "no batch-1 graph (CUDA only)"}
+    key = keys[-1]
+    graph = graphs._graphs[key][0]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return {"bucket": list(key), "ms": round(start.elapsed_time(end) / reps, 4)}
+
+
+def kernel_profile(runner, steps: int = 8) -> dict:
+    """torch.profiler over `steps` batch-1 decode steps: kernels per step, their summed device
+    time per step, and the 10 kernels with the most device time (where the step goes). Off
+    CUDA, the CPU operators stand in for kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = DEVICE == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    batch1_ms(runner, steps=10)  # warm: the graphs recorded, outside the profile
+    with profile(activities=activities) as prof:
+        batch1_ms(runner, steps=steps + 8)
+        sync()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        on_device = "cuda" in str(getattr(e, "device_type", "")).lower()
+        if on_cuda != on_device:
+            continue
+        us = e.time_range.elapsed_us()  # (a kernel's own time; an operator's with its children)
+        t = totals.setdefault(e.name, [0, 0.0])
+        t[0], t[1] = t[0] + 1, t[1] + float(us or 0.0)
+    n = steps + 9  # the profiled run's prefill and decode steps
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:10]
+    return {
+        "kernels_per_step": round(sum(c for c, _ in totals.values()) / n, 1),
+        "device_ms_per_step": round(sum(us for _, us in totals.values()) / n / 1e3, 4),
+        "top10": [
+            {
+                "name": name[:120],
+                "calls_per_step": round(c / n, 2),
+                "ms_per_step": round(us / n / 1e3, 4),
+            }
+            for name, (c, us) in top
+        ],
+        "note": "kernels of the prefill step are included, spread over the steps",
+    }
+
+
+def batch1_entries(runner, out: dict, name: str) -> None:
+    """The batch-1 numbers of one runner into out[name]: time per token (with and without
+    bursts when it has graphs), the replay's device time and the kernel profile. Each part
+    records its own error, so one failing part keeps the others."""
+    entry = out.setdefault(name, {})
+    parts = {"ms_per_token": lambda: round(batch1_ms(runner), 3)}
+    if runner.graphs is not None:
+        parts["ms_per_token_bursts"] = lambda: round(batch1_ms(runner, burst=True), 3)
+        parts["replay"] = lambda: replay_ms(runner)
+    parts["profile"] = lambda: kernel_profile(runner)
+    for part, fn in parts.items():
+        try:
+            entry[part] = fn()
+        except Exception:
+            entry[part] = {"error": traceback.format_exc()[-2000:]}
 
 
 def floor_entry(runner, tied: bool, copy_GBps: float) -> dict:
@@ -177,34 +261,43 @@ def floor8b(copy_GBps: float) -> dict:
         LlamaConfig(**shape).save_pretrained(d)
         for graphs in (True, False):
             runner, _ = runner_for(d, graphs, dummy=True)
-            ms = batch1_ms(runner)
-            entry = floor_entry(runner, False, copy_GBps)
-            entry.update(ms_per_token=round(ms, 3), over_floor=round(ms / entry["floor_ms"], 2))
-            out["graphs" if graphs else "eager"] = entry
+            name = "graphs" if graphs else "eager"
+            out[name] = floor_entry(runner, False, copy_GBps)
+            batch1_entries(runner, out, name)
+            over_floor(out[name])
             del runner
             empty_cache()
     return out
 
 
+def over_floor(entry: dict) -> None:
+    """Each batch-1 time of `entry` as a multiple of its floor."""
+    for key in ("ms_per_token", "ms_per_token_bursts"):
+        if isinstance(entry.get(key), float):
+            entry[key.replace("ms_per_token", "over_floor")] = round(
+                entry[key] / entry["floor_ms"], 2
+            )
+
+
 # ---- SmolLM2 ------------------------------------------------------------------------------------
-def smollm2_dir(gguf: str | None, config_dir: str | None = None) -> str:
-    """SmolLM2 as a model folder: from its GGUF, or (config_dir: its config and tokenizer
-    alone, for a machine the GGUF cannot travel to) with random weights of its shape, drawn
-    once with a fixed seed and saved, so HF and the engine load the same ones."""
-    if config_dir is None:
-        from pdserve.engine.loader.resolve import resolve_model
+def smollm2_dir(gguf: str | None) -> str:
+    from pdserve.engine.loader.resolve import resolve_model
 
-        return str(resolve_model(gguf or "smollm2"))
-    from transformers import AutoConfig, AutoModelForCausalLM
+    return str(resolve_model(gguf or "smollm2"))
 
-    out = tempfile.mkdtemp(prefix="smollm2-random-")
-    torch.manual_seed(0)
+
+def random_weights_dir(config_dir: str, into: str) -> str:
+    """A checkpoint in `into`: the model of config_dir's config.json with random weights (seed
+    0, float32 safetensors) and config_dir's tokenizer files, for HF and the engine alike."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(config_dir)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    for name in os.listdir(config_dir):
-        if not os.path.exists(os.path.join(out, name)):
-            shutil.copy(os.path.join(config_dir, name), out)
-    return out
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(into, safe_serialization=True)
+    AutoTokenizer.from_pretrained(config_dir).save_pretrained(into)
+    del model
+    return into
 
 
 def prompts_for(tok) -> list[list[int]]:
@@ -374,21 +467,31 @@ def hf_ttft(hf, length: int, reps: int = 5) -> float:
     return round(statistics.median(times) * 1e3, 3)
 
 
-def smollm2(args, copy_GBps: float, out: dict) -> None:
-    """Fills `out` section by section (what finished stays when a later part fails)."""
+def smollm2(gguf: str | None, copy_GBps: float, out: dict, model_dir: str | None = None) -> None:
+    """Fills `out` section by section (what finished stays when a later part fails). With
+    model_dir (SmolLM2's config.json and tokenizer only), the model has random weights."""
+    if model_dir is None:
+        smollm2_parts(smollm2_dir(gguf), copy_GBps, out)
+        return
+    with tempfile.TemporaryDirectory() as d:
+        out["weights"] = f"random (seed 0) from {model_dir}/config.json: not SmolLM2's own"
+        smollm2_parts(random_weights_dir(model_dir, d), copy_GBps, out)
+
+
+def smollm2_parts(model_dir: str, copy_GBps: float, out: dict) -> None:
     from transformers import AutoModelForCausalLM
 
-    model_dir = out["model_dir"] = smollm2_dir(args.gguf, args.model_dir)
-    out["weights"] = "random, SmolLM2's shape" if args.model_dir else "the GGUF's"
-    for dtype in ("bfloat16", "float32")[: 1 if args.quick else 2]:
+    out["model_dir"] = model_dir
+    for dtype in ("bfloat16", "float32")[: 1 if QUICK else 2]:
         out[f"greedy_vs_hf_{dtype}"] = equality(model_dir, dtype)
-    runner, mc = runner_for(model_dir, True, dummy=False)
-    entry = floor_entry(runner, mc.tie_word_embeddings, copy_GBps)
-    ms = batch1_ms(runner)
-    entry.update(ms_per_token=round(ms, 3), over_floor=round(ms / entry["floor_ms"], 2))
-    out["batch1_floor"] = entry
-    del runner
-    empty_cache()
+    for graphs in (True, False)[: 1 if QUICK else 2]:
+        runner, mc = runner_for(model_dir, graphs, dummy=False)
+        name = "batch1_floor" if graphs else "batch1_eager"
+        out[name] = floor_entry(runner, mc.tie_word_embeddings, copy_GBps)
+        batch1_entries(runner, out, name)
+        over_floor(out[name])
+        del runner
+        empty_cache()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     out["ttft_ms"] = {}
     for length in (512, 2048):
@@ -399,7 +502,7 @@ def smollm2(args, copy_GBps: float, out: dict) -> None:
     out["decode"] = {}
     for c in CONCURRENCY:
         out["decode"][c] = {"ours_graphs": ours_decode(model_dir, c, True)}
-        if not args.quick:
+        if not QUICK:
             out["decode"][c]["ours_eager"] = ours_decode(model_dir, c, False)
         out["decode"][c]["hf_generate"] = hf_decode(hf, c)
 
@@ -440,13 +543,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="ceilings,floor8b,smollm2")
     ap.add_argument("--gguf", default=None, help="SmolLM2's GGUF (default: the embedded one)")
     ap.add_argument(
-        "--model-dir", default=None, help="SmolLM2's config and tokenizer: random weights"
+        "--model-dir",
+        default=None,
+        help="SmolLM2's config.json and tokenizer only: the smollm2 section runs it with "
+        "random weights (seed 0), the same for HF and the engine",
     )
     ap.add_argument("--quick", action="store_true", help="smollm2: bf16 only, no eager runs")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     ap.add_argument("--concurrency", default="1,32,256")
     args = ap.parse_args(argv)
-    global DEVICE, CONCURRENCY, NEW_TOKENS
+    global DEVICE, CONCURRENCY, NEW_TOKENS, QUICK
+    QUICK = args.quick
     DEVICE, CONCURRENCY = args.device, [int(c) for c in args.concurrency.split(",")]
     if DEVICE == "cpu":  # the smoke test's sizes
         NEW_TOKENS = 8
@@ -470,7 +577,7 @@ def main(argv=None) -> int:
                     result[name] = floor8b(copy_GBps)
                 else:
                     result[name] = {}
-                    smollm2(args, copy_GBps, result[name])
+                    smollm2(args.gguf, copy_GBps, result[name], args.model_dir)
         except Exception:
             result.setdefault(name, {})["error"] = traceback.format_exc()
         result[name]["seconds"] = round(time.perf_counter() - t, 1)

@@ -61,13 +61,13 @@ def test_steps_that_graphs_do_not_take(refs, graphs_on_cpu, monkeypatch):
     llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=16)
     graphs = llm.engine.runner.graphs
     steps = []
-    real_run = graphs.run
+    real_step = graphs._step
 
-    def run(seqs, key):
+    def step(seqs, key):
         steps.append([(len(s.token_ids), bool(s.prompt_targets)) for s in seqs])
-        return real_run(seqs, key)
+        return real_step(seqs, key)
 
-    monkeypatch.setattr(graphs, "run", run)
+    monkeypatch.setattr(graphs, "_step", step)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert steps and all(row == (1, False) for step in steps for row in step)
