@@ -32,10 +32,11 @@ from pdserve.kvtransfer.backends.shm_backend import ShmControlServer, _boot_id
 from pdserve.kvtransfer.reshard import dtype_name, write_chunk
 from pdserve.kvtransfer.transport import Destination, FrameHandler, Transport, TransportServer
 from pdserve.kvtransfer.wire import ChunkHeader
+from pdserve.protos.limits import MAX_ADDRESS_CHARS
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
 SCHEME = "cuda_ipc"
-MAX_HANDLE_BYTES = 512  # a CUDA IPC handle is 64 bytes; torch prefixes a few of its own
+MAX_HANDLE_BYTES = 256  # a CUDA IPC handle is 64 bytes; torch prefixes a few of its own
 MAX_POOL_BYTES = 1 << 42  # 4 TiB: more than any one GPU holds
 MAX_DIMS = 8
 MAX_DEVICE = 1023
@@ -239,6 +240,9 @@ class CudaIpcServer(TransportServer):
         self.kv_cache = kv_cache  # the exported storage must outlive the server
         self._control = ShmControlServer(handler, security=security, **grpc_opts)
         self.address = format_address(fields, kv_cache.shape, kv_cache.dtype, self._control.address)
+        if len(self.address) > MAX_ADDRESS_CHARS:  # a sender would refuse the offer
+            self._control.stop()
+            raise ValueError(f"the cuda_ipc address has over {MAX_ADDRESS_CHARS} characters")
 
     @property
     def num_channels(self) -> int:

@@ -8,6 +8,7 @@ pool: its bytes equal what was sent. Skipped without CUDA."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import grpc
 import pytest
@@ -91,8 +92,11 @@ def _receiver(conn) -> None:
     server = serve("cuda_ipc", lambda h, p: frames.append(h.kind), kv_cache=pool)
     conn.send(server.address)
     conn.recv()  # the sender is done
+    deadline = time.monotonic() + 10
+    while len(frames) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     torch.cuda.synchronize()
-    conn.send((frames, pool.cpu()))
+    conn.send((list(frames), pool.cpu().view(torch.int16).numpy()))
     conn.recv()
     server.stop()
 
@@ -119,6 +123,7 @@ def test_backend_writes_into_another_process_pool():
         conn.send("done")
         assert conn.poll(60)
         frames, pool = conn.recv()
+        pool = torch.from_numpy(pool).view(torch.bfloat16)
         tx.close()
         conn.send("stop")
     finally:

@@ -179,6 +179,17 @@ def test_server_publishes_checked_fields(monkeypatch):
         server.stop()
 
 
+def test_server_refuses_an_address_a_sender_would_refuse(monkeypatch):
+    big = fields(handle="ab" * 256, ev="cd" * 256, rc="ef" * 256)
+    monkeypatch.setattr(ipc, "export_pool", lambda cache: big)
+    stopped = []
+    control = SimpleNamespace(address="127.0.0.1:9", stop=lambda: stopped.append(1))
+    monkeypatch.setattr(ipc, "ShmControlServer", lambda handler, **kw: control)
+    with pytest.raises(ValueError, match="characters"):
+        ipc.CudaIpcServer(lambda h, p: None, torch.zeros(SHAPE))
+    assert stopped == [1]
+
+
 def test_export_refuses_a_host_pool():
     with pytest.raises(ValueError, match="CUDA"):
         ipc.export_pool(torch.zeros(SHAPE))
