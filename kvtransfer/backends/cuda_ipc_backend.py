@@ -43,7 +43,12 @@ MAX_DEVICE = 1023
 MAX_PID = 1 << 22  # Linux's pid_max limit
 _UUID = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _HOST = re.compile(r"^[A-Za-z0-9-]{0,64}$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the KV dtypes an address may name (reshard.dtype_name's spelling), those this torch has
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "uint8")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
 _FIELDS = ("gpu", "pid", "dev", "handle", "size", "offset", "rc", "rco", "ev", "evsync")
 
 
@@ -86,10 +91,18 @@ def open_pool(fields: dict, device: torch.device) -> torch.Tensor:
             fields["ev"],
             fields["evsync"],
         )
-        if storage.nbytes() != fields["size"]:
-            raise ValueError(f"{storage.nbytes()} bytes, the address says {fields['size']}")
-        cache = torch.empty(0, dtype=fields["dtype"], device=device)
-        return cache.set_(storage, 0, fields["shape"])
+        return as_pool(storage, fields)
+
+
+def as_pool(storage: torch.UntypedStorage, fields: dict) -> torch.Tensor:
+    """`storage` (the opened pool) as a contiguous tensor of the address's shape and dtype, once
+    its size is the address's."""
+    if storage.nbytes() != fields["size"]:
+        raise ValueError(f"{storage.nbytes()} bytes, the address says {fields['size']}")
+    shape = fields["shape"]
+    stride = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    cache = torch.empty(0, dtype=fields["dtype"], device=storage.device)
+    return cache.set_(storage, 0, shape, stride)
 
 
 def synchronize(device: torch.device) -> None:

@@ -190,6 +190,14 @@ def test_server_refuses_an_address_a_sender_would_refuse(monkeypatch):
     assert stopped == [1]
 
 
+def test_opened_storage_becomes_the_pool_of_the_address():
+    pool = torch.randn(SHAPE)
+    got = ipc.as_pool(pool.untyped_storage(), ipc.parse_address(address()))
+    assert got.shape == SHAPE and got.is_contiguous() and torch.equal(got, pool)
+    with pytest.raises(ValueError, match="bytes"):
+        ipc.as_pool(torch.zeros(4).untyped_storage(), ipc.parse_address(address()))
+
+
 def test_export_refuses_a_host_pool():
     with pytest.raises(ValueError, match="CUDA"):
         ipc.export_pool(torch.zeros(SHAPE))
