@@ -14,7 +14,13 @@ import torch
 from pdserve.decode_worker.handoff import DecodeHandoff
 from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer
 from pdserve.engine.config import DEFAULT_CPU_KV_BYTES, available_memory_bytes
-from pdserve.kvtransfer.backends import BACKENDS, default_shared_dir, serve, tune_malloc
+from pdserve.kvtransfer.backends import (
+    BACKENDS,
+    cuda_ipc_backend,
+    default_shared_dir,
+    serve,
+    tune_malloc,
+)
 from pdserve.kvtransfer.backends.shm_backend import locality
 from pdserve.kvtransfer.choose import AUTO, Ranking, host_id
 from pdserve.kvtransfer.layout import KVLayout
@@ -59,6 +65,15 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError(
                 f"lease_ms must be in (0, max_lease_ms={self.max_lease_ms}], got {self.lease_ms}"
             )
+
+
+def _locality(backend: str, address: str) -> str:
+    """What a sender compares to tell that `backend`'s offer at `address` is within its reach."""
+    if backend == "shm":
+        return locality(address)
+    if backend == "cuda_ipc":
+        return cuda_ipc_backend.locality(address)
+    return ""
 
 
 class DecodePart:
@@ -152,9 +167,17 @@ class DecodePart:
                 options.pop("grants", None)
             if backend == "shm":
                 options.update(kv_cache=rank_caches[0], kv_path=engine.kv_cache_paths)
-            self._kv_servers[backend] = serve(
-                backend, self.handoff.on_frame, security=cfg.security, **options
-            )
+            if backend == "cuda_ipc":
+                options.update(kv_cache=rank_caches[0])
+            try:
+                self._kv_servers[backend] = serve(
+                    backend, self.handoff.on_frame, security=cfg.security, **options
+                )
+            except (ValueError, RuntimeError) as e:
+                if cfg.kv_backend != AUTO or backend != "cuda_ipc":
+                    raise
+                # the pool cannot be exported (not one whole CUDA storage): the host path serves
+                log.warning("not offering cuda_ipc: %s", e)
         self._kv_server = self._kv_servers["grpc" if cfg.kv_backend == AUTO else cfg.kv_backend]
         self.servicer = DecodeWorkerServicer(
             worker.loop,
@@ -188,7 +211,10 @@ class DecodePart:
         on_host = engine.kv_cache_paths is not None and all(
             c.device.type == "cpu" for c in engine.rank_kv_caches()
         )
-        return Ranking.from_dict(self.cfg.kv_ranking).served(on_host)
+        caches = engine.rank_kv_caches()
+        # cuda_ipc: one CUDA pool that a sender on its GPU opens (kvtransfer/choose.py)
+        on_cuda = len(caches) == 1 and caches[0].device.type == "cuda"
+        return Ranking.from_dict(self.cfg.kv_ranking).served(on_host, on_cuda=on_cuda)
 
     def _offers(self) -> tuple[tuple[str, str, str, str, int], ...]:
         """(backend, address, locality, host, cross-host rank) of each backend served on
@@ -200,7 +226,7 @@ class DecodePart:
             (
                 b,
                 server.address,
-                locality(server.address) if b == "shm" else "",
+                _locality(b, server.address),
                 host_id(),
                 cross.index(b) + 1 if b in cross else 0,
             )

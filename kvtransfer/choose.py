@@ -77,10 +77,11 @@ class Ranking:
             return DEFAULT
         same, cross = tuple(data["same_host"]), tuple(data["cross_host"])
         unknown = sorted(set(same + cross) - set(_backends()))
-        if unknown or "grpc" not in same or "grpc" not in cross or "shm" in cross:
+        local_only = "shm" in cross or "cuda_ipc" in cross
+        if unknown or "grpc" not in same or "grpc" not in cross or local_only:
             raise ValueError(
                 f"a KV ranking names backends of {_backends()}, grpc in both orders and shm "
-                f"only in the same-host one; got {data!r}"
+                f"and cuda_ipc only in the same-host one; got {data!r}"
             )
         return cls(same, cross, str(data.get("source", "")))
 
@@ -91,22 +92,28 @@ class Ranking:
             f"({self.source})"
         )
 
-    def served(self, on_host: bool, available: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    def served(
+        self, on_host: bool, available: tuple[str, ...] | None = None, on_cuda: bool = False
+    ) -> tuple[str, ...]:
         """The backends a decode worker on "auto" serves, in the same-host order (then those only
         the cross-host order names): grpc; shm when
-        its KV pool is in host memory (`on_host`); nixl or torch when `available` (installed
-        here) and the first of one order among what this worker can serve."""
+        its KV pool is in host memory (`on_host`); cuda_ipc when it is one CUDA pool (`on_cuda`);
+        nixl or torch when `available` (installed here) and the first of one order among what
+        this worker can serve."""
         available = installed() if available is None else available
         listed = self.same_host + tuple(b for b in self.cross_host if b not in self.same_host)
+        if on_cuda and "cuda_ipc" not in listed:
+            listed = ("cuda_ipc",) + listed  # a profile from before it: first on one GPU
         can = [
             b
             for b in listed
             if b == "grpc"
             or (b == "shm" and on_host)
+            or (b == "cuda_ipc" and on_cuda)
             or (b in ("nixl", "torch") and b in available)
         ]
         firsts = {next((b for b in order if b in can), "grpc") for order in self._orders()}
-        return tuple(b for b in can if b in ("grpc", "shm") or b in firsts)
+        return tuple(b for b in can if b in ("grpc", "shm", "cuda_ipc") or b in firsts)
 
     def _orders(self):
         return (self.same_host, self.cross_host)
@@ -118,6 +125,8 @@ class Ranking:
         return next((b for b in order if b in offered), None)
 
 
+# A decode worker with one CUDA pool serves cuda_ipc first (Ranking.served): it applies only where
+# both workers share its GPU, and there it moves KV device to device.
 DEFAULT = Ranking(("shm", "grpc"), ("grpc",), "built-in default")
 
 
@@ -184,7 +193,8 @@ def ranking_from_profile(
                     f"{source}: {section}.{backend}: not a KV backend ({', '.join(_backends())})"
                 )
             seconds = _handoff_s(entry, kv_bytes, f"{source}: {section}.{backend}")
-            if backend in available and not (locality_ == CROSS_HOST and backend == "shm"):
+            local_only = backend in ("shm", "cuda_ipc")
+            if backend in available and not (locality_ == CROSS_HOST and local_only):
                 timed.append((seconds, backend))
         order = [b for _, b in sorted(timed)]
         if locality_ == SAME_HOST and "shm" not in figures and "shm" in available:
@@ -232,7 +242,22 @@ def applies(offer) -> bool:
         except (ValueError, IndexError):  # an address that does not parse: not for us
             return False
         return bool(here) and here == offer.locality
+    if offer.backend == "cuda_ipc":
+        return _cuda_ipc_applies(offer)
     return offer.backend in ("grpc", "torch", "nixl") and offer.backend in installed()
+
+
+def _cuda_ipc_applies(offer) -> bool:
+    """cuda_ipc applies where this process is on the decode worker's host, sees its process and
+    its GPU (cuda_ipc_backend.why_not_here), and the offer's locality says the same."""
+    from pdserve.kvtransfer.backends import cuda_ipc_backend as ipc
+
+    try:
+        fields = ipc.parse_address(offer.address)
+        here = f"{fields['host']}:{fields['gpu']}"
+    except ValueError:
+        return False
+    return here == offer.locality and ipc.why_not_here(fields) is None
 
 
 def choices(endpoint) -> list:
@@ -249,5 +274,9 @@ def choices(endpoint) -> list:
         return sorted(usable, key=lambda o: rank[o.backend])
     if host == host_id():
         return [o for o in offers if applies(o)]  # listed in the same-host order
-    usable = [o for o in offers if o.cross_host_rank > 0 and o.backend != "shm" and applies(o)]
+    usable = [
+        o
+        for o in offers
+        if o.cross_host_rank > 0 and o.backend not in ("shm", "cuda_ipc") and applies(o)
+    ]
     return sorted(usable, key=lambda o: o.cross_host_rank)

@@ -34,6 +34,9 @@ one GPU: the sender's chunks are CUDA tensors that each transport copies to the 
 pinned memory (kvtransfer.backends.frames.host_copy), and the KVReceiver writes into a CUDA pool.
 shm is left out (it maps a host file, never a CUDA cache), and the table adds the ceiling of a
 hand-off between CUDA caches: a device-to-device copy of the same bytes (D2D_COUNTING).
+--backends cuda_ipc (--device cuda only) has the prefill process open the decode pool by CUDA IPC
+and write each chunk into it device to device; its "of d2d" column is the issue-45 ratio (goal
+0.5), e.g. --device cuda --dtype bfloat16 --backends cuda_ipc,grpc --tokens 8192.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ from benchmarks.bench_common import (
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 POOL_SLOTS = 4  # requests' worth of blocks in the decode pool, used in turn
 # the kinds that run a transport backend (the rest: ceilings); nixl runs where NIXL is installed
-BACKENDS = ("grpc", "shm", "torch", "nixl")
+BACKENDS = ("grpc", "shm", "torch", "nixl", "cuda_ipc")
 DTYPES = {"float32": 4, "bfloat16": 2}  # the KV dtypes the benchmark runs, and their sizes
-DEVICE_KINDS = ("grpc", "torch")  # the kinds whose caches live on cfg["device"]
+DEVICE_KINDS = ("grpc", "torch", "cuda_ipc")  # the kinds whose caches live on cfg["device"]
+CUDA_IPC_ON_CPU = "cuda_ipc writes into a CUDA pool: run it with --device cuda"
 SHM_ON_CUDA = (
     "the shm backend maps the decode pool from a shared file in host memory and cannot map a "
     "CUDA cache"
@@ -334,6 +338,8 @@ def _decode(kind: str, conn, notify, cfg: dict) -> None:
             grants = Grants()
         if kind in BACKENDS:
             opts = dict(kv_cache=cache, kv_path=path) if kind == "shm" else {}
+            if kind == "cuda_ipc":  # the decode pool, opened by the prefill process by CUDA IPC
+                opts = dict(kv_cache=cache)
             if grants is not None:
                 opts = dict(kv_caches=[cache], grants=grants)
             server = serve(kind, handler, **opts, **cfg["server_opts"].get(kind, {}))
@@ -508,7 +514,14 @@ def _prefill(kind: str, conn, notify, cfg: dict) -> None:
 
 
 TARGET_RATIO = 0.5
-CEILING_OF = {"grpc": "tcp", "torch": "tcp", "shm": "memcpy", "nixl": "memcpy"}
+# cuda_ipc's own ceiling is d2d (--device cuda); memcpy stands beside it as the host one
+CEILING_OF = {
+    "grpc": "tcp",
+    "torch": "tcp",
+    "shm": "memcpy",
+    "nixl": "memcpy",
+    "cuda_ipc": "memcpy",
+}
 MODES = {
     "transport": "the decode handler drops the frames (shm: the KV is already in the paged pool)",
     "kvreceiver": "a KVReceiver writes the KV into the decode paged cache and takes the commit",
@@ -704,8 +717,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--backends",
         default=None,
-        help="comma-separated, of grpc,shm,torch,nixl (default grpc,shm,torch; with --device "
-        "cuda, grpc,torch)",
+        help="comma-separated, of grpc,shm,torch,nixl,cuda_ipc (default grpc,shm,torch; with --device "
+        "cuda, grpc,torch; cuda_ipc with --device cuda only)",
     )
     ap.add_argument("--modes", default="transport,kvreceiver", help=f"of {sorted(MODES)}")
     ap.add_argument(
@@ -782,6 +795,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "--backends nixl with --device cuda: this benchmark runs nixl between host "
                     "pools only (its CUDA path is issue 50's item 4); leave it out"
                 )
+            if args.device != "cuda" and b == "cuda_ipc":
+                ap.error(f"--backends cuda_ipc: {CUDA_IPC_ON_CPU}")
             if args.device == "cuda" and b not in DEVICE_KINDS:
                 ap.error(f"--backends {b} with --device cuda: {SHM_ON_CUDA}; leave it out")
     if args.device == "cuda":

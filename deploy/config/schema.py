@@ -569,8 +569,9 @@ class KVTransferSettings(_Frozen):
     # or torch where installed and `profile` ranks them first); each prefill worker pushes over
     # the fastest that applies: by default shm to a decode worker on its machine, grpc to the
     # others (kvtransfer/choose.py). nixl: one-sided NIXL WRITEs into the decode worker's KV pool
-    # (the `nixl` extra)
-    backend: Literal["auto", "grpc", "shm", "torch", "nixl"] = "auto"
+    # (the `nixl` extra). cuda_ipc: the decode worker's CUDA pool opened by a prefill worker on
+    # the same GPU, written device to device (auto offers it first when the pool is on a GPU)
+    backend: Literal["auto", "grpc", "shm", "torch", "nixl", "cuda_ipc"] = "auto"
     # auto only: a `pdserve profile` JSON whose measured hand-off figures rank the backends (read
     # once, here, when the config is loaded; relative to the YAML's folder); null: the built-in
     # ranking (shm on one machine, grpc between)

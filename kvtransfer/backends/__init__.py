@@ -9,6 +9,8 @@
     torch  torch.distributed gloo point-to-point in a private group per sender (no default group)
     nixl   one-sided NIXL WRITEs into the decode worker's registered pool; serve("nixl", handler,
            kv_caches=[...]) with every TP rank's pool; needs the `nixl` extra (NIXL installed)
+    cuda_ipc  same GPU, two processes; serve("cuda_ipc", handler, kv_cache=...) with the CUDA pool;
+           the sender writes KV into it device to device, headers ride gRPC after a synchronize
 
 A deployment's default, `kvtransfer.backend: auto`, is not a backend of its own: a decode worker
 serves grpc and shm side by side and each prefill worker picks one per reservation
@@ -35,7 +37,7 @@ from pdserve.kvtransfer.backends.shm_backend import (
 from pdserve.kvtransfer.transport import FrameHandler, Transport, TransportServer
 from pdserve.protos.security import INSECURE, ClusterSecurity
 
-BACKENDS = ("grpc", "shm", "torch", "nixl")
+BACKENDS = ("grpc", "shm", "torch", "nixl", "cuda_ipc")
 
 
 def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20) -> bool:
@@ -78,6 +80,7 @@ _CLASSES = {
     "shm": ("shm_backend", "ShmServer", "ShmTransport"),
     "torch": ("torch_backend", "TorchServer", "TorchTransport"),
     "nixl": ("nixl_backend", "NixlServer", "NixlTransport"),
+    "cuda_ipc": ("cuda_ipc_backend", "CudaIpcServer", "CudaIpcTransport"),
 }
 
 

@@ -51,7 +51,11 @@ def dying_sender_process(backend: str, address: str, request_id: str, dest: Dest
     os._exit(3)
 
 
-@pytest.fixture(params=BACKENDS)
+# cuda_ipc writes into a CUDA pool of another process: tests/gpu/test_cuda_ipc_handoff.py
+HOST_BACKENDS = tuple(b for b in BACKENDS if b != "cuda_ipc")
+
+
+@pytest.fixture(params=HOST_BACKENDS)
 def decode(request):
     side = DecodeSide(request.param)
     yield side
@@ -136,7 +140,7 @@ def test_two_senders_to_one_server(decode):
     decode.assert_received("b", seed=4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
 def test_many_senders_of_one_process_at_once(backend):
     """Eight channels of one prefill process, each on a thread of its own, push a request at the
     same moment, five times over: a process's channels share what the backend keeps per process

@@ -37,7 +37,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def test_unknown_backend_names_the_field():
     with pytest.raises(
-        ValueError, match=r"backend 'rdma' is not one of \('grpc', 'shm', 'torch', 'nixl'\)"
+        ValueError,
+        match=r"backend 'rdma' is not one of \('grpc', 'shm', 'torch', 'nixl', 'cuda_ipc'\)",
     ):
         serve("rdma", lambda header, payload: None)
     with pytest.raises(ValueError, match="backend"):

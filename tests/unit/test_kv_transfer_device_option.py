@@ -104,6 +104,16 @@ def test_cuda_leaves_shm_out_and_refuses_it_by_name(monkeypatch, capsys):
     assert "--backends shm with --device cuda" in capsys.readouterr().err
 
 
+def test_cuda_ipc_runs_only_with_cuda_caches(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = bench.parse_args(["--device", "cuda", "--backends", "cuda_ipc,grpc"])
+    assert args.backends == ["cuda_ipc", "grpc"]
+    assert bench.kv_device("cuda_ipc", {"device": "cuda"}) == "cuda"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backends", "cuda_ipc"])
+    assert "run it with --device cuda" in capsys.readouterr().err
+
+
 def test_cuda_without_a_gpu_says_so(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit):
