@@ -8,7 +8,7 @@
 #   tests    every test under tests/gpu, four files at a time (the GPU has room for them all)
 #   kernels  the Triton paged-decode kernel against gathering the blocks for SDPA
 #   bench    the ceilings and the Llama-3-8B-shaped batch-1 floor (bursts on and off)
-#   kv       the KV hand-off between two processes on the GPU, CUDA IPC and the host path
+#   kv       the KV hand-off by CUDA IPC between two processes on the GPU, 8k and 64k tokens
 #   smollm2  greedy equality and speed against HF transformers at 1, 32 and 256 streams
 # MODEL: SmolLM2's GGUF, or a folder of its config and tokenizer (random weights of its shape,
 # made by scripts/gpu_bundle.sh for machines the GGUF cannot travel to); default: the
@@ -54,9 +54,14 @@ has kernels && step kernels 60 python3 -m benchmarks.engine.paged_decode_bench \
   --out "$out/paged_decode.json"
 has bench && step bench 150 python3 -m benchmarks.engine.gpu --sections ceilings,floor8b \
   --out "$out/gpu_bench_floor.json"
-has kv && step kv 120 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
-  --backends cuda_ipc,torch --tokens 8192,65536 --requests 3 --rounds 3 \
-  --out "$out/kv_transfer_cuda.json"
+if has kv; then
+  step kv8k 120 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
+    --backends cuda_ipc --modes kvreceiver --tokens 8192 --requests 6 --rounds 3 \
+    --out "$out/kv_cuda_ipc_8k.json"
+  step kv64k 150 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
+    --backends cuda_ipc --modes kvreceiver --tokens 65536 --requests 2 --rounds 2 \
+    --out "$out/kv_cuda_ipc_64k.json"
+fi
 has smollm2 && step smollm2 200 python3 -m benchmarks.engine.gpu --sections ceilings,smollm2 \
   "${model_arg[@]}" --out "$out/gpu_bench_smollm2.json"
 exit 0
