@@ -138,6 +138,8 @@ def rope_(q, k, positions, cos, sin, reference):
     rot = cos.shape[-1]
     if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or rot % 2 or rot > q.shape[-1]:
         return None
+    if k.shape[0] != q.shape[0] or positions.numel() != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        return None  # one position per token, or the kernel would read past them
     if (
         q.stride(-1) != 1
         or k.stride(-1) != 1
