@@ -3,7 +3,8 @@
 A Llama decoder layer holds two (a Gemma one four, as GemmaRMSNorm), the model one more. A layer
 passes the residual stream alongside the hidden states: `forward(x, residual)` adds it (when
 there is one), keeps the sum as the next residual and normalizes it, in one call of the compiled
-CPU kernel where it applies (float32 rows), else in torch. The arithmetic is float32 whatever
+CPU kernel where it applies (float32 rows), on CUDA in one Triton launch (kernels/fused_triton.py),
+else in torch. The arithmetic is float32 whatever
 the activations' dtype, as Hugging Face's Llama computes it, so outputs match the reference
 model.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import fused_for
+from pdserve.engine.kernels import fused_for, fused_triton
 
 
 class RMSNorm(nn.Module):
@@ -31,10 +32,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        triton_fused = fused_triton.for_tensor(x)  # None on CPU: CUDA only (kernels/fused_triton)
+        if triton_fused is not None:
+            done = triton_fused.add_rms_norm(
+                x, residual, self.weight, self.eps, lambda: self._torch_forward(x, residual)
+            )
+            if done is not None:
+                return done
         fused = fused_for(x) if x.dim() == 2 and self.weight.dtype == torch.float32 else None
         if fused is not None:  # one call; the residual sum is written in place
             out, residual = fused.add_rms_norm(x, residual, self.weight, self.eps)
             return out, residual
+        return self._torch_forward(x, residual)
+
+    def _torch_forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
             return self._norm(x), x
         residual = x + residual

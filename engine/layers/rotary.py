@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pdserve.engine.kernels import fused_for
+from pdserve.engine.kernels import fused_for, fused_triton
 
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
@@ -77,10 +77,25 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The compiled path rotates
         q and k in place (they are views of the step's fresh qkv projection)."""
+        triton_fused = fused_triton.for_tensor(q)  # None on CPU: CUDA only (kernels/fused_triton)
+        if triton_fused is not None:  # in place, partial rotary included
+            reference = lambda: self._rotated_copies(positions, q, k)  # noqa: E731
+            if triton_fused.rope_(q, k, positions, self.cos, self.sin, reference) is not None:
+                return q, k
+        return self._torch_forward(positions, q, k)
+
+    def _rotated_copies(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q and k rotated by torch into new tensors (q and k themselves untouched)."""
         rot = self.cos.shape[-1]
-        if rot != q.shape[-1]:  # partial rotary: the first `rot` dims turn, the rest pass through
-            q_rot, k_rot = self._rotate(positions, q[..., :rot], k[..., :rot])
-            return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
+        if rot == q.shape[-1]:
+            return self._rotate(positions, q, k)
+        # partial rotary: the first `rot` dims turn, the rest pass through
+        q_rot, k_rot = self._rotate(positions, q[..., :rot], k[..., :rot])
+        return torch.cat((q_rot, q[..., rot:]), -1), torch.cat((k_rot, k[..., rot:]), -1)
+
+    def _torch_forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.cos.shape[-1] != q.shape[-1]:
+            return self._rotated_copies(positions, q, k)
         fused = fused_for(q)
         if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             fused.rope_(q, k, positions, self.cos, self.sin)

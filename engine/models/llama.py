@@ -22,7 +22,7 @@ from torch import nn
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_context import get_forward_context
-from pdserve.engine.kernels import cpu_fused, cpu_paged_decode_capsule
+from pdserve.engine.kernels import cpu_fused, cpu_paged_decode_capsule, fused_triton
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.linear import (
     LinearBase,
@@ -120,8 +120,17 @@ class LlamaMLP(nn.Module):
             gu = self.gate_up_proj(x.to(torch.bfloat16))
             h = fused.silu_mul_bf16(gu.reshape(-1, gu.shape[-1]))
             return self.down_proj(h if tp_size() == 1 else h.float()).float()
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gu = self.gate_up_proj(x)
+        triton_fused = fused_triton.for_tensor(gu) if self.act is F.silu else None
+        if triton_fused is not None:  # CUDA: silu(gate) * up in one launch (kernels/fused_triton)
+            h = triton_fused.silu_mul(gu, lambda: self._act_mul(gu))
+            if h is not None:
+                return self.down_proj(h)
+        return self.down_proj(self._act_mul(gu))
+
+    def _act_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def _bf16_fused(self):
         """The compiled kernels where this MLP runs the bf16 mode's fused path: silu, both
