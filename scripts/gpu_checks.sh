@@ -48,11 +48,11 @@ if [ -d "$model" ]; then # random weights: bf16 equality and graphs only (the te
 elif [ -n "$model" ]; then
   model_arg=(--gguf "$model")
 fi
-has tests && PDSERVE_TEST_JOBS=4 step tests 240 bash scripts/test.sh -m gpu tests/gpu -rs \
+has tests && PDSERVE_TEST_JOBS=4 step tests 200 bash scripts/test.sh -m gpu tests/gpu -rs \
   --durations=25
-has kernels && step kernels 60 python3 -m benchmarks.engine.paged_decode_bench \
+has kernels && step kernels 45 python3 -m benchmarks.engine.paged_decode_bench \
   --out "$out/paged_decode.json"
-has bench && step bench 150 python3 -m benchmarks.engine.gpu --sections ceilings,floor8b \
+has bench && step bench 110 python3 -m benchmarks.engine.gpu --sections ceilings,floor8b \
   --out "$out/gpu_bench_floor.json"
 if has kv; then
   step kv8k 120 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
