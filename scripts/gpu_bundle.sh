@@ -21,12 +21,14 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # llguidance's registry wheels stop before the version the engine is built against; its compiled
 # part is abi3 (any CPython >= 3.9), so the installed package travels as it is.
 mkdir -p .gpu/site && python3 - <<'PY'
-import os, shutil
+import importlib.metadata, os, shutil
 
 import llguidance
 
 src = os.path.dirname(llguidance.__file__)
 shutil.copytree(src, ".gpu/site/llguidance", ignore=shutil.ignore_patterns("__pycache__"))
+info = importlib.metadata.distribution("llguidance")._path  # its version is read from here
+shutil.copytree(info, f".gpu/site/{os.path.basename(info)}")
 PY
 python3 - <<'PY'
 import pathlib, shutil, tempfile

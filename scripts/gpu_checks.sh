@@ -48,20 +48,20 @@ if [ -d "$model" ]; then # random weights: bf16 equality and graphs only (the te
 elif [ -n "$model" ]; then
   model_arg=(--gguf "$model")
 fi
-has tests && PDSERVE_TEST_JOBS=4 step tests 200 bash scripts/test.sh -m gpu tests/gpu -rs \
+has tests && PDSERVE_TEST_JOBS=4 step tests 120 bash scripts/test.sh -m gpu tests/gpu -rs \
   --durations=25
-has kernels && step kernels 45 python3 -m benchmarks.engine.paged_decode_bench \
+has kernels && step kernels 40 python3 -m benchmarks.engine.paged_decode_bench \
   --out "$out/paged_decode.json"
-has bench && step bench 110 python3 -m benchmarks.engine.gpu --sections ceilings,floor8b \
+has bench && step bench 60 python3 -m benchmarks.engine.gpu --sections ceilings,floor8b \
   --out "$out/gpu_bench_floor.json"
+has smollm2 && step smollm2 150 python3 -m benchmarks.engine.gpu --sections ceilings,smollm2 \
+  "${model_arg[@]}" --out "$out/gpu_bench_smollm2.json"
 if has kv; then
-  step kv8k 120 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
+  step kv8k 60 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
     --backends cuda_ipc --modes kvreceiver --tokens 8192 --requests 6 --rounds 3 \
     --out "$out/kv_cuda_ipc_8k.json"
-  step kv64k 150 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
+  step kv64k 100 python3 -m benchmarks.transfer.kv_transfer --device cuda --dtype bfloat16 \
     --backends cuda_ipc --modes kvreceiver --tokens 65536 --requests 2 --rounds 2 \
     --out "$out/kv_cuda_ipc_64k.json"
 fi
-has smollm2 && step smollm2 200 python3 -m benchmarks.engine.gpu --sections ceilings,smollm2 \
-  "${model_arg[@]}" --out "$out/gpu_bench_smollm2.json"
 exit 0

@@ -29,9 +29,9 @@ import torch
 log = logging.getLogger(__name__)
 
 BLOCK_N = 32  # cache tokens a program loads per iteration
-MAX_SPLITS = 16
-TOKENS_PER_SPLIT = 256  # the least context worth a program of its own
-TARGET_PROGRAMS = 528  # about four programs per multiprocessor on an H100/H200 (132 of them)
+MAX_SPLITS = 32
+TOKENS_PER_SPLIT = 128  # the least context worth a program of its own
+TARGET_PROGRAMS = 1056  # about eight programs per multiprocessor on an H100/H200 (132)
 
 
 _off: list[str] = []  # why the kernel was switched off for this process, once it was
@@ -64,65 +64,7 @@ def switch_off(err: BaseException) -> None:
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
-        scale, softcap, window, chunk, num_q_heads,
-        stride_q_row, stride_q_head, stride_tab_row, stride_c_tok, stride_c_head,
-        BS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-        DP: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-        NSPLIT: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        ctx = tl.load(lens_ptr + row).to(tl.int32)
-        first = split * chunk
-        end = tl.minimum(first + chunk, ctx)
-        lo = ctx * 0
-        if WINDOW:  # nothing before the window: start at its first tile
-            lo = tl.maximum(ctx - window, 0)
-            first = tl.maximum(first, (lo // BLOCK) * BLOCK)
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, DP)
-        gmask = offs_g < GROUP
-        dmask = offs_d < D
-        q_off = row * stride_q_row + (kvh * GROUP + offs_g)[:, None] * stride_q_head
-        q = tl.load(
-            q_ptr + q_off + offs_d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0
-        ).to(tl.float32)
-        m_i = tl.full([GP], -1e30, tl.float32)  # finite: a fully masked tile gives exp(-inf) = 0
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, DP], tl.float32)
-        n0 = first
-        while n0 < end:  # (a while loop: the interpreter cannot range() over its scalars)
-            offs_n = n0 + tl.arange(0, BLOCK)
-            valid = (offs_n < end) & (offs_n >= lo)
-            blk = tl.load(tables_ptr + row * stride_tab_row + offs_n // BS, mask=valid, other=0)
-            tok = blk.to(tl.int64) * BS + (offs_n % BS)
-            kv_off = tok[:, None] * stride_c_tok + kvh * stride_c_head + offs_d[None, :]
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            if SOFTCAP:  # cap * tanh(s / cap), tanh from exp (no libdevice in the interpreter)
-                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
-            n0 += BLOCK
-        part = (row * num_q_heads + kvh * GROUP + offs_g) * NSPLIT + split
-        tl.store(m_ptr + part, m_i, mask=gmask)
-        tl.store(l_ptr + part, l_i, mask=gmask)
-        out = acc_ptr + part[:, None] * DP + offs_d[None, :]
-        tl.store(out, acc, mask=gmask[:, None] & dmask[None, :])
+    from pdserve.engine.kernels.paged_decode_jit import decode
 
     return decode
 
@@ -174,6 +116,8 @@ def paged_decode(
         q.stride(0), q.stride(1), tables.stride(0), k.stride(0), k.stride(1),
         BS=bs, GROUP=group, GP=_pow2(group, 16), D=d, DP=dp, BLOCK=BLOCK_N,
         SOFTCAP=bool(softcap), WINDOW=bool(window), NSPLIT=splits,
+        LOWP=q.dtype == cache.dtype and q.dtype in (torch.bfloat16, torch.float16),
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
     )  # fmt: skip
     m = m.view(n, hq, splits)
     w = torch.exp(m - m.amax(-1, keepdim=True))

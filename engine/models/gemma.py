@@ -106,19 +106,28 @@ class GemmaModel(LlamaModel):
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps
         self.normalizer = cfg.hidden_size**0.5
+        self._normalizer_key, self._normalizer_t = None, None
         self._stack = None
 
     def prepare_decode_stack(self) -> None:
         self._stack = None  # Gemma layers are not the fused stack's
+
+    def _normalizer_like(self, hidden: torch.Tensor) -> torch.Tensor:
+        """sqrt(hidden_size) rounded to the activations' dtype, as HF multiplies by it, made once
+        per dtype and device: the first forward is eager, so a decode graph's capture later
+        finds it on the device (a host-to-device copy cannot be captured)."""
+        key = (hidden.dtype, hidden.device)
+        if self._normalizer_key != key:
+            self._normalizer_t = torch.tensor(self.normalizer, dtype=key[0], device=key[1])
+            self._normalizer_key = key
+        return self._normalizer_t
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, carried=None):
         """As LlamaModel.forward: the final hidden states, or in a stage before the last the
         (hidden, residual) pair the next stage continues from."""
         if carried is None:
             hidden = self.embed_tokens(input_ids)
-            hidden = hidden * torch.tensor(
-                self.normalizer, dtype=hidden.dtype, device=hidden.device
-            )
+            hidden = hidden * self._normalizer_like(hidden)
             residual = None
         else:
             hidden, residual = carried

@@ -93,7 +93,11 @@ def test_example_contents():
         ("pools:\n  prefill:\n    tp: 0\n", "pools.prefill.tp", "greater than or equal to 1"),
         ("pools:\n  decode:\n    replicaz: 2\n", "pools.decode.replicaz", "unknown key"),
         ("modle: smollm2\n", "modle", "unknown key"),
-        ("kvtransfer:\n  backend: nccl\n", "kvtransfer.backend", "'shm', 'torch' or 'nixl'"),
+        (
+            "kvtransfer:\n  backend: nccl\n",
+            "kvtransfer.backend",
+            "'shm', 'torch', 'nixl' or 'cuda_ipc'",
+        ),
         ("pools:\n  prefill:\n    replicas: two\n", "pools.prefill.replicas", "valid integer"),
         ("router:\n  port: '50051'\n", "router.port", "valid integer"),
         (

@@ -40,14 +40,13 @@ def test_kernel_matches_the_reference_and_reads_no_other_slot(case):
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
 
 
-def test_bf16_cache_under_float32_and_bf16_queries():
+def test_bf16_cache_under_float32_queries():
+    """(bf16 queries over a bf16 cache take tensor-core dots, which the interpreter computes
+    wrongly, numpy having no bf16: tests/gpu/test_cuda_paged_decode.py checks them.)"""
     q, cache, tables, lens = paged_case(4, 2, 16, 16, 8, [7, 90, 128], dtype=torch.bfloat16)
     want = reference(q, cache.float(), tables, lens, 0.25)
     got = kernel.paged_decode(q, cache, tables, lens, 0.25)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-6)
-    got16 = kernel.paged_decode(q.bfloat16(), cache, tables, lens, 0.25)
-    assert got16.dtype == torch.bfloat16
-    torch.testing.assert_close(got16.double(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_splits_come_from_shapes_only():
