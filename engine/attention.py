@@ -1,9 +1,10 @@
 """Attention over the paged KV cache (torch implementation; runs on CPU and CUDA).
 
-Decode rows are batched. On CPU in float32 a compiled kernel (engine/kernels) reads their blocks
-in place, and there every token of a step is such a row, prompt chunks included
-(ModelRunner._attention_inputs): a row's result depends on its position and context only, never on how
-its prompt was cut into chunks or what else shared the step. Otherwise decode rows' blocks are
+Decode rows are batched. On CUDA a Triton kernel (engine/kernels/paged_decode_triton.py) reads
+their blocks in place through the block tables; on CPU in float32 a compiled kernel does, and
+there every token of a step is such a row, prompt chunks included (ModelRunner._attention_inputs):
+a row's result depends on its position and context only, never on how its prompt was cut into
+chunks or what else shared the step. Otherwise decode rows' blocks are
 gathered with one index op per layer and attended with one SDPA call, a prompt chunk with no
 cached context attends its own fresh K/V with a causal kernel and skips the gather, and a chunk
 after a cached prefix gathers its context once.
