@@ -13,6 +13,7 @@ import torch
 from helpers.engine import greedy
 from helpers.gpu import DEVICE, hf_greedy, hf_on
 from helpers.models import random_prompts
+from helpers.spec import run_spec
 from helpers.structured import byte_level_model, check_output
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
@@ -29,15 +30,8 @@ SPECS = [
 ]
 
 
-def _run(model_dir, prompts, params, spec=None, **kw):
-    llm = LLM(model_dir, block_size=16, speculative_config=spec, **ENGINE, **kw)
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.engine.spec_stats()
-        assert_no_leaks(llm.engine)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0] for o in outs], stats
+def _run(model_dir, prompts, params, spec=None):
+    return run_spec(model_dir, prompts, params, spec, block_size=16, **ENGINE)
 
 
 def test_structured_output_greedy_and_sampled_rows_in_one_batch(tiny_models, tmp_path):

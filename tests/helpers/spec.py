@@ -9,6 +9,8 @@ import random
 
 import pytest
 
+from helpers.threads import assert_no_leaks
+from pdserve.engine import LLM
 from pdserve.engine.spec import ngram as spec_ngram
 from pdserve.engine.spec.gate import SpecGate
 
@@ -30,3 +32,16 @@ def bad_guesses(monkeypatch):
         return [rng.randrange(256) for _ in range(k)]
 
     monkeypatch.setattr(spec_ngram.History, "propose", propose)
+
+
+def run_spec(model_dir, prompts, params, spec=None, **engine):
+    """(each request's first output, the engine's speculation counters) of `prompts` on a fresh
+    engine with speculative_config `spec` and the `engine` keywords; no block left held."""
+    llm = LLM(model_dir, speculative_config=spec, **engine)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.spec_stats()
+        assert_no_leaks(llm.engine)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0] for o in outs], stats

@@ -14,7 +14,7 @@ import pytest
 
 from helpers.engine import KV, greedy, needs_x86_int8
 from helpers.models import random_prompts
-from helpers.threads import assert_no_leaks
+from helpers.spec import run_spec
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.spec import gate as spec_gate, ngram as spec_ngram
 from pdserve.engine.spec.config import SpeculativeConfig
@@ -32,14 +32,7 @@ DRAFT_INT8 = {
 
 
 def _run(model_dir, prompts, params, spec=None, **kw):
-    llm = LLM(model_dir, kv_cache_memory=KV, block_size=4, speculative_config=spec, **kw)
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.engine.spec_stats()
-        assert_no_leaks(llm.engine)
-    finally:
-        llm.shutdown()
-    return [o.outputs[0] for o in outs], stats
+    return run_spec(model_dir, prompts, params, spec, kv_cache_memory=KV, block_size=4, **kw)
 
 
 def _prompts(n):
