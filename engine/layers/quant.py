@@ -73,13 +73,31 @@ Q4_ROWS = 8
 # 1,592 against 1,766 at 1,024 (a 512-token prompt's first token 746 against 818 ms). So such a
 # layer keeps no oneDNN copy at all (engine/layers/linear.py): 4 bytes a weight less.
 BLOCKS_EVERY_STEP = 1 << 62
+# On a CPU with AMX (the Intel Xeon kind) a float32 layer's blocks lead oneDNN's float32 kernel
+# up to here, and our own f32_linear loses to it past Q4_ROWS. SmolLM2's four decoder linears, one
+# pass, 2 threads, beside other work (2026-12-04), blocks against oneDNN, median of 7: 414 against
+# 530 us at 9 rows, 531 against 640 at 16, 793 against 859 at 24, even at 32, 2,096 against
+# 1,827 at 64 (own product: 562, 844, 1,349, 1,760, 3,361).
+AMX_FLOAT32_BLOCK_ROWS = 24
 
 
 def float32_block_rows() -> int:
     """The most rows of a float32 step that a layer's 4- or 8-bit blocks (Q4Blocks, Q8Blocks)
     take on this CPU: Q4_ROWS where AVX-512 runs the dense product (our own f32_linear or
-    oneDNN's AVX-512 kernel), BLOCKS_EVERY_STEP elsewhere. Either path gives the same bits."""
+    oneDNN's AVX-512 kernel), AMX_FLOAT32_BLOCK_ROWS where the CPU also has AMX,
+    BLOCKS_EVERY_STEP elsewhere. Either path gives the same bits."""
+    if cpu_features().has("amx_bf16"):
+        return AMX_FLOAT32_BLOCK_ROWS
     return Q4_ROWS if cpu_features().has("avx512f") else BLOCKS_EVERY_STEP
+
+
+def own_product_beside_blocks() -> bool:
+    """Whether a float32 layer that has blocks also takes our own product (f32_linear, in place
+    of oneDNN's copy) for its larger steps: not on a CPU with AMX, where oneDNN's float32 kernel
+    is about 2x faster than ours at 32 rows and more (AMX_FLOAT32_BLOCK_ROWS), and ours, taking
+    every step past the blocks, made the float32 mode's prefill slower than HF's. A layer without
+    blocks keeps ours there (2x faster than oneDNN at one row)."""
+    return not cpu_features().has("amx_bf16")
 
 
 def blocks_every_step() -> bool:
@@ -535,11 +553,9 @@ def own_product(
     it on this CPU and it gives `dense_matmul`'s bits (oneDNN on the weight itself): on rows that
     expose the order of the sums (once per shape, on a weight of ones), then on random rows of
     this weight in each of OWN_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every
-    step. Neither dtype on a CPU with AMX (the Intel Xeon kind, where its full-width AVX-512
-    units serve oneDNN's kernels far better than the EPYC's): there oneDNN multiplies bf16 on
-    the tile units 4-25x faster than this product at 32-512 rows, and float32 about 2x faster
-    at 32 rows and more (SmolLM2's MLP shapes, 2 threads, 2026-12-04), so our product, which
-    replaces oneDNN's copy for every step, made the float32 mode's prefill slower than HF's."""
+    step. bf16 not on a CPU with AMX: there oneDNN multiplies bf16 on the tile units, 4-25x
+    faster than this product at 32-512 rows (SmolLM2's shapes, 2 threads, 2026-12-04). (For
+    float32 there see own_product_beside_blocks.)"""
     from pdserve.engine.cpu import cpu_features
 
     fused = cpu_fused()
@@ -547,8 +563,7 @@ def own_product(
     if (
         fused is None
         or not (fused.bf16_linear_fast() if bf16 else fused.f32_linear_fast())
-        or cpu_features().has("amx_bf16")
-        or (bf16 and not onednn_bf16_available())
+        or (bf16 and (cpu_features().has("amx_bf16") or not onednn_bf16_available()))
         or weight.dim() != 2
         or weight.shape[0] % 16
         or weight.device.type != "cpu"

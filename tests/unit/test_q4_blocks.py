@@ -256,6 +256,7 @@ def test_without_avx512_the_blocks_take_every_step_and_oneDNN_keeps_no_copy(monk
     for flags, rows, copy in (
         (["avx2", "fma"], quant.BLOCKS_EVERY_STEP, False),
         (["avx512f"], Q4_ROWS, True),
+        (["avx512f", "amx_bf16"], quant.AMX_FLOAT32_BLOCK_ROWS, True),
     ):
         monkeypatch.setattr(
             quant, "cpu_features", lambda f=flags: CPUFeatures("test", frozenset(f))
