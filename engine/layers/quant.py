@@ -91,6 +91,20 @@ def float32_block_rows() -> int:
     return Q4_ROWS if cpu_features().has("avx512f") else BLOCKS_EVERY_STEP
 
 
+# On a CPU with AMX oneDNN's bf16 kernel is fast at few rows too, and the 4-bit product in the
+# tiles' order (two chains of fused multiply-adds, twice AVX512-BF16's dot products) leads it only
+# at one row. SmolLM2's four decoder linears, one pass, 2 threads, beside other work (2026-12-04),
+# blocks against oneDNN, median of 9: 235 against 308 us at 1 row, even at 2, 511 against 324
+# at 5, 737 against 346 at 8.
+AMX_BF16_BLOCK_ROWS = 1
+
+
+def bf16_block_rows() -> int:
+    """The most rows of a bf16-mode step that a layer's 4-bit blocks take on this CPU (the same
+    bits as oneDNN's either way): Q4_ROWS, or AMX_BF16_BLOCK_ROWS where the CPU has AMX."""
+    return AMX_BF16_BLOCK_ROWS if cpu_features().has("amx_bf16") else Q4_ROWS
+
+
 def own_product_beside_blocks() -> bool:
     """Whether a float32 layer that has blocks also takes our own product (f32_linear, in place
     of oneDNN's copy) for its larger steps: not on a CPU with AMX, where oneDNN's float32 kernel
@@ -511,8 +525,8 @@ class Bf16Weight:
     """A weight [out, in] in bf16, packed for oneDNN: inputs rounded to bf16, products summed in
     float32, the result rounded to bf16 (oneDNN's output) and handed back as float32. Where the
     weight is exactly 4-bit blocks (Q4Blocks) and their product gives oneDNN's bits on this CPU
-    (checked here, on random rows), a step of at most Q4_ROWS rows multiplies those instead: the
-    same bits, fewer bytes read. Where the compiled kernels have AVX512-BF16 and their own
+    (checked here, on random rows), a step of at most Q4_ROWS rows (one on a CPU with AMX:
+    bf16_block_rows) multiplies those instead: the same bits, fewer bytes read. Where the compiled kernels have AVX512-BF16 and their own
     product (fused_cpu.cpp bf16_linear) gives oneDNN's bits for this shape (checked here too:
     own_product), every other step takes that product and oneDNN's packed copy is let go: the same
     bits in 12-32% less time at 9-64 rows on the AVX-512 BF16 EPYC (oneDNN's at 512 rows)."""
@@ -524,12 +538,13 @@ class Bf16Weight:
         self.out_features = weight.shape[0]
         self.bp, self.bp_part = None, 0  # (dense_matmul is oneDNN's while the checks run)
         self.q4 = exact_blocks(weight, torch.bfloat16, self.dense_matmul)
+        self.q4_rows = bf16_block_rows()
         self.bp, self.bp_part = own_product(weight, torch.bfloat16, self.dense_matmul)
         if self.bp is not None:
             self.packed = None  # (dense_matmul takes bf16_linear from now on: the same bits)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and x2d.shape[0] <= Q4_ROWS:
+        if self.q4 is not None and x2d.shape[0] <= self.q4_rows:
             return self.q4.matmul(x2d)
         return self.dense_matmul(x2d)
 

@@ -82,6 +82,7 @@ def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
     blocks = (q * 0.0625 - 0.5).float()
     layer = linear_f32(blocks)
     assert layer._blocks is not None and layer._own is None and layer._packed is not None
+    assert Bf16Weight(blocks).q4_rows == 1  # (the 4-bit product leads oneDNN at one row only)
     x = torch.randn(40, 64)
     assert torch.equal(layer(x), onednn_f32(blocks, x))
     if fused is not None and fused.f32_linear_fast():
