@@ -423,6 +423,12 @@ at::Tensor topk_rows(at::Tensor x, int64_t k) {
 // to bf16. engine/layers/quant.py measures `part` on oneDNN and checks the bits before use. A
 // step of few rows reads 0.625 bytes a weight instead of bf16's 2; a row's result depends only
 // on that row, whatever the number of rows or threads.
+// A negative part asks for the tiles' order instead, oneDNN's on a CPU with AMX (its brgemm
+// kernel's TDPBF16PS, measured there: quant.py onednn_part): each block of 32 inputs summed from
+// zero in two chains, the even inputs' products in order and the odd inputs' in order, the two
+// chains' sums added, and that block's sum added to the part's running sum, in parts of -part
+// inputs as above. The products are exact in float32, so each chain step is one fused
+// multiply-add.
 namespace {
 
 constexpr int64_t kBlock = 32;         // input features a block covers
@@ -437,9 +443,37 @@ inline float half_at(const uint8_t* p) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16 float32 values rounded to bf16 (nearest even), back as float32.
+inline __m512 bf16_round(__m512 v) {
+  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// One block of 32 inputs in the tiles' order (above): the even and the odd inputs' products in
+// two chains from zero, their sum added to acc. xb: the block's activations (bf16 bits), rows K
+// apart; blk: the group's block; d, m: its 16 outputs' d and m.
+template <int R>
+inline void tiles_block(const uint16_t* xb, int64_t K, const uint8_t* blk, __m512 d, __m512 m,
+                        __m512* acc) {
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  __m512 ev[R], od[R];
+  for (int r = 0; r < R; ++r) ev[r] = od[r] = _mm512_setzero_ps();
+  for (int p = 0; p < kBlock / 2; ++p) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + p * 16)));
+    const __m512 we = bf16_round(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d), m));
+    const __m512 wo = bf16_round(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m));
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = xb + r * K + 2 * p;
+      ev[r] = _mm512_fmadd_ps(_mm512_set1_ps(bf16_value(xr[0])), we, ev[r]);
+      od[r] = _mm512_fmadd_ps(_mm512_set1_ps(bf16_value(xr[1])), wo, od[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(ev[r], od[r]));
+}
+
 // x: the rows' activations as bf16 bits [R, K]; w: the groups' blocks; part_b: the blocks a part
 // of the sum covers. y: bf16 bits [R, out], ys apart.
-template <int R>
+template <int R, bool Tiles>
 void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
                  int64_t g0, int64_t g1, uint16_t* y, int64_t ys) {
   const __m512i low = _mm512_set1_epi32(0x0F);
@@ -462,6 +496,10 @@ void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
       const uint16_t* xb = x + b * kBlock;
+      if constexpr (Tiles) {
+        tiles_block<R>(xb, K, blk, d, m, acc);
+        continue;
+      }
       for (int p = 0; p < kBlock / 2; ++p) {
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + p * 16)));
         const __m512 we = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d), m);
@@ -484,7 +522,7 @@ void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int
 #else
 // The same arithmetic one value at a time (CPUs without AVX512-BF16, where quantization="auto"
 // does not offer the bf16 mode; builds without AVX-512 in tests).
-template <int R>
+template <int R, bool Tiles>
 void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
                  int64_t g0, int64_t g1, uint16_t* y, int64_t ys) {
   for (int64_t g = g0; g < g1; ++g) {
@@ -500,15 +538,24 @@ void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int
         }
         const uint8_t* blk = gw + b * kGroupBytes;
         const float d = half_at(blk + 2 * j), m = half_at(blk + 32 + 2 * j);
+        float ev[R] = {}, od[R] = {};  // the tiles' two chains of this block
         for (int p = 0; p < kBlock / 2; ++p) {
           const uint8_t q = blk[64 + p * 16 + j];
           const float we = bf16_value(bf16_bits(static_cast<float>(q & 0x0F) * d + m));
           const float wo = bf16_value(bf16_bits(static_cast<float>(q >> 4) * d + m));
           for (int r = 0; r < R; ++r) {
             const uint16_t* xr = x + r * K + b * kBlock + 2 * p;
-            acc[r] += wo * bf16_value(xr[1]);  // exact products: one rounding each sum
-            acc[r] += we * bf16_value(xr[0]);
+            if (Tiles) {  // exact products: one rounding each sum
+              ev[r] += we * bf16_value(xr[0]);
+              od[r] += wo * bf16_value(xr[1]);
+            } else {
+              acc[r] += wo * bf16_value(xr[1]);
+              acc[r] += we * bf16_value(xr[0]);
+            }
           }
+        }
+        if (Tiles) {
+          for (int r = 0; r < R; ++r) acc[r] += ev[r] + od[r];
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -519,17 +566,18 @@ void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int
 }
 #endif
 
+template <bool Tiles>
 void groups_any(int rows, const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb,
                 int64_t part_b, int64_t g0, int64_t g1, uint16_t* y, int64_t ys) {
   switch (rows) {
-    case 1: return groups_pass<1>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 2: return groups_pass<2>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 3: return groups_pass<3>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 4: return groups_pass<4>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 5: return groups_pass<5>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 6: return groups_pass<6>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 7: return groups_pass<7>(x, K, w, nb, part_b, g0, g1, y, ys);
-    default: return groups_pass<8>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 1: return groups_pass<1, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 2: return groups_pass<2, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 3: return groups_pass<3, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 4: return groups_pass<4, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 5: return groups_pass<5, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 6: return groups_pass<6, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 7: return groups_pass<7, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
+    default: return groups_pass<8, Tiles>(x, K, w, nb, part_b, g0, g1, y, ys);
   }
 }
 
@@ -610,8 +658,8 @@ c10::optional<at::Tensor> q4_blocks(at::Tensor w) {
 }
 
 // x [rows, in] (float32 or bfloat16) times the blocks of a weight [out / 16, in / 32 * 320]
-// (uint8) in oneDNN's bf16 arithmetic (above), in parts of `part` inputs (a multiple of 32):
-// [rows, out] bfloat16.
+// (uint8) in oneDNN's bf16 arithmetic (above), in parts of `part` inputs (a multiple of 32; a
+// negative one: the tiles' order in parts of -part): [rows, out] bfloat16.
 at::Tensor q4_linear(at::Tensor x, at::Tensor blocks, int64_t part) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -622,7 +670,9 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor blocks, int64_t part) {
   const int64_t rows = x.size(0), in = x.size(1), groups = blocks.size(0), out = groups * kGroup;
   TORCH_CHECK(in % kBlock == 0 && blocks.size(1) == in / kBlock * kGroupBytes,
               "blocks: ", in / kBlock * kGroupBytes, " bytes a group expected for ", in, " inputs");
-  TORCH_CHECK(part > 0 && part % kBlock == 0, "part: a positive multiple of 32 expected");
+  TORCH_CHECK(part != 0 && part % kBlock == 0, "part: a nonzero multiple of 32 expected");
+  const bool tiles = part < 0;
+  part = tiles ? -part : part;
   auto y = at::empty({rows, out}, x.options().dtype(at::kBFloat16));
   if (rows == 0 || out == 0) return y;
   // the activations as bf16, rounded as .to(torch.bfloat16) rounds them
@@ -642,7 +692,11 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor blocks, int64_t part) {
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int r = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-      groups_any(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
+      if (tiles) {
+        groups_any<true>(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
+      } else {
+        groups_any<false>(r, xp + r0 * in, in, wp, nb, part_b, g0, g1, yp + r0 * out, out);
+      }
     }
   });
   return y;

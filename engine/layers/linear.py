@@ -30,6 +30,7 @@ from pdserve.engine.layers.quant import (
     onednn_bf16_available,
     own_linear,
     own_product,
+    own_product_beside_blocks,
     quantize_weight,
 )
 from pdserve.engine.parallel import all_reduce, divide, tp_rank, tp_size
@@ -123,8 +124,9 @@ class LinearBase(nn.Module):
                 if self._blocks is not None and self.bias is None and blocks_every_step():
                     self._packed = None  # (oneDNN would never run: 4 bytes a weight less)
                 # our own product where it gives oneDNN's bits (quant.own_product); oneDNN adds a
-                # bias inside its product, so a layer with one keeps oneDNN
-                if self.bias is None:
+                # bias inside its product, so a layer with one keeps oneDNN; beside blocks, only
+                # where it beats oneDNN on their larger steps (quant.own_product_beside_blocks)
+                if self.bias is None and (self._blocks is None or own_product_beside_blocks()):
                     own, part = own_product(self.weight.detach(), torch.float32, dense)
                     if own is not None:
                         self._own, self._packed = (own, part), None

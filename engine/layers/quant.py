@@ -73,13 +73,45 @@ Q4_ROWS = 8
 # 1,592 against 1,766 at 1,024 (a 512-token prompt's first token 746 against 818 ms). So such a
 # layer keeps no oneDNN copy at all (engine/layers/linear.py): 4 bytes a weight less.
 BLOCKS_EVERY_STEP = 1 << 62
+# On a CPU with AMX (the Intel Xeon kind) a float32 layer's blocks lead oneDNN's float32 kernel
+# up to here, and our own f32_linear loses to it past Q4_ROWS. SmolLM2's four decoder linears, one
+# pass, 2 threads, beside other work (2026-12-04), blocks against oneDNN, median of 7: 414 against
+# 530 us at 9 rows, 531 against 640 at 16, 793 against 859 at 24, even at 32, 2,096 against
+# 1,827 at 64 (own product: 562, 844, 1,349, 1,760, 3,361).
+AMX_FLOAT32_BLOCK_ROWS = 24
 
 
 def float32_block_rows() -> int:
     """The most rows of a float32 step that a layer's 4- or 8-bit blocks (Q4Blocks, Q8Blocks)
     take on this CPU: Q4_ROWS where AVX-512 runs the dense product (our own f32_linear or
-    oneDNN's AVX-512 kernel), BLOCKS_EVERY_STEP elsewhere. Either path gives the same bits."""
+    oneDNN's AVX-512 kernel), AMX_FLOAT32_BLOCK_ROWS where the CPU also has AMX,
+    BLOCKS_EVERY_STEP elsewhere. Either path gives the same bits."""
+    if cpu_features().has("amx_bf16"):
+        return AMX_FLOAT32_BLOCK_ROWS
     return Q4_ROWS if cpu_features().has("avx512f") else BLOCKS_EVERY_STEP
+
+
+# On a CPU with AMX oneDNN's bf16 kernel is fast at few rows too, and the 4-bit product in the
+# tiles' order (two chains of fused multiply-adds, twice AVX512-BF16's dot products) leads it only
+# at one row. SmolLM2's four decoder linears, one pass, 2 threads, beside other work (2026-12-04),
+# blocks against oneDNN, median of 9: 235 against 308 us at 1 row, even at 2, 511 against 324
+# at 5, 737 against 346 at 8.
+AMX_BF16_BLOCK_ROWS = 1
+
+
+def bf16_block_rows() -> int:
+    """The most rows of a bf16-mode step that a layer's 4-bit blocks take on this CPU (the same
+    bits as oneDNN's either way): Q4_ROWS, or AMX_BF16_BLOCK_ROWS where the CPU has AMX."""
+    return AMX_BF16_BLOCK_ROWS if cpu_features().has("amx_bf16") else Q4_ROWS
+
+
+def own_product_beside_blocks() -> bool:
+    """Whether a float32 layer that has blocks also takes our own product (f32_linear, in place
+    of oneDNN's copy) for its larger steps: not on a CPU with AMX, where oneDNN's float32 kernel
+    is about 2x faster than ours at 32 rows and more (AMX_FLOAT32_BLOCK_ROWS), and ours, taking
+    every step past the blocks, made the float32 mode's prefill slower than HF's. A layer without
+    blocks keeps ours there (2x faster than oneDNN at one row)."""
+    return not cpu_features().has("amx_bf16")
 
 
 def blocks_every_step() -> bool:
@@ -398,28 +430,57 @@ def cancelling_rows(in_features: int) -> torch.Tensor:
     return x
 
 
+def tile_rows(in_features: int) -> torch.Tensor:
+    """Rows whose sums, on a weight of ones, tell oneDNN's bf16 order within a block and, in the
+    tiles' order, its parts. Row 0 (+2^24, -2^24, 1) sums to 1 pair after pair (AVX512-BF16's
+    order) and to 0 in the tiles' two chains (AMX's: the even inputs' +2^24 swallows the 1);
+    row 1 (+2^24, 1, -2^24) the other way round. In the tiles' order each block of 32 inputs is
+    summed from zero, so a part shows only in how block sums meet: for each block start s with a
+    block on either side, a row with +2^24 in the block before s, 1 at s and -2^24 in the block
+    after it sums to 1 if a part starts at s, else to 0 (the 1 lost to +2^24 first)."""
+    big = 2.0**24
+    starts = range(INT4_GROUP, in_features - INT4_GROUP, INT4_GROUP)
+    x = torch.zeros(2 + len(starts), in_features)
+    x[0, 0], x[0, 1], x[0, 2] = big, -big, 1.0
+    x[1, 0], x[1, 1], x[1, 2] = big, 1.0, -big
+    for i, c in enumerate(starts):
+        x[2 + i, c - INT4_GROUP], x[2 + i, c], x[2 + i, c + INT4_GROUP] = big, 1.0, -big
+    return x
+
+
 def _onednn_on_ones(in_features: int, out_features: int, x: torch.Tensor, dtype) -> torch.Tensor:
+    """oneDNN's product of x and a weight of ones, in steps of Q4_ROWS rows: the steps the 4-bit
+    product stands in for. (oneDNN's AMX bf16 kernel for 33 rows and more sums otherwise than
+    for fewer: there a step's bits depend on its size, oneDNN's own doing.)"""
     from pdserve.engine.layers.linear import onednn_linear  # (linear imports this module)
 
     ones = torch.ones(out_features, in_features, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(ones, 32)
-    return onednn_linear(x.to(dtype), packed, None)
+    return torch.cat([onednn_linear(c.to(dtype), packed, None) for c in x.split(Q4_ROWS)])
 
 
 @functools.cache
 def onednn_part(
     in_features: int, out_features: int = 16, dtype: torch.dtype = torch.bfloat16
 ) -> int | None:
-    """How oneDNN's linear of this shape and dtype sums a row's products, measured on oneDNN with
-    cancelling_rows: in input order (bf16: pair after pair; float32: one chain), in parts of P
-    inputs (its blocks of the inputs: on the AVX-512 EPYC 512 up to 1,024 inputs and 1024 past
-    that in both dtypes; with AVX2 only, float32 sums up to 1,024 inputs in one part; measured,
-    not assumed), each part from zero, the parts added in order. Returns P (in_features: one
-    part), or None if what it does is not that (then no 4-bit product gives its bits)."""
+    """How oneDNN's linear of this shape and dtype sums a row's products in a step of at most
+    Q4_ROWS rows, measured on oneDNN with cancelling_rows: in input order (bf16: pair after
+    pair; float32: one chain), in parts of P inputs (its blocks of the inputs: on the AVX-512
+    EPYC 512 up to 1,024 inputs and 1024 past that in both dtypes; with AVX2 only, float32 sums
+    up to 1,024 inputs in one part; measured, not assumed), each part from zero, the parts added
+    in order. Returns P (in_features: one part), or None if what it does is not that (then no
+    4-bit product gives its bits). In bf16 on a CPU with AMX oneDNN sums in the tiles' order
+    (tile_rows tells; fused_cpu.cpp q4_linear describes it): then -P, P found by _tiles_part."""
     k = in_features
     if k % INT4_GROUP or (dtype == torch.bfloat16 and not onednn_bf16_available()):
         return None
     starts = list(range(INT4_GROUP, k, INT4_GROUP))
+    if dtype == torch.bfloat16:
+        got = _onednn_on_ones(k, out_features, tile_rows(k), dtype)[:, 0].float().tolist()
+        if got[:2] == [0.0, 1.0]:
+            return _tiles_part(k, got[2:])
+        if got[:2] != [1.0, 0.0]:
+            return None
     if not starts:
         return k
     got = _onednn_on_ones(k, out_features, cancelling_rows(k), dtype)[: 2 * len(starts), 0]
@@ -435,15 +496,27 @@ def onednn_part(
     return part if got[1::2] == in_order else None
 
 
+def _tiles_part(in_features: int, got: list[float]) -> int | None:
+    """-P for oneDNN's bf16 sums in the tiles' order in parts of P inputs, from tile_rows' part
+    rows (`got`, one a block start), or None if they show no such parts."""
+    k = in_features
+    starts = range(INT4_GROUP, k - INT4_GROUP, INT4_GROUP)
+    if any(v not in (0.0, 1.0) for v in got):
+        return None
+    bounds = [c for c, v in zip(starts, got) if v == 1.0]
+    part = bounds[0] if bounds else k
+    return -part if bounds == list(range(part, k - INT4_GROUP, part)) else None
+
+
 @functools.cache
 def q4_gives_onednn_bits(
     in_features: int, out_features: int, part: int, dtype: torch.dtype = torch.bfloat16
 ) -> bool:
     """Whether the 4-bit product in parts of `part` gives oneDNN's `dtype` bits for this shape
-    on cancelling_rows, whose results change with any other order of the sums."""
+    on cancelling_rows and tile_rows, whose results change with any other order of the sums."""
     ones = torch.ones(out_features, in_features)
     q4 = Q4Blocks(cpu_fused().q4_blocks(ones), part, dtype)
-    x = cancelling_rows(in_features)
+    x = torch.cat([cancelling_rows(in_features), tile_rows(in_features)])
     got = torch.cat([q4.matmul(c) for c in x.split(Q4_ROWS)])
     return torch.equal(got, _onednn_on_ones(in_features, out_features, x, dtype).to(got.dtype))
 
@@ -452,8 +525,8 @@ class Bf16Weight:
     """A weight [out, in] in bf16, packed for oneDNN: inputs rounded to bf16, products summed in
     float32, the result rounded to bf16 (oneDNN's output) and handed back as float32. Where the
     weight is exactly 4-bit blocks (Q4Blocks) and their product gives oneDNN's bits on this CPU
-    (checked here, on random rows), a step of at most Q4_ROWS rows multiplies those instead: the
-    same bits, fewer bytes read. Where the compiled kernels have AVX512-BF16 and their own
+    (checked here, on random rows), a step of at most Q4_ROWS rows (one on a CPU with AMX:
+    bf16_block_rows) multiplies those instead: the same bits, fewer bytes read. Where the compiled kernels have AVX512-BF16 and their own
     product (fused_cpu.cpp bf16_linear) gives oneDNN's bits for this shape (checked here too:
     own_product), every other step takes that product and oneDNN's packed copy is let go: the same
     bits in 12-32% less time at 9-64 rows on the AVX-512 BF16 EPYC (oneDNN's at 512 rows)."""
@@ -465,12 +538,13 @@ class Bf16Weight:
         self.out_features = weight.shape[0]
         self.bp, self.bp_part = None, 0  # (dense_matmul is oneDNN's while the checks run)
         self.q4 = exact_blocks(weight, torch.bfloat16, self.dense_matmul)
+        self.q4_rows = bf16_block_rows()
         self.bp, self.bp_part = own_product(weight, torch.bfloat16, self.dense_matmul)
         if self.bp is not None:
             self.packed = None  # (dense_matmul takes bf16_linear from now on: the same bits)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and x2d.shape[0] <= Q4_ROWS:
+        if self.q4 is not None and x2d.shape[0] <= self.q4_rows:
             return self.q4.matmul(x2d)
         return self.dense_matmul(x2d)
 
@@ -494,8 +568,9 @@ def own_product(
     it on this CPU and it gives `dense_matmul`'s bits (oneDNN on the weight itself): on rows that
     expose the order of the sums (once per shape, on a weight of ones), then on random rows of
     this weight in each of OWN_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every
-    step. bf16 not on a CPU with AMX: there oneDNN multiplies bf16 on the tile units, which this
-    product (measured against oneDNN's AVX512-BF16 path only) is not known to beat."""
+    step. bf16 not on a CPU with AMX: there oneDNN multiplies bf16 on the tile units, 4-25x
+    faster than this product at 32-512 rows (SmolLM2's shapes, 2 threads, 2026-12-04). (For
+    float32 there see own_product_beside_blocks.)"""
     from pdserve.engine.cpu import cpu_features
 
     fused = cpu_fused()
@@ -512,7 +587,8 @@ def own_product(
         return None, 0
     k, n = weight.shape[1], probe_outputs(weight)
     part = onednn_part(k, n, dtype)
-    if part is None or not _own_gives_onednn_bits(k, n, part, dtype):
+    # (a negative part, the tiles' order, is not this product's)
+    if part is None or part < 0 or not _own_gives_onednn_bits(k, n, part, dtype):
         return None, 0
     packed = (fused.bf16_pack if bf16 else fused.f32_pack)(weight.detach())
     gen = torch.Generator().manual_seed(0)

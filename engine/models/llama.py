@@ -32,7 +32,6 @@ from pdserve.engine.layers.linear import (
 )
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.quant import (
-    Q4_ROWS,
     Bf16Weight,
     Int4Weight,
     Int8Weight,
@@ -251,7 +250,7 @@ class LlamaModel(nn.Module):
                 elif q is None and linear._own is not None:
                     stack.set_own(which, *linear._own)
                 if isinstance(q, Bf16Weight) and q.q4 is not None:
-                    stack.set_q4(which, q.q4.blocks, q.q4.part, Q4_ROWS)
+                    stack.set_q4(which, q.q4.blocks, q.q4.part, q.q4_rows)
                 elif q is None and isinstance(linear._blocks, Q4Blocks) and linear.bias is None:
                     # (oneDNN adds a layer's bias inside its product: such a layer keeps oneDNN)
                     rows = float32_block_rows()

@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from helpers.marks import needs_onednn_bf16
+from pdserve.engine.cpu import cpu_features
 from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers import quant
 from pdserve.engine.layers.quant import Bf16Weight, onednn_part
 
 fused = cpu_fused()
+# (on a CPU with AMX oneDNN keeps a bf16 weight's every step: quant.own_product)
+amx = cpu_features().has("amx_bf16")
 needs_own = pytest.mark.skipif(
-    fused is None or not fused.bf16_linear_fast(),
-    reason="the compiled kernels have no AVX512-BF16 product on this CPU",
+    fused is None or not fused.bf16_linear_fast() or amx,
+    reason="the compiled kernels have no AVX512-BF16 product on this CPU, or it has AMX",
 )
 needs_own_f32 = pytest.mark.skipif(
     fused is None or not fused.f32_linear_fast(),
@@ -62,13 +65,28 @@ def test_a_part_that_is_not_onednns_is_refused(monkeypatch):
 
 @needs_onednn_bf16
 def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
+    """On the Intel Xeon with AMX oneDNN's kernels beat our products at 32 rows and more: a bf16
+    weight keeps oneDNN for every step, and so does a float32 layer past its 4-bit blocks (ours
+    there made the float32 mode's prefill slower than HF's); one without blocks keeps ours."""
     from pdserve.engine import cpu
 
     real = cpu.cpu_features()
-    amx = type(real)(real.model, real.flags | {"amx_bf16", "amx_tile"})
-    monkeypatch.setattr(cpu, "cpu_features", lambda: amx)
+    with_amx = type(real)(real.model, real.flags | {"amx_bf16", "amx_tile"})
+    monkeypatch.setattr(cpu, "cpu_features", lambda: with_amx)
+    monkeypatch.setattr(quant, "cpu_features", lambda: with_amx)
     q = Bf16Weight(torch.randn(32, 64))
     assert q.bp is None and q.packed is not None
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (32, 64), generator=g)
+    q[:, ::32], q[:, 1::32] = 0, 15  # each block spans 0..15: Q4_1's d 1/16, m -1/2
+    blocks = (q * 0.0625 - 0.5).float()
+    layer = linear_f32(blocks)
+    assert layer._blocks is not None and layer._own is None and layer._packed is not None
+    assert Bf16Weight(blocks).q4_rows == 1  # (the 4-bit product leads oneDNN at one row only)
+    x = torch.randn(40, 64)
+    assert torch.equal(layer(x), onednn_f32(blocks, x))
+    if fused is not None and fused.f32_linear_fast():
+        assert linear_f32(torch.randn(32, 64))._own is not None
 
 
 @needs_onednn_bf16

@@ -30,6 +30,7 @@ from pdserve.engine.layers.quant import (
     float32_block_rows,
     onednn_part,
     q4_gives_onednn_bits,
+    tile_rows,
 )
 
 pytestmark = [
@@ -56,14 +57,24 @@ def weight(out=96, inp=160, seed=0, kind="Q4_1") -> torch.Tensor:
 def reference(x: torch.Tensor, w: torch.Tensor, part: int) -> torch.Tensor:
     """oneDNN's bf16 arithmetic in plain float32 torch ops: x and w rounded to bf16, each
     output's products (exact in float32) summed pair after pair in input order, the odd input's
-    first, in parts of `part` inputs added in order, the sum rounded to bf16."""
+    first, in parts of `part` inputs added in order, the sum rounded to bf16. A negative part:
+    the tiles' order (AMX) in parts of -part, each block of 32 inputs summed from zero in two
+    chains, the even inputs' and the odd inputs', their sum added to the part's."""
     xb, wb = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    tiles, part = part < 0, abs(part)
     total = None
     for lo in range(0, x.shape[1], part):
         acc = torch.zeros(x.shape[0], w.shape[0])
-        for k in range(lo, min(lo + part, x.shape[1]), 2):
-            acc = acc + xb[:, k + 1 : k + 2] * wb[:, k + 1]
-            acc = acc + xb[:, k : k + 1] * wb[:, k]
+        for b in range(lo, min(lo + part, x.shape[1]), 32 if tiles else 2):
+            if not tiles:
+                acc = acc + xb[:, b + 1 : b + 2] * wb[:, b + 1]
+                acc = acc + xb[:, b : b + 1] * wb[:, b]
+                continue
+            even = odd = torch.zeros_like(acc)
+            for k in range(b, b + 32, 2):
+                even = even + xb[:, k : k + 1] * wb[:, k]
+                odd = odd + xb[:, k + 1 : k + 2] * wb[:, k + 1]
+            acc = acc + (even + odd)
         total = acc if total is None else total + acc
     return total.to(torch.bfloat16)
 
@@ -188,12 +199,31 @@ def test_the_parts_measured_on_onednn_give_its_bits(inp):
         if other >= inp and part == inp:
             continue  # one part either way
         assert not q4_gives_onednn_bits(inp, 32, other), other
+    if part < 0:  # the tiles' order (AMX): pairs in order, and other parts of it, told apart
+        for other in {-64, -(inp // 2) // 32 * 32} - {part}:
+            assert not q4_gives_onednn_bits(inp, 32, other), other
     ones = torch.ones(32, inp)
     x = cancelling_rows(inp)
     assert torch.equal(reference(x, ones, part).float(), Bf16Weight(ones).dense_matmul(x))
     w = weight(out=32, inp=inp, seed=inp)  # and a GGUF-like weight on random rows
     x = torch.randn(64, inp, generator=torch.Generator().manual_seed(inp))
     assert torch.equal(Q4Blocks.of(w).matmul(x), Bf16Weight(w).dense_matmul(x))
+
+
+@pytest.mark.parametrize("part", [-160, -64])
+def test_the_tiles_order_is_the_references_on_any_cpu(part):
+    """q4_linear's tiles' order (a negative part: oneDNN's AMX order), checked against the
+    reference on every CPU, on random rows and on rows that tell the orders apart."""
+    w = weight(out=32, inp=160, seed=5)
+    blocks = cpu_fused().q4_blocks(w)
+    x = torch.randn(13, 160, generator=torch.Generator().manual_seed(5)) * 3
+    x = torch.cat([x, tile_rows(160), cancelling_rows(160)])
+    y = torch.cat([cpu_fused().q4_linear(c, blocks, part) for c in x.split(Q4_ROWS)])
+    assert torch.equal(y, reference(x, w, part))
+    assert not torch.equal(y, reference(x, w, -part))  # pairs in order: other bits
+    ones = torch.ones(32, 160)
+    y = cpu_fused().q4_linear(tile_rows(160), cpu_fused().q4_blocks(ones), part)
+    assert y[:2, 0].tolist() == [0.0, 1.0]  # the tiles' two chains, whatever the parts
 
 
 @needs_onednn_bf16
@@ -226,6 +256,7 @@ def test_without_avx512_the_blocks_take_every_step_and_oneDNN_keeps_no_copy(monk
     for flags, rows, copy in (
         (["avx2", "fma"], quant.BLOCKS_EVERY_STEP, False),
         (["avx512f"], Q4_ROWS, True),
+        (["avx512f", "amx_bf16"], quant.AMX_FLOAT32_BLOCK_ROWS, True),
     ):
         monkeypatch.setattr(
             quant, "cpu_features", lambda f=flags: CPUFeatures("test", frozenset(f))
