@@ -17,7 +17,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   manylinux2014_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${plat[@]}" -d .whl grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 \
-  grpcio-reflection==1.85.1 gguf==0.19.0
+  grpcio-reflection==1.85.1 gguf==0.19.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+  referencing==0.37.0 rpds-py==0.30.0
 # llguidance's registry wheels stop before the version the engine is built against; its compiled
 # part is abi3 (any CPython >= 3.9), so the installed package travels as it is.
 mkdir -p .gpu/site && python3 - <<'PY'

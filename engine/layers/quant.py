@@ -74,10 +74,8 @@ Q4_ROWS = 8
 # layer keeps no oneDNN copy at all (engine/layers/linear.py): 4 bytes a weight less.
 BLOCKS_EVERY_STEP = 1 << 62
 # On a CPU with AMX (the Intel Xeon kind) a float32 layer's blocks lead oneDNN's float32 kernel
-# up to here, and our own f32_linear loses to it past Q4_ROWS. SmolLM2's four decoder linears, one
-# pass, 2 threads, beside other work (2026-12-04), blocks against oneDNN, median of 7: 414 against
-# 530 us at 9 rows, 531 against 640 at 16, 793 against 859 at 24, even at 32, 2,096 against
-# 1,827 at 64 (own product: 562, 844, 1,349, 1,760, 3,361).
+# up to here, and our own f32_linear loses to it past Q4_ROWS (the timings:
+# docs/experiments/engine-decode-step.md, "The AMX Xeon").
 AMX_FLOAT32_BLOCK_ROWS = 24
 
 
@@ -93,9 +91,7 @@ def float32_block_rows() -> int:
 
 # On a CPU with AMX oneDNN's bf16 kernel is fast at few rows too, and the 4-bit product in the
 # tiles' order (two chains of fused multiply-adds, twice AVX512-BF16's dot products) leads it only
-# at one row. SmolLM2's four decoder linears, one pass, 2 threads, beside other work (2026-12-04),
-# blocks against oneDNN, median of 9: 235 against 308 us at 1 row, even at 2, 511 against 324
-# at 5, 737 against 346 at 8.
+# at one row (docs/experiments/engine-decode-step.md, "The AMX Xeon").
 AMX_BF16_BLOCK_ROWS = 1
 
 
