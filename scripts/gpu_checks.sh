@@ -29,6 +29,7 @@ python3 -c "import pdserve.engine" 2>/dev/null ||
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  df -h /dev/shm /tmp # the KV benchmark's host pools live in /dev/shm
 } >"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 
