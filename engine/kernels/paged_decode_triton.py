@@ -50,10 +50,13 @@ def applies(q: torch.Tensor) -> bool:
     """Whether decode rows with queries like `q` take this kernel: on CUDA where Triton imports
     and no launch has failed in this process. PDSERVE_TRITON_DECODE=off keeps the torch path;
     =interpret sends CPU rows here too (tests, with TRITON_INTERPRET=1)."""
-    how = os.environ.get("PDSERVE_TRITON_DECODE", "")
-    if _off or how == "off" or not available():
+    if _off or not (q.is_cuda or _mode() == "interpret"):  # (CPU rows: one attribute read)
         return False
-    return q.is_cuda or how == "interpret"
+    return _mode() != "off" and available()
+
+
+def _mode() -> str:
+    return os.environ.get("PDSERVE_TRITON_DECODE", "")
 
 
 def switch_off(err: BaseException) -> None:
