@@ -485,8 +485,9 @@ void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int
     const uint8_t* gw = w + g * nb * kGroupBytes;
     __m512 acc[R], total[R];
     for (int r = 0; r < R; ++r) acc[r] = total[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      if (b > 0 && b % part_b == 0) {  // a part ends: added to the parts before it
+    for (int64_t b = 0, end = part_b; b < nb; ++b) {
+      if (b == end) {
+        end += part_b;  // a part ends: added to the parts before it
         for (int r = 0; r < R; ++r) {
           total[r] = b == part_b ? acc[r] : _mm512_add_ps(total[r], acc[r]);
           acc[r] = _mm512_setzero_ps();
@@ -529,8 +530,9 @@ void groups_pass(const uint16_t* x, int64_t K, const uint8_t* w, int64_t nb, int
     const uint8_t* gw = w + g * nb * kGroupBytes;
     for (int64_t j = 0; j < kGroup; ++j) {
       float acc[R] = {}, total[R] = {};
-      for (int64_t b = 0; b < nb; ++b) {
-        if (b > 0 && b % part_b == 0) {
+      for (int64_t b = 0, end = part_b; b < nb; ++b) {
+        if (b == end) {
+          end += part_b;
           for (int r = 0; r < R; ++r) {
             total[r] = b == part_b ? acc[r] : total[r] + acc[r];
             acc[r] = 0.0f;
@@ -776,15 +778,19 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K2, int6
   alignas(64) float total[R][CB][16];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < K2; ++p) {
-    if (p > 0 && p % part_p == 0) end_part(acc, total, p == part_p);
-    __m512i b[CB];
-    for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_si512(w + (c * K2 + p) * 32);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * K + 2 * p, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)b[c], a);
+  // a loop per part: the inner loop neither divides nor branches (a division every input to find
+  // the parts' ends made it 2x slower), so the accumulators stay in registers
+  for (int64_t p0 = 0; p0 < K2; p0 += part_p) {
+    if (p0 > 0) end_part(acc, total, p0 == part_p);
+    for (int64_t p = p0, p1 = std::min(K2, p0 + part_p); p < p1; ++p) {
+      __m512i b[CB];
+      for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_si512(w + (c * K2 + p) * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * K + 2 * p, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)b[c], a);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -888,13 +894,15 @@ void f32_tile(const float* x, int64_t K, const float* w, int64_t part, float* y,
   alignas(64) float total[R][CB][16];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if (k > 0 && k % part == 0) end_part(acc, total, k == part);
-    __m512 b[CB];
-    for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_ps(w + (c * K + k) * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * K + k]);
-      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+  for (int64_t k0 = 0; k0 < K; k0 += part) {  // a loop per part, as in bf16_tile
+    if (k0 > 0) end_part(acc, total, k0 == part);
+    for (int64_t k = k0, k1 = std::min(K, k0 + part); k < k1; ++k) {
+      __m512 b[CB];
+      for (int c = 0; c < CB; ++c) b[c] = _mm512_loadu_ps(w + (c * K + k) * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * K + k]);
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -1135,8 +1143,9 @@ void groups_pass_f32(const float* x, int64_t K, const uint8_t* w, int64_t nb, in
     const uint8_t* gw = w + g * nb * Dec::kBytes;
     vw acc[R], total[R];
     for (int r = 0; r < R; ++r) set_zero(acc[r]);
-    for (int64_t b = 0; b < nb; ++b) {
-      if (b > 0 && b % part_b == 0) {   // a part ends: added to the parts before it
+    for (int64_t b = 0, end = part_b; b < nb; ++b) {
+      if (b == end) {
+        end += part_b;   // a part ends: added to the parts before it
         for (int r = 0; r < R; ++r) {
           add_into(total[r], acc[r], b == part_b);
           set_zero(acc[r]);
@@ -1179,6 +1188,91 @@ void groups_any_f32(int rows, const float* x, int64_t K, const uint8_t* w, int64
 #endif
   }
 }
+
+#if defined(__AVX512F__)
+// With AVX-512 each pass of groups_pass_f32 holds one group's 8 accumulators a row and decodes
+// every block again for each 8 rows, which at 32 rows made the blocks no faster than reading
+// float32 weights; decoding a whole group into an L2 buffer first cost as much again in stores.
+// For steps of at least kTileMinRows512 rows, each block of kBpGroups groups (32 inputs x 48
+// outputs, 6 KiB) is decoded once into L1 and every row of a chunk runs over it, 8 rows at a
+// time: 24 accumulators, loaded from and stored back to the chunk's sums (L1) around the block.
+// Each output is still one chain of fused multiply-adds in input order, in parts of part_b
+// blocks (float32 sums stored and reloaded exactly), so the bits are groups_pass_f32's and
+// oneDNN's.
+constexpr int64_t kTileMinRows512 = 9;
+constexpr int64_t kChunkRows512 = 64;  // rows whose sums stay in L1 (12 KiB, and as much again)
+constexpr int64_t kTileOut = kBpGroups * kGroup;
+
+template <int R, int CB>
+void block_rows_f32(const float* x, int64_t K, const float* w, float* sums) {
+  __m512 acc[R][CB];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_loadu_ps(sums + r * kTileOut + c * 16);
+  for (int k = 0; k < kBlock; ++k) {
+    __m512 b[CB];
+    for (int c = 0; c < CB; ++c) b[c] = _mm512_load_ps(w + (c * kBlock + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * K + k]);
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(a, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(sums + r * kTileOut + c * 16, acc[r][c]);
+}
+
+template <int CB>
+void block_chunk_f32(int64_t rows, const float* x, int64_t K, const float* w, float* sums) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kBpRows)
+    with_rows(static_cast<int>(std::min<int64_t>(kBpRows, rows - r0)), [&](auto R) {
+      block_rows_f32<decltype(R)::value, CB>(x + r0 * K, K, w, sums + r0 * kTileOut);
+    });
+}
+
+template <typename Dec>
+void blocks_tiles_f32(const float* xp, int64_t rows, int64_t in, const uint8_t* wp,
+                      int64_t groups, int64_t part_b, float* yp) {
+  const int64_t nb = in / kBlock, out = groups * kGroup, tiles = (groups + kBpGroups - 1) / kBpGroups;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) float wbuf[kBpGroups * kBlock * kGroup];
+    std::vector<float> acc(kChunkRows512 * kTileOut), total(kChunkRows512 * kTileOut);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t * kBpGroups, cb = std::min<int64_t>(kBpGroups, groups - g);
+      for (int64_t c0 = 0; c0 < rows; c0 += kChunkRows512) {
+        const int64_t n = std::min(kChunkRows512, rows - c0);
+        std::fill(acc.begin(), acc.begin() + n * kTileOut, 0.0f);
+        for (int64_t b = 0, end = part_b; b < nb; ++b) {
+          if (b == end) {  // a part ends: added to the parts before it
+            for (int64_t i = 0; i < n * kTileOut; ++i) {
+              total[i] = b == part_b ? acc[i] : total[i] + acc[i];
+              acc[i] = 0.0f;
+            }
+            end += part_b;
+          }
+          for (int64_t c = 0; c < cb; ++c) {
+            const uint8_t* blk = wp + ((g + c) * nb + b) * Dec::kBytes;
+            const Dec dec(blk);
+            for (int p = 0; p < kBlock / 2; ++p) {
+              vw we, wo;
+              dec.pair(blk, p, we, wo);
+              _mm512_store_ps(wbuf + (c * kBlock + 2 * p) * kGroup, we);
+              _mm512_store_ps(wbuf + (c * kBlock + 2 * p + 1) * kGroup, wo);
+            }
+          }
+          const float* xb = xp + c0 * in + b * kBlock;
+          if (cb == 3) block_chunk_f32<3>(n, xb, in, wbuf, acc.data());
+          else if (cb == 2) block_chunk_f32<2>(n, xb, in, wbuf, acc.data());
+          else block_chunk_f32<1>(n, xb, in, wbuf, acc.data());
+        }
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t j = 0; j < cb * kGroup; ++j) {
+            const int64_t i = r * kTileOut + j;
+            yp[(c0 + r) * out + g * kGroup + j] = nb > part_b ? total[i] + acc[i] : acc[i];
+          }
+      }
+    }
+  });
+}
+#endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2's 16 vector registers hold the 8 accumulators of groups_pass_f32's 4 rows but little else,
@@ -1280,6 +1374,12 @@ at::Tensor blocks_linear_f32(const at::Tensor& x, const at::Tensor& blocks, int6
         }
       }
     });
+    return y;
+  }
+#endif
+#if defined(__AVX512F__)
+  if (rows >= kTileMinRows512) {
+    blocks_tiles_f32<Dec>(xp, rows, in, wp, groups, part_b, yp);
     return y;
   }
 #endif

@@ -74,9 +74,10 @@ Q4_ROWS = 8
 # layer keeps no oneDNN copy at all (engine/layers/linear.py): 4 bytes a weight less.
 BLOCKS_EVERY_STEP = 1 << 62
 # On a CPU with AMX (the Intel Xeon kind) a float32 layer's blocks lead oneDNN's float32 kernel
-# up to here, and our own f32_linear loses to it past Q4_ROWS (the timings:
+# up to here (each block decoded once for every row of a step since 2026-12-04); past it oneDNN
+# and our own f32_linear are about even, so oneDNN keeps those steps (the timings:
 # docs/experiments/engine-decode-step.md, "The AMX Xeon").
-AMX_FLOAT32_BLOCK_ROWS = 24
+AMX_FLOAT32_BLOCK_ROWS = 128
 
 
 def float32_block_rows() -> int:
@@ -103,10 +104,10 @@ def bf16_block_rows() -> int:
 
 def own_product_beside_blocks() -> bool:
     """Whether a float32 layer that has blocks also takes our own product (f32_linear, in place
-    of oneDNN's copy) for its larger steps: not on a CPU with AMX, where oneDNN's float32 kernel
-    is about 2x faster than ours at 32 rows and more (AMX_FLOAT32_BLOCK_ROWS), and ours, taking
-    every step past the blocks, made the float32 mode's prefill slower than HF's. A layer without
-    blocks keeps ours there (2x faster than oneDNN at one row)."""
+    of oneDNN's copy) for its larger steps: not on a CPU with AMX, where the blocks take steps of
+    up to AMX_FLOAT32_BLOCK_ROWS and ours is no faster than oneDNN's float32 kernel past them
+    (within 7% at 192-512 rows, 2026-12-04). A layer without blocks keeps ours there (1.3-1.7x
+    oneDNN at 1-64 rows)."""
     return not cpu_features().has("amx_bf16")
 
 

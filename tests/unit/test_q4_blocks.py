@@ -156,10 +156,11 @@ def test_blocks_whose_product_misses_onednns_bits_are_refused(monkeypatch):
 @pytest.mark.parametrize(("kind", "inp"), [("Q4_1", 576), ("Q4_1", 1536), ("Q8_0", 576)])
 def test_float32_blocks_give_onednns_bits_at_every_step_size(kind, inp):
     """The float32 product over blocks, however many rows a step has (the kernel serves few rows
-    in passes of its own, more in tiles of six over a group's weights rebuilt once, in chunks of
-    rows; where each begins and ends differs with the count): oneDNN's bits for the batch, and
-    each row's bits alone."""
-    w = weight(out=32, inp=inp, seed=inp + 1, kind=kind)
+    in passes of its own, more over each block's (AVX2: group's) weights decoded once, in chunks
+    of rows and tiles of three groups; where each begins and ends differs with the count):
+    oneDNN's bits for the batch, and each row's bits alone. 80 outputs: a tile of three groups
+    and one of two."""
+    w = weight(out=80, inp=inp, seed=inp + 1, kind=kind)
     blocks = Q4Blocks.of(w, torch.float32) if kind == "Q4_1" else Q8Blocks.of(w)
     assert blocks is not None
     x = torch.randn(130, inp, generator=torch.Generator().manual_seed(4))
