@@ -25,6 +25,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -878,6 +883,161 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t part) {
 }
 
 
+// ---- bf16 weights on AMX's tile units, in oneDNN's order (the Intel Xeon kind) ----
+//
+// oneDNN's bf16 linear streamed SmolLM2's decoder weights at 15 GB/s at 32 rows on the AMX Xeon,
+// where the memory gives 24. amx_linear multiplies with the same instruction (TDPBF16PS) in the
+// same order as oneDNN does for steps of up to 32 rows: for each 16 x 16 block of outputs, one
+// tile of float32 sums that every 32 inputs' tile product adds to, in input order, rounded to
+// bf16 at the end (quant.py amx_product checks these bits against oneDNN's before a layer takes
+// it). Steps of more rows run as chunks of 32 over each 32 outputs' weights while they are in
+// cache, so a row's bits do not depend on the step's size (oneDNN's do past 32 rows). amx_pack
+// lays a weight [out, in] out as bf16 [out / 32, in / 32, 2, 16, 16, 2]: for each 32 outputs and
+// 32 inputs, two tiles of 16 outputs' input pairs. One thread pool, as every kernel here; each
+// thread configures its tiles when it starts a part of the outputs and releases them after.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace {
+constexpr int64_t kAmxRows = 32;   // rows a chunk serves: two 16-row tiles
+constexpr int64_t kAmxOut = 32;    // outputs a pass serves: two 16-output tiles
+constexpr int64_t kAmxTile = 512;  // bf16 values in a weight tile (16 input pairs x 16 outputs)
+constexpr int64_t kAmxRowBlock = 512;  // rows whose inputs stay in L2 (a step's rows in blocks)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the sums of (row tile, output tile) (0, 0), (0, 1), (1, 0), (1, 1); 4, 5: the two
+// row tiles' inputs (m0 and m1 rows, m1 >= 1 even when unused); 6, 7: the two weight tiles.
+void configure_tiles(int m0, int m1) {
+  TileConfig c;
+  const int rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows[t]);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// One chunk of rows (m0 + m1 <= 32) times 32 outputs' weights; y: bf16 bits, ys apart.
+void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, uint16_t* y, int64_t ys,
+               int64_t rows, float (&c)[4][256]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 4) * 2 * kAmxTile), _MM_HINT_T0);
+    _tile_loadd(4, x + kb * 32, K * 2);
+    _tile_loadd(6, w + kb * 2 * kAmxTile, 64);
+    _tile_loadd(7, w + kb * 2 * kAmxTile + kAmxTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (m1 > 0) {
+      _tile_loadd(5, x + 16 * K + kb * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (m1 > 0) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const float* sums = c[(r < 16 ? 0 : 2) + h] + (r % 16) * 16;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + h * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+    }
+}
+
+bool amx_permitted() {
+  // Linux hands a process the tiles' state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM
+  // for XFEATURE_XTILEDATA); oneDNN asks the same way, and asking twice is harmless.
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+}  // namespace
+#endif
+
+bool amx_bf16_ready() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w [out, in] (float32 or bfloat16; out and in multiples of 32) as bf16 rounded as
+// .to(torch.bfloat16) rounds it, in amx_linear's layout: bfloat16 [out / 32, in * 32].
+at::Tensor amx_pack(at::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.size(0) % 32 == 0 && w.size(1) % 32 == 0,
+              "amx_pack: a CPU weight [out, in], out and in multiples of 32, expected");
+  const auto wb = w.to(at::kBFloat16).contiguous();
+  const int64_t out = w.size(0), in = w.size(1), kbs = in / 32;
+  auto packed = at::empty({out / 32, in * 32}, w.options().dtype(at::kBFloat16));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, out / 32, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t nt = n0; nt < n1; ++nt)
+      for (int64_t kb = 0; kb < kbs; ++kb)
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t p = 0; p < 16; ++p)
+            for (int64_t n = 0; n < 16; ++n) {
+              const uint16_t* row = src + (nt * 32 + h * 16 + n) * in + kb * 32 + p * 2;
+              uint16_t* d = dst + (((nt * kbs + kb) * 2 + h) * 16 + p) * 32 + n * 2;
+              d[0] = row[0];
+              d[1] = row[1];
+            }
+  });
+  return packed;
+}
+
+// x [rows, in] (float32 or bfloat16) times an amx_pack'ed weight: [rows, out] bfloat16.
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "amx_linear: x CPU float32 or bfloat16 [rows, in] expected");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == x.size(1) * 32,
+              "amx_linear: packed bfloat16 [out / 32, in * 32] (amx_pack) expected");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(amx_permitted(), "amx_linear: the kernel did not grant this process AMX's tiles");
+  const int64_t rows = x.size(0), in = x.size(1), tiles = packed.size(0), out = tiles * kAmxOut;
+  auto y = at::empty({rows, out}, x.options().dtype(at::kBFloat16));
+  if (rows == 0 || out == 0) return y;
+  const auto xb = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // blocks of rows whose inputs stay in L2 while every 32 outputs' weights pass over them
+  for (int64_t b0 = 0; b0 < rows; b0 += kAmxRowBlock) {
+    const int64_t b1 = std::min(rows, b0 + kAmxRowBlock);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      alignas(64) float c[4][256];
+      int configured = -1;  // the chunk size the tiles are configured for
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t r0 = b0; r0 < b1; r0 += kAmxRows) {
+          const int n = static_cast<int>(std::min(kAmxRows, b1 - r0)), m1 = std::max(0, n - 16);
+          if (n != configured) {
+            configure_tiles(std::min(n, 16), std::max(m1, 1));
+            configured = n;
+          }
+          amx_chunk(xp + r0 * in, in, wp + t * in * kAmxOut, m1, yp + r0 * out + t * kAmxOut,
+                    out, n, c);
+        }
+      if (configured != -1) _tile_release();
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "amx_linear: built without AMX (amx_bf16_ready() is false)");
+#endif
+}
+
 // ---- float32 weights packed for our own product in oneDNN's float32 arithmetic ----
 //
 // The float32 mode's counterpart of bf16_linear: oneDNN's float32 linear ran 126-132 GFLOPS at 32
@@ -1449,9 +1609,11 @@ struct Linear {
   at::Tensor bp;                               // our own packing (bf16_pack, f32_pack), or undefined
   int64_t bp_part = 0;                         // its part
 
-  // a bf16 layer's product past q4_rows: bf16_linear where the layer has its packing (the same
-  // bits as oneDNN's: quant.py checked them), else oneDNN on bf16 input; bf16 out
+  // a bf16 layer's product past q4_rows: our own where the layer has its packing (the same
+  // bits as oneDNN's: quant.py checked them; a bfloat16 packing is amx_linear's, an int16 one
+  // bf16_linear's), else oneDNN on bf16 input; bf16 out
   at::Tensor bf16_product(const at::Tensor& x) const {
+    if (bp.defined() && bp.scalar_type() == at::kBFloat16) return amx_linear(x, bp);
     if (bp.defined()) return bf16_linear(x, bp, bp_part);
     return onednn(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16), weight, c10::IValue());
   }
@@ -1631,8 +1793,10 @@ class DecodeStack {
     TORCH_CHECK(lin != nullptr, "DecodeStack: unknown linear ", which);
     TORCH_CHECK(lin->kind == Linear::kBf16 || (lin->kind == Linear::kDense && !lin->bias.defined()),
                 "DecodeStack: set_own on a bf16 linear or a dense one without bias only");
-    TORCH_CHECK(packed.scalar_type() == (lin->kind == Linear::kBf16 ? at::kShort : at::kFloat),
-                "DecodeStack: set_own: a bf16_pack'ed (bf16) or f32_pack'ed (dense) weight expected");
+    const auto st = packed.scalar_type();
+    TORCH_CHECK(lin->kind == Linear::kBf16 ? st == at::kShort || st == at::kBFloat16 : st == at::kFloat,
+                "DecodeStack: set_own: a bf16_pack'ed or amx_pack'ed (bf16) or f32_pack'ed (dense) "
+                "weight expected");
     lin->bp = packed;
     lin->bp_part = part;
   }
@@ -1700,6 +1864,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack);
   m.def("bf16_linear", &bf16_linear);
   m.def("bf16_linear_fast", &bf16_linear_fast);
+  m.def("amx_bf16_ready", &amx_bf16_ready);
+  m.def("amx_pack", &amx_pack);
+  m.def("amx_linear", &amx_linear);
   m.def("f32_pack", &f32_pack);
   m.def("f32_linear", &f32_linear);
   m.def("f32_linear_fast", &f32_linear_fast);

@@ -523,10 +523,13 @@ class Bf16Weight:
     float32, the result rounded to bf16 (oneDNN's output) and handed back as float32. Where the
     weight is exactly 4-bit blocks (Q4Blocks) and their product gives oneDNN's bits on this CPU
     (checked here, on random rows), a step of at most Q4_ROWS rows (one on a CPU with AMX:
-    bf16_block_rows) multiplies those instead: the same bits, fewer bytes read. Where the compiled kernels have AVX512-BF16 and their own
-    product (fused_cpu.cpp bf16_linear) gives oneDNN's bits for this shape (checked here too:
-    own_product), every other step takes that product and oneDNN's packed copy is let go: the same
-    bits in 12-32% less time at 9-64 rows on the AVX-512 BF16 EPYC (oneDNN's at 512 rows)."""
+    bf16_block_rows) multiplies those instead: the same bits, fewer bytes read. Where the CPU
+    has AMX and fused_cpu.cpp's amx_linear gives oneDNN's bits for this shape (amx_product), or
+    the compiled kernels have AVX512-BF16 and their own product (bf16_linear) gives them
+    (own_product), every other step takes that product and oneDNN's packed copy is let go: on
+    the AMX Xeon 1.4-1.6x faster at 1-32 rows, and batch-invariant past 32 rows where oneDNN is
+    not; on the AVX-512 BF16 EPYC the same bits in 12-32% less time at 9-64 rows (oneDNN's at
+    512 rows)."""
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(
@@ -536,9 +539,11 @@ class Bf16Weight:
         self.bp, self.bp_part = None, 0  # (dense_matmul is oneDNN's while the checks run)
         self.q4 = exact_blocks(weight, torch.bfloat16, self.dense_matmul)
         self.q4_rows = bf16_block_rows()
-        self.bp, self.bp_part = own_product(weight, torch.bfloat16, self.dense_matmul)
+        self.bp, self.bp_part = amx_product(weight, self.dense_matmul)
+        if self.bp is None:
+            self.bp, self.bp_part = own_product(weight, torch.bfloat16, self.dense_matmul)
         if self.bp is not None:
-            self.packed = None  # (dense_matmul takes bf16_linear from now on: the same bits)
+            self.packed = None  # (dense_matmul takes our product from now on: the same bits)
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and x2d.shape[0] <= self.q4_rows:
@@ -555,6 +560,57 @@ class Bf16Weight:
 
 # Row counts own_product checks its product at: each remainder of the kernels' 8-row pass
 OWN_CHECK_ROWS = (1, 3, 8, 13, 40)
+# Row counts amx_product checks its product at against oneDNN's: one or two row tiles, full or
+# not. (Past 32 rows oneDNN's AMX kernel sums in another order, amx_linear in the same as here.)
+AMX_CHECK_ROWS = (1, 3, 16, 17, 32)
+
+
+def amx_product(weight: torch.Tensor, dense_matmul) -> tuple[torch.Tensor | None, int]:
+    """(the weight packed for fused_cpu.cpp's amx_linear, its part: one, the whole row) where the
+    CPU has AMX, the compiled kernels have that product, the shape is a multiple of 32 both ways
+    and it gives `dense_matmul`'s bits (oneDNN's bf16 linear, which multiplies on the same tile
+    instruction in the same order for steps of up to 32 rows): on rows that expose the order of
+    the sums (once per shape, on a weight of ones), then on random rows of this weight in each of
+    AMX_CHECK_ROWS row counts; else (None, 0). It streams the weights 1.4-1.6x faster than
+    oneDNN's kernel at 1-32 rows and is even to 1.2x faster up to 1,024 rows, 0.74x at 2,048
+    (SmolLM2's decoder linears on the AMX Xeon: docs/experiments/engine-decode-step.md), and a
+    row's bits do not depend on the step's size."""
+    fused = cpu_fused()
+    if (
+        fused is None
+        or not hasattr(fused, "amx_bf16_ready")
+        or not cpu_features().has("amx_bf16")
+        or not fused.amx_bf16_ready()
+        or weight.dim() != 2
+        or weight.shape[0] % 32
+        or weight.shape[1] % 32
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+    ):
+        return None, 0
+    k, n = weight.shape[1], probe_outputs(weight)
+    if not _amx_gives_onednn_bits(k, n):
+        return None, 0
+    packed = fused.amx_pack(weight.detach())
+    gen = torch.Generator().manual_seed(0)
+    for rows in AMX_CHECK_ROWS:
+        x = torch.randn(rows, k, generator=gen)
+        if not torch.equal(fused.amx_linear(x, packed).float(), dense_matmul(x).float()):
+            return None, 0
+    return packed, k
+
+
+@functools.cache
+def _amx_gives_onednn_bits(in_features: int, out_features: int) -> bool:
+    """Whether amx_linear gives oneDNN's bf16 bits for this shape on cancelling_rows, whose
+    results change with any other order of the sums."""
+    fused = cpu_fused()
+    ones = torch.ones(out_features, in_features)
+    x = cancelling_rows(in_features)
+    got = fused.amx_linear(x, fused.amx_pack(ones))
+    return torch.equal(
+        got, _onednn_on_ones(in_features, out_features, x, torch.bfloat16).to(got.dtype)
+    )
 
 
 def own_product(
@@ -565,9 +621,9 @@ def own_product(
     it on this CPU and it gives `dense_matmul`'s bits (oneDNN on the weight itself): on rows that
     expose the order of the sums (once per shape, on a weight of ones), then on random rows of
     this weight in each of OWN_CHECK_ROWS row counts; else (None, 0), and oneDNN keeps every
-    step. bf16 not on a CPU with AMX: there oneDNN multiplies bf16 on the tile units, 4-25x
-    faster than this product at 32-512 rows (SmolLM2's shapes, 2 threads, 2026-12-04). (For
-    float32 there see own_product_beside_blocks.)"""
+    step. bf16 not on a CPU with AMX: there the tile units multiply bf16 (oneDNN, or
+    amx_product's packing), 4-25x faster than this product at 32-512 rows (SmolLM2's shapes, 2
+    threads, 2026-12-04). (For float32 there see own_product_beside_blocks.)"""
     from pdserve.engine.cpu import cpu_features
 
     fused = cpu_fused()
@@ -597,9 +653,11 @@ def own_product(
 
 
 def own_linear(x2d: torch.Tensor, packed: torch.Tensor, part: int) -> torch.Tensor:
-    """x2d times a weight own_product packed: bf16 out for a bf16 packing (int16 bits), float32
-    for a float32 one."""
+    """x2d times a weight own_product or amx_product packed: bf16 out for a bf16 packing
+    (bf16_linear's int16 bits or amx_linear's bfloat16), float32 for a float32 one."""
     fused = cpu_fused()
+    if packed.dtype == torch.bfloat16:
+        return fused.amx_linear(x2d, packed)  # (amx_product's packing: one part)
     if packed.dtype == torch.int16:
         return fused.bf16_linear(x2d, packed, part)
     return fused.f32_linear(x2d.float(), packed, part)

@@ -64,10 +64,11 @@ def test_a_part_that_is_not_onednns_is_refused(monkeypatch):
 
 
 @needs_onednn_bf16
-def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
-    """On the Intel Xeon with AMX oneDNN's kernels beat our products at 32 rows and more: a bf16
-    weight keeps oneDNN for every step, and so does a float32 layer past its 4-bit blocks (ours
-    there made the float32 mode's prefill slower than HF's); one without blocks keeps ours."""
+def test_on_a_cpu_with_amx_the_tiles_take_every_bf16_step(monkeypatch):
+    """On the Intel Xeon with AMX a bf16 weight takes no AVX512-BF16 product of ours: the tile
+    units multiply it, through amx_linear where this process really has them, else oneDNN. A
+    float32 layer past its 4-bit blocks keeps oneDNN (ours is no faster there); one without
+    blocks keeps ours."""
     from pdserve.engine import cpu
 
     real = cpu.cpu_features()
@@ -75,7 +76,10 @@ def test_on_a_cpu_with_amx_onednn_keeps_every_step(monkeypatch):
     monkeypatch.setattr(cpu, "cpu_features", lambda: with_amx)
     monkeypatch.setattr(quant, "cpu_features", lambda: with_amx)
     q = Bf16Weight(torch.randn(32, 64))
-    assert q.bp is None and q.packed is not None
+    if real.has("amx_bf16") and fused is not None and fused.amx_bf16_ready():
+        assert q.bp is not None and q.bp.dtype == torch.bfloat16 and q.packed is None
+    else:
+        assert q.bp is None and q.packed is not None
     g = torch.Generator().manual_seed(7)
     q = torch.randint(0, 16, (32, 64), generator=g)
     q[:, ::32], q[:, 1::32] = 0, 15  # each block spans 0..15: Q4_1's d 1/16, m -1/2
@@ -96,6 +100,9 @@ def test_without_the_kernel_onednn_keeps_every_step(monkeypatch):
             return getattr(fused, name)
 
         def bf16_linear_fast(self):
+            return False
+
+        def amx_bf16_ready(self):
             return False
 
     monkeypatch.setattr(quant, "cpu_fused", lambda: NoOwn() if fused is not None else None)
@@ -157,3 +164,43 @@ def test_a_float32_layer_with_a_bias_keeps_onednn():
     a_part = onednn_part(1536, 64, torch.float32)
     assert quant._own_gives_onednn_bits(1536, 64, a_part, torch.float32)
     assert not quant._own_gives_onednn_bits(1536, 64, 512 if a_part != 512 else 1024, torch.float32)
+
+
+needs_amx = pytest.mark.skipif(
+    fused is None or not amx or not fused.amx_bf16_ready(),
+    reason="this CPU (or process) has no AMX tiles, or the compiled kernels no AMX product",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 4096), (32, 64)])
+def test_the_amx_product_gives_onednns_bits_and_a_rows_bits_alone(shape):
+    """amx_linear multiplies as oneDNN's AMX kernel does for steps of up to 32 rows, bit for bit;
+    past 32 rows (where oneDNN sums otherwise) each row's bits are its bits alone."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])) * 0.05
+    packed, part = quant.amx_product(w, lambda x: onednn_bf16(w, x))
+    assert packed is not None and part == shape[1]
+    x = torch.randn(80, shape[1], generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([quant.own_linear(x[i : i + 1], packed, part) for i in range(80)])
+    for rows in (1, 2, 7, 16, 17, 31, 32, 33, 80):
+        got = quant.own_linear(x[:rows], packed, part)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, alone[:rows]), rows
+        if rows <= 32:
+            assert torch.equal(got.float(), onednn_bf16(w, x[:rows])), rows
+    assert torch.equal(Bf16Weight(w).matmul(x[:32]), onednn_bf16(w, x[:32]))
+
+
+@needs_amx
+def test_an_amx_product_that_misses_onednns_bits_is_refused():
+    """amx_product compares its bits with the dense product's before a weight takes it: against
+    a product one bf16 step off somewhere it keeps oneDNN."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3))
+
+    def off(x):
+        y = onednn_bf16(w, x)
+        y[0, 5] = torch.nextafter(y[0, 5].bfloat16(), torch.tensor(9.0).bfloat16()).float()
+        return y
+
+    assert quant.amx_product(w, off) == (None, 0)
+    assert quant.amx_product(w, lambda x: onednn_bf16(w, x))[0] is not None
