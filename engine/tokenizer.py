@@ -2,12 +2,20 @@
 
 Decoding one token at a time loses the spaces that depend on the previous token and splits
 multi-byte characters, so each step decodes a short window (prefix_offset..end) and emits only
-the text past the window's already-emitted part (the scheme of TGI and vLLM).
+the text past the window's already-emitted part (the scheme of TGI and vLLM). Only the length of
+that part's text is needed: it is kept until the window moves, and where the part is one token
+(each step that emits leaves that) it comes from a per-tokenizer table of one-token texts, so a
+step makes one decode call. That call goes to the Rust tokenizer directly where HF's decode
+would return its text unchanged (a plain fast tokenizer without clean-up of spaces).
 """
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
+import functools
+import weakref
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.engine.errors import InvalidRequest
 from pdserve.engine.sampling_params import MAX_BAD_WORDS_TOKENS
@@ -69,6 +77,41 @@ def prompt_token_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> lis
     return ids
 
 
+# The text length of each token decoded alone, per tokenizer: (its vocabulary's size, and per
+# (skip_special_tokens, clean_up_tokenization_spaces) a table {id: length})
+_ONE_TOKEN_LENGTHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _one_token_lengths(tokenizer, skip_special_tokens: bool) -> dict[int, int]:
+    """The table of one-token text lengths for this tokenizer and mode, emptied where the
+    vocabulary has changed size since it was filled (tokens added); a table of its own for a
+    tokenizer that cannot be a weak key."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    mode = (skip_special_tokens, bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)))
+    try:
+        entry = _ONE_TOKEN_LENGTHS.get(tokenizer)
+        if entry is None or entry[0] != size:
+            entry = _ONE_TOKEN_LENGTHS[tokenizer] = (size, {})
+    except TypeError:
+        return {}
+    return entry[1].setdefault(mode, {})
+
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """A function of a list of ids that gives HF's decode of them: the Rust tokenizer's own
+    decode where HF's would return that text unchanged (a fast tokenizer whose class keeps HF's
+    decode, without clean-up of spaces), else HF's decode."""
+    cls = type(tokenizer)
+    plain = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    decode = tokenizer._tokenizer.decode if plain else tokenizer.decode
+    return functools.partial(decode, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -78,20 +121,34 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._decode = _decoder(tokenizer, skip_special_tokens)
+        self._lengths = _one_token_lengths(tokenizer, skip_special_tokens)
+        # the text length of ids[prefix_offset:read_offset]; None until measured after a move
+        self._prefix_len: int | None = None
+
+    def _window_len(self) -> int:
+        """The text length of ids[prefix_offset:read_offset], one token's from the table."""
+        if self.read_offset - self.prefix_offset != 1:
+            return len(self._decode(self.ids[self.prefix_offset : self.read_offset]))
+        token = self.ids[self.prefix_offset]
+        n = self._lengths.get(token)
+        if n is None:
+            n = self._lengths[token] = len(self._decode([token]))
+        return n
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the newly readable text (may be empty)."""
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(
-            self.ids[self.prefix_offset : self.read_offset],
-            skip_special_tokens=self.skip_special_tokens,
-        )
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        ids = self.ids
+        ids.append(token_id)
+        prefix_len = self._prefix_len
+        if prefix_len is None:
+            prefix_len = self._prefix_len = self._window_len()
+        full = self._decode(ids[self.prefix_offset :])
+        if len(full) <= prefix_len or full.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence or a token with no text yet
-        delta = full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        delta = full[prefix_len:]
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self._prefix_len = None
         self.text += delta
         return delta
 
