@@ -594,34 +594,35 @@ class ModelRunner:
         rows_all = kernel is not None
         # decodes (one new token, or guesses checked after a context: one decode row per token)
         # first, so attention can batch them with a single gather
-        order = sorted(range(len(inp.seqs)), key=lambda i: not _decodes(inp.seqs[i]))
+        seqs = inp.seqs
+        decodes = [_decodes(s) for s in seqs]
+        order = [i for i, d in enumerate(decodes) if d]
+        order += [i for i, d in enumerate(decodes) if not d]
         ids, pos, slots, last_idx = [], [], [], []
         row_seqs, prefills = [], []  # (first position, rows, blocks) per sequence run as rows
         q_starts = {}
         for i in order:
-            s = inp.seqs[i]
+            s = seqs[i]
+            start, blocks = s.start, s.block_ids
             n = len(s.token_ids)
             q_start = q_starts[i] = len(ids)
             ids += s.token_ids
-            positions = range(s.start, s.start + n)
-            pos += positions
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in positions]
-            context_len = s.start + n
-            num_blocks = -(-context_len // bs)
-            if rows_all or _decodes(s):  # row j sees the context and the tokens up to its own
-                row_seqs.append((s.start, n, s.block_ids[:num_blocks]))
+            context_len = start + n
+            if n == 1:  # (a decode's one position, without a range and a list built for it)
+                pos.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
             else:
-                mask = None
-                if s.start > 0:
-                    q_pos = torch.arange(s.start, context_len).unsqueeze(1)
-                    mask = torch.arange(context_len).unsqueeze(0) <= q_pos
-                prefills.append(
-                    PrefillSpan(
-                        q_start, n, context_len, torch.tensor(s.block_ids[:num_blocks]), mask
-                    )
-                )
+                positions = range(start, context_len)
+                pos += positions
+                slots += [blocks[p // bs] * bs + p % bs for p in positions]
+            num_blocks = -(-context_len // bs)
+            if rows_all or decodes[i]:  # row j sees the context and the tokens up to its own
+                row_seqs.append((start, n, blocks[:num_blocks]))
+            else:
+                prefills.append(_prefill_span(q_start, n, start, blocks[:num_blocks]))
             if s.samples:
-                last_idx += [(i, q_start + n - s.num_logits + j) for j in range(s.num_logits)]
+                k = s.num_logits
+                last_idx += [(i, q_start + n - k + j) for j in range(k)]
         dev = self.device
         num_rows = sum(n for _, n, _ in row_seqs)
         meta = AttentionMetadata(
@@ -630,19 +631,11 @@ class ModelRunner:
             kv_cache=self.kv_cache,
         )
         if row_seqs:
-            # a sequence's rows share its block list; each reads only as far as its own length
-            width = max(len(b) for _, _, b in row_seqs)
-            table = torch.zeros(num_rows, width, dtype=torch.long)
-            lens = torch.empty(num_rows, dtype=torch.long)
-            r = 0
-            for start, n, blocks in row_seqs:
-                table[r : r + n, : len(blocks)] = torch.tensor(blocks)
-                torch.arange(start + 1, start + n + 1, out=lens[r : r + n])
-                r += n
+            table, lens = _row_tables(row_seqs, num_rows)
             meta.decode_block_tables = table.to(dev)
             meta.decode_context_lens = lens.to(dev)
             if not rows_all:
-                meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[
+                meta.decode_mask = (torch.arange(table.shape[1] * bs)[None, :] < lens[:, None])[
                     :, None, None, :
                 ].to(dev)
         for span in prefills:
@@ -662,6 +655,38 @@ class ModelRunner:
         )
 
 
+def _prefill_span(q_start: int, n: int, start: int, blocks: list[int]) -> PrefillSpan:
+    """A prompt chunk attended as one span: its n queries from row q_start, at positions from
+    `start`, over `blocks`; a chunk after a context gets its causal mask (each query sees the
+    context and the chunk up to its own position)."""
+    context_len = start + n
+    mask = None
+    if start > 0:
+        q_pos = torch.arange(start, context_len).unsqueeze(1)
+        mask = torch.arange(context_len).unsqueeze(0) <= q_pos
+    return PrefillSpan(q_start, n, context_len, torch.tensor(blocks), mask)
+
+
+def _row_tables(row_seqs: list[tuple[int, int, list[int]]], num_rows: int):
+    """The block table and context lengths of the decode rows (on the host): a sequence's rows
+    share its block list (zero past its end), and row j of a sequence whose first row is at
+    position `start` reads start + j + 1 tokens. One tensor is built from lists per table, not
+    one per row."""
+    width = max(len(b) for _, _, b in row_seqs)
+    table = torch.tensor(
+        [[*b] + [0] * (width - len(b)) for _, _, b in row_seqs], dtype=torch.long
+    ).reshape(len(row_seqs), width)
+    if num_rows == len(row_seqs):  # one row each: every sequence decodes
+        lens = [start + 1 for start, _, _ in row_seqs]
+    else:
+        counts = torch.tensor([n for _, n, _ in row_seqs])
+        table = table.repeat_interleave(counts, dim=0)
+        lens = []
+        for start, n, _ in row_seqs:
+            lens += range(start + 1, start + n + 1)
+    return table, torch.tensor(lens, dtype=torch.long)
+
+
 def _seq_input(item: ScheduledSeq) -> SeqInput:
     """One scheduled sequence as plain data; prompt logprobs go with its first sample only."""
     seq = item.seq
@@ -674,16 +699,17 @@ def _seq_input(item: ScheduledSeq) -> SeqInput:
             seq.params.prompt_logprobs,
         )
     pooling = seq.pooling.pooling if seq.pooling is not None else ""
+    samples = item.samples
     return SeqInput(
         item.token_ids,
         item.start,
         list(seq.block_ids),
-        item.samples and not pooling,  # a pooling request takes no logits
+        samples and not pooling,  # a pooling request takes no logits
         targets,
         k,
         num_logits=item.num_spec + 1,
         pooling=pooling,
-        pool_end=item.samples,
+        pool_end=samples,
         lora_id=seq.lora_id,
     )
 
