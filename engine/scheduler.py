@@ -651,12 +651,15 @@ class Scheduler:
         within `budget`), its blocks allocated; preempts sequences after it in `running` (and
         then itself) when the blocks run out, returning None once it is preempted itself. With
         may_preempt=False nobody is preempted: None when the blocks are not there."""
-        n = min(seq.num_tokens - seq.num_computed_tokens, limit, budget)
+        computed = seq.num_computed_tokens
+        n = min(seq.num_tokens - computed, limit, budget)
         spec = min(seq.spec_budget, budget - n) if _spec_may(seq, n) else 0
-        need = self.bm.blocks_needed(seq.num_computed_tokens + n + spec) - len(seq.block_ids)
+        need = self.bm.blocks_needed(computed + n + spec) - len(seq.block_ids)
+        if need <= 0:  # its blocks hold the piece (most decodes): nothing to allocate or preempt
+            return ScheduledSeq(seq, computed, n + spec, spec)
         if spec and need > self.bm.num_free_blocks:
             spec = 0  # guesses never preempt anyone
-            need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_ids)
+            need = self.bm.blocks_needed(computed + n) - len(seq.block_ids)
         if need > self.bm.num_free_blocks and not may_preempt:
             return None
         while need > self.bm.num_free_blocks and self.running[-1] is not seq:
@@ -672,36 +675,39 @@ class Scheduler:
         """The plan's sampling rows: one per sampling sequence (and per n>1 child taking its first
         token), or, for a sequence checking guesses, one per position it samples at
         (engine/spec/verify.py)."""
-        plan.rows, plan.row_seqs, plan.row_logits = [], [], []
+        plan.rows, plan.row_seqs, plan.row_logits = rows, row_seqs, row_logits = [], [], []
+        eos = self.eos_token_ids
         logits_row = 0
         for item in plan.scheduled:
-            if not item.samples or item.seq.pooling is not None:
-                continue  # (a pooling request samples nothing)
             seq = item.seq
+            if seq.pooling is not None or not item.samples:
+                continue  # (a pooling request samples nothing)
             if item.num_spec:
-                rows = check_rows(item, self.eos_token_ids)
-                plan.rows += rows
-                plan.row_seqs += [seq] * len(rows)
-                plan.row_logits += range(logits_row, logits_row + len(rows))
-                logits_row += len(rows)
+                checks = check_rows(item, eos)
+                rows += checks
+                row_seqs += [seq] * len(checks)
+                row_logits += range(logits_row, logits_row + len(checks))
+                logits_row += len(checks)
                 continue
-            family = [seq]
-            if seq.num_output_tokens == 0:
-                family += self.fork_children.get(seq.seq_id, [])
+            if len(seq.token_ids) == len(seq.prompt_token_ids):  # its first token: forks too
+                family = [seq, *self.fork_children.get(seq.seq_id, [])]
+            else:
+                family = (seq,)
             for member in family:
-                plan.rows.append(
+                prompt, tokens = member.prompt_token_ids, member.token_ids
+                rows.append(
                     SamplingRow(
                         member.params,
-                        member.prompt_token_ids,
-                        member.output_token_ids,
+                        prompt,
+                        tokens[len(prompt) :],
                         member.generator,
-                        self.eos_token_ids,
+                        eos,
                         member.thinking,
-                        member.num_output_tokens,
+                        len(tokens) - len(prompt),
                     )
                 )
-                plan.row_seqs.append(member)
-                plan.row_logits.append(logits_row)
+                row_seqs.append(member)
+                row_logits.append(logits_row)
             logits_row += 1
 
     def _admit_blocks(self, seq: Sequence, cached: list[int], num_tokens: int, watermark: int):
@@ -741,9 +747,7 @@ class Scheduler:
         and the sample after it (at least one token, as without speculation); the KV computed for
         the guesses after that is dropped: the computed count covers the kept tokens only, and
         blocks that hold nothing else go back to the pool (engine/spec/verify.py: the rule)."""
-        first_row: dict[int, int] = {}
-        for row, seq in enumerate(plan.row_seqs):
-            first_row.setdefault(seq.seq_id, row)
+        first_row: dict[int, int] | None = None  # seq_id -> its first row, where guesses need it
         # seq_id -> (token, row of its logprob) to append, in order: the kept guesses, then the
         # sample at the first position not kept
         emitted: dict[int, list[tuple[int, int]]] = {}
@@ -757,6 +761,10 @@ class Scheduler:
                 continue
             end = item.end
             if item.num_spec:
+                if first_row is None:
+                    first_row = {}
+                    for row, s in enumerate(plan.row_seqs):
+                        first_row.setdefault(s.seq_id, row)
                 emitted[seq.seq_id] = kept_tokens(item, result.token_ids, first_row[seq.seq_id])
                 end = item.end - item.num_spec + item.accepted
             seq.num_computed_tokens = end
@@ -767,7 +775,8 @@ class Scheduler:
                 seq.num_computed_tokens,
                 seq.cache_root,
             )
-            release_skipped(self.bm, seq, self.kv_window)
+            if self.kv_window is not None:
+                release_skipped(self.bm, seq, self.kv_window)
         # fork before appending any token, so a parent that stops on its first token
         # cannot take its not-yet-forked children down with it
         parents = {s.request_id: s for s in plan.row_seqs if s.index == 0}
