@@ -9,8 +9,8 @@
   Re-quantizing a weight that came from a Q4_1 GGUF recovers its blocks: where a block spans its
   full 0..15 range, min/max give back the same scale and offset.
 - "bf16": the decoder's linears take bf16 weights and bf16 inputs with float32 sums (oneDNN,
-  `Bf16Weight`); everything else stays float32. The LM head screens every logit with int8 and
-  rescores each row's HEAD_RESCORE best candidates exactly in float32 (`ScreenedHead`): the head's
+  `Bf16Weight`); everything else stays float32. The LM head screens every logit with int8 (bf16
+  where the CPU has AMX) and rescores each row's HEAD_RESCORE best candidates exactly in float32 (`ScreenedHead`): the head's
   bf16 *output* (logits near 20 rounded to steps of 0.125) is what would flip tokens, and the
   screen keeps float32's top tokens at about int8's cost. It exists because int8 in any one kind
   of SmolLM2's linears, even with finer scales, flips greedy tokens near ties and changes chat
@@ -676,13 +676,24 @@ def _own_gives_onednn_bits(in_features: int, out_features: int, part: int, dtype
 
 
 class ScreenedHead:
-    """The LM head as an int8 screen of every logit, then each row's HEAD_RESCORE best candidates
+    """The LM head as a screen of every logit, then each row's HEAD_RESCORE best candidates
     rescored exactly in float32 from the dense weight (which the tied embedding keeps anyway; an
     untied head keeps its own). A row's top token, the greedy choice and the top-k logprobs are
-    float32's; the other logits keep int8's small error."""
+    float32's; the other logits keep the screen's small error. The screen is int8 (Int8Weight),
+    or bf16 (Bf16Weight) where the CPU has AMX: there the tile units screen SmolLM2's head 1.4-2x
+    faster than int8's kernel at 32-128 rows (a step with speculation's guesses has that many;
+    the weights read from memory, 2026-12-04), and bf16's rounding errs less than int8's."""
 
-    def __init__(self, weight: torch.Tensor, act_absmax: torch.Tensor | None = None):
-        self.screen = Int8Weight(weight, act_absmax)
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        act_absmax: torch.Tensor | None = None,
+        screen: str | None = None,
+    ):
+        if screen is None:  # (the CPU's)
+            bf16 = cpu_features().has("amx_bf16") and onednn_bf16_available()
+            screen = "bf16" if bf16 else "int8"
+        self.screen = Bf16Weight(weight) if screen == "bf16" else Int8Weight(weight, act_absmax)
         self.weight = weight.detach().float()
         self.out_features = self.screen.out_features
 
@@ -701,7 +712,7 @@ def head_quantization(mode: str | None) -> str | None:
     """The LM head's mode under `mode`: every logit goes through the head. Under int4, int4's
     coarser steps there cost far more perplexity than int8's (the head is the tied embedding,
     stored as Q8_0 in the GGUF), and it stays int8; under bf16 it is the screened head
-    ("screened": int8, its best candidates rescored in float32)."""
+    ("screened": int8, or bf16 on a CPU with AMX, its best candidates rescored in float32)."""
     if mode == "int4":
         return "int8"
     return "screened" if mode == "bf16" else mode

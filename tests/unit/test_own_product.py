@@ -204,3 +204,22 @@ def test_an_amx_product_that_misses_onednns_bits_is_refused():
 
     assert quant.amx_product(w, off) == (None, 0)
     assert quant.amx_product(w, lambda x: onednn_bf16(w, x))[0] is not None
+
+
+@needs_amx
+def test_on_a_cpu_with_amx_the_head_screens_in_bf16():
+    """The screened head's screen is the tiles' bf16 product there: each row's best candidates
+    carry float32's logits (so its top token is float32's), the others are the screen's."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(512, 256, generator=g) * 0.05
+    x = torch.randn(40, 256, generator=g)
+    head = quant.ScreenedHead(w)
+    assert isinstance(head.screen, Bf16Weight) and head.screen.bp is not None
+    got, exact = head.matmul(x), x @ w.T
+    assert torch.equal(got.argmax(dim=1), exact.argmax(dim=1))
+    top = exact.topk(3, dim=1).indices
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-5)
+    screen = head.screen.matmul(x).float()
+    others = ~torch.isclose(got, exact, rtol=0, atol=1e-5)
+    assert others.sum(dim=1).min().item() >= 512 - quant.HEAD_RESCORE - 5
+    assert torch.equal(got[others], screen[others])
