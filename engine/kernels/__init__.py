@@ -121,7 +121,13 @@ def cpu_paged_decode_ex():
 
 @functools.cache
 def _cpu_paged_decode_module():
-    return _build("paged_decode", _SRC, [])
+    # The kernel's prefetch of the next sequence's blocks (paged_decode_cpu.cpp Ahead) helped on
+    # AMD's EPYC and slowed the Intel Xeon with AMX (where the hardware prefetchers do better
+    # alone): built in where the CPU is AMD's only
+    from pdserve.engine.cpu import cpu_features
+
+    ahead = "AMD" in cpu_features().model
+    return _build("paged_decode", _SRC, [f"-DPDSERVE_KV_AHEAD={int(ahead)}"])
 
 
 def cpu_paged_decode_capsule():

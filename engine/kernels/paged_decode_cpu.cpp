@@ -255,6 +255,14 @@ constexpr int64_t PF = 8;   // tokens ahead that K rows are prefetched (4 to 32 
 // sequences of bf16 KV over 30 layers, blocks scattered, 192 tokens 10.8-11.2 -> 10.0-10.1 ms,
 // 1,024 tokens 47-50 -> 42-45 ms (blocks in order: no change). Only addresses the next task
 // itself reads are touched, and a prefetch changes no result.
+// Built in where it helps (engine/kernels/__init__.py: AMD's EPYC); on the Intel Xeon with AMX
+// the hardware prefetchers do better alone, in order or scattered, and it slowed decode
+// attention by a fifth (docs/experiments/engine-decode-step.md, "The AMX Xeon").
+#ifndef PDSERVE_KV_AHEAD
+#define PDSERVE_KV_AHEAD 1
+#endif
+constexpr bool kAhead = PDSERVE_KV_AHEAD != 0;
+
 struct Ahead {
   const char* k = nullptr;          // the layer's K half, as bytes
   const char* v = nullptr;          // and its V half
@@ -811,7 +819,7 @@ void run(const at::Tensor& q, const KV* kp, const KV* vp, const at::Tensor& bloc
         // a task per sequence (all its kv heads) on a plain model: the thread's next task's
         // blocks stream in while this one computes (Ahead)
         Ahead ahead, *next = nullptr;
-        if (split == 1 && window == 0 && task + 1 < end) {
+        if (kAhead && split == 1 && window == 0 && task + 1 < end) {
           const int64_t tn = task + 1;
           const auto [nn, RR] = tp[(tn % 2 == 0) ? tn / 2 : T - 1 - tn / 2];
           const int64_t last = nn + RR - 1;   // a tile's longest row reads every block the tile reads
