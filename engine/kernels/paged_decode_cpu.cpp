@@ -257,7 +257,8 @@ constexpr int64_t PF = 8;   // tokens ahead that K rows are prefetched (4 to 32 
 // itself reads are touched, and a prefetch changes no result.
 // Built in where it helps (engine/kernels/__init__.py: AMD's EPYC); on the Intel Xeon with AMX
 // the hardware prefetchers do better alone, in order or scattered, and it slowed decode
-// attention by a fifth (docs/experiments/engine-decode-step.md, "The AMX Xeon").
+// attention by a fifth (docs/experiments/engine-decode-step.md, "The AMX Xeon, a second
+// look").
 #ifndef PDSERVE_KV_AHEAD
 #define PDSERVE_KV_AHEAD 1
 #endif

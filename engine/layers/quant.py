@@ -76,7 +76,7 @@ BLOCKS_EVERY_STEP = 1 << 62
 # On a CPU with AMX (the Intel Xeon kind) a float32 layer's blocks lead oneDNN's float32 kernel
 # up to here (each block decoded once for every row of a step since 2026-12-04); past it oneDNN
 # and our own f32_linear are about even, so oneDNN keeps those steps (the timings:
-# docs/experiments/engine-decode-step.md, "The AMX Xeon").
+# docs/experiments/engine-decode-step.md, "The AMX Xeon, a second look").
 AMX_FLOAT32_BLOCK_ROWS = 128
 
 
