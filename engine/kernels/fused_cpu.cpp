@@ -920,9 +920,10 @@ void configure_tiles(int m0, int m1) {
   _tile_loadconfig(&c);
 }
 
-// One chunk of rows (m0 + m1 <= 32) times 32 outputs' weights; y: bf16 bits, ys apart.
-void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, uint16_t* y, int64_t ys,
-               int64_t rows, float (&c)[4][256]) {
+// One chunk of rows (m0 + m1 <= 32) times 32 outputs' weights; y: bf16 bits, ys apart, or with
+// `f32` the float32 sums themselves.
+void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, void* y, int64_t ys,
+               int64_t rows, bool f32, float (&c)[4][256]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -948,9 +949,13 @@ void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, uint16_t
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int h = 0; h < 2; ++h) {
-      const float* sums = c[(r < 16 ? 0 : 2) + h] + (r % 16) * 16;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + h * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+      const __m512 sums = _mm512_loadu_ps(c[(r < 16 ? 0 : 2) + h] + (r % 16) * 16);
+      if (f32) {
+        _mm512_storeu_ps(static_cast<float*>(y) + r * ys + h * 16, sums);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ys + h * 16),
+                            (__m256i)_mm512_cvtneps_pbh(sums));
+      }
     }
 }
 
@@ -996,8 +1001,9 @@ at::Tensor amx_pack(at::Tensor w) {
   return packed;
 }
 
-// x [rows, in] (float32 or bfloat16) times an amx_pack'ed weight: [rows, out] bfloat16.
-at::Tensor amx_linear(at::Tensor x, at::Tensor packed) {
+// x [rows, in] (float32 or bfloat16) times an amx_pack'ed weight: [rows, out] bfloat16 (oneDNN's
+// output), or with float_out the float32 sums before that rounding (the head's screen).
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, bool float_out = false) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "amx_linear: x CPU float32 or bfloat16 [rows, in] expected");
@@ -1007,12 +1013,13 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   TORCH_CHECK(amx_permitted(), "amx_linear: the kernel did not grant this process AMX's tiles");
   const int64_t rows = x.size(0), in = x.size(1), tiles = packed.size(0), out = tiles * kAmxOut;
-  auto y = at::empty({rows, out}, x.options().dtype(at::kBFloat16));
+  auto y = at::empty({rows, out}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || out == 0) return y;
   const auto xb = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t esz = y.element_size();
   // blocks of rows whose inputs stay in L2 while every 32 outputs' weights pass over them
   for (int64_t b0 = 0; b0 < rows; b0 += kAmxRowBlock) {
     const int64_t b1 = std::min(rows, b0 + kAmxRowBlock);
@@ -1026,8 +1033,8 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed) {
             configure_tiles(std::min(n, 16), std::max(m1, 1));
             configured = n;
           }
-          amx_chunk(xp + r0 * in, in, wp + t * in * kAmxOut, m1, yp + r0 * out + t * kAmxOut,
-                    out, n, c);
+          amx_chunk(xp + r0 * in, in, wp + t * in * kAmxOut, m1,
+                    yp + (r0 * out + t * kAmxOut) * esz, out, n, float_out, c);
         }
       if (configured != -1) _tile_release();
     });
@@ -1866,7 +1873,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_fast", &bf16_linear_fast);
   m.def("amx_bf16_ready", &amx_bf16_ready);
   m.def("amx_pack", &amx_pack);
-  m.def("amx_linear", &amx_linear);
+  m.def("amx_linear", &amx_linear, py::arg("x"), py::arg("packed"), py::arg("float_out") = false);
   m.def("f32_pack", &f32_pack);
   m.def("f32_linear", &f32_linear);
   m.def("f32_linear_fast", &f32_linear_fast);

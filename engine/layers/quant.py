@@ -697,8 +697,16 @@ class ScreenedHead:
         self.weight = weight.detach().float()
         self.out_features = self.screen.out_features
 
+    def screen_logits(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Every logit as the screen gives it, float32: a bf16 screen on the tiles hands over its
+        float32 sums (amx_linear's float_out), without rounding them to bf16 and back."""
+        bp = getattr(self.screen, "bp", None)
+        if bp is not None and bp.dtype == torch.bfloat16:
+            return cpu_fused().amx_linear(x2d, bp, True)
+        return self.screen.matmul(x2d).float()
+
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = self.screen.matmul(x2d).float()
+        y = self.screen_logits(x2d)
         k = min(HEAD_RESCORE, y.shape[1])
         if y.shape[0] and k:
             fused = fused_for(y)  # (fused_cpu.cpp topk_rows: one compare pass over each row)

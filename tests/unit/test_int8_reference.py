@@ -98,8 +98,9 @@ def reference_head(q: ScreenedHead, x2d: torch.Tensor, reduce_range: bool = Fals
     """What ScreenedHead.matmul computes: the screen's reference (int8's, or bf16's on a CPU with
     AMX), then each row's HEAD_RESCORE best candidates replaced by their float64 logits (rounded
     to float32)."""
-    if isinstance(q.screen, Bf16Weight):
-        y = reference_bf16(q.screen, x2d).float()
+    if isinstance(q.screen, Bf16Weight):  # its float32 sums, not rounded to bf16
+        w = q.screen.weight_bf16.double()
+        y = (x2d.to(torch.bfloat16).double() @ w.T).float()
     else:
         y = reference_matmul(q.screen, x2d, reduce_range).float()
     top = y.topk(min(quant.HEAD_RESCORE, y.shape[1]), dim=1).indices
