@@ -90,9 +90,10 @@ def float32_block_rows() -> int:
     return Q4_ROWS if cpu_features().has("avx512f") else BLOCKS_EVERY_STEP
 
 
-# On a CPU with AMX oneDNN's bf16 kernel is fast at few rows too, and the 4-bit product in the
-# tiles' order (two chains of fused multiply-adds, twice AVX512-BF16's dot products) leads it only
-# at one row (docs/experiments/engine-decode-step.md, "The AMX Xeon").
+# On a CPU with AMX the tiles' bf16 product (oneDNN's, or amx_linear) is fast at few rows too,
+# and the 4-bit product in the tiles' order (two chains of fused multiply-adds, twice
+# AVX512-BF16's dot products) leads it only at one row (docs/experiments/engine-decode-step.md,
+# "The AMX Xeon": measured against oneDNN's).
 AMX_BF16_BLOCK_ROWS = 1
 
 
