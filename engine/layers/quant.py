@@ -10,9 +10,9 @@
   full 0..15 range, min/max give back the same scale and offset.
 - "bf16": the decoder's linears take bf16 weights and bf16 inputs with float32 sums (oneDNN,
   `Bf16Weight`); everything else stays float32. The LM head screens every logit with int8 (bf16
-  where the CPU has AMX) and rescores each row's HEAD_RESCORE best candidates exactly in float32 (`ScreenedHead`): the head's
-  bf16 *output* (logits near 20 rounded to steps of 0.125) is what would flip tokens, and the
-  screen keeps float32's top tokens at about int8's cost. It exists because int8 in any one kind
+  where the CPU has AMX) and rescores each row's HEAD_RESCORE best candidates exactly in float32
+  (`ScreenedHead`): the head's bf16 *output* (logits near 20 rounded to steps of 0.125) is what
+  would flip tokens, and the screen keeps float32's top tokens at about int8's cost. It exists because int8 in any one kind
   of SmolLM2's linears, even with finer scales, flips greedy tokens near ties and changes chat
   answers (issue #48; docs/experiments/int8-agreement.md), where bf16 linears keep float32's.
   Fast only on native bf16 units (AVX512-BF16, AMX): quantization="auto" offers it only there.
@@ -579,7 +579,6 @@ def amx_product(weight: torch.Tensor, dense_matmul) -> tuple[torch.Tensor | None
     fused = cpu_fused()
     if (
         fused is None
-        or not hasattr(fused, "amx_bf16_ready")
         or not cpu_features().has("amx_bf16")
         or not fused.amx_bf16_ready()
         or weight.dim() != 2
