@@ -1337,12 +1337,60 @@ void groups_pass_f32(const float* x, int64_t K, const uint8_t* w, int64_t nb, in
   }
 }
 
+// groups_pass_f32 for a pass of one or two rows, two groups at a time: each output is still
+// one chain of fused multiply-adds in input order (the same bits), but a row's chain of one group
+// waits on each multiply-add's latency, and two groups' chains side by side overlap it. An odd
+// last group takes groups_pass_f32.
+template <typename Dec, int R>
+void groups_pair_f32(const float* x, int64_t K, const uint8_t* w, int64_t nb, int64_t part_b,
+                     int64_t g0, int64_t g1, float* y, int64_t ys) {
+  int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) {
+    const uint8_t* gw0 = w + g * nb * Dec::kBytes;
+    const uint8_t* gw1 = gw0 + nb * Dec::kBytes;
+    vw acc[2][R], total[2][R];
+    for (int j = 0; j < 2; ++j)
+      for (int r = 0; r < R; ++r) set_zero(acc[j][r]);
+    for (int64_t b = 0, end = part_b; b < nb; ++b) {
+      if (b == end) {
+        end += part_b;  // a part ends: added to the parts before it
+        for (int j = 0; j < 2; ++j)
+          for (int r = 0; r < R; ++r) {
+            add_into(total[j][r], acc[j][r], b == part_b);
+            set_zero(acc[j][r]);
+          }
+      }
+      const uint8_t* blk0 = gw0 + b * Dec::kBytes;
+      const uint8_t* blk1 = gw1 + b * Dec::kBytes;
+      const Dec dec0(blk0), dec1(blk1);
+      const float* xb = x + b * kBlock;
+      for (int p = 0; p < kBlock / 2; ++p) {
+        vw we0, wo0, we1, wo1;
+        dec0.pair(blk0, p, we0, wo0);
+        dec1.pair(blk1, p, we1, wo1);
+        for (int r = 0; r < R; ++r) {
+          fma_into(acc[0][r], xb[r * K + 2 * p], we0);
+          fma_into(acc[1][r], xb[r * K + 2 * p], we1);
+          fma_into(acc[0][r], xb[r * K + 2 * p + 1], wo0);
+          fma_into(acc[1][r], xb[r * K + 2 * p + 1], wo1);
+        }
+      }
+    }
+    for (int j = 0; j < 2; ++j)
+      for (int r = 0; r < R; ++r) {
+        if (nb > part_b) add_into(total[j][r], acc[j][r], false);
+        store16f(y + r * ys + (g + j) * kGroup, nb > part_b ? total[j][r] : acc[j][r]);
+      }
+  }
+  if (g < g1) groups_pass_f32<Dec, R>(x, K, w, nb, part_b, g, g1, y, ys);
+}
+
 template <typename Dec>
 void groups_any_f32(int rows, const float* x, int64_t K, const uint8_t* w, int64_t nb,
                     int64_t part_b, int64_t g0, int64_t g1, float* y, int64_t ys) {
   switch (rows) {
-    case 1: return groups_pass_f32<Dec, 1>(x, K, w, nb, part_b, g0, g1, y, ys);
-    case 2: return groups_pass_f32<Dec, 2>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 1: return groups_pair_f32<Dec, 1>(x, K, w, nb, part_b, g0, g1, y, ys);
+    case 2: return groups_pair_f32<Dec, 2>(x, K, w, nb, part_b, g0, g1, y, ys);
     case 3: return groups_pass_f32<Dec, 3>(x, K, w, nb, part_b, g0, g1, y, ys);
 #if defined(__AVX512F__)
     case 4: return groups_pass_f32<Dec, 4>(x, K, w, nb, part_b, g0, g1, y, ys);
