@@ -46,12 +46,16 @@ import torch
 
 from pdserve.engine.kv_dtype import auto_kv_dtype_applies, choose_kv_dtype
 from pdserve.engine.model_runner import ModelInput, ModelRunner, SeqInput
-from pdserve.engine.parallel import agree, from_rank0, is_first_rank
+from pdserve.engine.parallel import agree, all_reduce, from_rank0, is_first_rank
 from pdserve.engine.quality import ProbeScore
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# The calibration's smoothing search measures int8's error on about this many of its text's
+# rows (every len(ids) // CALIBRATION_SEARCH_ROWS-th): SmolLM2 kept its gain at 256 of 512
+CALIBRATION_SEARCH_ROWS = 256
 
 
 def start_runner(
@@ -107,7 +111,7 @@ def _choose(runner, wanted, cache, calibration, probe, length, chat) -> tuple[st
     runner.allocate_kv_cache()  # the calibration and the probes below step in it
     runner.model.prepare_linears(None, release_dense=False)
     if calibration:
-        calibrate(runner, calibration)
+        calibrate(runner, calibration, wanted)
     if kept is not None:
         return cache.apply(runner, *kept)
     if wanted != "auto":
@@ -257,9 +261,11 @@ class VerdictCache:
             # the linears the calibration never reached (an expert no token went to; all of
             # them where there was no probe text) are named, so they stay unsmoothed again
             unreached = json.dumps(sorted(k for k, v in found.items() if v is None))
+            alphas = json.dumps({k: m.smooth_alpha for k, m in _linears(runner) if k in seen})
             tmp = self.calibration_path.with_suffix(f".{os.getpid()}.tmp")
             try:
-                save_file(seen, str(tmp), metadata={"unreached": unreached})
+                meta = {"unreached": unreached, "alphas": alphas}
+                save_file(seen, str(tmp), metadata=meta)
                 os.replace(tmp, self.calibration_path)
             except Exception as e:  # the verdict is still kept: the next start calibrates
                 tmp.unlink(missing_ok=True)
@@ -272,29 +278,35 @@ class VerdictCache:
             log.warning("precision verdict not kept (%s): the next start probes again", e)
 
     def restore_calibration(self, runner: ModelRunner) -> bool:
-        """Sets every linear's act_absmax from the kept calibration; False (nothing set) where
-        there is none or it does not fit the model: every linear named once, as reached (a finite
-        float32 vector of its input width) or as unreached."""
+        """Sets every linear's act_absmax and smooth_alpha from the kept calibration; False
+        (nothing set) where there is none or it does not fit the model: every linear named once,
+        as reached (a finite float32 vector of its input width, and one of quant.SMOOTH_ALPHAS or
+        None where the mode did not search) or as unreached."""
         from safetensors import safe_open
+
+        from pdserve.engine.layers.quant import SMOOTH_ALPHAS
 
         try:
             with safe_open(str(self.calibration_path), "pt") as f:
                 kept = {k: f.get_tensor(k) for k in f.keys()}
-                unreached = json.loads((f.metadata() or {})["unreached"])
+                meta = f.metadata() or {}
+                unreached, alphas = json.loads(meta["unreached"]), json.loads(meta["alphas"])
         except Exception:  # missing, truncated or not ours: calibrate instead
             return False
         linears = dict(_linears(runner))
         if not isinstance(unreached, list) or set(kept) | set(unreached) != set(linears):
             return False
-        if set(kept) & set(unreached):
+        if set(kept) & set(unreached) or not isinstance(alphas, dict) or set(alphas) != set(kept):
             return False
         for name, v in kept.items():
             if v.dtype != torch.float32 or v.shape != (linears[name].weight.shape[1],):
                 return False
             if not bool(torch.isfinite(v).all()):
                 return False
+            if alphas[name] is not None and alphas[name] not in SMOOTH_ALPHAS:
+                return False
         for name, m in linears.items():
-            m.act_absmax = kept.get(name)
+            m.act_absmax, m.smooth_alpha = kept.get(name), alphas.get(name)
         return True
 
     def apply(self, runner: ModelRunner, quantization: str | None, kv_bfloat16: bool, note: str):
@@ -381,20 +393,66 @@ def _linears(runner: ModelRunner) -> list[tuple[str, torch.nn.Module]]:
     return [(n, m) for n, m in runner.model.named_modules() if isinstance(m, LinearBase)]
 
 
-def calibrate(runner: ModelRunner, ids: list[int]) -> None:
-    """Records, for every linear, the largest |input| per channel over `ids` (int8 smooths
-    its activations by it; see engine/layers/quant.py). The pass runs the layers one by one:
-    the compiled decode stack (models/llama.py), which float32 on a CPU takes for every step of
-    the probe, runs all layers in one call that no forward hook sees, and under it only the
-    head was ever recorded (int8's layers then went unsmoothed). A linear the text never reaches
-    (an expert no token was routed to) keeps act_absmax None and is quantized unsmoothed."""
+def calibrate(runner: ModelRunner, ids: list[int], mode: str = "int8") -> None:
+    """Sets, for every linear, the largest |input| per channel over `ids` (int8 smooths its
+    activations by it; see engine/layers/quant.py) and, where `mode` serves its int8 product
+    (_int8_served), the smoothing strength that makes that product err least on the text. Two
+    passes over `ids`: the maxima first, then each strength's error summed over the same inputs
+    (quant.smoothing_errors, on about CALIBRATION_SEARCH_ROWS of its rows). One strength for
+    every layer was a draw: SmolLM2's int8 probe perplexity moved by 1.7 points with the
+    maxima's last bits, where a strength per linear keeps it lower on every draw tried
+    (docs/experiments/int8-agreement.md). The passes run the layers one by one: the compiled
+    decode stack (models/llama.py), which float32 on a CPU takes for every step of the probe,
+    runs all layers in one call that no forward hook sees. A linear the text never reaches (an
+    expert no token was routed to) keeps act_absmax None and is quantized unsmoothed."""
+    from pdserve.engine.layers.quant import SMOOTH_ALPHAS, smoothing_errors
 
     def record(module, args, _out):
         x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
         seen = module.act_absmax
         module.act_absmax = x if seen is None else torch.maximum(seen, x)
 
-    hooks = [m.register_forward_hook(record) for _, m in _linears(runner)]
+    stride = max(1, len(ids) // CALIBRATION_SEARCH_ROWS)
+    errors: dict[torch.nn.Module, torch.Tensor] = {}
+
+    def measure(module, args, _out):
+        x = args[0].detach().reshape(-1, args[0].shape[-1])[::stride]
+        e = smoothing_errors(module.weight, module.act_absmax, x, SMOOTH_ALPHAS)
+        errors[module] = errors[module] + e if module in errors else e
+
+    linears = [m for _, m in _linears(runner)]
+    for m in linears:
+        m.act_absmax = m.smooth_alpha = None
+    _layer_by_layer(runner, linears, record, ids)
+    searched = [m for m in _int8_served(runner, mode) if m.act_absmax is not None]
+    if not searched:
+        return
+    _layer_by_layer(runner, searched, measure, ids)
+    none = torch.zeros(len(SMOOTH_ALPHAS), dtype=torch.float64)
+    table = torch.stack([errors.get(m, none) for m in searched])
+    # summed over the tensor-parallel ranks: a linear's shards take the strength that suits
+    # the whole linear, as one rank would choose it (every rank reached the same linears)
+    all_reduce(table)
+    for m, row in zip(searched, table, strict=True):
+        m.smooth_alpha = SMOOTH_ALPHAS[int(row.argmin())]
+
+
+def _int8_served(runner: ModelRunner, mode: str) -> list[torch.nn.Module]:
+    """The linears whose int8 product `mode` serves as it is, where the smoothing search pays:
+    every one under int8 and under auto (whose probe tries int8), the LM head under int4 (its
+    head stays int8); none under bf16, whose int8 screen only picks the candidates it rescores
+    in float32."""
+    if mode in ("int8", "auto"):
+        return [m for _, m in _linears(runner)]
+    if mode == "int4":
+        head = getattr(runner.model, "lm_head", None)
+        return [m for _, m in _linears(runner) if m is head]
+    return []
+
+
+def _layer_by_layer(runner: ModelRunner, linears, hook, ids: list[int]) -> None:
+    """One pass over `ids` with `hook` on each of `linears`, the compiled stacks set aside."""
+    hooks = [m.register_forward_hook(hook) for m in linears]
     stacks = [m for m in runner.model.modules() if getattr(m, "_stack", None) is not None]
     held = [m._stack for m in stacks]
     try:

@@ -96,6 +96,8 @@ class LinearBase(nn.Module):
         self._own: tuple[torch.Tensor, int] | None = None
         # per input channel, the largest |activation| seen on calibration text (int8 smooths by it)
         self.act_absmax: torch.Tensor | None = None
+        # and the SmoothQuant strength that erred least on that text (None: quant.SMOOTH_ALPHA)
+        self.smooth_alpha: float | None = None
         self._dense_shape = tuple(self.weight.shape)  # what a released weight had (restore_dense)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -109,7 +111,9 @@ class LinearBase(nn.Module):
             raise RuntimeError("finalize after the dense weight was released")
         self._packed = self._quant = self._blocks = self._own = None
         if quantization is not None:
-            self._quant = quantize_weight(quantization, self.weight.detach(), self.act_absmax)
+            self._quant = quantize_weight(
+                quantization, self.weight.detach(), self.act_absmax, self.smooth_alpha
+            )
         elif _onednn_usable(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(
                 self.weight.detach(), _BATCH_HINT

@@ -2,7 +2,8 @@
 
 - "int8": weights int8 per output channel (symmetric), activations quantized per row at run time
   (dynamic quantization) by torch's x86 quantized engine (fbgemm for linears on every x86 CPU,
-  VNNI where the CPU has it). Input and output stay in floating point.
+  VNNI where the CPU has it), smoothed per linear (SmoothQuant) with the strength that erred
+  least on the calibration text (`smoothing_errors`). Input and output stay in floating point.
 - "int4": weights int4 in groups of 32 input features with a scale and a zero point per group
   (asymmetric, the layout of GGUF's Q4_1), activations bf16 (`_weight_int4pack_mm_for_cpu`);
   the LM head stays int8 (`head_quantization`).
@@ -50,7 +51,14 @@ from pdserve.engine.kernels import cpu_fused, fused_for
 
 QUANTIZATIONS = ("int8", "int4", "bf16")
 INT4_GROUP = 32
-SMOOTH_ALPHA = 0.5
+SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength where no calibration chose one
+# The strengths the calibration tries per linear (smoothing_errors): on SmolLM2 it chose 0.45-0.9
+# and moved int8's probe perplexity from +0.15..+1.87% of float32 to -0.3..+0.8% over the same
+# six calibration draws (docs/experiments/int8-agreement.md)
+SMOOTH_ALPHAS = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))
+# The most outputs of a linear the search measures its error on (evenly spaced): a subset of
+# rows of a weight quantizes as they do in the whole, and the LM head has 49,152
+SMOOTH_SEARCH_OUTPUTS = 1024
 # Candidates per row the screened head rescores: the int8 screen's logit errors are small next to
 # the gap between a row's top token and its HEAD_RESCORE-th, so float32's top token is among them
 # (4, 8 and 16 gave SmolLM2 the same agreement); every rescored logit is float32's.
@@ -182,6 +190,57 @@ def _use_x86_engine() -> None:
     )
 
 
+def smoothing(w: torch.Tensor, act_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's factor per input channel of a float32 weight [out, in]: a few input channels
+    carry activations far larger than the rest, and one int8 scale per row would flatten every
+    other channel to a handful of levels. Int8Weight divides channel j by s_j = max|x_j|^alpha /
+    max|w_j|^(1 - alpha) at run time and multiplies the weight's column j by it: the product is
+    unchanged, the ranges are evened out."""
+    return _smoothing(act_absmax.detach().float(), w.abs().amax(dim=0), alpha)
+
+
+def _smoothing(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    a, wmax = act_absmax.clamp(min=1e-5), w_absmax.clamp(min=1e-5)
+    return (a.pow(alpha) / wmax.pow(1 - alpha)).clamp(min=1e-5)
+
+
+# 1 / the activations' int8 step (2 / 255), both as float32: what fbgemm multiplies by
+_INT8_ACT_INV = float(1.0 / torch.tensor(2.0 / 255.0, dtype=torch.float32))
+
+
+def smoothing_errors(
+    weight: torch.Tensor, act_absmax: torch.Tensor, x2d: torch.Tensor, alphas=SMOOTH_ALPHAS
+) -> torch.Tensor:
+    """The summed squared error of Int8Weight's product of x2d [rows, in] against float32's, for
+    each smoothing strength in `alphas` (a float64 vector), on at most SMOOTH_SEARCH_OUTPUTS of
+    the weight's outputs. Int8Weight's rounding (weights per output channel to -127..127, each
+    row scaled to [-1, 1] and rounded to 2/255 steps as fbgemm does) and exact int32 sums, but
+    no weight packed per try; the calibration sums these over its text and keeps the strength
+    that errs least (precision.calibrate)."""
+    w = weight.detach().float()
+    if w.shape[0] > SMOOTH_SEARCH_OUTPUTS:
+        w = w[torch.linspace(0, w.shape[0] - 1, SMOOTH_SEARCH_OUTPUTS).round().long()]
+    x = x2d.detach().float()
+    want = x @ w.t()
+    w_abs, x_abs = w.abs(), x.abs()  # (the smoothing factors are positive)
+    a, w_in = act_absmax.detach().float(), w_abs.amax(dim=0)
+    errors = torch.empty(len(alphas), dtype=torch.float64)
+    for i, alpha in enumerate(alphas):
+        smooth = _smoothing(a, w_in, alpha)
+        step = (w_abs * smooth).amax(dim=1).div_(127.0).clamp_(min=1e-12)
+        wq = torch.round((w * smooth).div_(step[:, None])).clamp_(-128, 127).to(torch.int8)
+        inv = 1.0 / smooth
+        rmax = (x_abs * inv).amax(dim=1, keepdim=True).clamp_(min=1e-6)
+        # fbgemm's quantizer: x / rmax times 1 / (2 / 255) (127.49999 in float32) plus the zero
+        # point 128, rounded once to float32 and then to the nearest even integer
+        xn = (x * inv).div_(rmax).double().mul_(_INT8_ACT_INV).add_(128.0).float()
+        xq = xn.round_().sub_(128.0).clamp_(-128, 127).to(torch.int8)
+        sums = torch._int_mm(xq, wq.t())  # exact, in int32
+        got = sums.float().mul_(rmax / _INT8_ACT_INV).mul_(step)
+        errors[i] = got.sub_(want).square_().sum().double()
+    return errors
+
+
 class Int8Weight:
     """A weight [out, in] as torch's prepacked dynamic-quantization linear."""
 
@@ -195,14 +254,7 @@ class Int8Weight:
         w = weight.detach().float()
         self.inv_smooth = None
         if act_absmax is not None:
-            # SmoothQuant: a few input channels carry activations far larger than the rest, and one
-            # int8 scale per row would flatten every other channel to a handful of levels. Divide
-            # channel j by s_j = max|x_j|^alpha / max|w_j|^(1 - alpha) at run time and multiply
-            # the weight's column j by it: the product is unchanged, the ranges are evened out.
-            a = act_absmax.detach().float().clamp(min=1e-5)
-            smooth = (a.pow(alpha) / w.abs().amax(dim=0).clamp(min=1e-5).pow(1 - alpha)).clamp(
-                min=1e-5
-            )
+            smooth = smoothing(w, act_absmax, alpha)
             w = w * smooth
             self.inv_smooth = 1.0 / smooth
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
@@ -689,11 +741,15 @@ class ScreenedHead:
         weight: torch.Tensor,
         act_absmax: torch.Tensor | None = None,
         screen: str | None = None,
+        alpha: float = SMOOTH_ALPHA,
     ):
         if screen is None:  # (the CPU's)
             bf16 = cpu_features().has("amx_bf16") and onednn_bf16_available()
             screen = "bf16" if bf16 else "int8"
-        self.screen = Bf16Weight(weight) if screen == "bf16" else Int8Weight(weight, act_absmax)
+        if screen == "bf16":
+            self.screen = Bf16Weight(weight)
+        else:
+            self.screen = Int8Weight(weight, act_absmax, alpha)
         self.weight = weight.detach().float()
         self.out_features = self.screen.out_features
 
@@ -726,10 +782,18 @@ def head_quantization(mode: str | None) -> str | None:
     return "screened" if mode == "bf16" else mode
 
 
-def quantize_weight(mode: str, weight: torch.Tensor, act_absmax: torch.Tensor | None = None):
-    """The prepared weight for `mode`: one of QUANTIZATIONS, or the head's own "screened"."""
+def quantize_weight(
+    mode: str,
+    weight: torch.Tensor,
+    act_absmax: torch.Tensor | None = None,
+    alpha: float | None = None,
+):
+    """The prepared weight for `mode`: one of QUANTIZATIONS, or the head's own "screened".
+    act_absmax and alpha: the calibration's largest input per channel and the smoothing strength
+    it chose (None: SMOOTH_ALPHA), where the mode has int8 in it."""
+    alpha = SMOOTH_ALPHA if alpha is None else alpha
     if mode == "int8":
-        return Int8Weight(weight, act_absmax)
+        return Int8Weight(weight, act_absmax, alpha)
     if mode == "int4":
         return Int4Weight(weight)
     if mode == "bf16":
@@ -740,5 +804,5 @@ def quantize_weight(mode: str, weight: torch.Tensor, act_absmax: torch.Tensor | 
             )
         return Bf16Weight(weight)
     if mode == "screened":
-        return ScreenedHead(weight, act_absmax)
+        return ScreenedHead(weight, act_absmax, alpha=alpha)
     raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")

@@ -7,6 +7,8 @@ bounds widened: the verdict is then a quantized mode with a bf16 cache."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -121,13 +123,23 @@ def test_a_second_start_applies_the_kept_verdict_without_probing(
     assert again[4] == logprobs
 
     # a kept calibration with a linear missing, or one cut short: calibrated again, same model
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     full = load_file(str(kept))
-    save_file(dict(list(full.items())[1:]), str(kept))
+    with safe_open(str(kept), "pt") as f:
+        meta = f.metadata()
+    save_file(dict(list(full.items())[1:]), str(kept), metadata=meta)
     assert start(model_dir)[4] == logprobs and len(calibrations) == 2
     kept.write_bytes(kept.read_bytes()[:100])
     assert start(model_dir)[4] == logprobs and len(calibrations) == 3
+    # one without the smoothing strengths (an older engine's), or with one outside the grid
+    save_file(full, str(kept), metadata={"unreached": meta["unreached"]})
+    assert start(model_dir)[4] == logprobs and len(calibrations) == 4
+    alphas = json.loads(meta["alphas"])
+    alphas[next(iter(alphas))] = 0.123
+    save_file(full, str(kept), metadata={**meta, "alphas": json.dumps(alphas)})
+    assert start(model_dir)[4] == logprobs and len(calibrations) == 5
     assert len(probes) == 1
 
 

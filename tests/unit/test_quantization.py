@@ -212,6 +212,18 @@ def test_engine_serves_in_each_mode(refs, mode):
         for p in prompts[3:6]:
             diff = prompt_logprob_diff(ref, llm, p)
             assert diff < (0.05 if mode == "int8" else 0.25), diff
+        # the calibration searches a smoothing strength where the mode serves int8 products as
+        # they are: every linear under int8, int4's int8 head, none of bf16's (rescored) screen
+        from pdserve.engine.layers.linear import LinearBase
+
+        linears = {
+            n: m.smooth_alpha
+            for n, m in llm.engine.runner.model.named_modules()
+            if isinstance(m, LinearBase)
+        }
+        searched = {n for n, a in linears.items() if a is not None}
+        want = {"int8": set(linears), "int4": {"lm_head"}, "bf16": set()}[mode]
+        assert searched == want, (mode, searched)
         assert_greedy_runs_without_leaks(llm, prompts)
     finally:
         ref.shutdown()
@@ -239,6 +251,63 @@ def test_int8_smooths_every_linear_by_the_calibration(refs):
             in_features = m._quant.packed.unpack()[0].shape[1] // (2 if m._quant.spread else 1)
             assert m.act_absmax.shape == (in_features,), name
             assert m._quant.inv_smooth is not None, name
+            assert m.smooth_alpha in quant.SMOOTH_ALPHAS, name
+    finally:
+        llm.shutdown()
+
+
+@needs_x86_int8
+def test_the_smoothing_search_measures_what_the_int8_kernel_computes():
+    """quant.smoothing_errors redoes Int8Weight's rounding in float32 for each strength; its
+    errors are the kernel's (up to the dequantization's last bits), outlier channels included."""
+    w, x = weight_and_input(40, n=80, k=96, seed=3)
+    x[:, 5] *= 30.0  # an outlier channel, as real models' activations have
+    x[0] *= 20.0  # and an outlier row (the first token's)
+    absmax = x.abs().amax(dim=0)
+    fake = quant.smoothing_errors(w, absmax, x)
+    real = [
+        (Int8Weight(w, absmax, a).matmul(x) - x @ w.T).double().square().sum().item()
+        for a in quant.SMOOTH_ALPHAS
+    ]
+    assert fake.tolist() == pytest.approx(real, rel=1e-4)
+    assert len(set(real)) == len(real)  # the strengths do differ here
+    # past SMOOTH_SEARCH_OUTPUTS outputs it measures an evenly spaced subset of them
+    wide = torch.cat([w] * 15)  # 1,200 outputs
+    assert quant.smoothing_errors(wide, absmax, x).shape == (len(quant.SMOOTH_ALPHAS),)
+
+
+@needs_x86_int8
+@pytest.mark.skipif(cpu_fused() is None, reason="no C++ toolchain: layers run one by one")
+def test_the_calibration_keeps_the_strength_the_int8_kernel_errs_least_with(refs, monkeypatch):
+    """Each linear's smooth_alpha is the strength whose int8 product (the kernel's, recomputed
+    here on the rows the calibration measured) errs least, not one strength for all layers."""
+    from pdserve.engine.layers.linear import LinearBase
+
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+    measure = quant.smoothing_errors
+
+    def recording(weight, act_absmax, x2d, alphas=quant.SMOOTH_ALPHAS):
+        kept = seen.setdefault(id(weight), (weight.detach().clone(), act_absmax.clone(), []))
+        kept[2].append(x2d.detach().clone())
+        return measure(weight, act_absmax, x2d, alphas)
+
+    monkeypatch.setattr(quant, "smoothing_errors", recording)
+    model_dir, _, _, _ = refs("llama-gqa")
+    llm = LLM(model_dir, quantization="int8", kv_cache_memory=1 << 22)
+    try:
+        chosen = []
+        for name, m in llm.engine.runner.model.named_modules():
+            if not isinstance(m, LinearBase):
+                continue
+            w, absmax, xs = seen[id(m.weight)]
+            x = torch.cat(xs).float()
+            errors = {
+                a: (Int8Weight(w, absmax, a).matmul(x) - x @ w.float().T).double().square().sum()
+                for a in quant.SMOOTH_ALPHAS
+            }
+            assert errors[m.smooth_alpha] <= min(errors.values()) * (1 + 1e-4), name
+            chosen.append(m.smooth_alpha)
+        assert len(set(chosen)) > 1, chosen
     finally:
         llm.shutdown()
 
