@@ -17,7 +17,7 @@ from helpers.marks import needs_onednn_bf16
 from helpers.models import make_tiny_model, random_prompts
 from helpers.threads import assert_no_leaks
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.cpu import CPUFeatures
+from pdserve.engine.cpu import CPUFeatures, cpu_features
 from pdserve.engine.kernels import cpu_fused
 from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.layers.quant import (
@@ -295,7 +295,18 @@ def test_a_weight_that_is_not_4_bit_blocks_is_refused():
     assert Q4Blocks.of(w) is None
 
 
+@pytest.fixture
+def no_amx_blocks(monkeypatch):
+    """The bf16 mode's blocks as every CPU without AMX takes them (Q4Blocks for steps of few
+    rows), on the AMX Xeon too, where they would otherwise take every step on the tiles
+    (quant.amx_blocks; tested below)."""
+    import pdserve.engine.layers.quant as quant
+
+    monkeypatch.setattr(quant, "amx_blocks", lambda weight, packed: None)
+
+
 @needs_onednn_bf16
+@pytest.mark.usefixtures("no_amx_blocks")
 def test_the_bf16_mode_takes_the_blocks_for_steps_of_few_rows():
     w = weight()
     bf16 = Bf16Weight(w)
@@ -348,8 +359,79 @@ def q4_model(tmp_path_factory):
     return str(path)
 
 
+amx_tiles = pytest.mark.skipif(
+    cpu_fused() is None or not cpu_features().has("amx_bf16") or not cpu_fused().amx_bf16_ready(),
+    reason="needs AMX's bf16 tiles",
+)
+
+
+@amx_tiles
+def test_on_amx_the_blocks_take_every_step_with_amx_linears_bits():
+    """Where the tiles multiply the bf16 mode (amx_product), a weight that is exactly 4-bit blocks
+    is multiplied from them rebuilt in L1 (amx_q4_linear): amx_linear's bits at every step size,
+    through each of its paths (one chunk, narrow passes, row blocks), so a row's bits do not
+    depend on its step; no bf16 copy is kept."""
+    fused = cpu_fused()
+    w = weight(out=64, inp=576, seed=12)
+    bf16 = Bf16Weight(w)
+    assert bf16.q4 is None and bf16.packed is None and bf16.bp.dtype == torch.uint8
+    packed = fused.amx_pack(w)
+    x = torch.randn(600, 576, generator=torch.Generator().manual_seed(13))
+    for rows in (1, 5, 16, 17, 32, 33, 47, 80, 81, 130, 600):
+        got = bf16.matmul(x[:rows])
+        assert torch.equal(got, fused.amx_linear(x[:rows], packed).float()), rows
+        assert torch.equal(got[:1], bf16.matmul(x[:1])), rows
+        sums = fused.amx_q4_linear(x[:rows], bf16.bp, True)  # (the head screen's float32 sums)
+        assert torch.equal(sums, fused.amx_linear(x[:rows], packed, True)), rows
+    # a weight that is not blocks, or not 32 outputs wide, keeps the bf16 packing
+    assert Bf16Weight(torch.randn(64, 576)).bp.dtype == torch.bfloat16
+    narrow = Bf16Weight(weight(out=48, inp=576))
+    assert narrow.bp is None or narrow.bp.dtype != torch.uint8
+
+
+@amx_tiles
+def test_amx_blocks_are_refused_where_their_bits_differ(monkeypatch):
+    """amx_blocks checks amx_q4_linear against amx_linear before a weight takes it: blocks
+    rebuilt into other weights (here: one block's scale doubled) are refused."""
+    import pdserve.engine.layers.quant as quant
+
+    fused = cpu_fused()
+    w = weight(out=32, inp=64, seed=14)
+    packed = fused.amx_pack(w)
+    assert quant.amx_blocks(w, packed) is not None
+    real = fused.q4_blocks
+
+    def off(weight):
+        blocks = real(weight)
+        scale = blocks[0, :2].view(torch.float16)
+        blocks[0, :2] = (scale * 2).view(torch.uint8)  # output 0's first block, scaled twice
+        return blocks
+
+    monkeypatch.setattr(quant, "cpu_fused", lambda: _Fused(fused, off))
+    assert quant.amx_blocks(w, packed) is None
+
+
+class _Fused:
+    """cpu_fused() with q4_blocks replaced (a compiled module's functions cannot be patched)."""
+
+    def __init__(self, real, q4_blocks):
+        self._real, self.q4_blocks = real, q4_blocks
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
 @needs_onednn_bf16
-def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_model):
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=amx_tiles)])
+def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(
+    q4_model, monkeypatch, amx
+):
+    """The bf16 mode's decode stack on a model of 4-bit blocks: as Q4Blocks for steps of few rows
+    (every CPU; AMX's blocks held off), and on AMX's tiles from the blocks at every step."""
+    import pdserve.engine.layers.quant as quant
+
+    if not amx:
+        monkeypatch.setattr(quant, "amx_blocks", lambda weight, packed: None)
     llm = LLM(  # no prefix cache: the second run must prefill exactly as the first did
         q4_model,
         dtype="float32",
@@ -364,7 +446,11 @@ def test_the_decode_stack_takes_the_blocks_and_gives_the_layer_by_layer_bits(q4_
             for name, m in model.named_modules()
             if isinstance(m, LinearBase) and ".layers." in name
         ]
-        assert decoder and all(isinstance(q, Bf16Weight) and q.q4 is not None for q in decoder)
+        assert decoder and all(isinstance(q, Bf16Weight) for q in decoder)
+        if amx:
+            assert all(q.q4 is None and q.bp.dtype == torch.uint8 for q in decoder)
+        else:
+            assert all(q.q4 is not None for q in decoder)
         assert model.model._stack is not None
         prompts = random_prompts([5, 17, 40], seed=6)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
