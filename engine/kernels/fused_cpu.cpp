@@ -440,6 +440,7 @@ namespace {
 constexpr int64_t kBlock = 32;         // input features a block covers
 constexpr int64_t kGroup = 16;         // output features kept together
 constexpr int64_t kGroupBytes = 320;   // 16 d, 16 m (float16), 16 pairs x 16 bytes of nibbles
+constexpr int64_t kGroupBytes8 = 32 + kBlock * kGroup;   // 8-bit blocks' (q8_blocks)
 constexpr int kMaxRows = 8;            // rows one pass over a group's weights serves
 
 inline float half_at(const uint8_t* p) {
@@ -1107,39 +1108,73 @@ at::Tensor amx_q4_pack(at::Tensor blocks) {
 namespace {
 constexpr int kQ4AmxRowTiles = 5;   // row tiles a narrow pass keeps sums of (tiles 0-4)
 
-// One half's block (16 outputs x 32 inputs) rebuilt into a tile of amx_pack's layout at dst.
-inline void rebuild_half(const uint8_t* half, uint16_t* dst) {
-  const __m512i low = _mm512_set1_epi32(0x0F);
-  const __m512i lo_out = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_out = _mm512_add_epi32(lo_out, _mm512_set1_epi32(8));
-  for (int64_t o = 0; o < kQ4AmxHalf; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(half + 8 * kQ4AmxHalf + o), _MM_HINT_T0);
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 32)));
-  const __m512 d0 = _mm512_permutexvar_ps(lo_out, d), d1 = _mm512_permutexvar_ps(hi_out, d);
-  const __m512 m0 = _mm512_permutexvar_ps(lo_out, m), m1 = _mm512_permutexvar_ps(hi_out, m);
-  for (int p = 0; p < kBlock / 2; ++p) {
-    const __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + 64 + p * 16)));
-    const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d0, m0);
-    const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
-    _mm512_store_si512(dst + p * 32, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-  }
+// The two kinds of blocks the tiles take: where each half (16 outputs) of a tile's 32 outputs
+// keeps its blocks (`half`: block 0 of half hh, the next ones `step` bytes apart), and how a
+// block is rebuilt into a tile of amx_pack's layout at dst (`rebuild`). The bf16 rounding is
+// amx_pack's (nearest even) of the exact float32 weight.
+const __m512i kLoOut = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+const __m512i kHiOut = _mm512_add_epi32(kLoOut, _mm512_set1_epi32(8));
+
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
 }
 
-// amx_chunk for one chunk of rows (m0 + m1 <= 32) on 32 outputs kept as amx_q4_pack's blocks
-// (tw: their first block): each block's two weight tiles rebuilt into w (in L1) right before
-// their products, the same products in the same order.
-void amx_q4_chunk(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* tw, uint16_t* w, int m1,
-                  void* y, int64_t ys, int64_t rows, bool f32, float (&c)[4][256]) {
+struct Q4Amx {   // amx_q4_pack's layout (above)
+  static constexpr int64_t step = 2 * kQ4AmxHalf;
+  static const uint8_t* half(const uint8_t* wp, int64_t hh, int64_t nb) {
+    return wp + (hh / 2) * nb * step + (hh % 2) * kQ4AmxHalf;
+  }
+  static void rebuild(const uint8_t* half, uint16_t* dst) {
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    prefetch_ahead(half + 4 * step, kQ4AmxHalf);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + 32)));
+    const __m512 d0 = _mm512_permutexvar_ps(kLoOut, d), d1 = _mm512_permutexvar_ps(kHiOut, d);
+    const __m512 m0 = _mm512_permutexvar_ps(kLoOut, m), m1 = _mm512_permutexvar_ps(kHiOut, m);
+    for (int p = 0; p < kBlock / 2; ++p) {
+      const __m512i q = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + 64 + p * 16)));
+      const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d0, m0);
+      const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
+      _mm512_store_si512(dst + p * 32, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+};
+
+struct Q8Amx {   // q8_blocks' own layout: each group of 16 outputs is a half, d * q exact
+  static constexpr int64_t step = kGroupBytes8;
+  static const uint8_t* half(const uint8_t* wp, int64_t hh, int64_t nb) { return wp + hh * nb * step; }
+  static void rebuild(const uint8_t* half, uint16_t* dst) {
+    prefetch_ahead(half + 4 * step, kGroupBytes8);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)));
+    const __m512 d0 = _mm512_permutexvar_ps(kLoOut, d), d1 = _mm512_permutexvar_ps(kHiOut, d);
+    for (int p = 0; p < kBlock / 2; ++p) {
+      // inputs 2p and 2p + 1, 16 outputs' q each; interleaved: each output's pair side by side
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + 32 + 2 * p * 16));
+      const __m128i o = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + 32 + (2 * p + 1) * 16));
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(e, o)));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(e, o)));
+      _mm512_store_si512(dst + p * 32,
+                         (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, d1), _mm512_mul_ps(a, d0)));
+    }
+  }
+};
+
+// amx_chunk for one chunk of rows (m0 + m1 <= 32) on 32 outputs kept as blocks (h0, h1: their
+// halves' first blocks): each block's two weight tiles rebuilt into w (in L1) right before their
+// products, the same products in the same order.
+template <typename Dec>
+void blocks_chunk(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* h0, const uint8_t* h1,
+                  uint16_t* w, int m1, void* y, int64_t ys, int64_t rows, bool f32,
+                  float (&c)[4][256]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < nb; ++kb) {
     uint16_t* wt = w + (kb & 1) * 2 * kAmxTile;
-    rebuild_half(tw + kb * 2 * kQ4AmxHalf, wt);
-    rebuild_half(tw + (kb * 2 + 1) * kQ4AmxHalf, wt + kAmxTile);
+    Dec::rebuild(h0 + kb * Dec::step, wt);
+    Dec::rebuild(h1 + kb * Dec::step, wt + kAmxTile);
     _tile_loadd(4, x + kb * 32, K * 2);
     _tile_loadd(6, wt, 64);
     _tile_loadd(7, wt + kAmxTile, 64);
@@ -1181,11 +1216,12 @@ void configure_narrow(int n) {
     }                                         \
   } while (0)
 
-// n rows (<= 16 * kQ4AmxRowTiles) times one half's 16 outputs (half_w: its first block, the next
-// 2 * kQ4AmxHalf bytes on): each block rebuilt into w (in L1) right before its tile products,
-// every row tile's sums in a tile of its own, so each weight is rebuilt once for all n rows. Per
-// output and row the products are added in amx_linear's order (block after block into one tile).
-void amx_q4_narrow(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* half_w, int n,
+// n rows (<= 16 * kQ4AmxRowTiles) times one half's 16 outputs (half_w: its first block): each
+// block rebuilt into w (in L1) right before its tile products, every row tile's sums in a tile
+// of its own, so each weight is rebuilt once for all n rows. Per output and row the products are
+// added in amx_linear's order (block after block into one tile).
+template <typename Dec>
+void blocks_narrow(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* half_w, int n,
                    uint16_t* w, void* y, int64_t ys, bool f32, float (&c)[kQ4AmxRowTiles][256]) {
   const int tiles = (n + 15) / 16;
   _tile_zero(0);
@@ -1195,7 +1231,7 @@ void amx_q4_narrow(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* half
   _tile_zero(4);
   for (int64_t kb = 0; kb < nb; ++kb) {
     uint16_t* wt = w + (kb & 1) * kAmxTile;
-    rebuild_half(half_w + kb * 2 * kQ4AmxHalf, wt);
+    Dec::rebuild(half_w + kb * Dec::step, wt);
     _tile_loadd(7, wt, 64);
     const uint16_t* xb = x + kb * 32;
     const int64_t st = K * 2;
@@ -1223,29 +1259,20 @@ void amx_q4_narrow(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* half
 }  // namespace
 #endif
 
-// x [rows, in] (float32 or bfloat16) times an amx_q4_pack'ed weight: [rows, out] bfloat16, or
-// with float_out the float32 sums, as amx_linear gives them. Up to 32 rows (a decode step) as one
-// chunk (amx_q4_chunk); up to 16 * kQ4AmxRowTiles (speculation's guesses too) in narrow passes
-// over each 16 outputs (amx_q4_narrow); more in blocks of kAmxRowBlock rows, each 32 outputs' weights rebuilt once
-// per block into a buffer of the thread's (in amx_pack's layout, in L2) that amx_chunk then
-// multiplies as amx_linear multiplies the packing.
-at::Tensor amx_q4_linear(at::Tensor x, at::Tensor packed, bool float_out = false) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "amx_q4_linear: x CPU float32 or bfloat16 [rows, in] expected");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
-                  packed.dim() == 2 && packed.is_contiguous() && x.size(1) % kBlock == 0 &&
-                  packed.size(1) == x.size(1) / kBlock * 2 * kQ4AmxHalf,
-              "amx_q4_linear: packed uint8 [out / 32, in / 32 * 640] (amx_q4_pack) expected");
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  TORCH_CHECK(amx_permitted(), "amx_q4_linear: the kernel did not grant this process AMX's tiles");
-  const int64_t rows = x.size(0), in = x.size(1), tiles = packed.size(0), out = tiles * kAmxOut;
-  const int64_t nb = in / kBlock, tile_bytes = nb * 2 * kQ4AmxHalf;
+namespace {
+// x [rows, in] times `tiles` * 32 outputs kept as Dec's blocks at wp: amx_linear's result. Up to
+// 32 rows (a decode step) as one chunk (blocks_chunk); up to 16 * kQ4AmxRowTiles (speculation's
+// guesses too) in narrow passes over each 16 outputs (blocks_narrow); more in blocks of
+// kAmxRowBlock rows, each 32 outputs' weights rebuilt once per block into a buffer of the
+// thread's (amx_pack's layout, in L2) that amx_chunk multiplies as it multiplies the packing.
+template <typename Dec>
+at::Tensor blocks_linear(const at::Tensor& x, const uint8_t* wp, int64_t tiles, bool float_out) {
+  const int64_t rows = x.size(0), in = x.size(1), out = tiles * kAmxOut, nb = in / kBlock;
   auto y = at::empty({rows, out}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0 || out == 0) return y;
   const auto xb = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t esz = y.element_size();
   if (rows <= kAmxRows) {
@@ -1255,8 +1282,8 @@ at::Tensor amx_q4_linear(at::Tensor x, at::Tensor packed, bool float_out = false
       const int n = static_cast<int>(rows), m1 = std::max(0, n - 16);
       configure_tiles(std::min(n, 16), std::max(m1, 1));
       for (int64_t t = t0; t < t1; ++t)
-        amx_q4_chunk(xp, in, nb, wp + t * tile_bytes, w, m1, yp + t * kAmxOut * esz, out, n,
-                     float_out, c);
+        blocks_chunk<Dec>(xp, in, nb, Dec::half(wp, 2 * t, nb), Dec::half(wp, 2 * t + 1, nb), w,
+                          m1, yp + t * kAmxOut * esz, out, n, float_out, c);
       _tile_release();
     });
     return y;
@@ -1267,8 +1294,8 @@ at::Tensor amx_q4_linear(at::Tensor x, at::Tensor packed, bool float_out = false
       alignas(64) uint16_t w[2 * kAmxTile];
       configure_narrow(static_cast<int>(rows));
       for (int64_t h = h0; h < h1; ++h)
-        amx_q4_narrow(xp, in, nb, wp + (h / 2) * tile_bytes + (h % 2) * kQ4AmxHalf,
-                      static_cast<int>(rows), w, yp + h * 16 * esz, out, float_out, c);
+        blocks_narrow<Dec>(xp, in, nb, Dec::half(wp, h, nb), static_cast<int>(rows), w,
+                           yp + h * 16 * esz, out, float_out, c);
       _tile_release();
     });
     return y;
@@ -1281,10 +1308,11 @@ at::Tensor amx_q4_linear(at::Tensor x, at::Tensor packed, bool float_out = false
       uint16_t* w = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t(63));
       int configured = -1;
       for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t kb = 0; kb < nb; ++kb)
-          for (int64_t h = 0; h < 2; ++h)
-            rebuild_half(wp + t * tile_bytes + (kb * 2 + h) * kQ4AmxHalf,
-                         w + (kb * 2 + h) * kAmxTile);
+        for (int64_t h = 0; h < 2; ++h) {
+          const uint8_t* half = Dec::half(wp, 2 * t + h, nb);
+          for (int64_t kb = 0; kb < nb; ++kb)
+            Dec::rebuild(half + kb * Dec::step, w + (kb * 2 + h) * kAmxTile);
+        }
         for (int64_t r0 = b0; r0 < b1; r0 += kAmxRows) {
           const int n = static_cast<int>(std::min(kAmxRows, b1 - r0)), m1 = std::max(0, n - 16);
           if (n != configured) {
@@ -1299,8 +1327,46 @@ at::Tensor amx_q4_linear(at::Tensor x, at::Tensor packed, bool float_out = false
     });
   }
   return y;
+}
+}  // namespace
+#endif
+
+// x [rows, in] (float32 or bfloat16) times an amx_q4_pack'ed weight: [rows, out] bfloat16, or
+// with float_out the float32 sums, as amx_linear gives them (blocks_linear).
+at::Tensor amx_q4_linear(at::Tensor x, at::Tensor packed, bool float_out = false) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "amx_q4_linear: x CPU float32 or bfloat16 [rows, in] expected");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.dim() == 2 && packed.is_contiguous() && x.size(1) % kBlock == 0 &&
+                  packed.size(1) == x.size(1) / kBlock * 2 * kQ4AmxHalf,
+              "amx_q4_linear: packed uint8 [out / 32, in / 32 * 640] (amx_q4_pack) expected");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(amx_permitted(), "amx_q4_linear: the kernel did not grant this process AMX's tiles");
+  return blocks_linear<Q4Amx>(x, packed.data_ptr<uint8_t>(), packed.size(0), float_out);
 #else
   TORCH_CHECK(false, "amx_q4_linear: built without AMX (amx_bf16_ready() is false)");
+#endif
+}
+
+// x [rows, in] (float32 or bfloat16) times a weight kept as its 8-bit blocks (q8_blocks' layout,
+// as int8 [out / 16, in / 32 * 544], out a multiple of 32) on the tiles: amx_linear's result on
+// that weight, bf16 or with float_out its float32 sums (blocks_linear), at 1.0625 bytes a weight.
+at::Tensor amx_q8_linear(at::Tensor x, at::Tensor blocks, bool float_out = false) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "amx_q8_linear: x CPU float32 or bfloat16 [rows, in] expected");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kChar &&
+                  blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) % 2 == 0 &&
+                  x.size(1) % kBlock == 0 && blocks.size(1) == x.size(1) / kBlock * kGroupBytes8,
+              "amx_q8_linear: blocks int8 [out / 16, in / 32 * 544] (q8_blocks), out a multiple "
+              "of 32, expected");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(amx_permitted(), "amx_q8_linear: the kernel did not grant this process AMX's tiles");
+  return blocks_linear<Q8Amx>(x, reinterpret_cast<const uint8_t*>(blocks.data_ptr<int8_t>()),
+                              blocks.size(0) / 2, float_out);
+#else
+  TORCH_CHECK(false, "amx_q8_linear: built without AMX (amx_bf16_ready() is false)");
 #endif
 }
 
@@ -1414,7 +1480,7 @@ at::Tensor f32_linear(at::Tensor x, at::Tensor packed, int64_t part) {
 // a weight is d * q per block of 32 inputs, q in -128..127, d a float16 value. q8_blocks keeps
 // them for 16 outputs at a time: per block of 32 inputs, the 16 outputs' d (float16), then for
 // each input 16 bytes, byte j output j's q: 544 bytes for 512 weights.
-constexpr int64_t kGroupBytes8 = 32 + kBlock * kGroup;
+// (kGroupBytes8, with the 4-bit blocks' constants above)
 
 namespace {
 
@@ -1926,10 +1992,12 @@ struct Linear {
 
   // a bf16 layer's product past q4_rows: our own where the layer has its packing (the same
   // bits as oneDNN's: quant.py checked them; a bfloat16 packing is amx_linear's, a uint8 one
-  // amx_q4_linear's, an int16 one bf16_linear's), else oneDNN on bf16 input; bf16 out
+  // amx_q4_linear's, an int8 one amx_q8_linear's, an int16 one bf16_linear's), else oneDNN on
+  // bf16 input; bf16 out
   at::Tensor bf16_product(const at::Tensor& x) const {
     if (bp.defined() && bp.scalar_type() == at::kBFloat16) return amx_linear(x, bp);
     if (bp.defined() && bp.scalar_type() == at::kByte) return amx_q4_linear(x, bp);
+    if (bp.defined() && bp.scalar_type() == at::kChar) return amx_q8_linear(x, bp);
     if (bp.defined()) return bf16_linear(x, bp, bp_part);
     return onednn(x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16), weight, c10::IValue());
   }
@@ -2111,10 +2179,10 @@ class DecodeStack {
                 "DecodeStack: set_own on a bf16 linear or a dense one without bias only");
     const auto st = packed.scalar_type();
     TORCH_CHECK(lin->kind == Linear::kBf16
-                    ? st == at::kShort || st == at::kBFloat16 || st == at::kByte
+                    ? st == at::kShort || st == at::kBFloat16 || st == at::kByte || st == at::kChar
                     : st == at::kFloat,
-                "DecodeStack: set_own: a bf16_pack'ed, amx_pack'ed or amx_q4_pack'ed (bf16) or "
-                "f32_pack'ed (dense) weight expected");
+                "DecodeStack: set_own: a bf16_pack'ed, amx_pack'ed, amx_q4_pack'ed or q8_blocks "
+                "(bf16) or f32_pack'ed (dense) weight expected");
     lin->bp = packed;
     lin->bp_part = part;
   }
@@ -2187,6 +2255,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, py::arg("x"), py::arg("packed"), py::arg("float_out") = false);
   m.def("amx_q4_pack", &amx_q4_pack);
   m.def("amx_q4_linear", &amx_q4_linear, py::arg("x"), py::arg("packed"),
+        py::arg("float_out") = false);
+  m.def("amx_q8_linear", &amx_q8_linear, py::arg("x"), py::arg("blocks"),
         py::arg("float_out") = false);
   m.def("f32_pack", &f32_pack);
   m.def("f32_linear", &f32_linear);

@@ -19,7 +19,8 @@
   Fast only on native bf16 units (AVX512-BF16, AMX): quantization="auto" offers it only there.
   Where the weights are exactly a GGUF's 4-bit blocks, steps of few rows read those instead and
   compute oneDNN's bits (Q4Blocks): the mode stays batch-invariant. On AMX the tiles multiply
-  the blocks themselves at every step (amx_blocks), rebuilt in L1: amx_linear's bits. The float32 mode does the
+  the blocks themselves at every step (amx_blocks; 8-bit blocks too), rebuilt in L1:
+  amx_linear's bits. The float32 mode does the
   same in float32 arithmetic (engine/layers/linear.py).
 
 What int8 computes does not depend on the CPU: every row is scaled to [-1, 1] and a span row
@@ -623,25 +624,43 @@ AMX_BLOCK_CHECK_ROWS = (1, 17, 32, 33, 80, 81)
 
 
 def amx_blocks(weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """The weight's 4-bit blocks packed for fused_cpu.cpp's amx_q4_linear (amx_q4_pack), where
-    the weight is exactly such blocks (a Q4_0 or Q4_1 GGUF's: q4_blocks) and that product gives
-    amx_linear's bits on `packed` (amx_product's packing of it) on random rows, once per path
-    (AMX_BLOCK_CHECK_ROWS); else None. The tiles multiply the blocks rebuilt in L1, reading 0.625
-    bytes a weight instead of 2: SmolLM2's 120 decoder linears 1.6-1.7x faster than amx_linear at
-    1-32 rows, 1.2-1.4x at 33-100, even from 512 (2 threads, the AMX Xeon, 2026-12-04)."""
+    """The weight's blocks for the tiles where it is exactly 4-bit blocks (a Q4_0 or Q4_1 GGUF's:
+    q4_blocks, packed by amx_q4_pack for amx_q4_linear) or 8-bit ones (Q8_0's: q8_blocks, as
+    int8, for amx_q8_linear) and that product gives amx_linear's bits on `packed` (amx_product's
+    packing of it) on random rows, once per path (AMX_BLOCK_CHECK_ROWS); else None. The tiles
+    multiply the blocks rebuilt in L1, reading 0.625 or 1.0625 bytes a weight instead of 2:
+    SmolLM2's 120 decoder linears 1.6-1.8x faster than amx_linear at 1-32 rows, 1.1-1.4x at
+    33-100, even from 512; its Q8_0 head as the bf16 mode's screen 1.3-1.7x at 1-80 rows, from
+    memory (2 threads, the AMX Xeon, 2026-12-04)."""
     fused = cpu_fused()
     if not _blocks_may_fit(weight) or weight.shape[0] % 32 or packed.dtype != torch.bfloat16:
         return None
-    blocks = fused.q4_blocks(weight.detach().contiguous())
-    if blocks is None:
-        return None
-    q = fused.amx_q4_pack(blocks)
+    w = weight.detach().contiguous()
+    blocks = fused.q4_blocks(w)
+    if blocks is not None:
+        q = fused.amx_q4_pack(blocks)
+    else:
+        blocks = fused.q8_blocks(w)
+        if blocks is None:
+            return None
+        q = blocks.view(torch.int8)
     gen = torch.Generator().manual_seed(0)
     for rows in AMX_BLOCK_CHECK_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=gen)
-        if not torch.equal(fused.amx_q4_linear(x, q), fused.amx_linear(x, packed)):
+        if not torch.equal(amx_sums(x, q, False), fused.amx_linear(x, packed)):
             return None
     return q
+
+
+def amx_sums(x2d: torch.Tensor, packed: torch.Tensor, float_out: bool) -> torch.Tensor:
+    """x2d times a weight packed for the tiles: amx_product's packing (bfloat16) or amx_blocks'
+    (uint8: 4-bit blocks, int8: 8-bit ones); bf16, or with float_out the float32 sums."""
+    fused = cpu_fused()
+    if packed.dtype == torch.uint8:
+        return fused.amx_q4_linear(x2d, packed, float_out)
+    if packed.dtype == torch.int8:
+        return fused.amx_q8_linear(x2d, packed, float_out)
+    return fused.amx_linear(x2d, packed, float_out)
 
 
 # Row counts own_product checks its product at: each remainder of the kernels' 8-row pass
@@ -738,13 +757,12 @@ def own_product(
 
 
 def own_linear(x2d: torch.Tensor, packed: torch.Tensor, part: int) -> torch.Tensor:
-    """x2d times a weight own_product or amx_product packed: bf16 out for a bf16 packing
-    (bf16_linear's int16 bits or amx_linear's bfloat16), float32 for a float32 one."""
+    """x2d times a weight own_product, amx_product or amx_blocks packed: bf16 out for a bf16
+    mode's packing (bf16_linear's int16 bits, amx_linear's bfloat16, the tiles' blocks: uint8 or
+    int8), float32 for a float32 one."""
     fused = cpu_fused()
-    if packed.dtype == torch.bfloat16:
-        return fused.amx_linear(x2d, packed)  # (amx_product's packing: one part)
-    if packed.dtype == torch.uint8:
-        return fused.amx_q4_linear(x2d, packed)  # (amx_blocks' packing: the same)
+    if packed.dtype in (torch.bfloat16, torch.uint8, torch.int8):
+        return amx_sums(x2d, packed, False)  # (amx_product's or amx_blocks' packing: one part)
     if packed.dtype == torch.int16:
         return fused.bf16_linear(x2d, packed, part)
     return fused.f32_linear(x2d.float(), packed, part)
@@ -792,10 +810,8 @@ class ScreenedHead:
         """Every logit as the screen gives it, float32: a bf16 screen on the tiles hands over its
         float32 sums (amx_linear's float_out), without rounding them to bf16 and back."""
         bp = getattr(self.screen, "bp", None)
-        if bp is not None and bp.dtype == torch.bfloat16:
-            return cpu_fused().amx_linear(x2d, bp, True)
-        if bp is not None and bp.dtype == torch.uint8:
-            return cpu_fused().amx_q4_linear(x2d, bp, True)
+        if bp is not None and bp.dtype in (torch.bfloat16, torch.uint8, torch.int8):
+            return amx_sums(x2d, bp, True)
         return self.screen.matmul(x2d).float()
 
     def matmul(self, x2d: torch.Tensor) -> torch.Tensor:

@@ -366,22 +366,29 @@ amx_tiles = pytest.mark.skipif(
 
 
 @amx_tiles
-def test_on_amx_the_blocks_take_every_step_with_amx_linears_bits():
-    """Where the tiles multiply the bf16 mode (amx_product), a weight that is exactly 4-bit blocks
-    is multiplied from them rebuilt in L1 (amx_q4_linear): amx_linear's bits at every step size,
-    through each of its paths (one chunk, narrow passes, row blocks), so a row's bits do not
-    depend on its step; no bf16 copy is kept."""
+@pytest.mark.parametrize(
+    "kind, dtype", [("Q4_1", torch.uint8), ("Q4_0", torch.uint8), ("Q8_0", torch.int8)]
+)
+def test_on_amx_the_blocks_take_every_step_with_amx_linears_bits(kind, dtype):
+    """Where the tiles multiply the bf16 mode (amx_product), a weight that is exactly 4- or 8-bit
+    blocks is multiplied from them rebuilt in L1 (amx_q4_linear, amx_q8_linear): amx_linear's
+    bits at every step size, through each path (one chunk, narrow passes, row blocks), so a
+    row's bits do not depend on its step; no bf16 copy is kept. The screened head (SmolLM2's is
+    Q8_0) screens with the float32 sums amx_linear would give."""
+    from pdserve.engine.layers.quant import ScreenedHead
+
     fused = cpu_fused()
-    w = weight(out=64, inp=576, seed=12)
+    w = weight(out=64, inp=576, seed=12, kind=kind)
     bf16 = Bf16Weight(w)
-    assert bf16.q4 is None and bf16.packed is None and bf16.bp.dtype == torch.uint8
+    assert bf16.q4 is None and bf16.packed is None and bf16.bp.dtype == dtype
     packed = fused.amx_pack(w)
+    head = ScreenedHead(w, screen="bf16")
     x = torch.randn(600, 576, generator=torch.Generator().manual_seed(13))
     for rows in (1, 5, 16, 17, 32, 33, 47, 80, 81, 130, 600):
         got = bf16.matmul(x[:rows])
         assert torch.equal(got, fused.amx_linear(x[:rows], packed).float()), rows
         assert torch.equal(got[:1], bf16.matmul(x[:1])), rows
-        sums = fused.amx_q4_linear(x[:rows], bf16.bp, True)  # (the head screen's float32 sums)
+        sums = head.screen_logits(x[:rows])
         assert torch.equal(sums, fused.amx_linear(x[:rows], packed, True)), rows
     # a weight that is not blocks, or not 32 outputs wide, keeps the bf16 packing
     assert Bf16Weight(torch.randn(64, 576)).bp.dtype == torch.bfloat16
