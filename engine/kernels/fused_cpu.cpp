@@ -1066,11 +1066,11 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed, bool float_out = false) {
 // TDPBF16PS takes them). Each weight is rebuilt as d * q + m in float32 (one fused multiply-add:
 // d * q is exact, so this is q4_linear's rebuild) and rounded to bf16 as amx_pack rounds it, into
 // a tile in amx_pack's layout that the tile products then take as amx_linear takes the packing:
-// the same sums in the same order. Rebuilding costs about what reading bf16 would; rebuilt in
-// L1 right before use, once per step for up to 80 rows, SmolLM2's decoder linears run 1.6-1.7x
-// faster than amx_linear at 1-32 rows and 1.2-1.4x at 33-100 (2 threads, the AMX Xeon,
-// 2026-12-04; rebuilt from q4_blocks' own layout, an interleave per tile row, into L2, they
-// were no faster).
+// the same sums in the same order. Rebuilt right before use, once per step, SmolLM2's decoder
+// linears run 1.6-1.8x faster than amx_linear at 1-32 rows and 1.1-1.4x at 33-100 (2 threads,
+// the AMX Xeon, 2026-12-04); rebuilt from q4_blocks' own layout (an interleave per tile row)
+// into a buffer in L2 before use, they were no faster than amx_linear. 8-bit blocks
+// (q8_blocks) are taken in their own layout (Q8Amx below, amx_q8_linear).
 constexpr int64_t kQ4AmxHalf = 64 + 16 * 16;   // one half's d, m and 16 rows of nibbles
 
 at::Tensor amx_q4_pack(at::Tensor blocks) {
@@ -1106,8 +1106,6 @@ at::Tensor amx_q4_pack(at::Tensor blocks) {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 namespace {
-constexpr int kQ4AmxRowTiles = 5;   // row tiles a narrow pass keeps sums of (tiles 0-4)
-
 // The two kinds of blocks the tiles take: where each half (16 outputs) of a tile's 32 outputs
 // keeps its blocks (`half`: block 0 of half hh, the next ones `step` bytes apart), and how a
 // block is rebuilt into a tile of amx_pack's layout at dst (`rebuild`). The bf16 rounding is
@@ -1161,18 +1159,19 @@ struct Q8Amx {   // q8_blocks' own layout: each group of 16 outputs is a half, d
 };
 
 // amx_chunk for one chunk of rows (m0 + m1 <= 32) on 32 outputs kept as blocks (h0, h1: their
-// halves' first blocks): each block's two weight tiles rebuilt into w (in L1) right before their
-// products, the same products in the same order.
+// halves' first blocks): each block's two weight tiles rebuilt right before their products, the
+// same products in the same order; into two tiles in turn at w (`ring`, in L1) or, for the
+// chunks after it to take, block kb's at w + kb * 2 tiles (amx_pack's layout).
 template <typename Dec>
 void blocks_chunk(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* h0, const uint8_t* h1,
-                  uint16_t* w, int m1, void* y, int64_t ys, int64_t rows, bool f32,
+                  uint16_t* w, bool ring, int m1, void* y, int64_t ys, int64_t rows, bool f32,
                   float (&c)[4][256]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < nb; ++kb) {
-    uint16_t* wt = w + (kb & 1) * 2 * kAmxTile;
+    uint16_t* wt = w + (ring ? kb & 1 : kb) * 2 * kAmxTile;
     Dec::rebuild(h0 + kb * Dec::step, wt);
     Dec::rebuild(h1 + kb * Dec::step, wt + kAmxTile);
     _tile_loadd(4, x + kb * 32, K * 2);
@@ -1189,83 +1188,18 @@ void blocks_chunk(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* h0, c
   store_chunk(y, ys, rows, m1, f32, c);
 }
 
-// Tiles for a narrow pass of n rows (n <= 16 * kQ4AmxRowTiles): 0-4 the sums of each 16 rows
-// (the last one's rows only), 5 a full row tile's inputs, 6 the last row tile's, 7 the weights.
-void configure_narrow(int n) {
-  TileConfig c;
-  const int tiles = (n + 15) / 16, last = n - 16 * (tiles - 1);
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
-  for (int t = 0; t < kQ4AmxRowTiles; ++t) c.rows[t] = static_cast<uint8_t>(t < tiles - 1 ? 16 : last);
-  c.rows[5] = 16;
-  c.rows[6] = static_cast<uint8_t>(last);
-  c.rows[7] = 16;
-  _tile_loadconfig(&c);
-}
-
-// Row tile I's product with the weight tile (7) into its sums (tile I): its inputs at XI, through
-// tile 6 for the last row tile (LAST), else 5. (A macro: the tile intrinsics take their tile
-// numbers as literals.)
-#define PDSERVE_NARROW_STEP(I, XI, ST, LAST) \
-  do {                                        \
-    if (LAST) {                               \
-      _tile_loadd(6, XI, ST);                 \
-      _tile_dpbf16ps(I, 6, 7);                \
-    } else {                                  \
-      _tile_loadd(5, XI, ST);                 \
-      _tile_dpbf16ps(I, 5, 7);                \
-    }                                         \
-  } while (0)
-
-// n rows (<= 16 * kQ4AmxRowTiles) times one half's 16 outputs (half_w: its first block): each
-// block rebuilt into w (in L1) right before its tile products, every row tile's sums in a tile
-// of its own, so each weight is rebuilt once for all n rows. Per output and row the products are
-// added in amx_linear's order (block after block into one tile).
-template <typename Dec>
-void blocks_narrow(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* half_w, int n,
-                   uint16_t* w, void* y, int64_t ys, bool f32, float (&c)[kQ4AmxRowTiles][256]) {
-  const int tiles = (n + 15) / 16;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  for (int64_t kb = 0; kb < nb; ++kb) {
-    uint16_t* wt = w + (kb & 1) * kAmxTile;
-    Dec::rebuild(half_w + kb * Dec::step, wt);
-    _tile_loadd(7, wt, 64);
-    const uint16_t* xb = x + kb * 32;
-    const int64_t st = K * 2;
-    PDSERVE_NARROW_STEP(0, xb, st, tiles == 1);
-    if (tiles > 1) PDSERVE_NARROW_STEP(1, xb + 16 * K, st, tiles == 2);
-    if (tiles > 2) PDSERVE_NARROW_STEP(2, xb + 32 * K, st, tiles == 3);
-    if (tiles > 3) PDSERVE_NARROW_STEP(3, xb + 48 * K, st, tiles == 4);
-    if (tiles > 4) PDSERVE_NARROW_STEP(4, xb + 64 * K, st, tiles == 5);
-  }
-  _tile_stored(0, c[0], 64);
-  if (tiles > 1) _tile_stored(1, c[1], 64);
-  if (tiles > 2) _tile_stored(2, c[2], 64);
-  if (tiles > 3) _tile_stored(3, c[3], 64);
-  if (tiles > 4) _tile_stored(4, c[4], 64);
-  for (int r = 0; r < n; ++r) {
-    const __m512 sums = _mm512_loadu_ps(c[r / 16] + (r % 16) * 16);
-    if (f32) {
-      _mm512_storeu_ps(static_cast<float*>(y) + r * ys, sums);
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(y) + r * ys),
-                          (__m256i)_mm512_cvtneps_pbh(sums));
-    }
-  }
-}
 }  // namespace
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 namespace {
-// x [rows, in] times `tiles` * 32 outputs kept as Dec's blocks at wp: amx_linear's result. Up to
-// 32 rows (a decode step) as one chunk (blocks_chunk); up to 16 * kQ4AmxRowTiles (speculation's
-// guesses too) in narrow passes over each 16 outputs (blocks_narrow); more in blocks of
-// kAmxRowBlock rows, each 32 outputs' weights rebuilt once per block into a buffer of the
-// thread's (amx_pack's layout, in L2) that amx_chunk multiplies as it multiplies the packing.
+// x [rows, in] times `tiles` * 32 outputs kept as Dec's blocks at wp: amx_linear's result. In
+// blocks of kAmxRowBlock rows; for each 32 outputs, the row block's first chunk of 32 rows
+// rebuilds the weights as it multiplies them (blocks_chunk): into two tiles in turn in L1 where
+// that chunk is all (a decode step), else into a buffer of the thread's (amx_pack's layout, in
+// L2) that the other chunks multiply as amx_linear multiplies the packing (amx_chunk), so each
+// weight is rebuilt once per row block. (Narrow passes of one 16-output tile over up to five
+// row tiles, rebuilding in L1 for up to 80 rows, measured the same as this within the noise.)
 template <typename Dec>
 at::Tensor blocks_linear(const at::Tensor& x, const uint8_t* wp, int64_t tiles, bool float_out) {
   const int64_t rows = x.size(0), in = x.size(1), out = tiles * kAmxOut, nb = in / kBlock;
@@ -1275,45 +1209,26 @@ at::Tensor blocks_linear(const at::Tensor& x, const uint8_t* wp, int64_t tiles, 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t esz = y.element_size();
-  if (rows <= kAmxRows) {
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      alignas(64) float c[4][256];
-      alignas(64) uint16_t w[4 * kAmxTile];
-      const int n = static_cast<int>(rows), m1 = std::max(0, n - 16);
-      configure_tiles(std::min(n, 16), std::max(m1, 1));
-      for (int64_t t = t0; t < t1; ++t)
-        blocks_chunk<Dec>(xp, in, nb, Dec::half(wp, 2 * t, nb), Dec::half(wp, 2 * t + 1, nb), w,
-                          m1, yp + t * kAmxOut * esz, out, n, float_out, c);
-      _tile_release();
-    });
-    return y;
-  }
-  if (rows <= 16 * kQ4AmxRowTiles) {
-    at::parallel_for(0, 2 * tiles, 1, [&](int64_t h0, int64_t h1) {
-      alignas(64) float c[kQ4AmxRowTiles][256];
-      alignas(64) uint16_t w[2 * kAmxTile];
-      configure_narrow(static_cast<int>(rows));
-      for (int64_t h = h0; h < h1; ++h)
-        blocks_narrow<Dec>(xp, in, nb, Dec::half(wp, h, nb), static_cast<int>(rows), w,
-                           yp + h * 16 * esz, out, float_out, c);
-      _tile_release();
-    });
-    return y;
-  }
   for (int64_t b0 = 0; b0 < rows; b0 += kAmxRowBlock) {
     const int64_t b1 = std::min(rows, b0 + kAmxRowBlock);
+    const bool ring = b1 - b0 <= kAmxRows;   // one chunk: nothing to keep for another
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       alignas(64) float c[4][256];
-      std::unique_ptr<uint16_t[]> buf(new uint16_t[in * kAmxOut + 32]);
+      std::unique_ptr<uint16_t[]> buf(new uint16_t[(ring ? 4 * kAmxTile : in * kAmxOut) + 32]);
       uint16_t* w = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t(63));
       int configured = -1;
       for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t h = 0; h < 2; ++h) {
-          const uint8_t* half = Dec::half(wp, 2 * t + h, nb);
-          for (int64_t kb = 0; kb < nb; ++kb)
-            Dec::rebuild(half + kb * Dec::step, w + (kb * 2 + h) * kAmxTile);
+        {
+          const int n = static_cast<int>(std::min(kAmxRows, b1 - b0)), m1 = std::max(0, n - 16);
+          if (n != configured) {
+            configure_tiles(std::min(n, 16), std::max(m1, 1));
+            configured = n;
+          }
+          blocks_chunk<Dec>(xp + b0 * in, in, nb, Dec::half(wp, 2 * t, nb),
+                            Dec::half(wp, 2 * t + 1, nb), w, ring, m1,
+                            yp + (b0 * out + t * kAmxOut) * esz, out, n, float_out, c);
         }
-        for (int64_t r0 = b0; r0 < b1; r0 += kAmxRows) {
+        for (int64_t r0 = b0 + kAmxRows; r0 < b1; r0 += kAmxRows) {
           const int n = static_cast<int>(std::min(kAmxRows, b1 - r0)), m1 = std::max(0, n - 16);
           if (n != configured) {
             configure_tiles(std::min(n, 16), std::max(m1, 1));

@@ -54,9 +54,9 @@ from pdserve.engine.kernels import cpu_fused, fused_for
 QUANTIZATIONS = ("int8", "int4", "bf16")
 INT4_GROUP = 32
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength where no calibration chose one
-# The strengths the calibration tries per linear (smoothing_errors): on SmolLM2 it chose 0.45-0.9
-# and moved int8's probe perplexity from +0.15..+1.87% of float32 to -0.3..+0.8% over the same
-# six calibration draws (docs/experiments/int8-agreement.md)
+# The strengths the calibration tries per linear (smoothing_errors): on SmolLM2 it chose 0.45-0.85
+# and moved int8's probe perplexity from +0.15..+1.87% of float32 to -0.68..+0.75% over the same
+# seven calibration draws (docs/experiments/int8-agreement.md)
 SMOOTH_ALPHAS = tuple(round(0.3 + 0.05 * i, 2) for i in range(13))
 # The most outputs of a linear the search measures its error on (evenly spaced): a subset of
 # rows of a weight quantizes as they do in the whole, and the LM head has 49,152
