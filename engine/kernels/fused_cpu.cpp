@@ -924,19 +924,20 @@ void configure_tiles(int m0, int m1) {
 
 void store_chunk(void* y, int64_t ys, int64_t rows, int m1, bool f32, float (&c)[4][256]);
 
-// One chunk of rows (m0 + m1 <= 32) times 32 outputs' weights; y: bf16 bits, ys apart, or with
-// `f32` the float32 sums themselves.
-void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, void* y, int64_t ys,
-               int64_t rows, bool f32, float (&c)[4][256]) {
+// One chunk of rows (m0 + m1 <= 32) times 32 outputs' weights, block kb's two weight tiles at
+// tiles_at(kb) (in input order); y: bf16 bits, ys apart, or with `f32` the float32 sums.
+template <typename TilesAt>
+void tile_chunk(const uint16_t* x, int64_t K, TilesAt&& tiles_at, int m1, void* y, int64_t ys,
+                int64_t rows, bool f32, float (&c)[4][256]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 4) * 2 * kAmxTile), _MM_HINT_T0);
+    const uint16_t* wt = tiles_at(kb);
     _tile_loadd(4, x + kb * 32, K * 2);
-    _tile_loadd(6, w + kb * 2 * kAmxTile, 64);
-    _tile_loadd(7, w + kb * 2 * kAmxTile + kAmxTile, 64);
+    _tile_loadd(6, wt, 64);
+    _tile_loadd(7, wt + kAmxTile, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (m1 > 0) {
@@ -946,6 +947,16 @@ void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, void* y,
     }
   }
   store_chunk(y, ys, rows, m1, f32, c);
+}
+
+// tile_chunk on weights in amx_pack's layout at w
+void amx_chunk(const uint16_t* x, int64_t K, const uint16_t* w, int m1, void* y, int64_t ys,
+               int64_t rows, bool f32, float (&c)[4][256]) {
+  auto at = [w](int64_t kb) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kb + 4) * 2 * kAmxTile), _MM_HINT_T0);
+    return w + kb * 2 * kAmxTile;
+  };
+  tile_chunk(x, K, at, m1, y, ys, rows, f32, c);
 }
 
 // The chunk's sums (tiles 0-3) to y: bf16 bits, ys apart, or with `f32` the float32 sums.
@@ -1163,29 +1174,16 @@ struct Q8Amx {   // q8_blocks' own layout: each group of 16 outputs is a half, d
 // same products in the same order; into two tiles in turn at w (`ring`, in L1) or, for the
 // chunks after it to take, block kb's at w + kb * 2 tiles (amx_pack's layout).
 template <typename Dec>
-void blocks_chunk(const uint16_t* x, int64_t K, int64_t nb, const uint8_t* h0, const uint8_t* h1,
-                  uint16_t* w, bool ring, int m1, void* y, int64_t ys, int64_t rows, bool f32,
+void blocks_chunk(const uint16_t* x, int64_t K, const uint8_t* h0, const uint8_t* h1, uint16_t* w,
+                  bool ring, int m1, void* y, int64_t ys, int64_t rows, bool f32,
                   float (&c)[4][256]) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < nb; ++kb) {
+  auto at = [=](int64_t kb) {
     uint16_t* wt = w + (ring ? kb & 1 : kb) * 2 * kAmxTile;
     Dec::rebuild(h0 + kb * Dec::step, wt);
     Dec::rebuild(h1 + kb * Dec::step, wt + kAmxTile);
-    _tile_loadd(4, x + kb * 32, K * 2);
-    _tile_loadd(6, wt, 64);
-    _tile_loadd(7, wt + kAmxTile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (m1 > 0) {
-      _tile_loadd(5, x + 16 * K + kb * 32, K * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  store_chunk(y, ys, rows, m1, f32, c);
+    return static_cast<const uint16_t*>(wt);
+  };
+  tile_chunk(x, K, at, m1, y, ys, rows, f32, c);
 }
 
 }  // namespace
@@ -1224,7 +1222,7 @@ at::Tensor blocks_linear(const at::Tensor& x, const uint8_t* wp, int64_t tiles, 
             configure_tiles(std::min(n, 16), std::max(m1, 1));
             configured = n;
           }
-          blocks_chunk<Dec>(xp + b0 * in, in, nb, Dec::half(wp, 2 * t, nb),
+          blocks_chunk<Dec>(xp + b0 * in, in, Dec::half(wp, 2 * t, nb),
                             Dec::half(wp, 2 * t + 1, nb), w, ring, m1,
                             yp + (b0 * out + t * kAmxOut) * esz, out, n, float_out, c);
         }
