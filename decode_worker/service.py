@@ -49,6 +49,7 @@ from pdserve.decode_worker.handoff import (
 from pdserve.engine.block_manager import chain_root
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.request import RequestOutput
+from pdserve.engine.sampling_params import RequestOutputKind
 from pdserve.kvtransfer.peer import digest, hash_bytes
 from pdserve.protos import tracing
 from pdserve.protos.convert import unix_ns
@@ -157,6 +158,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = build_params(
             request.sampling, context, getattr(self.loop.engine, "grammars", None)
         )
+        # each output carries only what is new (a long stream's would copy every token so far
+        # each step); the router detokenizes, so text is made here only for stop strings
+        params = params.with_output(RequestOutputKind.DELTA, detokenize=bool(params.stop))
         lora = adapter_of(self.loop.engine, request.lora_name, context)
         stream = _Stream(n=params.n, prompt_logprobs=params.prompt_logprobs, reserved_ns=unix_ns())
         if self.tracing is not None:
@@ -324,8 +328,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"no request {rid!r} on this decode worker (never reserved, or forgotten)",
             )
-        sent: dict[int, int] = {}  # sequence index -> tokens already sent (outputs are cumulative)
+        sent: dict[int, int] = {}  # sequence index -> tokens already sent
+        # sequence index -> where the engine's next (delta) output starts: the hand-off's
+        # CommitOutput sent the first token already, and the engine's outputs hold it again
+        at: dict[int, int] = {}
         ended: set[int] = set()  # sequence indexes whose final event went out
+        prompt_logprobs = None  # (prompt ids, logprobs) from the output that carried them
         finished = False
         first_token_ns = 0
         handoff_timings = HandoffTimings()  # stays empty: colocated, or freed before its commit
@@ -343,7 +351,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if out.finished and stream.colocated:
                     with self._lock:
                         self._colocated_hits += out.num_cached_tokens
-                events = [self._event(comp, sent, ended) for comp in out.outputs]
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = (out.prompt_token_ids, out.prompt_logprobs)
+                events = [
+                    self._event(comp, self._start(comp, out, at), sent, ended)
+                    for comp in out.outputs
+                ]
                 if out.finished:  # an abort's output names sequence 0 only: end every other one
                     events += self._end_rest(out, stream.n, ended)
                 for event in events:
@@ -352,7 +365,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     first_token_ns = first_token_ns or now
                     if event.HasField("finish_reason") and stream.colocated:
                         event.num_cached_tokens = out.num_cached_tokens
-                        self._add_prompt_logprobs(event, out, stream, context)
+                        self._add_prompt_logprobs(event, prompt_logprobs, stream, context)
                     if event.HasField("finish_reason"):
                         event.timings.CopyFrom(
                             handoff_timings.to_proto(self.options.worker_id, first_token_ns, now)
@@ -406,37 +419,52 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
 
     @staticmethod
-    def _add_prompt_logprobs(event, out: RequestOutput, stream: _Stream, context) -> None:
-        """A colocated request's prompt logprobs on each sequence's last event (the router puts
-        them in the client's Finish), when its sampling asked for them."""
+    def _add_prompt_logprobs(event, prompt_logprobs, stream: _Stream, context) -> None:
+        """A colocated request's prompt logprobs ((prompt ids, logprobs), as an output carried
+        them) on each sequence's last event (the router puts them in the client's Finish), when
+        its sampling asked for them."""
         if stream.prompt_logprobs is None or event.finish_reason not in ("stop", "length"):
             return
         try:
-            fields = prompt_fields(
-                out.prompt_token_ids, out.prompt_logprobs, stream.prompt_logprobs
-            )
+            if prompt_logprobs is None:
+                raise ValueError("no output carried them")
+            fields = prompt_fields(*prompt_logprobs, stream.prompt_logprobs)
         except ValueError as e:
             context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs: {e}")
         event.prompt_logprobs.extend(fields.get("prompt_logprobs", ()))
         event.prompt_top_logprobs.extend(fields.get("prompt_top_logprobs", ()))
 
     @staticmethod
-    def _event(comp, sent: dict[int, int], ended: set[int]) -> worker_pb2.TokenEvent | None:
-        """The event for what is new in one sequence's (cumulative) output: its new tokens, and
-        its end the first time it is finished; None when nothing is new."""
+    def _start(comp, out: RequestOutput, at: dict[int, int]) -> int:
+        """Where comp's tokens start in its sequence's output: 0 for the hand-off's first
+        output, else where the engine's previous (delta) output of that sequence ended."""
+        if isinstance(out, CommitOutput):
+            return 0
+        start = at.get(comp.index, 0)
+        at[comp.index] = start + len(comp.token_ids)
+        return start
+
+    @staticmethod
+    def _event(
+        comp, start: int, sent: dict[int, int], ended: set[int]
+    ) -> worker_pb2.TokenEvent | None:
+        """The event for what is new in one sequence's output (whose tokens start at output
+        position `start`): the tokens past those sent, and its end the first time it is
+        finished; None when nothing is new."""
         if comp.index in ended:
             return None
-        start = sent.get(comp.index, 0)
-        new_ids = comp.token_ids[start:]
+        skip = max(0, sent.get(comp.index, 0) - start)
+        new_ids = comp.token_ids[skip:]
         final = comp.finish_reason is not None
         if not new_ids and not final:
             return None
-        sent[comp.index] = len(comp.token_ids)
+        sent[comp.index] = max(sent.get(comp.index, 0), start + len(comp.token_ids))
         event = worker_pb2.TokenEvent(index=comp.index, token_ids=new_ids)
         if comp.logprobs:
-            event.logprobs.extend(comp.logprobs[start:])
-            if wants_top(comp.logprobs[start:]):  # a committed first token's stays empty
-                event.top_logprobs.extend(top_of(x) for x in comp.logprobs[start:])
+            new_logprobs = comp.logprobs[skip:]
+            event.logprobs.extend(new_logprobs)
+            if wants_top(new_logprobs):  # a committed first token's stays empty
+                event.top_logprobs.extend(top_of(x) for x in new_logprobs)
         if final:
             ended.add(comp.index)
             event.finish_reason = comp.finish_reason

@@ -17,6 +17,7 @@ _NAMES = {
     "EngineConfig": "config",
     "ModelConfig": "config",
     "SamplingParams": "sampling_params",
+    "RequestOutputKind": "sampling_params",
     "StructuredSpec": "structured.spec",
     "RequestOutput": "request",
     "CompletionOutput": "request",
@@ -30,6 +31,7 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "SamplingParams",
+    "RequestOutputKind",
     "StructuredSpec",
     "RequestOutput",
     "CompletionOutput",
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from pdserve.engine.llm import LLM
     from pdserve.engine.lora import LoRARequest
     from pdserve.engine.request import CompletionOutput, RequestOutput, Reservation
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
     from pdserve.engine.structured.spec import StructuredSpec
 
 

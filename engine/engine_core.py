@@ -87,11 +87,15 @@ class _Request:
     prompt: str | None
     params: SamplingParams
     seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
+    detoks: list[IncrementalDetokenizer | None]  # None each: params.detokenize is False
     kv_sink: KVSink | None = None
     published: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
+    # RequestOutputKind.DELTA (engine/outputs.py): per sequence, the output tokens, logprobs and
+    # text characters its outputs carried so far; and whether its prompt logprobs went out
+    sent: list[tuple[int, int, int]] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -314,7 +318,10 @@ class LLMEngine:
         if params.thinking_token_budget is not None:
             self._attach_thinking(seqs, params.thinking_token_budget)
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            if params.detokenize
+            else None
+            for _ in seqs
         ]
         req = _Request(
             request_id, prompt if isinstance(prompt, str) else None, params, seqs, detoks
@@ -926,12 +933,14 @@ class LLMEngine:
             seen[req.request_id] = req
         outputs = []
         for req in seen.values():
-            outputs.append(self._output(req))
+            out = self._output(req)
+            if out is not None:  # (None: FINAL_ONLY, not finished yet)
+                outputs.append(out)
             if req.finished:
                 del self._requests[req.request_id]
         return outputs
 
-    def _output(self, req: _Request) -> RequestOutput:
+    def _output(self, req: _Request) -> RequestOutput | None:
         return request_output(req)
 
     def spec_stats(self) -> dict:

@@ -29,7 +29,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import LLMEngine
 from pdserve.engine.lora import LoRARequest
 from pdserve.engine.request import PoolingParams, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -96,8 +96,11 @@ class LLM:
             )
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
+        final = RequestOutputKind.FINAL_ONLY  # only the last output is kept: build no other
         try:
             for rid, prompt, params, lora in zip(ids, prompts, sampling_params, lora_request):
+                if params.output_kind != final:
+                    params = params.with_output(final)
                 self.engine.add_request(rid, prompt, params, lora_request=lora)
                 added.append(rid)
         except Exception:

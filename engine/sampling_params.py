@@ -7,6 +7,7 @@ silently misbehaving) inside a batched decode step shared with other requests.
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from collections.abc import Mapping
@@ -29,6 +30,19 @@ MAX_PREDICTION_TOKENS = 65536  # a predicted output's tokens (OpenAI's Predicted
 # output's end (pattern x count), so a step's check of a sequence reads a bounded tail
 MAX_REPETITION_PATTERN = 256
 MAX_REPETITION_SPAN = 2048
+
+
+# fields about how outputs reach the caller in this process, not about the tokens: a worker
+# sets them itself, and pdserve.v1.SamplingParams has no such fields
+IN_PROCESS_FIELDS = ("output_kind", "detokenize")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far: tokens, text, logprobs (the default)
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes, with everything
 
 
 def _int(name: str, value: object) -> int:
@@ -171,6 +185,14 @@ class SamplingParams:
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0
+    # vLLM's output_kind: a long stream's outputs cost what is new (DELTA) instead of everything
+    # so far each step (CUMULATIVE); LLM.generate asks for FINAL_ONLY. While a request with stop
+    # strings runs, its text holds back the last max(len(stop)) - 1 characters, which a stop
+    # string could still take back (so no output ever shows text a later one removes).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's detokenize: False leaves every output's text empty and skips the per-token decode
+    # (a decode worker's router detokenizes itself); stop strings need it
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         """Checks every field, in declaration order, normalizing as it goes."""
@@ -284,11 +306,34 @@ class SamplingParams:
                     f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}"
                 )
         self._check_repetition()
+        self._check_output_form()
         if self.top_logprobs and not self.logprobs:
             raise BadSamplingParams(
                 f"top_logprobs={self.top_logprobs} needs logprobs=True (the sampled tokens' "
                 f"logprobs come with their alternatives)"
             )
+
+    def _check_output_form(self) -> None:
+        kind = self.output_kind
+        if isinstance(kind, bool) or kind not in tuple(RequestOutputKind):
+            raise BadSamplingParams(
+                f"output_kind must be one of {[k.name for k in RequestOutputKind]}, got {kind!r}"
+            )
+        self._put("output_kind", RequestOutputKind(kind))
+        _bool("detokenize", self.detokenize)
+        if self.stop and not self.detokenize:
+            raise BadSamplingParams(
+                f"stop strings {list(self.stop)!r} are matched in the output's text: they need "
+                f"detokenize=True (or use stop_token_ids)"
+            )
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a running request's output text holds back: a stop string could still
+        end inside them, and would then take them back."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
 
     def _check_repetition(self) -> None:
         names = ("max_repetition_pattern_size", "min_repetition_pattern_size")
@@ -353,6 +398,17 @@ class SamplingParams:
             )
         out = replace(self)
         out._put("_bad_words_ids", ids)
+        return out
+
+    def with_output(
+        self, kind: RequestOutputKind, detokenize: bool | None = None
+    ) -> SamplingParams:
+        """These params with another output_kind (and detokenize, where given); the bad words'
+        ids, if set, are kept."""
+        if detokenize is None:
+            detokenize = self.detokenize
+        out = replace(self, output_kind=kind, detokenize=detokenize)
+        out._put("_bad_words_ids", self._bad_words_ids)
         return out
 
     @property

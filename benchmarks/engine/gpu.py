@@ -361,7 +361,7 @@ def equality(model_dir: str, dtype: str) -> dict:
 
 
 def ours_decode(model_dir: str, concurrency: int, graphs: bool) -> dict:
-    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine import LLM, RequestOutputKind, SamplingParams
 
     llm = LLM(
         model_dir,
@@ -374,7 +374,14 @@ def ours_decode(model_dir: str, concurrency: int, graphs: bool) -> dict:
         cuda_graphs=graphs,
     )
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=DECODE_LEN, ignore_eos=True)
+    # as a decode worker runs its requests: outputs carry what is new, the router makes the text
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=DECODE_LEN,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
     gen = torch.Generator().manual_seed(0)
     for i in range(concurrency):
         ids = torch.randint(100, 40000, (DECODE_LEN,), generator=gen).tolist()
@@ -384,7 +391,7 @@ def ours_decode(model_dir: str, concurrency: int, graphs: bool) -> dict:
     t0, base = None, 0
     while engine.has_unfinished_requests():
         for o in engine.step():
-            lens[o.request_id] = len(o.outputs[0].token_ids)
+            lens[o.request_id] = lens.get(o.request_id, 0) + len(o.outputs[0].token_ids)
         if t0 is None and len(lens) == concurrency:
             sync()
             t0, base = time.perf_counter(), sum(lens.values())
