@@ -19,6 +19,7 @@ stops the engine.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Self
@@ -170,6 +171,13 @@ class WorkerProcess:
         except BaseException:
             self.stop()
             raise
+        # The startup heap (torch, transformers, the model's modules, the tokenizer) lives as
+        # long as the worker: frozen, the cyclic GC stops walking it. Unfrozen, a full collection
+        # every few hundred decode steps took ~0.2 s on the loop thread (256 streams, a tiny
+        # model: the slowest step 199-213 ms against 17-31 ms frozen). stop() unfreezes it, for
+        # a process that runs several workers (tests).
+        gc.collect()
+        gc.freeze()
         log.info(
             "%s worker %s serving on %s%s",
             self.role,
@@ -184,6 +192,7 @@ class WorkerProcess:
     def stop(self) -> None:
         """Registration and the gRPC server first (open streams end), then the parts, then the
         engine loop."""
+        gc.unfreeze()
         self._stop_serving()
         for part in self.parts.values():
             try:
