@@ -6,7 +6,8 @@ forgotten: the scheduler moves it through SeqStatus (waiting, running, reserved,
 fork, finished) and owns its blocks and computed counts, the sampler reads its tokens and
 generator, and the speculator and the grammar keep their per-sequence state on it. What leaves
 the engine is plain data: a RequestOutput per request touched by a step, with one
-CompletionOutput per sequence, cumulative (every output carries all tokens so far). KVSink is
+CompletionOutput per sequence, cumulative or only what is new (SamplingParams.output_kind,
+engine/outputs.py). KVSink is
 the protocol a prefill-only request's KV leaves through, layer by layer; Reservation is what
 `LLMEngine.reserve` holds for KV that another engine writes.
 """
