@@ -271,7 +271,7 @@ def follower_main(
     runner = start_runner(config, model_config, model_dir, kv_cache_path)
     dist.barrier(group=group)  # see TPGroup.ready
     # this process's startup heap (torch, the model's modules) lives as long as it does: frozen,
-    # the cyclic GC stops walking it, whose full passes held every step of every rank ~0.2 s
+    # the cyclic GC stops walking it, whose full passes would stall a step of every rank
     gc.collect()
     gc.freeze()
     pusher = _stage_pusher(config, model_config)

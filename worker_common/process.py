@@ -172,10 +172,10 @@ class WorkerProcess:
             self.stop()
             raise
         # The startup heap (torch, transformers, the model's modules, the tokenizer) lives as
-        # long as the worker: frozen, the cyclic GC stops walking it. Unfrozen, a full collection
-        # every few hundred decode steps took ~0.2 s on the loop thread (256 streams, a tiny
-        # model: the slowest step 199-213 ms against 17-31 ms frozen). stop() unfreezes it, for
-        # a process that runs several workers (tests).
+        # long as the worker: frozen, the cyclic GC stops walking it, whose full passes every few
+        # hundred decode steps otherwise stall the loop thread's step (the measurement:
+        # docs/experiments/engine-decode-step.md). stop() unfreezes it, for a process that runs
+        # several workers (tests).
         gc.collect()
         gc.freeze()
         log.info(
