@@ -17,6 +17,7 @@ carrying its k most likely tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,34 @@ if TYPE_CHECKING:
     from pdserve.engine.thinking import ThinkingBudget
 
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+class OutputTail(Sequence):
+    """A sequence's output tokens as a sampling row reads them: tokens[start:end] of its token
+    list, without the copy a slice makes (a copy per row per step adds up over a long output;
+    most rows never read it). Its end is fixed when made: later appends are not in it."""
+
+    __slots__ = ("_tokens", "_start", "_end")
+
+    def __init__(self, tokens: list[int], start: int):
+        self._tokens, self._start, self._end = tokens, start, len(tokens)
+
+    def __len__(self) -> int:
+        return self._end - self._start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._end - self._start)
+            if step != 1:
+                return self._tokens[self._start : self._end][i]
+            return self._tokens[self._start + start : self._start + max(start, stop)]
+        n = self._end - self._start
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._tokens[self._start + (i if i >= 0 else n + i)]
+
+    def __iter__(self):
+        return itertools.islice(self._tokens, self._start, self._end)
 
 
 @dataclass

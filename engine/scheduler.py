@@ -89,7 +89,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager, NoFreeBlocks
 from pdserve.engine.kv_window import release_skipped, skipped_blocks
 from pdserve.engine.request import FinishReason, SeqStatus, Sequence
-from pdserve.engine.sampler import SamplingRow
+from pdserve.engine.sampler import OutputTail, SamplingRow
 from pdserve.engine.spec.verify import check_rows, kept_tokens
 
 if TYPE_CHECKING:
@@ -699,7 +699,7 @@ class Scheduler:
                     SamplingRow(
                         member.params,
                         prompt,
-                        tokens[len(prompt) :],
+                        OutputTail(tokens, len(prompt)),
                         member.generator,
                         eos,
                         member.thinking,

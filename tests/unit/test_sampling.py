@@ -344,3 +344,30 @@ def test_logprobs_are_raw_log_softmax():
 def test_bad_logits_shape_rejected():
     with pytest.raises(ValueError, match="logits"):
         sampler(torch.zeros(2, 4), [row()])
+
+
+def test_output_tail_reads_as_the_slice_it_replaces():
+    """OutputTail (a sampling row's output tokens, not copied) answers len, indexing, slicing and
+    iteration as tokens[start:] did when it was made, whatever is appended after."""
+    import random
+
+    from pdserve.engine.sampler import OutputTail
+
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(0, 9)
+        start = rng.randint(0, n)
+        tokens = list(range(100, 100 + n))
+        tail, want = OutputTail(tokens, start), tokens[start:]
+        tokens.append(7)  # (the step's sample, appended after the row was read)
+        assert len(tail) == len(want) and list(tail) == want and [*tail] == want
+        for i in range(-len(want) - 2, len(want) + 2):
+            if -len(want) <= i < len(want):
+                assert tail[i] == want[i]
+            else:
+                with pytest.raises(IndexError):
+                    tail[i]
+        for a in (None, -7, -2, 0, 1, 3, 8):
+            for b in (None, -7, -1, 0, 2, 5, 9):
+                for step in (None, 1, 2, -1):
+                    assert tail[a:b:step] == want[a:b:step]

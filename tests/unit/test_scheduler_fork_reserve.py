@@ -28,7 +28,7 @@ def test_n_parallel_fork_shares_full_blocks_and_copies_partial():
     assert sched_view(plan) == [(other.seq_id, 0, 3), (parent.seq_id, 0, 10)]
     assert plan.row_seqs == [other, parent, c1, c2]
     assert plan.row_logits == [0, 1, 1, 1]
-    assert [r.output_token_ids for r in plan.rows] == [[], [], [], []]
+    assert [list(r.output_token_ids) for r in plan.rows] == [[], [], [], []]
     assert plan.block_copies == []
     assert all(s.status == SeqStatus.RUNNING for s in fam)
     assert all(s.num_output_tokens == 1 and s.num_computed_tokens == 10 for s in fam)
