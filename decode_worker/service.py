@@ -78,6 +78,23 @@ log = logging.getLogger(__name__)
 # FetchKV: at most this many blocks a call, read this many at a time on the engine loop (one
 # loop call copies them; the stream sends them while the engine steps on)
 MAX_FETCH_BLOCKS, FETCH_BATCH = 65536, 8
+# Stream: at most this many queued outputs of one request go out as one event per sequence
+MAX_COALESCED = 64
+
+
+def _merge_into(pending: list[worker_pb2.TokenEvent], event: worker_pb2.TokenEvent) -> None:
+    """`event` added to the events about to go out: into the last one of its sequence, which
+    then carries both (tokens, logprobs, and the end where `event` has it), unless only one of
+    them has its tokens' top logprobs (a committed first token has none), which the router
+    could not then tell apart."""
+    for earlier in reversed(pending):
+        if earlier.index != event.index:
+            continue
+        if bool(earlier.top_logprobs) == bool(event.top_logprobs):
+            earlier.MergeFrom(event)
+            return
+        break
+    pending.append(event)
 
 
 @dataclass
@@ -342,36 +359,33 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if not context.is_active():
                     return
                 try:
-                    out = stream.outputs.get(timeout=self.options.poll_s)
+                    outs = self._drain(stream, stream.outputs.get(timeout=self.options.poll_s))
                 except queue.Empty:
                     continue
                 now = unix_ns()
-                if isinstance(out, CommitOutput):  # the hand-off's first output
-                    handoff_timings = out.timings
-                if out.finished and stream.colocated:
+                pending: list[worker_pb2.TokenEvent] = []
+                for out in outs:
+                    if isinstance(out, CommitOutput):  # the hand-off's first output
+                        handoff_timings = out.timings
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs = (out.prompt_token_ids, out.prompt_logprobs)
+                    for event in self._events(out, stream.n, at, sent, ended):
+                        _merge_into(pending, event)
+                last = outs[-1]
+                if last.finished and stream.colocated:
                     with self._lock:
-                        self._colocated_hits += out.num_cached_tokens
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs = (out.prompt_token_ids, out.prompt_logprobs)
-                events = [
-                    self._event(comp, self._start(comp, out, at), sent, ended)
-                    for comp in out.outputs
-                ]
-                if out.finished:  # an abort's output names sequence 0 only: end every other one
-                    events += self._end_rest(out, stream.n, ended)
-                for event in events:
-                    if event is None:
-                        continue
+                        self._colocated_hits += last.num_cached_tokens
+                for event in pending:
                     first_token_ns = first_token_ns or now
                     if event.HasField("finish_reason") and stream.colocated:
-                        event.num_cached_tokens = out.num_cached_tokens
+                        event.num_cached_tokens = last.num_cached_tokens
                         self._add_prompt_logprobs(event, prompt_logprobs, stream, context)
                     if event.HasField("finish_reason"):
                         event.timings.CopyFrom(
                             handoff_timings.to_proto(self.options.worker_id, first_token_ns, now)
                         )
                     yield event
-                finished = out.finished
+                finished = last.finished
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -433,6 +447,29 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"prompt logprobs: {e}")
         event.prompt_logprobs.extend(fields.get("prompt_logprobs", ()))
         event.prompt_top_logprobs.extend(fields.get("prompt_top_logprobs", ()))
+
+    @staticmethod
+    def _drain(stream: _Stream, out: RequestOutput) -> list[RequestOutput]:
+        """`out` and the outputs queued behind it, up to the request's last (at most
+        MAX_COALESCED): a stream that fell behind the engine sends what they hold as one event
+        per sequence, so a worker with many streams sends fewer messages, not later ones."""
+        outs = [out]
+        while not outs[-1].finished and len(outs) < MAX_COALESCED:
+            try:
+                outs.append(stream.outputs.get_nowait())
+            except queue.Empty:
+                break
+        return outs
+
+    def _events(self, out: RequestOutput, n: int, at, sent, ended) -> list:
+        """The token events of one output (what is new in each sequence), and when it finished
+        the request, the final events of the sequences it left open."""
+        events = [
+            self._event(comp, self._start(comp, out, at), sent, ended) for comp in out.outputs
+        ]
+        if out.finished:  # an abort's output names sequence 0 only: end every other one
+            events += self._end_rest(out, n, ended)
+        return [e for e in events if e is not None]
 
     @staticmethod
     def _start(comp, out: RequestOutput, at: dict[int, int]) -> int:
