@@ -53,3 +53,28 @@ def test_tool_calls_come_from_the_content_and_reasoning_may_be_dropped():
         assert thought == (f"maybe {call}" if keep else "")
         assert [e["name"] for e in events if "name" in e] == ["f"] and parser.num_calls == 1
         assert not any("content" in e for e in events)
+
+
+# a reasoning model's output as tokens (the tags are one token each), and how many are reasoning
+TOKENS = [
+    (["<think>", "pl", "an", "</think>", "\n\n", "ans", "wer"], False, 4),
+    (["\n", " ", "<think>", "a", "</think>", "b"], False, 3),
+    (["pl", "an", "</think>", "ans"], True, 3),
+    (["ans", "<think>", "x", "</think>"], False, 0),
+    (["<think>", "a", "b"], False, 3),
+]
+
+
+@pytest.mark.parametrize("tokens, opened, want", TOKENS)
+def test_reasoning_tokens_are_counted_whatever_the_deltas_hold(tokens, opened, want):
+    """Deltas of one token each, and of every grouping into two, count the same reasoning tokens
+    (a worker sends what queued up for a stream as one event)."""
+    one_by_one = ReasoningParser(opened)
+    for t in tokens:
+        one_by_one.feed(t, 1)
+    assert one_by_one.tokens == want
+    for cut in range(len(tokens) + 1):
+        parser = ReasoningParser(opened)
+        for part in (tokens[:cut], tokens[cut:]):
+            parser.feed("".join(part), len(part), lambda part=part: list(part))
+        assert parser.tokens == want, cut

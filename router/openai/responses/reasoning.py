@@ -36,13 +36,27 @@ class ReasoningParser:
         # completion_tokens_details.reasoning_tokens
         self.tokens = 0
 
-    def feed(self, text: str, tokens: int = 0) -> list[dict]:
-        """The events of one delta's `text` (`tokens` tokens)."""
+    def feed(self, text: str, tokens: int = 0, token_texts=None) -> list[dict]:
+        """The events of one delta's `text` (`tokens` tokens). A delta of several tokens may
+        hold a tag and tokens on both sides of it (the worker sends what queued up, or several
+        tokens a step): `token_texts`, a callable that returns each token's own text, lets them
+        count one by one."""
         before = self.state
+        if tokens > 1 and token_texts is not None and before != _CONTENT:
+            self.tokens += self._count(token_texts())
+            return self._feed(text)
         out = self._feed(text)
         if _REASONING in (before, self.state):
             self.tokens += tokens
         return out
+
+    def _count(self, texts: list[str]) -> int:
+        """How many of these tokens, fed one at a time from here, are reasoning."""
+        shadow = ReasoningParser(False)
+        shadow.state, shadow.buf = self.state, self.buf
+        for text in texts:
+            shadow.feed(text, 1)
+        return shadow.tokens
 
     def _feed(self, text: str) -> list[dict]:
         self.buf += text
@@ -116,10 +130,10 @@ class ChatText:
     def reasoning_tokens(self) -> int:
         return self.reasoning.tokens if self.reasoning is not None else 0
 
-    def feed(self, text: str, tokens: int = 0) -> list[dict]:
+    def feed(self, text: str, tokens: int = 0, token_texts=None) -> list[dict]:
         if self.reasoning is None:
             return self._content(text)
-        return self._split(self.reasoning.feed(text, tokens))
+        return self._split(self.reasoning.feed(text, tokens, token_texts))
 
     def finish(self) -> list[dict]:
         out = self._split(self.reasoning.finish()) if self.reasoning is not None else []

@@ -198,7 +198,7 @@ class _Chunks:
         if self.mode == "none" and self.reading.reasoning is None:
             return [self.with_ids(self.chunk([self.choice(d.index, d.text, lp, None)]), d)]
         p = self._parser(d.index)
-        events = p.feed(d.text, len(d.token_ids))
+        events = p.feed(d.text, len(d.token_ids), self._texts(d))
         deltas = [delta_of(e) for e in events] or ([{}] if lp or self.want_ids else [])
         out = [
             self.chunk([_with(self.choice(d.index, None, lp if k == 0 else None, None), delta)])
@@ -208,10 +208,14 @@ class _Chunks:
             self.with_ids(out[0], d)
         return out
 
+    def _texts(self, d: pdserve_pb2.TokenDelta):
+        """Each of the delta's tokens' own text, when the reasoning split asks (reasoning.py)."""
+        return lambda: [self.text_of.text([t]) for t in d.token_ids]
+
     def unsent(self, d: pdserve_pb2.TokenDelta) -> None:
         """A delta not sent (no text yet): its tokens still count where the text is split."""
         if self.reading.reasoning is not None and not self.echo_only:
-            self._parser(d.index).feed("", len(d.token_ids))
+            self._parser(d.index).feed("", len(d.token_ids), self._texts(d))
 
     def of_finish(self, f: pdserve_pb2.Finish, reason: str) -> tuple[list[dict], dict]:
         """A chat's last tool calls of the sequence, and its finish chunk (held by `stream`)."""

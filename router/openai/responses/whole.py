@@ -164,8 +164,13 @@ def _chat_choice(
     reading = reading or Reading()
     parser = chat_text(body, reading)
     if parser is not None:  # reasoning split off and tool calls parsed out (reasoning.py)
-        pieces = zip(c.text, c.counts, strict=True)
-        events = [e for text, n in pieces for e in parser.feed(text, n)] + parser.finish()
+        events = []
+        at = 0
+        for text, n in zip(c.text, c.counts, strict=True):
+            ids = c.token_ids[at : at + n]
+            at += n
+            events += parser.feed(text, n, lambda ids=ids: [text_of.text([t]) for t in ids])
+        events += parser.finish()
         c.reasoning_tokens = parser.reasoning_tokens
         content, calls = join_events(events)
         message = {"role": "assistant", "content": content}
