@@ -318,9 +318,10 @@ class DecodeHandoff:
             self.num_committed += 1
         self.loop.watch(request_id, entry.on_output)
         # the prefill worker already sampled the first token: stream it now, not with the next
-        # decode step's output (a whole step later). Outputs are cumulative, so the step's output
-        # (which holds this token too) only adds what is new; when the commit itself finished the
-        # request, the engine's final output follows at the next step as before.
+        # decode step's output (a whole step later). The engine's first output holds this token
+        # too (Stream places each output where the previous one ended: decode_worker/service.py
+        # _start); when the commit itself finished the request, the engine's final output
+        # follows at the next step as before.
         entry.on_output(
             CommitOutput(
                 request_id,

@@ -7,7 +7,9 @@ an ordinary engine request instead, and the rest is the same from Stream on):
               engine blocks reserved (DecodeHandoff, with a lease) and a per-request queue that
               receives the engine's outputs (the hand-off's on_output callback puts into it)
   KV frames + commit arrive on the kvtransfer channel (not here) -> the request decodes
-  Stream   -> drains the queue, sending only the tokens that are new since the last event, and
+  Stream   -> drains the queue, sending only the tokens that are new since the last event (the
+              engine's outputs carry only what is new: SamplingParams.output_kind DELTA; what
+              queued up while the stream was behind goes out as one event per sequence), and
               ends with the finished output ("stop" | "length" | "abort"). n>1: per sequence
               (TokenEvent.index); each sequence's final event goes out when it ends, and a request
               that ends as a whole (an abort) ends every sequence still open with its reason;
