@@ -8,6 +8,7 @@ from __future__ import annotations
 from pdserve.decode_worker.handoff import CommitOutput, HandoffTimings
 from pdserve.decode_worker.service import DecodeServiceOptions, DecodeWorkerServicer, _Stream
 from pdserve.engine.request import CompletionOutput, RequestOutput
+from pdserve.engine.sampler import TokenLogprob
 from pdserve.protos.pdserve.v1 import worker_pb2
 
 
@@ -41,6 +42,18 @@ def stream_of(outputs, n: int = 1) -> list[worker_pb2.TokenEvent]:
     return list(servicer.Stream(worker_pb2.StreamRequest(request_id="r1"), Context()))
 
 
+def committed_first_token() -> CommitOutput:
+    """The hand-off's first output: token 5, its logprob without top logprobs."""
+    return CommitOutput(
+        "r1",
+        None,
+        [],
+        [CompletionOutput(0, "", [5], None, logprobs=[-0.25])],
+        finished=False,
+        timings=HandoffTimings(1, 2),
+    )
+
+
 def test_queued_outputs_go_out_as_one_event_per_sequence():
     events = stream_of(
         [
@@ -58,16 +71,10 @@ def test_queued_outputs_go_out_as_one_event_per_sequence():
 
 
 def test_the_hand_off_first_token_goes_out_once():
-    commit = CommitOutput(
-        "r1",
-        None,
-        [],
-        [CompletionOutput(0, "", [5], None, logprobs=[-0.25])],
-        finished=False,
-        timings=HandoffTimings(1, 2),
-    )
     # the engine's first delta output holds the committed token again, then what follows
-    events = stream_of([commit, output({0: [5, 7]}), output({0: [8]}, True, "stop")])
+    events = stream_of(
+        [committed_first_token(), output({0: [5, 7]}), output({0: [8]}, True, "stop")]
+    )
     assert [list(e.token_ids) for e in events] == [[5, 7, 8]]
     assert list(events[0].logprobs) == [-0.25, -0.5, -0.5]
     assert events[0].finish_reason == "stop"
@@ -88,16 +95,6 @@ def test_tokens_with_top_logprobs_are_not_merged_into_tokens_without():
     """A committed first token has no top logprobs (the prefill worker's answer carries them):
     the router pairs each event's top logprobs with its tokens, so such a token keeps its own
     event when the outputs behind it have theirs."""
-    from pdserve.engine.sampler import TokenLogprob
-
-    commit = CommitOutput(
-        "r1",
-        None,
-        [],
-        [CompletionOutput(0, "", [5], None, logprobs=[-0.25])],
-        finished=False,
-        timings=HandoffTimings(1, 2),
-    )
     top = [TokenLogprob(-0.5, {7: -0.5, 3: -1.0}), TokenLogprob(-0.75, {8: -0.75, 2: -1.5})]
     later = RequestOutput(
         "r1", None, [1, 2], [CompletionOutput(0, "", [5, 7], None, logprobs=[-0.25, top[0]])], False
@@ -105,7 +102,7 @@ def test_tokens_with_top_logprobs_are_not_merged_into_tokens_without():
     last = RequestOutput(
         "r1", None, [1, 2], [CompletionOutput(0, "", [8], "stop", logprobs=[top[1]])], True
     )
-    events = stream_of([commit, later, last])
+    events = stream_of([committed_first_token(), later, last])
     assert [(list(e.token_ids), len(e.logprobs), len(e.top_logprobs)) for e in events] == [
         ([5], 1, 0),
         ([7, 8], 2, 2),
