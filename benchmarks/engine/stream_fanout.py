@@ -1,0 +1,268 @@
+"""What a decode worker's streams cost beside its engine (issue #45: many streams on one worker).
+
+  python -m benchmarks.engine.stream_fanout                      # 32 and 256 streams
+  python -m benchmarks.engine.stream_fanout --streams 256 --new-tokens 300 --wait-idle 30
+
+A decode step of a small model on a GPU is short, so at many streams the host's work per stream
+decides a worker's pace. This measures it on any machine with a model whose step is short: SmolLM2's
+tokenizer over a random two-layer llama 64 wide with a 512-token vocabulary (written once into
+the pdserve cache), one torch thread. For each stream count N it runs, each in a fresh process:
+
+- the engine alone (LLMEngine.step in a loop, with the settings a decode worker gives its
+  requests: outputs that carry only what is new, no text);
+- a DecodeWorker serving the same N requests colocated (Reserve with run_prefill, then Stream),
+  N client threads in this process reading the streams.
+
+Both take tokens per second between a quarter and three quarters of all the tokens (the prompts'
+steps and the last stragglers left out), and the worker's CPU seconds over that window from /proc
+(its process alone; the clients' threads are counted apart). A step's time is the window over the
+tokens each stream received in it. Writes benchmarks/results/stream_fanout.json (--out): the header
+(command, date, commit, CPU model and flags) and one entry per stream count.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+
+from benchmarks.bench_common import (
+    add_out_arg,
+    add_wait_idle_arg,
+    log,
+    random_prompts,
+    run_and_write,
+    script_parser,
+    wait_for_idle_machine,
+)
+
+PROMPT_LEN = 32
+SEED = 59
+VOCAB = 512  # the random prompts' ids stay below it; the worker makes no text from them
+
+
+def small_model() -> str:
+    """A random two-layer llama 64 wide (SmolLM2's tokenizer files, a 512-token vocabulary),
+    written once into the pdserve cache; its folder."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.loader.resolve import default_cache_dir
+
+    out = default_cache_dir() / "bench-models" / "llama-2-layers-64-wide"
+    if (out / "config.json").exists():
+        return str(out)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    src = resolve_model("smollm2")
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return str(out)
+
+
+def _engine_kwargs(streams: int, new_tokens: int) -> dict:
+    return dict(
+        kv_cache_memory=1 << 30,
+        max_num_seqs=streams,
+        max_model_len=PROMPT_LEN + new_tokens + 64,
+        speculative_config=None,
+        quantization=None,
+        dtype="float32",
+    )
+
+
+def _prompts(streams: int) -> list[list[int]]:
+    return [[t % VOCAB for t in p] for p in random_prompts(SEED, streams, PROMPT_LEN)]
+
+
+def _window(total: int, count, cpu) -> dict:
+    """Waits for the tokens between a quarter and three quarters of `total` (count() so far);
+    their seconds, tokens and the CPU seconds cpu() says went by."""
+    while count() < total // 4:
+        time.sleep(0.002)
+    t0, c0, s0 = time.perf_counter(), count(), cpu()
+    while count() < 3 * total // 4:
+        time.sleep(0.002)
+    return {"s": time.perf_counter() - t0, "tokens": count() - c0, "cpu_s": cpu() - s0}
+
+
+def _self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _engine_alone(conn, model: str, streams: int, new_tokens: int) -> None:
+    import torch
+
+    from pdserve.engine import LLM, RequestOutputKind, SamplingParams
+
+    torch.set_num_threads(1)
+    engine = LLM(model, **_engine_kwargs(streams, new_tokens)).engine
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=new_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+    for i, p in enumerate(_prompts(streams)):
+        engine.add_request(f"e{i}", p, params)
+    got = [0]
+    result = {}
+
+    def step_all():
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[0] += sum(len(c.token_ids) for c in out.outputs)
+
+    stepper = threading.Thread(target=step_all)
+    stepper.start()
+    result = _window(streams * new_tokens, lambda: got[0], _self_cpu)
+    stepper.join()
+    conn.send(result)
+
+
+def _worker(conn, model: str, streams: int, new_tokens: int) -> None:
+    import torch
+
+    from pdserve.decode_worker.server import DecodeWorker, DecodeWorkerConfig
+
+    torch.set_num_threads(1)
+    config = DecodeWorkerConfig(
+        model=model, worker_id="fanout", engine_kwargs=_engine_kwargs(streams, new_tokens)
+    )
+    worker = DecodeWorker(config).start()
+    conn.send(worker.address)
+    conn.recv()  # the clients are done
+    worker.stop()
+
+
+def _proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _through_worker(model: str, streams: int, new_tokens: int) -> dict:
+    import grpc
+
+    from pdserve.protos.pdserve.v1 import pdserve_pb2, worker_pb2, worker_pb2_grpc
+
+    ours, theirs = mp.Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=_worker, args=(theirs, model, streams, new_tokens)
+    )
+    proc.start()
+    try:
+        stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(ours.recv()))
+        counts = [0] * streams
+        sampling = pdserve_pb2.SamplingParams(
+            max_tokens=new_tokens, temperature=0.0, ignore_eos=True
+        )
+
+        def one(i: int, prompt: list[int]) -> None:
+            rid = f"s{i}"
+            stub.Reserve(
+                worker_pb2.ReserveRequest(
+                    request_id=rid, prompt_token_ids=prompt, run_prefill=True, sampling=sampling
+                )
+            )
+            for event in stub.Stream(worker_pb2.StreamRequest(request_id=rid)):
+                counts[i] += len(event.token_ids)
+
+        clients = [
+            threading.Thread(target=one, args=(i, p)) for i, p in enumerate(_prompts(streams))
+        ]
+        for t in clients:
+            t.start()
+        mine0 = _self_cpu()
+        result = _window(streams * new_tokens, lambda: sum(counts), lambda: _proc_cpu_s(proc.pid))
+        result["client_cpu_s"] = _self_cpu() - mine0
+        for t in clients:
+            t.join()
+        return result
+    finally:
+        ours.send("done")
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _in_process(fn, *args) -> dict:
+    ours, theirs = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=fn, args=(theirs, *args))
+    proc.start()
+    result = ours.recv()
+    proc.join(60)
+    return result
+
+
+def _shape(r: dict, streams: int) -> dict:
+    """Per step: the window's seconds and CPU over the steps it held (tokens / streams)."""
+    steps = r["tokens"] / streams
+    out = {
+        "tok_s": round(r["tokens"] / r["s"], 1),
+        "ms_per_step": round(r["s"] / steps * 1e3, 2),
+        "cpu_ms_per_step": round(r["cpu_s"] / steps * 1e3, 2),
+    }
+    if "client_cpu_s" in r:
+        out["client_cpu_ms_per_step"] = round(r["client_cpu_s"] / steps * 1e3, 2)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = script_parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="32,256", help="stream counts, comma-separated")
+    ap.add_argument("--new-tokens", type=int, default=300, help="each stream's new tokens")
+    add_wait_idle_arg(ap, "each run")
+    add_out_arg(ap, "stream_fanout.json")
+    args = ap.parse_args(argv)
+    streams = [int(x) for x in args.streams.split(",")]
+    if min(streams) < 1 or args.new_tokens < 8:
+        ap.error("stream counts must be >= 1 and --new-tokens >= 8")
+
+    def run() -> dict:
+        model = small_model()
+        runs = []
+        for n in streams:
+            entry = {"streams": n, "new_tokens": args.new_tokens}
+            for name, measure in (
+                ("engine", lambda: _in_process(_engine_alone, model, n, args.new_tokens)),
+                ("worker", lambda: _through_worker(model, n, args.new_tokens)),
+            ):
+                if args.wait_idle:
+                    wait_for_idle_machine(args.wait_idle)
+                entry[name] = _shape(measure(), n)
+                log(f"{n} streams, {name}: {entry[name]}")
+            entry["worker_over_engine"] = round(
+                entry["worker"]["ms_per_step"] / entry["engine"]["ms_per_step"], 2
+            )
+            runs.append(entry)
+        return {"model": "random llama, 2 layers, 64 wide, 512-token vocabulary", "runs": runs}
+
+    return run_and_write("benchmarks.engine.stream_fanout", argv, args.out, run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
