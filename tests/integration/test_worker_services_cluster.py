@@ -65,6 +65,25 @@ def test_reserve_prefill_stream_matches_engine(idle, expected):
     assert generate_concurrently(idle, prompts) == want
 
 
+def test_a_stream_opened_late_sends_what_queued_as_one_event(idle, expected):
+    """A stream that falls behind the engine sends what queued up as one event per sequence
+    (decode_worker/service.py Stream): opened after the request finished decoding, it carries
+    the same tokens, with their logprobs, in one event, the hand-off's first token included."""
+    prompts, want = expected
+    sampling = pdserve_pb2.SamplingParams()
+    sampling.CopyFrom(GREEDY)
+    sampling.logprobs = True
+    reservation = idle.reserve("late", prompts[0], sampling)
+    first = idle.prefill_req("late", prompts[0], reservation, sampling)
+    wait_until(lambda: idle.stats().num_running == 0, 10, "the request decoded to its end")
+    events = idle.stream("late")
+    assert [t for e in events for t in e.token_ids] == want[0]
+    assert first.first_tokens[0] == want[0][0]
+    assert sum(len(e.logprobs) for e in events) == len(want[0])
+    # the committed first token keeps its own event only where the rest has top logprobs
+    assert len(events) == 1 and events[0].finish_reason == "length"
+
+
 def test_bad_requests_name_the_problem_and_the_worker_keeps_serving(idle, expected):
     cases = [
         ([], GREEDY, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
