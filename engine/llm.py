@@ -97,10 +97,14 @@ class LLM:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added = []
         final = RequestOutputKind.FINAL_ONLY  # only the last output is kept: build no other
+        as_final: dict[int, SamplingParams] = {}  # (one params object is often every prompt's)
         try:
             for rid, prompt, params, lora in zip(ids, prompts, sampling_params, lora_request):
                 if params.output_kind != final:
-                    params = params.with_output(final)
+                    key = id(params)
+                    if key not in as_final:
+                        as_final[key] = params.with_output(final)
+                    params = as_final[key]
                 self.engine.add_request(rid, prompt, params, lora_request=lora)
                 added.append(rid)
         except Exception:
