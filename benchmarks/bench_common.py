@@ -447,3 +447,29 @@ def add_wait_idle_arg(
         metavar="SECONDS",
         help=f"before {before}, wait up to SECONDS for {quiet} (default {default:g})",
     )
+
+
+def random_llama(name: str, config, seed: int) -> str:
+    """A LlamaForCausalLM of `config` with random weights (torch seed `seed`) and SmolLM2's
+    tokenizer files, written once into the pdserve cache as bench-models/NAME; its folder."""
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.loader.resolve import default_cache_dir
+
+    out = default_cache_dir() / "bench-models" / name
+    if (out / "config.json").exists():
+        return str(out)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in resolve_model("smollm2").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return str(out)

@@ -51,6 +51,7 @@ from benchmarks.bench_common import (
     add_out_arg,
     add_wait_idle_arg,
     log,
+    random_llama,
     random_prompts,
     run_and_write,
     script_parser,
@@ -65,33 +66,16 @@ def twelve_heads_model(layers: int | None = None) -> str:
     """SmolLM2's shape with 12 attention heads of 48 and 4 KV heads, random weights, written once
     into the pdserve cache (with SmolLM2's tokenizer files); its folder. `layers`: that many
     decoder layers of the same shape instead of SmolLM2's 30 (a shorter run to iterate on)."""
-    import shutil
-
-    import torch
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
     from pdserve.engine.loader import resolve_model
-    from pdserve.engine.loader.resolve import default_cache_dir
 
-    name = "smollm2-shape-12-heads" + (f"-{layers}-layers" if layers else "")
-    out = default_cache_dir() / "bench-models" / name
-    if (out / "config.json").exists():
-        return str(out)
-    src = resolve_model("smollm2")
-    config = AutoConfig.from_pretrained(src)
+    config = AutoConfig.from_pretrained(resolve_model("smollm2"))
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 4, 48
     if layers:
         config.num_hidden_layers = layers
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, tmp / f.name)
-    tmp.rename(out)
-    return str(out)
+    name = "smollm2-shape-12-heads" + (f"-{layers}-layers" if layers else "")
+    return random_llama(name, config, SEED)
 
 
 def layouts_and_model(ap, args) -> tuple[list[str], object]:

@@ -31,6 +31,7 @@ from benchmarks.bench_common import (
     add_out_arg,
     add_wait_idle_arg,
     log,
+    random_llama,
     random_prompts,
     run_and_write,
     script_parser,
@@ -45,17 +46,8 @@ VOCAB = 512  # the random prompts' ids stay below it; the worker makes no text f
 def small_model() -> str:
     """A random two-layer llama 64 wide (SmolLM2's tokenizer files, a 512-token vocabulary),
     written once into the pdserve cache; its folder."""
-    import shutil
+    from transformers import LlamaConfig
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pdserve.engine.loader import resolve_model
-    from pdserve.engine.loader.resolve import default_cache_dir
-
-    out = default_cache_dir() / "bench-models" / "llama-2-layers-64-wide"
-    if (out / "config.json").exists():
-        return str(out)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -68,17 +60,7 @@ def small_model() -> str:
         eos_token_id=2,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    src = resolve_model("smollm2")
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, tmp / f.name)
-    tmp.rename(out)
-    return str(out)
+    return random_llama("llama-2-layers-64-wide", config, SEED)
 
 
 def _engine_kwargs(streams: int, new_tokens: int) -> dict:
